@@ -1,0 +1,134 @@
+"""Deployment configuration: model geometry, instances, endpoints.
+
+Plain msgspec Structs so a whole deployment serialises to JSON and every
+child process receives exactly the config the supervisor built.
+"""
+from __future__ import annotations
+
+import os
+import uuid
+from typing import Optional
+
+import msgspec
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class ModelConfig(msgspec.Struct, frozen=True):
+    name: str = "small"
+    num_layers: int = 4
+    hidden_size: int = 256
+    num_heads: int = 8
+    num_kv_heads: int = 4
+    head_dim: int = 32
+    intermediate_size: int = 768
+    vocab_size: int = 320  # 256 bytes + specials, padded
+    max_position: int = 32768
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-6
+    dtype: str = "float32"
+    seed: int = 0
+    qk_norm: bool = True  # Qwen3-style q/k RMSNorm
+    tie_embeddings: bool = False
+    checkpoint: Optional[str] = None  # local HF directory (Llama/Qwen3)
+    deterministic: bool = True  # batch-invariant forward
+    eos_token_id: int = -1  # -1: never stop on EOS (random weights)
+    sliding_window: int = 0  # tokens; 0 = full attention everywhere
+    window_layers: tuple[int, ...] = ()  # layers that use the sliding window
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    def kv_bytes_per_token(self) -> int:
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # unit tests: fast everywhere
+    "tiny": ModelConfig(
+        name="tiny", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
+        head_dim=16, intermediate_size=128, max_position=8192,
+    ),
+    # default: small enough for 2 CPU cores, big enough that KV transfer matters
+    "small": ModelConfig(name="small"),
+    # larger KV per token for transfer benchmarks
+    "medium": ModelConfig(
+        name="medium", num_layers=8, hidden_size=512, num_heads=8, num_kv_heads=4,
+        head_dim=64, intermediate_size=1536, deterministic=False,
+    ),
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}")
+    return msgspec.structs.replace(PRESETS[name], **overrides)
+
+
+class InstanceConfig(msgspec.Struct, frozen=True):
+    role: str  # "prefill" | "decode" | "local"
+    engine_id: str = ""
+    tp: int = 1
+    block_size: int = 16
+    num_blocks: int = 2048
+    max_num_seqs: int = 32
+    max_batch_tokens: int = 8192
+    # endpoints (filled by the supervisor)
+    sched_endpoint: str = ""  # router -> scheduler (ROUTER bind)
+    worker_endpoints: tuple[str, ...] = ()  # scheduler -> worker rank r
+    writer_endpoints: tuple[str, ...] = ()  # scheduler -> writer rank r
+    handshake_endpoints: tuple[str, ...] = ()  # writer rank r, peers connect
+    dist_init: str = ""  # torch.distributed init for tp>1
+
+
+class Timeouts(msgspec.Struct, frozen=True):
+    registration_wait_s: float = 30.0  # P's finished blocks waiting for D's registration
+    write_wait_s: float = 60.0  # D's registered blocks waiting for the WRITE
+    transfer_s: float = 30.0  # a posted transfer in flight
+    lease_s: float = 30.0  # pull: P's blocks pinned for D's READ
+    step_s: float = 120.0  # one forward step on a worker
+    request_s: float = 600.0  # router-side bound on one request
+
+
+class DeploymentConfig(msgspec.Struct, frozen=True):
+    mode: str = "push"  # "push" | "pull" | "local"
+    pull_read: str = "background"  # "inline" | "background" (pull mode)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model: ModelConfig = PRESETS["small"]
+    prefill: InstanceConfig = InstanceConfig(role="prefill")
+    decode: InstanceConfig = InstanceConfig(role="decode")
+    local: InstanceConfig = InstanceConfig(role="local")
+    timeouts: Timeouts = Timeouts()
+    deployment_id: str = ""
+    run_dir: str = ""
+    control_endpoint: str = ""  # supervisor's ROUTER: Ready / Ping
+    events_endpoint: str = ""  # supervisor's PUB: lifecycle events
+    trace_endpoint: str = ""  # "" = tracing off; else every process PUBs here
+    log_level: str = "INFO"
+    max_model_len: int = 0  # 0 = model.max_position
+
+    def instances(self) -> list[InstanceConfig]:
+        if self.mode == "local":
+            return [self.local]
+        return [self.prefill, self.decode]
+
+    def instance(self, role: str) -> InstanceConfig:
+        return {"prefill": self.prefill, "decode": self.decode, "local": self.local}[role]
+
+
+def new_deployment_id() -> str:
+    return uuid.uuid4().hex[:8]
+
+
+def ipc(run_dir: str, name: str) -> str:
+    return f"ipc://{os.path.join(run_dir, name)}"
+
+
+def encode_config(cfg: DeploymentConfig) -> bytes:
+    return msgspec.json.encode(cfg)
+
+
+def decode_config(data: bytes | str) -> DeploymentConfig:
+    return msgspec.json.decode(data, type=DeploymentConfig)

@@ -1,0 +1,1 @@
+"""KV pool: physical layout, memory ownership, block-to-byte mapping."""

@@ -1,0 +1,396 @@
+"""Every wire type of pushkv, and nothing else.
+
+One tagged union per channel. Commands are imperatives, events past tense,
+failures ``...Failed`` with a reason. Request-scoped messages carry
+``transfer_id`` (and ``generation``) first. New fields are appended with
+defaults, never reordered.
+"""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import msgspec
+
+
+class Msg(msgspec.Struct, tag=True, array_like=True, frozen=True, gc=False):
+    """Base of every wire message (tag = class name)."""
+
+
+# ---------------------------------------------------------------------------
+# Shared value types (not messages on their own)
+# ---------------------------------------------------------------------------
+class KVLayoutDesc(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """Physical layout of one rank's KV pool (see pushkv.kv.layout.KVLayout)."""
+
+    num_blocks: int
+    num_layers: int
+    block_size: int
+    kv_heads: int  # heads held by this rank (local)
+    head_start: int  # global index of the first local head
+    total_kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+    window_layers: tuple[int, ...] = ()  # sliding-window layer indices
+    window: int = 0  # sliding window (tokens), 0 = none
+
+
+class PoolHandle(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """How a worker maps the pool its writer owns."""
+
+    kind: str  # "shm" | "cuda_ipc"
+    name: str  # shm path, or "" for cuda
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+    ipc: bytes = b""  # serialized CUDA IPC handle
+
+
+class PrefillSource(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """Where a decode instance finds the prefill instance's writers."""
+
+    engine_id: str
+    tp: int
+    handshake: tuple[str, ...]  # one ZMQ endpoint per P writer rank
+
+
+class PullParams(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """What P returns in pull mode, relayed by the router to D."""
+
+    source: PrefillSource
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    first_token: int
+    lease_deadline: float  # P's monotonic clock; informative only
+
+
+class SeqWork(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """One sequence's share of a forward step."""
+
+    seq_id: int
+    token_ids: tuple[int, ...]  # new tokens to run
+    start_pos: int  # position of token_ids[0]
+    block_table: tuple[int, ...]
+    sample: bool = True
+
+
+# ---------------------------------------------------------------------------
+# Channel: router <-> scheduler
+# ---------------------------------------------------------------------------
+class Generate(Msg):
+    transfer_id: str
+    generation: int
+    leg: str  # "prefill" | "decode" | "local"
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int
+    stop_token_ids: tuple[int, ...] = ()
+    source: Optional[PrefillSource] = None  # decode leg: where the KV comes from
+    pull: Optional[PullParams] = None  # decode leg in pull mode
+    arrival: float = 0.0  # router's wall clock (time.time()) for timelines
+
+
+class Abort(Msg):
+    transfer_id: str
+    generation: int
+    reason: str = "aborted by client"
+
+
+class GetStats(Msg):
+    pass
+
+
+class TokensGenerated(Msg):
+    transfer_id: str
+    generation: int
+    token_ids: tuple[int, ...]
+    finished: bool = False
+    finish_reason: str = ""  # "length" | "stop"
+    num_prompt_tokens: int = 0
+    timeline: tuple[tuple[str, float], ...] = ()  # (stage, wall time) on finish
+
+
+class PrefillFinished(Msg):
+    """P's leg is done (push: KV written; pull: KV held under lease)."""
+
+    transfer_id: str
+    generation: int
+    first_token: int
+    pull: Optional[PullParams] = None
+    timeline: tuple[tuple[str, float], ...] = ()
+
+
+class RequestFailed(Msg):
+    transfer_id: str
+    generation: int
+    reason: str
+    status: int = 500  # HTTP status the router should answer with
+
+
+class Stats(Msg):
+    engine_id: str
+    role: str
+    num_blocks: int
+    free_blocks: int
+    running: int
+    waiting: int
+    counters: dict[str, int] = {}
+
+
+RouterToScheduler = Union[Generate, Abort, GetStats]
+SchedulerToRouter = Union[TokensGenerated, PrefillFinished, RequestFailed, Stats]
+
+
+# ---------------------------------------------------------------------------
+# Channel: scheduler <-> worker
+# ---------------------------------------------------------------------------
+class ExecuteStep(Msg):
+    step_id: int
+    seqs: tuple[SeqWork, ...]
+
+
+class StepDone(Msg):
+    step_id: int
+    sampled: tuple[int, ...]  # one per seq with sample=True, in order
+    compute_s: float = 0.0
+
+
+class StepFailed(Msg):
+    step_id: int
+    reason: str
+
+
+class DumpBlocks(Msg):
+    """Debug/test: return the raw bytes of blocks (KV equality checks)."""
+
+    block_ids: tuple[int, ...]
+
+
+class BlocksDumped(Msg):
+    block_ids: tuple[int, ...]
+    data: bytes
+
+
+SchedulerToWorker = Union[ExecuteStep, DumpBlocks]
+WorkerToScheduler = Union[StepDone, StepFailed, BlocksDumped]
+
+
+# ---------------------------------------------------------------------------
+# Channel: scheduler <-> writer
+# ---------------------------------------------------------------------------
+class SendKV(Msg):
+    """P: these finished blocks hold the request's KV; push them to D."""
+
+    transfer_id: str
+    generation: int
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    first_token: int
+
+
+class HoldKV(Msg):
+    """P (pull): keep these blocks under a lease until D has read them."""
+
+    transfer_id: str
+    generation: int
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    first_token: int
+    lease_s: float
+
+
+class ExpectKV(Msg):
+    """D (push): blocks are reserved; register them with P's writers."""
+
+    transfer_id: str
+    generation: int
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    source: PrefillSource
+    deadline_s: float
+
+
+class ReadKV(Msg):
+    """D (pull, background): READ P's blocks into ours."""
+
+    transfer_id: str
+    generation: int
+    block_ids: tuple[int, ...]
+    pull: PullParams
+    deadline_s: float
+
+
+class CancelKV(Msg):
+    transfer_id: str
+    generation: int
+    reason: str = "cancelled"
+
+
+class KVSent(Msg):
+    """P: the WRITE (push) or the remote READ (pull) finished; blocks may be freed."""
+
+    transfer_id: str
+    generation: int
+    nbytes: int = 0
+    num_descs: int = 0
+    transfer_s: float = 0.0
+    rendezvous: str = ""  # "registration_first" | "prefill_first" | "pull"
+
+
+class KVReceived(Msg):
+    transfer_id: str
+    generation: int
+    first_token: int
+    nbytes: int = 0
+    num_descs: int = 0
+    transfer_s: float = 0.0
+
+
+class KVFailed(Msg):
+    """Either side: the transfer failed; free the blocks, fail the request."""
+
+    transfer_id: str
+    generation: int
+    reason: str
+
+
+class WriterStats(Msg):
+    counters: dict[str, int] = {}
+
+
+SchedulerToWriter = Union[SendKV, HoldKV, ExpectKV, ReadKV, CancelKV, GetStats]
+WriterToScheduler = Union[KVSent, KVReceived, KVFailed, WriterStats]
+
+
+# ---------------------------------------------------------------------------
+# Channel: writer <-> writer, carried as NIXL notifications
+# ---------------------------------------------------------------------------
+class Register(Msg):
+    """D -> P: destination blocks for one request on one D rank."""
+
+    transfer_id: str
+    generation: int
+    d_engine_id: str
+    d_rank: int
+    d_tp: int
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    deadline: float = 0.0  # seconds from receipt
+
+
+class WriteDone(Msg):
+    """P -> D: this P rank's WRITE into the registered blocks completed."""
+
+    transfer_id: str
+    generation: int
+    p_rank: int
+    first_token: int
+    nbytes: int = 0
+    num_descs: int = 0
+
+
+class WriteFailed(Msg):
+    transfer_id: str
+    generation: int
+    p_rank: int
+    reason: str
+
+
+class ReadDone(Msg):
+    """D -> P (pull): finished reading; P frees its leased blocks."""
+
+    transfer_id: str
+    generation: int
+    d_rank: int
+
+
+class CancelTransfer(Msg):
+    """Either way: the other half was aborted; drop state and free blocks."""
+
+    transfer_id: str
+    generation: int
+    reason: str
+
+
+PeerNotif = Union[Register, WriteDone, WriteFailed, ReadDone, CancelTransfer]
+
+
+# ---------------------------------------------------------------------------
+# Channel: writer handshake (ZMQ REQ/REP, once per peer pair)
+# ---------------------------------------------------------------------------
+class Hello(Msg):
+    engine_id: str
+    rank: int
+    tp: int
+    agent_name: str
+    agent_metadata: bytes
+    pool_base: int
+    layout: KVLayoutDesc
+
+
+HandshakeMsg = Union[Hello]
+
+
+# ---------------------------------------------------------------------------
+# Channel: any process <-> supervisor
+# ---------------------------------------------------------------------------
+class Ready(Msg):
+    name: str  # e.g. "prefill-writer-0"
+    pid: int
+    info: dict[str, str] = {}
+
+
+class Shutdown(Msg):
+    reason: str = ""
+
+
+class Ping(Msg):
+    pass
+
+
+class Pong(Msg):
+    name: str
+    pid: int
+    uptime_s: float
+    restarts: int = 0
+
+
+ControlMsg = Union[Ready, Shutdown, Ping, Pong]
+
+
+# ---------------------------------------------------------------------------
+# Trace mirror: what any process sends/receives, for tools/tap
+# ---------------------------------------------------------------------------
+class TraceEvent(Msg):
+    t_mono: float
+    t_wall: float
+    process: str
+    direction: str  # "send" | "recv" | "event"
+    peer: str
+    kind: str  # message type name
+    transfer_id: str = ""
+    payload: bytes = b""
+
+
+# ---------------------------------------------------------------------------
+# Encoders/decoders, built once
+# ---------------------------------------------------------------------------
+ENCODER = msgspec.msgpack.Encoder()
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return ENCODER.encode(msg)
+
+
+def decoder(union) -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(union)
+
+
+DEC_ROUTER_TO_SCHED = decoder(RouterToScheduler)
+DEC_SCHED_TO_ROUTER = decoder(SchedulerToRouter)
+DEC_SCHED_TO_WORKER = decoder(SchedulerToWorker)
+DEC_WORKER_TO_SCHED = decoder(WorkerToScheduler)
+DEC_SCHED_TO_WRITER = decoder(SchedulerToWriter)
+DEC_WRITER_TO_SCHED = decoder(WriterToScheduler)
+DEC_PEER = decoder(PeerNotif)
+DEC_HANDSHAKE = decoder(HandshakeMsg)
+DEC_CONTROL = decoder(ControlMsg)
+DEC_TRACE = decoder(TraceEvent)
