@@ -52,3 +52,17 @@ def offset(lay: KVLayout, block: int, layer: int = 0, kv: int = 0, head: int = 0
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
+
+
+def layout_for(model, tp: int, rank: int, num_blocks: int, block_size: int) -> KVLayout:
+    """This rank's pool layout for a ModelConfig (no weights needed)."""
+    from pushkv.protocol.tp import rank_heads
+
+    head_start, kv_heads = rank_heads(tp, rank, model.num_kv_heads)
+    return KVLayout(
+        num_blocks=num_blocks, num_layers=model.num_layers, block_size=block_size,
+        kv_heads=kv_heads, head_start=head_start, total_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim, dtype_bytes=model.dtype_bytes,
+        window_layers=tuple(model.window_layers) if model.sliding_window else (),
+        window=model.sliding_window,
+    )

@@ -1,0 +1,220 @@
+"""One actor base for every pushkv process.
+
+A loop with explicit phases (setup / run / teardown), a zmq poller, typed
+dispatch by message type (``on_<TypeName>``), a ``tick(now)`` with the clock
+passed in, and an adaptive poll timeout so an idle process sleeps instead of
+spinning. Signals only set a flag. An unknown or undecodable frame is logged
+and counted; the loop continues.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections import Counter
+from typing import Any, Callable, Optional
+
+import msgspec
+import zmq
+
+from pushkv import messages as m
+
+log = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 100  # nothing pending: wake this often for deadlines
+
+
+class Channel:
+    """A socket with its decoder and the peer name used in logs and traces."""
+
+    def __init__(self, sock: zmq.Socket, decoder: msgspec.msgpack.Decoder, peer: str, routed: bool):
+        self.sock = sock
+        self.decoder = decoder
+        self.peer = peer
+        self.routed = routed  # ROUTER socket: first frame is the sender identity
+
+
+class Actor:
+    """Base of every process loop. Subclasses add channels in ``setup``."""
+
+    def __init__(self, name: str, control_endpoint: str = "", trace_endpoint: str = ""):
+        self.name = name
+        self.ctx = zmq.Context.instance()
+        self.poller = zmq.Poller()
+        self.channels: dict[zmq.Socket, Channel] = {}
+        self.counters: Counter[str] = Counter()
+        self.stopping = False
+        self.started_mono = time.monotonic()
+        self._control_endpoint = control_endpoint
+        self._control: Optional[zmq.Socket] = None
+        self._trace_endpoint = trace_endpoint
+        self._trace: Optional[zmq.Socket] = None
+        self._handlers: dict[type, Callable[..., Any]] = {}
+        self._extra_fds: dict[int, Callable[[], None]] = {}
+
+    # -- lifecycle hooks -------------------------------------------------
+    def setup(self) -> None:
+        """Bind/connect sockets, allocate resources."""
+
+    def ready_info(self) -> dict[str, str]:
+        return {}
+
+    def tick(self, now: float) -> None:
+        """Deadlines and polling of non-socket event sources."""
+
+    def poll_timeout_ms(self) -> int:
+        return IDLE_POLL_MS
+
+    def teardown(self) -> None:
+        """Release resources; refuse pending work explicitly."""
+
+    # -- sockets ------------------------------------------------------------
+    def add_channel(self, sock: zmq.Socket, decoder, peer: str, routed: bool = False) -> Channel:
+        ch = Channel(sock, decoder, peer, routed)
+        self.channels[sock] = ch
+        self.poller.register(sock, zmq.POLLIN)
+        return ch
+
+    def add_fd(self, fd: int, on_ready: Callable[[], None]) -> None:
+        self._extra_fds[fd] = on_ready
+        self.poller.register(fd, zmq.POLLIN)
+
+    def socket(self, kind: int, endpoint: str, bind: bool) -> zmq.Socket:
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        if bind:
+            sock.bind(endpoint)
+        else:
+            sock.connect(endpoint)
+        return sock
+
+    def send(self, ch: Channel, msg: m.Msg, identity: Optional[bytes] = None) -> None:
+        data = m.encode(msg)
+        if identity is not None:
+            ch.sock.send_multipart([identity, data])
+        else:
+            ch.sock.send(data)
+        self.trace_msg("send", ch.peer, msg, data)
+
+    # -- tracing ------------------------------------------------------------
+    def trace_msg(self, direction: str, peer: str, msg: Any, data: bytes = b"") -> None:
+        if self._trace is None:
+            return
+        tid = getattr(msg, "transfer_id", "")
+        ev = m.TraceEvent(
+            t_mono=time.monotonic(), t_wall=time.time(), process=self.name,
+            direction=direction, peer=peer, kind=type(msg).__name__,
+            transfer_id=tid, payload=data,
+        )
+        try:
+            self._trace.send(m.encode(ev), zmq.NOBLOCK)
+        except zmq.Again:
+            self.counters["trace_dropped"] += 1
+
+    def trace_event(self, kind: str, transfer_id: str = "", detail: str = "") -> None:
+        """A local event (not a message), e.g. 'prefill_start'."""
+        if self._trace is None:
+            return
+        ev = m.TraceEvent(
+            t_mono=time.monotonic(), t_wall=time.time(), process=self.name,
+            direction="event", peer=detail, kind=kind, transfer_id=transfer_id,
+        )
+        try:
+            self._trace.send(m.encode(ev), zmq.NOBLOCK)
+        except zmq.Again:
+            self.counters["trace_dropped"] += 1
+
+    # -- dispatch -----------------------------------------------------------
+    def _handler(self, typ: type) -> Optional[Callable[..., Any]]:
+        h = self._handlers.get(typ)
+        if h is None:
+            h = getattr(self, f"on_{typ.__name__}", None)
+            if h is not None:
+                self._handlers[typ] = h
+        return h
+
+    def _drain(self, ch: Channel) -> None:
+        while True:
+            try:
+                frames = ch.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            identity = frames[0] if ch.routed and len(frames) > 1 else None
+            payload = frames[-1]
+            try:
+                msg = ch.decoder.decode(payload)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                self.counters["bad_frame"] += 1
+                log.error("%s: undecodable frame from %s (%d bytes): %s", self.name, ch.peer, len(payload), e)
+                self.on_bad_frame(ch, identity, str(e))
+                continue
+            self.trace_msg("recv", ch.peer, msg, payload)
+            handler = self._handler(type(msg))
+            if handler is None:
+                self.counters["unexpected_msg"] += 1
+                log.error("%s: unexpected %s from %s", self.name, type(msg).__name__, ch.peer)
+                continue
+            try:
+                handler(msg, identity) if ch.routed else handler(msg)
+            except Exception:  # a failing handler must not kill the loop
+                self.counters["handler_error"] += 1
+                log.exception("%s: handler for %s failed", self.name, type(msg).__name__)
+                self.on_handler_error(ch, identity, msg)
+
+    def on_bad_frame(self, ch: Channel, identity: Optional[bytes], reason: str) -> None:
+        """Override to answer the sender of an undecodable frame."""
+
+    def on_handler_error(self, ch: Channel, identity: Optional[bytes], msg: Any) -> None:
+        """Override to answer the sender whose message made a handler raise."""
+
+    # -- the loop -----------------------------------------------------------
+    def _on_signal(self, signum, frame) -> None:
+        self.stopping = True
+
+    def _announce_ready(self) -> None:
+        if self._trace_endpoint:
+            self._trace = self.ctx.socket(zmq.PUB)
+            self._trace.setsockopt(zmq.LINGER, 0)
+            self._trace.setsockopt(zmq.SNDHWM, 100000)
+            self._trace.connect(self._trace_endpoint)
+        if not self._control_endpoint:
+            return
+        self._control = self.ctx.socket(zmq.DEALER)
+        self._control.setsockopt(zmq.LINGER, 0)
+        self._control.connect(self._control_endpoint)
+        self._control.send(m.encode(m.Ready(name=self.name, pid=os.getpid(), info=self.ready_info())))
+        self.add_channel(self._control, m.DEC_CONTROL, "supervisor")
+
+    def on_Shutdown(self, msg: m.Shutdown) -> None:
+        log.info("%s: shutdown requested (%s)", self.name, msg.reason)
+        self.stopping = True
+
+    def on_Ping(self, msg: m.Ping) -> None:
+        if self._control is not None:
+            pong = m.Pong(name=self.name, pid=os.getpid(), uptime_s=time.monotonic() - self.started_mono)
+            self._control.send(m.encode(pong))
+
+    def run(self) -> None:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        try:
+            self.setup()
+            self._announce_ready()
+            while not self.stopping:
+                events = dict(self.poller.poll(self.poll_timeout_ms()))
+                for sock_or_fd in events:
+                    ch = self.channels.get(sock_or_fd)  # type: ignore[arg-type]
+                    if ch is not None:
+                        self._drain(ch)
+                    elif sock_or_fd in self._extra_fds:
+                        self._extra_fds[sock_or_fd]()
+                self.tick(time.monotonic())
+        finally:
+            try:
+                self.teardown()
+            finally:
+                for sock in list(self.channels):
+                    sock.close(0)
+                if self._trace is not None:
+                    self._trace.close(0)

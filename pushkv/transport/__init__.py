@@ -1,0 +1,1 @@
+"""NIXL transport: the only code that touches a NIXL agent."""

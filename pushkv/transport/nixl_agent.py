@@ -1,0 +1,89 @@
+"""Thin wrapper around one NIXL agent (UCX backend).
+
+No progress thread: UCX's progress thread busy-spins a core while idle
+(measured here: 3.0 s of CPU per 3 s idle). The writer drives progress itself
+by polling notifications and transfer states from its event loop, fast while
+something is in flight and slowly when idle.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional, Sequence
+
+log = logging.getLogger(__name__)
+
+
+class TransferError(RuntimeError):
+    pass
+
+
+class NixlAgent:
+    def __init__(self, name: str, backends: Sequence[str] = ("UCX",), device: str = "cpu"):
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.name = name
+        self.mem_type = "DRAM" if device == "cpu" else "VRAM"
+        self.dev_id = 0 if device == "cpu" else int(device.split(":")[-1] or 0)
+        cfg = nixl_agent_config(enable_prog_thread=False, backends=list(backends))
+        self._agent = nixl_agent(name, cfg)
+        self._reg = None
+        self.remotes: set[str] = set()
+
+    # -- memory -------------------------------------------------------------
+    def register(self, base_addr: int, nbytes: int) -> None:
+        self._reg = self._agent.register_memory([(base_addr, nbytes, self.dev_id, "")], self.mem_type)
+
+    def deregister(self) -> None:
+        if self._reg is not None:
+            self._agent.deregister_memory(self._reg)
+            self._reg = None
+
+    # -- peers --------------------------------------------------------------
+    def metadata(self) -> bytes:
+        return self._agent.get_agent_metadata()
+
+    def add_remote(self, metadata: bytes) -> str:
+        name = self._agent.add_remote_agent(metadata)
+        name = name.decode() if isinstance(name, bytes) else name
+        self.remotes.add(name)
+        return name
+
+    def remove_remote(self, name: str) -> None:
+        if name in self.remotes:
+            self.remotes.discard(name)
+            try:
+                self._agent.remove_remote_agent(name)
+            except Exception:  # already gone on the NIXL side
+                log.debug("remove_remote_agent(%s) failed", name, exc_info=True)
+
+    # -- notifications --------------------------------------------------------
+    def send_notif(self, remote: str, payload: bytes) -> None:
+        self._agent.send_notif(remote, payload)
+
+    def poll_notifs(self) -> dict[str, list[bytes]]:
+        return self._agent.get_new_notifs()
+
+    # -- transfers ------------------------------------------------------------
+    def post(self, op: str, regions: Sequence[tuple[int, int, int]], local_base: int,
+             remote: str, remote_base: int, notif: bytes = b""):
+        """Post a WRITE or READ of (local_off, remote_off, nbytes) regions; returns a handle."""
+        local = [(local_base + lo, n, self.dev_id) for lo, _, n in regions]
+        rem = [(remote_base + ro, n, self.dev_id) for _, ro, n in regions]
+        ldesc = self._agent.get_xfer_descs(local, self.mem_type)
+        rdesc = self._agent.get_xfer_descs(rem, self.mem_type)
+        handle = self._agent.initialize_xfer(op, ldesc, rdesc, remote, notif)
+        state = self._agent.transfer(handle)
+        if state == "ERR":
+            self._agent.release_xfer_handle(handle)
+            raise TransferError(f"{op} to {remote} failed to post")
+        return handle
+
+    def state(self, handle) -> str:
+        """'DONE', 'PROC' or 'ERR'."""
+        return self._agent.check_xfer_state(handle)
+
+    def release(self, handle) -> None:
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception:
+            log.debug("release_xfer_handle failed", exc_info=True)

@@ -1,0 +1,148 @@
+"""D side writer: registers reserved blocks with P's writers (push), or READs
+them from P (pull, background), and reports the KV received once every
+producer rank has completed."""
+from __future__ import annotations
+
+import logging
+import time
+
+from pushkv import messages as m
+from pushkv.protocol import arrivals as ar
+from pushkv.protocol.mapping import map_transfer
+from pushkv.protocol.tp import head_overlap, producers_for
+from pushkv.writer.base import InFlight, WriterBase
+
+log = logging.getLogger(__name__)
+
+
+class DecodeWriter(WriterBase):
+    def __init__(self, cfg, inst, rank):
+        super().__init__(cfg, inst, rank)
+        self.arrivals = ar.KVArrivals()
+        self._sources: dict[tuple[str, int], tuple[m.PrefillSource, tuple[int, ...]]] = {}
+        self._reads: dict[tuple[str, int], m.ReadKV] = {}
+
+    def setup(self) -> None:
+        super().setup()
+        # warm the handshake with the configured prefill instance, off the TTFT path
+        if self.cfg.mode in ("push", "pull") and self.cfg.prefill.handshake_endpoints:
+            src = self.cfg.prefill
+            for r in producers_for(self.rank, self.inst.tp, src.tp, self.layout.total_kv_heads):
+                try:
+                    self.connect_peer(src.engine_id, r, src.handshake_endpoints[r])
+                except Exception as e:  # lazily retried at the first request
+                    log.warning("%s: early handshake with %s rank %d failed: %s", self.name, src.engine_id, r, e)
+
+    def has_pending(self) -> bool:
+        return self.arrivals.next_deadline() is not None
+
+    def _producers(self, src: m.PrefillSource):
+        ranks = producers_for(self.rank, self.inst.tp, src.tp, self.layout.total_kv_heads)
+        return [self.connect_peer(src.engine_id, r, src.handshake[r]) for r in ranks]
+
+    # -- push: registration at allocation time ------------------------------------------
+    def on_ExpectKV(self, msg: m.ExpectKV) -> None:
+        now = time.monotonic()
+        key = (msg.transfer_id, msg.generation)
+        try:
+            peers = self._producers(msg.source)
+        except Exception as e:
+            self.counters["handshake_failed"] += 1
+            self.send(self.sched, m.KVFailed(msg.transfer_id, msg.generation, f"cannot reach prefill writers: {e}"))
+            return
+        self.arrivals.expect(msg.transfer_id, msg.generation, msg.block_ids,
+                             [p.rank for p in peers], now + msg.deadline_s)
+        self._sources[key] = (msg.source, tuple(p.rank for p in peers))
+        reg = m.Register(msg.transfer_id, msg.generation, self.inst.engine_id, self.rank, self.inst.tp,
+                         msg.block_ids, msg.num_tokens, msg.deadline_s)
+        for p in peers:
+            self.notify(p, reg)
+        self.trace_event("registration_sent", msg.transfer_id)
+
+    def notif_WriteDone(self, msg: m.WriteDone, agent: str, now: float) -> None:
+        self.apply(self.arrivals.on_write_done(msg, now))
+
+    def notif_WriteFailed(self, msg: m.WriteFailed, agent: str, now: float) -> None:
+        self.apply(self.arrivals.on_write_failed(msg, now))
+
+    def on_CancelKV(self, msg: m.CancelKV) -> None:
+        key = (msg.transfer_id, msg.generation)
+        self._cancel_producers(key, msg.reason)
+        self.apply(self.arrivals.cancel(msg.transfer_id, msg.generation, msg.reason, time.monotonic()),
+                   tell_scheduler=False)
+
+    def _cancel_producers(self, key, reason: str) -> None:
+        entry = self._sources.pop(key, None)
+        if entry is None:
+            return
+        src, ranks = entry
+        for r in ranks:
+            peer = self.peers.get((src.engine_id, r))
+            if peer is not None:
+                self.notify(peer, m.CancelTransfer(key[0], key[1], reason))
+
+    def apply(self, actions, tell_scheduler: bool = True) -> None:
+        for a in actions:
+            key = (a.transfer_id, a.generation) if hasattr(a, "transfer_id") else None
+            if isinstance(a, ar.Received):
+                self._sources.pop(key, None)
+                self.counters["kv_received"] += 1
+                self.trace_event("kv_received", a.transfer_id)
+                self.send(self.sched, m.KVReceived(a.transfer_id, a.generation, a.first_token, a.nbytes, a.num_descs))
+            elif isinstance(a, ar.Failed):
+                self.counters["kv_failed"] += 1
+                self._cancel_producers(key, a.reason)
+                if tell_scheduler:
+                    self.send(self.sched, m.KVFailed(a.transfer_id, a.generation, a.reason))
+            elif hasattr(ar, "Count") and isinstance(a, ar.Count):
+                self.counters[a.name] += 1
+
+    def expire(self, now: float) -> None:
+        nd = self.arrivals.next_deadline()
+        if nd is not None and nd <= now:
+            self.apply(self.arrivals.expire(now))
+
+    # -- pull, background: READ on the writer --------------------------------------------
+    def on_ReadKV(self, msg: m.ReadKV) -> None:
+        now = time.monotonic()
+        p = msg.pull
+        fl = InFlight(msg.transfer_id, msg.generation, posted=now)
+        try:
+            peers = self._producers(p.source)
+            for peer in peers:
+                heads = head_overlap(peer.rank, p.source.tp, self.rank, self.inst.tp, self.layout.total_kv_heads)
+                if heads is None:
+                    continue
+                regions = map_transfer(peer.layout, p.block_ids, self.layout, msg.block_ids, p.num_tokens, heads)
+                local = [(d, s, n) for s, d, n in regions]
+                fl.handles.append(self.nixl.post("READ", local, self.pool.base_addr, peer.agent, peer.pool_base))
+                fl.nbytes += sum(r[2] for r in regions)
+                fl.num_descs += len(regions)
+        except Exception as e:
+            fl.failed = f"READ failed to post: {e}"
+        self._reads[(msg.transfer_id, msg.generation)] = msg
+        if fl.handles:
+            self.inflight[(msg.transfer_id, msg.generation)] = fl
+        else:
+            self.transfer_finished(fl, now)
+
+    def transfer_finished(self, fl: InFlight, now: float) -> None:
+        msg = self._reads.pop((fl.transfer_id, fl.generation), None)
+        if msg is None:
+            return
+        src = msg.pull.source
+        ranks = producers_for(self.rank, self.inst.tp, src.tp, self.layout.total_kv_heads)
+        for r in ranks:  # P frees on ReadDone, or on CancelTransfer when we failed
+            peer = self.peers.get((src.engine_id, r))
+            if peer is None:
+                continue
+            if fl.failed:
+                self.notify(peer, m.CancelTransfer(fl.transfer_id, fl.generation, fl.failed))
+            else:
+                self.notify(peer, m.ReadDone(fl.transfer_id, fl.generation, self.rank))
+        if fl.failed:
+            self.send(self.sched, m.KVFailed(fl.transfer_id, fl.generation, fl.failed))
+        else:
+            self.counters["bytes_read"] += fl.nbytes
+            self.send(self.sched, m.KVReceived(fl.transfer_id, fl.generation, msg.pull.first_token,
+                                               fl.nbytes, fl.num_descs, now - fl.posted))

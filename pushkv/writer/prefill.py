@@ -1,0 +1,154 @@
+"""P side writer: rendezvous of prefill-done and D's registration, then WRITE.
+
+Pull mode: holds finished blocks under a lease until D's READ is done.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from pushkv import messages as m
+from pushkv.protocol import rendezvous as rv
+from pushkv.protocol.lease import Leases
+from pushkv.protocol.mapping import map_transfer
+from pushkv.protocol.tp import consumers_for, head_overlap
+from pushkv.transport.nixl_agent import TransferError
+from pushkv.writer.base import InFlight, WriterBase
+
+log = logging.getLogger(__name__)
+
+
+class PrefillWriter(WriterBase):
+    def __init__(self, cfg, inst, rank):
+        super().__init__(cfg, inst, rank)
+        t = cfg.timeouts
+        self.rdv = rv.PushRendezvous(rank, inst.tp, cfg.model.num_kv_heads, t.registration_wait_s, t.transfer_s)
+        self.leases = Leases(t.lease_s)
+        self._outcome: dict[tuple[str, int], object] = {}  # Completed / Failed until FreeBlocks
+        self._write_started: dict[tuple[str, int], float] = {}
+
+    def has_pending(self) -> bool:
+        return self.rdv.next_deadline() is not None
+
+    # -- from the scheduler ----------------------------------------------------------
+    def on_SendKV(self, msg: m.SendKV) -> None:
+        now = time.monotonic()
+        self._last_activity = now
+        # registrations may already sit in NIXL's queue: take them first
+        self._poll_notifs(now)
+        self.apply(self.rdv.on_prefill_done(
+            msg.transfer_id, msg.generation, msg.block_ids, msg.num_tokens, msg.first_token, now), now)
+
+    def on_HoldKV(self, msg: m.HoldKV) -> None:
+        self.leases.hold(msg.transfer_id, msg.generation, msg.block_ids, time.monotonic())
+
+    def on_CancelKV(self, msg: m.CancelKV) -> None:
+        now = time.monotonic()
+        self.apply(self.rdv.cancel(msg.transfer_id, msg.generation, msg.reason, now), now)
+        for act in self.leases.cancel(msg.transfer_id, msg.generation):
+            self._lease_freed(act, msg.reason)
+
+    # -- from D's writers (NIXL notifications) --------------------------------------------
+    def notif_Register(self, msg: m.Register, agent: str, now: float) -> None:
+        if agent not in self.peers_by_agent:
+            self.counters["register_from_unknown_peer"] += 1
+            log.error("%s: Register from unknown agent %s transfer_id=%s", self.name, agent, msg.transfer_id)
+            return
+        self.apply(self.rdv.on_registration(msg, now), now)
+
+    def notif_CancelTransfer(self, msg: m.CancelTransfer, agent: str, now: float) -> None:
+        self.apply(self.rdv.cancel(msg.transfer_id, msg.generation, msg.reason, now), now)
+        for act in self.leases.cancel(msg.transfer_id, msg.generation):
+            self._lease_freed(act, msg.reason)
+
+    def notif_ReadDone(self, msg: m.ReadDone, agent: str, now: float) -> None:
+        peer = self.peers_by_agent.get(agent)
+        readers = len(consumers_for(self.rank, self.inst.tp, peer.tp, self.layout.total_kv_heads)) if peer else 1
+        for act in self.leases.on_read_done(msg.transfer_id, msg.generation, msg.d_rank, readers):
+            self._lease_freed(act, "")
+
+    def _lease_freed(self, act, reason: str) -> None:
+        if reason:
+            self.send(self.sched, m.KVFailed(act.transfer_id, act.generation, reason))
+        else:
+            self.send(self.sched, m.KVSent(act.transfer_id, act.generation, rendezvous="pull"))
+
+    # -- actions of the rendezvous ------------------------------------------------------
+    def apply(self, actions, now: float) -> None:
+        for a in actions:
+            key = (a.transfer_id, a.generation) if hasattr(a, "transfer_id") else None
+            if isinstance(a, rv.PostWrite):
+                self._post_write(a, now)
+            elif isinstance(a, rv.NotifyFailure):
+                for reg in a.registrations:
+                    peer = self.peers.get((reg.d_engine_id, reg.d_rank))
+                    if peer is not None:
+                        self.notify(peer, m.WriteFailed(a.transfer_id, a.generation, self.rank, a.reason))
+            elif isinstance(a, (rv.Completed, rv.Failed)):
+                self._outcome[key] = a
+                if isinstance(a, rv.Completed):
+                    self.counters[f"rendezvous_{a.order}"] += 1
+                else:
+                    self.counters["transfers_failed"] += 1
+            elif isinstance(a, rv.FreeBlocks):
+                self._free(a)
+            elif isinstance(a, rv.Count):
+                self.counters[a.name] += 1
+
+    def _free(self, a) -> None:
+        key = (a.transfer_id, a.generation)
+        outcome = self._outcome.pop(key, None)
+        fl_stats = self._write_started.pop(key, None)
+        if isinstance(outcome, rv.Completed):
+            nbytes, ndescs, secs = fl_stats or (0, 0, 0.0)
+            self.send(self.sched, m.KVSent(a.transfer_id, a.generation, nbytes, ndescs, secs, outcome.order))
+        else:
+            reason = outcome.reason if isinstance(outcome, rv.Failed) else a.reason
+            self.send(self.sched, m.KVFailed(a.transfer_id, a.generation, reason or "transfer failed"))
+
+    def _post_write(self, a, now: float) -> None:
+        fl = InFlight(a.transfer_id, a.generation, posted=now)
+        try:
+            for reg in a.registrations:
+                peer = self.peers.get((reg.d_engine_id, reg.d_rank))
+                if peer is None:
+                    raise TransferError(f"no handshake with {reg.d_engine_id} rank {reg.d_rank}")
+                heads = head_overlap(self.rank, self.inst.tp, reg.d_rank, reg.d_tp, self.layout.total_kv_heads)
+                if heads is None:
+                    continue
+                regions = map_transfer(self.layout, a.block_ids, peer.layout, reg.block_ids, a.num_tokens, heads)
+                done = m.WriteDone(a.transfer_id, a.generation, self.rank, a.first_token,
+                                   sum(r[2] for r in regions), len(regions))
+                fl.handles.append(self.nixl.post("WRITE", regions, self.pool.base_addr, peer.agent,
+                                                 peer.pool_base, m.encode(done)))
+                fl.nbytes += done.nbytes
+                fl.num_descs += done.num_descs
+        except Exception as e:  # failed to post: tell D now, not at its deadline
+            self.counters["write_post_failed"] += 1
+            log.error("%s: WRITE post failed: %s transfer_id=%s", self.name, e, a.transfer_id)
+            fl.failed = f"WRITE failed to post: {e}"
+        self.trace_event("write_posted", a.transfer_id, f"{fl.nbytes}B/{fl.num_descs}d")
+        self._write_started[(a.transfer_id, a.generation)] = (fl.nbytes, fl.num_descs, 0.0)
+        if fl.handles:
+            self.inflight[(a.transfer_id, a.generation)] = fl
+        else:
+            self.transfer_finished(fl, now)
+
+    def transfer_finished(self, fl: InFlight, now: float) -> None:
+        key = (fl.transfer_id, fl.generation)
+        self._write_started[key] = (fl.nbytes, fl.num_descs, now - fl.posted)
+        self.trace_event("write_done" if not fl.failed else "write_failed", fl.transfer_id)
+        if fl.failed:
+            acts = self.rdv.on_write_failed(fl.transfer_id, fl.generation, fl.failed, now)
+        else:
+            self.counters["bytes_written"] += fl.nbytes
+            self.counters["writes"] += 1
+            acts = self.rdv.on_write_done(fl.transfer_id, fl.generation, now)
+        self.apply(acts, now)
+
+    def expire(self, now: float) -> None:
+        if self.rdv.next_deadline() is not None and self.rdv.next_deadline() <= now:
+            self.apply(self.rdv.expire(now), now)
+        for act in self.leases.expire(now):
+            self.counters["lease_expired"] += 1
+            self._lease_freed(act, "pull lease expired before D read the KV")
