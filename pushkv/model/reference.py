@@ -1,0 +1,83 @@
+"""Dense, non-paged reference forward used by tests to validate the paged path.
+
+Shares the model's weights and linear blocks but none of its KV handling: a growing
+per-layer K/V list, its own RoPE (angles computed per position) and an explicit
+softmax(QK^T) attention with the causal / sliding-window rule written out.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pushkv.model.transformer import Model, rms_norm
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """x [N, heads, hd]; rotate pairs (i, i + hd/2) by position * theta^(-2i/hd)."""
+    hd = x.shape[-1]
+    half = hd // 2
+    freq = theta ** (-torch.arange(half, dtype=torch.float64) * 2 / hd)
+    ang = positions.to(torch.float64)[:, None] * freq[None, :]
+    cos = ang.cos().to(x.dtype)[:, None, :]
+    sin = ang.sin().to(x.dtype)[:, None, :]
+    a, b = x[..., :half], x[..., half:]
+    return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+
+
+def _attention(q, keys, vals, qpos: torch.Tensor, window: int) -> torch.Tensor:
+    """q [T, H, hd], keys/vals [S, KH, hd] for positions 0..S-1 -> [T, H * hd]."""
+    group = q.shape[1] // keys.shape[1]
+    keys = keys.repeat_interleave(group, dim=1)
+    vals = vals.repeat_interleave(group, dim=1)
+    scores = torch.einsum("thd,shd->hts", q.float(), keys.float()) / math.sqrt(q.shape[-1])
+    kpos = torch.arange(keys.shape[0])[None, :]
+    allowed = kpos <= qpos[:, None]
+    if window:
+        allowed &= kpos > qpos[:, None] - window
+    scores = scores.masked_fill(~allowed[None], float("-inf"))
+    out = torch.einsum("hts,shd->thd", scores.softmax(-1), vals.float())
+    return out.to(q.dtype).reshape(q.shape[0], -1)
+
+
+def _step(model: Model, cache: list[list[torch.Tensor]], ids: list[int], start: int) -> torch.Tensor:
+    cfg, eps = model.cfg, model.cfg.rms_eps
+    p = model.plan
+    positions = torch.arange(start, start + len(ids))
+    x = model.w.embed[torch.tensor(ids)]
+    for layer, lw in enumerate(model.w.layers):
+        h = rms_norm(x, lw.input_norm, eps)
+        q, k, v = (h @ lw.qkv.T).split(
+            [p.q_heads * cfg.head_dim, p.kv_heads * cfg.head_dim, p.kv_heads * cfg.head_dim], -1)
+        q = q.reshape(len(ids), p.q_heads, cfg.head_dim)
+        k = k.reshape(len(ids), p.kv_heads, cfg.head_dim)
+        v = v.reshape(len(ids), p.kv_heads, cfg.head_dim)
+        if lw.q_norm is not None:
+            q, k = rms_norm(q, lw.q_norm, eps), rms_norm(k, lw.k_norm, eps)
+        q, k = _rope(q, positions, cfg.rope_theta), _rope(k, positions, cfg.rope_theta)
+        cache[layer][0] = torch.cat((cache[layer][0], k))
+        cache[layer][1] = torch.cat((cache[layer][1], v))
+        attn = _attention(q, cache[layer][0], cache[layer][1], positions, model.layer_window(layer))
+        x = model.attn_out(lw, x, attn)
+        x = model.mlp(lw, x)
+    return model.head(x[-1:])[0]
+
+
+@torch.inference_mode()
+def dense_logits(model: Model, prompt_ids: list[int], max_tokens: int) -> list[torch.Tensor]:
+    """Logits of every greedy step: prompt at once, then one token at a time."""
+    cfg, p = model.cfg, model.plan
+    empty = torch.empty(0, p.kv_heads, cfg.head_dim, dtype=model.dtype)
+    cache = [[empty, empty] for _ in range(cfg.num_layers)]
+    out, ids, start = [], list(prompt_ids), 0
+    for _ in range(max_tokens):
+        logits = _step(model, cache, ids, start)
+        out.append(logits)
+        start += len(ids)
+        ids = [int(logits.argmax())]
+    return out
+
+
+def generate_dense(model: Model, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """Greedy tokens after prompt_ids, computed without the paged KV pool."""
+    return [int(l.argmax()) for l in dense_logits(model, prompt_ids, max_tokens)]

@@ -1,0 +1,71 @@
+"""Tokenizers: a built-in byte-level one for presets, HF tokenizer.json for checkpoints."""
+from __future__ import annotations
+
+import os
+from typing import Protocol
+
+from pushkv.config import ModelConfig
+
+
+class Tokenizer(Protocol):
+    bos_token_id: int
+    eos_token_id: int
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids) -> str: ...
+
+
+class ByteTokenizer:
+    """ids 0..255 are UTF-8 bytes, 256 = BOS, 257 = EOS; the rest of the vocab is padding."""
+
+    bos_token_id = 256
+    eos_token_id = 257
+
+    def __init__(self, vocab_size: int = 320):
+        if vocab_size < 258:
+            raise ValueError(f"byte tokenizer needs vocab_size >= 258, got {vocab_size}")
+        self.vocab_size = vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A tokenizer.json loaded with the `tokenizers` library."""
+
+    def __init__(self, path: str, eos_token_id: int = -1):
+        from tokenizers import Tokenizer as _Tok
+
+        self._tok = _Tok.from_file(path)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.bos_token_id = self._special(("<|begin_of_text|>", "<s>", "<|endoftext|>", "<bos>"))
+        eos = self._special(("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>",
+                             "<|endoftext|>", "<eos>"))
+        self.eos_token_id = eos_token_id if eos_token_id >= 0 else eos
+
+    def _special(self, names) -> int:
+        for n in names:
+            i = self._tok.token_to_id(n)
+            if i is not None:
+                return i
+        return -1
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+
+def get_tokenizer(cfg: ModelConfig) -> Tokenizer:
+    if not cfg.checkpoint:
+        return ByteTokenizer(cfg.vocab_size)
+    path = os.path.join(cfg.checkpoint, "tokenizer.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"checkpoint {cfg.checkpoint} has no tokenizer.json")
+    return HFTokenizer(path, cfg.eos_token_id)

@@ -1,0 +1,272 @@
+"""Decoder-only transformer (Qwen3/Llama) with paged attention over an external KV pool.
+
+The pool is ``[num_blocks, num_layers, 2, kv_heads_local, block_size, head_dim]``
+(see pushkv.kv.layout); token position p of a sequence lives in block
+``block_table[p // block_size]`` at slot ``p % block_size``. Keys are stored after RoPE.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from pushkv.config import ModelConfig
+from pushkv.kv.layout import blocks_for, pool_shape
+from pushkv.messages import KVLayoutDesc, SeqWork
+from pushkv.model.shard import ShardPlan, shard_plan
+from pushkv.model.weights import (TORCH_DTYPES, DictSource, LayerWeights, RankWeights,
+                                  WeightSource, load_rank, random_weights)
+
+log = logging.getLogger(__name__)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # In float32 like the HF reference, so checkpoints behave as trained.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+@dataclass
+class _SeqPlan:
+    """Index tensors of one sequence for one step, shared by all layers."""
+
+    rows: slice  # its tokens in the packed batch
+    start: int
+    num_new: int
+    block_table: torch.Tensor  # long, on device
+    # attention kind ("full" or "window") -> (first key position, mask or None, causal)
+    attn: dict
+
+
+class Model:
+    """One tensor-parallel rank of the model. Not thread-safe."""
+
+    def __init__(self, cfg: ModelConfig, plan: ShardPlan, weights: RankWeights,
+                 device: str = "cpu", group=None):
+        self.cfg = cfg
+        self.plan = plan
+        self.tp_rank = plan.tp_rank
+        self.tp_size = plan.tp_size
+        self.device = torch.device(device)
+        self.group = group
+        self.dtype = TORCH_DTYPES[cfg.dtype]
+        self.w = weights
+        self.window_layers = frozenset(cfg.window_layers) if cfg.sliding_window > 0 else frozenset()
+        self._cos = self._sin = torch.empty(0)
+
+    # ------------------------------------------------------------------ public
+    def kv_layout(self, num_blocks: int, block_size: int) -> KVLayoutDesc:
+        cfg = self.cfg
+        return KVLayoutDesc(
+            num_blocks=num_blocks, num_layers=cfg.num_layers, block_size=block_size,
+            kv_heads=self.plan.kv_heads, head_start=self.plan.kv_start,
+            total_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype_bytes=cfg.dtype_bytes,
+            window_layers=tuple(sorted(self.window_layers)),
+            window=cfg.sliding_window if self.window_layers else 0,
+        )
+
+    @torch.inference_mode()
+    def execute(self, seqs: Sequence[SeqWork], pool: torch.Tensor) -> list[int]:
+        """Run the new tokens of every seq, write their K/V into pool, and return the
+        greedy next token of each seq with sample=True, in order."""
+        logits = self.logits(seqs, pool)
+        return logits.argmax(-1).tolist()
+
+    @torch.inference_mode()
+    def logits(self, seqs: Sequence[SeqWork], pool: torch.Tensor) -> torch.Tensor:
+        """float32 [num sampled seqs, vocab] logits of each sampled seq's last position."""
+        self._check_pool(pool)
+        for s in seqs:
+            self._check_seq(s, pool.shape[4])
+        if self.cfg.deterministic:
+            # Each seq alone: its matmul shapes, hence its bytes, never depend on the batch.
+            parts = [self._forward([s], pool) for s in seqs]
+            parts = [p for p in parts if p.shape[0]]
+            if not parts:
+                return torch.empty(0, self.cfg.vocab_size)
+            return torch.cat(parts)
+        return self._forward(list(seqs), pool)
+
+    # -------------------------------------------------------- building blocks
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [len(positions), head_dim] in the model dtype (HF rotate-half convention)."""
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        if need > self._cos.shape[0]:
+            if need > self.cfg.max_position:
+                raise ValueError(f"position {need - 1} beyond max_position={self.cfg.max_position}")
+            n = min(max(need, 2 * self._cos.shape[0], 1024), self.cfg.max_position)
+            hd = self.cfg.head_dim
+            inv = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+            ang = torch.outer(torch.arange(n, dtype=torch.float64), inv)
+            ang = torch.cat((ang, ang), dim=-1)
+            self._cos = ang.cos().to(self.device, self.dtype)
+            self._sin = ang.sin().to(self.device, self.dtype)
+        return self._cos[positions], self._sin[positions]
+
+    def qkv(self, lw: LayerWeights, x: torch.Tensor, positions: torch.Tensor):
+        """Pre-norm + projections + q/k norm + RoPE. x [N, d] ->
+        q [N, q_heads, hd], k and v [N, kv_heads, hd]."""
+        p, hd, eps = self.plan, self.cfg.head_dim, self.cfg.rms_eps
+        h = rms_norm(x, lw.input_norm, eps)
+        qkv = F.linear(h, lw.qkv)
+        q, k, v = qkv.split([p.q_heads * hd, p.kv_heads * hd, p.kv_heads * hd], dim=-1)
+        q = q.view(-1, p.q_heads, hd)
+        k = k.view(-1, p.kv_heads, hd)
+        v = v.view(-1, p.kv_heads, hd)
+        if lw.q_norm is not None:
+            q = rms_norm(q, lw.q_norm, eps)
+            k = rms_norm(k, lw.k_norm, eps)
+        cos, sin = self.rope(positions)
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        return q, k, v
+
+    def attn_out(self, lw: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Residual after o_proj; attn [N, q_heads * hd]."""
+        return x + self._all_reduce(F.linear(attn, lw.o))
+
+    def mlp(self, lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        """Residual after the SwiGLU MLP."""
+        h = rms_norm(x, lw.post_norm, self.cfg.rms_eps)
+        gate, up = F.linear(h, lw.gate_up).chunk(2, dim=-1)
+        return x + self._all_reduce(F.linear(F.silu(gate) * up, lw.down))
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm + lm_head, float32 logits."""
+        return F.linear(rms_norm(x, self.w.final_norm, self.cfg.rms_eps), self.w.lm_head).float()
+
+    def layer_window(self, layer: int) -> int:
+        return self.cfg.sliding_window if layer in self.window_layers else 0
+
+    # ---------------------------------------------------------------- internals
+    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.tp_size > 1:
+            torch.distributed.all_reduce(t, group=self.group)
+        return t
+
+    def _check_pool(self, pool: torch.Tensor) -> None:
+        c = self.cfg
+        want = (c.num_layers, 2, self.plan.kv_heads)
+        if pool.dim() != 6 or tuple(pool.shape[1:4]) != want or pool.shape[5] != c.head_dim:
+            raise ValueError(f"pool shape {tuple(pool.shape)} does not match layout "
+                             f"[blocks, {c.num_layers}, 2, {self.plan.kv_heads}, block, {c.head_dim}]")
+        if pool.dtype != self.dtype:
+            raise ValueError(f"pool dtype {pool.dtype} != model dtype {self.dtype}")
+
+    def _check_seq(self, s: SeqWork, block_size: int) -> None:
+        if not s.token_ids:
+            raise ValueError(f"seq {s.seq_id}: no tokens to run")
+        end = s.start_pos + len(s.token_ids)
+        if s.start_pos < 0 or end > self.cfg.max_position:
+            raise ValueError(f"seq {s.seq_id}: positions {s.start_pos}..{end - 1} out of range")
+        if len(s.block_table) < blocks_for(end, block_size):
+            raise ValueError(f"seq {s.seq_id}: {len(s.block_table)} blocks cannot hold {end} tokens")
+        if min(s.token_ids) < 0 or max(s.token_ids) >= self.cfg.vocab_size:
+            raise ValueError(f"seq {s.seq_id}: token id outside vocab of {self.cfg.vocab_size}")
+
+    def _plan_seq(self, s: SeqWork, rows: slice, block_size: int) -> _SeqPlan:
+        start, n = s.start_pos, len(s.token_ids)
+        attn = {}
+        kinds = {"full": 0}
+        if self.window_layers:
+            kinds["window"] = self.cfg.sliding_window
+        for kind, window in kinds.items():
+            lo = max(0, start - window + 1) if window else 0
+            qpos = torch.arange(start, start + n, device=self.device)[:, None]
+            kpos = torch.arange(lo, start + n, device=self.device)[None, :]
+            if n == 1:
+                mask, causal = None, False  # one query sees every key gathered for it
+            elif lo == start and (not window or n <= window):
+                mask, causal = None, True  # square causal: SDPA's fast path
+            else:
+                mask = kpos <= qpos
+                if window:
+                    mask &= kpos > qpos - window
+                causal = False
+            attn[kind] = (lo, mask, causal)
+        bt = torch.tensor(s.block_table[:blocks_for(start + n, block_size)], device=self.device)
+        return _SeqPlan(rows, start, n, bt, attn)
+
+    def _forward(self, seqs: list[SeqWork], pool: torch.Tensor) -> torch.Tensor:
+        bs = pool.shape[4]
+        ids, pos, plans, last_rows = [], [], [], []
+        for s in seqs:
+            r0 = len(ids)
+            ids.extend(s.token_ids)
+            pos.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
+            plans.append(self._plan_seq(s, slice(r0, len(ids)), bs))
+            if s.sample:
+                last_rows.append(len(ids) - 1)
+        dev = self.device
+        positions = torch.tensor(pos, device=dev)
+        w_block = torch.cat([p.block_table[torch.arange(p.start, p.start + p.num_new, device=dev) // bs]
+                             for p in plans])
+        w_slot = positions % bs
+
+        x = F.embedding(torch.tensor(ids, device=dev), self.w.embed)
+        for layer, lw in enumerate(self.w.layers):
+            q, k, v = self.qkv(lw, x, positions)
+            kv_pool = pool[:, layer]  # [blocks, 2, kv_heads, block, hd], a view
+            kv_pool[w_block, 0, :, w_slot] = k
+            kv_pool[w_block, 1, :, w_slot] = v
+            kind = "window" if layer in self.window_layers else "full"
+            outs = [self._attend(kv_pool, p, q[p.rows], k[p.rows], v[p.rows], p.attn[kind], bs)
+                    for p in plans]
+            x = self.attn_out(lw, x, outs[0] if len(outs) == 1 else torch.cat(outs))
+            x = self.mlp(lw, x)
+        if not last_rows:
+            return torch.empty(0, self.cfg.vocab_size)
+        return self.head(x[torch.tensor(last_rows, device=dev)])
+
+    def _attend(self, kv_pool, p: _SeqPlan, q, k, v, attn, bs: int) -> torch.Tensor:
+        """Causal attention of p's new queries over its past (from the pool) and new keys."""
+        lo, mask, causal = attn
+        if lo < p.start:
+            b0, b1 = lo // bs, (p.start - 1) // bs + 1
+            past = kv_pool[p.block_table[b0:b1]]  # [nb, 2, kvh, bs, hd]
+            nb, _, kvh, _, hd = past.shape
+            past = past.permute(1, 2, 0, 3, 4).reshape(2, kvh, nb * bs, hd)
+            past = past[:, :, lo - b0 * bs:p.start - b0 * bs]
+            keys = torch.cat((past[0], k.transpose(0, 1)), dim=1)
+            vals = torch.cat((past[1], v.transpose(0, 1)), dim=1)
+        else:
+            keys, vals = k.transpose(0, 1), v.transpose(0, 1)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], keys[None], vals[None], attn_mask=mask, is_causal=causal,
+            enable_gqa=self.plan.group > 1)
+        return out[0].transpose(0, 1).reshape(p.num_new, -1)
+
+
+def build_model(cfg: ModelConfig, tp_rank: int = 0, tp_size: int = 1, device: str = "cpu",
+                group=None, source: Optional[WeightSource] = None) -> Model:
+    """This rank's model: weights from cfg.checkpoint, from source, or random from cfg.seed."""
+    if cfg.dtype not in TORCH_DTYPES:
+        raise ValueError(f"unsupported dtype {cfg.dtype!r}")
+    if cfg.sliding_window < 0 or any(not 0 <= i < cfg.num_layers for i in cfg.window_layers):
+        raise ValueError(f"bad sliding window {cfg.sliding_window} / layers {cfg.window_layers}")
+    if cfg.head_dim % 2:
+        raise ValueError(f"head_dim={cfg.head_dim} must be even for RoPE")
+    plan = shard_plan(cfg, tp_rank, tp_size)
+    if tp_size > 1 and group is None and not torch.distributed.is_initialized():
+        raise ValueError("tp_size > 1 needs an initialised torch.distributed group")
+    if source is None:
+        if cfg.checkpoint:
+            from pushkv.model.checkpoint import checkpoint_source
+
+            source = checkpoint_source(cfg)
+        else:
+            source = DictSource(random_weights(cfg))
+    weights = load_rank(cfg, plan, source, device)
+    log.info("model %s rank %d/%d: %d layers, q heads %d, kv heads %d from %d",
+             cfg.name, tp_rank, tp_size, cfg.num_layers, plan.q_heads, plan.kv_heads, plan.kv_start)
+    return Model(cfg, plan, weights, device, group)

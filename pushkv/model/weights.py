@@ -1,0 +1,136 @@
+"""Weights: where they come from (random or checkpoint) and one rank's slice of them.
+
+Every source speaks Hugging Face parameter names (``model.layers.N.self_attn.q_proj.weight``
+...), so random presets and checkpoints go through the same slicing code.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+import torch
+
+from pushkv.config import ModelConfig
+from pushkv.model.shard import ShardPlan
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class WeightSource(Protocol):
+    def has(self, name: str) -> bool: ...
+
+    def get(self, name: str, dim: int = 0, start: int = 0, end: Optional[int] = None) -> torch.Tensor:
+        """The named tensor, sliced to [start, end) along dim (rows 0, columns 1)."""
+
+
+def hf_names(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """Every parameter of the architecture, in a fixed order, with its full shape."""
+    d, hd = cfg.hidden_size, cfg.head_dim
+    out = [("model.embed_tokens.weight", (cfg.vocab_size, d))]
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        out += [
+            (p + "input_layernorm.weight", (d,)),
+            (p + "self_attn.q_proj.weight", (cfg.num_heads * hd, d)),
+            (p + "self_attn.k_proj.weight", (cfg.num_kv_heads * hd, d)),
+            (p + "self_attn.v_proj.weight", (cfg.num_kv_heads * hd, d)),
+            (p + "self_attn.o_proj.weight", (d, cfg.num_heads * hd)),
+        ]
+        if cfg.qk_norm:
+            out += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,))]
+        out += [
+            (p + "post_attention_layernorm.weight", (d,)),
+            (p + "mlp.gate_proj.weight", (cfg.intermediate_size, d)),
+            (p + "mlp.up_proj.weight", (cfg.intermediate_size, d)),
+            (p + "mlp.down_proj.weight", (d, cfg.intermediate_size)),
+        ]
+    out.append(("model.norm.weight", (d,)))
+    if not cfg.tie_embeddings:
+        out.append(("lm_head.weight", (cfg.vocab_size, d)))
+    return out
+
+
+class DictSource:
+    """Full tensors held in memory (random presets; tests)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def get(self, name, dim=0, start=0, end=None):
+        t = self.tensors[name]
+        return t.narrow(dim, start, (t.shape[dim] if end is None else end) - start)
+
+
+def random_weights(cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Full float32 weights drawn from cfg.seed on a CPU generator: the same bytes in
+    every process. Projections use std 1/sqrt(fan_in) so each layer changes the residual
+    stream as much as the embedding does and greedy output is not a trivial echo."""
+    gen = torch.Generator(device="cpu").manual_seed(cfg.seed)
+    out = {}
+    for name, shape in hf_names(cfg):
+        if len(shape) == 1:
+            out[name] = torch.ones(shape)
+        elif name == "model.embed_tokens.weight":
+            out[name] = torch.randn(shape, generator=gen)
+        else:
+            out[name] = torch.randn(shape, generator=gen) / math.sqrt(shape[1])
+    return out
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [d]
+    qkv: torch.Tensor  # [(q_heads + 2 kv_heads) * head_dim, d], local heads
+    q_norm: Optional[torch.Tensor]  # [head_dim]
+    k_norm: Optional[torch.Tensor]
+    o: torch.Tensor  # [d, q_heads * head_dim], row-sharded (partial sums)
+    post_norm: torch.Tensor  # [d]
+    gate_up: torch.Tensor  # [2 * inter_local, d]
+    down: torch.Tensor  # [d, inter_local], row-sharded (partial sums)
+
+
+@dataclass
+class RankWeights:
+    embed: torch.Tensor  # [vocab, d], replicated
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor
+    lm_head: torch.Tensor  # [vocab, d], replicated (may alias embed)
+
+
+def load_rank(cfg: ModelConfig, plan: ShardPlan, src: WeightSource, device: str = "cpu") -> RankWeights:
+    """Slice this rank's share out of src and cast to cfg.dtype on device."""
+    dtype = TORCH_DTYPES[cfg.dtype]
+    hd = cfg.head_dim
+
+    def take(name, dim=0, start=0, end=None):
+        if not src.has(name):
+            raise KeyError(f"weight {name!r} missing from the checkpoint")
+        return src.get(name, dim, start, end).to(device=device, dtype=dtype).contiguous()
+
+    q_rows = (plan.q_start * hd, (plan.q_start + plan.q_heads) * hd)
+    kv_rows = (plan.kv_start * hd, (plan.kv_start + plan.kv_heads) * hd)
+    i_rows = (plan.inter_start, plan.inter_start + plan.inter_size)
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        layers.append(LayerWeights(
+            input_norm=take(p + "input_layernorm.weight"),
+            qkv=torch.cat([take(a + "q_proj.weight", 0, *q_rows),
+                           take(a + "k_proj.weight", 0, *kv_rows),
+                           take(a + "v_proj.weight", 0, *kv_rows)]),
+            q_norm=take(a + "q_norm.weight") if cfg.qk_norm else None,
+            k_norm=take(a + "k_norm.weight") if cfg.qk_norm else None,
+            o=take(a + "o_proj.weight", 1, *q_rows),
+            post_norm=take(p + "post_attention_layernorm.weight"),
+            gate_up=torch.cat([take(p + "mlp.gate_proj.weight", 0, *i_rows),
+                               take(p + "mlp.up_proj.weight", 0, *i_rows)]),
+            down=take(p + "mlp.down_proj.weight", 1, *i_rows),
+        ))
+    embed = take("model.embed_tokens.weight")
+    lm_head = embed if cfg.tie_embeddings else take("lm_head.weight")
+    return RankWeights(embed, layers, take("model.norm.weight"), lm_head)
