@@ -1,0 +1,277 @@
+"""Scheduler links and the per-request leg orchestration.
+
+A ``SchedulerLink`` is one DEALER connected to one scheduler's ROUTER, with a
+receive task that hands every message to ``on_message(role, msg)``; the
+router routes it by ``transfer_id`` to the request's queue. A ``RequestRun``
+sends a request's legs and turns what comes back into ``Tokens`` /
+``Finished`` / ``Failed`` events:
+
+- local: ``Generate(leg="local")``; tokens from the local scheduler.
+- push: P leg (``max_tokens=1``) and D leg (``source=P``) sent together;
+  tokens from D; P answers ``PrefillFinished`` (informative).
+- pull: P leg first; P's ``PrefillFinished.pull`` is relayed in the D leg;
+  tokens from D.
+
+A failed leg fails the request; every leg sent and not yet ended gets an
+``Abort`` when the run closes, whatever the reason (failure, timeout, client
+gone, shutdown).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Optional, Union
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from pushkv import messages as m
+from pushkv.config import DeploymentConfig
+from pushkv.router.metrics import RequestRecord, RouterMetrics
+
+log = logging.getLogger(__name__)
+
+GENERATION = 0  # the router never reissues; schedulers bump it on preemption
+PREFILL_REPORT_GRACE_S = 1.0  # push: D done, wait this long for P's timeline
+SEND_TIMEOUT_S = 5.0
+
+
+class SchedulerLink:
+    """DEALER to one scheduler, plus its receive task."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, role: str, endpoint: str,
+                 on_message: Callable[[str, m.Msg], None], metrics: RouterMetrics):
+        self.role = role
+        self.endpoint = endpoint
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self._on_message = on_message
+        self._metrics = metrics
+        self._task: Optional[asyncio.Task] = None
+        self.last_stats: Optional[m.Stats] = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._recv_loop(), name=f"recv-{self.role}")
+
+    async def send(self, msg: m.Msg) -> None:
+        await asyncio.wait_for(self.sock.send(m.encode(msg)), SEND_TIMEOUT_S)
+
+    async def _recv_loop(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart()
+            payload = frames[-1]  # tolerate an empty delimiter frame
+            try:
+                msg = m.DEC_SCHED_TO_ROUTER.decode(payload)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                self._metrics.sched_messages.labels(role=self.role, kind="undecodable").inc()
+                log.error("undecodable frame from %s scheduler (%d bytes): %s", self.role, len(payload), e)
+                continue
+            self._metrics.sched_messages.labels(role=self.role, kind=type(msg).__name__).inc()
+            if isinstance(msg, m.Stats):
+                self.last_stats = msg
+                continue
+            try:
+                self._on_message(self.role, msg)
+            except Exception:  # one bad message must not stop the link
+                log.exception("routing %s from %s failed", type(msg).__name__, self.role)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        self.sock.close(0)
+
+
+# ---------------------------------------------------------------------------
+# Events a run yields
+# ---------------------------------------------------------------------------
+@dataclass
+class Tokens:
+    token_ids: tuple[int, ...]
+
+
+@dataclass
+class Finished:
+    finish_reason: str
+
+
+@dataclass
+class Failed:
+    status: int
+    reason: str
+    outcome: str = "failed"
+
+
+Event = Union[Tokens, Finished, Failed]
+ROUTER = "router"  # pseudo-role of events the router injects (abort, shutdown)
+
+
+class RequestRun:
+    """One request's legs, from the first Generate to the last Abort."""
+
+    def __init__(self, cfg: DeploymentConfig, links: dict[str, SchedulerLink], transfer_id: str,
+                 prompt_token_ids: list[int], max_tokens: int, stop_token_ids: tuple[int, ...],
+                 record: RequestRecord, metrics: RouterMetrics):
+        self.cfg = cfg
+        self.links = links
+        self.transfer_id = transfer_id
+        self.prompt = tuple(prompt_token_ids)
+        self.max_tokens = max_tokens
+        self.stop = stop_token_ids
+        self.record = record
+        self.metrics = metrics
+        self.queue: asyncio.Queue[tuple[str, m.Msg]] = asyncio.Queue()
+        self.arrival_wall = time.time()
+        self.timeline: dict[str, float] = {"router.arrival": self.arrival_wall}
+        self.sent: set[str] = set()  # legs whose Generate went out
+        self.ended: set[str] = set()  # legs that answered their last message
+        self.token_leg = "local" if cfg.mode == "local" else "decode"
+        self.closed = False
+
+    # -- inputs ---------------------------------------------------------
+    def deliver(self, role: str, msg: m.Msg) -> None:
+        self.queue.put_nowait((role, msg))
+
+    def inject_failure(self, status: int, reason: str) -> None:
+        """From outside the run (abort endpoint, shutdown)."""
+        self.queue.put_nowait((ROUTER, m.RequestFailed(self.transfer_id, GENERATION, reason, status)))
+
+    # -- timeline ---------------------------------------------------------
+    def mark(self, stage: str, t: Optional[float] = None) -> None:
+        self.timeline.setdefault(stage, time.time() if t is None else t)
+
+    def merge(self, leg: str, pairs) -> None:
+        for stage, t in pairs:
+            self.timeline.setdefault(f"{leg}.{stage}", float(t))
+
+    # -- legs ---------------------------------------------------------------
+    def _generate(self, leg: str, **kw) -> m.Generate:
+        return m.Generate(
+            transfer_id=self.transfer_id, generation=GENERATION, leg=leg,
+            prompt_token_ids=self.prompt, stop_token_ids=self.stop,
+            arrival=self.arrival_wall, **kw,
+        )
+
+    def _prefill_source(self) -> m.PrefillSource:
+        p = self.cfg.prefill
+        return m.PrefillSource(engine_id=p.engine_id, tp=p.tp, handshake=tuple(p.handshake_endpoints))
+
+    async def _send_leg(self, leg: str, msg: m.Generate) -> None:
+        self.sent.add(leg)
+        self.mark(f"router.send_{leg}")
+        log.debug("send %s leg transfer_id=%s", leg, self.transfer_id)
+        await self.links[leg].send(msg)
+
+    async def _start(self) -> None:
+        mode = self.cfg.mode
+        if mode == "local":
+            await self._send_leg("local", self._generate("local", max_tokens=self.max_tokens))
+            return
+        prefill = self._generate("prefill", max_tokens=1)
+        if mode == "push":
+            decode = self._generate("decode", max_tokens=self.max_tokens, source=self._prefill_source())
+            # both legs leave together: D reserves and registers while P computes
+            await asyncio.gather(self._send_leg("prefill", prefill), self._send_leg("decode", decode))
+        elif mode == "pull":
+            await self._send_leg("prefill", prefill)
+        else:
+            raise ValueError(f"unknown mode {mode!r}")
+
+    async def _next(self, deadline: float) -> Optional[tuple[str, m.Msg]]:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return None
+        try:
+            return await asyncio.wait_for(self.queue.get(), remaining)
+        except asyncio.TimeoutError:
+            return None
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Yield the request's events; ends after one Finished or Failed."""
+        deadline = self.record.arrival + self.cfg.timeouts.request_s
+        try:
+            await self._start()
+        except Exception as e:
+            log.error("sending legs failed transfer_id=%s: %s", self.transfer_id, e)
+            yield Failed(503, f"scheduler unreachable: {e}")
+            return
+        finish_reason = ""
+        while True:
+            if finish_reason:
+                if self.cfg.mode != "push" or "prefill" in self.ended:
+                    break
+                # push: D finished before P reported; wait briefly for P's timeline
+                deadline = min(deadline, time.monotonic() + PREFILL_REPORT_GRACE_S)
+            item = await self._next(deadline)
+            if item is None:
+                if finish_reason:
+                    break
+                yield Failed(504, f"request exceeded {self.cfg.timeouts.request_s:g} s", "timeout")
+                return
+            role, msg = item
+            if isinstance(msg, m.RequestFailed):
+                if role != ROUTER:
+                    self.ended.add(role)
+                if finish_reason:  # the client already has every token
+                    log.warning("leg %s failed after completion transfer_id=%s: %s",
+                                role, self.transfer_id, msg.reason)
+                    break
+                log.info("leg %s failed transfer_id=%s status=%d: %s",
+                         role, self.transfer_id, msg.status, msg.reason)
+                outcome = "failed" if role != ROUTER else ("shutdown" if msg.status == 503 else "aborted")
+                yield Failed(msg.status, f"{role}: {msg.reason}" if role != ROUTER else msg.reason, outcome)
+                return
+            if isinstance(msg, m.PrefillFinished):
+                self.ended.add(role)
+                self.mark("router.prefill_finished")
+                self.merge(role, msg.timeline)
+                if self.cfg.mode == "pull" and "decode" not in self.sent:
+                    if msg.pull is None:
+                        yield Failed(502, "prefill finished without pull parameters")
+                        return
+                    decode = self._generate("decode", max_tokens=self.max_tokens,
+                                            source=msg.pull.source, pull=msg.pull)
+                    try:
+                        await self._send_leg("decode", decode)
+                    except Exception as e:
+                        yield Failed(503, f"decode scheduler unreachable: {e}")
+                        return
+                continue
+            if isinstance(msg, m.TokensGenerated):
+                if role != self.token_leg:  # P's own sampled token: D re-emits it
+                    self.merge(role, msg.timeline)
+                    continue
+                if msg.token_ids and self.record.first_token is None:
+                    self.mark("router.first_token")
+                if msg.token_ids:
+                    self.record.add_tokens(time.monotonic(), len(msg.token_ids))
+                    yield Tokens(tuple(msg.token_ids))
+                if msg.finished:
+                    self.ended.add(role)
+                    self.merge(role, msg.timeline)
+                    self.record.finish = time.monotonic()
+                    self.mark("router.finish")
+                    finish_reason = msg.finish_reason or "length"
+                continue
+            log.error("unexpected %s from %s transfer_id=%s", type(msg).__name__, role, self.transfer_id)
+        yield Finished(finish_reason)
+
+    async def close(self, reason: str) -> None:
+        """Abort every leg that was sent and has not ended."""
+        if self.closed:
+            return
+        self.closed = True
+        for leg in sorted(self.sent - self.ended):
+            try:
+                await self.links[leg].send(m.Abort(self.transfer_id, GENERATION, reason))
+                self.metrics.aborts_sent.labels(role=leg).inc()
+                log.info("abort %s leg transfer_id=%s: %s", leg, self.transfer_id, reason)
+            except Exception as e:
+                log.error("abort to %s failed transfer_id=%s: %s", leg, self.transfer_id, e)

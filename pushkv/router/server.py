@@ -1,0 +1,302 @@
+"""The router process: aiohttp site, scheduler links, supervisor control.
+
+Phases: ``start`` (links, site, Ready to the supervisor) -> serve until a
+stop is requested (signal, ``Shutdown``) -> ``stop`` (refuse new requests,
+fail in-flight ones with 503, abort their legs, free the port, close
+sockets).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+import uuid
+from typing import Optional
+
+import msgspec
+import zmq
+import zmq.asyncio
+from aiohttp import web
+
+from pushkv import messages as m
+from pushkv.config import DeploymentConfig
+from pushkv.router import api, text
+from pushkv.router.flow import Failed, Finished, RequestRun, SchedulerLink, Tokens
+from pushkv.router.metrics import RequestRecord, RouterMetrics
+
+log = logging.getLogger(__name__)
+
+SHUTDOWN_GRACE_S = 5.0  # in-flight handlers get this long to send their 503
+CLIENT_ABORT_STATUS = 499  # nginx's "client closed request"
+
+
+class Router:
+    def __init__(self, cfg: DeploymentConfig, tokenizer: Optional[text.Tokenizer] = None):
+        self.cfg = cfg
+        self.tokenizer = tokenizer if tokenizer is not None else text.load_tokenizer(cfg.model)
+        self.limits = api.Limits(
+            vocab_size=cfg.model.vocab_size,
+            max_model_len=cfg.max_model_len or cfg.model.max_position,
+            eos_token_id=cfg.model.eos_token_id,
+        )
+        self.metrics = RouterMetrics(cfg.mode)
+        self.ctx: Optional[zmq.asyncio.Context] = None
+        self.links: dict[str, SchedulerLink] = {}
+        self.runs: dict[str, RequestRun] = {}
+        self.stopping = False
+        self.url = ""
+        self.started_mono = time.monotonic()
+        self._runner: Optional[web.AppRunner] = None
+        self._control: Optional[zmq.asyncio.Socket] = None
+        self._control_task: Optional[asyncio.Task] = None
+        self._stop_requested: Optional[asyncio.Event] = None
+        self._stopped: Optional[asyncio.Event] = None
+        self._handlers_idle: Optional[asyncio.Event] = None
+
+    # -- lifecycle ------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.handle_completions)
+        app.router.add_get("/health", self.handle_health)
+        app.router.add_get("/metrics", self.handle_metrics)
+        app.router.add_post("/v1/abort/{request_id}", self.handle_abort)
+        return app
+
+    def _roles(self) -> list[str]:
+        return ["local"] if self.cfg.mode == "local" else ["prefill", "decode"]
+
+    async def start(self) -> None:
+        if self.cfg.mode not in ("local", "push", "pull"):
+            raise ValueError(f"unknown mode {self.cfg.mode!r}")
+        self._stop_requested = asyncio.Event()
+        self._stopped = asyncio.Event()
+        self._handlers_idle = asyncio.Event()
+        self._handlers_idle.set()
+        self.ctx = zmq.asyncio.Context()
+        for role in self._roles():
+            endpoint = self.cfg.instance(role).sched_endpoint
+            if not endpoint:
+                raise ValueError(f"{role} instance has no sched_endpoint")
+            link = SchedulerLink(self.ctx, role, endpoint, self._route, self.metrics)
+            link.start()
+            self.links[role] = link
+        # the client-disconnect path relies on aiohttp cancelling the handler
+        self._runner = web.AppRunner(
+            self.app(), handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
+        await site.start()
+        port = self._runner.addresses[0][1]
+        self.url = f"http://{self.cfg.host}:{port}"
+        log.info("router (%s mode) listening on %s", self.cfg.mode, self.url)
+        if self.cfg.control_endpoint:
+            await self._announce_ready()
+
+    async def _announce_ready(self) -> None:
+        self._control = self.ctx.socket(zmq.DEALER)
+        self._control.setsockopt(zmq.LINGER, 0)
+        self._control.connect(self.cfg.control_endpoint)
+        ready = m.Ready(name="router", pid=os.getpid(), info={"url": self.url, "mode": self.cfg.mode})
+        await self._control.send(m.encode(ready))
+        self._control_task = asyncio.get_running_loop().create_task(self._control_loop())
+
+    async def _control_loop(self) -> None:
+        while True:
+            payload = (await self._control.recv_multipart())[-1]
+            try:
+                msg = m.DEC_CONTROL.decode(payload)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                log.error("undecodable control frame: %s", e)
+                continue
+            if isinstance(msg, m.Shutdown):
+                log.info("shutdown requested by supervisor (%s)", msg.reason)
+                self.request_stop()
+            elif isinstance(msg, m.Ping):
+                pong = m.Pong(name="router", pid=os.getpid(), uptime_s=time.monotonic() - self.started_mono)
+                await self._control.send(m.encode(pong))
+            else:
+                log.error("unexpected control message %s", type(msg).__name__)
+
+    def request_stop(self) -> None:
+        """Signal-safe: only sets a flag that ``run_until_stopped`` acts on."""
+        if self._stop_requested is not None:
+            self._stop_requested.set()
+
+    async def run_until_stopped(self) -> None:
+        await self._stop_requested.wait()
+        await self.stop()
+
+    async def stop(self) -> None:
+        if self.stopping:
+            await self._stopped.wait()
+            return
+        self.stopping = True
+        log.info("router stopping: %d request(s) in flight", len(self.runs))
+        for run in list(self.runs.values()):
+            run.inject_failure(503, "router shutting down")
+        try:
+            await asyncio.wait_for(self._handlers_idle.wait(), SHUTDOWN_GRACE_S)
+        except asyncio.TimeoutError:
+            log.warning("%d request(s) still in flight at shutdown", len(self.runs))
+        if self._runner is not None:
+            await self._runner.cleanup()  # closes the listening socket
+        if self._control_task is not None:
+            self._control_task.cancel()
+            try:
+                await self._control_task
+            except (asyncio.CancelledError, Exception):
+                pass
+        for link in self.links.values():
+            await link.close()
+        if self._control is not None:
+            self._control.close(0)
+        self.ctx.term()
+        self._stopped.set()
+        log.info("router stopped")
+
+    # -- routing ------------------------------------------------------------
+    def _route(self, role: str, msg: m.Msg) -> None:
+        run = self.runs.get(getattr(msg, "transfer_id", ""))
+        if run is None:
+            self.metrics.unrouted.labels(role=role).inc()
+            log.debug("%s from %s for no in-flight request transfer_id=%s",
+                      type(msg).__name__, role, getattr(msg, "transfer_id", ""))
+            return
+        run.deliver(role, msg)
+
+    # -- handlers -------------------------------------------------------------
+    async def handle_health(self, request: web.Request) -> web.Response:
+        ok = bool(self.links) and not self.stopping
+        body = {"status": "ok" if ok else "unavailable", "mode": self.cfg.mode,
+                "pull_read": self.cfg.pull_read, "in_flight": len(self.runs)}
+        return web.json_response(body, status=200 if ok else 503)
+
+    async def handle_metrics(self, request: web.Request) -> web.Response:
+        data, content_type = self.metrics.render()
+        return web.Response(body=data, headers={"Content-Type": content_type})
+
+    async def handle_abort(self, request: web.Request) -> web.Response:
+        tid = api.transfer_id_of(request.match_info["request_id"])
+        run = self.runs.get(tid)
+        if run is None:
+            return _error(404, f"no in-flight request {request.match_info['request_id']!r}", "not_found")
+        run.inject_failure(CLIENT_ABORT_STATUS, "aborted via /v1/abort")
+        return web.json_response({"id": api.completion_id(tid), "aborted": True})
+
+    async def handle_completions(self, request: web.Request) -> web.StreamResponse:
+        rec = RequestRecord(arrival=time.monotonic())
+        if self.stopping:
+            return _error(503, "router shutting down", "service_unavailable")
+        try:
+            body = api.parse_json(await request.read())
+            params = api.parse_completion(body, self.tokenizer, self.limits)
+        except api.ApiError as e:
+            rec.outcome = "rejected"
+            self.metrics.requests.labels(outcome="rejected").inc()
+            return web.json_response(e.body(), status=e.status)
+        rec.prompt_tokens = len(params.prompt_token_ids)
+        tid = uuid.uuid4().hex
+        run = RequestRun(self.cfg, self.links, tid, params.prompt_token_ids, params.max_tokens,
+                         params.stop_token_ids, rec, self.metrics)
+        self.runs[tid] = run
+        self._handlers_idle.clear()
+        self.metrics.in_flight.inc()
+        log.debug("request transfer_id=%s prompt=%d max_tokens=%d stream=%s",
+                  tid, rec.prompt_tokens, params.max_tokens, params.stream)
+        try:
+            if params.stream:
+                return await self._stream(request, run, params)
+            return await self._unary(run, params)
+        except asyncio.CancelledError:  # aiohttp cancels the handler when the client goes
+            rec.outcome = "aborted"
+            log.info("client went away transfer_id=%s", tid)
+            raise
+        finally:
+            if rec.outcome == "ok":
+                reason = "decode finished before prefill reported"  # only P can still be open
+            else:
+                rec.outcome = rec.outcome or "aborted"
+                reason = "client disconnected" if rec.outcome == "aborted" else f"request {rec.outcome}"
+            await run.close(reason)
+            self.runs.pop(tid, None)
+            self.metrics.in_flight.dec()
+            self.metrics.observe(rec, run.timeline)
+            if not self.runs:
+                self._handlers_idle.set()
+
+    def _extension(self, run: RequestRun) -> dict:
+        return {"transfer_id": run.transfer_id, "timeline": dict(sorted(run.timeline.items(), key=lambda kv: kv[1]))}
+
+    async def _unary(self, run: RequestRun, params: api.CompletionParams) -> web.Response:
+        created = api.now_s()
+        ids: list[int] = []
+        async for ev in run.events():
+            if isinstance(ev, Tokens):
+                ids.extend(ev.token_ids)
+            elif isinstance(ev, Finished):
+                run.record.outcome = "ok"
+                body = api.completion_body(
+                    run.transfer_id, created, params.model or self.cfg.model.name,
+                    api.choice(self.tokenizer.decode(ids), ids, ev.finish_reason),
+                    api.usage(len(params.prompt_token_ids), len(ids)), self._extension(run),
+                )
+                return web.json_response(body)
+            elif isinstance(ev, Failed):
+                run.record.outcome = ev.outcome
+                return _error(ev.status, ev.reason, api.error_type(ev.status))
+        raise RuntimeError("request run ended without an outcome")
+
+    async def _stream(self, request: web.Request, run: RequestRun,
+                      params: api.CompletionParams) -> web.StreamResponse:
+        created = api.now_s()
+        model = params.model or self.cfg.model.name
+        resp = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+            "X-Request-Id": api.completion_id(run.transfer_id),
+        })
+        await resp.prepare(request)
+        detok = text.IncrementalDecoder(self.tokenizer)
+        try:
+            async for ev in run.events():
+                if isinstance(ev, Tokens):
+                    chunk = api.choice(detok.push(ev.token_ids), list(ev.token_ids), None)
+                    await resp.write(api.sse(api.completion_body(run.transfer_id, created, model, chunk)))
+                elif isinstance(ev, Finished):
+                    run.record.outcome = "ok"
+                    final = api.completion_body(
+                        run.transfer_id, created, model, api.choice(detok.flush(), [], ev.finish_reason),
+                        api.usage(len(params.prompt_token_ids), len(detok.ids)), self._extension(run),
+                    )
+                    await resp.write(api.sse(final))
+                    break
+                elif isinstance(ev, Failed):
+                    run.record.outcome = ev.outcome
+                    await resp.write(api.sse(api.error_body(ev.reason, api.error_type(ev.status), ev.status)))
+                    break
+            await resp.write(api.SSE_DONE)
+            await resp.write_eof()
+        except ConnectionError:  # the client closed the stream under us
+            if run.record.outcome != "ok":
+                run.record.outcome = "aborted"
+            log.info("client went away mid-stream transfer_id=%s", run.transfer_id)
+        return resp
+
+
+def _error(status: int, message: str, type_: str) -> web.Response:
+    return web.json_response(api.error_body(message, type_, status), status=status)
+
+
+async def serve(cfg: DeploymentConfig) -> None:
+    """Run a router until SIGINT/SIGTERM or the supervisor's Shutdown."""
+    router = Router(cfg)
+    await router.start()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, router.request_stop)
+    try:
+        await router.run_until_stopped()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)

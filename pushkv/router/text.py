@@ -1,0 +1,84 @@
+"""Tokenizer adapter and incremental detokenization for the router.
+
+The model's tokenizer lives in ``pushkv.model.tokenizer``; it is imported
+lazily so the router (and its tests) work without it, falling back to a
+byte-level tokenizer: ids 0..255 are bytes, 256 is BOS, 257 is EOS.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol, Sequence
+
+log = logging.getLogger(__name__)
+
+BYTE_BOS = 256
+BYTE_EOS = 257
+REPLACEMENT = "\ufffd"  # what a decoder yields for an incomplete UTF-8 tail
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> Any: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """Bytes are tokens; specials (>= 256) decode to nothing."""
+
+    bos_token_id = BYTE_BOS
+    eos_token_id = BYTE_EOS
+    vocab_size = 258
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+def load_tokenizer(model_cfg) -> Tokenizer:
+    """The model's tokenizer, or the byte fallback when that module is absent."""
+    try:
+        from pushkv.model.tokenizer import get_tokenizer
+    except ImportError as e:
+        log.warning("pushkv.model.tokenizer unavailable (%s); using the byte-level tokenizer", e)
+        return ByteTokenizer()
+    return get_tokenizer(model_cfg)
+
+
+def encode(tok: Tokenizer, text: str) -> list[int]:
+    out = tok.encode(text)
+    ids = getattr(out, "ids", out)  # a `tokenizers.Encoding` carries .ids
+    return [int(i) for i in ids]
+
+
+class IncrementalDecoder:
+    """Turns a growing id list into text deltas without re-decoding it all.
+
+    Keeps two offsets into the ids: ``prefix`` (start of the window decoded
+    for context) and ``read`` (end of what has been emitted). A delta that
+    ends in an incomplete character is held back until the next ids arrive.
+    """
+
+    def __init__(self, tok: Tokenizer):
+        self.tok = tok
+        self.ids: list[int] = []
+        self.prefix = 0
+        self.read = 0
+
+    def push(self, new_ids: Sequence[int]) -> str:
+        self.ids.extend(new_ids)
+        return self._delta(final=False)
+
+    def flush(self) -> str:
+        return self._delta(final=True)
+
+    def _delta(self, final: bool) -> str:
+        if self.read >= len(self.ids):
+            return ""
+        before = self.tok.decode(self.ids[self.prefix:self.read])
+        full = self.tok.decode(self.ids[self.prefix:])
+        if len(full) <= len(before) or (full.endswith(REPLACEMENT) and not final):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return full[len(before):]
