@@ -1,0 +1,76 @@
+"""Which tensor-parallel rank holds and which one produces each KV head.
+
+A rank of a ``tp``-way instance holds a contiguous slice of the KV heads when
+``tp <= total_kv_heads``; beyond that, heads are replicated and each rank holds
+exactly one (rank ``r`` holds head ``r * total // tp``). When P replicates a head,
+only the lowest P rank holding it writes it to D, so every D head has exactly
+one producer and D counts exactly one completion per producer rank.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+
+def rank_heads(tp: int, rank: int, total_kv_heads: int) -> tuple[int, int]:
+    """``(first global head, count)`` held by ``rank`` of a ``tp``-way instance."""
+    if tp < 1 or total_kv_heads < 1:
+        raise ValueError(f"tp ({tp}) and total_kv_heads ({total_kv_heads}) must be >= 1")
+    if not 0 <= rank < tp:
+        raise ValueError(f"rank {rank} out of range for tp={tp}")
+    if tp <= total_kv_heads:
+        if total_kv_heads % tp:
+            raise ValueError(f"tp={tp} does not divide total_kv_heads={total_kv_heads}")
+        per = total_kv_heads // tp
+        return rank * per, per
+    if tp % total_kv_heads:
+        raise ValueError(
+            f"tp={tp} > total_kv_heads={total_kv_heads} needs tp to be a multiple of it"
+        )
+    return rank * total_kv_heads // tp, 1
+
+
+def producer_of(head: int, p_tp: int, total_kv_heads: int) -> int:
+    """The one P rank that writes global ``head`` (lowest rank holding it)."""
+    if not 0 <= head < total_kv_heads:
+        raise ValueError(f"head {head} out of range for total_kv_heads={total_kv_heads}")
+    rank_heads(p_tp, 0, total_kv_heads)  # validates p_tp
+    if p_tp <= total_kv_heads:
+        return head // (total_kv_heads // p_tp)
+    return head * (p_tp // total_kv_heads)
+
+
+def producers_for(d_rank: int, d_tp: int, p_tp: int, total_kv_heads: int) -> list[int]:
+    """P ranks that write into D rank ``d_rank`` (ascending, each once)."""
+    start, count = rank_heads(d_tp, d_rank, total_kv_heads)
+    out: list[int] = []
+    for h in range(start, start + count):
+        p = producer_of(h, p_tp, total_kv_heads)
+        if not out or out[-1] != p:
+            out.append(p)
+    return out
+
+
+def consumers_for(p_rank: int, p_tp: int, d_tp: int, total_kv_heads: int) -> list[int]:
+    """D ranks that P rank ``p_rank`` writes into, every D replica included (ascending)."""
+    rank_heads(p_tp, p_rank, total_kv_heads)  # validates p_rank
+    return [
+        d for d in range(d_tp) if p_rank in producers_for(d, d_tp, p_tp, total_kv_heads)
+    ]
+
+
+def head_overlap(
+    p_rank: int, p_tp: int, d_rank: int, d_tp: int, total_kv_heads: int
+) -> Optional[tuple[int, int]]:
+    """Global ``(start, count)`` of D rank's heads that ``p_rank`` produces, or None.
+
+    Producers are monotone in the head index, so the heads form one range.
+    """
+    rank_heads(p_tp, p_rank, total_kv_heads)
+    start, count = rank_heads(d_tp, d_rank, total_kv_heads)
+    mine = [
+        h for h in range(start, start + count)
+        if producer_of(h, p_tp, total_kv_heads) == p_rank
+    ]
+    if not mine:
+        return None
+    return mine[0], len(mine)
