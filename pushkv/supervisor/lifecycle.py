@@ -1,0 +1,136 @@
+"""OS-level process handling: spawn, watch, stop, reap, clean up.
+
+Children die with the supervisor (PR_SET_PDEATHSIG=SIGKILL). Exits are
+watched through pidfds so they sit in the same poller as the sockets.
+"""
+from __future__ import annotations
+
+import ctypes
+import glob
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from typing import Optional, Sequence
+
+log = logging.getLogger(__name__)
+
+PR_SET_PDEATHSIG = 1
+SHM_DIR = "/dev/shm"
+_LIBC = ctypes.CDLL(None, use_errno=True)  # loaded before fork: preexec_fn must not import
+
+# So ``python -m processes.<kind>`` resolves to this checkout even when the
+# supervisor was started from another working directory.
+PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Runs in the child between fork and exec."""
+    if _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        os._exit(127)
+    if os.getppid() != parent_pid:  # parent died before prctl took effect
+        os._exit(127)
+
+
+def child_env(name: str, deployment_id: str, base: Optional[dict] = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    env["PUSHKV_NAME"] = name
+    env["PUSHKV_DEPLOYMENT_ID"] = deployment_id
+    env["PYTHONUNBUFFERED"] = "1"
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if PROJECT_ROOT not in paths:
+        env["PYTHONPATH"] = os.pathsep.join([PROJECT_ROOT] + paths)
+    return env
+
+
+def spawn(argv: Sequence[str], env: dict[str, str]) -> subprocess.Popen:
+    """Start a child; its stdout goes to our stderr so our stdout stays parseable."""
+    parent = os.getpid()
+    return subprocess.Popen(
+        list(argv), env=env, stdin=subprocess.DEVNULL, stdout=sys.stderr.fileno(),
+        close_fds=True, preexec_fn=lambda: _die_with_parent(parent),
+    )
+
+
+def signal_child(proc: subprocess.Popen, sig: int) -> None:
+    if proc.returncode is None:
+        try:
+            proc.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
+
+def stop_all(procs: Sequence[subprocess.Popen], grace_s: float, deadline_s: float) -> list[subprocess.Popen]:
+    """Wait ``grace_s`` for voluntary exits, SIGTERM, wait to ``deadline_s``
+    (one deadline for all), SIGKILL the rest, reap. Returns the killed ones."""
+    start = time.monotonic()
+    _join(procs, start + grace_s)
+    for p in procs:
+        signal_child(p, signal.SIGTERM)
+    _join(procs, start + deadline_s)
+    killed = [p for p in procs if p.returncode is None]
+    for p in killed:
+        signal_child(p, signal.SIGKILL)
+    for p in killed:
+        p.wait()
+    return killed
+
+
+def _join(procs: Sequence[subprocess.Popen], deadline: float) -> None:
+    for p in procs:
+        left = deadline - time.monotonic()
+        try:
+            p.wait(timeout=max(left, 0.0))
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def shm_leftovers(deployment_id: str, shm_dir: str = SHM_DIR) -> list[str]:
+    if not deployment_id:
+        return []
+    return sorted(glob.glob(os.path.join(shm_dir, f"pushkv-{glob.escape(deployment_id)}-*")))
+
+
+def cleanup(deployment_id: str, run_dir: str, shm_dir: str = SHM_DIR) -> list[str]:
+    """Unlink the deployment's shared memory and delete its run dir."""
+    removed = []
+    for path in shm_leftovers(deployment_id, shm_dir):
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            log.error("could not unlink %s: %s", path, e)
+    if removed:
+        log.info("unlinked %d leftover shared memory segment(s): %s", len(removed), " ".join(removed))
+    if run_dir and os.path.isdir(run_dir):
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return removed
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def wait_pid_exit(pid: int, timeout_s: float) -> bool:
+    """Wait for any process (not only our child) to exit, via a pidfd."""
+    import select
+
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], timeout_s)[0])
+    finally:
+        os.close(fd)

@@ -1,0 +1,152 @@
+"""Deployment planning: ids, run dir, endpoints, and the list of processes.
+
+Pure apart from picking free TCP ports; the port picker is injectable so
+tests get deterministic plans.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from typing import Callable, Iterator, Optional
+
+import msgspec
+
+from pushkv.config import DeploymentConfig, InstanceConfig, ipc, new_deployment_id
+
+RUN_ROOT = "/tmp"
+LOOPBACK = "127.0.0.1"
+TRACE_AUTO = "auto"  # trace_endpoint placeholder: an ipc socket in run_dir
+
+# Start stages: every process of a stage is ready before the next stage starts.
+# A worker maps the pool its writer owns, a scheduler talks to ready workers
+# and writers, the router to ready schedulers.
+KIND_STAGE = {"writer": 0, "worker": 1, "scheduler": 2, "router": 3}
+
+PortPicker = Callable[[], int]
+
+
+def free_tcp_port(host: str = LOOPBACK) -> int:
+    """A port the kernel considers free right now (bind to 0, read, close)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _unique_ports(pick: PortPicker) -> Iterator[int]:
+    seen: set[int] = set()
+    while True:
+        port = pick()
+        if port in seen:  # the kernel may hand back a just-closed port
+            continue
+        seen.add(port)
+        yield port
+
+
+def _plan_instance(inst: InstanceConfig, dep_id: str, run_dir: str, ports: Iterator[int]) -> InstanceConfig:
+    role, tp = inst.role, inst.tp
+    if tp < 1:
+        raise ValueError(f"{role}: tp must be >= 1, got {tp}")
+
+    def per_rank(given: tuple[str, ...], make: Callable[[int], str], what: str) -> tuple[str, ...]:
+        if given:
+            if len(given) != tp:
+                raise ValueError(f"{role}: {len(given)} {what} for tp={tp}")
+            return given
+        return tuple(make(r) for r in range(tp))
+
+    dist_init = inst.dist_init
+    if not dist_init and tp > 1:
+        dist_init = f"tcp://{LOOPBACK}:{next(ports)}"
+    return msgspec.structs.replace(
+        inst,
+        engine_id=inst.engine_id or f"{role}-{dep_id}",
+        sched_endpoint=inst.sched_endpoint or ipc(run_dir, f"{role}-scheduler.sock"),
+        worker_endpoints=per_rank(inst.worker_endpoints, lambda r: ipc(run_dir, f"{role}-worker-{r}.sock"), "worker endpoints"),
+        writer_endpoints=per_rank(inst.writer_endpoints, lambda r: ipc(run_dir, f"{role}-writer-{r}.sock"), "writer endpoints"),
+        handshake_endpoints=per_rank(
+            inst.handshake_endpoints, lambda r: f"tcp://{LOOPBACK}:{next(ports)}", "handshake endpoints"
+        ),
+        dist_init=dist_init,
+    )
+
+
+def plan_deployment(
+    cfg: DeploymentConfig, pick_port: PortPicker = free_tcp_port, run_root: str = RUN_ROOT
+) -> DeploymentConfig:
+    """Fill every id, directory and endpoint left empty in ``cfg``.
+
+    Fields already set are kept (a config file may pin them). Only the
+    instances the mode uses are planned.
+    """
+    if cfg.mode not in ("push", "pull", "local"):
+        raise ValueError(f"unknown mode {cfg.mode!r}; expected push, pull or local")
+    dep_id = cfg.deployment_id or new_deployment_id()
+    run_dir = cfg.run_dir or os.path.join(run_root, f"pushkv-{dep_id}")
+    ports = _unique_ports(pick_port)
+    changes: dict = {
+        "deployment_id": dep_id,
+        "run_dir": run_dir,
+        "control_endpoint": cfg.control_endpoint or ipc(run_dir, "control.sock"),
+        "events_endpoint": cfg.events_endpoint or ipc(run_dir, "events.sock"),
+    }
+    if cfg.trace_endpoint == TRACE_AUTO:
+        changes["trace_endpoint"] = ipc(run_dir, "trace.sock")
+    for inst in cfg.instances():
+        changes[inst.role] = _plan_instance(inst, dep_id, run_dir, ports)
+    return msgspec.structs.replace(cfg, **changes)
+
+
+class ProcessSpec(msgspec.Struct, frozen=True):
+    name: str  # "prefill-writer-0", "local-scheduler", "router"
+    kind: str  # "writer" | "worker" | "scheduler" | "router"
+    role: str  # "prefill" | "decode" | "local" | "" (router)
+    rank: int  # TP rank; 0 for scheduler and router
+    argv: tuple[str, ...]
+    stage: int  # start stage (KIND_STAGE)
+
+
+def config_path(cfg: DeploymentConfig) -> str:
+    return os.path.join(cfg.run_dir, "config.json")
+
+
+def child_argv(kind: str, config_file: str, role: Optional[str] = None, rank: int = 0) -> tuple[str, ...]:
+    argv = [sys.executable, "-m", f"processes.{kind}", "--config", config_file]
+    if role is not None:
+        argv += ["--role", role, "--rank", str(rank)]
+    return tuple(argv)
+
+
+def process_specs(cfg: DeploymentConfig) -> list[ProcessSpec]:
+    """Every child of a planned deployment, in start order."""
+    if not cfg.run_dir:
+        raise ValueError("process_specs needs a planned config (run_dir is empty)")
+    path = config_path(cfg)
+    specs: list[ProcessSpec] = []
+    for inst in cfg.instances():
+        role = inst.role
+        for kind in ("writer", "worker"):
+            for r in range(inst.tp):
+                specs.append(ProcessSpec(
+                    name=f"{role}-{kind}-{r}", kind=kind, role=role, rank=r,
+                    argv=child_argv(kind, path, role, r), stage=KIND_STAGE[kind],
+                ))
+        specs.append(ProcessSpec(
+            name=f"{role}-scheduler", kind="scheduler", role=role, rank=0,
+            argv=child_argv("scheduler", path, role, 0), stage=KIND_STAGE["scheduler"],
+        ))
+    specs.append(ProcessSpec(
+        name="router", kind="router", role="", rank=0,
+        argv=child_argv("router", path), stage=KIND_STAGE["router"],
+    ))
+    return specs
+
+
+def event_topic(spec_name: str, event: str) -> str:
+    """``prefill-writer-0`` + ``exit`` -> ``pushkv.prefill.writer.exit``."""
+    parts = spec_name.split("-")
+    if len(parts) >= 2:
+        head = ".".join(parts[:2])  # role.kind; the rank is in the payload
+    else:
+        head = parts[0]
+    return f"pushkv.{head}.{event}"

@@ -1,0 +1,63 @@
+"""One small JSON file per running deployment, so ``pushkv status`` / ``stop``
+can find supervisors. Directory: $PUSHKV_REGISTRY_DIR or /tmp/pushkv-deployments."""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import msgspec
+
+DEFAULT_DIR = "/tmp/pushkv-deployments"
+
+
+class DeploymentRecord(msgspec.Struct):
+    deployment_id: str
+    pid: int  # supervisor
+    control_endpoint: str
+    events_endpoint: str
+    router_url: str
+    run_dir: str
+    mode: str
+    started_wall: float
+    trace_endpoint: str = ""
+
+
+def registry_dir() -> str:
+    return os.environ.get("PUSHKV_REGISTRY_DIR", DEFAULT_DIR)
+
+
+def record_path(deployment_id: str, directory: Optional[str] = None) -> str:
+    return os.path.join(directory or registry_dir(), f"{deployment_id}.json")
+
+
+def write_record(rec: DeploymentRecord, directory: Optional[str] = None) -> str:
+    path = record_path(rec.deployment_id, directory)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(msgspec.json.encode(rec))
+    os.replace(tmp, path)  # readers never see a half-written file
+    return path
+
+
+def remove_record(deployment_id: str, directory: Optional[str] = None) -> None:
+    try:
+        os.unlink(record_path(deployment_id, directory))
+    except FileNotFoundError:
+        pass
+
+
+def list_records(directory: Optional[str] = None) -> list[DeploymentRecord]:
+    d = directory or registry_dir()
+    if not os.path.isdir(d):
+        return []
+    out = []
+    for fn in sorted(os.listdir(d)):
+        if not fn.endswith(".json"):
+            continue
+        try:
+            with open(os.path.join(d, fn), "rb") as f:
+                out.append(msgspec.json.decode(f.read(), type=DeploymentRecord))
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+            continue  # half-removed or foreign file
+    return out

@@ -1,0 +1,368 @@
+"""The supervisor actor: start a deployment, watch it, stop it.
+
+Phases: *starting* (spawn stage by stage, each child NEW -> STARTED -> READY,
+one overall deadline, a child's exit fails startup at once), *running*
+(Ping/Pong health, restart or shut down on a child's death, control
+commands), *stopping* (Shutdown, SIGTERM, one deadline, SIGKILL, reap, unlink
+shared memory, delete the run dir). Child exits arrive as pidfds in the same
+poller as the control socket.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Callable, Optional, Sequence, TextIO
+
+import zmq
+
+from pushkv import messages as m
+from pushkv.actor import Actor
+from pushkv.config import DeploymentConfig, encode_config
+from pushkv.supervisor import commands as c
+from pushkv.supervisor import lifecycle, registry
+from pushkv.supervisor.plan import ProcessSpec, config_path, event_topic, process_specs
+from pushkv.supervisor.table import (
+    HEALTH_TIMEOUT_S, Event, IllegalTransition, ProcessTable, RestartPolicy, Row, State, describe_exit,
+)
+
+log = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 10.0
+STOP_GRACE_FRACTION = 0.3  # of the stop deadline: time for children to obey Shutdown before SIGTERM
+PING_INTERVAL_S = 2.0
+ON_CHILD_EXIT = ("restart", "shutdown")
+
+ArgvHook = Callable[[ProcessSpec], Sequence[str]]
+
+
+class Supervisor(Actor):
+    def __init__(
+        self,
+        cfg: DeploymentConfig,
+        *,
+        child_argv: Optional[ArgvHook] = None,
+        on_child_exit: str = "restart",
+        restart_policy: RestartPolicy = RestartPolicy(),
+        startup_timeout_s: float = STARTUP_TIMEOUT_S,
+        stop_timeout_s: float = STOP_TIMEOUT_S,
+        ping_interval_s: float = PING_INTERVAL_S,
+        health_timeout_s: float = HEALTH_TIMEOUT_S,
+        registry_dir: Optional[str] = None,
+        write_registry: bool = True,
+        out: TextIO = sys.stdout,
+    ):
+        if not cfg.run_dir or not cfg.control_endpoint:
+            raise ValueError("Supervisor needs a planned config (see plan_deployment)")
+        if on_child_exit not in ON_CHILD_EXIT:
+            raise ValueError(f"on_child_exit must be one of {ON_CHILD_EXIT}, got {on_child_exit!r}")
+        # No control endpoint for the base: this process *is* the control endpoint.
+        super().__init__("supervisor")
+        self.cfg = cfg
+        self.specs = process_specs(cfg)
+        self.table = ProcessTable(self.specs)
+        self.child_argv = child_argv or (lambda spec: spec.argv)
+        self.on_child_exit = on_child_exit
+        self.policy = restart_policy
+        self.startup_timeout_s = startup_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self.ping_interval_s = ping_interval_s
+        self.health_timeout_s = health_timeout_s
+        self.registry_dir = registry_dir
+        self.write_registry = write_registry
+        self.out = out
+        self.router_url = f"http://{cfg.host}:{cfg.port}"
+        self.phase = "new"  # new | starting | running | stopping | stopped
+        self.exit_code = 0
+        self.failure = ""
+        self.procs: dict[str, subprocess.Popen] = {}
+        self._pidfds: dict[str, int] = {}
+        self._restart_requested: set[str] = set()
+        self._unhealthy: set[str] = set()
+        self._stages = sorted({s.stage for s in self.specs})
+        self._stage_idx = 0
+        self._startup_deadline = 0.0
+        self._next_ping = 0.0
+        self._control: Optional[zmq.Socket] = None  # ROUTER, shadows the base's unused DEALER slot
+        self._events: Optional[zmq.Socket] = None
+
+    # ------------------------------------------------------------------
+    # start phase
+    # ------------------------------------------------------------------
+    def setup(self) -> None:
+        now = time.monotonic()
+        os.makedirs(self.cfg.run_dir, mode=0o700)  # fresh: fails if it exists
+        self.phase = "starting"  # from here on, teardown owns run_dir
+        with open(config_path(self.cfg), "wb") as f:
+            f.write(encode_config(self.cfg))
+        self._control = self.socket(zmq.ROUTER, self.cfg.control_endpoint, bind=True)
+        self.add_channel(self._control, c.DEC_SUPERVISOR_IN, "control", routed=True)
+        self._events = self.socket(zmq.PUB, self.cfg.events_endpoint, bind=True)
+        if self.write_registry:
+            registry.write_record(registry.DeploymentRecord(
+                deployment_id=self.cfg.deployment_id, pid=os.getpid(),
+                control_endpoint=self.cfg.control_endpoint, events_endpoint=self.cfg.events_endpoint,
+                router_url=self.router_url, run_dir=self.cfg.run_dir, mode=self.cfg.mode,
+                started_wall=time.time(), trace_endpoint=self.cfg.trace_endpoint,
+            ), self.registry_dir)
+        log.info("deployment %s (%s mode): %d processes, run dir %s", self.cfg.deployment_id,
+                 self.cfg.mode, len(self.specs), self.cfg.run_dir)
+        self._startup_deadline = now + self.startup_timeout_s
+        self._spawn_stage(now)
+
+    def _spawn_stage(self, now: float) -> None:
+        stage = self._stages[self._stage_idx]
+        for spec in self.specs:
+            if spec.stage == stage:
+                self._spawn(spec.name, now)
+
+    def _spawn(self, name: str, now: float) -> None:
+        row = self.table[name]
+        argv = list(self.child_argv(row.spec))
+        env = lifecycle.child_env(name, self.cfg.deployment_id)
+        try:
+            proc = lifecycle.spawn(argv, env)
+        except OSError as e:
+            self._fail(f"{name}: could not start {argv[0]!r}: {e}")
+            return
+        self.procs[name] = proc
+        restart = row.state is State.EXITED
+        self.table.spawned(name, proc.pid, now, time.time())
+        fd = os.pidfd_open(proc.pid)
+        self._pidfds[name] = fd
+        self.add_fd(fd, lambda name=name: self._on_child_exit(name))
+        log.info("%s %s (pid %d)", "restarted" if restart else "started", name, proc.pid)
+        self._publish(name, "restart" if restart else "spawn", row)
+
+    def _advance(self, now: float) -> None:
+        """Starting phase: next stage once this one is ready; running once all are."""
+        while self.phase == "starting" and self.table.all_ready(self._stages[self._stage_idx]):
+            self._stage_idx += 1
+            if self._stage_idx == len(self._stages):
+                self._now_running(now)
+            else:
+                self._spawn_stage(now)
+
+    def _now_running(self, now: float) -> None:
+        self.phase = "running"
+        self._next_ping = now + self.ping_interval_s
+        log.info("deployment %s ready: %s", self.cfg.deployment_id, self.router_url)
+        self._publish("deployment", "ready", detail=self.router_url)
+        print(self.router_url, file=self.out, flush=True)
+        print("READY", file=self.out, flush=True)
+
+    # ------------------------------------------------------------------
+    # messages on the control socket
+    # ------------------------------------------------------------------
+    def on_Ready(self, msg: m.Ready, identity: bytes) -> None:
+        row = self.table.get(msg.name)
+        if row is None:
+            self.counters["unknown_ready"] += 1
+            log.error("Ready from unknown process %r (pid %d)", msg.name, msg.pid)
+            return
+        if msg.pid != row.pid:
+            log.warning("%s: Ready carries pid %d, spawned pid is %d", msg.name, msg.pid, row.pid)
+        try:
+            self.table.ready(msg.name, identity, msg.info, time.monotonic())
+        except IllegalTransition as e:
+            self.counters["late_ready"] += 1
+            log.error("%s", e)
+            return
+        log.info("%s ready (pid %d)", msg.name, row.pid)
+        self._publish(msg.name, "ready", row)
+        self._advance(time.monotonic())
+
+    def on_Pong(self, msg: m.Pong, identity: bytes) -> None:
+        row = self.table.get(msg.name)
+        if row is None or row.identity != identity:
+            self.counters["stray_pong"] += 1
+            return
+        self.table.pong(msg.name, time.monotonic())
+        if msg.name in self._unhealthy:
+            self._unhealthy.discard(msg.name)
+            log.info("%s answers pings again", msg.name)
+            self._publish(msg.name, "healthy", row)
+
+    def on_ControlCommand(self, msg: c.ControlCommand, identity: bytes) -> None:
+        self._reply(identity, c.dispatch(self, msg, time.monotonic()))
+
+    def on_bad_frame(self, ch, identity, reason) -> None:
+        if identity is not None:  # a REQ client waits for an answer
+            self._reply(identity, c.ControlReply(command="", status=c.ERROR, reason=f"bad request: {reason}"))
+
+    def on_handler_error(self, ch, identity, msg) -> None:
+        if isinstance(msg, c.ControlCommand) and identity is not None:
+            self._reply(identity, c.ControlReply(command=msg.command, status=c.ERROR, reason="handler failed"))
+
+    def _reply(self, identity: bytes, reply: c.ControlReply) -> None:
+        # REQ envelope: identity, empty delimiter, body
+        self._control.send_multipart([identity, b"", m.encode(reply)])
+
+    # ------------------------------------------------------------------
+    # CommandContext
+    # ------------------------------------------------------------------
+    def deployment_info(self) -> dict[str, str]:
+        return {
+            "deployment_id": self.cfg.deployment_id, "mode": self.cfg.mode, "phase": self.phase,
+            "router_url": self.router_url, "run_dir": self.cfg.run_dir,
+            "control_endpoint": self.cfg.control_endpoint, "events_endpoint": self.cfg.events_endpoint,
+            "trace_endpoint": self.cfg.trace_endpoint, "supervisor_pid": str(os.getpid()),
+            "on_child_exit": self.on_child_exit,
+        }
+
+    def request_stop(self, reason: str) -> None:
+        log.info("stop requested: %s", reason)
+        self.stopping = True
+
+    def request_restart(self, name: str, reason: str) -> Optional[str]:
+        if self.phase != "running":
+            return f"cannot restart during phase {self.phase}"
+        row = self.table[name]
+        if row.state not in (State.STARTED, State.READY):
+            return f"{name} is {row.state.value}"
+        log.info("restarting %s (pid %d): %s", name, row.pid, reason)
+        self._restart_requested.add(name)
+        self._stop_child(row)
+        return None
+
+    def _stop_child(self, row: Row) -> None:
+        if row.identity is not None:
+            self._control.send_multipart([row.identity, m.encode(m.Shutdown(reason="supervisor"))])
+        self.table.apply(row.name, Event.STOP)
+        lifecycle.signal_child(self.procs[row.name], signal.SIGTERM)
+
+    # ------------------------------------------------------------------
+    # child exits (pidfd readable)
+    # ------------------------------------------------------------------
+    def _on_child_exit(self, name: str) -> None:
+        now = time.monotonic()
+        proc = self.procs[name]
+        code = proc.wait()  # already a zombie: returns at once
+        self._unwatch(name)
+        row = self.table[name]
+        pid = row.pid
+        self.table.exited(name, code)
+        self._unhealthy.discard(name)
+        how = describe_exit(code)
+        if name in self._restart_requested:
+            self._restart_requested.discard(name)
+            log.info("%s (pid %d) stopped for restart: %s", name, pid, how)
+            self._publish(name, "exit", row, detail=how)
+            self._spawn(name, now)
+            return
+        log.error("%s (pid %d) died: %s", name, pid, how)
+        self._publish(name, "exit", row, detail=how)
+        if self.phase == "starting":
+            self._fail(f"startup failed: {name} (pid {pid}) exited during startup: {how}")
+        elif self.on_child_exit == "shutdown":
+            self._fail(f"{name} (pid {pid}) died ({how}); --on-child-exit shutdown")
+        elif not self.policy.allows(row, now):
+            self._fail(f"{name} (pid {pid}) died ({how}) after {self.policy.max_restarts} restarts "
+                       f"within {self.policy.window_s:.0f} s; giving up")
+        else:
+            self._spawn(name, now)
+
+    def _unwatch(self, name: str) -> None:
+        fd = self._pidfds.pop(name, None)
+        if fd is None:
+            return
+        self.poller.unregister(fd)
+        self._extra_fds.pop(fd, None)  # base has add_fd but no remove_fd yet
+        os.close(fd)
+
+    def _fail(self, reason: str) -> None:
+        if not self.failure:
+            self.failure = reason
+        self.exit_code = 1
+        log.error("%s", reason)
+        print(f"FAILED: {reason}", file=sys.stderr, flush=True)
+        self._publish("deployment", "failed", detail=reason)
+        self.stopping = True
+
+    # ------------------------------------------------------------------
+    # run phase: deadlines and health
+    # ------------------------------------------------------------------
+    def tick(self, now: float) -> None:
+        if self.phase == "starting":
+            if now > self._startup_deadline:
+                waiting = [r.name for r in self.table.in_state(State.NEW, State.STARTED)]
+                self._fail(f"startup failed: not ready after {self.startup_timeout_s:.0f} s: {', '.join(waiting)}")
+            return
+        if self.phase != "running":
+            return
+        for row in self.table.in_state(State.STARTED):  # a restarted child that never gets ready
+            if now - row.started_at > self.startup_timeout_s:
+                log.error("%s (pid %d) not ready %.0f s after restart; killing it", row.name, row.pid,
+                          self.startup_timeout_s)
+                lifecycle.signal_child(self.procs[row.name], signal.SIGKILL)
+        if now >= self._next_ping:
+            self._next_ping = now + self.ping_interval_s
+            self._ping_all(now)
+
+    def _ping_all(self, now: float) -> None:
+        ping = m.encode(m.Ping())
+        for row in self.table.in_state(State.READY):
+            if row.identity is not None:
+                self._control.send_multipart([row.identity, ping])
+            if not row.healthy(now, self.health_timeout_s) and row.name not in self._unhealthy:
+                self._unhealthy.add(row.name)
+                log.warning("%s (pid %d) has not answered pings for %.1f s", row.name, row.pid,
+                            now - max(row.last_pong, row.ready_at))
+                self._publish(row.name, "unhealthy", row)
+        self._publish("supervisor", "heartbeat")
+
+    # ------------------------------------------------------------------
+    # stop phase
+    # ------------------------------------------------------------------
+    def teardown(self) -> None:
+        was = self.phase
+        self.phase = "stopping"
+        self._publish("deployment", "stopping", detail=self.failure)
+        for name in list(self._pidfds):
+            self._unwatch(name)
+        live = [r for r in reversed(list(self.table)) if r.name in self.procs and self.procs[r.name].returncode is None]
+        for row in live:  # router first, writers (pool owners) last
+            if row.identity is not None and self._control is not None:
+                self._control.send_multipart([row.identity, m.encode(m.Shutdown(reason=self.failure or "stop"))])
+            if row.state in (State.STARTED, State.READY):
+                self.table.apply(row.name, Event.STOP)
+        procs = [self.procs[r.name] for r in live]
+        killed = lifecycle.stop_all(procs, self.stop_timeout_s * STOP_GRACE_FRACTION, self.stop_timeout_s)
+        for row in live:
+            code = self.procs[row.name].returncode
+            if row.state is State.STOPPING:
+                self.table.exited(row.name, code)
+            self._publish(row.name, "exit", row, detail=describe_exit(code))
+        if killed:
+            names = [r.name for r in live if self.procs[r.name] in killed]
+            log.error("killed after %.0f s stop deadline: %s", self.stop_timeout_s, ", ".join(names))
+        if self._events is not None:
+            self._events.close(0)
+            self._events = None
+        if was != "new":
+            lifecycle.cleanup(self.cfg.deployment_id, self.cfg.run_dir)
+        if self.write_registry:
+            registry.remove_record(self.cfg.deployment_id, self.registry_dir)
+        self.phase = "stopped"
+        log.info("deployment %s stopped (exit code %d)", self.cfg.deployment_id, self.exit_code)
+
+    # ------------------------------------------------------------------
+    def _publish(self, name: str, event: str, row: Optional[Row] = None, detail: str = "") -> None:
+        if self._events is None:
+            return
+        topic = f"pushkv.{name}.{event}" if row is None else event_topic(name, event)
+        ev = c.LifecycleEvent(
+            name=name, event=event, pid=row.pid if row else os.getpid(), detail=detail,
+            restarts=row.restarts if row else 0, t_wall=time.time(),
+        )
+        self._events.send_multipart([topic.encode(), m.encode(ev)])
+
+    def serve(self) -> int:
+        """Run all three phases; the process exit code."""
+        self.run()
+        return self.exit_code
+
