@@ -29,6 +29,7 @@ class Channel:
     """A socket with its decoder and the peer name used in logs and traces."""
 
     def __init__(self, sock: zmq.Socket, decoder: msgspec.msgpack.Decoder, peer: str, routed: bool):
+        self.index = 0  # e.g. the TP rank of the peer
         self.sock = sock
         self.decoder = decoder
         self.peer = peer
@@ -52,6 +53,7 @@ class Actor:
         self._trace: Optional[zmq.Socket] = None
         self._handlers: dict[type, Callable[..., Any]] = {}
         self._extra_fds: dict[int, Callable[[], None]] = {}
+        self.current: Optional[Channel] = None  # channel of the message being handled
 
     # -- lifecycle hooks -------------------------------------------------
     def setup(self) -> None:
@@ -155,6 +157,7 @@ class Actor:
                 self.counters["unexpected_msg"] += 1
                 log.error("%s: unexpected %s from %s", self.name, type(msg).__name__, ch.peer)
                 continue
+            self.current = ch
             try:
                 handler(msg, identity) if ch.routed else handler(msg)
             except Exception:  # a failing handler must not kill the loop

@@ -1,0 +1,342 @@
+"""Scheduler actor: admission, block allocation, continuous batching, request
+state. Never touches KV bytes: workers compute into the pool, writers move it.
+
+One class serves the three roles (prefill / decode / local); the role decides
+what happens after admission and after the prefill step.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+import zmq
+
+from pushkv import messages as m
+from pushkv.actor import Actor
+from pushkv.config import DeploymentConfig, InstanceConfig
+from pushkv.protocol.allocator import BlockAllocator
+from pushkv.scheduler.requests import Request, State, build_batch
+
+log = logging.getLogger(__name__)
+
+
+class Scheduler(Actor):
+    def __init__(self, cfg: DeploymentConfig, inst: InstanceConfig):
+        super().__init__(f"{inst.role}-scheduler", cfg.control_endpoint, cfg.trace_endpoint)
+        self.cfg = cfg
+        self.inst = inst
+        self.role = inst.role
+        self.alloc = BlockAllocator(inst.num_blocks)
+        self.reqs: dict[tuple[str, int], Request] = {}
+        self.by_tid: dict[str, Request] = {}
+        self.waiting: list[Request] = []
+        self.next_seq = 1
+        self.step_id = 0
+        self.step: Optional[list[tuple[Request, m.SeqWork]]] = None
+        self.step_started = 0.0
+        self.step_answers: dict[int, m.Msg] = {}
+        self.blocked_on: Optional[tuple[str, int]] = None  # pull inline: engine stalls on a READ
+        self.max_len = cfg.max_model_len or cfg.model.max_position
+        self.vocab = cfg.model.vocab_size
+
+    # -- lifecycle ---------------------------------------------------------------
+    def setup(self) -> None:
+        front = self.socket(zmq.ROUTER, self.inst.sched_endpoint, bind=True)
+        self.front = self.add_channel(front, m.DEC_ROUTER_TO_SCHED, "router", routed=True)
+        self.workers = []
+        for r, ep in enumerate(self.inst.worker_endpoints):
+            ch = self.add_channel(self.socket(zmq.DEALER, ep, bind=False), m.DEC_WORKER_TO_SCHED, f"{self.role}-worker-{r}")
+            ch.index = r
+            self.workers.append(ch)
+        self.writers = []
+        for r, ep in enumerate(self.inst.writer_endpoints):
+            ch = self.add_channel(self.socket(zmq.DEALER, ep, bind=False), m.DEC_WRITER_TO_SCHED, f"{self.role}-writer-{r}")
+            ch.index = r
+            self.writers.append(ch)
+
+    def teardown(self) -> None:
+        for r in list(self.reqs.values()):
+            self._reply(r, m.RequestFailed(r.transfer_id, r.generation, "scheduler shutting down", 503))
+
+    # -- helpers --------------------------------------------------------------------
+    def _reply(self, r: Request, msg: m.Msg) -> None:
+        self.send(self.front, msg, r.identity)
+
+    def _stamp(self, r: Request, stage: str) -> None:
+        r.timeline[stage] = time.time()
+        self.trace_event(stage, r.transfer_id)
+
+    def _timeline(self, r: Request) -> tuple[tuple[str, float], ...]:
+        return tuple(sorted(r.timeline.items(), key=lambda kv: kv[1]))
+
+    def _release(self, r: Request) -> None:
+        """The request is over: free its blocks exactly once and forget it."""
+        if r.blocks:
+            self.alloc.free(r.blocks)
+            r.blocks = []
+        r.state = State.DONE
+        self.reqs.pop(r.key, None)
+        if self.by_tid.get(r.transfer_id) is r:
+            del self.by_tid[r.transfer_id]
+        if r in self.waiting:
+            self.waiting.remove(r)
+        if self.blocked_on == r.key:
+            self.blocked_on = None
+
+    def _fail(self, r: Request, reason: str, status: int = 500) -> None:
+        self.counters["requests_failed"] += 1
+        log.warning("%s: request failed: %s transfer_id=%s", self.name, reason, r.transfer_id)
+        self._reply(r, m.RequestFailed(r.transfer_id, r.generation, reason, status))
+        self._release(r)
+
+    def _to_writers(self, msg: m.Msg) -> None:
+        for ch in self.writers:
+            self.send(ch, msg)
+
+    # -- from the router --------------------------------------------------------------
+    def _validate(self, msg: m.Generate) -> Optional[tuple[str, int]]:
+        if msg.leg != self.role:
+            return f"{self.role} instance cannot serve a {msg.leg!r} leg", 400
+        if not msg.prompt_token_ids:
+            return "empty prompt", 400
+        if msg.max_tokens < 1:
+            return "max_tokens must be >= 1", 400
+        bad = [t for t in msg.prompt_token_ids if not 0 <= t < self.vocab]
+        if bad:
+            return f"token id {bad[0]} outside the vocabulary (size {self.vocab})", 400
+        if len(msg.prompt_token_ids) + msg.max_tokens > self.max_len:
+            return f"prompt ({len(msg.prompt_token_ids)}) + max_tokens ({msg.max_tokens}) exceeds max model length {self.max_len}", 400
+        if self.role == "decode" and msg.source is None and msg.pull is None:
+            return "decode leg without a KV source", 400
+        return None
+
+    def on_Generate(self, msg: m.Generate, identity: bytes) -> None:
+        err = self._validate(msg)
+        if err is None:
+            old = self.by_tid.get(msg.transfer_id)
+            if old is not None and old.generation >= msg.generation:
+                err = (f"duplicate transfer id {msg.transfer_id} (generation {msg.generation})", 409)
+            elif old is not None:  # reissue: the new generation replaces the old
+                self.counters["reissued"] += 1
+                self._abort(old, f"superseded by generation {msg.generation}", notify=True)
+        if err is not None:
+            self.counters["rejected"] += 1
+            self.send(self.front, m.RequestFailed(msg.transfer_id, msg.generation, err[0], err[1]), identity)
+            return
+        r = Request(msg.transfer_id, msg.generation, msg.leg, msg.prompt_token_ids, msg.max_tokens, identity,
+                    frozenset(msg.stop_token_ids), msg.source, msg.pull, seq_id=self.next_seq)
+        self.next_seq += 1
+        need = r.blocks_needed(self.inst.block_size)
+        if need > self.alloc.num_blocks:
+            self.counters["rejected"] += 1
+            self.send(self.front, m.RequestFailed(msg.transfer_id, msg.generation,
+                      f"request needs {need} KV blocks; the {self.role} pool has {self.alloc.num_blocks}", 413), identity)
+            return
+        if msg.arrival:
+            r.timeline["arrival"] = msg.arrival
+        self._stamp(r, f"{self.role}_queued")
+        self.reqs[r.key] = r
+        self.by_tid[r.transfer_id] = r
+        self.waiting.append(r)
+        self.counters["requests"] += 1
+        self.schedule()
+
+    def on_Abort(self, msg: m.Abort, identity: bytes) -> None:
+        r = self.reqs.get((msg.transfer_id, msg.generation))
+        if r is None:
+            self.counters["abort_unknown"] += 1
+            return
+        self.counters["aborted"] += 1
+        self._abort(r, msg.reason, notify=False)
+
+    def _abort(self, r: Request, reason: str, notify: bool) -> None:
+        if notify:
+            self._reply(r, m.RequestFailed(r.transfer_id, r.generation, reason, 499))
+        if r.in_step or r.state in (State.SENDING,):
+            r.aborted = reason  # finish when the step / the writers answer
+            if r.state == State.SENDING:
+                self._to_writers(m.CancelKV(r.transfer_id, r.generation, reason))
+            return
+        if r.state == State.AWAIT_KV:
+            self._to_writers(m.CancelKV(r.transfer_id, r.generation, reason))
+        self._release(r)
+        self.schedule()
+
+    def on_GetStats(self, msg: m.GetStats, identity: bytes) -> None:
+        running = sum(1 for r in self.reqs.values() if r.state == State.RUNNING)
+        self.send(self.front, m.Stats(self.inst.engine_id, self.role, self.alloc.num_blocks, self.alloc.num_free,
+                                      running, len(self.waiting), dict(self.counters)), identity)
+
+    # -- scheduling ---------------------------------------------------------------------
+    def schedule(self) -> None:
+        self._admit()
+        if self.step is None and self.blocked_on is None:
+            self._launch_step()
+
+    def _admit(self) -> None:
+        while self.waiting and self.blocked_on is None:
+            r = self.waiting[0]
+            blocks = self.alloc.allocate(r.blocks_needed(self.inst.block_size))
+            if blocks is None:
+                return  # FIFO: wait for blocks to free
+            self.waiting.pop(0)
+            r.blocks = blocks
+            self._stamp(r, f"{self.role}_alloc")
+            if r.leg in ("prefill", "local"):
+                r.state = State.PREFILL
+            elif r.pull is None:  # push: register now, while P computes
+                r.state = State.AWAIT_KV
+                self._to_writers(m.ExpectKV(r.transfer_id, r.generation, tuple(blocks), len(r.prompt),
+                                            r.source, self.cfg.timeouts.write_wait_s))
+                self._stamp(r, "registration_sent")
+            else:
+                r.state = State.AWAIT_KV
+                self._to_writers(m.ReadKV(r.transfer_id, r.generation, tuple(blocks), r.pull,
+                                          self.cfg.timeouts.transfer_s))
+                self._stamp(r, "read_posted")
+                if self.cfg.pull_read == "inline":
+                    self.blocked_on = r.key  # the engine step blocks on the READ, like the default connector
+
+    def _launch_step(self) -> None:
+        prefills = [r for r in self.reqs.values() if r.state == State.PREFILL and not r.in_step]
+        running = [r for r in self.reqs.values() if r.state == State.RUNNING and not r.in_step]
+        if not prefills and not running:
+            return
+        batch = build_batch(prefills, running, self.inst.max_num_seqs, self.inst.max_batch_tokens)
+        self.step_id += 1
+        self.step = batch
+        self.step_answers = {}
+        self.step_started = time.monotonic()
+        for r, w in batch:
+            r.in_step = True
+            if w.start_pos == 0:
+                self._stamp(r, "prefill_start")
+        cmd = m.ExecuteStep(self.step_id, tuple(w for _, w in batch))
+        for ch in self.workers:
+            self.send(ch, cmd)
+
+    # -- from the workers ----------------------------------------------------------------
+    def on_StepDone(self, msg: m.StepDone) -> None:
+        self._step_answer(msg)
+
+    def on_StepFailed(self, msg: m.StepFailed) -> None:
+        self._step_answer(msg)
+
+    def _step_answer(self, msg) -> None:
+        if self.step is None or msg.step_id != self.step_id:
+            self.counters["stale_step_answer"] += 1
+            return
+        self.step_answers[self.current.index] = msg
+        if len(self.step_answers) < len(self.workers):
+            return
+        batch, self.step = self.step, None
+        failed = [a for a in self.step_answers.values() if isinstance(a, m.StepFailed)]
+        if failed:
+            for r, _ in batch:
+                r.in_step = False
+                self._fail(r, f"forward step failed: {failed[0].reason}")
+        else:
+            sampled = self.step_answers[0].sampled
+            for (r, w), tok in zip(batch, sampled):
+                r.in_step = False
+                self._after_step(r, w, tok)
+        self.schedule()
+
+    def _after_step(self, r: Request, w: m.SeqWork, tok: int) -> None:
+        if r.aborted:
+            self._release(r)
+            return
+        prefill = w.start_pos == 0
+        if prefill:
+            self._stamp(r, "prefill_end")
+        if r.leg == "prefill":
+            r.state = State.SENDING
+            r.output = [tok]
+            if self.cfg.mode == "pull":
+                lease = self.cfg.timeouts.lease_s
+                self._to_writers(m.HoldKV(r.transfer_id, r.generation, tuple(r.blocks), len(r.prompt), tok, lease))
+                src = m.PrefillSource(self.inst.engine_id, self.inst.tp, self.inst.handshake_endpoints)
+                pull = m.PullParams(src, tuple(r.blocks), len(r.prompt), tok, time.monotonic() + lease)
+                self._reply(r, m.PrefillFinished(r.transfer_id, r.generation, tok, pull, self._timeline(r)))
+            else:
+                self._to_writers(m.SendKV(r.transfer_id, r.generation, tuple(r.blocks), len(r.prompt), tok))
+                self._stamp(r, "send_kv")
+            return
+        self._emit(r, tok)
+
+    def _emit(self, r: Request, tok: int) -> None:
+        r.output.append(tok)
+        if len(r.output) == 1:
+            self._stamp(r, "first_token")
+        reason = r.finished()
+        if reason:
+            self._stamp(r, "finished")
+            self.counters["requests_completed"] += 1
+            self._reply(r, m.TokensGenerated(r.transfer_id, r.generation, (tok,), True, reason, len(r.prompt),
+                                             self._timeline(r)))
+            self._release(r)
+        else:
+            r.state = State.RUNNING
+            self._reply(r, m.TokensGenerated(r.transfer_id, r.generation, (tok,)))
+
+    # -- from the writers --------------------------------------------------------------------
+    def _writer_answer(self, msg) -> Optional[Request]:
+        """Collect one terminal answer per writer rank; the request once all answered."""
+        r = self.reqs.get((msg.transfer_id, msg.generation))
+        if r is None or r.state not in (State.SENDING, State.AWAIT_KV):
+            self.counters["stale_writer_answer"] += 1
+            return None
+        r.acks.add((self.current.index, type(msg).__name__, getattr(msg, "reason", "")))
+        if isinstance(msg, (m.KVSent, m.KVReceived)) and msg.nbytes:
+            nb, nd, secs = r.kv_stats
+            r.kv_stats = (nb + msg.nbytes, nd + msg.num_descs, max(secs, msg.transfer_s))
+        if isinstance(msg, m.KVFailed) and len(self.writers) > 1:
+            others = m.CancelKV(r.transfer_id, r.generation, msg.reason)
+            for ch in self.writers:
+                if ch is not self.current:
+                    self.send(ch, others)
+        if len({a[0] for a in r.acks}) < len(self.writers):
+            return None
+        return r
+
+    def on_KVSent(self, msg: m.KVSent) -> None:
+        self._kv_answer(msg)
+
+    def on_KVReceived(self, msg: m.KVReceived) -> None:
+        self._kv_answer(msg)
+
+    def on_KVFailed(self, msg: m.KVFailed) -> None:
+        self._kv_answer(msg)
+
+    def _kv_answer(self, msg) -> None:
+        r = self._writer_answer(msg)
+        if r is None:
+            return
+        failures = [a[2] for a in r.acks if a[1] == "KVFailed"]
+        r.acks = set()
+        if r.aborted:
+            self._release(r)
+        elif failures:
+            self._fail(r, f"KV transfer failed: {failures[0]}", 502)
+        elif r.leg == "prefill":
+            self._stamp(r, "kv_sent")
+            if self.cfg.mode != "pull":
+                self._reply(r, m.PrefillFinished(r.transfer_id, r.generation, r.output[0], None, self._timeline(r)))
+            self._release(r)
+        else:
+            self._stamp(r, "kv_received")
+            if self.blocked_on == r.key:
+                self.blocked_on = None
+            self._emit(r, msg.first_token)
+        self.schedule()
+
+    # -- deadlines ---------------------------------------------------------------------
+    def tick(self, now: float) -> None:
+        if self.step is not None and now - self.step_started > self.cfg.timeouts.step_s:
+            batch, self.step = self.step, None
+            self.counters["step_timeout"] += 1
+            for r, _ in batch:
+                r.in_step = False
+                self._fail(r, f"forward step exceeded {self.cfg.timeouts.step_s:.0f}s (worker dead or hung)", 503)
+            self.schedule()

@@ -1,0 +1,92 @@
+"""Request state inside a scheduler, and the pure batch builder.
+
+No sockets, no clock reads: the scheduler actor passes ``now`` in.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Optional
+
+from pushkv import messages as m
+from pushkv.kv.layout import blocks_for
+
+
+class State(enum.Enum):
+    WAITING = "waiting"  # queued for blocks
+    PREFILL = "prefill"  # blocks held, prefill to run
+    SENDING = "sending"  # P: KV handed to the writers
+    AWAIT_KV = "await_kv"  # D: blocks registered / READ posted, waiting for the KV
+    RUNNING = "running"  # decoding
+    DONE = "done"
+
+
+@dataclass
+class Request:
+    transfer_id: str
+    generation: int
+    leg: str  # prefill | decode | local
+    prompt: tuple[int, ...]
+    max_tokens: int
+    identity: bytes  # router socket identity
+    stop_ids: frozenset = frozenset()
+    source: Optional[m.PrefillSource] = None
+    pull: Optional[m.PullParams] = None
+    seq_id: int = 0
+    state: State = State.WAITING
+    blocks: list[int] = field(default_factory=list)
+    output: list[int] = field(default_factory=list)
+    in_step: bool = False
+    aborted: str = ""  # reason, when aborted while a step or a transfer is outstanding
+    acks: set = field(default_factory=set)  # writer ranks that answered
+    timeline: dict[str, float] = field(default_factory=dict)
+    kv_stats: tuple[int, int, float] = (0, 0, 0.0)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.transfer_id, self.generation)
+
+    def blocks_needed(self, block_size: int) -> int:
+        """All blocks the request will ever need, reserved at admission (no preemption)."""
+        if self.leg == "prefill":
+            return blocks_for(len(self.prompt), block_size)
+        return blocks_for(len(self.prompt) + self.max_tokens, block_size)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens whose KV is (or will be after the current step) in the pool."""
+        return len(self.prompt) + max(0, len(self.output) - 1)
+
+    def finished(self) -> Optional[str]:
+        if self.output and self.output[-1] in self.stop_ids:
+            return "stop"
+        if len(self.output) >= self.max_tokens:
+            return "length"
+        return None
+
+
+def build_batch(prefills: list[Request], running: list[Request], max_num_seqs: int,
+                max_batch_tokens: int) -> list[tuple[Request, m.SeqWork]]:
+    """One continuous-batching step: every running decode, then prefills that fit.
+
+    Decodes go first so that admitting prompts never stalls generation; at
+    least one prefill is taken even if it alone exceeds the token budget
+    (prompts are not chunked).
+    """
+    batch: list[tuple[Request, m.SeqWork]] = []
+    tokens = 0
+    for r in running[:max_num_seqs]:
+        pos = len(r.prompt) + len(r.output) - 1
+        batch.append((r, m.SeqWork(r.seq_id, (r.output[-1],), pos, tuple(r.blocks))))
+        tokens += 1
+    admitted = 0
+    for r in prefills:
+        if len(batch) >= max_num_seqs:
+            break
+        n = len(r.prompt)
+        if admitted and tokens + n > max_batch_tokens:
+            break
+        admitted += 1
+        batch.append((r, m.SeqWork(r.seq_id, r.prompt, 0, tuple(r.blocks))))
+        tokens += n
+    return batch

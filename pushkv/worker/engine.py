@@ -1,0 +1,88 @@
+"""Worker actor: one TP rank's model forward into the KV pool its writer owns."""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import zmq
+
+from pushkv import messages as m
+from pushkv.actor import Actor
+from pushkv.config import DeploymentConfig, InstanceConfig
+from pushkv.kv import layout as L
+from pushkv.kv.pool import SHM_DIR, Pool, attach_pool, shm_name
+
+log = logging.getLogger(__name__)
+
+POOL_WAIT_S = 60.0
+
+
+class Worker(Actor):
+    def __init__(self, cfg: DeploymentConfig, inst: InstanceConfig, rank: int):
+        super().__init__(f"{inst.role}-worker-{rank}", cfg.control_endpoint, cfg.trace_endpoint)
+        self.cfg = cfg
+        self.inst = inst
+        self.rank = rank
+        self.layout = L.layout_for(cfg.model, inst.tp, rank, inst.num_blocks, inst.block_size)
+        self.pool: Pool | None = None
+
+    def setup(self) -> None:
+        import torch
+
+        from pushkv.model.transformer import build_model
+
+        torch.set_num_threads(max(1, int(os.environ.get("PUSHKV_THREADS", "1"))))
+        group = None
+        if self.inst.tp > 1:
+            import torch.distributed as dist
+
+            dist.init_process_group("gloo", init_method=self.inst.dist_init, rank=self.rank,
+                                    world_size=self.inst.tp)
+            group = dist.group.WORLD
+        self.model = build_model(self.cfg.model, self.rank, self.inst.tp, "cpu", group)
+        mine = self.model.kv_layout(self.inst.num_blocks, self.inst.block_size)
+        if (mine.kv_heads, mine.head_start) != (self.layout.kv_heads, self.layout.head_start):
+            raise RuntimeError(f"model layout {mine} disagrees with pool layout {self.layout}")
+        self.pool = self._attach()
+        sock = self.socket(zmq.DEALER, self.inst.worker_endpoints[self.rank], bind=True)
+        self.sched = self.add_channel(sock, m.DEC_SCHED_TO_WORKER, f"{self.inst.role}-scheduler")
+
+    def _attach(self) -> Pool:
+        """The writer creates the pool; it appears atomically (renamed when complete)."""
+        from pushkv.messages import PoolHandle
+
+        path = os.path.join(SHM_DIR, shm_name(self.cfg.deployment_id, self.inst.role, self.rank))
+        deadline = time.monotonic() + POOL_WAIT_S
+        while not os.path.exists(path):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"KV pool {path} did not appear within {POOL_WAIT_S:.0f}s (writer dead?)")
+            time.sleep(0.02)
+        handle = PoolHandle("shm", path, L.pool_bytes(self.layout), self.cfg.model.dtype, L.pool_shape(self.layout))
+        return attach_pool(handle, self.layout)
+
+    def teardown(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+        if self.inst.tp > 1:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    def on_ExecuteStep(self, msg: m.ExecuteStep) -> None:
+        t0 = time.perf_counter()
+        try:
+            sampled = self.model.execute(msg.seqs, self.pool.tensor)
+        except Exception as e:
+            log.exception("%s: step %d failed", self.name, msg.step_id)
+            self.send(self.sched, m.StepFailed(msg.step_id, f"{type(e).__name__}: {e}"))
+            return
+        # CPU compute is synchronous here; on GPU the worker syncs its stream
+        # before answering, so a WRITE is never posted on unfinished blocks.
+        self.send(self.sched, m.StepDone(msg.step_id, tuple(sampled), time.perf_counter() - t0))
+
+    def on_DumpBlocks(self, msg: m.DumpBlocks) -> None:
+        data = b"".join(self.pool.tensor[b].contiguous().view(-1).view(__import__("torch").uint8).numpy().tobytes()
+                        for b in msg.block_ids)
+        self.send(self.sched, m.BlocksDumped(msg.block_ids, data))
