@@ -1,0 +1,254 @@
+"""``pushkv`` command line: ``up`` a deployment, ``status``, ``stop``.
+
+``up`` plans the deployment, runs the supervisor in this process and prints
+the router URL and ``READY`` on stdout once every child is ready (children's
+output goes to stderr). ``status`` and ``stop`` find running deployments
+through the registry directory ($PUSHKV_REGISTRY_DIR, default
+/tmp/pushkv-deployments) and talk to each supervisor's control socket.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Optional
+
+import msgspec
+from setproctitle import setproctitle
+
+from pushkv.config import PRESETS, DeploymentConfig, preset
+from pushkv.supervisor import commands as c
+from pushkv.supervisor import lifecycle, registry
+from pushkv.supervisor.plan import TRACE_AUTO, plan_deployment
+from pushkv.supervisor.supervisor import ON_CHILD_EXIT, PING_INTERVAL_S, STARTUP_TIMEOUT_S, STOP_TIMEOUT_S, ArgvHook, Supervisor
+from pushkv.supervisor.table import HEALTH_TIMEOUT_S, RestartPolicy
+
+ASK_TIMEOUT_S = 3.0
+GEOMETRY = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "dtype", "seed")
+
+
+# ---------------------------------------------------------------------------
+# argument parsing
+# ---------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="pushkv", description="pushkv: disaggregated LLM serving with push KV transfer")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    up = sub.add_parser("up", help="start a deployment and supervise it until stopped")
+    up.add_argument("--config", help="JSON or TOML file of DeploymentConfig fields (flags override)")
+    up.add_argument("--mode", choices=("push", "pull", "local"))
+    up.add_argument("--pull-read", choices=("inline", "background"))
+    up.add_argument("--host")
+    up.add_argument("--port", type=int)
+    up.add_argument("--model", choices=sorted(PRESETS), help="model preset")
+    up.add_argument("--checkpoint", metavar="DIR", help="local HF checkpoint directory")
+    g = up.add_argument_group("model geometry overrides")
+    for name in GEOMETRY:
+        g.add_argument("--" + name.replace("_", "-"), type=str if name == "dtype" else int)
+    t = up.add_argument_group("instances")
+    t.add_argument("--prefill-tp", type=int)
+    t.add_argument("--decode-tp", type=int)
+    t.add_argument("--tp", type=int, help="TP of the local instance (--mode local)")
+    t.add_argument("--prefill-block-size", type=int)
+    t.add_argument("--decode-block-size", type=int)
+    t.add_argument("--block-size", type=int, help="every instance's block size (the two above win)")
+    t.add_argument("--num-blocks", type=int, help="KV blocks per instance")
+    up.add_argument("--trace", nargs="?", const=TRACE_AUTO, metavar="ENDPOINT",
+                    help="mirror every message to a trace endpoint (default: an ipc socket in the run dir)")
+    up.add_argument("--on-child-exit", choices=ON_CHILD_EXIT, default="restart")
+    up.add_argument("--max-restarts", type=int, default=5, help="per child, within --restart-window")
+    up.add_argument("--restart-window", type=float, default=60.0, metavar="SECONDS")
+    up.add_argument("--startup-timeout", type=float, default=STARTUP_TIMEOUT_S, metavar="SECONDS")
+    up.add_argument("--stop-timeout", type=float, default=STOP_TIMEOUT_S, metavar="SECONDS")
+    up.add_argument("--ping-interval", type=float, default=PING_INTERVAL_S, metavar="SECONDS",
+                    help="health pings to every child; also the supervisor heartbeat event")
+    up.add_argument("--log-level", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+    st = sub.add_parser("status", help="show running deployments and their processes")
+    st.add_argument("id", nargs="?", help="deployment id (default: all)")
+    st.add_argument("--json", action="store_true", help="machine-readable output")
+
+    sp = sub.add_parser("stop", help="stop a deployment (the only one when no id is given)")
+    sp.add_argument("id", nargs="?")
+    sp.add_argument("--all", action="store_true", help="stop every running deployment")
+    sp.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS")
+    return ap
+
+
+# ---------------------------------------------------------------------------
+# config: file, then flags
+# ---------------------------------------------------------------------------
+def load_config_file(path: str) -> DeploymentConfig:
+    with open(path, "rb") as f:
+        raw = f.read()
+    if path.endswith(".toml"):
+        import tomllib
+
+        data = tomllib.loads(raw.decode())
+    else:
+        data = json.loads(raw)
+    if isinstance(data.get("model"), str):  # "model": "tiny" names a preset
+        data["model"] = msgspec.to_builtins(preset(data["model"]))
+    for role in ("prefill", "decode", "local"):
+        if isinstance(data.get(role), dict):
+            data[role].setdefault("role", role)
+    return msgspec.convert(data, DeploymentConfig)
+
+
+def _replace(obj, **changes):
+    changes = {k: v for k, v in changes.items() if v is not None}
+    return msgspec.structs.replace(obj, **changes) if changes else obj
+
+
+def config_from_args(args: argparse.Namespace) -> DeploymentConfig:
+    cfg = load_config_file(args.config) if args.config else DeploymentConfig()
+    model = preset(args.model) if args.model else cfg.model
+    model = _replace(model, checkpoint=args.checkpoint, **{k: getattr(args, k) for k in GEOMETRY})
+    return _replace(
+        cfg, mode=args.mode, pull_read=args.pull_read, host=args.host, port=args.port,
+        log_level=args.log_level, trace_endpoint=args.trace, model=model,
+        prefill=_replace(cfg.prefill, tp=args.prefill_tp, block_size=args.prefill_block_size or args.block_size,
+                         num_blocks=args.num_blocks),
+        decode=_replace(cfg.decode, tp=args.decode_tp, block_size=args.decode_block_size or args.block_size,
+                        num_blocks=args.num_blocks),
+        local=_replace(cfg.local, tp=args.tp, block_size=args.block_size, num_blocks=args.num_blocks),
+    )
+
+
+# ---------------------------------------------------------------------------
+# subcommands
+# ---------------------------------------------------------------------------
+def cmd_up(args: argparse.Namespace, child_argv: Optional[ArgvHook] = None) -> int:
+    try:
+        cfg = plan_deployment(config_from_args(args))
+    except (OSError, ValueError, msgspec.ValidationError) as e:
+        print(f"pushkv up: bad configuration: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=getattr(logging, cfg.log_level.upper(), logging.INFO), stream=sys.stderr,
+        format="%(asctime)s %(levelname)s supervisor %(name)s: %(message)s",
+    )
+    setproctitle(f"pushkv supervisor {cfg.deployment_id}")
+    sup = Supervisor(
+        cfg, child_argv=child_argv, on_child_exit=args.on_child_exit,
+        restart_policy=RestartPolicy(args.max_restarts, args.restart_window),
+        startup_timeout_s=args.startup_timeout, stop_timeout_s=args.stop_timeout,
+        ping_interval_s=args.ping_interval, health_timeout_s=max(HEALTH_TIMEOUT_S, 5 * args.ping_interval),
+    )
+    try:
+        return sup.serve()
+    except Exception as e:
+        logging.getLogger("pushkv.cli").exception("supervisor failed")
+        print(f"pushkv up: {e}", file=sys.stderr)
+        return 1
+
+
+def _fmt_s(s: float) -> str:
+    if s <= 0:
+        return "-"
+    if s < 120:
+        return f"{s:.1f}s"
+    if s < 7200:
+        return f"{s / 60:.1f}m"
+    return f"{s / 3600:.1f}h"
+
+
+def _pick(records: list[registry.DeploymentRecord], dep_id: Optional[str]) -> list[registry.DeploymentRecord]:
+    if dep_id is None:
+        return records
+    return [r for r in records if r.deployment_id == dep_id or r.deployment_id.startswith(dep_id)]
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    records = _pick(registry.list_records(), args.id)
+    if not records:
+        print("no running pushkv deployments" + (f" matching {args.id!r}" if args.id else ""), file=sys.stderr)
+        return 1
+    report, rc = [], 0
+    for rec in records:
+        entry = {"deployment_id": rec.deployment_id, "supervisor_pid": rec.pid, "router_url": rec.router_url,
+                 "mode": rec.mode, "state": "", "processes": []}
+        if not lifecycle.pid_alive(rec.pid):
+            entry["state"] = "stale"
+            entry["error"] = f"supervisor pid {rec.pid} is gone; `pushkv stop {rec.deployment_id}` cleans up"
+            rc = 1
+        else:
+            try:
+                reply = c.ask(rec.control_endpoint, "status", timeout_s=ASK_TIMEOUT_S)
+                entry["state"] = reply.info.get("phase", "?") if reply.status == c.OK else "error"
+                entry["processes"] = [msgspec.structs.asdict(p) for p in reply.processes]
+                if reply.status != c.OK:
+                    entry["error"], rc = reply.reason, 1
+            except TimeoutError as e:
+                entry["state"], entry["error"], rc = "unresponsive", str(e), 1
+        report.append(entry)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return rc
+    for e in report:
+        print(f"deployment {e['deployment_id']}  mode={e['mode']}  {e['router_url']}  "
+              f"supervisor pid {e['supervisor_pid']}  {e['state']}")
+        if e.get("error"):
+            print(f"  {e['error']}")
+        if e["processes"]:
+            print(f"  {'NAME':<20} {'PID':>7}  {'STATE':<8} {'UPTIME':>7} {'RESTARTS':>8}  {'HEALTH':<9} LAST EXIT")
+        for p in e["processes"]:
+            health = "ok" if p["healthy"] else ("-" if p["state"] != "READY" else "unhealthy")
+            print(f"  {p['name']:<20} {p['pid'] or '-':>7}  {p['state']:<8} {_fmt_s(p['uptime_s']):>7} "
+                  f"{p['restarts']:>8}  {health:<9} {p['last_exit']}")
+    return rc
+
+
+def _stop_one(rec: registry.DeploymentRecord, timeout_s: float) -> bool:
+    if not lifecycle.pid_alive(rec.pid):
+        removed = lifecycle.cleanup(rec.deployment_id, rec.run_dir)
+        registry.remove_record(rec.deployment_id)
+        print(f"{rec.deployment_id}: supervisor was already gone; removed stale record"
+              + (f" and {len(removed)} shm segment(s)" if removed else ""))
+        return True
+    try:
+        reply = c.ask(rec.control_endpoint, "stop", {"reason": "pushkv stop"}, timeout_s=ASK_TIMEOUT_S)
+        if reply.status != c.OK:
+            print(f"{rec.deployment_id}: stop refused: {reply.reason}", file=sys.stderr)
+    except TimeoutError:
+        print(f"{rec.deployment_id}: control socket silent; sending SIGTERM to {rec.pid}", file=sys.stderr)
+        os.kill(rec.pid, signal.SIGTERM)
+    t0 = time.monotonic()
+    if lifecycle.wait_pid_exit(rec.pid, timeout_s):
+        print(f"{rec.deployment_id}: stopped in {time.monotonic() - t0:.1f}s")
+        return True
+    print(f"{rec.deployment_id}: supervisor pid {rec.pid} still running after {timeout_s:.0f}s", file=sys.stderr)
+    return False
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    records = registry.list_records()
+    if args.id:
+        records = _pick(records, args.id)
+    if not records:
+        print("no running pushkv deployments" + (f" matching {args.id!r}" if args.id else ""), file=sys.stderr)
+        return 1
+    if len(records) > 1 and not args.all:
+        ids = ", ".join(r.deployment_id for r in records)
+        print(f"several deployments are running ({ids}); name one or pass --all", file=sys.stderr)
+        return 2
+    ok = [_stop_one(r, args.timeout) for r in records]
+    return 0 if all(ok) else 1
+
+
+def main(argv: Optional[list[str]] = None, *, child_argv: Optional[ArgvHook] = None) -> int:
+    """Console script ``pushkv``. ``child_argv`` lets tests run fake children."""
+    args = build_parser().parse_args(argv)
+    if args.cmd == "up":
+        return cmd_up(args, child_argv)
+    if args.cmd == "status":
+        return cmd_status(args)
+    return cmd_stop(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
