@@ -1,0 +1,283 @@
+"""map_transfer: descriptor counts, and byte-level equality against a token-by-token copy."""
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pushkv.kv.layout import block_bytes, pool_bytes, pool_shape
+from pushkv.messages import KVLayoutDesc
+from pushkv.protocol.mapping import check_compatible, count_blocks, map_transfer, total_bytes
+
+
+def lay(bs=16, nb=64, layers=2, heads=4, start=0, total=4, hd=4, dtb=2, wl=(), window=0):
+    return KVLayoutDesc(
+        num_blocks=nb, num_layers=layers, block_size=bs, kv_heads=heads, head_start=start,
+        total_kv_heads=total, head_dim=hd, dtype_bytes=dtb, window_layers=wl, window=window,
+    )
+
+
+def view(pool, lay_):
+    """Logical view [block, layer, K/V, local head, slot, bytes-of-one-token-row]."""
+    return pool.reshape(pool_shape(lay_)[:-1] + (lay_.head_dim * lay_.dtype_bytes,))
+
+
+def apply_regions(src, src_pool, dst, regions):
+    """Copy regions into a zeroed dst pool; return (dst pool, bytes-written mask)."""
+    out = np.zeros(pool_bytes(dst), np.uint8)
+    written = np.zeros(pool_bytes(dst), bool)
+    for so, do, n in regions:
+        assert n > 0 and so >= 0 and do >= 0
+        assert so + n <= pool_bytes(src) and do + n <= pool_bytes(dst)
+        out[do:do + n] = src_pool[so:so + n]
+        written[do:do + n] = True
+    assert int(written.sum()) == total_bytes(regions), "destination regions overlap"
+    return out, written
+
+
+def reference(src, sb, src_pool, dst, db, num_tokens, heads, all_tokens):
+    """Token-by-token copy. all_tokens=False: only what must move (window applied);
+    True: every token both tables can hold (what a correct over-copy may write)."""
+    hs, hc = heads
+    out = np.zeros(pool_bytes(dst), np.uint8)
+    need = np.zeros(pool_shape(dst)[:-1], bool)
+    sv, dv = view(src_pool, src), view(out, dst)
+    win = set(src.window_layers) if src.window else set()
+    end = min(len(sb) * src.block_size, len(db) * dst.block_size) if all_tokens else num_tokens
+    s_h = slice(hs - src.head_start, hs - src.head_start + hc)
+    d_h = slice(hs - dst.head_start, hs - dst.head_start + hc)
+    for t in range(end):
+        sblk, sslot = sb[t // src.block_size], t % src.block_size
+        dblk, dslot = db[t // dst.block_size], t % dst.block_size
+        for layer in range(src.num_layers):
+            if not all_tokens and layer in win and t < num_tokens - src.window:
+                continue
+            dv[dblk, layer, :, d_h, dslot] = sv[sblk, layer, :, s_h, sslot]
+            need[dblk, layer, :, d_h, dslot] = True
+    return out, need
+
+
+def check_bytes(src, sb, dst, db, num_tokens, heads=None, seed=0):
+    """Regions move every required token row, and nothing they write is wrong."""
+    rng = np.random.default_rng(seed)
+    src_pool = rng.integers(0, 256, pool_bytes(src), dtype=np.uint8)
+    regions = map_transfer(src, sb, dst, db, num_tokens, heads)
+    if heads is None:
+        lo = max(src.head_start, dst.head_start)
+        hi = min(src.head_start + src.kv_heads, dst.head_start + dst.kv_heads)
+        heads = (lo, hi - lo)
+    got, written = apply_regions(src, src_pool, dst, regions)
+    must, need = reference(src, sb, src_pool, dst, db, num_tokens, heads, all_tokens=False)
+    may, _ = reference(src, sb, src_pool, dst, db, num_tokens, heads, all_tokens=True)
+    row_written = view(written, dst)
+    assert (row_written.all(-1) == row_written.any(-1)).all(), "a region splits a token row"
+    row_written = row_written.all(-1)
+    assert not (need & ~row_written).any(), "a required token was not moved"
+    gv, mv = view(got, dst), view(must, dst)
+    assert np.array_equal(gv[need], mv[need])
+    assert np.array_equal(got[written], may[written]), "a region wrote the wrong bytes"
+    return regions, row_written
+
+
+# --- identical geometry: descriptor counts -------------------------------------------------
+FAST = [
+    # name, src table, dst table, tokens, expected regions
+    ("contiguous", [0, 1, 2, 3], [8, 9, 10, 11], 64, 1),
+    ("partial_last_block", [0, 1, 2, 3], [8, 9, 10, 11], 50, 1),
+    ("dst_fragmented", [0, 1, 2, 3], [8, 9, 20, 21], 64, 2),
+    ("both_fragmented_aligned", [0, 1, 5, 6], [8, 9, 20, 21], 64, 2),
+    ("misaligned_runs", [0, 1, 2, 5], [3, 7, 8, 9], 64, 3),
+    ("reversed_both", [3, 2, 1, 0], [9, 8, 7, 6], 64, 1),  # sorted by src, still one run
+    ("interleaved", [0, 2, 4, 6], [1, 3, 5, 7], 64, 4),
+    ("extra_ids_ignored", [0, 1, 2, 3, 40], [8, 9, 10, 11, 60], 33, 1),
+]
+
+
+@pytest.mark.parametrize("name,sb,db,n,expected", FAST, ids=[c[0] for c in FAST])
+def test_identical_geometry_descriptor_count(name, sb, db, n, expected):
+    src = dst = lay()
+    regions, _ = check_bytes(src, sb, dst, db, n)
+    assert len(regions) == expected
+    assert total_bytes(regions) == count_blocks(n, 16) * block_bytes(src)  # whole blocks
+
+
+def test_identical_geometry_16k_tokens_fast():
+    src = dst = lay(bs=16, nb=2048, layers=32, heads=8, total=8, hd=128)
+    sb, db = list(range(1024)), list(range(1000, 2024))
+    map_transfer(src, sb, dst, db, 16384)
+    t = time.perf_counter()
+    regions = map_transfer(src, sb, dst, db, 16384)
+    assert time.perf_counter() - t < 0.010
+    assert regions == [(0, 1000 * block_bytes(src), 1024 * block_bytes(src))]
+
+
+def test_differing_block_sizes_16k_tokens_under_200ms():
+    src, dst = lay(bs=16, nb=2048, layers=8, heads=4, hd=64), lay(bs=32, nb=2048, layers=8, heads=4, hd=64)
+    t = time.perf_counter()
+    regions = map_transfer(src, list(range(1024)), dst, list(range(512)), 16384)
+    assert time.perf_counter() - t < 0.2
+    assert total_bytes(regions) == 16384 * 8 * 2 * 4 * 64 * 2
+
+
+# --- block sizes and head slices: byte-level -----------------------------------------------
+BYTES = [
+    # name, src layout, src table, dst layout, dst table, tokens, heads
+    ("p16_d32", lay(bs=16), [3, 4, 5, 9, 10], lay(bs=32), [7, 2, 3], 70, None),
+    ("p32_d16", lay(bs=32), [7, 2, 3], lay(bs=16), [3, 4, 5, 9, 10], 70, None),
+    ("p16_d48_uneven", lay(bs=16), list(range(10, 17)), lay(bs=48), [5, 1, 2], 100, None),
+    ("p5_d7_odd", lay(bs=5, nb=40), list(range(20)), lay(bs=7, nb=40), list(range(30, 15, -1)), 97, None),
+    ("tp_1_to_2_rank1", lay(), [0, 1, 2], lay(heads=2, start=2), [5, 6, 7], 40, None),
+    ("tp_2_to_1_rank0", lay(heads=2, start=0), [0, 1, 2], lay(), [5, 6, 7], 40, None),
+    ("tp_2_to_4_explicit_heads", lay(heads=2, start=2), [0, 1], lay(heads=1, start=3), [9, 4], 20, (3, 1)),
+    ("tp_and_block_size", lay(bs=32, heads=2, start=2), [1, 2], lay(bs=16, heads=1, start=3), [6, 7, 8, 20], 60, None),
+    ("sub_range_same_geometry", lay(), [0, 1], lay(), [2, 3], 32, (1, 2)),
+]
+
+
+@pytest.mark.parametrize("name,src,sb,dst,db,n,heads", BYTES, ids=[c[0] for c in BYTES])
+def test_bytes_match_token_by_token(name, src, sb, dst, db, n, heads):
+    check_bytes(src, sb, dst, db, n, heads)
+
+
+def test_p16_d32_descriptor_shape():
+    # one run per (src block, layer, K/V, head); consecutive odd->even block boundaries merge
+    src, dst = lay(bs=16, layers=2, heads=4), lay(bs=32, layers=2, heads=4)
+    regions = map_transfer(src, [0, 1, 2, 3], dst, [10, 11], 64)
+    atoms = 4 * 2 * 2 * 4
+    assert len(regions) == atoms - 1  # src 1|2 joins dst 10|11
+    sizes = sorted(n for _, _, n in regions)
+    assert sizes == [16 * 4 * 2] * (atoms - 2) + [2 * 16 * 4 * 2]
+
+
+def test_head_slice_is_one_region_per_block_layer_kv():
+    src, dst = lay(heads=4), lay(heads=2, start=2)
+    regions = map_transfer(src, [0, 1, 2], dst, [0, 1, 2], 48)
+    assert len(regions) == 3 * 2 * 2
+    assert {n for _, _, n in regions} == {2 * 16 * 4 * 2}
+
+
+# --- sliding window --------------------------------------------------------------------------
+WINDOW = [
+    # name, src, dst, tokens; window layer 1 of 2, window 20 tokens
+    ("diff_block_size", lay(bs=16, wl=(1,), window=20), lay(bs=32, wl=(1,), window=20), 90),
+    ("head_slice", lay(bs=16, wl=(1,), window=20), lay(bs=16, heads=2, start=2, wl=(1,), window=20), 90),
+    ("window_longer_than_prompt", lay(bs=16, wl=(1,), window=200), lay(bs=32, wl=(1,), window=200), 90),
+]
+
+
+@pytest.mark.parametrize("name,src,dst,n", WINDOW, ids=[c[0] for c in WINDOW])
+def test_sliding_window_moves_only_window_tokens(name, src, dst, n):
+    sb = list(range(count_blocks(n, src)))
+    db = list(range(10, 10 + count_blocks(n, dst)))
+    _, rows = check_bytes(src, sb, dst, db, n)
+    lo = (max(0, n - src.window) // src.block_size) * src.block_size  # rounded to src block
+    for i, blk in enumerate(db):
+        for slot in range(dst.block_size):
+            t = i * dst.block_size + slot
+            if t >= n:
+                continue
+            assert rows[blk, 0, :, :, slot].all(), t  # full-attention layer: every token
+            assert rows[blk, 1, :, :, slot].any() == (t >= lo), (t, lo)
+
+
+def test_identical_geometry_all_window_layers_skips_early_blocks():
+    src = dst = lay(bs=16, layers=2, wl=(0, 1), window=20)
+    regions, _ = check_bytes(src, list(range(6)), dst, list(range(20, 26)), 90)
+    # tokens >= 70 -> src blocks 4, 5
+    assert regions == [(4 * block_bytes(src), 24 * block_bytes(src), 2 * block_bytes(src))]
+
+
+def test_identical_geometry_mixed_window_moves_whole_blocks():
+    src = dst = lay(bs=16, layers=2, wl=(1,), window=20)
+    regions, _ = check_bytes(src, list(range(6)), dst, list(range(20, 26)), 90)
+    assert len(regions) == 1
+
+
+# --- compatibility and bad input -------------------------------------------------------------
+INCOMPATIBLE = [
+    ("num_layers", dict(layers=3)),
+    ("head_dim", dict(hd=8)),
+    ("dtype_bytes", dict(dtb=4)),
+    ("total_kv_heads", dict(total=8)),
+    ("window", dict(wl=(1,), window=16)),
+]
+
+
+@pytest.mark.parametrize("field,kw", INCOMPATIBLE, ids=[c[0] for c in INCOMPATIBLE])
+def test_check_compatible_names_mismatch(field, kw):
+    with pytest.raises(ValueError, match=field):
+        check_compatible(lay(), lay(**kw))
+
+
+def test_window_layers_mismatch():
+    with pytest.raises(ValueError, match="window_layers"):
+        check_compatible(lay(wl=(0,), window=8), lay(wl=(1,), window=8))
+
+
+def test_block_size_may_differ():
+    check_compatible(lay(bs=16), lay(bs=32))
+
+
+@pytest.mark.parametrize(
+    "sb,db,n,heads,msg",
+    [
+        ([0], [0, 1], 20, None, "src block table has 1"),
+        ([0, 1], [0, 64], 20, None, "dst block id outside"),
+        ([0, 1], [0, 1], 20, (0, 5), "not held by both"),
+        ([0, 1], [0, 1], -1, None, "num_tokens"),
+    ],
+)
+def test_bad_input(sb, db, n, heads, msg):
+    with pytest.raises(ValueError, match=msg):
+        map_transfer(lay(), sb, lay(), db, n, heads)
+
+
+def test_empty():
+    assert map_transfer(lay(), [], lay(), [], 0) == []
+    assert map_transfer(lay(heads=2, start=0), [0], lay(heads=2, start=2), [0], 5) == []  # disjoint heads
+
+
+@pytest.mark.parametrize("n,bs,expected", [(0, 16, 0), (1, 16, 1), (16, 16, 1), (17, 16, 2)])
+def test_count_blocks(n, bs, expected):
+    assert count_blocks(n, bs) == expected
+    assert count_blocks(n, lay(bs=bs)) == expected
+
+
+# --- property: regions == token-by-token, no destination overlap ----------------------------
+@st.composite
+def transfers(draw):
+    total = draw(st.sampled_from([1, 2, 4]))
+    layers = draw(st.integers(1, 3))
+    hd = draw(st.sampled_from([1, 2, 4]))
+
+    def side():
+        tp = draw(st.sampled_from([t for t in (1, 2, 4) if t <= total]))
+        r = draw(st.integers(0, tp - 1))
+        return draw(st.integers(1, 8)), total // tp, r * (total // tp)
+
+    (sbs, sh, ss), (dbs, dh, ds) = side(), side()
+    if draw(st.booleans()):
+        dbs = sbs  # exercise the same-block-size paths often
+    wl, window = (), 0
+    if draw(st.booleans()):
+        wl = tuple(sorted(draw(st.sets(st.integers(0, layers - 1), min_size=1))))
+        window = draw(st.integers(1, 30))
+    nbs, nbd = 24, 24
+    n = draw(st.integers(0, min(60, nbs * sbs, nbd * dbs)))
+    src = lay(bs=sbs, nb=nbs, layers=layers, heads=sh, start=ss, total=total, hd=hd, dtb=1, wl=wl, window=window)
+    dst = lay(bs=dbs, nb=nbd, layers=layers, heads=dh, start=ds, total=total, hd=hd, dtb=1, wl=wl, window=window)
+    need_s, need_d = count_blocks(n, sbs), count_blocks(n, dbs)
+    sb = draw(st.permutations(range(nbs)))[: need_s + draw(st.integers(0, 2))]
+    db = draw(st.permutations(range(nbd)))[: need_d + draw(st.integers(0, 2))]
+    if draw(st.booleans()):
+        sb = sorted(sb)
+        db = sorted(db)
+    return src, sb, dst, db, n
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(transfers())
+def test_property_regions_equal_token_copy(t):
+    src, sb, dst, db, n = t
+    check_bytes(src, sb, dst, db, n)
