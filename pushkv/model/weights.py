@@ -68,14 +68,17 @@ class DictSource:
 def random_weights(cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Full float32 weights drawn from cfg.seed on a CPU generator: the same bytes in
     every process. Projections use std 1/sqrt(fan_in) so each layer changes the residual
-    stream as much as the embedding does and greedy output is not a trivial echo."""
+    stream as much as the embedding does and greedy output is not a trivial echo. Tied
+    embeddings are drawn 1/sqrt(hidden) smaller: at std 1, e_t . e_t dwarfs everything
+    and the model only ever repeats its last token."""
     gen = torch.Generator(device="cpu").manual_seed(cfg.seed)
     out = {}
     for name, shape in hf_names(cfg):
         if len(shape) == 1:
             out[name] = torch.ones(shape)
         elif name == "model.embed_tokens.weight":
-            out[name] = torch.randn(shape, generator=gen)
+            std = 1 / math.sqrt(cfg.hidden_size) if cfg.tie_embeddings else 1.0
+            out[name] = torch.randn(shape, generator=gen) * std
         else:
             out[name] = torch.randn(shape, generator=gen) / math.sqrt(shape[1])
     return out
