@@ -1,0 +1,409 @@
+"""P writer's push rendezvous: a sans-I/O state machine, one per P rank.
+
+Two halves meet here in either order: P's finished blocks (``on_prefill_done``)
+and D's destination registrations (``on_registration``, one per D rank this P
+rank writes into). When both are complete for the same transfer id AND
+generation, the machine asks for the WRITE (:class:`PostWrite`). It never reads
+a clock, never touches a socket; events return lists of actions.
+
+States of one (transfer id, generation)::
+
+    WAIT_PREFILL       registrations held, no prefill yet         deadline registration_wait_s
+    WAIT_REGISTRATION  prefill (P's blocks) held, registrations
+                       incomplete                                 deadline registration_wait_s
+    WRITING            WRITE posted                               deadline transfer_s
+    DRAINING           failed or cancelled while the WRITE may
+                       still read P's blocks: they stay pinned
+                       until on_write_done / on_write_failed      deadline transfer_s (then
+                                                                  counted write_stuck, kept)
+
+Local events that make no sense in the current state (a second prefill, a
+write completion nobody posted) raise :class:`ProtocolError` naming state and
+event, and change nothing. Peer input (registrations) never raises: it is
+counted and dropped, so a confused peer cannot crash the writer.
+
+Guarantees: each accepted prefill half gets exactly one :class:`FreeBlocks`,
+emitted only when no WRITE may still read the blocks; each (transfer id,
+generation) gets at most one outcome (:class:`Completed` or :class:`Failed`);
+D ranks whose registration was held or arrives for a failed transfer get a
+:class:`NotifyFailure`. Finished (transfer id, generation) pairs are remembered
+in a bounded LRU so late halves are released at once instead of waiting out a
+deadline as zombies.
+"""
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Callable, Optional, Sequence
+
+from pushkv.messages import Register
+from pushkv.protocol.actions import (
+    Action, Completed, Count, Failed, FreeBlocks, NotifyFailure, PostWrite, ProtocolError,
+)
+from pushkv.protocol.tp import consumers_for
+
+__all__ = [
+    "PushRendezvous", "State", "ProtocolError", "Action", "PostWrite", "FreeBlocks",
+    "NotifyFailure", "Completed", "Failed", "Count",
+]
+
+REMEMBER_FINISHED = 4096  # (transfer id, generation) outcomes kept for late halves
+
+
+class State(str, Enum):
+    WAIT_PREFILL = "wait_prefill"
+    WAIT_REGISTRATION = "wait_registration"
+    WRITING = "writing"
+    DRAINING = "draining"
+
+
+@dataclass
+class _Transfer:
+    transfer_id: str
+    generation: int
+    state: State
+    order: str  # which half came first
+    has_prefill: bool = False
+    block_ids: tuple[int, ...] = ()
+    num_tokens: int = 0
+    first_token: int = 0
+    regs: dict[int, Register] = field(default_factory=dict)
+    d_tp: int = 0
+    needed: frozenset[int] = frozenset()
+    deadline: Optional[float] = None
+
+    def registrations(self) -> tuple[Register, ...]:
+        return tuple(self.regs[d] for d in sorted(self.regs))
+
+
+@dataclass(frozen=True)
+class _Finished:
+    ok: bool
+    had_prefill: bool
+
+
+class PushRendezvous:
+    def __init__(
+        self,
+        p_rank: int,
+        p_tp: int,
+        total_kv_heads: int,
+        registration_wait_s: float,
+        transfer_s: float,
+        remember: int = REMEMBER_FINISHED,
+    ):
+        consumers_for(p_rank, p_tp, p_tp, total_kv_heads)  # validates the geometry
+        self.p_rank, self.p_tp, self.total_kv_heads = p_rank, p_tp, total_kv_heads
+        self.registration_wait_s = registration_wait_s
+        self.transfer_s = transfer_s
+        self._remember = remember
+        self._live: dict[str, _Transfer] = {}  # newest non-draining generation per transfer id
+        self._draining: dict[tuple[str, int], _Transfer] = {}
+        self._finished: OrderedDict[tuple[str, int], _Finished] = OrderedDict()
+        self._newest: OrderedDict[str, int] = OrderedDict()  # newest generation seen per id
+        self._deadlines: list[tuple[float, int, str, int]] = []
+        self._seq = 0
+
+    # ------------------------------------------------------------------ events
+    def on_prefill_done(
+        self, transfer_id: str, generation: int, block_ids: Sequence[int],
+        num_tokens: int, first_token: int, now: float,
+    ) -> list[Action]:
+        blocks = tuple(block_ids)
+        kind, e = self._lookup(transfer_id, generation)
+        if kind == "live" or kind == "draining":
+            return self._dispatch(e, "prefill_done", now, blocks=blocks,
+                                  num_tokens=num_tokens, first_token=first_token)
+        if kind == "finished":
+            fin = self._finished[(transfer_id, generation)]
+            if fin.had_prefill:
+                raise ProtocolError("finished", "prefill_done", transfer_id, generation)
+            self._finished[(transfer_id, generation)] = _Finished(fin.ok, had_prefill=True)
+            return [FreeBlocks(transfer_id, generation, blocks, "transfer already failed"),
+                    Count("late_prefill")]
+        if kind == "stale":
+            self._finish(transfer_id, generation, ok=False, had_prefill=True)
+            return [FreeBlocks(transfer_id, generation, blocks, "stale generation"),
+                    Failed(transfer_id, generation, "stale generation"), Count("stale_prefill")]
+        out = self._supersede(transfer_id, generation, now)
+        e = _Transfer(transfer_id, generation, State.WAIT_PREFILL, "prefill_first")
+        self._live[transfer_id] = e
+        self._note_generation(transfer_id, generation)
+        return out + self._accept_prefill(e, now, blocks, num_tokens, first_token)
+
+    def on_registration(self, reg: Register, now: float) -> list[Action]:
+        try:
+            wanted = consumers_for(self.p_rank, self.p_tp, reg.d_tp, self.total_kv_heads)
+        except ValueError:
+            return [Count("bad_registration")]
+        if reg.d_rank not in wanted:
+            return [Count("unneeded_registration")]
+        tid, gen = reg.transfer_id, reg.generation
+        kind, e = self._lookup(tid, gen)
+        if kind == "live" or kind == "draining":
+            return self._dispatch(e, "registration", now, reg=reg)
+        if kind == "finished":
+            if self._finished[(tid, gen)].ok:
+                return [Count("late_registration")]
+            return [NotifyFailure(tid, gen, (reg,), "transfer already failed"),
+                    Count("late_registration")]
+        if kind == "stale":
+            return [NotifyFailure(tid, gen, (reg,), "stale generation"), Count("stale_registration")]
+        out = self._supersede(tid, gen, now)
+        e = _Transfer(tid, gen, State.WAIT_PREFILL, "registration_first",
+                      d_tp=reg.d_tp, needed=frozenset(wanted))
+        self._live[tid] = e
+        self._note_generation(tid, gen)
+        return out + self._add_registration(e, now, reg)
+
+    def on_write_done(self, transfer_id: str, generation: int, now: float) -> list[Action]:
+        return self._local(transfer_id, generation, "write_done", now)
+
+    def on_write_failed(self, transfer_id: str, generation: int, reason: str, now: float) -> list[Action]:
+        return self._local(transfer_id, generation, "write_failed", now, reason=reason)
+
+    def cancel(self, transfer_id: str, generation: int, reason: str, now: float) -> list[Action]:
+        kind, e = self._lookup(transfer_id, generation)
+        if kind == "live" or kind == "draining":
+            return self._dispatch(e, "cancel", now, reason=reason)
+        if kind == "new":  # neither half seen: remember, so both die on arrival
+            out = self._supersede(transfer_id, generation, now)
+            self._finish(transfer_id, generation, ok=False, had_prefill=False)
+            return out + [Failed(transfer_id, generation, reason), Count("cancelled")]
+        return [Count("cancel_ignored")]
+
+    def expire(self, now: float) -> list[Action]:
+        out: list[Action] = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            deadline, _, tid, gen = heapq.heappop(self._deadlines)
+            e = self._entry(tid, gen)
+            if e is not None and e.deadline == deadline:
+                e.deadline = None
+                out += self._dispatch(e, "expire", now)
+        return out
+
+    def next_deadline(self) -> Optional[float]:
+        while self._deadlines:
+            deadline, _, tid, gen = self._deadlines[0]
+            e = self._entry(tid, gen)
+            if e is not None and e.deadline == deadline:
+                return deadline
+            heapq.heappop(self._deadlines)  # superseded entry
+        return None
+
+    # ------------------------------------------------------------ introspection
+    def state_of(self, transfer_id: str, generation: int) -> Optional[str]:
+        e = self._entry(transfer_id, generation)
+        return e.state.value if e is not None else None
+
+    def held_blocks(self) -> list[int]:
+        """P blocks currently pinned by this machine (accounting checks)."""
+        entries = list(self._live.values()) + list(self._draining.values())
+        return [b for e in entries if e.has_prefill for b in e.block_ids]
+
+    def __len__(self) -> int:
+        return len(self._live) + len(self._draining)
+
+    # -------------------------------------------------------- transition table
+    def _dispatch(self, e: _Transfer, event: str, now: float, **kw) -> list[Action]:
+        handler: Optional[Callable] = _TABLE.get((e.state, event))
+        if handler is None:
+            raise ProtocolError(e.state.value, event, e.transfer_id, e.generation)
+        return handler(self, e, now, **kw)
+
+    def _local(self, tid: str, gen: int, event: str, now: float, **kw) -> list[Action]:
+        kind, e = self._lookup(tid, gen)
+        if e is None:
+            raise ProtocolError(kind if kind != "new" else "unknown", event, tid, gen)
+        return self._dispatch(e, event, now, **kw)
+
+    def _accept_prefill(self, e, now, blocks, num_tokens, first_token) -> list[Action]:
+        e.has_prefill, e.block_ids = True, blocks
+        e.num_tokens, e.first_token = num_tokens, first_token
+        if e.needed and e.needed <= e.regs.keys():
+            return self._post(e, now)
+        e.state = State.WAIT_REGISTRATION
+        self._arm(e, now + self.registration_wait_s)
+        return []
+
+    def _add_registration(self, e, now, reg) -> list[Action]:
+        if reg.d_tp != e.d_tp and e.regs:
+            return [Count("registration_tp_mismatch")]
+        if reg.d_rank in e.regs:
+            return [Count("duplicate_registration")]
+        if not e.regs:
+            e.d_tp = reg.d_tp
+            e.needed = frozenset(consumers_for(self.p_rank, self.p_tp, reg.d_tp, self.total_kv_heads))
+        e.regs[reg.d_rank] = reg
+        if e.has_prefill and e.needed <= e.regs.keys():
+            return self._post(e, now)
+        if e.state is State.WAIT_PREFILL:
+            wait = self.registration_wait_s
+            if reg.deadline > 0:  # D gives up after this long; waiting longer is pointless
+                wait = min(wait, reg.deadline)
+            if e.deadline is None or now + wait < e.deadline:
+                self._arm(e, now + wait)
+        return []
+
+    def _registration_late(self, e, now, reg) -> list[Action]:
+        if reg.d_rank in e.regs:
+            return [Count("duplicate_registration")]
+        out: list[Action] = [Count("late_registration")]
+        if e.state is State.DRAINING:
+            out.insert(0, NotifyFailure(e.transfer_id, e.generation, (reg,), "transfer already failed"))
+        return out
+
+    def _post(self, e, now) -> list[Action]:
+        e.state = State.WRITING
+        self._arm(e, now + self.transfer_s)
+        regs = tuple(e.regs[d] for d in sorted(e.needed))
+        return [PostWrite(e.transfer_id, e.generation, e.block_ids, e.num_tokens, e.first_token, regs)]
+
+    def _write_done(self, e, now) -> list[Action]:
+        self._retire(e, ok=True)
+        return [FreeBlocks(e.transfer_id, e.generation, e.block_ids, "written"),
+                Completed(e.transfer_id, e.generation, e.order)]
+
+    def _write_failed(self, e, now, reason) -> list[Action]:
+        self._retire(e, ok=False)
+        return [FreeBlocks(e.transfer_id, e.generation, e.block_ids, reason),
+                NotifyFailure(e.transfer_id, e.generation, e.registrations(), reason),
+                Failed(e.transfer_id, e.generation, reason), Count("write_failed")]
+
+    def _drained(self, e, now, reason: str = "write finished after failure") -> list[Action]:
+        del self._draining[(e.transfer_id, e.generation)]
+        e.deadline = None
+        return [FreeBlocks(e.transfer_id, e.generation, e.block_ids, reason)]
+
+    def _cancel_waiting(self, e, now, reason) -> list[Action]:
+        return self._teardown(e, reason) + [Count("cancelled")]
+
+    def _cancel_writing(self, e, now, reason) -> list[Action]:
+        return self._abandon(e, now, reason) + [Count("cancelled")]
+
+    def _expire_waiting(self, e, now) -> list[Action]:
+        if e.state is State.WAIT_PREFILL:
+            reason, counter = f"no prefill within {self.registration_wait_s}s of registration", "expired_registration"
+        else:
+            reason, counter = f"no registration within {self.registration_wait_s}s of prefill", "expired_prefill"
+        return self._teardown(e, reason) + [Count(counter)]
+
+    def _expire_writing(self, e, now) -> list[Action]:
+        return self._abandon(e, now, f"transfer not done within {self.transfer_s}s") + [Count("expired_transfer")]
+
+    def _expire_draining(self, e, now) -> list[Action]:
+        # Still pinned: freeing blocks a WRITE may read would corrupt a later request.
+        # The actor should abort the NIXL request and report on_write_failed.
+        return [Count("write_stuck")]
+
+    def _ignore(self, e, now, **kw) -> list[Action]:
+        return [Count("cancel_ignored")]
+
+    # ---------------------------------------------------------------- helpers
+    def _teardown(self, e: _Transfer, reason: str) -> list[Action]:
+        """End a waiting transfer: nothing is in flight, so free at once."""
+        self._retire(e, ok=False)
+        out: list[Action] = []
+        if e.has_prefill:
+            out.append(FreeBlocks(e.transfer_id, e.generation, e.block_ids, reason))
+        if e.regs:
+            out.append(NotifyFailure(e.transfer_id, e.generation, e.registrations(), reason))
+        out.append(Failed(e.transfer_id, e.generation, reason))
+        return out
+
+    def _abandon(self, e: _Transfer, now: float, reason: str) -> list[Action]:
+        """Fail a posted transfer but keep its blocks pinned until the WRITE reports."""
+        self._retire(e, ok=False)
+        e.state = State.DRAINING
+        self._draining[(e.transfer_id, e.generation)] = e
+        self._arm(e, now + self.transfer_s)
+        return [Failed(e.transfer_id, e.generation, reason),
+                NotifyFailure(e.transfer_id, e.generation, e.registrations(), reason)]
+
+    def _supersede(self, tid: str, gen: int, now: float) -> list[Action]:
+        """A newer generation arrived: end the live older one (reissued request)."""
+        old = self._live.get(tid)
+        if old is None or old.generation >= gen:
+            return []
+        reason = f"superseded by generation {gen}"
+        if old.state is State.WRITING:
+            return self._abandon(old, now, reason) + [Count("superseded_writing")]
+        out = self._teardown(old, reason)
+        if old.has_prefill:
+            out.append(Count("stale_prefill"))
+        if old.regs:
+            out.append(Count("stale_registration"))
+        return out
+
+    def _retire(self, e: _Transfer, ok: bool) -> None:
+        if self._live.get(e.transfer_id) is e:
+            del self._live[e.transfer_id]
+        e.deadline = None
+        self._finish(e.transfer_id, e.generation, ok, e.has_prefill)
+
+    def _finish(self, tid: str, gen: int, ok: bool, had_prefill: bool) -> None:
+        self._finished[(tid, gen)] = _Finished(ok, had_prefill)
+        self._finished.move_to_end((tid, gen))
+        while len(self._finished) > self._remember:
+            self._finished.popitem(last=False)
+        self._note_generation(tid, gen)
+
+    def _note_generation(self, tid: str, gen: int) -> None:
+        if self._newest.get(tid, gen) <= gen:
+            self._newest[tid] = gen
+        self._newest.move_to_end(tid)
+        while len(self._newest) > self._remember:
+            self._newest.popitem(last=False)
+
+    def _arm(self, e: _Transfer, deadline: float) -> None:
+        e.deadline = deadline
+        self._seq += 1
+        heapq.heappush(self._deadlines, (deadline, self._seq, e.transfer_id, e.generation))
+
+    def _entry(self, tid: str, gen: int) -> Optional[_Transfer]:
+        e = self._live.get(tid)
+        if e is not None and e.generation == gen:
+            return e
+        return self._draining.get((tid, gen))
+
+    def _lookup(self, tid: str, gen: int) -> tuple[str, Optional[_Transfer]]:
+        """Classify (tid, gen): live | draining | finished | stale | new."""
+        e = self._live.get(tid)
+        if e is not None and e.generation == gen:
+            return "live", e
+        d = self._draining.get((tid, gen))
+        if d is not None:
+            return "draining", d
+        if (tid, gen) in self._finished:
+            return "finished", None
+        newest = self._newest.get(tid, -1)
+        if e is not None:
+            newest = max(newest, e.generation)
+        if gen < newest:
+            return "stale", None
+        return "new", None
+
+
+S = State
+_TABLE: dict[tuple[State, str], Callable] = {
+    (S.WAIT_PREFILL, "prefill_done"): PushRendezvous._accept_prefill,
+    (S.WAIT_PREFILL, "registration"): PushRendezvous._add_registration,
+    (S.WAIT_PREFILL, "cancel"): PushRendezvous._cancel_waiting,
+    (S.WAIT_PREFILL, "expire"): PushRendezvous._expire_waiting,
+    (S.WAIT_REGISTRATION, "registration"): PushRendezvous._add_registration,
+    (S.WAIT_REGISTRATION, "cancel"): PushRendezvous._cancel_waiting,
+    (S.WAIT_REGISTRATION, "expire"): PushRendezvous._expire_waiting,
+    (S.WRITING, "registration"): PushRendezvous._registration_late,
+    (S.WRITING, "write_done"): PushRendezvous._write_done,
+    (S.WRITING, "write_failed"): PushRendezvous._write_failed,
+    (S.WRITING, "cancel"): PushRendezvous._cancel_writing,
+    (S.WRITING, "expire"): PushRendezvous._expire_writing,
+    (S.DRAINING, "registration"): PushRendezvous._registration_late,
+    (S.DRAINING, "write_done"): PushRendezvous._drained,
+    (S.DRAINING, "write_failed"): PushRendezvous._drained,
+    (S.DRAINING, "cancel"): PushRendezvous._ignore,
+    (S.DRAINING, "expire"): PushRendezvous._expire_draining,
+}
+del S
