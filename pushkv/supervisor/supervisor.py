@@ -87,7 +87,7 @@ class Supervisor(Actor):
         self._stage_idx = 0
         self._startup_deadline = 0.0
         self._next_ping = 0.0
-        self._control: Optional[zmq.Socket] = None  # ROUTER, shadows the base's unused DEALER slot
+        self._control_router: Optional[zmq.Socket] = None  # children (DEALER) and REQ clients
         self._events: Optional[zmq.Socket] = None
 
     # ------------------------------------------------------------------
@@ -99,8 +99,8 @@ class Supervisor(Actor):
         self.phase = "starting"  # from here on, teardown owns run_dir
         with open(config_path(self.cfg), "wb") as f:
             f.write(encode_config(self.cfg))
-        self._control = self.socket(zmq.ROUTER, self.cfg.control_endpoint, bind=True)
-        self.add_channel(self._control, c.DEC_SUPERVISOR_IN, "control", routed=True)
+        self._control_router = self.socket(zmq.ROUTER, self.cfg.control_endpoint, bind=True)
+        self.add_channel(self._control_router, c.DEC_SUPERVISOR_IN, "control", routed=True)
         self._events = self.socket(zmq.PUB, self.cfg.events_endpoint, bind=True)
         if self.write_registry:
             registry.write_record(registry.DeploymentRecord(
@@ -200,7 +200,7 @@ class Supervisor(Actor):
 
     def _reply(self, identity: bytes, reply: c.ControlReply) -> None:
         # REQ envelope: identity, empty delimiter, body
-        self._control.send_multipart([identity, b"", m.encode(reply)])
+        self._control_router.send_multipart([identity, b"", m.encode(reply)])
 
     # ------------------------------------------------------------------
     # CommandContext
@@ -231,7 +231,7 @@ class Supervisor(Actor):
 
     def _stop_child(self, row: Row) -> None:
         if row.identity is not None:
-            self._control.send_multipart([row.identity, m.encode(m.Shutdown(reason="supervisor"))])
+            self._control_router.send_multipart([row.identity, m.encode(m.Shutdown(reason="supervisor"))])
         self.table.apply(row.name, Event.STOP)
         lifecycle.signal_child(self.procs[row.name], signal.SIGTERM)
 
@@ -307,7 +307,7 @@ class Supervisor(Actor):
         ping = m.encode(m.Ping())
         for row in self.table.in_state(State.READY):
             if row.identity is not None:
-                self._control.send_multipart([row.identity, ping])
+                self._control_router.send_multipart([row.identity, ping])
             if not row.healthy(now, self.health_timeout_s) and row.name not in self._unhealthy:
                 self._unhealthy.add(row.name)
                 log.warning("%s (pid %d) has not answered pings for %.1f s", row.name, row.pid,
@@ -326,8 +326,8 @@ class Supervisor(Actor):
             self._unwatch(name)
         live = [r for r in reversed(list(self.table)) if r.name in self.procs and self.procs[r.name].returncode is None]
         for row in live:  # router first, writers (pool owners) last
-            if row.identity is not None and self._control is not None:
-                self._control.send_multipart([row.identity, m.encode(m.Shutdown(reason=self.failure or "stop"))])
+            if row.identity is not None and self._control_router is not None:
+                self._control_router.send_multipart([row.identity, m.encode(m.Shutdown(reason=self.failure or "stop"))])
             if row.state in (State.STARTED, State.READY):
                 self.table.apply(row.name, Event.STOP)
         procs = [self.procs[r.name] for r in live]
