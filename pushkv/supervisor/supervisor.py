@@ -81,7 +81,7 @@ class Supervisor(Actor):
         self.failure = ""
         self.procs: dict[str, subprocess.Popen] = {}
         self._pidfds: dict[str, int] = {}
-        self._restart_requested: set[str] = set()
+        self._restart_requested: dict[str, float] = {}  # name -> when asked (monotonic)
         self._unhealthy: set[str] = set()
         self._stages = sorted({s.stage for s in self.specs})
         self._stage_idx = 0
@@ -117,7 +117,7 @@ class Supervisor(Actor):
     def _spawn_stage(self, now: float) -> None:
         stage = self._stages[self._stage_idx]
         for spec in self.specs:
-            if spec.stage == stage:
+            if spec.stage == stage and not self.stopping:
                 self._spawn(spec.name, now)
 
     def _spawn(self, name: str, now: float) -> None:
@@ -225,7 +225,7 @@ class Supervisor(Actor):
         if row.state not in (State.STARTED, State.READY):
             return f"{name} is {row.state.value}"
         log.info("restarting %s (pid %d): %s", name, row.pid, reason)
-        self._restart_requested.add(name)
+        self._restart_requested[name] = time.monotonic()
         self._stop_child(row)
         return None
 
@@ -249,7 +249,7 @@ class Supervisor(Actor):
         self._unhealthy.discard(name)
         how = describe_exit(code)
         if name in self._restart_requested:
-            self._restart_requested.discard(name)
+            del self._restart_requested[name]
             log.info("%s (pid %d) stopped for restart: %s", name, pid, how)
             self._publish(name, "exit", row, detail=how)
             self._spawn(name, now)
@@ -299,6 +299,9 @@ class Supervisor(Actor):
                 log.error("%s (pid %d) not ready %.0f s after restart; killing it", row.name, row.pid,
                           self.startup_timeout_s)
                 lifecycle.signal_child(self.procs[row.name], signal.SIGKILL)
+        for name, asked in self._restart_requested.items():  # a restart that ignores SIGTERM
+            if now - asked > self.stop_timeout_s:
+                lifecycle.signal_child(self.procs[name], signal.SIGKILL)
         if now >= self._next_ping:
             self._next_ping = now + self.ping_interval_s
             self._ping_all(now)
