@@ -230,10 +230,17 @@ class Supervisor(Actor):
         return None
 
     def _stop_child(self, row: Row) -> None:
-        if row.identity is not None:
-            self._control_router.send_multipart([row.identity, m.encode(m.Shutdown(reason="supervisor"))])
+        """Ask politely; ``tick`` escalates to SIGTERM after the grace and SIGKILL at the deadline.
+
+        Not Shutdown and SIGTERM together: a Python child that is already
+        finalizing after Shutdown has default signal handlers again and would
+        die by SIGTERM instead of exiting 0.
+        """
         self.table.apply(row.name, Event.STOP)
-        lifecycle.signal_child(self.procs[row.name], signal.SIGTERM)
+        if row.identity is not None:
+            self._control_router.send_multipart([row.identity, m.encode(m.Shutdown(reason="restart"))])
+        else:
+            lifecycle.signal_child(self.procs[row.name], signal.SIGTERM)
 
     # ------------------------------------------------------------------
     # child exits (pidfd readable)
@@ -299,9 +306,11 @@ class Supervisor(Actor):
                 log.error("%s (pid %d) not ready %.0f s after restart; killing it", row.name, row.pid,
                           self.startup_timeout_s)
                 lifecycle.signal_child(self.procs[row.name], signal.SIGKILL)
-        for name, asked in self._restart_requested.items():  # a restart that ignores SIGTERM
+        for name, asked in self._restart_requested.items():  # a restart that does not stop by itself
             if now - asked > self.stop_timeout_s:
                 lifecycle.signal_child(self.procs[name], signal.SIGKILL)
+            elif now - asked > self.stop_timeout_s * STOP_GRACE_FRACTION:
+                lifecycle.signal_child(self.procs[name], signal.SIGTERM)
         if now >= self._next_ping:
             self._next_ping = now + self.ping_interval_s
             self._ping_all(now)
