@@ -32,13 +32,13 @@ deadline as zombies.
 """
 from __future__ import annotations
 
-import heapq
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Optional, Sequence
 
 from pushkv.messages import Register
+from pushkv.protocol._deadlines import Deadlines
 from pushkv.protocol.actions import (
     Action, Completed, Count, Failed, FreeBlocks, NotifyFailure, PostWrite, ProtocolError,
 )
@@ -103,8 +103,7 @@ class PushRendezvous:
         self._draining: dict[tuple[str, int], _Transfer] = {}
         self._finished: OrderedDict[tuple[str, int], _Finished] = OrderedDict()
         self._newest: OrderedDict[str, int] = OrderedDict()  # newest generation seen per id
-        self._deadlines: list[tuple[float, int, str, int]] = []
-        self._seq = 0
+        self._deadlines = Deadlines(self._current_deadline)
 
     # ------------------------------------------------------------------ events
     def on_prefill_done(
@@ -176,22 +175,14 @@ class PushRendezvous:
 
     def expire(self, now: float) -> list[Action]:
         out: list[Action] = []
-        while self._deadlines and self._deadlines[0][0] <= now:
-            deadline, _, tid, gen = heapq.heappop(self._deadlines)
+        for tid, gen in self._deadlines.due(now):
             e = self._entry(tid, gen)
-            if e is not None and e.deadline == deadline:
-                e.deadline = None
-                out += self._dispatch(e, "expire", now)
+            e.deadline = None
+            out += self._dispatch(e, "expire", now)
         return out
 
     def next_deadline(self) -> Optional[float]:
-        while self._deadlines:
-            deadline, _, tid, gen = self._deadlines[0]
-            e = self._entry(tid, gen)
-            if e is not None and e.deadline == deadline:
-                return deadline
-            heapq.heappop(self._deadlines)  # superseded entry
-        return None
+        return self._deadlines.next()
 
     # ------------------------------------------------------------ introspection
     def state_of(self, transfer_id: str, generation: int) -> Optional[str]:
@@ -359,8 +350,11 @@ class PushRendezvous:
 
     def _arm(self, e: _Transfer, deadline: float) -> None:
         e.deadline = deadline
-        self._seq += 1
-        heapq.heappush(self._deadlines, (deadline, self._seq, e.transfer_id, e.generation))
+        self._deadlines.arm((e.transfer_id, e.generation), deadline)
+
+    def _current_deadline(self, key: tuple[str, int]) -> Optional[float]:
+        e = self._entry(*key)
+        return None if e is None else e.deadline
 
     def _entry(self, tid: str, gen: int) -> Optional[_Transfer]:
         e = self._live.get(tid)

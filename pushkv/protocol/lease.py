@@ -1,0 +1,126 @@
+"""Pull mode, P side: finished blocks pinned under a lease until D has READ them.
+
+``hold`` pins; every D rank that reads reports ``ReadDone``; when
+``readers_expected`` distinct ranks have, the blocks are freed and the
+transfer completes (order "pull"). A lease that runs out frees the blocks and
+fails the transfer (counted ``lease_expired``). Each held lease ends with
+exactly one :class:`FreeBlocks`.
+
+Caution: an expired lease frees blocks a slow D READ may still be reading;
+``lease_s`` must exceed D's own READ deadline so D gives up first.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from pushkv.protocol._deadlines import Deadlines
+from pushkv.protocol.actions import Action, Completed, Count, Failed, FreeBlocks, ProtocolError
+
+__all__ = ["Leases", "FreeBlocks", "Completed", "Failed", "Count", "ProtocolError"]
+
+REMEMBER_FINISHED = 4096
+
+
+@dataclass
+class _Lease:
+    transfer_id: str
+    generation: int
+    block_ids: tuple[int, ...]
+    deadline: Optional[float]
+    readers: set[int] = field(default_factory=set)
+
+
+class Leases:
+    def __init__(self, lease_s: float, remember: int = REMEMBER_FINISHED):
+        self.lease_s = lease_s
+        self._live: dict[str, _Lease] = {}
+        self._finished: OrderedDict[tuple[str, int], None] = OrderedDict()
+        self._remember = remember
+        self._deadlines = Deadlines(self._current_deadline)
+
+    def hold(self, transfer_id: str, generation: int, block_ids: Sequence[int], now: float) -> list[Action]:
+        """Pin blocks until ``now + lease_s``; an older generation's lease is released."""
+        old = self._live.get(transfer_id)
+        if (transfer_id, generation) in self._finished:
+            raise ProtocolError("finished", "hold", transfer_id, generation)
+        if old is not None and old.generation >= generation:
+            raise ProtocolError("held", "hold", transfer_id, generation)
+        out: list[Action] = []
+        if old is not None:
+            out = self._end(old, f"superseded by generation {generation}", ok=False)
+            out.append(Count("stale_lease"))
+        self._live[transfer_id] = _Lease(transfer_id, generation, tuple(block_ids), now + self.lease_s)
+        self._deadlines.arm(transfer_id, now + self.lease_s)
+        return out
+
+    def deadline_of(self, transfer_id: str, generation: int) -> Optional[float]:
+        e = self._match(transfer_id, generation)
+        return None if e is None else e.deadline
+
+    def on_read_done(
+        self, transfer_id: str, generation: int, d_rank: int, readers_expected: int
+    ) -> list[Action]:
+        e = self._match(transfer_id, generation)
+        if e is None:
+            if (transfer_id, generation) in self._finished:
+                return [Count("late_read_done")]
+            old = self._live.get(transfer_id)
+            return [Count("stale_read_done" if old and generation < old.generation else "unknown_read_done")]
+        if d_rank in e.readers:
+            return [Count("duplicate_read_done")]
+        e.readers.add(d_rank)
+        if len(e.readers) < readers_expected:
+            return []
+        return self._end(e, "read", ok=True)
+
+    def release(self, transfer_id: str, generation: int, reason: str = "released") -> list[Action]:
+        """Free now without an outcome: the caller knows the READ is over."""
+        e = self._match(transfer_id, generation)
+        if e is None:
+            return [Count("release_ignored")]
+        return self._end(e, reason, ok=None)
+
+    def cancel(self, transfer_id: str, generation: int, reason: str, now: float) -> list[Action]:
+        e = self._match(transfer_id, generation)
+        if e is None:
+            return [Count("cancel_ignored")]
+        return self._end(e, reason, ok=False) + [Count("lease_cancelled")]
+
+    def expire(self, now: float) -> list[Action]:
+        out: list[Action] = []
+        for tid in self._deadlines.due(now):
+            out += self._end(self._live[tid], f"lease of {self.lease_s}s expired", ok=False)
+            out.append(Count("lease_expired"))
+        return out
+
+    def next_deadline(self) -> Optional[float]:
+        return self._deadlines.next()
+
+    def held_blocks(self) -> list[int]:
+        return [b for e in self._live.values() for b in e.block_ids]
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def _current_deadline(self, tid) -> Optional[float]:
+        e = self._live.get(tid)
+        return None if e is None else e.deadline
+
+    def _match(self, tid: str, gen: int) -> Optional[_Lease]:
+        e = self._live.get(tid)
+        return e if e is not None and e.generation == gen else None
+
+    def _end(self, e: _Lease, reason: str, ok: Optional[bool]) -> list[Action]:
+        del self._live[e.transfer_id]
+        e.deadline = None
+        self._finished[(e.transfer_id, e.generation)] = None
+        while len(self._finished) > self._remember:
+            self._finished.popitem(last=False)
+        out: list[Action] = [FreeBlocks(e.transfer_id, e.generation, e.block_ids, reason)]
+        if ok is True:
+            out.append(Completed(e.transfer_id, e.generation, "pull"))
+        elif ok is False:
+            out.append(Failed(e.transfer_id, e.generation, reason))
+        return out
