@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from pushkv.config import ModelConfig, preset
 from pushkv.kv.layout import blocks_for, pool_shape
 from pushkv.messages import SeqWork
-from pushkv.model import build_model, get_tokenizer
+from pushkv.model import build_model, get_tokenizer, transformer
 from pushkv.model.checkpoint import model_config_from_hf
 from pushkv.model.reference import dense_logits, generate_dense
 from pushkv.model.shard import shard_plan
@@ -149,7 +149,9 @@ def test_packed_mode_matches_per_seq_mode():
 
 
 # --------------------------------------------------------------------- sliding window
-def test_sliding_window_matches_dense_and_differs_from_full():
+@pytest.mark.parametrize("chunk_rows", [256, 1])  # 1: windowed prefill in many query chunks
+def test_sliding_window_matches_dense_and_differs_from_full(monkeypatch, chunk_rows):
+    monkeypatch.setattr(transformer, "WINDOW_CHUNK", chunk_rows)
     window = 8
     cfg = preset("tiny", sliding_window=window, window_layers=(1,))
     model = build_model(cfg)

@@ -22,6 +22,8 @@ from pushkv.model.weights import (TORCH_DTYPES, DictSource, LayerWeights, RankWe
 
 log = logging.getLogger(__name__)
 
+WINDOW_CHUNK = 256  # least query rows per windowed-attention chunk
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # In float32 like the HF reference, so checkpoints behave as trained.
@@ -43,8 +45,21 @@ class _SeqPlan:
     start: int
     num_new: int
     block_table: torch.Tensor  # long, on device
-    # attention kind ("full" or "window") -> (first key position, mask or None, causal)
+    # attention kind ("full" | "window") -> (first key position, [_Chunk, ...])
     attn: dict
+
+
+@dataclass
+class _Chunk:
+    """Queries [q0, q1) (indices into the new tokens) against keys [k0, k1) (indices
+    into the gathered keys, which start at the kind's first key position)."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    mask: Optional[torch.Tensor]  # bool [q1 - q0, k1 - k0], True = attend
+    causal: bool
 
 
 class Model:
@@ -176,26 +191,32 @@ class Model:
 
     def _plan_seq(self, s: SeqWork, rows: slice, block_size: int) -> _SeqPlan:
         start, n = s.start_pos, len(s.token_ids)
-        attn = {}
         kinds = {"full": 0}
         if self.window_layers:
             kinds["window"] = self.cfg.sliding_window
-        for kind, window in kinds.items():
-            lo = max(0, start - window + 1) if window else 0
-            qpos = torch.arange(start, start + n, device=self.device)[:, None]
-            kpos = torch.arange(lo, start + n, device=self.device)[None, :]
-            if n == 1:
-                mask, causal = None, False  # one query sees every key gathered for it
-            elif lo == start and (not window or n <= window):
-                mask, causal = None, True  # square causal: SDPA's fast path
-            else:
-                mask = kpos <= qpos
-                if window:
-                    mask &= kpos > qpos - window
-                causal = False
-            attn[kind] = (lo, mask, causal)
+        attn = {kind: self._plan_attention(start, n, window) for kind, window in kinds.items()}
         bt = torch.tensor(s.block_table[:blocks_for(start + n, block_size)], device=self.device)
         return _SeqPlan(rows, start, n, bt, attn)
+
+    def _plan_attention(self, start: int, n: int, window: int) -> tuple[int, list[_Chunk]]:
+        lo = max(0, start - window + 1) if window else 0
+        if n == 1:  # one query sees every key gathered for it
+            return lo, [_Chunk(0, 1, 0, start + 1 - lo, None, False)]
+        if lo == start and (not window or n <= window):  # square causal: SDPA's fast path
+            return lo, [_Chunk(0, n, 0, n, None, True)]
+        # Windowed prefill runs in query chunks so the masks stay O(n * window), not O(n^2).
+        step = max(window, WINDOW_CHUNK) if window else n
+        chunks = []
+        for q0 in range(0, n, step):
+            q1 = min(n, q0 + step)
+            k0 = max(lo, start + q0 - window + 1) if window else lo
+            qpos = torch.arange(start + q0, start + q1, device=self.device)[:, None]
+            kpos = torch.arange(k0, start + q1, device=self.device)[None, :]
+            mask = kpos <= qpos
+            if window:
+                mask &= kpos > qpos - window
+            chunks.append(_Chunk(q0, q1, k0 - lo, start + q1 - lo, mask, False))
+        return lo, chunks
 
     def _forward(self, seqs: list[SeqWork], pool: torch.Tensor) -> torch.Tensor:
         bs = pool.shape[4]
@@ -230,7 +251,7 @@ class Model:
 
     def _attend(self, kv_pool, p: _SeqPlan, q, k, v, attn, bs: int) -> torch.Tensor:
         """Causal attention of p's new queries over its past (from the pool) and new keys."""
-        lo, mask, causal = attn
+        lo, chunks = attn
         if lo < p.start:
             b0, b1 = lo // bs, (p.start - 1) // bs + 1
             past = kv_pool[p.block_table[b0:b1]]  # [nb, 2, kvh, bs, hd]
@@ -241,9 +262,12 @@ class Model:
             vals = torch.cat((past[1], v.transpose(0, 1)), dim=1)
         else:
             keys, vals = k.transpose(0, 1), v.transpose(0, 1)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], keys[None], vals[None], attn_mask=mask, is_causal=causal,
-            enable_gqa=self.plan.group > 1)
+        q = q.transpose(0, 1)[None]
+        keys, vals = keys[None], vals[None]
+        outs = [F.scaled_dot_product_attention(
+            q[:, :, c.q0:c.q1], keys[:, :, c.k0:c.k1], vals[:, :, c.k0:c.k1], attn_mask=c.mask,
+            is_causal=c.causal, enable_gqa=self.plan.group > 1) for c in chunks]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         return out[0].transpose(0, 1).reshape(p.num_new, -1)
 
 
