@@ -82,6 +82,10 @@ class Actor:
         self._extra_fds[fd] = on_ready
         self.poller.register(fd, zmq.POLLIN)
 
+    def remove_fd(self, fd: int) -> None:
+        if self._extra_fds.pop(fd, None) is not None:
+            self.poller.unregister(fd)
+
     def socket(self, kind: int, endpoint: str, bind: bool) -> zmq.Socket:
         sock = self.ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)

@@ -1,6 +1,7 @@
 """Tokenizers: a built-in byte-level one for presets, HF tokenizer.json for checkpoints."""
 from __future__ import annotations
 
+import json
 import os
 from typing import Protocol
 
@@ -38,12 +39,13 @@ class ByteTokenizer:
 class HFTokenizer:
     """A tokenizer.json loaded with the `tokenizers` library."""
 
-    def __init__(self, path: str, eos_token_id: int = -1):
+    def __init__(self, path: str, eos_token_id: int = -1, bos_token_id: int = -1):
         from tokenizers import Tokenizer as _Tok
 
         self._tok = _Tok.from_file(path)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self.bos_token_id = self._special(("<|begin_of_text|>", "<s>", "<|endoftext|>", "<bos>"))
+        self.bos_token_id = bos_token_id if bos_token_id >= 0 else self._special(
+            ("<|begin_of_text|>", "<s>", "<bos>"))
         eos = self._special(("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>",
                              "<|endoftext|>", "<eos>"))
         self.eos_token_id = eos_token_id if eos_token_id >= 0 else eos
@@ -68,4 +70,10 @@ def get_tokenizer(cfg: ModelConfig) -> Tokenizer:
     path = os.path.join(cfg.checkpoint, "tokenizer.json")
     if not os.path.exists(path):
         raise FileNotFoundError(f"checkpoint {cfg.checkpoint} has no tokenizer.json")
-    return HFTokenizer(path, cfg.eos_token_id)
+    bos = -1
+    cfg_path = os.path.join(cfg.checkpoint, "config.json")
+    if os.path.exists(cfg_path):
+        with open(cfg_path) as f:
+            b = json.load(f).get("bos_token_id")
+        bos = b if isinstance(b, int) else -1
+    return HFTokenizer(path, cfg.eos_token_id, bos)

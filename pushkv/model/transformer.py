@@ -100,6 +100,8 @@ class Model:
     def logits(self, seqs: Sequence[SeqWork], pool: torch.Tensor) -> torch.Tensor:
         """float32 [num sampled seqs, vocab] logits of each sampled seq's last position."""
         self._check_pool(pool)
+        if not seqs:
+            return torch.empty(0, self.cfg.vocab_size)
         for s in seqs:
             self._check_seq(s, pool.shape[4])
         if self.cfg.deterministic:

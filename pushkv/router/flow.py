@@ -36,7 +36,6 @@ log = logging.getLogger(__name__)
 
 GENERATION = 0  # the router never reissues; schedulers bump it on preemption
 PREFILL_REPORT_GRACE_S = 1.0  # push: D done, wait this long for P's timeline
-SEND_TIMEOUT_S = 5.0
 
 
 class SchedulerLink:
@@ -57,8 +56,20 @@ class SchedulerLink:
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._recv_loop(), name=f"recv-{self.role}")
 
-    async def send(self, msg: m.Msg) -> None:
-        await asyncio.wait_for(self.sock.send(m.encode(msg)), SEND_TIMEOUT_S)
+    def send(self, msg: m.Msg) -> None:
+        """Queue ``msg`` without awaiting, so no cancellation can land mid-send.
+
+        Raises zmq.Again when the scheduler's queue is full (or unconnected).
+        """
+        fut = self.sock.send(m.encode(msg), flags=zmq.NOBLOCK)
+        if fut.done():
+            fut.result()
+        else:  # queued behind another send: surface a late error in the log
+            fut.add_done_callback(self._log_send_error)
+
+    def _log_send_error(self, fut: asyncio.Future) -> None:
+        if not fut.cancelled() and fut.exception() is not None:
+            log.error("send to %s scheduler failed: %s", self.role, fut.exception())
 
     async def _recv_loop(self) -> None:
         while True:
@@ -163,41 +174,45 @@ class RequestRun:
         p = self.cfg.prefill
         return m.PrefillSource(engine_id=p.engine_id, tp=p.tp, handshake=tuple(p.handshake_endpoints))
 
-    async def _send_leg(self, leg: str, msg: m.Generate) -> None:
+    def _send_leg(self, leg: str, msg: m.Generate) -> None:
         self.sent.add(leg)
         self.mark(f"router.send_{leg}")
         log.debug("send %s leg transfer_id=%s", leg, self.transfer_id)
-        await self.links[leg].send(msg)
+        self.links[leg].send(msg)
 
-    async def _start(self) -> None:
+    def _start(self) -> None:
         mode = self.cfg.mode
         if mode == "local":
-            await self._send_leg("local", self._generate("local", max_tokens=self.max_tokens))
+            self._send_leg("local", self._generate("local", max_tokens=self.max_tokens))
             return
         prefill = self._generate("prefill", max_tokens=1)
         if mode == "push":
             decode = self._generate("decode", max_tokens=self.max_tokens, source=self._prefill_source())
-            # both legs leave together: D reserves and registers while P computes
-            await asyncio.gather(self._send_leg("prefill", prefill), self._send_leg("decode", decode))
+            # both legs leave together, no await between: D reserves and registers while P computes
+            self._send_leg("prefill", prefill)
+            self._send_leg("decode", decode)
         elif mode == "pull":
-            await self._send_leg("prefill", prefill)
+            self._send_leg("prefill", prefill)
         else:
             raise ValueError(f"unknown mode {mode!r}")
 
     async def _next(self, deadline: float) -> Optional[tuple[str, m.Msg]]:
+        # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancellation
+        # (client gone) that lands in the same iteration as a queue item
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return None
         try:
-            return await asyncio.wait_for(self.queue.get(), remaining)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(remaining):
+                return await self.queue.get()
+        except TimeoutError:
             return None
 
     async def events(self) -> AsyncIterator[Event]:
         """Yield the request's events; ends after one Finished or Failed."""
         deadline = self.record.arrival + self.cfg.timeouts.request_s
         try:
-            await self._start()
+            self._start()
         except Exception as e:
             log.error("sending legs failed transfer_id=%s: %s", self.transfer_id, e)
             yield Failed(503, f"scheduler unreachable: {e}")
@@ -239,7 +254,7 @@ class RequestRun:
                     decode = self._generate("decode", max_tokens=self.max_tokens,
                                             source=msg.pull.source, pull=msg.pull)
                     try:
-                        await self._send_leg("decode", decode)
+                        self._send_leg("decode", decode)
                     except Exception as e:
                         yield Failed(503, f"decode scheduler unreachable: {e}")
                         return
@@ -263,14 +278,14 @@ class RequestRun:
             log.error("unexpected %s from %s transfer_id=%s", type(msg).__name__, role, self.transfer_id)
         yield Finished(finish_reason)
 
-    async def close(self, reason: str) -> None:
-        """Abort every leg that was sent and has not ended."""
+    def close(self, reason: str) -> None:
+        """Abort every leg that was sent and has not ended (no await: safe while cancelled)."""
         if self.closed:
             return
         self.closed = True
         for leg in sorted(self.sent - self.ended):
             try:
-                await self.links[leg].send(m.Abort(self.transfer_id, GENERATION, reason))
+                self.links[leg].send(m.Abort(self.transfer_id, GENERATION, reason))
                 self.metrics.aborts_sent.labels(role=leg).inc()
                 log.info("abort %s leg transfer_id=%s: %s", leg, self.transfer_id, reason)
             except Exception as e:

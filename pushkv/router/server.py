@@ -219,7 +219,7 @@ class Router:
             else:
                 rec.outcome = rec.outcome or "aborted"
                 reason = "client disconnected" if rec.outcome == "aborted" else f"request {rec.outcome}"
-            await run.close(reason)
+            run.close(reason)
             self.runs.pop(tid, None)
             self.metrics.in_flight.dec()
             self.metrics.observe(rec, run.timeline)

@@ -153,13 +153,13 @@ class Scheduler(Actor):
     def _abort(self, r: Request, reason: str, notify: bool) -> None:
         if notify:
             self._reply(r, m.RequestFailed(r.transfer_id, r.generation, reason, 499))
-        if r.in_step or r.state in (State.SENDING,):
-            r.aborted = reason  # finish when the step / the writers answer
-            if r.state == State.SENDING:
+        if r.in_step or r.state in (State.SENDING, State.AWAIT_KV):
+            # blocks stay ours until the step ends / every writer confirms nothing
+            # can still read or write them
+            r.aborted = reason
+            if not r.in_step:
                 self._to_writers(m.CancelKV(r.transfer_id, r.generation, reason))
             return
-        if r.state == State.AWAIT_KV:
-            self._to_writers(m.CancelKV(r.transfer_id, r.generation, reason))
         self._release(r)
         self.schedule()
 

@@ -277,8 +277,7 @@ class Supervisor(Actor):
         fd = self._pidfds.pop(name, None)
         if fd is None:
             return
-        self.poller.unregister(fd)
-        self._extra_fds.pop(fd, None)  # base has add_fd but no remove_fd yet
+        self.remove_fd(fd)
         os.close(fd)
 
     def _fail(self, reason: str) -> None:

@@ -7,6 +7,7 @@ import logging
 import time
 
 from pushkv import messages as m
+from pushkv.protocol import actions as A
 from pushkv.protocol import arrivals as ar
 from pushkv.protocol.mapping import map_transfer
 from pushkv.protocol.tp import head_overlap, producers_for
@@ -21,6 +22,9 @@ class DecodeWriter(WriterBase):
         self.arrivals = ar.KVArrivals()
         self._sources: dict[tuple[str, int], tuple[m.PrefillSource, tuple[int, ...]]] = {}
         self._reads: dict[tuple[str, int], m.ReadKV] = {}
+        self._reported: dict[tuple[str, int], set[int]] = {}
+        # failed transfers whose producers may still be writing: (outstanding ranks, deadline, reason)
+        self._quarantine: dict[tuple[str, int], tuple[set[int], float, str]] = {}
 
     def setup(self) -> None:
         super().setup()
@@ -34,7 +38,7 @@ class DecodeWriter(WriterBase):
                     log.warning("%s: early handshake with %s rank %d failed: %s", self.name, src.engine_id, r, e)
 
     def has_pending(self) -> bool:
-        return self.arrivals.next_deadline() is not None
+        return self.arrivals.next_deadline() is not None or bool(self._quarantine)
 
     def _producers(self, src: m.PrefillSource):
         ranks = producers_for(self.rank, self.inst.tp, src.tp, self.layout.total_kv_heads)
@@ -50,9 +54,11 @@ class DecodeWriter(WriterBase):
             self.counters["handshake_failed"] += 1
             self.send(self.sched, m.KVFailed(msg.transfer_id, msg.generation, f"cannot reach prefill writers: {e}"))
             return
-        self.arrivals.expect(msg.transfer_id, msg.generation, msg.block_ids,
-                             [p.rank for p in peers], now + msg.deadline_s)
-        self._sources[key] = (msg.source, tuple(p.rank for p in peers))
+        ranks = tuple(p.rank for p in peers)
+        self._sources[key] = (msg.source, ranks)
+        self._reported[key] = set()
+        self.apply(self.arrivals.expect(msg.transfer_id, msg.generation, msg.block_ids, ranks,
+                                        now + msg.deadline_s), now)
         reg = m.Register(msg.transfer_id, msg.generation, self.inst.engine_id, self.rank, self.inst.tp,
                          msg.block_ids, msg.num_tokens, msg.deadline_s)
         for p in peers:
@@ -60,47 +66,75 @@ class DecodeWriter(WriterBase):
         self.trace_event("registration_sent", msg.transfer_id)
 
     def notif_WriteDone(self, msg: m.WriteDone, agent: str, now: float) -> None:
-        self.apply(self.arrivals.on_write_done(msg, now))
+        self._producer_reported(msg, now)
+        self.apply(self.arrivals.on_write_done(msg, now), now)
 
     def notif_WriteFailed(self, msg: m.WriteFailed, agent: str, now: float) -> None:
-        self.apply(self.arrivals.on_write_failed(msg, now))
+        self._producer_reported(msg, now)
+        self.apply(self.arrivals.on_write_failed(msg, now), now)
+
+    def _producer_reported(self, msg, now: float) -> None:
+        key = (msg.transfer_id, msg.generation)
+        if key in self._reported:
+            self._reported[key].add(msg.p_rank)
+        q = self._quarantine.get(key)
+        if q is not None:
+            q[0].discard(msg.p_rank)
+            if not q[0]:
+                self._release_quarantine(key)
 
     def on_CancelKV(self, msg: m.CancelKV) -> None:
+        now = time.monotonic()
         key = (msg.transfer_id, msg.generation)
-        self._cancel_producers(key, msg.reason)
-        self.apply(self.arrivals.cancel(msg.transfer_id, msg.generation, msg.reason, time.monotonic()),
-                   tell_scheduler=False)
-
-    def _cancel_producers(self, key, reason: str) -> None:
-        entry = self._sources.pop(key, None)
-        if entry is None:
+        if key not in self._sources:  # nothing registered: nothing can be writing
+            self.send(self.sched, m.KVFailed(msg.transfer_id, msg.generation, msg.reason))
             return
-        src, ranks = entry
-        for r in ranks:
-            peer = self.peers.get((src.engine_id, r))
-            if peer is not None:
-                self.notify(peer, m.CancelTransfer(key[0], key[1], reason))
+        self.apply(self.arrivals.cancel(msg.transfer_id, msg.generation, msg.reason, now), now)
 
-    def apply(self, actions, tell_scheduler: bool = True) -> None:
+    def apply(self, actions, now: float) -> None:
         for a in actions:
             key = (a.transfer_id, a.generation) if hasattr(a, "transfer_id") else None
-            if isinstance(a, ar.Received):
+            if isinstance(a, A.Received):
                 self._sources.pop(key, None)
+                self._reported.pop(key, None)
                 self.counters["kv_received"] += 1
                 self.trace_event("kv_received", a.transfer_id)
                 self.send(self.sched, m.KVReceived(a.transfer_id, a.generation, a.first_token, a.nbytes, a.num_descs))
-            elif isinstance(a, ar.Failed):
+            elif isinstance(a, A.Failed):
                 self.counters["kv_failed"] += 1
-                self._cancel_producers(key, a.reason)
-                if tell_scheduler:
-                    self.send(self.sched, m.KVFailed(a.transfer_id, a.generation, a.reason))
-            elif hasattr(ar, "Count") and isinstance(a, ar.Count):
+                self._fail_transfer(key, a.reason, now)
+            elif isinstance(a, A.Count):
                 self.counters[a.name] += 1
+
+    def _fail_transfer(self, key, reason: str, now: float) -> None:
+        """Tell the producers to stop; hand the blocks back only once no WRITE can land in them."""
+        entry = self._sources.pop(key, None)
+        reported = self._reported.pop(key, set())
+        outstanding = set(entry[1]) - reported if entry else set()
+        if entry is not None:
+            src, ranks = entry
+            for r in outstanding:
+                peer = self.peers.get((src.engine_id, r))
+                if peer is not None:
+                    self.notify(peer, m.CancelTransfer(key[0], key[1], reason))
+        if outstanding:
+            self.counters["quarantined"] += 1
+            self._quarantine[key] = (outstanding, now + self.cfg.timeouts.transfer_s, reason)
+        else:
+            self.send(self.sched, m.KVFailed(key[0], key[1], reason))
+
+    def _release_quarantine(self, key) -> None:
+        _, _, reason = self._quarantine.pop(key)
+        self.send(self.sched, m.KVFailed(key[0], key[1], reason))
 
     def expire(self, now: float) -> None:
         nd = self.arrivals.next_deadline()
         if nd is not None and nd <= now:
-            self.apply(self.arrivals.expire(now))
+            self.apply(self.arrivals.expire(now), now)
+        for key, (_, deadline, _) in list(self._quarantine.items()):
+            if deadline <= now:
+                self.counters["quarantine_expired"] += 1
+                self._release_quarantine(key)
 
     # -- pull, background: READ on the writer --------------------------------------------
     def on_ReadKV(self, msg: m.ReadKV) -> None:

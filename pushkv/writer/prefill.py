@@ -8,6 +8,7 @@ import logging
 import time
 
 from pushkv import messages as m
+from pushkv.protocol import actions as A
 from pushkv.protocol import rendezvous as rv
 from pushkv.protocol.lease import Leases
 from pushkv.protocol.mapping import map_transfer
@@ -28,25 +29,26 @@ class PrefillWriter(WriterBase):
         self._write_started: dict[tuple[str, int], float] = {}
 
     def has_pending(self) -> bool:
-        return self.rdv.next_deadline() is not None
+        return self.rdv.next_deadline() is not None or self.leases.next_deadline() is not None
 
     # -- from the scheduler ----------------------------------------------------------
     def on_SendKV(self, msg: m.SendKV) -> None:
         now = time.monotonic()
         self._last_activity = now
+        self.counters["prefill_done_received"] += 1
         # registrations may already sit in NIXL's queue: take them first
         self._poll_notifs(now)
         self.apply(self.rdv.on_prefill_done(
             msg.transfer_id, msg.generation, msg.block_ids, msg.num_tokens, msg.first_token, now), now)
 
     def on_HoldKV(self, msg: m.HoldKV) -> None:
-        self.leases.hold(msg.transfer_id, msg.generation, msg.block_ids, time.monotonic())
+        now = time.monotonic()
+        self.apply(self.leases.hold(msg.transfer_id, msg.generation, msg.block_ids, now), now)
 
     def on_CancelKV(self, msg: m.CancelKV) -> None:
         now = time.monotonic()
         self.apply(self.rdv.cancel(msg.transfer_id, msg.generation, msg.reason, now), now)
-        for act in self.leases.cancel(msg.transfer_id, msg.generation):
-            self._lease_freed(act, msg.reason)
+        self.apply(self.leases.cancel(msg.transfer_id, msg.generation, msg.reason, now), now)
 
     # -- from D's writers (NIXL notifications) --------------------------------------------
     def notif_Register(self, msg: m.Register, agent: str, now: float) -> None:
@@ -54,56 +56,47 @@ class PrefillWriter(WriterBase):
             self.counters["register_from_unknown_peer"] += 1
             log.error("%s: Register from unknown agent %s transfer_id=%s", self.name, agent, msg.transfer_id)
             return
+        self.counters["registrations_received"] += 1
         self.apply(self.rdv.on_registration(msg, now), now)
 
     def notif_CancelTransfer(self, msg: m.CancelTransfer, agent: str, now: float) -> None:
         self.apply(self.rdv.cancel(msg.transfer_id, msg.generation, msg.reason, now), now)
-        for act in self.leases.cancel(msg.transfer_id, msg.generation):
-            self._lease_freed(act, msg.reason)
+        self.apply(self.leases.cancel(msg.transfer_id, msg.generation, msg.reason, now), now)
 
     def notif_ReadDone(self, msg: m.ReadDone, agent: str, now: float) -> None:
         peer = self.peers_by_agent.get(agent)
         readers = len(consumers_for(self.rank, self.inst.tp, peer.tp, self.layout.total_kv_heads)) if peer else 1
-        for act in self.leases.on_read_done(msg.transfer_id, msg.generation, msg.d_rank, readers):
-            self._lease_freed(act, "")
-
-    def _lease_freed(self, act, reason: str) -> None:
-        if reason:
-            self.send(self.sched, m.KVFailed(act.transfer_id, act.generation, reason))
-        else:
-            self.send(self.sched, m.KVSent(act.transfer_id, act.generation, rendezvous="pull"))
+        self.apply(self.leases.on_read_done(msg.transfer_id, msg.generation, msg.d_rank, readers), now)
 
     # -- actions of the rendezvous ------------------------------------------------------
     def apply(self, actions, now: float) -> None:
+        # outcomes first: a FreeBlocks in the same batch reports them to the scheduler
         for a in actions:
-            key = (a.transfer_id, a.generation) if hasattr(a, "transfer_id") else None
-            if isinstance(a, rv.PostWrite):
+            if isinstance(a, (A.Completed, A.Failed)):
+                self._outcome[(a.transfer_id, a.generation)] = a
+                self.counters[f"rendezvous_{a.order}" if isinstance(a, A.Completed) else "transfers_failed"] += 1
+        for a in actions:
+            if isinstance(a, A.PostWrite):
                 self._post_write(a, now)
-            elif isinstance(a, rv.NotifyFailure):
+            elif isinstance(a, A.NotifyFailure):
                 for reg in a.registrations:
                     peer = self.peers.get((reg.d_engine_id, reg.d_rank))
                     if peer is not None:
                         self.notify(peer, m.WriteFailed(a.transfer_id, a.generation, self.rank, a.reason))
-            elif isinstance(a, (rv.Completed, rv.Failed)):
-                self._outcome[key] = a
-                if isinstance(a, rv.Completed):
-                    self.counters[f"rendezvous_{a.order}"] += 1
-                else:
-                    self.counters["transfers_failed"] += 1
-            elif isinstance(a, rv.FreeBlocks):
+            elif isinstance(a, A.FreeBlocks):
                 self._free(a)
-            elif isinstance(a, rv.Count):
+            elif isinstance(a, A.Count):
                 self.counters[a.name] += 1
 
     def _free(self, a) -> None:
         key = (a.transfer_id, a.generation)
         outcome = self._outcome.pop(key, None)
         fl_stats = self._write_started.pop(key, None)
-        if isinstance(outcome, rv.Completed):
+        if isinstance(outcome, A.Completed):
             nbytes, ndescs, secs = fl_stats or (0, 0, 0.0)
             self.send(self.sched, m.KVSent(a.transfer_id, a.generation, nbytes, ndescs, secs, outcome.order))
         else:
-            reason = outcome.reason if isinstance(outcome, rv.Failed) else a.reason
+            reason = outcome.reason if isinstance(outcome, A.Failed) else a.reason
             self.send(self.sched, m.KVFailed(a.transfer_id, a.generation, reason or "transfer failed"))
 
     def _post_write(self, a, now: float) -> None:
@@ -149,6 +142,6 @@ class PrefillWriter(WriterBase):
     def expire(self, now: float) -> None:
         if self.rdv.next_deadline() is not None and self.rdv.next_deadline() <= now:
             self.apply(self.rdv.expire(now), now)
-        for act in self.leases.expire(now):
-            self.counters["lease_expired"] += 1
-            self._lease_freed(act, "pull lease expired before D read the KV")
+        nd = self.leases.next_deadline()
+        if nd is not None and nd <= now:
+            self.apply(self.leases.expire(now), now)

@@ -1,0 +1,31 @@
+"""What every entry point shares: arguments, logging, process title."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from pushkv.config import DeploymentConfig, decode_config
+
+
+def parse(kind: str, with_rank: bool = True) -> tuple[argparse.Namespace, DeploymentConfig]:
+    ap = argparse.ArgumentParser(prog=f"pushkv-{kind}", description=f"pushkv {kind} process")
+    ap.add_argument("--config", required=True, help="deployment config JSON written by the supervisor")
+    if with_rank:
+        ap.add_argument("--role", required=True, choices=["prefill", "decode", "local"])
+        ap.add_argument("--rank", type=int, default=0)
+    args = ap.parse_args()
+    with open(args.config, "rb") as f:
+        cfg = decode_config(f.read())
+    title = f"pushkv {args.role}-{kind} {args.rank}" if with_rank else f"pushkv {kind}"
+    logging.basicConfig(
+        level=getattr(logging, cfg.log_level.upper(), logging.INFO), stream=sys.stderr,
+        format=f"%(asctime)s %(levelname)s [{title.split(' ', 1)[1]}] %(name)s: %(message)s",
+    )
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(title)
+    except ImportError:
+        pass
+    return args, cfg

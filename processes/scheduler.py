@@ -1,0 +1,13 @@
+"""Entry point: one scheduler per instance."""
+from processes.common import parse
+
+
+def main() -> None:
+    args, cfg = parse("scheduler")
+    from pushkv.scheduler.engine import Scheduler
+
+    Scheduler(cfg, cfg.instance(args.role)).run()
+
+
+if __name__ == "__main__":
+    main()

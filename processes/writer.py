@@ -1,0 +1,18 @@
+"""Entry point: one writer (owns the KV pool and the NIXL agent) per TP rank."""
+from processes.common import parse
+
+
+def main() -> None:
+    args, cfg = parse("writer")
+    inst = cfg.instance(args.role)
+    if args.role == "prefill":
+        from pushkv.writer.prefill import PrefillWriter as W
+    elif args.role == "decode":
+        from pushkv.writer.decode import DecodeWriter as W
+    else:
+        from pushkv.writer.local import LocalWriter as W
+    W(cfg, inst, args.rank).run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Start a whole deployment with the real `pushkv up` in a child process and
+talk to it: used by the demo, the benchmarks and the tests."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
+import zmq
+
+from pushkv import messages as m
+from pushkv.config import DeploymentConfig, decode_config
+from pushkv.supervisor.plan import free_tcp_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+START_TIMEOUT_S = 180
+
+
+class Deployment:
+    def __init__(self, url: str, cfg: DeploymentConfig, proc: subprocess.Popen, port: int):
+        self.url = url
+        self.cfg = cfg
+        self.proc = proc
+        self.port = port
+
+    def post(self, path: str, body, timeout: float = 300.0) -> tuple[int, dict]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, headers={"content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raw = e.read() or b"{}"
+            try:
+                return e.code, json.loads(raw)
+            except ValueError:
+                return e.code, {"raw": raw.decode(errors="replace")}
+
+    def complete(self, prompt, max_tokens: int, **kw) -> dict:
+        status, body = self.post("/v1/completions", {"prompt": prompt, "max_tokens": max_tokens, **kw})
+        if status != 200:
+            raise RuntimeError(f"HTTP {status}: {body}")
+        return body
+
+    def tokens(self, prompt, max_tokens: int) -> list[int]:
+        return self.complete(prompt, max_tokens)["choices"][0]["token_ids"]
+
+    def stats(self, role: str, timeout_s: float = 10.0) -> m.Stats:
+        s = zmq.Context.instance().socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(self.cfg.instance(role).sched_endpoint)
+        try:
+            s.send(m.encode(m.GetStats()))
+            if not s.poll(int(timeout_s * 1000)):
+                raise TimeoutError(f"{role} scheduler did not answer GetStats")
+            return m.DEC_SCHED_TO_ROUTER.decode(s.recv())
+        finally:
+            s.close(0)
+
+    def roles(self) -> list[str]:
+        return ["local"] if self.cfg.mode == "local" else ["prefill", "decode"]
+
+
+@contextmanager
+def launched(*flags: str, log_path: Optional[str] = None, registry: Optional[str] = None,
+             port: Optional[int] = None) -> Iterator[Deployment]:
+    """`pushkv up FLAGS` until the block exits; then SIGINT and reap."""
+    port = port or free_tcp_port()
+    reg = registry or tempfile.mkdtemp(prefix="pushkv-registry-")
+    env = dict(os.environ, PUSHKV_REGISTRY_DIR=reg)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    argv = [sys.executable, "-m", "processes.cli", "up", "--port", str(port), *flags]
+    log = open(log_path or os.devnull, "w")
+    proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def reader():
+        for line in proc.stdout:
+            lines.append(line.strip())
+            if line.strip() == "READY":
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=reader, daemon=True).start()
+    try:
+        if not ready.wait(START_TIMEOUT_S) or "READY" not in lines:
+            tail = open(log_path).read()[-3000:] if log_path else ""
+            raise RuntimeError(f"deployment did not start: {lines}\n{tail}")
+        rec = json.load(open(sorted(glob.glob(os.path.join(reg, "*.json")))[-1]))
+        cfg = decode_config(open(os.path.join(rec["run_dir"], "config.json"), "rb").read())
+        yield Deployment(lines[0], cfg, proc, port)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()

@@ -1,0 +1,81 @@
+"""The whole deployment over loopback and real NIXL: supervisor, router, and
+P and D each with scheduler, worker and writer. Greedy tokens through P/D must
+equal local mode's, token for token."""
+import random
+import time
+
+import pytest
+
+from tests.deploy import concurrent, deployment, wait_pools_free
+
+pytestmark = pytest.mark.timeout(600)
+
+BLOCK = 16
+MAX_TOKENS = 12
+rng = random.Random(7)
+PROMPTS = {
+    "one-token": [65],
+    "one-block": [rng.randrange(256) for _ in range(BLOCK)],
+    "non-multiple": [rng.randrange(256) for _ in range(37)],
+    "many-blocks": [rng.randrange(256) for _ in range(300)],
+    "text": "The quick brown fox jumps over the lazy dog.",
+}
+COMMON = ("--model", "small", "--num-blocks", "512")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    with deployment(tmp_path_factory.mktemp("local"), "--mode", "local", *COMMON) as dep:
+        ref = {name: dep.tokens(p, MAX_TOKENS) for name, p in PROMPTS.items()}
+        wait_pools_free(dep)
+    return ref
+
+
+@pytest.fixture(scope="module")
+def push(tmp_path_factory):
+    with deployment(tmp_path_factory.mktemp("push"), "--mode", "push", *COMMON) as dep:
+        yield dep
+
+
+@pytest.mark.parametrize("name", list(PROMPTS))
+def test_push_equals_local(push, reference, name):
+    assert push.tokens(PROMPTS[name], MAX_TOKENS) == reference[name]
+    wait_pools_free(push)
+
+
+def test_push_concurrent_requests_equal_local(push, reference):
+    names = list(PROMPTS) * 2
+    got = concurrent(push, [PROMPTS[n] for n in names], MAX_TOKENS)
+    for n, toks in zip(names, got):
+        assert toks == reference[n], n
+    wait_pools_free(push)
+
+
+def test_lone_request_is_not_stalled(push):
+    """No progress of a transfer waits for another request or engine step."""
+    t0 = time.monotonic()
+    body = push.complete(PROMPTS["many-blocks"], 1)
+    elapsed = time.monotonic() - t0
+    tl = body["pushkv"]["timeline"]
+    gap = tl["decode.kv_received"] - tl["prefill.prefill_end"]
+    assert gap < 2.0, f"prefill end -> KV received took {gap:.3f}s on an idle deployment"
+    assert elapsed < 20.0
+    st = wait_pools_free(push)
+    assert st["prefill"].counters.get("requests", 0) >= 1
+
+
+def test_streaming_matches_non_streaming(push, reference):
+    import json
+    import urllib.request
+
+    req = urllib.request.Request(push.url + "/v1/completions", data=json.dumps(
+        {"prompt": PROMPTS["non-multiple"], "max_tokens": MAX_TOKENS, "stream": True}).encode(),
+        headers={"content-type": "application/json"})
+    toks = []
+    with urllib.request.urlopen(req, timeout=60) as r:
+        for line in r:
+            line = line.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                ev = json.loads(line[6:])
+                toks += ev["choices"][0].get("token_ids") or []
+    assert toks == reference["non-multiple"]
