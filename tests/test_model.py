@@ -238,7 +238,7 @@ def test_checkpoint_round_trip(tmp_path, arch, overrides, sharded):
     ids = tok.encode("hello lazy fox")
     assert ids and all(0 <= i < tok.vocab_size for i in ids)
     assert tok.decode(ids) == "hello lazy fox"
-    assert tok.eos_token_id == 3
+    assert (tok.bos_token_id, tok.eos_token_id) == (2, 3)
 
 
 def test_checkpoint_errors(tmp_path):
@@ -361,6 +361,7 @@ def test_bad_config_raises(overrides):
 
 def test_bad_work_raises(tiny):
     pool = new_pool(tiny, 2, 16)
+    assert tiny.execute([], pool) == []
     with pytest.raises(ValueError, match="cannot hold"):
         tiny.execute([SeqWork(0, tuple(range(40)), 0, (0, 1))], pool)
     with pytest.raises(ValueError, match="outside vocab"):
