@@ -46,6 +46,7 @@ def wait_pools_free(dep: Deployment, timeout_s: float = 30.0) -> dict[str, m.Sta
 
 def _port_free(port: int) -> bool:
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a new server would; TIME_WAIT is fine
         try:
             s.bind(("127.0.0.1", port))
             return True
