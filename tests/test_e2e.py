@@ -31,9 +31,17 @@ def reference(tmp_path_factory):
     return ref
 
 
-@pytest.fixture(scope="module")
-def push(tmp_path_factory):
-    with deployment(tmp_path_factory.mktemp("push"), "--mode", "push", *COMMON) as dep:
+MODES = {
+    "push": ("--mode", "push"),
+    "pull-inline": ("--mode", "pull", "--pull-read", "inline"),
+    "pull-background": ("--mode", "pull", "--pull-read", "background"),
+}
+
+
+@pytest.fixture(scope="module", params=list(MODES))
+def push(request, tmp_path_factory):
+    """A P/D deployment in each transfer mode (named push for the main one)."""
+    with deployment(tmp_path_factory.mktemp(request.param), *MODES[request.param], *COMMON) as dep:
         yield dep
 
 
@@ -57,11 +65,13 @@ def test_lone_request_is_not_stalled(push):
     body = push.complete(PROMPTS["many-blocks"], 1)
     elapsed = time.monotonic() - t0
     tl = body["pushkv"]["timeline"]
-    gap = tl["decode.kv_received"] - tl["prefill.prefill_end"]
+    gap = tl["decode.kv_received"] - tl["prefill.prefill_end"]  # includes the relay in pull
     assert gap < 2.0, f"prefill end -> KV received took {gap:.3f}s on an idle deployment"
     assert elapsed < 20.0
     st = wait_pools_free(push)
     assert st["prefill"].counters.get("requests", 0) >= 1
+    if push.cfg.mode == "push":
+        assert tl["decode.registration_sent"] < tl["prefill.prefill_end"], "D must register while P computes"
 
 
 def test_streaming_matches_non_streaming(push, reference):
