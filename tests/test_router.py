@@ -16,55 +16,12 @@ import pytest
 import zmq
 
 from pushkv import messages as m
-from pushkv.config import DeploymentConfig, InstanceConfig, Timeouts, encode_config, preset
-from pushkv.router import Router
-from pushkv.router.text import ByteTokenizer
+from pushkv.config import Timeouts, encode_config
 
-from router_fakes import FakeScheduler, OrderLog, stage, tokens
+from router_fakes import WAIT_S, Harness, make_cfg, stage, tokens
 
 pytestmark = pytest.mark.timeout(30)
-WAIT_S = 5.0
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def make_cfg(tmp_path, mode: str, **kw) -> DeploymentConfig:
-    def inst(role):
-        return InstanceConfig(role=role, engine_id=f"{role}-engine",
-                              sched_endpoint=f"ipc://{tmp_path}/{role}.sched",
-                              handshake_endpoints=(f"ipc://{tmp_path}/{role}.hs0",))
-    return DeploymentConfig(mode=mode, port=0, model=preset("tiny"), prefill=inst("prefill"),
-                            decode=inst("decode"), local=inst("local"), **kw)
-
-
-class Harness:
-    def __init__(self, cfg, scripts):
-        self.cfg = cfg
-        self.log = OrderLog()
-        self.fakes = {role: FakeScheduler(role, cfg.instance(role).sched_endpoint, self.log, script)
-                      for role, script in scripts.items()}
-        self.router = Router(cfg, tokenizer=ByteTokenizer())
-        self.http: aiohttp.ClientSession = None
-
-    async def __aenter__(self):
-        for f in self.fakes.values():
-            f.start()
-            assert f.bound.wait(WAIT_S)
-        await self.router.start()
-        self.http = aiohttp.ClientSession(base_url=self.router.url, timeout=aiohttp.ClientTimeout(total=20))
-        return self
-
-    async def __aexit__(self, *exc):
-        await self.http.close()
-        await self.router.stop()
-        for f in self.fakes.values():
-            f.stop()
-
-    async def wait(self, pred, timeout=WAIT_S):
-        ok = await asyncio.to_thread(self.log.wait_for, pred, timeout)
-        assert ok, f"condition not met; log={[(r, d, type(x).__name__) for r, d, x in self.log.entries]}"
-
-    async def wait_abort(self, role):
-        await self.wait(lambda e: any(r == role and d == "recv" and isinstance(x, m.Abort) for r, d, x in e))
 
 
 def run(coro):

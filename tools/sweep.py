@@ -1,0 +1,163 @@
+"""pushkv-sweep: modes x QPS x input lengths, one deployment per mode.
+
+For each mode it starts ``pushkv up --mode ... --port P`` as a subprocess,
+waits for the router's ``/health``, runs ``pushkv-bench`` for every (QPS,
+input length) cell, then stops the deployment with SIGINT. The default grid
+is small enough for a 2-core CPU box in well under 15 minutes; ``--full``
+is the 1k-16k x 1/2/4/8 QPS grid.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from typing import Optional
+
+from tools import bench
+
+# label -> `pushkv up` arguments
+MODES: dict[str, list[str]] = {
+    "push": ["--mode", "push"],
+    "pull-inline": ["--mode", "pull", "--pull-read", "inline"],
+    "pull-background": ["--mode", "pull", "--pull-read", "background"],
+    "local": ["--mode", "local"],
+}
+SMALL = {"modes": ["push", "pull-inline", "pull-background"], "qps": [1.0, 2.0], "inputs": [256, 1024],
+         "num_prompts": 8, "output_len": 32}
+FULL = {"modes": ["push", "pull-inline", "pull-background", "local"], "qps": [1.0, 2.0, 4.0, 8.0],
+        "inputs": [1024, 2048, 4096, 8192, 16384], "num_prompts": 50, "output_len": 128}
+URL_RE = re.compile(r"https?://[\w.\-\[\]:]+")
+HEALTH_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 60.0
+
+
+def pushkv_cmd() -> list[str]:
+    exe = shutil.which("pushkv")
+    return [exe] if exe else [sys.executable, "-m", "processes.cli"]
+
+
+class Deployment:
+    """A `pushkv up` subprocess; its stdout is scanned for the router URL."""
+
+    def __init__(self, mode: str, port: int, extra: list[str], log_path: str):
+        self.argv = pushkv_cmd() + ["up", *MODES[mode], "--port", str(port), *extra]
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self.url_seen = threading.Event()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self.log.write(line)
+            self.log.flush()
+            mt = URL_RE.search(line)
+            if mt and not self.url_seen.is_set():
+                self.url = mt.group(0).rstrip("/")
+                self.url_seen.set()
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"`{shlex.join(self.argv)}` exited with {self.proc.returncode}")
+            self.url_seen.wait(0.5)
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)  # polling an external process's readiness
+        raise TimeoutError(f"{self.url}/health not ready within {timeout_s:g} s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+
+
+def grid(args) -> list[tuple[str, float, int]]:
+    return [(m, q, i) for m in args.modes for q in args.qps for i in args.inputs]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="pushkv-sweep", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--full", action="store_true", help="1k-16k inputs x 1/2/4/8 QPS, all modes")
+    ap.add_argument("--modes", nargs="+", choices=sorted(MODES))
+    ap.add_argument("--qps", nargs="+", type=float)
+    ap.add_argument("--inputs", nargs="+", type=int, help="input lengths")
+    ap.add_argument("--num-prompts", type=int)
+    ap.add_argument("--output-len", type=int)
+    ap.add_argument("--iters", type=int, default=1)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--port", type=int, default=8100)
+    ap.add_argument("--result-dir", default="results")
+    ap.add_argument("--up-args", default="", help="extra `pushkv up` arguments, one shell string")
+    ap.add_argument("--health-timeout", type=float, default=HEALTH_TIMEOUT_S)
+    args = ap.parse_args(argv)
+    base = FULL if args.full else SMALL
+    args.modes = args.modes or base["modes"]
+    args.qps = args.qps or base["qps"]
+    args.inputs = args.inputs or base["inputs"]
+    args.num_prompts = args.num_prompts or base["num_prompts"]
+    args.output_len = args.output_len or base["output_len"]
+    return args
+
+
+def main(argv=None) -> int:
+    from tqdm import tqdm
+
+    args = parse_args(argv)
+    os.makedirs(args.result_dir, exist_ok=True)
+    cells = grid(args)
+    failures = 0
+    bar = tqdm(total=len(cells) * args.iters, desc="sweep", unit="run")
+    for mode in args.modes:
+        dep: Optional[Deployment] = None
+        try:
+            bar.set_postfix_str(f"{mode}: starting")
+            dep = Deployment(mode, args.port, shlex.split(args.up_args),
+                             os.path.join(args.result_dir, f"{mode}_deployment.log"))
+            dep.wait_healthy(args.health_timeout)
+            for _, qps, inp in [c for c in cells if c[0] == mode]:
+                for it in range(args.iters):
+                    bar.set_postfix_str(f"{mode} qps={bench.fmt_qps(qps)} in={inp} iter={it}")
+                    b = bench.parse_args([
+                        "--url", dep.url, "--mode", mode, "--qps", str(qps),
+                        "--num-prompts", str(args.num_prompts), "--input-len", str(inp),
+                        "--output-len", str(args.output_len), "--warmup", str(args.warmup),
+                        "--seed", str(args.seed + it), "--result-dir", args.result_dir,
+                        "--iter", str(it), "--no-progress",
+                    ])
+                    path, s = bench.run(b)
+                    failures += s["failed"]
+                    tqdm.write(f"{os.path.basename(path)}: ttft {s['median_ttft_ms']:.1f} ms  "
+                               f"tpot {s['median_tpot_ms']:.1f} ms  failed {s['failed']}")
+                    bar.update(1)
+        except (RuntimeError, TimeoutError) as e:
+            tqdm.write(f"{mode}: {e}")
+            failures += 1
+        finally:
+            if dep is not None:
+                dep.stop()
+    bar.close()
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
