@@ -321,11 +321,21 @@ class Scheduler(Actor):
             self._fail(r, f"KV transfer failed: {failures[0]}", 502)
         elif r.leg == "prefill":
             self._stamp(r, "kv_sent")
+            nb, nd, secs = r.kv_stats
+            self.counters["kv_transfers"] += 1
+            self.counters["kv_bytes"] += nb
+            self.counters["kv_descs"] += nd
+            self.counters["kv_blocks"] += len(r.blocks)
+            self.counters["kv_transfer_us"] += int(secs * 1e6)
             if self.cfg.mode != "pull":
                 self._reply(r, m.PrefillFinished(r.transfer_id, r.generation, r.output[0], None, self._timeline(r)))
             self._release(r)
         else:
             self._stamp(r, "kv_received")
+            nb, nd, secs = r.kv_stats
+            self.counters["kv_bytes"] += nb
+            self.counters["kv_descs"] += nd
+            self.counters["kv_transfer_us"] += int(secs * 1e6)
             if self.blocked_on == r.key:
                 self.blocked_on = None
             self._emit(r, msg.first_token)
