@@ -203,9 +203,11 @@ class RequestRun:
         if remaining <= 0:
             return None
         try:
+            if not hasattr(asyncio, "timeout"):  # Python 3.10
+                return await asyncio.wait_for(self.queue.get(), remaining)
             async with asyncio.timeout(remaining):
                 return await self.queue.get()
-        except TimeoutError:
+        except (TimeoutError, asyncio.TimeoutError):
             return None
 
     async def events(self) -> AsyncIterator[Event]:
