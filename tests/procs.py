@@ -27,6 +27,14 @@ def planned(cfg: DeploymentConfig, tmp_path) -> DeploymentConfig:
     return cfg
 
 
+class Children(list):
+    """The child processes, plus each one's Ready info by name (e.g. a writer's pool path)."""
+
+    def __init__(self):
+        super().__init__()
+        self.info: dict[str, dict] = {}
+
+
 def leftover_shm(dep_id: str) -> list[str]:
     return glob.glob(f"/dev/shm/pushkv-{dep_id}-*")
 
@@ -39,7 +47,7 @@ def children(cfg: DeploymentConfig, specs: list[tuple[str, str, int]], timeout_s
     ctl = ctx.socket(zmq.ROUTER)
     ctl.setsockopt(zmq.LINGER, 0)
     ctl.bind(cfg.control_endpoint)
-    procs: list[subprocess.Popen] = []
+    procs = Children()
     env = dict(os.environ, PYTHONPATH=ROOT)
     try:
         for kind, role, rank in specs:
@@ -60,6 +68,7 @@ def children(cfg: DeploymentConfig, specs: list[tuple[str, str, int]], timeout_s
                 msg = m.DEC_CONTROL.decode(data)
                 if isinstance(msg, m.Ready):
                     pending.discard(msg.name)
+                    procs.info[msg.name] = msg.info
         yield procs
     finally:
         for p in procs:

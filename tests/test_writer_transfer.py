@@ -11,7 +11,7 @@ import torch
 from pushkv import messages as m
 from pushkv.config import DeploymentConfig, InstanceConfig, preset
 from pushkv.kv import layout as L
-from pushkv.kv.pool import SHM_DIR, attach_pool, shm_name
+from pushkv.kv.pool import attach_pool
 from tests.procs import children, dealer, leftover_shm, planned, recv
 
 pytestmark = pytest.mark.timeout(180)
@@ -27,10 +27,10 @@ def wait_counter(sock, name: str, at_least: int, timeout_s: float = 20.0) -> Non
     raise TimeoutError(f"counter {name} never reached {at_least}")
 
 
-def pool_of(cfg, role):
+def pool_of(cfg, role, kids):
     inst = cfg.instance(role)
     lay = L.layout_for(cfg.model, inst.tp, 0, inst.num_blocks, inst.block_size)
-    h = m.PoolHandle("shm", f"{SHM_DIR}/{shm_name(cfg.deployment_id, role, 0)}", L.pool_bytes(lay),
+    h = m.PoolHandle("shm", kids.info[f"{role}-writer-0"]["pool"], L.pool_bytes(lay),
                      cfg.model.dtype, L.pool_shape(lay))
     return attach_pool(h, lay), lay
 
@@ -43,10 +43,10 @@ def pair(tmp_path_factory):
         decode=InstanceConfig(role="decode", num_blocks=64, block_size=16),
     )
     cfg = planned(cfg, tmp_path_factory.mktemp("wt"))
-    with children(cfg, [("writer", "prefill", 0), ("writer", "decode", 0)]):
+    with children(cfg, [("writer", "prefill", 0), ("writer", "decode", 0)]) as kids:
         p_sched, d_sched = dealer(cfg.prefill.writer_endpoints[0]), dealer(cfg.decode.writer_endpoints[0])
-        p_pool, p_lay = pool_of(cfg, "prefill")
-        d_pool, _ = pool_of(cfg, "decode")
+        p_pool, p_lay = pool_of(cfg, "prefill", kids)
+        d_pool, _ = pool_of(cfg, "decode", kids)
         yield cfg, p_sched, d_sched, p_pool, d_pool, p_lay
         p_pool.close()
         d_pool.close()

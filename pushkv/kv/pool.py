@@ -22,8 +22,11 @@ SHM_DIR = "/dev/shm"
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def shm_name(deployment_id: str, role: str, rank: int) -> str:
-    return f"pushkv-{deployment_id}-{role}-{rank}"
+def shm_name(deployment_id: str, role: str, rank: int, incarnation: int = 0) -> str:
+    """Pool segment name; ``incarnation`` (the writer's pid) keeps a restarted
+    writer's pool apart from a dead predecessor's, which a worker may still map."""
+    base = f"pushkv-{deployment_id}-{role}-{rank}"
+    return f"{base}-{incarnation}" if incarnation else base
 
 
 @dataclass

@@ -51,6 +51,7 @@ class Router:
         self._runner: Optional[web.AppRunner] = None
         self._control: Optional[zmq.asyncio.Socket] = None
         self._control_task: Optional[asyncio.Task] = None
+        self._events_task: Optional[asyncio.Task] = None
         self._stop_requested: Optional[asyncio.Event] = None
         self._stopped: Optional[asyncio.Event] = None
         self._handlers_idle: Optional[asyncio.Event] = None
@@ -91,8 +92,37 @@ class Router:
         port = self._runner.addresses[0][1]
         self.url = f"http://{self.cfg.host}:{port}"
         log.info("router (%s mode) listening on %s", self.cfg.mode, self.url)
+        if self.cfg.events_endpoint:
+            self._events_task = asyncio.get_running_loop().create_task(self._lifecycle_loop())
         if self.cfg.control_endpoint:
             await self._announce_ready()
+
+    async def _lifecycle_loop(self) -> None:
+        """Fail at once the requests with a leg on an instance whose process died
+        (the supervisor restarts the whole instance), instead of at their timeout."""
+        from pushkv.supervisor.commands import DEC_EVENT
+
+        sub = self.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"pushkv.")
+        sub.connect(self.cfg.events_endpoint)
+        try:
+            while True:
+                frames = await sub.recv_multipart()
+                try:
+                    ev = DEC_EVENT.decode(frames[-1])
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    continue
+                role = ev.name.split("-", 1)[0]
+                if ev.event != "exit" or role not in self.links:
+                    continue
+                hit = [run for run in self.runs.values() if role in run.sent and role not in run.ended]
+                if hit:
+                    log.error("%s died (%s): failing %d request(s) with a %s leg", ev.name, ev.detail, len(hit), role)
+                for run in hit:
+                    run.inject_failure(503, f"{role} instance failed: {ev.name} died ({ev.detail}); retry")
+        finally:
+            sub.close(0)
 
     async def _announce_ready(self) -> None:
         self._control = self.ctx.socket(zmq.DEALER)
@@ -142,10 +172,12 @@ class Router:
             log.warning("%d request(s) still in flight at shutdown", len(self.runs))
         if self._runner is not None:
             await self._runner.cleanup()  # closes the listening socket
-        if self._control_task is not None:
-            self._control_task.cancel()
+        for task in (self._control_task, self._events_task):
+            if task is None:
+                continue
+            task.cancel()
             try:
-                await self._control_task
+                await task
             except (asyncio.CancelledError, Exception):
                 pass
         for link in self.links.values():

@@ -12,6 +12,7 @@ from typing import Optional
 
 import zmq
 
+from pushkv import faults
 from pushkv import messages as m
 from pushkv.actor import Actor
 from pushkv.config import DeploymentConfig, InstanceConfig
@@ -183,6 +184,7 @@ class Scheduler(Actor):
             self.waiting.pop(0)
             r.blocks = blocks
             self._stamp(r, f"{self.role}_alloc")
+            faults.point(self.name, "after_alloc")
             if r.leg in ("prefill", "local"):
                 r.state = State.PREFILL
             elif r.pull is None:  # push: register now, while P computes
@@ -251,6 +253,7 @@ class Scheduler(Actor):
         if prefill:
             self._stamp(r, "prefill_end")
         if r.leg == "prefill":
+            faults.point(self.name, "prefill_done")
             r.state = State.SENDING
             r.output = [tok]
             if self.cfg.mode == "pull":
@@ -279,6 +282,8 @@ class Scheduler(Actor):
         else:
             r.state = State.RUNNING
             self._reply(r, m.TokensGenerated(r.transfer_id, r.generation, (tok,)))
+            if len(r.output) == 3:
+                faults.point(self.name, "decoding")
 
     # -- from the writers --------------------------------------------------------------------
     def _writer_answer(self, msg) -> Optional[Request]:

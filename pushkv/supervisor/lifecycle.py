@@ -112,6 +112,21 @@ def cleanup(deployment_id: str, run_dir: str, shm_dir: str = SHM_DIR) -> list[st
     return removed
 
 
+def cleanup_instance_shm(deployment_id: str, role: str, shm_dir: str = SHM_DIR) -> list[str]:
+    """Unlink one instance's pool segments (its writers are dead or about to be replaced)."""
+    removed = []
+    for path in shm_leftovers(deployment_id, shm_dir):
+        if os.path.basename(path).startswith(f"pushkv-{deployment_id}-{role}-"):
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except FileNotFoundError:
+                pass
+    if removed:
+        log.info("unlinked orphaned pool segment(s): %s", " ".join(removed))
+    return removed
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -17,6 +17,8 @@ from pushkv.config import DeploymentConfig, InstanceConfig, ipc, new_deployment_
 RUN_ROOT = "/tmp"
 LOOPBACK = "127.0.0.1"
 TRACE_AUTO = "auto"  # trace_endpoint placeholder: an ipc socket in run_dir
+# Tracing on: processes PUB to trace_endpoint, the supervisor forwards to
+# trace_tap_endpoint, where taps SUB (pushkv.trace.TraceForwarder).
 
 # Start stages: every process of a stage is ready before the next stage starts.
 # A worker maps the pool its writer owns, a scheduler talks to ready workers
@@ -90,8 +92,10 @@ def plan_deployment(
         "control_endpoint": cfg.control_endpoint or ipc(run_dir, "control.sock"),
         "events_endpoint": cfg.events_endpoint or ipc(run_dir, "events.sock"),
     }
-    if cfg.trace_endpoint == TRACE_AUTO:
+    if cfg.trace_endpoint == TRACE_AUTO or (cfg.trace_tap_endpoint and not cfg.trace_endpoint):
         changes["trace_endpoint"] = ipc(run_dir, "trace.sock")
+    if (cfg.trace_endpoint or cfg.trace_tap_endpoint) and not cfg.trace_tap_endpoint:
+        changes["trace_tap_endpoint"] = ipc(run_dir, "trace-tap.sock")
     for inst in cfg.instances():
         changes[inst.role] = _plan_instance(inst, dep_id, run_dir, ports)
     return msgspec.structs.replace(cfg, **changes)

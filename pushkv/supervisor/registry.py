@@ -20,6 +20,7 @@ class DeploymentRecord(msgspec.Struct):
     mode: str
     started_wall: float
     trace_endpoint: str = ""
+    trace_tap_endpoint: str = ""  # where pushkv-tap connects (the supervisor's XPUB)
 
 
 def registry_dir() -> str:

@@ -25,6 +25,7 @@ from pushkv.config import DeploymentConfig, encode_config
 from pushkv.supervisor import commands as c
 from pushkv.supervisor import lifecycle, registry
 from pushkv.supervisor.plan import ProcessSpec, config_path, event_topic, process_specs
+from pushkv.trace import TraceForwarder
 from pushkv.supervisor.table import (
     HEALTH_TIMEOUT_S, Event, IllegalTransition, ProcessTable, RestartPolicy, Row, State, describe_exit,
 )
@@ -36,6 +37,7 @@ STOP_TIMEOUT_S = 10.0
 STOP_GRACE_FRACTION = 0.3  # of the stop deadline: time for children to obey Shutdown before SIGTERM
 PING_INTERVAL_S = 2.0
 ON_CHILD_EXIT = ("restart", "shutdown")
+ENGINE_ROLES = ("prefill", "decode", "local")
 
 ArgvHook = Callable[[ProcessSpec], Sequence[str]]
 
@@ -56,6 +58,7 @@ class Supervisor(Actor):
         write_registry: bool = True,
         out: TextIO = sys.stdout,
     ):
+        self._instance_restart: dict[str, dict] = {}
         if not cfg.run_dir or not cfg.control_endpoint:
             raise ValueError("Supervisor needs a planned config (see plan_deployment)")
         if on_child_exit not in ON_CHILD_EXIT:
@@ -89,6 +92,7 @@ class Supervisor(Actor):
         self._next_ping = 0.0
         self._control_router: Optional[zmq.Socket] = None  # children (DEALER) and REQ clients
         self._events: Optional[zmq.Socket] = None
+        self._trace_fwd: Optional[TraceForwarder] = None
 
     # ------------------------------------------------------------------
     # start phase
@@ -102,12 +106,16 @@ class Supervisor(Actor):
         self._control_router = self.socket(zmq.ROUTER, self.cfg.control_endpoint, bind=True)
         self.add_channel(self._control_router, c.DEC_SUPERVISOR_IN, "control", routed=True)
         self._events = self.socket(zmq.PUB, self.cfg.events_endpoint, bind=True)
+        if self.cfg.trace_endpoint and self.cfg.trace_tap_endpoint:
+            self._trace_fwd = TraceForwarder(self.cfg.trace_endpoint, self.cfg.trace_tap_endpoint, self.ctx)
+            self._trace_fwd.start()
         if self.write_registry:
             registry.write_record(registry.DeploymentRecord(
                 deployment_id=self.cfg.deployment_id, pid=os.getpid(),
                 control_endpoint=self.cfg.control_endpoint, events_endpoint=self.cfg.events_endpoint,
                 router_url=self.router_url, run_dir=self.cfg.run_dir, mode=self.cfg.mode,
                 started_wall=time.time(), trace_endpoint=self.cfg.trace_endpoint,
+                trace_tap_endpoint=self.cfg.trace_tap_endpoint,
             ), self.registry_dir)
         log.info("deployment %s (%s mode): %d processes, run dir %s", self.cfg.deployment_id,
                  self.cfg.mode, len(self.specs), self.cfg.run_dir)
@@ -124,6 +132,10 @@ class Supervisor(Actor):
         row = self.table[name]
         argv = list(self.child_argv(row.spec))
         env = lifecycle.child_env(name, self.cfg.deployment_id)
+        if row.spec.kind == "worker":  # map the pool its writer owns (named per writer incarnation)
+            writer = self.table.get(f"{row.spec.role}-writer-{row.spec.rank}")
+            if writer is not None and writer.info.get("pool"):
+                env["PUSHKV_POOL"] = writer.info["pool"]
         try:
             proc = lifecycle.spawn(argv, env)
         except OSError as e:
@@ -175,6 +187,7 @@ class Supervisor(Actor):
         log.info("%s ready (pid %d)", msg.name, row.pid)
         self._publish(msg.name, "ready", row)
         self._advance(time.monotonic())
+        self._advance_instance(row.spec.role, time.monotonic())
 
     def on_Pong(self, msg: m.Pong, identity: bytes) -> None:
         row = self.table.get(msg.name)
@@ -210,7 +223,8 @@ class Supervisor(Actor):
             "deployment_id": self.cfg.deployment_id, "mode": self.cfg.mode, "phase": self.phase,
             "router_url": self.router_url, "run_dir": self.cfg.run_dir,
             "control_endpoint": self.cfg.control_endpoint, "events_endpoint": self.cfg.events_endpoint,
-            "trace_endpoint": self.cfg.trace_endpoint, "supervisor_pid": str(os.getpid()),
+            "trace_endpoint": self.cfg.trace_endpoint, "trace_tap_endpoint": self.cfg.trace_tap_endpoint,
+            "supervisor_pid": str(os.getpid()),
             "on_child_exit": self.on_child_exit,
         }
 
@@ -261,6 +275,13 @@ class Supervisor(Actor):
             self._publish(name, "exit", row, detail=how)
             self._spawn(name, now)
             return
+        role = row.spec.role
+        if role in self._instance_restart and name in self._instance_restart[role]["stopping"]:
+            self._instance_restart[role]["stopping"].discard(name)
+            log.info("%s (pid %d) stopped for the restart of the %s instance: %s", name, pid, role, how)
+            self._publish(name, "exit", row, detail=how)
+            self._advance_instance(role, now)
+            return
         log.error("%s (pid %d) died: %s", name, pid, how)
         self._publish(name, "exit", row, detail=how)
         if self.phase == "starting":
@@ -270,8 +291,53 @@ class Supervisor(Actor):
         elif not self.policy.allows(row, now):
             self._fail(f"{name} (pid {pid}) died ({how}) after {self.policy.max_restarts} restarts "
                        f"within {self.policy.window_s:.0f} s; giving up")
+        elif role in ENGINE_ROLES:
+            self._restart_instance(role, name, now)
         else:
             self._spawn(name, now)
+
+    # ------------------------------------------------------------------
+    # instance restart: a writer owns the pool its workers map and the
+    # scheduler's block accounting describes, so one death restarts the
+    # whole instance, stage by stage (writers, workers, scheduler).
+    # ------------------------------------------------------------------
+    def _restart_instance(self, role: str, dead: str, now: float) -> None:
+        if role in self._instance_restart:
+            return
+        rows = [r for r in self.table if r.spec.role == role]
+        stopping = set()
+        for r in rows:
+            if r.name != dead and r.state in (State.STARTED, State.READY):
+                self._stop_child(r)
+                stopping.add(r.name)
+        log.error("restarting the %s instance (%s died): stopping %s", role, dead, ", ".join(sorted(stopping)) or "nothing else")
+        self._publish(f"{role}.instance", "restart", detail=dead)
+        self._instance_restart[role] = {"stopping": stopping, "asked": now,
+                                        "stages": sorted({r.spec.stage for r in rows}), "idx": -1}
+        self._advance_instance(role, now)
+
+    def _advance_instance(self, role: str, now: float) -> None:
+        st = self._instance_restart.get(role)
+        if st is None or st["stopping"]:
+            return
+        rows = [r for r in self.table if r.spec.role == role]
+        while True:
+            if st["idx"] >= 0:
+                stage = st["stages"][st["idx"]]
+                if not all(r.state is State.READY for r in rows if r.spec.stage == stage):
+                    return
+            st["idx"] += 1
+            if st["idx"] == len(st["stages"]):
+                del self._instance_restart[role]
+                log.info("%s instance restarted and ready", role)
+                self._publish(f"{role}.instance", "ready")
+                return
+            if st["idx"] == 0:  # the dead writer's pool segments are orphans now
+                lifecycle.cleanup_instance_shm(self.cfg.deployment_id, role)
+            stage = st["stages"][st["idx"]]
+            for r in rows:
+                if r.spec.stage == stage:
+                    self._spawn(r.name, now)
 
     def _unwatch(self, name: str) -> None:
         fd = self._pidfds.pop(name, None)
@@ -305,6 +371,12 @@ class Supervisor(Actor):
                 log.error("%s (pid %d) not ready %.0f s after restart; killing it", row.name, row.pid,
                           self.startup_timeout_s)
                 lifecycle.signal_child(self.procs[row.name], signal.SIGKILL)
+        for st in self._instance_restart.values():
+            for name in st["stopping"]:
+                if now - st["asked"] > self.stop_timeout_s:
+                    lifecycle.signal_child(self.procs[name], signal.SIGKILL)
+                elif now - st["asked"] > self.stop_timeout_s * STOP_GRACE_FRACTION:
+                    lifecycle.signal_child(self.procs[name], signal.SIGTERM)
         for name, asked in self._restart_requested.items():  # a restart that does not stop by itself
             if now - asked > self.stop_timeout_s:
                 lifecycle.signal_child(self.procs[name], signal.SIGKILL)
@@ -354,6 +426,9 @@ class Supervisor(Actor):
         if self._events is not None:
             self._events.close(0)
             self._events = None
+        if self._trace_fwd is not None:
+            self._trace_fwd.stop()
+            self._trace_fwd = None
         if was != "new":
             lifecycle.cleanup(self.cfg.deployment_id, self.cfg.run_dir)
         if self.write_registry:

@@ -7,6 +7,7 @@ import time
 
 import zmq
 
+from pushkv import faults
 from pushkv import messages as m
 from pushkv.actor import Actor
 from pushkv.config import DeploymentConfig, InstanceConfig
@@ -52,7 +53,8 @@ class Worker(Actor):
         """The writer creates the pool; it appears atomically (renamed when complete)."""
         from pushkv.messages import PoolHandle
 
-        path = os.path.join(SHM_DIR, shm_name(self.cfg.deployment_id, self.inst.role, self.rank))
+        path = os.environ.get("PUSHKV_POOL") or os.path.join(
+            SHM_DIR, shm_name(self.cfg.deployment_id, self.inst.role, self.rank))
         deadline = time.monotonic() + POOL_WAIT_S
         while not os.path.exists(path):
             if time.monotonic() > deadline:
@@ -72,6 +74,7 @@ class Worker(Actor):
 
     def on_ExecuteStep(self, msg: m.ExecuteStep) -> None:
         t0 = time.perf_counter()
+        faults.point(self.name, "execute")
         try:
             sampled = self.model.execute(msg.seqs, self.pool.tensor)
         except Exception as e:

@@ -8,6 +8,7 @@ posted transfers. Side-specific protocol lives in prefill.py / decode.py.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -71,7 +72,7 @@ class WriterBase(Actor):
 
     # -- lifecycle --------------------------------------------------------------
     def setup(self) -> None:
-        name = shm_name(self.cfg.deployment_id, self.inst.role, self.rank)
+        name = shm_name(self.cfg.deployment_id, self.inst.role, self.rank, os.getpid())
         self.pool = create_pool(name, self.layout, self.cfg.model.dtype)
         self.nixl = NixlAgent(self.agent_name)
         self.nixl.register(self.pool.base_addr, self.pool.nbytes)
@@ -80,6 +81,12 @@ class WriterBase(Actor):
         if self.inst.handshake_endpoints:
             hs = self.socket(zmq.ROUTER, self.inst.handshake_endpoints[self.rank], bind=True)
             self.handshake = self.add_channel(hs, m.DEC_HANDSHAKE, "peer-handshake", routed=True)
+        if self.cfg.events_endpoint:
+            from pushkv.supervisor.commands import DEC_EVENT
+
+            sub = self.socket(zmq.SUB, self.cfg.events_endpoint, bind=False)
+            sub.setsockopt(zmq.SUBSCRIBE, b"pushkv.")
+            self.add_channel(sub, DEC_EVENT, "supervisor-events")
         log.info("%s: pool %d blocks x %d B = %.1f MiB at %s", self.name, self.layout.num_blocks,
                  L.block_bytes(self.layout), self.pool.nbytes / 2**20, self.pool.handle.name)
 
@@ -108,6 +115,9 @@ class WriterBase(Actor):
         from pushkv.protocol.mapping import check_compatible
 
         check_compatible(self.layout, h.layout)
+        old = self.peers.get((h.engine_id, h.rank))
+        if old is not None:  # the peer restarted: drop its old NIXL metadata first
+            self.forget_peer(old)
         agent = self.nixl.add_remote(h.agent_metadata)
         peer = Peer(h.engine_id, h.rank, h.tp, agent, h.pool_base, h.layout)
         self.peers[(h.engine_id, h.rank)] = peer
@@ -144,6 +154,21 @@ class WriterBase(Actor):
             return self._add_peer(reply)
         finally:
             sock.close(0)
+
+    def on_LifecycleEvent(self, ev) -> None:
+        """A process of the other instance died: the supervisor restarts that whole
+        instance, so its writers' NIXL agents and pools are gone."""
+        role = ev.name.split("-", 1)[0]
+        if ev.event != "exit" or role == self.inst.role or role not in ("prefill", "decode"):
+            return
+        engine = self.cfg.instance(role).engine_id
+        dead = [p for p in self.peers.values() if p.engine_id == engine]
+        for p in dead:
+            self.forget_peer(p)
+        self.peer_instance_down(engine, f"{ev.name} died ({ev.detail})", time.monotonic())
+
+    def peer_instance_down(self, engine_id: str, reason: str, now: float) -> None:
+        """Side-specific: end transfers with the dead instance."""
 
     def forget_peer(self, peer: Peer) -> None:
         self.peers.pop((peer.engine_id, peer.rank), None)
@@ -187,7 +212,14 @@ class WriterBase(Actor):
 
     # -- transfers ------------------------------------------------------------------
     def _check_inflight(self, now: float) -> None:
+        stuck_s = 2 * self.cfg.timeouts.transfer_s
         for key, fl in list(self.inflight.items()):
+            if now - fl.posted > stuck_s:  # a peer that vanished mid-transfer may never answer
+                self.counters["transfer_stuck"] += 1
+                fl.failed = fl.failed or f"transfer stuck for {stuck_s:.0f}s; abandoned"
+                for h in fl.handles:
+                    self.nixl.release(h)
+                fl.handles = []
             pending = []
             for h in fl.handles:
                 try:

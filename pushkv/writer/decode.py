@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 
+from pushkv import faults
 from pushkv import messages as m
 from pushkv.protocol import actions as A
 from pushkv.protocol import arrivals as ar
@@ -24,7 +25,8 @@ class DecodeWriter(WriterBase):
         self._reads: dict[tuple[str, int], m.ReadKV] = {}
         self._reported: dict[tuple[str, int], set[int]] = {}
         # failed transfers whose producers may still be writing: (outstanding ranks, deadline, reason)
-        self._quarantine: dict[tuple[str, int], tuple[set[int], float, str]] = {}
+        self._quarantine: dict[tuple[str, int], tuple[set[int], float, str, str]] = {}
+        self._dead_engines: set[str] = set()
 
     def setup(self) -> None:
         super().setup()
@@ -64,6 +66,7 @@ class DecodeWriter(WriterBase):
         for p in peers:
             self.notify(p, reg)
         self.trace_event("registration_sent", msg.transfer_id)
+        faults.point(self.name, "registration_sent")
 
     def notif_WriteDone(self, msg: m.WriteDone, agent: str, now: float) -> None:
         self._producer_reported(msg, now)
@@ -117,22 +120,33 @@ class DecodeWriter(WriterBase):
                 peer = self.peers.get((src.engine_id, r))
                 if peer is not None:
                     self.notify(peer, m.CancelTransfer(key[0], key[1], reason))
-        if outstanding:
+        if outstanding and entry[0].engine_id not in self._dead_engines:
             self.counters["quarantined"] += 1
-            self._quarantine[key] = (outstanding, now + self.cfg.timeouts.transfer_s, reason)
+            self._quarantine[key] = (outstanding, now + self.cfg.timeouts.transfer_s, reason, entry[0].engine_id)
         else:
             self.send(self.sched, m.KVFailed(key[0], key[1], reason))
 
+    def peer_instance_down(self, engine_id: str, reason: str, now: float) -> None:
+        """Producers that died cannot write any more: nothing to wait for."""
+        self._dead_engines.add(engine_id)
+        for key, (src, _) in list(self._sources.items()):
+            if src.engine_id == engine_id:
+                self.counters["failed_peer_death"] += 1
+                self.apply(self.arrivals.cancel(key[0], key[1], f"prefill instance lost: {reason}", now), now)
+        for key in [k for k, q in self._quarantine.items() if q[3] == engine_id]:
+            self._release_quarantine(key)
+        self._dead_engines.discard(engine_id)  # a restarted instance is a live peer again
+
     def _release_quarantine(self, key) -> None:
-        _, _, reason = self._quarantine.pop(key)
+        reason = self._quarantine.pop(key)[2]
         self.send(self.sched, m.KVFailed(key[0], key[1], reason))
 
     def expire(self, now: float) -> None:
         nd = self.arrivals.next_deadline()
         if nd is not None and nd <= now:
             self.apply(self.arrivals.expire(now), now)
-        for key, (_, deadline, _) in list(self._quarantine.items()):
-            if deadline <= now:
+        for key, q in list(self._quarantine.items()):
+            if q[1] <= now:
                 self.counters["quarantine_expired"] += 1
                 self._release_quarantine(key)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import time
 
+from pushkv import faults
 from pushkv import messages as m
 from pushkv.protocol import actions as A
 from pushkv.protocol import rendezvous as rv
@@ -27,6 +28,7 @@ class PrefillWriter(WriterBase):
         self.leases = Leases(t.lease_s)
         self._outcome: dict[tuple[str, int], object] = {}  # Completed / Failed until FreeBlocks
         self._write_started: dict[tuple[str, int], float] = {}
+        self._reg_engine: dict[tuple[str, int], str] = {}  # which D registered (for peer death)
 
     def has_pending(self) -> bool:
         return self.rdv.next_deadline() is not None or self.leases.next_deadline() is not None
@@ -57,6 +59,8 @@ class PrefillWriter(WriterBase):
             log.error("%s: Register from unknown agent %s transfer_id=%s", self.name, agent, msg.transfer_id)
             return
         self.counters["registrations_received"] += 1
+        faults.point(self.name, "registration_received")
+        self._reg_engine[(msg.transfer_id, msg.generation)] = msg.d_engine_id
         self.apply(self.rdv.on_registration(msg, now), now)
 
     def notif_CancelTransfer(self, msg: m.CancelTransfer, agent: str, now: float) -> None:
@@ -88,8 +92,15 @@ class PrefillWriter(WriterBase):
             elif isinstance(a, A.Count):
                 self.counters[a.name] += 1
 
+    def peer_instance_down(self, engine_id: str, reason: str, now: float) -> None:
+        for key, eng in list(self._reg_engine.items()):
+            if eng == engine_id:
+                self.counters["cancelled_peer_death"] += 1
+                self.apply(self.rdv.cancel(key[0], key[1], f"decode instance lost: {reason}", now), now)
+
     def _free(self, a) -> None:
         key = (a.transfer_id, a.generation)
+        self._reg_engine.pop(key, None)
         outcome = self._outcome.pop(key, None)
         fl_stats = self._write_started.pop(key, None)
         if isinstance(outcome, A.Completed):
@@ -100,6 +111,7 @@ class PrefillWriter(WriterBase):
             self.send(self.sched, m.KVFailed(a.transfer_id, a.generation, reason or "transfer failed"))
 
     def _post_write(self, a, now: float) -> None:
+        faults.point(self.name, "post_write")
         fl = InFlight(a.transfer_id, a.generation, posted=now)
         try:
             for reg in a.registrations:
