@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--block-size", type=int, help="every instance's block size (the two above win)")
     t.add_argument("--num-blocks", type=int, help="KV blocks per instance")
     up.add_argument("--trace", nargs="?", const=TRACE_AUTO, metavar="ENDPOINT",
-                    help="mirror every message to a trace endpoint (default: an ipc socket in the run dir)")
+                    help="every process mirrors what it sends and receives; taps (pushkv-tap) attach at "
+                         "ENDPOINT (default: an ipc socket in the run dir, found through the registry)")
     up.add_argument("--on-child-exit", choices=ON_CHILD_EXIT, default="restart")
     up.add_argument("--max-restarts", type=int, default=5, help="per child, within --restart-window")
     up.add_argument("--restart-window", type=float, default=60.0, metavar="SECONDS")
@@ -110,7 +111,9 @@ def config_from_args(args: argparse.Namespace) -> DeploymentConfig:
     model = _replace(model, checkpoint=args.checkpoint, **{k: getattr(args, k) for k in GEOMETRY})
     return _replace(
         cfg, mode=args.mode, pull_read=args.pull_read, host=args.host, port=args.port,
-        log_level=args.log_level, trace_endpoint=args.trace, model=model,
+        log_level=args.log_level, model=model,
+        trace_endpoint=TRACE_AUTO if args.trace else None,
+        trace_tap_endpoint=args.trace if args.trace not in (None, TRACE_AUTO) else None,
         prefill=_replace(cfg.prefill, tp=args.prefill_tp, block_size=args.prefill_block_size or args.block_size,
                          num_blocks=args.num_blocks),
         decode=_replace(cfg.decode, tp=args.decode_tp, block_size=args.decode_block_size or args.block_size,

@@ -19,6 +19,7 @@ import msgspec
 import zmq
 
 from pushkv import messages as m
+from pushkv.trace import TracePublisher
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ class Actor:
         self._control_endpoint = control_endpoint
         self._control: Optional[zmq.Socket] = None
         self._trace_endpoint = trace_endpoint
-        self._trace: Optional[zmq.Socket] = None
+        self._trace: Optional[TracePublisher] = None
         self._handlers: dict[type, Callable[..., Any]] = {}
         self._extra_fds: dict[int, Callable[[], None]] = {}
         self.current: Optional[Channel] = None  # channel of the message being handled
@@ -97,39 +98,21 @@ class Actor:
 
     def send(self, ch: Channel, msg: m.Msg, identity: Optional[bytes] = None) -> None:
         data = m.encode(msg)
+        self.trace_msg("send", ch.peer, msg, data)  # stamped before the send: never after the peer's recv
         if identity is not None:
             ch.sock.send_multipart([identity, data])
         else:
             ch.sock.send(data)
-        self.trace_msg("send", ch.peer, msg, data)
 
     # -- tracing ------------------------------------------------------------
     def trace_msg(self, direction: str, peer: str, msg: Any, data: bytes = b"") -> None:
-        if self._trace is None:
-            return
-        tid = getattr(msg, "transfer_id", "")
-        ev = m.TraceEvent(
-            t_mono=time.monotonic(), t_wall=time.time(), process=self.name,
-            direction=direction, peer=peer, kind=type(msg).__name__,
-            transfer_id=tid, payload=data,
-        )
-        try:
-            self._trace.send(m.encode(ev), zmq.NOBLOCK)
-        except zmq.Again:
-            self.counters["trace_dropped"] += 1
+        if self._trace is not None:
+            self._trace.msg(direction, peer, msg, data)
 
     def trace_event(self, kind: str, transfer_id: str = "", detail: str = "") -> None:
         """A local event (not a message), e.g. 'prefill_start'."""
-        if self._trace is None:
-            return
-        ev = m.TraceEvent(
-            t_mono=time.monotonic(), t_wall=time.time(), process=self.name,
-            direction="event", peer=detail, kind=kind, transfer_id=transfer_id,
-        )
-        try:
-            self._trace.send(m.encode(ev), zmq.NOBLOCK)
-        except zmq.Again:
-            self.counters["trace_dropped"] += 1
+        if self._trace is not None:
+            self._trace.event(kind, transfer_id, detail)
 
     # -- dispatch -----------------------------------------------------------
     def _handler(self, typ: type) -> Optional[Callable[..., Any]]:
@@ -181,10 +164,7 @@ class Actor:
 
     def _announce_ready(self) -> None:
         if self._trace_endpoint:
-            self._trace = self.ctx.socket(zmq.PUB)
-            self._trace.setsockopt(zmq.LINGER, 0)
-            self._trace.setsockopt(zmq.SNDHWM, 100000)
-            self._trace.connect(self._trace_endpoint)
+            self._trace = TracePublisher(self.name, self._trace_endpoint, self.ctx, self.counters)
         if not self._control_endpoint:
             return
         self._control = self.ctx.socket(zmq.DEALER)

@@ -108,6 +108,7 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
     trace_endpoint: str = ""  # "" = tracing off; else every process PUBs here
     log_level: str = "INFO"
     max_model_len: int = 0  # 0 = model.max_position
+    trace_tap_endpoint: str = ""  # the supervisor's XPUB that taps connect to (set with trace_endpoint)
 
     def instances(self) -> list[InstanceConfig]:
         if self.mode == "local":
