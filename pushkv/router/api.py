@@ -72,6 +72,8 @@ def parse_json(raw: bytes) -> dict:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"malformed JSON body: {e}") from None
+    except RecursionError:
+        raise ApiError(400, "malformed JSON body: nested too deeply") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     return body
@@ -83,7 +85,10 @@ def _prompt_ids(prompt: Any, tok: text.Tokenizer) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise ApiError(400, "prompt is empty")
-        ids = text.encode(tok, prompt)
+        try:
+            ids = text.encode(tok, prompt)
+        except UnicodeError as e:  # e.g. a lone surrogate: valid JSON, not encodable text
+            raise ApiError(400, f"prompt is not valid text: {e}") from None
     elif _token_list(prompt):
         ids = list(prompt)
     elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
