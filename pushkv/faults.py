@@ -1,26 +1,29 @@
 """Fault injection for tests: kill this process at a named protocol point.
 
-``PUSHKV_FAULTS="prefill-writer-0:post_write,decode-scheduler:after_alloc"``
-makes the named process SIGKILL itself the first time it reaches that point.
-``PUSHKV_FAULTS_DIR`` holds a marker per fired fault so a restarted process
-does not fire again. Off (one dict lookup) when the variable is unset.
+With ``PUSHKV_FAULTS_DIR`` set, a process reaching point ``P`` SIGKILLs
+itself if the file ``arm-<process name>-<P>`` exists there, removing it first
+(so the restarted process does not fire again). A test arms one fault at a
+time on a running deployment. Unset: one falsy check.
 """
 from __future__ import annotations
 
 import os
 import signal
 
-_SPEC = os.environ.get("PUSHKV_FAULTS", "")
-_FAULTS = {tuple(f.split(":", 1)) for f in _SPEC.split(",") if ":" in f}
+_DIR = os.environ.get("PUSHKV_FAULTS_DIR", "")
+
+
+def arm(directory: str, process: str, point_name: str) -> str:
+    path = os.path.join(directory, f"arm-{process}-{point_name}")
+    open(path, "w").close()
+    return path
 
 
 def point(process: str, name: str) -> None:
-    if not _FAULTS or (process, name) not in _FAULTS:
+    if not _DIR:
         return
-    marker = os.path.join(os.environ.get("PUSHKV_FAULTS_DIR", "/tmp"), f"fault-{process}-{name}")
     try:
-        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:
-        return  # fired once already (this is the restarted process)
-    os.close(fd)
+        os.unlink(os.path.join(_DIR, f"arm-{process}-{name}"))
+    except FileNotFoundError:
+        return
     os.kill(os.getpid(), signal.SIGKILL)

@@ -32,6 +32,7 @@ class KVLayoutDesc(msgspec.Struct, array_like=True, frozen=True, gc=False):
     dtype_bytes: int
     window_layers: tuple[int, ...] = ()  # sliding-window layer indices
     window: int = 0  # sliding window (tokens), 0 = none
+    kv_planes: int = 2  # per (layer, head): K and V; 1 = one latent (MLA-style)
 
 
 class PoolHandle(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -73,6 +74,15 @@ class SeqWork(msgspec.Struct, array_like=True, frozen=True, gc=False):
     sample: bool = True
 
 
+class KVTransferStats(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """One request's KV transfer as the side that posted it measured it (for metrics)."""
+
+    nbytes: int
+    num_descs: int
+    transfer_s: float  # posted -> done, slowest rank
+    rendezvous: str = ""  # push: "registration_first" | "prefill_first"; pull: "pull"
+
+
 # ---------------------------------------------------------------------------
 # Channel: router <-> scheduler
 # ---------------------------------------------------------------------------
@@ -106,6 +116,7 @@ class TokensGenerated(Msg):
     finish_reason: str = ""  # "length" | "stop"
     num_prompt_tokens: int = 0
     timeline: tuple[tuple[str, float], ...] = ()  # (stage, wall time) on finish
+    kv: Optional[KVTransferStats] = None  # D, on finish: the transfer D measured (pull: its READ)
 
 
 class PrefillFinished(Msg):
@@ -116,6 +127,7 @@ class PrefillFinished(Msg):
     first_token: int
     pull: Optional[PullParams] = None
     timeline: tuple[tuple[str, float], ...] = ()
+    kv: Optional[KVTransferStats] = None  # push: P's WRITE (bytes, descriptors, time, rendezvous order)
 
 
 class RequestFailed(Msg):
@@ -233,6 +245,7 @@ class KVSent(Msg):
     num_descs: int = 0
     transfer_s: float = 0.0
     rendezvous: str = ""  # "registration_first" | "prefill_first" | "pull"
+    timeline: tuple[tuple[str, float], ...] = ()  # writer stages (wall time)
 
 
 class KVReceived(Msg):
@@ -242,6 +255,7 @@ class KVReceived(Msg):
     nbytes: int = 0
     num_descs: int = 0
     transfer_s: float = 0.0
+    timeline: tuple[tuple[str, float], ...] = ()  # writer stages (wall time)
 
 
 class KVFailed(Msg):

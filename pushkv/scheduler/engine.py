@@ -21,6 +21,8 @@ from pushkv.scheduler.requests import Request, State, build_batch
 
 log = logging.getLogger(__name__)
 
+WRITER_STATS_WAIT_S = 0.25  # GetStats: how long to wait for the writers' counters before answering
+
 
 class Scheduler(Actor):
     def __init__(self, cfg: DeploymentConfig, inst: InstanceConfig):
@@ -40,6 +42,10 @@ class Scheduler(Actor):
         self.blocked_on: Optional[tuple[str, int]] = None  # pull inline: engine stalls on a READ
         self.max_len = cfg.max_model_len or cfg.model.max_position
         self.vocab = cfg.model.vocab_size
+        self.writer_counters: dict[int, dict[str, int]] = {}  # last WriterStats per rank
+        self._stats_waiting: list[bytes] = []  # router identities waiting for a Stats
+        self._stats_fresh: set[int] = set()
+        self._stats_asked = 0.0
 
     # -- lifecycle ---------------------------------------------------------------
     def setup(self) -> None:
@@ -67,6 +73,12 @@ class Scheduler(Actor):
     def _stamp(self, r: Request, stage: str) -> None:
         r.timeline[stage] = time.time()
         self.trace_event(stage, r.transfer_id)
+
+    def _kv_stats(self, r: Request) -> Optional[m.KVTransferStats]:
+        nb, nd, secs = r.kv_stats
+        if r.leg == "local" or not nb:
+            return None
+        return m.KVTransferStats(nb, nd, secs, r.rendezvous or ("pull" if r.pull is not None else ""))
 
     def _timeline(self, r: Request) -> tuple[tuple[str, float], ...]:
         return tuple(sorted(r.timeline.items(), key=lambda kv: kv[1]))
@@ -165,9 +177,30 @@ class Scheduler(Actor):
         self.schedule()
 
     def on_GetStats(self, msg: m.GetStats, identity: bytes) -> None:
+        """Answer with our counters and the writers' (``writer.<rank>.<name>``), asked afresh."""
+        self._stats_waiting.append(identity)
+        if len(self._stats_waiting) == 1:
+            self._stats_asked, self._stats_fresh = time.monotonic(), set()
+            self._to_writers(m.GetStats())
+        if not self.writers:
+            self._answer_stats()
+
+    def on_WriterStats(self, msg: m.WriterStats) -> None:
+        self.writer_counters[self.current.index] = dict(msg.counters)
+        self._stats_fresh.add(self.current.index)
+        if self._stats_waiting and len(self._stats_fresh) >= len(self.writers):
+            self._answer_stats()
+
+    def _answer_stats(self) -> None:
         running = sum(1 for r in self.reqs.values() if r.state == State.RUNNING)
-        self.send(self.front, m.Stats(self.inst.engine_id, self.role, self.alloc.num_blocks, self.alloc.num_free,
-                                      running, len(self.waiting), dict(self.counters)), identity)
+        counters = dict(self.counters)
+        for rank, wc in self.writer_counters.items():
+            counters.update({f"writer.{rank}.{k}": v for k, v in wc.items()})
+        stats = m.Stats(self.inst.engine_id, self.role, self.alloc.num_blocks, self.alloc.num_free,
+                        running, len(self.waiting), counters)
+        waiting, self._stats_waiting = self._stats_waiting, []
+        for identity in waiting:
+            self.send(self.front, stats, identity)
 
     # -- scheduling ---------------------------------------------------------------------
     def schedule(self) -> None:
@@ -277,7 +310,7 @@ class Scheduler(Actor):
             self._stamp(r, "finished")
             self.counters["requests_completed"] += 1
             self._reply(r, m.TokensGenerated(r.transfer_id, r.generation, (tok,), True, reason, len(r.prompt),
-                                             self._timeline(r)))
+                                             self._timeline(r), self._kv_stats(r)))
             self._release(r)
         else:
             r.state = State.RUNNING
@@ -293,6 +326,10 @@ class Scheduler(Actor):
             self.counters["stale_writer_answer"] += 1
             return None
         r.acks.add((self.current.index, type(msg).__name__, getattr(msg, "reason", "")))
+        for stage, t in getattr(msg, "timeline", ()):  # the writers' own stages (first rank wins)
+            r.timeline.setdefault(stage, t)
+        if isinstance(msg, m.KVSent) and msg.rendezvous:
+            r.rendezvous = msg.rendezvous
         if isinstance(msg, (m.KVSent, m.KVReceived)) and msg.nbytes:
             nb, nd, secs = r.kv_stats
             r.kv_stats = (nb + msg.nbytes, nd + msg.num_descs, max(secs, msg.transfer_s))
@@ -332,8 +369,11 @@ class Scheduler(Actor):
             self.counters["kv_descs"] += nd
             self.counters["kv_blocks"] += len(r.blocks)
             self.counters["kv_transfer_us"] += int(secs * 1e6)
+            if r.rendezvous:
+                self.counters[f"rendezvous_{r.rendezvous}"] += 1
             if self.cfg.mode != "pull":
-                self._reply(r, m.PrefillFinished(r.transfer_id, r.generation, r.output[0], None, self._timeline(r)))
+                self._reply(r, m.PrefillFinished(r.transfer_id, r.generation, r.output[0], None, self._timeline(r),
+                                                 self._kv_stats(r)))
             self._release(r)
         else:
             self._stamp(r, "kv_received")
@@ -348,6 +388,8 @@ class Scheduler(Actor):
 
     # -- deadlines ---------------------------------------------------------------------
     def tick(self, now: float) -> None:
+        if self._stats_waiting and now - self._stats_asked > WRITER_STATS_WAIT_S:
+            self._answer_stats()  # a writer that does not answer must not hold the router's scrape
         if self.step is not None and now - self.step_started > self.cfg.timeouts.step_s:
             batch, self.step = self.step, None
             self.counters["step_timeout"] += 1

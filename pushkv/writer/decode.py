@@ -168,6 +168,7 @@ class DecodeWriter(WriterBase):
                 fl.num_descs += len(regions)
         except Exception as e:
             fl.failed = f"READ failed to post: {e}"
+        self.trace_event("read_posted", msg.transfer_id, f"{fl.nbytes}B/{fl.num_descs}d")
         self._reads[(msg.transfer_id, msg.generation)] = msg
         if fl.handles:
             self.inflight[(msg.transfer_id, msg.generation)] = fl
@@ -178,6 +179,7 @@ class DecodeWriter(WriterBase):
         msg = self._reads.pop((fl.transfer_id, fl.generation), None)
         if msg is None:
             return
+        self.trace_event("read_failed" if fl.failed else "read_done", fl.transfer_id)
         src = msg.pull.source
         ranks = producers_for(self.rank, self.inst.tp, src.tp, self.layout.total_kv_heads)
         for r in ranks:  # P frees on ReadDone, or on CancelTransfer when we failed
@@ -192,5 +194,7 @@ class DecodeWriter(WriterBase):
             self.send(self.sched, m.KVFailed(fl.transfer_id, fl.generation, fl.failed))
         else:
             self.counters["bytes_read"] += fl.nbytes
+            wall = time.time()
+            stages = (("read_posted", wall - (now - fl.posted)), ("read_done", wall))
             self.send(self.sched, m.KVReceived(fl.transfer_id, fl.generation, msg.pull.first_token,
-                                               fl.nbytes, fl.num_descs, now - fl.posted))
+                                               fl.nbytes, fl.num_descs, now - fl.posted, stages))

@@ -19,16 +19,19 @@ from pushkv.writer.base import InFlight, WriterBase
 
 log = logging.getLogger(__name__)
 
+MAX_TRACKED = 4096  # bounded bookkeeping for transfers that never complete
+
 
 class PrefillWriter(WriterBase):
     def __init__(self, cfg, inst, rank):
         super().__init__(cfg, inst, rank)
         t = cfg.timeouts
-        self.rdv = rv.PushRendezvous(rank, inst.tp, cfg.model.num_kv_heads, t.registration_wait_s, t.transfer_s)
+        self.rdv = rv.PushRendezvous(rank, inst.tp, self.layout.total_kv_heads, t.registration_wait_s, t.transfer_s)
         self.leases = Leases(t.lease_s)
         self._outcome: dict[tuple[str, int], object] = {}  # Completed / Failed until FreeBlocks
         self._write_started: dict[tuple[str, int], float] = {}
         self._reg_engine: dict[tuple[str, int], str] = {}  # which D registered (for peer death)
+        self._stages: dict[tuple[str, int], dict[str, float]] = {}  # writer-side timeline per transfer
 
     def has_pending(self) -> bool:
         return self.rdv.next_deadline() is not None or self.leases.next_deadline() is not None
@@ -45,6 +48,10 @@ class PrefillWriter(WriterBase):
 
     def on_HoldKV(self, msg: m.HoldKV) -> None:
         now = time.monotonic()
+        if not self.rdv.produces:  # a replica rank: no D rank reads from it
+            self.apply([A.Completed(msg.transfer_id, msg.generation, "replica"),
+                        A.FreeBlocks(msg.transfer_id, msg.generation, msg.block_ids, "replica")], now)
+            return
         self.apply(self.leases.hold(msg.transfer_id, msg.generation, msg.block_ids, now), now)
 
     def on_CancelKV(self, msg: m.CancelKV) -> None:
@@ -59,6 +66,7 @@ class PrefillWriter(WriterBase):
             log.error("%s: Register from unknown agent %s transfer_id=%s", self.name, agent, msg.transfer_id)
             return
         self.counters["registrations_received"] += 1
+        self._stamp((msg.transfer_id, msg.generation), "registration_received")
         faults.point(self.name, "registration_received")
         self._reg_engine[(msg.transfer_id, msg.generation)] = msg.d_engine_id
         self.apply(self.rdv.on_registration(msg, now), now)
@@ -98,6 +106,13 @@ class PrefillWriter(WriterBase):
                 self.counters["cancelled_peer_death"] += 1
                 self.apply(self.rdv.cancel(key[0], key[1], f"decode instance lost: {reason}", now), now)
 
+    def _stamp(self, key, stage: str) -> None:
+        self._stages.setdefault(key, {}).setdefault(stage, time.time())
+        while len(self._stages) > MAX_TRACKED:  # halves that never paired (expired, cancelled)
+            self._stages.pop(next(iter(self._stages)))
+        while len(self._reg_engine) > MAX_TRACKED:
+            self._reg_engine.pop(next(iter(self._reg_engine)))
+
     def _free(self, a) -> None:
         key = (a.transfer_id, a.generation)
         self._reg_engine.pop(key, None)
@@ -105,8 +120,10 @@ class PrefillWriter(WriterBase):
         fl_stats = self._write_started.pop(key, None)
         if isinstance(outcome, A.Completed):
             nbytes, ndescs, secs = fl_stats or (0, 0, 0.0)
-            self.send(self.sched, m.KVSent(a.transfer_id, a.generation, nbytes, ndescs, secs, outcome.order))
+            self.send(self.sched, m.KVSent(a.transfer_id, a.generation, nbytes, ndescs, secs, outcome.order,
+                                           tuple(self._stages.pop(key, {}).items())))
         else:
+            self._stages.pop(key, None)
             reason = outcome.reason if isinstance(outcome, A.Failed) else a.reason
             self.send(self.sched, m.KVFailed(a.transfer_id, a.generation, reason or "transfer failed"))
 
@@ -133,6 +150,7 @@ class PrefillWriter(WriterBase):
             log.error("%s: WRITE post failed: %s transfer_id=%s", self.name, e, a.transfer_id)
             fl.failed = f"WRITE failed to post: {e}"
         self.trace_event("write_posted", a.transfer_id, f"{fl.nbytes}B/{fl.num_descs}d")
+        self._stamp((a.transfer_id, a.generation), "write_posted")
         self._write_started[(a.transfer_id, a.generation)] = (fl.nbytes, fl.num_descs, 0.0)
         if fl.handles:
             self.inflight[(a.transfer_id, a.generation)] = fl
@@ -142,6 +160,7 @@ class PrefillWriter(WriterBase):
     def transfer_finished(self, fl: InFlight, now: float) -> None:
         key = (fl.transfer_id, fl.generation)
         self._write_started[key] = (fl.nbytes, fl.num_descs, now - fl.posted)
+        self._stamp(key, "write_done")
         self.trace_event("write_done" if not fl.failed else "write_failed", fl.transfer_id)
         if fl.failed:
             acts = self.rdv.on_write_failed(fl.transfer_id, fl.generation, fl.failed, now)
