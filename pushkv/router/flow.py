@@ -31,6 +31,7 @@ import zmq.asyncio
 from pushkv import messages as m
 from pushkv.config import DeploymentConfig
 from pushkv.router.metrics import RequestRecord, RouterMetrics
+from pushkv.trace import TracePublisher
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +43,12 @@ class SchedulerLink:
     """DEALER to one scheduler, plus its receive task."""
 
     def __init__(self, ctx: zmq.asyncio.Context, role: str, endpoint: str,
-                 on_message: Callable[[str, m.Msg], None], metrics: RouterMetrics):
+                 on_message: Callable[[str, m.Msg], None], metrics: RouterMetrics,
+                 tracer: Optional[TracePublisher] = None):
         self.role = role
+        self.peer = f"{role}-scheduler"  # in traces
+        self.tracer = tracer
+        self._stats_waiters: list[asyncio.Future] = []
         self.endpoint = endpoint
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -61,7 +66,10 @@ class SchedulerLink:
 
         Raises zmq.Again when the scheduler's queue is full (or unconnected).
         """
-        fut = self.sock.send(m.encode(msg), flags=zmq.NOBLOCK)
+        data = m.encode(msg)
+        if self.tracer is not None:
+            self.tracer.msg("send", self.peer, msg, data)
+        fut = self.sock.send(data, flags=zmq.NOBLOCK)
         if fut.done():
             fut.result()
         else:  # queued behind another send: surface a late error in the log
@@ -82,13 +90,33 @@ class SchedulerLink:
                 log.error("undecodable frame from %s scheduler (%d bytes): %s", self.role, len(payload), e)
                 continue
             self._metrics.sched_messages.labels(role=self.role, kind=type(msg).__name__).inc()
+            if self.tracer is not None:
+                self.tracer.msg("recv", self.peer, msg, payload)
             if isinstance(msg, m.Stats):
                 self.last_stats = msg
+                waiters, self._stats_waiters = self._stats_waiters, []
+                for fut in waiters:
+                    if not fut.done():
+                        fut.set_result(msg)
                 continue
             try:
                 self._on_message(self.role, msg)
             except Exception:  # one bad message must not stop the link
                 log.exception("routing %s from %s failed", type(msg).__name__, self.role)
+
+    async def get_stats(self, timeout_s: float) -> Optional[m.Stats]:
+        """Ask the scheduler for its Stats; None if it does not answer in time."""
+        fut = asyncio.get_running_loop().create_future()
+        self._stats_waiters.append(fut)
+        try:
+            if len(self._stats_waiters) == 1:  # one GetStats answers every waiting scrape
+                self.send(m.GetStats())
+            return await asyncio.wait_for(fut, timeout_s)
+        except (asyncio.TimeoutError, zmq.ZMQError):
+            return None
+        finally:
+            if fut in self._stats_waiters:
+                self._stats_waiters.remove(fut)
 
     async def close(self) -> None:
         if self._task is not None:
@@ -144,6 +172,7 @@ class RequestRun:
         self.sent: set[str] = set()  # legs whose Generate went out
         self.ended: set[str] = set()  # legs that answered their last message
         self.token_leg = "local" if cfg.mode == "local" else "decode"
+        self.kv: dict[str, m.KVTransferStats] = {}  # per leg, as the schedulers measured the transfer
         self.closed = False
 
     # -- inputs ---------------------------------------------------------
@@ -249,6 +278,8 @@ class RequestRun:
                 self.ended.add(role)
                 self.mark("router.prefill_finished")
                 self.merge(role, msg.timeline)
+                if msg.kv is not None:
+                    self.kv[role] = msg.kv
                 if self.cfg.mode == "pull" and "decode" not in self.sent:
                     if msg.pull is None:
                         yield Failed(502, "prefill finished without pull parameters")
@@ -273,6 +304,8 @@ class RequestRun:
                 if msg.finished:
                     self.ended.add(role)
                     self.merge(role, msg.timeline)
+                    if msg.kv is not None:
+                        self.kv[role] = msg.kv
                     self.record.finish = time.monotonic()
                     self.mark("router.finish")
                     finish_reason = msg.finish_reason or "length"

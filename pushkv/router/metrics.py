@@ -2,6 +2,12 @@
 
 Add a collector as an attribute in ``RouterMetrics.__init__`` with
 ``registry=self.registry``; ``/metrics`` exposes everything on it.
+
+Per-request values (latencies, each transfer's bytes, descriptors, time and
+rendezvous order) are observed here when a request ends. What only the
+instances know (block usage, their own and their writers' counters: lease
+expiries, aborts, bytes moved) is asked from each scheduler (``GetStats``)
+at scrape time and exposed by ``InstanceCollector`` under ``pushkv_instance_*``.
 """
 from __future__ import annotations
 
@@ -10,6 +16,9 @@ from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from pushkv import messages as m
 
 # Seconds; spans sub-ms ITLs on GPU to minute-long TTFTs of 16k prompts on CPU.
 LATENCY_BUCKETS_S = (
@@ -17,6 +26,10 @@ LATENCY_BUCKETS_S = (
     1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0,
 )
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+TRANSFER_BUCKETS_S = (0.0001, 0.00025, 0.0005) + LATENCY_BUCKETS_S
+BYTES_BUCKETS = tuple(float(4096 * 4**i) for i in range(13))  # 4 KiB .. 64 GiB
+DESC_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384, 65536)
+RENDEZVOUS_ORDERS = ("registration_first", "prefill_first")
 
 
 @dataclass
@@ -75,9 +88,28 @@ class RouterMetrics:
             "pushkv_router_aborts_sent", "Abort messages sent to schedulers", ["role"], registry=r)
         self.info = Gauge("pushkv_router_info", "Router deployment", ["mode"], registry=r)
         self.info.labels(mode=mode).set(1)
+        self.mode = mode
+        self.kv_bytes = Histogram(
+            "pushkv_kv_transfer_bytes", "KV bytes moved P->D per request", buckets=BYTES_BUCKETS, registry=r)
+        self.kv_seconds = Histogram(
+            "pushkv_kv_transfer_seconds", "Per request: WRITE (push) or READ (pull) posted -> complete",
+            buckets=TRANSFER_BUCKETS_S, registry=r)
+        self.kv_descs = Histogram(
+            "pushkv_kv_transfer_descriptors", "NIXL descriptors per request's transfer", buckets=DESC_BUCKETS,
+            registry=r)
+        self.rendezvous = Counter(
+            "pushkv_kv_rendezvous", "Push: which half reached P's writer first", ["order"], registry=r)
+        if mode == "push":
+            for order in RENDEZVOUS_ORDERS:
+                self.rendezvous.labels(order=order)
+        self.instances = InstanceCollector()
+        r.register(self.instances)
 
-    def observe(self, rec: RequestRecord, timeline: Optional[dict[str, float]] = None) -> None:
+    def observe(self, rec: RequestRecord, timeline: Optional[dict[str, float]] = None,
+                kv: Optional[dict[str, m.KVTransferStats]] = None) -> None:
         self.requests.labels(outcome=rec.outcome or "ok").inc()
+        if kv:
+            self.observe_transfer(kv)
         if rec.prompt_tokens:
             self.prompt_tokens.observe(rec.prompt_tokens)
         n = rec.completion_tokens
@@ -100,5 +132,89 @@ class RouterMetrics:
                 if stage != "router.arrival":
                     self.stage.labels(stage=stage).observe(max(0.0, t - t0))
 
+    def observe_transfer(self, kv: dict[str, m.KVTransferStats]) -> None:
+        """One request's transfer, as measured by the leg that posted it (push: P, pull: D)."""
+        t = kv.get("prefill") if self.mode == "push" else kv.get("decode")
+        t = t or next(iter(kv.values()))
+        self.kv_bytes.observe(t.nbytes)
+        self.kv_descs.observe(t.num_descs)
+        if t.transfer_s > 0:
+            self.kv_seconds.observe(t.transfer_s)
+        if t.rendezvous in RENDEZVOUS_ORDERS:
+            self.rendezvous.labels(order=t.rendezvous).inc()
+
+    def update_instances(self, stats: dict[str, Optional[m.Stats]]) -> None:
+        self.instances.stats = dict(stats)
+
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+# scheduler counter -> (metric, help) exposed on its own besides pushkv_instance_events_total
+INSTANCE_COUNTERS = {
+    "aborted": ("pushkv_instance_aborts", "Requests aborted on the instance (router Abort)"),
+    "requests_failed": ("pushkv_instance_requests_failed", "Requests the instance failed"),
+    "kv_transfers": ("pushkv_instance_kv_transfers", "KV transfers completed (P side)"),
+    "kv_bytes": ("pushkv_instance_kv_bytes", "KV bytes sent (P) / received (D)"),
+    "kv_descs": ("pushkv_instance_kv_descriptors", "NIXL descriptors of the KV transfers"),
+}
+# writer counter -> metric, summed over the instance's ranks
+WRITER_COUNTERS = {
+    "lease_expired": ("pushkv_instance_lease_expiries", "Pull: P leases that expired before D's READ"),
+    "expired_arrival": ("pushkv_instance_write_wait_expiries", "Push: D registrations whose WRITE never came"),
+}
+
+
+class InstanceCollector:
+    """Exposes the last ``Stats`` of each scheduler (set at scrape time)."""
+
+    def __init__(self):
+        self.stats: dict[str, Optional[m.Stats]] = {}
+
+    def describe(self):
+        return []  # values change with the deployment; nothing to check at registration
+
+    def collect(self):
+        labels = ["role", "engine"]
+        up = GaugeMetricFamily("pushkv_instance_up", "Scheduler answered GetStats at this scrape", labels=["role"])
+        blocks = GaugeMetricFamily("pushkv_instance_blocks", "KV blocks of the instance", labels=labels)
+        free = GaugeMetricFamily("pushkv_instance_blocks_free", "Free KV blocks", labels=labels)
+        usage = GaugeMetricFamily("pushkv_instance_block_usage", "Fraction of KV blocks in use", labels=labels)
+        running = GaugeMetricFamily("pushkv_instance_requests_running", "Requests decoding", labels=labels)
+        waiting = GaugeMetricFamily("pushkv_instance_requests_waiting", "Requests waiting for blocks", labels=labels)
+        secs = CounterMetricFamily("pushkv_instance_kv_transfer_seconds", "Summed transfer time", labels=labels)
+        named = {c: CounterMetricFamily(name, doc, labels=labels)
+                 for c, (name, doc) in {**INSTANCE_COUNTERS, **WRITER_COUNTERS}.items()}
+        rdv = CounterMetricFamily("pushkv_instance_rendezvous", "Push rendezvous order, per writer rank",
+                                  labels=labels + ["order"])
+        events = CounterMetricFamily("pushkv_scheduler_events", "Every scheduler counter",
+                                     labels=labels + ["event"])
+        wevents = CounterMetricFamily("pushkv_writer_events", "Every writer counter",
+                                      labels=labels + ["rank", "event"])
+        for role, st in sorted(self.stats.items()):
+            up.add_metric([role], 0.0 if st is None else 1.0)
+            if st is None:
+                continue
+            lv = [role, st.engine_id]
+            blocks.add_metric(lv, st.num_blocks)
+            free.add_metric(lv, st.free_blocks)
+            usage.add_metric(lv, (st.num_blocks - st.free_blocks) / st.num_blocks if st.num_blocks else 0.0)
+            running.add_metric(lv, st.running)
+            waiting.add_metric(lv, st.waiting)
+            secs.add_metric(lv, st.counters.get("kv_transfer_us", 0) / 1e6)
+            writer_sum: dict[str, int] = {}
+            for key, v in sorted(st.counters.items()):
+                if key.startswith("writer."):
+                    _, rank, name = key.split(".", 2)
+                    wevents.add_metric(lv + [rank, name], v)
+                    writer_sum[name] = writer_sum.get(name, 0) + v
+                else:
+                    events.add_metric(lv + [key], v)
+            for c in INSTANCE_COUNTERS:
+                named[c].add_metric(lv, st.counters.get(c, 0))
+            for c in WRITER_COUNTERS:
+                named[c].add_metric(lv, writer_sum.get(c, 0))
+            if st.role == "prefill":
+                for order in RENDEZVOUS_ORDERS:
+                    rdv.add_metric(lv + [order], writer_sum.get(f"rendezvous_{order}", 0))
+        yield from (up, blocks, free, usage, running, waiting, secs, *named.values(), rdv, events, wevents)

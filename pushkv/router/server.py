@@ -25,10 +25,12 @@ from pushkv.config import DeploymentConfig
 from pushkv.router import api, text
 from pushkv.router.flow import Failed, Finished, RequestRun, SchedulerLink, Tokens
 from pushkv.router.metrics import RequestRecord, RouterMetrics
+from pushkv.trace import TracePublisher
 
 log = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 5.0  # in-flight handlers get this long to send their 503
+STATS_TIMEOUT_S = 0.5  # /metrics: how long to wait for each scheduler's Stats
 CLIENT_ABORT_STATUS = 499  # nginx's "client closed request"
 
 
@@ -44,6 +46,7 @@ class Router:
         self.metrics = RouterMetrics(cfg.mode)
         self.ctx: Optional[zmq.asyncio.Context] = None
         self.links: dict[str, SchedulerLink] = {}
+        self.tracer: Optional[TracePublisher] = None
         self.runs: dict[str, RequestRun] = {}
         self.stopping = False
         self.url = ""
@@ -76,11 +79,13 @@ class Router:
         self._handlers_idle = asyncio.Event()
         self._handlers_idle.set()
         self.ctx = zmq.asyncio.Context()
+        if self.cfg.trace_endpoint:
+            self.tracer = TracePublisher("router", self.cfg.trace_endpoint)
         for role in self._roles():
             endpoint = self.cfg.instance(role).sched_endpoint
             if not endpoint:
                 raise ValueError(f"{role} instance has no sched_endpoint")
-            link = SchedulerLink(self.ctx, role, endpoint, self._route, self.metrics)
+            link = SchedulerLink(self.ctx, role, endpoint, self._route, self.metrics, self.tracer)
             link.start()
             self.links[role] = link
         # the client-disconnect path relies on aiohttp cancelling the handler
@@ -184,6 +189,8 @@ class Router:
             await link.close()
         if self._control is not None:
             self._control.close(0)
+        if self.tracer is not None:
+            self.tracer.close()
         self.ctx.term()
         self._stopped.set()
         log.info("router stopped")
@@ -206,6 +213,10 @@ class Router:
         return web.json_response(body, status=200 if ok else 503)
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
+        # what only the instances know (blocks, transfers, leases, writers): asked now
+        roles = list(self.links)
+        stats = await asyncio.gather(*(self.links[r].get_stats(STATS_TIMEOUT_S) for r in roles))
+        self.metrics.update_instances(dict(zip(roles, stats)))
         data, content_type = self.metrics.render()
         return web.Response(body=data, headers={"Content-Type": content_type})
 
@@ -233,6 +244,8 @@ class Router:
         run = RequestRun(self.cfg, self.links, tid, params.prompt_token_ids, params.max_tokens,
                          params.stop_token_ids, rec, self.metrics)
         self.runs[tid] = run
+        if self.tracer is not None:
+            self.tracer.event("http_request", tid, f"prompt={rec.prompt_tokens} max_tokens={params.max_tokens}")
         self._handlers_idle.clear()
         self.metrics.in_flight.inc()
         log.debug("request transfer_id=%s prompt=%d max_tokens=%d stream=%s",
@@ -254,7 +267,9 @@ class Router:
             run.close(reason)
             self.runs.pop(tid, None)
             self.metrics.in_flight.dec()
-            self.metrics.observe(rec, run.timeline)
+            self.metrics.observe(rec, run.timeline, run.kv)
+            if self.tracer is not None:
+                self.tracer.event("http_done", tid, rec.outcome)
             if not self.runs:
                 self._handlers_idle.set()
 

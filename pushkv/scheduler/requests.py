@@ -41,6 +41,7 @@ class Request:
     acks: set = field(default_factory=set)  # writer ranks that answered
     timeline: dict[str, float] = field(default_factory=dict)
     kv_stats: tuple[int, int, float] = (0, 0, 0.0)
+    rendezvous: str = ""  # P, push: which half arrived first (from the writers' KVSent)
 
     @property
     def key(self) -> tuple[str, int]:
