@@ -35,13 +35,37 @@ class ModelConfig(msgspec.Struct, frozen=True):
     eos_token_id: int = -1  # -1: never stop on EOS (random weights)
     sliding_window: int = 0  # tokens; 0 = full attention everywhere
     window_layers: tuple[int, ...] = ()  # layers that use the sliding window
+    # MLA-style attention (kv_lora_rank > 0): each layer caches one latent row of
+    # kv_lora_rank + qk_rope_dim per token, shared by every head (and TP rank);
+    # head_dim is then the per-head no-RoPE query/key and value width.
+    kv_lora_rank: int = 0
+    qk_rope_dim: int = 0
 
     @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
 
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def kv_planes(self) -> int:
+        """Cache planes per (layer, head): K and V, or one latent."""
+        return 1 if self.is_mla else 2
+
+    @property
+    def cache_kv_heads(self) -> int:
+        """Heads the KV cache holds per layer (the latent counts as one)."""
+        return 1 if self.is_mla else self.num_kv_heads
+
+    @property
+    def cache_head_dim(self) -> int:
+        """Width of one cached head row."""
+        return self.kv_lora_rank + self.qk_rope_dim if self.is_mla else self.head_dim
+
     def kv_bytes_per_token(self) -> int:
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        return self.num_layers * self.kv_planes * self.cache_kv_heads * self.cache_head_dim * self.dtype_bytes
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -56,6 +80,13 @@ PRESETS: dict[str, ModelConfig] = {
     "medium": ModelConfig(
         name="medium", num_layers=8, hidden_size=512, num_heads=8, num_kv_heads=4,
         head_dim=64, intermediate_size=1536, deterministic=False,
+    ),
+    # hybrid attention: "small" with every other layer on a 48-token sliding window
+    # (Gemma-2 style local/global alternation); only window blocks of those layers move
+    "hybrid": ModelConfig(name="hybrid", sliding_window=48, window_layers=(0, 2)),
+    # MLA-style: one latent row (64 + 16 RoPE) per token and layer, replicated on every rank
+    "mla": ModelConfig(
+        name="mla", num_kv_heads=1, qk_norm=False, kv_lora_rank=64, qk_rope_dim=16,
     ),
 }
 

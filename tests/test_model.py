@@ -32,8 +32,11 @@ def prompt_of(n: int, seed: int = 1) -> list[int]:
 
 def new_pool(model, num_blocks: int, block_size: int) -> torch.Tensor:
     # NaN everywhere: reading a slot that was never written poisons the output.
-    return torch.full(pool_shape(model.kv_layout(num_blocks, block_size)), float("nan"),
-                      dtype=model.dtype)
+    # 6-d [blocks, layers, planes, heads, block, dim] even for hybrid models: the model
+    # takes per-layer views of any physical arrangement (the pools split layer groups).
+    lay = model.kv_layout(num_blocks, block_size)
+    shape = (num_blocks, lay.num_layers, lay.kv_planes, lay.kv_heads, block_size, lay.head_dim)
+    return torch.full(shape, float("nan"), dtype=model.dtype)
 
 
 def shuffled_table(n: int, seed: int = 0) -> tuple[int, ...]:

@@ -6,21 +6,32 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pushkv.kv.layout import block_bytes, pool_bytes, pool_shape
+from pushkv.kv.layout import block_bytes, head_bytes, layer_place, pool_bytes, slab_bytes
 from pushkv.messages import KVLayoutDesc
 from pushkv.protocol.mapping import check_compatible, count_blocks, map_transfer, total_bytes
 
 
-def lay(bs=16, nb=64, layers=2, heads=4, start=0, total=4, hd=4, dtb=2, wl=(), window=0):
+def lay(bs=16, nb=64, layers=2, heads=4, start=0, total=4, hd=4, dtb=2, wl=(), window=0, planes=2):
     return KVLayoutDesc(
         num_blocks=nb, num_layers=layers, block_size=bs, kv_heads=heads, head_start=start,
         total_kv_heads=total, head_dim=hd, dtype_bytes=dtb, window_layers=wl, window=window,
+        kv_planes=planes,
     )
 
 
+def layer_view(pool, lay_, layer):
+    """Writable [block, plane, local head, slot, bytes-of-one-token-row] view of one layer,
+    built from the layout's byte arithmetic (an independent re-statement of it)."""
+    base, stride = layer_place(lay_, layer)
+    tb = lay_.head_dim * lay_.dtype_bytes
+    return np.lib.stride_tricks.as_strided(
+        pool[base:], (lay_.num_blocks, lay_.kv_planes, lay_.kv_heads, lay_.block_size, tb),
+        (stride, slab_bytes(lay_), head_bytes(lay_), tb, 1))
+
+
 def view(pool, lay_):
-    """Logical view [block, layer, K/V, local head, slot, bytes-of-one-token-row]."""
-    return pool.reshape(pool_shape(lay_)[:-1] + (lay_.head_dim * lay_.dtype_bytes,))
+    """Logical copy [block, layer, plane, local head, slot, token row bytes]."""
+    return np.stack([layer_view(pool, lay_, l) for l in range(lay_.num_layers)], axis=1)
 
 
 def apply_regions(src, src_pool, dst, regions):
@@ -41,19 +52,19 @@ def reference(src, sb, src_pool, dst, db, num_tokens, heads, all_tokens):
     True: every token both tables can hold (what a correct over-copy may write)."""
     hs, hc = heads
     out = np.zeros(pool_bytes(dst), np.uint8)
-    need = np.zeros(pool_shape(dst)[:-1], bool)
-    sv, dv = view(src_pool, src), view(out, dst)
+    need = np.zeros(view(out, dst).shape[:-1], bool)
     win = set(src.window_layers) if src.window else set()
     end = min(len(sb) * src.block_size, len(db) * dst.block_size) if all_tokens else num_tokens
     s_h = slice(hs - src.head_start, hs - src.head_start + hc)
     d_h = slice(hs - dst.head_start, hs - dst.head_start + hc)
-    for t in range(end):
-        sblk, sslot = sb[t // src.block_size], t % src.block_size
-        dblk, dslot = db[t // dst.block_size], t % dst.block_size
-        for layer in range(src.num_layers):
+    for layer in range(src.num_layers):
+        sv, dv = layer_view(src_pool, src, layer), layer_view(out, dst, layer)
+        for t in range(end):
             if not all_tokens and layer in win and t < num_tokens - src.window:
                 continue
-            dv[dblk, layer, :, d_h, dslot] = sv[sblk, layer, :, s_h, sslot]
+            sblk, sslot = sb[t // src.block_size], t % src.block_size
+            dblk, dslot = db[t // dst.block_size], t % dst.block_size
+            dv[dblk, :, d_h, dslot] = sv[sblk, :, s_h, sslot]
             need[dblk, layer, :, d_h, dslot] = True
     return out, need
 
@@ -188,10 +199,65 @@ def test_identical_geometry_all_window_layers_skips_early_blocks():
     assert regions == [(4 * block_bytes(src), 24 * block_bytes(src), 2 * block_bytes(src))]
 
 
-def test_identical_geometry_mixed_window_moves_whole_blocks():
-    src = dst = lay(bs=16, layers=2, wl=(1,), window=20)
+def test_identical_geometry_mixed_window_one_region_per_group():
+    # hybrid: layer 0 full, layer 1 windowed -> two groups; the full group moves all six
+    # blocks, the window group only the blocks holding tokens >= 70 (src blocks 4, 5)
+    src = dst = lay(bs=16, nb=64, layers=2, wl=(1,), window=20)
     regions, _ = check_bytes(src, list(range(6)), dst, list(range(20, 26)), 90)
-    assert len(regions) == 1
+    gb = block_bytes(src) // 2  # one layer's share of a block
+    win_base = 64 * gb  # the window group follows the full group
+    assert regions == [(0, 20 * gb, 6 * gb), (win_base + 4 * gb, win_base + 24 * gb, 2 * gb)]
+
+
+# name, layout kwargs, src table, dst table, tokens, expected regions
+HYBRID = [
+    ("fresh", dict(layers=4, wl=(0, 2), window=40), list(range(8)), list(range(8)), 120, 2),
+    ("fresh_no_window_reach", dict(layers=4, wl=(0, 2), window=400), list(range(8)), list(range(8)), 120, 2),
+    ("fragmented_dst", dict(layers=4, wl=(0, 2), window=40), list(range(8)), [0, 1, 2, 9, 10, 11, 12, 30],
+     120, 3 + 2),  # full: runs 0-2, 9-12, 30; window (blocks 4..7 -> 10,11,12,30): 2
+    ("all_window", dict(layers=2, wl=(0, 1), window=40), list(range(8)), list(range(8)), 120, 1),
+]
+
+
+@pytest.mark.parametrize("name,kw,sb,db,n,expected", HYBRID, ids=[c[0] for c in HYBRID])
+def test_hybrid_descriptor_count(name, kw, sb, db, n, expected):
+    src = dst = lay(**kw)
+    regions, _ = check_bytes(src, sb, dst, db, n)
+    assert len(regions) == expected
+
+
+def test_hybrid_moves_fewer_bytes_than_full():
+    full, hyb = lay(layers=4), lay(layers=4, wl=(0, 2), window=40)
+    n, t = 120, list(range(8))
+    moved = total_bytes(map_transfer(hyb, t, hyb, t, n))
+    # full layers: 8 blocks; window layers: blocks from (120 - 40) // 16 = 5 -> 3 blocks
+    assert moved == (2 * 8 + 2 * 3) * block_bytes(full) // 4
+    assert total_bytes(map_transfer(full, t, full, t, n)) == 8 * block_bytes(full)
+
+
+# --- MLA-style latent: one plane, one head replicated on every rank -------------------------
+MLA = [
+    ("same_geometry", lay(planes=1, heads=1, total=1, hd=10), lay(planes=1, heads=1, total=1, hd=10), 1),
+    ("p16_d32", lay(planes=1, heads=1, total=1, hd=10), lay(bs=32, planes=1, heads=1, total=1, hd=10), 6 * 2 - 2),
+    # 6 src segments x 2 layers; src blocks 1|2 and 3|4 join across dst blocks 3|4 and 4|5
+    ("hybrid_p32_d16", lay(bs=32, planes=1, heads=1, total=1, hd=10, wl=(1,), window=30),
+     lay(bs=16, planes=1, heads=1, total=1, hd=10, wl=(1,), window=30), None),
+]
+
+
+@pytest.mark.parametrize("name,src,dst,expected", MLA, ids=[c[0] for c in MLA])
+def test_mla_latent_bytes(name, src, dst, expected):
+    n = 90
+    sb = list(range(count_blocks(n, src)))
+    db = list(range(3, 3 + count_blocks(n, dst)))
+    regions, _ = check_bytes(src, sb, dst, db, n)
+    if expected is not None:
+        assert len(regions) == expected
+
+
+def test_kv_planes_mismatch_refused():
+    with pytest.raises(ValueError, match="kv_planes"):
+        check_compatible(lay(planes=1, heads=1, total=1), lay(planes=2, heads=1, total=1))
 
 
 # --- compatibility and bad input -------------------------------------------------------------
@@ -201,6 +267,7 @@ INCOMPATIBLE = [
     ("dtype_bytes", dict(dtb=4)),
     ("total_kv_heads", dict(total=8)),
     ("window", dict(wl=(1,), window=16)),
+    ("kv_planes", dict(planes=1)),
 ]
 
 
@@ -260,13 +327,16 @@ def transfers(draw):
     if draw(st.booleans()):
         dbs = sbs  # exercise the same-block-size paths often
     wl, window = (), 0
+    planes = draw(st.sampled_from([1, 2]))
     if draw(st.booleans()):
         wl = tuple(sorted(draw(st.sets(st.integers(0, layers - 1), min_size=1))))
         window = draw(st.integers(1, 30))
     nbs, nbd = 24, 24
     n = draw(st.integers(0, min(60, nbs * sbs, nbd * dbs)))
-    src = lay(bs=sbs, nb=nbs, layers=layers, heads=sh, start=ss, total=total, hd=hd, dtb=1, wl=wl, window=window)
-    dst = lay(bs=dbs, nb=nbd, layers=layers, heads=dh, start=ds, total=total, hd=hd, dtb=1, wl=wl, window=window)
+    src = lay(bs=sbs, nb=nbs, layers=layers, heads=sh, start=ss, total=total, hd=hd, dtb=1, wl=wl,
+              window=window, planes=planes)
+    dst = lay(bs=dbs, nb=nbd, layers=layers, heads=dh, start=ds, total=total, hd=hd, dtb=1, wl=wl,
+              window=window, planes=planes)
     need_s, need_d = count_blocks(n, sbs), count_blocks(n, dbs)
     sb = draw(st.permutations(range(nbs)))[: need_s + draw(st.integers(0, 2))]
     db = draw(st.permutations(range(nbd)))[: need_d + draw(st.integers(0, 2))]

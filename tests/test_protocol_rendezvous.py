@@ -195,6 +195,20 @@ SCENARIOS = [
         (("done", "t", 1, 1.0), ["free t1", "completed t1 prefill_first"], None),
         (("reg", "t", 1, 0, 1, 2.0), ["count:late_registration"], None),
     ]),
+    # more P ranks than KV heads: rank 1 of 4 holds head 0, which rank 0 writes
+    ("replica_rank_frees_at_prefill", dict(p_rank=1, p_tp=4, total=2), [
+        (("prefill", "t", 1, 0.0), ["free t1", "completed t1 replica"], None),
+        (("reg", "t", 1, 0, 2, 1.0), ["count:unneeded_registration"], None),
+        (("prefill", "u", 1, 2.0), ["free u1", "completed u1 replica"], None),
+    ]),
+    ("mla_latent_rank0_writes_every_d_rank", dict(p_rank=0, p_tp=2, total=1), [
+        (("prefill", "t", 1, 0.0), [], "wait_registration"),
+        (("reg", "t", 1, 1, 2, 1.0), [], "wait_registration"),
+        (("reg", "t", 1, 0, 2, 1.5), ["post t1 [0, 1]"], "writing"),
+    ]),
+    ("mla_latent_rank1_is_replica", dict(p_rank=1, p_tp=2, total=1), [
+        (("prefill", "t", 1, 0.0), ["free t1", "completed t1 replica"], None),
+    ]),
     ("independent_transfers", {}, [
         (("prefill", "a", 1, 0.0), [], None),
         (("prefill", "b", 1, 0.0), [], None),

@@ -3,7 +3,7 @@ import itertools
 
 import pytest
 
-from pushkv.protocol.tp import consumers_for, head_overlap, producers_for, rank_heads
+from pushkv.protocol.tp import consumers_for, head_overlap, is_producer, producers_for, rank_heads
 
 
 @pytest.mark.parametrize(
@@ -80,3 +80,16 @@ def test_every_d_head_has_exactly_one_producer(p_tp, d_tp, total):
                 assert ps <= ov[0] and ov[0] + ov[1] <= ps + pc  # P holds what it writes
                 covered.extend(range(ov[0], ov[0] + ov[1]))
         assert sorted(covered) == list(range(start, start + count))
+
+
+@pytest.mark.parametrize("p_tp,total,producers", [
+    (1, 4, [0]), (2, 4, [0, 1]), (4, 4, [0, 1, 2, 3]),
+    (4, 2, [0, 2]),  # ranks 1 and 3 replicate heads 0 and 1
+    (8, 2, [0, 4]),
+    (2, 1, [0]), (4, 1, [0]),  # MLA-style latent: one "head", rank 0 writes it
+])
+def test_is_producer(p_tp, total, producers):
+    assert [p for p in range(p_tp) if is_producer(p, p_tp, total)] == producers
+    for p in range(p_tp):  # a rank produces iff it has a consumer, whatever D's TP
+        for d_tp in (1, 2, 4, 8):
+            assert bool(consumers_for(p, p_tp, d_tp, total)) == is_producer(p, p_tp, total)

@@ -1,5 +1,18 @@
-"""The model: a Qwen3/Llama transformer with paged attention, its weights and tokenizer."""
-from pushkv.model.tokenizer import Tokenizer, get_tokenizer
-from pushkv.model.transformer import Model, build_model
+"""The model: a Qwen3/Llama transformer with paged attention, its weights and tokenizer.
 
+Imported lazily, so that pure geometry (``pushkv.model.shard``) can be checked
+by processes that never load torch (the supervisor, at launch).
+"""
 __all__ = ["Model", "Tokenizer", "build_model", "get_tokenizer"]
+
+
+def __getattr__(name):
+    if name in ("Model", "build_model"):
+        from pushkv.model import transformer
+
+        return getattr(transformer, name)
+    if name in ("Tokenizer", "get_tokenizer"):
+        from pushkv.model import tokenizer
+
+        return getattr(tokenizer, name)
+    raise AttributeError(f"module 'pushkv.model' has no attribute {name!r}")

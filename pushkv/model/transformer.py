@@ -1,8 +1,10 @@
 """Decoder-only transformer (Qwen3/Llama) with paged attention over an external KV pool.
 
 The pool is ``[num_blocks, num_layers, 2, kv_heads_local, block_size, head_dim]``
-(see pushkv.kv.layout); token position p of a sequence lives in block
-``block_table[p // block_size]`` at slot ``p % block_size``. Keys are stored after RoPE.
+(see pushkv.kv.layout), or a list of per-layer ``[num_blocks, planes, kv_heads_local,
+block_size, head_dim]`` views (hybrid layouts keep each layer group apart); token
+position p of a sequence lives in block ``block_table[p // block_size]`` at slot
+``p % block_size``. Keys are stored after RoPE. MLA-style attention is in mla.py.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from pushkv.config import ModelConfig
-from pushkv.kv.layout import blocks_for, pool_shape
+from pushkv.kv.layout import blocks_for, layout_for
 from pushkv.messages import KVLayoutDesc, SeqWork
 from pushkv.model.shard import ShardPlan, shard_plan
 from pushkv.model.weights import (TORCH_DTYPES, DictSource, LayerWeights, RankWeights,
@@ -76,18 +78,15 @@ class Model:
         self.dtype = TORCH_DTYPES[cfg.dtype]
         self.w = weights
         self.window_layers = frozenset(cfg.window_layers) if cfg.sliding_window > 0 else frozenset()
+        self.rope_dim = cfg.head_dim  # dims RoPE rotates (MLA: the decoupled part only)
         self._cos = self._sin = torch.empty(0)
 
     # ------------------------------------------------------------------ public
     def kv_layout(self, num_blocks: int, block_size: int) -> KVLayoutDesc:
-        cfg = self.cfg
-        return KVLayoutDesc(
-            num_blocks=num_blocks, num_layers=cfg.num_layers, block_size=block_size,
-            kv_heads=self.plan.kv_heads, head_start=self.plan.kv_start,
-            total_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype_bytes=cfg.dtype_bytes,
-            window_layers=tuple(sorted(self.window_layers)),
-            window=cfg.sliding_window if self.window_layers else 0,
-        )
+        lay = layout_for(self.cfg, self.tp_size, self.tp_rank, num_blocks, block_size)
+        if (lay.head_start, lay.kv_heads) != (self.plan.kv_start, self.plan.kv_heads):
+            raise ValueError(f"shard plan heads {self.plan} disagree with KV layout {lay}")
+        return lay
 
     @torch.inference_mode()
     def execute(self, seqs: Sequence[SeqWork], pool: torch.Tensor) -> list[int]:
@@ -99,11 +98,11 @@ class Model:
     @torch.inference_mode()
     def logits(self, seqs: Sequence[SeqWork], pool: torch.Tensor) -> torch.Tensor:
         """float32 [num sampled seqs, vocab] logits of each sampled seq's last position."""
-        self._check_pool(pool)
+        pool = self._layer_pools(pool)
         if not seqs:
             return torch.empty(0, self.cfg.vocab_size)
         for s in seqs:
-            self._check_seq(s, pool.shape[4])
+            self._check_seq(s, pool[0].shape[3])
         if self.cfg.deterministic:
             # Each seq alone: its matmul shapes, hence its bytes, never depend on the batch.
             parts = [self._forward([s], pool) for s in seqs]
@@ -121,7 +120,7 @@ class Model:
             if need > self.cfg.max_position:
                 raise ValueError(f"position {need - 1} beyond max_position={self.cfg.max_position}")
             n = min(max(need, 2 * self._cos.shape[0], 1024), self.cfg.max_position)
-            hd = self.cfg.head_dim
+            hd = self.rope_dim
             inv = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
             ang = torch.outer(torch.arange(n, dtype=torch.float64), inv)
             ang = torch.cat((ang, ang), dim=-1)
@@ -171,14 +170,26 @@ class Model:
             torch.distributed.all_reduce(t, group=self.group)
         return t
 
-    def _check_pool(self, pool: torch.Tensor) -> None:
+    def _layer_pools(self, pool) -> list[torch.Tensor]:
+        """Per-layer [blocks, planes, kv_heads, block, dim] views of a 6-d pool or a list."""
         c = self.cfg
-        want = (c.num_layers, 2, self.plan.kv_heads)
-        if pool.dim() != 6 or tuple(pool.shape[1:4]) != want or pool.shape[5] != c.head_dim:
-            raise ValueError(f"pool shape {tuple(pool.shape)} does not match layout "
-                             f"[blocks, {c.num_layers}, 2, {self.plan.kv_heads}, block, {c.head_dim}]")
-        if pool.dtype != self.dtype:
-            raise ValueError(f"pool dtype {pool.dtype} != model dtype {self.dtype}")
+        if isinstance(pool, torch.Tensor):
+            if pool.dim() != 6 or pool.shape[1] != c.num_layers:
+                raise ValueError(f"pool shape {tuple(pool.shape)} does not match layout "
+                                 f"[blocks, {c.num_layers}, {c.kv_planes}, {self.plan.kv_heads}, block, "
+                                 f"{c.cache_head_dim}]")
+            pool = [pool[:, l] for l in range(c.num_layers)]
+        want = (c.kv_planes, self.plan.kv_heads)
+        if len(pool) != c.num_layers:
+            raise ValueError(f"{len(pool)} layer pools for {c.num_layers} layers")
+        for t in pool:
+            if t.dim() != 5 or tuple(t.shape[1:3]) != want or t.shape[4] != c.cache_head_dim \
+                    or t.shape[3] != pool[0].shape[3]:
+                raise ValueError(f"pool shape {tuple(t.shape)} does not match layout "
+                                 f"[blocks, {c.kv_planes}, {self.plan.kv_heads}, block, {c.cache_head_dim}]")
+            if t.dtype != self.dtype:
+                raise ValueError(f"pool dtype {t.dtype} != model dtype {self.dtype}")
+        return pool
 
     def _check_seq(self, s: SeqWork, block_size: int) -> None:
         if not s.token_ids:
@@ -220,8 +231,8 @@ class Model:
             chunks.append(_Chunk(q0, q1, k0 - lo, start + q1 - lo, mask, False))
         return lo, chunks
 
-    def _forward(self, seqs: list[SeqWork], pool: torch.Tensor) -> torch.Tensor:
-        bs = pool.shape[4]
+    def _forward(self, seqs: list[SeqWork], pool: list[torch.Tensor]) -> torch.Tensor:
+        bs = pool[0].shape[3]
         ids, pos, plans, last_rows = [], [], [], []
         for s in seqs:
             r0 = len(ids)
@@ -238,39 +249,53 @@ class Model:
 
         x = F.embedding(torch.tensor(ids, device=dev), self.w.embed)
         for layer, lw in enumerate(self.w.layers):
-            q, k, v = self.qkv(lw, x, positions)
-            kv_pool = pool[:, layer]  # [blocks, 2, kv_heads, block, hd], a view
-            kv_pool[w_block, 0, :, w_slot] = k
-            kv_pool[w_block, 1, :, w_slot] = v
             kind = "window" if layer in self.window_layers else "full"
-            outs = [self._attend(kv_pool, p, q[p.rows], k[p.rows], v[p.rows], p.attn[kind], bs)
-                    for p in plans]
+            outs = self._attention(lw, x, positions, pool[layer], plans, kind, w_block, w_slot, bs)
             x = self.attn_out(lw, x, outs[0] if len(outs) == 1 else torch.cat(outs))
             x = self.mlp(lw, x)
         if not last_rows:
             return torch.empty(0, self.cfg.vocab_size)
         return self.head(x[torch.tensor(last_rows, device=dev)])
 
+    def _attention(self, lw, x, positions, kv_pool, plans, kind, w_block, w_slot, bs) -> list[torch.Tensor]:
+        """One layer's attention, per seq [num_new, q_heads * hd]; stores the new K/V.
+        kv_pool: this layer's [blocks, 2, kv_heads, block, hd] view."""
+        q, k, v = self.qkv(lw, x, positions)
+        kv_pool[w_block, 0, :, w_slot] = k
+        kv_pool[w_block, 1, :, w_slot] = v
+        return [self._attend(kv_pool, p, q[p.rows], k[p.rows], v[p.rows], p.attn[kind], bs) for p in plans]
+
+    @staticmethod
+    def _past(kv_pool, p: _SeqPlan, lo: int, bs: int) -> Optional[torch.Tensor]:
+        """p's cached rows at positions [lo, p.start) as [planes, kv_heads, n, dim], or None."""
+        if lo >= p.start:
+            return None
+        b0, b1 = lo // bs, (p.start - 1) // bs + 1
+        past = kv_pool[p.block_table[b0:b1]]  # [nb, planes, kvh, bs, dim]
+        nb, planes, kvh, _, dim = past.shape
+        past = past.permute(1, 2, 0, 3, 4).reshape(planes, kvh, nb * bs, dim)
+        return past[:, :, lo - b0 * bs:p.start - b0 * bs]
+
     def _attend(self, kv_pool, p: _SeqPlan, q, k, v, attn, bs: int) -> torch.Tensor:
         """Causal attention of p's new queries over its past (from the pool) and new keys."""
         lo, chunks = attn
-        if lo < p.start:
-            b0, b1 = lo // bs, (p.start - 1) // bs + 1
-            past = kv_pool[p.block_table[b0:b1]]  # [nb, 2, kvh, bs, hd]
-            nb, _, kvh, _, hd = past.shape
-            past = past.permute(1, 2, 0, 3, 4).reshape(2, kvh, nb * bs, hd)
-            past = past[:, :, lo - b0 * bs:p.start - b0 * bs]
+        past = self._past(kv_pool, p, lo, bs)
+        if past is not None:
             keys = torch.cat((past[0], k.transpose(0, 1)), dim=1)
             vals = torch.cat((past[1], v.transpose(0, 1)), dim=1)
         else:
             keys, vals = k.transpose(0, 1), v.transpose(0, 1)
+        return self._sdpa(q, keys, vals, chunks, p.num_new)
+
+    def _sdpa(self, q, keys, vals, chunks, num_new: int) -> torch.Tensor:
+        """q [N, H, E], keys [Hk, S, E], vals [Hk, S, Ev] -> [N, H * Ev] over the chunks."""
         q = q.transpose(0, 1)[None]
         keys, vals = keys[None], vals[None]
         outs = [F.scaled_dot_product_attention(
             q[:, :, c.q0:c.q1], keys[:, :, c.k0:c.k1], vals[:, :, c.k0:c.k1], attn_mask=c.mask,
-            is_causal=c.causal, enable_gqa=self.plan.group > 1) for c in chunks]
+            is_causal=c.causal, enable_gqa=q.shape[1] != keys.shape[1]) for c in chunks]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-        return out[0].transpose(0, 1).reshape(p.num_new, -1)
+        return out[0].transpose(0, 1).reshape(num_new, -1)
 
 
 def build_model(cfg: ModelConfig, tp_rank: int = 0, tp_size: int = 1, device: str = "cpu",
@@ -280,8 +305,8 @@ def build_model(cfg: ModelConfig, tp_rank: int = 0, tp_size: int = 1, device: st
         raise ValueError(f"unsupported dtype {cfg.dtype!r}")
     if cfg.sliding_window < 0 or any(not 0 <= i < cfg.num_layers for i in cfg.window_layers):
         raise ValueError(f"bad sliding window {cfg.sliding_window} / layers {cfg.window_layers}")
-    if cfg.head_dim % 2:
-        raise ValueError(f"head_dim={cfg.head_dim} must be even for RoPE")
+    if (cfg.qk_rope_dim if cfg.is_mla else cfg.head_dim) % 2:
+        raise ValueError(f"RoPE dims ({cfg.qk_rope_dim if cfg.is_mla else cfg.head_dim}) must be even")
     plan = shard_plan(cfg, tp_rank, tp_size)
     if tp_size > 1 and group is None and not torch.distributed.is_initialized():
         raise ValueError("tp_size > 1 needs an initialised torch.distributed group")
@@ -293,6 +318,11 @@ def build_model(cfg: ModelConfig, tp_rank: int = 0, tp_size: int = 1, device: st
         else:
             source = DictSource(random_weights(cfg))
     weights = load_rank(cfg, plan, source, device)
-    log.info("model %s rank %d/%d: %d layers, q heads %d, kv heads %d from %d",
-             cfg.name, tp_rank, tp_size, cfg.num_layers, plan.q_heads, plan.kv_heads, plan.kv_start)
+    log.info("model %s rank %d/%d: %d layers, q heads %d, kv heads %d from %d%s",
+             cfg.name, tp_rank, tp_size, cfg.num_layers, plan.q_heads, plan.kv_heads, plan.kv_start,
+             " (MLA latent, replicated)" if cfg.is_mla else "")
+    if cfg.is_mla:
+        from pushkv.model.mla import MLAModel
+
+        return MLAModel(cfg, plan, weights, device, group)
     return Model(cfg, plan, weights, device, group)

@@ -30,14 +30,19 @@ def hf_names(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     out = [("model.embed_tokens.weight", (cfg.vocab_size, d))]
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        out += [
-            (p + "input_layernorm.weight", (d,)),
-            (p + "self_attn.q_proj.weight", (cfg.num_heads * hd, d)),
-            (p + "self_attn.k_proj.weight", (cfg.num_kv_heads * hd, d)),
-            (p + "self_attn.v_proj.weight", (cfg.num_kv_heads * hd, d)),
-            (p + "self_attn.o_proj.weight", (d, cfg.num_heads * hd)),
-        ]
-        if cfg.qk_norm:
+        out.append((p + "input_layernorm.weight", (d,)))
+        if cfg.is_mla:
+            from pushkv.model.mla import mla_names
+
+            out += mla_names(cfg, p + "self_attn.")
+        else:
+            out += [
+                (p + "self_attn.q_proj.weight", (cfg.num_heads * hd, d)),
+                (p + "self_attn.k_proj.weight", (cfg.num_kv_heads * hd, d)),
+                (p + "self_attn.v_proj.weight", (cfg.num_kv_heads * hd, d)),
+                (p + "self_attn.o_proj.weight", (d, cfg.num_heads * hd)),
+            ]
+        if cfg.qk_norm and not cfg.is_mla:
             out += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,))]
         out += [
             (p + "post_attention_layernorm.weight", (d,)),
@@ -114,6 +119,10 @@ def load_rank(cfg: ModelConfig, plan: ShardPlan, src: WeightSource, device: str 
             raise KeyError(f"weight {name!r} missing from the checkpoint")
         return src.get(name, dim, start, end).to(device=device, dtype=dtype).contiguous()
 
+    if cfg.is_mla:
+        from pushkv.model.mla import load_rank_mla
+
+        return load_rank_mla(cfg, plan, take)
     q_rows = (plan.q_start * hd, (plan.q_start + plan.q_heads) * hd)
     kv_rows = (plan.kv_start * hd, (plan.kv_start + plan.kv_heads) * hd)
     i_rows = (plan.inter_start, plan.inter_start + plan.inter_size)

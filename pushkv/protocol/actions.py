@@ -66,7 +66,8 @@ class NotifyFailure:
 
 @dataclass(frozen=True)
 class Completed:
-    """P: the WRITE completed. ``order`` is "registration_first" | "prefill_first"."""
+    """P: the WRITE completed. ``order`` is "registration_first" | "prefill_first", or
+    "replica" for a rank with nothing to write."""
 
     transfer_id: str
     generation: int

@@ -1,25 +1,28 @@
 """Block ids to byte regions between two KV pools, merged into few descriptors.
 
-Each side maps to its own physical layout (``pushkv.kv.layout``:
-``[num_blocks, num_layers, 2, kv_heads, block_size, head_dim]``); block sizes and
-TP head slices may differ. Results are ``(src_offset, dst_offset, nbytes)``
-relative to each pool's base, sorted by source offset, and merged: regions
-contiguous on both sides become one. Per-descriptor cost dominates a WRITE
-(see DESIGN.md), so the atoms are as large as the two layouts allow:
+Each side maps to its own physical layout (``pushkv.kv.layout``: per layer
+group ``[num_blocks, group_layers, kv_planes, kv_heads, block_size, head_dim]``);
+block sizes and TP head slices may differ. Results are ``(src_offset,
+dst_offset, nbytes)`` relative to each pool's base, sorted by source offset,
+and merged: regions contiguous on both sides become one. Per-descriptor cost
+dominates a WRITE (see DESIGN.md), so the atoms are as large as the two
+layouts allow:
 
 - identical geometry (same block size, same local heads, all of them moved):
-  whole blocks, so N consecutive blocks on both sides are one region. The final
-  block moves whole, tokens past ``num_tokens`` included (harmless: D overwrites
-  them while decoding). Sliding-window layers also move whole here: splitting a
-  block per layer would multiply descriptors to save bytes, unless *every* layer
-  is a window layer, in which case blocks before the window are skipped.
-- same block size, different head slices: one region per (block, layer, K/V)
+  one block of one layer group, so N consecutive blocks on both sides are one
+  region per group. The final block moves whole, tokens past ``num_tokens``
+  included (harmless: D overwrites them while decoding).
+- same block size, different head slices: one region per (block, layer, plane)
   covering the moved head range (whole final block too).
-- different block sizes: one region per (layer, K/V, head, token run), a token
-  run being tokens < ``num_tokens`` that stay inside one block on both sides.
+- different block sizes: one region per (layer, plane, head, token run), a
+  token run being tokens < ``num_tokens`` that stay inside one block on both
+  sides.
 
-Sliding-window layers (``window > 0``) in the last two cases move only tokens at
-positions >= ``num_tokens - window``, rounded down to a whole source block.
+Sliding-window layers (``window > 0``) move only tokens at positions
+>= ``num_tokens - window``, rounded down to a whole source block: their group
+skips the blocks before the window, so a hybrid model moves the window tail of
+its window layers and everything of its full-attention layers, still as one
+region per group for contiguous blocks.
 """
 from __future__ import annotations
 
@@ -28,12 +31,13 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
-from pushkv.kv.layout import block_bytes, blocks_for, head_bytes, slab_bytes, token_bytes
+from pushkv.kv.layout import (blocks_for, group_base, group_block_bytes, head_bytes, layer_groups,
+                              layer_place, slab_bytes, token_bytes, window_group)
 from pushkv.messages import KVLayoutDesc
 
 Region = tuple[int, int, int]
 
-_MUST_MATCH = ("num_layers", "head_dim", "dtype_bytes", "total_kv_heads", "window")
+_MUST_MATCH = ("num_layers", "head_dim", "dtype_bytes", "total_kv_heads", "window", "kv_planes")
 
 
 def check_compatible(src: KVLayoutDesc, dst: KVLayoutDesc) -> None:
@@ -48,8 +52,8 @@ def check_compatible(src: KVLayoutDesc, dst: KVLayoutDesc) -> None:
             f"(src {sorted(_window_layers(src))}, dst {sorted(_window_layers(dst))})"
         )
     for side, lay in (("src", src), ("dst", dst)):
-        if lay.block_size < 1 or lay.kv_heads < 1:
-            raise ValueError(f"{side} layout: block_size and kv_heads must be >= 1")
+        if lay.block_size < 1 or lay.kv_heads < 1 or lay.kv_planes < 1:
+            raise ValueError(f"{side} layout: block_size, kv_heads and kv_planes must be >= 1")
         if not 0 <= lay.head_start <= lay.head_start + lay.kv_heads <= lay.total_kv_heads:
             raise ValueError(
                 f"{side} layout: heads [{lay.head_start}, {lay.head_start + lay.kv_heads}) "
@@ -93,56 +97,77 @@ def map_transfer(
     sb = _table(src_blocks, count_blocks(num_tokens, src), src.num_blocks, "src")
     db = _table(dst_blocks, count_blocks(num_tokens, dst), dst.num_blocks, "dst")
 
-    windowed = _window_layers(src)
     win_block = 0  # first src block a window layer needs
-    if windowed:
+    if window_group(src) >= 0:
         win_block = max(0, num_tokens - src.window) // src.block_size
     same_bs = src.block_size == dst.block_size
 
     if same_bs and src.head_start == dst.head_start and src.kv_heads == dst.kv_heads == hc:
-        first = win_block if len(windowed) == src.num_layers else 0
-        bb = block_bytes(src)
-        n = np.full(len(sb) - first, bb, dtype=np.int64)
-        return _merge(sb[first:] * bb, db[first:] * bb, n)
+        return _map_group_blocks(src, sb, dst, db, win_block)
     if same_bs:
-        return _map_head_ranges(src, sb, dst, db, hs, hc, windowed, win_block)
-    return _map_token_runs(src, sb, dst, db, num_tokens, hs, hc, windowed, win_block)
+        return _map_head_ranges(src, sb, dst, db, hs, hc, win_block)
+    return _map_token_runs(src, sb, dst, db, num_tokens, hs, hc, win_block)
 
 
-def _map_head_ranges(src, sb, dst, db, hs, hc, windowed, win_block) -> list[Region]:
-    nlk = src.num_layers * 2
-    slab = np.arange(nlk, dtype=np.int64)
-    s = (sb * block_bytes(src))[:, None] + slab * slab_bytes(src) + (hs - src.head_start) * head_bytes(src)
-    d = (db * block_bytes(dst))[:, None] + slab * slab_bytes(dst) + (hs - dst.head_start) * head_bytes(dst)
-    keep = _keep_mask(len(sb), src.num_layers, windowed, win_block)  # [blocks, layers]
-    keep = np.repeat(keep, 2, axis=1)  # K and V
+def _map_group_blocks(src, sb, dst, db, win_block) -> list[Region]:
+    """One atom per (block, layer group): the whole-block fast path."""
+    wg = window_group(src)
+    s_parts, d_parts, n_parts = [], [], []
+    for g in range(len(layer_groups(src))):
+        first = win_block if g == wg else 0
+        sgb, dgb = group_block_bytes(src, g), group_block_bytes(dst, g)
+        s_parts.append(group_base(src, g) + sb[first:] * sgb)
+        d_parts.append(group_base(dst, g) + db[first:] * dgb)
+        n_parts.append(np.full(len(sb) - first, sgb, dtype=np.int64))
+    return _merge(np.concatenate(s_parts), np.concatenate(d_parts), np.concatenate(n_parts))
+
+
+def _layer_places(lay) -> tuple[np.ndarray, np.ndarray]:
+    """Per layer: byte offset of block 0, and the stride between block ids."""
+    places = [layer_place(lay, l) for l in range(lay.num_layers)]
+    return (np.array([p[0] for p in places], dtype=np.int64),
+            np.array([p[1] for p in places], dtype=np.int64))
+
+
+def _map_head_ranges(src, sb, dst, db, hs, hc, win_block) -> list[Region]:
+    L, P = src.num_layers, src.kv_planes
+    s_base, s_stride = _layer_places(src)
+    d_base, d_stride = _layer_places(dst)
+    plane = np.arange(P, dtype=np.int64).reshape(1, 1, P)
+    s = (s_base + sb[:, None] * s_stride)[:, :, None] + plane * slab_bytes(src) + (hs - src.head_start) * head_bytes(src)
+    d = (d_base + db[:, None] * d_stride)[:, :, None] + plane * slab_bytes(dst) + (hs - dst.head_start) * head_bytes(dst)
+    keep = np.broadcast_to(_keep_mask(src, len(sb), win_block)[:, :, None], s.shape)  # [blocks, layers, planes]
     n = np.full(s.shape, hc * head_bytes(src), dtype=np.int64)
     return _merge(s[keep], d[keep], n[keep])
 
 
-def _map_token_runs(src, sb, dst, db, num_tokens, hs, hc, windowed, win_block) -> list[Region]:
+def _map_token_runs(src, sb, dst, db, num_tokens, hs, hc, win_block) -> list[Region]:
     sbs, dbs = src.block_size, dst.block_size
     starts = np.union1d(np.arange(0, num_tokens, sbs), np.arange(0, num_tokens, dbs))
     lens = np.diff(np.append(starts, num_tokens))
     sidx, sslot = np.divmod(starts, sbs)
     didx, dslot = np.divmod(starts, dbs)
     tb = token_bytes(src)
-    L = src.num_layers
-    lk = np.arange(L * 2, dtype=np.int64).reshape(1, L, 2, 1)
+    L, P = src.num_layers, src.kv_planes
+    s_base, s_stride = _layer_places(src)
+    d_base, d_stride = _layer_places(dst)
+    plane = np.arange(P, dtype=np.int64).reshape(1, 1, P, 1)
     h = np.arange(hc, dtype=np.int64).reshape(1, 1, 1, hc)
-    s_seg = (sb[sidx] * block_bytes(src) + sslot * tb).reshape(-1, 1, 1, 1)
-    d_seg = (db[didx] * block_bytes(dst) + dslot * tb).reshape(-1, 1, 1, 1)
-    s = s_seg + lk * slab_bytes(src) + (hs - src.head_start + h) * head_bytes(src)
-    d = d_seg + lk * slab_bytes(dst) + (hs - dst.head_start + h) * head_bytes(dst)
+    # [segments, layers] -> byte offset of the segment's first token in that layer
+    s_seg = s_base + sb[sidx][:, None] * s_stride + (sslot * tb)[:, None]
+    d_seg = d_base + db[didx][:, None] * d_stride + (dslot * tb)[:, None]
+    s = s_seg[:, :, None, None] + plane * slab_bytes(src) + (hs - src.head_start + h) * head_bytes(src)
+    d = d_seg[:, :, None, None] + plane * slab_bytes(dst) + (hs - dst.head_start + h) * head_bytes(dst)
     n = np.broadcast_to((lens * tb).reshape(-1, 1, 1, 1), s.shape)
-    keep = _keep_mask(len(sb), L, windowed, win_block)[sidx]  # [segments, layers]
+    keep = _keep_mask(src, len(sb), win_block)[sidx]  # [segments, layers]
     keep = np.broadcast_to(keep[:, :, None, None], s.shape)
     return _merge(s[keep], d[keep], n[keep])
 
 
-def _keep_mask(nblocks: int, num_layers: int, windowed: frozenset, win_block: int) -> np.ndarray:
+def _keep_mask(lay, nblocks: int, win_block: int) -> np.ndarray:
     """[src block index, layer] -> whether that (block, layer) must move."""
-    keep = np.ones((nblocks, num_layers), dtype=bool)
+    keep = np.ones((nblocks, lay.num_layers), dtype=bool)
+    windowed = _window_layers(lay)
     if windowed and win_block:
         keep[:win_block, sorted(windowed)] = False
     return keep

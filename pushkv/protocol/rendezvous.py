@@ -42,7 +42,7 @@ from pushkv.protocol._deadlines import Deadlines
 from pushkv.protocol.actions import (
     Action, Completed, Count, Failed, FreeBlocks, NotifyFailure, PostWrite, ProtocolError,
 )
-from pushkv.protocol.tp import consumers_for
+from pushkv.protocol.tp import consumers_for, is_producer
 
 __all__ = [
     "PushRendezvous", "State", "ProtocolError", "Action", "PostWrite", "FreeBlocks",
@@ -96,6 +96,8 @@ class PushRendezvous:
     ):
         consumers_for(p_rank, p_tp, p_tp, total_kv_heads)  # validates the geometry
         self.p_rank, self.p_tp, self.total_kv_heads = p_rank, p_tp, total_kv_heads
+        # a replica rank (every head produced by a lower rank) gets no registration
+        self.produces = is_producer(p_rank, p_tp, total_kv_heads)
         self.registration_wait_s = registration_wait_s
         self.transfer_s = transfer_s
         self._remember = remember
@@ -126,6 +128,10 @@ class PushRendezvous:
             self._finish(transfer_id, generation, ok=False, had_prefill=True)
             return [FreeBlocks(transfer_id, generation, blocks, "stale generation"),
                     Failed(transfer_id, generation, "stale generation"), Count("stale_prefill")]
+        if not self.produces:  # nothing to write: done the moment prefill is
+            self._finish(transfer_id, generation, ok=True, had_prefill=True)
+            return [FreeBlocks(transfer_id, generation, blocks, "replica writes nothing"),
+                    Completed(transfer_id, generation, "replica")]
         out = self._supersede(transfer_id, generation, now)
         e = _Transfer(transfer_id, generation, State.WAIT_PREFILL, "prefill_first")
         self._live[transfer_id] = e

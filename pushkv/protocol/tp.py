@@ -4,7 +4,10 @@ A rank of a ``tp``-way instance holds a contiguous slice of the KV heads when
 ``tp <= total_kv_heads``; beyond that, heads are replicated and each rank holds
 exactly one (rank ``r`` holds head ``r * total // tp``). When P replicates a head,
 only the lowest P rank holding it writes it to D, so every D head has exactly
-one producer and D counts exactly one completion per producer rank.
+one producer and D counts exactly one completion per producer rank; the other
+P replicas write nothing and free their blocks as soon as prefill ends. An
+MLA-style latent cache is one "head" held by every rank: P rank 0 writes it to
+every D rank.
 """
 from __future__ import annotations
 
@@ -37,6 +40,13 @@ def producer_of(head: int, p_tp: int, total_kv_heads: int) -> int:
     if p_tp <= total_kv_heads:
         return head // (total_kv_heads // p_tp)
     return head * (p_tp // total_kv_heads)
+
+
+def is_producer(p_rank: int, p_tp: int, total_kv_heads: int) -> bool:
+    """Whether P rank ``p_rank`` writes anything (whatever D's TP): False for a rank
+    whose every head is replicated on a lower rank, which then frees at once."""
+    start, count = rank_heads(p_tp, p_rank, total_kv_heads)
+    return any(producer_of(h, p_tp, total_kv_heads) == p_rank for h in range(start, start + count))
 
 
 def producers_for(d_rank: int, d_tp: int, p_tp: int, total_kv_heads: int) -> list[int]:

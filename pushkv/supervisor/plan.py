@@ -13,6 +13,7 @@ from typing import Callable, Iterator, Optional
 import msgspec
 
 from pushkv.config import DeploymentConfig, InstanceConfig, ipc, new_deployment_id
+from pushkv.protocol.geometry import check_deployment
 
 RUN_ROOT = "/tmp"
 LOOPBACK = "127.0.0.1"
@@ -83,6 +84,7 @@ def plan_deployment(
     """
     if cfg.mode not in ("push", "pull", "local"):
         raise ValueError(f"unknown mode {cfg.mode!r}; expected push, pull or local")
+    check_deployment(cfg)  # P/D geometry: refuse before any process starts
     dep_id = cfg.deployment_id or new_deployment_id()
     run_dir = cfg.run_dir or os.path.join(run_root, f"pushkv-{dep_id}")
     ports = _unique_ports(pick_port)

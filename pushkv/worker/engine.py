@@ -46,6 +46,7 @@ class Worker(Actor):
         if (mine.kv_heads, mine.head_start) != (self.layout.kv_heads, self.layout.head_start):
             raise RuntimeError(f"model layout {mine} disagrees with pool layout {self.layout}")
         self.pool = self._attach()
+        self.layer_pools = L.layer_views(self.pool.tensor, self.layout)  # per layer, any layout
         sock = self.socket(zmq.DEALER, self.inst.worker_endpoints[self.rank], bind=True)
         self.sched = self.add_channel(sock, m.DEC_SCHED_TO_WORKER, f"{self.inst.role}-scheduler")
 
@@ -64,6 +65,7 @@ class Worker(Actor):
         return attach_pool(handle, self.layout)
 
     def teardown(self) -> None:
+        self.layer_pools = []  # views pin the mapping
         if self.pool is not None:
             self.pool.close()
         if self.inst.tp > 1:
@@ -76,7 +78,7 @@ class Worker(Actor):
         t0 = time.perf_counter()
         faults.point(self.name, "execute")
         try:
-            sampled = self.model.execute(msg.seqs, self.pool.tensor)
+            sampled = self.model.execute(msg.seqs, self.layer_pools)
         except Exception as e:
             log.exception("%s: step %d failed", self.name, msg.step_id)
             self.send(self.sched, m.StepFailed(msg.step_id, f"{type(e).__name__}: {e}"))
@@ -86,6 +88,6 @@ class Worker(Actor):
         self.send(self.sched, m.StepDone(msg.step_id, tuple(sampled), time.perf_counter() - t0))
 
     def on_DumpBlocks(self, msg: m.DumpBlocks) -> None:
-        data = b"".join(self.pool.tensor[b].contiguous().view(-1).view(__import__("torch").uint8).numpy().tobytes()
-                        for b in msg.block_ids)
+        data = b"".join(v[b].contiguous().view(-1).view(__import__("torch").uint8).numpy().tobytes()
+                        for b in msg.block_ids for v in self.layer_pools)
         self.send(self.sched, m.BlocksDumped(msg.block_ids, data))

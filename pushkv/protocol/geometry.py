@@ -1,0 +1,81 @@
+"""Launch-time check that a deployment's instances can run the model and that P
+and D can move KV between their layouts.
+
+Pure: no processes, no torch. ``pushkv up`` calls :func:`check_deployment`
+from ``plan_deployment``, so a bad combination exits non-zero with the
+mismatch named before any child starts, instead of failing in a worker or at
+the first handshake.
+
+What is supported: any block size >= 1 on either side (P and D need not
+agree: regions are cut at both sides' block edges); any TP size that shards
+the model (query heads and MLP columns divide evenly; KV heads divide evenly,
+or, with more ranks than KV heads, the rank count is a multiple of them: heads
+are then replicated and only the lowest P rank holding a head writes it).
+"""
+from __future__ import annotations
+
+from pushkv.config import DTYPE_BYTES, DeploymentConfig, InstanceConfig, ModelConfig
+from pushkv.kv.layout import layout_for
+from pushkv.model.shard import shard_plan
+from pushkv.protocol.mapping import check_compatible
+from pushkv.protocol.tp import producers_for
+
+
+def check_model(model: ModelConfig) -> None:
+    """Geometry the model code itself would refuse, named up front."""
+    if model.dtype not in DTYPE_BYTES:
+        raise ValueError(f"model dtype {model.dtype!r} unsupported; expected one of {sorted(DTYPE_BYTES)}")
+    if model.sliding_window < 0:
+        raise ValueError(f"sliding_window must be >= 0, got {model.sliding_window}")
+    bad = [l for l in model.window_layers if not 0 <= l < model.num_layers]
+    if bad:
+        raise ValueError(f"window_layers {bad} outside num_layers={model.num_layers}")
+    if model.window_layers and not model.sliding_window:
+        raise ValueError(f"window_layers {list(model.window_layers)} given but sliding_window is 0")
+    if model.kv_lora_rank < 0 or model.qk_rope_dim < 0:
+        raise ValueError("kv_lora_rank and qk_rope_dim must be >= 0")
+    rope = model.qk_rope_dim if model.is_mla else model.head_dim
+    if rope % 2:
+        raise ValueError(f"RoPE dims ({rope}) must be even")
+    if model.is_mla and model.checkpoint:
+        raise ValueError("MLA-style models run on random weights; --checkpoint is not supported with them")
+
+
+def check_instance(model: ModelConfig, inst: InstanceConfig) -> None:
+    """This instance's TP size shards the model, and its pool is usable."""
+    who = f"{inst.role} instance"
+    if inst.block_size < 1:
+        raise ValueError(f"{who}: block_size must be >= 1, got {inst.block_size}")
+    if inst.num_blocks < 1:
+        raise ValueError(f"{who}: num_blocks must be >= 1, got {inst.num_blocks}")
+    if inst.tp < 1:
+        raise ValueError(f"{who}: tp must be >= 1, got {inst.tp}")
+    try:
+        for r in range(inst.tp):
+            shard_plan(model, r, inst.tp)
+            layout_for(model, inst.tp, r, inst.num_blocks, inst.block_size)
+    except ValueError as e:
+        raise ValueError(f"{who}: tp={inst.tp} cannot shard model {model.name!r}: {e}") from None
+
+
+def check_pair(model: ModelConfig, p: InstanceConfig, d: InstanceConfig) -> None:
+    """Every D rank's producers have layouts the mapping can move between."""
+    total = model.cache_kv_heads
+    for dr in range(d.tp):
+        dst = layout_for(model, d.tp, dr, d.num_blocks, d.block_size)
+        for pr in producers_for(dr, d.tp, p.tp, total):
+            src = layout_for(model, p.tp, pr, p.num_blocks, p.block_size)
+            try:
+                check_compatible(src, dst)
+            except ValueError as e:
+                raise ValueError(f"prefill rank {pr} (tp={p.tp}, block {p.block_size}) -> decode rank {dr} "
+                                 f"(tp={d.tp}, block {d.block_size}): {e}") from None
+
+
+def check_deployment(cfg: DeploymentConfig) -> None:
+    """Raise ValueError naming the first mismatch that would stop the deployment."""
+    check_model(cfg.model)
+    for inst in cfg.instances():
+        check_instance(cfg.model, inst)
+    if cfg.mode != "local":
+        check_pair(cfg.model, cfg.prefill, cfg.decode)
