@@ -136,7 +136,7 @@ class Actor:
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 self.counters["bad_frame"] += 1
                 log.error("%s: undecodable frame from %s (%d bytes): %s", self.name, ch.peer, len(payload), e)
-                self.on_bad_frame(ch, identity, str(e))
+                self.on_bad_frame(ch, identity, str(e), payload)
                 continue
             self.trace_msg("recv", ch.peer, msg, payload)
             handler = self._handler(type(msg))
@@ -152,7 +152,7 @@ class Actor:
                 log.exception("%s: handler for %s failed", self.name, type(msg).__name__)
                 self.on_handler_error(ch, identity, msg)
 
-    def on_bad_frame(self, ch: Channel, identity: Optional[bytes], reason: str) -> None:
+    def on_bad_frame(self, ch: Channel, identity: Optional[bytes], reason: str, payload: bytes = b"") -> None:
         """Override to answer the sender of an undecodable frame."""
 
     def on_handler_error(self, ch: Channel, identity: Optional[bytes], msg: Any) -> None:

@@ -61,7 +61,7 @@ class Router:
 
     # -- lifecycle ------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[_json_errors])
         app.router.add_post("/v1/completions", self.handle_completions)
         app.router.add_get("/health", self.handle_health)
         app.router.add_get("/metrics", self.handle_metrics)
@@ -333,6 +333,21 @@ class Router:
 
 def _error(status: int, message: str, type_: str) -> web.Response:
     return web.json_response(api.error_body(message, type_, status), status=status)
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler) -> web.StreamResponse:
+    """aiohttp's own refusals (no such path, wrong method, body too large) in our
+    JSON error shape, so a client parses every error the same way."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        resp = _error(e.status, f"{e.text} ({request.method} {request.path})", api.error_type(e.status))
+        if "Allow" in e.headers:
+            resp.headers["Allow"] = e.headers["Allow"]
+        return resp
 
 
 async def serve(cfg: DeploymentConfig) -> None:

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from typing import Optional
 
+import msgspec
 import zmq
 
 from pushkv import faults
@@ -22,6 +24,7 @@ from pushkv.scheduler.requests import Request, State, build_batch
 log = logging.getLogger(__name__)
 
 WRITER_STATS_WAIT_S = 0.25  # GetStats: how long to wait for the writers' counters before answering
+REMEMBER_IDS = 65536  # transfer ids whose newest generation is kept, to refuse duplicates and stale reissues
 
 
 class Scheduler(Actor):
@@ -42,6 +45,9 @@ class Scheduler(Actor):
         self.blocked_on: Optional[tuple[str, int]] = None  # pull inline: engine stalls on a READ
         self.max_len = cfg.max_model_len or cfg.model.max_position
         self.vocab = cfg.model.vocab_size
+        self.newest: OrderedDict[str, int] = OrderedDict()  # newest accepted generation per transfer id
+        p = cfg.prefill  # the only KV source a decode leg may name (D's writer connects to it)
+        self.sources = {m.PrefillSource(p.engine_id, p.tp, tuple(p.handshake_endpoints))} if cfg.mode != "local" else set()
         self.writer_counters: dict[int, dict[str, int]] = {}  # last WriterStats per rank
         self._stats_waiting: list[bytes] = []  # router identities waiting for a Stats
         self._stats_fresh: set[int] = set()
@@ -122,7 +128,34 @@ class Scheduler(Actor):
             return f"prompt ({len(msg.prompt_token_ids)}) + max_tokens ({msg.max_tokens}) exceeds max model length {self.max_len}", 400
         if self.role == "decode" and msg.source is None and msg.pull is None:
             return "decode leg without a KV source", 400
+        for src in (msg.source, msg.pull.source if msg.pull is not None else None):
+            if self.role == "decode" and src is not None and src not in self.sources:
+                return f"unknown prefill source {src.engine_id!r} at {list(src.handshake)}", 400
+        seen = self.newest.get(msg.transfer_id)
+        if seen is not None and msg.generation <= seen:
+            what = "duplicate" if msg.generation == seen else "stale generation for"
+            return f"{what} transfer id {msg.transfer_id} (generation {msg.generation}; newest {seen})", 409
         return None
+
+    def _note_generation(self, r: Request) -> None:
+        self.newest[r.transfer_id] = r.generation
+        self.newest.move_to_end(r.transfer_id)
+        if len(self.newest) > REMEMBER_IDS:
+            self.newest.popitem(last=False)
+
+    def on_bad_frame(self, ch, identity, reason: str, payload: bytes = b"") -> None:
+        """Answer an undecodable request, naming its transfer id when it is readable."""
+        if ch is not self.front or identity is None:
+            return
+        tid, gen = "", 0
+        try:
+            head = msgspec.msgpack.decode(payload)
+            if isinstance(head, list) and len(head) >= 2 and isinstance(head[1], str):
+                tid = head[1]
+                gen = head[2] if len(head) >= 3 and type(head[2]) is int else 0
+        except (msgspec.DecodeError, RecursionError):
+            pass
+        self.send(self.front, m.RequestFailed(tid, gen, f"undecodable message: {reason}", 400), identity)
 
     def on_Generate(self, msg: m.Generate, identity: bytes) -> None:
         err = self._validate(msg)
@@ -151,6 +184,7 @@ class Scheduler(Actor):
         self._stamp(r, f"{self.role}_queued")
         self.reqs[r.key] = r
         self.by_tid[r.transfer_id] = r
+        self._note_generation(r)
         self.waiting.append(r)
         self.counters["requests"] += 1
         self.schedule()

@@ -203,7 +203,7 @@ class Supervisor(Actor):
     def on_ControlCommand(self, msg: c.ControlCommand, identity: bytes) -> None:
         self._reply(identity, c.dispatch(self, msg, time.monotonic()))
 
-    def on_bad_frame(self, ch, identity, reason) -> None:
+    def on_bad_frame(self, ch, identity, reason, payload=b"") -> None:
         if identity is not None:  # a REQ client waits for an answer
             self._reply(identity, c.ControlReply(command="", status=c.ERROR, reason=f"bad request: {reason}"))
 
