@@ -37,19 +37,40 @@ SCENARIOS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def dep(tmp_path_factory):
-    d = tmp_path_factory.mktemp("faults")
+PULL_SCENARIOS = [
+    ("prefill-writer-0", "lease_held", "pull: P blocks held under the lease"),
+    ("decode-writer-0", "read_posted", "pull: D about to READ"),
+    ("decode-scheduler", "after_alloc", "pull: D allocated after the relay"),
+]
+
+
+def _faulty_deployment(tmp_path_factory, mode: str):
+    d = tmp_path_factory.mktemp(f"faults-{mode}")
     fdir = d / "armed"
     fdir.mkdir()
     os.environ["PUSHKV_FAULTS_DIR"] = str(fdir)
     try:
-        with deployment(d, "--mode", "push", "--model", "small", "--num-blocks", "256",
+        with deployment(d, "--mode", mode, "--model", "small", "--num-blocks", "256",
                         "--max-restarts", "20") as dep:
             dep.faults_dir = str(fdir)
             yield dep
     finally:
         os.environ.pop("PUSHKV_FAULTS_DIR", None)
+
+
+@pytest.fixture(scope="module")
+def dep(tmp_path_factory):
+    yield from _faulty_deployment(tmp_path_factory, "push")
+
+
+@pytest.fixture(scope="module")
+def pull_dep(tmp_path_factory):
+    yield from _faulty_deployment(tmp_path_factory, "pull")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def scenario_table():
+    yield
     print("\nfault x phase -> outcome | detect s | blocks leaked (P, D)")
     for row in RESULTS:
         print(" | ".join(str(x) for x in row))
@@ -130,6 +151,15 @@ def wait_serving(dep, timeout_s: float = 90.0) -> None:
 
 @pytest.mark.parametrize("victim,point,phase", SCENARIOS, ids=[f"{v}:{p}" for v, p, _ in SCENARIOS])
 def test_peer_death(dep, victim, point, phase):
+    _scenario(dep, victim, point, phase)
+
+
+@pytest.mark.parametrize("victim,point,phase", PULL_SCENARIOS, ids=[f"{v}:{p}" for v, p, _ in PULL_SCENARIOS])
+def test_peer_death_pull(pull_dep, victim, point, phase):
+    _scenario(pull_dep, victim, point, phase)
+
+
+def _scenario(dep, victim, point, phase):
     ev = Events(dep.cfg.events_endpoint)
     try:
         prompt = list(range(1, 200))

@@ -69,6 +69,7 @@ class DecodeWriter(WriterBase):
         faults.point(self.name, "registration_sent")
 
     def notif_WriteDone(self, msg: m.WriteDone, agent: str, now: float) -> None:
+        self.counters["write_done_received"] += 1  # one per producer rank per transfer
         self._producer_reported(msg, now)
         self.apply(self.arrivals.on_write_done(msg, now), now)
 
@@ -154,6 +155,7 @@ class DecodeWriter(WriterBase):
     def on_ReadKV(self, msg: m.ReadKV) -> None:
         now = time.monotonic()
         p = msg.pull
+        faults.point(self.name, "read_posted")
         fl = InFlight(msg.transfer_id, msg.generation, posted=now)
         try:
             peers = self._producers(p.source)

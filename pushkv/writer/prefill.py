@@ -48,6 +48,7 @@ class PrefillWriter(WriterBase):
 
     def on_HoldKV(self, msg: m.HoldKV) -> None:
         now = time.monotonic()
+        faults.point(self.name, "lease_held")
         if not self.rdv.produces:  # a replica rank: no D rank reads from it
             self.apply([A.Completed(msg.transfer_id, msg.generation, "replica"),
                         A.FreeBlocks(msg.transfer_id, msg.generation, msg.block_ids, "replica")], now)
@@ -143,6 +144,7 @@ class PrefillWriter(WriterBase):
                                    sum(r[2] for r in regions), len(regions))
                 fl.handles.append(self.nixl.post("WRITE", regions, self.pool.base_addr, peer.agent,
                                                  peer.pool_base, m.encode(done)))
+                self.counters["write_posts"] += 1  # one per D rank this rank writes into
                 fl.nbytes += done.nbytes
                 fl.num_descs += done.num_descs
         except Exception as e:  # failed to post: tell D now, not at its deadline
