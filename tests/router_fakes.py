@@ -62,6 +62,7 @@ class FakeScheduler(threading.Thread):
         self.pending: list[tuple[bytes, Optional[threading.Event], m.Msg]] = []
         self.stop_flag = threading.Event()
         self.bound = threading.Event()
+        self.stats: Optional[m.Stats] = None  # set: GetStats is answered with it
 
     def run(self) -> None:
         ctx = zmq.Context.instance()
@@ -77,6 +78,8 @@ class FakeScheduler(threading.Thread):
                     self.log.add(self.role, "recv", msg)
                     if isinstance(msg, m.Generate):
                         self.pending += [(ident, gate, reply) for gate, reply in self.script(msg)]
+                    elif isinstance(msg, m.GetStats) and self.stats is not None:
+                        self.pending.append((ident, None, self.stats))
                 keep = []
                 for ident, gate, reply in self.pending:
                     if gate is None or gate.is_set():
