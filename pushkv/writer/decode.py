@@ -16,6 +16,9 @@ from pushkv.writer.base import InFlight, WriterBase
 
 log = logging.getLogger(__name__)
 
+_REFUSED = {"finished": "transfer already finished",
+            "newer_generation_waiting": "stale generation (a newer one is registered)"}
+
 
 class DecodeWriter(WriterBase):
     def __init__(self, cfg, inst, rank):
@@ -57,10 +60,18 @@ class DecodeWriter(WriterBase):
             self.send(self.sched, m.KVFailed(msg.transfer_id, msg.generation, f"cannot reach prefill writers: {e}"))
             return
         ranks = tuple(p.rank for p in peers)
+        try:
+            acts = self.arrivals.expect(msg.transfer_id, msg.generation, msg.block_ids, ranks, now + msg.deadline_s)
+        except ar.ProtocolError as e:  # a finished or older generation: nothing registered, nothing can land
+            self.counters["expect_refused"] += 1
+            log.error("%s: ExpectKV refused: %s transfer_id=%s", self.name, e, msg.transfer_id)
+            if self.arrivals.state_of(msg.transfer_id, msg.generation) != "waiting":  # a live one answers itself
+                reason = f"registration refused: {_REFUSED.get(e.state, e.state)}"
+                self.send(self.sched, m.KVFailed(msg.transfer_id, msg.generation, reason))
+            return
         self._sources[key] = (msg.source, ranks)
         self._reported[key] = set()
-        self.apply(self.arrivals.expect(msg.transfer_id, msg.generation, msg.block_ids, ranks,
-                                        now + msg.deadline_s), now)
+        self.apply(acts, now)
         reg = m.Register(msg.transfer_id, msg.generation, self.inst.engine_id, self.rank, self.inst.tp,
                          msg.block_ids, msg.num_tokens, msg.deadline_s)
         for p in peers:

@@ -43,8 +43,22 @@ class PrefillWriter(WriterBase):
         self.counters["prefill_done_received"] += 1
         # registrations may already sit in NIXL's queue: take them first
         self._poll_notifs(now)
-        self.apply(self.rdv.on_prefill_done(
-            msg.transfer_id, msg.generation, msg.block_ids, msg.num_tokens, msg.first_token, now), now)
+        try:
+            acts = self.rdv.on_prefill_done(
+                msg.transfer_id, msg.generation, msg.block_ids, msg.num_tokens, msg.first_token, now)
+        except A.ProtocolError as e:
+            self._refused(msg, e)
+            return
+        self.apply(acts, now)
+
+    def _refused(self, msg, e: Exception) -> None:
+        """A half the protocol refuses (its transfer already finished, say): these blocks were
+        never handed over, so the scheduler may free them; a live half answers for itself."""
+        self.counters["command_refused"] += 1
+        log.error("%s: %s refused: %s transfer_id=%s", self.name, type(msg).__name__, e, msg.transfer_id)
+        tid, gen = msg.transfer_id, msg.generation
+        if self.rdv.state_of(tid, gen) is None and self.leases.deadline_of(tid, gen) is None:
+            self.send(self.sched, m.KVFailed(tid, gen, f"refused: transfer already {getattr(e, 'state', 'seen')}"))
 
     def on_HoldKV(self, msg: m.HoldKV) -> None:
         now = time.monotonic()
@@ -53,7 +67,12 @@ class PrefillWriter(WriterBase):
             self.apply([A.Completed(msg.transfer_id, msg.generation, "replica"),
                         A.FreeBlocks(msg.transfer_id, msg.generation, msg.block_ids, "replica")], now)
             return
-        self.apply(self.leases.hold(msg.transfer_id, msg.generation, msg.block_ids, now), now)
+        try:
+            acts = self.leases.hold(msg.transfer_id, msg.generation, msg.block_ids, now)
+        except A.ProtocolError as e:
+            self._refused(msg, e)
+            return
+        self.apply(acts, now)
 
     def on_CancelKV(self, msg: m.CancelKV) -> None:
         now = time.monotonic()
