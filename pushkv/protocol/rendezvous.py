@@ -26,7 +26,10 @@ Guarantees: each accepted prefill half gets exactly one :class:`FreeBlocks`,
 emitted only when no WRITE may still read the blocks; each (transfer id,
 generation) gets at most one outcome (:class:`Completed` or :class:`Failed`);
 D ranks whose registration was held or arrives for a failed transfer get a
-:class:`NotifyFailure`. Finished (transfer id, generation) pairs are remembered
+:class:`NotifyFailure`, but never while a posted WRITE may still land in their
+blocks: an abandoned WRITE tells D itself when it completes (its WriteDone) and
+only a WRITE that drains by failing is followed by a NotifyFailure, since D
+reuses its blocks as soon as it hears. Finished (transfer id, generation) pairs are remembered
 in a bounded LRU so late halves are released at once instead of waiting out a
 deadline as zombies.
 """
@@ -269,10 +272,14 @@ class PushRendezvous:
                 NotifyFailure(e.transfer_id, e.generation, e.registrations(), reason),
                 Failed(e.transfer_id, e.generation, reason), Count("write_failed")]
 
-    def _drained(self, e, now, reason: str = "write finished after failure") -> list[Action]:
+    def _drained(self, e, now, reason: str = "") -> list[Action]:
         del self._draining[(e.transfer_id, e.generation)]
         e.deadline = None
-        return [FreeBlocks(e.transfer_id, e.generation, e.block_ids, reason)]
+        out: list[Action] = [FreeBlocks(e.transfer_id, e.generation, e.block_ids,
+                                        reason or "write finished after failure")]
+        if reason:  # the WRITE failed, so its completion notification never reaches D
+            out.append(NotifyFailure(e.transfer_id, e.generation, e.registrations(), reason))
+        return out
 
     def _cancel_waiting(self, e, now, reason) -> list[Action]:
         return self._teardown(e, reason) + [Count("cancelled")]
@@ -311,13 +318,14 @@ class PushRendezvous:
         return out
 
     def _abandon(self, e: _Transfer, now: float, reason: str) -> list[Action]:
-        """Fail a posted transfer but keep its blocks pinned until the WRITE reports."""
+        """Fail a posted transfer but keep its blocks pinned until the WRITE reports.
+
+        D is not told yet: it would reuse blocks the WRITE may still land in (see _drained)."""
         self._retire(e, ok=False)
         e.state = State.DRAINING
         self._draining[(e.transfer_id, e.generation)] = e
         self._arm(e, now + self.transfer_s)
-        return [Failed(e.transfer_id, e.generation, reason),
-                NotifyFailure(e.transfer_id, e.generation, e.registrations(), reason)]
+        return [Failed(e.transfer_id, e.generation, reason)]
 
     def _supersede(self, tid: str, gen: int, now: float) -> list[Action]:
         """A newer generation arrived: end the live older one (reissued request)."""
