@@ -199,16 +199,29 @@ def report(name: str, outcome: str, detect_s: float) -> None:
     assert detect_s < DETECT_S, f"{name}: {detect_s:.2f}s to free"
 
 
-@pytest.mark.parametrize("how", ["disconnect", "abort-endpoint"])
+class Unary:
+    """A non-streaming completion sent on a raw socket, so we can hang up before the answer."""
+
+    def __init__(self, dep, prompt, max_tokens: int):
+        body = json.dumps({"prompt": prompt, "max_tokens": max_tokens}).encode()
+        self.sock = socket.create_connection(("127.0.0.1", dep.port), timeout=30)
+        self.sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+
+    def disconnect(self) -> None:
+        self.sock.close()
+
+
+@pytest.mark.parametrize("how", ["disconnect", "unary-disconnect", "abort-endpoint"])
 def test_abort_while_prefilling(dep, how):
     """A long prompt; the abort lands while P computes it: P drops it after the
     step, D's registration is cancelled at P, nothing is transferred."""
     before = {r: counters(dep, r) for r in dep.roles()}
     prompt = [rng.randrange(256) for _ in range(2800)]  # ~0.5 s of prefill on 2 cores
-    s = Stream(dep, prompt, 16)
+    s = Unary(dep, prompt, 16) if how == "unary-disconnect" else Stream(dep, prompt, 16)
     wait_until(lambda: dep.stats("prefill").free_blocks < P_BLOCKS, what="P admitted")
     t0 = time.monotonic()
-    if how == "disconnect":
+    if how.endswith("disconnect"):
         s.disconnect()
     else:
         abort(dep, s.request_id)
@@ -222,7 +235,7 @@ def test_abort_while_prefilling(dep, how):
         assert after[role].get("aborted", 0) == before[role].get("aborted", 0) + 1, (role, after[role])
     assert after["prefill"].get("kv_transfers", 0) == before["prefill"].get("kv_transfers", 0), "KV moved anyway"
     assert after["decode"].get("requests_completed", 0) == before["decode"].get("requests_completed", 0)
-    report(f"prefilling/{how}", "aborted, no KV moved" + (", client got 499" if how != "disconnect" else ""),
+    report(f"prefilling/{how}", "aborted, no KV moved" + (", client got 499" if how == "abort-endpoint" else ""),
            detect_s)
 
 
