@@ -76,3 +76,13 @@ def test_fresh_pool_is_one_descriptor_per_rank_pair_and_group():
     nb, wb = L.blocks_for(150, 16), (150 - m.sliding_window) // 16
     layer_bytes = 2 * m.num_kv_heads * 16 * m.head_dim * m.dtype_bytes
     assert b_fresh == layer_bytes * (2 * nb + 2 * (nb - wb))  # window layers skip early blocks
+
+
+def test_report_times_fresh_and_fragmented_writes_over_nixl():
+    from tools.layout_nixl import time_writes
+
+    combo = next(c for c in MATRIX if c.name == "small tp2->1")
+    got = time_writes(combo, 150, NUM_BLOCKS, reps=1)
+    assert got["nixl_fresh_descs"] == 2  # one region per P rank: contiguous blocks on both sides
+    assert got["nixl_frag_descs"] == mapped_descs(combo, 150, True, NUM_BLOCKS)[0] > 2
+    assert got["nixl_fresh_gbps"] > 0 and got["nixl_frag_gbps"] > 0

@@ -237,6 +237,7 @@ def mapped_descs(combo: Combo, n: int, fragmented: bool, num_blocks: int) -> tup
     total = model.cache_kv_heads
     nbp, nbd = L.blocks_for(n, combo.p_bs), L.blocks_for(n, combo.d_bs)
     if fragmented:  # free runs of 2 blocks on P, 3 on D: neither side nor their alignment helps
+        num_blocks = max(num_blocks, 6 * max(nbp, nbd) + 8)
         pt, dt = fragmented_table(num_blocks, 2, nbp), fragmented_table(num_blocks, 3, nbd)
     else:
         pt, dt = list(range(nbp)), list(range(nbd))
