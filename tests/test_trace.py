@@ -229,12 +229,16 @@ def test_breakdown_table_and_replay(tmp_path, capsys):
     rec = tmp_path / "ev.msgpack"
     rec.write_bytes(msgspec.msgpack.encode(evs))
     pf = tmp_path / "t.json"
-    assert tap_cli.main(["--replay", str(rec), "--breakdown", "--perfetto", str(pf), "--kind", "Register"]) == 0
+    assert tap_cli.main(["--replay", str(rec), "--breakdown", "--spans", "--perfetto", str(pf),
+                         "--kind", "Register"]) == 0
     out = capsys.readouterr().out
     assert out.count(" Register ") == 2  # the filtered live log: send and recv
     rows = [ln for ln in out.splitlines() if ln.startswith(("01234567", "ffffffff", "median"))]
     assert len(rows) == 3 and "registration_first" in rows[0] and "7.90" in rows[0]
     assert json.loads(pf.read_text())["traceEvents"]
+    assert "request 01234567 (push, TTFT 7.90 ms)" in out and "request ffffffff (pull" in out
+    write = next(ln for ln in out.splitlines() if " WRITE " in ln).split()
+    assert write[0] == "+5.300" and write[2] == "1.700" and write[4] == "prefill-writer-0"
 
 
 # ---------------------------------------------------------------------------

@@ -140,6 +140,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("-q", "--quiet", action="store_true", help="no live log")
     ap.add_argument("--perfetto", metavar="FILE", help="write a Chrome/Perfetto trace JSON at the end")
     ap.add_argument("--breakdown", action="store_true", help="print the per-request stage breakdown at the end")
+    ap.add_argument("--spans", action="store_true", help="print each request's spans (the Perfetto tracks) as text")
     ap.add_argument("--record", metavar="FILE", help="save the raw events (msgpack) for --replay")
     ap.add_argument("--duration", type=float, default=0.0, metavar="SECONDS", help="stop after this long")
     ap.add_argument("--requests", type=int, default=0, metavar="N", help="stop after N requests finished")
@@ -154,8 +155,11 @@ def report(events: list[m.TraceEvent], args: argparse.Namespace, out=None) -> No
     if args.perfetto:
         T.write_perfetto(events, args.perfetto)
         print(f"wrote {args.perfetto} ({len(events)} events): open in https://ui.perfetto.dev", file=out)
+    tls = [t for t in T.timelines(events) if "router.http_request" in t.marks]
+    if args.spans:
+        for t in tls:
+            print(T.span_listing(t), file=out)
     if args.breakdown:
-        tls = [t for t in T.timelines(events) if "router.http_request" in t.marks]
         print(T.breakdown_table(tls) if tls else "no request seen", file=out)
         for t in tls:
             bad = T.problems(t) if t.complete else ["incomplete (still running when the tap stopped?)"]

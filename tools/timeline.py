@@ -401,6 +401,19 @@ def breakdown_table(tls: list[RequestTimeline]) -> str:
     return "\n".join(lines)
 
 
+def span_listing(tl: RequestTimeline) -> str:
+    """A request's spans as text, in start order: offset from its first event, duration, lane, name."""
+    t0 = tl.events[0].t_mono
+    st = tl.stages()
+    head = f"request {tl.transfer_id[:8]} ({tl.mode}"
+    head += f", TTFT {st['ttft'] * 1e3:.2f} ms)" if "ttft" in st else ")"
+    lines = [head]
+    for s in sorted(tl.spans, key=lambda s: (s.start, -s.dur)):
+        args = " ".join(f"{k}={v}" for k, v in s.args.items())
+        lines.append(f"  {(s.start - t0) * 1e3:+10.3f} ms {s.dur * 1e3:9.3f} ms  {s.lane:<18} {s.name:<22} {args}")
+    return "\n".join(lines)
+
+
 # -- Chrome / Perfetto trace JSON --------------------------------------------------------------
 LANE_ORDER = ("router", "prefill-scheduler", "prefill-writer", "prefill-worker", "local-scheduler",
               "local-writer", "local-worker", "decode-scheduler", "decode-writer", "decode-worker")
