@@ -33,6 +33,8 @@ class KVLayoutDesc(msgspec.Struct, array_like=True, frozen=True, gc=False):
     window_layers: tuple[int, ...] = ()  # sliding-window layer indices
     window: int = 0  # sliding window (tokens), 0 = none
     kv_planes: int = 2  # per (layer, head): K and V; 1 = one latent (MLA-style)
+    sub_block: int = 0  # tokens per physical sub-block (divides block_size); 0 = block_size
+    head_group: int = 0  # local heads per pool region (divides kv_heads); 0 = all of them
 
 
 class PoolHandle(msgspec.Struct, array_like=True, frozen=True, gc=False):

@@ -6,32 +6,35 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pushkv.kv.layout import block_bytes, head_bytes, layer_place, pool_bytes, slab_bytes
+from pushkv.kv.layout import block_bytes, expand_table, group_heads, head_bytes, layer_place, pool_bytes
+from pushkv.kv.layout import phys_blocks, slab_bytes, unit
 from pushkv.messages import KVLayoutDesc
 from pushkv.protocol.mapping import check_compatible, count_blocks, map_transfer, total_bytes
 
 
-def lay(bs=16, nb=64, layers=2, heads=4, start=0, total=4, hd=4, dtb=2, wl=(), window=0, planes=2):
+def lay(bs=16, nb=64, layers=2, heads=4, start=0, total=4, hd=4, dtb=2, wl=(), window=0, planes=2, sub=0, hg=0):
     return KVLayoutDesc(
         num_blocks=nb, num_layers=layers, block_size=bs, kv_heads=heads, head_start=start,
         total_kv_heads=total, head_dim=hd, dtype_bytes=dtb, window_layers=wl, window=window,
-        kv_planes=planes,
+        kv_planes=planes, sub_block=sub, head_group=hg,
     )
 
 
-def layer_view(pool, lay_, layer):
-    """Writable [block, plane, local head, slot, bytes-of-one-token-row] view of one layer,
-    built from the layout's byte arithmetic (an independent re-statement of it)."""
-    base, stride = layer_place(lay_, layer)
+def head_view(pool, lay_, layer, head):
+    """Writable [sub-block, plane, slot, bytes-of-one-token-row] view of one layer's local
+    head, from the layout's byte arithmetic (an independent re-statement of it)."""
+    base, stride, hstride = layer_place(lay_, layer)
+    g, h = divmod(head, group_heads(lay_))
     tb = lay_.head_dim * lay_.dtype_bytes
     return np.lib.stride_tricks.as_strided(
-        pool[base:], (lay_.num_blocks, lay_.kv_planes, lay_.kv_heads, lay_.block_size, tb),
-        (stride, slab_bytes(lay_), head_bytes(lay_), tb, 1))
+        pool[base + g * hstride + h * head_bytes(lay_):],
+        (phys_blocks(lay_), lay_.kv_planes, unit(lay_), tb), (stride, slab_bytes(lay_), tb, 1))
 
 
 def view(pool, lay_):
-    """Logical copy [block, layer, plane, local head, slot, token row bytes]."""
-    return np.stack([layer_view(pool, lay_, l) for l in range(lay_.num_layers)], axis=1)
+    """Logical copy [sub-block, layer, plane, local head, slot, token row bytes]."""
+    return np.stack([np.stack([head_view(pool, lay_, l, h) for h in range(lay_.kv_heads)], axis=2)
+                     for l in range(lay_.num_layers)], axis=1)
 
 
 def apply_regions(src, src_pool, dst, regions):
@@ -55,17 +58,17 @@ def reference(src, sb, src_pool, dst, db, num_tokens, heads, all_tokens):
     need = np.zeros(view(out, dst).shape[:-1], bool)
     win = set(src.window_layers) if src.window else set()
     end = min(len(sb) * src.block_size, len(db) * dst.block_size) if all_tokens else num_tokens
-    s_h = slice(hs - src.head_start, hs - src.head_start + hc)
-    d_h = slice(hs - dst.head_start, hs - dst.head_start + hc)
+    ss, ds = expand_table(src, sb), expand_table(dst, db)
+    us, ud = unit(src), unit(dst)
     for layer in range(src.num_layers):
-        sv, dv = layer_view(src_pool, src, layer), layer_view(out, dst, layer)
-        for t in range(end):
-            if not all_tokens and layer in win and t < num_tokens - src.window:
-                continue
-            sblk, sslot = sb[t // src.block_size], t % src.block_size
-            dblk, dslot = db[t // dst.block_size], t % dst.block_size
-            dv[dblk, :, d_h, dslot] = sv[sblk, :, s_h, sslot]
-            need[dblk, layer, :, d_h, dslot] = True
+        for h in range(hs, hs + hc):
+            sv = head_view(src_pool, src, layer, h - src.head_start)
+            dv = head_view(out, dst, layer, h - dst.head_start)
+            for t in range(end):
+                if not all_tokens and layer in win and t < num_tokens - src.window:
+                    continue
+                dv[ds[t // ud], :, t % ud] = sv[ss[t // us], :, t % us]
+                need[ds[t // ud], layer, :, h - dst.head_start, t % ud] = True
     return out, need
 
 
@@ -260,6 +263,50 @@ def test_kv_planes_mismatch_refused():
         check_compatible(lay(planes=1, heads=1, total=1), lay(planes=2, heads=1, total=1))
 
 
+# --- sub-blocks and head groups: what a planned deployment cuts its pools into ------------
+# name, src, dst, tokens, heads (None: what both hold), expected regions on fresh tables
+PLANNED = [
+    ("p16_d32_sub16", lay(bs=16), lay(bs=32, sub=16), 150, None, 1),
+    ("p32_d16_sub16", lay(bs=32, sub=16), lay(bs=16), 150, None, 1),
+    ("p16_d24_sub8", lay(bs=16, sub=8), lay(bs=24, sub=8), 150, None, 1),
+    ("tp2_to_1_rank1", lay(heads=2, start=2), lay(hg=2), 150, None, 1),
+    ("tp1_to_2_rank1", lay(hg=2), lay(heads=2, start=2), 150, None, 1),
+    ("tp2_to_4_rank3", lay(heads=2, start=2, hg=1), lay(heads=1, start=3), 150, (3, 1), 1),
+    ("tp4_to_2_rank1", lay(heads=1, start=1), lay(heads=2, start=0, hg=1), 150, (1, 1), 1),
+    ("tp2_to_1_p32_d16", lay(bs=32, sub=16, heads=2, start=2), lay(bs=16, hg=2), 150, None, 1),
+    ("hybrid_tp1_to_2_p16_d32", lay(hg=2, layers=4, wl=(0, 2), window=40),
+     lay(bs=32, sub=16, heads=2, start=2, layers=4, wl=(0, 2), window=40), 150, None, 2),
+    ("mla_p16_d32", lay(planes=1, heads=1, total=1), lay(bs=32, sub=16, planes=1, heads=1, total=1), 150, None, 1),
+    # unplanned peers still move correct bytes, in smaller pieces
+    ("tp2_to_1_no_groups", lay(heads=2, start=2), lay(), 150, None, 10 * 2 * 2),
+    ("p16_d32_no_sub", lay(bs=16), lay(bs=32), 48, None, 3 * 2 * 2 * 4 - 1),
+]
+
+
+@pytest.mark.parametrize("name,src,dst,n,heads,expected", PLANNED, ids=[c[0] for c in PLANNED])
+def test_planned_geometry_moves_whole_regions(name, src, dst, n, heads, expected):
+    sb = list(range(count_blocks(n, src)))
+    db = list(range(5, 5 + count_blocks(n, dst)))
+    regions, _ = check_bytes(src, sb, dst, db, n, heads)
+    assert len(regions) == expected
+
+
+def test_planned_geometry_fragmented_costs_one_region_per_common_run():
+    src, dst = lay(bs=16, nb=64), lay(bs=32, sub=16, nb=64)
+    sb = [0, 1, 2, 3, 10, 11, 12, 13, 20, 21]  # 150 tokens: 10 blocks of 16
+    db = [7, 8, 30, 31, 40]  # 5 blocks of 32 = sub-blocks 14-17, 60-63, 80-81
+    regions, _ = check_bytes(src, sb, dst, db, 150)
+    # runs on both sides: src 0-3 | dst 14-17; src 10-13 | dst 60-63; src 20-21 | dst 80-81
+    assert len(regions) == 3
+
+
+def test_sub_block_and_head_group_must_tile():
+    with pytest.raises(ValueError, match="sub_block 5 does not divide"):
+        map_transfer(lay(bs=16, sub=5), [0], lay(), [0], 4)
+    with pytest.raises(ValueError, match="head_group 3 does not divide"):
+        map_transfer(lay(hg=3), [0], lay(), [0], 4)
+
+
 # --- compatibility and bad input -------------------------------------------------------------
 INCOMPATIBLE = [
     ("num_layers", dict(layers=3)),
@@ -333,10 +380,14 @@ def transfers(draw):
         window = draw(st.integers(1, 30))
     nbs, nbd = 24, 24
     n = draw(st.integers(0, min(60, nbs * sbs, nbd * dbs)))
+
+    def divisor(x):  # a sub-block size or head group that tiles x (0 = x itself)
+        return draw(st.sampled_from([0] + [k for k in range(1, x + 1) if x % k == 0]))
+
     src = lay(bs=sbs, nb=nbs, layers=layers, heads=sh, start=ss, total=total, hd=hd, dtb=1, wl=wl,
-              window=window, planes=planes)
+              window=window, planes=planes, sub=divisor(sbs), hg=divisor(sh))
     dst = lay(bs=dbs, nb=nbd, layers=layers, heads=dh, start=ds, total=total, hd=hd, dtb=1, wl=wl,
-              window=window, planes=planes)
+              window=window, planes=planes, sub=divisor(dbs), hg=divisor(dh))
     need_s, need_d = count_blocks(n, sbs), count_blocks(n, dbs)
     sb = draw(st.permutations(range(nbs)))[: need_s + draw(st.integers(0, 2))]
     db = draw(st.permutations(range(nbd)))[: need_d + draw(st.integers(0, 2))]
@@ -346,7 +397,7 @@ def transfers(draw):
     return src, sb, dst, db, n
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(transfers())
 def test_property_regions_equal_token_copy(t):
     src, sb, dst, db, n = t

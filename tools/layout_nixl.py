@@ -14,7 +14,6 @@ import time
 
 import torch
 
-from pushkv.config import preset
 from pushkv.kv import layout as L
 from pushkv.protocol.mapping import map_transfer
 from pushkv.protocol.tp import head_overlap, producers_for
@@ -23,8 +22,8 @@ from pushkv.transport.nixl_agent import NixlAgent
 DONE_TIMEOUT_S = 60.0
 
 
-def _pools(model, tp: int, bs: int, num_blocks: int):
-    lays = [L.layout_for(model, tp, r, num_blocks, bs) for r in range(tp)]
+def _pools(cfg, inst):
+    lays = [L.instance_layout(cfg, inst, r) for r in range(inst.tp)]
     offs, total = [], 0
     for lay in lays:
         offs.append(total)
@@ -45,10 +44,10 @@ def _decode_side(conn, nbytes: int) -> None:
 
 def _regions(combo, n: int, p_tables, d_tables, num_blocks: int):
     """[(all regions with pool offsets applied, bytes)] per (p, d) pair."""
-    model = preset(combo.model)
-    total = model.cache_kv_heads
-    p_lays, p_offs, _ = _pools(model, combo.p_tp, combo.p_bs, num_blocks)
-    d_lays, d_offs, _ = _pools(model, combo.d_tp, combo.d_bs, num_blocks)
+    cfg = combo.config(num_blocks)
+    total = cfg.model.cache_kv_heads
+    p_lays, p_offs, _ = _pools(cfg, cfg.prefill)
+    d_lays, d_offs, _ = _pools(cfg, cfg.decode)
     out = []
     for d in range(combo.d_tp):
         for p in producers_for(d, combo.d_tp, combo.p_tp, total):
@@ -61,15 +60,15 @@ def _regions(combo, n: int, p_tables, d_tables, num_blocks: int):
 def time_writes(combo, n: int, num_blocks: int, reps: int = 3) -> dict:
     from tools.layout_report import fragmented_table
 
-    model = preset(combo.model)
     nbp, nbd = L.blocks_for(n, combo.p_bs), L.blocks_for(n, combo.d_bs)
     num_blocks = max(num_blocks, 6 * max(nbp, nbd) + 8)
     cases = {
         "fresh": (list(range(nbp)), list(range(nbd))),
         "frag": (fragmented_table(num_blocks, 2, nbp), fragmented_table(num_blocks, 3, nbd)),
     }
-    _, _, p_bytes = _pools(model, combo.p_tp, combo.p_bs, num_blocks)
-    _, _, d_bytes = _pools(model, combo.d_tp, combo.d_bs, num_blocks)
+    cfg = combo.config(num_blocks)
+    _, _, p_bytes = _pools(cfg, cfg.prefill)
+    _, _, d_bytes = _pools(cfg, cfg.decode)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_decode_side, args=(child, d_bytes), daemon=True)

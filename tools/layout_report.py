@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from pushkv.config import DeploymentConfig, preset
+from pushkv.config import DeploymentConfig, InstanceConfig, preset
 from pushkv.kv import layout as L
 from pushkv.kv.pool import SHM_DIR, attach_pool
 from pushkv.messages import PoolHandle
@@ -52,6 +52,13 @@ class Combo:
              "--prefill-tp", str(self.p_tp), "--decode-tp", str(self.d_tp),
              "--prefill-block-size", str(self.p_bs), "--decode-block-size", str(self.d_bs))
         return f + (("--pull-read", "background") if self.mode == "pull" else ())
+
+    def config(self, num_blocks: int) -> DeploymentConfig:
+        """The deployment config these flags give (for layout arithmetic, no processes)."""
+        return DeploymentConfig(
+            mode=self.mode, model=preset(self.model),
+            prefill=InstanceConfig(role="prefill", tp=self.p_tp, block_size=self.p_bs, num_blocks=num_blocks),
+            decode=InstanceConfig(role="decode", tp=self.d_tp, block_size=self.d_bs, num_blocks=num_blocks))
 
     @property
     def reference(self) -> tuple[str, int]:
@@ -93,20 +100,22 @@ def pool_path(dep_id: str, role: str, rank: int) -> str:
 
 
 def attach(cfg: DeploymentConfig, role: str, rank: int):
-    inst = cfg.instance(role)
-    lay = L.layout_for(cfg.model, inst.tp, rank, inst.num_blocks, inst.block_size)
+    lay = L.instance_layout(cfg, cfg.instance(role), rank)
     handle = PoolHandle("shm", pool_path(cfg.deployment_id, role, rank), L.pool_bytes(lay), cfg.model.dtype,
                         L.pool_shape(lay))
     return attach_pool(handle, lay), lay
 
 
 def seq_rows(views, lay, table, n: int) -> torch.Tensor:
-    """A sequence's first n tokens: [layers, planes, local heads, n, dim], position order."""
-    nb = L.blocks_for(n, lay.block_size)
-    idx = torch.tensor(list(table[:nb]))
+    """A sequence's first n tokens: [layers, planes, local heads, n, dim], position order.
+    ``table`` names logical blocks; the views are per physical sub-block."""
+    subs = L.expand_table(lay, table)[:L.blocks_for(n, L.unit(lay))]
+    idx = torch.tensor(subs)
     out = []
     for v in views:
-        b = v[idx]  # [nb, planes, heads, bs, dim]
+        b = v[idx]  # [nb, planes, heads, sub, dim] or [nb, planes, groups, group heads, sub, dim]
+        if b.dim() == 6:
+            b = b.flatten(2, 3)
         out.append(b.permute(1, 2, 0, 3, 4).reshape(b.shape[1], b.shape[2], -1, b.shape[4])[:, :, :n])
     return torch.stack(out)
 
@@ -241,11 +250,12 @@ def mapped_descs(combo: Combo, n: int, fragmented: bool, num_blocks: int) -> tup
         pt, dt = fragmented_table(num_blocks, 2, nbp), fragmented_table(num_blocks, 3, nbd)
     else:
         pt, dt = list(range(nbp)), list(range(nbd))
+    cfg = combo.config(num_blocks)
     descs = nbytes = 0
     for d in range(combo.d_tp):
-        dst = L.layout_for(model, combo.d_tp, d, num_blocks, combo.d_bs)
+        dst = L.instance_layout(cfg, cfg.decode, d)
         for p in producers_for(d, combo.d_tp, combo.p_tp, total):
-            src = L.layout_for(model, combo.p_tp, p, num_blocks, combo.p_bs)
+            src = L.instance_layout(cfg, cfg.prefill, p)
             heads = head_overlap(p, combo.p_tp, d, combo.d_tp, total)
             regions = map_transfer(src, pt, dst, dt, n, heads)
             descs += len(regions)

@@ -1,26 +1,35 @@
 """Physical layout of one rank's KV pool.
 
-Layers are split into **groups** by attention kind: one group when every
-layer attends the same way, two (full-attention layers, then sliding-window
-layers) for a hybrid model. Each group is one region of the pool,
-``[num_blocks, group_layers, kv_planes, kv_heads, block_size, head_dim]``, and
-the regions follow each other (full group first). A block id names the same
-block in every group. Within a group the layout is block-major across layers,
-so one block of one request is a single contiguous region per group and a run
-of consecutive blocks is one descriptor per group; a sliding-window group can
-move only the blocks inside the window and still stay one descriptor.
-Head-major inside a (layer, plane) slab, so a tensor-parallel head slice is
-contiguous per (block, layer, plane).
+The pool is cut into **regions**, one per (layer group, head group), laid out
+back to back (layer group outer):
 
-``kv_planes`` is 2 (K and V) for GQA/MHA; 1 for an MLA-style latent cache,
-whose one "head" (``total_kv_heads == 1``) every TP rank holds in full.
+- layer groups split layers by attention kind: one group when every layer
+  attends the same way, two (full attention, then sliding window) for a hybrid
+  model, so a window group can skip the blocks before the window and still move
+  a run of blocks as one region;
+- head groups split the rank's local KV heads into equal runs of
+  ``head_group`` heads: the heads one peer rank shares with this one, so a TP
+  mismatch still moves whole regions.
 
-With one group, the pool tensor is 6-d, ``pool_shape(lay)``; with two it is
-flat and ``layer_views`` gives each layer's ``[blocks, planes, heads, block,
-head_dim]`` view (it works on either).
+A region is ``[physical blocks, group layers, kv_planes, group heads, sub_block,
+head_dim]``: block-major across its layers, so a run of consecutive blocks is one
+descriptor per region. A logical block (the allocation unit, ``block_size``
+tokens, what block tables name) is ``block_size / sub_block`` consecutive
+physical sub-blocks: logical block ``b`` is sub-blocks ``b*m .. b*m + m-1``. With
+both sides cut into sub-blocks of the smaller block size, P 16 / D 32 moves as
+whole sub-blocks too.
+
+``kv_planes`` is 2 (K and V) for GQA/MHA; 1 for an MLA-style latent cache, whose
+one "head" (``total_kv_heads == 1``) every TP rank holds in full.
+
+With one region the pool tensor is 6-d, ``pool_shape(lay)``; otherwise flat, and
+``layer_views`` gives each layer's view: ``[sub-blocks, planes, heads, sub_block,
+head_dim]``, or with several head groups ``[sub-blocks, planes, groups,
+group heads, sub_block, head_dim]`` (it works on either).
 """
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 from pushkv.messages import KVLayoutDesc
@@ -28,6 +37,7 @@ from pushkv.messages import KVLayoutDesc
 KVLayout = KVLayoutDesc  # the wire struct is the layout; helpers below
 
 
+# ------------------------------------------------------------------ geometry
 def layer_groups(lay: KVLayout) -> tuple[tuple[int, ...], ...]:
     """Layers of each group, in pool order: full attention first, then sliding window."""
     return _groups(lay.num_layers, tuple(lay.window_layers) if lay.window > 0 else ())
@@ -42,88 +52,130 @@ def _groups(num_layers: int, window_layers: tuple[int, ...]) -> tuple[tuple[int,
 
 
 def window_group(lay: KVLayout) -> int:
-    """Index of the sliding-window group, or -1 when no layer uses the window."""
+    """Index of the sliding-window layer group, or -1 when no layer uses the window."""
     if lay.window <= 0 or not lay.window_layers:
         return -1
     return len(layer_groups(lay)) - 1
 
 
-def pool_shape(lay: KVLayout) -> tuple[int, ...]:
-    if len(layer_groups(lay)) == 1:
-        return (lay.num_blocks, lay.num_layers, lay.kv_planes, lay.kv_heads, lay.block_size, lay.head_dim)
-    return (pool_bytes(lay) // lay.dtype_bytes,)
+def unit(lay: KVLayout) -> int:
+    """Tokens per physical sub-block."""
+    return lay.sub_block or lay.block_size
 
 
+def subs_per_block(lay: KVLayout) -> int:
+    return lay.block_size // unit(lay)
+
+
+def phys_blocks(lay: KVLayout) -> int:
+    return lay.num_blocks * subs_per_block(lay)
+
+
+def group_heads(lay: KVLayout) -> int:
+    """Local heads per head group."""
+    return lay.head_group or lay.kv_heads
+
+
+def head_groups(lay: KVLayout) -> int:
+    return lay.kv_heads // group_heads(lay)
+
+
+# --------------------------------------------------------------------- bytes
 def token_bytes(lay: KVLayout) -> int:
     """Bytes of one token of one head in one (layer, plane) slab."""
     return lay.head_dim * lay.dtype_bytes
 
 
 def head_bytes(lay: KVLayout) -> int:
-    """Bytes of one head of one block in one (layer, plane) slab."""
-    return lay.block_size * token_bytes(lay)
+    """Bytes of one head of one sub-block in one (layer, plane) slab."""
+    return unit(lay) * token_bytes(lay)
 
 
 def slab_bytes(lay: KVLayout) -> int:
-    """Bytes of one (block, layer, plane) slab: all local heads."""
-    return lay.kv_heads * head_bytes(lay)
+    """Bytes of one (sub-block, layer, plane) slab of one head group."""
+    return group_heads(lay) * head_bytes(lay)
 
 
 def layer_bytes(lay: KVLayout) -> int:
-    """Bytes of one layer of one block: every plane."""
+    """Bytes of one layer of one sub-block of one head group: every plane."""
     return lay.kv_planes * slab_bytes(lay)
 
 
 def block_bytes(lay: KVLayout) -> int:
-    """Bytes one block id holds, summed over every group."""
-    return lay.num_layers * layer_bytes(lay)
-
-
-def group_block_bytes(lay: KVLayout, group: int) -> int:
-    """Bytes of one block inside one group (the stride between block ids there)."""
-    return len(layer_groups(lay)[group]) * layer_bytes(lay)
-
-
-def group_base(lay: KVLayout, group: int) -> int:
-    """Byte offset of a group's region from the pool base."""
-    return lay.num_blocks * sum(group_block_bytes(lay, g) for g in range(group))
+    """Bytes one logical block id holds, summed over every region."""
+    return lay.num_layers * lay.kv_planes * lay.kv_heads * lay.block_size * token_bytes(lay)
 
 
 def pool_bytes(lay: KVLayout) -> int:
     return lay.num_blocks * block_bytes(lay)
 
 
-def layer_place(lay: KVLayout, layer: int) -> tuple[int, int]:
-    """``(byte offset of block 0 of this layer, stride between block ids)``."""
+def region_block_bytes(lay: KVLayout, group: int) -> int:
+    """Bytes of one sub-block in one region of layer group ``group`` (the stride between
+    sub-block ids there)."""
+    return len(layer_groups(lay)[group]) * layer_bytes(lay)
+
+
+def region_bytes(lay: KVLayout, group: int) -> int:
+    return phys_blocks(lay) * region_block_bytes(lay, group)
+
+
+def region_base(lay: KVLayout, group: int, hgroup: int = 0) -> int:
+    """Byte offset of region (layer group, head group) from the pool base."""
+    before = sum(region_bytes(lay, g) for g in range(group)) * head_groups(lay)
+    return before + hgroup * region_bytes(lay, group)
+
+
+def layer_place(lay: KVLayout, layer: int) -> tuple[int, int, int]:
+    """``(offset of sub-block 0 of head group 0, stride between sub-blocks, stride between
+    head groups)`` of one layer, in bytes."""
     for g, layers in enumerate(layer_groups(lay)):
         if layer in layers:
-            gbb = group_block_bytes(lay, g)
-            return group_base(lay, g) + layers.index(layer) * layer_bytes(lay), gbb
+            return (region_base(lay, g) + layers.index(layer) * layer_bytes(lay),
+                    region_block_bytes(lay, g), region_bytes(lay, g))
     raise ValueError(f"layer {layer} outside num_layers={lay.num_layers}")
 
 
 def offset(lay: KVLayout, block: int, layer: int = 0, kv: int = 0, head: int = 0, token: int = 0) -> int:
-    """Byte offset of (block, layer, plane, local head, token-in-block) from the pool base."""
-    base, stride = layer_place(lay, layer)
-    return base + block * stride + kv * slab_bytes(lay) + head * head_bytes(lay) + token * token_bytes(lay)
+    """Byte offset of (physical sub-block, layer, plane, local head, token in the sub-block)."""
+    base, stride, hstride = layer_place(lay, layer)
+    g, h = divmod(head, group_heads(lay))
+    return (base + g * hstride + block * stride + kv * slab_bytes(lay) + h * head_bytes(lay)
+            + token * token_bytes(lay))
+
+
+def pool_shape(lay: KVLayout) -> tuple[int, ...]:
+    if len(layer_groups(lay)) == 1 and head_groups(lay) == 1:
+        return (phys_blocks(lay), lay.num_layers, lay.kv_planes, lay.kv_heads, unit(lay), lay.head_dim)
+    return (pool_bytes(lay) // lay.dtype_bytes,)
+
+
+def expand_table(lay: KVLayout, table) -> list[int]:
+    """Logical block ids -> physical sub-block ids, in token order."""
+    m = subs_per_block(lay)
+    if m == 1:
+        return list(table)
+    return [b * m + s for b in table for s in range(m)]
 
 
 def layer_views(pool, lay: KVLayout) -> list:
-    """Per-layer ``[blocks, planes, heads, block_size, head_dim]`` views of a pool tensor
-    (6-d or flat, contiguous, element type of the model)."""
+    """Per-layer views of a pool tensor (6-d or flat, contiguous, the model's dtype):
+    ``[sub-blocks, planes, heads, sub_block, head_dim]`` with one head group, else
+    ``[sub-blocks, planes, groups, group heads, sub_block, head_dim]``."""
     flat = pool.reshape(-1)
     if flat.numel() * flat.element_size() != pool_bytes(lay):
         raise ValueError(f"pool of {flat.numel() * flat.element_size()} B does not match layout "
                          f"({pool_bytes(lay)} B)")
     esz = flat.element_size()
-    hd, bs, heads = lay.head_dim, lay.block_size, lay.kv_heads
+    hd, u, hg, ng = lay.head_dim, unit(lay), group_heads(lay), head_groups(lay)
     views = []
     for layer in range(lay.num_layers):
-        base, stride = layer_place(lay, layer)
-        views.append(flat.as_strided(
-            (lay.num_blocks, lay.kv_planes, heads, bs, hd),
-            (stride // esz, slab_bytes(lay) // esz, bs * hd, hd, 1),
-            flat.storage_offset() + base // esz))
+        base, stride, hstride = layer_place(lay, layer)
+        size = (phys_blocks(lay), lay.kv_planes, ng, hg, u, hd)
+        strides = (stride // esz, slab_bytes(lay) // esz, hstride // esz, u * hd, hd, 1)
+        if ng == 1:
+            size, strides = size[:2] + size[3:], strides[:2] + strides[3:]
+        views.append(flat.as_strided(size, strides, flat.storage_offset() + base // esz))
     return views
 
 
@@ -131,12 +183,18 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-def layout_for(model, tp: int, rank: int, num_blocks: int, block_size: int) -> KVLayout:
+# ------------------------------------------------------------------- choosing
+def layout_for(model, tp: int, rank: int, num_blocks: int, block_size: int,
+               sub_block: int = 0, head_group: int = 0) -> KVLayout:
     """This rank's pool layout for a ModelConfig (no weights needed)."""
     from pushkv.protocol.tp import rank_heads
 
     total = model.cache_kv_heads
     head_start, kv_heads = rank_heads(tp, rank, total)
+    if sub_block and (sub_block < 1 or block_size % sub_block):
+        raise ValueError(f"sub_block={sub_block} does not divide block_size={block_size}")
+    if head_group and (head_group < 1 or kv_heads % head_group):
+        raise ValueError(f"head_group={head_group} does not divide the rank's {kv_heads} KV heads")
     return KVLayout(
         num_blocks=num_blocks, num_layers=model.num_layers, block_size=block_size,
         kv_heads=kv_heads, head_start=head_start, total_kv_heads=total,
@@ -144,4 +202,25 @@ def layout_for(model, tp: int, rank: int, num_blocks: int, block_size: int) -> K
         window_layers=tuple(sorted(model.window_layers)) if model.sliding_window else (),
         window=model.sliding_window if model.window_layers else 0,
         kv_planes=model.kv_planes,
+        sub_block=0 if sub_block == block_size else sub_block,
+        head_group=0 if head_group == kv_heads else head_group,
     )
+
+
+def transfer_geometry(cfg) -> tuple[int, int]:
+    """``(sub_block, head_group)`` both sides of a P/D deployment use: the largest sub-block
+    and head group that tile both sides' blocks and both sides' per-rank heads, so every
+    (P rank, D rank) transfer is whole regions (gcd of the block sizes; gcd of the local
+    head counts)."""
+    from pushkv.protocol.tp import rank_heads
+
+    total = cfg.model.cache_kv_heads
+    hp = rank_heads(cfg.prefill.tp, 0, total)[1]
+    hd = rank_heads(cfg.decode.tp, 0, total)[1]
+    return math.gcd(cfg.prefill.block_size, cfg.decode.block_size), math.gcd(hp, hd)
+
+
+def instance_layout(cfg, inst, rank: int) -> KVLayout:
+    """Rank ``rank`` of instance ``inst`` in deployment ``cfg``: cut to match its peer."""
+    sub, hg = (0, 0) if cfg.mode == "local" or inst.role == "local" else transfer_geometry(cfg)
+    return layout_for(cfg.model, inst.tp, rank, inst.num_blocks, inst.block_size, sub, hg)

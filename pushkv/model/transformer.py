@@ -2,7 +2,8 @@
 
 The pool is ``[num_blocks, num_layers, 2, kv_heads_local, block_size, head_dim]``
 (see pushkv.kv.layout), or a list of per-layer ``[num_blocks, planes, kv_heads_local,
-block_size, head_dim]`` views (hybrid layouts keep each layer group apart); token
+block_size, head_dim]`` views (``[..., groups, group heads, ...]`` when the pool
+keeps head groups apart; hybrid layouts keep each layer group apart); token
 position p of a sequence lives in block ``block_table[p // block_size]`` at slot
 ``p % block_size``. Keys are stored after RoPE. MLA-style attention is in mla.py.
 """
@@ -102,7 +103,7 @@ class Model:
         if not seqs:
             return torch.empty(0, self.cfg.vocab_size)
         for s in seqs:
-            self._check_seq(s, pool[0].shape[3])
+            self._check_seq(s, pool[0].shape[-2])
         if self.cfg.deterministic:
             # Each seq alone: its matmul shapes, hence its bytes, never depend on the batch.
             parts = [self._forward([s], pool) for s in seqs]
@@ -171,7 +172,8 @@ class Model:
         return t
 
     def _layer_pools(self, pool) -> list[torch.Tensor]:
-        """Per-layer [blocks, planes, kv_heads, block, dim] views of a 6-d pool or a list."""
+        """Per-layer [blocks, planes, kv_heads, block, dim] (or [blocks, planes, groups,
+        group heads, block, dim]) views of a 6-d pool or a list of them."""
         c = self.cfg
         if isinstance(pool, torch.Tensor):
             if pool.dim() != 6 or pool.shape[1] != c.num_layers:
@@ -183,8 +185,9 @@ class Model:
         if len(pool) != c.num_layers:
             raise ValueError(f"{len(pool)} layer pools for {c.num_layers} layers")
         for t in pool:
-            if t.dim() != 5 or tuple(t.shape[1:3]) != want or t.shape[4] != c.cache_head_dim \
-                    or t.shape[3] != pool[0].shape[3]:
+            heads = t.shape[2] * t.shape[3] if t.dim() == 6 else t.shape[2] if t.dim() == 5 else -1
+            if heads < 0 or (t.shape[1], heads) != want or t.shape[-1] != c.cache_head_dim \
+                    or t.shape[-2] != pool[0].shape[-2]:
                 raise ValueError(f"pool shape {tuple(t.shape)} does not match layout "
                                  f"[blocks, {c.kv_planes}, {self.plan.kv_heads}, block, {c.cache_head_dim}]")
             if t.dtype != self.dtype:
@@ -232,7 +235,7 @@ class Model:
         return lo, chunks
 
     def _forward(self, seqs: list[SeqWork], pool: list[torch.Tensor]) -> torch.Tensor:
-        bs = pool[0].shape[3]
+        bs = pool[0].shape[-2]
         ids, pos, plans, last_rows = [], [], [], []
         for s in seqs:
             r0 = len(ids)
@@ -261,9 +264,17 @@ class Model:
         """One layer's attention, per seq [num_new, q_heads * hd]; stores the new K/V.
         kv_pool: this layer's [blocks, 2, kv_heads, block, hd] view."""
         q, k, v = self.qkv(lw, x, positions)
-        kv_pool[w_block, 0, :, w_slot] = k
-        kv_pool[w_block, 1, :, w_slot] = v
+        self._store(kv_pool, w_block, 0, w_slot, k)
+        self._store(kv_pool, w_block, 1, w_slot, v)
         return [self._attend(kv_pool, p, q[p.rows], k[p.rows], v[p.rows], p.attn[kind], bs) for p in plans]
+
+    @staticmethod
+    def _store(kv_pool, block: torch.Tensor, plane: int, slot: torch.Tensor, x: torch.Tensor) -> None:
+        """x [N, kv_heads, dim] into (block, plane, every head, slot) of a 5-d or 6-d layer view."""
+        if kv_pool.dim() == 6:  # head groups are separate regions
+            kv_pool[block, plane, :, :, slot] = x.view(x.shape[0], kv_pool.shape[2], kv_pool.shape[3], -1)
+        else:
+            kv_pool[block, plane, :, slot] = x
 
     @staticmethod
     def _past(kv_pool, p: _SeqPlan, lo: int, bs: int) -> Optional[torch.Tensor]:
@@ -271,7 +282,9 @@ class Model:
         if lo >= p.start:
             return None
         b0, b1 = lo // bs, (p.start - 1) // bs + 1
-        past = kv_pool[p.block_table[b0:b1]]  # [nb, planes, kvh, bs, dim]
+        past = kv_pool[p.block_table[b0:b1]]  # [nb, planes, kvh, bs, dim] (a copy)
+        if past.dim() == 6:
+            past = past.flatten(2, 3)
         nb, planes, kvh, _, dim = past.shape
         past = past.permute(1, 2, 0, 3, 4).reshape(planes, kvh, nb * bs, dim)
         return past[:, :, lo - b0 * bs:p.start - b0 * bs]

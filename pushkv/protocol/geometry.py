@@ -7,18 +7,24 @@ mismatch named before any child starts, instead of failing in a worker or at
 the first handshake.
 
 What is supported: any block size >= 1 on either side (P and D need not
-agree: regions are cut at both sides' block edges); any TP size that shards
-the model (query heads and MLP columns divide evenly; KV heads divide evenly,
-or, with more ranks than KV heads, the rank count is a multiple of them: heads
-are then replicated and only the lowest P rank holding a head writes it).
+agree: both pools are cut into sub-blocks of gcd(P block, D block) tokens, so
+P 16 / D 32 moves whole sub-blocks; a gcd below MIN_SUB_BLOCK tokens is refused,
+as the model would then page in slivers); any TP size that shards the model
+(query heads and MLP columns divide evenly; KV heads divide evenly, or, with
+more ranks than KV heads, the rank count is a multiple of them: heads are then
+replicated and only the lowest P rank holding a head writes it).
 """
 from __future__ import annotations
 
+import math
+
 from pushkv.config import DTYPE_BYTES, DeploymentConfig, InstanceConfig, ModelConfig
-from pushkv.kv.layout import layout_for
+from pushkv.kv.layout import instance_layout, layout_for
 from pushkv.model.shard import shard_plan
 from pushkv.protocol.mapping import check_compatible
 from pushkv.protocol.tp import producers_for
+
+MIN_SUB_BLOCK = 4  # tokens: the smallest common sub-block both pools may be cut into
 
 
 def check_model(model: ModelConfig) -> None:
@@ -58,13 +64,20 @@ def check_instance(model: ModelConfig, inst: InstanceConfig) -> None:
         raise ValueError(f"{who}: tp={inst.tp} cannot shard model {model.name!r}: {e}") from None
 
 
-def check_pair(model: ModelConfig, p: InstanceConfig, d: InstanceConfig) -> None:
-    """Every D rank's producers have layouts the mapping can move between."""
+def check_pair(cfg: DeploymentConfig) -> None:
+    """The pools' common sub-block is usable, and every D rank's producers have layouts
+    the mapping can move between."""
+    p, d, model = cfg.prefill, cfg.decode, cfg.model
+    sub = math.gcd(p.block_size, d.block_size)
+    if sub < min(MIN_SUB_BLOCK, p.block_size, d.block_size):
+        raise ValueError(f"prefill block_size {p.block_size} and decode block_size {d.block_size} share "
+                         f"sub-blocks of only {sub} token(s) (gcd); pick sizes whose gcd is >= {MIN_SUB_BLOCK} "
+                         f"(e.g. one a multiple of the other)")
     total = model.cache_kv_heads
     for dr in range(d.tp):
-        dst = layout_for(model, d.tp, dr, d.num_blocks, d.block_size)
+        dst = instance_layout(cfg, d, dr)
         for pr in producers_for(dr, d.tp, p.tp, total):
-            src = layout_for(model, p.tp, pr, p.num_blocks, p.block_size)
+            src = instance_layout(cfg, p, pr)
             try:
                 check_compatible(src, dst)
             except ValueError as e:
@@ -78,4 +91,4 @@ def check_deployment(cfg: DeploymentConfig) -> None:
     for inst in cfg.instances():
         check_instance(cfg.model, inst)
     if cfg.mode != "local":
-        check_pair(cfg.model, cfg.prefill, cfg.decode)
+        check_pair(cfg)

@@ -1,28 +1,27 @@
 """Block ids to byte regions between two KV pools, merged into few descriptors.
 
-Each side maps to its own physical layout (``pushkv.kv.layout``: per layer
-group ``[num_blocks, group_layers, kv_planes, kv_heads, block_size, head_dim]``);
-block sizes and TP head slices may differ. Results are ``(src_offset,
-dst_offset, nbytes)`` relative to each pool's base, sorted by source offset,
-and merged: regions contiguous on both sides become one. Per-descriptor cost
-dominates a WRITE (see DESIGN.md), so the atoms are as large as the two
-layouts allow:
+Each side maps to its own physical layout (``pushkv.kv.layout``: regions per
+(layer group, head group), blocks cut into sub-blocks); block sizes, sub-blocks,
+head groups and TP head slices may all differ. Results are ``(src_offset,
+dst_offset, nbytes)`` relative to each pool's base, sorted by source offset, and
+merged: regions contiguous on both sides become one. Per-descriptor cost
+dominates a WRITE (see DESIGN.md), so the atoms are as large as the two layouts
+allow:
 
-- identical geometry (same block size, same local heads, all of them moved):
-  one block of one layer group, so N consecutive blocks on both sides are one
-  region per group. The final block moves whole, tokens past ``num_tokens``
-  included (harmless: D overwrites them while decoding).
-- same block size, different head slices: one region per (block, layer, plane)
-  covering the moved head range (whole final block too).
-- different block sizes: one region per (layer, plane, head, token run), a
-  token run being tokens < ``num_tokens`` that stay inside one block on both
-  sides.
+- same sub-block size, and the moved heads are whole head groups of the same
+  size on both sides (what a planned P/D deployment always has, see
+  ``layout.transfer_geometry``): one sub-block of one region, so a run of
+  consecutive blocks on both sides is one descriptor per region moved. The final
+  sub-block moves whole, tokens past ``num_tokens`` included (harmless: D
+  overwrites them while decoding).
+- same sub-block size otherwise: one region per (sub-block, layer, plane, head
+  run), a head run being heads inside one head group on both sides.
+- different sub-block sizes: one region per (layer, plane, head, token run), a
+  token run being tokens < ``num_tokens`` inside one sub-block on both sides.
 
 Sliding-window layers (``window > 0``) move only tokens at positions
->= ``num_tokens - window``, rounded down to a whole source block: their group
-skips the blocks before the window, so a hybrid model moves the window tail of
-its window layers and everything of its full-attention layers, still as one
-region per group for contiguous blocks.
+>= ``num_tokens - window``, rounded down to a whole source sub-block: the window
+layer group skips the sub-blocks before the window.
 """
 from __future__ import annotations
 
@@ -31,8 +30,8 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
-from pushkv.kv.layout import (blocks_for, group_base, group_block_bytes, head_bytes, layer_groups,
-                              layer_place, slab_bytes, token_bytes, window_group)
+from pushkv.kv.layout import (blocks_for, group_heads, head_bytes, layer_groups, layer_place,
+                              region_base, region_block_bytes, slab_bytes, token_bytes, unit, window_group)
 from pushkv.messages import KVLayoutDesc
 
 Region = tuple[int, int, int]
@@ -54,6 +53,10 @@ def check_compatible(src: KVLayoutDesc, dst: KVLayoutDesc) -> None:
     for side, lay in (("src", src), ("dst", dst)):
         if lay.block_size < 1 or lay.kv_heads < 1 or lay.kv_planes < 1:
             raise ValueError(f"{side} layout: block_size, kv_heads and kv_planes must be >= 1")
+        if lay.sub_block < 0 or lay.block_size % unit(lay):
+            raise ValueError(f"{side} layout: sub_block {lay.sub_block} does not divide block_size {lay.block_size}")
+        if lay.head_group < 0 or lay.kv_heads % group_heads(lay):
+            raise ValueError(f"{side} layout: head_group {lay.head_group} does not divide kv_heads {lay.kv_heads}")
         if not 0 <= lay.head_start <= lay.head_start + lay.kv_heads <= lay.total_kv_heads:
             raise ValueError(
                 f"{side} layout: heads [{lay.head_start}, {lay.head_start + lay.kv_heads}) "
@@ -85,8 +88,9 @@ def map_transfer(
     """Merged ``(src_offset, dst_offset, nbytes)`` regions moving ``num_tokens`` tokens.
 
     ``heads`` is the global ``(start, count)`` to move; default: the heads both
-    sides hold. Only the first ``count_blocks(num_tokens, ...)`` ids of each
-    table are used; shorter tables or ids outside a pool raise ValueError.
+    sides hold. Tables name logical blocks; only the first
+    ``count_blocks(num_tokens, ...)`` ids of each are used; shorter tables or ids
+    outside a pool raise ValueError.
     """
     check_compatible(src, dst)
     if num_tokens < 0:
@@ -94,82 +98,114 @@ def map_transfer(
     hs, hc = _resolve_heads(src, dst, heads)
     if num_tokens == 0 or hc == 0:
         return []
-    sb = _table(src_blocks, count_blocks(num_tokens, src), src.num_blocks, "src")
-    db = _table(dst_blocks, count_blocks(num_tokens, dst), dst.num_blocks, "dst")
+    sb = _subs(src, _table(src_blocks, count_blocks(num_tokens, src), src.num_blocks, "src"), num_tokens)
+    db = _subs(dst, _table(dst_blocks, count_blocks(num_tokens, dst), dst.num_blocks, "dst"), num_tokens)
 
-    win_block = 0  # first src block a window layer needs
+    win_sub = 0  # first src sub-block a window layer needs
     if window_group(src) >= 0:
-        win_block = max(0, num_tokens - src.window) // src.block_size
-    same_bs = src.block_size == dst.block_size
+        win_sub = max(0, num_tokens - src.window) // unit(src)
+    if unit(src) == unit(dst):
+        hg = group_heads(src)
+        if (hg == group_heads(dst) and hc % hg == 0
+                and (hs - src.head_start) % hg == 0 and (hs - dst.head_start) % hg == 0):
+            return _map_regions(src, sb, dst, db, hs, hc, win_sub)
+        return _map_head_runs(src, sb, dst, db, hs, hc, win_sub)
+    return _map_token_runs(src, sb, dst, db, num_tokens, hs, hc, win_sub)
 
-    if same_bs and src.head_start == dst.head_start and src.kv_heads == dst.kv_heads == hc:
-        return _map_group_blocks(src, sb, dst, db, win_block)
-    if same_bs:
-        return _map_head_ranges(src, sb, dst, db, hs, hc, win_block)
-    return _map_token_runs(src, sb, dst, db, num_tokens, hs, hc, win_block)
 
-
-def _map_group_blocks(src, sb, dst, db, win_block) -> list[Region]:
-    """One atom per (block, layer group): the whole-block fast path."""
-    wg = window_group(src)
+def _map_regions(src, sb, dst, db, hs, hc, win_sub) -> list[Region]:
+    """One atom per (sub-block, layer group, head group): the whole-region fast path."""
+    wg, hg = window_group(src), group_heads(src)
+    js, jd = (hs - src.head_start) // hg, (hs - dst.head_start) // hg
     s_parts, d_parts, n_parts = [], [], []
     for g in range(len(layer_groups(src))):
-        first = win_block if g == wg else 0
-        sgb, dgb = group_block_bytes(src, g), group_block_bytes(dst, g)
-        s_parts.append(group_base(src, g) + sb[first:] * sgb)
-        d_parts.append(group_base(dst, g) + db[first:] * dgb)
-        n_parts.append(np.full(len(sb) - first, sgb, dtype=np.int64))
+        first = win_sub if g == wg else 0
+        rb = region_block_bytes(src, g)  # == dst's: same layers, planes, heads, sub-block
+        for k in range(hc // hg):
+            s_parts.append(region_base(src, g, js + k) + sb[first:] * rb)
+            d_parts.append(region_base(dst, g, jd + k) + db[first:] * rb)
+            n_parts.append(np.full(len(sb) - first, rb, dtype=np.int64))
     return _merge(np.concatenate(s_parts), np.concatenate(d_parts), np.concatenate(n_parts))
 
 
-def _layer_places(lay) -> tuple[np.ndarray, np.ndarray]:
-    """Per layer: byte offset of block 0, and the stride between block ids."""
-    places = [layer_place(lay, l) for l in range(lay.num_layers)]
-    return (np.array([p[0] for p in places], dtype=np.int64),
-            np.array([p[1] for p in places], dtype=np.int64))
+def _head_runs(src, dst, hs, hc) -> list[tuple[int, int]]:
+    """[hs, hs + hc) cut at both sides' head-group edges: (first head, count) per run."""
+    cuts = {hs, hs + hc}
+    for lay in (src, dst):
+        g = group_heads(lay)
+        cuts.update(h for h in range(lay.head_start, lay.head_start + lay.kv_heads + 1, g) if hs < h < hs + hc)
+    edges = sorted(cuts)
+    return [(a, b - a) for a, b in zip(edges, edges[1:])]
 
 
-def _map_head_ranges(src, sb, dst, db, hs, hc, win_block) -> list[Region]:
+def _head_addr(lay, head: int) -> tuple[int, int]:
+    """Global head -> (head group index, bytes into the group's slab)."""
+    g, h = divmod(head - lay.head_start, group_heads(lay))
+    return g, h * head_bytes(lay)
+
+
+def _map_head_runs(src, sb, dst, db, hs, hc, win_sub) -> list[Region]:
     L, P = src.num_layers, src.kv_planes
-    s_base, s_stride = _layer_places(src)
-    d_base, d_stride = _layer_places(dst)
+    sp, dp = _layer_places(src), _layer_places(dst)
     plane = np.arange(P, dtype=np.int64).reshape(1, 1, P)
-    s = (s_base + sb[:, None] * s_stride)[:, :, None] + plane * slab_bytes(src) + (hs - src.head_start) * head_bytes(src)
-    d = (d_base + db[:, None] * d_stride)[:, :, None] + plane * slab_bytes(dst) + (hs - dst.head_start) * head_bytes(dst)
-    keep = np.broadcast_to(_keep_mask(src, len(sb), win_block)[:, :, None], s.shape)  # [blocks, layers, planes]
-    n = np.full(s.shape, hc * head_bytes(src), dtype=np.int64)
-    return _merge(s[keep], d[keep], n[keep])
+    keep = _keep_mask(src, len(sb), win_sub)[:, :, None]  # [sub-blocks, layers, 1]
+    s_all, d_all, n_all = [], [], []
+    for h0, cnt in _head_runs(src, dst, hs, hc):
+        (gs, os_), (gd, od) = _head_addr(src, h0), _head_addr(dst, h0)
+        s = (sp[0] + gs * sp[2] + sb[:, None] * sp[1])[:, :, None] + plane * slab_bytes(src) + os_
+        d = (dp[0] + gd * dp[2] + db[:, None] * dp[1])[:, :, None] + plane * slab_bytes(dst) + od
+        k = np.broadcast_to(keep, s.shape)
+        s_all.append(s[k])
+        d_all.append(d[k])
+        n_all.append(np.full(int(k.sum()), cnt * head_bytes(src), dtype=np.int64))
+    return _merge(np.concatenate(s_all), np.concatenate(d_all), np.concatenate(n_all))
 
 
-def _map_token_runs(src, sb, dst, db, num_tokens, hs, hc, win_block) -> list[Region]:
-    sbs, dbs = src.block_size, dst.block_size
-    starts = np.union1d(np.arange(0, num_tokens, sbs), np.arange(0, num_tokens, dbs))
+def _map_token_runs(src, sb, dst, db, num_tokens, hs, hc, win_sub) -> list[Region]:
+    us, ud = unit(src), unit(dst)
+    starts = np.union1d(np.arange(0, num_tokens, us), np.arange(0, num_tokens, ud))
     lens = np.diff(np.append(starts, num_tokens))
-    sidx, sslot = np.divmod(starts, sbs)
-    didx, dslot = np.divmod(starts, dbs)
+    sidx, sslot = np.divmod(starts, us)
+    didx, dslot = np.divmod(starts, ud)
     tb = token_bytes(src)
-    L, P = src.num_layers, src.kv_planes
-    s_base, s_stride = _layer_places(src)
-    d_base, d_stride = _layer_places(dst)
+    P = src.kv_planes
+    sp, dp = _layer_places(src), _layer_places(dst)
     plane = np.arange(P, dtype=np.int64).reshape(1, 1, P, 1)
-    h = np.arange(hc, dtype=np.int64).reshape(1, 1, 1, hc)
-    # [segments, layers] -> byte offset of the segment's first token in that layer
-    s_seg = s_base + sb[sidx][:, None] * s_stride + (sslot * tb)[:, None]
-    d_seg = d_base + db[didx][:, None] * d_stride + (dslot * tb)[:, None]
-    s = s_seg[:, :, None, None] + plane * slab_bytes(src) + (hs - src.head_start + h) * head_bytes(src)
-    d = d_seg[:, :, None, None] + plane * slab_bytes(dst) + (hs - dst.head_start + h) * head_bytes(dst)
+    s_hg, s_head = np.array([_head_addr(src, h) for h in range(hs, hs + hc)], dtype=np.int64).T
+    d_hg, d_head = np.array([_head_addr(dst, h) for h in range(hs, hs + hc)], dtype=np.int64).T
+    # [segments, layers, 1, heads] -> byte offset of the segment's first token
+    s_seg = (sp[0] + sb[sidx][:, None] * sp[1] + (sslot * tb)[:, None])[:, :, None, None] \
+        + s_hg[None, None, None, :] * sp[2][None, :, None, None] + s_head[None, None, None, :]
+    d_seg = (dp[0] + db[didx][:, None] * dp[1] + (dslot * tb)[:, None])[:, :, None, None] \
+        + d_hg[None, None, None, :] * dp[2][None, :, None, None] + d_head[None, None, None, :]
+    s = s_seg + plane * slab_bytes(src)
+    d = d_seg + plane * slab_bytes(dst)
     n = np.broadcast_to((lens * tb).reshape(-1, 1, 1, 1), s.shape)
-    keep = _keep_mask(src, len(sb), win_block)[sidx]  # [segments, layers]
+    keep = _keep_mask(src, len(sb), win_sub)[sidx]  # [segments, layers]
     keep = np.broadcast_to(keep[:, :, None, None], s.shape)
     return _merge(s[keep], d[keep], n[keep])
 
 
-def _keep_mask(lay, nblocks: int, win_block: int) -> np.ndarray:
-    """[src block index, layer] -> whether that (block, layer) must move."""
-    keep = np.ones((nblocks, lay.num_layers), dtype=bool)
+def _layer_places(lay) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per layer: offset of sub-block 0 (head group 0), sub-block stride, head-group stride."""
+    places = [layer_place(lay, l) for l in range(lay.num_layers)]
+    return tuple(np.array([p[i] for p in places], dtype=np.int64) for i in range(3))
+
+
+def _subs(lay, logical: np.ndarray, num_tokens: int) -> np.ndarray:
+    """Physical sub-block ids holding the first num_tokens tokens."""
+    m = lay.block_size // unit(lay)
+    if m > 1:
+        logical = (logical[:, None] * m + np.arange(m, dtype=np.int64)).ravel()
+    return logical[:blocks_for(num_tokens, unit(lay))]
+
+
+def _keep_mask(lay, nsubs: int, win_sub: int) -> np.ndarray:
+    """[src sub-block index, layer] -> whether that (sub-block, layer) must move."""
+    keep = np.ones((nsubs, lay.num_layers), dtype=bool)
     windowed = _window_layers(lay)
-    if windowed and win_block:
-        keep[:win_block, sorted(windowed)] = False
+    if windowed and win_sub:
+        keep[:win_sub, sorted(windowed)] = False
     return keep
 
 

@@ -5,6 +5,7 @@ import logging
 import os
 import time
 
+import msgspec
 import zmq
 
 from pushkv import faults
@@ -25,7 +26,7 @@ class Worker(Actor):
         self.cfg = cfg
         self.inst = inst
         self.rank = rank
-        self.layout = L.layout_for(cfg.model, inst.tp, rank, inst.num_blocks, inst.block_size)
+        self.layout = L.instance_layout(cfg, inst, rank)  # cut to match the peer instance
         self.pool: Pool | None = None
 
     def setup(self) -> None:
@@ -78,7 +79,7 @@ class Worker(Actor):
         t0 = time.perf_counter()
         faults.point(self.name, "execute")
         try:
-            sampled = self.model.execute(msg.seqs, self.layer_pools)
+            sampled = self.model.execute(self._physical(msg.seqs), self.layer_pools)
         except Exception as e:
             log.exception("%s: step %d failed", self.name, msg.step_id)
             self.send(self.sched, m.StepFailed(msg.step_id, f"{type(e).__name__}: {e}"))
@@ -87,7 +88,14 @@ class Worker(Actor):
         # before answering, so a WRITE is never posted on unfinished blocks.
         self.send(self.sched, m.StepDone(msg.step_id, tuple(sampled), time.perf_counter() - t0))
 
+    def _physical(self, seqs):
+        """Block tables name logical blocks; the pool is cut into sub-blocks (layout.py)."""
+        if L.subs_per_block(self.layout) == 1:
+            return seqs
+        return [msgspec.structs.replace(s, block_table=tuple(L.expand_table(self.layout, s.block_table)))
+                for s in seqs]
+
     def on_DumpBlocks(self, msg: m.DumpBlocks) -> None:
         data = b"".join(v[b].contiguous().view(-1).view(__import__("torch").uint8).numpy().tobytes()
-                        for b in msg.block_ids for v in self.layer_pools)
+                        for b in L.expand_table(self.layout, msg.block_ids) for v in self.layer_pools)
         self.send(self.sched, m.BlocksDumped(msg.block_ids, data))

@@ -58,7 +58,7 @@ class WriterBase(Actor):
         self.cfg = cfg
         self.inst = inst
         self.rank = rank
-        self.layout = L.layout_for(cfg.model, inst.tp, rank, inst.num_blocks, inst.block_size)
+        self.layout = L.instance_layout(cfg, inst, rank)  # cut to match the peer instance
         self.pool: Optional[Pool] = None
         self.nixl: Optional[NixlAgent] = None
         self.peers: dict[tuple[str, int], Peer] = {}  # (engine_id, rank) -> peer
