@@ -204,6 +204,8 @@ def test_perfetto_one_group_per_request_with_lanes_spans_flows_and_steps():
     lanes = {e["tid"]: e["args"]["name"] for e in te if e["name"] == "thread_name" and e["pid"] == push_pid}
     assert list(lanes.values())[:3] == ["router", "prefill-scheduler", "prefill-writer-0"]
     spans = {(lanes[e["tid"]], e["name"]) for e in te if e["ph"] == "X" and e["pid"] == push_pid}
+    msgs = [e for e in te if e.get("cat") == "message"]
+    assert msgs and all(e["ph"] == "X" and e["dur"] == 0 for e in msgs)  # flows bind to these
     assert {("prefill-scheduler", "prefill"), ("prefill-writer-0", "WRITE"), ("decode-writer-0", "registration"),
             ("decode-scheduler", "first decode step"), ("router", "TTFT")} <= spans
     starts = {e["id"]: e for e in te if e["ph"] == "s"}

@@ -461,7 +461,8 @@ def perfetto(events: list[m.TraceEvent]) -> dict:
                 continue
             arrow = "->" if e.direction == "send" else "<-"
             args = {"peer": e.peer, "message": summarize(decode_payload(e))}
-            out.append({"name": f"{e.direction} {e.kind} {arrow} {e.peer}", "cat": "message", "ph": "i", "s": "t",
+            # a zero-length slice, not an instant: flow arrows bind to the slice enclosing their end
+            out.append({"name": f"{e.direction} {e.kind} {arrow} {e.peer}", "cat": "message", "ph": "X", "dur": 0,
                         "pid": pid, "tid": tid, "ts": us(e.t_mono), "args": args})
             if e.direction == "send":
                 flow_id += 1
