@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start a deployment and supervise it until stopped")
     up.add_argument("--config", help="JSON or TOML file of DeploymentConfig fields (flags override)")
     up.add_argument("--mode", choices=("push", "pull", "local"))
-    up.add_argument("--pull-read", choices=("inline", "background"))
+    up.add_argument("--pull-read", choices=("inline", "background", "write"),
+                    help="pull: READ inside D's step, READ on D's writer, or D registers after the relay and P WRITEs")
     up.add_argument("--host")
     up.add_argument("--port", type=int)
     up.add_argument("--model", choices=sorted(PRESETS), help="model preset")
@@ -53,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--prefill-tp", type=int)
     t.add_argument("--decode-tp", type=int)
     t.add_argument("--tp", type=int, help="TP of the local instance (--mode local)")
+    t.add_argument("--device", help="cpu | cuda[:N] for every instance (KV pool and model)")
+    t.add_argument("--prefill-device", help="cpu | cuda[:N] (overrides --device for P)")
+    t.add_argument("--decode-device", help="cpu | cuda[:N] (overrides --device for D)")
     t.add_argument("--prefill-block-size", type=int)
     t.add_argument("--decode-block-size", type=int)
     t.add_argument("--block-size", type=int, help="every instance's block size (the two above win)")
@@ -115,10 +119,11 @@ def config_from_args(args: argparse.Namespace) -> DeploymentConfig:
         trace_endpoint=TRACE_AUTO if args.trace else None,
         trace_tap_endpoint=args.trace if args.trace not in (None, TRACE_AUTO) else None,
         prefill=_replace(cfg.prefill, tp=args.prefill_tp, block_size=args.prefill_block_size or args.block_size,
-                         num_blocks=args.num_blocks),
+                         num_blocks=args.num_blocks, device=args.prefill_device or args.device),
         decode=_replace(cfg.decode, tp=args.decode_tp, block_size=args.decode_block_size or args.block_size,
-                        num_blocks=args.num_blocks),
-        local=_replace(cfg.local, tp=args.tp, block_size=args.block_size, num_blocks=args.num_blocks),
+                        num_blocks=args.num_blocks, device=args.decode_device or args.device),
+        local=_replace(cfg.local, tp=args.tp, block_size=args.block_size, num_blocks=args.num_blocks,
+                       device=args.device),
     )
 
 

@@ -111,6 +111,7 @@ class InstanceConfig(msgspec.Struct, frozen=True):
     writer_endpoints: tuple[str, ...] = ()  # scheduler -> writer rank r
     handshake_endpoints: tuple[str, ...] = ()  # writer rank r, peers connect
     dist_init: str = ""  # torch.distributed init for tp>1
+    device: str = "cpu"  # "cpu" or "cuda[:N]"; rank r of a cuda instance uses cuda:N+r
 
 
 class Timeouts(msgspec.Struct, frozen=True):
@@ -124,7 +125,11 @@ class Timeouts(msgspec.Struct, frozen=True):
 
 class DeploymentConfig(msgspec.Struct, frozen=True):
     mode: str = "push"  # "push" | "pull" | "local"
-    pull_read: str = "background"  # "inline" | "background" (pull mode)
+    # pull mode, how D fetches P's blocks after the relay: "inline" (READ posted inside D's
+    # engine step, blocking it, like the default connector), "background" (READ on D's writer),
+    # "write" (D registers its blocks after the relay and P WRITEs them: pull's protocol with
+    # push's transfer direction, to separate protocol cost from READ-vs-WRITE transport cost)
+    pull_read: str = "background"
     host: str = "127.0.0.1"
     port: int = 8000
     model: ModelConfig = PRESETS["small"]
@@ -148,6 +153,14 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
 
     def instance(self, role: str) -> InstanceConfig:
         return {"prefill": self.prefill, "decode": self.decode, "local": self.local}[role]
+
+
+def rank_device(inst: "InstanceConfig", rank: int) -> str:
+    """The device of one TP rank: ranks of a GPU instance take consecutive GPUs."""
+    if inst.device == "cpu":
+        return "cpu"
+    base = int(inst.device.split(":")[1]) if ":" in inst.device else 0
+    return f"cuda:{base + rank}"
 
 
 def new_deployment_id() -> str:

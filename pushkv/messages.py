@@ -340,6 +340,7 @@ class Hello(Msg):
     agent_metadata: bytes
     pool_base: int
     layout: KVLayoutDesc
+    device_id: int = 0  # GPU index of the pool (NIXL descriptors name it); 0 on CPU
 
 
 HandshakeMsg = Union[Hello]

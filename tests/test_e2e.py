@@ -35,6 +35,7 @@ MODES = {
     "push": ("--mode", "push"),
     "pull-inline": ("--mode", "pull", "--pull-read", "inline"),
     "pull-background": ("--mode", "pull", "--pull-read", "background"),
+    "pull-write": ("--mode", "pull", "--pull-read", "write"),
 }
 
 

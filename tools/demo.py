@@ -22,10 +22,12 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, nargs="+", default=[16, 300, 1024])
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--no-check", action="store_true", help="skip the local-mode reference run")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda[:N]")
+    ap.add_argument("--num-blocks", default="1024")
     args = ap.parse_args(argv)
     rng = random.Random(0)
     prompts = [[rng.randrange(256) for _ in range(n)] for n in args.prompt_len]
-    common = ("--model", args.model, "--num-blocks", "1024")
+    common = ("--model", args.model, "--num-blocks", args.num_blocks, "--device", args.device)
     ref = None
     if not args.no_check:
         print("starting the reference: one local instance ...", flush=True)

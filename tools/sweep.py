@@ -28,11 +28,12 @@ MODES: dict[str, list[str]] = {
     "push": ["--mode", "push"],
     "pull-inline": ["--mode", "pull", "--pull-read", "inline"],
     "pull-background": ["--mode", "pull", "--pull-read", "background"],
+    "pull-write": ["--mode", "pull", "--pull-read", "write"],
     "local": ["--mode", "local"],
 }
-SMALL = {"modes": ["push", "pull-inline", "pull-background"], "qps": [1.0, 2.0], "inputs": [256, 1024],
+SMALL = {"modes": ["push", "pull-inline", "pull-background", "pull-write"], "qps": [1.0, 2.0], "inputs": [256, 1024],
          "num_prompts": 8, "output_len": 32}
-FULL = {"modes": ["push", "pull-inline", "pull-background", "local"], "qps": [1.0, 2.0, 4.0, 8.0],
+FULL = {"modes": ["push", "pull-inline", "pull-background", "pull-write", "local"], "qps": [1.0, 2.0, 4.0, 8.0],
         "inputs": [1024, 2048, 4096, 8192, 16384], "num_prompts": 50, "output_len": 128}
 URL_RE = re.compile(r"https?://[\w.\-\[\]:]+")
 HEALTH_TIMEOUT_S = 300.0

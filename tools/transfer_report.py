@@ -18,14 +18,18 @@ import torch
 from pushkv.launch import launched
 
 
-def plain_copy_gbps(nbytes: int, reps: int = 11) -> float:
-    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
-    dst = torch.empty(nbytes, dtype=torch.uint8).fill_(1)  # touched, like the pools (zeros() maps lazily)
+def plain_copy_gbps(nbytes: int, reps: int = 11, device: str = "cpu") -> float:
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)  # touched, like the pools
     dst.copy_(src)  # warm
     times = []
     for _ in range(reps):
+        if device != "cpu":
+            torch.cuda.synchronize()
         t = time.perf_counter()
         dst.copy_(src)
+        if device != "cpu":
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
     return nbytes / statistics.median(times) / 1e9
 
@@ -54,18 +58,21 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--out", default="results/transfer_report.json")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda: pools and models on this device")
+    ap.add_argument("--decode-device", default=None, help="D on another GPU (e.g. cuda:1)")
     args = ap.parse_args(argv)
     blocks = max(args.lengths) // args.block_size + 64
     rng = random.Random(0)
     rows = []
     print(f"starting a push deployment ({args.model}, block size {args.block_size}, {blocks} blocks) ...", flush=True)
+    extra = ["--device", args.device] + (["--decode-device", args.decode_device] if args.decode_device else [])
     with launched("--mode", "push", "--model", args.model, "--num-blocks", str(blocks),
-                  "--block-size", str(args.block_size)) as dep:
+                  "--block-size", str(args.block_size), *extra) as dep:
         dep.complete([1, 2, 3], 2)  # warm-up: first handshake, allocator, lazy init
         for n in args.lengths:
             runs = [one(dep, n, rng) for _ in range(args.reps)]
             row = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-            row["copy_gbps"] = plain_copy_gbps(int(row["kv_bytes"]))
+            row["copy_gbps"] = plain_copy_gbps(int(row["kv_bytes"]), device=args.device)
             rows.append(row)
             print(f"  {n} tokens done", flush=True)
     hdr = (f"{'prompt':>7} {'KV MiB':>8} {'blocks':>7} {'descs':>6} {'WRITE ms':>9} {'WRITE GB/s':>11} "

@@ -7,11 +7,13 @@ the writer allocates with torch on its device and exports a CUDA IPC handle;
 """
 from __future__ import annotations
 
+import base64
 import mmap
 import os
 from dataclasses import dataclass
 from typing import Optional
 
+import msgspec
 import numpy as np
 import torch
 
@@ -82,8 +84,11 @@ def create_pool(name: str, lay: KVLayoutDesc, dtype: str, device: str = "cpu") -
     """Allocate a pool (owner side). The pages are touched now, not on the first WRITE."""
     nbytes = L.pool_bytes(lay)
     if device != "cpu":
+        # allocated by the writer itself: NIXL registers it as VRAM at full speed
+        # (an imported CUDA IPC view registers as host memory or crawls)
         t = torch.zeros(L.pool_shape(lay), dtype=TORCH_DTYPES[dtype], device=device)
-        handle = PoolHandle(kind="cuda_ipc", name="", nbytes=nbytes, dtype=dtype, shape=tuple(t.shape))
+        torch.cuda.synchronize(t.device)
+        handle = PoolHandle(kind="cuda_ipc", name=_export_cuda(t), nbytes=nbytes, dtype=dtype, shape=tuple(t.shape))
         return Pool(handle=handle, tensor=t, base_addr=t.data_ptr(), owner=True)
     path = os.path.join(SHM_DIR, name)
     tmp = path + ".init"
@@ -95,8 +100,39 @@ def create_pool(name: str, lay: KVLayoutDesc, dtype: str, device: str = "cpu") -
     return Pool(handle=handle, tensor=t, base_addr=addr, owner=True, _mm=mm)
 
 
+CUDA_PREFIX = "cuda_ipc:"
+
+
+def _export_cuda(t: torch.Tensor) -> str:
+    """A printable CUDA IPC handle of ``t``'s storage (msgpack, base64; no pickle)."""
+    fields = t.untyped_storage()._share_cuda_()
+    return CUDA_PREFIX + base64.b64encode(msgspec.msgpack.encode(list(fields))).decode()
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= n
+    return tuple(reversed(strides))
+
+
+def _attach_cuda(spec: str, lay: KVLayoutDesc, dtype: str) -> Pool:
+    fields = msgspec.msgpack.decode(base64.b64decode(spec[len(CUDA_PREFIX):]))
+    dev = int(fields[0])
+    torch.cuda.set_device(dev)
+    storage = torch.UntypedStorage._new_shared_cuda(*fields)
+    typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=TORCH_DTYPES[dtype], _internal=True)
+    shape = L.pool_shape(lay)
+    t = torch._utils._rebuild_tensor(typed, 0, shape, _contiguous_strides(shape))
+    handle = PoolHandle(kind="cuda_ipc", name=spec, nbytes=L.pool_bytes(lay), dtype=dtype, shape=shape)
+    return Pool(handle=handle, tensor=t, base_addr=t.data_ptr(), owner=False)
+
+
 def attach_pool(handle: PoolHandle, lay: KVLayoutDesc) -> Pool:
     """Map a pool another process owns (worker side, or tests)."""
+    if handle.kind == "cuda_ipc":
+        return _attach_cuda(handle.name, lay, handle.dtype)
     if handle.kind != "shm":
         raise NotImplementedError(f"pool kind {handle.kind!r} is not supported on this build")
     mm = _map_file(handle.name, handle.nbytes, create=False)

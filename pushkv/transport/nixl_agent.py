@@ -65,10 +65,11 @@ class NixlAgent:
 
     # -- transfers ------------------------------------------------------------
     def post(self, op: str, regions: Sequence[tuple[int, int, int]], local_base: int,
-             remote: str, remote_base: int, notif: bytes = b""):
+             remote: str, remote_base: int, notif: bytes = b"", remote_dev: Optional[int] = None):
         """Post a WRITE or READ of (local_off, remote_off, nbytes) regions; returns a handle."""
+        rdev = self.dev_id if remote_dev is None else remote_dev
         local = [(local_base + lo, n, self.dev_id) for lo, _, n in regions]
-        rem = [(remote_base + ro, n, self.dev_id) for _, ro, n in regions]
+        rem = [(remote_base + ro, n, rdev) for _, ro, n in regions]
         ldesc = self._agent.get_xfer_descs(local, self.mem_type)
         rdesc = self._agent.get_xfer_descs(rem, self.mem_type)
         handle = self._agent.initialize_xfer(op, ldesc, rdesc, remote, notif)

@@ -13,7 +13,8 @@ from pushkv import messages as m
 from pushkv.actor import Actor
 from pushkv.config import DeploymentConfig, InstanceConfig
 from pushkv.kv import layout as L
-from pushkv.kv.pool import SHM_DIR, Pool, attach_pool, shm_name
+from pushkv.config import rank_device
+from pushkv.kv.pool import CUDA_PREFIX, SHM_DIR, Pool, attach_pool, shm_name
 
 log = logging.getLogger(__name__)
 
@@ -35,14 +36,18 @@ class Worker(Actor):
         from pushkv.model.transformer import build_model
 
         torch.set_num_threads(max(1, int(os.environ.get("PUSHKV_THREADS", "1"))))
+        self.device = rank_device(self.inst, self.rank)
+        if self.device != "cpu":
+            torch.cuda.set_device(self.device)
         group = None
         if self.inst.tp > 1:
             import torch.distributed as dist
 
-            dist.init_process_group("gloo", init_method=self.inst.dist_init, rank=self.rank,
+            backend = "gloo" if self.device == "cpu" else "nccl"
+            dist.init_process_group(backend, init_method=self.inst.dist_init, rank=self.rank,
                                     world_size=self.inst.tp)
             group = dist.group.WORLD
-        self.model = build_model(self.cfg.model, self.rank, self.inst.tp, "cpu", group)
+        self.model = build_model(self.cfg.model, self.rank, self.inst.tp, self.device, group)
         mine = self.model.kv_layout(self.inst.num_blocks, self.inst.block_size)
         if (mine.kv_heads, mine.head_start) != (self.layout.kv_heads, self.layout.head_start):
             raise RuntimeError(f"model layout {mine} disagrees with pool layout {self.layout}")
@@ -57,6 +62,10 @@ class Worker(Actor):
 
         path = os.environ.get("PUSHKV_POOL") or os.path.join(
             SHM_DIR, shm_name(self.cfg.deployment_id, self.inst.role, self.rank))
+        if path.startswith(CUDA_PREFIX):  # GPU pool: CUDA IPC from the writer
+            handle = PoolHandle("cuda_ipc", path, L.pool_bytes(self.layout), self.cfg.model.dtype,
+                                L.pool_shape(self.layout))
+            return attach_pool(handle, self.layout)
         deadline = time.monotonic() + POOL_WAIT_S
         while not os.path.exists(path):
             if time.monotonic() > deadline:

@@ -18,14 +18,15 @@ import zmq
 
 from pushkv import messages as m
 from pushkv.actor import IDLE_POLL_MS, Actor
-from pushkv.config import DeploymentConfig, InstanceConfig
+from pushkv.config import DeploymentConfig, InstanceConfig, rank_device
 from pushkv.kv import layout as L
 from pushkv.kv.pool import Pool, create_pool, shm_name
 from pushkv.transport.nixl_agent import NixlAgent, TransferError
 
 log = logging.getLogger(__name__)
 
-PENDING_POLL_MS = 1  # something is waiting on a notification
+# something is waiting on a notification (or a peer's one-sided READ may need our progress)
+PENDING_POLL_MS = int(os.environ.get("PUSHKV_PENDING_POLL_MS", "1"))
 HANDSHAKE_TIMEOUT_MS = 5000
 
 
@@ -37,6 +38,7 @@ class Peer:
     agent: str
     pool_base: int
     layout: m.KVLayoutDesc
+    dev_id: int = 0
 
 
 @dataclass
@@ -73,8 +75,9 @@ class WriterBase(Actor):
     # -- lifecycle --------------------------------------------------------------
     def setup(self) -> None:
         name = shm_name(self.cfg.deployment_id, self.inst.role, self.rank, os.getpid())
-        self.pool = create_pool(name, self.layout, self.cfg.model.dtype)
-        self.nixl = NixlAgent(self.agent_name)
+        device = rank_device(self.inst, self.rank)
+        self.pool = create_pool(name, self.layout, self.cfg.model.dtype, device)
+        self.nixl = NixlAgent(self.agent_name, device=device)
         self.nixl.register(self.pool.base_addr, self.pool.nbytes)
         sched = self.socket(zmq.DEALER, self.inst.writer_endpoints[self.rank], bind=True)
         self.sched = self.add_channel(sched, m.DEC_SCHED_TO_WRITER, f"{self.inst.role}-scheduler")
@@ -107,7 +110,7 @@ class WriterBase(Actor):
         return m.Hello(
             engine_id=self.inst.engine_id, rank=self.rank, tp=self.inst.tp,
             agent_name=self.agent_name, agent_metadata=self.nixl.metadata(),
-            pool_base=self.pool.base_addr, layout=self.layout,
+            pool_base=self.pool.base_addr, layout=self.layout, device_id=self.nixl.dev_id,
         )
 
     # -- handshake ----------------------------------------------------------------
@@ -119,7 +122,7 @@ class WriterBase(Actor):
         if old is not None:  # the peer restarted: drop its old NIXL metadata first
             self.forget_peer(old)
         agent = self.nixl.add_remote(h.agent_metadata)
-        peer = Peer(h.engine_id, h.rank, h.tp, agent, h.pool_base, h.layout)
+        peer = Peer(h.engine_id, h.rank, h.tp, agent, h.pool_base, h.layout, h.device_id)
         self.peers[(h.engine_id, h.rank)] = peer
         self.peers_by_agent[agent] = peer
         log.info("%s: connected to %s rank %d (agent %s)", self.name, h.engine_id, h.rank, agent)

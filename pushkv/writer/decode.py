@@ -164,6 +164,11 @@ class DecodeWriter(WriterBase):
 
     # -- pull, background: READ on the writer --------------------------------------------
     def on_ReadKV(self, msg: m.ReadKV) -> None:
+        if self.cfg.pull_read == "write":  # register now, after the relay; P WRITEs (see config)
+            p = msg.pull
+            self.on_ExpectKV(m.ExpectKV(msg.transfer_id, msg.generation, msg.block_ids, p.num_tokens,
+                                        p.source, msg.deadline_s))
+            return
         now = time.monotonic()
         p = msg.pull
         faults.point(self.name, "read_posted")
@@ -176,7 +181,8 @@ class DecodeWriter(WriterBase):
                     continue
                 regions = map_transfer(peer.layout, p.block_ids, self.layout, msg.block_ids, p.num_tokens, heads)
                 local = [(d, s, n) for s, d, n in regions]
-                fl.handles.append(self.nixl.post("READ", local, self.pool.base_addr, peer.agent, peer.pool_base))
+                fl.handles.append(self.nixl.post("READ", local, self.pool.base_addr, peer.agent, peer.pool_base,
+                                                 remote_dev=peer.dev_id))
                 fl.nbytes += sum(r[2] for r in regions)
                 fl.num_descs += len(regions)
         except Exception as e:

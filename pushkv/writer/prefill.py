@@ -63,6 +63,9 @@ class PrefillWriter(WriterBase):
     def on_HoldKV(self, msg: m.HoldKV) -> None:
         now = time.monotonic()
         faults.point(self.name, "lease_held")
+        if self.cfg.pull_read == "write":  # pull's protocol, push's transfer: wait for D's late registration
+            self.on_SendKV(m.SendKV(msg.transfer_id, msg.generation, msg.block_ids, msg.num_tokens, msg.first_token))
+            return
         if not self.rdv.produces:  # a replica rank: no D rank reads from it
             self.apply([A.Completed(msg.transfer_id, msg.generation, "replica"),
                         A.FreeBlocks(msg.transfer_id, msg.generation, msg.block_ids, "replica")], now)
@@ -162,7 +165,7 @@ class PrefillWriter(WriterBase):
                 done = m.WriteDone(a.transfer_id, a.generation, self.rank, a.first_token,
                                    sum(r[2] for r in regions), len(regions))
                 fl.handles.append(self.nixl.post("WRITE", regions, self.pool.base_addr, peer.agent,
-                                                 peer.pool_base, m.encode(done)))
+                                                 peer.pool_base, m.encode(done), peer.dev_id))
                 self.counters["write_posts"] += 1  # one per D rank this rank writes into
                 fl.nbytes += done.nbytes
                 fl.num_descs += done.num_descs

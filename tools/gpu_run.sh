@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One call on the GPU machine (see README "GPU"): install the carried wheels
+# (.whl: nixl-cu13, pyzmq, msgspec, setproctitle; the image has torch, aiohttp,
+# prometheus-client, tokenizers, safetensors), then run what is asked.
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PUSHKV_THREADS=${PUSHKV_THREADS:-4}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, nixl._api, zmq, msgspec, aiohttp; print('torch', torch.__version__, 'gpus', torch.cuda.device_count())" || exit 1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+for step in "$@"; do
+  echo "=== $step"
+  case "$step" in
+    demo) timeout 240 python3 -m tools.demo --device cuda --model small --num-blocks 4096 \
+            --prompt-len 16 1024 4096 2>&1 | tee "$OUT/demo.txt" ;;
+    transfer) timeout 300 python3 -m tools.transfer_report --device cuda --model "${MODEL:-medium}" \
+            --lengths 1024 4096 16384 --out "$OUT/transfer_gpu.json" 2>&1 | tee "$OUT/transfer.txt" ;;
+    sweep) timeout 480 python3 -m tools.sweep --result-dir "$OUT/sweep" --up-args "--device cuda --model medium --num-blocks 8192" \
+            ${SWEEP_ARGS:-} > "$OUT/sweep.log" 2>&1; tail -3 "$OUT/sweep.log"
+           python3 -m tools.stages "$OUT/sweep" | tee "$OUT/stages.txt"
+           python3 -m tools.plot "$OUT/sweep" --out "$OUT/gpu_sweep.png" 2>&1 | tee "$OUT/table.txt"
+           mkdir -p "$OUT/json" && cp "$OUT"/sweep/*.json "$OUT/json/" && (cd "$OUT" && tar czf sweep_json.tgz json) && rm -rf "$OUT/json" "$OUT/sweep" ;;
+    pullpoll) for poll in 1 0; do
+            PUSHKV_PENDING_POLL_MS=$poll timeout 200 python3 -m tools.sweep --result-dir "$OUT/poll$poll" \
+              --modes push pull-inline pull-background --qps 2 --inputs 1024 4096 --num-prompts 12 --output-len 64 \
+              --up-args "--device cuda --model medium --num-blocks 8192" > /dev/null 2>&1
+            echo "-- pending poll ${poll} ms"; python3 -m tools.stages "$OUT/poll$poll"; done ;;
+    ucxinfo) for mode in pull push; do
+            UCX_PROTO_INFO=y timeout 120 python3 -c "
+from pushkv.launch import launched
+import sys
+with launched('--mode', '$mode', '--device', 'cuda', '--model', 'medium', '--num-blocks', '4096', log_path='$OUT/ucx_$mode.log') as d:
+    for n in (1024, 4096):
+        d.complete([i % 250 for i in range(n)], 2)
+"
+            echo "-- $mode"; grep -A7 -E "(read by ucp_get|write by ucp_put).* cuda/dev.* to cuda" "$OUT/ucx_$mode.log" | grep -v self | cut -c30- | head -40; done ;;
+    *) echo "unknown step $step" ;;
+  esac
+done

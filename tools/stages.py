@@ -1,0 +1,30 @@
+"""pushkv-stages: one line per bench result file: TTFT/TPOT medians and the
+median of each stage (ms from the previous stage), to read a sweep stage by stage."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+
+KEYS = ("prefill.prefill_end", "prefill.registration_received", "prefill.write_posted", "prefill.write_done",
+        "router.prefill_finished", "router.send_decode", "decode.decode_alloc", "decode.read_posted",
+        "decode.read_done", "decode.kv_received", "router.first_token")
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    for d in argv or ["results"]:
+        for f in sorted(glob.glob(os.path.join(d, "*.json"))):
+            r = json.load(open(f))
+            if "median_ttft_ms" not in r:
+                continue
+            st = r.get("stages", {})
+            parts = [f"{k.split('.', 1)[1]}={st[k]:.1f}" for k in KEYS if k in st]
+            print(f"{os.path.basename(f)}: ttft {r['median_ttft_ms']:.1f} tpot {r['median_tpot_ms']:.1f} | "
+                  + " ".join(parts))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
