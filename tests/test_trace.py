@@ -121,6 +121,19 @@ PULL = [
     (8.3, "router", "event", "http_done", "ok"),
 ]
 
+# pull's protocol, push's WRITE (--pull-read write): D registers after the relay, P WRITEs
+PULL_WRITE = [e for e in PULL if e[3] != "ReadDone" and not (e[1] == "decode-writer-0" and e[3].startswith("read_"))] + [
+    (5.3, "decode-writer-0", "send", "Register", "prefill-x-w0"),
+    (5.4, "decode-writer-0", "event", "registration_sent", ""),
+    (5.6, "prefill-writer-0", "recv", "Register", "decode-x-w0"),
+    (5.8, "prefill-writer-0", "event", "write_posted", "8192B/1d"),
+    (6.4, "prefill-writer-0", "event", "write_done", ""),
+    (6.5, "prefill-writer-0", "send", "KVSent", "prefill-scheduler"),
+    (6.55, "decode-writer-0", "recv", "WriteDone", "prefill-x-w0"),
+    (6.6, "decode-writer-0", "event", "kv_received", ""),
+]
+PULL_WRITE = [e for e in PULL_WRITE if not (e[1] == "prefill-writer-0" and e[3] == "KVSent" and e[0] == 7.4)]
+
 LOCAL = [
     (0.0, "router", "event", "http_request", ""),
     (0.1, "router", "send", "Generate", "local-scheduler"),
@@ -153,6 +166,10 @@ CASES = {
         {"queue": 0.6, "prefill": 3.4, "relay": 1.5, "transfer": 1.5, "first_decode_step": 1.0,
          "ttft": 7.2, "read": 1.0},
         {"bytes": 8192, "descriptors": 1}),
+    "pull write": (
+        PULL_WRITE, "pull",
+        {"relay": 1.8, "transfer": 1.2, "write": 0.6, "rendezvous_wait": 1.4},
+        {"bytes": 8192, "descriptors": 1, "rendezvous": "prefill_first", "mode": "pull-write"}),
     "local": (
         LOCAL, "local", {"queue": 0.4, "prefill": 2.6, "first_decode_step": 1.3, "ttft": 3.4, "e2e": 4.8}, {}),
 }

@@ -128,6 +128,11 @@ class RequestTimeline:
         else:
             self.mode = "push"
         self.token_leg = "local" if self.mode == "local" else "decode"
+        # how the KV moved: P WRITEs in push and in pull with --pull-read write, D READs otherwise
+        self.transport = ("" if self.mode == "local" else
+                          "WRITE" if any(e.kind == "write_posted" for e in self.events) or self.mode == "push"
+                          else "READ")
+        self.variant = "pull-write" if self.mode == "pull" and self.transport == "WRITE" else self.mode
         self.marks = self._marks()
         self.spans = self._spans()
         self.info = self._info()
@@ -209,8 +214,8 @@ class RequestTimeline:
         elif self.mode == "pull":
             span(p, "blocks leased", ev(p, "prefill_end"), mk.get("prefill.recv_kvsent"))
         for w in self.processes("prefill-writer"):
-            if self.mode == "push":
-                sendkv = self.at(w, "recv", "SendKV")
+            if self.transport == "WRITE":
+                sendkv = self.at(w, "recv", "SendKV" if self.mode == "push" else "HoldKV")
                 reg = self.at(w, "recv", "Register")
                 if sendkv is not None and reg is not None:
                     name = "wait for prefill" if reg < sendkv else "wait for registration"
@@ -229,8 +234,9 @@ class RequestTimeline:
             span(d, "decode", ev(d, "kv_received"), ev(d, "finished"))
             span(d, "first decode step", ev(d, "kv_received"), mk.get("decode.first_decode_step"))
             for w in self.processes("decode-writer"):
-                if self.mode == "push":
-                    span(w, "registration", self.at(w, "recv", "ExpectKV"), ev(w, "registration_sent"))
+                if self.transport == "WRITE":
+                    span(w, "registration", self.at(w, "recv", "ExpectKV" if self.mode == "push" else "ReadKV"),
+                         ev(w, "registration_sent"))
                     span(w, "KV wait", ev(w, "registration_sent"), ev(w, "kv_received"))
                 else:
                     posted = self.find(w, "event", "read_posted")
@@ -243,7 +249,7 @@ class RequestTimeline:
 
     # -- summary -----------------------------------------------------------------
     def _info(self) -> dict:
-        info: dict = {"mode": self.mode}
+        info: dict = {"mode": self.variant}
         waits = [s for s in self.spans if s.name.startswith("wait for")]
         if waits:
             info["rendezvous"] = waits[0].args["order"]
@@ -274,7 +280,7 @@ class RequestTimeline:
         mk = self.marks
         first = "local" if self.mode == "local" else "prefill"
         t_req = mk.get("router.http_request")
-        posted = mk.get("prefill-writer.write_posted") if self.mode == "push" else mk.get("decode-writer.read_posted")
+        posted = mk.get("prefill-writer.write_posted" if self.transport == "WRITE" else "decode-writer.read_posted")
         have = mk.get("decode.kv_received")
         pairs = {
             "queue": (t_req, mk.get(f"{first}.prefill_start")),
@@ -286,12 +292,12 @@ class RequestTimeline:
             "ttft": (t_req, mk.get("router.first_token")),
             "e2e": (t_req, mk.get("router.http_done")),
         }
-        if self.mode == "push":
+        if self.transport == "WRITE":
             w = [s for s in self.spans if s.name.startswith("wait for")]
             if w:
                 pairs["rendezvous_wait"] = (w[0].start, w[0].end)
             pairs["write"] = (posted, mk.get("prefill-writer.write_done"))
-        elif self.mode == "pull":
+        elif self.transport == "READ":
             pairs["read"] = (posted, mk.get("decode-writer.read_done"))
         return {k: b - a for k, (a, b) in pairs.items() if a is not None and b is not None}
 
@@ -307,6 +313,11 @@ EXPECTED_SPANS = {
              ("prefill-scheduler", "prefill"), ("prefill-scheduler", "blocks leased"), ("prefill-writer", "lease"),
              ("decode-scheduler", "queued"), ("decode-scheduler", "await KV"), ("decode-scheduler", "decode"),
              ("decode-writer", "READ")},
+    "pull-write": {("router", "request"), ("router", "TTFT"), ("router", "relay"), ("prefill-scheduler", "queued"),
+                   ("prefill-scheduler", "prefill"), ("prefill-scheduler", "blocks leased"),
+                   ("prefill-writer", "wait for *"), ("prefill-writer", "WRITE"), ("decode-scheduler", "queued"),
+                   ("decode-scheduler", "await KV"), ("decode-scheduler", "decode"), ("decode-writer", "registration"),
+                   ("decode-writer", "KV wait")},
     "local": {("router", "request"), ("router", "TTFT"), ("local-scheduler", "queued"),
               ("local-scheduler", "prefill"), ("local-scheduler", "decode")},
 }
@@ -332,6 +343,17 @@ ORDER = {
         ["decode-writer.read_done", "decode.kv_received", "router.first_token", "router.http_done"],
         ["decode.kv_received", "decode.first_decode_step", "router.http_done"],
     ],
+    "pull-write": [
+        ["router.http_request", "router.send_prefill", "prefill.prefill_queued", "prefill.prefill_start",
+         "prefill.prefill_end", "prefill-writer.recv_holdkv", "prefill-writer.write_posted",
+         "prefill-writer.write_done", "prefill.recv_kvsent"],
+        ["prefill.prefill_end", "router.prefill_finished", "router.send_decode", "decode.decode_queued",
+         "decode.decode_alloc", "decode-writer.recv_readkv", "decode-writer.send_register",
+         "prefill-writer.recv_register", "prefill-writer.write_posted"],
+        ["prefill-writer.write_posted", "decode-writer.recv_writedone", "decode-writer.kv_received",
+         "decode.kv_received", "router.first_token", "router.http_done"],
+        ["decode.kv_received", "decode.first_decode_step", "router.http_done"],
+    ],
     "local": [
         ["router.http_request", "local.local_queued", "local.prefill_start", "local.prefill_end",
          "local.first_token_sent", "router.first_token", "router.http_done"],
@@ -344,13 +366,13 @@ def problems(rt: RequestTimeline, decode_steps: bool = True) -> list[str]:
     """What is missing or out of order in a finished request's trace (empty: complete and ordered)."""
     out = []
     have = {(s.lane, s.name) for s in rt.spans}
-    for lane, name in sorted(EXPECTED_SPANS[rt.mode]):
+    for lane, name in sorted(EXPECTED_SPANS[rt.variant]):
         ok = any(h_lane.startswith(lane) and (h_name == name or (name.endswith("*") and h_name.startswith(name[:-1])))
                  for h_lane, h_name in have)
         if not ok:
             out.append(f"missing span {lane}/{name}")
     mk = rt.marks
-    for chain in ORDER[rt.mode]:
+    for chain in ORDER[rt.variant]:
         names = [n for n in chain if decode_steps or not n.endswith("first_decode_step")]
         for a, b in zip(names, names[1:]):
             if a not in mk or b not in mk:
@@ -382,7 +404,7 @@ BREAKDOWN_COLS = ("queue", "prefill", "relay", "transfer", "first_decode_step", 
 
 def breakdown_table(tls: list[RequestTimeline]) -> str:
     """Per-request stage breakdown in ms, and the median row."""
-    head = f"{'request':<10} {'mode':<5} " + " ".join(f"{c:>10}" for c in
+    head = f"{'request':<10} {'mode':<10} " + " ".join(f"{c:>10}" for c in
                                                      ("queue", "prefill", "relay", "transfer", "1st step", "TTFT", "e2e"))
     head += "  rendezvous           bytes   descs"
     lines = [head]
@@ -393,11 +415,11 @@ def breakdown_table(tls: list[RequestTimeline]) -> str:
             if c in st:
                 cols[c].append(st[c])
         cells = " ".join(f"{st[c] * 1e3:10.2f}" if c in st else f"{'-':>10}" for c in BREAKDOWN_COLS)
-        lines.append(f"{t.transfer_id[:8]:<10} {t.mode:<5} {cells}  {t.info.get('rendezvous', '-'):<18} "
+        lines.append(f"{t.transfer_id[:8]:<10} {t.variant:<10} {cells}  {t.info.get('rendezvous', '-'):<18} "
                      f"{t.info.get('bytes', 0):>8} {t.info.get('descriptors', 0):>7}")
     if len(tls) > 1:
         cells = " ".join(f"{statistics.median(cols[c]) * 1e3:10.2f}" if cols[c] else f"{'-':>10}" for c in BREAKDOWN_COLS)
-        lines.append(f"{'median':<10} {'':<5} {cells}")
+        lines.append(f"{'median':<10} {'':<10} {cells}")
     return "\n".join(lines)
 
 
@@ -405,7 +427,7 @@ def span_listing(tl: RequestTimeline) -> str:
     """A request's spans as text, in start order: offset from its first event, duration, lane, name."""
     t0 = tl.events[0].t_mono
     st = tl.stages()
-    head = f"request {tl.transfer_id[:8]} ({tl.mode}"
+    head = f"request {tl.transfer_id[:8]} ({tl.variant}"
     head += f", TTFT {st['ttft'] * 1e3:.2f} ms)" if "ttft" in st else ")"
     lines = [head]
     for s in sorted(tl.spans, key=lambda s: (s.start, -s.dur)):
@@ -439,7 +461,7 @@ def perfetto(events: list[m.TraceEvent]) -> dict:
     flow_id = 0
     for pid, tl in enumerate(timelines(events), start=1):
         st = tl.stages()
-        title = f"request {tl.transfer_id[:8]} ({tl.mode}"
+        title = f"request {tl.transfer_id[:8]} ({tl.variant}"
         title += f", TTFT {st['ttft'] * 1e3:.1f} ms)" if "ttft" in st else ")"
         out.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": title}})
         out.append({"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": pid}})
