@@ -1,6 +1,8 @@
 """WRITE timing of one layout's transfer over real NIXL between two processes, for
-a fresh pool (contiguous block ids) and a fragmented one (ids from an allocator
-whose free space is runs of 2 blocks on P and 3 on D): what merging saves.
+a fresh pool (contiguous block ids), a fragmented one (ids from an allocator
+whose free space is runs of 2 blocks on P and 3 on D), and the "unplanned" pools
+(each side laid out for itself alone, without the common sub-block and head
+groups of ``layout.transfer_geometry``): what merging and the cut save.
 
 Every rank of each side gets its own pool, laid out back to back in one
 registered buffer per process; all (P rank, D rank) WRITEs are posted at once,
@@ -22,8 +24,11 @@ from pushkv.transport.nixl_agent import NixlAgent
 DONE_TIMEOUT_S = 60.0
 
 
-def _pools(cfg, inst):
-    lays = [L.instance_layout(cfg, inst, r) for r in range(inst.tp)]
+def _pools(cfg, inst, planned: bool = True):
+    if planned:
+        lays = [L.instance_layout(cfg, inst, r) for r in range(inst.tp)]
+    else:
+        lays = [L.layout_for(cfg.model, inst.tp, r, inst.num_blocks, inst.block_size) for r in range(inst.tp)]
     offs, total = [], 0
     for lay in lays:
         offs.append(total)
@@ -42,12 +47,12 @@ def _decode_side(conn, nbytes: int) -> None:
     agent.deregister()
 
 
-def _regions(combo, n: int, p_tables, d_tables, num_blocks: int):
-    """[(all regions with pool offsets applied, bytes)] per (p, d) pair."""
+def _regions(combo, n: int, p_tables, d_tables, num_blocks: int, planned: bool = True):
+    """Regions (pool offsets applied) per (p, d) pair."""
     cfg = combo.config(num_blocks)
     total = cfg.model.cache_kv_heads
-    p_lays, p_offs, _ = _pools(cfg, cfg.prefill)
-    d_lays, d_offs, _ = _pools(cfg, cfg.decode)
+    p_lays, p_offs, _ = _pools(cfg, cfg.prefill, planned)
+    d_lays, d_offs, _ = _pools(cfg, cfg.decode, planned)
     out = []
     for d in range(combo.d_tp):
         for p in producers_for(d, combo.d_tp, combo.p_tp, total):
@@ -62,9 +67,11 @@ def time_writes(combo, n: int, num_blocks: int, reps: int = 3) -> dict:
 
     nbp, nbd = L.blocks_for(n, combo.p_bs), L.blocks_for(n, combo.d_bs)
     num_blocks = max(num_blocks, 6 * max(nbp, nbd) + 8)
-    cases = {
-        "fresh": (list(range(nbp)), list(range(nbd))),
-        "frag": (fragmented_table(num_blocks, 2, nbp), fragmented_table(num_blocks, 3, nbd)),
+    fresh = (list(range(nbp)), list(range(nbd)))
+    cases = {  # name: (tables, planned layouts)
+        "fresh": (fresh, True),
+        "frag": ((fragmented_table(num_blocks, 2, nbp), fragmented_table(num_blocks, 3, nbd)), True),
+        "unplanned": (fresh, False),
     }
     cfg = combo.config(num_blocks)
     _, _, p_bytes = _pools(cfg, cfg.prefill)
@@ -82,8 +89,8 @@ def time_writes(combo, n: int, num_blocks: int, reps: int = 3) -> dict:
             raise TimeoutError("decode side did not start")
         meta, d_base = parent.recv()
         remote = agent.add_remote(meta)
-        for case, (pt, dt) in cases.items():
-            pairs = _regions(combo, n, pt, dt, num_blocks)
+        for case, ((pt, dt), planned) in cases.items():
+            pairs = _regions(combo, n, pt, dt, num_blocks, planned)
             nbytes = sum(k for regs in pairs for _, _, k in regs)
             times = []
             for _ in range(reps + 1):  # first: warm-up (connection, registration caches)

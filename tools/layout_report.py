@@ -74,6 +74,8 @@ MATRIX = [
     Combo("small tp2->2 p32/d16", "small", 2, 2, 32, 16, note="tp_P = tp_D, block sizes", ci=False),
     Combo("small tp2->4", "small", 2, 4, note="tp_P < tp_D"),
     Combo("tiny tp4->2 p16/d32", "tiny", 4, 2, 16, 32, note="tp_P > tp_D; 4 P ranks > 2 KV heads"),
+    Combo("tiny tp1->4", "tiny", 1, 4, note="4 D ranks > 2 KV heads: P rank 0 writes each head to 2 D ranks",
+          ci=False),
     Combo("hybrid p16/d16", "hybrid", 1, 1, note="sliding-window layers: window blocks only"),
     Combo("hybrid tp1->2 p16/d32", "hybrid", 1, 2, 16, 32, note="window + tp + block sizes"),
     Combo("mla tp2->1", "mla", 2, 1, note="latent replicated; P rank 1 writes nothing", ci=False),
@@ -280,35 +282,33 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--only", nargs="*", help="substrings of layout names to run")
     ap.add_argument("--nixl", action="store_true",
                     help="also time fresh vs fragmented WRITEs over NIXL between two processes")
+    ap.add_argument("--no-deploy", action="store_true",
+                    help="skip the deployments: only mapped descriptors (and --nixl timings)")
     ap.add_argument("--out", default="results/layout_report.json")
     args = ap.parse_args(argv)
-    from pushkv.launch import launched
-
     combos = [c for c in MATRIX if not args.only or any(s in c.name for s in args.only)]
     num_blocks = max(args.lengths) // 16 + 64
     prompts = {n: prompt(n, seed=n) for n in args.lengths}
     refs: dict = {}
     rows = []
     for c in combos:
-        if c.reference not in refs:
-            print(f"reference: local {c.model} tp={c.p_tp} ...", flush=True)
-            refs[c.reference] = _reference(c.model, c.p_tp, prompts, args.max_tokens, num_blocks)
-        print(f"{c.name}: starting ...", flush=True)
-        with launched(*c.flags(num_blocks)) as dep:
-            dep.complete([1, 2, 3], 2)  # warm-up: handshakes, lazy init
-            for n, toks in prompts.items():
-                runs = [measured(dep, c, toks, args.max_tokens) for _ in range(args.reps)]
-                ok = all(r["tokens"] == refs[c.reference][n] and not r["kv_mismatches"] for r in runs)
-                fr_d, fr_b, _ = mapped_descs(c, n, True, num_blocks)
-                rows.append({
-                    "layout": c.name, "note": c.note, "prompt_tokens": n, "ok": ok,
-                    "blocks": runs[0]["blocks"], "descs": runs[0]["descs"], "kv_bytes": runs[0]["kv_bytes"],
-                    "frag_descs": fr_d, "gbps": statistics.median(r["gbps"] for r in runs),
-                    "write_ms": statistics.median(r["write_us"] for r in runs) / 1e3,
-                    "pairs": sum(runs[0]["write_posts"]) or sum(len(producers_for(
-                        d, c.d_tp, c.p_tp, preset(c.model).cache_kv_heads)) for d in range(c.d_tp)),
-                    "kv_compared": runs[0]["kv_compared"],
-                })
+        if args.no_deploy:
+            rows += [_row(c, n, ok=None, kv_bytes=mapped_descs(c, n, False, num_blocks)[1],
+                          descs=mapped_descs(c, n, False, num_blocks)[0], blocks=L.blocks_for(n, c.p_bs),
+                          frag_descs=mapped_descs(c, n, True, num_blocks)[0],
+                          pairs=sum(len(producers_for(d, c.d_tp, c.p_tp, preset(c.model).cache_kv_heads))
+                                    for d in range(c.d_tp)))
+                     for n in prompts]
+            continue
+        try:
+            if c.reference not in refs:
+                print(f"reference: local {c.model} tp={c.p_tp} ...", flush=True)
+                refs[c.reference] = _reference(c.model, c.p_tp, prompts, args.max_tokens, num_blocks)
+            print(f"{c.name}: starting ...", flush=True)
+            rows += _run_combo(c, refs[c.reference], prompts, args, num_blocks)
+        except Exception as e:  # one broken layout must not hide the others' results
+            print(f"{c.name}: FAILED: {type(e).__name__}: {e}", flush=True)
+            rows += [_row(c, n, error=f"{type(e).__name__}: {e}") for n in prompts]
     if args.nixl:
         from tools.layout_nixl import time_writes
 
@@ -320,22 +320,58 @@ def main(argv: Optional[list[str]] = None) -> int:
     with open(args.out, "w") as f:
         json.dump({"rows": rows, "combos": [asdict(c) for c in combos]}, f, indent=1)
     print(f"\n(medians of {args.reps}; written to {args.out})")
-    return 0 if all(r["ok"] for r in rows) else 1
+    return 0 if all(r["ok"] is not False for r in rows) else 1
+
+
+def _row(c: Combo, n: int, **kw) -> dict:
+    row = {"layout": c.name, "note": c.note, "prompt_tokens": n, "ok": False, "blocks": 0, "descs": 0,
+           "kv_bytes": 0, "frag_descs": 0, "gbps": float("nan"), "write_ms": float("nan"), "pairs": 0,
+           "kv_compared": 0, "error": ""}
+    row.update(kw)
+    return row
+
+
+def _run_combo(c: Combo, ref: dict, prompts: dict, args, num_blocks: int) -> list[dict]:
+    from pushkv.launch import launched
+
+    rows = []
+    total = preset(c.model).cache_kv_heads
+    with launched(*c.flags(num_blocks)) as dep:
+        dep.complete([1, 2, 3], 2)  # warm-up: handshakes, lazy init
+        for n, toks in prompts.items():
+            runs = [measured(dep, c, toks, args.max_tokens) for _ in range(args.reps)]
+            bad = [m for r in runs for m in r["kv_mismatches"]]
+            ok = all(r["tokens"] == ref[n] for r in runs) and not bad
+            rows.append(_row(
+                c, n, ok=ok, blocks=runs[0]["blocks"], descs=runs[0]["descs"], kv_bytes=runs[0]["kv_bytes"],
+                frag_descs=mapped_descs(c, n, True, num_blocks)[0],
+                gbps=statistics.median(r["gbps"] for r in runs),
+                write_ms=statistics.median(r["write_us"] for r in runs) / 1e3,
+                pairs=sum(len(producers_for(d, c.d_tp, c.p_tp, total)) for d in range(c.d_tp)),
+                kv_compared=runs[0]["kv_compared"],
+                error="" if ok else (bad[:1] or ["tokens differ from local"])[0]))
+    return rows
 
 
 def print_table(rows: list[dict], nixl: bool) -> None:
     hdr = (f"{'layout':<27} {'tokens':>6} {'ok':>4} {'MiB':>6} {'blocks':>6} {'pairs':>5} "
            f"{'descs':>6} {'frag':>6} {'WRITE ms':>9} {'GB/s':>6}")
     if nixl:
-        hdr += f" {'nixl fresh GB/s':>15} {'nixl frag GB/s':>14}"
+        hdr += f" | NIXL GB/s (descs): {'fresh':>13} {'fragmented':>13} {'unplanned':>14}"
     print("\n" + hdr)
     for r in rows:
-        line = (f"{r['layout']:<27} {r['prompt_tokens']:>6} {'yes' if r['ok'] else 'NO':>4} "
+        ok = {True: "yes", False: "NO", None: "-"}[r["ok"]]
+        line = (f"{r['layout']:<27} {r['prompt_tokens']:>6} {ok:>4} "
                 f"{r['kv_bytes'] / 2**20:>6.2f} {r['blocks']:>6} {r['pairs']:>5} {r['descs']:>6} "
                 f"{r['frag_descs']:>6} {r['write_ms']:>9.2f} {r['gbps']:>6.2f}")
         if nixl:
-            line += f" {r.get('nixl_fresh_gbps', float('nan')):>15.2f} {r.get('nixl_frag_gbps', float('nan')):>14.2f}"
+            line += "                    " + " ".join(
+                f"{r.get(f'nixl_{k}_gbps', float('nan')):>6.2f} ({r.get(f'nixl_{k}_descs', 0):>5})"
+                for k in ("fresh", "frag", "unplanned"))
         print(line)
+    for r in rows:
+        if r.get("error"):
+            print(f"  {r['layout']} ({r['prompt_tokens']} tokens): {r['error']}")
 
 
 if __name__ == "__main__":
