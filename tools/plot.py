@@ -82,6 +82,8 @@ def plot(cells: dict, out_path: str) -> None:
                     xs, ys = zip(*pts)
                     ax.plot(xs, ys, marker="o", label=mode)
             ax.set_xscale("log", base=2)
+            if "ttft" in metric:  # modes can differ by orders of magnitude
+                ax.set_yscale("log")
             ax.set_xlabel("input length (tokens)")
             ax.set_ylabel(label)
             ax.set_title(f"QPS {fmt_qps(qps)}")
