@@ -112,7 +112,13 @@ def _replace(obj, **changes):
 def config_from_args(args: argparse.Namespace) -> DeploymentConfig:
     cfg = load_config_file(args.config) if args.config else DeploymentConfig()
     model = preset(args.model) if args.model else cfg.model
-    model = _replace(model, checkpoint=args.checkpoint, **{k: getattr(args, k) for k in GEOMETRY})
+    if args.checkpoint:  # the checkpoint's config.json is the geometry; flags may still override
+        from pushkv.model.checkpoint import model_config_from_hf
+
+        overrides = {k: getattr(args, k) for k in GEOMETRY if getattr(args, k) is not None}
+        model = model_config_from_hf(args.checkpoint, **overrides)
+    else:
+        model = _replace(model, **{k: getattr(args, k) for k in GEOMETRY})
     return _replace(
         cfg, mode=args.mode, pull_read=args.pull_read, host=args.host, port=args.port,
         log_level=args.log_level, model=model,
