@@ -94,7 +94,7 @@ def test_plot_and_ratio_table(tmp_path, capsys):
 
 def test_sweep_grid_defaults():
     small = sweep.parse_args([])
-    assert len(sweep.grid(small)) == 12 and small.num_prompts <= 10
+    assert len(sweep.grid(small)) == 16 and small.num_prompts <= 10  # 4 modes x 2 QPS x 2 inputs
     full = sweep.parse_args(["--full"])
     assert full.inputs[0] == 1024 and full.inputs[-1] == 16384 and full.qps == [1.0, 2.0, 4.0, 8.0]
     assert sweep.MODES["pull-inline"] == ["--mode", "pull", "--pull-read", "inline"]
