@@ -17,6 +17,7 @@ import pytest
 
 from pushkv.config import preset
 from pushkv.kv import layout as L
+from pushkv.protocol.tp import producers_for
 from tests.deploy import deployment
 from tools.layout_report import MATRIX, expected_notifs, mapped_descs, measured, prompt
 
@@ -50,6 +51,8 @@ CI_MATRIX = [c for c in MATRIX if c.ci]
 def test_layout_matrix(combo, references, tmp_path):
     ref = references(*combo.reference)
     model = preset(combo.model)
+    pairs = sum(len(producers_for(d, combo.d_tp, combo.p_tp, model.cache_kv_heads)) for d in range(combo.d_tp))
+    groups = len(L.layer_groups(L.layout_for(model, 1, 0, NUM_BLOCKS, combo.p_bs)))  # 2 for hybrid
     heads_layers = sum(L.layout_for(model, combo.d_tp, d, NUM_BLOCKS, combo.d_bs).kv_heads
                        for d in range(combo.d_tp)) * model.num_layers
     with deployment(tmp_path, *combo.flags(NUM_BLOCKS)) as dep:
@@ -60,6 +63,9 @@ def test_layout_matrix(combo, references, tmp_path):
             assert row["kv_compared"] == heads_layers
             descs, nbytes, nblocks = mapped_descs(combo, len(toks), False, NUM_BLOCKS)
             assert (row["descs"], row["kv_bytes"], row["blocks"]) == (descs, nbytes, nblocks), name
+            # idle pools hand out contiguous blocks: one descriptor per (P rank, D rank) pair and
+            # layer group, whatever the block sizes and TP sizes (the pools are cut to match)
+            assert row["descs"] == pairs * groups, name
             if combo.mode == "push":  # one WRITE per (producer, D rank); D counts one per producer
                 assert (row["write_posts"], row["notifs"]) == expected_notifs(combo), name
 

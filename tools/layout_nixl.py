@@ -36,9 +36,11 @@ def _pools(cfg, inst, planned: bool = True):
     return lays, offs, total
 
 
-def _decode_side(conn, nbytes: int) -> None:
-    buf = torch.ones(nbytes, dtype=torch.uint8)  # touched pages, like a real pool
-    agent = NixlAgent("layout-nixl-d")
+def _decode_side(conn, nbytes: int, device: str) -> None:
+    if device != "cpu":
+        torch.cuda.set_device(device)
+    buf = torch.ones(nbytes, dtype=torch.uint8, device=device)  # touched pages, like a real pool
+    agent = NixlAgent("layout-nixl-d", device=device)
     agent.register(buf.data_ptr(), nbytes)
     conn.send((agent.metadata(), buf.data_ptr()))
     while not conn.poll(0.0005):  # no progress thread: drive UCX (accepting the connection)
@@ -62,7 +64,9 @@ def _regions(combo, n: int, p_tables, d_tables, num_blocks: int, planned: bool =
     return out
 
 
-def time_writes(combo, n: int, num_blocks: int, reps: int = 3) -> dict:
+def time_writes(combo, n: int, num_blocks: int, reps: int = 3,
+                devices: tuple[str, str] = ("cpu", "cpu")) -> dict:
+    """``devices``: where P's and D's pools live (``cuda:N`` for GPU memory)."""
     from tools.layout_report import fragmented_table
 
     nbp, nbd = L.blocks_for(n, combo.p_bs), L.blocks_for(n, combo.d_bs)
@@ -78,12 +82,15 @@ def time_writes(combo, n: int, num_blocks: int, reps: int = 3) -> dict:
     _, _, d_bytes = _pools(cfg, cfg.decode)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_decode_side, args=(child, d_bytes), daemon=True)
+    proc = ctx.Process(target=_decode_side, args=(child, d_bytes, devices[1]), daemon=True)
     proc.start()
     out: dict = {}
     try:
-        src = torch.randint(0, 255, (p_bytes,), dtype=torch.uint8)
-        agent = NixlAgent("layout-nixl-p")
+        if devices[0] != "cpu":
+            torch.cuda.set_device(devices[0])
+        src = torch.randint(0, 255, (p_bytes,), dtype=torch.uint8, device=devices[0])
+        agent = NixlAgent("layout-nixl-p", device=devices[0])
+        d_dev = 0 if devices[1] == "cpu" else int(devices[1].split(":")[-1])
         agent.register(src.data_ptr(), p_bytes)
         if not parent.poll(DONE_TIMEOUT_S):
             raise TimeoutError("decode side did not start")
@@ -95,7 +102,8 @@ def time_writes(combo, n: int, num_blocks: int, reps: int = 3) -> dict:
             times = []
             for _ in range(reps + 1):  # first: warm-up (connection, registration caches)
                 t0 = time.perf_counter()
-                handles = [agent.post("WRITE", regs, src.data_ptr(), remote, d_base) for regs in pairs]
+                handles = [agent.post("WRITE", regs, src.data_ptr(), remote, d_base, remote_dev=d_dev)
+                           for regs in pairs]
                 end = time.monotonic() + DONE_TIMEOUT_S
                 while handles:
                     st = [agent.state(h) for h in handles]

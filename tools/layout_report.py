@@ -282,6 +282,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--only", nargs="*", help="substrings of layout names to run")
     ap.add_argument("--nixl", action="store_true",
                     help="also time fresh vs fragmented WRITEs over NIXL between two processes")
+    ap.add_argument("--nixl-devices", nargs=2, default=["cpu", "cpu"], metavar=("P", "D"),
+                    help="pool devices for --nixl (e.g. cuda:0 cuda:1)")
     ap.add_argument("--no-deploy", action="store_true",
                     help="skip the deployments: only mapped descriptors (and --nixl timings)")
     ap.add_argument("--out", default="results/layout_report.json")
@@ -314,7 +316,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         for r in rows:
             c = next(c for c in combos if c.name == r["layout"])
-            r.update(time_writes(c, r["prompt_tokens"], num_blocks, args.reps))
+            r.update(time_writes(c, r["prompt_tokens"], num_blocks, args.reps, tuple(args.nixl_devices)))
     print_table(rows, args.nixl)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
