@@ -19,6 +19,17 @@ from pushkv.launch import launched
 
 
 def plain_copy_gbps(nbytes: int, reps: int = 11, device: str = "cpu") -> float:
+    """A plain torch copy of the same bytes; on CPU single-threaded, as UCX's copy is."""
+    threads = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(1)
+    try:
+        return _copy_gbps(nbytes, reps, device)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _copy_gbps(nbytes: int, reps: int, device: str) -> float:
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)  # touched, like the pools
     dst.copy_(src)  # warm
