@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from pushkv.config import ModelConfig
 from pushkv.model.shard import ShardPlan
 from pushkv.model.transformer import Model, rms_norm, rotate_half
-from pushkv.model.weights import RankWeights
+from pushkv.model.weights import RankWeights, mlp_slices, with_embeddings
 
 
 def mla_names(cfg: ModelConfig, a: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -71,14 +71,9 @@ def load_rank_mla(cfg: ModelConfig, plan: ShardPlan, take) -> RankWeights:
             k_up=kv_b[:, :hd].reshape(qn * hd, r).contiguous(),
             v_up=kv_b[:, hd:].reshape(qn * hd, r).contiguous(),
             o=take(a + "o_proj.weight", 1, qs * hd, (qs + qn) * hd),
-            post_norm=take(p + "post_attention_layernorm.weight"),
-            gate_up=torch.cat([take(p + "mlp.gate_proj.weight", 0, *i_rows),
-                               take(p + "mlp.up_proj.weight", 0, *i_rows)]),
-            down=take(p + "mlp.down_proj.weight", 1, *i_rows),
+            **mlp_slices(take, p, i_rows),
         ))
-    embed = take("model.embed_tokens.weight")
-    lm_head = embed if cfg.tie_embeddings else take("lm_head.weight")
-    return RankWeights(embed, layers, take("model.norm.weight"), lm_head)
+    return with_embeddings(cfg, take, layers)
 
 
 class MLAModel(Model):

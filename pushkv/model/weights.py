@@ -138,11 +138,22 @@ def load_rank(cfg: ModelConfig, plan: ShardPlan, src: WeightSource, device: str 
             q_norm=take(a + "q_norm.weight") if cfg.qk_norm else None,
             k_norm=take(a + "k_norm.weight") if cfg.qk_norm else None,
             o=take(a + "o_proj.weight", 1, *q_rows),
-            post_norm=take(p + "post_attention_layernorm.weight"),
-            gate_up=torch.cat([take(p + "mlp.gate_proj.weight", 0, *i_rows),
-                               take(p + "mlp.up_proj.weight", 0, *i_rows)]),
-            down=take(p + "mlp.down_proj.weight", 1, *i_rows),
+            **mlp_slices(take, p, i_rows),
         ))
+    return with_embeddings(cfg, take, layers)
+
+
+def mlp_slices(take, p: str, i_rows: tuple[int, int]) -> dict:
+    """Post-attention norm and this rank's SwiGLU columns/rows of layer prefix ``p``."""
+    return dict(
+        post_norm=take(p + "post_attention_layernorm.weight"),
+        gate_up=torch.cat([take(p + "mlp.gate_proj.weight", 0, *i_rows),
+                           take(p + "mlp.up_proj.weight", 0, *i_rows)]),
+        down=take(p + "mlp.down_proj.weight", 1, *i_rows),
+    )
+
+
+def with_embeddings(cfg: ModelConfig, take, layers) -> "RankWeights":
     embed = take("model.embed_tokens.weight")
     lm_head = embed if cfg.tie_embeddings else take("lm_head.weight")
     return RankWeights(embed, layers, take("model.norm.weight"), lm_head)
