@@ -81,12 +81,29 @@ class DecodeWriter(WriterBase):
 
     def notif_WriteDone(self, msg: m.WriteDone, agent: str, now: float) -> None:
         self.counters["write_done_received"] += 1  # one per producer rank per transfer
+        if not self._from_producer(msg, agent):
+            return
         self._producer_reported(msg, now)
         self.apply(self.arrivals.on_write_done(msg, now), now)
 
     def notif_WriteFailed(self, msg: m.WriteFailed, agent: str, now: float) -> None:
+        if not self._from_producer(msg, agent):
+            return
         self._producer_reported(msg, now)
         self.apply(self.arrivals.on_write_failed(msg, now), now)
+
+    def _from_producer(self, msg, agent: str) -> bool:
+        """A completion counts only from the agent that is that transfer's producer rank."""
+        entry = self._sources.get((msg.transfer_id, msg.generation))
+        if entry is None:
+            return True  # unknown / finished / stale: the arrivals machine counts it
+        peer = self.peers_by_agent.get(agent)
+        if peer is not None and peer.engine_id == entry[0].engine_id and peer.rank == msg.p_rank:
+            return True
+        self.counters["completion_from_wrong_peer"] += 1
+        log.error("%s: %s for transfer_id=%s claims P rank %d but came from %s", self.name,
+                  type(msg).__name__, msg.transfer_id, msg.p_rank, agent)
+        return False
 
     def _producer_reported(self, msg, now: float) -> None:
         key = (msg.transfer_id, msg.generation)
