@@ -23,6 +23,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--no-check", action="store_true", help="skip the local-mode reference run")
     ap.add_argument("--device", default="cpu", help="cpu | cuda[:N]")
+    ap.add_argument("--decode-device", default=None, help="D on another device (e.g. cuda:1)")
     ap.add_argument("--num-blocks", default="1024")
     args = ap.parse_args(argv)
     rng = random.Random(0)
@@ -36,7 +37,8 @@ def main(argv=None) -> int:
     print(f"starting a {args.mode} deployment (router, P and D scheduler/worker/writer) ...", flush=True)
     t0 = time.monotonic()
     ok = True
-    with launched("--mode", args.mode, *common) as dep:
+    split = ("--decode-device", args.decode_device) if args.decode_device else ()
+    with launched("--mode", args.mode, *common, *split) as dep:
         print(f"  ready in {time.monotonic() - t0:.1f}s at {dep.url}")
         body = dep.complete("Hello from pushkv!", 8)
         print(f"  text prompt -> {body['choices'][0]['text']!r} (random weights)")

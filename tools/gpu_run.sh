@@ -36,6 +36,10 @@ with launched('--mode', '$mode', '--device', 'cuda', '--model', 'medium', '--num
         d.complete([i % 250 for i in range(n)], 2)
 "
             echo "-- $mode"; grep -A7 -E "(read by ucp_get|write by ucp_put).* cuda/dev.* to cuda" "$OUT/ucx_$mode.log" | grep -v self | cut -c30- | head -40; done ;;
+    demo2) timeout 150 python3 -m tools.demo --device cuda:0 --decode-device cuda:1 --model small \
+            --num-blocks 4096 --prompt-len 16 1024 4096 2>&1 | tail -8 | tee "$OUT/demo2.txt" ;;
+    transfer2) timeout 150 python3 -m tools.transfer_report --device cuda:0 --decode-device cuda:1 \
+            --model medium --lengths 4096 16384 --reps 3 --out "$OUT/transfer2.json" 2>&1 | tail -5 | tee "$OUT/transfer2.txt" ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -18,29 +18,31 @@ import torch
 from pushkv.launch import launched
 
 
-def plain_copy_gbps(nbytes: int, reps: int = 11, device: str = "cpu") -> float:
+def plain_copy_gbps(nbytes: int, reps: int = 11, device: str = "cpu", dst_device: str = "") -> float:
     """A plain torch copy of the same bytes; on CPU single-threaded, as UCX's copy is."""
     threads = torch.get_num_threads()
     if device == "cpu":
         torch.set_num_threads(1)
     try:
-        return _copy_gbps(nbytes, reps, device)
+        return _copy_gbps(nbytes, reps, device, dst_device or device)
     finally:
         torch.set_num_threads(threads)
 
 
-def _copy_gbps(nbytes: int, reps: int, device: str) -> float:
+def _copy_gbps(nbytes: int, reps: int, device: str, dst_device: str) -> float:
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)  # touched, like the pools
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=dst_device).fill_(1)  # touched, like the pools
     dst.copy_(src)  # warm
     times = []
     for _ in range(reps):
         if device != "cpu":
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(src.device)
+            torch.cuda.synchronize(dst.device)
         t = time.perf_counter()
         dst.copy_(src)
         if device != "cpu":
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(src.device)
+            torch.cuda.synchronize(dst.device)
         times.append(time.perf_counter() - t)
     return nbytes / statistics.median(times) / 1e9
 
@@ -83,7 +85,8 @@ def main(argv=None) -> int:
         for n in args.lengths:
             runs = [one(dep, n, rng) for _ in range(args.reps)]
             row = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-            row["copy_gbps"] = plain_copy_gbps(int(row["kv_bytes"]), device=args.device)
+            row["copy_gbps"] = plain_copy_gbps(int(row["kv_bytes"]), device=args.device,
+                                               dst_device=args.decode_device or args.device)
             rows.append(row)
             print(f"  {n} tokens done", flush=True)
     hdr = (f"{'prompt':>7} {'KV MiB':>8} {'blocks':>7} {'descs':>6} {'WRITE ms':>9} {'WRITE GB/s':>11} "
