@@ -63,7 +63,9 @@ def test_push_concurrent_requests_equal_local(push, reference):
 def test_lone_request_is_not_stalled(push):
     """No progress of a transfer waits for another request or engine step."""
     t0 = time.monotonic()
-    body = push.complete(PROMPTS["many-blocks"], 1)
+    # long enough (~100 ms of prefill here) that D's registration, sent when the D leg arrives,
+    # lands before prefill ends even on two busy cores
+    body = push.complete(PROMPTS["many-blocks"] * 3, 1)
     elapsed = time.monotonic() - t0
     tl = body["pushkv"]["timeline"]
     gap = tl["decode.kv_received"] - tl["prefill.prefill_end"]  # includes the relay in pull
