@@ -6,6 +6,7 @@ tests get deterministic plans.
 from __future__ import annotations
 
 import os
+import random
 import socket
 import sys
 from typing import Callable, Iterator, Optional
@@ -29,8 +30,34 @@ KIND_STAGE = {"writer": 0, "worker": 1, "scheduler": 2, "router": 3}
 PortPicker = Callable[[], int]
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+            return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_tcp_port(host: str = LOOPBACK) -> int:
-    """A port the kernel considers free right now (bind to 0, read, close)."""
+    """A port that is free now and *below the kernel's ephemeral range*.
+
+    A port taken by binding to 0 comes from the ephemeral range, where any
+    outgoing connection (HTTP clients, ZMQ, UCX) may take it as its source
+    port in the seconds before our process listens on it (seen here: a TP
+    rank's TCPStore failing with EADDRINUSE). Ports below the range are only
+    ever taken by explicit binds.
+    """
+    lo, _ = _ephemeral_range()
+    if lo > 12000:
+        for _ in range(200):
+            port = random.randint(10000, lo - 1)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
