@@ -172,19 +172,8 @@ class StepFailed(Msg):
     reason: str
 
 
-class DumpBlocks(Msg):
-    """Debug/test: return the raw bytes of blocks (KV equality checks)."""
-
-    block_ids: tuple[int, ...]
-
-
-class BlocksDumped(Msg):
-    block_ids: tuple[int, ...]
-    data: bytes
-
-
-SchedulerToWorker = Union[ExecuteStep, DumpBlocks]
-WorkerToScheduler = Union[StepDone, StepFailed, BlocksDumped]
+SchedulerToWorker = Union[ExecuteStep]
+WorkerToScheduler = Union[StepDone, StepFailed]
 
 
 # ---------------------------------------------------------------------------

@@ -43,9 +43,6 @@ class Pool:
     def nbytes(self) -> int:
         return self.handle.nbytes
 
-    def byte_view(self) -> np.ndarray:
-        return self.tensor.view(-1).view(torch.uint8).numpy() if self.tensor.device.type == "cpu" else None
-
     def close(self) -> None:
         """Drop the mapping; the owner also unlinks the segment (exactly once)."""
         self.tensor = None  # type: ignore[assignment]

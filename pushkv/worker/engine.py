@@ -103,8 +103,3 @@ class Worker(Actor):
             return seqs
         return [msgspec.structs.replace(s, block_table=tuple(L.expand_table(self.layout, s.block_table)))
                 for s in seqs]
-
-    def on_DumpBlocks(self, msg: m.DumpBlocks) -> None:
-        data = b"".join(v[b].contiguous().view(-1).view(__import__("torch").uint8).numpy().tobytes()
-                        for b in L.expand_table(self.layout, msg.block_ids) for v in self.layer_pools)
-        self.send(self.sched, m.BlocksDumped(msg.block_ids, data))
