@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -72,7 +73,7 @@ class Deployment:
 
 @contextmanager
 def launched(*flags: str, log_path: Optional[str] = None, registry: Optional[str] = None,
-             port: Optional[int] = None) -> Iterator[Deployment]:
+             port: Optional[int] = None, start_timeout_s: float = START_TIMEOUT_S) -> Iterator[Deployment]:
     """`pushkv up FLAGS` until the block exits; then SIGINT and reap."""
     port = port or free_tcp_port()
     reg = registry or tempfile.mkdtemp(prefix="pushkv-registry-")
@@ -93,7 +94,7 @@ def launched(*flags: str, log_path: Optional[str] = None, registry: Optional[str
 
     threading.Thread(target=reader, daemon=True).start()
     try:
-        if not ready.wait(START_TIMEOUT_S) or "READY" not in lines:
+        if not ready.wait(start_timeout_s) or "READY" not in lines:
             tail = open(log_path).read()[-3000:] if log_path else ""
             raise RuntimeError(f"deployment did not start: {lines}\n{tail}")
         rec = json.load(open(sorted(glob.glob(os.path.join(reg, "*.json")))[-1]))
@@ -108,3 +109,5 @@ def launched(*flags: str, log_path: Optional[str] = None, registry: Optional[str
             proc.kill()
             proc.wait()
         log.close()
+        if registry is None:
+            shutil.rmtree(reg, ignore_errors=True)

@@ -1,7 +1,7 @@
 """pushkv-sweep: modes x QPS x input lengths, one deployment per mode.
 
-For each mode it starts ``pushkv up --mode ... --port P`` as a subprocess,
-waits for the router's ``/health``, runs ``pushkv-bench`` for every (QPS,
+For each mode it starts ``pushkv up --mode ... --port P`` as a subprocess
+(pushkv.launch), waits until it prints READY, runs ``pushkv-bench`` for every (QPS,
 input length) cell, then stops the deployment with SIGINT. The default grid
 is small enough for a 2-core CPU box in well under 15 minutes; ``--full``
 is the 1k-16k x 1/2/4/8 QPS grid.
@@ -10,17 +10,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shlex
-import shutil
-import signal
-import subprocess
 import sys
-import threading
-import time
-import urllib.request
-from typing import Optional
 
+from pushkv.launch import launched
 from tools import bench
 
 # label -> `pushkv up` arguments
@@ -35,60 +28,7 @@ SMALL = {"modes": ["push", "pull-inline", "pull-background", "pull-write"], "qps
          "num_prompts": 8, "output_len": 32}
 FULL = {"modes": ["push", "pull-inline", "pull-background", "pull-write", "local"], "qps": [1.0, 2.0, 4.0, 8.0],
         "inputs": [1024, 2048, 4096, 8192, 16384], "num_prompts": 50, "output_len": 128}
-URL_RE = re.compile(r"https?://[\w.\-\[\]:]+")
 HEALTH_TIMEOUT_S = 300.0
-STOP_TIMEOUT_S = 60.0
-
-
-def pushkv_cmd() -> list[str]:
-    exe = shutil.which("pushkv")
-    return [exe] if exe else [sys.executable, "-m", "processes.cli"]
-
-
-class Deployment:
-    """A `pushkv up` subprocess; its stdout is scanned for the router URL."""
-
-    def __init__(self, mode: str, port: int, extra: list[str], log_path: str):
-        self.argv = pushkv_cmd() + ["up", *MODES[mode], "--port", str(port), *extra]
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=self.log, text=True)
-        self.url_seen = threading.Event()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        for line in self.proc.stdout:
-            self.log.write(line)
-            self.log.flush()
-            mt = URL_RE.search(line)
-            if mt and not self.url_seen.is_set():
-                self.url = mt.group(0).rstrip("/")
-                self.url_seen.set()
-
-    def wait_healthy(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"`{shlex.join(self.argv)}` exited with {self.proc.returncode}")
-            self.url_seen.wait(0.5)
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.5)  # polling an external process's readiness
-        raise TimeoutError(f"{self.url}/health not ready within {timeout_s:g} s")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.log.close()
 
 
 def grid(args) -> list[tuple[str, float, int]]:
@@ -129,35 +69,40 @@ def main(argv=None) -> int:
     failures = 0
     bar = tqdm(total=len(cells) * args.iters, desc="sweep", unit="run")
     for mode in args.modes:
-        dep: Optional[Deployment] = None
         try:
             bar.set_postfix_str(f"{mode}: starting")
-            dep = Deployment(mode, args.port, shlex.split(args.up_args),
-                             os.path.join(args.result_dir, f"{mode}_deployment.log"))
-            dep.wait_healthy(args.health_timeout)
-            for _, qps, inp in [c for c in cells if c[0] == mode]:
-                for it in range(args.iters):
-                    bar.set_postfix_str(f"{mode} qps={bench.fmt_qps(qps)} in={inp} iter={it}")
-                    b = bench.parse_args([
-                        "--url", dep.url, "--mode", mode, "--qps", str(qps),
-                        "--num-prompts", str(args.num_prompts), "--input-len", str(inp),
-                        "--output-len", str(args.output_len), "--warmup", str(args.warmup),
-                        "--seed", str(args.seed + it), "--result-dir", args.result_dir,
-                        "--iter", str(it), "--no-progress",
-                    ])
-                    path, s = bench.run(b)
-                    failures += s["failed"]
-                    tqdm.write(f"{os.path.basename(path)}: ttft {s['median_ttft_ms']:.1f} ms  "
-                               f"tpot {s['median_tpot_ms']:.1f} ms  failed {s['failed']}")
-                    bar.update(1)
+            with launched(*MODES[mode], *shlex.split(args.up_args), port=args.port,
+                          log_path=os.path.join(args.result_dir, f"{mode}_deployment.log"),
+                          start_timeout_s=args.health_timeout) as dep:
+                failures += _run_mode(args, mode, dep.url, cells, bar)
         except (RuntimeError, TimeoutError) as e:
             tqdm.write(f"{mode}: {e}")
             failures += 1
-        finally:
-            if dep is not None:
-                dep.stop()
     bar.close()
     return 1 if failures else 0
+
+
+def _run_mode(args, mode: str, url: str, cells, bar) -> int:
+    """Every (QPS, input) cell of one mode against one running deployment; failed requests."""
+    from tqdm import tqdm
+
+    failures = 0
+    for _, qps, inp in [c for c in cells if c[0] == mode]:
+        for it in range(args.iters):
+            bar.set_postfix_str(f"{mode} qps={bench.fmt_qps(qps)} in={inp} iter={it}")
+            b = bench.parse_args([
+                "--url", url, "--mode", mode, "--qps", str(qps),
+                "--num-prompts", str(args.num_prompts), "--input-len", str(inp),
+                "--output-len", str(args.output_len), "--warmup", str(args.warmup),
+                "--seed", str(args.seed + it), "--result-dir", args.result_dir,
+                "--iter", str(it), "--no-progress",
+            ])
+            path, s = bench.run(b)
+            failures += s["failed"]
+            tqdm.write(f"{os.path.basename(path)}: ttft {s['median_ttft_ms']:.1f} ms  "
+                       f"tpot {s['median_tpot_ms']:.1f} ms  failed {s['failed']}")
+            bar.update(1)
+    return failures
 
 
 if __name__ == "__main__":
