@@ -295,21 +295,25 @@ def _tp_worker(rank, world, init_file, out_dir, cfg_json):
         torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_tensor_parallel_matches_single_rank(tmp_path, tp):
-    cfg = preset("tiny")  # 4 query heads, 2 KV heads: tp=4 replicates each KV head
-    ctx = mp.start_processes(_tp_worker, args=(tp, str(tmp_path / "init"), str(tmp_path),
-                                               msgspec.json.encode(cfg)),
+def run_tp_ranks(worker, tp: int, tmp_path, cfg: ModelConfig, timeout_s: float) -> None:
+    """Spawn ``worker(rank, tp, init_file, out_dir, cfg_json)`` on every rank; fail past the deadline."""
+    ctx = mp.start_processes(worker, args=(tp, str(tmp_path / "init"), str(tmp_path), msgspec.json.encode(cfg)),
                              nprocs=tp, join=False, start_method="spawn")
-    deadline = time.monotonic() + TP_TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
     try:
         while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
             if time.monotonic() > deadline:
-                pytest.fail(f"tp={tp} workers did not finish in {TP_TIMEOUT_S} s")
+                pytest.fail(f"tp={tp} workers did not finish in {timeout_s} s")
     finally:
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel_matches_single_rank(tmp_path, tp):
+    cfg = preset("tiny")  # 4 query heads, 2 KV heads: tp=4 replicates each KV head
+    run_tp_ranks(_tp_worker, tp, tmp_path, cfg, TP_TIMEOUT_S)
     single = build_model(cfg)
     pool1 = torch.zeros(pool_shape(single.kv_layout(4, 16)))
     tokens, logits = _tp_run(single, pool1)

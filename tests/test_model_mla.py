@@ -6,12 +6,10 @@ from __future__ import annotations
 import math
 import os
 import random
-import time
 
 import msgspec
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from pushkv.config import ModelConfig, preset
 from pushkv.kv import layout as L
@@ -19,6 +17,7 @@ from pushkv.messages import SeqWork
 from pushkv.model import build_model
 from pushkv.model.mla import MLAModel
 from pushkv.model.transformer import rms_norm
+from tests.test_model import run_tp_ranks
 
 TP_TIMEOUT_S = 60.0
 MLA_TINY = preset("mla", num_layers=2, hidden_size=64, num_heads=4, head_dim=16, intermediate_size=128,
@@ -113,18 +112,7 @@ def _tp_worker(rank, world, init_file, out_dir, cfg_json):
 
 def test_mla_tensor_parallel_replicates_latent(tmp_path):
     tp = 2
-    ctx = mp.start_processes(_tp_worker, args=(tp, str(tmp_path / "init"), str(tmp_path),
-                                               msgspec.json.encode(MLA_TINY)),
-                             nprocs=tp, join=False, start_method="spawn")
-    deadline = time.monotonic() + TP_TIMEOUT_S
-    try:
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                pytest.fail(f"tp={tp} workers did not finish in {TP_TIMEOUT_S} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+    run_tp_ranks(_tp_worker, tp, tmp_path, MLA_TINY, TP_TIMEOUT_S)
     single_toks, single_pool = paged(build_model(MLA_TINY), prompt_of(30, seed=3), 4)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(tp)]
     for got in ranks:
