@@ -47,6 +47,7 @@ class Actor:
         self.channels: dict[zmq.Socket, Channel] = {}
         self.counters: Counter[str] = Counter()
         self.stopping = False
+        self.stop_reason = ""  # from the supervisor's Shutdown, for what we tell clients
         self.started_mono = time.monotonic()
         self._control_endpoint = control_endpoint
         self._control: Optional[zmq.Socket] = None
@@ -175,6 +176,7 @@ class Actor:
 
     def on_Shutdown(self, msg: m.Shutdown) -> None:
         log.info("%s: shutdown requested (%s)", self.name, msg.reason)
+        self.stop_reason = msg.reason
         self.stopping = True
 
     def on_Ping(self, msg: m.Ping) -> None:

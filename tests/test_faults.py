@@ -160,7 +160,9 @@ def test_peer_death_pull(pull_dep, victim, point, phase):
 
 
 def _scenario(dep, victim, point, phase):
+    wait_serving(dep)  # a failed earlier scenario must not leave this one a restarting instance
     ev = Events(dep.cfg.events_endpoint)
+    armed = ""
     try:
         prompt = list(range(1, 200))
         t0 = time.monotonic()
@@ -168,7 +170,7 @@ def _scenario(dep, victim, point, phase):
             pid = _pid_of(dep, victim)
             outcome, detail = stream_request(dep.url, prompt, 400, on_first_token=lambda: os.kill(pid, signal.SIGKILL))
         else:
-            faults.arm(dep.faults_dir, victim, point)
+            armed = faults.arm(dep.faults_dir, victim, point)
             outcome, detail = stream_request(dep.url, prompt, 40)
         detect = time.monotonic() - t0
         assert outcome != "ok", f"request completed although {victim} died at {point}"
@@ -186,6 +188,8 @@ def _scenario(dep, victim, point, phase):
                         (st["prefill"].num_blocks - st["prefill"].free_blocks, st["decode"].num_blocks - st["decode"].free_blocks)))
     finally:
         ev.close()
+        if armed and os.path.exists(armed):  # never fired: do not let it fire in a later scenario
+            os.unlink(armed)
 
 
 def _pid_of(dep, name: str) -> int:

@@ -70,7 +70,8 @@ class Scheduler(Actor):
 
     def teardown(self) -> None:
         for r in list(self.reqs.values()):
-            self._reply(r, m.RequestFailed(r.transfer_id, r.generation, "scheduler shutting down", 503))
+            reason = f"scheduler shutting down ({self.stop_reason})" if self.stop_reason else "scheduler shutting down"
+            self._reply(r, m.RequestFailed(r.transfer_id, r.generation, reason, 503))
 
     # -- helpers --------------------------------------------------------------------
     def _reply(self, r: Request, msg: m.Msg) -> None:

@@ -243,7 +243,7 @@ class Supervisor(Actor):
         self._stop_child(row)
         return None
 
-    def _stop_child(self, row: Row) -> None:
+    def _stop_child(self, row: Row, reason: str = "restart") -> None:
         """Ask politely; ``tick`` escalates to SIGTERM after the grace and SIGKILL at the deadline.
 
         Not Shutdown and SIGTERM together: a Python child that is already
@@ -252,7 +252,7 @@ class Supervisor(Actor):
         """
         self.table.apply(row.name, Event.STOP)
         if row.identity is not None:
-            self._control_router.send_multipart([row.identity, m.encode(m.Shutdown(reason="restart"))])
+            self._control_router.send_multipart([row.identity, m.encode(m.Shutdown(reason=reason))])
         else:
             lifecycle.signal_child(self.procs[row.name], signal.SIGTERM)
 
@@ -292,7 +292,7 @@ class Supervisor(Actor):
             self._fail(f"{name} (pid {pid}) died ({how}) after {self.policy.max_restarts} restarts "
                        f"within {self.policy.window_s:.0f} s; giving up")
         elif role in ENGINE_ROLES:
-            self._restart_instance(role, name, now)
+            self._restart_instance(role, name, now, how)
         else:
             self._spawn(name, now)
 
@@ -301,14 +301,15 @@ class Supervisor(Actor):
     # scheduler's block accounting describes, so one death restarts the
     # whole instance, stage by stage (writers, workers, scheduler).
     # ------------------------------------------------------------------
-    def _restart_instance(self, role: str, dead: str, now: float) -> None:
+    def _restart_instance(self, role: str, dead: str, now: float, how: str = "") -> None:
         if role in self._instance_restart:
             return
         rows = [r for r in self.table if r.spec.role == role]
         stopping = set()
+        why = f"{role} instance restarting: {dead} died" + (f" ({how})" if how else "")
         for r in rows:
             if r.name != dead and r.state in (State.STARTED, State.READY):
-                self._stop_child(r)
+                self._stop_child(r, why)  # survivors tell their clients why they stop
                 stopping.add(r.name)
         log.error("restarting the %s instance (%s died): stopping %s", role, dead, ", ".join(sorted(stopping)) or "nothing else")
         self._publish(f"{role}.instance", "restart", detail=dead)
