@@ -1,0 +1,106 @@
+"""Start and stop vLLM API servers (P, D, or plain) and the proxy, for the
+tests and the benchmark. Each instance gets its own port, writer handshake
+port and core, and is stopped with its whole process group."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
+from typing import Optional
+
+START_TIMEOUT_S = 240.0
+
+
+def _get(url: str, timeout: float = 2.0) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status
+    except Exception:
+        return 0
+
+
+class Server:
+    def __init__(self, name: str, cmd: list[str], env: dict, url: str, log_path: str):
+        self.name, self.url, self.log_path = name, url, log_path
+        self._log = open(log_path, "ab")
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def wait_ready(self, path: str = "/health", timeout: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited ({self.proc.returncode}) at start; log {self.log_path}:\n"
+                                   + self.tail())
+            if _get(self.url + path) == 200:
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.name} not ready after {timeout:.0f}s; log {self.log_path}:\n" + self.tail())
+
+    def tail(self, n: int = 40) -> str:
+        with open(self.log_path, "rb") as f:
+            return b"\n".join(f.read().splitlines()[-n:]).decode(errors="replace")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        try:  # children that outlived the server (engine core, workers, writers)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self._log.close()
+
+
+def vllm_server(name: str, model: str, port: int, core: int, log_dir: str, role: Optional[str] = None,
+                handshake_port: int = 0, connector: str = "PushKVConnector", extra_args=(),
+                kv_cache_bytes: int = 256 * 2**20) -> Server:
+    """role None: a plain instance; "prefill"/"decode": with ``connector``."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND=str(core),
+               VLLM_NIXL_SIDE_CHANNEL_PORT=str(handshake_port or port + 1000), OMP_NUM_THREADS="1",
+               VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "INFO"))
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
+           "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "2048", "--seed", "0",
+           "--kv-cache-memory-bytes", str(kv_cache_bytes), "--enforce-eager", *extra_args]
+    if role is not None:
+        cfg = {"kv_connector": connector, "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+               "engine_id": f"{name}-{port}"}
+        if connector == "PushKVConnector":
+            cfg["kv_connector_module_path"] = "pushkv.vllm"
+            cfg["kv_connector_extra_config"] = {"handshake_port": handshake_port or port + 1000}
+        cmd += ["--kv-transfer-config", json.dumps(cfg)]
+    return Server(name, cmd, env, f"http://127.0.0.1:{port}", os.path.join(log_dir, f"{name}.log"))
+
+
+def proxy_server(prefill: list[str], decode: list[str], port: int, log_dir: str) -> Server:
+    cmd = [sys.executable, "-m", "pushkv.vllm.proxy", "--port", str(port)]
+    for u in prefill:
+        cmd += ["--prefill", u]
+    for u in decode:
+        cmd += ["--decode", u]
+    return Server("proxy", cmd, dict(os.environ), f"http://127.0.0.1:{port}", os.path.join(log_dir, "proxy.log"))
+
+
+@contextmanager
+def servers(*made: Server, ready: bool = True):
+    """Wait for all to be ready (they start in parallel); stop all on exit."""
+    try:
+        if ready:
+            for s in made:
+                s.wait_ready()
+        yield made
+    finally:
+        for s in made:
+            s.stop()

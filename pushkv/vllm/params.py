@@ -1,0 +1,98 @@
+"""What a router puts in ``kv_transfer_params`` for pushkv's connector, and the
+settings every side derives from vLLM's config. Pure: no vLLM import.
+
+A router sends both legs at once, with one transfer id::
+
+    P leg: {"pushkv": {"role": "prefill", "transfer_id": T}}           (max_tokens 1)
+    D leg: {"pushkv": {"role": "decode", "transfer_id": T,
+                       "source": {"engine_id": E, "tp": N, "handshake": ["tcp://host:port", ...]}}}
+
+``source`` is P's identity. P returns it in every finished request's
+``kv_transfer_params`` as ``{"pushkv_source": {...}}``, so a router learns it
+from any P response (``pushkv-vllm-proxy`` sends one probe request per P at
+start). ``transfer_id`` must be unique among the transfers in flight between
+that P and D; anything else in the params is ignored.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from pushkv.messages import PrefillSource
+
+KEY = "pushkv"
+SOURCE_KEY = "pushkv_source"
+DEFAULT_HANDSHAKE_PORT = 5600  # vLLM's VLLM_NIXL_SIDE_CHANNEL_PORT default
+
+
+class ParamsError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Leg:
+    role: str  # "prefill" | "decode"
+    transfer_id: str
+    source: Optional[PrefillSource] = None
+
+
+def parse_leg(params: Optional[dict[str, Any]]) -> Optional[Leg]:
+    """The pushkv part of a request's kv_transfer_params, or None if it has none."""
+    if not params or KEY not in params:
+        return None
+    p = params[KEY]
+    if not isinstance(p, dict):
+        raise ParamsError(f"kv_transfer_params[{KEY!r}] must be an object, got {type(p).__name__}")
+    role, tid = p.get("role"), p.get("transfer_id")
+    if role not in ("prefill", "decode"):
+        raise ParamsError(f"kv_transfer_params[{KEY!r}]['role'] must be 'prefill' or 'decode', got {role!r}")
+    if not isinstance(tid, str) or not tid:
+        raise ParamsError(f"kv_transfer_params[{KEY!r}]['transfer_id'] must be a non-empty string")
+    if role == "prefill":
+        return Leg(role, tid)
+    return Leg(role, tid, parse_source(p.get("source")))
+
+
+def parse_source(s: Any) -> PrefillSource:
+    if not isinstance(s, dict):
+        raise ParamsError("a decode leg needs 'source': {engine_id, tp, handshake} (P's pushkv_source)")
+    eid, tp, hs = s.get("engine_id"), s.get("tp"), s.get("handshake")
+    if not isinstance(eid, str) or not isinstance(tp, int) or tp < 1:
+        raise ParamsError(f"bad source {s!r}: engine_id must be a string and tp a positive int")
+    if not isinstance(hs, list) or len(hs) != tp or not all(isinstance(e, str) for e in hs):
+        raise ParamsError(f"bad source {s!r}: handshake must list one endpoint per P rank")
+    return PrefillSource(eid, tp, tuple(hs))
+
+
+def source_dict(src: PrefillSource) -> dict[str, Any]:
+    return {"engine_id": src.engine_id, "tp": src.tp, "handshake": list(src.handshake)}
+
+
+@dataclass(frozen=True)
+class Settings:
+    engine_id: str
+    tp: int
+    handshake_host: str
+    handshake_port: int  # rank r listens on port + r
+    registration_wait_s: float
+    transfer_s: float
+    idle_wait_ms: float
+
+    def handshake_endpoint(self, rank: int) -> str:
+        return f"tcp://{self.handshake_host}:{self.handshake_port + rank}"
+
+    def cmd_endpoint(self, rank: int) -> str:
+        return f"ipc://@pushkv-vllm-{self.engine_id}-{rank}-cmd"  # abstract: no file left behind
+
+    def source(self) -> PrefillSource:
+        return PrefillSource(self.engine_id, self.tp, tuple(self.handshake_endpoint(r) for r in range(self.tp)))
+
+
+def settings(engine_id: str, tp: int, extra: Optional[dict[str, Any]], env=os.environ) -> Settings:
+    """From kv_connector_extra_config, falling back on vLLM's NIXL side-channel variables."""
+    extra = extra or {}
+    host = extra.get("handshake_host") or env.get("VLLM_NIXL_SIDE_CHANNEL_HOST") or "127.0.0.1"
+    port = int(extra.get("handshake_port") or env.get("VLLM_NIXL_SIDE_CHANNEL_PORT") or DEFAULT_HANDSHAKE_PORT)
+    return Settings(engine_id, tp, host, port, float(extra.get("registration_wait_s", 30.0)),
+                    float(extra.get("transfer_s", 30.0)), float(extra.get("idle_wait_ms", 10.0)))

@@ -1,0 +1,209 @@
+"""``pushkv-vllm-proxy``: an OpenAI ``/v1/completions`` front for vLLM P/D
+instances that use pushkv's connector.
+
+Each request goes to one P and one D **at the same time**, with one transfer
+id in both legs' ``kv_transfer_params`` (see ``params.py`` for what other
+routers must send). D registers its blocks as soon as it allocates them, P
+WRITEs when its prefill ends, D decodes; the client gets D's response,
+streaming or not. P's identity (``pushkv_source``) is learnt from one probe
+request per P at start and refreshed from every P response.
+
+    pushkv-vllm-proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import itertools
+import json
+import logging
+import uuid
+from typing import Any, Optional
+
+import aiohttp
+from aiohttp import web
+
+from pushkv.vllm import params as P
+
+log = logging.getLogger(__name__)
+
+PROBE_TIMEOUT_S = 300.0
+
+
+class Instance:
+    def __init__(self, url: str):
+        self.url = url.rstrip("/")
+        self.source: Optional[dict[str, Any]] = None
+        self.inflight = 0
+
+
+class Proxy:
+    def __init__(self, prefill: list[str], decode: list[str], request_timeout_s: float = 600.0):
+        if not prefill or not decode:
+            raise ValueError("need at least one --prefill and one --decode URL")
+        self.prefill = [Instance(u) for u in prefill]
+        self.decode = [Instance(u) for u in decode]
+        self.timeout = aiohttp.ClientTimeout(total=request_timeout_s)
+        self.session: Optional[aiohttp.ClientSession] = None
+        self.model: Optional[str] = None
+        self._rr = itertools.count()
+        self.counters = {"requests": 0, "ok": 0, "failed": 0}
+
+    async def start(self, app=None) -> None:
+        self.session = aiohttp.ClientSession(timeout=self.timeout)
+        await asyncio.gather(*(self._probe(p) for p in self.prefill))
+
+    async def stop(self, app=None) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    async def _probe(self, p: Instance) -> None:
+        """Learn P's pushkv_source from one tiny request (bounded; P may still be starting)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + PROBE_TIMEOUT_S
+        while True:
+            try:
+                async with self.session.get(p.url + "/v1/models") as r:
+                    models = await r.json()
+                self.model = self.model or models["data"][0]["id"]
+                body = {"model": self.model, "prompt": [0], "max_tokens": 1,
+                        "kv_transfer_params": {"pushkv_probe": True}}
+                async with self.session.post(p.url + "/v1/completions", json=body) as r:
+                    out = await r.json()
+                src = (out.get("kv_transfer_params") or {}).get(P.SOURCE_KEY)
+                if src is None:
+                    raise RuntimeError(f"{p.url} does not run PushKVConnector (no {P.SOURCE_KEY} in its answer)")
+                p.source = src
+                log.info("prefill %s: engine %s, writers %s", p.url, src["engine_id"], src["handshake"])
+                return
+            except (aiohttp.ClientError, KeyError, ValueError) as e:
+                if loop.time() > deadline:
+                    raise RuntimeError(f"prefill {p.url} not reachable: {e}") from e
+                await asyncio.sleep(0.5)
+
+    def _pick(self, pool: list[Instance]) -> Instance:
+        low = min(i.inflight for i in pool)
+        cands = [i for i in pool if i.inflight == low]
+        return cands[next(self._rr) % len(cands)]
+
+    @staticmethod
+    def legs(body: dict[str, Any], tid: str, source: dict[str, Any]) -> tuple[dict, dict]:
+        """The two request bodies for one client request (pure; tested)."""
+        p_body = copy.deepcopy(body)
+        for k in ("stream", "stream_options", "n", "best_of", "min_tokens", "logprobs", "echo"):
+            p_body.pop(k, None)
+        p_body["max_tokens"] = 1
+        p_body["kv_transfer_params"] = {P.KEY: {"role": "prefill", "transfer_id": tid}}
+        d_body = copy.deepcopy(body)
+        d_body["kv_transfer_params"] = {P.KEY: {"role": "decode", "transfer_id": tid, "source": source}}
+        return p_body, d_body
+
+    async def completions(self, req: web.Request) -> web.StreamResponse:
+        try:
+            body = await req.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return web.json_response({"error": {"message": "body must be JSON"}}, status=400)
+        if not isinstance(body, dict) or "prompt" not in body:
+            return web.json_response({"error": {"message": "body must be an object with a 'prompt'"}}, status=400)
+        body.setdefault("model", self.model)
+        self.counters["requests"] += 1
+        p, d = self._pick(self.prefill), self._pick(self.decode)
+        tid = uuid.uuid4().hex
+        p_body, d_body = self.legs(body, tid, p.source)
+        p.inflight += 1
+        d.inflight += 1
+        p_task = asyncio.create_task(self._prefill(p, p_body))
+        try:
+            async with self.session.post(d.url + "/v1/completions", json=d_body) as dr:
+                if dr.status != 200 or not body.get("stream"):
+                    data = await dr.read()
+                    if dr.status != 200:
+                        self.counters["failed"] += 1
+                        return await self._failed(dr.status, data, p_task, "decode")
+                    p_err = await p_task
+                    out = json.loads(data)
+                    if p_err is not None and not out.get("choices"):
+                        return self._error(502, f"prefill failed: {p_err}")
+                    if any(c.get("finish_reason") == "error" for c in out.get("choices", ())):
+                        self.counters["failed"] += 1
+                        return self._error(500, f"KV transfer failed (transfer_id={tid}); prefill: "
+                                                f"{p_err or 'ok'}; see the decode instance's log")
+                    self.counters["ok"] += 1
+                    return web.json_response(out)
+                resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+                await resp.prepare(req)
+                async for chunk in dr.content.iter_any():
+                    if b'"finish_reason":"error"' in chunk:
+                        err = {"error": {"message": f"KV transfer failed (transfer_id={tid}); see the decode "
+                                                    "instance's log", "code": 500}}
+                        await resp.write(f"data: {json.dumps(err)}\n\n".encode())
+                        self.counters["failed"] += 1
+                        break
+                    await resp.write(chunk)
+                else:
+                    self.counters["ok"] += 1
+                await resp.write_eof()
+                await p_task
+                return resp
+        except aiohttp.ClientError as e:
+            self.counters["failed"] += 1
+            p_task.cancel()
+            return self._error(502, f"decode {d.url} unreachable: {e}")
+        finally:
+            p.inflight -= 1
+            d.inflight -= 1
+
+    async def _prefill(self, p: Instance, body: dict) -> Optional[str]:
+        """Run the P leg; None when it went well, else why not. Refreshes P's source."""
+        try:
+            async with self.session.post(p.url + "/v1/completions", json=body) as r:
+                data = await r.read()
+                if r.status != 200:
+                    return f"prefill {p.url} answered {r.status}: {data[:300]!r}"
+                src = (json.loads(data).get("kv_transfer_params") or {}).get(P.SOURCE_KEY)
+                if src:
+                    p.source = src
+                return None
+        except aiohttp.ClientError as e:
+            return f"prefill {p.url} unreachable: {e}"
+
+    async def _failed(self, status: int, data: bytes, p_task, leg: str) -> web.Response:
+        p_task.cancel()
+        try:
+            msg = json.loads(data).get("error", {}).get("message") or data[:300].decode(errors="replace")
+        except (ValueError, AttributeError):
+            msg = data[:300].decode(errors="replace")
+        return self._error(status, f"{leg} failed: {msg}")
+
+    @staticmethod
+    def _error(status: int, message: str) -> web.Response:
+        return web.json_response({"error": {"message": message, "code": status}}, status=status)
+
+    async def health(self, req: web.Request) -> web.Response:
+        return web.json_response({"prefill": [p.source for p in self.prefill], **self.counters})
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 2**20)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/health", self.health)
+        app.on_startup.append(self.start)
+        app.on_cleanup.append(self.stop)
+        return app
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prefill", action="append", required=True, help="a P vLLM URL (repeatable)")
+    ap.add_argument("--decode", action="append", required=True, help="a D vLLM URL (repeatable)")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--host", default="127.0.0.1")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s pushkv-vllm-proxy %(levelname)s %(message)s")
+    proxy = Proxy(args.prefill, args.decode)
+    web.run_app(proxy.app(), host=args.host, port=args.port, print=lambda *_: print(
+        f"pushkv-vllm-proxy on http://{args.host}:{args.port} READY", flush=True))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""Where vLLM keeps a block's KV, and which byte regions one transfer moves.
+
+Pure code: no vLLM, no NIXL. vLLM 0.32 places every layer's KV for a KV cache
+group in one backing allocation; layer ``l`` of block ``b`` starts at
+``offset + l * layer_stride + b * block_stride`` and, for the attention
+backends we accept, is one dense page of ``page_bytes``. :func:`describe`
+reads that from the per-layer views vLLM hands ``register_kv_caches``;
+:func:`map_blocks` turns (P blocks, D blocks) into merged
+(P offset, D offset, nbytes) regions, one descriptor per run that is
+contiguous on both sides.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import msgspec
+
+
+class LayerRegion(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """One layer's pages inside the backing allocation (bytes from its base)."""
+
+    offset: int
+    block_stride: int
+    page_bytes: int
+
+
+class KVMemory(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """A worker's KV cache as the writer sees it: one region per distinct layer."""
+
+    nbytes: int
+    num_blocks: int
+    layers: tuple[LayerRegion, ...]
+
+    def same_pages(self, other: "KVMemory") -> bool:
+        """P and D must agree on layer count and page size (a block's page
+        is copied whole: same block size, heads, head size, dtype and TP slice)."""
+        return [lr.page_bytes for lr in self.layers] == [lr.page_bytes for lr in other.layers]
+
+
+def describe(views: dict, base_addr: int, nbytes: int) -> KVMemory:
+    """Describe vLLM's per-layer KV views (torch tensors, block dim first)
+    that live in ``[base_addr, base_addr + nbytes)``. Layers that share a view
+    (KV sharing) are listed once. Raises ValueError for a layout we cannot move
+    as whole pages."""
+    seen: dict[int, LayerRegion] = {}
+    num_blocks = None
+    for name, t in views.items():
+        elem = t.element_size()
+        start = t.data_ptr() - base_addr
+        if start < 0 or start >= nbytes:
+            raise ValueError(f"layer {name}: KV view at {t.data_ptr():#x} is outside the shared "
+                             f"allocation [{base_addr:#x}, +{nbytes}) (was the allocation hook used?)")
+        if t.dim() < 2 or not t[0].is_contiguous():
+            raise ValueError(f"layer {name}: a block's page is not contiguous (shape {tuple(t.shape)}, "
+                             f"stride {t.stride()}); only dense-page layouts are supported")
+        if num_blocks is not None and t.shape[0] != num_blocks:
+            raise ValueError(f"layer {name}: {t.shape[0]} blocks, other layers have {num_blocks}")
+        num_blocks = t.shape[0]
+        region = LayerRegion(start, t.stride(0) * elem, t[0].numel() * elem)
+        if start + (num_blocks - 1) * region.block_stride + region.page_bytes > nbytes:
+            raise ValueError(f"layer {name}: pages run past the end of the shared allocation")
+        seen.setdefault(start, region)
+    if not seen:
+        raise ValueError("no KV cache layers to register")
+    return KVMemory(nbytes, num_blocks or 0, tuple(seen[k] for k in sorted(seen)))
+
+
+def map_blocks(src: KVMemory, src_blocks: Sequence[int], dst: KVMemory,
+               dst_blocks: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(src offset, dst offset, nbytes) regions that copy ``src_blocks[i]`` to
+    ``dst_blocks[i]`` in every layer, merged where both sides are contiguous.
+
+    ``dst_blocks`` may be shorter than ``src_blocks``: D registers only the
+    blocks it did not find in its own prefix cache, which are the request's
+    last ones, so the lists are aligned at their ends."""
+    if not src.same_pages(dst):
+        raise ValueError("P and D KV pages differ: "
+                         f"{[lr.page_bytes for lr in src.layers]} vs {[lr.page_bytes for lr in dst.layers]}")
+    if len(dst_blocks) > len(src_blocks):
+        raise ValueError(f"D registered {len(dst_blocks)} blocks, P has only {len(src_blocks)}")
+    src_blocks = list(src_blocks)[len(src_blocks) - len(dst_blocks):]
+    for side, mem, blocks in (("P", src, src_blocks), ("D", dst, dst_blocks)):
+        bad = [b for b in blocks if not 0 <= b < mem.num_blocks]
+        if bad:
+            raise ValueError(f"{side} block ids out of range [0, {mem.num_blocks}): {bad[:4]}")
+    raw = []
+    for sl, dl in zip(src.layers, dst.layers):
+        for sb, db in zip(src_blocks, dst_blocks):
+            raw.append((sl.offset + sb * sl.block_stride, dl.offset + db * dl.block_stride, sl.page_bytes))
+    raw.sort()
+    merged: list[tuple[int, int, int]] = []
+    for s, d, n in raw:
+        if merged:
+            ps, pd, pn = merged[-1]
+            if ps + pn == s and pd + pn == d:
+                merged[-1] = (ps, pd, pn + n)
+                continue
+        merged.append((s, d, n))
+    return merged

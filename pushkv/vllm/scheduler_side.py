@@ -1,0 +1,154 @@
+"""The connector's scheduler half (vLLM's EngineCore process).
+
+It talks to its instance's writers directly over ZMQ, so vLLM's engine loop
+only tells them what happened, when it happens:
+
+- D, at allocation (``update_state_after_alloc``): ``ExpectBlocks`` to every
+  writer, which registers the blocks with P's writers at once.
+- P, when the request finishes (``request_finished``): ``SendBlocks`` to every
+  writer, which WRITEs as soon as D's registration is there; the blocks stay
+  allocated (``request_finished`` returns True) until the worker reports the
+  request in ``finished_sending``.
+
+The per-step metadata only tells the workers what is pending, for their
+bookkeeping (failing it if their writer dies) and for waiting on the writer
+instead of spinning when a step is empty.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import msgspec
+import zmq
+
+from pushkv import messages as m
+from pushkv.vllm import params as P
+from pushkv.vllm import wire as w
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepMeta:
+    """Scheduler -> workers, once per step (vLLM pickles it to the workers)."""
+
+    idle: bool = True  # no token scheduled this step: workers may wait on their writer
+    sends: dict[str, str] = field(default_factory=dict)  # P: req id -> transfer id, new this step
+    recvs: dict[str, tuple[str, list[int]]] = field(default_factory=dict)  # D: req id -> (tid, blocks)
+    pending: bool = False  # transfers are outstanding on this instance
+
+
+class SchedulerSide:
+    def __init__(self, settings: P.Settings, block_size: int, num_groups: int):
+        self.s = settings
+        self.block_size = block_size
+        if num_groups != 1:
+            raise ValueError(f"pushkv's connector supports one KV cache group, this model has {num_groups}")
+        self.ctx = zmq.Context.instance()
+        self.writers: list[zmq.Socket] = []
+        for r in range(settings.tp):
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(settings.cmd_endpoint(r))
+            self.writers.append(sock)
+        self.legs: dict[str, P.Leg] = {}  # req id -> its pushkv leg, while we track it
+        self.waiting_recv: dict[str, tuple[str, list[int]]] = {}
+        self.loaded: set[str] = set()
+        self.loaded_tokens: dict[str, int] = {}  # D: prompt tokens whose KV came from P
+        self.pending_send: dict[str, str] = {}
+        self._new_sends: dict[str, str] = {}
+        self._new_recvs: dict[str, tuple[str, list[int]]] = {}
+
+    def _tell(self, msg: m.Msg) -> None:
+        data = m.encode(msg)
+        for sock in self.writers:
+            sock.send(data)
+
+    def leg(self, request) -> Optional[P.Leg]:
+        rid = request.request_id
+        if rid not in self.legs:
+            try:
+                leg = P.parse_leg(request.kv_transfer_params)
+            except P.ParamsError as e:
+                log.error("pushkv: request %s: %s (served without transfer)", rid, e)
+                leg = None
+            if leg is None:
+                return None
+            self.legs[rid] = leg
+        return self.legs[rid]
+
+    # -- D ----------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        leg = self.leg(request)
+        if leg is None or leg.role != "decode" or request.request_id in self.waiting_recv:
+            return 0, False
+        if request.request_id in self.loaded:  # the load is done (or failed): never again
+            return 0, False
+        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        leg = self.legs.get(request.request_id)
+        if leg is None or leg.role != "decode" or num_external_tokens <= 0:
+            return
+        n = len(request.prompt_token_ids)
+        first = (n - num_external_tokens) // self.block_size  # blocks D already had (prefix cache)
+        want = -(-n // self.block_size) - first
+        block_ids = list(blocks.get_unhashed_block_ids_all_groups()[0])[:want]
+        self.loaded.add(request.request_id)
+        self.loaded_tokens[request.request_id] = num_external_tokens
+        self.waiting_recv[request.request_id] = (leg.transfer_id, block_ids)
+        self._new_recvs[request.request_id] = (leg.transfer_id, block_ids)
+        self._tell(w.ExpectBlocks(request.request_id, leg.transfer_id, tuple(block_ids), n, leg.source,
+                                  self.s.registration_wait_s + self.s.transfer_s))
+
+    # -- P ----------------------------------------------------------------------
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
+        from vllm.v1.request import RequestStatus
+
+        rid = request.request_id
+        leg = self.legs.pop(rid, None)
+        self.loaded.discard(rid)
+        loaded = self.loaded_tokens.pop(rid, 0)
+        source = {P.SOURCE_KEY: P.source_dict(self.s.source())}
+        if leg is None:
+            return False, source if request.kv_transfer_params else None
+        if leg.role == "decode":
+            if rid in self.waiting_recv:  # ended (aborted) before the KV arrived: P may still WRITE
+                self._tell(w.CancelBlocks(rid, leg.transfer_id, "decode request ended before its KV arrived"))
+                return True, None  # freed when the writer reports it (finished_recving)
+            return False, {"pushkv_transfer_id": leg.transfer_id, "pushkv_loaded_tokens": loaded}
+        ok = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+        if not ok or not block_ids:
+            self._tell(w.CancelBlocks(rid, leg.transfer_id, f"prefill request ended: {request.status.name}"))
+            return False, source
+        self.pending_send[rid] = leg.transfer_id
+        self._new_sends[rid] = leg.transfer_id
+        self._tell(w.SendBlocks(rid, leg.transfer_id, tuple(block_ids), request.num_computed_tokens))
+        return True, source
+
+    # -- every step ----------------------------------------------------------------
+    def build_meta(self, scheduler_output) -> StepMeta:
+        meta = StepMeta(idle=scheduler_output.total_num_scheduled_tokens == 0, sends=self._new_sends,
+                        recvs=self._new_recvs, pending=bool(self.pending_send or self.waiting_recv))
+        self._new_sends, self._new_recvs = {}, {}
+        return meta
+
+    def update_connector_output(self, out) -> None:
+        for rid in out.finished_sending or ():
+            self.pending_send.pop(rid, None)
+        for rid in out.finished_recving or ():
+            self.waiting_recv.pop(rid, None)
+
+    def has_pending_push_work(self) -> bool:
+        return bool(self.pending_send or self._new_sends or self._new_recvs)
+
+    def close(self) -> None:
+        for sock in self.writers:
+            sock.close(0)
+
+
+def encode_meta(meta: StepMeta) -> bytes:  # for tests and logs
+    return msgspec.json.encode(meta.__dict__)

@@ -1,0 +1,105 @@
+"""Wire types of the vLLM connector, beside pushkv's own (``pushkv/messages.py``).
+
+Writer <-> writer traffic reuses pushkv's messages unchanged (``Register``,
+``WriteDone``, ``WriteFailed``, ``CancelTransfer`` as NIXL notifications).
+What is vLLM-specific lives here: the handshake carries vLLM's KV memory
+description instead of a pushkv pool layout, and the connector's commands and
+the writer's events carry vLLM's request id beside the transfer id.
+"""
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+from pushkv.messages import Msg, PrefillSource
+from pushkv.vllm.regions import KVMemory
+
+
+class VllmHello(Msg):
+    """Writer handshake (ZMQ, once per peer pair): NIXL metadata and KV memory."""
+
+    engine_id: str
+    rank: int
+    tp: int
+    agent_name: str
+    agent_metadata: bytes
+    base_addr: int
+    memory: KVMemory
+
+
+class HandshakeRefused(Msg):
+    reason: str
+
+
+# -- connector (vLLM scheduler process) -> writer ------------------------------------
+class SendBlocks(Msg):
+    """P: this finished request's blocks hold its prompt KV; WRITE them once D registers."""
+
+    req_id: str
+    transfer_id: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+
+
+class ExpectBlocks(Msg):
+    """D: these blocks are reserved for the request's prompt KV; register them with P."""
+
+    req_id: str
+    transfer_id: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    source: PrefillSource
+    deadline_s: float
+
+
+class CancelBlocks(Msg):
+    req_id: str
+    transfer_id: str
+    reason: str = "cancelled"
+
+
+ConnectorToWriter = Union[SendBlocks, ExpectBlocks, CancelBlocks]
+
+
+# -- writer -> connector (vLLM worker process) ----------------------------------------
+class WriterReady(Msg):
+    pid: int
+    agent_name: str
+
+
+class BlocksSent(Msg):
+    """P: the blocks may be freed (the WRITE completed, or the transfer ended without one)."""
+
+    req_id: str
+    transfer_id: str
+    ok: bool
+    reason: str = ""
+    nbytes: int = 0
+    num_descs: int = 0
+    write_s: float = 0.0
+
+
+class BlocksReceived(Msg):
+    """D: every producer's WRITE landed in the registered blocks."""
+
+    req_id: str
+    transfer_id: str
+    nbytes: int = 0
+    num_descs: int = 0
+
+
+class BlocksFailed(Msg):
+    """D: the KV will not arrive; no late WRITE can land in the blocks any more."""
+
+    req_id: str
+    transfer_id: str
+    reason: str
+
+
+WriterToConnector = Union[WriterReady, BlocksSent, BlocksReceived, BlocksFailed]
+VllmHandshake = Union[VllmHello, HandshakeRefused]
+
+DEC_TO_WRITER = msgspec.msgpack.Decoder(ConnectorToWriter)
+DEC_TO_CONNECTOR = msgspec.msgpack.Decoder(WriterToConnector)
+DEC_VHANDSHAKE = msgspec.msgpack.Decoder(VllmHandshake)

@@ -1,0 +1,225 @@
+"""The connector's worker half (one per vLLM worker process): it owns the KV
+cache's shared memory, starts and supervises this worker's pushkv writer, and
+turns the writer's events into vLLM's finished sends / receives.
+
+Nothing here touches KV bytes: the model writes its KV into shared pages, the
+writer WRITEs them (P) or they land there (D). ``start_load_kv``,
+``wait_for_layer_load``, ``save_kv_layer`` and ``wait_for_save`` have nothing
+to do.
+
+When a step is empty (vLLM keeps stepping while a transfer is pending) the
+worker waits on the writer's event socket for up to ``idle_wait_ms`` instead
+of returning at once, so a pending transfer does not spin a core and its
+outcome is seen the moment the writer sends it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections import OrderedDict
+from typing import Optional
+
+import msgspec
+import zmq
+
+from pushkv import messages as m
+from pushkv.vllm import params as P
+from pushkv.vllm import regions as R
+from pushkv.vllm import wire as w
+from pushkv.vllm.memory import SharedKVAllocation
+
+log = logging.getLogger(__name__)
+
+WRITER_READY_S = 60.0
+WRITER_STOP_S = 5.0
+REMEMBER = 4096
+
+
+class WorkerSide:
+    def __init__(self, settings: P.Settings, rank: int, role: str):
+        self.s = settings
+        self.rank = rank
+        self.role = role
+        self.alloc = SharedKVAllocation(f"pushkv-vllm-{settings.engine_id}-{rank}")
+        self.memory: Optional[R.KVMemory] = None
+        self.ctx = zmq.Context.instance()
+        self.events: Optional[zmq.Socket] = None
+        self.event_endpoint = f"ipc://@pushkv-vllm-{settings.engine_id}-{rank}-ev-{os.getpid()}"
+        self.proc: Optional[subprocess.Popen] = None
+        self.restarts = 0
+        self._lock = threading.Lock()
+        self._deaths: list[str] = []  # reasons, filled by the supervising thread
+        self._stopping = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        # bookkeeping from the scheduler's step metadata
+        self.pending_sends: dict[str, str] = {}
+        self.pending_recvs: dict[str, tuple[str, list[int]]] = {}
+        self.reported: OrderedDict[str, None] = OrderedDict()
+        self.load_errors: set[int] = set()
+        self.last_transfer: dict[str, float] = {}
+        self._early: list = []  # events read while waiting for a new writer's WriterReady
+        self._idle_wait = False
+        self.cmd: Optional[zmq.Socket] = None
+
+    # -- memory and writer -----------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict) -> None:
+        if self.alloc.tensor is None:
+            raise RuntimeError("pushkv: vLLM did not allocate its KV cache through the connector's "
+                               "get_mem_pool_context() (needs vLLM 0.32's CPU worker)")
+        self.memory = R.describe(kv_caches, self.alloc.base_addr, self.alloc.nbytes)
+        self.events = self.ctx.socket(zmq.PULL)
+        self.events.setsockopt(zmq.LINGER, 0)
+        self.events.bind(self.event_endpoint)
+        self.cmd = self.ctx.socket(zmq.PUSH)  # only to cancel what a dead writer left
+        self.cmd.setsockopt(zmq.LINGER, 0)
+        self.cmd.connect(self.s.cmd_endpoint(self.rank))
+        self._start_writer()
+        self._thread = threading.Thread(target=self._supervise, name="pushkv-writer-supervisor", daemon=True)
+        self._thread.start()
+
+    def _start_writer(self) -> None:
+        cmd = [sys.executable, "-m", "pushkv.vllm.writer", "--role", self.role, "--engine-id", self.s.engine_id,
+               "--rank", str(self.rank), "--tp", str(self.s.tp), "--fd", str(self.alloc.fd),
+               "--memory", msgspec.msgpack.encode(self.memory).hex(),
+               "--cmd-endpoint", self.s.cmd_endpoint(self.rank), "--event-endpoint", self.event_endpoint,
+               "--handshake-endpoint", self.s.handshake_endpoint(self.rank), "--parent-pid", str(os.getpid()),
+               "--registration-wait-s", str(self.s.registration_wait_s), "--transfer-s", str(self.s.transfer_s)]
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen(cmd, pass_fds=(self.alloc.fd,), stdin=subprocess.DEVNULL)
+        deadline = t0 + WRITER_READY_S
+        while True:  # bounded wait for WriterReady; a writer that exits early fails now
+            if self.events.poll(100):
+                msg = w.DEC_TO_CONNECTOR.decode(self.events.recv())
+                if isinstance(msg, w.WriterReady) and msg.pid == self.proc.pid:
+                    break
+                self._early.append(msg)
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"pushkv writer exited with status {self.proc.returncode} at start")
+            if time.monotonic() > deadline:
+                self.proc.kill()
+                raise RuntimeError(f"pushkv writer not ready after {WRITER_READY_S:.0f}s")
+        log.info("pushkv: writer pid %d ready in %.2fs (rank %d, %s)", self.proc.pid, time.monotonic() - t0,
+                 self.rank, self.s.handshake_endpoint(self.rank))
+
+    def _supervise(self) -> None:
+        """Watch the writer; when it dies, record why and start a new one."""
+        while not self._stopping.is_set():
+            proc = self.proc
+            code = proc.wait()
+            if self._stopping.is_set():
+                return
+            reason = f"pushkv writer (pid {proc.pid}) died with status {code}"
+            log.error("pushkv: %s; restarting it", reason)
+            with self._lock:
+                self._deaths.append(reason)
+            try:
+                self._restart()
+            except Exception:
+                log.exception("pushkv: writer restart failed; retrying in 1s")
+                self._stopping.wait(1.0)
+
+    def _restart(self) -> None:
+        with self._lock:  # the worker thread must not read the event socket meanwhile
+            self.restarts += 1
+            self._start_writer()
+
+    def shutdown(self) -> None:
+        self._stopping.set()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(WRITER_STOP_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for sock in (self.events, self.cmd):
+            if sock is not None:
+                sock.close(0)
+        self.events = self.cmd = None
+
+    # -- per step ------------------------------------------------------------------------
+    def bind(self, meta) -> None:
+        for rid, tid in meta.sends.items():
+            if rid not in self.reported:
+                self.pending_sends[rid] = tid
+        for rid, entry in meta.recvs.items():
+            if rid not in self.reported:
+                self.pending_recvs[rid] = entry
+        self._idle_wait = meta.idle and (meta.pending or bool(self.pending_sends or self.pending_recvs))
+
+    def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
+        sent, recvd, failed = set(), set(), set()
+        if not self._lock.acquire(timeout=self.s.idle_wait_ms / 1e3 if self._idle_wait else 0):
+            return sent, recvd, failed  # a restart holds the socket: next step
+        try:
+            for msg in self._early:
+                self._handle(msg, sent, recvd, failed)
+            self._early.clear()
+            for reason in self._deaths:
+                self._writer_died(reason, sent, recvd, failed)
+            self._deaths.clear()
+            if self.events is None:
+                return sent, recvd, failed
+            wait_ms = self.s.idle_wait_ms if self._idle_wait else 0
+            while self.events.poll(wait_ms):
+                self._handle(w.DEC_TO_CONNECTOR.decode(self.events.recv()), sent, recvd, failed)
+                wait_ms = 0
+        finally:
+            self._lock.release()
+        self._idle_wait = False
+        return sent, recvd, failed
+
+    def _report(self, rid: str) -> bool:
+        if not rid or rid in self.reported:
+            return False
+        self.reported[rid] = None
+        while len(self.reported) > REMEMBER:
+            self.reported.popitem(last=False)
+        return True
+
+    def _handle(self, msg, sent: set, recvd: set, failed: set) -> None:
+        if isinstance(msg, w.BlocksSent):
+            if not msg.ok:
+                log.warning("pushkv: transfer %s (request %s) ended without a WRITE: %s",
+                            msg.transfer_id, msg.req_id, msg.reason)
+            self.pending_sends.pop(msg.req_id, None)
+            if self._report(msg.req_id):
+                sent.add(msg.req_id)
+                self.last_transfer = {"nbytes": msg.nbytes, "num_descs": msg.num_descs, "write_s": msg.write_s}
+        elif isinstance(msg, w.BlocksReceived):
+            self.pending_recvs.pop(msg.req_id, None)
+            if self._report(msg.req_id):
+                recvd.add(msg.req_id)
+        elif isinstance(msg, w.BlocksFailed):
+            entry = self.pending_recvs.pop(msg.req_id, None)
+            log.error("pushkv: KV for request %s (transfer %s) failed: %s", msg.req_id, msg.transfer_id, msg.reason)
+            if self._report(msg.req_id):
+                recvd.add(msg.req_id)
+                failed.add(msg.req_id)
+                if entry is not None:
+                    self.load_errors.update(entry[1])
+
+    def _writer_died(self, reason: str, sent: set, recvd: set, failed: set) -> None:
+        """The dead writer can WRITE nothing more: P's blocks are free, D's transfers failed."""
+        for rid, tid in list(self.pending_sends.items()):
+            log.error("pushkv: transfer %s (request %s) ended: %s", tid, rid, reason)
+            if self._report(rid):
+                sent.add(rid)
+            # a SendBlocks still queued for the next writer must not WRITE these freed blocks
+            self.cmd.send(m.encode(w.CancelBlocks(rid, tid, reason)))
+        self.pending_sends.clear()
+        for rid, (tid, blocks) in list(self.pending_recvs.items()):
+            log.error("pushkv: KV for request %s (transfer %s) failed: %s", rid, tid, reason)
+            if self._report(rid):
+                recvd.add(rid)
+                failed.add(rid)
+                self.load_errors.update(blocks)
+        self.pending_recvs.clear()
+
+    def take_load_errors(self) -> set[int]:
+        errs, self.load_errors = self.load_errors, set()
+        return errs
