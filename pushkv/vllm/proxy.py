@@ -120,7 +120,7 @@ class Proxy:
                     data = await dr.read()
                     if dr.status != 200:
                         self.counters["failed"] += 1
-                        return await self._failed(dr.status, data, p_task, "decode")
+                        return await self._failed(dr.status, data, p_task, tid)
                     p_err = await p_task
                     out = json.loads(data)
                     if p_err is not None and not out.get("choices"):
@@ -168,13 +168,16 @@ class Proxy:
         except aiohttp.ClientError as e:
             return f"prefill {p.url} unreachable: {e}"
 
-    async def _failed(self, status: int, data: bytes, p_task, leg: str) -> web.Response:
-        p_task.cancel()
+    async def _failed(self, status: int, data: bytes, p_task, tid: str) -> web.Response:
+        """D answered an error. vLLM 0.32 answers a failed KV load (kv_load_failure_policy
+        'fail') with a bare 500; the connector logs the cause on D under the transfer id."""
+        p_err = await p_task
         try:
             msg = json.loads(data).get("error", {}).get("message") or data[:300].decode(errors="replace")
         except (ValueError, AttributeError):
             msg = data[:300].decode(errors="replace")
-        return self._error(status, f"{leg} failed: {msg}")
+        why = f"prefill failed: {p_err}" if p_err else "KV transfer failed"
+        return self._error(status, f"{why} (transfer_id={tid}); decode answered {status}: {msg}")
 
     @staticmethod
     def _error(status: int, message: str) -> web.Response:

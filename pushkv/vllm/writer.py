@@ -284,8 +284,11 @@ class VllmWriter(Actor):
             if msg.transfer_id in self.quarantine:
                 self._release_quarantine(msg.transfer_id)
                 return
-            on = self.arrivals.on_write_done if isinstance(msg, m.WriteDone) else self.arrivals.on_write_failed
-            self._apply(on(msg, now), now)
+            if isinstance(msg, m.WriteFailed):  # the producer itself reported: nothing can land any more
+                self.sources.pop(msg.transfer_id, None)
+                self._apply(self.arrivals.on_write_failed(msg, now), now)
+            else:
+                self._apply(self.arrivals.on_write_done(msg, now), now)
         else:
             self.counters["unexpected_notif"] += 1
 

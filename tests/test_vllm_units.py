@@ -1,0 +1,164 @@
+"""pushkv.vllm's pure parts, no vLLM needed: KV memory description and block
+mapping over views laid out as vLLM 0.32 lays them, kv_transfer_params
+parsing, the proxy's two request bodies, the shared-memory allocation hook."""
+import os
+
+import pytest
+import torch
+
+from pushkv.vllm import params as P
+from pushkv.vllm import regions as R
+from pushkv.vllm.memory import SharedKVAllocation
+from pushkv.vllm.proxy import Proxy
+
+
+def views(num_layers, num_blocks, page_shape, layer_major=True, dtype=torch.float32):
+    """Per-layer [B, ...page] views of one flat buffer, as allocate_kv_cache makes them."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    page = 1
+    for n in page_shape:
+        page *= n
+    buf = torch.zeros(num_layers * num_blocks * page * elem, dtype=torch.int8)
+    out = {}
+    for layer in range(num_layers):
+        if layer_major:  # LBHNC: layer outermost
+            off, bstride = layer * num_blocks * page, page
+        else:  # block outermost: a block holds every layer's page
+            off, bstride = layer * page, num_layers * page
+        inner = []
+        acc = 1
+        for n in reversed(page_shape):
+            inner.append(acc)
+            acc *= n
+        out[f"layers.{layer}.attn"] = torch.as_strided(buf.view(dtype), (num_blocks, *page_shape),
+                                                       (bstride, *reversed(inner)), off)
+    return buf, out
+
+
+@pytest.mark.parametrize("layer_major", [True, False])
+def test_describe_reads_offsets_strides_and_pages(layer_major):
+    buf, v = views(2, 8, (2, 4, 16, 32), layer_major)
+    mem = R.describe(v, buf.data_ptr(), buf.numel())
+    page = 2 * 4 * 16 * 32 * 4
+    assert mem.num_blocks == 8 and len(mem.layers) == 2
+    assert [lr.page_bytes for lr in mem.layers] == [page, page]
+    if layer_major:
+        assert [(lr.offset, lr.block_stride) for lr in mem.layers] == [(0, page), (8 * page, page)]
+    else:
+        assert [(lr.offset, lr.block_stride) for lr in mem.layers] == [(0, 2 * page), (page, 2 * page)]
+
+
+def test_describe_refuses_memory_outside_the_allocation_and_strided_pages():
+    buf, v = views(1, 4, (2, 8))
+    other = torch.zeros(1 << 16, dtype=torch.int8)
+    with pytest.raises(ValueError, match="outside the shared allocation"):
+        R.describe(v, other.data_ptr(), other.numel())
+    strided = {"l": torch.zeros(4, 8, 2).transpose(1, 2)}  # a block's page is not contiguous
+    t = strided["l"]
+    with pytest.raises(ValueError, match="not contiguous"):
+        R.describe(strided, t.data_ptr(), t.untyped_storage().nbytes())
+    shared = dict(v, again=v["layers.0.attn"])  # a KV-sharing layer is listed once
+    assert len(R.describe(shared, buf.data_ptr(), buf.numel()).layers) == 1
+
+
+PAGE = 64
+LM = R.KVMemory(2 * 16 * PAGE, 16, (R.LayerRegion(0, PAGE, PAGE), R.LayerRegion(16 * PAGE, PAGE, PAGE)))
+BM = R.KVMemory(2 * 16 * PAGE, 16, (R.LayerRegion(0, 2 * PAGE, PAGE), R.LayerRegion(PAGE, 2 * PAGE, PAGE)))
+
+
+@pytest.mark.parametrize("src,src_blocks,dst,dst_blocks,expect", [
+    # contiguous on both sides: one descriptor per layer
+    (LM, [0, 1, 2], LM, [5, 6, 7], [(0, 5 * PAGE, 3 * PAGE), (16 * PAGE, 21 * PAGE, 3 * PAGE)]),
+    # a gap on D splits the run
+    (LM, [0, 1, 2], LM, [5, 6, 9], [(0, 5 * PAGE, 2 * PAGE), (2 * PAGE, 9 * PAGE, PAGE),
+                                     (16 * PAGE, 21 * PAGE, 2 * PAGE), (18 * PAGE, 25 * PAGE, PAGE)]),
+    # block-outermost layouts: a block's layers are adjacent, consecutive blocks merge whole
+    (BM, [3, 4], BM, [0, 1], [(6 * PAGE, 0, 4 * PAGE)]),
+    # D registered only the blocks it lacked (prefix cache hit): aligned at the end
+    (LM, [0, 1, 2, 3], LM, [10, 11], [(2 * PAGE, 10 * PAGE, 2 * PAGE), (18 * PAGE, 26 * PAGE, 2 * PAGE)]),
+    (LM, [4], LM, [], []),
+])
+def test_map_blocks(src, src_blocks, dst, dst_blocks, expect):
+    assert R.map_blocks(src, src_blocks, dst, dst_blocks) == expect
+
+
+def test_map_blocks_refuses_mismatches():
+    small = R.KVMemory(16 * 32, 16, (R.LayerRegion(0, 32, 32),) * 2)
+    with pytest.raises(ValueError, match="pages differ"):
+        R.map_blocks(LM, [0], small, [0])
+    with pytest.raises(ValueError, match="only 1"):
+        R.map_blocks(LM, [0], LM, [1, 2])
+    with pytest.raises(ValueError, match="out of range"):
+        R.map_blocks(LM, [16], LM, [0])
+
+
+def test_kv_memory_travels_as_msgpack():
+    import msgspec
+
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(LM), type=R.KVMemory) == LM
+
+
+SRC = {"engine_id": "P-1", "tp": 1, "handshake": ["tcp://127.0.0.1:7001"]}
+
+
+@pytest.mark.parametrize("params,expect", [
+    (None, None),
+    ({"other": 1}, None),
+    ({"pushkv": {"role": "prefill", "transfer_id": "t1"}}, P.Leg("prefill", "t1")),
+    ({"pushkv": {"role": "decode", "transfer_id": "t1", "source": SRC}},
+     P.Leg("decode", "t1", P.parse_source(SRC))),
+])
+def test_parse_leg(params, expect):
+    assert P.parse_leg(params) == expect
+
+
+@pytest.mark.parametrize("params,match", [
+    ({"pushkv": "x"}, "must be an object"),
+    ({"pushkv": {"role": "both", "transfer_id": "t"}}, "'prefill' or 'decode'"),
+    ({"pushkv": {"role": "prefill", "transfer_id": ""}}, "non-empty string"),
+    ({"pushkv": {"role": "decode", "transfer_id": "t"}}, "needs 'source'"),
+    ({"pushkv": {"role": "decode", "transfer_id": "t", "source": dict(SRC, tp=2)}}, "one endpoint per P rank"),
+])
+def test_parse_leg_refuses_bad_params(params, match):
+    with pytest.raises(P.ParamsError, match=match):
+        P.parse_leg(params)
+
+
+def test_settings_from_extra_config_and_env():
+    s = P.settings("E", 2, {"handshake_port": 7100}, env={})
+    assert [s.handshake_endpoint(r) for r in range(2)] == ["tcp://127.0.0.1:7100", "tcp://127.0.0.1:7101"]
+    assert P.source_dict(s.source()) == {"engine_id": "E", "tp": 2,
+                                         "handshake": ["tcp://127.0.0.1:7100", "tcp://127.0.0.1:7101"]}
+    env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": "5900", "VLLM_NIXL_SIDE_CHANNEL_HOST": "10.0.0.1"}
+    assert P.settings("E", 1, None, env=env).handshake_endpoint(0) == "tcp://10.0.0.1:5900"
+    assert P.settings("E", 1, None, env={}).cmd_endpoint(0).startswith("ipc://@")
+
+
+def test_proxy_legs_share_one_transfer_id():
+    body = {"model": "m", "prompt": [1, 2], "max_tokens": 16, "stream": True, "stream_options": {}, "temperature": 0}
+    p, d = Proxy.legs(body, "tid", SRC)
+    assert p == {"model": "m", "prompt": [1, 2], "max_tokens": 1, "temperature": 0,
+                 "kv_transfer_params": {"pushkv": {"role": "prefill", "transfer_id": "tid"}}}
+    assert d["max_tokens"] == 16 and d["stream"] is True
+    assert d["kv_transfer_params"] == {"pushkv": {"role": "decode", "transfer_id": "tid", "source": SRC}}
+    assert P.parse_leg(d["kv_transfer_params"]).source.handshake == ("tcp://127.0.0.1:7001",)
+    assert "kv_transfer_params" not in body  # the client's body is left alone
+
+
+def test_shared_allocation_hook_takes_only_the_kv_buffer():
+    alloc = SharedKVAllocation("pushkv-test")
+    with alloc:
+        other = torch.zeros(3, 4)  # not the KV buffer: a plain tensor
+        kv = torch.zeros(1 << 20, dtype=torch.int8, device="cpu")
+        later = torch.zeros(64, dtype=torch.int8)  # only the first int8 buffer is taken
+    assert torch.zeros is not None and alloc.tensor is kv
+    assert alloc.base_addr == kv.data_ptr() and alloc.nbytes == 1 << 20
+    assert later.data_ptr() != alloc.base_addr and other.dtype == torch.float32
+    # another mapping of the same memfd sees the writes: this is how the writer sees vLLM's KV
+    import mmap
+
+    mm = mmap.mmap(alloc.fd, alloc.nbytes)
+    kv[123] = 7
+    assert mm[123] == 7
+    mm.close()
+    assert os.readlink(f"/proc/self/fd/{alloc.fd}").startswith("/memfd:pushkv-test")
