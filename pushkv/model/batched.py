@@ -206,4 +206,4 @@ class _DecodeGraph:
         mt.seq_lens.copy_(dev[3 * S:4 * S])
         mt.block_table[:, :W].copy_(dev[4 * S:].view(S, W))
         self.graph.replay()
-        return self.logits[:B]
+        return self.logits[:B].clone()  # the next replay overwrites the static buffer
