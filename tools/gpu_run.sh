@@ -44,6 +44,7 @@ with launched('--mode', '$mode', '--device', 'cuda', '--model', 'medium', '--num
             2>&1 | tee "$OUT/gputests.txt" | tail -15 ;;
     roofline) timeout 600 python3 -m tools.roofline --model "${MODEL:-qwen3-8b}" ${ROOFLINE_ARGS:-} \
             --out "$OUT/roofline.json" 2>&1 | tee "$OUT/roofline.txt" ;;
+    attntune) timeout 300 python3 -m tools.attn_tune 2>&1 | tee "$OUT/attn_tune.txt" ;;
     *) echo "unknown step $step" ;;
   esac
 done
