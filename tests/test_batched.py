@@ -192,3 +192,18 @@ def test_real_presets_shard_at_tp_1_2_4_8():
             assert sum(p.q_heads for p in plans) == cfg.num_heads
             assert sum(p.inter_size for p in plans) == cfg.intermediate_size
             assert all(p.q_heads // p.kv_heads == cfg.num_heads // cfg.num_kv_heads for p in plans)
+
+
+@pytest.mark.timeout(240)
+def test_cpu_deployments_on_batched_engine_push_equals_local():
+    """The batched engine behind real processes (CPU: torch reference ops)."""
+    from pushkv.launch import launched
+
+    ps = [prompt_of(n, seed=n) for n in (1, 17, 90)]
+    got = {}
+    for mode in ("local", "push"):
+        with launched("--mode", mode, "--model", "tiny", "--engine", "batched", "--batch-invariant", "on",
+                      start_timeout_s=120) as d:
+            got[mode] = [d.tokens(p, 12) for p in ps]
+    assert got["push"] == got["local"]
+    assert all(len(t) == 12 for t in got["push"])

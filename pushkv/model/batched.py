@@ -201,6 +201,8 @@ class _DecodeGraph:
                         torch.empty(self.splits * size * p.q_heads * 2, device=dev, dtype=torch.float32))
         self.logits = torch.empty(size, fwd.m.cfg.vocab_size, device=dev, dtype=torch.float32)
         self.host = torch.empty(size * (4 + width), dtype=torch.int32, pin_memory=True)
+        self.host_free = torch.cuda.Event()  # the last copy out of self.host has ended
+        self.host_free.record()
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):  # warm up (Triton compiles, cuBLAS picks) off the capture
@@ -215,6 +217,7 @@ class _DecodeGraph:
 
     def run(self, plan: StepPlan) -> torch.Tensor:
         B, S, W = plan.num_seqs, self.size, plan.block_table.shape[1]
+        self.host_free.synchronize()
         h = self.host.numpy()
         # one pinned buffer: ids, positions, slots, seq_lens (padded to S), then the table rows
         h[:4 * S].fill(0)
@@ -227,6 +230,7 @@ class _DecodeGraph:
         tab[:B] = plan.block_table
         tab[B:] = 0
         dev = self.host[:4 * S + S * W].to(self.fwd.device, non_blocking=True)
+        self.host_free.record()
         mt = self.meta
         mt.ids.copy_(dev[0:S])
         mt.positions.copy_(dev[S:2 * S])
