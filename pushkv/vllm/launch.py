@@ -80,12 +80,15 @@ def vllm_server(name: str, model: str, port: int, core: int, log_dir: str, role:
         if connector == "PushKVConnector":
             cfg["kv_connector_module_path"] = "pushkv.vllm"
             cfg["kv_connector_extra_config"] = {"handshake_port": handshake_port or port + 1000}
+        else:  # vLLM's NIXL connectors: both roles, host buffers on CPU
+            cfg["kv_role"] = "kv_both"
+            cfg["kv_buffer_device"] = "cpu"
         cmd += ["--kv-transfer-config", json.dumps(cfg)]
     return Server(name, cmd, env, f"http://127.0.0.1:{port}", os.path.join(log_dir, f"{name}.log"))
 
 
-def proxy_server(prefill: list[str], decode: list[str], port: int, log_dir: str) -> Server:
-    cmd = [sys.executable, "-m", "pushkv.vllm.proxy", "--port", str(port)]
+def proxy_server(prefill: list[str], decode: list[str], port: int, log_dir: str, protocol: str = "pushkv") -> Server:
+    cmd = [sys.executable, "-m", "pushkv.vllm.proxy", "--port", str(port), "--protocol", protocol]
     for u in prefill:
         cmd += ["--prefill", u]
     for u in decode:

@@ -54,6 +54,11 @@ class Proxy:
         self.session = aiohttp.ClientSession(timeout=self.timeout)
         await asyncio.gather(*(self._probe(p) for p in self.prefill))
 
+    async def _start_session(self, app=None) -> None:
+        self.session = aiohttp.ClientSession(timeout=self.timeout)
+        async with self.session.get(self.prefill[0].url + "/v1/models") as r:
+            self.model = (await r.json())["data"][0]["id"]
+
     async def stop(self, app=None) -> None:
         if self.session is not None:
             await self.session.close()
@@ -154,6 +159,42 @@ class Proxy:
             p.inflight -= 1
             d.inflight -= 1
 
+    async def completions_nixl(self, req: web.Request) -> web.StreamResponse:
+        """``--protocol nixl``: vLLM's NixlConnector (pull) protocol, for side-by-side
+        benchmarks through the same front: P first (do_remote_decode), then D with the
+        kv_transfer_params P answered; D READs P's blocks."""
+        try:
+            body = await req.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return web.json_response({"error": {"message": "body must be JSON"}}, status=400)
+        body.setdefault("model", self.model)
+        p, d = self._pick(self.prefill), self._pick(self.decode)
+        p_body, _ = self.legs(body, "", {})
+        p_body["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False}
+        p.inflight += 1
+        d.inflight += 1
+        try:
+            async with self.session.post(p.url + "/v1/completions", json=p_body) as pr:
+                p_out = await pr.json(content_type=None)
+                if pr.status != 200:
+                    return self._error(pr.status, f"prefill failed: {p_out}")
+            d_body = copy.deepcopy(body)
+            d_body["kv_transfer_params"] = p_out.get("kv_transfer_params")
+            async with self.session.post(d.url + "/v1/completions", json=d_body) as dr:
+                if dr.status != 200 or not body.get("stream"):
+                    return web.Response(body=await dr.read(), status=dr.status, content_type="application/json")
+                resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+                await resp.prepare(req)
+                async for chunk in dr.content.iter_any():
+                    await resp.write(chunk)
+                await resp.write_eof()
+                return resp
+        except aiohttp.ClientError as e:
+            return self._error(502, f"upstream unreachable: {e}")
+        finally:
+            p.inflight -= 1
+            d.inflight -= 1
+
     async def _prefill(self, p: Instance, body: dict) -> Optional[str]:
         """Run the P leg; None when it went well, else why not. Refreshes P's source."""
         try:
@@ -186,11 +227,14 @@ class Proxy:
     async def health(self, req: web.Request) -> web.Response:
         return web.json_response({"prefill": [p.source for p in self.prefill], **self.counters})
 
-    def app(self) -> web.Application:
+    def app(self, protocol: str = "pushkv") -> web.Application:
         app = web.Application(client_max_size=64 * 2**20)
-        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/completions", self.completions if protocol == "pushkv" else self.completions_nixl)
         app.router.add_get("/health", self.health)
-        app.on_startup.append(self.start)
+        if protocol == "pushkv":
+            app.on_startup.append(self.start)
+        else:
+            app.on_startup.append(self._start_session)
         app.on_cleanup.append(self.stop)
         return app
 
@@ -201,10 +245,12 @@ def main(argv=None) -> None:
     ap.add_argument("--decode", action="append", required=True, help="a D vLLM URL (repeatable)")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--protocol", choices=("pushkv", "nixl"), default="pushkv",
+                    help="nixl: vLLM's NixlConnector pull protocol (P, then D), for comparisons")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s pushkv-vllm-proxy %(levelname)s %(message)s")
     proxy = Proxy(args.prefill, args.decode)
-    web.run_app(proxy.app(), host=args.host, port=args.port, print=lambda *_: print(
+    web.run_app(proxy.app(args.protocol), host=args.host, port=args.port, print=lambda *_: print(
         f"pushkv-vllm-proxy on http://{args.host}:{args.port} READY", flush=True))
 
 
