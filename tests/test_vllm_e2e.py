@@ -182,3 +182,25 @@ def test_killing_prefill_writer_fails_inflight_then_recovers(deployment):
             time.sleep(0.5)
     p_log = open(p.log_path).read()
     assert "died with status" in p_log and "restarting it" in p_log
+
+
+def _tree_cpu_s(server) -> float:
+    procs = [psutil.Process(server.proc.pid)] + psutil.Process(server.proc.pid).children(recursive=True)
+    total = 0.0
+    for q in procs:
+        try:
+            t = q.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
+def test_idle_instances_do_not_spin(deployment):
+    """P and D with their writers, idle: no core kept busy (vLLM's NIXL connector keeps one busy)."""
+    time.sleep(2.0)  # let the last requests' steps drain
+    before = {k: _tree_cpu_s(deployment[k]) for k in ("P", "D")}
+    time.sleep(5.0)
+    used = {k: _tree_cpu_s(deployment[k]) - before[k] for k in ("P", "D")}
+    for k, cpu_s in used.items():
+        assert cpu_s < 1.0, f"idle {k} used {cpu_s:.2f} s of CPU in 5 s"

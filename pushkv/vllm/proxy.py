@@ -56,8 +56,16 @@ class Proxy:
 
     async def _start_session(self, app=None) -> None:
         self.session = aiohttp.ClientSession(timeout=self.timeout)
-        async with self.session.get(self.prefill[0].url + "/v1/models") as r:
-            self.model = (await r.json())["data"][0]["id"]
+        deadline = asyncio.get_running_loop().time() + PROBE_TIMEOUT_S
+        while True:
+            try:
+                async with self.session.get(self.prefill[0].url + "/v1/models") as r:
+                    self.model = (await r.json())["data"][0]["id"]
+                return
+            except aiohttp.ClientError:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
 
     async def stop(self, app=None) -> None:
         if self.session is not None:
@@ -195,6 +203,50 @@ class Proxy:
             p.inflight -= 1
             d.inflight -= 1
 
+    async def completions_nixl_push(self, req: web.Request) -> web.StreamResponse:
+        """``--protocol nixl-push``: vLLM's NixlPushConnector protocol, for comparisons: both
+        legs at once under one X-Request-Id (P matches D's registration by request id), D's
+        params naming P's side channel (learnt from a probe of P at start)."""
+        try:
+            body = await req.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return web.json_response({"error": {"message": "body must be JSON"}}, status=400)
+        body.setdefault("model", self.model)
+        p, d = self._pick(self.prefill), self._pick(self.decode)
+        rid = uuid.uuid4().hex
+        hdr = {"X-Request-Id": rid}
+        p_body, _ = self.legs(body, "", {})
+        p_body["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False}
+        d_body = copy.deepcopy(body)
+        d_body["kv_transfer_params"] = dict(p.source, do_remote_prefill=True, do_remote_decode=False)
+        p_task = asyncio.create_task(self.session.post(p.url + "/v1/completions", json=p_body, headers=hdr))
+        try:
+            async with self.session.post(d.url + "/v1/completions", json=d_body, headers=hdr) as dr:
+                if dr.status != 200 or not body.get("stream"):
+                    return web.Response(body=await dr.read(), status=dr.status, content_type="application/json")
+                resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+                await resp.prepare(req)
+                async for chunk in dr.content.iter_any():
+                    await resp.write(chunk)
+                await resp.write_eof()
+                return resp
+        except aiohttp.ClientError as e:
+            return self._error(502, f"upstream unreachable: {e}")
+        finally:
+            try:
+                (await p_task).release()
+            except aiohttp.ClientError:
+                pass
+
+    async def _probe_nixl(self, app=None) -> None:
+        await self._start_session()
+        for p in self.prefill:
+            body = {"model": self.model, "prompt": [0], "max_tokens": 1,
+                    "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
+            async with self.session.post(p.url + "/v1/completions", json=body) as r:
+                kp = (await r.json())["kv_transfer_params"]
+            p.source = {k: kp[k] for k in ("remote_engine_id", "remote_host", "remote_port", "tp_size")}
+
     async def _prefill(self, p: Instance, body: dict) -> Optional[str]:
         """Run the P leg; None when it went well, else why not. Refreshes P's source."""
         try:
@@ -229,12 +281,12 @@ class Proxy:
 
     def app(self, protocol: str = "pushkv") -> web.Application:
         app = web.Application(client_max_size=64 * 2**20)
-        app.router.add_post("/v1/completions", self.completions if protocol == "pushkv" else self.completions_nixl)
+        handler, start = {"pushkv": (self.completions, self.start),
+                          "nixl": (self.completions_nixl, self._start_session),
+                          "nixl-push": (self.completions_nixl_push, self._probe_nixl)}[protocol]
+        app.router.add_post("/v1/completions", handler)
         app.router.add_get("/health", self.health)
-        if protocol == "pushkv":
-            app.on_startup.append(self.start)
-        else:
-            app.on_startup.append(self._start_session)
+        app.on_startup.append(start)
         app.on_cleanup.append(self.stop)
         return app
 
@@ -245,8 +297,9 @@ def main(argv=None) -> None:
     ap.add_argument("--decode", action="append", required=True, help="a D vLLM URL (repeatable)")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--protocol", choices=("pushkv", "nixl"), default="pushkv",
-                    help="nixl: vLLM's NixlConnector pull protocol (P, then D), for comparisons")
+    ap.add_argument("--protocol", choices=("pushkv", "nixl", "nixl-push"), default="pushkv",
+                    help="nixl: vLLM's NixlConnector pull protocol (P, then D); nixl-push: its "
+                         "NixlPushConnector protocol (both at once); for comparisons")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s pushkv-vllm-proxy %(levelname)s %(message)s")
     proxy = Proxy(args.prefill, args.decode)
