@@ -78,8 +78,8 @@ def _target(nbytes: int, conn) -> None:
     conn.send((agent.metadata(), mapping_addr(mm)))
     peer = conn.recv()
     agent.add_remote(peer)
-    while conn.recv() != "stop":
-        agent.poll_notifs()
+    while not (conn.poll(0.001) and conn.recv() == "stop"):
+        agent.poll_notifs()  # UCX's connection setup needs the target's progress too
     agent.deregister()
 
 

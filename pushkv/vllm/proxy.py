@@ -25,6 +25,7 @@ import aiohttp
 from aiohttp import web
 
 from pushkv.vllm import params as P
+from pushkv.vllm.timing import mark
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,7 @@ class Proxy:
         p_body, d_body = self.legs(body, tid, p.source)
         p.inflight += 1
         d.inflight += 1
+        mark("proxy_arrived", tid)
         p_task = asyncio.create_task(self._prefill(p, p_body))
         try:
             async with self.session.post(d.url + "/v1/completions", json=d_body) as dr:
@@ -146,7 +148,11 @@ class Proxy:
                     return web.json_response(out)
                 resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
                 await resp.prepare(req)
+                first = True
                 async for chunk in dr.content.iter_any():
+                    if first:
+                        mark("proxy_first_chunk", tid)
+                        first = False
                     if b'"finish_reason":"error"' in chunk:
                         err = {"error": {"message": f"KV transfer failed (transfer_id={tid}); see the decode "
                                                     "instance's log", "code": 500}}

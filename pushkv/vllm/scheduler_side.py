@@ -26,6 +26,8 @@ import zmq
 from pushkv import messages as m
 from pushkv.vllm import params as P
 from pushkv.vllm import wire as w
+from pushkv.vllm.timing import ON as TIMING
+from pushkv.vllm.timing import mark
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,7 @@ class SchedulerSide:
         self.legs: dict[str, P.Leg] = {}  # req id -> its pushkv leg, while we track it
         self.waiting_recv: dict[str, tuple[str, list[int]]] = {}
         self.loaded: set[str] = set()
+        self.marking: dict[str, str] = {}  # PUSHKV_VLLM_TIMING: req id -> transfer id until scheduled
         self.loaded_tokens: dict[str, int] = {}  # D: prompt tokens whose KV came from P
         self.pending_send: dict[str, str] = {}
         self._new_sends: dict[str, str] = {}
@@ -82,6 +85,8 @@ class SchedulerSide:
     # -- D ----------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         leg = self.leg(request)
+        if leg is not None and leg.role == "decode" and request.request_id not in self.loaded:
+            mark("d_arrived", leg.transfer_id)
         if leg is None or leg.role != "decode" or request.request_id in self.waiting_recv:
             return 0, False
         if request.request_id in self.loaded:  # the load is done (or failed): never again
@@ -101,6 +106,7 @@ class SchedulerSide:
         self.loaded_tokens[request.request_id] = num_external_tokens
         self.waiting_recv[request.request_id] = (leg.transfer_id, block_ids)
         self._new_recvs[request.request_id] = (leg.transfer_id, block_ids)
+        mark("d_expect_sent", leg.transfer_id)
         self._tell(w.ExpectBlocks(request.request_id, leg.transfer_id, tuple(block_ids), n, leg.source,
                                   self.s.registration_wait_s + self.s.transfer_s))
 
@@ -126,11 +132,17 @@ class SchedulerSide:
             return False, source
         self.pending_send[rid] = leg.transfer_id
         self._new_sends[rid] = leg.transfer_id
+        mark("p_send_sent", leg.transfer_id)
         self._tell(w.SendBlocks(rid, leg.transfer_id, tuple(block_ids), request.num_computed_tokens))
         return True, source
 
     # -- every step ----------------------------------------------------------------
     def build_meta(self, scheduler_output) -> StepMeta:
+        if self.marking:
+            for rid in getattr(scheduler_output, "num_scheduled_tokens", {}):
+                tid = self.marking.pop(rid, None)
+                if tid:
+                    mark("d_scheduled", tid)
         meta = StepMeta(idle=scheduler_output.total_num_scheduled_tokens == 0, sends=self._new_sends,
                         recvs=self._new_recvs, pending=bool(self.pending_send or self.waiting_recv))
         self._new_sends, self._new_recvs = {}, {}
@@ -140,7 +152,10 @@ class SchedulerSide:
         for rid in out.finished_sending or ():
             self.pending_send.pop(rid, None)
         for rid in out.finished_recving or ():
-            self.waiting_recv.pop(rid, None)
+            entry = self.waiting_recv.pop(rid, None)
+            if entry and TIMING:
+                mark("d_sched_recvd", entry[0])
+                self.marking[rid] = entry[0]
 
     def has_pending_push_work(self) -> bool:
         return bool(self.pending_send or self._new_sends or self._new_recvs)

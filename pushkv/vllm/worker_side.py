@@ -31,6 +31,7 @@ from pushkv.vllm import params as P
 from pushkv.vllm import regions as R
 from pushkv.vllm import wire as w
 from pushkv.vllm.memory import SharedKVAllocation
+from pushkv.vllm.timing import mark
 
 log = logging.getLogger(__name__)
 
@@ -191,6 +192,7 @@ class WorkerSide:
                 sent.add(msg.req_id)
                 self.last_transfer = {"nbytes": msg.nbytes, "num_descs": msg.num_descs, "write_s": msg.write_s}
         elif isinstance(msg, w.BlocksReceived):
+            mark("d_worker_recvd", msg.transfer_id)
             self.pending_recvs.pop(msg.req_id, None)
             if self._report(msg.req_id):
                 recvd.add(msg.req_id)

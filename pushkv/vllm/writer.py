@@ -37,6 +37,7 @@ from pushkv.transport.nixl_agent import NixlAgent, TransferError
 from pushkv.vllm import wire as w
 from pushkv.vllm.memory import map_fd, mapping_addr
 from pushkv.vllm.regions import KVMemory, map_blocks
+from pushkv.vllm.timing import mark
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +210,7 @@ class VllmWriter(Actor):
     def on_SendBlocks(self, msg: w.SendBlocks) -> None:
         now = time.monotonic()
         self._last_activity = now
+        mark("p_send_recvd", msg.transfer_id)
         self.req_of[msg.transfer_id] = msg.req_id
         self._poll_notifs(now)  # a registration may already wait in NIXL's queue
         try:
@@ -235,6 +237,7 @@ class VllmWriter(Actor):
         self.req_of[msg.transfer_id] = msg.req_id
         self.sources[msg.transfer_id] = (peer.engine_id, peer.rank)
         self._apply(acts, now)
+        mark("d_register_sent", msg.transfer_id)
         self._notify(peer, m.Register(msg.transfer_id, 0, self.engine_id, self.rank, self.tp,
                                       msg.block_ids, msg.num_tokens, msg.deadline_s))
 
@@ -272,6 +275,7 @@ class VllmWriter(Actor):
             if agent not in self.peers_by_agent:
                 self.counters["register_from_unknown_peer"] += 1
                 return
+            mark("p_registration_recvd", msg.transfer_id)
             self._apply(self.rdv.on_registration(msg, now), now)
         elif isinstance(msg, m.CancelTransfer):
             self._apply(self.rdv.cancel(msg.transfer_id, msg.generation, msg.reason, now), now)
@@ -314,6 +318,7 @@ class VllmWriter(Actor):
                 self._emit(w.BlocksSent(self.req_of.pop(a.transfer_id, ""), a.transfer_id, ok, reason,
                                         nbytes, ndescs, secs))
             elif isinstance(a, A.Received):
+                mark("d_kv_received", a.transfer_id)
                 self.sources.pop(a.transfer_id, None)
                 self._emit(w.BlocksReceived(self.req_of.pop(a.transfer_id, ""), a.transfer_id,
                                             a.nbytes, a.num_descs))
@@ -353,6 +358,7 @@ class VllmWriter(Actor):
         except Exception as e:
             log.error("%s: WRITE failed to post: %s transfer_id=%s", self.name, e, a.transfer_id)
             p.failed = f"WRITE failed to post: {e}"
+        mark("p_write_posted", a.transfer_id)
         self.posted[a.transfer_id] = p
         if not p.handles:
             self._finish_write(p, now)
