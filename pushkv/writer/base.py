@@ -21,6 +21,7 @@ from pushkv.actor import Actor
 from pushkv.config import DeploymentConfig, InstanceConfig, rank_device
 from pushkv.kv import layout as L
 from pushkv.kv.pool import Pool, create_pool, shm_name
+from pushkv.transport.grid import DescGrid, grid_of, indices
 from pushkv.transport.nixl_agent import NixlAgent, TransferError
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,8 @@ log = logging.getLogger(__name__)
 # something is waiting on a notification (or a peer's one-sided READ may need our progress)
 PENDING_POLL_MS = int(os.environ.get("PUSHKV_PENDING_POLL_MS", "1"))
 HANDSHAKE_TIMEOUT_MS = 5000
+# 0: build descriptors per transfer (initialize_xfer) instead of indexing prepared lists; for A/B runs
+USE_PREPARED = os.environ.get("PUSHKV_NIXL_PREPARED", "1") != "0"
 # idle: NIXL notifications have no fd to wait on, so look every 10 ms (a few µs of CPU each:
 # ~0.1 % of a core) rather than spin; a SendKV/HoldKV from the scheduler wakes us at once anyway
 WRITER_IDLE_POLL_MS = 10
@@ -42,6 +45,7 @@ class Peer:
     pool_base: int
     layout: m.KVLayoutDesc
     dev_id: int = 0
+    grid: Optional[DescGrid] = None  # its pool's descriptor grid, prepared in NIXL (None: ad-hoc only)
 
 
 @dataclass
@@ -66,6 +70,7 @@ class WriterBase(Actor):
         self.layout = L.instance_layout(cfg, inst, rank)  # cut to match the peer instance
         self.pool: Optional[Pool] = None
         self.nixl: Optional[NixlAgent] = None
+        self.grid: Optional[DescGrid] = None  # our pool's descriptor grid, prepared in NIXL
         self.peers: dict[tuple[str, int], Peer] = {}  # (engine_id, rank) -> peer
         self.peers_by_agent: dict[str, Peer] = {}
         self.inflight: dict[tuple[str, int], InFlight] = {}
@@ -82,6 +87,13 @@ class WriterBase(Actor):
         self.pool = create_pool(name, self.layout, self.cfg.model.dtype, device)
         self.nixl = NixlAgent(self.agent_name, device=device)
         self.nixl.register(self.pool.base_addr, self.pool.nbytes)
+        try:
+            grid = grid_of(self.layout) if USE_PREPARED else None
+            if grid is not None:
+                self.nixl.prepare_local(grid.strided(self.pool.base_addr, self.nixl.dev_id))
+                self.grid = grid
+        except Exception as e:  # every transfer then builds its own descriptors
+            log.warning("%s: cannot prepare the pool's descriptors (ad-hoc posts instead): %s", self.name, e)
         sched = self.socket(zmq.DEALER, self.inst.writer_endpoints[self.rank], bind=True)
         self.sched = self.add_channel(sched, m.DEC_SCHED_TO_WRITER, f"{self.inst.role}-scheduler")
         if self.inst.handshake_endpoints:
@@ -126,6 +138,14 @@ class WriterBase(Actor):
             self.forget_peer(old)
         agent = self.nixl.add_remote(h.agent_metadata)
         peer = Peer(h.engine_id, h.rank, h.tp, agent, h.pool_base, h.layout, h.device_id)
+        try:  # once per peer: every later transfer names these descriptors by index
+            grid = grid_of(h.layout) if self.grid is not None else None
+            if grid is not None:
+                self.nixl.prepare_remote(agent, grid.strided(h.pool_base, h.device_id))
+                peer.grid = grid
+        except Exception as e:
+            self.counters["prepare_remote_failed"] += 1
+            log.warning("%s: cannot prepare %s's descriptors (ad-hoc posts instead): %s", self.name, agent, e)
         self.peers[(h.engine_id, h.rank)] = peer
         self.peers_by_agent[agent] = peer
         log.info("%s: connected to %s rank %d (agent %s)", self.name, h.engine_id, h.rank, agent)
@@ -217,6 +237,18 @@ class WriterBase(Actor):
                     log.exception("%s: notification handler %s failed", self.name, type(msg).__name__)
 
     # -- transfers ------------------------------------------------------------------
+    def post(self, op: str, peer: Peer, regions, notif: bytes = b""):
+        """Post ``op`` of ``(local_off, remote_off, nbytes)`` regions with ``peer``: by index
+        into the prepared lists when every region is whole sub-blocks on both grids, else
+        with descriptors built for this transfer."""
+        if self.grid is not None and peer.grid is not None and self.nixl.has_prepared(peer.agent):
+            idx = indices(self.grid, peer.grid, regions)
+            if idx is not None:
+                self.counters["posts_prepped"] += 1
+                return self.nixl.post_prepped(op, idx[0], peer.agent, idx[1], notif)
+        self.counters["posts_adhoc"] += 1
+        return self.nixl.post(op, regions, self.pool.base_addr, peer.agent, peer.pool_base, notif, peer.dev_id)
+
     def _check_inflight(self, now: float) -> None:
         stuck_s = 2 * self.cfg.timeouts.transfer_s
         for key, fl in list(self.inflight.items()):

@@ -198,8 +198,7 @@ class DecodeWriter(WriterBase):
                     continue
                 regions = map_transfer(peer.layout, p.block_ids, self.layout, msg.block_ids, p.num_tokens, heads)
                 local = [(d, s, n) for s, d, n in regions]
-                fl.handles.append(self.nixl.post("READ", local, self.pool.base_addr, peer.agent, peer.pool_base,
-                                                 remote_dev=peer.dev_id))
+                fl.handles.append(self.post("READ", peer, local))
                 fl.nbytes += sum(r[2] for r in regions)
                 fl.num_descs += len(regions)
         except Exception as e:

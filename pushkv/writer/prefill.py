@@ -164,8 +164,7 @@ class PrefillWriter(WriterBase):
                 regions = map_transfer(self.layout, a.block_ids, peer.layout, reg.block_ids, a.num_tokens, heads)
                 done = m.WriteDone(a.transfer_id, a.generation, self.rank, a.first_token,
                                    sum(r[2] for r in regions), len(regions))
-                fl.handles.append(self.nixl.post("WRITE", regions, self.pool.base_addr, peer.agent,
-                                                 peer.pool_base, m.encode(done), peer.dev_id))
+                fl.handles.append(self.post("WRITE", peer, regions, m.encode(done)))
                 self.counters["write_posts"] += 1  # one per D rank this rank writes into
                 fl.nbytes += done.nbytes
                 fl.num_descs += done.num_descs
