@@ -4,6 +4,8 @@ each push. What it reports per size:
 
 - ``post->done``: P writer's own time from the WRITE's post to its completion
   (what ``KVSent.secs`` carries: mapping, descriptors, post, UCX, completion seen);
+- ``post``: the part of that spent on P's writer before the WRITE is under way (mapping,
+  descriptors or indices, post): the per-transfer CPU cost that prepared lists cut;
 - ``send->received``: wall time here from sending SendKV to D's KVReceived (adds
   the ZMQ hops and the WriteDone notification);
 
@@ -124,7 +126,10 @@ def push_once(cfg, p_sock, d_sock, tid: str, p_blocks, d_blocks, num_tokens: int
     got_p = _recv(p_sock)
     if not isinstance(got_d, m.KVReceived) or not isinstance(got_p, m.KVSent):
         raise RuntimeError(f"transfer {tid} failed: D {got_d}, P {got_p}")
-    return {"secs": got_p.transfer_s, "e2e": t1 - t0, "nbytes": got_p.nbytes, "descs": got_p.num_descs}
+    st = dict(got_p.timeline)
+    post = st["write_posted"] - st["write_post_start"] if "write_post_start" in st else float("nan")
+    return {"secs": got_p.transfer_s, "e2e": t1 - t0, "post": post, "nbytes": got_p.nbytes,
+            "descs": got_p.num_descs}
 
 
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -157,7 +162,9 @@ def measure(model: str, block_size: int, sizes_mib: list[float], reps: int, devi
                                       list(range(num_blocks // 2, num_blocks // 2 + n)), n * block_size))
             rows.append({"blocks": n, "nbytes": runs[0]["nbytes"], "descs": runs[0]["descs"],
                          "secs": statistics.median(r["secs"] for r in runs),
-                         "e2e": statistics.median(r["e2e"] for r in runs)})
+                         "e2e": statistics.median(r["e2e"] for r in runs),
+                         "post": statistics.median(r["post"] for r in runs),
+                         "secs_min": min(r["secs"] for r in runs)})
     return {"block_bytes": lay_bytes, "rows": rows}
 
 
@@ -173,20 +180,22 @@ def report(model: str, block_size: int, sizes_mib: list[float], reps: int, devic
     rows = res["rows"]
     print(f"\nwriters only ({model}, block {block_size} tokens = {res['block_bytes'] / 2**10:.0f} KiB, "
           f"{device}{' -> ' + decode_device if decode_device else ''}, medians of {reps})")
-    print(f"{'blocks':>7} {'MiB':>8} {'descs':>6} {'post->done us':>14} {'GB/s':>7} {'copy GB/s':>10} "
-          f"{'ratio':>6} {'send->recv us':>14}")
+    print(f"{'blocks':>7} {'MiB':>8} {'descs':>6} {'post us':>8} {'post->done us':>14} {'(min)':>7} {'GB/s':>7} "
+          f"{'copy GB/s':>10} {'ratio':>6} {'send->recv us':>14}")
     for r in rows:
         gbps = r["nbytes"] / r["secs"] / 1e9 if r["secs"] else float("nan")
         r["gbps"] = gbps
         r["copy_gbps"] = _copy_gbps(r["nbytes"], device, decode_device)
-        print(f"{r['blocks']:>7} {r['nbytes'] / 2**20:>8.2f} {r['descs']:>6} {r['secs'] * 1e6:>14.0f} "
+        print(f"{r['blocks']:>7} {r['nbytes'] / 2**20:>8.2f} {r['descs']:>6} {r['post'] * 1e6:>8.0f} "
+              f"{r['secs'] * 1e6:>14.0f} {r['secs_min'] * 1e6:>7.0f} "
               f"{gbps:>7.2f} {r['copy_gbps']:>10.2f} {gbps / r['copy_gbps']:>6.2f} {r['e2e'] * 1e6:>14.0f}")
     a, b = fit_line([r["nbytes"] for r in rows], [r["secs"] for r in rows])
     a2, _ = fit_line([r["nbytes"] for r in rows], [r["e2e"] for r in rows])
     one = rows[0]
-    res.update(fixed_one_block_us=one["secs"] * 1e6, fixed_intercept_us=a * 1e6,
+    res.update(fixed_one_block_us=one["secs"] * 1e6, one_block_post_us=one["post"] * 1e6, fixed_intercept_us=a * 1e6,
                fixed_e2e_intercept_us=a2 * 1e6, slope_gbps=1 / b / 1e9 if b > 0 else float("nan"))
-    print(f"fixed cost: one-block post->done {one['secs'] * 1e6:.0f} us (send->received {one['e2e'] * 1e6:.0f} us); "
+    print(f"fixed cost: one-block post (map + descriptors + post, on P's writer) {one['post'] * 1e6:.0f} us; "
+          f"one-block post->done {one['secs'] * 1e6:.0f} us (send->received {one['e2e'] * 1e6:.0f} us); "
           f"intercept of post->done vs bytes {a * 1e6:.0f} us (send->received {a2 * 1e6:.0f} us); "
           f"slope {res['slope_gbps']:.2f} GB/s")
     return res
@@ -196,3 +205,109 @@ if __name__ == "__main__":  # python -m tools.transfer_writers [model] [sizes Mi
     args = sys.argv[1:]
     report(args[0] if args else "medium", 16, [float(s) for s in args[1:]] or [4, 16, 64], 5)
     sys.exit(0)
+
+
+# ---------------------------------------------------------------------------------------
+# The post path alone: what one transfer costs P's writer to start, ad-hoc against prepared
+# ---------------------------------------------------------------------------------------
+def _target(conn, nbytes: int, device: str) -> None:
+    """D's side: a registered pool, driving progress (politely) until told to stop."""
+    import torch
+
+    from pushkv.transport.nixl_agent import NixlAgent
+
+    if device != "cpu":
+        torch.cuda.set_device(device)
+    buf = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    agent = NixlAgent("post-cost-d", device=device)
+    agent.register(buf.data_ptr(), nbytes)
+    conn.send((agent.metadata(), buf.data_ptr(), agent.dev_id))
+    while not conn.poll(0):
+        agent.poll_notifs()
+        os.sched_yield()
+    conn.recv()
+    agent.deregister()
+
+
+def post_cost(model: str, block_size: int, block_counts: list[int], reps: int = 21, device: str = "cpu",
+              decode_device: Optional[str] = None) -> list[dict]:
+    """Per transfer, median over ``reps`` (the two ways interleaved, so load hits both alike):
+    CPU time of this thread from mapping to posted (``cpu``: robust to a crowded host), the
+    wall time of the same (``post``), and to completion (``done``), for WRITEs of a run of
+    blocks with a WriteDone-sized notification, by ad-hoc descriptors and by prepared index."""
+    import multiprocessing as mp
+
+    import torch
+
+    from pushkv.protocol.mapping import map_transfer
+    from pushkv.transport.grid import grid_of, indices
+    from pushkv.transport.nixl_agent import NixlAgent
+
+    cfg = DeploymentConfig(mode="push", model=preset(model),
+                           prefill=InstanceConfig(role="prefill", block_size=block_size, num_blocks=2 * max(block_counts) + 8),
+                           decode=InstanceConfig(role="decode", block_size=block_size, num_blocks=2 * max(block_counts) + 8))
+    lay = L.instance_layout(cfg, cfg.prefill, 0)
+    nbytes = L.pool_bytes(lay)
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    child = ctx.Process(target=_target, args=(there, nbytes, decode_device or device), daemon=True)
+    child.start()
+    rows = []
+    try:
+        if not here.poll(READY_TIMEOUT_S):
+            raise TimeoutError("target process not ready")
+        meta, d_base, d_dev = here.recv()
+        if device != "cpu":
+            torch.cuda.set_device(device)
+        buf = torch.ones(nbytes, dtype=torch.uint8, device=device)
+        agent = NixlAgent("post-cost-p", device=device)
+        agent.register(buf.data_ptr(), nbytes)
+        grid = grid_of(lay)
+        agent.prepare_local(grid.strided(buf.data_ptr(), agent.dev_id))
+        remote = agent.add_remote(meta)
+        agent.prepare_remote(remote, grid.strided(d_base, d_dev))
+        notif = b"x" * 64
+        half = lay.num_blocks // 2
+
+        def one(n: int, prepped: bool) -> tuple[float, float, float]:
+            c0, t0 = time.thread_time(), time.perf_counter()
+            regions = map_transfer(lay, list(range(n)), lay, list(range(half, half + n)), n * block_size)
+            if prepped:
+                si, di = indices(grid, grid, regions)
+                h = agent.post_prepped("WRITE", si, remote, di, notif)
+            else:
+                h = agent.post("WRITE", regions, buf.data_ptr(), remote, d_base, notif, d_dev)
+            c1, t1 = time.thread_time(), time.perf_counter()
+            end = t1 + REPLY_TIMEOUT_S
+            while (st := agent.state(h)) == "PROC" and time.perf_counter() < end:
+                agent.poll_notifs()
+            t2 = time.perf_counter()
+            agent.release(h)
+            if st != "DONE":
+                raise RuntimeError(f"WRITE of {n} blocks ended {st}")
+            return c1 - c0, t1 - t0, t2 - t0
+
+        for n in block_counts:
+            one(n, False), one(n, True)  # warm both paths
+            got = {False: [], True: []}
+            for _ in range(reps):
+                for prepped in (False, True):
+                    got[prepped].append(one(n, prepped))
+            for prepped in (False, True):
+                runs = got[prepped]
+                rows.append({"blocks": n, "nbytes": n * L.block_bytes(lay), "way": "prepared" if prepped else "ad-hoc",
+                             "cpu": statistics.median(r[0] for r in runs), "post": statistics.median(r[1] for r in runs),
+                             "done": statistics.median(r[2] for r in runs)})
+        agent.deregister()
+    finally:
+        here.send(1)
+        child.join(20)
+        if child.is_alive():
+            child.kill()
+    print(f"\npost path alone ({model}, block {block_size} tokens = {L.block_bytes(lay) / 2**10:.0f} KiB, "
+          f"{device}{' -> ' + decode_device if decode_device else ''}, medians of {reps}, interleaved)")
+    print(f"{'blocks':>7} {'MiB':>8} {'way':>9} {'CPU us':>8} {'post us':>8} {'done us':>8} {'GB/s':>7}")
+    for r in rows:
+        print(f"{r['blocks']:>7} {r['nbytes'] / 2**20:>8.2f} {r['way']:>9} {r['cpu'] * 1e6:>8.0f} "
+              f"{r['post'] * 1e6:>8.0f} {r['done'] * 1e6:>8.0f} {r['nbytes'] / r['done'] / 1e9:>7.2f}")
+    return rows
