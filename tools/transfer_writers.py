@@ -201,12 +201,6 @@ def report(model: str, block_size: int, sizes_mib: list[float], reps: int, devic
     return res
 
 
-if __name__ == "__main__":  # python -m tools.transfer_writers [model] [sizes MiB...]
-    args = sys.argv[1:]
-    report(args[0] if args else "medium", 16, [float(s) for s in args[1:]] or [4, 16, 64], 5)
-    sys.exit(0)
-
-
 # ---------------------------------------------------------------------------------------
 # The post path alone: what one transfer costs P's writer to start, ad-hoc against prepared
 # ---------------------------------------------------------------------------------------
@@ -311,3 +305,51 @@ def post_cost(model: str, block_size: int, block_counts: list[int], reps: int = 
         print(f"{r['blocks']:>7} {r['nbytes'] / 2**20:>8.2f} {r['way']:>9} {r['cpu'] * 1e6:>8.0f} "
               f"{r['post'] * 1e6:>8.0f} {r['done'] * 1e6:>8.0f} {r['nbytes'] / r['done'] / 1e9:>7.2f}")
     return rows
+
+
+# ---------------------------------------------------------------------------------------
+# A hung transfer: what P's writer burns while it waits
+# ---------------------------------------------------------------------------------------
+def _cpu_s(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def stuck_cpu(model: str = "medium", blocks: int = 256, window_s: float = 5.0) -> dict:
+    """P's writer CPU (share of one core) while its WRITE hangs: D's writer is SIGSTOPped after
+    registering, so the WRITE's completion (which needs D's progress) never comes; measured
+    from 1 s after the post for ``window_s``. Then D is resumed and the transfer must finish."""
+    with writer_pair(model, 16, 2 * blocks + 8) as (cfg, p, d, procs):
+        src = m.PrefillSource(cfg.prefill.engine_id, cfg.prefill.tp, cfg.prefill.handshake_endpoints)
+        d_blocks = tuple(range(blocks + 8, 2 * blocks + 8))
+        d.send(m.encode(m.ExpectKV("stuck#0", 0, d_blocks, blocks * 16, src, 120.0)))
+        _wait_registered(p, "stuck#0")
+        p_pid, d_pid = procs[0].pid, procs[1].pid
+        c0, t0 = _cpu_s(p_pid), time.monotonic()
+        time.sleep(window_s)
+        pending = (_cpu_s(p_pid) - c0) / (time.monotonic() - t0)
+        os.kill(d_pid, signal.SIGSTOP)
+        try:
+            p.send(m.encode(m.SendKV("stuck#0", 0, tuple(range(blocks)), blocks * 16, first_token=1)))
+            time.sleep(1.0)
+            c0, t0 = _cpu_s(p_pid), time.monotonic()
+            time.sleep(window_s)
+            hung = (_cpu_s(p_pid) - c0) / (time.monotonic() - t0)
+        finally:
+            os.kill(d_pid, signal.SIGCONT)
+        got_d, got_p = _recv(d), _recv(p)
+    res = {"hung_core_share": hung, "pending_core_share": pending,
+           "finished": isinstance(got_d, m.KVReceived) and isinstance(got_p, m.KVSent)}
+    print(f"P writer CPU while its {blocks}-block WRITE hangs (D stopped; {window_s:.0f} s from 1 s after the "
+          f"post): {hung * 100:.1f}% of a core; before it, with D's registration pending: {pending * 100:.1f}%; "
+          f"after D resumed, the transfer {'finished' if res['finished'] else 'FAILED'}")
+    return res
+
+
+if __name__ == "__main__":  # python -m tools.transfer_writers [--stuck-cpu | model [sizes MiB...]]
+    argv = sys.argv[1:]
+    if argv[:1] == ["--stuck-cpu"]:
+        stuck_cpu(*argv[1:2])
+    else:
+        report(argv[0] if argv else "medium", 16, [float(s) for s in argv[1:]] or [4, 16, 64], 5)
+    sys.exit(0)

@@ -246,6 +246,9 @@ class WriterBase(Actor):
     def _resolve(self, wait: PeerWait) -> bool:
         """Run the wait's outcome if it has one; True when it ran."""
         bad = next((self._link_failed[k] for k in wait.keys if k in self._link_failed), None)
+        lost = [k for k in wait.keys if k not in self.peers and k not in self.links]
+        if bad is None and lost:  # connected, then forgotten (its instance died) before the rest answered
+            bad = f"lost {lost[0][0]} rank {lost[0][1]} during the handshake"
         if bad is not None:
             wait.failed(bad)
             return True
@@ -336,6 +339,8 @@ class WriterBase(Actor):
         self.peers.pop((peer.engine_id, peer.rank), None)
         self.peers_by_agent.pop(peer.agent, None)
         self.nixl.remove_remote(peer.agent)
+        if self.waits:
+            self._resolve_waits()
 
     # -- notifications --------------------------------------------------------------
     def notify(self, peer: Peer, msg: m.Msg) -> None:
