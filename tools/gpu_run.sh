@@ -40,6 +40,20 @@ with launched('--mode', '$mode', '--device', 'cuda', '--model', 'medium', '--num
             --num-blocks 4096 --prompt-len 16 1024 4096 2>&1 | tail -8 | tee "$OUT/demo2.txt" ;;
     transfer2) timeout 150 python3 -m tools.transfer_report --device cuda:0 --decode-device cuda:1 \
             --model medium --lengths 4096 16384 --reps 3 --out "$OUT/transfer2.json" 2>&1 | tail -5 | tee "$OUT/transfer2.txt" ;;
+    gputests) timeout 900 python3 -m pytest -q -p no:cacheprovider -x tests/test_batched.py tests/test_gpu_e2e.py \
+            2>&1 | tee "$OUT/gputests.txt" | tail -15 ;;
+    roofline) timeout 600 python3 -m tools.roofline --model "${MODEL:-qwen3-8b}" ${ROOFLINE_ARGS:-} \
+            --out "$OUT/roofline.json" 2>&1 | tee "$OUT/roofline.txt" ;;
+    sweep8b) # P and D share GPU 0 when only one is lent (say so in the results); SWEEP_MODES picks modes
+           timeout 560 python3 -m tools.sweep --result-dir "$OUT/sweep8b" --modes ${SWEEP_MODES:-push pull-inline} \
+             --inputs ${SWEEP_INPUTS:-4096 8192 16384} --qps ${SWEEP_QPS:-1 2 4} --num-prompts ${SWEEP_N:-12} \
+             --output-len 256 --warmup 1 --health-timeout 240 \
+             --up-args "--model qwen3-8b --device cuda --num-blocks ${SWEEP_BLOCKS:-12000} --max-num-seqs 64 --max-batch-tokens 16384 ${SWEEP_UP:-}" \
+             > "$OUT/sweep8b.log" 2>&1; tail -3 "$OUT/sweep8b.log"
+           python3 -m tools.stages "$OUT/sweep8b" | tee "$OUT/stages8b.txt"
+           python3 -m tools.plot "$OUT/sweep8b" --out "$OUT/sweep8b.png" 2>&1 | tee "$OUT/table8b.txt"
+           (cd "$OUT" && tar czf sweep8b_json.tgz sweep8b) ;;
+    attntune) timeout 300 python3 -m tools.attn_tune 2>&1 | tee "$OUT/attn_tune.txt" ;;
     *) echo "unknown step $step" ;;
   esac
 done
