@@ -172,7 +172,8 @@ class Scheduler(Actor):
             self.send(self.front, m.RequestFailed(msg.transfer_id, msg.generation, err[0], err[1]), identity)
             return
         r = Request(msg.transfer_id, msg.generation, msg.leg, msg.prompt_token_ids, msg.max_tokens, identity,
-                    frozenset(msg.stop_token_ids), msg.source, msg.pull, seq_id=self.next_seq)
+                    frozenset(msg.stop_token_ids), msg.source, msg.pull, seq_id=self.next_seq,
+                    sampling=msg.sampling)
         self.next_seq += 1
         need = r.blocks_needed(self.inst.block_size)
         if need > self.alloc.num_blocks:
@@ -308,12 +309,13 @@ class Scheduler(Actor):
                 self._fail(r, f"forward step failed: {failed[0].reason}")
         else:
             sampled = self.step_answers[0].sampled
-            for (r, w), tok in zip(batch, sampled):
+            logprobs = self.step_answers[0].logprobs or (None,) * len(sampled)
+            for (r, w), tok, lp in zip(batch, sampled, logprobs):
                 r.in_step = False
-                self._after_step(r, w, tok)
+                self._after_step(r, w, tok, lp)
         self.schedule()
 
-    def _after_step(self, r: Request, w: m.SeqWork, tok: int) -> None:
+    def _after_step(self, r: Request, w: m.SeqWork, tok: int, lp: Optional[m.TokenLogprob] = None) -> None:
         if r.aborted:
             self._release(r)
             return
@@ -324,6 +326,8 @@ class Scheduler(Actor):
             faults.point(self.name, "prefill_done")
             r.state = State.SENDING
             r.output = [tok]
+            if lp is not None:  # the first token's logprob is P's to give: D never saw these logits
+                self._reply(r, m.TokensGenerated(r.transfer_id, r.generation, (tok,), logprobs=(lp,)))
             if self.cfg.mode == "pull":
                 lease = self.cfg.timeouts.lease_s
                 self._to_writers(m.HoldKV(r.transfer_id, r.generation, tuple(r.blocks), len(r.prompt), tok, lease))
@@ -334,22 +338,23 @@ class Scheduler(Actor):
                 self._to_writers(m.SendKV(r.transfer_id, r.generation, tuple(r.blocks), len(r.prompt), tok))
                 self._stamp(r, "send_kv")
             return
-        self._emit(r, tok)
+        self._emit(r, tok, lp)
 
-    def _emit(self, r: Request, tok: int) -> None:
+    def _emit(self, r: Request, tok: int, lp: Optional[m.TokenLogprob] = None) -> None:
         r.output.append(tok)
         if len(r.output) == 1:
             self._stamp(r, "first_token")
         reason = r.finished()
+        lps = (lp,) if lp is not None else ()
         if reason:
             self._stamp(r, "finished")
             self.counters["requests_completed"] += 1
             self._reply(r, m.TokensGenerated(r.transfer_id, r.generation, (tok,), True, reason, len(r.prompt),
-                                             self._timeline(r), self._kv_stats(r)))
+                                             self._timeline(r), self._kv_stats(r), lps))
             self._release(r)
         else:
             r.state = State.RUNNING
-            self._reply(r, m.TokensGenerated(r.transfer_id, r.generation, (tok,)))
+            self._reply(r, m.TokensGenerated(r.transfer_id, r.generation, (tok,), logprobs=lps))
             if len(r.output) == 3:
                 faults.point(self.name, "decoding")
 

@@ -88,14 +88,14 @@ class Worker(Actor):
         t0 = time.perf_counter()
         faults.point(self.name, "execute")
         try:
-            sampled = self.model.execute(self._physical(msg.seqs), self.layer_pools)
+            out = self.model.execute_sampled(self._physical(msg.seqs), self.layer_pools)
         except Exception as e:
             log.exception("%s: step %d failed", self.name, msg.step_id)
             self.send(self.sched, m.StepFailed(msg.step_id, f"{type(e).__name__}: {e}"))
             return
         # CPU compute is synchronous here; on GPU the worker syncs its stream
         # before answering, so a WRITE is never posted on unfinished blocks.
-        self.send(self.sched, m.StepDone(msg.step_id, tuple(sampled), time.perf_counter() - t0))
+        self.send(self.sched, m.StepDone(msg.step_id, tuple(out.tokens), time.perf_counter() - t0, out.logprobs))
 
     def _physical(self, seqs):
         """Block tables name logical blocks; the pool is cut into sub-blocks (layout.py)."""
