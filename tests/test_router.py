@@ -58,7 +58,8 @@ def test_local_unary_shape(tmp_path):
             assert gen.leg == "local" and gen.generation == 0 and gen.max_tokens == 3
             assert gen.prompt_token_ids == tuple(b"Hey")
             assert out["object"] == "text_completion" and out["id"] == f"cmpl-{gen.transfer_id}"
-            assert out["choices"] == [{"index": 0, "text": "Hi!", "token_ids": [72, 105, 33], "finish_reason": "stop"}]
+            assert out["choices"] == [{"index": 0, "text": "Hi!", "token_ids": [72, 105, 33], "finish_reason": "stop",
+                                       "logprobs": None}]
             assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
             ext = out["pushkv"]
             assert ext["transfer_id"] == gen.transfer_id
@@ -166,11 +167,33 @@ BAD_BODIES = [
     ("max_tokens zero", {"prompt": "hi", "max_tokens": 0}),
     ("max_tokens over limit", {"prompt": "hi", "max_tokens": 10_000}),
     ("max_tokens string", {"prompt": "hi", "max_tokens": "4"}),
-    ("temperature", {"prompt": "hi", "temperature": 0.7}),
+    ("temperature negative", {"prompt": "hi", "temperature": -0.5}),
+    ("temperature string", {"prompt": "hi", "temperature": "hot"}),
+    ("top_p zero", {"prompt": "hi", "top_p": 0}),
+    ("top_k float", {"prompt": "hi", "top_k": 1.5}),
+    ("min_p above one", {"prompt": "hi", "min_p": 2}),
+    ("seed string", {"prompt": "hi", "seed": "7"}),
+    ("presence penalty", {"prompt": "hi", "presence_penalty": 3}),
+    ("frequency penalty", {"prompt": "hi", "frequency_penalty": -2.5}),
+    ("logit_bias list", {"prompt": "hi", "logit_bias": [1, 2]}),
+    ("logit_bias key", {"prompt": "hi", "logit_bias": {"a": 1}}),
+    ("logit_bias id", {"prompt": "hi", "logit_bias": {"999": 1}}),
+    ("logit_bias value", {"prompt": "hi", "logit_bias": {"5": 101}}),
+    ("stop number", {"prompt": "hi", "stop": 5}),
+    ("stop empty", {"prompt": "hi", "stop": [""]}),
+    ("min_tokens over max", {"prompt": "hi", "max_tokens": 2, "min_tokens": 3}),
+    ("logprobs too many", {"prompt": "hi", "logprobs": 21}),
+    ("logprobs bool", {"prompt": "hi", "logprobs": True}),
+    ("echo with logprobs", {"prompt": "hi", "echo": True, "logprobs": 1}),
+    ("n zero", {"prompt": "hi", "n": 0}),
+    ("n too many", {"prompt": "hi", "n": 17}),
+    ("best_of", {"prompt": "hi", "best_of": 3}),
+    ("suffix", {"prompt": "hi", "suffix": "x"}),
+    ("repetition penalty", {"prompt": "hi", "repetition_penalty": 1.2}),
+    ("stream_options", {"prompt": "hi", "stream": True, "stream_options": 1}),
     ("stream not bool", {"prompt": "hi", "stream": "yes"}),
     ("stop ids wrong type", {"prompt": "hi", "stop_token_ids": "a"}),
     ("stop id outside vocab", {"prompt": "hi", "stop_token_ids": [999]}),
-    ("n > 1", {"prompt": "hi", "n": 2}),
 ]
 
 
