@@ -22,6 +22,20 @@ class State(enum.Enum):
 
 
 @dataclass
+class KVTally:
+    """One request's KV transfer summed over the writer ranks that moved it."""
+
+    nbytes: int = 0
+    num_descs: int = 0
+    transfer_s: float = 0.0  # the slowest rank's posted -> done
+
+    def add(self, nbytes: int, num_descs: int, transfer_s: float) -> None:
+        self.nbytes += nbytes
+        self.num_descs += num_descs
+        self.transfer_s = max(self.transfer_s, transfer_s)
+
+
+@dataclass
 class Request:
     transfer_id: str
     generation: int
@@ -38,9 +52,9 @@ class Request:
     output: list[int] = field(default_factory=list)
     in_step: bool = False
     aborted: str = ""  # reason, when aborted while a step or a transfer is outstanding
-    acks: set = field(default_factory=set)  # writer ranks that answered
+    answers: dict[int, m.Msg] = field(default_factory=dict)  # writer rank -> its KVSent / KVReceived / KVFailed
     timeline: dict[str, float] = field(default_factory=dict)
-    kv_stats: tuple[int, int, float] = (0, 0, 0.0)
+    kv: KVTally = field(default_factory=lambda: KVTally())
     rendezvous: str = ""  # P, push: which half arrived first (from the writers' KVSent)
     sampling: Optional[m.SamplingParams] = None  # None: greedy
 
