@@ -28,7 +28,8 @@ from pushkv.supervisor.supervisor import ON_CHILD_EXIT, PING_INTERVAL_S, STARTUP
 from pushkv.supervisor.table import HEALTH_TIMEOUT_S, RestartPolicy
 
 ASK_TIMEOUT_S = 3.0
-GEOMETRY = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "dtype", "seed")
+GEOMETRY = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+            "vocab_size", "dtype", "seed")
 
 
 # ---------------------------------------------------------------------------
@@ -50,6 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
     g = up.add_argument_group("model geometry overrides")
     for name in GEOMETRY:
         g.add_argument("--" + name.replace("_", "-"), type=str if name == "dtype" else int)
+    e = up.add_argument_group("engine")
+    e.add_argument("--engine", choices=("auto", "batched", "per-seq"),
+                   help="auto: batched (Triton paged attention, CUDA graphs) on CUDA, per-seq on CPU")
+    e.add_argument("--batch-invariant", choices=("on", "off"),
+                   help="on: each sequence runs alone, so tokens never depend on the batch (exact equality tests)")
+    e.add_argument("--random-init", choices=("cpu", "device"), help="where random weights are drawn")
+    e.add_argument("--max-num-seqs", type=int, help="sequences per step, every instance")
+    e.add_argument("--max-batch-tokens", type=int, help="tokens per step, every instance")
     t = up.add_argument_group("instances")
     t.add_argument("--prefill-tp", type=int)
     t.add_argument("--decode-tp", type=int)
@@ -119,17 +128,20 @@ def config_from_args(args: argparse.Namespace) -> DeploymentConfig:
         model = model_config_from_hf(args.checkpoint, **overrides)
     else:
         model = _replace(model, **{k: getattr(args, k) for k in GEOMETRY})
+    model = _replace(model, engine=args.engine, random_init=args.random_init,
+                     deterministic=None if args.batch_invariant is None else args.batch_invariant == "on")
+    sizes = dict(max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens)
     return _replace(
         cfg, mode=args.mode, pull_read=args.pull_read, host=args.host, port=args.port,
         log_level=args.log_level, model=model,
         trace_endpoint=TRACE_AUTO if args.trace else None,
         trace_tap_endpoint=args.trace if args.trace not in (None, TRACE_AUTO) else None,
         prefill=_replace(cfg.prefill, tp=args.prefill_tp, block_size=args.prefill_block_size or args.block_size,
-                         num_blocks=args.num_blocks, device=args.prefill_device or args.device),
+                         num_blocks=args.num_blocks, device=args.prefill_device or args.device, **sizes),
         decode=_replace(cfg.decode, tp=args.decode_tp, block_size=args.decode_block_size or args.block_size,
-                        num_blocks=args.num_blocks, device=args.decode_device or args.device),
+                        num_blocks=args.num_blocks, device=args.decode_device or args.device, **sizes),
         local=_replace(cfg.local, tp=args.tp, block_size=args.block_size, num_blocks=args.num_blocks,
-                       device=args.device),
+                       device=args.device, **sizes),
     )
 
 

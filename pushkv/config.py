@@ -40,6 +40,10 @@ class ModelConfig(msgspec.Struct, frozen=True):
     # head_dim is then the per-head no-RoPE query/key and value width.
     kv_lora_rank: int = 0
     qk_rope_dim: int = 0
+    # "auto": the batched engine (one packed forward per step, Triton paged attention,
+    # CUDA graphs) on CUDA, the per-sequence engine on the CPU; "batched" | "per-seq" force one
+    engine: str = "auto"
+    random_init: str = "cpu"  # random weights drawn on "cpu" (fp32, then cast) or "device"
 
     @property
     def dtype_bytes(self) -> int:
@@ -87,6 +91,18 @@ PRESETS: dict[str, ModelConfig] = {
     # MLA-style: one latent row (64 + 16 RoPE) per token and layer, replicated on every rank
     "mla": ModelConfig(
         name="mla", num_kv_heads=1, qk_norm=False, kv_lora_rank=64, qk_rope_dim=16,
+    ),
+    # real geometries (random weights drawn on the device, bf16, Qwen3's vocabulary and
+    # RoPE base): what the GPU engine and the push-vs-pull experiment run
+    "qwen3-8b": ModelConfig(
+        name="qwen3-8b", num_layers=36, hidden_size=4096, num_heads=32, num_kv_heads=8,
+        head_dim=128, intermediate_size=12288, vocab_size=151936, max_position=40960,
+        rope_theta=1e6, dtype="bfloat16", deterministic=False, random_init="device",
+    ),
+    "qwen3-32b": ModelConfig(
+        name="qwen3-32b", num_layers=64, hidden_size=5120, num_heads=64, num_kv_heads=8,
+        head_dim=128, intermediate_size=25600, vocab_size=151936, max_position=40960,
+        rope_theta=1e6, dtype="bfloat16", deterministic=False, random_init="device",
     ),
 }
 

@@ -40,6 +40,10 @@ with launched('--mode', '$mode', '--device', 'cuda', '--model', 'medium', '--num
             --num-blocks 4096 --prompt-len 16 1024 4096 2>&1 | tail -8 | tee "$OUT/demo2.txt" ;;
     transfer2) timeout 150 python3 -m tools.transfer_report --device cuda:0 --decode-device cuda:1 \
             --model medium --lengths 4096 16384 --reps 3 --out "$OUT/transfer2.json" 2>&1 | tail -5 | tee "$OUT/transfer2.txt" ;;
+    gputests) timeout 900 python3 -m pytest -q -p no:cacheprovider -x tests/test_batched.py tests/test_gpu_e2e.py \
+            2>&1 | tee "$OUT/gputests.txt" | tail -15 ;;
+    roofline) timeout 600 python3 -m tools.roofline --model "${MODEL:-qwen3-8b}" ${ROOFLINE_ARGS:-} \
+            --out "$OUT/roofline.json" 2>&1 | tee "$OUT/roofline.txt" ;;
     *) echo "unknown step $step" ;;
   esac
 done

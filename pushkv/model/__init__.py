@@ -7,10 +7,14 @@ __all__ = ["Model", "Tokenizer", "build_model", "get_tokenizer"]
 
 
 def __getattr__(name):
-    if name in ("Model", "build_model"):
+    if name == "Model":
         from pushkv.model import transformer
 
-        return getattr(transformer, name)
+        return transformer.Model
+    if name == "build_model":
+        from pushkv.model import build
+
+        return build.build_model
     if name in ("Tokenizer", "get_tokenizer"):
         from pushkv.model import tokenizer
 

@@ -19,10 +19,9 @@ import torch.nn.functional as F
 from pushkv.config import ModelConfig
 from pushkv.kv.layout import blocks_for, layout_for
 from pushkv.messages import KVLayoutDesc, SeqWork
-from pushkv.model.shard import ShardPlan, shard_plan
 from pushkv.model.sampling import Sampled, sample
-from pushkv.model.weights import (TORCH_DTYPES, DictSource, LayerWeights, RankWeights,
-                                  WeightSource, load_rank, random_weights)
+from pushkv.model.shard import ShardPlan
+from pushkv.model.weights import TORCH_DTYPES, LayerWeights, RankWeights
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +81,13 @@ class Model:
         self.window_layers = frozenset(cfg.window_layers) if cfg.sliding_window > 0 else frozenset()
         self.rope_dim = cfg.head_dim  # dims RoPE rotates (MLA: the decoupled part only)
         self._cos = self._sin = torch.empty(0)
+        self.batched = None  # BatchedForward: one packed pass per step, attention in place
+
+    def enable_batched(self, max_num_seqs: int = 64, use_graphs=None) -> None:
+        """Run steps through pushkv.model.batched (the GPU path; on CPU, for tests)."""
+        from pushkv.model.batched import BatchedForward
+
+        self.batched = BatchedForward(self, max_num_seqs, use_graphs)
 
     # ------------------------------------------------------------------ public
     def kv_layout(self, num_blocks: int, block_size: int) -> KVLayoutDesc:
@@ -109,6 +115,12 @@ class Model:
             return torch.empty(0, self.cfg.vocab_size)
         for s in seqs:
             self._check_seq(s, pool[0].shape[-2])
+        if self.batched is not None:
+            if not self.cfg.deterministic:
+                return self.batched.logits(seqs, pool)
+            parts = [self.batched.logits([s], pool) for s in seqs]  # batch-invariant: each alone
+            parts = [p for p in parts if p.shape[0]]
+            return torch.cat(parts) if parts else torch.empty(0, self.cfg.vocab_size)
         if self.cfg.deterministic:
             # Each seq alone: its matmul shapes, hence its bytes, never depend on the batch.
             parts = [self._forward([s], pool) for s in seqs]
@@ -314,33 +326,3 @@ class Model:
             is_causal=c.causal, enable_gqa=q.shape[1] != keys.shape[1]) for c in chunks]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         return out[0].transpose(0, 1).reshape(num_new, -1)
-
-
-def build_model(cfg: ModelConfig, tp_rank: int = 0, tp_size: int = 1, device: str = "cpu",
-                group=None, source: Optional[WeightSource] = None) -> Model:
-    """This rank's model: weights from cfg.checkpoint, from source, or random from cfg.seed."""
-    if cfg.dtype not in TORCH_DTYPES:
-        raise ValueError(f"unsupported dtype {cfg.dtype!r}")
-    if cfg.sliding_window < 0 or any(not 0 <= i < cfg.num_layers for i in cfg.window_layers):
-        raise ValueError(f"bad sliding window {cfg.sliding_window} / layers {cfg.window_layers}")
-    if (cfg.qk_rope_dim if cfg.is_mla else cfg.head_dim) % 2:
-        raise ValueError(f"RoPE dims ({cfg.qk_rope_dim if cfg.is_mla else cfg.head_dim}) must be even")
-    plan = shard_plan(cfg, tp_rank, tp_size)
-    if tp_size > 1 and group is None and not torch.distributed.is_initialized():
-        raise ValueError("tp_size > 1 needs an initialised torch.distributed group")
-    if source is None:
-        if cfg.checkpoint:
-            from pushkv.model.checkpoint import checkpoint_source
-
-            source = checkpoint_source(cfg)
-        else:
-            source = DictSource(random_weights(cfg))
-    weights = load_rank(cfg, plan, source, device)
-    log.info("model %s rank %d/%d: %d layers, q heads %d, kv heads %d from %d%s",
-             cfg.name, tp_rank, tp_size, cfg.num_layers, plan.q_heads, plan.kv_heads, plan.kv_start,
-             " (MLA latent, replicated)" if cfg.is_mla else "")
-    if cfg.is_mla:
-        from pushkv.model.mla import MLAModel
-
-        return MLAModel(cfg, plan, weights, device, group)
-    return Model(cfg, plan, weights, device, group)

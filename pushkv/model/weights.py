@@ -6,6 +6,7 @@ Every source speaks Hugging Face parameter names (``model.layers.N.self_attn.q_p
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
@@ -24,17 +25,17 @@ class WeightSource(Protocol):
         """The named tensor, sliced to [start, end) along dim (rows 0, columns 1)."""
 
 
-def hf_names(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
-    """Every parameter of the architecture, in a fixed order, with its full shape."""
+def hf_names(cfg: ModelConfig, attn_names=None) -> list[tuple[str, tuple[int, ...]]]:
+    """Every parameter of the architecture, in a fixed order, with its full shape.
+    attn_names(cfg, prefix) names a layer's attention parameters when they are not the
+    dense ones (MLA: pushkv.model.mla_weights.mla_names)."""
     d, hd = cfg.hidden_size, cfg.head_dim
     out = [("model.embed_tokens.weight", (cfg.vocab_size, d))]
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         out.append((p + "input_layernorm.weight", (d,)))
-        if cfg.is_mla:
-            from pushkv.model.mla import mla_names
-
-            out += mla_names(cfg, p + "self_attn.")
+        if attn_names is not None:
+            out += attn_names(cfg, p + "self_attn.")
         else:
             out += [
                 (p + "self_attn.q_proj.weight", (cfg.num_heads * hd, d)),
@@ -70,7 +71,7 @@ class DictSource:
         return t.narrow(dim, start, (t.shape[dim] if end is None else end) - start)
 
 
-def random_weights(cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def random_weights(cfg: ModelConfig, names=None) -> dict[str, torch.Tensor]:
     """Full float32 weights drawn from cfg.seed on a CPU generator: the same bytes in
     every process. Projections use std 1/sqrt(fan_in) so each layer changes the residual
     stream as much as the embedding does and greedy output is not a trivial echo. Tied
@@ -78,7 +79,7 @@ def random_weights(cfg: ModelConfig) -> dict[str, torch.Tensor]:
     and the model only ever repeats its last token."""
     gen = torch.Generator(device="cpu").manual_seed(cfg.seed)
     out = {}
-    for name, shape in hf_names(cfg):
+    for name, shape in names or hf_names(cfg):
         if len(shape) == 1:
             out[name] = torch.ones(shape)
         elif name == "model.embed_tokens.weight":
@@ -87,6 +88,37 @@ def random_weights(cfg: ModelConfig) -> dict[str, torch.Tensor]:
         else:
             out[name] = torch.randn(shape, generator=gen) / math.sqrt(shape[1])
     return out
+
+
+class RandomSource:
+    """Random weights drawn on demand on the load device, in the model dtype: a real-sized
+    model (8B, 32B) is ready in seconds and never holds a float32 copy. Each tensor comes
+    from its own generator seeded by (cfg.seed, name), so every process on the same kind
+    of device draws the same bytes whatever it loads first; ranks slice the full tensor.
+    Scales as random_weights (which draws on the CPU: different bytes)."""
+
+    def __init__(self, cfg: ModelConfig, device: str, names=None):
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.shapes = dict(names or hf_names(cfg))
+        self.dtype = TORCH_DTYPES[cfg.dtype]
+
+    def has(self, name: str) -> bool:
+        return name in self.shapes
+
+    def get(self, name, dim=0, start=0, end=None):
+        shape = self.shapes[name]
+        if len(shape) == 1:
+            t = torch.ones(shape, dtype=self.dtype, device=self.device)
+        else:
+            gen = torch.Generator(device=self.device).manual_seed(
+                (self.cfg.seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 63))
+            if name == "model.embed_tokens.weight":
+                std = 1 / math.sqrt(self.cfg.hidden_size) if self.cfg.tie_embeddings else 1.0
+            else:
+                std = 1 / math.sqrt(shape[1])
+            t = torch.randn(shape, generator=gen, dtype=self.dtype, device=self.device).mul_(std)
+        return t.narrow(dim, start, (t.shape[dim] if end is None else end) - start)
 
 
 @dataclass
@@ -111,18 +143,11 @@ class RankWeights:
 
 def load_rank(cfg: ModelConfig, plan: ShardPlan, src: WeightSource, device: str = "cpu") -> RankWeights:
     """Slice this rank's share out of src and cast to cfg.dtype on device."""
-    dtype = TORCH_DTYPES[cfg.dtype]
+    take = taker(cfg, src, device)
     hd = cfg.head_dim
 
-    def take(name, dim=0, start=0, end=None):
-        if not src.has(name):
-            raise KeyError(f"weight {name!r} missing from the checkpoint")
-        return src.get(name, dim, start, end).to(device=device, dtype=dtype).contiguous()
-
     if cfg.is_mla:
-        from pushkv.model.mla import load_rank_mla
-
-        return load_rank_mla(cfg, plan, take)
+        raise ValueError("MLA weights load through pushkv.model.mla_weights.load_rank_mla")
     q_rows = (plan.q_start * hd, (plan.q_start + plan.q_heads) * hd)
     kv_rows = (plan.kv_start * hd, (plan.kv_start + plan.kv_heads) * hd)
     i_rows = (plan.inter_start, plan.inter_start + plan.inter_size)
@@ -141,6 +166,18 @@ def load_rank(cfg: ModelConfig, plan: ShardPlan, src: WeightSource, device: str 
             **mlp_slices(take, p, i_rows),
         ))
     return with_embeddings(cfg, take, layers)
+
+
+def taker(cfg: ModelConfig, src: WeightSource, device: str):
+    """take(name, dim, start, end): a slice of a source tensor, in cfg.dtype on device."""
+    dtype = TORCH_DTYPES[cfg.dtype]
+
+    def take(name, dim=0, start=0, end=None):
+        if not src.has(name):
+            raise KeyError(f"weight {name!r} missing from the checkpoint")
+        return src.get(name, dim, start, end).to(device=device, dtype=dtype).contiguous()
+
+    return take
 
 
 def mlp_slices(take, p: str, i_rows: tuple[int, int]) -> dict:

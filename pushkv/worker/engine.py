@@ -33,7 +33,7 @@ class Worker(Actor):
     def setup(self) -> None:
         import torch
 
-        from pushkv.model.transformer import build_model
+        from pushkv.model.build import build_model
 
         torch.set_num_threads(max(1, int(os.environ.get("PUSHKV_THREADS", "1"))))
         self.device = rank_device(self.inst, self.rank)
@@ -47,12 +47,18 @@ class Worker(Actor):
             dist.init_process_group(backend, init_method=self.inst.dist_init, rank=self.rank,
                                     world_size=self.inst.tp)
             group = dist.group.WORLD
-        self.model = build_model(self.cfg.model, self.rank, self.inst.tp, self.device, group)
+        self.model = build_model(self.cfg.model, self.rank, self.inst.tp, self.device, group,
+                                 max_num_seqs=self.inst.max_num_seqs)
         mine = self.model.kv_layout(self.inst.num_blocks, self.inst.block_size)
         if (mine.kv_heads, mine.head_start) != (self.layout.kv_heads, self.layout.head_start):
             raise RuntimeError(f"model layout {mine} disagrees with pool layout {self.layout}")
         self.pool = self._attach()
         self.layer_pools = L.layer_views(self.pool.tensor, self.layout)  # per layer, any layout
+        if self.model.batched is not None:
+            warm = self.model.batched.warmup(self.layer_pools)
+            graphs = self.model.batched.capture(self.layer_pools)
+            log.info("%s: batched engine warm in %.1fs, %d decode CUDA graphs captured in %.1fs",
+                     self.name, warm, len(self.model.batched.graphs), graphs)
         sock = self.socket(zmq.DEALER, self.inst.worker_endpoints[self.rank], bind=True)
         self.sched = self.add_channel(sock, m.DEC_SCHED_TO_WORKER, f"{self.inst.role}-scheduler")
 
@@ -93,8 +99,9 @@ class Worker(Actor):
             log.exception("%s: step %d failed", self.name, msg.step_id)
             self.send(self.sched, m.StepFailed(msg.step_id, f"{type(e).__name__}: {e}"))
             return
-        # CPU compute is synchronous here; on GPU the worker syncs its stream
-        # before answering, so a WRITE is never posted on unfinished blocks.
+        # Reading the sampled tokens (tolist) waits for the whole step on the worker's
+        # stream, so by StepDone every K/V of the step is in the pool and a WRITE posted
+        # on it never reads unfinished blocks.
         self.send(self.sched, m.StepDone(msg.step_id, tuple(out.tokens), time.perf_counter() - t0, out.logprobs))
 
     def _physical(self, seqs):

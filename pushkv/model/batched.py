@@ -1,0 +1,209 @@
+"""The batched forward: one pass over every sequence of a step, attention in place.
+
+All sequences' new tokens (prefills and decodes together) run as one packed batch
+through every matmul; each layer stores its new K/V into the pool and attends through
+the block tables (``kernels.paged``: Triton on CUDA), so past KV is never copied. The
+only host synchronisation of a step is the caller's read of the sampled tokens.
+
+Pure decode steps (one token per sequence, all sampled) on CUDA replay a CUDA graph
+captured per batch-size bucket: the launch cost of ~20 kernels per layer otherwise
+rivals a decode step of a small batch. Graphs are off under tensor parallelism (the
+all-reduce would be captured) and when ``PUSHKV_CUDA_GRAPHS=0``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from pushkv.messages import SeqWork
+from pushkv.model.kernels import paged
+from pushkv.model.step import Staging, StepPlan, StepTensors, plan_step
+
+log = logging.getLogger(__name__)
+
+GRAPH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class BatchedForward:
+    """Runs one Model's weights over a packed step (see module doc)."""
+
+    def __init__(self, model, max_num_seqs: int = 64, use_graphs: Optional[bool] = None):
+        self.m = model
+        cfg, plan = model.cfg, model.plan
+        self.device = model.device
+        self.cuda = self.device.type == "cuda"
+        self.hd = cfg.head_dim
+        self.group = plan.q_heads // plan.kv_heads
+        rows = 64 if model.dtype == torch.float32 else 128  # query rows per prefill tile
+        self.block_q = max(1, rows // self.group)
+        n = cfg.max_position
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, self.hd, 2, dtype=torch.float64) / self.hd))
+        ang = torch.outer(torch.arange(n, dtype=torch.float64), inv)
+        ang = torch.cat((ang, ang), dim=-1)
+        self.cos = ang.cos().to(self.device, model.dtype)
+        self.sin = ang.sin().to(self.device, model.dtype)
+        self.staging = Staging()
+        self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.cuda else 1
+        if use_graphs is None:
+            use_graphs = self.cuda and model.tp_size == 1 and os.environ.get("PUSHKV_CUDA_GRAPHS", "1") != "0"
+        self.use_graphs = use_graphs
+        self.max_num_seqs = max_num_seqs
+        self.graphs: dict[int, "_DecodeGraph"] = {}
+        self.graph_pool = None
+        self.graph_width = 0
+
+    # ------------------------------------------------------------------ public
+    def logits(self, seqs: Sequence[SeqWork], pools: list[torch.Tensor]) -> torch.Tensor:
+        u = pools[0].shape[-2]
+        plan = plan_step(seqs, u, self.block_q)
+        if self.use_graphs and plan.is_decode and plan.num_seqs <= self.max_num_seqs:
+            return self._replay(plan, pools)
+        meta = StepTensors.upload(plan, self.device, self.staging)
+        return self.forward(meta, pools, self.decode_splits(plan.num_seqs))
+
+    def decode_splits(self, num_seqs: int) -> int:
+        """Key-range splits per decode tile: enough programs to fill the GPU twice."""
+        if not self.cuda:
+            return 1
+        progs = max(1, num_seqs * self.m.plan.kv_heads)
+        return max(1, min(16, -(-2 * self.sms // progs)))
+
+    def forward(self, meta: StepTensors, pools: list[torch.Tensor], splits: int,
+                scratch=None, out_logits: Optional[torch.Tensor] = None) -> torch.Tensor:
+        m, cfg, p = self.m, self.m.cfg, self.m.plan
+        hd, eps = self.hd, cfg.rms_eps
+        T = meta.ids.shape[0]
+        x = F.embedding(meta.ids, m.w.embed)
+        cos = self.cos.index_select(0, meta.positions)[:, None, :]
+        sin = self.sin.index_select(0, meta.positions)[:, None, :]
+        attn = torch.empty(T, p.q_heads, hd, device=self.device, dtype=m.dtype)
+        for layer, lw in enumerate(m.w.layers):
+            h = _rms(x, lw.input_norm, eps)
+            q, k, v = F.linear(h, lw.qkv).split([p.q_heads * hd, p.kv_heads * hd, p.kv_heads * hd], dim=-1)
+            q = q.view(T, p.q_heads, hd)
+            k = k.view(T, p.kv_heads, hd)
+            v = v.view(T, p.kv_heads, hd)
+            if lw.q_norm is not None:
+                q = _rms(q, lw.q_norm, eps)
+                k = _rms(k, lw.k_norm, eps)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            paged.store_kv(pools[layer], k, v, meta.slots)
+            paged.attention(q, pools[layer], meta, m.layer_window(layer), attn, splits, scratch)
+            x = m.attn_out(lw, x, attn.view(T, -1))
+            x = m.mlp(lw, x)
+        rows = x.index_select(0, meta.sample_rows.long()) if meta.sample_rows.shape[0] != T else x
+        logits = m.head(rows)
+        if out_logits is not None:
+            out_logits.copy_(logits)
+            return out_logits
+        return logits
+
+    # ------------------------------------------------------------- CUDA graphs
+    def _replay(self, plan: StepPlan, pools: list[torch.Tensor]) -> torch.Tensor:
+        B = plan.num_seqs
+        bucket = next(b for b in GRAPH_BUCKETS + (self.max_num_seqs,) if b >= B)
+        W = plan.block_table.shape[1]
+        if W > self.graph_width:  # tables outgrew the captured width: capture wider graphs
+            self.graphs.clear()
+            self.graph_width = max(W, -(-self.m.cfg.max_position // pools[0].shape[-2]))
+        g = self.graphs.get(bucket)
+        if g is None:
+            g = self.graphs[bucket] = _DecodeGraph(self, bucket, self.graph_width, pools)
+        return g.run(plan)
+
+    def warmup(self, pools: list[torch.Tensor], num_tokens: int = 512) -> float:
+        """Compile the prefill and decode kernels (no K/V is stored); seconds taken."""
+        t0 = time.perf_counter()
+        u = pools[0].shape[-2]
+        n = min(num_tokens, self.m.cfg.max_position - 1)
+        seqs = [SeqWork(0, (0,) * n, 0, (0,) * (-(-n // u))), SeqWork(1, (0,), n, (0,) * (-(-(n + 1) // u)))]
+        plan = plan_step(seqs, u, self.block_q)
+        plan.slots[:] = -1
+        for splits in {1, self.decode_splits(1)}:
+            self.forward(StepTensors.upload(plan, self.device, self.staging), pools, splits)
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
+
+    def capture(self, pools: list[torch.Tensor], up_to: Optional[int] = None) -> float:
+        """Capture every decode bucket up to max_num_seqs now (at start-up); seconds taken."""
+        if not self.use_graphs:
+            return 0.0
+        t0 = time.perf_counter()
+        self.graph_width = -(-self.m.cfg.max_position // pools[0].shape[-2])
+        limit = min(up_to or self.max_num_seqs, self.max_num_seqs)
+        for b in sorted({b for b in GRAPH_BUCKETS if b < limit} | {limit}, reverse=True):
+            self.graphs[b] = _DecodeGraph(self, b, self.graph_width, pools)
+        return time.perf_counter() - t0
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+class _DecodeGraph:
+    """One captured decode step of exactly `size` sequences (shorter batches pad with
+    sequences of no keys whose K/V are not stored)."""
+
+    def __init__(self, fwd: BatchedForward, size: int, width: int, pools: list[torch.Tensor]):
+        dev, self.fwd, self.size = fwd.device, fwd, size
+        ar = torch.arange(size, dtype=torch.int32, device=dev)
+        zeros = torch.zeros(size, dtype=torch.int32, device=dev)
+        self.meta = StepTensors(
+            ids=zeros.clone(), positions=zeros.clone(), slots=torch.full_like(zeros, -1),
+            seq_lens=zeros.clone(), q_starts=ar.clone(), q_lens=torch.ones_like(zeros),
+            decode_tiles=ar.clone(), decode_q0=zeros.clone(),
+            prefill_tiles=zeros[:0], prefill_q0=zeros[:0], sample_rows=ar.clone(),
+            block_table=torch.zeros(size, width, dtype=torch.int32, device=dev), block_q=fwd.block_q)
+        self.splits = fwd.decode_splits(size)
+        p = fwd.m.plan
+        self.scratch = (torch.empty(self.splits * size * p.q_heads * fwd.hd, device=dev, dtype=torch.float32),
+                        torch.empty(self.splits * size * p.q_heads * 2, device=dev, dtype=torch.float32))
+        self.logits = torch.empty(size, fwd.m.cfg.vocab_size, device=dev, dtype=torch.float32)
+        self.host = torch.empty(size * (4 + width), dtype=torch.int32, pin_memory=True)
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):  # warm up (Triton compiles, cuBLAS picks) off the capture
+            for _ in range(2):
+                fwd.forward(self.meta, pools, self.splits, self.scratch, self.logits)
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        if fwd.graph_pool is None:
+            fwd.graph_pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(self.graph, pool=fwd.graph_pool):
+            fwd.forward(self.meta, pools, self.splits, self.scratch, self.logits)
+
+    def run(self, plan: StepPlan) -> torch.Tensor:
+        B, S, W = plan.num_seqs, self.size, plan.block_table.shape[1]
+        h = self.host.numpy()
+        # one pinned buffer: ids, positions, slots, seq_lens (padded to S), then the table rows
+        h[:4 * S].fill(0)
+        h[2 * S:3 * S].fill(-1)
+        h[0:B] = plan.ids
+        h[S:S + B] = plan.positions
+        h[2 * S:2 * S + B] = plan.slots
+        h[3 * S:3 * S + B] = plan.seq_lens
+        tab = h[4 * S:4 * S + S * W].reshape(S, W)
+        tab[:B] = plan.block_table
+        tab[B:] = 0
+        dev = self.host[:4 * S + S * W].to(self.fwd.device, non_blocking=True)
+        mt = self.meta
+        mt.ids.copy_(dev[0:S])
+        mt.positions.copy_(dev[S:2 * S])
+        mt.slots.copy_(dev[2 * S:3 * S])
+        mt.seq_lens.copy_(dev[3 * S:4 * S])
+        mt.block_table[:, :W].copy_(dev[4 * S:].view(S, W))
+        self.graph.replay()
+        return self.logits[:B]

@@ -1,0 +1,83 @@
+"""Paged-attention ops on one layer's pool view, for the batched forward.
+
+``store_kv`` and ``attention`` run the Triton kernels on CUDA tensors and a torch
+reference otherwise (the CPU path, and the yardstick the kernel tests compare with).
+The reference gathers each sequence's keys, which the kernels never do.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv_ref(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    keep = slots >= 0
+    if not bool(keep.all()):
+        k, v, slots = k[keep], v[keep], slots[keep]
+    u = cache.shape[-2]
+    blk, s = slots // u, slots % u
+    if cache.dim() == 6:
+        g, hg = cache.shape[2], cache.shape[3]
+        cache[blk, 0, :, :, s] = k.view(-1, g, hg, k.shape[-1])
+        cache[blk, 1, :, :, s] = v.view(-1, g, hg, v.shape[-1])
+    else:
+        cache[blk, 0, :, s] = k
+        cache[blk, 1, :, s] = v
+
+
+def attention_ref(q, cache, block_table, seq_lens, q_starts, q_lens, window: int = 0,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as triton_paged.attention (tiles aside), one sequence at a time."""
+    u = cache.shape[-2]
+    out = torch.zeros_like(q) if out is None else out
+    T, Hq, D = q.shape
+    for i in range(seq_lens.shape[0]):
+        ctx, n, r0 = int(seq_lens[i]), int(q_lens[i]), int(q_starts[i])
+        if n == 0 or ctx == 0:
+            continue
+        nb = -(-ctx // u)
+        blocks = block_table[i, :nb].long()
+        kb, vb = cache[blocks, 0], cache[blocks, 1]  # copies: [nb, (groups,) heads, U, D]
+        if kb.dim() == 5:
+            kb, vb = kb.flatten(1, 2), vb.flatten(1, 2)
+        kvh = kb.shape[1]
+        keys = kb.permute(1, 0, 2, 3).reshape(kvh, nb * u, D)[:, :ctx]
+        vals = vb.permute(1, 0, 2, 3).reshape(kvh, nb * u, D)[:, :ctx]
+        qpos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
+        kpos = torch.arange(ctx, device=q.device)[None, :]
+        mask = kpos <= qpos
+        if window:
+            mask &= kpos > qpos - window
+        qi = q[r0:r0 + n].transpose(0, 1)[None]
+        o = F.scaled_dot_product_attention(qi, keys[None], vals[None], attn_mask=mask,
+                                           enable_gqa=Hq != keys.shape[0], scale=1 / math.sqrt(D))
+        out[r0:r0 + n] = o[0].transpose(0, 1)
+    return out
+
+
+def store_kv(cache, k, v, slots) -> None:
+    if cache.is_cuda:
+        from pushkv.model.kernels import triton_paged
+
+        triton_paged.store_kv(cache, k, v, slots)
+    else:
+        store_kv_ref(cache, k, v, slots)
+
+
+def attention(q, cache, meta, window: int = 0, out=None, decode_splits: int = 1, scratch=None):
+    """Attention of every sequence of a step (meta: pushkv.model.step.StepTensors)."""
+    if not cache.is_cuda:
+        return attention_ref(q, cache, meta.block_table, meta.seq_lens, meta.q_starts, meta.q_lens,
+                             window, out)
+    from pushkv.model.kernels import triton_paged
+
+    out = torch.empty_like(q) if out is None else out
+    if meta.decode_tiles.shape[0]:
+        triton_paged.attention(q, cache, meta.block_table, meta.seq_lens, meta.q_starts, meta.q_lens,
+                               meta.decode_tiles, meta.decode_q0, 1, decode_splits, window, out, scratch)
+    if meta.prefill_tiles.shape[0]:
+        triton_paged.attention(q, cache, meta.block_table, meta.seq_lens, meta.q_starts, meta.q_lens,
+                               meta.prefill_tiles, meta.prefill_q0, meta.block_q, 1, window, out)
+    return out

@@ -1,0 +1,213 @@
+"""Triton kernels: store new K/V into the paged pool, and attention that reads K/V in place.
+
+The pool is seen per layer as ``cache[block, plane, group, head-in-group, slot, dim]``
+(any strides; one group when head groups are not cut), so the same kernels serve every
+pool layout of ``pushkv.kv.layout`` with no copy of past KV.
+
+Attention is one kernel for prefill and decode. A program takes one *tile* (up to
+``BLOCK_Q`` consecutive query tokens of one sequence) and one KV head, and puts the
+``BLOCK_Q x G`` query rows of that head's G query heads in one matrix, so GQA reads each
+K/V tile once for all its query heads. Keys are walked ``BLOCK_N`` at a time through the
+block table with an online softmax (FlashAttention-2 style). Decode tiles (one token)
+can split the key range over ``num_splits`` programs (flash-decoding), whose partial
+results a second kernel merges: at small batch that is what keeps every SM reading.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _store_kv_kernel(K, V, cache, slots, stride_kt, stride_kh, stride_vt, stride_vh,
+                     s_blk, s_plane, s_grp, s_head, s_slot, HG, U,
+                     D: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slots + t).to(tl.int64)
+    if slot >= 0:
+        d = tl.arange(0, BLOCK_D)
+        dm = d < D
+        blk = slot // U
+        s = slot % U
+        off = blk * s_blk + (h // HG) * s_grp + (h % HG) * s_head + s * s_slot + d
+        k = tl.load(K + t * stride_kt + h * stride_kh + d, mask=dm)
+        v = tl.load(V + t * stride_vt + h * stride_vh + d, mask=dm)
+        tl.store(cache + off, k, mask=dm)
+        tl.store(cache + s_plane + off, v, mask=dm)
+
+
+def store_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """k, v [T, kv_heads, D] into cache at flat slots (block * U + slot; < 0: skip)."""
+    blk, plane, grp, head, slot, hg, u = _cache_strides(cache)
+    T, H, D = k.shape
+    if T == 0:
+        return
+    _store_kv_kernel[(T, H)](k, v, cache, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                             blk, plane, grp, head, slot, hg, u,
+                             D=D, BLOCK_D=triton.next_power_of_2(D), num_warps=1)
+
+
+def _cache_strides(cache: torch.Tensor):
+    """(block, plane, group, head, slot strides, heads per group, slots per block)."""
+    if cache.dim() == 5:  # [blocks, planes, heads, U, D]
+        s = cache.stride()
+        if s[4] != 1:
+            raise ValueError("cache rows must be contiguous in head_dim")
+        return s[0], s[1], 0, s[2], s[3], cache.shape[2], cache.shape[3]
+    if cache.dim() == 6:  # [blocks, planes, groups, group heads, U, D]
+        s = cache.stride()
+        if s[5] != 1:
+            raise ValueError("cache rows must be contiguous in head_dim")
+        return s[0], s[1], s[2], s[3], s[4], cache.shape[3], cache.shape[4]
+    raise ValueError(f"cache view must be 5-d or 6-d, got {tuple(cache.shape)}")
+
+
+@triton.jit
+def _attn_kernel(Q, O, cache, block_table, seq_lens, q_starts, q_lens, tile_seq, tile_q0,
+                 Part, PartML,
+                 stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+                 s_blk, s_plane, s_grp, s_head, s_slot, HG, U,
+                 total_rows, num_q_heads, sm_scale_log2, window,
+                 PREC: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = tl.load(tile_seq + tile)
+    q0 = tl.load(tile_q0 + tile)
+    ctx = tl.load(seq_lens + seq)
+    qlen = tl.load(q_lens + seq)
+    qrow0 = tl.load(q_starts + seq)
+
+    r = tl.arange(0, BLOCK_M)
+    tq = r // G
+    g = r % G
+    row_ok = (r < BLOCK_Q * G) & (q0 + tq < qlen)
+    qpos = ctx - qlen + q0 + tq  # absolute position of each row's query
+    head = kvh * G + g
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    q = tl.load(Q + (qrow0 + q0 + tq)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & dm[None, :], other=0.0)
+
+    last = tl.minimum(q0 + BLOCK_Q, qlen)
+    hi = ctx - qlen + last  # keys [lo, hi) can matter to this tile
+    lo = 0
+    if window > 0:
+        lo = tl.maximum(ctx - qlen + q0 - window + 1, 0)
+    if NUM_SPLITS > 1:
+        n_tiles = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
+        per = tl.cdiv(n_tiles, NUM_SPLITS) * BLOCK_N
+        lo = lo + split * per
+        hi = tl.minimum(hi, lo + per)
+
+    head_off = (kvh // HG) * s_grp + (kvh % HG) * s_head
+    bt = block_table + seq.to(tl.int64) * stride_bt
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        kpos = start + tl.arange(0, BLOCK_N)
+        kv_ok = kpos < hi
+        blk = tl.load(bt + kpos // U, mask=kv_ok, other=0).to(tl.int64)
+        off = head_off + blk * s_blk + (kpos % U) * s_slot
+        k = tl.load(cache + off[:, None] + d[None, :], mask=kv_ok[:, None] & dm[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * sm_scale_log2
+        ok = kv_ok[None, :] & (kpos[None, :] <= qpos[:, None])
+        if window > 0:
+            ok = ok & (kpos[None, :] > qpos[:, None] - window)
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(cache + s_plane + off[:, None] + d[None, :], mask=kv_ok[:, None] & dm[None, :],
+                    other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m_i = m_new
+
+    rows = qrow0 + q0 + tq
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(O + rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(O.dtype.element_ty), mask=row_ok[:, None] & dm[None, :])
+    else:
+        # partials [splits, rows, heads, D] and (m, l) [splits, rows, heads, 2], fp32
+        idx = (split * total_rows + rows) * num_q_heads + head
+        tl.store(Part + idx[:, None] * D + d[None, :], acc, mask=row_ok[:, None] & dm[None, :])
+        tl.store(PartML + idx * 2, m_i, mask=row_ok)
+        tl.store(PartML + idx * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _merge_kernel(Part, PartML, O, q_starts, tile_seq, stride_ot, stride_oh, total_rows, num_q_heads,
+                  D: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    # one decode tile (its one query row) x one query head
+    row = tl.load(q_starts + tl.load(tile_seq + tl.program_id(0)))
+    head = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    m = tl.full([1], -1.0e30, tl.float32)
+    for s in range(NUM_SPLITS):
+        idx = (s * total_rows + row) * num_q_heads + head
+        m = tl.maximum(m, tl.load(PartML + idx * 2 + tl.arange(0, 1)))
+    l = tl.zeros([1], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s in range(NUM_SPLITS):
+        idx = (s * total_rows + row) * num_q_heads + head
+        ms = tl.load(PartML + idx * 2 + tl.arange(0, 1))
+        ls = tl.load(PartML + idx * 2 + 1 + tl.arange(0, 1))
+        w = tl.exp2(ms - m)
+        l += ls * w
+        acc += tl.load(Part + idx * D + d, mask=dm, other=0.0) * w
+    out = acc / tl.where(l > 0, l, 1.0)
+    tl.store(O + row * stride_ot + head * stride_oh + d, out.to(O.dtype.element_ty), mask=dm)
+
+
+def attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+              q_starts: torch.Tensor, q_lens: torch.Tensor, tile_seq: torch.Tensor, tile_q0: torch.Tensor,
+              block_q: int, num_splits: int = 1, window: int = 0, out: torch.Tensor | None = None,
+              scratch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Causal attention of q [T, Hq, D] over each sequence's keys in the pool.
+
+    Per sequence i: its queries are rows q_starts[i] .. + q_lens[i] of q, at positions
+    seq_lens[i] - q_lens[i] ..; its keys (new ones already stored) sit at positions
+    0 .. seq_lens[i] - 1 in blocks block_table[i]. Tiles (tile_seq, tile_q0) name the
+    programs: block_q queries of one sequence each. Returns out [T, Hq, D]."""
+    T, Hq, D = q.shape
+    blk, plane, grp, head, slot, hg, u = _cache_strides(cache)
+    kvh = hg * (cache.shape[2] if cache.dim() == 6 else 1)
+    G = Hq // kvh
+    if out is None:
+        out = torch.empty_like(q)
+    n_tiles = tile_seq.shape[0]
+    if n_tiles == 0 or T == 0:
+        return out
+    block_m = max(16, triton.next_power_of_2(block_q * G))
+    block_d = triton.next_power_of_2(D)
+    block_n = 64 if block_q == 1 else (64 if D > 64 else 128)
+    if num_splits > 1:
+        if scratch is None:
+            scratch = (torch.empty(num_splits * T * Hq * D, device=q.device, dtype=torch.float32),
+                       torch.empty(num_splits * T * Hq * 2, device=q.device, dtype=torch.float32))
+        part, part_ml = scratch
+    else:
+        part = part_ml = out  # unused
+    warps = 4 if block_m <= 64 else 8
+    _attn_kernel[(n_tiles, kvh, num_splits)](
+        q, out, cache, block_table, seq_lens, q_starts, q_lens, tile_seq, tile_q0, part, part_ml,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
+        blk, plane, grp, head, slot, hg, u,
+        T, Hq, LOG2E / (D ** 0.5), window,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", G=G, D=D, BLOCK_D=block_d, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
+        NUM_SPLITS=num_splits, num_warps=warps, num_stages=2)
+    if num_splits > 1:
+        if block_q != 1:
+            raise ValueError("split keys only for one-token (decode) tiles")
+        _merge_kernel[(n_tiles, Hq)](part, part_ml, out, q_starts, tile_seq, out.stride(0), out.stride(1), T, Hq,
+                               D=D, BLOCK_D=block_d, NUM_SPLITS=num_splits, num_warps=1)
+    return out

@@ -1,0 +1,145 @@
+"""pushkv-roofline: the batched engine's decode and prefill steps against their hardware bounds.
+
+Measures, in the same run on the same GPU: the device copy bandwidth (bytes read +
+written per second by a large device-to-device copy) and the bf16 matmul throughput
+(8192^3), then times the model's steps and prints each against the bound it would
+have at those rates:
+- decode, batch B over context C: bound = max(bytes / bandwidth, flops / matmul rate),
+  bytes = every weight once + B x C tokens of KV (+ the new K/V), flops = 2 x
+  non-embedding params x B + attention;
+- prefill of L tokens: achieved TFLOP/s (matmuls + causal attention) against the
+  measured matmul rate.
+Decode runs through the CUDA graphs the worker uses, and eager for comparison.
+Cells whose KV does not fit the free memory are skipped (said so, not hidden).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from pushkv.config import preset
+from pushkv.messages import SeqWork
+from pushkv.model.build import build_model
+
+
+def copy_bandwidth(dev, nbytes=4 << 30, reps=10) -> float:
+    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev)
+    b = torch.empty_like(a)
+    return 2 * nbytes / _time(lambda: b.copy_(a), reps)
+
+
+def matmul_rate(dev, n=8192, reps=10) -> float:
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=dev)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=dev)
+    return 2 * n ** 3 / _time(lambda: a @ b, reps)
+
+
+def _time(fn, reps: int, warm: int = 3) -> float:
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(reps):
+        fn()
+    e.record()
+    torch.cuda.synchronize()
+    return s.elapsed_time(e) / 1e3 / reps
+
+
+def model_counts(model) -> dict:
+    cfg, w = model.cfg, model.w
+    layer = sum(t.numel() for lw in w.layers for t in (lw.qkv, lw.o, lw.gate_up, lw.down))
+    head = w.lm_head.numel()
+    total = layer + head + (0 if w.embed is w.lm_head else w.embed.numel())
+    return dict(matmul_params=layer, head_params=head, weight_bytes=total * model.dtype.itemsize,
+                kv_bytes_per_token=cfg.kv_bytes_per_token(),
+                attn_width=cfg.num_layers * cfg.num_heads * cfg.head_dim)
+
+
+def decode_bound(c: dict, B: int, ctx: int, bw: float, rate: float) -> float:
+    nbytes = c["weight_bytes"] + B * (ctx + 1) * c["kv_bytes_per_token"]
+    flops = 2 * (c["matmul_params"] + c["head_params"]) * B + 4 * B * (ctx + 1) * c["attn_width"]
+    return max(nbytes / bw, flops / rate)
+
+
+def prefill_flops(c: dict, L: int) -> float:
+    return 2 * c["matmul_params"] * L + 2 * c["head_params"] + 2 * L * L * c["attn_width"]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="pushkv-roofline", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen3-8b")
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16, 32, 64])
+    ap.add_argument("--contexts", nargs="+", type=int, default=[1024, 4096, 8192, 16384])
+    ap.add_argument("--prefills", nargs="+", type=int, default=[1024, 4096, 8192, 16384])
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--mem-frac", type=float, default=0.85, help="of free memory the pool may take")
+    ap.add_argument("--out", help="JSON results")
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda")
+    bw, rate = copy_bandwidth(dev), matmul_rate(dev)
+    print(f"{torch.cuda.get_device_name(dev)}: copy {bw / 1e9:.0f} GB/s (read+write), "
+          f"bf16 matmul {rate / 1e12:.0f} TFLOP/s (8192^3), torch {torch.__version__}", flush=True)
+    t0 = time.perf_counter()
+    cfg = preset(args.model)
+    model = build_model(cfg, device="cuda", max_num_seqs=max(args.batches))
+    torch.cuda.synchronize()
+    print(f"{args.model}: weights drawn on the device in {time.perf_counter() - t0:.1f}s", flush=True)
+    c = model_counts(model)
+    u = args.block_size
+    lay = model.kv_layout(1, u)
+    per_block = u * c["kv_bytes_per_token"]
+    free = torch.cuda.mem_get_info(dev)[0]
+    nblocks = int(free * args.mem_frac) // per_block
+    pool = torch.empty(nblocks, lay.num_layers, 2, lay.kv_heads, u, lay.head_dim, dtype=model.dtype, device=dev)
+    pool.normal_()
+    views = model._layer_pools(pool)
+    fwd = model.batched
+    print(f"pool: {nblocks} blocks of {u} tokens ({nblocks * per_block / 2**30:.0f} GiB); "
+          f"warm-up {fwd.warmup(views):.1f}s, graphs {fwd.capture(views):.1f}s for {sorted(fwd.graphs)}", flush=True)
+    rows = []
+    print(f"\n{'decode':>8} {'batch':>5} {'ctx':>6} {'graph ms':>9} {'eager ms':>9} {'bound ms':>9} "
+          f"{'x bound':>8} {'GB/s':>6}")
+    for ctx in args.contexts:
+        for B in args.batches:
+            nb = -(-(ctx + 1) // u)
+            if B * nb > nblocks:
+                print(f"{'':>8} {B:>5} {ctx:>6} skipped: needs {B * nb} blocks, pool has {nblocks}")
+                continue
+            seqs = [SeqWork(i, (1,), ctx, tuple(range(i * nb, (i + 1) * nb))) for i in range(B)]
+            run = lambda: fwd.logits(seqs, views)  # noqa: E731
+            fwd.use_graphs = True
+            g = _time(run, args.reps)
+            fwd.use_graphs = False
+            e = _time(run, max(3, args.reps // 3), warm=1)
+            fwd.use_graphs = True
+            bound = decode_bound(c, B, ctx, bw, rate)
+            moved = c["weight_bytes"] + B * (ctx + 1) * c["kv_bytes_per_token"]
+            rows.append(dict(kind="decode", batch=B, ctx=ctx, graph_s=g, eager_s=e, bound_s=bound))
+            print(f"{'':>8} {B:>5} {ctx:>6} {g * 1e3:>9.2f} {e * 1e3:>9.2f} {bound * 1e3:>9.2f} "
+                  f"{g / bound:>8.2f} {moved / g / 1e9:>6.0f}", flush=True)
+    print(f"\n{'prefill':>8} {'tokens':>6} {'ms':>9} {'TFLOP/s':>8} {'of matmul':>9}")
+    for L in args.prefills:
+        nb = -(-L // u)
+        if nb > nblocks:
+            continue
+        seqs = [SeqWork(0, tuple(range(L)), 0, tuple(range(nb)))]
+        t = _time(lambda: fwd.logits(seqs, views), max(2, args.reps // 3), warm=1)
+        fl = prefill_flops(c, L)
+        rows.append(dict(kind="prefill", tokens=L, s=t, flops=fl, matmul_rate=rate))
+        print(f"{'':>8} {L:>6} {t * 1e3:>9.1f} {fl / t / 1e12:>8.0f} {fl / t / rate:>9.0%}", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(model=args.model, gpu=torch.cuda.get_device_name(dev), copy_Bps=bw, matmul_flops=rate,
+                           counts=c, rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
