@@ -129,3 +129,24 @@ def test_logprobs_are_the_raw_distribution():
     assert c.logprob == pytest.approx(ref[2, out.tokens[2]].item(), abs=1e-5)
     assert list(c.top_ids) == ref[2].topk(3).indices.tolist()
     assert list(c.top_logprobs) == pytest.approx(ref[2].topk(3).values.tolist(), abs=1e-5)
+
+
+@pytest.mark.parametrize("spread", [0.5, 3.0, 8.0])
+def test_window_filter_equals_whole_sort(spread):
+    """The top-WINDOW shortcut draws exactly what sorting the whole row would, or hands the row on."""
+    from pushkv.model import sampling as S
+
+    g = torch.Generator().manual_seed(int(spread * 10))
+    x = torch.randn(24, 5000, generator=g) * spread
+    ps = [SamplingParams(temperature=1.0, top_p=tp, min_p=mp, top_k=k, seed=i)
+          for i, (tp, mp, k) in enumerate([(0.9, 0, 0), (0.5, 0, 0), (1.0, 0.05, 0), (0.95, 0.01, 0),
+                                           (0.8, 0, 40), (1.0, 0.2, 3000)] * 4)]
+    u = torch.tensor([uniform(p.seed, 0) for p in ps])
+    got, spill = S._draw_window(x, ps, u)
+    whole = S._draw_sorted(x, ps, u)
+    fit = [i for i in range(len(ps)) if i not in spill]
+    assert fit and got[fit].tolist() == whole[fit].tolist()
+    full = sample(x, [seq(p) for p in ps]).tokens  # spilled rows go the sorted way
+    assert full == whole.tolist()
+    if spread == 0.5:
+        assert spill  # a flat distribution's nucleus is wider than the window

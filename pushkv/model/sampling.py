@@ -11,17 +11,24 @@ a seq needs per token is a counter-based hash of ``(seed, output_index)``
 computed in Python integers, so it is the same in any process, on any device,
 in any batch. It drives inverse-CDF sampling over the filtered distribution
 (one uniform per row, no per-vocab random stream). Everything else is row-wise
-tensor math, batched over the seqs that need it:
+tensor math, batched over the seqs that need it, and no row's result depends
+on another row:
 
-logits -> + logit_bias, - presence/frequency penalty (over the output so far,
-``SeqWork.history``), suppressed ids (``min_tokens``) to -inf -> temperature 0:
-argmax; else / temperature -> top_k -> min_p -> top_p -> inverse CDF.
+- edits, sparse (only the ids named or generated): + logit_bias, - presence /
+  frequency penalty over the output so far (``SeqWork.history``), suppressed
+  ids (stop ids before ``min_tokens``) to -inf;
+- temperature 0: argmax;
+- otherwise / temperature, then top_k -> min_p -> top_p on the top ``WINDOW``
+  (or top_k) candidates, sorted by ``topk``; a row whose kept set may reach past
+  the window (a flat distribution without top_k) is sorted whole instead; rows
+  with no filter draw over the whole vocabulary in id order.
 
 Log-probabilities are those of the model's raw distribution (before bias,
 penalties and temperature), as vLLM reports them by default.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -30,6 +37,7 @@ import torch
 from pushkv.messages import SamplingParams, SeqWork, TokenLogprob
 
 GREEDY = SamplingParams()
+WINDOW = 1024  # candidates a row without top_k is filtered on before its whole row is sorted
 _MASK64 = (1 << 64) - 1
 
 
@@ -65,99 +73,152 @@ def _params(s: SeqWork) -> SamplingParams:
     return s.sampling if s.sampling is not None else GREEDY
 
 
-def _needs_processing(p: SamplingParams, s: SeqWork) -> bool:
+def _edited(p: SamplingParams, s: SeqWork) -> bool:
     return bool(p.logit_bias or s.suppress or (s.history and (p.presence_penalty or p.frequency_penalty)))
 
 
 def sample(logits: torch.Tensor, seqs: Sequence[SeqWork]) -> Sampled:
-    """Tokens for ``seqs`` (those with sample=True, in order) from their logits rows."""
+    """Tokens for ``seqs`` (those with sample=True, in order) from their logits rows.
+
+    ``logits`` is only read: the rows that need work are gathered into copies.
+    """
     if logits.shape[0] != len(seqs):
         raise ValueError(f"{logits.shape[0]} logits rows for {len(seqs)} sampled seqs")
     params = [_params(s) for s in seqs]
-    if all(p.temperature == 0 and p.logprobs < 0 and not _needs_processing(p, s) for p, s in zip(params, seqs)):
+    if all(p.temperature == 0 and p.logprobs < 0 and not _edited(p, s) for p, s in zip(params, seqs)):
         return Sampled(logits.argmax(-1).tolist())  # the all-greedy step: nothing else to do
-    raw = logits
-    x = _process(logits, seqs, params)
-    tokens = x.argmax(-1)
+    dev = logits.device
+    tokens = torch.empty(len(seqs), dtype=torch.long, device=dev)
+    cold = [i for i, p in enumerate(params) if p.temperature == 0]
     hot = [i for i, p in enumerate(params) if p.temperature > 0]
+    if cold:
+        idx = torch.tensor(cold, device=dev)
+        x = logits[idx]  # a copy
+        _edit(x, [params[i] for i in cold], [seqs[i] for i in cold], [1.0] * len(cold))
+        tokens[idx] = x.argmax(-1)
     if hot:
-        idx = torch.tensor(hot, device=x.device)
-        tokens[idx] = _draw(x[idx], [params[i] for i in hot], [seqs[i] for i in hot])
+        idx = torch.tensor(hot, device=dev)
+        ps = [params[i] for i in hot]
+        inv_t = [1.0 / p.temperature for p in ps]
+        scale = torch.tensor(inv_t, device=dev, dtype=logits.dtype)[:, None]
+        x = logits * scale if len(hot) == len(seqs) else logits[idx].mul_(scale)  # one new tensor either way
+        _edit(x, ps, [seqs[i] for i in hot], inv_t)  # (logit + edit) / T, edits scattered after the scale
+        tokens[idx] = _draw(x, ps, [seqs[i] for i in hot])
     tokens_list = tokens.tolist()
     if all(p.logprobs < 0 for p in params):
         return Sampled(tokens_list)
-    return Sampled(tokens_list, _logprobs(raw, tokens, params))
+    return Sampled(tokens_list, _logprobs(logits, tokens, params))
 
 
-def _process(logits: torch.Tensor, seqs: Sequence[SeqWork], params: list[SamplingParams]) -> torch.Tensor:
-    """Bias, penalties and suppression, scattered in one go each (a copy: raw logits stay)."""
-    rows = [i for i, (p, s) in enumerate(zip(params, seqs)) if _needs_processing(p, s)]
-    if not rows:
-        return logits
-    x = logits.clone()
-    dev, vocab = x.device, x.shape[1]
-    b_idx, b_val, s_idx, h_idx, h_row = [], [], [], [], []
-    pres = torch.zeros(x.shape[0])
-    freq = torch.zeros(x.shape[0])
-    for i in rows:
-        p, s = params[i], seqs[i]
+def _edit(x: torch.Tensor, params: list[SamplingParams], seqs: list[SeqWork], scale: list[float]) -> None:
+    """Bias, penalties and suppression, in place, as one sparse scatter each: touches only the
+    ids a request names or generated, never the whole vocabulary."""
+    vocab = x.shape[1]
+    delta: dict[int, float] = {}
+    banned: list[int] = []
+    for j, (p, s) in enumerate(zip(params, seqs)):
+        if not _edited(p, s):
+            continue
+        base = j * vocab
         for tok, bias in p.logit_bias:
-            b_idx.append(i * vocab + tok)
-            b_val.append(bias)
-        s_idx.extend(i * vocab + t for t in s.suppress)
+            delta[base + tok] = delta.get(base + tok, 0.0) + bias * scale[j]
         if s.history and (p.presence_penalty or p.frequency_penalty):
-            h_idx.extend(s.history)
-            h_row.extend([i] * len(s.history))
-            pres[i], freq[i] = p.presence_penalty, p.frequency_penalty
+            for tok, count in Counter(s.history).items():
+                pen = (p.frequency_penalty * count + p.presence_penalty) * scale[j]
+                delta[base + tok] = delta.get(base + tok, 0.0) - pen
+        banned.extend(base + t for t in s.suppress)
     flat = x.view(-1)
-    if b_idx:
-        flat.index_add_(0, torch.tensor(b_idx, device=dev), torch.tensor(b_val, device=dev, dtype=x.dtype))
-    if h_idx:
-        counts = torch.zeros_like(x)
-        ones = torch.ones(len(h_idx), device=dev, dtype=x.dtype)
-        counts.view(-1).index_add_(0, torch.tensor(h_row, device=dev) * vocab + torch.tensor(h_idx, device=dev), ones)
-        x -= freq.to(dev)[:, None] * counts + pres.to(dev)[:, None] * (counts > 0).to(x.dtype)
-    if s_idx:
-        flat[torch.tensor(s_idx, device=dev)] = float("-inf")
-    return x
+    if delta:
+        where = torch.tensor(list(delta), device=x.device)
+        flat.index_add_(0, where, torch.tensor(list(delta.values()), device=x.device, dtype=x.dtype))
+    if banned:
+        flat.index_fill_(0, torch.tensor(banned, device=x.device), float("-inf"))
+
+
+def _uniforms(params: list[SamplingParams], seqs: list[SeqWork], x: torch.Tensor) -> torch.Tensor:
+    return torch.tensor([uniform(p.seed, s.output_index) for p, s in zip(params, seqs)], device=x.device,
+                        dtype=x.dtype)
+
+
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Row-wise: the first position whose cumulative weight exceeds u * total (never a zero weight)."""
+    cdf = weights.cumsum(-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).clamp(max=weights.shape[1] - 1).squeeze(1)
 
 
 def _draw(x: torch.Tensor, params: list[SamplingParams], seqs: list[SeqWork]) -> torch.Tensor:
-    """Inverse-CDF draw per row from the temperature-scaled, filtered distribution."""
-    dev = x.device
+    """One token per row of the temperature-scaled, edited logits: top_k -> min_p -> top_p -> draw."""
     n, vocab = x.shape
-    temp = torch.tensor([p.temperature for p in params], device=dev, dtype=x.dtype)
-    x = x / temp[:, None]
-    neg_inf = torch.tensor(float("-inf"), device=dev, dtype=x.dtype)
-    ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
-    if any(ks):
-        top = torch.topk(x, max(ks), dim=-1).values  # sorted, descending
-        k = torch.tensor(ks, device=dev)
-        kth = top.gather(1, (k.clamp(min=1) - 1)[:, None])
-        kth = torch.where((k > 0)[:, None], kth, neg_inf)  # rows without top_k keep everything
-        x = torch.where(x < kth, neg_inf, x)
-    probs = torch.softmax(x, dim=-1)
-    min_p = [p.min_p for p in params]
-    if any(mp > 0 for mp in min_p):
-        floor = torch.tensor(min_p, device=dev, dtype=x.dtype)[:, None] * probs.max(dim=-1, keepdim=True).values
-        probs = torch.where(probs < floor, torch.zeros((), device=dev, dtype=x.dtype), probs)
-    top_p = [p.top_p for p in params]
-    nucleus = [i for i, tp in enumerate(top_p) if tp < 1.0]
-    if nucleus:
-        idx = torch.tensor(nucleus, device=dev)
-        sub = probs[idx]
-        ordered = sub.sort(dim=-1, descending=True).values
-        before = ordered.cumsum(-1) - ordered  # mass strictly ahead of each entry
-        total = ordered.sum(-1, keepdim=True)
-        want = torch.tensor([top_p[i] for i in nucleus], device=dev, dtype=x.dtype)[:, None] * total
-        keep = (before < want).sum(-1, keepdim=True).clamp(min=1)  # always keep the most likely
-        least = ordered.gather(1, keep - 1)
-        probs[idx] = torch.where(sub < least, torch.zeros((), device=dev, dtype=x.dtype), sub)
-    cdf = probs.cumsum(-1)
-    total = cdf[:, -1:]
-    u = torch.tensor([uniform(p.seed, s.output_index) for p, s in zip(params, seqs)], device=dev, dtype=x.dtype)
-    target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True).clamp(max=vocab - 1).squeeze(1)
+    out = torch.empty(n, dtype=torch.long, device=x.device)
+    u = _uniforms(params, seqs, x)
+    filtered = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0]
+    plain = [i for i in range(n) if i not in set(filtered)]
+    if plain:  # no filter: the whole distribution, in vocabulary order
+        idx = torch.tensor(plain, device=x.device)
+        sub = x if len(plain) == n else x[idx]  # ours to overwrite: x is sample()'s own copy
+        out[idx] = _inverse_cdf(sub.sub_(sub.max(-1, keepdim=True).values).exp_(), u[idx])
+    if filtered:
+        idx = torch.tensor(filtered, device=x.device)
+        got, spill = _draw_window(x[idx], [params[i] for i in filtered], u[idx])
+        out[idx] = got
+        if spill:  # the window did not hold these rows' candidates: sort their whole rows
+            back = idx[torch.tensor(spill, device=x.device)]
+            out[back] = _draw_sorted(x[back], [params[filtered[j]] for j in spill], u[back])
+    return out
+
+
+def _masks(params: list[SamplingParams], e: torch.Tensor, width: int):
+    dev, dt = e.device, e.dtype
+    k = torch.tensor([p.top_k if 0 < p.top_k < e.shape[1] else width for p in params], device=dev)
+    keep = torch.arange(width, device=dev)[None, :] < k[:, None]
+    min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=dt)[:, None]
+    keep &= e >= min_p  # e is p / p_max
+    top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=dt)[:, None]
+    return keep, top_p
+
+
+def _draw_window(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """Filters on the top ``WINDOW`` (or top_k) candidates only: no sort of the vocabulary.
+
+    A row whose kept set may reach past the window (no top_k, and min_p or top_p
+    not yet satisfied inside it) is returned in ``spill`` for the full path.
+    """
+    n, vocab = x.shape
+    has_k = [0 < p.top_k < vocab for p in params]
+    width = min(vocab, max([p.top_k for p, k in zip(params, has_k) if k] +
+                           ([WINDOW] if not all(has_k) else [0])))
+    vals, ids = x.topk(width, dim=-1)  # sorted, descending
+    e = torch.exp(vals - vals[:, :1])
+    keep, top_p = _masks(params, e, width)
+    w = e * keep
+    kept = w.sum(-1, keepdim=True)
+    covered = torch.tensor(has_k, device=x.device)[:, None] | ~keep[:, -1:]  # nothing kept lies past the window
+    if all(has_k):
+        total = kept
+    else:  # without top_k, top_p is of the whole row's mass
+        total = torch.where(covered, kept, torch.exp(x - vals[:, :1]).sum(-1, keepdim=True))
+    cum = w.cumsum(-1)
+    keep &= (cum - w) < top_p * total
+    if all(has_k):
+        spill: list[int] = []
+    else:  # one host sync, only when some row has no top_k
+        fits = covered | (cum[:, -1:] >= top_p * total)
+        spill = (~fits).squeeze(1).nonzero().squeeze(1).tolist()
+    pos = _inverse_cdf(e * keep, u)
+    return ids.gather(1, pos[:, None]).squeeze(1), spill
+
+
+def _draw_sorted(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> torch.Tensor:
+    """The same filters over whole sorted rows (rows without top_k whose nucleus is wide)."""
+    vals, ids = x.sort(dim=-1, descending=True)
+    e = torch.exp(vals - vals[:, :1])
+    keep, top_p = _masks(params, e, x.shape[1])
+    w = e * keep
+    keep &= (w.cumsum(-1) - w) < top_p * w.sum(-1, keepdim=True)
+    pos = _inverse_cdf(e * keep, u)
+    return ids.gather(1, pos[:, None]).squeeze(1)
 
 
 def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> tuple[Optional[TokenLogprob], ...]:
