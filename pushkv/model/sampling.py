@@ -161,7 +161,7 @@ def _draw(x: torch.Tensor, params: list[SamplingParams], seqs: list[SeqWork]) ->
         out[idx] = _inverse_cdf(sub.sub_(sub.max(-1, keepdim=True).values).exp_(), u[idx])
     if filtered:
         idx = torch.tensor(filtered, device=x.device)
-        got, spill = _draw_window(x[idx], [params[i] for i in filtered], u[idx])
+        got, spill = _draw_window(x if len(filtered) == n else x[idx], [params[i] for i in filtered], u[idx])
         out[idx] = got
         if spill:  # the window did not hold these rows' candidates: sort their whole rows
             back = idx[torch.tensor(spill, device=x.device)]
@@ -222,13 +222,18 @@ def _draw_sorted(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor)
 
 
 def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> tuple[Optional[TokenLogprob], ...]:
+    """logprob = logit - logsumexp(row): no vocab-sized output is materialised."""
     rows = [i for i, p in enumerate(params) if p.logprobs >= 0]
-    idx = torch.tensor(rows, device=raw.device)
-    lp = torch.log_softmax(raw[idx], dim=-1)
-    chosen = lp.gather(1, tokens[idx][:, None]).squeeze(1).tolist()
+    x = raw
+    if len(rows) < len(params):
+        idx = torch.tensor(rows, device=raw.device)
+        x, tokens = raw[idx], tokens[idx]
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    chosen = (x.gather(1, tokens[:, None]) - lse).squeeze(1).tolist()
     kmax = max(params[i].logprobs for i in rows)
-    top_v, top_i = (lp.topk(kmax, dim=-1) if kmax else (lp[:, :0], lp[:, :0].long()))
-    top_v, top_i = top_v.tolist(), top_i.tolist()
+    top_v, top_i = ([], []) if not kmax else x.topk(kmax, dim=-1)
+    top_v = (top_v - lse).tolist() if kmax else [[]] * len(rows)
+    top_i = top_i.tolist() if kmax else [[]] * len(rows)
     out: list[Optional[TokenLogprob]] = [None] * len(params)
     for j, i in enumerate(rows):
         k = params[i].logprobs
