@@ -179,3 +179,40 @@ def test_bad_fields_are_400_naming_the_field(deps):
     # unknown fields are ignored
     r = c.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"no_such_field": {"a": 1}})
     assert len(r.choices[0].token_ids) == 2
+
+
+def test_checkpoint_chat_template_and_cjk_text(tmp_path):
+    """A Llama checkpoint with a Hugging Face tokenizer and a chat template in tokenizer_config.json:
+    chat renders through it; CJK and emoji prompts come back as whole characters, streamed or not."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    from pushkv.config import preset
+    from pushkv.router.chat import ChatTemplate
+    from tests.test_model import write_checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    write_checkpoint(str(ckpt), preset("tiny", seed=5, qk_norm=False, vocab_size=300), "LlamaForCausalLM", False)
+    template = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"
+                "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    (ckpt / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "bos_token": "<s>",
+                                                            "eos_token": "</s>"}))
+    hf = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    d = tmp_path / "dep"
+    d.mkdir()
+    with deployment(d, "--mode", "push", "--checkpoint", str(ckpt), "--num-blocks", "128") as dep:
+        c = client(dep)
+        r = c.chat.completions.create(model="x", messages=MESSAGES, max_tokens=6, temperature=0.7, seed=3)
+        rendered = ChatTemplate(template, "<s>", "</s>").render(MESSAGES)
+        assert rendered.startswith("<s><|system|>You are terse.</s>")
+        assert r.usage.prompt_tokens == len(hf.encode(rendered, add_special_tokens=False).ids)
+        for prompt in PROMPTS[1:]:
+            kw = dict(max_tokens=24, temperature=1.0, seed=11, extra_body={"ignore_eos": True})
+            unary = c.completions.create(model="x", prompt=prompt, **kw).choices[0]
+            chunks = [ch for ch in c.completions.create(model="x", prompt=prompt, stream=True, **kw) if ch.choices]
+            assert "".join(ch.choices[0].text for ch in chunks) == unary.text
+            assert [t for ch in chunks for t in ch.choices[0].token_ids] == unary.token_ids
+            whole = hf.decode(unary.token_ids, skip_special_tokens=True)
+            assert unary.text == whole
+        wait_pools_free(dep)
