@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from pushkv.messages import SamplingParams
 from pushkv.router import api, chat, output, text
 
 CJK_EMOJI = ["你好，世界！今天天气很好。", "hi 你好 😀 ok", "a 👨‍👩‍👧 b 👍🏽!", "héllo wörld 日本語 ☃"]
@@ -189,5 +190,6 @@ def test_completion_sampling_fields():
     assert p.stop == ("a", "bc") and p.n == 2 and p.include_usage and p.stream
     unseeded = {api.parse_completion({"prompt": "hi", "temperature": 1}, tok, LIMITS).sampling.seed for _ in range(5)}
     assert len(unseeded) == 5  # the router picks each unseeded request's stream
+    assert api.parse_completion({"prompt": "hi"}, tok, LIMITS).sampling == SamplingParams()  # greedy: sent as None
     echo = api.parse_completion({"prompt": [104, 105], "echo": True}, tok, LIMITS)
     assert echo.echo and echo.prompt_text == "hi"

@@ -261,8 +261,8 @@ def parse_sampling(body: dict, limits: Limits, logprobs: int, max_tokens: int) -
     frequency = get_num(body, "frequency_penalty", 0.0, -2.0, 2.0)
     min_tokens = get_int(body, "min_tokens", 0, 0, max_tokens)
     seed = get_int(body, "seed", None)
-    if seed is None:
-        seed = random.getrandbits(64)  # the request's own stream; P and D both see it
+    if seed is None:  # the request's own stream; P and D both see it (greedy needs none)
+        seed = random.getrandbits(64) if temperature > 0 else 0
     bias = body.get("logit_bias")
     pairs: list[tuple[int, float]] = []
     if bias is not None:

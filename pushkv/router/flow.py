@@ -175,11 +175,12 @@ class RequestRun:
         self.token_leg = "local" if cfg.mode == "local" else "decode"
         self.kv: dict[str, m.KVTransferStats] = {}  # per leg, as the schedulers measured the transfer
         self.closed = False
-        self.sampling = sampling
+        self.sampling = sampling if sampling != m.SamplingParams() else None  # None: plain greedy, fewer bytes per step
         # disaggregated: P drew the first token, so its logprob comes from P; D's first
         # TokensGenerated waits here for it when the request asked for logprobs
         self.first_logprob: Optional[m.TokenLogprob] = None
-        self.held: Optional[m.TokensGenerated] = None
+        self.held: list[tuple[str, m.Msg]] = []  # D's tokens waiting for P's first logprob
+        self.replay: list[tuple[str, m.Msg]] = []  # ... and released, read before the queue
         self.emitted = 0
 
     # -- inputs ---------------------------------------------------------
@@ -262,7 +263,7 @@ class RequestRun:
                     break
                 # push: D finished before P reported; wait briefly for P's timeline
                 deadline = min(deadline, time.monotonic() + PREFILL_REPORT_GRACE_S)
-            item = await self._next(deadline)
+            item = self.replay.pop(0) if self.replay else await self._next(deadline)
             if item is None:
                 if finish_reason:
                     break
@@ -304,15 +305,12 @@ class RequestRun:
                     self.merge(role, msg.timeline)
                     if msg.logprobs and self.first_logprob is None:
                         self.first_logprob = msg.logprobs[0]
-                        if self.held is not None:
-                            msg, self.held = self.held, None
-                            role = self.token_leg
-                    if role != self.token_leg:
-                        continue
+                        self.replay, self.held = self.held, []
+                    continue
+                if self.held or (self._needs_first_logprob(msg) and self.first_logprob is None):
+                    self.held.append((role, msg))  # in order, behind the first token
+                    continue
                 if self._needs_first_logprob(msg):
-                    if self.first_logprob is None:
-                        self.held = msg
-                        continue
                     msg = msgspec.structs.replace(msg, logprobs=(self.first_logprob,) + msg.logprobs)
                 self.emitted += len(msg.token_ids)
                 if msg.token_ids and self.record.first_token is None:
