@@ -164,3 +164,46 @@ def test_gpu_deterministic_greedy_equals_dense_fp32():
     got = paged_generate(model, new_pool(model, 18, 8).cuda(), prompt, 16, table)
     cpu = build_model(preset("small"))
     assert got == generate_dense(cpu, prompt, 16)
+
+
+@gpu
+def test_gpu_fused_kernels_match_torch_ops():
+    model = build_model(preset("medium", dtype="bfloat16", deterministic=False), device="cuda")
+    model.enable_batched(max_num_seqs=8, use_graphs=False)
+    seqs = [SeqWork(0, tuple(prompt_of(70, seed=1)), 0, tuple(range(0, 10))),
+            SeqWork(1, tuple(prompt_of(5, seed=2)), 0, tuple(range(10, 12)))]
+    pools = [new_pool(model, 16, 8).cuda() for _ in range(2)]
+    fwd = model.batched
+    assert fwd.fused
+    a = fwd.logits(seqs, model._layer_pools(pools[0]))
+    fwd.fused = False
+    b = fwd.logits(seqs, model._layer_pools(pools[1]))
+    torch.testing.assert_close(a, b, atol=0.1, rtol=0.05)
+    assert (a.argmax(-1) == b.argmax(-1)).all()
+
+
+def test_real_presets_shard_at_tp_1_2_4_8():
+    from pushkv.model.shard import shard_plan
+
+    for name in ("qwen3-8b", "qwen3-32b"):
+        cfg = preset(name)
+        for tp in (1, 2, 4, 8):
+            plans = [shard_plan(cfg, r, tp) for r in range(tp)]
+            assert sum(p.q_heads for p in plans) == cfg.num_heads
+            assert sum(p.inter_size for p in plans) == cfg.intermediate_size
+            assert all(p.q_heads // p.kv_heads == cfg.num_heads // cfg.num_kv_heads for p in plans)
+
+
+@pytest.mark.timeout(240)
+def test_cpu_deployments_on_batched_engine_push_equals_local():
+    """The batched engine behind real processes (CPU: torch reference ops)."""
+    from pushkv.launch import launched
+
+    ps = [prompt_of(n, seed=n) for n in (1, 17, 90)]
+    got = {}
+    for mode in ("local", "push"):
+        with launched("--mode", mode, "--model", "tiny", "--engine", "batched", "--batch-invariant", "on",
+                      start_timeout_s=120) as d:
+            got[mode] = [d.tokens(p, 12) for p in ps]
+    assert got["push"] == got["local"]
+    assert all(len(t) == 12 for t in got["push"])

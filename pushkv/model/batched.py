@@ -57,6 +57,7 @@ class BatchedForward:
         if use_graphs is None:
             use_graphs = self.cuda and model.tp_size == 1 and os.environ.get("PUSHKV_CUDA_GRAPHS", "1") != "0"
         self.use_graphs = use_graphs
+        self.fused = self.cuda and os.environ.get("PUSHKV_FUSED", "1") != "0" and not (self.hd & (self.hd - 1))
         self.max_num_seqs = max_num_seqs
         self.graphs: dict[int, "_DecodeGraph"] = {}
         self.graph_pool = None
@@ -80,6 +81,18 @@ class BatchedForward:
 
     def forward(self, meta: StepTensors, pools: list[torch.Tensor], splits: int,
                 scratch=None, out_logits: Optional[torch.Tensor] = None) -> torch.Tensor:
+        run = self._layers_fused if self.fused else self._layers_torch
+        h = run(meta, pools, splits, scratch)
+        T = meta.ids.shape[0]
+        rows = h.index_select(0, meta.sample_rows.long()) if meta.sample_rows.shape[0] != T else h
+        logits = F.linear(rows, self.m.w.lm_head).float()
+        if out_logits is not None:
+            out_logits.copy_(logits)
+            return out_logits
+        return logits
+
+    def _layers_torch(self, meta, pools, splits, scratch) -> torch.Tensor:
+        """Every layer with torch ops (the CPU path); returns the final-normed hidden rows."""
         m, cfg, p = self.m, self.m.cfg, self.m.plan
         hd, eps = self.hd, cfg.rms_eps
         T = meta.ids.shape[0]
@@ -102,12 +115,27 @@ class BatchedForward:
             paged.attention(q, pools[layer], meta, m.layer_window(layer), attn, splits, scratch)
             x = m.attn_out(lw, x, attn.view(T, -1))
             x = m.mlp(lw, x)
-        rows = x.index_select(0, meta.sample_rows.long()) if meta.sample_rows.shape[0] != T else x
-        logits = m.head(rows)
-        if out_logits is not None:
-            out_logits.copy_(logits)
-            return out_logits
-        return logits
+        return _rms(x, m.w.final_norm, eps)
+
+    def _layers_fused(self, meta, pools, splits, scratch) -> torch.Tensor:
+        """Every layer with the fused Triton kernels: ~9 launches a layer."""
+        from pushkv.model.kernels import triton_fused as K
+
+        m, cfg, p = self.m, self.m.cfg, self.m.plan
+        eps, layers = cfg.rms_eps, m.w.layers
+        T = meta.ids.shape[0]
+        x = F.embedding(meta.ids, m.w.embed)
+        x, h = K.add_rms(x, None, layers[0].input_norm, eps)
+        attn = torch.empty(T, p.q_heads, self.hd, device=self.device, dtype=m.dtype)
+        for layer, lw in enumerate(layers):
+            q = K.qk_norm_rope_store(F.linear(h, lw.qkv), p.q_heads, p.kv_heads, self.hd, lw.q_norm, lw.k_norm,
+                                     eps, self.cos, self.sin, meta.positions, meta.slots, pools[layer])
+            paged.attention(q, pools[layer], meta, m.layer_window(layer), attn, splits, scratch)
+            x, h = K.add_rms(x, m._all_reduce(F.linear(attn.view(T, -1), lw.o)), lw.post_norm, eps)
+            delta = m._all_reduce(F.linear(K.silu_mul(F.linear(h, lw.gate_up)), lw.down))
+            nxt = layers[layer + 1].input_norm if layer + 1 < len(layers) else m.w.final_norm
+            x, h = K.add_rms(x, delta, nxt, eps)
+        return h
 
     # ------------------------------------------------------------- CUDA graphs
     def _replay(self, plan: StepPlan, pools: list[torch.Tensor]) -> torch.Tensor:
@@ -173,6 +201,8 @@ class _DecodeGraph:
                         torch.empty(self.splits * size * p.q_heads * 2, device=dev, dtype=torch.float32))
         self.logits = torch.empty(size, fwd.m.cfg.vocab_size, device=dev, dtype=torch.float32)
         self.host = torch.empty(size * (4 + width), dtype=torch.int32, pin_memory=True)
+        self.host_free = torch.cuda.Event()  # the last copy out of self.host has ended
+        self.host_free.record()
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):  # warm up (Triton compiles, cuBLAS picks) off the capture
@@ -187,6 +217,7 @@ class _DecodeGraph:
 
     def run(self, plan: StepPlan) -> torch.Tensor:
         B, S, W = plan.num_seqs, self.size, plan.block_table.shape[1]
+        self.host_free.synchronize()
         h = self.host.numpy()
         # one pinned buffer: ids, positions, slots, seq_lens (padded to S), then the table rows
         h[:4 * S].fill(0)
@@ -199,6 +230,7 @@ class _DecodeGraph:
         tab[:B] = plan.block_table
         tab[B:] = 0
         dev = self.host[:4 * S + S * W].to(self.fwd.device, non_blocking=True)
+        self.host_free.record()
         mt = self.meta
         mt.ids.copy_(dev[0:S])
         mt.positions.copy_(dev[S:2 * S])
@@ -206,4 +238,4 @@ class _DecodeGraph:
         mt.seq_lens.copy_(dev[3 * S:4 * S])
         mt.block_table[:, :W].copy_(dev[4 * S:].view(S, W))
         self.graph.replay()
-        return self.logits[:B]
+        return self.logits[:B].clone()  # the next replay overwrites the static buffer

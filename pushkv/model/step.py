@@ -113,9 +113,11 @@ class StepTensors:
         sizes = [p.shape[0] for p in parts]
         total = sum(sizes)
         if device.type == "cuda":
-            host = (staging or Staging()).take(total)
+            staging = staging or Staging()
+            host = staging.take(total)
             np.concatenate(parts, out=host.numpy()[:total]) if total else None
             dev = host[:total].to(device, non_blocking=True)
+            staging.copied()
         else:
             dev = torch.from_numpy(np.concatenate(parts) if total else np.zeros(0, np.int32))
         views = list(torch.split(dev, sizes))
@@ -124,13 +126,24 @@ class StepTensors:
 
 
 class Staging:
-    """A reusable pinned host buffer. Safe to reuse each step: the previous step's copy
-    has finished by the time its sampled tokens were read."""
+    """A reusable pinned host buffer for one asynchronous copy at a time. Before it is
+    written again it waits for the last copy out of it: free in serving (that copy ended
+    before the step's tokens were read), and what keeps back-to-back steps with no read
+    between them (the batch-invariant mode runs one per sequence) from overwriting
+    indices still in flight."""
 
     def __init__(self):
         self.buf = torch.empty(0, dtype=torch.int32)
+        self.event = None
+
+    def copied(self) -> None:
+        if self.event is None:
+            self.event = torch.cuda.Event()
+        self.event.record()
 
     def take(self, n: int) -> torch.Tensor:
+        if self.event is not None:
+            self.event.synchronize()
         if self.buf.numel() < n:
             self.buf = torch.empty(max(n, 2 * self.buf.numel(), 4096), dtype=torch.int32,
                                    pin_memory=torch.cuda.is_available())

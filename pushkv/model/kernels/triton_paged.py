@@ -171,7 +171,8 @@ def _merge_kernel(Part, PartML, O, q_starts, tile_seq, stride_ot, stride_oh, tot
 def attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
               q_starts: torch.Tensor, q_lens: torch.Tensor, tile_seq: torch.Tensor, tile_q0: torch.Tensor,
               block_q: int, num_splits: int = 1, window: int = 0, out: torch.Tensor | None = None,
-              scratch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+              scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
+              config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Causal attention of q [T, Hq, D] over each sequence's keys in the pool.
 
     Per sequence i: its queries are rows q_starts[i] .. + q_lens[i] of q, at positions
@@ -198,13 +199,18 @@ def attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, s
     else:
         part = part_ml = out  # unused
     warps = 4 if block_m <= 64 else 8
+    stages = 2
+    if q.dtype == torch.float32:
+        block_n = 32
+    if config is not None:  # (block_n, warps, stages), for tuning
+        block_n, warps, stages = config
     _attn_kernel[(n_tiles, kvh, num_splits)](
         q, out, cache, block_table, seq_lens, q_starts, q_lens, tile_seq, tile_q0, part, part_ml,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         blk, plane, grp, head, slot, hg, u,
         T, Hq, LOG2E / (D ** 0.5), window,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", G=G, D=D, BLOCK_D=block_d, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, num_warps=warps, num_stages=2)
+        NUM_SPLITS=num_splits, num_warps=warps, num_stages=stages)
     if num_splits > 1:
         if block_q != 1:
             raise ValueError("split keys only for one-token (decode) tiles")

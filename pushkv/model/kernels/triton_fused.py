@@ -1,0 +1,132 @@
+"""Fused elementwise kernels of the batched forward (Triton).
+
+A decode step of a small batch is bound by kernel count, not bytes: the torch forward
+spends ~50 launches a layer on norms, RoPE and the SwiGLU product. These fuse them to
+one launch each:
+- ``add_rms``: residual add and the next RMSNorm (HF semantics: normalise in float32,
+  round to the model dtype, then scale by the weight);
+- ``qk_norm_rope_store``: from the fused QKV projection, q/k RMSNorm (Qwen3), RoPE
+  (rotate-half) and the K/V store into the paged pool, one program per (token, head);
+- ``silu_mul``: SiLU(gate) * up.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pushkv.model.kernels.triton_paged import _cache_strides
+
+
+@triton.jit
+def _add_rms_kernel(X, Delta, W, Xout, H, n_cols, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    m = c < n_cols
+    x = tl.load(X + row * n_cols + c, mask=m, other=0.0)
+    if HAS_DELTA:
+        x = (x.to(tl.float32) + tl.load(Delta + row * n_cols + c, mask=m, other=0.0).to(tl.float32)).to(x.dtype)
+        tl.store(Xout + row * n_cols + c, x, mask=m)
+    xf = x.to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n_cols + eps)
+    y = (xf * r).to(x.dtype).to(tl.float32) * tl.load(W + c, mask=m, other=0.0).to(tl.float32)
+    tl.store(H + row * n_cols + c, y.to(x.dtype), mask=m)
+
+
+def add_rms(x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, eps: float):
+    """(x + delta, rms_norm(x + delta) * w); x [N, d] contiguous. delta None: just the norm."""
+    N, d = x.shape
+    h = torch.empty_like(x)
+    xo = torch.empty_like(x) if delta is not None else x
+    if N:
+        blk = triton.next_power_of_2(d)
+        _add_rms_kernel[(N,)](x, delta if delta is not None else x, w, xo, h, d, eps,
+                              HAS_DELTA=delta is not None, BLOCK=blk, num_warps=min(16, max(1, blk // 256)))
+    return xo, h
+
+
+@triton.jit
+def _qk_rope_store_kernel(QKV, QN, KN, Cos, Sin, Pos, Slots, Qout, cache,
+                          stride_row, stride_cos, s_blk, s_plane, s_grp, s_head, s_slot, HG, U, eps,
+                          HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    half: tl.constexpr = D // 2
+    i = tl.arange(0, half)
+    base = QKV + t * stride_row + h * D
+    x1 = tl.load(base + i).to(tl.float32)
+    x2 = tl.load(base + half + i).to(tl.float32)
+    is_q = h < HQ
+    if HAS_NORM:
+        r = 1.0 / tl.sqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / D + eps)
+        if is_q:
+            w1 = tl.load(QN + i).to(tl.float32)
+            w2 = tl.load(QN + half + i).to(tl.float32)
+        else:
+            w1 = tl.load(KN + i).to(tl.float32)
+            w2 = tl.load(KN + half + i).to(tl.float32)
+        dt = QKV.dtype.element_ty
+        x1 = (x1 * r).to(dt).to(tl.float32) * w1
+        x2 = (x2 * r).to(dt).to(tl.float32) * w2
+        x1 = x1.to(dt).to(tl.float32)
+        x2 = x2.to(dt).to(tl.float32)
+    pos = tl.load(Pos + t).to(tl.int64)
+    c = tl.load(Cos + pos * stride_cos + i).to(tl.float32)
+    s = tl.load(Sin + pos * stride_cos + i).to(tl.float32)
+    o1 = x1 * c - x2 * s
+    o2 = x2 * c + x1 * s
+    if is_q:
+        qo = Qout + (t * HQ + h) * D
+        tl.store(qo + i, o1.to(Qout.dtype.element_ty))
+        tl.store(qo + half + i, o2.to(Qout.dtype.element_ty))
+    elif h < HQ + HK:
+        slot = tl.load(Slots + t).to(tl.int64)
+        if slot >= 0:
+            kh = h - HQ
+            off = (slot // U) * s_blk + (kh // HG) * s_grp + (kh % HG) * s_head + (slot % U) * s_slot
+            tl.store(cache + off + i, o1.to(cache.dtype.element_ty))
+            tl.store(cache + off + half + i, o2.to(cache.dtype.element_ty))
+            vb = QKV + t * stride_row + (HQ + HK + kh) * D
+            tl.store(cache + s_plane + off + i, tl.load(vb + i))
+            tl.store(cache + s_plane + off + half + i, tl.load(vb + half + i))
+
+
+def qk_norm_rope_store(qkv: torch.Tensor, q_heads: int, kv_heads: int, head_dim: int,
+                       q_norm, k_norm, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                       positions: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """qkv [T, (Hq + 2 Hk) * D] -> q [T, Hq, D] (normed, rotated); K (normed, rotated) and V
+    stored into cache at slots. cos/sin [positions, D] tables."""
+    T = qkv.shape[0]
+    q = torch.empty(T, q_heads, head_dim, device=qkv.device, dtype=qkv.dtype)
+    if T == 0:
+        return q
+    if head_dim & (head_dim - 1):
+        raise ValueError(f"fused RoPE needs a power-of-two head_dim, not {head_dim}")
+    blk, plane, grp, head, slot, hg, u = _cache_strides(cache)
+    has_norm = q_norm is not None
+    _qk_rope_store_kernel[(T, q_heads + kv_heads)](
+        qkv, q_norm if has_norm else qkv, k_norm if has_norm else qkv, cos, sin, positions, slots, q, cache,
+        qkv.stride(0), cos.stride(0), blk, plane, grp, head, slot, hg, u, eps,
+        HQ=q_heads, HK=kv_heads, D=head_dim, HAS_NORM=has_norm, num_warps=1)
+    return q
+
+
+@triton.jit
+def _silu_mul_kernel(GU, Out, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = c < n_cols
+    g = tl.load(GU + row * 2 * n_cols + c, mask=m, other=0.0)
+    u = tl.load(GU + row * 2 * n_cols + n_cols + c, mask=m, other=0.0).to(tl.float32)
+    gf = g.to(tl.float32)
+    a = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
+    tl.store(Out + row * n_cols + c, (a * u).to(g.dtype), mask=m)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    N, two = gate_up.shape
+    n = two // 2
+    out = torch.empty(N, n, device=gate_up.device, dtype=gate_up.dtype)
+    if N:
+        _silu_mul_kernel[(N, triton.cdiv(n, 1024))](gate_up, out, n, BLOCK=1024, num_warps=4)
+    return out
