@@ -41,11 +41,11 @@ class PoolHandle(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """How a worker maps the pool its writer owns."""
 
     kind: str  # "shm" | "cuda_ipc"
-    name: str  # shm path, or "" for cuda
+    name: str  # shm: the segment's path; cuda_ipc: ""
     nbytes: int
     dtype: str
     shape: tuple[int, ...]
-    ipc: bytes = b""  # serialized CUDA IPC handle
+    ipc: bytes = b""  # cuda_ipc: torch's CUDA IPC handle fields of the pool's storage, msgpack-encoded
 
 
 class PrefillSource(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -375,7 +375,9 @@ HandshakeMsg = Union[Hello]
 class Ready(Msg):
     name: str  # e.g. "prefill-writer-0"
     pid: int
-    info: dict[str, str] = {}
+    pool: Optional[PoolHandle] = None  # writer: the pool it owns, which its worker maps
+    agent: str = ""  # writer: its NIXL agent's name
+    url: str = ""  # router: where it serves HTTP
 
 
 class Shutdown(Msg):
@@ -394,6 +396,54 @@ class Pong(Msg):
 
 
 ControlMsg = Union[Ready, Shutdown, Ping, Pong]
+
+
+# ---------------------------------------------------------------------------
+# Channel: control client (``pushkv status``...) <-> supervisor, on the same
+# ROUTER socket as the children's Ready/Pong; and the supervisor's lifecycle
+# events on its PUB socket (two frames: topic ``pushkv.<role>.<kind>.<event>``,
+# then a LifecycleEvent). The commands themselves live in supervisor/commands.py.
+# ---------------------------------------------------------------------------
+class ControlCommand(Msg):
+    command: str  # "status", "stop", ...
+    args: dict[str, str] = {}
+
+
+class ProcessInfo(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    name: str
+    kind: str
+    role: str
+    rank: int
+    pid: int
+    state: str
+    uptime_s: float
+    restarts: int
+    healthy: bool
+    last_pong_age_s: float  # -1: never
+    last_exit: str  # "running", "exit code 3", "killed by SIGKILL"
+
+
+class ControlReply(Msg):
+    command: str
+    status: str  # "ok" | "error"
+    reason: str = ""
+    processes: tuple[ProcessInfo, ...] = ()
+    info: dict[str, str] = {}  # free-form text for people: deployment facts, command help
+
+
+class LifecycleEvent(Msg):
+    name: str  # process name, or "deployment" / "supervisor" / "<role>.instance"
+    event: str  # "spawn", "ready", "exit", "restart", "unhealthy", "stop", ...
+    pid: int = 0
+    detail: str = ""
+    restarts: int = 0
+    t_wall: float = 0.0
+    role: str = ""  # "prefill" | "decode" | "local" for an instance's processes; "" otherwise
+    kind: str = ""  # "scheduler" | "worker" | "writer" | "router" | "instance"; "" for deployment events
+    rank: int = 0
+
+
+SupervisorInbound = Union[Ready, Pong, ControlCommand]
 
 
 # ---------------------------------------------------------------------------
@@ -433,4 +483,7 @@ DEC_WRITER_TO_SCHED = decoder(WriterToScheduler)
 DEC_PEER = decoder(PeerNotif)
 DEC_HANDSHAKE = decoder(HandshakeMsg)
 DEC_CONTROL = decoder(ControlMsg)
+DEC_SUPERVISOR_IN = decoder(SupervisorInbound)
+DEC_REPLY = decoder(ControlReply)
+DEC_EVENT = decoder(LifecycleEvent)
 DEC_TRACE = decoder(TraceEvent)

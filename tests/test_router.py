@@ -389,11 +389,11 @@ def test_router_process_control(tmp_path, how):
         ident, payload = control.recv_multipart()
         ready = m.DEC_CONTROL.decode(payload)
         assert isinstance(ready, m.Ready) and ready.name == "router" and ready.pid == proc.pid
-        assert ready.info["url"] == f"http://127.0.0.1:{port}"
+        assert ready.url == f"http://127.0.0.1:{port}"
 
         async def health():
             async with aiohttp.ClientSession() as s:
-                return (await s.get(f"{ready.info['url']}/health")).status
+                return (await s.get(f"{ready.url}/health")).status
         assert run(health()) == 200
 
         control.send_multipart([ident, m.encode(m.Ping())])

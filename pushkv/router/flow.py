@@ -35,7 +35,11 @@ from pushkv.trace import TracePublisher
 
 log = logging.getLogger(__name__)
 
-GENERATION = 0  # the router never reissues a request
+# Every leg this router sends is generation 0: nothing reissues a request today
+# (no preemption, no retry). Schedulers and writers still match the two halves by
+# (transfer id, generation) and let a higher generation supersede a lower one, so a
+# retry would send generation + 1 and never pair with a stale half.
+GENERATION = 0
 PREFILL_REPORT_GRACE_S = 1.0  # push: D done, wait this long for P's timeline
 
 

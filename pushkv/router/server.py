@@ -111,8 +111,6 @@ class Router:
     async def _lifecycle_loop(self) -> None:
         """Fail at once the requests with a leg on an instance whose process died
         (the supervisor restarts the whole instance), instead of at their timeout."""
-        from pushkv.supervisor.commands import DEC_EVENT
-
         sub = self.ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, b"pushkv.")
@@ -121,10 +119,10 @@ class Router:
             while True:
                 frames = await sub.recv_multipart()
                 try:
-                    ev = DEC_EVENT.decode(frames[-1])
+                    ev = m.DEC_EVENT.decode(frames[-1])
                 except (msgspec.DecodeError, msgspec.ValidationError):
                     continue
-                role = ev.name.split("-", 1)[0]
+                role = ev.role
                 if ev.event != "exit" or role not in self.links:
                     continue
                 hit = [run for run in self.runs.values() if role in run.sent and role not in run.ended]
@@ -139,7 +137,7 @@ class Router:
         self._control = self.ctx.socket(zmq.DEALER)
         self._control.setsockopt(zmq.LINGER, 0)
         self._control.connect(self.cfg.control_endpoint)
-        ready = m.Ready(name="router", pid=os.getpid(), info={"url": self.url, "mode": self.cfg.mode})
+        ready = m.Ready(name="router", pid=os.getpid(), url=self.url)
         await self._control.send(m.encode(ready))
         self._control_task = asyncio.get_running_loop().create_task(self._control_loop())
 
