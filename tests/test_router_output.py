@@ -193,3 +193,10 @@ def test_completion_sampling_fields():
     assert api.parse_completion({"prompt": "hi"}, tok, LIMITS).sampling == SamplingParams()  # greedy: sent as None
     echo = api.parse_completion({"prompt": [104, 105], "echo": True}, tok, LIMITS)
     assert echo.echo and echo.prompt_text == "hi"
+
+
+def test_stop_strings_wait_for_min_tokens():
+    tok = text.ByteTokenizer()
+    out = output.ChoiceOutput(0, tok, ("a",), min_tokens=3)
+    got = "".join(out.add([i]).text for i in b"aaba")
+    assert got == "aab" and out.finish_reason == "stop"  # the first two "a"s came before min_tokens

@@ -75,7 +75,8 @@ class Generation:
         self.request_id = output.completion_id(runs[0].transfer_id.split("-")[0], self.chat)
         self.model = params.model or router.cfg.model.name
         self.created = output.now_s()
-        self.outs = [output.ChoiceOutput(i, self.tok, params.stop) for i in range(params.n)]
+        self.outs = [output.ChoiceOutput(i, self.tok, params.stop, params.sampling.min_tokens)
+                     for i in range(params.n)]
         self.want_logprobs = params.sampling.logprobs >= 0
         self.offsets = [len(params.prompt_text) if params.echo else 0] * params.n
 

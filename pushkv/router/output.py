@@ -54,9 +54,14 @@ class StopStrings:
         self.stops = tuple(stops)
         self.pending = ""
 
-    def feed(self, new: str, final: bool) -> tuple[str, bool]:
-        """(text safe to release, whether a stop string matched: nothing after it is released)."""
+    def feed(self, new: str, final: bool, armed: bool = True) -> tuple[str, bool]:
+        """(text safe to release, whether a stop string matched: nothing after it is released).
+
+        Not ``armed`` (before ``min_tokens``): everything is released unchecked."""
         buf = self.pending + new
+        if not armed:
+            self.pending = ""
+            return buf, False
         hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
         if hits:
             self.pending = ""
@@ -87,6 +92,7 @@ class ChoiceOutput:
     index: int
     tok: text.Tokenizer
     stops: tuple[str, ...] = ()
+    min_tokens: int = 0  # stop strings are not looked for before this many tokens
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -103,7 +109,8 @@ class ChoiceOutput:
     def add(self, ids: Sequence[int], lps: Sequence[TokenLogprob] = ()) -> Delta:
         if self.done:
             return Delta("", [], [])
-        out, hit = self._stops.feed(self._detok.push(ids), final=False)
+        armed = len(self.token_ids) + len(ids) >= self.min_tokens
+        out, hit = self._stops.feed(self._detok.push(ids), final=False, armed=armed)
         return self._delta(out, ids, lps, "stop" if hit else None)
 
     def finish(self, reason: str) -> Delta:
