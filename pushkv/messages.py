@@ -353,7 +353,7 @@ PeerNotif = Union[Register, WriteDone, WriteFailed, ReadDone, CancelTransfer]
 
 
 # ---------------------------------------------------------------------------
-# Channel: writer handshake (ZMQ REQ/REP, once per peer pair)
+# Channel: writer handshake (ZMQ DEALER/ROUTER, once per peer pair; the link then carries wake hints)
 # ---------------------------------------------------------------------------
 class Hello(Msg):
     engine_id: str
@@ -366,7 +366,18 @@ class Hello(Msg):
     device_id: int = 0  # GPU index of the pool (NIXL descriptors name it); 0 on CPU
 
 
-HandshakeMsg = Union[Hello]
+class TransferStarting(Msg):
+    """Writer to a peer writer over the handshake link, just before posting a transfer with it:
+    drive NIXL progress until it ends (a WRITE with a notification completes only as the
+    target progresses, and NIXL notifications have no file descriptor to wake on)."""
+
+    transfer_id: str
+    generation: int
+    rank: int
+    nbytes: int = 0
+
+
+HandshakeMsg = Union[Hello, TransferStarting]
 
 
 # ---------------------------------------------------------------------------
