@@ -7,7 +7,7 @@ What differs by role lives in one subclass each (``PrefillScheduler``,
 
 - ``_check_leg(msg)``: role-specific validation of a new request;
 - ``_admitted(r)``: blocks are reserved; what happens next (prefill, or wait for KV);
-- ``_prefilled(r, tok)``: the prefill step ended with first token ``tok``;
+- ``_prefilled(r, tok, lp)``: the prefill step ended with first token ``tok`` (and its logprob, if asked);
 - ``_kv_done(r, answers)``: every writer rank answered the request's transfer with success.
 
 ``scheduler_for(cfg, inst)`` in ``pushkv.scheduler`` picks the class.
@@ -71,7 +71,7 @@ class SchedulerCore(Actor):
     def _admitted(self, r: Request) -> None:
         raise NotImplementedError
 
-    def _prefilled(self, r: Request, tok: int) -> None:
+    def _prefilled(self, r: Request, tok: int, lp: Optional[m.TokenLogprob] = None) -> None:
         raise NotImplementedError
 
     def _kv_done(self, r: Request, answers: dict[int, WriterAnswer]) -> None:
@@ -205,7 +205,8 @@ class SchedulerCore(Actor):
             self.send(self.front, m.RequestFailed(msg.transfer_id, msg.generation, err[0], err[1]), identity)
             return
         r = Request(msg.transfer_id, msg.generation, msg.leg, msg.prompt_token_ids, msg.max_tokens, identity,
-                    frozenset(msg.stop_token_ids), msg.source, msg.pull, seq_id=self.next_seq)
+                    frozenset(msg.stop_token_ids), msg.source, msg.pull, seq_id=self.next_seq,
+                    sampling=msg.sampling)
         self.next_seq += 1
         need = r.blocks_needed(self.inst.block_size)
         if need > self.alloc.num_blocks:
@@ -328,35 +329,37 @@ class SchedulerCore(Actor):
                 self._fail(r, f"forward step failed: {failed[0].reason}")
         else:
             sampled = self.step_answers[0].sampled
-            for (r, w), tok in zip(batch, sampled):
+            logprobs = self.step_answers[0].logprobs or (None,) * len(sampled)
+            for (r, w), tok, lp in zip(batch, sampled, logprobs):
                 r.in_step = False
-                self._after_step(r, w, tok)
+                self._after_step(r, w, tok, lp)
         self.schedule()
 
-    def _after_step(self, r: Request, w: m.SeqWork, tok: int) -> None:
+    def _after_step(self, r: Request, w: m.SeqWork, tok: int, lp: Optional[m.TokenLogprob] = None) -> None:
         if r.aborted:
             self._release(r)
             return
         if w.start_pos == 0:
             self._stamp(r, "prefill_end")
-            self._prefilled(r, tok)
+            self._prefilled(r, tok, lp)
         else:
-            self._emit(r, tok)
+            self._emit(r, tok, lp)
 
-    def _emit(self, r: Request, tok: int) -> None:
+    def _emit(self, r: Request, tok: int, lp: Optional[m.TokenLogprob] = None) -> None:
         r.output.append(tok)
         if len(r.output) == 1:
             self._stamp(r, "first_token")
         reason = r.finished()
+        lps = (lp,) if lp is not None else ()
         if reason:
             self._stamp(r, "finished")
             self.counters["requests_completed"] += 1
             self._reply(r, m.TokensGenerated(r.transfer_id, r.generation, (tok,), True, reason, len(r.prompt),
-                                             self._timeline(r), self._kv_stats(r)))
+                                             self._timeline(r), self._kv_stats(r), lps))
             self._release(r)
         else:
             r.state = State.RUNNING
-            self._reply(r, m.TokensGenerated(r.transfer_id, r.generation, (tok,)))
+            self._reply(r, m.TokensGenerated(r.transfer_id, r.generation, (tok,), logprobs=lps))
             if len(r.output) == 3:
                 faults.point(self.name, "decoding")
 

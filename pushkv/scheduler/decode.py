@@ -54,7 +54,7 @@ class DecodeScheduler(SchedulerCore):
             if self.cfg.pull_read == "inline":
                 self.blocked_on = r.key  # the engine step blocks on the READ, like the default connector
 
-    def _prefilled(self, r: Request, tok: int) -> None:
+    def _prefilled(self, r: Request, tok: int, lp: Optional[m.TokenLogprob] = None) -> None:
         raise AssertionError(f"decode instance ran a prefill step transfer_id={r.transfer_id}")
 
     def _kv_done(self, r: Request, answers: dict[int, WriterAnswer]) -> None:

@@ -8,6 +8,7 @@ Pull: ``HoldKV`` (the writers keep the blocks under a lease) and the router hear
 from __future__ import annotations
 
 import time
+from typing import Optional
 
 from pushkv import faults
 from pushkv import messages as m
@@ -21,10 +22,12 @@ class PrefillScheduler(SchedulerCore):
     def _admitted(self, r: Request) -> None:
         r.state = State.PREFILL
 
-    def _prefilled(self, r: Request, tok: int) -> None:
+    def _prefilled(self, r: Request, tok: int, lp: Optional[m.TokenLogprob] = None) -> None:
         faults.point(self.name, "prefill_done")
         r.state = State.SENDING
         r.output = [tok]
+        if lp is not None:  # the first token's logprob is P's to give: D never sees these logits
+            self._reply(r, m.TokensGenerated(r.transfer_id, r.generation, (tok,), logprobs=(lp,)))
         if self.cfg.mode == "pull":
             lease = self.cfg.timeouts.lease_s
             self._to_writers(m.HoldKV(r.transfer_id, r.generation, tuple(r.blocks), len(r.prompt), tok, lease))

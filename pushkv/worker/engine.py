@@ -79,7 +79,7 @@ class Worker(Actor):
         t0 = time.perf_counter()
         faults.point(self.name, "execute")
         try:
-            sampled = self.model.execute(self._physical(msg.seqs), self.layer_pools)
+            out = self.model.execute_sampled(self._physical(msg.seqs), self.layer_pools)
         except Exception as e:
             log.exception("%s: step %d failed", self.name, msg.step_id)
             self.send(self.sched, m.StepFailed(msg.step_id, f"{type(e).__name__}: {e}"))
@@ -87,7 +87,7 @@ class Worker(Actor):
         # Reading the sampled tokens (tolist) waits for the whole step on the worker's
         # stream, so by StepDone every K/V of the step is in the pool and a WRITE posted
         # on it never reads unfinished blocks.
-        self.send(self.sched, m.StepDone(msg.step_id, tuple(sampled), time.perf_counter() - t0))
+        self.send(self.sched, m.StepDone(msg.step_id, tuple(out.tokens), time.perf_counter() - t0, out.logprobs))
 
     def _physical(self, seqs):
         """Block tables name logical blocks; the pool is cut into sub-blocks (layout.py)."""
