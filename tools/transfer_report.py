@@ -1,5 +1,6 @@
 """pushkv-transfer-report: what one request's KV transfer costs, measured on a
-real deployment. For each prompt length: KV bytes moved, descriptors per
+real deployment (or, with --writers-only, between two writer processes alone:
+tools/transfer_writers.py). For each prompt length: KV bytes moved, descriptors per
 transfer (against blocks), WRITE time and GB/s next to a plain torch copy of
 the same number of bytes in this run, and the share of TTFT spent between
 P's prefill end and D's KV received."""
@@ -73,7 +74,30 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="results/transfer_report.json")
     ap.add_argument("--device", default="cpu", help="cpu | cuda: pools and models on this device")
     ap.add_argument("--decode-device", default=None, help="D on another GPU (e.g. cuda:1)")
+    ap.add_argument("--writers-only", action="store_true",
+                    help="time the transfer alone between a P and a D writer process (no model, no "
+                         "scheduler): sizes from --sizes-mib plus one block, and the fixed cost")
+    ap.add_argument("--sizes-mib", type=float, nargs="+", default=[4, 16, 64, 256])
+    ap.add_argument("--post-cost", action="store_true",
+                    help="with --writers-only: also time the post path alone, ad-hoc descriptors against "
+                         "prepared lists, interleaved (CPU time and wall time per transfer)")
     args = ap.parse_args(argv)
+    if args.writers_only:
+        from tools.transfer_writers import report
+
+        model = args.model if args.model != "small" else "medium"
+        res = report(model, args.block_size, args.sizes_mib, args.reps, args.device, args.decode_device)
+        if args.post_cost:
+            from tools.transfer_writers import post_cost
+
+            counts = [1] + [r["blocks"] for r in res["rows"] if r["blocks"] > 1]
+            res["post_cost"] = post_cost(model, args.block_size, counts, max(args.reps, 11), args.device,
+                                         args.decode_device)
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"model": model, "block_size": args.block_size, "writers_only": True, **res}, f, indent=1)
+        print(f"(written to {args.out})")
+        return 0
     blocks = max(args.lengths) // args.block_size + 64
     rng = random.Random(0)
     rows = []
@@ -100,6 +124,12 @@ def main(argv=None) -> int:
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"model": args.model, "block_size": args.block_size, "rows": rows}, f, indent=1)
+    if len(rows) > 1:
+        from tools.transfer_writers import fit_line
+
+        a, b = fit_line([r["kv_bytes"] for r in rows], [r["write_ms"] / 1e3 for r in rows])
+        print(f"fixed cost (intercept of WRITE time vs bytes over these lengths): {a * 1e6:.0f} us; "
+              f"slope {1 / b / 1e9 if b > 0 else float('nan'):.2f} GB/s")
     print(f"\n(medians of {args.reps}; written to {args.out})")
     return 0
 

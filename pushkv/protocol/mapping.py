@@ -5,7 +5,7 @@ Each side maps to its own physical layout (``pushkv.kv.layout``: regions per
 head groups and TP head slices may all differ. Results are ``(src_offset,
 dst_offset, nbytes)`` relative to each pool's base, sorted by source offset, and
 merged: regions contiguous on both sides become one. Per-descriptor cost
-dominates a WRITE (see DESIGN.md), so the atoms are as large as the two layouts
+dominates a WRITE (docs/design.md), so the atoms are as large as the two layouts
 allow:
 
 - same sub-block size, and the moved heads are whole head groups of the same

@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 from typing import Optional, Sequence
 
+import numpy as np
+
 log = logging.getLogger(__name__)
 
 
@@ -28,12 +30,19 @@ class NixlAgent:
         self._agent = nixl_agent(name, cfg)
         self._reg = None
         self.remotes: set[str] = set()
+        self._local_dlist = None  # prepared list of our own pool (one per agent)
+        self._remote_dlists: dict[str, object] = {}  # remote agent -> its pool's prepared list
 
     # -- memory -------------------------------------------------------------
     def register(self, base_addr: int, nbytes: int) -> None:
         self._reg = self._agent.register_memory([(base_addr, nbytes, self.dev_id, "")], self.mem_type)
 
     def deregister(self) -> None:
+        for name in list(self._remote_dlists):
+            self.forget_remote_dlist(name)
+        if self._local_dlist is not None:
+            self._release_dlist(self._local_dlist)
+            self._local_dlist = None
         if self._reg is not None:
             self._agent.deregister_memory(self._reg)
             self._reg = None
@@ -49,6 +58,7 @@ class NixlAgent:
         return name
 
     def remove_remote(self, name: str) -> None:
+        self.forget_remote_dlist(name)
         if name in self.remotes:
             self.remotes.discard(name)
             try:
@@ -73,6 +83,44 @@ class NixlAgent:
         ldesc = self._agent.get_xfer_descs(local, self.mem_type)
         rdesc = self._agent.get_xfer_descs(rem, self.mem_type)
         handle = self._agent.initialize_xfer(op, ldesc, rdesc, remote, notif)
+        state = self._agent.transfer(handle)
+        if state == "ERR":
+            self._agent.release_xfer_handle(handle)
+            raise TransferError(f"{op} to {remote} failed to post")
+        return handle
+
+    # -- prepared descriptor lists: build once, post by index -----------------------
+    def prepare_local(self, rows: np.ndarray) -> None:
+        """Our pool's descriptors, as Nx5 strided rows (address, len, device, stride, count)."""
+        if self._local_dlist is not None:
+            self._release_dlist(self._local_dlist)
+        self._local_dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows, self.mem_type)
+
+    def prepare_remote(self, remote: str, rows: np.ndarray) -> None:
+        """A peer's pool descriptors (its metadata must be loaded: ``add_remote``)."""
+        self.forget_remote_dlist(remote)
+        self._remote_dlists[remote] = self._agent.prep_xfer_dlist(remote, rows, self.mem_type)
+
+    def has_prepared(self, remote: str) -> bool:
+        return self._local_dlist is not None and remote in self._remote_dlists
+
+    def forget_remote_dlist(self, remote: str) -> None:
+        h = self._remote_dlists.pop(remote, None)
+        if h is not None:
+            self._release_dlist(h)
+
+    def _release_dlist(self, handle) -> None:
+        try:
+            self._agent.release_dlist_handle(handle)
+        except Exception:
+            log.debug("release_dlist_handle failed", exc_info=True)
+
+    def post_prepped(self, op: str, local_idx: np.ndarray, remote: str, remote_idx: np.ndarray,
+                     notif: bytes = b""):
+        """Post a WRITE or READ of prepared descriptors by index (pairwise equal sizes);
+        NIXL joins runs contiguous on both sides into one descriptor."""
+        handle = self._agent.make_prepped_xfer(op, self._local_dlist, local_idx,
+                                               self._remote_dlists[remote], remote_idx, notif)
         state = self._agent.transfer(handle)
         if state == "ERR":
             self._agent.release_xfer_handle(handle)

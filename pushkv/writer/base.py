@@ -1,9 +1,18 @@
 """Writer process base: owns the KV pool and the NIXL agent.
 
 Both sides share: pool allocation and registration, the scheduler channel, the
-peer handshake (ZMQ REQ/REP, once per peer rank, exchanging NIXL metadata,
-pool base address and layout), NIXL notification polling, and tracking of
-posted transfers. Side-specific protocol lives in prefill.py / decode.py.
+peer handshake (ZMQ DEALER -> ROUTER, once per peer rank, exchanging NIXL
+metadata, pool base address and layout; driven by the loop, never blocking it),
+NIXL notification polling, posting by index into prepared descriptor lists, and
+tracking of posted transfers. Side-specific protocol lives in prefill.py / decode.py.
+
+The loop drives UCX itself (no progress thread). How often it looks:
+
+- a transfer of ours or one a peer announced (``TransferStarting``) is young: every
+  pass (poll timeout 0), for ``spin_s(nbytes)``: as long as that many bytes should take;
+- past that (a stuck transfer): backing off from 1 to ``STUCK_POLL_MAX_MS``;
+- something pending (a deadline, a registration we wait on): every ``PENDING_POLL_MS``;
+- idle: every ``WRITER_IDLE_POLL_MS``. ZMQ messages wake the loop at once in every case.
 """
 from __future__ import annotations
 
@@ -11,7 +20,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import msgspec
 import zmq
@@ -21,13 +30,23 @@ from pushkv.actor import Actor
 from pushkv.config import DeploymentConfig, InstanceConfig, rank_device
 from pushkv.kv import layout as L
 from pushkv.kv.pool import Pool, create_pool, shm_name
+from pushkv.transport.grid import DescGrid, grid_of, indices
 from pushkv.transport.nixl_agent import NixlAgent, TransferError
 
 log = logging.getLogger(__name__)
 
 # something is waiting on a notification (or a peer's one-sided READ may need our progress)
 PENDING_POLL_MS = int(os.environ.get("PUSHKV_PENDING_POLL_MS", "1"))
-HANDSHAKE_TIMEOUT_MS = 5000
+HANDSHAKE_TIMEOUT_S = 5.0
+# a transfer is "young" (spin on progress) for SPIN_MIN_S plus its bytes at SPIN_FLOOR_BPS
+SPIN_MIN_S = 0.02
+SPIN_FLOOR_BPS = 0.5e9
+STUCK_POLL_MAX_MS = 20
+SPIN_YIELD = os.environ.get("PUSHKV_SPIN_YIELD", "1") != "0"
+# 0: build descriptors per transfer (initialize_xfer) instead of indexing prepared lists; for A/B runs
+USE_PREPARED = os.environ.get("PUSHKV_NIXL_PREPARED", "1") != "0"
+# 0: send no TransferStarting hints (the peer then sees a transfer at its pending poll rate); for A/B runs
+WAKE_HINTS = os.environ.get("PUSHKV_WAKE_HINTS", "1") != "0"
 # idle: NIXL notifications have no fd to wait on, so look every 10 ms (a few µs of CPU each:
 # ~0.1 % of a core) rather than spin; a SendKV/HoldKV from the scheduler wakes us at once anyway
 WRITER_IDLE_POLL_MS = 10
@@ -42,6 +61,36 @@ class Peer:
     pool_base: int
     layout: m.KVLayoutDesc
     dev_id: int = 0
+    grid: Optional[DescGrid] = None  # its pool's descriptor grid, prepared in NIXL (None: ad-hoc only)
+    identity: Optional[bytes] = None  # its DEALER's identity at our handshake ROUTER (it initiated)
+
+
+@dataclass
+class PeerLink:
+    """A handshake we initiated: a DEALER to the peer's handshake ROUTER, kept open once
+    answered as the channel for wake hints to that peer."""
+
+    engine_id: str
+    rank: int
+    endpoint: str
+    channel: object  # pushkv.actor.Channel
+    deadline: float
+    connected: bool = False
+
+
+@dataclass
+class PeerWait:
+    """Something (a request) waiting for handshakes with ``keys`` ((engine_id, rank))."""
+
+    key: object
+    keys: tuple
+    then: Callable[[list], None]
+    failed: Callable[[str], None]
+
+
+def spin_s(nbytes: int) -> float:
+    """How long a transfer of ``nbytes`` may take before we stop spinning on its progress."""
+    return SPIN_MIN_S + nbytes / SPIN_FLOOR_BPS
 
 
 @dataclass
@@ -52,7 +101,7 @@ class InFlight:
     generation: int
     handles: list = field(default_factory=list)
     posted: float = 0.0
-    nbytes: int = 0
+    nbytes: int = 0  # (spin_s of it: how long we drive progress at full rate)
     num_descs: int = 0
     failed: str = ""
 
@@ -66,9 +115,15 @@ class WriterBase(Actor):
         self.layout = L.instance_layout(cfg, inst, rank)  # cut to match the peer instance
         self.pool: Optional[Pool] = None
         self.nixl: Optional[NixlAgent] = None
+        self.grid: Optional[DescGrid] = None  # our pool's descriptor grid, prepared in NIXL
         self.peers: dict[tuple[str, int], Peer] = {}  # (engine_id, rank) -> peer
         self.peers_by_agent: dict[str, Peer] = {}
         self.inflight: dict[tuple[str, int], InFlight] = {}
+        self.links: dict[tuple[str, int], PeerLink] = {}  # handshakes we initiated
+        self.waits: dict[object, PeerWait] = {}  # requests waiting for handshakes
+        self._link_failed: dict[tuple[str, int], str] = {}  # failures not yet told to waits
+        self._expected: dict[tuple[str, int], float] = {}  # transfers peers announced -> spin until
+        self.handshake = None  # our ROUTER for handshakes peers initiate
         self._last_activity = 0.0
 
     @property
@@ -82,24 +137,31 @@ class WriterBase(Actor):
         self.pool = create_pool(name, self.layout, self.cfg.model.dtype, device)
         self.nixl = NixlAgent(self.agent_name, device=device)
         self.nixl.register(self.pool.base_addr, self.pool.nbytes)
+        try:
+            grid = grid_of(self.layout) if USE_PREPARED else None
+            if grid is not None:
+                self.nixl.prepare_local(grid.strided(self.pool.base_addr, self.nixl.dev_id))
+                self.grid = grid
+        except Exception as e:  # every transfer then builds its own descriptors
+            log.warning("%s: cannot prepare the pool's descriptors (ad-hoc posts instead): %s", self.name, e)
         sched = self.socket(zmq.DEALER, self.inst.writer_endpoints[self.rank], bind=True)
         self.sched = self.add_channel(sched, m.DEC_SCHED_TO_WRITER, f"{self.inst.role}-scheduler")
         if self.inst.handshake_endpoints:
             hs = self.socket(zmq.ROUTER, self.inst.handshake_endpoints[self.rank], bind=True)
             self.handshake = self.add_channel(hs, m.DEC_HANDSHAKE, "peer-handshake", routed=True)
         if self.cfg.events_endpoint:
-            from pushkv.supervisor.commands import DEC_EVENT
-
             sub = self.socket(zmq.SUB, self.cfg.events_endpoint, bind=False)
             sub.setsockopt(zmq.SUBSCRIBE, b"pushkv.")
-            self.add_channel(sub, DEC_EVENT, "supervisor-events")
+            self.add_channel(sub, m.DEC_EVENT, "supervisor-events")
         log.info("%s: pool %d blocks x %d B = %.1f MiB at %s", self.name, self.layout.num_blocks,
-                 L.block_bytes(self.layout), self.pool.nbytes / 2**20, self.pool.handle.name)
+                 L.block_bytes(self.layout), self.pool.nbytes / 2**20, self.pool.handle.name or self.pool.handle.kind)
 
-    def ready_info(self) -> dict[str, str]:
-        return {"pool": self.pool.handle.name if self.pool else "", "agent": self.agent_name}
+    def ready_msg(self) -> m.Ready:
+        return m.Ready(self.name, os.getpid(), pool=self.pool.handle if self.pool else None, agent=self.agent_name)
 
     def teardown(self) -> None:
+        for key in list(self.links):
+            self._close_link(key)
         for fl in self.inflight.values():
             for h in fl.handles:
                 self.nixl.release(h)
@@ -126,45 +188,139 @@ class WriterBase(Actor):
             self.forget_peer(old)
         agent = self.nixl.add_remote(h.agent_metadata)
         peer = Peer(h.engine_id, h.rank, h.tp, agent, h.pool_base, h.layout, h.device_id)
+        try:  # once per peer: every later transfer names these descriptors by index
+            grid = grid_of(h.layout) if self.grid is not None else None
+            if grid is not None:
+                self.nixl.prepare_remote(agent, grid.strided(h.pool_base, h.device_id))
+                peer.grid = grid
+        except Exception as e:
+            self.counters["prepare_remote_failed"] += 1
+            log.warning("%s: cannot prepare %s's descriptors (ad-hoc posts instead): %s", self.name, agent, e)
         self.peers[(h.engine_id, h.rank)] = peer
         self.peers_by_agent[agent] = peer
         log.info("%s: connected to %s rank %d (agent %s)", self.name, h.engine_id, h.rank, agent)
         return peer
 
-    def on_Hello(self, msg: m.Hello, identity: bytes) -> None:
-        """A peer initiated the handshake: load its metadata, answer with ours."""
+    def on_Hello(self, msg: m.Hello, identity: Optional[bytes] = None) -> None:
+        if identity is None:  # the answer on a link we opened
+            self._link_answered(msg)
+            return
+        # a peer initiated the handshake: load its metadata, answer with ours
         try:
-            self._add_peer(msg)
+            peer = self._add_peer(msg)
+            peer.identity = identity  # our way back to it over the ROUTER (wake hints)
         except ValueError as e:
             log.error("%s: refusing peer %s rank %d: %s", self.name, msg.engine_id, msg.rank, e)
             self.counters["peer_incompatible"] += 1
         self.send(self.handshake, self.hello(), identity)
 
-    def connect_peer(self, engine_id: str, rank: int, endpoint: str) -> Peer:
-        """Initiate the handshake (blocking, bounded). Raises on timeout/incompatibility."""
+    # -- links we initiate: non-blocking, one per peer rank, resolved by the loop ----------
+    def start_link(self, engine_id: str, rank: int, endpoint: str, now: float) -> None:
+        """Send our Hello to a peer's handshake endpoint unless connected or under way; the
+        answer arrives on the loop (``on_Hello``), a silent peer fails at its deadline."""
         key = (engine_id, rank)
-        if key in self.peers:
-            return self.peers[key]
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVTIMEO, HANDSHAKE_TIMEOUT_MS)
+        if key in self.peers or key in self.links:
+            return
+        sock = self.socket(zmq.DEALER, endpoint, bind=False)
+        ch = self.add_channel(sock, m.DEC_HANDSHAKE, f"handshake-{engine_id}-{rank}")
+        self.links[key] = PeerLink(engine_id, rank, endpoint, ch, now + HANDSHAKE_TIMEOUT_S)
+        self.send(ch, self.hello())
+        self.counters["handshakes_started"] += 1
+
+    def with_peers(self, wait_key, engine_id: str, ranks, endpoints, then: Callable[[list[Peer]], None],
+                   failed: Callable[[str], None], now: float) -> None:
+        """Run ``then(peers)`` once every rank's handshake is done (now, if it is), or
+        ``failed(reason)`` when one fails. Never blocks: other transfers go on meanwhile."""
+        keys = tuple((engine_id, r) for r in ranks)
+        for r in ranks:
+            self.start_link(engine_id, r, endpoints[r], now)
+        wait = PeerWait(wait_key, keys, then, failed)
+        if not self._resolve(wait):
+            self.waits[wait_key] = wait
+
+    def drop_wait(self, wait_key) -> bool:
+        return self.waits.pop(wait_key, None) is not None
+
+    def _resolve(self, wait: PeerWait) -> bool:
+        """Run the wait's outcome if it has one; True when it ran."""
+        bad = next((self._link_failed[k] for k in wait.keys if k in self._link_failed), None)
+        lost = [k for k in wait.keys if k not in self.peers and k not in self.links]
+        if bad is None and lost:  # connected, then forgotten (its instance died) before the rest answered
+            bad = f"lost {lost[0][0]} rank {lost[0][1]} during the handshake"
+        if bad is not None:
+            wait.failed(bad)
+            return True
+        if all(k in self.peers for k in wait.keys):
+            wait.then([self.peers[k] for k in wait.keys])
+            return True
+        return False
+
+    def _resolve_waits(self) -> None:
+        for wk, wait in list(self.waits.items()):
+            if self.waits.get(wk) is wait and self._resolve(wait):
+                self.waits.pop(wk, None)
+        self._link_failed.clear()  # the next request tries the handshake again
+
+    def _link_answered(self, msg: m.Hello) -> None:
+        link = next((l for l in self.links.values() if l.channel is self.current), None)
+        if link is None or link.connected:
+            self.counters["unexpected_hello"] += 1
+            return
         try:
-            sock.connect(endpoint)
-            sock.send(m.encode(self.hello()))
-            try:
-                reply = m.DEC_HANDSHAKE.decode(sock.recv())
-            except zmq.Again:
-                raise TransferError(f"handshake with {engine_id} rank {rank} at {endpoint} timed out")
-            if reply.engine_id != engine_id or reply.rank != rank:
-                raise TransferError(f"handshake at {endpoint} answered by {reply.engine_id} rank {reply.rank}")
-            return self._add_peer(reply)
-        finally:
-            sock.close(0)
+            if msg.engine_id != link.engine_id or msg.rank != link.rank:
+                raise ValueError(f"handshake at {link.endpoint} answered by {msg.engine_id} rank {msg.rank}")
+            self._add_peer(msg)
+            link.connected = True
+        except ValueError as e:
+            self.counters["peer_incompatible"] += 1
+            self._fail_link(link, str(e))
+        self._resolve_waits()
+
+    def _fail_link(self, link: PeerLink, reason: str) -> None:
+        log.error("%s: handshake with %s rank %d failed: %s", self.name, link.engine_id, link.rank, reason)
+        self._link_failed[(link.engine_id, link.rank)] = reason
+        self._close_link((link.engine_id, link.rank))
+
+    def _close_link(self, key) -> None:
+        link = self.links.pop(key, None)
+        if link is not None:
+            self.channels.pop(link.channel.sock, None)
+            self.poller.unregister(link.channel.sock)
+            link.channel.sock.close(0)
+
+    def _expire_links(self, now: float) -> None:
+        late = [l for l in self.links.values() if not l.connected and l.deadline <= now]
+        for link in late:
+            self.counters["handshake_timeout"] += 1
+            self._fail_link(link, f"handshake with {link.engine_id} rank {link.rank} at {link.endpoint} "
+                                  f"timed out after {HANDSHAKE_TIMEOUT_S:.0f}s")
+        if late:
+            self._resolve_waits()
+
+    # -- wake hints over the handshake link ---------------------------------------------
+    def wake_peer(self, peer: Peer, transfer_id: str, generation: int, nbytes: int) -> None:
+        """Ask ``peer`` to drive NIXL progress: a transfer with it is about to be posted."""
+        if not WAKE_HINTS:
+            return
+        hint = m.TransferStarting(transfer_id, generation, self.rank, nbytes)
+        link = self.links.get((peer.engine_id, peer.rank))
+        if link is not None and link.connected:
+            self.send(link.channel, hint)
+        elif peer.identity is not None and self.handshake is not None:
+            self.send(self.handshake, hint, peer.identity)
+
+    def on_TransferStarting(self, msg: m.TransferStarting, identity: Optional[bytes] = None) -> None:
+        now = time.monotonic()
+        self._expected[(msg.transfer_id, msg.generation)] = now + spin_s(msg.nbytes)
+
+    def transfer_arrived(self, transfer_id: str, generation: int) -> None:
+        """The transfer a peer announced ended on our side: stop driving progress for it."""
+        self._expected.pop((transfer_id, generation), None)
 
     def on_LifecycleEvent(self, ev) -> None:
         """A process of the other instance died: the supervisor restarts that whole
         instance, so its writers' NIXL agents and pools are gone."""
-        role = ev.name.split("-", 1)[0]
+        role = ev.role
         if ev.event != "exit" or role == self.inst.role or role not in ("prefill", "decode"):
             return
         engine = self.cfg.instance(role).engine_id
@@ -177,9 +333,12 @@ class WriterBase(Actor):
         """Side-specific: end transfers with the dead instance."""
 
     def forget_peer(self, peer: Peer) -> None:
+        self._close_link((peer.engine_id, peer.rank))  # a restarted peer gets a fresh handshake
         self.peers.pop((peer.engine_id, peer.rank), None)
         self.peers_by_agent.pop(peer.agent, None)
         self.nixl.remove_remote(peer.agent)
+        if self.waits:
+            self._resolve_waits()
 
     # -- notifications --------------------------------------------------------------
     def notify(self, peer: Peer, msg: m.Msg) -> None:
@@ -217,6 +376,18 @@ class WriterBase(Actor):
                     log.exception("%s: notification handler %s failed", self.name, type(msg).__name__)
 
     # -- transfers ------------------------------------------------------------------
+    def post(self, op: str, peer: Peer, regions, notif: bytes = b""):
+        """Post ``op`` of ``(local_off, remote_off, nbytes)`` regions with ``peer``: by index
+        into the prepared lists when every region is whole sub-blocks on both grids, else
+        with descriptors built for this transfer."""
+        if self.grid is not None and peer.grid is not None and self.nixl.has_prepared(peer.agent):
+            idx = indices(self.grid, peer.grid, regions)
+            if idx is not None:
+                self.counters["posts_prepped"] += 1
+                return self.nixl.post_prepped(op, idx[0], peer.agent, idx[1], notif)
+        self.counters["posts_adhoc"] += 1
+        return self.nixl.post(op, regions, self.pool.base_addr, peer.agent, peer.pool_base, notif, peer.dev_id)
+
     def _check_inflight(self, now: float) -> None:
         stuck_s = 2 * self.cfg.timeouts.transfer_s
         for key, fl in list(self.inflight.items()):
@@ -253,6 +424,8 @@ class WriterBase(Actor):
         self._poll_notifs(now)
         if self.inflight:
             self._check_inflight(now)
+        if self.links:
+            self._expire_links(now)
         self.expire(now)
 
     def expire(self, now: float) -> None:
@@ -262,11 +435,30 @@ class WriterBase(Actor):
         return False
 
     def poll_timeout_ms(self) -> int:
+        now = time.monotonic()
+        if self._expected:  # a peer's transfer with us is young: its completion needs our progress
+            for k in [k for k, t in self._expected.items() if t <= now]:
+                del self._expected[k]  # slow or never ended here: the pending rate below will do
+            if self._expected:
+                return self._spin()
         if self.inflight:
-            return 0  # we drive UCX progress: keep polling while data moves
-        if self.has_pending() or time.monotonic() - self._last_activity < 0.05:
+            spin_until = max(fl.posted + spin_s(fl.nbytes) for fl in self.inflight.values())
+            if now < spin_until:
+                return self._spin()  # data is moving and we drive UCX: keep polling
+            # stuck or slow: back off (a tenth of the overrun, up to a cap): a hung transfer
+            # costs little CPU until the stuck deadline abandons it
+            return int(min(STUCK_POLL_MAX_MS, max(1.0, (now - spin_until) * 100)))
+        if self.has_pending() or now - self._last_activity < 0.05:
             return PENDING_POLL_MS
         return WRITER_IDLE_POLL_MS
+
+    @staticmethod
+    def _spin() -> int:
+        """Poll again at once, but let a runnable process on this core go first: on a
+        crowded host the peer whose progress we wait for may be the one waiting for the core."""
+        if SPIN_YIELD:
+            os.sched_yield()
+        return 0
 
     def on_GetStats(self, msg: m.GetStats) -> None:
         self.send(self.sched, m.WriterStats(counters=dict(self.counters)))

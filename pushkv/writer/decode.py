@@ -1,10 +1,13 @@
 """D side writer: registers reserved blocks with P's writers (push), or READs
 them from P (pull, background), and reports the KV received once every
-producer rank has completed."""
+producer rank has completed. Handshakes with P's writers run on the loop: a
+request whose producers are not connected yet waits for them (``with_peers``)
+while every other transfer goes on."""
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 
 from pushkv import faults
 from pushkv import messages as m
@@ -20,63 +23,91 @@ _REFUSED = {"finished": "transfer already finished",
             "newer_generation_waiting": "stale generation (a newer one is registered)"}
 
 
+@dataclass
+class Registered:
+    """A transfer whose blocks we registered with its producer ranks (push)."""
+
+    source: m.PrefillSource
+    ranks: tuple[int, ...]
+    reported: set[int] = field(default_factory=set)  # producer ranks that sent WriteDone/WriteFailed
+
+
+@dataclass
+class Quarantined:
+    """A failed transfer whose producers may still be writing into its blocks: the blocks go
+    back to the scheduler once every outstanding rank answered, or at the deadline."""
+
+    outstanding: set[int]
+    deadline: float
+    reason: str
+    engine_id: str
+
+
 class DecodeWriter(WriterBase):
     def __init__(self, cfg, inst, rank):
         super().__init__(cfg, inst, rank)
         self.arrivals = ar.KVArrivals()
-        self._sources: dict[tuple[str, int], tuple[m.PrefillSource, tuple[int, ...]]] = {}
+        self._registered: dict[tuple[str, int], Registered] = {}
         self._reads: dict[tuple[str, int], m.ReadKV] = {}
-        self._reported: dict[tuple[str, int], set[int]] = {}
-        # failed transfers whose producers may still be writing: (outstanding ranks, deadline, reason)
-        self._quarantine: dict[tuple[str, int], tuple[set[int], float, str, str]] = {}
+        self._quarantine: dict[tuple[str, int], Quarantined] = {}
         self._dead_engines: set[str] = set()
 
     def setup(self) -> None:
         super().setup()
-        # warm the handshake with the configured prefill instance, off the TTFT path
+        # start the handshakes with the configured prefill instance, off the TTFT path
         if self.cfg.mode in ("push", "pull") and self.cfg.prefill.handshake_endpoints:
             src = self.cfg.prefill
+            now = time.monotonic()
             for r in producers_for(self.rank, self.inst.tp, src.tp, self.layout.total_kv_heads):
-                try:
-                    self.connect_peer(src.engine_id, r, src.handshake_endpoints[r])
-                except Exception as e:  # lazily retried at the first request
-                    log.warning("%s: early handshake with %s rank %d failed: %s", self.name, src.engine_id, r, e)
+                self.start_link(src.engine_id, r, src.handshake_endpoints[r], now)
 
     def has_pending(self) -> bool:
-        return self.arrivals.next_deadline() is not None or bool(self._quarantine)
+        return self.arrivals.next_deadline() is not None or bool(self._quarantine) or bool(self.waits)
 
-    def _producers(self, src: m.PrefillSource):
+    def _with_producers(self, key, src: m.PrefillSource, then, now: float) -> None:
+        """``then(peers)`` once P's producer ranks for us are connected; KVFailed if one cannot be."""
+        def failed(reason: str) -> None:
+            self.counters["handshake_failed"] += 1
+            self.send(self.sched, m.KVFailed(key[0], key[1], f"cannot reach prefill writers: {reason}"))
+
         ranks = producers_for(self.rank, self.inst.tp, src.tp, self.layout.total_kv_heads)
-        return [self.connect_peer(src.engine_id, r, src.handshake[r]) for r in ranks]
+        bad = [r for r in ranks if r >= len(src.handshake)]
+        if bad:
+            failed(f"no handshake endpoint for rank(s) {bad} of {src.engine_id}")
+            return
+        self.with_peers(key, src.engine_id, ranks, src.handshake, then, failed, now)
 
     # -- push: registration at allocation time ------------------------------------------
     def on_ExpectKV(self, msg: m.ExpectKV) -> None:
+        self._register(msg.transfer_id, msg.generation, msg.block_ids, msg.num_tokens, msg.source,
+                       msg.deadline_s)
+
+    def _register(self, tid: str, gen: int, block_ids, num_tokens: int, source: m.PrefillSource,
+                  deadline_s: float) -> None:
+        """Register our reserved blocks with the producer ranks (after their handshakes)."""
+        deadline = time.monotonic() + deadline_s
+        self._with_producers((tid, gen), source, lambda peers: self._registered_with(
+            tid, gen, block_ids, num_tokens, source, deadline_s, deadline, peers), time.monotonic())
+
+    def _registered_with(self, tid, gen, block_ids, num_tokens, source, deadline_s, deadline, peers) -> None:
         now = time.monotonic()
-        key = (msg.transfer_id, msg.generation)
-        try:
-            peers = self._producers(msg.source)
-        except Exception as e:
-            self.counters["handshake_failed"] += 1
-            self.send(self.sched, m.KVFailed(msg.transfer_id, msg.generation, f"cannot reach prefill writers: {e}"))
-            return
+        key = (tid, gen)
         ranks = tuple(p.rank for p in peers)
         try:
-            acts = self.arrivals.expect(msg.transfer_id, msg.generation, msg.block_ids, ranks, now + msg.deadline_s)
+            acts = self.arrivals.expect(tid, gen, block_ids, ranks, deadline)
         except ar.ProtocolError as e:  # a finished or older generation: nothing registered, nothing can land
             self.counters["expect_refused"] += 1
-            log.error("%s: ExpectKV refused: %s transfer_id=%s", self.name, e, msg.transfer_id)
-            if self.arrivals.state_of(msg.transfer_id, msg.generation) != "waiting":  # a live one answers itself
+            log.error("%s: registration refused: %s transfer_id=%s", self.name, e, tid)
+            if self.arrivals.state_of(tid, gen) != "waiting":  # a live one answers itself
                 reason = f"registration refused: {_REFUSED.get(e.state, e.state)}"
-                self.send(self.sched, m.KVFailed(msg.transfer_id, msg.generation, reason))
+                self.send(self.sched, m.KVFailed(tid, gen, reason))
             return
-        self._sources[key] = (msg.source, ranks)
-        self._reported[key] = set()
+        self._registered[key] = Registered(source, ranks)
         self.apply(acts, now)
-        reg = m.Register(msg.transfer_id, msg.generation, self.inst.engine_id, self.rank, self.inst.tp,
-                         msg.block_ids, msg.num_tokens, msg.deadline_s)
+        reg = m.Register(tid, gen, self.inst.engine_id, self.rank, self.inst.tp, block_ids, num_tokens, deadline_s)
         for p in peers:
             self.notify(p, reg)
-        self.trace_event("registration_sent", msg.transfer_id)
+        self.trace_event("registration_sent", tid)
         faults.point(self.name, "registration_sent")
 
     def notif_WriteDone(self, msg: m.WriteDone, agent: str, now: float) -> None:
@@ -94,11 +125,11 @@ class DecodeWriter(WriterBase):
 
     def _from_producer(self, msg, agent: str) -> bool:
         """A completion counts only from the agent that is that transfer's producer rank."""
-        entry = self._sources.get((msg.transfer_id, msg.generation))
-        if entry is None:
+        reg = self._registered.get((msg.transfer_id, msg.generation))
+        if reg is None:
             return True  # unknown / finished / stale: the arrivals machine counts it
         peer = self.peers_by_agent.get(agent)
-        if peer is not None and peer.engine_id == entry[0].engine_id and peer.rank == msg.p_rank:
+        if peer is not None and peer.engine_id == reg.source.engine_id and peer.rank == msg.p_rank:
             return True
         self.counters["completion_from_wrong_peer"] += 1
         log.error("%s: %s for transfer_id=%s claims P rank %d but came from %s", self.name,
@@ -107,18 +138,20 @@ class DecodeWriter(WriterBase):
 
     def _producer_reported(self, msg, now: float) -> None:
         key = (msg.transfer_id, msg.generation)
-        if key in self._reported:
-            self._reported[key].add(msg.p_rank)
+        self.transfer_arrived(*key)
+        reg = self._registered.get(key)
+        if reg is not None:
+            reg.reported.add(msg.p_rank)
         q = self._quarantine.get(key)
         if q is not None:
-            q[0].discard(msg.p_rank)
-            if not q[0]:
+            q.outstanding.discard(msg.p_rank)
+            if not q.outstanding:
                 self._release_quarantine(key)
 
     def on_CancelKV(self, msg: m.CancelKV) -> None:
         now = time.monotonic()
         key = (msg.transfer_id, msg.generation)
-        if key not in self._sources:  # nothing registered: nothing can be writing
+        if self.drop_wait(key) or key not in self._registered:  # nothing registered: nothing can be writing
             self.send(self.sched, m.KVFailed(msg.transfer_id, msg.generation, msg.reason))
             return
         self.apply(self.arrivals.cancel(msg.transfer_id, msg.generation, msg.reason, now), now)
@@ -127,8 +160,7 @@ class DecodeWriter(WriterBase):
         for a in actions:
             key = (a.transfer_id, a.generation) if hasattr(a, "transfer_id") else None
             if isinstance(a, A.Received):
-                self._sources.pop(key, None)
-                self._reported.pop(key, None)
+                self._registered.pop(key, None)
                 self.counters["kv_received"] += 1
                 self.trace_event("kv_received", a.transfer_id)
                 self.send(self.sched, m.KVReceived(a.transfer_id, a.generation, a.first_token, a.nbytes, a.num_descs))
@@ -140,34 +172,33 @@ class DecodeWriter(WriterBase):
 
     def _fail_transfer(self, key, reason: str, now: float) -> None:
         """Tell the producers to stop; hand the blocks back only once no WRITE can land in them."""
-        entry = self._sources.pop(key, None)
-        reported = self._reported.pop(key, set())
-        outstanding = set(entry[1]) - reported if entry else set()
-        if entry is not None:
-            src, ranks = entry
-            for r in outstanding:
-                peer = self.peers.get((src.engine_id, r))
-                if peer is not None:
-                    self.notify(peer, m.CancelTransfer(key[0], key[1], reason))
-        if outstanding and entry[0].engine_id not in self._dead_engines:
+        reg = self._registered.pop(key, None)
+        self.transfer_arrived(*key)
+        outstanding = set(reg.ranks) - reg.reported if reg else set()
+        for r in outstanding:
+            peer = self.peers.get((reg.source.engine_id, r))
+            if peer is not None:
+                self.notify(peer, m.CancelTransfer(key[0], key[1], reason))
+        if outstanding and reg.source.engine_id not in self._dead_engines:
             self.counters["quarantined"] += 1
-            self._quarantine[key] = (outstanding, now + self.cfg.timeouts.transfer_s, reason, entry[0].engine_id)
+            self._quarantine[key] = Quarantined(outstanding, now + self.cfg.timeouts.transfer_s, reason,
+                                                reg.source.engine_id)
         else:
             self.send(self.sched, m.KVFailed(key[0], key[1], reason))
 
     def peer_instance_down(self, engine_id: str, reason: str, now: float) -> None:
         """Producers that died cannot write any more: nothing to wait for."""
         self._dead_engines.add(engine_id)
-        for key, (src, _) in list(self._sources.items()):
-            if src.engine_id == engine_id:
+        for key, reg in list(self._registered.items()):
+            if reg.source.engine_id == engine_id:
                 self.counters["failed_peer_death"] += 1
                 self.apply(self.arrivals.cancel(key[0], key[1], f"prefill instance lost: {reason}", now), now)
-        for key in [k for k, q in self._quarantine.items() if q[3] == engine_id]:
+        for key in [k for k, q in self._quarantine.items() if q.engine_id == engine_id]:
             self._release_quarantine(key)
         self._dead_engines.discard(engine_id)  # a restarted instance is a live peer again
 
     def _release_quarantine(self, key) -> None:
-        reason = self._quarantine.pop(key)[2]
+        reason = self._quarantine.pop(key).reason
         self.send(self.sched, m.KVFailed(key[0], key[1], reason))
 
     def expire(self, now: float) -> None:
@@ -175,32 +206,34 @@ class DecodeWriter(WriterBase):
         if nd is not None and nd <= now:
             self.apply(self.arrivals.expire(now), now)
         for key, q in list(self._quarantine.items()):
-            if q[1] <= now:
+            if q.deadline <= now:
                 self.counters["quarantine_expired"] += 1
                 self._release_quarantine(key)
 
     # -- pull, background: READ on the writer --------------------------------------------
     def on_ReadKV(self, msg: m.ReadKV) -> None:
+        p = msg.pull
         if self.cfg.pull_read == "write":  # register now, after the relay; P WRITEs (see config)
-            p = msg.pull
-            self.on_ExpectKV(m.ExpectKV(msg.transfer_id, msg.generation, msg.block_ids, p.num_tokens,
-                                        p.source, msg.deadline_s))
+            self._register(msg.transfer_id, msg.generation, msg.block_ids, p.num_tokens, p.source, msg.deadline_s)
             return
+        self._with_producers((msg.transfer_id, msg.generation), p.source,
+                             lambda peers: self._post_read(msg, peers), time.monotonic())
+
+    def _post_read(self, msg: m.ReadKV, peers) -> None:
         now = time.monotonic()
         p = msg.pull
         faults.point(self.name, "read_posted")
         fl = InFlight(msg.transfer_id, msg.generation, posted=now)
         try:
-            peers = self._producers(p.source)
             for peer in peers:
                 heads = head_overlap(peer.rank, p.source.tp, self.rank, self.inst.tp, self.layout.total_kv_heads)
                 if heads is None:
                     continue
                 regions = map_transfer(peer.layout, p.block_ids, self.layout, msg.block_ids, p.num_tokens, heads)
-                local = [(d, s, n) for s, d, n in regions]
-                fl.handles.append(self.nixl.post("READ", local, self.pool.base_addr, peer.agent, peer.pool_base,
-                                                 remote_dev=peer.dev_id))
-                fl.nbytes += sum(r[2] for r in regions)
+                nbytes = sum(r[2] for r in regions)
+                self.wake_peer(peer, msg.transfer_id, msg.generation, nbytes)
+                fl.handles.append(self.post("READ", peer, [(d, s, n) for s, d, n in regions]))
+                fl.nbytes += nbytes
                 fl.num_descs += len(regions)
         except Exception as e:
             fl.failed = f"READ failed to post: {e}"

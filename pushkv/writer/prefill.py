@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
+from typing import Optional, Union
 
 from pushkv import faults
 from pushkv import messages as m
@@ -22,30 +24,42 @@ log = logging.getLogger(__name__)
 MAX_TRACKED = 4096  # bounded bookkeeping for transfers that never complete
 
 
+@dataclass
+class PrefillTransfer:
+    """What P's writer keeps per transfer until its blocks are freed."""
+
+    d_engine_id: str = ""  # the D instance that registered (for peer death)
+    outcome: Optional[Union[A.Completed, A.Failed]] = None  # until FreeBlocks reports it
+    nbytes: int = 0  # of the WRITE, once posted
+    num_descs: int = 0
+    write_s: float = 0.0  # post to completion
+    stages: dict[str, float] = field(default_factory=dict)  # writer-side timeline (wall time)
+
+
 class PrefillWriter(WriterBase):
     def __init__(self, cfg, inst, rank):
         super().__init__(cfg, inst, rank)
         t = cfg.timeouts
         self.rdv = rv.PushRendezvous(rank, inst.tp, self.layout.total_kv_heads, t.registration_wait_s, t.transfer_s)
         self.leases = Leases(t.lease_s)
-        self._outcome: dict[tuple[str, int], object] = {}  # Completed / Failed until FreeBlocks
-        self._write_started: dict[tuple[str, int], float] = {}
-        self._reg_engine: dict[tuple[str, int], str] = {}  # which D registered (for peer death)
-        self._stages: dict[tuple[str, int], dict[str, float]] = {}  # writer-side timeline per transfer
+        self._transfers: dict[tuple[str, int], PrefillTransfer] = {}
 
     def has_pending(self) -> bool:
         return self.rdv.next_deadline() is not None or self.leases.next_deadline() is not None
 
     # -- from the scheduler ----------------------------------------------------------
     def on_SendKV(self, msg: m.SendKV) -> None:
+        self._prefill_done(msg, msg.transfer_id, msg.generation, msg.block_ids, msg.num_tokens, msg.first_token)
+
+    def _prefill_done(self, msg, tid: str, gen: int, block_ids, num_tokens: int, first_token: int) -> None:
+        """The blocks hold the KV: WRITE once D's registration is here (or now, if it is)."""
         now = time.monotonic()
         self._last_activity = now
         self.counters["prefill_done_received"] += 1
         # registrations may already sit in NIXL's queue: take them first
         self._poll_notifs(now)
         try:
-            acts = self.rdv.on_prefill_done(
-                msg.transfer_id, msg.generation, msg.block_ids, msg.num_tokens, msg.first_token, now)
+            acts = self.rdv.on_prefill_done(tid, gen, block_ids, num_tokens, first_token, now)
         except A.ProtocolError as e:
             self._refused(msg, e)
             return
@@ -61,11 +75,19 @@ class PrefillWriter(WriterBase):
             self.send(self.sched, m.KVFailed(tid, gen, f"refused: transfer already {getattr(e, 'state', 'seen')}"))
 
     def on_HoldKV(self, msg: m.HoldKV) -> None:
-        now = time.monotonic()
         faults.point(self.name, "lease_held")
-        if self.cfg.pull_read == "write":  # pull's protocol, push's transfer: wait for D's late registration
-            self.on_SendKV(m.SendKV(msg.transfer_id, msg.generation, msg.block_ids, msg.num_tokens, msg.first_token))
-            return
+        if self.cfg.pull_read == "write":
+            self._hold_for_write(msg)
+        else:
+            self._hold_for_read(msg)
+
+    def _hold_for_write(self, msg: m.HoldKV) -> None:
+        """Pull's protocol, push's transfer: D registers after the relay, and we WRITE then."""
+        self._prefill_done(msg, msg.transfer_id, msg.generation, msg.block_ids, msg.num_tokens, msg.first_token)
+
+    def _hold_for_read(self, msg: m.HoldKV) -> None:
+        """Keep the blocks under a lease until D's READ is done."""
+        now = time.monotonic()
         if not self.rdv.produces:  # a replica rank: no D rank reads from it
             self.apply([A.Completed(msg.transfer_id, msg.generation, "replica"),
                         A.FreeBlocks(msg.transfer_id, msg.generation, msg.block_ids, "replica")], now)
@@ -89,9 +111,9 @@ class PrefillWriter(WriterBase):
             log.error("%s: Register from unknown agent %s transfer_id=%s", self.name, agent, msg.transfer_id)
             return
         self.counters["registrations_received"] += 1
+        self._record((msg.transfer_id, msg.generation)).d_engine_id = msg.d_engine_id
         self._stamp((msg.transfer_id, msg.generation), "registration_received")
         faults.point(self.name, "registration_received")
-        self._reg_engine[(msg.transfer_id, msg.generation)] = msg.d_engine_id
         self.apply(self.rdv.on_registration(msg, now), now)
 
     def notif_CancelTransfer(self, msg: m.CancelTransfer, agent: str, now: float) -> None:
@@ -101,6 +123,7 @@ class PrefillWriter(WriterBase):
     def notif_ReadDone(self, msg: m.ReadDone, agent: str, now: float) -> None:
         peer = self.peers_by_agent.get(agent)
         readers = len(consumers_for(self.rank, self.inst.tp, peer.tp, self.layout.total_kv_heads)) if peer else 1
+        self.transfer_arrived(msg.transfer_id, msg.generation)
         self.apply(self.leases.on_read_done(msg.transfer_id, msg.generation, msg.d_rank, readers), now)
 
     # -- actions of the rendezvous ------------------------------------------------------
@@ -108,7 +131,7 @@ class PrefillWriter(WriterBase):
         # outcomes first: a FreeBlocks in the same batch reports them to the scheduler
         for a in actions:
             if isinstance(a, (A.Completed, A.Failed)):
-                self._outcome[(a.transfer_id, a.generation)] = a
+                self._record((a.transfer_id, a.generation)).outcome = a
                 self.counters[f"rendezvous_{a.order}" if isinstance(a, A.Completed) else "transfers_failed"] += 1
         for a in actions:
             if isinstance(a, A.PostWrite):
@@ -124,34 +147,34 @@ class PrefillWriter(WriterBase):
                 self.counters[a.name] += 1
 
     def peer_instance_down(self, engine_id: str, reason: str, now: float) -> None:
-        for key, eng in list(self._reg_engine.items()):
-            if eng == engine_id:
+        for key, t in list(self._transfers.items()):
+            if t.d_engine_id == engine_id:
                 self.counters["cancelled_peer_death"] += 1
                 self.apply(self.rdv.cancel(key[0], key[1], f"decode instance lost: {reason}", now), now)
 
+    def _record(self, key) -> PrefillTransfer:
+        t = self._transfers.get(key)
+        if t is None:
+            t = self._transfers[key] = PrefillTransfer()
+            while len(self._transfers) > MAX_TRACKED:  # halves that never paired (expired, cancelled)
+                self._transfers.pop(next(iter(self._transfers)))
+        return t
+
     def _stamp(self, key, stage: str) -> None:
-        self._stages.setdefault(key, {}).setdefault(stage, time.time())
-        while len(self._stages) > MAX_TRACKED:  # halves that never paired (expired, cancelled)
-            self._stages.pop(next(iter(self._stages)))
-        while len(self._reg_engine) > MAX_TRACKED:
-            self._reg_engine.pop(next(iter(self._reg_engine)))
+        self._record(key).stages.setdefault(stage, time.time())
 
     def _free(self, a) -> None:
-        key = (a.transfer_id, a.generation)
-        self._reg_engine.pop(key, None)
-        outcome = self._outcome.pop(key, None)
-        fl_stats = self._write_started.pop(key, None)
-        if isinstance(outcome, A.Completed):
-            nbytes, ndescs, secs = fl_stats or (0, 0, 0.0)
-            self.send(self.sched, m.KVSent(a.transfer_id, a.generation, nbytes, ndescs, secs, outcome.order,
-                                           tuple(self._stages.pop(key, {}).items())))
+        t = self._transfers.pop((a.transfer_id, a.generation), None) or PrefillTransfer()
+        if isinstance(t.outcome, A.Completed):
+            self.send(self.sched, m.KVSent(a.transfer_id, a.generation, t.nbytes, t.num_descs, t.write_s,
+                                           t.outcome.order, tuple(t.stages.items())))
         else:
-            self._stages.pop(key, None)
-            reason = outcome.reason if isinstance(outcome, A.Failed) else a.reason
+            reason = t.outcome.reason if isinstance(t.outcome, A.Failed) else a.reason
             self.send(self.sched, m.KVFailed(a.transfer_id, a.generation, reason or "transfer failed"))
 
     def _post_write(self, a, now: float) -> None:
         faults.point(self.name, "post_write")
+        self._stamp((a.transfer_id, a.generation), "write_post_start")  # to write_posted: our post cost
         fl = InFlight(a.transfer_id, a.generation, posted=now)
         try:
             for reg in a.registrations:
@@ -164,8 +187,8 @@ class PrefillWriter(WriterBase):
                 regions = map_transfer(self.layout, a.block_ids, peer.layout, reg.block_ids, a.num_tokens, heads)
                 done = m.WriteDone(a.transfer_id, a.generation, self.rank, a.first_token,
                                    sum(r[2] for r in regions), len(regions))
-                fl.handles.append(self.nixl.post("WRITE", regions, self.pool.base_addr, peer.agent,
-                                                 peer.pool_base, m.encode(done), peer.dev_id))
+                self.wake_peer(peer, a.transfer_id, a.generation, done.nbytes)  # D drives the completion
+                fl.handles.append(self.post("WRITE", peer, regions, m.encode(done)))
                 self.counters["write_posts"] += 1  # one per D rank this rank writes into
                 fl.nbytes += done.nbytes
                 fl.num_descs += done.num_descs
@@ -175,7 +198,8 @@ class PrefillWriter(WriterBase):
             fl.failed = f"WRITE failed to post: {e}"
         self.trace_event("write_posted", a.transfer_id, f"{fl.nbytes}B/{fl.num_descs}d")
         self._stamp((a.transfer_id, a.generation), "write_posted")
-        self._write_started[(a.transfer_id, a.generation)] = (fl.nbytes, fl.num_descs, 0.0)
+        t = self._record((a.transfer_id, a.generation))
+        t.nbytes, t.num_descs = fl.nbytes, fl.num_descs
         if fl.handles:
             self.inflight[(a.transfer_id, a.generation)] = fl
         else:
@@ -183,7 +207,7 @@ class PrefillWriter(WriterBase):
 
     def transfer_finished(self, fl: InFlight, now: float) -> None:
         key = (fl.transfer_id, fl.generation)
-        self._write_started[key] = (fl.nbytes, fl.num_descs, now - fl.posted)
+        self._record(key).write_s = now - fl.posted
         self._stamp(key, "write_done")
         self.trace_event("write_done" if not fl.failed else "write_failed", fl.transfer_id)
         if fl.failed:

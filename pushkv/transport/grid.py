@@ -1,0 +1,141 @@
+"""Descriptor grids for NIXL's prepared descriptor lists (pure: no NIXL, no I/O).
+
+A pool is cut into regions, one per (layer group, head group) (``pushkv.kv.layout``);
+each region is a dense array of physical sub-blocks of one size. A grid lists one
+descriptor per (region, sub-block), region after region, so descriptor ``i`` of a
+region starts at index ``first[r] + i``. A writer prepares the grid of its own pool
+once and the grid of each peer's pool once per peer (``prep_xfer_dlist``); a transfer
+then names descriptors by index (``make_prepped_xfer``), and NIXL joins indices that
+are contiguous on both sides back into one descriptor.
+
+``indices`` turns the mapping's merged ``(src, dst, nbytes)`` regions into those
+indices, or answers None when a region does not fall on both grids (head runs of a
+TP mismatch, token runs of a sub-block mismatch, a run crossing a region edge): the
+caller then posts ad-hoc descriptors for that transfer, which moves the same bytes.
+"""
+from __future__ import annotations
+
+from bisect import bisect_right
+from itertools import chain
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+
+from pushkv.kv import layout as L
+from pushkv.messages import KVLayoutDesc
+
+
+@dataclass(frozen=True)
+class DescGrid:
+    """Regions of one pool: byte offset from the pool base, sub-block bytes, sub-block count."""
+
+    base: np.ndarray  # int64 [regions], ascending
+    elem: np.ndarray  # int64 [regions]
+    count: np.ndarray  # int64 [regions]
+    first: np.ndarray  # int64 [regions]: index of the region's descriptor 0
+    # the same as Python lists, for the few-region path (numpy costs ~1 us per call on tiny arrays)
+    rows: list = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rows", list(zip(self.base.tolist(), self.elem.tolist(), self.count.tolist(),
+                                                  self.first.tolist())))
+        object.__setattr__(self, "_bases", self.base.tolist())
+
+    def place(self, off: int, n: int) -> Optional[tuple[int, int]]:
+        """(descriptor index of the run's start, sub-block bytes) or None if off this grid."""
+        r = bisect_right(self._bases, off) - 1
+        if r < 0:
+            return None
+        base, el, count, first = self.rows[r]
+        rel = off - base
+        if rel % el or n % el or rel + n > count * el:
+            return None
+        return first + rel // el, el
+
+    @property
+    def size(self) -> int:
+        return int(self.count.sum())
+
+    def strided(self, pool_base: int, dev_id: int) -> np.ndarray:
+        """Nx5 (address, len, device, stride, count) rows: NIXL's compressed list form."""
+        rows = np.empty((len(self.base), 5), dtype=np.int64)
+        rows[:, 0] = self.base + pool_base
+        rows[:, 1] = self.elem
+        rows[:, 2] = dev_id
+        rows[:, 3] = self.elem
+        rows[:, 4] = self.count
+        return rows
+
+    def descs(self, pool_base: int, dev_id: int) -> list[tuple[int, int, int]]:
+        """The same list expanded, one (address, len, device) per descriptor."""
+        out = []
+        for b, e, c in zip(self.base.tolist(), self.elem.tolist(), self.count.tolist()):
+            out.extend((pool_base + b + i * e, e, dev_id) for i in range(c))
+        return out
+
+
+def grid_of(lay: KVLayoutDesc) -> DescGrid:
+    base, elem = [], []
+    for g in range(len(L.layer_groups(lay))):
+        for k in range(L.head_groups(lay)):
+            base.append(L.region_base(lay, g, k))
+            elem.append(L.region_block_bytes(lay, g))
+    count = np.full(len(base), L.phys_blocks(lay), dtype=np.int64)
+    first = np.concatenate([[0], np.cumsum(count)[:-1]]).astype(np.int64)
+    return DescGrid(np.asarray(base, dtype=np.int64), np.asarray(elem, dtype=np.int64), count, first)
+
+
+def _place(grid: DescGrid, off: np.ndarray, n: np.ndarray):
+    """(region, sub-block in region) of each run's start, or None if a run is off the grid."""
+    r = np.searchsorted(grid.base, off, side="right") - 1
+    if (r < 0).any():
+        return None
+    rel = off - grid.base[r]
+    el = grid.elem[r]
+    if (rel % el).any() or (n % el).any() or (rel + n > grid.count[r] * el).any():
+        return None
+    return r, rel // el
+
+
+FEW_REGIONS = 8  # up to this, plain Python beats numpy's per-call overhead
+
+
+def _few(src: DescGrid, dst: DescGrid, regions) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    si, di = [], []
+    for s, d, n in regions:
+        a, b = src.place(s, n), dst.place(d, n)
+        if a is None or b is None or a[1] != b[1]:
+            return None
+        cnt = n // a[1]
+        si.append(np.arange(a[0], a[0] + cnt, dtype=np.int32))
+        di.append(np.arange(b[0], b[0] + cnt, dtype=np.int32))
+    if len(si) == 1:
+        return si[0], di[0]
+    return np.concatenate(si), np.concatenate(di)
+
+
+def indices(src: DescGrid, dst: DescGrid, regions: Sequence[tuple[int, int, int]]
+            ) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    """Descriptor indices (int32, src and dst, pairwise) covering exactly ``regions``;
+    None when some region is not whole sub-blocks of one region on both sides."""
+    if not regions:
+        return np.empty(0, dtype=np.int32), np.empty(0, dtype=np.int32)
+    if len(regions) <= FEW_REGIONS:
+        return _few(src, dst, regions)
+    arr = np.fromiter(chain.from_iterable(regions), dtype=np.int64, count=3 * len(regions)).reshape(-1, 3)
+    s, d, n = arr[:, 0], arr[:, 1], arr[:, 2]
+    ps, pd = _place(src, s, n), _place(dst, d, n)
+    if ps is None or pd is None:
+        return None
+    (rs, is_), (rd, id_) = ps, pd
+    if (src.elem[rs] != dst.elem[rd]).any():
+        return None
+    cnt = n // src.elem[rs]
+    total = int(cnt.sum())
+    # run k covers cnt[k] consecutive descriptors from its first index on each side
+    starts = np.concatenate([[0], np.cumsum(cnt)[:-1]])
+    step = np.arange(total, dtype=np.int64) - np.repeat(starts, cnt)
+    si = np.repeat(src.first[rs] + is_, cnt) + step
+    di = np.repeat(dst.first[rd] + id_, cnt) + step
+    return si.astype(np.int32), di.astype(np.int32)

@@ -1,0 +1,86 @@
+"""Every test gets exactly one group marker, so the suite runs in pieces (README "Test"):
+
+- ``unit``: in one process or with helper processes (TP ranks, fake children), no deployment;
+- ``e2e``: starts real pushkv processes (a deployment, a supervisor, a router or writers);
+- ``faults``: kills processes at protocol phases (``test_faults*``);
+- ``gpu``: needs a CUDA GPU (``test_gpu*``, or a ``skipif`` that names CUDA/GPU); skipped without one.
+
+A marker written on a test (or its module) wins; otherwise the group is inferred, so a new
+test is grouped without anyone remembering to: a test whose function or fixtures call a
+process starter (``deployment``, ``launched``, ``children``, ``Popen``) is ``e2e``.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+GROUPS = ("unit", "e2e", "faults", "gpu")
+STARTERS = frozenset({"deployment", "launched", "children", "Popen"})
+
+
+@functools.lru_cache(maxsize=1)
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+class _Code:
+    """A nested function's code seen through its enclosing function's module."""
+
+    def __init__(self, code, outer):
+        self.__code__, self.__globals__ = code, getattr(outer, "__globals__", {})
+        self.__module__ = getattr(outer, "__module__", None)
+
+
+def _starts_processes(item) -> bool:
+    codes = [getattr(item, "function", None)]
+    for defs in getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {}).values():
+        codes += [d.func for d in defs]
+    seen = set()
+    while codes:
+        fn = codes.pop()
+        code = getattr(fn, "__code__", None)
+        if code is None or code in seen:
+            continue
+        seen.add(code)
+        if STARTERS & set(code.co_names):
+            return True
+        # helpers the test calls in its own module (e.g. a fixture's start() closure)
+        for c in code.co_consts:
+            if hasattr(c, "co_names"):
+                codes.append(_Code(c, fn))
+        mod = getattr(fn, "__globals__", {})
+        for n in code.co_names:
+            obj = mod.get(n)
+            if not callable(obj) or getattr(obj, "__module__", "") != getattr(fn, "__module__", None):
+                continue
+            if isinstance(obj, type):  # a helper class: its methods
+                codes += [v for v in vars(obj).values() if hasattr(v, "__code__")]
+            else:
+                codes.append(obj)
+    return False
+
+
+def _group(item) -> str:
+    module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
+    if "gpu" in module:
+        return "gpu"
+    for mark in item.iter_markers("skipif"):
+        reason = str(mark.kwargs.get("reason", ""))
+        if "CUDA" in reason or "GPU" in reason:
+            return "gpu"
+    if "fault" in module:
+        return "faults"
+    return "e2e" if _starts_processes(item) else "unit"
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        own = [g for g in GROUPS if item.get_closest_marker(g)]
+        group = own[0] if own else _group(item)
+        if not own:
+            item.add_marker(group)
+        if group == "gpu" and not _has_cuda():
+            item.add_marker(pytest.mark.skip(reason="gpu group: needs a CUDA GPU"))

@@ -1,0 +1,107 @@
+"""Prepared descriptor grids (pure): the indices a writer posts move exactly the bytes
+the mapping's merged regions name, for every layout of the P/D matrix; planned
+layouts always take the prepared path, and what falls off a grid is refused (None)
+so that the writer posts ad-hoc descriptors instead."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pushkv.kv import layout as L
+from pushkv.protocol.mapping import map_transfer
+from pushkv.protocol.tp import head_overlap, producers_for
+from pushkv.transport.grid import grid_of, indices
+from tools.layout_report import MATRIX, fragmented_table
+
+NUM_BLOCKS = 48
+
+
+def _layouts(combo, planned: bool):
+    cfg = combo.config(NUM_BLOCKS)
+    out = []
+    for inst in (cfg.prefill, cfg.decode):
+        if planned:
+            out.append([L.instance_layout(cfg, inst, r) for r in range(inst.tp)])
+        else:
+            out.append([L.layout_for(cfg.model, inst.tp, r, inst.num_blocks, inst.block_size)
+                        for r in range(inst.tp)])
+    return out
+
+
+def _apply(pairs, src: np.ndarray, dst: np.ndarray) -> None:
+    for s, d, n in pairs:
+        dst[d:d + n] = src[s:s + n]
+
+
+def _pairs(combo, planned: bool, n: int, fragmented: bool):
+    p_lays, d_lays = _layouts(combo, planned)
+    total = p_lays[0].total_kv_heads
+    if fragmented:
+        pt = fragmented_table(NUM_BLOCKS, 2, L.blocks_for(n, combo.p_bs))
+        dt = fragmented_table(NUM_BLOCKS, 3, L.blocks_for(n, combo.d_bs))
+    else:
+        pt, dt = list(range(3, 3 + L.blocks_for(n, combo.p_bs))), list(range(L.blocks_for(n, combo.d_bs)))
+    for d in range(combo.d_tp):
+        for p in producers_for(d, combo.d_tp, combo.p_tp, total):
+            heads = head_overlap(p, combo.p_tp, d, combo.d_tp, total)
+            if heads is None:
+                continue
+            yield p_lays[p], d_lays[d], map_transfer(p_lays[p], pt, d_lays[d], dt, n, heads)
+
+
+@pytest.mark.parametrize("combo", MATRIX, ids=[c.name for c in MATRIX])
+@pytest.mark.parametrize("planned", [True, False], ids=["planned", "unplanned"])
+@pytest.mark.parametrize("n,fragmented", [(1, False), (37, True), (200, False), (200, True)])
+def test_indices_move_the_mapped_bytes(combo, planned, n, fragmented):
+    rng = np.random.default_rng(n)
+    for p_lay, d_lay, regions in _pairs(combo, planned, n, fragmented):
+        gs, gd = grid_of(p_lay), grid_of(d_lay)
+        assert gs.size == len(gs.descs(0, 0)) == L.phys_blocks(p_lay) * len(gs.base)
+        assert gs.base[-1] + gs.elem[-1] * gs.count[-1] == L.pool_bytes(p_lay)  # the grid tiles the pool
+        idx = indices(gs, gd, regions)
+        if planned:  # what a deployment runs: always by index
+            assert idx is not None, combo.name
+        if idx is None:
+            continue
+        sd, dd = gs.descs(0, 0), gd.descs(0, 0)
+        by_index = [(sd[i][0], dd[j][0], sd[i][1]) for i, j in zip(idx[0].tolist(), idx[1].tolist())]
+        assert all(sd[i][1] == dd[j][1] for i, j in zip(idx[0].tolist(), idx[1].tolist()))
+        assert sum(x[2] for x in by_index) == sum(r[2] for r in regions)
+        src = rng.integers(0, 255, L.pool_bytes(p_lay), dtype=np.uint8)
+        want, got = np.zeros(L.pool_bytes(d_lay), np.uint8), np.zeros(L.pool_bytes(d_lay), np.uint8)
+        _apply(regions, src, want)
+        _apply(by_index, src, got)
+        assert np.array_equal(want, got)
+
+
+def test_contiguous_blocks_are_contiguous_indices():
+    """A run of blocks contiguous on both sides is a run of indices (NIXL joins it into one)."""
+    combo = MATRIX[0]
+    p_lays, d_lays = _layouts(combo, True)
+    regions = map_transfer(p_lays[0], list(range(4, 14)), d_lays[0], list(range(20, 25)), 160)
+    assert len(regions) == 1
+    si, di = indices(grid_of(p_lays[0]), grid_of(d_lays[0]), regions)
+    assert len(si) == 10 * L.subs_per_block(p_lays[0]) and np.all(np.diff(si) == 1) and np.all(np.diff(di) == 1)
+
+
+@pytest.mark.parametrize("regions", [
+    [(0, 0, 3)],  # part of a sub-block
+    [(7, 0, None)],  # off the source grid
+    [(0, 5, None)],  # off the destination grid
+    [(-1, 0, None)],  # before the pool
+])
+def test_off_grid_regions_are_refused(regions):
+    combo = MATRIX[0]
+    p_lays, d_lays = _layouts(combo, True)
+    gs, gd = grid_of(p_lays[0]), grid_of(d_lays[0])
+    regions = [(s, d, n if n is not None else int(gs.elem[0])) for s, d, n in regions]
+    assert indices(gs, gd, regions) is None
+
+
+def test_run_past_the_pool_is_refused():
+    combo = MATRIX[0]
+    p_lays, d_lays = _layouts(combo, True)
+    gs, gd = grid_of(p_lays[0]), grid_of(d_lays[0])
+    last = int(gs.base[-1] + gs.elem[-1] * (gs.count[-1] - 1))
+    assert indices(gs, gd, [(last, 0, int(gs.elem[-1]))]) is not None
+    assert indices(gs, gd, [(last, 0, 2 * int(gs.elem[-1]))]) is None

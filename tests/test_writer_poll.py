@@ -1,0 +1,57 @@
+"""The writer's poll policy (pure, no sockets): spin while data should be moving, back
+off for a transfer that overstays, never spin for one announced long ago."""
+import time
+
+import pytest
+
+from pushkv.config import DeploymentConfig, InstanceConfig, preset
+from pushkv.writer import base as B
+
+
+class _Writer(B.WriterBase):
+    pending = False
+
+    def has_pending(self) -> bool:
+        return self.pending
+
+
+@pytest.fixture
+def writer(monkeypatch):
+    monkeypatch.setattr(B, "SPIN_YIELD", False)
+    cfg = DeploymentConfig(mode="push", model=preset("tiny"), prefill=InstanceConfig(role="prefill", num_blocks=8))
+    return _Writer(cfg, cfg.prefill, 0)
+
+
+def _inflight(w, age_s: float, nbytes: int = 0) -> None:
+    w.inflight[("t", len(w.inflight))] = B.InFlight("t", 0, posted=time.monotonic() - age_s, nbytes=nbytes)
+
+
+@pytest.mark.parametrize("age_s,nbytes,lo,hi", [
+    (0.0, 0, 0, 0),  # just posted: spin
+    (B.SPIN_MIN_S + 0.5, int(1e9), 0, 0),  # 1 GB is still young at 0.5 GB/s for 2 s
+    (B.SPIN_MIN_S + 0.001, 0, 1, 1),  # just past its time: 1 ms
+    (B.SPIN_MIN_S + 0.1, 0, 9, 11),  # a tenth of the overrun
+    (60.0, 0, B.STUCK_POLL_MAX_MS, B.STUCK_POLL_MAX_MS),  # stuck: capped
+])
+def test_inflight_spins_then_backs_off(writer, age_s, nbytes, lo, hi):
+    _inflight(writer, age_s, nbytes)
+    assert lo <= writer.poll_timeout_ms() <= hi
+
+
+def test_youngest_transfer_decides(writer):
+    _inflight(writer, 60.0)
+    _inflight(writer, 0.0)
+    assert writer.poll_timeout_ms() == 0
+
+
+def test_announced_transfer_spins_until_its_time(writer):
+    writer._last_activity = 0.0
+    assert writer.poll_timeout_ms() == B.WRITER_IDLE_POLL_MS
+    writer._expected[("t", 0)] = time.monotonic() + 1.0
+    assert writer.poll_timeout_ms() == 0
+    writer.transfer_arrived("t", 0)
+    assert writer.poll_timeout_ms() == B.WRITER_IDLE_POLL_MS
+    writer._expected[("t", 1)] = time.monotonic() - 0.001  # overstayed: dropped, no spin
+    writer.pending = True
+    assert writer.poll_timeout_ms() == B.PENDING_POLL_MS
+    assert not writer._expected
