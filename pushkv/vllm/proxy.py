@@ -224,7 +224,8 @@ class Proxy:
         p_body, _ = self.legs(body, "", {})
         p_body["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False}
         d_body = copy.deepcopy(body)
-        d_body["kv_transfer_params"] = dict(p.source, do_remote_prefill=True, do_remote_decode=False)
+        d_body["kv_transfer_params"] = dict(p.source, do_remote_prefill=True, do_remote_decode=False,
+                                            remote_request_id=f"cmpl-{rid}-0")  # P's id for this prompt
         p_task = asyncio.create_task(self.session.post(p.url + "/v1/completions", json=p_body, headers=hdr))
         try:
             async with self.session.post(d.url + "/v1/completions", json=d_body, headers=hdr) as dr:
