@@ -73,10 +73,11 @@ async def one(session, url: str, prompt: str, output_len: int, t_send: float) ->
     return out
 
 
-async def run_cell(url: str, prompts: list[str], qps: float, output_len: int, seed: int) -> list[dict]:
+async def run_cell(url: str, prompts: list[str], qps: float, output_len: int, seed: int,
+                   timeout_s: float = 300.0) -> list[dict]:
     rng = np.random.default_rng(seed)
     gaps = rng.exponential(1.0 / qps, len(prompts))
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
         tasks = []
         for p, g in zip(prompts, gaps):
             tasks.append(asyncio.create_task(one(session, url, p, output_len, time.perf_counter())))
@@ -116,6 +117,7 @@ def main(argv=None) -> None:
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--port", type=int, default=18600)
     ap.add_argument("--out", default="vllm_bench.json")
+    ap.add_argument("--timeout", type=float, default=300.0, help="per request (s); a request past it failed")
     ap.add_argument("--merge", action="store_true", help="add these systems to the cells already in --out")
     args = ap.parse_args(argv)
     work = tempfile.mkdtemp(prefix="pushkv-vllm-bench-")
@@ -149,7 +151,8 @@ def main(argv=None) -> None:
                 url = f"http://127.0.0.1:{port + 3}"
                 asyncio.run(reference(url, make_prompts(2, 50, seed=99), args.output_len))  # warm up
                 for c in cells:
-                    res = asyncio.run(run_cell(url, prompts[c], c[0], args.output_len, seed=int(c[0] * 10) + c[1]))
+                    res = asyncio.run(run_cell(url, prompts[c], c[0], args.output_len, int(c[0] * 10) + c[1],
+                                               args.timeout))
                     s = summarize(res, None if system == "pushkv-up" else refs[c])
                     report["cells"].setdefault(f"qps={c[0]} words={c[1]}", {})[system] = s
                     print(system, c, json.dumps(s), flush=True)
