@@ -61,7 +61,7 @@ def writer_pair(model: str, block_size: int, num_blocks: int, device: str = "cpu
     procs: list[subprocess.Popen] = []
     socks: list[zmq.Socket] = []
     try:
-        env = dict(os.environ, PYTHONPATH=ROOT)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (ROOT, os.environ.get("PYTHONPATH")))))
         for role in ("prefill", "decode"):
             procs.append(subprocess.Popen([sys.executable, "-m", "processes.writer", "--config", path,
                                            "--role", role, "--rank", "0"], env=env, cwd=ROOT))
