@@ -4,9 +4,9 @@ from processes.common import parse
 
 def main() -> None:
     args, cfg = parse("scheduler")
-    from pushkv.scheduler.engine import Scheduler
+    from pushkv.scheduler import scheduler_for
 
-    Scheduler(cfg, cfg.instance(args.role)).run()
+    scheduler_for(cfg, cfg.instance(args.role)).run()
 
 
 if __name__ == "__main__":

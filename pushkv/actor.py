@@ -61,8 +61,9 @@ class Actor:
     def setup(self) -> None:
         """Bind/connect sockets, allocate resources."""
 
-    def ready_info(self) -> dict[str, str]:
-        return {}
+    def ready_msg(self) -> m.Ready:
+        """What this process tells the supervisor once set up (a writer adds its pool)."""
+        return m.Ready(name=self.name, pid=os.getpid())
 
     def tick(self, now: float) -> None:
         """Deadlines and polling of non-socket event sources."""
@@ -171,7 +172,7 @@ class Actor:
         self._control = self.ctx.socket(zmq.DEALER)
         self._control.setsockopt(zmq.LINGER, 0)
         self._control.connect(self._control_endpoint)
-        self._control.send(m.encode(m.Ready(name=self.name, pid=os.getpid(), info=self.ready_info())))
+        self._control.send(m.encode(self.ready_msg()))
         self.add_channel(self._control, m.DEC_CONTROL, "supervisor")
 
     def on_Shutdown(self, msg: m.Shutdown) -> None:

@@ -187,6 +187,21 @@ def ipc(run_dir: str, name: str) -> str:
     return f"ipc://{os.path.join(run_dir, name)}"
 
 
+SHM_DIR = "/dev/shm"  # CPU pools live here, one file per writer incarnation
+
+
+def shm_prefix(deployment_id: str, role: str = "") -> str:
+    """File-name prefix of a deployment's pool segments (of one instance, with ``role``)."""
+    return f"pushkv-{deployment_id}-{role}-" if role else f"pushkv-{deployment_id}-"
+
+
+def shm_name(deployment_id: str, role: str, rank: int, incarnation: int = 0) -> str:
+    """Pool segment name; ``incarnation`` (the writer's pid) keeps a restarted
+    writer's pool apart from a dead predecessor's, which a worker may still map."""
+    base = f"{shm_prefix(deployment_id, role)}{rank}"
+    return f"{base}-{incarnation}" if incarnation else base
+
+
 def encode_config(cfg: DeploymentConfig) -> bytes:
     return msgspec.json.encode(cfg)
 

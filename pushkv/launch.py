@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import urllib.error
 import urllib.request
 from contextlib import contextmanager
@@ -69,6 +70,17 @@ class Deployment:
 
     def roles(self) -> list[str]:
         return ["local"] if self.cfg.mode == "local" else ["prefill", "decode"]
+
+    def wait_pools_free(self, timeout_s: float = 30.0) -> dict[str, m.Stats]:
+        """Block accounting invariant: every block of every instance is back once traffic stops."""
+        end = time.monotonic() + timeout_s
+        while True:
+            st = {r: self.stats(r) for r in self.roles()}
+            if all(s.free_blocks == s.num_blocks and s.running == 0 and s.waiting == 0 for s in st.values()):
+                return st
+            if time.monotonic() > end:
+                raise AssertionError(f"blocks not returned: {st}")
+            time.sleep(0.05)  # polling a remote counter, not synchronising on time
 
 
 @contextmanager

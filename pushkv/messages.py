@@ -41,11 +41,11 @@ class PoolHandle(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """How a worker maps the pool its writer owns."""
 
     kind: str  # "shm" | "cuda_ipc"
-    name: str  # shm path, or "" for cuda
+    name: str  # shm: the segment's path; cuda_ipc: ""
     nbytes: int
     dtype: str
     shape: tuple[int, ...]
-    ipc: bytes = b""  # serialized CUDA IPC handle
+    ipc: bytes = b""  # cuda_ipc: torch's CUDA IPC handle fields of the pool's storage, msgpack-encoded
 
 
 class PrefillSource(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -66,6 +66,33 @@ class PullParams(msgspec.Struct, array_like=True, frozen=True, gc=False):
     lease_deadline: float  # P's monotonic clock; informative only
 
 
+class SamplingParams(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """How a request's tokens are drawn (pushkv.model.sampling). The defaults are greedy.
+
+    Defined by the request alone, so P (first token) and D (the rest) draw as one
+    process would: the randomness of output token i is a function of (seed, i).
+    """
+
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no limit
+    min_p: float = 0.0
+    seed: int = 0  # 64-bit; the router picks one for unseeded requests
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    logprobs: int = -1  # -1: none; 0: the sampled token's; k: also the k most likely
+    min_tokens: int = 0  # stop ids are suppressed until this many tokens are out
+
+
+class TokenLogprob(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """One sampled token's log-probability and the most likely alternatives (raw model distribution)."""
+
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
 class SeqWork(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """One sequence's share of a forward step."""
 
@@ -74,6 +101,10 @@ class SeqWork(msgspec.Struct, array_like=True, frozen=True, gc=False):
     start_pos: int  # position of token_ids[0]
     block_table: tuple[int, ...]
     sample: bool = True
+    sampling: Optional[SamplingParams] = None  # None: greedy
+    output_index: int = 0  # which output token this step samples (0 = the first)
+    history: tuple[int, ...] = ()  # output so far, when a penalty needs it
+    suppress: tuple[int, ...] = ()  # ids that may not be sampled now (stop ids before min_tokens)
 
 
 class KVTransferStats(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -98,6 +129,7 @@ class Generate(Msg):
     source: Optional[PrefillSource] = None  # decode leg: where the KV comes from
     pull: Optional[PullParams] = None  # decode leg in pull mode
     arrival: float = 0.0  # router's wall clock (time.time()) for timelines
+    sampling: Optional[SamplingParams] = None  # None: greedy
 
 
 class Abort(Msg):
@@ -119,6 +151,7 @@ class TokensGenerated(Msg):
     num_prompt_tokens: int = 0
     timeline: tuple[tuple[str, float], ...] = ()  # (stage, wall time) on finish
     kv: Optional[KVTransferStats] = None  # D, on finish: the transfer D measured (pull: its READ)
+    logprobs: tuple[TokenLogprob, ...] = ()  # when asked: one per token id (D omits P's first token's)
 
 
 class PrefillFinished(Msg):
@@ -165,6 +198,7 @@ class StepDone(Msg):
     step_id: int
     sampled: tuple[int, ...]  # one per seq with sample=True, in order
     compute_s: float = 0.0
+    logprobs: tuple[Optional[TokenLogprob], ...] = ()  # aligned with sampled when any seq asked
 
 
 class StepFailed(Msg):
@@ -352,7 +386,9 @@ HandshakeMsg = Union[Hello, TransferStarting]
 class Ready(Msg):
     name: str  # e.g. "prefill-writer-0"
     pid: int
-    info: dict[str, str] = {}
+    pool: Optional[PoolHandle] = None  # writer: the pool it owns, which its worker maps
+    agent: str = ""  # writer: its NIXL agent's name
+    url: str = ""  # router: where it serves HTTP
 
 
 class Shutdown(Msg):
@@ -371,6 +407,54 @@ class Pong(Msg):
 
 
 ControlMsg = Union[Ready, Shutdown, Ping, Pong]
+
+
+# ---------------------------------------------------------------------------
+# Channel: control client (``pushkv status``...) <-> supervisor, on the same
+# ROUTER socket as the children's Ready/Pong; and the supervisor's lifecycle
+# events on its PUB socket (two frames: topic ``pushkv.<role>.<kind>.<event>``,
+# then a LifecycleEvent). The commands themselves live in supervisor/commands.py.
+# ---------------------------------------------------------------------------
+class ControlCommand(Msg):
+    command: str  # "status", "stop", ...
+    args: dict[str, str] = {}
+
+
+class ProcessInfo(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    name: str
+    kind: str
+    role: str
+    rank: int
+    pid: int
+    state: str
+    uptime_s: float
+    restarts: int
+    healthy: bool
+    last_pong_age_s: float  # -1: never
+    last_exit: str  # "running", "exit code 3", "killed by SIGKILL"
+
+
+class ControlReply(Msg):
+    command: str
+    status: str  # "ok" | "error"
+    reason: str = ""
+    processes: tuple[ProcessInfo, ...] = ()
+    info: dict[str, str] = {}  # free-form text for people: deployment facts, command help
+
+
+class LifecycleEvent(Msg):
+    name: str  # process name, or "deployment" / "supervisor" / "<role>.instance"
+    event: str  # "spawn", "ready", "exit", "restart", "unhealthy", "stop", ...
+    pid: int = 0
+    detail: str = ""
+    restarts: int = 0
+    t_wall: float = 0.0
+    role: str = ""  # "prefill" | "decode" | "local" for an instance's processes; "" otherwise
+    kind: str = ""  # "scheduler" | "worker" | "writer" | "router" | "instance"; "" for deployment events
+    rank: int = 0
+
+
+SupervisorInbound = Union[Ready, Pong, ControlCommand]
 
 
 # ---------------------------------------------------------------------------
@@ -410,4 +494,7 @@ DEC_WRITER_TO_SCHED = decoder(WriterToScheduler)
 DEC_PEER = decoder(PeerNotif)
 DEC_HANDSHAKE = decoder(HandshakeMsg)
 DEC_CONTROL = decoder(ControlMsg)
+DEC_SUPERVISOR_IN = decoder(SupervisorInbound)
+DEC_REPLY = decoder(ControlReply)
+DEC_EVENT = decoder(LifecycleEvent)
 DEC_TRACE = decoder(TraceEvent)

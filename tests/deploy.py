@@ -2,15 +2,14 @@
 (processes, shared memory, the port) and for block accounting."""
 from __future__ import annotations
 
-import glob
 import socket
 import subprocess
 import threading
-import time
 from contextlib import contextmanager
 
 from pushkv import messages as m
 from pushkv.launch import Deployment, launched
+from pushkv.supervisor.lifecycle import shm_leftovers
 
 
 def concurrent(dep: Deployment, prompts, max_tokens: int) -> list[list[int]]:
@@ -33,15 +32,7 @@ def concurrent(dep: Deployment, prompts, max_tokens: int) -> list[list[int]]:
 
 
 def wait_pools_free(dep: Deployment, timeout_s: float = 30.0) -> dict[str, m.Stats]:
-    """Block accounting invariant: every block is back once traffic stops."""
-    end = time.monotonic() + timeout_s
-    while True:
-        st = {r: dep.stats(r) for r in dep.roles()}
-        if all(s.free_blocks == s.num_blocks and s.running == 0 and s.waiting == 0 for s in st.values()):
-            return st
-        if time.monotonic() > end:
-            raise AssertionError(f"blocks not returned: {st}")
-        time.sleep(0.05)  # polling a remote counter, not synchronising on time
+    return dep.wait_pools_free(timeout_s)
 
 
 def _port_free(port: int) -> bool:
@@ -60,7 +51,7 @@ def deployment(tmp_path, *flags: str):
     with launched(*flags, log_path=str(tmp_path / "up.log"), registry=str(tmp_path / "registry")) as dep:
         dep_id = dep.cfg.deployment_id
         yield dep
-    assert glob.glob(f"/dev/shm/pushkv-{dep_id}-*") == [], "shared memory leaked"
+    assert shm_leftovers(dep_id) == [], "shared memory leaked"
     left = subprocess.run(["pgrep", "-f", f"pushkv-{dep_id}/"], capture_output=True, text=True).stdout.split()
     assert left == [], f"processes left behind: {left}"
     assert _port_free(dep.port), "router port still bound"

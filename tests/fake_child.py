@@ -13,14 +13,14 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pushkv.actor import Actor  # noqa: E402
-from pushkv.config import decode_config  # noqa: E402
+from pushkv.config import SHM_DIR, decode_config, shm_prefix  # noqa: E402
 
 
 class FakeChild(Actor):
     def __init__(self, name: str, cfg, args):
         super().__init__(name, control_endpoint=cfg.control_endpoint)
         self.cfg, self.args = cfg, args
-        self.shm = f"/dev/shm/pushkv-{cfg.deployment_id}-{name}"
+        self.shm = os.path.join(SHM_DIR, shm_prefix(cfg.deployment_id) + name)
 
     def setup(self) -> None:
         with open(self.shm, "wb") as f:  # left behind on purpose: the supervisor unlinks it

@@ -1,7 +1,6 @@
 """Real child processes for tests: spawn, wait for Ready, always clean up."""
 from __future__ import annotations
 
-import glob
 import os
 import signal
 import subprocess
@@ -9,11 +8,11 @@ import sys
 import time
 from contextlib import contextmanager
 
-import msgspec
 import zmq
 
 from pushkv import messages as m
 from pushkv.config import DeploymentConfig, encode_config
+from pushkv.supervisor.lifecycle import shm_leftovers
 from pushkv.supervisor.plan import plan_deployment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,15 +27,15 @@ def planned(cfg: DeploymentConfig, tmp_path) -> DeploymentConfig:
 
 
 class Children(list):
-    """The child processes, plus each one's Ready info by name (e.g. a writer's pool path)."""
+    """The child processes, plus each one's Ready by name (e.g. a writer's pool handle)."""
 
     def __init__(self):
         super().__init__()
-        self.info: dict[str, dict] = {}
+        self.ready: dict[str, m.Ready] = {}
 
 
 def leftover_shm(dep_id: str) -> list[str]:
-    return glob.glob(f"/dev/shm/pushkv-{dep_id}-*")
+    return shm_leftovers(dep_id)
 
 
 @contextmanager
@@ -68,7 +67,7 @@ def children(cfg: DeploymentConfig, specs: list[tuple[str, str, int]], timeout_s
                 msg = m.DEC_CONTROL.decode(data)
                 if isinstance(msg, m.Ready):
                     pending.discard(msg.name)
-                    procs.info[msg.name] = msg.info
+                    procs.ready[msg.name] = msg
         yield procs
     finally:
         for p in procs:

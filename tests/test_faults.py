@@ -15,7 +15,8 @@ import pytest
 import zmq
 
 from pushkv import faults
-from pushkv.supervisor.commands import DEC_EVENT, ask
+from pushkv import messages as m
+from pushkv.supervisor.commands import ask
 from tests.deploy import deployment, wait_pools_free
 
 pytestmark = pytest.mark.timeout(900)
@@ -93,7 +94,7 @@ class Events:
     def _run(self):
         while not self.stop:
             if self.sock.poll(100):
-                ev = DEC_EVENT.decode(self.sock.recv_multipart()[-1])
+                ev = m.DEC_EVENT.decode(self.sock.recv_multipart()[-1])
                 with self.cv:
                     self.seen.append(ev)
                     self.cv.notify_all()
@@ -181,7 +182,7 @@ def _scenario(dep, victim, point, phase):
         if role == "router":
             ev.wait(lambda e: e.name == "router" and e.event == "ready", 60)
         else:
-            ev.wait(lambda e: e.name == f"{role}.instance" and e.event == "ready", 90)
+            ev.wait(lambda e: e.kind == "instance" and e.role == role and e.event == "ready", 90)
         wait_serving(dep)
         st = wait_pools_free(dep)
         RESULTS.append((f"{victim}:{point}", phase, f"{outcome}: {detail[:60]!r}", f"{detect:.2f}",

@@ -310,9 +310,9 @@ def run_tp_ranks(worker, tp: int, tmp_path, cfg: ModelConfig, timeout_s: float) 
                 p.kill()
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_tensor_parallel_matches_single_rank(tmp_path, tp):
-    cfg = preset("tiny")  # 4 query heads, 2 KV heads: tp=4 replicates each KV head
+@pytest.mark.parametrize("tp, engine", [(2, "per-seq"), (4, "per-seq"), (2, "batched")])
+def test_tensor_parallel_matches_single_rank(tmp_path, tp, engine):
+    cfg = preset("tiny", engine=engine)  # 4 query heads, 2 KV heads: tp=4 replicates each KV head
     run_tp_ranks(_tp_worker, tp, tmp_path, cfg, TP_TIMEOUT_S)
     single = build_model(cfg)
     pool1 = torch.zeros(pool_shape(single.kv_layout(4, 16)))

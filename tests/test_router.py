@@ -58,7 +58,8 @@ def test_local_unary_shape(tmp_path):
             assert gen.leg == "local" and gen.generation == 0 and gen.max_tokens == 3
             assert gen.prompt_token_ids == tuple(b"Hey")
             assert out["object"] == "text_completion" and out["id"] == f"cmpl-{gen.transfer_id}"
-            assert out["choices"] == [{"index": 0, "text": "Hi!", "token_ids": [72, 105, 33], "finish_reason": "stop"}]
+            assert out["choices"] == [{"index": 0, "text": "Hi!", "token_ids": [72, 105, 33], "finish_reason": "stop",
+                                       "logprobs": None}]
             assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
             ext = out["pushkv"]
             assert ext["transfer_id"] == gen.transfer_id
@@ -166,11 +167,33 @@ BAD_BODIES = [
     ("max_tokens zero", {"prompt": "hi", "max_tokens": 0}),
     ("max_tokens over limit", {"prompt": "hi", "max_tokens": 10_000}),
     ("max_tokens string", {"prompt": "hi", "max_tokens": "4"}),
-    ("temperature", {"prompt": "hi", "temperature": 0.7}),
+    ("temperature negative", {"prompt": "hi", "temperature": -0.5}),
+    ("temperature string", {"prompt": "hi", "temperature": "hot"}),
+    ("top_p zero", {"prompt": "hi", "top_p": 0}),
+    ("top_k float", {"prompt": "hi", "top_k": 1.5}),
+    ("min_p above one", {"prompt": "hi", "min_p": 2}),
+    ("seed string", {"prompt": "hi", "seed": "7"}),
+    ("presence penalty", {"prompt": "hi", "presence_penalty": 3}),
+    ("frequency penalty", {"prompt": "hi", "frequency_penalty": -2.5}),
+    ("logit_bias list", {"prompt": "hi", "logit_bias": [1, 2]}),
+    ("logit_bias key", {"prompt": "hi", "logit_bias": {"a": 1}}),
+    ("logit_bias id", {"prompt": "hi", "logit_bias": {"999": 1}}),
+    ("logit_bias value", {"prompt": "hi", "logit_bias": {"5": 101}}),
+    ("stop number", {"prompt": "hi", "stop": 5}),
+    ("stop empty", {"prompt": "hi", "stop": [""]}),
+    ("min_tokens over max", {"prompt": "hi", "max_tokens": 2, "min_tokens": 3}),
+    ("logprobs too many", {"prompt": "hi", "logprobs": 21}),
+    ("logprobs bool", {"prompt": "hi", "logprobs": True}),
+    ("echo with logprobs", {"prompt": "hi", "echo": True, "logprobs": 1}),
+    ("n zero", {"prompt": "hi", "n": 0}),
+    ("n too many", {"prompt": "hi", "n": 17}),
+    ("best_of", {"prompt": "hi", "best_of": 3}),
+    ("suffix", {"prompt": "hi", "suffix": "x"}),
+    ("repetition penalty", {"prompt": "hi", "repetition_penalty": 1.2}),
+    ("stream_options", {"prompt": "hi", "stream": True, "stream_options": 1}),
     ("stream not bool", {"prompt": "hi", "stream": "yes"}),
     ("stop ids wrong type", {"prompt": "hi", "stop_token_ids": "a"}),
     ("stop id outside vocab", {"prompt": "hi", "stop_token_ids": [999]}),
-    ("n > 1", {"prompt": "hi", "n": 2}),
 ]
 
 
@@ -366,11 +389,11 @@ def test_router_process_control(tmp_path, how):
         ident, payload = control.recv_multipart()
         ready = m.DEC_CONTROL.decode(payload)
         assert isinstance(ready, m.Ready) and ready.name == "router" and ready.pid == proc.pid
-        assert ready.info["url"] == f"http://127.0.0.1:{port}"
+        assert ready.url == f"http://127.0.0.1:{port}"
 
         async def health():
             async with aiohttp.ClientSession() as s:
-                return (await s.get(f"{ready.info['url']}/health")).status
+                return (await s.get(f"{ready.url}/health")).status
         assert run(health()) == 200
 
         control.send_multipart([ident, m.encode(m.Ping())])
@@ -387,3 +410,83 @@ def test_router_process_control(tmp_path, how):
             proc.kill()
             proc.wait(5)
         control.close(0)
+
+
+def test_push_first_logprob_comes_from_prefill_even_when_late(tmp_path):
+    """D's first token waits for P's logprob of it; the client gets one entry per token."""
+    d_sent_first = threading.Event()
+    lp = lambda v: m.TokenLogprob(v, (65, 66), (v, v - 1))  # noqa: E731
+
+    def p_script(g):
+        assert g.sampling is not None and g.sampling.logprobs == 2
+        return [(d_sent_first, m.TokensGenerated(g.transfer_id, 0, (65,), logprobs=(lp(-0.1),))),
+                (d_sent_first, m.PrefillFinished(g.transfer_id, 0, 65, None, ()))]
+
+    def d_script(g):
+        d_sent_first.set()
+        return [(None, tokens(g, [65])),
+                (None, msgspec.structs.replace(tokens(g, [66], True, "length"), logprobs=(lp(-0.2),)))]
+
+    async def body():
+        cfg = make_cfg(tmp_path, "push")
+        async with Harness(cfg, {"prefill": p_script, "decode": d_script}) as h:
+            r = await h.http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "logprobs": 2})
+            out = await r.json()
+            c = out["choices"][0]
+            assert c["text"] == "AB" and c["token_ids"] == [65, 66]
+            assert c["logprobs"]["token_logprobs"] == pytest.approx([-0.1, -0.2])
+            assert c["logprobs"]["top_logprobs"] == [{"A": pytest.approx(-0.1), "B": pytest.approx(-1.1)},
+                                                     {"A": pytest.approx(-0.2), "B": pytest.approx(-1.2)}]
+    run(body())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_ends_the_request_and_aborts_its_legs(tmp_path, stream):
+    """"end" arrives over three tokens; text stops before it and D's leg is aborted at once."""
+    never = threading.Event()
+
+    def p_script(g):
+        return [(None, m.PrefillFinished(g.transfer_id, 0, 104, None, ()))]
+
+    def d_script(g):
+        return [(None, tokens(g, [i])) for i in b"hi en"] + [(None, tokens(g, [100])), (never, tokens(g, [33], True))]
+
+    async def body():
+        cfg = make_cfg(tmp_path, "push")
+        async with Harness(cfg, {"prefill": p_script, "decode": d_script}) as h:
+            r = await h.http.post("/v1/completions", json={"prompt": [1], "max_tokens": 9, "stop": ["end", "x"],
+                                                           "stream": stream})
+            if stream:
+                ev = await read_sse(r)
+                text = "".join(e["choices"][0]["text"] for e in ev[:-1])
+                reason = ev[-2]["choices"][0]["finish_reason"]
+            else:
+                out = await r.json()
+                text, reason = out["choices"][0]["text"], out["choices"][0]["finish_reason"]
+            assert (text, reason) == ("hi ", "stop")
+            await h.wait_abort("decode")
+            never.set()
+    run(body())
+
+
+def test_chat_stream_shape_n2_and_usage(tmp_path):
+    async def body():
+        cfg = make_cfg(tmp_path, "local")
+        script = local_script([[228, 189], [160], [33]])  # "你" split over two messages, then "!"
+        async with Harness(cfg, {"local": script}) as h:
+            r = await h.http.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "n": 2, "stream": True,
+                "stream_options": {"include_usage": True}, "temperature": 1, "seed": 5})
+            ev = await read_sse(r)
+            assert ev[-1] == "[DONE]" and ev[-2]["choices"] == [] and ev[-2]["usage"]["completion_tokens"] == 8
+            gens = h.log.received("local", m.Generate)
+            assert len(gens) == 2 and len({g.transfer_id for g in gens}) == 2
+            assert len({g.sampling.seed for g in gens}) == 2  # each choice its own stream
+            assert gens[0].prompt_token_ids == tuple(b"user: hi\nassistant:")
+            for i in (0, 1):
+                mine = [e["choices"][0] for e in ev[:-2] if e["choices"][0]["index"] == i]
+                assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+                assert [c["delta"].get("content") for c in mine[1:]] == ["", "你", "!", None]
+                assert mine[-1]["finish_reason"] == "length"
+            assert all(e["object"] == "chat.completion.chunk" and e["id"].startswith("chatcmpl-") for e in ev[:-1])
+    run(body())

@@ -18,6 +18,7 @@ import pytest
 import zmq
 
 from processes import cli
+from pushkv import messages as m
 from pushkv.config import DeploymentConfig, InstanceConfig, preset
 from pushkv.supervisor import commands as c
 from pushkv.supervisor import lifecycle, registry
@@ -112,22 +113,23 @@ def test_process_specs_needs_plan():
         process_specs(DeploymentConfig())
 
 
-@pytest.mark.parametrize("name, event, topic", [
-    ("decode-writer-0", "exit", "pushkv.decode.writer.exit"),
-    ("prefill-worker-3", "restart", "pushkv.prefill.worker.restart"),
-    ("local-scheduler", "ready", "pushkv.local.scheduler.ready"),
-    ("router", "ready", "pushkv.router.ready"),
+@pytest.mark.parametrize("role, kind, rank, event, topic", [
+    ("decode", "writer", 0, "exit", "pushkv.decode.writer.exit"),
+    ("prefill", "worker", 3, "restart", "pushkv.prefill.worker.restart"),
+    ("local", "scheduler", 0, "ready", "pushkv.local.scheduler.ready"),
+    ("", "router", 0, "ready", "pushkv.router.ready"),
 ])
-def test_event_topic(name, event, topic):
-    assert event_topic(name, event) == topic
+def test_event_topic(role, kind, rank, event, topic):
+    spec = ProcessSpec(name="any-name", kind=kind, role=role, rank=rank, argv=("x",), stage=0)
+    assert event_topic(spec, event) == topic
 
 
 # ---------------------------------------------------------------------------
 # process table (pure)
 # ---------------------------------------------------------------------------
 def spec(name="decode-writer-0", stage=0):
-    kind = name.split("-")[1] if "-" in name else name
-    return ProcessSpec(name=name, kind=kind, role=name.split("-")[0], rank=0, argv=("x",), stage=stage)
+    role, kind = name.split("-")[:2] if "-" in name else ("", name)  # test names only; the plan types them
+    return ProcessSpec(name=name, kind=kind, role=role, rank=0, argv=("x",), stage=stage)
 
 
 LEGAL = [
@@ -165,16 +167,18 @@ def test_table_lifecycle_restart_counts_and_health():
     t = ProcessTable([spec("decode-writer-0", 0), spec("router", 3)])
     t.spawned("decode-writer-0", 11, now=0.0, wall=100.0)
     assert not t.all_ready(0)
-    t.ready("decode-writer-0", b"id1", {"k": "v"}, now=1.0)
+    said = m.Ready("decode-writer-0", 11, agent="a")
+    t.ready("decode-writer-0", b"id1", said, now=1.0)
     assert t.all_ready(0) and not t.all_ready()
     row = t["decode-writer-0"]
+    assert row.ready is said
     assert row.healthy(5.0, timeout_s=10) and not row.healthy(12.0, timeout_s=10)
     t.pong("decode-writer-0", 11.0)
     assert row.healthy(12.0, timeout_s=10)
     t.exited("decode-writer-0", -9)
     assert row.identity is None and row.exit_code == -9 and not row.healthy(12.0)
     t.spawned("decode-writer-0", 12, now=20.0, wall=120.0)
-    assert row.restarts == 1 and row.pid == 12 and row.exit_code is None
+    assert row.restarts == 1 and row.pid == 12 and row.exit_code is None and row.ready is None
     assert t.by_pid(12) is row
 
 
@@ -194,7 +198,7 @@ class FakeCtx:
     def __init__(self):
         self.table = ProcessTable([spec("decode-writer-0", 0), spec("router", 3)])
         self.table.spawned("decode-writer-0", 11, now=0.0, wall=0.0)
-        self.table.ready("decode-writer-0", b"i", {}, now=0.5)
+        self.table.ready("decode-writer-0", b"i", m.Ready("decode-writer-0", 11), now=0.5)
         self.stopped = None
         self.restarted = []
 
@@ -212,9 +216,9 @@ class FakeCtx:
 
 
 def run_cmd(ctx, command, now=2.0, **args):
-    reply = c.dispatch(ctx, c.ControlCommand(command=command, args=args), now)
+    reply = c.dispatch(ctx, m.ControlCommand(command=command, args=args), now)
     # every reply survives the wire
-    assert c.DEC_REPLY.decode(msgspec.msgpack.encode(reply)) == reply
+    assert m.DEC_REPLY.decode(msgspec.msgpack.encode(reply)) == reply
     return reply
 
 
@@ -312,7 +316,7 @@ class Deployment:
         (rec,) = registry.list_records(self.reg_dir)
         return rec
 
-    def status(self) -> dict[str, c.ProcessInfo]:
+    def status(self) -> dict[str, m.ProcessInfo]:
         reply = c.ask(self.record().control_endpoint, "status")
         assert reply.status == c.OK
         return {p.name: p for p in reply.processes}
@@ -344,11 +348,11 @@ def deployments(tmp_path):
         if lifecycle.pid_alive(pid) and not _is_zombie(pid):
             leaks.append(f"child {pid}")
             os.kill(pid, signal.SIGKILL)
-    shm = [p for p in os.listdir("/dev/shm") if p.startswith("pushkv-")]
+    shm = [p for i in _ids(made) for p in lifecycle.shm_leftovers(i)]
     for rec in registry.list_records(str(tmp_path / "reg")):
         lifecycle.cleanup(rec.deployment_id, rec.run_dir)
     assert not leaks, leaks
-    assert not [p for p in shm if any(p.startswith(f"pushkv-{i}-") for i in _ids(made))], shm
+    assert not shm, shm
 
 
 def _ids(made):
@@ -366,7 +370,7 @@ def _is_zombie(pid: int) -> bool:
         return True
 
 
-def _track(d: Deployment) -> dict[str, c.ProcessInfo]:
+def _track(d: Deployment) -> dict[str, m.ProcessInfo]:
     st = d.status()
     for p in st.values():
         d.track(p.pid)
@@ -425,7 +429,7 @@ def _subscribe(endpoint: str) -> zmq.Socket:
     return sub
 
 
-def _next_event(sub: zmq.Socket, want_topic: str, timeout=15.0) -> c.LifecycleEvent:
+def _next_event(sub: zmq.Socket, want_topic: str, timeout=15.0) -> m.LifecycleEvent:
     deadline = time.monotonic() + timeout
     while True:
         left = deadline - time.monotonic()
@@ -433,7 +437,7 @@ def _next_event(sub: zmq.Socket, want_topic: str, timeout=15.0) -> c.LifecycleEv
         if sub.poll(int(left * 1000)):
             topic, payload = sub.recv_multipart()
             if topic.decode() == want_topic:
-                return c.DEC_EVENT.decode(payload)
+                return m.DEC_EVENT.decode(payload)
 
 
 @pytest.mark.timeout(60)

@@ -5,7 +5,6 @@ Checks the KV bytes directly: after the push, D's blocks equal P's.
 import os
 import time
 
-import numpy as np
 import pytest
 import torch
 
@@ -31,9 +30,7 @@ def wait_counter(sock, name: str, at_least: int, timeout_s: float = 20.0) -> Non
 def pool_of(cfg, role, kids):
     inst = cfg.instance(role)
     lay = L.layout_for(cfg.model, inst.tp, 0, inst.num_blocks, inst.block_size)
-    h = m.PoolHandle("shm", kids.info[f"{role}-writer-0"]["pool"], L.pool_bytes(lay),
-                     cfg.model.dtype, L.pool_shape(lay))
-    return attach_pool(h, lay), lay
+    return attach_pool(kids.ready[f"{role}-writer-0"].pool, lay), lay
 
 
 @pytest.fixture(scope="module", params=["prepared", "ad-hoc"])

@@ -15,8 +15,10 @@ for step in "$@"; do
   case "$step" in
     demo) timeout 240 python3 -m tools.demo --device cuda --model small --num-blocks 4096 \
             --prompt-len 16 1024 4096 2>&1 | tee "$OUT/demo.txt" ;;
-    transfer) timeout 300 python3 -m tools.transfer_report --device cuda --model "${MODEL:-medium}" \
-            --lengths 1024 4096 16384 --out "$OUT/transfer_gpu.json" 2>&1 | tee "$OUT/transfer.txt" ;;
+    transfer) timeout 200 python3 -m tools.transfer_report ${XFER_DEV:---device cuda} --model "${MODEL:-medium}" \
+            --lengths 64 1024 4096 16384 --out "$OUT/transfer_gpu.json" 2>&1 | tail -9 | tee "$OUT/transfer.txt"
+            timeout 150 python3 -m tools.transfer_report --writers-only --post-cost ${XFER_DEV:---device cuda} \
+            --sizes-mib 1 4 16 64 256 1024 --out "$OUT/transfer_writers.json" 2>&1 | tail -25 | tee -a "$OUT/transfer.txt" ;;
     sweep) timeout 480 python3 -m tools.sweep --result-dir "$OUT/sweep" --up-args "--device cuda --model medium --num-blocks 8192" \
             ${SWEEP_ARGS:-} > "$OUT/sweep.log" 2>&1; tail -3 "$OUT/sweep.log"
            python3 -m tools.stages "$OUT/sweep" | tee "$OUT/stages.txt"
@@ -44,6 +46,15 @@ with launched('--mode', '$mode', '--device', 'cuda', '--model', 'medium', '--num
             2>&1 | tee "$OUT/gputests.txt" | tail -15 ;;
     roofline) timeout 600 python3 -m tools.roofline --model "${MODEL:-qwen3-8b}" ${ROOFLINE_ARGS:-} \
             --out "$OUT/roofline.json" 2>&1 | tee "$OUT/roofline.txt" ;;
+    sweep8b) # P and D share GPU 0 when only one is lent (say so in the results); SWEEP_MODES picks modes
+           timeout 560 python3 -m tools.sweep --result-dir "$OUT/sweep8b" --modes ${SWEEP_MODES:-push pull-inline} \
+             --inputs ${SWEEP_INPUTS:-4096 8192 16384} --qps ${SWEEP_QPS:-1 2 4} --num-prompts ${SWEEP_N:-12} \
+             --output-len 256 --warmup 1 --health-timeout 240 \
+             --up-args "--model qwen3-8b ${SWEEP_DEV:---device cuda} --num-blocks ${SWEEP_BLOCKS:-12000} --max-num-seqs 64 --max-batch-tokens 16384 ${SWEEP_UP:-}" \
+             > "$OUT/sweep8b.log" 2>&1; tail -3 "$OUT/sweep8b.log"
+           python3 -m tools.stages "$OUT/sweep8b" | tee "$OUT/stages8b.txt"
+           python3 -m tools.plot "$OUT/sweep8b" --out "$OUT/sweep8b.png" 2>&1 | tee "$OUT/table8b.txt"
+           (cd "$OUT" && tar czf sweep8b_json.tgz sweep8b) ;;
     attntune) timeout 300 python3 -m tools.attn_tune 2>&1 | tee "$OUT/attn_tune.txt" ;;
     *) echo "unknown step $step" ;;
   esac

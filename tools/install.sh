@@ -1,12 +1,51 @@
 #!/usr/bin/env bash
 # Install pushkv and everything it needs into ./.venv, from nothing.
-# torch is pinned to the CPU wheel first so that nixl's own torch requirement
-# does not pull a multi-GB CUDA build onto a CPU machine.
+#
+# torch is installed first, on its own, so that nixl's torch requirement is already
+# met and pulls nothing. Which build (README "Install"):
+#   PUSHKV_TORCH=cpu   (default) torch==$PUSHKV_TORCH_VERSION+cpu, the CPU-only wheel: from a
+#                      source pip is already configured with (a local wheel directory, a
+#                      mirror), else from the PyTorch CPU index. Never a CUDA build: the
+#                      "+cpu" local version exists only there.
+#   PUSHKV_TORCH=cuda  torch==$PUSHKV_TORCH_VERSION as PyPI ships it for Linux x86-64 (a CUDA
+#                      build, several GB with its nvidia-* wheels); PUSHKV_TORCH_INDEX picks
+#                      another CUDA build, e.g. https://download.pytorch.org/whl/cu130
+#   PUSHKV_TORCH=keep  use the torch already in the venv (or fail if there is none)
+#   PUSHKV_TORCH_VERSION  default 2.13.0
+#   PUSHKV_TORCH_INDEX    for cpu: the index to fetch the +cpu wheel from when pip's own
+#                         configuration has none (default https://download.pytorch.org/whl/cpu)
+#   PYTHON                the interpreter for the venv (default python3; needs >= 3.11)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+TORCH=${PUSHKV_TORCH:-cpu}
+VER=${PUSHKV_TORCH_VERSION:-2.13.0}
+"$PY" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)' || {
+  echo "pushkv needs Python >= 3.11 (tomllib, asyncio.timeout); $("$PY" -V 2>&1) found. Set PYTHON=python3.11 or newer." >&2
+  exit 2; }
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip >/dev/null
-.venv/bin/python -m pip install -q "torch==${PUSHKV_TORCH:-2.13.0}"
-.venv/bin/python -m pip install -q -e ".[test,bench]"
-.venv/bin/python -c "import torch, nixl._api, zmq, msgspec, aiohttp; print('pushkv deps ok: torch', torch.__version__)"
+PIP=(.venv/bin/python -m pip)
+"${PIP[@]}" install -q --upgrade pip >/dev/null
+case "$TORCH" in
+  cpu)
+    if [ -n "${PUSHKV_TORCH_INDEX:-}" ]; then
+      "${PIP[@]}" install -q --extra-index-url "$PUSHKV_TORCH_INDEX" "torch==$VER+cpu"
+    elif ! "${PIP[@]}" install -q "torch==$VER+cpu" 2>/dev/null; then
+      echo "no configured pip source has torch $VER+cpu; fetching it from the PyTorch CPU index" >&2
+      "${PIP[@]}" install -q --extra-index-url https://download.pytorch.org/whl/cpu "torch==$VER+cpu"
+    fi ;;
+  cuda)
+    "${PIP[@]}" install -q ${PUSHKV_TORCH_INDEX:+--index-url "$PUSHKV_TORCH_INDEX"} "torch==$VER" ;;
+  keep) ;;
+  *) echo "PUSHKV_TORCH must be cpu, cuda or keep (got '$TORCH')" >&2; exit 2 ;;
+esac
+"${PIP[@]}" install -q -e ".[test,bench]"
+.venv/bin/python - "$TORCH" <<'PYEOF'
+import sys
+import torch, nixl._api, zmq, msgspec, aiohttp  # noqa: F401
+want = sys.argv[1]
+cuda = torch.version.cuda
+if want == "cpu" and cuda:
+    sys.exit(f"asked for the CPU build, got torch {torch.__version__} (CUDA {cuda})")
+print(f"pushkv deps ok: torch {torch.__version__} ({'CUDA ' + cuda if cuda else 'CPU only'})")
+PYEOF

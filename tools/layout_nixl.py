@@ -20,6 +20,7 @@ from pushkv.kv import layout as L
 from pushkv.protocol.mapping import map_transfer
 from pushkv.protocol.tp import head_overlap, producers_for
 from pushkv.transport.nixl_agent import NixlAgent
+from tools.fragment import fragmented_table
 
 DONE_TIMEOUT_S = 60.0
 
@@ -67,8 +68,6 @@ def _regions(combo, n: int, p_tables, d_tables, num_blocks: int, planned: bool =
 def time_writes(combo, n: int, num_blocks: int, reps: int = 3,
                 devices: tuple[str, str] = ("cpu", "cpu")) -> dict:
     """``devices``: where P's and D's pools live (``cuda:N`` for GPU memory)."""
-    from tools.layout_report import fragmented_table
-
     nbp, nbd = L.blocks_for(n, combo.p_bs), L.blocks_for(n, combo.d_bs)
     num_blocks = max(num_blocks, 6 * max(nbp, nbd) + 8)
     fresh = (list(range(nbp)), list(range(nbd)))

@@ -20,19 +20,18 @@ import os
 import random
 import statistics
 import sys
-import time
 from dataclasses import asdict, dataclass
 from typing import Optional
 
 import torch
 
-from pushkv.config import DeploymentConfig, InstanceConfig, preset
+from pushkv.config import SHM_DIR, DeploymentConfig, InstanceConfig, preset, shm_name
 from pushkv.kv import layout as L
-from pushkv.kv.pool import SHM_DIR, attach_pool
+from pushkv.kv.pool import attach_pool
 from pushkv.messages import PoolHandle
-from pushkv.protocol.allocator import BlockAllocator
 from pushkv.protocol.mapping import map_transfer
 from pushkv.protocol.tp import consumers_for, head_overlap, producer_of, producers_for, rank_heads
+from tools.fragment import fragmented_table
 
 
 @dataclass(frozen=True)
@@ -94,7 +93,7 @@ def prompt(n: int, seed: int) -> list[int]:
 # --------------------------------------------------------------------------- pools
 def pool_path(dep_id: str, role: str, rank: int) -> str:
     """The writer's live pool segment (named per writer incarnation)."""
-    base = os.path.join(SHM_DIR, f"pushkv-{dep_id}-{role}-{rank}")
+    base = os.path.join(SHM_DIR, shm_name(dep_id, role, rank))
     found = [p for p in glob.glob(base) + glob.glob(base + "-*") if not p.endswith(".init")]
     if len(found) != 1:
         raise RuntimeError(f"expected one pool segment for {role} rank {rank}, found {found}")
@@ -183,25 +182,13 @@ def rank_counters(stats, name: str, tp: int) -> list[int]:
     return [stats.counters.get(f"writer.{r}.{name}", 0) for r in range(tp)]
 
 
-def wait_pools_free(dep, timeout_s: float = 30.0) -> None:
-    """Every block of both instances back (no request in flight)."""
-    end = time.monotonic() + timeout_s
-    while True:
-        st = [dep.stats(r) for r in dep.roles()]
-        if all(s.free_blocks == s.num_blocks and s.running == 0 and s.waiting == 0 for s in st):
-            return
-        if time.monotonic() > end:
-            raise AssertionError(f"blocks not returned: {st}")
-        time.sleep(0.05)  # polling a remote counter
-
-
 def measured(dep, combo: Combo, toks: list[int], max_tokens: int, check_kv: bool = True) -> dict:
     """One request on idle pools: tokens, transfer stats, per-rank notifications, KV check."""
-    wait_pools_free(dep)  # every block free: the allocator hands out 0..n-1 on both sides
+    dep.wait_pools_free()  # every block free: the allocator hands out 0..n-1 on both sides
     side = "prefill" if combo.mode == "push" else "decode"  # who measured the transfer
     p0, d0 = dep.stats("prefill"), dep.stats("decode")
     out = dep.tokens(toks, max_tokens)
-    wait_pools_free(dep)
+    dep.wait_pools_free()
     p1, d1 = dep.stats("prefill"), dep.stats("decode")
     kv = delta((p0 if side == "prefill" else d0).counters, (p1 if side == "prefill" else d1).counters)
     n = len(toks)
@@ -227,19 +214,6 @@ def expected_notifs(combo: Combo) -> tuple[list[int], list[int]]:
     posts = [len(consumers_for(p, combo.p_tp, combo.d_tp, total)) for p in range(combo.p_tp)]
     notifs = [len(producers_for(d, combo.d_tp, combo.p_tp, total)) for d in range(combo.d_tp)]
     return posts, notifs
-
-
-# ------------------------------------------------------------------- fragmentation
-def fragmented_table(num_blocks: int, run: int, need: int) -> list[int]:
-    """Block ids a real allocator hands out when only runs of ``run`` blocks are free."""
-    a = BlockAllocator(num_blocks)
-    held = [a.allocate(run) for _ in range(num_blocks // run)]
-    for h in held[::2]:
-        a.free(h)
-    ids = a.allocate(need)
-    if ids is None:
-        raise ValueError(f"{need} blocks do not fit a pool of {num_blocks} half free in runs of {run}")
-    return ids
 
 
 def mapped_descs(combo: Combo, n: int, fragmented: bool, num_blocks: int) -> tuple[int, int, int]:

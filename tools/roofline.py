@@ -71,6 +71,34 @@ def prefill_flops(c: dict, L: int) -> float:
     return 2 * c["matmul_params"] * L + 2 * c["head_params"] + 2 * L * L * c["attn_width"]
 
 
+def plot(json_path: str, out_png: str) -> None:
+    """Decode step time against its bound per (batch, context), and prefill TFLOP/s."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(json_path) as f:
+        res = json.load(f)
+    dec = [r for r in res["rows"] if r["kind"] == "decode"]
+    pre = [r for r in res["rows"] if r["kind"] == "prefill"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ctx in sorted({r["ctx"] for r in dec}):
+        rs = [r for r in dec if r["ctx"] == ctx]
+        line, = a.plot([r["batch"] for r in rs], [r["graph_s"] * 1e3 for r in rs], "o-", label=f"{ctx} ctx")
+        a.plot([r["batch"] for r in rs], [r["bound_s"] * 1e3 for r in rs], "--", color=line.get_color())
+    a.set(xscale="log", xlabel="decode batch", ylabel="step ms", title="decode step (solid) vs bound (dashed)")
+    a.legend()
+    b.bar([str(r["tokens"]) for r in pre], [r["flops"] / r["s"] / 1e12 for r in pre])
+    b.axhline(res["matmul_flops"] / 1e12, color="k", ls="--", label="measured bf16 matmul")
+    b.set(xlabel="prefill tokens", ylabel="TFLOP/s", title="prefill throughput")
+    b.legend()
+    fig.suptitle(f"{res['model']} on {res['gpu']}: copy {res['copy_Bps'] / 1e9:.0f} GB/s, "
+                 f"matmul {res['matmul_flops'] / 1e12:.0f} TFLOP/s (measured in the same run)")
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="pushkv-roofline", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen3-8b")
@@ -81,7 +109,12 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--mem-frac", type=float, default=0.85, help="of free memory the pool may take")
     ap.add_argument("--out", help="JSON results")
+    ap.add_argument("--plot", metavar="JSON", help="only plot a saved JSON (to --png) and exit")
+    ap.add_argument("--png", default="roofline.png")
     args = ap.parse_args(argv)
+    if args.plot:
+        plot(args.plot, args.png)
+        return 0
     dev = torch.device("cuda")
     bw, rate = copy_bandwidth(dev), matmul_rate(dev)
     print(f"{torch.cuda.get_device_name(dev)}: copy {bw / 1e9:.0f} GB/s (read+write), "

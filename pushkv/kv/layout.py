@@ -184,11 +184,27 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 # ------------------------------------------------------------------- choosing
+def rank_heads(tp: int, rank: int, total_kv_heads: int) -> tuple[int, int]:
+    """``(first global head, count)`` held by ``rank`` of a ``tp``-way instance."""
+    if tp < 1 or total_kv_heads < 1:
+        raise ValueError(f"tp ({tp}) and total_kv_heads ({total_kv_heads}) must be >= 1")
+    if not 0 <= rank < tp:
+        raise ValueError(f"rank {rank} out of range for tp={tp}")
+    if tp <= total_kv_heads:
+        if total_kv_heads % tp:
+            raise ValueError(f"tp={tp} does not divide total_kv_heads={total_kv_heads}")
+        per = total_kv_heads // tp
+        return rank * per, per
+    if tp % total_kv_heads:
+        raise ValueError(
+            f"tp={tp} > total_kv_heads={total_kv_heads} needs tp to be a multiple of it"
+        )
+    return rank * total_kv_heads // tp, 1
+
+
 def layout_for(model, tp: int, rank: int, num_blocks: int, block_size: int,
                sub_block: int = 0, head_group: int = 0) -> KVLayout:
     """This rank's pool layout for a ModelConfig (no weights needed)."""
-    from pushkv.protocol.tp import rank_heads
-
     total = model.cache_kv_heads
     head_start, kv_heads = rank_heads(tp, rank, total)
     if sub_block and (sub_block < 1 or block_size % sub_block):
@@ -212,8 +228,6 @@ def transfer_geometry(cfg) -> tuple[int, int]:
     and head group that tile both sides' blocks and both sides' per-rank heads, so every
     (P rank, D rank) transfer is whole regions (gcd of the block sizes; gcd of the local
     head counts)."""
-    from pushkv.protocol.tp import rank_heads
-
     total = cfg.model.cache_kv_heads
     hp = rank_heads(cfg.prefill.tp, 0, total)[1]
     hd = rank_heads(cfg.decode.tp, 0, total)[1]

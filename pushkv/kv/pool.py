@@ -1,15 +1,17 @@
 """KV pool memory: the writer allocates and owns it, the worker maps it.
 
-CPU: a file in /dev/shm named ``pushkv-<deployment>-<role>-<rank>`` mapped by
-both processes (the supervisor unlinks leftovers by that prefix). GPU (later):
-the writer allocates with torch on its device and exports a CUDA IPC handle;
-``PoolHandle.kind`` says which.
+CPU (``PoolHandle.kind == "shm"``): a file in /dev/shm named
+``pushkv-<deployment>-<role>-<rank>-<writer pid>`` mapped by both processes (the
+supervisor unlinks leftovers by that prefix). GPU (``"cuda_ipc"``): the writer
+allocates the pool with torch on its device (NIXL registers that as VRAM) and
+exports torch's CUDA IPC handle fields in ``PoolHandle.ipc``; the worker opens
+them. The handle reaches the worker through the supervisor (``kv.handle``).
 """
 from __future__ import annotations
 
-import base64
 import mmap
 import os
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -17,18 +19,13 @@ import msgspec
 import numpy as np
 import torch
 
+from pushkv.config import SHM_DIR, shm_name  # noqa: F401  (shm_name: the pool's users name it from here)
+from pushkv.dtypes import TORCH_DTYPES
 from pushkv.kv import layout as L
+from pushkv.kv.handle import POOL_ENV, handle_from_env
 from pushkv.messages import KVLayoutDesc, PoolHandle
 
-SHM_DIR = "/dev/shm"
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def shm_name(deployment_id: str, role: str, rank: int, incarnation: int = 0) -> str:
-    """Pool segment name; ``incarnation`` (the writer's pid) keeps a restarted
-    writer's pool apart from a dead predecessor's, which a worker may still map."""
-    base = f"pushkv-{deployment_id}-{role}-{rank}"
-    return f"{base}-{incarnation}" if incarnation else base
+POOL_WAIT_S = 60.0  # a worker waits this long for its writer's pool to appear
 
 
 @dataclass
@@ -85,7 +82,8 @@ def create_pool(name: str, lay: KVLayoutDesc, dtype: str, device: str = "cpu") -
         # (an imported CUDA IPC view registers as host memory or crawls)
         t = torch.zeros(L.pool_shape(lay), dtype=TORCH_DTYPES[dtype], device=device)
         torch.cuda.synchronize(t.device)
-        handle = PoolHandle(kind="cuda_ipc", name=_export_cuda(t), nbytes=nbytes, dtype=dtype, shape=tuple(t.shape))
+        handle = PoolHandle(kind="cuda_ipc", name="", nbytes=nbytes, dtype=dtype, shape=tuple(t.shape),
+                            ipc=_export_cuda(t))
         return Pool(handle=handle, tensor=t, base_addr=t.data_ptr(), owner=True)
     path = os.path.join(SHM_DIR, name)
     tmp = path + ".init"
@@ -97,13 +95,9 @@ def create_pool(name: str, lay: KVLayoutDesc, dtype: str, device: str = "cpu") -
     return Pool(handle=handle, tensor=t, base_addr=addr, owner=True, _mm=mm)
 
 
-CUDA_PREFIX = "cuda_ipc:"
-
-
-def _export_cuda(t: torch.Tensor) -> str:
-    """A printable CUDA IPC handle of ``t``'s storage (msgpack, base64; no pickle)."""
-    fields = t.untyped_storage()._share_cuda_()
-    return CUDA_PREFIX + base64.b64encode(msgspec.msgpack.encode(list(fields))).decode()
+def _export_cuda(t: torch.Tensor) -> bytes:
+    """The CUDA IPC handle fields of ``t``'s storage, msgpack-encoded (no pickle)."""
+    return msgspec.msgpack.encode(list(t.untyped_storage()._share_cuda_()))
 
 
 def _contiguous_strides(shape) -> tuple[int, ...]:
@@ -114,24 +108,49 @@ def _contiguous_strides(shape) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _attach_cuda(spec: str, lay: KVLayoutDesc, dtype: str) -> Pool:
-    fields = msgspec.msgpack.decode(base64.b64decode(spec[len(CUDA_PREFIX):]))
-    dev = int(fields[0])
-    torch.cuda.set_device(dev)
+def _attach_cuda(handle: PoolHandle, lay: KVLayoutDesc) -> Pool:
+    fields = msgspec.msgpack.decode(handle.ipc)
+    torch.cuda.set_device(int(fields[0]))
     storage = torch.UntypedStorage._new_shared_cuda(*fields)
-    typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=TORCH_DTYPES[dtype], _internal=True)
+    typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=TORCH_DTYPES[handle.dtype], _internal=True)
     shape = L.pool_shape(lay)
     t = torch._utils._rebuild_tensor(typed, 0, shape, _contiguous_strides(shape))
-    handle = PoolHandle(kind="cuda_ipc", name=spec, nbytes=L.pool_bytes(lay), dtype=dtype, shape=shape)
     return Pool(handle=handle, tensor=t, base_addr=t.data_ptr(), owner=False)
 
 
 def attach_pool(handle: PoolHandle, lay: KVLayoutDesc) -> Pool:
     """Map a pool another process owns (worker side, or tests)."""
+    want = L.pool_bytes(lay)
+    if handle.nbytes != want or tuple(handle.shape) != L.pool_shape(lay):
+        raise ValueError(f"pool {handle.name or handle.kind} is {handle.nbytes} B shaped {tuple(handle.shape)}; "
+                         f"this layout needs {want} B shaped {L.pool_shape(lay)}")
+    if handle.dtype not in TORCH_DTYPES:
+        raise ValueError(f"pool dtype {handle.dtype!r} unknown (known: {sorted(TORCH_DTYPES)})")
     if handle.kind == "cuda_ipc":
-        return _attach_cuda(handle.name, lay, handle.dtype)
+        if not handle.ipc:
+            raise ValueError("cuda_ipc pool handle without its IPC handle")
+        return _attach_cuda(handle, lay)
     if handle.kind != "shm":
         raise NotImplementedError(f"pool kind {handle.kind!r} is not supported on this build")
     mm = _map_file(handle.name, handle.nbytes, create=False)
     t, addr = _view(mm, lay, handle.dtype)
     return Pool(handle=handle, tensor=t, base_addr=addr, owner=False, _mm=mm)
+
+
+def attach_worker_pool(env: dict, deployment_id: str, role: str, rank: int, lay: KVLayoutDesc, dtype: str,
+                       wait_s: float = POOL_WAIT_S) -> Pool:
+    """The pool a worker maps: the handle the supervisor passed (``POOL_ENV``), else the
+    writer's un-numbered segment (children started without a supervisor). A CPU pool
+    appears atomically (renamed when complete); wait for it."""
+    if env.get(POOL_ENV):
+        handle = handle_from_env(env[POOL_ENV])
+    else:
+        handle = PoolHandle("shm", os.path.join(SHM_DIR, shm_name(deployment_id, role, rank)),
+                            L.pool_bytes(lay), dtype, L.pool_shape(lay))
+    if handle.kind == "shm":
+        deadline = time.monotonic() + wait_s
+        while not os.path.exists(handle.name):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"KV pool {handle.name} did not appear within {wait_s:.0f}s (writer dead?)")
+            time.sleep(0.02)  # a file, not a socket: nothing to wait on
+    return attach_pool(handle, lay)

@@ -38,6 +38,39 @@ def _window_layers(hf: dict, num_layers: int) -> tuple[int, ...]:
     return ()
 
 
+ROPE_TYPES = ("default",)  # rotary embeddings implemented; scaled variants (linear, llama3, yarn...) are not
+ROPE_THETA_DEFAULT = 10000.0  # what transformers assumes when a config names none
+
+
+def rope_theta_of(hf: dict) -> float:
+    """RoPE base of an HF config, in either form transformers writes: ``rope_theta`` at
+    the top level (transformers 4) or ``rope_parameters: {rope_theta, rope_type}``
+    (transformers 5). A ``rope_type`` other than ``default`` (in ``rope_parameters`` or
+    the older ``rope_scaling``) is refused by name: its frequencies differ from plain RoPE."""
+    params = hf.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        raise ValueError(f"rope_parameters {params!r} is not a mapping")
+    if params and all(isinstance(v, dict) for v in params.values()):  # per layer type
+        distinct = {json.dumps(v, sort_keys=True) for v in params.values()}
+        if len(distinct) > 1:
+            raise ValueError(f"RoPE parameters that differ by layer type are not supported: {params}")
+        params = next(iter(params.values()))
+    for where, p in (("rope_parameters", params), ("rope_scaling", hf.get("rope_scaling") or {})):
+        kind = p.get("rope_type", p.get("type")) if isinstance(p, dict) else p
+        if kind not in (None, *ROPE_TYPES):
+            raise ValueError(f"{where}: rope_type {kind!r} is not implemented (implemented: "
+                             f"{', '.join(ROPE_TYPES)}); its frequencies differ from plain RoPE")
+    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError(f"rope_parameters: partial_rotary_factor {params['partial_rotary_factor']} "
+                         "is not implemented (rotary embedding over the whole head only)")
+    top, nested = hf.get("rope_theta"), params.get("rope_theta")
+    if top is not None and nested is not None and float(top) != float(nested):
+        raise ValueError(f"config.json names two RoPE bases: rope_theta {top} and "
+                         f"rope_parameters.rope_theta {nested}")
+    theta = nested if nested is not None else top
+    return ROPE_THETA_DEFAULT if theta is None else float(theta)
+
+
 def model_config_from_hf(path: str, **overrides) -> ModelConfig:
     """ModelConfig of a local HF checkpoint directory; overrides replace any field
     (e.g. dtype="float32" to run a bf16 checkpoint in float32)."""
@@ -47,9 +80,10 @@ def model_config_from_hf(path: str, **overrides) -> ModelConfig:
     if arch is None:
         raise ValueError(f"unsupported architecture {archs} in {path}; "
                          f"supported: {sorted(ARCHITECTURES)}")
-    scaling = hf.get("rope_scaling")
-    if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-        raise ValueError(f"rope_scaling {scaling} is not supported")
+    try:
+        rope_theta = rope_theta_of(hf)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
     if hf.get("attention_bias") or hf.get("mlp_bias"):
         raise ValueError("attention/MLP biases are not supported")
     if hf.get("hidden_act", "silu") != "silu":
@@ -73,7 +107,7 @@ def model_config_from_hf(path: str, **overrides) -> ModelConfig:
         intermediate_size=hf["intermediate_size"],
         vocab_size=hf["vocab_size"],
         max_position=hf.get("max_position_embeddings", 32768),
-        rope_theta=float(hf.get("rope_theta", 10000.0)),
+        rope_theta=rope_theta,
         rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
         dtype=HF_DTYPES[dtype],
         qk_norm=ARCHITECTURES[arch],

@@ -37,7 +37,13 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A tokenizer.json loaded with the `tokenizers` library."""
+    """A tokenizer.json loaded with the `tokenizers` library.
+
+    Text is encoded as the checkpoint's tokenizer says: its post-processor adds
+    what it adds (a Llama tokenizer's ``<s>``; nothing for Qwen's), as
+    transformers' ``tokenizer(text)`` and vLLM's completions do. Token-id prompts
+    are taken as given.
+    """
 
     def __init__(self, path: str, eos_token_id: int = -1, bos_token_id: int = -1):
         from tokenizers import Tokenizer as _Tok
@@ -58,7 +64,7 @@ class HFTokenizer:
         return -1
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self._tok.encode(text, add_special_tokens=True).ids
 
     def decode(self, ids) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from pushkv.config import ModelConfig
 from pushkv.kv.layout import blocks_for, layout_for
 from pushkv.messages import KVLayoutDesc, SeqWork
+from pushkv.model.sampling import Sampled, sample
 from pushkv.model.shard import ShardPlan
 from pushkv.model.weights import TORCH_DTYPES, LayerWeights, RankWeights
 
@@ -98,9 +99,13 @@ class Model:
     @torch.inference_mode()
     def execute(self, seqs: Sequence[SeqWork], pool: torch.Tensor) -> list[int]:
         """Run the new tokens of every seq, write their K/V into pool, and return the
-        greedy next token of each seq with sample=True, in order."""
-        logits = self.logits(seqs, pool)
-        return logits.argmax(-1).tolist()
+        next token of each seq with sample=True, in order (as each seq's sampling says)."""
+        return self.execute_sampled(seqs, pool).tokens
+
+    @torch.inference_mode()
+    def execute_sampled(self, seqs: Sequence[SeqWork], pool: torch.Tensor) -> Sampled:
+        """``execute``, with the log-probabilities the seqs asked for."""
+        return sample(self.logits(seqs, pool), [s for s in seqs if s.sample])
 
     @torch.inference_mode()
     def logits(self, seqs: Sequence[SeqWork], pool: torch.Tensor) -> torch.Tensor:

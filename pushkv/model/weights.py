@@ -13,9 +13,8 @@ from typing import Optional, Protocol
 import torch
 
 from pushkv.config import ModelConfig
+from pushkv.dtypes import TORCH_DTYPES
 from pushkv.model.shard import ShardPlan
-
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class WeightSource(Protocol):

@@ -1,8 +1,9 @@
-"""Which tensor-parallel rank holds and which one produces each KV head.
+"""Which tensor-parallel rank produces each KV head, and which ranks consume it.
 
-A rank of a ``tp``-way instance holds a contiguous slice of the KV heads when
-``tp <= total_kv_heads``; beyond that, heads are replicated and each rank holds
-exactly one (rank ``r`` holds head ``r * total // tp``). When P replicates a head,
+Which heads a rank holds is a fact of its pool's layout (``kv.layout.rank_heads``,
+re-exported here): a contiguous slice of the KV heads when ``tp <=
+total_kv_heads``; beyond that, heads are replicated and each rank holds exactly
+one (rank ``r`` holds head ``r * total // tp``). When P replicates a head,
 only the lowest P rank holding it writes it to D, so every D head has exactly
 one producer and D counts exactly one completion per producer rank; the other
 P replicas write nothing and free their blocks as soon as prefill ends. An
@@ -13,23 +14,9 @@ from __future__ import annotations
 
 from typing import Optional
 
+from pushkv.kv.layout import rank_heads
 
-def rank_heads(tp: int, rank: int, total_kv_heads: int) -> tuple[int, int]:
-    """``(first global head, count)`` held by ``rank`` of a ``tp``-way instance."""
-    if tp < 1 or total_kv_heads < 1:
-        raise ValueError(f"tp ({tp}) and total_kv_heads ({total_kv_heads}) must be >= 1")
-    if not 0 <= rank < tp:
-        raise ValueError(f"rank {rank} out of range for tp={tp}")
-    if tp <= total_kv_heads:
-        if total_kv_heads % tp:
-            raise ValueError(f"tp={tp} does not divide total_kv_heads={total_kv_heads}")
-        per = total_kv_heads // tp
-        return rank * per, per
-    if tp % total_kv_heads:
-        raise ValueError(
-            f"tp={tp} > total_kv_heads={total_kv_heads} needs tp to be a multiple of it"
-        )
-    return rank * total_kv_heads // tp, 1
+__all__ = ["rank_heads", "producer_of", "is_producer", "producers_for", "consumers_for", "head_overlap"]
 
 
 def producer_of(head: int, p_tp: int, total_kv_heads: int) -> int:

@@ -1,35 +1,45 @@
-"""``/v1/completions`` request parsing and response shapes (pure, no I/O).
+"""OpenAI request parsing for ``/v1/completions`` and ``/v1/chat/completions`` (pure, no I/O).
 
 Everything a client can get wrong is found here and raised as ``ApiError``
-with the HTTP status and OpenAI error type; the server turns it into
-``{"error": {"message", "type"}}``.
+with the HTTP status and the field named; the server turns it into
+``{"error": {"message", "type", "param"}}``. Unknown fields are ignored, as
+OpenAI-compatible servers do; known fields that would change the result and
+are not implemented (``suffix``, ``best_of`` > n, beam search, a repetition
+penalty other than 1) are refused.
 """
 from __future__ import annotations
 
 import json
-import time
+import random
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from pushkv.messages import SamplingParams
 from pushkv.router import text
 
-DEFAULT_MAX_TOKENS = 16
-OBJECT = "text_completion"
+DEFAULT_MAX_TOKENS = 16  # completions, as OpenAI; chat defaults to what fits
+MAX_N = 16
+MAX_LOGPROBS = 20
+MAX_STOPS = 16
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error"):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str = ""):
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type_
+        self.param = param
 
     def body(self) -> dict:
-        return error_body(self.message, self.type, self.status)
+        return error_body(self.message, self.type, self.status, self.param)
 
 
-def error_body(message: str, type_: str, status: int) -> dict:
-    return {"error": {"message": message, "type": type_, "code": status}}
+def error_body(message: str, type_: str, status: int, param: str = "") -> dict:
+    err = {"message": message, "type": type_, "code": status}
+    if param:
+        err["param"] = param
+    return {"error": err}
 
 
 def error_type(status: int) -> str:
@@ -42,6 +52,10 @@ def error_type(status: int) -> str:
     return "server_error"
 
 
+def bad(param: str, message: str) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
 @dataclass(frozen=True)
 class Limits:
     vocab_size: int
@@ -51,20 +65,67 @@ class Limits:
 
 @dataclass
 class CompletionParams:
+    """One request, parsed: what the legs carry and what the router does with the output."""
+
     prompt_token_ids: list[int]
     max_tokens: int
     stream: bool = False
     stop_token_ids: tuple[int, ...] = ()
     model: str = ""
-    extra: dict = field(default_factory=dict)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()  # stop strings: output ends before the first one, which is not returned
+    n: int = 1
+    echo: bool = False
+    prompt_text: str = ""  # for echo
+    include_usage: bool = False  # stream_options.include_usage
+    chat: bool = False
 
 
+# ---------------------------------------------------------------------------
+# Field readers: each names its field when it refuses
+# ---------------------------------------------------------------------------
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _is_num(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # not NaN
+
+
 def _token_list(x: Any) -> bool:
     return isinstance(x, list) and all(_is_int(i) for i in x)
+
+
+def get_bool(body: dict, name: str, default: bool = False) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad(name, f"{name} must be a boolean")
+    return v
+
+
+def get_int(body: dict, name: str, default: Optional[int], lo: Optional[int] = None,
+            hi: Optional[int] = None) -> Optional[int]:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not _is_int(v):
+        raise bad(name, f"{name} must be an integer")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise bad(name, f"{name} must be in [{'' if lo is None else lo}, {'' if hi is None else hi}], got {v}")
+    return v
+
+
+def get_num(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not _is_num(v):
+        raise bad(name, f"{name} must be a number")
+    if v < lo or v > hi or (lo_open and v == lo):
+        raise bad(name, f"{name} must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v}")
+    return float(v)
 
 
 def parse_json(raw: bytes) -> dict:
@@ -79,134 +140,146 @@ def parse_json(raw: bytes) -> dict:
     return body
 
 
-def _prompt_ids(prompt: Any, tok: text.Tokenizer) -> list[int]:
+def encode_text(tok: text.Tokenizer, s: str, param: str) -> list[int]:
+    try:
+        return text.encode(tok, s)
+    except UnicodeError as e:  # e.g. a lone surrogate: valid JSON, not encodable text
+        raise bad(param, f"{param} is not valid text: {e}") from None
+
+
+def _prompt_ids(prompt: Any, tok: text.Tokenizer) -> tuple[list[int], str]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
+    text_ = ""
     if isinstance(prompt, str):
         if not prompt:
-            raise ApiError(400, "prompt is empty")
-        try:
-            ids = text.encode(tok, prompt)
-        except UnicodeError as e:  # e.g. a lone surrogate: valid JSON, not encodable text
-            raise ApiError(400, f"prompt is not valid text: {e}") from None
+            raise bad("prompt", "prompt is empty")
+        ids, text_ = encode_text(tok, prompt, "prompt"), prompt
     elif _token_list(prompt):
         ids = list(prompt)
     elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise ApiError(400, "batched prompts are not supported; send one prompt per request")
+        raise bad("prompt", "batched prompts are not supported; send one prompt per request")
     else:
-        raise ApiError(400, "prompt must be a string, a list of token ids, or a list holding one of those")
+        raise bad("prompt", "prompt must be a string, a list of token ids, or a list holding one of those")
     if not ids:
-        raise ApiError(400, "prompt is empty")
-    return ids
+        raise bad("prompt", "prompt is empty")
+    return ids, text_
+
+
+def check_prompt_ids(ids: list[int], limits: Limits, param: str = "prompt") -> None:
+    bad_ids = [i for i in ids if not 0 <= i < limits.vocab_size]
+    if bad_ids:
+        raise bad(param, f"token id {bad_ids[0]} outside the vocabulary [0, {limits.vocab_size})")
 
 
 def parse_completion(body: dict, tok: text.Tokenizer, limits: Limits) -> CompletionParams:
     if "prompt" not in body:
-        raise ApiError(400, "missing field 'prompt'")
-    ids = _prompt_ids(body["prompt"], tok)
-    bad = [i for i in ids if not 0 <= i < limits.vocab_size]
-    if bad:
-        raise ApiError(400, f"token id {bad[0]} outside the vocabulary [0, {limits.vocab_size})")
+        raise bad("prompt", "missing field 'prompt'")
+    ids, prompt_text = _prompt_ids(body["prompt"], tok)
+    check_prompt_ids(ids, limits)
+    if body.get("suffix") not in (None, ""):
+        raise bad("suffix", "suffix is not supported")
+    echo = get_bool(body, "echo")
+    logprobs = get_int(body, "logprobs", None, 0, MAX_LOGPROBS)
+    if echo and logprobs is not None:
+        raise bad("echo", "echo with logprobs is not supported (prompt logprobs are not computed)")
+    params = parse_generation(body, ids, limits, DEFAULT_MAX_TOKENS, -1 if logprobs is None else logprobs)
+    params.echo = echo
+    if echo:
+        params.prompt_text = prompt_text if prompt_text else tok.decode(ids)
+    return params
 
-    max_tokens = body.get("max_tokens", DEFAULT_MAX_TOKENS)
-    if max_tokens is None:
-        max_tokens = DEFAULT_MAX_TOKENS
-    if not _is_int(max_tokens):
-        raise ApiError(400, "max_tokens must be an integer")
+
+def parse_generation(body: dict, ids: list[int], limits: Limits, default_max: Optional[int],
+                     logprobs: int, max_tokens_field: str = "max_tokens") -> CompletionParams:
+    """The fields completions and chat share, for a prompt already tokenized."""
     room = limits.max_model_len - len(ids)
+    if body.get(max_tokens_field) is None:
+        max_tokens_field = "max_tokens"  # chat: the older name
+    max_tokens = get_int(body, max_tokens_field, None)
+    if max_tokens is None:
+        max_tokens = default_max if default_max is not None else room
     if max_tokens < 1:
-        raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}")
+        raise bad(max_tokens_field, f"{max_tokens_field} must be at least 1, got {max_tokens}")
     if room < 1 or max_tokens > room:
-        raise ApiError(
-            400,
-            f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the maximum "
-            f"model length {limits.max_model_len}",
-        )
+        raise bad(max_tokens_field,
+                  f"prompt ({len(ids)} tokens) + {max_tokens_field} ({max_tokens}) exceeds the maximum "
+                  f"model length {limits.max_model_len}")
 
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise ApiError(400, "stream must be a boolean")
+    stream = get_bool(body, "stream")
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise bad("stream_options", "stream_options must be an object")
+    include_usage = get_bool(opts or {}, "include_usage") if opts else False
 
-    temperature = body.get("temperature")
-    if temperature is not None:
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-            raise ApiError(400, "temperature must be a number")
-        if temperature != 0:
-            raise ApiError(400, "only greedy decoding is supported (temperature 0 or absent)")
-    n = body.get("n", 1)
-    if n is not None and n != 1:
-        raise ApiError(400, "only n=1 is supported")
+    n = get_int(body, "n", 1, 1, MAX_N)
+    best_of = get_int(body, "best_of", None, 1)
+    if best_of is not None and best_of != n:
+        raise bad("best_of", "best_of other than n is not supported")
+    if get_bool(body, "use_beam_search"):
+        raise bad("use_beam_search", "beam search is not supported")
+    if get_num(body, "repetition_penalty", 1.0, 0.0, 1e9, lo_open=True) != 1.0:
+        raise bad("repetition_penalty", "repetition_penalty is not supported (use presence/frequency_penalty)")
 
-    stop = body.get("stop_token_ids") or []
-    if not _token_list(stop):
-        raise ApiError(400, "stop_token_ids must be a list of token ids")
-    bad = [i for i in stop if not 0 <= i < limits.vocab_size]
-    if bad:
-        raise ApiError(400, f"stop token id {bad[0]} outside the vocabulary [0, {limits.vocab_size})")
-    ignore_eos = body.get("ignore_eos", False)
-    if not isinstance(ignore_eos, bool):
-        raise ApiError(400, "ignore_eos must be a boolean")
-    stops = list(dict.fromkeys(stop))
+    stop_ids = body.get("stop_token_ids") or []
+    if not _token_list(stop_ids):
+        raise bad("stop_token_ids", "stop_token_ids must be a list of token ids")
+    outside = [i for i in stop_ids if not 0 <= i < limits.vocab_size]
+    if outside:
+        raise bad("stop_token_ids", f"stop token id {outside[0]} outside the vocabulary [0, {limits.vocab_size})")
+    ignore_eos = get_bool(body, "ignore_eos")
+    stops = list(dict.fromkeys(stop_ids))
     if limits.eos_token_id >= 0 and not ignore_eos and limits.eos_token_id not in stops:
         stops.append(limits.eos_token_id)
 
-    model = body.get("model") or ""
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise bad("stop", "stop must be a non-empty string or a list of non-empty strings")
+    if len(stop) > MAX_STOPS:
+        raise bad("stop", f"at most {MAX_STOPS} stop strings, got {len(stop)}")
+
+    sampling = parse_sampling(body, limits, logprobs, max_tokens)
+    model = body.get("model")
     return CompletionParams(
-        prompt_token_ids=ids, max_tokens=max_tokens, stream=stream,
-        stop_token_ids=tuple(stops), model=model if isinstance(model, str) else "",
+        prompt_token_ids=ids, max_tokens=max_tokens, stream=stream, stop_token_ids=tuple(stops),
+        model=model if isinstance(model, str) else "", sampling=sampling,
+        stop=tuple(dict.fromkeys(stop)), n=n, include_usage=include_usage,
     )
 
 
-# ---------------------------------------------------------------------------
-# Response shapes
-# ---------------------------------------------------------------------------
-def completion_id(transfer_id: str) -> str:
-    return f"cmpl-{transfer_id}"
-
-
-def transfer_id_of(request_id: str) -> str:
-    return request_id[len("cmpl-"):] if request_id.startswith("cmpl-") else request_id
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-def choice(text_: str, token_ids: list[int], finish_reason: Optional[str]) -> dict:
-    return {"index": 0, "text": text_, "token_ids": token_ids, "finish_reason": finish_reason}
-
-
-def completion_body(
-    transfer_id: str, created: int, model: str, choice_: dict,
-    usage_: Optional[dict] = None, extension: Optional[dict] = None,
-) -> dict:
-    body = {
-        "id": completion_id(transfer_id),
-        "object": OBJECT,
-        "created": created,
-        "model": model,
-        "choices": [choice_],
-    }
-    if usage_ is not None:
-        body["usage"] = usage_
-    if extension is not None:
-        body["pushkv"] = extension
-    return body
-
-
-def sse(obj: Any) -> bytes:
-    payload = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
-    return f"data: {payload}\n\n".encode()
-
-
-SSE_DONE = sse("[DONE]")
-
-
-def now_s() -> int:
-    return int(time.time())
+def parse_sampling(body: dict, limits: Limits, logprobs: int, max_tokens: int) -> SamplingParams:
+    temperature = get_num(body, "temperature", 0.0, 0.0, 100.0)  # absent: greedy (OpenAI's default is 1)
+    top_p = get_num(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
+    top_k = get_int(body, "top_k", 0, -1)
+    top_k = 0 if top_k == -1 else top_k
+    min_p = get_num(body, "min_p", 0.0, 0.0, 1.0)
+    presence = get_num(body, "presence_penalty", 0.0, -2.0, 2.0)
+    frequency = get_num(body, "frequency_penalty", 0.0, -2.0, 2.0)
+    min_tokens = get_int(body, "min_tokens", 0, 0, max_tokens)
+    seed = get_int(body, "seed", None)
+    if seed is None:  # the request's own stream; P and D both see it (greedy needs none)
+        seed = random.getrandbits(64) if temperature > 0 else 0
+    bias = body.get("logit_bias")
+    pairs: list[tuple[int, float]] = []
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise bad("logit_bias", "logit_bias must be an object mapping token ids to numbers")
+        for k, v in bias.items():
+            try:
+                tid = int(k)
+            except (TypeError, ValueError):
+                raise bad("logit_bias", f"logit_bias key {k!r} is not a token id") from None
+            if not 0 <= tid < limits.vocab_size:
+                raise bad("logit_bias", f"logit_bias token id {tid} outside the vocabulary [0, {limits.vocab_size})")
+            if not _is_num(v) or not -100 <= v <= 100:
+                raise bad("logit_bias", f"logit_bias value for {k!r} must be a number in [-100, 100]")
+            pairs.append((tid, float(v)))
+    return SamplingParams(
+        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed & ((1 << 64) - 1),
+        presence_penalty=presence, frequency_penalty=frequency, logit_bias=tuple(sorted(pairs)),
+        logprobs=logprobs, min_tokens=min_tokens,
+    )

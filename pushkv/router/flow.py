@@ -35,7 +35,11 @@ from pushkv.trace import TracePublisher
 
 log = logging.getLogger(__name__)
 
-GENERATION = 0  # the router never reissues; schedulers bump it on preemption
+# Every leg this router sends is generation 0: nothing reissues a request today
+# (no preemption, no retry). Schedulers and writers still match the two halves by
+# (transfer id, generation) and let a higher generation supersede a lower one, so a
+# retry would send generation + 1 and never pair with a stale half.
+GENERATION = 0
 PREFILL_REPORT_GRACE_S = 1.0  # push: D done, wait this long for P's timeline
 
 
@@ -134,6 +138,7 @@ class SchedulerLink:
 @dataclass
 class Tokens:
     token_ids: tuple[int, ...]
+    logprobs: tuple[m.TokenLogprob, ...] = ()  # one per token id when the request asked
 
 
 @dataclass
@@ -157,7 +162,7 @@ class RequestRun:
 
     def __init__(self, cfg: DeploymentConfig, links: dict[str, SchedulerLink], transfer_id: str,
                  prompt_token_ids: list[int], max_tokens: int, stop_token_ids: tuple[int, ...],
-                 record: RequestRecord, metrics: RouterMetrics):
+                 record: RequestRecord, metrics: RouterMetrics, sampling: Optional[m.SamplingParams] = None):
         self.cfg = cfg
         self.links = links
         self.transfer_id = transfer_id
@@ -174,6 +179,13 @@ class RequestRun:
         self.token_leg = "local" if cfg.mode == "local" else "decode"
         self.kv: dict[str, m.KVTransferStats] = {}  # per leg, as the schedulers measured the transfer
         self.closed = False
+        self.sampling = sampling if sampling != m.SamplingParams() else None  # None: plain greedy, fewer bytes per step
+        # disaggregated: P drew the first token, so its logprob comes from P; D's first
+        # TokensGenerated waits here for it when the request asked for logprobs
+        self.first_logprob: Optional[m.TokenLogprob] = None
+        self.held: list[tuple[str, m.Msg]] = []  # D's tokens waiting for P's first logprob
+        self.replay: list[tuple[str, m.Msg]] = []  # ... and released, read before the queue
+        self.emitted = 0
 
     # -- inputs ---------------------------------------------------------
     def deliver(self, role: str, msg: m.Msg) -> None:
@@ -196,7 +208,7 @@ class RequestRun:
         return m.Generate(
             transfer_id=self.transfer_id, generation=GENERATION, leg=leg,
             prompt_token_ids=self.prompt, stop_token_ids=self.stop,
-            arrival=self.arrival_wall, **kw,
+            arrival=self.arrival_wall, sampling=self.sampling, **kw,
         )
 
     def _prefill_source(self) -> m.PrefillSource:
@@ -255,7 +267,7 @@ class RequestRun:
                     break
                 # push: D finished before P reported; wait briefly for P's timeline
                 deadline = min(deadline, time.monotonic() + PREFILL_REPORT_GRACE_S)
-            item = await self._next(deadline)
+            item = self.replay.pop(0) if self.replay else await self._next(deadline)
             if item is None:
                 if finish_reason:
                     break
@@ -293,14 +305,23 @@ class RequestRun:
                         return
                 continue
             if isinstance(msg, m.TokensGenerated):
-                if role != self.token_leg:  # P's own sampled token: D re-emits it
+                if role != self.token_leg:  # P's own sampled token: D re-emits it, we keep its logprob
                     self.merge(role, msg.timeline)
+                    if msg.logprobs and self.first_logprob is None:
+                        self.first_logprob = msg.logprobs[0]
+                        self.replay, self.held = self.held, []
                     continue
+                if self.held or (self._needs_first_logprob(msg) and self.first_logprob is None):
+                    self.held.append((role, msg))  # in order, behind the first token
+                    continue
+                if self._needs_first_logprob(msg):
+                    msg = msgspec.structs.replace(msg, logprobs=(self.first_logprob,) + msg.logprobs)
+                self.emitted += len(msg.token_ids)
                 if msg.token_ids and self.record.first_token is None:
                     self.mark("router.first_token")
                 if msg.token_ids:
                     self.record.add_tokens(time.monotonic(), len(msg.token_ids))
-                    yield Tokens(tuple(msg.token_ids))
+                    yield Tokens(tuple(msg.token_ids), tuple(msg.logprobs))
                 if msg.finished:
                     self.ended.add(role)
                     self.merge(role, msg.timeline)
@@ -312,6 +333,10 @@ class RequestRun:
                 continue
             log.error("unexpected %s from %s transfer_id=%s", type(msg).__name__, role, self.transfer_id)
         yield Finished(finish_reason)
+
+    def _needs_first_logprob(self, msg: m.TokensGenerated) -> bool:
+        return (self.sampling is not None and self.sampling.logprobs >= 0 and self.cfg.mode != "local"
+                and self.emitted == 0 and bool(msg.token_ids) and len(msg.logprobs) < len(msg.token_ids))
 
     def close(self, reason: str) -> None:
         """Abort every leg that was sent and has not ended (no await: safe while cancelled)."""

@@ -22,8 +22,10 @@ from aiohttp import web
 
 from pushkv import messages as m
 from pushkv.config import DeploymentConfig
-from pushkv.router import api, text
-from pushkv.router.flow import Failed, Finished, RequestRun, SchedulerLink, Tokens
+from pushkv.router import api, output, text
+from pushkv.router import chat as chat_mod
+from pushkv.router.flow import RequestRun, SchedulerLink
+from pushkv.router.generate import Generation, choice_seed
 from pushkv.router.metrics import RequestRecord, RouterMetrics
 from pushkv.trace import TracePublisher
 
@@ -51,6 +53,8 @@ class Router:
         self.stopping = False
         self.url = ""
         self.started_mono = time.monotonic()
+        self.started_wall = time.time()
+        self.chat_template: Optional[chat_mod.ChatTemplate] = None  # loaded on the first chat request
         self._runner: Optional[web.AppRunner] = None
         self._control: Optional[zmq.asyncio.Socket] = None
         self._control_task: Optional[asyncio.Task] = None
@@ -63,6 +67,8 @@ class Router:
     def app(self) -> web.Application:
         app = web.Application(middlewares=[_json_errors])
         app.router.add_post("/v1/completions", self.handle_completions)
+        app.router.add_post("/v1/chat/completions", self.handle_chat)
+        app.router.add_get("/v1/models", self.handle_models)
         app.router.add_get("/health", self.handle_health)
         app.router.add_get("/metrics", self.handle_metrics)
         app.router.add_post("/v1/abort/{request_id}", self.handle_abort)
@@ -105,8 +111,6 @@ class Router:
     async def _lifecycle_loop(self) -> None:
         """Fail at once the requests with a leg on an instance whose process died
         (the supervisor restarts the whole instance), instead of at their timeout."""
-        from pushkv.supervisor.commands import DEC_EVENT
-
         sub = self.ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, b"pushkv.")
@@ -115,10 +119,10 @@ class Router:
             while True:
                 frames = await sub.recv_multipart()
                 try:
-                    ev = DEC_EVENT.decode(frames[-1])
+                    ev = m.DEC_EVENT.decode(frames[-1])
                 except (msgspec.DecodeError, msgspec.ValidationError):
                     continue
-                role = ev.name.split("-", 1)[0]
+                role = ev.role
                 if ev.event != "exit" or role not in self.links:
                     continue
                 hit = [run for run in self.runs.values() if role in run.sent and role not in run.ended]
@@ -133,7 +137,7 @@ class Router:
         self._control = self.ctx.socket(zmq.DEALER)
         self._control.setsockopt(zmq.LINGER, 0)
         self._control.connect(self.cfg.control_endpoint)
-        ready = m.Ready(name="router", pid=os.getpid(), info={"url": self.url, "mode": self.cfg.mode})
+        ready = m.Ready(name="router", pid=os.getpid(), url=self.url)
         await self._control.send(m.encode(ready))
         self._control_task = asyncio.get_running_loop().create_task(self._control_loop())
 
@@ -221,114 +225,90 @@ class Router:
         return web.Response(body=data, headers={"Content-Type": content_type})
 
     async def handle_abort(self, request: web.Request) -> web.Response:
-        tid = api.transfer_id_of(request.match_info["request_id"])
-        run = self.runs.get(tid)
-        if run is None:
-            return _error(404, f"no in-flight request {request.match_info['request_id']!r}", "not_found")
-        run.inject_failure(CLIENT_ABORT_STATUS, "aborted via /v1/abort")
-        return web.json_response({"id": api.completion_id(tid), "aborted": True})
+        rid = request.match_info["request_id"]
+        tid = output.transfer_id_of(rid)
+        hit = [run for t, run in self.runs.items() if t == tid or t.startswith(tid + "-")]
+        if not hit:
+            return _error(404, f"no in-flight request {rid!r}", "not_found")
+        for run in hit:
+            run.inject_failure(CLIENT_ABORT_STATUS, "aborted via /v1/abort")
+        return web.json_response({"id": rid, "aborted": True})
+
+    async def handle_models(self, request: web.Request) -> web.Response:
+        card = {"id": self.cfg.model.name, "object": "model", "created": int(self.started_wall),
+                "owned_by": "pushkv", "root": self.cfg.model.checkpoint or self.cfg.model.name,
+                "max_model_len": self.limits.max_model_len}
+        return web.json_response({"object": "list", "data": [card]})
 
     async def handle_completions(self, request: web.Request) -> web.StreamResponse:
-        rec = RequestRecord(arrival=time.monotonic())
+        return await self._generate(request, chat=False)
+
+    async def handle_chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    def _parse(self, body: dict, chat: bool) -> api.CompletionParams:
+        if not chat:
+            return api.parse_completion(body, self.tokenizer, self.limits)
+        if self.chat_template is None:
+            try:
+                self.chat_template = chat_mod.load_template(self.cfg.model.checkpoint)
+            except (OSError, ValueError) as e:
+                raise api.ApiError(500, f"no usable chat template: {e}", "server_error") from None
+        bos = getattr(self.tokenizer, "bos_token_id", -1)
+        return chat_mod.parse_chat(body, self.tokenizer, self.limits, self.chat_template, bos)
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        arrival = time.monotonic()
         if self.stopping:
             return _error(503, "router shutting down", "service_unavailable")
         try:
             body = api.parse_json(await request.read())
-            params = api.parse_completion(body, self.tokenizer, self.limits)
+            params = self._parse(body, chat)
         except api.ApiError as e:
-            rec.outcome = "rejected"
             self.metrics.requests.labels(outcome="rejected").inc()
             return web.json_response(e.body(), status=e.status)
-        rec.prompt_tokens = len(params.prompt_token_ids)
-        tid = uuid.uuid4().hex
-        run = RequestRun(self.cfg, self.links, tid, params.prompt_token_ids, params.max_tokens,
-                         params.stop_token_ids, rec, self.metrics)
-        self.runs[tid] = run
-        if self.tracer is not None:
-            self.tracer.event("http_request", tid, f"prompt={rec.prompt_tokens} max_tokens={params.max_tokens}")
+        base = uuid.uuid4().hex
+        runs = []
+        for i in range(params.n):
+            tid = base if params.n == 1 else f"{base}-{i}"
+            rec = RequestRecord(arrival=arrival, prompt_tokens=len(params.prompt_token_ids))
+            run = RequestRun(self.cfg, self.links, tid, params.prompt_token_ids, params.max_tokens,
+                             params.stop_token_ids, rec, self.metrics, choice_seed(params, i))
+            self.runs[tid] = run
+            runs.append(run)
+            if self.tracer is not None:
+                self.tracer.event("http_request", tid, f"prompt={rec.prompt_tokens} max_tokens={params.max_tokens}")
         self._handlers_idle.clear()
         self.metrics.in_flight.inc()
-        log.debug("request transfer_id=%s prompt=%d max_tokens=%d stream=%s",
-                  tid, rec.prompt_tokens, params.max_tokens, params.stream)
+        log.debug("request transfer_id=%s prompt=%d max_tokens=%d n=%d stream=%s chat=%s",
+                  base, len(params.prompt_token_ids), params.max_tokens, params.n, params.stream, chat)
+        gen = Generation(self, params, runs)
         try:
             if params.stream:
-                return await self._stream(request, run, params)
-            return await self._unary(run, params)
+                return await gen.stream(request)
+            return await gen.unary()
         except asyncio.CancelledError:  # aiohttp cancels the handler when the client goes
-            rec.outcome = "aborted"
-            log.info("client went away transfer_id=%s", tid)
+            for run in runs:
+                if run.record.outcome != "ok":
+                    run.record.outcome = "aborted"
+            log.info("client went away transfer_id=%s", base)
             raise
         finally:
-            if rec.outcome == "ok":
-                reason = "decode finished before prefill reported"  # only P can still be open
-            else:
-                rec.outcome = rec.outcome or "aborted"
-                reason = "client disconnected" if rec.outcome == "aborted" else f"request {rec.outcome}"
-            run.close(reason)
-            self.runs.pop(tid, None)
+            for run in runs:
+                rec = run.record
+                if rec.outcome == "ok":
+                    reason = "request complete"  # only P (push) can still be open, or a stopped choice
+                else:
+                    rec.outcome = rec.outcome or "aborted"
+                    reason = "client disconnected" if rec.outcome == "aborted" else f"request {rec.outcome}"
+                run.close(reason)
+                self.runs.pop(run.transfer_id, None)
+                self.metrics.observe(rec, run.timeline, run.kv)
+                if self.tracer is not None:
+                    self.tracer.event("http_done", run.transfer_id, rec.outcome)
             self.metrics.in_flight.dec()
-            self.metrics.observe(rec, run.timeline, run.kv)
-            if self.tracer is not None:
-                self.tracer.event("http_done", tid, rec.outcome)
             if not self.runs:
                 self._handlers_idle.set()
-
-    def _extension(self, run: RequestRun) -> dict:
-        return {"transfer_id": run.transfer_id, "timeline": dict(sorted(run.timeline.items(), key=lambda kv: kv[1]))}
-
-    async def _unary(self, run: RequestRun, params: api.CompletionParams) -> web.Response:
-        created = api.now_s()
-        ids: list[int] = []
-        async for ev in run.events():
-            if isinstance(ev, Tokens):
-                ids.extend(ev.token_ids)
-            elif isinstance(ev, Finished):
-                run.record.outcome = "ok"
-                body = api.completion_body(
-                    run.transfer_id, created, params.model or self.cfg.model.name,
-                    api.choice(self.tokenizer.decode(ids), ids, ev.finish_reason),
-                    api.usage(len(params.prompt_token_ids), len(ids)), self._extension(run),
-                )
-                return web.json_response(body)
-            elif isinstance(ev, Failed):
-                run.record.outcome = ev.outcome
-                return _error(ev.status, ev.reason, api.error_type(ev.status))
-        raise RuntimeError("request run ended without an outcome")
-
-    async def _stream(self, request: web.Request, run: RequestRun,
-                      params: api.CompletionParams) -> web.StreamResponse:
-        created = api.now_s()
-        model = params.model or self.cfg.model.name
-        resp = web.StreamResponse(headers={
-            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-            "X-Request-Id": api.completion_id(run.transfer_id),
-        })
-        await resp.prepare(request)
-        detok = text.IncrementalDecoder(self.tokenizer)
-        try:
-            async for ev in run.events():
-                if isinstance(ev, Tokens):
-                    chunk = api.choice(detok.push(ev.token_ids), list(ev.token_ids), None)
-                    await resp.write(api.sse(api.completion_body(run.transfer_id, created, model, chunk)))
-                elif isinstance(ev, Finished):
-                    run.record.outcome = "ok"
-                    final = api.completion_body(
-                        run.transfer_id, created, model, api.choice(detok.flush(), [], ev.finish_reason),
-                        api.usage(len(params.prompt_token_ids), len(detok.ids)), self._extension(run),
-                    )
-                    await resp.write(api.sse(final))
-                    break
-                elif isinstance(ev, Failed):
-                    run.record.outcome = ev.outcome
-                    await resp.write(api.sse(api.error_body(ev.reason, api.error_type(ev.status), ev.status)))
-                    break
-            await resp.write(api.SSE_DONE)
-            await resp.write_eof()
-        except ConnectionError:  # the client closed the stream under us
-            if run.record.outcome != "ok":
-                run.record.outcome = "aborted"
-            log.info("client went away mid-stream transfer_id=%s", run.transfer_id)
-        return resp
 
 
 def _error(status: int, message: str, type_: str) -> web.Response:

@@ -22,6 +22,20 @@ class State(enum.Enum):
 
 
 @dataclass
+class KVTally:
+    """One request's KV transfer summed over the writer ranks that moved it."""
+
+    nbytes: int = 0
+    num_descs: int = 0
+    transfer_s: float = 0.0  # the slowest rank's posted -> done
+
+    def add(self, nbytes: int, num_descs: int, transfer_s: float) -> None:
+        self.nbytes += nbytes
+        self.num_descs += num_descs
+        self.transfer_s = max(self.transfer_s, transfer_s)
+
+
+@dataclass
 class Request:
     transfer_id: str
     generation: int
@@ -38,10 +52,11 @@ class Request:
     output: list[int] = field(default_factory=list)
     in_step: bool = False
     aborted: str = ""  # reason, when aborted while a step or a transfer is outstanding
-    acks: set = field(default_factory=set)  # writer ranks that answered
+    answers: dict[int, m.Msg] = field(default_factory=dict)  # writer rank -> its KVSent / KVReceived / KVFailed
     timeline: dict[str, float] = field(default_factory=dict)
-    kv_stats: tuple[int, int, float] = (0, 0, 0.0)
+    kv: KVTally = field(default_factory=lambda: KVTally())
     rendezvous: str = ""  # P, push: which half arrived first (from the writers' KVSent)
+    sampling: Optional[m.SamplingParams] = None  # None: greedy
 
     @property
     def key(self) -> tuple[str, int]:
@@ -57,6 +72,15 @@ class Request:
     def num_tokens(self) -> int:
         """Tokens whose KV is (or will be after the current step) in the pool."""
         return len(self.prompt) + max(0, len(self.output) - 1)
+
+    def sample_fields(self) -> dict:
+        """What the worker needs to draw output token len(output): SeqWork's sampling fields."""
+        p = self.sampling
+        if p is None:
+            return {}
+        history = tuple(self.output) if (p.presence_penalty or p.frequency_penalty) else ()
+        suppress = tuple(sorted(self.stop_ids)) if len(self.output) < p.min_tokens else ()
+        return {"sampling": p, "output_index": len(self.output), "history": history, "suppress": suppress}
 
     def finished(self) -> Optional[str]:
         if self.output and self.output[-1] in self.stop_ids:
@@ -78,7 +102,7 @@ def build_batch(prefills: list[Request], running: list[Request], max_num_seqs: i
     tokens = 0
     for r in running[:max_num_seqs]:
         pos = len(r.prompt) + len(r.output) - 1
-        batch.append((r, m.SeqWork(r.seq_id, (r.output[-1],), pos, tuple(r.blocks))))
+        batch.append((r, m.SeqWork(r.seq_id, (r.output[-1],), pos, tuple(r.blocks), **r.sample_fields())))
         tokens += 1
     admitted = 0
     for r in prefills:
@@ -88,6 +112,6 @@ def build_batch(prefills: list[Request], running: list[Request], max_num_seqs: i
         if admitted and tokens + n > max_batch_tokens:
             break
         admitted += 1
-        batch.append((r, m.SeqWork(r.seq_id, r.prompt, 0, tuple(r.blocks))))
+        batch.append((r, m.SeqWork(r.seq_id, r.prompt, 0, tuple(r.blocks), **r.sample_fields())))
         tokens += n
     return batch

@@ -1,19 +1,19 @@
-"""Supervisor control commands and the supervisor's own wire types.
+"""Supervisor control commands.
 
 One small class per command; its docstring is the help text. Commands run
 against a ``CommandContext`` (the process table plus a few requests), never
 against sockets, so tests use a fake context. Every reply carries a status.
 
-Wire: a plain REQ client sends ``ControlCommand`` to the supervisor's control
-ROUTER (the same socket children send ``Ready``/``Pong`` on) and receives a
-``ControlReply``. Lifecycle events go out on the events PUB socket as two
-frames: topic (``pushkv.decode.writer.exit``) and a ``LifecycleEvent``.
+Wire (types in ``pushkv.messages``): a plain REQ client sends ``ControlCommand``
+to the supervisor's control ROUTER (the same socket children send
+``Ready``/``Pong`` on) and receives a ``ControlReply``. Lifecycle events go out
+on the events PUB socket as two frames: topic (``pushkv.decode.writer.exit``)
+and a ``LifecycleEvent``.
 """
 from __future__ import annotations
 
-from typing import Optional, Protocol, Union
+from typing import Optional, Protocol
 
-import msgspec
 import zmq
 
 from pushkv import messages as m
@@ -21,48 +21,6 @@ from pushkv.supervisor.table import ProcessTable, Row, State, describe_exit
 
 OK = "ok"
 ERROR = "error"
-
-
-class ControlCommand(m.Msg):
-    command: str  # "status", "stop", ...
-    args: dict[str, str] = {}
-
-
-class ProcessInfo(msgspec.Struct, array_like=True, frozen=True, gc=False):
-    name: str
-    kind: str
-    role: str
-    rank: int
-    pid: int
-    state: str
-    uptime_s: float
-    restarts: int
-    healthy: bool
-    last_pong_age_s: float  # -1: never
-    last_exit: str  # "running", "exit code 3", "killed by SIGKILL"
-
-
-class ControlReply(m.Msg):
-    command: str
-    status: str  # OK | ERROR
-    reason: str = ""
-    processes: tuple[ProcessInfo, ...] = ()
-    info: dict[str, str] = {}
-
-
-class LifecycleEvent(m.Msg):
-    name: str  # process name, or "deployment" / "supervisor"
-    event: str  # "spawn", "ready", "exit", "restart", "unhealthy", "stop", ...
-    pid: int = 0
-    detail: str = ""
-    restarts: int = 0
-    t_wall: float = 0.0
-
-
-SupervisorInbound = Union[m.Ready, m.Pong, ControlCommand]
-DEC_SUPERVISOR_IN = m.decoder(SupervisorInbound)
-DEC_REPLY = m.decoder(ControlReply)
-DEC_EVENT = m.decoder(LifecycleEvent)
 
 
 class CommandContext(Protocol):
@@ -76,9 +34,9 @@ class CommandContext(Protocol):
         """Returns an error text, or None when the restart was scheduled."""
 
 
-def process_info(row: Row, now: float) -> ProcessInfo:
+def process_info(row: Row, now: float) -> m.ProcessInfo:
     alive = row.state in (State.STARTED, State.READY, State.STOPPING)
-    return ProcessInfo(
+    return m.ProcessInfo(
         name=row.name, kind=row.spec.kind, role=row.spec.role, rank=row.spec.rank,
         pid=row.pid if alive else 0, state=row.state.value,
         uptime_s=round(now - row.started_at, 3) if alive else 0.0,
@@ -91,14 +49,14 @@ def process_info(row: Row, now: float) -> ProcessInfo:
 class Command:
     name = ""
 
-    def execute(self, ctx: CommandContext, args: dict[str, str], now: float) -> ControlReply:
+    def execute(self, ctx: CommandContext, args: dict[str, str], now: float) -> m.ControlReply:
         raise NotImplementedError
 
-    def ok(self, **kw) -> ControlReply:
-        return ControlReply(command=self.name, status=OK, **kw)
+    def ok(self, **kw) -> m.ControlReply:
+        return m.ControlReply(command=self.name, status=OK, **kw)
 
-    def error(self, reason: str) -> ControlReply:
-        return ControlReply(command=self.name, status=ERROR, reason=reason)
+    def error(self, reason: str) -> m.ControlReply:
+        return m.ControlReply(command=self.name, status=ERROR, reason=reason)
 
 
 class StatusCommand(Command):
@@ -169,28 +127,28 @@ COMMANDS: dict[str, Command] = {
 }
 
 
-def dispatch(ctx: CommandContext, req: ControlCommand, now: float) -> ControlReply:
+def dispatch(ctx: CommandContext, req: m.ControlCommand, now: float) -> m.ControlReply:
     """Run one command; a command that raises answers with its error."""
     cmd = COMMANDS.get(req.command)
     if cmd is None:
-        return ControlReply(command=req.command, status=ERROR,
+        return m.ControlReply(command=req.command, status=ERROR,
                             reason=f"unknown command {req.command!r}; known: {sorted(COMMANDS)}")
     try:
         return cmd.execute(ctx, dict(req.args), now)
     except Exception as e:  # answer the caller instead of dropping the request
-        return ControlReply(command=req.command, status=ERROR, reason=f"{type(e).__name__}: {e}")
+        return m.ControlReply(command=req.command, status=ERROR, reason=f"{type(e).__name__}: {e}")
 
 
-def ask(endpoint: str, command: str, args: Optional[dict[str, str]] = None, timeout_s: float = 3.0) -> ControlReply:
+def ask(endpoint: str, command: str, args: Optional[dict[str, str]] = None, timeout_s: float = 3.0) -> m.ControlReply:
     """Client side: one request on a fresh REQ socket. Raises TimeoutError."""
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(endpoint)
-        sock.send(m.encode(ControlCommand(command=command, args=args or {})))
+        sock.send(m.encode(m.ControlCommand(command=command, args=args or {})))
         if not sock.poll(int(timeout_s * 1000)):
             raise TimeoutError(f"no answer from supervisor at {endpoint} within {timeout_s:.1f} s")
-        return DEC_REPLY.decode(sock.recv())
+        return m.DEC_REPLY.decode(sock.recv())
     finally:
         sock.close(0)

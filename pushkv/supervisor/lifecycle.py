@@ -16,10 +16,11 @@ import sys
 import time
 from typing import Optional, Sequence
 
+from pushkv.config import SHM_DIR, shm_prefix
+
 log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
-SHM_DIR = "/dev/shm"
 _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded before fork: preexec_fn must not import
 
 # So ``python -m processes.<kind>`` resolves to this checkout even when the
@@ -91,7 +92,7 @@ def _join(procs: Sequence[subprocess.Popen], deadline: float) -> None:
 def shm_leftovers(deployment_id: str, shm_dir: str = SHM_DIR) -> list[str]:
     if not deployment_id:
         return []
-    return sorted(glob.glob(os.path.join(shm_dir, f"pushkv-{glob.escape(deployment_id)}-*")))
+    return sorted(glob.glob(os.path.join(shm_dir, glob.escape(shm_prefix(deployment_id)) + "*")))
 
 
 def cleanup(deployment_id: str, run_dir: str, shm_dir: str = SHM_DIR) -> list[str]:
@@ -116,7 +117,7 @@ def cleanup_instance_shm(deployment_id: str, role: str, shm_dir: str = SHM_DIR) 
     """Unlink one instance's pool segments (its writers are dead or about to be replaced)."""
     removed = []
     for path in shm_leftovers(deployment_id, shm_dir):
-        if os.path.basename(path).startswith(f"pushkv-{deployment_id}-{role}-"):
+        if os.path.basename(path).startswith(shm_prefix(deployment_id, role)):
             try:
                 os.unlink(path)
                 removed.append(path)

@@ -175,11 +175,8 @@ def process_specs(cfg: DeploymentConfig) -> list[ProcessSpec]:
     return specs
 
 
-def event_topic(spec_name: str, event: str) -> str:
-    """``prefill-writer-0`` + ``exit`` -> ``pushkv.prefill.writer.exit``."""
-    parts = spec_name.split("-")
-    if len(parts) >= 2:
-        head = ".".join(parts[:2])  # role.kind; the rank is in the payload
-    else:
-        head = parts[0]
+def event_topic(spec: ProcessSpec, event: str) -> str:
+    """``prefill-writer-0`` + ``exit`` -> ``pushkv.prefill.writer.exit`` (the rank is in
+    the payload); the router, which has no role, -> ``pushkv.router.exit``."""
+    head = f"{spec.role}.{spec.kind}" if spec.role else spec.kind
     return f"pushkv.{head}.{event}"

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, TextIO
 
 import zmq
@@ -22,6 +23,7 @@ import zmq
 from pushkv import messages as m
 from pushkv.actor import Actor
 from pushkv.config import DeploymentConfig, encode_config
+from pushkv.kv.handle import POOL_ENV, handle_to_env
 from pushkv.supervisor import commands as c
 from pushkv.supervisor import lifecycle, registry
 from pushkv.supervisor.plan import ProcessSpec, config_path, event_topic, process_specs
@@ -38,6 +40,16 @@ STOP_GRACE_FRACTION = 0.3  # of the stop deadline: time for children to obey Shu
 PING_INTERVAL_S = 2.0
 ON_CHILD_EXIT = ("restart", "shutdown")
 ENGINE_ROLES = ("prefill", "decode", "local")
+
+
+@dataclass
+class InstanceRestart:
+    """One instance being restarted as a whole: its survivors stop, then its stages start in order."""
+
+    stopping: set[str]  # processes asked to stop and not yet exited
+    asked: float  # monotonic time the survivors were asked to stop
+    stages: list[int]  # the instance's start stages, in order
+    stage_idx: int = -1  # the stage being started; -1 while survivors stop
 
 ArgvHook = Callable[[ProcessSpec], Sequence[str]]
 
@@ -58,7 +70,7 @@ class Supervisor(Actor):
         write_registry: bool = True,
         out: TextIO = sys.stdout,
     ):
-        self._instance_restart: dict[str, dict] = {}
+        self._instance_restart: dict[str, InstanceRestart] = {}  # by role
         if not cfg.run_dir or not cfg.control_endpoint:
             raise ValueError("Supervisor needs a planned config (see plan_deployment)")
         if on_child_exit not in ON_CHILD_EXIT:
@@ -104,7 +116,7 @@ class Supervisor(Actor):
         with open(config_path(self.cfg), "wb") as f:
             f.write(encode_config(self.cfg))
         self._control_router = self.socket(zmq.ROUTER, self.cfg.control_endpoint, bind=True)
-        self.add_channel(self._control_router, c.DEC_SUPERVISOR_IN, "control", routed=True)
+        self.add_channel(self._control_router, m.DEC_SUPERVISOR_IN, "control", routed=True)
         self._events = self.socket(zmq.PUB, self.cfg.events_endpoint, bind=True)
         if self.cfg.trace_endpoint and self.cfg.trace_tap_endpoint:
             self._trace_fwd = TraceForwarder(self.cfg.trace_endpoint, self.cfg.trace_tap_endpoint, self.ctx)
@@ -134,8 +146,8 @@ class Supervisor(Actor):
         env = lifecycle.child_env(name, self.cfg.deployment_id)
         if row.spec.kind == "worker":  # map the pool its writer owns (named per writer incarnation)
             writer = self.table.get(f"{row.spec.role}-writer-{row.spec.rank}")
-            if writer is not None and writer.info.get("pool"):
-                env["PUSHKV_POOL"] = writer.info["pool"]
+            if writer is not None and writer.ready is not None and writer.ready.pool is not None:
+                env[POOL_ENV] = handle_to_env(writer.ready.pool)
         try:
             proc = lifecycle.spawn(argv, env)
         except OSError as e:
@@ -179,7 +191,7 @@ class Supervisor(Actor):
         if msg.pid != row.pid:
             log.warning("%s: Ready carries pid %d, spawned pid is %d", msg.name, msg.pid, row.pid)
         try:
-            self.table.ready(msg.name, identity, msg.info, time.monotonic())
+            self.table.ready(msg.name, identity, msg, time.monotonic())
         except IllegalTransition as e:
             self.counters["late_ready"] += 1
             log.error("%s", e)
@@ -200,18 +212,18 @@ class Supervisor(Actor):
             log.info("%s answers pings again", msg.name)
             self._publish(msg.name, "healthy", row)
 
-    def on_ControlCommand(self, msg: c.ControlCommand, identity: bytes) -> None:
+    def on_ControlCommand(self, msg: m.ControlCommand, identity: bytes) -> None:
         self._reply(identity, c.dispatch(self, msg, time.monotonic()))
 
     def on_bad_frame(self, ch, identity, reason, payload=b"") -> None:
         if identity is not None:  # a REQ client waits for an answer
-            self._reply(identity, c.ControlReply(command="", status=c.ERROR, reason=f"bad request: {reason}"))
+            self._reply(identity, m.ControlReply(command="", status=c.ERROR, reason=f"bad request: {reason}"))
 
     def on_handler_error(self, ch, identity, msg) -> None:
-        if isinstance(msg, c.ControlCommand) and identity is not None:
-            self._reply(identity, c.ControlReply(command=msg.command, status=c.ERROR, reason="handler failed"))
+        if isinstance(msg, m.ControlCommand) and identity is not None:
+            self._reply(identity, m.ControlReply(command=msg.command, status=c.ERROR, reason="handler failed"))
 
-    def _reply(self, identity: bytes, reply: c.ControlReply) -> None:
+    def _reply(self, identity: bytes, reply: m.ControlReply) -> None:
         # REQ envelope: identity, empty delimiter, body
         self._control_router.send_multipart([identity, b"", m.encode(reply)])
 
@@ -276,8 +288,8 @@ class Supervisor(Actor):
             self._spawn(name, now)
             return
         role = row.spec.role
-        if role in self._instance_restart and name in self._instance_restart[role]["stopping"]:
-            self._instance_restart[role]["stopping"].discard(name)
+        if role in self._instance_restart and name in self._instance_restart[role].stopping:
+            self._instance_restart[role].stopping.discard(name)
             log.info("%s (pid %d) stopped for the restart of the %s instance: %s", name, pid, role, how)
             self._publish(name, "exit", row, detail=how)
             self._advance_instance(role, now)
@@ -312,30 +324,29 @@ class Supervisor(Actor):
                 self._stop_child(r, why)  # survivors tell their clients why they stop
                 stopping.add(r.name)
         log.error("restarting the %s instance (%s died): stopping %s", role, dead, ", ".join(sorted(stopping)) or "nothing else")
-        self._publish(f"{role}.instance", "restart", detail=dead)
-        self._instance_restart[role] = {"stopping": stopping, "asked": now,
-                                        "stages": sorted({r.spec.stage for r in rows}), "idx": -1}
+        self._publish_instance(role, "restart", detail=dead)
+        self._instance_restart[role] = InstanceRestart(stopping, now, sorted({r.spec.stage for r in rows}))
         self._advance_instance(role, now)
 
     def _advance_instance(self, role: str, now: float) -> None:
         st = self._instance_restart.get(role)
-        if st is None or st["stopping"]:
+        if st is None or st.stopping:
             return
         rows = [r for r in self.table if r.spec.role == role]
         while True:
-            if st["idx"] >= 0:
-                stage = st["stages"][st["idx"]]
+            if st.stage_idx >= 0:
+                stage = st.stages[st.stage_idx]
                 if not all(r.state is State.READY for r in rows if r.spec.stage == stage):
                     return
-            st["idx"] += 1
-            if st["idx"] == len(st["stages"]):
+            st.stage_idx += 1
+            if st.stage_idx == len(st.stages):
                 del self._instance_restart[role]
                 log.info("%s instance restarted and ready", role)
-                self._publish(f"{role}.instance", "ready")
+                self._publish_instance(role, "ready")
                 return
-            if st["idx"] == 0:  # the dead writer's pool segments are orphans now
+            if st.stage_idx == 0:  # the dead writer's pool segments are orphans now
                 lifecycle.cleanup_instance_shm(self.cfg.deployment_id, role)
-            stage = st["stages"][st["idx"]]
+            stage = st.stages[st.stage_idx]
             for r in rows:
                 if r.spec.stage == stage:
                     self._spawn(r.name, now)
@@ -373,10 +384,10 @@ class Supervisor(Actor):
                           self.startup_timeout_s)
                 lifecycle.signal_child(self.procs[row.name], signal.SIGKILL)
         for st in self._instance_restart.values():
-            for name in st["stopping"]:
-                if now - st["asked"] > self.stop_timeout_s:
+            for name in st.stopping:
+                if now - st.asked > self.stop_timeout_s:
                     lifecycle.signal_child(self.procs[name], signal.SIGKILL)
-                elif now - st["asked"] > self.stop_timeout_s * STOP_GRACE_FRACTION:
+                elif now - st.asked > self.stop_timeout_s * STOP_GRACE_FRACTION:
                     lifecycle.signal_child(self.procs[name], signal.SIGTERM)
         for name, asked in self._restart_requested.items():  # a restart that does not stop by itself
             if now - asked > self.stop_timeout_s:
@@ -441,12 +452,21 @@ class Supervisor(Actor):
     def _publish(self, name: str, event: str, row: Optional[Row] = None, detail: str = "") -> None:
         if self._events is None:
             return
-        topic = f"pushkv.{name}.{event}" if row is None else event_topic(name, event)
-        ev = c.LifecycleEvent(
+        topic = f"pushkv.{name}.{event}" if row is None else event_topic(row.spec, event)
+        ev = m.LifecycleEvent(
             name=name, event=event, pid=row.pid if row else os.getpid(), detail=detail,
             restarts=row.restarts if row else 0, t_wall=time.time(),
+            role=row.spec.role if row else "", kind=row.spec.kind if row else "", rank=row.spec.rank if row else 0,
         )
         self._events.send_multipart([topic.encode(), m.encode(ev)])
+
+    def _publish_instance(self, role: str, event: str, detail: str = "") -> None:
+        """An event about a whole instance (its restart), topic ``pushkv.<role>.instance.<event>``."""
+        if self._events is None:
+            return
+        ev = m.LifecycleEvent(name=f"{role}.instance", event=event, pid=os.getpid(), detail=detail,
+                              t_wall=time.time(), role=role, kind="instance")
+        self._events.send_multipart([f"pushkv.{role}.instance.{event}".encode(), m.encode(ev)])
 
     def serve(self) -> int:
         """Run all three phases; the process exit code."""

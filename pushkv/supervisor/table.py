@@ -11,6 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
+from pushkv import messages as m
 from pushkv.supervisor.plan import ProcessSpec
 
 HEALTH_TIMEOUT_S = 10.0  # no Pong for this long: reported unhealthy
@@ -62,7 +63,7 @@ class Row:
     last_pong: float = 0.0
     exit_code: Optional[int] = None  # last exit: >=0 code, <0 -signal
     identity: Optional[bytes] = None  # control socket identity of the live process
-    info: dict = field(default_factory=dict)  # from Ready
+    ready: Optional[m.Ready] = None  # what the live process said when it got ready
 
     @property
     def name(self) -> str:
@@ -108,15 +109,15 @@ class ProcessTable:
         restart = row.state is State.EXITED
         self.apply(name, Event.SPAWNED)
         row.pid, row.started_at, row.started_wall = pid, now, wall
-        row.identity, row.exit_code, row.last_pong, row.ready_at = None, None, 0.0, 0.0
+        row.identity, row.exit_code, row.last_pong, row.ready_at, row.ready = None, None, 0.0, 0.0, None
         if restart:
             row.restarts += 1
             row.restart_times.append(now)
 
-    def ready(self, name: str, identity: bytes, info: dict, now: float) -> None:
+    def ready(self, name: str, identity: bytes, msg: m.Ready, now: float) -> None:
         row = self.rows[name]
         self.apply(name, Event.READY)
-        row.identity, row.info, row.ready_at, row.last_pong = identity, dict(info), now, now
+        row.identity, row.ready, row.ready_at, row.last_pong = identity, msg, now, now
 
     def exited(self, name: str, code: int) -> None:
         row = self.rows[name]

@@ -14,11 +14,9 @@ from pushkv.actor import Actor
 from pushkv.config import DeploymentConfig, InstanceConfig
 from pushkv.kv import layout as L
 from pushkv.config import rank_device
-from pushkv.kv.pool import CUDA_PREFIX, SHM_DIR, Pool, attach_pool, shm_name
+from pushkv.kv.pool import Pool, attach_worker_pool
 
 log = logging.getLogger(__name__)
-
-POOL_WAIT_S = 60.0
 
 
 class Worker(Actor):
@@ -63,22 +61,9 @@ class Worker(Actor):
         self.sched = self.add_channel(sock, m.DEC_SCHED_TO_WORKER, f"{self.inst.role}-scheduler")
 
     def _attach(self) -> Pool:
-        """The writer creates the pool; it appears atomically (renamed when complete)."""
-        from pushkv.messages import PoolHandle
-
-        path = os.environ.get("PUSHKV_POOL") or os.path.join(
-            SHM_DIR, shm_name(self.cfg.deployment_id, self.inst.role, self.rank))
-        if path.startswith(CUDA_PREFIX):  # GPU pool: CUDA IPC from the writer
-            handle = PoolHandle("cuda_ipc", path, L.pool_bytes(self.layout), self.cfg.model.dtype,
-                                L.pool_shape(self.layout))
-            return attach_pool(handle, self.layout)
-        deadline = time.monotonic() + POOL_WAIT_S
-        while not os.path.exists(path):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"KV pool {path} did not appear within {POOL_WAIT_S:.0f}s (writer dead?)")
-            time.sleep(0.02)
-        handle = PoolHandle("shm", path, L.pool_bytes(self.layout), self.cfg.model.dtype, L.pool_shape(self.layout))
-        return attach_pool(handle, self.layout)
+        """The pool its writer owns: the handle the supervisor passed on (shm or CUDA IPC)."""
+        return attach_worker_pool(os.environ, self.cfg.deployment_id, self.inst.role, self.rank, self.layout,
+                                  self.cfg.model.dtype)
 
     def teardown(self) -> None:
         self.layer_pools = []  # views pin the mapping
@@ -94,7 +79,7 @@ class Worker(Actor):
         t0 = time.perf_counter()
         faults.point(self.name, "execute")
         try:
-            sampled = self.model.execute(self._physical(msg.seqs), self.layer_pools)
+            out = self.model.execute_sampled(self._physical(msg.seqs), self.layer_pools)
         except Exception as e:
             log.exception("%s: step %d failed", self.name, msg.step_id)
             self.send(self.sched, m.StepFailed(msg.step_id, f"{type(e).__name__}: {e}"))
@@ -102,7 +87,7 @@ class Worker(Actor):
         # Reading the sampled tokens (tolist) waits for the whole step on the worker's
         # stream, so by StepDone every K/V of the step is in the pool and a WRITE posted
         # on it never reads unfinished blocks.
-        self.send(self.sched, m.StepDone(msg.step_id, tuple(sampled), time.perf_counter() - t0))
+        self.send(self.sched, m.StepDone(msg.step_id, tuple(out.tokens), time.perf_counter() - t0, out.logprobs))
 
     def _physical(self, seqs):
         """Block tables name logical blocks; the pool is cut into sub-blocks (layout.py)."""

@@ -150,16 +150,14 @@ class WriterBase(Actor):
             hs = self.socket(zmq.ROUTER, self.inst.handshake_endpoints[self.rank], bind=True)
             self.handshake = self.add_channel(hs, m.DEC_HANDSHAKE, "peer-handshake", routed=True)
         if self.cfg.events_endpoint:
-            from pushkv.supervisor.commands import DEC_EVENT
-
             sub = self.socket(zmq.SUB, self.cfg.events_endpoint, bind=False)
             sub.setsockopt(zmq.SUBSCRIBE, b"pushkv.")
-            self.add_channel(sub, DEC_EVENT, "supervisor-events")
+            self.add_channel(sub, m.DEC_EVENT, "supervisor-events")
         log.info("%s: pool %d blocks x %d B = %.1f MiB at %s", self.name, self.layout.num_blocks,
-                 L.block_bytes(self.layout), self.pool.nbytes / 2**20, self.pool.handle.name)
+                 L.block_bytes(self.layout), self.pool.nbytes / 2**20, self.pool.handle.name or self.pool.handle.kind)
 
-    def ready_info(self) -> dict[str, str]:
-        return {"pool": self.pool.handle.name if self.pool else "", "agent": self.agent_name}
+    def ready_msg(self) -> m.Ready:
+        return m.Ready(self.name, os.getpid(), pool=self.pool.handle if self.pool else None, agent=self.agent_name)
 
     def teardown(self) -> None:
         for key in list(self.links):
@@ -322,7 +320,7 @@ class WriterBase(Actor):
     def on_LifecycleEvent(self, ev) -> None:
         """A process of the other instance died: the supervisor restarts that whole
         instance, so its writers' NIXL agents and pools are gone."""
-        role = ev.name.split("-", 1)[0]
+        role = ev.role
         if ev.event != "exit" or role == self.inst.role or role not in ("prefill", "decode"):
             return
         engine = self.cfg.instance(role).engine_id

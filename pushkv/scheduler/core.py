@@ -1,15 +1,23 @@
-"""Scheduler actor: admission, block allocation, continuous batching, request
-state. Never touches KV bytes: workers compute into the pool, writers move it.
+"""The scheduler core shared by every role: admission, block allocation,
+continuous batching, request state, deadlines. Never touches KV bytes: workers
+compute into the pool, writers move it.
 
-One class serves the three roles (prefill / decode / local); the role decides
-what happens after admission and after the prefill step.
+What differs by role lives in one subclass each (``PrefillScheduler``,
+``DecodeScheduler``, ``LocalScheduler``), behind four hooks:
+
+- ``_check_leg(msg)``: role-specific validation of a new request;
+- ``_admitted(r)``: blocks are reserved; what happens next (prefill, or wait for KV);
+- ``_prefilled(r, tok, lp)``: the prefill step ended with first token ``tok`` (and its logprob, if asked);
+- ``_kv_done(r, answers)``: every writer rank answered the request's transfer with success.
+
+``scheduler_for(cfg, inst)`` in ``pushkv.scheduler`` picks the class.
 """
 from __future__ import annotations
 
 import logging
 import time
 from collections import OrderedDict
-from typing import Optional
+from typing import Optional, Union
 
 import msgspec
 import zmq
@@ -26,13 +34,18 @@ log = logging.getLogger(__name__)
 WRITER_STATS_WAIT_S = 0.25  # GetStats: how long to wait for the writers' counters before answering
 REMEMBER_IDS = 65536  # transfer ids whose newest generation is kept, to refuse duplicates and stale reissues
 
+WriterAnswer = Union[m.KVSent, m.KVReceived, m.KVFailed]
 
-class Scheduler(Actor):
+
+class SchedulerCore(Actor):
+    role = ""  # set by each role's class
+
     def __init__(self, cfg: DeploymentConfig, inst: InstanceConfig):
+        if inst.role != self.role:
+            raise ValueError(f"{type(self).__name__} serves {self.role!r} instances, not {inst.role!r}")
         super().__init__(f"{inst.role}-scheduler", cfg.control_endpoint, cfg.trace_endpoint)
         self.cfg = cfg
         self.inst = inst
-        self.role = inst.role
         self.alloc = BlockAllocator(inst.num_blocks)
         self.reqs: dict[tuple[str, int], Request] = {}
         self.by_tid: dict[str, Request] = {}
@@ -42,16 +55,34 @@ class Scheduler(Actor):
         self.step: Optional[list[tuple[Request, m.SeqWork]]] = None
         self.step_started = 0.0
         self.step_answers: dict[int, m.Msg] = {}
-        self.blocked_on: Optional[tuple[str, int]] = None  # pull inline: engine stalls on a READ
         self.max_len = cfg.max_model_len or cfg.model.max_position
         self.vocab = cfg.model.vocab_size
         self.newest: OrderedDict[str, int] = OrderedDict()  # newest accepted generation per transfer id
-        p = cfg.prefill  # the only KV source a decode leg may name (D's writer connects to it)
-        self.sources = {m.PrefillSource(p.engine_id, p.tp, tuple(p.handshake_endpoints))} if cfg.mode != "local" else set()
         self.writer_counters: dict[int, dict[str, int]] = {}  # last WriterStats per rank
         self._stats_waiting: list[bytes] = []  # router identities waiting for a Stats
         self._stats_fresh: set[int] = set()
         self._stats_asked = 0.0
+
+    # -- role hooks -----------------------------------------------------------------
+    def _check_leg(self, msg: m.Generate) -> Optional[tuple[str, int]]:
+        """Role-specific refusal (reason, HTTP status) of a new request, or None."""
+        return None
+
+    def _admitted(self, r: Request) -> None:
+        raise NotImplementedError
+
+    def _prefilled(self, r: Request, tok: int, lp: Optional[m.TokenLogprob] = None) -> None:
+        raise NotImplementedError
+
+    def _kv_done(self, r: Request, answers: dict[int, WriterAnswer]) -> None:
+        raise NotImplementedError
+
+    def _engine_blocked(self) -> bool:
+        """True while no step may run and nothing may be admitted (D, pull inline: a READ)."""
+        return False
+
+    def _forget(self, r: Request) -> None:
+        """The request is released: drop any role state that names it."""
 
     # -- lifecycle ---------------------------------------------------------------
     def setup(self) -> None:
@@ -82,10 +113,15 @@ class Scheduler(Actor):
         self.trace_event(stage, r.transfer_id)
 
     def _kv_stats(self, r: Request) -> Optional[m.KVTransferStats]:
-        nb, nd, secs = r.kv_stats
-        if r.leg == "local" or not nb:
+        kv = r.kv
+        if r.leg == "local" or not kv.nbytes:
             return None
-        return m.KVTransferStats(nb, nd, secs, r.rendezvous or ("pull" if r.pull is not None else ""))
+        return m.KVTransferStats(kv.nbytes, kv.num_descs, kv.transfer_s, r.rendezvous or ("pull" if r.pull is not None else ""))
+
+    def _count_kv(self, r: Request) -> None:
+        self.counters["kv_bytes"] += r.kv.nbytes
+        self.counters["kv_descs"] += r.kv.num_descs
+        self.counters["kv_transfer_us"] += int(r.kv.transfer_s * 1e6)
 
     def _timeline(self, r: Request) -> tuple[tuple[str, float], ...]:
         return tuple(sorted(r.timeline.items(), key=lambda kv: kv[1]))
@@ -101,8 +137,7 @@ class Scheduler(Actor):
             del self.by_tid[r.transfer_id]
         if r in self.waiting:
             self.waiting.remove(r)
-        if self.blocked_on == r.key:
-            self.blocked_on = None
+        self._forget(r)
 
     def _fail(self, r: Request, reason: str, status: int = 500) -> None:
         self.counters["requests_failed"] += 1
@@ -127,11 +162,9 @@ class Scheduler(Actor):
             return f"token id {bad[0]} outside the vocabulary (size {self.vocab})", 400
         if len(msg.prompt_token_ids) + msg.max_tokens > self.max_len:
             return f"prompt ({len(msg.prompt_token_ids)}) + max_tokens ({msg.max_tokens}) exceeds max model length {self.max_len}", 400
-        if self.role == "decode" and msg.source is None and msg.pull is None:
-            return "decode leg without a KV source", 400
-        for src in (msg.source, msg.pull.source if msg.pull is not None else None):
-            if self.role == "decode" and src is not None and src not in self.sources:
-                return f"unknown prefill source {src.engine_id!r} at {list(src.handshake)}", 400
+        err = self._check_leg(msg)
+        if err is not None:
+            return err
         seen = self.newest.get(msg.transfer_id)
         if seen is not None and msg.generation <= seen:
             what = "duplicate" if msg.generation == seen else "stale generation for"
@@ -172,7 +205,8 @@ class Scheduler(Actor):
             self.send(self.front, m.RequestFailed(msg.transfer_id, msg.generation, err[0], err[1]), identity)
             return
         r = Request(msg.transfer_id, msg.generation, msg.leg, msg.prompt_token_ids, msg.max_tokens, identity,
-                    frozenset(msg.stop_token_ids), msg.source, msg.pull, seq_id=self.next_seq)
+                    frozenset(msg.stop_token_ids), msg.source, msg.pull, seq_id=self.next_seq,
+                    sampling=msg.sampling)
         self.next_seq += 1
         need = r.blocks_needed(self.inst.block_size)
         if need > self.alloc.num_blocks:
@@ -240,11 +274,11 @@ class Scheduler(Actor):
     # -- scheduling ---------------------------------------------------------------------
     def schedule(self) -> None:
         self._admit()
-        if self.step is None and self.blocked_on is None:
+        if self.step is None and not self._engine_blocked():
             self._launch_step()
 
     def _admit(self) -> None:
-        while self.waiting and self.blocked_on is None:
+        while self.waiting and not self._engine_blocked():
             r = self.waiting[0]
             blocks = self.alloc.allocate(r.blocks_needed(self.inst.block_size))
             if blocks is None:
@@ -253,20 +287,7 @@ class Scheduler(Actor):
             r.blocks = blocks
             self._stamp(r, f"{self.role}_alloc")
             faults.point(self.name, "after_alloc")
-            if r.leg in ("prefill", "local"):
-                r.state = State.PREFILL
-            elif r.pull is None:  # push: register now, while P computes
-                r.state = State.AWAIT_KV
-                self._to_writers(m.ExpectKV(r.transfer_id, r.generation, tuple(blocks), len(r.prompt),
-                                            r.source, self.cfg.timeouts.write_wait_s))
-                self._stamp(r, "registration_sent")
-            else:
-                r.state = State.AWAIT_KV
-                self._to_writers(m.ReadKV(r.transfer_id, r.generation, tuple(blocks), r.pull,
-                                          self.cfg.timeouts.transfer_s))
-                self._stamp(r, "read_posted")
-                if self.cfg.pull_read == "inline":
-                    self.blocked_on = r.key  # the engine step blocks on the READ, like the default connector
+            self._admitted(r)
 
     def _launch_step(self) -> None:
         prefills = [r for r in self.reqs.values() if r.state == State.PREFILL and not r.in_step]
@@ -308,117 +329,80 @@ class Scheduler(Actor):
                 self._fail(r, f"forward step failed: {failed[0].reason}")
         else:
             sampled = self.step_answers[0].sampled
-            for (r, w), tok in zip(batch, sampled):
+            logprobs = self.step_answers[0].logprobs or (None,) * len(sampled)
+            for (r, w), tok, lp in zip(batch, sampled, logprobs):
                 r.in_step = False
-                self._after_step(r, w, tok)
+                self._after_step(r, w, tok, lp)
         self.schedule()
 
-    def _after_step(self, r: Request, w: m.SeqWork, tok: int) -> None:
+    def _after_step(self, r: Request, w: m.SeqWork, tok: int, lp: Optional[m.TokenLogprob] = None) -> None:
         if r.aborted:
             self._release(r)
             return
-        prefill = w.start_pos == 0
-        if prefill:
+        if w.start_pos == 0:
             self._stamp(r, "prefill_end")
-        if r.leg == "prefill":
-            faults.point(self.name, "prefill_done")
-            r.state = State.SENDING
-            r.output = [tok]
-            if self.cfg.mode == "pull":
-                lease = self.cfg.timeouts.lease_s
-                self._to_writers(m.HoldKV(r.transfer_id, r.generation, tuple(r.blocks), len(r.prompt), tok, lease))
-                src = m.PrefillSource(self.inst.engine_id, self.inst.tp, self.inst.handshake_endpoints)
-                pull = m.PullParams(src, tuple(r.blocks), len(r.prompt), tok, time.monotonic() + lease)
-                self._reply(r, m.PrefillFinished(r.transfer_id, r.generation, tok, pull, self._timeline(r)))
-            else:
-                self._to_writers(m.SendKV(r.transfer_id, r.generation, tuple(r.blocks), len(r.prompt), tok))
-                self._stamp(r, "send_kv")
-            return
-        self._emit(r, tok)
+            self._prefilled(r, tok, lp)
+        else:
+            self._emit(r, tok, lp)
 
-    def _emit(self, r: Request, tok: int) -> None:
+    def _emit(self, r: Request, tok: int, lp: Optional[m.TokenLogprob] = None) -> None:
         r.output.append(tok)
         if len(r.output) == 1:
             self._stamp(r, "first_token")
         reason = r.finished()
+        lps = (lp,) if lp is not None else ()
         if reason:
             self._stamp(r, "finished")
             self.counters["requests_completed"] += 1
             self._reply(r, m.TokensGenerated(r.transfer_id, r.generation, (tok,), True, reason, len(r.prompt),
-                                             self._timeline(r), self._kv_stats(r)))
+                                             self._timeline(r), self._kv_stats(r), lps))
             self._release(r)
         else:
             r.state = State.RUNNING
-            self._reply(r, m.TokensGenerated(r.transfer_id, r.generation, (tok,)))
+            self._reply(r, m.TokensGenerated(r.transfer_id, r.generation, (tok,), logprobs=lps))
             if len(r.output) == 3:
                 faults.point(self.name, "decoding")
 
     # -- from the writers --------------------------------------------------------------------
-    def _writer_answer(self, msg) -> Optional[Request]:
-        """Collect one terminal answer per writer rank; the request once all answered."""
+    def on_KVSent(self, msg: m.KVSent) -> None:
+        self._writer_answer(msg)
+
+    def on_KVReceived(self, msg: m.KVReceived) -> None:
+        self._writer_answer(msg)
+
+    def on_KVFailed(self, msg: m.KVFailed) -> None:
+        self._writer_answer(msg)
+
+    def _writer_answer(self, msg: WriterAnswer) -> None:
+        """Collect one terminal answer per writer rank; act once all have answered."""
         r = self.reqs.get((msg.transfer_id, msg.generation))
         if r is None or r.state not in (State.SENDING, State.AWAIT_KV):
             self.counters["stale_writer_answer"] += 1
-            return None
-        r.acks.add((self.current.index, type(msg).__name__, getattr(msg, "reason", "")))
+            return
+        rank = self.current.index
+        if not isinstance(r.answers.get(rank), m.KVFailed):  # a rank's failure is never overwritten
+            r.answers[rank] = msg
         for stage, t in getattr(msg, "timeline", ()):  # the writers' own stages (first rank wins)
             r.timeline.setdefault(stage, t)
         if isinstance(msg, m.KVSent) and msg.rendezvous:
             r.rendezvous = msg.rendezvous
         if isinstance(msg, (m.KVSent, m.KVReceived)) and msg.nbytes:
-            nb, nd, secs = r.kv_stats
-            r.kv_stats = (nb + msg.nbytes, nd + msg.num_descs, max(secs, msg.transfer_s))
+            r.kv.add(msg.nbytes, msg.num_descs, msg.transfer_s)
         if isinstance(msg, m.KVFailed) and len(self.writers) > 1:
             others = m.CancelKV(r.transfer_id, r.generation, msg.reason)
             for ch in self.writers:
                 if ch is not self.current:
                     self.send(ch, others)
-        if len({a[0] for a in r.acks}) < len(self.writers):
-            return None
-        return r
-
-    def on_KVSent(self, msg: m.KVSent) -> None:
-        self._kv_answer(msg)
-
-    def on_KVReceived(self, msg: m.KVReceived) -> None:
-        self._kv_answer(msg)
-
-    def on_KVFailed(self, msg: m.KVFailed) -> None:
-        self._kv_answer(msg)
-
-    def _kv_answer(self, msg) -> None:
-        r = self._writer_answer(msg)
-        if r is None:
+        if len(r.answers) < len(self.writers):
             return
-        failures = [a[2] for a in r.acks if a[1] == "KVFailed"]
-        r.acks = set()
+        answers, r.answers = r.answers, {}
+        failures = [a.reason for a in answers.values() if isinstance(a, m.KVFailed)]
         if r.aborted:
             self._release(r)
         elif failures:
             self._fail(r, f"KV transfer failed: {failures[0]}", 502)
-        elif r.leg == "prefill":
-            self._stamp(r, "kv_sent")
-            nb, nd, secs = r.kv_stats
-            self.counters["kv_transfers"] += 1
-            self.counters["kv_bytes"] += nb
-            self.counters["kv_descs"] += nd
-            self.counters["kv_blocks"] += len(r.blocks)
-            self.counters["kv_transfer_us"] += int(secs * 1e6)
-            if r.rendezvous:
-                self.counters[f"rendezvous_{r.rendezvous}"] += 1
-            if self.cfg.mode != "pull":
-                self._reply(r, m.PrefillFinished(r.transfer_id, r.generation, r.output[0], None, self._timeline(r),
-                                                 self._kv_stats(r)))
-            self._release(r)
         else:
-            self._stamp(r, "kv_received")
-            nb, nd, secs = r.kv_stats
-            self.counters["kv_bytes"] += nb
-            self.counters["kv_descs"] += nd
-            self.counters["kv_transfer_us"] += int(secs * 1e6)
-            if self.blocked_on == r.key:
-                self.blocked_on = None
-            self._emit(r, msg.first_token)
+            self._kv_done(r, answers)
         self.schedule()
 
     # -- deadlines ---------------------------------------------------------------------

@@ -1,0 +1,241 @@
+"""Batched sampling on a step's logits, defined by the request alone.
+
+``sample(logits, seqs)`` takes the float32 ``[num sampled seqs, vocab]``
+logits a forward step produced (on the model's device) and the ``SeqWork`` of
+every seq with ``sample=True``, in the same order, and returns their tokens
+(and log-probabilities where a seq asked for them).
+
+Why the result depends only on the request: P samples a request's first token
+and D the rest, in other processes and in other batches. The one random number
+a seq needs per token is a counter-based hash of ``(seed, output_index)``
+computed in Python integers, so it is the same in any process, on any device,
+in any batch. It drives inverse-CDF sampling over the filtered distribution
+(one uniform per row, no per-vocab random stream). Everything else is row-wise
+tensor math, batched over the seqs that need it, and no row's result depends
+on another row:
+
+- edits, sparse (only the ids named or generated): + logit_bias, - presence /
+  frequency penalty over the output so far (``SeqWork.history``), suppressed
+  ids (stop ids before ``min_tokens``) to -inf;
+- temperature 0: argmax;
+- otherwise / temperature, then top_k -> min_p -> top_p on the top ``WINDOW``
+  (or top_k) candidates, sorted by ``topk``; a row whose kept set may reach past
+  the window (a flat distribution without top_k) is sorted whole instead; rows
+  with no filter draw over the whole vocabulary in id order.
+
+Log-probabilities are those of the model's raw distribution (before bias,
+penalties and temperature), as vLLM reports them by default.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from pushkv.messages import SamplingParams, SeqWork, TokenLogprob
+
+GREEDY = SamplingParams()
+WINDOW = 1024  # candidates a row without top_k is filtered on before its whole row is sorted
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: a bijection on 64-bit ints with good avalanche."""
+    x &= _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def uniform(seed: int, index: int) -> float:
+    """The uniform in (0, 1) that draws output token ``index`` of a request seeded ``seed``.
+
+    24 bits, so it is exact in float32 on every device.
+    """
+    h = _mix64(_mix64(seed & _MASK64) ^ (index * 0x9E3779B97F4A7C15))
+    return ((h >> 40) + 0.5) / float(1 << 24)
+
+
+def derive_seed(seed: int, n: int) -> int:
+    """Choice ``n`` of a request with ``n`` > 1 samples from its own stream."""
+    return seed if n == 0 else _mix64(seed ^ _mix64(n))
+
+
+@dataclass
+class Sampled:
+    tokens: list[int]
+    logprobs: tuple[Optional[TokenLogprob], ...] = ()  # aligned with tokens when any seq asked
+
+
+def _params(s: SeqWork) -> SamplingParams:
+    return s.sampling if s.sampling is not None else GREEDY
+
+
+def _edited(p: SamplingParams, s: SeqWork) -> bool:
+    return bool(p.logit_bias or s.suppress or (s.history and (p.presence_penalty or p.frequency_penalty)))
+
+
+def sample(logits: torch.Tensor, seqs: Sequence[SeqWork]) -> Sampled:
+    """Tokens for ``seqs`` (those with sample=True, in order) from their logits rows.
+
+    ``logits`` is only read: the rows that need work are gathered into copies.
+    """
+    if logits.shape[0] != len(seqs):
+        raise ValueError(f"{logits.shape[0]} logits rows for {len(seqs)} sampled seqs")
+    params = [_params(s) for s in seqs]
+    if all(p.temperature == 0 and p.logprobs < 0 and not _edited(p, s) for p, s in zip(params, seqs)):
+        return Sampled(logits.argmax(-1).tolist())  # the all-greedy step: nothing else to do
+    dev = logits.device
+    tokens = torch.empty(len(seqs), dtype=torch.long, device=dev)
+    cold = [i for i, p in enumerate(params) if p.temperature == 0]
+    hot = [i for i, p in enumerate(params) if p.temperature > 0]
+    if cold:
+        idx = torch.tensor(cold, device=dev)
+        x = logits[idx]  # a copy
+        _edit(x, [params[i] for i in cold], [seqs[i] for i in cold], [1.0] * len(cold))
+        tokens[idx] = x.argmax(-1)
+    if hot:
+        idx = torch.tensor(hot, device=dev)
+        ps = [params[i] for i in hot]
+        inv_t = [1.0 / p.temperature for p in ps]
+        scale = torch.tensor(inv_t, device=dev, dtype=logits.dtype)[:, None]
+        x = logits * scale if len(hot) == len(seqs) else logits[idx].mul_(scale)  # one new tensor either way
+        _edit(x, ps, [seqs[i] for i in hot], inv_t)  # (logit + edit) / T, edits scattered after the scale
+        tokens[idx] = _draw(x, ps, [seqs[i] for i in hot])
+    tokens_list = tokens.tolist()
+    if all(p.logprobs < 0 for p in params):
+        return Sampled(tokens_list)
+    return Sampled(tokens_list, _logprobs(logits, tokens, params))
+
+
+def _edit(x: torch.Tensor, params: list[SamplingParams], seqs: list[SeqWork], scale: list[float]) -> None:
+    """Bias, penalties and suppression, in place, as one sparse scatter each: touches only the
+    ids a request names or generated, never the whole vocabulary."""
+    vocab = x.shape[1]
+    delta: dict[int, float] = {}
+    banned: list[int] = []
+    for j, (p, s) in enumerate(zip(params, seqs)):
+        if not _edited(p, s):
+            continue
+        base = j * vocab
+        for tok, bias in p.logit_bias:
+            delta[base + tok] = delta.get(base + tok, 0.0) + bias * scale[j]
+        if s.history and (p.presence_penalty or p.frequency_penalty):
+            for tok, count in Counter(s.history).items():
+                pen = (p.frequency_penalty * count + p.presence_penalty) * scale[j]
+                delta[base + tok] = delta.get(base + tok, 0.0) - pen
+        banned.extend(base + t for t in s.suppress)
+    flat = x.view(-1)
+    if delta:
+        where = torch.tensor(list(delta), device=x.device)
+        flat.index_add_(0, where, torch.tensor(list(delta.values()), device=x.device, dtype=x.dtype))
+    if banned:
+        flat.index_fill_(0, torch.tensor(banned, device=x.device), float("-inf"))
+
+
+def _uniforms(params: list[SamplingParams], seqs: list[SeqWork], x: torch.Tensor) -> torch.Tensor:
+    return torch.tensor([uniform(p.seed, s.output_index) for p, s in zip(params, seqs)], device=x.device,
+                        dtype=x.dtype)
+
+
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Row-wise: the first position whose cumulative weight exceeds u * total (never a zero weight)."""
+    cdf = weights.cumsum(-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).clamp(max=weights.shape[1] - 1).squeeze(1)
+
+
+def _draw(x: torch.Tensor, params: list[SamplingParams], seqs: list[SeqWork]) -> torch.Tensor:
+    """One token per row of the temperature-scaled, edited logits: top_k -> min_p -> top_p -> draw."""
+    n, vocab = x.shape
+    out = torch.empty(n, dtype=torch.long, device=x.device)
+    u = _uniforms(params, seqs, x)
+    filtered = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0]
+    plain = [i for i in range(n) if i not in set(filtered)]
+    if plain:  # no filter: the whole distribution, in vocabulary order
+        idx = torch.tensor(plain, device=x.device)
+        sub = x if len(plain) == n else x[idx]  # ours to overwrite: x is sample()'s own copy
+        out[idx] = _inverse_cdf(sub.sub_(sub.max(-1, keepdim=True).values).exp_(), u[idx])
+    if filtered:
+        idx = torch.tensor(filtered, device=x.device)
+        got, spill = _draw_window(x if len(filtered) == n else x[idx], [params[i] for i in filtered], u[idx])
+        out[idx] = got
+        if spill:  # the window did not hold these rows' candidates: sort their whole rows
+            back = idx[torch.tensor(spill, device=x.device)]
+            out[back] = _draw_sorted(x[back], [params[filtered[j]] for j in spill], u[back])
+    return out
+
+
+def _masks(params: list[SamplingParams], e: torch.Tensor, width: int):
+    dev, dt = e.device, e.dtype
+    k = torch.tensor([p.top_k if 0 < p.top_k < e.shape[1] else width for p in params], device=dev)
+    keep = torch.arange(width, device=dev)[None, :] < k[:, None]
+    min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=dt)[:, None]
+    keep &= e >= min_p  # e is p / p_max
+    top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=dt)[:, None]
+    return keep, top_p
+
+
+def _draw_window(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """Filters on the top ``WINDOW`` (or top_k) candidates only: no sort of the vocabulary.
+
+    A row whose kept set may reach past the window (no top_k, and min_p or top_p
+    not yet satisfied inside it) is returned in ``spill`` for the full path.
+    """
+    n, vocab = x.shape
+    has_k = [0 < p.top_k < vocab for p in params]
+    width = min(vocab, max([p.top_k for p, k in zip(params, has_k) if k] +
+                           ([WINDOW] if not all(has_k) else [0])))
+    vals, ids = x.topk(width, dim=-1)  # sorted, descending
+    e = torch.exp(vals - vals[:, :1])
+    keep, top_p = _masks(params, e, width)
+    w = e * keep
+    kept = w.sum(-1, keepdim=True)
+    covered = torch.tensor(has_k, device=x.device)[:, None] | ~keep[:, -1:]  # nothing kept lies past the window
+    if all(has_k):
+        total = kept
+    else:  # without top_k, top_p is of the whole row's mass
+        total = torch.where(covered, kept, torch.exp(x - vals[:, :1]).sum(-1, keepdim=True))
+    cum = w.cumsum(-1)
+    keep &= (cum - w) < top_p * total
+    if all(has_k):
+        spill: list[int] = []
+    else:  # one host sync, only when some row has no top_k
+        fits = covered | (cum[:, -1:] >= top_p * total)
+        spill = (~fits).squeeze(1).nonzero().squeeze(1).tolist()
+    pos = _inverse_cdf(e * keep, u)
+    return ids.gather(1, pos[:, None]).squeeze(1), spill
+
+
+def _draw_sorted(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> torch.Tensor:
+    """The same filters over whole sorted rows (rows without top_k whose nucleus is wide)."""
+    vals, ids = x.sort(dim=-1, descending=True)
+    e = torch.exp(vals - vals[:, :1])
+    keep, top_p = _masks(params, e, x.shape[1])
+    w = e * keep
+    keep &= (w.cumsum(-1) - w) < top_p * w.sum(-1, keepdim=True)
+    pos = _inverse_cdf(e * keep, u)
+    return ids.gather(1, pos[:, None]).squeeze(1)
+
+
+def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> tuple[Optional[TokenLogprob], ...]:
+    """logprob = logit - logsumexp(row): no vocab-sized output is materialised."""
+    rows = [i for i, p in enumerate(params) if p.logprobs >= 0]
+    x = raw
+    if len(rows) < len(params):
+        idx = torch.tensor(rows, device=raw.device)
+        x, tokens = raw[idx], tokens[idx]
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    chosen = (x.gather(1, tokens[:, None]) - lse).squeeze(1).tolist()
+    kmax = max(params[i].logprobs for i in rows)
+    top_v, top_i = ([], []) if not kmax else x.topk(kmax, dim=-1)
+    top_v = (top_v - lse).tolist() if kmax else [[]] * len(rows)
+    top_i = top_i.tolist() if kmax else [[]] * len(rows)
+    out: list[Optional[TokenLogprob]] = [None] * len(params)
+    for j, i in enumerate(rows):
+        k = params[i].logprobs
+        out[i] = TokenLogprob(chosen[j], tuple(top_i[j][:k]), tuple(top_v[j][:k]))
+    return tuple(out)

@@ -1,0 +1,145 @@
+"""``/v1/chat/completions``: messages -> prompt through a chat template (pure, no I/O
+beyond reading the checkpoint's template once at start).
+
+A checkpoint's template comes from ``chat_template.jinja`` or the
+``chat_template`` field of ``tokenizer_config.json`` (a string, or a list of
+named templates of which ``default`` is taken), rendered with jinja2 in a
+sandbox as transformers does (``trim_blocks``, ``lstrip_blocks``,
+``raise_exception``). The random presets, and checkpoints without one, get a
+plain template: one ``role: content`` line per message, then ``assistant:``.
+"""
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime
+from typing import Any, Optional
+
+from pushkv.router import api, text
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+PLAIN_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+class TemplateError(Exception):
+    pass
+
+
+def _special(cfg: dict, name: str) -> str:
+    v = cfg.get(name)
+    if isinstance(v, dict):
+        v = v.get("content")
+    return v if isinstance(v, str) else ""
+
+
+class ChatTemplate:
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = "", name: str = "plain"):
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            self.template = env.from_string(source)
+        except jinja2.TemplateError as e:
+            raise ValueError(f"chat template {name!r} does not compile: {e}") from None
+        self.bos_token, self.eos_token, self.name = bos_token, eos_token, name
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
+        import jinja2
+
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                        bos_token=self.bos_token, eos_token=self.eos_token, **extra)
+        except TemplateError as e:
+            raise api.bad("messages", f"the chat template refused the messages: {e}") from None
+        except jinja2.TemplateError as e:
+            raise api.bad("messages", f"the chat template failed on the messages: {e}") from None
+
+
+def load_template(checkpoint: str) -> ChatTemplate:
+    """The checkpoint's chat template, or the plain one."""
+    if not checkpoint:
+        return ChatTemplate(PLAIN_TEMPLATE)
+    cfg: dict = {}
+    path = os.path.join(checkpoint, "tokenizer_config.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            cfg = json.load(f)
+    source: Any = None
+    jinja_path = os.path.join(checkpoint, "chat_template.jinja")
+    if os.path.exists(jinja_path):
+        with open(jinja_path) as f:
+            source = f.read()
+    if source is None:
+        source = cfg.get("chat_template")
+    if isinstance(source, list):  # [{"name": ..., "template": ...}]
+        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        source = named.get("default") or next(iter(named.values()), None)
+    if not isinstance(source, str) or not source:
+        return ChatTemplate(PLAIN_TEMPLATE)
+    return ChatTemplate(source, _special(cfg, "bos_token"), _special(cfg, "eos_token"), name=checkpoint)
+
+
+def _content(msg: dict, i: int) -> str:
+    c = msg.get("content")
+    if c is None:
+        return ""
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list):
+        parts = []
+        for part in c:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise api.bad(f"messages[{i}].content", "only text content parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise api.bad(f"messages[{i}].content", "content must be a string or a list of text parts")
+
+
+def parse_messages(body: dict) -> list[dict]:
+    msgs = body.get("messages")
+    if msgs is None:
+        raise api.bad("messages", "missing field 'messages'")
+    if not isinstance(msgs, list) or not msgs:
+        raise api.bad("messages", "messages must be a non-empty list")
+    out = []
+    for i, msg in enumerate(msgs):
+        if not isinstance(msg, dict):
+            raise api.bad(f"messages[{i}]", "each message must be an object")
+        role = msg.get("role")
+        if role not in ROLES:
+            raise api.bad(f"messages[{i}].role", f"role must be one of {list(ROLES)}, got {role!r}")
+        out.append({"role": role, "content": _content(msg, i)})
+    return out
+
+
+def parse_chat(body: dict, tok: text.Tokenizer, limits: api.Limits, template: ChatTemplate,
+               bos_token_id: Optional[int] = None) -> api.CompletionParams:
+    messages = parse_messages(body)
+    prompt = template.render(messages, add_generation_prompt=True)
+    ids = api.encode_text(tok, prompt, "messages")
+    if bos_token_id is not None and bos_token_id >= 0 and ids[:2] == [bos_token_id, bos_token_id]:
+        ids = ids[1:]  # the template wrote BOS and the tokenizer added one
+    if not ids:
+        raise api.bad("messages", "the rendered prompt is empty")
+    api.check_prompt_ids(ids, limits, "messages")
+    if body.get("tools") and body.get("tool_choice") not in (None, "none", "auto"):
+        raise api.bad("tool_choice", "tool calls are not supported")
+    want = api.get_bool(body, "logprobs")
+    top = api.get_int(body, "top_logprobs", None, 0, api.MAX_LOGPROBS)
+    if top is not None and top > 0 and not want:
+        raise api.bad("top_logprobs", "top_logprobs needs logprobs: true")
+    params = api.parse_generation(body, ids, limits, None, (top or 0) if want else -1,
+                                  max_tokens_field="max_completion_tokens")
+    params.chat = True
+    return params

@@ -1,0 +1,198 @@
+"""One HTTP generation request (completions or chat, n choices, streamed or not)
+served from its ``RequestRun``s: one run per choice, each its own transfer id
+(``<id>`` for n=1, ``<id>-<i>`` otherwise) and its own sampling stream.
+
+A choice that hits a stop string is done at once: its run closes, which aborts
+its legs, and its events stop being read.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import AsyncIterator, Optional
+
+import msgspec
+from aiohttp import web
+
+from pushkv.model.sampling import derive_seed
+from pushkv.router import api, output
+from pushkv.router.flow import Failed, Finished, RequestRun, Tokens
+
+log = logging.getLogger(__name__)
+
+
+def choice_seed(params: api.CompletionParams, i: int):
+    return msgspec.structs.replace(params.sampling, seed=derive_seed(params.sampling.seed, i))
+
+
+class Fanout:
+    """Events of every run, tagged with the choice index, as they arrive."""
+
+    def __init__(self, runs: list[RequestRun]):
+        self.runs = runs
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.tasks = [asyncio.get_running_loop().create_task(self._pump(i, r)) for i, r in enumerate(runs)]
+        self.live = len(runs)
+
+    async def _pump(self, i: int, run: RequestRun) -> None:
+        try:
+            async for ev in run.events():
+                await self.queue.put((i, ev))
+        finally:
+            self.queue.put_nowait((i, None))
+
+    def stop(self, i: int, reason: str) -> None:
+        """Choice i is complete early (stop string): abort its legs, stop reading it."""
+        self.runs[i].close(reason)
+        self.tasks[i].cancel()
+
+    async def events(self) -> AsyncIterator[tuple[int, object]]:
+        while self.live:
+            i, ev = await self.queue.get()
+            if ev is None:
+                self.live -= 1
+                continue
+            yield i, ev
+
+    async def close(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        for t in self.tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):
+                pass
+
+
+class Generation:
+    def __init__(self, router, params: api.CompletionParams, runs: list[RequestRun]):
+        self.router = router
+        self.tok = router.tokenizer
+        self.params = params
+        self.runs = runs
+        self.chat = params.chat
+        self.request_id = output.completion_id(runs[0].transfer_id.split("-")[0], self.chat)
+        self.model = params.model or router.cfg.model.name
+        self.created = output.now_s()
+        self.outs = [output.ChoiceOutput(i, self.tok, params.stop, params.sampling.min_tokens)
+                     for i in range(params.n)]
+        self.want_logprobs = params.sampling.logprobs >= 0
+        self.offsets = [len(params.prompt_text) if params.echo else 0] * params.n
+
+    # -- bookkeeping -------------------------------------------------------
+    def _apply(self, i: int, ev, fan: Fanout) -> Optional[output.Delta]:
+        out, run = self.outs[i], self.runs[i]
+        if isinstance(ev, Tokens):
+            delta = out.add(ev.token_ids, ev.logprobs)
+            if delta.finish_reason:  # a stop string: this choice is complete now
+                run.record.outcome = "ok"
+                run.record.finish = time.monotonic()
+                run.mark("router.finish")
+                fan.stop(i, "stop string matched")
+            return delta
+        if isinstance(ev, Finished):
+            run.record.outcome = "ok"
+            return out.finish(ev.finish_reason)
+        return None
+
+    def _logprobs(self, i: int, delta: output.Delta) -> Optional[dict]:
+        if not self.want_logprobs:
+            return None
+        if self.chat:
+            return output.chat_logprobs(self.tok, delta.token_ids, delta.logprobs)
+        lp = output.completion_logprobs(self.tok, delta.token_ids, delta.logprobs, self.offsets[i])
+        self.offsets[i] += sum(len(s) for s in lp["tokens"])
+        return lp
+
+    def _usage(self) -> dict:
+        return output.usage(len(self.params.prompt_token_ids), sum(len(o.token_ids) for o in self.outs))
+
+    def _extension(self) -> dict:
+        run = self.runs[0]
+        return {"transfer_id": run.transfer_id,
+                "timeline": dict(sorted(run.timeline.items(), key=lambda kv: kv[1]))}
+
+    def _fail(self, i: int, ev: Failed) -> None:
+        self.runs[i].record.outcome = ev.outcome
+        for j, run in enumerate(self.runs):
+            if j != i and not run.record.outcome:
+                run.record.outcome = "aborted"
+
+    # -- unary ------------------------------------------------------------------
+    async def unary(self) -> web.Response:
+        fan = Fanout(self.runs)
+        try:
+            async for i, ev in fan.events():
+                if isinstance(ev, Failed):
+                    self._fail(i, ev)
+                    return web.json_response(api.error_body(ev.reason, api.error_type(ev.status), ev.status),
+                                             status=ev.status)
+                self._apply(i, ev, fan)
+        finally:
+            await fan.close()
+        if not all(o.done for o in self.outs):
+            raise RuntimeError("request run ended without an outcome")
+        choices = []
+        for o in self.outs:
+            lp = None
+            if self.want_logprobs:
+                d = output.Delta(o.text, o.token_ids, o.logprobs)
+                lp = self._logprobs(o.index, d)
+            if self.chat:
+                choices.append(output.chat_choice(o.index, o.text, o.finish_reason, lp))
+            else:
+                prefix = self.params.prompt_text if self.params.echo else ""
+                choices.append(output.completion_choice(o.index, prefix + o.text, o.token_ids, o.finish_reason, lp))
+        return web.json_response(output.body(self.request_id, self.created, self.model, choices, self.chat, False,
+                                             self._usage(), self._extension()))
+
+    # -- streaming ----------------------------------------------------------------
+    def _chunk(self, choice: dict, usage_: Optional[dict] = None, ext: Optional[dict] = None) -> bytes:
+        return output.sse(output.body(self.request_id, self.created, self.model, [choice] if choice else [],
+                                      self.chat, True, usage_, ext))
+
+    def _stream_delta(self, i: int, delta: output.Delta) -> bytes:
+        lp = self._logprobs(i, delta)
+        if self.chat:
+            d = {"content": delta.text} if delta.text or not delta.finish_reason else {}
+            return self._chunk(output.chat_chunk_choice(i, d, delta.finish_reason, lp))
+        choice = output.completion_choice(i, delta.text, delta.token_ids, delta.finish_reason, lp)
+        if delta.finish_reason and self.params.n == 1:  # the last chunk carries usage (pushkv's habit)
+            return self._chunk(choice, self._usage(), self._extension())
+        return self._chunk(choice)
+
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": self.request_id,
+        })
+        await resp.prepare(request)
+        fan = Fanout(self.runs)
+        try:
+            for i in range(self.params.n):
+                if self.chat:
+                    await resp.write(self._chunk(output.chat_chunk_choice(i, {"role": "assistant", "content": ""}, None)))
+                elif self.params.echo:
+                    await resp.write(self._chunk(output.completion_choice(i, self.params.prompt_text, [], None)))
+            failed = False
+            async for i, ev in fan.events():
+                if isinstance(ev, Failed):
+                    self._fail(i, ev)
+                    await resp.write(output.sse(api.error_body(ev.reason, api.error_type(ev.status), ev.status)))
+                    failed = True
+                    break
+                delta = self._apply(i, ev, fan)
+                if delta is not None and (delta.text or delta.token_ids or delta.finish_reason):
+                    await resp.write(self._stream_delta(i, delta))
+            if not failed and self.params.include_usage:
+                await resp.write(self._chunk({}, self._usage()))
+            await resp.write(output.SSE_DONE)
+            await resp.write_eof()
+        except ConnectionError:  # the client closed the stream under us
+            for run in self.runs:
+                if run.record.outcome != "ok":
+                    run.record.outcome = "aborted"
+            log.info("client went away mid-stream request_id=%s", self.request_id)
+        finally:
+            await fan.close()
+        return resp

@@ -1,0 +1,190 @@
+"""What a client sees of one choice: text held back until it is whole, stop strings,
+logprobs, and the OpenAI response shapes (pure, no I/O).
+
+Text is released only when it can no longer change: a character split across
+tokens waits for its last byte (``text.IncrementalDecoder``), and text that
+could be the start of a stop string waits until it is not. Streaming and
+non-streaming go through the same ``ChoiceOutput``, so they return the same text.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from pushkv.messages import TokenLogprob
+from pushkv.router import text
+
+FLOOR_LOGPROB = -9999.0  # JSON has no -inf
+
+
+def completion_id(transfer_id: str, chat: bool = False) -> str:
+    return f"{'chatcmpl' if chat else 'cmpl'}-{transfer_id}"
+
+
+def transfer_id_of(request_id: str) -> str:
+    for prefix in ("chatcmpl-", "cmpl-"):
+        if request_id.startswith(prefix):
+            return request_id[len(prefix):]
+    return request_id
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+def sse(obj: Any) -> bytes:
+    payload = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
+    return f"data: {payload}\n\n".encode()
+
+
+SSE_DONE = sse("[DONE]")
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class StopStrings:
+    """Finds the first stop string in the text as it grows; holds back a possible start of one."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = tuple(stops)
+        self.pending = ""
+
+    def feed(self, new: str, final: bool, armed: bool = True) -> tuple[str, bool]:
+        """(text safe to release, whether a stop string matched: nothing after it is released).
+
+        Not ``armed`` (before ``min_tokens``): everything is released unchecked."""
+        buf = self.pending + new
+        if not armed:
+            self.pending = ""
+            return buf, False
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.pending = ""
+            return buf[:min(hits)], True
+        if final or not self.stops:
+            self.pending = ""
+            return buf, False
+        hold = 0
+        for s in self.stops:  # longest tail of buf that begins some stop string
+            for n in range(min(len(s) - 1, len(buf)), hold, -1):
+                if buf.endswith(s[:n]):
+                    hold = n
+                    break
+        self.pending = buf[len(buf) - hold:] if hold else ""
+        return buf[:len(buf) - hold], False
+
+
+@dataclass
+class Delta:
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    finish_reason: Optional[str] = None
+
+
+@dataclass
+class ChoiceOutput:
+    index: int
+    tok: text.Tokenizer
+    stops: tuple[str, ...] = ()
+    min_tokens: int = 0  # stop strings are not looked for before this many tokens
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+
+    def __post_init__(self):
+        self._detok = text.IncrementalDecoder(self.tok)
+        self._stops = StopStrings(self.stops)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def add(self, ids: Sequence[int], lps: Sequence[TokenLogprob] = ()) -> Delta:
+        if self.done:
+            return Delta("", [], [])
+        armed = len(self.token_ids) + len(ids) >= self.min_tokens
+        out, hit = self._stops.feed(self._detok.push(ids), final=False, armed=armed)
+        return self._delta(out, ids, lps, "stop" if hit else None)
+
+    def finish(self, reason: str) -> Delta:
+        if self.done:
+            return Delta("", [], [], None)
+        out, hit = self._stops.feed(self._detok.flush(), final=True)
+        return self._delta(out, (), (), "stop" if hit else reason)
+
+    def _delta(self, out: str, ids, lps, reason: Optional[str]) -> Delta:
+        self.text += out
+        self.token_ids.extend(ids)
+        self.logprobs.extend(lps)
+        self.finish_reason = reason
+        return Delta(out, list(ids), list(lps), reason)
+
+
+# ---------------------------------------------------------------------------
+# Logprobs in the two OpenAI shapes
+# ---------------------------------------------------------------------------
+def _lp(x: float) -> float:
+    return x if x > FLOOR_LOGPROB else FLOOR_LOGPROB
+
+
+def completion_logprobs(tok: text.Tokenizer, ids: Sequence[int], lps: Sequence[TokenLogprob],
+                        offset: int = 0) -> dict:
+    """``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` of /v1/completions."""
+    tokens = [tok.decode([i]) for i in ids]
+    offsets = []
+    for s in tokens:
+        offsets.append(offset)
+        offset += len(s)
+    tops = [{tok.decode([t]): _lp(v) for t, v in zip(lp.top_ids, lp.top_logprobs)} for lp in lps]
+    return {"tokens": tokens, "token_logprobs": [_lp(lp.logprob) for lp in lps],
+            "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(tok: text.Tokenizer, ids: Sequence[int], lps: Sequence[TokenLogprob]) -> dict:
+    """``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}`` of /v1/chat/completions."""
+    def entry(t: int, v: float) -> dict:
+        s = tok.decode([t])
+        return {"token": s, "logprob": _lp(v), "bytes": list(s.encode("utf-8"))}
+
+    content = []
+    for i, lp in zip(ids, lps):
+        e = entry(i, lp.logprob)
+        e["top_logprobs"] = [entry(t, v) for t, v in zip(lp.top_ids, lp.top_logprobs)]
+        content.append(e)
+    return {"content": content}
+
+
+# ---------------------------------------------------------------------------
+# Response bodies
+# ---------------------------------------------------------------------------
+def completion_choice(index: int, text_: str, token_ids: list[int], finish_reason: Optional[str],
+                      logprobs: Optional[dict] = None) -> dict:
+    return {"index": index, "text": text_, "logprobs": logprobs, "finish_reason": finish_reason,
+            "token_ids": token_ids}
+
+
+def chat_choice(index: int, content: str, finish_reason: Optional[str], logprobs: Optional[dict] = None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": content}, "logprobs": logprobs,
+            "finish_reason": finish_reason}
+
+
+def chat_chunk_choice(index: int, delta: dict, finish_reason: Optional[str], logprobs: Optional[dict] = None) -> dict:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def body(request_id: str, created: int, model: str, choices: list[dict], chat: bool, chunk: bool,
+         usage_: Optional[dict] = None, extension: Optional[dict] = None) -> dict:
+    obj = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
+    out = {"id": request_id, "object": obj, "created": created, "model": model, "choices": choices}
+    if usage_ is not None:
+        out["usage"] = usage_
+    if extension is not None:
+        out["pushkv"] = extension
+    return out

@@ -1,0 +1,66 @@
+"""D's scheduler: reserve blocks, get the KV from P, then decode.
+
+Push: at admission (while P computes) ``ExpectKV`` tells the writers to register
+the blocks with P's writers. Pull: at admission (after the router relayed P's
+block ids) ``ReadKV`` tells them to READ; with ``pull_read == "inline"`` the
+engine stalls until that READ is done, as the default connector's step does.
+Either way, when every writer rank reports the KV received, the first token
+(sampled by P) is emitted and the request joins the decode batch.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from pushkv import messages as m
+from pushkv.config import DeploymentConfig, InstanceConfig
+from pushkv.scheduler.core import SchedulerCore, WriterAnswer
+from pushkv.scheduler.requests import Request, State
+
+
+class DecodeScheduler(SchedulerCore):
+    role = "decode"
+
+    def __init__(self, cfg: DeploymentConfig, inst: InstanceConfig):
+        super().__init__(cfg, inst)
+        p = cfg.prefill  # the only KV source a decode leg may name (D's writer connects to it)
+        self.sources = {m.PrefillSource(p.engine_id, p.tp, tuple(p.handshake_endpoints))}
+        self.blocked_on: Optional[tuple[str, int]] = None  # pull inline: the READ the engine waits on
+
+    def _check_leg(self, msg: m.Generate) -> Optional[tuple[str, int]]:
+        if msg.source is None and msg.pull is None:
+            return "decode leg without a KV source", 400
+        for src in (msg.source, msg.pull.source if msg.pull is not None else None):
+            if src is not None and src not in self.sources:
+                return f"unknown prefill source {src.engine_id!r} at {list(src.handshake)}", 400
+        return None
+
+    def _engine_blocked(self) -> bool:
+        return self.blocked_on is not None
+
+    def _forget(self, r: Request) -> None:
+        if self.blocked_on == r.key:
+            self.blocked_on = None
+
+    def _admitted(self, r: Request) -> None:
+        r.state = State.AWAIT_KV
+        if r.pull is None:  # push: register now, while P computes
+            self._to_writers(m.ExpectKV(r.transfer_id, r.generation, tuple(r.blocks), len(r.prompt),
+                                        r.source, self.cfg.timeouts.write_wait_s))
+            self._stamp(r, "registration_sent")
+        else:
+            self._to_writers(m.ReadKV(r.transfer_id, r.generation, tuple(r.blocks), r.pull,
+                                      self.cfg.timeouts.transfer_s))
+            self._stamp(r, "read_posted")
+            if self.cfg.pull_read == "inline":
+                self.blocked_on = r.key  # the engine step blocks on the READ, like the default connector
+
+    def _prefilled(self, r: Request, tok: int, lp: Optional[m.TokenLogprob] = None) -> None:
+        raise AssertionError(f"decode instance ran a prefill step transfer_id={r.transfer_id}")
+
+    def _kv_done(self, r: Request, answers: dict[int, WriterAnswer]) -> None:
+        """The KV has arrived on every rank: emit P's first token and start decoding."""
+        self._stamp(r, "kv_received")
+        self._count_kv(r)
+        self._forget(r)
+        first = next(a.first_token for a in answers.values() if isinstance(a, m.KVReceived))
+        self._emit(r, first)

@@ -1,0 +1,52 @@
+"""P's scheduler: prefill, then hand the finished blocks to the writers.
+
+Push: ``SendKV`` (the writers WRITE once D's registration is there) and the
+router hears ``PrefillFinished`` when every writer reports the WRITE done.
+Pull: ``HoldKV`` (the writers keep the blocks under a lease) and the router hears
+``PrefillFinished`` with P's block ids at once, to relay to D.
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from pushkv import faults
+from pushkv import messages as m
+from pushkv.scheduler.core import SchedulerCore, WriterAnswer
+from pushkv.scheduler.requests import Request, State
+
+
+class PrefillScheduler(SchedulerCore):
+    role = "prefill"
+
+    def _admitted(self, r: Request) -> None:
+        r.state = State.PREFILL
+
+    def _prefilled(self, r: Request, tok: int, lp: Optional[m.TokenLogprob] = None) -> None:
+        faults.point(self.name, "prefill_done")
+        r.state = State.SENDING
+        r.output = [tok]
+        if lp is not None:  # the first token's logprob is P's to give: D never sees these logits
+            self._reply(r, m.TokensGenerated(r.transfer_id, r.generation, (tok,), logprobs=(lp,)))
+        if self.cfg.mode == "pull":
+            lease = self.cfg.timeouts.lease_s
+            self._to_writers(m.HoldKV(r.transfer_id, r.generation, tuple(r.blocks), len(r.prompt), tok, lease))
+            src = m.PrefillSource(self.inst.engine_id, self.inst.tp, self.inst.handshake_endpoints)
+            pull = m.PullParams(src, tuple(r.blocks), len(r.prompt), tok, time.monotonic() + lease)
+            self._reply(r, m.PrefillFinished(r.transfer_id, r.generation, tok, pull, self._timeline(r)))
+        else:
+            self._to_writers(m.SendKV(r.transfer_id, r.generation, tuple(r.blocks), len(r.prompt), tok))
+            self._stamp(r, "send_kv")
+
+    def _kv_done(self, r: Request, answers: dict[int, WriterAnswer]) -> None:
+        """Every writer rank says the WRITE (push) or D's READ (pull) is done: the blocks are free."""
+        self._stamp(r, "kv_sent")
+        self.counters["kv_transfers"] += 1
+        self.counters["kv_blocks"] += len(r.blocks)
+        self._count_kv(r)
+        if r.rendezvous:
+            self.counters[f"rendezvous_{r.rendezvous}"] += 1
+        if self.cfg.mode != "pull":
+            self._reply(r, m.PrefillFinished(r.transfer_id, r.generation, r.output[0], None, self._timeline(r),
+                                             self._kv_stats(r)))
+        self._release(r)

@@ -1,0 +1,152 @@
+"""pushkv.model.sampling: pure, batched, defined by the request (seed, output index)."""
+from collections import Counter
+
+import pytest
+import torch
+
+from pushkv.messages import SamplingParams, SeqWork
+from pushkv.model.sampling import derive_seed, sample, uniform
+
+V = 50
+
+
+def seq(p=None, index=0, history=(), suppress=()):
+    return SeqWork(0, (1,), 0, (0,), sampling=p, output_index=index, history=history, suppress=suppress)
+
+
+def logits(rows=1, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, V, generator=g) * 2
+
+
+def test_all_greedy_is_argmax():
+    x = logits(4)
+    assert sample(x, [seq()] * 4).tokens == x.argmax(-1).tolist()
+    assert sample(x, [seq(SamplingParams(temperature=0.0))] * 4).logprobs == ()
+
+
+def test_rows_must_match_seqs():
+    with pytest.raises(ValueError, match="3 logits rows for 2"):
+        sample(logits(3), [seq()] * 2)
+
+
+def test_uniform_is_a_pure_function_in_the_open_interval():
+    us = [uniform(s, i) for s in range(50) for i in range(50)]
+    assert all(0 < u < 1 for u in us)
+    assert len(set(us)) > 2400  # 24-bit draws: a few collisions at most
+    assert uniform(7, 3) == uniform(7, 3) and uniform(7, 3) != uniform(7, 4)
+    assert uniform(-1, 0) == uniform((1 << 64) - 1, 0)  # seeds are taken mod 2**64
+    assert derive_seed(9, 0) == 9 and derive_seed(9, 1) != derive_seed(9, 2)
+
+
+def test_seeded_draw_does_not_depend_on_batch_or_row():
+    x = logits(1, seed=3)
+    p = SamplingParams(temperature=1.0, seed=1234)
+    alone = sample(x, [seq(p, index=5)]).tokens[0]
+    batch = torch.cat([logits(3, seed=4), x, logits(2, seed=5)])
+    others = [seq(SamplingParams(temperature=0.7, seed=s, top_p=0.9), index=s) for s in range(5)]
+    seqs = others[:3] + [seq(p, index=5)] + others[3:]
+    assert sample(batch, seqs).tokens[3] == alone
+
+
+def test_temperature_one_follows_softmax():
+    x = logits(1, seed=11)
+    probs = torch.softmax(x[0], -1)
+    n = 4000
+    draws = Counter(sample(x, [seq(SamplingParams(temperature=1.0, seed=s))]).tokens[0] for s in range(n))
+    # total variation distance between the empirical and the model distribution
+    tv = 0.5 * sum(abs(draws.get(t, 0) / n - probs[t].item()) for t in range(V))
+    assert tv < 0.06, tv
+    assert len(draws) > 10
+
+
+def test_low_temperature_is_nearly_greedy_and_high_is_spread():
+    x = logits(1, seed=12)
+    cold = {sample(x, [seq(SamplingParams(temperature=0.01, seed=s))]).tokens[0] for s in range(200)}
+    assert cold == {int(x.argmax())}
+    hot = {sample(x, [seq(SamplingParams(temperature=5.0, seed=s))]).tokens[0] for s in range(200)}
+    assert len(hot) > 25
+
+
+@pytest.mark.parametrize("k", [1, 3, 10])
+def test_top_k_keeps_only_the_k_most_likely(k):
+    x = logits(2, seed=13)
+    allowed = set(x[0].topk(k).indices.tolist())
+    ps = [SamplingParams(temperature=2.0, top_k=k, seed=s) for s in range(300)]
+    got = {sample(x, [seq(p), seq(SamplingParams(temperature=2.0, seed=p.seed))]).tokens[0] for p in ps}
+    assert got <= allowed and (len(got) == k or k > 3)
+    assert len(got) >= min(k, 3)
+
+
+def test_top_p_keeps_the_nucleus():
+    x = logits(1, seed=14)
+    probs = torch.softmax(x[0], -1)
+    order = probs.argsort(descending=True).tolist()
+    mass, nucleus = 0.0, []
+    for t in order:
+        nucleus.append(t)
+        mass += probs[t].item()
+        if mass >= 0.6:
+            break
+    got = {sample(x, [seq(SamplingParams(temperature=1.0, top_p=0.6, seed=s))]).tokens[0] for s in range(400)}
+    assert got <= set(nucleus) and len(got) == len(nucleus)
+    tiny = {sample(x, [seq(SamplingParams(temperature=1.0, top_p=1e-6, seed=s))]).tokens[0] for s in range(50)}
+    assert tiny == {order[0]}
+
+
+def test_min_p_drops_the_unlikely():
+    x = logits(1, seed=15)
+    probs = torch.softmax(x[0], -1)
+    allowed = {t for t in range(V) if probs[t] >= 0.2 * probs.max()}
+    got = {sample(x, [seq(SamplingParams(temperature=1.0, min_p=0.2, seed=s))]).tokens[0] for s in range(300)}
+    assert got <= allowed and len(got) == len(allowed)
+
+
+def test_logit_bias_suppress_and_penalties():
+    x = logits(1, seed=16)
+    best = int(x.argmax())
+    assert sample(x, [seq(SamplingParams(logit_bias=((7, 100.0),)))]).tokens == [7]
+    second = int(x[0].topk(2).indices[1])
+    assert sample(x, [seq(suppress=(best,))]).tokens == [second]
+    # a frequency penalty grows with the count; presence counts once
+    gap = (x[0, best] - x[0, second]).item()
+    pen = SamplingParams(frequency_penalty=gap / 2 + 0.01)
+    assert sample(x, [seq(pen, history=(best,))]).tokens == [best]
+    assert sample(x, [seq(pen, history=(best, best))]).tokens == [second]
+    pres = SamplingParams(presence_penalty=gap + 0.01)
+    assert sample(x, [seq(pres, history=(best,))]).tokens == [second]
+    assert sample(x, [seq(pres, history=(second,))]).tokens == [best]  # only what was generated
+
+
+def test_logprobs_are_the_raw_distribution():
+    x = logits(3, seed=17)
+    ps = [SamplingParams(logprobs=0), SamplingParams(), SamplingParams(temperature=1.0, seed=2, logprobs=3)]
+    out = sample(x, [seq(p) for p in ps])
+    ref = torch.log_softmax(x, -1)
+    assert out.logprobs[1] is None
+    a, c = out.logprobs[0], out.logprobs[2]
+    assert a.top_ids == () and a.logprob == pytest.approx(ref[0, out.tokens[0]].item(), abs=1e-5)
+    assert c.logprob == pytest.approx(ref[2, out.tokens[2]].item(), abs=1e-5)
+    assert list(c.top_ids) == ref[2].topk(3).indices.tolist()
+    assert list(c.top_logprobs) == pytest.approx(ref[2].topk(3).values.tolist(), abs=1e-5)
+
+
+@pytest.mark.parametrize("spread", [0.5, 3.0, 8.0])
+def test_window_filter_equals_whole_sort(spread):
+    """The top-WINDOW shortcut draws exactly what sorting the whole row would, or hands the row on."""
+    from pushkv.model import sampling as S
+
+    g = torch.Generator().manual_seed(int(spread * 10))
+    x = torch.randn(24, 5000, generator=g) * spread
+    ps = [SamplingParams(temperature=1.0, top_p=tp, min_p=mp, top_k=k, seed=i)
+          for i, (tp, mp, k) in enumerate([(0.9, 0, 0), (0.5, 0, 0), (1.0, 0.05, 0), (0.95, 0.01, 0),
+                                           (0.8, 0, 40), (1.0, 0.2, 3000)] * 4)]
+    u = torch.tensor([uniform(p.seed, 0) for p in ps])
+    got, spill = S._draw_window(x, ps, u)
+    whole = S._draw_sorted(x, ps, u)
+    fit = [i for i in range(len(ps)) if i not in spill]
+    assert fit and got[fit].tolist() == whole[fit].tolist()
+    full = sample(x, [seq(p) for p in ps]).tokens  # spilled rows go the sorted way
+    assert full == whole.tolist()
+    if spread == 0.5:
+        assert spill  # a flat distribution's nucleus is wider than the window

@@ -1,0 +1,176 @@
+"""Each role's scheduler driven by plain calls: no sockets, no processes.
+
+The scheduler's channels are replaced by records of what it sends; every other
+line is the real scheduler. Checks what each role sends when, and that every
+block is back at the end of every path.
+"""
+from __future__ import annotations
+
+import pytest
+
+from pushkv import messages as m
+from pushkv.actor import Channel
+from pushkv.config import DeploymentConfig, InstanceConfig
+from pushkv.scheduler import scheduler_for
+from pushkv.scheduler.decode import DecodeScheduler
+
+P_SRC = m.PrefillSource("p-engine", 2, ("ipc://p0", "ipc://p1"))
+ROUTER_ID = b"router"
+
+
+class Wire:
+    """Stands in for the sockets: keeps (peer, message) in send order."""
+
+    def __init__(self):
+        self.sent: list[tuple[str, m.Msg]] = []
+
+    def take(self, peer_prefix: str = "") -> list[m.Msg]:
+        got = [msg for peer, msg in self.sent if peer.startswith(peer_prefix)]
+        self.sent = [(p, msg) for p, msg in self.sent if not p.startswith(peer_prefix)]
+        return got
+
+
+def make(role: str, mode: str = "push", tp: int = 2, pull_read: str = "background", num_blocks: int = 8):
+    inst = InstanceConfig(role=role, engine_id=f"{role}-engine", tp=tp, num_blocks=num_blocks,
+                          worker_endpoints=tuple(f"w{r}" for r in range(tp)),
+                          writer_endpoints=tuple(f"x{r}" for r in range(tp)))
+    prefill = InstanceConfig(role="prefill", engine_id=P_SRC.engine_id, tp=2, handshake_endpoints=P_SRC.handshake)
+    instances = {"prefill": prefill, role: inst}
+    cfg = DeploymentConfig(mode=mode, pull_read=pull_read, **instances)
+    s = scheduler_for(cfg, inst)
+    wire = Wire()
+    s.send = lambda ch, msg, identity=None: wire.sent.append((ch.peer, msg))
+
+    def chan(peer, idx):
+        ch = Channel(None, None, peer, routed=False)
+        ch.index = idx
+        return ch
+
+    s.front = chan("router", 0)
+    s.workers = [chan(f"worker-{r}", r) for r in range(tp)]
+    s.writers = [chan(f"writer-{r}", r) for r in range(tp)]
+    return s, wire
+
+
+def deliver(s, ch, msg, identity=None):
+    s.current = ch
+    h = getattr(s, f"on_{type(msg).__name__}")
+    h(msg, identity) if identity is not None else h(msg)
+
+
+def generate(s, tid, leg, prompt=(1, 2, 3), max_tokens=2, **kw):
+    deliver(s, s.front, m.Generate(tid, 0, leg, prompt, max_tokens, **kw), ROUTER_ID)
+
+
+def step_done(s, wire, sampled):
+    steps = wire.take("worker")
+    assert steps and all(isinstance(x, m.ExecuteStep) for x in steps), steps
+    for ch in s.workers:
+        deliver(s, ch, m.StepDone(steps[0].step_id, sampled))
+    return steps[0]
+
+
+def all_free(s):
+    return s.alloc.num_free == s.alloc.num_blocks and not s.reqs and not s.waiting
+
+
+def test_decode_push_registers_at_admission_and_decodes_when_every_rank_has_the_kv():
+    s, wire = make("decode")
+    generate(s, "t1", "decode", source=P_SRC)
+    expect = wire.take("writer")
+    assert [type(x) for x in expect] == [m.ExpectKV, m.ExpectKV] and expect[0].block_ids
+    deliver(s, s.writers[0], m.KVReceived("t1", 0, 42, nbytes=100, num_descs=1))
+    assert wire.take("router") == []  # one rank of two: not yet
+    deliver(s, s.writers[1], m.KVReceived("t1", 0, 42, nbytes=100, num_descs=1))
+    first = wire.take("router")
+    assert [(type(x), x.token_ids) for x in first] == [(m.TokensGenerated, (42,))]
+    step = step_done(s, wire, (7,))
+    assert step.seqs[0].token_ids == (42,) and step.seqs[0].start_pos == 3
+    last = wire.take("router")[-1]
+    assert last.finished and last.token_ids == (7,) and last.kv.nbytes == 200
+    assert all_free(s)
+
+
+def test_decode_pull_inline_stalls_admission_until_the_read_is_done():
+    pull = m.PullParams(P_SRC, (0, 1), 3, 42, 0.0)
+    s, wire = make("decode", mode="pull", pull_read="inline")
+    generate(s, "t1", "decode", pull=pull)
+    generate(s, "t2", "decode", pull=pull)
+    assert [type(x) for x in wire.take("writer")] == [m.ReadKV, m.ReadKV]  # t2 not admitted
+    assert len(s.waiting) == 1
+    for ch in s.writers:
+        deliver(s, ch, m.KVReceived("t1", 0, 42))
+    assert [type(x) for x in wire.take("writer")] == [m.ReadKV, m.ReadKV]  # now t2
+    for ch in s.writers:
+        deliver(s, ch, m.KVReceived("t2", 0, 43))
+    while s.reqs:
+        step_done(s, wire, (9,) * len(s.step))
+    assert all_free(s)
+
+
+def test_prefill_push_sends_kv_after_prefill_and_answers_when_written():
+    s, wire = make("prefill")
+    generate(s, "t1", "prefill")
+    step = step_done(s, wire, (42,))
+    assert step.seqs[0].start_pos == 0
+    send = wire.take("writer")
+    assert [type(x) for x in send] == [m.SendKV, m.SendKV] and send[0].first_token == 42
+    for r, ch in enumerate(s.writers):
+        deliver(s, ch, m.KVSent("t1", 0, nbytes=10, num_descs=1, rendezvous="registration_first"))
+    done = wire.take("router")
+    assert [type(x) for x in done] == [m.PrefillFinished] and done[0].kv.nbytes == 20
+    assert s.counters["rendezvous_registration_first"] == 1
+    assert all_free(s)
+
+
+def test_prefill_pull_holds_kv_and_answers_at_once():
+    s, wire = make("prefill", mode="pull")
+    generate(s, "t1", "prefill")
+    step_done(s, wire, (42,))
+    assert [type(x) for x in wire.take("writer")] == [m.HoldKV, m.HoldKV]
+    done = wire.take("router")
+    assert done[0].pull.block_ids and done[0].pull.first_token == 42
+    assert s.alloc.num_free < s.alloc.num_blocks  # held under the lease
+    for ch in s.writers:
+        deliver(s, ch, m.KVSent("t1", 0, rendezvous="pull"))
+    assert wire.take("router") == [] and all_free(s)  # pull: the router already has its answer
+
+
+def test_local_prefills_and_decodes_without_writers():
+    s, wire = make("local", mode="local", tp=1)
+    generate(s, "t1", "local", max_tokens=2)
+    step_done(s, wire, (5,))
+    step_done(s, wire, (6,))
+    toks = [t for x in wire.take("router") for t in x.token_ids]
+    assert toks == [5, 6] and wire.take("writer") == [] and all_free(s)
+
+
+def test_one_rank_failing_cancels_the_others_and_fails_the_request():
+    s, wire = make("decode")
+    generate(s, "t1", "decode", source=P_SRC)
+    wire.take("writer")
+    deliver(s, s.writers[1], m.KVFailed("t1", 0, "peer died"))
+    assert [(type(x), x.reason) for x in wire.take("writer")] == [(m.CancelKV, "peer died")]
+    deliver(s, s.writers[0], m.KVReceived("t1", 0, 42))  # a late success does not hide the failure
+    failed = wire.take("router")
+    assert [(type(x), x.status) for x in failed] == [(m.RequestFailed, 502)] and "peer died" in failed[0].reason
+    assert all_free(s)
+
+
+@pytest.mark.parametrize("kw, needle", [
+    ({}, "without a KV source"),
+    ({"source": m.PrefillSource("elsewhere", 1, ("ipc://x",))}, "unknown prefill source"),
+])
+def test_decode_refuses_a_leg_without_a_known_source(kw, needle):
+    s, wire = make("decode")
+    generate(s, "t1", "decode", **kw)
+    (failed,) = wire.take("router")
+    assert failed.status == 400 and needle in failed.reason and all_free(s)
+
+
+def test_each_class_serves_its_own_role_only():
+    s, _ = make("decode")
+    with pytest.raises(ValueError, match="serves 'decode' instances, not 'prefill'"):
+        DecodeScheduler(s.cfg, s.cfg.prefill)
+    with pytest.raises(ValueError, match="no scheduler for role 'router'"):
+        scheduler_for(s.cfg, InstanceConfig(role="router"))
