@@ -139,14 +139,17 @@ def test_killing_prefill_writer_fails_inflight_then_recovers(deployment):
     px, p = deployment["proxy"], deployment["P"]
     writer = _writer_of(p)
     prs = prompts()
-    long = [prs[9], prs[8], prs[7], prs[9], prs[8], prs[7], prs[9], prs[8]]
+    long = [prs[9], prs[8], prs[7], prs[5], prs[4], prs[3]]
+    # Freeze P's writer so that every request below is surely in flight (D registered, P's
+    # prefill done, no WRITE yet) when it dies: on a fast machine they would all be done in ~0.1 s.
+    writer.suspend()
     with ThreadPoolExecutor(len(long)) as pool:
         futs = [pool.submit(post, px.url, dict(body(pr), max_tokens=48)) for pr in long]
-        time.sleep(0.15)  # requests are in flight (prefills of 600-1500 tokens)
+        time.sleep(2.0)
         writer.kill()
         outs = [f.result(timeout=120) for f in futs]
     failed = [o for s, o in outs if s != 200]
-    assert failed, "no request was in flight when P's writer died"
+    assert len(failed) >= len(long) // 2, f"only {len(failed)} of {len(long)} in-flight requests failed: {outs}"
     d_log = open(deployment["D"].log_path).read()
     for o in failed:  # the client hears that the transfer failed; D's log says why, under its id
         msg = o["error"]["message"]

@@ -52,8 +52,10 @@ class WorkerSide:
         self.event_endpoint = f"ipc://@pushkv-vllm-{settings.engine_id}-{rank}-ev-{os.getpid()}"
         self.proc: Optional[subprocess.Popen] = None
         self.restarts = 0
-        self._lock = threading.Lock()
-        self._deaths: list[str] = []  # reasons, filled by the supervising thread
+        self._lock = threading.Lock()  # the event socket: the worker thread, or a restart
+        self._pending_lock = threading.Lock()  # the pending maps, short holds only
+        # (reason, the sends and receives that writer had), filled by the supervising thread
+        self._deaths: list[tuple[str, dict, dict]] = []
         self._stopping = threading.Event()
         self._thread: Optional[threading.Thread] = None
         # bookkeeping from the scheduler's step metadata
@@ -115,8 +117,10 @@ class WorkerSide:
                 return
             reason = f"pushkv writer (pid {proc.pid}) died with status {code}"
             log.error("pushkv: %s; restarting it", reason)
-            with self._lock:
-                self._deaths.append(reason)
+            with self._pending_lock:  # what the dead writer had, now: later work goes to its successor
+                self._deaths.append((reason, dict(self.pending_sends), dict(self.pending_recvs)))
+                self.pending_sends.clear()
+                self.pending_recvs.clear()
             try:
                 self._restart()
             except Exception:
@@ -144,12 +148,13 @@ class WorkerSide:
 
     # -- per step ------------------------------------------------------------------------
     def bind(self, meta) -> None:
-        for rid, tid in meta.sends.items():
-            if rid not in self.reported:
-                self.pending_sends[rid] = tid
-        for rid, entry in meta.recvs.items():
-            if rid not in self.reported:
-                self.pending_recvs[rid] = entry
+        with self._pending_lock:
+            for rid, tid in meta.sends.items():
+                if rid not in self.reported:
+                    self.pending_sends[rid] = tid
+            for rid, entry in meta.recvs.items():
+                if rid not in self.reported:
+                    self.pending_recvs[rid] = entry
         self._idle_wait = meta.idle and (meta.pending or bool(self.pending_sends or self.pending_recvs))
 
     def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
@@ -160,9 +165,10 @@ class WorkerSide:
             for msg in self._early:
                 self._handle(msg, sent, recvd, failed)
             self._early.clear()
-            for reason in self._deaths:
-                self._writer_died(reason, sent, recvd, failed)
-            self._deaths.clear()
+            with self._pending_lock:
+                deaths, self._deaths = self._deaths, []
+            for reason, sends, recvs in deaths:
+                self._writer_died(reason, sends, recvs, sent, recvd, failed)
             if self.events is None:
                 return sent, recvd, failed
             wait_ms = self.s.idle_wait_ms if self._idle_wait else 0
@@ -205,22 +211,20 @@ class WorkerSide:
                 if entry is not None:
                     self.load_errors.update(entry[1])
 
-    def _writer_died(self, reason: str, sent: set, recvd: set, failed: set) -> None:
+    def _writer_died(self, reason: str, sends: dict, recvs: dict, sent: set, recvd: set, failed: set) -> None:
         """The dead writer can WRITE nothing more: P's blocks are free, D's transfers failed."""
-        for rid, tid in list(self.pending_sends.items()):
+        for rid, tid in sends.items():
             log.error("pushkv: transfer %s (request %s) ended: %s", tid, rid, reason)
             if self._report(rid):
                 sent.add(rid)
             # a SendBlocks still queued for the next writer must not WRITE these freed blocks
             self.cmd.send(m.encode(w.CancelBlocks(rid, tid, reason)))
-        self.pending_sends.clear()
-        for rid, (tid, blocks) in list(self.pending_recvs.items()):
+        for rid, (tid, blocks) in recvs.items():
             log.error("pushkv: KV for request %s (transfer %s) failed: %s", rid, tid, reason)
             if self._report(rid):
                 recvd.add(rid)
                 failed.add(rid)
                 self.load_errors.update(blocks)
-        self.pending_recvs.clear()
 
     def take_load_errors(self) -> set[int]:
         errs, self.load_errors = self.load_errors, set()
