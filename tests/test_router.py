@@ -490,3 +490,25 @@ def test_chat_stream_shape_n2_and_usage(tmp_path):
                 assert mine[-1]["finish_reason"] == "length"
             assert all(e["object"] == "chat.completion.chunk" and e["id"].startswith("chatcmpl-") for e in ev[:-1])
     run(body())
+
+
+def test_chat_stream_opens_with_the_first_token(tmp_path):
+    """The role chunk goes out with the first output, not before prefill: a client's TTFT is true."""
+    first = threading.Event()
+
+    def script(g):
+        return [(first, tokens(g, [104])), (first, tokens(g, [105], True, "length"))]
+
+    async def body():
+        cfg = make_cfg(tmp_path, "local")
+        async with Harness(cfg, {"local": script}) as h:
+            r = await h.http.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "stream": True})
+            assert r.status == 200
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(r.content.readline(), 0.5)  # nothing while no token exists
+            first.set()
+            ev = await read_sse(r)
+            assert ev[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+            assert [e["choices"][0]["delta"].get("content") for e in ev[1:-1]] == ["h", "i", None]
+    run(body())

@@ -200,3 +200,28 @@ def test_stop_strings_wait_for_min_tokens():
     out = output.ChoiceOutput(0, tok, ("a",), min_tokens=3)
     got = "".join(out.add([i]).text for i in b"aaba")
     assert got == "aab" and out.finish_reason == "stop"  # the first two "a"s came before min_tokens
+
+
+@pytest.mark.parametrize("writes_bos", [True, False])
+def test_chat_prompt_has_the_templates_special_tokens_only(writes_bos):
+    """A tokenizer whose post-processor adds <s> (Llama): chat prompts carry what the template
+    writes and nothing more, as vLLM's chat does."""
+    from tokenizers import processors
+
+    hf = byte_fallback()
+    hf.tok.add_special_tokens(["<s>", "</s>"])  # "<s>" in text is the token, as in Llama's tokenizer
+    hf.tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+
+    class Adds:  # the router's view of pushkv.model.tokenizer.HFTokenizer (special tokens added)
+        def encode(self, s):
+            return hf.tok.encode(s, add_special_tokens=True).ids
+
+        def decode(self, ids):
+            return hf.decode(ids)
+
+    tok = Adds()
+    assert tok.encode("hi")[0] == 1
+    t = chat.ChatTemplate(("{{ bos_token }}" if writes_bos else "") + "{{ messages[0]['content'] }}", "<s>")
+    ids = chat.parse_chat({"messages": [{"role": "user", "content": "hi"}]}, tok, LIMITS, t).prompt_token_ids
+    want = hf.tok.encode(("<s>" if writes_bos else "") + "hi", add_special_tokens=False).ids
+    assert ids == want and ids.count(1) == (1 if writes_bos else 0)

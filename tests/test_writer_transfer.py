@@ -2,6 +2,7 @@
 
 Checks the KV bytes directly: after the push, D's blocks equal P's.
 """
+import os
 import time
 
 import pytest
@@ -32,8 +33,22 @@ def pool_of(cfg, role, kids):
     return attach_pool(kids.ready[f"{role}-writer-0"].pool, lay), lay
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
+@pytest.fixture(scope="module", params=["prepared", "ad-hoc"])
+def pair(request, tmp_path_factory):
+    """Both ways of posting: by index into prepared descriptor lists, and per-transfer
+    descriptors (PUSHKV_NIXL_PREPARED=0, the fallback for transfers off the grids)."""
+    old = os.environ.get("PUSHKV_NIXL_PREPARED")
+    os.environ["PUSHKV_NIXL_PREPARED"] = "1" if request.param == "prepared" else "0"
+    try:
+        yield from _pair(tmp_path_factory)
+    finally:
+        if old is None:
+            os.environ.pop("PUSHKV_NIXL_PREPARED", None)
+        else:
+            os.environ["PUSHKV_NIXL_PREPARED"] = old
+
+
+def _pair(tmp_path_factory):
     cfg = DeploymentConfig(
         mode="push", model=preset("tiny"),
         prefill=InstanceConfig(role="prefill", num_blocks=64, block_size=16),
@@ -109,3 +124,15 @@ def test_unknown_completion_and_garbage_are_counted(pair):
     # the writer still works afterwards
     p_sched.send(m.encode(m.GetStats()))
     assert isinstance(recv(p_sched, m.DEC_WRITER_TO_SCHED), m.WriterStats)
+
+
+def test_planned_pools_post_by_index(pair, request):
+    """Every WRITE above went through the prepared descriptor lists (or, switched off, none did)."""
+    cfg, p_sched, *_ = pair
+    p_sched.send(m.encode(m.GetStats()))
+    st = recv(p_sched, m.DEC_WRITER_TO_SCHED).counters
+    way, other = ("posts_prepped", "posts_adhoc")
+    if os.environ.get("PUSHKV_NIXL_PREPARED") == "0":
+        way, other = other, way
+    assert st.get(way, 0) >= len(CASES), st
+    assert st.get(other, 0) == 0, st

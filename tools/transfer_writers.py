@@ -33,6 +33,9 @@ from pushkv.kv import layout as L
 from pushkv.supervisor.plan import plan_deployment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the tree whose writers run (default this one): point it at a checkout of an older commit for a
+# before/after comparison (its writers must speak the same scheduler messages)
+WRITERS_ROOT = os.environ.get("PUSHKV_WRITERS_ROOT", ROOT)
 READY_TIMEOUT_S = 120.0
 REPLY_TIMEOUT_S = 60.0
 
@@ -61,10 +64,10 @@ def writer_pair(model: str, block_size: int, num_blocks: int, device: str = "cpu
     procs: list[subprocess.Popen] = []
     socks: list[zmq.Socket] = []
     try:
-        env = dict(os.environ, PYTHONPATH=ROOT)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (WRITERS_ROOT, os.environ.get("PYTHONPATH")))))
         for role in ("prefill", "decode"):
             procs.append(subprocess.Popen([sys.executable, "-m", "processes.writer", "--config", path,
-                                           "--role", role, "--rank", "0"], env=env, cwd=ROOT))
+                                           "--role", role, "--rank", "0"], env=env, cwd=WRITERS_ROOT))
         pending, end = {"prefill-writer-0", "decode-writer-0"}, time.monotonic() + READY_TIMEOUT_S
         while pending:
             if any(p.poll() is not None for p in procs):

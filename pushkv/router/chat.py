@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 from datetime import datetime
-from typing import Any, Optional
+from typing import Any
 
 from pushkv.router import api, text
 
@@ -123,13 +123,15 @@ def parse_messages(body: dict) -> list[dict]:
     return out
 
 
-def parse_chat(body: dict, tok: text.Tokenizer, limits: api.Limits, template: ChatTemplate,
-               bos_token_id: Optional[int] = None) -> api.CompletionParams:
+def parse_chat(body: dict, tok: text.Tokenizer, limits: api.Limits, template: ChatTemplate) -> api.CompletionParams:
     messages = parse_messages(body)
     prompt = template.render(messages, add_generation_prompt=True)
     ids = api.encode_text(tok, prompt, "messages")
-    if bos_token_id is not None and bos_token_id >= 0 and ids[:2] == [bos_token_id, bos_token_id]:
-        ids = ids[1:]  # the template wrote BOS and the tokenizer added one
+    # The template writes the special tokens itself (Llama's writes "<s>"): drop what the
+    # tokenizer's post-processor adds in front, as vLLM's chat does (add_special_tokens=False)
+    added = text.encode(tok, "")
+    if added and ids[:len(added)] == added:
+        ids = ids[len(added):]
     if not ids:
         raise api.bad("messages", "the rendered prompt is empty")
     api.check_prompt_ids(ids, limits, "messages")

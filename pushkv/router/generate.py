@@ -162,6 +162,13 @@ class Generation:
             return self._chunk(choice, self._usage(), self._extension())
         return self._chunk(choice)
 
+    def _opening(self, i: int) -> bytes:
+        if self.chat:
+            return self._chunk(output.chat_chunk_choice(i, {"role": "assistant", "content": ""}, None))
+        if self.params.echo:
+            return self._chunk(output.completion_choice(i, self.params.prompt_text, [], None))
+        return b""
+
     async def stream(self, request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": self.request_id,
@@ -169,11 +176,7 @@ class Generation:
         await resp.prepare(request)
         fan = Fanout(self.runs)
         try:
-            for i in range(self.params.n):
-                if self.chat:
-                    await resp.write(self._chunk(output.chat_chunk_choice(i, {"role": "assistant", "content": ""}, None)))
-                elif self.params.echo:
-                    await resp.write(self._chunk(output.completion_choice(i, self.params.prompt_text, [], None)))
+            started = [False] * self.params.n
             failed = False
             async for i, ev in fan.events():
                 if isinstance(ev, Failed):
@@ -183,6 +186,11 @@ class Generation:
                     break
                 delta = self._apply(i, ev, fan)
                 if delta is not None and (delta.text or delta.token_ids or delta.finish_reason):
+                    if not started[i]:  # with the first output, as vLLM: a client's TTFT stays true
+                        started[i] = True
+                        opening = self._opening(i)
+                        if opening:
+                            await resp.write(opening)
                     await resp.write(self._stream_delta(i, delta))
             if not failed and self.params.include_usage:
                 await resp.write(self._chunk({}, self._usage()))

@@ -254,8 +254,7 @@ class Router:
                 self.chat_template = chat_mod.load_template(self.cfg.model.checkpoint)
             except (OSError, ValueError) as e:
                 raise api.ApiError(500, f"no usable chat template: {e}", "server_error") from None
-        bos = getattr(self.tokenizer, "bos_token_id", -1)
-        return chat_mod.parse_chat(body, self.tokenizer, self.limits, self.chat_template, bos)
+        return chat_mod.parse_chat(body, self.tokenizer, self.limits, self.chat_template)
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         arrival = time.monotonic()
