@@ -35,7 +35,7 @@ from typing import Optional, Sequence
 import torch
 
 from pushkv.messages import SamplingParams, SeqWork, TokenLogprob
-from pushkv.seeds import derive_seed, uniform  # noqa: F401  (re-exported: the router's seeds)
+from pushkv.seeds import uniform
 
 GREEDY = SamplingParams()
 WINDOW = 1024  # candidates a row without top_k is filtered on before its whole row is sorted
