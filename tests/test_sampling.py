@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from pushkv.messages import SamplingParams, SeqWork
-from pushkv.model.sampling import derive_seed, sample, uniform
+from pushkv.model.sampling import sample
+from pushkv.seeds import derive_seed, uniform
 
 V = 50
 

@@ -145,7 +145,7 @@ def _head_addr(lay, head: int) -> tuple[int, int]:
 
 
 def _map_head_runs(src, sb, dst, db, hs, hc, win_sub) -> list[Region]:
-    L, P = src.num_layers, src.kv_planes
+    P = src.kv_planes
     sp, dp = _layer_places(src), _layer_places(dst)
     plane = np.arange(P, dtype=np.int64).reshape(1, 1, P)
     keep = _keep_mask(src, len(sb), win_sub)[:, :, None]  # [sub-blocks, layers, 1]

@@ -15,7 +15,7 @@ from typing import AsyncIterator, Optional
 import msgspec
 from aiohttp import web
 
-from pushkv.model.sampling import derive_seed
+from pushkv.seeds import derive_seed
 from pushkv.router import api, output
 from pushkv.router.flow import Failed, Finished, RequestRun, Tokens
 

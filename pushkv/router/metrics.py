@@ -138,7 +138,7 @@ class RouterMetrics:
         t = t or next(iter(kv.values()))
         self.kv_bytes.observe(t.nbytes)
         self.kv_descs.observe(t.num_descs)
-        if t.transfer_s > 0:
+        if t.nbytes > 0:  # a transfer that ended in the pass that posted it measures 0.0 s
             self.kv_seconds.observe(t.transfer_s)
         if t.rendezvous in RENDEZVOUS_ORDERS:
             self.rendezvous.labels(order=t.rendezvous).inc()

@@ -31,7 +31,7 @@ from pushkv.config import DeploymentConfig, InstanceConfig, rank_device
 from pushkv.kv import layout as L
 from pushkv.kv.pool import Pool, create_pool, shm_name
 from pushkv.transport.grid import DescGrid, grid_of, indices
-from pushkv.transport.nixl_agent import NixlAgent, TransferError
+from pushkv.transport.nixl_agent import NixlAgent
 
 log = logging.getLogger(__name__)
 
