@@ -531,3 +531,15 @@ def test_children_die_with_supervisor_and_stop_cleans_stale(deployments, monkeyp
     assert lifecycle.shm_leftovers(rec.deployment_id)
     assert cli.main(["stop", rec.deployment_id[:4]]) == 0
     _assert_clean(rec, [], d.reg_dir)
+
+
+def test_planned_ports_never_take_the_router_port():
+    from pushkv.config import DeploymentConfig, InstanceConfig
+    from pushkv.supervisor.plan import plan_deployment
+
+    picks = iter([8000, 8000, 9001, 9002, 9003, 9004])
+    cfg = DeploymentConfig(port=8000, prefill=InstanceConfig(role="prefill", tp=2))
+    planned = plan_deployment(cfg, pick_port=lambda: next(picks))
+    used = [int(e.rsplit(":", 1)[1]) for e in planned.prefill.handshake_endpoints + planned.decode.handshake_endpoints]
+    used.append(int(planned.prefill.dist_init.rsplit(":", 1)[1]))
+    assert 8000 not in used and len(set(used)) == len(used)

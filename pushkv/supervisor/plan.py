@@ -9,7 +9,7 @@ import os
 import random
 import socket
 import sys
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import msgspec
 
@@ -63,8 +63,10 @@ def free_tcp_port(host: str = LOOPBACK) -> int:
         return s.getsockname()[1]
 
 
-def _unique_ports(pick: PortPicker) -> Iterator[int]:
-    seen: set[int] = set()
+def _unique_ports(pick: PortPicker, taken: Iterable[int] = ()) -> Iterator[int]:
+    """Ports from pick, never one twice and never one in taken (the router's port: it
+    is probed free now but only bound later, so a planned TCPStore could take it first)."""
+    seen: set[int] = set(taken)
     while True:
         port = pick()
         if port in seen:  # the kernel may hand back a just-closed port
@@ -114,7 +116,7 @@ def plan_deployment(
     check_deployment(cfg)  # P/D geometry: refuse before any process starts
     dep_id = cfg.deployment_id or new_deployment_id()
     run_dir = cfg.run_dir or os.path.join(run_root, f"pushkv-{dep_id}")
-    ports = _unique_ports(pick_port)
+    ports = _unique_ports(pick_port, (cfg.port,))
     changes: dict = {
         "deployment_id": dep_id,
         "run_dir": run_dir,
