@@ -329,8 +329,11 @@ ORDER = {
          "prefill-writer.write_done", "prefill.kv_sent", "router.http_done"],
         ["router.send_decode", "decode.decode_queued", "decode.decode_alloc", "decode-writer.recv_expectkv",
          "decode-writer.send_register", "prefill-writer.recv_register", "prefill-writer.write_posted"],
-        ["prefill-writer.write_posted", "decode-writer.recv_writedone", "decode-writer.kv_received",
+        # D may hear WriteDone before P's post call returns (on CPU, UCX copies inside the post):
+        # what must precede it is what P needed to post, not the post's return
+        ["prefill-writer.recv_sendkv", "decode-writer.recv_writedone", "decode-writer.kv_received",
          "decode.kv_received", "router.first_token", "router.http_done"],
+        ["prefill-writer.recv_register", "decode-writer.recv_writedone"],
         ["decode.kv_received", "decode.first_decode_step", "router.http_done"],
     ],
     "pull": [
@@ -350,8 +353,9 @@ ORDER = {
         ["prefill.prefill_end", "router.prefill_finished", "router.send_decode", "decode.decode_queued",
          "decode.decode_alloc", "decode-writer.recv_readkv", "decode-writer.send_register",
          "prefill-writer.recv_register", "prefill-writer.write_posted"],
-        ["prefill-writer.write_posted", "decode-writer.recv_writedone", "decode-writer.kv_received",
+        ["prefill-writer.recv_holdkv", "decode-writer.recv_writedone", "decode-writer.kv_received",
          "decode.kv_received", "router.first_token", "router.http_done"],
+        ["prefill-writer.recv_register", "decode-writer.recv_writedone"],
         ["decode.kv_received", "decode.first_decode_step", "router.http_done"],
     ],
     "local": [
