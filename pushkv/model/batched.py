@@ -22,16 +22,12 @@ import torch.nn.functional as F
 
 from pushkv.messages import SeqWork
 from pushkv.model.kernels import paged
+from pushkv.model.norms import rms_norm, rotate_half
 from pushkv.model.step import Staging, StepPlan, StepTensors, plan_step
 
 log = logging.getLogger(__name__)
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-
-
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 class BatchedForward:
@@ -101,21 +97,21 @@ class BatchedForward:
         sin = self.sin.index_select(0, meta.positions)[:, None, :]
         attn = torch.empty(T, p.q_heads, hd, device=self.device, dtype=m.dtype)
         for layer, lw in enumerate(m.w.layers):
-            h = _rms(x, lw.input_norm, eps)
+            h = rms_norm(x, lw.input_norm, eps)
             q, k, v = F.linear(h, lw.qkv).split([p.q_heads * hd, p.kv_heads * hd, p.kv_heads * hd], dim=-1)
             q = q.view(T, p.q_heads, hd)
             k = k.view(T, p.kv_heads, hd)
             v = v.view(T, p.kv_heads, hd)
             if lw.q_norm is not None:
-                q = _rms(q, lw.q_norm, eps)
-                k = _rms(k, lw.k_norm, eps)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+                q = rms_norm(q, lw.q_norm, eps)
+                k = rms_norm(k, lw.k_norm, eps)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
             paged.store_kv(pools[layer], k, v, meta.slots)
             paged.attention(q, pools[layer], meta, m.layer_window(layer), attn, splits, scratch)
             x = m.attn_out(lw, x, attn.view(T, -1))
             x = m.mlp(lw, x)
-        return _rms(x, m.w.final_norm, eps)
+        return rms_norm(x, m.w.final_norm, eps)
 
     def _layers_fused(self, meta, pools, splits, scratch) -> torch.Tensor:
         """Every layer with the fused Triton kernels: ~9 launches a layer."""
@@ -176,11 +172,6 @@ class BatchedForward:
         return time.perf_counter() - t0
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
-
-
 class _DecodeGraph:
     """One captured decode step of exactly `size` sequences (shorter batches pad with
     sequences of no keys whose K/V are not stored)."""
@@ -200,9 +191,8 @@ class _DecodeGraph:
         self.scratch = (torch.empty(self.splits * size * p.q_heads * fwd.hd, device=dev, dtype=torch.float32),
                         torch.empty(self.splits * size * p.q_heads * 2, device=dev, dtype=torch.float32))
         self.logits = torch.empty(size, fwd.m.cfg.vocab_size, device=dev, dtype=torch.float32)
-        self.host = torch.empty(size * (4 + width), dtype=torch.int32, pin_memory=True)
-        self.host_free = torch.cuda.Event()  # the last copy out of self.host has ended
-        self.host_free.record()
+        self.staging = Staging()  # the step's arrays, pinned, one copy per replay
+        self.staging.take(size * (4 + width))
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):  # warm up (Triton compiles, cuBLAS picks) off the capture
@@ -217,8 +207,8 @@ class _DecodeGraph:
 
     def run(self, plan: StepPlan) -> torch.Tensor:
         B, S, W = plan.num_seqs, self.size, plan.block_table.shape[1]
-        self.host_free.synchronize()
-        h = self.host.numpy()
+        host = self.staging.take(4 * S + S * W)
+        h = host.numpy()
         # one pinned buffer: ids, positions, slots, seq_lens (padded to S), then the table rows
         h[:4 * S].fill(0)
         h[2 * S:3 * S].fill(-1)
@@ -229,8 +219,8 @@ class _DecodeGraph:
         tab = h[4 * S:4 * S + S * W].reshape(S, W)
         tab[:B] = plan.block_table
         tab[B:] = 0
-        dev = self.host[:4 * S + S * W].to(self.fwd.device, non_blocking=True)
-        self.host_free.record()
+        dev = host[:4 * S + S * W].to(self.fwd.device, non_blocking=True)
+        self.staging.copied()
         mt = self.meta
         mt.ids.copy_(dev[0:S])
         mt.positions.copy_(dev[S:2 * S])

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from pushkv.config import ModelConfig
 from pushkv.kv.layout import blocks_for, layout_for
 from pushkv.messages import KVLayoutDesc, SeqWork
+from pushkv.model.norms import rms_norm, rotate_half
 from pushkv.model.sampling import Sampled, sample
 from pushkv.model.shard import ShardPlan
 from pushkv.model.weights import TORCH_DTYPES, LayerWeights, RankWeights
@@ -26,18 +27,6 @@ from pushkv.model.weights import TORCH_DTYPES, LayerWeights, RankWeights
 log = logging.getLogger(__name__)
 
 WINDOW_CHUNK = 256  # least query rows per windowed-attention chunk
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # In float32 like the HF reference, so checkpoints behave as trained.
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
 
 
 @dataclass
@@ -115,20 +104,12 @@ class Model:
             return torch.empty(0, self.cfg.vocab_size)
         for s in seqs:
             self._check_seq(s, pool[0].shape[-2])
-        if self.batched is not None:
-            if not self.cfg.deterministic:
-                return self.batched.logits(seqs, pool)
-            parts = [self.batched.logits([s], pool) for s in seqs]  # batch-invariant: each alone
-            parts = [p for p in parts if p.shape[0]]
-            return torch.cat(parts) if parts else torch.empty(0, self.cfg.vocab_size)
-        if self.cfg.deterministic:
-            # Each seq alone: its matmul shapes, hence its bytes, never depend on the batch.
-            parts = [self._forward([s], pool) for s in seqs]
-            parts = [p for p in parts if p.shape[0]]
-            if not parts:
-                return torch.empty(0, self.cfg.vocab_size)
-            return torch.cat(parts)
-        return self._forward(list(seqs), pool)
+        run = self.batched.logits if self.batched is not None else self._forward
+        if not self.cfg.deterministic:
+            return run(list(seqs), pool)
+        # Each seq alone: its matmul shapes, hence its bytes, never depend on the batch.
+        parts = [p for p in (run([s], pool) for s in seqs) if p.shape[0]]
+        return torch.cat(parts) if parts else torch.empty(0, self.cfg.vocab_size)
 
     # -------------------------------------------------------- building blocks
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
