@@ -9,32 +9,17 @@ import torch
 import zmq
 
 from pushkv import messages as m
-from pushkv.config import DeploymentConfig, InstanceConfig, preset
 from pushkv.writer.base import HANDSHAKE_TIMEOUT_S
-from tests.procs import children, dealer, leftover_shm, planned, recv
-from tests.test_writer_transfer import fill, pool_of
+from tests.procs import recv
+from tests.test_writer_transfer import _pair, fill
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    cfg = DeploymentConfig(
-        mode="push", model=preset("tiny"),
-        prefill=InstanceConfig(role="prefill", num_blocks=32, block_size=16),
-        decode=InstanceConfig(role="decode", num_blocks=32, block_size=16),
-    )
-    cfg = planned(cfg, tmp_path_factory.mktemp("hs"))
-    with children(cfg, [("writer", "prefill", 0), ("writer", "decode", 0)]) as kids:
-        p_sched, d_sched = dealer(cfg.prefill.writer_endpoints[0]), dealer(cfg.decode.writer_endpoints[0])
-        p_pool, _ = pool_of(cfg, "prefill", kids)
-        d_pool, _ = pool_of(cfg, "decode", kids)
+    for cfg, p_sched, d_sched, p_pool, d_pool, _ in _pair(tmp_path_factory, num_blocks=32):
         yield cfg, p_sched, d_sched, p_pool, d_pool
-        p_pool.close()
-        d_pool.close()
-        p_sched.close(0)
-        d_sched.close(0)
-    assert leftover_shm(cfg.deployment_id) == []
 
 
 def test_silent_peer_delays_no_other_transfer(pair, tmp_path):

@@ -48,11 +48,12 @@ def pair(request, tmp_path_factory):
             os.environ["PUSHKV_NIXL_PREPARED"] = old
 
 
-def _pair(tmp_path_factory):
+def _pair(tmp_path_factory, num_blocks: int = 64):
+    """A P and a D writer process over tiny-model pools: (cfg, P and D scheduler sockets, pools, P layout)."""
     cfg = DeploymentConfig(
         mode="push", model=preset("tiny"),
-        prefill=InstanceConfig(role="prefill", num_blocks=64, block_size=16),
-        decode=InstanceConfig(role="decode", num_blocks=64, block_size=16),
+        prefill=InstanceConfig(role="prefill", num_blocks=num_blocks, block_size=16),
+        decode=InstanceConfig(role="decode", num_blocks=num_blocks, block_size=16),
     )
     cfg = planned(cfg, tmp_path_factory.mktemp("wt"))
     with children(cfg, [("writer", "prefill", 0), ("writer", "decode", 0)]) as kids:

@@ -8,7 +8,9 @@ something is in flight and slowly when idle.
 from __future__ import annotations
 
 import logging
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
+
+import msgspec
 
 import numpy as np
 
@@ -72,6 +74,17 @@ class NixlAgent:
 
     def poll_notifs(self) -> dict[str, list[bytes]]:
         return self._agent.get_new_notifs()
+
+    def poll_decoded(self, decoder) -> Iterator[tuple[str, bytes, object]]:
+        """Every new notification as (sender agent, payload, decoder.decode(payload)), the
+        decoding error in place of the message when the payload does not decode."""
+        for agent, payloads in self.poll_notifs().items():
+            agent = agent.decode() if isinstance(agent, bytes) else agent
+            for payload in payloads:
+                try:
+                    yield agent, payload, decoder.decode(payload)
+                except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                    yield agent, payload, e
 
     # -- transfers ------------------------------------------------------------
     def post(self, op: str, regions: Sequence[tuple[int, int, int]], local_base: int,

@@ -22,7 +22,6 @@ import asyncio
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import time

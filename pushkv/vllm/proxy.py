@@ -195,19 +195,24 @@ class Proxy:
             d_body = copy.deepcopy(body)
             d_body["kv_transfer_params"] = p_out.get("kv_transfer_params")
             async with self.session.post(d.url + "/v1/completions", json=d_body) as dr:
-                if dr.status != 200 or not body.get("stream"):
-                    return web.Response(body=await dr.read(), status=dr.status, content_type="application/json")
-                resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
-                await resp.prepare(req)
-                async for chunk in dr.content.iter_any():
-                    await resp.write(chunk)
-                await resp.write_eof()
-                return resp
+                return await self._relay_as_is(req, dr, bool(body.get("stream")))
         except aiohttp.ClientError as e:
             return self._error(502, f"upstream unreachable: {e}")
         finally:
             p.inflight -= 1
             d.inflight -= 1
+
+    @staticmethod
+    async def _relay_as_is(req: web.Request, dr: aiohttp.ClientResponse, stream: bool) -> web.StreamResponse:
+        """D's answer to the client unchanged (the comparison protocols: no pushkv checks)."""
+        if dr.status != 200 or not stream:
+            return web.Response(body=await dr.read(), status=dr.status, content_type="application/json")
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(req)
+        async for chunk in dr.content.iter_any():
+            await resp.write(chunk)
+        await resp.write_eof()
+        return resp
 
     async def completions_nixl_push(self, req: web.Request) -> web.StreamResponse:
         """``--protocol nixl-push``: vLLM's NixlPushConnector protocol, for comparisons: both
@@ -229,14 +234,7 @@ class Proxy:
         p_task = asyncio.create_task(self.session.post(p.url + "/v1/completions", json=p_body, headers=hdr))
         try:
             async with self.session.post(d.url + "/v1/completions", json=d_body, headers=hdr) as dr:
-                if dr.status != 200 or not body.get("stream"):
-                    return web.Response(body=await dr.read(), status=dr.status, content_type="application/json")
-                resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
-                await resp.prepare(req)
-                async for chunk in dr.content.iter_any():
-                    await resp.write(chunk)
-                await resp.write_eof()
-                return resp
+                return await self._relay_as_is(req, dr, bool(body.get("stream")))
         except aiohttp.ClientError as e:
             return self._error(502, f"upstream unreachable: {e}")
         finally:

@@ -258,17 +258,13 @@ class VllmWriter(Actor):
                       getattr(msg, "transfer_id", ""))
 
     def _poll_notifs(self, now: float) -> None:
-        for agent, payloads in self.nixl.poll_notifs().items():
-            agent = agent.decode() if isinstance(agent, bytes) else agent
-            for payload in payloads:
-                self._last_activity = now
-                try:
-                    msg = m.DEC_PEER.decode(payload)
-                except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                    self.counters["bad_notif"] += 1
-                    log.error("%s: undecodable notification from %s: %s", self.name, agent, e)
-                    continue
-                self._on_notif(msg, agent, now)
+        for agent, payload, msg in self.nixl.poll_decoded(m.DEC_PEER):
+            self._last_activity = now
+            if isinstance(msg, Exception):
+                self.counters["bad_notif"] += 1
+                log.error("%s: undecodable notification from %s: %s", self.name, agent, msg)
+                continue
+            self._on_notif(msg, agent, now)
 
     def _on_notif(self, msg, agent: str, now: float) -> None:
         if isinstance(msg, m.Register):

@@ -22,7 +22,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-import msgspec
 import zmq
 
 from pushkv import messages as m
@@ -353,27 +352,23 @@ class WriterBase(Actor):
         self.trace_msg("send", peer.agent, msg, data)
 
     def _poll_notifs(self, now: float) -> None:
-        for agent, payloads in self.nixl.poll_notifs().items():
-            agent = agent.decode() if isinstance(agent, bytes) else agent
-            for payload in payloads:
-                self._last_activity = now
-                try:
-                    msg = m.DEC_PEER.decode(payload)
-                except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                    self.counters["bad_notif"] += 1
-                    log.error("%s: undecodable notification from %s: %s", self.name, agent, e)
-                    continue
-                self.trace_msg("recv", agent, msg, payload)
-                handler = getattr(self, f"notif_{type(msg).__name__}", None)
-                if handler is None:
-                    self.counters["unexpected_notif"] += 1
-                    log.error("%s: unexpected %s from %s", self.name, type(msg).__name__, agent)
-                    continue
-                try:
-                    handler(msg, agent, now)
-                except Exception:
-                    self.counters["handler_error"] += 1
-                    log.exception("%s: notification handler %s failed", self.name, type(msg).__name__)
+        for agent, payload, msg in self.nixl.poll_decoded(m.DEC_PEER):
+            self._last_activity = now
+            if isinstance(msg, Exception):
+                self.counters["bad_notif"] += 1
+                log.error("%s: undecodable notification from %s: %s", self.name, agent, msg)
+                continue
+            self.trace_msg("recv", agent, msg, payload)
+            handler = getattr(self, f"notif_{type(msg).__name__}", None)
+            if handler is None:
+                self.counters["unexpected_notif"] += 1
+                log.error("%s: unexpected %s from %s", self.name, type(msg).__name__, agent)
+                continue
+            try:
+                handler(msg, agent, now)
+            except Exception:
+                self.counters["handler_error"] += 1
+                log.exception("%s: notification handler %s failed", self.name, type(msg).__name__)
 
     # -- transfers ------------------------------------------------------------------
     def post(self, op: str, peer: Peer, regions, notif: bytes = b""):
