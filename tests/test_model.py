@@ -291,6 +291,9 @@ def _tp_worker(rank, world, init_file, out_dir, cfg_json):
         torch.save({"tokens": tokens, "logits": logits, "pool": pool,
                     "head_start": lay.head_start, "kv_heads": lay.kv_heads},
                    os.path.join(out_dir, f"rank{rank}.pt"))
+        # every rank done with gloo before any tears it down: a rank that destroys the group
+        # while its peer is still in a collective aborts the peer ("terminate called ...")
+        torch.distributed.barrier()
     finally:
         torch.distributed.destroy_process_group()
 

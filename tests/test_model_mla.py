@@ -106,6 +106,7 @@ def _tp_worker(rank, world, init_file, out_dir, cfg_json):
         model = build_model(cfg, tp_rank=rank, tp_size=world, group=torch.distributed.group.WORLD)
         toks, pool = paged(model, prompt_of(30, seed=3), 4)
         torch.save({"tokens": toks, "pool": pool}, os.path.join(out_dir, f"rank{rank}.pt"))
+        torch.distributed.barrier()  # no rank tears gloo down while its peer is mid-collective
     finally:
         torch.distributed.destroy_process_group()
 
