@@ -55,6 +55,17 @@ with launched('--mode', '$mode', '--device', 'cuda', '--model', 'medium', '--num
            python3 -m tools.stages "$OUT/sweep8b" | tee "$OUT/stages8b.txt"
            python3 -m tools.plot "$OUT/sweep8b" --out "$OUT/sweep8b.png" 2>&1 | tee "$OUT/table8b.txt"
            (cd "$OUT" && tar czf sweep8b_json.tgz sweep8b) ;;
+    probe) # raw NIXL WRITE below the writer (tools/nixl_probe.py), then UCX variants
+           timeout 120 python3 -m tools.nixl_probe ${PROBE_DEV:---device cuda:0 --peer-device cuda:1} \
+             --out "$OUT/probe.json" 2>&1 | grep -v "NIXL INFO" | tee "$OUT/probe.txt"
+           UCX_PROTO_INFO=y timeout 100 python3 -m tools.nixl_probe ${PROBE_DEV:---device cuda:0 --peer-device cuda:1} \
+             --sizes-mib 1 64 --reps 3 > "$OUT/probe_protoinfo.txt" 2>&1
+           grep -E "cuda|rndv|put|copy" "$OUT/probe_protoinfo.txt" | grep -v "NIXL INFO" | cut -c1-200 | sort | uniq -c | sort -rn | head -30
+           for v in ${PROBE_VARIANTS:-UCX_PROTO_ENABLE=n UCX_RNDV_THRESH=inf UCX_TLS=cuda_ipc,cuda_copy,tcp,self}; do
+             echo "-- $v"; env "$v" timeout 100 python3 -m tools.nixl_probe ${PROBE_DEV:---device cuda:0 --peer-device cuda:1} \
+               --sizes-mib 1 16 64 256 --reps 5 2>&1 | grep -v "NIXL INFO" | tee -a "$OUT/probe_variants.txt"; done ;;
+    sampling) timeout 200 python3 -m tools.sampling_bench --device cuda --batch 1 8 64 256 --vocab 151936 \
+             2>&1 | tee "$OUT/sampling_gpu.txt" ;;
     attntune) timeout 300 python3 -m tools.attn_tune 2>&1 | tee "$OUT/attn_tune.txt" ;;
     *) echo "unknown step $step" ;;
   esac

@@ -185,9 +185,11 @@ class PrefillWriter(WriterBase):
                 if heads is None:
                     continue
                 regions = map_transfer(self.layout, a.block_ids, peer.layout, reg.block_ids, a.num_tokens, heads)
+                self._stamp((a.transfer_id, a.generation), "write_mapped")
                 done = m.WriteDone(a.transfer_id, a.generation, self.rank, a.first_token,
                                    sum(r[2] for r in regions), len(regions))
                 self.wake_peer(peer, a.transfer_id, a.generation, done.nbytes)  # D drives the completion
+                self._stamp((a.transfer_id, a.generation), "write_woke")
                 fl.handles.append(self.post("WRITE", peer, regions, m.encode(done)))
                 self.counters["write_posts"] += 1  # one per D rank this rank writes into
                 fl.nbytes += done.nbytes
