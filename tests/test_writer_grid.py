@@ -10,7 +10,7 @@ import pytest
 from pushkv.kv import layout as L
 from pushkv.protocol.mapping import map_transfer
 from pushkv.protocol.tp import head_overlap, producers_for
-from pushkv.transport.grid import grid_of, indices
+from pushkv.transport.grid import grid_of, index_plan, indices, plan_indices
 from tools.layout_report import MATRIX, fragmented_table
 
 NUM_BLOCKS = 48
@@ -31,6 +31,13 @@ def _layouts(combo, planned: bool):
 def _apply(pairs, src: np.ndarray, dst: np.ndarray) -> None:
     for s, d, n in pairs:
         dst[d:d + n] = src[s:s + n]
+
+
+def _tables(combo, n: int, fragmented: bool):
+    if fragmented:
+        return (fragmented_table(NUM_BLOCKS, 2, L.blocks_for(n, combo.p_bs)),
+                fragmented_table(NUM_BLOCKS, 3, L.blocks_for(n, combo.d_bs)))
+    return list(range(3, 3 + L.blocks_for(n, combo.p_bs))), list(range(L.blocks_for(n, combo.d_bs)))
 
 
 def _pairs(combo, planned: bool, n: int, fragmented: bool):
@@ -105,3 +112,41 @@ def test_run_past_the_pool_is_refused():
     last = int(gs.base[-1] + gs.elem[-1] * (gs.count[-1] - 1))
     assert indices(gs, gd, [(last, 0, int(gs.elem[-1]))]) is not None
     assert indices(gs, gd, [(last, 0, 2 * int(gs.elem[-1]))]) is None
+
+
+@pytest.mark.parametrize("combo", MATRIX, ids=[c.name for c in MATRIX])
+@pytest.mark.parametrize("planned", [True, False], ids=["planned", "unplanned"])
+@pytest.mark.parametrize("n,fragmented", [(1, False), (37, True), (200, False), (200, True)])
+def test_index_plan_equals_mapped_indices(combo, planned, n, fragmented):
+    """The writer's fast path (indices straight from block ids) names exactly the (src, dst)
+    descriptor pairs of indices(map_transfer(...)), bytes included; planned layouts always
+    take it, and a pair it cannot serve answers None (the general mapping then runs)."""
+    p_lays, d_lays = _layouts(combo, planned)
+    total = p_lays[0].total_kv_heads
+    pt, dt = _tables(combo, n, fragmented)
+    for d in range(combo.d_tp):
+        for p in producers_for(d, combo.d_tp, combo.p_tp, total):
+            heads = head_overlap(p, combo.p_tp, d, combo.d_tp, total)
+            if heads is None:
+                continue
+            plan = index_plan(p_lays[p], d_lays[d], heads)
+            regions = map_transfer(p_lays[p], pt, d_lays[d], dt, n, heads)
+            want = indices(grid_of(p_lays[p]), grid_of(d_lays[d]), regions)
+            if plan is None:
+                assert not planned, f"{combo.name}: a planned pair fell off the fast path"
+                continue
+            si, di, nbytes, runs = plan_indices(plan, pt, dt, n)
+            assert want is not None
+            assert sorted(zip(si.tolist(), di.tolist())) == sorted(zip(want[0].tolist(), want[1].tolist()))
+            assert nbytes == sum(r[2] for r in regions)
+            assert 1 <= runs <= len(si)
+
+
+def test_index_plan_checks_the_tables():
+    combo = MATRIX[0]
+    p_lays, d_lays = _layouts(combo, True)
+    plan = index_plan(p_lays[0], d_lays[0])
+    with pytest.raises(ValueError, match="block table"):
+        plan_indices(plan, [0], [0], 10 * combo.p_bs)
+    with pytest.raises(ValueError, match="outside pool"):
+        plan_indices(plan, [NUM_BLOCKS + 5], [0], 1)

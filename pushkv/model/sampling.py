@@ -28,7 +28,6 @@ penalties and temperature), as vLLM reports them by default.
 """
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -43,6 +42,15 @@ WINDOW = 1024  # candidates a row without top_k is filtered on before its whole 
 class Sampled:
     tokens: list[int]
     logprobs: tuple[Optional[TokenLogprob], ...] = ()  # aligned with tokens when any seq asked
+
+
+def _up(values, dev: torch.device, dtype=None) -> torch.Tensor:
+    """A small host list on ``dev``; on CUDA through pinned memory without blocking the host,
+    so a step's sampling kernels queue behind each other instead of each waiting for the last."""
+    t = torch.tensor(values, dtype=dtype)
+    if dev.type != "cuda":
+        return t
+    return t.pin_memory().to(dev, non_blocking=True)
 
 
 def _params(s: SeqWork) -> SamplingParams:
@@ -68,15 +76,15 @@ def sample(logits: torch.Tensor, seqs: Sequence[SeqWork]) -> Sampled:
     cold = [i for i, p in enumerate(params) if p.temperature == 0]
     hot = [i for i, p in enumerate(params) if p.temperature > 0]
     if cold:
-        idx = torch.tensor(cold, device=dev)
+        idx = _up(cold, dev)
         x = logits[idx]  # a copy
         _edit(x, [params[i] for i in cold], [seqs[i] for i in cold], [1.0] * len(cold))
         tokens[idx] = x.argmax(-1)
     if hot:
-        idx = torch.tensor(hot, device=dev)
+        idx = _up(hot, dev)
         ps = [params[i] for i in hot]
         inv_t = [1.0 / p.temperature for p in ps]
-        scale = torch.tensor(inv_t, device=dev, dtype=logits.dtype)[:, None]
+        scale = _up(inv_t, dev, logits.dtype)[:, None]
         x = logits * scale if len(hot) == len(seqs) else logits[idx].mul_(scale)  # one new tensor either way
         _edit(x, ps, [seqs[i] for i in hot], inv_t)  # (logit + edit) / T, edits scattered after the scale
         tokens[idx] = _draw(x, ps, [seqs[i] for i in hot])
@@ -87,33 +95,53 @@ def sample(logits: torch.Tensor, seqs: Sequence[SeqWork]) -> Sampled:
 
 
 def _edit(x: torch.Tensor, params: list[SamplingParams], seqs: list[SeqWork], scale: list[float]) -> None:
-    """Bias, penalties and suppression, in place, as one sparse scatter each: touches only the
-    ids a request names or generated, never the whole vocabulary."""
-    vocab = x.shape[1]
-    delta: dict[int, float] = {}
+    """Bias, penalties and suppression, in place, as sparse scatters: touches only the ids a
+    request names or generated, never the whole vocabulary. Penalties are computed on the
+    device from the padded output histories (no per-token Python loop)."""
+    vocab, dev = x.shape[1], x.device
+    where: list[int] = []
+    delta: list[float] = []
     banned: list[int] = []
+    pen_rows: list[int] = []
     for j, (p, s) in enumerate(zip(params, seqs)):
         if not _edited(p, s):
             continue
         base = j * vocab
         for tok, bias in p.logit_bias:
-            delta[base + tok] = delta.get(base + tok, 0.0) + bias * scale[j]
+            where.append(base + tok)
+            delta.append(bias * scale[j])
         if s.history and (p.presence_penalty or p.frequency_penalty):
-            for tok, count in Counter(s.history).items():
-                pen = (p.frequency_penalty * count + p.presence_penalty) * scale[j]
-                delta[base + tok] = delta.get(base + tok, 0.0) - pen
+            pen_rows.append(j)
         banned.extend(base + t for t in s.suppress)
     flat = x.view(-1)
-    if delta:
-        where = torch.tensor(list(delta), device=x.device)
-        flat.index_add_(0, where, torch.tensor(list(delta.values()), device=x.device, dtype=x.dtype))
+    if where:
+        flat.index_add_(0, _up(where, dev), _up(delta, dev, x.dtype))
+    if pen_rows:
+        flat.index_add_(0, *_penalties([seqs[j].history for j in pen_rows], pen_rows,
+                                       [params[j] for j in pen_rows], [scale[j] for j in pen_rows], vocab, x))
     if banned:
-        flat.index_fill_(0, torch.tensor(banned, device=x.device), float("-inf"))
+        flat.index_fill_(0, _up(banned, dev), float("-inf"))
+
+
+def _penalties(histories, rows, params, scale, vocab: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flat ids, values) to add: - (frequency + presence on an id's first occurrence) * scale per
+    generated token, i.e. - (frequency * count + presence) * scale per distinct id."""
+    dev = x.device
+    width = max(len(h) for h in histories)
+    hist = _up([tuple(h) + (-1,) * (width - len(h)) for h in histories], dev, torch.long)
+    coef = _up([(p.frequency_penalty * c, p.presence_penalty * c, r * vocab)
+                for p, c, r in zip(params, scale, rows)], dev, torch.float64)
+    ids = hist.sort(dim=1).values
+    first = torch.ones_like(ids, dtype=torch.bool)
+    first[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    valid = ids >= 0
+    vals = -(coef[:, 0:1] + coef[:, 1:2] * first) * valid
+    flat_ids = ids.clamp(min=0) + coef[:, 2:3].long()
+    return flat_ids.ravel(), vals.ravel().to(x.dtype)
 
 
 def _uniforms(params: list[SamplingParams], seqs: list[SeqWork], x: torch.Tensor) -> torch.Tensor:
-    return torch.tensor([uniform(p.seed, s.output_index) for p, s in zip(params, seqs)], device=x.device,
-                        dtype=x.dtype)
+    return _up([uniform(p.seed, s.output_index) for p, s in zip(params, seqs)], x.device, x.dtype)
 
 
 def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -132,27 +160,25 @@ def _draw(x: torch.Tensor, params: list[SamplingParams], seqs: list[SeqWork]) ->
     filtered = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0]
     plain = [i for i in range(n) if i not in set(filtered)]
     if plain:  # no filter: the whole distribution, in vocabulary order
-        idx = torch.tensor(plain, device=x.device)
+        idx = _up(plain, x.device)
         sub = x if len(plain) == n else x[idx]  # ours to overwrite: x is sample()'s own copy
         out[idx] = _inverse_cdf(sub.sub_(sub.max(-1, keepdim=True).values).exp_(), u[idx])
     if filtered:
-        idx = torch.tensor(filtered, device=x.device)
+        idx = _up(filtered, x.device)
         got, spill = _draw_window(x if len(filtered) == n else x[idx], [params[i] for i in filtered], u[idx])
         out[idx] = got
         if spill:  # the window did not hold these rows' candidates: sort their whole rows
-            back = idx[torch.tensor(spill, device=x.device)]
+            back = idx[_up(spill, x.device)]
             out[back] = _draw_sorted(x[back], [params[filtered[j]] for j in spill], u[back])
     return out
 
 
 def _masks(params: list[SamplingParams], e: torch.Tensor, width: int):
     dev, dt = e.device, e.dtype
-    k = torch.tensor([p.top_k if 0 < p.top_k < e.shape[1] else width for p in params], device=dev)
-    keep = torch.arange(width, device=dev)[None, :] < k[:, None]
-    min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=dt)[:, None]
-    keep &= e >= min_p  # e is p / p_max
-    top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=dt)[:, None]
-    return keep, top_p
+    rows = _up([(p.top_k if 0 < p.top_k < e.shape[1] else width, p.min_p, p.top_p) for p in params], dev, dt)
+    keep = torch.arange(width, device=dev)[None, :] < rows[:, 0:1]
+    keep &= e >= rows[:, 1:2]  # e is p / p_max
+    return keep, rows[:, 2:3]
 
 
 def _draw_window(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
@@ -170,7 +196,7 @@ def _draw_window(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor)
     keep, top_p = _masks(params, e, width)
     w = e * keep
     kept = w.sum(-1, keepdim=True)
-    covered = torch.tensor(has_k, device=x.device)[:, None] | ~keep[:, -1:]  # nothing kept lies past the window
+    covered = _up(has_k, x.device)[:, None] | ~keep[:, -1:]  # nothing kept lies past the window
     if all(has_k):
         total = kept
     else:  # without top_k, top_p is of the whole row's mass
@@ -202,14 +228,20 @@ def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingPara
     rows = [i for i, p in enumerate(params) if p.logprobs >= 0]
     x = raw
     if len(rows) < len(params):
-        idx = torch.tensor(rows, device=raw.device)
+        idx = _up(rows, raw.device)
         x, tokens = raw[idx], tokens[idx]
     lse = torch.logsumexp(x, dim=-1, keepdim=True)
-    chosen = (x.gather(1, tokens[:, None]) - lse).squeeze(1).tolist()
+    chosen = x.gather(1, tokens[:, None]) - lse
     kmax = max(params[i].logprobs for i in rows)
-    top_v, top_i = ([], []) if not kmax else x.topk(kmax, dim=-1)
-    top_v = (top_v - lse).tolist() if kmax else [[]] * len(rows)
-    top_i = top_i.tolist() if kmax else [[]] * len(rows)
+    if kmax:  # one copy to the host: [chosen, top values, top ids] per row (ids < 2^24: exact in fp32)
+        top_v, top_i = x.topk(kmax, dim=-1)
+        host = torch.cat([chosen, top_v - lse, top_i.to(x.dtype)], dim=1).tolist()
+        chosen = [r[0] for r in host]
+        top_v = [r[1:1 + kmax] for r in host]
+        top_i = [[int(t) for t in r[1 + kmax:]] for r in host]
+    else:
+        chosen = chosen.squeeze(1).tolist()
+        top_v = top_i = [[]] * len(rows)
     out: list[Optional[TokenLogprob]] = [None] * len(params)
     for j, i in enumerate(rows):
         k = params[i].logprobs

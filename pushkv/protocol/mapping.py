@@ -95,15 +95,12 @@ def map_transfer(
     check_compatible(src, dst)
     if num_tokens < 0:
         raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-    hs, hc = _resolve_heads(src, dst, heads)
+    hs, hc = resolve_heads(src, dst, heads)
     if num_tokens == 0 or hc == 0:
         return []
-    sb = _subs(src, _table(src_blocks, count_blocks(num_tokens, src), src.num_blocks, "src"), num_tokens)
-    db = _subs(dst, _table(dst_blocks, count_blocks(num_tokens, dst), dst.num_blocks, "dst"), num_tokens)
-
-    win_sub = 0  # first src sub-block a window layer needs
-    if window_group(src) >= 0:
-        win_sub = max(0, num_tokens - src.window) // unit(src)
+    sb = physical_subs(src, src_blocks, num_tokens, "src")
+    db = physical_subs(dst, dst_blocks, num_tokens, "dst")
+    win_sub = window_start_sub(src, num_tokens)
     if unit(src) == unit(dst):
         hg = group_heads(src)
         if (hg == group_heads(dst) and hc % hg == 0
@@ -111,6 +108,19 @@ def map_transfer(
             return _map_regions(src, sb, dst, db, hs, hc, win_sub)
         return _map_head_runs(src, sb, dst, db, hs, hc, win_sub)
     return _map_token_runs(src, sb, dst, db, num_tokens, hs, hc, win_sub)
+
+
+def physical_subs(lay: KVLayoutDesc, blocks: Sequence[int], num_tokens: int, side: str) -> np.ndarray:
+    """Physical sub-block ids holding the first ``num_tokens`` tokens of a block table
+    (ValueError for a short table or ids outside the pool)."""
+    return _subs(lay, _table(blocks, count_blocks(num_tokens, lay), lay.num_blocks, side), num_tokens)
+
+
+def window_start_sub(src: KVLayoutDesc, num_tokens: int) -> int:
+    """First source sub-block a sliding-window layer needs (0: all of them, or no window)."""
+    if window_group(src) < 0:
+        return 0
+    return max(0, num_tokens - src.window) // unit(src)
 
 
 def _map_regions(src, sb, dst, db, hs, hc, win_sub) -> list[Region]:
@@ -236,7 +246,7 @@ def _merge(s: np.ndarray, d: np.ndarray, n: np.ndarray) -> list[Region]:
             gc.enable()
 
 
-def _resolve_heads(src, dst, heads) -> tuple[int, int]:
+def resolve_heads(src, dst, heads) -> tuple[int, int]:
     lo = max(src.head_start, dst.head_start)
     hi = min(src.head_start + src.kv_heads, dst.head_start + dst.kv_heads)
     if heads is None:

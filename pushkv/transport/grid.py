@@ -139,3 +139,79 @@ def indices(src: DescGrid, dst: DescGrid, regions: Sequence[tuple[int, int, int]
     si = np.repeat(src.first[rs] + is_, cnt) + step
     di = np.repeat(dst.first[rd] + id_, cnt) + step
     return si.astype(np.int32), di.astype(np.int32)
+
+
+# ---------------------------------------------------------------------------------------
+# The whole-region fast path by index: no byte regions, no merge, no search
+# ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class IndexPlan:
+    """What a (P rank, D rank, heads) pair moves when whole head groups of one sub-block size
+    match on both sides (every planned deployment): the grid index of sub-block 0 of each
+    region moved, per side, and its sub-block bytes. Built once per peer and heads; a
+    transfer is then ``first[:, None] + sub-block ids``, which ``indices(map_transfer(...))``
+    equals as a set of pairs (tested), at a fraction of the cost."""
+
+    src: KVLayoutDesc
+    dst: KVLayoutDesc
+    s_first: np.ndarray  # int64 [regions moved]
+    d_first: np.ndarray
+    elem: np.ndarray  # int64 [regions moved]: bytes of one sub-block
+    windowed: np.ndarray  # bool [regions moved]: the sliding-window layer group's regions
+
+
+def index_plan(src: KVLayoutDesc, dst: KVLayoutDesc, heads: Optional[tuple[int, int]] = None
+               ) -> Optional[IndexPlan]:
+    """The plan, or None when the pair needs the general mapping (head runs, token runs)."""
+    from pushkv.protocol.mapping import check_compatible, resolve_heads
+
+    check_compatible(src, dst)
+    hs, hc = resolve_heads(src, dst, heads)
+    hg = L.group_heads(src)
+    if (hc == 0 or L.unit(src) != L.unit(dst) or hg != L.group_heads(dst) or hc % hg
+            or (hs - src.head_start) % hg or (hs - dst.head_start) % hg):
+        return None
+    js, jd = (hs - src.head_start) // hg, (hs - dst.head_start) // hg
+    hgs, hgd = L.head_groups(src), L.head_groups(dst)
+    ps, pd = L.phys_blocks(src), L.phys_blocks(dst)
+    wg = L.window_group(src)
+    s_first, d_first, elem, windowed = [], [], [], []
+    for g in range(len(L.layer_groups(src))):
+        for k in range(hc // hg):  # grid_of's order: layer group major, head group minor
+            s_first.append((g * hgs + js + k) * ps)
+            d_first.append((g * hgd + jd + k) * pd)
+            elem.append(L.region_block_bytes(src, g))
+            windowed.append(g == wg)
+    as64 = lambda xs: np.asarray(xs, dtype=np.int64)  # noqa: E731
+    return IndexPlan(src, dst, as64(s_first), as64(d_first), as64(elem), np.asarray(windowed, dtype=bool))
+
+
+def plan_indices(plan: IndexPlan, src_blocks: Sequence[int], dst_blocks: Sequence[int], num_tokens: int
+                 ) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """(src indices, dst indices, bytes, contiguous runs) of one transfer of ``num_tokens``
+    tokens from ``src_blocks`` into ``dst_blocks`` (logical block ids, as map_transfer takes)."""
+    from pushkv.protocol.mapping import physical_subs, window_start_sub
+
+    if num_tokens <= 0:
+        empty = np.empty(0, dtype=np.int32)
+        return empty, empty, 0, 0
+    sb = physical_subs(plan.src, src_blocks, num_tokens, "src")
+    db = physical_subs(plan.dst, dst_blocks, num_tokens, "dst")
+    si = plan.s_first[:, None] + sb[None, :]
+    di = plan.d_first[:, None] + db[None, :]
+    # descriptor runs NIXL will post: each region's table cut where either side jumps
+    breaks = int(np.count_nonzero((sb[1:] != sb[:-1] + 1) | (db[1:] != db[:-1] + 1))) if sb.size > 1 else 0
+    nregions, nsubs = si.shape
+    nbytes = int(plan.elem.sum()) * nsubs
+    win = window_start_sub(plan.src, num_tokens)
+    if win and plan.windowed.any():  # the window layer group skips the sub-blocks before the window
+        keep = np.ones(si.shape, dtype=bool)
+        keep[plan.windowed, :win] = False
+        si, di = si[keep], di[keep]
+        nbytes -= int(plan.elem[plan.windowed].sum()) * win
+        w_breaks = int(np.count_nonzero((sb[win + 1:] != sb[win:-1] + 1) | (db[win + 1:] != db[win:-1] + 1)))
+        nwin = int(plan.windowed.sum())
+        runs = (nregions - nwin) * (1 + breaks) + nwin * (1 + w_breaks)
+    else:
+        runs = nregions * (1 + breaks)
+    return si.ravel().astype(np.int32), di.ravel().astype(np.int32), nbytes, runs

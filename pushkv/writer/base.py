@@ -29,7 +29,7 @@ from pushkv.actor import Actor
 from pushkv.config import DeploymentConfig, InstanceConfig, rank_device
 from pushkv.kv import layout as L
 from pushkv.kv.pool import Pool, create_pool, shm_name
-from pushkv.transport.grid import DescGrid, grid_of, indices
+from pushkv.transport.grid import DescGrid, IndexPlan, grid_of, index_plan, indices, plan_indices
 from pushkv.transport.nixl_agent import NixlAgent
 
 log = logging.getLogger(__name__)
@@ -62,6 +62,7 @@ class Peer:
     dev_id: int = 0
     grid: Optional[DescGrid] = None  # its pool's descriptor grid, prepared in NIXL (None: ad-hoc only)
     identity: Optional[bytes] = None  # its DEALER's identity at our handshake ROUTER (it initiated)
+    plans: dict = field(default_factory=dict)  # heads -> IndexPlan or None (grid.index_plan), per our layout
 
 
 @dataclass
@@ -382,6 +383,32 @@ class WriterBase(Actor):
                 return self.nixl.post_prepped(op, idx[0], peer.agent, idx[1], notif)
         self.counters["posts_adhoc"] += 1
         return self.nixl.post(op, regions, self.pool.base_addr, peer.agent, peer.pool_base, notif, peer.dev_id)
+
+    def index_plan(self, peer: Peer, heads: Optional[tuple[int, int]], we_send: bool = True) -> Optional[IndexPlan]:
+        """The whole-region plan between our pool and ``peer``'s (source first: ours when
+        ``we_send``), built once per peer, direction and heads; None when either grid is not
+        prepared or the pair needs the general mapping."""
+        if self.grid is None or peer.grid is None or not self.nixl.has_prepared(peer.agent):
+            return None
+        key = (heads, we_send)
+        if key not in peer.plans:
+            src, dst = (self.layout, peer.layout) if we_send else (peer.layout, self.layout)
+            peer.plans[key] = index_plan(src, dst, heads)
+        return peer.plans[key]
+
+    def post_planned(self, op: str, peer: Peer, plan: IndexPlan, src_blocks, dst_blocks, num_tokens: int,
+                     notif: Callable[[int, int], bytes] = lambda n, r: b"",
+                     before: Callable[[int], None] = lambda nbytes: None):
+        """Post ``op`` by index from the plan (no byte regions built): a WRITE moves our
+        ``src_blocks`` into the peer's ``dst_blocks``, a READ the peer's into ours.
+        ``notif(nbytes, runs)`` makes the notification; ``before(nbytes)`` runs just before
+        the post. Returns (handle, nbytes, runs)."""
+        si, di, nbytes, runs = plan_indices(plan, src_blocks, dst_blocks, num_tokens)
+        before(nbytes)
+        local, remote = (si, di) if op == "WRITE" else (di, si)
+        self.counters["posts_prepped"] += 1  # by index into the prepared lists, as post() does
+        self.counters["posts_planned"] += 1  # ... with indices straight from block ids
+        return self.nixl.post_prepped(op, local, peer.agent, remote, notif(nbytes, runs)), nbytes, runs
 
     def _check_inflight(self, now: float) -> None:
         stuck_s = 2 * self.cfg.timeouts.transfer_s

@@ -229,12 +229,20 @@ class DecodeWriter(WriterBase):
                 heads = head_overlap(peer.rank, p.source.tp, self.rank, self.inst.tp, self.layout.total_kv_heads)
                 if heads is None:
                     continue
-                regions = map_transfer(peer.layout, p.block_ids, self.layout, msg.block_ids, p.num_tokens, heads)
-                nbytes = sum(r[2] for r in regions)
-                self.wake_peer(peer, msg.transfer_id, msg.generation, nbytes)
-                fl.handles.append(self.post("READ", peer, [(d, s, n) for s, d, n in regions]))
+                plan = self.index_plan(peer, heads, we_send=False)
+                if plan is not None:  # indices straight from block ids (see PrefillWriter._post_write)
+                    # a READ may need P's progress: wake P before posting, as below
+                    h, nbytes, runs = self.post_planned(
+                        "READ", peer, plan, p.block_ids, msg.block_ids, p.num_tokens,
+                        before=lambda n: self.wake_peer(peer, msg.transfer_id, msg.generation, n))
+                else:
+                    regions = map_transfer(peer.layout, p.block_ids, self.layout, msg.block_ids, p.num_tokens, heads)
+                    nbytes, runs = sum(r[2] for r in regions), len(regions)
+                    self.wake_peer(peer, msg.transfer_id, msg.generation, nbytes)
+                    h = self.post("READ", peer, [(d, s, n) for s, d, n in regions])
+                fl.handles.append(h)
                 fl.nbytes += nbytes
-                fl.num_descs += len(regions)
+                fl.num_descs += runs
         except Exception as e:
             fl.failed = f"READ failed to post: {e}"
         self.trace_event("read_posted", msg.transfer_id, f"{fl.nbytes}B/{fl.num_descs}d")

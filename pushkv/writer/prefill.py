@@ -184,16 +184,25 @@ class PrefillWriter(WriterBase):
                 heads = head_overlap(self.rank, self.inst.tp, reg.d_rank, reg.d_tp, self.layout.total_kv_heads)
                 if heads is None:
                     continue
-                regions = map_transfer(self.layout, a.block_ids, peer.layout, reg.block_ids, a.num_tokens, heads)
-                self._stamp((a.transfer_id, a.generation), "write_mapped")
-                done = m.WriteDone(a.transfer_id, a.generation, self.rank, a.first_token,
-                                   sum(r[2] for r in regions), len(regions))
-                self.wake_peer(peer, a.transfer_id, a.generation, done.nbytes)  # D drives the completion
+                plan = self.index_plan(peer, heads)
+                if plan is not None:  # indices straight from block ids: the common, cheap path
+                    h, nbytes, runs = self.post_planned(
+                        "WRITE", peer, plan, a.block_ids, reg.block_ids, a.num_tokens,
+                        lambda n, r: m.encode(m.WriteDone(a.transfer_id, a.generation, self.rank, a.first_token, n, r)))
+                else:
+                    regions = map_transfer(self.layout, a.block_ids, peer.layout, reg.block_ids, a.num_tokens, heads)
+                    nbytes, runs = sum(r[2] for r in regions), len(regions)
+                    done = m.WriteDone(a.transfer_id, a.generation, self.rank, a.first_token, nbytes, runs)
+                    h = self.post("WRITE", peer, regions, m.encode(done))
+                fl.handles.append(h)
+                self._stamp((a.transfer_id, a.generation), "write_mapped")  # mapped and posted to this D rank
+                # after the post, off its path: the hint's ZMQ message wakes D's loop at once, and D's
+                # polling only speeds up seeing our notification (the data moves without it)
+                self.wake_peer(peer, a.transfer_id, a.generation, nbytes)
                 self._stamp((a.transfer_id, a.generation), "write_woke")
-                fl.handles.append(self.post("WRITE", peer, regions, m.encode(done)))
                 self.counters["write_posts"] += 1  # one per D rank this rank writes into
-                fl.nbytes += done.nbytes
-                fl.num_descs += done.num_descs
+                fl.nbytes += nbytes
+                fl.num_descs += runs
         except Exception as e:  # failed to post: tell D now, not at its deadline
             self.counters["write_post_failed"] += 1
             log.error("%s: WRITE post failed: %s transfer_id=%s", self.name, e, a.transfer_id)
