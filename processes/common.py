@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from pushkv.config import DeploymentConfig, decode_config
@@ -29,3 +30,20 @@ def parse(kind: str, with_rank: bool = True) -> tuple[argparse.Namespace, Deploy
     except ImportError:
         pass
     return args, cfg
+
+
+def run_profiled(run, name: str) -> None:
+    """``run()``; under cProfile when ``PUSHKV_PROFILE_DIR`` is set, the stats written to
+    ``<dir>/<name>.prof`` at exit (read them with ``python -m pstats``)."""
+    out = os.environ.get("PUSHKV_PROFILE_DIR")
+    if not out:
+        run()
+        return
+    import cProfile
+
+    prof = cProfile.Profile()
+    try:
+        prof.runcall(run)
+    finally:
+        os.makedirs(out, exist_ok=True)
+        prof.dump_stats(os.path.join(out, f"{name}.prof"))

@@ -1,5 +1,5 @@
 """Entry point: one writer (owns the KV pool and the NIXL agent) per TP rank."""
-from processes.common import parse
+from processes.common import parse, run_profiled
 
 
 def main() -> None:
@@ -11,7 +11,7 @@ def main() -> None:
         from pushkv.writer.decode import DecodeWriter as W
     else:
         from pushkv.writer.local import LocalWriter as W
-    W(cfg, inst, args.rank).run()
+    run_profiled(W(cfg, inst, args.rank).run, f"{args.role}-writer-{args.rank}")
 
 
 if __name__ == "__main__":

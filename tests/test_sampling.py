@@ -142,9 +142,13 @@ def test_window_filter_equals_whole_sort(spread):
     ps = [SamplingParams(temperature=1.0, top_p=tp, min_p=mp, top_k=k, seed=i)
           for i, (tp, mp, k) in enumerate([(0.9, 0, 0), (0.5, 0, 0), (1.0, 0.05, 0), (0.95, 0.01, 0),
                                            (0.8, 0, 40), (1.0, 0.2, 3000)] * 4)]
-    u = torch.tensor([uniform(p.seed, 0) for p in ps])
-    got, spill = S._draw_window(x, ps, u)
-    whole = S._draw_sorted(x, ps, u)
+    rows = S._Rows()
+    plan = S._draw_plan(ps, [seq(p) for p in ps], x.shape[1], rows)
+    t = rows.upload(x.device)
+    mask = t["mask"].view(-1, 3)
+    assert t["u"].tolist() == torch.tensor([uniform(p.seed, 0) for p in ps]).tolist()
+    got, spill = S._draw_window(x, plan, mask, t["has_k"], t["u"])
+    whole = S._draw_sorted(x, mask, t["has_k"], t["u"])
     fit = [i for i in range(len(ps)) if i not in spill]
     assert fit and got[fit].tolist() == whole[fit].tolist()
     full = sample(x, [seq(p) for p in ps]).tokens  # spilled rows go the sorted way

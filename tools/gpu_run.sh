@@ -64,8 +64,23 @@ with launched('--mode', '$mode', '--device', 'cuda', '--model', 'medium', '--num
            for v in ${PROBE_VARIANTS:-UCX_PROTO_ENABLE=n UCX_RNDV_THRESH=inf UCX_TLS=cuda_ipc,cuda_copy,tcp,self}; do
              echo "-- $v"; env "$v" timeout 100 python3 -m tools.nixl_probe ${PROBE_DEV:---device cuda:0 --peer-device cuda:1} \
                --sizes-mib 1 16 64 256 --reps 5 2>&1 | grep -v "NIXL INFO" | tee -a "$OUT/probe_variants.txt"; done ;;
-    sampling) timeout 200 python3 -m tools.sampling_bench --device cuda --batch 1 8 64 256 --vocab 151936 \
-             2>&1 | tee "$OUT/sampling_gpu.txt" ;;
+    sampling) for up in pinned blocking; do timeout 200 python3 -m tools.sampling_bench --device cuda \
+             --batch 1 8 64 256 --vocab 151936 --upload $up 2>&1 | tee -a "$OUT/sampling_gpu.txt"; done ;;
+    xferab) # before/after in one run: writers of the tree in $OLD_TREE (untracked copy of an older commit) vs this one
+           for i in 1 2; do for tree in "$OLD_TREE" "$PWD"; do echo "-- writers of $tree"
+             PUSHKV_WRITERS_ROOT=$tree timeout 100 python3 -m tools.transfer_report --writers-only ${XFER_DEV:---device cuda} \
+               --sizes-mib 0.25 1 16 64 256 --reps 11 --out "$OUT/xferab_${i}_$(basename $tree).json" 2>&1 | grep -A12 "^writers only" \
+               | tee -a "$OUT/xferab.txt"; done; done ;;
+    probegap) for gap in ${GAPS:-0 2 10}; do echo "-- ${gap} ms between transfers ${GAP_ARGS:-idle}"
+             timeout 100 python3 -m tools.nixl_probe ${PROBE_DEV:---device cuda:0 --peer-device cuda:1} --sizes-mib 0.25 1 64 \
+               --reps 9 --gap-ms $gap ${GAP_ARGS:-} 2>&1 | grep -E "notif|copy" | tee -a "$OUT/probegap.txt"; done ;;
+    xferprof) # P's and D's writers under cProfile for many one-block pushes: where the fixed cost goes
+           PUSHKV_PROFILE_DIR="$OUT/prof" timeout 150 python3 -m tools.transfer_report --writers-only ${XFER_DEV:---device cuda} \
+             --sizes-mib 0.25 --reps 200 2>&1 | grep -A4 "^ blocks" | tee "$OUT/xferprof.txt"
+           for w in prefill decode; do python3 -c "
+import pstats; s = pstats.Stats('$OUT/prof/$w-writer-0.prof'); s.sort_stats('tottime').print_stats(22)
+s.print_callees('_post_write|_prefill_done|on_ExpectKV|_poll_notifs')" 2>&1 | grep -v "^$" | cut -c1-180 | tee -a "$OUT/xferprof.txt" | head -90; done ;;
+    gpue2e) timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_e2e.py 2>&1 | tee "$OUT/gpue2e.txt" | tail -5 ;;
     attntune) timeout 300 python3 -m tools.attn_tune 2>&1 | tee "$OUT/attn_tune.txt" ;;
     *) echo "unknown step $step" ;;
   esac

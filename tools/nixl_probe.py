@@ -90,7 +90,8 @@ def _wait_done(a, h) -> float:
             raise RuntimeError(f"transfer state {st}")
 
 
-def probe(device: str, peer_device: str, sizes_mib: list[float], reps: int) -> dict:
+def probe(device: str, peer_device: str, sizes_mib: list[float], reps: int, gap_ms: float = 0.0,
+          gap_spin: bool = False) -> dict:
     import torch
 
     from tools.transfer_report import plain_copy_gbps
@@ -146,6 +147,12 @@ def probe(device: str, peer_device: str, sizes_mib: list[float], reps: int) -> d
                 once(way, size)  # warm (first touch, handle caches)
                 posts, dones, notes = [], [], []
                 for _ in range(reps):
+                    if gap_ms and gap_spin:  # between transfers, a loop that keeps polling NIXL
+                        end = time.perf_counter() + gap_ms / 1e3
+                        while time.perf_counter() < end:
+                            a.poll_notifs()
+                    elif gap_ms:  # idle between transfers, as a writer is between requests
+                        time.sleep(gap_ms / 1e3)
                     post, done, tag, t0 = once(way, size)
                     posts.append(post)
                     dones.append(done)
@@ -186,9 +193,11 @@ def main() -> None:
     ap.add_argument("--peer-device", default=None)
     ap.add_argument("--sizes-mib", type=float, nargs="+", default=[0.25, 1, 16, 64, 256])
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--gap-ms", type=float, default=0.0, help="sleep between transfers (idle writer)")
+    ap.add_argument("--gap-spin", action="store_true", help="spin polling NIXL in the gap instead of sleeping")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    res = probe(a.device, a.peer_device or a.device, a.sizes_mib, a.reps)
+    res = probe(a.device, a.peer_device or a.device, a.sizes_mib, a.reps, a.gap_ms, a.gap_spin)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)

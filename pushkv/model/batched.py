@@ -151,11 +151,25 @@ class BatchedForward:
         t0 = time.perf_counter()
         u = pools[0].shape[-2]
         n = min(num_tokens, self.m.cfg.max_position - 1)
-        seqs = [SeqWork(0, (0,) * n, 0, (0,) * (-(-n // u))), SeqWork(1, (0,), n, (0,) * (-(-(n + 1) // u)))]
-        plan = plan_step(seqs, u, self.block_q)
-        plan.slots[:] = -1
-        for splits in {1, self.decode_splits(1)}:
-            self.forward(StepTensors.upload(plan, self.device, self.staging), pools, splits)
+
+        def seq(i: int, length: int, start: int) -> SeqWork:
+            return SeqWork(i, (0,) * length, start, (0,) * (-(-(start + length) // u)))
+
+        # Triton specialises integer arguments equal to 1 and divisible by 16: compile every such
+        # variant of the step's counts now (one prefill, a few, sixteen; token totals odd and
+        # even) rather than mid-serving, where the first batch of two prefills paid ~0.9 s of JIT
+        # on an H200 (docs/results/gpu2_8b/README.md)
+        batches = [
+            [seq(0, n, 0), seq(1, 1, n)],
+            [seq(0, 37, 0), seq(1, 50, 0), seq(2, 1, 100), seq(3, 1, 7), seq(4, 1, 300)],
+            [seq(i, 16, 0) for i in range(16)] + [seq(16 + i, 1, 64 + i) for i in range(16)],
+            [seq(0, 29, 40), seq(1, 1, 55)],  # a prefill chunk that starts past position 0
+        ]
+        for seqs in batches:
+            plan = plan_step(seqs, u, self.block_q)
+            plan.slots[:] = -1
+            for splits in {1, self.decode_splits(len([s for s in seqs if len(s.token_ids) == 1]))}:
+                self.forward(StepTensors.upload(plan, self.device, self.staging), pools, splits)
         if self.cuda:
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0

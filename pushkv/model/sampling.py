@@ -45,12 +45,52 @@ class Sampled:
 
 
 def _up(values, dev: torch.device, dtype=None) -> torch.Tensor:
-    """A small host list on ``dev``; on CUDA through pinned memory without blocking the host,
-    so a step's sampling kernels queue behind each other instead of each waiting for the last."""
-    t = torch.tensor(values, dtype=dtype)
-    if dev.type != "cuda":
-        return t
-    return t.pin_memory().to(dev, non_blocking=True)
+    """A small host list on ``dev`` in a plain copy (the edits' sparse ids and values, rare)."""
+    return torch.tensor(values, dtype=dtype, device=dev)
+
+
+_STAGES: dict = {}  # (device, dtype) -> [pinned buffer, event of the last copy out of it]
+
+
+def _staged(values: list, dtype, dev: torch.device) -> torch.Tensor:
+    """``values`` on ``dev`` through a reused pinned buffer, without blocking the host (a plain
+    ``torch.tensor(..., device=cuda)`` waits for the stream: every one of them in a step would
+    stop its kernels from queueing). The buffer is rewritten only after its last copy ended."""
+    host = torch.tensor(values, dtype=dtype)
+    if dev.type != "cuda" or not values:
+        return host.to(dev)
+    st = _STAGES.get((dev, dtype))
+    if st is None or st[0].numel() < len(values):
+        st = _STAGES[(dev, dtype)] = [torch.empty(max(len(values), 4096), dtype=dtype, pin_memory=True), None]
+    if st[1] is not None:
+        st[1].synchronize()
+    buf = st[0][:len(values)]
+    buf.copy_(host)
+    out = buf.to(dev, non_blocking=True)
+    if st[1] is None:
+        st[1] = torch.cuda.Event()
+    st[1].record(torch.cuda.current_stream(dev))
+    return out
+
+
+class _Rows:
+    """Every per-row value a step's sampling needs on the device, gathered in Python first and
+    moved in one copy per dtype; ``upload`` answers each named slice."""
+
+    def __init__(self):
+        self.ints: list = []
+        self.floats: list = []
+        self.spans: dict[str, tuple[bool, int, int]] = {}
+
+    def add(self, name: str, values, floats: bool = False) -> None:
+        out = self.floats if floats else self.ints
+        self.spans[name] = (floats, len(out), len(values))
+        out.extend(values)
+
+    def upload(self, dev: torch.device) -> dict[str, torch.Tensor]:
+        ti = _staged(self.ints, torch.long, dev)
+        tf = _staged(self.floats, torch.float32, dev)
+        return {k: (tf if f else ti)[a:a + n] for k, (f, a, n) in self.spans.items()}
 
 
 def _params(s: SeqWork) -> SamplingParams:
@@ -59,6 +99,34 @@ def _params(s: SeqWork) -> SamplingParams:
 
 def _edited(p: SamplingParams, s: SeqWork) -> bool:
     return bool(p.logit_bias or s.suppress or (s.history and (p.presence_penalty or p.frequency_penalty)))
+
+
+@dataclass
+class _DrawPlan:
+    """Which rows (of the temperature > 0 ones) draw over the whole row and which filter, and
+    the filters' window: decided on the host, before anything moves."""
+
+    plain: list[int]
+    filtered: list[int]
+    has_k: list[bool]  # per filtered row
+    width: int  # candidates the window path sorts
+
+
+def _draw_plan(params: list[SamplingParams], seqs: list[SeqWork], vocab: int, rows: _Rows) -> _DrawPlan:
+    rows.add("u", [uniform(p.seed, s.output_index) for p, s in zip(params, seqs)], floats=True)
+    filtered = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0]
+    fset = set(filtered)
+    plain = [i for i in range(len(params)) if i not in fset]
+    fp = [params[i] for i in filtered]
+    has_k = [0 < p.top_k < vocab for p in fp]
+    width = min(vocab, max([p.top_k for p, k in zip(fp, has_k) if k] + ([WINDOW] if not all(has_k) else [0])))
+    if filtered and plain:
+        rows.add("plain", plain)
+        rows.add("filtered", filtered)
+    rows.add("mask", [v for p, k in zip(fp, has_k) for v in ((p.top_k if k else width), p.min_p, p.top_p)],
+             floats=True)
+    rows.add("has_k", [float(k) for k in has_k], floats=True)
+    return _DrawPlan(plain, filtered, has_k, width)
 
 
 def sample(logits: torch.Tensor, seqs: Sequence[SeqWork]) -> Sampled:
@@ -72,22 +140,33 @@ def sample(logits: torch.Tensor, seqs: Sequence[SeqWork]) -> Sampled:
     if all(p.temperature == 0 and p.logprobs < 0 and not _edited(p, s) for p, s in zip(params, seqs)):
         return Sampled(logits.argmax(-1).tolist())  # the all-greedy step: nothing else to do
     dev = logits.device
-    tokens = torch.empty(len(seqs), dtype=torch.long, device=dev)
     cold = [i for i, p in enumerate(params) if p.temperature == 0]
     hot = [i for i, p in enumerate(params) if p.temperature > 0]
+    ps, hs = [params[i] for i in hot], [seqs[i] for i in hot]
+    inv_t = [1.0 / p.temperature for p in ps]
+    rows = _Rows()
+    if cold and hot:
+        rows.add("cold", cold)
+        rows.add("hot", hot)
+    rows.add("inv_t", inv_t, floats=True)
+    plan = _draw_plan(ps, hs, logits.shape[1], rows) if hot else None
+    t = rows.upload(dev)
+    cold_tokens = drawn = None
     if cold:
-        idx = _up(cold, dev)
-        x = logits[idx]  # a copy
+        x = logits[t["cold"]] if hot else logits.clone()
         _edit(x, [params[i] for i in cold], [seqs[i] for i in cold], [1.0] * len(cold))
-        tokens[idx] = x.argmax(-1)
+        cold_tokens = x.argmax(-1)
     if hot:
-        idx = _up(hot, dev)
-        ps = [params[i] for i in hot]
-        inv_t = [1.0 / p.temperature for p in ps]
-        scale = _up(inv_t, dev, logits.dtype)[:, None]
-        x = logits * scale if len(hot) == len(seqs) else logits[idx].mul_(scale)  # one new tensor either way
-        _edit(x, ps, [seqs[i] for i in hot], inv_t)  # (logit + edit) / T, edits scattered after the scale
-        tokens[idx] = _draw(x, ps, [seqs[i] for i in hot])
+        scale = t["inv_t"].to(logits.dtype)[:, None]
+        x = logits[t["hot"]].mul_(scale) if cold else logits * scale  # one new tensor either way
+        _edit(x, ps, hs, inv_t)  # (logit + edit) / T, edits scattered after the scale
+        drawn = _draw(x, plan, t)
+    if cold and hot:
+        tokens = torch.empty(len(seqs), dtype=torch.long, device=dev)
+        tokens[t["cold"]] = cold_tokens
+        tokens[t["hot"]] = drawn
+    else:
+        tokens = cold_tokens if cold else drawn
     tokens_list = tokens.tolist()
     if all(p.logprobs < 0 for p in params):
         return Sampled(tokens_list)
@@ -140,10 +219,6 @@ def _penalties(histories, rows, params, scale, vocab: int, x: torch.Tensor) -> t
     return flat_ids.ravel(), vals.ravel().to(x.dtype)
 
 
-def _uniforms(params: list[SamplingParams], seqs: list[SeqWork], x: torch.Tensor) -> torch.Tensor:
-    return _up([uniform(p.seed, s.output_index) for p, s in zip(params, seqs)], x.device, x.dtype)
-
-
 def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Row-wise: the first position whose cumulative weight exceeds u * total (never a zero weight)."""
     cdf = weights.cumsum(-1)
@@ -152,58 +227,53 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target, right=True).clamp(max=weights.shape[1] - 1).squeeze(1)
 
 
-def _draw(x: torch.Tensor, params: list[SamplingParams], seqs: list[SeqWork]) -> torch.Tensor:
+def _draw(x: torch.Tensor, plan: _DrawPlan, t: dict[str, torch.Tensor]) -> torch.Tensor:
     """One token per row of the temperature-scaled, edited logits: top_k -> min_p -> top_p -> draw."""
-    n, vocab = x.shape
-    out = torch.empty(n, dtype=torch.long, device=x.device)
-    u = _uniforms(params, seqs, x)
-    filtered = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0]
-    plain = [i for i in range(n) if i not in set(filtered)]
-    if plain:  # no filter: the whole distribution, in vocabulary order
-        idx = _up(plain, x.device)
-        sub = x if len(plain) == n else x[idx]  # ours to overwrite: x is sample()'s own copy
-        out[idx] = _inverse_cdf(sub.sub_(sub.max(-1, keepdim=True).values).exp_(), u[idx])
-    if filtered:
-        idx = _up(filtered, x.device)
-        got, spill = _draw_window(x if len(filtered) == n else x[idx], [params[i] for i in filtered], u[idx])
-        out[idx] = got
-        if spill:  # the window did not hold these rows' candidates: sort their whole rows
-            back = idx[_up(spill, x.device)]
-            out[back] = _draw_sorted(x[back], [params[filtered[j]] for j in spill], u[back])
+    u = t["u"]
+    both = bool(plan.plain and plan.filtered)
+    out = torch.empty(x.shape[0], dtype=torch.long, device=x.device) if both else None
+    if plan.plain:  # no filter: the whole distribution, in vocabulary order
+        sub = x[t["plain"]] if both else x  # ours to overwrite: x is sample()'s own copy
+        got = _inverse_cdf(sub.sub_(sub.max(-1, keepdim=True).values).exp_(), u[t["plain"]] if both else u)
+        if not both:
+            return got
+        out[t["plain"]] = got
+    sub, uf = (x[t["filtered"]], u[t["filtered"]]) if both else (x, u)
+    mask = t["mask"].view(-1, 3)
+    got, spill = _draw_window(sub, plan, mask, t["has_k"], uf)
+    if spill:  # the window did not hold these rows' candidates: sort their whole rows
+        back = _up(spill, x.device)
+        got[back] = _draw_sorted(sub[back], mask[back], t["has_k"][back], uf[back])
+    if not both:
+        return got
+    out[t["filtered"]] = got
     return out
 
 
-def _masks(params: list[SamplingParams], e: torch.Tensor, width: int):
-    dev, dt = e.device, e.dtype
-    rows = _up([(p.top_k if 0 < p.top_k < e.shape[1] else width, p.min_p, p.top_p) for p in params], dev, dt)
-    keep = torch.arange(width, device=dev)[None, :] < rows[:, 0:1]
-    keep &= e >= rows[:, 1:2]  # e is p / p_max
-    return keep, rows[:, 2:3]
-
-
-def _draw_window(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-    """Filters on the top ``WINDOW`` (or top_k) candidates only: no sort of the vocabulary.
+def _draw_window(x: torch.Tensor, plan: _DrawPlan, mask: torch.Tensor, has_k: torch.Tensor,
+                 u: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """Filters on the top ``plan.width`` candidates only: no sort of the vocabulary. ``mask``
+    rows are (top_k or the width, min_p, top_p).
 
     A row whose kept set may reach past the window (no top_k, and min_p or top_p
     not yet satisfied inside it) is returned in ``spill`` for the full path.
     """
-    n, vocab = x.shape
-    has_k = [0 < p.top_k < vocab for p in params]
-    width = min(vocab, max([p.top_k for p, k in zip(params, has_k) if k] +
-                           ([WINDOW] if not all(has_k) else [0])))
-    vals, ids = x.topk(width, dim=-1)  # sorted, descending
+    vals, ids = x.topk(plan.width, dim=-1)  # sorted, descending
     e = torch.exp(vals - vals[:, :1])
-    keep, top_p = _masks(params, e, width)
+    keep = torch.arange(plan.width, device=x.device)[None, :] < mask[:, 0:1]
+    keep &= e >= mask[:, 1:2]  # e is p / p_max
+    top_p = mask[:, 2:3]
     w = e * keep
     kept = w.sum(-1, keepdim=True)
-    covered = _up(has_k, x.device)[:, None] | ~keep[:, -1:]  # nothing kept lies past the window
-    if all(has_k):
+    all_k = all(plan.has_k)
+    covered = (has_k[:, None] > 0) | ~keep[:, -1:]  # nothing kept lies past the window
+    if all_k:
         total = kept
     else:  # without top_k, top_p is of the whole row's mass
         total = torch.where(covered, kept, torch.exp(x - vals[:, :1]).sum(-1, keepdim=True))
     cum = w.cumsum(-1)
     keep &= (cum - w) < top_p * total
-    if all(has_k):
+    if all_k:
         spill: list[int] = []
     else:  # one host sync, only when some row has no top_k
         fits = covered | (cum[:, -1:] >= top_p * total)
@@ -212,13 +282,15 @@ def _draw_window(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor)
     return ids.gather(1, pos[:, None]).squeeze(1), spill
 
 
-def _draw_sorted(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> torch.Tensor:
+def _draw_sorted(x: torch.Tensor, mask: torch.Tensor, has_k: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """The same filters over whole sorted rows (rows without top_k whose nucleus is wide)."""
     vals, ids = x.sort(dim=-1, descending=True)
     e = torch.exp(vals - vals[:, :1])
-    keep, top_p = _masks(params, e, x.shape[1])
+    k = torch.where(has_k > 0, mask[:, 0], float(x.shape[1]))
+    keep = torch.arange(x.shape[1], device=x.device)[None, :] < k[:, None]
+    keep &= e >= mask[:, 1:2]
     w = e * keep
-    keep &= (w.cumsum(-1) - w) < top_p * w.sum(-1, keepdim=True)
+    keep &= (w.cumsum(-1) - w) < mask[:, 2:3] * w.sum(-1, keepdim=True)
     pos = _inverse_cdf(e * keep, u)
     return ids.gather(1, pos[:, None]).squeeze(1)
 

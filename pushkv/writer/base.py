@@ -41,6 +41,9 @@ HANDSHAKE_TIMEOUT_S = 5.0
 SPIN_MIN_S = 0.02
 SPIN_FLOOR_BPS = 0.5e9
 STUCK_POLL_MAX_MS = 20
+# right after a post, spin on it this long before going back to the loop (a small WRITE on
+# GPUs is done in ~30 us, a loop pass later costs more); 0 = off, for A/B runs
+SETTLE_S = float(os.environ.get("PUSHKV_SETTLE_US", "100")) * 1e-6
 SPIN_YIELD = os.environ.get("PUSHKV_SPIN_YIELD", "1") != "0"
 # 0: build descriptors per transfer (initialize_xfer) instead of indexing prepared lists; for A/B runs
 USE_PREPARED = os.environ.get("PUSHKV_NIXL_PREPARED", "1") != "0"
@@ -411,33 +414,45 @@ class WriterBase(Actor):
         return self.nixl.post_prepped(op, local, peer.agent, remote, notif(nbytes, runs)), nbytes, runs
 
     def _check_inflight(self, now: float) -> None:
-        stuck_s = 2 * self.cfg.timeouts.transfer_s
         for key, fl in list(self.inflight.items()):
-            if now - fl.posted > stuck_s:  # a peer that vanished mid-transfer may never answer
-                self.counters["transfer_stuck"] += 1
-                fl.failed = fl.failed or f"transfer stuck for {stuck_s:.0f}s; abandoned"
-                for h in fl.handles:
-                    self.nixl.release(h)
-                fl.handles = []
-            pending = []
+            self._check_one(key, fl, now)
+
+    def settle(self, key, budget_s: float = SETTLE_S) -> None:
+        """Spin on a just-posted transfer for up to ``budget_s``: a small one completes within
+        tens of microseconds, before the loop's next pass would look at it."""
+        end = time.perf_counter() + budget_s
+        while key in self.inflight:
+            self._check_one(key, self.inflight[key], time.monotonic())
+            if time.perf_counter() >= end:
+                break
+
+    def _check_one(self, key, fl: InFlight, now: float) -> None:
+        stuck_s = 2 * self.cfg.timeouts.transfer_s
+        if now - fl.posted > stuck_s:  # a peer that vanished mid-transfer may never answer
+            self.counters["transfer_stuck"] += 1
+            fl.failed = fl.failed or f"transfer stuck for {stuck_s:.0f}s; abandoned"
             for h in fl.handles:
-                try:
-                    st = self.nixl.state(h)
-                except Exception as e:
-                    st = "ERR"
-                    fl.failed = fl.failed or str(e)
-                if st == "DONE":
-                    self.nixl.release(h)
-                elif st == "ERR":
-                    fl.failed = fl.failed or "transfer failed in flight"
-                    self.nixl.release(h)
-                else:
-                    pending.append(h)
-            fl.handles = pending
-            if not pending:
-                del self.inflight[key]
-                self._last_activity = now
-                self.transfer_finished(fl, now)
+                self.nixl.release(h)
+            fl.handles = []
+        pending = []
+        for h in fl.handles:
+            try:
+                st = self.nixl.state(h)
+            except Exception as e:
+                st = "ERR"
+                fl.failed = fl.failed or str(e)
+            if st == "DONE":
+                self.nixl.release(h)
+            elif st == "ERR":
+                fl.failed = fl.failed or "transfer failed in flight"
+                self.nixl.release(h)
+            else:
+                pending.append(h)
+        fl.handles = pending
+        if not pending:
+            del self.inflight[key]
+            self._last_activity = now
+            self.transfer_finished(fl, now)
 
     def transfer_finished(self, fl: InFlight, now: float) -> None:
         raise NotImplementedError

@@ -213,6 +213,7 @@ class PrefillWriter(WriterBase):
         t.nbytes, t.num_descs = fl.nbytes, fl.num_descs
         if fl.handles:
             self.inflight[(a.transfer_id, a.generation)] = fl
+            self.settle((a.transfer_id, a.generation))
         else:
             self.transfer_finished(fl, now)
 
