@@ -111,18 +111,29 @@ class StepTensors:
     def upload(plan: StepPlan, device: torch.device, staging: Optional["Staging"] = None) -> "StepTensors":
         parts = [getattr(plan, f) for f in _FIELDS] + [plan.block_table.reshape(-1)]
         sizes = [p.shape[0] for p in parts]
-        total = sum(sizes)
+        # every array starts 16-byte aligned in the one buffer: Triton specialises pointer
+        # arguments on it, so unaligned views compiled new kernel variants mid-serving
+        starts = np.cumsum([0] + [-(-n // ALIGN_INT32) * ALIGN_INT32 for n in sizes])
+        total = int(starts[-1])
         if device.type == "cuda":
             staging = staging or Staging()
-            host = staging.take(total)
-            np.concatenate(parts, out=host.numpy()[:total]) if total else None
-            dev = host[:total].to(device, non_blocking=True)
+            pinned = staging.take(total)[:total]
+            host = pinned.numpy()
+        else:
+            host = np.zeros(total, np.int32)
+        for p, a, n in zip(parts, starts, sizes):
+            host[a:a + n] = p
+        if device.type == "cuda":
+            dev = pinned.to(device, non_blocking=True)
             staging.copied()
         else:
-            dev = torch.from_numpy(np.concatenate(parts) if total else np.zeros(0, np.int32))
-        views = list(torch.split(dev, sizes))
+            dev = torch.from_numpy(host)
+        views = [dev[a:a + n] for a, n in zip(starts.tolist(), sizes)]
         table = views.pop().view(plan.block_table.shape)
         return StepTensors(*views, block_table=table, block_q=plan.block_q)
+
+
+ALIGN_INT32 = 4  # 16 bytes
 
 
 class Staging:
