@@ -64,8 +64,13 @@ with launched('--mode', '$mode', '--device', 'cuda', '--model', 'medium', '--num
            for v in ${PROBE_VARIANTS:-UCX_PROTO_ENABLE=n UCX_RNDV_THRESH=inf UCX_TLS=cuda_ipc,cuda_copy,tcp,self}; do
              echo "-- $v"; env "$v" timeout 100 python3 -m tools.nixl_probe ${PROBE_DEV:---device cuda:0 --peer-device cuda:1} \
                --sizes-mib 1 16 64 256 --reps 5 2>&1 | grep -v "NIXL INFO" | tee -a "$OUT/probe_variants.txt"; done ;;
-    sampling) for up in pinned blocking; do timeout 200 python3 -m tools.sampling_bench --device cuda \
-             --batch 1 8 64 256 --vocab 151936 --upload $up 2>&1 | tee -a "$OUT/sampling_gpu.txt"; done ;;
+    sampling) # with OLD_TREE (an untracked copy of an older commit's pushkv/): its sampler first, for an A/B in one run
+           if [ -n "${OLD_TREE:-}" ]; then mkdir -p "$OLD_TREE/tools" && cp tools/__init__.py tools/sampling_bench.py "$OLD_TREE/tools/"
+             echo "-- sampler of $OLD_TREE" | tee -a "$OUT/sampling_gpu.txt"
+             (cd "$OLD_TREE" && timeout 200 python3 -m tools.sampling_bench --device cuda --batch 1 8 64 256 --vocab 151936 \
+               2>&1 | tee -a "$OUT/sampling_gpu.txt"); echo "-- sampler of this tree" | tee -a "$OUT/sampling_gpu.txt"; fi
+           timeout 200 python3 -m tools.sampling_bench --device cuda --batch 1 8 64 256 --vocab 151936 \
+             2>&1 | tee -a "$OUT/sampling_gpu.txt" ;;
     xferab) # before/after in one run: writers of the tree in $OLD_TREE (untracked copy of an older commit) vs this one
            for i in 1 2; do for tree in "$OLD_TREE" "$PWD"; do echo "-- writers of $tree"
              PUSHKV_WRITERS_ROOT=$tree timeout 100 python3 -m tools.transfer_report --writers-only ${XFER_DEV:---device cuda} \

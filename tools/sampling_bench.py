@@ -56,20 +56,9 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--history", type=int, default=64, help="output tokens so far (penalties)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (a worker uses PUSHKV_THREADS, 1)")
-    ap.add_argument("--upload", choices=["pinned", "blocking"], default="blocking",
-                    help="how per-row parameters reach the GPU: a plain copy (what sample() does) or "
-                         "pinned memory + a non-blocking copy (the alternative, for an A/B in one run)")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
-    if a.upload == "pinned":
-        import pushkv.model.sampling as S
-
-        def pinned(values, dev, dtype=None):
-            t = torch.tensor(values, dtype=dtype)
-            return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
-
-        S._up = pinned
-    print(f"device={a.device} threads={a.threads} reps={a.reps} history={a.history} upload={a.upload}")
+    print(f"device={a.device} threads={a.threads} reps={a.reps} history={a.history}")
     print(f"{'vocab':>7} {'batch':>5} {'mix':<12} {'p50 ms':>8} {'p90 ms':>8} {'us/seq':>8}")
     for vocab in a.vocab:
         for batch in a.batch:
