@@ -1,0 +1,467 @@
+"""etcd as the registry: supervisors announce instances under a lease, routers watch.
+
+Client choice: etcd's v3 JSON gateway (``/v3/...``, served by every etcd since 3.3 on the client
+port; Debian's etcd 3.4.23 here), over ``http.client`` for the announcer (sync: it lives in the
+supervisor's loop) and over aiohttp for the watcher (asyncio: it lives in the router), both
+already in the project. No new dependency. The alternatives weighed:
+
+- ``etcd3`` (python-etcd3, gRPC): last release 2020, generated protobuf code that breaks with
+  protobuf >= 4 unless pinned back; unmaintained;
+- ``aetcd`` (asyncio, gRPC): maintained, but async only (the supervisor is sync) and brings
+  grpcio + protobuf (tens of MB of wheels) for the half-dozen calls we make;
+- ``etcd3gw`` (OpenStack, the same JSON gateway): maintained, but sync only, over ``requests``
+  + ``futurist``, watching from a thread.
+
+What we use of the API is small: auth/authenticate, lease grant/keepalive/revoke/timetolive,
+kv put/range/txn and one watch stream (the gateway streams a POST's response as one JSON object
+per line). Authentication: with a user in the registry URL, we take a token from
+``/v3/auth/authenticate`` and send it as ``Authorization``; an expired token (etcd's simple
+tokens last 5 minutes by default) is renewed once and the call retried.
+
+Key layout, the withdrawal marker that tells "withdrawn" from "lease expired", and the watcher's
+view are pure and live in ``etcd_keys.py``.
+"""
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import logging
+import ssl
+import time
+from typing import AsyncIterator, Optional, Union
+
+from pushkv.discovery.etcd_keys import (EtcdTarget, RegistryView, b64, instance_key,
+                                        instances_prefix, marker_key, marker_value,
+                                        parse_registry_url, range_end)
+from pushkv.discovery.records import DiscoveryEvent, InstanceRecord, encode_record
+
+log = logging.getLogger(__name__)
+
+LEASE_TTL_S = 5  # a host that stops refreshing is gone from the registry after at most this
+CALL_TIMEOUT_S = 1.0  # one gateway call; bounds how long a supervisor tick can block
+RETRY_S = 0.5  # while etcd is unreachable, the announcer tries again this often
+WATCH_IDLE_S = 10.0  # a watch stream silent this long is re-opened (a dead TCP path stays silent)
+WATCH_BACKOFF_S = (0.2, 2.0)  # reconnect backoff: first, most
+
+
+class EtcdError(RuntimeError):
+    """etcd answered with an error."""
+
+
+class EtcdAuthError(EtcdError):
+    """etcd refused our credentials (or needs some we were not given)."""
+
+
+class EtcdUnavailable(EtcdError):
+    """etcd could not be reached (connection refused, timed out, reset, or 5xx)."""
+
+
+def _target(url: Union[str, EtcdTarget]) -> EtcdTarget:
+    return url if isinstance(url, EtcdTarget) else parse_registry_url(url)
+
+
+def ssl_context(t: EtcdTarget) -> Optional[ssl.SSLContext]:
+    if not t.tls:
+        return None
+    ctx = ssl.create_default_context(cafile=t.ca_file or None)
+    if t.cert_file:
+        ctx.load_cert_chain(t.cert_file, t.key_file or None)
+    return ctx
+
+
+def _check(status: int, body: bytes, path: str) -> dict:
+    """The decoded answer, or the error it carries as an exception."""
+    try:
+        got = json.loads(body or b"{}")
+    except ValueError:
+        got = {"message": body[:200].decode(errors="replace")}
+    if status < 300 and "error" not in got:
+        return got
+    err = got.get("error")
+    msg = got.get("message") or (err.get("message") if isinstance(err, dict) else err) or str(status)
+    if status >= 500:
+        raise EtcdUnavailable(f"etcd {path}: {status} {msg}")
+    if "authentication failed" in msg or "user name is empty" in msg or "invalid auth token" in msg \
+            or "permission denied" in msg or status == 401:
+        raise EtcdAuthError(f"etcd {path}: {msg}")
+    raise EtcdError(f"etcd {path}: {status} {msg}")
+
+
+def _auth_error(t: EtcdTarget, e: EtcdAuthError) -> EtcdAuthError:
+    who = f"user {t.user!r}" if t.user else "no user (give user:password in the registry URL)"
+    return EtcdAuthError(f"etcd at {t.redacted()} refused {who}: {e}")
+
+
+class SyncGateway:
+    """Blocking gateway calls over one kept-alive http.client connection."""
+
+    def __init__(self, target: EtcdTarget, timeout_s: float = CALL_TIMEOUT_S):
+        self.t, self.timeout_s = target, timeout_s
+        self._conn: Optional[http.client.HTTPConnection] = None
+        self._token = ""
+
+    def _connection(self) -> http.client.HTTPConnection:
+        if self._conn is None:
+            if self.t.tls:
+                self._conn = http.client.HTTPSConnection(self.t.host, self.t.port, timeout=self.timeout_s,
+                                                         context=ssl_context(self.t))
+            else:
+                self._conn = http.client.HTTPConnection(self.t.host, self.t.port, timeout=self.timeout_s)
+        return self._conn
+
+    def _post(self, path: str, body: dict) -> dict:
+        headers = {"Content-Type": "application/json"}
+        if self._token:
+            headers["Authorization"] = self._token
+        for attempt in (0, 1):
+            reused = self._conn is not None
+            try:
+                conn = self._connection()
+                conn.request("POST", f"/v3/{path}", json.dumps(body), headers)
+                resp = conn.getresponse()
+                status, data = resp.status, resp.read()
+                break
+            except (OSError, http.client.HTTPException) as e:
+                self.drop()
+                stale = reused and isinstance(e, ConnectionError)
+                if attempt or not stale:  # a kept-alive connection the server closed: once more
+                    raise EtcdUnavailable(f"etcd {self.t.base_url} {path}: {e!r}") from None
+        return _check(status, data, path)
+
+    def authenticate(self) -> None:
+        if not self.t.user:
+            return
+        self._token = ""
+        try:
+            got = self._post("auth/authenticate", {"name": self.t.user, "password": self.t.password})
+        except EtcdAuthError as e:
+            raise _auth_error(self.t, e) from None
+        self._token = got["token"]
+
+    def call(self, path: str, body: dict) -> dict:
+        if self.t.user and not self._token:
+            self.authenticate()
+        try:
+            return self._post(path, body)
+        except EtcdAuthError as e:
+            if "invalid auth token" not in str(e) or not self.t.user:
+                raise _auth_error(self.t, e) from None
+            self.authenticate()  # the token expired: once more with a fresh one
+            return self._post(path, body)
+
+    def drop(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+class EtcdAnnouncer:
+    """Supervisor side (sync): one lease per announcer, every record under it.
+
+    ``tick(now)`` refreshes the lease every TTL/3. When etcd cannot be reached, calls fail
+    within ``CALL_TIMEOUT_S`` and are retried every ``RETRY_S``; when a refresh finds the lease
+    gone (the host was cut off longer than the TTL, or etcd lost it), a new lease is granted and
+    every record put again: the host rejoins on its first successful contact. Withdrawals that
+    could not reach etcd are retried the same way (else the key would live on the kept lease)."""
+
+    def __init__(self, url: Union[str, EtcdTarget], ttl_s: int = LEASE_TTL_S,
+                 timeout_s: float = CALL_TIMEOUT_S, retry_s: float = RETRY_S):
+        self.target = _target(url)
+        self.ttl_s, self.retry_s = int(ttl_s), retry_s
+        self.gw = SyncGateway(self.target, timeout_s)
+        self.records: dict[tuple[str, str], InstanceRecord] = {}
+        self.unput: set[tuple[str, str]] = set()  # announced, not yet in etcd under this lease
+        self.unwithdrawn: set[tuple[str, str]] = set()  # withdrawn here, maybe still in etcd
+        self.lease_id = 0
+        self.next_contact = 0.0
+        self.leases_granted = 0
+        self.failures = 0
+
+    # -- the interface ------------------------------------------------------------------
+    def connect(self) -> None:
+        """Authenticate and take a lease now: raises EtcdAuthError for bad credentials and
+        EtcdUnavailable when etcd cannot be reached, so a misconfigured host fails at start."""
+        self.gw.authenticate()
+        self._grant(time.monotonic())
+
+    def announce(self, record: InstanceRecord) -> None:
+        name = (record.role, record.engine_id)
+        self.records[name] = record
+        self.unwithdrawn.discard(name)
+        self.unput.add(name)
+        self._sync(time.monotonic())
+
+    def withdraw(self, engine_id: str, role: str) -> None:
+        name = (role, engine_id)
+        self.records.pop(name, None)
+        self.unput.discard(name)
+        self.unwithdrawn.add(name)
+        self._sync(time.monotonic())
+
+    def tick(self, now: float) -> None:
+        if now >= self.next_contact:
+            self._refresh(now)
+
+    def close(self) -> None:
+        """Withdraw every record (one transaction, with the marker) and revoke the lease;
+        best effort: an unreachable etcd lets the lease lapse instead."""
+        self.unwithdrawn |= set(self.records)
+        self.records.clear()
+        self.unput.clear()
+        try:
+            if self.lease_id:
+                self._flush_withdrawals()
+                self.gw.call("lease/revoke", {"ID": str(self.lease_id)})
+        except EtcdError as e:
+            log.warning("etcd close: %s (the lease lapses within %ss)", e, self.ttl_s)
+        self.lease_id = 0
+        self.gw.drop()
+
+    # -- inside -----------------------------------------------------------------------
+    def _grant(self, now: float) -> None:
+        got = self.gw.call("lease/grant", {"TTL": self.ttl_s})
+        self.lease_id = int(got["ID"])
+        self.leases_granted += 1
+        self.unput |= set(self.records)
+        self.next_contact = now + self.ttl_s / 3
+        log.info("etcd %s: lease %x (TTL %ss)", self.target.redacted(), self.lease_id, self.ttl_s)
+
+    def _refresh(self, now: float) -> None:
+        try:
+            if self.lease_id:
+                got = self.gw.call("lease/keepalive", {"ID": str(self.lease_id)}).get("result", {})
+                if int(got.get("TTL", 0) or 0) <= 0:
+                    log.warning("etcd lease %x was lost (cut off longer than %ss?): rejoining",
+                                self.lease_id, self.ttl_s)
+                    self.lease_id = 0
+                else:
+                    self.next_contact = now + self.ttl_s / 3
+            if not self.lease_id:
+                self._grant(now)
+            self._flush(now)
+        except EtcdAuthError:
+            raise
+        except EtcdError as e:
+            self._failed(now, e)
+
+    def _sync(self, now: float) -> None:
+        """Push pending puts/withdrawals now if we hold a lease (else the next tick does)."""
+        if not self.lease_id:
+            self.tick(now)
+            return
+        try:
+            self._flush(now)
+        except EtcdAuthError:
+            raise
+        except EtcdError as e:
+            self._failed(now, e)
+
+    def _flush(self, now: float) -> None:
+        self._flush_withdrawals()
+        for name in sorted(self.unput):
+            role, eid = name
+            self.gw.call("kv/put", {"key": b64(instance_key(self.target.prefix, role, eid)),
+                                    "value": b64(encode_record(self.records[name])),
+                                    "lease": str(self.lease_id)})
+            self.unput.discard(name)
+        self.failures = 0
+
+    def _flush_withdrawals(self) -> None:
+        if not self.unwithdrawn:
+            return
+        names = sorted(self.unwithdrawn)
+        ops = [{"request_delete_range": {"key": b64(instance_key(self.target.prefix, r, e))}}
+               for r, e in names]
+        ops.append({"request_put": {"key": b64(marker_key(self.target.prefix, self.lease_id)),
+                                    "value": b64(marker_value(names)),
+                                    "lease": str(self.lease_id)}})
+        self.gw.call("kv/txn", {"success": ops})
+        self.unwithdrawn.clear()
+
+    def _failed(self, now: float, e: EtcdError) -> None:
+        self.failures += 1
+        if self.failures == 1:
+            log.warning("etcd %s unreachable: %s (retrying every %ss)", self.target.redacted(),
+                        e, self.retry_s)
+        self.next_contact = now + self.retry_s
+
+
+class AsyncGateway:
+    """Gateway calls and the watch stream over one aiohttp session."""
+
+    def __init__(self, target: EtcdTarget, timeout_s: float = CALL_TIMEOUT_S * 5):
+        import aiohttp
+
+        self.t, self.timeout_s, self._aiohttp = target, timeout_s, aiohttp
+        self._session: Optional["aiohttp.ClientSession"] = None
+        self._token = ""
+        self._ssl = ssl_context(target)
+
+    def _sess(self):
+        if self._session is None:
+            self._session = self._aiohttp.ClientSession()
+        return self._session
+
+    def _headers(self) -> dict:
+        return {"Authorization": self._token} if self._token else {}
+
+    async def _post(self, path: str, body: dict) -> dict:
+        a = self._aiohttp
+        try:
+            async with self._sess().post(f"{self.t.base_url}/v3/{path}", json=body,
+                                         headers=self._headers(), ssl=self._ssl,
+                                         timeout=a.ClientTimeout(total=self.timeout_s)) as r:
+                status, data = r.status, await r.read()
+        except (a.ClientError, asyncio.TimeoutError, OSError) as e:
+            raise EtcdUnavailable(f"etcd {self.t.base_url} {path}: {e!r}") from None
+        return _check(status, data, path)
+
+    async def authenticate(self) -> None:
+        if not self.t.user:
+            return
+        self._token = ""
+        try:
+            got = await self._post("auth/authenticate", {"name": self.t.user, "password": self.t.password})
+        except EtcdAuthError as e:
+            raise _auth_error(self.t, e) from None
+        self._token = got["token"]
+
+    async def call(self, path: str, body: dict) -> dict:
+        if self.t.user and not self._token:
+            await self.authenticate()
+        try:
+            return await self._post(path, body)
+        except EtcdAuthError as e:
+            if "invalid auth token" not in str(e) or not self.t.user:
+                raise _auth_error(self.t, e) from None
+            await self.authenticate()
+            return await self._post(path, body)
+
+    async def watch(self, body: dict, idle_s: float) -> AsyncIterator[dict]:
+        """Each JSON object of one watch stream; ends quietly when the stream is idle
+        ``idle_s``; raises EtcdUnavailable when it breaks."""
+        a = self._aiohttp
+        if self.t.user and not self._token:
+            await self.authenticate()
+        try:
+            async with self._sess().post(f"{self.t.base_url}/v3/watch", json=body,
+                                         headers=self._headers(), ssl=self._ssl,
+                                         timeout=a.ClientTimeout(total=None, sock_connect=self.timeout_s)) as r:
+                if r.status != 200:
+                    _check(r.status, await r.read(), "watch")
+                buf = b""
+                it = r.content.iter_any().__aiter__()
+                while True:
+                    try:
+                        async with asyncio.timeout(idle_s):
+                            chunk = await it.__anext__()
+                    except TimeoutError:
+                        return
+                    except StopAsyncIteration:
+                        raise EtcdUnavailable("etcd watch stream ended") from None
+                    buf += chunk
+                    *lines, buf = buf.split(b"\n")
+                    for line in lines:
+                        if line.strip():
+                            yield json.loads(line)
+        except (a.ClientError, OSError, ValueError) as e:
+            raise EtcdUnavailable(f"etcd watch: {e!r}") from None
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+class EtcdWatcher:
+    """Router side (asyncio): a range over the instances, then one watch from that revision.
+
+    ``await start()`` (or the first ``events()``) authenticates and takes the snapshot; an
+    EtcdAuthError there means bad credentials. The watch is re-opened after a break or
+    ``WATCH_IDLE_S`` of silence from the last revision seen, so nothing is missed; when etcd has
+    compacted past it, a new range is diffed against the view (Downs "gone while the watch was
+    down")."""
+
+    def __init__(self, url: Union[str, EtcdTarget], idle_s: float = WATCH_IDLE_S):
+        self.target = _target(url)
+        self.idle_s = idle_s
+        self.view = RegistryView(self.target.prefix)
+        self.gw = AsyncGateway(self.target)
+        self._started = False
+        self._closed = False
+        self.reconnects = 0
+
+    async def start(self) -> None:
+        if not self._started:
+            await self.gw.authenticate()
+            self._initial = await self._load()
+            self._started = True
+
+    def snapshot(self) -> list[InstanceRecord]:
+        return list(self.view.records.values())
+
+    async def _load(self) -> list[DiscoveryEvent]:
+        head = instances_prefix(self.target.prefix)
+        got = await self.gw.call("kv/range", {"key": b64(head), "range_end": range_end(head)})
+        rev = int(got["header"]["revision"])
+        return self.view.load(got.get("kvs", []), rev)
+
+    async def events(self) -> AsyncIterator[DiscoveryEvent]:
+        await self.start()
+        for ev in self._initial:  # everything present at the snapshot (Up each)
+            yield ev
+        self._initial = []
+        backoff = WATCH_BACKOFF_S[0]
+        while not self._closed:
+            try:
+                async for ev in self._watch_once():
+                    backoff = WATCH_BACKOFF_S[0]
+                    yield ev
+            except EtcdAuthError:
+                raise
+            except EtcdError as e:
+                if self._closed:
+                    return
+                self.reconnects += 1
+                log.warning("etcd watch broke (%s); reconnecting in %.1fs", e, backoff)
+                await asyncio.sleep(backoff)  # retry pacing while etcd is unreachable
+                backoff = min(backoff * 2, WATCH_BACKOFF_S[1])
+                try:
+                    await self.gw.authenticate()  # the token may have expired meanwhile
+                except EtcdAuthError:
+                    raise
+                except EtcdError:
+                    continue
+
+    async def _watch_once(self) -> AsyncIterator[DiscoveryEvent]:
+        """One watch stream from the view's revision; returns when it goes idle."""
+        prefix = self.target.prefix + "/"
+        body = {"create_request": {"key": b64(prefix), "range_end": range_end(prefix),
+                                   "start_revision": str(self.view.revision + 1), "prev_kv": True}}
+        async for msg in self.gw.watch(body, self.idle_s):
+            if "error" in msg:
+                raise EtcdUnavailable(f"etcd watch: {msg['error']}")
+            res = msg.get("result", {})
+            if int(res.get("compact_revision", 0) or 0) or res.get("canceled"):
+                log.warning("etcd watch from %s cancelled (%s); resyncing by range",
+                            self.view.revision + 1, res.get("cancel_reason") or "compacted")
+                for ev in await self._load():
+                    yield ev
+                return
+            events = res.get("events") or []
+            if not events:
+                continue
+            rev = max(int(e["kv"].get("mod_revision", 0) or 0) for e in events)
+            live = frozenset([d.lease_id for d in self.view.unexplained_deletes(events)
+                              if await self._lease_alive(d.lease_id)])
+            for ev in self.view.apply(events, rev, live):
+                yield ev
+
+    async def _lease_alive(self, lease_id: int) -> bool:
+        got = await self.gw.call("lease/timetolive", {"ID": str(lease_id)})
+        return int(got.get("TTL", -1) or -1) > 0
+
+    async def close(self) -> None:
+        self._closed = True
+        await self.gw.close()
