@@ -12,7 +12,8 @@ import time
 import pytest
 
 from pushkv.discovery import etcd_keys as K
-from pushkv.discovery.etcd import EtcdAnnouncer, EtcdAuthError, EtcdUnavailable, EtcdWatcher
+from pushkv.discovery.etcd import (EtcdAnnouncer, EtcdAuthError, EtcdUnavailable, EtcdWatcher,
+                                   retry_delay_s)
 from pushkv.discovery.records import InstanceDown, InstanceRecord, InstanceUp, encode_record
 from tests.etcd_server import etcd_server, free_port
 
@@ -57,6 +58,15 @@ def test_target_redacts_password():
 @pytest.mark.parametrize("prefix, end", [("/a/", b"/a0"), ("a", b"b"), (b"a\xff", b"b"), (b"\xff", b"\0")])
 def test_range_end(prefix, end):
     assert K.unb64(K.range_end(prefix)) == end
+
+
+@pytest.mark.parametrize("failures, retry_s, ttl_s, want", [
+    (1, 0.5, 6, 0.5), (2, 0.5, 6, 1.0), (3, 0.5, 6, 2.0), (4, 0.5, 6, 2.0), (50, 0.5, 6, 2.0),
+    (1, 0.5, 1, 0.5),  # a TTL shorter than 3 retries: never below retry_s
+    (0, 0.2, 2, 0.2),
+])
+def test_retry_delay(failures, retry_s, ttl_s, want):
+    assert retry_delay_s(failures, retry_s, ttl_s) == pytest.approx(want)
 
 
 # -- pure: the view ------------------------------------------------------------------------

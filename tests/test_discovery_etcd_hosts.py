@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from pushkv.discovery.etcd import EtcdWatcher
+from pushkv.discovery.etcd import EtcdAnnouncer, EtcdWatcher
 from pushkv.discovery.records import InstanceDown, InstanceUp
 from tests import netns
 from tests.etcd_server import etcd_server
@@ -62,3 +62,50 @@ def test_cut_off_host_lapses_then_rejoins(tmp_path):
             child.kill()
             child.wait(5)
             child.stdout.close()
+
+
+@pytest.mark.timeout(90)
+def test_cut_off_router_catches_up(tmp_path):
+    """The watching side (a router's host) is cut off from etcd: its silent watch is reopened
+    (and fails while the link is down); once restored, it reports what changed meanwhile."""
+    with netns.hosts(1) as net, etcd_server(tmp_path, extra_hosts=(net.root_addr,)) as etcd:
+        host = net[1]
+        ann = EtcdAnnouncer(etcd.url(), ttl_s=30)
+        child = host.popen([sys.executable, "-m", "tests.etcd_watcher_child",
+                            etcd.url(host=net.root_addr), "1.0"],
+                           cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE, text=True)
+        lines = iter(child.stdout.readline, "")
+        try:
+            ann.connect()
+            assert next(lines) == "ready\n"
+            ann.announce(_rec("a"))
+            assert next(lines) == "up a\n"
+            host.cut()
+            ann.withdraw("a", "decode")
+            ann.announce(_rec("b"))
+            t_cut = time.monotonic()
+            line = next(lines)  # the first thing it says while cut off: the reopen failed
+            assert line.startswith("log etcd watch broke"), line
+            noticed_s = time.monotonic() - t_cut
+            host.restore()
+            t_restore = time.monotonic()
+            seen = [next(lines)]
+            while seen[-1].startswith("log "):
+                seen.append(next(lines))
+            seen.append(next(lines))
+            caught_up_s = time.monotonic() - t_restore
+            assert [s for s in seen if not s.startswith("log ")] == ["down a withdrawn\n", "up b\n"]
+            print(f"router cut off: reopen failed after {noticed_s:.2f}s (idle 1 s + connect timeout); "
+                  f"caught up {caught_up_s:.2f}s after restore")
+            assert caught_up_s <= 5.0  # reconnect backoff <= 2 s
+        finally:
+            ann.close()
+            child.kill()
+            child.wait(5)
+            child.stdout.close()
+
+
+def _rec(eid: str):
+    from pushkv.discovery.records import InstanceRecord
+
+    return InstanceRecord(engine_id=eid, role="decode", sched_endpoint="tcp://h:1", handshake_endpoints=())

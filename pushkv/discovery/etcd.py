@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 LEASE_TTL_S = 5  # a host that stops refreshing is gone from the registry after at most this
 CALL_TIMEOUT_S = 1.0  # one gateway call; bounds how long a supervisor tick can block
-RETRY_S = 0.5  # while etcd is unreachable, the announcer tries again this often
+RETRY_S = 0.5  # while etcd is unreachable, the announcer first tries again after this (then backs off)
 WATCH_IDLE_S = 10.0  # a watch stream silent this long is re-opened (a dead TCP path stays silent)
 WATCH_BACKOFF_S = (0.2, 2.0)  # reconnect backoff: first, most
 
@@ -160,7 +160,8 @@ class EtcdAnnouncer:
     """Supervisor side (sync): one lease per announcer, every record under it.
 
     ``tick(now)`` refreshes the lease every TTL/3. When etcd cannot be reached, calls fail
-    within ``CALL_TIMEOUT_S`` and are retried every ``RETRY_S``; when a refresh finds the lease
+    within ``CALL_TIMEOUT_S`` (the owner's loop blocks that long) and are retried after
+    ``retry_delay_s`` (from ``RETRY_S`` doubling to TTL/3); when a refresh finds the lease
     gone (the host was cut off longer than the TTL, or etcd lost it), a new lease is granted and
     every record put again: the host rejoins on its first successful contact. Withdrawals that
     could not reach etcd are retried the same way (else the key would live on the kept lease)."""
@@ -282,9 +283,16 @@ class EtcdAnnouncer:
     def _failed(self, now: float, e: EtcdError) -> None:
         self.failures += 1
         if self.failures == 1:
-            log.warning("etcd %s unreachable: %s (retrying every %ss)", self.target.redacted(),
-                        e, self.retry_s)
-        self.next_contact = now + self.retry_s
+            log.warning("etcd %s unreachable: %s (retrying from %ss, backing off to %.2fs)",
+                        self.target.redacted(), e, self.retry_s, retry_delay_s(99, self.retry_s, self.ttl_s))
+        self.next_contact = now + retry_delay_s(self.failures, self.retry_s, self.ttl_s)
+
+
+def retry_delay_s(failures: int, retry_s: float, ttl_s: float) -> float:
+    """How long the announcer waits after its ``failures``-th failed contact in a row: doubling
+    from ``retry_s`` up to the refresh period TTL/3, so that an unreachable etcd costs the
+    owner's loop at most one call timeout per TTL/3 while a short blip is retried at once."""
+    return min(retry_s * 2 ** max(failures - 1, 0), max(retry_s, ttl_s / 3))
 
 
 class AsyncGateway:
