@@ -14,12 +14,14 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import time
 import urllib.error
 import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Optional
 
 ETCD_BIN = shutil.which("etcd") or "/usr/bin/etcd"
 START_TIMEOUT_S = 20.0
@@ -46,27 +48,38 @@ class EtcdServer:
     hosts: tuple[str, ...] = ("127.0.0.1",)
     argv: list = field(default_factory=list, repr=False)
     token: str = field(default="", repr=False)
+    ca_file: str = ""  # set when the client port speaks TLS
+
+    @property
+    def _ctx(self) -> Optional[ssl.SSLContext]:
+        return ssl.create_default_context(cafile=self.ca_file) if self.ca_file else None
+
+    @property
+    def _base(self) -> str:
+        return f"{'https' if self.ca_file else 'http'}://127.0.0.1:{self.client_port}"
 
     def restart(self) -> None:
         """Stop etcd and start it again on the same ports and data (clients see a break)."""
         _stop(self.proc)
         self.proc = _start(self.argv, self.log_path)
-        if not _wait_healthy(self.proc, self.client_port):
+        if not _wait_healthy(self.proc, self._base, self._ctx):
             raise RuntimeError(f"etcd did not come back; log: {self.log_path}")
 
     def url(self, host: str = "127.0.0.1", user: str = "", password: str = "",
             prefix: str = "/pushkv") -> str:
         cred = f"{user}:{password}@" if user else ""
+        if self.ca_file:
+            return f"etcds://{cred}{host}:{self.client_port}{prefix}?ca={self.ca_file}"
         return f"etcd://{cred}{host}:{self.client_port}{prefix}"
 
     def call(self, path: str, body: dict, timeout_s: float = 5.0) -> dict:
         """One v3 gateway call as the test's operator (root token once auth is on)."""
-        req = urllib.request.Request(f"http://127.0.0.1:{self.client_port}/v3/{path}",
+        req = urllib.request.Request(f"{self._base}/v3/{path}",
                                      data=json.dumps(body).encode(), method="POST")
         if self.token:
             req.add_header("Authorization", self.token)
         try:
-            with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            with urllib.request.urlopen(req, timeout=timeout_s, context=self._ctx) as r:
                 return json.loads(r.read() or b"{}")
         except urllib.error.HTTPError as e:
             raise RuntimeError(f"etcd {path}: {e.code} {e.read()[:300]!r}") from None
@@ -97,9 +110,9 @@ class EtcdServer:
         return [base64.b64decode(kv["key"]).decode() for kv in got.get("kvs", [])]
 
 
-def _healthy(port: int) -> bool:
+def _healthy(base: str, ctx: Optional[ssl.SSLContext]) -> bool:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1.0) as r:
+        with urllib.request.urlopen(f"{base}/health", timeout=1.0, context=ctx) as r:
             return json.loads(r.read()).get("health") == "true"
     except (OSError, ValueError):
         return False
@@ -110,10 +123,10 @@ def _start(argv: list, log_path: str) -> subprocess.Popen:
         return subprocess.Popen(argv, stdout=log, stderr=log, start_new_session=True)
 
 
-def _wait_healthy(proc: subprocess.Popen, port: int) -> bool:
+def _wait_healthy(proc: subprocess.Popen, base: str, ctx: Optional[ssl.SSLContext]) -> bool:
     deadline = time.monotonic() + START_TIMEOUT_S
     while proc.poll() is None and time.monotonic() < deadline:
-        if _healthy(port):
+        if _healthy(base, ctx):
             return True
         time.sleep(0.05)  # polling a readiness probe, not synchronising on time
     return False
@@ -129,9 +142,28 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait(STOP_TIMEOUT_S)
 
 
+def make_tls(tmp_dir) -> tuple[str, str, str]:
+    """A throwaway CA and a server certificate for 127.0.0.1 (openssl): (ca, cert, key) paths."""
+    d = os.path.join(str(tmp_dir), "tls")
+    os.makedirs(d, exist_ok=True)
+    ca, ca_key, cert, key, csr = (os.path.join(d, n) for n in ("ca.pem", "ca.key", "server.pem",
+                                                               "server.key", "server.csr"))
+    ext = os.path.join(d, "ext.cnf")
+    with open(ext, "w") as f:
+        f.write("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    run = lambda *a: subprocess.run(["openssl", *a], check=True, capture_output=True, timeout=30)
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", ca, "-days", "1",
+        "-subj", "/CN=pushkv-test-ca")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr, "-subj", "/CN=localhost")
+    run("x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-out", cert,
+        "-days", "1", "-extfile", ext)
+    return ca, cert, key
+
+
 @contextmanager
-def etcd_server(tmp_dir, extra_hosts: tuple[str, ...] = ()):
-    """Start etcd in ``tmp_dir``; yield an EtcdServer; always stop it."""
+def etcd_server(tmp_dir, extra_hosts: tuple[str, ...] = (), tls: Optional[tuple[str, str, str]] = None):
+    """Start etcd in ``tmp_dir``; yield an EtcdServer; always stop it. ``tls``: (ca, cert, key)
+    from ``make_tls``, for a client port that speaks only TLS."""
     if not os.path.exists(ETCD_BIN):
         raise RuntimeError(f"{ETCD_BIN} not found: install Debian's etcd-server (tools/install.sh)")
     data_dir = os.path.join(str(tmp_dir), "etcd-data")
@@ -139,15 +171,19 @@ def etcd_server(tmp_dir, extra_hosts: tuple[str, ...] = ()):
     for _attempt in range(3):  # a free port can be taken between probing and binding
         cport, pport = free_port(), free_port()
         hosts = ("127.0.0.1",) + tuple(extra_hosts)
-        listen = ",".join(f"http://{h}:{cport}" for h in hosts)
+        scheme = "https" if tls else "http"
+        listen = ",".join(f"{scheme}://{h}:{cport}" for h in hosts)
         peer = f"http://127.0.0.1:{pport}"
         argv = [ETCD_BIN, "--name", "pushkv-test", "--data-dir", data_dir,
                 "--listen-client-urls", listen, "--advertise-client-urls", listen,
                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                 "--initial-cluster", f"pushkv-test={peer}", "--initial-cluster-state", "new",
                 "--logger", "zap", "--log-outputs", "stderr"]
+        if tls:
+            argv += ["--cert-file", tls[1], "--key-file", tls[2]]
+        ctx = ssl.create_default_context(cafile=tls[0]) if tls else None
         proc = _start(argv, log_path)
-        if _wait_healthy(proc, cport):
+        if _wait_healthy(proc, f"{scheme}://127.0.0.1:{cport}", ctx):
             break
         _stop(proc)
         shutil.rmtree(data_dir, ignore_errors=True)
@@ -155,7 +191,7 @@ def etcd_server(tmp_dir, extra_hosts: tuple[str, ...] = ()):
         with open(log_path, "rb") as f:
             tail = f.read()[-2000:].decode(errors="replace")
         raise RuntimeError(f"etcd did not start; log tail:\n{tail}")
-    server = EtcdServer(cport, pport, data_dir, log_path, proc, hosts, argv)
+    server = EtcdServer(cport, pport, data_dir, log_path, proc, hosts, argv, ca_file=tls[0] if tls else "")
     try:
         yield server
     finally:

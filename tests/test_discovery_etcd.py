@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
@@ -15,7 +14,7 @@ from pushkv.discovery import etcd_keys as K
 from pushkv.discovery.etcd import (EtcdAnnouncer, EtcdAuthError, EtcdUnavailable, EtcdWatcher,
                                    retry_delay_s)
 from pushkv.discovery.records import InstanceDown, InstanceRecord, InstanceUp, encode_record
-from tests.etcd_server import etcd_server, free_port
+from tests.etcd_server import etcd_server, free_port, make_tls
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TTL_S = 2  # etcd's smallest lease TTL with its default election timeout
@@ -342,6 +341,36 @@ def test_auth(etcd):
             bad.close()
             w = EtcdWatcher(url)
             with pytest.raises(EtcdAuthError, match=fragment):
+                await w.start()
+            await w.close()
+
+    run(body())
+
+
+@pytest.mark.timeout(60)
+def test_tls(tmp_path):
+    """etcds:// with the CA works; without it (the system CAs) the certificate is refused."""
+    tls = make_tls(tmp_path)
+
+    async def body():
+        with etcd_server(tmp_path, tls=tls) as etcd:
+            url = etcd.url()
+            assert url.startswith("etcds://")
+            watcher = EtcdWatcher(url)
+            ann = EtcdAnnouncer(url, ttl_s=TTL_S)
+            try:
+                ann.connect()
+                events = watcher.events()
+                ann.announce(rec("d0"))
+                assert await next_event(events) == InstanceUp(rec("d0"))
+            finally:
+                ann.close()
+                await watcher.close()
+            no_ca = url.split("?")[0]
+            with pytest.raises(EtcdUnavailable, match="CERTIFICATE_VERIFY_FAILED"):
+                EtcdAnnouncer(no_ca).connect()
+            w = EtcdWatcher(no_ca)
+            with pytest.raises(EtcdUnavailable, match="CERTIFICATE_VERIFY_FAILED|certificate verify failed"):
                 await w.start()
             await w.close()
 

@@ -42,10 +42,11 @@ esac
 "${PIP[@]}" install -q -e ".[test,bench]"
 # System tools for several hosts (README "Several hosts"): etcd, the registry, which the tests
 # start for real (Debian's etcd-server, 3.4), and iproute2's `ip` for the network-namespace
-# "hosts". Installed with apt-get when missing and we are root; otherwise say what to install.
+# "hosts" (and openssl for a test CA). Installed with apt-get when missing and we are root; otherwise say what to install.
 missing=()
 [ -x /usr/bin/etcd ] || command -v etcd >/dev/null 2>&1 || missing+=(etcd-server)
 command -v ip >/dev/null 2>&1 || missing+=(iproute2)
+command -v openssl >/dev/null 2>&1 || missing+=(openssl)  # the TLS registry test makes a throwaway CA
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "installing ${missing[*]} (apt-get)" >&2

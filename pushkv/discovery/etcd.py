@@ -13,10 +13,8 @@ already in the project. No new dependency. The alternatives weighed:
   + ``futurist``, watching from a thread.
 
 What we use of the API is small: auth/authenticate, lease grant/keepalive/revoke/timetolive,
-kv put/range/txn and one watch stream (the gateway streams a POST's response as one JSON object
-per line). Authentication: with a user in the registry URL, we take a token from
-``/v3/auth/authenticate`` and send it as ``Authorization``; an expired token (etcd's simple
-tokens last 5 minutes by default) is renewed once and the call retried.
+kv put/range/txn and one watch stream; the calls, authentication and errors are
+``etcd_gateway.py``. Credentials are the operator's, from the registry URL (``etcd_keys.py``).
 
 Key layout, the withdrawal marker that tells "withdrawn" from "lease expired", and the watcher's
 view are pure and live in ``etcd_keys.py``.
@@ -24,136 +22,22 @@ view are pure and live in ``etcd_keys.py``.
 from __future__ import annotations
 
 import asyncio
-import http.client
-import json
 import logging
-import ssl
 import time
-from typing import AsyncIterator, Optional, Union
+from typing import AsyncIterator, Union
 
+from pushkv.discovery.etcd_gateway import (CALL_TIMEOUT_S, AsyncGateway, EtcdAuthError,  # noqa: F401
+                                           EtcdError, EtcdUnavailable, SyncGateway, target_of)
 from pushkv.discovery.etcd_keys import (EtcdTarget, RegistryView, b64, instance_key,
-                                        instances_prefix, marker_key, marker_value,
-                                        parse_registry_url, range_end)
+                                        instances_prefix, marker_key, marker_value, range_end)
 from pushkv.discovery.records import DiscoveryEvent, InstanceRecord, encode_record
 
 log = logging.getLogger(__name__)
 
 LEASE_TTL_S = 5  # a host that stops refreshing is gone from the registry after at most this
-CALL_TIMEOUT_S = 1.0  # one gateway call; bounds how long a supervisor tick can block
 RETRY_S = 0.5  # while etcd is unreachable, the announcer first tries again after this (then backs off)
 WATCH_IDLE_S = 10.0  # a watch stream silent this long is re-opened (a dead TCP path stays silent)
 WATCH_BACKOFF_S = (0.2, 2.0)  # reconnect backoff: first, most
-
-
-class EtcdError(RuntimeError):
-    """etcd answered with an error."""
-
-
-class EtcdAuthError(EtcdError):
-    """etcd refused our credentials (or needs some we were not given)."""
-
-
-class EtcdUnavailable(EtcdError):
-    """etcd could not be reached (connection refused, timed out, reset, or 5xx)."""
-
-
-def _target(url: Union[str, EtcdTarget]) -> EtcdTarget:
-    return url if isinstance(url, EtcdTarget) else parse_registry_url(url)
-
-
-def ssl_context(t: EtcdTarget) -> Optional[ssl.SSLContext]:
-    if not t.tls:
-        return None
-    ctx = ssl.create_default_context(cafile=t.ca_file or None)
-    if t.cert_file:
-        ctx.load_cert_chain(t.cert_file, t.key_file or None)
-    return ctx
-
-
-def _check(status: int, body: bytes, path: str) -> dict:
-    """The decoded answer, or the error it carries as an exception."""
-    try:
-        got = json.loads(body or b"{}")
-    except ValueError:
-        got = {"message": body[:200].decode(errors="replace")}
-    if status < 300 and "error" not in got:
-        return got
-    err = got.get("error")
-    msg = got.get("message") or (err.get("message") if isinstance(err, dict) else err) or str(status)
-    if status >= 500:
-        raise EtcdUnavailable(f"etcd {path}: {status} {msg}")
-    if "authentication failed" in msg or "user name is empty" in msg or "invalid auth token" in msg \
-            or "permission denied" in msg or status == 401:
-        raise EtcdAuthError(f"etcd {path}: {msg}")
-    raise EtcdError(f"etcd {path}: {status} {msg}")
-
-
-def _auth_error(t: EtcdTarget, e: EtcdAuthError) -> EtcdAuthError:
-    who = f"user {t.user!r}" if t.user else "no user (give user:password in the registry URL)"
-    return EtcdAuthError(f"etcd at {t.redacted()} refused {who}: {e}")
-
-
-class SyncGateway:
-    """Blocking gateway calls over one kept-alive http.client connection."""
-
-    def __init__(self, target: EtcdTarget, timeout_s: float = CALL_TIMEOUT_S):
-        self.t, self.timeout_s = target, timeout_s
-        self._conn: Optional[http.client.HTTPConnection] = None
-        self._token = ""
-
-    def _connection(self) -> http.client.HTTPConnection:
-        if self._conn is None:
-            if self.t.tls:
-                self._conn = http.client.HTTPSConnection(self.t.host, self.t.port, timeout=self.timeout_s,
-                                                         context=ssl_context(self.t))
-            else:
-                self._conn = http.client.HTTPConnection(self.t.host, self.t.port, timeout=self.timeout_s)
-        return self._conn
-
-    def _post(self, path: str, body: dict) -> dict:
-        headers = {"Content-Type": "application/json"}
-        if self._token:
-            headers["Authorization"] = self._token
-        for attempt in (0, 1):
-            reused = self._conn is not None
-            try:
-                conn = self._connection()
-                conn.request("POST", f"/v3/{path}", json.dumps(body), headers)
-                resp = conn.getresponse()
-                status, data = resp.status, resp.read()
-                break
-            except (OSError, http.client.HTTPException) as e:
-                self.drop()
-                stale = reused and isinstance(e, ConnectionError)
-                if attempt or not stale:  # a kept-alive connection the server closed: once more
-                    raise EtcdUnavailable(f"etcd {self.t.base_url} {path}: {e!r}") from None
-        return _check(status, data, path)
-
-    def authenticate(self) -> None:
-        if not self.t.user:
-            return
-        self._token = ""
-        try:
-            got = self._post("auth/authenticate", {"name": self.t.user, "password": self.t.password})
-        except EtcdAuthError as e:
-            raise _auth_error(self.t, e) from None
-        self._token = got["token"]
-
-    def call(self, path: str, body: dict) -> dict:
-        if self.t.user and not self._token:
-            self.authenticate()
-        try:
-            return self._post(path, body)
-        except EtcdAuthError as e:
-            if "invalid auth token" not in str(e) or not self.t.user:
-                raise _auth_error(self.t, e) from None
-            self.authenticate()  # the token expired: once more with a fresh one
-            return self._post(path, body)
-
-    def drop(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
 
 
 class EtcdAnnouncer:
@@ -168,7 +52,7 @@ class EtcdAnnouncer:
 
     def __init__(self, url: Union[str, EtcdTarget], ttl_s: int = LEASE_TTL_S,
                  timeout_s: float = CALL_TIMEOUT_S, retry_s: float = RETRY_S):
-        self.target = _target(url)
+        self.target = target_of(url)
         self.ttl_s, self.retry_s = int(ttl_s), retry_s
         self.gw = SyncGateway(self.target, timeout_s)
         self.records: dict[tuple[str, str], InstanceRecord] = {}
@@ -295,93 +179,6 @@ def retry_delay_s(failures: int, retry_s: float, ttl_s: float) -> float:
     return min(retry_s * 2 ** max(failures - 1, 0), max(retry_s, ttl_s / 3))
 
 
-class AsyncGateway:
-    """Gateway calls and the watch stream over one aiohttp session."""
-
-    def __init__(self, target: EtcdTarget, timeout_s: float = CALL_TIMEOUT_S * 5):
-        import aiohttp
-
-        self.t, self.timeout_s, self._aiohttp = target, timeout_s, aiohttp
-        self._session: Optional["aiohttp.ClientSession"] = None
-        self._token = ""
-        self._ssl = ssl_context(target)
-
-    def _sess(self):
-        if self._session is None:
-            self._session = self._aiohttp.ClientSession()
-        return self._session
-
-    def _headers(self) -> dict:
-        return {"Authorization": self._token} if self._token else {}
-
-    async def _post(self, path: str, body: dict) -> dict:
-        a = self._aiohttp
-        try:
-            async with self._sess().post(f"{self.t.base_url}/v3/{path}", json=body,
-                                         headers=self._headers(), ssl=self._ssl,
-                                         timeout=a.ClientTimeout(total=self.timeout_s)) as r:
-                status, data = r.status, await r.read()
-        except (a.ClientError, asyncio.TimeoutError, OSError) as e:
-            raise EtcdUnavailable(f"etcd {self.t.base_url} {path}: {e!r}") from None
-        return _check(status, data, path)
-
-    async def authenticate(self) -> None:
-        if not self.t.user:
-            return
-        self._token = ""
-        try:
-            got = await self._post("auth/authenticate", {"name": self.t.user, "password": self.t.password})
-        except EtcdAuthError as e:
-            raise _auth_error(self.t, e) from None
-        self._token = got["token"]
-
-    async def call(self, path: str, body: dict) -> dict:
-        if self.t.user and not self._token:
-            await self.authenticate()
-        try:
-            return await self._post(path, body)
-        except EtcdAuthError as e:
-            if "invalid auth token" not in str(e) or not self.t.user:
-                raise _auth_error(self.t, e) from None
-            await self.authenticate()
-            return await self._post(path, body)
-
-    async def watch(self, body: dict, idle_s: float) -> AsyncIterator[dict]:
-        """Each JSON object of one watch stream; ends quietly when the stream is idle
-        ``idle_s``; raises EtcdUnavailable when it breaks."""
-        a = self._aiohttp
-        if self.t.user and not self._token:
-            await self.authenticate()
-        try:
-            async with self._sess().post(f"{self.t.base_url}/v3/watch", json=body,
-                                         headers=self._headers(), ssl=self._ssl,
-                                         timeout=a.ClientTimeout(total=None, sock_connect=self.timeout_s)) as r:
-                if r.status != 200:
-                    _check(r.status, await r.read(), "watch")
-                buf = b""
-                it = r.content.iter_any().__aiter__()
-                while True:
-                    try:
-                        async with asyncio.timeout(idle_s):
-                            chunk = await it.__anext__()
-                    except TimeoutError:
-                        return
-                    except StopAsyncIteration:
-                        raise EtcdUnavailable("etcd watch stream ended") from None
-                    buf += chunk
-                    *lines, buf = buf.split(b"\n")
-                    for line in lines:
-                        if line.strip():
-                            yield json.loads(line)
-        except (a.ClientError, OSError, ValueError) as e:
-            raise EtcdUnavailable(f"etcd watch: {e!r}") from None
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-
 class EtcdWatcher:
     """Router side (asyncio): a range over the instances, then one watch from that revision.
 
@@ -392,7 +189,7 @@ class EtcdWatcher:
     down")."""
 
     def __init__(self, url: Union[str, EtcdTarget], idle_s: float = WATCH_IDLE_S):
-        self.target = _target(url)
+        self.target = target_of(url)
         self.idle_s = idle_s
         self.view = RegistryView(self.target.prefix)
         self.gw = AsyncGateway(self.target)
