@@ -58,12 +58,19 @@ class EtcdServer:
     def _base(self) -> str:
         return f"{'https' if self.ca_file else 'http'}://127.0.0.1:{self.client_port}"
 
-    def restart(self) -> None:
-        """Stop etcd and start it again on the same ports and data (clients see a break)."""
+    def stop(self) -> None:
         _stop(self.proc)
+
+    def start(self) -> None:
+        """Start a stopped etcd again on the same ports and data."""
         self.proc = _start(self.argv, self.log_path)
         if not _wait_healthy(self.proc, self._base, self._ctx):
             raise RuntimeError(f"etcd did not come back; log: {self.log_path}")
+
+    def restart(self) -> None:
+        """Stop etcd and start it again (clients see a break)."""
+        self.stop()
+        self.start()
 
     def url(self, host: str = "127.0.0.1", user: str = "", password: str = "",
             prefix: str = "/pushkv") -> str:

@@ -301,6 +301,30 @@ def test_watch_survives_an_etcd_restart(tmp_path):
     run(body(), 80)
 
 
+@pytest.mark.timeout(60)
+def test_changes_made_while_etcd_is_down_reach_it_later(etcd):
+    """announce/withdraw while etcd is down stay pending (each try bounded by the call
+    timeout, retries backing off) and land on the first tick after etcd is back."""
+    ann = EtcdAnnouncer(etcd.url(), ttl_s=30, timeout_s=0.5, retry_s=0.2)
+    try:
+        ann.connect()
+        ann.announce(rec("a"))
+        assert etcd.keys("/pushkv/instances/") == ["/pushkv/instances/decode/a"]
+        etcd.stop()
+        t0 = time.monotonic()
+        ann.tick(t0 + 100)  # the refresh fails: backoff starts
+        ann.withdraw("a", "decode")  # during backoff: not even tried
+        ann.announce(rec("b"))
+        assert time.monotonic() - t0 < 1.5 and ann.failures == 1
+        assert ann.unwithdrawn == {("decode", "a")} and ann.unput == {("decode", "b")}
+        etcd.start()
+        ann.tick(time.monotonic() + 100)
+        assert ann.failures == 0 and not ann.unwithdrawn and not ann.unput
+        assert etcd.keys("/pushkv/instances/") == ["/pushkv/instances/decode/b"]
+    finally:
+        ann.close()
+
+
 def test_unreachable_etcd_is_a_clear_error():
     url = f"etcd://127.0.0.1:{free_port()}"
     ann = EtcdAnnouncer(url, timeout_s=0.5)
@@ -326,6 +350,10 @@ def test_auth(etcd):
             assert await next_event(events) == InstanceUp(rec("d0"))
             ann.withdraw("d0", "decode")
             assert await next_event(events) == InstanceDown("d0", "decode", "withdrawn")
+            ann.announce(rec("d1"))
+            assert await next_event(events) == InstanceUp(rec("d1"))
+            etcd.call("kv/deleterange", {"key": K.b64(K.instance_key("/pushkv", "decode", "d1"))})
+            assert await next_event(events) == InstanceDown("d1", "decode", "deleted")  # timetolive allowed
         finally:
             ann.close()
             await watcher.close()

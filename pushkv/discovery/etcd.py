@@ -131,8 +131,9 @@ class EtcdAnnouncer:
             self._failed(now, e)
 
     def _sync(self, now: float) -> None:
-        """Push pending puts/withdrawals now if we hold a lease (else the next tick does)."""
-        if not self.lease_id:
+        """Push pending puts/withdrawals now if we hold a lease and etcd answered last time
+        (else the next contact the backoff allows does)."""
+        if not self.lease_id or self.failures:
             self.tick(now)
             return
         try:
