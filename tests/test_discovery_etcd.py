@@ -16,6 +16,8 @@ from pushkv.discovery.etcd import (EtcdAnnouncer, EtcdAuthError, EtcdUnavailable
 from pushkv.discovery.records import InstanceDown, InstanceRecord, InstanceUp, encode_record
 from tests.etcd_server import etcd_server, free_port, make_tls
 
+pytestmark = pytest.mark.unit  # a real etcd and stand-in announcer processes, no pushkv deployment
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TTL_S = 2  # etcd's smallest lease TTL with its default election timeout
 EVENT_TIMEOUT_S = 10.0

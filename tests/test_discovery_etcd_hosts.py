@@ -15,6 +15,8 @@ from pushkv.discovery.records import InstanceDown, InstanceUp
 from tests import netns
 from tests.etcd_server import etcd_server
 
+pytestmark = pytest.mark.unit  # a real etcd and stand-in processes in namespaces, no pushkv deployment
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TTL_S = 2
 

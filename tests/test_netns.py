@@ -9,6 +9,8 @@ import pytest
 
 from tests import netns
 
+pytestmark = pytest.mark.unit  # helper processes in namespaces, no pushkv deployment
+
 ECHO = """
 import socket, sys
 srv = socket.create_server((sys.argv[1], 0))

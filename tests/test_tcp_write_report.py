@@ -7,6 +7,8 @@ import pytest
 from tools import netns
 from tools.tcp_write_report import MIB, measure, ucx_transport
 
+pytestmark = pytest.mark.unit  # two NIXL agent processes in namespaces, no pushkv deployment
+
 TABLE = """\
 [1796.9] [vm:1:0]   | tcpw-initiator self cfg#0                                |
 [1796.9] [vm:1:0]   | remote memory write by ucp_put* from host memory to host |
