@@ -189,10 +189,11 @@ class AsyncGateway:
         a = self._aiohttp
         if self.t.user and not self._token:
             await self.authenticate()
+        # sock_read: a backstop for a server that accepts and then never answers the headers
+        timeout = a.ClientTimeout(total=None, sock_connect=self.timeout_s, sock_read=idle_s + self.timeout_s)
         try:
-            async with self._sess().post(f"{self.t.base_url}/v3/watch", json=body,
-                                         headers=self._headers(), ssl=self._ssl,
-                                         timeout=a.ClientTimeout(total=None, sock_connect=self.timeout_s)) as r:
+            async with self._sess().post(f"{self.t.base_url}/v3/watch", json=body, headers=self._headers(),
+                                         ssl=self._ssl, timeout=timeout) as r:
                 if r.status != 200:
                     _check(r.status, await r.read(), "watch")
                 buf = b""
