@@ -40,6 +40,24 @@ case "$TORCH" in
   *) echo "PUSHKV_TORCH must be cpu, cuda or keep (got '$TORCH')" >&2; exit 2 ;;
 esac
 "${PIP[@]}" install -q -e ".[test,bench]"
+# System tools for several hosts (README "Several hosts"): etcd, the registry, which the tests
+# start for real (Debian's etcd-server, 3.4), and iproute2's `ip` for the network-namespace
+# "hosts" (and openssl for a test CA). Installed with apt-get when missing and we are root; otherwise say what to install.
+missing=()
+[ -x /usr/bin/etcd ] || command -v etcd >/dev/null 2>&1 || missing+=(etcd-server)
+command -v ip >/dev/null 2>&1 || missing+=(iproute2)
+command -v openssl >/dev/null 2>&1 || missing+=(openssl)  # the TLS registry test makes a throwaway CA
+if [ ${#missing[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "installing ${missing[*]} (apt-get)" >&2
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq >/dev/null
+    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  else
+    echo "pushkv: missing ${missing[*]}: the etcd registry and the multi-host tests need them;" \
+         "install with: sudo apt-get install ${missing[*]}" >&2
+  fi
+fi
 .venv/bin/python - "$TORCH" <<'PYEOF'
 import sys
 import torch, nixl._api, zmq, msgspec, aiohttp  # noqa: F401

@@ -30,7 +30,7 @@ class InstanceUp(msgspec.Struct, frozen=True):
 class InstanceDown(msgspec.Struct, frozen=True):
     engine_id: str
     role: str
-    reason: str  # "lease expired", "deregistered", "process exited: ...", ...
+    reason: str  # "lease expired", "withdrawn", "deleted", "process exited: ...", ...
 
 
 DiscoveryEvent = Union[InstanceUp, InstanceDown]
