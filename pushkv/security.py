@@ -39,6 +39,7 @@ from zmq.utils import z85
 
 log = logging.getLogger(__name__)
 
+API_KEY_ENV = "PUSHKV_API_KEY"  # the router's HTTP API key (router/auth.py), as vLLM's VLLM_API_KEY
 MIN_SECRET_BYTES = 16  # after stripping surrounding whitespace
 KDF_SALT = b"pushkv-curve-v1"
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP spec (RFC 27)
@@ -51,7 +52,7 @@ REFUSALS = {
     "no_curve": "not CURVE (mechanism mismatch): a peer without the secret",
     "bad_key": "CURVE with another server key: a peer without the secret",
     "not_allowed": "CURVE client key not allowed",
-    "handshake": "handshake failed",
+    "handshake": "handshake failed (the peer hung up mid-handshake, e.g. it speaks no CURVE)",
 }
 COUNTERS = ("curve_accepted", "curve_refused", *(f"curve_refused_{k}" for k in REFUSALS))
 MONITOR_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
