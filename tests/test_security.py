@@ -201,3 +201,12 @@ def test_asyncio_client_and_server():
             x.close(0)
         ctx.term()
     asyncio.run(main())
+
+
+def test_vllm_connector_settings_carry_the_secret_file():
+    """The vLLM connector's writers take the secret from kv_connector_extra_config or the env."""
+    from pushkv.vllm import params as P
+
+    assert P.settings("E", 1, {"secret_file": "/etc/pushkv/curve.secret"}, env={}).secret_file == "/etc/pushkv/curve.secret"
+    assert P.settings("E", 1, None, env={"PUSHKV_SECRET_FILE": "/s"}).secret_file == "/s"
+    assert P.settings("E", 1, None, env={}).secret_file == ""
