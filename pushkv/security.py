@@ -46,6 +46,12 @@ ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP spec (RFC 27)
 ZAP_VERSION = b"1.0"
 ZAP_DOMAIN = b"pushkv"
 GUARD_START_S = 5.0  # the guard thread binds ZAP within this, or secure_bind fails
+LOG_FIRST = 10  # refusals logged one by one; after that every LOG_EVERY-th (a scanner must not flood the log)
+LOG_EVERY = 100
+
+
+def _worth_logging(n: int) -> bool:
+    return n <= LOG_FIRST or n % LOG_EVERY == 0
 
 # what a refused peer counts as: counter suffix, and the log's words
 REFUSALS = {
@@ -176,19 +182,22 @@ class CurveGuard:
         key = ctx.underlying  # a zmq.asyncio context and its sync shadow share one guard
         with cls._lock:
             guard = cls._guards.get(key)
-            if guard is None or not guard.thread.is_alive():
+            if guard is None or guard.closed:
                 guard = cls._guards[key] = cls(ctx, client_public)
             elif guard.client_public != client_public:
                 raise ValueError("one zmq context cannot serve two CURVE secrets")
             return guard
 
     def __init__(self, ctx: zmq.Context, client_public: bytes):
+        self.key = ctx.underlying
+        self.closed = False
         self.client_public = client_public
         self._client_raw = z85.decode(client_public)
         self.ctx = zmq.Context.shadow(ctx.underlying)  # plain sockets, whatever ctx's flavour
         self._new: queue.SimpleQueue = queue.SimpleQueue()  # (monitor PAIR, counters, endpoint)
         self._wake_r, self._wake_w = os.pipe()
         self._n = 0
+        self._zap_denied = 0
         started = threading.Event()
         self._start_error: Optional[BaseException] = None
         self.thread = threading.Thread(target=self._run, args=(started,), name="pushkv-curve-guard", daemon=True)
@@ -200,15 +209,17 @@ class CurveGuard:
 
     def watch(self, sock: zmq.Socket, counters: Counter) -> None:
         """Monitor ``sock``'s handshakes (call before it binds, so no event is missed)."""
-        with self._lock:
+        with CurveGuard._lock:  # against the thread's exit: a pair handed over is always closed
+            if self.closed:
+                raise zmq.ContextTerminated()
             self._n += 1
             addr = f"inproc://pushkv-curve-monitor-{os.getpid()}-{id(self)}-{self._n}"
-        sock.monitor(addr, MONITOR_EVENTS)
-        pair = self.ctx.socket(zmq.PAIR)  # connected here, then owned by the guard thread
-        pair.setsockopt(zmq.LINGER, 0)
-        pair.connect(addr)
-        self._new.put((pair, counters, addr))
-        os.write(self._wake_w, b"x")
+            sock.monitor(addr, MONITOR_EVENTS)
+            pair = self.ctx.socket(zmq.PAIR)  # connected here, then owned by the guard thread
+            pair.setsockopt(zmq.LINGER, 0)
+            pair.connect(addr)
+            self._new.put((pair, counters, addr))
+            os.write(self._wake_w, b"x")
 
     # -- the thread ---------------------------------------------------------------
     def _run(self, started: threading.Event) -> None:
@@ -245,6 +256,14 @@ class CurveGuard:
         except zmq.ContextTerminated:
             pass
         finally:
+            # forgotten before the sockets close, so before the context's term() can return and a
+            # new context reuse its address
+            with CurveGuard._lock:
+                self.closed = True
+                if CurveGuard._guards.get(self.key) is self:
+                    del CurveGuard._guards[self.key]
+            while not self._new.empty():
+                monitors[self._new.get()[0]] = Counter()
             for s in (zap, *monitors):
                 s.close(0)
             os.close(self._wake_r)
@@ -263,10 +282,12 @@ class CurveGuard:
             ok, why = True, b"OK"
         else:
             ok, why = False, b"not an allowed key"
-            key = z85.encode(frames[6]).decode() if mechanism == b"CURVE" and len(frames) == 7 else "-"
-            log.warning("refused %s peer %s on ZAP domain %s: key %s not allowed",
-                        mechanism.decode(errors="replace"), address.decode(errors="replace"),
-                        domain.decode(errors="replace"), key)
+            self._zap_denied += 1
+            if _worth_logging(self._zap_denied):
+                key = z85.encode(frames[6]).decode() if mechanism == b"CURVE" and len(frames) == 7 else "-"
+                log.warning("refused %s peer %s on ZAP domain %s: key %s not allowed (ZAP refusals: %d)",
+                            mechanism.decode(errors="replace"), address.decode(errors="replace"),
+                            domain.decode(errors="replace"), key, self._zap_denied)
         zap.send_multipart([ZAP_VERSION, request_id, b"200" if ok else b"400", why, b"pushkv" if ok else b"", b""])
 
     def _on_monitor(self, pair: zmq.Socket, counters: Counter) -> bool:
@@ -283,6 +304,7 @@ class CurveGuard:
         why = _refusal(event, value)
         counters["curve_refused"] += 1
         counters[f"curve_refused_{why}"] += 1
-        log.warning("refused a peer on %s: %s (event 0x%x, value 0x%x; refused so far: %d)",
-                    endpoint, REFUSALS[why], event, value, counters["curve_refused"])
+        if _worth_logging(counters["curve_refused"]):
+            log.warning("refused a peer on %s: %s (event 0x%x, value 0x%x; refused so far: %d)",
+                        endpoint, REFUSALS[why], event, value, counters["curve_refused"])
         return True

@@ -52,10 +52,8 @@ def _knock(endpoint: str, security, payload: bytes) -> None:
         assert mon.poll(int(WAIT_S * 1000)), f"{endpoint} did not throw out a peer without the secret"
         assert not s.poll(0), "a peer without the secret got an answer"
         s.disable_monitor()
-        mon.close(0)
-        s.close(0)
     finally:
-        ctx.term()
+        ctx.destroy(0)
 
 
 @pytest.fixture(scope="module")
