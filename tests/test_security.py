@@ -209,3 +209,21 @@ def test_vllm_connector_settings_carry_the_secret_file():
     assert P.settings("E", 1, {"secret_file": "/etc/pushkv/curve.secret"}, env={}).secret_file == "/etc/pushkv/curve.secret"
     assert P.settings("E", 1, None, env={"PUSHKV_SECRET_FILE": "/s"}).secret_file == "/s"
     assert P.settings("E", 1, None, env={}).secret_file == ""
+
+
+@pytest.mark.parametrize("path, header, key, ok", [
+    ("/v1/completions", "", "", True),  # no key configured: everything passes
+    ("/v1/completions", "Bearer k1", "k1", True),
+    ("/v1/chat/completions", "bearer  k1 ", "k1", True),  # scheme case-insensitive, token trimmed
+    ("/v1/completions", "", "k1", False),
+    ("/v1/models", "Bearer k2", "k1", False),
+    ("/v1/completions", "Basic k1", "k1", False),
+    ("/v1/completions", "k1", "k1", False),
+    ("/health", "", "k1", True),  # probes and scrapers
+    ("/metrics", "", "k1", True),
+    ("/v1", "", "k1", True),  # not an API path (aiohttp answers 404)
+])
+def test_api_key_rule(path, header, key, ok):
+    from pushkv.router.auth import authorized
+
+    assert authorized(path, header, key) is ok

@@ -16,6 +16,7 @@ from aiohttp import web
 
 from pushkv.router import api
 from pushkv.security import API_KEY_ENV  # noqa: F401 (re-exported: the router's key variable)
+from pushkv.security import LOG_EVERY, LOG_FIRST
 
 log = logging.getLogger(__name__)
 
@@ -31,12 +32,18 @@ def authorized(path: str, authorization: str, key: str) -> bool:
 
 
 def middleware(key: str, on_refused: Callable[[], None]):
+    refused = 0
+
     @web.middleware
     async def check_api_key(request: web.Request, handler) -> web.StreamResponse:
+        nonlocal refused
         if authorized(request.path, request.headers.get("Authorization", ""), key):
             return await handler(request)
         on_refused()
-        log.warning("refused %s %s from %s: missing or wrong API key", request.method, request.path, request.remote)
+        refused += 1
+        if refused <= LOG_FIRST or refused % LOG_EVERY == 0:  # a flood must not flood the log
+            log.warning("refused %s %s from %s: missing or wrong API key (refused so far: %d)",
+                        request.method, request.path, request.remote, refused)
         body = api.error_body("missing or incorrect API key: send 'Authorization: Bearer <key>'",
                               "authentication_error", 401)
         return web.json_response(body, status=401, headers={"WWW-Authenticate": "Bearer"})
