@@ -227,3 +227,14 @@ def test_api_key_rule(path, header, key, ok):
     from pushkv.router.auth import authorized
 
     assert authorized(path, header, key) is ok
+
+
+@pytest.mark.parametrize("content, expect", [(None, "No such file"), (b"short\n", "too short")])
+def test_pushkv_up_refuses_a_bad_secret_before_starting(tmp_path, capsys, content, expect):
+    from processes.cli import main
+
+    path = tmp_path / "curve.secret"
+    if content is not None:
+        path.write_bytes(content)
+    assert main(["up", "--model", "tiny", "--secret-file", str(path)]) == 2
+    assert expect in capsys.readouterr().err
