@@ -21,6 +21,7 @@ import msgspec
 from setproctitle import setproctitle
 
 from pushkv.config import PRESETS, DeploymentConfig, preset
+from pushkv.security import API_KEY_ENV, load_secret
 from pushkv.supervisor import commands as c
 from pushkv.supervisor import lifecycle, registry
 from pushkv.supervisor.plan import TRACE_AUTO, plan_deployment
@@ -73,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--trace", nargs="?", const=TRACE_AUTO, metavar="ENDPOINT",
                     help="every process mirrors what it sends and receives; taps (pushkv-tap) attach at "
                          "ENDPOINT (default: an ipc socket in the run dir, found through the registry)")
+    s = up.add_argument_group("security")
+    s.add_argument("--secret-file", metavar="FILE",
+                   help="shared secret every host holds; every ZMQ socket on a tcp:// endpoint then uses CURVE "
+                        "with keys derived from it, and peers without it are refused (make one: openssl rand -hex 32)")
+    s.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                   help=f"the router answers /v1/* only with 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
     up.add_argument("--on-child-exit", choices=ON_CHILD_EXIT, default="restart")
     up.add_argument("--max-restarts", type=int, default=5, help="per child, within --restart-window")
     up.add_argument("--restart-window", type=float, default=60.0, metavar="SECONDS")
@@ -134,6 +141,7 @@ def config_from_args(args: argparse.Namespace) -> DeploymentConfig:
     return _replace(
         cfg, mode=args.mode, pull_read=args.pull_read, host=args.host, port=args.port,
         log_level=args.log_level, model=model,
+        secret_file=os.path.abspath(args.secret_file) if args.secret_file else None,
         trace_endpoint=TRACE_AUTO if args.trace else None,
         trace_tap_endpoint=args.trace if args.trace not in (None, TRACE_AUTO) else None,
         prefill=_replace(cfg.prefill, tp=args.prefill_tp, block_size=args.prefill_block_size or args.block_size,
@@ -151,9 +159,13 @@ def config_from_args(args: argparse.Namespace) -> DeploymentConfig:
 def cmd_up(args: argparse.Namespace, child_argv: Optional[ArgvHook] = None) -> int:
     try:
         cfg = plan_deployment(config_from_args(args))
+        if cfg.secret_file:
+            load_secret(cfg.secret_file)  # refuse a missing or short secret before anything starts
     except (OSError, ValueError, msgspec.ValidationError) as e:
         print(f"pushkv up: bad configuration: {e}", file=sys.stderr)
         return 2
+    if args.api_key:  # to the router through its environment: never in config.json on disk
+        os.environ[API_KEY_ENV] = args.api_key
     logging.basicConfig(
         level=getattr(logging, cfg.log_level.upper(), logging.INFO), stream=sys.stderr,
         format="%(asctime)s %(levelname)s supervisor %(name)s: %(message)s",

@@ -19,6 +19,8 @@ import msgspec
 import zmq
 
 from pushkv import messages as m
+from pushkv import security
+from pushkv.security import secure_bind, secure_connect
 from pushkv.trace import TracePublisher
 
 log = logging.getLogger(__name__)
@@ -40,12 +42,14 @@ class Channel:
 class Actor:
     """Base of every process loop. Subclasses add channels in ``setup``."""
 
-    def __init__(self, name: str, control_endpoint: str = "", trace_endpoint: str = ""):
+    def __init__(self, name: str, control_endpoint: str = "", trace_endpoint: str = "", secret_file: str = ""):
         self.name = name
         self.ctx = zmq.Context.instance()
         self.poller = zmq.Poller()
         self.channels: dict[zmq.Socket, Channel] = {}
         self.counters: Counter[str] = Counter()
+        # CURVE on network endpoints; peers refused are counted in self.counters
+        self.security = security.load(secret_file, self.counters)
         self.stopping = False
         self.stop_reason = ""  # from the supervisor's Shutdown, for what we tell clients
         self.started_mono = time.monotonic()
@@ -93,9 +97,9 @@ class Actor:
         sock = self.ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
         if bind:
-            sock.bind(endpoint)
+            secure_bind(sock, endpoint, self.security)
         else:
-            sock.connect(endpoint)
+            secure_connect(sock, endpoint, self.security)
         return sock
 
     def send(self, ch: Channel, msg: m.Msg, identity: Optional[bytes] = None) -> None:
@@ -166,12 +170,12 @@ class Actor:
 
     def _announce_ready(self) -> None:
         if self._trace_endpoint:
-            self._trace = TracePublisher(self.name, self._trace_endpoint, self.ctx, self.counters)
+            self._trace = TracePublisher(self.name, self._trace_endpoint, self.ctx, self.counters, self.security)
         if not self._control_endpoint:
             return
         self._control = self.ctx.socket(zmq.DEALER)
         self._control.setsockopt(zmq.LINGER, 0)
-        self._control.connect(self._control_endpoint)
+        secure_connect(self._control, self._control_endpoint, self.security)
         self._control.send(m.encode(self.ready_msg()))
         self.add_channel(self._control, m.DEC_CONTROL, "supervisor")
 

@@ -161,6 +161,9 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
     log_level: str = "INFO"
     max_model_len: int = 0  # 0 = model.max_position
     trace_tap_endpoint: str = ""  # the supervisor's XPUB that taps connect to (set with trace_endpoint)
+    # file holding the shared secret every ZMQ socket on a network (tcp://) endpoint derives its
+    # CURVE keys from (pushkv/security.py); "" = no CURVE
+    secret_file: str = ""
 
     def instances(self) -> list[InstanceConfig]:
         if self.mode == "local":

@@ -20,6 +20,8 @@ from typing import Iterator, Optional
 import zmq
 
 from pushkv import messages as m
+from pushkv import security
+from pushkv.security import secure_connect
 from pushkv.config import DeploymentConfig, decode_config
 from pushkv.supervisor.plan import free_tcp_port
 
@@ -59,7 +61,7 @@ class Deployment:
     def stats(self, role: str, timeout_s: float = 10.0) -> m.Stats:
         s = zmq.Context.instance().socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
-        s.connect(self.cfg.instance(role).sched_endpoint)
+        secure_connect(s, self.cfg.instance(role).sched_endpoint, security.load(self.cfg.secret_file))
         try:
             s.send(m.encode(m.GetStats()))
             if not s.poll(int(timeout_s * 1000)):

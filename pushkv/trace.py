@@ -23,6 +23,7 @@ from typing import Any, Optional
 import zmq
 
 from pushkv import messages as m
+from pushkv.security import Security, secure_bind, secure_connect
 
 log = logging.getLogger(__name__)
 
@@ -34,13 +35,13 @@ class TracePublisher:
     """A process's PUB to the trace endpoint. Not thread-safe: one per thread."""
 
     def __init__(self, process: str, endpoint: str, ctx: Optional[zmq.Context] = None,
-                 counters: Optional[Counter] = None):
+                 counters: Optional[Counter] = None, security: Optional[Security] = None):
         self.process = process
         self.counters = counters if counters is not None else Counter()
         self.sock = (ctx or zmq.Context.instance()).socket(zmq.PUB)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, TRACE_SNDHWM)
-        self.sock.connect(endpoint)
+        secure_connect(self.sock, endpoint, security)
 
     def _send(self, ev: m.TraceEvent) -> None:
         try:
@@ -76,7 +77,9 @@ class TraceForwarder:
     fails there; ``stop`` terminates the proxy and closes the sockets.
     """
 
-    def __init__(self, publish_endpoint: str, tap_endpoint: str, ctx: Optional[zmq.Context] = None):
+    def __init__(self, publish_endpoint: str, tap_endpoint: str, ctx: Optional[zmq.Context] = None,
+                 security: Optional[Security] = None):
+        self.security = security
         self.publish_endpoint = publish_endpoint
         self.tap_endpoint = tap_endpoint
         self.ctx = ctx or zmq.Context.instance()
@@ -92,8 +95,8 @@ class TraceForwarder:
             s.setsockopt(zmq.LINGER, 0)
         xpub.setsockopt(zmq.SNDHWM, TAP_SNDHWM)
         try:
-            xsub.bind(self.publish_endpoint)
-            xpub.bind(self.tap_endpoint)
+            secure_bind(xsub, self.publish_endpoint, self.security)
+            secure_bind(xpub, self.tap_endpoint, self.security)
             ctl_in.bind(self._ctl_addr)
         except zmq.ZMQError:
             for s in (xsub, xpub, ctl_in):

@@ -28,6 +28,7 @@ import msgspec
 import zmq
 
 from pushkv import messages as m
+from pushkv import security
 from pushkv.supervisor import registry
 from tools import timeline as T
 
@@ -59,15 +60,16 @@ def find_endpoint(dep_id: Optional[str] = None, directory: Optional[str] = None)
 class Tap:
     """A SUB on the deployment's tap endpoint (or bound at the processes' own trace endpoint)."""
 
-    def __init__(self, endpoint: str, bind: bool = False, ctx: Optional[zmq.Context] = None):
+    def __init__(self, endpoint: str, bind: bool = False, ctx: Optional[zmq.Context] = None,
+                 secure: Optional[security.Security] = None):
         self.sock = (ctx or zmq.Context.instance()).socket(zmq.SUB)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.RCVHWM, RCVHWM)
         self.sock.setsockopt(zmq.SUBSCRIBE, b"")
         if bind:
-            self.sock.bind(endpoint)
+            security.secure_bind(self.sock, endpoint, secure)
         else:
-            self.sock.connect(endpoint)
+            security.secure_connect(self.sock, endpoint, secure)
         self.undecodable = 0
 
     def poll(self, timeout_ms: int = 100) -> list[m.TraceEvent]:
@@ -133,6 +135,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     src.add_argument("--bind", metavar="ENDPOINT",
                      help="bind a SUB at the processes' trace endpoint (deployments without a supervisor)")
     src.add_argument("--replay", metavar="FILE", help="analyse events saved with --record; no socket")
+    src.add_argument("--secret-file", default="", help="the deployment's CURVE secret (a tcp:// tap endpoint)")
     flt = ap.add_argument_group("live log filters (several allowed)")
     flt.add_argument("--tid", action="append", default=[], help="transfer id prefix")
     flt.add_argument("--process", action="append", default=[], help="process name, prefix or glob")
@@ -208,7 +211,7 @@ def run(args: argparse.Namespace, out=None) -> int:
             ev = heapq.heappop(held)[2]
             print(format_event(ev, t0), file=out, flush=True)
 
-    with Tap(endpoint, bind) as tap:
+    with Tap(endpoint, bind, secure=security.load(args.secret_file)) as tap:
         while not stop["flag"]:
             now = time.monotonic()
             if args.duration and now - t_start >= args.duration:

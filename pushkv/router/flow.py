@@ -31,6 +31,7 @@ import zmq.asyncio
 from pushkv import messages as m
 from pushkv.config import DeploymentConfig
 from pushkv.router.metrics import RequestRecord, RouterMetrics
+from pushkv.security import Security, secure_connect
 from pushkv.trace import TracePublisher
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ class SchedulerLink:
 
     def __init__(self, ctx: zmq.asyncio.Context, role: str, endpoint: str,
                  on_message: Callable[[str, m.Msg], None], metrics: RouterMetrics,
-                 tracer: Optional[TracePublisher] = None):
+                 tracer: Optional[TracePublisher] = None, security: Optional[Security] = None):
         self.role = role
         self.peer = f"{role}-scheduler"  # in traces
         self.tracer = tracer
@@ -56,7 +57,7 @@ class SchedulerLink:
         self.endpoint = endpoint
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint)
+        secure_connect(self.sock, endpoint, security)
         self._on_message = on_message
         self._metrics = metrics
         self._task: Optional[asyncio.Task] = None

@@ -86,6 +86,8 @@ class RouterMetrics:
             "Scheduler messages for no in-flight request (late, after abort)", ["role"], registry=r)
         self.aborts_sent = Counter(
             "pushkv_router_aborts_sent", "Abort messages sent to schedulers", ["role"], registry=r)
+        self.auth_refused = Counter(
+            "pushkv_router_auth_refused", "/v1/* requests refused for a missing or wrong API key", registry=r)
         self.info = Gauge("pushkv_router_info", "Router deployment", ["mode"], registry=r)
         self.info.labels(mode=mode).set(1)
         self.mode = mode

@@ -21,12 +21,14 @@ import zmq.asyncio
 from aiohttp import web
 
 from pushkv import messages as m
+from pushkv import security
 from pushkv.config import DeploymentConfig
-from pushkv.router import api, output, text
+from pushkv.router import api, auth, output, text
 from pushkv.router import chat as chat_mod
 from pushkv.router.flow import RequestRun, SchedulerLink
 from pushkv.router.generate import Generation, choice_seed
 from pushkv.router.metrics import RequestRecord, RouterMetrics
+from pushkv.security import secure_connect
 from pushkv.trace import TracePublisher
 
 log = logging.getLogger(__name__)
@@ -37,8 +39,10 @@ CLIENT_ABORT_STATUS = 499  # nginx's "client closed request"
 
 
 class Router:
-    def __init__(self, cfg: DeploymentConfig, tokenizer: Optional[text.Tokenizer] = None):
+    def __init__(self, cfg: DeploymentConfig, tokenizer: Optional[text.Tokenizer] = None,
+                 api_key: Optional[str] = None):
         self.cfg = cfg
+        self.api_key = os.environ.get(auth.API_KEY_ENV, "") if api_key is None else api_key
         self.tokenizer = tokenizer if tokenizer is not None else text.load_tokenizer(cfg.model)
         self.limits = api.Limits(
             vocab_size=cfg.model.vocab_size,
@@ -46,6 +50,7 @@ class Router:
             eos_token_id=cfg.model.eos_token_id,
         )
         self.metrics = RouterMetrics(cfg.mode)
+        self.security = security.load(cfg.secret_file)  # CURVE to tcp:// schedulers
         self.ctx: Optional[zmq.asyncio.Context] = None
         self.links: dict[str, SchedulerLink] = {}
         self.tracer: Optional[TracePublisher] = None
@@ -65,7 +70,8 @@ class Router:
 
     # -- lifecycle ------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[_json_errors])
+        refused = self.metrics.auth_refused.inc
+        app = web.Application(middlewares=[_json_errors, auth.middleware(self.api_key, refused)])
         app.router.add_post("/v1/completions", self.handle_completions)
         app.router.add_post("/v1/chat/completions", self.handle_chat)
         app.router.add_get("/v1/models", self.handle_models)
@@ -86,12 +92,12 @@ class Router:
         self._handlers_idle.set()
         self.ctx = zmq.asyncio.Context()
         if self.cfg.trace_endpoint:
-            self.tracer = TracePublisher("router", self.cfg.trace_endpoint)
+            self.tracer = TracePublisher("router", self.cfg.trace_endpoint, security=self.security)
         for role in self._roles():
             endpoint = self.cfg.instance(role).sched_endpoint
             if not endpoint:
                 raise ValueError(f"{role} instance has no sched_endpoint")
-            link = SchedulerLink(self.ctx, role, endpoint, self._route, self.metrics, self.tracer)
+            link = SchedulerLink(self.ctx, role, endpoint, self._route, self.metrics, self.tracer, self.security)
             link.start()
             self.links[role] = link
         # the client-disconnect path relies on aiohttp cancelling the handler
@@ -102,7 +108,8 @@ class Router:
         await site.start()
         port = self._runner.addresses[0][1]
         self.url = f"http://{self.cfg.host}:{port}"
-        log.info("router (%s mode) listening on %s", self.cfg.mode, self.url)
+        log.info("router (%s mode) listening on %s%s", self.cfg.mode, self.url,
+                 " (API key required on /v1/*)" if self.api_key else "")
         if self.cfg.events_endpoint:
             self._events_task = asyncio.get_running_loop().create_task(self._lifecycle_loop())
         if self.cfg.control_endpoint:
@@ -114,7 +121,7 @@ class Router:
         sub = self.ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, b"pushkv.")
-        sub.connect(self.cfg.events_endpoint)
+        secure_connect(sub, self.cfg.events_endpoint, self.security)
         try:
             while True:
                 frames = await sub.recv_multipart()
@@ -136,7 +143,7 @@ class Router:
     async def _announce_ready(self) -> None:
         self._control = self.ctx.socket(zmq.DEALER)
         self._control.setsockopt(zmq.LINGER, 0)
-        self._control.connect(self.cfg.control_endpoint)
+        secure_connect(self._control, self.cfg.control_endpoint, self.security)
         ready = m.Ready(name="router", pid=os.getpid(), url=self.url)
         await self._control.send(m.encode(ready))
         self._control_task = asyncio.get_running_loop().create_task(self._control_loop())

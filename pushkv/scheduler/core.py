@@ -43,7 +43,7 @@ class SchedulerCore(Actor):
     def __init__(self, cfg: DeploymentConfig, inst: InstanceConfig):
         if inst.role != self.role:
             raise ValueError(f"{type(self).__name__} serves {self.role!r} instances, not {inst.role!r}")
-        super().__init__(f"{inst.role}-scheduler", cfg.control_endpoint, cfg.trace_endpoint)
+        super().__init__(f"{inst.role}-scheduler", cfg.control_endpoint, cfg.trace_endpoint, cfg.secret_file)
         self.cfg = cfg
         self.inst = inst
         self.alloc = BlockAllocator(inst.num_blocks)

@@ -76,7 +76,7 @@ class Supervisor(Actor):
         if on_child_exit not in ON_CHILD_EXIT:
             raise ValueError(f"on_child_exit must be one of {ON_CHILD_EXIT}, got {on_child_exit!r}")
         # No control endpoint for the base: this process *is* the control endpoint.
-        super().__init__("supervisor")
+        super().__init__("supervisor", secret_file=cfg.secret_file)
         self.cfg = cfg
         self.specs = process_specs(cfg)
         self.table = ProcessTable(self.specs)
@@ -119,7 +119,8 @@ class Supervisor(Actor):
         self.add_channel(self._control_router, m.DEC_SUPERVISOR_IN, "control", routed=True)
         self._events = self.socket(zmq.PUB, self.cfg.events_endpoint, bind=True)
         if self.cfg.trace_endpoint and self.cfg.trace_tap_endpoint:
-            self._trace_fwd = TraceForwarder(self.cfg.trace_endpoint, self.cfg.trace_tap_endpoint, self.ctx)
+            self._trace_fwd = TraceForwarder(self.cfg.trace_endpoint, self.cfg.trace_tap_endpoint, self.ctx,
+                                            self.security)
             self._trace_fwd.start()
         if self.write_registry:
             registry.write_record(registry.DeploymentRecord(

@@ -78,6 +78,7 @@ class Settings:
     registration_wait_s: float
     transfer_s: float
     idle_wait_ms: float
+    secret_file: str = ""  # CURVE on the tcp handshake sockets (pushkv/security.py); "" = none
 
     def handshake_endpoint(self, rank: int) -> str:
         return f"tcp://{self.handshake_host}:{self.handshake_port + rank}"
@@ -95,4 +96,5 @@ def settings(engine_id: str, tp: int, extra: Optional[dict[str, Any]], env=os.en
     host = extra.get("handshake_host") or env.get("VLLM_NIXL_SIDE_CHANNEL_HOST") or "127.0.0.1"
     port = int(extra.get("handshake_port") or env.get("VLLM_NIXL_SIDE_CHANNEL_PORT") or DEFAULT_HANDSHAKE_PORT)
     return Settings(engine_id, tp, host, port, float(extra.get("registration_wait_s", 30.0)),
-                    float(extra.get("transfer_s", 30.0)), float(extra.get("idle_wait_ms", 10.0)))
+                    float(extra.get("transfer_s", 30.0)), float(extra.get("idle_wait_ms", 10.0)),
+                    str(extra.get("secret_file") or env.get("PUSHKV_SECRET_FILE") or ""))

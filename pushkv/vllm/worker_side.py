@@ -90,7 +90,8 @@ class WorkerSide:
                "--memory", msgspec.msgpack.encode(self.memory).hex(),
                "--cmd-endpoint", self.s.cmd_endpoint(self.rank), "--event-endpoint", self.event_endpoint,
                "--handshake-endpoint", self.s.handshake_endpoint(self.rank), "--parent-pid", str(os.getpid()),
-               "--registration-wait-s", str(self.s.registration_wait_s), "--transfer-s", str(self.s.transfer_s)]
+               "--registration-wait-s", str(self.s.registration_wait_s), "--transfer-s", str(self.s.transfer_s),
+               "--secret-file", self.s.secret_file]
         t0 = time.monotonic()
         self.proc = subprocess.Popen(cmd, pass_fds=(self.alloc.fd,), stdin=subprocess.DEVNULL)
         deadline = t0 + WRITER_READY_S

@@ -30,6 +30,7 @@ import zmq
 
 from pushkv import messages as m
 from pushkv.actor import Actor
+from pushkv.security import secure_connect
 from pushkv.protocol import actions as A
 from pushkv.protocol import arrivals as ar
 from pushkv.protocol import rendezvous as rv
@@ -71,7 +72,7 @@ class Posted:
 
 class VllmWriter(Actor):
     def __init__(self, args):
-        super().__init__(f"vllm-{args.role}-writer-{args.rank}")
+        super().__init__(f"vllm-{args.role}-writer-{args.rank}", secret_file=args.secret_file)
         self.args = args
         self.role = args.role  # "prefill" | "decode"
         self.engine_id = args.engine_id
@@ -156,7 +157,7 @@ class VllmWriter(Actor):
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVTIMEO, HANDSHAKE_TIMEOUT_MS)
         monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        sock.connect(endpoint)
+        secure_connect(sock, endpoint, self.security)
         sock.send(m.encode(self.hello()))
         try:
             reply = w.DEC_VHANDSHAKE.decode(sock.recv())
@@ -437,6 +438,7 @@ def main(argv=None) -> None:
     ap.add_argument("--parent-pid", type=int, required=True)
     ap.add_argument("--registration-wait-s", type=float, default=30.0)
     ap.add_argument("--transfer-s", type=float, default=30.0)
+    ap.add_argument("--secret-file", default="", help="CURVE secret for the tcp handshake sockets")
     args = ap.parse_args(argv)
     logging.basicConfig(level=os.environ.get("PUSHKV_LOG", "INFO"),
                         format=f"%(asctime)s pushkv-writer[{args.role}-{args.rank}] %(levelname)s %(message)s")

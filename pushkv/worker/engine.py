@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 class Worker(Actor):
     def __init__(self, cfg: DeploymentConfig, inst: InstanceConfig, rank: int):
-        super().__init__(f"{inst.role}-worker-{rank}", cfg.control_endpoint, cfg.trace_endpoint)
+        super().__init__(f"{inst.role}-worker-{rank}", cfg.control_endpoint, cfg.trace_endpoint, cfg.secret_file)
         self.cfg = cfg
         self.inst = inst
         self.rank = rank

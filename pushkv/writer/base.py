@@ -111,7 +111,7 @@ class InFlight:
 
 class WriterBase(Actor):
     def __init__(self, cfg: DeploymentConfig, inst: InstanceConfig, rank: int):
-        super().__init__(f"{inst.role}-writer-{rank}", cfg.control_endpoint, cfg.trace_endpoint)
+        super().__init__(f"{inst.role}-writer-{rank}", cfg.control_endpoint, cfg.trace_endpoint, cfg.secret_file)
         self.cfg = cfg
         self.inst = inst
         self.rank = rank

@@ -1,0 +1,50 @@
+"""The router's API key, as vLLM's ``--api-key`` / ``VLLM_API_KEY``.
+
+With a key set, every ``/v1/*`` request needs ``Authorization: Bearer <key>`` or gets a
+401 with an OpenAI-style error body (the ``openai`` client raises AuthenticationError);
+``/health`` and ``/metrics`` stay open, for probes and scrapers. The key reaches the
+router process through its environment (``pushkv up --api-key`` sets it for the
+children), never through the config file in the run dir.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+from typing import Callable
+
+from aiohttp import web
+
+from pushkv.router import api
+from pushkv.security import API_KEY_ENV  # noqa: F401 (re-exported: the router's key variable)
+from pushkv.security import LOG_EVERY, LOG_FIRST
+
+log = logging.getLogger(__name__)
+
+PROTECTED_PREFIX = "/v1/"
+
+
+def authorized(path: str, authorization: str, key: str) -> bool:
+    """Whether a request may pass: no key set, an open path, or the right bearer token."""
+    if not key or not path.startswith(PROTECTED_PREFIX):
+        return True
+    scheme, _, token = authorization.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+
+def middleware(key: str, on_refused: Callable[[], None]):
+    refused = 0
+
+    @web.middleware
+    async def check_api_key(request: web.Request, handler) -> web.StreamResponse:
+        nonlocal refused
+        if authorized(request.path, request.headers.get("Authorization", ""), key):
+            return await handler(request)
+        on_refused()
+        refused += 1
+        if refused <= LOG_FIRST or refused % LOG_EVERY == 0:  # a flood must not flood the log
+            log.warning("refused %s %s from %s: missing or wrong API key (refused so far: %d)",
+                        request.method, request.path, request.remote, refused)
+        body = api.error_body("missing or incorrect API key: send 'Authorization: Bearer <key>'",
+                              "authentication_error", 401)
+        return web.json_response(body, status=401, headers={"WWW-Authenticate": "Bearer"})
+    return check_api_key

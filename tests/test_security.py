@@ -1,0 +1,240 @@
+"""CURVE between real ZMQ sockets over loopback TCP: key derivation (table), a peer with
+the secret talks, peers without it are refused and counted, ipc stays plain."""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from pushkv import security as sec
+from pushkv.security import Security, derive_keys, secure_bind, secure_connect
+
+SECRET = b"0123456789abcdef0123456789abcdef"
+OTHER = b"fedcba9876543210fedcba9876543210"
+WAIT_S = 5.0
+
+
+# -- pure: derivation and loading ---------------------------------------------------------
+@pytest.mark.parametrize("a, b, same", [
+    (SECRET, SECRET, True),
+    (SECRET, OTHER, False),
+    (SECRET, SECRET[:-1] + b"0", False),
+])
+def test_derive_keys_is_deterministic_and_secret_bound(a, b, same):
+    ka, kb = derive_keys(a), derive_keys(b)
+    assert (ka == kb) is same
+    assert ka.server_public != ka.client_public  # two pairs, not one
+    assert zmq.curve_public(ka.server_secret) == ka.server_public
+    assert zmq.curve_public(ka.client_secret) == ka.client_public
+
+
+def test_hkdf_matches_rfc5869_case_1():
+    ikm = bytes.fromhex("0b" * 22)
+    salt = bytes.fromhex("000102030405060708090a0b0c")
+    info = bytes.fromhex("f0f1f2f3f4f5f6f7f8f9")
+    okm = sec.hkdf_sha256(ikm, salt, info, 42)
+    assert okm.hex() == ("3cb25f25faacd57a90434f64d0362f2a2d2d0a90cf1a5a4c5db02d56ecc4c5bf"
+                         "34007208d5b887185865")
+
+
+@pytest.mark.parametrize("content, ok", [
+    (SECRET + b"\n", True),  # the newline echo adds is not part of the secret
+    (b"  " + SECRET + b"\r\n", True),
+    (b"short\n", False),
+    (b"", False),
+])
+def test_load_secret(tmp_path, content, ok):
+    p = tmp_path / "curve.secret"
+    p.write_bytes(content)
+    p.chmod(0o600)
+    if ok:
+        assert sec.load_secret(str(p)) == SECRET
+    else:
+        with pytest.raises(ValueError, match="too short"):
+            sec.load_secret(str(p))
+
+
+@pytest.mark.parametrize("endpoint, network", [
+    ("tcp://127.0.0.1:5555", True), ("tcp://[::1]:1", True), ("ws://h:1", True),
+    ("ipc:///tmp/x.sock", False), ("inproc://x", False),
+])
+def test_network_endpoints(endpoint, network):
+    assert sec.is_network(endpoint) is network
+
+
+# -- real sockets -------------------------------------------------------------------------
+def _wait(pred, timeout_s=WAIT_S):
+    end = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.01)  # polling a counter another thread updates, bounded by timeout_s
+    return True
+
+
+@pytest.fixture
+def server():
+    ctx = zmq.Context()
+    counters: Counter = Counter()
+    s = ctx.socket(zmq.ROUTER)
+    s.setsockopt(zmq.LINGER, 0)
+    secure_bind(s, "tcp://127.0.0.1:*", Security(derive_keys(SECRET), counters))
+    endpoint = s.getsockopt(zmq.LAST_ENDPOINT).decode()
+    yield s, endpoint, counters
+    s.close(0)
+    ctx.term()  # the guard thread must let go of the context
+
+
+def _client(ctx, endpoint, security):
+    c = ctx.socket(zmq.DEALER)
+    c.setsockopt(zmq.LINGER, 0)
+    secure_connect(c, endpoint, security)
+    return c
+
+
+def _echo(server_sock, client, payload=b"ping"):
+    client.send(payload)
+    if not server_sock.poll(int(WAIT_S * 1000)):
+        return None
+    ident, data = server_sock.recv_multipart()
+    server_sock.send_multipart([ident, data + b"!"])
+    assert client.poll(int(WAIT_S * 1000))
+    return client.recv()
+
+
+@pytest.mark.timeout(30)
+def test_peer_with_the_secret_talks(server):
+    s, endpoint, counters = server
+    ctx = zmq.Context()
+    try:
+        c = _client(ctx, endpoint, Security(derive_keys(SECRET)))
+        assert _echo(s, c) == b"ping!"
+        assert _wait(lambda: counters["curve_accepted"] == 1)  # the guard thread counts it
+        assert counters["curve_refused"] == 0
+    finally:
+        ctx.destroy(0)
+
+
+def _other_client_key():
+    k = derive_keys(SECRET)
+    pub, secret = zmq.curve_keypair()  # knows the server's public key, but not the secret
+    return Security(sec.CurveKeys(k.server_public, b"", pub, secret))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("who, security, whys", [
+    # which side sees the mechanism mismatch first is a race: the server either reads the
+    # peer's NULL greeting (no_curve) or finds it gone mid-handshake (handshake)
+    ("no CURVE", lambda: None, ("no_curve", "handshake")),
+    ("another secret", lambda: Security(derive_keys(OTHER)), ("bad_key",)),
+    ("server key, own client key", _other_client_key, ("not_allowed",)),
+])
+def test_peer_without_the_secret_is_refused_and_counted(server, who, security, whys):
+    s, endpoint, counters = server
+    ctx = zmq.Context()
+    try:
+        c = _client(ctx, endpoint, security())
+        c.send(b"let me in")
+        assert _wait(lambda: counters["curve_refused"] >= 1), f"{who}: refusal not counted: {counters}"
+        assert sum(counters[f"curve_refused_{w}"] for w in whys) == counters["curve_refused"], counters
+        assert not s.poll(200), f"{who}: a message got through"
+        assert counters["curve_accepted"] == 0
+        c.close(0)
+        # and a peer with the secret still gets in afterwards
+        good = _client(ctx, endpoint, Security(derive_keys(SECRET)))
+        assert _echo(s, good) == b"ping!"
+    finally:
+        ctx.destroy(0)
+
+
+@pytest.mark.timeout(30)
+def test_ipc_stays_plain_beside_a_guarded_socket(server, tmp_path):
+    """A CURVE-less ipc peer in a guarded context: ZAP lets NULL through, nothing is counted."""
+    s, _, counters = server
+    ctx = zmq.Context()
+    try:
+        sec_ = Security(derive_keys(SECRET), counters)
+        rep = ctx.socket(zmq.ROUTER)
+        rep.setsockopt(zmq.LINGER, 0)
+        tcp = ctx.socket(zmq.ROUTER)  # starts this context's guard
+        tcp.setsockopt(zmq.LINGER, 0)
+        secure_bind(tcp, "tcp://127.0.0.1:*", sec_)
+        secure_bind(rep, f"ipc://{tmp_path}/plain.sock", sec_)
+        c = _client(ctx, f"ipc://{tmp_path}/plain.sock", sec_)
+        assert _echo(rep, c) == b"ping!"
+        assert counters["curve_refused"] == 0
+        for x in (c, rep, tcp):
+            x.close(0)
+    finally:
+        ctx.destroy(0)
+
+
+@pytest.mark.timeout(30)
+def test_asyncio_client_and_server():
+    """zmq.asyncio sockets (the router's) on both sides, one refused sync peer counted."""
+    async def main():
+        ctx = zmq.asyncio.Context()
+        counters: Counter = Counter()
+        srv = ctx.socket(zmq.ROUTER)
+        srv.setsockopt(zmq.LINGER, 0)
+        secure_bind(srv, "tcp://127.0.0.1:*", Security(derive_keys(SECRET), counters))
+        endpoint = srv.getsockopt(zmq.LAST_ENDPOINT).decode()
+        cli = ctx.socket(zmq.DEALER)
+        cli.setsockopt(zmq.LINGER, 0)
+        secure_connect(cli, endpoint, Security(derive_keys(SECRET)))
+        await cli.send(b"hi")
+        ident, data = await asyncio.wait_for(srv.recv_multipart(), WAIT_S)
+        await srv.send_multipart([ident, data + b"!"])
+        assert await asyncio.wait_for(cli.recv(), WAIT_S) == b"hi!"
+        plain_ctx = zmq.Context()
+        bad = _client(plain_ctx, endpoint, None)
+        bad.send(b"x")
+        assert await asyncio.to_thread(_wait, lambda: counters["curve_refused"] >= 1)
+        bad.close(0)
+        plain_ctx.term()
+        for x in (srv, cli):
+            x.close(0)
+        ctx.term()
+    asyncio.run(main())
+
+
+def test_vllm_connector_settings_carry_the_secret_file():
+    """The vLLM connector's writers take the secret from kv_connector_extra_config or the env."""
+    from pushkv.vllm import params as P
+
+    assert P.settings("E", 1, {"secret_file": "/etc/pushkv/curve.secret"}, env={}).secret_file == "/etc/pushkv/curve.secret"
+    assert P.settings("E", 1, None, env={"PUSHKV_SECRET_FILE": "/s"}).secret_file == "/s"
+    assert P.settings("E", 1, None, env={}).secret_file == ""
+
+
+@pytest.mark.parametrize("path, header, key, ok", [
+    ("/v1/completions", "", "", True),  # no key configured: everything passes
+    ("/v1/completions", "Bearer k1", "k1", True),
+    ("/v1/chat/completions", "bearer  k1 ", "k1", True),  # scheme case-insensitive, token trimmed
+    ("/v1/completions", "", "k1", False),
+    ("/v1/models", "Bearer k2", "k1", False),
+    ("/v1/completions", "Basic k1", "k1", False),
+    ("/v1/completions", "k1", "k1", False),
+    ("/health", "", "k1", True),  # probes and scrapers
+    ("/metrics", "", "k1", True),
+    ("/v1", "", "k1", True),  # not an API path (aiohttp answers 404)
+])
+def test_api_key_rule(path, header, key, ok):
+    from pushkv.router.auth import authorized
+
+    assert authorized(path, header, key) is ok
+
+
+@pytest.mark.parametrize("content, expect", [(None, "No such file"), (b"short\n", "too short")])
+def test_pushkv_up_refuses_a_bad_secret_before_starting(tmp_path, capsys, content, expect):
+    from processes.cli import main
+
+    path = tmp_path / "curve.secret"
+    if content is not None:
+        path.write_bytes(content)
+    assert main(["up", "--model", "tiny", "--secret-file", str(path)]) == 2
+    assert expect in capsys.readouterr().err

@@ -1,0 +1,219 @@
+"""Offline checks of the Kubernetes manifests under ``deploy/``.
+
+``pushkv-check-deploy [DIR]`` (or ``python -m tools.check_deploy``) prints every problem
+and exits 1 if there is one:
+
+- every file parses, every document has apiVersion, kind, metadata.name and the namespace;
+- each resource validates against the Kubernetes OpenAPI schema of ``K8S_VERSIONS``
+  (``kubernetes-validate``, strict: unknown fields are errors), when it is installed;
+- every Service selects the pods of some workload in ``deploy/`` and its targetPorts are
+  ports those pods' containers declare; a StatefulSet's serviceName is a headless Service;
+- a workload's selector matches its pod template's labels;
+- every Secret / ConfigMap a pod names (env, volumes) exists in ``deploy/`` with that key;
+- every volumeMount names a volume of its pod; every ``$(VAR)`` in a container's command or
+  args is one of its env vars (Kubernetes leaves an unknown one as literal text);
+- every Service a container's args reach by name (``host:port``) exists with that port;
+- kustomization.yaml lists every manifest but the Secret template, and nothing else.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from typing import Any, Iterable, Optional
+
+import yaml
+
+K8S_VERSIONS = ("1.31.0", "1.37.0")  # the oldest supported here and the newest bundled schema
+NAMESPACE = "pushkv"
+SECRET_TEMPLATE = "secrets.template.yaml"
+KUSTOMIZATION = "kustomization.yaml"
+WORKLOADS = {"Deployment", "StatefulSet", "DaemonSet", "Job"}
+CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "PersistentVolume", "StorageClass"}
+VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+Doc = dict[str, Any]
+
+
+def load(deploy_dir: str) -> tuple[list[tuple[str, Doc]], list[str]]:
+    """Every document of every ``*.yaml`` file (kustomization apart), and parse problems."""
+    docs: list[tuple[str, Doc]] = []
+    problems: list[str] = []
+    for name in sorted(os.listdir(deploy_dir)):
+        if not name.endswith((".yaml", ".yml")) or name == KUSTOMIZATION:
+            continue
+        try:
+            with open(os.path.join(deploy_dir, name)) as f:
+                for doc in yaml.safe_load_all(f):
+                    if doc is not None:
+                        docs.append((name, doc))
+        except yaml.YAMLError as e:
+            problems.append(f"{name}: does not parse: {e}")
+    return docs, problems
+
+
+def _pod_spec(doc: Doc) -> Optional[Doc]:
+    if doc.get("kind") in WORKLOADS:
+        return ((doc.get("spec") or {}).get("template") or {}).get("spec")
+    if doc.get("kind") == "Pod":
+        return doc.get("spec")
+    return None
+
+
+def _pod_labels(doc: Doc) -> dict:
+    return ((((doc.get("spec") or {}).get("template") or {}).get("metadata") or {}).get("labels")) or {}
+
+
+def _containers(spec: Doc) -> list[Doc]:
+    return list(spec.get("initContainers") or []) + list(spec.get("containers") or [])
+
+
+def _where(name: str, doc: Doc) -> str:
+    return f"{name}: {doc.get('kind')}/{(doc.get('metadata') or {}).get('name')}"
+
+
+def structural_problems(docs: list[tuple[str, Doc]]) -> list[str]:
+    out: list[str] = []
+    by_kind: dict[str, dict[str, Doc]] = {}
+    for fname, doc in docs:
+        meta = doc.get("metadata") or {}
+        if not doc.get("apiVersion") or not doc.get("kind") or not meta.get("name"):
+            out.append(f"{fname}: a document without apiVersion, kind or metadata.name")
+            continue
+        if doc["kind"] not in CLUSTER_SCOPED and meta.get("namespace") != NAMESPACE:
+            out.append(f"{_where(fname, doc)}: namespace {meta.get('namespace')!r}, expected {NAMESPACE!r}")
+        by_kind.setdefault(doc["kind"], {})[meta["name"]] = doc
+    secrets = {n: set((d.get("stringData") or {}) | (d.get("data") or {})) for n, d in by_kind.get("Secret", {}).items()}
+    configmaps = {n: set(d.get("data") or {}) for n, d in by_kind.get("ConfigMap", {}).items()}
+    services = by_kind.get("Service", {})
+    workloads = [(f, d) for f, d in docs if _pod_spec(d) is not None]
+
+    def ref(where: str, kind: str, store: dict[str, set], name: str, key: Optional[str]) -> None:
+        if name not in store:
+            out.append(f"{where}: {kind} {name!r} is not in deploy/")
+        elif key is not None and key not in store[name]:
+            out.append(f"{where}: {kind} {name!r} has no key {key!r}")
+
+    for fname, doc in workloads:
+        where = _where(fname, doc)
+        spec = _pod_spec(doc)
+        labels = _pod_labels(doc)
+        sel = ((doc.get("spec") or {}).get("selector") or {}).get("matchLabels")
+        if doc["kind"] != "Job" and (not sel or any(labels.get(k) != v for k, v in sel.items())):
+            out.append(f"{where}: selector {sel} does not match its pod labels {labels}")
+        volumes = {v["name"]: v for v in spec.get("volumes") or []}
+        claims = {c["metadata"]["name"] for c in (doc.get("spec") or {}).get("volumeClaimTemplates") or []}
+        for v in volumes.values():
+            if "secret" in v:
+                for item in v["secret"].get("items") or [{"key": None}]:
+                    ref(where, "Secret", secrets, v["secret"].get("secretName", ""), item["key"])
+            if "configMap" in v:
+                for item in v["configMap"].get("items") or [{"key": None}]:
+                    ref(where, "ConfigMap", configmaps, v["configMap"].get("name", ""), item["key"])
+        if doc["kind"] == "StatefulSet":
+            svc = services.get((doc.get("spec") or {}).get("serviceName", ""))
+            if svc is None or (svc.get("spec") or {}).get("clusterIP") != "None":
+                out.append(f"{where}: serviceName is not a headless Service in deploy/")
+        for c in _containers(spec):
+            cw = f"{where} container {c.get('name')}"
+            env = set()
+            for e in c.get("env") or []:
+                env.add(e["name"])
+                vf = e.get("valueFrom") or {}
+                if "secretKeyRef" in vf:
+                    ref(cw, "Secret", secrets, vf["secretKeyRef"]["name"], vf["secretKeyRef"]["key"])
+                if "configMapKeyRef" in vf:
+                    ref(cw, "ConfigMap", configmaps, vf["configMapKeyRef"]["name"], vf["configMapKeyRef"]["key"])
+            for src in c.get("envFrom") or []:
+                if "secretRef" in src:
+                    ref(cw, "Secret", secrets, src["secretRef"]["name"], None)
+                if "configMapRef" in src:
+                    ref(cw, "ConfigMap", configmaps, src["configMapRef"]["name"], None)
+            for m in c.get("volumeMounts") or []:
+                if m["name"] not in volumes and m["name"] not in claims:
+                    out.append(f"{cw}: volumeMount {m['name']!r} names no volume of the pod")
+            words = [str(w) for w in (c.get("command") or []) + (c.get("args") or [])]
+            for w in words:
+                for var in VAR_REF.findall(w):
+                    if var not in env:
+                        out.append(f"{cw}: $({var}) in its command line is not one of its env vars")
+                for host, port in re.findall(r"(?:^|[@/])([a-z][a-z0-9-]*):(\d+)(?:$|/)", w):
+                    svc = services.get(host)
+                    if svc is None:
+                        out.append(f"{cw}: {host}:{port} names no Service in deploy/")
+                    elif int(port) not in {p.get("port") for p in (svc.get("spec") or {}).get("ports") or []}:
+                        out.append(f"{cw}: Service {host} has no port {port}")
+
+    for sname, svc in services.items():
+        where = f"Service/{sname}"
+        sel = (svc.get("spec") or {}).get("selector") or {}
+        hits = [(f, d) for f, d in workloads if sel and all(_pod_labels(d).get(k) == v for k, v in sel.items())]
+        if not hits:
+            out.append(f"{where}: selector {sel} matches no pod template in deploy/")
+            continue
+        for p in (svc.get("spec") or {}).get("ports") or []:
+            target = p.get("targetPort", p.get("port"))
+            for f, d in hits:
+                ports = [cp for c in _pod_spec(d).get("containers") or [] for cp in c.get("ports") or []]
+                names = {cp.get("name") for cp in ports}
+                numbers = {cp.get("containerPort") for cp in ports}
+                if target not in (names if isinstance(target, str) else numbers):
+                    out.append(f"{where}: targetPort {target!r} is not a container port of {_where(f, d)}")
+    return out
+
+
+def kustomization_problems(deploy_dir: str) -> list[str]:
+    path = os.path.join(deploy_dir, KUSTOMIZATION)
+    if not os.path.exists(path):
+        return [f"{KUSTOMIZATION} is missing"]
+    with open(path) as f:
+        listed = set((yaml.safe_load(f) or {}).get("resources") or [])
+    files = {n for n in os.listdir(deploy_dir) if n.endswith((".yaml", ".yml"))} - {KUSTOMIZATION, SECRET_TEMPLATE}
+    out = [f"{KUSTOMIZATION}: {n} is not a file in deploy/" for n in sorted(listed - files)]
+    out += [f"{KUSTOMIZATION}: {n} is not listed" for n in sorted(files - listed)]
+    if SECRET_TEMPLATE in listed:
+        out.append(f"{KUSTOMIZATION}: lists {SECRET_TEMPLATE} (its placeholders would be applied)")
+    return out
+
+
+def schema_problems(docs: Iterable[tuple[str, Doc]], versions: Iterable[str] = K8S_VERSIONS) -> list[str]:
+    """Against the bundled OpenAPI schemas (kubernetes-validate works offline)."""
+    import kubernetes_validate as kv
+
+    out: list[str] = []
+    for fname, doc in docs:
+        for v in versions:
+            try:
+                kv.validate(doc, v, strict=True)
+            except kv.ValidationError as e:
+                path = "/".join(str(p) for p in e.path)
+                out.append(f"{_where(fname, doc)}: invalid for Kubernetes {v} at {path or '.'}: {e.message}")
+            except (kv.SchemaNotFoundError, kv.InvalidSchemaError) as e:
+                out.append(f"{_where(fname, doc)}: no schema for Kubernetes {v}: {e}")
+    return out
+
+
+def check(deploy_dir: str, schemas: bool = True) -> list[str]:
+    docs, out = load(deploy_dir)
+    out += structural_problems(docs)
+    out += kustomization_problems(deploy_dir)
+    if schemas:
+        out += schema_problems(docs)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="pushkv-check-deploy", description=__doc__.split("\n\n")[0])
+    ap.add_argument("dir", nargs="?", default=os.path.join(os.path.dirname(os.path.dirname(__file__)), "deploy"))
+    ap.add_argument("--no-schemas", action="store_true", help="structural checks only (no kubernetes-validate)")
+    args = ap.parse_args(argv)
+    problems = check(args.dir, schemas=not args.no_schemas)
+    for p in problems:
+        print(p)
+    print(f"{args.dir}: {len(problems)} problem(s)", file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
