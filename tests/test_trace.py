@@ -430,7 +430,7 @@ def test_push_deployment_tapped_spans_complete_and_ordered(tmp_path, monkeypatch
         assert got[f"pushkv_instance_lease_expiries_total{{engine={eng},role=prefill}}"] == 0
         assert got[f"pushkv_instance_aborts_total{{engine={eng},role=prefill}}"] == 0
         assert got[f"pushkv_writer_events_total{{engine={eng},event=writes,rank=0,role=prefill}}"] == 2
-        assert got["pushkv_instance_up{role=decode}"] == 1
+        assert got[f"pushkv_instance_up{{engine={dep.cfg.decode.engine_id},role=decode}}"] == 1
 
         # `pushkv status`: every process with pid, uptime, restarts, health
         monkeypatch.setenv("PUSHKV_REGISTRY_DIR", str(reg))
