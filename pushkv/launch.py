@@ -56,10 +56,10 @@ class Deployment:
     def tokens(self, prompt, max_tokens: int) -> list[int]:
         return self.complete(prompt, max_tokens)["choices"][0]["token_ids"]
 
-    def stats(self, role: str, timeout_s: float = 10.0) -> m.Stats:
+    def stats(self, role: str, timeout_s: float = 10.0, index: int = 0) -> m.Stats:
         s = zmq.Context.instance().socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
-        s.connect(self.cfg.instance(role).sched_endpoint)
+        s.connect(self.cfg.instance(role, index).sched_endpoint)
         try:
             s.send(m.encode(m.GetStats()))
             if not s.poll(int(timeout_s * 1000)):
@@ -71,11 +71,16 @@ class Deployment:
     def roles(self) -> list[str]:
         return ["local"] if self.cfg.mode == "local" else ["prefill", "decode"]
 
+    def instance_names(self) -> dict[str, tuple[str, int]]:
+        """Every instance by name (``prefill``, ``prefill1``, ...) -> (role, index)."""
+        return {i.name: (i.role, i.index) for i in self.cfg.instances()}
+
     def wait_pools_free(self, timeout_s: float = 30.0) -> dict[str, m.Stats]:
-        """Block accounting invariant: every block of every instance is back once traffic stops."""
+        """Block accounting invariant: every block of every instance is back once traffic stops
+        (by instance name: ``prefill``, ``decode``, and ``prefill1``, ... with several)."""
         end = time.monotonic() + timeout_s
         while True:
-            st = {r: self.stats(r) for r in self.roles()}
+            st = {n: self.stats(r, index=i) for n, (r, i) in self.instance_names().items()}
             if all(s.free_blocks == s.num_blocks and s.running == 0 and s.waiting == 0 for s in st.values()):
                 return st
             if time.monotonic() > end:

@@ -441,6 +441,7 @@ class ProcessInfo(msgspec.Struct, array_like=True, frozen=True, gc=False):
     healthy: bool
     last_pong_age_s: float  # -1: never
     last_exit: str  # "running", "exit code 3", "killed by SIGKILL"
+    instance: int = 0  # index of the instance of its role
 
 
 class ControlReply(Msg):

@@ -70,6 +70,7 @@ class Balancer:
         self.held: dict[str, Held] = {}  # by transfer id
         self.queue: deque["RequestRun"] = deque()  # not started: no D could hold them
         self.decode_queue: deque["RequestRun"] = deque()  # late: prefill done, waiting for a D
+        self.picks = 0  # sequence of choices: ties go to the instance chosen least recently
 
     # -- the instance set ------------------------------------------------------------
     def add(self, rec: InstanceRecord, make_link: Callable[[InstanceRecord], "SchedulerLink"]) -> None:
@@ -128,6 +129,8 @@ class Balancer:
         h.prefill, h.prefill_tokens = v.prefill, len(run.prompt)
         p.queued_tokens += h.prefill_tokens
         p.legs += 1
+        self.picks += 1
+        p.last_pick = self.picks
         if v.kind == P.PUSH:
             self._commit_decode(h, v.decode, run.decode_tokens, pin=True)
         else:
@@ -143,6 +146,8 @@ class Balancer:
         h.decode, h.decode_blocks = engine_id, need
         d.committed += need
         d.legs += 1
+        self.picks += 1
+        d.last_pick = self.picks
         if pin:
             h.pinned = need
             d.pinned += need

@@ -42,6 +42,7 @@ class Load:
     legs: int = 0  # legs sent and not ended
     committed: int = 0  # D: blocks of legs sent and not ended (the D holds or will hold them)
     pinned: int = 0  # D: blocks reserved early (push) whose KV has not arrived yet
+    last_pick: int = 0  # when it was last chosen (a sequence number): ties go to the least recent
 
     @property
     def free(self) -> int:
@@ -67,9 +68,10 @@ def live(loads: Iterable[Load], role: str) -> list[Load]:
 
 
 def pick_prefill(loads: Iterable[Load]) -> Optional[Load]:
-    """The live P with the fewest queued prefill tokens (then fewest legs, then index)."""
+    """The live P with the fewest queued prefill tokens (then fewest legs, then the least
+    recently chosen, then index)."""
     ps = live(loads, "prefill")
-    return min(ps, key=lambda l: (l.queued_tokens, l.legs, l.order)) if ps else None
+    return min(ps, key=lambda l: (l.queued_tokens, l.legs, l.last_pick, l.order)) if ps else None
 
 
 def decode_need(load: Load, tokens: int) -> int:
@@ -78,11 +80,12 @@ def decode_need(load: Load, tokens: int) -> int:
 
 def pick_decode(loads: Iterable[Load], tokens: int) -> Optional[Load]:
     """The live D that can hold ``tokens`` (prompt + max_tokens) now with the most free
-    blocks left (then fewest legs, then index); None when none can."""
+    blocks left (then fewest legs, then the least recently chosen, then index); None when
+    none can."""
     fits = [l for l in live(loads, "decode") if l.free >= decode_need(l, tokens)]
     if not fits:
         return None
-    return min(fits, key=lambda l: (-(l.free - decode_need(l, tokens)), l.legs, l.order))
+    return min(fits, key=lambda l: (-(l.free - decode_need(l, tokens)), l.legs, l.last_pick, l.order))
 
 
 def place(loads: list[Load], tokens: int, *, mode: str, pin_fraction: float, waiting: int,

@@ -9,6 +9,7 @@ poller as the control socket.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -238,6 +239,11 @@ class Supervisor(Actor):
             "trace_endpoint": self.cfg.trace_endpoint, "trace_tap_endpoint": self.cfg.trace_tap_endpoint,
             "supervisor_pid": str(os.getpid()),
             "on_child_exit": self.on_child_exit,
+            # one entry per P / D / local instance, JSON (the info map holds strings)
+            "instances": json.dumps([
+                {"name": i.name, "role": i.role, "index": i.index, "engine_id": i.engine_id, "tp": i.tp,
+                 "device": i.device, "num_blocks": i.num_blocks, "block_size": i.block_size}
+                for i in self.cfg.instances()]),
         }
 
     def request_stop(self, reason: str) -> None:
