@@ -53,6 +53,10 @@ class Deployment:
             raise RuntimeError(f"HTTP {status}: {body}")
         return body
 
+    def health(self) -> dict:
+        with urllib.request.urlopen(self.url + "/health", timeout=10) as r:
+            return json.loads(r.read())
+
     def tokens(self, prompt, max_tokens: int) -> list[int]:
         return self.complete(prompt, max_tokens)["choices"][0]["token_ids"]
 

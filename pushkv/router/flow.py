@@ -182,6 +182,7 @@ class RequestRun:
         self.late = cfg.mode == "pull"  # D's leg after P's (pull, or push's late allocation)
         self.pull: Optional[m.PullParams] = None  # late: P's answer, relayed in D's leg
         self.kv_seen = False
+        self.started = False
         self.transfer_id = transfer_id
         self.prompt = tuple(prompt_token_ids)
         self.max_tokens = max_tokens
@@ -243,8 +244,14 @@ class RequestRun:
         log.debug("send %s leg to %s transfer_id=%s", leg, self.engines.get(leg, leg), self.transfer_id)
         self.legs[leg].send(msg)
 
+    def start(self) -> None:
+        """Send the legs, or queue the request at the balancer (``Placed`` comes later).
+        Raises ``Refused`` (429 / 503 / 413) before anything was sent."""
+        if not self.started:
+            self.started = True
+            self._start()
+
     def _start(self) -> None:
-        """Send the legs, or queue the request at the balancer (``Placed`` comes later)."""
         mode = self.cfg.mode
         if mode == "local":
             self.legs["local"] = self.local_link
@@ -297,7 +304,7 @@ class RequestRun:
         """Yield the request's events; ends after one Finished or Failed."""
         deadline = self.record.arrival + self.cfg.timeouts.request_s
         try:
-            self._start()
+            self.start()
         except Refused as e:
             log.info("refused transfer_id=%s status=%d: %s", self.transfer_id, e.status, e.reason)
             yield Failed(e.status, e.reason, "rejected")

@@ -26,7 +26,7 @@ from pushkv.discovery.base import Watcher
 from pushkv.discovery.local import LocalWatcher
 from pushkv.discovery.records import InstanceDown, InstanceRecord, InstanceUp
 from pushkv.router import api, output, text
-from pushkv.router.balance import Balancer
+from pushkv.router.balance import Balancer, Refused
 from pushkv.router import chat as chat_mod
 from pushkv.router.flow import RequestRun, SchedulerLink
 from pushkv.router.generate import Generation, choice_seed
@@ -320,6 +320,19 @@ class Router:
                   base, len(params.prompt_token_ids), params.max_tokens, params.n, params.stream, chat)
         gen = Generation(self, params, runs)
         try:
+            try:  # placement first, so a refusal is a plain HTTP error even for a stream
+                for run in runs:
+                    run.start()
+            except Refused as e:
+                log.info("refused transfer_id=%s status=%d: %s", base, e.status, e.reason)
+                for run in runs:
+                    run.record.outcome = "rejected"
+                return _error(e.status, e.reason, api.error_type(e.status))
+            except Exception as e:  # a link refused the send
+                log.error("sending legs failed transfer_id=%s: %s", base, e)
+                for run in runs:
+                    run.record.outcome = "failed"
+                return _error(503, f"scheduler unreachable: {e}", "service_unavailable")
             if params.stream:
                 return await gen.stream(request)
             return await gen.unary()
