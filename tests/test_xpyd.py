@@ -80,11 +80,26 @@ def test_tokens_equal_local_and_spread_over_every_instance(xpyd, reference):
     def one(i, n):
         bodies[i] = xpyd.complete(PROMPTS[n], MAX_TOKENS)
 
+    pinned_peak = {}
+    stop = threading.Event()
+
+    def watch():  # the router's own accounting: blocks reserved early and still waiting for KV
+        while not stop.is_set():
+            for i in cli._router_view(xpyd.url).values():
+                pinned_peak[i["engine_id"]] = max(pinned_peak.get(i["engine_id"], 0), i["blocks_pinned"])
+            stop.wait(0.01)
+
+    mon = threading.Thread(target=watch, daemon=True)
+    mon.start()
     ts = [threading.Thread(target=one, args=(i, n)) for i, n in enumerate(names)]
     for t in ts:
         t.start()
     for t in ts:
         t.join(300)
+    stop.set()
+    mon.join(10)
+    # a P backlog never pins more of a D than the cap: past it, requests go late
+    assert all(v <= PIN * NUM_BLOCKS for v in pinned_peak.values()), pinned_peak
     served = {"prefill": set(), "decode": set()}
     for n, body in zip(names, bodies):
         assert body["choices"][0]["token_ids"] == reference[n], n
