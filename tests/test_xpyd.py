@@ -16,6 +16,7 @@ import urllib.request
 import pytest
 
 from processes import cli
+from pushkv import faults
 from pushkv.supervisor.commands import ask
 from tests.deploy import concurrent, deployment, wait_pools_free
 from tests.test_faults import Events, wait_serving
@@ -45,10 +46,17 @@ def reference(tmp_path_factory):
 @pytest.fixture(scope="module")
 def xpyd(tmp_path_factory):
     d = tmp_path_factory.mktemp("xpyd")
-    with deployment(d, "--mode", "push", "--prefill-instances", "2", "--decode-instances", "2",
-                    "--router-queue", "1", "--push-pin-fraction", str(PIN), "--max-restarts", "20",
-                    *COMMON) as dep:
-        yield dep
+    fdir = d / "armed"
+    fdir.mkdir()
+    os.environ["PUSHKV_FAULTS_DIR"] = str(fdir)  # the children inherit it: faults can be armed
+    try:
+        with deployment(d, "--mode", "push", "--prefill-instances", "2", "--decode-instances", "2",
+                        "--router-queue", "1", "--push-pin-fraction", str(PIN), "--max-restarts", "20",
+                        *COMMON) as dep:
+            dep.faults_dir = str(fdir)
+            yield dep
+    finally:
+        os.environ.pop("PUSHKV_FAULTS_DIR", None)
 
 
 def metrics(dep) -> dict[str, float]:
@@ -235,3 +243,29 @@ def test_killing_one_instance_fails_only_its_requests(xpyd, reference):
         assert {b["pushkv"]["instances"]["decode"] for b in bodies} == {i.engine_id for i in xpyd.cfg.decodes}
     finally:
         ev.close()
+
+
+def test_prefill_instance_dying_fails_only_its_request(xpyd, reference):
+    """prefill1's scheduler dies as a prefill on it ends: that request fails with the reason,
+    the requests on prefill go on and equal local, and no block is left anywhere."""
+    wait_serving(xpyd)
+    ev = Events(xpyd.cfg.events_endpoint)
+    armed = faults.arm(xpyd.faults_dir, "prefill1-scheduler", "prefill_done")
+    try:
+        results = [xpyd.post("/v1/completions", {"prompt": PROMPTS["two-blocks"], "max_tokens": MAX_TOKENS})
+                   for _ in range(2)]  # idle instances take turns: one on prefill, one on prefill1
+        failed = [b["error"]["message"] for st, b in results if st != 200]
+        ok = [b for st, b in results if st == 200]
+        assert len(failed) == 1 and "prefill instance failed: prefill1-scheduler died" in failed[0], results
+        assert ok[0]["pushkv"]["instances"]["prefill"] == xpyd.cfg.prefills[0].engine_id
+        assert ok[0]["choices"][0]["token_ids"] == reference["two-blocks"]
+        assert not os.path.exists(armed)
+        ev.wait(lambda e: e.kind == "instance" and e.name == "prefill1.instance" and e.event == "ready", 90)
+        wait_serving(xpyd)
+        st = wait_pools_free(xpyd)
+        print(f"\nprefill1-scheduler killed at prefill_done: {failed[0][:80]!r}; blocks in use after: "
+              f"{[(n, s.num_blocks - s.free_blocks) for n, s in st.items()]}")
+    finally:
+        ev.close()
+        if os.path.exists(armed):
+            os.unlink(armed)
