@@ -18,7 +18,7 @@ import pytest
 from processes import cli
 from pushkv import faults
 from pushkv.supervisor.commands import ask
-from tests.deploy import concurrent, deployment, wait_pools_free
+from tests.deploy import deployment, wait_pools_free
 from tests.test_faults import Events, wait_serving
 
 pytestmark = pytest.mark.timeout(600)
