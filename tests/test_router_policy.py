@@ -234,6 +234,15 @@ def test_plan_gpus_follow_each_other(tmp_path):
                   decode=InstanceConfig(role="decode", device="cuda:0"))
     assert [i.device for i in cfg.prefills] == ["cuda:0", "cuda:2"]
     assert [i.device for i in cfg.decodes] == ["cuda:4", "cuda:5"]
+    cfg = planned(tmp_path, decode_instances=2, prefill=InstanceConfig(role="prefill", device="cuda:0"),
+                  decode=InstanceConfig(role="decode", device="cuda:0"))
+    assert (cfg.prefill.device, [i.device for i in cfg.decodes]) == ("cuda:0", ["cuda:1", "cuda:2"])
+    cfg = planned(tmp_path, decode_instances=2, prefill=InstanceConfig(role="prefill", device="cuda:0"),
+                  decode=InstanceConfig(role="decode", device="cuda:3"))  # D named its own GPUs
+    assert [i.device for i in cfg.decodes] == ["cuda:3", "cuda:4"]
+    one = planned(tmp_path, prefill=InstanceConfig(role="prefill", device="cuda:0"),
+                  decode=InstanceConfig(role="decode", device="cuda:0"))
+    assert (one.prefill.device, one.decode.device) == ("cuda:0", "cuda:0")  # as before
 
 
 def ev(name, event, role, instance=0, kind="scheduler"):

@@ -156,7 +156,8 @@ def plan_deployment(
         changes["local"] = _plan_instance(cfg.local, dep_id, run_dir, ports)
         return msgspec.structs.replace(cfg, **changes)
     p, d = cfg.prefill, cfg.decode
-    if cfg.prefill_instances > 1 and d.device != "cpu" and d.device == p.device:
+    several = cfg.prefill_instances > 1 or cfg.decode_instances > 1
+    if several and d.device != "cpu" and d.device == p.device:
         # one --device for both roles: D's instances take the GPUs after the last P instance's
         d = msgspec.structs.replace(d, device=f"cuda:{_gpu_base(p) + cfg.prefill_instances * p.tp}")
     d_first = _gpu_base(d)
