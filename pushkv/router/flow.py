@@ -354,7 +354,8 @@ class RequestRun:
                 self.ended.add(role)
                 self.mark("router.prefill_finished")
                 self.merge(role, msg.timeline)
-                self.balancer.prefill_done(self)
+                if self.balancer is not None:
+                    self.balancer.prefill_done(self)
                 if msg.kv is not None:
                     self.kv[role] = msg.kv
                 if self.late and "decode" not in self.sent and self.pull is None:
