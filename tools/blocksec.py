@@ -5,7 +5,8 @@ by default), sends the same Poisson load (``pushkv-bench``'s requests), and prin
 side by side, per request, the D **block-seconds** reserved before the KV arrived
 (blocks x time from D's reservation until the KV was in: push holds them while P
 computes, pull only while it READs), with the late allocations (push falling back
-per request when D is short of blocks) and TTFT:
+per request when D is short of blocks), the requests that waited at the router for
+D room, and TTFT:
 
     python -m tools.blocksec                      # push, push with fallback, pull
     python -m tools.blocksec --qps 8 --input-len 2048 --json results/blocksec.json
@@ -64,6 +65,7 @@ def run_variant(args, name: str) -> dict:
     return {
         "variant": name, "flags": flags, "completed": len(ok), "failed": len(results) - len(ok),
         "late": sum(1 for r in ok if r.allocation == "late"),
+        "queued": sum(1 for r in ok if "router.queued" in r.timeline),  # waited at the router for D room
         "mean_block_s": float(bs.mean()) if bs.size else 0.0,
         "median_block_s": float(np.median(bs)) if bs.size else 0.0,
         "p99_block_s": float(np.percentile(bs, 99)) if bs.size else 0.0,
@@ -76,11 +78,11 @@ def run_variant(args, name: str) -> dict:
 def table(rows: list[dict], args) -> str:
     head = (f"load: {args.num_prompts} requests at {args.qps:g} QPS, input {args.input_len}, output "
             f"{args.output_len}, {args.num_blocks} blocks per instance\n"
-            f"{'variant':<15} {'ok':>4} {'fail':>4} {'late':>4} {'blk-s mean':>10} {'median':>8} {'p99':>8} "
+            f"{'variant':<15} {'ok':>4} {'fail':>4} {'late':>4} {'queued':>6} {'blk-s mean':>10} {'median':>8} {'p99':>8} "
             f"{'total':>9} {'TTFT med ms':>11}")
     lines = [head]
     for r in rows:
-        lines.append(f"{r['variant']:<15} {r['completed']:>4} {r['failed']:>4} {r['late']:>4} "
+        lines.append(f"{r['variant']:<15} {r['completed']:>4} {r['failed']:>4} {r['late']:>4} {r['queued']:>6} "
                      f"{r['mean_block_s']:>10.3f} {r['median_block_s']:>8.3f} {r['p99_block_s']:>8.3f} "
                      f"{r['total_block_s']:>9.2f} {r['median_ttft_ms']:>11.1f}")
     return "\n".join(lines)
