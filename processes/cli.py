@@ -244,8 +244,9 @@ def cmd_status(args: argparse.Namespace) -> int:
                   f"{'LEGS':>5} {'QUEUED TOK':>10} {'BLOCKS (router)':>16}")
         for i in e.get("instances", ()):
             blocks = f"{i['blocks_committed']}/{i['num_blocks']}" if i["role"] == "decode" and "legs" in i else "-"
+            queued = i.get("queued_prefill_tokens", "-") if i["role"] == "prefill" else "-"
             print(f"  {i['name']:<10} {i['engine_id']:<18} {i['device']:<8} {i['state']:<10} {i['procs']:>5} "
-                  f"{i['restarts']:>8} {i.get('legs', '-'):>5} {i.get('queued_prefill_tokens', '-'):>10} "
+                  f"{i['restarts']:>8} {i.get('legs', '-'):>5} {queued:>10} "
                   f"{blocks:>16}")
     return rc
 
