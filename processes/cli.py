@@ -71,6 +71,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--decode-block-size", type=int)
     t.add_argument("--block-size", type=int, help="every instance's block size (the two above win)")
     t.add_argument("--num-blocks", type=int, help="KV blocks per instance")
+    t.add_argument("--prefill-instances", type=int, metavar="N",
+                   help="P instances on this host, each with its own scheduler, workers, writers and devices")
+    t.add_argument("--decode-instances", type=int, metavar="M", help="D instances on this host")
+    r = up.add_argument_group("router")
+    r.add_argument("--router-queue", type=int, metavar="N",
+                   help="requests that may wait at the router for a D that can hold them; past it: 429")
+    r.add_argument("--push-pin-fraction", type=float, metavar="F",
+                   help="push: at most this fraction of a D's blocks reserved early and still waiting for KV; "
+                        "past it a request falls back to late allocation (D allocates after P)")
     up.add_argument("--trace", nargs="?", const=TRACE_AUTO, metavar="ENDPOINT",
                     help="every process mirrors what it sends and receives; taps (pushkv-tap) attach at "
                          "ENDPOINT (default: an ipc socket in the run dir, found through the registry)")
@@ -141,7 +150,9 @@ def config_from_args(args: argparse.Namespace) -> DeploymentConfig:
     return _replace(
         cfg, mode=args.mode, pull_read=args.pull_read, host=args.host, port=args.port,
         log_level=args.log_level, model=model,
-        secret_file=os.path.abspath(args.secret_file) if args.secret_file else None,
+        secret_file=os.path.abspath(args.secret_file) if args.secret_file else None, prefill_instances=args.prefill_instances,
+        decode_instances=args.decode_instances, router_queue=args.router_queue,
+        push_pin_fraction=args.push_pin_fraction,
         trace_endpoint=TRACE_AUTO if args.trace else None,
         trace_tap_endpoint=args.trace if args.trace not in (None, TRACE_AUTO) else None,
         prefill=_replace(cfg.prefill, tp=args.prefill_tp, block_size=args.prefill_block_size or args.block_size,
@@ -219,6 +230,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                 reply = c.ask(rec.control_endpoint, "status", timeout_s=ASK_TIMEOUT_S)
                 entry["state"] = reply.info.get("phase", "?") if reply.status == c.OK else "error"
                 entry["processes"] = [msgspec.structs.asdict(p) for p in reply.processes]
+                entry["instances"] = instance_rows(reply.info.get("instances", "[]"), reply.processes,
+                                                   _router_view(rec.router_url))
                 if reply.status != c.OK:
                     entry["error"], rc = reply.reason, 1
             except TimeoutError as e:
@@ -238,7 +251,50 @@ def cmd_status(args: argparse.Namespace) -> int:
             health = "ok" if p["healthy"] else ("-" if p["state"] != "READY" else "unhealthy")
             print(f"  {p['name']:<20} {p['pid'] or '-':>7}  {p['state']:<8} {_fmt_s(p['uptime_s']):>7} "
                   f"{p['restarts']:>8}  {health:<9} {p['last_exit']}")
+        if e.get("instances"):
+            print(f"  {'INSTANCE':<10} {'ENGINE':<18} {'DEVICE':<8} {'STATE':<10} {'PROCS':>5} {'RESTARTS':>8} "
+                  f"{'LEGS':>5} {'QUEUED TOK':>10} {'BLOCKS (router)':>16}")
+        for i in e.get("instances", ()):
+            blocks = f"{i['blocks_committed']}/{i['num_blocks']}" if i["role"] == "decode" and "legs" in i else "-"
+            queued = i.get("queued_prefill_tokens", "-") if i["role"] == "prefill" else "-"
+            print(f"  {i['name']:<10} {i['engine_id']:<18} {i['device']:<8} {i['state']:<10} {i['procs']:>5} "
+                  f"{i['restarts']:>8} {i.get('legs', '-'):>5} {queued:>10} "
+                  f"{blocks:>16}")
     return rc
+
+
+def _router_view(url: str) -> dict[str, dict]:
+    """The router's own accounting per instance (its /health), by engine id; {} if unreachable."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=ASK_TIMEOUT_S) as r:
+            body = json.loads(r.read())
+    except (OSError, ValueError):
+        return {}
+    return {i["engine_id"]: i for i in body.get("instances", ()) if isinstance(i, dict) and "engine_id" in i}
+
+
+def instance_rows(instances_json: str, processes, router: dict[str, dict]) -> list[dict]:
+    """One row per instance: its processes' states summed up, and the router's view of it."""
+    try:
+        insts = json.loads(instances_json)
+    except ValueError:
+        return []
+    rows = []
+    for i in insts:
+        procs = [p for p in processes if p.role == i["role"] and p.instance == i["index"]]
+        ready = sum(1 for p in procs if p.state == "READY")
+        state = "up" if procs and ready == len(procs) else ("down" if ready == 0 else "restarting")
+        view = router.get(i["engine_id"], {})
+        if view and not view.get("up", True) and state == "up":
+            state = "up (router: down)"
+        row = dict(i, state=state, procs=f"{ready}/{len(procs)}", restarts=sum(p.restarts for p in procs))
+        for k in ("legs", "queued_prefill_tokens", "blocks_committed", "blocks_pinned"):
+            if k in view:
+                row[k] = view[k]
+        rows.append(row)
+    return rows
 
 
 def _stop_one(rec: registry.DeploymentRecord, timeout_s: float) -> bool:

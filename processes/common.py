@@ -15,10 +15,12 @@ def parse(kind: str, with_rank: bool = True) -> tuple[argparse.Namespace, Deploy
     if with_rank:
         ap.add_argument("--role", required=True, choices=["prefill", "decode", "local"])
         ap.add_argument("--rank", type=int, default=0)
+        ap.add_argument("--instance", type=int, default=0, help="which instance of the role (0 = the first)")
     args = ap.parse_args()
     with open(args.config, "rb") as f:
         cfg = decode_config(f.read())
-    title = f"pushkv {args.role}-{kind} {args.rank}" if with_rank else f"pushkv {kind}"
+    name = (args.role if not args.instance else f"{args.role}{args.instance}") if with_rank else ""
+    title = f"pushkv {name}-{kind} {args.rank}" if with_rank else f"pushkv {kind}"
     logging.basicConfig(
         level=getattr(logging, cfg.log_level.upper(), logging.INFO), stream=sys.stderr,
         format=f"%(asctime)s %(levelname)s [{title.split(' ', 1)[1]}] %(name)s: %(message)s",

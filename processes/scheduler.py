@@ -6,7 +6,7 @@ def main() -> None:
     args, cfg = parse("scheduler")
     from pushkv.scheduler import scheduler_for
 
-    scheduler_for(cfg, cfg.instance(args.role)).run()
+    scheduler_for(cfg, cfg.instance(args.role, args.instance)).run()
 
 
 if __name__ == "__main__":

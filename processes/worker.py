@@ -6,7 +6,7 @@ def main() -> None:
     args, cfg = parse("worker")
     from pushkv.worker.engine import Worker
 
-    Worker(cfg, cfg.instance(args.role), args.rank).run()
+    Worker(cfg, cfg.instance(args.role, args.instance), args.rank).run()
 
 
 if __name__ == "__main__":

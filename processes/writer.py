@@ -4,7 +4,7 @@ from processes.common import parse, run_profiled
 
 def main() -> None:
     args, cfg = parse("writer")
-    inst = cfg.instance(args.role)
+    inst = cfg.instance(args.role, args.instance)
     if args.role == "prefill":
         from pushkv.writer.prefill import PrefillWriter as W
     elif args.role == "decode":

@@ -128,6 +128,18 @@ class InstanceConfig(msgspec.Struct, frozen=True):
     handshake_endpoints: tuple[str, ...] = ()  # writer rank r, peers connect
     dist_init: str = ""  # torch.distributed init for tp>1
     device: str = "cpu"  # "cpu" or "cuda[:N]"; rank r of a cuda instance uses cuda:N+r
+    index: int = 0  # which instance of its role (several P or D on one host); 0 = the first
+
+    @property
+    def name(self) -> str:
+        """Process-name prefix: ``prefill`` for the first instance (names as before), ``prefill1``, ..."""
+        return self.role if self.index == 0 else f"{self.role}{self.index}"
+
+    def source(self):
+        """Where a decode leg finds this prefill instance's writers (``messages.PrefillSource``)."""
+        from pushkv.messages import PrefillSource  # the ground: messages imports nothing of ours
+
+        return PrefillSource(self.engine_id, self.tp, tuple(self.handshake_endpoints))
 
 
 class Timeouts(msgspec.Struct, frozen=True):
@@ -164,13 +176,32 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
     # file holding the shared secret every ZMQ socket on a network (tcp://) endpoint derives its
     # CURVE keys from (pushkv/security.py); "" = no CURVE
     secret_file: str = ""
+    # Several instances per role on one host: ``prefill``/``decode`` are the template every
+    # instance of the role is planned from; ``plan_deployment`` fills ``prefills``/``decodes``
+    # (instance i has index i, its own engine id, endpoints and devices; the first one is also
+    # ``prefill``/``decode``, so a one-instance deployment reads exactly as before).
+    prefill_instances: int = 1
+    decode_instances: int = 1
+    prefills: tuple[InstanceConfig, ...] = ()
+    decodes: tuple[InstanceConfig, ...] = ()
+    router_queue: int = 256  # requests waiting at the router for D room; past it: 429
+    # push: D blocks reserved and still waiting for their KV may take at most this fraction of a
+    # D instance's pool; a request past it falls back to late allocation (D allocates after P)
+    push_pin_fraction: float = 0.5
+
+    def role_instances(self, role: str) -> list[InstanceConfig]:
+        """Every planned instance of ``role`` (the template alone before planning)."""
+        planned = {"prefill": self.prefills, "decode": self.decodes}.get(role, ())
+        return list(planned) if planned else [self.instance(role)]
 
     def instances(self) -> list[InstanceConfig]:
         if self.mode == "local":
             return [self.local]
-        return [self.prefill, self.decode]
+        return self.role_instances("prefill") + self.role_instances("decode")
 
-    def instance(self, role: str) -> InstanceConfig:
+    def instance(self, role: str, index: int = 0) -> InstanceConfig:
+        if index:
+            return self.role_instances(role)[index]
         return {"prefill": self.prefill, "decode": self.decode, "local": self.local}[role]
 
 

@@ -55,13 +55,17 @@ class Deployment:
             raise RuntimeError(f"HTTP {status}: {body}")
         return body
 
+    def health(self) -> dict:
+        with urllib.request.urlopen(self.url + "/health", timeout=10) as r:
+            return json.loads(r.read())
+
     def tokens(self, prompt, max_tokens: int) -> list[int]:
         return self.complete(prompt, max_tokens)["choices"][0]["token_ids"]
 
-    def stats(self, role: str, timeout_s: float = 10.0) -> m.Stats:
+    def stats(self, role: str, timeout_s: float = 10.0, index: int = 0) -> m.Stats:
         s = zmq.Context.instance().socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
-        secure_connect(s, self.cfg.instance(role).sched_endpoint, security.load(self.cfg.secret_file))
+        secure_connect(s, self.cfg.instance(role, index).sched_endpoint, security.load(self.cfg.secret_file))
         try:
             s.send(m.encode(m.GetStats()))
             if not s.poll(int(timeout_s * 1000)):
@@ -73,11 +77,16 @@ class Deployment:
     def roles(self) -> list[str]:
         return ["local"] if self.cfg.mode == "local" else ["prefill", "decode"]
 
+    def instance_names(self) -> dict[str, tuple[str, int]]:
+        """Every instance by name (``prefill``, ``prefill1``, ...) -> (role, index)."""
+        return {i.name: (i.role, i.index) for i in self.cfg.instances()}
+
     def wait_pools_free(self, timeout_s: float = 30.0) -> dict[str, m.Stats]:
-        """Block accounting invariant: every block of every instance is back once traffic stops."""
+        """Block accounting invariant: every block of every instance is back once traffic stops
+        (by instance name: ``prefill``, ``decode``, and ``prefill1``, ... with several)."""
         end = time.monotonic() + timeout_s
         while True:
-            st = {r: self.stats(r) for r in self.roles()}
+            st = {n: self.stats(r, index=i) for n, (r, i) in self.instance_names().items()}
             if all(s.free_blocks == s.num_blocks and s.running == 0 and s.waiting == 0 for s in st.values()):
                 return st
             if time.monotonic() > end:

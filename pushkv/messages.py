@@ -114,6 +114,10 @@ class KVTransferStats(msgspec.Struct, array_like=True, frozen=True, gc=False):
     num_descs: int
     transfer_s: float  # posted -> done, slowest rank
     rendezvous: str = ""  # push: "registration_first" | "prefill_first"; pull: "pull"
+    # D: its blocks x seconds from their reservation until the KV had arrived (push's cost:
+    # D memory held while P computes), and how many blocks that was
+    reserved_block_s: float = 0.0
+    reserved_blocks: int = 0
 
 
 # ---------------------------------------------------------------------------
@@ -130,6 +134,9 @@ class Generate(Msg):
     pull: Optional[PullParams] = None  # decode leg in pull mode
     arrival: float = 0.0  # router's wall clock (time.time()) for timelines
     sampling: Optional[SamplingParams] = None  # None: greedy
+    # prefill leg of a push deployment falling back to late allocation: hold the KV and answer
+    # PrefillFinished.pull at once, as in pull mode; the router places D's leg afterwards
+    late: bool = False
 
 
 class Abort(Msg):
@@ -232,6 +239,7 @@ class HoldKV(Msg):
     num_tokens: int
     first_token: int
     lease_s: float
+    write: bool = False  # D registers after the relay and we WRITE (not: D READs under a lease)
 
 
 class ExpectKV(Msg):
@@ -253,6 +261,7 @@ class ReadKV(Msg):
     block_ids: tuple[int, ...]
     pull: PullParams
     deadline_s: float
+    write: bool = False  # register with P now and let it WRITE (push's transfer, late allocation)
 
 
 class CancelKV(Msg):
@@ -432,6 +441,7 @@ class ProcessInfo(msgspec.Struct, array_like=True, frozen=True, gc=False):
     healthy: bool
     last_pong_age_s: float  # -1: never
     last_exit: str  # "running", "exit code 3", "killed by SIGKILL"
+    instance: int = 0  # index of the instance of its role
 
 
 class ControlReply(Msg):
@@ -452,6 +462,7 @@ class LifecycleEvent(Msg):
     role: str = ""  # "prefill" | "decode" | "local" for an instance's processes; "" otherwise
     kind: str = ""  # "scheduler" | "worker" | "writer" | "router" | "instance"; "" for deployment events
     rank: int = 0
+    instance: int = 0  # index of the instance of its role (several P or D on one host)
 
 
 SupervisorInbound = Union[Ready, Pong, ControlCommand]

@@ -203,11 +203,12 @@ HTTP_CASES = [
      "stop token id", False),
     ("stop-ids-type", "POST", "/v1/completions", j({"prompt": [1], "stop_token_ids": "x"}), 400,
      "stop_token_ids", False),
-    # fits the model (1024) but not the 512-token pools: both schedulers refuse
-    ("over-both-pools", "POST", "/v1/completions", j({"prompt": [1] * 600, "max_tokens": 1}), 413, "KV blocks", True),
-    # P's blocks fit, D's (prompt + max_tokens) do not: P's admitted leg is aborted
+    # fits the model (1024) but not the 512-token pools: the router refuses it (no D can ever hold
+    # it) before any leg leaves
+    ("over-both-pools", "POST", "/v1/completions", j({"prompt": [1] * 600, "max_tokens": 1}), 413, "KV blocks", False),
+    # P's blocks fit, D's (prompt + max_tokens) do not: refused at the router too, P never computes it
     ("over-decode-pool", "POST", "/v1/completions", j({"prompt": [1] * 500, "max_tokens": 40}), 413,
-     "decode pool", True),
+     "decode pool", False),
     ("unknown-path", "POST", "/v1/nope", j({}), 404, "", False),
     ("wrong-method", "GET", "/v1/completions", b"", 405, "", False),
     ("abort-unknown-id", "POST", "/v1/abort/cmpl-nope", b"", 404, "no in-flight request", False),

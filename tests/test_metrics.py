@@ -82,7 +82,8 @@ def test_transfer_histograms_and_instance_stats(tmp_path, mode, p_kv, d_kv, want
         assert got[key("pushkv_instance_rendezvous_total", order="prefill_first", **p)] == 1
         assert got[key("pushkv_writer_events_total", event="lease_expired", rank="1", **p)] == 1
         assert got[key("pushkv_scheduler_events_total", event="kv_bytes", **p)] == 65536
-        assert got["pushkv_instance_up{role=prefill}"] == 1 and got["pushkv_instance_up{role=decode}"] == 1
+        assert got["pushkv_instance_up{engine=prefill-engine,role=prefill}"] == 1
+        assert got["pushkv_instance_up{engine=decode-engine,role=decode}"] == 1
     run(body())
 
 
@@ -93,6 +94,6 @@ def test_silent_scheduler_does_not_hold_the_scrape(tmp_path):
             r = await h.http.get("/metrics")
             assert r.status == 200 and time.monotonic() - t0 < 3
             got = samples(await r.text())
-        assert got["pushkv_instance_up{role=local}"] == 0
+        assert got["pushkv_instance_up{engine=local-engine,role=local}"] == 0
         assert not any(k.startswith("pushkv_instance_blocks") for k in got)
     run(body())

@@ -430,7 +430,7 @@ def test_push_deployment_tapped_spans_complete_and_ordered(tmp_path, monkeypatch
         assert got[f"pushkv_instance_lease_expiries_total{{engine={eng},role=prefill}}"] == 0
         assert got[f"pushkv_instance_aborts_total{{engine={eng},role=prefill}}"] == 0
         assert got[f"pushkv_writer_events_total{{engine={eng},event=writes,rank=0,role=prefill}}"] == 2
-        assert got["pushkv_instance_up{role=decode}"] == 1
+        assert got[f"pushkv_instance_up{{engine={dep.cfg.decode.engine_id},role=decode}}"] == 1
 
         # `pushkv status`: every process with pid, uptime, restarts, health
         monkeypatch.setenv("PUSHKV_REGISTRY_DIR", str(reg))
@@ -439,7 +439,11 @@ def test_push_deployment_tapped_spans_complete_and_ordered(tmp_path, monkeypatch
         lines = capsys.readouterr().out.splitlines()
         assert lines[0].startswith(f"deployment {dep.cfg.deployment_id}") and "running" in lines[0]
         assert lines[1].split() == ["NAME", "PID", "STATE", "UPTIME", "RESTARTS", "HEALTH", "LAST", "EXIT"]
-        rows = {ln.split()[0]: ln.split() for ln in lines[2:]}
+        end = next(i for i, ln in enumerate(lines) if ln.split()[:1] == ["INSTANCE"])
+        rows = {ln.split()[0]: ln.split() for ln in lines[2:end]}
+        insts = [ln.split() for ln in lines[end + 1:]]  # then one row per instance, up, all processes ready
+        assert [(r[0], r[1], r[3], r[4]) for r in insts] == [
+            ("prefill", dep.cfg.prefill.engine_id, "up", "3/3"), ("decode", dep.cfg.decode.engine_id, "up", "3/3")]
         assert set(rows) == ACTORS | {"router"}
         for name, cols in rows.items():
             assert int(cols[1]) > 0 and cols[2] == "READY" and cols[3].endswith("s") and cols[4] == "0", cols

@@ -69,6 +69,9 @@ class RequestResult:
     timeline: dict[str, float] = field(default_factory=dict)
     transfer_id: str = ""
     error: str = ""
+    reserved_block_s: Optional[float] = None  # D blocks x seconds held before the KV arrived
+    allocation: str = ""  # "early" (push) | "late" (after P: pull, or push's fallback)
+    instances: dict[str, str] = field(default_factory=dict)  # leg -> engine id
 
     @property
     def tpot(self) -> Optional[float]:
@@ -116,6 +119,9 @@ async def send_request(session, url: str, prompt: list[int], output_len: int, mo
                 if ext:
                     res.timeline = ext.get("timeline", {})
                     res.transfer_id = ext.get("transfer_id", "")
+                    res.reserved_block_s = ext.get("reserved_block_s", res.reserved_block_s)
+                    res.allocation = ext.get("allocation", res.allocation)
+                    res.instances = ext.get("instances", res.instances)
         res.latency = time.perf_counter() - start
         res.output_len = n_tokens
         res.success = n_tokens > 0
@@ -157,6 +163,16 @@ def stage_summary(timelines: list[dict[str, float]]) -> tuple[dict[str, float], 
             {s: float(np.median(offsets[s])) for s in order})
 
 
+def block_seconds(ok: list[RequestResult]) -> dict:
+    """Push's cost: D blocks x seconds reserved before the KV arrived, per request."""
+    a = np.asarray([r.reserved_block_s for r in ok if r.reserved_block_s is not None], dtype=float)
+    if a.size == 0:
+        return {}
+    return {"mean_reserved_block_s": float(a.mean()), "median_reserved_block_s": float(np.median(a)),
+            "p99_reserved_block_s": float(np.percentile(a, 99)), "total_reserved_block_s": float(a.sum()),
+            "late_allocations": sum(1 for r in ok if r.allocation == "late")}
+
+
 def aggregate(results: list[RequestResult], duration: float, meta: dict) -> dict:
     ok = [r for r in results if r.success]
     total_in = sum(r.prompt_len for r in ok)
@@ -178,6 +194,7 @@ def aggregate(results: list[RequestResult], duration: float, meta: dict) -> dict
     out.update(_stats("tpot", tpots))
     out.update(_stats("itl", [x for r in ok for x in r.itl]))
     out.update(_stats("e2el", [r.latency for r in ok]))
+    out.update(block_seconds(ok))
     out.update({
         "input_lens": [r.prompt_len for r in results],
         "output_lens": [r.output_len for r in results],
@@ -188,6 +205,9 @@ def aggregate(results: list[RequestResult], duration: float, meta: dict) -> dict
         "errors": [r.error for r in results],
         "transfer_ids": [r.transfer_id for r in results],
         "timelines": [r.timeline for r in results],
+        "reserved_block_s": [r.reserved_block_s for r in results],
+        "allocations": [r.allocation for r in results],
+        "instances": [r.instances for r in results],
         "stages": stages,
         "stage_offsets": offsets,
     })
@@ -303,6 +323,10 @@ def print_summary(path: str, s: dict) -> None:
     for k in ("ttft", "tpot", "itl", "e2el"):
         print(f"  {k:5s} mean {s[f'mean_{k}_ms']:9.2f}  median {s[f'median_{k}_ms']:9.2f}  "
               f"p99 {s[f'p99_{k}_ms']:9.2f} ms")
+    if "mean_reserved_block_s" in s:
+        print(f"  D block-s per request: mean {s['mean_reserved_block_s']:.3f}  median "
+              f"{s['median_reserved_block_s']:.3f}  p99 {s['p99_reserved_block_s']:.3f}  "
+              f"(late allocations {s['late_allocations']})")
     if s["stages"]:
         print("  stages (median ms since previous stage):")
         for stage, ms in s["stages"].items():

@@ -21,8 +21,10 @@ def main(argv=None) -> int:
                 continue
             st = r.get("stages", {})
             parts = [f"{k.split('.', 1)[1]}={st[k]:.1f}" for k in KEYS if k in st]
+            blk = (f" | D block-s med {r['median_reserved_block_s']:.3f} mean {r['mean_reserved_block_s']:.3f}"
+                   f" late {r.get('late_allocations', 0)}" if "median_reserved_block_s" in r else "")
             print(f"{os.path.basename(f)}: ttft {r['median_ttft_ms']:.1f} tpot {r['median_tpot_ms']:.1f} | "
-                  + " ".join(parts))
+                  + " ".join(parts) + blk)
     return 0
 
 

@@ -99,8 +99,9 @@ def _run_mode(args, mode: str, url: str, cells, bar) -> int:
             ])
             path, s = bench.run(b)
             failures += s["failed"]
+            blk = f"  D block-s med {s['median_reserved_block_s']:.3f}" if "median_reserved_block_s" in s else ""
             tqdm.write(f"{os.path.basename(path)}: ttft {s['median_ttft_ms']:.1f} ms  "
-                       f"tpot {s['median_tpot_ms']:.1f} ms  failed {s['failed']}")
+                       f"tpot {s['median_tpot_ms']:.1f} ms  failed {s['failed']}{blk}")
             bar.update(1)
     return failures
 

@@ -47,6 +47,8 @@ def error_type(status: int) -> str:
         return "timeout"
     if status == 503:
         return "service_unavailable"
+    if status == 429:
+        return "rate_limit_error"  # OpenAI's type for 429
     if 400 <= status < 500:
         return "invalid_request_error"
     return "server_error"

@@ -9,8 +9,11 @@ sends a request's legs and turns what comes back into ``Tokens`` /
 - local: ``Generate(leg="local")``; tokens from the local scheduler.
 - push: P leg (``max_tokens=1``) and D leg (``source=P``) sent together;
   tokens from D; P answers ``PrefillFinished`` (informative).
-- pull: P leg first; P's ``PrefillFinished.pull`` is relayed in the D leg;
-  tokens from D.
+- pull, and push's late allocation: P leg first; P's ``PrefillFinished.pull`` is
+  relayed in the D leg; tokens from D.
+
+Which P and which D serve a request is the ``Balancer``'s choice (``balance.py``
+over the pure ``policy.py``); a request no D can hold waits there until one can.
 
 A failed leg fails the request; every leg sent and not yet ended gets an
 ``Abort`` when the run closes, whatever the reason (failure, timeout, client
@@ -30,6 +33,8 @@ import zmq.asyncio
 
 from pushkv import messages as m
 from pushkv.config import DeploymentConfig
+from pushkv.router import policy as P
+from pushkv.router.balance import Balancer, DecodePlaced, Placed, Refused
 from pushkv.router.metrics import RequestRecord, RouterMetrics
 from pushkv.security import Security, secure_connect
 from pushkv.trace import TracePublisher
@@ -49,9 +54,11 @@ class SchedulerLink:
 
     def __init__(self, ctx: zmq.asyncio.Context, role: str, endpoint: str,
                  on_message: Callable[[str, m.Msg], None], metrics: RouterMetrics,
-                 tracer: Optional[TracePublisher] = None, security: Optional[Security] = None):
+                 tracer: Optional[TracePublisher] = None, engine_id: str = "", name: str = "",
+                 security: Optional[Security] = None):
         self.role = role
-        self.peer = f"{role}-scheduler"  # in traces
+        self.engine_id = engine_id
+        self.peer = f"{name or role}-scheduler"  # in traces
         self.tracer = tracer
         self._stats_waiters: list[asyncio.Future] = []
         self.endpoint = endpoint
@@ -123,6 +130,10 @@ class SchedulerLink:
             if fut in self._stats_waiters:
                 self._stats_waiters.remove(fut)
 
+    def retire(self) -> None:
+        """Replaced by a link to a new endpoint: close in the background."""
+        asyncio.get_running_loop().create_task(self.close())
+
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
@@ -161,11 +172,19 @@ ROUTER = "router"  # pseudo-role of events the router injects (abort, shutdown)
 class RequestRun:
     """One request's legs, from the first Generate to the last Abort."""
 
-    def __init__(self, cfg: DeploymentConfig, links: dict[str, SchedulerLink], transfer_id: str,
+    def __init__(self, cfg: DeploymentConfig, balancer: Optional[Balancer], transfer_id: str,
                  prompt_token_ids: list[int], max_tokens: int, stop_token_ids: tuple[int, ...],
-                 record: RequestRecord, metrics: RouterMetrics, sampling: Optional[m.SamplingParams] = None):
+                 record: RequestRecord, metrics: RouterMetrics, sampling: Optional[m.SamplingParams] = None,
+                 local_link: Optional[SchedulerLink] = None):
         self.cfg = cfg
-        self.links = links
+        self.balancer = balancer
+        self.local_link = local_link
+        self.legs: dict[str, SchedulerLink] = {}  # leg -> the chosen instance's link
+        self.engines: dict[str, str] = {}  # leg -> engine id
+        self.late = cfg.mode == "pull"  # D's leg after P's (pull, or push's late allocation)
+        self.pull: Optional[m.PullParams] = None  # late: P's answer, relayed in D's leg
+        self.kv_seen = False
+        self.started = False
         self.transfer_id = transfer_id
         self.prompt = tuple(prompt_token_ids)
         self.max_tokens = max_tokens
@@ -212,31 +231,62 @@ class RequestRun:
             arrival=self.arrival_wall, sampling=self.sampling, **kw,
         )
 
-    def _prefill_source(self) -> m.PrefillSource:
-        p = self.cfg.prefill
-        return m.PrefillSource(engine_id=p.engine_id, tp=p.tp, handshake=tuple(p.handshake_endpoints))
+    @property
+    def decode_tokens(self) -> int:
+        """What D must hold for the whole request (no preemption)."""
+        return len(self.prompt) + self.max_tokens
+
+    def _assign(self, leg: str, engine_id: str) -> None:
+        self.legs[leg] = self.balancer.links[engine_id]
+        self.engines[leg] = engine_id
 
     def _send_leg(self, leg: str, msg: m.Generate) -> None:
         self.sent.add(leg)
         self.mark(f"router.send_{leg}")
-        log.debug("send %s leg transfer_id=%s", leg, self.transfer_id)
-        self.links[leg].send(msg)
+        log.debug("send %s leg to %s transfer_id=%s", leg, self.engines.get(leg, leg), self.transfer_id)
+        self.legs[leg].send(msg)
+
+    def start(self) -> None:
+        """Send the legs, or queue the request at the balancer (``Placed`` comes later).
+        Raises ``Refused`` (429 / 503 / 413) before anything was sent."""
+        if not self.started:
+            self.started = True
+            self._start()
 
     def _start(self) -> None:
         mode = self.cfg.mode
         if mode == "local":
+            self.legs["local"] = self.local_link
             self._send_leg("local", self._generate("local", max_tokens=self.max_tokens))
             return
-        prefill = self._generate("prefill", max_tokens=1)
-        if mode == "push":
-            decode = self._generate("decode", max_tokens=self.max_tokens, source=self._prefill_source())
-            # both legs leave together, no await between: D reserves and registers while P computes
-            self._send_leg("prefill", prefill)
-            self._send_leg("decode", decode)
-        elif mode == "pull":
-            self._send_leg("prefill", prefill)
-        else:
+        if mode not in ("push", "pull"):
             raise ValueError(f"unknown mode {mode!r}")
+        verdict = self.balancer.request(self)  # Refused: 429 / 503 / 413 with a reason
+        if verdict is None:
+            self.mark("router.queued")
+            return
+        self._dispatch(verdict)
+
+    def _dispatch(self, v: P.Verdict) -> None:
+        self._assign("prefill", v.prefill)
+        if v.kind == P.LATE:
+            self.late = True
+            if self.cfg.mode == "push":
+                self.mark("router.late_allocation")
+                log.info("late allocation transfer_id=%s: %s", self.transfer_id, v.reason)
+            self._send_leg("prefill", self._generate("prefill", max_tokens=1, late=self.cfg.mode == "push"))
+            return
+        self._assign("decode", v.decode)
+        prefill = self._generate("prefill", max_tokens=1)
+        decode = self._generate("decode", max_tokens=self.max_tokens, source=self.balancer.source(v.prefill))
+        # both legs leave together, no await between: D reserves and registers while P computes
+        self._send_leg("prefill", prefill)
+        self._send_leg("decode", decode)
+
+    def _send_late_decode(self, engine_id: str) -> None:
+        self._assign("decode", engine_id)
+        self._send_leg("decode", self._generate("decode", max_tokens=self.max_tokens,
+                                                source=self.pull.source, pull=self.pull))
 
     async def _next(self, deadline: float) -> Optional[tuple[str, m.Msg]]:
         # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancellation
@@ -256,7 +306,11 @@ class RequestRun:
         """Yield the request's events; ends after one Finished or Failed."""
         deadline = self.record.arrival + self.cfg.timeouts.request_s
         try:
-            self._start()
+            self.start()
+        except Refused as e:
+            log.info("refused transfer_id=%s status=%d: %s", self.transfer_id, e.status, e.reason)
+            yield Failed(e.status, e.reason, "rejected")
+            return
         except Exception as e:
             log.error("sending legs failed transfer_id=%s: %s", self.transfer_id, e)
             yield Failed(503, f"scheduler unreachable: {e}")
@@ -275,6 +329,17 @@ class RequestRun:
                 yield Failed(504, f"request exceeded {self.cfg.timeouts.request_s:g} s", "timeout")
                 return
             role, msg = item
+            if isinstance(msg, (Placed, DecodePlaced)):
+                try:
+                    if isinstance(msg, Placed):
+                        self.mark("router.placed")
+                        self._dispatch(msg.verdict)
+                    else:
+                        self._send_late_decode(msg.engine_id)
+                except Exception as e:
+                    yield Failed(503, f"scheduler unreachable: {e}")
+                    return
+                continue
             if isinstance(msg, m.RequestFailed):
                 if role != ROUTER:
                     self.ended.add(role)
@@ -291,16 +356,21 @@ class RequestRun:
                 self.ended.add(role)
                 self.mark("router.prefill_finished")
                 self.merge(role, msg.timeline)
+                if self.balancer is not None:
+                    self.balancer.prefill_done(self)
                 if msg.kv is not None:
                     self.kv[role] = msg.kv
-                if self.cfg.mode == "pull" and "decode" not in self.sent:
+                if self.late and "decode" not in self.sent and self.pull is None:
                     if msg.pull is None:
                         yield Failed(502, "prefill finished without pull parameters")
                         return
-                    decode = self._generate("decode", max_tokens=self.max_tokens,
-                                            source=msg.pull.source, pull=msg.pull)
+                    self.pull = msg.pull
                     try:
-                        self._send_leg("decode", decode)
+                        engine = self.balancer.request_decode(self)
+                        if engine is None:  # no D can hold it now: wait here, never at a full D
+                            self.mark("router.decode_queued")
+                        else:
+                            self._send_late_decode(engine)
                     except Exception as e:
                         yield Failed(503, f"decode scheduler unreachable: {e}")
                         return
@@ -315,6 +385,9 @@ class RequestRun:
                 if self.held or (self._needs_first_logprob(msg) and self.first_logprob is None):
                     self.held.append((role, msg))  # in order, behind the first token
                     continue
+                if not self.kv_seen and self.balancer is not None:  # D's first token: its KV is here
+                    self.kv_seen = True
+                    self.balancer.kv_arrived(self)
                 if self._needs_first_logprob(msg):
                     msg = msgspec.structs.replace(msg, logprobs=(self.first_logprob,) + msg.logprobs)
                 self.emitted += len(msg.token_ids)
@@ -344,9 +417,11 @@ class RequestRun:
         if self.closed:
             return
         self.closed = True
+        if self.balancer is not None:
+            self.balancer.release(self)
         for leg in sorted(self.sent - self.ended):
             try:
-                self.links[leg].send(m.Abort(self.transfer_id, GENERATION, reason))
+                self.legs[leg].send(m.Abort(self.transfer_id, GENERATION, reason))
                 self.metrics.aborts_sent.labels(role=leg).inc()
                 log.info("abort %s leg transfer_id=%s: %s", leg, self.transfer_id, reason)
             except Exception as e:

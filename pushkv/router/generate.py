@@ -110,8 +110,16 @@ class Generation:
 
     def _extension(self) -> dict:
         run = self.runs[0]
-        return {"transfer_id": run.transfer_id,
-                "timeline": dict(sorted(run.timeline.items(), key=lambda kv: kv[1]))}
+        ext = {"transfer_id": run.transfer_id,
+               "timeline": dict(sorted(run.timeline.items(), key=lambda kv: kv[1]))}
+        if run.engines:  # which instance served each leg
+            ext["instances"] = dict(run.engines)
+        d = run.kv.get("decode")
+        if d is not None and d.reserved_blocks:  # D blocks x seconds held before the KV arrived
+            ext["reserved_block_s"] = d.reserved_block_s
+            ext["reserved_blocks"] = d.reserved_blocks
+            ext["allocation"] = "late" if run.late else "early"
+        return ext
 
     def _fail(self, i: int, ev: Failed) -> None:
         self.runs[i].record.outcome = ev.outcome

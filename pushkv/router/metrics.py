@@ -29,6 +29,7 @@ TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
 TRANSFER_BUCKETS_S = (0.0001, 0.00025, 0.0005) + LATENCY_BUCKETS_S
 BYTES_BUCKETS = tuple(float(4096 * 4**i) for i in range(13))  # 4 KiB .. 64 GiB
 DESC_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384, 65536)
+BLOCK_S_BUCKETS = (0.01, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 5000.0, 25000.0)
 RENDEZVOUS_ORDERS = ("registration_first", "prefill_first")
 
 
@@ -104,8 +105,27 @@ class RouterMetrics:
         if mode == "push":
             for order in RENDEZVOUS_ORDERS:
                 self.rendezvous.labels(order=order)
+        self.reserved_block_s = Histogram(
+            "pushkv_kv_reserved_block_seconds",
+            "Per request: D blocks x seconds from their reservation until the KV had arrived "
+            "(push: D holds them while P computes), by allocation (early = push, late = after P)",
+            ["allocation"], buckets=BLOCK_S_BUCKETS, registry=r)
+        self.refused = Counter(
+            "pushkv_router_refused", "Requests refused at placement, by HTTP status", ["status"], registry=r)
+        self.queued = Counter(
+            "pushkv_router_queued", "Requests that waited at the router for a D that can hold them", registry=r)
+        self.late_allocations = Counter(
+            "pushkv_router_late_allocations",
+            "Push requests that fell back to late allocation (D short of blocks)", registry=r)
+        self.legs = Counter(
+            "pushkv_router_legs", "Legs sent, per instance", ["role", "engine"], registry=r)
         self.instances = InstanceCollector()
         r.register(self.instances)
+        self.balance = BalanceCollector()
+        r.register(self.balance)
+
+    def watch_balancer(self, balancer) -> None:
+        self.balance.balancer = balancer
 
     def observe(self, rec: RequestRecord, timeline: Optional[dict[str, float]] = None,
                 kv: Optional[dict[str, m.KVTransferStats]] = None) -> None:
@@ -144,8 +164,13 @@ class RouterMetrics:
             self.kv_seconds.observe(t.transfer_s)
         if t.rendezvous in RENDEZVOUS_ORDERS:
             self.rendezvous.labels(order=t.rendezvous).inc()
+        d = kv.get("decode")
+        if d is not None and d.reserved_blocks:
+            self.reserved_block_s.labels(allocation="late" if d.rendezvous == "pull" else "early").observe(
+                d.reserved_block_s)
 
-    def update_instances(self, stats: dict[str, Optional[m.Stats]]) -> None:
+    def update_instances(self, stats: dict[tuple[str, str], Optional[m.Stats]]) -> None:
+        """``stats`` by (role, engine id); None: the scheduler did not answer."""
         self.instances.stats = dict(stats)
 
     def render(self) -> tuple[bytes, str]:
@@ -171,14 +196,14 @@ class InstanceCollector:
     """Exposes the last ``Stats`` of each scheduler (set at scrape time)."""
 
     def __init__(self):
-        self.stats: dict[str, Optional[m.Stats]] = {}
+        self.stats: dict[tuple[str, str], Optional[m.Stats]] = {}
 
     def describe(self):
         return []  # values change with the deployment; nothing to check at registration
 
     def collect(self):
         labels = ["role", "engine"]
-        up = GaugeMetricFamily("pushkv_instance_up", "Scheduler answered GetStats at this scrape", labels=["role"])
+        up = GaugeMetricFamily("pushkv_instance_up", "Scheduler answered GetStats at this scrape", labels=labels)
         blocks = GaugeMetricFamily("pushkv_instance_blocks", "KV blocks of the instance", labels=labels)
         free = GaugeMetricFamily("pushkv_instance_blocks_free", "Free KV blocks", labels=labels)
         usage = GaugeMetricFamily("pushkv_instance_block_usage", "Fraction of KV blocks in use", labels=labels)
@@ -193,11 +218,16 @@ class InstanceCollector:
                                      labels=labels + ["event"])
         wevents = CounterMetricFamily("pushkv_writer_events", "Every writer counter",
                                       labels=labels + ["rank", "event"])
-        for role, st in sorted(self.stats.items()):
-            up.add_metric([role], 0.0 if st is None else 1.0)
+        reserved = CounterMetricFamily(
+            "pushkv_instance_reserved_block_seconds",
+            "D: blocks x seconds reserved before their KV arrived, summed", labels=labels)
+        for (role, engine), st in sorted(self.stats.items()):
+            up.add_metric([role, engine], 0.0 if st is None else 1.0)
             if st is None:
                 continue
             lv = [role, st.engine_id]
+            if role == "decode":
+                reserved.add_metric(lv, st.counters.get("reserved_block_ms", 0) / 1000.0)
             blocks.add_metric(lv, st.num_blocks)
             free.add_metric(lv, st.free_blocks)
             usage.add_metric(lv, (st.num_blocks - st.free_blocks) / st.num_blocks if st.num_blocks else 0.0)
@@ -219,4 +249,43 @@ class InstanceCollector:
             if st.role == "prefill":
                 for order in RENDEZVOUS_ORDERS:
                     rdv.add_metric(lv + [order], writer_sum.get(f"rendezvous_{order}", 0))
-        yield from (up, blocks, free, usage, running, waiting, secs, *named.values(), rdv, events, wevents)
+        yield from (up, blocks, free, usage, running, waiting, secs, reserved, *named.values(), rdv, events, wevents)
+
+
+class BalanceCollector:
+    """The router's own view of each instance (its accounting of the legs it sent)."""
+
+    def __init__(self):
+        self.balancer = None
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        labels = ["role", "engine"]
+        fams = {
+            "up": GaugeMetricFamily("pushkv_router_instance_up", "Instance chosen by the router (live)", labels=labels),
+            "legs": GaugeMetricFamily("pushkv_router_instance_legs", "Legs in flight on the instance", labels=labels),
+            "queued_tokens": GaugeMetricFamily(
+                "pushkv_router_instance_queued_prefill_tokens", "P: prompt tokens sent, prefill not finished",
+                labels=labels),
+            "committed": GaugeMetricFamily(
+                "pushkv_router_instance_blocks_committed", "D: blocks of the legs sent to it", labels=labels),
+            "pinned": GaugeMetricFamily(
+                "pushkv_router_instance_blocks_pinned", "D: blocks reserved early whose KV has not arrived",
+                labels=labels),
+        }
+        depth = GaugeMetricFamily("pushkv_router_queue_depth", "Requests waiting at the router for a D")
+        b = self.balancer
+        if b is not None:
+            depth.add_metric([], b.waiting)
+            for engine, load in sorted(b.loads.items()):
+                lv = [load.role, engine]
+                fams["up"].add_metric(lv, 1.0 if load.up else 0.0)
+                fams["legs"].add_metric(lv, load.legs)
+                if load.role == "prefill":
+                    fams["queued_tokens"].add_metric(lv, load.queued_tokens)
+                else:
+                    fams["committed"].add_metric(lv, load.committed)
+                    fams["pinned"].add_metric(lv, load.pinned)
+        yield from (depth, *fams.values())

@@ -23,7 +23,11 @@ from aiohttp import web
 from pushkv import messages as m
 from pushkv import security
 from pushkv.config import DeploymentConfig
+from pushkv.discovery.base import Watcher
+from pushkv.discovery.local import LocalWatcher
+from pushkv.discovery.records import InstanceDown, InstanceRecord, InstanceUp
 from pushkv.router import api, auth, output, text
+from pushkv.router.balance import Balancer, Refused
 from pushkv.router import chat as chat_mod
 from pushkv.router.flow import RequestRun, SchedulerLink
 from pushkv.router.generate import Generation, choice_seed
@@ -40,8 +44,9 @@ CLIENT_ABORT_STATUS = 499  # nginx's "client closed request"
 
 class Router:
     def __init__(self, cfg: DeploymentConfig, tokenizer: Optional[text.Tokenizer] = None,
-                 api_key: Optional[str] = None):
+                 watcher: Optional[Watcher] = None, api_key: Optional[str] = None):
         self.cfg = cfg
+        self.watcher = watcher  # where P and D instances come from (default: the planned config)
         self.api_key = os.environ.get(auth.API_KEY_ENV, "") if api_key is None else api_key
         self.tokenizer = tokenizer if tokenizer is not None else text.load_tokenizer(cfg.model)
         self.limits = api.Limits(
@@ -51,8 +56,10 @@ class Router:
         )
         self.metrics = RouterMetrics(cfg.mode)
         self.security = security.load(cfg.secret_file)  # CURVE to tcp:// schedulers
+        self.balancer = Balancer(cfg.mode, cfg.push_pin_fraction, cfg.router_queue, self.metrics)
+        self.metrics.watch_balancer(self.balancer)
         self.ctx: Optional[zmq.asyncio.Context] = None
-        self.links: dict[str, SchedulerLink] = {}
+        self.local_link: Optional[SchedulerLink] = None
         self.tracer: Optional[TracePublisher] = None
         self.runs: dict[str, RequestRun] = {}
         self.stopping = False
@@ -80,8 +87,21 @@ class Router:
         app.router.add_post("/v1/abort/{request_id}", self.handle_abort)
         return app
 
-    def _roles(self) -> list[str]:
-        return ["local"] if self.cfg.mode == "local" else ["prefill", "decode"]
+    @property
+    def links(self) -> dict[str, SchedulerLink]:
+        """Every scheduler link, by engine id."""
+        if self.local_link is not None:
+            return {self.cfg.local.engine_id or "local": self.local_link}
+        return dict(self.balancer.links)
+
+    def _make_link(self, rec: InstanceRecord) -> SchedulerLink:
+        if not rec.sched_endpoint:
+            raise ValueError(f"{rec.role} instance {rec.engine_id} has no sched_endpoint")
+        name = next((i.name for i in self.cfg.role_instances(rec.role) if i.engine_id == rec.engine_id), rec.role)
+        link = SchedulerLink(self.ctx, rec.role, rec.sched_endpoint, self._route, self.metrics, self.tracer,
+                             engine_id=rec.engine_id, name=name, security=self.security)
+        link.start()
+        return link
 
     async def start(self) -> None:
         if self.cfg.mode not in ("local", "push", "pull"):
@@ -93,13 +113,18 @@ class Router:
         self.ctx = zmq.asyncio.Context()
         if self.cfg.trace_endpoint:
             self.tracer = TracePublisher("router", self.cfg.trace_endpoint, security=self.security)
-        for role in self._roles():
-            endpoint = self.cfg.instance(role).sched_endpoint
+        if self.cfg.mode == "local":
+            endpoint = self.cfg.local.sched_endpoint
             if not endpoint:
-                raise ValueError(f"{role} instance has no sched_endpoint")
-            link = SchedulerLink(self.ctx, role, endpoint, self._route, self.metrics, self.tracer, self.security)
-            link.start()
-            self.links[role] = link
+                raise ValueError("local instance has no sched_endpoint")
+            self.local_link = SchedulerLink(self.ctx, "local", endpoint, self._route, self.metrics, self.tracer,
+                                            engine_id=self.cfg.local.engine_id, security=self.security)
+            self.local_link.start()
+        else:
+            if self.watcher is None:
+                self.watcher = LocalWatcher(self.cfg, self.ctx, self.security)
+            for rec in self.watcher.snapshot():
+                self.balancer.add(rec, self._make_link)
         # the client-disconnect path relies on aiohttp cancelling the handler
         self._runner = web.AppRunner(
             self.app(), handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
@@ -110,35 +135,38 @@ class Router:
         self.url = f"http://{self.cfg.host}:{port}"
         log.info("router (%s mode) listening on %s%s", self.cfg.mode, self.url,
                  " (API key required on /v1/*)" if self.api_key else "")
-        if self.cfg.events_endpoint:
-            self._events_task = asyncio.get_running_loop().create_task(self._lifecycle_loop())
+        if self.watcher is not None:
+            self._events_task = asyncio.get_running_loop().create_task(self._discovery_loop())
         if self.cfg.control_endpoint:
             await self._announce_ready()
 
-    async def _lifecycle_loop(self) -> None:
-        """Fail at once the requests with a leg on an instance whose process died
-        (the supervisor restarts the whole instance), instead of at their timeout."""
-        sub = self.ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.SUBSCRIBE, b"pushkv.")
-        secure_connect(sub, self.cfg.events_endpoint, self.security)
+    async def _discovery_loop(self) -> None:
+        """Instances come and go through the watcher. One that goes down is chosen no more,
+        and the requests with a leg on it fail at once (instead of at their timeout)."""
         try:
-            while True:
-                frames = await sub.recv_multipart()
-                try:
-                    ev = m.DEC_EVENT.decode(frames[-1])
-                except (msgspec.DecodeError, msgspec.ValidationError):
-                    continue
-                role = ev.role
-                if ev.event != "exit" or role not in self.links:
-                    continue
-                hit = [run for run in self.runs.values() if role in run.sent and role not in run.ended]
-                if hit:
-                    log.error("%s died (%s): failing %d request(s) with a %s leg", ev.name, ev.detail, len(hit), role)
-                for run in hit:
-                    run.inject_failure(503, f"{role} instance failed: {ev.name} died ({ev.detail}); retry")
-        finally:
-            sub.close(0)
+            async for ev in self.watcher.events():
+                if isinstance(ev, InstanceUp):
+                    known = self.balancer.loads.get(ev.record.engine_id)
+                    if known is None or not known.up:
+                        self.balancer.add(ev.record, self._make_link)
+                elif isinstance(ev, InstanceDown):
+                    self._instance_down(ev)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("discovery watcher failed")
+
+    def _instance_down(self, ev: InstanceDown) -> None:
+        if self.balancer.down(ev.engine_id) is None:
+            return
+        role = ev.role
+        hit = [run for run in self.runs.values() if run.engines.get(role) == ev.engine_id
+               and ((role in run.sent and role not in run.ended)
+                    or (role == "prefill" and run.late and run.emitted == 0))]  # P held the KV D still needs
+        log.error("%s instance %s down (%s): failing %d request(s) with a leg on it",
+                  role, ev.engine_id, ev.reason, len(hit))
+        for run in hit:
+            run.inject_failure(503, f"{role} instance failed: {ev.reason}; retry")
 
     async def _announce_ready(self) -> None:
         self._control = self.ctx.socket(zmq.DEALER)
@@ -196,6 +224,8 @@ class Router:
                 await task
             except (asyncio.CancelledError, Exception):
                 pass
+        if self.watcher is not None:
+            await self.watcher.close()
         for link in self.links.values():
             await link.close()
         if self._control is not None:
@@ -220,14 +250,19 @@ class Router:
     async def handle_health(self, request: web.Request) -> web.Response:
         ok = bool(self.links) and not self.stopping
         body = {"status": "ok" if ok else "unavailable", "mode": self.cfg.mode,
-                "pull_read": self.cfg.pull_read, "in_flight": len(self.runs)}
+                "pull_read": self.cfg.pull_read, "in_flight": len(self.runs),
+                "queued": self.balancer.waiting,
+                "instances": [{"engine_id": e, "role": l.role, "up": l.up, "legs": l.legs,
+                               "queued_prefill_tokens": l.queued_tokens, "blocks_committed": l.committed,
+                               "blocks_pinned": l.pinned, "num_blocks": l.num_blocks}
+                              for e, l in sorted(self.balancer.loads.items())]}
         return web.json_response(body, status=200 if ok else 503)
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
         # what only the instances know (blocks, transfers, leases, writers): asked now
-        roles = list(self.links)
-        stats = await asyncio.gather(*(self.links[r].get_stats(STATS_TIMEOUT_S) for r in roles))
-        self.metrics.update_instances(dict(zip(roles, stats)))
+        links = list(self.links.values())
+        stats = await asyncio.gather(*(link.get_stats(STATS_TIMEOUT_S) for link in links))
+        self.metrics.update_instances({(link.role, link.engine_id): st for link, st in zip(links, stats)})
         data, content_type = self.metrics.render()
         return web.Response(body=data, headers={"Content-Type": content_type})
 
@@ -278,8 +313,9 @@ class Router:
         for i in range(params.n):
             tid = base if params.n == 1 else f"{base}-{i}"
             rec = RequestRecord(arrival=arrival, prompt_tokens=len(params.prompt_token_ids))
-            run = RequestRun(self.cfg, self.links, tid, params.prompt_token_ids, params.max_tokens,
-                             params.stop_token_ids, rec, self.metrics, choice_seed(params, i))
+            run = RequestRun(self.cfg, self.balancer if self.local_link is None else None, tid,
+                             params.prompt_token_ids, params.max_tokens, params.stop_token_ids, rec,
+                             self.metrics, choice_seed(params, i), local_link=self.local_link)
             self.runs[tid] = run
             runs.append(run)
             if self.tracer is not None:
@@ -290,6 +326,19 @@ class Router:
                   base, len(params.prompt_token_ids), params.max_tokens, params.n, params.stream, chat)
         gen = Generation(self, params, runs)
         try:
+            try:  # placement first, so a refusal is a plain HTTP error even for a stream
+                for run in runs:
+                    run.start()
+            except Refused as e:
+                log.info("refused transfer_id=%s status=%d: %s", base, e.status, e.reason)
+                for run in runs:
+                    run.record.outcome = "rejected"
+                return _error(e.status, e.reason, api.error_type(e.status))
+            except Exception as e:  # a link refused the send
+                log.error("sending legs failed transfer_id=%s: %s", base, e)
+                for run in runs:
+                    run.record.outcome = "failed"
+                return _error(503, f"scheduler unreachable: {e}", "service_unavailable")
             if params.stream:
                 return await gen.stream(request)
             return await gen.unary()

@@ -43,7 +43,7 @@ class SchedulerCore(Actor):
     def __init__(self, cfg: DeploymentConfig, inst: InstanceConfig):
         if inst.role != self.role:
             raise ValueError(f"{type(self).__name__} serves {self.role!r} instances, not {inst.role!r}")
-        super().__init__(f"{inst.role}-scheduler", cfg.control_endpoint, cfg.trace_endpoint, cfg.secret_file)
+        super().__init__(f"{inst.name}-scheduler", cfg.control_endpoint, cfg.trace_endpoint, cfg.secret_file)
         self.cfg = cfg
         self.inst = inst
         self.alloc = BlockAllocator(inst.num_blocks)
@@ -90,12 +90,12 @@ class SchedulerCore(Actor):
         self.front = self.add_channel(front, m.DEC_ROUTER_TO_SCHED, "router", routed=True)
         self.workers = []
         for r, ep in enumerate(self.inst.worker_endpoints):
-            ch = self.add_channel(self.socket(zmq.DEALER, ep, bind=False), m.DEC_WORKER_TO_SCHED, f"{self.role}-worker-{r}")
+            ch = self.add_channel(self.socket(zmq.DEALER, ep, bind=False), m.DEC_WORKER_TO_SCHED, f"{self.inst.name}-worker-{r}")
             ch.index = r
             self.workers.append(ch)
         self.writers = []
         for r, ep in enumerate(self.inst.writer_endpoints):
-            ch = self.add_channel(self.socket(zmq.DEALER, ep, bind=False), m.DEC_WRITER_TO_SCHED, f"{self.role}-writer-{r}")
+            ch = self.add_channel(self.socket(zmq.DEALER, ep, bind=False), m.DEC_WRITER_TO_SCHED, f"{self.inst.name}-writer-{r}")
             ch.index = r
             self.writers.append(ch)
 
@@ -116,7 +116,8 @@ class SchedulerCore(Actor):
         kv = r.kv
         if r.leg == "local" or not kv.nbytes:
             return None
-        return m.KVTransferStats(kv.nbytes, kv.num_descs, kv.transfer_s, r.rendezvous or ("pull" if r.pull is not None else ""))
+        return m.KVTransferStats(kv.nbytes, kv.num_descs, kv.transfer_s, r.rendezvous or ("pull" if r.pull is not None else ""),
+                                 r.reserved_block_s, len(r.blocks) if r.reserved_block_s else 0)
 
     def _count_kv(self, r: Request) -> None:
         self.counters["kv_bytes"] += r.kv.nbytes
@@ -206,7 +207,7 @@ class SchedulerCore(Actor):
             return
         r = Request(msg.transfer_id, msg.generation, msg.leg, msg.prompt_token_ids, msg.max_tokens, identity,
                     frozenset(msg.stop_token_ids), msg.source, msg.pull, seq_id=self.next_seq,
-                    sampling=msg.sampling)
+                    sampling=msg.sampling, late=msg.late)
         self.next_seq += 1
         need = r.blocks_needed(self.inst.block_size)
         if need > self.alloc.num_blocks:

@@ -9,6 +9,7 @@ Either way, when every writer rank reports the KV received, the first token
 """
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 from pushkv import messages as m
@@ -22,8 +23,8 @@ class DecodeScheduler(SchedulerCore):
 
     def __init__(self, cfg: DeploymentConfig, inst: InstanceConfig):
         super().__init__(cfg, inst)
-        p = cfg.prefill  # the only KV source a decode leg may name (D's writer connects to it)
-        self.sources = {m.PrefillSource(p.engine_id, p.tp, tuple(p.handshake_endpoints))}
+        # the only KV sources a decode leg may name: this deployment's P instances
+        self.sources = {p.source() for p in cfg.role_instances("prefill")}
         self.blocked_on: Optional[tuple[str, int]] = None  # pull inline: the READ the engine waits on
 
     def _check_leg(self, msg: m.Generate) -> Optional[tuple[str, int]]:
@@ -43,13 +44,18 @@ class DecodeScheduler(SchedulerCore):
 
     def _admitted(self, r: Request) -> None:
         r.state = State.AWAIT_KV
+        r.reserved_at = time.monotonic()
         if r.pull is None:  # push: register now, while P computes
             self._to_writers(m.ExpectKV(r.transfer_id, r.generation, tuple(r.blocks), len(r.prompt),
                                         r.source, self.cfg.timeouts.write_wait_s))
             self._stamp(r, "registration_sent")
         else:
-            self._to_writers(m.ReadKV(r.transfer_id, r.generation, tuple(r.blocks), r.pull,
-                                      self.cfg.timeouts.transfer_s))
+            # a push deployment's late allocation keeps push's transfer: register now, P WRITEs
+            late = self.cfg.mode == "push"
+            if late:
+                self.counters["late_allocations"] += 1
+            wait = self.cfg.timeouts.write_wait_s if late else self.cfg.timeouts.transfer_s
+            self._to_writers(m.ReadKV(r.transfer_id, r.generation, tuple(r.blocks), r.pull, wait, write=late))
             self._stamp(r, "read_posted")
             if self.cfg.pull_read == "inline":
                 self.blocked_on = r.key  # the engine step blocks on the READ, like the default connector
@@ -60,6 +66,10 @@ class DecodeScheduler(SchedulerCore):
     def _kv_done(self, r: Request, answers: dict[int, WriterAnswer]) -> None:
         """The KV has arrived on every rank: emit P's first token and start decoding."""
         self._stamp(r, "kv_received")
+        # push's cost: D blocks held from their reservation until the KV is here
+        r.reserved_block_s = len(r.blocks) * (time.monotonic() - r.reserved_at)
+        self.counters["reserved_block_ms"] += int(r.reserved_block_s * 1000)
+        self.counters["kv_waits"] += 1
         self._count_kv(r)
         self._forget(r)
         first = next(a.first_token for a in answers.values() if isinstance(a, m.KVReceived))

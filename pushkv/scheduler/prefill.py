@@ -28,15 +28,23 @@ class PrefillScheduler(SchedulerCore):
         r.output = [tok]
         if lp is not None:  # the first token's logprob is P's to give: D never sees these logits
             self._reply(r, m.TokensGenerated(r.transfer_id, r.generation, (tok,), logprobs=(lp,)))
-        if self.cfg.mode == "pull":
+        if self._holds(r):
             lease = self.cfg.timeouts.lease_s
-            self._to_writers(m.HoldKV(r.transfer_id, r.generation, tuple(r.blocks), len(r.prompt), tok, lease))
+            if r.late:
+                self.counters["late_allocations"] += 1
+            # a late push request keeps push's transfer: D registers after the relay and we WRITE
+            self._to_writers(m.HoldKV(r.transfer_id, r.generation, tuple(r.blocks), len(r.prompt), tok, lease,
+                                      write=r.late))
             src = m.PrefillSource(self.inst.engine_id, self.inst.tp, self.inst.handshake_endpoints)
             pull = m.PullParams(src, tuple(r.blocks), len(r.prompt), tok, time.monotonic() + lease)
             self._reply(r, m.PrefillFinished(r.transfer_id, r.generation, tok, pull, self._timeline(r)))
         else:
             self._to_writers(m.SendKV(r.transfer_id, r.generation, tuple(r.blocks), len(r.prompt), tok))
             self._stamp(r, "send_kv")
+
+    def _holds(self, r: Request) -> bool:
+        """Pull's protocol for this request: hold the KV and relay P's blocks through the router."""
+        return self.cfg.mode == "pull" or r.late
 
     def _kv_done(self, r: Request, answers: dict[int, WriterAnswer]) -> None:
         """Every writer rank says the WRITE (push) or D's READ (pull) is done: the blocks are free."""
@@ -46,7 +54,7 @@ class PrefillScheduler(SchedulerCore):
         self._count_kv(r)
         if r.rendezvous:
             self.counters[f"rendezvous_{r.rendezvous}"] += 1
-        if self.cfg.mode != "pull":
+        if not self._holds(r):
             self._reply(r, m.PrefillFinished(r.transfer_id, r.generation, r.output[0], None, self._timeline(r),
                                              self._kv_stats(r)))
         self._release(r)

@@ -57,6 +57,9 @@ class Request:
     kv: KVTally = field(default_factory=lambda: KVTally())
     rendezvous: str = ""  # P, push: which half arrived first (from the writers' KVSent)
     sampling: Optional[m.SamplingParams] = None  # None: greedy
+    late: bool = False  # P, push deployment: hold the KV and answer with pull parameters
+    reserved_at: float = 0.0  # D: monotonic time its blocks were reserved
+    reserved_block_s: float = 0.0  # D: blocks x seconds from reservation until the KV arrived
 
     @property
     def key(self) -> tuple[str, int]:

@@ -42,7 +42,7 @@ def process_info(row: Row, now: float) -> m.ProcessInfo:
         uptime_s=round(now - row.started_at, 3) if alive else 0.0,
         restarts=row.restarts, healthy=row.healthy(now),
         last_pong_age_s=round(now - row.last_pong, 3) if row.last_pong else -1.0,
-        last_exit=describe_exit(row.exit_code),
+        last_exit=describe_exit(row.exit_code), instance=row.spec.instance,
     )
 
 

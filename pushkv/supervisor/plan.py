@@ -76,7 +76,7 @@ def _unique_ports(pick: PortPicker, taken: Iterable[int] = ()) -> Iterator[int]:
 
 
 def _plan_instance(inst: InstanceConfig, dep_id: str, run_dir: str, ports: Iterator[int]) -> InstanceConfig:
-    role, tp = inst.role, inst.tp
+    role, tp, name = inst.role, inst.tp, inst.name
     if tp < 1:
         raise ValueError(f"{role}: tp must be >= 1, got {tp}")
 
@@ -92,15 +92,34 @@ def _plan_instance(inst: InstanceConfig, dep_id: str, run_dir: str, ports: Itera
         dist_init = f"tcp://{LOOPBACK}:{next(ports)}"
     return msgspec.structs.replace(
         inst,
-        engine_id=inst.engine_id or f"{role}-{dep_id}",
-        sched_endpoint=inst.sched_endpoint or ipc(run_dir, f"{role}-scheduler.sock"),
-        worker_endpoints=per_rank(inst.worker_endpoints, lambda r: ipc(run_dir, f"{role}-worker-{r}.sock"), "worker endpoints"),
-        writer_endpoints=per_rank(inst.writer_endpoints, lambda r: ipc(run_dir, f"{role}-writer-{r}.sock"), "writer endpoints"),
+        engine_id=inst.engine_id or f"{name}-{dep_id}",
+        sched_endpoint=inst.sched_endpoint or ipc(run_dir, f"{name}-scheduler.sock"),
+        worker_endpoints=per_rank(inst.worker_endpoints, lambda r: ipc(run_dir, f"{name}-worker-{r}.sock"), "worker endpoints"),
+        writer_endpoints=per_rank(inst.writer_endpoints, lambda r: ipc(run_dir, f"{name}-writer-{r}.sock"), "writer endpoints"),
         handshake_endpoints=per_rank(
             inst.handshake_endpoints, lambda r: f"tcp://{LOOPBACK}:{next(ports)}", "handshake endpoints"
         ),
         dist_init=dist_init,
     )
+
+
+def instance_copies(template: InstanceConfig, count: int, first_gpu: int) -> list[InstanceConfig]:
+    """``count`` instances of one role from its template: instance i gets index i, and on CUDA
+    the GPUs after the previous instance's (its TP ranks take consecutive GPUs from
+    ``first_gpu``). Endpoints and engine ids a config file pinned hold for the first only."""
+    if count < 1:
+        raise ValueError(f"{template.role}: at least one instance, got {count}")
+    out = [template]
+    for i in range(1, count):
+        dev = template.device if template.device == "cpu" else f"cuda:{first_gpu + i * template.tp}"
+        out.append(msgspec.structs.replace(
+            template, index=i, device=dev, engine_id="", sched_endpoint="", worker_endpoints=(),
+            writer_endpoints=(), handshake_endpoints=(), dist_init=""))
+    return out
+
+
+def _gpu_base(inst: InstanceConfig) -> int:
+    return int(inst.device.split(":")[1]) if ":" in inst.device else 0
 
 
 def plan_deployment(
@@ -109,10 +128,16 @@ def plan_deployment(
     """Fill every id, directory and endpoint left empty in ``cfg``.
 
     Fields already set are kept (a config file may pin them). Only the
-    instances the mode uses are planned.
+    instances the mode uses are planned; with ``prefill_instances`` /
+    ``decode_instances`` above 1, ``prefills`` / ``decodes`` hold every one
+    (the first is also ``prefill`` / ``decode``).
     """
     if cfg.mode not in ("push", "pull", "local"):
         raise ValueError(f"unknown mode {cfg.mode!r}; expected push, pull or local")
+    if cfg.mode == "local" and (cfg.prefill_instances, cfg.decode_instances) != (1, 1):
+        raise ValueError("--prefill-instances / --decode-instances need --mode push or pull")
+    if cfg.router_queue < 0:
+        raise ValueError(f"router_queue must be >= 0, got {cfg.router_queue}")
     check_deployment(cfg)  # P/D geometry: refuse before any process starts
     dep_id = cfg.deployment_id or new_deployment_id()
     run_dir = cfg.run_dir or os.path.join(run_root, f"pushkv-{dep_id}")
@@ -127,8 +152,22 @@ def plan_deployment(
         changes["trace_endpoint"] = ipc(run_dir, "trace.sock")
     if (cfg.trace_endpoint or cfg.trace_tap_endpoint) and not cfg.trace_tap_endpoint:
         changes["trace_tap_endpoint"] = ipc(run_dir, "trace-tap.sock")
-    for inst in cfg.instances():
-        changes[inst.role] = _plan_instance(inst, dep_id, run_dir, ports)
+    if cfg.mode == "local":
+        changes["local"] = _plan_instance(cfg.local, dep_id, run_dir, ports)
+        return msgspec.structs.replace(cfg, **changes)
+    p, d = cfg.prefill, cfg.decode
+    several = cfg.prefill_instances > 1 or cfg.decode_instances > 1
+    if several and d.device != "cpu" and d.device == p.device:
+        # one --device for both roles: D's instances take the GPUs after the last P instance's
+        d = msgspec.structs.replace(d, device=f"cuda:{_gpu_base(p) + cfg.prefill_instances * p.tp}")
+    d_first = _gpu_base(d)
+    prefills = tuple(_plan_instance(i, dep_id, run_dir, ports)
+                     for i in instance_copies(p, cfg.prefill_instances, _gpu_base(p)))
+    decodes = tuple(_plan_instance(i, dep_id, run_dir, ports)
+                    for i in instance_copies(d, cfg.decode_instances, d_first))
+    changes.update(prefill=prefills[0], decode=decodes[0])
+    if len(prefills) > 1 or len(decodes) > 1:
+        changes.update(prefills=prefills, decodes=decodes)
     return msgspec.structs.replace(cfg, **changes)
 
 
@@ -139,16 +178,25 @@ class ProcessSpec(msgspec.Struct, frozen=True):
     rank: int  # TP rank; 0 for scheduler and router
     argv: tuple[str, ...]
     stage: int  # start stage (KIND_STAGE)
+    instance: int = 0  # index of the instance of its role
+
+    @property
+    def instance_name(self) -> str:
+        """``prefill``, ``prefill1``, ... (InstanceConfig.name); "" for the router."""
+        return self.role if self.instance == 0 else f"{self.role}{self.instance}"
 
 
 def config_path(cfg: DeploymentConfig) -> str:
     return os.path.join(cfg.run_dir, "config.json")
 
 
-def child_argv(kind: str, config_file: str, role: Optional[str] = None, rank: int = 0) -> tuple[str, ...]:
+def child_argv(kind: str, config_file: str, role: Optional[str] = None, rank: int = 0,
+               instance: int = 0) -> tuple[str, ...]:
     argv = [sys.executable, "-m", f"processes.{kind}", "--config", config_file]
     if role is not None:
         argv += ["--role", role, "--rank", str(rank)]
+    if instance:
+        argv += ["--instance", str(instance)]
     return tuple(argv)
 
 
@@ -159,16 +207,16 @@ def process_specs(cfg: DeploymentConfig) -> list[ProcessSpec]:
     path = config_path(cfg)
     specs: list[ProcessSpec] = []
     for inst in cfg.instances():
-        role = inst.role
+        role, name, idx = inst.role, inst.name, inst.index
         for kind in ("writer", "worker"):
             for r in range(inst.tp):
                 specs.append(ProcessSpec(
-                    name=f"{role}-{kind}-{r}", kind=kind, role=role, rank=r,
-                    argv=child_argv(kind, path, role, r), stage=KIND_STAGE[kind],
+                    name=f"{name}-{kind}-{r}", kind=kind, role=role, rank=r,
+                    argv=child_argv(kind, path, role, r, idx), stage=KIND_STAGE[kind], instance=idx,
                 ))
         specs.append(ProcessSpec(
-            name=f"{role}-scheduler", kind="scheduler", role=role, rank=0,
-            argv=child_argv("scheduler", path, role, 0), stage=KIND_STAGE["scheduler"],
+            name=f"{name}-scheduler", kind="scheduler", role=role, rank=0,
+            argv=child_argv("scheduler", path, role, 0, idx), stage=KIND_STAGE["scheduler"], instance=idx,
         ))
     specs.append(ProcessSpec(
         name="router", kind="router", role="", rank=0,

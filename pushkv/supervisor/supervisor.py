@@ -9,6 +9,7 @@ poller as the control socket.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -70,7 +71,7 @@ class Supervisor(Actor):
         write_registry: bool = True,
         out: TextIO = sys.stdout,
     ):
-        self._instance_restart: dict[str, InstanceRestart] = {}  # by role
+        self._instance_restart: dict[str, InstanceRestart] = {}  # by instance name (prefill, prefill1, ...)
         if not cfg.run_dir or not cfg.control_endpoint:
             raise ValueError("Supervisor needs a planned config (see plan_deployment)")
         if on_child_exit not in ON_CHILD_EXIT:
@@ -146,7 +147,7 @@ class Supervisor(Actor):
         argv = list(self.child_argv(row.spec))
         env = lifecycle.child_env(name, self.cfg.deployment_id)
         if row.spec.kind == "worker":  # map the pool its writer owns (named per writer incarnation)
-            writer = self.table.get(f"{row.spec.role}-writer-{row.spec.rank}")
+            writer = self.table.get(f"{row.spec.instance_name}-writer-{row.spec.rank}")
             if writer is not None and writer.ready is not None and writer.ready.pool is not None:
                 env[POOL_ENV] = handle_to_env(writer.ready.pool)
         try:
@@ -200,7 +201,7 @@ class Supervisor(Actor):
         log.info("%s ready (pid %d)", msg.name, row.pid)
         self._publish(msg.name, "ready", row)
         self._advance(time.monotonic())
-        self._advance_instance(row.spec.role, time.monotonic())
+        self._advance_instance(row.spec.instance_name, time.monotonic())
 
     def on_Pong(self, msg: m.Pong, identity: bytes) -> None:
         row = self.table.get(msg.name)
@@ -239,6 +240,11 @@ class Supervisor(Actor):
             "trace_endpoint": self.cfg.trace_endpoint, "trace_tap_endpoint": self.cfg.trace_tap_endpoint,
             "supervisor_pid": str(os.getpid()),
             "on_child_exit": self.on_child_exit,
+            # one entry per P / D / local instance, JSON (the info map holds strings)
+            "instances": json.dumps([
+                {"name": i.name, "role": i.role, "index": i.index, "engine_id": i.engine_id, "tp": i.tp,
+                 "device": i.device, "num_blocks": i.num_blocks, "block_size": i.block_size}
+                for i in self.cfg.instances()]),
         }
 
     def request_stop(self, reason: str) -> None:
@@ -288,12 +294,12 @@ class Supervisor(Actor):
             self._publish(name, "exit", row, detail=how)
             self._spawn(name, now)
             return
-        role = row.spec.role
-        if role in self._instance_restart and name in self._instance_restart[role].stopping:
-            self._instance_restart[role].stopping.discard(name)
-            log.info("%s (pid %d) stopped for the restart of the %s instance: %s", name, pid, role, how)
+        role, inst = row.spec.role, row.spec.instance_name
+        if inst in self._instance_restart and name in self._instance_restart[inst].stopping:
+            self._instance_restart[inst].stopping.discard(name)
+            log.info("%s (pid %d) stopped for the restart of the %s instance: %s", name, pid, inst, how)
             self._publish(name, "exit", row, detail=how)
-            self._advance_instance(role, now)
+            self._advance_instance(inst, now)
             return
         log.error("%s (pid %d) died: %s", name, pid, how)
         self._publish(name, "exit", row, detail=how)
@@ -305,7 +311,7 @@ class Supervisor(Actor):
             self._fail(f"{name} (pid {pid}) died ({how}) after {self.policy.max_restarts} restarts "
                        f"within {self.policy.window_s:.0f} s; giving up")
         elif role in ENGINE_ROLES:
-            self._restart_instance(role, name, now, how)
+            self._restart_instance(inst, name, now, how)
         else:
             self._spawn(name, now)
 
@@ -314,10 +320,14 @@ class Supervisor(Actor):
     # scheduler's block accounting describes, so one death restarts the
     # whole instance, stage by stage (writers, workers, scheduler).
     # ------------------------------------------------------------------
+    def _instance_rows(self, inst: str) -> list[Row]:
+        return [r for r in self.table if r.spec.role and r.spec.instance_name == inst]
+
     def _restart_instance(self, role: str, dead: str, now: float, how: str = "") -> None:
+        """``role`` names the instance (``prefill``, ``prefill1``, ...: InstanceConfig.name)."""
         if role in self._instance_restart:
             return
-        rows = [r for r in self.table if r.spec.role == role]
+        rows = self._instance_rows(role)
         stopping = set()
         why = f"{role} instance restarting: {dead} died" + (f" ({how})" if how else "")
         for r in rows:
@@ -333,7 +343,7 @@ class Supervisor(Actor):
         st = self._instance_restart.get(role)
         if st is None or st.stopping:
             return
-        rows = [r for r in self.table if r.spec.role == role]
+        rows = self._instance_rows(role)
         while True:
             if st.stage_idx >= 0:
                 stage = st.stages[st.stage_idx]
@@ -458,15 +468,19 @@ class Supervisor(Actor):
             name=name, event=event, pid=row.pid if row else os.getpid(), detail=detail,
             restarts=row.restarts if row else 0, t_wall=time.time(),
             role=row.spec.role if row else "", kind=row.spec.kind if row else "", rank=row.spec.rank if row else 0,
+            instance=row.spec.instance if row else 0,
         )
         self._events.send_multipart([topic.encode(), m.encode(ev)])
 
-    def _publish_instance(self, role: str, event: str, detail: str = "") -> None:
-        """An event about a whole instance (its restart), topic ``pushkv.<role>.instance.<event>``."""
+    def _publish_instance(self, inst: str, event: str, detail: str = "") -> None:
+        """An event about a whole instance (its restart), topic ``pushkv.<role>.instance.<event>``;
+        ``inst`` is the instance name (``prefill``, ``prefill1``, ...)."""
         if self._events is None:
             return
-        ev = m.LifecycleEvent(name=f"{role}.instance", event=event, pid=os.getpid(), detail=detail,
-                              t_wall=time.time(), role=role, kind="instance")
+        rows = self._instance_rows(inst)
+        role, index = (rows[0].spec.role, rows[0].spec.instance) if rows else (inst, 0)
+        ev = m.LifecycleEvent(name=f"{inst}.instance", event=event, pid=os.getpid(), detail=detail,
+                              t_wall=time.time(), role=role, kind="instance", instance=index)
         self._events.send_multipart([f"pushkv.{role}.instance.{event}".encode(), m.encode(ev)])
 
     def serve(self) -> int:

@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 class Worker(Actor):
     def __init__(self, cfg: DeploymentConfig, inst: InstanceConfig, rank: int):
-        super().__init__(f"{inst.role}-worker-{rank}", cfg.control_endpoint, cfg.trace_endpoint, cfg.secret_file)
+        super().__init__(f"{inst.name}-worker-{rank}", cfg.control_endpoint, cfg.trace_endpoint, cfg.secret_file)
         self.cfg = cfg
         self.inst = inst
         self.rank = rank
@@ -58,11 +58,11 @@ class Worker(Actor):
             log.info("%s: batched engine warm in %.1fs, %d decode CUDA graphs captured in %.1fs",
                      self.name, warm, len(self.model.batched.graphs), graphs)
         sock = self.socket(zmq.DEALER, self.inst.worker_endpoints[self.rank], bind=True)
-        self.sched = self.add_channel(sock, m.DEC_SCHED_TO_WORKER, f"{self.inst.role}-scheduler")
+        self.sched = self.add_channel(sock, m.DEC_SCHED_TO_WORKER, f"{self.inst.name}-scheduler")
 
     def _attach(self) -> Pool:
         """The pool its writer owns: the handle the supervisor passed on (shm or CUDA IPC)."""
-        return attach_worker_pool(os.environ, self.cfg.deployment_id, self.inst.role, self.rank, self.layout,
+        return attach_worker_pool(os.environ, self.cfg.deployment_id, self.inst.name, self.rank, self.layout,
                                   self.cfg.model.dtype)
 
     def teardown(self) -> None:

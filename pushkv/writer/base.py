@@ -111,7 +111,7 @@ class InFlight:
 
 class WriterBase(Actor):
     def __init__(self, cfg: DeploymentConfig, inst: InstanceConfig, rank: int):
-        super().__init__(f"{inst.role}-writer-{rank}", cfg.control_endpoint, cfg.trace_endpoint, cfg.secret_file)
+        super().__init__(f"{inst.name}-writer-{rank}", cfg.control_endpoint, cfg.trace_endpoint, cfg.secret_file)
         self.cfg = cfg
         self.inst = inst
         self.rank = rank
@@ -135,7 +135,7 @@ class WriterBase(Actor):
 
     # -- lifecycle --------------------------------------------------------------
     def setup(self) -> None:
-        name = shm_name(self.cfg.deployment_id, self.inst.role, self.rank, os.getpid())
+        name = shm_name(self.cfg.deployment_id, self.inst.name, self.rank, os.getpid())
         device = rank_device(self.inst, self.rank)
         self.pool = create_pool(name, self.layout, self.cfg.model.dtype, device)
         self.nixl = NixlAgent(self.agent_name, device=device)
@@ -148,7 +148,7 @@ class WriterBase(Actor):
         except Exception as e:  # every transfer then builds its own descriptors
             log.warning("%s: cannot prepare the pool's descriptors (ad-hoc posts instead): %s", self.name, e)
         sched = self.socket(zmq.DEALER, self.inst.writer_endpoints[self.rank], bind=True)
-        self.sched = self.add_channel(sched, m.DEC_SCHED_TO_WRITER, f"{self.inst.role}-scheduler")
+        self.sched = self.add_channel(sched, m.DEC_SCHED_TO_WRITER, f"{self.inst.name}-scheduler")
         if self.inst.handshake_endpoints:
             hs = self.socket(zmq.ROUTER, self.inst.handshake_endpoints[self.rank], bind=True)
             self.handshake = self.add_channel(hs, m.DEC_HANDSHAKE, "peer-handshake", routed=True)
@@ -326,7 +326,10 @@ class WriterBase(Actor):
         role = ev.role
         if ev.event != "exit" or role == self.inst.role or role not in ("prefill", "decode"):
             return
-        engine = self.cfg.instance(role).engine_id
+        try:
+            engine = self.cfg.instance(role, ev.instance).engine_id
+        except IndexError:  # an instance this config does not plan
+            return
         dead = [p for p in self.peers.values() if p.engine_id == engine]
         for p in dead:
             self.forget_peer(p)

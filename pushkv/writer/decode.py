@@ -55,11 +55,13 @@ class DecodeWriter(WriterBase):
     def setup(self) -> None:
         super().setup()
         # start the handshakes with the configured prefill instance, off the TTFT path
-        if self.cfg.mode in ("push", "pull") and self.cfg.prefill.handshake_endpoints:
-            src = self.cfg.prefill
+        if self.cfg.mode in ("push", "pull"):
             now = time.monotonic()
-            for r in producers_for(self.rank, self.inst.tp, src.tp, self.layout.total_kv_heads):
-                self.start_link(src.engine_id, r, src.handshake_endpoints[r], now)
+            for src in self.cfg.role_instances("prefill"):  # every P instance this host planned
+                if not src.handshake_endpoints:
+                    continue
+                for r in producers_for(self.rank, self.inst.tp, src.tp, self.layout.total_kv_heads):
+                    self.start_link(src.engine_id, r, src.handshake_endpoints[r], now)
 
     def has_pending(self) -> bool:
         return self.arrivals.next_deadline() is not None or bool(self._quarantine) or bool(self.waits)
@@ -213,7 +215,7 @@ class DecodeWriter(WriterBase):
     # -- pull, background: READ on the writer --------------------------------------------
     def on_ReadKV(self, msg: m.ReadKV) -> None:
         p = msg.pull
-        if self.cfg.pull_read == "write":  # register now, after the relay; P WRITEs (see config)
+        if msg.write or self.cfg.pull_read == "write":  # register now, after the relay; P WRITEs (see config)
             self._register(msg.transfer_id, msg.generation, msg.block_ids, p.num_tokens, p.source, msg.deadline_s)
             return
         self._with_producers((msg.transfer_id, msg.generation), p.source,

@@ -76,7 +76,7 @@ class PrefillWriter(WriterBase):
 
     def on_HoldKV(self, msg: m.HoldKV) -> None:
         faults.point(self.name, "lease_held")
-        if self.cfg.pull_read == "write":
+        if msg.write or self.cfg.pull_read == "write":
             self._hold_for_write(msg)
         else:
             self._hold_for_read(msg)

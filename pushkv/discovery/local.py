@@ -1,0 +1,120 @@
+"""Single-host discovery: the instances this host's supervisor planned, and their
+deaths and restarts from its lifecycle events.
+
+``LocalWatcher`` is the router's ``Watcher`` for a deployment one supervisor runs:
+the records come from the planned config, an instance goes down at the first exit
+of one of its processes (the supervisor then restarts the whole instance) and comes
+back up when the supervisor reports it ready again (``<role>.instance.ready``, or
+every process that exited is ready again after a single-process restart).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import AsyncIterator, Optional
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from pushkv import messages as m
+from pushkv.config import DeploymentConfig, InstanceConfig
+from pushkv.security import secure_connect
+from pushkv.discovery.records import DiscoveryEvent, InstanceDown, InstanceRecord, InstanceUp
+
+ENGINE_ROLES = ("prefill", "decode")
+
+
+def record_of(cfg: DeploymentConfig, inst: InstanceConfig) -> InstanceRecord:
+    return InstanceRecord(
+        engine_id=inst.engine_id, role=inst.role, sched_endpoint=inst.sched_endpoint,
+        handshake_endpoints=tuple(inst.handshake_endpoints), tp=inst.tp, block_size=inst.block_size,
+        num_blocks=inst.num_blocks, max_num_seqs=inst.max_num_seqs, host=cfg.host,
+        supervisor_pid=os.getppid(), started_unix=time.time(),
+    )
+
+
+def planned_records(cfg: DeploymentConfig) -> list[InstanceRecord]:
+    if cfg.mode == "local":
+        return []
+    return [record_of(cfg, i) for role in ENGINE_ROLES for i in cfg.role_instances(role)]
+
+
+class InstanceTracker:
+    """Pure: lifecycle events in, discovery events out (tested with plain calls)."""
+
+    def __init__(self, cfg: DeploymentConfig):
+        self.cfg = cfg
+        self.records = {r.engine_id: r for r in planned_records(cfg)}
+        self.dead: dict[str, set[str]] = {}  # engine id -> its processes that exited, while down
+
+    def engine_of(self, ev: m.LifecycleEvent) -> Optional[str]:
+        if ev.role not in ENGINE_ROLES or self.cfg.mode == "local":
+            return None
+        insts = self.cfg.role_instances(ev.role)
+        return insts[ev.instance].engine_id if ev.instance < len(insts) else None
+
+    def on_event(self, ev: m.LifecycleEvent) -> Optional[DiscoveryEvent]:
+        engine = self.engine_of(ev)
+        if engine is None:
+            return None
+        if ev.kind == "instance":
+            if ev.event == "ready" and engine in self.dead:
+                del self.dead[engine]
+                return InstanceUp(self.records[engine])
+            return None
+        if ev.event == "exit":
+            first = engine not in self.dead
+            self.dead.setdefault(engine, set()).add(ev.name)
+            if first:
+                return InstanceDown(engine, ev.role, f"{ev.name} died ({ev.detail})")
+            return None
+        if ev.event == "ready" and engine in self.dead:
+            self.dead[engine].discard(ev.name)
+            if not self.dead[engine]:  # every process that exited is back (a single-process restart)
+                del self.dead[engine]
+                return InstanceUp(self.records[engine])
+        return None
+
+
+class LocalWatcher:
+    """``Watcher`` over the planned config and the supervisor's event stream."""
+
+    def __init__(self, cfg: DeploymentConfig, ctx: Optional[zmq.asyncio.Context] = None, security=None):
+        self.cfg = cfg
+        self.security = security  # pushkv.security.Security, or None: CURVE if the events endpoint is tcp://
+        self.tracker = InstanceTracker(cfg)
+        self.ctx = ctx or zmq.asyncio.Context.instance()
+        self._sub: Optional[zmq.asyncio.Socket] = None
+
+    def snapshot(self) -> list[InstanceRecord]:
+        return list(self.tracker.records.values())
+
+    async def events(self) -> AsyncIterator[DiscoveryEvent]:
+        for rec in self.snapshot():
+            yield InstanceUp(rec)
+        if not self.cfg.events_endpoint:
+            await asyncio.Event().wait()  # nothing will change
+        self._sub = sub = self.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"pushkv.")
+        secure_connect(sub, self.cfg.events_endpoint, self.security)
+        try:
+            while True:
+                frames = await sub.recv_multipart()
+                try:
+                    ev = m.DEC_EVENT.decode(frames[-1])
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    continue
+                out = self.tracker.on_event(ev)
+                if out is not None:
+                    yield out
+        finally:
+            sub.close(0)
+            self._sub = None
+
+    async def close(self) -> None:
+        if self._sub is not None:
+            self._sub.close(0)
+            self._sub = None

@@ -1,0 +1,279 @@
+"""Instance choice: the pure policy (tables), the balancer's accounting over it
+(plain calls, no sockets), and the single-host discovery tracker."""
+from __future__ import annotations
+
+import pytest
+
+from pushkv import messages as m
+from pushkv.config import DeploymentConfig, InstanceConfig
+from pushkv.discovery.local import InstanceTracker
+from pushkv.discovery.records import InstanceDown, InstanceRecord, InstanceUp
+from pushkv.router import policy as P
+from pushkv.router.balance import Balancer, DecodePlaced, Placed, Refused
+from pushkv.supervisor.plan import plan_deployment, process_specs
+
+
+def pf(eid, queued=0, legs=0, up=True, order=0):
+    return P.Load(eid, "prefill", num_blocks=100, queued_tokens=queued, legs=legs, up=up, order=order)
+
+
+def dc(eid, num=100, committed=0, pinned=0, legs=0, up=True, order=0, bs=16):
+    return P.Load(eid, "decode", num_blocks=num, block_size=bs, committed=committed, pinned=pinned, legs=legs,
+                  up=up, order=order)
+
+
+# (loads, expected P) -- fewest queued prefill tokens, then fewest legs, then index; dead ones never
+PREFILL = [
+    ([pf("p0", 500), pf("p1", 100, order=1)], "p1"),
+    ([pf("p0", 100, legs=3), pf("p1", 100, legs=1, order=1)], "p1"),
+    ([pf("p0"), pf("p1", order=1)], "p0"),
+    ([pf("p0", 0, up=False), pf("p1", 900, order=1)], "p1"),
+    ([pf("p0", up=False)], None),
+    ([dc("d0")], None),
+]
+
+
+@pytest.mark.parametrize("loads,want", PREFILL)
+def test_pick_prefill(loads, want):
+    got = P.pick_prefill(loads)
+    assert (got.engine_id if got else None) == want
+
+
+# (loads, tokens, expected D) -- must hold ceil(tokens / block) blocks; then most left free; fewest legs
+DECODE = [
+    ([dc("d0", committed=50), dc("d1", committed=10, order=1)], 160, "d1"),
+    ([dc("d0", committed=95), dc("d1", committed=90, order=1)], 160, "d1"),  # d0 has 5 free, needs 10
+    ([dc("d0", committed=95), dc("d1", committed=91, order=1)], 160, None),  # neither can hold 10
+    ([dc("d0", committed=90)], 160, "d0"),  # exactly enough
+    ([dc("d0", legs=4), dc("d1", legs=1, order=1)], 16, "d1"),  # same room: fewer running
+    ([dc("d0", up=False), dc("d1", committed=99, order=1)], 16, "d1"),
+    ([dc("d0", bs=32, committed=95), dc("d1", committed=91, order=1)], 160, "d0"),  # 5 blocks of 32 = 160
+]
+
+
+@pytest.mark.parametrize("loads,tokens,want", DECODE)
+def test_pick_decode(loads, tokens, want):
+    got = P.pick_decode(loads, tokens)
+    assert (got.engine_id if got else None) == want
+
+
+# (loads, tokens, mode, waiting, bound, pin_fraction) -> (kind, P, D, status)
+PLACE = [
+    # room on D and nothing pinned: push, both legs now
+    ([pf("p0"), dc("d0")], 160, "push", 0, 4, 0.5, (P.PUSH, "p0", "d0", 0)),
+    # pull mode: always late (D after P)
+    ([pf("p0"), dc("d0")], 160, "pull", 0, 4, 0.5, (P.LATE, "p0", None, 0)),
+    # D short of blocks: 45 of 100 already wait for KV, +10 > 50 -> late allocation
+    ([pf("p0"), dc("d0", committed=45, pinned=45)], 160, "push", 0, 4, 0.5, (P.LATE, "p0", None, 0)),
+    # the same with a laxer cap: push
+    ([pf("p0"), dc("d0", committed=45, pinned=45)], 160, "push", 0, 4, 1.0, (P.PUSH, "p0", "d0", 0)),
+    # no D can hold it now: wait at the router
+    ([pf("p0"), dc("d0", committed=95)], 160, "push", 0, 4, 0.5, (P.WAIT, None, None, 0)),
+    # others already wait: FIFO, even when a D has room
+    ([pf("p0"), dc("d0")], 160, "push", 1, 4, 0.5, (P.WAIT, None, None, 0)),
+    # queue full: 429
+    ([pf("p0"), dc("d0", committed=95)], 160, "push", 4, 4, 0.5, (P.REFUSE, None, None, 429)),
+    # bound 0: never wait
+    ([pf("p0"), dc("d0", committed=95)], 160, "push", 0, 0, 0.5, (P.REFUSE, None, None, 429)),
+    # no live instance of a role: 503
+    ([pf("p0", up=False), dc("d0")], 160, "push", 0, 4, 0.5, (P.REFUSE, None, None, 503)),
+    ([pf("p0"), dc("d0", up=False)], 160, "push", 0, 4, 0.5, (P.REFUSE, None, None, 503)),
+    ([pf("p0")], 160, "pull", 0, 4, 0.5, (P.REFUSE, None, None, 503)),
+    # larger than any D's whole pool: 413, never queued
+    ([pf("p0"), dc("d0", num=5)], 160, "push", 0, 4, 0.5, (P.REFUSE, None, None, 413)),
+    # two of each: least-loaded P, emptiest D
+    ([pf("p0", 300), pf("p1", 20, order=1), dc("d0", committed=60), dc("d1", committed=20, order=1)], 160, "push",
+     0, 4, 0.5, (P.PUSH, "p1", "d1", 0)),
+]
+
+
+@pytest.mark.parametrize("loads,tokens,mode,waiting,bound,pin,want", PLACE)
+def test_place(loads, tokens, mode, waiting, bound, pin, want):
+    v = P.place(loads, tokens, mode=mode, pin_fraction=pin, waiting=waiting, queue_bound=bound)
+    assert (v.kind, v.prefill, v.decode, v.status) == want
+    if v.kind == P.REFUSE:
+        assert v.reason  # every refusal says why
+
+
+def test_refusal_reasons_name_the_cause():
+    v = P.place([pf("p0"), dc("d0", committed=95)], 160, mode="push", pin_fraction=1, waiting=3, queue_bound=3)
+    assert "queue full" in v.reason
+    v = P.place([pf("p0")], 16, mode="push", pin_fraction=1, waiting=0, queue_bound=3)
+    assert v.reason == "no live decode instance"
+    v = P.place([pf("p0"), dc("d0", num=5)], 160, mode="push", pin_fraction=1, waiting=0, queue_bound=3)
+    assert v.reason == "request needs 10 KV blocks; the decode pool has 5"
+
+
+# ---------------------------------------------------------------------------
+# the balancer's accounting, with stand-in runs and links
+# ---------------------------------------------------------------------------
+class Run:
+    def __init__(self, tid, prompt=32, max_tokens=128):
+        self.transfer_id = tid
+        self.prompt = (1,) * prompt
+        self.max_tokens = max_tokens
+        self.got: list = []
+
+    @property
+    def decode_tokens(self):
+        return len(self.prompt) + self.max_tokens
+
+    def deliver(self, role, msg):
+        self.got.append(msg)
+
+
+def rec(eid, role, num_blocks=100):
+    return InstanceRecord(engine_id=eid, role=role, sched_endpoint=f"ipc:///x/{eid}", handshake_endpoints=("hs",),
+                          num_blocks=num_blocks, block_size=16)
+
+
+def balancer(mode="push", pin=1.0, bound=2, d_blocks=(20, 20)):
+    b = Balancer(mode, pin, bound)
+    for i in range(2):
+        b.add(rec(f"p{i}", "prefill"), lambda r: object())
+    for i, n in enumerate(d_blocks):
+        b.add(rec(f"d{i}", "decode", n), lambda r: object())
+    return b
+
+
+def test_balancer_spreads_and_accounts():
+    b = balancer()
+    runs = [Run(f"t{i}") for i in range(2)]  # 160 tokens: 10 blocks each
+    vs = [b.request(r) for r in runs]
+    assert {v.prefill for v in vs} == {"p0", "p1"} and {v.decode for v in vs} == {"d0", "d1"}
+    assert b.loads["p0"].queued_tokens == 32 and b.loads["d0"].committed == 10 and b.loads["d0"].pinned == 10
+    b.prefill_done(runs[0])
+    b.kv_arrived(runs[0])
+    assert sum(l.queued_tokens for l in b.loads.values()) == 32
+    assert sum(l.pinned for l in b.loads.values()) == 10
+    for r in runs:
+        b.release(r)
+    assert all(l.queued_tokens == l.committed == l.pinned == l.legs == 0 for l in b.loads.values())
+
+
+def test_balancer_queues_until_room_then_refuses_past_the_bound():
+    b = balancer(bound=2)
+    big = [Run(f"b{i}", prompt=32, max_tokens=288) for i in range(2)]  # 20 blocks: a whole D each
+    assert all(b.request(r).kind == P.PUSH for r in big)
+    w1, w2, w3 = Run("w1"), Run("w2"), Run("w3")
+    assert b.request(w1) is None and b.request(w2) is None
+    with pytest.raises(Refused) as e:
+        b.request(w3)
+    assert e.value.status == 429 and "queue full" in e.value.reason
+    b.release(big[0])  # 20 blocks free on one D: both waiting requests (10 each) go, in order
+    assert [type(x) for x in w1.got] == [Placed] and [type(x) for x in w2.got] == [Placed]
+    assert w1.got[0].verdict.decode == w2.got[0].verdict.decode == b.held["w1"].decode
+    assert b.waiting == 0
+
+
+def test_balancer_late_allocation_does_not_reserve_d_until_prefill_is_done():
+    b = balancer(pin=0.5, d_blocks=(20,))
+    first, second = Run("a"), Run("b")
+    assert b.request(first).kind == P.PUSH  # 10 of 20 pinned: at the cap
+    v = b.request(second)
+    assert v.kind == P.LATE and b.loads["d0"].committed == 10  # nothing reserved on D for the late one
+    assert b.request_decode(second) == "d0" and b.loads["d0"].committed == 20 and b.loads["d0"].pinned == 10
+    third = Run("c")
+    assert b.request(third) is None  # D full: waits
+    b.release(first)
+    assert isinstance(third.got[0], Placed)
+
+
+def test_balancer_late_decode_waits_for_room():
+    b = balancer(mode="pull", d_blocks=(10,))
+    a, c = Run("a"), Run("c")
+    assert b.request(a).kind == P.LATE and b.request(c).kind == P.LATE
+    assert b.request_decode(a) == "d0"
+    assert b.request_decode(c) is None and b.waiting == 1
+    b.release(a)
+    assert c.got == [DecodePlaced("d0")]
+
+
+def test_balancer_skips_dead_instances_and_takes_them_back():
+    b = balancer()
+    b.down("p0")
+    b.down("d0")
+    v = b.request(Run("x"))
+    assert (v.prefill, v.decode) == ("p1", "d1")
+    b.down("p1")
+    with pytest.raises(Refused) as e:
+        b.request(Run("y"))
+    assert e.value.status == 503 and "prefill" in e.value.reason
+    b.add(rec("p0", "prefill"), lambda r: pytest.fail("same endpoint: the link is kept"))
+    assert b.request(Run("z")).prefill == "p0"
+
+
+# ---------------------------------------------------------------------------
+# planning several instances, and the local watcher's tracker
+# ---------------------------------------------------------------------------
+def planned(tmp_path, **kw):
+    ports = iter(range(20000, 20100))
+    cfg = DeploymentConfig(mode="push", deployment_id="dep", run_dir=str(tmp_path / "r"), **kw)
+    return plan_deployment(cfg, pick_port=lambda: next(ports))
+
+
+def test_plan_several_instances(tmp_path):
+    cfg = planned(tmp_path, prefill_instances=2, decode_instances=3)
+    assert [i.name for i in cfg.prefills] == ["prefill", "prefill1"]
+    assert [i.engine_id for i in cfg.decodes] == ["decode-dep", "decode1-dep", "decode2-dep"]
+    assert cfg.prefill == cfg.prefills[0] and cfg.decode == cfg.decodes[0]
+    eps = [i.sched_endpoint for i in cfg.instances()] + [e for i in cfg.instances() for e in i.handshake_endpoints]
+    assert len(set(eps)) == len(eps) == 10
+    names = [s.name for s in process_specs(cfg)]
+    assert "prefill-writer-0" in names and "prefill1-scheduler" in names and "decode2-worker-0" in names
+    spec = next(s for s in process_specs(cfg) if s.name == "decode2-writer-0")
+    assert spec.instance == 2 and spec.argv[-2:] == ("--instance", "2")
+    one = planned(tmp_path)  # one instance each: exactly as before
+    assert one.prefills == () and one.decodes == () and one.prefill.engine_id == "prefill-dep"
+    assert all("--instance" not in s.argv for s in process_specs(one))
+
+
+def test_plan_gpus_follow_each_other(tmp_path):
+    cfg = planned(tmp_path, prefill_instances=2, decode_instances=2,
+                  prefill=InstanceConfig(role="prefill", tp=2, device="cuda:0"),
+                  decode=InstanceConfig(role="decode", device="cuda:0"))
+    assert [i.device for i in cfg.prefills] == ["cuda:0", "cuda:2"]
+    assert [i.device for i in cfg.decodes] == ["cuda:4", "cuda:5"]
+    cfg = planned(tmp_path, decode_instances=2, prefill=InstanceConfig(role="prefill", device="cuda:0"),
+                  decode=InstanceConfig(role="decode", device="cuda:0"))
+    assert (cfg.prefill.device, [i.device for i in cfg.decodes]) == ("cuda:0", ["cuda:1", "cuda:2"])
+    cfg = planned(tmp_path, decode_instances=2, prefill=InstanceConfig(role="prefill", device="cuda:0"),
+                  decode=InstanceConfig(role="decode", device="cuda:3"))  # D named its own GPUs
+    assert [i.device for i in cfg.decodes] == ["cuda:3", "cuda:4"]
+    one = planned(tmp_path, prefill=InstanceConfig(role="prefill", device="cuda:0"),
+                  decode=InstanceConfig(role="decode", device="cuda:0"))
+    assert (one.prefill.device, one.decode.device) == ("cuda:0", "cuda:0")  # as before
+
+
+def ev(name, event, role, instance=0, kind="scheduler"):
+    return m.LifecycleEvent(name=name, event=event, role=role, kind=kind, instance=instance, detail="SIGKILL")
+
+
+def test_tracker_down_once_then_up(tmp_path):
+    cfg = planned(tmp_path, prefill_instances=2, decode_instances=2)
+    t = InstanceTracker(cfg)
+    assert sorted(r.engine_id for r in t.records.values()) == ["decode-dep", "decode1-dep", "prefill-dep",
+                                                              "prefill1-dep"]
+    down = t.on_event(ev("decode1-worker-0", "exit", "decode", 1, "worker"))
+    assert down == InstanceDown("decode1-dep", "decode", "decode1-worker-0 died (SIGKILL)")
+    assert t.on_event(ev("decode1-scheduler", "exit", "decode", 1)) is None  # survivors stopped: no news
+    assert t.on_event(ev("decode1-worker-0", "ready", "decode", 1, "worker")) is None
+    up = t.on_event(ev("decode1.instance", "ready", "decode", 1, "instance"))
+    assert isinstance(up, InstanceUp) and up.record.engine_id == "decode1-dep"
+    assert t.on_event(ev("prefill-writer-0", "ready", "prefill")) is None  # a live one's ready: nothing
+    assert t.on_event(ev("router", "exit", "")) is None
+    # a single process restarted (pushkv restart): up again once it is ready
+    assert isinstance(t.on_event(ev("prefill-worker-0", "exit", "prefill", 0, "worker")), InstanceDown)
+    assert isinstance(t.on_event(ev("prefill-worker-0", "ready", "prefill", 0, "worker")), InstanceUp)
+
+
+def test_ties_rotate_over_instances():
+    """Idle instances take turns, so sequential requests spread too."""
+    b = balancer()
+    seen = []
+    for i in range(4):
+        r = Run(f"s{i}")
+        v = b.request(r)
+        seen.append((v.prefill, v.decode))
+        b.release(r)
+    assert seen == [("p0", "d0"), ("p1", "d1"), ("p0", "d0"), ("p1", "d1")]
