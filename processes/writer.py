@@ -11,7 +11,7 @@ def main() -> None:
         from pushkv.writer.decode import DecodeWriter as W
     else:
         from pushkv.writer.local import LocalWriter as W
-    run_profiled(W(cfg, inst, args.rank).run, f"{args.role}-writer-{args.rank}")
+    run_profiled(W(cfg, inst, args.rank).run, f"{inst.name}-writer-{args.rank}")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 against a TCP socket, at small sizes; every rep's bytes are CRC-checked at the target."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tools import netns
@@ -39,11 +41,12 @@ def test_ucx_transport_from_the_protocol_table(text, want):
 @pytest.mark.timeout(120)
 def test_write_over_tcp_between_namespaces():
     sizes = [64 << 10, 1 * MIB]
-    before = set(netns.list_namespaces())
+    mine = f"{os.getpid()}-"  # only this process's: another run may be making hosts meanwhile
+    before = set(netns.list_namespaces(mine))
     result = measure(sizes, reps=2)
     assert [r["bytes"] for r in result["sizes"]] == sizes
     for r in result["sizes"]:
         assert r["verified_reps"] == 3  # each rep's CRC matched at the target (else measure raises)
         assert r["nixl_gbps"] > 0 and r["tcp_gbps"] > 0
     assert "tcp/" in result["ucx_transport"] and "cma" not in result["ucx_transport"]
-    assert set(netns.list_namespaces()) <= before
+    assert set(netns.list_namespaces(mine)) <= before
