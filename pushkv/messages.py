@@ -480,6 +480,7 @@ class TraceEvent(Msg):
     kind: str  # message type name
     transfer_id: str = ""
     payload: bytes = b""
+    host: str = ""  # the process's host (its supervisor's advertised address; "" on one host)
 
 
 # ---------------------------------------------------------------------------

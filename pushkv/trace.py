@@ -15,6 +15,7 @@ actor's ``trace_msg`` returns after one ``is None`` check.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import Counter
@@ -27,6 +28,7 @@ from pushkv.security import Security, secure_bind, secure_connect
 
 log = logging.getLogger(__name__)
 
+HOST_ENV = "PUSHKV_HOST"  # set by the supervisor for its children: the host in every trace event
 TRACE_SNDHWM = 100_000  # events queued per publisher before it drops (never blocks)
 TAP_SNDHWM = 1_000_000  # events queued per attached tap in the forwarder
 
@@ -37,6 +39,8 @@ class TracePublisher:
     def __init__(self, process: str, endpoint: str, ctx: Optional[zmq.Context] = None,
                  counters: Optional[Counter] = None, security: Optional[Security] = None):
         self.process = process
+        # which host's clock t_mono is (tools/trace_merge.py aligns hosts); the supervisor sets it
+        self.host = os.environ.get(HOST_ENV, "")
         self.counters = counters if counters is not None else Counter()
         self.sock = (ctx or zmq.Context.instance()).socket(zmq.PUB)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -54,14 +58,14 @@ class TracePublisher:
         self._send(m.TraceEvent(
             t_mono=time.monotonic(), t_wall=time.time(), process=self.process, direction=direction,
             peer=peer, kind=type(msg).__name__, transfer_id=getattr(msg, "transfer_id", ""),
-            payload=data,
+            payload=data, host=self.host,
         ))
 
     def event(self, kind: str, transfer_id: str = "", detail: str = "") -> None:
         """A local event (not a message), e.g. ``prefill_start``; ``detail`` travels in ``peer``."""
         self._send(m.TraceEvent(
             t_mono=time.monotonic(), t_wall=time.time(), process=self.process, direction="event",
-            peer=detail, kind=kind, transfer_id=transfer_id,
+            peer=detail, kind=kind, transfer_id=transfer_id, host=self.host,
         ))
 
     def close(self, linger: int = 0) -> None:

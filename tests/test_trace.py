@@ -18,6 +18,7 @@ from pushkv import messages as m
 from pushkv.trace import TraceForwarder, TracePublisher
 from tools import tap as tap_cli
 from tools import timeline as T
+from tools import trace_merge
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TID = "0123456789abcdef0123456789abcdef"
@@ -410,6 +411,20 @@ def test_push_deployment_tapped_spans_complete_and_ordered(tmp_path, monkeypatch
             assert {"prefill", "WRITE", "registration", "KV wait", "await KV", "decode", "TTFT"} <= names
             replayed = msgspec.msgpack.decode(raw.read_bytes(), type=list[m.TraceEvent])
             assert T.problems(T.RequestTimeline(tid, [e for e in replayed if e.transfer_id == tid])) == []
+
+            # the same events as if D ran on another host whose clock reads 1234.5 s more: the merge
+            # finds that offset from the messages between the hosts (router <-> D scheduler, P's and
+            # D's writers), within its stated error, and the request reads as it did on one clock
+            moved = [msgspec.structs.replace(e, host="d-host", t_mono=e.t_mono + 1234.5)
+                     if e.process.startswith("decode") else msgspec.structs.replace(e, host="p-host")
+                     for e in replayed]
+            back, al = trace_merge.merged(moved)
+            assert al.reference == "p-host" and al.unaligned == []
+            assert abs(al.offsets["d-host"] + 1234.5) <= al.error_s["d-host"] < 0.05, al
+            assert {e.process for e in back if e.process.startswith("decode-writer")} == {"decode-writer-0@d-host"}
+            again = T.RequestTimeline(tid, [e for e in back if e.transfer_id == tid])
+            assert T.problems(again) == []
+            assert abs(again.stages()["ttft"] - st["ttft"]) <= al.error_s["d-host"]
         finally:
             col.close()
 

@@ -31,6 +31,7 @@ from pushkv import messages as m
 from pushkv import security
 from pushkv.supervisor import registry
 from tools import timeline as T
+from tools import trace_merge
 
 RCVHWM = 1_000_000
 REORDER_S = 0.05  # the live log holds events this long to print them in time order across processes
@@ -60,8 +61,9 @@ def find_endpoint(dep_id: Optional[str] = None, directory: Optional[str] = None)
 class Tap:
     """A SUB on the deployment's tap endpoint (or bound at the processes' own trace endpoint)."""
 
-    def __init__(self, endpoint: str, bind: bool = False, ctx: Optional[zmq.Context] = None,
+    def __init__(self, endpoint, bind: bool = False, ctx: Optional[zmq.Context] = None,
                  secure: Optional[security.Security] = None):
+        """``endpoint``: one, or a list (connect only): one SUB on every host's tap endpoint."""
         self.sock = (ctx or zmq.Context.instance()).socket(zmq.SUB)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.RCVHWM, RCVHWM)
@@ -69,7 +71,8 @@ class Tap:
         if bind:
             security.secure_bind(self.sock, endpoint, secure)
         else:
-            security.secure_connect(self.sock, endpoint, secure)
+            for ep in [endpoint] if isinstance(endpoint, str) else endpoint:
+                security.secure_connect(self.sock, ep, secure)
         self.undecodable = 0
 
     def poll(self, timeout_ms: int = 100) -> list[m.TraceEvent]:
@@ -131,7 +134,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="pushkv-tap", description=__doc__.split("\n\n")[0])
     src = ap.add_argument_group("source (default: the one deployment started with `pushkv up --trace`)")
     src.add_argument("--id", help="deployment id (prefix) in the registry")
-    src.add_argument("--endpoint", help="connect to this tap endpoint instead")
+    src.add_argument("--endpoint", action="append", default=[],
+                     help="connect to this tap endpoint instead; repeat it for several hosts (their clocks are "
+                          "aligned from the messages between them: tools/trace_merge.py)")
     src.add_argument("--bind", metavar="ENDPOINT",
                      help="bind a SUB at the processes' trace endpoint (deployments without a supervisor)")
     src.add_argument("--replay", metavar="FILE", help="analyse events saved with --record; no socket")
@@ -152,6 +157,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def report(events: list[m.TraceEvent], args: argparse.Namespace, out=None) -> None:
     out = out or sys.stdout
+    if len({e.host for e in events}) > 1:  # several hosts: one clock, one lane per process and host
+        events, al = trace_merge.merged(events)
+        print(trace_merge.describe(al), file=out)
     tids = args.tid
     if tids:
         events = [e for e in events if not e.transfer_id or any(e.transfer_id.startswith(t) for t in tids)]
@@ -188,6 +196,9 @@ def run(args: argparse.Namespace, out=None) -> int:
             endpoint, bind = args.bind, True
         elif args.endpoint:
             endpoint, bind = args.endpoint, False
+            if len(endpoint) > 1 and not args.quiet:
+                print("pushkv-tap: the live log shows each host on its own clock; --perfetto/--breakdown/--spans "
+                      "are aligned", file=sys.stderr)
         else:
             endpoint, rec = find_endpoint(args.id)
             bind = False

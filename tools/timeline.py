@@ -100,7 +100,9 @@ class Span:
 
 
 def _lane(process: str) -> str:
-    """``prefill-writer-1`` -> ``prefill-writer``; schedulers: ``prefill``; router: ``router``."""
+    """``prefill-writer-1`` -> ``prefill-writer``; schedulers: ``prefill``; router: ``router``;
+    a host suffix (``decode-writer-0@10.0.0.2``, from tools/trace_merge.py) is dropped."""
+    process = process.split("@", 1)[0]
     if process.endswith("-scheduler"):
         return process[: -len("-scheduler")]
     parts = process.rsplit("-", 1)
