@@ -70,6 +70,7 @@ class Supervisor(Actor):
         registry_dir: Optional[str] = None,
         write_registry: bool = True,
         out: TextIO = sys.stdout,
+        announcer=None,
     ):
         self._instance_restart: dict[str, InstanceRestart] = {}  # by instance name (prefill, prefill1, ...)
         if not cfg.run_dir or not cfg.control_endpoint:
@@ -106,6 +107,10 @@ class Supervisor(Actor):
         self._control_router: Optional[zmq.Socket] = None  # children (DEALER) and REQ clients
         self._events: Optional[zmq.Socket] = None
         self._trace_fwd: Optional[TraceForwarder] = None
+        # several hosts: this host's instances go into the registry (pushkv.discovery.etcd.EtcdAnnouncer,
+        # rejoin=False) once ready, and out of it while they restart
+        self.announcer = announcer
+        self._leases_lost = 0
 
     # ------------------------------------------------------------------
     # start phase
@@ -178,7 +183,10 @@ class Supervisor(Actor):
         self._next_ping = now + self.ping_interval_s
         log.info("deployment %s ready: %s", self.cfg.deployment_id, self.router_url)
         self._publish("deployment", "ready", detail=self.router_url)
-        print(self.router_url, file=self.out, flush=True)
+        for inst in self.cfg.instances():
+            self._announce(inst.name)
+        print(self.router_url if self.cfg.host_role in ("", "router") else
+              "instances " + " ".join(i.engine_id for i in self.cfg.instances()), file=self.out, flush=True)
         print("READY", file=self.out, flush=True)
 
     # ------------------------------------------------------------------
@@ -329,12 +337,14 @@ class Supervisor(Actor):
             return
         rows = self._instance_rows(role)
         stopping = set()
-        why = f"{role} instance restarting: {dead} died" + (f" ({how})" if how else "")
+        why = (f"{role} instance restarting: {dead} died" + (f" ({how})" if how else "")
+               if self.table.get(dead) is not None else f"{role} instance restarting: {dead}")
         for r in rows:
             if r.name != dead and r.state in (State.STARTED, State.READY):
                 self._stop_child(r, why)  # survivors tell their clients why they stop
                 stopping.add(r.name)
-        log.error("restarting the %s instance (%s died): stopping %s", role, dead, ", ".join(sorted(stopping)) or "nothing else")
+        self._withdraw(role)
+        log.error("%s: stopping %s", why, ", ".join(sorted(stopping)) or "nothing else")
         self._publish_instance(role, "restart", detail=dead)
         self._instance_restart[role] = InstanceRestart(stopping, now, sorted({r.spec.stage for r in rows}))
         self._advance_instance(role, now)
@@ -354,6 +364,7 @@ class Supervisor(Actor):
                 del self._instance_restart[role]
                 log.info("%s instance restarted and ready", role)
                 self._publish_instance(role, "ready")
+                self._announce(role)
                 return
             if st.stage_idx == 0:  # the dead writer's pool segments are orphans now
                 lifecycle.cleanup_instance_shm(self.cfg.deployment_id, role)
@@ -361,6 +372,42 @@ class Supervisor(Actor):
             for r in rows:
                 if r.spec.stage == stage:
                     self._spawn(r.name, now)
+
+    # ------------------------------------------------------------------
+    # the registry (several hosts)
+    # ------------------------------------------------------------------
+    def _inst(self, name: str):
+        return next(i for i in self.cfg.instances() if i.name == name)
+
+    def _announce(self, name: str) -> None:
+        if self.announcer is not None:
+            from pushkv.discovery.local import record_of
+
+            self.announcer.announce(record_of(self.cfg, self._inst(name), os.getpid()))
+
+    def _withdraw(self, name: str) -> None:
+        if self.announcer is not None:
+            inst = self._inst(name)
+            if (inst.role, inst.engine_id) in self.announcer.records:
+                self.announcer.withdraw(inst.engine_id, inst.role)
+
+    def _registry_tick(self, now: float) -> None:
+        """Keep the lease; when it is lost (no refresh answered for a TTL: cut off from etcd),
+        the router has failed this host's requests already: restart every instance, which
+        drops their work and frees their blocks, and announce each again once ready (the
+        announcer takes a new lease on its first contact with etcd)."""
+        ann = self.announcer
+        announced = bool(ann.records)
+        ann.tick(now)
+        if announced and ann.lapsed(now):
+            log.error("registry lease lapsed (no refresh answered for %ss): this host is out of the registry",
+                      ann.ttl_s)
+            ann.lose()
+        lost, self._leases_lost = ann.leases_lost != self._leases_lost, ann.leases_lost
+        if lost and announced and self.phase == "running":
+            for inst in self.cfg.instances():
+                if inst.name not in self._instance_restart:
+                    self._restart_instance(inst.name, "registry lease lost", now)
 
     def _unwatch(self, name: str) -> None:
         fd = self._pidfds.pop(name, None)
@@ -382,6 +429,8 @@ class Supervisor(Actor):
     # run phase: deadlines and health
     # ------------------------------------------------------------------
     def tick(self, now: float) -> None:
+        if self.announcer is not None and self.phase == "starting":
+            self._registry_tick(now)  # keep the lease taken at start-up
         if self.phase == "starting":
             if now > self._startup_deadline:
                 waiting = [r.name for r in self.table.in_state(State.NEW, State.STARTED)]
@@ -389,6 +438,8 @@ class Supervisor(Actor):
             return
         if self.phase != "running":
             return
+        if self.announcer is not None:
+            self._registry_tick(now)
         for row in self.table.in_state(State.STARTED):  # a restarted child that never gets ready
             if now - row.started_at > self.startup_timeout_s:
                 log.error("%s (pid %d) not ready %.0f s after restart; killing it", row.name, row.pid,
@@ -427,6 +478,8 @@ class Supervisor(Actor):
     def teardown(self) -> None:
         was = self.phase
         self.phase = "stopping"
+        if self.announcer is not None:  # out of the registry first: the router stops choosing us
+            self.announcer.close()
         self._publish("deployment", "stopping", detail=self.failure)
         for name in list(self._pidfds):
             self._unwatch(name)

@@ -335,6 +335,17 @@ class WriterBase(Actor):
             self.forget_peer(p)
         self.peer_instance_down(engine, f"{ev.name} died ({ev.detail})", time.monotonic())
 
+    def on_PeerLost(self, msg: m.PeerLost) -> None:
+        """The router saw a peer instance leave the registry (or come back as a new
+        incarnation): across hosts, the news no supervisor of ours can give."""
+        if msg.role == self.inst.role or msg.role not in ("prefill", "decode"):
+            return
+        self.counters["peer_lost"] += 1
+        if self.inst.role == "decode":  # we open the handshakes: the next request with it opens a fresh one
+            for p in [p for p in self.peers.values() if p.engine_id == msg.engine_id]:
+                self.forget_peer(p)
+        self.peer_instance_down(msg.engine_id, msg.reason, time.monotonic())
+
     def peer_instance_down(self, engine_id: str, reason: str, now: float) -> None:
         """Side-specific: end transfers with the dead instance."""
 
