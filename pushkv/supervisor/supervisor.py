@@ -51,6 +51,10 @@ class InstanceRestart:
     asked: float  # monotonic time the survivors were asked to stop
     stages: list[int]  # the instance's start stages, in order
     stage_idx: int = -1  # the stage being started; -1 while survivors stop
+    # restarted because the registry lease was lost: start again only once the host is back in
+    # contact with etcd (a process started while the host is cut off may find no network to use:
+    # UCX picks its interfaces at start-up)
+    wait_registry: bool = False
 
 ArgvHook = Callable[[ProcessSpec], Sequence[str]]
 
@@ -331,7 +335,8 @@ class Supervisor(Actor):
     def _instance_rows(self, inst: str) -> list[Row]:
         return [r for r in self.table if r.spec.role and r.spec.instance_name == inst]
 
-    def _restart_instance(self, role: str, dead: str, now: float, how: str = "") -> None:
+    def _restart_instance(self, role: str, dead: str, now: float, how: str = "",
+                          wait_registry: bool = False) -> None:
         """``role`` names the instance (``prefill``, ``prefill1``, ...: InstanceConfig.name)."""
         if role in self._instance_restart:
             return
@@ -346,13 +351,16 @@ class Supervisor(Actor):
         self._withdraw(role)
         log.error("%s: stopping %s", why, ", ".join(sorted(stopping)) or "nothing else")
         self._publish_instance(role, "restart", detail=dead)
-        self._instance_restart[role] = InstanceRestart(stopping, now, sorted({r.spec.stage for r in rows}))
+        self._instance_restart[role] = InstanceRestart(stopping, now, sorted({r.spec.stage for r in rows}),
+                                                       wait_registry=wait_registry)
         self._advance_instance(role, now)
 
     def _advance_instance(self, role: str, now: float) -> None:
         st = self._instance_restart.get(role)
         if st is None or st.stopping:
             return
+        if st.stage_idx < 0 and st.wait_registry and not self.announcer.lease_id:
+            return  # stopped; started again once etcd answers (_registry_tick)
         rows = self._instance_rows(role)
         while True:
             if st.stage_idx >= 0:
@@ -407,7 +415,10 @@ class Supervisor(Actor):
         if lost and announced and self.phase == "running":
             for inst in self.cfg.instances():
                 if inst.name not in self._instance_restart:
-                    self._restart_instance(inst.name, "registry lease lost", now)
+                    self._restart_instance(inst.name, "registry lease lost", now, wait_registry=True)
+        if ann.lease_id:
+            for name in [n for n, st in self._instance_restart.items() if st.wait_registry and st.stage_idx < 0]:
+                self._advance_instance(name, now)
 
     def _unwatch(self, name: str) -> None:
         fd = self._pidfds.pop(name, None)

@@ -314,6 +314,7 @@ class WriterBase(Actor):
 
     def on_TransferStarting(self, msg: m.TransferStarting, identity: Optional[bytes] = None) -> None:
         now = time.monotonic()
+        self.counters["wake_hints"] += 1
         self._expected[(msg.transfer_id, msg.generation)] = now + spin_s(msg.nbytes)
 
     def transfer_arrived(self, transfer_id: str, generation: int) -> None:
