@@ -18,6 +18,8 @@ from typing import Optional
 import zmq
 
 from pushkv import messages as m
+from pushkv import security
+from pushkv.security import secure_connect
 from pushkv.config import DeploymentConfig, decode_config
 from pushkv.supervisor import lifecycle
 
@@ -79,7 +81,7 @@ class HostUp:
         for inst in self.cfg.instances():
             s = zmq.Context.instance().socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
-            s.connect(inst.sched_endpoint)
+            secure_connect(s, inst.sched_endpoint, security.load(self.cfg.secret_file))
             try:
                 s.send(m.encode(m.GetStats()))
                 if not s.poll(int(timeout_s * 1000)):

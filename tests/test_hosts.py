@@ -67,8 +67,10 @@ class Cluster:
         self.registry = etcd.url(host=net.root_addr)
         cfg_file = tmp / "timeouts.json"
         cfg_file.write_text(json.dumps({"timeouts": TIMEOUTS}))
+        self.secret = tmp / "secret"  # CURVE on every tcp:// socket between the hosts
+        self.secret.write_text(os.urandom(32).hex())
         self.common = ["--mode", "push", "--model", "tiny", "--num-blocks", "256", "--registry", self.registry,
-                       "--registry-ttl", str(TTL_S), "--config", str(cfg_file)]
+                       "--registry-ttl", str(TTL_S), "--config", str(cfg_file), "--secret-file", str(self.secret)]
         self.hosts: dict[str, HostUp] = {}
         self.dead: list[HostUp] = []
         self.router: HostUp = None
