@@ -69,6 +69,7 @@ class Cluster:
         cfg_file.write_text(json.dumps({"timeouts": TIMEOUTS}))
         self.secret = tmp / "secret"  # CURVE on every tcp:// socket between the hosts
         self.secret.write_text(os.urandom(32).hex())
+        self.secret.chmod(0o600)
         self.common = ["--mode", "push", "--model", "tiny", "--num-blocks", "256", "--registry", self.registry,
                        "--registry-ttl", str(TTL_S), "--config", str(cfg_file), "--secret-file", str(self.secret)]
         self.hosts: dict[str, HostUp] = {}

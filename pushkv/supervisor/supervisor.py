@@ -27,6 +27,7 @@ from pushkv.config import DeploymentConfig, encode_config
 from pushkv.kv.handle import POOL_ENV, handle_to_env
 from pushkv.supervisor import commands as c
 from pushkv.supervisor import lifecycle, registry
+from pushkv.supervisor.host_registry import HostRegistry
 from pushkv.supervisor.plan import ProcessSpec, config_path, event_topic, process_specs
 from pushkv.trace import TraceForwarder
 from pushkv.supervisor.table import (
@@ -113,8 +114,7 @@ class Supervisor(Actor):
         self._trace_fwd: Optional[TraceForwarder] = None
         # several hosts: this host's instances go into the registry (pushkv.discovery.etcd.EtcdAnnouncer,
         # rejoin=False) once ready, and out of it while they restart
-        self.announcer = announcer
-        self._leases_lost = 0
+        self.host_registry = HostRegistry(cfg, announcer) if announcer is not None else None
 
     # ------------------------------------------------------------------
     # start phase
@@ -188,7 +188,8 @@ class Supervisor(Actor):
         log.info("deployment %s ready: %s", self.cfg.deployment_id, self.router_url)
         self._publish("deployment", "ready", detail=self.router_url)
         for inst in self.cfg.instances():
-            self._announce(inst.name)
+            if self.host_registry is not None:
+                self.host_registry.announce(inst.name)
         print(self.router_url if self.cfg.host_role in ("", "router") else
               "instances " + " ".join(i.engine_id for i in self.cfg.instances()), file=self.out, flush=True)
         print("READY", file=self.out, flush=True)
@@ -348,7 +349,8 @@ class Supervisor(Actor):
             if r.name != dead and r.state in (State.STARTED, State.READY):
                 self._stop_child(r, why)  # survivors tell their clients why they stop
                 stopping.add(r.name)
-        self._withdraw(role)
+        if self.host_registry is not None:
+            self.host_registry.withdraw(role)
         log.error("%s: stopping %s", why, ", ".join(sorted(stopping)) or "nothing else")
         self._publish_instance(role, "restart", detail=dead)
         self._instance_restart[role] = InstanceRestart(stopping, now, sorted({r.spec.stage for r in rows}),
@@ -359,7 +361,7 @@ class Supervisor(Actor):
         st = self._instance_restart.get(role)
         if st is None or st.stopping:
             return
-        if st.stage_idx < 0 and st.wait_registry and not self.announcer.lease_id:
+        if st.stage_idx < 0 and st.wait_registry and not self.host_registry.in_contact:
             return  # stopped; started again once etcd answers (_registry_tick)
         rows = self._instance_rows(role)
         while True:
@@ -372,7 +374,8 @@ class Supervisor(Actor):
                 del self._instance_restart[role]
                 log.info("%s instance restarted and ready", role)
                 self._publish_instance(role, "ready")
-                self._announce(role)
+                if self.host_registry is not None:
+                    self.host_registry.announce(role)
                 return
             if st.stage_idx == 0:  # the dead writer's pool segments are orphans now
                 lifecycle.cleanup_instance_shm(self.cfg.deployment_id, role)
@@ -384,39 +387,15 @@ class Supervisor(Actor):
     # ------------------------------------------------------------------
     # the registry (several hosts)
     # ------------------------------------------------------------------
-    def _inst(self, name: str):
-        return next(i for i in self.cfg.instances() if i.name == name)
-
-    def _announce(self, name: str) -> None:
-        if self.announcer is not None:
-            from pushkv.discovery.local import record_of
-
-            self.announcer.announce(record_of(self.cfg, self._inst(name), os.getpid()))
-
-    def _withdraw(self, name: str) -> None:
-        if self.announcer is not None:
-            inst = self._inst(name)
-            if (inst.role, inst.engine_id) in self.announcer.records:
-                self.announcer.withdraw(inst.engine_id, inst.role)
-
     def _registry_tick(self, now: float) -> None:
-        """Keep the lease; when it is lost (no refresh answered for a TTL: cut off from etcd),
-        the router has failed this host's requests already: restart every instance, which
-        drops their work and frees their blocks, and announce each again once ready (the
-        announcer takes a new lease on its first contact with etcd)."""
-        ann = self.announcer
-        announced = bool(ann.records)
-        ann.tick(now)
-        if announced and ann.lapsed(now):
-            log.error("registry lease lapsed (no refresh answered for %ss): this host is out of the registry",
-                      ann.ttl_s)
-            ann.lose()
-        lost, self._leases_lost = ann.leases_lost != self._leases_lost, ann.leases_lost
-        if lost and announced and self.phase == "running":
+        """When the lease is lost the router has failed this host's requests already: stop every
+        instance (their work and blocks go with them) and start them again once etcd answers
+        (a process started while cut off may find no network: UCX picks interfaces at start)."""
+        if self.host_registry.tick(now) and self.phase == "running":
             for inst in self.cfg.instances():
                 if inst.name not in self._instance_restart:
                     self._restart_instance(inst.name, "registry lease lost", now, wait_registry=True)
-        if ann.lease_id:
+        if self.host_registry.in_contact:
             for name in [n for n, st in self._instance_restart.items() if st.wait_registry and st.stage_idx < 0]:
                 self._advance_instance(name, now)
 
@@ -440,7 +419,7 @@ class Supervisor(Actor):
     # run phase: deadlines and health
     # ------------------------------------------------------------------
     def tick(self, now: float) -> None:
-        if self.announcer is not None and self.phase == "starting":
+        if self.host_registry is not None and self.phase == "starting":
             self._registry_tick(now)  # keep the lease taken at start-up
         if self.phase == "starting":
             if now > self._startup_deadline:
@@ -449,7 +428,7 @@ class Supervisor(Actor):
             return
         if self.phase != "running":
             return
-        if self.announcer is not None:
+        if self.host_registry is not None:
             self._registry_tick(now)
         for row in self.table.in_state(State.STARTED):  # a restarted child that never gets ready
             if now - row.started_at > self.startup_timeout_s:
@@ -489,8 +468,8 @@ class Supervisor(Actor):
     def teardown(self) -> None:
         was = self.phase
         self.phase = "stopping"
-        if self.announcer is not None:  # out of the registry first: the router stops choosing us
-            self.announcer.close()
+        if self.host_registry is not None:  # out of the registry first: the router stops choosing us
+            self.host_registry.close()
         self._publish("deployment", "stopping", detail=self.failure)
         for name in list(self._pidfds):
             self._unwatch(name)
