@@ -281,12 +281,12 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"  {p['name']:<20} {p['pid'] or '-':>7}  {p['state']:<8} {_fmt_s(p['uptime_s']):>7} "
                   f"{p['restarts']:>8}  {health:<9} {p['last_exit']}")
         if e.get("instances"):
-            print(f"  {'INSTANCE':<10} {'ENGINE':<18} {'DEVICE':<8} {'STATE':<10} {'PROCS':>5} {'RESTARTS':>8} "
+            print(f"  {'INSTANCE':<10} {'ENGINE':<28} {'DEVICE':<8} {'STATE':<10} {'PROCS':>5} {'RESTARTS':>8} "
                   f"{'LEGS':>5} {'QUEUED TOK':>10} {'BLOCKS (router)':>16}")
         for i in e.get("instances", ()):
             blocks = f"{i['blocks_committed']}/{i['num_blocks']}" if i["role"] == "decode" and "legs" in i else "-"
             queued = i.get("queued_prefill_tokens", "-") if i["role"] == "prefill" else "-"
-            print(f"  {i['name']:<10} {i['engine_id']:<18} {i['device']:<8} {i['state']:<10} {i['procs']:>5} "
+            print(f"  {i['name']:<10} {i['engine_id']:<28} {i['device']:<8} {i['state']:<10} {i['procs']:>5} "
                   f"{i['restarts']:>8} {i.get('legs', '-'):>5} {queued:>10} "
                   f"{blocks:>16}")
     return rc
@@ -323,6 +323,10 @@ def instance_rows(instances_json: str, processes, router: dict[str, dict]) -> li
             if k in view:
                 row[k] = view[k]
         rows.append(row)
+    if not insts:  # a router host (several hosts): the instances the router found in the registry
+        for e, v in sorted(router.items()):
+            rows.append(dict(v, name="-", index=0, device="-", procs="-", restarts="-",
+                             state="up" if v.get("up") else "down"))
     return rows
 
 

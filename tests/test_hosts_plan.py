@@ -114,3 +114,11 @@ def test_peer_lost_is_on_both_channels():
     msg = m.PeerLost("p-1", "prefill", "lease expired")
     assert m.DEC_ROUTER_TO_SCHED.decode(m.encode(msg)) == msg
     assert m.DEC_SCHED_TO_WRITER.decode(m.encode(msg)) == msg
+
+
+def test_status_rows_of_a_router_host_come_from_the_router():
+    view = {"p-1": {"engine_id": "p-1", "role": "prefill", "up": True, "legs": 2},
+            "d-1": {"engine_id": "d-1", "role": "decode", "up": False, "legs": 0}}
+    rows = cli.instance_rows("[]", [], view)
+    assert [(r["engine_id"], r["role"], r["state"], r["legs"]) for r in rows] == [
+        ("d-1", "decode", "down", 0), ("p-1", "prefill", "up", 2)]

@@ -97,7 +97,8 @@ class Supervisor(Actor):
         self.registry_dir = registry_dir
         self.write_registry = write_registry
         self.out = out
-        self.router_url = f"http://{cfg.host}:{cfg.port}"
+        # a P or D host of several runs no router: its record and status name none
+        self.router_url = f"http://{cfg.host}:{cfg.port}" if cfg.host_role in ("", "router") else ""
         self.phase = "new"  # new | starting | running | stopping | stopped
         self.exit_code = 0
         self.failure = ""
