@@ -224,6 +224,7 @@ def fault(c: Cluster, reference, victim: str, do_fault, key: str, in_flight) -> 
     ok = [r for r in results if r[0] == 200]
     survivors = [n for n in HOSTS if n != victim]
     leaked = c.pools_free(survivors)
+    told = peer_lost(c, victim)
     after = in_parallel(c.complete, PROMPTS)
     served = check_served(c, reference, after)
     figures = {
@@ -231,7 +232,7 @@ def fault(c: Cluster, reference, victim: str, do_fault, key: str, in_flight) -> 
         "detection_s": round(detect_s, 2),
         "requests_in_flight": len(in_flight), "requests_failed": len(failed), "requests_ok": len(ok),
         "failed": [{"status": s, "reason": m, "failed_after_s": t} for s, m, t in failed],
-        "blocks_held_on_survivors": leaked,
+        "blocks_held_on_survivors": leaked, "peer_lost_seen_by": told,
         "served_after": {k: sorted(v) for k, v in served.items()},
     }
     assert failed, "no request was in flight on the victim"
@@ -240,6 +241,17 @@ def fault(c: Cluster, reference, victim: str, do_fault, key: str, in_flight) -> 
     assert leaked == {n: 0 for n in survivors}
     assert engine not in served["prefill"] | served["decode"]
     return figures
+
+
+def peer_lost(c: Cluster, victim: str) -> dict[str, int]:
+    """The router told every instance of the other role (scheduler and writer counters)."""
+    other = [n for n, (_, role) in HOSTS.items() if role != HOSTS[victim][1]]
+    told = {}
+    for n in other:
+        for st in c.hosts[n].stats().values():
+            told[n] = min(st.counters.get("peer_lost", 0), st.counters.get("writer.0.peer_lost", 0))
+    assert all(v >= 1 for v in told.values()), told
+    return told
 
 
 def rejoin(c: Cluster, reference, name: str, t0: float) -> dict:
@@ -293,6 +305,7 @@ def test_cut_one_host_then_restore(cluster, reference):
     failed = [(s, b["error"]["message"]) for s, b in results if s != 200]
     survivors = [n for n in HOSTS if n != victim]
     leaked = c.pools_free(survivors)
+    told = peer_lost(c, victim)
     served = check_served(c, reference, in_parallel(c.complete, PROMPTS))
     # the cut host drops its own work once it knows its lease lapsed: it stops its instance, to
     # start it again once etcd answers
@@ -305,7 +318,7 @@ def test_cut_one_host_then_restore(cluster, reference):
         "victim": victim, "engine": engine, "ttl_s": TTL_S, "detection_s": round(detect_s, 2),
         "requests_sent_during_cut": len(results), "requests_failed": len(failed),
         "failed": [{"status": s, "reason": m} for s, m in failed],
-        "blocks_held_on_survivors": leaked,
+        "blocks_held_on_survivors": leaked, "peer_lost_seen_by": told,
         "served_after": {k: sorted(v) for k, v in served.items()},
         "cut_host_stopped_its_instance_by_s": round(dropped_s, 2),
         "restore": rejoin(c, reference, victim, t1),
