@@ -89,6 +89,22 @@ def build_parser() -> argparse.ArgumentParser:
                         "with keys derived from it, and peers without it are refused (make one: openssl rand -hex 32)")
     s.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
                    help=f"the router answers /v1/* only with 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
+    h = up.add_argument_group(
+        "several hosts", "one `pushkv up --role ...` per host, every host given the same --mode, model, geometry "
+        "(--model/--checkpoint and overrides, --dtype, --seed) and instance shape (--prefill-tp/--decode-tp, "
+        "block sizes); the router finds P and D instances through etcd")
+    h.add_argument("--role", choices=("router", "prefill", "decode"),
+                   help="run only this part here: the router, or this host's P (--prefill-instances) or D "
+                        "(--decode-instances) instances; without --role, the whole deployment runs here")
+    h.add_argument("--registry", metavar="etcd://[USER:PASS@]HOST:PORT[/PREFIX]",
+                   help="etcd every host registers in (etcds:// for TLS; ?password_file=FILE keeps the password "
+                        "off the command line)")
+    h.add_argument("--advertise", metavar="ADDR",
+                   help="this host's address the other hosts reach: its schedulers' and writers' tcp:// "
+                        "endpoints bind on it (the router's HTTP port too, unless --host)")
+    h.add_argument("--registry-ttl", type=int, metavar="SECONDS",
+                   help="lease TTL (default 5): a host that dies or is cut off leaves the registry, and its "
+                        "requests fail, within this (plus TTL/3)")
     up.add_argument("--on-child-exit", choices=ON_CHILD_EXIT, default="restart")
     up.add_argument("--max-restarts", type=int, default=5, help="per child, within --restart-window")
     up.add_argument("--restart-window", type=float, default=60.0, metavar="SECONDS")
@@ -148,7 +164,9 @@ def config_from_args(args: argparse.Namespace) -> DeploymentConfig:
                      deterministic=None if args.batch_invariant is None else args.batch_invariant == "on")
     sizes = dict(max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens)
     return _replace(
-        cfg, mode=args.mode, pull_read=args.pull_read, host=args.host, port=args.port,
+        cfg, mode=args.mode, pull_read=args.pull_read, host=args.host or (args.role and args.advertise),
+        port=args.port, host_role=args.role, registry=args.registry, advertise=args.advertise,
+        registry_ttl_s=args.registry_ttl,
         log_level=args.log_level, model=model,
         secret_file=os.path.abspath(args.secret_file) if args.secret_file else None, prefill_instances=args.prefill_instances,
         decode_instances=args.decode_instances, router_queue=args.router_queue,
@@ -175,6 +193,16 @@ def cmd_up(args: argparse.Namespace, child_argv: Optional[ArgvHook] = None) -> i
     except (OSError, ValueError, msgspec.ValidationError) as e:
         print(f"pushkv up: bad configuration: {e}", file=sys.stderr)
         return 2
+    announcer = None
+    if cfg.host_role in ("prefill", "decode"):  # this host's instances go into the registry
+        from pushkv.discovery.etcd import EtcdAnnouncer, EtcdError
+
+        try:
+            announcer = EtcdAnnouncer(cfg.registry, ttl_s=cfg.registry_ttl_s, rejoin=False)
+            announcer.connect()  # bad credentials or no etcd: fail now, before anything starts
+        except (EtcdError, ValueError) as e:
+            print(f"pushkv up: registry {cfg.registry.split('@')[-1]}: {e}", file=sys.stderr)
+            return 2
     if args.api_key:  # to the router through its environment: never in config.json on disk
         os.environ[API_KEY_ENV] = args.api_key
     logging.basicConfig(
@@ -187,6 +215,7 @@ def cmd_up(args: argparse.Namespace, child_argv: Optional[ArgvHook] = None) -> i
         restart_policy=RestartPolicy(args.max_restarts, args.restart_window),
         startup_timeout_s=args.startup_timeout, stop_timeout_s=args.stop_timeout,
         ping_interval_s=args.ping_interval, health_timeout_s=max(HEALTH_TIMEOUT_S, 5 * args.ping_interval),
+        announcer=announcer,
     )
     try:
         return sup.serve()
@@ -252,12 +281,12 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"  {p['name']:<20} {p['pid'] or '-':>7}  {p['state']:<8} {_fmt_s(p['uptime_s']):>7} "
                   f"{p['restarts']:>8}  {health:<9} {p['last_exit']}")
         if e.get("instances"):
-            print(f"  {'INSTANCE':<10} {'ENGINE':<18} {'DEVICE':<8} {'STATE':<10} {'PROCS':>5} {'RESTARTS':>8} "
+            print(f"  {'INSTANCE':<10} {'ENGINE':<28} {'DEVICE':<8} {'STATE':<10} {'PROCS':>5} {'RESTARTS':>8} "
                   f"{'LEGS':>5} {'QUEUED TOK':>10} {'BLOCKS (router)':>16}")
         for i in e.get("instances", ()):
             blocks = f"{i['blocks_committed']}/{i['num_blocks']}" if i["role"] == "decode" and "legs" in i else "-"
             queued = i.get("queued_prefill_tokens", "-") if i["role"] == "prefill" else "-"
-            print(f"  {i['name']:<10} {i['engine_id']:<18} {i['device']:<8} {i['state']:<10} {i['procs']:>5} "
+            print(f"  {i['name']:<10} {i['engine_id']:<28} {i['device']:<8} {i['state']:<10} {i['procs']:>5} "
                   f"{i['restarts']:>8} {i.get('legs', '-'):>5} {queued:>10} "
                   f"{blocks:>16}")
     return rc
@@ -294,6 +323,10 @@ def instance_rows(instances_json: str, processes, router: dict[str, dict]) -> li
             if k in view:
                 row[k] = view[k]
         rows.append(row)
+    if not insts:  # a router host (several hosts): the instances the router found in the registry
+        for e, v in sorted(router.items()):
+            rows.append(dict(v, name="-", index=0, device="-", procs="-", restarts="-",
+                             state="up" if v.get("up") else "down"))
     return rows
 
 

@@ -188,6 +188,13 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
     # push: D blocks reserved and still waiting for their KV may take at most this fraction of a
     # D instance's pool; a request past it falls back to late allocation (D allocates after P)
     push_pin_fraction: float = 0.5
+    # Several hosts (``pushkv up --role``): the part this host runs: "" = everything (one host),
+    # "router", "prefill" or "decode" (that role's instances only, found by the router through
+    # ``registry``). Every host is given the same model and geometry.
+    host_role: str = ""
+    registry: str = ""  # etcd://[user:pass@]HOST:PORT[/prefix]; "" = single-host discovery
+    registry_ttl_s: int = 5  # lease TTL: a dead or cut-off host leaves the registry within this
+    advertise: str = ""  # this host's address for other hosts: its tcp:// endpoints bind on it
 
     def role_instances(self, role: str) -> list[InstanceConfig]:
         """Every planned instance of ``role`` (the template alone before planning)."""
@@ -195,8 +202,13 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
         return list(planned) if planned else [self.instance(role)]
 
     def instances(self) -> list[InstanceConfig]:
+        """The instances this host runs (every planned one on a single host)."""
         if self.mode == "local":
             return [self.local]
+        if self.host_role == "router":
+            return []
+        if self.host_role in ("prefill", "decode"):
+            return self.role_instances(self.host_role)
         return self.role_instances("prefill") + self.role_instances("decode")
 
     def instance(self, role: str, index: int = 0) -> InstanceConfig:

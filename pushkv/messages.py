@@ -189,7 +189,19 @@ class Stats(Msg):
     counters: dict[str, int] = {}
 
 
-RouterToScheduler = Union[Generate, Abort, GetStats]
+class PeerLost(Msg):
+    """An instance of the other role is gone (its lease lapsed, it was withdrawn) or came back
+    as a new incarnation: the router tells every scheduler, which tells its writers. Across
+    hosts this is the only peer-death news (no shared supervisor): writers end their transfers
+    with it at once (instead of at their deadlines) and D forgets its NIXL metadata, so the
+    next request with it handshakes afresh."""
+
+    engine_id: str
+    role: str
+    reason: str
+
+
+RouterToScheduler = Union[Generate, Abort, GetStats, PeerLost]
 SchedulerToRouter = Union[TokensGenerated, PrefillFinished, RequestFailed, Stats]
 
 
@@ -304,7 +316,7 @@ class WriterStats(Msg):
     counters: dict[str, int] = {}
 
 
-SchedulerToWriter = Union[SendKV, HoldKV, ExpectKV, ReadKV, CancelKV, GetStats]
+SchedulerToWriter = Union[SendKV, HoldKV, ExpectKV, ReadKV, CancelKV, GetStats, PeerLost]
 WriterToScheduler = Union[KVSent, KVReceived, KVFailed, WriterStats]
 
 

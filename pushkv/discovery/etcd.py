@@ -51,8 +51,14 @@ class EtcdAnnouncer:
     could not reach etcd are retried the same way (else the key would live on the kept lease)."""
 
     def __init__(self, url: Union[str, EtcdTarget], ttl_s: int = LEASE_TTL_S,
-                 timeout_s: float = CALL_TIMEOUT_S, retry_s: float = RETRY_S):
+                 timeout_s: float = CALL_TIMEOUT_S, retry_s: float = RETRY_S, rejoin: bool = True):
+        """``rejoin=False``: a lost lease forgets the records instead of putting them again
+        (``leases_lost`` counts it): the owner (a supervisor) restarts those instances and
+        announces them afresh, since the router has failed their work meanwhile."""
         self.target = target_of(url)
+        self.rejoin = rejoin
+        self.leases_lost = 0
+        self.last_ok = 0.0  # monotonic time of the last answer that kept the lease alive
         self.ttl_s, self.retry_s = int(ttl_s), retry_s
         self.gw = SyncGateway(self.target, timeout_s)
         self.records: dict[tuple[str, str], InstanceRecord] = {}
@@ -108,6 +114,7 @@ class EtcdAnnouncer:
         got = self.gw.call("lease/grant", {"TTL": self.ttl_s})
         self.lease_id = int(got["ID"])
         self.leases_granted += 1
+        self.last_ok = now
         self.unput |= set(self.records)
         self.next_contact = now + self.ttl_s / 3
         log.info("etcd %s: lease %x (TTL %ss)", self.target.redacted(), self.lease_id, self.ttl_s)
@@ -119,9 +126,10 @@ class EtcdAnnouncer:
                 if int(got.get("TTL", 0) or 0) <= 0:
                     log.warning("etcd lease %x was lost (cut off longer than %ss?): rejoining",
                                 self.lease_id, self.ttl_s)
-                    self.lease_id = 0
+                    self.lose()
                 else:
                     self.next_contact = now + self.ttl_s / 3
+                    self.last_ok = now
             if not self.lease_id:
                 self._grant(now)
             self._flush(now)
@@ -129,6 +137,22 @@ class EtcdAnnouncer:
             raise
         except EtcdError as e:
             self._failed(now, e)
+
+    def lapsed(self, now: float) -> bool:
+        """True once our lease has surely expired in etcd: no refresh answered for a TTL (we
+        are cut off from etcd, or it is down). Known here without reaching etcd, so a host
+        cut off drops its work at about the time the router sees it leave."""
+        return bool(self.lease_id) and now - self.last_ok > self.ttl_s
+
+    def lose(self) -> None:
+        """The lease is gone (lapsed, or etcd said so): the next contact takes a new one; with
+        ``rejoin`` every record is put again under it, else the records are forgotten."""
+        self.lease_id = 0
+        self.leases_lost += 1
+        if not self.rejoin:
+            self.records.clear()
+            self.unput.clear()
+            self.unwithdrawn.clear()  # their keys went with the lease
 
     def _sync(self, now: float) -> None:
         """Push pending puts/withdrawals now if we hold a lease and etcd answered last time

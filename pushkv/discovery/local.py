@@ -26,12 +26,12 @@ from pushkv.discovery.records import DiscoveryEvent, InstanceDown, InstanceRecor
 ENGINE_ROLES = ("prefill", "decode")
 
 
-def record_of(cfg: DeploymentConfig, inst: InstanceConfig) -> InstanceRecord:
+def record_of(cfg: DeploymentConfig, inst: InstanceConfig, supervisor_pid: int = 0) -> InstanceRecord:
     return InstanceRecord(
         engine_id=inst.engine_id, role=inst.role, sched_endpoint=inst.sched_endpoint,
         handshake_endpoints=tuple(inst.handshake_endpoints), tp=inst.tp, block_size=inst.block_size,
-        num_blocks=inst.num_blocks, max_num_seqs=inst.max_num_seqs, host=cfg.host,
-        supervisor_pid=os.getppid(), started_unix=time.time(),
+        num_blocks=inst.num_blocks, max_num_seqs=inst.max_num_seqs, host=cfg.advertise or cfg.host,
+        supervisor_pid=supervisor_pid or os.getppid(), started_unix=time.time(),
     )
 
 

@@ -73,15 +73,19 @@ class Balancer:
         self.picks = 0  # sequence of choices: ties go to the instance chosen least recently
 
     # -- the instance set ------------------------------------------------------------
-    def add(self, rec: InstanceRecord, make_link: Callable[[InstanceRecord], "SchedulerLink"]) -> None:
-        """An instance is up (new, or back after InstanceDown)."""
+    def add(self, rec: InstanceRecord, make_link: Callable[[InstanceRecord], "SchedulerLink"],
+            fresh: bool = False) -> None:
+        """An instance is up (new, or back after InstanceDown); ``fresh``: a new link even at the
+        same endpoint (a host back from a cut: the old TCP connection may still hold unsent bytes
+        for a process that is gone, and would lose what we send next)."""
         load = self.loads.get(rec.engine_id)
-        if load is None or self.records[rec.engine_id].sched_endpoint != rec.sched_endpoint:
+        if load is None or fresh or self.records[rec.engine_id].sched_endpoint != rec.sched_endpoint:
             old = self.links.pop(rec.engine_id, None)
             if old is not None:
                 old.retire()
             self.links[rec.engine_id] = make_link(rec)
-            order = sum(1 for l in self.loads.values() if l.role == rec.role) if load is None else load.order
+        if load is None:  # a known one keeps its accounting: runs still holding it release into it
+            order = sum(1 for l in self.loads.values() if l.role == rec.role)
             load = self.loads[rec.engine_id] = P.Load(rec.engine_id, rec.role, order=order)
         load.num_blocks, load.block_size, load.up = rec.num_blocks, rec.block_size, True
         self.records[rec.engine_id] = rec

@@ -119,10 +119,20 @@ class RouterMetrics:
             "Push requests that fell back to late allocation (D short of blocks)", registry=r)
         self.legs = Counter(
             "pushkv_router_legs", "Legs sent, per instance", ["role", "engine"], registry=r)
+        self.instances_down = Counter(
+            "pushkv_router_instances_down", "Instances that went down (registry or local events), per instance",
+            ["role", "engine"], registry=r)
+        self.failed_by_instance_down = Counter(
+            "pushkv_router_failed_by_instance_down", "Requests failed because an instance they had a leg on went down",
+            ["role", "engine"], registry=r)
         self.instances = InstanceCollector()
         r.register(self.instances)
         self.balance = BalanceCollector()
         r.register(self.balance)
+
+    def instance_down(self, role: str, engine: str, reason: str, failed: int) -> None:
+        self.instances_down.labels(role=role, engine=engine).inc()
+        self.failed_by_instance_down.labels(role=role, engine=engine).inc(failed)
 
     def watch_balancer(self, balancer) -> None:
         self.balance.balancer = balancer

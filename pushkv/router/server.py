@@ -148,7 +148,11 @@ class Router:
                 if isinstance(ev, InstanceUp):
                     known = self.balancer.loads.get(ev.record.engine_id)
                     if known is None or not known.up:
-                        self.balancer.add(ev.record, self._make_link)
+                        self.balancer.add(ev.record, self._make_link, fresh=bool(self.cfg.registry))
+                    if known is not None and not known.up and self.cfg.registry:
+                        # back in the registry = restarted (its host drops its work when its lease
+                        # lapses): peers forget the old incarnation and handshake afresh
+                        self._tell_peers(ev.record.engine_id, ev.record.role, "rejoined (a new incarnation)")
                 elif isinstance(ev, InstanceDown):
                     self._instance_down(ev)
         except asyncio.CancelledError:
@@ -165,8 +169,21 @@ class Router:
                     or (role == "prefill" and run.late and run.emitted == 0))]  # P held the KV D still needs
         log.error("%s instance %s down (%s): failing %d request(s) with a leg on it",
                   role, ev.engine_id, ev.reason, len(hit))
+        self.metrics.instance_down(role, ev.engine_id, ev.reason, len(hit))
         for run in hit:
             run.inject_failure(503, f"{role} instance failed: {ev.reason}; retry")
+        if self.cfg.registry:  # across hosts no supervisor tells the survivors: we do
+            self._tell_peers(ev.engine_id, role, ev.reason)
+
+    def _tell_peers(self, engine_id: str, role: str, reason: str) -> None:
+        """``PeerLost`` to every live instance of the other role (their writers end transfers
+        with it at once; their blocks come back without waiting for a deadline)."""
+        other = "decode" if role == "prefill" else "prefill"
+        for eid in self.balancer.live(other):
+            try:
+                self.balancer.links[eid].send(m.PeerLost(engine_id, role, reason))
+            except Exception as e:  # its own death is news of its own
+                log.error("PeerLost to %s failed: %s", eid, e)
 
     async def _announce_ready(self) -> None:
         self._control = self.ctx.socket(zmq.DEALER)
@@ -387,7 +404,13 @@ async def _json_errors(request: web.Request, handler) -> web.StreamResponse:
 
 async def serve(cfg: DeploymentConfig) -> None:
     """Run a router until SIGINT/SIGTERM or the supervisor's Shutdown."""
-    router = Router(cfg)
+    watcher = None
+    if cfg.registry:  # several hosts: the instances are whatever etcd holds
+        from pushkv.discovery.etcd import EtcdWatcher
+
+        watcher = EtcdWatcher(cfg.registry)
+        await watcher.start()  # bad credentials or no etcd: the router fails at start-up
+    router = Router(cfg, watcher=watcher)
     await router.start()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

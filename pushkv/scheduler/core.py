@@ -246,6 +246,13 @@ class SchedulerCore(Actor):
         self._release(r)
         self.schedule()
 
+    def on_PeerLost(self, msg: m.PeerLost, identity: bytes) -> None:
+        """The router's news of a peer instance gone (or back as a new incarnation): our
+        writers end their transfers with it now, not at their deadlines."""
+        self.counters["peer_lost"] += 1
+        log.warning("%s: %s instance %s lost: %s", self.name, msg.role, msg.engine_id, msg.reason)
+        self._to_writers(msg)
+
     def on_GetStats(self, msg: m.GetStats, identity: bytes) -> None:
         """Answer with our counters and the writers' (``writer.<rank>.<name>``), asked afresh."""
         self._stats_waiting.append(identity)

@@ -23,15 +23,18 @@ class DecodeScheduler(SchedulerCore):
 
     def __init__(self, cfg: DeploymentConfig, inst: InstanceConfig):
         super().__init__(cfg, inst)
-        # the only KV sources a decode leg may name: this deployment's P instances
+        # the only KV sources a decode leg may name: this deployment's P instances; across hosts
+        # (a registry) any P the router found there (the router is our only client, and with a
+        # secret it is authenticated by CURVE)
         self.sources = {p.source() for p in cfg.role_instances("prefill")}
+        self.any_source = bool(cfg.registry)
         self.blocked_on: Optional[tuple[str, int]] = None  # pull inline: the READ the engine waits on
 
     def _check_leg(self, msg: m.Generate) -> Optional[tuple[str, int]]:
         if msg.source is None and msg.pull is None:
             return "decode leg without a KV source", 400
         for src in (msg.source, msg.pull.source if msg.pull is not None else None):
-            if src is not None and src not in self.sources:
+            if src is not None and src not in self.sources and not self.any_source:
                 return f"unknown prefill source {src.engine_id!r} at {list(src.handshake)}", 400
         return None
 

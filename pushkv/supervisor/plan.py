@@ -26,6 +26,7 @@ TRACE_AUTO = "auto"  # trace_endpoint placeholder: an ipc socket in run_dir
 # A worker maps the pool its writer owns, a scheduler talks to ready workers
 # and writers, the router to ready schedulers.
 KIND_STAGE = {"writer": 0, "worker": 1, "scheduler": 2, "router": 3}
+HOST_ROLES = ("", "router", "prefill", "decode")  # "": the whole deployment on this host
 
 PortPicker = Callable[[], int]
 
@@ -75,7 +76,11 @@ def _unique_ports(pick: PortPicker, taken: Iterable[int] = ()) -> Iterator[int]:
         yield port
 
 
-def _plan_instance(inst: InstanceConfig, dep_id: str, run_dir: str, ports: Iterator[int]) -> InstanceConfig:
+def _plan_instance(inst: InstanceConfig, dep_id: str, run_dir: str, ports: Iterator[int],
+                   advertise: str = "") -> InstanceConfig:
+    """``advertise``: this host's address for other hosts (``pushkv up --role``): the router's
+    way in (the scheduler's ROUTER) and the writers' handshakes are tcp:// on it, and the engine
+    id names the host; the sockets inside the instance stay ipc://."""
     role, tp, name = inst.role, inst.tp, inst.name
     if tp < 1:
         raise ValueError(f"{role}: tp must be >= 1, got {tp}")
@@ -90,14 +95,16 @@ def _plan_instance(inst: InstanceConfig, dep_id: str, run_dir: str, ports: Itera
     dist_init = inst.dist_init
     if not dist_init and tp > 1:
         dist_init = f"tcp://{LOOPBACK}:{next(ports)}"
+    net = advertise or LOOPBACK
     return msgspec.structs.replace(
         inst,
-        engine_id=inst.engine_id or f"{name}-{dep_id}",
-        sched_endpoint=inst.sched_endpoint or ipc(run_dir, f"{name}-scheduler.sock"),
+        engine_id=inst.engine_id or (f"{name}-{advertise}-{dep_id}" if advertise else f"{name}-{dep_id}"),
+        sched_endpoint=inst.sched_endpoint or (
+            f"tcp://{advertise}:{next(ports)}" if advertise else ipc(run_dir, f"{name}-scheduler.sock")),
         worker_endpoints=per_rank(inst.worker_endpoints, lambda r: ipc(run_dir, f"{name}-worker-{r}.sock"), "worker endpoints"),
         writer_endpoints=per_rank(inst.writer_endpoints, lambda r: ipc(run_dir, f"{name}-writer-{r}.sock"), "writer endpoints"),
         handshake_endpoints=per_rank(
-            inst.handshake_endpoints, lambda r: f"tcp://{LOOPBACK}:{next(ports)}", "handshake endpoints"
+            inst.handshake_endpoints, lambda r: f"tcp://{net}:{next(ports)}", "handshake endpoints"
         ),
         dist_init=dist_init,
     )
@@ -134,6 +141,14 @@ def plan_deployment(
     """
     if cfg.mode not in ("push", "pull", "local"):
         raise ValueError(f"unknown mode {cfg.mode!r}; expected push, pull or local")
+    if cfg.host_role not in HOST_ROLES:
+        raise ValueError(f"unknown host role {cfg.host_role!r}; expected one of {HOST_ROLES[1:]}")
+    if cfg.host_role and (not cfg.registry or cfg.mode == "local"):
+        raise ValueError("--role needs --registry etcd://HOST:PORT and --mode push or pull")
+    if cfg.host_role in ("prefill", "decode") and not cfg.advertise:
+        raise ValueError(f"--role {cfg.host_role} needs --advertise ADDR (this host's address for the others)")
+    if cfg.registry_ttl_s < 1:
+        raise ValueError(f"registry TTL must be >= 1 s, got {cfg.registry_ttl_s}")
     if cfg.mode == "local" and (cfg.prefill_instances, cfg.decode_instances) != (1, 1):
         raise ValueError("--prefill-instances / --decode-instances need --mode push or pull")
     if cfg.router_queue < 0:
@@ -155,6 +170,8 @@ def plan_deployment(
     if cfg.mode == "local":
         changes["local"] = _plan_instance(cfg.local, dep_id, run_dir, ports)
         return msgspec.structs.replace(cfg, **changes)
+    if cfg.host_role:  # one part of a deployment over several hosts
+        return msgspec.structs.replace(cfg, **changes, **_plan_host(cfg, dep_id, run_dir, ports))
     p, d = cfg.prefill, cfg.decode
     several = cfg.prefill_instances > 1 or cfg.decode_instances > 1
     if several and d.device != "cpu" and d.device == p.device:
@@ -169,6 +186,23 @@ def plan_deployment(
     if len(prefills) > 1 or len(decodes) > 1:
         changes.update(prefills=prefills, decodes=decodes)
     return msgspec.structs.replace(cfg, **changes)
+
+
+def _plan_host(cfg: DeploymentConfig, dep_id: str, run_dir: str, ports: Iterator[int]) -> dict:
+    """A router host plans no instance; a P or D host plans only its role's, reachable on
+    ``advertise`` (the other role's template stays unplanned: those instances are other hosts',
+    found through the registry)."""
+    role = cfg.host_role
+    if role == "router":
+        return {}
+    template = cfg.instance(role)
+    count = cfg.prefill_instances if role == "prefill" else cfg.decode_instances
+    planned = tuple(_plan_instance(i, dep_id, run_dir, ports, cfg.advertise)
+                    for i in instance_copies(template, count, _gpu_base(template)))
+    out = {role: planned[0]}
+    if len(planned) > 1:
+        out[role + "s"] = planned
+    return out
 
 
 class ProcessSpec(msgspec.Struct, frozen=True):
@@ -218,10 +252,11 @@ def process_specs(cfg: DeploymentConfig) -> list[ProcessSpec]:
             name=f"{name}-scheduler", kind="scheduler", role=role, rank=0,
             argv=child_argv("scheduler", path, role, 0, idx), stage=KIND_STAGE["scheduler"], instance=idx,
         ))
-    specs.append(ProcessSpec(
-        name="router", kind="router", role="", rank=0,
-        argv=child_argv("router", path), stage=KIND_STAGE["router"],
-    ))
+    if cfg.host_role in ("", "router"):
+        specs.append(ProcessSpec(
+            name="router", kind="router", role="", rank=0,
+            argv=child_argv("router", path), stage=KIND_STAGE["router"],
+        ))
     return specs
 
 

@@ -27,6 +27,7 @@ from pushkv.config import DeploymentConfig, encode_config
 from pushkv.kv.handle import POOL_ENV, handle_to_env
 from pushkv.supervisor import commands as c
 from pushkv.supervisor import lifecycle, registry
+from pushkv.supervisor.host_registry import HostRegistry
 from pushkv.supervisor.plan import ProcessSpec, config_path, event_topic, process_specs
 from pushkv.trace import TraceForwarder
 from pushkv.supervisor.table import (
@@ -51,6 +52,10 @@ class InstanceRestart:
     asked: float  # monotonic time the survivors were asked to stop
     stages: list[int]  # the instance's start stages, in order
     stage_idx: int = -1  # the stage being started; -1 while survivors stop
+    # restarted because the registry lease was lost: start again only once the host is back in
+    # contact with etcd (a process started while the host is cut off may find no network to use:
+    # UCX picks its interfaces at start-up)
+    wait_registry: bool = False
 
 ArgvHook = Callable[[ProcessSpec], Sequence[str]]
 
@@ -70,6 +75,7 @@ class Supervisor(Actor):
         registry_dir: Optional[str] = None,
         write_registry: bool = True,
         out: TextIO = sys.stdout,
+        announcer=None,
     ):
         self._instance_restart: dict[str, InstanceRestart] = {}  # by instance name (prefill, prefill1, ...)
         if not cfg.run_dir or not cfg.control_endpoint:
@@ -91,7 +97,8 @@ class Supervisor(Actor):
         self.registry_dir = registry_dir
         self.write_registry = write_registry
         self.out = out
-        self.router_url = f"http://{cfg.host}:{cfg.port}"
+        # a P or D host of several runs no router: its record and status name none
+        self.router_url = f"http://{cfg.host}:{cfg.port}" if cfg.host_role in ("", "router") else ""
         self.phase = "new"  # new | starting | running | stopping | stopped
         self.exit_code = 0
         self.failure = ""
@@ -106,6 +113,9 @@ class Supervisor(Actor):
         self._control_router: Optional[zmq.Socket] = None  # children (DEALER) and REQ clients
         self._events: Optional[zmq.Socket] = None
         self._trace_fwd: Optional[TraceForwarder] = None
+        # several hosts: this host's instances go into the registry (pushkv.discovery.etcd.EtcdAnnouncer,
+        # rejoin=False) once ready, and out of it while they restart
+        self.host_registry = HostRegistry(cfg, announcer) if announcer is not None else None
 
     # ------------------------------------------------------------------
     # start phase
@@ -178,7 +188,11 @@ class Supervisor(Actor):
         self._next_ping = now + self.ping_interval_s
         log.info("deployment %s ready: %s", self.cfg.deployment_id, self.router_url)
         self._publish("deployment", "ready", detail=self.router_url)
-        print(self.router_url, file=self.out, flush=True)
+        for inst in self.cfg.instances():
+            if self.host_registry is not None:
+                self.host_registry.announce(inst.name)
+        print(self.router_url if self.cfg.host_role in ("", "router") else
+              "instances " + " ".join(i.engine_id for i in self.cfg.instances()), file=self.out, flush=True)
         print("READY", file=self.out, flush=True)
 
     # ------------------------------------------------------------------
@@ -323,26 +337,33 @@ class Supervisor(Actor):
     def _instance_rows(self, inst: str) -> list[Row]:
         return [r for r in self.table if r.spec.role and r.spec.instance_name == inst]
 
-    def _restart_instance(self, role: str, dead: str, now: float, how: str = "") -> None:
+    def _restart_instance(self, role: str, dead: str, now: float, how: str = "",
+                          wait_registry: bool = False) -> None:
         """``role`` names the instance (``prefill``, ``prefill1``, ...: InstanceConfig.name)."""
         if role in self._instance_restart:
             return
         rows = self._instance_rows(role)
         stopping = set()
-        why = f"{role} instance restarting: {dead} died" + (f" ({how})" if how else "")
+        why = (f"{role} instance restarting: {dead} died" + (f" ({how})" if how else "")
+               if self.table.get(dead) is not None else f"{role} instance restarting: {dead}")
         for r in rows:
             if r.name != dead and r.state in (State.STARTED, State.READY):
                 self._stop_child(r, why)  # survivors tell their clients why they stop
                 stopping.add(r.name)
-        log.error("restarting the %s instance (%s died): stopping %s", role, dead, ", ".join(sorted(stopping)) or "nothing else")
+        if self.host_registry is not None:
+            self.host_registry.withdraw(role)
+        log.error("%s: stopping %s", why, ", ".join(sorted(stopping)) or "nothing else")
         self._publish_instance(role, "restart", detail=dead)
-        self._instance_restart[role] = InstanceRestart(stopping, now, sorted({r.spec.stage for r in rows}))
+        self._instance_restart[role] = InstanceRestart(stopping, now, sorted({r.spec.stage for r in rows}),
+                                                       wait_registry=wait_registry)
         self._advance_instance(role, now)
 
     def _advance_instance(self, role: str, now: float) -> None:
         st = self._instance_restart.get(role)
         if st is None or st.stopping:
             return
+        if st.stage_idx < 0 and st.wait_registry and not self.host_registry.in_contact:
+            return  # stopped; started again once etcd answers (_registry_tick)
         rows = self._instance_rows(role)
         while True:
             if st.stage_idx >= 0:
@@ -354,6 +375,8 @@ class Supervisor(Actor):
                 del self._instance_restart[role]
                 log.info("%s instance restarted and ready", role)
                 self._publish_instance(role, "ready")
+                if self.host_registry is not None:
+                    self.host_registry.announce(role)
                 return
             if st.stage_idx == 0:  # the dead writer's pool segments are orphans now
                 lifecycle.cleanup_instance_shm(self.cfg.deployment_id, role)
@@ -361,6 +384,21 @@ class Supervisor(Actor):
             for r in rows:
                 if r.spec.stage == stage:
                     self._spawn(r.name, now)
+
+    # ------------------------------------------------------------------
+    # the registry (several hosts)
+    # ------------------------------------------------------------------
+    def _registry_tick(self, now: float) -> None:
+        """When the lease is lost the router has failed this host's requests already: stop every
+        instance (their work and blocks go with them) and start them again once etcd answers
+        (a process started while cut off may find no network: UCX picks interfaces at start)."""
+        if self.host_registry.tick(now) and self.phase == "running":
+            for inst in self.cfg.instances():
+                if inst.name not in self._instance_restart:
+                    self._restart_instance(inst.name, "registry lease lost", now, wait_registry=True)
+        if self.host_registry.in_contact:
+            for name in [n for n, st in self._instance_restart.items() if st.wait_registry and st.stage_idx < 0]:
+                self._advance_instance(name, now)
 
     def _unwatch(self, name: str) -> None:
         fd = self._pidfds.pop(name, None)
@@ -382,6 +420,8 @@ class Supervisor(Actor):
     # run phase: deadlines and health
     # ------------------------------------------------------------------
     def tick(self, now: float) -> None:
+        if self.host_registry is not None and self.phase == "starting":
+            self._registry_tick(now)  # keep the lease taken at start-up
         if self.phase == "starting":
             if now > self._startup_deadline:
                 waiting = [r.name for r in self.table.in_state(State.NEW, State.STARTED)]
@@ -389,6 +429,8 @@ class Supervisor(Actor):
             return
         if self.phase != "running":
             return
+        if self.host_registry is not None:
+            self._registry_tick(now)
         for row in self.table.in_state(State.STARTED):  # a restarted child that never gets ready
             if now - row.started_at > self.startup_timeout_s:
                 log.error("%s (pid %d) not ready %.0f s after restart; killing it", row.name, row.pid,
@@ -427,6 +469,8 @@ class Supervisor(Actor):
     def teardown(self) -> None:
         was = self.phase
         self.phase = "stopping"
+        if self.host_registry is not None:  # out of the registry first: the router stops choosing us
+            self.host_registry.close()
         self._publish("deployment", "stopping", detail=self.failure)
         for name in list(self._pidfds):
             self._unwatch(name)

@@ -314,6 +314,7 @@ class WriterBase(Actor):
 
     def on_TransferStarting(self, msg: m.TransferStarting, identity: Optional[bytes] = None) -> None:
         now = time.monotonic()
+        self.counters["wake_hints"] += 1
         self._expected[(msg.transfer_id, msg.generation)] = now + spin_s(msg.nbytes)
 
     def transfer_arrived(self, transfer_id: str, generation: int) -> None:
@@ -334,6 +335,17 @@ class WriterBase(Actor):
         for p in dead:
             self.forget_peer(p)
         self.peer_instance_down(engine, f"{ev.name} died ({ev.detail})", time.monotonic())
+
+    def on_PeerLost(self, msg: m.PeerLost) -> None:
+        """The router saw a peer instance leave the registry (or come back as a new
+        incarnation): across hosts, the news no supervisor of ours can give."""
+        if msg.role == self.inst.role or msg.role not in ("prefill", "decode"):
+            return
+        self.counters["peer_lost"] += 1
+        if self.inst.role == "decode":  # we open the handshakes: the next request with it opens a fresh one
+            for p in [p for p in self.peers.values() if p.engine_id == msg.engine_id]:
+                self.forget_peer(p)
+        self.peer_instance_down(msg.engine_id, msg.reason, time.monotonic())
 
     def peer_instance_down(self, engine_id: str, reason: str, now: float) -> None:
         """Side-specific: end transfers with the dead instance."""
