@@ -47,6 +47,7 @@ PROMPTS = [[65], [rng.randrange(256) for _ in range(37)], [rng.randrange(256) fo
            [rng.randrange(256) for _ in range(70)]]
 TIMEOUTS = {"transfer_s": 5.0, "write_wait_s": 15.0, "registration_wait_s": 15.0, "request_s": 60.0}
 HOSTS = {"p1": (1, "prefill"), "p2": (2, "prefill"), "d1": (3, "decode"), "d2": (4, "decode")}
+TAP_PORT = 7701  # each host's trace tap end (every namespace has its own ports)
 UCX_TCP = {"UCX_TLS": "tcp"}  # the network path, forced: no shared memory between "hosts"
 
 
@@ -84,16 +85,22 @@ class Cluster:
         h = self.net[i]
         self.starts += 1
         self.hosts[name] = HostUp(f"{name}-{self.starts}", h, ["--role", role, "--advertise", h.addr,
+                                                              "--trace", f"tcp://{h.addr}:{TAP_PORT}",
                                                               *self.common], self.tmp, UCX_TCP)
         return self.hosts[name]
 
     def start_router(self) -> None:
         from pushkv.supervisor.plan import free_tcp_port
 
-        port = free_tcp_port(self.net.root_addr)
+        port, self.router_tap = free_tcp_port(self.net.root_addr), free_tcp_port(self.net.root_addr)
         self.router = HostUp("router", None, ["--role", "router", "--advertise", self.net.root_addr,
-                                              "--port", str(port), *self.common], self.tmp)
+                                              "--port", str(port), "--trace",
+                                              f"tcp://{self.net.root_addr}:{self.router_tap}", *self.common], self.tmp)
         self.url = f"http://{self.net.root_addr}:{port}"
+
+    def tap_endpoints(self) -> list[str]:
+        return [f"tcp://{self.net.root_addr}:{self.router_tap}"] + [
+            f"tcp://{self.net[i].addr}:{TAP_PORT}" for i, _ in HOSTS.values()]
 
     def engine(self, name: str) -> str:
         return self.hosts[name].engine_ids[0]
@@ -200,6 +207,54 @@ def test_2p2d_on_four_hosts_tokens_equal_local_and_spread(cluster, reference):
                                    "ucx_tls": "tcp", "write_posted_to_done_ms": {
                                        "min": round(write_ms[0], 2), "median": round(write_ms[len(write_ms) // 2], 2),
                                        "max": round(write_ms[-1], 2)}})
+
+
+@pytest.mark.timeout(120)
+def test_traces_of_five_hosts_merge_on_one_clock(cluster, reference):
+    """One tap on every host's trace (router's and the four instances'): every host's clock is
+    aligned from the messages between them (the hosts share a kernel here, so the true offsets
+    are 0 and each estimate must be within its stated error), and each request reads whole."""
+    from pushkv import security
+    from tools import timeline as T
+    from tools import trace_merge
+    from tools.tap import Tap
+
+    c = cluster
+    events = []
+    with Tap(c.tap_endpoints(), secure=security.load(str(c.secret))) as tap:
+
+        def drain_until(done, timeout_s: float) -> bool:
+            end = time.monotonic() + timeout_s
+            while time.monotonic() < end:
+                events.extend(tap.poll(50))
+                if done():
+                    return True
+            return False
+
+        # subscriptions reach the hosts' publishers a moment after connecting: one request at a
+        # time until a whole one is seen (its last event, from the router, comes after the others)
+        for _ in range(10):
+            status, body = c.complete(PROMPTS[0])
+            assert status == 200, body
+            if drain_until(lambda: body["pushkv"]["transfer_id"] in {e.transfer_id for e in events
+                                                                      if e.kind == "http_done"}, 3):
+                break
+        events.clear()
+        bodies = in_parallel(c.complete, PROMPTS)
+        tids = {b["pushkv"]["transfer_id"] for _, b in bodies}
+        assert drain_until(lambda: tids <= {e.transfer_id for e in events if e.kind == "http_done"}, 30)
+    merged, al = trace_merge.merged(events)
+    hosts = {c.net.root_addr} | {c.net[i].addr for i, _ in HOSTS.values()}
+    assert set(al.offsets) == hosts and al.unaligned == [] and al.reference == c.net.root_addr
+    for h in hosts:
+        assert abs(al.offsets[h]) <= al.error_s[h] + 1e-6, (h, al)
+    for tid in tids:
+        tl = T.RequestTimeline(tid, [e for e in merged if e.transfer_id == tid])
+        assert T.problems(tl) == [], (tid, T.problems(tl))
+        assert {e.process.split("@")[1] for e in tl.events} >= {c.net.root_addr}
+    c.record("trace_merge", {"events": len(events), "hosts": sorted(hosts),
+                             "offset_error_bound_ms": {h: round(al.error_s[h] * 1e3, 3) for h in sorted(hosts)},
+                             "offset_ms": {h: round(al.offsets[h] * 1e3, 3) for h in sorted(hosts)}})
 
 
 def fault(c: Cluster, reference, victim: str, do_fault, key: str, in_flight) -> dict:

@@ -279,6 +279,7 @@ def _tp_run(model, pool):
 
 
 def _tp_worker(rank, world, init_file, out_dir, cfg_json):
+    done = False
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}",
                                          rank=rank, world_size=world)
@@ -294,8 +295,11 @@ def _tp_worker(rank, world, init_file, out_dir, cfg_json):
         # every rank done with gloo before any tears it down: a rank that destroys the group
         # while its peer is still in a collective aborts the peer ("terminate called ...")
         torch.distributed.barrier()
+        done = True
     finally:
         torch.distributed.destroy_process_group()
+    if done:  # skip interpreter teardown: threads of gloo still joinable there aborted a rank now and
+        os._exit(0)  # then ("terminate called without an active exception", SIGABRT), results already saved
 
 
 def run_tp_ranks(worker, tp: int, tmp_path, cfg: ModelConfig, timeout_s: float) -> None:

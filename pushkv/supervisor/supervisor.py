@@ -29,7 +29,7 @@ from pushkv.supervisor import commands as c
 from pushkv.supervisor import lifecycle, registry
 from pushkv.supervisor.host_registry import HostRegistry
 from pushkv.supervisor.plan import ProcessSpec, config_path, event_topic, process_specs
-from pushkv.trace import TraceForwarder
+from pushkv.trace import HOST_ENV, TraceForwarder
 from pushkv.supervisor.table import (
     HEALTH_TIMEOUT_S, Event, IllegalTransition, ProcessTable, RestartPolicy, Row, State, describe_exit,
 )
@@ -156,6 +156,8 @@ class Supervisor(Actor):
         row = self.table[name]
         argv = list(self.child_argv(row.spec))
         env = lifecycle.child_env(name, self.cfg.deployment_id)
+        if self.cfg.advertise:  # the host in every trace event (tools/trace_merge.py aligns hosts' clocks)
+            env[HOST_ENV] = self.cfg.advertise
         if row.spec.kind == "worker":  # map the pool its writer owns (named per writer incarnation)
             writer = self.table.get(f"{row.spec.instance_name}-writer-{row.spec.rank}")
             if writer is not None and writer.ready is not None and writer.ready.pool is not None:
