@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 
@@ -63,7 +64,7 @@ def wait_for(cond, timeout_s: float, what: str):
 
 
 class Cluster:
-    def __init__(self, net, etcd, tmp):
+    def __init__(self, net, etcd, tmp, mode: str = "push"):
         self.net, self.tmp = net, tmp
         self.registry = etcd.url(host=net.root_addr)
         cfg_file = tmp / "timeouts.json"
@@ -71,7 +72,7 @@ class Cluster:
         self.secret = tmp / "secret"  # CURVE on every tcp:// socket between the hosts
         self.secret.write_text(os.urandom(32).hex())
         self.secret.chmod(0o600)
-        self.common = ["--mode", "push", "--model", "tiny", "--num-blocks", "256", "--registry", self.registry,
+        self.common = ["--mode", mode, "--model", "tiny", "--num-blocks", "256", "--registry", self.registry,
                        "--registry-ttl", str(TTL_S), "--config", str(cfg_file), "--secret-file", str(self.secret)]
         self.hosts: dict[str, HostUp] = {}
         self.dead: list[HostUp] = []
@@ -150,13 +151,13 @@ def reference(tmp_path_factory):
         return [dep.tokens(p, MAX_TOKENS) for p in PROMPTS]
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+@contextmanager
+def running_cluster(tmp, mode: str = "push"):
+    """Four namespace hosts (p1 p2 d1 d2) and the router, all READY and seen by the router."""
     from tests import netns
 
-    tmp = tmp_path_factory.mktemp("hosts")
     with netns.hosts(4) as net, etcd_server(tmp, extra_hosts=(net.root_addr,)) as etcd:
-        c = Cluster(net, etcd, tmp)
+        c = Cluster(net, etcd, tmp, mode)
         try:
             c.start_router()
             for name in HOSTS:
@@ -173,6 +174,12 @@ def cluster(tmp_path_factory):
             for h in c.dead:
                 h.cleanup()
             print(f"\nfigures: {tmp / 'hosts_figures.json'}")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with running_cluster(tmp_path_factory.mktemp("hosts")) as c:
+        yield c
 
 
 def check_served(c: Cluster, reference, bodies) -> dict[str, set]:

@@ -1,0 +1,33 @@
+"""Pull across four namespace hosts: the same cluster as tests/test_hosts.py with ``--mode pull``
+(P finishes, the router relays P's blocks to D, D READs over UCX on TCP): greedy tokens equal a
+local run, every P and D instance serves, no block is left held. Its own module, so the push
+cluster of test_hosts.py is down before this one starts."""
+from __future__ import annotations
+
+import pytest
+
+from tests.test_hosts import HOSTS, MAX_TOKENS, PROMPTS, check_served, in_parallel, pytestmark, running_cluster  # noqa: F401
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    from tests.deploy import deployment
+
+    with deployment(tmp_path_factory.mktemp("local"), "--mode", "local", "--model", "tiny") as dep:
+        return [dep.tokens(p, MAX_TOKENS) for p in PROMPTS]
+
+
+@pytest.mark.timeout(240)
+def test_pull_on_four_hosts_tokens_equal_local_and_spread(tmp_path, reference):
+    with running_cluster(tmp_path, mode="pull") as c:
+        bodies = in_parallel(c.complete, PROMPTS * 2)
+        served = check_served(c, reference * 2, bodies)
+        assert served["prefill"] == {c.engine("p1"), c.engine("p2")}
+        assert served["decode"] == {c.engine("d1"), c.engine("d2")}
+        leaked = c.pools_free(HOSTS)
+        assert leaked == {n: 0 for n in HOSTS}
+        d_writers = [s.counters for n in ("d1", "d2") for s in c.hosts[n].stats().values()]
+        assert all(w.get("writer.0.bytes_read", 0) > 0 for w in d_writers), d_writers  # D READ over TCP
+        c.record("pull_tokens_and_spread", {"requests": len(bodies), "tokens_equal_local": True,
+                                            "prefill_engines": sorted(served["prefill"]),
+                                            "decode_engines": sorted(served["decode"]), "blocks_held_after": leaked})
