@@ -1,5 +1,6 @@
-"""2P2D over four namespace "hosts" (one ``pushkv up --role ...`` each), the router and etcd in
-the root namespace at the bridge address, NIXL over UCX on TCP between the hosts:
+"""2P2D over four namespace "hosts" (one ``pushkv up --role ...`` each), the router and etcd (with
+auth: a pushkv user limited to its prefix) in the root namespace at the bridge address, CURVE on every
+tcp:// ZMQ socket, NIXL over UCX on TCP between the hosts:
 
 - greedy tokens equal a local run, requests spread over every P and D instance;
 - kill -9 every process of one D host: the router sees its lease lapse, fails its requests in
@@ -66,7 +67,13 @@ def wait_for(cond, timeout_s: float, what: str):
 class Cluster:
     def __init__(self, net, etcd, tmp, mode: str = "push"):
         self.net, self.tmp = net, tmp
-        self.registry = etcd.url(host=net.root_addr)
+        # etcd with auth, as an operator runs it: a pushkv user with read-write on its prefix only,
+        # its password in a file (not on any command line)
+        etcd_pw = tmp / "etcd-password"
+        etcd_pw.write_text(os.urandom(12).hex())
+        etcd_pw.chmod(0o600)
+        etcd.enable_auth(os.urandom(12).hex(), "pushkv", etcd_pw.read_text(), "/pushkv")
+        self.registry = f"{etcd.url(host=net.root_addr)}?user=pushkv&password_file={etcd_pw}"
         cfg_file = tmp / "timeouts.json"
         cfg_file.write_text(json.dumps({"timeouts": TIMEOUTS}))
         self.secret = tmp / "secret"  # CURVE on every tcp:// socket between the hosts
@@ -255,9 +262,14 @@ def test_traces_of_five_hosts_merge_on_one_clock(cluster, reference):
     assert set(al.offsets) == hosts and al.unaligned == [] and al.reference == c.net.root_addr
     for h in hosts:
         assert abs(al.offsets[h]) <= al.error_s[h] + 1e-6, (h, al)
+    worst = max(al.error_s.values())
     for tid in tids:
         tl = T.RequestTimeline(tid, [e for e in merged if e.transfer_id == tid])
-        assert T.problems(tl) == [], (tid, T.problems(tl))
+        # whole, and in order up to what the merge can promise: marks on two hosts closer than the
+        # offsets' error bound may swap (each message pair stays causal with its own two hosts)
+        late = [p for p in T.problems(tl) if " before " in p]
+        assert [p for p in T.problems(tl) if p not in late] == [], (tid, T.problems(tl))
+        assert all(abs(float(p.split("(")[1].split(" ms")[0])) <= worst * 1e3 for p in late), (tid, late, al)
         assert {e.process.split("@")[1] for e in tl.events} >= {c.net.root_addr}
     c.record("trace_merge", {"events": len(events), "hosts": sorted(hosts),
                              "offset_error_bound_ms": {h: round(al.error_s[h] * 1e3, 3) for h in sorted(hosts)},

@@ -361,14 +361,13 @@ class WriterBase(Actor):
     # -- notifications --------------------------------------------------------------
     def notify(self, peer: Peer, msg: m.Msg) -> None:
         data = m.encode(msg)
+        self.trace_msg("send", peer.agent, msg, data)  # stamped before the send: never after the peer's recv
         try:
             self.nixl.send_notif(peer.agent, data)
         except Exception as e:  # dead or unknown peer: the deadline covers it
             self.counters["notif_send_failed"] += 1
             log.error("%s: notification %s to %s failed: %s transfer_id=%s", self.name,
                       type(msg).__name__, peer.agent, e, getattr(msg, "transfer_id", ""))
-            return
-        self.trace_msg("send", peer.agent, msg, data)
 
     def _poll_notifs(self, now: float) -> None:
         for agent, payload, msg in self.nixl.poll_decoded(m.DEC_PEER):
