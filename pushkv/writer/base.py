@@ -29,6 +29,7 @@ from pushkv.actor import Actor
 from pushkv.config import DeploymentConfig, InstanceConfig, rank_device
 from pushkv.kv import layout as L
 from pushkv.kv.pool import Pool, create_pool, shm_name
+from pushkv.protocol.mapping import map_transfer
 from pushkv.transport.grid import DescGrid, IndexPlan, grid_of, index_plan, indices, plan_indices
 from pushkv.transport.nixl_agent import NixlAgent
 
@@ -65,7 +66,7 @@ class Peer:
     dev_id: int = 0
     grid: Optional[DescGrid] = None  # its pool's descriptor grid, prepared in NIXL (None: ad-hoc only)
     identity: Optional[bytes] = None  # its DEALER's identity at our handshake ROUTER (it initiated)
-    plans: dict = field(default_factory=dict)  # heads -> IndexPlan or None (grid.index_plan), per our layout
+    plans: dict = field(default_factory=dict)  # (heads, we send) -> IndexPlan or None (grid.index_plan)
 
 
 @dataclass
@@ -393,7 +394,7 @@ class WriterBase(Actor):
         """Post ``op`` of ``(local_off, remote_off, nbytes)`` regions with ``peer``: by index
         into the prepared lists when every region is whole sub-blocks on both grids, else
         with descriptors built for this transfer."""
-        if self.grid is not None and peer.grid is not None and self.nixl.has_prepared(peer.agent):
+        if self._prepared_with(peer):
             idx = indices(self.grid, peer.grid, regions)
             if idx is not None:
                 self.counters["posts_prepped"] += 1
@@ -401,11 +402,15 @@ class WriterBase(Actor):
         self.counters["posts_adhoc"] += 1
         return self.nixl.post(op, regions, self.pool.base_addr, peer.agent, peer.pool_base, notif, peer.dev_id)
 
-    def index_plan(self, peer: Peer, heads: Optional[tuple[int, int]], we_send: bool = True) -> Optional[IndexPlan]:
+    def _prepared_with(self, peer: Peer) -> bool:
+        """Both pools' descriptor grids are prepared in NIXL: transfers with ``peer`` post by index."""
+        return self.grid is not None and peer.grid is not None and self.nixl.has_prepared(peer.agent)
+
+    def _index_plan(self, peer: Peer, heads: Optional[tuple[int, int]], we_send: bool) -> Optional[IndexPlan]:
         """The whole-region plan between our pool and ``peer``'s (source first: ours when
         ``we_send``), built once per peer, direction and heads; None when either grid is not
         prepared or the pair needs the general mapping."""
-        if self.grid is None or peer.grid is None or not self.nixl.has_prepared(peer.agent):
+        if not self._prepared_with(peer):
             return None
         key = (heads, we_send)
         if key not in peer.plans:
@@ -413,19 +418,30 @@ class WriterBase(Actor):
             peer.plans[key] = index_plan(src, dst, heads)
         return peer.plans[key]
 
-    def post_planned(self, op: str, peer: Peer, plan: IndexPlan, src_blocks, dst_blocks, num_tokens: int,
-                     notif: Callable[[int, int], bytes] = lambda n, r: b"",
-                     before: Callable[[int], None] = lambda nbytes: None):
-        """Post ``op`` by index from the plan (no byte regions built): a WRITE moves our
-        ``src_blocks`` into the peer's ``dst_blocks``, a READ the peer's into ours.
-        ``notif(nbytes, runs)`` makes the notification; ``before(nbytes)`` runs just before
-        the post. Returns (handle, nbytes, runs)."""
-        si, di, nbytes, runs = plan_indices(plan, src_blocks, dst_blocks, num_tokens)
+    def post_blocks(self, op: str, peer: Peer, heads: Optional[tuple[int, int]], src_blocks, dst_blocks,
+                    num_tokens: int, notif: Callable[[int, int], bytes] = lambda n, r: b"",
+                    before: Callable[[int], None] = lambda nbytes: None):
+        """Post ``op`` moving ``num_tokens`` tokens of ``heads``: a WRITE from our ``src_blocks``
+        into the peer's ``dst_blocks``, a READ from the peer's ``src_blocks`` into ours.
+        A planned pair posts grid indices computed straight from the block ids (no byte
+        regions); any other maps byte regions (``protocol/mapping.py``) and posts them.
+        ``notif(nbytes, runs)`` makes the notification; ``before(nbytes)`` runs just before the
+        post. Returns (handle, nbytes, descriptor runs)."""
+        we_send = op == "WRITE"
+        plan = self._index_plan(peer, heads, we_send)
+        if plan is not None:
+            si, di, nbytes, runs = plan_indices(plan, src_blocks, dst_blocks, num_tokens)
+            before(nbytes)
+            local, remote = (si, di) if we_send else (di, si)
+            self.counters["posts_prepped"] += 1  # by index into the prepared lists, as post() does
+            self.counters["posts_planned"] += 1  # ... with indices straight from block ids
+            return self.nixl.post_prepped(op, local, peer.agent, remote, notif(nbytes, runs)), nbytes, runs
+        src, dst = (self.layout, peer.layout) if we_send else (peer.layout, self.layout)
+        regions = map_transfer(src, src_blocks, dst, dst_blocks, num_tokens, heads)
+        nbytes, runs = sum(r[2] for r in regions), len(regions)
         before(nbytes)
-        local, remote = (si, di) if op == "WRITE" else (di, si)
-        self.counters["posts_prepped"] += 1  # by index into the prepared lists, as post() does
-        self.counters["posts_planned"] += 1  # ... with indices straight from block ids
-        return self.nixl.post_prepped(op, local, peer.agent, remote, notif(nbytes, runs)), nbytes, runs
+        local = regions if we_send else [(d, s, n) for s, d, n in regions]  # (local, remote, bytes)
+        return self.post(op, peer, local, notif(nbytes, runs)), nbytes, runs
 
     def _check_inflight(self, now: float) -> None:
         for key, fl in list(self.inflight.items()):

@@ -13,7 +13,6 @@ from pushkv import faults
 from pushkv import messages as m
 from pushkv.protocol import actions as A
 from pushkv.protocol import arrivals as ar
-from pushkv.protocol.mapping import map_transfer
 from pushkv.protocol.tp import head_overlap, producers_for
 from pushkv.writer.base import InFlight, WriterBase
 
@@ -231,17 +230,10 @@ class DecodeWriter(WriterBase):
                 heads = head_overlap(peer.rank, p.source.tp, self.rank, self.inst.tp, self.layout.total_kv_heads)
                 if heads is None:
                     continue
-                plan = self.index_plan(peer, heads, we_send=False)
-                if plan is not None:  # indices straight from block ids (see PrefillWriter._post_write)
-                    # a READ may need P's progress: wake P before posting, as below
-                    h, nbytes, runs = self.post_planned(
-                        "READ", peer, plan, p.block_ids, msg.block_ids, p.num_tokens,
-                        before=lambda n: self.wake_peer(peer, msg.transfer_id, msg.generation, n))
-                else:
-                    regions = map_transfer(peer.layout, p.block_ids, self.layout, msg.block_ids, p.num_tokens, heads)
-                    nbytes, runs = sum(r[2] for r in regions), len(regions)
-                    self.wake_peer(peer, msg.transfer_id, msg.generation, nbytes)
-                    h = self.post("READ", peer, [(d, s, n) for s, d, n in regions])
+                # a READ may need P's progress: wake P before posting
+                h, nbytes, runs = self.post_blocks(
+                    "READ", peer, heads, p.block_ids, msg.block_ids, p.num_tokens,
+                    before=lambda n: self.wake_peer(peer, msg.transfer_id, msg.generation, n))
                 fl.handles.append(h)
                 fl.nbytes += nbytes
                 fl.num_descs += runs

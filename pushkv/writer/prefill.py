@@ -14,7 +14,6 @@ from pushkv import messages as m
 from pushkv.protocol import actions as A
 from pushkv.protocol import rendezvous as rv
 from pushkv.protocol.lease import Leases
-from pushkv.protocol.mapping import map_transfer
 from pushkv.protocol.tp import consumers_for, head_overlap
 from pushkv.transport.nixl_agent import TransferError
 from pushkv.writer.base import InFlight, WriterBase
@@ -184,18 +183,11 @@ class PrefillWriter(WriterBase):
                 heads = head_overlap(self.rank, self.inst.tp, reg.d_rank, reg.d_tp, self.layout.total_kv_heads)
                 if heads is None:
                     continue
-                plan = self.index_plan(peer, heads)
-                if plan is not None:  # indices straight from block ids: the common, cheap path
-                    h, nbytes, runs = self.post_planned(
-                        "WRITE", peer, plan, a.block_ids, reg.block_ids, a.num_tokens,
-                        lambda n, r: m.encode(m.WriteDone(a.transfer_id, a.generation, self.rank, a.first_token, n, r)))
-                else:
-                    regions = map_transfer(self.layout, a.block_ids, peer.layout, reg.block_ids, a.num_tokens, heads)
-                    nbytes, runs = sum(r[2] for r in regions), len(regions)
-                    done = m.WriteDone(a.transfer_id, a.generation, self.rank, a.first_token, nbytes, runs)
-                    h = self.post("WRITE", peer, regions, m.encode(done))
+                h, nbytes, runs = self.post_blocks(
+                    "WRITE", peer, heads, a.block_ids, reg.block_ids, a.num_tokens,
+                    lambda n, r: m.encode(m.WriteDone(a.transfer_id, a.generation, self.rank, a.first_token, n, r)))
                 fl.handles.append(h)
-                self._stamp((a.transfer_id, a.generation), "write_mapped")  # mapped and posted to this D rank
+                self._stamp((a.transfer_id, a.generation), "write_mapped")  # indices or regions posted to this D rank
                 # after the post, off its path: the hint's ZMQ message wakes D's loop at once, and D's
                 # polling only speeds up seeing our notification (the data moves without it)
                 self.wake_peer(peer, a.transfer_id, a.generation, nbytes)
