@@ -199,15 +199,22 @@ def check_served(c: Cluster, reference, bodies) -> dict[str, set]:
     return served
 
 
-@pytest.mark.timeout(300)
-def test_2p2d_on_four_hosts_tokens_equal_local_and_spread(cluster, reference):
-    c = cluster
+def serve_spread(c: Cluster, reference) -> tuple[list, dict[str, set], dict[str, int]]:
+    """Every prompt twice, at once: tokens equal local, both P and both D serve, and no block
+    is held afterwards. Returns (bodies, engines served per leg, blocks held per host)."""
     bodies = in_parallel(c.complete, PROMPTS * 2)
     served = check_served(c, reference * 2, bodies)
     assert served["prefill"] == {c.engine("p1"), c.engine("p2")}
     assert served["decode"] == {c.engine("d1"), c.engine("d2")}
     leaked = c.pools_free(HOSTS)
     assert leaked == {n: 0 for n in HOSTS}
+    return bodies, served, leaked
+
+
+@pytest.mark.timeout(300)
+def test_2p2d_on_four_hosts_tokens_equal_local_and_spread(cluster, reference):
+    c = cluster
+    bodies, served, leaked = serve_spread(c, reference)
     # over TCP a WRITE lands only while D's writer drives UCX: every KV arrived, P's wake hint
     # (TransferStarting) reached D before each WRITE, and D kept polling while it waited
     d_writers = [s.counters for n in ("d1", "d2") for s in c.hosts[n].stats().values()]

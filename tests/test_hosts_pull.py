@@ -6,26 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_hosts import HOSTS, MAX_TOKENS, PROMPTS, check_served, in_parallel, pytestmark, running_cluster  # noqa: F401
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    from tests.deploy import deployment
-
-    with deployment(tmp_path_factory.mktemp("local"), "--mode", "local", "--model", "tiny") as dep:
-        return [dep.tokens(p, MAX_TOKENS) for p in PROMPTS]
+from tests.test_hosts import pytestmark, reference, running_cluster, serve_spread  # noqa: F401 (fixture, marks)
 
 
 @pytest.mark.timeout(240)
 def test_pull_on_four_hosts_tokens_equal_local_and_spread(tmp_path, reference):
     with running_cluster(tmp_path, mode="pull") as c:
-        bodies = in_parallel(c.complete, PROMPTS * 2)
-        served = check_served(c, reference * 2, bodies)
-        assert served["prefill"] == {c.engine("p1"), c.engine("p2")}
-        assert served["decode"] == {c.engine("d1"), c.engine("d2")}
-        leaked = c.pools_free(HOSTS)
-        assert leaked == {n: 0 for n in HOSTS}
+        bodies, served, leaked = serve_spread(c, reference)
         d_writers = [s.counters for n in ("d1", "d2") for s in c.hosts[n].stats().values()]
         assert all(w.get("writer.0.bytes_read", 0) > 0 for w in d_writers), d_writers  # D READ over TCP
         c.record("pull_tokens_and_spread", {"requests": len(bodies), "tokens_equal_local": True,
