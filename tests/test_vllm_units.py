@@ -163,3 +163,36 @@ def test_shared_allocation_hook_takes_only_the_kv_buffer():
     mm.close()
     assert os.readlink(f"/proc/self/fd/{alloc.fd}").startswith("/memfd:pushkv-test")
     os.close(alloc.fd)
+
+
+@pytest.mark.parametrize("raw, want", [(b"{not json", 400), (b'{"prompt": "hi"}', None)])
+def test_proxy_reads_json_bodies_once_for_every_protocol(raw, want):
+    """The three front handlers share one body reader: not JSON is a 400 naming it, JSON comes back parsed."""
+    import asyncio
+    import json as _json
+
+    from aiohttp import web
+    from aiohttp.test_utils import make_mocked_request
+
+    class Body:  # the request's payload stream
+        def __init__(self, data):
+            self.data = data
+
+        def set_read_chunk_size(self, n):
+            pass
+
+        async def readany(self):
+            data, self.data = self.data, b""
+            return data
+
+    async def run():
+        req = make_mocked_request("POST", "/v1/completions", headers={"Content-Type": "application/json"},
+                                  payload=Body(raw))
+        return await Proxy._json(req)
+
+    got = asyncio.run(run())
+    if want is None:
+        assert got == {"prompt": "hi"}
+    else:
+        assert isinstance(got, web.Response) and got.status == want
+        assert _json.loads(got.body)["error"]["message"] == "body must be JSON"

@@ -114,10 +114,9 @@ class Proxy:
         return p_body, d_body
 
     async def completions(self, req: web.Request) -> web.StreamResponse:
-        try:
-            body = await req.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return web.json_response({"error": {"message": "body must be JSON"}}, status=400)
+        body = await self._json(req)
+        if isinstance(body, web.Response):
+            return body
         if not isinstance(body, dict) or "prompt" not in body:
             return web.json_response({"error": {"message": "body must be an object with a 'prompt'"}}, status=400)
         body.setdefault("model", self.model)
@@ -177,10 +176,9 @@ class Proxy:
         """``--protocol nixl``: vLLM's NixlConnector (pull) protocol, for side-by-side
         benchmarks through the same front: P first (do_remote_decode), then D with the
         kv_transfer_params P answered; D READs P's blocks."""
-        try:
-            body = await req.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return web.json_response({"error": {"message": "body must be JSON"}}, status=400)
+        body = await self._json(req)
+        if isinstance(body, web.Response):
+            return body
         body.setdefault("model", self.model)
         p, d = self._pick(self.prefill), self._pick(self.decode)
         p_body, _ = self.legs(body, "", {})
@@ -218,10 +216,9 @@ class Proxy:
         """``--protocol nixl-push``: vLLM's NixlPushConnector protocol, for comparisons: both
         legs at once under one X-Request-Id (P matches D's registration by request id), D's
         params naming P's side channel (learnt from a probe of P at start)."""
-        try:
-            body = await req.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return web.json_response({"error": {"message": "body must be JSON"}}, status=400)
+        body = await self._json(req)
+        if isinstance(body, web.Response):
+            return body
         body.setdefault("model", self.model)
         p, d = self._pick(self.prefill), self._pick(self.decode)
         rid = uuid.uuid4().hex
@@ -276,6 +273,14 @@ class Proxy:
             msg = data[:300].decode(errors="replace")
         why = f"prefill failed: {p_err}" if p_err else "KV transfer failed"
         return self._error(status, f"{why} (transfer_id={tid}); decode answered {status}: {msg}")
+
+    @staticmethod
+    async def _json(req: web.Request):
+        """The request's JSON body, or the 400 to answer when it is not JSON."""
+        try:
+            return await req.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return web.json_response({"error": {"message": "body must be JSON"}}, status=400)
 
     @staticmethod
     def _error(status: int, message: str) -> web.Response:
