@@ -120,7 +120,7 @@ def probe(device: str, peer_device: str, sizes_mib: list[float], reps: int, gap_
         a.prepare_remote(remote, _rows(d_base, nbytes, d_dev))
         seq = 0
 
-        def once(way: str, size: int) -> tuple[float, float, bytes]:
+        def once(way: str, size: int) -> tuple[float, float, bytes, float]:
             nonlocal seq
             seq += 1
             tag = f"n{seq}".encode() if "notif" in way else b""

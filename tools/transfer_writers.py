@@ -132,10 +132,10 @@ def push_once(cfg, p_sock, d_sock, tid: str, p_blocks, d_blocks, num_tokens: int
     st = dict(got_p.timeline)
     post = st["write_posted"] - st["write_post_start"] if "write_post_start" in st else float("nan")
     # the post's parts on P's writer: indices and the NIXL post, then the wake hint to D
-    mapped = st.get("write_mapped", float("nan")) - st.get("write_post_start", float("nan"))
-    woke = st.get("write_woke", float("nan")) - st.get("write_mapped", float("nan"))
+    posted = st.get("write_post_returned", float("nan")) - st.get("write_post_start", float("nan"))
+    woke = st.get("write_woke", float("nan")) - st.get("write_post_returned", float("nan"))
     return {"secs": got_p.transfer_s, "e2e": t1 - t0, "post": post, "nbytes": got_p.nbytes,
-            "descs": got_p.num_descs, "map": mapped, "wake": woke}
+            "descs": got_p.num_descs, "posted": posted, "wake": woke}
 
 
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -170,7 +170,7 @@ def measure(model: str, block_size: int, sizes_mib: list[float], reps: int, devi
                          "secs": statistics.median(r["secs"] for r in runs),
                          "e2e": statistics.median(r["e2e"] for r in runs),
                          "post": statistics.median(r["post"] for r in runs),
-                         "map": statistics.median(r["map"] for r in runs),
+                         "posted": statistics.median(r["posted"] for r in runs),
                          "wake": statistics.median(r["wake"] for r in runs),
                          "secs_min": min(r["secs"] for r in runs)})
     return {"block_bytes": lay_bytes, "rows": rows}
@@ -206,7 +206,7 @@ def report(model: str, block_size: int, sizes_mib: list[float], reps: int, devic
           f"one-block post->done {one['secs'] * 1e6:.0f} us (send->received {one['e2e'] * 1e6:.0f} us); "
           f"intercept of post->done vs bytes {a * 1e6:.0f} us (send->received {a2 * 1e6:.0f} us); "
           f"slope {res['slope_gbps']:.2f} GB/s")
-    print(f"one-block post's parts: indices + NIXL post {one['map'] * 1e6:.0f} us, then the wake hint to D "
+    print(f"one-block post's parts: indices + NIXL post {one['posted'] * 1e6:.0f} us, then the wake hint to D "
           f"{one['wake'] * 1e6:.0f} us")
     return res
 

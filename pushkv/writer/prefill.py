@@ -187,7 +187,7 @@ class PrefillWriter(WriterBase):
                     "WRITE", peer, heads, a.block_ids, reg.block_ids, a.num_tokens,
                     lambda n, r: m.encode(m.WriteDone(a.transfer_id, a.generation, self.rank, a.first_token, n, r)))
                 fl.handles.append(h)
-                self._stamp((a.transfer_id, a.generation), "write_mapped")  # indices or regions posted to this D rank
+                self._stamp((a.transfer_id, a.generation), "write_post_returned")  # the NIXL post to this D rank returned
                 # after the post, off its path: the hint's ZMQ message wakes D's loop at once, and D's
                 # polling only speeds up seeing our notification (the data moves without it)
                 self.wake_peer(peer, a.transfer_id, a.generation, nbytes)
