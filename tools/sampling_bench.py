@@ -15,6 +15,7 @@ import time
 import torch
 
 from pushkv.messages import SamplingParams, SeqWork
+from pushkv.model import sampling
 from pushkv.model.sampling import sample
 
 MIXES = {
@@ -47,6 +48,33 @@ def bench(device: str, vocab: int, batch: int, mix: str, reps: int, history: int
     return times
 
 
+def profile(device: str, vocab: int, batch: int, mix: str, reps: int, history: int, top: int = 8) -> None:
+    """Where one ``sample()`` call's time goes: host wall time against the device's kernel time
+    (torch.profiler), kernels per call, and the costliest kernels."""
+    from torch.profiler import ProfilerActivity, profile as tprofile
+
+    logits = torch.randn(batch, vocab, device=device) * 3
+    seqs = seqs_for(mix, batch, history)
+    for _ in range(3):
+        sample(logits, seqs)
+    torch.cuda.synchronize()
+    with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            sample(logits, seqs)
+        wall = (time.perf_counter() - t0) / reps
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu_us = sum(e.device_time for e in kernels) / reps
+    print(f"{vocab:>7} {batch:>5} {mix:<12} wall {wall * 1e3:.3f} ms/call (profiled), kernels {len(kernels) / reps:.0f}/call, "
+          f"kernel time {gpu_us / 1e3:.3f} ms/call")
+    by: dict = {}
+    for e in kernels:
+        n, t = by.get(e.name, (0, 0.0))
+        by[e.name] = (n + 1, t + e.device_time)
+    for name, (n, t) in sorted(by.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"      {t / reps:>8.1f} us  x{n / reps:<4.1f} {name[:110]}")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
@@ -56,16 +84,26 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--history", type=int, default=64, help="output tokens so far (penalties)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (a worker uses PUSHKV_THREADS, 1)")
+    ap.add_argument("--profile", action="store_true", help="CUDA: host wall time against kernel time, per call")
+    ap.add_argument("--sampler", nargs="+", default=[sampling.SAMPLER], choices=["auto", "torch", "triton"],
+                    help="which sampler(s), side by side in one run (PUSHKV_SAMPLER)")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     print(f"device={a.device} threads={a.threads} reps={a.reps} history={a.history}")
-    print(f"{'vocab':>7} {'batch':>5} {'mix':<12} {'p50 ms':>8} {'p90 ms':>8} {'us/seq':>8}")
+    print(f"{'vocab':>7} {'batch':>5} {'mix':<12} {'sampler':<7} {'p50 ms':>8} {'p90 ms':>8} {'us/seq':>8}")
     for vocab in a.vocab:
         for batch in a.batch:
             for mix in a.mix:
-                t = sorted(bench(a.device, vocab, batch, mix, a.reps, a.history))
-                p50, p90 = statistics.median(t), t[int(0.9 * (len(t) - 1))]
-                print(f"{vocab:>7} {batch:>5} {mix:<12} {p50:>8.3f} {p90:>8.3f} {p50 * 1e3 / batch:>8.1f}", flush=True)
+                for which in a.sampler:
+                    sampling.SAMPLER = which
+                    if a.profile:
+                        print(f"-- sampler {which}")
+                        profile(a.device, vocab, batch, mix, a.reps, a.history)
+                        continue
+                    t = sorted(bench(a.device, vocab, batch, mix, a.reps, a.history))
+                    p50, p90 = statistics.median(t), t[int(0.9 * (len(t) - 1))]
+                    print(f"{vocab:>7} {batch:>5} {mix:<12} {which:<7} {p50:>8.3f} {p90:>8.3f} {p50 * 1e3 / batch:>8.1f}",
+                          flush=True)
 
 
 if __name__ == "__main__":

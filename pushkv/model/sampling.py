@@ -28,6 +28,7 @@ penalties and temperature), as vLLM reports them by default.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -38,6 +39,9 @@ from pushkv.seeds import uniform
 
 GREEDY = SamplingParams()
 WINDOW = 1024  # candidates a row without top_k is filtered on before its whole row is sorted
+# which sampler: "auto" = the one-launch Triton kernel on CUDA (kernels/triton_sample.py), the
+# torch ops elsewhere; "torch" or "triton" force one (triton on CPU needs TRITON_INTERPRET=1)
+SAMPLER = os.environ.get("PUSHKV_SAMPLER", "auto")
 @dataclass
 class Sampled:
     tokens: list[int]
@@ -140,6 +144,8 @@ def sample(logits: torch.Tensor, seqs: Sequence[SeqWork]) -> Sampled:
     if all(p.temperature == 0 and p.logprobs < 0 and not _edited(p, s) for p, s in zip(params, seqs)):
         return Sampled(logits.argmax(-1).tolist())  # the all-greedy step: nothing else to do
     dev = logits.device
+    if _use_kernel(dev):
+        return _sample_kernel(logits, seqs, params)
     cold = [i for i, p in enumerate(params) if p.temperature == 0]
     hot = [i for i, p in enumerate(params) if p.temperature > 0]
     ps, hs = [params[i] for i in hot], [seqs[i] for i in hot]
@@ -154,12 +160,16 @@ def sample(logits: torch.Tensor, seqs: Sequence[SeqWork]) -> Sampled:
     cold_tokens = drawn = None
     if cold:
         x = logits[t["cold"]] if hot else logits.clone()
-        _edit(x, [params[i] for i in cold], [seqs[i] for i in cold], [1.0] * len(cold))
+        _edit(x, [params[i] for i in cold], [seqs[i] for i in cold])
         cold_tokens = x.argmax(-1)
     if hot:
         scale = t["inv_t"].to(logits.dtype)[:, None]
-        x = logits[t["hot"]].mul_(scale) if cold else logits * scale  # one new tensor either way
-        _edit(x, ps, hs, inv_t)  # (logit + edit) / T, edits scattered after the scale
+        if any(_edited(p, s) for p, s in zip(ps, hs)):  # (logit + edit) / T
+            x = logits[t["hot"]] if cold else logits.clone()
+            _edit(x, ps, hs)
+            x.mul_(scale)
+        else:
+            x = logits[t["hot"]].mul_(scale) if cold else logits * scale  # one new tensor either way
         drawn = _draw(x, plan, t)
     if cold and hot:
         tokens = torch.empty(len(seqs), dtype=torch.long, device=dev)
@@ -173,7 +183,67 @@ def sample(logits: torch.Tensor, seqs: Sequence[SeqWork]) -> Sampled:
     return Sampled(tokens_list, _logprobs(logits, tokens, params))
 
 
-def _edit(x: torch.Tensor, params: list[SamplingParams], seqs: list[SeqWork], scale: list[float]) -> None:
+def _use_kernel(dev: torch.device) -> bool:
+    return SAMPLER == "triton" or (SAMPLER == "auto" and dev.type == "cuda")
+
+
+def _kernel_row(p: SamplingParams, s: SeqWork, vocab: int) -> tuple:
+    """A row's (inv_t, k, min_p, top_p, u, mode) for kernels/triton_sample.py."""
+    from pushkv.model.kernels import triton_sample as TS
+
+    if p.temperature == 0:
+        return (1.0, 0, 0.0, 1.0, 0.5, TS.GREEDY)
+    has_k = 0 < p.top_k < vocab
+    if has_k:
+        mode = TS.TOPK if p.top_k <= TS.CAND else TS.WHOLE
+    else:
+        mode = TS.WINDOW if (p.top_p < 1.0 or p.min_p > 0) else TS.PLAIN
+    k = p.top_k if has_k else min(TS.CAND, vocab)
+    return (1.0 / p.temperature, k, p.min_p, p.top_p, uniform(p.seed, s.output_index), mode)
+
+
+def warmup(vocab: int, dev) -> None:
+    """Compile the GPU sampler now (start-up), not at the first sampled step of serving."""
+    dev = torch.device(dev)
+    if not _use_kernel(dev):
+        return
+    mixes = [SamplingParams(temperature=0.7), SamplingParams(temperature=0.7, top_k=5),
+             SamplingParams(temperature=0.7, top_p=0.5), None]
+    seqs = [SeqWork(i, (0,), 1, (0,), sampling=p) for i, p in enumerate(mixes)]
+    sample(torch.randn(len(seqs), vocab, device=dev), seqs)
+
+
+def _sample_kernel(logits: torch.Tensor, seqs: Sequence[SeqWork], params: list[SamplingParams]) -> Sampled:
+    """The GPU sampler: the request's edits (sparse, rare) on a copy, then every row's draw in one
+    launch; a row it answers -1 (a nucleus wider than the window, or top_k above it) is drawn
+    over its whole sorted row here, as the torch path does."""
+    from pushkv.model.kernels import triton_sample as TS
+
+    vocab = logits.shape[1]
+    x = logits
+    if any(_edited(p, s) for p, s in zip(params, seqs)):
+        x = logits.clone()
+        _edit(x, params, seqs)
+    rows = [_kernel_row(p, s, vocab) for p, s in zip(params, seqs)]
+    t = _staged([v for r in rows for v in r], torch.float32, logits.device).view(len(rows), TS.NPARAM)
+    out = TS.sample_rows(x, t)
+    tokens = out.tolist()
+    redo = [i for i, v in enumerate(tokens) if v < 0]
+    if redo:
+        idx = _up(redo, logits.device)
+        mask = _up([(r[1] if r[5] == TS.WHOLE else vocab, r[2], r[3]) for r in (rows[i] for i in redo)],
+                   logits.device, torch.float32)
+        has_k = _up([float(rows[i][5] == TS.WHOLE) for i in redo], logits.device, torch.float32)
+        got = _draw_sorted(x[idx] * t[idx, 0:1], mask, has_k, t[idx, 4])
+        out[idx] = got
+        for i, v in zip(redo, got.tolist()):
+            tokens[i] = v
+    if all(p.logprobs < 0 for p in params):
+        return Sampled(tokens)
+    return Sampled(tokens, _logprobs(logits, out, params))
+
+
+def _edit(x: torch.Tensor, params: list[SamplingParams], seqs: list[SeqWork]) -> None:
     """Bias, penalties and suppression, in place, as sparse scatters: touches only the ids a
     request names or generated, never the whole vocabulary. Penalties are computed on the
     device from the padded output histories (no per-token Python loop)."""
@@ -188,7 +258,7 @@ def _edit(x: torch.Tensor, params: list[SamplingParams], seqs: list[SeqWork], sc
         base = j * vocab
         for tok, bias in p.logit_bias:
             where.append(base + tok)
-            delta.append(bias * scale[j])
+            delta.append(bias)
         if s.history and (p.presence_penalty or p.frequency_penalty):
             pen_rows.append(j)
         banned.extend(base + t for t in s.suppress)
@@ -197,19 +267,19 @@ def _edit(x: torch.Tensor, params: list[SamplingParams], seqs: list[SeqWork], sc
         flat.index_add_(0, _up(where, dev), _up(delta, dev, x.dtype))
     if pen_rows:
         flat.index_add_(0, *_penalties([seqs[j].history for j in pen_rows], pen_rows,
-                                       [params[j] for j in pen_rows], [scale[j] for j in pen_rows], vocab, x))
+                                       [params[j] for j in pen_rows], vocab, x))
     if banned:
         flat.index_fill_(0, _up(banned, dev), float("-inf"))
 
 
-def _penalties(histories, rows, params, scale, vocab: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(flat ids, values) to add: - (frequency + presence on an id's first occurrence) * scale per
-    generated token, i.e. - (frequency * count + presence) * scale per distinct id."""
+def _penalties(histories, rows, params, vocab: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flat ids, values) to add: - (frequency + presence on an id's first occurrence) per
+    generated token, i.e. - (frequency * count + presence) per distinct id."""
     dev = x.device
     width = max(len(h) for h in histories)
     hist = _up([tuple(h) + (-1,) * (width - len(h)) for h in histories], dev, torch.long)
-    coef = _up([(p.frequency_penalty * c, p.presence_penalty * c, r * vocab)
-                for p, c, r in zip(params, scale, rows)], dev, torch.float64)
+    coef = _up([(p.frequency_penalty, p.presence_penalty, r * vocab) for p, r in zip(params, rows)],
+               dev, torch.float64)
     ids = hist.sort(dim=1).values
     first = torch.ones_like(ids, dtype=torch.bool)
     first[:, 1:] = ids[:, 1:] != ids[:, :-1]

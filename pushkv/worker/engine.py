@@ -15,6 +15,7 @@ from pushkv.config import DeploymentConfig, InstanceConfig
 from pushkv.kv import layout as L
 from pushkv.config import rank_device
 from pushkv.kv.pool import Pool, attach_worker_pool
+from pushkv.model import sampling
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class Worker(Actor):
             graphs = self.model.batched.capture(self.layer_pools)
             log.info("%s: batched engine warm in %.1fs, %d decode CUDA graphs captured in %.1fs",
                      self.name, warm, len(self.model.batched.graphs), graphs)
+            sampling.warmup(self.cfg.model.vocab_size, self.device)
         sock = self.socket(zmq.DEALER, self.inst.worker_endpoints[self.rank], bind=True)
         self.sched = self.add_channel(sock, m.DEC_SCHED_TO_WORKER, f"{self.inst.name}-scheduler")
 
