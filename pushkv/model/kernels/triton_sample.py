@@ -25,6 +25,8 @@ u, mode) in float32 (k and u are exact in it).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -32,7 +34,8 @@ import triton.language as tl
 GREEDY, PLAIN, TOPK, WINDOW, WHOLE = 0, 1, 2, 3, 4  # WHOLE: answered -1 at once (top_k > CAND)
 NPARAM = 6
 CAND = 1024  # candidates a filtered row sorts: the largest top_k served here, and the window without one
-BLOCK = 4096
+BLOCK = int(os.environ.get("PUSHKV_SAMPLE_BLOCK", "4096"))  # a tile of the row (env: tuning runs)
+WARPS = int(os.environ.get("PUSHKV_SAMPLE_WARPS", "8"))
 
 
 @triton.jit
@@ -210,5 +213,5 @@ def sample_rows(x: torch.Tensor, params: torch.Tensor, block: int = BLOCK) -> to
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
     if rows:
         _sample_kernel[(rows,)](x, x.stride(0), params, out, cand, tsum, vocab,
-                                BLOCK=block, CAND=CAND, NTP=ntp, num_warps=8)
+                                BLOCK=block, CAND=CAND, NTP=ntp, num_warps=WARPS)
     return out
