@@ -51,3 +51,20 @@ def test_kernel_on_cuda_equals_torch_path_at_qwen3_vocab():
         assert [S.sample(x[i:i + 1], [seqs[i]]).tokens[0] for i in range(len(C.MIXES))] == b.tokens[:len(C.MIXES)]
     finally:
         S.SAMPLER = saved
+
+
+@pytest.mark.timeout(300)
+def test_kernel_compiles_for_hopper():
+    """The interpreter runs Python, not Triton's compiler: compile for an H100/H200 (sm_90) here,
+    to the cubin, so a kernel the GPU would refuse fails on the CPU first."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from pushkv.model.kernels import triton_sample as TS
+
+    sig = {"X": "*fp32", "stride": "i32", "P": "*fp32", "Out": "*i64", "Cand": "*u64", "Tsum": "*fp32", "V": "i32",
+           "BLOCK": "constexpr", "CAND": "constexpr", "NTP": "constexpr"}
+    src = ASTSource(TS._sample_kernel, sig, constexprs={"BLOCK": TS.BLOCK, "CAND": TS.CAND, "NTP": 64})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": TS.WARPS})
+    assert k.asm["cubin"]

@@ -95,19 +95,18 @@ def _filtered(xr, V, inv_t, m, z, K, min_p, top_p, u, is_window, cand, offs,
     rem = K
     bins = tl.arange(0, 256)
     for step in tl.static_range(4):
-        shift: tl.constexpr = 24 - 8 * step
         hist = tl.zeros([256], tl.int32)
         for start in range(0, V, BLOCK):
             idx = start + offs
             msk = idx < V
             k = _key(tl.load(xr + idx, mask=msk, other=0.0) * inv_t)
             match = msk & ((k & pmask) == prefix)
-            hist += tl.histogram(((k >> shift) & 255).to(tl.int32), 256, mask=match)
+            hist += tl.histogram(((k >> (24 - 8 * step)) & 255).to(tl.int32), 256, mask=match)
         ge = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # how many have a digit >= d
         d = tl.max(tl.where(ge >= rem, bins, -1), 0)
         rem = rem - tl.sum(tl.where(bins > d, hist, 0), 0)
-        prefix = prefix | (d.to(tl.uint32) << shift)
-        pmask = pmask | (tl.full([], 255, tl.uint32) << shift)
+        prefix = prefix | (d.to(tl.uint32) << (24 - 8 * step))
+        pmask = pmask | (tl.full([], 255, tl.uint32) << (24 - 8 * step))
     # gather the K candidates: every key above it, then the first ``rem`` equal to it
     base = 0
     eq_seen = 0
