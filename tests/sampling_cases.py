@@ -57,6 +57,7 @@ if __name__ == "__main__":  # the interpreter check: prints the two token lists 
     a, b = both(x, seqs)
     print("torch", json.dumps(a.tokens))
     print("kernel", json.dumps(b.tokens))
+    print("rows", json.dumps(S.KERNEL_ROWS))
     S.SAMPLER = "triton"
     alone = [S.sample(x[i:i + 1], [seqs[i]]).tokens[0] for i in (1, 2, 3)]
     print("alone", json.dumps(alone))

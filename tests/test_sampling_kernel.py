@@ -26,13 +26,16 @@ def _lines(out: str) -> dict:
 @pytest.mark.timeout(600)
 def test_kernel_interpreted_equals_torch_path():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT}
-    rows = 2 * len(C.MIXES)
-    r = subprocess.run([sys.executable, "-m", "tests.sampling_cases", str(rows), "2500"], cwd=ROOT, env=env,
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PUSHKV_SAMPLE_BLOCK": "256",
+           "PYTHONPATH": os.pathsep.join([ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+    rows = len(C.MIXES)
+    r = subprocess.run([sys.executable, "-m", "tests.sampling_cases", str(rows), "6000"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=540)
     assert r.returncode == 0, r.stderr[-3000:]
     got = _lines(r.stdout)
     assert got["torch"] == got["kernel"]
+    # the kernel drew every row but the nucleus wider than its window and the top_k above it
+    assert got["rows"] == {"kernel": rows - 2, "sorted": 2}
     assert got["alone"] == got["kernel"][1:4]  # a row's token does not depend on its batch
     assert got["logprobs"] and all(abs(a - b) < 1e-5 for a, b in got["logprobs"])
 
@@ -63,8 +66,8 @@ def test_kernel_compiles_for_hopper():
 
     from pushkv.model.kernels import triton_sample as TS
 
-    sig = {"X": "*fp32", "stride": "i32", "P": "*fp32", "Out": "*i64", "Cand": "*u64", "Tsum": "*fp32", "V": "i32",
-           "BLOCK": "constexpr", "CAND": "constexpr", "NTP": "constexpr"}
-    src = ASTSource(TS._sample_kernel, sig, constexprs={"BLOCK": TS.BLOCK, "CAND": TS.CAND, "NTP": 64})
+    sig = {"X": "*fp32", "stride": "i32", "P": "*fp32", "Out": "*i64", "Parts": "*fp32", "Taus": "*i64",
+           "Cand": "*u64", "Count": "*i32", "V": "i32", "BLOCK": "constexpr", "KS": "constexpr", "NS": "constexpr"}
+    src = ASTSource(TS._sample_kernel, sig, constexprs={"BLOCK": TS.BLOCK, "KS": TS.KS, "NS": 64})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": TS.WARPS})
     assert k.asm["cubin"]

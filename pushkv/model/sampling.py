@@ -42,6 +42,7 @@ WINDOW = 1024  # candidates a row without top_k is filtered on before its whole 
 # which sampler: "auto" = the one-launch Triton kernel on CUDA (kernels/triton_sample.py), the
 # torch ops elsewhere; "torch" or "triton" force one (triton on CPU needs TRITON_INTERPRET=1)
 SAMPLER = os.environ.get("PUSHKV_SAMPLER", "auto")
+KERNEL_ROWS = {"kernel": 0, "sorted": 0}  # rows the GPU sampler drew, and those it left to the sorted path
 @dataclass
 class Sampled:
     tokens: list[int]
@@ -213,6 +214,21 @@ def warmup(vocab: int, dev) -> None:
     sample(torch.randn(len(seqs), vocab, device=dev), seqs)
 
 
+_PARAMS: dict = {}  # device -> (pinned float32 tensor, its numpy view)
+
+
+def _kernel_params(values: list, dev: torch.device) -> torch.Tensor:
+    """The rows' parameters on ``dev`` in one copy from a reused pinned buffer, written through
+    numpy (cheaper than building a tensor). Safe to rewrite at every call: each call ends by
+    reading its tokens, after the copy out of it ended."""
+    buf = _PARAMS.get(dev)
+    if buf is None or buf[0].numel() < len(values):
+        pinned = torch.empty(max(len(values), 4096), dtype=torch.float32, pin_memory=dev.type == "cuda")
+        buf = _PARAMS[dev] = (pinned, pinned.numpy())
+    buf[1][:len(values)] = values
+    return buf[0][:len(values)].to(dev, non_blocking=True)
+
+
 def _sample_kernel(logits: torch.Tensor, seqs: Sequence[SeqWork], params: list[SamplingParams]) -> Sampled:
     """The GPU sampler: the request's edits (sparse, rare) on a copy, then every row's draw in one
     launch; a row it answers -1 (a nucleus wider than the window, or top_k above it) is drawn
@@ -225,10 +241,12 @@ def _sample_kernel(logits: torch.Tensor, seqs: Sequence[SeqWork], params: list[S
         x = logits.clone()
         _edit(x, params, seqs)
     rows = [_kernel_row(p, s, vocab) for p, s in zip(params, seqs)]
-    t = _staged([v for r in rows for v in r], torch.float32, logits.device).view(len(rows), TS.NPARAM)
+    t = _kernel_params([v for r in rows for v in r], logits.device).view(len(rows), TS.NPARAM)
     out = TS.sample_rows(x, t)
     tokens = out.tolist()
     redo = [i for i, v in enumerate(tokens) if v < 0]
+    KERNEL_ROWS["kernel"] += len(tokens) - len(redo)
+    KERNEL_ROWS["sorted"] += len(redo)
     if redo:
         idx = _up(redo, logits.device)
         mask = _up([(r[1] if r[5] == TS.WHOLE else vocab, r[2], r[3]) for r in (rows[i] for i in redo)],
@@ -291,9 +309,9 @@ def _penalties(histories, rows, params, vocab: int, x: torch.Tensor) -> tuple[to
 
 def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Row-wise: the first position whose cumulative weight exceeds u * total (never a zero weight)."""
-    cdf = weights.cumsum(-1)
+    cdf = weights.double().cumsum(-1)  # float64: a 150k-token row's sum drifts in float32
     total = cdf[:, -1:]
-    target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    target = torch.minimum(u.double()[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, target, right=True).clamp(max=weights.shape[1] - 1).squeeze(1)
 
 

@@ -1,27 +1,33 @@
-"""A step's sampling in one Triton launch: one program per row.
+"""A step's sampling in one Triton launch.
 
-On a GPU host a sampler written as torch ops is bound by their launches, not by
-bytes: ~15 host-side calls of 10-20 us each for temperature alone, ~50 with top_k
-and top_p (the multi-block ``topk`` on one long row is a dozen kernels), against
-under 0.1 ms of kernel time (``pushkv-sampling-bench --profile``). This kernel
-does a row's whole draw in one program, reading the row a few times from L2:
+On a GPU host a sampler written as torch ops is bound by its launches, not by bytes:
+~15 host-side calls of 10-20 us each for temperature alone, ~50 with top_k and top_p
+(``topk`` on one long row is a dozen kernels), against under 0.1 ms of kernel time
+(``pushkv-sampling-bench --profile``). Here a step's sampling is one launch of
+(segments x rows) programs; a segment is one ``BLOCK`` tile of a row's vocabulary,
+held in registers:
 
-- every row: max, its first index (greedy) and the sum of exp(x - max);
-- mode PLAIN (temperature only): the inverse-CDF draw in vocabulary order: the
-  row's tile masses, the tile the target falls in, a cumulative sum inside it;
-- mode TOPK / WINDOW (top_k, min_p, top_p): the K-th largest value by radix
-  select (four 8-bit digit histograms over order-preserving integer keys), the K
-  candidates gathered (ties by lowest id), sorted, then the filters and the draw
-  exactly as ``sampling._draw_window`` does on ``topk``'s output. K is the row's
-  top_k, or ``CAND`` (the torch path's ``WINDOW``) for a row without one; such a
-  row whose kept set may reach past the window is answered -1 (the caller sorts
-  its whole row, as the torch path does), and so is a row of mode WHOLE (top_k
-  above CAND).
+- every program: its segment's max, the max's first id, and the sum of exp(x - max);
+  for a filtered row (top_k, min_p or top_p), also its segment's ``KS`` largest keys
+  (radix select: four 8-bit digit histograms over order-preserving integer keys; ties
+  by lowest id), written as candidates, and the KS-th key;
+- the row's last program to finish (an arrival counter per row, the split-K pattern)
+  merges: greedy takes the first id of the row's max; the plain draw (temperature
+  only) is the inverse CDF in vocabulary order (segment masses in float64, the target
+  segment's cumulative sum); a filtered row sorts its candidates and applies
+  top_k -> min_p -> top_p -> the draw exactly as ``sampling._draw_window`` does on
+  ``topk``'s output (K = top_k, or ``CAND`` without one).
 
-Rows are independent (one program each, a fixed tile order), so a row's token
-does not depend on the batch it is in: the property P/D disaggregation needs.
-The values: ``x = logits * inv_t``; ``params`` rows are (inv_t, k, min_p, top_p,
-u, mode) in float32 (k and u are exact in it).
+Candidates are exact where it matters: a segment holds back only keys at or below its
+KS-th, so when every segment's KS-th key lies below the smallest key the row's
+decision reads, the sorted candidates are the row's true order down to it. A row
+where that fails, whose nucleus reaches past the window (the torch path's spill), or
+whose top_k exceeds CAND, is answered -1 and the caller sorts its whole row.
+
+Rows never read each other, and a row's work splits the same way in any batch, so a
+token does not depend on the batch it was drawn in: what P/D disaggregation needs.
+``x = logits * inv_t``; ``params`` rows are (inv_t, k, min_p, top_p, u, mode) in
+float32 (k and u are exact in it).
 """
 from __future__ import annotations
 
@@ -33,9 +39,10 @@ import triton.language as tl
 
 GREEDY, PLAIN, TOPK, WINDOW, WHOLE = 0, 1, 2, 3, 4  # WHOLE: answered -1 at once (top_k > CAND)
 NPARAM = 6
-CAND = 1024  # candidates a filtered row sorts: the largest top_k served here, and the window without one
-BLOCK = int(os.environ.get("PUSHKV_SAMPLE_BLOCK", "4096"))  # a tile of the row (env: tuning runs)
-WARPS = int(os.environ.get("PUSHKV_SAMPLE_WARPS", "8"))
+CAND = 1024  # the largest top_k served here, and the window of a row without one (sampling.WINDOW)
+KS = 64  # candidates a segment gives
+BLOCK = int(os.environ.get("PUSHKV_SAMPLE_BLOCK", "4096"))  # a segment (env: tuning runs)
+WARPS = int(os.environ.get("PUSHKV_SAMPLE_WARPS", "16"))
 
 
 @triton.jit
@@ -52,165 +59,186 @@ def _unkey(k):
 
 
 @triton.jit
-def _below(t):
+def _below32(t):
     """The float32 just below a positive ``t`` (torch.nextafter(t, 0))."""
     return (t.to(tl.int32, bitcast=True) - 1).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _plain(xr, V, inv_t, m, u, tsum, offs, BLOCK: tl.constexpr, NTP: tl.constexpr):
-    """Inverse CDF over exp(x - m) in vocabulary order: the first id whose cumulative mass
-    exceeds u * total (never a zero-mass id)."""
-    nt = tl.cdiv(V, BLOCK)
-    for t in range(0, nt):
-        idx = t * BLOCK + offs
-        msk = idx < V
-        x = tl.load(xr + idx, mask=msk, other=float("-inf")) * inv_t
-        tl.store(tsum + t, tl.sum(tl.where(msk & (x > float("-inf")), tl.exp(x - m), 0.0), 0))
-    tl.debug_barrier()
-    ti = tl.arange(0, NTP)
-    ts = tl.load(tsum + ti, mask=ti < nt, other=0.0)
-    tcum = tl.cumsum(ts, 0)
-    total = tl.max(tcum, 0)
-    target = tl.minimum(u * total, _below(total))
-    sel = tl.minimum(tl.sum((tcum <= target).to(tl.int32), 0), nt - 1)
-    before = tl.sum(tl.where(ti == sel - 1, tcum, 0.0), 0)
-    idx = sel * BLOCK + offs
-    msk = idx < V
-    x = tl.load(xr + idx, mask=msk, other=float("-inf")) * inv_t
-    e = tl.where(msk & (x > float("-inf")), tl.exp(x - m), 0.0)
-    c = before + tl.cumsum(e, 0)
-    n = tl.sum((msk & (c <= target)).to(tl.int32), 0)
-    last = tl.max(tl.where(e > 0, idx, -1), 0)  # rounding left the target past the tile's end
-    return tl.where(sel * BLOCK + n > last, last, sel * BLOCK + n)
+def _below64(t):
+    return (t.to(tl.int64, bitcast=True) - 1).to(tl.float64, bitcast=True)
 
 
 @triton.jit
-def _filtered(xr, V, inv_t, m, z, K, min_p, top_p, u, is_window, cand, offs,
-              BLOCK: tl.constexpr, CAND: tl.constexpr):
-    """top_k -> min_p -> top_p -> draw over the K largest values (see the module doc)."""
-    # the K-th largest key, one 8-bit digit at a time from the top
+def _segment_candidates(x, idx, msk, cand, KS: tl.constexpr):
+    """Write this segment's KS largest keys (packed with their ids, ties by lowest id) to
+    ``cand[0:KS]`` (0 where the segment has fewer); return the KS-th key (0: all taken)."""
+    k = tl.where(msk, _key(x), 0)
+    nvalid = tl.sum(msk.to(tl.int32), 0)
     prefix = tl.zeros([], tl.uint32)
     pmask = tl.zeros([], tl.uint32)
-    rem = K
+    rem = tl.minimum(nvalid, KS)
     bins = tl.arange(0, 256)
-    for step in tl.static_range(4):
-        hist = tl.zeros([256], tl.int32)
-        for start in range(0, V, BLOCK):
-            idx = start + offs
-            msk = idx < V
-            k = _key(tl.load(xr + idx, mask=msk, other=0.0) * inv_t)
-            match = msk & ((k & pmask) == prefix)
-            hist += tl.histogram(((k >> (24 - 8 * step)) & 255).to(tl.int32), 256, mask=match)
+    for step in tl.static_range(4):  # the rem-th largest key, one 8-bit digit at a time
+        match = msk & ((k & pmask) == prefix)
+        hist = tl.histogram(((k >> (24 - 8 * step)) & 255).to(tl.int32), 256, mask=match)
         ge = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # how many have a digit >= d
         d = tl.max(tl.where(ge >= rem, bins, -1), 0)
         rem = rem - tl.sum(tl.where(bins > d, hist, 0), 0)
         prefix = prefix | (d.to(tl.uint32) << (24 - 8 * step))
         pmask = pmask | (tl.full([], 255, tl.uint32) << (24 - 8 * step))
-    # gather the K candidates: every key above it, then the first ``rem`` equal to it
-    base = 0
-    eq_seen = 0
-    for start in range(0, V, BLOCK):
-        idx = start + offs
-        msk = idx < V
-        k = _key(tl.load(xr + idx, mask=msk, other=0.0) * inv_t)
-        gt = msk & (k > prefix)
-        eq = msk & (k == prefix)
-        eqi = eq.to(tl.int32)
-        take = gt | (eq & ((eq_seen + tl.cumsum(eqi, 0)) <= rem))
-        ti = take.to(tl.int32)
-        pos = base + tl.cumsum(ti, 0) - 1
-        packed = (k.to(tl.uint64) << 32) | (idx.to(tl.uint32) ^ 0xFFFFFFFF).to(tl.uint64)
-        tl.store(cand + pos, packed, mask=take)
-        base += tl.sum(ti, 0)
-        eq_seen += tl.sum(eqi, 0)
+    gt = msk & (k > prefix)
+    eq = msk & (k == prefix)
+    take = gt | (eq & (tl.cumsum(eq.to(tl.int32), 0) <= rem))
+    pos = tl.cumsum(take.to(tl.int32), 0) - 1
+    j = tl.arange(0, KS)
+    tl.store(cand + j, tl.zeros([KS], tl.uint64))
     tl.debug_barrier()
-    j = tl.arange(0, CAND)
-    valid = j < K
-    c = tl.sort(tl.load(cand + j, mask=valid, other=0), descending=True)
-    v = _unkey((c >> 32).to(tl.uint32))
+    packed = (k.to(tl.uint64) << 32) | (idx.to(tl.uint32) ^ 0xFFFFFFFF).to(tl.uint64)
+    tl.store(cand + pos, packed, mask=take)
+    return tl.where(nvalid > KS, prefix, 0).to(tl.int64)
+
+
+@triton.jit
+def _plain(xr, V, inv_t, ms, zs, ti, S, u, offs, BLOCK: tl.constexpr):
+    """Inverse CDF over exp(x - max) in vocabulary order: the first id whose cumulative mass
+    exceeds u * total (never a zero-mass id)."""
+    m = tl.max(ms, 0)
+    t = tl.where(ti < S, zs.to(tl.float64) * tl.exp((ms - m).to(tl.float64)), 0.0)
+    tcum = tl.cumsum(t, 0)
+    total = tl.max(tcum, 0)
+    target = tl.minimum(u.to(tl.float64) * total, _below64(total))
+    sel = tl.minimum(tl.sum(((tcum <= target) & (ti < S)).to(tl.int32), 0), S - 1)
+    before = tl.sum(tl.where(ti == sel - 1, tcum, 0.0), 0)
+    idx = sel * BLOCK + offs
+    msk = idx < V
+    x = tl.load(xr + idx, mask=msk, other=float("-inf")) * inv_t
+    e = tl.where(msk & (x > float("-inf")), tl.exp(x - m), 0.0)
+    c = before + tl.cumsum(e.to(tl.float64), 0)
+    n = tl.sum((msk & (c <= target)).to(tl.int32), 0)
+    last = tl.max(tl.where(e > 0, idx, -1), 0)  # rounding left the target past the segment's end
+    return tl.minimum(sel * BLOCK + n, last)
+
+
+@triton.jit
+def _filtered(cand, taus, ti, S, m, z, K, V, min_p, top_p, u, is_window, CB: tl.constexpr):
+    """top_k -> min_p -> top_p -> draw over the sorted candidates (see the module doc)."""
+    j = tl.arange(0, CB)
+    c = tl.sort(tl.load(cand + j, cache_modifier=".cg"), descending=True)
+    kk = (c >> 32).to(tl.uint32)
     ids = ((c & 0xFFFFFFFF).to(tl.uint32) ^ 0xFFFFFFFF).to(tl.int32)
-    e = tl.where(valid, tl.exp(v - m), 0.0)  # m is the row's max: the first candidate
+    nvalid = tl.sum((kk != 0).to(tl.int32), 0)
+    valid = (j < K) & (kk != 0)
+    e = tl.where(valid, tl.exp(_unkey(kk) - m), 0.0)  # m is the row's max: the first candidate
     keep = valid & (e >= min_p)
+    under = valid & (e < min_p)
     w = tl.where(keep, e, 0.0)
     kept = tl.sum(w, 0)
     cum = tl.cumsum(w, 0)
-    last_kept = tl.sum(tl.where(j == K - 1, keep.to(tl.int32), 0), 0) > 0
-    covered = (is_window == 0) | (~last_kept) | (K >= V)  # nothing kept lies past the window
+    # nothing kept lies past the window: top_k, or min_p cut inside it, or it is the whole row
+    covered = (is_window == 0) | (tl.max(under.to(tl.int32), 0) > 0) | (K >= V)
     total = tl.where(covered, kept, z)  # without top_k, top_p is of the whole row's mass
     keep = keep & ((cum - w) < top_p * total)
     spill = (~covered) & (tl.max(cum, 0) < top_p * total)
+    # the deepest position the decision read: the k-th (top_k's set and mass), the first under
+    # min_p (where min_p cuts), else the last kept (top_p's prefix)
+    first_under = tl.min(tl.where(under, j, K - 1), 0)
+    last_kept = tl.max(tl.where(keep, j, 0), 0)
+    deep = tl.where(is_window == 0, K - 1, tl.where(min_p > 0, first_under, last_kept))
+    floor = tl.sum(tl.where(j == deep, kk, 0).to(tl.int64), 0)
+    held_back = tl.max(((ti < S) & (taus != 0) & (taus >= floor)).to(tl.int32), 0) > 0
+    spill = spill | held_back | (deep >= nvalid)
     ww = tl.where(keep, e, 0.0)
     cdf = tl.cumsum(ww, 0)
     tot = tl.max(cdf, 0)
-    target = tl.minimum(u * tot, _below(tot))
+    target = tl.minimum(u * tot, _below32(tot))
     n = tl.minimum(tl.sum((valid & (cdf <= target)).to(tl.int32), 0), K - 1)
     tok = tl.sum(tl.where(j == n, ids, 0), 0)
     return tl.where(spill, -1, tok)
 
 
 @triton.jit
-def _sample_kernel(X, stride, P, Out, Cand, Tsum, V,
-                   BLOCK: tl.constexpr, CAND: tl.constexpr, NTP: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _sample_kernel(X, stride, P, Out, Parts, Taus, Cand, Count, V,
+                   BLOCK: tl.constexpr, KS: tl.constexpr, NS: tl.constexpr):
+    s = tl.program_id(0)
+    S = tl.num_programs(0)
+    row = tl.program_id(1).to(tl.int64)
     xr = X + row * stride
     p = P + row * 6
     inv_t = tl.load(p)
-    K = tl.load(p + 1).to(tl.int32)
-    min_p = tl.load(p + 2)
-    top_p = tl.load(p + 3)
-    u = tl.load(p + 4)
     mode = tl.load(p + 5).to(tl.int32)
     offs = tl.arange(0, BLOCK)
-    # every row: max, its first index, sum of exp(x - max) (online over the tiles)
-    m = tl.full([], float("-inf"), tl.float32)
-    z = tl.zeros([], tl.float32)
-    am = tl.zeros([], tl.int32)
-    for start in range(0, V, BLOCK):
-        idx = start + offs
-        msk = idx < V
-        x = tl.load(xr + idx, mask=msk, other=float("-inf")) * inv_t
-        tm, ta = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)
-        am = tl.where(tm > m, start + ta, am)
-        nm = tl.maximum(m, tm)
-        scale = tl.where(m == nm, 1.0, tl.exp(m - nm))
-        z = z * scale + tl.sum(tl.where(x > float("-inf"), tl.exp(x - nm), 0.0), 0)
-        m = nm
-    if mode == 0:
-        tl.store(Out + row, am.to(tl.int64))
-    elif mode == 1:
-        tl.store(Out + row, _plain(xr, V, inv_t, m, u, Tsum + row * NTP, offs, BLOCK, NTP).to(tl.int64))
-    elif mode < 4:
-        tok = _filtered(xr, V, inv_t, m, z, K, min_p, top_p, u, (mode == 3).to(tl.int32),
-                        Cand + row * CAND, offs, BLOCK, CAND)
+    idx = s * BLOCK + offs
+    msk = idx < V
+    x = tl.load(xr + idx, mask=msk, other=float("-inf")) * inv_t
+    ms, am = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)
+    zs = tl.sum(tl.where(x > float("-inf"), tl.exp(x - ms), 0.0), 0)
+    parts = Parts + row * 3 * NS
+    tl.store(parts + s, ms)
+    tl.store(parts + NS + s, zs)
+    tl.store(parts + 2 * NS + s, (s * BLOCK + am).to(tl.float32))  # ids < 2^24: exact
+    cand = Cand + row * NS * KS
+    if (mode == 2) | (mode == 3):
+        tl.store(Taus + row * NS + s, _segment_candidates(x, idx, msk, cand + s * KS, KS))
+    # the row's last program to arrive merges (acq_rel: the others' writes are visible to it)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(Count + row, 1, sem="acq_rel")
+    if arrived == S - 1:
+        tl.store(Count + row, 0)  # ready for the next launch
+        tl.debug_barrier()
+        ti = tl.arange(0, NS)
+        m_all = tl.load(parts + ti, mask=ti < S, other=float("-inf"), cache_modifier=".cg")
+        z_all = tl.load(parts + NS + ti, mask=ti < S, other=0.0, cache_modifier=".cg")
+        m = tl.max(m_all, 0)
+        if mode == 0:
+            first = tl.min(tl.where((m_all == m) & (ti < S), ti, NS), 0)
+            a_all = tl.load(parts + 2 * NS + ti, mask=ti < S, other=0.0, cache_modifier=".cg")
+            tok = tl.sum(tl.where(ti == first, a_all, 0.0), 0).to(tl.int32)
+        elif mode == 1:
+            tok = _plain(xr, V, inv_t, m_all, z_all, ti, S, tl.load(p + 4), offs, BLOCK)
+        elif mode < 4:
+            z = tl.sum(tl.where(ti < S, z_all.to(tl.float64) * tl.exp((m_all - m).to(tl.float64)), 0.0), 0)
+            taus = tl.load(Taus + row * NS + ti, mask=ti < S, other=0, cache_modifier=".cg")
+            tok = _filtered(cand, taus, ti, S, m, z.to(tl.float32), tl.load(p + 1).to(tl.int32), V,
+                            tl.load(p + 2), tl.load(p + 3), tl.load(p + 4), (mode == 3).to(tl.int32), NS * KS)
+        else:
+            tok = tl.full([], -1, tl.int32)
         tl.store(Out + row, tok.to(tl.int64))
-    else:
-        tl.store(Out + row, tl.full([], -1, tl.int64))
 
 
-_SCRATCH: dict = {}  # (device, rows, ntp) -> (candidates, tile sums): reused, never shrunk
+class _Scratch:
+    """Per device: the merge's buffers (reused; grown, never shrunk) and the arrival counters,
+    which every launch leaves at zero."""
+
+    def __init__(self, dev: torch.device, rows: int, ns: int):
+        self.rows, self.ns = rows, ns
+        self.parts = torch.empty(rows, 3, ns, dtype=torch.float32, device=dev)
+        self.taus = torch.empty(rows, ns, dtype=torch.int64, device=dev)
+        self.cand = torch.empty(rows, ns * KS, dtype=torch.uint64, device=dev)
+        self.count = torch.zeros(rows, dtype=torch.int32, device=dev)
+        self.out = torch.empty(rows, dtype=torch.int64, device=dev)
 
 
-def _scratch(dev: torch.device, rows: int, ntp: int):
-    key = (dev, ntp)
-    s = _SCRATCH.get(key)
-    if s is None or s[0].shape[0] < rows:
-        n = max(rows, 64)
-        s = _SCRATCH[key] = (torch.empty(n, CAND, dtype=torch.uint64, device=dev),
-                             torch.empty(n, ntp, dtype=torch.float32, device=dev))
+_SCRATCH: dict = {}
+
+
+def _scratch(dev: torch.device, rows: int, ns: int) -> _Scratch:
+    s = _SCRATCH.get(dev)
+    if s is None or s.rows < rows or s.ns != ns:
+        s = _SCRATCH[dev] = _Scratch(dev, max(rows, 64, s.rows if s is not None else 0), ns)
     return s
 
 
-def sample_rows(x: torch.Tensor, params: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
-    """Tokens (int64 [rows]) for float32 logits ``x`` [rows, vocab] and ``params`` [rows, 6]
-    (inv_t, k, min_p, top_p, u, mode); -1 where a WINDOW row needs its whole row sorted."""
+def sample_rows(x: torch.Tensor, params: torch.Tensor, block: int = 0) -> torch.Tensor:
+    """Tokens (int64 [rows], a view of a reused buffer: read it before the next call) for float32
+    logits ``x`` [rows, vocab] and ``params`` [rows, 6]; -1 where the caller must sort the row."""
+    block = block or BLOCK
     rows, vocab = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
-    ntp = triton.next_power_of_2(triton.cdiv(vocab, block))
-    cand, tsum = _scratch(x.device, rows, ntp)
-    out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    segs = triton.cdiv(vocab, block)
+    sc = _scratch(x.device, rows, triton.next_power_of_2(segs))
     if rows:
-        _sample_kernel[(rows,)](x, x.stride(0), params, out, cand, tsum, vocab,
-                                BLOCK=block, CAND=CAND, NTP=ntp, num_warps=WARPS)
-    return out
+        _sample_kernel[(segs, rows)](x, x.stride(0), params, sc.out, sc.parts, sc.taus, sc.cand, sc.count, vocab,
+                                     BLOCK=block, KS=KS, NS=sc.ns, num_warps=WARPS)
+    return sc.out[:rows]
