@@ -1,0 +1,136 @@
+"""The warm path: a writer keeps its loop hot while a transfer with it is expected.
+
+The decision is pure (``pushkv/writer/poll.py``): table tests. Then two real writer processes
+over real NIXL: with warm on, P's writer spins while D's registration waits for the prefill
+(``warm_spins`` grows, ``warm_expected`` is 1) and goes back to sleeping once the WRITE is done;
+with warm off it never spins for it.
+"""
+import pytest
+
+from pushkv import messages as m
+from pushkv.config import DeploymentConfig, InstanceConfig, preset
+from pushkv.writer import poll as P
+from tests.procs import children, dealer, leftover_shm, planned, recv
+
+NOW = 100.0
+IDLE, PENDING, STUCK = P.WRITER_IDLE_POLL_MS, P.PENDING_POLL_MS, P.STUCK_POLL_MAX_MS
+
+# (expected_until, inflight_until, warm_until, pending, last_activity) -> (ms, why)
+POLL_CASES = [
+    ((None, None, None, False, 0.0), (IDLE, "idle")),
+    ((None, None, None, True, 0.0), (PENDING, "pending")),
+    ((None, None, None, False, NOW - 0.01), (PENDING, "pending")),  # just active
+    ((NOW + 1, None, None, False, 0.0), (0, "expected")),
+    ((NOW - 1, None, None, False, 0.0), (IDLE, "idle")),  # announced long ago: no spin
+    ((None, NOW + 1, None, False, 0.0), (0, "inflight")),
+    ((None, NOW - 0.001, None, False, 0.0), (1, "stuck")),
+    ((None, NOW - 0.105, None, False, 0.0), (10, "stuck")),  # a tenth of the overrun
+    ((None, NOW - 60, None, True, 0.0), (STUCK, "stuck")),
+    ((None, None, NOW + 1, False, 0.0), (0, "warm")),  # a registration waits: spin
+    ((None, None, NOW + 1, True, 0.0), (0, "warm")),  # ... even with deadlines pending
+    ((None, None, NOW - 1, True, 0.0), (PENDING, "pending")),  # past its cap: the pending rate
+    ((None, None, NOW - 1, False, 0.0), (IDLE, "idle")),
+    ((None, NOW - 60, NOW + 1, False, 0.0), (0, "warm")),  # a stuck one does not slow the expected one
+    ((None, NOW + 1, NOW + 1, False, 0.0), (0, "inflight")),  # a young transfer is counted as such
+    ((NOW + 1, None, NOW + 1, False, 0.0), (0, "expected")),
+]
+
+
+@pytest.mark.parametrize("args,want", POLL_CASES)
+def test_poll_ms(args, want):
+    e, i, w, pending, last = args
+    assert P.poll_ms(NOW, expected_until=e, inflight_until=i, warm_until=w, pending=pending,
+                     last_activity=last) == want
+
+
+@pytest.mark.parametrize("setting,device,env,want", [
+    ("auto", "cuda:0", "", True),
+    ("auto", "cuda", "", True),
+    ("auto", "cpu", "", False),
+    ("on", "cpu", "", True),
+    ("off", "cuda:1", "", False),
+    ("off", "cpu", "on", True),  # the env wins (A/B runs)
+    ("on", "cuda:0", "off", False),
+    ("on", "cpu", "auto", False),
+    ("auto", "cpu", " ON ", True),
+])
+def test_warm_enabled(setting, device, env, want):
+    assert P.warm_enabled(setting, device, env) is want
+
+
+@pytest.mark.parametrize("setting,env", [("sometimes", ""), ("on", "yes")])
+def test_warm_enabled_refuses_unknown(setting, env):
+    with pytest.raises(ValueError, match="auto, on, off"):
+        P.warm_enabled(setting, "cpu", env)
+
+
+def test_plan_refuses_unknown_warm(tmp_path):
+    with pytest.raises(ValueError, match="writer warm"):
+        planned(DeploymentConfig(mode="push", model=preset("tiny"), writer_warm="maybe"), tmp_path)
+
+
+# -- real writers --------------------------------------------------------------------------
+ROUND_TRIPS = 30  # GetStats round trips between two looks at a counter: many loop passes when spinning
+
+
+def stats(sock) -> dict:
+    sock.send(m.encode(m.GetStats()))
+    return recv(sock, m.DEC_WRITER_TO_SCHED).counters
+
+
+def spins_over_round_trips(sock) -> int:
+    """How much ``warm_spins`` grows while we exchange ROUND_TRIPS messages with the writer."""
+    before = stats(sock).get("warm_spins", 0)
+    for _ in range(ROUND_TRIPS):
+        stats(sock)
+    return stats(sock).get("warm_spins", 0) - before
+
+
+def wait_for(sock, name: str, at_least: int, timeout_s: float = 20.0) -> dict:
+    import time
+
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        st = stats(sock)
+        if st.get(name, 0) >= at_least:
+            return st
+    raise TimeoutError(f"counter {name} never reached {at_least}")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("warm", ["on", "off"])
+def test_prefill_writer_spins_while_a_registration_waits(warm, tmp_path, monkeypatch):
+    monkeypatch.delenv(P.WARM_ENV, raising=False)  # the config decides (children inherit our env)
+    cfg = DeploymentConfig(
+        mode="push", model=preset("tiny"), writer_warm=warm,
+        prefill=InstanceConfig(role="prefill", num_blocks=16, block_size=16),
+        decode=InstanceConfig(role="decode", num_blocks=16, block_size=16),
+    )
+    cfg = planned(cfg, tmp_path)
+    with children(cfg, [("writer", "prefill", 0), ("writer", "decode", 0)]):
+        p, d = dealer(cfg.prefill.writer_endpoints[0]), dealer(cfg.decode.writer_endpoints[0])
+        try:
+            src = cfg.prefill.source()
+            d.send(m.encode(m.ExpectKV("w#0", 0, (3, 4), 20, src, 60.0)))
+            wait_for(p, "registrations_received", 1)  # D's registration waits at P for the prefill
+            waiting_p, waiting_d = spins_over_round_trips(p), spins_over_round_trips(d)
+            assert stats(p)["warm_expected"] == (1 if warm == "on" else 0)
+            assert stats(d)["warm_expected"] == (1 if warm == "on" else 0)
+            p.send(m.encode(m.SendKV("w#0", 0, (0, 1), 20, first_token=7)))
+            got_d = recv(d, m.DEC_WRITER_TO_SCHED)
+            got_p = recv(p, m.DEC_WRITER_TO_SCHED)
+            assert isinstance(got_d, m.KVReceived) and isinstance(got_p, m.KVSent), (got_d, got_p)
+            # done: nothing expected any more, and the loop no longer spins for it
+            assert stats(p)["warm_expected"] == 0 and stats(d)["warm_expected"] == 0
+            after_p, after_d = spins_over_round_trips(p), spins_over_round_trips(d)
+            if warm == "on":
+                assert waiting_p > ROUND_TRIPS and waiting_d > ROUND_TRIPS, (waiting_p, waiting_d)
+            else:
+                assert waiting_p == waiting_d == 0
+            assert after_p == after_d == 0
+            assert dict(got_p.timeline).keys() >= {"write_post_start", "write_post_returned", "write_woke",
+                                                   "write_posted", "write_done"}
+        finally:
+            p.close(0)
+            d.close(0)
+    assert leftover_shm(cfg.deployment_id) == []
