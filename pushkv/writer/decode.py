@@ -108,7 +108,8 @@ class DecodeWriter(WriterBase):
             return
         self._registered[key] = Registered(source, ranks)
         self.apply(acts, now)
-        reg = m.Register(tid, gen, self.inst.engine_id, self.rank, self.inst.tp, block_ids, num_tokens, deadline_s)
+        reg = m.Register(tid, gen, self.inst.engine_id, self.rank, self.inst.tp, block_ids, num_tokens, deadline_s,
+                         warm=key in self._warm)
         for p in peers:
             self.notify(p, reg)
         self.trace_event("registration_sent", tid)

@@ -204,8 +204,12 @@ class PrefillWriter(WriterBase):
                 fl.handles.append(h)
                 self._stamp((a.transfer_id, a.generation), "write_post_returned")  # the NIXL post to this D rank returned
                 # after the post, off its path: the hint's ZMQ message wakes D's loop at once, and D's
-                # polling only speeds up seeing our notification (the data moves without it)
-                self.wake_peer(peer, a.transfer_id, a.generation, nbytes)
+                # polling only speeds up seeing our notification (the data moves without it); a warm D
+                # polls already, and the hint's send costs 20-40 us here
+                if not reg.warm:
+                    self.wake_peer(peer, a.transfer_id, a.generation, nbytes)
+                else:
+                    self.counters["wake_hints_skipped"] += 1
                 self._stamp((a.transfer_id, a.generation), "write_woke")
                 self.counters["write_posts"] += 1  # one per D rank this rank writes into
                 fl.nbytes += nbytes
