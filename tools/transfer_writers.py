@@ -274,9 +274,13 @@ def devices_busy(devices: list[str]):
             pr.start()
             procs.append(pr)
             readies.append((dev, ready))
-        for dev, ready in readies:
-            if not ready.wait(READY_TIMEOUT_S):
-                raise TimeoutError(f"the matmul loop on {dev} did not start")
+        end = time.monotonic() + READY_TIMEOUT_S
+        for (dev, ready), pr in zip(readies, procs):
+            while not ready.wait(0.2):  # a child that dies (no such GPU) fails the run at once
+                if not pr.is_alive():
+                    raise RuntimeError(f"the matmul loop on {dev} exited (code {pr.exitcode}) before starting")
+                if time.monotonic() > end:
+                    raise TimeoutError(f"the matmul loop on {dev} did not start")
         yield
     finally:
         stop.set()
