@@ -146,3 +146,52 @@ def test_prefill_writer_spins_while_a_registration_waits(warm, tmp_path, monkeyp
             p.close(0)
             d.close(0)
     assert leftover_shm(cfg.deployment_id) == []
+
+
+# -- P's warm bookkeeping follows the rendezvous (no sockets: the writer object, not its process) --
+def _prefill_writer(warm: str):
+    from pushkv.writer.prefill import PrefillWriter
+
+    cfg = DeploymentConfig(mode="push", model=preset("tiny"), writer_warm=warm,
+                           prefill=InstanceConfig(role="prefill", num_blocks=8),
+                           decode=InstanceConfig(role="decode", num_blocks=8))
+    w = PrefillWriter(cfg, cfg.prefill, 0)
+    w.sent, w.sched = [], None
+    w.send = lambda ch, msg, identity=None: w.sent.append(msg)  # the scheduler channel, recorded
+    return w
+
+
+def _reg(tid: str) -> m.Register:
+    return m.Register(tid, 0, "d", 0, 1, (1,), 16, 30.0)
+
+
+@pytest.mark.parametrize("first", ["registration", "prefill"])
+@pytest.mark.parametrize("end", ["cancel", "expire"])
+def test_prefill_warm_follows_the_rendezvous(monkeypatch, first, end):
+    monkeypatch.delenv(P.WARM_ENV, raising=False)
+    w = _prefill_writer("on")
+    now = 10.0
+    if first == "registration":  # D's registration waits for our prefill
+        w.apply(w.rdv.on_registration(_reg("a"), now), now)
+    else:  # our prefill waits for D's registration
+        w.apply(w.rdv.on_prefill_done("a", 0, (2,), 16, 1, now), now)
+    w._sync_warm(("a", 0), now)
+    cap = now + w.cfg.timeouts.registration_wait_s
+    assert w._warm == {("a", 0): cap}
+    w._sync_warm(("a", 0), now + 5)  # still waiting: the first cap holds
+    assert w._warm == {("a", 0): cap}
+    if end == "cancel":
+        w.apply(w.rdv.cancel("a", 0, "gone", now + 1), now + 1)
+    else:
+        w.apply(w.rdv.expire(cap + 1), cap + 1)
+    assert w.rdv.state_of("a", 0) is None and w._warm == {}
+    if first == "prefill":  # our blocks went back to the scheduler with the failure
+        assert [type(x).__name__ for x in w.sent] == ["KVFailed"]
+
+
+def test_prefill_warm_off_keeps_nothing(monkeypatch):
+    monkeypatch.delenv(P.WARM_ENV, raising=False)
+    w = _prefill_writer("off")
+    w.apply(w.rdv.on_registration(_reg("a"), 1.0), 1.0)
+    w._sync_warm(("a", 0), 1.0)
+    assert w._warm == {}
