@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--prefill-instances", type=int, metavar="N",
                    help="P instances on this host, each with its own scheduler, workers, writers and devices")
     t.add_argument("--decode-instances", type=int, metavar="M", help="D instances on this host")
+    t.add_argument("--writer-warm", choices=("auto", "on", "off"),
+                   help="writers spin (a core each) while a transfer with them is expected, so its post and "
+                        "completion skip the wake-up from idle; auto (default) = on for CUDA instances")
     r = up.add_argument_group("router")
     r.add_argument("--router-queue", type=int, metavar="N",
                    help="requests that may wait at the router for a D that can hold them; past it: 429")
@@ -170,7 +173,7 @@ def config_from_args(args: argparse.Namespace) -> DeploymentConfig:
         log_level=args.log_level, model=model,
         secret_file=os.path.abspath(args.secret_file) if args.secret_file else None, prefill_instances=args.prefill_instances,
         decode_instances=args.decode_instances, router_queue=args.router_queue,
-        push_pin_fraction=args.push_pin_fraction,
+        push_pin_fraction=args.push_pin_fraction, writer_warm=args.writer_warm,
         trace_endpoint=TRACE_AUTO if args.trace else None,
         trace_tap_endpoint=args.trace if args.trace not in (None, TRACE_AUTO) else None,
         prefill=_replace(cfg.prefill, tp=args.prefill_tp, block_size=args.prefill_block_size or args.block_size,

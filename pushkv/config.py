@@ -195,6 +195,13 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
     registry: str = ""  # etcd://[user:pass@]HOST:PORT[/prefix]; "" = single-host discovery
     registry_ttl_s: int = 5  # lease TTL: a dead or cut-off host leaves the registry within this
     advertise: str = ""  # this host's address for other hosts: its tcp:// endpoints bind on it
+    # Writers keep their loop hot (poll timeout 0, sched_yield) while a transfer with them is
+    # expected (P: from D's registration or the end of prefill until the WRITE is done; D: from
+    # ExpectKV until the KV is here), each expectation capped by its deadline: a post and its
+    # completion then skip the wake-up from an idle sleep, at the price of a core per waiting
+    # writer. "auto" = on for CUDA instances, off on the CPU; "on" | "off" force it
+    # (env PUSHKV_WRITER_WARM overrides, for A/B runs). See pushkv/writer/poll.py.
+    writer_warm: str = "auto"
 
     def role_instances(self, role: str) -> list[InstanceConfig]:
         """Every planned instance of ``role`` (the template alone before planning)."""

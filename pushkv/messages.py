@@ -334,6 +334,9 @@ class Register(Msg):
     block_ids: tuple[int, ...]
     num_tokens: int
     deadline: float = 0.0  # seconds from receipt
+    # D's writer keeps its loop hot until this transfer's KV is here (writer_warm): it polls
+    # NIXL without being told, so P skips the TransferStarting wake hint on its post path
+    warm: bool = False
 
 
 class WriteDone(Msg):

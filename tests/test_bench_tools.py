@@ -119,3 +119,18 @@ def test_bench_against_router(tmp_path):
     assert all("local.scheduled" in r.timeline and r.transfer_id for r in results)
     s = bench.aggregate(results, duration, {"mode": "local"})
     assert s["completed"] == 3 and "local.finished" in s["stages"]
+
+
+def test_busy_devices_need_cuda():
+    """The writers-only bench's --busy keeps GPUs computing: on the CPU it refuses, clearly."""
+    from tools import transfer_report
+    from tools.transfer_writers import devices_busy
+
+    with pytest.raises(ValueError, match="needs CUDA"):
+        with devices_busy(["cpu"]):
+            pass
+    with devices_busy([]):  # nothing to keep busy: a no-op
+        pass
+    with pytest.raises(SystemExit) as e:
+        transfer_report.main(["--writers-only", "--busy", "--device", "cpu"])
+    assert e.value.code == 2

@@ -6,6 +6,7 @@ import pytest
 
 from pushkv.config import DeploymentConfig, InstanceConfig, preset
 from pushkv.writer import base as B
+from pushkv.writer import poll as P
 
 
 class _Writer(B.WriterBase):
@@ -28,10 +29,10 @@ def _inflight(w, age_s: float, nbytes: int = 0) -> None:
 
 @pytest.mark.parametrize("age_s,nbytes,lo,hi", [
     (0.0, 0, 0, 0),  # just posted: spin
-    (B.SPIN_MIN_S + 0.5, int(1e9), 0, 0),  # 1 GB is still young at 0.5 GB/s for 2 s
-    (B.SPIN_MIN_S + 0.001, 0, 1, 1),  # just past its time: 1 ms
-    (B.SPIN_MIN_S + 0.1, 0, 9, 11),  # a tenth of the overrun
-    (60.0, 0, B.STUCK_POLL_MAX_MS, B.STUCK_POLL_MAX_MS),  # stuck: capped
+    (P.SPIN_MIN_S + 0.5, int(1e9), 0, 0),  # 1 GB is still young at 0.5 GB/s for 2 s
+    (P.SPIN_MIN_S + 0.001, 0, 1, 1),  # just past its time: 1 ms
+    (P.SPIN_MIN_S + 0.1, 0, 9, 11),  # a tenth of the overrun
+    (60.0, 0, P.STUCK_POLL_MAX_MS, P.STUCK_POLL_MAX_MS),  # stuck: capped
 ])
 def test_inflight_spins_then_backs_off(writer, age_s, nbytes, lo, hi):
     _inflight(writer, age_s, nbytes)
@@ -46,12 +47,12 @@ def test_youngest_transfer_decides(writer):
 
 def test_announced_transfer_spins_until_its_time(writer):
     writer._last_activity = 0.0
-    assert writer.poll_timeout_ms() == B.WRITER_IDLE_POLL_MS
+    assert writer.poll_timeout_ms() == P.WRITER_IDLE_POLL_MS
     writer._expected[("t", 0)] = time.monotonic() + 1.0
     assert writer.poll_timeout_ms() == 0
     writer.transfer_arrived("t", 0)
-    assert writer.poll_timeout_ms() == B.WRITER_IDLE_POLL_MS
+    assert writer.poll_timeout_ms() == P.WRITER_IDLE_POLL_MS
     writer._expected[("t", 1)] = time.monotonic() - 0.001  # overstayed: dropped, no spin
     writer.pending = True
-    assert writer.poll_timeout_ms() == B.PENDING_POLL_MS
+    assert writer.poll_timeout_ms() == P.PENDING_POLL_MS
     assert not writer._expected

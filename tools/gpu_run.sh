@@ -85,6 +85,11 @@ with launched('--mode', '$mode', '--device', 'cuda', '--model', 'medium', '--num
            for w in prefill decode; do python3 -c "
 import pstats; s = pstats.Stats('$OUT/prof/$w-writer-0.prof'); s.sort_stats('tottime').print_stats(22)
 s.print_callees('_post_write|_prefill_done|on_ExpectKV|_poll_notifs')" 2>&1 | grep -v "^$" | cut -c1-180 | tee -a "$OUT/xferprof.txt" | head -90; done ;;
+    xferwarm) # the warm path (writers spin while a transfer is expected): warm off/on x gap 0/20 ms x GPUs idle/busy,
+           # one writer pair per configuration, one line each (tools/transfer_writers.py warm_matrix)
+           timeout 280 python3 -m tools.transfer_report --writers-only --warm-matrix ${XFER_DEV:---device cuda:0 --decode-device cuda:1} \
+             --sizes-mib 0.25 1 16 64 256 --reps 7 --gap-ms 20 --out "$OUT/xferwarm.json" 2>&1 \
+             | grep -E "^warm|^\(devices|Error|error:" | tee "$OUT/xferwarm.txt" ;;
     gpue2e) timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_e2e.py 2>&1 | tee "$OUT/gpue2e.txt" | tail -5 ;;
     attntune) timeout 300 python3 -m tools.attn_tune 2>&1 | tee "$OUT/attn_tune.txt" ;;
     *) echo "unknown step $step" ;;

@@ -81,12 +81,36 @@ def main(argv=None) -> int:
     ap.add_argument("--post-cost", action="store_true",
                     help="with --writers-only: also time the post path alone, ad-hoc descriptors against "
                          "prepared lists, interleaved (CPU time and wall time per transfer)")
+    ap.add_argument("--warm", choices=("auto", "on", "off"), default="auto",
+                    help="with --writers-only: the writers' writer_warm (spin while a transfer is expected)")
+    ap.add_argument("--gap-ms", type=float, default=0.0,
+                    help="with --writers-only: wait this long after P has D's registration before SendKV "
+                         "(the prefill push overlaps; not in the times measured)")
+    ap.add_argument("--busy", action="store_true",
+                    help="with --writers-only, CUDA only: a bf16 matmul loop on P's and D's GPUs meanwhile")
+    ap.add_argument("--warm-matrix", action="store_true",
+                    help="with --writers-only: warm off/on x gap 0/--gap-ms (20 if 0) x devices idle/busy (busy "
+                         "on CUDA only), one writer pair and one compact line per configuration")
     args = ap.parse_args(argv)
+    if args.writers_only and args.warm_matrix:
+        from tools.transfer_writers import warm_matrix
+
+        model = args.model if args.model != "small" else "medium"
+        res = warm_matrix(model, args.block_size, args.sizes_mib, args.reps, args.device, args.decode_device,
+                          (0.0, args.gap_ms or 20.0))  # devices busy: skipped (said so) on the CPU
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"model": model, "block_size": args.block_size, "warm_matrix": res}, f, indent=1)
+        print(f"(written to {args.out})")
+        return 0
     if args.writers_only:
         from tools.transfer_writers import report
 
         model = args.model if args.model != "small" else "medium"
-        res = report(model, args.block_size, args.sizes_mib, args.reps, args.device, args.decode_device)
+        if args.busy and not args.device.startswith("cuda"):
+            ap.error("--busy keeps GPUs computing: it needs --device cuda...")
+        res = report(model, args.block_size, args.sizes_mib, args.reps, args.device, args.decode_device,
+                     args.warm, args.gap_ms, args.busy)
         if args.post_cost:
             from tools.transfer_writers import post_cost
 

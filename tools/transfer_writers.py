@@ -31,6 +31,7 @@ from pushkv import messages as m
 from pushkv.config import DeploymentConfig, InstanceConfig, encode_config, preset
 from pushkv.kv import layout as L
 from pushkv.supervisor.plan import plan_deployment
+from pushkv.writer.poll import WARM_ENV
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the tree whose writers run (default this one): point it at a checkout of an older commit for a
@@ -42,12 +43,13 @@ REPLY_TIMEOUT_S = 60.0
 
 @contextmanager
 def writer_pair(model: str, block_size: int, num_blocks: int, device: str = "cpu",
-                decode_device: Optional[str] = None):
-    """A planned push config with P's and D's writer rank 0 running; yields (cfg, P, D) sockets
+                decode_device: Optional[str] = None, warm: str = "auto"):
+    """A planned push config with P's and D's writer rank 0 running (``warm``: their
+    writer_warm; PUSHKV_WRITER_WARM in the environment still wins); yields (cfg, P, D) sockets
     to the writers' scheduler channels. Always stops the writers and removes the run dir."""
     root = tempfile.mkdtemp(prefix="pushkv-xfer-")
     cfg = DeploymentConfig(
-        mode="push", model=preset(model),
+        mode="push", model=preset(model), writer_warm=warm,
         prefill=InstanceConfig(role="prefill", num_blocks=num_blocks, block_size=block_size, device=device),
         decode=InstanceConfig(role="decode", num_blocks=num_blocks, block_size=block_size,
                               device=decode_device or device),
@@ -117,11 +119,13 @@ def _wait_registered(p_sock: zmq.Socket, tid: str) -> None:
     raise TimeoutError(f"P never saw D's registration of {tid}")
 
 
-def push_once(cfg, p_sock, d_sock, tid: str, p_blocks, d_blocks, num_tokens: int) -> dict:
+def push_once(cfg, p_sock, d_sock, tid: str, p_blocks, d_blocks, num_tokens: int, gap_s: float = 0.0) -> dict:
     src = m.PrefillSource(cfg.prefill.engine_id, cfg.prefill.tp, cfg.prefill.handshake_endpoints)
     d_sock.send(m.encode(m.ExpectKV(tid, 0, tuple(d_blocks), num_tokens, src, REPLY_TIMEOUT_S)))
     # registration first (the push steady state): wait until P has it, then prefill "ends"
     _wait_registered(p_sock, tid)
+    if gap_s:  # the rest of the prefill that push overlaps: the writers get no message meanwhile
+        time.sleep(gap_s)
     t0 = time.perf_counter()
     p_sock.send(m.encode(m.SendKV(tid, 0, tuple(p_blocks), num_tokens, first_token=1)))
     got_d = _recv(d_sock)
@@ -148,14 +152,14 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 
 def measure(model: str, block_size: int, sizes_mib: list[float], reps: int, device: str = "cpu",
-            decode_device: Optional[str] = None) -> dict:
+            decode_device: Optional[str] = None, warm: str = "auto", gap_ms: float = 0.0) -> dict:
     mcfg = preset(model)
     lay_bytes = mcfg.kv_bytes_per_token() * block_size  # one logical block, every layer and head
     counts = sorted({1} | {max(1, round(s * 2**20 / lay_bytes)) for s in sizes_mib})
     # fresh-pool shape: P's blocks from 0, D's from the second half (both contiguous)
     num_blocks = 2 * max(counts) + 8
     rows = []
-    with writer_pair(model, block_size, num_blocks, device, decode_device) as (cfg, p, d, _):
+    with writer_pair(model, block_size, num_blocks, device, decode_device, warm) as (cfg, p, d, _):
         lay = L.instance_layout(cfg, cfg.prefill, 0)
         assert L.block_bytes(lay) == lay_bytes, (L.block_bytes(lay), lay_bytes)
         seq = 0
@@ -165,7 +169,8 @@ def measure(model: str, block_size: int, sizes_mib: list[float], reps: int, devi
             for _ in range(reps):
                 seq += 1
                 runs.append(push_once(cfg, p, d, f"t{n}#{seq}", list(range(n)),
-                                      list(range(num_blocks // 2, num_blocks // 2 + n)), n * block_size))
+                                      list(range(num_blocks // 2, num_blocks // 2 + n)), n * block_size,
+                                      gap_ms / 1e3))
             rows.append({"blocks": n, "nbytes": runs[0]["nbytes"], "descs": runs[0]["descs"],
                          "secs": statistics.median(r["secs"] for r in runs),
                          "e2e": statistics.median(r["e2e"] for r in runs),
@@ -173,7 +178,19 @@ def measure(model: str, block_size: int, sizes_mib: list[float], reps: int, devi
                          "posted": statistics.median(r["posted"] for r in runs),
                          "wake": statistics.median(r["wake"] for r in runs),
                          "secs_min": min(r["secs"] for r in runs)})
-    return {"block_bytes": lay_bytes, "rows": rows}
+        p.send(m.encode(m.GetStats()))
+        p_stats = _recv(p).counters
+    return {"block_bytes": lay_bytes, "rows": rows, "warm_spins": p_stats.get("warm_spins", 0)}
+
+
+def fixed_costs(rows: list[dict]) -> dict:
+    """The fixed cost of a transfer: the one-block row, and the intercepts of time against bytes."""
+    a, b = fit_line([r["nbytes"] for r in rows], [r["secs"] for r in rows])
+    a2, _ = fit_line([r["nbytes"] for r in rows], [r["e2e"] for r in rows])
+    one = rows[0]
+    return {"fixed_one_block_us": one["secs"] * 1e6, "one_block_post_us": one["post"] * 1e6,
+            "fixed_intercept_us": a * 1e6, "fixed_e2e_intercept_us": a2 * 1e6,
+            "slope_gbps": 1 / b / 1e9 if b > 0 else float("nan")}
 
 
 def _copy_gbps(nbytes: int, device: str, decode_device: Optional[str]) -> float:
@@ -183,11 +200,14 @@ def _copy_gbps(nbytes: int, device: str, decode_device: Optional[str]) -> float:
 
 
 def report(model: str, block_size: int, sizes_mib: list[float], reps: int, device: str = "cpu",
-           decode_device: Optional[str] = None) -> dict:
-    res = measure(model, block_size, sizes_mib, reps, device, decode_device)
+           decode_device: Optional[str] = None, warm: str = "auto", gap_ms: float = 0.0, busy: bool = False) -> dict:
+    with devices_busy([device, decode_device or device] if busy else []):
+        res = measure(model, block_size, sizes_mib, reps, device, decode_device, warm, gap_ms)
     rows = res["rows"]
     print(f"\nwriters only ({model}, block {block_size} tokens = {res['block_bytes'] / 2**10:.0f} KiB, "
-          f"{device}{' -> ' + decode_device if decode_device else ''}, medians of {reps})")
+          f"{device}{' -> ' + decode_device if decode_device else ''}, medians of {reps}; warm {warm}"
+          f"{' (env ' + os.environ[WARM_ENV] + ')' if os.environ.get(WARM_ENV) else ''}, gap {gap_ms:g} ms, "
+          f"devices {'busy' if busy else 'idle'})")
     print(f"{'blocks':>7} {'MiB':>8} {'descs':>6} {'post us':>8} {'post->done us':>14} {'(min)':>7} {'GB/s':>7} "
           f"{'copy GB/s':>10} {'ratio':>6} {'send->recv us':>14}")
     for r in rows:
@@ -197,18 +217,119 @@ def report(model: str, block_size: int, sizes_mib: list[float], reps: int, devic
         print(f"{r['blocks']:>7} {r['nbytes'] / 2**20:>8.2f} {r['descs']:>6} {r['post'] * 1e6:>8.0f} "
               f"{r['secs'] * 1e6:>14.0f} {r['secs_min'] * 1e6:>7.0f} "
               f"{gbps:>7.2f} {r['copy_gbps']:>10.2f} {gbps / r['copy_gbps']:>6.2f} {r['e2e'] * 1e6:>14.0f}")
-    a, b = fit_line([r["nbytes"] for r in rows], [r["secs"] for r in rows])
-    a2, _ = fit_line([r["nbytes"] for r in rows], [r["e2e"] for r in rows])
+    res.update(fixed_costs(rows))
     one = rows[0]
-    res.update(fixed_one_block_us=one["secs"] * 1e6, one_block_post_us=one["post"] * 1e6, fixed_intercept_us=a * 1e6,
-               fixed_e2e_intercept_us=a2 * 1e6, slope_gbps=1 / b / 1e9 if b > 0 else float("nan"))
     print(f"fixed cost: one-block post (map + descriptors + post, on P's writer) {one['post'] * 1e6:.0f} us; "
           f"one-block post->done {one['secs'] * 1e6:.0f} us (send->received {one['e2e'] * 1e6:.0f} us); "
-          f"intercept of post->done vs bytes {a * 1e6:.0f} us (send->received {a2 * 1e6:.0f} us); "
-          f"slope {res['slope_gbps']:.2f} GB/s")
+          f"intercept of post->done vs bytes {res['fixed_intercept_us']:.0f} us "
+          f"(send->received {res['fixed_e2e_intercept_us']:.0f} us); slope {res['slope_gbps']:.2f} GB/s; "
+          f"P's warm spins {res['warm_spins']}")
     print(f"one-block post's parts: indices + NIXL post {one['posted'] * 1e6:.0f} us, then the wake hint to D "
           f"{one['wake'] * 1e6:.0f} us")
     return res
+
+
+# ---------------------------------------------------------------------------------------
+# Busy GPUs (as in serving) and the warm matrix
+# ---------------------------------------------------------------------------------------
+BUSY_MATMUL_N = 4096
+
+
+def _matmul_loop(device: str, ready, stop) -> None:
+    """Keep ``device`` computing (bf16 matmuls, a few queued at a time) until ``stop`` is set."""
+    import torch
+
+    torch.cuda.set_device(device)
+    a = torch.randn(BUSY_MATMUL_N, BUSY_MATMUL_N, device=device, dtype=torch.bfloat16)
+    b = torch.randn_like(a)
+    c = a @ b
+    torch.cuda.synchronize()
+    ready.set()
+    while not stop.is_set():
+        for _ in range(8):
+            torch.matmul(a, b, out=c)
+        torch.cuda.synchronize()
+
+
+@contextmanager
+def devices_busy(devices: list[str]):
+    """A background process per distinct device running a bf16 matmul loop for the whole
+    block, so the transfer sees GPUs at work as in serving. CUDA only: refuses the CPU."""
+    devices = sorted(set(devices))
+    if not devices:
+        yield
+        return
+    if any(not d.startswith("cuda") for d in devices):
+        raise ValueError(f"--busy keeps GPUs computing: it needs CUDA devices, got {', '.join(devices)}")
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
+    procs = []
+    try:
+        readies = []
+        for dev in devices:  # started together (each imports torch and makes a CUDA context), then awaited
+            ready = ctx.Event()
+            pr = ctx.Process(target=_matmul_loop, args=(dev if ":" in dev else "cuda:0", ready, stop), daemon=True)
+            pr.start()
+            procs.append(pr)
+            readies.append((dev, ready))
+        end = time.monotonic() + READY_TIMEOUT_S
+        for (dev, ready), pr in zip(readies, procs):
+            while not ready.wait(0.2):  # a child that dies (no such GPU) fails the run at once
+                if not pr.is_alive():
+                    raise RuntimeError(f"the matmul loop on {dev} exited (code {pr.exitcode}) before starting")
+                if time.monotonic() > end:
+                    raise TimeoutError(f"the matmul loop on {dev} did not start")
+        yield
+    finally:
+        stop.set()
+        for pr in procs:
+            pr.join(20)
+            if pr.is_alive():
+                pr.kill()
+                pr.join()
+
+
+def warm_matrix(model: str, block_size: int, sizes_mib: list[float], reps: int, device: str = "cpu",
+                decode_device: Optional[str] = None, gaps_ms: tuple[float, ...] = (0.0, 20.0),
+                busy: tuple[bool, ...] = (False, True)) -> list[dict]:
+    """The fixed cost with warm off and on, for each gap between D's registration reaching P
+    and SendKV, with the devices idle and busy (busy on CUDA only): one writer pair per
+    configuration, one compact line each (64 MiB's GB/s against a plain copy's, when measured)."""
+    if device == "cpu" and any(busy):
+        print("(devices busy: skipped, CPU devices; --busy needs CUDA)")
+        busy = tuple(b for b in busy if not b)
+    ref = min(sizes_mib, key=lambda s: abs(s - 64))
+    out = []
+    print(f"\nwarm matrix ({model}, {device}{' -> ' + decode_device if decode_device else ''}, sizes {sizes_mib} MiB, "
+          f"medians of {reps}; {ref:g} MiB GB/s / plain copy's)")
+    for b in busy:
+        with devices_busy([device, decode_device or device] if b else []):  # once for its four configurations
+            out += _matrix_block(model, block_size, sizes_mib, reps, device, decode_device, gaps_ms, b, ref)
+    return out
+
+
+def _matrix_block(model, block_size, sizes_mib, reps, device, decode_device, gaps_ms, b: bool, ref: float) -> list[dict]:
+    """The gaps x warm off/on part of the matrix, devices busy or not (``b``); the plain copy
+    of ``ref`` MiB is measured once per block, under the same load."""
+    out, copy = [], None
+    for gap in gaps_ms:
+        for warm in ("off", "on"):
+            res = measure(model, block_size, sizes_mib, reps, device, decode_device, warm, gap)
+            res.update(fixed_costs(res["rows"]))
+            row = min(res["rows"], key=lambda r: abs(r["nbytes"] - ref * 2**20))
+            if copy is None:
+                copy = _copy_gbps(row["nbytes"], device, decode_device)
+            gbps = row["nbytes"] / row["secs"] / 1e9
+            res.update(warm=warm, gap_ms=gap, busy=b, ref_gbps=gbps, ref_ratio=gbps / copy)
+            out.append(res)
+            print(f"warm {warm:>3} gap {gap:>3g} ms devices {'busy' if b else 'idle'}: "
+                  f"1-block post {res['one_block_post_us']:5.0f} us, post->done {res['fixed_one_block_us']:5.0f} us; "
+                  f"intercept {res['fixed_intercept_us']:5.0f} us, send->recv intercept "
+                  f"{res['fixed_e2e_intercept_us']:5.0f} us; {ref:g} MiB {gbps:6.2f} GB/s = "
+                  f"{gbps / copy:4.2f} x copy; P warm spins {res['warm_spins']}", flush=True)
+    return out
 
 
 # ---------------------------------------------------------------------------------------

@@ -149,6 +149,8 @@ def plan_deployment(
         raise ValueError(f"--role {cfg.host_role} needs --advertise ADDR (this host's address for the others)")
     if cfg.registry_ttl_s < 1:
         raise ValueError(f"registry TTL must be >= 1 s, got {cfg.registry_ttl_s}")
+    if cfg.writer_warm not in ("auto", "on", "off"):
+        raise ValueError(f"writer warm must be auto, on or off, got {cfg.writer_warm!r}")
     if cfg.mode == "local" and (cfg.prefill_instances, cfg.decode_instances) != (1, 1):
         raise ValueError("--prefill-instances / --decode-instances need --mode push or pull")
     if cfg.router_queue < 0:

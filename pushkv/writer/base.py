@@ -6,13 +6,9 @@ metadata, pool base address and layout; driven by the loop, never blocking it),
 NIXL notification polling, posting by index into prepared descriptor lists, and
 tracking of posted transfers. Side-specific protocol lives in prefill.py / decode.py.
 
-The loop drives UCX itself (no progress thread). How often it looks:
-
-- a transfer of ours or one a peer announced (``TransferStarting``) is young: every
-  pass (poll timeout 0), for ``spin_s(nbytes)``: as long as that many bytes should take;
-- past that (a stuck transfer): backing off from 1 to ``STUCK_POLL_MAX_MS``;
-- something pending (a deadline, a registration we wait on): every ``PENDING_POLL_MS``;
-- idle: every ``WRITER_IDLE_POLL_MS``. ZMQ messages wake the loop at once in every case.
+The loop drives UCX itself (no progress thread); how often it looks is ``poll.py``'s
+``poll_ms`` (spin while a transfer is young, announced or, with warm on, expected; back off
+for a stuck one; else the pending or idle rate). ZMQ messages wake the loop at once.
 """
 from __future__ import annotations
 
@@ -32,16 +28,11 @@ from pushkv.kv.pool import Pool, create_pool, shm_name
 from pushkv.protocol.mapping import map_transfer
 from pushkv.transport.grid import DescGrid, IndexPlan, grid_of, index_plan, indices, plan_indices
 from pushkv.transport.nixl_agent import NixlAgent
+from pushkv.writer.poll import WARM_ENV, poll_ms, spin_s, warm_enabled
 
 log = logging.getLogger(__name__)
 
-# something is waiting on a notification (or a peer's one-sided READ may need our progress)
-PENDING_POLL_MS = int(os.environ.get("PUSHKV_PENDING_POLL_MS", "1"))
 HANDSHAKE_TIMEOUT_S = 5.0
-# a transfer is "young" (spin on progress) for SPIN_MIN_S plus its bytes at SPIN_FLOOR_BPS
-SPIN_MIN_S = 0.02
-SPIN_FLOOR_BPS = 0.5e9
-STUCK_POLL_MAX_MS = 20
 # right after a post, spin on it this long before going back to the loop (a small WRITE on
 # GPUs is done in ~30 us, a loop pass later costs more); 0 = off, for A/B runs
 SETTLE_S = float(os.environ.get("PUSHKV_SETTLE_US", "100")) * 1e-6
@@ -50,9 +41,6 @@ SPIN_YIELD = os.environ.get("PUSHKV_SPIN_YIELD", "1") != "0"
 USE_PREPARED = os.environ.get("PUSHKV_NIXL_PREPARED", "1") != "0"
 # 0: send no TransferStarting hints (the peer then sees a transfer at its pending poll rate); for A/B runs
 WAKE_HINTS = os.environ.get("PUSHKV_WAKE_HINTS", "1") != "0"
-# idle: NIXL notifications have no fd to wait on, so look every 10 ms (a few µs of CPU each:
-# ~0.1 % of a core) rather than spin; a SendKV/HoldKV from the scheduler wakes us at once anyway
-WRITER_IDLE_POLL_MS = 10
 
 
 @dataclass
@@ -92,11 +80,6 @@ class PeerWait:
     failed: Callable[[str], None]
 
 
-def spin_s(nbytes: int) -> float:
-    """How long a transfer of ``nbytes`` may take before we stop spinning on its progress."""
-    return SPIN_MIN_S + nbytes / SPIN_FLOOR_BPS
-
-
 @dataclass
 class InFlight:
     """One posted NIXL transfer (possibly several handles, one per peer rank)."""
@@ -127,6 +110,9 @@ class WriterBase(Actor):
         self.waits: dict[object, PeerWait] = {}  # requests waiting for handshakes
         self._link_failed: dict[tuple[str, int], str] = {}  # failures not yet told to waits
         self._expected: dict[tuple[str, int], float] = {}  # transfers peers announced -> spin until
+        # keep the loop hot while a transfer with us is expected (config writer_warm, env override)
+        self.warm = warm_enabled(cfg.writer_warm, rank_device(inst, rank), os.environ.get(WARM_ENV, ""))
+        self._warm: dict[tuple[str, int], float] = {}  # transfers expected -> warm until (a cap)
         self.handshake = None  # our ROUTER for handshakes peers initiate
         self._last_activity = 0.0
 
@@ -501,23 +487,31 @@ class WriterBase(Actor):
     def has_pending(self) -> bool:
         return False
 
+    # -- warm: a hot loop while a transfer with us is expected --------------------------
+    def warm_for(self, key, until: float) -> None:
+        """Spin (when warm is on) until ``key``'s transfer is done or ``until`` (the cap: a
+        lost request cannot keep us spinning); the first cap of a key holds."""
+        if self.warm:
+            self._warm.setdefault(key, until)
+
+    def cool(self, key) -> None:
+        self._warm.pop(key, None)
+
     def poll_timeout_ms(self) -> int:
         now = time.monotonic()
-        if self._expected:  # a peer's transfer with us is young: its completion needs our progress
-            for k in [k for k, t in self._expected.items() if t <= now]:
-                del self._expected[k]  # slow or never ended here: the pending rate below will do
-            if self._expected:
-                return self._spin()
-        if self.inflight:
-            spin_until = max(fl.posted + spin_s(fl.nbytes) for fl in self.inflight.values())
-            if now < spin_until:
-                return self._spin()  # data is moving and we drive UCX: keep polling
-            # stuck or slow: back off (a tenth of the overrun, up to a cap): a hung transfer
-            # costs little CPU until the stuck deadline abandons it
-            return int(min(STUCK_POLL_MAX_MS, max(1.0, (now - spin_until) * 100)))
-        if self.has_pending() or now - self._last_activity < 0.05:
-            return PENDING_POLL_MS
-        return WRITER_IDLE_POLL_MS
+        for table in (self._expected, self._warm):  # overstayed (slow, lost): no more spinning for it
+            if table:
+                for k in [k for k, t in table.items() if t <= now]:
+                    del table[k]
+        p = poll_ms(now, expected_until=max(self._expected.values(), default=None),
+                    inflight_until=max((fl.posted + spin_s(fl.nbytes) for fl in self.inflight.values()), default=None),
+                    warm_until=max(self._warm.values(), default=None),
+                    pending=self.has_pending(), last_activity=self._last_activity)
+        if p.ms == 0:
+            if p.why == "warm":
+                self.counters["warm_spins"] += 1
+            return self._spin()
+        return p.ms
 
     @staticmethod
     def _spin() -> int:
@@ -528,4 +522,5 @@ class WriterBase(Actor):
         return 0
 
     def on_GetStats(self, msg: m.GetStats) -> None:
-        self.send(self.sched, m.WriterStats(counters=dict(self.counters)))
+        # warm_expected: a gauge (transfers we keep the loop hot for now), next to the counters
+        self.send(self.sched, m.WriterStats(counters={**self.counters, "warm_expected": len(self._warm)}))

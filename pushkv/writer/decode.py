@@ -69,6 +69,7 @@ class DecodeWriter(WriterBase):
         """``then(peers)`` once P's producer ranks for us are connected; KVFailed if one cannot be."""
         def failed(reason: str) -> None:
             self.counters["handshake_failed"] += 1
+            self.cool(key)
             self.send(self.sched, m.KVFailed(key[0], key[1], f"cannot reach prefill writers: {reason}"))
 
         ranks = producers_for(self.rank, self.inst.tp, src.tp, self.layout.total_kv_heads)
@@ -87,6 +88,7 @@ class DecodeWriter(WriterBase):
                   deadline_s: float) -> None:
         """Register our reserved blocks with the producer ranks (after their handshakes)."""
         deadline = time.monotonic() + deadline_s
+        self.warm_for((tid, gen), deadline)  # P's WRITE and its WriteDone are coming: be awake for them
         self._with_producers((tid, gen), source, lambda peers: self._registered_with(
             tid, gen, block_ids, num_tokens, source, deadline_s, deadline, peers), time.monotonic())
 
@@ -98,6 +100,7 @@ class DecodeWriter(WriterBase):
             acts = self.arrivals.expect(tid, gen, block_ids, ranks, deadline)
         except ar.ProtocolError as e:  # a finished or older generation: nothing registered, nothing can land
             self.counters["expect_refused"] += 1
+            self.cool(key)
             log.error("%s: registration refused: %s transfer_id=%s", self.name, e, tid)
             if self.arrivals.state_of(tid, gen) != "waiting":  # a live one answers itself
                 reason = f"registration refused: {_REFUSED.get(e.state, e.state)}"
@@ -105,7 +108,8 @@ class DecodeWriter(WriterBase):
             return
         self._registered[key] = Registered(source, ranks)
         self.apply(acts, now)
-        reg = m.Register(tid, gen, self.inst.engine_id, self.rank, self.inst.tp, block_ids, num_tokens, deadline_s)
+        reg = m.Register(tid, gen, self.inst.engine_id, self.rank, self.inst.tp, block_ids, num_tokens, deadline_s,
+                         warm=key in self._warm)
         for p in peers:
             self.notify(p, reg)
         self.trace_event("registration_sent", tid)
@@ -152,6 +156,7 @@ class DecodeWriter(WriterBase):
     def on_CancelKV(self, msg: m.CancelKV) -> None:
         now = time.monotonic()
         key = (msg.transfer_id, msg.generation)
+        self.cool(key)
         if self.drop_wait(key) or key not in self._registered:  # nothing registered: nothing can be writing
             self.send(self.sched, m.KVFailed(msg.transfer_id, msg.generation, msg.reason))
             return
@@ -160,6 +165,8 @@ class DecodeWriter(WriterBase):
     def apply(self, actions, now: float) -> None:
         for a in actions:
             key = (a.transfer_id, a.generation) if hasattr(a, "transfer_id") else None
+            if isinstance(a, (A.Received, A.Failed)):
+                self.cool(key)
             if isinstance(a, A.Received):
                 self._registered.pop(key, None)
                 self.counters["kv_received"] += 1

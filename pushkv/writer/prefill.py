@@ -20,6 +20,7 @@ from pushkv.writer.base import InFlight, WriterBase
 
 log = logging.getLogger(__name__)
 
+WAITING = (rv.State.WAIT_PREFILL.value, rv.State.WAIT_REGISTRATION.value)  # a WRITE is coming
 MAX_TRACKED = 4096  # bounded bookkeeping for transfers that never complete
 
 
@@ -63,6 +64,7 @@ class PrefillWriter(WriterBase):
             self._refused(msg, e)
             return
         self.apply(acts, now)
+        self._sync_warm((tid, gen), now)
 
     def _refused(self, msg, e: Exception) -> None:
         """A half the protocol refuses (its transfer already finished, say): these blocks were
@@ -114,6 +116,7 @@ class PrefillWriter(WriterBase):
         self._stamp((msg.transfer_id, msg.generation), "registration_received")
         faults.point(self.name, "registration_received")
         self.apply(self.rdv.on_registration(msg, now), now)
+        self._sync_warm((msg.transfer_id, msg.generation), now)
 
     def notif_CancelTransfer(self, msg: m.CancelTransfer, agent: str, now: float) -> None:
         self.apply(self.rdv.cancel(msg.transfer_id, msg.generation, msg.reason, now), now)
@@ -144,6 +147,18 @@ class PrefillWriter(WriterBase):
                 self._free(a)
             elif isinstance(a, A.Count):
                 self.counters[a.name] += 1
+        if self._warm:
+            for key in {(a.transfer_id, a.generation) for a in actions if hasattr(a, "transfer_id")}:
+                self._sync_warm(key, now)
+
+    def _sync_warm(self, key, now: float) -> None:
+        """Warm while the transfer waits for its other half (D's registration or our prefill):
+        its WRITE is coming; capped by the rendezvous' own wait. Posted, done or gone: cool
+        (a posted WRITE is spun on as in flight)."""
+        if self.rdv.state_of(*key) in WAITING:
+            self.warm_for(key, now + self.cfg.timeouts.registration_wait_s)
+        else:
+            self.cool(key)
 
     def peer_instance_down(self, engine_id: str, reason: str, now: float) -> None:
         for key, t in list(self._transfers.items()):
@@ -189,8 +204,12 @@ class PrefillWriter(WriterBase):
                 fl.handles.append(h)
                 self._stamp((a.transfer_id, a.generation), "write_post_returned")  # the NIXL post to this D rank returned
                 # after the post, off its path: the hint's ZMQ message wakes D's loop at once, and D's
-                # polling only speeds up seeing our notification (the data moves without it)
-                self.wake_peer(peer, a.transfer_id, a.generation, nbytes)
+                # polling only speeds up seeing our notification (the data moves without it); a warm D
+                # polls already, and the hint's send costs 20-40 us here
+                if not reg.warm:
+                    self.wake_peer(peer, a.transfer_id, a.generation, nbytes)
+                else:
+                    self.counters["wake_hints_skipped"] += 1
                 self._stamp((a.transfer_id, a.generation), "write_woke")
                 self.counters["write_posts"] += 1  # one per D rank this rank writes into
                 fl.nbytes += nbytes
