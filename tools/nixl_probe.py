@@ -91,7 +91,7 @@ def _wait_done(a, h) -> float:
 
 
 def probe(device: str, peer_device: str, sizes_mib: list[float], reps: int, gap_ms: float = 0.0,
-          gap_spin: bool = False) -> dict:
+          gap_spin: bool = False, heartbeat_ms: float = 0.0, local_ms: float = 0.0) -> dict:
     import torch
 
     from tools.transfer_report import plain_copy_gbps
@@ -120,6 +120,21 @@ def probe(device: str, peer_device: str, sizes_mib: list[float], reps: int, gap_
         a.prepare_remote(remote, _rows(d_base, nbytes, d_dev))
         seq = 0
 
+        made: list[float] = []  # prepped posts: make_prepped_xfer's share of the post
+        one = np.zeros(1, dtype=np.int64)
+        scratch = torch.empty(2, 1024, device=device) if device != "cpu" else None
+
+        def beat() -> None:
+            """The keep-warm candidates: a one-chunk WRITE to the peer (the bytes it already holds),
+            or a 4 KiB copy on our own GPU."""
+            if heartbeat_ms:
+                h = a.post_prepped("WRITE", one, remote, one)
+                _wait_done(a, h)
+                a.release(h)
+            if local_ms and scratch is not None:
+                scratch[0].copy_(scratch[1])
+                torch.cuda.synchronize()
+
         def once(way: str, size: int) -> tuple[float, float, bytes, float]:
             nonlocal seq
             seq += 1
@@ -127,7 +142,10 @@ def probe(device: str, peer_device: str, sizes_mib: list[float], reps: int, gap_
             t0 = time.perf_counter()
             if way.startswith("prepped"):
                 idx = np.arange(max(1, size // CHUNK), dtype=np.int64)
-                h = a.post_prepped("WRITE", idx, remote, idx, tag)
+                h = a._agent.make_prepped_xfer("WRITE", a._local_dlist, idx, a._remote_dlists[remote], idx, tag)
+                made.append(time.perf_counter() - t0)
+                if a._agent.transfer(h) == "ERR":
+                    raise RuntimeError("post failed")
             elif way.startswith("split64"):
                 part = size // 64
                 h = a.post("WRITE", [(i * part, i * part, part) for i in range(64)], buf.data_ptr(),
@@ -149,10 +167,16 @@ def probe(device: str, peer_device: str, sizes_mib: list[float], reps: int, gap_
                 for _ in range(reps):
                     if gap_ms and gap_spin:  # between transfers, a loop that keeps polling NIXL
                         end = time.perf_counter() + gap_ms / 1e3
+                        every = (heartbeat_ms or local_ms) / 1e3
+                        nxt = time.perf_counter() + every
                         while time.perf_counter() < end:
                             a.poll_notifs()
+                            if every and time.perf_counter() >= nxt:
+                                beat()
+                                nxt = time.perf_counter() + every
                     elif gap_ms:  # idle between transfers, as a writer is between requests
                         time.sleep(gap_ms / 1e3)
+                    made.clear()
                     post, done, tag, t0 = once(way, size)
                     posts.append(post)
                     dones.append(done)
@@ -168,11 +192,12 @@ def probe(device: str, peer_device: str, sizes_mib: list[float], reps: int, gap_
                        "done_us": statistics.median(dones) * 1e6,
                        "done_min_us": min(dones) * 1e6,
                        "notif_us": statistics.median(lat) * 1e6 if lat else float("nan"),
-                       "gbps": size / statistics.median(dones) / 1e9}
+                       "gbps": size / statistics.median(dones) / 1e9,
+                       "make_us": made[-1] * 1e6 if made else float("nan")}
                 rows.append(row)
                 print(f"{way:>14} {s:>8.2f} MiB  post {row['post_us']:>8.1f} us  done {row['done_us']:>9.1f} us "
                       f"(min {row['done_min_us']:>9.1f})  notif seen {row['notif_us']:>9.1f} us  "
-                      f"{row['gbps']:>7.2f} GB/s", flush=True)
+                      f"{row['gbps']:>7.2f} GB/s  (last post's make_prepped_xfer {row['make_us']:.1f} us)", flush=True)
         here.send("check")
         ok = here.recv() == 9 * (1 << 20)
         a.deregister()
@@ -195,9 +220,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--gap-ms", type=float, default=0.0, help="sleep between transfers (idle writer)")
     ap.add_argument("--gap-spin", action="store_true", help="spin polling NIXL in the gap instead of sleeping")
+    ap.add_argument("--heartbeat-ms", type=float, default=0.0,
+                    help="with --gap-spin: a one-chunk WRITE to the peer this often in the gap (keep-warm candidate)")
+    ap.add_argument("--local-ms", type=float, default=0.0,
+                    help="with --gap-spin: a 4 KiB copy on our GPU this often in the gap (keep-warm candidate)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    res = probe(a.device, a.peer_device or a.device, a.sizes_mib, a.reps, a.gap_ms, a.gap_spin)
+    res = probe(a.device, a.peer_device or a.device, a.sizes_mib, a.reps, a.gap_ms, a.gap_spin, a.heartbeat_ms,
+                a.local_ms)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)

@@ -100,10 +100,12 @@ def main(argv=None) -> None:
                         print(f"-- sampler {which}")
                         profile(a.device, vocab, batch, mix, a.reps, a.history)
                         continue
+                    before = dict(sampling.KERNEL_ROWS)
                     t = sorted(bench(a.device, vocab, batch, mix, a.reps, a.history))
+                    sorted_rows = sampling.KERNEL_ROWS["sorted"] - before["sorted"]
                     p50, p90 = statistics.median(t), t[int(0.9 * (len(t) - 1))]
-                    print(f"{vocab:>7} {batch:>5} {mix:<12} {which:<7} {p50:>8.3f} {p90:>8.3f} {p50 * 1e3 / batch:>8.1f}",
-                          flush=True)
+                    print(f"{vocab:>7} {batch:>5} {mix:<12} {which:<7} {p50:>8.3f} {p90:>8.3f} {p50 * 1e3 / batch:>8.1f}"
+                          + (f"  ({sorted_rows} rows left to the sorted path)" if sorted_rows else ""), flush=True)
 
 
 if __name__ == "__main__":

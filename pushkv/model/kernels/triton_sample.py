@@ -40,7 +40,7 @@ import triton.language as tl
 GREEDY, PLAIN, TOPK, WINDOW, WHOLE = 0, 1, 2, 3, 4  # WHOLE: answered -1 at once (top_k > CAND)
 NPARAM = 6
 CAND = 1024  # the largest top_k served here, and the window of a row without one (sampling.WINDOW)
-KS = 64  # candidates a segment gives
+KS = int(os.environ.get("PUSHKV_SAMPLE_KS", "64"))  # candidates a segment gives
 BLOCK = int(os.environ.get("PUSHKV_SAMPLE_BLOCK", "4096"))  # a segment (env: tuning runs)
 WARPS = int(os.environ.get("PUSHKV_SAMPLE_WARPS", "16"))
 
@@ -121,10 +121,10 @@ def _plain(xr, V, inv_t, ms, zs, ti, S, u, offs, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _filtered(cand, taus, ti, S, m, z, K, V, min_p, top_p, u, is_window, CB: tl.constexpr):
+def _filtered(cand, taus, ti, S, m, z, K, V, min_p, top_p, u, is_window, KS: tl.constexpr, CB: tl.constexpr):
     """top_k -> min_p -> top_p -> draw over the sorted candidates (see the module doc)."""
     j = tl.arange(0, CB)
-    c = tl.sort(tl.load(cand + j, cache_modifier=".cg"), descending=True)
+    c = tl.sort(tl.load(cand + j, mask=j < S * KS, other=0, cache_modifier=".cg"), descending=True)
     kk = (c >> 32).to(tl.uint32)
     ids = ((c & 0xFFFFFFFF).to(tl.uint32) ^ 0xFFFFFFFF).to(tl.int32)
     nvalid = tl.sum((kk != 0).to(tl.int32), 0)
@@ -200,7 +200,7 @@ def _sample_kernel(X, stride, P, Out, Parts, Taus, Cand, Count, V,
             z = tl.sum(tl.where(ti < S, z_all.to(tl.float64) * tl.exp((m_all - m).to(tl.float64)), 0.0), 0)
             taus = tl.load(Taus + row * NS + ti, mask=ti < S, other=0, cache_modifier=".cg")
             tok = _filtered(cand, taus, ti, S, m, z.to(tl.float32), tl.load(p + 1).to(tl.int32), V,
-                            tl.load(p + 2), tl.load(p + 3), tl.load(p + 4), (mode == 3).to(tl.int32), NS * KS)
+                            tl.load(p + 2), tl.load(p + 3), tl.load(p + 4), (mode == 3).to(tl.int32), KS, NS * KS)
         else:
             tok = tl.full([], -1, tl.int32)
         tl.store(Out + row, tok.to(tl.int64))
