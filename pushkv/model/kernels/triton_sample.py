@@ -41,7 +41,7 @@ GREEDY, PLAIN, TOPK, WINDOW, WHOLE = 0, 1, 2, 3, 4  # WHOLE: answered -1 at once
 NPARAM = 6
 CAND = 1024  # the largest top_k served here, and the window of a row without one (sampling.WINDOW)
 KS = int(os.environ.get("PUSHKV_SAMPLE_KS", "64"))  # candidates a segment gives
-BLOCK = int(os.environ.get("PUSHKV_SAMPLE_BLOCK", "4096"))  # a segment (env: tuning runs)
+BLOCK = int(os.environ.get("PUSHKV_SAMPLE_BLOCK", "8192"))  # a segment (env: tuning runs)
 WARPS = int(os.environ.get("PUSHKV_SAMPLE_WARPS", "16"))
 
 
