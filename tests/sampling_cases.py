@@ -21,6 +21,7 @@ MIXES = [
                    logit_bias=((7, 2.0),), logprobs=2),
     SamplingParams(temperature=0.6, top_k=1500),  # top_k above the kernel's candidates: whole row
     SamplingParams(temperature=0.5, top_k=1),
+    SamplingParams(temperature=0.7, top_k=100),  # its top 100 crowded into one segment: the whole row sorted
 ]
 
 
@@ -31,6 +32,8 @@ def batch(rows: int, vocab: int, device: str = "cpu", seed: int = 1):
     seqs = []
     for i in range(rows):
         p = MIXES[i % len(MIXES)]
+        if p is not None and p.top_k == 100:
+            x[i, :300] += 8
         if p is not None:
             p = SamplingParams(**{**{f: getattr(p, f) for f in p.__struct_fields__}, "seed": 1000 + i})
         seqs.append(SeqWork(i, (1,), 100, (0,), sampling=p, output_index=3 + i,

@@ -3,7 +3,8 @@
 On the CPU it runs under Triton's interpreter (TRITON_INTERPRET=1, a child process: the switch
 is read when kernels are defined); on a GPU at Qwen3's vocabulary. Rows cover every mode the
 kernel has: greedy, the plain draw, top_k, the window without top_k (top_p, min_p), a nucleus
-wider than the window and a top_k above the candidates (both answered by sorting the row),
+wider than the window, a top_k above the candidates and a top_k crowded into one segment (all
+answered by sorting the row),
 edits (bias, penalties) and logprobs.
 """
 import json
@@ -34,8 +35,9 @@ def test_kernel_interpreted_equals_torch_path():
     assert r.returncode == 0, r.stderr[-3000:]
     got = _lines(r.stdout)
     assert got["torch"] == got["kernel"]
-    # the kernel drew every row but the nucleus wider than its window and the top_k above it
-    assert got["rows"] == {"kernel": rows - 2, "sorted": 2}
+    # the kernel drew every row but the nucleus wider than its window, the top_k above its
+    # candidates and the top_k crowded into one segment
+    assert got["rows"] == {"kernel": rows - 3, "sorted": 3}
     assert got["alone"] == got["kernel"][1:4]  # a row's token does not depend on its batch
     assert got["logprobs"] and all(abs(a - b) < 1e-5 for a, b in got["logprobs"])
 

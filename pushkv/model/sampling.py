@@ -188,19 +188,23 @@ def _use_kernel(dev: torch.device) -> bool:
     return SAMPLER == "triton" or (SAMPLER == "auto" and dev.type == "cuda")
 
 
-def _kernel_row(p: SamplingParams, s: SeqWork, vocab: int) -> tuple:
-    """A row's (inv_t, k, min_p, top_p, u, mode) for kernels/triton_sample.py."""
-    from pushkv.model.kernels import triton_sample as TS
-
-    if p.temperature == 0:
-        return (1.0, 0, 0.0, 1.0, 0.5, TS.GREEDY)
-    has_k = 0 < p.top_k < vocab
-    if has_k:
-        mode = TS.TOPK if p.top_k <= TS.CAND else TS.WHOLE
-    else:
-        mode = TS.WINDOW if (p.top_p < 1.0 or p.min_p > 0) else TS.PLAIN
-    k = p.top_k if has_k else min(TS.CAND, vocab)
-    return (1.0 / p.temperature, k, p.min_p, p.top_p, uniform(p.seed, s.output_index), mode)
+def _kernel_rows(params: list[SamplingParams], seqs: Sequence[SeqWork], vocab: int, TS) -> list[tuple]:
+    """Each row's (inv_t, k, min_p, top_p, u, mode) for kernels/triton_sample.py."""
+    out = []
+    window = min(TS.CAND, vocab)
+    for p, s in zip(params, seqs):
+        t = p.temperature
+        if t == 0:
+            out.append((1.0, 0, 0.0, 1.0, 0.5, TS.GREEDY))
+            continue
+        k = p.top_k
+        if 0 < k < vocab:
+            mode = TS.TOPK if k <= TS.CAND else TS.WHOLE
+        else:
+            k = window
+            mode = TS.WINDOW if (p.top_p < 1.0 or p.min_p > 0) else TS.PLAIN
+        out.append((1.0 / t, k, p.min_p, p.top_p, uniform(p.seed, s.output_index), mode))
+    return out
 
 
 def warmup(vocab: int, dev) -> None:
@@ -240,7 +244,7 @@ def _sample_kernel(logits: torch.Tensor, seqs: Sequence[SeqWork], params: list[S
     if any(_edited(p, s) for p, s in zip(params, seqs)):
         x = logits.clone()
         _edit(x, params, seqs)
-    rows = [_kernel_row(p, s, vocab) for p, s in zip(params, seqs)]
+    rows = _kernel_rows(params, seqs, vocab, TS)
     t = _kernel_params([v for r in rows for v in r], logits.device).view(len(rows), TS.NPARAM)
     out = TS.sample_rows(x, t)
     tokens = out.tolist()
@@ -249,9 +253,10 @@ def _sample_kernel(logits: torch.Tensor, seqs: Sequence[SeqWork], params: list[S
     KERNEL_ROWS["sorted"] += len(redo)
     if redo:
         idx = _up(redo, logits.device)
-        mask = _up([(r[1] if r[5] == TS.WHOLE else vocab, r[2], r[3]) for r in (rows[i] for i in redo)],
+        with_k = [rows[i][5] in (TS.TOPK, TS.WHOLE) for i in redo]
+        mask = _up([(r[1] if k else vocab, r[2], r[3]) for r, k in zip((rows[i] for i in redo), with_k)],
                    logits.device, torch.float32)
-        has_k = _up([float(rows[i][5] == TS.WHOLE) for i in redo], logits.device, torch.float32)
+        has_k = _up([float(k) for k in with_k], logits.device, torch.float32)
         got = _draw_sorted(x[idx] * t[idx, 0:1], mask, has_k, t[idx, 4])
         out[idx] = got
         for i, v in zip(redo, got.tolist()):
