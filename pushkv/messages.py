@@ -388,6 +388,9 @@ class Hello(Msg):
     pool_base: int
     layout: KVLayoutDesc
     device_id: int = 0  # GPU index of the pool (NIXL descriptors name it); 0 on CPU
+    # a small registered buffer no request owns: a peer keeping the path warm WRITEs into it (0: none)
+    sink_addr: int = 0
+    sink_bytes: int = 0
 
 
 class TransferStarting(Msg):

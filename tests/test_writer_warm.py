@@ -130,6 +130,10 @@ def test_prefill_writer_spins_while_a_registration_waits(warm, tmp_path, monkeyp
                 else:
                     assert growth_over_window(w) == 0
                 assert stats(w)["warm_expected"] == (1 if warm == "on" else 0)
+            if warm == "on":  # and P keeps its WRITE path warm: beats into D's sink, never into its pool
+                wait_for(p, "warm_beats", 3)
+            else:
+                assert stats(p).get("warm_beats", 0) == 0
             p.send(m.encode(m.SendKV("w#0", 0, (0, 1), 20, first_token=7)))
             got_d = recv(d, m.DEC_WRITER_TO_SCHED)
             got_p = recv(p, m.DEC_WRITER_TO_SCHED)
@@ -137,6 +141,8 @@ def test_prefill_writer_spins_while_a_registration_waits(warm, tmp_path, monkeyp
             # done: nothing expected any more, and the loop no longer spins for it
             assert stats(p)["warm_expected"] == 0 and stats(d)["warm_expected"] == 0
             assert growth_over_window(p) == 0 and growth_over_window(d) == 0  # back to sleeping between polls
+            assert growth_over_window(p, "warm_beats") == 0  # no more beats once the WRITE is posted
+            assert stats(p).get("warm_beats_failed", 0) == 0
             # a warm D said so in its registration: P skipped the wake hint on its post path
             assert stats(p).get("wake_hints_skipped", 0) == (1 if warm == "on" else 0)
             assert stats(d).get("wake_hints", 0) == (0 if warm == "on" else 1)

@@ -36,8 +36,10 @@ class NixlAgent:
         self._remote_dlists: dict[str, object] = {}  # remote agent -> its pool's prepared list
 
     # -- memory -------------------------------------------------------------
-    def register(self, base_addr: int, nbytes: int) -> None:
-        self._reg = self._agent.register_memory([(base_addr, nbytes, self.dev_id, "")], self.mem_type)
+    def register(self, base_addr: int, nbytes: int, extra: Sequence[tuple[int, int]] = ()) -> None:
+        """Register the pool (and ``extra`` (address, bytes) buffers on the same device) with NIXL."""
+        regions = [(base_addr, nbytes, self.dev_id, "")] + [(a, n, self.dev_id, "") for a, n in extra]
+        self._reg = self._agent.register_memory(regions, self.mem_type)
 
     def deregister(self) -> None:
         for name in list(self._remote_dlists):

@@ -39,6 +39,11 @@ SETTLE_S = float(os.environ.get("PUSHKV_SETTLE_US", "100")) * 1e-6
 SPIN_YIELD = os.environ.get("PUSHKV_SPIN_YIELD", "1") != "0"
 # 0: build descriptors per transfer (initialize_xfer) instead of indexing prepared lists; for A/B runs
 USE_PREPARED = os.environ.get("PUSHKV_NIXL_PREPARED", "1") != "0"
+# keep-warm WRITEs: while a WRITE to a peer is expected, one of BEAT_BYTES into the peer's sink
+# every BEAT_MS (0 = off). A post after 20 ms without one costs ~15x a post right after another
+# even with the loop spinning; a 1 ms beat keeps it at the back-to-back cost (nixl_probe --heartbeat-ms)
+BEAT_MS = float(os.environ.get("PUSHKV_WRITER_BEAT_MS", "1"))
+BEAT_BYTES = 256 << 10
 # 0: send no TransferStarting hints (the peer then sees a transfer at its pending poll rate); for A/B runs
 WAKE_HINTS = os.environ.get("PUSHKV_WAKE_HINTS", "1") != "0"
 
@@ -55,6 +60,8 @@ class Peer:
     grid: Optional[DescGrid] = None  # its pool's descriptor grid, prepared in NIXL (None: ad-hoc only)
     identity: Optional[bytes] = None  # its DEALER's identity at our handshake ROUTER (it initiated)
     plans: dict = field(default_factory=dict)  # (heads, we send) -> IndexPlan or None (grid.index_plan)
+    sink_addr: int = 0  # its keep-warm sink (Hello.sink_addr); 0: none
+    sink_bytes: int = 0
 
 
 @dataclass
@@ -113,6 +120,10 @@ class WriterBase(Actor):
         # keep the loop hot while a transfer with us is expected (config writer_warm, env override)
         self.warm = warm_enabled(cfg.writer_warm, rank_device(inst, rank), os.environ.get(WARM_ENV, ""))
         self._warm: dict[tuple[str, int], float] = {}  # transfers expected -> warm until (a cap)
+        self.sink = None  # our keep-warm sink (warm on): peers' beats land here, never in the pool
+        self._beat_keys: dict[str, set] = {}  # peer agent -> warm keys whose WRITE to it is coming
+        self._beats: dict[str, object] = {}  # peer agent -> its beat's handle, in flight
+        self._last_beat: dict[str, float] = {}
         self.handshake = None  # our ROUTER for handshakes peers initiate
         self._last_activity = 0.0
 
@@ -126,7 +137,13 @@ class WriterBase(Actor):
         device = rank_device(self.inst, self.rank)
         self.pool = create_pool(name, self.layout, self.cfg.model.dtype, device)
         self.nixl = NixlAgent(self.agent_name, device=device)
-        self.nixl.register(self.pool.base_addr, self.pool.nbytes)
+        extra = []
+        if self.warm and BEAT_MS > 0:
+            import torch
+
+            self.sink = torch.empty(BEAT_BYTES, dtype=torch.uint8, device=device)
+            extra.append((self.sink.data_ptr(), BEAT_BYTES))
+        self.nixl.register(self.pool.base_addr, self.pool.nbytes, extra)
         try:
             grid = grid_of(self.layout) if USE_PREPARED else None
             if grid is not None:
@@ -156,6 +173,9 @@ class WriterBase(Actor):
             for h in fl.handles:
                 self.nixl.release(h)
         self.inflight.clear()
+        for h in self._beats.values():
+            self.nixl.release(h)
+        self._beats.clear()
         if self.nixl is not None:
             self.nixl.deregister()
         if self.pool is not None:
@@ -166,6 +186,8 @@ class WriterBase(Actor):
             engine_id=self.inst.engine_id, rank=self.rank, tp=self.inst.tp,
             agent_name=self.agent_name, agent_metadata=self.nixl.metadata(),
             pool_base=self.pool.base_addr, layout=self.layout, device_id=self.nixl.dev_id,
+            sink_addr=self.sink.data_ptr() if self.sink is not None else 0,
+            sink_bytes=BEAT_BYTES if self.sink is not None else 0,
         )
 
     # -- handshake ----------------------------------------------------------------
@@ -177,7 +199,8 @@ class WriterBase(Actor):
         if old is not None:  # the peer restarted: drop its old NIXL metadata first
             self.forget_peer(old)
         agent = self.nixl.add_remote(h.agent_metadata)
-        peer = Peer(h.engine_id, h.rank, h.tp, agent, h.pool_base, h.layout, h.device_id)
+        peer = Peer(h.engine_id, h.rank, h.tp, agent, h.pool_base, h.layout, h.device_id,
+                    sink_addr=h.sink_addr, sink_bytes=h.sink_bytes)
         try:  # once per peer: every later transfer names these descriptors by index
             grid = grid_of(h.layout) if self.grid is not None else None
             if grid is not None:
@@ -339,6 +362,11 @@ class WriterBase(Actor):
 
     def forget_peer(self, peer: Peer) -> None:
         self._close_link((peer.engine_id, peer.rank))  # a restarted peer gets a fresh handshake
+        self._beat_keys.pop(peer.agent, None)
+        self._last_beat.pop(peer.agent, None)
+        h = self._beats.pop(peer.agent, None)
+        if h is not None:
+            self.nixl.release(h)
         self.peers.pop((peer.engine_id, peer.rank), None)
         self.peers_by_agent.pop(peer.agent, None)
         self.nixl.remove_remote(peer.agent)
@@ -474,6 +502,8 @@ class WriterBase(Actor):
         raise NotImplementedError
 
     def tick(self, now: float) -> None:
+        if self._beat_keys or self._beats:
+            self._beat(time.perf_counter())
         self._poll_notifs(now)
         if self.inflight:
             self._check_inflight(now)
@@ -496,6 +526,46 @@ class WriterBase(Actor):
 
     def cool(self, key) -> None:
         self._warm.pop(key, None)
+        if self._beat_keys:
+            for agent in [a for a, keys in self._beat_keys.items() if key in keys]:
+                self._beat_keys[agent].discard(key)
+                if not self._beat_keys[agent]:
+                    del self._beat_keys[agent]
+
+    # -- keep-warm WRITEs ---------------------------------------------------------------
+    def beat_for(self, key, agent: str) -> None:
+        """While ``key`` stays warm, keep our WRITE path to ``agent`` warm (``_beat``)."""
+        peer = self.peers_by_agent.get(agent)
+        if key in self._warm and peer is not None and peer.sink_addr and BEAT_MS > 0:
+            self._beat_keys.setdefault(agent, set()).add(key)
+
+    def _beat(self, now: float) -> None:
+        """Every BEAT_MS, a WRITE of BEAT_BYTES from the start of our pool into each expected
+        peer's sink (memory no request owns, so the bytes matter to no one): what a post costs
+        depends on how long ago the last one was, and a real WRITE is coming."""
+        for agent, h in list(self._beats.items()):
+            try:
+                st = self.nixl.state(h)
+            except Exception:
+                st = "ERR"
+            if st != "PROC":
+                self.nixl.release(h)
+                del self._beats[agent]
+                if st == "ERR":
+                    self.counters["warm_beats_failed"] += 1
+        for agent in list(self._beat_keys):
+            peer = self.peers_by_agent.get(agent)
+            if agent in self._beats or peer is None or now - self._last_beat.get(agent, 0.0) < BEAT_MS / 1e3:
+                continue
+            self._last_beat[agent] = now
+            n = min(BEAT_BYTES, peer.sink_bytes, self.pool.nbytes)
+            try:
+                self._beats[agent] = self.nixl.post("WRITE", [(0, 0, n)], self.pool.base_addr, agent, peer.sink_addr,
+                                                    remote_dev=peer.dev_id)
+                self.counters["warm_beats"] += 1
+            except Exception as e:  # a dead peer: its transfers fail on their own deadlines
+                self.counters["warm_beats_failed"] += 1
+                log.debug("%s: keep-warm WRITE to %s failed: %s", self.name, agent, e)
 
     def poll_timeout_ms(self) -> int:
         now = time.monotonic()

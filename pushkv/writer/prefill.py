@@ -117,6 +117,7 @@ class PrefillWriter(WriterBase):
         faults.point(self.name, "registration_received")
         self.apply(self.rdv.on_registration(msg, now), now)
         self._sync_warm((msg.transfer_id, msg.generation), now)
+        self.beat_for((msg.transfer_id, msg.generation), agent)  # our WRITE to this D rank is coming
 
     def notif_CancelTransfer(self, msg: m.CancelTransfer, agent: str, now: float) -> None:
         self.apply(self.rdv.cancel(msg.transfer_id, msg.generation, msg.reason, now), now)
