@@ -22,6 +22,7 @@ MIXES = [
     SamplingParams(temperature=0.6, top_k=1500),  # top_k above the kernel's candidates: whole row
     SamplingParams(temperature=0.5, top_k=1),
     SamplingParams(temperature=0.7, top_k=100),  # its top 100 crowded into one segment: the whole row sorted
+    SamplingParams(temperature=0.0, logprobs=20),  # greedy with the most top logprobs the API allows
 ]
 
 
@@ -64,5 +65,6 @@ if __name__ == "__main__":  # the interpreter check: prints the two token lists 
     S.SAMPLER = "triton"
     alone = [S.sample(x[i:i + 1], [seqs[i]]).tokens[0] for i in (1, 2, 3)]
     print("alone", json.dumps(alone))
-    print("logprobs", json.dumps([(a.logprobs[i].logprob, b.logprobs[i].logprob)
+    lp = lambda t: [t.logprob, list(t.top_ids), list(t.top_logprobs)]  # noqa: E731
+    print("logprobs", json.dumps([(lp(a.logprobs[i]), lp(b.logprobs[i]))
                                   for i in range(rows) if a.logprobs and a.logprobs[i] is not None]))

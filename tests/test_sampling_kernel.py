@@ -39,7 +39,10 @@ def test_kernel_interpreted_equals_torch_path():
     # candidates and the top_k crowded into one segment
     assert got["rows"] == {"kernel": rows - 3, "sorted": 3}
     assert got["alone"] == got["kernel"][1:4]  # a row's token does not depend on its batch
-    assert got["logprobs"] and all(abs(a - b) < 1e-5 for a, b in got["logprobs"])
+    assert len(got["logprobs"]) == 2  # the edited row's 2 and the greedy row's 20, as the torch path gives them
+    for (a_lp, a_ids, a_top), (b_lp, b_ids, b_top) in got["logprobs"]:
+        assert a_ids == b_ids and len(b_ids) in (2, 20)
+        assert abs(a_lp - b_lp) < 1e-5 and all(abs(u - v) < 1e-5 for u, v in zip(a_top, b_top))
 
 
 @pytest.mark.timeout(300)
@@ -48,6 +51,11 @@ def test_kernel_on_cuda_equals_torch_path_at_qwen3_vocab():
     x, seqs = C.batch(8 * len(C.MIXES), 151936, "cuda")
     a, b = C.both(x, seqs)
     assert a.tokens == b.tokens
+    for la, lb in zip(a.logprobs, b.logprobs):  # logprobs: the kernel's against torch's logsumexp and topk
+        assert (la is None) == (lb is None)
+        if la is not None:
+            assert la.top_ids == lb.top_ids and abs(la.logprob - lb.logprob) < 1e-4
+            assert all(abs(u - v) < 1e-4 for u, v in zip(la.top_logprobs, lb.top_logprobs))
     from pushkv.model import sampling as S
     saved = S.SAMPLER
     try:
@@ -72,5 +80,11 @@ def test_kernel_compiles_for_hopper():
     sig = {"X": "*fp32", "stride": "i32", "P": "*fp32", "Out": "*i64", "Parts": "*fp32", "Taus": "*i64",
            "Cand": "*u64", "Count": "*i32", "V": "i32", "BLOCK": "constexpr", "KS": "constexpr", "NS": "constexpr"}
     src = ASTSource(TS._sample_kernel, sig, constexprs={"BLOCK": TS.BLOCK, "KS": TS.KS, "NS": 64})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": TS.WARPS})
+    assert k.asm["cubin"]
+    sig = {"X": "*fp32", "stride": "i32", "Rows": "*i64", "Tok": "*i64", "N": "*i64", "Out": "*fp32", "Parts": "*fp32",
+           "Taus": "*i64", "Cand": "*u64", "Count": "*i32", "V": "i32", "BLOCK": "constexpr", "KS": "constexpr",
+           "NS": "constexpr", "W": "constexpr"}
+    src = ASTSource(TS._logprob_kernel, sig, constexprs={"BLOCK": TS.BLOCK, "KS": TS.LP_KS, "NS": 32, "W": TS.LP_MAX})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": TS.WARPS})
     assert k.asm["cubin"]

@@ -213,7 +213,7 @@ def warmup(vocab: int, dev) -> None:
     if not _use_kernel(dev):
         return
     mixes = [SamplingParams(temperature=0.7), SamplingParams(temperature=0.7, top_k=5),
-             SamplingParams(temperature=0.7, top_p=0.5), None]
+             SamplingParams(temperature=0.7, top_p=0.5, logprobs=1), None]
     seqs = [SeqWork(i, (0,), 1, (0,), sampling=p) for i, p in enumerate(mixes)]
     sample(torch.randn(len(seqs), vocab, device=dev), seqs)
 
@@ -389,8 +389,32 @@ def _draw_sorted(x: torch.Tensor, mask: torch.Tensor, has_k: torch.Tensor, u: to
 
 
 def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> tuple[Optional[TokenLogprob], ...]:
-    """logprob = logit - logsumexp(row): no vocab-sized output is materialised."""
+    """Each asking row's TokenLogprob (None for the others): on CUDA one launch
+    (``triton_sample.logprob_rows``), else torch ops."""
     rows = [i for i, p in enumerate(params) if p.logprobs >= 0]
+    out: list[Optional[TokenLogprob]] = [None] * len(params)
+    if _use_kernel(raw.device):
+        from pushkv.model.kernels import triton_sample as TS
+
+        t = _staged(rows + [params[i].logprobs for i in rows], torch.long, raw.device)
+        host = TS.logprob_rows(raw, t[:len(rows)], tokens, t[len(rows):]).tolist()
+        redo = []
+        for j, i in enumerate(rows):
+            k, h = params[i].logprobs, host[j]
+            if h[-1] == 1.0:
+                out[i] = TokenLogprob(h[0], tuple(int(v) for v in h[1 + TS.LP_MAX:1 + TS.LP_MAX + k]), tuple(h[1:1 + k]))
+            else:  # a segment held back a value its top k needed: torch's topk for this row
+                redo.append(i)
+        rows = redo
+    if rows:
+        for i, lp in zip(rows, _logprobs_torch(raw, tokens, params, rows)):
+            out[i] = lp
+    return tuple(out)
+
+
+def _logprobs_torch(raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams], rows: list[int]
+                    ) -> list[TokenLogprob]:
+    """logprob = logit - logsumexp(row): no vocab-sized output is materialised."""
     x = raw
     if len(rows) < len(params):
         idx = _up(rows, raw.device)
@@ -407,8 +431,5 @@ def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingPara
     else:
         chosen = chosen.squeeze(1).tolist()
         top_v = top_i = [[]] * len(rows)
-    out: list[Optional[TokenLogprob]] = [None] * len(params)
-    for j, i in enumerate(rows):
-        k = params[i].logprobs
-        out[i] = TokenLogprob(chosen[j], tuple(top_i[j][:k]), tuple(top_v[j][:k]))
-    return tuple(out)
+    return [TokenLogprob(chosen[j], tuple(top_i[j][:params[i].logprobs]), tuple(top_v[j][:params[i].logprobs]))
+            for j, i in enumerate(rows)]

@@ -207,25 +207,26 @@ def _sample_kernel(X, stride, P, Out, Parts, Taus, Cand, Count, V,
 
 
 class _Scratch:
-    """Per device: the merge's buffers (reused; grown, never shrunk) and the arrival counters,
-    which every launch leaves at zero."""
+    """Per device and kernel: the merge's buffers (reused; grown, never shrunk) and the arrival
+    counters, which every launch leaves at zero."""
 
-    def __init__(self, dev: torch.device, rows: int, ns: int):
-        self.rows, self.ns = rows, ns
+    def __init__(self, dev: torch.device, rows: int, ns: int, ks: int, out_cols: int, out_dtype):
+        self.rows, self.ns, self.ks = rows, ns, ks
         self.parts = torch.empty(rows, 3, ns, dtype=torch.float32, device=dev)
         self.taus = torch.empty(rows, ns, dtype=torch.int64, device=dev)
-        self.cand = torch.empty(rows, ns * KS, dtype=torch.uint64, device=dev)
+        self.cand = torch.empty(rows, ns * ks, dtype=torch.uint64, device=dev)
         self.count = torch.zeros(rows, dtype=torch.int32, device=dev)
-        self.out = torch.empty(rows, dtype=torch.int64, device=dev)
+        self.out = torch.empty(rows, out_cols, dtype=out_dtype, device=dev)
 
 
 _SCRATCH: dict = {}
 
 
-def _scratch(dev: torch.device, rows: int, ns: int) -> _Scratch:
-    s = _SCRATCH.get(dev)
+def _scratch(kind: str, dev: torch.device, rows: int, ns: int, ks: int, out_cols: int, out_dtype) -> _Scratch:
+    s = _SCRATCH.get((kind, dev))
     if s is None or s.rows < rows or s.ns != ns:
-        s = _SCRATCH[dev] = _Scratch(dev, max(rows, 64, s.rows if s is not None else 0), ns)
+        s = _SCRATCH[(kind, dev)] = _Scratch(dev, max(rows, 64, s.rows if s is not None else 0), ns, ks, out_cols,
+                                             out_dtype)
     return s
 
 
@@ -237,8 +238,80 @@ def sample_rows(x: torch.Tensor, params: torch.Tensor, block: int = 0) -> torch.
     if x.stride(1) != 1:
         x = x.contiguous()
     segs = triton.cdiv(vocab, block)
-    sc = _scratch(x.device, rows, triton.next_power_of_2(segs))
+    sc = _scratch("sample", x.device, rows, triton.next_power_of_2(segs), KS, 1, torch.int64)
     if rows:
         _sample_kernel[(segs, rows)](x, x.stride(0), params, sc.out, sc.parts, sc.taus, sc.cand, sc.count, vocab,
                                      BLOCK=block, KS=KS, NS=sc.ns, num_warps=WARPS)
-    return sc.out[:rows]
+    return sc.out[:rows, 0]
+
+
+# -- log-probabilities: the same segments, over the raw logits ---------------------------------
+LP_MAX = 20  # top_logprobs the API allows (router/api.py MAX_LOGPROBS)
+LP_KS = 32  # candidates a segment gives (>= LP_MAX)
+
+
+@triton.jit
+def _logprob_kernel(X, stride, Rows, Tok, N, Out, Parts, Taus, Cand, Count, V,
+                    BLOCK: tl.constexpr, KS: tl.constexpr, NS: tl.constexpr, W: tl.constexpr):
+    """Per row of ``Rows``: log p(token) = x[token] - logsumexp(x), and the row's ``N`` largest
+    log-probabilities with their ids, in ``Out[r] = (chosen, values[W], ids[W], exact)``; exact is 0
+    where a segment held back a value the top ``N`` needed (the caller redoes that row)."""
+    s = tl.program_id(0)
+    S = tl.num_programs(0)
+    r = tl.program_id(1).to(tl.int64)
+    row = tl.load(Rows + r).to(tl.int64)
+    xr = X + row * stride
+    offs = tl.arange(0, BLOCK)
+    idx = s * BLOCK + offs
+    msk = idx < V
+    x = tl.load(xr + idx, mask=msk, other=float("-inf"))
+    ms = tl.max(x, 0)
+    zs = tl.sum(tl.where(x > float("-inf"), tl.exp(x - ms), 0.0), 0)
+    parts = Parts + r * 3 * NS
+    tl.store(parts + s, ms)
+    tl.store(parts + NS + s, zs)
+    cand = Cand + r * NS * KS
+    tl.store(Taus + r * NS + s, _segment_candidates(x, idx, msk, cand + s * KS, KS))
+    tl.debug_barrier()
+    arrived = tl.atomic_add(Count + r, 1, sem="acq_rel")
+    if arrived == S - 1:
+        tl.store(Count + r, 0)
+        tl.debug_barrier()
+        ti = tl.arange(0, NS)
+        m_all = tl.load(parts + ti, mask=ti < S, other=float("-inf"), cache_modifier=".cg")
+        z_all = tl.load(parts + NS + ti, mask=ti < S, other=0.0, cache_modifier=".cg")
+        m = tl.max(m_all, 0)
+        z = tl.sum(tl.where(ti < S, z_all.to(tl.float64) * tl.exp((m_all - m).to(tl.float64)), 0.0), 0)
+        lse = m + tl.log(z.to(tl.float32))
+        out = Out + r * (2 * W + 2)
+        tl.store(out, tl.load(xr + tl.load(Tok + row)) - lse)
+        n = tl.load(N + r)
+        j = tl.arange(0, NS * KS)
+        c = tl.sort(tl.load(cand + j, mask=j < S * KS, other=0, cache_modifier=".cg"), descending=True)
+        kk = (c >> 32).to(tl.uint32)
+        ids = ((c & 0xFFFFFFFF).to(tl.uint32) ^ 0xFFFFFFFF).to(tl.float32)
+        floor = tl.sum(tl.where(j == n - 1, kk, 0).to(tl.int64), 0)
+        nvalid = tl.sum((kk != 0).to(tl.int32), 0)
+        taus = tl.load(Taus + r * NS + ti, mask=ti < S, other=0, cache_modifier=".cg")
+        held_back = (tl.max(((ti < S) & (taus != 0) & (taus >= floor)).to(tl.int32), 0) > 0) & (n > 0)
+        tl.store(out + 1 + j, _unkey(kk) - lse, mask=j < n)
+        tl.store(out + 1 + W + j, ids, mask=j < n)
+        tl.store(out + 1 + 2 * W, tl.where(held_back | (n > nvalid), 0.0, 1.0))
+
+
+def logprob_rows(x: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, n: torch.Tensor,
+                 block: int = 0) -> torch.Tensor:
+    """float32 [len(rows), 2 * LP_MAX + 2]: per row of ``rows`` (int64 ids into ``x``), the log-prob
+    of ``tokens[row]``, the top ``n[i]`` log-probs (``n`` aligned with ``rows``) and their ids (as floats: exact below 2^24), and
+    1.0 where those are exact (else the caller computes that row's top by torch). A view of a reused
+    buffer: read it before the next call."""
+    block = block or BLOCK
+    nrows, vocab = rows.numel(), x.shape[1]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    segs = triton.cdiv(vocab, block)
+    sc = _scratch("logprob", x.device, nrows, triton.next_power_of_2(segs), LP_KS, 2 * LP_MAX + 2, torch.float32)
+    if nrows:
+        _logprob_kernel[(segs, nrows)](x, x.stride(0), rows, tokens, n, sc.out, sc.parts, sc.taus, sc.cand, sc.count,
+                                       vocab, BLOCK=block, KS=LP_KS, NS=sc.ns, W=LP_MAX, num_warps=WARPS)
+    return sc.out[:nrows]
