@@ -22,7 +22,7 @@ MIXES = {
     "greedy": lambda i: None,
     "temperature": lambda i: SamplingParams(temperature=0.8, seed=i),
     "top_k+top_p": lambda i: SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=i),
-    "top_p+logprobs": lambda i: SamplingParams(temperature=0.8, top_p=0.9, seed=i, logprobs=5),
+    "+logprobs": lambda i: SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=i, logprobs=5),
     "all": lambda i: SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, seed=i,
                                     presence_penalty=0.5, frequency_penalty=0.5, logit_bias=((5, 1.0),),
                                     logprobs=5),
