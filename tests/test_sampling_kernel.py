@@ -45,21 +45,6 @@ def test_kernel_interpreted_equals_torch_path():
         assert abs(a_lp - b_lp) < 1e-5 and all(abs(u - v) < 1e-5 for u, v in zip(a_top, b_top))
 
 
-def _draws_within_rounding(row: torch.Tensor, seq, tokens) -> bool:
-    """A plain (temperature-only) row whose every token in ``tokens`` is the inverse-CDF draw of
-    the row's uniform in float64, to within 1e-6 of the row's mass (CPU and GPU exp differ in ulps)."""
-    from pushkv.seeds import uniform
-
-    p = seq.sampling
-    if p is None or p.temperature == 0 or 0 < p.top_k < row.numel() or p.top_p < 1 or p.min_p > 0:
-        return False
-    x = row.double() / p.temperature
-    cdf = torch.exp(x - x.max()).cumsum(0)
-    total, target = float(cdf[-1]), uniform(p.seed, seq.output_index) * float(cdf[-1])
-    lo = lambda t: float(cdf[t - 1]) if t else 0.0  # noqa: E731
-    return all(lo(t) - 1e-6 * total <= target <= float(cdf[t]) + 1e-6 * total for t in tokens)
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_kernel_on_cuda_equals_torch_path_at_qwen3_vocab():
@@ -74,10 +59,6 @@ def test_kernel_on_cuda_equals_torch_path_at_qwen3_vocab():
     from pushkv.model import sampling as S
     saved = S.SAMPLER
     try:
-        S.SAMPLER = "torch"  # the CPU's torch path: the same tokens, but for a temperature-only draw over
-        cpu = S.sample(x.cpu(), seqs).tokens  # 152k ids whose target lies within rounding of a boundary
-        for i in [i for i, (c, g) in enumerate(zip(cpu, b.tokens)) if c != g]:
-            assert _draws_within_rounding(x[i].cpu(), seqs[i], (cpu[i], b.tokens[i])), (i, cpu[i], b.tokens[i])
         S.SAMPLER = "triton"  # and a row alone draws what it drew in the batch
         assert [S.sample(x[i:i + 1], [seqs[i]]).tokens[0] for i in range(len(C.MIXES))] == b.tokens[:len(C.MIXES)]
     finally:
