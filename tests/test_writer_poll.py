@@ -56,3 +56,28 @@ def test_announced_transfer_spins_until_its_time(writer):
     writer.pending = True
     assert writer.poll_timeout_ms() == P.PENDING_POLL_MS
     assert not writer._expected
+
+
+class _States:
+    """NixlAgent.reap over scripted handle states (a string, or an exception to raise)."""
+
+    def __init__(self, states):
+        from pushkv.transport.nixl_agent import NixlAgent
+
+        self.agent = NixlAgent.__new__(NixlAgent)
+        self.released = []
+        self.agent.state = lambda h: states[h] if isinstance(states[h], str) else (_ for _ in ()).throw(states[h])
+        self.agent.release = self.released.append
+
+
+@pytest.mark.parametrize("states,stuck,pending,failure,released", [
+    ({"a": "DONE", "b": "PROC"}, "", ["b"], "", ["a"]),
+    ({"a": "ERR", "b": "DONE"}, "", [], "failed in flight", ["a", "b"]),
+    ({"a": RuntimeError("gone"), "b": "ERR"}, "", [], "gone", ["a", "b"]),  # the first failure wins
+    ({"a": "PROC", "b": "DONE"}, "stuck", [], "stuck", ["a", "b"]),  # stuck: in-flight ones abandoned
+    ({"a": "DONE"}, "stuck", [], "", ["a"]),
+])
+def test_reap_releases_what_ended(states, stuck, pending, failure, released):
+    s = _States(states)
+    assert s.agent.reap(list(states), "failed in flight", stuck) == (pending, failure)
+    assert s.released == released

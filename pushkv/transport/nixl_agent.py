@@ -146,6 +146,26 @@ class NixlAgent:
         """'DONE', 'PROC' or 'ERR'."""
         return self._agent.check_xfer_state(handle)
 
+    def reap(self, handles, failed: str, stuck: str = "") -> tuple[list, str]:
+        """Release the handles whose transfer ended; return (those still in flight, the first
+        failure or ''). A handle whose state cannot be read, or is ERR, fails (with the error, or
+        ``failed``); with ``stuck``, one still in flight is abandoned (released) and fails with it."""
+        pending, failure = [], ""
+        for h in handles:
+            try:
+                st = self.state(h)
+            except Exception as e:
+                st, failure = "ERR", failure or str(e)
+            if st == "PROC" and stuck:
+                st, failure = "ERR", failure or stuck
+            if st not in ("DONE", "ERR"):
+                pending.append(h)
+                continue
+            if st == "ERR":
+                failure = failure or failed
+            self.release(h)
+        return pending, failure
+
     def release(self, handle) -> None:
         try:
             self._agent.release_xfer_handle(handle)

@@ -362,20 +362,9 @@ class VllmWriter(Actor):
 
     def _check_posted(self, now: float) -> None:
         for tid, p in list(self.posted.items()):
-            pending = []
-            for h in p.handles:
-                try:
-                    st = self.nixl.state(h)
-                except Exception as e:
-                    st, p.failed = "ERR", p.failed or str(e)
-                if st == "PROC" and now - p.posted > 2 * self.args.transfer_s:
-                    st, p.failed = "ERR", p.failed or "WRITE stuck; abandoned"
-                if st in ("DONE", "ERR"):
-                    if st == "ERR":
-                        p.failed = p.failed or "WRITE failed in flight"
-                    self.nixl.release(h)
-                else:
-                    pending.append(h)
+            stuck = "WRITE stuck; abandoned" if now - p.posted > 2 * self.args.transfer_s else ""
+            pending, failure = self.nixl.reap(p.handles, "WRITE failed in flight", stuck)
+            p.failed = p.failed or failure
             p.handles = pending
             if not pending:
                 self._finish_write(p, now)

@@ -478,20 +478,8 @@ class WriterBase(Actor):
             for h in fl.handles:
                 self.nixl.release(h)
             fl.handles = []
-        pending = []
-        for h in fl.handles:
-            try:
-                st = self.nixl.state(h)
-            except Exception as e:
-                st = "ERR"
-                fl.failed = fl.failed or str(e)
-            if st == "DONE":
-                self.nixl.release(h)
-            elif st == "ERR":
-                fl.failed = fl.failed or "transfer failed in flight"
-                self.nixl.release(h)
-            else:
-                pending.append(h)
+        pending, failure = self.nixl.reap(fl.handles, "transfer failed in flight")
+        fl.failed = fl.failed or failure
         fl.handles = pending
         if not pending:
             del self.inflight[key]
@@ -544,14 +532,10 @@ class WriterBase(Actor):
         peer's sink (memory no request owns, so the bytes matter to no one): what a post costs
         depends on how long ago the last one was, and a real WRITE is coming."""
         for agent, h in list(self._beats.items()):
-            try:
-                st = self.nixl.state(h)
-            except Exception:
-                st = "ERR"
-            if st != "PROC":
-                self.nixl.release(h)
+            pending, failure = self.nixl.reap([h], "keep-warm WRITE failed")
+            if not pending:
                 del self._beats[agent]
-                if st == "ERR":
+                if failure:
                     self.counters["warm_beats_failed"] += 1
         for agent in list(self._beat_keys):
             peer = self.peers_by_agent.get(agent)
