@@ -54,27 +54,27 @@ def _up(values, dev: torch.device, dtype=None) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype, device=dev)
 
 
-_STAGES: dict = {}  # (device, dtype) -> [pinned buffer, event of the last copy out of it]
+_STAGES: dict = {}  # (device, dtype) -> [pinned buffer, its numpy view, event of the last copy out of it]
 
 
 def _staged(values: list, dtype, dev: torch.device) -> torch.Tensor:
     """``values`` on ``dev`` through a reused pinned buffer, without blocking the host (a plain
     ``torch.tensor(..., device=cuda)`` waits for the stream: every one of them in a step would
-    stop its kernels from queueing). The buffer is rewritten only after its last copy ended."""
-    host = torch.tensor(values, dtype=dtype)
+    stop its kernels from queueing). Written through numpy (cheaper than building a tensor);
+    the buffer is rewritten only after its last copy ended."""
     if dev.type != "cuda" or not values:
-        return host.to(dev)
+        return torch.tensor(values, dtype=dtype).to(dev)
     st = _STAGES.get((dev, dtype))
     if st is None or st[0].numel() < len(values):
-        st = _STAGES[(dev, dtype)] = [torch.empty(max(len(values), 4096), dtype=dtype, pin_memory=True), None]
-    if st[1] is not None:
-        st[1].synchronize()
-    buf = st[0][:len(values)]
-    buf.copy_(host)
-    out = buf.to(dev, non_blocking=True)
-    if st[1] is None:
-        st[1] = torch.cuda.Event()
-    st[1].record(torch.cuda.current_stream(dev))
+        pinned = torch.empty(max(len(values), 4096), dtype=dtype, pin_memory=True)
+        st = _STAGES[(dev, dtype)] = [pinned, pinned.numpy(), None]
+    if st[2] is not None:
+        st[2].synchronize()
+    st[1][:len(values)] = values
+    out = st[0][:len(values)].to(dev, non_blocking=True)
+    if st[2] is None:
+        st[2] = torch.cuda.Event()
+    st[2].record(torch.cuda.current_stream(dev))
     return out
 
 
@@ -218,21 +218,6 @@ def warmup(vocab: int, dev) -> None:
     sample(torch.randn(len(seqs), vocab, device=dev), seqs)
 
 
-_PARAMS: dict = {}  # device -> (pinned float32 tensor, its numpy view)
-
-
-def _kernel_params(values: list, dev: torch.device) -> torch.Tensor:
-    """The rows' parameters on ``dev`` in one copy from a reused pinned buffer, written through
-    numpy (cheaper than building a tensor). Safe to rewrite at every call: each call ends by
-    reading its tokens, after the copy out of it ended."""
-    buf = _PARAMS.get(dev)
-    if buf is None or buf[0].numel() < len(values):
-        pinned = torch.empty(max(len(values), 4096), dtype=torch.float32, pin_memory=dev.type == "cuda")
-        buf = _PARAMS[dev] = (pinned, pinned.numpy())
-    buf[1][:len(values)] = values
-    return buf[0][:len(values)].to(dev, non_blocking=True)
-
-
 def _sample_kernel(logits: torch.Tensor, seqs: Sequence[SeqWork], params: list[SamplingParams]) -> Sampled:
     """The GPU sampler: the request's edits (sparse, rare) on a copy, then every row's draw in one
     launch; a row it answers -1 (a nucleus wider than the window, or top_k above it) is drawn
@@ -245,7 +230,7 @@ def _sample_kernel(logits: torch.Tensor, seqs: Sequence[SeqWork], params: list[S
         x = logits.clone()
         _edit(x, params, seqs)
     rows = _kernel_rows(params, seqs, vocab, TS)
-    t = _kernel_params([v for r in rows for v in r], logits.device).view(len(rows), TS.NPARAM)
+    t = _staged([v for r in rows for v in r], torch.float32, logits.device).view(len(rows), TS.NPARAM)
     out = TS.sample_rows(x, t)
     tokens = out.tolist()
     redo = [i for i, v in enumerate(tokens) if v < 0]
