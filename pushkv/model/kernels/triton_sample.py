@@ -100,6 +100,44 @@ def _segment_candidates(x, idx, msk, cand, KS: tl.constexpr):
 
 
 @triton.jit
+def _last_to_arrive(count, S):
+    """True in the row's last program to finish its segment, which then merges (acq_rel: the
+    others' writes are visible to it); it leaves the counter at zero for the next launch."""
+    tl.debug_barrier()
+    last = tl.atomic_add(count, 1, sem="acq_rel") == S - 1
+    if last:
+        tl.store(count, 0)
+    tl.debug_barrier()
+    return last
+
+
+@triton.jit
+def _row_mass(parts, ti, S, NS: tl.constexpr):
+    """The segments' maxima and exp-sums, the row's max, and its sum of exp(x - max) in float64."""
+    m_all = tl.load(parts + ti, mask=ti < S, other=float("-inf"), cache_modifier=".cg")
+    z_all = tl.load(parts + NS + ti, mask=ti < S, other=0.0, cache_modifier=".cg")
+    m = tl.max(m_all, 0)
+    z = tl.sum(tl.where(ti < S, z_all.to(tl.float64) * tl.exp((m_all - m).to(tl.float64)), 0.0), 0)
+    return m_all, z_all, m, z
+
+
+@triton.jit
+def _sorted_candidates(cand, S, KS: tl.constexpr, CB: tl.constexpr):
+    """The row's candidates, largest first: (keys, ids, how many are real)."""
+    j = tl.arange(0, CB)
+    c = tl.sort(tl.load(cand + j, mask=j < S * KS, other=0, cache_modifier=".cg"), descending=True)
+    kk = (c >> 32).to(tl.uint32)
+    ids = ((c & 0xFFFFFFFF).to(tl.uint32) ^ 0xFFFFFFFF).to(tl.int32)
+    return kk, ids, tl.sum((kk != 0).to(tl.int32), 0)
+
+
+@triton.jit
+def _held_back(taus, ti, S, floor):
+    """Whether a segment may have kept back a key at or above ``floor`` (its KS-th key is)."""
+    return tl.max(((ti < S) & (taus != 0) & (taus >= floor)).to(tl.int32), 0) > 0
+
+
+@triton.jit
 def _plain(xr, V, inv_t, ms, zs, ti, S, u, offs, BLOCK: tl.constexpr):
     """Inverse CDF over exp(x - max) in vocabulary order: the first id whose cumulative mass
     exceeds u * total (never a zero-mass id)."""
@@ -124,10 +162,7 @@ def _plain(xr, V, inv_t, ms, zs, ti, S, u, offs, BLOCK: tl.constexpr):
 def _filtered(cand, taus, ti, S, m, z, K, V, min_p, top_p, u, is_window, KS: tl.constexpr, CB: tl.constexpr):
     """top_k -> min_p -> top_p -> draw over the sorted candidates (see the module doc)."""
     j = tl.arange(0, CB)
-    c = tl.sort(tl.load(cand + j, mask=j < S * KS, other=0, cache_modifier=".cg"), descending=True)
-    kk = (c >> 32).to(tl.uint32)
-    ids = ((c & 0xFFFFFFFF).to(tl.uint32) ^ 0xFFFFFFFF).to(tl.int32)
-    nvalid = tl.sum((kk != 0).to(tl.int32), 0)
+    kk, ids, nvalid = _sorted_candidates(cand, S, KS, CB)
     valid = (j < K) & (kk != 0)
     e = tl.where(valid, tl.exp(_unkey(kk) - m), 0.0)  # m is the row's max: the first candidate
     keep = valid & (e >= min_p)
@@ -146,8 +181,7 @@ def _filtered(cand, taus, ti, S, m, z, K, V, min_p, top_p, u, is_window, KS: tl.
     last_kept = tl.max(tl.where(keep, j, 0), 0)
     deep = tl.where(is_window == 0, K - 1, tl.where(min_p > 0, first_under, last_kept))
     floor = tl.sum(tl.where(j == deep, kk, 0).to(tl.int64), 0)
-    held_back = tl.max(((ti < S) & (taus != 0) & (taus >= floor)).to(tl.int32), 0) > 0
-    spill = spill | held_back | (deep >= nvalid)
+    spill = spill | _held_back(taus, ti, S, floor) | (deep >= nvalid)
     ww = tl.where(keep, e, 0.0)
     cdf = tl.cumsum(ww, 0)
     tot = tl.max(cdf, 0)
@@ -180,16 +214,9 @@ def _sample_kernel(X, stride, P, Out, Parts, Taus, Cand, Count, V,
     cand = Cand + row * NS * KS
     if (mode == 2) | (mode == 3):
         tl.store(Taus + row * NS + s, _segment_candidates(x, idx, msk, cand + s * KS, KS))
-    # the row's last program to arrive merges (acq_rel: the others' writes are visible to it)
-    tl.debug_barrier()
-    arrived = tl.atomic_add(Count + row, 1, sem="acq_rel")
-    if arrived == S - 1:
-        tl.store(Count + row, 0)  # ready for the next launch
-        tl.debug_barrier()
+    if _last_to_arrive(Count + row, S):
         ti = tl.arange(0, NS)
-        m_all = tl.load(parts + ti, mask=ti < S, other=float("-inf"), cache_modifier=".cg")
-        z_all = tl.load(parts + NS + ti, mask=ti < S, other=0.0, cache_modifier=".cg")
-        m = tl.max(m_all, 0)
+        m_all, z_all, m, z = _row_mass(parts, ti, S, NS)
         if mode == 0:
             first = tl.min(tl.where((m_all == m) & (ti < S), ti, NS), 0)
             a_all = tl.load(parts + 2 * NS + ti, mask=ti < S, other=0.0, cache_modifier=".cg")
@@ -197,7 +224,6 @@ def _sample_kernel(X, stride, P, Out, Parts, Taus, Cand, Count, V,
         elif mode == 1:
             tok = _plain(xr, V, inv_t, m_all, z_all, ti, S, tl.load(p + 4), offs, BLOCK)
         elif mode < 4:
-            z = tl.sum(tl.where(ti < S, z_all.to(tl.float64) * tl.exp((m_all - m).to(tl.float64)), 0.0), 0)
             taus = tl.load(Taus + row * NS + ti, mask=ti < S, other=0, cache_modifier=".cg")
             tok = _filtered(cand, taus, ti, S, m, z.to(tl.float32), tl.load(p + 1).to(tl.int32), V,
                             tl.load(p + 2), tl.load(p + 3), tl.load(p + 4), (mode == 3).to(tl.int32), KS, NS * KS)
@@ -272,30 +298,20 @@ def _logprob_kernel(X, stride, Rows, Tok, N, Out, Parts, Taus, Cand, Count, V,
     tl.store(parts + NS + s, zs)
     cand = Cand + r * NS * KS
     tl.store(Taus + r * NS + s, _segment_candidates(x, idx, msk, cand + s * KS, KS))
-    tl.debug_barrier()
-    arrived = tl.atomic_add(Count + r, 1, sem="acq_rel")
-    if arrived == S - 1:
-        tl.store(Count + r, 0)
-        tl.debug_barrier()
+    if _last_to_arrive(Count + r, S):
         ti = tl.arange(0, NS)
-        m_all = tl.load(parts + ti, mask=ti < S, other=float("-inf"), cache_modifier=".cg")
-        z_all = tl.load(parts + NS + ti, mask=ti < S, other=0.0, cache_modifier=".cg")
-        m = tl.max(m_all, 0)
-        z = tl.sum(tl.where(ti < S, z_all.to(tl.float64) * tl.exp((m_all - m).to(tl.float64)), 0.0), 0)
+        m_all, z_all, m, z = _row_mass(parts, ti, S, NS)
         lse = m + tl.log(z.to(tl.float32))
         out = Out + r * (2 * W + 2)
         tl.store(out, tl.load(xr + tl.load(Tok + row)) - lse)
         n = tl.load(N + r)
         j = tl.arange(0, NS * KS)
-        c = tl.sort(tl.load(cand + j, mask=j < S * KS, other=0, cache_modifier=".cg"), descending=True)
-        kk = (c >> 32).to(tl.uint32)
-        ids = ((c & 0xFFFFFFFF).to(tl.uint32) ^ 0xFFFFFFFF).to(tl.float32)
+        kk, ids, nvalid = _sorted_candidates(cand, S, KS, NS * KS)
         floor = tl.sum(tl.where(j == n - 1, kk, 0).to(tl.int64), 0)
-        nvalid = tl.sum((kk != 0).to(tl.int32), 0)
         taus = tl.load(Taus + r * NS + ti, mask=ti < S, other=0, cache_modifier=".cg")
-        held_back = (tl.max(((ti < S) & (taus != 0) & (taus >= floor)).to(tl.int32), 0) > 0) & (n > 0)
+        held_back = _held_back(taus, ti, S, floor) & (n > 0)
         tl.store(out + 1 + j, _unkey(kk) - lse, mask=j < n)
-        tl.store(out + 1 + W + j, ids, mask=j < n)
+        tl.store(out + 1 + W + j, ids.to(tl.float32), mask=j < n)
         tl.store(out + 1 + 2 * W, tl.where(held_back | (n > nvalid), 0.0, 1.0))
 
 
