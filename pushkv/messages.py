@@ -310,6 +310,9 @@ class KVFailed(Msg):
     transfer_id: str
     generation: int
     reason: str
+    # set when the other role's instance died: the request's answer ("<role> instance failed: ..."),
+    # the same the router gives when it learns of the death first
+    lost: str = ""
 
 
 class WriterStats(Msg):

@@ -174,3 +174,17 @@ def test_each_class_serves_its_own_role_only():
         DecodeScheduler(s.cfg, s.cfg.prefill)
     with pytest.raises(ValueError, match="no scheduler for role 'router'"):
         scheduler_for(s.cfg, InstanceConfig(role="router"))
+
+
+def test_a_transfer_failed_by_a_dead_peer_instance_is_answered_as_that_death():
+    """A writer that ended the transfer because the other role's instance died says so (lost):
+    the request gets the router's own answer for that death (503, retry), whoever heard first."""
+    s, wire = make("decode")
+    generate(s, "t1", "decode", source=P_SRC)
+    wire.take("writer")
+    lost = "prefill instance failed: prefill-scheduler died (killed by SIGKILL)"
+    deliver(s, s.writers[0], m.KVFailed("t1", 0, "prefill instance lost: prefill-scheduler died", lost=lost))
+    deliver(s, s.writers[1], m.KVFailed("t1", 0, "cancelled"))
+    failed = wire.take("router")
+    assert [(type(x), x.status, x.reason) for x in failed] == [(m.RequestFailed, 503, lost + "; retry")]
+    assert all_free(s)

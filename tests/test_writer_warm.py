@@ -201,3 +201,17 @@ def test_prefill_warm_off_keeps_nothing(monkeypatch):
     w.apply(w.rdv.on_registration(_reg("a"), 1.0), 1.0)
     w._sync_warm(("a", 0), 1.0)
     assert w._warm == {}
+
+
+def test_prefill_writer_says_a_transfer_ended_by_a_dead_decode_instance(monkeypatch):
+    """Our prefill waits for a D that died: the blocks go back with KVFailed.lost naming the death
+    (the scheduler then answers the request as the router would); any other failure has none."""
+    monkeypatch.delenv(P.WARM_ENV, raising=False)
+    w = _prefill_writer("off")
+    w.apply(w.rdv.on_prefill_done("a", 0, (2,), 16, 1, 1.0), 1.0)
+    w._record(("a", 0)).d_engine_id = "d"
+    w.apply(w.rdv.on_prefill_done("b", 0, (3,), 16, 1, 1.0), 1.0)
+    w.peer_instance_down("d", "decode-worker-0 died (killed by SIGKILL)", 2.0)
+    w.apply(w.rdv.cancel("b", 0, "aborted", 2.0), 2.0)
+    assert [(x.transfer_id, x.lost) for x in w.sent] == [
+        ("a", "decode instance failed: decode-worker-0 died (killed by SIGKILL)"), ("b", "")]

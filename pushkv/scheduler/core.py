@@ -404,11 +404,14 @@ class SchedulerCore(Actor):
         if len(r.answers) < len(self.writers):
             return
         answers, r.answers = r.answers, {}
-        failures = [a.reason for a in answers.values() if isinstance(a, m.KVFailed)]
+        failures = [a for a in answers.values() if isinstance(a, m.KVFailed)]
+        lost = next((a.lost for a in failures if a.lost), "")
         if r.aborted:
             self._release(r)
+        elif lost:  # the other instance died: answered as the router answers it (503, retry)
+            self._fail(r, f"{lost}; retry", 503)
         elif failures:
-            self._fail(r, f"KV transfer failed: {failures[0]}", 502)
+            self._fail(r, f"KV transfer failed: {failures[0].reason}", 502)
         else:
             self._kv_done(r, answers)
         self.schedule()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -124,6 +125,7 @@ class WriterBase(Actor):
         self._beat_keys: dict[str, set] = {}  # peer agent -> warm keys whose WRITE to it is coming
         self._beats: dict[str, object] = {}  # peer agent -> its beat's handle, in flight
         self._last_beat: dict[str, float] = {}
+        self._lost = ""  # while ending transfers with a dead peer instance: KVFailed.lost for them
         self.handshake = None  # our ROUTER for handshakes peers initiate
         self._last_activity = 0.0
 
@@ -359,6 +361,16 @@ class WriterBase(Actor):
 
     def peer_instance_down(self, engine_id: str, reason: str, now: float) -> None:
         """Side-specific: end transfers with the dead instance."""
+
+    @contextmanager
+    def ending_for_loss(self, role: str, reason: str):
+        """Inside: failing transfers with a dead ``role`` instance; the KVFailed sent meanwhile say
+        so (``lost``), so the request's answer does not depend on who heard of the death first."""
+        self._lost = f"{role} instance failed: {reason}"
+        try:
+            yield
+        finally:
+            self._lost = ""
 
     def forget_peer(self, peer: Peer) -> None:
         self._close_link((peer.engine_id, peer.rank))  # a restarted peer gets a fresh handshake

@@ -192,7 +192,7 @@ class DecodeWriter(WriterBase):
             self._quarantine[key] = Quarantined(outstanding, now + self.cfg.timeouts.transfer_s, reason,
                                                 reg.source.engine_id)
         else:
-            self.send(self.sched, m.KVFailed(key[0], key[1], reason))
+            self.send(self.sched, m.KVFailed(key[0], key[1], reason, lost=self._lost))
 
     def peer_instance_down(self, engine_id: str, reason: str, now: float) -> None:
         """Producers that died cannot write any more: nothing to wait for."""
@@ -200,7 +200,8 @@ class DecodeWriter(WriterBase):
         for key, reg in list(self._registered.items()):
             if reg.source.engine_id == engine_id:
                 self.counters["failed_peer_death"] += 1
-                self.apply(self.arrivals.cancel(key[0], key[1], f"prefill instance lost: {reason}", now), now)
+                with self.ending_for_loss("prefill", reason):
+                    self.apply(self.arrivals.cancel(key[0], key[1], f"prefill instance lost: {reason}", now), now)
         for key in [k for k, q in self._quarantine.items() if q.engine_id == engine_id]:
             self._release_quarantine(key)
         self._dead_engines.discard(engine_id)  # a restarted instance is a live peer again

@@ -165,7 +165,8 @@ class PrefillWriter(WriterBase):
         for key, t in list(self._transfers.items()):
             if t.d_engine_id == engine_id:
                 self.counters["cancelled_peer_death"] += 1
-                self.apply(self.rdv.cancel(key[0], key[1], f"decode instance lost: {reason}", now), now)
+                with self.ending_for_loss("decode", reason):
+                    self.apply(self.rdv.cancel(key[0], key[1], f"decode instance lost: {reason}", now), now)
 
     def _record(self, key) -> PrefillTransfer:
         t = self._transfers.get(key)
@@ -185,7 +186,7 @@ class PrefillWriter(WriterBase):
                                            t.outcome.order, tuple(t.stages.items())))
         else:
             reason = t.outcome.reason if isinstance(t.outcome, A.Failed) else a.reason
-            self.send(self.sched, m.KVFailed(a.transfer_id, a.generation, reason or "transfer failed"))
+            self.send(self.sched, m.KVFailed(a.transfer_id, a.generation, reason or "transfer failed", lost=self._lost))
 
     def _post_write(self, a, now: float) -> None:
         faults.point(self.name, "post_write")
