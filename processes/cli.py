@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--mode", choices=("push", "pull", "local"))
     up.add_argument("--pull-read", choices=("inline", "background", "write"),
                     help="pull: READ inside D's step, READ on D's writer, or D registers after the relay and P WRITEs")
+    up.add_argument("--push-stream", choices=("off", "chunk", "layer"),
+                    help="push: WRITE after the whole prefill (off), each chunk's blocks as its step ends (chunk), "
+                         "or each layer group's as it is stored (layer)")
     up.add_argument("--host")
     up.add_argument("--port", type=int)
     up.add_argument("--model", choices=sorted(PRESETS), help="model preset")
@@ -60,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--random-init", choices=("cpu", "device"), help="where random weights are drawn")
     e.add_argument("--max-num-seqs", type=int, help="sequences per step, every instance")
     e.add_argument("--max-batch-tokens", type=int, help="tokens per step, every instance")
+    e.add_argument("--prefill-chunk", type=int,
+                   help="prefill a longer prompt in chunks of at most this many tokens a step, mixed with decodes (0: never)")
     t = up.add_argument_group("instances")
     t.add_argument("--prefill-tp", type=int)
     t.add_argument("--decode-tp", type=int)
@@ -165,9 +170,10 @@ def config_from_args(args: argparse.Namespace) -> DeploymentConfig:
         model = _replace(model, **{k: getattr(args, k) for k in GEOMETRY})
     model = _replace(model, engine=args.engine, random_init=args.random_init,
                      deterministic=None if args.batch_invariant is None else args.batch_invariant == "on")
-    sizes = dict(max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens)
+    sizes = dict(max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens,
+                 prefill_chunk=args.prefill_chunk)
     return _replace(
-        cfg, mode=args.mode, pull_read=args.pull_read, host=args.host or (args.role and args.advertise),
+        cfg, mode=args.mode, pull_read=args.pull_read, push_stream=args.push_stream, host=args.host or (args.role and args.advertise),
         port=args.port, host_role=args.role, registry=args.registry, advertise=args.advertise,
         registry_ttl_s=args.registry_ttl,
         log_level=args.log_level, model=model,

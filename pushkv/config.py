@@ -121,6 +121,9 @@ class InstanceConfig(msgspec.Struct, frozen=True):
     num_blocks: int = 2048
     max_num_seqs: int = 32
     max_batch_tokens: int = 8192
+    # chunked prefill: a prompt longer than this many tokens is prefilled over several steps,
+    # at most this many tokens a step, mixed with the running decodes (0 = never chunk)
+    prefill_chunk: int = 0
     # endpoints (filled by the supervisor)
     sched_endpoint: str = ""  # router -> scheduler (ROUTER bind)
     worker_endpoints: tuple[str, ...] = ()  # scheduler -> worker rank r
@@ -147,6 +150,9 @@ class Timeouts(msgspec.Struct, frozen=True):
     write_wait_s: float = 60.0  # D's registered blocks waiting for the WRITE
     transfer_s: float = 30.0  # a posted transfer in flight
     lease_s: float = 30.0  # pull: P's blocks pinned for D's READ
+    # pull: while D has the READ queued or running it renews the lease (every lease_s / 3); a
+    # lease is never renewed past this many seconds after it was first held
+    lease_max_s: float = 300.0
     step_s: float = 120.0  # one forward step on a worker
     request_s: float = 600.0  # router-side bound on one request
 
@@ -158,6 +164,11 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
     # "write" (D registers its blocks after the relay and P WRITEs them: pull's protocol with
     # push's transfer direction, to separate protocol cost from READ-vs-WRITE transport cost)
     pull_read: str = "background"
+    # push: when P's KV leaves for D. "off": one WRITE after the whole prefill; "chunk": each
+    # prefill chunk's finished blocks are written as soon as its step ends, while the next chunk
+    # computes (needs prefill_chunk); "layer": each layer group's regions as soon as the worker
+    # marks them stored
+    push_stream: str = "off"
     host: str = "127.0.0.1"
     port: int = 8000
     model: ModelConfig = PRESETS["small"]

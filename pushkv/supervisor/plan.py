@@ -153,6 +153,13 @@ def plan_deployment(
         raise ValueError(f"writer warm must be auto, on or off, got {cfg.writer_warm!r}")
     if cfg.mode == "local" and (cfg.prefill_instances, cfg.decode_instances) != (1, 1):
         raise ValueError("--prefill-instances / --decode-instances need --mode push or pull")
+    if cfg.push_stream not in ("off", "chunk", "layer"):
+        raise ValueError(f"push stream must be off, chunk or layer, got {cfg.push_stream!r}")
+    for inst in (cfg.prefill, cfg.decode, cfg.local):
+        if inst.prefill_chunk < 0:
+            raise ValueError(f"prefill chunk must be >= 0 tokens, got {inst.prefill_chunk}")
+    if cfg.timeouts.lease_max_s < cfg.timeouts.lease_s:
+        raise ValueError(f"lease_max_s ({cfg.timeouts.lease_max_s}) must be >= lease_s ({cfg.timeouts.lease_s})")
     if cfg.router_queue < 0:
         raise ValueError(f"router_queue must be >= 0, got {cfg.router_queue}")
     check_deployment(cfg)  # P/D geometry: refuse before any process starts
