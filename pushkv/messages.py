@@ -118,6 +118,8 @@ class KVTransferStats(msgspec.Struct, array_like=True, frozen=True, gc=False):
     # D memory held while P computes), and how many blocks that was
     reserved_block_s: float = 0.0
     reserved_blocks: int = 0
+    parts: int = 0  # streaming push: WRITEs posted while P still computed (before the last one)
+    stream: str = ""  # streaming push: "chunk", or "fallback: <why>"
 
 
 # ---------------------------------------------------------------------------
@@ -242,6 +244,17 @@ class SendKV(Msg):
     first_token: int
 
 
+class StreamKV(Msg):
+    """P, streaming push: the prompt's first ``num_tokens`` tokens are in these blocks (a
+    prefill chunk ended, more of the prompt is still computing). The writer WRITEs what is
+    whole on both sides now; ``SendKV`` still follows at the end of prefill."""
+
+    transfer_id: str
+    generation: int
+    block_ids: tuple[int, ...]
+    num_tokens: int
+
+
 class HoldKV(Msg):
     """P (pull): keep these blocks under a lease until D has read them."""
 
@@ -292,6 +305,8 @@ class KVSent(Msg):
     transfer_s: float = 0.0
     rendezvous: str = ""  # "registration_first" | "prefill_first" | "pull"
     timeline: tuple[tuple[str, float], ...] = ()  # writer stages (wall time)
+    parts: int = 0  # streaming push: WRITEs posted before prefill ended (the last WRITE not counted)
+    stream: str = ""  # streaming push: "chunk", or why this transfer could not stream ("fallback: ...")
 
 
 class KVReceived(Msg):
@@ -319,7 +334,7 @@ class WriterStats(Msg):
     counters: dict[str, int] = {}
 
 
-SchedulerToWriter = Union[SendKV, HoldKV, ExpectKV, ReadKV, CancelKV, GetStats, PeerLost]
+SchedulerToWriter = Union[SendKV, HoldKV, ExpectKV, ReadKV, CancelKV, GetStats, PeerLost, StreamKV]
 WriterToScheduler = Union[KVSent, KVReceived, KVFailed, WriterStats]
 
 

@@ -42,6 +42,10 @@ class PostWrite:
     num_tokens: int
     first_token: int
     registrations: tuple[Register, ...]  # ascending d_rank
+    # streaming push: this WRITE moves prompt tokens [token_start, token_start + num_tokens) of
+    # block_ids (the request's whole block list); only the last carries the completion notif
+    token_start: int = 0
+    last: bool = True
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,19 @@ States of one (transfer id, generation)::
                        until on_write_done / on_write_failed      deadline transfer_s (then
                                                                   counted write_stuck, kept)
 
+Streaming push (``stream_unit`` > 0 tokens): while P still computes, each ended
+prefill chunk reports its progress (``on_prefill_progress``: the prompt's first n
+tokens are in the blocks). In WAIT_PREFILL, once every registration is there, the
+machine asks for a **part** WRITE of the whole units (multiples of ``stream_unit``,
+the lcm of both sides' block sizes, so each part is whole blocks on both sides) not
+yet written; parts carry no notification. At prefill end the **last** WRITE moves
+the rest with the completion notification, and is asked for only once every part
+has completed, so D's one notification means every byte has landed. A part that
+fails fails the transfer; any failure while WRITEs are in flight drains them first
+(DRAINING counts them down), and a streamed transfer that ends before its prefill
+half frees (reports) the streamed blocks all the same, so the scheduler always
+hears one outcome.
+
 Local events that make no sense in the current state (a second prefill, a
 write completion nobody posted) raise :class:`ProtocolError` naming state and
 event, and change nothing. Peer input (registrations) never raises: it is
@@ -76,6 +89,15 @@ class _Transfer:
     d_tp: int = 0
     needed: frozenset[int] = frozenset()
     deadline: Optional[float] = None
+    streamed: bool = False  # prefill progress seen before the prefill half
+    progress: int = 0  # prompt tokens computed so far (streaming)
+    sent: int = 0  # prompt tokens already asked for in parts
+    parts: int = 0  # part WRITEs asked for
+    inflight: int = 0  # WRITEs asked for (parts and the last) not yet reported
+    final_pending: bool = False  # all halves in; the last WRITE waits for the parts
+    failure: str = ""  # why a WRITE failed while others were still in flight
+    last_posted: bool = False  # the WRITE with D's notification was asked for
+    ended: str = ""  # why the transfer was abandoned
 
     def registrations(self) -> tuple[Register, ...]:
         return tuple(self.regs[d] for d in sorted(self.regs))
@@ -96,6 +118,7 @@ class PushRendezvous:
         registration_wait_s: float,
         transfer_s: float,
         remember: int = REMEMBER_FINISHED,
+        stream_unit: int = 0,
     ):
         consumers_for(p_rank, p_tp, p_tp, total_kv_heads)  # validates the geometry
         self.p_rank, self.p_tp, self.total_kv_heads = p_rank, p_tp, total_kv_heads
@@ -103,6 +126,7 @@ class PushRendezvous:
         self.produces = is_producer(p_rank, p_tp, total_kv_heads)
         self.registration_wait_s = registration_wait_s
         self.transfer_s = transfer_s
+        self.stream_unit = stream_unit  # tokens; 0 = no part WRITEs (progress is still tracked)
         self._remember = remember
         self._live: dict[str, _Transfer] = {}  # newest non-draining generation per transfer id
         self._draining: dict[tuple[str, int], _Transfer] = {}
@@ -117,6 +141,11 @@ class PushRendezvous:
     ) -> list[Action]:
         blocks = tuple(block_ids)
         kind, e = self._lookup(transfer_id, generation)
+        if kind == "live" and not self.produces:  # a replica that tracked a stream: nothing to write
+            e.has_prefill, e.block_ids = True, blocks
+            self._retire(e, ok=True)
+            return [FreeBlocks(transfer_id, generation, blocks, "replica writes nothing"),
+                    Completed(transfer_id, generation, "replica")]
         if kind == "live" or kind == "draining":
             return self._dispatch(e, "prefill_done", now, blocks=blocks,
                                   num_tokens=num_tokens, first_token=first_token)
@@ -140,6 +169,21 @@ class PushRendezvous:
         self._live[transfer_id] = e
         self._note_generation(transfer_id, generation)
         return out + self._accept_prefill(e, now, blocks, num_tokens, first_token)
+
+    def on_prefill_progress(self, transfer_id: str, generation: int, block_ids: Sequence[int],
+                            num_tokens: int, now: float) -> list[Action]:
+        """Streaming push: a prefill chunk ended and the prompt's first ``num_tokens`` tokens
+        are in ``block_ids`` (still the scheduler's: it keeps computing into them)."""
+        kind, e = self._lookup(transfer_id, generation)
+        if kind == "live":
+            return self._dispatch(e, "progress", now, blocks=tuple(block_ids), num_tokens=num_tokens)
+        if kind != "new":  # draining, finished or stale: that transfer is over
+            return [Count("late_progress")]
+        out = self._supersede(transfer_id, generation, now)
+        e = _Transfer(transfer_id, generation, State.WAIT_PREFILL, "prefill_first")
+        self._live[transfer_id] = e
+        self._note_generation(transfer_id, generation)
+        return out + self._progress(e, now, tuple(block_ids), num_tokens)
 
     def on_registration(self, reg: Register, now: float) -> list[Action]:
         try:
@@ -166,11 +210,12 @@ class PushRendezvous:
         self._note_generation(tid, gen)
         return out + self._add_registration(e, now, reg)
 
-    def on_write_done(self, transfer_id: str, generation: int, now: float) -> list[Action]:
-        return self._local(transfer_id, generation, "write_done", now)
+    def on_write_done(self, transfer_id: str, generation: int, now: float, part: bool = False) -> list[Action]:
+        return self._local(transfer_id, generation, "write_done", now, part=part)
 
-    def on_write_failed(self, transfer_id: str, generation: int, reason: str, now: float) -> list[Action]:
-        return self._local(transfer_id, generation, "write_failed", now, reason=reason)
+    def on_write_failed(self, transfer_id: str, generation: int, reason: str, now: float,
+                        part: bool = False) -> list[Action]:
+        return self._local(transfer_id, generation, "write_failed", now, reason=reason, part=part)
 
     def cancel(self, transfer_id: str, generation: int, reason: str, now: float) -> list[Action]:
         kind, e = self._lookup(transfer_id, generation)
@@ -245,7 +290,52 @@ class PushRendezvous:
                 wait = min(wait, reg.deadline)
             if e.deadline is None or now + wait < e.deadline:
                 self._arm(e, now + wait)
+            return self._post_part(e)  # a stream under way: what is computed can leave now
         return []
+
+    def _progress(self, e, now, blocks, num_tokens) -> list[Action]:
+        if num_tokens <= e.progress:
+            return [Count("stale_progress")]
+        e.streamed, e.block_ids, e.progress = True, blocks, num_tokens
+        self._arm(e, now + self.registration_wait_s)  # the prefill is alive: wait for its end anew
+        return self._post_part(e)
+
+    def _post_part(self, e) -> list[Action]:
+        """Ask for a part WRITE of the whole units computed and not yet asked for."""
+        if not (self.stream_unit and e.streamed and e.needed and e.needed <= e.regs.keys()):
+            return []
+        upto = e.progress // self.stream_unit * self.stream_unit
+        if upto <= e.sent:
+            return []
+        regs = tuple(e.regs[d] for d in sorted(e.needed))
+        part = PostWrite(e.transfer_id, e.generation, e.block_ids, upto - e.sent, 0, regs,
+                         token_start=e.sent, last=False)
+        e.sent, e.parts, e.inflight = upto, e.parts + 1, e.inflight + 1
+        return [part]
+
+    def _last_write(self, e) -> list[Action]:
+        e.final_pending = False
+        e.last_posted = True
+        e.inflight += 1
+        regs = tuple(e.regs[d] for d in sorted(e.needed))
+        return [PostWrite(e.transfer_id, e.generation, e.block_ids, e.num_tokens - e.sent, e.first_token, regs,
+                          token_start=e.sent, last=True)]
+
+    def _part_done_waiting(self, e, now, part=False) -> list[Action]:
+        if not part or e.inflight <= 0:
+            raise ProtocolError(e.state.value, "write_done", e.transfer_id, e.generation)
+        e.inflight -= 1
+        return []
+
+    def _part_failed_waiting(self, e, now, reason, part=False) -> list[Action]:
+        if not part or e.inflight <= 0:
+            raise ProtocolError(e.state.value, "write_failed", e.transfer_id, e.generation)
+        e.inflight -= 1
+        reason = f"streamed part: {reason}"
+        if e.inflight:
+            e.failure = reason
+            return self._abandon(e, now, reason) + [Count("write_failed")]
+        return self._teardown(e, reason) + [Count("write_failed")]
 
     def _registration_late(self, e, now, reg) -> list[Action]:
         if reg.d_rank in e.regs:
@@ -258,30 +348,52 @@ class PushRendezvous:
     def _post(self, e, now) -> list[Action]:
         e.state = State.WRITING
         self._arm(e, now + self.transfer_s)
-        regs = tuple(e.regs[d] for d in sorted(e.needed))
-        return [PostWrite(e.transfer_id, e.generation, e.block_ids, e.num_tokens, e.first_token, regs)]
+        if e.inflight:  # D's one notification must follow every part's data
+            e.final_pending = True
+            return []
+        return self._last_write(e)
 
-    def _write_done(self, e, now) -> list[Action]:
+    def _write_done(self, e, now, part=False) -> list[Action]:
+        if e.inflight <= 0:
+            raise ProtocolError(e.state.value, "write_done", e.transfer_id, e.generation)
+        e.inflight -= 1
+        if part:
+            return self._last_write(e) if e.final_pending and not e.inflight else []
         self._retire(e, ok=True)
         return [FreeBlocks(e.transfer_id, e.generation, e.block_ids, "written"),
                 Completed(e.transfer_id, e.generation, e.order)]
 
-    def _write_failed(self, e, now, reason) -> list[Action]:
+    def _write_failed(self, e, now, reason, part=False) -> list[Action]:
+        if e.inflight <= 0:
+            raise ProtocolError(e.state.value, "write_failed", e.transfer_id, e.generation)
+        e.inflight -= 1
+        if e.inflight:  # other WRITEs may still read the blocks: drain them first
+            e.failure = reason
+            return self._abandon(e, now, reason) + [Count("write_failed")]
         self._retire(e, ok=False)
         return [FreeBlocks(e.transfer_id, e.generation, e.block_ids, reason),
                 NotifyFailure(e.transfer_id, e.generation, e.registrations(), reason),
                 Failed(e.transfer_id, e.generation, reason), Count("write_failed")]
 
-    def _drained(self, e, now, reason: str = "") -> list[Action]:
+    def _drained(self, e, now, reason: str = "", part: bool = False) -> list[Action]:
+        e.inflight = max(0, e.inflight - 1)
+        e.failure = e.failure or reason
+        if e.inflight:
+            return []
+        reason = e.failure
         del self._draining[(e.transfer_id, e.generation)]
         e.deadline = None
         out: list[Action] = [FreeBlocks(e.transfer_id, e.generation, e.block_ids,
                                         reason or "write finished after failure")]
-        if reason:  # the WRITE failed, so its completion notification never reaches D
-            out.append(NotifyFailure(e.transfer_id, e.generation, e.registrations(), reason))
+        # a WRITE failed, or only parts (which carry no notification) were posted: no
+        # completion notification reaches D, so tell it
+        if reason or not e.last_posted:
+            out.append(NotifyFailure(e.transfer_id, e.generation, e.registrations(), reason or e.ended))
         return out
 
     def _cancel_waiting(self, e, now, reason) -> list[Action]:
+        if e.inflight:  # streamed parts may still read the blocks
+            return self._abandon(e, now, reason) + [Count("cancelled")]
         return self._teardown(e, reason) + [Count("cancelled")]
 
     def _cancel_writing(self, e, now, reason) -> list[Action]:
@@ -292,6 +404,8 @@ class PushRendezvous:
             reason, counter = f"no prefill within {self.registration_wait_s}s of registration", "expired_registration"
         else:
             reason, counter = f"no registration within {self.registration_wait_s}s of prefill", "expired_prefill"
+        if e.inflight:
+            return self._abandon(e, now, reason) + [Count(counter)]
         return self._teardown(e, reason) + [Count(counter)]
 
     def _expire_writing(self, e, now) -> list[Action]:
@@ -310,7 +424,7 @@ class PushRendezvous:
         """End a waiting transfer: nothing is in flight, so free at once."""
         self._retire(e, ok=False)
         out: list[Action] = []
-        if e.has_prefill:
+        if e.has_prefill or e.streamed:  # a stream's blocks are reported too: the scheduler waits
             out.append(FreeBlocks(e.transfer_id, e.generation, e.block_ids, reason))
         if e.regs:
             out.append(NotifyFailure(e.transfer_id, e.generation, e.registrations(), reason))
@@ -322,6 +436,7 @@ class PushRendezvous:
 
         D is not told yet: it would reuse blocks the WRITE may still land in (see _drained)."""
         self._retire(e, ok=False)
+        e.ended = e.ended or reason
         e.state = State.DRAINING
         self._draining[(e.transfer_id, e.generation)] = e
         self._arm(e, now + self.transfer_s)
@@ -333,7 +448,7 @@ class PushRendezvous:
         if old is None or old.generation >= gen:
             return []
         reason = f"superseded by generation {gen}"
-        if old.state is State.WRITING:
+        if old.state is State.WRITING or old.inflight:
             return self._abandon(old, now, reason) + [Count("superseded_writing")]
         out = self._teardown(old, reason)
         if old.has_prefill:
@@ -400,6 +515,9 @@ _TABLE: dict[tuple[State, str], Callable] = {
     (S.WAIT_PREFILL, "registration"): PushRendezvous._add_registration,
     (S.WAIT_PREFILL, "cancel"): PushRendezvous._cancel_waiting,
     (S.WAIT_PREFILL, "expire"): PushRendezvous._expire_waiting,
+    (S.WAIT_PREFILL, "progress"): PushRendezvous._progress,
+    (S.WAIT_PREFILL, "write_done"): PushRendezvous._part_done_waiting,
+    (S.WAIT_PREFILL, "write_failed"): PushRendezvous._part_failed_waiting,
     (S.WAIT_REGISTRATION, "registration"): PushRendezvous._add_registration,
     (S.WAIT_REGISTRATION, "cancel"): PushRendezvous._cancel_waiting,
     (S.WAIT_REGISTRATION, "expire"): PushRendezvous._expire_waiting,

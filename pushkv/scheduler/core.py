@@ -77,6 +77,9 @@ class SchedulerCore(Actor):
     def _kv_done(self, r: Request, answers: dict[int, WriterAnswer]) -> None:
         raise NotImplementedError
 
+    def _chunk_done(self, r: Request) -> None:
+        """A prefill chunk ended and more of the prompt is left (``r.prefilled`` tokens are in)."""
+
     def _engine_blocked(self) -> bool:
         """True while no step may run and nothing may be admitted (D, pull inline: a READ)."""
         return False
@@ -117,7 +120,7 @@ class SchedulerCore(Actor):
         if r.leg == "local" or not kv.nbytes:
             return None
         return m.KVTransferStats(kv.nbytes, kv.num_descs, kv.transfer_s, r.rendezvous or ("pull" if r.pull is not None else ""),
-                                 r.reserved_block_s, len(r.blocks) if r.reserved_block_s else 0)
+                                 r.reserved_block_s, len(r.blocks) if r.reserved_block_s else 0, kv.parts, kv.stream)
 
     def _count_kv(self, r: Request) -> None:
         self.counters["kv_bytes"] += r.kv.nbytes
@@ -129,6 +132,9 @@ class SchedulerCore(Actor):
 
     def _release(self, r: Request) -> None:
         """The request is over: free its blocks exactly once and forget it."""
+        if self._pinned_by_writers(r):  # failed on our side mid-stream (a step timed out): end the stream
+            self._to_writers(m.CancelKV(r.transfer_id, r.generation, "request failed while streaming"))
+            r.streamed = False
         if r.blocks:
             self.alloc.free(r.blocks)
             r.blocks = []
@@ -236,11 +242,11 @@ class SchedulerCore(Actor):
     def _abort(self, r: Request, reason: str, notify: bool) -> None:
         if notify:
             self._reply(r, m.RequestFailed(r.transfer_id, r.generation, reason, 499))
-        if r.in_step or r.state in (State.SENDING, State.AWAIT_KV):
+        if r.in_step or r.state in (State.SENDING, State.AWAIT_KV) or self._pinned_by_writers(r):
             # blocks stay ours until the step ends / every writer confirms nothing
             # can still read or write them
             r.aborted = reason
-            if not r.in_step:
+            if not r.in_step or self._pinned_by_writers(r):
                 self._to_writers(m.CancelKV(r.transfer_id, r.generation, reason))
             return
         self._release(r)
@@ -302,14 +308,15 @@ class SchedulerCore(Actor):
         running = [r for r in self.reqs.values() if r.state == State.RUNNING and not r.in_step]
         if not prefills and not running:
             return
-        batch = build_batch(prefills, running, self.inst.max_num_seqs, self.inst.max_batch_tokens)
+        batch = build_batch(prefills, running, self.inst.max_num_seqs, self.inst.max_batch_tokens,
+                            self.inst.prefill_chunk)
         self.step_id += 1
         self.step = batch
         self.step_answers = {}
         self.step_started = time.monotonic()
         for r, w in batch:
             r.in_step = True
-            if w.start_pos == 0:
+            if w.start_pos == 0 and r.state == State.PREFILL:
                 self._stamp(r, "prefill_start")
         cmd = m.ExecuteStep(self.step_id, tuple(w for _, w in batch))
         for ch in self.workers:
@@ -336,22 +343,33 @@ class SchedulerCore(Actor):
                 r.in_step = False
                 self._fail(r, f"forward step failed: {failed[0].reason}")
         else:
-            sampled = self.step_answers[0].sampled
-            logprobs = self.step_answers[0].logprobs or (None,) * len(sampled)
-            for (r, w), tok, lp in zip(batch, sampled, logprobs):
+            sampled = iter(self.step_answers[0].sampled)  # one token per sampled seq, in batch order
+            logprobs = iter(self.step_answers[0].logprobs or ())
+            for r, w in batch:
                 r.in_step = False
+                tok, lp = (next(sampled), next(logprobs, None)) if w.sample else (None, None)
                 self._after_step(r, w, tok, lp)
         self.schedule()
 
-    def _after_step(self, r: Request, w: m.SeqWork, tok: int, lp: Optional[m.TokenLogprob] = None) -> None:
+    def _after_step(self, r: Request, w: m.SeqWork, tok: Optional[int], lp: Optional[m.TokenLogprob] = None) -> None:
         if r.aborted:
-            self._release(r)
+            if not self._pinned_by_writers(r):
+                self._release(r)
             return
-        if w.start_pos == 0:
+        if r.state == State.PREFILL:
+            r.prefilled = w.start_pos + len(w.token_ids)
+            if r.prefilled < len(r.prompt):
+                self._chunk_done(r)
+                return
             self._stamp(r, "prefill_end")
             self._prefilled(r, tok, lp)
         else:
             self._emit(r, tok, lp)
+
+    def _pinned_by_writers(self, r: Request) -> bool:
+        """A streamed prefill's blocks stay ours until every writer rank answered (a WRITE
+        of an earlier chunk may still read them)."""
+        return r.streamed and r.state == State.PREFILL
 
     def _emit(self, r: Request, tok: int, lp: Optional[m.TokenLogprob] = None) -> None:
         r.output.append(tok)
@@ -384,7 +402,7 @@ class SchedulerCore(Actor):
     def _writer_answer(self, msg: WriterAnswer) -> None:
         """Collect one terminal answer per writer rank; act once all have answered."""
         r = self.reqs.get((msg.transfer_id, msg.generation))
-        if r is None or r.state not in (State.SENDING, State.AWAIT_KV):
+        if r is None or not (r.state in (State.SENDING, State.AWAIT_KV) or self._pinned_by_writers(r)):
             self.counters["stale_writer_answer"] += 1
             return
         rank = self.current.index
@@ -396,6 +414,9 @@ class SchedulerCore(Actor):
             r.rendezvous = msg.rendezvous
         if isinstance(msg, (m.KVSent, m.KVReceived)) and msg.nbytes:
             r.kv.add(msg.nbytes, msg.num_descs, msg.transfer_s)
+        if isinstance(msg, m.KVSent):
+            r.kv.parts += msg.parts
+            r.kv.stream = r.kv.stream or msg.stream
         if isinstance(msg, m.KVFailed) and len(self.writers) > 1:
             others = m.CancelKV(r.transfer_id, r.generation, msg.reason)
             for ch in self.writers:
@@ -406,6 +427,17 @@ class SchedulerCore(Actor):
         answers, r.answers = r.answers, {}
         failures = [a for a in answers.values() if isinstance(a, m.KVFailed)]
         lost = next((a.lost for a in failures if a.lost), "")
+        if self._pinned_by_writers(r):  # a stream ended before its prefill: no writer reads the blocks now
+            r.streamed = False
+            if r.in_step:  # the chunk computing now still writes them: free when its step ends
+                if not r.aborted:
+                    r.aborted = f"KV stream failed: {failures[0].reason}" if failures else "KV stream ended"
+                    status, reason = (503, f"{lost}; retry") if lost else (502, r.aborted)
+                    self.counters["requests_failed"] += 1
+                    self._reply(r, m.RequestFailed(r.transfer_id, r.generation, reason, status))
+                return
+            if not failures and not r.aborted:  # writers answer a stream's end only when it failed
+                failures = [m.KVFailed(r.transfer_id, r.generation, "KV stream ended before prefill")]
         if r.aborted:
             self._release(r)
         elif lost:  # the other instance died: answered as the router answers it (503, retry)

@@ -22,6 +22,17 @@ class PrefillScheduler(SchedulerCore):
     def _admitted(self, r: Request) -> None:
         r.state = State.PREFILL
 
+    def _chunk_done(self, r: Request) -> None:
+        """Streaming push: the chunk's blocks may leave for D while the next chunk computes.
+        From the first, the writers may be reading the blocks: they stay ours until every
+        writer rank answers (``SchedulerCore._pinned_by_writers``)."""
+        if self.cfg.mode != "push" or self.cfg.push_stream == "off" or self._holds(r) or r.aborted:
+            return
+        if not r.streamed:
+            r.streamed = True
+            self._stamp(r, "stream_start")
+        self._to_writers(m.StreamKV(r.transfer_id, r.generation, tuple(r.blocks), r.prefilled))
+
     def _prefilled(self, r: Request, tok: int, lp: Optional[m.TokenLogprob] = None) -> None:
         faults.point(self.name, "prefill_done")
         r.state = State.SENDING

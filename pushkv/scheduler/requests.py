@@ -28,6 +28,8 @@ class KVTally:
     nbytes: int = 0
     num_descs: int = 0
     transfer_s: float = 0.0  # the slowest rank's posted -> done
+    parts: int = 0  # streamed part WRITEs (all ranks)
+    stream: str = ""  # "chunk" or "fallback: ..." (from P's writers)
 
     def add(self, nbytes: int, num_descs: int, transfer_s: float) -> None:
         self.nbytes += nbytes
@@ -60,6 +62,8 @@ class Request:
     late: bool = False  # P, push deployment: hold the KV and answer with pull parameters
     reserved_at: float = 0.0  # D: monotonic time its blocks were reserved
     reserved_block_s: float = 0.0  # D: blocks x seconds from reservation until the KV arrived
+    prefilled: int = 0  # prompt tokens whose KV is in the pool (chunked prefill: grows chunk by chunk)
+    streamed: bool = False  # P, streaming push: a chunk's blocks went to the writers before prefill ended
 
     @property
     def key(self) -> tuple[str, int]:
@@ -94,12 +98,15 @@ class Request:
 
 
 def build_batch(prefills: list[Request], running: list[Request], max_num_seqs: int,
-                max_batch_tokens: int) -> list[tuple[Request, m.SeqWork]]:
+                max_batch_tokens: int, prefill_chunk: int = 0) -> list[tuple[Request, m.SeqWork]]:
     """One continuous-batching step: every running decode, then prefills that fit.
 
-    Decodes go first so that admitting prompts never stalls generation; at
-    least one prefill is taken even if it alone exceeds the token budget
-    (prompts are not chunked).
+    Decodes go first so that admitting prompts never stalls generation. Without
+    chunking (``prefill_chunk`` 0) a prompt runs whole, and at least one prefill is
+    taken even if it alone exceeds the token budget. With chunking, a prompt runs
+    from where its last chunk ended, at most ``prefill_chunk`` tokens a step and no
+    more than the budget left after the decodes (at least one token, so a prompt always
+    moves); only its last chunk samples.
     """
     batch: list[tuple[Request, m.SeqWork]] = []
     tokens = 0
@@ -111,10 +118,17 @@ def build_batch(prefills: list[Request], running: list[Request], max_num_seqs: i
     for r in prefills:
         if len(batch) >= max_num_seqs:
             break
-        n = len(r.prompt)
-        if admitted and tokens + n > max_batch_tokens:
+        start = r.prefilled
+        n = len(r.prompt) - start
+        if prefill_chunk > 0:
+            n = min(n, prefill_chunk, max(max_batch_tokens - tokens, 0 if admitted else 1))
+            if n <= 0:
+                break
+        elif admitted and tokens + n > max_batch_tokens:
             break
         admitted += 1
-        batch.append((r, m.SeqWork(r.seq_id, r.prompt, 0, tuple(r.blocks), **r.sample_fields())))
+        last = start + n == len(r.prompt)
+        fields = r.sample_fields() if last else {"sample": False}
+        batch.append((r, m.SeqWork(r.seq_id, r.prompt[start:start + n], start, tuple(r.blocks), **fields)))
         tokens += n
     return batch

@@ -99,6 +99,7 @@ class InFlight:
     nbytes: int = 0  # (spin_s of it: how long we drive progress at full rate)
     num_descs: int = 0
     failed: str = ""
+    part: bool = False  # a streamed part WRITE (no notification; the last WRITE follows)
 
 
 class WriterBase(Actor):
@@ -113,7 +114,7 @@ class WriterBase(Actor):
         self.grid: Optional[DescGrid] = None  # our pool's descriptor grid, prepared in NIXL
         self.peers: dict[tuple[str, int], Peer] = {}  # (engine_id, rank) -> peer
         self.peers_by_agent: dict[str, Peer] = {}
-        self.inflight: dict[tuple[str, int], InFlight] = {}
+        self.inflight: dict[tuple, InFlight] = {}  # (tid, gen), or (tid, gen, n) for a streamed part
         self.links: dict[tuple[str, int], PeerLink] = {}  # handshakes we initiated
         self.waits: dict[object, PeerWait] = {}  # requests waiting for handshakes
         self._link_failed: dict[tuple[str, int], str] = {}  # failures not yet told to waits

@@ -5,6 +5,7 @@ Pull mode: holds finished blocks under a lease until D's READ is done.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Union
@@ -14,6 +15,7 @@ from pushkv import messages as m
 from pushkv.protocol import actions as A
 from pushkv.protocol import rendezvous as rv
 from pushkv.protocol.lease import Leases
+from pushkv.kv.layout import window_group
 from pushkv.protocol.tp import consumers_for, head_overlap
 from pushkv.transport.nixl_agent import TransferError
 from pushkv.writer.base import InFlight, WriterBase
@@ -32,7 +34,8 @@ class PrefillTransfer:
     outcome: Optional[Union[A.Completed, A.Failed]] = None  # until FreeBlocks reports it
     nbytes: int = 0  # of the WRITE, once posted
     num_descs: int = 0
-    write_s: float = 0.0  # post to completion
+    write_s: float = 0.0  # post to completion (the last WRITE)
+    parts: int = 0  # streamed part WRITEs posted
     stages: dict[str, float] = field(default_factory=dict)  # writer-side timeline (wall time)
 
 
@@ -40,7 +43,10 @@ class PrefillWriter(WriterBase):
     def __init__(self, cfg, inst, rank):
         super().__init__(cfg, inst, rank)
         t = cfg.timeouts
-        self.rdv = rv.PushRendezvous(rank, inst.tp, self.layout.total_kv_heads, t.registration_wait_s, t.transfer_s)
+        self.stream, unit = stream_plan(cfg, inst, self.layout)
+        self.rdv = rv.PushRendezvous(rank, inst.tp, self.layout.total_kv_heads, t.registration_wait_s, t.transfer_s,
+                                     stream_unit=unit)
+        self._parts_posted = 0  # keys of part WRITEs in flight: (tid, gen, n)
         self.leases = Leases(t.lease_s)
         self._transfers: dict[tuple[str, int], PrefillTransfer] = {}
 
@@ -65,6 +71,22 @@ class PrefillWriter(WriterBase):
             return
         self.apply(acts, now)
         self._sync_warm((tid, gen), now)
+
+    def on_StreamKV(self, msg: m.StreamKV) -> None:
+        """A prefill chunk ended: WRITE what is whole now (once D's registration is here)."""
+        now = time.monotonic()
+        self._last_activity = now
+        self.counters["stream_progress_received"] += 1
+        key = (msg.transfer_id, msg.generation)
+        self._stamp(key, "stream_progress")
+        self._poll_notifs(now)
+        try:
+            acts = self.rdv.on_prefill_progress(msg.transfer_id, msg.generation, msg.block_ids, msg.num_tokens, now)
+        except A.ProtocolError as e:
+            self._refused(msg, e)
+            return
+        self.apply(acts, now)
+        self._sync_warm(key, now)
 
     def _refused(self, msg, e: Exception) -> None:
         """A half the protocol refuses (its transfer already finished, say): these blocks were
@@ -183,15 +205,20 @@ class PrefillWriter(WriterBase):
         t = self._transfers.pop((a.transfer_id, a.generation), None) or PrefillTransfer()
         if isinstance(t.outcome, A.Completed):
             self.send(self.sched, m.KVSent(a.transfer_id, a.generation, t.nbytes, t.num_descs, t.write_s,
-                                           t.outcome.order, tuple(t.stages.items())))
+                                           t.outcome.order, tuple(t.stages.items()), t.parts, self.stream))
         else:
             reason = t.outcome.reason if isinstance(t.outcome, A.Failed) else a.reason
             self.send(self.sched, m.KVFailed(a.transfer_id, a.generation, reason or "transfer failed", lost=self._lost))
 
     def _post_write(self, a, now: float) -> None:
-        faults.point(self.name, "post_write")
-        self._stamp((a.transfer_id, a.generation), "write_post_start")  # to write_posted: our post cost
-        fl = InFlight(a.transfer_id, a.generation, posted=now)
+        faults.point(self.name, "post_write" if a.last else "post_part")
+        key = (a.transfer_id, a.generation)
+        if a.last:
+            self._stamp(key, "write_post_start")  # to write_posted: our post cost
+        else:
+            self._stamp(key, "part_post_first")
+        fl = InFlight(a.transfer_id, a.generation, posted=now, part=not a.last)
+        t0 = a.token_start
         try:
             for reg in a.registrations:
                 peer = self.peers.get((reg.d_engine_id, reg.d_rank))
@@ -200,11 +227,16 @@ class PrefillWriter(WriterBase):
                 heads = head_overlap(self.rank, self.inst.tp, reg.d_rank, reg.d_tp, self.layout.total_kv_heads)
                 if heads is None:
                     continue
-                h, nbytes, runs = self.post_blocks(
-                    "WRITE", peer, heads, a.block_ids, reg.block_ids, a.num_tokens,
-                    lambda n, r: m.encode(m.WriteDone(a.transfer_id, a.generation, self.rank, a.first_token, n, r)))
+                # a part (or the last WRITE after parts) starts at a token that is a whole block
+                # on both sides (the rendezvous' stream unit), so it is whole blocks of both tables
+                src = a.block_ids[t0 // self.layout.block_size:]
+                dst = reg.block_ids[t0 // peer.layout.block_size:]
+                notif = ((lambda n, r: m.encode(m.WriteDone(a.transfer_id, a.generation, self.rank, a.first_token, n, r)))
+                         if a.last else (lambda n, r: b""))
+                h, nbytes, runs = self.post_blocks("WRITE", peer, heads, src, dst, a.num_tokens, notif)
                 fl.handles.append(h)
-                self._stamp((a.transfer_id, a.generation), "write_post_returned")  # the NIXL post to this D rank returned
+                if a.last:
+                    self._stamp(key, "write_post_returned")  # the NIXL post to this D rank returned
                 # after the post, off its path: the hint's ZMQ message wakes D's loop at once, and D's
                 # polling only speeds up seeing our notification (the data moves without it); a warm D
                 # polls already, and the hint's send costs 20-40 us here
@@ -212,35 +244,48 @@ class PrefillWriter(WriterBase):
                     self.wake_peer(peer, a.transfer_id, a.generation, nbytes)
                 else:
                     self.counters["wake_hints_skipped"] += 1
-                self._stamp((a.transfer_id, a.generation), "write_woke")
-                self.counters["write_posts"] += 1  # one per D rank this rank writes into
+                if a.last:
+                    self._stamp(key, "write_woke")
+                self.counters["write_posts" if a.last else "part_posts"] += 1  # one per D rank this rank writes into
                 fl.nbytes += nbytes
                 fl.num_descs += runs
         except Exception as e:  # failed to post: tell D now, not at its deadline
             self.counters["write_post_failed"] += 1
             log.error("%s: WRITE post failed: %s transfer_id=%s", self.name, e, a.transfer_id)
             fl.failed = f"WRITE failed to post: {e}"
-        self.trace_event("write_posted", a.transfer_id, f"{fl.nbytes}B/{fl.num_descs}d")
-        self._stamp((a.transfer_id, a.generation), "write_posted")
-        t = self._record((a.transfer_id, a.generation))
-        t.nbytes, t.num_descs = fl.nbytes, fl.num_descs
+        self.trace_event("write_posted" if a.last else "part_posted", a.transfer_id, f"{fl.nbytes}B/{fl.num_descs}d")
+        t = self._record(key)
+        t.nbytes += fl.nbytes
+        t.num_descs += fl.num_descs
+        if a.last:
+            self._stamp(key, "write_posted")
+            ikey = key
+        else:
+            t.parts += 1
+            self.counters["part_bytes"] += fl.nbytes
+            self._parts_posted += 1
+            ikey = (a.transfer_id, a.generation, self._parts_posted)
         if fl.handles:
-            self.inflight[(a.transfer_id, a.generation)] = fl
-            self.settle((a.transfer_id, a.generation))
+            self.inflight[ikey] = fl
+            self.settle(ikey)
         else:
             self.transfer_finished(fl, now)
 
     def transfer_finished(self, fl: InFlight, now: float) -> None:
         key = (fl.transfer_id, fl.generation)
-        self._record(key).write_s = now - fl.posted
-        self._stamp(key, "write_done")
-        self.trace_event("write_done" if not fl.failed else "write_failed", fl.transfer_id)
+        if fl.part:
+            self._stamp(key, "part_done_last")
+            self._record(key).stages["part_done_last"] = time.time()  # the newest part's completion
+        else:
+            self._record(key).write_s = now - fl.posted
+            self._stamp(key, "write_done")
+        self.trace_event(("part" if fl.part else "write") + ("_done" if not fl.failed else "_failed"), fl.transfer_id)
         if fl.failed:
-            acts = self.rdv.on_write_failed(fl.transfer_id, fl.generation, fl.failed, now)
+            acts = self.rdv.on_write_failed(fl.transfer_id, fl.generation, fl.failed, now, part=fl.part)
         else:
             self.counters["bytes_written"] += fl.nbytes
-            self.counters["writes"] += 1
-            acts = self.rdv.on_write_done(fl.transfer_id, fl.generation, now)
+            self.counters["parts" if fl.part else "writes"] += 1
+            acts = self.rdv.on_write_done(fl.transfer_id, fl.generation, now, part=fl.part)
         self.apply(acts, now)
 
     def expire(self, now: float) -> None:
@@ -249,3 +294,18 @@ class PrefillWriter(WriterBase):
         nd = self.leases.next_deadline()
         if nd is not None and nd <= now:
             self.apply(self.leases.expire(now), now)
+
+
+def stream_plan(cfg, inst, layout) -> tuple[str, int]:
+    """(what the stats say, tokens per streamed unit) for this P instance: a part WRITE
+    starts and ends on a whole block of both sides (the lcm of the two block sizes); 0 =
+    no parts, every transfer is one WRITE at the end of prefill."""
+    if cfg.mode != "push" or cfg.push_stream == "off":
+        return "", 0
+    if cfg.push_stream == "layer":
+        return "fallback: layer streaming is not built; one WRITE at prefill end", 0
+    if window_group(layout) >= 0:  # a window group moves only the blocks of the last window
+        return "fallback: sliding-window layers; one WRITE at prefill end", 0
+    if inst.prefill_chunk <= 0:
+        return "fallback: --prefill-chunk is 0 (prompts are not chunked); one WRITE at prefill end", 0
+    return "chunk", math.lcm(inst.block_size, cfg.decode.block_size)
