@@ -55,6 +55,22 @@ with launched('--mode', '$mode', '--device', 'cuda', '--model', 'medium', '--num
            python3 -m tools.stages "$OUT/sweep8b" | tee "$OUT/stages8b.txt"
            python3 -m tools.plot "$OUT/sweep8b" --out "$OUT/sweep8b.png" 2>&1 | tee "$OUT/table8b.txt"
            (cd "$OUT" && tar czf sweep8b_json.tgz sweep8b) ;;
+    readprobe) # READ against WRITE between two processes on one GPU, under UCX variants
+           for v in "" UCX_RNDV_SCHEME=put_zcopy UCX_RNDV_SCHEME=get_zcopy UCX_TLS=cuda_ipc,cuda_copy,sm,self,tcp; do
+             for op in WRITE READ; do echo "-- $op ${v:-default}"
+               env $v timeout 90 python3 -m tools.nixl_probe --device cuda:0 --peer-device cuda:0 --op $op --ways adhoc \
+                 --sizes-mib 64 256 --reps 3 2>&1 | grep -E "MiB|copy|arrived" | tee -a "$OUT/readprobe.txt"; done; done
+           for op in WRITE READ; do UCX_PROTO_INFO=y timeout 90 python3 -m tools.nixl_probe --device cuda:0 --peer-device cuda:0 \
+               --op $op --ways adhoc --sizes-mib 64 --reps 1 > "$OUT/proto_$op.log" 2>&1
+             grep -B3 -A10 -E "ucp_(get|put)" "$OUT/proto_$op.log" | grep -v NIXL | head -120 > "$OUT/proto_$op.txt"
+             rm -f "$OUT/proto_$op.log"; done ;;
+    streamgpu) # lone requests, push against push-chunk (and the others), one GPU shared by P and D
+           timeout 560 python3 -m tools.stream_bench --modes ${STREAM_MODES:-push push-chunk pull-inline local} \
+             --lengths ${STREAM_LENGTHS:-2048 8192 16384} --reps ${STREAM_REPS:-2} --vocab 150000 \
+             --up-args "--model qwen3-8b --device cuda:0 --num-blocks 8192 --max-batch-tokens 16384 --prefill-chunk ${STREAM_CHUNK:-2048} ${STREAM_UP:-}" \
+             --title "qwen3-8b, one H200 (P and D share it) ${UCX_TLS:+UCX_TLS=$UCX_TLS}" --out "$OUT/${STREAM_NAME:-stream}" \
+             2>&1 | grep -v "^20" | tee "$OUT/${STREAM_NAME:-stream}.txt" | tail -20
+           rm -f "$OUT/${STREAM_NAME:-stream}"/*.log ;;
     probe) # raw NIXL WRITE below the writer (tools/nixl_probe.py), then UCX variants
            timeout 120 python3 -m tools.nixl_probe ${PROBE_DEV:---device cuda:0 --peer-device cuda:1} \
              --out "$OUT/probe.json" 2>&1 | grep -v "NIXL INFO" | tee "$OUT/probe.txt"

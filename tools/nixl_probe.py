@@ -91,7 +91,8 @@ def _wait_done(a, h) -> float:
 
 
 def probe(device: str, peer_device: str, sizes_mib: list[float], reps: int, gap_ms: float = 0.0,
-          gap_spin: bool = False, heartbeat_ms: float = 0.0, local_ms: float = 0.0) -> dict:
+          gap_spin: bool = False, heartbeat_ms: float = 0.0, local_ms: float = 0.0, op: str = "WRITE",
+          ways: tuple[str, ...] = ("adhoc", "adhoc+notif", "prepped+notif", "split64+notif")) -> dict:
     import torch
 
     from tools.transfer_report import plain_copy_gbps
@@ -142,22 +143,22 @@ def probe(device: str, peer_device: str, sizes_mib: list[float], reps: int, gap_
             t0 = time.perf_counter()
             if way.startswith("prepped"):
                 idx = np.arange(max(1, size // CHUNK), dtype=np.int64)
-                h = a._agent.make_prepped_xfer("WRITE", a._local_dlist, idx, a._remote_dlists[remote], idx, tag)
+                h = a._agent.make_prepped_xfer(op, a._local_dlist, idx, a._remote_dlists[remote], idx, tag)
                 made.append(time.perf_counter() - t0)
                 if a._agent.transfer(h) == "ERR":
                     raise RuntimeError("post failed")
             elif way.startswith("split64"):
                 part = size // 64
-                h = a.post("WRITE", [(i * part, i * part, part) for i in range(64)], buf.data_ptr(),
+                h = a.post(op, [(i * part, i * part, part) for i in range(64)], buf.data_ptr(),
                            remote, d_base, tag, d_dev)
             else:
-                h = a.post("WRITE", [(0, 0, size)], buf.data_ptr(), remote, d_base, tag, d_dev)
+                h = a.post(op, [(0, 0, size)], buf.data_ptr(), remote, d_base, tag, d_dev)
             t1 = time.perf_counter()
             t2 = _wait_done(a, h)
             a.release(h)
             return t1 - t0, t2 - t0, tag, t0
 
-        for way in ("adhoc", "adhoc+notif", "prepped+notif", "split64+notif"):
+        for way in ways:
             for s in sizes_mib:
                 size = int(s * 2**20)
                 if way.startswith("prepped") and size % CHUNK:
@@ -195,11 +196,12 @@ def probe(device: str, peer_device: str, sizes_mib: list[float], reps: int, gap_
                        "gbps": size / statistics.median(dones) / 1e9,
                        "make_us": made[-1] * 1e6 if made else float("nan")}
                 rows.append(row)
-                print(f"{way:>14} {s:>8.2f} MiB  post {row['post_us']:>8.1f} us  done {row['done_us']:>9.1f} us "
+                print(f"{op} {way:>14} {s:>8.2f} MiB  post {row['post_us']:>8.1f} us  done {row['done_us']:>9.1f} us "
                       f"(min {row['done_min_us']:>9.1f})  notif seen {row['notif_us']:>9.1f} us  "
                       f"{row['gbps']:>7.2f} GB/s  (last post's make_prepped_xfer {row['make_us']:.1f} us)", flush=True)
         here.send("check")
-        ok = here.recv() == 9 * (1 << 20)
+        ok = here.recv() == 9 * (1 << 20) if op == "WRITE" else (
+            int(buf[: 1 << 20].sum().item()) == (7 if peer_device == "cpu" else 0) * (1 << 20))  # the peer's fill
         a.deregister()
     finally:
         here.send("stop")
@@ -224,10 +226,13 @@ def main() -> None:
                     help="with --gap-spin: a one-chunk WRITE to the peer this often in the gap (keep-warm candidate)")
     ap.add_argument("--local-ms", type=float, default=0.0,
                     help="with --gap-spin: a 4 KiB copy on our GPU this often in the gap (keep-warm candidate)")
+    ap.add_argument("--op", choices=("WRITE", "READ"), default="WRITE",
+                    help="READ: the first process reads the peer's buffer into its own (pull's direction)")
+    ap.add_argument("--ways", nargs="+", default=["adhoc", "adhoc+notif", "prepped+notif", "split64+notif"])
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     res = probe(a.device, a.peer_device or a.device, a.sizes_mib, a.reps, a.gap_ms, a.gap_spin, a.heartbeat_ms,
-                a.local_ms)
+                a.local_ms, a.op, tuple(a.ways))
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)

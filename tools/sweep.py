@@ -19,6 +19,7 @@ from tools import bench
 # label -> `pushkv up` arguments
 MODES: dict[str, list[str]] = {
     "push": ["--mode", "push"],
+    "push-chunk": ["--mode", "push", "--push-stream", "chunk"],  # with --prefill-chunk in the up args
     "pull-inline": ["--mode", "pull", "--pull-read", "inline"],
     "pull-background": ["--mode", "pull", "--pull-read", "background"],
     "pull-write": ["--mode", "pull", "--pull-read", "write"],

@@ -1,0 +1,172 @@
+"""pushkv-stream-bench: lone requests per mode and prompt length, with the stage breakdown
+that shows what streaming push hides.
+
+For each mode it starts one deployment (``pushkv up`` as a subprocess, pushkv.launch),
+sends each prompt length ``--reps`` times one at a time (after one warm-up), and takes
+from every answer's timeline:
+
+- TTFT: router arrival -> the router's first token;
+- prefill: P's first chunk start -> P's prefill end (local: the one instance's);
+- tail: P's prefill end -> D has every byte (``decode.kv_received``): what streaming shrinks;
+- parts: streamed part WRITEs (``KVTransferStats.parts``, summed over P ranks).
+
+It prints medians per (mode, length), each mode's TTFT against ``push`` (stream off) measured
+in the same run, the goal check ``TTFT(push-chunk) <= TTFT(push) - 0.8 x min(prefill, transfer)``
+(transfer = push's own tail, which is the whole transfer when nothing streams), writes JSON and
+a plot of TTFT against prompt length, one line per mode.
+
+    python -m tools.stream_bench --modes push push-chunk pull-inline local \\
+        --lengths 1024 4096 --up-args "--model small --prefill-chunk 512"
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shlex
+import statistics
+import sys
+import time
+
+from pushkv.launch import launched
+from tools.sweep import MODES
+
+
+def _stage(tl: dict, *names: str):
+    for n in names:
+        if n in tl:
+            return tl[n]
+    return None
+
+
+def measure(body: dict) -> dict:
+    """One answer's figures (ms) from its timeline."""
+    tl = body["pushkv"]["timeline"]
+    arrival = tl["router.arrival"]
+    start = _stage(tl, "prefill.prefill_start", "local.prefill_start")
+    end = _stage(tl, "prefill.prefill_end", "local.prefill_end")
+    landed = _stage(tl, "decode.kv_received")
+    kv = body["pushkv"].get("kv") or {}
+    return {
+        "ttft_ms": (tl["router.first_token"] - arrival) * 1e3,
+        "prefill_ms": (end - start) * 1e3 if start and end else float("nan"),
+        "tail_ms": (landed - end) * 1e3 if landed and end else float("nan"),
+        "parts": kv.get("parts", 0) if isinstance(kv, dict) else 0,
+    }
+
+
+def run_mode(mode: str, up_args: list[str], lengths: list[int], reps: int, vocab: int, seed: int,
+             log_dir: str, timeout_s: float) -> dict[int, list[dict]]:
+    rng = random.Random(seed)
+    out: dict[int, list[dict]] = {}
+    with launched(*MODES[mode], *up_args, log_path=os.path.join(log_dir, f"{mode}.log"),
+                  start_timeout_s=timeout_s) as dep:
+        for n in lengths:
+            rows = []
+            for i in range(reps + 1):
+                prompt = [rng.randrange(1, vocab) for _ in range(n)]
+                status, body = dep.post("/v1/completions", {"prompt": prompt, "max_tokens": 2})
+                if status != 200:
+                    raise RuntimeError(f"{mode} {n}: HTTP {status}: {body}")
+                if i:  # the first of each length warms that shape
+                    rows.append(measure(body))
+            out[n] = rows
+            med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+            print(f"{mode:>16} {n:>6} tokens  TTFT {med['ttft_ms']:>9.1f} ms  prefill {med['prefill_ms']:>9.1f} ms  "
+                  f"tail {med['tail_ms']:>8.1f} ms  parts {med['parts']:.0f}", flush=True)
+    return out
+
+
+def summarize(results: dict[str, dict[int, list[dict]]]) -> list[dict]:
+    rows = []
+    base = results.get("push", {})
+    for mode, cells in results.items():
+        for n, reps in cells.items():
+            med = {k: statistics.median(r[k] for r in reps) for k in reps[0]}
+            row = {"mode": mode, "tokens": n, **med}
+            if n in base:
+                b = {k: statistics.median(r[k] for r in base[n]) for k in base[n][0]}
+                row["ttft_vs_push"] = med["ttft_ms"] / b["ttft_ms"]
+                if mode.startswith("push-"):
+                    hide = 0.8 * min(b["prefill_ms"], b["tail_ms"])
+                    row["goal_ms"] = b["ttft_ms"] - hide
+                    row["hidden_ms"] = b["ttft_ms"] - med["ttft_ms"]
+            rows.append(row)
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    head = (f"{'mode':>16} {'tokens':>6} {'TTFT ms':>9} {'prefill':>9} {'tail':>8} {'parts':>5} "
+            f"{'vs push':>7} {'hidden':>8} {'goal<=':>9}")
+    lines = [head]
+    for r in rows:
+        lines.append(f"{r['mode']:>16} {r['tokens']:>6} {r['ttft_ms']:>9.1f} {r['prefill_ms']:>9.1f} "
+                     f"{r['tail_ms']:>8.1f} {r['parts']:>5.0f} {r.get('ttft_vs_push', float('nan')):>7.3f} "
+                     f"{r.get('hidden_ms', float('nan')):>8.1f} {r.get('goal_ms', float('nan')):>9.1f}")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        pts = sorted((r["tokens"], r["ttft_ms"]) for r in rows if r["mode"] == mode)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("TTFT, lone request (ms, median)")
+    ax.set_xscale("log", base=2)
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--modes", nargs="+", default=["push", "push-chunk", "pull-inline", "pull-background", "local"],
+                    choices=sorted(MODES))
+    ap.add_argument("--lengths", nargs="+", type=int, default=[256, 1024, 2048])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--vocab", type=int, default=250, help="prompt ids are drawn below this")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--up-args", default="", help="extra `pushkv up` arguments for every mode, one shell string")
+    ap.add_argument("--title", default="")
+    ap.add_argument("--out", default="stream_bench", help="directory for JSON, logs and the plot")
+    ap.add_argument("--start-timeout", type=float, default=240.0)
+    ap.add_argument("--replot", metavar="DIR", help="only redraw DIR/ttft.png from DIR/stream_bench.json")
+    args = ap.parse_args(argv)
+    if args.replot:
+        saved = json.load(open(os.path.join(args.replot, "stream_bench.json")))
+        plot(saved["rows"], os.path.join(args.replot, "ttft.png"), args.title or saved["args"].get("title") or "")
+        print(format_rows(saved["rows"]))
+        return 0
+    os.makedirs(args.out, exist_ok=True)
+    results: dict[str, dict[int, list[dict]]] = {}
+    t0 = time.monotonic()
+    for mode in args.modes:
+        try:
+            results[mode] = run_mode(mode, shlex.split(args.up_args), args.lengths, args.reps, args.vocab,
+                                     args.seed, args.out, args.start_timeout)
+        except (RuntimeError, TimeoutError) as e:
+            print(f"{mode}: {e}", file=sys.stderr)
+    rows = summarize(results)
+    print(format_rows(rows))
+    print(f"({time.monotonic() - t0:.0f} s)")
+    with open(os.path.join(args.out, "stream_bench.json"), "w") as f:
+        json.dump({"args": vars(args), "rows": rows, "raw": results}, f, indent=1)
+    if rows:
+        try:
+            plot(rows, os.path.join(args.out, "ttft.png"), args.title or args.up_args)
+        except ImportError as e:  # no matplotlib here: `pushkv-stream-bench --replot DIR` elsewhere
+            print(f"no plot: {e}", file=sys.stderr)
+    return 0 if len(results) == len(args.modes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
