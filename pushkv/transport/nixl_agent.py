@@ -8,6 +8,7 @@ something is in flight and slowly when idle.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Iterator, Optional, Sequence
 
 import msgspec
@@ -21,6 +22,22 @@ class TransferError(RuntimeError):
     pass
 
 
+# UCX's cuda_ipc transport turns its GET off on a GPU with no active NVLink ("platforms known
+# to have slower performance"), so a READ between two pools on one GPU, or between PCIe GPUs,
+# fell back to UCX's software emulation over TCP: 0.5 GB/s against a WRITE's 1.2-1.7 TB/s on an
+# H200 (tools/nixl_probe.py --op READ). A device-to-device GET is a copy engine's work either
+# way, far faster than the emulation, so pushkv turns it on unless the operator chose.
+CUDA_IPC_GET = ("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
+
+
+def transport_env(device: str, environ=os.environ) -> dict[str, str]:
+    """UCX settings a NIXL agent on ``device`` is created with (those not set already)."""
+    if device == "cpu":
+        return {}
+    key, value = CUDA_IPC_GET
+    return {} if key in environ else {key: value}
+
+
 class NixlAgent:
     def __init__(self, name: str, backends: Sequence[str] = ("UCX",), device: str = "cpu"):
         from nixl._api import nixl_agent, nixl_agent_config
@@ -28,6 +45,7 @@ class NixlAgent:
         self.name = name
         self.mem_type = "DRAM" if device == "cpu" else "VRAM"
         self.dev_id = 0 if device == "cpu" else int(device.split(":")[-1] or 0)
+        os.environ.update(transport_env(device))  # UCX reads its configuration when the agent is made
         cfg = nixl_agent_config(enable_prog_thread=False, backends=list(backends))
         self._agent = nixl_agent(name, cfg)
         self._reg = None
