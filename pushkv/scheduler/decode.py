@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from typing import Optional
 
+from pushkv import faults
 from pushkv import messages as m
 from pushkv.config import DeploymentConfig, InstanceConfig
 from pushkv.scheduler.core import SchedulerCore, WriterAnswer
@@ -42,6 +43,7 @@ class DecodeScheduler(SchedulerCore):
         self.renews = cfg.mode == "pull" and cfg.pull_read != "write"
         self.renew_every_s = cfg.timeouts.lease_s / RENEWALS_PER_LEASE
         self.next_renewal = 0.0
+        self.stalled_until = 0.0  # tests: an injected stall (faults.delay "admit") ends then
 
     def _check_leg(self, msg: m.Generate) -> Optional[tuple[str, int]]:
         if msg.source is None and msg.pull is None:
@@ -52,7 +54,12 @@ class DecodeScheduler(SchedulerCore):
         return None
 
     def _engine_blocked(self) -> bool:
-        return self.blocked_on is not None
+        if self.blocked_on is not None:
+            return True
+        stall = faults.delay(self.name, "admit")  # tests only: one falsy check otherwise
+        if stall:
+            self.stalled_until = time.monotonic() + stall
+        return bool(self.stalled_until) and time.monotonic() < self.stalled_until
 
     def _forget(self, r: Request) -> None:
         if self.blocked_on == r.key:
@@ -94,6 +101,9 @@ class DecodeScheduler(SchedulerCore):
     # -- pull: P's lease lives while we still mean to read -----------------------------
     def tick(self, now: float) -> None:
         super().tick(now)
+        if self.stalled_until and now >= self.stalled_until:
+            self.stalled_until = 0.0
+            self.schedule()
         if self.renews and now >= self.next_renewal:
             self.next_renewal = now + self.renew_every_s
             self._renew_leases()
