@@ -1,9 +1,14 @@
-"""Fault injection for tests: kill this process at a named protocol point.
+"""Fault injection for tests: kill this process at a named protocol point, or stall it.
 
 With ``PUSHKV_FAULTS_DIR`` set, a process reaching point ``P`` SIGKILLs
 itself if the file ``arm-<process name>-<P>`` exists there, removing it first
 (so the restarted process does not fire again). A test arms one fault at a
 time on a running deployment. Unset: one falsy check.
+
+``delay(process, P)`` is the other kind: the seconds written in
+``delay-<process name>-<P>`` (removed as it is read), for the process to hold
+back there without blocking its loop (D's scheduler: admit nothing and run no
+step that long, as a long READ ahead in the queue would).
 """
 from __future__ import annotations
 
@@ -27,3 +32,25 @@ def point(process: str, name: str) -> None:
     except FileNotFoundError:
         return
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def arm_delay(directory: str, process: str, point_name: str, seconds: float) -> str:
+    path = os.path.join(directory, f"delay-{process}-{point_name}")
+    with open(path + ".tmp", "w") as f:
+        f.write(repr(float(seconds)))
+    os.replace(path + ".tmp", path)  # never seen half-written
+    return path
+
+
+def delay(process: str, name: str) -> float:
+    """Seconds to hold back at point ``name`` once (0.0: not armed)."""
+    if not _DIR:
+        return 0.0
+    path = os.path.join(_DIR, f"delay-{process}-{name}")
+    try:
+        with open(path) as f:
+            text = f.read()
+        os.unlink(path)
+    except FileNotFoundError:
+        return 0.0
+    return float(text)

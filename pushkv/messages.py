@@ -334,7 +334,16 @@ class WriterStats(Msg):
     counters: dict[str, int] = {}
 
 
-SchedulerToWriter = Union[SendKV, HoldKV, ExpectKV, ReadKV, CancelKV, GetStats, PeerLost, StreamKV]
+class RenewKV(Msg):
+    """D (pull): this request still means to read P's blocks (queued here, or its READ in
+    flight on this rank): renew P's lease on them with the producer ranks we read from."""
+
+    transfer_id: str
+    generation: int
+    source: PrefillSource
+
+
+SchedulerToWriter = Union[SendKV, HoldKV, ExpectKV, ReadKV, CancelKV, GetStats, PeerLost, StreamKV, RenewKV]
 WriterToScheduler = Union[KVSent, KVReceived, KVFailed, WriterStats]
 
 
@@ -391,7 +400,16 @@ class CancelTransfer(Msg):
     reason: str
 
 
-PeerNotif = Union[Register, WriteDone, WriteFailed, ReadDone, CancelTransfer]
+class RenewLease(Msg):
+    """D -> P (pull): D rank ``d_rank`` still means to read; push the lease's deadline on
+    (``protocol/lease.py``: now + lease_s, never past the cap lease_max_s)."""
+
+    transfer_id: str
+    generation: int
+    d_rank: int
+
+
+PeerNotif = Union[Register, WriteDone, WriteFailed, ReadDone, CancelTransfer, RenewLease]
 
 
 # ---------------------------------------------------------------------------

@@ -6,6 +6,8 @@ block is back at the end of every path.
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from pushkv import messages as m
@@ -188,3 +190,48 @@ def test_a_transfer_failed_by_a_dead_peer_instance_is_answered_as_that_death():
     failed = wire.take("router")
     assert [(type(x), x.status, x.reason) for x in failed] == [(m.RequestFailed, 503, lost + "; retry")]
     assert all_free(s)
+
+
+def renewals(wire, rank: int) -> list[str]:
+    return [x.transfer_id for x in wire.take(f"writer-{rank}") if isinstance(x, m.RenewKV)]
+
+
+def test_decode_pull_renews_p_leases_while_it_still_means_to_read():
+    """Every lease_s / 3, each pull request queued or waiting for its READ is renewed through
+    every writer rank that has not answered it; nothing once it reads no more."""
+    pull = m.PullParams(P_SRC, (0, 1), 3, 42, 0.0)
+    s, wire = make("decode", mode="pull", pull_read="inline")
+    every = s.cfg.timeouts.lease_s / 3
+    generate(s, "t1", "decode", pull=pull)
+    generate(s, "t2", "decode", pull=pull)  # queued behind t1's READ (inline)
+    wire.take("writer")
+    t0 = time.monotonic()
+    s.tick(t0)
+    assert renewals(wire, 0) == ["t1", "t2"] and renewals(wire, 1) == ["t1", "t2"]
+    assert wire.take("writer") == []
+    deliver(s, s.writers[0], m.KVReceived("t1", 0, 42))  # rank 0 has read t1; rank 1 still reads
+    s.tick(t0 + every * 0.5)
+    assert wire.take("writer") == []  # not due yet
+    s.tick(t0 + every)
+    assert renewals(wire, 0) == ["t2"] and renewals(wire, 1) == ["t1", "t2"]
+    deliver(s, s.writers[1], m.KVReceived("t1", 0, 42))  # t1 decodes; t2 is admitted and reads
+    assert [type(x) for x in wire.take("writer")] == [m.ReadKV, m.ReadKV]
+    s.tick(t0 + every * 2)
+    assert renewals(wire, 0) == renewals(wire, 1) == ["t2"]
+    deliver(s, s.front, m.Abort("t2", 0), ROUTER_ID)  # aborted: its READ is being cancelled
+    assert [type(x) for x in wire.take("writer")] == [m.CancelKV, m.CancelKV]
+    s.tick(t0 + every * 3)
+    assert wire.take("writer") == []
+    assert s.counters["lease_renewals_sent"] == 2 + 2 + 1  # one per request per round
+
+
+@pytest.mark.parametrize("mode, pull_read", [("pull", "write"), ("push", "background")])
+def test_decode_renews_nothing_that_holds_no_lease(mode, pull_read):
+    """The write variant and push's late allocation are a rendezvous on P, not a lease."""
+    pull = m.PullParams(P_SRC, (0, 1), 3, 42, 0.0)
+    s, wire = make("decode", mode=mode, pull_read=pull_read)
+    generate(s, "t1", "decode", pull=pull)
+    assert [type(x) for x in wire.take("writer")] == [m.ReadKV, m.ReadKV]
+    for k in range(4):
+        s.tick(time.monotonic() + k * s.cfg.timeouts.lease_s)
+    assert wire.take("writer") == [] and s.counters["lease_renewals_sent"] == 0

@@ -285,3 +285,17 @@ def test_registration_for_unknown_transfer_expires_and_is_answered(pair):
     assert 0.4 < detect_s < 0.5 + 2, detect_s
     p.quiet("orphan")  # no P blocks were involved: nothing for P's scheduler
     print(f"orphan registration: WriteFailed to the registering peer after {detect_s * 1e3:.0f} ms")
+
+
+def test_lease_renewal_for_no_lease_is_counted(pair):
+    """A RenewLease for a lease P does not hold (unknown, or a push transfer): counted, no answer."""
+    cfg, p, d = pair
+    fake = FakePeer("fake-renewer", cfg, "decode")
+    fake.handshake(cfg.prefill.handshake_endpoints[0])
+    before = p.counters()
+    fake.notify(m.encode(m.RenewLease("no-lease", 0, 0)))
+    fake.pump(0.1)
+    c = p.wait_counter("lease_renew_unknown", before.get("lease_renew_unknown", 0) + 1)
+    assert c.get("lease_renewed", 0) == before.get("lease_renewed", 0), c
+    assert fake.notifs(wait_s=0.3) == []
+    p.quiet("no-lease")

@@ -5,5 +5,5 @@
 - :mod:`mapping` -- block ids to merged byte regions between two KV layouts.
 - :mod:`rendezvous` -- P writer's push rendezvous state machine.
 - :mod:`arrivals` -- D writer's completion counting.
-- :mod:`lease` -- pull mode's leased P blocks.
+- :mod:`lease` -- pull mode's leased P blocks (renewed while D still means to read, up to a cap).
 """

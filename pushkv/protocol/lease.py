@@ -1,10 +1,18 @@
 """Pull mode, P side: finished blocks pinned under a lease until D has READ them.
 
-``hold`` pins; every D rank that reads reports ``ReadDone``; when
-``readers_expected`` distinct ranks have, the blocks are freed and the
-transfer completes (order "pull"). A lease that runs out frees the blocks and
-fails the transfer (counted ``lease_expired``). Each held lease ends with
-exactly one :class:`FreeBlocks`.
+``hold`` pins until ``now + lease_s``; every D rank that reads reports
+``ReadDone``; when ``readers_expected`` distinct ranks have, the blocks are
+freed and the transfer completes (order "pull"). A lease that runs out frees
+the blocks and fails the transfer (counted ``lease_expired``). Each held lease
+ends with exactly one :class:`FreeBlocks`.
+
+``renew``: D still means to read (the request waits in D's queue, or its READ
+is in flight), so the deadline moves to ``now + lease_s`` -- but never past
+``held_at + lease_max_s``, the hard cap, so a D that renews forever cannot pin
+P's blocks forever. A lease that runs out after a renewal was clipped by the
+cap fails with its own reason (counted ``lease_cap_reached`` too). A renewal
+is peer input: one for a lease that is unknown, finished, of another
+generation or already past its deadline is counted, never raised.
 
 Caution: an expired lease frees blocks a slow D READ may still be reading;
 ``lease_s`` must exceed D's own READ deadline so D gives up first.
@@ -29,12 +37,21 @@ class _Lease:
     generation: int
     block_ids: tuple[int, ...]
     deadline: Optional[float]
+    held_at: float = 0.0
     readers: set[int] = field(default_factory=set)
+    renewals: int = 0
+    capped: bool = False  # a renewal was clipped at held_at + lease_max_s: the deadline is final
 
 
 class Leases:
-    def __init__(self, lease_s: float, remember: int = REMEMBER_FINISHED):
+    def __init__(self, lease_s: float, lease_max_s: Optional[float] = None, remember: int = REMEMBER_FINISHED):
+        """``lease_max_s`` (default ``lease_s``: renewals cannot extend a lease) caps every lease,
+        renewed or not, at that many seconds after its hold."""
+        lease_max_s = lease_s if lease_max_s is None else lease_max_s
+        if lease_max_s < lease_s:
+            raise ValueError(f"lease_max_s ({lease_max_s}) must be >= lease_s ({lease_s})")
         self.lease_s = lease_s
+        self.lease_max_s = lease_max_s
         self._live: dict[str, _Lease] = {}
         self._finished: OrderedDict[tuple[str, int], None] = OrderedDict()
         self._remember = remember
@@ -51,9 +68,28 @@ class Leases:
         if old is not None:
             out = self._end(old, f"superseded by generation {generation}", ok=False)
             out.append(Count("stale_lease"))
-        self._live[transfer_id] = _Lease(transfer_id, generation, tuple(block_ids), now + self.lease_s)
+        self._live[transfer_id] = _Lease(transfer_id, generation, tuple(block_ids), now + self.lease_s, now)
         self._deadlines.arm(transfer_id, now + self.lease_s)
         return out
+
+    def renew(self, transfer_id: str, generation: int, now: float) -> list[Action]:
+        """D still means to read: the deadline moves to ``now + lease_s``, clipped at the cap."""
+        e = self._match(transfer_id, generation)
+        if e is None:
+            if (transfer_id, generation) in self._finished:
+                return [Count("lease_renew_late")]  # raced the last ReadDone, or came after expiry
+            old = self._live.get(transfer_id)
+            return [Count("lease_renew_stale" if old and generation < old.generation else "lease_renew_unknown")]
+        if now >= e.deadline:  # it ran out: the next expire() ends it, a renewal cannot revive it
+            return [Count("lease_renew_expired")]
+        cap = e.held_at + self.lease_max_s
+        if now + self.lease_s >= cap:  # clipped: the deadline is final from now on
+            e.capped = True
+            self._set_deadline(e, cap)
+            return [Count("lease_renew_capped")]
+        self._set_deadline(e, now + self.lease_s)
+        e.renewals += 1
+        return [Count("lease_renewed")]
 
     def deadline_of(self, transfer_id: str, generation: int) -> Optional[float]:
         e = self._match(transfer_id, generation)
@@ -91,7 +127,13 @@ class Leases:
     def expire(self, now: float) -> list[Action]:
         out: list[Action] = []
         for tid in self._deadlines.due(now):
-            out += self._end(self._live[tid], f"lease of {self.lease_s}s expired", ok=False)
+            e = self._live[tid]
+            if e.capped:
+                reason = (f"lease reached its cap of {self.lease_max_s:g}s (lease_max_s) after "
+                          f"{e.renewals} renewals: D had not read the KV by then")
+                out += self._end(e, reason, ok=False) + [Count("lease_cap_reached")]
+            else:
+                out += self._end(e, f"lease of {self.lease_s}s expired", ok=False)
             out.append(Count("lease_expired"))
         return out
 
@@ -107,6 +149,11 @@ class Leases:
     def _current_deadline(self, tid) -> Optional[float]:
         e = self._live.get(tid)
         return None if e is None else e.deadline
+
+    def _set_deadline(self, e: _Lease, deadline: float) -> None:
+        if deadline > e.deadline:
+            e.deadline = deadline
+            self._deadlines.arm(e.transfer_id, deadline)
 
     def _match(self, tid: str, gen: int) -> Optional[_Lease]:
         e = self._live.get(tid)

@@ -6,16 +6,26 @@ block ids) ``ReadKV`` tells them to READ; with ``pull_read == "inline"`` the
 engine stalls until that READ is done, as the default connector's step does.
 Either way, when every writer rank reports the KV received, the first token
 (sampled by P) is emitted and the request joins the decode batch.
+
+Pull keeps P's lease alive while D still means to read: every ``lease_s / 3``
+each pull request queued here or waiting for its READ gets a ``RenewKV`` to
+every writer rank that has not answered it yet, which tells the P ranks it
+reads from (``RenewLease``); P never extends a lease past ``lease_max_s``.
 """
 from __future__ import annotations
 
 import time
 from typing import Optional
 
+from pushkv import faults
 from pushkv import messages as m
 from pushkv.config import DeploymentConfig, InstanceConfig
 from pushkv.scheduler.core import SchedulerCore, WriterAnswer
 from pushkv.scheduler.requests import Request, State
+
+# renew P's leases this many times per lease_s: two renewals in a row may be lost or late
+# (a busy loop, a handshake under way) before a lease lapses
+RENEWALS_PER_LEASE = 3
 
 
 class DecodeScheduler(SchedulerCore):
@@ -29,6 +39,11 @@ class DecodeScheduler(SchedulerCore):
         self.sources = {p.source() for p in cfg.role_instances("prefill")}
         self.any_source = bool(cfg.registry)
         self.blocked_on: Optional[tuple[str, int]] = None  # pull inline: the READ the engine waits on
+        # pull with a READ (not the write variant, not push's late allocation, which hold no lease)
+        self.renews = cfg.mode == "pull" and cfg.pull_read != "write"
+        self.renew_every_s = cfg.timeouts.lease_s / RENEWALS_PER_LEASE
+        self.next_renewal = 0.0
+        self.stalled_until = 0.0  # tests: an injected stall (faults.delay "admit") ends then
 
     def _check_leg(self, msg: m.Generate) -> Optional[tuple[str, int]]:
         if msg.source is None and msg.pull is None:
@@ -39,7 +54,12 @@ class DecodeScheduler(SchedulerCore):
         return None
 
     def _engine_blocked(self) -> bool:
-        return self.blocked_on is not None
+        if self.blocked_on is not None:
+            return True
+        stall = faults.delay(self.name, "admit")  # tests only: one falsy check otherwise
+        if stall:
+            self.stalled_until = time.monotonic() + stall
+        return bool(self.stalled_until) and time.monotonic() < self.stalled_until
 
     def _forget(self, r: Request) -> None:
         if self.blocked_on == r.key:
@@ -77,3 +97,25 @@ class DecodeScheduler(SchedulerCore):
         self._forget(r)
         first = next(a.first_token for a in answers.values() if isinstance(a, m.KVReceived))
         self._emit(r, first)
+
+    # -- pull: P's lease lives while we still mean to read -----------------------------
+    def tick(self, now: float) -> None:
+        super().tick(now)
+        if self.stalled_until and now >= self.stalled_until:
+            self.stalled_until = 0.0
+            self.schedule()
+        if self.renews and now >= self.next_renewal:
+            self.next_renewal = now + self.renew_every_s
+            self._renew_leases()
+
+    def _renew_leases(self) -> None:
+        """Every pull request queued or waiting for its READ: each writer rank that has not
+        answered it renews P's lease (a rank done reading has told P so already)."""
+        for r in self.reqs.values():
+            if r.pull is None or r.aborted or r.state not in (State.WAITING, State.AWAIT_KV):
+                continue
+            renew = m.RenewKV(r.transfer_id, r.generation, r.pull.source)
+            for ch in self.writers:
+                if ch.index not in r.answers:
+                    self.send(ch, renew)
+            self.counters["lease_renewals_sent"] += 1

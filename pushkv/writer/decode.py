@@ -228,6 +228,30 @@ class DecodeWriter(WriterBase):
         self._with_producers((msg.transfer_id, msg.generation), p.source,
                              lambda peers: self._post_read(msg, peers), time.monotonic())
 
+    def on_RenewKV(self, msg: m.RenewKV) -> None:
+        """Our scheduler still means to read this request's KV: tell the P ranks we read from to
+        keep their lease. Not past our own READ deadline: by then we give the READ up, and P's
+        cap (lease_max_s) bounds the rest. A producer not connected yet gets its handshake started
+        (the READ will need it) and this renewal is skipped: the next one, a third of the lease
+        later, finds it connected."""
+        now = time.monotonic()
+        key = (msg.transfer_id, msg.generation)
+        read, fl = self._reads.get(key), self.inflight.get(key)
+        if read is not None and fl is not None and now - fl.posted > read.deadline_s:
+            self.counters["lease_renew_past_deadline"] += 1
+            return
+        src = msg.source
+        renew = m.RenewLease(msg.transfer_id, msg.generation, self.rank)
+        for r in producers_for(self.rank, self.inst.tp, src.tp, self.layout.total_kv_heads):
+            peer = self.peers.get((src.engine_id, r))
+            if peer is not None:
+                self.notify(peer, renew)
+                self.counters["lease_renewals_sent"] += 1
+            else:
+                self.counters["lease_renew_no_peer"] += 1
+                if r < len(src.handshake):
+                    self.start_link(src.engine_id, r, src.handshake[r], now)
+
     def _post_read(self, msg: m.ReadKV, peers) -> None:
         now = time.monotonic()
         p = msg.pull

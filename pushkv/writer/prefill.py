@@ -47,7 +47,7 @@ class PrefillWriter(WriterBase):
         self.rdv = rv.PushRendezvous(rank, inst.tp, self.layout.total_kv_heads, t.registration_wait_s, t.transfer_s,
                                      stream_unit=unit)
         self._parts_posted = 0  # keys of part WRITEs in flight: (tid, gen, n)
-        self.leases = Leases(t.lease_s)
+        self.leases = Leases(t.lease_s, t.lease_max_s)
         self._transfers: dict[tuple[str, int], PrefillTransfer] = {}
 
     def has_pending(self) -> bool:
@@ -150,6 +150,14 @@ class PrefillWriter(WriterBase):
         readers = len(consumers_for(self.rank, self.inst.tp, peer.tp, self.layout.total_kv_heads)) if peer else 1
         self.transfer_arrived(msg.transfer_id, msg.generation)
         self.apply(self.leases.on_read_done(msg.transfer_id, msg.generation, msg.d_rank, readers), now)
+
+    def notif_RenewLease(self, msg: m.RenewLease, agent: str, now: float) -> None:
+        """D still means to read (queued, or READing): the lease lives on, up to its cap."""
+        if agent not in self.peers_by_agent:
+            self.counters["renew_from_unknown_peer"] += 1
+            log.error("%s: RenewLease from unknown agent %s transfer_id=%s", self.name, agent, msg.transfer_id)
+            return
+        self.apply(self.leases.renew(msg.transfer_id, msg.generation, now), now)
 
     # -- actions of the rendezvous ------------------------------------------------------
     def apply(self, actions, now: float) -> None:
