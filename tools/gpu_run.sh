@@ -55,15 +55,16 @@ with launched('--mode', '$mode', '--device', 'cuda', '--model', 'medium', '--num
            python3 -m tools.stages "$OUT/sweep8b" | tee "$OUT/stages8b.txt"
            python3 -m tools.plot "$OUT/sweep8b" --out "$OUT/sweep8b.png" 2>&1 | tee "$OUT/table8b.txt"
            (cd "$OUT" && tar czf sweep8b_json.tgz sweep8b) ;;
-    readprobe) # READ against WRITE between two processes on one GPU, under UCX variants
-           for v in "" UCX_RNDV_SCHEME=put_zcopy UCX_RNDV_SCHEME=get_zcopy UCX_TLS=cuda_ipc,cuda_copy,sm,self,tcp; do
-             for op in WRITE READ; do echo "-- $op ${v:-default}"
+    readprobe) # READ against WRITE between two processes on one GPU: UCX's default for cuda_ipc GET
+           # (auto: off without active NVLink) against pushkv's (on), then which protocol UCX picks
+           for v in UCX_CUDA_IPC_ENABLE_GET_ZCOPY=auto ""; do
+             for op in WRITE READ; do echo "-- $op ${v:-pushkv default}"
                env $v timeout 90 python3 -m tools.nixl_probe --device cuda:0 --peer-device cuda:0 --op $op --ways adhoc \
                  --sizes-mib 64 256 --reps 3 2>&1 | grep -E "MiB|copy|arrived" | tee -a "$OUT/readprobe.txt"; done; done
-           for op in WRITE READ; do UCX_PROTO_INFO=y timeout 90 python3 -m tools.nixl_probe --device cuda:0 --peer-device cuda:0 \
-               --op $op --ways adhoc --sizes-mib 64 --reps 1 > "$OUT/proto_$op.log" 2>&1
-             grep -B3 -A10 -E "ucp_(get|put)" "$OUT/proto_$op.log" | grep -v NIXL | head -120 > "$OUT/proto_$op.txt"
-             rm -f "$OUT/proto_$op.log"; done ;;
+           for v in UCX_CUDA_IPC_ENABLE_GET_ZCOPY=auto ""; do env $v UCX_PROTO_INFO=y timeout 90 python3 -m tools.nixl_probe \
+               --device cuda:0 --peer-device cuda:0 --op READ --ways adhoc --sizes-mib 64 --reps 1 2>&1 \
+             | grep -A6 -E "read by ucp_get.* cuda.* from cuda" | cut -c34- | grep -E "ucp_get|\| *[0-9]" | sort -u \
+             | tee -a "$OUT/readproto.txt"; echo "-- above: ${v:-pushkv default}" | tee -a "$OUT/readproto.txt"; done ;;
     streamgpu) # lone requests, push against push-chunk (and the others), one GPU shared by P and D
            timeout 560 python3 -m tools.stream_bench --modes ${STREAM_MODES:-push push-chunk pull-inline local} \
              --lengths ${STREAM_LENGTHS:-2048 8192 16384} --reps ${STREAM_REPS:-2} --vocab 150000 \
