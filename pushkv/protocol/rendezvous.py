@@ -22,7 +22,10 @@ prefill chunk reports its progress (``on_prefill_progress``: the prompt's first 
 tokens are in the blocks). In WAIT_PREFILL, once every registration is there, the
 machine asks for a **part** WRITE of the whole units (multiples of ``stream_unit``,
 the lcm of both sides' block sizes, so each part is whole blocks on both sides) not
-yet written; parts carry no notification. At prefill end the **last** WRITE moves
+yet written; parts carry no notification. One part is in flight at a time: the next
+one is asked for when it completes and takes everything computed meanwhile, so the
+link carries one WRITE at a time (concurrent WRITEs over TCP shared it and each ran
+past its expected time) and a fast link posts few, large parts. At prefill end the **last** WRITE moves
 the rest with the completion notification, and is asked for only once every part
 has completed, so D's one notification means every byte has landed. A part that
 fails fails the transfer; any failure while WRITEs are in flight drains them first
@@ -301,8 +304,9 @@ class PushRendezvous:
         return self._post_part(e)
 
     def _post_part(self, e) -> list[Action]:
-        """Ask for a part WRITE of the whole units computed and not yet asked for."""
-        if not (self.stream_unit and e.streamed and e.needed and e.needed <= e.regs.keys()):
+        """Ask for a part WRITE of the whole units computed and not yet asked for (none while
+        another part is in flight: its completion asks again)."""
+        if e.inflight or not (self.stream_unit and e.streamed and e.needed and e.needed <= e.regs.keys()):
             return []
         upto = e.progress // self.stream_unit * self.stream_unit
         if upto <= e.sent:
@@ -325,7 +329,7 @@ class PushRendezvous:
         if not part or e.inflight <= 0:
             raise ProtocolError(e.state.value, "write_done", e.transfer_id, e.generation)
         e.inflight -= 1
-        return []
+        return self._post_part(e)  # what was computed while it flew
 
     def _part_failed_waiting(self, e, now, reason, part=False) -> list[Action]:
         if not part or e.inflight <= 0:

@@ -26,7 +26,9 @@ PENDING_POLL_MS = int(os.environ.get("PUSHKV_PENDING_POLL_MS", "1"))
 # a transfer is "young" (spin on progress) for SPIN_MIN_S plus its bytes at SPIN_FLOOR_BPS
 SPIN_MIN_S = 0.02
 SPIN_FLOOR_BPS = 0.5e9
-STUCK_POLL_MAX_MS = 20
+# a transfer past its expected time is slow more often than stuck (TCP's emulated WRITE moves
+# only while both sides poll): keep driving it every few ms; a hung one is abandoned at its deadline
+STUCK_POLL_MAX_MS = 2
 # idle: look every 10 ms (a few µs of CPU each: ~0.1 % of a core) rather than spin; a
 # SendKV/HoldKV from the scheduler wakes us at once anyway
 WRITER_IDLE_POLL_MS = 10
