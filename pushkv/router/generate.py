@@ -119,6 +119,9 @@ class Generation:
             ext["reserved_block_s"] = d.reserved_block_s
             ext["reserved_blocks"] = d.reserved_blocks
             ext["allocation"] = "late" if run.late else "early"
+        if run.kv:  # each leg's KVTransferStats: bytes, descriptors, posted -> done as that side measured it
+            ext["kv"] = {leg: {"bytes": k.nbytes, "descs": k.num_descs, "transfer_s": k.transfer_s,
+                               "rendezvous": k.rendezvous} for leg, k in run.kv.items()}
         return ext
 
     def _fail(self, i: int, ev: Failed) -> None:
