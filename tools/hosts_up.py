@@ -148,3 +148,15 @@ def health(url: str) -> dict:
 
 def up_engines(url: str) -> set[str]:
     return {i["engine_id"] for i in health(url).get("instances", []) if i["up"]}
+
+
+def wait_for(cond, timeout_s: float, what: str):
+    """``cond()``'s first truthy answer; AssertionError naming ``what`` after ``timeout_s``."""
+    end = time.monotonic() + timeout_s
+    while True:
+        got = cond()
+        if got:
+            return got
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(0.02)  # polling the router's view, not synchronising on time
