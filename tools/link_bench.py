@@ -319,6 +319,12 @@ def _on_sigterm(signum, _frame):
     raise SystemExit(128 + signum)  # unwinds through every `finally`: the same cleanup as Ctrl-C
 
 
+def _on_sigint(_signum, _frame):
+    # raised wherever the main thread is, inside asyncio.run too: asyncio's own SIGINT handling
+    # only cancels its task, and a request in flight could take that as its own failure
+    raise KeyboardInterrupt
+
+
 def main(argv=None) -> int:
     from tqdm import tqdm
 
@@ -345,6 +351,8 @@ def main(argv=None) -> int:
                          "kv_formula": kv_formula(m)},
                "up_flags": common, "caps": {r: cap_text(r) for r in args.rates}, "regimes": {}}
     signal.signal(signal.SIGTERM, _on_sigterm)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where SIGINT is ignored
+        signal.signal(signal.SIGINT, _on_sigint)
     per_rate = len(args.lengths) + len(args.load_lengths)
     bar = tqdm(total=len(args.modes) * len(args.rates) * per_rate, desc="link-bench", unit="cell")
     t_start = time.monotonic()
@@ -405,5 +413,14 @@ def _save(results: dict, args) -> None:
         json.dump(results, f, indent=1)
 
 
+def cli() -> int:
+    try:
+        return main()
+    except KeyboardInterrupt:
+        print("interrupted: hosts, qdiscs, etcd and every process removed; what ran is in --out",
+              file=sys.stderr)
+        return 130
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())
