@@ -284,7 +284,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--modes", nargs="+", choices=sorted(MODES), default=DEFAULT_MODES)
     ap.add_argument("--reps", type=int, default=3, help="lone requests per length (median)")
     ap.add_argument("--qps", type=float, default=2.0, help="loaded run: Poisson arrival rate")
-    ap.add_argument("--num-prompts", type=int, default=8, help="loaded run: prompts")
+    ap.add_argument("--num-prompts", type=int, default=16, help="loaded run: prompts")
     ap.add_argument("--load-lengths", nargs="*", type=int, default=[1024], help="loaded run at these lengths")
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--model", default=DEFAULT_MODEL, help="pushkv preset")
