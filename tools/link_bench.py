@@ -315,6 +315,17 @@ def _commit() -> str:
     return got.stdout.strip() or "unknown"
 
 
+def _argv(argv: list[str]) -> list[str]:
+    """The run's arguments less ``--out DIR`` (the JSON lies there)."""
+    out, skip = [], False
+    for a in argv:
+        if skip or a == "--out" or a.startswith("--out="):
+            skip = a == "--out"
+            continue
+        out.append(a)
+    return out
+
+
 def _on_sigterm(signum, _frame):
     raise SystemExit(128 + signum)  # unwinds through every `finally`: the same cleanup as Ctrl-C
 
@@ -346,7 +357,7 @@ def main(argv=None) -> int:
               "--block-size", str(BLOCK_SIZE), *shlex.split(args.up_args)]
     if args.prefill_chunk > 0:
         common += ["--prefill-chunk", str(args.prefill_chunk)]
-    results = {"date": date.today().isoformat(), "commit": _commit(), "argv": sys.argv[1:] if argv is None else argv,
+    results = {"date": date.today().isoformat(), "commit": _commit(), "argv": _argv(sys.argv[1:] if argv is None else argv),
                "model": {"preset": args.model, "geometry": args.geometry, "kv_bytes_per_token": m.kv_bytes_per_token(),
                          "kv_formula": kv_formula(m)},
                "up_flags": common, "caps": {r: cap_text(r) for r in args.rates}, "regimes": {}}
