@@ -37,8 +37,8 @@ _runs = itertools.count()
 DEV = "eth0"  # a host's end of its veth pair
 # The rate cap (``Host.cap``) is a tbf qdisc on the host's DEV, so it bounds what the host sends.
 # burst: the bucket must hold one GSO packet (a veth hands tbf TCP segments of up to 64 KiB;
-# tbf would split or drop bigger ones) and about 1 ms at the rate, so the kernel's timer never
-# starves it; so a transfer of N bytes takes at least (N - burst) / rate.
+# tbf would split or drop bigger ones) and 1 ms at the rate, so that a qdisc timer firing late on
+# a busy machine costs no rate; a transfer of N bytes takes at least (N - burst) / rate.
 # latency: the queue bound (rate x latency bytes, 2.5 MB at 1 Gbit/s). TCP's small-queue limit
 # keeps one stream's standing queue far below it (measured over these veths at 1 Gbit/s with
 # 5-100 ms: 957-960 Mbit/s, no drops, a 1-byte round trip behind the stream 0.9 ms median),
