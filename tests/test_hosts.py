@@ -26,7 +26,7 @@ from contextlib import contextmanager
 import pytest
 
 from tests.etcd_server import ETCD_BIN, etcd_server
-from tests.hosts_up import HostUp, health, http, up_engines
+from tests.hosts_up import HostUp, health, http, up_engines, wait_for
 
 
 def _netns_ok() -> bool:
@@ -51,17 +51,6 @@ TIMEOUTS = {"transfer_s": 5.0, "write_wait_s": 15.0, "registration_wait_s": 15.0
 HOSTS = {"p1": (1, "prefill"), "p2": (2, "prefill"), "d1": (3, "decode"), "d2": (4, "decode")}
 TAP_PORT = 7701  # each host's trace tap end (every namespace has its own ports)
 UCX_TCP = {"UCX_TLS": "tcp"}  # the network path, forced: no shared memory between "hosts"
-
-
-def wait_for(cond, timeout_s: float, what: str):
-    end = time.monotonic() + timeout_s
-    while True:
-        got = cond()
-        if got:
-            return got
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-        time.sleep(0.02)  # polling the router's view, not synchronising on time
 
 
 class Cluster:

@@ -117,6 +117,8 @@ def test_tokens_equal_local_and_spread_over_every_instance(xpyd, reference):
         # push's cost, measured on D: blocks x seconds until the KV arrived
         assert ext["reserved_blocks"] >= 1 and ext["reserved_block_s"] > 0
         assert ext["allocation"] == ("late" if n == "many-blocks" else "early"), n
+        # each leg's KVTransferStats the router has by the end: D's always (it ends the request)
+        assert ext["kv"]["decode"]["bytes"] > 0 and ext["kv"]["decode"]["transfer_s"] >= 0, ext
     assert served["prefill"] == {i.engine_id for i in xpyd.cfg.prefills}
     assert served["decode"] == {i.engine_id for i in xpyd.cfg.decodes}
     st = wait_pools_free(xpyd)

@@ -72,6 +72,7 @@ class RequestResult:
     reserved_block_s: Optional[float] = None  # D blocks x seconds held before the KV arrived
     allocation: str = ""  # "early" (push) | "late" (after P: pull, or push's fallback)
     instances: dict[str, str] = field(default_factory=dict)  # leg -> engine id
+    kv: dict[str, dict] = field(default_factory=dict)  # leg -> its KVTransferStats (bytes, transfer_s, ...)
 
     @property
     def tpot(self) -> Optional[float]:
@@ -122,6 +123,7 @@ async def send_request(session, url: str, prompt: list[int], output_len: int, mo
                     res.reserved_block_s = ext.get("reserved_block_s", res.reserved_block_s)
                     res.allocation = ext.get("allocation", res.allocation)
                     res.instances = ext.get("instances", res.instances)
+                    res.kv = ext.get("kv", res.kv)
         res.latency = time.perf_counter() - start
         res.output_len = n_tokens
         res.success = n_tokens > 0
@@ -208,6 +210,7 @@ def aggregate(results: list[RequestResult], duration: float, meta: dict) -> dict
         "reserved_block_s": [r.reserved_block_s for r in results],
         "allocations": [r.allocation for r in results],
         "instances": [r.instances for r in results],
+        "kv": [r.kv for r in results],
         "stages": stages,
         "stage_offsets": offsets,
     })

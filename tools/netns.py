@@ -7,18 +7,21 @@ Used by the tests (``tests/netns.py`` re-exports it) and by tools that measure b
         proc = h2.popen([sys.executable, "-m", "some.server", h2.addr])
         h1.run([sys.executable, "-c", "..."])
         h2.cut(); ...; h2.restore()         # its link down, then up again
+        h1.cap("1gbit"); h1.uncap()         # what h1 sends goes out at 1 Gbit/s at most (tc tbf)
     # namespaces, veths and the bridge are gone, and so is every process left inside them
 
 The root namespace holds the bridge and the address ``net.root_addr`` (``.254``), so a service in
 the root namespace (etcd, a router) is reachable from every host; nothing is routed beyond the
 bridge (no forwarding, no default route in the namespaces). Names carry this process's pid and a
 counter (``pushkv-<pid>-<k>-h<i>``, ``pkb<pid>k``), so concurrent runs never collide, and
-``sweep_stale()`` removes what a dead run left. Cleanup runs however the block ends.
+``sweep_stale()`` removes what a dead run left. Cleanup runs however the block ends. A host's
+rate cap (``Host.cap``: a tbf qdisc on its end of the veth pair) goes with its namespace.
 """
 from __future__ import annotations
 
 import fcntl
 import itertools
+import json
 import os
 import re
 import signal
@@ -31,6 +34,38 @@ SUBNET = "10.213"  # 10.213.<X>.0/24, X chosen per run among those unused on thi
 NS_PREFIX = "pushkv-"
 LOCK_PATH = "/tmp/pushkv-netns.lock"
 _runs = itertools.count()
+DEV = "eth0"  # a host's end of its veth pair
+# The rate cap (``Host.cap``) is a tbf qdisc on the host's DEV, so it bounds what the host sends.
+# burst: the bucket must hold one GSO packet (a veth hands tbf TCP segments of up to 64 KiB;
+# tbf would split or drop bigger ones) and 1 ms at the rate, so that a qdisc timer firing late on
+# a busy machine costs no rate; a transfer of N bytes takes at least (N - burst) / rate.
+# latency: the queue bound (rate x latency bytes, 2.5 MB at 1 Gbit/s). TCP's small-queue limit
+# keeps one stream's standing queue far below it (measured over these veths at 1 Gbit/s with
+# 5-100 ms: 957-960 Mbit/s, no drops, a 1-byte round trip behind the stream 0.9 ms median),
+# so 20 ms only has to absorb bursts of several connections at once without dropping.
+CAP_BURST_S = 1e-3
+CAP_MIN_BURST_BYTES = 128 << 10
+CAP_LATENCY_MS = 20
+_RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
+
+
+def parse_rate(text: str) -> Optional[float]:
+    """A rate as tc writes it (``100mbit``, ``1gbit``, ``2.5gbit``) in bits per second; ``none``
+    (no cap) is None."""
+    if text.strip().lower() == "none":
+        return None
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmgt]?bit)", text.strip().lower())
+    if not m or float(m.group(1)) <= 0:
+        raise ValueError(f"rate {text!r}: want e.g. 100mbit, 1gbit, 10gbit or none")
+    return float(m.group(1)) * _RATE_UNITS[m.group(2)]
+
+
+def cap_burst_bytes(rate_bps: float) -> int:
+    return max(int(rate_bps / 8 * CAP_BURST_S), CAP_MIN_BURST_BYTES)
+
+
+def tc(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["tc", *args], check=check, capture_output=True, text=True, timeout=20)
 
 
 def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -61,6 +96,25 @@ class Host:
 
     def restore(self) -> None:
         ip("link", "set", self.veth, "up")
+
+    def cap(self, rate: str) -> None:
+        """Let this host send at most ``rate`` (tc syntax, e.g. ``1gbit``; ``none`` removes the
+        cap): a tbf qdisc at the root of its ``eth0`` (burst and queue bound: see CAP_*)."""
+        bps = parse_rate(rate)
+        if bps is None:
+            self.uncap()
+            return
+        tc("-n", self.ns, "qdisc", "replace", "dev", DEV, "root", "tbf", "rate", f"{int(bps)}bit",
+           "burst", str(cap_burst_bytes(bps)), "latency", f"{CAP_LATENCY_MS}ms")
+
+    def uncap(self) -> None:
+        tc("-n", self.ns, "qdisc", "del", "dev", DEV, "root", check=False)  # none there: fine
+
+    def qdisc(self) -> dict:
+        """The root qdisc of ``eth0`` with its counters (tc's JSON: kind, options.rate in bytes/s,
+        bytes, packets, drops, ...); ``kind`` is ``noqueue`` when no cap is set."""
+        got = json.loads(tc("-n", self.ns, "-s", "-j", "qdisc", "show", "dev", DEV).stdout or "[]")
+        return next((q for q in got if q.get("root")), {"kind": "none"})
 
     def pids(self) -> list[int]:
         got = ip("netns", "pids", self.ns, check=False)

@@ -12,6 +12,7 @@ import json
 import os
 import sys
 from collections import defaultdict
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -63,7 +64,8 @@ def format_table(rows: list[dict], baseline: str = BASELINE) -> str:
     return "\n".join(lines)
 
 
-def plot(cells: dict, out_path: str) -> None:
+def plot(cells: dict, out_path: str, title: str = "", column: Optional[Callable[[float], str]] = None) -> None:
+    """``column(qps)`` names a panel (default ``QPS q``); ``title`` heads the figure."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -86,10 +88,12 @@ def plot(cells: dict, out_path: str) -> None:
                 ax.set_yscale("log")
             ax.set_xlabel("input length (tokens)")
             ax.set_ylabel(label)
-            ax.set_title(f"QPS {fmt_qps(qps)}")
+            ax.set_title(column(qps) if column else f"QPS {fmt_qps(qps)}")
             ax.grid(True, alpha=0.3)
             if row == 0 and col == 0:
                 ax.legend()
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(out_path, dpi=120)
     plt.close(fig)

@@ -1,7 +1,7 @@
 """NIXL WRITE over UCX's TCP transport against a plain TCP socket, between two network-namespace
 "hosts" on this machine, measured in the same run (issue 11: "force the network path once").
 
-    sudo pushkv-tcp-write-report [--sizes 1,16,64,256] [--reps 5] [--json out.json]
+    sudo pushkv-tcp-write-report [--sizes 1,16,64,256] [--reps 5] [--json out.json] [--rate 1gbit]
 
 Two namespaces on a bridge (``tools/netns.py``); in each a process with a
 ``pushkv.transport.nixl_agent.NixlAgent`` on host memory, with ``UCX_TLS=tcp`` so that UCX
@@ -14,6 +14,9 @@ baseline, ``sendall``s the same bytes on a second TCP connection), and stops the
 the target's acknowledgement arrives: the target sends it once the notification (or the
 last byte) is in, with the CRC32 of what it received, which must equal the sender's.
 Both paths pay the same acknowledgement round trip. The median of the reps is reported.
+
+``--rate`` caps what each host sends (``tools/netns.py`` ``Host.cap``: tc tbf on its link), the
+link ``tools/link_bench.py`` measures serving over; each row then also has the fastest rep.
 
 The UCX transport really used is read from UCX's own protocol table (``UCX_PROTO_INFO=y``):
 the line for "remote memory write" names the transport and device (e.g. ``tcp/eth0``).
@@ -157,6 +160,7 @@ def run_initiator(target: str, port: int, sizes: list[int], reps: int) -> dict:
         for op in ("nixl", "tcp"):
             med = statistics.median(times[op])
             row[f"{op}_s"] = med
+            row[f"{op}_min_s"] = min(times[op])
             row[f"{op}_gbps"] = n / med / 1e9
         row["ratio"] = row["nixl_gbps"] / row["tcp_gbps"]
         row["verified_reps"] = reps + 1
@@ -210,7 +214,9 @@ def ucx_transport(text: str) -> str:
     return " | ".join(dict.fromkeys(found)) or "unknown (UCX printed no protocol table)"
 
 
-def measure(sizes: list[int], reps: int, tls: str = "tcp") -> dict:
+def measure(sizes: list[int], reps: int, tls: str = "tcp", rate: str = "none") -> dict:
+    """``rate``: each host's link capped at it (tc syntax; ``none``: as the veth runs); the
+    result's ``qdisc`` then holds each host's tbf with its counters after the run."""
     from tools.netns import hosts
 
     env = dict(os.environ, UCX_TLS=tls, UCX_PROTO_INFO="y", UCX_PROTO_ENABLE="y",
@@ -218,6 +224,8 @@ def measure(sizes: list[int], reps: int, tls: str = "tcp") -> dict:
     me = [sys.executable, "-m", "tools.tcp_write_report"]
     with hosts(2) as net:
         h1, h2 = net[1], net[2]
+        for h in (h1, h2):
+            h.cap(rate)
         target = h2.popen(me + ["--role", "target", "--bind", h2.addr, "--max-bytes", str(max(sizes))],
                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         init = None
@@ -238,6 +246,8 @@ def measure(sizes: list[int], reps: int, tls: str = "tcp") -> dict:
                 sys.stderr.write(out + err)
             result["ucx_tls"] = tls
             result["hosts"] = [h1.addr, h2.addr]
+            result["rate"] = rate
+            result["qdisc"] = {h.addr: h.qdisc() for h in (h1, h2)}
             return result
         finally:
             for p in (init, target):
@@ -253,7 +263,8 @@ def _root() -> str:
 
 def print_table(result: dict) -> None:
     print(f"NIXL WRITE (UCX_TLS={result['ucx_tls']}, transport used: {result['ucx_transport']}) vs a TCP "
-          f"socket stream, {result['hosts'][0]} -> {result['hosts'][1]}, median of {result['reps']} reps")
+          f"socket stream, {result['hosts'][0]} -> {result['hosts'][1]}, median of {result['reps']} reps, "
+          f"links capped at {result['rate']}")
     print(f"{'size':>10} {'WRITE GB/s':>11} {'socket GB/s':>12} {'ratio':>6}")
     for r in result["sizes"]:
         size = f"{r['bytes'] / MIB:g} MiB"
@@ -270,6 +281,7 @@ def main(argv=None) -> None:
                     help="MiB, comma-separated (fractions allowed)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--tls", default="tcp", help="UCX_TLS for both agents (default tcp)")
+    ap.add_argument("--rate", default="none", help="cap each host's link (tc rate, e.g. 1gbit; default none)")
     ap.add_argument("--json", help="also write the result here")
     ap.add_argument("--role", choices=("target", "initiator"), help=argparse.SUPPRESS)
     ap.add_argument("--bind", help=argparse.SUPPRESS)
@@ -286,7 +298,7 @@ def main(argv=None) -> None:
         return
     if os.geteuid() != 0:
         sys.exit("pushkv-tcp-write-report makes network namespaces: run it as root")
-    result = measure(_sizes(a.sizes), a.reps, a.tls)
+    result = measure(_sizes(a.sizes), a.reps, a.tls, a.rate)
     result["reps"] = a.reps
     print_table(result)
     if a.json:

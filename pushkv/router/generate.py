@@ -119,10 +119,10 @@ class Generation:
             ext["reserved_block_s"] = d.reserved_block_s
             ext["reserved_blocks"] = d.reserved_blocks
             ext["allocation"] = "late" if run.late else "early"
-        p = run.kv.get("prefill")
-        if p is not None and p.nbytes:  # the transfer as P's writers measured it
-            ext["kv"] = {"bytes": p.nbytes, "descriptors": p.num_descs, "transfer_s": p.transfer_s,
-                         "rendezvous": p.rendezvous, "parts": p.parts, "stream": p.stream}
+        if run.kv:  # each leg's KVTransferStats: bytes, descriptors, posted -> done as that side measured it
+            ext["kv"] = {leg: {"bytes": k.nbytes, "descs": k.num_descs, "transfer_s": k.transfer_s,
+                               "rendezvous": k.rendezvous, "parts": k.parts, "stream": k.stream}
+                         for leg, k in run.kv.items()}
         return ext
 
     def _fail(self, i: int, ev: Failed) -> None:

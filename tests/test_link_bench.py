@@ -1,0 +1,86 @@
+"""tools/link_bench.py's pure parts: the model's KV per token as `pushkv up` would run it, the
+wire time at a rate, the pool size, what a run's summary becomes in the tables, and the
+arguments it refuses. The bench itself (namespaces, tc, etcd) is run by hand; the cap it relies
+on is tests/test_link_cap.py's."""
+from __future__ import annotations
+
+import pytest
+
+from tools import bench, link_bench as lb
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize("model, geometry, per_token", [
+    ("small", "", 4 * 2 * 4 * 32 * 4),
+    ("small", "--num-kv-heads 8 --head-dim 64", 4 * 2 * 8 * 64 * 4),  # the default
+    ("medium", "", 8 * 2 * 4 * 64 * 4),
+    ("small", "--dtype bfloat16", 4 * 2 * 4 * 32 * 2),
+])
+def test_kv_per_token_is_what_pushkv_up_runs(model, geometry, per_token):
+    m = lb.model_config(model, geometry)
+    assert m.kv_bytes_per_token() == per_token
+    assert lb.kv_formula(m).endswith(f"= {per_token} B/token")
+
+
+@pytest.mark.parametrize("tokens, rate, ms", [
+    (1024, "1gbit", 16 * 2**20 * 8 / 1e9 * 1e3),  # 16 MiB at 1 Gbit/s: 134 ms
+    (1009, "1gbit", 16 * 2**20 * 8 / 1e9 * 1e3),  # whole blocks move: 64 of them
+    (1024, "10gbit", 16 * 2**20 * 8 / 1e10 * 1e3),
+    (1024, "none", None),
+])
+def test_wire_time_of_a_prompt(tokens, rate, ms):
+    m = lb.model_config("small", lb.DEFAULT_GEOMETRY)
+    assert lb.wire_ms(lb.kv_bytes(m, tokens), rate) == ms
+
+
+def test_pool_holds_the_loaded_run_below_the_pin_cap():
+    args = lb.parse_args(["--lengths", "512", "4096", "--load-lengths", "1024", "--num-prompts", "8"])
+    per_req = (1024 + args.output_len + 15) // 16
+    assert lb.num_blocks(args) >= 2 * 8 * per_req  # pinned at most half of D: no late allocation
+    assert lb.num_blocks(args) >= (4096 + args.output_len) // 16
+
+
+def _summary(timelines, kv, errors=None):
+    res = [bench.RequestResult(not e, 100, 4, ttft=0.2, itl=[0.01] * 3, latency=0.23, timeline=tl, kv=k, error=e)
+           for tl, k, e in zip(timelines, kv, errors or [""] * len(timelines))]
+    return bench.aggregate(res, 1.0, {"mode": "x"})
+
+
+def test_cell_push_pull_and_local():
+    push = {"router.arrival": 0.0, "prefill.prefill_start": 0.01, "prefill.prefill_end": 0.11,
+            "prefill.write_posted": 0.112, "prefill.write_done": 0.182, "decode.kv_received": 0.185}
+    pull = {"router.arrival": 0.0, "prefill.prefill_start": 0.01, "prefill.prefill_end": 0.11,
+            "decode.read_posted": 0.115, "decode.read_done": 0.175, "decode.kv_received": 0.18}
+    local = {"router.arrival": 0.0, "local.prefill_start": 0.01, "local.prefill_end": 0.21}
+    kv = {"decode": {"bytes": 8 << 20, "descs": 1, "transfer_s": 0.0, "rendezvous": ""}}
+    c = lb.cell(_summary([push, pull, push], [kv, kv, kv], ["", "", "HTTP 503"]))
+    assert (c["completed"], c["failed"]) == (2, 1)
+    assert c["prefill_ms"] == pytest.approx(100.0)
+    assert c["pend_to_kv_ms"] == pytest.approx(72.5)  # median of 75 (push) and 70 (pull)
+    assert c["wire_ms"] == pytest.approx(65.0)  # WRITE 70, READ 60
+    assert c["kv_bytes"] == 8 << 20 and c["wire_gbit_s"] == pytest.approx((8 << 20) * 8 / 65e6)
+    loc = lb.cell(_summary([local], [{}]))
+    assert loc["prefill_ms"] == pytest.approx(200.0)
+    assert loc["pend_to_kv_ms"] is None and loc["wire_ms"] is None and loc["kv_bytes"] is None
+
+
+def test_table_rows_and_missing_cells():
+    args = lb.parse_args(["--modes", "push", "local", "--lengths", "512", "--load-lengths", "1024"])
+    c = {"ttft_ms": 190.0, "tpot_ms": 8.0, "failed": 0, "prefill_ms": 115.0, "pend_to_kv_ms": 72.0,
+         "wire_ms": 70.0, "wire_gbit_s": 0.96}
+    regime = {"push": {"512": {"lone": c}, "1024": {"load": dict(c, failed=2)}}}
+    rows = lb.table("1gbit", regime, args, None).splitlines()
+    assert rows[2] == "| push | 512 | 190.0 | 8.0 | 115.0 | 72.0 | 70.0 (0.96 Gbit/s) | - | - | - | 0 |"
+    assert rows[3].startswith("| push | 1024 | - |") and rows[3].endswith("| 72.0 | 2 |")
+    assert rows[4] == "| local | 512 | - | - | - | - | - | - | - | - | - |"
+
+
+@pytest.mark.parametrize("argv", [
+    ["--rates", "1gbps"],
+    ["--lengths", "40000"],  # past small's max_position
+    ["--modes", "push-chunk", "--prefill-chunk", "0"],
+])
+def test_refused(argv):
+    with pytest.raises(SystemExit):
+        lb.parse_args(argv)
