@@ -427,6 +427,7 @@ class Hello(Msg):
     # a small registered buffer no request owns: a peer keeping the path warm WRITEs into it (0: none)
     sink_addr: int = 0
     sink_bytes: int = 0
+    device_uuid: str = ""  # the pool's GPU ("" on the CPU): a peer on the same GPU is not kept warm
 
 
 class TransferStarting(Msg):

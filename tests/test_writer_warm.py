@@ -25,7 +25,8 @@ POLL_CASES = [
     ((NOW - 1, None, None, False, 0.0), (IDLE, "idle")),  # announced long ago: no spin
     ((None, NOW + 1, None, False, 0.0), (0, "inflight")),
     ((None, NOW - 0.001, None, False, 0.0), (1, "stuck")),
-    ((None, NOW - 0.105, None, False, 0.0), (10, "stuck")),  # a tenth of the overrun
+    ((None, NOW - 0.015, None, False, 0.0), (1, "stuck")),  # a tenth of the overrun (int ms)
+    ((None, NOW - 0.105, None, False, 0.0), (STUCK, "stuck")),  # capped: a slow transfer is still driven
     ((None, NOW - 60, None, True, 0.0), (STUCK, "stuck")),
     ((None, None, NOW + 1, False, 0.0), (0, "warm")),  # a registration waits: spin
     ((None, None, NOW + 1, True, 0.0), (0, "warm")),  # ... even with deadlines pending
