@@ -95,7 +95,7 @@ def probe(device: str, peer_device: str, sizes_mib: list[float], reps: int, gap_
           ways: tuple[str, ...] = ("adhoc", "adhoc+notif", "prepped+notif", "split64+notif")) -> dict:
     import torch
 
-    from tools.transfer_report import plain_copy_gbps
+    from tools.copy_speed import plain_copy_gbps
 
     if device != "cpu":
         torch.cuda.set_device(device)

@@ -194,7 +194,7 @@ def fixed_costs(rows: list[dict]) -> dict:
 
 
 def _copy_gbps(nbytes: int, device: str, decode_device: Optional[str]) -> float:
-    from tools.transfer_report import plain_copy_gbps
+    from tools.copy_speed import plain_copy_gbps
 
     return plain_copy_gbps(nbytes, device=device, dst_device=decode_device or device)
 

@@ -13,14 +13,26 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 from pushkv import messages as m
 from pushkv.discovery.records import InstanceRecord
 from pushkv.router import policy as P
 
-if TYPE_CHECKING:
-    from pushkv.router.flow import RequestRun, SchedulerLink
+
+class RequestRun(Protocol):
+    """What the balancer reads of a request (``flow.RequestRun``): it never imports the flow."""
+
+    transfer_id: str
+    prompt: tuple[int, ...]
+
+    @property
+    def decode_tokens(self) -> int: ...
+
+    def deliver(self, leg: str, msg: Any) -> None: ...
+
+
+SchedulerLink = Any  # flow.SchedulerLink: held per instance, handed back to the flow, never used here
 
 log = logging.getLogger(__name__)
 
