@@ -13,7 +13,7 @@ import torch
 from pushkv.config import DeploymentConfig, InstanceConfig, preset
 from pushkv.kv import layout as L
 from pushkv.messages import KVLayoutDesc
-from pushkv.protocol.geometry import check_deployment
+from pushkv.supervisor.geometry import check_deployment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

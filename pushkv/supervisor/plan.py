@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Iterator, Optional
 import msgspec
 
 from pushkv.config import DeploymentConfig, InstanceConfig, ipc, new_deployment_id
-from pushkv.protocol.geometry import check_deployment
+from pushkv.supervisor.geometry import check_deployment
 
 RUN_ROOT = "/tmp"
 LOOPBACK = "127.0.0.1"
