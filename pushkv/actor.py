@@ -131,6 +131,8 @@ class Actor:
 
     def _drain(self, ch: Channel) -> None:
         while True:
+            if ch.sock.closed:  # a handler closed its own channel (a refused or failed handshake link)
+                return
             try:
                 frames = ch.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:

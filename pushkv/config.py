@@ -113,6 +113,18 @@ def preset(name: str, **overrides) -> ModelConfig:
     return msgspec.structs.replace(PRESETS[name], **overrides)
 
 
+def model_fingerprint(model: ModelConfig) -> str:
+    """What a peer's KV means, as a short hash: geometry, dtype and where the weights come from
+    (random weights: their seed; a checkpoint: its directory's name). Two writers whose
+    fingerprints differ would move KV that the other's model reads wrongly."""
+    import hashlib
+
+    keep = {f: getattr(model, f) for f in model.__struct_fields__
+            if f not in ("checkpoint", "engine", "random_init", "deterministic", "max_position", "eos_token_id")}
+    keep["checkpoint"] = os.path.basename(os.path.normpath(model.checkpoint)) if model.checkpoint else ""
+    return hashlib.sha256(msgspec.json.encode(keep)).hexdigest()[:16]
+
+
 class InstanceConfig(msgspec.Struct, frozen=True):
     role: str  # "prefill" | "decode" | "local"
     engine_id: str = ""

@@ -415,6 +415,10 @@ PeerNotif = Union[Register, WriteDone, WriteFailed, ReadDone, CancelTransfer, Re
 # ---------------------------------------------------------------------------
 # Channel: writer handshake (ZMQ DEALER/ROUTER, once per peer pair; the link then carries wake hints)
 # ---------------------------------------------------------------------------
+# The writers' handshake says which wire it speaks; a peer on another version is refused by name.
+WIRE_VERSION = 2
+
+
 class Hello(Msg):
     engine_id: str
     rank: int
@@ -428,6 +432,17 @@ class Hello(Msg):
     sink_addr: int = 0
     sink_bytes: int = 0
     device_uuid: str = ""  # the pool's GPU ("" on the CPU): a peer on the same GPU is not kept warm
+    wire_version: int = 0  # WIRE_VERSION of the sender (0: before versions were sent)
+    model_id: str = ""  # what the KV means: model geometry, dtype and weights (config.model_fingerprint)
+
+
+class HelloRefused(Msg):
+    """A writer's answer to a Hello it refuses (another wire version, model or layout): the
+    reason, and none of its NIXL metadata."""
+
+    engine_id: str
+    rank: int
+    reason: str
 
 
 class TransferStarting(Msg):
@@ -441,7 +456,7 @@ class TransferStarting(Msg):
     nbytes: int = 0
 
 
-HandshakeMsg = Union[Hello, TransferStarting]
+HandshakeMsg = Union[Hello, TransferStarting, HelloRefused]
 
 
 # ---------------------------------------------------------------------------

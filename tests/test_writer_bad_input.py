@@ -15,7 +15,7 @@ import pytest
 import zmq
 
 from pushkv import messages as m
-from pushkv.config import DeploymentConfig, InstanceConfig, Timeouts, preset
+from pushkv.config import DeploymentConfig, InstanceConfig, Timeouts, model_fingerprint, preset
 from pushkv.kv import layout as L
 from pushkv.transport.nixl_agent import NixlAgent
 from tests.procs import children, dealer, leftover_shm, planned
@@ -83,12 +83,14 @@ class FakePeer:
         self.name = name
         self.agent = NixlAgent(name)
         self.layout = L.layout_for(cfg.model, inst.tp, 0, inst.num_blocks, inst.block_size)
+        self.model_id = model_fingerprint(cfg.model)
         self.remote = ""
 
     def handshake(self, endpoint: str) -> m.Hello:
         s = dealer(endpoint)
         try:
-            s.send(m.encode(m.Hello(self.name, 0, 1, self.name, self.agent.metadata(), 0, self.layout)))
+            s.send(m.encode(m.Hello(self.name, 0, 1, self.name, self.agent.metadata(), 0, self.layout,
+                                    wire_version=m.WIRE_VERSION, model_id=self.model_id)))
             assert s.poll(10_000), "no handshake answer"
             reply = m.DEC_HANDSHAKE.decode(s.recv())
         finally:

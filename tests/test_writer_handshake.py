@@ -4,6 +4,7 @@ schedulers and the silent peer)."""
 import os
 import time
 
+import msgspec
 import pytest
 import torch
 import zmq
@@ -91,3 +92,75 @@ def test_peer_answering_for_another_engine_is_refused(pair, tmp_path):
         assert isinstance(got, m.KVFailed) and "answered by other-engine" in got.reason, got
     finally:
         liar.close(0)
+
+
+def _ask(endpoint: str, hello: m.Hello):
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(endpoint)
+    try:
+        s.send(m.encode(hello))
+        assert s.poll(10_000), "no handshake answer"
+        return m.DEC_HANDSHAKE.decode(s.recv())
+    finally:
+        s.close(0)
+
+
+@pytest.mark.parametrize("change,says", [
+    ({"model_id": "another-model"}, "model differs"),
+    ({"wire_version": m.WIRE_VERSION + 1}, "wire version differs"),
+    ({"wire_version": 0}, "wire version differs"),  # a writer from before versions were sent
+])
+def test_refused_peer_gets_the_reason_not_the_metadata(pair, change, says):
+    """A Hello from a writer of another model or wire version is answered with HelloRefused naming
+    both sides' values, and none of P's NIXL metadata (which would let it READ and WRITE the pool)."""
+    from pushkv.transport.nixl_agent import NixlAgent
+
+    cfg, p_sched, d_sched, *_ = pair
+    name = f"probe-{change}"
+    agent = NixlAgent(name)  # kept alive while P loads its metadata
+    good = m.Hello(name, 0, 1, name, agent.metadata(), 0, cfg_layout(cfg),
+                   wire_version=m.WIRE_VERSION, model_id=model_id(cfg))
+    ours = _ask(cfg.prefill.handshake_endpoints[0], good)
+    assert isinstance(ours, m.Hello) and ours.agent_metadata, "a matching peer is answered with P's Hello"
+    hello = msgspec.structs.replace(good, engine_id=name + "-bad", **change)
+    got = _ask(cfg.prefill.handshake_endpoints[0], hello)
+    assert isinstance(got, m.HelloRefused), got
+    assert says in got.reason and got.engine_id == cfg.prefill.engine_id, got.reason
+    assert not hasattr(got, "agent_metadata")
+
+
+def test_refused_link_fails_its_request_at_once(pair, tmp_path):
+    """D's writer, refused by a peer, fails the request waiting on it with the peer's reason, not
+    at the handshake deadline."""
+    cfg, p_sched, d_sched, *_ = pair
+    refuser = zmq.Context.instance().socket(zmq.ROUTER)
+    refuser.setsockopt(zmq.LINGER, 0)
+    endpoint = f"ipc://{os.path.join(str(tmp_path), 'refuser.sock')}"
+    refuser.bind(endpoint)
+    try:
+        t0 = time.monotonic()
+        d_sched.send(m.encode(m.ExpectKV("refused", 0, (11,), 16, m.PrefillSource("strict-engine", 1, (endpoint,)),
+                                         30.0)))
+        assert refuser.poll(5000)
+        ident, data = refuser.recv_multipart()
+        assert isinstance(m.DEC_HANDSHAKE.decode(data), m.Hello)
+        refuser.send_multipart([ident, m.encode(m.HelloRefused("strict-engine", 0, "model differs: test"))])
+        got = recv(d_sched, m.DEC_WRITER_TO_SCHED, timeout_s=5.0)
+        assert isinstance(got, m.KVFailed) and "refused by strict-engine" in got.reason, got
+        assert "model differs: test" in got.reason
+        assert time.monotonic() - t0 < HANDSHAKE_TIMEOUT_S / 2
+    finally:
+        refuser.close(0)
+
+
+def cfg_layout(cfg):
+    from pushkv.kv import layout as L
+
+    return L.instance_layout(cfg, cfg.decode, 0)
+
+
+def model_id(cfg):
+    from pushkv.config import model_fingerprint
+
+    return model_fingerprint(cfg.model)

@@ -23,7 +23,7 @@ import zmq
 
 from pushkv import messages as m
 from pushkv.actor import Actor
-from pushkv.config import DeploymentConfig, InstanceConfig, rank_device
+from pushkv.config import DeploymentConfig, InstanceConfig, model_fingerprint, rank_device
 from pushkv.kv import layout as L
 from pushkv.kv.pool import Pool, create_pool, shm_name
 from pushkv.protocol.mapping import map_transfer
@@ -110,6 +110,7 @@ class WriterBase(Actor):
         self.inst = inst
         self.rank = rank
         self.layout = L.instance_layout(cfg, inst, rank)  # cut to match the peer instance
+        self.model_id = model_fingerprint(cfg.model)  # peers must agree on what the KV means
         self.pool: Optional[Pool] = None
         self.nixl: Optional[NixlAgent] = None
         self.grid: Optional[DescGrid] = None  # our pool's descriptor grid, prepared in NIXL
@@ -197,12 +198,18 @@ class WriterBase(Actor):
             pool_base=self.pool.base_addr, layout=self.layout, device_id=self.nixl.dev_id,
             sink_addr=self.sink.data_ptr() if self.sink is not None else 0,
             sink_bytes=BEAT_BYTES if self.sink is not None else 0, device_uuid=self.device_uuid,
+            wire_version=m.WIRE_VERSION, model_id=self.model_id,
         )
 
     # -- handshake ----------------------------------------------------------------
     def _add_peer(self, h: m.Hello) -> Peer:
         from pushkv.protocol.mapping import check_compatible
 
+        if h.wire_version != m.WIRE_VERSION:
+            raise ValueError(f"wire version differs: ours {m.WIRE_VERSION}, {h.engine_id} rank {h.rank}'s {h.wire_version}")
+        if h.model_id != self.model_id:
+            raise ValueError(f"model differs: ours {self.model_id}, {h.engine_id} rank {h.rank}'s {h.model_id or 'unnamed'} "
+                             "(every instance must serve the same model, geometry and dtype)")
         check_compatible(self.layout, h.layout)
         old = self.peers.get((h.engine_id, h.rank))
         if old is not None:  # the peer restarted: drop its old NIXL metadata first
@@ -231,10 +238,22 @@ class WriterBase(Actor):
         try:
             peer = self._add_peer(msg)
             peer.identity = identity  # our way back to it over the ROUTER (wake hints)
-        except ValueError as e:
+        except Exception as e:  # refused (or its metadata would not load): the reason, not our NIXL metadata
             log.error("%s: refusing peer %s rank %d: %s", self.name, msg.engine_id, msg.rank, e)
-            self.counters["peer_incompatible"] += 1
+            self.counters["peer_incompatible" if isinstance(e, ValueError) else "peer_metadata_failed"] += 1
+            self.send(self.handshake, m.HelloRefused(self.inst.engine_id, self.rank, str(e)), identity)
+            return
         self.send(self.handshake, self.hello(), identity)
+
+    def on_HelloRefused(self, msg: m.HelloRefused, identity: Optional[bytes] = None) -> None:
+        """The peer refused our Hello: fail the link now, with its reason, not at the deadline."""
+        link = next((l for l in self.links.values() if l.channel is self.current), None)
+        if link is None or link.connected:
+            self.counters["unexpected_hello"] += 1
+            return
+        self.counters["peer_refused_us"] += 1
+        self._fail_link(link, f"refused by {msg.engine_id} rank {msg.rank}: {msg.reason}")
+        self._resolve_waits()
 
     # -- links we initiate: non-blocking, one per peer rank, resolved by the loop ----------
     def start_link(self, engine_id: str, rank: int, endpoint: str, now: float) -> None:
