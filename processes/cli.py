@@ -3,8 +3,8 @@
 ``up`` plans the deployment, runs the supervisor in this process and prints
 the router URL and ``READY`` on stdout once every child is ready (children's
 output goes to stderr). ``status`` and ``stop`` find running deployments
-through the registry directory ($PUSHKV_REGISTRY_DIR, default
-/tmp/pushkv-deployments) and talk to each supervisor's control socket.
+through the registry directory ($PUSHKV_REGISTRY_DIR, default per user:
+$XDG_RUNTIME_DIR/pushkv-deployments or /tmp/pushkv-$UID) and talk to each supervisor's control socket.
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """One small JSON file per running deployment, so ``pushkv status`` / ``stop``
-can find supervisors. Directory: $PUSHKV_REGISTRY_DIR or /tmp/pushkv-deployments."""
+can find supervisors. Directory: $PUSHKV_REGISTRY_DIR, else per user: $XDG_RUNTIME_DIR/pushkv-deployments
+or /tmp/pushkv-$UID (made 0700, so one user's records are neither readable nor in the way of another's)."""
 from __future__ import annotations
 
 import os
@@ -7,7 +8,6 @@ from typing import Optional
 
 import msgspec
 
-DEFAULT_DIR = "/tmp/pushkv-deployments"
 
 
 class DeploymentRecord(msgspec.Struct):
@@ -23,8 +23,13 @@ class DeploymentRecord(msgspec.Struct):
     trace_tap_endpoint: str = ""  # where pushkv-tap connects (the supervisor's XPUB)
 
 
-def registry_dir() -> str:
-    return os.environ.get("PUSHKV_REGISTRY_DIR", DEFAULT_DIR)
+def registry_dir(environ=os.environ) -> str:
+    if environ.get("PUSHKV_REGISTRY_DIR"):
+        return environ["PUSHKV_REGISTRY_DIR"]
+    runtime = environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isdir(runtime):
+        return os.path.join(runtime, "pushkv-deployments")
+    return f"/tmp/pushkv-{os.getuid()}"
 
 
 def record_path(deployment_id: str, directory: Optional[str] = None) -> str:
@@ -33,7 +38,7 @@ def record_path(deployment_id: str, directory: Optional[str] = None) -> str:
 
 def write_record(rec: DeploymentRecord, directory: Optional[str] = None) -> str:
     path = record_path(rec.deployment_id, directory)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
         f.write(msgspec.json.encode(rec))
