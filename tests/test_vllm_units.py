@@ -2,6 +2,7 @@
 mapping over views laid out as vLLM 0.32 lays them, kv_transfer_params
 parsing, the proxy's two request bodies, the shared-memory allocation hook."""
 import os
+import stat
 
 import pytest
 import torch
@@ -131,7 +132,10 @@ def test_settings_from_extra_config_and_env():
                                          "handshake": ["tcp://127.0.0.1:7100", "tcp://127.0.0.1:7101"]}
     env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": "5900", "VLLM_NIXL_SIDE_CHANNEL_HOST": "10.0.0.1"}
     assert P.settings("E", 1, None, env=env).handshake_endpoint(0) == "tcp://10.0.0.1:5900"
-    assert P.settings("E", 1, None, env={}).cmd_endpoint(0).startswith("ipc://@")
+    ep = P.settings("E", 1, None, env={}).cmd_endpoint(0)
+    assert ep.startswith("ipc:///") and "@" not in ep  # a file in a 0700 directory, not the abstract namespace
+    d = os.path.dirname(ep[len("ipc://"):])
+    assert stat.S_IMODE(os.stat(d).st_mode) == 0o700 and os.stat(d).st_uid == os.getuid()
 
 
 def test_proxy_legs_share_one_transfer_id():

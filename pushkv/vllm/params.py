@@ -84,10 +84,27 @@ class Settings:
         return f"tcp://{self.handshake_host}:{self.handshake_port + rank}"
 
     def cmd_endpoint(self, rank: int) -> str:
-        return f"ipc://@pushkv-vllm-{self.engine_id}-{rank}-cmd"  # abstract: no file left behind
+        return f"ipc://{socket_dir()}/{self.engine_id}-{rank}-cmd"
+
+    def event_endpoint(self, rank: int, pid: int) -> str:
+        return f"ipc://{socket_dir()}/{self.engine_id}-{rank}-ev-{pid}"
 
     def source(self) -> PrefillSource:
         return PrefillSource(self.engine_id, self.tp, tuple(self.handshake_endpoint(r) for r in range(self.tp)))
+
+
+def socket_dir(environ=os.environ) -> str:
+    """Where the connector's ipc sockets live: a directory only this user can enter (an
+    abstract-namespace socket has no permissions, so any local process could command a writer).
+    $XDG_RUNTIME_DIR/pushkv-vllm, else /tmp/pushkv-vllm-$UID; made 0700, refused if another user
+    owns it or others can enter it."""
+    runtime = environ.get("XDG_RUNTIME_DIR")
+    d = os.path.join(runtime, "pushkv-vllm") if runtime and os.path.isdir(runtime) else f"/tmp/pushkv-vllm-{os.getuid()}"
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    st = os.stat(d)
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(f"{d}: the connector's socket directory must be this user's and 0700")
+    return d
 
 
 def settings(engine_id: str, tp: int, extra: Optional[dict[str, Any]], env=os.environ) -> Settings:

@@ -49,7 +49,7 @@ class WorkerSide:
         self.memory: Optional[R.KVMemory] = None
         self.ctx = zmq.Context.instance()
         self.events: Optional[zmq.Socket] = None
-        self.event_endpoint = f"ipc://@pushkv-vllm-{settings.engine_id}-{rank}-ev-{os.getpid()}"
+        self.event_endpoint = settings.event_endpoint(rank, os.getpid())
         self.proc: Optional[subprocess.Popen] = None
         self.restarts = 0
         self._lock = threading.Lock()  # the event socket: the worker thread, or a restart
