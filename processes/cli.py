@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--secret-file", metavar="FILE",
                    help="shared secret every host holds; every ZMQ socket on a tcp:// endpoint then uses CURVE "
                         "with keys derived from it, and peers without it are refused (make one: openssl rand -hex 32)")
+    s.add_argument("--insecure", action="store_true",
+                   help="with --role: start without --secret-file (plain ZMQ on the network: anyone who reaches "
+                        "this host can send requests straight to its schedulers and writers); warns at every start")
     s.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
                    help=f"the router answers /v1/* only with 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
     h = up.add_argument_group(
@@ -195,6 +198,10 @@ def config_from_args(args: argparse.Namespace) -> DeploymentConfig:
 # subcommands
 # ---------------------------------------------------------------------------
 def cmd_up(args: argparse.Namespace, child_argv: Optional[ArgvHook] = None) -> int:
+    if getattr(args, "role", None) and not args.secret_file and not getattr(args, "insecure", False):
+        print(f"pushkv up: --role {args.role} binds its schedulers and writers on the network; give every host "
+              "the same --secret-file (make one: openssl rand -hex 32), or --insecure to run without one", file=sys.stderr)
+        return 2
     try:
         cfg = plan_deployment(config_from_args(args))
         if cfg.secret_file:
@@ -218,6 +225,10 @@ def cmd_up(args: argparse.Namespace, child_argv: Optional[ArgvHook] = None) -> i
         level=getattr(logging, cfg.log_level.upper(), logging.INFO), stream=sys.stderr,
         format="%(asctime)s %(levelname)s supervisor %(name)s: %(message)s",
     )
+    if cfg.host_role and not cfg.secret_file:
+        logging.getLogger("pushkv.cli").warning(
+            "--insecure: %s host without --secret-file: its ZMQ sockets on %s take plain, unauthenticated peers",
+            cfg.host_role, cfg.advertise or cfg.host)
     setproctitle(f"pushkv supervisor {cfg.deployment_id}")
     sup = Supervisor(
         cfg, child_argv=child_argv, on_child_exit=args.on_child_exit,

@@ -238,3 +238,25 @@ def test_pushkv_up_refuses_a_bad_secret_before_starting(tmp_path, capsys, conten
         path.write_bytes(content)
     assert main(["up", "--model", "tiny", "--secret-file", str(path)]) == 2
     assert expect in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("role", ["router", "prefill", "decode"])
+def test_networked_role_refuses_to_start_without_a_secret(capsys, role):
+    """A host of a deployment over several hosts binds its schedulers and writers on the network:
+    without --secret-file it refuses to start (nothing is started), naming --insecure."""
+    from processes.cli import main
+
+    assert main(["up", "--model", "tiny", "--role", role, "--advertise", "127.0.0.1",
+                 "--registry", "etcd://127.0.0.1:1"]) == 2
+    err = capsys.readouterr().err
+    assert "--secret-file" in err and "--insecure" in err
+
+
+def test_insecure_role_gets_past_the_secret_check(capsys):
+    """--insecure lets a networked role start without a secret: it gets as far as the registry."""
+    from processes.cli import main
+
+    assert main(["up", "--model", "tiny", "--role", "prefill", "--advertise", "127.0.0.1", "--insecure",
+                 "--registry", "etcd://127.0.0.1:1"]) == 2  # no etcd there: refused at the registry, later
+    err = capsys.readouterr().err
+    assert "registry" in err and "--insecure to run" not in err

@@ -114,7 +114,7 @@ def deployed(mode: str, net, registry: str, common: list[str], tmp: pathlib.Path
             url = f"http://{h.addr}:8000"
         else:
             port = free_tcp_port(net.root_addr)
-            reg = ["--registry", registry]
+            reg = ["--registry", registry, "--insecure"]  # namespace hosts on one machine, nothing else on the bridge
             ups.append(HostUp(f"{mode}-router", None, ["--role", "router", "--advertise", net.root_addr,
                                                       "--port", str(port), *flags, *reg], tmp))
             for i, role in ((1, "prefill"), (2, "decode")):
