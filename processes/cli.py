@@ -202,6 +202,7 @@ def cmd_up(args: argparse.Namespace, child_argv: Optional[ArgvHook] = None) -> i
         print(f"pushkv up: --role {args.role} binds its schedulers and writers on the network; give every host "
               "the same --secret-file (make one: openssl rand -hex 32), or --insecure to run without one", file=sys.stderr)
         return 2
+    _sweep_residue()
     try:
         cfg = plan_deployment(config_from_args(args))
         if cfg.secret_file:
@@ -261,7 +262,23 @@ def _pick(records: list[registry.DeploymentRecord], dep_id: Optional[str]) -> li
     return [r for r in records if r.deployment_id == dep_id or r.deployment_id.startswith(dep_id)]
 
 
+def _sweep_residue() -> None:
+    """A host whose processes were all killed left its deployments' records, run dirs and pools:
+    remove this user's, and say what went."""
+    for rec in registry.list_records():
+        if not lifecycle.pid_alive(rec.pid):
+            removed = lifecycle.cleanup(rec.deployment_id, rec.run_dir)
+            registry.remove_record(rec.deployment_id)
+            print(f"pushkv up: removed dead deployment {rec.deployment_id} (supervisor pid {rec.pid} gone): "
+                  f"its record, run dir and {len(removed)} pool segment(s)", file=sys.stderr)
+    for path, why in lifecycle.sweep_residue():
+        print(f"pushkv up: removed pool segment {path} ({why})", file=sys.stderr)
+
+
 def cmd_status(args: argparse.Namespace) -> int:
+    left = lifecycle.residue()
+    for path, why in left:
+        print(f"residue: {path} ({why}; `pushkv up` removes it)", file=sys.stderr)
     records = _pick(registry.list_records(), args.id)
     if not records:
         print("no running pushkv deployments" + (f" matching {args.id!r}" if args.id else ""), file=sys.stderr)

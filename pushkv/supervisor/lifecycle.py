@@ -128,6 +128,36 @@ def cleanup_instance_shm(deployment_id: str, role: str, shm_dir: str = SHM_DIR) 
     return removed
 
 
+def residue(shm_dir: str = SHM_DIR) -> list[tuple[str, str]]:
+    """This user's pool segments whose writer is dead (a host killed outright, kill -9, leaves
+    them, and with them the memory they hold): (path, why). A segment is named
+    ``pushkv-<deployment>-<instance>-<rank>-<writer pid>`` (config.shm_name); one whose writer
+    lives, or that another user owns, is never listed."""
+    out = []
+    for path in sorted(glob.glob(os.path.join(shm_dir, "pushkv-*"))):
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+        except FileNotFoundError:
+            continue
+        pid = os.path.basename(path).rsplit("-", 1)[-1]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            out.append((path, f"writer pid {pid} is gone"))
+    return out
+
+
+def sweep_residue(shm_dir: str = SHM_DIR) -> list[tuple[str, str]]:
+    """Unlink ``residue()``; returns what was removed."""
+    removed = []
+    for path, why in residue(shm_dir):
+        try:
+            os.unlink(path)
+            removed.append((path, why))
+        except FileNotFoundError:
+            pass
+    return removed
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -1,0 +1,55 @@
+"""Crash residue: pool segments of writers that died without cleaning up (kill -9 of a host)."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pushkv.launch import launched
+from pushkv.supervisor import lifecycle
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_residue_lists_only_dead_writers_segments_and_sweep_removes_them(tmp_path):
+    dead = tmp_path / f"pushkv-dep1-prefill-0-{_dead_pid()}"
+    live = tmp_path / f"pushkv-dep1-decode-0-{os.getpid()}"
+    other = tmp_path / "pushkv-dep1-decode-0"  # no writer pid: not ours to judge
+    unrelated = tmp_path / f"something-{_dead_pid()}"
+    for f in (dead, live, other, unrelated):
+        f.write_bytes(b"x" * 64)
+    got = lifecycle.residue(str(tmp_path))
+    assert [p for p, _ in got] == [str(dead)]
+    assert "is gone" in got[0][1]
+    assert lifecycle.sweep_residue(str(tmp_path)) == got
+    assert not dead.exists() and live.exists() and other.exists() and unrelated.exists()
+    assert lifecycle.residue(str(tmp_path)) == []
+
+
+@pytest.mark.timeout(180)
+def test_pushkv_up_removes_a_killed_deployments_pools(tmp_path):
+    """Every process of a deployment killed (kill -9, as in a crash): its pools stay in /dev/shm.
+    The next `pushkv up` of the same user removes them and says so; `pushkv status` lists them."""
+    reg = str(tmp_path / "reg")
+    with launched("--mode", "local", "--model", "tiny", "--num-blocks", "64", registry=reg,
+                  log_path=str(tmp_path / "first.log")) as dep:
+        dep_id = dep.cfg.deployment_id
+        os.kill(dep.proc.pid, signal.SIGKILL)  # the supervisor; its children die with it, cleaning nothing
+        dep.proc.wait(10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not lifecycle.residue():
+            time.sleep(0.05)
+    left = lifecycle.shm_leftovers(dep_id)
+    assert left, "a killed writer's pool should still be there"
+    assert {p for p, _ in lifecycle.residue()} >= set(left)
+    with launched("--mode", "local", "--model", "tiny", "--num-blocks", "64", registry=reg,
+                  log_path=str(tmp_path / "second.log")):
+        assert lifecycle.shm_leftovers(dep_id) == []
+    log = open(tmp_path / "second.log").read()
+    assert f"removed dead deployment {dep_id}" in log, log[-2000:]
