@@ -332,3 +332,48 @@ def test_tp1_writer_failure_mid_stream():
     assert failed.status == 502
     finish_step(s, step)
     assert all_free(s) and wire.take("worker") == [] and wire.take("writer") == []
+
+
+def test_step_timeout_mid_stream_ends_the_stream():
+    """The worker hangs on a chunk: the request fails (503) and the writers are told to end the
+    stream; their late answers free nothing twice."""
+    import time
+
+    s, wire, step = streaming()
+    s.tick(time.monotonic() + s.cfg.timeouts.step_s + 1)
+    (failed,) = wire.take("router")
+    assert failed.status == 503 and "forward step exceeded" in failed.reason
+    cancels = wire.take("writer")
+    assert types(cancels) == ["CancelKV", "CancelKV"] and cancels[0].reason == "request failed while streaming"
+    assert all_free(s)
+    for rank in range(2):
+        answer(s, rank, m.KVFailed("t1", 0, "cancelled"))
+    finish_step(s, step)  # the hung worker answers at last
+    assert all_free(s) and s.counters["stale_writer_answer"] == 2 and s.counters["stale_step_answer"] == 2
+
+
+# --------------------------------------------------------------------------- what P's writers stream
+@pytest.mark.parametrize("mode, push_stream, model, p_bs, d_bs, chunk, stream, unit", [
+    ("push", "off", "small", 16, 16, 32, "", 0),
+    ("pull", "chunk", "small", 16, 16, 32, "", 0),
+    ("push", "layer", "small", 16, 16, 32, "fallback: layer streaming is not built", 0),
+    ("push", "chunk", "hybrid", 16, 16, 32, "fallback: sliding-window layers", 0),
+    ("push", "chunk", "small", 16, 16, 0, "fallback: --prefill-chunk is 0", 0),
+    ("push", "chunk", "small", 16, 16, 32, "chunk", 16),
+    ("push", "chunk", "small", 16, 32, 32, "chunk", 32),  # whole blocks on both sides: lcm
+    ("push", "chunk", "small", 32, 16, 32, "chunk", 32),
+    ("push", "chunk", "small", 32, 48, 32, "chunk", 96),
+    ("push", "chunk", "mla", 16, 32, 32, "chunk", 32),
+])
+def test_stream_plan(mode, push_stream, model, p_bs, d_bs, chunk, stream, unit):
+    """What P's writers tell the scheduler of the stream (KVSent.stream), and the unit of a part."""
+    from pushkv.config import preset
+    from pushkv.kv.layout import instance_layout
+    from pushkv.writer.prefill import stream_plan
+
+    cfg = DeploymentConfig(mode=mode, push_stream=push_stream, model=preset(model),
+                           prefill=InstanceConfig(role="prefill", block_size=p_bs, prefill_chunk=chunk),
+                           decode=InstanceConfig(role="decode", block_size=d_bs))
+    got_stream, got_unit = stream_plan(cfg, cfg.prefill, instance_layout(cfg, cfg.prefill, 0))
+    assert got_stream.startswith(stream) and (got_stream == "") == (stream == "")
+    assert got_unit == unit
