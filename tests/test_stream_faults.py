@@ -41,7 +41,8 @@ def dep(tmp_path_factory):
     os.environ["PUSHKV_FAULTS_DIR"] = str(fdir)
     try:
         with deployment(d, "--mode", "push", "--push-stream", "chunk", "--prefill-chunk", str(CHUNK),
-                        "--model", "small", "--num-blocks", "256", "--max-restarts", "20") as dep:
+                        "--model", "small", "--num-blocks", "256", "--max-restarts", "20",
+                        "--writer-warm", "off") as dep:  # off: P announces each part (transfer_starting)
             dep.faults_dir = str(fdir)
             yield dep
     finally:
