@@ -7,20 +7,19 @@ from __future__ import annotations
 import pytest
 
 from pushkv import messages as m
+from pushkv.actor import Channel
 from pushkv.config import DeploymentConfig, InstanceConfig
 from pushkv.scheduler import scheduler_for
 from pushkv.scheduler.requests import Request, State, build_batch
 from tests.test_scheduler_roles import ROUTER_ID, Wire, all_free, deliver
-from pushkv.actor import Channel
 
 CHUNK = 16
 
 
 # --------------------------------------------------------------------------- build_batch
 def prefill(seq_id: int, n: int, done: int = 0) -> Request:
-    r = Request(f"t{seq_id}", 0, "prefill", tuple(range(100, 100 + n)), 1, b"", seq_id=seq_id,
-                state=State.PREFILL, blocks=[seq_id], prefilled=done)
-    return r
+    return Request(f"t{seq_id}", 0, "prefill", tuple(range(100, 100 + n)), 1, b"", seq_id=seq_id,
+                   state=State.PREFILL, blocks=[seq_id], prefilled=done)
 
 
 def decode(seq_id: int) -> Request:
