@@ -358,7 +358,7 @@ class PushRendezvous:
         return self._last_write(e)
 
     def _write_done(self, e, now, part=False) -> list[Action]:
-        if e.inflight <= 0:
+        if e.inflight <= 0 or part == e.last_posted:  # one WRITE flies: a part until the last is posted
             raise ProtocolError(e.state.value, "write_done", e.transfer_id, e.generation)
         e.inflight -= 1
         if part:
@@ -368,7 +368,7 @@ class PushRendezvous:
                 Completed(e.transfer_id, e.generation, e.order)]
 
     def _write_failed(self, e, now, reason, part=False) -> list[Action]:
-        if e.inflight <= 0:
+        if e.inflight <= 0 or part == e.last_posted:
             raise ProtocolError(e.state.value, "write_failed", e.transfer_id, e.generation)
         e.inflight -= 1
         if e.inflight:  # other WRITEs may still read the blocks: drain them first

@@ -304,7 +304,8 @@ class SchedulerCore(Actor):
             self._admitted(r)
 
     def _launch_step(self) -> None:
-        prefills = [r for r in self.reqs.values() if r.state == State.PREFILL and not r.in_step]
+        # an aborted prefill still here waits for its writers (a streamed chunk may be read): compute no more of it
+        prefills = [r for r in self.reqs.values() if r.state == State.PREFILL and not r.in_step and not r.aborted]
         running = [r for r in self.reqs.values() if r.state == State.RUNNING and not r.in_step]
         if not prefills and not running:
             return

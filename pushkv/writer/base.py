@@ -21,6 +21,7 @@ from typing import Callable, Optional
 
 import zmq
 
+from pushkv import faults
 from pushkv import messages as m
 from pushkv.actor import Actor
 from pushkv.config import DeploymentConfig, InstanceConfig, model_fingerprint, rank_device
@@ -351,6 +352,7 @@ class WriterBase(Actor):
             self.send(self.handshake, hint, peer.identity)
 
     def on_TransferStarting(self, msg: m.TransferStarting, identity: Optional[bytes] = None) -> None:
+        faults.point(self.name, "transfer_starting")  # a peer posted a transfer with us (a streamed part: mid-stream)
         now = time.monotonic()
         self.counters["wake_hints"] += 1
         self._expected[(msg.transfer_id, msg.generation)] = now + spin_s(msg.nbytes)
