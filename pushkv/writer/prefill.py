@@ -290,6 +290,10 @@ class PrefillWriter(WriterBase):
         self.trace_event(("part" if fl.part else "write") + ("_done" if not fl.failed else "_failed"), fl.transfer_id)
         if fl.failed:
             acts = self.rdv.on_write_failed(fl.transfer_id, fl.generation, fl.failed, now, part=fl.part)
+            if "DISCONNECT" in fl.failed:  # D's agent vanished under the WRITE: D died, whoever hears it first
+                with self.ending_for_loss("decode", f"its writer disconnected during the WRITE ({fl.failed})"):
+                    self.apply(acts, now)
+                return
         else:
             self.counters["bytes_written"] += fl.nbytes
             self.counters["parts" if fl.part else "writes"] += 1
