@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from pushkv import limits as L
 from pushkv.messages import SamplingParams
 from pushkv.router import text
 
 DEFAULT_MAX_TOKENS = 16  # completions, as OpenAI; chat defaults to what fits
-MAX_N = 16
-MAX_LOGPROBS = 20
-MAX_STOPS = 16
+CANONICAL_ID = re.compile(r"0|[1-9][0-9]{0,9}")  # a logit_bias key: "7", never "07", " 7", "+7", "7.0"
 
 
 class ApiError(Exception):
@@ -182,7 +182,7 @@ def parse_completion(body: dict, tok: text.Tokenizer, limits: Limits) -> Complet
     if body.get("suffix") not in (None, ""):
         raise bad("suffix", "suffix is not supported")
     echo = get_bool(body, "echo")
-    logprobs = get_int(body, "logprobs", None, 0, MAX_LOGPROBS)
+    logprobs = get_int(body, "logprobs", None, 0, L.MAX_LOGPROBS)
     if echo and logprobs is not None:
         raise bad("echo", "echo with logprobs is not supported (prompt logprobs are not computed)")
     params = parse_generation(body, ids, limits, DEFAULT_MAX_TOKENS, -1 if logprobs is None else logprobs)
@@ -214,8 +214,8 @@ def parse_generation(body: dict, ids: list[int], limits: Limits, default_max: Op
         raise bad("stream_options", "stream_options must be an object")
     include_usage = get_bool(opts or {}, "include_usage") if opts else False
 
-    n = get_int(body, "n", 1, 1, MAX_N)
-    best_of = get_int(body, "best_of", None, 1)
+    n = get_int(body, "n", 1, 1, L.MAX_N)
+    best_of = get_int(body, "best_of", None, 1, L.MAX_BEST_OF)
     if best_of is not None and best_of != n:
         raise bad("best_of", "best_of other than n is not supported")
     if get_bool(body, "use_beam_search"):
@@ -226,6 +226,8 @@ def parse_generation(body: dict, ids: list[int], limits: Limits, default_max: Op
     stop_ids = body.get("stop_token_ids") or []
     if not _token_list(stop_ids):
         raise bad("stop_token_ids", "stop_token_ids must be a list of token ids")
+    if len(stop_ids) > L.MAX_STOP_TOKEN_IDS:
+        raise bad("stop_token_ids", f"at most {L.MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(stop_ids)}")
     outside = [i for i in stop_ids if not 0 <= i < limits.vocab_size]
     if outside:
         raise bad("stop_token_ids", f"stop token id {outside[0]} outside the vocabulary [0, {limits.vocab_size})")
@@ -241,8 +243,11 @@ def parse_generation(body: dict, ids: list[int], limits: Limits, default_max: Op
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise bad("stop", "stop must be a non-empty string or a list of non-empty strings")
-    if len(stop) > MAX_STOPS:
-        raise bad("stop", f"at most {MAX_STOPS} stop strings, got {len(stop)}")
+    if len(stop) > L.MAX_STOPS:
+        raise bad("stop", f"at most {L.MAX_STOPS} stop strings, got {len(stop)}")
+    long = next((s for s in stop if len(s) > L.MAX_STOP_CHARS), None)
+    if long is not None:
+        raise bad("stop", f"a stop string may have at most {L.MAX_STOP_CHARS} characters, got {len(long)}")
 
     sampling = parse_sampling(body, limits, logprobs, max_tokens)
     model = body.get("model")
@@ -254,34 +259,46 @@ def parse_generation(body: dict, ids: list[int], limits: Limits, default_max: Op
 
 
 def parse_sampling(body: dict, limits: Limits, logprobs: int, max_tokens: int) -> SamplingParams:
-    temperature = get_num(body, "temperature", 0.0, 0.0, 100.0)  # absent: greedy (OpenAI's default is 1)
+    temperature = get_num(body, "temperature", 0.0, 0.0, L.MAX_TEMPERATURE)  # absent: greedy (OpenAI's is 1)
+    if temperature < L.MIN_TEMPERATURE:
+        temperature = 0.0
     top_p = get_num(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
     top_k = get_int(body, "top_k", 0, -1)
     top_k = 0 if top_k == -1 else top_k
     min_p = get_num(body, "min_p", 0.0, 0.0, 1.0)
-    presence = get_num(body, "presence_penalty", 0.0, -2.0, 2.0)
-    frequency = get_num(body, "frequency_penalty", 0.0, -2.0, 2.0)
+    presence = get_num(body, "presence_penalty", 0.0, -L.MAX_PENALTY, L.MAX_PENALTY)
+    frequency = get_num(body, "frequency_penalty", 0.0, -L.MAX_PENALTY, L.MAX_PENALTY)
     min_tokens = get_int(body, "min_tokens", 0, 0, max_tokens)
     seed = get_int(body, "seed", None)
     if seed is None:  # the request's own stream; P and D both see it (greedy needs none)
         seed = random.getrandbits(64) if temperature > 0 else 0
-    bias = body.get("logit_bias")
-    pairs: list[tuple[int, float]] = []
-    if bias is not None:
-        if not isinstance(bias, dict):
-            raise bad("logit_bias", "logit_bias must be an object mapping token ids to numbers")
-        for k, v in bias.items():
-            try:
-                tid = int(k)
-            except (TypeError, ValueError):
-                raise bad("logit_bias", f"logit_bias key {k!r} is not a token id") from None
-            if not 0 <= tid < limits.vocab_size:
-                raise bad("logit_bias", f"logit_bias token id {tid} outside the vocabulary [0, {limits.vocab_size})")
-            if not _is_num(v) or not -100 <= v <= 100:
-                raise bad("logit_bias", f"logit_bias value for {k!r} must be a number in [-100, 100]")
-            pairs.append((tid, float(v)))
+    pairs = parse_logit_bias(body.get("logit_bias"), limits)
     return SamplingParams(
         temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed & ((1 << 64) - 1),
         presence_penalty=presence, frequency_penalty=frequency, logit_bias=tuple(sorted(pairs)),
         logprobs=logprobs, min_tokens=min_tokens,
     )
+
+
+def parse_logit_bias(bias: Any, limits: Limits) -> list[tuple[int, float]]:
+    """(token id, bias) pairs. Keys are token ids written as canonical integers, so no two keys
+    name the same id and no id's biases add up past the bound."""
+    if bias is None:
+        return []
+    if not isinstance(bias, dict):
+        raise bad("logit_bias", "logit_bias must be an object mapping token ids to numbers")
+    if len(bias) > L.MAX_LOGIT_BIAS:
+        raise bad("logit_bias", f"at most {L.MAX_LOGIT_BIAS} logit_bias entries, got {len(bias)}")
+    pairs = []
+    for k, v in bias.items():
+        if not CANONICAL_ID.fullmatch(k):
+            raise bad("logit_bias", f"logit_bias key {k!r} is not a token id written as a canonical integer "
+                                    "(e.g. \"7\")")
+        tid = int(k)
+        if tid >= limits.vocab_size:
+            raise bad("logit_bias", f"logit_bias token id {tid} outside the vocabulary [0, {limits.vocab_size})")
+        if not _is_num(v) or not -L.LOGIT_BIAS_ABS <= v <= L.LOGIT_BIAS_ABS:
+            raise bad("logit_bias", f"logit_bias value for {k!r} must be a number in "
+                                    f"[-{L.LOGIT_BIAS_ABS:g}, {L.LOGIT_BIAS_ABS:g}]")
+        pairs.append((tid, float(v)))
+    return pairs

@@ -15,6 +15,7 @@ import os
 from datetime import datetime
 from typing import Any
 
+from pushkv import limits as L
 from pushkv.router import api, text
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -123,7 +124,19 @@ def parse_messages(body: dict) -> list[dict]:
     return out
 
 
+def parse_tools(body: dict) -> list[dict]:
+    tools = body.get("tools")
+    if tools is None:
+        return []
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise api.bad("tools", "tools must be a list of objects")
+    if len(tools) > L.MAX_TOOLS:
+        raise api.bad("tools", f"at most {L.MAX_TOOLS} tools, got {len(tools)}")
+    return tools
+
+
 def parse_chat(body: dict, tok: text.Tokenizer, limits: api.Limits, template: ChatTemplate) -> api.CompletionParams:
+    parse_tools(body)
     messages = parse_messages(body)
     prompt = template.render(messages, add_generation_prompt=True)
     ids = api.encode_text(tok, prompt, "messages")
@@ -138,7 +151,7 @@ def parse_chat(body: dict, tok: text.Tokenizer, limits: api.Limits, template: Ch
     if body.get("tools") and body.get("tool_choice") not in (None, "none", "auto"):
         raise api.bad("tool_choice", "tool calls are not supported")
     want = api.get_bool(body, "logprobs")
-    top = api.get_int(body, "top_logprobs", None, 0, api.MAX_LOGPROBS)
+    top = api.get_int(body, "top_logprobs", None, 0, L.MAX_LOGPROBS)
     if top is not None and top > 0 and not want:
         raise api.bad("top_logprobs", "top_logprobs needs logprobs: true")
     params = api.parse_generation(body, ids, limits, None, (top or 0) if want else -1,

@@ -20,6 +20,7 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
+from pushkv import limits
 from pushkv import messages as m
 from pushkv import security
 from pushkv.config import DeploymentConfig
@@ -78,7 +79,8 @@ class Router:
     # -- lifecycle ------------------------------------------------------
     def app(self) -> web.Application:
         refused = self.metrics.auth_refused.inc
-        app = web.Application(middlewares=[_json_errors, auth.middleware(self.api_key, refused)])
+        app = web.Application(middlewares=[_json_errors, auth.middleware(self.api_key, refused)],
+                              client_max_size=limits.http_body_bytes(self.cfg))
         app.router.add_post("/v1/completions", self.handle_completions)
         app.router.add_post("/v1/chat/completions", self.handle_chat)
         app.router.add_get("/v1/models", self.handle_models)
