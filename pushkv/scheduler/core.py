@@ -23,11 +23,13 @@ import msgspec
 import zmq
 
 from pushkv import faults
+from pushkv import limits
 from pushkv import messages as m
 from pushkv.actor import Actor
 from pushkv.config import DeploymentConfig, InstanceConfig
 from pushkv.protocol.allocator import BlockAllocator
 from pushkv.scheduler.requests import Request, State, build_batch
+from pushkv.scheduler.validate import check_generate
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,7 @@ class SchedulerCore(Actor):
         self.step_answers: dict[int, m.Msg] = {}
         self.max_len = cfg.max_model_len or cfg.model.max_position
         self.vocab = cfg.model.vocab_size
+        self.max_stop_ids = limits.stop_ids_bound(cfg)
         self.newest: OrderedDict[str, int] = OrderedDict()  # newest accepted generation per transfer id
         self.writer_counters: dict[int, dict[str, int]] = {}  # last WriterStats per rank
         self._stats_waiting: list[bytes] = []  # router identities waiting for a Stats
@@ -160,15 +163,9 @@ class SchedulerCore(Actor):
     def _validate(self, msg: m.Generate) -> Optional[tuple[str, int]]:
         if msg.leg != self.role:
             return f"{self.role} instance cannot serve a {msg.leg!r} leg", 400
-        if not msg.prompt_token_ids:
-            return "empty prompt", 400
-        if msg.max_tokens < 1:
-            return "max_tokens must be >= 1", 400
-        bad = [t for t in msg.prompt_token_ids if not 0 <= t < self.vocab]
-        if bad:
-            return f"token id {bad[0]} outside the vocabulary (size {self.vocab})", 400
-        if len(msg.prompt_token_ids) + msg.max_tokens > self.max_len:
-            return f"prompt ({len(msg.prompt_token_ids)}) + max_tokens ({msg.max_tokens}) exceeds max model length {self.max_len}", 400
+        why = check_generate(msg, self.vocab, self.max_len, self.max_stop_ids)  # every value a step acts on
+        if why is not None:
+            return why, 400
         err = self._check_leg(msg)
         if err is not None:
             return err
