@@ -113,6 +113,9 @@ class Router:
         self._handlers_idle = asyncio.Event()
         self._handlers_idle.set()
         self.ctx = zmq.asyncio.Context()
+        # every socket of ours (scheduler links, control, the local watcher's SUB) caps what it
+        # accepts at the deployment's largest legal message (pushkv.limits)
+        self.ctx.setsockopt(zmq.MAXMSGSIZE, limits.msg_cap_bytes(self.cfg))
         if self.cfg.trace_endpoint:
             self.tracer = TracePublisher("router", self.cfg.trace_endpoint, security=self.security)
         if self.cfg.mode == "local":

@@ -45,7 +45,8 @@ class SchedulerCore(Actor):
     def __init__(self, cfg: DeploymentConfig, inst: InstanceConfig):
         if inst.role != self.role:
             raise ValueError(f"{type(self).__name__} serves {self.role!r} instances, not {inst.role!r}")
-        super().__init__(f"{inst.name}-scheduler", cfg.control_endpoint, cfg.trace_endpoint, cfg.secret_file)
+        super().__init__(f"{inst.name}-scheduler", cfg.control_endpoint, cfg.trace_endpoint, cfg.secret_file,
+                         limits.msg_cap_bytes(cfg))
         self.cfg = cfg
         self.inst = inst
         self.alloc = BlockAllocator(inst.num_blocks)
@@ -92,7 +93,8 @@ class SchedulerCore(Actor):
 
     # -- lifecycle ---------------------------------------------------------------
     def setup(self) -> None:
-        front = self.socket(zmq.ROUTER, self.inst.sched_endpoint, bind=True)
+        # what reaches us from outside: the router's Generate, at most the largest legal one (x2)
+        front = self.socket(zmq.ROUTER, self.inst.sched_endpoint, bind=True, max_msg_bytes=limits.generate_cap_bytes(self.cfg))
         self.front = self.add_channel(front, m.DEC_ROUTER_TO_SCHED, "router", routed=True)
         self.workers = []
         for r, ep in enumerate(self.inst.worker_endpoints):
