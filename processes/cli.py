@@ -52,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int)
     up.add_argument("--model", choices=sorted(PRESETS), help="model preset")
     up.add_argument("--checkpoint", metavar="DIR", help="local HF checkpoint directory")
+    up.add_argument("--generation-config", choices=("auto", "none"), default="auto",
+                    help="auto: a request's unset temperature, top_p, top_k, min_p and max_tokens come from "
+                         "the checkpoint's generation_config.json when it has one (as vLLM); none: pushkv's "
+                         "defaults (greedy). Its EOS ids are stopped on either way")
     g = up.add_argument_group("model geometry overrides")
     for name in GEOMETRY:
         g.add_argument("--" + name.replace("_", "-"), type=str if name == "dtype" else int)
@@ -165,7 +169,7 @@ def config_from_args(args: argparse.Namespace) -> DeploymentConfig:
         from pushkv.model.checkpoint import model_config_from_hf
 
         overrides = {k: getattr(args, k) for k in GEOMETRY if getattr(args, k) is not None}
-        model = model_config_from_hf(args.checkpoint, **overrides)
+        model = model_config_from_hf(args.checkpoint, args.generation_config, **overrides)
     else:
         model = _replace(model, **{k: getattr(args, k) for k in GEOMETRY})
     model = _replace(model, engine=args.engine, random_init=args.random_init,

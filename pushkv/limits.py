@@ -68,8 +68,8 @@ def max_len(cfg: DeploymentConfig) -> int:
 
 
 def stop_ids_bound(cfg: DeploymentConfig) -> int:
-    """Stop ids a ``Generate`` may carry: the request's plus the model's EOS id."""
-    return MAX_STOP_TOKEN_IDS + 1
+    """Stop ids a ``Generate`` may carry: the request's plus the model's EOS ids."""
+    return MAX_STOP_TOKEN_IDS + len(cfg.model.all_eos_ids)
 
 
 def http_body_bytes(cfg: DeploymentConfig) -> int:

@@ -28,7 +28,7 @@ def router_generate_at_every_bound(cfg: DeploymentConfig) -> m.Generate:
             "min_p": 0.5, "seed": (1 << 64) - 1, "presence_penalty": -2, "frequency_penalty": -2,
             "logprobs": L.MAX_LOGPROBS, "stop_token_ids": list(range(vocab - L.MAX_STOP_TOKEN_IDS, vocab)),
             "logit_bias": {str(vocab - 1 - i): -99.5 for i in range(min(vocab, L.MAX_LOGIT_BIAS))}}
-    p = api.parse_completion(body, text.ByteTokenizer(), api.Limits(vocab, n, eos_token_id=0))
+    p = api.parse_completion(body, text.ByteTokenizer(), api.Limits(vocab, n, eos_token_ids=(0,)))
     src = cfg.prefill.source()
     pull = m.PullParams(src, tuple(range(-(-n // 16))), n - 1, vocab - 1, time.monotonic())
     return m.Generate("f" * 35, 0, "decode", tuple(p.prompt_token_ids), p.max_tokens, p.stop_token_ids,

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from pushkv import limits as L
+from pushkv.config import SamplingDefaults
 from pushkv.messages import SamplingParams
 from pushkv.router import text
 
@@ -60,9 +61,12 @@ def bad(param: str, message: str) -> ApiError:
 
 @dataclass(frozen=True)
 class Limits:
+    """What the served model allows and defaults to."""
+
     vocab_size: int
     max_model_len: int
-    eos_token_id: int = -1  # -1: the model has no EOS to stop on
+    eos_token_ids: tuple[int, ...] = ()  # every id that ends a turn (none: never stop on EOS)
+    defaults: SamplingDefaults = SamplingDefaults()  # the checkpoint's, for fields a request leaves unset
 
 
 @dataclass
@@ -201,6 +205,8 @@ def parse_generation(body: dict, ids: list[int], limits: Limits, default_max: Op
     max_tokens = get_int(body, max_tokens_field, None)
     if max_tokens is None:
         max_tokens = default_max if default_max is not None else room
+        if limits.defaults.max_tokens is not None:  # the checkpoint's max_new_tokens
+            max_tokens = min(max_tokens, limits.defaults.max_tokens)
     if max_tokens < 1:
         raise bad(max_tokens_field, f"{max_tokens_field} must be at least 1, got {max_tokens}")
     if room < 1 or max_tokens > room:
@@ -233,8 +239,8 @@ def parse_generation(body: dict, ids: list[int], limits: Limits, default_max: Op
         raise bad("stop_token_ids", f"stop token id {outside[0]} outside the vocabulary [0, {limits.vocab_size})")
     ignore_eos = get_bool(body, "ignore_eos")
     stops = list(dict.fromkeys(stop_ids))
-    if limits.eos_token_id >= 0 and not ignore_eos and limits.eos_token_id not in stops:
-        stops.append(limits.eos_token_id)
+    if not ignore_eos:  # every EOS id the checkpoint names (a Llama-3 instruct model has three)
+        stops += [i for i in limits.eos_token_ids if i not in stops]
 
     stop = body.get("stop")
     if stop is None:
@@ -259,13 +265,14 @@ def parse_generation(body: dict, ids: list[int], limits: Limits, default_max: Op
 
 
 def parse_sampling(body: dict, limits: Limits, logprobs: int, max_tokens: int) -> SamplingParams:
-    temperature = get_num(body, "temperature", 0.0, 0.0, L.MAX_TEMPERATURE)  # absent: greedy (OpenAI's is 1)
+    d = limits.defaults  # the checkpoint's, where it has them; pushkv's absent temperature is greedy
+    temperature = get_num(body, "temperature", _or(d.temperature, 0.0), 0.0, L.MAX_TEMPERATURE)
     if temperature < L.MIN_TEMPERATURE:
         temperature = 0.0
-    top_p = get_num(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
-    top_k = get_int(body, "top_k", 0, -1)
+    top_p = get_num(body, "top_p", _or(d.top_p, 1.0), 0.0, 1.0, lo_open=True)
+    top_k = get_int(body, "top_k", _or(d.top_k, 0), -1)
     top_k = 0 if top_k == -1 else top_k
-    min_p = get_num(body, "min_p", 0.0, 0.0, 1.0)
+    min_p = get_num(body, "min_p", _or(d.min_p, 0.0), 0.0, 1.0)
     presence = get_num(body, "presence_penalty", 0.0, -L.MAX_PENALTY, L.MAX_PENALTY)
     frequency = get_num(body, "frequency_penalty", 0.0, -L.MAX_PENALTY, L.MAX_PENALTY)
     min_tokens = get_int(body, "min_tokens", 0, 0, max_tokens)
@@ -278,6 +285,10 @@ def parse_sampling(body: dict, limits: Limits, logprobs: int, max_tokens: int) -
         presence_penalty=presence, frequency_penalty=frequency, logit_bias=tuple(sorted(pairs)),
         logprobs=logprobs, min_tokens=min_tokens,
     )
+
+
+def _or(v, default):
+    return default if v is None else v
 
 
 def parse_logit_bias(bias: Any, limits: Limits) -> list[tuple[int, float]]:

@@ -53,7 +53,8 @@ class Router:
         self.limits = api.Limits(
             vocab_size=cfg.model.vocab_size,
             max_model_len=cfg.max_model_len or cfg.model.max_position,
-            eos_token_id=cfg.model.eos_token_id,
+            eos_token_ids=cfg.model.all_eos_ids,
+            defaults=cfg.model.sampling_defaults,
         )
         self.metrics = RouterMetrics(cfg.mode)
         self.security = security.load(cfg.secret_file)  # CURVE to tcp:// schedulers
