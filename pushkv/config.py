@@ -233,6 +233,14 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
     # writer. "auto" = on for CUDA instances, off on the CPU; "on" | "off" force it
     # (env PUSHKV_WRITER_WARM overrides, for A/B runs). See pushkv/writer/poll.py.
     writer_warm: str = "auto"
+    # the names a request's "model" may give (vLLM's --served-model-name); none: the model's name
+    # (preset or checkpoint directory) and the checkpoint's path. Another name gets 404.
+    served_model_name: tuple[str, ...] = ()
+
+    def served_names(self) -> tuple[str, ...]:
+        if self.served_model_name:
+            return self.served_model_name
+        return tuple(dict.fromkeys(n for n in (self.model.name, self.model.checkpoint) if n))
 
     def role_instances(self, role: str) -> list[InstanceConfig]:
         """Every planned instance of ``role`` (the template alone before planning)."""

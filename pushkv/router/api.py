@@ -25,19 +25,21 @@ CANONICAL_ID = re.compile(r"0|[1-9][0-9]{0,9}")  # a logit_bias key: "7", never 
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str = ""):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str = "",
+                 code: str = ""):
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type_
         self.param = param
+        self.code = code  # OpenAI's error code where it has one (model_not_found); else the status
 
     def body(self) -> dict:
-        return error_body(self.message, self.type, self.status, self.param)
+        return error_body(self.message, self.type, self.status, self.param, self.code)
 
 
-def error_body(message: str, type_: str, status: int, param: str = "") -> dict:
-    err = {"message": message, "type": type_, "code": status}
+def error_body(message: str, type_: str, status: int, param: str = "", code: str = "") -> dict:
+    err = {"message": message, "type": type_, "code": code or status}
     if param:
         err["param"] = param
     return {"error": err}
@@ -170,6 +172,19 @@ def _prompt_ids(prompt: Any, tok: text.Tokenizer) -> tuple[list[int], str]:
     if not ids:
         raise bad("prompt", "prompt is empty")
     return ids, text_
+
+
+def check_model(body: dict, served: tuple[str, ...]) -> None:
+    """A request's ``model`` must be a name this deployment serves (404 ``model_not_found``, as
+    OpenAI answers); a request without one is served."""
+    model = body.get("model")
+    if model is None:
+        return
+    if not isinstance(model, str):
+        raise bad("model", "model must be a string")
+    if model not in served:
+        raise ApiError(404, f"The model `{model}` does not exist; this server serves {list(served)}",
+                       param="model", code="model_not_found")
 
 
 def check_prompt_ids(ids: list[int], limits: Limits, param: str = "prompt") -> None:

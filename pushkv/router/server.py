@@ -56,6 +56,7 @@ class Router:
             eos_token_ids=cfg.model.all_eos_ids,
             defaults=cfg.model.sampling_defaults,
         )
+        self.served = cfg.served_names()  # what a request's "model" may name
         self.metrics = RouterMetrics(cfg.mode)
         self.security = security.load(cfg.secret_file)  # CURVE to tcp:// schedulers
         self.balancer = Balancer(cfg.mode, cfg.push_pin_fraction, cfg.router_queue, self.metrics)
@@ -300,10 +301,11 @@ class Router:
         return web.json_response({"id": rid, "aborted": True})
 
     async def handle_models(self, request: web.Request) -> web.Response:
-        card = {"id": self.cfg.model.name, "object": "model", "created": int(self.started_wall),
-                "owned_by": "pushkv", "root": self.cfg.model.checkpoint or self.cfg.model.name,
-                "max_model_len": self.limits.max_model_len}
-        return web.json_response({"object": "list", "data": [card]})
+        names = self.cfg.served_model_name or (self.cfg.model.name,)
+        cards = [{"id": name, "object": "model", "created": int(self.started_wall), "owned_by": "pushkv",
+                  "root": self.cfg.model.checkpoint or self.cfg.model.name, "max_model_len": self.limits.max_model_len}
+                 for name in names]
+        return web.json_response({"object": "list", "data": cards})
 
     async def handle_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=False)
@@ -328,6 +330,7 @@ class Router:
         try:
             body = api.parse_json(await request.read())
             params = self._parse(body, chat)
+            api.check_model(body, self.served)
         except api.ApiError as e:
             self.metrics.requests.labels(outcome="rejected").inc()
             return web.json_response(e.body(), status=e.status)
