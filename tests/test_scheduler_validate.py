@@ -101,7 +101,7 @@ BAD = [
     ("logprobs 21", gen("x", S(logprobs=21)), "sampling.logprobs"),
     ("logprobs huge", gen("x", S(logprobs=1 << 40)), "sampling.logprobs"),
     ("logprobs -2", gen("x", S(logprobs=-2)), "sampling.logprobs"),
-    ("min_tokens > max", gen("x", S(min_tokens=7)), "sampling.min_tokens"),
+    ("min_tokens > max_len", gen("x", S(min_tokens=1 << 40)), "sampling.min_tokens"),
     ("min_tokens -1", gen("x", S(min_tokens=-1)), "sampling.min_tokens"),
     ("prompt id -1", gen("x", None, (1, -1)), "token id -1"),
     ("max_tokens 0", gen("x", None, max_tokens=0), "max_tokens"),

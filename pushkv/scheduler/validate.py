@@ -24,7 +24,7 @@ def _in(x: float, lo: float, hi: float, lo_open: bool = False) -> bool:
     return math.isfinite(x) and lo <= x <= hi and not (lo_open and x == lo)
 
 
-def check_sampling(p: m.SamplingParams, vocab: int, max_tokens: int) -> Optional[str]:
+def check_sampling(p: m.SamplingParams, vocab: int, max_len: int) -> Optional[str]:
     """Why ``p`` may not be sampled with, naming the field, or None."""
     t = p.temperature
     if not (t == 0 or _in(t, L.MIN_TEMPERATURE, L.MAX_TEMPERATURE)):
@@ -41,8 +41,8 @@ def check_sampling(p: m.SamplingParams, vocab: int, max_tokens: int) -> Optional
             return f"sampling.{name} must be in [-{L.MAX_PENALTY:g}, {L.MAX_PENALTY:g}], got {v}"
     if not -1 <= p.logprobs <= min(L.MAX_LOGPROBS, vocab):
         return f"sampling.logprobs must be in [-1, {min(L.MAX_LOGPROBS, vocab)}], got {p.logprobs}"
-    if not 0 <= p.min_tokens <= max_tokens:
-        return f"sampling.min_tokens must be in [0, max_tokens={max_tokens}], got {p.min_tokens}"
+    if not 0 <= p.min_tokens <= max_len:  # the request's, not this leg's (P's leg has max_tokens 1)
+        return f"sampling.min_tokens must be in [0, {max_len}], got {p.min_tokens}"
     bias = p.logit_bias
     if len(bias) > L.MAX_LOGIT_BIAS:
         return f"sampling.logit_bias has {len(bias)} entries; at most {L.MAX_LOGIT_BIAS}"
@@ -76,7 +76,7 @@ def check_generate(msg: m.Generate, vocab: int, max_len: int, max_stop_ids: int)
     if bad is not None:
         return f"stop_token_ids: token id {bad} outside the vocabulary [0, {vocab})"
     if msg.sampling is not None:
-        err = check_sampling(msg.sampling, vocab, msg.max_tokens)
+        err = check_sampling(msg.sampling, vocab, max_len)
         if err is not None:
             return err
     if msg.pull is not None:
