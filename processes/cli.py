@@ -52,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int)
     up.add_argument("--model", choices=sorted(PRESETS), help="model preset")
     up.add_argument("--checkpoint", metavar="DIR", help="local HF checkpoint directory")
+    up.add_argument("--generation-config", choices=("auto", "none"), default="auto",
+                    help="auto: a request's unset temperature, top_p, top_k, min_p and max_tokens come from "
+                         "the checkpoint's generation_config.json when it has one (as vLLM); none: pushkv's "
+                         "defaults (greedy). Its EOS ids are stopped on either way")
     g = up.add_argument_group("model geometry overrides")
     for name in GEOMETRY:
         g.add_argument("--" + name.replace("_", "-"), type=str if name == "dtype" else int)
@@ -83,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="writers spin (a core each) while a transfer with them is expected, so its post and "
                         "completion skip the wake-up from idle; auto (default) = on for CUDA instances")
     r = up.add_argument_group("router")
+    r.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="the names a request's model field may give, listed by /v1/models (default: the "
+                        "preset's or checkpoint directory's name, or the checkpoint's path); another: 404")
     r.add_argument("--router-queue", type=int, metavar="N",
                    help="requests that may wait at the router for a D that can hold them; past it: 429")
     r.add_argument("--push-pin-fraction", type=float, metavar="F",
@@ -168,7 +175,7 @@ def config_from_args(args: argparse.Namespace) -> DeploymentConfig:
         from pushkv.model.checkpoint import model_config_from_hf
 
         overrides = {k: getattr(args, k) for k in GEOMETRY if getattr(args, k) is not None}
-        model = model_config_from_hf(args.checkpoint, **overrides)
+        model = model_config_from_hf(args.checkpoint, args.generation_config, **overrides)
     else:
         model = _replace(model, **{k: getattr(args, k) for k in GEOMETRY})
     model = _replace(model, engine=args.engine, random_init=args.random_init,
@@ -183,6 +190,7 @@ def config_from_args(args: argparse.Namespace) -> DeploymentConfig:
         secret_file=os.path.abspath(args.secret_file) if args.secret_file else None, prefill_instances=args.prefill_instances,
         decode_instances=args.decode_instances, router_queue=args.router_queue,
         push_pin_fraction=args.push_pin_fraction, writer_warm=args.writer_warm,
+        served_model_name=tuple(args.served_model_name) if args.served_model_name else None,
         trace_endpoint=TRACE_AUTO if args.trace else None,
         trace_tap_endpoint=args.trace if args.trace not in (None, TRACE_AUTO) else None,
         prefill=_replace(cfg.prefill, tp=args.prefill_tp, block_size=args.prefill_block_size or args.block_size,

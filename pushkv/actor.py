@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional
 import msgspec
 import zmq
 
+from pushkv import limits
 from pushkv import messages as m
 from pushkv import security
 from pushkv.security import secure_bind, secure_connect
@@ -42,8 +43,12 @@ class Channel:
 class Actor:
     """Base of every process loop. Subclasses add channels in ``setup``."""
 
-    def __init__(self, name: str, control_endpoint: str = "", trace_endpoint: str = "", secret_file: str = ""):
+    def __init__(self, name: str, control_endpoint: str = "", trace_endpoint: str = "", secret_file: str = "",
+                 max_msg_bytes: int = limits.CONTROL_MSG_BYTES):
         self.name = name
+        # the largest message a socket of ours accepts unless it names its own (pushkv.limits): ZMQ
+        # drops a larger one and disconnects its sender before anything of it is decoded
+        self.max_msg_bytes = max_msg_bytes
         self.ctx = zmq.Context.instance()
         self.poller = zmq.Poller()
         self.channels: dict[zmq.Socket, Channel] = {}
@@ -93,9 +98,12 @@ class Actor:
         if self._extra_fds.pop(fd, None) is not None:
             self.poller.unregister(fd)
 
-    def socket(self, kind: int, endpoint: str, bind: bool) -> zmq.Socket:
+    def socket(self, kind: int, endpoint: str, bind: bool, max_msg_bytes: int = 0) -> zmq.Socket:
+        """Every socket of every actor is made here: linger 0, a message-size cap (``max_msg_bytes``,
+        else the actor's), CURVE on a network endpoint."""
         sock = self.ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes or self.max_msg_bytes)
         if bind:
             secure_bind(sock, endpoint, self.security)
         else:
@@ -177,6 +185,7 @@ class Actor:
             return
         self._control = self.ctx.socket(zmq.DEALER)
         self._control.setsockopt(zmq.LINGER, 0)
+        self._control.setsockopt(zmq.MAXMSGSIZE, limits.CONTROL_MSG_BYTES)
         secure_connect(self._control, self._control_endpoint, self.security)
         self._control.send(m.encode(self.ready_msg()))
         self.add_channel(self._control, m.DEC_CONTROL, "supervisor")

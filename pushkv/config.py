@@ -14,6 +14,17 @@ import msgspec
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
+class SamplingDefaults(msgspec.Struct, frozen=True):
+    """A checkpoint's default sampling (its ``generation_config.json``): what a request that leaves
+    a field unset gets. None: pushkv's own default (greedy; max_tokens as the endpoint says)."""
+
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    max_tokens: Optional[int] = None  # max_new_tokens
+
+
 class ModelConfig(msgspec.Struct, frozen=True):
     name: str = "small"
     num_layers: int = 4
@@ -44,10 +55,19 @@ class ModelConfig(msgspec.Struct, frozen=True):
     # CUDA graphs) on CUDA, the per-sequence engine on the CPU; "batched" | "per-seq" force one
     engine: str = "auto"
     random_init: str = "cpu"  # random weights drawn on "cpu" (fp32, then cast) or "device"
+    # every id that ends a turn: config.json's eos_token_id (an int or a list) and
+    # generation_config.json's; eos_token_id above is the first of them
+    eos_token_ids: tuple[int, ...] = ()
+    sampling_defaults: SamplingDefaults = SamplingDefaults()  # from generation_config.json (--generation-config auto)
 
     @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def all_eos_ids(self) -> tuple[int, ...]:
+        """The ids generation stops on (unless a request ignores EOS)."""
+        return self.eos_token_ids or ((self.eos_token_id,) if self.eos_token_id >= 0 else ())
 
     @property
     def is_mla(self) -> bool:
@@ -225,6 +245,14 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
     # writer. "auto" = on for CUDA instances, off on the CPU; "on" | "off" force it
     # (env PUSHKV_WRITER_WARM overrides, for A/B runs). See pushkv/writer/poll.py.
     writer_warm: str = "auto"
+    # the names a request's "model" may give (vLLM's --served-model-name); none: the model's name
+    # (preset or checkpoint directory) and the checkpoint's path. Another name gets 404.
+    served_model_name: tuple[str, ...] = ()
+
+    def served_names(self) -> tuple[str, ...]:
+        if self.served_model_name:
+            return self.served_model_name
+        return tuple(dict.fromkeys(n for n in (self.model.name, self.model.checkpoint) if n))
 
     def role_instances(self, role: str) -> list[InstanceConfig]:
         """Every planned instance of ``role`` (the template alone before planning)."""

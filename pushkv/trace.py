@@ -82,8 +82,9 @@ class TraceForwarder:
     """
 
     def __init__(self, publish_endpoint: str, tap_endpoint: str, ctx: Optional[zmq.Context] = None,
-                 security: Optional[Security] = None):
+                 security: Optional[Security] = None, max_msg_bytes: int = -1):
         self.security = security
+        self.max_msg_bytes = max_msg_bytes  # of one event from a publisher (it carries a message); -1: no cap
         self.publish_endpoint = publish_endpoint
         self.tap_endpoint = tap_endpoint
         self.ctx = ctx or zmq.Context.instance()
@@ -98,6 +99,8 @@ class TraceForwarder:
         for s in (xsub, xpub, ctl_in):
             s.setsockopt(zmq.LINGER, 0)
         xpub.setsockopt(zmq.SNDHWM, TAP_SNDHWM)
+        xsub.setsockopt(zmq.MAXMSGSIZE, self.max_msg_bytes)
+        xpub.setsockopt(zmq.MAXMSGSIZE, 1 << 16)  # taps send subscriptions only
         try:
             secure_bind(xsub, self.publish_endpoint, self.security)
             secure_bind(xpub, self.tap_endpoint, self.security)

@@ -257,7 +257,7 @@ FRAMES = [
     ("wrong-type-field", msgspec.msgpack.encode(["Generate", "t-wrong-type", 0, "prefill", "notalist", 4])),
     ("missing-fields", msgspec.msgpack.encode(["Generate", "t-missing"])),
     ("truncated", m.encode(m.Generate("t-trunc", 0, "prefill", (1, 2, 3), 1))[:-3]),
-    ("big-garbage", b"\xc1" * (4 << 20)),
+    ("big-garbage", b"\xc1" * (48 << 10)),  # under the front socket's cap (64 KiB here)
 ]
 
 
@@ -280,6 +280,28 @@ def test_undecodable_frames_are_counted(dep, reference, role, name, frame):
     after = counters(dep)
     assert delta(before, after, role, "bad_frame") == 1
     assert delta(before, after, role, "requests") == 1  # only the normal request
+    still_serves(dep, reference)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_frame_past_the_cap_is_dropped_unread(dep, reference, role):
+    """4 MiB at a scheduler whose front socket takes at most twice the largest legal Generate:
+    ZeroMQ disconnects the sender; nothing is decoded, answered or counted, and the request
+    running alongside is untouched."""
+    from pushkv import limits
+
+    assert limits.generate_cap_bytes(dep.cfg) < 4 << 20
+    before = counters(dep)
+    s = dealer(dep.cfg.instance(role).sched_endpoint)
+    try:
+        with Alongside(dep) as normal:
+            s.send(b"\xc1" * (4 << 20))
+            assert not s.poll(1000)  # no answer: the frame never reached the scheduler
+    finally:
+        s.close(0)
+    normal.check(reference)
+    after = counters(dep)
+    assert delta(before, after, role, "bad_frame") == 0 and delta(before, after, role, "requests") == 1
     still_serves(dep, reference)
 
 

@@ -164,7 +164,7 @@ def test_every_wire_type_is_on_some_channel():
 # ---------------------------------------------------------------------------
 # the router's request parser: any JSON in, a CompletionParams or an ApiError out
 # ---------------------------------------------------------------------------
-LIMITS = api.Limits(vocab_size=320, max_model_len=1024, eos_token_id=-1)
+LIMITS = api.Limits(vocab_size=320, max_model_len=1024)
 TOK = text.ByteTokenizer()
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=30),

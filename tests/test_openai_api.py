@@ -203,14 +203,14 @@ def test_checkpoint_chat_template_and_cjk_text(tmp_path):
     d.mkdir()
     with deployment(d, "--mode", "push", "--checkpoint", str(ckpt), "--num-blocks", "128") as dep:
         c = client(dep)
-        r = c.chat.completions.create(model="x", messages=MESSAGES, max_tokens=6, temperature=0.7, seed=3)
+        r = c.chat.completions.create(model="ckpt", messages=MESSAGES, max_tokens=6, temperature=0.7, seed=3)
         rendered = ChatTemplate(template, "<s>", "</s>").render(MESSAGES)
         assert rendered.startswith("<s><|system|>You are terse.</s>")
         assert r.usage.prompt_tokens == len(hf.encode(rendered, add_special_tokens=False).ids)
         for prompt in PROMPTS[1:]:
             kw = dict(max_tokens=24, temperature=1.0, seed=11, extra_body={"ignore_eos": True})
-            unary = c.completions.create(model="x", prompt=prompt, **kw).choices[0]
-            chunks = [ch for ch in c.completions.create(model="x", prompt=prompt, stream=True, **kw) if ch.choices]
+            unary = c.completions.create(model="ckpt", prompt=prompt, **kw).choices[0]
+            chunks = [ch for ch in c.completions.create(model="ckpt", prompt=prompt, stream=True, **kw) if ch.choices]
             assert "".join(ch.choices[0].text for ch in chunks) == unary.text
             assert [t for ch in chunks for t in ch.choices[0].token_ids] == unary.token_ids
             whole = hf.decode(unary.token_ids, skip_special_tokens=True)

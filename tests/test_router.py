@@ -51,7 +51,7 @@ def test_local_unary_shape(tmp_path):
     async def body():
         cfg = make_cfg(tmp_path, "local")
         async with Harness(cfg, {"local": local_script([[72], [105, 33]], "stop")}) as h:
-            r = await h.http.post("/v1/completions", json={"prompt": "Hey", "max_tokens": 3, "model": "x"})
+            r = await h.http.post("/v1/completions", json={"prompt": "Hey", "max_tokens": 3, "model": "tiny"})
             assert r.status == 200
             out = await r.json()
             gen = h.log.received("local", m.Generate)[0]
@@ -67,6 +67,35 @@ def test_local_unary_shape(tmp_path):
                       "local.scheduled", "local.finished"):
                 assert k in ext["timeline"], k
             assert {"created", "model"} <= set(out)
+    run(body())
+
+
+@pytest.mark.parametrize("served, ok, unknown", [
+    ((), ["tiny"], ["x", "", "Tiny", "tiny "]),
+    (("qwen/qwen3", "q3"), ["qwen/qwen3", "q3"], ["tiny", "x"]),
+])
+def test_the_model_field_is_checked_against_the_served_names(tmp_path, served, ok, unknown):
+    """As OpenAI: an unknown model is 404 with code model_not_found (before any leg is sent); no
+    model field at all is served; /v1/models lists what is served."""
+    async def body():
+        cfg = make_cfg(tmp_path, "local", served_model_name=served)
+        async with Harness(cfg, {"local": local_script([[72]], "stop")}) as h:
+            listed = await (await h.http.get("/v1/models")).json()
+            assert [c["id"] for c in listed["data"]] == ok
+            for name in unknown:
+                for path, extra in (("/v1/completions", {"prompt": "Hey"}),
+                                    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hey"}]})):
+                    r = await h.http.post(path, json={"model": name, "max_tokens": 1, **extra})
+                    err = (await r.json())["error"]
+                    assert r.status == 404 and err["code"] == "model_not_found" and err["param"] == "model", err
+                    assert err["type"] == "invalid_request_error" and f"`{name}`" in err["message"]
+            r = await h.http.post("/v1/completions", json={"model": 5, "prompt": "Hey", "max_tokens": 1})
+            assert r.status == 400 and (await r.json())["error"]["param"] == "model"
+            assert not h.log.received("local", m.Generate)
+            for name in [*ok, None]:
+                req = {"prompt": "Hey", "max_tokens": 1, **({"model": name} if name else {})}
+                r = await h.http.post("/v1/completions", json=req)
+                assert r.status == 200 and (await r.json())["model"] == (name or ok[0]), name
     run(body())
 
 

@@ -8,7 +8,7 @@ from pushkv.messages import SamplingParams
 from pushkv.router import api, chat, output, text
 
 CJK_EMOJI = ["你好，世界！今天天气很好。", "hi 你好 😀 ok", "a 👨‍👩‍👧 b 👍🏽!", "héllo wörld 日本語 ☃"]
-LIMITS = api.Limits(vocab_size=320, max_model_len=256, eos_token_id=-1)
+LIMITS = api.Limits(vocab_size=320, max_model_len=256)
 
 
 class HF:

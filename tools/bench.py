@@ -82,8 +82,9 @@ class RequestResult:
 
 
 async def send_request(session, url: str, prompt: list[int], output_len: int, model: str = "") -> RequestResult:
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "stream": True,
-            "temperature": 0, "ignore_eos": True}
+    body = {"prompt": prompt, "max_tokens": output_len, "stream": True, "temperature": 0, "ignore_eos": True}
+    if model:  # the server checks a model it is given against the names it serves
+        body["model"] = model
     res = RequestResult(prompt_len=len(prompt))
     start = time.perf_counter()
     last = start

@@ -6,13 +6,17 @@ its own rows/columns out of the files.
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from safetensors import safe_open
 
-from pushkv.config import ModelConfig
+from pushkv.config import ModelConfig, SamplingDefaults
+
+log = logging.getLogger(__name__)
 
 ARCHITECTURES = {"LlamaForCausalLM": False, "Qwen3ForCausalLM": True}  # -> qk_norm
 HF_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
@@ -71,10 +75,87 @@ def rope_theta_of(hf: dict) -> float:
     return ROPE_THETA_DEFAULT if theta is None else float(theta)
 
 
-def model_config_from_hf(path: str, **overrides) -> ModelConfig:
+GENERATION_CONFIG = ("auto", "none")  # --generation-config: the file's sampling defaults, or pushkv's
+
+
+def _read_generation_config(path: str) -> dict:
+    gen_path = os.path.join(path, "generation_config.json")
+    if not os.path.exists(gen_path):
+        return {}
+    with open(gen_path) as f:
+        gen = json.load(f)
+    if not isinstance(gen, dict):
+        raise ValueError(f"{gen_path} is not a JSON object")
+    return gen
+
+
+def _token_ids(v: Any, where: str) -> tuple[int, ...]:
+    """An ``eos_token_id`` as transformers writes it: absent, an int, or a list of ints."""
+    if v is None:
+        return ()
+    if isinstance(v, int) and not isinstance(v, bool):
+        return (v,)
+    if isinstance(v, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in v):
+        return tuple(v)
+    raise ValueError(f"{where}: eos_token_id {v!r} is neither a token id nor a list of them")
+
+
+def eos_ids_of(hf: dict, gen: dict, vocab_size: int, path: str = "") -> tuple[int, ...]:
+    """Every EOS id, config.json's first and then generation_config.json's (vLLM stops on both;
+    transformers' generate on the second file's where it exists, else the first's)."""
+    ids = _token_ids(hf.get("eos_token_id"), f"{path}/config.json")
+    ids += _token_ids(gen.get("eos_token_id"), f"{path}/generation_config.json")
+    outside = [i for i in ids if not 0 <= i < vocab_size]
+    if outside:
+        raise ValueError(f"{path}: EOS token id {outside[0]} outside the vocabulary [0, {vocab_size})")
+    return tuple(dict.fromkeys(ids))
+
+
+# generation_config.json field: (SamplingDefaults field, type, range check, range text); what
+# pushkv can sample with (vLLM takes the same, and repetition_penalty, which pushkv does not have)
+DEFAULT_FIELDS = {
+    "temperature": ("temperature", float, lambda v: 0 <= v <= 100, "[0, 100]"),
+    "top_p": ("top_p", float, lambda v: 0 < v <= 1, "(0, 1]"),
+    "top_k": ("top_k", int, lambda v: v >= -1, ">= -1 (-1, 0: off)"),
+    "min_p": ("min_p", float, lambda v: 0 <= v <= 1, "[0, 1]"),
+    "max_new_tokens": ("max_tokens", int, lambda v: v >= 1, ">= 1"),
+}
+
+
+def sampling_defaults_of(gen: dict, path: str = "") -> SamplingDefaults:
+    """The sampling defaults a checkpoint's generation_config.json sets. ``do_sample: false``
+    means greedy (as transformers' generate), whatever temperature or top_p it also names."""
+    where = f"{path}/generation_config.json"
+    out: dict = {}
+    for key, (name, typ, ok, text) in DEFAULT_FIELDS.items():
+        v = gen.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (typ is int and not isinstance(v, int)):
+            raise ValueError(f"{where}: {key} must be {'an integer' if typ is int else 'a number'}, got {v!r}")
+        if (isinstance(v, float) and not math.isfinite(v)) or not ok(v):
+            raise ValueError(f"{where}: {key} must be {text}, got {v} (or serve with --generation-config none)")
+        out[name] = typ(v)
+    if out.get("top_k") in (-1, 0):
+        out.pop("top_k")
+    if gen.get("do_sample") is False:
+        out = {k: v for k, v in out.items() if k == "max_tokens"}
+    rp = gen.get("repetition_penalty")
+    if isinstance(rp, (int, float)) and rp != 1:
+        log.warning("%s: repetition_penalty %s is not applied (pushkv has presence/frequency_penalty only)",
+                    where, rp)
+    return SamplingDefaults(**out)
+
+
+def model_config_from_hf(path: str, generation_config: str = "auto", **overrides) -> ModelConfig:
     """ModelConfig of a local HF checkpoint directory; overrides replace any field
-    (e.g. dtype="float32" to run a bf16 checkpoint in float32)."""
+    (e.g. dtype="float32" to run a bf16 checkpoint in float32). Its EOS ids come from
+    config.json and generation_config.json; its sampling defaults from the second, unless
+    ``generation_config`` is "none" (vLLM's ``--generation-config``)."""
+    if generation_config not in GENERATION_CONFIG:
+        raise ValueError(f"generation_config must be one of {GENERATION_CONFIG}, got {generation_config!r}")
     hf = _read_config(path)
+    gen = _read_generation_config(path)
     archs = hf.get("architectures") or []
     arch = next((a for a in archs if a in ARCHITECTURES), None)
     if arch is None:
@@ -93,9 +174,7 @@ def model_config_from_hf(path: str, **overrides) -> ModelConfig:
     dtype = hf.get("torch_dtype") or hf.get("dtype") or "float32"
     if dtype not in HF_DTYPES:
         raise ValueError(f"unsupported checkpoint dtype {dtype!r}")
-    eos = hf.get("eos_token_id")
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
+    eos = eos_ids_of(hf, gen, hf["vocab_size"], path)
     windows = _window_layers(hf, num_layers)
     fields = dict(
         name=os.path.basename(os.path.normpath(path)),
@@ -113,9 +192,11 @@ def model_config_from_hf(path: str, **overrides) -> ModelConfig:
         qk_norm=ARCHITECTURES[arch],
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         checkpoint=os.path.abspath(path),
-        eos_token_id=-1 if eos is None else int(eos),
+        eos_token_id=eos[0] if eos else -1,
         sliding_window=int(hf.get("sliding_window") or 0) if windows else 0,
         window_layers=windows,
+        eos_token_ids=eos,
+        sampling_defaults=sampling_defaults_of(gen, path) if generation_config == "auto" else SamplingDefaults(),
     )
     fields.update(overrides)
     return ModelConfig(**fields)

@@ -11,32 +11,35 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from pushkv import limits as L
+from pushkv.config import SamplingDefaults
 from pushkv.messages import SamplingParams
 from pushkv.router import text
 
 DEFAULT_MAX_TOKENS = 16  # completions, as OpenAI; chat defaults to what fits
-MAX_N = 16
-MAX_LOGPROBS = 20
-MAX_STOPS = 16
+CANONICAL_ID = re.compile(r"0|[1-9][0-9]{0,9}")  # a logit_bias key: "7", never "07", " 7", "+7", "7.0"
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str = ""):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str = "",
+                 code: str = ""):
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type_
         self.param = param
+        self.code = code  # OpenAI's error code where it has one (model_not_found); else the status
 
     def body(self) -> dict:
-        return error_body(self.message, self.type, self.status, self.param)
+        return error_body(self.message, self.type, self.status, self.param, self.code)
 
 
-def error_body(message: str, type_: str, status: int, param: str = "") -> dict:
-    err = {"message": message, "type": type_, "code": status}
+def error_body(message: str, type_: str, status: int, param: str = "", code: str = "") -> dict:
+    err = {"message": message, "type": type_, "code": code or status}
     if param:
         err["param"] = param
     return {"error": err}
@@ -60,9 +63,12 @@ def bad(param: str, message: str) -> ApiError:
 
 @dataclass(frozen=True)
 class Limits:
+    """What the served model allows and defaults to."""
+
     vocab_size: int
     max_model_len: int
-    eos_token_id: int = -1  # -1: the model has no EOS to stop on
+    eos_token_ids: tuple[int, ...] = ()  # every id that ends a turn (none: never stop on EOS)
+    defaults: SamplingDefaults = SamplingDefaults()  # the checkpoint's, for fields a request leaves unset
 
 
 @dataclass
@@ -168,6 +174,19 @@ def _prompt_ids(prompt: Any, tok: text.Tokenizer) -> tuple[list[int], str]:
     return ids, text_
 
 
+def check_model(body: dict, served: tuple[str, ...]) -> None:
+    """A request's ``model`` must be a name this deployment serves (404 ``model_not_found``, as
+    OpenAI answers); a request without one is served."""
+    model = body.get("model")
+    if model is None:
+        return
+    if not isinstance(model, str):
+        raise bad("model", "model must be a string")
+    if model not in served:
+        raise ApiError(404, f"The model `{model}` does not exist; this server serves {list(served)}",
+                       param="model", code="model_not_found")
+
+
 def check_prompt_ids(ids: list[int], limits: Limits, param: str = "prompt") -> None:
     bad_ids = [i for i in ids if not 0 <= i < limits.vocab_size]
     if bad_ids:
@@ -182,7 +201,7 @@ def parse_completion(body: dict, tok: text.Tokenizer, limits: Limits) -> Complet
     if body.get("suffix") not in (None, ""):
         raise bad("suffix", "suffix is not supported")
     echo = get_bool(body, "echo")
-    logprobs = get_int(body, "logprobs", None, 0, MAX_LOGPROBS)
+    logprobs = get_int(body, "logprobs", None, 0, L.MAX_LOGPROBS)
     if echo and logprobs is not None:
         raise bad("echo", "echo with logprobs is not supported (prompt logprobs are not computed)")
     params = parse_generation(body, ids, limits, DEFAULT_MAX_TOKENS, -1 if logprobs is None else logprobs)
@@ -201,6 +220,8 @@ def parse_generation(body: dict, ids: list[int], limits: Limits, default_max: Op
     max_tokens = get_int(body, max_tokens_field, None)
     if max_tokens is None:
         max_tokens = default_max if default_max is not None else room
+        if limits.defaults.max_tokens is not None:  # the checkpoint's max_new_tokens
+            max_tokens = min(max_tokens, limits.defaults.max_tokens)
     if max_tokens < 1:
         raise bad(max_tokens_field, f"{max_tokens_field} must be at least 1, got {max_tokens}")
     if room < 1 or max_tokens > room:
@@ -214,8 +235,8 @@ def parse_generation(body: dict, ids: list[int], limits: Limits, default_max: Op
         raise bad("stream_options", "stream_options must be an object")
     include_usage = get_bool(opts or {}, "include_usage") if opts else False
 
-    n = get_int(body, "n", 1, 1, MAX_N)
-    best_of = get_int(body, "best_of", None, 1)
+    n = get_int(body, "n", 1, 1, L.MAX_N)
+    best_of = get_int(body, "best_of", None, 1, L.MAX_BEST_OF)
     if best_of is not None and best_of != n:
         raise bad("best_of", "best_of other than n is not supported")
     if get_bool(body, "use_beam_search"):
@@ -226,13 +247,15 @@ def parse_generation(body: dict, ids: list[int], limits: Limits, default_max: Op
     stop_ids = body.get("stop_token_ids") or []
     if not _token_list(stop_ids):
         raise bad("stop_token_ids", "stop_token_ids must be a list of token ids")
+    if len(stop_ids) > L.MAX_STOP_TOKEN_IDS:
+        raise bad("stop_token_ids", f"at most {L.MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(stop_ids)}")
     outside = [i for i in stop_ids if not 0 <= i < limits.vocab_size]
     if outside:
         raise bad("stop_token_ids", f"stop token id {outside[0]} outside the vocabulary [0, {limits.vocab_size})")
     ignore_eos = get_bool(body, "ignore_eos")
     stops = list(dict.fromkeys(stop_ids))
-    if limits.eos_token_id >= 0 and not ignore_eos and limits.eos_token_id not in stops:
-        stops.append(limits.eos_token_id)
+    if not ignore_eos:  # every EOS id the checkpoint names (a Llama-3 instruct model has three)
+        stops += [i for i in limits.eos_token_ids if i not in stops]
 
     stop = body.get("stop")
     if stop is None:
@@ -241,8 +264,11 @@ def parse_generation(body: dict, ids: list[int], limits: Limits, default_max: Op
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise bad("stop", "stop must be a non-empty string or a list of non-empty strings")
-    if len(stop) > MAX_STOPS:
-        raise bad("stop", f"at most {MAX_STOPS} stop strings, got {len(stop)}")
+    if len(stop) > L.MAX_STOPS:
+        raise bad("stop", f"at most {L.MAX_STOPS} stop strings, got {len(stop)}")
+    long = next((s for s in stop if len(s) > L.MAX_STOP_CHARS), None)
+    if long is not None:
+        raise bad("stop", f"a stop string may have at most {L.MAX_STOP_CHARS} characters, got {len(long)}")
 
     sampling = parse_sampling(body, limits, logprobs, max_tokens)
     model = body.get("model")
@@ -254,34 +280,51 @@ def parse_generation(body: dict, ids: list[int], limits: Limits, default_max: Op
 
 
 def parse_sampling(body: dict, limits: Limits, logprobs: int, max_tokens: int) -> SamplingParams:
-    temperature = get_num(body, "temperature", 0.0, 0.0, 100.0)  # absent: greedy (OpenAI's default is 1)
-    top_p = get_num(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
-    top_k = get_int(body, "top_k", 0, -1)
+    d = limits.defaults  # the checkpoint's, where it has them; pushkv's absent temperature is greedy
+    temperature = get_num(body, "temperature", _or(d.temperature, 0.0), 0.0, L.MAX_TEMPERATURE)
+    if temperature < L.MIN_TEMPERATURE:
+        temperature = 0.0
+    top_p = get_num(body, "top_p", _or(d.top_p, 1.0), 0.0, 1.0, lo_open=True)
+    top_k = get_int(body, "top_k", _or(d.top_k, 0), -1)
     top_k = 0 if top_k == -1 else top_k
-    min_p = get_num(body, "min_p", 0.0, 0.0, 1.0)
-    presence = get_num(body, "presence_penalty", 0.0, -2.0, 2.0)
-    frequency = get_num(body, "frequency_penalty", 0.0, -2.0, 2.0)
+    min_p = get_num(body, "min_p", _or(d.min_p, 0.0), 0.0, 1.0)
+    presence = get_num(body, "presence_penalty", 0.0, -L.MAX_PENALTY, L.MAX_PENALTY)
+    frequency = get_num(body, "frequency_penalty", 0.0, -L.MAX_PENALTY, L.MAX_PENALTY)
     min_tokens = get_int(body, "min_tokens", 0, 0, max_tokens)
     seed = get_int(body, "seed", None)
     if seed is None:  # the request's own stream; P and D both see it (greedy needs none)
         seed = random.getrandbits(64) if temperature > 0 else 0
-    bias = body.get("logit_bias")
-    pairs: list[tuple[int, float]] = []
-    if bias is not None:
-        if not isinstance(bias, dict):
-            raise bad("logit_bias", "logit_bias must be an object mapping token ids to numbers")
-        for k, v in bias.items():
-            try:
-                tid = int(k)
-            except (TypeError, ValueError):
-                raise bad("logit_bias", f"logit_bias key {k!r} is not a token id") from None
-            if not 0 <= tid < limits.vocab_size:
-                raise bad("logit_bias", f"logit_bias token id {tid} outside the vocabulary [0, {limits.vocab_size})")
-            if not _is_num(v) or not -100 <= v <= 100:
-                raise bad("logit_bias", f"logit_bias value for {k!r} must be a number in [-100, 100]")
-            pairs.append((tid, float(v)))
+    pairs = parse_logit_bias(body.get("logit_bias"), limits)
     return SamplingParams(
         temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed & ((1 << 64) - 1),
         presence_penalty=presence, frequency_penalty=frequency, logit_bias=tuple(sorted(pairs)),
         logprobs=logprobs, min_tokens=min_tokens,
     )
+
+
+def _or(v, default):
+    return default if v is None else v
+
+
+def parse_logit_bias(bias: Any, limits: Limits) -> list[tuple[int, float]]:
+    """(token id, bias) pairs. Keys are token ids written as canonical integers, so no two keys
+    name the same id and no id's biases add up past the bound."""
+    if bias is None:
+        return []
+    if not isinstance(bias, dict):
+        raise bad("logit_bias", "logit_bias must be an object mapping token ids to numbers")
+    if len(bias) > L.MAX_LOGIT_BIAS:
+        raise bad("logit_bias", f"at most {L.MAX_LOGIT_BIAS} logit_bias entries, got {len(bias)}")
+    pairs = []
+    for k, v in bias.items():
+        if not CANONICAL_ID.fullmatch(k):
+            raise bad("logit_bias", f"logit_bias key {k!r} is not a token id written as a canonical integer "
+                                    "(e.g. \"7\")")
+        tid = int(k)
+        if tid >= limits.vocab_size:
+            raise bad("logit_bias", f"logit_bias token id {tid} outside the vocabulary [0, {limits.vocab_size})")
+        if not _is_num(v) or not -L.LOGIT_BIAS_ABS <= v <= L.LOGIT_BIAS_ABS:
+            raise bad("logit_bias", f"logit_bias value for {k!r} must be a number in "
+                                    f"[-{L.LOGIT_BIAS_ABS:g}, {L.LOGIT_BIAS_ABS:g}]")
+        pairs.append((tid, float(v)))
+    return pairs

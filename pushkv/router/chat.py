@@ -7,14 +7,21 @@ named templates of which ``default`` is taken), rendered with jinja2 in a
 sandbox as transformers does (``trim_blocks``, ``lstrip_blocks``,
 ``raise_exception``). The random presets, and checkpoints without one, get a
 plain template: one ``role: content`` line per message, then ``assistant:``.
+
+What a tool-calling template reads is passed to it as transformers'
+``apply_chat_template`` passes it: ``tools`` (None when there are none; the
+``tool_use`` named template, where there is one, when there are), and each
+message's ``name``, ``tool_call_id`` and ``tool_calls`` (a call's JSON-string
+arguments as an object).
 """
 from __future__ import annotations
 
 import json
 import os
 from datetime import datetime
-from typing import Any
+from typing import Any, Optional
 
+from pushkv import limits as L
 from pushkv.router import api, text
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -53,6 +60,10 @@ class ChatTemplate:
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template {name!r} does not compile: {e}") from None
         self.bos_token, self.eos_token, self.name = bos_token, eos_token, name
+        self.tool_use: Optional["ChatTemplate"] = None  # the checkpoint's "tool_use" template, if named
+
+    def for_tools(self, tools: bool) -> "ChatTemplate":
+        return self.tool_use if tools and self.tool_use is not None else self
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
         import jinja2
@@ -82,12 +93,17 @@ def load_template(checkpoint: str) -> ChatTemplate:
             source = f.read()
     if source is None:
         source = cfg.get("chat_template")
+    named: dict = {}
     if isinstance(source, list):  # [{"name": ..., "template": ...}]
         named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
         source = named.get("default") or next(iter(named.values()), None)
     if not isinstance(source, str) or not source:
         return ChatTemplate(PLAIN_TEMPLATE)
-    return ChatTemplate(source, _special(cfg, "bos_token"), _special(cfg, "eos_token"), name=checkpoint)
+    specials = (_special(cfg, "bos_token"), _special(cfg, "eos_token"))
+    template = ChatTemplate(source, *specials, name=checkpoint)
+    if isinstance(named.get("tool_use"), str) and named["tool_use"] != source:
+        template.tool_use = ChatTemplate(named["tool_use"], *specials, name=f"{checkpoint} (tool_use)")
+    return template
 
 
 def _content(msg: dict, i: int) -> str:
@@ -106,6 +122,29 @@ def _content(msg: dict, i: int) -> str:
     raise api.bad(f"messages[{i}].content", "content must be a string or a list of text parts")
 
 
+def _tool_calls(calls: Any, where: str) -> list[dict]:
+    """An assistant message's tool calls, for the template. A call's ``function.arguments`` comes
+    as a JSON string (OpenAI's shape) and templates expect an object (transformers' chat
+    template docs; vLLM converts it too): a string holding a JSON object is parsed."""
+    if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+        raise api.bad(where, "tool_calls must be a list of objects")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise api.bad(f"{where}[{j}].function", "a tool call needs a function with a name")
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            try:
+                parsed = json.loads(args)
+            except (ValueError, RecursionError):
+                parsed = None
+            if isinstance(parsed, dict):
+                args = parsed
+        out.append({**call, "function": {**fn, "arguments": args}})
+    return out
+
+
 def parse_messages(body: dict) -> list[dict]:
     msgs = body.get("messages")
     if msgs is None:
@@ -119,13 +158,34 @@ def parse_messages(body: dict) -> list[dict]:
         role = msg.get("role")
         if role not in ROLES:
             raise api.bad(f"messages[{i}].role", f"role must be one of {list(ROLES)}, got {role!r}")
-        out.append({"role": role, "content": _content(msg, i)})
+        parsed = {"role": role, "content": _content(msg, i)}
+        for key in ("name", "tool_call_id"):  # who spoke; which call a tool message answers
+            if msg.get(key) is not None:
+                if not isinstance(msg[key], str):
+                    raise api.bad(f"messages[{i}].{key}", f"{key} must be a string")
+                parsed[key] = msg[key]
+        if msg.get("tool_calls") is not None:
+            parsed["tool_calls"] = _tool_calls(msg["tool_calls"], f"messages[{i}].tool_calls")
+        out.append(parsed)
     return out
 
 
+def parse_tools(body: dict) -> list[dict]:
+    tools = body.get("tools")
+    if tools is None:
+        return []
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise api.bad("tools", "tools must be a list of objects")
+    if len(tools) > L.MAX_TOOLS:
+        raise api.bad("tools", f"at most {L.MAX_TOOLS} tools, got {len(tools)}")
+    return tools
+
+
 def parse_chat(body: dict, tok: text.Tokenizer, limits: api.Limits, template: ChatTemplate) -> api.CompletionParams:
+    tools = parse_tools(body)
     messages = parse_messages(body)
-    prompt = template.render(messages, add_generation_prompt=True)
+    # as transformers' apply_chat_template: tools=None when there are none (templates test `if tools`)
+    prompt = template.for_tools(bool(tools)).render(messages, add_generation_prompt=True, tools=tools or None)
     ids = api.encode_text(tok, prompt, "messages")
     # The template writes the special tokens itself (Llama's writes "<s>"): drop what the
     # tokenizer's post-processor adds in front, as vLLM's chat does (add_special_tokens=False)
@@ -138,7 +198,7 @@ def parse_chat(body: dict, tok: text.Tokenizer, limits: api.Limits, template: Ch
     if body.get("tools") and body.get("tool_choice") not in (None, "none", "auto"):
         raise api.bad("tool_choice", "tool calls are not supported")
     want = api.get_bool(body, "logprobs")
-    top = api.get_int(body, "top_logprobs", None, 0, api.MAX_LOGPROBS)
+    top = api.get_int(body, "top_logprobs", None, 0, L.MAX_LOGPROBS)
     if top is not None and top > 0 and not want:
         raise api.bad("top_logprobs", "top_logprobs needs logprobs: true")
     params = api.parse_generation(body, ids, limits, None, (top or 0) if want else -1,

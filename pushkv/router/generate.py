@@ -73,7 +73,7 @@ class Generation:
         self.runs = runs
         self.chat = params.chat
         self.request_id = output.completion_id(runs[0].transfer_id.split("-")[0], self.chat)
-        self.model = params.model or router.cfg.model.name
+        self.model = params.model or router.served[0]
         self.created = output.now_s()
         self.outs = [output.ChoiceOutput(i, self.tok, params.stop, params.sampling.min_tokens)
                      for i in range(params.n)]

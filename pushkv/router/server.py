@@ -20,6 +20,7 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
+from pushkv import limits
 from pushkv import messages as m
 from pushkv import security
 from pushkv.config import DeploymentConfig
@@ -52,8 +53,10 @@ class Router:
         self.limits = api.Limits(
             vocab_size=cfg.model.vocab_size,
             max_model_len=cfg.max_model_len or cfg.model.max_position,
-            eos_token_id=cfg.model.eos_token_id,
+            eos_token_ids=cfg.model.all_eos_ids,
+            defaults=cfg.model.sampling_defaults,
         )
+        self.served = cfg.served_names()  # what a request's "model" may name
         self.metrics = RouterMetrics(cfg.mode)
         self.security = security.load(cfg.secret_file)  # CURVE to tcp:// schedulers
         self.balancer = Balancer(cfg.mode, cfg.push_pin_fraction, cfg.router_queue, self.metrics)
@@ -78,7 +81,8 @@ class Router:
     # -- lifecycle ------------------------------------------------------
     def app(self) -> web.Application:
         refused = self.metrics.auth_refused.inc
-        app = web.Application(middlewares=[_json_errors, auth.middleware(self.api_key, refused)])
+        app = web.Application(middlewares=[_json_errors, auth.middleware(self.api_key, refused)],
+                              client_max_size=limits.http_body_bytes(self.cfg))
         app.router.add_post("/v1/completions", self.handle_completions)
         app.router.add_post("/v1/chat/completions", self.handle_chat)
         app.router.add_get("/v1/models", self.handle_models)
@@ -111,6 +115,9 @@ class Router:
         self._handlers_idle = asyncio.Event()
         self._handlers_idle.set()
         self.ctx = zmq.asyncio.Context()
+        # every socket of ours (scheduler links, control, the local watcher's SUB) caps what it
+        # accepts at the deployment's largest legal message (pushkv.limits)
+        self.ctx.setsockopt(zmq.MAXMSGSIZE, limits.msg_cap_bytes(self.cfg))
         if self.cfg.trace_endpoint:
             self.tracer = TracePublisher("router", self.cfg.trace_endpoint, security=self.security)
         if self.cfg.mode == "local":
@@ -294,10 +301,11 @@ class Router:
         return web.json_response({"id": rid, "aborted": True})
 
     async def handle_models(self, request: web.Request) -> web.Response:
-        card = {"id": self.cfg.model.name, "object": "model", "created": int(self.started_wall),
-                "owned_by": "pushkv", "root": self.cfg.model.checkpoint or self.cfg.model.name,
-                "max_model_len": self.limits.max_model_len}
-        return web.json_response({"object": "list", "data": [card]})
+        names = self.cfg.served_model_name or (self.cfg.model.name,)
+        cards = [{"id": name, "object": "model", "created": int(self.started_wall), "owned_by": "pushkv",
+                  "root": self.cfg.model.checkpoint or self.cfg.model.name, "max_model_len": self.limits.max_model_len}
+                 for name in names]
+        return web.json_response({"object": "list", "data": cards})
 
     async def handle_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=False)
@@ -322,6 +330,7 @@ class Router:
         try:
             body = api.parse_json(await request.read())
             params = self._parse(body, chat)
+            api.check_model(body, self.served)
         except api.ApiError as e:
             self.metrics.requests.labels(outcome="rejected").inc()
             return web.json_response(e.body(), status=e.status)

@@ -23,11 +23,13 @@ import msgspec
 import zmq
 
 from pushkv import faults
+from pushkv import limits
 from pushkv import messages as m
 from pushkv.actor import Actor
 from pushkv.config import DeploymentConfig, InstanceConfig
 from pushkv.protocol.allocator import BlockAllocator
 from pushkv.scheduler.requests import Request, State, build_batch
+from pushkv.scheduler.validate import check_generate
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +45,8 @@ class SchedulerCore(Actor):
     def __init__(self, cfg: DeploymentConfig, inst: InstanceConfig):
         if inst.role != self.role:
             raise ValueError(f"{type(self).__name__} serves {self.role!r} instances, not {inst.role!r}")
-        super().__init__(f"{inst.name}-scheduler", cfg.control_endpoint, cfg.trace_endpoint, cfg.secret_file)
+        super().__init__(f"{inst.name}-scheduler", cfg.control_endpoint, cfg.trace_endpoint, cfg.secret_file,
+                         limits.msg_cap_bytes(cfg))
         self.cfg = cfg
         self.inst = inst
         self.alloc = BlockAllocator(inst.num_blocks)
@@ -57,6 +60,7 @@ class SchedulerCore(Actor):
         self.step_answers: dict[int, m.Msg] = {}
         self.max_len = cfg.max_model_len or cfg.model.max_position
         self.vocab = cfg.model.vocab_size
+        self.max_stop_ids = limits.stop_ids_bound(cfg)
         self.newest: OrderedDict[str, int] = OrderedDict()  # newest accepted generation per transfer id
         self.writer_counters: dict[int, dict[str, int]] = {}  # last WriterStats per rank
         self._stats_waiting: list[bytes] = []  # router identities waiting for a Stats
@@ -89,7 +93,8 @@ class SchedulerCore(Actor):
 
     # -- lifecycle ---------------------------------------------------------------
     def setup(self) -> None:
-        front = self.socket(zmq.ROUTER, self.inst.sched_endpoint, bind=True)
+        # what reaches us from outside: the router's Generate, at most the largest legal one (x2)
+        front = self.socket(zmq.ROUTER, self.inst.sched_endpoint, bind=True, max_msg_bytes=limits.generate_cap_bytes(self.cfg))
         self.front = self.add_channel(front, m.DEC_ROUTER_TO_SCHED, "router", routed=True)
         self.workers = []
         for r, ep in enumerate(self.inst.worker_endpoints):
@@ -160,15 +165,9 @@ class SchedulerCore(Actor):
     def _validate(self, msg: m.Generate) -> Optional[tuple[str, int]]:
         if msg.leg != self.role:
             return f"{self.role} instance cannot serve a {msg.leg!r} leg", 400
-        if not msg.prompt_token_ids:
-            return "empty prompt", 400
-        if msg.max_tokens < 1:
-            return "max_tokens must be >= 1", 400
-        bad = [t for t in msg.prompt_token_ids if not 0 <= t < self.vocab]
-        if bad:
-            return f"token id {bad[0]} outside the vocabulary (size {self.vocab})", 400
-        if len(msg.prompt_token_ids) + msg.max_tokens > self.max_len:
-            return f"prompt ({len(msg.prompt_token_ids)}) + max_tokens ({msg.max_tokens}) exceeds max model length {self.max_len}", 400
+        why = check_generate(msg, self.vocab, self.max_len, self.max_stop_ids)  # every value a step acts on
+        if why is not None:
+            return why, 400
         err = self._check_leg(msg)
         if err is not None:
             return err

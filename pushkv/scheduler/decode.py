@@ -96,6 +96,9 @@ class DecodeScheduler(SchedulerCore):
         self._count_kv(r)
         self._forget(r)
         first = next(a.first_token for a in answers.values() if isinstance(a, m.KVReceived))
+        if not 0 <= first < self.vocab:  # from a peer: it would be the next step's input
+            self._fail(r, f"KV transfer failed: first token {first} outside the vocabulary [0, {self.vocab})", 502)
+            return
         self._emit(r, first)
 
     # -- pull: P's lease lives while we still mean to read -----------------------------

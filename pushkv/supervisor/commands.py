@@ -16,6 +16,7 @@ from typing import Optional, Protocol
 
 import zmq
 
+from pushkv import limits
 from pushkv import messages as m
 from pushkv.supervisor.table import ProcessTable, Row, State, describe_exit
 
@@ -144,6 +145,7 @@ def ask(endpoint: str, command: str, args: Optional[dict[str, str]] = None, time
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, limits.CONTROL_MSG_BYTES)
     try:
         sock.connect(endpoint)
         sock.send(m.encode(m.ControlCommand(command=command, args=args or {})))

@@ -21,6 +21,7 @@ from typing import Callable, Optional, Sequence, TextIO
 
 import zmq
 
+from pushkv import limits
 from pushkv import messages as m
 from pushkv.actor import Actor
 from pushkv.config import DeploymentConfig, encode_config
@@ -131,7 +132,7 @@ class Supervisor(Actor):
         self._events = self.socket(zmq.PUB, self.cfg.events_endpoint, bind=True)
         if self.cfg.trace_endpoint and self.cfg.trace_tap_endpoint:
             self._trace_fwd = TraceForwarder(self.cfg.trace_endpoint, self.cfg.trace_tap_endpoint, self.ctx,
-                                            self.security)
+                                            self.security, limits.msg_cap_bytes(self.cfg))
             self._trace_fwd.start()
         if self.write_registry:
             registry.write_record(registry.DeploymentRecord(

@@ -26,6 +26,7 @@ from typing import Optional
 import msgspec
 import zmq
 
+from pushkv import limits
 from pushkv import messages as m
 from pushkv.vllm import params as P
 from pushkv.vllm import regions as R
@@ -76,6 +77,7 @@ class WorkerSide:
         self.memory = R.describe(kv_caches, self.alloc.base_addr, self.alloc.nbytes)
         self.events = self.ctx.socket(zmq.PULL)
         self.events.setsockopt(zmq.LINGER, 0)
+        self.events.setsockopt(zmq.MAXMSGSIZE, limits.CONTROL_MSG_BYTES)
         self.events.bind(self.event_endpoint)
         self.cmd = self.ctx.socket(zmq.PUSH)  # only to cancel what a dead writer left
         self.cmd.setsockopt(zmq.LINGER, 0)

@@ -28,6 +28,7 @@ from typing import Optional
 import msgspec
 import zmq
 
+from pushkv import limits
 from pushkv import messages as m
 from pushkv.actor import Actor
 from pushkv.security import secure_connect
@@ -155,6 +156,7 @@ class VllmWriter(Actor):
             return peer
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, limits.CONTROL_MSG_BYTES)
         sock.setsockopt(zmq.RCVTIMEO, HANDSHAKE_TIMEOUT_MS)
         monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         secure_connect(sock, endpoint, self.security)

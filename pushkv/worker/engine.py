@@ -9,6 +9,7 @@ import msgspec
 import zmq
 
 from pushkv import faults
+from pushkv import limits
 from pushkv import messages as m
 from pushkv.actor import Actor
 from pushkv.config import DeploymentConfig, InstanceConfig
@@ -22,7 +23,8 @@ log = logging.getLogger(__name__)
 
 class Worker(Actor):
     def __init__(self, cfg: DeploymentConfig, inst: InstanceConfig, rank: int):
-        super().__init__(f"{inst.name}-worker-{rank}", cfg.control_endpoint, cfg.trace_endpoint, cfg.secret_file)
+        super().__init__(f"{inst.name}-worker-{rank}", cfg.control_endpoint, cfg.trace_endpoint, cfg.secret_file,
+                         limits.msg_cap_bytes(cfg))
         self.cfg = cfg
         self.inst = inst
         self.rank = rank

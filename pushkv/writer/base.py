@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 import zmq
 
-from pushkv import faults
+from pushkv import faults, limits
 from pushkv import messages as m
 from pushkv.actor import Actor
 from pushkv.config import DeploymentConfig, InstanceConfig, model_fingerprint, rank_device
@@ -106,7 +106,8 @@ class InFlight:
 
 class WriterBase(Actor):
     def __init__(self, cfg: DeploymentConfig, inst: InstanceConfig, rank: int):
-        super().__init__(f"{inst.name}-writer-{rank}", cfg.control_endpoint, cfg.trace_endpoint, cfg.secret_file)
+        super().__init__(f"{inst.name}-writer-{rank}", cfg.control_endpoint, cfg.trace_endpoint, cfg.secret_file,
+                         limits.msg_cap_bytes(cfg))
         self.cfg = cfg
         self.inst = inst
         self.rank = rank
@@ -165,7 +166,8 @@ class WriterBase(Actor):
         sched = self.socket(zmq.DEALER, self.inst.writer_endpoints[self.rank], bind=True)
         self.sched = self.add_channel(sched, m.DEC_SCHED_TO_WRITER, f"{self.inst.name}-scheduler")
         if self.inst.handshake_endpoints:
-            hs = self.socket(zmq.ROUTER, self.inst.handshake_endpoints[self.rank], bind=True)
+            hs = self.socket(zmq.ROUTER, self.inst.handshake_endpoints[self.rank], bind=True,
+                             max_msg_bytes=limits.CONTROL_MSG_BYTES)  # Hello, TransferStarting: no request's size
             self.handshake = self.add_channel(hs, m.DEC_HANDSHAKE, "peer-handshake", routed=True)
         if self.cfg.events_endpoint:
             sub = self.socket(zmq.SUB, self.cfg.events_endpoint, bind=False)
@@ -263,7 +265,7 @@ class WriterBase(Actor):
         key = (engine_id, rank)
         if key in self.peers or key in self.links:
             return
-        sock = self.socket(zmq.DEALER, endpoint, bind=False)
+        sock = self.socket(zmq.DEALER, endpoint, bind=False, max_msg_bytes=limits.CONTROL_MSG_BYTES)
         ch = self.add_channel(sock, m.DEC_HANDSHAKE, f"handshake-{engine_id}-{rank}")
         self.links[key] = PeerLink(engine_id, rank, endpoint, ch, now + HANDSHAKE_TIMEOUT_S)
         self.send(ch, self.hello())

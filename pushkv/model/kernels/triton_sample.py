@@ -272,7 +272,7 @@ def sample_rows(x: torch.Tensor, params: torch.Tensor, block: int = 0) -> torch.
 
 
 # -- log-probabilities: the same segments, over the raw logits ---------------------------------
-LP_MAX = 20  # top_logprobs the API allows (router/api.py MAX_LOGPROBS)
+LP_MAX = 20  # top_logprobs the API allows (pushkv/limits.py MAX_LOGPROBS, which the schedulers check)
 LP_KS = 32  # candidates a segment gives (>= LP_MAX)
 
 

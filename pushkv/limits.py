@@ -1,0 +1,136 @@
+"""What one request may cost, in one place.
+
+The router refuses a request past any bound here with 400 naming the field
+(``pushkv/router/api.py``); every scheduler checks the same bounds again on what
+it receives (``SchedulerCore._validate``), since anyone who reaches its socket
+can send a ``Generate`` without the router; and every ZMQ socket caps the size
+of a message it accepts (``zmq.MAXMSGSIZE``) at what the largest legal message
+of this deployment's configuration encodes to, with a margin. A peer that sends
+more is disconnected by ZeroMQ before a byte of it is decoded.
+
+Ground: imports only ``config`` and ``messages``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pushkv import messages as m
+from pushkv.config import DeploymentConfig, InstanceConfig
+
+# -- request bounds (README, "API": the table is checked against BOUNDS by tests/test_request_limits.py)
+MAX_N = 16  # choices: each one is its own prefill and decode (OpenAI allows 128 and bills them)
+MAX_BEST_OF = MAX_N  # and best_of must equal n: nothing ranks candidates
+MAX_LOGPROBS = 20  # completions' logprobs, chat's top_logprobs: OpenAI's and vLLM's (max_logprobs) 20
+MAX_LOGIT_BIAS = 1024  # logit_bias entries: a forced choice or a banned word list fits; each is a scatter per step
+LOGIT_BIAS_ABS = 100.0  # |bias|, as OpenAI documents
+MAX_STOPS = 16  # stop strings (OpenAI: 4): every output text is searched for each
+MAX_STOP_CHARS = 256  # characters in one stop string: a stop is a delimiter, not a passage
+MAX_STOP_TOKEN_IDS = 256  # stop_token_ids, before the model's EOS ids are added: suppressed per step until min_tokens
+MAX_PROMPTS = 1  # completions' prompt list: a batch of one (send one request per prompt)
+MAX_TOOLS = 128  # chat's tools, OpenAI's bound: each is rendered into the prompt
+MAX_TEMPERATURE = 100.0
+MIN_TEMPERATURE = 1e-5  # a temperature above 0 and below this is greedy (vLLM's _SAMPLING_EPS): 1/T overflows
+MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty|, as OpenAI
+HTTP_BODY_MIN_BYTES = 1 << 20  # aiohttp's default client_max_size
+HTTP_BODY_BYTES_PER_TOKEN = 64  # a prompt of max_model_len tokens in JSON: ids or escaped text, with room
+
+
+@dataclass(frozen=True)
+class Bound:
+    field: str
+    bound: str
+    why: str
+
+
+BOUNDS = (
+    Bound("n", f"1-{MAX_N}", "each choice is its own prefill and decode"),
+    Bound("best_of", f"1-{MAX_BEST_OF}, equal to n", "nothing ranks candidates"),
+    Bound("logprobs (completions), top_logprobs (chat)", f"0-{MAX_LOGPROBS}", "OpenAI's and vLLM's bound"),
+    Bound("logit_bias", f"at most {MAX_LOGIT_BIAS} entries; keys canonical token ids (\"7\", not \"07\", "
+          f"\" 7\", \"+7\", \"7.0\"); values -{LOGIT_BIAS_ABS:g} to {LOGIT_BIAS_ABS:g}",
+          "one scatter per entry per step, in every step's message"),
+    Bound("stop", f"at most {MAX_STOPS} strings of 1-{MAX_STOP_CHARS} characters",
+          "the output is searched for each"),
+    Bound("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS}, each in the vocabulary",
+          "suppressed every step until min_tokens"),
+    Bound("prompt (completions)", f"one prompt (a list of at most {MAX_PROMPTS}); prompt + max_tokens "
+          "within max_model_len", "batches are not served"),
+    Bound("tools (chat)", f"at most {MAX_TOOLS}", "OpenAI's bound; each is rendered into the prompt"),
+    Bound("temperature", f"0-{MAX_TEMPERATURE:g}; below {MIN_TEMPERATURE:g} is greedy",
+          "1/T overflows the logits"),
+    Bound("request body", f"max({HTTP_BODY_MIN_BYTES >> 20} MiB, {HTTP_BODY_BYTES_PER_TOKEN} B x max_model_len)",
+          "413 past it"),
+)
+
+
+def max_len(cfg: DeploymentConfig) -> int:
+    return cfg.max_model_len or cfg.model.max_position
+
+
+def stop_ids_bound(cfg: DeploymentConfig) -> int:
+    """Stop ids a ``Generate`` may carry: the request's plus the model's EOS ids."""
+    return MAX_STOP_TOKEN_IDS + len(cfg.model.all_eos_ids)
+
+
+def http_body_bytes(cfg: DeploymentConfig) -> int:
+    return max(HTTP_BODY_MIN_BYTES, HTTP_BODY_BYTES_PER_TOKEN * max_len(cfg))
+
+
+# -- ZMQ message caps
+# Messages that do not grow with a request: a writer's Hello (its NIXL metadata: 495 bytes for a
+# CPU pool here), Ready with a pool handle, stats, lifecycle events, control commands. Their cap,
+# and the floor of every other cap.
+CONTROL_MSG_BYTES = 4 << 20
+MARGIN = 2  # a cap is this many times the largest legal message, so no legal one ever comes near
+GENERATE_MIN_BYTES = 64 << 10
+ENDPOINT_CHARS = 256  # a tcp:// or ipc:// endpoint, generously
+ID_CHARS = 128  # transfer ids, engine ids
+
+
+def _instances(cfg: DeploymentConfig) -> list[InstanceConfig]:
+    if cfg.mode == "local":
+        return [cfg.local]
+    return cfg.role_instances("prefill") + cfg.role_instances("decode")
+
+
+def _worst_sampling(cfg: DeploymentConfig) -> m.SamplingParams:
+    top = cfg.model.vocab_size - 1
+    bias = tuple((top - i, -LOGIT_BIAS_ABS - 0.1) for i in range(MAX_LOGIT_BIAS))  # a float64 each
+    return m.SamplingParams(temperature=0.1, top_p=0.1, top_k=top, min_p=0.1, seed=(1 << 64) - 1,
+                            presence_penalty=-0.1, frequency_penalty=-0.1, logit_bias=bias,
+                            logprobs=MAX_LOGPROBS, min_tokens=max_len(cfg))
+
+
+def largest_generate(cfg: DeploymentConfig) -> m.Generate:
+    """The largest ``Generate`` the router can send in this deployment (an upper bound: every
+    field at once, each at its largest)."""
+    n, top = max_len(cfg), cfg.model.vocab_size - 1
+    tp = max(i.tp for i in _instances(cfg))
+    block = min(i.block_size for i in _instances(cfg))
+    num_blocks = max(i.num_blocks for i in _instances(cfg))
+    source = m.PrefillSource("e" * ID_CHARS, tp, ("t" * ENDPOINT_CHARS,) * tp)
+    pull = m.PullParams(source, (num_blocks,) * -(-n // block), n, top, 1e9 + 0.1)
+    return m.Generate("t" * ID_CHARS, (1 << 63) - 1, "prefill", (top,) * n, n, (top,) * stop_ids_bound(cfg),
+                      source, pull, 1e9 + 0.1, _worst_sampling(cfg), True)
+
+
+def generate_cap_bytes(cfg: DeploymentConfig) -> int:
+    """Cap of a scheduler's socket from the router (``Generate``, ``Abort``, ``GetStats``, ``PeerLost``)."""
+    return max(GENERATE_MIN_BYTES, MARGIN * len(m.encode(largest_generate(cfg))))
+
+
+def step_bytes(cfg: DeploymentConfig, inst: InstanceConfig) -> int:
+    """An upper bound on one ``ExecuteStep`` of ``inst``: max_num_seqs sequences, each with a whole
+    prompt to run, a whole output history and a full block table."""
+    n, top = max_len(cfg), cfg.model.vocab_size - 1
+    seq = m.SeqWork((1 << 63) - 1, (top,) * n, n, (inst.num_blocks,) * -(-n // inst.block_size), True,
+                    _worst_sampling(cfg), n, (top,) * n, (top,) * stop_ids_bound(cfg))
+    return inst.max_num_seqs * len(m.encode(seq)) + 64
+
+
+def msg_cap_bytes(cfg: DeploymentConfig) -> int:
+    """The cap of every socket of this deployment that is neither a scheduler's front nor a
+    control socket: past the largest legal message on any channel (a step to a worker, a
+    transfer's block ids, a trace event that carries either), with the margin."""
+    largest = max([len(m.encode(largest_generate(cfg)))] + [step_bytes(cfg, i) for i in _instances(cfg)])
+    return max(CONTROL_MSG_BYTES, MARGIN * largest + (64 << 10))
