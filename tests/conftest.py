@@ -1,4 +1,4 @@
-"""Every test gets exactly one group marker, so the suite runs in pieces (README "Test"):
+"""Every test gets exactly one group marker, so the suite runs in pieces (docs/testing.md):
 
 - ``unit``: in one process or with helper processes (TP ranks, fake children), no deployment;
 - ``e2e``: starts real pushkv processes (a deployment, a supervisor, a router or writers);

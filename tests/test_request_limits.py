@@ -1,6 +1,6 @@
 """The bounds on what one request may cost (pushkv/limits.py), as the router applies them: every
 field past its bound is refused with 400 naming it; logit_bias keys are canonical integers, so
-no two keys name one id. The README's table says the same values as the code."""
+no two keys name one id. The API doc's table (docs/api.md) says the same values as the code."""
 from __future__ import annotations
 
 import os
@@ -87,8 +87,8 @@ def test_batched_prompts_are_refused_naming_prompt():
     assert completion(prompt=["ab"]).prompt_token_ids == [97, 98]  # a batch of one
 
 
-def test_readme_table_says_what_the_code_does():
-    with open(os.path.join(ROOT, "README.md")) as f:
+def test_api_doc_table_says_what_the_code_does():
+    with open(os.path.join(ROOT, "docs", "api.md")) as f:
         readme = f.read()
     for b in L.BOUNDS:
         assert f"| {b.field} | {b.bound} |" in readme, b
