@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="pull: READ inside D's step, READ on D's writer, or D registers after the relay and P WRITEs")
     up.add_argument("--push-stream", choices=("off", "chunk", "layer"),
                     help="push: WRITE after the whole prefill (off), each chunk's blocks as its step ends (chunk), "
-                         "or each layer group's as it is stored (layer)")
+                         "or each layer group's as it is stored (layer: not built yet, refused)")
     up.add_argument("--host")
     up.add_argument("--port", type=int)
     up.add_argument("--model", choices=sorted(PRESETS), help="model preset")
@@ -206,11 +206,6 @@ def config_from_args(args: argparse.Namespace) -> DeploymentConfig:
 # subcommands
 # ---------------------------------------------------------------------------
 def cmd_up(args: argparse.Namespace, child_argv: Optional[ArgvHook] = None) -> int:
-    if getattr(args, "role", None) and not args.secret_file and not getattr(args, "insecure", False):
-        print(f"pushkv up: --role {args.role} binds its schedulers and writers on the network; give every host "
-              "the same --secret-file (make one: openssl rand -hex 32), or --insecure to run without one", file=sys.stderr)
-        return 2
-    _sweep_residue()
     try:
         cfg = plan_deployment(config_from_args(args))
         if cfg.secret_file:
@@ -218,6 +213,11 @@ def cmd_up(args: argparse.Namespace, child_argv: Optional[ArgvHook] = None) -> i
     except (OSError, ValueError, msgspec.ValidationError) as e:
         print(f"pushkv up: bad configuration: {e}", file=sys.stderr)
         return 2
+    if cfg.host_role and not cfg.secret_file and not getattr(args, "insecure", False):
+        print(f"pushkv up: --role {cfg.host_role} binds its schedulers and writers on the network; give every host "
+              "the same --secret-file (make one: openssl rand -hex 32), or --insecure to run without one", file=sys.stderr)
+        return 2
+    _sweep_residue()
     announcer = None
     if cfg.host_role in ("prefill", "decode"):  # this host's instances go into the registry
         from pushkv.discovery.etcd import EtcdAnnouncer, EtcdError

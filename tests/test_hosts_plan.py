@@ -56,6 +56,8 @@ def test_instances_are_reachable_on_the_advertised_address():
     (("--role", "prefill", "--registry", REG), "needs --advertise"),
     (("--role", "decode", "--advertise", "a", "--registry", REG, "--mode", "local"), "needs --registry"),
     (("--role", "decode", "--advertise", "a", "--registry", REG, "--registry-ttl", "0"), "TTL"),
+    (("--push-stream", "layer", "--prefill-chunk", "64"), "layer is not built yet"),
+    (("--prefill-chunk", "-1"), "prefill chunk must be >= 0"),
 ])
 def test_role_refusals(flags, fragment):
     with pytest.raises(ValueError, match=fragment):
