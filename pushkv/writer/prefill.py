@@ -282,6 +282,7 @@ class PrefillWriter(WriterBase):
     def transfer_finished(self, fl: InFlight, now: float) -> None:
         key = (fl.transfer_id, fl.generation)
         if fl.part:
+            self._stamp(key, "part_done_first")  # with part_post_first: the first part's time on the wire
             self._stamp(key, "part_done_last")
             self._record(key).stages["part_done_last"] = time.time()  # the newest part's completion
         else:
