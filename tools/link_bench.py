@@ -8,11 +8,18 @@ in turn at every ``--rates`` entry by a tc tbf on its veth end (``Host.cap``: wh
 and what D sends to P both go through one; ``none`` = the veth as it runs). ``local`` runs one
 instance on P's host: no link, the no-disaggregation reference.
 
-For each mode one deployment; for each rate, with that deployment: lone requests (``--reps`` at
-each length, one at a time, the median) and a loaded run (Poisson arrivals at ``--qps``,
-``--num-prompts`` prompts, at each ``--load-lengths``). Every run is a pushkv-bench JSON under
-``OUT/<rate>/`` (``qps0`` = the lone requests), so ``pushkv-stages`` and ``pushkv-plot`` read them
-too; at the end a table per rate (stdout and ``OUT/tables.md``), ``OUT/link_bench.json`` and
+Every mode gets one deployment (its own registry prefix), all up at once; every mode runs with
+the same ``--prefill-chunk`` (``MODE@CHUNK`` gives one its own, to set chunk sizes side by side).
+For each rate: lone requests, ``--reps`` rounds at each length of one request to each mode in
+turn (the order rotating), each sent once the previous one ended, so that the modes' figures lie
+seconds apart on a host whose load drifts (the median per mode); then each mode's loaded run
+(Poisson arrivals at ``--qps``, ``--num-prompts`` prompts, at each ``--load-lengths``).
+``--one-at-a-time`` runs one deployment at a time instead. Every run is a pushkv-bench JSON under
+``OUT/<rate>/`` (``qps0`` = the lone requests, with ``cpu_ms``: the CPU each role's processes spent
+per request), so ``pushkv-stages`` and ``pushkv-plot`` read them too; at the end, per rate (stdout
+and ``OUT/tables.md``): the table, the streamed parts' stages, the streaming goal per length
+(``TTFT(push-chunk) <= TTFT(push) - 0.8 x min(prefill, transfer)``, transfer = push's prefill end
+-> KV landed, and how much streaming hid) and the CPU per request; ``OUT/link_bench.json`` and
 ``OUT/ttft_<rate>.png``. Hosts, namespaces, qdiscs, etcd and every process are removed at the end,
 on Ctrl-C and on SIGTERM too.
 """
@@ -204,7 +211,8 @@ def _role(title: str) -> str:
 
 
 def cpu_ns(url: str) -> dict[str, int]:
-    """CPU time so far (ns, /proc/PID/schedstat) of a deployment's processes, summed per role."""
+    """CPU time so far (ns, /proc/PID/schedstat) of a deployment's processes, summed per role, and
+    as ``<role> wait`` their time runnable on a run queue, waiting for a core."""
     table = _proc_table()
     children: dict[int, list[int]] = {}
     for pid, (ppid, _) in table.items():
@@ -216,11 +224,12 @@ def cpu_ns(url: str) -> dict[str, int]:
         todo += children.get(pid, [])
         try:
             with open(f"/proc/{pid}/schedstat") as f:
-                ns = int(f.read().split()[0])
-        except (OSError, ValueError, IndexError):
+                ns, wait = (int(x) for x in f.read().split()[:2])
+        except (OSError, ValueError):
             continue
         role = _role(table.get(pid, (0, ""))[1])
         out[role] = out.get(role, 0) + ns
+        out[f"{role} wait"] = out.get(f"{role} wait", 0) + wait
     return out
 
 
@@ -437,12 +446,13 @@ def goal_table(regime: dict, args) -> str:
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
-CPU_ROLES = ("prefill-worker", "prefill-writer", "prefill-scheduler", "decode-worker", "decode-writer",
-             "decode-scheduler", "local-worker", "local-writer", "local-scheduler")
+CPU_ROLES = ("prefill-worker", "prefill-worker wait", "prefill-writer", "prefill-scheduler", "decode-worker",
+             "decode-writer", "decode-scheduler", "local-worker", "local-worker wait", "local-writer", "local-scheduler")
 
 
 def cpu_table(regime: dict, args) -> str:
-    """CPU per lone request (ms, median) of each role's processes, the rest (router, supervisors) summed."""
+    """CPU per lone request (ms, median) of each role's processes, the rest (router, supervisors) summed;
+    ``wait``: the worker's time runnable but waiting for a core."""
     rows = []
     for mode in args.modes:
         for n in args.lengths:
@@ -455,7 +465,7 @@ def cpu_table(regime: dict, args) -> str:
     head = "| mode | tokens | " + " | ".join(roles) + " | rest |"
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     for mode, n, cpu in rows:
-        rest = sum(v for k, v in cpu.items() if k not in roles)
+        rest = sum(v for k, v in cpu.items() if k not in roles and not k.endswith(" wait"))
         lines.append(f"| {mode} | {n} | " + " | ".join(_f(cpu.get(r)) for r in roles) + f" | {rest:.1f} |")
     return "\n".join(lines)
 
