@@ -542,7 +542,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--model", default=DEFAULT_MODEL, help="pushkv preset")
     ap.add_argument("--geometry", default=DEFAULT_GEOMETRY, help="`pushkv up` geometry flags, one shell string")
-    ap.add_argument("--prefill-chunk", type=int, default=512,
+    ap.add_argument("--prefill-chunk", type=int, default=256,
                     help="tokens per prefill step, every mode alike (push-chunk streams each chunk's KV)")
     ap.add_argument("--up-args", default="", help="more `pushkv up` flags for every host, one shell string")
     ap.add_argument("--one-at-a-time", action="store_true",
