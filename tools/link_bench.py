@@ -294,12 +294,34 @@ def lone_summary(url: str, mode: str, rate: str, length: int, got, duration_s: f
     return s
 
 
-def loaded(url: str, mode: str, length: int, args, out_dir: str) -> dict:
+def loaded(url: str, mode: str, length: int, args, out_dir: str, it: int = 0) -> dict:
+    """One loaded run (round ``it``: its own arrivals and prompts), with ``cpu_ms``: the CPU each
+    role's processes spent during the run, per completed request."""
     b = bench.parse_args(["--url", url, "--mode", mode, "--qps", str(args.qps), "--num-prompts",
                           str(args.num_prompts), "--input-len", str(length), "--output-len", str(args.output_len),
-                          "--warmup", "0", "--seed", str(args.seed), "--result-dir", out_dir, "--iter", "0",
+                          "--warmup", "0", "--seed", str(args.seed + it), "--result-dir", out_dir, "--iter", str(it),
                           "--no-progress"])
-    return bench.run(b)[1]
+    before = cpu_ns(url)
+    path, s = bench.run(b)
+    spent = cpu_delta_ms(before, cpu_ns(url))
+    s["cpu_ms"] = [{k: v / max(s["completed"], 1) for k, v in spent.items()}]
+    with open(path, "w") as f:
+        json.dump(s, f, indent=1)
+    return s
+
+
+def pooled(runs: list[dict]) -> dict:
+    """Loaded runs of one mode as one: medians over all their requests (what ``cell`` reads)."""
+    if len(runs) == 1:
+        return runs[0]
+    out = {k: [x for r in runs for x in r[k]] for k in ("timelines", "errors", "kv", "ttfts", "tpots")}
+    out["cpu_ms"] = [c for r in runs for c in r.get("cpu_ms", [])]
+    out["completed"] = sum(r["completed"] for r in runs)
+    out["failed"] = sum(r["failed"] for r in runs)
+    ok = lambda key: [v for v, e in zip(out[key], out["errors"]) if not e and v is not None]
+    out["median_ttft_ms"] = statistics.median(ok("ttfts")) * 1e3 if ok("ttfts") else 0.0
+    out["median_tpot_ms"] = statistics.median(ok("tpots")) * 1e3 if ok("tpots") else 0.0
+    return out
 
 
 def warm_up(url: str, args) -> None:
@@ -451,14 +473,16 @@ CPU_ROLES = ("prefill-worker", "prefill-worker wait", "prefill-writer", "prefill
 
 
 def cpu_table(regime: dict, args) -> str:
-    """CPU per lone request (ms, median) of each role's processes, the rest (router, supervisors) summed;
-    ``wait``: the worker's time runnable but waiting for a core."""
+    """CPU per request (ms, median; lone: each request's own, load: a run's over its requests) of
+    each role's processes, the rest (router, supervisors) summed; ``wait``: the worker's time
+    runnable but waiting for a core."""
     rows = []
     for mode in args.modes:
-        for n in args.lengths:
-            cpu = ((regime.get(mode, {}).get(str(n)) or {}).get("lone") or {}).get("cpu_ms")
-            if cpu:
-                rows.append((mode, n, cpu))
+        for kind, lengths in (("lone", args.lengths), ("load", args.load_lengths)):
+            for n in lengths:
+                cpu = ((regime.get(mode, {}).get(str(n)) or {}).get(kind) or {}).get("cpu_ms")
+                if cpu:
+                    rows.append((mode, f"{n} {kind}" if kind == "load" else n, cpu))
     roles = [r for r in CPU_ROLES if any(r in c for _, _, c in rows)]
     if not rows:
         return ""
@@ -493,7 +517,8 @@ def cap_text(rate: str) -> str:
 def report(results: dict, args, m) -> str:
     parts = [f"model {args.model} {args.geometry}: KV {kv_formula(m)}; {args.output_len} output tokens; "
              f"lone: median of {args.reps}; load: {args.num_prompts} prompts at {bench.fmt_qps(args.qps)} QPS "
-             f"(Poisson) at {', '.join(map(str, args.load_lengths))} tokens; times in ms"]
+             f"(Poisson) at {', '.join(map(str, args.load_lengths))} tokens, {args.load_rounds} round(s) pooled; "
+             f"times in ms"]
     for rate in args.rates:
         regime = results["regimes"].get(rate, {})
         parts += [f"\n### {rate}: {cap_text(rate)}\n", table(rate, regime, args, m)]
@@ -506,7 +531,8 @@ def report(results: dict, args, m) -> str:
                           "shortened - prefill Δ):", "", gt]
         ct = cpu_table(regime, args)
         if ct:
-            parts += ["", "CPU per lone request (ms, median; the deployment's processes by role):", "", ct]
+            parts += ["", "CPU per request (ms, median; the deployment's processes by role; load: per request of "
+                          "a loaded run):", "", ct]
         if netns.parse_rate(rate) is not None:
             parts += ["", link_vs_compute(rate, regime, args, m)]
     return "\n".join(parts)
@@ -539,6 +565,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--qps", type=float, default=2.0, help="loaded run: Poisson arrival rate")
     ap.add_argument("--num-prompts", type=int, default=16, help="loaded run: prompts")
     ap.add_argument("--load-lengths", nargs="*", type=int, default=[1024], help="loaded run at these lengths")
+    ap.add_argument("--load-rounds", type=int, default=1,
+                    help="loaded runs per mode and length, each with its own arrivals, the modes taking turns; "
+                         "the figures pool every round's requests")
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--model", default=DEFAULT_MODEL, help="pushkv preset")
     ap.add_argument("--geometry", default=DEFAULT_GEOMETRY, help="`pushkv up` geometry flags, one shell string")
@@ -687,10 +716,15 @@ def run_rate_side_by_side(urls: dict[str, str], rate: str, net, args, results: d
             _print_cell(tqdm, mode, rate, "lone", n, c)
             bar.update(1)
         _print_goals(tqdm, regime, rate, n, args)
+    modes = list(urls)
     for n in args.load_lengths:
-        for mode, url in urls.items():
-            bar.set_postfix_str(f"{mode} {rate} load {n}")
-            c = regime.setdefault(mode, {}).setdefault(str(n), {})["load"] = cell(loaded(url, mode, n, args, out_dir))
+        runs: dict[str, list[dict]] = {mode: [] for mode in modes}
+        for it in range(args.load_rounds):  # round by round, the order rotating: a drifting host load
+            for mode in modes[it % len(modes):] + modes[:it % len(modes)]:  # spreads over every mode
+                bar.set_postfix_str(f"{mode} {rate} load {n} round {it + 1}/{args.load_rounds}")
+                runs[mode].append(loaded(urls[mode], mode, n, args, out_dir, it))
+        for mode in modes:
+            c = regime.setdefault(mode, {}).setdefault(str(n), {})["load"] = cell(pooled(runs[mode]))
             _print_cell(tqdm, mode, rate, "load", n, c)
             bar.update(1)
 
@@ -725,7 +759,8 @@ def run_rate(url: str, mode: str, rate: str, net, args, results: dict, bar) -> N
         bar.update(1)
     for n in args.load_lengths:
         bar.set_postfix_str(f"{mode} {rate} load {n}")
-        c = regime.setdefault(str(n), {})["load"] = cell(loaded(url, mode, n, args, out_dir))
+        c = regime.setdefault(str(n), {})["load"] = cell(pooled([loaded(url, mode, n, args, out_dir, it)
+                                                                for it in range(args.load_rounds)]))
         _print_cell(tqdm, mode, rate, "load", n, c)
         bar.update(1)
     if any(mode in pair for pair in goal_pairs(args)):  # the goal, once both of a pair have run at this rate
