@@ -121,6 +121,11 @@ def test_goal_hidden_and_its_stages():
     assert g["hidden"] == pytest.approx(105.0) and g["hidden_share"] == pytest.approx(0.75)
     assert g["tail_hidden"] == pytest.approx(110.0) and g["prefill_delta"] == pytest.approx(5.0)
     assert not g["met"] and g["parts"] == 3
+    assert g["cpu_delta"] is None and g["wait_delta"] is None  # no CPU figures in these cells
+    regime["push"]["1024"]["lone"]["cpu_ms"] = {"prefill-worker": 260.0, "prefill-worker wait": 10.0}
+    regime["push-chunk"]["1024"]["lone"]["cpu_ms"] = {"prefill-worker": 262.0, "prefill-worker wait": 13.0}
+    g = lb.goal(regime, 1024)
+    assert g["cpu_delta"] == pytest.approx(2.0) and g["wait_delta"] == pytest.approx(3.0)
     assert lb.goal(regime, 2048) is None
     assert "NOT met" in lb.goal_line(g) and "75 % of min" in lb.goal_line(g)
 
@@ -143,3 +148,18 @@ def test_cell_parts_and_cpu():
     rows = lb.cpu_table({"push-chunk": {"1024": {"lone": c}}}, args).splitlines()
     assert rows[0] == "| mode | tokens | prefill-worker | prefill-worker wait | rest |"
     assert rows[2] == "| push-chunk | 1024 | 280.0 | 20.0 | 4.0 |"
+
+
+def test_pooled_loaded_runs():
+    ok = {"router.arrival": 0.0, "prefill.prefill_start": 0.0, "prefill.prefill_end": 0.1, "decode.kv_received": 0.2}
+    a = bench.aggregate([bench.RequestResult(True, 100, 4, ttft=t, itl=[0.01] * 3, latency=t + 0.03, timeline=ok)
+                         for t in (0.3, 0.5)], 1.0, {"mode": "x"})
+    b = bench.aggregate([bench.RequestResult(True, 100, 4, ttft=0.9, itl=[0.02] * 3, latency=0.96, timeline=ok),
+                         bench.RequestResult(False, 100, 0, error="HTTP 503")], 1.0, {"mode": "x"})
+    a["cpu_ms"], b["cpu_ms"] = [{"prefill-worker": 100.0}], [{"prefill-worker": 300.0}]
+    p = lb.pooled([a, b])
+    assert (p["completed"], p["failed"]) == (3, 1)
+    assert p["median_ttft_ms"] == pytest.approx(500.0)  # of 300, 500, 900: the failed one left out
+    assert p["median_tpot_ms"] == pytest.approx(10.0)
+    assert lb.cell(p)["cpu_ms"] == {"prefill-worker": 200.0}
+    assert lb.pooled([a]) is a

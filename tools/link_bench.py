@@ -441,7 +441,15 @@ def goal(regime: dict, n: int, stream: str = "push-chunk", base: str = "push") -
             "hidden": hidden, "hidden_share": hidden / least if least > 0 else None,
             # the TTFT difference in its two stages: the link's tail, and the prefill (chunking and noise)
             "tail_hidden": b["pend_to_kv_ms"] - c["pend_to_kv_ms"], "prefill_delta": c["prefill_ms"] - b["prefill_ms"],
-            "parts": c.get("parts"), "met": c["ttft_ms"] <= b["ttft_ms"] - GOAL_SHARE * least}
+            "parts": c.get("parts"), "met": c["ttft_ms"] <= b["ttft_ms"] - GOAL_SHARE * least,
+            # the prefill delta's two parts (lone: P's worker computes only this request's prefill):
+            # its CPU (what chunking and streaming cost) and its time waiting for a core (the host's load)
+            "cpu_delta": _cpu_delta(b, c, "prefill-worker"), "wait_delta": _cpu_delta(b, c, "prefill-worker wait")}
+
+
+def _cpu_delta(b: dict, c: dict, role: str) -> Optional[float]:
+    x, y = (b.get("cpu_ms") or {}).get(role), (c.get("cpu_ms") or {}).get(role)
+    return None if x is None or y is None else y - x
 
 
 def goal_line(g: dict) -> str:
@@ -449,12 +457,14 @@ def goal_line(g: dict) -> str:
             f"{g['goal_ttft']:.1f} = TTFT {g['base']} {g['ttft_push']:.1f} - {GOAL_SHARE} x min(prefill "
             f"{g['prefill']:.1f}, transfer {g['transfer']:.1f}): {'met' if g['met'] else 'NOT met'}; hid "
             f"{g['hidden']:.1f} ms = {100 * g['hidden_share']:.0f} % of min (tail {-g['tail_hidden']:+.1f}, "
-            f"prefill {g['prefill_delta']:+.1f}); parts {_f(g['parts'], '.0f')}")
+            f"prefill {g['prefill_delta']:+.1f}: P worker CPU {_f(g['cpu_delta'], '+.1f')}, waiting for a core "
+            f"{_f(g['wait_delta'], '+.1f')}); parts {_f(g['parts'], '.0f')}")
 
 
 def goal_table(regime: dict, args) -> str:
     head = (f"| streamed | tokens | TTFT push | TTFT streamed | goal: ≤ TTFT push - {GOAL_SHARE} x min | prefill (push) "
-            "| transfer (push) | hidden | hidden / min(prefill, transfer) | tail shortened by | prefill Δ | parts | met |")
+            "| transfer (push) | hidden | hidden / min(prefill, transfer) | tail shortened by | prefill Δ "
+            "| of which P worker CPU | of which waiting for a core | parts | met |")
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     for stream, base in goal_pairs(args):
         for n in args.lengths:
@@ -464,6 +474,7 @@ def goal_table(regime: dict, args) -> str:
             lines.append(f"| {stream} | {n} | {g['ttft_push']:.1f} | {g['ttft_stream']:.1f} | {g['goal_ttft']:.1f} | "
                          f"{g['prefill']:.1f} | {g['transfer']:.1f} | {g['hidden']:.1f} | "
                          f"{100 * g['hidden_share']:.0f} % | {g['tail_hidden']:.1f} | {g['prefill_delta']:+.1f} | "
+                         f"{_f(g['cpu_delta'], '+.1f')} | {_f(g['wait_delta'], '+.1f')} | "
                          f"{_f(g['parts'], '.0f')} | {'yes' if g['met'] else 'no'} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
