@@ -84,3 +84,82 @@ def test_table_rows_and_missing_cells():
 def test_refused(argv):
     with pytest.raises(SystemExit):
         lb.parse_args(argv)
+
+
+@pytest.mark.parametrize("spec, mode, chunk, flags", [
+    ("push", "push", 256, ["--mode", "push", "--prefill-chunk", "256"]),
+    ("push-chunk@128", "push-chunk", 128, ["--mode", "push", "--push-stream", "chunk", "--prefill-chunk", "128"]),
+    ("local@0", "local", 0, ["--mode", "local"]),  # 0: prompts run whole
+])
+def test_mode_specs(spec, mode, chunk, flags):
+    args = lb.parse_args(["--modes", spec, "--prefill-chunk", "256"])
+    assert lb.split_mode(spec)[0] == mode and lb.chunk_of(spec, args) == chunk
+    assert lb.mode_flags(spec, args) == flags
+
+
+@pytest.mark.parametrize("argv", [
+    ["--modes", "push@x"], ["--modes", "pushy"], ["--modes", "push", "push"],
+    ["--modes", "push-chunk@0"], ["--modes", "push-chunk", "--prefill-chunk", "0"],
+])
+def test_refused_mode_specs(argv):
+    with pytest.raises(SystemExit):
+        lb.parse_args(argv)
+
+
+def test_goal_pairs_match_chunks():
+    args = lb.parse_args(["--modes", "push", "push-chunk", "push@512", "push-chunk@512", "push-chunk@128",
+                          "local", "--prefill-chunk", "256"])
+    assert lb.goal_pairs(args) == [("push-chunk", "push"), ("push-chunk@512", "push@512")]
+
+
+def test_goal_hidden_and_its_stages():
+    lone = lambda ttft, pre, tail, parts=0: {"lone": {"ttft_ms": ttft, "prefill_ms": pre, "pend_to_kv_ms": tail,
+                                                      "parts": parts}}
+    regime = {"push": {"1024": lone(420.0, 275.0, 140.0)}, "push-chunk": {"1024": lone(315.0, 280.0, 30.0, 3)}}
+    g = lb.goal(regime, 1024)
+    assert g["least"] == 140.0 and g["goal_ttft"] == pytest.approx(420.0 - 0.8 * 140.0)
+    assert g["hidden"] == pytest.approx(105.0) and g["hidden_share"] == pytest.approx(0.75)
+    assert g["tail_hidden"] == pytest.approx(110.0) and g["prefill_delta"] == pytest.approx(5.0)
+    assert not g["met"] and g["parts"] == 3
+    assert g["cpu_delta"] is None and g["wait_delta"] is None  # no CPU figures in these cells
+    regime["push"]["1024"]["lone"]["cpu_ms"] = {"prefill-worker": 260.0, "prefill-worker wait": 10.0}
+    regime["push-chunk"]["1024"]["lone"]["cpu_ms"] = {"prefill-worker": 262.0, "prefill-worker wait": 13.0}
+    g = lb.goal(regime, 1024)
+    assert g["cpu_delta"] == pytest.approx(2.0) and g["wait_delta"] == pytest.approx(3.0)
+    assert lb.goal(regime, 2048) is None
+    assert "NOT met" in lb.goal_line(g) and "75 % of min" in lb.goal_line(g)
+
+
+def test_cell_parts_and_cpu():
+    tl = {"router.arrival": 0.0, "prefill.prefill_start": 0.01, "prefill.stream_start": 0.07,
+          "prefill.part_post_first": 0.0702, "prefill.part_done_first": 0.1052, "prefill.part_done_last": 0.25,
+          "prefill.prefill_end": 0.29, "prefill.write_posted": 0.291, "prefill.write_done": 0.325,
+          "decode.kv_received": 0.327}
+    kv = {"decode": {"bytes": 4 << 20}, "prefill": {"bytes": 16 << 20, "parts": 3, "stream": "chunk"}}
+    s = _summary([tl, tl], [kv, kv])
+    s["cpu_ms"] = [{"prefill-worker": 270.0, "prefill-worker wait": 10.0, "router": 3.0},
+                   {"prefill-worker": 290.0, "prefill-worker wait": 30.0, "router": 5.0}]
+    c = lb.cell(s)
+    assert c["parts"] == 3 and c["stream"] == "chunk" and c["part_bytes"] == 12 << 20
+    assert c["chunk1_ms"] == pytest.approx(60.0) and c["part_lag_ms"] == pytest.approx(0.2)
+    assert c["part1_ms"] == pytest.approx(35.0) and c["parts_idle_ms"] == pytest.approx(40.0)
+    assert c["cpu_ms"] == {"prefill-worker": 280.0, "prefill-worker wait": 20.0, "router": 4.0}
+    args = lb.parse_args(["--modes", "push-chunk", "--lengths", "1024"])
+    rows = lb.cpu_table({"push-chunk": {"1024": {"lone": c}}}, args).splitlines()
+    assert rows[0] == "| mode | tokens | prefill-worker | prefill-worker wait | rest |"
+    assert rows[2] == "| push-chunk | 1024 | 280.0 | 20.0 | 4.0 |"
+
+
+def test_pooled_loaded_runs():
+    ok = {"router.arrival": 0.0, "prefill.prefill_start": 0.0, "prefill.prefill_end": 0.1, "decode.kv_received": 0.2}
+    a = bench.aggregate([bench.RequestResult(True, 100, 4, ttft=t, itl=[0.01] * 3, latency=t + 0.03, timeline=ok)
+                         for t in (0.3, 0.5)], 1.0, {"mode": "x"})
+    b = bench.aggregate([bench.RequestResult(True, 100, 4, ttft=0.9, itl=[0.02] * 3, latency=0.96, timeline=ok),
+                         bench.RequestResult(False, 100, 0, error="HTTP 503")], 1.0, {"mode": "x"})
+    a["cpu_ms"], b["cpu_ms"] = [{"prefill-worker": 100.0}], [{"prefill-worker": 300.0}]
+    p = lb.pooled([a, b])
+    assert (p["completed"], p["failed"]) == (3, 1)
+    assert p["median_ttft_ms"] == pytest.approx(500.0)  # of 300, 500, 900: the failed one left out
+    assert p["median_tpot_ms"] == pytest.approx(10.0)
+    assert lb.cell(p)["cpu_ms"] == {"prefill-worker": 200.0}
+    assert lb.pooled([a]) is a

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Union
@@ -24,6 +25,9 @@ log = logging.getLogger(__name__)
 
 WAITING = (rv.State.WAIT_PREFILL.value, rv.State.WAIT_REGISTRATION.value)  # a WRITE is coming
 MAX_TRACKED = 4096  # bounded bookkeeping for transfers that never complete
+# 1: send D a wake hint for every streamed part WRITE too (before: D then spun for each part's
+# expected time, however fast it landed); for A/B runs
+PART_HINTS = os.environ.get("PUSHKV_PART_HINTS", "0") == "1"
 
 
 @dataclass
@@ -247,8 +251,14 @@ class PrefillWriter(WriterBase):
                     self._stamp(key, "write_post_returned")  # the NIXL post to this D rank returned
                 # after the post, off its path: the hint's ZMQ message wakes D's loop at once, and D's
                 # polling only speeds up seeing our notification (the data moves without it); a warm D
-                # polls already, and the hint's send costs 20-40 us here
-                if not reg.warm:
+                # polls already, and the hint's send costs 20-40 us here. A part carries no notification
+                # and D never learns when one landed: a hint would have D spin for the part's whole
+                # expected time (spin_s: 28 ms for 4 MiB) however fast the link moved it, on the cores our
+                # next chunk computes on; D's pending poll (every 1 ms while it waits for the KV) drives
+                # UCX's side of a part instead
+                if not a.last and not PART_HINTS:
+                    self.counters["wake_hints_skipped_part"] += 1
+                elif not reg.warm:
                     self.wake_peer(peer, a.transfer_id, a.generation, nbytes)
                 else:
                     self.counters["wake_hints_skipped"] += 1
@@ -282,6 +292,7 @@ class PrefillWriter(WriterBase):
     def transfer_finished(self, fl: InFlight, now: float) -> None:
         key = (fl.transfer_id, fl.generation)
         if fl.part:
+            self._stamp(key, "part_done_first")  # with part_post_first: the first part's time on the wire
             self._stamp(key, "part_done_last")
             self._record(key).stages["part_done_last"] = time.time()  # the newest part's completion
         else:
