@@ -163,3 +163,11 @@ def test_pooled_loaded_runs():
     assert p["median_tpot_ms"] == pytest.approx(10.0)
     assert lb.cell(p)["cpu_ms"] == {"prefill-worker": 200.0}
     assert lb.pooled([a]) is a
+
+
+def test_plot_cells_are_the_table_figures():
+    args = lb.parse_args(["--modes", "push", "--lengths", "512", "--load-lengths", "1024", "--qps", "2"])
+    regime = {"push": {"512": {"lone": {"ttft_ms": 190.0, "tpot_ms": 8.0}},
+                       "1024": {"load": {"ttft_ms": 900.0, "tpot_ms": None}}}}
+    assert lb.plot_cells(regime, args) == {("push", 0.0, 512): {"median_ttft_ms": 190.0, "median_tpot_ms": 8.0},
+                                           ("push", 2.0, 1024): {"median_ttft_ms": 900.0}}

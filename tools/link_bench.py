@@ -549,10 +549,25 @@ def report(results: dict, args, m) -> str:
     return "\n".join(parts)
 
 
-def plots(args) -> list[str]:
+def plot_cells(regime: dict, args) -> dict:
+    """The table's figures as pushkv-plot's cells ((mode, qps, tokens) -> metric): a loaded run's
+    point is its rounds pooled, as in the table (not the median of each round's median)."""
+    cells = {}
+    for mode, cs in regime.items():
+        for n, c in cs.items():
+            for kind, qps in (("lone", LONE_QPS), ("load", args.qps)):
+                got = c.get(kind) or {}
+                vals = {k: got[v] for k, v in (("median_ttft_ms", "ttft_ms"), ("median_tpot_ms", "tpot_ms"))
+                        if got.get(v) is not None}
+                if vals:
+                    cells[(mode, qps, int(n))] = vals
+    return cells
+
+
+def plots(args, results: dict) -> list[str]:
     paths = []
     for rate in args.rates:
-        cells = plot.load(os.path.join(args.out, rate))
+        cells = plot_cells(results["regimes"].get(rate, {}), args)
         if not cells:
             continue
         path = os.path.join(args.out, f"ttft_{rate}.png")
@@ -591,6 +606,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "requests alternating between them")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="results/link")
+    ap.add_argument("--replot", action="store_true",
+                    help="run nothing: redraw OUT's tables and plots from OUT/link_bench.json (its run's arguments)")
     args = ap.parse_args(argv)
     for r in args.rates:
         try:
@@ -646,6 +663,8 @@ def main(argv=None) -> int:
     from tools.etcd_server import etcd_server
 
     args = parse_args(argv)
+    if args.replot:
+        return replot(args.out)
     if os.geteuid() != 0:
         sys.exit("pushkv-link-bench makes network namespaces and tc qdiscs: run it as root")
     m = model_config(args.model, args.geometry)
@@ -697,16 +716,29 @@ def main(argv=None) -> int:
         bar.close()
     results["elapsed_s"] = round(time.monotonic() - t_start, 1)
     _save(results, args)
-    text = report(results, args, m)
-    with open(os.path.join(args.out, "tables.md"), "w") as f:
-        f.write(text + "\n")
-    print(text)
-    for p in plots(args):
-        print(f"wrote {p}")
+    write_report(results, args, m)
     print(f"wrote {os.path.join(args.out, 'link_bench.json')} ({results['elapsed_s']:.0f} s)")
     failed = sum((c.get(k) or {}).get("failed", 0) for reg in results["regimes"].values() for cs in reg.values()
                  for c in cs.values() for k in ("lone", "load"))
     return 1 if failed else 0
+
+
+def write_report(results: dict, args, m) -> None:
+    text = report(results, args, m)
+    with open(os.path.join(args.out, "tables.md"), "w") as f:
+        f.write(text + "\n")
+    print(text)
+    for p in plots(args, results):
+        print(f"wrote {p}")
+
+
+def replot(out: str) -> int:
+    """Tables and plots again from ``out/link_bench.json``, with the arguments its run had."""
+    with open(os.path.join(out, "link_bench.json")) as f:
+        results = json.load(f)
+    args = parse_args([*results["argv"], "--out", out])
+    write_report(results, args, model_config(args.model, args.geometry))
+    return 0
 
 
 def run_rate_side_by_side(urls: dict[str, str], rate: str, net, args, results: dict, bar) -> None:
