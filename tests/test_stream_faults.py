@@ -39,14 +39,18 @@ def dep(tmp_path_factory):
     fdir = d / "armed"
     fdir.mkdir()
     os.environ["PUSHKV_FAULTS_DIR"] = str(fdir)
+    # P announces each part to D (transfer_starting), so D can die while parts, not the last WRITE, fly:
+    # parts are not announced by default (D spun for nothing on each), PUSHKV_PART_HINTS=1 turns it on
+    os.environ["PUSHKV_PART_HINTS"] = "1"
     try:
         with deployment(d, "--mode", "push", "--push-stream", "chunk", "--prefill-chunk", str(CHUNK),
                         "--model", "small", "--num-blocks", "256", "--max-restarts", "20",
-                        "--writer-warm", "off") as dep:  # off: P announces each part (transfer_starting)
+                        "--writer-warm", "off") as dep:  # off: no warm skip of the hints either
             dep.faults_dir = str(fdir)
             yield dep
     finally:
         os.environ.pop("PUSHKV_FAULTS_DIR", None)
+        os.environ.pop("PUSHKV_PART_HINTS", None)
 
 
 def writer_counters(dep, role: str = "prefill") -> dict:
