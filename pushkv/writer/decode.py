@@ -48,6 +48,7 @@ class DecodeWriter(WriterBase):
         self.arrivals = ar.KVArrivals()
         self._registered: dict[tuple[str, int], Registered] = {}
         self._reads: dict[tuple[str, int], m.ReadKV] = {}
+        self._reads_cancelled: dict[tuple[str, int], str] = {}  # READs in flight whose request was cancelled
         self._quarantine: dict[tuple[str, int], Quarantined] = {}
         self._dead_engines: set[str] = set()
 
@@ -157,6 +158,10 @@ class DecodeWriter(WriterBase):
         now = time.monotonic()
         key = (msg.transfer_id, msg.generation)
         self.cool(key)
+        if key in self.inflight and key in self._reads:  # our READ still lands in these blocks: answer when it ends
+            self._reads_cancelled[key] = msg.reason
+            self.counters["read_cancel_deferred"] += 1
+            return
         if self.drop_wait(key) or key not in self._registered:  # nothing registered: nothing can be writing
             self.send(self.sched, m.KVFailed(msg.transfer_id, msg.generation, msg.reason))
             return
@@ -282,6 +287,8 @@ class DecodeWriter(WriterBase):
         msg = self._reads.pop((fl.transfer_id, fl.generation), None)
         if msg is None:
             return
+        cancelled = self._reads_cancelled.pop((fl.transfer_id, fl.generation), "")
+        fl.failed = fl.failed or cancelled  # answered only now: the READ wrote into the blocks until it ended
         self.trace_event("read_failed" if fl.failed else "read_done", fl.transfer_id)
         src = msg.pull.source
         ranks = producers_for(self.rank, self.inst.tp, src.tp, self.layout.total_kv_heads)
