@@ -38,7 +38,12 @@ def make(role: str, mode: str = "push", tp: int = 2, pull_read: str = "backgroun
                           writer_endpoints=tuple(f"x{r}" for r in range(tp)))
     prefill = InstanceConfig(role="prefill", engine_id=P_SRC.engine_id, tp=2, handshake_endpoints=P_SRC.handshake)
     instances = {"prefill": prefill, role: inst}
-    cfg = DeploymentConfig(mode=mode, pull_read=pull_read, **instances)
+    return wired(DeploymentConfig(mode=mode, pull_read=pull_read, **instances), inst)
+
+
+def wired(cfg: DeploymentConfig, inst: InstanceConfig):
+    """The scheduler for ``inst`` with its channels replaced by a Wire: (scheduler, wire)."""
+    tp = inst.tp
     s = scheduler_for(cfg, inst)
     wire = Wire()
     s.send = lambda ch, msg, identity=None: wire.sent.append((ch.peer, msg))

@@ -7,11 +7,9 @@ from __future__ import annotations
 import pytest
 
 from pushkv import messages as m
-from pushkv.actor import Channel
 from pushkv.config import DeploymentConfig, InstanceConfig
-from pushkv.scheduler import scheduler_for
 from pushkv.scheduler.requests import Request, State, build_batch
-from tests.test_scheduler_roles import ROUTER_ID, Wire, all_free, deliver
+from tests.test_scheduler_roles import ROUTER_ID, all_free, deliver, wired
 
 CHUNK = 16
 
@@ -85,20 +83,7 @@ def make(role="prefill", mode="push", push_stream="chunk", tp=2, chunk=CHUNK, nu
     inst = InstanceConfig(role=role, engine_id=f"{role}-engine", tp=tp, num_blocks=num_blocks, prefill_chunk=chunk,
                           worker_endpoints=tuple(f"w{r}" for r in range(tp)),
                           writer_endpoints=tuple(f"x{r}" for r in range(tp)))
-    cfg = DeploymentConfig(mode=mode, push_stream=push_stream, **{role: inst})
-    s = scheduler_for(cfg, inst)
-    wire = Wire()
-    s.send = lambda ch, msg, identity=None: wire.sent.append((ch.peer, msg))
-
-    def chan(peer, idx):
-        ch = Channel(None, None, peer, routed=False)
-        ch.index = idx
-        return ch
-
-    s.front = chan("router", 0)
-    s.workers = [chan(f"worker-{r}", r) for r in range(tp)]
-    s.writers = [chan(f"writer-{r}", r) for r in range(tp)]
-    return s, wire
+    return wired(DeploymentConfig(mode=mode, push_stream=push_stream, **{role: inst}), inst)
 
 
 def generate(s, tid, n, leg="prefill", max_tokens=1, **kw):

@@ -293,8 +293,7 @@ class PrefillWriter(WriterBase):
         key = (fl.transfer_id, fl.generation)
         if fl.part:
             self._stamp(key, "part_done_first")  # with part_post_first: the first part's time on the wire
-            self._stamp(key, "part_done_last")
-            self._record(key).stages["part_done_last"] = time.time()  # the newest part's completion
+            self._record(key).stages["part_done_last"] = time.time()  # the newest part's completion (not setdefault)
         else:
             self._record(key).write_s = now - fl.posted
             self._stamp(key, "write_done")
