@@ -55,3 +55,19 @@ def deployment(tmp_path, *flags: str):
     left = subprocess.run(["pgrep", "-f", f"pushkv-{dep_id}/"], capture_output=True, text=True).stdout.split()
     assert left == [], f"processes left behind: {left}"
     assert _port_free(dep.port), "router port still bound"
+
+
+def local_references(tmp_path_factory, prompts: dict, max_tokens: int, num_blocks: int):
+    """get(model, tp) -> local-mode tokens of every prompt, each (model, tp) deployment started
+    once (on first use) and stopped at once: the reference P/D tokens are compared with."""
+    cache: dict = {}
+
+    def get(model: str, tp: int) -> dict:
+        if (model, tp) not in cache:
+            tmp = tmp_path_factory.mktemp(f"local-{model}-tp{tp}")
+            with deployment(tmp, "--mode", "local", "--model", model, "--tp", str(tp),
+                            "--num-blocks", str(num_blocks)) as dep:
+                cache[(model, tp)] = {n: dep.tokens(p, max_tokens) for n, p in prompts.items()}
+        return cache[(model, tp)]
+
+    return get

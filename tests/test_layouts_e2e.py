@@ -18,7 +18,7 @@ import pytest
 from pushkv.config import preset
 from pushkv.kv import layout as L
 from pushkv.protocol.tp import producers_for
-from tests.deploy import deployment
+from tests.deploy import deployment, local_references
 from tools.layout_report import MATRIX, expected_notifs, mapped_descs, measured, prompt
 
 pytestmark = pytest.mark.timeout(200)
@@ -31,17 +31,7 @@ PROMPTS = {"one-token": [65], "non-multiple": prompt(37, 1), "long": prompt(150,
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     """local-mode tokens per (model, tp), each deployment started once and stopped at once."""
-    cache: dict = {}
-
-    def get(model: str, tp: int) -> dict:
-        if (model, tp) not in cache:
-            tmp = tmp_path_factory.mktemp(f"local-{model}-tp{tp}")
-            with deployment(tmp, "--mode", "local", "--model", model, "--tp", str(tp),
-                            "--num-blocks", str(NUM_BLOCKS)) as dep:
-                cache[(model, tp)] = {name: dep.tokens(p, MAX_TOKENS) for name, p in PROMPTS.items()}
-        return cache[(model, tp)]
-
-    return get
+    return local_references(tmp_path_factory, PROMPTS, MAX_TOKENS, NUM_BLOCKS)
 
 
 CI_MATRIX = [c for c in MATRIX if c.ci]

@@ -18,7 +18,7 @@ import pytest
 
 from pushkv.kv import layout as L
 from pushkv.protocol.tp import consumers_for, is_producer
-from tests.deploy import concurrent, deployment, wait_pools_free
+from tests.deploy import concurrent, deployment, local_references, wait_pools_free
 from tools.layout_report import kv_mismatches, prompt
 
 pytestmark = pytest.mark.timeout(300)
@@ -53,17 +53,7 @@ CASES = [
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     """Unchunked local-mode tokens per (model, tp), each deployment started once."""
-    cache: dict = {}
-
-    def get(model: str, tp: int) -> dict:
-        if (model, tp) not in cache:
-            tmp = tmp_path_factory.mktemp(f"local-{model}-tp{tp}")
-            with deployment(tmp, "--mode", "local", "--model", model, "--tp", str(tp),
-                            "--num-blocks", str(NUM_BLOCKS)) as dep:
-                cache[(model, tp)] = {n: dep.tokens(p, MAX_TOKENS) for n, p in PROMPTS.items()}
-        return cache[(model, tp)]
-
-    return get
+    return local_references(tmp_path_factory, PROMPTS, MAX_TOKENS, NUM_BLOCKS)
 
 
 @pytest.mark.parametrize("name,model,flags,ref_tp,stream", CASES, ids=[c[0] for c in CASES])
