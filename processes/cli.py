@@ -47,7 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="pull: READ inside D's step, READ on D's writer, or D registers after the relay and P WRITEs")
     up.add_argument("--push-stream", choices=("off", "chunk", "layer"),
                     help="push: WRITE after the whole prefill (off), each chunk's blocks as its step ends (chunk), "
-                         "or each layer group's as it is stored (layer: not built yet, refused)")
+                         "or each layer group's as the worker marks it stored (layer)")
+    up.add_argument("--push-stream-groups", type=int, metavar="N",
+                    help="--push-stream layer: layer groups per pool, each WRITTEN as it is stored (default 4)")
     up.add_argument("--host")
     up.add_argument("--port", type=int)
     up.add_argument("--model", choices=sorted(PRESETS), help="model preset")
@@ -183,7 +185,8 @@ def config_from_args(args: argparse.Namespace) -> DeploymentConfig:
     sizes = dict(max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens,
                  prefill_chunk=args.prefill_chunk)
     return _replace(
-        cfg, mode=args.mode, pull_read=args.pull_read, push_stream=args.push_stream, host=args.host or (args.role and args.advertise),
+        cfg, mode=args.mode, pull_read=args.pull_read, push_stream=args.push_stream,
+        push_stream_groups=args.push_stream_groups, host=args.host or (args.role and args.advertise),
         port=args.port, host_role=args.role, registry=args.registry, advertise=args.advertise,
         registry_ttl_s=args.registry_ttl,
         log_level=args.log_level, model=model,

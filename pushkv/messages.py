@@ -35,6 +35,7 @@ class KVLayoutDesc(msgspec.Struct, array_like=True, frozen=True, gc=False):
     kv_planes: int = 2  # per (layer, head): K and V; 1 = one latent (MLA-style)
     sub_block: int = 0  # tokens per physical sub-block (divides block_size); 0 = block_size
     head_group: int = 0  # local heads per pool region (divides kv_heads); 0 = all of them
+    layer_split: int = 0  # layer-streamed push: the layers cut into this many groups (regions); 0/1 = one
 
 
 class PoolHandle(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -213,6 +214,9 @@ SchedulerToRouter = Union[TokensGenerated, PrefillFinished, RequestFailed, Stats
 class ExecuteStep(Msg):
     step_id: int
     seqs: tuple[SeqWork, ...]
+    # layer-streamed push (P): the streaming prompts this step computes, each with the tokens it
+    # will hold after the step; the worker tells its writer as each layer group is stored
+    stream: tuple["StreamKV", ...] = ()
 
 
 class StepDone(Msg):
@@ -229,6 +233,19 @@ class StepFailed(Msg):
 
 SchedulerToWorker = Union[ExecuteStep]
 WorkerToScheduler = Union[StepDone, StepFailed]
+
+
+class LayersStored(Msg):
+    """P worker -> its writer (layer-streamed push): layer group ``group`` of step ``step_id``
+    is in the pool (on CUDA: the event recorded after the group's last store has completed), so
+    each entry's first ``num_tokens`` tokens of that group may leave."""
+
+    step_id: int
+    group: int
+    entries: tuple["StreamKV", ...]
+
+
+WorkerToWriter = Union[LayersStored]
 
 
 # ---------------------------------------------------------------------------
@@ -572,6 +589,7 @@ DEC_SCHED_TO_ROUTER = decoder(SchedulerToRouter)
 DEC_SCHED_TO_WORKER = decoder(SchedulerToWorker)
 DEC_WORKER_TO_SCHED = decoder(WorkerToScheduler)
 DEC_SCHED_TO_WRITER = decoder(SchedulerToWriter)
+DEC_WORKER_TO_WRITER = decoder(WorkerToWriter)
 DEC_WRITER_TO_SCHED = decoder(WriterToScheduler)
 DEC_PEER = decoder(PeerNotif)
 DEC_HANDSHAKE = decoder(HandshakeMsg)

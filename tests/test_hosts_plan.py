@@ -56,7 +56,7 @@ def test_instances_are_reachable_on_the_advertised_address():
     (("--role", "prefill", "--registry", REG), "needs --advertise"),
     (("--role", "decode", "--advertise", "a", "--registry", REG, "--mode", "local"), "needs --registry"),
     (("--role", "decode", "--advertise", "a", "--registry", REG, "--registry-ttl", "0"), "TTL"),
-    (("--push-stream", "layer", "--prefill-chunk", "64"), "layer is not built yet"),
+    (("--push-stream", "layer", "--push-stream-groups", "0"), "push stream groups must be >= 1"),
     (("--prefill-chunk", "-1"), "prefill chunk must be >= 0"),
 ])
 def test_role_refusals(flags, fragment):

@@ -480,3 +480,52 @@ def test_random_walk_streams(seed):
     assert holding == set(), f"never reported: {holding}"
     assert all(v == 1 for v in outcomes.values()), outcomes
     assert m.held_blocks() == [] and len(m) == 0 and m.next_deadline() is None
+
+
+# --------------------------------------------------------------------------- layer-streamed push
+def spans(a):
+    """A WRITE's (layer group, first token, end token) spans; -1: every group alike."""
+    return a.spans or ((-1, a.token_start, a.token_start + a.num_tokens),)
+
+
+def test_layer_groups_stream_apart_and_the_last_write_moves_each_rest():
+    """Three layer groups, unit 16: each group's mark sends its whole units (one part in flight,
+    the next taking every group computed meanwhile); the last WRITE moves each group's rest
+    from its own first token; a mark after the prefill half is counted and dropped."""
+    m = PushRendezvous(0, 1, 4, WAIT, XFER, stream_unit=UNIT, stream_groups=3)
+    assert m.on_registration(register(), 0.0) == []
+    (part,) = m.on_prefill_progress("t", 1, BLOCKS, 40, 1.0, group=0)
+    assert not part.last and spans(part) == ((0, 0, 32),)
+    assert m.on_prefill_progress("t", 1, BLOCKS, 40, 1.1, group=1) == []  # a part flies: wait
+    assert m.on_prefill_progress("t", 1, BLOCKS, 40, 1.2, group=2) == []
+    (part,) = m.on_write_done("t", 1, 1.3, part=True)  # groups 1 and 2 together (0 is ahead of them)
+    assert spans(part) == ((1, 0, 32), (2, 0, 32))
+    assert m.on_prefill_done("t", 1, BLOCKS, 40, FIRST, 1.4) == []  # the last waits for the part
+    (last,) = m.on_write_done("t", 1, 1.5, part=True)
+    assert last.last and last.first_token == FIRST and spans(last) == ((-1, 32, 40),)  # every group from 32
+    assert [short(a) for a in m.on_prefill_progress("t", 1, BLOCKS, 40, 1.6, group=2)] == ["count:late_progress"]
+    out = m.on_write_done("t", 1, 1.7)
+    assert [short(a) for a in out] == ["free t1", "completed t1 registration_first"]
+
+
+def test_layer_groups_uneven_rests_and_a_last_write_with_nothing_left():
+    m = PushRendezvous(0, 1, 4, WAIT, XFER, stream_unit=UNIT, stream_groups=2)
+    m.on_registration(register(), 0.0)
+    (part,) = m.on_prefill_progress("t", 1, BLOCKS, 48, 1.0, group=0)
+    assert spans(part) == ((0, 0, 48),)
+    m.on_prefill_done("t", 1, BLOCKS, 48, FIRST, 1.1)  # group 1 never marked: it all goes last
+    (last,) = m.on_write_done("t", 1, 1.2, part=True)
+    assert spans(last) == ((1, 0, 48),)
+    # every group's units reached the prompt's end before the prefill half: the notification
+    # still needs a WRITE, so the last moves the final unit of the last group again
+    m = PushRendezvous(0, 1, 4, WAIT, XFER, stream_unit=UNIT, stream_groups=2)
+    m.on_registration(register(), 0.0)
+    m.on_prefill_progress("t", 1, BLOCKS, 32, 1.0)  # -1: every group (a chunk)
+    m.on_write_done("t", 1, 1.1, part=True)
+    (last,) = m.on_prefill_done("t", 1, BLOCKS, 32, FIRST, 1.2)
+    assert last.last and spans(last) == ((1, 16, 32),)
+
+
+def test_a_mark_for_a_group_outside_the_cut_is_counted():
+    m = PushRendezvous(0, 1, 4, WAIT, XFER, stream_unit=UNIT, stream_groups=2)
+    assert [short(a) for a in m.on_prefill_progress("t", 1, BLOCKS, 32, 1.0, group=2)] == ["count:bad_progress_group"]

@@ -340,7 +340,10 @@ def test_step_timeout_mid_stream_ends_the_stream():
 @pytest.mark.parametrize("mode, push_stream, model, p_bs, d_bs, chunk, stream, unit", [
     ("push", "off", "small", 16, 16, 32, "", 0),
     ("pull", "chunk", "small", 16, 16, 32, "", 0),
-    ("push", "layer", "small", 16, 16, 32, "fallback: layer streaming is not built", 0),
+    ("push", "layer", "small", 16, 16, 32, "layer", 16),
+    ("push", "layer", "small", 16, 32, 0, "layer", 32),  # needs no chunking: marks come within a step
+    ("push", "layer", "hybrid", 16, 16, 0, "fallback: sliding-window layers", 0),
+    ("push", "layer", "mla", 32, 16, 0, "layer", 32),
     ("push", "chunk", "hybrid", 16, 16, 32, "fallback: sliding-window layers", 0),
     ("push", "chunk", "small", 16, 16, 0, "fallback: --prefill-chunk is 0", 0),
     ("push", "chunk", "small", 16, 16, 32, "chunk", 16),
@@ -353,7 +356,7 @@ def test_stream_plan(mode, push_stream, model, p_bs, d_bs, chunk, stream, unit):
     """What P's writers tell the scheduler of the stream (KVSent.stream), and the unit of a part."""
     from pushkv.config import preset
     from pushkv.kv.layout import instance_layout
-    from pushkv.writer.prefill import stream_plan
+    from pushkv.kv.layout import stream_plan
 
     cfg = DeploymentConfig(mode=mode, push_stream=push_stream, model=preset(model),
                            prefill=InstanceConfig(role="prefill", block_size=p_bs, prefill_chunk=chunk),

@@ -14,6 +14,8 @@ One deployment per layout; the prompts run inside it.
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from pushkv.kv import layout as L
@@ -31,6 +33,8 @@ CHUNK = ("--prefill-chunk", "32")
 # --push-pin-fraction 1: no request goes late (P holds, D registers after the relay: no stream),
 # however many stream at once
 STREAM = ("--mode", "push", "--push-stream", "chunk", "--push-pin-fraction", "1", *CHUNK)
+# three layer groups of the small model's four layers (2, 1, 1): uneven on purpose
+LAYER = ("--mode", "push", "--push-stream", "layer", "--push-stream-groups", "3", "--push-pin-fraction", "1")
 
 
 def shape(p_tp: int, d_tp: int, p_bs: int, d_bs: int) -> tuple[str, ...]:
@@ -47,6 +51,10 @@ CASES = [
     ("push-chunk tp2->1 p16/d32", "small", STREAM + shape(2, 1, 16, 32), 2, "chunk"),
     ("push-chunk mla tp2->1 p16/d32", "mla", STREAM + shape(2, 1, 16, 32), 2, "chunk"),
     ("push-chunk hybrid tp1->1", "hybrid", STREAM, 1, "fallback: sliding-window layers"),
+    ("push-layer tp1->2 p32/d16", "small", LAYER + shape(1, 2, 32, 16), 1, "layer"),
+    ("push-layer chunked tp2->1 p16/d32", "small", LAYER + CHUNK + shape(2, 1, 16, 32), 2, "layer"),
+    ("push-layer mla tp2->1 p16/d32", "mla", LAYER + shape(2, 1, 16, 32), 2, "layer"),
+    ("push-layer hybrid tp1->1", "hybrid", LAYER, 1, "fallback: sliding-window layers"),
 ]
 
 
@@ -72,11 +80,15 @@ def test_chunked_and_streamed_tokens_equal_local(name, model, flags, ref_tp, str
             if stream is not None:
                 kv, tl = body["pushkv"]["kv"]["prefill"], body["pushkv"]["timeline"]
                 assert kv["stream"].startswith(stream), (n, kv)
-                if stream != "chunk" or n <= 32:  # one chunk, or no stream: one WRITE at the end
+                # the tokens before the first part can leave: a chunk's, or a whole unit's (layer)
+                first = 32 if stream == "chunk" else math.lcm(cfg.prefill.block_size, cfg.decode.block_size) - 1
+                if stream not in ("chunk", "layer") or n <= first:  # no stream, or nothing whole before the end
                     assert kv["parts"] == 0, (n, kv)
-                elif tl["prefill.registration_received"] < tl["prefill.stream_start"]:
-                    # D's registration was in when the first chunk ended: a part left at once (on two
-                    # busy cores D may register later, and the last WRITE then takes it all)
+                elif tl["prefill.registration_received"] < tl[
+                        "prefill.stream_start" if stream == "chunk" else "prefill.layers_stored_0"]:
+                    # D's registration was in when the first chunk ended (the first layer group was
+                    # stored): a part left at once (on two busy cores D may register later, and the
+                    # last WRITE then takes it all)
                     assert kv["parts"] > 0, (n, kv, tl)
                     early += 1
             p_table = range(L.blocks_for(n, cfg.prefill.block_size))
@@ -85,28 +97,39 @@ def test_chunked_and_streamed_tokens_equal_local(name, model, flags, ref_tp, str
             assert bad == [] and compared > 0, f"{n} tokens: {bad[:5]}"
         if cfg.mode == "local":
             return
+        p_tp, d_tp = cfg.prefill.tp, cfg.decode.tp
+
+        def per_rank(counters, k):
+            return [counters.get(f"writer.{r}.{k}", 0) for r in range(p_tp)]
+
+        if stream == "layer":  # every rank hears every group of every prefill step
+            counters = dep.stats("prefill").counters
+            steps = sum(-(-n // 32) for n in LENGTHS) if "--prefill-chunk" in flags else len(LENGTHS)
+            groups = len(L.layer_groups(L.instance_layout(cfg, cfg.prefill, 0)))
+            assert groups == 3 if model == "small" else groups > 1, groups
+            assert per_rank(counters, "layer_marks_received") == [steps * groups] * p_tp, counters
+            assert per_rank(counters, "stream_progress_received") == [0] * p_tp
         rounds = 1  # of the prompts
-        if stream == "chunk" and model == "small":  # several streams at once, mixed in P's steps
+        if stream in ("chunk", "layer") and model == "small":  # several streams at once, mixed in P's steps
             got = concurrent(dep, [PROMPTS[n] for n in LENGTHS] * 2, MAX_TOKENS)
             assert got == [ref[n] for n in LENGTHS] * 2
             wait_pools_free(dep)
             rounds = 3
-        p_tp, d_tp = cfg.prefill.tp, cfg.decode.tp
         counters = dep.stats("prefill").counters
-
-        def per_rank(k):
-            return [counters.get(f"writer.{r}.{k}", 0) for r in range(p_tp)]
-
-        for k in ("transfers_failed", "command_refused", "write_post_failed", "late_progress", "stale_progress"):
-            assert per_rank(k) == [0] * p_tp, (k, counters)
-        parts, posts = per_rank("parts"), per_rank("part_posts")
-        if stream == "chunk":  # every rank hears every chunk (37 tokens: 1; 300: 9); producers write parts
-            assert per_rank("stream_progress_received") == [10 * rounds] * p_tp
+        # a layer mark may trail P's SendKV (worker and scheduler send apart): counted late, dropped
+        for k in ("transfers_failed", "command_refused", "write_post_failed", "stale_progress") + (
+                () if stream == "layer" else ("late_progress",)):
+            assert per_rank(counters, k) == [0] * p_tp, (k, counters)
+        parts, posts = per_rank(counters, "parts"), per_rank(counters, "part_posts")
+        if stream in ("chunk", "layer"):
+            if stream == "chunk":  # every rank hears every chunk (37 tokens: 1; 300: 9)
+                assert per_rank(counters, "stream_progress_received") == [10 * rounds] * p_tp
             assert sum(parts) > 0 or not early, parts
-            for r in range(p_tp):
+            for r in range(p_tp):  # producers write parts
                 writes_to = len(consumers_for(r, p_tp, d_tp, cfg.model.cache_kv_heads)) if \
                     is_producer(r, p_tp, cfg.model.cache_kv_heads) else 0
                 assert posts[r] == parts[r] * writes_to, (r, parts, posts)  # MLA: rank 1, a replica, writes none
-        else:  # pull streams nothing; the hybrid push hears every chunk and falls back to one WRITE
-            assert per_rank("stream_progress_received") == [10 if stream else 0] * p_tp
+        else:  # pull streams nothing; the hybrid push hears every chunk (chunk) and falls back to one WRITE
+            assert per_rank(counters, "stream_progress_received") == [10 if stream and "chunk" in flags else 0] * p_tp
+            assert per_rank(counters, "layer_marks_received") == [0] * p_tp
             assert parts == posts == [0] * p_tp

@@ -39,16 +39,33 @@ KVLayout = KVLayoutDesc  # the wire struct is the layout; helpers below
 
 # ------------------------------------------------------------------ geometry
 def layer_groups(lay: KVLayout) -> tuple[tuple[int, ...], ...]:
-    """Layers of each group, in pool order: full attention first, then sliding window."""
-    return _groups(lay.num_layers, tuple(lay.window_layers) if lay.window > 0 else ())
+    """Layers of each group, in pool order: full attention first, then sliding window; with
+    ``layer_split`` (layer-streamed push, no window layers) the layers cut into that many runs
+    of consecutive layers, so each run's KV is whole regions a WRITE can move on its own."""
+    return _groups(lay.num_layers, tuple(lay.window_layers) if lay.window > 0 else (), lay.layer_split)
 
 
 @lru_cache(maxsize=256)
-def _groups(num_layers: int, window_layers: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+def _groups(num_layers: int, window_layers: tuple[int, ...], split: int = 0) -> tuple[tuple[int, ...], ...]:
     win = set(window_layers)
     full = tuple(l for l in range(num_layers) if l not in win)
     windowed = tuple(l for l in range(num_layers) if l in win)
+    if split > 1 and not windowed:
+        return split_layers(num_layers, split)
     return tuple(g for g in (full, windowed) if g)
+
+
+def split_layers(num_layers: int, parts: int) -> tuple[tuple[int, ...], ...]:
+    """``range(num_layers)`` cut into ``min(parts, num_layers)`` runs of consecutive layers,
+    the first ones a layer longer when it does not divide."""
+    parts = max(1, min(parts, num_layers))
+    size, extra = divmod(num_layers, parts)
+    out, start = [], 0
+    for i in range(parts):
+        n = size + (i < extra)
+        out.append(tuple(range(start, start + n)))
+        start += n
+    return tuple(out)
 
 
 def window_group(lay: KVLayout) -> int:
@@ -203,7 +220,7 @@ def rank_heads(tp: int, rank: int, total_kv_heads: int) -> tuple[int, int]:
 
 
 def layout_for(model, tp: int, rank: int, num_blocks: int, block_size: int,
-               sub_block: int = 0, head_group: int = 0) -> KVLayout:
+               sub_block: int = 0, head_group: int = 0, layer_split: int = 0) -> KVLayout:
     """This rank's pool layout for a ModelConfig (no weights needed)."""
     total = model.cache_kv_heads
     head_start, kv_heads = rank_heads(tp, rank, total)
@@ -220,6 +237,7 @@ def layout_for(model, tp: int, rank: int, num_blocks: int, block_size: int,
         kv_planes=model.kv_planes,
         sub_block=0 if sub_block == block_size else sub_block,
         head_group=0 if head_group == kv_heads else head_group,
+        layer_split=layer_split if layer_split > 1 and not (model.sliding_window and model.window_layers) else 0,
     )
 
 
@@ -236,5 +254,33 @@ def transfer_geometry(cfg) -> tuple[int, int]:
 
 def instance_layout(cfg, inst, rank: int) -> KVLayout:
     """Rank ``rank`` of instance ``inst`` in deployment ``cfg``: cut to match its peer."""
-    sub, hg = (0, 0) if cfg.mode == "local" or inst.role == "local" else transfer_geometry(cfg)
-    return layout_for(cfg.model, inst.tp, rank, inst.num_blocks, inst.block_size, sub, hg)
+    if cfg.mode == "local" or inst.role == "local":
+        return layout_for(cfg.model, inst.tp, rank, inst.num_blocks, inst.block_size)
+    sub, hg = transfer_geometry(cfg)
+    return layout_for(cfg.model, inst.tp, rank, inst.num_blocks, inst.block_size, sub, hg, stream_split(cfg))
+
+
+def stream_plan(cfg, inst, lay: KVLayout) -> tuple[str, int]:
+    """(what the stats say, tokens per streamed unit) for this P instance: a part WRITE
+    starts and ends on a whole block of both sides (the lcm of the two block sizes); 0 =
+    no parts, every transfer is one WRITE at the end of prefill. ``layer`` streams each of
+    ``layer_groups(lay)`` as the worker marks it stored, ``chunk`` every group at once after
+    each prefill chunk."""
+    if cfg.mode != "push" or cfg.push_stream == "off":
+        return "", 0
+    if window_group(lay) >= 0:  # a window group moves only the blocks of the last window
+        return "fallback: sliding-window layers; one WRITE at prefill end", 0
+    unit_tokens = math.lcm(inst.block_size, cfg.decode.block_size)
+    if cfg.push_stream == "layer":
+        return "layer", unit_tokens
+    if inst.prefill_chunk <= 0:
+        return "fallback: --prefill-chunk is 0 (prompts are not chunked); one WRITE at prefill end", 0
+    return "chunk", unit_tokens
+
+
+def stream_split(cfg) -> int:
+    """Layer groups both sides' pools are cut into: layer-streamed push WRITEs each group's
+    regions as the worker marks them stored; 0 otherwise (one group per attention kind)."""
+    if cfg.mode == "push" and cfg.push_stream == "layer":
+        return cfg.push_stream_groups
+    return 0

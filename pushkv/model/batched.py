@@ -60,13 +60,13 @@ class BatchedForward:
         self.graph_width = 0
 
     # ------------------------------------------------------------------ public
-    def logits(self, seqs: Sequence[SeqWork], pools: list[torch.Tensor]) -> torch.Tensor:
+    def logits(self, seqs: Sequence[SeqWork], pools: list[torch.Tensor], on_layer=None) -> torch.Tensor:
         u = pools[0].shape[-2]
         plan = plan_step(seqs, u, self.block_q)
-        if self.use_graphs and plan.is_decode and plan.num_seqs <= self.max_num_seqs:
+        if self.use_graphs and plan.is_decode and plan.num_seqs <= self.max_num_seqs and on_layer is None:
             return self._replay(plan, pools)
         meta = StepTensors.upload(plan, self.device, self.staging)
-        return self.forward(meta, pools, self.decode_splits(plan.num_seqs))
+        return self.forward(meta, pools, self.decode_splits(plan.num_seqs), on_layer=on_layer)
 
     def decode_splits(self, num_seqs: int) -> int:
         """Key-range splits per decode tile: enough programs to fill the GPU twice."""
@@ -76,9 +76,9 @@ class BatchedForward:
         return max(1, min(16, -(-2 * self.sms // progs)))
 
     def forward(self, meta: StepTensors, pools: list[torch.Tensor], splits: int,
-                scratch=None, out_logits: Optional[torch.Tensor] = None) -> torch.Tensor:
+                scratch=None, out_logits: Optional[torch.Tensor] = None, on_layer=None) -> torch.Tensor:
         run = self._layers_fused if self.fused else self._layers_torch
-        h = run(meta, pools, splits, scratch)
+        h = run(meta, pools, splits, scratch, on_layer)
         T = meta.ids.shape[0]
         rows = h.index_select(0, meta.sample_rows.long()) if meta.sample_rows.shape[0] != T else h
         logits = F.linear(rows, self.m.w.lm_head).float()
@@ -87,7 +87,7 @@ class BatchedForward:
             return out_logits
         return logits
 
-    def _layers_torch(self, meta, pools, splits, scratch) -> torch.Tensor:
+    def _layers_torch(self, meta, pools, splits, scratch, on_layer=None) -> torch.Tensor:
         """Every layer with torch ops (the CPU path); returns the final-normed hidden rows."""
         m, cfg, p = self.m, self.m.cfg, self.m.plan
         hd, eps = self.hd, cfg.rms_eps
@@ -108,12 +108,14 @@ class BatchedForward:
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             paged.store_kv(pools[layer], k, v, meta.slots)
+            if on_layer is not None:
+                on_layer(layer)
             paged.attention(q, pools[layer], meta, m.layer_window(layer), attn, splits, scratch)
             x = m.attn_out(lw, x, attn.view(T, -1))
             x = m.mlp(lw, x)
         return rms_norm(x, m.w.final_norm, eps)
 
-    def _layers_fused(self, meta, pools, splits, scratch) -> torch.Tensor:
+    def _layers_fused(self, meta, pools, splits, scratch, on_layer=None) -> torch.Tensor:
         """Every layer with the fused Triton kernels: ~9 launches a layer."""
         from pushkv.model.kernels import triton_fused as K
 
@@ -126,6 +128,8 @@ class BatchedForward:
         for layer, lw in enumerate(layers):
             q = K.qk_norm_rope_store(F.linear(h, lw.qkv), p.q_heads, p.kv_heads, self.hd, lw.q_norm, lw.k_norm,
                                      eps, self.cos, self.sin, meta.positions, meta.slots, pools[layer])
+            if on_layer is not None:
+                on_layer(layer)
             paged.attention(q, pools[layer], meta, m.layer_window(layer), attn, splits, scratch)
             x, h = K.add_rms(x, m._all_reduce(F.linear(attn.view(T, -1), lw.o)), lw.post_norm, eps)
             delta = m._all_reduce(F.linear(K.silu_mul(F.linear(h, lw.gate_up)), lw.down))

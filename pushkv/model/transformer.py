@@ -92,12 +92,13 @@ class Model:
         return self.execute_sampled(seqs, pool).tokens
 
     @torch.inference_mode()
-    def execute_sampled(self, seqs: Sequence[SeqWork], pool: torch.Tensor) -> Sampled:
-        """``execute``, with the log-probabilities the seqs asked for."""
-        return sample(self.logits(seqs, pool), [s for s in seqs if s.sample])
+    def execute_sampled(self, seqs: Sequence[SeqWork], pool: torch.Tensor, on_layer=None) -> Sampled:
+        """``execute``, with the log-probabilities the seqs asked for. ``on_layer(layer)`` runs
+        once each layer has stored the step's new K/V (queued on the device's stream)."""
+        return sample(self.logits(seqs, pool, on_layer), [s for s in seqs if s.sample])
 
     @torch.inference_mode()
-    def logits(self, seqs: Sequence[SeqWork], pool: torch.Tensor) -> torch.Tensor:
+    def logits(self, seqs: Sequence[SeqWork], pool: torch.Tensor, on_layer=None) -> torch.Tensor:
         """float32 [num sampled seqs, vocab] logits of each sampled seq's last position."""
         pool = self._layer_pools(pool)
         if not seqs:
@@ -106,9 +107,12 @@ class Model:
             self._check_seq(s, pool[0].shape[-2])
         run = self.batched.logits if self.batched is not None else self._forward
         if not self.cfg.deterministic:
-            return run(list(seqs), pool)
-        # Each seq alone: its matmul shapes, hence its bytes, never depend on the batch.
-        parts = [p for p in (run([s], pool) for s in seqs) if p.shape[0]]
+            return run(list(seqs), pool, on_layer)
+        # Each seq alone: its matmul shapes, hence its bytes, never depend on the batch. A layer
+        # holds the whole step's K/V once the last seq's pass has stored it.
+        last = len(seqs) - 1
+        parts = [p for p in (run([s], pool, on_layer if i == last else None) for i, s in enumerate(seqs))
+                 if p.shape[0]]
         return torch.cat(parts) if parts else torch.empty(0, self.cfg.vocab_size)
 
     # -------------------------------------------------------- building blocks
@@ -232,7 +236,7 @@ class Model:
             chunks.append(_Chunk(q0, q1, k0 - lo, start + q1 - lo, mask, False))
         return lo, chunks
 
-    def _forward(self, seqs: list[SeqWork], pool: list[torch.Tensor]) -> torch.Tensor:
+    def _forward(self, seqs: list[SeqWork], pool: list[torch.Tensor], on_layer=None) -> torch.Tensor:
         bs = pool[0].shape[-2]
         ids, pos, plans, last_rows = [], [], [], []
         for s in seqs:
@@ -252,6 +256,8 @@ class Model:
         for layer, lw in enumerate(self.w.layers):
             kind = "window" if layer in self.window_layers else "full"
             outs = self._attention(lw, x, positions, pool[layer], plans, kind, w_block, w_slot, bs)
+            if on_layer is not None:
+                on_layer(layer)
             x = self.attn_out(lw, x, outs[0] if len(outs) == 1 else torch.cat(outs))
             x = self.mlp(lw, x)
         if not last_rows:

@@ -46,6 +46,9 @@ class PostWrite:
     # block_ids (the request's whole block list); only the last carries the completion notif
     token_start: int = 0
     last: bool = True
+    # layer-streamed push: ``(layer group, first token, end token)`` per group moved, when they
+    # differ (then token_start/num_tokens span them all); () = every layer group alike
+    spans: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,9 @@ allow:
 Sliding-window layers (``window > 0``) move only tokens at positions
 >= ``num_tokens - window``, rounded down to a whole source sub-block: the window
 layer group skips the sub-blocks before the window.
+
+``groups`` (layer-streamed push) moves only those layer groups of the source's
+``layer_groups``; when both sides cut their layers alike a group is whole regions.
 """
 from __future__ import annotations
 
@@ -84,11 +87,13 @@ def map_transfer(
     dst_blocks: Sequence[int],
     num_tokens: int,
     heads: Optional[tuple[int, int]] = None,
+    groups: Optional[Sequence[int]] = None,
 ) -> list[Region]:
     """Merged ``(src_offset, dst_offset, nbytes)`` regions moving ``num_tokens`` tokens.
 
     ``heads`` is the global ``(start, count)`` to move; default: the heads both
-    sides hold. Tables name logical blocks; only the first
+    sides hold. ``groups``: only these layer groups of ``src`` (default: every layer).
+    Tables name logical blocks; only the first
     ``count_blocks(num_tokens, ...)`` ids of each are used; shorter tables or ids
     outside a pool raise ValueError.
     """
@@ -101,13 +106,25 @@ def map_transfer(
     sb = physical_subs(src, src_blocks, num_tokens, "src")
     db = physical_subs(dst, dst_blocks, num_tokens, "dst")
     win_sub = window_start_sub(src, num_tokens)
+    layers = selected_layers(src, groups)
     if unit(src) == unit(dst):
         hg = group_heads(src)
-        if (hg == group_heads(dst) and hc % hg == 0
+        if (hg == group_heads(dst) and hc % hg == 0 and layer_groups(src) == layer_groups(dst)
                 and (hs - src.head_start) % hg == 0 and (hs - dst.head_start) % hg == 0):
-            return _map_regions(src, sb, dst, db, hs, hc, win_sub)
-        return _map_head_runs(src, sb, dst, db, hs, hc, win_sub)
-    return _map_token_runs(src, sb, dst, db, num_tokens, hs, hc, win_sub)
+            return _map_regions(src, sb, dst, db, hs, hc, win_sub, groups)
+        return _map_head_runs(src, sb, dst, db, hs, hc, win_sub, layers)
+    return _map_token_runs(src, sb, dst, db, num_tokens, hs, hc, win_sub, layers)
+
+
+def selected_layers(lay: KVLayoutDesc, groups: Optional[Sequence[int]]) -> Optional[frozenset]:
+    """The layers of ``groups`` (indices into ``layer_groups(lay)``); None: every layer."""
+    if groups is None:
+        return None
+    cut = layer_groups(lay)
+    bad = [g for g in groups if not 0 <= g < len(cut)]
+    if bad:
+        raise ValueError(f"layer groups {bad} outside the {len(cut)} of the source layout")
+    return frozenset(l for g in groups for l in cut[g])
 
 
 def physical_subs(lay: KVLayoutDesc, blocks: Sequence[int], num_tokens: int, side: str) -> np.ndarray:
@@ -123,18 +140,20 @@ def window_start_sub(src: KVLayoutDesc, num_tokens: int) -> int:
     return max(0, num_tokens - src.window) // unit(src)
 
 
-def _map_regions(src, sb, dst, db, hs, hc, win_sub) -> list[Region]:
+def _map_regions(src, sb, dst, db, hs, hc, win_sub, groups=None) -> list[Region]:
     """One atom per (sub-block, layer group, head group): the whole-region fast path."""
     wg, hg = window_group(src), group_heads(src)
     js, jd = (hs - src.head_start) // hg, (hs - dst.head_start) // hg
     s_parts, d_parts, n_parts = [], [], []
-    for g in range(len(layer_groups(src))):
+    for g in range(len(layer_groups(src))) if groups is None else sorted(set(groups)):
         first = win_sub if g == wg else 0
         rb = region_block_bytes(src, g)  # == dst's: same layers, planes, heads, sub-block
         for k in range(hc // hg):
             s_parts.append(region_base(src, g, js + k) + sb[first:] * rb)
             d_parts.append(region_base(dst, g, jd + k) + db[first:] * rb)
             n_parts.append(np.full(len(sb) - first, rb, dtype=np.int64))
+    if not s_parts:
+        return []
     return _merge(np.concatenate(s_parts), np.concatenate(d_parts), np.concatenate(n_parts))
 
 
@@ -154,11 +173,11 @@ def _head_addr(lay, head: int) -> tuple[int, int]:
     return g, h * head_bytes(lay)
 
 
-def _map_head_runs(src, sb, dst, db, hs, hc, win_sub) -> list[Region]:
+def _map_head_runs(src, sb, dst, db, hs, hc, win_sub, layers=None) -> list[Region]:
     P = src.kv_planes
     sp, dp = _layer_places(src), _layer_places(dst)
     plane = np.arange(P, dtype=np.int64).reshape(1, 1, P)
-    keep = _keep_mask(src, len(sb), win_sub)[:, :, None]  # [sub-blocks, layers, 1]
+    keep = _keep_mask(src, len(sb), win_sub, layers)[:, :, None]  # [sub-blocks, layers, 1]
     s_all, d_all, n_all = [], [], []
     for h0, cnt in _head_runs(src, dst, hs, hc):
         (gs, os_), (gd, od) = _head_addr(src, h0), _head_addr(dst, h0)
@@ -171,7 +190,7 @@ def _map_head_runs(src, sb, dst, db, hs, hc, win_sub) -> list[Region]:
     return _merge(np.concatenate(s_all), np.concatenate(d_all), np.concatenate(n_all))
 
 
-def _map_token_runs(src, sb, dst, db, num_tokens, hs, hc, win_sub) -> list[Region]:
+def _map_token_runs(src, sb, dst, db, num_tokens, hs, hc, win_sub, layers=None) -> list[Region]:
     us, ud = unit(src), unit(dst)
     starts = np.union1d(np.arange(0, num_tokens, us), np.arange(0, num_tokens, ud))
     lens = np.diff(np.append(starts, num_tokens))
@@ -191,7 +210,7 @@ def _map_token_runs(src, sb, dst, db, num_tokens, hs, hc, win_sub) -> list[Regio
     s = s_seg + plane * slab_bytes(src)
     d = d_seg + plane * slab_bytes(dst)
     n = np.broadcast_to((lens * tb).reshape(-1, 1, 1, 1), s.shape)
-    keep = _keep_mask(src, len(sb), win_sub)[sidx]  # [segments, layers]
+    keep = _keep_mask(src, len(sb), win_sub, layers)[sidx]  # [segments, layers]
     keep = np.broadcast_to(keep[:, :, None, None], s.shape)
     return _merge(s[keep], d[keep], n[keep])
 
@@ -210,9 +229,11 @@ def _subs(lay, logical: np.ndarray, num_tokens: int) -> np.ndarray:
     return logical[:blocks_for(num_tokens, unit(lay))]
 
 
-def _keep_mask(lay, nsubs: int, win_sub: int) -> np.ndarray:
+def _keep_mask(lay, nsubs: int, win_sub: int, layers: Optional[frozenset] = None) -> np.ndarray:
     """[src sub-block index, layer] -> whether that (sub-block, layer) must move."""
     keep = np.ones((nsubs, lay.num_layers), dtype=bool)
+    if layers is not None:
+        keep[:, sorted(set(range(lay.num_layers)) - layers)] = False
     windowed = _window_layers(lay)
     if windowed and win_sub:
         keep[:win_sub, sorted(windowed)] = False

@@ -27,7 +27,12 @@ one is asked for when it completes and takes everything computed meanwhile, so t
 link carries one WRITE at a time (concurrent WRITEs over TCP shared it and each ran
 past its expected time) and a fast link posts few, large parts. At prefill end the **last** WRITE moves
 the rest with the completion notification, and is asked for only once every part
-has completed, so D's one notification means every byte has landed. A part that
+has completed, so D's one notification means every byte has landed. With
+``stream_groups`` > 1 (layer-streamed push) progress is per layer group: the worker
+marks each group of layers stored, a part moves each group's whole units not yet
+written (one span per group, merged when they agree), and the last WRITE moves each
+group's rest. Marks that arrive after the prefill half are counted and dropped (the
+prefill half already covers them). A part that
 fails fails the transfer; any failure while WRITEs are in flight drains them first
 (DRAINING counts them down), and a streamed transfer that ends before its prefill
 half frees (reports) the streamed blocks all the same, so the scheduler always
@@ -93,8 +98,8 @@ class _Transfer:
     needed: frozenset[int] = frozenset()
     deadline: Optional[float] = None
     streamed: bool = False  # prefill progress seen before the prefill half
-    progress: int = 0  # prompt tokens computed so far (streaming)
-    sent: int = 0  # prompt tokens already asked for in parts
+    progress: list[int] = field(default_factory=list)  # per layer group: prompt tokens computed so far
+    sent: list[int] = field(default_factory=list)  # per layer group: prompt tokens asked for in parts
     parts: int = 0  # part WRITEs asked for
     inflight: int = 0  # WRITEs asked for (parts and the last) not yet reported
     final_pending: bool = False  # all halves in; the last WRITE waits for the parts
@@ -122,6 +127,7 @@ class PushRendezvous:
         transfer_s: float,
         remember: int = REMEMBER_FINISHED,
         stream_unit: int = 0,
+        stream_groups: int = 1,
     ):
         consumers_for(p_rank, p_tp, p_tp, total_kv_heads)  # validates the geometry
         self.p_rank, self.p_tp, self.total_kv_heads = p_rank, p_tp, total_kv_heads
@@ -130,6 +136,7 @@ class PushRendezvous:
         self.registration_wait_s = registration_wait_s
         self.transfer_s = transfer_s
         self.stream_unit = stream_unit  # tokens; 0 = no part WRITEs (progress is still tracked)
+        self.stream_groups = max(1, stream_groups)  # layer groups streamed apart (layer mode)
         self._remember = remember
         self._live: dict[str, _Transfer] = {}  # newest non-draining generation per transfer id
         self._draining: dict[tuple[str, int], _Transfer] = {}
@@ -174,19 +181,22 @@ class PushRendezvous:
         return out + self._accept_prefill(e, now, blocks, num_tokens, first_token)
 
     def on_prefill_progress(self, transfer_id: str, generation: int, block_ids: Sequence[int],
-                            num_tokens: int, now: float) -> list[Action]:
-        """Streaming push: a prefill chunk ended and the prompt's first ``num_tokens`` tokens
-        are in ``block_ids`` (still the scheduler's: it keeps computing into them)."""
+                            num_tokens: int, now: float, group: int = -1) -> list[Action]:
+        """Streaming push: a prefill chunk ended (``group`` -1: every layer group) or one layer
+        group of a step was stored, and the prompt's first ``num_tokens`` tokens are in
+        ``block_ids`` (still the scheduler's: it keeps computing into them)."""
+        if group >= self.stream_groups:
+            return [Count("bad_progress_group")]
         kind, e = self._lookup(transfer_id, generation)
         if kind == "live":
-            return self._dispatch(e, "progress", now, blocks=tuple(block_ids), num_tokens=num_tokens)
+            return self._dispatch(e, "progress", now, blocks=tuple(block_ids), num_tokens=num_tokens, group=group)
         if kind != "new":  # draining, finished or stale: that transfer is over
             return [Count("late_progress")]
         out = self._supersede(transfer_id, generation, now)
         e = _Transfer(transfer_id, generation, State.WAIT_PREFILL, "prefill_first")
         self._live[transfer_id] = e
         self._note_generation(transfer_id, generation)
-        return out + self._progress(e, now, tuple(block_ids), num_tokens)
+        return out + self._progress(e, now, tuple(block_ids), num_tokens, group)
 
     def on_registration(self, reg: Register, now: float) -> list[Action]:
         try:
@@ -296,34 +306,57 @@ class PushRendezvous:
             return self._post_part(e)  # a stream under way: what is computed can leave now
         return []
 
-    def _progress(self, e, now, blocks, num_tokens) -> list[Action]:
-        if num_tokens <= e.progress:
+    def _progress(self, e, now, blocks, num_tokens, group=-1) -> list[Action]:
+        if not e.progress:
+            e.progress, e.sent = [0] * self.stream_groups, [0] * self.stream_groups
+        gs = range(self.stream_groups) if group < 0 else (group,)
+        if all(num_tokens <= e.progress[g] for g in gs):
             return [Count("stale_progress")]
-        e.streamed, e.block_ids, e.progress = True, blocks, num_tokens
+        for g in gs:
+            e.progress[g] = max(e.progress[g], num_tokens)
+        if len(blocks) >= len(e.block_ids):  # a later step's table holds an earlier one's
+            e.block_ids = blocks
+        e.streamed = True
         self._arm(e, now + self.registration_wait_s)  # the prefill is alive: wait for its end anew
         return self._post_part(e)
 
     def _post_part(self, e) -> list[Action]:
-        """Ask for a part WRITE of the whole units computed and not yet asked for (none while
-        another part is in flight: its completion asks again)."""
+        """Ask for a part WRITE of the whole units computed and not yet asked for, in every
+        layer group (none while another part is in flight: its completion asks again)."""
         if e.inflight or not (self.stream_unit and e.streamed and e.needed and e.needed <= e.regs.keys()):
             return []
-        upto = e.progress // self.stream_unit * self.stream_unit
-        if upto <= e.sent:
+        u = self.stream_unit
+        spans = [(g, e.sent[g], p // u * u) for g, p in enumerate(e.progress) if p // u * u > e.sent[g]]
+        if not spans:
             return []
-        regs = tuple(e.regs[d] for d in sorted(e.needed))
-        part = PostWrite(e.transfer_id, e.generation, e.block_ids, upto - e.sent, 0, regs,
-                         token_start=e.sent, last=False)
-        e.sent, e.parts, e.inflight = upto, e.parts + 1, e.inflight + 1
-        return [part]
+        for g, _, end in spans:
+            e.sent[g] = end
+        e.parts, e.inflight = e.parts + 1, e.inflight + 1
+        return [self._write(e, spans, 0, last=False)]
 
     def _last_write(self, e) -> list[Action]:
         e.final_pending = False
         e.last_posted = True
         e.inflight += 1
+        sent = e.sent or [0] * self.stream_groups
+        spans = [(g, s, e.num_tokens) for g, s in enumerate(sent) if s < e.num_tokens]
+        if not spans:  # every group's parts ended on the prompt's end: the notification needs bytes
+            u = self.stream_unit or e.num_tokens
+            spans = [(len(sent) - 1, max(0, (e.num_tokens - 1) // u * u), e.num_tokens)]
+        return [self._write(e, spans, e.first_token, last=True)]
+
+    def _write(self, e, spans, first_token: int, last: bool) -> PostWrite:
+        """One WRITE of ``(layer group, first token, end token)`` spans; spans that cover every
+        group alike merge into one of all groups (-1)."""
         regs = tuple(e.regs[d] for d in sorted(e.needed))
-        return [PostWrite(e.transfer_id, e.generation, e.block_ids, e.num_tokens - e.sent, e.first_token, regs,
-                          token_start=e.sent, last=True)]
+        ranges = {(a, b) for _, a, b in spans}
+        if len(ranges) == 1 and len(spans) == self.stream_groups:
+            (a, b), = ranges
+            return PostWrite(e.transfer_id, e.generation, e.block_ids, b - a, first_token, regs,
+                             token_start=a, last=last)
+        lo, hi = min(a for _, a, _ in spans), max(b for _, _, b in spans)
+        return PostWrite(e.transfer_id, e.generation, e.block_ids, hi - lo, first_token, regs,
+                         token_start=lo, last=last, spans=tuple(spans))
 
     def _part_done_waiting(self, e, now, part=False) -> list[Action]:
         if not part or e.inflight <= 0:
@@ -419,6 +452,14 @@ class PushRendezvous:
         # Still pinned: freeing blocks a WRITE may read would corrupt a later request.
         # The actor should abort the NIXL request and report on_write_failed.
         return [Count("write_stuck")]
+
+    def _late_progress(self, e, now, group=-1, **kw) -> list[Action]:
+        """A layer mark after the prefill half (they travel apart, from the worker and the
+        scheduler): that half covers it. A chunk's progress travels with the prefill half, in
+        order, so one after it is a bug."""
+        if group < 0:
+            raise ProtocolError(e.state.value, "progress", e.transfer_id, e.generation)
+        return [Count("late_progress")]
 
     def _ignore(self, e, now, **kw) -> list[Action]:
         return [Count("cancel_ignored")]
@@ -523,6 +564,8 @@ _TABLE: dict[tuple[State, str], Callable] = {
     (S.WAIT_PREFILL, "write_done"): PushRendezvous._part_done_waiting,
     (S.WAIT_PREFILL, "write_failed"): PushRendezvous._part_failed_waiting,
     (S.WAIT_REGISTRATION, "registration"): PushRendezvous._add_registration,
+    (S.WAIT_REGISTRATION, "progress"): PushRendezvous._late_progress,
+    (S.WRITING, "progress"): PushRendezvous._late_progress,
     (S.WAIT_REGISTRATION, "cancel"): PushRendezvous._cancel_waiting,
     (S.WAIT_REGISTRATION, "expire"): PushRendezvous._expire_waiting,
     (S.WRITING, "registration"): PushRendezvous._registration_late,

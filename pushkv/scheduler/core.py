@@ -84,6 +84,10 @@ class SchedulerCore(Actor):
     def _chunk_done(self, r: Request) -> None:
         """A prefill chunk ended and more of the prompt is left (``r.prefilled`` tokens are in)."""
 
+    def _streaming(self, batch: list[tuple[Request, m.SeqWork]]) -> tuple[m.StreamKV, ...]:
+        """Prompts of this step whose layer groups the worker marks for the writers as stored."""
+        return ()
+
     def _engine_blocked(self) -> bool:
         """True while no step may run and nothing may be admitted (D, pull inline: a READ)."""
         return False
@@ -318,7 +322,7 @@ class SchedulerCore(Actor):
             r.in_step = True
             if w.start_pos == 0 and r.state == State.PREFILL:
                 self._stamp(r, "prefill_start")
-        cmd = m.ExecuteStep(self.step_id, tuple(w for _, w in batch))
+        cmd = m.ExecuteStep(self.step_id, tuple(w for _, w in batch), self._streaming(batch))
         for ch in self.workers:
             self.send(ch, cmd)
 

@@ -12,12 +12,18 @@ from typing import Optional
 
 from pushkv import faults
 from pushkv import messages as m
+from pushkv.kv.layout import instance_layout, stream_plan
 from pushkv.scheduler.core import SchedulerCore, WriterAnswer
 from pushkv.scheduler.requests import Request, State
 
 
 class PrefillScheduler(SchedulerCore):
     role = "prefill"
+
+    def __init__(self, cfg, inst):
+        super().__init__(cfg, inst)
+        # what the writers stream (they say the same in KVSent.stream)
+        self._layer_stream = stream_plan(cfg, inst, instance_layout(cfg, inst, 0))[0] == "layer"
 
     def _admitted(self, r: Request) -> None:
         r.state = State.PREFILL
@@ -26,12 +32,28 @@ class PrefillScheduler(SchedulerCore):
         """Streaming push: the chunk's blocks may leave for D while the next chunk computes.
         From the first, the writers may be reading the blocks: they stay ours until every
         writer rank answers (``SchedulerCore._pinned_by_writers``)."""
-        if self.cfg.mode != "push" or self.cfg.push_stream == "off" or self._holds(r) or r.aborted:
+        if self.cfg.mode != "push" or self.cfg.push_stream != "chunk" or self._holds(r) or r.aborted:
             return
+        self._stream_started(r)
+        self._to_writers(m.StreamKV(r.transfer_id, r.generation, tuple(r.blocks), r.prefilled))
+
+    def _streaming(self, batch) -> tuple[m.StreamKV, ...]:
+        """Layer-streamed push: each prompt this step computes, with the tokens it holds after
+        it; the workers tell their writers as each layer group is stored, so the writers may
+        read the blocks from this step on."""
+        if not self._layer_stream:
+            return ()
+        out = []
+        for r, w in batch:
+            if r.state == State.PREFILL and not self._holds(r) and not r.aborted:
+                self._stream_started(r)
+                out.append(m.StreamKV(r.transfer_id, r.generation, tuple(r.blocks), w.start_pos + len(w.token_ids)))
+        return tuple(out)
+
+    def _stream_started(self, r: Request) -> None:
         if not r.streamed:
             r.streamed = True
             self._stamp(r, "stream_start")
-        self._to_writers(m.StreamKV(r.transfer_id, r.generation, tuple(r.blocks), r.prefilled))
 
     def _prefilled(self, r: Request, tok: int, lp: Optional[m.TokenLogprob] = None) -> None:
         faults.point(self.name, "prefill_done")

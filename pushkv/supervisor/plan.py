@@ -155,9 +155,8 @@ def plan_deployment(
         raise ValueError("--prefill-instances / --decode-instances need --mode push or pull")
     if cfg.push_stream not in ("off", "chunk", "layer"):
         raise ValueError(f"push stream must be off, chunk or layer, got {cfg.push_stream!r}")
-    if cfg.push_stream == "layer":  # refused rather than quietly run as something else
-        raise ValueError("--push-stream layer is not built yet (each layer group's WRITE as the worker marks it "
-                         "stored); --push-stream chunk with --prefill-chunk N streams each chunk")
+    if cfg.push_stream_groups < 1:
+        raise ValueError(f"push stream groups must be >= 1, got {cfg.push_stream_groups}")
     for inst in (cfg.prefill, cfg.decode, cfg.local):
         if inst.prefill_chunk < 0:
             raise ValueError(f"prefill chunk must be >= 0 tokens, got {inst.prefill_chunk}")

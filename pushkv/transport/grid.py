@@ -158,6 +158,7 @@ class IndexPlan:
     d_first: np.ndarray
     elem: np.ndarray  # int64 [regions moved]: bytes of one sub-block
     windowed: np.ndarray  # bool [regions moved]: the sliding-window layer group's regions
+    group: np.ndarray  # int64 [regions moved]: the layer group of each
 
 
 def index_plan(src: KVLayoutDesc, dst: KVLayoutDesc, heads: Optional[tuple[int, int]] = None
@@ -169,32 +170,40 @@ def index_plan(src: KVLayoutDesc, dst: KVLayoutDesc, heads: Optional[tuple[int, 
     hs, hc = resolve_heads(src, dst, heads)
     hg = L.group_heads(src)
     if (hc == 0 or L.unit(src) != L.unit(dst) or hg != L.group_heads(dst) or hc % hg
+            or L.layer_groups(src) != L.layer_groups(dst)
             or (hs - src.head_start) % hg or (hs - dst.head_start) % hg):
         return None
     js, jd = (hs - src.head_start) // hg, (hs - dst.head_start) // hg
     hgs, hgd = L.head_groups(src), L.head_groups(dst)
     ps, pd = L.phys_blocks(src), L.phys_blocks(dst)
     wg = L.window_group(src)
-    s_first, d_first, elem, windowed = [], [], [], []
+    s_first, d_first, elem, windowed, group = [], [], [], [], []
     for g in range(len(L.layer_groups(src))):
         for k in range(hc // hg):  # grid_of's order: layer group major, head group minor
             s_first.append((g * hgs + js + k) * ps)
             d_first.append((g * hgd + jd + k) * pd)
             elem.append(L.region_block_bytes(src, g))
             windowed.append(g == wg)
+            group.append(g)
     as64 = lambda xs: np.asarray(xs, dtype=np.int64)  # noqa: E731
-    return IndexPlan(src, dst, as64(s_first), as64(d_first), as64(elem), np.asarray(windowed, dtype=bool))
+    return IndexPlan(src, dst, as64(s_first), as64(d_first), as64(elem), np.asarray(windowed, dtype=bool),
+                     as64(group))
 
 
-def plan_indices(plan: IndexPlan, src_blocks: Sequence[int], dst_blocks: Sequence[int], num_tokens: int
-                 ) -> tuple[np.ndarray, np.ndarray, int, int]:
+def plan_indices(plan: IndexPlan, src_blocks: Sequence[int], dst_blocks: Sequence[int], num_tokens: int,
+                 groups: Optional[Sequence[int]] = None) -> tuple[np.ndarray, np.ndarray, int, int]:
     """(src indices, dst indices, bytes, contiguous runs) of one transfer of ``num_tokens``
-    tokens from ``src_blocks`` into ``dst_blocks`` (logical block ids, as map_transfer takes)."""
+    tokens from ``src_blocks`` into ``dst_blocks`` (logical block ids, as map_transfer takes);
+    ``groups``: only those layer groups' regions (default: all)."""
     from pushkv.protocol.mapping import physical_subs, window_start_sub
 
     if num_tokens <= 0:
         empty = np.empty(0, dtype=np.int32)
         return empty, empty, 0, 0
+    if groups is not None:
+        rows = np.isin(plan.group, np.asarray(sorted(set(groups)), dtype=np.int64))
+        plan = IndexPlan(plan.src, plan.dst, plan.s_first[rows], plan.d_first[rows], plan.elem[rows],
+                         plan.windowed[rows], plan.group[rows])
     sb = physical_subs(plan.src, src_blocks, num_tokens, "src")
     db = physical_subs(plan.dst, dst_blocks, num_tokens, "dst")
     si = plan.s_first[:, None] + sb[None, :]

@@ -17,6 +17,7 @@ from pushkv.kv import layout as L
 from pushkv.config import rank_device
 from pushkv.kv.pool import Pool, attach_worker_pool
 from pushkv.model import sampling
+from pushkv.worker.marks import LayerMarks, marks_endpoint
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,7 @@ class Worker(Actor):
         self.rank = rank
         self.layout = L.instance_layout(cfg, inst, rank)  # cut to match the peer instance
         self.pool: Pool | None = None
+        self.marks: LayerMarks | None = None
 
     def setup(self) -> None:
         import torch
@@ -61,6 +63,9 @@ class Worker(Actor):
             log.info("%s: batched engine warm in %.1fs, %d decode CUDA graphs captured in %.1fs",
                      self.name, warm, len(self.model.batched.graphs), graphs)
             sampling.warmup(self.cfg.model.vocab_size, self.device)
+        if L.stream_plan(self.cfg, self.inst, self.layout)[0] == "layer" and self.inst.role == "prefill":
+            self.marks = LayerMarks(marks_endpoint(self.inst.writer_endpoints[self.rank]), L.layer_groups(self.layout),
+                                    self.device, limits.msg_cap_bytes(self.cfg))
         sock = self.socket(zmq.DEALER, self.inst.worker_endpoints[self.rank], bind=True)
         self.sched = self.add_channel(sock, m.DEC_SCHED_TO_WORKER, f"{self.inst.name}-scheduler")
 
@@ -70,6 +75,8 @@ class Worker(Actor):
                                   self.cfg.model.dtype)
 
     def teardown(self) -> None:
+        if self.marks is not None:
+            self.marks.close()
         self.layer_pools = []  # views pin the mapping
         if self.pool is not None:
             self.pool.close()
@@ -83,7 +90,8 @@ class Worker(Actor):
         t0 = time.perf_counter()
         faults.point(self.name, "execute")
         try:
-            out = self.model.execute_sampled(self._physical(msg.seqs), self.layer_pools)
+            on_layer = self.marks.hook(msg.step_id, msg.stream) if self.marks is not None and msg.stream else None
+            out = self.model.execute_sampled(self._physical(msg.seqs), self.layer_pools, on_layer)
         except Exception as e:
             log.exception("%s: step %d failed", self.name, msg.step_id)
             self.send(self.sched, m.StepFailed(msg.step_id, f"{type(e).__name__}: {e}"))

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+import numpy as np
 import zmq
 
 from pushkv import faults, limits
@@ -30,6 +31,7 @@ from pushkv.kv.pool import Pool, create_pool, shm_name
 from pushkv.protocol.mapping import map_transfer
 from pushkv.transport.grid import DescGrid, IndexPlan, grid_of, index_plan, indices, plan_indices
 from pushkv.transport.nixl_agent import NixlAgent
+from pushkv.worker.marks import marks_endpoint
 from pushkv.writer.poll import WARM_ENV, poll_ms, spin_s, warm_enabled
 
 log = logging.getLogger(__name__)
@@ -165,6 +167,9 @@ class WriterBase(Actor):
             log.warning("%s: cannot prepare the pool's descriptors (ad-hoc posts instead): %s", self.name, e)
         sched = self.socket(zmq.DEALER, self.inst.writer_endpoints[self.rank], bind=True)
         self.sched = self.add_channel(sched, m.DEC_SCHED_TO_WRITER, f"{self.inst.name}-scheduler")
+        if self.takes_marks():
+            marks = self.socket(zmq.PULL, marks_endpoint(self.inst.writer_endpoints[self.rank]), bind=True)
+            self.add_channel(marks, m.DEC_WORKER_TO_WRITER, f"{self.inst.name}-worker-{self.rank}")
         if self.inst.handshake_endpoints:
             hs = self.socket(zmq.ROUTER, self.inst.handshake_endpoints[self.rank], bind=True,
                              max_msg_bytes=limits.CONTROL_MSG_BYTES)  # Hello, TransferStarting: no request's size
@@ -474,6 +479,10 @@ class WriterBase(Actor):
             peer.plans[key] = index_plan(src, dst, heads)
         return peer.plans[key]
 
+    def takes_marks(self) -> bool:
+        """Whether our worker marks layer groups stored (P, layer-streamed push)."""
+        return False
+
     def post_blocks(self, op: str, peer: Peer, heads: Optional[tuple[int, int]], src_blocks, dst_blocks,
                     num_tokens: int, notif: Callable[[int, int], bytes] = lambda n, r: b"",
                     before: Callable[[int], None] = lambda nbytes: None):
@@ -483,17 +492,28 @@ class WriterBase(Actor):
         regions); any other maps byte regions (``protocol/mapping.py``) and posts them.
         ``notif(nbytes, runs)`` makes the notification; ``before(nbytes)`` runs just before the
         post. Returns (handle, nbytes, descriptor runs)."""
+        return self.post_spans(op, peer, heads, [(src_blocks, dst_blocks, num_tokens, None)], notif, before)
+
+    def post_spans(self, op: str, peer: Peer, heads: Optional[tuple[int, int]], spans,
+                   notif: Callable[[int, int], bytes] = lambda n, r: b"",
+                   before: Callable[[int], None] = lambda nbytes: None):
+        """``post_blocks`` of several ``(src_blocks, dst_blocks, num_tokens, layer groups or None)``
+        spans as one transfer (one notification): a layer-streamed WRITE moves each layer
+        group from its own first token."""
         we_send = op == "WRITE"
         plan = self._index_plan(peer, heads, we_send)
         if plan is not None:
-            si, di, nbytes, runs = plan_indices(plan, src_blocks, dst_blocks, num_tokens)
+            parts = [plan_indices(plan, s, d, n, g) for s, d, n, g in spans]
+            si, di = parts[0][:2] if len(parts) == 1 else (
+                np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
+            nbytes, runs = sum(p[2] for p in parts), sum(p[3] for p in parts)
             before(nbytes)
             local, remote = (si, di) if we_send else (di, si)
             self.counters["posts_prepped"] += 1  # by index into the prepared lists, as post() does
             self.counters["posts_planned"] += 1  # ... with indices straight from block ids
             return self.nixl.post_prepped(op, local, peer.agent, remote, notif(nbytes, runs)), nbytes, runs
         src, dst = (self.layout, peer.layout) if we_send else (peer.layout, self.layout)
-        regions = map_transfer(src, src_blocks, dst, dst_blocks, num_tokens, heads)
+        regions = [r for s, d, n, g in spans for r in map_transfer(src, s, dst, d, n, heads, g)]
         nbytes, runs = sum(r[2] for r in regions), len(regions)
         before(nbytes)
         local = regions if we_send else [(d, s, n) for s, d, n in regions]  # (local, remote, bytes)

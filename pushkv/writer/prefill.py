@@ -16,7 +16,7 @@ from pushkv import messages as m
 from pushkv.protocol import actions as A
 from pushkv.protocol import rendezvous as rv
 from pushkv.protocol.lease import Leases
-from pushkv.kv.layout import window_group
+from pushkv.kv.layout import layer_groups, stream_plan
 from pushkv.protocol.tp import consumers_for, head_overlap
 from pushkv.transport.nixl_agent import TransferError
 from pushkv.writer.base import InFlight, WriterBase
@@ -49,7 +49,7 @@ class PrefillWriter(WriterBase):
         t = cfg.timeouts
         self.stream, unit = stream_plan(cfg, inst, self.layout)
         self.rdv = rv.PushRendezvous(rank, inst.tp, self.layout.total_kv_heads, t.registration_wait_s, t.transfer_s,
-                                     stream_unit=unit)
+                                     stream_unit=unit, stream_groups=len(layer_groups(self.layout)))
         self._parts_posted = 0  # keys of part WRITEs in flight: (tid, gen, n)
         self.leases = Leases(t.lease_s, t.lease_max_s)
         self._transfers: dict[tuple[str, int], PrefillTransfer] = {}
@@ -91,6 +91,30 @@ class PrefillWriter(WriterBase):
             return
         self.apply(acts, now)
         self._sync_warm(key, now)
+
+    def takes_marks(self) -> bool:
+        return self.stream == "layer"
+
+    def on_LayersStored(self, msg: m.LayersStored) -> None:
+        """Our worker stored a layer group of a step: WRITE that group's computed units of each
+        streaming prompt (once D's registration is here). A mark may trail the prefill half
+        (they travel apart): the rendezvous counts and drops it."""
+        now = time.monotonic()
+        self._last_activity = now
+        self.counters["layer_marks_received"] += 1
+        self._poll_notifs(now)  # registrations may already sit in NIXL's queue: take them first
+        for e in msg.entries:
+            key = (e.transfer_id, e.generation)
+            self._stamp(key, "stream_progress")
+            self._stamp(key, f"layers_stored_{msg.group}")
+            try:
+                acts = self.rdv.on_prefill_progress(e.transfer_id, e.generation, e.block_ids, e.num_tokens, now,
+                                                    group=msg.group)
+            except A.ProtocolError as err:
+                self._refused(e, err)
+                continue
+            self.apply(acts, now)
+            self._sync_warm(key, now)
 
     def _refused(self, msg, e: Exception) -> None:
         """A half the protocol refuses (its transfer already finished, say): these blocks were
@@ -240,12 +264,14 @@ class PrefillWriter(WriterBase):
                 if heads is None:
                     continue
                 # a part (or the last WRITE after parts) starts at a token that is a whole block
-                # on both sides (the rendezvous' stream unit), so it is whole blocks of both tables
-                src = a.block_ids[t0 // self.layout.block_size:]
-                dst = reg.block_ids[t0 // peer.layout.block_size:]
+                # on both sides (the rendezvous' stream unit), so it is whole blocks of both tables;
+                # a layer-streamed one moves each layer group from its own first token
+                spans = [(a.block_ids[t // self.layout.block_size:], reg.block_ids[t // peer.layout.block_size:],
+                          end - t, None if g < 0 else (g,))
+                         for g, t, end in (a.spans or ((-1, t0, t0 + a.num_tokens),))]
                 notif = ((lambda n, r: m.encode(m.WriteDone(a.transfer_id, a.generation, self.rank, a.first_token, n, r)))
                          if a.last else (lambda n, r: b""))
-                h, nbytes, runs = self.post_blocks("WRITE", peer, heads, src, dst, a.num_tokens, notif)
+                h, nbytes, runs = self.post_spans("WRITE", peer, heads, spans, notif)
                 fl.handles.append(h)
                 if a.last:
                     self._stamp(key, "write_post_returned")  # the NIXL post to this D rank returned
@@ -316,18 +342,3 @@ class PrefillWriter(WriterBase):
         nd = self.leases.next_deadline()
         if nd is not None and nd <= now:
             self.apply(self.leases.expire(now), now)
-
-
-def stream_plan(cfg, inst, layout) -> tuple[str, int]:
-    """(what the stats say, tokens per streamed unit) for this P instance: a part WRITE
-    starts and ends on a whole block of both sides (the lcm of the two block sizes); 0 =
-    no parts, every transfer is one WRITE at the end of prefill."""
-    if cfg.mode != "push" or cfg.push_stream == "off":
-        return "", 0
-    if cfg.push_stream == "layer":
-        return "fallback: layer streaming is not built; one WRITE at prefill end", 0
-    if window_group(layout) >= 0:  # a window group moves only the blocks of the last window
-        return "fallback: sliding-window layers; one WRITE at prefill end", 0
-    if inst.prefill_chunk <= 0:
-        return "fallback: --prefill-chunk is 0 (prompts are not chunked); one WRITE at prefill end", 0
-    return "chunk", math.lcm(inst.block_size, cfg.decode.block_size)
