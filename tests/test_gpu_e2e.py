@@ -66,3 +66,26 @@ def test_gpu_qwen3_8b_serves_within_60s():
         out = d.tokens(list(range(100, 1100)), 8)
     assert len(out) == 8
     assert ready < 60, f"READY after {ready:.0f}s"
+
+
+@pytest.mark.timeout(600)
+def test_gpu_layer_streamed_push_equals_local():
+    """--push-stream layer on the GPU: the worker's CUDA events gate each layer group's WRITE
+    (fused Triton path), and the tokens equal local mode's with the batch-invariant mode on."""
+    flags = GEOM + ("--batch-invariant", "on")
+    ps = prompts(7)
+    want = run(("--mode", "local") + flags, ps)
+    layer = ("--mode", "push", "--push-stream", "layer", "--push-stream-groups", "4")
+    with launched(*layer, *flags, start_timeout_s=240) as d:
+        got = []
+        for p in ps:
+            status, body = d.post("/v1/completions", {"prompt": p, "max_tokens": 24})
+            assert status == 200, body
+            got.append(body["choices"][0]["token_ids"])
+            kv, tl = body["pushkv"]["kv"]["prefill"], body["pushkv"]["timeline"]
+            assert kv["stream"] == "layer", kv
+            if len(p) >= 16 and tl["prefill.registration_received"] < tl["prefill.layers_stored_0"]:
+                assert kv["parts"] > 0, (len(p), kv, tl)  # D was ready: group 0 left while later layers computed
+        marks = sum(v for k, v in d.stats("prefill").counters.items() if k.endswith("layer_marks_received"))
+    assert got == want
+    assert marks == 4 * len(ps)  # every group of every prompt's one prefill step

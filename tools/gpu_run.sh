@@ -55,6 +55,13 @@ with launched('--mode', '$mode', '--device', 'cuda', '--model', 'medium', '--num
            python3 -m tools.stages "$OUT/sweep8b" | tee "$OUT/stages8b.txt"
            python3 -m tools.plot "$OUT/sweep8b" --out "$OUT/sweep8b.png" 2>&1 | tee "$OUT/table8b.txt"
            (cd "$OUT" && tar czf sweep8b_json.tgz sweep8b) ;;
+    layergpu) # layer-streamed push on the GPU: the end-to-end test, the link each UCX_TLS gives between two
+           # pools on one GPU, then lone TTFT per mode on the device path (LAYER_MODES, LAYER_LENGTHS, LAYER_UP)
+           timeout 300 python3 -m pytest -q -p no:cacheprovider -x tests/test_gpu_e2e.py -k layer 2>&1 | tail -4 \
+             | tee "$OUT/layer_test.txt"
+           for v in "" UCX_TLS=sm,cuda_copy UCX_TLS=tcp,cuda_copy; do echo "-- WRITE ${v:-device path}" | tee -a "$OUT/links.txt"
+             env $v timeout 60 python3 -m tools.nixl_probe --device cuda:0 --peer-device cuda:0 --op WRITE --ways adhoc \
+               --sizes-mib 64 256 --reps 3 2>&1 | grep -E "MiB|copy" | tee -a "$OUT/links.txt"; done ;;
     readprobe) # READ against WRITE between two processes on one GPU: UCX's default for cuda_ipc GET
            # (auto: off without active NVLink) against pushkv's (on), then which protocol UCX picks
            for v in UCX_CUDA_IPC_ENABLE_GET_ZCOPY=auto ""; do

@@ -32,6 +32,8 @@ import time
 from pushkv.launch import launched
 from tools.sweep import MODES
 
+DEFAULT_CHUNK = 2048  # push-chunk's --prefill-chunk when the up args give none
+
 
 def _stage(tl: dict, *names: str):
     for n in names:
@@ -63,7 +65,10 @@ def run_mode(mode: str, up_args: list[str], lengths: list[int], reps: int, vocab
              log_dir: str, timeout_s: float) -> dict[int, list[dict]]:
     rng = random.Random(seed)
     out: dict[int, list[dict]] = {}
-    with launched(*MODES[mode], *up_args, log_path=os.path.join(log_dir, f"{mode}.log"),
+    flags = list(MODES[mode])
+    if mode == "push-chunk" and "--prefill-chunk" not in up_args:  # chunk streaming needs chunks
+        flags += ["--prefill-chunk", str(DEFAULT_CHUNK)]
+    with launched(*flags, *up_args, log_path=os.path.join(log_dir, f"{mode}.log"),
                   start_timeout_s=timeout_s) as dep:
         for n in lengths:
             rows = []

@@ -20,6 +20,7 @@ from tools import bench
 MODES: dict[str, list[str]] = {
     "push": ["--mode", "push"],
     "push-chunk": ["--mode", "push", "--push-stream", "chunk"],  # with --prefill-chunk in the up args
+    "push-layer": ["--mode", "push", "--push-stream", "layer"],  # each layer group's KV as it is stored
     "pull-inline": ["--mode", "pull", "--pull-read", "inline"],
     "pull-background": ["--mode", "pull", "--pull-read", "background"],
     "pull-write": ["--mode", "pull", "--pull-read", "write"],
