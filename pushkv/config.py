@@ -313,3 +313,11 @@ def encode_config(cfg: DeploymentConfig) -> bytes:
 
 def decode_config(data: bytes | str) -> DeploymentConfig:
     return msgspec.json.decode(data, type=DeploymentConfig)
+
+
+def marks_endpoint(writer_endpoint: str) -> str:
+    """Where a P writer takes its worker's layer marks (layer-streamed push): beside its
+    scheduler socket; both are ipc (worker and writer share a host)."""
+    if not writer_endpoint.startswith("ipc://"):
+        raise ValueError(f"layer marks need an ipc writer endpoint, got {writer_endpoint!r}")
+    return writer_endpoint + ".marks"

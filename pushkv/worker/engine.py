@@ -14,10 +14,10 @@ from pushkv import messages as m
 from pushkv.actor import Actor
 from pushkv.config import DeploymentConfig, InstanceConfig
 from pushkv.kv import layout as L
-from pushkv.config import rank_device
+from pushkv.config import marks_endpoint, rank_device
 from pushkv.kv.pool import Pool, attach_worker_pool
 from pushkv.model import sampling
-from pushkv.worker.marks import LayerMarks, marks_endpoint
+from pushkv.worker.marks import LayerMarks
 
 log = logging.getLogger(__name__)
 

@@ -23,13 +23,6 @@ from pushkv import messages as m
 log = logging.getLogger(__name__)
 
 
-def marks_endpoint(writer_endpoint: str) -> str:
-    """Where a P writer takes its worker's marks: beside its scheduler socket (both ipc)."""
-    if not writer_endpoint.startswith("ipc://"):
-        raise ValueError(f"layer marks need an ipc writer endpoint, got {writer_endpoint!r}")
-    return writer_endpoint + ".marks"
-
-
 def group_ends(groups: Sequence[Sequence[int]]) -> dict[int, int]:
     """Last layer of each group -> the group's index (layers run in order within a step)."""
     return {max(g): i for i, g in enumerate(groups) if g}

@@ -25,13 +25,12 @@ import zmq
 from pushkv import faults, limits
 from pushkv import messages as m
 from pushkv.actor import Actor
-from pushkv.config import DeploymentConfig, InstanceConfig, model_fingerprint, rank_device
+from pushkv.config import DeploymentConfig, InstanceConfig, marks_endpoint, model_fingerprint, rank_device
 from pushkv.kv import layout as L
 from pushkv.kv.pool import Pool, create_pool, shm_name
 from pushkv.protocol.mapping import map_transfer
 from pushkv.transport.grid import DescGrid, IndexPlan, grid_of, index_plan, indices, plan_indices
 from pushkv.transport.nixl_agent import NixlAgent
-from pushkv.worker.marks import marks_endpoint
 from pushkv.writer.poll import WARM_ENV, poll_ms, spin_s, warm_enabled
 
 log = logging.getLogger(__name__)
