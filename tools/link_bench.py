@@ -418,11 +418,11 @@ def stream_table(rate: str, regime: dict, args, m) -> str:
 
 
 def goal_pairs(args) -> list[tuple[str, str]]:
-    """(streamed, its baseline) mode specs: each push-chunk spec against the push spec with the
-    same prefill chunk, so the pair differs only in streaming."""
+    """(streamed, its baseline) mode specs: each push-chunk or push-layer spec against the push
+    spec with the same prefill chunk, so the pair differs only in streaming."""
     pushes = {chunk_of(sp, args): sp for sp in args.modes if split_mode(sp)[0] == "push"}
     return [(sp, pushes[chunk_of(sp, args)]) for sp in args.modes
-            if split_mode(sp)[0] == "push-chunk" and chunk_of(sp, args) in pushes]
+            if split_mode(sp)[0] in ("push-chunk", "push-layer") and chunk_of(sp, args) in pushes]
 
 
 def goal(regime: dict, n: int, stream: str = "push-chunk", base: str = "push") -> Optional[dict]:
