@@ -68,10 +68,12 @@ SPANS = {
     # the stage streaming shortens: from P's last compute to D holding every byte
     "pend_to_kv_ms": (("prefill.prefill_end", "decode.kv_received"),),
     "wire_ms": (("prefill.write_posted", "prefill.write_done"), ("decode.read_posted", "decode.read_done")),
-    # streaming push's parts (push-chunk): the first chunk's end (P's scheduler), the first part's
-    # post and completion, the newest part's completion (P's writer)
-    "chunk1_ms": (("prefill.prefill_start", "prefill.stream_start"),),
-    "part_lag_ms": (("prefill.stream_start", "prefill.part_post_first"),),
+    # streaming push's parts: the first layer group stored (push-layer, P's writer hears the mark) or
+    # the first chunk's end (push-chunk, P's scheduler), the first part's post and completion, the
+    # newest part's completion (P's writer)
+    "chunk1_ms": (("prefill.prefill_start", "prefill.layers_stored_0"), ("prefill.prefill_start", "prefill.stream_start")),
+    "part_lag_ms": (("prefill.layers_stored_0", "prefill.part_post_first"),
+                    ("prefill.stream_start", "prefill.part_post_first")),
     "part1_ms": (("prefill.part_post_first", "prefill.part_done_first"),),
     # > 0: every part had landed that long before prefill end (the link idled, waiting for compute)
     "parts_idle_ms": (("prefill.part_done_last", "prefill.prefill_end"),),
@@ -400,7 +402,7 @@ def stream_table(rate: str, regime: dict, args, m) -> str:
     """The part stages of every streamed run (lone medians): when the first chunk ended, how soon
     its part was posted, the first part's time on the wire (its bytes: the first chunk's KV), how
     long before prefill end the last part had landed, and what was left for the last WRITE."""
-    head = ("| mode | tokens | parts | first chunk ends | → first part posted | first part on the wire "
+    head = ("| mode | tokens | parts | first chunk (layer group) ends | → first part posted | first part on the wire "
             "| last part landed before prefill end | prefill end → KV landed | last WRITE |")
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     for mode in args.modes:
@@ -815,7 +817,7 @@ def _parts_text(c: dict) -> str:
     """The part stages of a streamed run (empty when nothing streamed)."""
     if not c.get("parts") and not c.get("stream"):
         return ""
-    return (f"  parts {_f(c.get('parts'), '.0f')} ({c.get('stream')}): first chunk ends {_f(c.get('chunk1_ms'))}, "
+    return (f"  parts {_f(c.get('parts'), '.0f')} ({c.get('stream')}): first chunk (layer group) ends {_f(c.get('chunk1_ms'))}, "
             f"first part posted +{_f(c.get('part_lag_ms'), '.2f')}, on the wire {_f(c.get('part1_ms'))}, "
             f"last part landed {_f(c.get('parts_idle_ms'))} before prefill end")
 
