@@ -87,7 +87,8 @@ def test_refused(argv):
 
 
 @pytest.mark.parametrize("spec, mode, chunk, flags", [
-    ("push", "push", 256, ["--mode", "push", "--prefill-chunk", "256"]),
+    ("push", "push", 256, ["--mode", "push", "--push-stream", "off", "--prefill-chunk", "256"]),
+    ("push-layer@0", "push-layer", 0, ["--mode", "push", "--push-stream", "layer"]),
     ("push-chunk@128", "push-chunk", 128, ["--mode", "push", "--push-stream", "chunk", "--prefill-chunk", "128"]),
     ("local@0", "local", 0, ["--mode", "local"]),  # 0: prompts run whole
 ])

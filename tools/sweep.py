@@ -18,7 +18,7 @@ from tools import bench
 
 # label -> `pushkv up` arguments
 MODES: dict[str, list[str]] = {
-    "push": ["--mode", "push"],
+    "push": ["--mode", "push", "--push-stream", "off"],  # one WRITE at prefill end: the unstreamed baseline
     "push-chunk": ["--mode", "push", "--push-stream", "chunk"],  # with --prefill-chunk in the up args
     "push-layer": ["--mode", "push", "--push-stream", "layer"],  # each layer group's KV as it is stored
     "pull-inline": ["--mode", "pull", "--pull-read", "inline"],
