@@ -189,6 +189,7 @@ class Stats(Msg):
     running: int
     waiting: int
     counters: dict[str, int] = {}
+    cached_blocks: int = 0  # blocks in the prefix cache's index (held by requests or evictable)
 
 
 class PeerLost(Msg):

@@ -65,6 +65,15 @@ class DecodeScheduler(SchedulerCore):
         if self.blocked_on == r.key:
             self.blocked_on = None
 
+    def _reuses_prefix(self, r: Request) -> bool:
+        """P writes (or D reads) every block of the prompt: none may be a shared cached block."""
+        return False
+
+    def _indexes(self, r: Request) -> bool:
+        """The arrived prompt is cached for a later turn, unless window layers moved only the
+        window's blocks (the rest of those layers' rows never came)."""
+        return not self.cfg.model.sliding_window
+
     def _admitted(self, r: Request) -> None:
         r.state = State.AWAIT_KV
         r.reserved_at = time.monotonic()

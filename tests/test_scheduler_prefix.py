@@ -1,0 +1,204 @@
+"""Prefix caching in the schedulers, driven by plain calls (the harness of
+tests/test_scheduler_roles.py): what a request computes when its prompt's prefix is cached,
+which blocks it shares, when blocks are indexed, and that a shared block outlives every
+request but the last that holds it."""
+from __future__ import annotations
+
+import pytest
+
+from pushkv import messages as m
+from pushkv.config import DeploymentConfig, InstanceConfig
+from pushkv.protocol.prefix_cache import block_hashes
+from pushkv.scheduler.requests import State
+from tests.test_scheduler_roles import P_SRC, ROUTER_ID, deliver, wired
+
+BS = 16
+
+
+def make(role="local", mode="local", num_blocks=16, cache=True, tp=1, chunk=0):
+    inst = InstanceConfig(role=role, engine_id=f"{role}-engine", tp=tp, num_blocks=num_blocks, prefix_cache=cache,
+                          prefill_chunk=chunk, worker_endpoints=tuple(f"w{r}" for r in range(tp)),
+                          writer_endpoints=tuple(f"x{r}" for r in range(tp)))
+    prefill = InstanceConfig(role="prefill", engine_id=P_SRC.engine_id, tp=2, handshake_endpoints=P_SRC.handshake)
+    return wired(DeploymentConfig(mode=mode, **{"prefill": prefill, role: inst}), inst)
+
+
+def prompt(n, first=1):
+    return tuple((first + i) % 300 for i in range(n))
+
+
+def generate(s, tid, toks, leg="local", max_tokens=1, **kw):
+    deliver(s, s.front, m.Generate(tid, 0, leg, toks, max_tokens, **kw), ROUTER_ID)
+
+
+def run_step(s, wire, token=42):
+    """Answer the step the scheduler launched; returns its SeqWorks."""
+    steps = wire.take("worker")
+    assert steps and all(isinstance(x, m.ExecuteStep) for x in steps), steps
+    sampled = tuple(token for w in steps[0].seqs if w.sample)
+    for ch in s.workers:
+        deliver(s, ch, m.StepDone(steps[0].step_id, sampled))
+    return steps[0].seqs
+
+
+def run_all(s, wire):
+    seqs = []
+    while wire.sent and any(isinstance(x, m.ExecuteStep) for _, x in wire.sent):
+        seqs += run_step(s, wire)
+    return seqs
+
+
+def idle(s):
+    s.alloc.check()
+    return s.alloc.num_free == s.alloc.num_blocks and not s.reqs and not s.waiting
+
+
+# name, first prompt, second prompt, (second's start_pos, its hit tokens)
+LOCAL = [
+    ("same_prompt_reuses_all_but_the_last_block", prompt(40), prompt(40), (32, 32)),
+    ("block_aligned_prompt_computes_its_last_block", prompt(32), prompt(32), (16, 16)),
+    ("longer_prompt_reuses_the_shared_blocks", prompt(40), prompt(70), (32, 32)),
+    ("a_differing_first_block_hits_nothing", prompt(40), (7,) + prompt(39, 2), (0, 0)),
+    ("a_differing_middle_block_hits_up_to_it", prompt(40), prompt(20) + (7,) + prompt(19, 22), (16, 16)),
+    ("shorter_than_a_block_hits_nothing", prompt(10), prompt(10), (0, 0)),
+]
+
+
+@pytest.mark.parametrize("name,first,second,want", LOCAL, ids=[c[0] for c in LOCAL])
+def test_local_second_request_computes_only_its_uncached_suffix(name, first, second, want):
+    s, wire = make()
+    generate(s, "a", first)
+    run_all(s, wire)
+    assert idle(s)
+    generate(s, "b", second)
+    (w,) = run_step(s, wire)
+    assert (w.start_pos, s.counters["prefix_hit_tokens"]) == want
+    assert w.token_ids == second[w.start_pos:] and w.sample
+    assert s.counters["prefix_queries"] == 2
+    assert s.counters["prefix_hits"] == (1 if want[1] else 0)
+    assert idle(s)
+
+
+def test_local_output_blocks_are_cached_for_the_next_turn():
+    """Turn 2 repeats turn 1's prompt and output: it hits the output's full blocks too."""
+    s, wire = make()
+    generate(s, "t1", prompt(20), max_tokens=30)
+    run_all(s, wire)
+    out = [t for x in wire.take("router") for t in x.token_ids]
+    assert len(out) == 30 and idle(s)
+    # tokens with KV: the prompt and the output but its last token: 49, so 3 full blocks
+    turn2 = prompt(20) + tuple(out) + prompt(5, 100)
+    generate(s, "t2", turn2)
+    (w,) = run_step(s, wire)
+    assert w.start_pos == 48
+
+
+def test_shared_blocks_are_held_by_every_request_that_hit_them():
+    s, wire = make()
+    generate(s, "a", prompt(40), max_tokens=3)
+    run_step(s, wire)  # a's prefill: its 2 full blocks are indexed now
+    a = s.by_tid["a"]
+    generate(s, "b", prompt(40), max_tokens=3)
+    b = s.by_tid["b"]
+    assert b.blocks[:2] == a.blocks[:2] and b.blocks[2] != a.blocks[2]
+    assert [s.alloc.refs(x) for x in a.blocks[:3]] == [2, 2, 1]
+    deliver(s, s.front, m.Abort("a", 0, "gone"), ROUTER_ID)  # a's first decode step runs: held till it ends
+    assert [s.alloc.refs(x) for x in b.blocks[:2]] == [2, 2]
+    run_step(s, wire)
+    assert "a" not in s.by_tid and [s.alloc.refs(x) for x in b.blocks[:3]] == [1, 1, 1]
+    run_all(s, wire)
+    assert idle(s) and s.alloc.num_cached >= 2
+
+
+def test_a_block_is_indexed_only_once_its_step_ended():
+    """A request admitted while the step that computes a prefix runs does not hit it."""
+    s, wire = make(chunk=16)
+    generate(s, "a", prompt(40))
+    steps = wire.take("worker")  # a's first chunk is computing
+    generate(s, "b", prompt(40))  # admitted now: nothing indexed yet
+    assert s.by_tid["b"].cached == 0
+    for ch in s.workers:
+        deliver(s, ch, m.StepDone(steps[0].step_id, ()))
+    generate(s, "c", prompt(40))  # a's first block is in now
+    assert s.by_tid["c"].cached == 16
+    run_all(s, wire)
+    assert idle(s)
+
+
+def test_evicted_when_memory_is_needed():
+    s, wire = make(num_blocks=8)
+    generate(s, "a", prompt(64))  # 4 blocks, all indexed
+    run_all(s, wire)
+    assert idle(s) and s.alloc.num_cached == 4
+    generate(s, "b", prompt(100, 150))  # 7 blocks: 3 cached ones must go
+    run_all(s, wire)
+    assert idle(s)
+    assert s.alloc.evictions == 3
+    generate(s, "c", prompt(64))  # a's first block survived: evicted last-block first
+    (w,) = run_step(s, wire)
+    assert w.start_pos == 16
+
+
+def test_cache_off_computes_every_prompt_whole():
+    s, wire = make(cache=False)
+    for tid in ("a", "b"):
+        generate(s, tid, prompt(40))
+        (w,) = run_step(s, wire)
+        assert w.start_pos == 0
+    assert idle(s) and s.alloc.num_cached == 0 and s.counters["prefix_queries"] == 0
+
+
+def test_prefill_push_sends_every_block_shared_or_not():
+    """P computes only the suffix, but D needs the whole prompt's KV: every block is sent."""
+    s, wire = make(role="prefill", mode="push", tp=2)
+    generate(s, "a", prompt(40), leg="prefill")
+    run_step(s, wire)
+    a_blocks = wire.take("writer")[0].block_ids
+    for ch in s.writers:
+        deliver(s, ch, m.KVSent("a", 0, nbytes=1, num_descs=1))
+    generate(s, "b", prompt(40), leg="prefill")
+    (w,) = run_step(s, wire)
+    assert w.start_pos == 32
+    send = wire.take("writer")
+    assert [type(x) for x in send] == [m.SendKV, m.SendKV]
+    assert send[0].block_ids[:2] == a_blocks[:2] and send[0].num_tokens == 40
+    for ch in s.writers:
+        deliver(s, ch, m.KVSent("b", 0, nbytes=1, num_descs=1))
+    assert idle(s)
+
+
+def test_prefill_shared_blocks_stay_while_a_write_reads_them():
+    """b hit a's blocks; a finishing (its WRITE done) must not free what b's WRITE still reads."""
+    s, wire = make(role="prefill", mode="push", tp=1)
+    generate(s, "a", prompt(40), leg="prefill")
+    run_step(s, wire)
+    generate(s, "b", prompt(40), leg="prefill")
+    run_step(s, wire)
+    b_blocks = list(s.by_tid["b"].blocks)
+    deliver(s, s.writers[0], m.KVSent("a", 0))
+    assert all(s.alloc.refs(x) == 1 for x in b_blocks)  # b's WRITE is still out
+    deliver(s, s.writers[0], m.KVSent("b", 0))
+    assert idle(s)
+
+
+def test_decode_registers_every_block_and_caches_the_arrived_prompt():
+    s, wire = make(role="decode", mode="push", tp=1)
+    for tid in ("a", "b"):
+        generate(s, tid, prompt(40), leg="decode", max_tokens=2, source=P_SRC)
+        (expect,) = wire.take("writer")
+        assert len(expect.block_ids) == 3  # D takes no hit: P writes the whole prompt
+        deliver(s, s.writers[0], m.KVReceived(tid, 0, 42))
+        run_all(s, wire)
+    assert idle(s) and s.alloc.num_cached == 2
+    assert s.counters["prefix_queries"] == 0  # D does not look up (P writes every block)
+
+
+def test_hashes_follow_the_token_chain():
+    s, wire = make()
+    generate(s, "a", prompt(40), max_tokens=20)
+    run_all(s, wire)
+    out = [t for x in wire.take("router") for t in x.token_ids]
+    seq = prompt(40) + tuple(out)
+    assert idle(s)
+    r_hashes = block_hashes(seq[:59], BS)
+    assert len(r_hashes) == 3 and s.alloc.match(r_hashes) and len(s.alloc.match(r_hashes)) == 3
