@@ -181,16 +181,73 @@ def test_prefill_shared_blocks_stay_while_a_write_reads_them():
     assert idle(s)
 
 
-def test_decode_registers_every_block_and_caches_the_arrived_prompt():
+def test_decode_registers_only_the_uncached_tail():
+    """Turn 1's prompt arrived whole; turn 2 (its prompt and answer and more) registers every
+    block but tells P the tokens D holds: P WRITEs only the rest."""
     s, wire = make(role="decode", mode="push", tp=1)
+    generate(s, "a", prompt(40), leg="decode", max_tokens=20, source=P_SRC)
+    (expect,) = wire.take("writer")
+    assert (len(expect.block_ids), expect.cached_tokens) == (4, 0)
+    deliver(s, s.writers[0], m.KVReceived("a", 0, 42))
+    run_all(s, wire)
+    out = [t for x in wire.take("router") for t in x.token_ids]
+    assert idle(s) and s.alloc.num_cached == 3  # 40 + 19 tokens with KV: 3 full blocks
+    turn2 = prompt(40) + tuple(out) + prompt(10, 200)
+    generate(s, "b", turn2, leg="decode", max_tokens=2, source=P_SRC)
+    (expect,) = wire.take("writer")
+    assert expect.cached_tokens == 48 and expect.num_tokens == len(turn2)
+    assert s.by_tid["b"].blocks[:3] == list(expect.block_ids[:3])
+    assert all(s.alloc.refs(x) == 1 for x in expect.block_ids)  # held (pinned) by b until it ends
+    assert (s.counters["prefix_hits"], s.counters["prefix_hit_tokens"]) == (1, 48)
+    deliver(s, s.writers[0], m.KVReceived("b", 0, 42))
+    run_all(s, wire)
+    assert idle(s)
+
+
+@pytest.mark.parametrize("d_bs,p_bs,n,want", [
+    (16, 16, 40, 32), (16, 32, 40, 32), (16, 32, 70, 64), (16, 32, 60, 32), (32, 16, 70, 64), (16, 48, 100, 96),
+    (16, 16, 32, 16),  # the last prompt token always moves
+])
+def test_decode_hits_are_whole_blocks_of_both_sides(d_bs, p_bs, n, want):
+    inst = InstanceConfig(role="decode", engine_id="decode-engine", tp=1, num_blocks=32, block_size=d_bs,
+                          worker_endpoints=("w0",), writer_endpoints=("x0",))
+    prefill = InstanceConfig(role="prefill", engine_id=P_SRC.engine_id, tp=2, block_size=p_bs,
+                             handshake_endpoints=P_SRC.handshake)
+    s, wire = wired(DeploymentConfig(mode="push", prefill=prefill, decode=inst), inst)
+    for tid in ("a", "b"):
+        generate(s, tid, prompt(n), leg="decode", max_tokens=2, source=P_SRC)
+        (expect,) = wire.take("writer")
+        deliver(s, s.writers[0], m.KVReceived(tid, 0, 42))
+        run_all(s, wire)
+    assert expect.cached_tokens == want and idle(s)
+
+
+def test_decode_pull_reads_only_the_uncached_tail():
+    s, wire = make(role="decode", mode="pull", tp=1)
+    for tid in ("a", "b"):
+        pull = m.PullParams(P_SRC, (0, 1, 2), 40, 42, 0.0)
+        generate(s, tid, prompt(40), leg="decode", max_tokens=2, pull=pull)
+        (read,) = wire.take("writer")
+        assert isinstance(read, m.ReadKV) and read.cached_tokens == (0 if tid == "a" else 32)
+        deliver(s, s.writers[0], m.KVReceived(tid, 0, 42))
+        run_all(s, wire)
+    assert idle(s)
+
+
+def test_decode_window_model_moves_and_keeps_nothing_cached():
+    """A window layer moves only the window's blocks: a cached block would lack the rest."""
+    inst = InstanceConfig(role="decode", engine_id="decode-engine", tp=1, num_blocks=16,
+                          worker_endpoints=("w0",), writer_endpoints=("x0",))
+    prefill = InstanceConfig(role="prefill", engine_id=P_SRC.engine_id, tp=2, handshake_endpoints=P_SRC.handshake)
+    from pushkv.config import preset
+    s, wire = wired(DeploymentConfig(mode="push", model=preset("hybrid"), prefill=prefill, decode=inst), inst)
     for tid in ("a", "b"):
         generate(s, tid, prompt(40), leg="decode", max_tokens=2, source=P_SRC)
         (expect,) = wire.take("writer")
-        assert len(expect.block_ids) == 3  # D takes no hit: P writes the whole prompt
+        assert expect.cached_tokens == 0
         deliver(s, s.writers[0], m.KVReceived(tid, 0, 42))
         run_all(s, wire)
-    assert idle(s) and s.alloc.num_cached == 2
-    assert s.counters["prefix_queries"] == 0  # D does not look up (P writes every block)
+    assert idle(s) and s.alloc.num_cached == 0
 
 
 def test_hashes_follow_the_token_chain():

@@ -285,6 +285,8 @@ class PushRendezvous:
             e.d_tp = reg.d_tp
             e.needed = frozenset(consumers_for(self.p_rank, self.p_tp, reg.d_tp, self.total_kv_heads))
         e.regs[reg.d_rank] = reg
+        if e.needed <= e.regs.keys():  # D holds the prompt's first tokens in its prefix cache: they stay
+            e.sent = max(e.sent, min(e.regs[d].cached_tokens for d in e.needed))
         if e.has_prefill and e.needed <= e.regs.keys():
             return self._post(e, now)
         if e.state is State.WAIT_PREFILL:

@@ -96,6 +96,10 @@ class SchedulerCore(Actor):
         """May the request take cached blocks for its prompt's prefix (computing only the rest)?"""
         return True
 
+    def _hit_unit(self) -> int:
+        """A prefix hit is a whole number of these tokens (a multiple of the block size)."""
+        return self.inst.block_size
+
     def _indexes(self, r: Request) -> bool:
         """May the request's blocks be offered to the prefix cache once their KV is complete?"""
         return True
@@ -301,10 +305,11 @@ class SchedulerCore(Actor):
         then writes only into blocks the request owns alone."""
         if not self.alloc.enabled or not self._reuses_prefix(r):
             return []
-        bs = self.inst.block_size
+        bs, unit = self.inst.block_size, self._hit_unit()
         if not r.hashes:
             r.hashes = block_hashes(r.prompt, bs)
-        return self.alloc.match(r.hashes[:(len(r.prompt) - 1) // bs])
+        hits = self.alloc.match(r.hashes[:(len(r.prompt) - 1) // bs])
+        return hits[:len(hits) * bs // unit * unit // bs]
 
     def _count_hits(self, r: Request, hit_blocks: int) -> None:
         r.cached = hit_blocks * self.inst.block_size

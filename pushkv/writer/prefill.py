@@ -138,6 +138,13 @@ class PrefillWriter(WriterBase):
             log.error("%s: Register from unknown agent %s transfer_id=%s", self.name, agent, msg.transfer_id)
             return
         self.counters["registrations_received"] += 1
+        d_bs = self.peers_by_agent[agent].layout.block_size
+        if msg.cached_tokens < 0 or msg.cached_tokens % self.inst.block_size or msg.cached_tokens % d_bs:
+            # a WRITE starts on whole blocks of both tables; anything else would write into D's cached blocks
+            self.counters["register_bad_cached_tokens"] += 1
+            log.error("%s: Register with cached_tokens=%d (block sizes %d and %d) transfer_id=%s", self.name,
+                      msg.cached_tokens, self.inst.block_size, d_bs, msg.transfer_id)
+            return
         self._record((msg.transfer_id, msg.generation)).d_engine_id = msg.d_engine_id
         self._stamp((msg.transfer_id, msg.generation), "registration_received")
         faults.point(self.name, "registration_received")
