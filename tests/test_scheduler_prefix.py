@@ -259,3 +259,80 @@ def test_hashes_follow_the_token_chain():
     assert idle(s)
     r_hashes = block_hashes(seq[:59], BS)
     assert len(r_hashes) == 3 and s.alloc.match(r_hashes) and len(s.alloc.match(r_hashes)) == 3
+
+
+# --------------------------------------------------------------------------- random traffic
+FAMILY = [prompt(16 * k + extra, first) for first in (1, 1, 1, 50) for k in range(1, 5) for extra in (0, 5)]
+
+
+def _written_blocks(w: m.SeqWork, bs: int = BS) -> set[int]:
+    """The blocks a step stores K/V into for this sequence."""
+    return {w.block_table[p // bs] for p in range(w.start_pos, w.start_pos + len(w.token_ids))}
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("role", ["local", "prefill", "decode"])
+def test_random_traffic_never_writes_a_shared_block_and_returns_every_block(role, seed):
+    """Shared-prefix prompts arrive, steps succeed or fail, requests are aborted, transfers end
+    either way, in random order. After every event the cache's invariants hold; a step, or a
+    transfer into D, only ever writes into blocks the request holds alone; at the end every block
+    is allocatable again."""
+    import random
+
+    rng = random.Random(seed)
+    mode = {"local": "local", "prefill": "push", "decode": "push"}[role]
+    s, wire = make(role=role, mode=mode, num_blocks=24, tp=1, chunk=rng.choice([0, 16]))
+    live: list[str] = []
+    n = 0
+    for _ in range(150):
+        pending = [x for _, x in wire.sent if isinstance(x, m.ExecuteStep)]
+        for x in wire.take("writer"):  # D registers: P may write only from cached_tokens on
+            if isinstance(x, m.ExpectKV):
+                assert all(s.alloc.refs(b) == 1 for b in x.block_ids[x.cached_tokens // BS:]), x
+        ev = rng.random()
+        if ev < 0.3:
+            n += 1
+            tid = f"r{n}"
+            generate(s, tid, rng.choice(FAMILY), leg=role, max_tokens=rng.randint(1, 20),
+                     **({"source": P_SRC} if role == "decode" else {}))
+            live.append(tid)
+        elif ev < 0.4 and live:
+            deliver(s, s.front, m.Abort(rng.choice(live), 0, "gone"), ROUTER_ID)
+        elif ev < 0.8 and pending:
+            step = wire.take("worker")[0]
+            for w in step.seqs:
+                assert all(s.alloc.refs(b) == 1 for b in _written_blocks(w)), (w, step)
+            if rng.random() < 0.1:
+                answer = m.StepFailed(step.step_id, "injected")
+            else:
+                answer = m.StepDone(step.step_id, tuple(rng.randrange(300) for w in step.seqs if w.sample))
+            for ch in s.workers:
+                deliver(s, ch, answer)
+        elif role != "local":  # a writer answers a transfer it holds
+            waiting = [r for r in s.reqs.values() if r.state in (State.SENDING, State.AWAIT_KV)]
+            if waiting:
+                r = rng.choice(waiting)
+                ok = rng.random() < 0.85
+                if role == "prefill":
+                    msg = m.KVSent(r.transfer_id, 0) if ok else m.KVFailed(r.transfer_id, 0, "x")
+                else:
+                    msg = m.KVReceived(r.transfer_id, 0, 7) if ok else m.KVFailed(r.transfer_id, 0, "x")
+                deliver(s, s.writers[0], msg)
+        live = [t for t in live if t in s.by_tid]
+        s.alloc.check()
+    for _ in range(400):  # drain: every step answered, every transfer ended
+        for x in wire.take("writer"):
+            if isinstance(x, m.ExpectKV):
+                assert all(s.alloc.refs(b) == 1 for b in x.block_ids[x.cached_tokens // BS:]), x
+        if any(isinstance(x, m.ExecuteStep) for _, x in wire.sent):
+            run_step(s, wire, token=5)
+            continue
+        waiting = [r for r in s.reqs.values() if r.state in (State.SENDING, State.AWAIT_KV)]
+        if not waiting:
+            break
+        for r in waiting:
+            ok = m.KVSent(r.transfer_id, 0) if role == "prefill" else m.KVReceived(r.transfer_id, 0, 7)
+            deliver(s, s.writers[0], ok)
+    assert idle(s), (s.reqs, s.waiting)
+    if n > 3:
+        assert s.counters["prefix_queries"] > 0
