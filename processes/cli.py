@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-batch-tokens", type=int, help="tokens per step, every instance")
     e.add_argument("--prefill-chunk", type=int,
                    help="prefill a longer prompt in chunks of at most this many tokens a step, mixed with decodes (0: never)")
+    e.add_argument("--no-prefix-cache", action="store_true",
+                   help="every instance computes every prompt whole and forgets a request's blocks when it ends "
+                        "(default: full prompt blocks are cached by a hash of their tokens and reused)")
     t = up.add_argument_group("instances")
     t.add_argument("--prefill-tp", type=int)
     t.add_argument("--decode-tp", type=int)
@@ -183,7 +186,7 @@ def config_from_args(args: argparse.Namespace) -> DeploymentConfig:
     model = _replace(model, engine=args.engine, random_init=args.random_init,
                      deterministic=None if args.batch_invariant is None else args.batch_invariant == "on")
     sizes = dict(max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens,
-                 prefill_chunk=args.prefill_chunk)
+                 prefill_chunk=args.prefill_chunk, prefix_cache=False if args.no_prefix_cache else None)
     return _replace(
         cfg, mode=args.mode, pull_read=args.pull_read, push_stream=args.push_stream,
         push_stream_groups=args.push_stream_groups, host=args.host or (args.role and args.advertise),

@@ -164,6 +164,9 @@ class InstanceConfig(msgspec.Struct, frozen=True):
     dist_init: str = ""  # torch.distributed init for tp>1
     device: str = "cpu"  # "cpu" or "cuda[:N]"; rank r of a cuda instance uses cuda:N+r
     index: int = 0  # which instance of its role (several P or D on one host); 0 = the first
+    # prefix caching: full prompt blocks are indexed by a chained hash of their tokens and reused
+    # by later requests (only the uncached suffix is computed); freed blocks stay cached, LRU
+    prefix_cache: bool = True
 
     @property
     def name(self) -> str:

@@ -190,6 +190,7 @@ class Stats(Msg):
     running: int
     waiting: int
     counters: dict[str, int] = {}
+    cached_blocks: int = 0  # blocks in the prefix cache's index (held by requests or evictable)
 
 
 class PeerLost(Msg):
@@ -293,6 +294,7 @@ class ExpectKV(Msg):
     num_tokens: int
     source: PrefillSource
     deadline_s: float
+    cached_tokens: int = 0  # the prompt's first tokens D holds already (prefix cache): not to be written
 
 
 class ReadKV(Msg):
@@ -304,6 +306,7 @@ class ReadKV(Msg):
     pull: PullParams
     deadline_s: float
     write: bool = False  # register with P now and let it WRITE (push's transfer, late allocation)
+    cached_tokens: int = 0  # the prompt's first tokens D holds already (prefix cache): not to be moved
 
 
 class CancelKV(Msg):
@@ -381,6 +384,9 @@ class Register(Msg):
     # D's writer keeps its loop hot until this transfer's KV is here (writer_warm): it polls
     # NIXL without being told, so P skips the TransferStarting wake hint on its post path
     warm: bool = False
+    # D's prefix cache holds the KV of the prompt's first cached_tokens tokens already (a whole
+    # number of blocks on both sides): P WRITEs only the tokens from there on
+    cached_tokens: int = 0
 
 
 class WriteDone(Msg):

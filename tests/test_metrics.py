@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -58,8 +59,8 @@ def test_transfer_histograms_and_instance_stats(tmp_path, mode, p_kv, d_kv, want
         h.fakes["prefill"].stats = stats("prefill", 90, {
             "aborted": 1, "kv_transfers": 1, "kv_bytes": 65536, "kv_transfer_us": 2000,
             "writer.0.lease_expired": 2, "writer.1.lease_expired": 1, "writer.0.rendezvous_prefill_first": 1,
-            "writer.0.writes": 1})
-        h.fakes["decode"].stats = stats("decode", 75, {"requests": 1})
+            "writer.0.writes": 1, "prefix_queries": 4, "prefix_hits": 3, "prefix_hit_tokens": 96})
+        h.fakes["decode"].stats = msgspec.structs.replace(stats("decode", 75, {"requests": 1}), cached_blocks=12)
         async with h:
             r = await h.http.post("/v1/completions", json={"prompt": [1], "max_tokens": 2})
             assert r.status == 200
@@ -84,6 +85,10 @@ def test_transfer_histograms_and_instance_stats(tmp_path, mode, p_kv, d_kv, want
         assert got[key("pushkv_scheduler_events_total", event="kv_bytes", **p)] == 65536
         assert got["pushkv_instance_up{engine=prefill-engine,role=prefill}"] == 1
         assert got["pushkv_instance_up{engine=decode-engine,role=decode}"] == 1
+        assert got[f"pushkv_instance_prefix_cache_queries_total{{{lv}}}"] == 4
+        assert got[f"pushkv_instance_prefix_cache_hits_total{{{lv}}}"] == 3
+        assert got[f"pushkv_instance_prefix_cache_hit_tokens_total{{{lv}}}"] == 96
+        assert got["pushkv_instance_blocks_cached{engine=decode-engine,role=decode}"] == 12
     run(body())
 
 

@@ -86,8 +86,8 @@ def make(role="prefill", mode="push", push_stream="chunk", tp=2, chunk=CHUNK, nu
     return wired(DeploymentConfig(mode=mode, push_stream=push_stream, **{role: inst}), inst)
 
 
-def generate(s, tid, n, leg="prefill", max_tokens=1, **kw):
-    prompt = tuple(range(1, n + 1))
+def generate(s, tid, n, leg="prefill", max_tokens=1, first=1, **kw):
+    prompt = tuple(range(first, first + n))
     deliver(s, s.front, m.Generate(tid, 0, leg, prompt, max_tokens, **kw), ROUTER_ID)
 
 
@@ -240,7 +240,7 @@ def test_abort_mid_stream_writers_first_then_the_step():
 def test_abort_mid_stream_with_a_new_request_waiting_for_its_blocks():
     """The blocks the stream holds go to the next request only once they are free."""
     s, wire, step = streaming()
-    generate(s, "t2", 16 * 14)  # needs 14 of 16 blocks: waits for t1's 3
+    generate(s, "t2", 16 * 14, first=2)  # needs 14 of 16 blocks: waits for t1's 3 (no prefix shared)
     assert s.reqs[("t2", 0)].state == State.WAITING
     deliver(s, s.front, m.Abort("t1", 0, "client gone"), ROUTER_ID)
     finish_step(s, step)

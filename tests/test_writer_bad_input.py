@@ -301,3 +301,36 @@ def test_lease_renewal_for_no_lease_is_counted(pair):
     assert c.get("lease_renewed", 0) == before.get("lease_renewed", 0), c
     assert fake.notifs(wait_s=0.3) == []
     p.quiet("no-lease")
+
+
+@pytest.mark.parametrize("cached, why", [
+    (8, "not whole blocks"),  # half a block: the WRITE would start inside one of D's cached blocks
+    (-16, "not whole blocks"),
+    (32, "leaves nothing"),  # the whole 20-token prompt and more: no WRITE left for the notification
+])
+def test_register_with_a_bad_cached_offset_is_refused_at_once(pair, cached, why):
+    """D's prefix-cache offset must be whole blocks of both sides and leave the last token to
+    write: otherwise P answers the registering rank WriteFailed now (not at its deadline)."""
+    cfg, p, d = pair
+    fake = FakePeer(f"fake-cached{cached}", cfg, "decode")
+    fake.handshake(cfg.prefill.handshake_endpoints[0])
+    before = p.counters()
+    fake.notify(m.encode(m.Register(f"cached{cached}", 0, fake.name, 0, 1, (1, 2), 20, 30.0, cached_tokens=cached)))
+    got = fake.notifs(wait_s=5)
+    assert [type(x) for x in got] == [m.WriteFailed] and why in got[0].reason, got
+    c = p.counters()
+    assert c.get("register_bad_cached_tokens", 0) == before.get("register_bad_cached_tokens", 0) + 1, c
+    assert c.get("registrations_received", 0) == before.get("registrations_received", 0) + 1, c
+    p.quiet(f"cached{cached}")  # nothing was paired: no half of P's waits for it
+
+
+def test_cached_offset_writes_only_the_tail(pair):
+    """D holds the first 32 tokens of a 40-token prompt: P WRITEs one block, not three."""
+    cfg, p, d = pair
+    sizes = {}
+    for tid, cached in (("whole", 0), ("tail", 32)):
+        d.sock.send(m.encode(m.ExpectKV(tid, 0, (10, 11, 12), 40, src(cfg), 30.0, cached_tokens=cached)))
+        p.sock.send(send_kv(tid, 0, blocks=(20, 21, 22), ntok=40))
+        sizes[tid] = p.answer(m.KVSent, tid, 0).nbytes
+        assert d.answer(m.KVReceived, tid, 0).nbytes == sizes[tid]
+    assert sizes["tail"] * 3 == sizes["whole"], sizes

@@ -49,7 +49,10 @@ class Combo:
     def flags(self, num_blocks: int) -> tuple[str, ...]:
         f = ("--mode", self.mode, "--model", self.model, "--num-blocks", str(num_blocks),
              "--prefill-tp", str(self.p_tp), "--decode-tp", str(self.d_tp),
-             "--prefill-block-size", str(self.p_bs), "--decode-block-size", str(self.d_bs))
+             "--prefill-block-size", str(self.p_bs), "--decode-block-size", str(self.d_bs),
+             # the KV check reads the blocks an idle pool hands out first (0..n-1); the prefix cache
+             # would keep earlier requests' blocks and hand out others
+             "--no-prefix-cache")
         return f + (("--pull-read", "background") if self.mode == "pull" else ())
 
     def config(self, num_blocks: int) -> DeploymentConfig:

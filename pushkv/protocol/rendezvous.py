@@ -295,6 +295,11 @@ class PushRendezvous:
             e.d_tp = reg.d_tp
             e.needed = frozenset(consumers_for(self.p_rank, self.p_tp, reg.d_tp, self.total_kv_heads))
         e.regs[reg.d_rank] = reg
+        cached = min(e.regs[d].cached_tokens for d in e.needed) if e.needed <= e.regs.keys() else 0
+        if cached:  # D holds the prompt's first tokens in its prefix cache: they stay, in every layer group
+            if not e.sent:
+                e.progress, e.sent = [0] * self.stream_groups, [0] * self.stream_groups
+            e.sent = [max(s, cached) for s in e.sent]
         if e.has_prefill and e.needed <= e.regs.keys():
             return self._post(e, now)
         if e.state is State.WAIT_PREFILL:

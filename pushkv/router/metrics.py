@@ -194,6 +194,11 @@ INSTANCE_COUNTERS = {
     "kv_transfers": ("pushkv_instance_kv_transfers", "KV transfers completed (P side)"),
     "kv_bytes": ("pushkv_instance_kv_bytes", "KV bytes sent (P) / received (D)"),
     "kv_descs": ("pushkv_instance_kv_descriptors", "NIXL descriptors of the KV transfers"),
+    "prefix_queries": ("pushkv_instance_prefix_cache_queries", "Requests looked up in the prefix cache"),
+    "prefix_hits": ("pushkv_instance_prefix_cache_hits", "Requests that found a cached prompt prefix"),
+    "prefix_query_tokens": ("pushkv_instance_prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache"),
+    "prefix_hit_tokens": ("pushkv_instance_prefix_cache_hit_tokens", "Prompt tokens found cached (not computed again)"),
+    "prefix_evictions": ("pushkv_instance_prefix_cache_evictions", "Cached blocks evicted for new requests"),
 }
 # writer counter -> metric, summed over the instance's ranks
 WRITER_COUNTERS = {
@@ -216,6 +221,8 @@ class InstanceCollector:
         up = GaugeMetricFamily("pushkv_instance_up", "Scheduler answered GetStats at this scrape", labels=labels)
         blocks = GaugeMetricFamily("pushkv_instance_blocks", "KV blocks of the instance", labels=labels)
         free = GaugeMetricFamily("pushkv_instance_blocks_free", "Free KV blocks", labels=labels)
+        cached = GaugeMetricFamily("pushkv_instance_blocks_cached", "KV blocks in the prefix cache (held or evictable)",
+                                   labels=labels)
         usage = GaugeMetricFamily("pushkv_instance_block_usage", "Fraction of KV blocks in use", labels=labels)
         running = GaugeMetricFamily("pushkv_instance_requests_running", "Requests decoding", labels=labels)
         waiting = GaugeMetricFamily("pushkv_instance_requests_waiting", "Requests waiting for blocks", labels=labels)
@@ -240,6 +247,7 @@ class InstanceCollector:
                 reserved.add_metric(lv, st.counters.get("reserved_block_ms", 0) / 1000.0)
             blocks.add_metric(lv, st.num_blocks)
             free.add_metric(lv, st.free_blocks)
+            cached.add_metric(lv, st.cached_blocks)
             usage.add_metric(lv, (st.num_blocks - st.free_blocks) / st.num_blocks if st.num_blocks else 0.0)
             running.add_metric(lv, st.running)
             waiting.add_metric(lv, st.waiting)
@@ -259,7 +267,7 @@ class InstanceCollector:
             if st.role == "prefill":
                 for order in RENDEZVOUS_ORDERS:
                     rdv.add_metric(lv + [order], writer_sum.get(f"rendezvous_{order}", 0))
-        yield from (up, blocks, free, usage, running, waiting, secs, reserved, *named.values(), rdv, events, wevents)
+        yield from (up, blocks, free, cached, usage, running, waiting, secs, reserved, *named.values(), rdv, events, wevents)
 
 
 class BalanceCollector:

@@ -27,7 +27,7 @@ from pushkv import limits
 from pushkv import messages as m
 from pushkv.actor import Actor
 from pushkv.config import DeploymentConfig, InstanceConfig
-from pushkv.protocol.allocator import BlockAllocator
+from pushkv.protocol.prefix_cache import ROOT_HASH, PrefixCache, block_hashes
 from pushkv.scheduler.requests import Request, State, build_batch
 from pushkv.scheduler.validate import check_generate
 
@@ -49,7 +49,8 @@ class SchedulerCore(Actor):
                          limits.msg_cap_bytes(cfg))
         self.cfg = cfg
         self.inst = inst
-        self.alloc = BlockAllocator(inst.num_blocks)
+        # ref-counted blocks with a prefix-hash index; with the cache off, a plain allocator
+        self.alloc = PrefixCache(inst.num_blocks, inst.prefix_cache)
         self.reqs: dict[tuple[str, int], Request] = {}
         self.by_tid: dict[str, Request] = {}
         self.waiting: list[Request] = []
@@ -94,6 +95,18 @@ class SchedulerCore(Actor):
 
     def _forget(self, r: Request) -> None:
         """The request is released: drop any role state that names it."""
+
+    def _reuses_prefix(self, r: Request) -> bool:
+        """May the request take cached blocks for its prompt's prefix (computing only the rest)?"""
+        return True
+
+    def _hit_unit(self) -> int:
+        """A prefix hit is a whole number of these tokens (a multiple of the block size)."""
+        return self.inst.block_size
+
+    def _indexes(self, r: Request) -> bool:
+        """May the request's blocks be offered to the prefix cache once their KV is complete?"""
+        return True
 
     # -- lifecycle ---------------------------------------------------------------
     def setup(self) -> None:
@@ -280,13 +293,53 @@ class SchedulerCore(Actor):
     def _answer_stats(self) -> None:
         running = sum(1 for r in self.reqs.values() if r.state == State.RUNNING)
         counters = dict(self.counters)
+        counters["prefix_evictions"] = self.alloc.evictions
         for rank, wc in self.writer_counters.items():
             counters.update({f"writer.{rank}.{k}": v for k, v in wc.items()})
         stats = m.Stats(self.inst.engine_id, self.role, self.alloc.num_blocks, self.alloc.num_free,
-                        running, len(self.waiting), counters)
+                        running, len(self.waiting), counters, self.alloc.num_cached)
         waiting, self._stats_waiting = self._stats_waiting, []
         for identity in waiting:
             self.send(self.front, stats, identity)
+
+    # -- prefix cache ---------------------------------------------------------------------
+    def _prefix_hits(self, r: Request) -> list[int]:
+        """Cached blocks of the prompt's longest cached prefix. The last prompt token is always
+        computed (its logits give the first token), so a block holding it is never a hit: a step
+        then writes only into blocks the request owns alone."""
+        if not self.alloc.enabled or not self._reuses_prefix(r):
+            return []
+        bs, unit = self.inst.block_size, self._hit_unit()
+        if not r.hashes:
+            r.hashes = block_hashes(r.prompt, bs)
+        hits = self.alloc.match(r.hashes[:(len(r.prompt) - 1) // bs])
+        return hits[:len(hits) * bs // unit * unit // bs]
+
+    def _count_hits(self, r: Request, hit_blocks: int) -> None:
+        r.cached = hit_blocks * self.inst.block_size
+        r.prefilled = r.cached
+        r.indexed = hit_blocks
+        if not self.alloc.enabled or not self._reuses_prefix(r):
+            return
+        self.counters["prefix_queries"] += 1
+        self.counters["prefix_query_tokens"] += len(r.prompt)
+        if hit_blocks:
+            self.counters["prefix_hits"] += 1
+            self.counters["prefix_hit_tokens"] += r.cached
+
+    def _index_blocks(self, r: Request, upto: int) -> None:
+        """Offer the request's full blocks below token ``upto`` (KV complete) to the prefix cache."""
+        bs = self.inst.block_size
+        full = min(upto // bs, len(r.blocks))
+        if full <= r.indexed or not self.alloc.enabled or not self._indexes(r):
+            return
+        if len(r.hashes) < full:
+            seq = r.prompt if full * bs <= len(r.prompt) else tuple(r.prompt) + tuple(r.output)
+            parent = r.hashes[-1] if r.hashes else ROOT_HASH
+            r.hashes.extend(block_hashes(seq[:full * bs], bs, parent, start=len(r.hashes) * bs))
+        for i in range(r.indexed, full):
+            self.alloc.insert(r.blocks[i], r.hashes[i])
+        r.indexed = full
 
     # -- scheduling ---------------------------------------------------------------------
     def schedule(self) -> None:
@@ -297,11 +350,13 @@ class SchedulerCore(Actor):
     def _admit(self) -> None:
         while self.waiting and not self._engine_blocked():
             r = self.waiting[0]
-            blocks = self.alloc.allocate(r.blocks_needed(self.inst.block_size))
+            hits = self._prefix_hits(r)
+            blocks = self.alloc.acquire(hits, r.blocks_needed(self.inst.block_size))
             if blocks is None:
                 return  # FIFO: wait for blocks to free
             self.waiting.pop(0)
             r.blocks = blocks
+            self._count_hits(r, len(hits))
             self._stamp(r, f"{self.role}_alloc")
             faults.point(self.name, "after_alloc")
             self._admitted(r)
@@ -320,7 +375,7 @@ class SchedulerCore(Actor):
         self.step_started = time.monotonic()
         for r, w in batch:
             r.in_step = True
-            if w.start_pos == 0 and r.state == State.PREFILL:
+            if w.start_pos == r.cached and r.state == State.PREFILL:
                 self._stamp(r, "prefill_start")
         cmd = m.ExecuteStep(self.step_id, tuple(w for _, w in batch), self._streaming(batch))
         for ch in self.workers:
@@ -362,6 +417,7 @@ class SchedulerCore(Actor):
             return
         if r.state == State.PREFILL:
             r.prefilled = w.start_pos + len(w.token_ids)
+            self._index_blocks(r, r.prefilled)  # the step ended: these blocks' KV is complete
             if r.prefilled < len(r.prompt):
                 self._chunk_done(r)
                 return
@@ -377,6 +433,7 @@ class SchedulerCore(Actor):
 
     def _emit(self, r: Request, tok: int, lp: Optional[m.TokenLogprob] = None) -> None:
         r.output.append(tok)
+        self._index_blocks(r, r.num_tokens)  # the prompt's KV (and the output's so far) is in the pool
         if len(r.output) == 1:
             self._stamp(r, "first_token")
         reason = r.finished()

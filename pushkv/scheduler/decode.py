@@ -14,6 +14,7 @@ reads from (``RenewLease``); P never extends a lease past ``lease_max_s``.
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Optional
 
@@ -65,12 +66,29 @@ class DecodeScheduler(SchedulerCore):
         if self.blocked_on == r.key:
             self.blocked_on = None
 
+    def _reuses_prefix(self, r: Request) -> bool:
+        """The prompt's cached prefix stays here and only the rest moves (``cached_tokens`` in
+        ExpectKV / ReadKV), unless window layers move only the window (their earlier rows were
+        never sent, so a cached block lacks them)."""
+        return not self.cfg.model.sliding_window
+
+    def _hit_unit(self) -> int:
+        """A transfer starts on a whole block of both sides: hits are whole multiples of both
+        block sizes. The last prompt token always moves (core: it is never a hit), so the WRITE
+        that carries D's notification is never empty."""
+        return math.lcm(self.inst.block_size, self.cfg.prefill.block_size)
+
+    def _indexes(self, r: Request) -> bool:
+        """The arrived prompt is cached for a later turn, unless window layers moved only the
+        window's blocks (the rest of those layers' rows never came)."""
+        return not self.cfg.model.sliding_window
+
     def _admitted(self, r: Request) -> None:
         r.state = State.AWAIT_KV
         r.reserved_at = time.monotonic()
         if r.pull is None:  # push: register now, while P computes
             self._to_writers(m.ExpectKV(r.transfer_id, r.generation, tuple(r.blocks), len(r.prompt),
-                                        r.source, self.cfg.timeouts.write_wait_s))
+                                        r.source, self.cfg.timeouts.write_wait_s, r.cached))
             self._stamp(r, "registration_sent")
         else:
             # a push deployment's late allocation keeps push's transfer: register now, P WRITEs
@@ -78,7 +96,8 @@ class DecodeScheduler(SchedulerCore):
             if late:
                 self.counters["late_allocations"] += 1
             wait = self.cfg.timeouts.write_wait_s if late else self.cfg.timeouts.transfer_s
-            self._to_writers(m.ReadKV(r.transfer_id, r.generation, tuple(r.blocks), r.pull, wait, write=late))
+            self._to_writers(m.ReadKV(r.transfer_id, r.generation, tuple(r.blocks), r.pull, wait, write=late,
+                                      cached_tokens=r.cached))
             self._stamp(r, "read_posted")
             if self.cfg.pull_read == "inline":
                 self.blocked_on = r.key  # the engine step blocks on the READ, like the default connector

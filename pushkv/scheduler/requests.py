@@ -64,6 +64,9 @@ class Request:
     reserved_block_s: float = 0.0  # D: blocks x seconds from reservation until the KV arrived
     prefilled: int = 0  # prompt tokens whose KV is in the pool (chunked prefill: grows chunk by chunk)
     streamed: bool = False  # P, streaming push: a chunk's blocks went to the writers before prefill ended
+    cached: int = 0  # prompt tokens found in the prefix cache at admission (their KV is not computed again)
+    hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks of prompt + output
+    indexed: int = 0  # leading blocks offered to the prefix cache so far
 
     @property
     def key(self) -> tuple[str, int]:

@@ -83,17 +83,18 @@ class DecodeWriter(WriterBase):
     # -- push: registration at allocation time ------------------------------------------
     def on_ExpectKV(self, msg: m.ExpectKV) -> None:
         self._register(msg.transfer_id, msg.generation, msg.block_ids, msg.num_tokens, msg.source,
-                       msg.deadline_s)
+                       msg.deadline_s, msg.cached_tokens)
 
     def _register(self, tid: str, gen: int, block_ids, num_tokens: int, source: m.PrefillSource,
-                  deadline_s: float) -> None:
+                  deadline_s: float, cached_tokens: int = 0) -> None:
         """Register our reserved blocks with the producer ranks (after their handshakes)."""
         deadline = time.monotonic() + deadline_s
         self.warm_for((tid, gen), deadline)  # P's WRITE and its WriteDone are coming: be awake for them
         self._with_producers((tid, gen), source, lambda peers: self._registered_with(
-            tid, gen, block_ids, num_tokens, source, deadline_s, deadline, peers), time.monotonic())
+            tid, gen, block_ids, num_tokens, source, deadline_s, deadline, peers, cached_tokens), time.monotonic())
 
-    def _registered_with(self, tid, gen, block_ids, num_tokens, source, deadline_s, deadline, peers) -> None:
+    def _registered_with(self, tid, gen, block_ids, num_tokens, source, deadline_s, deadline, peers,
+                         cached_tokens: int = 0) -> None:
         now = time.monotonic()
         key = (tid, gen)
         ranks = tuple(p.rank for p in peers)
@@ -110,7 +111,7 @@ class DecodeWriter(WriterBase):
         self._registered[key] = Registered(source, ranks)
         self.apply(acts, now)
         reg = m.Register(tid, gen, self.inst.engine_id, self.rank, self.inst.tp, block_ids, num_tokens, deadline_s,
-                         warm=key in self._warm)
+                         warm=key in self._warm, cached_tokens=cached_tokens)
         for p in peers:
             self.notify(p, reg)
         self.trace_event("registration_sent", tid)
@@ -228,7 +229,8 @@ class DecodeWriter(WriterBase):
     def on_ReadKV(self, msg: m.ReadKV) -> None:
         p = msg.pull
         if msg.write or self.cfg.pull_read == "write":  # register now, after the relay; P WRITEs (see config)
-            self._register(msg.transfer_id, msg.generation, msg.block_ids, p.num_tokens, p.source, msg.deadline_s)
+            self._register(msg.transfer_id, msg.generation, msg.block_ids, p.num_tokens, p.source, msg.deadline_s,
+                           msg.cached_tokens)
             return
         self._with_producers((msg.transfer_id, msg.generation), p.source,
                              lambda peers: self._post_read(msg, peers), time.monotonic())
@@ -267,9 +269,13 @@ class DecodeWriter(WriterBase):
                 heads = head_overlap(peer.rank, p.source.tp, self.rank, self.inst.tp, self.layout.total_kv_heads)
                 if heads is None:
                     continue
+                # the prompt's first cached_tokens are in our prefix cache (whole blocks of both
+                # sides): READ the rest
+                t0 = msg.cached_tokens
+                src, dst = p.block_ids[t0 // peer.layout.block_size:], msg.block_ids[t0 // self.layout.block_size:]
                 # a READ may need P's progress: wake P before posting
                 h, nbytes, runs = self.post_blocks(
-                    "READ", peer, heads, p.block_ids, msg.block_ids, p.num_tokens,
+                    "READ", peer, heads, src, dst, p.num_tokens - t0,
                     before=lambda n: self.wake_peer(peer, msg.transfer_id, msg.generation, n))
                 fl.handles.append(h)
                 fl.nbytes += nbytes

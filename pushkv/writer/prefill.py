@@ -16,7 +16,7 @@ from pushkv import messages as m
 from pushkv.protocol import actions as A
 from pushkv.protocol import rendezvous as rv
 from pushkv.protocol.lease import Leases
-from pushkv.kv.layout import layer_groups, stream_plan
+from pushkv.kv.layout import layer_groups, stream_plan, window_group
 from pushkv.protocol.tp import consumers_for, head_overlap
 from pushkv.transport.nixl_agent import TransferError
 from pushkv.writer.base import InFlight, WriterBase
@@ -162,12 +162,33 @@ class PrefillWriter(WriterBase):
             log.error("%s: Register from unknown agent %s transfer_id=%s", self.name, agent, msg.transfer_id)
             return
         self.counters["registrations_received"] += 1
+        why = self._bad_cached_tokens(msg, self.peers_by_agent[agent])
+        if why:  # refused at once: D fails the request now rather than at its WRITE deadline
+            self.counters["register_bad_cached_tokens"] += 1
+            log.error("%s: Register refused: %s transfer_id=%s", self.name, why, msg.transfer_id)
+            self.notify(self.peers_by_agent[agent], m.WriteFailed(msg.transfer_id, msg.generation, self.rank, why))
+            return
         self._record((msg.transfer_id, msg.generation)).d_engine_id = msg.d_engine_id
         self._stamp((msg.transfer_id, msg.generation), "registration_received")
         faults.point(self.name, "registration_received")
         self.apply(self.rdv.on_registration(msg, now), now)
         self._sync_warm((msg.transfer_id, msg.generation), now)
         self.beat_for((msg.transfer_id, msg.generation), agent)  # our WRITE to this D rank is coming
+
+    def _bad_cached_tokens(self, msg: m.Register, peer) -> str:
+        """Why D's prefix-cache offset cannot be honoured ("" if it can): a WRITE starts on whole
+        blocks of both tables (else it would write into D's cached blocks), leaves at least the
+        last token to carry D's notification, and a window group moves only the last window."""
+        t0, d_bs = msg.cached_tokens, peer.layout.block_size
+        if not t0:
+            return ""
+        if t0 < 0 or t0 % self.layout.block_size or t0 % d_bs:
+            return f"cached_tokens={t0} is not whole blocks of {self.layout.block_size} and {d_bs} tokens"
+        if t0 >= msg.num_tokens:
+            return f"cached_tokens={t0} leaves nothing of the {msg.num_tokens}-token prompt to write"
+        if window_group(self.layout) >= 0:
+            return "cached_tokens with sliding-window layers (they move only the last window)"
+        return ""
 
     def notif_CancelTransfer(self, msg: m.CancelTransfer, agent: str, now: float) -> None:
         self.apply(self.rdv.cancel(msg.transfer_id, msg.generation, msg.reason, now), now)
