@@ -48,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--push-stream", choices=("off", "chunk", "layer"),
                     help="push: WRITE after the whole prefill (off), each chunk's blocks as its step ends (chunk), "
                          "or each layer group's as it is stored (layer: not built yet, refused)")
+    up.add_argument("--kv-verify", choices=("off", "sample", "full"),
+                    help="D checks the KV it received against P's checksums before the first decode step: "
+                         "off, a sample of blocks (first, last and a few more), or every block; a mismatch "
+                         "fails the request (502)")
     up.add_argument("--host")
     up.add_argument("--port", type=int)
     up.add_argument("--model", choices=sorted(PRESETS), help="model preset")
@@ -183,7 +187,7 @@ def config_from_args(args: argparse.Namespace) -> DeploymentConfig:
     sizes = dict(max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens,
                  prefill_chunk=args.prefill_chunk)
     return _replace(
-        cfg, mode=args.mode, pull_read=args.pull_read, push_stream=args.push_stream, host=args.host or (args.role and args.advertise),
+        cfg, mode=args.mode, pull_read=args.pull_read, push_stream=args.push_stream, kv_verify=args.kv_verify, host=args.host or (args.role and args.advertise),
         port=args.port, host_role=args.role, registry=args.registry, advertise=args.advertise,
         registry_ttl_s=args.registry_ttl,
         log_level=args.log_level, model=model,

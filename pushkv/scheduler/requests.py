@@ -17,6 +17,7 @@ class State(enum.Enum):
     PREFILL = "prefill"  # blocks held, prefill to run
     SENDING = "sending"  # P: KV handed to the writers
     AWAIT_KV = "await_kv"  # D: blocks registered / READ posted, waiting for the KV
+    VERIFY = "verify"  # D: the KV is in; the workers check it against P's checksums (--kv-verify)
     RUNNING = "running"  # decoding
     DONE = "done"
 
@@ -64,6 +65,8 @@ class Request:
     reserved_block_s: float = 0.0  # D: blocks x seconds from reservation until the KV arrived
     prefilled: int = 0  # prompt tokens whose KV is in the pool (chunked prefill: grows chunk by chunk)
     streamed: bool = False  # P, streaming push: a chunk's blocks went to the writers before prefill ended
+    checksums: Optional[m.KVChecksums] = None  # --kv-verify: P's sums of the KV (P: computed; D: to check)
+    verified: dict[int, m.KVVerified] = field(default_factory=dict)  # D: worker rank -> its verdict
 
     @property
     def key(self) -> tuple[str, int]:

@@ -13,6 +13,7 @@ from pushkv import limits
 from pushkv import messages as m
 from pushkv.actor import Actor
 from pushkv.config import DeploymentConfig, InstanceConfig
+from pushkv.kv import checksum
 from pushkv.kv import layout as L
 from pushkv.config import rank_device
 from pushkv.kv.pool import Pool, attach_worker_pool
@@ -91,7 +92,39 @@ class Worker(Actor):
         # Reading the sampled tokens (tolist) waits for the whole step on the worker's
         # stream, so by StepDone every K/V of the step is in the pool and a WRITE posted
         # on it never reads unfinished blocks.
-        self.send(self.sched, m.StepDone(msg.step_id, tuple(out.tokens), time.perf_counter() - t0, out.logprobs))
+        sums = tuple(self._checksums(s) for s in msg.seqs if s.checksum)  # --kv-verify: the KV as stored
+        self.send(self.sched, m.StepDone(msg.step_id, tuple(out.tokens), time.perf_counter() - t0, out.logprobs,
+                                         sums))
+
+    def _checksums(self, s: m.SeqWork) -> m.KVChecksums:
+        """This rank's checksums of a prompt whose last chunk this step stored (kv/checksum.py)."""
+        n = s.start_pos + len(s.token_ids)
+        unit_tokens = self.cfg.prefill.block_size
+        units = checksum.plan_units(s.checksum, n, unit_tokens, salt=s.seq_id)
+        sums = self._unit_sums(s.block_table, n, units, unit_tokens)
+        return checksum.to_wire(self.layout, sums.tolist(), units, unit_tokens, n)
+
+    def _unit_sums(self, table, num_tokens: int, units, unit_tokens: int):
+        if self.device != "cpu" and os.environ.get("PUSHKV_CHECKSUM", "triton") == "triton":
+            from pushkv.model.kernels.triton_checksum import unit_sums
+        else:
+            unit_sums = checksum.unit_sums
+        return unit_sums(self.layer_pools, self.layout, table, num_tokens, units, unit_tokens)
+
+    def on_VerifyKV(self, msg: m.VerifyKV) -> None:
+        """D, before the first decode step: do the blocks hold what P stored? (this rank's heads)"""
+        t0 = time.perf_counter()
+        exp = msg.checksums
+        try:
+            sums = self._unit_sums(msg.block_ids, exp.num_tokens, exp.units, exp.unit_tokens)
+            got = checksum.to_wire(self.layout, sums.tolist(), exp.units, exp.unit_tokens, exp.num_tokens)
+            reason, checked = checksum.compare(self.layout, exp, got)
+        except Exception as e:  # a malformed expectation fails this request, not the worker
+            log.exception("%s: KV verification failed to run transfer_id=%s", self.name, msg.transfer_id)
+            reason, checked = f"KV verification could not run: {type(e).__name__}: {e}", 0
+        if reason:
+            log.error("%s: %s transfer_id=%s", self.name, reason, msg.transfer_id)
+        self.send(self.sched, m.KVVerified(msg.transfer_id, msg.generation, reason, checked, time.perf_counter() - t0))
 
     def _physical(self, seqs):
         """Block tables name logical blocks; the pool is cut into sub-blocks (layout.py)."""

@@ -19,6 +19,7 @@ from pushkv.protocol.lease import Leases
 from pushkv.kv.layout import window_group
 from pushkv.protocol.tp import consumers_for, head_overlap
 from pushkv.transport.nixl_agent import TransferError
+from pushkv.writer import damage
 from pushkv.writer.base import InFlight, WriterBase
 
 log = logging.getLogger(__name__)
@@ -53,12 +54,17 @@ class PrefillWriter(WriterBase):
         self._parts_posted = 0  # keys of part WRITEs in flight: (tid, gen, n)
         self.leases = Leases(t.lease_s, t.lease_max_s)
         self._transfers: dict[tuple[str, int], PrefillTransfer] = {}
+        self._checksums: dict[tuple[str, int], m.KVChecksums] = {}  # until the transfer's blocks are freed
 
     def has_pending(self) -> bool:
         return self.rdv.next_deadline() is not None or self.leases.next_deadline() is not None
 
     # -- from the scheduler ----------------------------------------------------------
     def on_SendKV(self, msg: m.SendKV) -> None:
+        if msg.checksums is not None:  # --kv-verify: they go to D with the WRITE's notification
+            self._checksums[(msg.transfer_id, msg.generation)] = msg.checksums
+            while len(self._checksums) > MAX_TRACKED:  # transfers refused before they began
+                self._checksums.pop(next(iter(self._checksums)))
         self._prefill_done(msg, msg.transfer_id, msg.generation, msg.block_ids, msg.num_tokens, msg.first_token)
 
     def _prefill_done(self, msg, tid: str, gen: int, block_ids, num_tokens: int, first_token: int) -> None:
@@ -115,6 +121,8 @@ class PrefillWriter(WriterBase):
     def _hold_for_read(self, msg: m.HoldKV) -> None:
         """Keep the blocks under a lease until D's READ is done."""
         now = time.monotonic()
+        if faults.fire(self.name, "kv_flip_source"):  # tests of --kv-verify: damage what D will READ
+            damage.flip_last_token(self.pool, self.layout, msg.block_ids, msg.num_tokens)
         if not self.rdv.produces:  # a replica rank: no D rank reads from it
             self.apply([A.Completed(msg.transfer_id, msg.generation, "replica"),
                         A.FreeBlocks(msg.transfer_id, msg.generation, msg.block_ids, "replica")], now)
@@ -215,6 +223,7 @@ class PrefillWriter(WriterBase):
 
     def _free(self, a) -> None:
         t = self._transfers.pop((a.transfer_id, a.generation), None) or PrefillTransfer()
+        self._checksums.pop((a.transfer_id, a.generation), None)
         if isinstance(t.outcome, A.Completed):
             self.send(self.sched, m.KVSent(a.transfer_id, a.generation, t.nbytes, t.num_descs, t.write_s,
                                            t.outcome.order, tuple(t.stages.items()), t.parts, self.stream))
@@ -231,6 +240,8 @@ class PrefillWriter(WriterBase):
             self._stamp(key, "part_post_first")
         fl = InFlight(a.transfer_id, a.generation, posted=now, part=not a.last)
         t0 = a.token_start
+        sums = self._checksums.get(key) if a.last else None
+        swap, num_tokens = self._damage(a) if a.last else (False, a.num_tokens)
         try:
             for reg in a.registrations:
                 peer = self.peers.get((reg.d_engine_id, reg.d_rank))
@@ -243,9 +254,12 @@ class PrefillWriter(WriterBase):
                 # on both sides (the rendezvous' stream unit), so it is whole blocks of both tables
                 src = a.block_ids[t0 // self.layout.block_size:]
                 dst = reg.block_ids[t0 // peer.layout.block_size:]
-                notif = ((lambda n, r: m.encode(m.WriteDone(a.transfer_id, a.generation, self.rank, a.first_token, n, r)))
+                if swap:
+                    dst = damage.swap_first_two(dst)
+                notif = ((lambda n, r: m.encode(m.WriteDone(a.transfer_id, a.generation, self.rank, a.first_token, n, r,
+                                                            sums)))
                          if a.last else (lambda n, r: b""))
-                h, nbytes, runs = self.post_blocks("WRITE", peer, heads, src, dst, a.num_tokens, notif)
+                h, nbytes, runs = self.post_blocks("WRITE", peer, heads, src, dst, num_tokens, notif)
                 fl.handles.append(h)
                 if a.last:
                     self._stamp(key, "write_post_returned")  # the NIXL post to this D rank returned
@@ -288,6 +302,16 @@ class PrefillWriter(WriterBase):
             self.settle(ikey)
         else:
             self.transfer_finished(fl, now)
+
+    def _damage(self, a) -> tuple[bool, int]:
+        """Tests of --kv-verify only (faults.fire): damage the KV this WRITE moves. Returns
+        (swap two destination blocks, tokens to post)."""
+        if faults.fire(self.name, "kv_flip_source"):
+            damage.flip_last_token(self.pool, self.layout, a.block_ids, a.num_tokens)
+        num_tokens = a.num_tokens
+        if faults.fire(self.name, "kv_truncate"):
+            num_tokens = damage.truncated(a.num_tokens, a.token_start, self.layout.block_size)
+        return faults.fire(self.name, "kv_swap_dest"), num_tokens
 
     def transfer_finished(self, fl: InFlight, now: float) -> None:
         key = (fl.transfer_id, fl.generation)
