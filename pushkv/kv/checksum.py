@@ -206,12 +206,14 @@ def unit_sums(views, lay: KVLayout, table: Sequence[int], num_tokens: int, units
     for g, layers in enumerate(groups):
         keep = torch.tensor(checked_units(lay, g, units, unit_tokens, num_tokens), device=dev)
         for layer in layers:
-            x = views[layer][rows]  # [units*spu, planes, (groups, group heads,) sub, head_dim]
+            # [units*spu, planes, (groups, group heads,) sub, head_dim]; index_select: indexing the
+            # strided view with a tensor costs time in the pool's size, not the rows'
+            x = torch.index_select(views[layer], 0, rows)
             x = x.reshape(nu, spu, planes, lay.kv_heads, sub, lay.head_dim)
             x = x.permute(0, 3, 2, 1, 4, 5).reshape(nu, lay.kv_heads, planes, unit_tokens, lay.head_dim)
             w = _words(x, lay).to(torch.int64)  # [units, heads, planes, tokens, words]
-            wt = weights(layer, planes, unit_tokens, w.shape[-1], dev)
-            s = (w * live[:, None, None, :, None] * wt).sum(dim=(2, 3, 4))
+            wt = weights(layer, planes, unit_tokens, w.shape[-1], dev) * live[:, None, None, :, None]
+            s = (w * wt).sum(dim=(2, 3, 4))
             out[g] += s * keep[:, None]
     return out
 
