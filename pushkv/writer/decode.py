@@ -77,7 +77,12 @@ class DecodeWriter(WriterBase):
             self.cool(key)
             self.send(self.sched, m.KVFailed(key[0], key[1], f"cannot reach prefill writers: {reason}"))
 
-        ranks = producers_for(self.rank, self.inst.tp, src.tp, self.layout.total_kv_heads)
+        try:
+            ranks = producers_for(self.rank, self.inst.tp, src.tp, self.layout.total_kv_heads)
+        except ValueError as e:  # a TP size that cannot shard the model: no such prefill instance
+            self.counters["bad_source"] += 1
+            failed(f"bad prefill source {src.engine_id!r}: {e}")
+            return
         bad = [r for r in ranks if r >= len(src.handshake)]
         if bad:
             failed(f"no handshake endpoint for rank(s) {bad} of {src.engine_id}")
@@ -257,7 +262,12 @@ class DecodeWriter(WriterBase):
             return
         src = msg.source
         renew = m.RenewLease(msg.transfer_id, msg.generation, self.rank)
-        for r in producers_for(self.rank, self.inst.tp, src.tp, self.layout.total_kv_heads):
+        try:
+            ranks = producers_for(self.rank, self.inst.tp, src.tp, self.layout.total_kv_heads)
+        except ValueError:  # a TP size that cannot shard the model: nobody to renew with
+            self.counters["bad_source"] += 1
+            return
+        for r in ranks:
             peer = self.peers.get((src.engine_id, r))
             if peer is not None:
                 self.notify(peer, renew)
