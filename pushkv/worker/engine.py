@@ -31,6 +31,7 @@ class Worker(Actor):
         self.rank = rank
         self.layout = L.instance_layout(cfg, inst, rank)  # cut to match the peer instance
         self.pool: Pool | None = None
+        self._kernel_failed = False  # --kv-verify: the Triton checksum kernel raised once; torch from then on
 
     def setup(self) -> None:
         import torch
@@ -92,7 +93,11 @@ class Worker(Actor):
         # Reading the sampled tokens (tolist) waits for the whole step on the worker's
         # stream, so by StepDone every K/V of the step is in the pool and a WRITE posted
         # on it never reads unfinished blocks.
-        sums = tuple(self._checksums(s) for s in msg.seqs if s.checksum)  # --kv-verify: the KV as stored
+        try:  # --kv-verify: the KV as stored
+            sums = tuple(self._checksums(s) for s in msg.seqs if s.checksum)
+        except Exception:  # the step itself succeeded: answer it; D sees no checksums and says so
+            log.exception("%s: KV checksums of step %d failed", self.name, msg.step_id)
+            sums = ()
         self.send(self.sched, m.StepDone(msg.step_id, tuple(out.tokens), time.perf_counter() - t0, out.logprobs,
                                          sums))
 
@@ -105,11 +110,19 @@ class Worker(Actor):
         return checksum.to_wire(self.layout, sums.tolist(), units, unit_tokens, n)
 
     def _unit_sums(self, table, num_tokens: int, units, unit_tokens: int):
-        if self.device != "cpu" and os.environ.get("PUSHKV_CHECKSUM", "triton") == "triton":
-            from pushkv.model.kernels.triton_checksum import unit_sums
-        else:
-            unit_sums = checksum.unit_sums
-        return unit_sums(self.layer_pools, self.layout, table, num_tokens, units, unit_tokens)
+        """The kernel on CUDA (PUSHKV_CHECKSUM=torch keeps torch's ops), torch on the CPU. Both
+        give the same sums, so a kernel that fails here falls back to torch for good."""
+        args = (self.layer_pools, self.layout, table, num_tokens, units, unit_tokens)
+        if self.device != "cpu" and os.environ.get("PUSHKV_CHECKSUM", "triton") == "triton" and not self._kernel_failed:
+            try:
+                from pushkv.model.kernels.triton_checksum import unit_sums
+
+                return unit_sums(*args)
+            except Exception:
+                self._kernel_failed = True
+                self.counters["checksum_kernel_failed"] += 1
+                log.exception("%s: checksum kernel failed; torch computes the sums from now on", self.name)
+        return checksum.unit_sums(*args)
 
     def on_VerifyKV(self, msg: m.VerifyKV) -> None:
         """D, before the first decode step: do the blocks hold what P stored? (this rank's heads)"""
