@@ -3,8 +3,8 @@ damages the KV it moves (pushkv.faults.fire: a flipped byte at the source before
 transfer or at the destination after it, a transfer a block short, two destination blocks
 swapped), and D's workers catch each one before the first decode step. The request fails
 with the reason (502, never a 200), D counts it, and every block of both pools comes back;
-the next request is served. Push checks a sample of blocks, pull every block, with D's
-blocks twice P's size."""
+the next request is served. Push checks a sample of blocks of a hybrid model (a sliding-window
+layer group) from one P rank to two D ranks; pull checks every block, D's blocks twice P's."""
 import os
 
 import pytest
@@ -18,16 +18,18 @@ pytestmark = pytest.mark.timeout(300)
 PROMPT = "verified handoff: the KV that lands is P's " * 3
 MAX_TOKENS = 4
 
-# (writer that damages, fire point) per mode: where the fault is a writer's own doing
+# (process that damages the KV, fire point) per mode
 CASES = {
     "push": [("prefill-writer-0", "kv_flip_source"), ("decode-writer-0", "kv_flip_dest"),
              ("prefill-writer-0", "kv_truncate"), ("prefill-writer-0", "kv_swap_dest")],
-    "pull": [("prefill-writer-0", "kv_flip_source"), ("decode-writer-0", "kv_flip_dest"),
+    # pull: D may READ before P's writer has even seen the hold (the READ is one-sided), so the
+    # source is damaged by P's worker, right after it summed the KV
+    "pull": [("prefill-worker-0", "kv_flip_source"), ("decode-writer-0", "kv_flip_dest"),
              ("decode-writer-0", "kv_truncate"), ("decode-writer-0", "kv_swap_dest")],
 }
-FLAGS = {
-    "push": ("--kv-verify", "sample"),
-    "pull": ("--kv-verify", "full", "--decode-block-size", "32"),
+FLAGS = {  # two layouts besides P's: TP 1 -> 2 with a sliding-window layer group, and D blocks twice P's
+    "push": ("--kv-verify", "sample", "--model", "hybrid", "--decode-tp", "2"),
+    "pull": ("--kv-verify", "full", "--model", "small", "--decode-block-size", "32"),
 }
 
 
@@ -39,7 +41,7 @@ def dep(request, tmp_path_factory):
     fdir.mkdir()
     os.environ["PUSHKV_FAULTS_DIR"] = str(fdir)
     try:
-        with deployment(d, "--mode", mode, "--model", "small", "--num-blocks", "64", *FLAGS[mode]) as dp:
+        with deployment(d, "--mode", mode, "--num-blocks", "64", *FLAGS[mode]) as dp:
             dp.faults_dir = str(fdir)
             dp.mode = mode
             yield dp

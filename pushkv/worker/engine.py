@@ -13,7 +13,7 @@ from pushkv import limits
 from pushkv import messages as m
 from pushkv.actor import Actor
 from pushkv.config import DeploymentConfig, InstanceConfig
-from pushkv.kv import checksum
+from pushkv.kv import checksum, damage
 from pushkv.kv import layout as L
 from pushkv.config import rank_device
 from pushkv.kv.pool import Pool, attach_worker_pool
@@ -106,8 +106,11 @@ class Worker(Actor):
         n = s.start_pos + len(s.token_ids)
         unit_tokens = self.cfg.prefill.block_size
         units = checksum.plan_units(s.checksum, n, unit_tokens, salt=s.seq_id)
-        sums = self._unit_sums(s.block_table, n, units, unit_tokens)
-        return checksum.to_wire(self.layout, sums.tolist(), units, unit_tokens, n)
+        sums = checksum.to_wire(self.layout, self._unit_sums(s.block_table, n, units, unit_tokens).tolist(),
+                                units, unit_tokens, n)
+        if faults.fire(self.name, "kv_flip_source"):  # tests of --kv-verify: the source changes after its sums
+            damage.flip_last_token(self.pool, self.layout, s.block_table, n)
+        return sums
 
     def _unit_sums(self, table, num_tokens: int, units, unit_tokens: int):
         """The kernel on CUDA (PUSHKV_CHECKSUM=torch keeps torch's ops), torch on the CPU. Both

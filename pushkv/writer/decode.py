@@ -14,7 +14,7 @@ from pushkv import messages as m
 from pushkv.protocol import actions as A
 from pushkv.protocol import arrivals as ar
 from pushkv.protocol.tp import head_overlap, producers_for
-from pushkv.writer import damage
+from pushkv.kv import damage
 from pushkv.writer.base import InFlight, WriterBase
 
 log = logging.getLogger(__name__)

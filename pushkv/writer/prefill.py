@@ -19,7 +19,7 @@ from pushkv.protocol.lease import Leases
 from pushkv.kv.layout import window_group
 from pushkv.protocol.tp import consumers_for, head_overlap
 from pushkv.transport.nixl_agent import TransferError
-from pushkv.writer import damage
+from pushkv.kv import damage
 from pushkv.writer.base import InFlight, WriterBase
 
 log = logging.getLogger(__name__)
@@ -121,8 +121,6 @@ class PrefillWriter(WriterBase):
     def _hold_for_read(self, msg: m.HoldKV) -> None:
         """Keep the blocks under a lease until D's READ is done."""
         now = time.monotonic()
-        if faults.fire(self.name, "kv_flip_source"):  # tests of --kv-verify: damage what D will READ
-            damage.flip_last_token(self.pool, self.layout, msg.block_ids, msg.num_tokens)
         if not self.rdv.produces:  # a replica rank: no D rank reads from it
             self.apply([A.Completed(msg.transfer_id, msg.generation, "replica"),
                         A.FreeBlocks(msg.transfer_id, msg.generation, msg.block_ids, "replica")], now)

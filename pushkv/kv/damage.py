@@ -1,7 +1,8 @@
 """Damage to the KV a transfer moves, for fault-injection tests of ``--kv-verify`` only.
 
-Each is done by a writer when its ``faults.fire`` point was armed: it models what a
-faulty link, NIC or peer could do to the bytes, which nothing but the checksums sees.
+Each is done by a writer (or P's worker, right after summing what it stored) when its
+``faults.fire`` point was armed: it models what a faulty link, NIC, memory or peer could do
+to the bytes, which nothing but the checksums sees.
 """
 from __future__ import annotations
 
