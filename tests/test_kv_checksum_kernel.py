@@ -11,7 +11,6 @@ import torch
 
 # (model, dtype, tp, rank, block size, sub-block, head group, prompt tokens)
 CASES = [
-    ("small", "bfloat16", 1, 0, 16, 16, 0, 70),
     ("small", "float32", 2, 1, 32, 16, 1, 61),  # head groups of one head, sub-blocks of 16
     ("hybrid", "bfloat16", 1, 0, 16, 8, 0, 100),  # a window group
     ("mla", "bfloat16", 1, 0, 16, 16, 0, 45),
