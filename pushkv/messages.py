@@ -7,7 +7,7 @@ defaults, never reordered.
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Literal, Optional, Union
 
 import msgspec
 
@@ -122,7 +122,7 @@ class SeqWork(msgspec.Struct, array_like=True, frozen=True, gc=False):
     output_index: int = 0  # which output token this step samples (0 = the first)
     history: tuple[int, ...] = ()  # output so far, when a penalty needs it
     suppress: tuple[int, ...] = ()  # ids that may not be sampled now (stop ids before min_tokens)
-    checksum: str = ""  # P, the prompt's last chunk: "sample" | "full" = answer the KV's checksums (--kv-verify)
+    checksum: Literal["", "sample", "full"] = ""  # P, the prompt's last chunk: answer the KV's checksums (--kv-verify)
 
 
 class KVTransferStats(msgspec.Struct, array_like=True, frozen=True, gc=False):
