@@ -199,3 +199,13 @@ def test_words_past_the_prompt_do_not_count():
     for v in views:
         v[2, :, :, 3].fill_(9.0)  # token 19: the prompt's last
     assert not torch.equal(a, C.unit_sums(views, lay, [1, 2], 20, (0, 1), 16))
+
+
+def test_window_rule_is_the_mappings():
+    """The units a window group checks start where protocol/mapping.py starts moving it."""
+    from pushkv.protocol.mapping import window_start_sub
+
+    for sub in (8, 16):
+        lay = L.layout_for(preset("hybrid"), 1, 0, 64, 16, sub_block=sub)
+        for n in (1, 47, 48, 49, 63, 64, 100, 257):
+            assert C.group_first_token(lay, 1, n) == window_start_sub(lay, n) * L.unit(lay), (sub, n)
