@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "or each layer group's as the worker marks it stored (layer)")
     up.add_argument("--push-stream-groups", type=int, metavar="N",
                     help="--push-stream layer: layer groups per pool, each WRITTEN as it is stored (default 4)")
+    up.add_argument("--kv-verify", choices=("off", "sample", "full"),
+                    help="D checks the KV it received against P's checksums before the first decode step: "
+                         "off, a sample of blocks (first, last and a few more), or every block; a mismatch "
+                         "fails the request (502)")
     up.add_argument("--host")
     up.add_argument("--port", type=int)
     up.add_argument("--model", choices=sorted(PRESETS), help="model preset")
@@ -189,7 +193,7 @@ def config_from_args(args: argparse.Namespace) -> DeploymentConfig:
                  prefill_chunk=args.prefill_chunk, prefix_cache=False if args.no_prefix_cache else None)
     return _replace(
         cfg, mode=args.mode, pull_read=args.pull_read, push_stream=args.push_stream,
-        push_stream_groups=args.push_stream_groups, host=args.host or (args.role and args.advertise),
+        push_stream_groups=args.push_stream_groups, kv_verify=args.kv_verify, host=args.host or (args.role and args.advertise),
         port=args.port, host_role=args.role, registry=args.registry, advertise=args.advertise,
         registry_ttl_s=args.registry_ttl,
         log_level=args.log_level, model=model,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from typing import Optional
+from typing import Literal, Optional
 
 import msgspec
 
@@ -252,6 +252,12 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
     # the names a request's "model" may give (vLLM's --served-model-name); none: the model's name
     # (preset or checkpoint directory) and the checkpoint's path. Another name gets 404.
     served_model_name: tuple[str, ...] = ()
+    # Verified handoff: P sums the KV it stored per (block, layer group, KV head) in the prefill
+    # step; the sums travel with the WRITE's WriteDone (push) or the relay (pull); D's workers
+    # recompute them over the landed blocks before the first decode step, and a mismatch fails
+    # the request (502). "sample": the first, the last and a few hashed blocks; "full": all.
+    # See pushkv/kv/checksum.py and docs/layouts.md.
+    kv_verify: Literal["off", "sample", "full"] = "off"
 
     def served_names(self) -> tuple[str, ...]:
         if self.served_model_name:

@@ -5,6 +5,11 @@ itself if the file ``arm-<process name>-<P>`` exists there, removing it first
 (so the restarted process does not fire again). A test arms one fault at a
 time on a running deployment. Unset: one falsy check.
 
+``fire(process, P)`` is the kind that corrupts instead of killing: True once
+after ``arm_fire`` (file ``fire-<process name>-<P>``), for a writer to damage the
+KV it moves (flip a byte, post fewer bytes, swap two destinations) so that a
+test can see ``--kv-verify`` catch it.
+
 ``delay(process, P)`` is the other kind: the seconds written in
 ``delay-<process name>-<P>`` (removed as it is read), for the process to hold
 back there without blocking its loop (D's scheduler: admit nothing and run no
@@ -54,3 +59,20 @@ def delay(process: str, name: str) -> float:
     except FileNotFoundError:
         return 0.0
     return float(text)
+
+
+def arm_fire(directory: str, process: str, point_name: str) -> str:
+    path = os.path.join(directory, f"fire-{process}-{point_name}")
+    open(path, "w").close()
+    return path
+
+
+def fire(process: str, name: str) -> bool:
+    """True once if ``fire-<process>-<name>`` was armed (removed as it fires)."""
+    if not _DIR:
+        return False
+    try:
+        os.unlink(os.path.join(_DIR, f"fire-{process}-{name}"))
+    except FileNotFoundError:
+        return False
+    return True

@@ -13,6 +13,7 @@ Ground: imports only ``config`` and ``messages``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from pushkv import messages as m
 from pushkv.config import DeploymentConfig, InstanceConfig
@@ -109,9 +110,20 @@ def largest_generate(cfg: DeploymentConfig) -> m.Generate:
     block = min(i.block_size for i in _instances(cfg))
     num_blocks = max(i.num_blocks for i in _instances(cfg))
     source = m.PrefillSource("e" * ID_CHARS, tp, ("t" * ENDPOINT_CHARS,) * tp)
-    pull = m.PullParams(source, (num_blocks,) * -(-n // block), n, top, 1e9 + 0.1)
+    pull = m.PullParams(source, (num_blocks,) * -(-n // block), n, top, 1e9 + 0.1, _largest_checksums(cfg, n))
     return m.Generate("t" * ID_CHARS, (1 << 63) - 1, "prefill", (top,) * n, n, (top,) * stop_ids_bound(cfg),
                       source, pull, 1e9 + 0.1, _worst_sampling(cfg), True)
+
+
+def _largest_checksums(cfg: DeploymentConfig, n: int) -> Optional[m.KVChecksums]:
+    """--kv-verify full: a 64-bit sum per (unit of P's block size, layer group, KV head)."""
+    if cfg.kv_verify == "off":
+        return None
+    units = -(-n // cfg.prefill.block_size)
+    groups = 2 if cfg.model.sliding_window and cfg.model.window_layers else 1
+    heads = cfg.model.cache_kv_heads
+    return m.KVChecksums(cfg.prefill.block_size, n, tuple(range(units)), tuple(range(heads)),
+                         ((-(1 << 63),) * (units * groups),) * heads)
 
 
 def generate_cap_bytes(cfg: DeploymentConfig) -> int:

@@ -7,7 +7,7 @@ defaults, never reordered.
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Literal, Optional, Union
 
 import msgspec
 
@@ -57,6 +57,22 @@ class PrefillSource(msgspec.Struct, array_like=True, frozen=True, gc=False):
     handshake: tuple[str, ...]  # one ZMQ endpoint per P writer rank
 
 
+class KVChecksums(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """P's checksums of a request's KV as stored (``--kv-verify``; ``pushkv/kv/checksum.py``).
+
+    Keyed by logical content, so they mean the same on every layout: a unit is
+    ``unit_tokens`` tokens of the prompt (P's block size: whole sub-blocks on both sides),
+    a row is one global KV head, and a row holds one sum per (layer group, unit of
+    ``units``), group-major; a unit a group does not move (before a sliding window) is 0.
+    """
+
+    unit_tokens: int
+    num_tokens: int
+    units: tuple[int, ...]  # unit indices checked: all of them (full) or a sample
+    heads: tuple[int, ...]  # global KV head of each row
+    sums: tuple[tuple[int, ...], ...]  # per head: len(layer groups) * len(units) signed 64-bit sums
+
+
 class PullParams(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """What P returns in pull mode, relayed by the router to D."""
 
@@ -65,6 +81,7 @@ class PullParams(msgspec.Struct, array_like=True, frozen=True, gc=False):
     num_tokens: int
     first_token: int
     lease_deadline: float  # P's monotonic clock; informative only
+    checksums: Optional[KVChecksums] = None  # --kv-verify: what D checks its blocks against after the READ
 
 
 class SamplingParams(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -106,6 +123,7 @@ class SeqWork(msgspec.Struct, array_like=True, frozen=True, gc=False):
     output_index: int = 0  # which output token this step samples (0 = the first)
     history: tuple[int, ...] = ()  # output so far, when a penalty needs it
     suppress: tuple[int, ...] = ()  # ids that may not be sampled now (stop ids before min_tokens)
+    checksum: Literal["", "sample", "full"] = ""  # P, the prompt's last chunk: answer the KV's checksums (--kv-verify)
 
 
 class KVTransferStats(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -225,6 +243,8 @@ class StepDone(Msg):
     sampled: tuple[int, ...]  # one per seq with sample=True, in order
     compute_s: float = 0.0
     logprobs: tuple[Optional[TokenLogprob], ...] = ()  # aligned with sampled when any seq asked
+    # one per seq with a checksum asked, in order: this rank's heads of the KV it stored
+    checksums: tuple[KVChecksums, ...] = ()
 
 
 class StepFailed(Msg):
@@ -232,8 +252,28 @@ class StepFailed(Msg):
     reason: str
 
 
-SchedulerToWorker = Union[ExecuteStep]
-WorkerToScheduler = Union[StepDone, StepFailed]
+class VerifyKV(Msg):
+    """D, before a request's first decode step: recompute the checksums over the blocks the KV
+    landed in and compare them with P's (this rank's heads)."""
+
+    transfer_id: str
+    generation: int
+    block_ids: tuple[int, ...]
+    checksums: KVChecksums
+
+
+class KVVerified(Msg):
+    """A worker rank's answer to ``VerifyKV``: ``reason`` is "" when every checked sum matched."""
+
+    transfer_id: str
+    generation: int
+    reason: str = ""
+    checked: int = 0  # sums compared on this rank
+    compute_s: float = 0.0
+
+
+SchedulerToWorker = Union[ExecuteStep, VerifyKV]
+WorkerToScheduler = Union[StepDone, StepFailed, KVVerified]
 
 
 class LayersStored(Msg):
@@ -260,6 +300,7 @@ class SendKV(Msg):
     block_ids: tuple[int, ...]
     num_tokens: int
     first_token: int
+    checksums: Optional[KVChecksums] = None  # --kv-verify: sent to D with the WRITE's notification
 
 
 class StreamKV(Msg):
@@ -337,6 +378,7 @@ class KVReceived(Msg):
     num_descs: int = 0
     transfer_s: float = 0.0
     timeline: tuple[tuple[str, float], ...] = ()  # writer stages (wall time)
+    checksums: Optional[KVChecksums] = None  # push: P's, from its WriteDone (--kv-verify)
 
 
 class KVFailed(Msg):
@@ -398,6 +440,7 @@ class WriteDone(Msg):
     first_token: int
     nbytes: int = 0
     num_descs: int = 0
+    checksums: Optional[KVChecksums] = None  # --kv-verify: P's sums of the KV this WRITE moved
 
 
 class WriteFailed(Msg):

@@ -86,9 +86,10 @@ def test_contiguous_blocks_are_contiguous_indices():
     combo = MATRIX[0]
     p_lays, d_lays = _layouts(combo, True)
     regions = map_transfer(p_lays[0], list(range(4, 14)), d_lays[0], list(range(20, 25)), 160)
-    assert len(regions) == 1
-    si, di = indices(grid_of(p_lays[0]), grid_of(d_lays[0]), regions)
-    assert len(si) == 10 * L.subs_per_block(p_lays[0]) and np.all(np.diff(si) == 1) and np.all(np.diff(di) == 1)
+    assert len(regions) == len(L.layer_groups(p_lays[0]))  # one per region (layer group, head group)
+    for region in regions:
+        si, di = indices(grid_of(p_lays[0]), grid_of(d_lays[0]), [region])
+        assert len(si) == 10 * L.subs_per_block(p_lays[0]) and np.all(np.diff(si) == 1) and np.all(np.diff(di) == 1)
 
 
 @pytest.mark.parametrize("regions", [

@@ -28,6 +28,7 @@ from pushkv import messages as m
 from pushkv.actor import Actor
 from pushkv.config import DeploymentConfig, InstanceConfig
 from pushkv.protocol.prefix_cache import ROOT_HASH, PrefixCache, block_hashes
+from pushkv.kv import checksum
 from pushkv.scheduler.requests import Request, State, build_batch
 from pushkv.scheduler.validate import check_generate
 
@@ -88,6 +89,9 @@ class SchedulerCore(Actor):
     def _streaming(self, batch: list[tuple[Request, m.SeqWork]]) -> tuple[m.StreamKV, ...]:
         """Prompts of this step whose layer groups the worker marks for the writers as stored."""
         return ()
+    def _step_work(self, r: Request, w: m.SeqWork) -> m.SeqWork:
+        """What the workers get for ``r`` this step (P: asks for the KV's checksums)."""
+        return w
 
     def _engine_blocked(self) -> bool:
         """True while no step may run and nothing may be admitted (D, pull inline: a READ)."""
@@ -369,6 +373,7 @@ class SchedulerCore(Actor):
             return
         batch = build_batch(prefills, running, self.inst.max_num_seqs, self.inst.max_batch_tokens,
                             self.inst.prefill_chunk)
+        batch = [(r, self._step_work(r, w)) for r, w in batch]
         self.step_id += 1
         self.step = batch
         self.step_answers = {}
@@ -402,6 +407,7 @@ class SchedulerCore(Actor):
                 r.in_step = False
                 self._fail(r, f"forward step failed: {failed[0].reason}")
         else:
+            self._take_checksums(batch)
             sampled = iter(self.step_answers[0].sampled)  # one token per sampled seq, in batch order
             logprobs = iter(self.step_answers[0].logprobs or ())
             for r, w in batch:
@@ -409,6 +415,22 @@ class SchedulerCore(Actor):
                 tok, lp = (next(sampled), next(logprobs, None)) if w.sample else (None, None)
                 self._after_step(r, w, tok, lp)
         self.schedule()
+
+    def _take_checksums(self, batch) -> None:
+        """--kv-verify: each rank summed its own heads; one struct per request, every head."""
+        asked = [r for r, w in batch if w.checksum]
+        if not asked:
+            return
+        per_rank = [a.checksums if len(a.checksums) == len(asked) else (None,) * len(asked)
+                    for a in self.step_answers.values()]
+        for i, r in enumerate(asked):
+            try:
+                r.checksums = checksum.merge([sums[i] for sums in per_rank])
+            except ValueError as e:
+                log.error("%s: checksums of transfer_id=%s not merged: %s", self.name, r.transfer_id, e)
+                r.checksums = None
+            if r.checksums is None:
+                self.counters["kv_checksums_missing"] += 1
 
     def _after_step(self, r: Request, w: m.SeqWork, tok: Optional[int], lp: Optional[m.TokenLogprob] = None) -> None:
         if r.aborted:

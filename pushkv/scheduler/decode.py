@@ -15,14 +15,19 @@ reads from (``RenewLease``); P never extends a lease past ``lease_max_s``.
 from __future__ import annotations
 
 import math
+import logging
 import time
 from typing import Optional
 
 from pushkv import faults
 from pushkv import messages as m
 from pushkv.config import DeploymentConfig, InstanceConfig
+from pushkv.kv import checksum
+from pushkv.kv.layout import instance_layout, layer_groups
 from pushkv.scheduler.core import SchedulerCore, WriterAnswer
 from pushkv.scheduler.requests import Request, State
+
+log = logging.getLogger(__name__)
 
 # renew P's leases this many times per lease_s: two renewals in a row may be lost or late
 # (a busy loop, a handshake under way) before a lease lapses
@@ -45,6 +50,7 @@ class DecodeScheduler(SchedulerCore):
         self.renew_every_s = cfg.timeouts.lease_s / RENEWALS_PER_LEASE
         self.next_renewal = 0.0
         self.stalled_until = 0.0  # tests: an injected stall (faults.delay "admit") ends then
+        self.kv_groups = len(layer_groups(instance_layout(cfg, inst, 0)))  # rows of P's checksums, per head
 
     def _check_leg(self, msg: m.Generate) -> Optional[tuple[str, int]]:
         if msg.source is None and msg.pull is None:
@@ -118,7 +124,58 @@ class DecodeScheduler(SchedulerCore):
         if not 0 <= first < self.vocab:  # from a peer: it would be the next step's input
             self._fail(r, f"KV transfer failed: first token {first} outside the vocabulary [0, {self.vocab})", 502)
             return
+        if self.cfg.kv_verify != "off" and self._verify(r, answers):
+            r.output = [first]  # emitted once every worker rank says the KV is P's
+            return
         self._emit(r, first)
+
+    # -- --kv-verify: the workers check the KV against P's checksums before the first step --
+    def _verify(self, r: Request, answers: dict[int, WriterAnswer]) -> bool:
+        """Ask every worker rank to check the landed KV; False: nothing to check (counted)."""
+        exp = r.pull.checksums if r.pull is not None and r.pull.checksums is not None else next(
+            (a.checksums for a in answers.values() if isinstance(a, m.KVReceived) and a.checksums), None)
+        if exp is None:  # P does not verify (another configuration, or its sums failed to merge)
+            self.counters["kv_verify_skipped"] += 1
+            log.warning("%s: KV not verified: P sent no checksums transfer_id=%s", self.name, r.transfer_id)
+            return False
+        why = checksum.check_expected(exp, len(r.prompt), self.cfg.prefill.block_size, self.kv_groups)
+        if why is not None:
+            exp = None
+        r.state = State.VERIFY
+        r.checksums = exp
+        r.verified = {}
+        self._stamp(r, "kv_verify_start")
+        if exp is None:
+            self._verify_failed(r, why)
+            return True
+        cmd = m.VerifyKV(r.transfer_id, r.generation, tuple(r.blocks), exp)
+        for ch in self.workers:
+            self.send(ch, cmd)
+        return True
+
+    def on_KVVerified(self, msg: m.KVVerified) -> None:
+        r = self.reqs.get((msg.transfer_id, msg.generation))
+        if r is None or r.state != State.VERIFY:  # aborted meanwhile: its blocks are free already
+            self.counters["stale_verify_answer"] += 1
+            return
+        r.verified[self.current.index] = msg
+        if len(r.verified) < len(self.workers):
+            return
+        bad = [a.reason for a in r.verified.values() if a.reason]
+        self.counters["kv_verify_sums"] += sum(a.checked for a in r.verified.values())
+        self.counters["kv_verify_us"] += int(max(a.compute_s for a in r.verified.values()) * 1e6)
+        if bad:
+            self._verify_failed(r, bad[0])
+        else:
+            self.counters["kv_verified"] += 1
+            self._stamp(r, "kv_verified")
+            first = r.output.pop()
+            self._emit(r, first)
+        self.schedule()
+
+    def _verify_failed(self, r: Request, reason: str) -> None:
+        self.counters["kv_verify_failed"] += 1
+        self._fail(r, f"KV verification failed: {reason}", 502)
 
     # -- pull: P's lease lives while we still mean to read -----------------------------
     def tick(self, now: float) -> None:

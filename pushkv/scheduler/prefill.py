@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from typing import Optional
 
+import msgspec
+
 from pushkv import faults
 from pushkv import messages as m
 from pushkv.kv.layout import instance_layout, stream_plan
@@ -27,6 +29,13 @@ class PrefillScheduler(SchedulerCore):
 
     def _admitted(self, r: Request) -> None:
         r.state = State.PREFILL
+
+    def _step_work(self, r: Request, w: m.SeqWork) -> m.SeqWork:
+        """--kv-verify: the step that stores the prompt's last tokens also sums the KV, so the
+        checksums are ready with the first token (and travel with the WRITE or the relay)."""
+        if self.cfg.kv_verify == "off" or r.state != State.PREFILL or w.start_pos + len(w.token_ids) < len(r.prompt):
+            return w
+        return msgspec.structs.replace(w, checksum=self.cfg.kv_verify)
 
     def _chunk_done(self, r: Request) -> None:
         """Streaming push: the chunk's blocks may leave for D while the next chunk computes.
@@ -69,10 +78,10 @@ class PrefillScheduler(SchedulerCore):
             self._to_writers(m.HoldKV(r.transfer_id, r.generation, tuple(r.blocks), len(r.prompt), tok, lease,
                                       write=r.late))
             src = m.PrefillSource(self.inst.engine_id, self.inst.tp, self.inst.handshake_endpoints)
-            pull = m.PullParams(src, tuple(r.blocks), len(r.prompt), tok, time.monotonic() + lease)
+            pull = m.PullParams(src, tuple(r.blocks), len(r.prompt), tok, time.monotonic() + lease, r.checksums)
             self._reply(r, m.PrefillFinished(r.transfer_id, r.generation, tok, pull, self._timeline(r)))
         else:
-            self._to_writers(m.SendKV(r.transfer_id, r.generation, tuple(r.blocks), len(r.prompt), tok))
+            self._to_writers(m.SendKV(r.transfer_id, r.generation, tuple(r.blocks), len(r.prompt), tok, r.checksums))
             self._stamp(r, "send_kv")
 
     def _holds(self, r: Request) -> bool:

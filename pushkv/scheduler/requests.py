@@ -17,6 +17,7 @@ class State(enum.Enum):
     PREFILL = "prefill"  # blocks held, prefill to run
     SENDING = "sending"  # P: KV handed to the writers
     AWAIT_KV = "await_kv"  # D: blocks registered / READ posted, waiting for the KV
+    VERIFY = "verify"  # D: the KV is in; the workers check it against P's checksums (--kv-verify)
     RUNNING = "running"  # decoding
     DONE = "done"
 
@@ -67,6 +68,8 @@ class Request:
     cached: int = 0  # prompt tokens found in the prefix cache at admission (their KV is not computed again)
     hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks of prompt + output
     indexed: int = 0  # leading blocks offered to the prefix cache so far
+    checksums: Optional[m.KVChecksums] = None  # --kv-verify: P's sums of the KV (P: computed; D: to check)
+    verified: dict[int, m.KVVerified] = field(default_factory=dict)  # D: worker rank -> its verdict
 
     @property
     def key(self) -> tuple[str, int]:

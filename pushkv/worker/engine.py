@@ -13,6 +13,7 @@ from pushkv import limits
 from pushkv import messages as m
 from pushkv.actor import Actor
 from pushkv.config import DeploymentConfig, InstanceConfig
+from pushkv.kv import checksum, damage
 from pushkv.kv import layout as L
 from pushkv.config import marks_endpoint, rank_device
 from pushkv.kv.pool import Pool, attach_worker_pool
@@ -32,6 +33,7 @@ class Worker(Actor):
         self.layout = L.instance_layout(cfg, inst, rank)  # cut to match the peer instance
         self.pool: Pool | None = None
         self.marks: LayerMarks | None = None
+        self._kernel_failed = False  # --kv-verify: the Triton checksum kernel raised once; torch from then on
 
     def setup(self) -> None:
         import torch
@@ -99,7 +101,54 @@ class Worker(Actor):
         # Reading the sampled tokens (tolist) waits for the whole step on the worker's
         # stream, so by StepDone every K/V of the step is in the pool and a WRITE posted
         # on it never reads unfinished blocks.
-        self.send(self.sched, m.StepDone(msg.step_id, tuple(out.tokens), time.perf_counter() - t0, out.logprobs))
+        try:  # --kv-verify: the KV as stored
+            sums = tuple(self._checksums(s) for s in msg.seqs if s.checksum)
+        except Exception:  # the step itself succeeded: answer it; D sees no checksums and says so
+            log.exception("%s: KV checksums of step %d failed", self.name, msg.step_id)
+            sums = ()
+        self.send(self.sched, m.StepDone(msg.step_id, tuple(out.tokens), time.perf_counter() - t0, out.logprobs,
+                                         sums))
+
+    def _checksums(self, s: m.SeqWork) -> m.KVChecksums:
+        """This rank's checksums of a prompt whose last chunk this step stored (kv/checksum.py)."""
+        n = s.start_pos + len(s.token_ids)
+        unit_tokens = self.cfg.prefill.block_size
+        units = checksum.plan_units(s.checksum, n, unit_tokens, salt=s.seq_id)
+        sums = checksum.to_wire(self.layout, self._unit_sums(s.block_table, n, units, unit_tokens).tolist(),
+                                units, unit_tokens, n)
+        if faults.fire(self.name, "kv_flip_source"):  # tests of --kv-verify: the source changes after its sums
+            damage.flip_last_token(self.pool, self.layout, s.block_table, n)
+        return sums
+
+    def _unit_sums(self, table, num_tokens: int, units, unit_tokens: int):
+        """The kernel on CUDA (PUSHKV_CHECKSUM=torch keeps torch's ops), torch on the CPU. Both
+        give the same sums, so a kernel that fails here falls back to torch for good."""
+        args = (self.layer_pools, self.layout, table, num_tokens, units, unit_tokens)
+        if self.device != "cpu" and os.environ.get("PUSHKV_CHECKSUM", "triton") == "triton" and not self._kernel_failed:
+            try:
+                from pushkv.model.kernels.triton_checksum import unit_sums
+
+                return unit_sums(*args)
+            except Exception:
+                self._kernel_failed = True
+                self.counters["checksum_kernel_failed"] += 1
+                log.exception("%s: checksum kernel failed; torch computes the sums from now on", self.name)
+        return checksum.unit_sums(*args)
+
+    def on_VerifyKV(self, msg: m.VerifyKV) -> None:
+        """D, before the first decode step: do the blocks hold what P stored? (this rank's heads)"""
+        t0 = time.perf_counter()
+        exp = msg.checksums
+        try:
+            sums = self._unit_sums(msg.block_ids, exp.num_tokens, exp.units, exp.unit_tokens)
+            got = checksum.to_wire(self.layout, sums.tolist(), exp.units, exp.unit_tokens, exp.num_tokens)
+            reason, checked = checksum.compare(self.layout, exp, got)
+        except Exception as e:  # a malformed expectation fails this request, not the worker
+            log.exception("%s: KV verification failed to run transfer_id=%s", self.name, msg.transfer_id)
+            reason, checked = f"KV verification could not run: {type(e).__name__}: {e}", 0
+        if reason:
+            log.error("%s: %s transfer_id=%s", self.name, reason, msg.transfer_id)
+        self.send(self.sched, m.KVVerified(msg.transfer_id, msg.generation, reason, checked, time.perf_counter() - t0))
 
     def _physical(self, seqs):
         """Block tables name logical blocks; the pool is cut into sub-blocks (layout.py)."""

@@ -14,6 +14,7 @@ from pushkv import messages as m
 from pushkv.protocol import actions as A
 from pushkv.protocol import arrivals as ar
 from pushkv.protocol.tp import head_overlap, producers_for
+from pushkv.kv import damage
 from pushkv.writer.base import InFlight, WriterBase
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,9 @@ class Registered:
     source: m.PrefillSource
     ranks: tuple[int, ...]
     reported: set[int] = field(default_factory=set)  # producer ranks that sent WriteDone/WriteFailed
+    block_ids: tuple[int, ...] = ()
+    num_tokens: int = 0
+    checksums: "m.KVChecksums | None" = None  # --kv-verify: P's, from the first WriteDone that has them
 
 
 @dataclass
@@ -73,7 +77,12 @@ class DecodeWriter(WriterBase):
             self.cool(key)
             self.send(self.sched, m.KVFailed(key[0], key[1], f"cannot reach prefill writers: {reason}"))
 
-        ranks = producers_for(self.rank, self.inst.tp, src.tp, self.layout.total_kv_heads)
+        try:
+            ranks = producers_for(self.rank, self.inst.tp, src.tp, self.layout.total_kv_heads)
+        except ValueError as e:  # a TP size that cannot shard the model: no such prefill instance
+            self.counters["bad_source"] += 1
+            failed(f"bad prefill source {src.engine_id!r}: {e}")
+            return
         bad = [r for r in ranks if r >= len(src.handshake)]
         if bad:
             failed(f"no handshake endpoint for rank(s) {bad} of {src.engine_id}")
@@ -108,7 +117,7 @@ class DecodeWriter(WriterBase):
                 reason = f"registration refused: {_REFUSED.get(e.state, e.state)}"
                 self.send(self.sched, m.KVFailed(tid, gen, reason))
             return
-        self._registered[key] = Registered(source, ranks)
+        self._registered[key] = Registered(source, ranks, block_ids=tuple(block_ids), num_tokens=num_tokens)
         self.apply(acts, now)
         reg = m.Register(tid, gen, self.inst.engine_id, self.rank, self.inst.tp, block_ids, num_tokens, deadline_s,
                          warm=key in self._warm, cached_tokens=cached_tokens)
@@ -121,6 +130,9 @@ class DecodeWriter(WriterBase):
         self.counters["write_done_received"] += 1  # one per producer rank per transfer
         if not self._from_producer(msg, agent):
             return
+        reg = self._registered.get((msg.transfer_id, msg.generation))
+        if reg is not None and reg.checksums is None:
+            reg.checksums = msg.checksums
         self._producer_reported(msg, now)
         self.apply(self.arrivals.on_write_done(msg, now), now)
 
@@ -174,10 +186,13 @@ class DecodeWriter(WriterBase):
             if isinstance(a, (A.Received, A.Failed)):
                 self.cool(key)
             if isinstance(a, A.Received):
-                self._registered.pop(key, None)
+                reg = self._registered.pop(key, None)
                 self.counters["kv_received"] += 1
                 self.trace_event("kv_received", a.transfer_id)
-                self.send(self.sched, m.KVReceived(a.transfer_id, a.generation, a.first_token, a.nbytes, a.num_descs))
+                if reg is not None and faults.fire(self.name, "kv_flip_dest"):  # tests of --kv-verify
+                    damage.flip_last_token(self.pool, self.layout, reg.block_ids, reg.num_tokens)
+                self.send(self.sched, m.KVReceived(a.transfer_id, a.generation, a.first_token, a.nbytes, a.num_descs,
+                                                   checksums=reg.checksums if reg is not None else None))
             elif isinstance(a, A.Failed):
                 self.counters["kv_failed"] += 1
                 self._fail_transfer(key, a.reason, now)
@@ -249,7 +264,12 @@ class DecodeWriter(WriterBase):
             return
         src = msg.source
         renew = m.RenewLease(msg.transfer_id, msg.generation, self.rank)
-        for r in producers_for(self.rank, self.inst.tp, src.tp, self.layout.total_kv_heads):
+        try:
+            ranks = producers_for(self.rank, self.inst.tp, src.tp, self.layout.total_kv_heads)
+        except ValueError:  # a TP size that cannot shard the model: nobody to renew with
+            self.counters["bad_source"] += 1
+            return
+        for r in ranks:
             peer = self.peers.get((src.engine_id, r))
             if peer is not None:
                 self.notify(peer, renew)
@@ -264,18 +284,22 @@ class DecodeWriter(WriterBase):
         p = msg.pull
         faults.point(self.name, "read_posted")
         fl = InFlight(msg.transfer_id, msg.generation, posted=now)
+        # the prompt's first cached_tokens are in our prefix cache (whole blocks of both sides): READ the rest
+        t0 = msg.cached_tokens
+        dst, num_tokens = msg.block_ids[t0 // self.layout.block_size:], p.num_tokens
+        if faults.fire(self.name, "kv_swap_dest"):  # tests of --kv-verify: damage what the READ moves
+            dst = damage.swap_first_two(dst)
+        if faults.fire(self.name, "kv_truncate"):
+            num_tokens = damage.truncated(num_tokens, t0, self.cfg.prefill.block_size)
         try:
             for peer in peers:
                 heads = head_overlap(peer.rank, p.source.tp, self.rank, self.inst.tp, self.layout.total_kv_heads)
                 if heads is None:
                     continue
-                # the prompt's first cached_tokens are in our prefix cache (whole blocks of both
-                # sides): READ the rest
-                t0 = msg.cached_tokens
-                src, dst = p.block_ids[t0 // peer.layout.block_size:], msg.block_ids[t0 // self.layout.block_size:]
+                src = p.block_ids[t0 // peer.layout.block_size:]
                 # a READ may need P's progress: wake P before posting
                 h, nbytes, runs = self.post_blocks(
-                    "READ", peer, heads, src, dst, p.num_tokens - t0,
+                    "READ", peer, heads, src, dst, num_tokens - t0,
                     before=lambda n: self.wake_peer(peer, msg.transfer_id, msg.generation, n))
                 fl.handles.append(h)
                 fl.nbytes += nbytes
@@ -310,6 +334,8 @@ class DecodeWriter(WriterBase):
             self.send(self.sched, m.KVFailed(fl.transfer_id, fl.generation, fl.failed))
         else:
             self.counters["bytes_read"] += fl.nbytes
+            if faults.fire(self.name, "kv_flip_dest"):  # tests of --kv-verify
+                damage.flip_last_token(self.pool, self.layout, msg.block_ids, msg.pull.num_tokens)
             wall = time.time()
             stages = (("read_posted", wall - (now - fl.posted)), ("read_done", wall))
             self.send(self.sched, m.KVReceived(fl.transfer_id, fl.generation, msg.pull.first_token,

@@ -5,7 +5,6 @@ Pull mode: holds finished blocks under a lease until D's READ is done.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from pushkv.protocol.lease import Leases
 from pushkv.kv.layout import layer_groups, stream_plan, window_group
 from pushkv.protocol.tp import consumers_for, head_overlap
 from pushkv.transport.nixl_agent import TransferError
+from pushkv.kv import damage
 from pushkv.writer.base import InFlight, WriterBase
 
 log = logging.getLogger(__name__)
@@ -53,12 +53,17 @@ class PrefillWriter(WriterBase):
         self._parts_posted = 0  # keys of part WRITEs in flight: (tid, gen, n)
         self.leases = Leases(t.lease_s, t.lease_max_s)
         self._transfers: dict[tuple[str, int], PrefillTransfer] = {}
+        self._checksums: dict[tuple[str, int], m.KVChecksums] = {}  # until the transfer's blocks are freed
 
     def has_pending(self) -> bool:
         return self.rdv.next_deadline() is not None or self.leases.next_deadline() is not None
 
     # -- from the scheduler ----------------------------------------------------------
     def on_SendKV(self, msg: m.SendKV) -> None:
+        if msg.checksums is not None:  # --kv-verify: they go to D with the WRITE's notification
+            self._checksums[(msg.transfer_id, msg.generation)] = msg.checksums
+            while len(self._checksums) > MAX_TRACKED:  # transfers refused before they began
+                self._checksums.pop(next(iter(self._checksums)))
         self._prefill_done(msg, msg.transfer_id, msg.generation, msg.block_ids, msg.num_tokens, msg.first_token)
 
     def _prefill_done(self, msg, tid: str, gen: int, block_ids, num_tokens: int, first_token: int) -> None:
@@ -260,6 +265,7 @@ class PrefillWriter(WriterBase):
 
     def _free(self, a) -> None:
         t = self._transfers.pop((a.transfer_id, a.generation), None) or PrefillTransfer()
+        self._checksums.pop((a.transfer_id, a.generation), None)
         if isinstance(t.outcome, A.Completed):
             self.send(self.sched, m.KVSent(a.transfer_id, a.generation, t.nbytes, t.num_descs, t.write_s,
                                            t.outcome.order, tuple(t.stages.items()), t.parts, self.stream))
@@ -276,6 +282,11 @@ class PrefillWriter(WriterBase):
             self._stamp(key, "part_post_first")
         fl = InFlight(a.transfer_id, a.generation, posted=now, part=not a.last)
         t0 = a.token_start
+        sums = self._checksums.get(key) if a.last else None
+        token_spans = list(a.spans or ((-1, t0, t0 + a.num_tokens),))  # (layer group, first token, end token)
+        swap = False
+        if a.last:
+            swap, token_spans = self._damage(a, token_spans)
         try:
             for reg in a.registrations:
                 peer = self.peers.get((reg.d_engine_id, reg.d_rank))
@@ -287,10 +298,11 @@ class PrefillWriter(WriterBase):
                 # a part (or the last WRITE after parts) starts at a token that is a whole block
                 # on both sides (the rendezvous' stream unit), so it is whole blocks of both tables;
                 # a layer-streamed one moves each layer group from its own first token
-                spans = [(a.block_ids[t // self.layout.block_size:], reg.block_ids[t // peer.layout.block_size:],
-                          end - t, None if g < 0 else (g,))
-                         for g, t, end in (a.spans or ((-1, t0, t0 + a.num_tokens),))]
-                notif = ((lambda n, r: m.encode(m.WriteDone(a.transfer_id, a.generation, self.rank, a.first_token, n, r)))
+                spans = [(a.block_ids[t // self.layout.block_size:],
+                          _swapped(reg.block_ids[t // peer.layout.block_size:], swap), end - t, None if g < 0 else (g,))
+                         for g, t, end in token_spans]
+                notif = ((lambda n, r: m.encode(m.WriteDone(a.transfer_id, a.generation, self.rank, a.first_token, n, r,
+                                                            sums)))
                          if a.last else (lambda n, r: b""))
                 h, nbytes, runs = self.post_spans("WRITE", peer, heads, spans, notif)
                 fl.handles.append(h)
@@ -336,6 +348,17 @@ class PrefillWriter(WriterBase):
         else:
             self.transfer_finished(fl, now)
 
+    def _damage(self, a, spans: list) -> tuple[bool, list]:
+        """Tests of --kv-verify only (faults.fire): damage the KV this WRITE moves. Returns
+        (swap two destination blocks, the token spans to post: the last a block short when
+        truncated)."""
+        if faults.fire(self.name, "kv_flip_source"):
+            damage.flip_last_token(self.pool, self.layout, a.block_ids, max(e for _, _, e in spans))
+        if faults.fire(self.name, "kv_truncate"):
+            g, t, e = spans[-1]
+            spans = spans[:-1] + [(g, t, damage.truncated(e, t, self.layout.block_size))]
+        return faults.fire(self.name, "kv_swap_dest"), spans
+
     def transfer_finished(self, fl: InFlight, now: float) -> None:
         key = (fl.transfer_id, fl.generation)
         if fl.part:
@@ -363,3 +386,7 @@ class PrefillWriter(WriterBase):
         nd = self.leases.next_deadline()
         if nd is not None and nd <= now:
             self.apply(self.leases.expire(now), now)
+
+
+def _swapped(ids, swap: bool):
+    return damage.swap_first_two(ids) if swap else ids

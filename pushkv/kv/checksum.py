@@ -1,0 +1,232 @@
+"""Checksums of a request's KV, so D can verify what landed (``--kv-verify``).
+
+What is summed is the KV's logical content, not its bytes where they lie, so P and D
+compute the same numbers whatever their layouts (TP sizes, block sizes, head groups):
+
+- a **unit** is ``unit_tokens`` consecutive prompt tokens (P's block size, a whole number
+  of sub-blocks on both sides); a **row** is one global KV head; a row holds one sum per
+  (layer group, unit checked). A unit of a sliding-window group that the transfer does not
+  move (before the window, rounded down to a sub-block as ``protocol/mapping.py`` moves it)
+  is not checked and holds 0. Tokens past the prompt are masked out.
+- a sum is ``sum_i w_i * x_i mod 2**64`` over the unit's words ``x_i`` (the KV's bytes read
+  as int32, or int16 where a head's row is not a multiple of 4 bytes), for every layer of the
+  group, plane and token of the unit, with odd weights ``w_i`` hashed from the word's
+  position (layer, plane, token in unit, word). An odd weight makes every change of a single
+  word change the sum; position weights catch words moved inside a unit; the unit and head
+  keys catch whole blocks or heads that landed in the wrong place (a swap, a stale block).
+
+``sample`` checks the first and the last unit and ``SAMPLE_EXTRA`` more at positions hashed
+from a salt; ``full`` checks every unit. The pure parts (which units, merging ranks' rows,
+comparing) are here and table-tested; ``unit_sums`` is the torch reference, and
+``model/kernels/triton_checksum.py`` computes the same on CUDA.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from pushkv.kv.layout import KVLayout, expand_table, layer_groups, unit, window_group
+from pushkv.messages import KVChecksums
+
+MODES = ("off", "sample", "full")
+SAMPLE_EXTRA = 2  # sample: units checked besides the first and the last
+
+MASK64 = (1 << 64) - 1
+# splitmix64's constants, as the signed int64 values torch and Triton compute with
+C1 = 0x9E3779B97F4A7C15 - (1 << 64)
+C2 = 0xBF58476D1CE4E5B9 - (1 << 64)
+
+
+def _signed(x: int) -> int:
+    x &= MASK64
+    return x - (1 << 64) if x >> 63 else x
+
+
+def mix(i: int) -> int:
+    """The weight hash on Python ints, exactly as the tensor versions compute it on int64:
+    wrapping multiplies and arithmetic right shifts, then odd."""
+    x = _signed(i * C1)
+    x = _signed(x ^ (x >> 31))
+    x = _signed(x * C2)
+    x = x ^ (x >> 29)
+    return _signed(x | 1)
+
+
+def n_units(num_tokens: int, unit_tokens: int) -> int:
+    return -(-num_tokens // unit_tokens)
+
+
+def plan_units(mode: str, num_tokens: int, unit_tokens: int, salt: int = 0) -> tuple[int, ...]:
+    """The units a transfer's checksums cover: none (off), all (full), or the first, the last
+    and ``SAMPLE_EXTRA`` hashed from ``salt`` (sample). Sorted, distinct."""
+    if mode not in MODES:
+        raise ValueError(f"kv verify mode {mode!r} is not one of {MODES}")
+    n = n_units(num_tokens, unit_tokens)
+    if mode == "off" or n == 0:
+        return ()
+    if mode == "full" or n <= SAMPLE_EXTRA + 2:
+        return tuple(range(n))
+    picked = {0, n - 1}
+    k = 0
+    while len(picked) < SAMPLE_EXTRA + 2:
+        picked.add((mix(salt * 1000003 + k) & MASK64) % n)
+        k += 1
+    return tuple(sorted(picked))
+
+
+def group_first_token(lay: KVLayout, group: int, num_tokens: int) -> int:
+    """First token layer group ``group`` moves: 0, or for the sliding-window group the start of
+    the window rounded down to a whole sub-block (what ``protocol/mapping.py`` moves)."""
+    if group != window_group(lay):
+        return 0
+    return max(0, num_tokens - lay.window) // unit(lay) * unit(lay)
+
+
+def checked_units(lay: KVLayout, group: int, units: Sequence[int], unit_tokens: int, num_tokens: int) -> list[bool]:
+    """Which of ``units`` layer group ``group`` checks (a window group: only whole units it moves)."""
+    first = group_first_token(lay, group, num_tokens)
+    return [u * unit_tokens >= first for u in units]
+
+
+def word_bytes(lay: KVLayout) -> int:
+    """Bytes per summed word: 4 where a head's row (head_dim x dtype) is a multiple of 4, else 2."""
+    row = lay.head_dim * lay.dtype_bytes
+    return 4 if row % 4 == 0 else 2
+
+
+def check_unit_tokens(lay: KVLayout, unit_tokens: int) -> None:
+    if unit_tokens <= 0 or unit_tokens % unit(lay):
+        raise ValueError(f"checksum unit of {unit_tokens} tokens is not whole sub-blocks of {unit(lay)}")
+
+
+def sub_rows(lay: KVLayout, table: Sequence[int], units: Sequence[int], unit_tokens: int) -> list[int]:
+    """The physical sub-block of each (unit, sub-block of the unit), unit-major. A unit's tail
+    past the blocks this side holds (only tokens past the prompt lie there, masked) reads
+    sub-block ``table[0]``'s first instead."""
+    subs = expand_table(lay, table)
+    spu = unit_tokens // unit(lay)
+    return [subs[j] if j < len(subs) else subs[0] for u in units for j in range(u * spu, (u + 1) * spu)]
+
+
+# ------------------------------------------------------------------ rows <-> wire
+def to_wire(lay: KVLayout, sums, units: Sequence[int], unit_tokens: int, num_tokens: int) -> KVChecksums:
+    """``sums[group][unit index][local head]`` (ints) -> the wire struct, rows by global head."""
+    groups = len(layer_groups(lay))
+    rows = tuple(tuple(int(sums[g][i][h]) for g in range(groups) for i in range(len(units)))
+                 for h in range(lay.kv_heads))
+    heads = tuple(lay.head_start + h for h in range(lay.kv_heads))
+    return KVChecksums(unit_tokens, num_tokens, tuple(units), heads, rows)
+
+
+def merge(parts: Sequence[Optional[KVChecksums]]) -> Optional[KVChecksums]:
+    """One struct from every rank's (rows by global head, the first rank's row of a head that
+    several ranks hold). None when no rank sent any."""
+    parts = [p for p in parts if p is not None]
+    if not parts:
+        return None
+    first = parts[0]
+    rows: dict[int, tuple[int, ...]] = {}
+    for p in parts:
+        if (p.unit_tokens, p.num_tokens, p.units) != (first.unit_tokens, first.num_tokens, first.units):
+            raise ValueError("ranks' checksums cover different units")
+        for h, row in zip(p.heads, p.sums):
+            rows.setdefault(h, row)
+    heads = tuple(sorted(rows))
+    return KVChecksums(first.unit_tokens, first.num_tokens, first.units, heads, tuple(rows[h] for h in heads))
+
+
+def compare(lay: KVLayout, expected: KVChecksums, got: KVChecksums) -> tuple[str, int]:
+    """``(reason, sums compared)``: reason is "" when every sum this side checks matches, else
+    names the first unit (its tokens), layer group and head that differ."""
+    if (got.unit_tokens, got.num_tokens, got.units) != (expected.unit_tokens, expected.num_tokens, expected.units):
+        return "checksums cover different units on the two sides", 0
+    want = dict(zip(expected.heads, expected.sums))
+    groups = len(layer_groups(lay))
+    n = len(expected.units)
+    compared = 0
+    for h, row in zip(got.heads, got.sums):
+        exp = want.get(h)
+        if exp is None or len(exp) != groups * n or len(row) != groups * n:
+            return f"no checksum from P for KV head {h}", compared
+        for g in range(groups):
+            keep = checked_units(lay, g, expected.units, expected.unit_tokens, expected.num_tokens)
+            for i, u in enumerate(expected.units):
+                if not keep[i]:
+                    continue
+                compared += 1
+                if row[g * n + i] != exp[g * n + i]:
+                    t0 = u * expected.unit_tokens
+                    t1 = min(t0 + expected.unit_tokens, expected.num_tokens)
+                    return (f"KV checksum mismatch: tokens {t0}..{t1 - 1} (unit {u}), layer group {g}, "
+                            f"KV head {h}"), compared
+    return "", compared
+
+
+# ------------------------------------------------------------------ torch reference
+def weights(layer: int, planes: int, unit_tokens: int, words: int, device=None):
+    """``[planes, unit_tokens, words]`` int64 weights of one layer: ``mix`` of the word's
+    position ((layer * planes + plane) * unit_tokens + token) * words + word."""
+    import torch
+
+    i = torch.arange(planes * unit_tokens * words, dtype=torch.int64, device=device)
+    i = i + layer * planes * unit_tokens * words
+    x = i * C1
+    x = x ^ (x >> 31)
+    x = x * C2
+    x = x ^ (x >> 29)
+    return (x | 1).view(planes, unit_tokens, words)
+
+
+def _words(x, lay: KVLayout):
+    import torch
+
+    return x.contiguous().view(torch.int32 if word_bytes(lay) == 4 else torch.int16)
+
+
+def unit_sums(views, lay: KVLayout, table: Sequence[int], num_tokens: int, units: Sequence[int],
+              unit_tokens: int):
+    """``[groups, len(units), local heads]`` int64 sums of one rank's pool (torch; any device).
+
+    ``views`` are the pool's per-layer views (``layout.layer_views``); ``table`` is the
+    request's logical block table on this side."""
+    import torch
+
+    check_unit_tokens(lay, unit_tokens)
+    groups = layer_groups(lay)
+    nu = len(units)
+    dev = views[0].device
+    out = torch.zeros(len(groups), nu, lay.kv_heads, dtype=torch.int64, device=dev)
+    if not nu:
+        return out
+    sub, spu = unit(lay), unit_tokens // unit(lay)
+    rows = torch.tensor(sub_rows(lay, table, units, unit_tokens), dtype=torch.int64, device=dev)
+    tok = torch.tensor(units, dtype=torch.int64, device=dev)[:, None] * unit_tokens + torch.arange(
+        unit_tokens, device=dev)
+    live = (tok < num_tokens).to(torch.int64)  # [units, unit_tokens]
+    planes = lay.kv_planes
+    for g, layers in enumerate(groups):
+        keep = torch.tensor(checked_units(lay, g, units, unit_tokens, num_tokens), device=dev)
+        for layer in layers:
+            # [units*spu, planes, (groups, group heads,) sub, head_dim]; index_select: indexing the
+            # strided view with a tensor costs time in the pool's size, not the rows'
+            x = torch.index_select(views[layer], 0, rows)
+            x = x.reshape(nu, spu, planes, lay.kv_heads, sub, lay.head_dim)
+            x = x.permute(0, 3, 2, 1, 4, 5).reshape(nu, lay.kv_heads, planes, unit_tokens, lay.head_dim)
+            w = _words(x, lay).to(torch.int64)  # [units, heads, planes, tokens, words]
+            wt = weights(layer, planes, unit_tokens, w.shape[-1], dev) * live[:, None, None, :, None]
+            s = (w * wt).sum(dim=(2, 3, 4))
+            out[g] += s * keep[:, None]
+    return out
+
+
+def check_expected(exp: KVChecksums, num_tokens: int, unit_tokens: int, groups: int) -> Optional[str]:
+    """Why P's checksums (from a peer) cannot be checked against this request, or None."""
+    if exp.num_tokens != num_tokens:
+        return f"checksums cover {exp.num_tokens} tokens, the prompt has {num_tokens}"
+    if exp.unit_tokens != unit_tokens:
+        return f"checksum unit of {exp.unit_tokens} tokens, expected {unit_tokens}"
+    n = n_units(num_tokens, unit_tokens)
+    if not exp.units or any(not 0 <= u < n for u in exp.units) or list(exp.units) != sorted(set(exp.units)):
+        return f"checksum units {list(exp.units)[:8]} are not distinct sorted units of [0, {n})"
+    if len(exp.heads) != len(exp.sums) or any(len(r) != groups * len(exp.units) for r in exp.sums):
+        return "checksum rows do not match their heads, layer groups and units"
+    return None

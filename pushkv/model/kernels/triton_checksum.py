@@ -1,0 +1,90 @@
+"""--kv-verify's checksums on CUDA: one Triton launch reads each checked sub-block of each
+layer and head once, in place in the pool, and reduces it to one 64-bit sum.
+
+Equal to ``pushkv.kv.checksum.unit_sums`` (the torch reference, which the CPU runs) bit for
+bit: the same words (int32, or int16 for rows not a multiple of 4 bytes), the same weights
+(``checksum.mix`` of the word's position, as wrapping int64 multiplies and arithmetic
+shifts), the same mask of tokens past the prompt, sums modulo 2**64. Program (row, layer,
+head): row = one sub-block of a checked unit; its partial sum goes to ``out[row, layer,
+head]``, and torch adds the rows of a unit and the layers of a group (a few kB).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from pushkv.kv import checksum as C
+from pushkv.kv.layout import KVLayout, group_heads, head_bytes, layer_groups, layer_place, pool_bytes, slab_bytes, unit
+
+
+@triton.jit
+def _sums_kernel(pool_ptr, rows_ptr, units_ptr, layers_ptr, base_ptr, sstride_ptr, hstride_ptr, out_ptr,
+                 num_tokens, n_layers, n_heads, spu, unit_tokens,
+                 GH: tl.constexpr, PLANES: tl.constexpr, SUB: tl.constexpr, WORDS: tl.constexpr,
+                 SLAB: tl.constexpr, HEAD: tl.constexpr, BLOCK: tl.constexpr,
+                 C1: tl.constexpr, C2: tl.constexpr):
+    row = tl.program_id(0)
+    li = tl.program_id(1)
+    h = tl.program_id(2)
+    sub_id = tl.load(rows_ptr + row).to(tl.int64)
+    u = tl.load(units_ptr + row // spu).to(tl.int64)
+    layer = tl.load(layers_ptr + li).to(tl.int64)
+    base = tl.load(base_ptr + li) + sub_id * tl.load(sstride_ptr + li) + (h // GH) * tl.load(hstride_ptr + li) \
+        + (h % GH) * HEAD
+    idx = tl.arange(0, BLOCK)
+    o = idx // WORDS  # token in the sub-block
+    w = idx % WORDS
+    t = (row % spu) * SUB + o  # token in the unit
+    live = (idx < SUB * WORDS) & (u * unit_tokens + t < num_tokens)
+    acc = tl.zeros((BLOCK,), dtype=tl.int64)
+    for p in tl.static_range(PLANES):
+        x = tl.load(pool_ptr + base + p * SLAB + idx, mask=live, other=0).to(tl.int64)
+        i = ((layer * PLANES + p) * unit_tokens + t) * WORDS + w
+        k = i * C1
+        k = k ^ (k >> 31)
+        k = k * C2
+        k = k ^ (k >> 29)
+        acc += x * (k | 1)
+    tl.store(out_ptr + (row * n_layers + li) * n_heads + h, tl.sum(acc, axis=0))
+
+
+def unit_sums(views, lay: KVLayout, table: Sequence[int], num_tokens: int, units: Sequence[int],
+              unit_tokens: int) -> torch.Tensor:
+    """``[groups, len(units), local heads]`` int64, as ``checksum.unit_sums``."""
+    C.check_unit_tokens(lay, unit_tokens)
+    groups = layer_groups(lay)
+    dev = views[0].device
+    nu = len(units)
+    out = torch.zeros(len(groups), nu, lay.kv_heads, dtype=torch.int64, device=dev)
+    if not nu:
+        return out
+    wb = C.word_bytes(lay)
+    esz = views[0].element_size()
+    base0 = layer_place(lay, 0)[0]
+    # the whole pool, flat from its first byte, as words (a view: nothing is copied)
+    flat = torch.as_strided(views[0], (pool_bytes(lay) // esz,), (1,), views[0].storage_offset() - base0 // esz)
+    words = flat.view(torch.int32 if wb == 4 else torch.int16)
+    spu = unit_tokens // unit(lay)
+    layers = [layer for g in groups for layer in g]
+    place = [layer_place(lay, layer) for layer in layers]
+    as_t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=dev)  # noqa: E731
+    rows = as_t(C.sub_rows(lay, table, units, unit_tokens))
+    row_words = lay.head_dim * lay.dtype_bytes // wb
+    block = triton.next_power_of_2(unit(lay) * row_words)
+    part = torch.empty(len(rows), len(layers), lay.kv_heads, dtype=torch.int64, device=dev)
+    _sums_kernel[(len(rows), len(layers), lay.kv_heads)](
+        words, rows, as_t(list(units)), as_t(layers), as_t([b // wb for b, _, _ in place]),
+        as_t([s // wb for _, s, _ in place]), as_t([hs // wb for _, _, hs in place]), part,
+        num_tokens, len(layers), lay.kv_heads, spu, unit_tokens,
+        GH=group_heads(lay), PLANES=lay.kv_planes, SUB=unit(lay), WORDS=row_words,
+        SLAB=slab_bytes(lay) // wb, HEAD=head_bytes(lay) // wb, BLOCK=block, C1=C.C1, C2=C.C2)
+    per_layer = part.view(nu, spu, len(layers), lay.kv_heads).sum(dim=1)  # [units, layers, heads]
+    at = 0
+    for g, ls in enumerate(groups):
+        keep = torch.tensor(C.checked_units(lay, g, units, unit_tokens, num_tokens), device=dev)
+        out[g] = per_layer[:, at:at + len(ls)].sum(dim=1) * keep[:, None]
+        at += len(ls)
+    return out
