@@ -90,8 +90,8 @@ def strategies(cfg: DeploymentConfig):
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    cfg = DeploymentConfig(
-        mode="push", model=preset("tiny"), timeouts=Timeouts(registration_wait_s=0.5, write_wait_s=1.0, transfer_s=1.0,
+    cfg = DeploymentConfig(  # unstreamed: one region, so a block's KV is one slice of the pool (checked below)
+        mode="push", push_stream="off", model=preset("tiny"), timeouts=Timeouts(registration_wait_s=0.5, write_wait_s=1.0, transfer_s=1.0,
                                                              lease_s=1.0, lease_max_s=2.0),
         prefill=InstanceConfig(role="prefill", num_blocks=NUM_BLOCKS, block_size=16),
         decode=InstanceConfig(role="decode", num_blocks=NUM_BLOCKS, block_size=16),
