@@ -529,3 +529,12 @@ def test_layer_groups_uneven_rests_and_a_last_write_with_nothing_left():
 def test_a_mark_for_a_group_outside_the_cut_is_counted():
     m = PushRendezvous(0, 1, 4, WAIT, XFER, stream_unit=UNIT, stream_groups=2)
     assert [short(a) for a in m.on_prefill_progress("t", 1, BLOCKS, 32, 1.0, group=2)] == ["count:bad_progress_group"]
+
+
+def test_a_last_write_with_nothing_left_never_divides_by_zero():
+    """No stream unit and a prompt of 0 tokens (a peer's or a fuzzer's numbers): the last WRITE
+    is asked for all the same (empty), not a crash (found by tests/test_fuzz_writer.py)."""
+    m = PushRendezvous(0, 1, 4, WAIT, XFER, stream_unit=0, stream_groups=2)
+    m.on_registration(register(), 0.0)
+    (last,) = m.on_prefill_done("t", 1, BLOCKS, 0, FIRST, 1.0)
+    assert last.last and last.num_tokens == 0

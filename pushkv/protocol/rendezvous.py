@@ -346,7 +346,7 @@ class PushRendezvous:
         sent = e.sent or [0] * self.stream_groups
         spans = [(g, s, e.num_tokens) for g, s in enumerate(sent) if s < e.num_tokens]
         if not spans:  # every group's parts ended on the prompt's end: the notification needs bytes
-            u = self.stream_unit or e.num_tokens
+            u = self.stream_unit or max(1, e.num_tokens)
             spans = [(len(sent) - 1, max(0, (e.num_tokens - 1) // u * u), e.num_tokens)]
         return [self._write(e, spans, e.first_token, last=True)]
 
