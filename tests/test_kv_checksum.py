@@ -209,3 +209,15 @@ def test_window_rule_is_the_mappings():
         lay = L.layout_for(preset("hybrid"), 1, 0, 64, 16, sub_block=sub)
         for n in (1, 47, 48, 49, 63, 64, 100, 257):
             assert C.group_first_token(lay, 1, n) == window_start_sub(lay, n) * L.unit(lay), (sub, n)
+
+
+def test_moved_units_drops_the_units_d_held_in_its_prefix_cache():
+    """D checks only what crossed: units before its cached tokens go, in every group's row."""
+    from pushkv import messages as m
+    from pushkv.kv.checksum import moved_units
+
+    exp = m.KVChecksums(16, 100, (0, 2, 6), (0, 3), ((1, 2, 3, 4, 5, 6), (7, 8, 9, 10, 11, 12)))  # 2 groups
+    assert moved_units(exp, 0) is exp
+    got = moved_units(exp, 32)  # units 0 and 1 were cached: unit 2 (tokens 32..47) on
+    assert got.units == (2, 6) and got.sums == ((2, 3, 5, 6), (8, 9, 11, 12)) and got.heads == (0, 3)
+    assert moved_units(exp, 112) is None

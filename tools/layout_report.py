@@ -53,12 +53,14 @@ class Combo:
              # the KV check reads the blocks an idle pool hands out first (0..n-1); the prefix cache
              # would keep earlier requests' blocks and hand out others
              "--no-prefix-cache")
-        return f + (("--pull-read", "background") if self.mode == "pull" else ())
+        # one WRITE per transfer: the report counts a whole transfer's descriptors (streamed parts
+        # would add theirs; tests/test_stream_e2e.py checks layer streaming in these layouts)
+        return f + (("--pull-read", "background") if self.mode == "pull" else ("--push-stream", "off"))
 
     def config(self, num_blocks: int) -> DeploymentConfig:
         """The deployment config these flags give (for layout arithmetic, no processes)."""
         return DeploymentConfig(
-            mode=self.mode, model=preset(self.model),
+            mode=self.mode, push_stream="off", model=preset(self.model),
             prefill=InstanceConfig(role="prefill", tp=self.p_tp, block_size=self.p_bs, num_blocks=num_blocks),
             decode=InstanceConfig(role="decode", tp=self.d_tp, block_size=self.d_bs, num_blocks=num_blocks))
 

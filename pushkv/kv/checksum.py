@@ -218,6 +218,21 @@ def unit_sums(views, lay: KVLayout, table: Sequence[int], num_tokens: int, units
     return out
 
 
+def moved_units(exp: KVChecksums, first_token: int) -> Optional[KVChecksums]:
+    """``exp`` less the units before ``first_token``: D's prefix-cache hits, which never crossed
+    (their KV is D's own, and where D's decode computed it, it may differ from P's in the last
+    bits). None when no unit is left."""
+    keep = [i for i, u in enumerate(exp.units) if u * exp.unit_tokens >= first_token]
+    if len(keep) == len(exp.units):
+        return exp
+    if not keep:
+        return None
+    n = len(exp.units)
+    groups = len(exp.sums[0]) // n if exp.sums and n else 0
+    rows = tuple(tuple(row[g * n + i] for g in range(groups) for i in keep) for row in exp.sums)
+    return KVChecksums(exp.unit_tokens, exp.num_tokens, tuple(exp.units[i] for i in keep), exp.heads, rows)
+
+
 def check_expected(exp: KVChecksums, num_tokens: int, unit_tokens: int, groups: int) -> Optional[str]:
     """Why P's checksums (from a peer) cannot be checked against this request, or None."""
     if exp.num_tokens != num_tokens:

@@ -141,6 +141,11 @@ class DecodeScheduler(SchedulerCore):
         why = checksum.check_expected(exp, len(r.prompt), self.cfg.prefill.block_size, self.kv_groups)
         if why is not None:
             exp = None
+        elif r.cached:  # our prefix-cache hits did not cross: check what did
+            exp = checksum.moved_units(exp, r.cached)
+            if exp is None:
+                self.counters["kv_verify_nothing_moved"] += 1
+                return False
         r.state = State.VERIFY
         r.checksums = exp
         r.verified = {}
