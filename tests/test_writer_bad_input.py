@@ -121,7 +121,7 @@ class FakePeer:
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     cfg = DeploymentConfig(
-        mode="push", model=preset("tiny"), timeouts=Timeouts(registration_wait_s=REG_WAIT_S),
+        mode="push", push_stream="off", model=preset("tiny"), timeouts=Timeouts(registration_wait_s=REG_WAIT_S),
         prefill=InstanceConfig(role="prefill", num_blocks=64, block_size=16),
         decode=InstanceConfig(role="decode", num_blocks=64, block_size=16),
     )

@@ -114,7 +114,7 @@ def wait_for(sock, name: str, at_least: int, timeout_s: float = 20.0) -> dict:
 def test_prefill_writer_spins_while_a_registration_waits(warm, tmp_path, monkeypatch):
     monkeypatch.delenv(P.WARM_ENV, raising=False)  # the config decides (children inherit our env)
     cfg = DeploymentConfig(
-        mode="push", model=preset("tiny"), writer_warm=warm,
+        mode="push", push_stream="off", model=preset("tiny"), writer_warm=warm,
         prefill=InstanceConfig(role="prefill", num_blocks=16, block_size=16),
         decode=InstanceConfig(role="decode", num_blocks=16, block_size=16),
     )
@@ -159,7 +159,7 @@ def test_prefill_writer_spins_while_a_registration_waits(warm, tmp_path, monkeyp
 def _prefill_writer(warm: str):
     from pushkv.writer.prefill import PrefillWriter
 
-    cfg = DeploymentConfig(mode="push", model=preset("tiny"), writer_warm=warm,
+    cfg = DeploymentConfig(mode="push", push_stream="off", model=preset("tiny"), writer_warm=warm,
                            prefill=InstanceConfig(role="prefill", num_blocks=8),
                            decode=InstanceConfig(role="decode", num_blocks=8))
     w = PrefillWriter(cfg, cfg.prefill, 0)
