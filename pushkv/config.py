@@ -203,7 +203,7 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
     # prefill chunk's finished blocks are written as soon as its step ends, while the next chunk
     # computes (needs prefill_chunk); "layer": each layer group's regions as soon as the worker
     # marks them stored (the pools of both sides cut into push_stream_groups layer groups)
-    push_stream: str = "layer"
+    push_stream: str = "off"
     push_stream_groups: int = 4
     host: str = "127.0.0.1"
     port: int = 8000
