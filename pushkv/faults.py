@@ -23,20 +23,30 @@ import signal
 _DIR = os.environ.get("PUSHKV_FAULTS_DIR", "")
 
 
-def arm(directory: str, process: str, point_name: str) -> str:
-    path = os.path.join(directory, f"arm-{process}-{point_name}")
+def _arm(directory: str, kind: str, process: str, point_name: str) -> str:
+    path = os.path.join(directory, f"{kind}-{process}-{point_name}")
     open(path, "w").close()
     return path
 
 
-def point(process: str, name: str) -> None:
+def _take(kind: str, process: str, name: str) -> bool:
+    """True once if ``<kind>-<process>-<name>`` was armed (removed as it is taken)."""
     if not _DIR:
-        return
+        return False
     try:
-        os.unlink(os.path.join(_DIR, f"arm-{process}-{name}"))
+        os.unlink(os.path.join(_DIR, f"{kind}-{process}-{name}"))
     except FileNotFoundError:
-        return
-    os.kill(os.getpid(), signal.SIGKILL)
+        return False
+    return True
+
+
+def arm(directory: str, process: str, point_name: str) -> str:
+    return _arm(directory, "arm", process, point_name)
+
+
+def point(process: str, name: str) -> None:
+    if _take("arm", process, name):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def arm_delay(directory: str, process: str, point_name: str, seconds: float) -> str:
@@ -62,17 +72,9 @@ def delay(process: str, name: str) -> float:
 
 
 def arm_fire(directory: str, process: str, point_name: str) -> str:
-    path = os.path.join(directory, f"fire-{process}-{point_name}")
-    open(path, "w").close()
-    return path
+    return _arm(directory, "fire", process, point_name)
 
 
 def fire(process: str, name: str) -> bool:
     """True once if ``fire-<process>-<name>`` was armed (removed as it fires)."""
-    if not _DIR:
-        return False
-    try:
-        os.unlink(os.path.join(_DIR, f"fire-{process}-{name}"))
-    except FileNotFoundError:
-        return False
-    return True
+    return _take("fire", process, name)

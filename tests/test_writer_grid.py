@@ -40,20 +40,21 @@ def _tables(combo, n: int, fragmented: bool):
     return list(range(3, 3 + L.blocks_for(n, combo.p_bs))), list(range(L.blocks_for(n, combo.d_bs)))
 
 
-def _pairs(combo, planned: bool, n: int, fragmented: bool):
-    p_lays, d_lays = _layouts(combo, planned)
-    total = p_lays[0].total_kv_heads
-    if fragmented:
-        pt = fragmented_table(NUM_BLOCKS, 2, L.blocks_for(n, combo.p_bs))
-        dt = fragmented_table(NUM_BLOCKS, 3, L.blocks_for(n, combo.d_bs))
-    else:
-        pt, dt = list(range(3, 3 + L.blocks_for(n, combo.p_bs))), list(range(L.blocks_for(n, combo.d_bs)))
+def _rank_pairs(combo, total: int):
+    """(P rank, D rank, global heads moved) of every pair that moves KV."""
     for d in range(combo.d_tp):
         for p in producers_for(d, combo.d_tp, combo.p_tp, total):
             heads = head_overlap(p, combo.p_tp, d, combo.d_tp, total)
-            if heads is None:
-                continue
-            yield p_lays[p], d_lays[d], map_transfer(p_lays[p], pt, d_lays[d], dt, n, heads)
+            if heads is not None:
+                yield p, d, heads
+
+
+def _pairs(combo, planned: bool, n: int, fragmented: bool):
+    p_lays, d_lays = _layouts(combo, planned)
+    total = p_lays[0].total_kv_heads
+    pt, dt = _tables(combo, n, fragmented)
+    for p, d, heads in _rank_pairs(combo, total):
+        yield p_lays[p], d_lays[d], map_transfer(p_lays[p], pt, d_lays[d], dt, n, heads)
 
 
 @pytest.mark.parametrize("combo", MATRIX, ids=[c.name for c in MATRIX])
@@ -125,22 +126,18 @@ def test_index_plan_equals_mapped_indices(combo, planned, n, fragmented):
     p_lays, d_lays = _layouts(combo, planned)
     total = p_lays[0].total_kv_heads
     pt, dt = _tables(combo, n, fragmented)
-    for d in range(combo.d_tp):
-        for p in producers_for(d, combo.d_tp, combo.p_tp, total):
-            heads = head_overlap(p, combo.p_tp, d, combo.d_tp, total)
-            if heads is None:
-                continue
-            plan = index_plan(p_lays[p], d_lays[d], heads)
-            regions = map_transfer(p_lays[p], pt, d_lays[d], dt, n, heads)
-            want = indices(grid_of(p_lays[p]), grid_of(d_lays[d]), regions)
-            if plan is None:
-                assert not planned, f"{combo.name}: a planned pair fell off the fast path"
-                continue
-            si, di, nbytes, runs = plan_indices(plan, pt, dt, n)
-            assert want is not None
-            assert sorted(zip(si.tolist(), di.tolist())) == sorted(zip(want[0].tolist(), want[1].tolist()))
-            assert nbytes == sum(r[2] for r in regions)
-            assert 1 <= runs <= len(si)
+    for p, d, heads in _rank_pairs(combo, total):
+        plan = index_plan(p_lays[p], d_lays[d], heads)
+        regions = map_transfer(p_lays[p], pt, d_lays[d], dt, n, heads)
+        want = indices(grid_of(p_lays[p]), grid_of(d_lays[d]), regions)
+        if plan is None:
+            assert not planned, f"{combo.name}: a planned pair fell off the fast path"
+            continue
+        si, di, nbytes, runs = plan_indices(plan, pt, dt, n)
+        assert want is not None
+        assert sorted(zip(si.tolist(), di.tolist())) == sorted(zip(want[0].tolist(), want[1].tolist()))
+        assert nbytes == sum(r[2] for r in regions)
+        assert 1 <= runs <= len(si)
 
 
 def test_index_plan_checks_the_tables():
@@ -169,31 +166,27 @@ def test_layer_groups_move_apart_what_the_whole_moves(combo, n, fragmented):
     assert len(groups) == min(3, cfg.model.num_layers) and sorted(sum(groups, ())) == list(range(cfg.model.num_layers))
     total = p_lays[0].total_kv_heads
     pt, dt = _tables(combo, n, fragmented)
-    for d in range(combo.d_tp):
-        for p in producers_for(d, combo.d_tp, combo.p_tp, total):
-            heads = head_overlap(p, combo.p_tp, d, combo.d_tp, total)
-            if heads is None:
-                continue
-            whole = map_transfer(p_lays[p], pt, d_lays[d], dt, n, heads)
-            parts = [map_transfer(p_lays[p], pt, d_lays[d], dt, n, heads, (g,)) for g in range(len(groups))]
-            src = np.arange(L.pool_bytes(p_lays[p]), dtype=np.int64)
-            a = np.full(L.pool_bytes(d_lays[d]), -1, dtype=np.int64)
-            b = a.copy()
-            _apply(whole, src, a)
-            for g, regions in enumerate(parts):
-                assert regions, (combo.name, g)
-                mine = np.zeros(len(b), dtype=bool)
-                for _, dd, k in regions:
-                    assert not mine[dd:dd + k].any()  # nothing twice within a group
-                    mine[dd:dd + k] = True
-                assert not (b[mine] >= 0).any(), "two groups wrote the same bytes"
-                _apply(regions, src, b)
-            assert np.array_equal(a, b), combo.name
-            plan = index_plan(p_lays[p], d_lays[d], heads)
-            if plan is None:
-                continue
-            si, di, nbytes, _ = plan_indices(plan, pt, dt, n)
-            got = [plan_indices(plan, pt, dt, n, (g,)) for g in range(len(groups))]
-            assert sum(x[2] for x in got) == nbytes == sum(r[2] for r in whole)
-            pairs = sorted(pr for x in got for pr in zip(x[0].tolist(), x[1].tolist()))
-            assert pairs == sorted(zip(si.tolist(), di.tolist()))
+    for p, d, heads in _rank_pairs(combo, total):
+        whole = map_transfer(p_lays[p], pt, d_lays[d], dt, n, heads)
+        parts = [map_transfer(p_lays[p], pt, d_lays[d], dt, n, heads, (g,)) for g in range(len(groups))]
+        src = np.arange(L.pool_bytes(p_lays[p]), dtype=np.int64)
+        a = np.full(L.pool_bytes(d_lays[d]), -1, dtype=np.int64)
+        b = a.copy()
+        _apply(whole, src, a)
+        for g, regions in enumerate(parts):
+            assert regions, (combo.name, g)
+            mine = np.zeros(len(b), dtype=bool)
+            for _, dd, k in regions:
+                assert not mine[dd:dd + k].any()  # nothing twice within a group
+                mine[dd:dd + k] = True
+            assert not (b[mine] >= 0).any(), "two groups wrote the same bytes"
+            _apply(regions, src, b)
+        assert np.array_equal(a, b), combo.name
+        plan = index_plan(p_lays[p], d_lays[d], heads)
+        if plan is None:
+            continue
+        si, di, nbytes, _ = plan_indices(plan, pt, dt, n)
+        got = [plan_indices(plan, pt, dt, n, (g,)) for g in range(len(groups))]
+        assert sum(x[2] for x in got) == nbytes == sum(r[2] for r in whole)
+        pairs = sorted(pr for x in got for pr in zip(x[0].tolist(), x[1].tolist()))
+        assert pairs == sorted(zip(si.tolist(), di.tolist()))

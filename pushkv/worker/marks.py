@@ -34,7 +34,6 @@ class LayerMarks:
     def __init__(self, endpoint: str, groups: Sequence[Sequence[int]], device: str, max_msg_bytes: int = 0):
         self.ends = group_ends(groups)
         self.device = device
-        self.sent = 0
         self._q: "queue.SimpleQueue[Optional[tuple]]" = queue.SimpleQueue()
         self._ready = threading.Event()
         self._error: Optional[BaseException] = None
@@ -92,7 +91,6 @@ class LayerMarks:
                 if event is not None:
                     event.synchronize()  # the group's stores are done on the device
                 sock.send(m.encode(msg))
-                self.sent += 1
         except Exception:  # a dead writer ends streaming, not the worker: the WRITE at prefill end still runs
             log.exception("layer marks sender stopped")
         finally:
