@@ -115,15 +115,24 @@ def largest_generate(cfg: DeploymentConfig) -> m.Generate:
                       source, pull, 1e9 + 0.1, _worst_sampling(cfg), True)
 
 
+def _checksum_groups(cfg: DeploymentConfig) -> int:
+    """Layer groups P's pool is cut into (``kv.layout.layer_groups``): full and window
+    attention, or with layer-streamed push up to ``push_stream_groups`` runs of layers."""
+    if cfg.model.sliding_window and cfg.model.window_layers:
+        return 2
+    if cfg.mode == "push" and cfg.push_stream == "layer" and cfg.push_stream_groups > 1:
+        return min(cfg.push_stream_groups, cfg.model.num_layers)
+    return 1
+
+
 def _largest_checksums(cfg: DeploymentConfig, n: int) -> Optional[m.KVChecksums]:
     """--kv-verify full: a 64-bit sum per (unit of P's block size, layer group, KV head)."""
     if cfg.kv_verify == "off":
         return None
     units = -(-n // cfg.prefill.block_size)
-    groups = 2 if cfg.model.sliding_window and cfg.model.window_layers else 1
     heads = cfg.model.cache_kv_heads
     return m.KVChecksums(cfg.prefill.block_size, n, tuple(range(units)), tuple(range(heads)),
-                         ((-(1 << 63),) * (units * groups),) * heads)
+                         bytes(8 * units * _checksum_groups(cfg) * heads))
 
 
 def generate_cap_bytes(cfg: DeploymentConfig) -> int:
@@ -140,9 +149,24 @@ def step_bytes(cfg: DeploymentConfig, inst: InstanceConfig) -> int:
     return inst.max_num_seqs * len(m.encode(seq)) + 64
 
 
+def step_done_bytes(cfg: DeploymentConfig, inst: InstanceConfig) -> int:
+    """An upper bound on one ``StepDone`` of ``inst``: a token and the widest logprobs per
+    sequence, and (--kv-verify, P) the checksums of every prompt whose last chunk the step
+    stored, which together hold at most the pool's tokens."""
+    top = cfg.model.vocab_size - 1
+    lp = m.TokenLogprob(-1e30, (top,) * MAX_LOGPROBS, (-1e30,) * MAX_LOGPROBS)
+    done = m.StepDone((1 << 63) - 1, (top,) * inst.max_num_seqs, 1e9 + 0.1, (lp,) * inst.max_num_seqs)
+    n = min(max_len(cfg), inst.num_blocks * inst.block_size)
+    sums = _largest_checksums(cfg, n) if inst.role == "prefill" else None
+    prompts = min(inst.max_num_seqs, -(-inst.num_blocks * inst.block_size // max(1, n)))
+    return len(m.encode(done)) + (prompts * len(m.encode(sums)) if sums is not None else 0)
+
+
 def msg_cap_bytes(cfg: DeploymentConfig) -> int:
     """The cap of every socket of this deployment that is neither a scheduler's front nor a
-    control socket: past the largest legal message on any channel (a step to a worker, a
-    transfer's block ids, a trace event that carries either), with the margin."""
-    largest = max([len(m.encode(largest_generate(cfg)))] + [step_bytes(cfg, i) for i in _instances(cfg)])
+    control socket: past the largest legal message on any channel (a step to a worker and its
+    answer, a transfer's block ids and checksums, a trace event that carries either), with the
+    margin."""
+    largest = max([len(m.encode(largest_generate(cfg)))] + [step_bytes(cfg, i) for i in _instances(cfg)]
+                  + [step_done_bytes(cfg, i) for i in _instances(cfg)])
     return max(CONTROL_MSG_BYTES, MARGIN * largest + (64 << 10))

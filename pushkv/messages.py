@@ -64,13 +64,15 @@ class KVChecksums(msgspec.Struct, array_like=True, frozen=True, gc=False):
     ``unit_tokens`` tokens of the prompt (P's block size: whole sub-blocks on both sides),
     a row is one global KV head, and a row holds one sum per (layer group, unit of
     ``units``), group-major; a unit a group does not move (before a sliding window) is 0.
+    ``sums`` holds the rows packed, as little-endian signed 64-bit integers: an 8k prompt's
+    every unit is 16k sums, which as bytes cost a copy on each hop, not 16k Python ints.
     """
 
     unit_tokens: int
     num_tokens: int
     units: tuple[int, ...]  # unit indices checked: all of them (full) or a sample
     heads: tuple[int, ...]  # global KV head of each row
-    sums: tuple[tuple[int, ...], ...]  # per head: len(layer groups) * len(units) signed 64-bit sums
+    sums: bytes  # per head in ``heads`` order: len(layer groups) * len(units) sums, '<i8' each
 
 
 class PullParams(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -482,7 +484,7 @@ PeerNotif = Union[Register, WriteDone, WriteFailed, ReadDone, CancelTransfer, Re
 # Channel: writer handshake (ZMQ DEALER/ROUTER, once per peer pair; the link then carries wake hints)
 # ---------------------------------------------------------------------------
 # The writers' handshake says which wire it speaks; a peer on another version is refused by name.
-WIRE_VERSION = 2
+WIRE_VERSION = 3  # 3: KVChecksums.sums packed as bytes
 
 
 class Hello(Msg):

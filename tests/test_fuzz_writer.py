@@ -48,8 +48,7 @@ tid = st.sampled_from(TIDS)
 gen = st.integers(-1, 2)
 sums = st.none() | st.builds(m.KVChecksums, count, count, st.lists(count, max_size=4).map(tuple),
                              st.lists(rank, max_size=3).map(tuple),
-                             st.lists(st.lists(st.integers(-(2**63), 2**63 - 1), max_size=4).map(tuple),
-                                      max_size=3).map(tuple))
+                             st.binary(max_size=96))
 
 
 def strategies(cfg: DeploymentConfig):

@@ -55,7 +55,11 @@ def test_window_group_checks_only_units_it_moves():
 
 
 def _sums(units, heads=(0, 1), groups=1):
-    return m.KVChecksums(16, 40, units, heads, tuple((7,) * (groups * len(units)) for _ in heads))
+    return m.KVChecksums(16, 40, units, heads, C.pack([(7,) * (groups * len(units)) for _ in heads]))
+
+
+def _k(units, heads, rows):
+    return m.KVChecksums(16, 40, units, heads, C.pack(rows))
 
 
 @pytest.mark.parametrize("exp,why", [
@@ -75,16 +79,18 @@ def test_check_expected(exp, why):
 
 def test_merge_and_compare_tables():
     lay = L.layout_for(preset("small"), 1, 0, 8, 16)
-    a = m.KVChecksums(16, 40, (0, 2), (0, 1), ((1, 2), (3, 4)))
-    b = m.KVChecksums(16, 40, (0, 2), (2, 3), ((5, 6), (7, 8)))
+    a = _k((0, 2), (0, 1), ((1, 2), (3, 4)))
+    b = _k((0, 2), (2, 3), ((5, 6), (7, -(2**63))))
     merged = C.merge([b, None, a])
-    assert merged.heads == (0, 1, 2, 3) and merged.sums == ((1, 2), (3, 4), (5, 6), (7, 8))
+    assert merged.heads == (0, 1, 2, 3) and C.rows(merged) == [(1, 2), (3, 4), (5, 6), (7, -(2**63))]
     assert C.merge([None]) is None
     with pytest.raises(ValueError):
         C.merge([a, msgspec.structs.replace(b, units=(0, 1))])
-    mine = m.KVChecksums(16, 40, (0, 2), (2, 3), ((5, 6), (7, 8)))
+    with pytest.raises(ValueError):  # bytes that do not split into a row per head
+        C.merge([msgspec.structs.replace(a, sums=a.sums[:-1])])
+    mine = _k((0, 2), (2, 3), ((5, 6), (7, -(2**63))))
     assert C.compare(lay, merged, mine) == ("", 4)
-    bad = m.KVChecksums(16, 40, (0, 2), (2, 3), ((5, 6), (7, 9)))
+    bad = _k((0, 2), (2, 3), ((5, 6), (7, 9)))
     reason, _ = C.compare(lay, merged, bad)
     assert "tokens 32..39 (unit 2)" in reason and "KV head 3" in reason
     reason, _ = C.compare(lay, a, mine)
@@ -117,8 +123,20 @@ def _store(pools, kv, table):
 
 
 def _wire(pools, table, n, units, unit_tokens):
-    return [C.to_wire(lay, C.unit_sums(views, lay, table, n, units, unit_tokens).tolist(), units, unit_tokens, n)
+    return [C.to_wire(lay, C.unit_sums(views, lay, table, n, units, unit_tokens), units, unit_tokens, n)
             for lay, _, views in pools]
+
+
+def _verified(pools, table, n, units, unit_tokens, expected):
+    """Each rank's answer as D's worker computes it (``verify``, on the sums' device), checked
+    equal to the host reference ``compare``."""
+    out = []
+    for lay, _, views in pools:
+        sums = C.unit_sums(views, lay, table, n, units, unit_tokens)
+        got = C.verify(lay, expected, sums)
+        assert got == C.compare(lay, expected, C.to_wire(lay, sums, units, unit_tokens, n))
+        out.append(got)
+    return out
 
 
 # (model, P tp, D tp, P block, D block, prompt tokens)
@@ -157,16 +175,14 @@ def test_p_and_d_agree_and_damage_is_caught(name, tp_p, tp_d, bs_p, bs_d, n):
         expected = C.merge(_wire(P, p_table, n, units, bs_p))
         assert expected.heads == tuple(range(total))
         assert C.check_expected(expected, n, bs_p, len(L.layer_groups(P[0][0]))) is None
-        for rank, got in enumerate(_wire(D, d_table, n, units, bs_p)):
-            reason, checked = C.compare(D[rank][0], expected, got)
+        for rank, (reason, checked) in enumerate(_verified(D, d_table, n, units, bs_p, expected)):
             assert reason == "" and checked > 0, (mode, rank, reason)
 
     units = C.plan_units("full", n, bs_p)
     expected = C.merge(_wire(P, p_table, n, units, bs_p))
 
     def caught(pools, table) -> str:
-        return next((r for r in (C.compare(lay, expected, got)[0]
-                                 for (lay, _, _), got in zip(pools, _wire(pools, table, n, units, bs_p))) if r), "")
+        return next((r for r, _ in _verified(pools, table, n, units, bs_p, expected) if r), "")
 
     # one flipped byte of the last token (every sample has it, every window moves it)
     lay, t, _ = D[0]
@@ -216,8 +232,67 @@ def test_moved_units_drops_the_units_d_held_in_its_prefix_cache():
     from pushkv import messages as m
     from pushkv.kv.checksum import moved_units
 
-    exp = m.KVChecksums(16, 100, (0, 2, 6), (0, 3), ((1, 2, 3, 4, 5, 6), (7, 8, 9, 10, 11, 12)))  # 2 groups
+    exp = m.KVChecksums(16, 100, (0, 2, 6), (0, 3), C.pack([(1, 2, 3, 4, 5, 6), (7, 8, 9, 10, 11, 12)]))  # 2 groups
     assert moved_units(exp, 0) is exp
     got = moved_units(exp, 32)  # units 0 and 1 were cached: unit 2 (tokens 32..47) on
-    assert got.units == (2, 6) and got.sums == ((2, 3, 5, 6), (8, 9, 11, 12)) and got.heads == (0, 3)
+    assert got.units == (2, 6) and C.rows(got) == [(2, 3, 5, 6), (8, 9, 11, 12)] and got.heads == (0, 3)
     assert moved_units(exp, 112) is None
+
+
+def test_verify_on_the_sums_device_answers_as_compare():
+    """D's device-side check (``verify``: one reduction, two numbers back) gives the host
+    reference's answer, reason and count, in every case: equal, a mismatch anywhere (the first
+    in (head, group, unit) order is named), a mismatch only where a window group checks
+    nothing, a head P sent no row for (after or before a mismatch), rows of the wrong size."""
+    lay = L.layout_for(preset("hybrid"), 2, 1, 64, 16)  # heads 2 and 3; groups: full, window 48
+    n, units = 100, (0, 1, 3, 5, 6)
+    assert lay.head_start == 2 and lay.kv_heads == 2 and C.window_group(lay) == 1
+    g = torch.Generator().manual_seed(3)
+    mine = torch.randint(-2**62, 2**62, (2, len(units), 2), generator=g, dtype=torch.int64)
+    mine[1, :2] = 0  # window group: units 0 and 1 lie before the window (48), summed as 0
+    exp = C.to_wire(lay, mine, units, 16, n)
+
+    def both(expected, sums):
+        got = C.verify(lay, expected, sums)
+        assert got == C.compare(lay, expected, C.to_wire(lay, sums, units, 16, n)), got
+        return got
+
+    assert both(exp, mine) == ("", 2 * (5 + 3))  # the window group checks units 3, 5, 6
+    for grp, i, h in [(0, 0, 0), (0, 4, 1), (1, 3, 0), (1, 4, 1)]:
+        bad = mine.clone()
+        bad[grp, i, h] += 1
+        reason, compared = both(exp, bad)
+        assert f"(unit {units[i]}), layer group {grp}, KV head {2 + h}" in reason, reason
+        if (grp, i, h) != (1, 4, 1):
+            bad[1, 4, 1] -= 1  # the last in order too: the first is still named
+            assert both(exp, bad)[0] == reason
+    bad = mine.clone()
+    bad[1, 1, 0] = 7  # before the window: not checked
+    assert both(exp, bad) == ("", 16)
+    other = m.KVChecksums(16, n, units, (2, 7), exp.sums)  # head 3's row named 7: P sent none for 3
+    assert both(other, mine) == ("no checksum from P for KV head 3", 8)
+    bad = mine.clone()
+    bad[0, 1, 0] ^= 1
+    assert "KV head 2" in both(other, bad)[0]  # head 2's mismatch comes first
+    assert both(msgspec.structs.replace(exp, sums=exp.sums[8:]), mine)[0] == "no checksum from P for KV head 2"
+
+
+@pytest.mark.parametrize("spans,want", [
+    ([(-1, 0, 40)], (3, 40)),  # one WRITE of every group
+    ([(-1, 32, 40)], (3, 40)),  # after D's cached prefix
+    ([(0, 32, 64), (1, 48, 64), (2, 48, 64)], (3, 64)),  # layer-streamed: each group's rest
+    ([(0, 48, 64), (1, 48, 64)], (2, 64)),  # the last group's end left in a part: the one before it
+    ([(2, 48, 64)], (3, 64)),  # every group's parts reached the end: the rendezvous re-sends the last unit
+    ([(1, 48, 64), (2, 48, 50)], (2, 64)),  # a short last span: the one that reaches the end
+])
+def test_source_fault_flips_what_the_last_write_carries(spans, want):
+    """kv_flip_source (pushkv/kv/damage.py) picks a byte the last WRITE moves, so it is seen
+    with layer-streamed push too: small's 4 layers in 3 groups are (0, 1), (2,), (3,)."""
+    from pushkv.kv import damage
+
+    lay = L.layout_for(preset("small"), 1, 0, 8, 16, layer_split=3)
+    assert L.layer_groups(lay) == ((0, 1), (2,), (3,))
+    layer, end = damage.carried_last_token(lay, spans)
+    assert (layer, end) == want
+    g = next(g for g, t, e in reversed(spans) if e == end)
+    assert g < 0 or layer in L.layer_groups(lay)[g]

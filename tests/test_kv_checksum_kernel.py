@@ -1,6 +1,7 @@
 """The CUDA checksum kernel (model/kernels/triton_checksum.py) equals the torch reference
-(kv/checksum.py) bit for bit: on the CPU under Triton's interpreter (a child process: the
-switch is read at import), and on a GPU when there is one."""
+(kv/checksum.py) bit for bit, and D's check on the sums' device (``checksum.verify``) answers
+as the host reference (``compare``): on the CPU under Triton's interpreter (a child process:
+the switch is read at import), and on a GPU when there is one."""
 import json
 import os
 import subprocess
@@ -33,7 +34,17 @@ for name, dtype, tp, rank, bs, sub, hg, n in json.loads(sys.argv[2]):
         units = C.plan_units(mode, n, bs, salt=3)
         ref = C.unit_sums(views, lay, table, n, units, bs)
         got = K.unit_sums(views, lay, table, n, units, bs)
-        out.append([name, mode, bool(torch.equal(ref.cpu(), got.cpu())), bool((ref != 0).any())])
+        equal = bool(torch.equal(ref.cpu(), got.cpu()))
+        # D's check where the sums are gives the host reference's answer, clean and damaged
+        exp = C.to_wire(lay, ref, units, bs, n)
+        answers = []
+        for damage in (False, True):
+            if damage:
+                got[-1, -1, -1] += 1
+            answers.append((C.verify(lay, exp, got), C.compare(lay, exp, C.to_wire(lay, got, units, bs, n))))
+        (clean, clean_ref), (bad, bad_ref) = answers
+        verified = clean == clean_ref and clean[0] == "" and bad == bad_ref and "mismatch" in bad[0]
+        out.append([name, mode, equal, bool((ref != 0).any()), verified])
 print(json.dumps(out))
 """
 
@@ -47,9 +58,10 @@ def _run(device: str, env: dict) -> list:
 
 def _check(rows: list) -> None:
     assert len(rows) == 2 * len(CASES)
-    for name, mode, equal, nonzero in rows:
+    for name, mode, equal, nonzero, verified in rows:
         assert equal, (name, mode)
         assert nonzero, (name, mode)
+        assert verified, (name, mode)
 
 
 def test_kernel_equals_torch_under_interpreter():

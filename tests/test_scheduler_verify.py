@@ -9,6 +9,7 @@ import msgspec
 
 from pushkv import messages as m
 from pushkv.config import DeploymentConfig
+from pushkv.kv import checksum
 from tests.test_scheduler_roles import P_SRC, all_free, deliver, generate, make, step_done, wired
 
 PROMPT = tuple(range(1, 41))  # 40 tokens: 3 blocks of 16
@@ -22,7 +23,7 @@ def verifying(role: str, mode: str = "push", **kw):
 
 
 def sums(heads=(0, 1), units=(0, 1, 2), value=5) -> m.KVChecksums:
-    return m.KVChecksums(16, len(PROMPT), units, heads, tuple((value,) * len(units) for _ in heads))
+    return m.KVChecksums(16, len(PROMPT), units, heads, checksum.pack([(value,) * len(units) for _ in heads]))
 
 
 def test_prefill_asks_the_last_chunk_for_checksums_and_sends_them_merged():

@@ -18,7 +18,9 @@ compute the same numbers whatever their layouts (TP sizes, block sizes, head gro
 ``sample`` checks the first and the last unit and ``SAMPLE_EXTRA`` more at positions hashed
 from a salt; ``full`` checks every unit. The pure parts (which units, merging ranks' rows,
 comparing) are here and table-tested; ``unit_sums`` is the torch reference, and
-``model/kernels/triton_checksum.py`` computes the same on CUDA.
+``model/kernels/triton_checksum.py`` computes the same on CUDA. D compares where its sums
+are (``verify``: on the GPU, one reduction, two numbers to the host; ``compare`` is its host
+reference). On the wire the sums are packed bytes (``pack``, ``rows``).
 """
 from __future__ import annotations
 
@@ -108,13 +110,38 @@ def sub_rows(lay: KVLayout, table: Sequence[int], units: Sequence[int], unit_tok
 
 
 # ------------------------------------------------------------------ rows <-> wire
+SUM_BYTES = 8  # a sum on the wire: little-endian int64
+
+
+def pack(rows: Sequence[Sequence[int]]) -> bytes:
+    """Rows of signed 64-bit ints -> ``KVChecksums.sums``."""
+    import numpy as np
+
+    return np.asarray([list(r) for r in rows] if rows else [], dtype="<i8").tobytes()
+
+
+def rows(exp: KVChecksums) -> list[tuple[int, ...]]:
+    """``exp.sums`` as one tuple of ints per head (its row), in ``exp.heads`` order."""
+    import numpy as np
+
+    if not exp.heads:
+        return []
+    flat = np.frombuffer(exp.sums, dtype="<i8")
+    return [tuple(r) for r in flat.reshape(len(exp.heads), -1).tolist()]
+
+
+def _row_bytes(exp: KVChecksums) -> int:
+    if not exp.heads or len(exp.sums) % (len(exp.heads) * SUM_BYTES):
+        raise ValueError(f"{len(exp.sums)} bytes of checksums do not split into {len(exp.heads)} rows")
+    return len(exp.sums) // len(exp.heads)
+
+
 def to_wire(lay: KVLayout, sums, units: Sequence[int], unit_tokens: int, num_tokens: int) -> KVChecksums:
-    """``sums[group][unit index][local head]`` (ints) -> the wire struct, rows by global head."""
-    groups = len(layer_groups(lay))
-    rows = tuple(tuple(int(sums[g][i][h]) for g in range(groups) for i in range(len(units)))
-                 for h in range(lay.kv_heads))
+    """``sums`` ``[groups, len(units), local heads]`` int64 (a tensor on any device: one copy to
+    the host) -> the wire struct, rows by global head."""
+    host = sums.permute(2, 0, 1).contiguous().cpu()  # [heads, groups, units]
     heads = tuple(lay.head_start + h for h in range(lay.kv_heads))
-    return KVChecksums(unit_tokens, num_tokens, tuple(units), heads, rows)
+    return KVChecksums(unit_tokens, num_tokens, tuple(units), heads, host.numpy().astype("<i8").tobytes())
 
 
 def merge(parts: Sequence[Optional[KVChecksums]]) -> Optional[KVChecksums]:
@@ -124,41 +151,86 @@ def merge(parts: Sequence[Optional[KVChecksums]]) -> Optional[KVChecksums]:
     if not parts:
         return None
     first = parts[0]
-    rows: dict[int, tuple[int, ...]] = {}
+    by_head: dict[int, bytes] = {}
     for p in parts:
         if (p.unit_tokens, p.num_tokens, p.units) != (first.unit_tokens, first.num_tokens, first.units):
             raise ValueError("ranks' checksums cover different units")
-        for h, row in zip(p.heads, p.sums):
-            rows.setdefault(h, row)
-    heads = tuple(sorted(rows))
-    return KVChecksums(first.unit_tokens, first.num_tokens, first.units, heads, tuple(rows[h] for h in heads))
+        size = _row_bytes(p)
+        for i, h in enumerate(p.heads):
+            by_head.setdefault(h, p.sums[i * size:(i + 1) * size])
+    heads = tuple(sorted(by_head))
+    return KVChecksums(first.unit_tokens, first.num_tokens, first.units, heads, b"".join(by_head[h] for h in heads))
+
+
+def _mismatch(exp: KVChecksums, head: int, g: int, i: int) -> str:
+    u = exp.units[i]
+    t0 = u * exp.unit_tokens
+    t1 = min(t0 + exp.unit_tokens, exp.num_tokens)
+    return f"KV checksum mismatch: tokens {t0}..{t1 - 1} (unit {u}), layer group {g}, KV head {head}"
+
+
+def _rows_fit(lay: KVLayout, exp: KVChecksums) -> bool:
+    return len(exp.sums) == SUM_BYTES * len(exp.heads) * len(layer_groups(lay)) * len(exp.units)
 
 
 def compare(lay: KVLayout, expected: KVChecksums, got: KVChecksums) -> tuple[str, int]:
     """``(reason, sums compared)``: reason is "" when every sum this side checks matches, else
-    names the first unit (its tokens), layer group and head that differ."""
+    names the first (head, layer group, unit) that differs, or the first head P sent no row
+    for. The host reference of ``verify``, which D's workers run where the sums are."""
     if (got.unit_tokens, got.num_tokens, got.units) != (expected.unit_tokens, expected.num_tokens, expected.units):
         return "checksums cover different units on the two sides", 0
-    want = dict(zip(expected.heads, expected.sums))
     groups = len(layer_groups(lay))
     n = len(expected.units)
+    want = dict(zip(expected.heads, rows(expected))) if _rows_fit(lay, expected) else {}
     compared = 0
-    for h, row in zip(got.heads, got.sums):
+    for h, row in zip(got.heads, rows(got)):
         exp = want.get(h)
-        if exp is None or len(exp) != groups * n or len(row) != groups * n:
+        if exp is None or len(row) != groups * n:
             return f"no checksum from P for KV head {h}", compared
         for g in range(groups):
             keep = checked_units(lay, g, expected.units, expected.unit_tokens, expected.num_tokens)
-            for i, u in enumerate(expected.units):
+            for i in range(n):
                 if not keep[i]:
                     continue
                 compared += 1
                 if row[g * n + i] != exp[g * n + i]:
-                    t0 = u * expected.unit_tokens
-                    t1 = min(t0 + expected.unit_tokens, expected.num_tokens)
-                    return (f"KV checksum mismatch: tokens {t0}..{t1 - 1} (unit {u}), layer group {g}, "
-                            f"KV head {h}"), compared
+                    return _mismatch(expected, h, g, i), compared
     return "", compared
+
+
+def verify(lay: KVLayout, expected: KVChecksums, sums) -> tuple[str, int]:
+    """D's check of this rank's ``sums`` (``[groups, len(expected.units), local heads]``, on its
+    device) against P's: ``compare``'s answer, computed where the sums are. P's rows go up in
+    one copy; one reduction leaves the mismatch count and the first mismatching (head, group,
+    unit) in ``compare``'s order, and only those two numbers come back to the host."""
+    import numpy as np
+    import torch
+
+    groups = len(layer_groups(lay))
+    n = len(expected.units)
+    at = {h: i for i, h in enumerate(expected.heads)} if _rows_fit(lay, expected) else {}
+    mine = [lay.head_start + h for h in range(lay.kv_heads)]
+    missing = next((k for k, h in enumerate(mine) if h not in at), None)
+    heads = mine if missing is None else mine[:missing]  # compare stops at the first head P sent nothing for
+    keep = [checked_units(lay, g, expected.units, expected.unit_tokens, expected.num_tokens) for g in range(groups)]
+    per_head = sum(map(sum, keep))
+    count = 0
+    if heads and per_head:
+        exp = np.frombuffer(expected.sums, dtype="<i8").reshape(len(expected.heads), groups * n)
+        exp = exp[[at[h] for h in heads]].reshape(-1)
+        host = torch.from_numpy(np.concatenate([exp, np.asarray(keep, dtype=np.int64).reshape(-1)]))
+        up = host.to(sums.device, non_blocking=True)  # the one copy up
+        want = up[:exp.size].view(len(heads), groups, n)
+        bad = (sums[:, :, :len(heads)].permute(2, 0, 1) != want) & up[exp.size:].view(1, groups, n).bool()
+        flat = bad.reshape(-1).to(torch.int32)
+        count, first = torch.stack([flat.sum(), torch.argmax(flat)]).tolist()  # the one copy down
+    if count:
+        hi, rest = divmod(first, groups * n)
+        g, i = divmod(rest, n)
+        return _mismatch(expected, heads[hi], g, i), hi * per_head + sum(map(sum, keep[:g])) + sum(keep[g][:i + 1])
+    if missing is not None:
+        return f"no checksum from P for KV head {mine[missing]}", missing * per_head
+    return "", per_head * len(mine)
 
 
 # ------------------------------------------------------------------ torch reference
@@ -222,15 +294,17 @@ def moved_units(exp: KVChecksums, first_token: int) -> Optional[KVChecksums]:
     """``exp`` less the units before ``first_token``: D's prefix-cache hits, which never crossed
     (their KV is D's own, and where D's decode computed it, it may differ from P's in the last
     bits). None when no unit is left."""
+    import numpy as np
+
     keep = [i for i, u in enumerate(exp.units) if u * exp.unit_tokens >= first_token]
     if len(keep) == len(exp.units):
         return exp
     if not keep:
         return None
     n = len(exp.units)
-    groups = len(exp.sums[0]) // n if exp.sums and n else 0
-    rows = tuple(tuple(row[g * n + i] for g in range(groups) for i in keep) for row in exp.sums)
-    return KVChecksums(exp.unit_tokens, exp.num_tokens, tuple(exp.units[i] for i in keep), exp.heads, rows)
+    table = np.frombuffer(exp.sums, dtype="<i8").reshape(len(exp.heads), -1, n)  # [heads, groups, units]
+    return KVChecksums(exp.unit_tokens, exp.num_tokens, tuple(exp.units[i] for i in keep), exp.heads,
+                       np.ascontiguousarray(table[:, :, keep]).tobytes())
 
 
 def check_expected(exp: KVChecksums, num_tokens: int, unit_tokens: int, groups: int) -> Optional[str]:
@@ -242,6 +316,6 @@ def check_expected(exp: KVChecksums, num_tokens: int, unit_tokens: int, groups: 
     n = n_units(num_tokens, unit_tokens)
     if not exp.units or any(not 0 <= u < n for u in exp.units) or list(exp.units) != sorted(set(exp.units)):
         return f"checksum units {list(exp.units)[:8]} are not distinct sorted units of [0, {n})"
-    if len(exp.heads) != len(exp.sums) or any(len(r) != groups * len(exp.units) for r in exp.sums):
+    if len(exp.sums) != SUM_BYTES * len(exp.heads) * groups * len(exp.units):
         return "checksum rows do not match their heads, layer groups and units"
     return None

@@ -8,24 +8,35 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from pushkv.kv.layout import KVLayout, offset, subs_per_block, unit
+from pushkv.kv.layout import KVLayout, layer_groups, offset, subs_per_block, unit
 
 FLIP = 0x5A  # XORed into one byte
 
 
-def flip_last_token(pool, lay: KVLayout, block_ids: Sequence[int], num_tokens: int) -> int:
-    """Flip one byte of the prompt's last token (layer 0, K, first local head) in a pool;
+def flip_last_token(pool, lay: KVLayout, block_ids: Sequence[int], num_tokens: int, layer: int = 0) -> int:
+    """Flip one byte of the prompt's last token (K, first local head, ``layer``) in a pool;
     the last token is in every sample of units and inside every sliding window. Returns the
     byte offset."""
     t = num_tokens - 1
     block, within = divmod(t, lay.block_size)
     sub = block_ids[block] * subs_per_block(lay) + within // unit(lay)
-    off = offset(lay, sub, 0, 0, 0, within % unit(lay))
+    off = offset(lay, sub, layer, 0, 0, within % unit(lay))
     import torch
 
     raw = pool.tensor.view(-1).view(torch.uint8)
     raw[off] ^= FLIP
     return off
+
+
+def carried_last_token(lay: KVLayout, spans: Sequence[tuple[int, int, int]]) -> tuple[int, int]:
+    """``(layer, tokens)``: a last WRITE of ``(layer group, first token, end token)`` spans is
+    sure to carry token ``tokens - 1`` of ``layer``: the end of its last span that reaches the
+    WRITE's end, in the last layer of that span's group (-1: every group). With layer-streamed
+    push, parts may have taken the prompt's end of the other groups before it; the rendezvous
+    never posts a last WRITE without a span (``_last_write``)."""
+    end = max(e for _, _, e in spans)
+    g = next(g for g, t, e in reversed(spans) if e == end and e > t)
+    return (layer_groups(lay)[g][-1] if g >= 0 else lay.num_layers - 1), end
 
 
 def swap_first_two(block_ids: Sequence[int]) -> tuple[int, ...]:

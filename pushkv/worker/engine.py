@@ -114,8 +114,8 @@ class Worker(Actor):
         n = s.start_pos + len(s.token_ids)
         unit_tokens = self.cfg.prefill.block_size
         units = checksum.plan_units(s.checksum, n, unit_tokens, salt=s.seq_id)
-        sums = checksum.to_wire(self.layout, self._unit_sums(s.block_table, n, units, unit_tokens).tolist(),
-                                units, unit_tokens, n)
+        sums = checksum.to_wire(self.layout, self._unit_sums(s.block_table, n, units, unit_tokens), units,
+                                unit_tokens, n)
         if faults.fire(self.name, "kv_flip_source"):  # tests of --kv-verify: the source changes after its sums
             damage.flip_last_token(self.pool, self.layout, s.block_table, n)
         return sums
@@ -141,8 +141,7 @@ class Worker(Actor):
         exp = msg.checksums
         try:
             sums = self._unit_sums(msg.block_ids, exp.num_tokens, exp.units, exp.unit_tokens)
-            got = checksum.to_wire(self.layout, sums.tolist(), exp.units, exp.unit_tokens, exp.num_tokens)
-            reason, checked = checksum.compare(self.layout, exp, got)
+            reason, checked = checksum.verify(self.layout, exp, sums)  # on the device: two numbers come back
         except Exception as e:  # a malformed expectation fails this request, not the worker
             log.exception("%s: KV verification failed to run transfer_id=%s", self.name, msg.transfer_id)
             reason, checked = f"KV verification could not run: {type(e).__name__}: {e}", 0

@@ -352,8 +352,9 @@ class PrefillWriter(WriterBase):
         """Tests of --kv-verify only (faults.fire): damage the KV this WRITE moves. Returns
         (swap two destination blocks, the token spans to post: the last a block short when
         truncated)."""
-        if faults.fire(self.name, "kv_flip_source"):
-            damage.flip_last_token(self.pool, self.layout, a.block_ids, max(e for _, _, e in spans))
+        if faults.fire(self.name, "kv_flip_source"):  # bytes this WRITE carries, whatever parts took before
+            layer, end = damage.carried_last_token(self.layout, spans)
+            damage.flip_last_token(self.pool, self.layout, a.block_ids, end, layer)
         if faults.fire(self.name, "kv_truncate"):
             g, t, e = spans[-1]
             spans = spans[:-1] + [(g, t, damage.truncated(e, t, self.layout.block_size))]

@@ -51,6 +51,20 @@ def _sums_kernel(pool_ptr, rows_ptr, units_ptr, layers_ptr, base_ptr, sstride_pt
     tl.store(out_ptr + (row * n_layers + li) * n_heads + h, tl.sum(acc, axis=0))
 
 
+def _upload(lists: Sequence[Sequence[int]], device) -> list[torch.Tensor]:
+    """The kernel's index arrays in one copy to the device (each a host -> device copy that
+    waits: one, not eight, on the path of D's first token), every array starting 16-byte
+    aligned (Triton specialises pointers on it; an unaligned one compiles another variant)."""
+    flat: list[int] = []
+    spans = []
+    for xs in lists:
+        spans.append((len(flat), len(xs)))
+        flat.extend(xs)
+        flat.extend([0] * (len(flat) % 2))
+    buf = torch.tensor(flat, dtype=torch.int64).to(device, non_blocking=True)
+    return [buf[a:a + n] for a, n in spans]
+
+
 def unit_sums(views, lay: KVLayout, table: Sequence[int], num_tokens: int, units: Sequence[int],
               unit_tokens: int) -> torch.Tensor:
     """``[groups, len(units), local heads]`` int64, as ``checksum.unit_sums``."""
@@ -70,21 +84,22 @@ def unit_sums(views, lay: KVLayout, table: Sequence[int], num_tokens: int, units
     spu = unit_tokens // unit(lay)
     layers = [layer for g in groups for layer in g]
     place = [layer_place(lay, layer) for layer in layers]
-    as_t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=dev)  # noqa: E731
-    rows = as_t(C.sub_rows(lay, table, units, unit_tokens))
+    keep = [k for g in range(len(groups)) for k in C.checked_units(lay, g, units, unit_tokens, num_tokens)]
+    rows, units_t, layers_t, base, sstride, hstride, keep_t = _upload(
+        [C.sub_rows(lay, table, units, unit_tokens), list(units), layers, [b // wb for b, _, _ in place],
+         [s // wb for _, s, _ in place], [hs // wb for _, _, hs in place], [int(k) for k in keep]], dev)
     row_words = lay.head_dim * lay.dtype_bytes // wb
     block = triton.next_power_of_2(unit(lay) * row_words)
     part = torch.empty(len(rows), len(layers), lay.kv_heads, dtype=torch.int64, device=dev)
     _sums_kernel[(len(rows), len(layers), lay.kv_heads)](
-        words, rows, as_t(list(units)), as_t(layers), as_t([b // wb for b, _, _ in place]),
-        as_t([s // wb for _, s, _ in place]), as_t([hs // wb for _, _, hs in place]), part,
+        words, rows, units_t, layers_t, base, sstride, hstride, part,
         num_tokens, len(layers), lay.kv_heads, spu, unit_tokens,
         GH=group_heads(lay), PLANES=lay.kv_planes, SUB=unit(lay), WORDS=row_words,
         SLAB=slab_bytes(lay) // wb, HEAD=head_bytes(lay) // wb, BLOCK=block, C1=C.C1, C2=C.C2)
     per_layer = part.view(nu, spu, len(layers), lay.kv_heads).sum(dim=1)  # [units, layers, heads]
+    keep_t = keep_t.view(len(groups), nu)
     at = 0
     for g, ls in enumerate(groups):
-        keep = torch.tensor(C.checked_units(lay, g, units, unit_tokens, num_tokens), device=dev)
-        out[g] = per_layer[:, at:at + len(ls)].sum(dim=1) * keep[:, None]
+        out[g] = per_layer[:, at:at + len(ls)].sum(dim=1) * keep_t[g][:, None]
         at += len(ls)
     return out
