@@ -538,3 +538,28 @@ def test_a_last_write_with_nothing_left_never_divides_by_zero():
     m.on_registration(register(), 0.0)
     (last,) = m.on_prefill_done("t", 1, BLOCKS, 0, FIRST, 1.0)
     assert last.last and last.num_tokens == 0
+
+
+def test_layer_marks_keep_the_last_groups_final_unit_for_the_last_write():
+    """Every layer mark of a prompt's last step may come before its prefill half: parts then
+    move all but the last group's final unit, which the last WRITE carries (once: nothing is
+    sent twice), so the bytes D sees last are the prompt's end (what --kv-verify's sample
+    always checks, and what its faults damage)."""
+    m = PushRendezvous(0, 1, 4, WAIT, XFER, stream_unit=UNIT, stream_groups=2)
+    m.on_registration(register(), 0.0)
+    (part,) = m.on_prefill_progress("t", 1, BLOCKS, 32, 1.0, group=0)
+    assert spans(part) == ((0, 0, 32),)  # not the last group: all its whole units
+    assert m.on_prefill_progress("t", 1, BLOCKS, 32, 1.1, group=1) == []  # a part flies
+    (part,) = m.on_write_done("t", 1, 1.2, part=True)
+    assert spans(part) == ((1, 0, 16),)  # the last group: its final unit stays
+    assert m.on_prefill_done("t", 1, BLOCKS, 32, FIRST, 1.3) == []
+    (last,) = m.on_write_done("t", 1, 1.4, part=True)
+    assert last.last and spans(last) == ((1, 16, 32),)
+    # one group (layer streaming with --push-stream-groups 1): the same
+    m = PushRendezvous(0, 1, 4, WAIT, XFER, stream_unit=UNIT, stream_groups=1)
+    m.on_registration(register(), 0.0)
+    (part,) = m.on_prefill_progress("t", 1, BLOCKS, 48, 1.0, group=0)
+    assert spans(part) == ((-1, 0, 32),)
+    m.on_write_done("t", 1, 1.1, part=True)
+    (last,) = m.on_prefill_done("t", 1, BLOCKS, 48, FIRST, 1.2)
+    assert spans(last) == ((-1, 32, 48),)

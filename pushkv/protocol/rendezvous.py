@@ -100,6 +100,7 @@ class _Transfer:
     streamed: bool = False  # prefill progress seen before the prefill half
     progress: list[int] = field(default_factory=list)  # per layer group: prompt tokens computed so far
     sent: list[int] = field(default_factory=list)  # per layer group: prompt tokens asked for in parts
+    marked: bool = False  # progress came from layer marks (which may reach the prompt's end before it is done)
     parts: int = 0  # part WRITEs asked for
     inflight: int = 0  # WRITEs asked for (parts and the last) not yet reported
     final_pending: bool = False  # all halves in; the last WRITE waits for the parts
@@ -319,6 +320,7 @@ class PushRendezvous:
             return [Count("stale_progress")]
         for g in gs:
             e.progress[g] = max(e.progress[g], num_tokens)
+        e.marked = e.marked or group >= 0
         if len(blocks) >= len(e.block_ids):  # a later step's table holds an earlier one's
             e.block_ids = blocks
         e.streamed = True
@@ -331,7 +333,10 @@ class PushRendezvous:
         if e.inflight or not (self.stream_unit and e.streamed and e.needed and e.needed <= e.regs.keys()):
             return []
         u = self.stream_unit
-        spans = [(g, e.sent[g], p // u * u) for g, p in enumerate(e.progress) if p // u * u > e.sent[g]]
+        ends = [p // u * u for p in e.progress]
+        if e.marked:  # the last group's last marked unit waits for the last WRITE (below)
+            ends[-1] = (e.progress[-1] - 1) // u * u
+        spans = [(g, e.sent[g], end) for g, end in enumerate(ends) if end > e.sent[g]]
         if not spans:
             return []
         for g, _, end in spans:
@@ -339,6 +344,11 @@ class PushRendezvous:
         e.parts, e.inflight = e.parts + 1, e.inflight + 1
         return [self._write(e, spans, 0, last=False)]
 
+    # Layer marks of a prompt's last step may all arrive before its prefill half, so parts alone
+    # could move the whole prompt. The last group's final unit is kept for the last WRITE: it has
+    # bytes for its notification to follow (no unit is sent twice), and the KV D has not seen
+    # until the last WRITE is the prompt's end, where a fault that damages that WRITE (or a
+    # real one) lands in the units every --kv-verify sample checks.
     def _last_write(self, e) -> list[Action]:
         e.final_pending = False
         e.last_posted = True
