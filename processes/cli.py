@@ -227,6 +227,9 @@ def cmd_up(args: argparse.Namespace, child_argv: Optional[ArgvHook] = None) -> i
         print(f"pushkv up: --role {cfg.host_role} binds its schedulers and writers on the network; give every host "
               "the same --secret-file (make one: openssl rand -hex 32), or --insecure to run without one", file=sys.stderr)
         return 2
+    if cfg.host_role and not cfg.secret_file:  # --insecure: said at every start, before anything can fail
+        print(f"pushkv up: WARNING --insecure: {cfg.host_role} host without --secret-file: its ZMQ sockets on "
+              f"{cfg.advertise or cfg.host} take plain, unauthenticated peers", file=sys.stderr)
     _sweep_residue()
     announcer = None
     if cfg.host_role in ("prefill", "decode"):  # this host's instances go into the registry
@@ -244,10 +247,6 @@ def cmd_up(args: argparse.Namespace, child_argv: Optional[ArgvHook] = None) -> i
         level=getattr(logging, cfg.log_level.upper(), logging.INFO), stream=sys.stderr,
         format="%(asctime)s %(levelname)s supervisor %(name)s: %(message)s",
     )
-    if cfg.host_role and not cfg.secret_file:
-        logging.getLogger("pushkv.cli").warning(
-            "--insecure: %s host without --secret-file: its ZMQ sockets on %s take plain, unauthenticated peers",
-            cfg.host_role, cfg.advertise or cfg.host)
     setproctitle(f"pushkv supervisor {cfg.deployment_id}")
     sup = Supervisor(
         cfg, child_argv=child_argv, on_child_exit=args.on_child_exit,

@@ -8,11 +8,12 @@ layer group) from one P rank to two D ranks, in one WRITE; push-layer the same w
 layer-streamed (parts leave as P's worker marks each layer group stored, so the faults must
 damage what the last WRITE carries: the flipped byte is the last group's, and the prompt a
 whole number of units whose first groups' ends left in parts); pull checks every block, D's
-blocks twice P's."""
+blocks twice P's. On a GPU, push-layer and pull run again with the pools in GPU memory."""
 import os
 import random
 
 import pytest
+import torch
 
 from pushkv import faults
 from tests.deploy import deployment, wait_pools_free
@@ -48,15 +49,21 @@ FLAGS = {  # layouts besides P's: TP 1 -> 2 with a sliding-window layer group, a
 LAYER_PROMPT_TOKENS = 256  # a whole number of units (32 tokens: the lcm of P's and D's blocks)
 
 
-@pytest.fixture(scope="module", params=["push", "push-layer", "pull"])
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+# on a GPU the same cases run with the pools in GPU memory: P's sums by the Triton kernel, D's
+# check on the device (checksum.verify), the faults' bytes flipped in GPU memory
+@pytest.fixture(scope="module", params=["push", "push-layer", "pull", pytest.param("push-layer cuda", marks=GPU),
+                                        pytest.param("pull cuda", marks=GPU)])
 def dep(request, tmp_path_factory):
-    mode = request.param
+    mode, _, device = request.param.partition(" ")
     d = tmp_path_factory.mktemp(f"kv-verify-{mode}")
     fdir = d / "armed"
     fdir.mkdir()
     os.environ["PUSHKV_FAULTS_DIR"] = str(fdir)
     try:
-        with deployment(d, "--num-blocks", "64", *FLAGS[mode]) as dp:
+        with deployment(d, "--num-blocks", "64", *FLAGS[mode], *(("--device", device) if device else ())) as dp:
             dp.faults_dir = str(fdir)
             dp.mode = mode
             yield dp

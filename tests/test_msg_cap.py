@@ -116,3 +116,30 @@ def serve(worker: zmq.Socket, client: zmq.Socket, timeout_s: float = 20.0) -> li
                 if msg.finished:
                     return toks
     raise TimeoutError(f"request not finished; tokens so far {toks}")
+
+
+@pytest.mark.parametrize("model,stream,groups", [("qwen3-8b", "off", 4), ("qwen3-8b", "layer", 4),
+                                                 ("small", "layer", 8), ("hybrid", "layer", 4)])
+def test_a_step_done_with_every_checksum_fits_the_cap(model, stream, groups):
+    """--kv-verify full: P's StepDone carries the sums of every prompt whose last chunk the step
+    stored, a row per KV head of one sum per (layer group, block); the caps count the layer
+    groups the pool is really cut into (layer streaming cuts it in more), and prompts that fill
+    P's whole pool in one step stay within half the cap."""
+    import torch
+
+    from pushkv.kv import checksum as C
+    from pushkv.kv.layout import instance_layout, layer_groups
+
+    cfg = DeploymentConfig(model=preset(model), mode="push", kv_verify="full", push_stream=stream,
+                           push_stream_groups=groups)
+    inst = cfg.prefill
+    lay = instance_layout(cfg, inst, 0)
+    assert L._checksum_groups(cfg) == len(layer_groups(lay))
+    pool_tokens = inst.num_blocks * inst.block_size
+    n = pool_tokens // inst.max_num_seqs  # every sequence a prompt of its share of the pool
+    units = C.plan_units("full", n, inst.block_size)
+    one = C.to_wire(lay, torch.full((len(layer_groups(lay)), len(units), lay.kv_heads), -(2**63)), units,
+                    inst.block_size, n)
+    done = m.StepDone(1, (cfg.model.vocab_size - 1,) * inst.max_num_seqs, 1.0, checksums=(one,) * inst.max_num_seqs)
+    assert 2 * len(m.encode(done)) <= L.msg_cap_bytes(cfg)
+    assert len(m.encode(done)) <= L.step_done_bytes(cfg, inst) + inst.max_num_seqs * 64  # 64 B: a struct's own

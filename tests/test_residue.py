@@ -33,13 +33,16 @@ def test_residue_lists_only_dead_writers_segments_and_sweep_removes_them(tmp_pat
 
 
 @pytest.mark.timeout(180)
-def test_pushkv_up_removes_a_killed_deployments_pools(tmp_path):
-    """Every process of a deployment killed (kill -9, as in a crash): its pools stay in /dev/shm.
-    The next `pushkv up` of the same user removes them and says so; `pushkv status` lists them."""
+def test_pushkv_up_removes_a_killed_deployments_pools(tmp_path, capsys):
+    """Every process of a deployment killed (kill -9, as in a crash): its pools stay in /dev/shm
+    and its run dir on disk. `pushkv status` lists the pools; the next `pushkv up` of the same
+    user removes pools and run dir and says so."""
+    from processes.cli import main
+
     reg = str(tmp_path / "reg")
     with launched("--mode", "local", "--model", "tiny", "--num-blocks", "64", registry=reg,
                   log_path=str(tmp_path / "first.log")) as dep:
-        dep_id = dep.cfg.deployment_id
+        dep_id, run_dir = dep.cfg.deployment_id, dep.cfg.run_dir
         os.kill(dep.proc.pid, signal.SIGKILL)  # the supervisor; its children die with it, cleaning nothing
         dep.proc.wait(10)
         deadline = time.monotonic() + 10
@@ -48,8 +51,15 @@ def test_pushkv_up_removes_a_killed_deployments_pools(tmp_path):
     left = lifecycle.shm_leftovers(dep_id)
     assert left, "a killed writer's pool should still be there"
     assert {p for p, _ in lifecycle.residue()} >= set(left)
+    assert os.path.isdir(run_dir)
+    capsys.readouterr()
+    main(["status", dep_id])  # no live deployment has that id: only what is left is listed
+    listed = capsys.readouterr().err
+    for path in left:
+        assert f"residue: {path} (writer pid" in listed, listed
     with launched("--mode", "local", "--model", "tiny", "--num-blocks", "64", registry=reg,
                   log_path=str(tmp_path / "second.log")):
         assert lifecycle.shm_leftovers(dep_id) == []
+        assert not os.path.exists(run_dir)
     log = open(tmp_path / "second.log").read()
     assert f"removed dead deployment {dep_id}" in log, log[-2000:]

@@ -253,10 +253,12 @@ def test_networked_role_refuses_to_start_without_a_secret(capsys, role):
 
 
 def test_insecure_role_gets_past_the_secret_check(capsys):
-    """--insecure lets a networked role start without a secret: it gets as far as the registry."""
+    """--insecure lets a networked role start without a secret: it gets as far as the registry,
+    and says, before anything else can fail, that its sockets take unauthenticated peers."""
     from processes.cli import main
 
     assert main(["up", "--model", "tiny", "--role", "prefill", "--advertise", "127.0.0.1", "--insecure",
                  "--registry", "etcd://127.0.0.1:1"]) == 2  # no etcd there: refused at the registry, later
     err = capsys.readouterr().err
     assert "registry" in err and "--insecure to run" not in err
+    assert "WARNING --insecure: prefill host without --secret-file" in err and "unauthenticated" in err

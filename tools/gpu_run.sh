@@ -116,6 +116,9 @@ s.print_callees('_post_write|_prefill_done|on_ExpectKV|_poll_notifs')" 2>&1 | gr
              | grep -E "^warm|^\(devices|Error|error:" | tee "$OUT/xferwarm.txt" ;;
     gpue2e) timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_e2e.py 2>&1 | tee "$OUT/gpue2e.txt" | tail -5 ;;
     attntune) timeout 300 python3 -m tools.attn_tune 2>&1 | tee "$OUT/attn_tune.txt" ;;
+    kvverifyfaults) # the fault cases end to end with the pools in GPU memory (push-layer and pull, tiny models)
+              timeout 500 python3 -m pytest -q -p no:cacheprovider -rs tests/test_kv_verify.py -k cuda \
+              2>&1 | tail -4 | tee "$OUT/kv_verify_faults.txt" ;;
     kvverify) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kv_checksum_kernel.py tests/test_kv_checksum.py \
               2>&1 | tail -3 | tee "$OUT/kv_verify.txt"
               timeout 540 python3 -m tools.kv_verify_bench --device cuda --model qwen3-8b --length 8192 ${KV_VERIFY_BENCH:---ttft} \

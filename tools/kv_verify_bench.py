@@ -4,8 +4,9 @@ and full.
 Kernels: one rank's pool of the model's geometry holding a prompt of ``--length`` tokens
 (random bytes), and the time of one request's sums as the worker computes them (P after
 its prefill step, D before its first decode step: the same call), torch and, on CUDA, the
-Triton kernel; median of ``--reps`` after a warm-up, to the host (``tolist``) as the worker
-does.
+Triton kernel; median of ``--reps`` after a warm-up, to the host (``tolist``); and D's whole
+check of one rank (the sums, then ``checksum.verify`` on the device as the worker runs it, and
+the host reference ``compare`` for comparison).
 
 TTFT (``--ttft``): one deployment per mode (``pushkv up --kv-verify MODE`` + ``--up-args``),
 lone prompts of ``--length`` tokens, median TTFT and D's ``kv_verify_start -> kv_verified``.
@@ -13,6 +14,7 @@ lone prompts of ``--length`` tokens, median TTFT and D's ``kv_verify_start -> kv
     python -m tools.kv_verify_bench --device cuda --model qwen3-8b --length 8192 \\
         --ttft --up-args "--device cuda --model qwen3-8b --num-blocks 2048"
     python -m tools.kv_verify_bench --device cpu --model small --length 2048
+    python -m tools.kv_verify_bench --host-only --model qwen3-8b --length 8192
 """
 from __future__ import annotations
 
@@ -61,10 +63,63 @@ def kernel_times(model_name: str, length: int, block_size: int, device: str, rep
                 fn(views, lay, table, length, units, block_size).tolist()
                 ts.append(time.perf_counter() - t0)
             ms = statistics.median(ts) * 1e3
+            # D's whole check of one rank: the sums, then P's compared with them on the device
+            # (checksum.verify, what the worker runs) or on the host (compare, its reference)
+            exp = C.to_wire(lay, ref, units, block_size, length)
+            checks = {"check": lambda: C.verify(lay, exp, fn(views, lay, table, length, units, block_size)),
+                      "host_check": lambda: C.compare(lay, exp, C.to_wire(
+                          lay, fn(views, lay, table, length, units, block_size), units, block_size, length))}
+            check_ms = {}
+            for what, check in checks.items():
+                assert check()[0] == "", what
+                cs = []
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    check()
+                    cs.append(time.perf_counter() - t0)
+                check_ms[what + "_ms"] = round(statistics.median(cs) * 1e3, 3)
             read = kv_mib * len(units) / C.n_units(length, block_size)
-            rows.append({"mode": mode, "impl": name, "equal_torch": same, "ms": round(ms, 3), "units": len(units),
-                         "kv_read_mib": round(read, 1), "gb_s": round(read * 2**20 / 1e9 / (ms / 1e3), 1)})
+            rows.append({"mode": mode, "impl": name, "equal_torch": same, "ms": round(ms, 3), **check_ms,
+                         "units": len(units), "kv_read_mib": round(read, 1),
+                         "gb_s": round(read * 2**20 / 1e9 / (ms / 1e3), 1)})
     return rows
+
+
+def host_costs(model_name: str, length: int, block_size: int, groups: int, reps: int) -> dict:
+    """What the checksums cost beside the kernels, on this host: P's sums to the wire, one
+    hop's decode and encode of a message carrying them (each of StepDone, SendKV, WriteDone,
+    KVReceived and VerifyKV pays it), and D's comparison of one rank's sums with P's, on the
+    sums' device (``verify``, here CPU tensors) and with the host reference (``compare``).
+    ``full``'s sums of one request; random sums, no pool."""
+    import msgspec
+    import torch
+
+    from pushkv import messages as m
+    from pushkv.config import preset
+    from pushkv.kv import checksum as C
+    from pushkv.kv import layout as L
+
+    model = preset(model_name)
+    lay = L.layout_for(model, 1, 0, L.blocks_for(length, block_size), block_size, layer_split=groups)
+    units = C.plan_units("full", length, block_size)
+    sums = torch.randint(-2**62, 2**62, (len(L.layer_groups(lay)), len(units), lay.kv_heads), dtype=torch.int64,
+                         generator=torch.Generator().manual_seed(0))
+    exp = C.to_wire(lay, sums, units, block_size, length)
+    wire = m.encode(m.VerifyKV("t", 0, tuple(range(len(units))), exp))
+    dec = msgspec.msgpack.Decoder(m.VerifyKV)
+
+    def ms(f) -> float:
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            f()
+            ts.append(time.perf_counter() - t0)
+        return round(statistics.median(ts) * 1e3, 3)
+
+    return {"sums": sums.numel(), "message_bytes": len(wire), "to_wire_ms": ms(lambda: C.to_wire(
+        lay, sums, units, block_size, length)), "decode_ms": ms(lambda: dec.decode(wire)),
+            "encode_ms": ms(lambda: m.encode(dec.decode(wire))), "verify_ms": ms(lambda: C.verify(lay, exp, sums)),
+            "compare_ms": ms(lambda: C.compare(lay, exp, C.to_wire(lay, sums, units, block_size, length)))}
 
 
 def ttft(mode: str, up_args: list[str], length: int, reps: int, vocab: int) -> dict:
@@ -101,15 +156,27 @@ def main(argv=None) -> None:
     ap.add_argument("--up-args", default="--model small", help="`pushkv up` arguments of the TTFT deployments")
     ap.add_argument("--vocab", type=int, default=250)
     ap.add_argument("--out", default="", help="JSON file for every figure")
+    ap.add_argument("--host-only", action="store_true", help="only the costs beside the kernels (no pool)")
+    ap.add_argument("--groups", type=int, default=4, help="layer groups of --host-only's sums (layer streaming's)")
     a = ap.parse_args(argv)
-    res = {"kernels": kernel_times(a.model, a.length, a.block_size, a.device, a.reps)}
+    host = host_costs(a.model, a.length, a.block_size, a.groups, a.reps)
+    print(f"{a.model} {a.length} tokens, full: {host['sums']} sums, {host['message_bytes']} B a message; P to the "
+          f"wire {host['to_wire_ms']} ms; a hop decodes in {host['decode_ms']} ms, encodes in {host['encode_ms']} ms; "
+          f"D compares on the sums' device in {host['verify_ms']} ms (host reference {host['compare_ms']} ms)")
+    if a.host_only:
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump({"host": host}, f, indent=1)
+        return
+    res = {"host": host, "kernels": kernel_times(a.model, a.length, a.block_size, a.device, a.reps)}
     print(f"{a.model} {a.length} tokens, block {a.block_size}, {a.device}: one rank's sums of one request")
     for r in res["kernels"]:
         if "error" in r:
             print(f"  {r['mode']:6} {r['impl']:6} failed: {r['error']}")
             continue
         print(f"  {r['mode']:6} {r['impl']:6} {r['ms']:9.3f} ms  {r['units']:5} units  "
-              f"{r['kv_read_mib']:8.1f} MiB read  {r['gb_s']:7.1f} GB/s  equal to torch: {r['equal_torch']}")
+              f"{r['kv_read_mib']:8.1f} MiB read  {r['gb_s']:7.1f} GB/s  equal to torch: {r['equal_torch']}  "
+              f"D's check {r['check_ms']:.3f} ms (on the host: {r['host_check_ms']:.3f} ms)")
     if a.ttft:
         res["ttft"] = [ttft(m, shlex.split(a.up_args), a.length, a.ttft_reps, a.vocab) for m in ("off", "sample", "full")]
         base = res["ttft"][0]["ttft_ms_p50"]
