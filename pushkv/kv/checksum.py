@@ -302,7 +302,8 @@ def moved_units(exp: KVChecksums, first_token: int) -> Optional[KVChecksums]:
     if not keep:
         return None
     n = len(exp.units)
-    table = np.frombuffer(exp.sums, dtype="<i8").reshape(len(exp.heads), -1, n)  # [heads, groups, units]
+    # [heads, groups, units] (no heads: P sent no rows, and D's workers will say so)
+    table = np.frombuffer(exp.sums, dtype="<i8").reshape(len(exp.heads), -1 if exp.heads else 0, n)
     return KVChecksums(exp.unit_tokens, exp.num_tokens, tuple(exp.units[i] for i in keep), exp.heads,
                        np.ascontiguousarray(table[:, :, keep]).tobytes())
 
