@@ -237,6 +237,8 @@ def test_moved_units_drops_the_units_d_held_in_its_prefix_cache():
     got = moved_units(exp, 32)  # units 0 and 1 were cached: unit 2 (tokens 32..47) on
     assert got.units == (2, 6) and C.rows(got) == [(2, 3, 5, 6), (8, 9, 11, 12)] and got.heads == (0, 3)
     assert moved_units(exp, 112) is None
+    none = moved_units(m.KVChecksums(16, 100, (0, 2, 6), (), b""), 32)  # a peer's, with no rows
+    assert none.units == (2, 6) and none.sums == b"" and C.check_expected(none, 100, 16, 2) is None
 
 
 def test_verify_on_the_sums_device_answers_as_compare():
