@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--kv-verify", choices=("off", "sample", "full"),
                     help="D checks the KV it received against P's checksums before the first decode step: "
                          "off, a sample of blocks (first, last and a few more), or every block; a mismatch "
-                         "fails the request (502); default off")
+                         "fails the request (502); default sample")
     up.add_argument("--host")
     up.add_argument("--port", type=int)
     up.add_argument("--model", choices=sorted(PRESETS), help="model preset")

@@ -257,7 +257,7 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
     # recompute them over the landed blocks before the first decode step, and a mismatch fails
     # the request (502). "sample": the first, the last and a few hashed blocks; "full": all.
     # See pushkv/kv/checksum.py and docs/layouts.md.
-    kv_verify: Literal["off", "sample", "full"] = "off"
+    kv_verify: Literal["off", "sample", "full"] = "sample"
 
     def served_names(self) -> tuple[str, ...]:
         if self.served_model_name:
