@@ -57,7 +57,9 @@ def test_prefill_pull_relays_checksums():
 
 
 def test_prefill_without_verify_asks_nothing():
-    s, wire = make("prefill")
+    assert DeploymentConfig().kv_verify == "sample"  # the default; off must be asked for
+    s, _ = make("prefill")
+    s, wire = wired(msgspec.structs.replace(s.cfg, kv_verify="off"), s.inst)
     generate(s, "t1", "prefill", prompt=PROMPT)
     assert wire.take("worker")[0].seqs[0].checksum == ""
 
