@@ -143,3 +143,20 @@ def test_config_refuses_an_unknown_mode():
 
     with pytest.raises(msgspec.ValidationError):
         msgspec.convert({"kv_verify": "most"}, DeploymentConfig)
+
+
+def test_decode_drops_a_writers_answer_of_the_other_role():
+    """A KVSent (P's answer) from a D writer never ends D's wait for the KV: it had crashed the
+    scheduler (no KVReceived, so no first token; found by tests/test_fuzz_scheduler.py). It is
+    counted and dropped; the real answers then complete the request."""
+    s, wire = verifying("decode")
+    generate(s, "t1", "decode", prompt=PROMPT, source=P_SRC)
+    wire.take("writer")
+    for ch in s.writers:
+        deliver(s, ch, m.KVSent("t1", 0, -1, -1, 0.0))
+    assert s.counters["wrong_writer_answer"] == len(s.writers) and wire.take("router") == []
+    for ch in s.writers:
+        deliver(s, ch, m.KVReceived("t1", 0, 42, checksums=sums()))
+    for ch in s.workers:
+        deliver(s, ch, m.KVVerified("t1", 0, "", 3))
+    assert [x.token_ids for x in wire.take("router")] == [(42,)]

@@ -42,6 +42,7 @@ WriterAnswer = Union[m.KVSent, m.KVReceived, m.KVFailed]
 
 class SchedulerCore(Actor):
     role = ""  # set by each role's class
+    writer_answers: tuple[type, ...] = (m.KVSent, m.KVReceived, m.KVFailed)  # what this role's writers answer
 
     def __init__(self, cfg: DeploymentConfig, inst: InstanceConfig):
         if inst.role != self.role:
@@ -484,6 +485,11 @@ class SchedulerCore(Actor):
 
     def _writer_answer(self, msg: WriterAnswer) -> None:
         """Collect one terminal answer per writer rank; act once all have answered."""
+        if not isinstance(msg, self.writer_answers):  # another role's answer: it would end a transfer wrongly
+            self.counters["wrong_writer_answer"] += 1
+            log.error("%s: %s from a writer; this role's writers answer %s transfer_id=%s", self.name,
+                      type(msg).__name__, [t.__name__ for t in self.writer_answers], msg.transfer_id)
+            return
         r = self.reqs.get((msg.transfer_id, msg.generation))
         if r is None or not (r.state in (State.SENDING, State.AWAIT_KV) or self._pinned_by_writers(r)):
             self.counters["stale_writer_answer"] += 1

@@ -36,6 +36,7 @@ RENEWALS_PER_LEASE = 3
 
 class DecodeScheduler(SchedulerCore):
     role = "decode"
+    writer_answers = (m.KVReceived, m.KVFailed)  # a KVSent (P's) would end the wait with no first token
 
     def __init__(self, cfg: DeploymentConfig, inst: InstanceConfig):
         super().__init__(cfg, inst)

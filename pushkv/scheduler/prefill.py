@@ -21,6 +21,7 @@ from pushkv.scheduler.requests import Request, State
 
 class PrefillScheduler(SchedulerCore):
     role = "prefill"
+    writer_answers = (m.KVSent, m.KVFailed)
 
     def __init__(self, cfg, inst):
         super().__init__(cfg, inst)
