@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="pull: READ inside D's step, READ on D's writer, or D registers after the relay and P WRITEs")
     up.add_argument("--push-stream", choices=("off", "chunk", "layer"),
                     help="push: WRITE after the whole prefill (off), each chunk's blocks as its step ends (chunk), "
-                         "or each layer group's as the worker marks it stored (layer)")
+                         "or each layer group's as the worker marks it stored (layer, the default)")
     up.add_argument("--push-stream-groups", type=int, metavar="N",
                     help="--push-stream layer: layer groups per pool, each WRITTEN as it is stored (default 4)")
     up.add_argument("--kv-verify", choices=("off", "sample", "full"),

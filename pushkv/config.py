@@ -202,8 +202,9 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
     # push: when P's KV leaves for D. "off": one WRITE after the whole prefill; "chunk": each
     # prefill chunk's finished blocks are written as soon as its step ends, while the next chunk
     # computes (needs prefill_chunk); "layer": each layer group's regions as soon as the worker
-    # marks them stored (the pools of both sides cut into push_stream_groups layer groups)
-    push_stream: str = "off"
+    # marks them stored (the pools of both sides cut into push_stream_groups layer groups; the
+    # default: docs/results/stream_layer)
+    push_stream: str = "layer"
     push_stream_groups: int = 4
     host: str = "127.0.0.1"
     port: int = 8000

@@ -50,7 +50,10 @@ def dep(tmp_path_factory, reference):
     cfg = tmp / "cfg.json"
     cfg.write_text(json.dumps({"prefill": {"num_blocks": P_BLOCKS}, "decode": {"num_blocks": D_BLOCKS}}))
     # push only (no late allocation): the abort scenarios below follow push's legs
-    with deployment(tmp, "--mode", "push", *COMMON, "--config", str(cfg), "--push-pin-fraction", "1") as d:
+    # layer-streamed (the default, named so it stays covered): an abort mid-prefill reaches a writer that
+    # may not have seen the worker's first mark yet, and must still answer so P frees the blocks
+    with deployment(tmp, "--mode", "push", *COMMON, "--config", str(cfg), "--push-pin-fraction", "1",
+                    "--push-stream", "layer") as d:
         yield d
 
 

@@ -414,6 +414,9 @@ def test_random_walk_streams(seed):
                     assert a.token_start + a.num_tokens <= progress[key]
                     flying[key] = "part"
                 sent[key] = a.token_start + a.num_tokens
+            elif isinstance(a, FreeBlocks) and not a.block_ids:  # a cancel's answer when nothing is held
+                assert key not in holding and key not in flying, f"empty FreeBlocks of {key} while it holds blocks"
+                frees.append(key)
             elif isinstance(a, FreeBlocks):
                 assert key not in flying, f"freed while a WRITE may read {key}"
                 assert key in holding or key == handed, f"FreeBlocks of {key}: nothing held"
@@ -436,6 +439,7 @@ def test_random_walk_streams(seed):
             assert key in frees or any(isinstance(a, Count) and a.name == "late_progress" for a in acts), acts
 
     ids = ["a0", "b0"]
+    touched: set = set()
     for i in range(200):
         now += rng.choice([0.0, 0.0, 0.5, 1.0, 12.0 if rng.random() < 0.05 else 0.0])
         slot = rng.randrange(len(ids))
@@ -443,6 +447,8 @@ def test_random_walk_streams(seed):
         if (tid, 1) in prefilled and m.state_of(tid, 1) is None and rng.random() < 0.5:
             ids[slot] = tid = f"{tid[0]}{i}"  # that one is over: the next request
         key = (tid, gen)
+        fresh = tid not in touched  # no event of any generation of this id yet
+        touched.add(tid)
         r = rng.random()
         if r < 0.35 and key not in prefilled:  # a chunk ends, or the prefill does
             n = prompt.setdefault(key, rng.randint(1, 200))
@@ -469,7 +475,10 @@ def test_random_walk_streams(seed):
             else:
                 absorb(m.on_write_failed(*key, "x", now, part=part))
         elif r < 0.9:
-            absorb(m.cancel(tid, gen, "abort", now))
+            acts = m.cancel(tid, gen, "abort", now)
+            absorb(acts)
+            if fresh:  # the scheduler waits for an answer to every cancel, of a transfer never seen too
+                assert any(isinstance(a, FreeBlocks) for a in acts), acts
         else:
             absorb(m.expire(now))
     while flying:
