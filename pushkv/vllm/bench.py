@@ -2,7 +2,7 @@
 P/D deployments on the tiny Llama, one system at a time (at most 3 vLLM
 instances alive, each on its own core):
 
-- ``pushkv``: two vLLM instances with PushKVConnector behind pushkv-vllm-proxy;
+- ``pushkv``: two vLLM instances with PushKVConnector behind pushkv vllm-proxy;
 - ``nixl``: two vLLM instances with vLLM's NixlConnector (pull) behind the same
   proxy in ``--protocol nixl`` (P, then D with P's kv_transfer_params);
 - ``nixl-push``: the same with vLLM's NixlPushConnector (both legs at once, one

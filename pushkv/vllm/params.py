@@ -9,7 +9,7 @@ A router sends both legs at once, with one transfer id::
 
 ``source`` is P's identity. P returns it in every finished request's
 ``kv_transfer_params`` as ``{"pushkv_source": {...}}``, so a router learns it
-from any P response (``pushkv-vllm-proxy`` sends one probe request per P at
+from any P response (``pushkv vllm-proxy`` sends one probe request per P at
 start). ``transfer_id`` must be unique among the transfers in flight between
 that P and D; anything else in the params is ignored.
 """

@@ -3,7 +3,7 @@
 On a GPU host a sampler written as torch ops is bound by its launches, not by bytes:
 ~15 host-side calls of 10-20 us each for temperature alone, ~50 with top_k and top_p
 (``topk`` on one long row is a dozen kernels), against under 0.1 ms of kernel time
-(``pushkv-sampling-bench --profile``). Here a step's sampling is one launch of
+(``pushkv sampling-bench --profile``). Here a step's sampling is one launch of
 (segments x rows) programs; a segment is one ``BLOCK`` tile of a row's vocabulary,
 held in registers:
 
