@@ -144,8 +144,8 @@ def main(argv=None) -> None:
                             handshake_port=port + 12)
             made = (p, d)
         with servers(*made):
-            extra = () if system in ("pushkv-up", "single") else (proxy_server([made[0].url], [made[1].url], port + 3, work,
-                                                                   system),)
+            extra = () if system in ("pushkv-up", "single") else (
+                proxy_server([made[0].url], [made[1].url], port + 3, work, system),)
             with servers(*extra):
                 url = f"http://127.0.0.1:{port + 3}"
                 asyncio.run(reference(url, make_prompts(2, 50, seed=99), args.output_len))  # warm up

@@ -99,7 +99,8 @@ def socket_dir(environ=os.environ) -> str:
     $XDG_RUNTIME_DIR/pushkv-vllm, else /tmp/pushkv-vllm-$UID; made 0700, refused if another user
     owns it or others can enter it."""
     runtime = environ.get("XDG_RUNTIME_DIR")
-    d = os.path.join(runtime, "pushkv-vllm") if runtime and os.path.isdir(runtime) else f"/tmp/pushkv-vllm-{os.getuid()}"
+    fallback = f"/tmp/pushkv-vllm-{os.getuid()}"
+    d = os.path.join(runtime, "pushkv-vllm") if runtime and os.path.isdir(runtime) else fallback
     os.makedirs(d, mode=0o700, exist_ok=True)
     st = os.stat(d)
     if st.st_uid != os.getuid() or st.st_mode & 0o077:
