@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="push: at most this fraction of a D's blocks reserved early and still waiting for KV; "
                         "past it a request falls back to late allocation (D allocates after P)")
     up.add_argument("--trace", nargs="?", const=TRACE_AUTO, metavar="ENDPOINT",
-                    help="every process mirrors what it sends and receives; taps (pushkv-tap) attach at "
+                    help="every process mirrors what it sends and receives; taps (pushkv tap) attach at "
                          "ENDPOINT (default: an ipc socket in the run dir, found through the registry)")
     s = up.add_argument_group("security")
     s.add_argument("--secret-file", metavar="FILE",

@@ -605,7 +605,7 @@ SupervisorInbound = Union[Ready, Pong, ControlCommand]
 
 
 # ---------------------------------------------------------------------------
-# Trace mirror: what any process sends/receives, for tools/tap
+# Trace mirror: what any process sends/receives, for tools/trace/tap
 # ---------------------------------------------------------------------------
 class TraceEvent(Msg):
     t_mono: float

@@ -8,12 +8,9 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from pushkv.actor import Actor  # noqa: E402
-from pushkv.config import SHM_DIR, decode_config, shm_prefix  # noqa: E402
+from pushkv.actor import Actor
+from pushkv.config import SHM_DIR, decode_config, shm_prefix
 
 
 class FakeChild(Actor):

@@ -9,9 +9,7 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-
-from processes.cli import main  # noqa: E402
+from processes.cli import main
 
 EXTRA = json.loads(os.environ.get("FAKE_CHILD_ARGS", "{}"))
 

@@ -15,7 +15,6 @@ from pushkv.config import DeploymentConfig, encode_config
 from pushkv.supervisor.lifecycle import shm_leftovers
 from pushkv.supervisor.plan import plan_deployment
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def planned(cfg: DeploymentConfig, tmp_path) -> DeploymentConfig:
@@ -47,12 +46,11 @@ def children(cfg: DeploymentConfig, specs: list[tuple[str, str, int]], timeout_s
     ctl.setsockopt(zmq.LINGER, 0)
     ctl.bind(cfg.control_endpoint)
     procs = Children()
-    env = dict(os.environ, PYTHONPATH=ROOT)
     try:
         for kind, role, rank in specs:
             argv = [sys.executable, "-m", f"processes.{kind}", "--config",
                     os.path.join(cfg.run_dir, "config.json"), "--role", role, "--rank", str(rank)]
-            procs.append(subprocess.Popen(argv, env=env, cwd=ROOT))
+            procs.append(subprocess.Popen(argv))
         pending = {f"{role}-{kind}-{rank}" if kind != "scheduler" else f"{role}-scheduler"
                    for kind, role, rank in specs}
         deadline = time.monotonic() + timeout_s

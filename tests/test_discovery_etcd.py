@@ -165,7 +165,7 @@ class Announcer:
     def __init__(self, url: str, engine_id: str, role: str = "decode", ttl_s: int = TTL_S):
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.etcd_announcer_child", url, engine_id, role, str(ttl_s)],
-            cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE, text=True)
+            cwd=ROOT, stdout=subprocess.PIPE, text=True)
         self.line = ""
 
     async def readline(self, timeout_s: float = EVENT_TIMEOUT_S) -> str:

@@ -27,7 +27,7 @@ def test_cut_off_host_lapses_then_rejoins(tmp_path):
         host = net[1]
         url = etcd.url(host=net.root_addr)
         child = host.popen([sys.executable, "-m", "tests.etcd_announcer_child", url, "d-h1", "decode",
-                            str(TTL_S)], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+                            str(TTL_S)], cwd=ROOT,
                            stdout=subprocess.PIPE, text=True)
 
         async def line(timeout_s=15.0) -> str:
@@ -75,7 +75,7 @@ def test_cut_off_router_catches_up(tmp_path):
         ann = EtcdAnnouncer(etcd.url(), ttl_s=30)
         child = host.popen([sys.executable, "-m", "tests.etcd_watcher_child",
                             etcd.url(host=net.root_addr), "1.0"],
-                           cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE, text=True)
+                           cwd=ROOT, stdout=subprocess.PIPE, text=True)
         lines = iter(child.stdout.readline, "")
         try:
             ann.connect()

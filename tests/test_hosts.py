@@ -225,9 +225,9 @@ def test_traces_of_five_hosts_merge_on_one_clock(cluster, reference):
     aligned from the messages between them (the hosts share a kernel here, so the true offsets
     are 0 and each estimate must be within its stated error), and each request reads whole."""
     from pushkv import security
-    from tools import timeline as T
-    from tools import trace_merge
-    from tools.tap import Tap
+    from tools.trace import timeline as T
+    from tools.trace import merge as trace_merge
+    from tools.trace.tap import Tap
 
     c = cluster
     events = []

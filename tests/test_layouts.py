@@ -15,7 +15,6 @@ from pushkv.kv import layout as L
 from pushkv.messages import KVLayoutDesc
 from pushkv.supervisor.geometry import check_deployment
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def lay(layers=4, wl=(), window=0, planes=2, heads=2, bs=4, hd=3, nb=5, sub=0, hg=0):
@@ -129,8 +128,8 @@ def test_unsupported_combinations_refused_with_reason(cfg, msg):
     (("--decode-block-size", "-4"), "decode instance: block_size must be >= 1"),
 ])
 def test_pushkv_up_refuses_before_starting_anything(tmp_path, flags, msg):
-    env = dict(os.environ, PUSHKV_REGISTRY_DIR=str(tmp_path / "reg"), PYTHONPATH=ROOT)
-    r = subprocess.run([sys.executable, "-m", "processes.cli", "up", "--port", "1", *flags], cwd=ROOT, env=env,
+    env = dict(os.environ, PUSHKV_REGISTRY_DIR=str(tmp_path / "reg"))
+    r = subprocess.run([sys.executable, "-m", "processes.cli", "up", "--port", "1", *flags], env=env,
                        capture_output=True, text=True, timeout=50)
     assert r.returncode == 2, r.stderr
     assert "bad configuration" in r.stderr and msg in r.stderr

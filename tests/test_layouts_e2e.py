@@ -8,7 +8,7 @@ bit for bit; D decodes with its own TP size, whose all-reduce order may differ i
 the last float bits, which these tests show does not change a greedy token), and
 after every request the KV bytes of every head in every D rank against the P
 rank that produced that head (and every P replica of it against the producer).
-The matrix itself is tools/layout_report.py's; `pushkv-layout-report` runs it
+The matrix itself is tools/layout_report.py's; `pushkv layout-report` runs it
 on long prompts and prints descriptors and GB/s.
 """
 from __future__ import annotations

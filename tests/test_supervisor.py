@@ -26,7 +26,6 @@ from pushkv.supervisor.plan import ProcessSpec, event_topic, plan_deployment, pr
 from pushkv.supervisor.table import Event, IllegalTransition, ProcessTable, RestartPolicy, State
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 
 
 def counter_ports(start=20000):
@@ -288,8 +287,7 @@ class Deployment:
     """``tests/fake_up.py`` in a subprocess; its stdout lines arrive on a queue."""
 
     def __init__(self, reg_dir, *flags, child_args=None):
-        env = dict(os.environ, PUSHKV_REGISTRY_DIR=str(reg_dir), FAKE_CHILD_ARGS=json.dumps(child_args or {}),
-                   PYTHONPATH=ROOT)
+        env = dict(os.environ, PUSHKV_REGISTRY_DIR=str(reg_dir), FAKE_CHILD_ARGS=json.dumps(child_args or {}))
         self.proc = subprocess.Popen(
             [sys.executable, os.path.join(HERE, "fake_up.py"), "--port", "18999", "--ping-interval", "0.2",
              "--log-level", "INFO", *flags],

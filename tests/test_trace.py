@@ -16,11 +16,10 @@ import zmq
 
 from pushkv import messages as m
 from pushkv.trace import TraceForwarder, TracePublisher
-from tools import tap as tap_cli
-from tools import timeline as T
-from tools import trace_merge
+from tools.trace import tap as tap_cli
+from tools.trace import timeline as T
+from tools.trace import merge as trace_merge
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TID = "0123456789abcdef0123456789abcdef"
 
 
@@ -369,11 +368,11 @@ def test_push_deployment_tapped_spans_complete_and_ordered(tmp_path, monkeypatch
         try:
             col.attach(dep)
             # the console tool alongside: live log filtered to the push protocol, breakdown, Perfetto
-            env = dict(os.environ, PUSHKV_REGISTRY_DIR=str(reg), PYTHONPATH=ROOT)
+            env = dict(os.environ, PUSHKV_REGISTRY_DIR=str(reg))
             pf, raw = tmp_path / "push.json", tmp_path / "push.msgpack"
-            cmd = [sys.executable, "-m", "tools.tap", "--requests", "1", "--breakdown", "--perfetto", str(pf),
+            cmd = [sys.executable, "-m", "tools.trace.tap", "--requests", "1", "--breakdown", "--perfetto", str(pf),
                    "--record", str(raw), "--kind", "Register", "--kind", "WriteDone", "--kind", "write_posted"]
-            proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             try:
                 for line in proc.stderr:  # waits on the tool's own "receiving" line, not on time
                     if line.startswith("receiving events"):

@@ -1,11 +1,11 @@
-"""tools/trace_merge.py (pure): host clock offsets from messages mirrored on both sides."""
+"""tools/trace/merge.py (pure): host clock offsets from messages mirrored on both sides."""
 from __future__ import annotations
 
 import msgspec
 import pytest
 
 from pushkv import messages as m
-from tools import trace_merge
+from tools.trace import merge as trace_merge
 
 # true clocks: what each host's t_mono reads when the reference reads 0
 SKEW = {"r": 0.0, "p": 500.25, "d": -73.5}

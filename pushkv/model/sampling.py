@@ -373,7 +373,8 @@ def _draw_sorted(x: torch.Tensor, mask: torch.Tensor, has_k: torch.Tensor, u: to
     return ids.gather(1, pos[:, None]).squeeze(1)
 
 
-def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> tuple[Optional[TokenLogprob], ...]:
+def _logprobs(raw: torch.Tensor, tokens: torch.Tensor,
+              params: list[SamplingParams]) -> tuple[Optional[TokenLogprob], ...]:
     """Each asking row's TokenLogprob (None for the others): on CUDA one launch
     (``triton_sample.logprob_rows``), else torch ops."""
     rows = [i for i, p in enumerate(params) if p.logprobs >= 0]
@@ -387,7 +388,8 @@ def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingPara
         for j, i in enumerate(rows):
             k, h = params[i].logprobs, host[j]
             if h[-1] == 1.0:
-                out[i] = TokenLogprob(h[0], tuple(int(v) for v in h[1 + TS.LP_MAX:1 + TS.LP_MAX + k]), tuple(h[1:1 + k]))
+                ids = tuple(int(v) for v in h[1 + TS.LP_MAX:1 + TS.LP_MAX + k])
+                out[i] = TokenLogprob(h[0], ids, tuple(h[1:1 + k]))
             else:  # a segment held back a value its top k needed: torch's topk for this row
                 redo.append(i)
         rows = redo

@@ -20,7 +20,7 @@ class DeploymentRecord(msgspec.Struct):
     mode: str
     started_wall: float
     trace_endpoint: str = ""
-    trace_tap_endpoint: str = ""  # where pushkv-tap connects (the supervisor's XPUB)
+    trace_tap_endpoint: str = ""  # where pushkv tap connects (the supervisor's XPUB)
 
 
 def registry_dir(environ=os.environ) -> str:

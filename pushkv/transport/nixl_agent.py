@@ -25,7 +25,7 @@ class TransferError(RuntimeError):
 # UCX's cuda_ipc transport turns its GET off on a GPU with no active NVLink ("platforms known
 # to have slower performance"), so a READ between two pools on one GPU, or between PCIe GPUs,
 # fell back to UCX's software emulation over TCP: 0.5 GB/s against a WRITE's 1.2-1.7 TB/s on an
-# H200 (tools/nixl_probe.py --op READ). A device-to-device GET is a copy engine's work either
+# H200 (experiments/nixl_probe.py --op READ). A device-to-device GET is a copy engine's work either
 # way, far faster than the emulation, so pushkv turns it on unless the operator chose.
 CUDA_IPC_GET = ("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
 

@@ -9,7 +9,7 @@ A router sends both legs at once, with one transfer id::
 
 ``source`` is P's identity. P returns it in every finished request's
 ``kv_transfer_params`` as ``{"pushkv_source": {...}}``, so a router learns it
-from any P response (``pushkv-vllm-proxy`` sends one probe request per P at
+from any P response (``pushkv vllm-proxy`` sends one probe request per P at
 start). ``transfer_id`` must be unique among the transfers in flight between
 that P and D; anything else in the params is ignored.
 """
@@ -99,7 +99,8 @@ def socket_dir(environ=os.environ) -> str:
     $XDG_RUNTIME_DIR/pushkv-vllm, else /tmp/pushkv-vllm-$UID; made 0700, refused if another user
     owns it or others can enter it."""
     runtime = environ.get("XDG_RUNTIME_DIR")
-    d = os.path.join(runtime, "pushkv-vllm") if runtime and os.path.isdir(runtime) else f"/tmp/pushkv-vllm-{os.getuid()}"
+    fallback = f"/tmp/pushkv-vllm-{os.getuid()}"
+    d = os.path.join(runtime, "pushkv-vllm") if runtime and os.path.isdir(runtime) else fallback
     os.makedirs(d, mode=0o700, exist_ok=True)
     st = os.stat(d)
     if st.st_uid != os.getuid() or st.st_mode & 0o077:

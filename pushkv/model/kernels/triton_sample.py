@@ -3,7 +3,7 @@
 On a GPU host a sampler written as torch ops is bound by its launches, not by bytes:
 ~15 host-side calls of 10-20 us each for temperature alone, ~50 with top_k and top_p
 (``topk`` on one long row is a dozen kernels), against under 0.1 ms of kernel time
-(``pushkv-sampling-bench --profile``). Here a step's sampling is one launch of
+(``pushkv sampling-bench --profile``). Here a step's sampling is one launch of
 (segments x rows) programs; a segment is one ``BLOCK`` tile of a row's vocabulary,
 held in registers:
 
@@ -318,7 +318,8 @@ def _logprob_kernel(X, stride, Rows, Tok, N, Out, Parts, Taus, Cand, Count, V,
 def logprob_rows(x: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, n: torch.Tensor,
                  block: int = 0) -> torch.Tensor:
     """float32 [len(rows), 2 * LP_MAX + 2]: per row of ``rows`` (int64 ids into ``x``), the log-prob
-    of ``tokens[row]``, the top ``n[i]`` log-probs (``n`` aligned with ``rows``) and their ids (as floats: exact below 2^24), and
+    of ``tokens[row]``, the top ``n[i]`` log-probs (``n`` aligned with ``rows``) and their ids (as floats: exact
+    below 2^24), and
     1.0 where those are exact (else the caller computes that row's top by torch). A view of a reused
     buffer: read it before the next call."""
     block = block or BLOCK

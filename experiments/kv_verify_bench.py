@@ -10,9 +10,9 @@ does.
 TTFT (``--ttft``): one deployment per mode (``pushkv up --kv-verify MODE`` + ``--up-args``),
 lone prompts of ``--length`` tokens, median TTFT and D's ``kv_verify_start -> kv_verified``.
 
-    python -m tools.kv_verify_bench --device cuda --model qwen3-8b --length 8192 \\
+    python -m experiments.kv_verify_bench --device cuda --model qwen3-8b --length 8192 \\
         --ttft --up-args "--device cuda --model qwen3-8b --num-blocks 2048"
-    python -m tools.kv_verify_bench --device cpu --model small --length 2048
+    python -m experiments.kv_verify_bench --device cpu --model small --length 2048
 """
 from __future__ import annotations
 

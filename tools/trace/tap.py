@@ -1,4 +1,4 @@
-"""pushkv-tap: attach to a running deployment's trace and show what moves.
+"""pushkv tap: attach to a running deployment's trace and show what moves.
 
 Finds the deployment through the supervisor's registry (``pushkv up --trace``
 records where taps attach), subscribes, decodes every mirrored message with
@@ -30,8 +30,8 @@ import zmq
 from pushkv import messages as m
 from pushkv import security
 from pushkv.supervisor import registry
-from tools import timeline as T
-from tools import trace_merge
+from tools.trace import timeline as T
+from tools.trace import merge as trace_merge
 
 RCVHWM = 1_000_000
 REORDER_S = 0.05  # the live log holds events this long to print them in time order across processes
@@ -131,12 +131,12 @@ def format_event(ev: m.TraceEvent, t0: float) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="pushkv-tap", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="pushkv tap", description=__doc__.split("\n\n")[0])
     src = ap.add_argument_group("source (default: the one deployment started with `pushkv up --trace`)")
     src.add_argument("--id", help="deployment id (prefix) in the registry")
     src.add_argument("--endpoint", action="append", default=[],
                      help="connect to this tap endpoint instead; repeat it for several hosts (their clocks are "
-                          "aligned from the messages between them: tools/trace_merge.py)")
+                          "aligned from the messages between them: tools/trace/merge.py)")
     src.add_argument("--bind", metavar="ENDPOINT",
                      help="bind a SUB at the processes' trace endpoint (deployments without a supervisor)")
     src.add_argument("--replay", metavar="FILE", help="analyse events saved with --record; no socket")
@@ -197,14 +197,14 @@ def run(args: argparse.Namespace, out=None) -> int:
         elif args.endpoint:
             endpoint, bind = args.endpoint, False
             if len(endpoint) > 1 and not args.quiet:
-                print("pushkv-tap: the live log shows each host on its own clock; --perfetto/--breakdown/--spans "
+                print("pushkv tap: the live log shows each host on its own clock; --perfetto/--breakdown/--spans "
                       "are aligned", file=sys.stderr)
         else:
             endpoint, rec = find_endpoint(args.id)
             bind = False
             print(f"tapping deployment {rec.deployment_id} ({rec.mode}) at {endpoint}", file=sys.stderr)
     except TapError as e:
-        print(f"pushkv-tap: {e}", file=sys.stderr)
+        print(f"pushkv tap: {e}", file=sys.stderr)
         return 1
     stop = {"flag": False}
     signal.signal(signal.SIGINT, lambda *a: stop.update(flag=True))
@@ -245,7 +245,7 @@ def run(args: argparse.Namespace, out=None) -> int:
                 linger_until = time.monotonic() + LINGER_S
         show(float("inf"))
         if tap.undecodable:
-            print(f"pushkv-tap: {tap.undecodable} undecodable frame(s)", file=sys.stderr)
+            print(f"pushkv tap: {tap.undecodable} undecodable frame(s)", file=sys.stderr)
     if args.record:
         with open(args.record, "wb") as f:
             f.write(msgspec.msgpack.encode(events))

@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
-# One call on the GPU machine (see README "GPU"): install the carried wheels
-# (.whl: nixl-cu13, pyzmq, msgspec, setproctitle; the image has torch, aiohttp,
-# prometheus-client, tokenizers, safetensors), then run what is asked.
+# One call on the GPU machine (docs/gpu.md), from the checkout's root: bash experiments/gpu_run.sh STEP...
+# Installs the carried wheels (.whl: nixl-cu13, pyzmq, msgspec, setproctitle; the image has torch,
+# aiohttp, prometheus-client, tokenizers, safetensors) into the interpreter's environment (its venv, or
+# the user's site-packages), then runs each step from the checkout: `python3 -m` finds pushkv,
+# processes and tools in the working directory, and the processes it starts run from there too.
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD
+cd "$(dirname "$0")/.."
+if python3 -c 'import sys; sys.exit(sys.prefix == sys.base_prefix)'; then WHERE=(); else WHERE=(--user); fi
+PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  "${WHERE[@]}" .whl/*.whl || exit 1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PUSHKV_THREADS=${PUSHKV_THREADS:-4}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, nixl._api, zmq, msgspec, aiohttp; print('torch', torch.__version__, 'gpus', torch.cuda.device_count())" || exit 1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+OUT=${OUT:?set OUT to the folder the results go to}; mkdir -p "$OUT"
 for step in "$@"; do
   echo "=== $step"
   case "$step" in
@@ -60,15 +64,15 @@ with launched('--mode', '$mode', '--device', 'cuda', '--model', 'medium', '--num
            timeout 300 python3 -m pytest -q -p no:cacheprovider -x tests/test_gpu_e2e.py -k layer 2>&1 | tail -4 \
              | tee "$OUT/layer_test.txt"
            for v in "" UCX_TLS=sm,cuda_copy UCX_TLS=tcp,cuda_copy; do echo "-- WRITE ${v:-device path}" | tee -a "$OUT/links.txt"
-             env $v timeout 60 python3 -m tools.nixl_probe --device cuda:0 --peer-device cuda:0 --op WRITE --ways adhoc \
+             env $v timeout 60 python3 -m experiments.nixl_probe --device cuda:0 --peer-device cuda:0 --op WRITE --ways adhoc \
                --sizes-mib 64 256 --reps 3 2>&1 | grep -E "MiB|copy" | tee -a "$OUT/links.txt"; done ;;
     readprobe) # READ against WRITE between two processes on one GPU: UCX's default for cuda_ipc GET
            # (auto: off without active NVLink) against pushkv's (on), then which protocol UCX picks
            for v in UCX_CUDA_IPC_ENABLE_GET_ZCOPY=auto ""; do
              for op in WRITE READ; do echo "-- $op ${v:-pushkv default}"
-               env $v timeout 90 python3 -m tools.nixl_probe --device cuda:0 --peer-device cuda:0 --op $op --ways adhoc \
+               env $v timeout 90 python3 -m experiments.nixl_probe --device cuda:0 --peer-device cuda:0 --op $op --ways adhoc \
                  --sizes-mib 64 256 --reps 3 2>&1 | grep -E "MiB|copy|arrived" | tee -a "$OUT/readprobe.txt"; done; done
-           for v in UCX_CUDA_IPC_ENABLE_GET_ZCOPY=auto ""; do env $v UCX_PROTO_INFO=y timeout 90 python3 -m tools.nixl_probe \
+           for v in UCX_CUDA_IPC_ENABLE_GET_ZCOPY=auto ""; do env $v UCX_PROTO_INFO=y timeout 90 python3 -m experiments.nixl_probe \
                --device cuda:0 --peer-device cuda:0 --op READ --ways adhoc --sizes-mib 64 --reps 1 2>&1 \
              | grep -A6 -E "read by ucp_get.* cuda.* from cuda" | cut -c34- | grep -E "ucp_get|\| *[0-9]" | sort -u \
              | tee -a "$OUT/readproto.txt"; echo "-- above: ${v:-pushkv default}" | tee -a "$OUT/readproto.txt"; done ;;
@@ -79,14 +83,14 @@ with launched('--mode', '$mode', '--device', 'cuda', '--model', 'medium', '--num
              --title "qwen3-8b, one H200 (P and D share it) ${UCX_TLS:+UCX_TLS=$UCX_TLS}" --out "$OUT/${STREAM_NAME:-stream}" \
              2>&1 | grep -v "^20" | tee "$OUT/${STREAM_NAME:-stream}.txt" | tail -20
            rm -f "$OUT/${STREAM_NAME:-stream}"/*.log ;;
-    probe) # raw NIXL WRITE below the writer (tools/nixl_probe.py), then UCX variants
-           timeout 120 python3 -m tools.nixl_probe ${PROBE_DEV:---device cuda:0 --peer-device cuda:1} \
+    probe) # raw NIXL WRITE below the writer (experiments/nixl_probe.py), then UCX variants
+           timeout 120 python3 -m experiments.nixl_probe ${PROBE_DEV:---device cuda:0 --peer-device cuda:1} \
              --out "$OUT/probe.json" 2>&1 | grep -v "NIXL INFO" | tee "$OUT/probe.txt"
-           UCX_PROTO_INFO=y timeout 100 python3 -m tools.nixl_probe ${PROBE_DEV:---device cuda:0 --peer-device cuda:1} \
+           UCX_PROTO_INFO=y timeout 100 python3 -m experiments.nixl_probe ${PROBE_DEV:---device cuda:0 --peer-device cuda:1} \
              --sizes-mib 1 64 --reps 3 > "$OUT/probe_protoinfo.txt" 2>&1
            grep -E "cuda|rndv|put|copy" "$OUT/probe_protoinfo.txt" | grep -v "NIXL INFO" | cut -c1-200 | sort | uniq -c | sort -rn | head -30
            for v in ${PROBE_VARIANTS:-UCX_PROTO_ENABLE=n UCX_RNDV_THRESH=inf UCX_TLS=cuda_ipc,cuda_copy,tcp,self}; do
-             echo "-- $v"; env "$v" timeout 100 python3 -m tools.nixl_probe ${PROBE_DEV:---device cuda:0 --peer-device cuda:1} \
+             echo "-- $v"; env "$v" timeout 100 python3 -m experiments.nixl_probe ${PROBE_DEV:---device cuda:0 --peer-device cuda:1} \
                --sizes-mib 1 16 64 256 --reps 5 2>&1 | grep -v "NIXL INFO" | tee -a "$OUT/probe_variants.txt"; done ;;
     sampling) # with OLD_TREE (an untracked copy of an older commit's pushkv/): its sampler first, for an A/B in one run
            if [ -n "${OLD_TREE:-}" ]; then mkdir -p "$OLD_TREE/tools" && cp tools/__init__.py tools/sampling_bench.py "$OLD_TREE/tools/"
@@ -101,7 +105,7 @@ with launched('--mode', '$mode', '--device', 'cuda', '--model', 'medium', '--num
                --sizes-mib 0.25 1 16 64 256 --reps 11 --out "$OUT/xferab_${i}_$(basename $tree).json" 2>&1 | grep -A12 "^writers only" \
                | tee -a "$OUT/xferab.txt"; done; done ;;
     probegap) for gap in ${GAPS:-0 2 10}; do echo "-- ${gap} ms between transfers ${GAP_ARGS:-idle}"
-             timeout 100 python3 -m tools.nixl_probe ${PROBE_DEV:---device cuda:0 --peer-device cuda:1} --sizes-mib 0.25 1 64 \
+             timeout 100 python3 -m experiments.nixl_probe ${PROBE_DEV:---device cuda:0 --peer-device cuda:1} --sizes-mib 0.25 1 64 \
                --reps 9 --gap-ms $gap ${GAP_ARGS:-} 2>&1 | grep -E "notif|copy" | tee -a "$OUT/probegap.txt"; done ;;
     xferprof) # P's and D's writers under cProfile for many one-block pushes: where the fixed cost goes
            PUSHKV_PROFILE_DIR="$OUT/prof" timeout 150 python3 -m tools.transfer_report --writers-only ${XFER_DEV:---device cuda} \
@@ -115,10 +119,10 @@ s.print_callees('_post_write|_prefill_done|on_ExpectKV|_poll_notifs')" 2>&1 | gr
              --sizes-mib 0.25 1 16 64 256 --reps 7 --gap-ms 20 --out "$OUT/xferwarm.json" 2>&1 \
              | grep -E "^warm|^\(devices|Error|error:" | tee "$OUT/xferwarm.txt" ;;
     gpue2e) timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_e2e.py 2>&1 | tee "$OUT/gpue2e.txt" | tail -5 ;;
-    attntune) timeout 300 python3 -m tools.attn_tune 2>&1 | tee "$OUT/attn_tune.txt" ;;
+    attntune) timeout 300 python3 -m experiments.attn_tune 2>&1 | tee "$OUT/attn_tune.txt" ;;
     kvverify) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kv_checksum_kernel.py tests/test_kv_checksum.py \
               2>&1 | tail -3 | tee "$OUT/kv_verify.txt"
-              timeout 540 python3 -m tools.kv_verify_bench --device cuda --model qwen3-8b --length 8192 ${KV_VERIFY_BENCH:---ttft} \
+              timeout 540 python3 -m experiments.kv_verify_bench --device cuda --model qwen3-8b --length 8192 ${KV_VERIFY_BENCH:---ttft} \
               --up-args "--model qwen3-8b --device cuda:0 --num-blocks 8192 --max-batch-tokens 16384" \
               --out "$OUT/kv_verify.json" 2>&1 | tail -12 | tee -a "$OUT/kv_verify.txt" ;;
     *) echo "unknown step $step" ;;

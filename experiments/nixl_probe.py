@@ -14,7 +14,7 @@ Ways: ``adhoc`` (descriptors built per transfer, ``initialize_xfer``), ``adhoc+n
 ``split64+notif`` (the same bytes as 64 descriptors). Run under different ``UCX_*``
 settings to see what the transport does (``UCX_PROTO_INFO=y`` prints its choice).
 
-    python -m tools.nixl_probe --device cuda:0 --peer-device cuda:1 --sizes-mib 0.25 1 16 64 256
+    python -m experiments.nixl_probe --device cuda:0 --peer-device cuda:1 --sizes-mib 0.25 1 16 64 256
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fill .whl/ with the wheels tools/gpu_run.sh installs on the GPU machine, whose image
+# Fill .whl/ with the wheels experiments/gpu_run.sh installs on the GPU machine, whose image
 # has torch (CUDA 13), aiohttp, prometheus-client, tokenizers, safetensors and numpy on
 # Python 3.12 but no nixl, pyzmq, msgspec or setproctitle, and no network.
 # Run here (where pip reaches an index); ~60 MB, nixl-cu13 most of it.

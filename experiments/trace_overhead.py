@@ -1,6 +1,6 @@
-"""TTFT with tracing off, on (no tap) and on with pushkv-tap attached.
+"""TTFT with tracing off, on (no tap) and on with pushkv tap attached.
 
-``python -m tools.trace_overhead --mode push --rounds 30``
+``python -m experiments.trace_overhead --mode push --rounds 30``
 
 Three deployments run side by side and each round sends the same prompt to
 each of them in a shuffled order, so whatever else loads the machine hits
@@ -21,7 +21,7 @@ from contextlib import ExitStack
 
 import numpy as np
 
-from pushkv.launch import ROOT, launched
+from pushkv.launch import launched
 
 VARIANTS = ("off", "trace", "trace+tap")
 
@@ -46,9 +46,8 @@ def main(argv=None) -> int:
             regs[v] = st.enter_context(tempfile.TemporaryDirectory(prefix="pushkv-registry-"))
             flags = ["--mode", args.mode, "--model", args.model, "--num-blocks", "2048"]
             deps[v] = st.enter_context(launched(*flags, *(["--trace"] if v != "off" else []), registry=regs[v]))
-        env = dict(os.environ, PUSHKV_REGISTRY_DIR=regs["trace+tap"],
-                   PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        tap = subprocess.Popen([sys.executable, "-m", "tools.tap", "-q"], cwd=ROOT, env=env,
+        env = dict(os.environ, PUSHKV_REGISTRY_DIR=regs["trace+tap"])
+        tap = subprocess.Popen([sys.executable, "-m", "tools.trace.tap", "-q"], env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         st.callback(lambda: (tap.terminate(), tap.wait(30)))
         for line in tap.stderr:  # attached once events flow

@@ -1,5 +1,5 @@
 """Trace events -> per-request timelines, spans, stage breakdowns and a
-Chrome/Perfetto trace. Pure: no sockets, no clock reads (tools/tap.py feeds it).
+Chrome/Perfetto trace. Pure: no sockets, no clock reads (tools/trace/tap.py feeds it).
 
 Every ``TraceEvent`` carries the process's CLOCK_MONOTONIC time, which Linux
 shares between the processes of one host, so events of different processes
@@ -101,7 +101,7 @@ class Span:
 
 def _lane(process: str) -> str:
     """``prefill-writer-1`` -> ``prefill-writer``; schedulers: ``prefill``; router: ``router``;
-    a host suffix (``decode-writer-0@10.0.0.2``, from tools/trace_merge.py) is dropped."""
+    a host suffix (``decode-writer-0@10.0.0.2``, from tools/trace/merge.py) is dropped."""
     process = process.split("@", 1)[0]
     if process.endswith("-scheduler"):
         return process[: -len("-scheduler")]
@@ -506,7 +506,7 @@ def perfetto(events: list[m.TraceEvent]) -> dict:
                                 "tid": tid, "ts": us(max(e.t_mono, snd.t_mono))})
     out.extend(_engine_steps(events, us))
     return {"traceEvents": out, "displayTimeUnit": "ms",
-            "otherData": {"source": "pushkv-tap", "clock": "CLOCK_MONOTONIC", "t0_mono": t0}}
+            "otherData": {"source": "pushkv tap", "clock": "CLOCK_MONOTONIC", "t0_mono": t0}}
 
 
 def _engine_steps(events: list[m.TraceEvent], us) -> list[dict]:
