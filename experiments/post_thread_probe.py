@@ -55,7 +55,7 @@ def decode_side(device: str, nbytes: int, mode: str, conn) -> None:
     conn.send(n)
 
 
-def prefill_side(device: str, nbytes: int, mode: str, inline: bool = False) -> dict:
+def prefill_side(device: str, nbytes: int, mode: str, inline: bool = False, second: bool = False) -> dict:
     a = _agent("probe-p", mode)
     buf = _buf(device, nbytes)
     kind, dev = _mem(device)
@@ -83,9 +83,24 @@ def prefill_side(device: str, nbytes: int, mode: str, inline: bool = False) -> d
     h = handle()
     posted = {}
 
+    poster = a
+    if second:  # a second agent of our own posts, from the thread: no lock shared with the polling agent
+        poster = _agent("probe-p-post", "none")
+        poster.register_memory([(buf.data_ptr(), nbytes, dev, "")], kind)
+        poster.add_remote_agent(meta)
+        ldesc = poster.get_xfer_descs([(buf.data_ptr(), nbytes, dev)], kind)
+        rdesc = poster.get_xfer_descs([(remote_base, nbytes, dev)], kind)
+        warm2 = poster.initialize_xfer("WRITE", ldesc, rdesc, peer, b"")
+        poster.transfer(warm2)
+        while poster.check_xfer_state(warm2) == "PROC":
+            pass
+        poster.release_xfer_handle(warm2)
+        a.release_xfer_handle(h)
+        h = poster.initialize_xfer("WRITE", ldesc, rdesc, peer, b"")
+
     def post():
         posted["start"] = time.monotonic()
-        posted["state"] = a.transfer(h)
+        posted["state"] = poster.transfer(h)
         posted["end"] = time.monotonic()
 
     th = threading.Thread(target=post)
@@ -103,13 +118,13 @@ def prefill_side(device: str, nbytes: int, mode: str, inline: bool = False) -> d
             ticks_during += sum(len(v) for v in got.values())
     if not inline:
         th.join()
-    while a.check_xfer_state(h) == "PROC":
+    while poster.check_xfer_state(h) == "PROC":
         pass
     done = time.monotonic()
-    a.release_xfer_handle(h)
+    poster.release_xfer_handle(h)
     sent = here.recv()
     child.join(10)
-    return {"mode": mode + (" inline" if inline else " thread"), "post_ms": (posted["end"] - posted["start"]) * 1e3,
+    return {"mode": mode + (" inline" if inline else " second agent's thread" if second else " thread"), "post_ms": (posted["end"] - posted["start"]) * 1e3,
             "done_ms": (done - posted["start"]) * 1e3, "ticks_read_during_post": ticks_during,
             "max_gap_ms": max(gaps, default=0.0) * 1e3, "polls": len(gaps), "ticks_sent": sent}
 
@@ -119,7 +134,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--size-mib", type=int, default=256)
     ap.add_argument("--modes", nargs="+", default=["inline", "strict", "rw"],
-                    help="NIXL thread sync modes (strict, rw, none); inline: post on the polling thread (sync none)")
+                    help="NIXL thread sync modes (strict, rw, none) of one agent posting from a thread; inline: post on "
+                         "the polling thread; second: a second agent posts from the thread")
     args = ap.parse_args()
     for mode in args.modes:  # each in its own process: NONE may crash when two threads call in
         print(_run(mode, args.device, args.size_mib << 20), flush=True)
@@ -140,7 +156,12 @@ def _run(mode: str, device: str, nbytes: int) -> dict:
 
 
 def _child(mode: str, device: str, nbytes: int, q) -> None:
-    q.put(prefill_side(device, nbytes, "none", inline=True) if mode == "inline" else prefill_side(device, nbytes, mode))
+    if mode == "inline":
+        q.put(prefill_side(device, nbytes, "none", inline=True))
+    elif mode == "second":
+        q.put(prefill_side(device, nbytes, "none", second=True))
+    else:
+        q.put(prefill_side(device, nbytes, mode))
 
 
 if __name__ == "__main__":

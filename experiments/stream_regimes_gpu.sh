@@ -3,7 +3,7 @@
 # Steps (any order): e2e (GPU end-to-end tests: layer-streamed push, the default, equals local), probe (a WRITE
 # posted from a second thread over UCX's TCP transport: does the loop stay free?), device (lone TTFT per mode
 # on the device path, 1k-16k), devload (8k x QPS 2 per mode), tcp (lone per mode over UCX TCP), tcpload (1k x
-# QPS 2 over UCX TCP). Needs the wheels of tools/gpu_wheels.sh in .whl/.
+# QPS 2 over UCX TCP), tcpposter (that load with P's poster thread off and on). Needs the wheels of tools/gpu_wheels.sh in .whl/.
 #   bash experiments/stream_regimes_gpu.sh e2e probe device devload
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -11,7 +11,7 @@ export PYTHONPATH=/tmp/site:$PWD PUSHKV_THREADS=${PUSHKV_THREADS:-4}
 OUT=${OUT:-out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/hardware.txt"
 python3 -c "import torch, nixl; print('torch', torch.__version__)" | tee -a "$OUT/hardware.txt"
-UP="--model qwen3-8b --device cuda:0 --num-blocks 16384 --max-num-seqs 64 --max-batch-tokens 16384"
+UP="--model qwen3-8b --device cuda:0 --num-blocks 16384 --max-num-seqs 64 --max-batch-tokens 16384 ${UP_EXTRA:-}"
 MODES=${MODES:-push push-layer pull-inline pull-background local}
 TCP="UCX_TLS=tcp,cuda_copy"
 lone() {  # name, lengths, reps, env...
@@ -40,6 +40,8 @@ for step in "$@"; do
     devload) load device_load_8k 8192 PUSHKV_NOP=1 ;;
     tcp) GROUPS_N=9 lone tcp_lone "${LENGTHS:-1024 4096 8192 16384}" ${REPS:-2} $TCP ;;
     tcpload) GROUPS_N=9 load tcp_load_1k 1024 $TCP ;;
+    tcpposter) # the same load, P's WRITEs posted on the loop (off) and by a poster thread (on; auto's choice here)
+           for v in off on; do UP_EXTRA="--writer-post-thread $v" GROUPS_N=9 load tcp_load_1k_poster_$v 1024 $TCP; done ;;
     *) echo "unknown step $step" ;;
   esac
 done

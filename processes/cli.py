@@ -92,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--prefill-instances", type=int, metavar="N",
                    help="P instances on this host, each with its own scheduler, workers, writers and devices")
     t.add_argument("--decode-instances", type=int, metavar="M", help="D instances on this host")
+    t.add_argument("--writer-post-thread", choices=("auto", "on", "off"),
+                   help="P's writers post WRITEs from a second NIXL agent on its own thread, so a post that "
+                        "blocks for the whole transfer (UCX over TCP) leaves the loop reading notifications; "
+                        "auto (default) = on when UCX_TLS limits UCX to TCP for the network")
     t.add_argument("--writer-warm", choices=("auto", "on", "off"),
                    help="writers spin (a core each) while a transfer with them is expected, so its post and "
                         "completion skip the wake-up from idle; auto (default) = on for CUDA instances")
@@ -200,6 +204,7 @@ def config_from_args(args: argparse.Namespace) -> DeploymentConfig:
         secret_file=os.path.abspath(args.secret_file) if args.secret_file else None, prefill_instances=args.prefill_instances,
         decode_instances=args.decode_instances, router_queue=args.router_queue,
         push_pin_fraction=args.push_pin_fraction, writer_warm=args.writer_warm,
+        writer_post_thread=args.writer_post_thread,
         served_model_name=tuple(args.served_model_name) if args.served_model_name else None,
         trace_endpoint=TRACE_AUTO if args.trace else None,
         trace_tap_endpoint=args.trace if args.trace not in (None, TRACE_AUTO) else None,

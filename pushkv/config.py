@@ -250,6 +250,10 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
     # writer. "auto" = on for CUDA instances, off on the CPU; "on" | "off" force it
     # (env PUSHKV_WRITER_WARM overrides, for A/B runs). See pushkv/writer/poll.py.
     writer_warm: str = "auto"
+    # P's writers post WRITEs from a second NIXL agent on its own thread (transport/poster.py): over
+    # UCX's TCP transport a post returns only when the transfer is done, and the loop would read no
+    # notification meanwhile. "auto" = on when UCX_TLS limits UCX to TCP lanes (poster.wanted).
+    writer_post_thread: str = "auto"
     # the names a request's "model" may give (vLLM's --served-model-name); none: the model's name
     # (preset or checkpoint directory) and the checkpoint's path. Another name gets 404.
     served_model_name: tuple[str, ...] = ()

@@ -45,14 +45,22 @@ PULL_SCENARIOS = [
 ]
 
 
-def _faulty_deployment(tmp_path_factory, mode: str):
+# P's WRITEs posted by a second NIXL agent on its own thread (--writer-post-thread on): a peer
+# dying around a post ends the same way, and the poster's thread never keeps a block
+POSTER_SCENARIOS = [
+    ("prefill-writer-0", "post_write", "threaded post: about to WRITE"),
+    ("decode-writer-0", "registration_sent", "threaded post: registered, waiting for the WRITE"),
+]
+
+
+def _faulty_deployment(tmp_path_factory, mode: str, *extra: str):
     d = tmp_path_factory.mktemp(f"faults-{mode}")
     fdir = d / "armed"
     fdir.mkdir()
     os.environ["PUSHKV_FAULTS_DIR"] = str(fdir)
     try:
         with deployment(d, "--mode", mode, "--model", "small", "--num-blocks", "256",
-                        "--max-restarts", "20") as dep:
+                        "--max-restarts", "20", *extra) as dep:
             dep.faults_dir = str(fdir)
             yield dep
     finally:
@@ -67,6 +75,11 @@ def dep(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pull_dep(tmp_path_factory):
     yield from _faulty_deployment(tmp_path_factory, "pull")
+
+
+@pytest.fixture(scope="module")
+def poster_dep(tmp_path_factory):
+    yield from _faulty_deployment(tmp_path_factory, "push", "--writer-post-thread", "on")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -158,6 +171,11 @@ def test_peer_death(dep, victim, point, phase):
 @pytest.mark.parametrize("victim,point,phase", PULL_SCENARIOS, ids=[f"{v}:{p}" for v, p, _ in PULL_SCENARIOS])
 def test_peer_death_pull(pull_dep, victim, point, phase):
     _scenario(pull_dep, victim, point, phase)
+
+
+@pytest.mark.parametrize("victim,point,phase", POSTER_SCENARIOS, ids=[f"{v}:{p}" for v, p, _ in POSTER_SCENARIOS])
+def test_peer_death_threaded_post(poster_dep, victim, point, phase):
+    _scenario(poster_dep, victim, point, phase)
 
 
 def _scenario(dep, victim, point, phase):

@@ -55,6 +55,9 @@ CASES = [
     ("push-layer chunked tp2->1 p16/d32", "small", LAYER + CHUNK + shape(2, 1, 16, 32), 2, "layer"),
     ("push-layer mla tp2->1 p16/d32", "mla", LAYER + shape(2, 1, 16, 32), 2, "layer"),
     ("push-layer hybrid tp1->1", "hybrid", LAYER, 1, "fallback: sliding-window layers"),
+    # each P rank's WRITEs posted by its own second agent on a thread (what UCX over TCP gets by default)
+    ("push-layer threaded post tp2->1 p16/d32", "small", LAYER + ("--writer-post-thread", "on") + shape(2, 1, 16, 32),
+     2, "layer"),
 ]
 
 
