@@ -237,7 +237,8 @@ class PushRendezvous:
         ``FreeBlocks`` (the writer answers the scheduler on it)."""
         kind, e = self._lookup(transfer_id, generation)
         if kind == "live" and not (e.has_prefill or e.streamed):
-            return [FreeBlocks(transfer_id, generation, (), reason)] + self._dispatch(e, "cancel", now, reason=reason)
+            answer: list[Action] = [FreeBlocks(transfer_id, generation, (), reason)]
+            return answer + self._dispatch(e, "cancel", now, reason=reason)
         if kind == "live" or kind == "draining":
             return self._dispatch(e, "cancel", now, reason=reason)
         if kind == "new":  # neither half seen: remember, so both die on arrival
