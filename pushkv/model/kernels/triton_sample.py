@@ -34,8 +34,14 @@ from __future__ import annotations
 import os
 
 import torch
-import triton
-import triton.language as tl
+
+from pushkv.extras import missing
+
+try:
+    import triton
+    import triton.language as tl
+except ModuleNotFoundError as e:  # a CUDA torch build without Triton
+    raise missing("triton", "pushkv's CUDA kernels") from e
 
 GREEDY, PLAIN, TOPK, WINDOW, WHOLE = 0, 1, 2, 3, 4  # WHOLE: answered -1 at once (top_k > CAND)
 NPARAM = 6
