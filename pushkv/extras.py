@@ -1,6 +1,6 @@
 """Optional dependencies: which of pushkv's pip extras brings each optional module, and the error
 that says so. The base install serves (CPU or CUDA torch); the extras add what only some commands
-need (pyproject.toml declares them; tests/test_dependencies.py holds this table to it)."""
+need (pyproject.toml declares them; tests/tools/test_dependencies.py holds this table to it)."""
 from __future__ import annotations
 
 EXTRA_OF = {
