@@ -50,7 +50,7 @@ with launched('--mode', '$mode', '--device', 'cuda', '--model', 'medium', '--num
             2>&1 | tee "$OUT/gputests.txt" | tail -15 ;;
     roofline) timeout 600 python3 -m tools.roofline --model "${MODEL:-qwen3-8b}" ${ROOFLINE_ARGS:-} \
             --out "$OUT/roofline.json" 2>&1 | tee "$OUT/roofline.txt" ;;
-    sweep8b) # P and D share GPU 0 when only one is lent (say so in the results); SWEEP_MODES picks modes
+    sweep8b) # P and D share GPU 0 on a one-GPU machine (say so in the results); SWEEP_MODES picks modes
            timeout 560 python3 -m tools.sweep --result-dir "$OUT/sweep8b" --modes ${SWEEP_MODES:-push pull-inline} \
              --inputs ${SWEEP_INPUTS:-4096 8192 16384} --qps ${SWEEP_QPS:-1 2 4} --num-prompts ${SWEEP_N:-12} \
              --output-len 256 --warmup 1 --health-timeout 240 \

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.timeout(600)
 
 LENGTHS = [1, 7, 31, 32, 33, 130, 257, 600, 1000, 1500]
 MAX_TOKENS = 12
-BASE_PORT = 18700 + (os.getpid() % 50) * 10  # apart from other sessions' test runs
+BASE_PORT = 18700 + (os.getpid() % 50) * 10  # apart from other test runs on the machine
 
 
 def prompts():
