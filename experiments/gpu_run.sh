@@ -46,11 +46,11 @@ with launched('--mode', '$mode', '--device', 'cuda', '--model', 'medium', '--num
             --num-blocks 4096 --prompt-len 16 1024 4096 2>&1 | tail -8 | tee "$OUT/demo2.txt" ;;
     transfer2) timeout 150 python3 -m tools.transfer_report --device cuda:0 --decode-device cuda:1 \
             --model medium --lengths 4096 16384 --reps 3 --out "$OUT/transfer2.json" 2>&1 | tail -5 | tee "$OUT/transfer2.txt" ;;
-    gputests) timeout 900 python3 -m pytest -q -p no:cacheprovider -x tests/test_batched.py tests/test_gpu_e2e.py \
+    gputests) timeout 900 python3 -m pytest -q -p no:cacheprovider -x tests/model/test_batched.py tests/e2e/test_gpu_e2e.py \
             2>&1 | tee "$OUT/gputests.txt" | tail -15 ;;
     roofline) timeout 600 python3 -m tools.roofline --model "${MODEL:-qwen3-8b}" ${ROOFLINE_ARGS:-} \
             --out "$OUT/roofline.json" 2>&1 | tee "$OUT/roofline.txt" ;;
-    sweep8b) # P and D share GPU 0 when only one is lent (say so in the results); SWEEP_MODES picks modes
+    sweep8b) # P and D share GPU 0 on a one-GPU machine (say so in the results); SWEEP_MODES picks modes
            timeout 560 python3 -m tools.sweep --result-dir "$OUT/sweep8b" --modes ${SWEEP_MODES:-push pull-inline} \
              --inputs ${SWEEP_INPUTS:-4096 8192 16384} --qps ${SWEEP_QPS:-1 2 4} --num-prompts ${SWEEP_N:-12} \
              --output-len 256 --warmup 1 --health-timeout 240 \
@@ -61,7 +61,7 @@ with launched('--mode', '$mode', '--device', 'cuda', '--model', 'medium', '--num
            (cd "$OUT" && tar czf sweep8b_json.tgz sweep8b) ;;
     layergpu) # layer-streamed push on the GPU: the end-to-end test, the link each UCX_TLS gives between two
            # pools on one GPU, then lone TTFT per mode on the device path (LAYER_MODES, LAYER_LENGTHS, LAYER_UP)
-           timeout 300 python3 -m pytest -q -p no:cacheprovider -x tests/test_gpu_e2e.py -k layer 2>&1 | tail -4 \
+           timeout 300 python3 -m pytest -q -p no:cacheprovider -x tests/e2e/test_gpu_e2e.py -k layer 2>&1 | tail -4 \
              | tee "$OUT/layer_test.txt"
            for v in "" UCX_TLS=sm,cuda_copy UCX_TLS=tcp,cuda_copy; do echo "-- WRITE ${v:-device path}" | tee -a "$OUT/links.txt"
              env $v timeout 60 python3 -m experiments.nixl_probe --device cuda:0 --peer-device cuda:0 --op WRITE --ways adhoc \
@@ -118,9 +118,9 @@ s.print_callees('_post_write|_prefill_done|on_ExpectKV|_poll_notifs')" 2>&1 | gr
            timeout 280 python3 -m tools.transfer_report --writers-only --warm-matrix ${XFER_DEV:---device cuda:0 --decode-device cuda:1} \
              --sizes-mib 0.25 1 16 64 256 --reps 7 --gap-ms 20 --out "$OUT/xferwarm.json" 2>&1 \
              | grep -E "^warm|^\(devices|Error|error:" | tee "$OUT/xferwarm.txt" ;;
-    gpue2e) timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_e2e.py 2>&1 | tee "$OUT/gpue2e.txt" | tail -5 ;;
+    gpue2e) timeout 400 python3 -m pytest -q -p no:cacheprovider tests/e2e/test_gpu_e2e.py 2>&1 | tee "$OUT/gpue2e.txt" | tail -5 ;;
     attntune) timeout 300 python3 -m experiments.attn_tune 2>&1 | tee "$OUT/attn_tune.txt" ;;
-    kvverify) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kv_checksum_kernel.py tests/test_kv_checksum.py \
+    kvverify) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kv/test_kv_checksum_kernel.py tests/kv/test_kv_checksum.py \
               2>&1 | tail -3 | tee "$OUT/kv_verify.txt"
               timeout 540 python3 -m experiments.kv_verify_bench --device cuda --model qwen3-8b --length 8192 ${KV_VERIFY_BENCH:---ttft} \
               --up-args "--model qwen3-8b --device cuda:0 --num-blocks 8192 --max-batch-tokens 16384" \

@@ -33,7 +33,7 @@ load() {  # name, length, env...
 for step in "$@"; do
   echo "=== $step $(date -u +%H:%M:%S)"
   case "$step" in
-    e2e) timeout 300 python3 -m pytest -q -p no:cacheprovider -x tests/test_gpu_e2e.py 2>&1 | tail -4 | tee "$OUT/gpu_e2e.txt" ;;
+    e2e) timeout 300 python3 -m pytest -q -p no:cacheprovider -x tests/e2e/test_gpu_e2e.py 2>&1 | tail -4 | tee "$OUT/gpu_e2e.txt" ;;
     probe) for s in 64 256; do env $TCP timeout 150 python3 experiments/post_thread_probe.py --device cuda:0 --size-mib $s \
              2>&1 | grep "'mode'" | tee -a "$OUT/post_thread_probe.txt"; done ;;
     device) lone device_lone "${LENGTHS:-1024 4096 8192 16384}" ${REPS:-2} PUSHKV_NOP=1 ;;

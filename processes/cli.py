@@ -428,7 +428,8 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[list[str]] = None, *, child_argv: Optional[ArgvHook] = None) -> int:
-    """Console script ``pushkv``. ``child_argv`` lets tests run fake children."""
+    """``pushkv up|status|stop`` (the console script ``pushkv`` is tools/cli.py, which hands these here).
+    ``child_argv`` lets tests run fake children."""
     args = build_parser().parse_args(argv)
     if args.cmd == "up":
         return cmd_up(args, child_argv)

@@ -14,6 +14,7 @@ import sys
 from typing import Callable, Optional
 
 from processes import cli as deployment
+from pushkv import extras
 
 # name -> (module, its function taking argv, one line of help)
 TOOLS: dict[str, tuple[str, str, str]] = {
@@ -60,7 +61,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in TOOLS:
         sys.argv = [f"pushkv {argv[0]}", *argv[1:]]  # argparse names the tool in its usage line
-        return tool(argv[0])(argv[1:]) or 0
+        try:
+            return tool(argv[0])(argv[1:]) or 0
+        except ModuleNotFoundError as e:  # an optional dependency, imported where the tool needs it
+            top = (e.name or "").split(".")[0]
+            if top not in extras.EXTRA_OF:
+                raise
+            print(extras.missing(top, f"pushkv {argv[0]}"), file=sys.stderr)
+            return 2
     if not argv or argv[0] not in ("up", "status", "stop"):
         build_parser().parse_args(argv)  # prints help, or names the unknown command, and exits
     return deployment.main(argv)

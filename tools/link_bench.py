@@ -1,7 +1,7 @@
 """pushkv link-bench: serving where the link, not the compute, sets the pace (root only).
 
 P and D run on two network-namespace hosts (``tools/netns.py``), each a ``pushkv up --role``
-(``tools/hosts_up.py``, as ``tests/test_hosts.py`` starts them), with the router and etcd in the
+(``tools/hosts_up.py``, as ``tests/hosts/test_hosts.py`` starts them), with the router and etcd in the
 root namespace on the bridge; NIXL is forced onto UCX's TCP transport (``UCX_TLS=tcp``: across
 namespaces UCX would otherwise copy with cma and never touch the link). Each host's link is capped
 in turn at every ``--rates`` entry by a tc tbf on its veth end (``Host.cap``: what P sends to D

@@ -1,5 +1,5 @@
 """NIXL WRITE over UCX's TCP transport against a plain TCP socket, between two network-namespace
-"hosts" on this machine, measured in the same run (issue 11: "force the network path once").
+"hosts" on this machine, measured in the same run: the network path forced once.
 
     sudo pushkv tcp-write-report [--sizes 1,16,64,256] [--reps 5] [--json out.json] [--rate 1gbit]
 

@@ -28,12 +28,12 @@ penalties and temperature), as vLLM reports them by default.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
+from pushkv import envs
 from pushkv.messages import SamplingParams, SeqWork, TokenLogprob
 from pushkv.seeds import uniform
 
@@ -41,7 +41,7 @@ GREEDY = SamplingParams()
 WINDOW = 1024  # candidates a row without top_k is filtered on before its whole row is sorted
 # which sampler: "auto" = the one-launch Triton kernel on CUDA (kernels/triton_sample.py), the
 # torch ops elsewhere; "torch" or "triton" force one (triton on CPU needs TRITON_INTERPRET=1)
-SAMPLER = os.environ.get("PUSHKV_SAMPLER", "auto")
+SAMPLER = envs.get("PUSHKV_SAMPLER")
 KERNEL_ROWS = {"kernel": 0, "sorted": 0}  # rows the GPU sampler drew, and those it left to the sorted path
 @dataclass
 class Sampled:

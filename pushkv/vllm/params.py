@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from pushkv import envs
 from pushkv.messages import PrefillSource
 
 KEY = "pushkv"
@@ -115,4 +116,4 @@ def settings(engine_id: str, tp: int, extra: Optional[dict[str, Any]], env=os.en
     port = int(extra.get("handshake_port") or env.get("VLLM_NIXL_SIDE_CHANNEL_PORT") or DEFAULT_HANDSHAKE_PORT)
     return Settings(engine_id, tp, host, port, float(extra.get("registration_wait_s", 30.0)),
                     float(extra.get("transfer_s", 30.0)), float(extra.get("idle_wait_ms", 10.0)),
-                    str(extra.get("secret_file") or env.get("PUSHKV_SECRET_FILE") or ""))
+                    str(extra.get("secret_file") or envs.get("PUSHKV_SECRET_FILE", env) or ""))

@@ -15,8 +15,14 @@ results a second kernel merges: at small batch that is what keeps every SM readi
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from pushkv.extras import missing
+
+try:
+    import triton
+    import triton.language as tl
+except ModuleNotFoundError as e:  # a CUDA torch build without Triton
+    raise missing("triton", "pushkv's CUDA kernels") from e
 
 LOG2E = 1.4426950408889634
 

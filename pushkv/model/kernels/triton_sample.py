@@ -31,18 +31,23 @@ float32 (k and u are exact in it).
 """
 from __future__ import annotations
 
-import os
-
 import torch
-import triton
-import triton.language as tl
+
+from pushkv import envs
+from pushkv.extras import missing
+
+try:
+    import triton
+    import triton.language as tl
+except ModuleNotFoundError as e:  # a CUDA torch build without Triton
+    raise missing("triton", "pushkv's CUDA kernels") from e
 
 GREEDY, PLAIN, TOPK, WINDOW, WHOLE = 0, 1, 2, 3, 4  # WHOLE: answered -1 at once (top_k > CAND)
 NPARAM = 6
 CAND = 1024  # the largest top_k served here, and the window of a row without one (sampling.WINDOW)
-KS = int(os.environ.get("PUSHKV_SAMPLE_KS", "64"))  # candidates a segment gives
-BLOCK = int(os.environ.get("PUSHKV_SAMPLE_BLOCK", "8192"))  # a segment (env: tuning runs)
-WARPS = int(os.environ.get("PUSHKV_SAMPLE_WARPS", "16"))
+KS = envs.get("PUSHKV_SAMPLE_KS")  # candidates a segment gives
+BLOCK = envs.get("PUSHKV_SAMPLE_BLOCK")  # a segment (env: tuning runs)
+WARPS = envs.get("PUSHKV_SAMPLE_WARPS")
 
 
 @triton.jit
