@@ -13,7 +13,6 @@ import importlib
 import sys
 from typing import Callable, Optional
 
-from processes import cli as deployment
 from pushkv import extras
 
 # name -> (module, its function taking argv, one line of help)
@@ -42,6 +41,8 @@ TOOLS: dict[str, tuple[str, str, str]] = {
 def build_parser() -> argparse.ArgumentParser:
     """The deployment commands' parser with every tool listed beside them (for help and errors;
     a tool parses its own arguments)."""
+    from processes import cli as deployment
+
     ap = deployment.build_parser()
     ap.prog = "pushkv"
     ap.epilog = "pushkv COMMAND --help: that command's options"
@@ -71,6 +72,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 2
     if not argv or argv[0] not in ("up", "status", "stop"):
         build_parser().parse_args(argv)  # prints help, or names the unknown command, and exits
+    from processes import cli as deployment
+
     return deployment.main(argv)
 
 
