@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="pull: READ inside D's step, READ on D's writer, or D registers after the relay and P WRITEs")
     up.add_argument("--push-stream", choices=("off", "chunk", "layer"),
                     help="push: WRITE after the whole prefill (off), each chunk's blocks as its step ends (chunk), "
-                         "or each layer group's as the worker marks it stored (layer)")
+                         "or each layer group's as the worker marks it stored (layer, the default)")
     up.add_argument("--push-stream-groups", type=int, metavar="N",
                     help="--push-stream layer: layer groups per pool, each WRITTEN as it is stored (default 4)")
     up.add_argument("--kv-verify", choices=("off", "sample", "full"),
@@ -92,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--prefill-instances", type=int, metavar="N",
                    help="P instances on this host, each with its own scheduler, workers, writers and devices")
     t.add_argument("--decode-instances", type=int, metavar="M", help="D instances on this host")
+    t.add_argument("--writer-post-thread", choices=("auto", "on", "off"),
+                   help="P's writers post WRITEs from a second NIXL agent on its own thread, so a post that "
+                        "blocks for the whole transfer (UCX over TCP) leaves the loop reading notifications; "
+                        "auto (default) = on when UCX_TLS limits UCX to TCP for the network")
     t.add_argument("--writer-warm", choices=("auto", "on", "off"),
                    help="writers spin (a core each) while a transfer with them is expected, so its post and "
                         "completion skip the wake-up from idle; auto (default) = on for CUDA instances")
@@ -105,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="push: at most this fraction of a D's blocks reserved early and still waiting for KV; "
                         "past it a request falls back to late allocation (D allocates after P)")
     up.add_argument("--trace", nargs="?", const=TRACE_AUTO, metavar="ENDPOINT",
-                    help="every process mirrors what it sends and receives; taps (pushkv-tap) attach at "
+                    help="every process mirrors what it sends and receives; taps (pushkv tap) attach at "
                          "ENDPOINT (default: an ipc socket in the run dir, found through the registry)")
     s = up.add_argument_group("security")
     s.add_argument("--secret-file", metavar="FILE",
@@ -200,6 +204,7 @@ def config_from_args(args: argparse.Namespace) -> DeploymentConfig:
         secret_file=os.path.abspath(args.secret_file) if args.secret_file else None, prefill_instances=args.prefill_instances,
         decode_instances=args.decode_instances, router_queue=args.router_queue,
         push_pin_fraction=args.push_pin_fraction, writer_warm=args.writer_warm,
+        writer_post_thread=args.writer_post_thread,
         served_model_name=tuple(args.served_model_name) if args.served_model_name else None,
         trace_endpoint=TRACE_AUTO if args.trace else None,
         trace_tap_endpoint=args.trace if args.trace not in (None, TRACE_AUTO) else None,
@@ -422,7 +427,8 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[list[str]] = None, *, child_argv: Optional[ArgvHook] = None) -> int:
-    """Console script ``pushkv``. ``child_argv`` lets tests run fake children."""
+    """``pushkv up|status|stop`` (the console script ``pushkv`` is tools/cli.py, which hands these here).
+    ``child_argv`` lets tests run fake children."""
     args = build_parser().parse_args(argv)
     if args.cmd == "up":
         return cmd_up(args, child_argv)

@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 
+from pushkv import envs
 from pushkv.config import DeploymentConfig, decode_config
 
 
@@ -37,7 +38,7 @@ def parse(kind: str, with_rank: bool = True) -> tuple[argparse.Namespace, Deploy
 def run_profiled(run, name: str) -> None:
     """``run()``; under cProfile when ``PUSHKV_PROFILE_DIR`` is set, the stats written to
     ``<dir>/<name>.prof`` at exit (read them with ``python -m pstats``)."""
-    out = os.environ.get("PUSHKV_PROFILE_DIR")
+    out = envs.get("PUSHKV_PROFILE_DIR")
     if not out:
         run()
         return

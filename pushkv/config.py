@@ -202,8 +202,9 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
     # push: when P's KV leaves for D. "off": one WRITE after the whole prefill; "chunk": each
     # prefill chunk's finished blocks are written as soon as its step ends, while the next chunk
     # computes (needs prefill_chunk); "layer": each layer group's regions as soon as the worker
-    # marks them stored (the pools of both sides cut into push_stream_groups layer groups)
-    push_stream: str = "off"
+    # marks them stored (the pools of both sides cut into push_stream_groups layer groups; the
+    # default: docs/results/stream_layer)
+    push_stream: str = "layer"
     push_stream_groups: int = 4
     host: str = "127.0.0.1"
     port: int = 8000
@@ -249,6 +250,10 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
     # writer. "auto" = on for CUDA instances, off on the CPU; "on" | "off" force it
     # (env PUSHKV_WRITER_WARM overrides, for A/B runs). See pushkv/writer/poll.py.
     writer_warm: str = "auto"
+    # P's writers post WRITEs from a second NIXL agent on its own thread (transport/poster.py): over
+    # UCX's TCP transport a post returns only when the transfer is done, and the loop would read no
+    # notification meanwhile. "auto" = on when UCX_TLS limits UCX to TCP lanes (poster.wanted).
+    writer_post_thread: str = "auto"
     # the names a request's "model" may give (vLLM's --served-model-name); none: the model's name
     # (preset or checkpoint directory) and the checkpoint's path. Another name gets 404.
     served_model_name: tuple[str, ...] = ()

@@ -20,7 +20,9 @@ from __future__ import annotations
 import os
 import signal
 
-_DIR = os.environ.get("PUSHKV_FAULTS_DIR", "")
+from pushkv import envs
+
+_DIR = envs.get("PUSHKV_FAULTS_DIR")
 
 
 def _arm(directory: str, kind: str, process: str, point_name: str) -> str:

@@ -25,7 +25,6 @@ from pushkv.security import secure_connect
 from pushkv.config import DeploymentConfig, decode_config
 from pushkv.supervisor.plan import free_tcp_port
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 START_TIMEOUT_S = 180
 
 
@@ -101,10 +100,9 @@ def launched(*flags: str, log_path: Optional[str] = None, registry: Optional[str
     port = port or free_tcp_port()
     reg = registry or tempfile.mkdtemp(prefix="pushkv-registry-")
     env = dict(os.environ, PUSHKV_REGISTRY_DIR=reg)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     argv = [sys.executable, "-m", "processes.cli", "up", "--port", str(port), *flags]
     log = open(log_path or os.devnull, "w")
-    proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
     lines: list[str] = []
     ready = threading.Event()
 

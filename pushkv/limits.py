@@ -18,7 +18,7 @@ from typing import Optional
 from pushkv import messages as m
 from pushkv.config import DeploymentConfig, InstanceConfig
 
-# -- request bounds (docs/api.md: the table is checked against BOUNDS by tests/test_request_limits.py)
+# -- request bounds (docs/api.md: the table is checked against BOUNDS by tests/router/test_request_limits.py)
 MAX_N = 16  # choices: each one is its own prefill and decode (OpenAI allows 128 and bills them)
 MAX_BEST_OF = MAX_N  # and best_of must equal n: nothing ranks candidates
 MAX_LOGPROBS = 20  # completions' logprobs, chat's top_logprobs: OpenAI's and vLLM's (max_logprobs) 20

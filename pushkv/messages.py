@@ -502,6 +502,8 @@ class Hello(Msg):
     device_uuid: str = ""  # the pool's GPU ("" on the CPU): a peer on the same GPU is not kept warm
     wire_version: int = 0  # WIRE_VERSION of the sender (0: before versions were sent)
     model_id: str = ""  # what the KV means: model geometry, dtype and weights (config.model_fingerprint)
+    # the agent our WRITEs and their notifications come from when a poster thread posts them ("": agent_name)
+    post_agent: str = ""
 
 
 class HelloRefused(Msg):
@@ -607,7 +609,7 @@ SupervisorInbound = Union[Ready, Pong, ControlCommand]
 
 
 # ---------------------------------------------------------------------------
-# Trace mirror: what any process sends/receives, for tools/tap
+# Trace mirror: what any process sends/receives, for tools/trace/tap
 # ---------------------------------------------------------------------------
 class TraceEvent(Msg):
     t_mono: float

@@ -39,7 +39,7 @@ class TracePublisher:
     def __init__(self, process: str, endpoint: str, ctx: Optional[zmq.Context] = None,
                  counters: Optional[Counter] = None, security: Optional[Security] = None):
         self.process = process
-        # which host's clock t_mono is (tools/trace_merge.py aligns hosts); the supervisor sets it
+        # which host's clock t_mono is (tools/trace/merge.py aligns hosts); the supervisor sets it
         self.host = os.environ.get(HOST_ENV, "")
         self.counters = counters if counters is not None else Counter()
         self.sock = (ctx or zmq.Context.instance()).socket(zmq.PUB)

@@ -8,14 +8,21 @@
 A marker written on a test (or its module) wins; otherwise the group is inferred, so a new
 test is grouped without anyone remembering to: a test whose function or fixtures call a
 process starter (``deployment``, ``launched``, ``children``, ``Popen``) is ``e2e``.
+
+With ``CI=true`` (``.ci/run``) a skip is a failure, unless what is missing is a CUDA GPU: CI
+installs etcd, ``ip`` (network namespaces, as root) and vLLM, so a test that skips for want of
+them has found CI broken, not a machine without them.
 """
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 
 GROUPS = ("unit", "e2e", "faults", "gpu")
+CI = os.environ.get("CI", "").lower() == "true"
+MAY_SKIP_IN_CI = ("CUDA",)  # a skip whose reason names one of these is a skip in CI too
 STARTERS = frozenset({"deployment", "launched", "children", "Popen"})
 
 
@@ -84,3 +91,30 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(group)
         if group == "gpu" and not _has_cuda():
             item.add_marker(pytest.mark.skip(reason="gpu group: needs a CUDA GPU"))
+
+
+def _skip_reason(report) -> str:
+    return report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+
+
+def _fail_skip_in_ci(report) -> None:
+    if not CI or not report.skipped or hasattr(report, "wasxfail"):
+        return
+    reason = _skip_reason(report)
+    if any(word in reason for word in MAY_SKIP_IN_CI):
+        return
+    report.outcome = "failed"
+    report.longrepr = f"CI=true: this would have skipped ({reason}); in CI only a missing CUDA GPU may skip"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    _fail_skip_in_ci(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """A module that skips as a whole (``pytest.importorskip("vllm")`` at its top)."""
+    outcome = yield
+    _fail_skip_in_ci(outcome.get_result())

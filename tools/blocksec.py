@@ -1,7 +1,7 @@
-"""pushkv-blocksec: push's cost in D memory, push against pull, under one load.
+"""pushkv blocksec: push's cost in D memory, push against pull, under one load.
 
 For each variant it starts a deployment (``pushkv up``, CPU and the small model
-by default), sends the same Poisson load (``pushkv-bench``'s requests), and prints
+by default), sends the same Poisson load (``pushkv bench``'s requests), and prints
 side by side, per request, the D **block-seconds** reserved before the KV arrived
 (blocks x time from D's reservation until the KV was in: push holds them while P
 computes, pull only while it READs), with the late allocations (push falling back
@@ -37,7 +37,7 @@ DEFAULT = ("push", "push-fallback", "pull")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="pushkv-blocksec", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="pushkv blocksec", description=__doc__.split("\n\n")[0])
     ap.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=list(DEFAULT))
     ap.add_argument("--qps", type=float, default=6.0, help="Poisson arrival rate (a P backlog builds past ~3)")
     ap.add_argument("--num-prompts", type=int, default=24)

@@ -1,6 +1,6 @@
 """Offline checks of the Kubernetes manifests under ``deploy/``.
 
-``pushkv-check-deploy [DIR]`` (or ``python -m tools.check_deploy``) prints every problem
+``pushkv check-deploy [DIR]`` (or ``python -m tools.check_deploy``) prints every problem
 and exits 1 if there is one:
 
 - every file parses, every document has apiVersion, kind, metadata.name and the namespace;
@@ -204,7 +204,7 @@ def check(deploy_dir: str, schemas: bool = True) -> list[str]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="pushkv-check-deploy", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="pushkv check-deploy", description=__doc__.split("\n\n")[0])
     ap.add_argument("dir", nargs="?", default=os.path.join(os.path.dirname(os.path.dirname(__file__)), "deploy"))
     ap.add_argument("--no-schemas", action="store_true", help="structural checks only (no kubernetes-validate)")
     args = ap.parse_args(argv)

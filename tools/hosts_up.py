@@ -23,7 +23,6 @@ from pushkv.security import secure_connect
 from pushkv.config import DeploymentConfig, decode_config
 from pushkv.supervisor import lifecycle
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 START_TIMEOUT_S = 120.0
 
 
@@ -38,11 +37,11 @@ class HostUp:
         self.log_path = str(tmp_dir / f"{name}.log")
         os.makedirs(self.registry_dir, exist_ok=True)
         argv = [sys.executable, "-m", "processes.cli", "up", *flags]
-        full_env = dict(os.environ, PUSHKV_REGISTRY_DIR=self.registry_dir, PYTHONPATH=ROOT, **(env or {}))
+        full_env = dict(os.environ, PUSHKV_REGISTRY_DIR=self.registry_dir, **(env or {}))
         self.log = open(self.log_path, "a")
         argv = host.argv(argv) if host is not None else argv
         # `ip netns exec` execs the command: this pid is the supervisor's
-        self.proc = subprocess.Popen(argv, env=full_env, cwd=ROOT, stdout=subprocess.PIPE, stderr=self.log,
+        self.proc = subprocess.Popen(argv, env=full_env, stdout=subprocess.PIPE, stderr=self.log,
                                      text=True)
         self.lines: list[str] = []
         self.ready = threading.Event()

@@ -1,4 +1,4 @@
-"""pushkv-layout-report: P/D layouts that differ (block sizes, TP sizes, hybrid
+"""pushkv layout-report: P/D layouts that differ (block sizes, TP sizes, hybrid
 attention, MLA-style latent), each run as a real deployment and checked.
 
 For each layout: greedy tokens through P/D against ``local`` mode run with P's
@@ -9,7 +9,7 @@ GB/s. Descriptors for a fragmented pool come from the same mapping with block
 tables taken from a fragmented allocator; ``--nixl`` also times those WRITEs
 over real NIXL between two processes.
 
-The test matrix (tests/test_layouts_e2e.py) runs the same code on short prompts.
+The test matrix (tests/e2e/test_layouts_e2e.py) runs the same code on short prompts.
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ class Combo:
              # would keep earlier requests' blocks and hand out others
              "--no-prefix-cache")
         # one WRITE per transfer: the report counts a whole transfer's descriptors (streamed parts
-        # would add theirs; tests/test_stream_e2e.py checks layer streaming in these layouts)
+        # would add theirs; tests/e2e/test_stream_e2e.py checks layer streaming in these layouts)
         return f + (("--pull-read", "background") if self.mode == "pull" else ("--push-stream", "off"))
 
     def config(self, num_blocks: int) -> DeploymentConfig:
@@ -253,7 +253,7 @@ def _reference(model: str, tp: int, prompts: dict, max_tokens: int, num_blocks: 
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="pushkv-layout-report", description=__doc__,
+    ap = argparse.ArgumentParser(prog="pushkv layout-report", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096], help="prompt tokens")
     ap.add_argument("--reps", type=int, default=3, help="requests per length (median)")

@@ -1,7 +1,7 @@
-"""pushkv-link-bench: serving where the link, not the compute, sets the pace (root only).
+"""pushkv link-bench: serving where the link, not the compute, sets the pace (root only).
 
 P and D run on two network-namespace hosts (``tools/netns.py``), each a ``pushkv up --role``
-(``tools/hosts_up.py``, as ``tests/test_hosts.py`` starts them), with the router and etcd in the
+(``tools/hosts_up.py``, as ``tests/hosts/test_hosts.py`` starts them), with the router and etcd in the
 root namespace on the bridge; NIXL is forced onto UCX's TCP transport (``UCX_TLS=tcp``: across
 namespaces UCX would otherwise copy with cma and never touch the link). Each host's link is capped
 in turn at every ``--rates`` entry by a tc tbf on its veth end (``Host.cap``: what P sends to D
@@ -14,9 +14,9 @@ For each rate: lone requests, ``--reps`` rounds at each length of one request to
 turn (the order rotating), each sent once the previous one ended, so that the modes' figures lie
 seconds apart on a host whose load drifts (the median per mode); then each mode's loaded run
 (Poisson arrivals at ``--qps``, ``--num-prompts`` prompts, at each ``--load-lengths``).
-``--one-at-a-time`` runs one deployment at a time instead. Every run is a pushkv-bench JSON under
+``--one-at-a-time`` runs one deployment at a time instead. Every run is a pushkv bench JSON under
 ``OUT/<rate>/`` (``qps0`` = the lone requests, with ``cpu_ms``: the CPU each role's processes spent
-per request), so ``pushkv-stages`` and ``pushkv-plot`` read them too; at the end, per rate (stdout
+per request), so ``pushkv stages`` and ``pushkv plot`` read them too; at the end, per rate (stdout
 and ``OUT/tables.md``): the table, the streamed parts' stages, the streaming goal per length
 (``TTFT(push-chunk) <= TTFT(push) - 0.8 x min(prefill, transfer)``, transfer = push's prefill end
 -> KV landed, and how much streaming hid) and the CPU per request; ``OUT/link_bench.json`` and
@@ -284,7 +284,7 @@ def lone_side_by_side(urls: dict[str, str], rate: str, length: int, args, out_di
 
 
 def lone_summary(url: str, mode: str, rate: str, length: int, got, duration_s: float, args, out_dir: str) -> dict:
-    """``got``: (result, CPU ms per role) per request; the pushkv-bench JSON with ``cpu_ms`` added."""
+    """``got``: (result, CPU ms per role) per request; the pushkv bench JSON with ``cpu_ms`` added."""
     results = [r for r, _ in got]
     meta = {"date": time.strftime("%Y%m%d-%H%M%S"), "backend": "pushkv", "mode": mode, "base_url": url,
             "num_prompts": args.reps, "request_rate": "lone", "input_len": length,
@@ -552,7 +552,7 @@ def report(results: dict, args, m) -> str:
 
 
 def plot_cells(regime: dict, args) -> dict:
-    """The table's figures as pushkv-plot's cells ((mode, qps, tokens) -> metric): a loaded run's
+    """The table's figures as pushkv plot's cells ((mode, qps, tokens) -> metric): a loaded run's
     point is its rounds pooled, as in the table (not the median of each round's median)."""
     cells = {}
     for mode, cs in regime.items():
@@ -583,7 +583,7 @@ def plots(args, results: dict) -> list[str]:
 # main
 # ---------------------------------------------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="pushkv-link-bench", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="pushkv link-bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--rates", nargs="+", default=["1gbit", "none"], help="tc rates (1gbit, 10gbit, ...) or none")
     ap.add_argument("--lengths", nargs="+", type=int, default=[512, 1024, 2048, 4096], help="prompt tokens")
     ap.add_argument("--modes", nargs="+", default=DEFAULT_MODES, metavar="MODE[@CHUNK]",
@@ -668,7 +668,7 @@ def main(argv=None) -> int:
     if args.replot:
         return replot(args.out)
     if os.geteuid() != 0:
-        sys.exit("pushkv-link-bench makes network namespaces and tc qdiscs: run it as root")
+        sys.exit("pushkv link-bench makes network namespaces and tc qdiscs: run it as root")
     m = model_config(args.model, args.geometry)
     os.makedirs(args.out, exist_ok=True)
     for rate in args.rates:
@@ -827,9 +827,9 @@ def _save(results: dict, args) -> None:
         json.dump(results, f, indent=1)
 
 
-def cli() -> int:
+def cli(argv=None) -> int:
     try:
-        return main()
+        return main(argv)
     except KeyboardInterrupt:
         print("interrupted: hosts, qdiscs, etcd and every process removed; what ran is in --out",
               file=sys.stderr)

@@ -1,6 +1,6 @@
 """"Hosts" on one machine: network namespaces joined by veth pairs on a bridge (root only).
 
-Used by the tests (``tests/netns.py`` re-exports it) and by tools that measure between hosts.
+Used by the tests (``tests/support/netns.py`` re-exports it) and by tools that measure between hosts.
 
     with hosts(3) as net:                   # three namespaces on a fresh bridge
         h1, h2 = net[1], net[2]             # each with one address, e.g. 10.213.57.1/24

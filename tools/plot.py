@@ -1,4 +1,4 @@
-"""pushkv-plot: TTFT and TPOT (median) vs input length from a result dir.
+"""pushkv plot: TTFT and TPOT (median) vs input length from a result dir.
 
 One column per QPS, one line per mode; rows TTFT and TPOT. Also prints a
 table of TTFT(pull)/TTFT(push) and TPOT(pull)/TPOT(push) for every cell and
@@ -100,7 +100,7 @@ def plot(cells: dict, out_path: str, title: str = "", column: Optional[Callable[
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="pushkv-plot", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="pushkv plot", description=__doc__.split("\n\n")[0])
     ap.add_argument("result_dir", nargs="?", default="results")
     ap.add_argument("--out", help="PNG path (default: <result_dir>/ttft_tpot.png)")
     ap.add_argument("--baseline", default=BASELINE, help="mode the ratios divide by")

@@ -1,4 +1,4 @@
-"""pushkv-roofline: the batched engine's decode and prefill steps against their hardware bounds.
+"""pushkv roofline: the batched engine's decode and prefill steps against their hardware bounds.
 
 Measures, in the same run on the same GPU: the device copy bandwidth (bytes read +
 written per second by a large device-to-device copy) and the bf16 matmul throughput
@@ -100,7 +100,7 @@ def plot(json_path: str, out_png: str) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="pushkv-roofline", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="pushkv roofline", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen3-8b")
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16, 32, 64])
     ap.add_argument("--contexts", nargs="+", type=int, default=[1024, 4096, 8192, 16384])

@@ -1,7 +1,7 @@
 """Cost of pushkv.model.sampling per step: batch x vocab x sampling mix, on CPU or a GPU.
 
-    pushkv-sampling-bench                                # CPU, default grid
-    pushkv-sampling-bench --device cuda --batch 1 64 256 --vocab 151936
+    pushkv sampling-bench                                # CPU, default grid
+    pushkv sampling-bench --device cuda --batch 1 64 256 --vocab 151936
 
 Prints one line per (vocab, batch, mix): median and p90 milliseconds of one
 ``sample()`` call on ready logits (what a decode step adds to its forward).

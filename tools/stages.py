@@ -1,4 +1,4 @@
-"""pushkv-stages: one line per bench result file: TTFT/TPOT medians and the
+"""pushkv stages: one line per bench result file: TTFT/TPOT medians and the
 median of each stage (ms from the previous stage), to read a sweep stage by stage."""
 from __future__ import annotations
 

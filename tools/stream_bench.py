@@ -1,4 +1,4 @@
-"""pushkv-stream-bench: lone requests per mode and prompt length, with the stage breakdown
+"""pushkv stream-bench: lone requests per mode and prompt length, with the stage breakdown
 that shows what streaming push hides.
 
 For each mode it starts one deployment (``pushkv up`` as a subprocess, pushkv.launch),
@@ -172,7 +172,7 @@ def main(argv=None) -> int:
     if rows:
         try:
             plot(rows, os.path.join(args.out, "ttft.png"), args.title or args.up_args)
-        except ImportError as e:  # no matplotlib here: `pushkv-stream-bench --replot DIR` elsewhere
+        except ImportError as e:  # no matplotlib here: `pushkv stream-bench --replot DIR` elsewhere
             print(f"no plot: {e}", file=sys.stderr)
     return 0 if len(results) == len(args.modes) else 1
 

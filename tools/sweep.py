@@ -1,7 +1,7 @@
-"""pushkv-sweep: modes x QPS x input lengths, one deployment per mode.
+"""pushkv sweep: modes x QPS x input lengths, one deployment per mode.
 
 For each mode it starts ``pushkv up --mode ... --port P`` as a subprocess
-(pushkv.launch), waits until it prints READY, runs ``pushkv-bench`` for every (QPS,
+(pushkv.launch), waits until it prints READY, runs ``pushkv bench`` for every (QPS,
 input length) cell, then stops the deployment with SIGINT. The default grid
 is small enough for a 2-core CPU box in well under 15 minutes; ``--full``
 is the 1k-16k x 1/2/4/8 QPS grid.
@@ -38,7 +38,7 @@ def grid(args) -> list[tuple[str, float, int]]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="pushkv-sweep", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="pushkv sweep", description=__doc__.split("\n\n")[0])
     ap.add_argument("--full", action="store_true", help="1k-16k inputs x 1/2/4/8 QPS, all modes")
     ap.add_argument("--modes", nargs="+", choices=sorted(MODES))
     ap.add_argument("--qps", nargs="+", type=float)

@@ -1,7 +1,7 @@
 """NIXL WRITE over UCX's TCP transport against a plain TCP socket, between two network-namespace
-"hosts" on this machine, measured in the same run (issue 11: "force the network path once").
+"hosts" on this machine, measured in the same run: the network path forced once.
 
-    sudo pushkv-tcp-write-report [--sizes 1,16,64,256] [--reps 5] [--json out.json] [--rate 1gbit]
+    sudo pushkv tcp-write-report [--sizes 1,16,64,256] [--reps 5] [--json out.json] [--rate 1gbit]
 
 Two namespaces on a bridge (``tools/netns.py``); in each a process with a
 ``pushkv.transport.nixl_agent.NixlAgent`` on host memory, with ``UCX_TLS=tcp`` so that UCX
@@ -219,8 +219,7 @@ def measure(sizes: list[int], reps: int, tls: str = "tcp", rate: str = "none") -
     result's ``qdisc`` then holds each host's tbf with its counters after the run."""
     from tools.netns import hosts
 
-    env = dict(os.environ, UCX_TLS=tls, UCX_PROTO_INFO="y", UCX_PROTO_ENABLE="y",
-               PYTHONPATH=os.pathsep.join(filter(None, [_root(), os.environ.get("PYTHONPATH", "")])))
+    env = dict(os.environ, UCX_TLS=tls, UCX_PROTO_INFO="y", UCX_PROTO_ENABLE="y")
     me = [sys.executable, "-m", "tools.tcp_write_report"]
     with hosts(2) as net:
         h1, h2 = net[1], net[2]
@@ -255,10 +254,6 @@ def measure(sizes: list[int], reps: int, tls: str = "tcp", rate: str = "none") -
                     p.kill()
                 if p is not None:
                     p.communicate(timeout=10)
-
-
-def _root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def print_table(result: dict) -> None:
@@ -297,7 +292,7 @@ def main(argv=None) -> None:
         print(json.dumps(res), flush=True)
         return
     if os.geteuid() != 0:
-        sys.exit("pushkv-tcp-write-report makes network namespaces: run it as root")
+        sys.exit("pushkv tcp-write-report makes network namespaces: run it as root")
     result = measure(_sizes(a.sizes), a.reps, a.tls, a.rate)
     result["reps"] = a.reps
     print_table(result)

@@ -1,4 +1,4 @@
-"""pushkv-transfer-report: what one request's KV transfer costs, measured on a
+"""pushkv transfer-report: what one request's KV transfer costs, measured on a
 real deployment (or, with --writers-only, between two writer processes alone:
 tools/transfer_writers.py). For each prompt length: KV bytes moved, descriptors per
 transfer (against blocks), WRITE time and GB/s next to a plain torch copy of
@@ -35,7 +35,7 @@ def one(dep, n: int, rng: random.Random) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="pushkv-transfer-report", description=__doc__)
+    ap = argparse.ArgumentParser(prog="pushkv transfer-report", description=__doc__)
     ap.add_argument("--model", default="small")
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
     ap.add_argument("--reps", type=int, default=3)

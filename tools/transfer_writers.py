@@ -33,10 +33,10 @@ from pushkv.kv import layout as L
 from pushkv.supervisor.plan import plan_deployment
 from pushkv.writer.poll import WARM_ENV
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# the tree whose writers run (default this one): point it at a checkout of an older commit for a
-# before/after comparison (its writers must speak the same scheduler messages)
-WRITERS_ROOT = os.environ.get("PUSHKV_WRITERS_ROOT", ROOT)
+# the checkout whose writers run (default: the installed pushkv): point it at a checkout of an older
+# commit for a before/after comparison; ``python -m`` finds the packages of its working directory
+# first (its writers must speak the same scheduler messages)
+WRITERS_ROOT = os.environ.get("PUSHKV_WRITERS_ROOT") or None
 READY_TIMEOUT_S = 120.0
 REPLY_TIMEOUT_S = 60.0
 
@@ -66,10 +66,9 @@ def writer_pair(model: str, block_size: int, num_blocks: int, device: str = "cpu
     procs: list[subprocess.Popen] = []
     socks: list[zmq.Socket] = []
     try:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (WRITERS_ROOT, os.environ.get("PYTHONPATH")))))
         for role in ("prefill", "decode"):
             procs.append(subprocess.Popen([sys.executable, "-m", "processes.writer", "--config", path,
-                                           "--role", role, "--rank", "0"], env=env, cwd=WRITERS_ROOT))
+                                           "--role", role, "--rank", "0"], cwd=WRITERS_ROOT))
         pending, end = {"prefill-writer-0", "decode-writer-0"}, time.monotonic() + READY_TIMEOUT_S
         while pending:
             if any(p.poll() is not None for p in procs):

@@ -13,13 +13,13 @@ all-reduce would be captured) and when ``PUSHKV_CUDA_GRAPHS=0``.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from pushkv import envs
 from pushkv.messages import SeqWork
 from pushkv.model.kernels import paged
 from pushkv.model.norms import rms_norm, rotate_half
@@ -51,9 +51,9 @@ class BatchedForward:
         self.staging = Staging()
         self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.cuda else 1
         if use_graphs is None:
-            use_graphs = self.cuda and model.tp_size == 1 and os.environ.get("PUSHKV_CUDA_GRAPHS", "1") != "0"
+            use_graphs = self.cuda and model.tp_size == 1 and envs.get("PUSHKV_CUDA_GRAPHS")
         self.use_graphs = use_graphs
-        self.fused = self.cuda and os.environ.get("PUSHKV_FUSED", "1") != "0" and not (self.hd & (self.hd - 1))
+        self.fused = self.cuda and envs.get("PUSHKV_FUSED") and not (self.hd & (self.hd - 1))
         self.max_num_seqs = max_num_seqs
         self.graphs: dict[int, "_DecodeGraph"] = {}
         self.graph_pool = None

@@ -28,12 +28,12 @@ penalties and temperature), as vLLM reports them by default.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
+from pushkv import envs
 from pushkv.messages import SamplingParams, SeqWork, TokenLogprob
 from pushkv.seeds import uniform
 
@@ -41,7 +41,7 @@ GREEDY = SamplingParams()
 WINDOW = 1024  # candidates a row without top_k is filtered on before its whole row is sorted
 # which sampler: "auto" = the one-launch Triton kernel on CUDA (kernels/triton_sample.py), the
 # torch ops elsewhere; "torch" or "triton" force one (triton on CPU needs TRITON_INTERPRET=1)
-SAMPLER = os.environ.get("PUSHKV_SAMPLER", "auto")
+SAMPLER = envs.get("PUSHKV_SAMPLER")
 KERNEL_ROWS = {"kernel": 0, "sorted": 0}  # rows the GPU sampler drew, and those it left to the sorted path
 @dataclass
 class Sampled:
@@ -373,7 +373,8 @@ def _draw_sorted(x: torch.Tensor, mask: torch.Tensor, has_k: torch.Tensor, u: to
     return ids.gather(1, pos[:, None]).squeeze(1)
 
 
-def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> tuple[Optional[TokenLogprob], ...]:
+def _logprobs(raw: torch.Tensor, tokens: torch.Tensor,
+              params: list[SamplingParams]) -> tuple[Optional[TokenLogprob], ...]:
     """Each asking row's TokenLogprob (None for the others): on CUDA one launch
     (``triton_sample.logprob_rows``), else torch ops."""
     rows = [i for i, p in enumerate(params) if p.logprobs >= 0]
@@ -387,7 +388,8 @@ def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingPara
         for j, i in enumerate(rows):
             k, h = params[i].logprobs, host[j]
             if h[-1] == 1.0:
-                out[i] = TokenLogprob(h[0], tuple(int(v) for v in h[1 + TS.LP_MAX:1 + TS.LP_MAX + k]), tuple(h[1:1 + k]))
+                ids = tuple(int(v) for v in h[1 + TS.LP_MAX:1 + TS.LP_MAX + k])
+                out[i] = TokenLogprob(h[0], ids, tuple(h[1:1 + k]))
             else:  # a segment held back a value its top k needed: torch's topk for this row
                 redo.append(i)
         rows = redo

@@ -20,7 +20,7 @@ A block that anyone references is never evicted, so a block a transfer may still
 write (the scheduler releases a request's blocks only once every writer has answered) keeps
 its KV. ``num_free`` counts free and evictable blocks: both can be handed out.
 
-Pure: no sockets, no clock; table-tested in tests/test_protocol_prefix_cache.py.
+Pure: no sockets, no clock; table-tested in tests/protocol/test_protocol_prefix_cache.py.
 """
 from __future__ import annotations
 

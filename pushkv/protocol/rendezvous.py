@@ -232,13 +232,21 @@ class PushRendezvous:
         return self._local(transfer_id, generation, "write_failed", now, reason=reason, part=part)
 
     def cancel(self, transfer_id: str, generation: int, reason: str, now: float) -> list[Action]:
+        """The scheduler ends the transfer. It waits for one answer per rank even when we hold
+        none of its blocks: a layer-streamed prefill hands them over through the worker's marks,
+        which may not be here yet. So a cancel that frees nothing still reports an empty
+        ``FreeBlocks`` (the writer answers the scheduler on it)."""
         kind, e = self._lookup(transfer_id, generation)
+        if kind == "live" and not (e.has_prefill or e.streamed):
+            answer: list[Action] = [FreeBlocks(transfer_id, generation, (), reason)]
+            return answer + self._dispatch(e, "cancel", now, reason=reason)
         if kind == "live" or kind == "draining":
             return self._dispatch(e, "cancel", now, reason=reason)
         if kind == "new":  # neither half seen: remember, so both die on arrival
             out = self._supersede(transfer_id, generation, now)
             self._finish(transfer_id, generation, ok=False, had_prefill=False)
-            return out + [Failed(transfer_id, generation, reason), Count("cancelled")]
+            return out + [FreeBlocks(transfer_id, generation, (), reason), Failed(transfer_id, generation, reason),
+                          Count("cancelled")]
         return [Count("cancel_ignored")]
 
     def expire(self, now: float) -> list[Action]:

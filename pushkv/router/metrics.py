@@ -267,7 +267,8 @@ class InstanceCollector:
             if st.role == "prefill":
                 for order in RENDEZVOUS_ORDERS:
                     rdv.add_metric(lv + [order], writer_sum.get(f"rendezvous_{order}", 0))
-        yield from (up, blocks, free, cached, usage, running, waiting, secs, reserved, *named.values(), rdv, events, wevents)
+        yield from (up, blocks, free, cached, usage, running, waiting, secs, reserved, *named.values(),
+                    rdv, events, wevents)
 
 
 class BalanceCollector:

@@ -23,10 +23,6 @@ log = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1
 _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded before fork: preexec_fn must not import
 
-# So ``python -m processes.<kind>`` resolves to this checkout even when the
-# supervisor was started from another working directory.
-PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 
 def _die_with_parent(parent_pid: int) -> None:
     """Runs in the child between fork and exec."""
@@ -41,9 +37,6 @@ def child_env(name: str, deployment_id: str, base: Optional[dict] = None) -> dic
     env["PUSHKV_NAME"] = name
     env["PUSHKV_DEPLOYMENT_ID"] = deployment_id
     env["PYTHONUNBUFFERED"] = "1"
-    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if PROJECT_ROOT not in paths:
-        env["PYTHONPATH"] = os.pathsep.join([PROJECT_ROOT] + paths)
     return env
 
 

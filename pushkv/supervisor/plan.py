@@ -101,8 +101,10 @@ def _plan_instance(inst: InstanceConfig, dep_id: str, run_dir: str, ports: Itera
         engine_id=inst.engine_id or (f"{name}-{advertise}-{dep_id}" if advertise else f"{name}-{dep_id}"),
         sched_endpoint=inst.sched_endpoint or (
             f"tcp://{advertise}:{next(ports)}" if advertise else ipc(run_dir, f"{name}-scheduler.sock")),
-        worker_endpoints=per_rank(inst.worker_endpoints, lambda r: ipc(run_dir, f"{name}-worker-{r}.sock"), "worker endpoints"),
-        writer_endpoints=per_rank(inst.writer_endpoints, lambda r: ipc(run_dir, f"{name}-writer-{r}.sock"), "writer endpoints"),
+        worker_endpoints=per_rank(inst.worker_endpoints, lambda r: ipc(run_dir, f"{name}-worker-{r}.sock"),
+                                  "worker endpoints"),
+        writer_endpoints=per_rank(inst.writer_endpoints, lambda r: ipc(run_dir, f"{name}-writer-{r}.sock"),
+                                  "writer endpoints"),
         handshake_endpoints=per_rank(
             inst.handshake_endpoints, lambda r: f"tcp://{net}:{next(ports)}", "handshake endpoints"
         ),

@@ -8,6 +8,7 @@ from typing import Optional
 
 import msgspec
 
+from pushkv import envs
 
 
 class DeploymentRecord(msgspec.Struct):
@@ -20,12 +21,13 @@ class DeploymentRecord(msgspec.Struct):
     mode: str
     started_wall: float
     trace_endpoint: str = ""
-    trace_tap_endpoint: str = ""  # where pushkv-tap connects (the supervisor's XPUB)
+    trace_tap_endpoint: str = ""  # where pushkv tap connects (the supervisor's XPUB)
 
 
 def registry_dir(environ=os.environ) -> str:
-    if environ.get("PUSHKV_REGISTRY_DIR"):
-        return environ["PUSHKV_REGISTRY_DIR"]
+    chosen = envs.get("PUSHKV_REGISTRY_DIR", environ)
+    if chosen:
+        return chosen
     runtime = environ.get("XDG_RUNTIME_DIR")
     if runtime and os.path.isdir(runtime):
         return os.path.join(runtime, "pushkv-deployments")

@@ -157,7 +157,7 @@ class Supervisor(Actor):
         row = self.table[name]
         argv = list(self.child_argv(row.spec))
         env = lifecycle.child_env(name, self.cfg.deployment_id)
-        if self.cfg.advertise:  # the host in every trace event (tools/trace_merge.py aligns hosts' clocks)
+        if self.cfg.advertise:  # the host in every trace event (tools/trace/merge.py aligns hosts' clocks)
             env[HOST_ENV] = self.cfg.advertise
         if row.spec.kind == "worker":  # map the pool its writer owns (named per writer incarnation)
             writer = self.table.get(f"{row.spec.instance_name}-writer-{row.spec.rank}")

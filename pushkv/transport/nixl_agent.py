@@ -15,6 +15,8 @@ import msgspec
 
 import numpy as np
 
+from pushkv.transport.poster import Poster, QueuedPost
+
 log = logging.getLogger(__name__)
 
 
@@ -25,7 +27,7 @@ class TransferError(RuntimeError):
 # UCX's cuda_ipc transport turns its GET off on a GPU with no active NVLink ("platforms known
 # to have slower performance"), so a READ between two pools on one GPU, or between PCIe GPUs,
 # fell back to UCX's software emulation over TCP: 0.5 GB/s against a WRITE's 1.2-1.7 TB/s on an
-# H200 (tools/nixl_probe.py --op READ). A device-to-device GET is a copy engine's work either
+# H200 (experiments/nixl_probe.py --op READ). A device-to-device GET is a copy engine's work either
 # way, far faster than the emulation, so pushkv turns it on unless the operator chose.
 CUDA_IPC_GET = ("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
 
@@ -39,7 +41,12 @@ def transport_env(device: str, environ=os.environ) -> dict[str, str]:
 
 
 class NixlAgent:
-    def __init__(self, name: str, backends: Sequence[str] = ("UCX",), device: str = "cpu"):
+    """``post_thread``: transfers are made, posted and polled by a second agent on its own
+    thread (``transport/poster.py``), so a post that blocks (UCX over TCP) leaves this agent,
+    and the writer's loop, free to read notifications."""
+
+    def __init__(self, name: str, backends: Sequence[str] = ("UCX",), device: str = "cpu",
+                 post_thread: bool = False):
         from nixl._api import nixl_agent, nixl_agent_config
 
         self.name = name
@@ -52,14 +59,24 @@ class NixlAgent:
         self.remotes: set[str] = set()
         self._local_dlist = None  # prepared list of our own pool (one per agent)
         self._remote_dlists: dict[str, object] = {}  # remote agent -> its pool's prepared list
+        self.poster = Poster(f"{name}-post", self.mem_type, self.dev_id, backends) if post_thread else None
+
+    @property
+    def post_agent(self) -> str:
+        """The agent our transfers (and their notifications) come from, if not this one."""
+        return self.poster.name if self.poster is not None else ""
 
     # -- memory -------------------------------------------------------------
     def register(self, base_addr: int, nbytes: int, extra: Sequence[tuple[int, int]] = ()) -> None:
         """Register the pool (and ``extra`` (address, bytes) buffers on the same device) with NIXL."""
         regions = [(base_addr, nbytes, self.dev_id, "")] + [(a, n, self.dev_id, "") for a, n in extra]
         self._reg = self._agent.register_memory(regions, self.mem_type)
+        if self.poster is not None:
+            self.poster.register(regions, self.mem_type)
 
     def deregister(self) -> None:
+        if self.poster is not None:
+            self.poster.close()
         for name in list(self._remote_dlists):
             self.forget_remote_dlist(name)
         if self._local_dlist is not None:
@@ -77,10 +94,14 @@ class NixlAgent:
         name = self._agent.add_remote_agent(metadata)
         name = name.decode() if isinstance(name, bytes) else name
         self.remotes.add(name)
+        if self.poster is not None:
+            self.poster.add_remote(metadata)
         return name
 
     def remove_remote(self, name: str) -> None:
         self.forget_remote_dlist(name)
+        if self.poster is not None:
+            self.poster.remove_remote(name)
         if name in self.remotes:
             self.remotes.discard(name)
             try:
@@ -113,6 +134,8 @@ class NixlAgent:
         rdev = self.dev_id if remote_dev is None else remote_dev
         local = [(local_base + lo, n, self.dev_id) for lo, _, n in regions]
         rem = [(remote_base + ro, n, rdev) for _, ro, n in regions]
+        if self.poster is not None:
+            return self.poster.submit(QueuedPost(op, local, remote, rem, notif, prepared=False))
         ldesc = self._agent.get_xfer_descs(local, self.mem_type)
         rdesc = self._agent.get_xfer_descs(rem, self.mem_type)
         handle = self._agent.initialize_xfer(op, ldesc, rdesc, remote, notif)
@@ -128,11 +151,15 @@ class NixlAgent:
         if self._local_dlist is not None:
             self._release_dlist(self._local_dlist)
         self._local_dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows, self.mem_type)
+        if self.poster is not None:
+            self.poster.prepare_local(rows)
 
     def prepare_remote(self, remote: str, rows: np.ndarray) -> None:
         """A peer's pool descriptors (its metadata must be loaded: ``add_remote``)."""
         self.forget_remote_dlist(remote)
         self._remote_dlists[remote] = self._agent.prep_xfer_dlist(remote, rows, self.mem_type)
+        if self.poster is not None:
+            self.poster.prepare_remote(remote, rows)
 
     def has_prepared(self, remote: str) -> bool:
         return self._local_dlist is not None and remote in self._remote_dlists
@@ -141,6 +168,8 @@ class NixlAgent:
         h = self._remote_dlists.pop(remote, None)
         if h is not None:
             self._release_dlist(h)
+        if self.poster is not None:
+            self.poster.forget_remote_dlist(remote)
 
     def _release_dlist(self, handle) -> None:
         try:
@@ -152,6 +181,8 @@ class NixlAgent:
                      notif: bytes = b""):
         """Post a WRITE or READ of prepared descriptors by index (pairwise equal sizes);
         NIXL joins runs contiguous on both sides into one descriptor."""
+        if self.poster is not None:
+            return self.poster.submit(QueuedPost(op, local_idx, remote, remote_idx, notif, prepared=True))
         handle = self._agent.make_prepped_xfer(op, self._local_dlist, local_idx,
                                                self._remote_dlists[remote], remote_idx, notif)
         state = self._agent.transfer(handle)
@@ -162,6 +193,8 @@ class NixlAgent:
 
     def state(self, handle) -> str:
         """'DONE', 'PROC' or 'ERR'."""
+        if isinstance(handle, QueuedPost):
+            return handle.state
         return self._agent.check_xfer_state(handle)
 
     def reap(self, handles, failed: str, stuck: str = "") -> tuple[list, str]:
@@ -180,11 +213,14 @@ class NixlAgent:
                 pending.append(h)
                 continue
             if st == "ERR":
-                failure = failure or failed
+                failure = failure or (h.error if isinstance(h, QueuedPost) and h.error else failed)
             self.release(h)
         return pending, failure
 
     def release(self, handle) -> None:
+        if isinstance(handle, QueuedPost):  # the poster releases it (at once if it is still in flight)
+            handle.abandoned = True
+            return
         try:
             self._agent.release_xfer_handle(handle)
         except Exception:

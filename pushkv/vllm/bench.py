@@ -2,7 +2,7 @@
 P/D deployments on the tiny Llama, one system at a time (at most 3 vLLM
 instances alive, each on its own core):
 
-- ``pushkv``: two vLLM instances with PushKVConnector behind pushkv-vllm-proxy;
+- ``pushkv``: two vLLM instances with PushKVConnector behind pushkv vllm-proxy;
 - ``nixl``: two vLLM instances with vLLM's NixlConnector (pull) behind the same
   proxy in ``--protocol nixl`` (P, then D with P's kv_transfer_params);
 - ``nixl-push``: the same with vLLM's NixlPushConnector (both legs at once, one
@@ -144,8 +144,8 @@ def main(argv=None) -> None:
                             handshake_port=port + 12)
             made = (p, d)
         with servers(*made):
-            extra = () if system in ("pushkv-up", "single") else (proxy_server([made[0].url], [made[1].url], port + 3, work,
-                                                                   system),)
+            extra = () if system in ("pushkv-up", "single") else (
+                proxy_server([made[0].url], [made[1].url], port + 3, work, system),)
             with servers(*extra):
                 url = f"http://127.0.0.1:{port + 3}"
                 asyncio.run(reference(url, make_prompts(2, 50, seed=99), args.output_len))  # warm up

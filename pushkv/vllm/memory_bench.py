@@ -131,7 +131,8 @@ def transfer(sizes_mib=(1.5, 16, 64), page: int = 4096, reps: int = 5) -> list[d
 def main() -> None:
     torch.set_num_threads(1)
     plain, shared = alloc_cost(256 * MiB)
-    print(f"allocation of 256 MiB: torch.zeros {plain * 1e3:.1f} ms, memfd + touch {shared * 1e3:.1f} ms (once, at start)")
+    print(f"allocation of 256 MiB: torch.zeros {plain * 1e3:.1f} ms, "
+          f"memfd + touch {shared * 1e3:.1f} ms (once, at start)")
     print(f"zero copy: another process's mapping reads the worker's write: {zero_copy_check()}")
     print("| KV bytes | WRITE, 1 descriptor | WRITE, 4 KiB descriptors | staging copy a non-shared design adds |")
     print("| --- | --- | --- | --- |")

@@ -9,7 +9,7 @@ A router sends both legs at once, with one transfer id::
 
 ``source`` is P's identity. P returns it in every finished request's
 ``kv_transfer_params`` as ``{"pushkv_source": {...}}``, so a router learns it
-from any P response (``pushkv-vllm-proxy`` sends one probe request per P at
+from any P response (``pushkv vllm-proxy`` sends one probe request per P at
 start). ``transfer_id`` must be unique among the transfers in flight between
 that P and D; anything else in the params is ignored.
 """
@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from pushkv import envs
 from pushkv.messages import PrefillSource
 
 KEY = "pushkv"
@@ -99,7 +100,8 @@ def socket_dir(environ=os.environ) -> str:
     $XDG_RUNTIME_DIR/pushkv-vllm, else /tmp/pushkv-vllm-$UID; made 0700, refused if another user
     owns it or others can enter it."""
     runtime = environ.get("XDG_RUNTIME_DIR")
-    d = os.path.join(runtime, "pushkv-vllm") if runtime and os.path.isdir(runtime) else f"/tmp/pushkv-vllm-{os.getuid()}"
+    fallback = f"/tmp/pushkv-vllm-{os.getuid()}"
+    d = os.path.join(runtime, "pushkv-vllm") if runtime and os.path.isdir(runtime) else fallback
     os.makedirs(d, mode=0o700, exist_ok=True)
     st = os.stat(d)
     if st.st_uid != os.getuid() or st.st_mode & 0o077:
@@ -114,4 +116,4 @@ def settings(engine_id: str, tp: int, extra: Optional[dict[str, Any]], env=os.en
     port = int(extra.get("handshake_port") or env.get("VLLM_NIXL_SIDE_CHANNEL_PORT") or DEFAULT_HANDSHAKE_PORT)
     return Settings(engine_id, tp, host, port, float(extra.get("registration_wait_s", 30.0)),
                     float(extra.get("transfer_s", 30.0)), float(extra.get("idle_wait_ms", 10.0)),
-                    str(extra.get("secret_file") or env.get("PUSHKV_SECRET_FILE") or ""))
+                    str(extra.get("secret_file") or envs.get("PUSHKV_SECRET_FILE", env) or ""))

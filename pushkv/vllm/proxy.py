@@ -1,4 +1,4 @@
-"""``pushkv-vllm-proxy``: an OpenAI ``/v1/completions`` front for vLLM P/D
+"""``pushkv vllm-proxy``: an OpenAI ``/v1/completions`` front for vLLM P/D
 instances that use pushkv's connector.
 
 Each request goes to one P and one D **at the same time**, with one transfer
@@ -8,7 +8,7 @@ WRITEs when its prefill ends, D decodes; the client gets D's response,
 streaming or not. P's identity (``pushkv_source``) is learnt from one probe
 request per P at start and refreshed from every P response.
 
-    pushkv-vllm-proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
+    pushkv vllm-proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
 """
 from __future__ import annotations
 
@@ -311,10 +311,10 @@ def main(argv=None) -> None:
                     help="nixl: vLLM's NixlConnector pull protocol (P, then D); nixl-push: its "
                          "NixlPushConnector protocol (both at once); for comparisons")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s pushkv-vllm-proxy %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s pushkv vllm-proxy %(levelname)s %(message)s")
     proxy = Proxy(args.prefill, args.decode)
     web.run_app(proxy.app(args.protocol), host=args.host, port=args.port, print=lambda *_: print(
-        f"pushkv-vllm-proxy on http://{args.host}:{args.port} READY", flush=True))
+        f"pushkv vllm-proxy on http://{args.host}:{args.port} READY", flush=True))
 
 
 if __name__ == "__main__":

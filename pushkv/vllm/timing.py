@@ -3,11 +3,12 @@ process prints ``pushkv-timing <event> <transfer id> <wall time>`` to stderr (th
 server's log); ``python -m pushkv.vllm.timing LOG...`` prints median offsets per event."""
 from __future__ import annotations
 
-import os
 import sys
 import time
 
-ON = os.environ.get("PUSHKV_VLLM_TIMING") == "1"
+from pushkv import envs
+
+ON = envs.get("PUSHKV_VLLM_TIMING")
 
 
 def mark(event: str, transfer_id: str) -> None:

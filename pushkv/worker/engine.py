@@ -8,6 +8,7 @@ import time
 import msgspec
 import zmq
 
+from pushkv import envs
 from pushkv import faults
 from pushkv import limits
 from pushkv import messages as m
@@ -40,7 +41,7 @@ class Worker(Actor):
 
         from pushkv.model.build import build_model
 
-        torch.set_num_threads(max(1, int(os.environ.get("PUSHKV_THREADS", "1"))))
+        torch.set_num_threads(max(1, envs.get("PUSHKV_THREADS")))
         self.device = rank_device(self.inst, self.rank)
         if self.device != "cpu":
             torch.cuda.set_device(self.device)
@@ -124,7 +125,7 @@ class Worker(Actor):
         """The kernel on CUDA (PUSHKV_CHECKSUM=torch keeps torch's ops), torch on the CPU. Both
         give the same sums, so a kernel that fails here falls back to torch for good."""
         args = (self.layer_pools, self.layout, table, num_tokens, units, unit_tokens)
-        if self.device != "cpu" and os.environ.get("PUSHKV_CHECKSUM", "triton") == "triton" and not self._kernel_failed:
+        if self.device != "cpu" and envs.get("PUSHKV_CHECKSUM") == "triton" and not self._kernel_failed:
             try:
                 from pushkv.model.kernels.triton_checksum import unit_sums
 

@@ -30,6 +30,7 @@ from pushkv.kv import layout as L
 from pushkv.kv.pool import Pool, create_pool, shm_name
 from pushkv.protocol.mapping import map_transfer
 from pushkv.transport.grid import DescGrid, IndexPlan, grid_of, index_plan, indices, plan_indices
+from pushkv.transport import poster
 from pushkv.transport.nixl_agent import NixlAgent
 from pushkv.writer.poll import WARM_ENV, poll_ms, spin_s, warm_enabled
 
@@ -66,6 +67,7 @@ class Peer:
     sink_addr: int = 0  # its keep-warm sink (Hello.sink_addr); 0: none
     sink_bytes: int = 0
     device_uuid: str = ""  # its pool's GPU (Hello.device_uuid)
+    post_agent: str = ""  # the agent its WRITEs come from, when not ``agent`` (Hello.post_agent)
 
 
 @dataclass
@@ -144,7 +146,11 @@ class WriterBase(Actor):
         name = shm_name(self.cfg.deployment_id, self.inst.name, self.rank, os.getpid())
         device = rank_device(self.inst, self.rank)
         self.pool = create_pool(name, self.layout, self.cfg.model.dtype, device)
-        self.nixl = NixlAgent(self.agent_name, device=device)
+        post_thread = self.inst.role == "prefill" and poster.wanted(self.cfg.writer_post_thread,
+                                                                     os.environ.get("UCX_TLS", ""))
+        self.nixl = NixlAgent(self.agent_name, device=device, post_thread=post_thread)
+        if post_thread:
+            log.info("%s: WRITEs posted by agent %s on its own thread", self.name, self.nixl.post_agent)
         self.device_uuid = ""
         if device != "cpu":
             import torch
@@ -205,7 +211,7 @@ class WriterBase(Actor):
             pool_base=self.pool.base_addr, layout=self.layout, device_id=self.nixl.dev_id,
             sink_addr=self.sink.data_ptr() if self.sink is not None else 0,
             sink_bytes=BEAT_BYTES if self.sink is not None else 0, device_uuid=self.device_uuid,
-            wire_version=m.WIRE_VERSION, model_id=self.model_id,
+            wire_version=m.WIRE_VERSION, model_id=self.model_id, post_agent=self.nixl.post_agent,
         )
 
     # -- handshake ----------------------------------------------------------------
@@ -234,6 +240,9 @@ class WriterBase(Actor):
             log.warning("%s: cannot prepare %s's descriptors (ad-hoc posts instead): %s", self.name, agent, e)
         self.peers[(h.engine_id, h.rank)] = peer
         self.peers_by_agent[agent] = peer
+        if h.post_agent:  # its WRITEs' notifications come from its poster
+            peer.post_agent = h.post_agent
+            self.peers_by_agent[h.post_agent] = peer
         log.info("%s: connected to %s rank %d (agent %s)", self.name, h.engine_id, h.rank, agent)
         return peer
 
@@ -415,6 +424,8 @@ class WriterBase(Actor):
             self.nixl.release(h)
         self.peers.pop((peer.engine_id, peer.rank), None)
         self.peers_by_agent.pop(peer.agent, None)
+        if peer.post_agent:
+            self.peers_by_agent.pop(peer.post_agent, None)
         self.nixl.remove_remote(peer.agent)
         if self.waits:
             self._resolve_waits()
@@ -644,4 +655,7 @@ class WriterBase(Actor):
 
     def on_GetStats(self, msg: m.GetStats) -> None:
         # warm_expected: a gauge (transfers we keep the loop hot for now), next to the counters
-        self.send(self.sched, m.WriterStats(counters={**self.counters, "warm_expected": len(self._warm)}))
+        gauges = {"warm_expected": len(self._warm)}
+        if self.nixl is not None and self.nixl.poster is not None:
+            gauges["poster_posts"] = self.nixl.poster.posts  # transfers its thread posted
+        self.send(self.sched, m.WriterStats(counters={**self.counters, **gauges}))

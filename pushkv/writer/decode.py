@@ -5,6 +5,7 @@ request whose producers are not connected yet waits for them (``with_peers``)
 while every other transfer goes on."""
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -300,7 +301,7 @@ class DecodeWriter(WriterBase):
                 # a READ may need P's progress: wake P before posting
                 h, nbytes, runs = self.post_blocks(
                     "READ", peer, heads, src, dst, num_tokens - t0,
-                    before=lambda n: self.wake_peer(peer, msg.transfer_id, msg.generation, n))
+                    before=functools.partial(self.wake_peer, peer, msg.transfer_id, msg.generation))
                 fl.handles.append(h)
                 fl.nbytes += nbytes
                 fl.num_descs += runs

@@ -156,9 +156,13 @@ class PrefillWriter(WriterBase):
         self.apply(acts, now)
 
     def on_CancelKV(self, msg: m.CancelKV) -> None:
+        """One answer per cancel: from the lease that holds the blocks (pull), else from the
+        rendezvous (push), which answers even a transfer it has not seen yet."""
         now = time.monotonic()
-        self.apply(self.rdv.cancel(msg.transfer_id, msg.generation, msg.reason, now), now)
-        self.apply(self.leases.cancel(msg.transfer_id, msg.generation, msg.reason, now), now)
+        if self.leases.deadline_of(msg.transfer_id, msg.generation) is not None:
+            self.apply(self.leases.cancel(msg.transfer_id, msg.generation, msg.reason, now), now)
+        else:
+            self.apply(self.rdv.cancel(msg.transfer_id, msg.generation, msg.reason, now), now)
 
     # -- from D's writers (NIXL notifications) --------------------------------------------
     def notif_Register(self, msg: m.Register, agent: str, now: float) -> None:

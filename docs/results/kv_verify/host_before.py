@@ -1,5 +1,5 @@
 """The host-side costs of --kv-verify full as the code at e6dfddc paid them (sums as Python ints), measured
-as `python -m tools.kv_verify_bench --host-only` measures them after: P's tolist + to_wire, one hop's decode and
+as `python -m experiments.kv_verify_bench --host-only` measures them after: P's tolist + to_wire, one hop's decode and
 encode of VerifyKV, D's tolist + to_wire + compare. Run against that commit's package (README.md says how)."""
 import statistics, time, msgspec, torch
 from pushkv import messages as m

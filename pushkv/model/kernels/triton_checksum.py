@@ -13,8 +13,14 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import triton
-import triton.language as tl
+
+from pushkv.extras import missing
+
+try:
+    import triton
+    import triton.language as tl
+except ModuleNotFoundError as e:  # a CUDA torch build without Triton
+    raise missing("triton", "pushkv's CUDA kernels") from e
 
 from pushkv.kv import checksum as C
 from pushkv.kv.layout import KVLayout, group_heads, head_bytes, layer_groups, layer_place, pool_bytes, slab_bytes, unit

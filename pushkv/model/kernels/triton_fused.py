@@ -12,8 +12,14 @@ one launch each:
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from pushkv.extras import missing
+
+try:
+    import triton
+    import triton.language as tl
+except ModuleNotFoundError as e:  # a CUDA torch build without Triton
+    raise missing("triton", "pushkv's CUDA kernels") from e
 
 from pushkv.model.kernels.triton_paged import _cache_strides
 

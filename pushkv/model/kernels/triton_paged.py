@@ -15,8 +15,14 @@ results a second kernel merges: at small batch that is what keeps every SM readi
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from pushkv.extras import missing
+
+try:
+    import triton
+    import triton.language as tl
+except ModuleNotFoundError as e:  # a CUDA torch build without Triton
+    raise missing("triton", "pushkv's CUDA kernels") from e
 
 LOG2E = 1.4426950408889634
 
@@ -209,7 +215,8 @@ def attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, s
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         blk, plane, grp, head, slot, hg, u,
         T, Hq, LOG2E / (D ** 0.5), window,
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", G=G, D=D, BLOCK_D=block_d, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", G=G, D=D, BLOCK_D=block_d, BLOCK_Q=block_q,
+        BLOCK_M=block_m, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, num_warps=warps, num_stages=stages)
     if num_splits > 1:
         if block_q != 1:

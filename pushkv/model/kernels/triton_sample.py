@@ -3,7 +3,7 @@
 On a GPU host a sampler written as torch ops is bound by its launches, not by bytes:
 ~15 host-side calls of 10-20 us each for temperature alone, ~50 with top_k and top_p
 (``topk`` on one long row is a dozen kernels), against under 0.1 ms of kernel time
-(``pushkv-sampling-bench --profile``). Here a step's sampling is one launch of
+(``pushkv sampling-bench --profile``). Here a step's sampling is one launch of
 (segments x rows) programs; a segment is one ``BLOCK`` tile of a row's vocabulary,
 held in registers:
 
@@ -31,18 +31,23 @@ float32 (k and u are exact in it).
 """
 from __future__ import annotations
 
-import os
-
 import torch
-import triton
-import triton.language as tl
+
+from pushkv import envs
+from pushkv.extras import missing
+
+try:
+    import triton
+    import triton.language as tl
+except ModuleNotFoundError as e:  # a CUDA torch build without Triton
+    raise missing("triton", "pushkv's CUDA kernels") from e
 
 GREEDY, PLAIN, TOPK, WINDOW, WHOLE = 0, 1, 2, 3, 4  # WHOLE: answered -1 at once (top_k > CAND)
 NPARAM = 6
 CAND = 1024  # the largest top_k served here, and the window of a row without one (sampling.WINDOW)
-KS = int(os.environ.get("PUSHKV_SAMPLE_KS", "64"))  # candidates a segment gives
-BLOCK = int(os.environ.get("PUSHKV_SAMPLE_BLOCK", "8192"))  # a segment (env: tuning runs)
-WARPS = int(os.environ.get("PUSHKV_SAMPLE_WARPS", "16"))
+KS = envs.get("PUSHKV_SAMPLE_KS")  # candidates a segment gives
+BLOCK = envs.get("PUSHKV_SAMPLE_BLOCK")  # a segment (env: tuning runs)
+WARPS = envs.get("PUSHKV_SAMPLE_WARPS")
 
 
 @triton.jit
@@ -318,7 +323,8 @@ def _logprob_kernel(X, stride, Rows, Tok, N, Out, Parts, Taus, Cand, Count, V,
 def logprob_rows(x: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, n: torch.Tensor,
                  block: int = 0) -> torch.Tensor:
     """float32 [len(rows), 2 * LP_MAX + 2]: per row of ``rows`` (int64 ids into ``x``), the log-prob
-    of ``tokens[row]``, the top ``n[i]`` log-probs (``n`` aligned with ``rows``) and their ids (as floats: exact below 2^24), and
+    of ``tokens[row]``, the top ``n[i]`` log-probs (``n`` aligned with ``rows``) and their ids (as floats: exact
+    below 2^24), and
     1.0 where those are exact (else the caller computes that row's top by torch). A view of a reused
     buffer: read it before the next call."""
     block = block or BLOCK

@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# One call on the GPU machine (docs/gpu.md), from the checkout's root: bash experiments/gpu_run.sh STEP...
+# Installs the carried wheels (.whl: nixl-cu13, pyzmq, msgspec, setproctitle; the image has torch,
+# aiohttp, prometheus-client, tokenizers, safetensors) into the interpreter's environment (its venv, or
+# the user's site-packages), then runs each step from the checkout: `python3 -m` finds pushkv,
+# processes and tools in the working directory, and the processes it starts run from there too.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if python3 -c 'import sys; sys.exit(sys.prefix == sys.base_prefix)'; then WHERE=(); else WHERE=(--user); fi
+PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  "${WHERE[@]}" .whl/*.whl || exit 1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PUSHKV_THREADS=${PUSHKV_THREADS:-4}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, nixl._api, zmq, msgspec, aiohttp; print('torch', torch.__version__, 'gpus', torch.cuda.device_count())" || exit 1
+OUT=${OUT:?set OUT to the folder the results go to}; mkdir -p "$OUT"
+for step in "$@"; do
+  echo "=== $step"
+  case "$step" in
+    demo) timeout 240 python3 -m tools.demo --device cuda --model small --num-blocks 4096 \
+            --prompt-len 16 1024 4096 2>&1 | tee "$OUT/demo.txt" ;;
+    transfer) timeout 200 python3 -m tools.transfer_report ${XFER_DEV:---device cuda} --model "${MODEL:-medium}" \
+            --lengths 64 1024 4096 16384 --out "$OUT/transfer_gpu.json" 2>&1 | tail -9 | tee "$OUT/transfer.txt"
+            timeout 150 python3 -m tools.transfer_report --writers-only --post-cost ${XFER_DEV:---device cuda} \
+            --sizes-mib 1 4 16 64 256 1024 --out "$OUT/transfer_writers.json" 2>&1 | tail -25 | tee -a "$OUT/transfer.txt" ;;
+    sweep) timeout 480 python3 -m tools.sweep --result-dir "$OUT/sweep" --up-args "--device cuda --model medium --num-blocks 8192" \
+            ${SWEEP_ARGS:-} > "$OUT/sweep.log" 2>&1; tail -3 "$OUT/sweep.log"
+           python3 -m tools.stages "$OUT/sweep" | tee "$OUT/stages.txt"
+           python3 -m tools.plot "$OUT/sweep" --out "$OUT/gpu_sweep.png" 2>&1 | tee "$OUT/table.txt"
+           mkdir -p "$OUT/json" && cp "$OUT"/sweep/*.json "$OUT/json/" && (cd "$OUT" && tar czf sweep_json.tgz json) && rm -rf "$OUT/json" "$OUT/sweep" ;;
+    pullpoll) for poll in 1 0; do
+            PUSHKV_PENDING_POLL_MS=$poll timeout 200 python3 -m tools.sweep --result-dir "$OUT/poll$poll" \
+              --modes push pull-inline pull-background --qps 2 --inputs 1024 4096 --num-prompts 12 --output-len 64 \
+              --up-args "--device cuda --model medium --num-blocks 8192" > /dev/null 2>&1
+            echo "-- pending poll ${poll} ms"; python3 -m tools.stages "$OUT/poll$poll"; done ;;
+    ucxinfo) for mode in pull push; do
+            UCX_PROTO_INFO=y timeout 120 python3 -c "
+from pushkv.launch import launched
+import sys
+with launched('--mode', '$mode', '--device', 'cuda', '--model', 'medium', '--num-blocks', '4096', log_path='$OUT/ucx_$mode.log') as d:
+    for n in (1024, 4096):
+        d.complete([i % 250 for i in range(n)], 2)
+"
+            echo "-- $mode"; grep -A7 -E "(read by ucp_get|write by ucp_put).* cuda/dev.* to cuda" "$OUT/ucx_$mode.log" | grep -v self | cut -c30- | head -40; done ;;
+    demo2) timeout 150 python3 -m tools.demo --device cuda:0 --decode-device cuda:1 --model small \
+            --num-blocks 4096 --prompt-len 16 1024 4096 2>&1 | tail -8 | tee "$OUT/demo2.txt" ;;
+    transfer2) timeout 150 python3 -m tools.transfer_report --device cuda:0 --decode-device cuda:1 \
+            --model medium --lengths 4096 16384 --reps 3 --out "$OUT/transfer2.json" 2>&1 | tail -5 | tee "$OUT/transfer2.txt" ;;
+    gputests) timeout 900 python3 -m pytest -q -p no:cacheprovider -x tests/model/test_batched.py tests/e2e/test_gpu_e2e.py \
+            2>&1 | tee "$OUT/gputests.txt" | tail -15 ;;
+    roofline) timeout 600 python3 -m tools.roofline --model "${MODEL:-qwen3-8b}" ${ROOFLINE_ARGS:-} \
+            --out "$OUT/roofline.json" 2>&1 | tee "$OUT/roofline.txt" ;;
+    sweep8b) # P and D share GPU 0 on a one-GPU machine (say so in the results); SWEEP_MODES picks modes
+           timeout 560 python3 -m tools.sweep --result-dir "$OUT/sweep8b" --modes ${SWEEP_MODES:-push pull-inline} \
+             --inputs ${SWEEP_INPUTS:-4096 8192 16384} --qps ${SWEEP_QPS:-1 2 4} --num-prompts ${SWEEP_N:-12} \
+             --output-len 256 --warmup 1 --health-timeout 240 \
+             --up-args "--model qwen3-8b ${SWEEP_DEV:---device cuda} --num-blocks ${SWEEP_BLOCKS:-12000} --max-num-seqs 64 --max-batch-tokens 16384 ${SWEEP_UP:-}" \
+             > "$OUT/sweep8b.log" 2>&1; tail -3 "$OUT/sweep8b.log"
+           python3 -m tools.stages "$OUT/sweep8b" | tee "$OUT/stages8b.txt"
+           python3 -m tools.plot "$OUT/sweep8b" --out "$OUT/sweep8b.png" 2>&1 | tee "$OUT/table8b.txt"
+           (cd "$OUT" && tar czf sweep8b_json.tgz sweep8b) ;;
+    layergpu) # layer-streamed push on the GPU: the end-to-end test, the link each UCX_TLS gives between two
+           # pools on one GPU, then lone TTFT per mode on the device path (LAYER_MODES, LAYER_LENGTHS, LAYER_UP)
+           timeout 300 python3 -m pytest -q -p no:cacheprovider -x tests/e2e/test_gpu_e2e.py -k layer 2>&1 | tail -4 \
+             | tee "$OUT/layer_test.txt"
+           for v in "" UCX_TLS=sm,cuda_copy UCX_TLS=tcp,cuda_copy; do echo "-- WRITE ${v:-device path}" | tee -a "$OUT/links.txt"
+             env $v timeout 60 python3 -m experiments.nixl_probe --device cuda:0 --peer-device cuda:0 --op WRITE --ways adhoc \
+               --sizes-mib 64 256 --reps 3 2>&1 | grep -E "MiB|copy" | tee -a "$OUT/links.txt"; done ;;
+    readprobe) # READ against WRITE between two processes on one GPU: UCX's default for cuda_ipc GET
+           # (auto: off without active NVLink) against pushkv's (on), then which protocol UCX picks
+           for v in UCX_CUDA_IPC_ENABLE_GET_ZCOPY=auto ""; do
+             for op in WRITE READ; do echo "-- $op ${v:-pushkv default}"
+               env $v timeout 90 python3 -m experiments.nixl_probe --device cuda:0 --peer-device cuda:0 --op $op --ways adhoc \
+                 --sizes-mib 64 256 --reps 3 2>&1 | grep -E "MiB|copy|arrived" | tee -a "$OUT/readprobe.txt"; done; done
+           for v in UCX_CUDA_IPC_ENABLE_GET_ZCOPY=auto ""; do env $v UCX_PROTO_INFO=y timeout 90 python3 -m experiments.nixl_probe \
+               --device cuda:0 --peer-device cuda:0 --op READ --ways adhoc --sizes-mib 64 --reps 1 2>&1 \
+             | grep -A6 -E "read by ucp_get.* cuda.* from cuda" | cut -c34- | grep -E "ucp_get|\| *[0-9]" | sort -u \
+             | tee -a "$OUT/readproto.txt"; echo "-- above: ${v:-pushkv default}" | tee -a "$OUT/readproto.txt"; done ;;
+    streamgpu) # lone requests, push against push-chunk (and the others), one GPU shared by P and D
+           timeout 560 python3 -m tools.stream_bench --modes ${STREAM_MODES:-push push-chunk pull-inline local} \
+             --lengths ${STREAM_LENGTHS:-2048 8192 16384} --reps ${STREAM_REPS:-2} --vocab 150000 \
+             --up-args "--model qwen3-8b --device cuda:0 --num-blocks 8192 --max-batch-tokens 16384 --prefill-chunk ${STREAM_CHUNK:-2048} ${STREAM_UP:-}" \
+             --title "qwen3-8b, one H200 (P and D share it) ${UCX_TLS:+UCX_TLS=$UCX_TLS}" --out "$OUT/${STREAM_NAME:-stream}" \
+             2>&1 | grep -v "^20" | tee "$OUT/${STREAM_NAME:-stream}.txt" | tail -20
+           rm -f "$OUT/${STREAM_NAME:-stream}"/*.log ;;
+    probe) # raw NIXL WRITE below the writer (experiments/nixl_probe.py), then UCX variants
+           timeout 120 python3 -m experiments.nixl_probe ${PROBE_DEV:---device cuda:0 --peer-device cuda:1} \
+             --out "$OUT/probe.json" 2>&1 | grep -v "NIXL INFO" | tee "$OUT/probe.txt"
+           UCX_PROTO_INFO=y timeout 100 python3 -m experiments.nixl_probe ${PROBE_DEV:---device cuda:0 --peer-device cuda:1} \
+             --sizes-mib 1 64 --reps 3 > "$OUT/probe_protoinfo.txt" 2>&1
+           grep -E "cuda|rndv|put|copy" "$OUT/probe_protoinfo.txt" | grep -v "NIXL INFO" | cut -c1-200 | sort | uniq -c | sort -rn | head -30
+           for v in ${PROBE_VARIANTS:-UCX_PROTO_ENABLE=n UCX_RNDV_THRESH=inf UCX_TLS=cuda_ipc,cuda_copy,tcp,self}; do
+             echo "-- $v"; env "$v" timeout 100 python3 -m experiments.nixl_probe ${PROBE_DEV:---device cuda:0 --peer-device cuda:1} \
+               --sizes-mib 1 16 64 256 --reps 5 2>&1 | grep -v "NIXL INFO" | tee -a "$OUT/probe_variants.txt"; done ;;
+    sampling) # with OLD_TREE (an untracked copy of an older commit's pushkv/): its sampler first, for an A/B in one run
+           if [ -n "${OLD_TREE:-}" ]; then mkdir -p "$OLD_TREE/tools" && cp tools/__init__.py tools/sampling_bench.py "$OLD_TREE/tools/"
+             echo "-- sampler of $OLD_TREE" | tee -a "$OUT/sampling_gpu.txt"
+             (cd "$OLD_TREE" && timeout 200 python3 -m tools.sampling_bench --device cuda --batch 1 8 64 256 --vocab 151936 \
+               2>&1 | tee -a "$OUT/sampling_gpu.txt"); echo "-- sampler of this tree" | tee -a "$OUT/sampling_gpu.txt"; fi
+           timeout 200 python3 -m tools.sampling_bench --device cuda --batch 1 8 64 256 --vocab 151936 \
+             2>&1 | tee -a "$OUT/sampling_gpu.txt" ;;
+    xferab) # before/after in one run: writers of the tree in $OLD_TREE (untracked copy of an older commit) vs this one
+           for i in 1 2; do for tree in "$OLD_TREE" "$PWD"; do echo "-- writers of $tree"
+             PUSHKV_WRITERS_ROOT=$tree timeout 100 python3 -m tools.transfer_report --writers-only ${XFER_DEV:---device cuda} \
+               --sizes-mib 0.25 1 16 64 256 --reps 11 --out "$OUT/xferab_${i}_$(basename $tree).json" 2>&1 | grep -A12 "^writers only" \
+               | tee -a "$OUT/xferab.txt"; done; done ;;
+    probegap) for gap in ${GAPS:-0 2 10}; do echo "-- ${gap} ms between transfers ${GAP_ARGS:-idle}"
+             timeout 100 python3 -m experiments.nixl_probe ${PROBE_DEV:---device cuda:0 --peer-device cuda:1} --sizes-mib 0.25 1 64 \
+               --reps 9 --gap-ms $gap ${GAP_ARGS:-} 2>&1 | grep -E "notif|copy" | tee -a "$OUT/probegap.txt"; done ;;
+    xferprof) # P's and D's writers under cProfile for many one-block pushes: where the fixed cost goes
+           PUSHKV_PROFILE_DIR="$OUT/prof" timeout 150 python3 -m tools.transfer_report --writers-only ${XFER_DEV:---device cuda} \
+             --sizes-mib 0.25 --reps 200 2>&1 | grep -A4 "^ blocks" | tee "$OUT/xferprof.txt"
+           for w in prefill decode; do python3 -c "
+import pstats; s = pstats.Stats('$OUT/prof/$w-writer-0.prof'); s.sort_stats('tottime').print_stats(22)
+s.print_callees('_post_write|_prefill_done|on_ExpectKV|_poll_notifs')" 2>&1 | grep -v "^$" | cut -c1-180 | tee -a "$OUT/xferprof.txt" | head -90; done ;;
+    xferwarm) # the warm path (writers spin while a transfer is expected): warm off/on x gap 0/20 ms x GPUs idle/busy,
+           # one writer pair per configuration, one line each (tools/transfer_writers.py warm_matrix)
+           timeout 280 python3 -m tools.transfer_report --writers-only --warm-matrix ${XFER_DEV:---device cuda:0 --decode-device cuda:1} \
+             --sizes-mib 0.25 1 16 64 256 --reps 7 --gap-ms 20 --out "$OUT/xferwarm.json" 2>&1 \
+             | grep -E "^warm|^\(devices|Error|error:" | tee "$OUT/xferwarm.txt" ;;
+    gpue2e) timeout 400 python3 -m pytest -q -p no:cacheprovider tests/e2e/test_gpu_e2e.py 2>&1 | tee "$OUT/gpue2e.txt" | tail -5 ;;
+    attntune) timeout 300 python3 -m experiments.attn_tune 2>&1 | tee "$OUT/attn_tune.txt" ;;
+    kvverifyfaults) # the fault cases end to end with the pools in GPU memory (push-layer and pull, tiny models)
+              timeout 500 python3 -m pytest -q -p no:cacheprovider -rs tests/e2e/test_kv_verify.py -k cuda \
+              2>&1 | tail -4 | tee "$OUT/kv_verify_faults.txt" ;;
+    kvverify) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kv/test_kv_checksum_kernel.py tests/kv/test_kv_checksum.py \
+              2>&1 | tail -3 | tee "$OUT/kv_verify.txt"
+              timeout 540 python3 -m experiments.kv_verify_bench --device cuda --model qwen3-8b --length 8192 ${KV_VERIFY_BENCH:---ttft} \
+              --up-args "--model qwen3-8b --device cuda:0 --num-blocks 8192 --max-batch-tokens 16384" \
+              --out "$OUT/kv_verify.json" 2>&1 | tail -12 | tee -a "$OUT/kv_verify.txt" ;;
+    *) echo "unknown step $step" ;;
+  esac
+done

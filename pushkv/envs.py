@@ -1,0 +1,125 @@
+"""Every ``PUSHKV_*`` environment variable the code reads: its type, default and what it does.
+
+Nothing is read when this module is imported: ``get(NAME)`` (or ``envs.PUSHKV_THREADS``) reads the
+environment at that moment and parses the value by the variable's type, refusing a bad one with an
+error that names the variable. A module may still keep what it read at its own import (the writer's
+A/B switches do); ``tests/tools/test_envs.py`` holds this table to the names the code uses, and
+docs/running.md's table to this one (``python -m pushkv.envs`` prints it).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+OPERATOR, INTERNAL, AB, TOOLS = "operator", "set by the supervisor", "A/B and tuning", "tools and tests"
+
+
+@dataclass(frozen=True)
+class Var:
+    name: str
+    type: type  # str, int, float or bool
+    default: Any
+    doc: str
+    kind: str = OPERATOR
+    choices: tuple[str, ...] = ()
+
+
+_VARS = (
+    # operator
+    Var("PUSHKV_API_KEY", str, "", "the router's HTTP API key: requests must carry `Authorization: Bearer KEY`; "
+        "empty: no key asked"),
+    Var("PUSHKV_REGISTRY_DIR", str, "", "where `pushkv up` records deployments (`pushkv status`, taps find "
+        "them there); empty: a directory of the user's own"),
+    Var("PUSHKV_THREADS", int, 1, "torch CPU threads per worker"),
+    Var("PUSHKV_PROFILE_DIR", str, "", "each writer process writes its cProfile to DIR/NAME.prof at exit; "
+        "empty: off"),
+    Var("PUSHKV_SECRET_FILE", str, "", "pushkv.vllm: the CURVE secret file when the connector's extra config "
+        "names none"),
+    Var("PUSHKV_LOG", str, "INFO", "pushkv.vllm's writer process: log level"),
+    Var("PUSHKV_CHECKSUM", str, "triton", "--kv-verify on CUDA: the Triton kernel or torch's ops",
+        choices=("triton", "torch")),
+    # set by the supervisor for each child
+    Var("PUSHKV_NAME", str, "", "the process's name (`prefill-writer-0`)", INTERNAL),
+    Var("PUSHKV_DEPLOYMENT_ID", str, "", "the deployment the process belongs to", INTERNAL),
+    Var("PUSHKV_HOST", str, "", "the host named in every trace event of the process", INTERNAL),
+    Var("PUSHKV_POOL", str, "", "the pool handle a writer reports and its worker maps (base64)", INTERNAL),
+    # A/B switches and kernel tuning
+    Var("PUSHKV_WRITER_WARM", str, "", "overrides the config's writer_warm in every writer; empty: the config's",
+        AB, ("", "auto", "on", "off")),
+    Var("PUSHKV_PENDING_POLL_MS", int, 1, "writer: poll period while a notification is awaited", AB),
+    Var("PUSHKV_SETTLE_US", float, 100.0, "writer: spin on a post this long before going back to the loop; "
+        "0: off", AB),
+    Var("PUSHKV_SPIN_YIELD", bool, True, "writer: yield the CPU between spins", AB),
+    Var("PUSHKV_NIXL_PREPARED", bool, True, "writer: post by index into prepared descriptor lists; 0: build "
+        "descriptors per transfer", AB),
+    Var("PUSHKV_WRITER_BEAT_MS", float, 1.0, "writer: keep-warm WRITE period while a transfer is expected; "
+        "0: off", AB),
+    Var("PUSHKV_WAKE_HINTS", bool, True, "writer: send TransferStarting hints to the peer", AB),
+    Var("PUSHKV_PART_HINTS", bool, False, "P writer: a wake hint for every streamed part WRITE too", AB),
+    Var("PUSHKV_CUDA_GRAPHS", bool, True, "batched engine: CUDA graphs for decode steps (TP 1)", AB),
+    Var("PUSHKV_FUSED", bool, True, "batched engine: the fused norm/RoPE/store kernels", AB),
+    Var("PUSHKV_SAMPLER", str, "auto", "sampling: auto (Triton on CUDA, torch elsewhere), or force one", AB,
+        ("auto", "torch", "triton")),
+    Var("PUSHKV_SAMPLE_KS", int, 64, "Triton sampler: candidates per segment", AB),
+    Var("PUSHKV_SAMPLE_BLOCK", int, 8192, "Triton sampler: segment length", AB),
+    Var("PUSHKV_SAMPLE_WARPS", int, 16, "Triton sampler: warps per program", AB),
+    # tools and tests
+    Var("PUSHKV_FAULTS_DIR", str, "", "fault injection: where armed kill and fire points are found (tests)",
+        TOOLS),
+    Var("PUSHKV_VLLM_TIMING", bool, False, "pushkv.vllm: print per-transfer timestamps to stderr", TOOLS),
+    Var("PUSHKV_WRITERS_ROOT", str, "", "pushkv transfer-report --writers-only: run the writers from this "
+        "checkout (a before/after comparison)", TOOLS),
+    Var("PUSHKV_TCPW_UCX_LOG", str, "", "pushkv tcp-write-report: keep UCX's protocol log", TOOLS),
+)
+VARS: dict[str, Var] = {v.name: v for v in _VARS}
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def parse(var: Var, raw: str) -> Any:
+    """``raw`` as ``var``'s type; ValueError naming the variable if it is not one."""
+    try:
+        if var.type is bool:
+            if raw.lower() in _TRUE + _FALSE:
+                return raw.lower() in _TRUE
+            raise ValueError(f"not one of {'/'.join(_TRUE + _FALSE)}")
+        value = var.type(raw)
+    except ValueError as e:
+        raise ValueError(f"{var.name}={raw!r}: {e}") from None
+    if var.choices and value not in var.choices:
+        allowed = ", ".join(c or "''" for c in var.choices)
+        raise ValueError(f"{var.name}={raw!r}: not one of {allowed}")
+    return value
+
+
+def get(name: str, environ: Optional[Mapping[str, str]] = None) -> Any:
+    """The variable's value now (from ``environ``, default os.environ), or its default if unset."""
+    var = VARS[name]
+    raw = (os.environ if environ is None else environ).get(name)
+    return var.default if raw is None or (raw == "" and var.type is not str) else parse(var, raw)
+
+
+def __getattr__(name: str) -> Any:
+    if name in VARS:
+        return get(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def markdown_table() -> str:
+    """The table of docs/running.md ("Environment variables")."""
+    rows = ["| variable | type | default | what |", "| --- | --- | --- | --- |"]
+    for kind in (OPERATOR, INTERNAL, AB, TOOLS):
+        rows.append(f"| *{kind}* | | | |")
+        for v in _VARS:
+            if v.kind == kind:
+                default = ("1" if v.default else "0") if v.type is bool else str(v.default)
+                shown = " \\| ".join(c for c in v.choices if c)
+                what = v.doc + (f" ({shown})" if v.choices else "")
+                rows.append(f"| `{v.name}` | {v.type.__name__} | {f'`{default}`' if default else ''} | {what} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(markdown_table())

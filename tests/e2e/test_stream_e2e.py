@@ -1,0 +1,140 @@
+"""Chunked prefill and streaming push end to end: real processes over loopback, real NIXL.
+
+Greedy tokens with ``--prefill-chunk 32`` (local, pull, and push with ``--push-stream
+chunk``) must equal unchunked local mode's, token for token, run with P's TP size (as in
+tests/e2e/test_layouts_e2e.py: the KV is then produced by the same per-rank computation), for
+prompts of 1, 16, 37 and 300 tokens, in the layouts the repo supports: TP on P or D, block
+sizes that differ both ways, an MLA-style latent cache (P rank 1 a replica that tracks the
+stream and writes nothing) and a hybrid sliding-window model (which falls back to one
+WRITE and says so). After each P/D request the KV bytes of every head in every D rank are
+compared with the P rank that produced them, so a part that lands in the wrong place fails
+even where a greedy token would not notice; and every pool is free again.
+
+One deployment per layout; the prompts run inside it.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pushkv.kv import layout as L
+from pushkv.protocol.tp import consumers_for, is_producer
+from tests.support.deploy import concurrent, deployment, local_references, wait_pools_free
+from tools.layout_report import kv_mismatches, prompt
+
+pytestmark = pytest.mark.timeout(300)
+
+MAX_TOKENS = 6
+NUM_BLOCKS = 64
+LENGTHS = (1, 16, 37, 300)
+PROMPTS = {n: prompt(n, n) for n in LENGTHS}
+CHUNK = ("--prefill-chunk", "32")
+# --push-pin-fraction 1: no request goes late (P holds, D registers after the relay: no stream),
+# however many stream at once
+STREAM = ("--mode", "push", "--push-stream", "chunk", "--push-pin-fraction", "1", *CHUNK)
+# three layer groups of the small model's four layers (2, 1, 1): uneven on purpose
+LAYER = ("--mode", "push", "--push-stream", "layer", "--push-stream-groups", "3", "--push-pin-fraction", "1")
+
+
+def shape(p_tp: int, d_tp: int, p_bs: int, d_bs: int) -> tuple[str, ...]:
+    return ("--prefill-tp", str(p_tp), "--decode-tp", str(d_tp),
+            "--prefill-block-size", str(p_bs), "--decode-block-size", str(d_bs))
+
+
+# id, model, flags, TP of the local reference (P's), what P's answer says of the stream
+# (None: no P/D transfer, or pull, whose P answers before the READ and streams nothing)
+CASES = [
+    ("local-chunked", "small", ("--mode", "local", *CHUNK), 1, None),
+    ("pull-chunked tp1->1", "small", ("--mode", "pull", "--pull-read", "background", *CHUNK), 1, None),
+    ("push-chunk tp1->2 p32/d16", "small", STREAM + shape(1, 2, 32, 16), 1, "chunk"),
+    ("push-chunk tp2->1 p16/d32", "small", STREAM + shape(2, 1, 16, 32), 2, "chunk"),
+    ("push-chunk mla tp2->1 p16/d32", "mla", STREAM + shape(2, 1, 16, 32), 2, "chunk"),
+    ("push-chunk hybrid tp1->1", "hybrid", STREAM, 1, "fallback: sliding-window layers"),
+    ("push-layer tp1->2 p32/d16", "small", LAYER + shape(1, 2, 32, 16), 1, "layer"),
+    ("push-layer chunked tp2->1 p16/d32", "small", LAYER + CHUNK + shape(2, 1, 16, 32), 2, "layer"),
+    ("push-layer mla tp2->1 p16/d32", "mla", LAYER + shape(2, 1, 16, 32), 2, "layer"),
+    ("push-layer hybrid tp1->1", "hybrid", LAYER, 1, "fallback: sliding-window layers"),
+    # each P rank's WRITEs posted by its own second agent on a thread (what UCX over TCP gets by default)
+    ("push-layer threaded post tp2->1 p16/d32", "small", LAYER + ("--writer-post-thread", "on") + shape(2, 1, 16, 32),
+     2, "layer"),
+]
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """Unchunked local-mode tokens per (model, tp), each deployment started once."""
+    return local_references(tmp_path_factory, PROMPTS, MAX_TOKENS, NUM_BLOCKS)
+
+
+@pytest.mark.parametrize("name,model,flags,ref_tp,stream", CASES, ids=[c[0] for c in CASES])
+def test_chunked_and_streamed_tokens_equal_local(name, model, flags, ref_tp, stream, references, tmp_path):
+    ref = references(model, ref_tp)
+    # --no-prefix-cache: the KV check reads the blocks an idle pool hands out first, which the prefix
+    # cache would move (tests/e2e/test_prefix_e2e.py streams with the cache on)
+    with deployment(tmp_path, *flags, "--model", model, "--num-blocks", str(NUM_BLOCKS), "--no-prefix-cache") as dep:
+        cfg = dep.cfg
+        early = 0  # streamed requests whose registration came before their first chunk ended
+        for n, toks in PROMPTS.items():
+            wait_pools_free(dep)  # idle pools hand out blocks 0.. on both sides (the KV check reads them)
+            body = dep.complete(toks, MAX_TOKENS)
+            assert body["choices"][0]["token_ids"] == ref[n], f"{n} tokens: differ from unchunked local tp={ref_tp}"
+            wait_pools_free(dep)
+            if cfg.mode == "local":
+                continue
+            if stream is not None:
+                kv, tl = body["pushkv"]["kv"]["prefill"], body["pushkv"]["timeline"]
+                assert kv["stream"].startswith(stream), (n, kv)
+                # the tokens before the first part can leave: a chunk's, or a whole unit's (layer)
+                first = 32 if stream == "chunk" else math.lcm(cfg.prefill.block_size, cfg.decode.block_size) - 1
+                if stream not in ("chunk", "layer") or n <= first:  # no stream, or nothing whole before the end
+                    assert kv["parts"] == 0, (n, kv)
+                elif tl["prefill.registration_received"] < tl[
+                        "prefill.stream_start" if stream == "chunk" else "prefill.layers_stored_0"]:
+                    # D's registration was in when the first chunk ended (the first layer group was
+                    # stored): a part left at once (on two busy cores D may register later, and the
+                    # last WRITE then takes it all)
+                    assert kv["parts"] > 0, (n, kv, tl)
+                    early += 1
+            p_table = range(L.blocks_for(n, cfg.prefill.block_size))
+            d_table = range(L.blocks_for(n + MAX_TOKENS, cfg.decode.block_size))
+            bad, compared = kv_mismatches(cfg, n, p_table, d_table)
+            assert bad == [] and compared > 0, f"{n} tokens: {bad[:5]}"
+        if cfg.mode == "local":
+            return
+        p_tp, d_tp = cfg.prefill.tp, cfg.decode.tp
+
+        def per_rank(counters, k):
+            return [counters.get(f"writer.{r}.{k}", 0) for r in range(p_tp)]
+
+        if stream == "layer":  # every rank hears every group of every prefill step
+            counters = dep.stats("prefill").counters
+            steps = sum(-(-n // 32) for n in LENGTHS) if "--prefill-chunk" in flags else len(LENGTHS)
+            groups = len(L.layer_groups(L.instance_layout(cfg, cfg.prefill, 0)))
+            assert groups == 3 if model == "small" else groups > 1, groups
+            assert per_rank(counters, "layer_marks_received") == [steps * groups] * p_tp, counters
+            assert per_rank(counters, "stream_progress_received") == [0] * p_tp
+        rounds = 1  # of the prompts
+        if stream in ("chunk", "layer") and model == "small":  # several streams at once, mixed in P's steps
+            got = concurrent(dep, [PROMPTS[n] for n in LENGTHS] * 2, MAX_TOKENS)
+            assert got == [ref[n] for n in LENGTHS] * 2
+            wait_pools_free(dep)
+            rounds = 3
+        counters = dep.stats("prefill").counters
+        # a layer mark may trail P's SendKV (worker and scheduler send apart): counted late, dropped
+        for k in ("transfers_failed", "command_refused", "write_post_failed", "stale_progress") + (
+                () if stream == "layer" else ("late_progress",)):
+            assert per_rank(counters, k) == [0] * p_tp, (k, counters)
+        parts, posts = per_rank(counters, "parts"), per_rank(counters, "part_posts")
+        if stream in ("chunk", "layer"):
+            if stream == "chunk":  # every rank hears every chunk (37 tokens: 1; 300: 9)
+                assert per_rank(counters, "stream_progress_received") == [10 * rounds] * p_tp
+            assert sum(parts) > 0 or not early, parts
+            for r in range(p_tp):  # producers write parts
+                writes_to = len(consumers_for(r, p_tp, d_tp, cfg.model.cache_kv_heads)) if \
+                    is_producer(r, p_tp, cfg.model.cache_kv_heads) else 0
+                assert posts[r] == parts[r] * writes_to, (r, parts, posts)  # MLA: rank 1, a replica, writes none
+        else:  # pull streams nothing; the hybrid push hears every chunk (chunk) and falls back to one WRITE
+            assert per_rank(counters, "stream_progress_received") == [10 if stream and "chunk" in flags else 0] * p_tp
+            assert per_rank(counters, "layer_marks_received") == [0] * p_tp
+            assert parts == posts == [0] * p_tp

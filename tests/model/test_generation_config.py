@@ -1,0 +1,112 @@
+"""A checkpoint's EOS ids (config.json and generation_config.json, an int or a list each) and its
+default sampling (generation_config.json, ``--generation-config auto|none``), read and applied
+by the router: unset fields take the checkpoint's value, a request's own value wins."""
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from pushkv.config import SamplingDefaults, preset
+from pushkv.model.checkpoint import eos_ids_of, model_config_from_hf, sampling_defaults_of
+from pushkv.router import api, text
+from processes import cli
+from tests.model.test_model import write_checkpoint
+
+TOK = text.ByteTokenizer()
+
+
+@pytest.mark.parametrize("config_eos, gen_eos, want", [
+    (3, None, (3,)),
+    ([7, 3, 9], None, (7, 3, 9)),  # a list: every id, not only the first
+    (None, [9, 7], (9, 7)),
+    (3, [3, 9], (3, 9)),  # Qwen3: one id in config.json, two in generation_config.json
+    ([7, 3], [3, 9, 7], (7, 3, 9)),  # Llama-3 instruct style: the union, config.json's order first
+    (None, None, ()),
+    ([], None, ()),
+])
+def test_every_eos_id_from_both_files(config_eos, gen_eos, want):
+    assert eos_ids_of({"eos_token_id": config_eos}, {"eos_token_id": gen_eos}, 300) == want
+
+
+@pytest.mark.parametrize("hf, needle", [
+    ({"eos_token_id": 300}, "EOS token id 300 outside the vocabulary"),
+    ({"eos_token_id": "3"}, "neither a token id"),
+    ({"eos_token_id": [3, True]}, "neither a token id"),
+])
+def test_bad_eos_ids_are_refused_at_launch(hf, needle):
+    with pytest.raises(ValueError, match=needle):
+        eos_ids_of(hf, {}, 300)
+
+
+@pytest.mark.parametrize("gen, want", [
+    ({"temperature": 0.6, "top_p": 0.95, "top_k": 20, "do_sample": True},  # Qwen3's
+     SamplingDefaults(temperature=0.6, top_p=0.95, top_k=20)),
+    ({"temperature": 0.6, "top_p": 0.9, "do_sample": True}, SamplingDefaults(temperature=0.6, top_p=0.9)),  # Llama-3.1
+    ({"temperature": 0.7, "min_p": 0.05, "max_new_tokens": 64}, SamplingDefaults(0.7, None, None, 0.05, 64)),
+    ({"temperature": 0.6, "top_k": 20, "do_sample": False, "max_new_tokens": 9}, SamplingDefaults(max_tokens=9)),
+    ({"top_k": 0}, SamplingDefaults()), ({"top_k": -1}, SamplingDefaults()),  # off
+    ({"bos_token_id": 1, "eos_token_id": [2, 3]}, SamplingDefaults()),
+])
+def test_sampling_defaults_from_generation_config(gen, want):
+    assert sampling_defaults_of(gen) == want
+
+
+@pytest.mark.parametrize("gen, needle", [
+    ({"temperature": -1}, "temperature must be"), ({"top_p": 0}, "top_p must be"),
+    ({"top_k": 2.5}, "top_k must be an integer"), ({"min_p": 2}, "min_p must be"),
+    ({"max_new_tokens": 0}, "max_new_tokens must be"), ({"temperature": "hot"}, "must be a number"),
+])
+def test_defaults_out_of_range_are_refused_naming_the_field(gen, needle):
+    with pytest.raises(ValueError, match=needle):
+        sampling_defaults_of(gen)
+
+
+def test_repetition_penalty_is_not_applied_and_says_so(caplog):
+    with caplog.at_level(logging.WARNING):
+        assert sampling_defaults_of({"repetition_penalty": 1.05, "temperature": 0.7}).temperature == 0.7
+    assert "repetition_penalty 1.05 is not applied" in caplog.text
+
+
+def ckpt(tmp_path, config_eos, gen):
+    write_checkpoint(str(tmp_path), preset("tiny", seed=5, qk_norm=False, vocab_size=300), "LlamaForCausalLM", False)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    hf["eos_token_id"] = config_eos
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    if gen is not None:
+        (tmp_path / "generation_config.json").write_text(json.dumps(gen))
+    return str(tmp_path)
+
+
+def test_checkpoint_and_flag(tmp_path):
+    path = ckpt(tmp_path, [3, 5], {"eos_token_id": [5, 7], "temperature": 0.6, "top_k": 20, "do_sample": True})
+    cfg = model_config_from_hf(path)
+    assert (cfg.eos_token_id, cfg.eos_token_ids, cfg.all_eos_ids) == (3, (3, 5, 7), (3, 5, 7))
+    assert cfg.sampling_defaults == SamplingDefaults(temperature=0.6, top_k=20)
+    none = model_config_from_hf(path, "none")
+    assert none.eos_token_ids == (3, 5, 7) and none.sampling_defaults == SamplingDefaults()  # EOS either way
+    for flags, want in [([], SamplingDefaults(temperature=0.6, top_k=20)),
+                        (["--generation-config", "none"], SamplingDefaults())]:
+        args = cli.build_parser().parse_args(["up", "--checkpoint", path, *flags])
+        assert cli.config_from_args(args).model.sampling_defaults == want
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["up", "--generation-config", "vllm"])
+    assert preset("small").all_eos_ids == ()  # random weights: never stop on EOS
+
+
+def test_router_stops_on_every_eos_id_and_fills_unset_fields_from_the_checkpoint():
+    d = SamplingDefaults(temperature=0.6, top_p=0.95, top_k=20, min_p=0.05, max_tokens=9)
+    limits = api.Limits(vocab_size=320, max_model_len=256, eos_token_ids=(257, 300, 301), defaults=d)
+    p = api.parse_completion({"prompt": "hi", "stop_token_ids": [300, 5]}, TOK, limits)
+    assert p.stop_token_ids == (300, 5, 257, 301)
+    assert api.parse_completion({"prompt": "hi", "ignore_eos": True}, TOK, limits).stop_token_ids == ()
+    s = p.sampling
+    assert (s.temperature, s.top_p, s.top_k, s.min_p) == (0.6, 0.95, 20, 0.05)
+    assert p.max_tokens == 9  # max_new_tokens, under completions' 16
+    own = api.parse_completion({"prompt": "hi", "temperature": 0, "top_p": 1, "top_k": -1, "min_p": 0,
+                                "max_tokens": 30}, TOK, limits)
+    assert (own.sampling.temperature, own.sampling.top_p, own.sampling.top_k, own.sampling.min_p) == (0, 1, 0, 0)
+    assert own.max_tokens == 30  # a request's own value wins
+    plain = api.parse_completion({"prompt": "hi"}, TOK, api.Limits(320, 256))
+    assert plain.sampling.temperature == 0 and plain.max_tokens == 16 and plain.stop_token_ids == ()

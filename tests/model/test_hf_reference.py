@@ -1,0 +1,132 @@
+"""Checkpoints written by the installed Hugging Face transformers, served by pushkv:
+the same prompt ids (the tokenizer's BOS included) and the same greedy tokens as
+transformers' own ``generate``, in float32; RoPE read in both config forms, and a
+RoPE pushkv does not implement refused by name."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from pushkv.model import build_model, get_tokenizer
+from pushkv.model.checkpoint import model_config_from_hf
+from tests.support.deploy import deployment
+from tests.model.test_model import new_pool, paged_generate
+
+PROMPTS = ["hello", "the quick brown fox jumps over the lazy dog", "hello world, the lazy fox"]
+NEW_TOKENS = 8
+ROPE_THETA = 50000.0  # not the 10000 a reader falls back to: a wrong read changes every token
+GEOMETRY = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                bos_token_id=2, eos_token_id=3, initializer_range=0.2)
+
+
+def _tokenizer(path: str) -> None:
+    """A Llama-style BPE tokenizer whose post-processor prepends ``<s>`` (id 2)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=GEOMETRY["vocab_size"], special_tokens=["<pad>", "<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["hello world, the quick brown fox jumps over the lazy dog"] * 20, trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", 2)])
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                         unk_token="<unk>", pad_token="<pad>").save_pretrained(path)
+
+
+def save_hf_checkpoint(path: str, arch: str = "llama", seed: int = 0, **extra) -> str:
+    cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[arch]
+    cfg = cls[0](rope_theta=ROPE_THETA, **GEOMETRY, **extra)
+    torch.manual_seed(seed)
+    cls[1](cfg).to(torch.float32).save_pretrained(path)
+    _tokenizer(path)
+    return path
+
+
+def hf_reference(path: str, prompts) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, greedy new tokens) from transformers itself."""
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = []
+    for p in prompts:
+        ids = tok(p).input_ids
+        with torch.no_grad():
+            gen = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                 eos_token_id=GEOMETRY["eos_token_id"], pad_token_id=0)
+        out.append((ids, gen[0, len(ids):].tolist()))
+    return out
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    path = save_hf_checkpoint(str(tmp_path_factory.mktemp("hf_llama")))
+    return path, hf_reference(path, PROMPTS)
+
+
+def test_transformers_writes_rope_parameters_and_pushkv_reads_them(llama):
+    path, _ = llama
+    with open(os.path.join(path, "config.json")) as f:
+        hf = json.load(f)
+    # the form this test exists for: transformers 5 writes no top-level rope_theta
+    assert "rope_theta" not in hf and hf["rope_parameters"]["rope_theta"] == ROPE_THETA
+    assert model_config_from_hf(path).rope_theta == ROPE_THETA
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_prompt_ids_and_greedy_tokens_equal_transformers(tmp_path, llama, arch):
+    path, want = llama if arch == "llama" else (None, None)
+    if path is None:
+        path = save_hf_checkpoint(str(tmp_path / arch), arch, seed=1)
+        want = hf_reference(path, PROMPTS)
+    cfg = model_config_from_hf(path)
+    model, tok = build_model(cfg), get_tokenizer(cfg)
+    for prompt, (ids, new) in zip(PROMPTS, want):
+        assert ids[0] == GEOMETRY["bos_token_id"]  # the tokenizer adds <s>; so must pushkv
+        assert tok.encode(prompt) == ids
+        got = paged_generate(model, new_pool(model, 8, 16), ids, NEW_TOKENS, tuple(range(8)))
+        stop = got.index(3) + 1 if 3 in got else len(got)  # HF stops at EOS
+        assert got[:stop] == new, prompt
+
+
+def test_served_text_prompt_counts_bos_and_equals_transformers(tmp_path, llama):
+    """Through the router (text in, ids and usage out) on P/D push."""
+    path, want = llama
+    with deployment(tmp_path, "--mode", "push", "--checkpoint", path, "--num-blocks", "64") as dep:
+        for prompt, (ids, new) in zip(PROMPTS, want):
+            body = dep.complete(prompt, NEW_TOKENS)
+            assert body["usage"]["prompt_tokens"] == len(ids), prompt
+            assert body["choices"][0]["token_ids"] == new, prompt
+
+
+@pytest.mark.parametrize("rope, needle", [
+    ({"rope_parameters": {"rope_theta": 1e6, "rope_type": "llama3", "factor": 8.0}}, "rope_type 'llama3' is not implemented"),
+    ({"rope_parameters": {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling: rope_type 'linear'"),
+    ({"rope_theta": 1e4, "rope_parameters": {"rope_theta": 1e6}}, "two RoPE bases"),
+    ({"rope_parameters": {"rope_theta": 1e6, "partial_rotary_factor": 0.5}}, "partial_rotary_factor"),
+])
+def test_rope_not_implemented_is_refused_by_name(llama, tmp_path, rope, needle):
+    path, _ = llama
+    with open(os.path.join(path, "config.json")) as f:
+        hf = json.load(f)
+    hf.pop("rope_parameters")
+    hf.update(rope)
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ValueError, match=needle):
+        model_config_from_hf(str(tmp_path))
+
+
+def test_top_level_rope_theta_still_read(llama, tmp_path):
+    path, _ = llama
+    with open(os.path.join(path, "config.json")) as f:
+        hf = json.load(f)
+    hf.pop("rope_parameters")
+    hf["rope_theta"] = 123456.0
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    assert model_config_from_hf(str(tmp_path)).rope_theta == 123456.0

@@ -1,0 +1,218 @@
+"""The OpenAI surface through the official `openai` client against real deployments
+(local, push, pull): completions and chat, streaming and not, seeded sampling
+equal across modes, stop strings, logprobs, n, echo, penalties, bias, min_tokens.
+
+The random-weight preset answers with random bytes, so what is compared is
+exact equality across modes and between streaming and not, and the text's
+relation to the token ids (the byte tokenizer: text = the ids' UTF-8 decode).
+"""
+import pytest
+
+from tests.support.deploy import deployment, wait_pools_free
+
+openai = pytest.importorskip("openai")
+pytestmark = pytest.mark.timeout(600)
+
+COMMON = ("--model", "tiny", "--num-blocks", "256")
+MODES = {
+    "local": ("--mode", "local"),
+    "push": ("--mode", "push"),
+    "pull": ("--mode", "pull", "--pull-read", "background"),
+}
+SAMPLED = dict(temperature=0.9, top_p=0.95, seed=4242, presence_penalty=0.3, frequency_penalty=0.2,
+               logit_bias={"65": 2.0}, extra_body={"top_k": 100, "min_p": 0.01})  # vLLM's extras
+PROMPTS = ["The quick brown fox", "你好，世界！今天天气很好。", "emoji 😀👍🏽 family 👨‍👩‍👧 ok"]
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "早上好 😀, say hi"}]
+
+
+@pytest.fixture(scope="module")
+def deps(tmp_path_factory):
+    from contextlib import ExitStack
+
+    with ExitStack() as stack:
+        out = {name: stack.enter_context(deployment(tmp_path_factory.mktemp(name), *flags, *COMMON))
+               for name, flags in MODES.items()}
+        yield out
+        for dep in out.values():
+            wait_pools_free(dep)
+
+
+def client(dep):
+    return openai.OpenAI(base_url=dep.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def as_text(ids):
+    return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def completion(dep, prompt, **kw):
+    r = client(dep).completions.create(model="tiny", prompt=prompt, **kw)
+    c = r.choices[0]
+    lp = c.logprobs
+    return c.text, c.token_ids, c.finish_reason, (lp.token_logprobs, lp.top_logprobs) if lp else None
+
+
+def test_models_lists_the_served_model(deps):
+    for dep in deps.values():
+        models = client(dep).models.list().data
+        assert [m.id for m in models] == ["tiny"] and models[0].owned_by == "pushkv"
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_seeded_completion_equal_across_modes(deps, prompt):
+    got = {name: completion(dep, prompt, max_tokens=12, logprobs=3, **SAMPLED) for name, dep in deps.items()}
+    ref = got["local"]
+    text, ids, reason, (lps, tops) = ref
+    assert len(ids) == 12 and reason == "length" and text == as_text(ids)
+    assert len(lps) == 12 and all(len(t) <= 3 and t for t in tops)  # top-3 strings may collide
+    for name in ("push", "pull"):
+        assert got[name][:3] == ref[:3], name
+        assert got[name][3][0] == pytest.approx(lps, abs=1e-5), name
+    greedy = completion(deps["local"], prompt, max_tokens=12)[1]
+    assert ids != greedy  # sampling did something
+    again = completion(deps["push"], prompt, max_tokens=12, logprobs=3, **SAMPLED)
+    assert again[1] == ids  # the seed fixes it
+    other = completion(deps["push"], prompt, max_tokens=12, **{**SAMPLED, "seed": 7})
+    assert other[1] != ids
+
+
+def stream_completion(dep, prompt, **kw):
+    chunks = list(client(dep).completions.create(model="tiny", prompt=prompt, stream=True,
+                                                 stream_options={"include_usage": True}, **kw))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    body = [c for c in chunks if c.choices]
+    return ("".join(c.choices[0].text for c in body), [t for c in body for t in c.choices[0].token_ids],
+            body[-1].choices[0].finish_reason, chunks[-1].usage)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_streaming_equals_unary(deps, mode):
+    dep = deps[mode]
+    for prompt in PROMPTS:
+        text, ids, reason, _ = completion(dep, prompt, max_tokens=10, **SAMPLED)
+        s_text, s_ids, s_reason, usage = stream_completion(dep, prompt, max_tokens=10, **SAMPLED)
+        assert (s_text, s_ids, s_reason) == (text, ids, reason)
+        assert usage.completion_tokens == 10
+
+
+def chat(dep, **kw):
+    r = client(dep).chat.completions.create(model="tiny", messages=MESSAGES, **kw)
+    return r
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_chat_streaming_and_not_equal_local(deps, mode):
+    kw = dict(max_completion_tokens=10, logprobs=True, top_logprobs=2, **SAMPLED)
+    ref = chat(deps["local"], **kw)
+    got = chat(deps[mode], **kw)
+    assert got.object == "chat.completion" and got.id.startswith("chatcmpl-")
+    msg = got.choices[0].message
+    assert msg.role == "assistant" and msg.content == ref.choices[0].message.content
+    assert got.usage.completion_tokens == 10 and got.usage.prompt_tokens == ref.usage.prompt_tokens
+    content = got.choices[0].logprobs.content
+    assert len(content) == 10 and all(len(c.top_logprobs) == 2 for c in content)
+    assert [c.logprob for c in content] == pytest.approx([c.logprob for c in ref.choices[0].logprobs.content],
+                                                         abs=1e-5)
+    chunks = list(client(deps[mode]).chat.completions.create(
+        model="tiny", messages=MESSAGES, stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == msg.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.total_tokens == got.usage.total_tokens
+
+
+def test_chat_prompt_uses_the_plain_template(deps):
+    r = chat(deps["local"], max_tokens=1)
+    rendered = "system: You are terse.\nuser: 早上好 😀, say hi\nassistant:"
+    assert r.usage.prompt_tokens == len(rendered.encode("utf-8"))
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_stop_string_spanning_tokens(deps, mode):
+    dep = deps[mode]
+    prompt = "Stop strings: "
+    full, ids, _, _ = completion(dep, prompt, max_tokens=16, logit_bias={str(i): 8.0 for i in range(97, 123)})
+    assert full.isascii() and len(full) == 16  # bias to a..z: one letter per token, readable
+    stop = full[5:8]  # three tokens
+    cut = full.index(stop)
+    for stream in (False, True):
+        kw = dict(max_tokens=16, logit_bias={str(i): 8.0 for i in range(97, 123)}, stop=[stop, "never"])
+        text, got_ids, reason, _ = (stream_completion(dep, prompt, **kw) if stream else completion(dep, prompt, **kw))
+        assert text == full[:cut] and reason == "stop", stream
+        assert got_ids == ids[:cut + len(stop)]  # generation ended on the token that completed the stop
+    wait_pools_free(dep)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_min_tokens_bias_and_n(deps, mode):
+    dep = deps[mode]
+    greedy = completion(dep, "abc", max_tokens=6)[1]
+    # the first greedy token as a stop id: generation ends there, unless min_tokens holds it off
+    stopped = completion(dep, "abc", max_tokens=6, extra_body={"stop_token_ids": [greedy[0]]})
+    assert stopped[1] == greedy[:1] and stopped[2] == "stop"
+    held = completion(dep, "abc", max_tokens=6, extra_body={"stop_token_ids": [greedy[0]], "min_tokens": 3})
+    assert len(held[1]) >= 3 and greedy[0] not in held[1][:3]
+    forced = completion(dep, "abc", max_tokens=4, logit_bias={"90": 100})
+    assert forced[0] == "ZZZZ"
+    r = client(dep).completions.create(model="tiny", prompt="abc", max_tokens=8, n=3, **SAMPLED)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2] and r.usage.completion_tokens == 24
+    one = completion(dep, "abc", max_tokens=8, **SAMPLED)
+    assert r.choices[0].token_ids == one[1]  # choice 0 draws from the request's own seed
+    assert len({tuple(c.token_ids) for c in r.choices}) == 3
+    echo = client(dep).completions.create(model="tiny", prompt="abc", max_tokens=3, echo=True)
+    assert echo.choices[0].text.startswith("abc") and echo.choices[0].text[3:] == as_text(greedy[:3])
+    wait_pools_free(dep)
+
+
+def test_bad_fields_are_400_naming_the_field(deps):
+    c = client(deps["push"])
+    for kw, field in [({"temperature": -1}, "temperature"), ({"top_p": 1.5}, "top_p"),
+                      ({"logprobs": 99}, "logprobs"), ({"n": 100}, "n"), ({"stop": [3]}, "stop")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(model="tiny", prompt="x", max_tokens=2, **kw)
+        assert e.value.body["param"] == field and field in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="tiny", messages=[{"role": "robot", "content": "x"}])
+    assert e.value.body["param"] == "messages[0].role"
+    # unknown fields are ignored
+    r = c.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"no_such_field": {"a": 1}})
+    assert len(r.choices[0].token_ids) == 2
+
+
+def test_checkpoint_chat_template_and_cjk_text(tmp_path):
+    """A Llama checkpoint with a Hugging Face tokenizer and a chat template in tokenizer_config.json:
+    chat renders through it; CJK and emoji prompts come back as whole characters, streamed or not."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    from pushkv.config import preset
+    from pushkv.router.chat import ChatTemplate
+    from tests.model.test_model import write_checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    write_checkpoint(str(ckpt), preset("tiny", seed=5, qk_norm=False, vocab_size=300), "LlamaForCausalLM", False)
+    template = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"
+                "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    (ckpt / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "bos_token": "<s>",
+                                                            "eos_token": "</s>"}))
+    hf = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    d = tmp_path / "dep"
+    d.mkdir()
+    with deployment(d, "--mode", "push", "--checkpoint", str(ckpt), "--num-blocks", "128") as dep:
+        c = client(dep)
+        r = c.chat.completions.create(model="ckpt", messages=MESSAGES, max_tokens=6, temperature=0.7, seed=3)
+        rendered = ChatTemplate(template, "<s>", "</s>").render(MESSAGES)
+        assert rendered.startswith("<s><|system|>You are terse.</s>")
+        assert r.usage.prompt_tokens == len(hf.encode(rendered, add_special_tokens=False).ids)
+        for prompt in PROMPTS[1:]:
+            kw = dict(max_tokens=24, temperature=1.0, seed=11, extra_body={"ignore_eos": True})
+            unary = c.completions.create(model="ckpt", prompt=prompt, **kw).choices[0]
+            chunks = [ch for ch in c.completions.create(model="ckpt", prompt=prompt, stream=True, **kw) if ch.choices]
+            assert "".join(ch.choices[0].text for ch in chunks) == unary.text
+            assert [t for ch in chunks for t in ch.choices[0].token_ids] == unary.token_ids
+            whole = hf.decode(unary.token_ids, skip_special_tokens=True)
+            assert unary.text == whole
+        wait_pools_free(dep)

@@ -1,0 +1,136 @@
+"""Bench result naming and aggregation, the plot on synthetic results, and
+one bench run against the real router with a fake local scheduler."""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import pytest
+
+from tools import bench, plot, sweep
+
+from tests.support.router_fakes import Harness, make_cfg, stage, tokens
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize("qps,text", [(1.0, "1"), (2, "2"), (0.5, "0.5"), (math.inf, "inf")])
+def test_fmt_qps(qps, text):
+    assert bench.fmt_qps(qps) == text
+
+
+def test_result_name_roundtrip(tmp_path):
+    name = bench.result_name("pull-inline", 0.5, 1024, 128, 3)
+    assert name == "pull-inline_qps0.5_in1024_out128_iter3.json"
+    assert bench.parse_result_name(str(tmp_path / name)) == {
+        "mode": "pull-inline", "qps": 0.5, "input_len": 1024, "output_len": 128, "iter": 3}
+    assert bench.parse_result_name("ttft_tpot.png") is None
+    assert bench.next_iter(str(tmp_path), "push", 1, 256, 128) == 0
+    (tmp_path / bench.result_name("push", 1, 256, 128, 0)).write_text("{}")
+    assert bench.next_iter(str(tmp_path), "push", 1, 256, 128) == 1
+
+
+def test_aggregate():
+    ok1 = bench.RequestResult(True, 100, 5, ttft=0.1, itl=[0.02] * 4, latency=0.18,
+                              timeline={"router.arrival": 10.0, "decode.kv_received": 10.05, "router.finish": 10.18})
+    ok2 = bench.RequestResult(True, 100, 3, ttft=0.3, itl=[0.05] * 2, latency=0.4,
+                              timeline={"router.arrival": 20.0, "decode.kv_received": 20.25, "router.finish": 20.4})
+    bad = bench.RequestResult(False, 100, error="HTTP 503")
+    s = bench.aggregate([ok1, ok2, bad], duration=2.0, meta={"mode": "push"})
+    assert (s["completed"], s["failed"], s["mode"]) == (2, 1, "push")
+    assert (s["total_input_tokens"], s["total_output_tokens"]) == (200, 8)
+    assert s["request_throughput"] == 1.0 and s["output_throughput"] == 4.0 and s["total_token_throughput"] == 104.0
+    assert s["median_ttft_ms"] == pytest.approx(200.0) and s["mean_ttft_ms"] == pytest.approx(200.0)
+    assert s["std_ttft_ms"] == pytest.approx(100.0)
+    assert s["median_tpot_ms"] == pytest.approx((20.0 + 50.0) / 2)
+    assert s["mean_itl_ms"] == pytest.approx((4 * 20 + 2 * 50) / 6)
+    assert s["median_e2el_ms"] == pytest.approx(290.0)
+    assert s["errors"] == ["", "", "HTTP 503"] and len(s["ttfts"]) == 3
+    assert list(s["stages"]) == ["router.arrival", "decode.kv_received", "router.finish"]
+    assert s["stages"]["decode.kv_received"] == pytest.approx(150.0)  # median of 50 and 250
+    assert s["stage_offsets"]["router.finish"] == pytest.approx(290.0)
+    for k in ("ttft", "tpot", "itl", "e2el"):
+        assert {f"mean_{k}_ms", f"median_{k}_ms", f"std_{k}_ms", f"p99_{k}_ms"} <= set(s)
+
+
+def test_aggregate_all_failed():
+    s = bench.aggregate([bench.RequestResult(False, 10, error="x")], 1.0, {})
+    assert s["completed"] == 0 and s["median_ttft_ms"] == 0.0 and s["stages"] == {}
+
+
+def test_arrivals_and_prompts_are_seeded():
+    assert bench.make_prompts(2, 8, 256, 1) == bench.make_prompts(2, 8, 256, 1)
+    assert all(0 <= t < 256 for p in bench.make_prompts(3, 50, 256, 0) for t in p)
+    gaps = bench.arrival_gaps(2000, 4.0, 0)
+    assert sum(gaps) / len(gaps) == pytest.approx(0.25, rel=0.1)
+    assert bench.arrival_gaps(3, math.inf, 0) == [0.0, 0.0, 0.0]
+
+
+def write_result(d, mode, qps, inp, ttft, tpot, it=0):
+    body = {"completed": 4, "median_ttft_ms": ttft, "median_tpot_ms": tpot}
+    (d / bench.result_name(mode, qps, inp, 128, it)).write_text(json.dumps(body))
+
+
+def test_plot_and_ratio_table(tmp_path, capsys):
+    for qps in (1, 2):
+        for inp in (256, 1024):
+            write_result(tmp_path, "push", qps, inp, ttft=100.0 * qps, tpot=10.0)
+            write_result(tmp_path, "pull-inline", qps, inp, ttft=150.0 * qps, tpot=12.0)
+            write_result(tmp_path, "pull-inline", qps, inp, ttft=250.0 * qps, tpot=12.0, it=1)
+    write_result(tmp_path, "pull-background", 1, 256, ttft=120.0, tpot=11.0)
+    cells = plot.load(str(tmp_path))
+    assert cells[("pull-inline", 1.0, 256)]["median_ttft_ms"] == 200.0  # median over iterations
+    rows = plot.ratio_rows(cells)
+    assert len(rows) == 5
+    r = next(r for r in rows if r["mode"] == "pull-inline" and r["qps"] == 2.0 and r["input_len"] == 1024)
+    assert r["ttft_ratio"] == pytest.approx(2.0) and r["tpot_ratio"] == pytest.approx(1.2)
+    out = tmp_path / "fig.png"
+    assert plot.main([str(tmp_path), "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = capsys.readouterr().out
+    assert "pull-background" in table and "2.000" in table and "1.200" in table
+
+
+def test_sweep_grid_defaults():
+    small = sweep.parse_args([])
+    assert len(sweep.grid(small)) == 16 and small.num_prompts <= 10  # 4 modes x 2 QPS x 2 inputs
+    full = sweep.parse_args(["--full"])
+    assert full.inputs[0] == 1024 and full.inputs[-1] == 16384 and full.qps == [1.0, 2.0, 4.0, 8.0]
+    assert sweep.MODES["pull-inline"] == ["--mode", "pull", "--pull-read", "inline"]
+
+
+def test_bench_against_router(tmp_path):
+    def script(g):
+        n = g.max_tokens
+        out = [(None, tokens(g, [65 + i])) for i in range(n - 1)]
+        out.append((None, tokens(g, [90], True, "length", (stage("scheduled"), stage("finished")))))
+        return out
+
+    async def body():
+        async with Harness(make_cfg(tmp_path, "local"), {"local": script}) as h:
+            prompts = bench.make_prompts(3, 16, 256, 0)
+            return await bench.run_load(h.router.url, prompts, [0.0] * 3, 4, warmup=prompts[:1], progress=False)
+
+    results, duration = asyncio.run(asyncio.wait_for(body(), 30))
+    assert all(r.success for r in results), [r.error for r in results]
+    assert [r.output_len for r in results] == [4, 4, 4]
+    assert all(len(r.itl) == 3 and r.ttft > 0 and r.latency >= r.ttft for r in results)
+    assert all("local.scheduled" in r.timeline and r.transfer_id for r in results)
+    s = bench.aggregate(results, duration, {"mode": "local"})
+    assert s["completed"] == 3 and "local.finished" in s["stages"]
+
+
+def test_busy_devices_need_cuda():
+    """The writers-only bench's --busy keeps GPUs computing: on the CPU it refuses, clearly."""
+    from tools import transfer_report
+    from tools.transfer_writers import devices_busy
+
+    with pytest.raises(ValueError, match="needs CUDA"):
+        with devices_busy(["cpu"]):
+            pass
+    with devices_busy([]):  # nothing to keep busy: a no-op
+        pass
+    with pytest.raises(SystemExit) as e:
+        transfer_report.main(["--writers-only", "--busy", "--device", "cpu"])
+    assert e.value.code == 2

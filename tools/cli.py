@@ -1,0 +1,86 @@
+"""``pushkv``: the one command. ``up``, ``status`` and ``stop`` run deployments
+(``processes/cli.py``); every other subcommand is a tool, imported only when asked for,
+so ``pushkv up`` loads no benchmark and ``pushkv plot`` loads no deployment code.
+
+    pushkv up --mode push --port 8000
+    pushkv bench --url http://127.0.0.1:8000 --qps 2
+    pushkv tap --breakdown
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Callable, Optional
+
+from pushkv import extras
+
+# name -> (module, its function taking argv, one line of help)
+TOOLS: dict[str, tuple[str, str, str]] = {
+    "demo": ("tools.demo", "main", "bring up P/D (push) on the built-in model, answer requests, print measurements"),
+    "bench": ("tools.bench", "main", "load generator for /v1/completions (Poisson arrivals, streaming)"),
+    "sweep": ("tools.sweep", "main", "modes x QPS x input lengths, one deployment per mode"),
+    "plot": ("tools.plot", "main", "TTFT and TPOT vs input length from a sweep's result dir"),
+    "stages": ("tools.stages", "main", "per result file: TTFT/TPOT medians and each stage's median"),
+    "tap": ("tools.trace.tap", "main", "attach to a running deployment's trace: live log, Perfetto, breakdown"),
+    "stream-bench": ("tools.stream_bench", "main", "lone requests per mode and prompt length, stage by stage"),
+    "chat-bench": ("tools.chat_bench", "main", "multi-turn conversations sharing one system prompt"),
+    "prefix-bench": ("tools.prefix_bench", "main", "lone chat turns: TTFT with the prefix cache on and off"),
+    "blocksec": ("tools.blocksec", "main", "push's cost in D memory against pull's, under one load"),
+    "link-bench": ("tools.link_bench", "cli", "serving over a capped link between two namespace hosts (root)"),
+    "transfer-report": ("tools.transfer_report", "main", "what one request's KV transfer costs"),
+    "layout-report": ("tools.layout_report", "main", "P/D layouts that differ, each run as a real deployment"),
+    "tcp-write-report": ("tools.tcp_write_report", "main", "NIXL WRITE over UCX TCP against a plain socket (root)"),
+    "sampling-bench": ("tools.sampling_bench", "main", "cost of sampling per step: batch x vocab x mix"),
+    "roofline": ("tools.roofline", "main", "the batched engine's steps against their hardware bounds (GPU)"),
+    "check-deploy": ("tools.check_deploy", "main", "offline checks of the Kubernetes manifests under deploy/"),
+    "vllm-proxy": ("pushkv.vllm.proxy", "main", "the router in front of vLLM instances with the pushkv connector"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The deployment commands' parser with every tool listed beside them (for help and errors;
+    a tool parses its own arguments)."""
+    from processes import cli as deployment
+
+    ap = deployment.build_parser()
+    ap.prog = "pushkv"
+    ap.epilog = "pushkv COMMAND --help: that command's options"
+    sub = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction))
+    sub.metavar = "COMMAND"
+    for name, (_, _, help) in TOOLS.items():
+        sub.add_parser(name, help=help, add_help=False)
+    return ap
+
+
+def tool(name: str) -> Callable[[list[str]], Optional[int]]:
+    module, function, _ = TOOLS[name]
+    return getattr(importlib.import_module(module), function)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in TOOLS:
+        sys.argv = [f"pushkv {argv[0]}", *argv[1:]]  # argparse names the tool in its usage line
+        try:
+            return tool(argv[0])(argv[1:]) or 0
+        except ModuleNotFoundError as e:  # an optional dependency, imported where the tool needs it
+            top = (e.name or "").split(".")[0]
+            if top not in extras.EXTRA_OF:
+                raise
+            print(extras.missing(top, f"pushkv {argv[0]}"), file=sys.stderr)
+            return 2
+    if not argv or argv[0] not in ("up", "status", "stop"):
+        build_parser().parse_args(argv)  # prints help, or names the unknown command, and exits
+    from processes import cli as deployment
+
+    return deployment.main(argv)
+
+
+def demo() -> int:
+    """Console script ``pushkv-demo`` (the README's first command): ``pushkv demo``."""
+    return main(["demo", *sys.argv[1:]])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
