@@ -147,12 +147,12 @@ def to_wire(lay: KVLayout, sums, units: Sequence[int], unit_tokens: int, num_tok
 def merge(parts: Sequence[Optional[KVChecksums]]) -> Optional[KVChecksums]:
     """One struct from every rank's (rows by global head, the first rank's row of a head that
     several ranks hold). None when no rank sent any."""
-    parts = [p for p in parts if p is not None]
-    if not parts:
+    present = [p for p in parts if p is not None]
+    if not present:
         return None
-    first = parts[0]
+    first = present[0]
     by_head: dict[int, bytes] = {}
-    for p in parts:
+    for p in present:
         if (p.unit_tokens, p.num_tokens, p.units) != (first.unit_tokens, first.num_tokens, first.units):
             raise ValueError("ranks' checksums cover different units")
         size = _row_bytes(p)
@@ -216,8 +216,8 @@ def verify(lay: KVLayout, expected: KVChecksums, sums) -> tuple[str, int]:
     per_head = sum(map(sum, keep))
     count = 0
     if heads and per_head:
-        exp = np.frombuffer(expected.sums, dtype="<i8").reshape(len(expected.heads), groups * n)
-        exp = exp[[at[h] for h in heads]].reshape(-1)
+        rows = np.frombuffer(expected.sums, dtype="<i8").reshape(len(expected.heads), groups * n)
+        exp = rows[[at[h] for h in heads]].reshape(-1)
         host = torch.from_numpy(np.concatenate([exp, np.asarray(keep, dtype=np.int64).reshape(-1)]))
         up = host.to(sums.device, non_blocking=True)  # the one copy up
         want = up[:exp.size].view(len(heads), groups, n)

@@ -31,8 +31,8 @@ has completed, so D's one notification means every byte has landed. With
 ``stream_groups`` > 1 (layer-streamed push) progress is per layer group: the worker
 marks each group of layers stored, a part moves each group's whole units not yet
 written (one span per group, merged when they agree; the last group's final marked unit
-waits for the last WRITE), and the last WRITE moves each group's rest. Marks that arrive after the prefill half are counted and dropped (the
-prefill half already covers them). A part that
+waits for the last WRITE), and the last WRITE moves each group's rest. Marks that arrive
+after the prefill half are counted and dropped (the prefill half already covers them). A part that
 fails fails the transfer; any failure while WRITEs are in flight drains them first
 (DRAINING counts them down), and a streamed transfer that ends before its prefill
 half frees (reports) the streamed blocks all the same, so the scheduler always
