@@ -158,6 +158,9 @@ class Generate(Msg):
     # prefill leg of a push deployment falling back to late allocation: hold the KV and answer
     # PrefillFinished.pull at once, as in pull mode; the router places D's leg afterwards
     late: bool = False
+    # decode leg with no source: D prefills the prompt itself, as a local instance (conditional
+    # disaggregation: nothing moves)
+    prefill_here: bool = False
 
 
 class Abort(Msg):
@@ -180,6 +183,7 @@ class TokensGenerated(Msg):
     timeline: tuple[tuple[str, float], ...] = ()  # (stage, wall time) on finish
     kv: Optional[KVTransferStats] = None  # D, on finish: the transfer D measured (pull: its READ)
     logprobs: tuple[TokenLogprob, ...] = ()  # when asked: one per token id (D omits P's first token's)
+    cached_tokens: int = 0  # on finish: prompt tokens this instance took from its prefix cache
 
 
 class PrefillFinished(Msg):
@@ -191,6 +195,7 @@ class PrefillFinished(Msg):
     pull: Optional[PullParams] = None
     timeline: tuple[tuple[str, float], ...] = ()
     kv: Optional[KVTransferStats] = None  # push: P's WRITE (bytes, descriptors, time, rendezvous order)
+    cached_tokens: int = 0  # prompt tokens P took from its prefix cache (not computed again)
 
 
 class RequestFailed(Msg):

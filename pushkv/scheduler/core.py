@@ -233,7 +233,7 @@ class SchedulerCore(Actor):
             return
         r = Request(msg.transfer_id, msg.generation, msg.leg, msg.prompt_token_ids, msg.max_tokens, identity,
                     frozenset(msg.stop_token_ids), msg.source, msg.pull, seq_id=self.next_seq,
-                    sampling=msg.sampling, late=msg.late)
+                    sampling=msg.sampling, late=msg.late, prefill_here=msg.prefill_here)
         self.next_seq += 1
         need = r.blocks_needed(self.inst.block_size)
         if need > self.alloc.num_blocks:
@@ -464,7 +464,7 @@ class SchedulerCore(Actor):
             self._stamp(r, "finished")
             self.counters["requests_completed"] += 1
             self._reply(r, m.TokensGenerated(r.transfer_id, r.generation, (tok,), True, reason, len(r.prompt),
-                                             self._timeline(r), self._kv_stats(r), lps))
+                                             self._timeline(r), self._kv_stats(r), lps, r.cached))
             self._release(r)
         else:
             r.state = State.RUNNING

@@ -61,6 +61,7 @@ class Request:
     rendezvous: str = ""  # P, push: which half arrived first (from the writers' KVSent)
     sampling: Optional[m.SamplingParams] = None  # None: greedy
     late: bool = False  # P, push deployment: hold the KV and answer with pull parameters
+    prefill_here: bool = False  # D: no KV comes; D prefills the prompt itself (conditional disaggregation)
     reserved_at: float = 0.0  # D: monotonic time its blocks were reserved
     reserved_block_s: float = 0.0  # D: blocks x seconds from reservation until the KV arrived
     prefilled: int = 0  # prompt tokens whose KV is in the pool (chunked prefill: grows chunk by chunk)
