@@ -1,4 +1,4 @@
-"""``pushkv`` command line: ``up`` a deployment, ``status``, ``stop``.
+"""``pushkv`` command line: ``up`` a deployment, ``status``, ``stop``, ``bench --workload chat``.
 
 ``up`` plans the deployment, runs the supervisor in this process and prints
 the router URL and ``READY`` on stdout once every child is ready (children's
@@ -152,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("id", nargs="?")
     sp.add_argument("--all", action="store_true", help="stop every running deployment")
     sp.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS")
+
+    bn = sub.add_parser("bench", help="benchmark a running deployment (--workload chat: multi-turn conversations)",
+                        add_help=False)
+    bn.add_argument("--workload", choices=("chat",), required=True)
     return ap
 
 
@@ -449,7 +453,13 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 def main(argv: Optional[list[str]] = None, *, child_argv: Optional[ArgvHook] = None) -> int:
     """Console script ``pushkv``. ``child_argv`` lets tests run fake children."""
-    args = build_parser().parse_args(argv)
+    args, rest = build_parser().parse_known_args(argv)
+    if args.cmd == "bench":  # the workload's own flags (its --help) follow
+        from tools import chat_bench
+
+        return chat_bench.main(rest)
+    if rest:
+        build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
     if args.cmd == "up":
         return cmd_up(args, child_argv)
     if args.cmd == "status":
