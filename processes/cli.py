@@ -1,4 +1,4 @@
-"""``pushkv`` command line: ``up`` a deployment, ``status``, ``stop``, ``bench --workload chat``.
+"""``pushkv`` command line: ``up`` a deployment, ``status``, ``stop``, ``bench --workload chat``, ``plan``.
 
 ``up`` plans the deployment, runs the supervisor in this process and prints
 the router URL and ``READY`` on stdout once every child is ready (children's
@@ -156,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     bn = sub.add_parser("bench", help="benchmark a running deployment (--workload chat: multi-turn conversations)",
                         add_help=False)
     bn.add_argument("--workload", choices=("chat",), required=True)
+    sub.add_parser("plan", help="predict TTFT and TPOT per mode and P:D ratio from a workload and a hardware "
+                                "profile (a simulation: starts nothing)", add_help=False)
     return ap
 
 
@@ -458,6 +460,10 @@ def main(argv: Optional[list[str]] = None, *, child_argv: Optional[ArgvHook] = N
         from tools import chat_bench
 
         return chat_bench.main(rest)
+    if args.cmd == "plan":  # its own flags (its --help) follow
+        from pushkv.plan import cli as plan_cli
+
+        return plan_cli.main(rest)
     if rest:
         build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
     if args.cmd == "up":

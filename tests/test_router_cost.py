@@ -85,12 +85,24 @@ SAMPLES = [
           decode_batch=2.0),
      [("prefill", (1.0, 300.0, 20.0), 200.0), ("handoff", (1.0, 2.0), 50.0),
       ("step", (1.0, 2.0, 2 * (320 + 4.5) / 1000), 50.0)]),
-    # D prefilled it itself: no handoff
+    # D prefilled it itself: no handoff, and no prefill sample (its step also ran D's decodes)
     ({"decode.prefill_start": T0, "decode.prefill_end": T0 + 0.1, "decode.first_token": T0 + 0.1,
       "decode.finished": T0 + 0.2},
      dict(prompt_tokens=64, output_tokens=2, prefill_leg="decode", cached_tokens=48, moved_blocks=0,
           decode_batch=0.5),
-     [("prefill", (1.0, 16.0, 48.0), 100.0), ("step", (1.0, 1.0, (64 + 1) / 1000), 100.0)]),
+     [("step", (1.0, 1.0, (64 + 1) / 1000), 100.0)]),
+    # D registered after P's prefill ended (D's queue): the handoff counts from the registration
+    ({"prefill.prefill_start": T0, "prefill.prefill_end": T0 + 0.2, "decode.registration_sent": T0 + 1.2,
+      "decode.kv_received": T0 + 1.23},
+     dict(prompt_tokens=320, output_tokens=1, prefill_leg="prefill", cached_tokens=0, moved_blocks=20,
+          decode_batch=1.0),
+     [("prefill", (1.0, 320.0, 0.0), 200.0), ("handoff", (1.0, 20.0), 30.0)]),
+    # pull: from D's READ post
+    ({"prefill.prefill_start": T0, "prefill.prefill_end": T0 + 0.2, "decode.read_posted": T0 + 0.21,
+      "decode.kv_received": T0 + 0.25},
+     dict(prompt_tokens=320, output_tokens=1, prefill_leg="prefill", cached_tokens=0, moved_blocks=20,
+          decode_batch=1.0),
+     [("prefill", (1.0, 320.0, 0.0), 200.0), ("handoff", (1.0, 20.0), 40.0)]),
     # a failed request: P's prefill only
     ({"prefill.prefill_start": T0, "prefill.prefill_end": T0 + 0.01},
      dict(prompt_tokens=10, output_tokens=0, prefill_leg="prefill", cached_tokens=0, moved_blocks=1,

@@ -399,5 +399,5 @@ def test_balancer_decode_local_accounts_on_d_only_and_learns():
     b.release(run)
     assert all(l.legs == l.committed == l.queued_tokens == 0 for l in b.loads.values())
     c = b.cost.costs
-    assert c.prefill_samples == 1 and c.step_samples == 1 and c.handoff_samples == 0
+    assert c.prefill_samples == 0 and c.step_samples == 1 and c.handoff_samples == 0  # D's prefill: P's price
     assert b.ask(ChatRun("y", range(64))).hits == {"d0": 48}  # D keeps prompt + answer: 63 of 64 are whole blocks

@@ -6,11 +6,13 @@ planner (``pushkv.plan``) reads the same ``Costs``.
 
 Three linear fits, each over a window of the latest samples:
 
-- **prefill** on an instance: ``ms = fixed + per_token * computed + per_cached * cached``
-  (from a leg's ``prefill_start`` .. ``prefill_end``; computed = prompt - prefix-cache hits);
-- **handoff** P -> D: ``ms = fixed + per_block * moved_blocks`` (P's ``prefill_end`` .. D's
-  ``kv_received``: the WRITE or READ and its rendezvous, what a request waits for between its
-  prefill and its first decode step);
+- **prefill**: ``ms = fixed + per_token * computed + per_cached * cached`` (P's
+  ``prefill_start`` .. ``prefill_end``; computed = prompt - prefix-cache hits). Only P's
+  prefills are samples: on D a prefill shares its step with D's decodes, whose time the step
+  fit prices; D's own prefill is priced at P's rate (the same hardware);
+- **handoff** P -> D: ``ms = fixed + per_block * moved_blocks`` (from the later of P's
+  ``prefill_end`` and D's registration or READ post, to D's ``kv_received``: the WRITE or READ
+  and its rendezvous; D's own queue for blocks is not the link's cost);
 - **decode step** on D: ``ms = fixed + per_seq * batch + per_kctx * batch * context / 1000``
   (a request's time per output token, the batch its D ran meanwhile and its mean context).
 
@@ -148,13 +150,16 @@ def samples(timeline: dict[str, float], prompt_tokens: int, output_tokens: int, 
     crossed P -> D (no handoff sample when none did); ``decode_batch``: the mean number of
     sequences D ran while this one decoded (the router's count of D's legs)."""
     out: list[Sample] = []
-    start, end = timeline.get(f"{prefill_leg}.prefill_start"), timeline.get(f"{prefill_leg}.prefill_end")
-    if start is not None and end is not None and end >= start:
+    start, end = timeline.get("prefill.prefill_start"), timeline.get("prefill.prefill_end")
+    if prefill_leg == "prefill" and start is not None and end is not None and end >= start:
         computed = max(prompt_tokens - cached_tokens, 0)
         out.append(Sample("prefill", (1.0, float(computed), float(cached_tokens)), (end - start) * 1e3))
     got = timeline.get("decode.kv_received")
-    if prefill_leg != "decode" and moved_blocks > 0 and end is not None and got is not None and got >= end:
-        out.append(Sample("handoff", (1.0, float(moved_blocks)), (got - end) * 1e3))
+    ready = timeline.get("decode.registration_sent", timeline.get("decode.read_posted"))
+    if prefill_leg != "decode" and moved_blocks > 0 and end is not None and got is not None:
+        begin = max(end, ready) if ready is not None else end
+        if got >= begin:
+            out.append(Sample("handoff", (1.0, float(moved_blocks)), (got - begin) * 1e3))
     first, last = timeline.get("decode.first_token"), timeline.get("decode.finished")
     if output_tokens > 1 and first is not None and last is not None and last > first:
         batch = max(decode_batch, 1.0)
