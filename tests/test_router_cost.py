@@ -123,3 +123,15 @@ def test_samples_from_a_timeline(timeline, kw, want):
     assert [s.fit for s in got] == [f for f, _, _ in want]
     for s, (_, x, ms) in zip(got, want):
         assert s.x == pytest.approx(x) and s.ms == pytest.approx(ms)
+
+
+def test_samples_use_what_the_steps_computed_when_the_instances_report_it():
+    tl = {"prefill.prefill_start": T0, "prefill.prefill_end": T0 + 0.3, "decode.kv_received": T0 + 0.31,
+          "decode.first_token": T0 + 0.31, "decode.finished": T0 + 0.71}
+    got = C.samples(tl, 100, 5, prefill_leg="prefill", cached_tokens=50, moved_blocks=4, decode_batch=9.0,
+                    prefill_work=(2, 600, 1500), decode_work=(4, 12, 6000, 200), prefill_ms_per_token=0.1)
+    pre, _, step = got
+    # two steps computed 600 tokens over 1,500 cached ones (other prompts shared them)
+    assert pre.x == (2.0, 600.0, 1500.0) and pre.ms == pytest.approx(300.0)
+    # 100 ms a token, less the 200 prefill tokens of its 4 steps at 0.1 ms (5 ms a step)
+    assert step.x == pytest.approx((1.0, 3.0, 1.5)) and step.ms == pytest.approx(95.0)

@@ -275,7 +275,9 @@ class Balancer:
         moved = 0 if h.local else P.blocks_for(len(run.prompt) - d_cached, p_bs)
         batch = (h.batch_at_first + self.loads[h.decode].legs) / 2 if h.decode else 1.0
         self.cost.add(C.samples(run.timeline, len(run.prompt), len(run.output_ids), prefill_leg=leg,
-                                cached_tokens=cached, moved_blocks=moved, decode_batch=batch))
+                                cached_tokens=cached, moved_blocks=moved, decode_batch=batch,
+                                prefill_work=getattr(run, "prefill_work", ()), decode_work=getattr(run, "decode_work", ()),
+                                prefill_ms_per_token=self.cost.costs.prefill_ms_per_token))
         if self.metrics is not None and self.prefix_cache:
             self.metrics.prefix_guess(leg, h.predicted, cached)
             if not h.local:

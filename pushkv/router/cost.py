@@ -6,15 +6,19 @@ planner (``pushkv.plan``) reads the same ``Costs``.
 
 Three linear fits, each over a window of the latest samples:
 
-- **prefill**: ``ms = fixed + per_token * computed + per_cached * cached`` (P's
-  ``prefill_start`` .. ``prefill_end``; computed = prompt - prefix-cache hits). Only P's
-  prefills are samples: on D a prefill shares its step with D's decodes, whose time the step
-  fit prices; D's own prefill is priced at P's rate (the same hardware);
+- **prefill**: ``ms = fixed * steps + per_token * computed + per_cached * cached`` (P's
+  ``prefill_start`` .. ``prefill_end``). The regressors are what the steps that computed the
+  prompt computed in all (P reports them: a step may prefill several prompts, and each of them
+  waits for all), else the prompt's own uncached and cached tokens. Only P's prefills are
+  samples: on D a prefill shares its step with D's decodes, whose time the step fit prices;
+  D's own prefill is priced at P's rate (the same hardware);
 - **handoff** P -> D: ``ms = fixed + per_block * moved_blocks`` (from the later of P's
   ``prefill_end`` and D's registration or READ post, to D's ``kv_received``: the WRITE or READ
   and its rendezvous; D's own queue for blocks is not the link's cost);
 - **decode step** on D: ``ms = fixed + per_seq * batch + per_kctx * batch * context / 1000``
-  (a request's time per output token, the batch its D ran meanwhile and its mean context).
+  (a request's time per output token against the mean batch and context of the steps that
+  decoded it, as D reports them, less what the prompts D prefilled in those steps cost at the
+  prefill rate).
 
 A fit starts at its prior (``PRIORS``: CPU-sized values) and moves to the data as samples come:
 while a window holds fewer than ``ENOUGH`` samples the prior enters as ``PRIOR_WEIGHT``
@@ -142,18 +146,25 @@ class CostModel:
 
 
 def samples(timeline: dict[str, float], prompt_tokens: int, output_tokens: int, *, prefill_leg: str,
-            cached_tokens: int, moved_blocks: int, decode_batch: float) -> list[Sample]:
+            cached_tokens: int, moved_blocks: int, decode_batch: float, prefill_work: tuple = (),
+            decode_work: tuple = (), prefill_ms_per_token: float = 0.0) -> list[Sample]:
     """What one finished request's merged timeline (``<leg>.<stage>`` -> wall seconds) says.
 
     ``prefill_leg``: the leg that prefilled ("prefill", or "decode" when D prefilled it
     itself); ``cached_tokens``: that leg's prefix-cache hits; ``moved_blocks``: blocks that
-    crossed P -> D (no handoff sample when none did); ``decode_batch``: the mean number of
-    sequences D ran while this one decoded (the router's count of D's legs)."""
+    crossed P -> D (no handoff sample when none did); ``decode_batch``: the router's guess of
+    D's batch (its legs on D) when D did not report ``decode_work``; ``prefill_work``: P's
+    (steps, tokens computed, cached context) over the steps that computed the prompt;
+    ``decode_work``: D's (steps, sequences, context tokens, prefill tokens) over the steps that
+    decoded it; ``prefill_ms_per_token``: the rate those prefill tokens are taken out at."""
     out: list[Sample] = []
     start, end = timeline.get("prefill.prefill_start"), timeline.get("prefill.prefill_end")
     if prefill_leg == "prefill" and start is not None and end is not None and end >= start:
-        computed = max(prompt_tokens - cached_tokens, 0)
-        out.append(Sample("prefill", (1.0, float(computed), float(cached_tokens)), (end - start) * 1e3))
+        if prefill_work and prefill_work[0] > 0:
+            x = (float(prefill_work[0]), float(prefill_work[1]), float(prefill_work[2]))
+        else:
+            x = (1.0, float(max(prompt_tokens - cached_tokens, 0)), float(cached_tokens))
+        out.append(Sample("prefill", x, (end - start) * 1e3))
     got = timeline.get("decode.kv_received")
     ready = timeline.get("decode.registration_sent", timeline.get("decode.read_posted"))
     if prefill_leg != "decode" and moved_blocks > 0 and end is not None and got is not None:
@@ -162,7 +173,13 @@ def samples(timeline: dict[str, float], prompt_tokens: int, output_tokens: int, 
             out.append(Sample("handoff", (1.0, float(moved_blocks)), (got - begin) * 1e3))
     first, last = timeline.get("decode.first_token"), timeline.get("decode.finished")
     if output_tokens > 1 and first is not None and last is not None and last > first:
-        batch = max(decode_batch, 1.0)
-        context = prompt_tokens + output_tokens / 2.0
-        out.append(Sample("step", (1.0, batch, batch * context / 1000.0), (last - first) * 1e3 / (output_tokens - 1)))
+        ms = (last - first) * 1e3 / (output_tokens - 1)
+        if decode_work and decode_work[0] > 0:
+            steps, seqs, context, prefill_tokens = decode_work
+            batch, kctx = seqs / steps, context / steps / 1000.0
+            ms = max(ms - prefill_ms_per_token * prefill_tokens / steps, 0.0)
+        else:
+            batch = max(decode_batch, 1.0)
+            kctx = batch * (prompt_tokens + output_tokens / 2.0) / 1000.0
+        out.append(Sample("step", (1.0, batch, kctx), ms))
     return out

@@ -211,6 +211,8 @@ class RequestRun:
         self.output_ids: list[int] = []  # what D streamed (the balancer indexes D's prompt + answer)
         self.done = False  # D's last token came
         self.cached: dict[str, int] = {}  # leg -> prompt tokens its instance took from its prefix cache
+        self.prefill_work: tuple[int, int, int] = (0, 0, 0)  # P's steps for it: steps, tokens, context
+        self.decode_work: tuple[int, int, int, int] = (0, 0, 0, 0)  # D's: steps, seqs, context, prefill tokens
         self.hash_cache: dict[int, list[int]] = {}  # block size -> the prompt's block hashes (placement)
         self.path = cfg.mode  # push | late | pull | decode-local | local
 
@@ -371,6 +373,7 @@ class RequestRun:
                 self.mark("router.prefill_finished")
                 self.merge(role, msg.timeline)
                 self.cached[role] = msg.cached_tokens
+                self.prefill_work = (msg.prefill_steps, msg.prefill_step_tokens, msg.prefill_step_context)
                 if self.balancer is not None:
                     self.balancer.prefill_done(self)
                 if msg.kv is not None:
@@ -416,6 +419,8 @@ class RequestRun:
                     self.ended.add(role)
                     self.done = True
                     self.cached[role] = msg.cached_tokens
+                    self.decode_work = (msg.decode_steps, msg.decode_seqs, msg.decode_context,
+                                        msg.decode_prefill_tokens)
                     self.merge(role, msg.timeline)
                     if msg.kv is not None:
                         self.kv[role] = msg.kv

@@ -378,6 +378,7 @@ class SchedulerCore(Actor):
         self.step = batch
         self.step_answers = {}
         self.step_started = time.monotonic()
+        self._count_work(batch)
         for r, w in batch:
             r.in_step = True
             if w.start_pos == r.cached and r.state == State.PREFILL:
@@ -385,6 +386,29 @@ class SchedulerCore(Actor):
         cmd = m.ExecuteStep(self.step_id, tuple(w for _, w in batch), self._streaming(batch))
         for ch in self.workers:
             self.send(ch, cmd)
+
+    @staticmethod
+    def _count_work(batch) -> None:
+        """What this step computes, added to each of its requests (the router fits its costs on it)."""
+        pre_tokens = pre_ctx = seqs = ctx = 0
+        for r, w in batch:
+            if r.state == State.PREFILL:
+                pre_tokens += len(w.token_ids)
+                pre_ctx += w.start_pos
+            else:
+                seqs += 1
+                ctx += w.start_pos + 1
+        for r, w in batch:
+            if r.state == State.PREFILL:
+                r.prefill_work[0] += 1
+                r.prefill_work[1] += pre_tokens
+                r.prefill_work[2] += pre_ctx
+            else:
+                dw = r.decode_work
+                dw[0] += 1
+                dw[1] += seqs
+                dw[2] += ctx
+                dw[3] += pre_tokens
 
     # -- from the workers ----------------------------------------------------------------
     def on_StepDone(self, msg: m.StepDone) -> None:
@@ -464,7 +488,8 @@ class SchedulerCore(Actor):
             self._stamp(r, "finished")
             self.counters["requests_completed"] += 1
             self._reply(r, m.TokensGenerated(r.transfer_id, r.generation, (tok,), True, reason, len(r.prompt),
-                                             self._timeline(r), self._kv_stats(r), lps, r.cached))
+                                             self._timeline(r), self._kv_stats(r), lps, r.cached,
+                                             *r.decode_work))
             self._release(r)
         else:
             r.state = State.RUNNING
