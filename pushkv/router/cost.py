@@ -30,11 +30,13 @@ with someone else's prefill). Coefficients never go below zero.
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-import numpy as np
+# numpy is imported where a fit runs, not at import: the router (and every test deployment) starts
+# without paying for it
 
 WINDOW = 256  # samples per fit
 PRIOR_WEIGHT = 2.0  # pseudo-samples the prior is worth while a window is short
@@ -90,11 +92,12 @@ class Sample:
     ms: float
 
 
-def fit_linear(xs: np.ndarray, ys: np.ndarray, prior: np.ndarray, scale: np.ndarray,
-               outlier_mads: float = OUTLIER_MADS) -> np.ndarray:
+def fit_linear(xs, ys, prior, scale, outlier_mads: float = OUTLIER_MADS):
     """Least squares with the prior as pseudo-samples (ridge toward ``prior``), one pass of
-    outlier removal, coefficients clipped at zero."""
-    def solve(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    outlier removal, coefficients clipped at zero (numpy arrays in and out)."""
+    import numpy as np
+
+    def solve(x, y):
         prior_weight = PRIOR_WEIGHT if len(y) < ENOUGH else RIDGE
         # a pseudo-sample per parameter: regressor = its typical size, target = prior's share
         px = np.diag(scale) * np.sqrt(prior_weight)
@@ -124,7 +127,7 @@ class CostModel:
 
     def add(self, samples) -> None:
         for s in samples:
-            if s.fit not in self.windows or not np.isfinite(s.ms) or s.ms < 0:
+            if s.fit not in self.windows or not math.isfinite(s.ms) or s.ms < 0:
                 continue
             self.windows[s.fit].append(s)
             self.seen[s.fit] += 1
@@ -133,6 +136,8 @@ class CostModel:
     @property
     def costs(self) -> Costs:
         if self._costs is None:
+            import numpy as np
+
             values: dict[str, float] = {}
             for fit, (names, prior, scale) in PRIORS.items():
                 w = self.windows[fit]
