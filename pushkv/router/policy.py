@@ -16,9 +16,10 @@ P is the live prefill instance that would finish the prefill first: its queued
 prefill tokens plus what of this prompt it lacks (``Ask.hits``: the prompt tokens
 the router's prefix index says each instance holds), priced by the cost model. D
 is the live decode instance that can hold the whole request (prompt +
-``max_tokens``: a D never preempts) and holds the most of its prompt, then the
-one with the most free blocks left, then the fewest running. A D leg is never
-sent to a D that cannot hold it.
+``max_tokens``: a D never preempts) where it costs least: the handoff of what of
+the prompt D lacks, plus its decode in a batch one larger and the delay it adds to
+D's running sequences (``decode_cost_ms``); then the one with the most free
+blocks left. A D leg is never sent to a D that cannot hold it.
 
 Conditional disaggregation (``choose_path``): with P and D chosen, D prefills the
 request itself when that costs less, in ms of the cost model, than P's prefill
@@ -111,14 +112,26 @@ def decode_need(load: Load, tokens: int) -> int:
     return blocks_for(tokens, load.block_size)
 
 
+def decode_cost_ms(load: Load, tokens: int, ask: Ask) -> float:
+    """What serving the request on ``load`` costs, priced: the handoff of the blocks it lacks, and
+    its decode there (``tokens - prompt`` steps of a batch one larger) plus the delay it adds to the
+    sequences already there (each step of theirs one sequence larger while it runs)."""
+    c = ask.costs
+    n = ask.prompt_tokens
+    hit = min(ask.hits.get(load.engine_id, 0), n)
+    out = max(tokens - n, 1)
+    grow = c.step_ms(load.legs + 1, tokens) - c.step_ms(load.legs, tokens)
+    return c.handoff_ms(blocks_for(n - hit, load.block_size)) + out * (c.step_ms(load.legs + 1, tokens) + load.legs * grow)
+
+
 def pick_decode(loads: Iterable[Load], tokens: int, ask: Ask = NO_ASK) -> Optional[Load]:
-    """The live D that can hold ``tokens`` (prompt + max_tokens) now and holds the most of the
-    prompt (fewest blocks to move), then with the most free blocks left (then fewest legs, then
-    the least recently chosen, then index); None when none can."""
+    """The live D that can hold ``tokens`` (prompt + max_tokens) now at the lowest
+    ``decode_cost_ms`` (with no hits anywhere: the fewest running), then with the most free
+    blocks left, then the least recently chosen, then index; None when none can."""
     fits = [l for l in live(loads, "decode") if l.free >= decode_need(l, tokens)]
     if not fits:
         return None
-    return min(fits, key=lambda l: (-ask.hits.get(l.engine_id, 0), -(l.free - decode_need(l, tokens)), l.legs,
+    return min(fits, key=lambda l: (decode_cost_ms(l, tokens, ask), -(l.free - decode_need(l, tokens)), l.legs,
                                     l.last_pick, l.order))
 
 
