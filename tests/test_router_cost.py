@@ -135,3 +135,11 @@ def test_samples_use_what_the_steps_computed_when_the_instances_report_it():
     assert pre.x == (2.0, 600.0, 1500.0) and pre.ms == pytest.approx(300.0)
     # 100 ms a token, less the 200 prefill tokens of its 4 steps at 0.1 ms (5 ms a step)
     assert step.x == pytest.approx((1.0, 3.0, 1.5)) and step.ms == pytest.approx(95.0)
+
+
+def test_pushkv_status_prints_the_cost_model_on_one_line():
+    from processes.cli import format_costs
+
+    line = format_costs(C.Costs(prefill_samples=3).as_dict())
+    assert line.startswith("cost model: prefill 5.00 + 1.0000/token") and "(3 samples)" in line
+    assert "\n" not in line and "decode step 20.00" in line
