@@ -335,10 +335,10 @@ def test_choose_path(p_queue, d_legs, d_queued, prompt, hits, costs, want):
     d = P.Load("d0", "decode", num_blocks=1000, legs=d_legs, queued_tokens=d_queued)
     a = ask(prompt, hits, conditional=True, **costs)
     assert P.choose_path(p, d, a) is want, P.path_costs(p, d, a, p.block_size)
-    assert P.choose_path(p, d, msgspec_replace(a, conditional=False)) is False  # off: always split
+    assert P.choose_path(p, d, replace_ask(a, conditional=False)) is False  # off: always split
 
 
-def msgspec_replace(a, **kw):
+def replace_ask(a, **kw):
     import dataclasses
     return dataclasses.replace(a, **kw)
 
