@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--push-pin-fraction", type=float, metavar="F",
                    help="push: at most this fraction of a D's blocks reserved early and still waiting for KV; "
                         "past it a request falls back to late allocation (D allocates after P)")
+    r.add_argument("--conditional-disagg", action="store_true",
+                   help="per request, D may prefill it itself (no KV moves) when the router's cost model, "
+                        "learned from this deployment's timings, prices that below P's prefill and the handoff")
     up.add_argument("--trace", nargs="?", const=TRACE_AUTO, metavar="ENDPOINT",
                     help="every process mirrors what it sends and receives; taps (pushkv tap) attach at "
                          "ENDPOINT (default: an ipc socket in the run dir, found through the registry)")
@@ -205,6 +208,7 @@ def config_from_args(args: argparse.Namespace) -> DeploymentConfig:
         decode_instances=args.decode_instances, router_queue=args.router_queue,
         push_pin_fraction=args.push_pin_fraction, writer_warm=args.writer_warm,
         writer_post_thread=args.writer_post_thread,
+        conditional_disagg=True if args.conditional_disagg else None,
         served_model_name=tuple(args.served_model_name) if args.served_model_name else None,
         trace_endpoint=TRACE_AUTO if args.trace else None,
         trace_tap_endpoint=args.trace if args.trace not in (None, TRACE_AUTO) else None,
@@ -318,8 +322,11 @@ def cmd_status(args: argparse.Namespace) -> int:
                 reply = c.ask(rec.control_endpoint, "status", timeout_s=ASK_TIMEOUT_S)
                 entry["state"] = reply.info.get("phase", "?") if reply.status == c.OK else "error"
                 entry["processes"] = [msgspec.structs.asdict(p) for p in reply.processes]
+                health = _router_health(rec.router_url)
                 entry["instances"] = instance_rows(reply.info.get("instances", "[]"), reply.processes,
-                                                   _router_view(rec.router_url))
+                                                   _router_view(health))
+                if health.get("costs"):
+                    entry["costs"] = health["costs"]
                 if reply.status != c.OK:
                     entry["error"], rc = reply.reason, 1
             except TimeoutError as e:
@@ -348,11 +355,22 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"  {i['name']:<10} {i['engine_id']:<28} {i['device']:<8} {i['state']:<10} {i['procs']:>5} "
                   f"{i['restarts']:>8} {i.get('legs', '-'):>5} {queued:>10} "
                   f"{blocks:>16}")
+        if e.get("costs"):
+            print("  " + format_costs(e["costs"]))
     return rc
 
 
-def _router_view(url: str) -> dict[str, dict]:
-    """The router's own accounting per instance (its /health), by engine id; {} if unreachable."""
+def format_costs(c: dict) -> str:
+    """The router's cost model on one line (ms), with the samples behind each fit."""
+    return (f"cost model: prefill {c['prefill_ms_fixed']:.2f} + {c['prefill_ms_per_token']:.4f}/token + "
+            f"{c['prefill_ms_per_cached_token']:.5f}/cached token ({c['prefill_samples']} samples); "
+            f"handoff {c['handoff_ms_fixed']:.2f} + {c['handoff_ms_per_block']:.4f}/block ({c['handoff_samples']}); "
+            f"decode step {c['step_ms_fixed']:.2f} + {c['step_ms_per_seq']:.3f}/seq + "
+            f"{c['step_ms_per_kctx']:.4f}/seq x 1k context ({c['step_samples']})")
+
+
+def _router_health(url: str) -> dict:
+    """The router's /health body; {} if unreachable."""
     import urllib.request
 
     try:
@@ -360,7 +378,14 @@ def _router_view(url: str) -> dict[str, dict]:
             body = json.loads(r.read())
     except (OSError, ValueError):
         return {}
-    return {i["engine_id"]: i for i in body.get("instances", ()) if isinstance(i, dict) and "engine_id" in i}
+    return body if isinstance(body, dict) else {}
+
+
+def _router_view(health) -> dict[str, dict]:
+    """The router's own accounting per instance (its /health: the body, or the router's URL), by engine id."""
+    if isinstance(health, str):
+        health = _router_health(health)
+    return {i["engine_id"]: i for i in health.get("instances", ()) if isinstance(i, dict) and "engine_id" in i}
 
 
 def instance_rows(instances_json: str, processes, router: dict[str, dict]) -> list[dict]:

@@ -236,6 +236,9 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
     # push: D blocks reserved and still waiting for their KV may take at most this fraction of a
     # D instance's pool; a request past it falls back to late allocation (D allocates after P)
     push_pin_fraction: float = 0.5
+    # conditional disaggregation: per request the router may have D prefill it itself (nothing
+    # moves) when the cost model, learned from this deployment's own timings, says that is cheaper
+    conditional_disagg: bool = False
     # Several hosts (``pushkv up --role``): the part this host runs: "" = everything (one host),
     # "router", "prefill" or "decode" (that role's instances only, found by the router through
     # ``registry``). Every host is given the same model and geometry.

@@ -160,6 +160,9 @@ class Generate(Msg):
     # prefill leg of a push deployment falling back to late allocation: hold the KV and answer
     # PrefillFinished.pull at once, as in pull mode; the router places D's leg afterwards
     late: bool = False
+    # decode leg with no source: D prefills the prompt itself, as a local instance (conditional
+    # disaggregation: nothing moves)
+    prefill_here: bool = False
 
 
 class Abort(Msg):
@@ -182,6 +185,13 @@ class TokensGenerated(Msg):
     timeline: tuple[tuple[str, float], ...] = ()  # (stage, wall time) on finish
     kv: Optional[KVTransferStats] = None  # D, on finish: the transfer D measured (pull: its READ)
     logprobs: tuple[TokenLogprob, ...] = ()  # when asked: one per token id (D omits P's first token's)
+    cached_tokens: int = 0  # on finish: prompt tokens this instance took from its prefix cache
+    # on finish, summed over the steps that decoded it (the router's cost model): steps, sequences
+    # decoded in them, their context tokens, and prompt tokens other requests prefilled in them
+    decode_steps: int = 0
+    decode_seqs: int = 0
+    decode_context: int = 0
+    decode_prefill_tokens: int = 0
 
 
 class PrefillFinished(Msg):
@@ -193,6 +203,12 @@ class PrefillFinished(Msg):
     pull: Optional[PullParams] = None
     timeline: tuple[tuple[str, float], ...] = ()
     kv: Optional[KVTransferStats] = None  # push: P's WRITE (bytes, descriptors, time, rendezvous order)
+    cached_tokens: int = 0  # prompt tokens P took from its prefix cache (not computed again)
+    # summed over the steps that computed its prompt (the router's cost model): the steps, the
+    # prompt tokens every request of those steps computed, and the cached context they attended
+    prefill_steps: int = 0
+    prefill_step_tokens: int = 0
+    prefill_step_context: int = 0
 
 
 class RequestFailed(Msg):

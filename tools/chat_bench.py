@@ -123,12 +123,16 @@ def format_rows(rows: list[dict]) -> str:
 
 
 def request_path(ext: dict) -> str:
-    """Which legs served it: ``prefill->decode`` (P/D, with the transfer's kind), or the one leg."""
+    """Which legs served it: ``P->D push|late|pull`` (with the stream kind), ``D only`` (D
+    prefilled it itself: conditional disaggregation), or the one leg."""
     inst = ext.get("instances") or {}
     legs = sorted(inst)
+    path = ext.get("path", "")
+    if path == "decode-local":
+        return "D only"
     if "prefill" in legs and "decode" in legs:
         kv = (ext.get("kv") or {}).get("prefill") or {}
-        how = "pull" if ext.get("allocation") == "late" else "push"
+        how = path if path in ("push", "late", "pull") else ("pull" if ext.get("allocation") == "late" else "push")
         return f"P->D {how}" + (f" ({kv['stream']})" if kv.get("stream") else "")
     return "+".join(legs) or "?"
 

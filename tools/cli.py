@@ -18,7 +18,8 @@ from pushkv import extras
 # name -> (module, its function taking argv, one line of help)
 TOOLS: dict[str, tuple[str, str, str]] = {
     "demo": ("tools.demo", "main", "bring up P/D (push) on the built-in model, answer requests, print measurements"),
-    "bench": ("tools.bench", "main", "load generator for /v1/completions (Poisson arrivals, streaming)"),
+    "bench": ("tools.cli", "bench", "load generator for /v1/completions (Poisson arrivals, streaming); "
+              "--workload chat: multi-turn conversations sharing a system prompt"),
     "sweep": ("tools.sweep", "main", "modes x QPS x input lengths, one deployment per mode"),
     "plot": ("tools.plot", "main", "TTFT and TPOT vs input length from a sweep's result dir"),
     "stages": ("tools.stages", "main", "per result file: TTFT/TPOT medians and each stage's median"),
@@ -35,7 +36,27 @@ TOOLS: dict[str, tuple[str, str, str]] = {
     "roofline": ("tools.roofline", "main", "the batched engine's steps against their hardware bounds (GPU)"),
     "check-deploy": ("tools.check_deploy", "main", "offline checks of the Kubernetes manifests under deploy/"),
     "vllm-proxy": ("pushkv.vllm.proxy", "main", "the router in front of vLLM instances with the pushkv connector"),
+    "plan": ("pushkv.plan.cli", "main", "predict TTFT and TPOT per mode and P:D ratio from a workload and a hardware "
+             "profile (a simulation: starts nothing)"),
 }
+
+
+def bench(argv: list[str]) -> Optional[int]:
+    """``pushkv bench``: the open-loop load generator, or with ``--workload chat`` the chat
+    workload (tools/chat_bench.py, whose own flags follow)."""
+    rest = list(argv)
+    for i, a in enumerate(rest):
+        if a == "--workload" or a.startswith("--workload="):
+            value = a.split("=", 1)[1] if "=" in a else (rest[i + 1] if i + 1 < len(rest) else "")
+            if value != "chat":
+                raise SystemExit(f"pushkv bench: --workload {value!r}: the one workload is 'chat'")
+            del rest[i:i + (1 if "=" in a else 2)]
+            from tools import chat_bench
+
+            return chat_bench.main(rest)
+    from tools import bench as open_loop
+
+    return open_loop.main(rest)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,17 +7,25 @@ the request (``request``) and, for a late request whose prefill is done, its D
 leg (``request_decode``); what cannot be placed now waits here, FIFO, and is
 handed to its run as a ``Placed`` / ``DecodePlaced`` message on the run's queue
 once room appears (``drain``, after every release and every instance change).
+
+It also keeps what placement learns as requests run: the approximate prefix index
+(``prefix_index``: P holds a prompt once its prefill finished, D the prompt and
+answer once the request ended) and the cost model (``cost``: every request that
+ended well is a sample of its timeline).
 """
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
 from pushkv import messages as m
 from pushkv.discovery.records import InstanceRecord
+from pushkv.router import cost as C
 from pushkv.router import policy as P
+from pushkv.router.prefix_index import PrefixIndex, hashes, usable_hit_tokens
 
 
 class RequestRun(Protocol):
@@ -25,6 +33,11 @@ class RequestRun(Protocol):
 
     transfer_id: str
     prompt: tuple[int, ...]
+    output_ids: list[int]  # tokens streamed so far
+    done: bool  # D's last token came (the request ended well)
+    cached: dict[str, int]  # leg -> prompt tokens that leg's instance took from its prefix cache
+    timeline: dict[str, float]  # <leg>.<stage> -> wall seconds
+    hash_cache: dict[int, list[int]]  # block size -> the prompt's chained block hashes
 
     @property
     def decode_tokens(self) -> int: ...
@@ -68,14 +81,24 @@ class Held:
     decode_blocks: int = 0  # counted in D's committed
     pinned: int = 0  # counted in D's pinned (push: reserved early, KV not here yet)
     late: bool = False
+    local: bool = False  # D prefills it (DECODE_LOCAL)
+    local_tokens: int = 0  # D: still counted in D's queued_tokens (its own prefill)
+    predicted: int = 0  # prompt tokens the index said the prefilling instance holds
+    predicted_decode: int = 0  # ... and D (push and late: what need not move)
+    batch_at_first: int = 0  # D's legs when its first token came
 
 
 class Balancer:
-    def __init__(self, mode: str, pin_fraction: float, queue_bound: int, metrics=None):
+    def __init__(self, mode: str, pin_fraction: float, queue_bound: int, metrics=None, prefix_cache: bool = False,
+                 conditional: bool = False):
         self.mode = mode
         self.pin_fraction = pin_fraction
         self.queue_bound = queue_bound
         self.metrics = metrics
+        self.prefix_cache = prefix_cache  # the instances cache prefixes: the index is worth keeping
+        self.conditional = conditional
+        self.index = PrefixIndex()
+        self.cost = C.CostModel()
         self.loads: dict[str, P.Load] = {}
         self.links: dict[str, "SchedulerLink"] = {}
         self.records: dict[str, InstanceRecord] = {}
@@ -108,6 +131,7 @@ class Balancer:
         load = self.loads.get(engine_id)
         if load is not None:
             load.up = False
+            self.index.forget(engine_id)  # back, it starts with an empty cache
         return load
 
     def source(self, engine_id: str) -> m.PrefillSource:
@@ -122,10 +146,29 @@ class Balancer:
         return len(self.queue) + len(self.decode_queue)
 
     # -- placing requests ------------------------------------------------------------------
+    def _hits(self, run: "RequestRun") -> dict[str, int]:
+        """Per live instance: the prompt tokens it would take from its cache, as the index guesses."""
+        if not self.prefix_cache or not len(self.index):
+            return {}
+        p_sizes = {l.block_size for l in self.loads.values() if l.role == "prefill" and l.up} or {1}
+        out = {}
+        for e, l in self.loads.items():
+            if not l.up or not l.block_size:
+                continue
+            unit = l.block_size if l.role == "prefill" else math.lcm(l.block_size, *p_sizes)
+            blocks = self.index.overlap(e, hashes(run.prompt, l.block_size, run.hash_cache))
+            if blocks:
+                out[e] = usable_hit_tokens(blocks, len(run.prompt), l.block_size, unit)
+        return out
+
+    def ask(self, run: "RequestRun") -> P.Ask:
+        return P.Ask(len(run.prompt), self._hits(run), self.cost.costs, self.conditional)
+
     def request(self, run: "RequestRun") -> Optional[P.Verdict]:
         """Place a new request now (its verdict), or queue it (None); Refused past the bound."""
+        ask = self.ask(run)
         v = P.place(list(self.loads.values()), run.decode_tokens, mode=self.mode,
-                    pin_fraction=self.pin_fraction, waiting=self.waiting, queue_bound=self.queue_bound)
+                    pin_fraction=self.pin_fraction, waiting=self.waiting, queue_bound=self.queue_bound, ask=ask)
         if v.kind == P.REFUSE:
             if self.metrics is not None:
                 self.metrics.refused.labels(status=str(v.status)).inc()
@@ -136,12 +179,26 @@ class Balancer:
                 self.metrics.queued.inc()
             log.debug("queued transfer_id=%s: %s (%d waiting)", run.transfer_id, v.reason, self.waiting)
             return None
-        self._commit(run, v)
+        self._commit(run, v, ask)
         return v
 
-    def _commit(self, run: "RequestRun", v: P.Verdict) -> None:
+    def _commit(self, run: "RequestRun", v: P.Verdict, ask: Optional[P.Ask] = None) -> None:
         h = self.held.setdefault(run.transfer_id, Held())
+        hits = ask.hits if ask is not None else {}
+        if self.metrics is not None:
+            self.metrics.paths.labels(path=v.kind).inc()
+        if v.kind == P.DECODE_LOCAL:
+            h.local = True
+            h.predicted = hits.get(v.decode, 0)
+            self._commit_decode(h, v.decode, run.decode_tokens, pin=False)
+            d = self.loads[v.decode]
+            h.local_tokens = len(run.prompt) - h.predicted
+            d.queued_tokens += h.local_tokens
+            return
         p = self.loads[v.prefill]
+        h.predicted = hits.get(v.prefill, 0)
+        if v.decode:
+            h.predicted_decode = hits.get(v.decode, 0)
         h.prefill, h.prefill_tokens = v.prefill, len(run.prompt)
         p.queued_tokens += h.prefill_tokens
         p.legs += 1
@@ -172,12 +229,17 @@ class Balancer:
 
     def request_decode(self, run: "RequestRun") -> Optional[str]:
         """A late request's prefill is done: the D to send its leg to, or None (it waits here)."""
-        d = P.pick_decode(self.loads.values(), run.decode_tokens) if not self.decode_queue else None
+        d = P.pick_decode(self.loads.values(), run.decode_tokens, self.ask(run)) if not self.decode_queue else None
         if d is None:
             self.decode_queue.append(run)
             return None
-        self._commit_decode(self.held.setdefault(run.transfer_id, Held()), d.engine_id, run.decode_tokens, pin=False)
+        self._commit_late_decode(run, d.engine_id)
         return d.engine_id
+
+    def _commit_late_decode(self, run: "RequestRun", engine_id: str) -> None:
+        h = self.held.setdefault(run.transfer_id, Held())
+        h.predicted_decode = self._hits(run).get(engine_id, 0)
+        self._commit_decode(h, engine_id, run.decode_tokens, pin=False)
 
     # -- what a run reports ------------------------------------------------------------------
     def prefill_done(self, run: "RequestRun") -> None:
@@ -185,13 +247,46 @@ class Balancer:
         if h is not None and h.prefill_tokens:
             self.loads[h.prefill].queued_tokens -= h.prefill_tokens
             h.prefill_tokens = 0
+        if h is not None and h.prefill and self.prefix_cache:  # P indexed the prompt's blocks as they were computed
+            p = self.loads[h.prefill]
+            self.index.record(h.prefill, hashes(run.prompt, p.block_size, run.hash_cache))
 
     def kv_arrived(self, run: "RequestRun") -> None:
+        """D's first token: its KV is there (or D computed it)."""
         h = self.held.get(run.transfer_id)
-        if h is not None and h.pinned:
+        if h is None:
+            return
+        if h.decode:
+            h.batch_at_first = self.loads[h.decode].legs
+        if h.local_tokens:
+            self.loads[h.decode].queued_tokens -= h.local_tokens
+            h.local_tokens = 0
+        if h.pinned:
             self.loads[h.decode].pinned -= h.pinned
             h.pinned = 0
             self.drain()
+
+    def _learn(self, run: "RequestRun", h: Held) -> None:
+        """A request ended well: what its instances now hold, and what its timeline says of costs."""
+        leg = "decode" if h.local else "prefill"
+        cached = run.cached.get(leg, 0)
+        d_cached = run.cached.get("decode", 0)
+        p_bs = self.loads[h.prefill].block_size if h.prefill else 1
+        moved = 0 if h.local else P.blocks_for(len(run.prompt) - d_cached, p_bs)
+        batch = (h.batch_at_first + self.loads[h.decode].legs) / 2 if h.decode else 1.0
+        self.cost.add(C.samples(run.timeline, len(run.prompt), len(run.output_ids), prefill_leg=leg,
+                                cached_tokens=cached, moved_blocks=moved, decode_batch=batch,
+                                prefill_work=getattr(run, "prefill_work", ()),
+                                decode_work=getattr(run, "decode_work", ()),
+                                prefill_ms_per_token=self.cost.costs.prefill_ms_per_token))
+        if self.metrics is not None and self.prefix_cache:
+            self.metrics.prefix_guess(leg, h.predicted, cached)
+            if not h.local:
+                self.metrics.prefix_guess("decode", h.predicted_decode, d_cached)
+        if self.prefix_cache and h.decode and run.output_ids:
+            d = self.loads[h.decode]  # D keeps prompt + answer (the last token's KV was never computed)
+            seq = tuple(run.prompt) + tuple(run.output_ids[:-1])
+            self.index.record(h.decode, hashes(seq, d.block_size, {}))
 
     def release(self, run: "RequestRun") -> None:
         """The run is over: give back everything it holds, and let waiting runs go."""
@@ -199,6 +294,8 @@ class Balancer:
             if run in q:
                 q.remove(run)
         h = self.held.pop(run.transfer_id, None)
+        if h is not None and getattr(run, "done", False):
+            self._learn(run, h)
         if h is not None:
             if h.prefill:
                 p = self.loads[h.prefill]
@@ -206,6 +303,7 @@ class Balancer:
                 p.legs -= 1
             if h.decode:
                 d = self.loads[h.decode]
+                d.queued_tokens -= h.local_tokens
                 d.committed -= h.decode_blocks
                 d.pinned -= h.pinned
                 d.legs -= 1
@@ -215,21 +313,21 @@ class Balancer:
         """Hand room that appeared to waiting runs: late D legs first (their P did the work)."""
         while self.decode_queue:
             run = self.decode_queue[0]
-            d = P.pick_decode(self.loads.values(), run.decode_tokens)
+            d = P.pick_decode(self.loads.values(), run.decode_tokens, self.ask(run))
             if d is None:
                 return
             self.decode_queue.popleft()
-            self._commit_decode(self.held.setdefault(run.transfer_id, Held()), d.engine_id, run.decode_tokens,
-                                pin=False)
+            self._commit_late_decode(run, d.engine_id)
             run.deliver("router", DecodePlaced(d.engine_id))
         while self.queue:
             run = self.queue[0]
+            ask = self.ask(run)
             v = P.place_waiting(list(self.loads.values()), run.decode_tokens, mode=self.mode,
-                                pin_fraction=self.pin_fraction)
-            if v.kind not in (P.PUSH, P.LATE):
+                                pin_fraction=self.pin_fraction, ask=ask)
+            if v.kind not in (P.PUSH, P.LATE, P.DECODE_LOCAL):
                 return  # no room yet (or no live instance: it may come back before the deadline)
             self.queue.popleft()
-            self._commit(run, v)
+            self._commit(run, v, ask)
             run.deliver("router", Placed(v))
 
     def holder(self, run: "RequestRun") -> Held:

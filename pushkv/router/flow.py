@@ -11,6 +11,8 @@ sends a request's legs and turns what comes back into ``Tokens`` /
   tokens from D; P answers ``PrefillFinished`` (informative).
 - pull, and push's late allocation: P leg first; P's ``PrefillFinished.pull`` is
   relayed in the D leg; tokens from D.
+- decode-local (conditional disaggregation): one D leg with ``prefill_here``; D
+  prefills and decodes, nothing moves.
 
 Which P and which D serve a request is the ``Balancer``'s choice (``balance.py``
 over the pure ``policy.py``); a request no D can hold waits there until one can.
@@ -206,6 +208,13 @@ class RequestRun:
         self.held: list[tuple[str, m.Msg]] = []  # D's tokens waiting for P's first logprob
         self.replay: list[tuple[str, m.Msg]] = []  # ... and released, read before the queue
         self.emitted = 0
+        self.output_ids: list[int] = []  # what D streamed (the balancer indexes D's prompt + answer)
+        self.done = False  # D's last token came
+        self.cached: dict[str, int] = {}  # leg -> prompt tokens its instance took from its prefix cache
+        self.prefill_work: tuple[int, int, int] = (0, 0, 0)  # P's steps for it: steps, tokens, context
+        self.decode_work: tuple[int, int, int, int] = (0, 0, 0, 0)  # D's: steps, seqs, context, prefill tokens
+        self.hash_cache: dict[int, list[int]] = {}  # block size -> the prompt's block hashes (placement)
+        self.path = cfg.mode  # push | late | pull | decode-local | local
 
     # -- inputs ---------------------------------------------------------
     def deliver(self, role: str, msg: m.Msg) -> None:
@@ -268,10 +277,17 @@ class RequestRun:
         self._dispatch(verdict)
 
     def _dispatch(self, v: P.Verdict) -> None:
+        if v.kind == P.DECODE_LOCAL:
+            self.path = v.kind
+            log.debug("decode-local transfer_id=%s: %s", self.transfer_id, v.reason)
+            self._assign("decode", v.decode)
+            self._send_leg("decode", self._generate("decode", max_tokens=self.max_tokens, prefill_here=True))
+            return
         self._assign("prefill", v.prefill)
         if v.kind == P.LATE:
             self.late = True
             if self.cfg.mode == "push":
+                self.path = "late"
                 self.mark("router.late_allocation")
                 log.info("late allocation transfer_id=%s: %s", self.transfer_id, v.reason)
             self._send_leg("prefill", self._generate("prefill", max_tokens=1, late=self.cfg.mode == "push"))
@@ -318,7 +334,7 @@ class RequestRun:
         finish_reason = ""
         while True:
             if finish_reason:
-                if self.cfg.mode != "push" or "prefill" in self.ended:
+                if self.cfg.mode != "push" or "prefill" not in self.sent or "prefill" in self.ended:
                     break
                 # push: D finished before P reported; wait briefly for P's timeline
                 deadline = min(deadline, time.monotonic() + PREFILL_REPORT_GRACE_S)
@@ -356,6 +372,8 @@ class RequestRun:
                 self.ended.add(role)
                 self.mark("router.prefill_finished")
                 self.merge(role, msg.timeline)
+                self.cached[role] = msg.cached_tokens
+                self.prefill_work = (msg.prefill_steps, msg.prefill_step_tokens, msg.prefill_step_context)
                 if self.balancer is not None:
                     self.balancer.prefill_done(self)
                 if msg.kv is not None:
@@ -391,6 +409,7 @@ class RequestRun:
                 if self._needs_first_logprob(msg):
                     msg = msgspec.structs.replace(msg, logprobs=(self.first_logprob,) + msg.logprobs)
                 self.emitted += len(msg.token_ids)
+                self.output_ids.extend(msg.token_ids)
                 if msg.token_ids and self.record.first_token is None:
                     self.mark("router.first_token")
                 if msg.token_ids:
@@ -398,6 +417,10 @@ class RequestRun:
                     yield Tokens(tuple(msg.token_ids), tuple(msg.logprobs))
                 if msg.finished:
                     self.ended.add(role)
+                    self.done = True
+                    self.cached[role] = msg.cached_tokens
+                    self.decode_work = (msg.decode_steps, msg.decode_seqs, msg.decode_context,
+                                        msg.decode_prefill_tokens)
                     self.merge(role, msg.timeline)
                     if msg.kv is not None:
                         self.kv[role] = msg.kv
@@ -409,7 +432,7 @@ class RequestRun:
         yield Finished(finish_reason)
 
     def _needs_first_logprob(self, msg: m.TokensGenerated) -> bool:
-        return (self.sampling is not None and self.sampling.logprobs >= 0 and self.cfg.mode != "local"
+        return (self.sampling is not None and self.sampling.logprobs >= 0 and "prefill" in self.sent
                 and self.emitted == 0 and bool(msg.token_ids) and len(msg.logprobs) < len(msg.token_ids))
 
     def close(self, reason: str) -> None:

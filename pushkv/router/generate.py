@@ -106,7 +106,10 @@ class Generation:
         return lp
 
     def _usage(self) -> dict:
-        return output.usage(len(self.params.prompt_token_ids), sum(len(o.token_ids) for o in self.outs))
+        run = self.runs[0]
+        leg = "prefill" if "prefill" in run.cached else next(iter(run.cached), "")
+        return output.usage(len(self.params.prompt_token_ids), sum(len(o.token_ids) for o in self.outs),
+                            run.cached.get(leg) if leg else None)
 
     def _extension(self) -> dict:
         run = self.runs[0]
@@ -114,6 +117,7 @@ class Generation:
                "timeline": dict(sorted(run.timeline.items(), key=lambda kv: kv[1]))}
         if run.engines:  # which instance served each leg
             ext["instances"] = dict(run.engines)
+        ext["path"] = run.path
         d = run.kv.get("decode")
         if d is not None and d.reserved_blocks:  # D blocks x seconds held before the KV arrived
             ext["reserved_block_s"] = d.reserved_block_s

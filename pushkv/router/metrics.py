@@ -125,6 +125,18 @@ class RouterMetrics:
         self.failed_by_instance_down = Counter(
             "pushkv_router_failed_by_instance_down", "Requests failed because an instance they had a leg on went down",
             ["role", "engine"], registry=r)
+        self.paths = Counter(
+            "pushkv_router_paths", "Requests placed, by path (push, late, decode-local)", ["path"], registry=r)
+        self.prefix_predicted = Counter(
+            "pushkv_router_prefix_predicted_tokens",
+            "Prompt tokens the router's prefix index said the instance holds, by the leg that took them",
+            ["role"], registry=r)
+        self.prefix_cached = Counter(
+            "pushkv_router_prefix_cached_tokens", "Prompt tokens the instance reported taken from its cache",
+            ["role"], registry=r)
+        self.prefix_guess_error = Counter(
+            "pushkv_router_prefix_guess_error_tokens",
+            "|predicted - cached| summed: how far the router's approximate index was off", ["role"], registry=r)
         self.instances = InstanceCollector()
         r.register(self.instances)
         self.balance = BalanceCollector()
@@ -133,6 +145,11 @@ class RouterMetrics:
     def instance_down(self, role: str, engine: str, reason: str, failed: int) -> None:
         self.instances_down.labels(role=role, engine=engine).inc()
         self.failed_by_instance_down.labels(role=role, engine=engine).inc(failed)
+
+    def prefix_guess(self, role: str, predicted: int, cached: int) -> None:
+        self.prefix_predicted.labels(role=role).inc(predicted)
+        self.prefix_cached.labels(role=role).inc(cached)
+        self.prefix_guess_error.labels(role=role).inc(abs(predicted - cached))
 
     def watch_balancer(self, balancer) -> None:
         self.balance.balancer = balancer
@@ -295,9 +312,13 @@ class BalanceCollector:
                 labels=labels),
         }
         depth = GaugeMetricFamily("pushkv_router_queue_depth", "Requests waiting at the router for a D")
+        costs = GaugeMetricFamily("pushkv_router_cost", "The cost model's fitted parameters (ms; *_samples: count)",
+                                  labels=["param"])
         b = self.balancer
         if b is not None:
             depth.add_metric([], b.waiting)
+            for name, value in b.cost.costs.as_dict().items():
+                costs.add_metric([name], value)
             for engine, load in sorted(b.loads.items()):
                 lv = [load.role, engine]
                 fams["up"].add_metric(lv, 1.0 if load.up else 0.0)
@@ -307,4 +328,4 @@ class BalanceCollector:
                 else:
                     fams["committed"].add_metric(lv, load.committed)
                     fams["pinned"].add_metric(lv, load.pinned)
-        yield from (depth, *fams.values())
+        yield from (depth, costs, *fams.values())

@@ -42,9 +42,14 @@ def sse(obj: Any) -> bytes:
 SSE_DONE = sse("[DONE]")
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: Optional[int] = None) -> dict:
+    """OpenAI's usage; ``cached_tokens``: the prompt tokens the prefilling instance took from its
+    prefix cache (``prompt_tokens_details``, as OpenAI and vLLM report it), when known."""
+    out: dict[str, object] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 class StopStrings:

@@ -6,15 +6,27 @@ holds or will hold), and asks:
 
 - ``place(...)`` at arrival: a ``Verdict``: **push** (both legs now; D reserves
   while P computes), **late** (P now, D's leg once P has finished: late
-  allocation, pull-style), **wait** (at the router, until a D can hold the
+  allocation, pull-style), **decode-local** (D prefills it itself: nothing moves;
+  only with ``conditional``), **wait** (at the router, until a D can hold the
   request), or **refuse** (HTTP status and a reason);
 - ``pick_decode(...)`` when a late request's prefill has finished: a D that can
   hold it now, or None (the D leg waits at the router).
 
-P is the live prefill instance with the fewest queued prefill tokens; D the live
-decode instance with the most free blocks that can hold the whole request
-(prompt + ``max_tokens``: a D never preempts), then the fewest running. A D leg
-is never sent to a D that cannot hold it.
+P is the live prefill instance that would finish the prefill first: its queued
+prefill tokens plus what of this prompt it lacks (``Ask.hits``: the prompt tokens
+the router's prefix index says each instance holds), priced by the cost model. D
+is the live decode instance that can hold the whole request (prompt +
+``max_tokens``: a D never preempts) where it costs least: the handoff of what of
+the prompt D lacks, plus its decode in a batch one larger and the delay it adds to
+D's running sequences (``decode_cost_ms``); then the one with the most free
+blocks left. A D leg is never sent to a D that cannot hold it.
+
+Conditional disaggregation (``choose_path``): with P and D chosen, D prefills the
+request itself when that costs less, in ms of the cost model, than P's prefill
+and the handoff: D's queued local prefills and one running step, plus its prefill
+of what D lacks, plus that prefill's delay to every sequence D is decoding
+(they wait for it), against P's queue, P's prefill of what P lacks and the handoff
+of the blocks D lacks. No fixed threshold: the prices are the deployment's own.
 
 Push pins D blocks while P computes. ``pin_fraction`` caps the blocks of one D
 reserved early and still waiting for their KV; a request past it (D short of
@@ -25,7 +37,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-PUSH, LATE, WAIT, REFUSE = "push", "late", "wait", "refuse"
+from pushkv.router.cost import Costs
+
+PUSH, LATE, WAIT, REFUSE, DECODE_LOCAL = "push", "late", "wait", "refuse", "decode-local"
 
 
 @dataclass
@@ -38,7 +52,7 @@ class Load:
     block_size: int = 16
     order: int = 0  # tie-break: the instance's index
     up: bool = True
-    queued_tokens: int = 0  # P: prompt tokens of legs sent whose prefill has not finished
+    queued_tokens: int = 0  # prompt tokens of legs sent whose prefill has not finished (D: its own prefills)
     legs: int = 0  # legs sent and not ended
     committed: int = 0  # D: blocks of legs sent and not ended (the D holds or will hold them)
     pinned: int = 0  # D: blocks reserved early (push) whose KV has not arrived yet
@@ -51,9 +65,9 @@ class Load:
 
 @dataclass
 class Verdict:
-    kind: str  # PUSH | LATE | WAIT | REFUSE
-    prefill: Optional[str] = None  # engine id
-    decode: Optional[str] = None  # engine id (PUSH only: LATE picks D after P)
+    kind: str  # PUSH | LATE | DECODE_LOCAL | WAIT | REFUSE
+    prefill: Optional[str] = None  # engine id (not DECODE_LOCAL)
+    decode: Optional[str] = None  # engine id (PUSH, DECODE_LOCAL: LATE picks D after P)
     status: int = 0  # REFUSE: the HTTP status
     reason: str = ""  # REFUSE, LATE, WAIT: why
     notes: dict = field(default_factory=dict)
@@ -67,32 +81,97 @@ def live(loads: Iterable[Load], role: str) -> list[Load]:
     return [l for l in loads if l.role == role and l.up]
 
 
-def pick_prefill(loads: Iterable[Load]) -> Optional[Load]:
-    """The live P with the fewest queued prefill tokens (then fewest legs, then the least
-    recently chosen, then index)."""
+@dataclass(frozen=True)
+class Ask:
+    """What placement knows of one request besides its size."""
+
+    prompt_tokens: int = 0
+    hits: dict = field(default_factory=dict)  # engine id -> prompt tokens it probably holds (usable hits)
+    costs: Costs = Costs()
+    conditional: bool = False  # may D prefill it itself (conditional disaggregation)?
+
+
+NO_ASK = Ask()
+
+
+def prefill_wait_ms(load: Load, ask: Ask) -> float:
+    """When ``load`` would finish this prompt's prefill: its queue, then what of the prompt it lacks."""
+    hit = min(ask.hits.get(load.engine_id, 0), ask.prompt_tokens)
+    c = ask.costs
+    return c.prefill_ms_per_token * load.queued_tokens + c.prefill_ms(ask.prompt_tokens - hit, hit)
+
+
+def pick_prefill(loads: Iterable[Load], ask: Ask = NO_ASK) -> Optional[Load]:
+    """The live P that would finish the prefill first (with no hits anywhere: the fewest queued
+    prefill tokens), then fewest legs, then the least recently chosen, then index."""
     ps = live(loads, "prefill")
-    return min(ps, key=lambda l: (l.queued_tokens, l.legs, l.last_pick, l.order)) if ps else None
+    return min(ps, key=lambda l: (prefill_wait_ms(l, ask), l.legs, l.last_pick, l.order)) if ps else None
 
 
 def decode_need(load: Load, tokens: int) -> int:
     return blocks_for(tokens, load.block_size)
 
 
-def pick_decode(loads: Iterable[Load], tokens: int) -> Optional[Load]:
-    """The live D that can hold ``tokens`` (prompt + max_tokens) now with the most free
-    blocks left (then fewest legs, then the least recently chosen, then index); None when
-    none can."""
+def decode_cost_ms(load: Load, tokens: int, ask: Ask) -> float:
+    """What serving the request on ``load`` costs, priced: the handoff of the blocks it lacks, and
+    its decode there (``tokens - prompt`` steps of a batch one larger) plus the delay it adds to the
+    sequences already there (each step of theirs one sequence larger while it runs)."""
+    c = ask.costs
+    n = ask.prompt_tokens
+    hit = min(ask.hits.get(load.engine_id, 0), n)
+    out = max(tokens - n, 1)
+    grow = c.step_ms(load.legs + 1, tokens) - c.step_ms(load.legs, tokens)
+    decode = out * (c.step_ms(load.legs + 1, tokens) + load.legs * grow)
+    return c.handoff_ms(blocks_for(n - hit, load.block_size)) + decode
+
+
+def pick_decode(loads: Iterable[Load], tokens: int, ask: Ask = NO_ASK) -> Optional[Load]:
+    """The live D that can hold ``tokens`` (prompt + max_tokens) now at the lowest
+    ``decode_cost_ms`` (with no hits anywhere: the fewest running), then with the most free
+    blocks left, then the least recently chosen, then index; None when none can."""
     fits = [l for l in live(loads, "decode") if l.free >= decode_need(l, tokens)]
     if not fits:
         return None
-    return min(fits, key=lambda l: (-(l.free - decode_need(l, tokens)), l.legs, l.last_pick, l.order))
+    return min(fits, key=lambda l: (decode_cost_ms(l, tokens, ask), -(l.free - decode_need(l, tokens)), l.legs,
+                                    l.last_pick, l.order))
+
+
+@dataclass(frozen=True)
+class PathCosts:
+    """Both ways of serving one request on a chosen P and D, in ms of the cost model."""
+
+    split_ms: float  # P's queue + P's prefill of what P lacks + the handoff of what D lacks (the TTFT)
+    local_ms: float  # D's queued prefills and a running step + D's prefill of what D lacks (the TTFT)
+    local_delay_ms: float  # what D's prefill adds to the sequences D decodes meanwhile (all of them)
+
+    @property
+    def local_wins(self) -> bool:
+        return self.local_ms + self.local_delay_ms < self.split_ms
+
+
+def path_costs(p: Load, d: Load, ask: Ask, p_block_size: int) -> PathCosts:
+    c = ask.costs
+    n = ask.prompt_tokens
+    d_hit = min(ask.hits.get(d.engine_id, 0), n)
+    moved = blocks_for(n - d_hit, p_block_size)
+    split = prefill_wait_ms(p, ask) + c.handoff_ms(moved)
+    running = d.legs  # sequences D holds: decoding now, or about to
+    d_prefill = c.prefill_ms(n - d_hit, d_hit)
+    step = c.step_ms(running, n) if running else 0.0
+    local = c.prefill_ms_per_token * d.queued_tokens + step + d_prefill
+    return PathCosts(split, local, running * d_prefill)
+
+
+def choose_path(p: Load, d: Load, ask: Ask) -> bool:
+    """True: D prefills the request itself (see the module's doc)."""
+    return ask.conditional and path_costs(p, d, ask, p.block_size).local_wins
 
 
 def place(loads: list[Load], tokens: int, *, mode: str, pin_fraction: float, waiting: int,
-          queue_bound: int) -> Verdict:
+          queue_bound: int, ask: Ask = NO_ASK) -> Verdict:
     """A new request of ``tokens`` (prompt + max_tokens) with ``waiting`` requests already
     queued at the router (they go first: FIFO)."""
-    p = pick_prefill(loads)
+    p = pick_prefill(loads, ask)
     ds = live(loads, "decode")
     if p is None or not ds:
         missing = "prefill" if p is None else "decode"
@@ -102,13 +181,18 @@ def place(loads: list[Load], tokens: int, *, mode: str, pin_fraction: float, wai
     if need > biggest.num_blocks:
         return Verdict(REFUSE, status=413,
                        reason=f"request needs {need} KV blocks; the decode pool has {biggest.num_blocks}")
-    d = pick_decode(loads, tokens) if waiting == 0 else None
+    d = pick_decode(loads, tokens, ask) if waiting == 0 else None
     if d is None:
         if waiting >= queue_bound:
             return Verdict(REFUSE, status=429,
                            reason=f"router queue full: {waiting} request(s) waiting for decode blocks "
                                   f"(bound {queue_bound})")
         return Verdict(WAIT, reason="no decode instance can hold the request now")
+    if choose_path(p, d, ask):
+        pc = path_costs(p, d, ask, p.block_size)
+        return Verdict(DECODE_LOCAL, decode=d.engine_id,
+                       reason=f"D prefills: {pc.local_ms:.1f} + {pc.local_delay_ms:.1f} ms against "
+                              f"{pc.split_ms:.1f} ms on P and the handoff")
     if mode != "push":
         return Verdict(LATE, prefill=p.engine_id, reason="pull")
     if d.pinned + decode_need(d, tokens) > pin_fraction * d.num_blocks:
@@ -117,7 +201,7 @@ def place(loads: list[Load], tokens: int, *, mode: str, pin_fraction: float, wai
     return Verdict(PUSH, prefill=p.engine_id, decode=d.engine_id)
 
 
-def place_waiting(loads: list[Load], tokens: int, *, mode: str, pin_fraction: float) -> Verdict:
+def place_waiting(loads: list[Load], tokens: int, *, mode: str, pin_fraction: float, ask: Ask = NO_ASK) -> Verdict:
     """The head of the router's queue, when room may have appeared: as ``place`` with an
     empty queue, but never refused for the queue (it is in it)."""
-    return place(loads, tokens, mode=mode, pin_fraction=pin_fraction, waiting=0, queue_bound=1)
+    return place(loads, tokens, mode=mode, pin_fraction=pin_fraction, waiting=0, queue_bound=1, ask=ask)

@@ -59,7 +59,9 @@ class Router:
         self.served = cfg.served_names()  # what a request's "model" may name
         self.metrics = RouterMetrics(cfg.mode)
         self.security = security.load(cfg.secret_file)  # CURVE to tcp:// schedulers
-        self.balancer = Balancer(cfg.mode, cfg.push_pin_fraction, cfg.router_queue, self.metrics)
+        caching = any(i.prefix_cache for i in cfg.role_instances("prefill") + cfg.role_instances("decode"))
+        self.balancer = Balancer(cfg.mode, cfg.push_pin_fraction, cfg.router_queue, self.metrics,
+                                 prefix_cache=caching, conditional=cfg.conditional_disagg)
         self.metrics.watch_balancer(self.balancer)
         self.ctx: Optional[zmq.asyncio.Context] = None
         self.local_link: Optional[SchedulerLink] = None
@@ -279,7 +281,9 @@ class Router:
                 "instances": [{"engine_id": e, "role": l.role, "up": l.up, "legs": l.legs,
                                "queued_prefill_tokens": l.queued_tokens, "blocks_committed": l.committed,
                                "blocks_pinned": l.pinned, "num_blocks": l.num_blocks}
-                              for e, l in sorted(self.balancer.loads.items())]}
+                              for e, l in sorted(self.balancer.loads.items())],
+                "conditional_disagg": self.cfg.conditional_disagg,
+                "costs": self.balancer.cost.costs.as_dict() if self.local_link is None else {}}
         return web.json_response(body, status=200 if ok else 503)
 
     async def handle_metrics(self, request: web.Request) -> web.Response:

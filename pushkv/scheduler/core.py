@@ -234,7 +234,7 @@ class SchedulerCore(Actor):
             return
         r = Request(msg.transfer_id, msg.generation, msg.leg, msg.prompt_token_ids, msg.max_tokens, identity,
                     frozenset(msg.stop_token_ids), msg.source, msg.pull, seq_id=self.next_seq,
-                    sampling=msg.sampling, late=msg.late)
+                    sampling=msg.sampling, late=msg.late, prefill_here=msg.prefill_here)
         self.next_seq += 1
         need = r.blocks_needed(self.inst.block_size)
         if need > self.alloc.num_blocks:
@@ -379,6 +379,7 @@ class SchedulerCore(Actor):
         self.step = batch
         self.step_answers = {}
         self.step_started = time.monotonic()
+        self._count_work(batch)
         for r, w in batch:
             r.in_step = True
             if w.start_pos == r.cached and r.state == State.PREFILL:
@@ -386,6 +387,29 @@ class SchedulerCore(Actor):
         cmd = m.ExecuteStep(self.step_id, tuple(w for _, w in batch), self._streaming(batch))
         for ch in self.workers:
             self.send(ch, cmd)
+
+    @staticmethod
+    def _count_work(batch) -> None:
+        """What this step computes, added to each of its requests (the router fits its costs on it)."""
+        pre_tokens = pre_ctx = seqs = ctx = 0
+        for r, w in batch:
+            if r.state == State.PREFILL:
+                pre_tokens += len(w.token_ids)
+                pre_ctx += w.start_pos
+            else:
+                seqs += 1
+                ctx += w.start_pos + 1
+        for r, _w in batch:
+            if r.state == State.PREFILL:
+                r.prefill_work[0] += 1
+                r.prefill_work[1] += pre_tokens
+                r.prefill_work[2] += pre_ctx
+            else:
+                dw = r.decode_work
+                dw[0] += 1
+                dw[1] += seqs
+                dw[2] += ctx
+                dw[3] += pre_tokens
 
     # -- from the workers ----------------------------------------------------------------
     def on_StepDone(self, msg: m.StepDone) -> None:
@@ -465,7 +489,8 @@ class SchedulerCore(Actor):
             self._stamp(r, "finished")
             self.counters["requests_completed"] += 1
             self._reply(r, m.TokensGenerated(r.transfer_id, r.generation, (tok,), True, reason, len(r.prompt),
-                                             self._timeline(r), self._kv_stats(r), lps))
+                                             self._timeline(r), self._kv_stats(r), lps, r.cached,
+                                             *r.decode_work))
             self._release(r)
         else:
             r.state = State.RUNNING

@@ -5,7 +5,9 @@ the blocks with P's writers. Pull: at admission (after the router relayed P's
 block ids) ``ReadKV`` tells them to READ; with ``pull_read == "inline"`` the
 engine stalls until that READ is done, as the default connector's step does.
 Either way, when every writer rank reports the KV received, the first token
-(sampled by P) is emitted and the request joins the decode batch.
+(sampled by P) is emitted and the request joins the decode batch. A leg with
+``prefill_here`` (conditional disaggregation) names no source: D prefills it in
+its own steps, as a local instance does, and nothing moves.
 
 Pull keeps P's lease alive while D still means to read: every ``lease_s / 3``
 each pull request queued here or waiting for its READ gets a ``RenewKV`` to
@@ -54,6 +56,10 @@ class DecodeScheduler(SchedulerCore):
         self.kv_groups = len(layer_groups(instance_layout(cfg, inst, 0)))  # rows of P's checksums, per head
 
     def _check_leg(self, msg: m.Generate) -> Optional[tuple[str, int]]:
+        if msg.prefill_here:
+            if msg.source is not None or msg.pull is not None:
+                return "decode leg that prefills here names a KV source", 400
+            return None
         if msg.source is None and msg.pull is None:
             return "decode leg without a KV source", 400
         for src in (msg.source, msg.pull.source if msg.pull is not None else None):
@@ -91,6 +97,10 @@ class DecodeScheduler(SchedulerCore):
         return not self.cfg.model.sliding_window
 
     def _admitted(self, r: Request) -> None:
+        if r.prefill_here:  # conditional disaggregation: prefill and decode here, as a local instance
+            self.counters["local_prefills"] += 1
+            r.state = State.PREFILL
+            return
         r.state = State.AWAIT_KV
         r.reserved_at = time.monotonic()
         if r.pull is None:  # push: register now, while P computes
@@ -110,7 +120,9 @@ class DecodeScheduler(SchedulerCore):
                 self.blocked_on = r.key  # the engine step blocks on the READ, like the default connector
 
     def _prefilled(self, r: Request, tok: int, lp: Optional[m.TokenLogprob] = None) -> None:
-        raise AssertionError(f"decode instance ran a prefill step transfer_id={r.transfer_id}")
+        if not r.prefill_here:
+            raise AssertionError(f"decode instance ran a prefill step transfer_id={r.transfer_id}")
+        self._emit(r, tok, lp)
 
     def _kv_done(self, r: Request, answers: dict[int, WriterAnswer]) -> None:
         """The KV has arrived on every rank: emit P's first token and start decoding."""

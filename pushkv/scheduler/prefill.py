@@ -80,7 +80,8 @@ class PrefillScheduler(SchedulerCore):
                                       write=r.late))
             src = m.PrefillSource(self.inst.engine_id, self.inst.tp, self.inst.handshake_endpoints)
             pull = m.PullParams(src, tuple(r.blocks), len(r.prompt), tok, time.monotonic() + lease, r.checksums)
-            self._reply(r, m.PrefillFinished(r.transfer_id, r.generation, tok, pull, self._timeline(r)))
+            self._reply(r, m.PrefillFinished(r.transfer_id, r.generation, tok, pull, self._timeline(r),
+                                             None, r.cached, *r.prefill_work))
         else:
             self._to_writers(m.SendKV(r.transfer_id, r.generation, tuple(r.blocks), len(r.prompt), tok, r.checksums))
             self._stamp(r, "send_kv")
@@ -99,5 +100,5 @@ class PrefillScheduler(SchedulerCore):
             self.counters[f"rendezvous_{r.rendezvous}"] += 1
         if not self._holds(r):
             self._reply(r, m.PrefillFinished(r.transfer_id, r.generation, r.output[0], None, self._timeline(r),
-                                             self._kv_stats(r)))
+                                             self._kv_stats(r), r.cached, *r.prefill_work))
         self._release(r)

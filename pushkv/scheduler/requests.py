@@ -61,6 +61,10 @@ class Request:
     rendezvous: str = ""  # P, push: which half arrived first (from the writers' KVSent)
     sampling: Optional[m.SamplingParams] = None  # None: greedy
     late: bool = False  # P, push deployment: hold the KV and answer with pull parameters
+    # what the steps that ran it did (reported to the router's cost model): see messages
+    prefill_work: list = field(default_factory=lambda: [0, 0, 0])  # prefill: steps, tokens computed, context
+    decode_work: list = field(default_factory=lambda: [0, 0, 0, 0])  # steps, seqs, context, prefill tokens
+    prefill_here: bool = False  # D: no KV comes; D prefills the prompt itself (conditional disaggregation)
     reserved_at: float = 0.0  # D: monotonic time its blocks were reserved
     reserved_block_s: float = 0.0  # D: blocks x seconds from reservation until the KV arrived
     prefilled: int = 0  # prompt tokens whose KV is in the pool (chunked prefill: grows chunk by chunk)

@@ -59,7 +59,8 @@ def test_local_unary_shape(tmp_path):
             assert out["object"] == "text_completion" and out["id"] == f"cmpl-{gen.transfer_id}"
             assert out["choices"] == [{"index": 0, "text": "Hi!", "token_ids": [72, 105, 33], "finish_reason": "stop",
                                        "logprobs": None}]
-            assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+            assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
+                                    "prompt_tokens_details": {"cached_tokens": 0}}
             ext = out["pushkv"]
             assert ext["transfer_id"] == gen.transfer_id
             for k in ("router.arrival", "router.send_local", "router.first_token", "router.finish",
@@ -173,7 +174,8 @@ def test_streaming_shape_and_split_utf8(tmp_path):
             assert all(c["choices"][0]["finish_reason"] is None for c in chunks)
             assert [c["choices"][0]["text"] for c in chunks] == ["h", "", "é", "!"]
             assert final["choices"][0]["finish_reason"] == "length"
-            assert final["usage"] == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}
+            assert final["usage"] == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6,
+                                      "prompt_tokens_details": {"cached_tokens": 0}}
             assert "router.first_token" in final["pushkv"]["timeline"]
             assert len({c["id"] for c in ev[:-1]}) == 1
     run(body())

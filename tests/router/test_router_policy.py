@@ -277,3 +277,127 @@ def test_ties_rotate_over_instances():
         seen.append((v.prefill, v.decode))
         b.release(r)
     assert seen == [("p0", "d0"), ("p1", "d1"), ("p0", "d0"), ("p1", "d1")]
+
+
+# ---------------------------------------------------------------------------
+# KV-aware placement and conditional disaggregation (the cost model's prior prices)
+# ---------------------------------------------------------------------------
+def ask(prompt, hits=None, conditional=False, **costs):
+    from pushkv.router.cost import Costs
+    return P.Ask(prompt, hits or {}, Costs(**costs), conditional)
+
+
+# (loads, prompt tokens, hits) -> P: what it would finish first (its queue, then what it lacks)
+PREFILL_HITS = [
+    ([pf("p0"), pf("p1", order=1)], 512, {"p1": 480}, "p1"),  # both idle: the one holding the prompt
+    ([pf("p0"), pf("p1", 1000, order=1)], 512, {"p1": 480}, "p0"),  # ... unless its queue costs more
+    ([pf("p0", 100), pf("p1", 500, order=1)], 512, {"p1": 480}, "p1"),  # 500 + 32 against 100 + 512
+    ([pf("p0"), pf("p1", order=1)], 512, {}, "p0"),  # no hits: as before
+]
+
+
+@pytest.mark.parametrize("loads,prompt,hits,want", PREFILL_HITS)
+def test_pick_prefill_by_overlap_and_queue(loads, prompt, hits, want):
+    assert P.pick_prefill(loads, ask(prompt, hits)).engine_id == want
+
+
+# (loads, tokens, hits) -> D: the one that holds the most of the prompt among those that can hold it
+DECODE_HITS = [
+    ([dc("d0"), dc("d1", committed=50, order=1)], 160, {"d1": 96}, "d1"),
+    ([dc("d0"), dc("d1", committed=95, order=1)], 160, {"d1": 96}, "d0"),  # d1 cannot hold it
+    ([dc("d0", committed=50), dc("d1", order=1)], 160, {"d0": 16, "d1": 16}, "d1"),  # equal hits: the emptier
+]
+
+
+@pytest.mark.parametrize("loads,tokens,hits,want", DECODE_HITS)
+def test_pick_decode_by_overlap(loads, tokens, hits, want):
+    assert P.pick_decode(loads, tokens, ask(tokens, hits)).engine_id == want
+
+
+# (P queue, D legs, D queued prefill tokens, prompt, hits, costs) -> does D prefill it itself?
+PATHS = [
+    (0, 0, 0, 512, {}, {}, True),  # an idle D: its prefill costs what P's does, and nothing moves
+    (0, 3, 0, 512, {}, {}, False),  # D decodes 3: its prefill would stall them 3 x 517 ms
+    (0, 3, 0, 512, {"d0": 496}, {}, True),  # ... unless D holds all but 16 tokens (a chat's next turn)
+    (0, 3, 0, 512, {"d0": 496, "p0": 496}, {}, False),  # P holds it too: P's 21 ms + handoff is cheaper
+    (4000, 3, 0, 512, {}, {}, True),  # P's queue is 4 s long: stalling D's 3 (1.5 s) is cheaper
+    (0, 0, 2000, 512, {}, {}, False),  # D already has 2000 tokens of its own prefills queued
+    # a machine whose handoff is dear (a slow link): an idle-ish D keeps even a long prompt
+    (0, 1, 0, 4096, {}, {"handoff_ms_per_block": 50.0}, True),
+    # ... and whose handoff is free: the same request splits
+    (0, 1, 0, 4096, {}, {"handoff_ms_per_block": 0.0, "handoff_ms_fixed": 0.0}, False),
+]
+
+
+@pytest.mark.parametrize("p_queue,d_legs,d_queued,prompt,hits,costs,want", PATHS)
+def test_choose_path(p_queue, d_legs, d_queued, prompt, hits, costs, want):
+    p = pf("p0", p_queue)
+    d = P.Load("d0", "decode", num_blocks=1000, legs=d_legs, queued_tokens=d_queued)
+    a = ask(prompt, hits, conditional=True, **costs)
+    assert P.choose_path(p, d, a) is want, P.path_costs(p, d, a, p.block_size)
+    assert P.choose_path(p, d, replace_ask(a, conditional=False)) is False  # off: always split
+
+
+def replace_ask(a, **kw):
+    import dataclasses
+    return dataclasses.replace(a, **kw)
+
+
+def test_place_decode_local_names_d_only_and_says_why():
+    v = P.place([pf("p0"), dc("d0")], 160, mode="push", pin_fraction=1, waiting=0, queue_bound=3,
+                ask=ask(32, conditional=True))
+    assert (v.kind, v.prefill, v.decode) == (P.DECODE_LOCAL, None, "d0") and "D prefills" in v.reason
+    v = P.place([pf("p0"), dc("d0", legs=4)], 160, mode="pull", pin_fraction=1, waiting=0, queue_bound=3,
+                ask=ask(512, conditional=True))
+    assert v.kind == P.LATE  # D busy: split (pull)
+
+
+class ChatRun(Run):
+    def __init__(self, tid, prompt, max_tokens=16):
+        super().__init__(tid, 0, max_tokens)
+        self.prompt = tuple(prompt)
+        self.output_ids, self.done, self.cached, self.timeline, self.hash_cache = [], False, {}, {}, {}
+
+
+def test_balancer_indexes_where_it_sent_what_and_places_by_it():
+    b = Balancer("push", 1.0, 4, prefix_cache=True, conditional=False)
+    for i in range(2):
+        b.add(rec(f"p{i}", "prefill"), lambda r: object())
+        b.add(rec(f"d{i}", "decode", 200), lambda r: object())
+    turn1 = ChatRun("t1", range(100))
+    v = b.request(turn1)
+    b.prefill_done(turn1)
+    b.kv_arrived(turn1)
+    turn1.output_ids, turn1.done = list(range(1000, 1016)), True
+    turn1.cached = {"prefill": 0, "decode": 0}
+    b.release(turn1)
+    # turn 2: the first turn's prompt and answer and a follow-up; P holds 96 of the prompt, D 112 (+ answer)
+    turn2 = ChatRun("t2", list(range(100)) + list(range(1000, 1016)) + [7] * 20)
+    hits = b.ask(turn2).hits
+    assert hits == {v.prefill: 96, v.decode: 112}, hits
+    v2 = b.request(turn2)
+    assert (v2.prefill, v2.decode) == (v.prefill, v.decode)  # the same pair, though both are as empty as the others
+    assert b.held["t2"].predicted == 96 and b.held["t2"].predicted_decode == 112
+    b.down(v.decode)
+    assert v.decode not in b.ask(turn2).hits  # back, it holds nothing
+
+
+def test_balancer_decode_local_accounts_on_d_only_and_learns():
+    b = Balancer("push", 1.0, 4, prefix_cache=True, conditional=True)
+    b.add(rec("p0", "prefill"), lambda r: object())
+    b.add(rec("d0", "decode", 200), lambda r: object())
+    run = ChatRun("x", range(64))
+    v = b.request(run)
+    assert v.kind == P.DECODE_LOCAL
+    assert b.loads["p0"].legs == 0 and b.loads["d0"].legs == 1 and b.loads["d0"].queued_tokens == 64
+    b.kv_arrived(run)  # D's first token
+    assert b.loads["d0"].queued_tokens == 0
+    t = 100.0
+    run.timeline = {"decode.prefill_start": t, "decode.prefill_end": t + 0.064, "decode.first_token": t + 0.064,
+                    "decode.finished": t + 0.364}
+    run.output_ids, run.done, run.cached = list(range(16)), True, {"decode": 0}
+    b.release(run)
+    assert all(l.legs == l.committed == l.queued_tokens == 0 for l in b.loads.values())
+    c = b.cost.costs
+    assert c.prefill_samples == 0 and c.step_samples == 1 and c.handoff_samples == 0  # D's prefill: P's price
+    assert b.ask(ChatRun("y", range(64))).hits == {"d0": 48}  # D keeps prompt + answer: 63 of 64 are whole blocks

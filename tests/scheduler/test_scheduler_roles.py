@@ -240,3 +240,32 @@ def test_decode_renews_nothing_that_holds_no_lease(mode, pull_read):
     for k in range(4):
         s.tick(time.monotonic() + k * s.cfg.timeouts.lease_s)
     assert wire.take("writer") == [] and s.counters["lease_renewals_sent"] == 0
+
+
+def test_decode_prefills_a_leg_that_names_no_source_itself():
+    s, wire = make("decode")
+    generate(s, "t1", "decode", max_tokens=2, prefill_here=True)
+    assert wire.take("writer") == []  # nothing to register: no KV comes
+    first = step_done(s, wire, (5,))
+    assert first.seqs[0].token_ids == (1, 2, 3) and first.seqs[0].start_pos == 0  # the whole prompt, here
+    step_done(s, wire, (6,))
+    out = wire.take("router")
+    assert [t for x in out for t in x.token_ids] == [5, 6] and out[-1].finished
+    assert out[-1].decode_steps == 1 and out[-1].decode_seqs == 1  # its one decode step, alone
+    assert s.counters["local_prefills"] == 1 and all_free(s)
+
+
+def test_decode_prefilling_here_is_aborted_mid_step_and_frees_its_blocks_after_it():
+    s, wire = make("decode")
+    generate(s, "t1", "decode", max_tokens=4, prefill_here=True)
+    deliver(s, s.front, m.Abort("t1", 0, "client gone"), ROUTER_ID)
+    assert not all_free(s)  # the prefill step still writes its blocks
+    step_done(s, wire, (5,))
+    assert wire.take("router") == [] and all_free(s)
+
+
+def test_decode_refuses_a_leg_that_prefills_here_and_names_a_source():
+    s, wire = make("decode")
+    generate(s, "t1", "decode", source=P_SRC, prefill_here=True)
+    (failed,) = wire.take("router")
+    assert failed.status == 400 and "names a KV source" in failed.reason and all_free(s)

@@ -50,6 +50,8 @@ def test_request_path():
     ext = {"instances": {"prefill": "p", "decode": "d"}, "allocation": "early", "kv": {"prefill": {"stream": "layer"}}}
     assert cb.request_path(ext) == "P->D push (layer)"
     assert cb.request_path({"instances": {"prefill": "p", "decode": "d"}, "allocation": "late"}) == "P->D pull"
+    assert cb.request_path({"instances": {"prefill": "p", "decode": "d"}, "path": "late"}) == "P->D late"
+    assert cb.request_path({"instances": {"decode": "d"}, "path": "decode-local"}) == "D only"
 
 
 @pytest.mark.timeout(180)

@@ -1,0 +1,72 @@
+"""Hardware profiles: the cost model's parameters for one deployment, and what the planner needs
+besides them (block size, D's KV capacity, the router's relay for pull, layer groups for push).
+
+A profile is the router's own ``Costs`` (``pushkv status`` / ``/health``'s ``costs``, read from
+a running deployment or measured by ``pushkv bench``) or one derived on paper from a link and a
+model (``derived``), so the planner routes with exactly the prices the router uses.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import dataclasses
+from dataclasses import dataclass
+
+from pushkv.router.cost import Costs
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    costs: Costs
+    block_size: int = 16
+    d_capacity_tokens: int = 1 << 30  # KV tokens one D instance holds (requests wait at the router past it)
+    relay_ms: float = 1.0  # pull: P's answer through the router to D before D's READ
+    layer_groups: int = 4  # push-layer: a group's blocks leave as soon as it is stored
+    note: str = ""
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["costs"] = self.costs.as_dict()
+        return d
+
+
+def from_dict(d: dict) -> Profile:
+    """A profile from JSON: {"name", "costs": {...Costs fields...}, "block_size", ...}; a plain
+    /health body (its "costs") works too."""
+    c = {k: v for k, v in (d.get("costs") or {}).items() if k in Costs.__dataclass_fields__}
+    rest = {k: v for k, v in d.items() if k in Profile.__dataclass_fields__ and k not in ("costs",)}
+    rest.setdefault("name", "measured")
+    return Profile(costs=Costs(**c), **rest)
+
+
+def derived(name: str, *, prefill_ms_per_token: float, prefill_ms_fixed: float, kv_bytes_per_token: int,
+            link_gb_s: float, link_latency_ms: float, step_ms_fixed: float, step_ms_per_seq: float,
+            step_ms_per_kctx: float, block_size: int, d_capacity_tokens: int, relay_ms: float,
+            note: str = "") -> Profile:
+    """A profile on paper: the handoff from the KV's size and the link (bytes per block / bandwidth)."""
+    per_block_ms = kv_bytes_per_token * block_size / (link_gb_s * 1e9) * 1e3
+    costs = Costs(prefill_ms_fixed=prefill_ms_fixed, prefill_ms_per_token=prefill_ms_per_token,
+                  prefill_ms_per_cached_token=prefill_ms_per_token / 100,
+                  handoff_ms_fixed=link_latency_ms, handoff_ms_per_block=per_block_ms,
+                  step_ms_fixed=step_ms_fixed, step_ms_per_seq=step_ms_per_seq, step_ms_per_kctx=step_ms_per_kctx)
+    return Profile(name, costs, block_size, d_capacity_tokens, relay_ms, note=note)
+
+
+# Profiles on paper for the questions the planner answers (docs/results/plan/): Qwen3-32B, TP 8
+# on H200 nodes. Prefill and decode figures are the one-H200 roofline (docs/results/
+# gpu_roofline_32b.txt: 16k prefill 2,777 ms; decode step 18.6-26.8 ms) scaled to 8 ranks at
+# 85 % efficiency; KV 256 KiB per token (64 layers x 8 KV heads x 128 x K,V x bf16); D's
+# capacity what 8 x 141 GB holds after the weights (65 GB) at that size.
+QWEN3_32B_TP8: dict[str, Any] = dict(prefill_ms_per_token=2777.0 / 16384 / (8 * 0.85), prefill_ms_fixed=5.0,
+                     kv_bytes_per_token=64 * 8 * 128 * 2 * 2, step_ms_fixed=18.6 / (8 * 0.85) + 4.0,
+                     step_ms_per_seq=0.06, step_ms_per_kctx=0.01, block_size=16,
+                     d_capacity_tokens=int((8 * 141e9 - 65e9) / (64 * 8 * 128 * 2 * 2)), relay_ms=0.5)
+PRESETS = {
+    "qwen3-32b-tp8-rdma": lambda: derived(
+        "qwen3-32b-tp8-rdma", link_gb_s=8 * 400 / 8 * 0.7, link_latency_ms=0.05, **QWEN3_32B_TP8,
+        note="8 x 400 Gb/s RDMA per node at 70 % (NIXL over UCX/IB)"),
+    "qwen3-32b-tp8-tcp": lambda: derived(
+        "qwen3-32b-tp8-tcp", link_gb_s=25 / 8 * 0.8, link_latency_ms=0.2, **QWEN3_32B_TP8,
+        note="one 25 Gb/s TCP link per node at 80 % (UCX over TCP)"),
+}

@@ -1,0 +1,343 @@
+"""A discrete-event simulation of a pushkv deployment, priced by the router's cost model.
+
+Pure: no processes, no sockets, no clock. ``simulate(workload, profile, mode, n_p, n_d)`` runs
+every turn of the workload through ``n_p`` prefill and ``n_d`` decode instances (``local``:
+``n_d`` instances that do both) and returns each turn's TTFT and TPOT.
+
+What it models, as pushkv does it:
+
+- **P** prefills one prompt after another (FIFO), computing what its prefix cache lacks;
+  the router picks the P that would finish first and the D holding the most of the prompt
+  (``router.policy``'s rules, the same prices);
+- **D** runs continuous batching: a step of ``b`` sequences of mean context ``c`` costs
+  ``step_ms(b, c)``; a prefill on D (local mode, or conditional disaggregation's decode-local)
+  runs inside a step and every sequence of that step waits for it;
+- **handoff**: push WRITEs after the prefill (``push``), or each layer group as it is stored
+  (``push-layer``: only the last group's share, or what the link could not move during the
+  prefill, is left); pull relays P's answer through the router (``relay_ms``) and READs
+  (``pull``, on D's writer) or READs inside D's step (``pull-inline``: D's engine waits);
+- **D memory**: a request holds prompt + output tokens on D; push reserves them at arrival
+  (while P computes; past ``pin_fraction`` of D pinned, late allocation), pull after the
+  prefill; a request no D can hold waits at the router, FIFO;
+- **prefix caches** (``prefix_cache``): P keeps a conversation's prompts, D its prompts and
+  answers, both the shared system prompt; no eviction (the planner assumes caches large
+  enough for the working set);
+- ``conditional``: push, with D prefilling a request itself when ``policy.choose_path`` says so.
+
+The first token comes with the KV (D re-emits P's token when the KV lands) or, on D, at the end
+of the step that prefilled it; TPOT is a request's mean gap between its later tokens.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Optional, TypeVar
+
+import numpy as np
+
+from pushkv.plan.profile import Profile
+from pushkv.plan.workload import Turn, Workload
+from pushkv.router import policy as P
+
+MODES = ("local", "push", "push-layer", "pull", "pull-inline", "conditional")
+
+
+
+
+T = TypeVar("T")
+
+
+def _set(value: Optional[T]) -> T:
+    """A field the simulation has set by the time it reads it (a request's instance, its times)."""
+    assert value is not None
+    return value
+
+@dataclass(eq=False)  # identity: two requests alike are still two
+class Req:
+    turn: Turn
+    arrival: float = 0.0
+    p: Optional[int] = None
+    d: Optional[int] = None
+    path: str = ""
+    p_hit: int = 0
+    d_hit: int = 0
+    prefill_ms: float = 0.0
+    pinned: bool = False  # D reserved at arrival, KV not there yet
+    first: Optional[float] = None
+    last: Optional[float] = None
+    tokens: int = 0
+
+    @property
+    def need(self) -> int:
+        return self.turn.prompt + self.turn.output
+
+    @property
+    def ttft_ms(self) -> float:
+        return _set(self.first) - self.arrival
+
+    @property
+    def tpot_ms(self) -> Optional[float]:
+        return (_set(self.last) - _set(self.first)) / (self.tokens - 1) if self.tokens > 1 else None
+
+
+@dataclass
+class Instance:
+    held: dict = field(default_factory=dict)  # conversation -> leading prompt tokens cached
+    system: bool = False  # holds the shared prefix
+    busy_until: float = 0.0  # P: when its queue of prefills ends
+    queued: int = 0  # P: prompt tokens still to compute; D: its own prefills' tokens queued
+    used: int = 0  # D: tokens reserved
+    pinned: int = 0  # D: tokens reserved early, KV not there yet
+    running: list = field(default_factory=list)  # D: decoding
+    joining: list = field(default_factory=list)  # D: KV here, decoding from the next step
+    local: list = field(default_factory=list)  # D: to prefill in its next step
+    stepping: bool = False
+    blocked_until: float = 0.0  # D, pull-inline: no step starts before the READs under way end
+    wake: bool = False  # a kick is scheduled for blocked_until
+
+
+class Simulation:
+    def __init__(self, workload: Workload, profile: Profile, mode: str, n_p: int, n_d: int,
+                 prefix_cache: bool = True, pin_fraction: float = 0.5):
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r} ({' | '.join(MODES)})")
+        if n_d < 1 or (mode != "local" and n_p < 1):
+            raise ValueError(f"{mode} needs at least one {'instance' if mode == 'local' else 'P and one D'}")
+        self.prof, self.c, self.mode = profile, profile.costs, mode
+        self.cache, self.pin_fraction = prefix_cache, pin_fraction
+        self.ps = [Instance() for _ in range(0 if mode == "local" else n_p)]
+        self.ds = [Instance() for _ in range(n_p + n_d if mode == "local" else n_d)]  # local: every instance does both
+        self.now = 0.0
+        self.events: list = []
+        self._seq = itertools.count()
+        self.waiting: deque[tuple[Req, Callable[[Req], None]]] = deque()  # (request, what to do once a D holds it)
+        self.done: list[Req] = []
+        self.convs = workload.conversations()
+        for turns in self.convs:
+            self.at(turns[0].start_s * 1e3, self.arrive, Req(turns[0]))
+
+    # -- the event loop ------------------------------------------------------------------
+    def at(self, t_ms: float, fn, *args) -> None:
+        heapq.heappush(self.events, (t_ms, next(self._seq), fn, args))
+
+    def run(self) -> list[Req]:
+        while self.events:
+            self.now, _, fn, args = heapq.heappop(self.events)
+            fn(*args)
+        return self.done
+
+    # -- prefix caches -----------------------------------------------------------------
+    def hit(self, inst: Instance, t: Turn, unit: int) -> int:
+        if not self.cache:
+            return 0
+        held = max(inst.held.get(t.conv, 0), t.shared if inst.system else 0)
+        return min(held, t.prompt - 1) // unit * unit
+
+    def keep(self, inst: Instance, t: Turn, tokens: int) -> None:
+        inst.system = True
+        inst.held[t.conv] = max(inst.held.get(t.conv, 0), tokens)
+
+    # -- placement (router.policy's prices) --------------------------------------------------
+    def p_load(self, i: int) -> P.Load:
+        return P.Load(f"p{i}", "prefill", block_size=self.prof.block_size, queued_tokens=self.ps[i].queued, order=i)
+
+    def d_load(self, j: int) -> P.Load:
+        d = self.ds[j]
+        legs = len(d.running) + len(d.joining) + len(d.local)
+        return P.Load(f"d{j}", "decode", block_size=self.prof.block_size, legs=legs, queued_tokens=d.queued, order=j)
+
+    def ask(self, r: Req) -> P.Ask:
+        bs = self.prof.block_size
+        hits = {f"p{i}": self.hit(p, r.turn, bs) for i, p in enumerate(self.ps)}
+        hits.update({f"d{j}": self.hit(d, r.turn, bs) for j, d in enumerate(self.ds)})
+        return P.Ask(r.turn.prompt, hits, self.c, self.mode == "conditional")
+
+    def pick_p(self, a: P.Ask) -> int:
+        return min(range(len(self.ps)), key=lambda i: (P.prefill_wait_ms(self.p_load(i), a), i))
+
+    def pick_d(self, r: Req, a: P.Ask, pin: bool) -> Optional[int]:
+        cap = self.prof.d_capacity_tokens
+        fits = [j for j, d in enumerate(self.ds) if d.used + r.need <= cap
+                and (not pin or d.pinned + r.need <= self.pin_fraction * cap)]
+        if not fits:
+            return None
+        return min(fits, key=lambda j: (-a.hits.get(f"d{j}", 0), self.ds[j].used, j))
+
+    def reserve(self, r: Req, j: int, pin: bool) -> None:
+        r.d, d = j, self.ds[j]
+        d.used += r.need
+        r.d_hit = self.hit(d, r.turn, self.prof.block_size)
+        if pin:
+            r.pinned, d.pinned = True, d.pinned + r.need
+
+    def arrive(self, r: Req) -> None:
+        r.arrival = self.now
+        a = self.ask(r)
+        if self.mode == "local":
+            return self.wait_for_d(r, a, False, self.prefill_on_d)
+        p = self.pick_p(a)
+        if self.mode == "conditional":
+            j = self.pick_d(r, a, pin=False)
+            if j is not None and P.choose_path(self.p_load(p), self.d_load(j), a):
+                self.reserve(r, j, pin=False)
+                return self.prefill_on_d(r)
+        if self.mode in ("push", "push-layer", "conditional"):
+            j = self.pick_d(r, a, pin=True)
+            if j is not None:
+                self.reserve(r, j, pin=True)
+                r.path = "push"
+            else:
+                r.path = "late"
+        else:
+            r.path = "pull"
+        self.prefill_on_p(r, p, a)
+
+    def wait_for_d(self, r: Req, a: P.Ask, pin: bool, then: Callable[[Req], None]) -> None:
+        j = self.pick_d(r, a, pin) if not self.waiting else None
+        if j is None:
+            self.waiting.append((r, then))
+            return
+        self.reserve(r, j, pin)
+        then(r)
+
+    def drain(self) -> None:
+        while self.waiting:
+            r, then = self.waiting[0]
+            j = self.pick_d(r, self.ask(r), pin=False)
+            if j is None:
+                return
+            self.waiting.popleft()
+            self.reserve(r, j, pin=False)
+            then(r)
+
+    # -- P -----------------------------------------------------------------------------
+    def prefill_on_p(self, r: Req, i: int, a: P.Ask) -> None:
+        p = self.ps[i]
+        r.p, r.p_hit = i, a.hits[f"p{i}"]
+        computed = r.turn.prompt - r.p_hit
+        r.prefill_ms = self.c.prefill_ms(computed, r.p_hit)
+        start = max(self.now, p.busy_until)
+        p.busy_until = start + r.prefill_ms
+        p.queued += computed
+        self.at(p.busy_until, self.prefilled, r, computed)
+
+    def prefilled(self, r: Req, computed: int) -> None:
+        p = self.ps[_set(r.p)]
+        p.queued -= computed
+        self.keep(p, r.turn, r.turn.prompt)
+        if r.d is None:  # pull, or push's late allocation: D after P
+            self.wait_for_d(r, self.ask(r), False, self.handoff)
+        else:
+            self.handoff(r)
+
+    def handoff(self, r: Req) -> None:
+        blocks = P.blocks_for(r.turn.prompt - r.d_hit, self.prof.block_size)
+        move = self.c.handoff_ms(blocks)
+        if self.mode == "push-layer" and r.path == "push":  # the groups left while P computed
+            per = self.c.handoff_ms_per_block * blocks
+            move = self.c.handoff_ms_fixed + max(per / self.prof.layer_groups, per - r.prefill_ms)
+        if r.path != "push":
+            move += self.prof.relay_ms
+        if self.mode == "pull-inline":  # D's engine waits for the READ, after the relay
+            d = self.ds[_set(r.d)]
+            d.blocked_until = max(d.blocked_until, self.now + self.prof.relay_ms) + move - self.prof.relay_ms
+        self.at(self.now + move, self.kv_landed, r)
+
+    # -- D ------------------------------------------------------------------------------
+    def kv_landed(self, r: Req) -> None:
+        d = self.ds[_set(r.d)]
+        if r.pinned:
+            d.pinned -= r.need
+            r.pinned = False
+        r.first = r.last = self.now
+        r.tokens = 1
+        if r.tokens >= r.turn.output:
+            return self.finish(r)
+        d.joining.append(r)
+        self.kick(_set(r.d))
+
+    def prefill_on_d(self, r: Req) -> None:
+        r.path = r.path or ("local" if self.mode == "local" else "decode-local")
+        d = self.ds[_set(r.d)]
+        d.local.append(r)
+        d.queued += r.turn.prompt - r.d_hit
+        self.kick(_set(r.d))
+
+    def kick(self, j: int) -> None:
+        d = self.ds[j]
+        if d.stepping or not (d.running or d.joining or d.local):
+            return
+        if self.now < d.blocked_until:
+            if not d.wake:
+                d.wake = True
+                self.at(d.blocked_until, self.woken, j)
+            return
+        d.running += d.joining
+        d.joining = []
+        batch, local = list(d.running), d.local
+        d.local = []
+        ms = self.c.step_ms(len(batch), sum(x.turn.prompt + x.tokens for x in batch) / len(batch)) if batch else 0.0
+        for x in local:
+            x.prefill_ms = self.c.prefill_ms(x.turn.prompt - x.d_hit, x.d_hit)
+            d.queued -= x.turn.prompt - x.d_hit
+            ms += x.prefill_ms
+        d.stepping = True
+        self.at(self.now + ms, self.stepped, j, batch, local)
+
+    def woken(self, j: int) -> None:
+        self.ds[j].wake = False
+        self.kick(j)
+
+    def stepped(self, j: int, batch: list, local: list) -> None:
+        d = self.ds[j]
+        for x in batch:
+            x.tokens += 1
+            x.last = self.now
+            if x.tokens >= x.turn.output:
+                d.running.remove(x)
+                self.finish(x)
+        for x in local:
+            x.first = x.last = self.now
+            x.tokens = 1
+            if x.tokens >= x.turn.output:
+                self.finish(x)
+            else:
+                d.running.append(x)
+        d.stepping = False  # only now: a finish above may place a waiting request here (kick)
+        self.kick(j)
+
+    def finish(self, r: Req) -> None:
+        d = self.ds[_set(r.d)]
+        d.used -= r.need
+        self.keep(d, r.turn, r.turn.prompt + r.turn.output - 1)
+        self.done.append(r)
+        turns = self.convs[r.turn.conv]
+        if r.turn.index < len(turns):
+            nxt = turns[r.turn.index]
+            self.at(self.now + nxt.think_s * 1e3, self.arrive, Req(nxt))
+        self.drain()
+
+
+def simulate(workload: Workload, profile: Profile, mode: str, n_p: int, n_d: int, *,
+             prefix_cache: bool = True, pin_fraction: float = 0.5) -> list[Req]:
+    return Simulation(workload, profile, mode, n_p, n_d, prefix_cache, pin_fraction).run()
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's, as the chat bench's tables)."""
+    return float(np.percentile(xs, q)) if xs else float("nan")
+
+
+def summary(reqs: list[Req], turns: str = "all") -> dict:
+    """p50 / p99 of TTFT and TPOT (ms) of the turns chosen: "all", "1" or ">=2"."""
+    pick = [r for r in reqs if turns == "all" or (turns == "1" and r.turn.index == 1)
+            or (turns == ">=2" and r.turn.index >= 2)]
+    ttft = [r.ttft_ms for r in pick]
+    tpot = [r.tpot_ms for r in pick if r.tpot_ms is not None]
+    paths: dict[str, int] = {}
+    for r in pick:
+        paths[r.path] = paths.get(r.path, 0) + 1
+    return {"requests": len(pick), "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
+            "tpot_p50": percentile(tpot, 50), "tpot_p99": percentile(tpot, 99), "paths": paths}

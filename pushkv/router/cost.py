@@ -1,0 +1,190 @@
+"""The deployment's cost model, learned online from the stage timings requests already carry.
+
+Pure: no sockets, no clock. The router feeds it each finished request (``samples``: what one
+request's merged timeline says) and asks it what a choice costs (``CostModel.costs``). The
+planner (``pushkv.plan``) reads the same ``Costs``.
+
+Three linear fits, each over a window of the latest samples:
+
+- **prefill**: ``ms = fixed * steps + per_token * computed + per_cached * cached`` (P's
+  ``prefill_start`` .. ``prefill_end``). The regressors are what the steps that computed the
+  prompt computed in all (P reports them: a step may prefill several prompts, and each of them
+  waits for all), else the prompt's own uncached and cached tokens. Only P's prefills are
+  samples: on D a prefill shares its step with D's decodes, whose time the step fit prices;
+  D's own prefill is priced at P's rate (the same hardware);
+- **handoff** P -> D: ``ms = fixed + per_block * moved_blocks`` (from the later of P's
+  ``prefill_end`` and D's registration or READ post, to D's ``kv_received``: the WRITE or READ
+  and its rendezvous; D's own queue for blocks is not the link's cost);
+- **decode step** on D: ``ms = fixed + per_seq * batch + per_kctx * batch * context / 1000``
+  (a request's time per output token against the mean batch and context of the steps that
+  decoded it, as D reports them, less what the prompts D prefilled in those steps cost at the
+  prefill rate).
+
+A fit starts at its prior (``PRIORS``: CPU-sized values) and moves to the data as samples come:
+while a window holds fewer than ``ENOUGH`` samples the prior enters as ``PRIOR_WEIGHT``
+pseudo-samples (a handful of real ones already dominate, one outlier cannot throw the fit far);
+past it, only as a faint ridge (``RIDGE``) that settles what the data leave open (every sample
+of one size says nothing of the split between intercept and slope). Samples more than ``OUTLIER_MADS`` median
+absolute deviations off the first fit are dropped and the fit redone (a GC pause, a step shared
+with someone else's prefill). Coefficients never go below zero.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+# numpy is imported where a fit runs, not at import: the router (and every test deployment) starts
+# without paying for it
+
+WINDOW = 256  # samples per fit
+PRIOR_WEIGHT = 2.0  # pseudo-samples the prior is worth while a window is short
+ENOUGH = 16  # samples past which the data alone decide (the prior only breaks ties)
+RIDGE = 1e-4  # the prior's weight then
+OUTLIER_MADS = 5.0
+
+# per fit: (parameter names, prior values, scale of each regressor in a typical sample)
+PRIORS = {
+    "prefill": (("prefill_ms_fixed", "prefill_ms_per_token", "prefill_ms_per_cached_token"),
+                (5.0, 1.0, 0.01), (1.0, 512.0, 512.0)),
+    "handoff": (("handoff_ms_fixed", "handoff_ms_per_block"), (5.0, 0.2), (1.0, 32.0)),
+    "step": (("step_ms_fixed", "step_ms_per_seq", "step_ms_per_kctx"), (20.0, 5.0, 5.0), (1.0, 4.0, 4.0)),
+}
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Fitted parameters (ms) and how many samples each fit has seen."""
+
+    prefill_ms_fixed: float = PRIORS["prefill"][1][0]
+    prefill_ms_per_token: float = PRIORS["prefill"][1][1]
+    prefill_ms_per_cached_token: float = PRIORS["prefill"][1][2]
+    handoff_ms_fixed: float = PRIORS["handoff"][1][0]
+    handoff_ms_per_block: float = PRIORS["handoff"][1][1]
+    step_ms_fixed: float = PRIORS["step"][1][0]
+    step_ms_per_seq: float = PRIORS["step"][1][1]
+    step_ms_per_kctx: float = PRIORS["step"][1][2]
+    prefill_samples: int = 0
+    handoff_samples: int = 0
+    step_samples: int = 0
+
+    def prefill_ms(self, computed: int, cached: int = 0) -> float:
+        return self.prefill_ms_fixed + self.prefill_ms_per_token * computed + self.prefill_ms_per_cached_token * cached
+
+    def handoff_ms(self, blocks: int) -> float:
+        return self.handoff_ms_fixed + self.handoff_ms_per_block * blocks
+
+    def step_ms(self, batch: int, context: float) -> float:
+        """One decode step of ``batch`` sequences of mean ``context`` tokens."""
+        return self.step_ms_fixed + self.step_ms_per_seq * batch + self.step_ms_per_kctx * batch * context / 1000.0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One observation for one fit: regressors (leading 1 for the intercept) and the ms seen."""
+
+    fit: str  # "prefill" | "handoff" | "step"
+    x: tuple[float, ...]
+    ms: float
+
+
+def fit_linear(xs, ys, prior, scale, outlier_mads: float = OUTLIER_MADS):
+    """Least squares with the prior as pseudo-samples (ridge toward ``prior``), one pass of
+    outlier removal, coefficients clipped at zero (numpy arrays in and out)."""
+    import numpy as np
+
+    def solve(x, y):
+        prior_weight = PRIOR_WEIGHT if len(y) < ENOUGH else RIDGE
+        # a pseudo-sample per parameter: regressor = its typical size, target = prior's share
+        px = np.diag(scale) * np.sqrt(prior_weight)
+        py = px @ prior
+        a = np.vstack([x, px]) if len(x) else px
+        b = np.concatenate([y, py]) if len(y) else py
+        theta = np.linalg.lstsq(a, b, rcond=None)[0]
+        return np.maximum(theta, 0.0)
+
+    theta = solve(xs, ys)
+    if len(ys) >= 8:
+        resid = np.abs(ys - xs @ theta)
+        mad = float(np.median(np.abs(resid - np.median(resid)))) or 1e-9
+        keep = resid <= np.median(resid) + outlier_mads * mad
+        if not keep.all():
+            theta = solve(xs[keep], ys[keep])
+    return theta
+
+
+class CostModel:
+    """Windows of samples per fit and the ``Costs`` they give (refitted lazily)."""
+
+    def __init__(self, window: int = WINDOW):
+        self.windows: dict[str, deque[Sample]] = {k: deque(maxlen=window) for k in PRIORS}
+        self.seen = {k: 0 for k in PRIORS}
+        self._costs: Optional[Costs] = Costs()
+
+    def add(self, samples) -> None:
+        for s in samples:
+            if s.fit not in self.windows or not math.isfinite(s.ms) or s.ms < 0:
+                continue
+            self.windows[s.fit].append(s)
+            self.seen[s.fit] += 1
+            self._costs = None
+
+    @property
+    def costs(self) -> Costs:
+        if self._costs is None:
+            import numpy as np
+
+            values: dict[str, float] = {}
+            for fit, (names, prior, scale) in PRIORS.items():
+                w = self.windows[fit]
+                xs = np.array([s.x for s in w], dtype=float).reshape(len(w), len(names))
+                ys = np.array([s.ms for s in w], dtype=float)
+                theta = fit_linear(xs, ys, np.array(prior, dtype=float), np.array(scale, dtype=float))
+                values.update(zip(names, (float(t) for t in theta)))
+            self._costs = Costs(**values, prefill_samples=self.seen["prefill"],
+                                handoff_samples=self.seen["handoff"], step_samples=self.seen["step"])
+        return self._costs
+
+
+def samples(timeline: dict[str, float], prompt_tokens: int, output_tokens: int, *, prefill_leg: str,
+            cached_tokens: int, moved_blocks: int, decode_batch: float, prefill_work: tuple = (),
+            decode_work: tuple = (), prefill_ms_per_token: float = 0.0) -> list[Sample]:
+    """What one finished request's merged timeline (``<leg>.<stage>`` -> wall seconds) says.
+
+    ``prefill_leg``: the leg that prefilled ("prefill", or "decode" when D prefilled it
+    itself); ``cached_tokens``: that leg's prefix-cache hits; ``moved_blocks``: blocks that
+    crossed P -> D (no handoff sample when none did); ``decode_batch``: the router's guess of
+    D's batch (its legs on D) when D did not report ``decode_work``; ``prefill_work``: P's
+    (steps, tokens computed, cached context) over the steps that computed the prompt;
+    ``decode_work``: D's (steps, sequences, context tokens, prefill tokens) over the steps that
+    decoded it; ``prefill_ms_per_token``: the rate those prefill tokens are taken out at."""
+    out: list[Sample] = []
+    start, end = timeline.get("prefill.prefill_start"), timeline.get("prefill.prefill_end")
+    if prefill_leg == "prefill" and start is not None and end is not None and end >= start:
+        if prefill_work and prefill_work[0] > 0:
+            x = (float(prefill_work[0]), float(prefill_work[1]), float(prefill_work[2]))
+        else:
+            x = (1.0, float(max(prompt_tokens - cached_tokens, 0)), float(cached_tokens))
+        out.append(Sample("prefill", x, (end - start) * 1e3))
+    got = timeline.get("decode.kv_received")
+    ready = timeline.get("decode.registration_sent", timeline.get("decode.read_posted"))
+    if prefill_leg != "decode" and moved_blocks > 0 and end is not None and got is not None:
+        begin = max(end, ready) if ready is not None else end
+        if got >= begin:
+            out.append(Sample("handoff", (1.0, float(moved_blocks)), (got - begin) * 1e3))
+    first, last = timeline.get("decode.first_token"), timeline.get("decode.finished")
+    if output_tokens > 1 and first is not None and last is not None and last > first:
+        ms = (last - first) * 1e3 / (output_tokens - 1)
+        if decode_work and decode_work[0] > 0:
+            steps, seqs, context, prefill_tokens = decode_work
+            batch, kctx = seqs / steps, context / steps / 1000.0
+            ms = max(ms - prefill_ms_per_token * prefill_tokens / steps, 0.0)
+        else:
+            batch = max(decode_batch, 1.0)
+            kctx = batch * (prompt_tokens + output_tokens / 2.0) / 1000.0
+        out.append(Sample("step", (1.0, batch, kctx), ms))
+    return out

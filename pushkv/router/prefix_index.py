@@ -1,0 +1,80 @@
+"""The router's approximate map of which instance holds which prompt prefix.
+
+Pure: no sockets. The router records where it sent what (``record``: the chained block hashes of
+a prompt, and on D of prompt + answer, as ``protocol.prefix_cache`` names them) and asks, for a
+new prompt, how many leading blocks each instance probably still holds (``overlap``). It never
+hears of evictions: entries age out of an LRU of ``capacity`` hashes instead, and a guess that
+was wrong costs only a worse placement (the instance computes or receives what it lacks). The
+router counts how far its guesses were off (``RouterMetrics``: predicted against the hits the
+instances reported).
+
+Hashes depend on the block size, so each block size the deployment uses has its chain
+(``hashes``, computed once per request and size).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Sequence
+
+from pushkv.protocol.prefix_cache import block_hashes
+
+CAPACITY = 1 << 18  # hashes remembered (x ~200 bytes each: ~50 MB at most)
+
+
+class PrefixIndex:
+    def __init__(self, capacity: int = CAPACITY):
+        if capacity <= 0:
+            raise ValueError(f"capacity must be > 0, got {capacity}")
+        self.capacity = capacity
+        self._where: OrderedDict[int, set[str]] = OrderedDict()  # hash -> engine ids, least recent first
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def record(self, engine_id: str, hashes: Sequence[int]) -> None:
+        """``engine_id`` now holds the blocks named by ``hashes`` (a chain from the root)."""
+        for h in hashes:
+            holders = self._where.get(h)
+            if holders is None:
+                self._where[h] = {engine_id}
+            else:
+                holders.add(engine_id)
+                self._where.move_to_end(h)
+        while len(self._where) > self.capacity:
+            self._where.popitem(last=False)
+
+    def overlap(self, engine_id: str, hashes: Sequence[int]) -> int:
+        """Leading blocks of the chain that ``engine_id`` probably holds."""
+        n = 0
+        for h in hashes:
+            holders = self._where.get(h)
+            if holders is None or engine_id not in holders:
+                break
+            n += 1
+        return n
+
+    def forget(self, engine_id: str) -> None:
+        """The instance is gone or restarted: its cache is empty."""
+        dead = []
+        for h, holders in self._where.items():
+            holders.discard(engine_id)
+            if not holders:
+                dead.append(h)
+        for h in dead:
+            del self._where[h]
+
+
+def hashes(tokens: Sequence[int], block_size: int, cache: dict[int, list[int]]) -> list[int]:
+    """The chain of ``tokens`` at ``block_size``, memoised in ``cache`` (one request's)."""
+    got = cache.get(block_size)
+    if got is None:
+        got = cache[block_size] = block_hashes(tokens, block_size)
+    return got
+
+
+def usable_hit_tokens(overlap_blocks: int, prompt_tokens: int, block_size: int, unit: int) -> int:
+    """What an instance would take from its cache of ``overlap_blocks`` leading blocks, as its
+    scheduler does: never the block of the last prompt token (its logits give the first token),
+    whole ``unit``s (D: a transfer starts on a block of both sides)."""
+    blocks = min(overlap_blocks, max(prompt_tokens - 1, 0) // block_size)
+    return blocks * block_size // unit * unit
