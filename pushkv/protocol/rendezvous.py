@@ -231,23 +231,25 @@ class PushRendezvous:
                         part: bool = False) -> list[Action]:
         return self._local(transfer_id, generation, "write_failed", now, reason=reason, part=part)
 
-    def cancel(self, transfer_id: str, generation: int, reason: str, now: float) -> list[Action]:
-        """The scheduler ends the transfer. It waits for one answer per rank even when we hold
-        none of its blocks: a layer-streamed prefill hands them over through the worker's marks,
-        which may not be here yet. So a cancel that frees nothing still reports an empty
-        ``FreeBlocks`` (the writer answers the scheduler on it)."""
+    def cancel(self, transfer_id: str, generation: int, reason: str, now: float,
+               answer: bool = False) -> list[Action]:
+        """End the transfer (the scheduler's cancel, D's, or a dead peer's). ``answer``: the
+        scheduler asked, and it waits for one answer per rank even when we hold none of the
+        blocks: a layer-streamed prefill hands them over through the worker's marks, which may
+        not be here yet, or D's cancel ended the transfer first. So a cancel that frees nothing
+        then still reports an empty ``FreeBlocks`` (the writer answers the scheduler on it; an
+        answer it no longer waits for is counted stale there)."""
         kind, e = self._lookup(transfer_id, generation)
+        empty: list[Action] = [FreeBlocks(transfer_id, generation, (), reason)] if answer else []
         if kind == "live" and not (e.has_prefill or e.streamed):
-            answer: list[Action] = [FreeBlocks(transfer_id, generation, (), reason)]
-            return answer + self._dispatch(e, "cancel", now, reason=reason)
-        if kind == "live" or kind == "draining":
+            return empty + self._dispatch(e, "cancel", now, reason=reason)
+        if kind == "live" or kind == "draining":  # a drain answers when the WRITEs are done
             return self._dispatch(e, "cancel", now, reason=reason)
         if kind == "new":  # neither half seen: remember, so both die on arrival
             out = self._supersede(transfer_id, generation, now)
             self._finish(transfer_id, generation, ok=False, had_prefill=False)
-            return out + [FreeBlocks(transfer_id, generation, (), reason), Failed(transfer_id, generation, reason),
-                          Count("cancelled")]
-        return [Count("cancel_ignored")]
+            return out + empty + [Failed(transfer_id, generation, reason), Count("cancelled")]
+        return empty + [Count("cancel_ignored")]
 
     def expire(self, now: float) -> list[Action]:
         out: list[Action] = []

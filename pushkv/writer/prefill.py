@@ -162,7 +162,7 @@ class PrefillWriter(WriterBase):
         if self.leases.deadline_of(msg.transfer_id, msg.generation) is not None:
             self.apply(self.leases.cancel(msg.transfer_id, msg.generation, msg.reason, now), now)
         else:
-            self.apply(self.rdv.cancel(msg.transfer_id, msg.generation, msg.reason, now), now)
+            self.apply(self.rdv.cancel(msg.transfer_id, msg.generation, msg.reason, now, answer=True), now)
 
     # -- from D's writers (NIXL notifications) --------------------------------------------
     def notif_Register(self, msg: m.Register, agent: str, now: float) -> None:

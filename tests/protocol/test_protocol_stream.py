@@ -416,6 +416,7 @@ def test_random_walk_streams(seed):
                 sent[key] = a.token_start + a.num_tokens
             elif isinstance(a, FreeBlocks) and not a.block_ids:  # a cancel's answer when nothing is held
                 assert key not in holding and key not in flying, f"empty FreeBlocks of {key} while it holds blocks"
+                assert not frees.count(key), f"two FreeBlocks of {key} in one answer"
                 frees.append(key)
             elif isinstance(a, FreeBlocks):
                 assert key not in flying, f"freed while a WRITE may read {key}"
@@ -475,7 +476,7 @@ def test_random_walk_streams(seed):
             else:
                 absorb(m.on_write_failed(*key, "x", now, part=part))
         elif r < 0.9:
-            acts = m.cancel(tid, gen, "abort", now)
+            acts = m.cancel(tid, gen, "abort", now, answer=True)
             absorb(acts)
             if fresh:  # the scheduler waits for an answer to every cancel, of a transfer never seen too
                 assert any(isinstance(a, FreeBlocks) for a in acts), acts

@@ -226,6 +226,10 @@ class RequestTimeline:
                 posted = self.find(w, "event", "write_posted")
                 nb, nd = _parse_size(posted[0].peer) if posted else (0, 0)
                 span(w, "WRITE", ev(w, "write_posted"), ev(w, "write_done"), bytes=nb, descriptors=nd)
+                parts = [_parse_size(e.peer) for e in self.find(w, "event", "part_posted")]
+                if parts:  # streamed push: parts left while P computed, the last WRITE carries the rest
+                    span(w, "parts", ev(w, "part_posted"), ev(w, "write_posted"), bytes=sum(b for b, _ in parts),
+                         descriptors=sum(d for _, d in parts), count=len(parts))
             else:
                 span(w, "lease", self.at(w, "recv", "HoldKV"), self.at(w, "recv", "ReadDone", last=True))
         if self.mode != "local":
@@ -255,7 +259,7 @@ class RequestTimeline:
         waits = [s for s in self.spans if s.name.startswith("wait for")]
         if waits:
             info["rendezvous"] = waits[0].args["order"]
-        moves = [s for s in self.spans if s.name in ("WRITE", "READ")]
+        moves = [s for s in self.spans if s.name in ("WRITE", "READ", "parts")]
         if moves:
             info["bytes"] = sum(s.args.get("bytes", 0) for s in moves)
             info["descriptors"] = sum(s.args.get("descriptors", 0) for s in moves)
