@@ -111,10 +111,6 @@ class Poster:
         with self._lock:
             self._drop_remote_dlist(remote)
 
-    def metadata(self) -> bytes:
-        with self._lock:
-            return self._agent.get_agent_metadata()
-
     def submit(self, post: QueuedPost) -> QueuedPost:
         with self._cv:
             self._queue.append(post)
