@@ -26,6 +26,8 @@ TOOLS: dict[str, tuple[str, str, str]] = {
     "tap": ("tools.trace.tap", "main", "attach to a running deployment's trace: live log, Perfetto, breakdown"),
     "stream-bench": ("tools.stream_bench", "main", "lone requests per mode and prompt length, stage by stage"),
     "chat-bench": ("tools.chat_bench", "main", "multi-turn conversations sharing one system prompt"),
+    "chat-sweep": ("tools.chat_sweep", "main", "the chat workload per cache and conditional setting, the planner "
+                   "checked against each run"),
     "prefix-bench": ("tools.prefix_bench", "main", "lone chat turns: TTFT with the prefix cache on and off"),
     "blocksec": ("tools.blocksec", "main", "push's cost in D memory against pull's, under one load"),
     "link-bench": ("tools.link_bench", "cli", "serving over a capped link between two namespace hosts (root)"),

@@ -78,7 +78,32 @@ class Chat:
         return out
 
 
-Workload = Union[Poisson, Chat]
+@dataclass(frozen=True)
+class Recorded:
+    """Conversations exactly as a bench sent them: each one's start, its user turns' lengths and
+    the pause after each answer (what ``pushkv chat-sweep`` checks the planner against)."""
+
+    system: int
+    output: int
+    starts: tuple[float, ...]
+    users: tuple[tuple[int, ...], ...]
+    thinks: tuple[tuple[float, ...], ...]
+    kind: str = "recorded"
+
+    def conversations(self) -> list[list[Turn]]:
+        out = []
+        for c, (t, users, thinks) in enumerate(zip(self.starts, self.users, self.thinks)):
+            turns, prompt = [], self.system
+            for k, user in enumerate(users, start=1):
+                history = prompt + self.output if k > 1 else 0
+                prompt = (history if k > 1 else self.system) + user
+                turns.append(Turn(c, k, prompt, self.output, self.system, history, start_s=t,
+                                  think_s=thinks[k - 2] if k > 1 else 0.0))
+            out.append(turns)
+        return out
+
+
+Workload = Union[Poisson, Chat, Recorded]
 
 
 def from_dict(d: dict) -> Workload:

@@ -156,9 +156,9 @@ def path_costs(p: Load, d: Load, ask: Ask, p_block_size: int) -> PathCosts:
     moved = blocks_for(n - d_hit, p_block_size)
     split = prefill_wait_ms(p, ask) + c.handoff_ms(moved)
     running = d.legs  # sequences D holds: decoding now, or about to
-    d_prefill = c.prefill_ms(n - d_hit, d_hit)
+    d_prefill = c.local_prefill_ms(n - d_hit, d_hit)
     step = c.step_ms(running, n) if running else 0.0
-    local = c.prefill_ms_per_token * d.queued_tokens + step + d_prefill
+    local = c.local_prefill_ms(d.queued_tokens) + step + d_prefill
     return PathCosts(split, local, running * d_prefill)
 
 
