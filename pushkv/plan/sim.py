@@ -282,7 +282,7 @@ class Simulation:
         ms = (self.c.step_ms(len(batch), sum(x.turn.prompt + x.tokens for x in batch) / len(batch)) if batch
               else self.c.step_ms_fixed)
         for x in local:
-            x.prefill_ms = self.c.local_prefill_ms(x.turn.prompt - x.d_hit, x.d_hit)
+            x.prefill_ms = self.c.local_prefill_tokens_ms(x.turn.prompt - x.d_hit, x.d_hit)
             d.queued -= x.turn.prompt - x.d_hit
             ms += x.prefill_ms
         d.stepping = True

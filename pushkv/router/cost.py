@@ -10,16 +10,18 @@ Three linear fits, each over a window of the latest samples:
   ``prefill_start`` .. ``prefill_end``). The regressors are what the steps that computed the
   prompt computed in all (P reports them: a step may prefill several prompts, and each of them
   waits for all), else the prompt's own uncached and cached tokens. Only P's prefills are
-  samples: on D a prefill shares its step with D's decodes, and the step fit prices it;
+  samples (D's own prefills are the local fit's);
 - **handoff** P -> D: ``ms = fixed + per_block * moved_blocks`` (from the later of P's
   ``prefill_end`` and D's registration or READ post, to D's ``kv_received``: the WRITE or READ
   and its rendezvous; D's own queue for blocks is not the link's cost);
-- **decode step** on D: ``ms = fixed + per_seq * batch + per_kctx * batch * context / 1000
-  + per_prefill_token * prefilled`` (a request's time per output token against the mean batch,
-  context and prompt tokens prefilled of the steps that decoded it, as D reports them). The last
-  term is what a prompt D prefills itself (conditional disaggregation) costs inside D's step:
-  ``Costs.local_prefill_ms`` prices a prefill on D with it once D has prefilled anything, and
-  with P's rate before (the same hardware); P's rate is D's while P has prefilled nothing.
+- **local prefill** on D (conditional disaggregation: D prefills a prompt itself): the same
+  form as P's, from D's ``prefill_start`` .. ``prefill_end`` of the prompt. ``Costs.local_prefill_ms``
+  prices a prefill on D with it once D has prefilled something, and at P's prices before (the
+  same hardware); P is priced at D's while P has prefilled nothing;
+- **decode step** on D: ``ms = fixed + per_seq * batch + per_kctx * batch * context / 1000``
+  (a request's time per output token against the mean batch and context of the steps that
+  decoded it, as D reports them, less what the prompts D prefilled in those steps cost at D's
+  local rate).
 
 A fit starts at its prior (``PRIORS``: CPU-sized values) and moves to the data as samples come:
 while a window holds fewer than ``ENOUGH`` samples the prior enters as ``PRIOR_WEIGHT``
@@ -50,8 +52,9 @@ PRIORS = {
     "prefill": (("prefill_ms_fixed", "prefill_ms_per_token", "prefill_ms_per_cached_token"),
                 (5.0, 1.0, 0.01), (1.0, 512.0, 512.0)),
     "handoff": (("handoff_ms_fixed", "handoff_ms_per_block"), (5.0, 0.2), (1.0, 32.0)),
-    "step": (("step_ms_fixed", "step_ms_per_seq", "step_ms_per_kctx", "step_ms_per_prefill_token"),
-             (20.0, 5.0, 5.0, 1.0), (1.0, 4.0, 4.0, 64.0)),
+    "local": (("local_prefill_ms_fixed", "local_prefill_ms_per_token", "local_prefill_ms_per_cached_token"),
+              (5.0, 1.0, 0.01), (1.0, 512.0, 512.0)),
+    "step": (("step_ms_fixed", "step_ms_per_seq", "step_ms_per_kctx"), (20.0, 5.0, 5.0), (1.0, 4.0, 4.0)),
 }
 
 
@@ -67,11 +70,13 @@ class Costs:
     step_ms_fixed: float = PRIORS["step"][1][0]
     step_ms_per_seq: float = PRIORS["step"][1][1]
     step_ms_per_kctx: float = PRIORS["step"][1][2]
-    step_ms_per_prefill_token: float = PRIORS["step"][1][3]
+    local_prefill_ms_fixed: float = PRIORS["local"][1][0]
+    local_prefill_ms_per_token: float = PRIORS["local"][1][1]
+    local_prefill_ms_per_cached_token: float = PRIORS["local"][1][2]
     prefill_samples: int = 0
     handoff_samples: int = 0
     step_samples: int = 0
-    local_prefill_samples: int = 0  # step samples whose steps prefilled a prompt on D
+    local_samples: int = 0
 
     def prefill_ms(self, computed: int, cached: int = 0) -> float:
         return self.prefill_ms_fixed + self.prefill_ms_per_token * computed + self.prefill_ms_per_cached_token * cached
@@ -79,17 +84,27 @@ class Costs:
     def handoff_ms(self, blocks: int) -> float:
         return self.handoff_ms_fixed + self.handoff_ms_per_block * blocks
 
-    def step_ms(self, batch: int, context: float, prefilled: int = 0) -> float:
-        """One decode step of ``batch`` sequences of mean ``context`` tokens, prefilling
-        ``prefilled`` prompt tokens besides."""
-        return (self.step_ms_fixed + self.step_ms_per_seq * batch + self.step_ms_per_kctx * batch * context / 1000.0
-                + self.step_ms_per_prefill_token * prefilled)
+    def step_ms(self, batch: int, context: float) -> float:
+        """One decode step of ``batch`` sequences of mean ``context`` tokens."""
+        return self.step_ms_fixed + self.step_ms_per_seq * batch + self.step_ms_per_kctx * batch * context / 1000.0
 
     def local_prefill_ms(self, computed: int, cached: int = 0) -> float:
-        """What prefilling a prompt inside D's step adds to that step: D's own measured rate
-        once D has prefilled something, P's rate before."""
-        rate = self.step_ms_per_prefill_token if self.local_prefill_samples else self.prefill_ms_per_token
-        return rate * computed + self.prefill_ms_per_cached_token * cached
+        """D prefilling a prompt itself: D's own measured prices once D has prefilled something,
+        P's before (the same hardware)."""
+        if not self.local_samples:
+            return self.prefill_ms(computed, cached)
+        return (self.local_prefill_ms_fixed + self.local_prefill_ms_per_token * computed
+                + self.local_prefill_ms_per_cached_token * cached)
+
+    def local_prefill_tokens_ms(self, computed: int, cached: int = 0) -> float:
+        """``local_prefill_ms`` less its fixed part: what the prompt adds to a step D runs anyway."""
+        per_cached = self.local_prefill_ms_per_cached_token if self.local_samples else self.prefill_ms_per_cached_token
+        return self.local_ms_per_token * computed + per_cached * cached
+
+    @property
+    def local_ms_per_token(self) -> float:
+        """The rate a prompt token D prefills costs D's step."""
+        return self.local_prefill_ms_per_token if self.local_samples else self.prefill_ms_per_token
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -157,18 +172,17 @@ class CostModel:
                 ys = np.array([s.ms for s in w], dtype=float)
                 theta = fit_linear(xs, ys, np.array(prior, dtype=float), np.array(scale, dtype=float))
                 values.update(zip(names, (float(t) for t in theta)))
-            local = sum(1 for s in self.windows["step"] if s.x[3] > 0)
-            if not self.windows["prefill"] and local:  # P has prefilled nothing yet: D's rate (the same hardware)
-                values["prefill_ms_per_token"] = values["step_ms_per_prefill_token"]
-            self._costs = Costs(**values, prefill_samples=self.seen["prefill"],
-                                handoff_samples=self.seen["handoff"], step_samples=self.seen["step"],
-                                local_prefill_samples=local)
+            if not self.windows["prefill"] and self.windows["local"]:  # P has prefilled nothing: D's prices
+                for k in PRIORS["prefill"][0]:
+                    values[k] = values["local_" + k]
+            self._costs = Costs(**values, prefill_samples=self.seen["prefill"], handoff_samples=self.seen["handoff"],
+                                step_samples=self.seen["step"], local_samples=self.seen["local"])
         return self._costs
 
 
 def samples(timeline: dict[str, float], prompt_tokens: int, output_tokens: int, *, prefill_leg: str,
             cached_tokens: int, moved_blocks: int, decode_batch: float, prefill_work: tuple = (),
-            decode_work: tuple = ()) -> list[Sample]:
+            decode_work: tuple = (), local_ms_per_token: float = 0.0) -> list[Sample]:
     """What one finished request's merged timeline (``<leg>.<stage>`` -> wall seconds) says.
 
     ``prefill_leg``: the leg that prefilled ("prefill", or "decode" when D prefilled it
@@ -177,7 +191,7 @@ def samples(timeline: dict[str, float], prompt_tokens: int, output_tokens: int, 
     D's batch (its legs on D) when D did not report ``decode_work``; ``prefill_work``: P's
     (steps, tokens computed, cached context) over the steps that computed the prompt;
     ``decode_work``: D's (steps, sequences, context tokens, prefill tokens) over the steps that
-    decoded it."""
+    decoded it; ``local_ms_per_token``: the rate D's own prefill tokens are taken out of them at."""
     out: list[Sample] = []
     start, end = timeline.get("prefill.prefill_start"), timeline.get("prefill.prefill_end")
     if prefill_leg == "prefill" and start is not None and end is not None and end >= start:
@@ -186,6 +200,10 @@ def samples(timeline: dict[str, float], prompt_tokens: int, output_tokens: int, 
         else:
             x = (1.0, float(max(prompt_tokens - cached_tokens, 0)), float(cached_tokens))
         out.append(Sample("prefill", x, (end - start) * 1e3))
+    d_start, d_end = timeline.get("decode.prefill_start"), timeline.get("decode.prefill_end")
+    if prefill_leg == "decode" and d_start is not None and d_end is not None and d_end >= d_start:
+        x = (1.0, float(max(prompt_tokens - cached_tokens, 0)), float(cached_tokens))
+        out.append(Sample("local", x, (d_end - d_start) * 1e3))
     got = timeline.get("decode.kv_received")
     ready = timeline.get("decode.registration_sent", timeline.get("decode.read_posted"))
     if prefill_leg != "decode" and moved_blocks > 0 and end is not None and got is not None:
@@ -195,12 +213,12 @@ def samples(timeline: dict[str, float], prompt_tokens: int, output_tokens: int, 
     first, last = timeline.get("decode.first_token"), timeline.get("decode.finished")
     if output_tokens > 1 and first is not None and last is not None and last > first:
         ms = (last - first) * 1e3 / (output_tokens - 1)
-        prefilled = 0.0
         if decode_work and decode_work[0] > 0:
             steps, seqs, context, prefill_tokens = decode_work
-            batch, kctx, prefilled = seqs / steps, context / steps / 1000.0, prefill_tokens / steps
+            batch, kctx = seqs / steps, context / steps / 1000.0
+            ms = max(ms - local_ms_per_token * prefill_tokens / steps, 0.0)
         else:
             batch = max(decode_batch, 1.0)
             kctx = batch * (prompt_tokens + output_tokens / 2.0) / 1000.0
-        out.append(Sample("step", (1.0, batch, kctx, prefilled), ms))
+        out.append(Sample("step", (1.0, batch, kctx), ms))
     return out

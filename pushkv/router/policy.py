@@ -158,7 +158,7 @@ def path_costs(p: Load, d: Load, ask: Ask, p_block_size: int) -> PathCosts:
     running = d.legs  # sequences D holds: decoding now, or about to
     d_prefill = c.local_prefill_ms(n - d_hit, d_hit)
     step = c.step_ms(running, n) if running else 0.0
-    local = c.local_prefill_ms(d.queued_tokens) + step + d_prefill
+    local = c.local_ms_per_token * d.queued_tokens + step + d_prefill
     return PathCosts(split, local, running * d_prefill)
 
 
