@@ -44,7 +44,7 @@ class Actor:
     """Base of every process loop. Subclasses add channels in ``setup``."""
 
     def __init__(self, name: str, control_endpoint: str = "", trace_endpoint: str = "", secret_file: str = "",
-                 max_msg_bytes: int = limits.CONTROL_MSG_BYTES):
+                 max_msg_bytes: int = limits.CONTROL_MSG_BYTES, counters: Optional[Counter[str]] = None):
         self.name = name
         # the largest message a socket of ours accepts unless it names its own (pushkv.limits): ZMQ
         # drops a larger one and disconnects its sender before anything of it is decoded
@@ -52,7 +52,8 @@ class Actor:
         self.ctx = zmq.Context.instance()
         self.poller = zmq.Poller()
         self.channels: dict[zmq.Socket, Channel] = {}
-        self.counters: Counter[str] = Counter()
+        # a sans-I/O core's counters when it has one: the actor's own (bad frames, CURVE) join them
+        self.counters: Counter[str] = counters if counters is not None else Counter()
         # CURVE on network endpoints; peers refused are counted in self.counters
         self.security = security.load(secret_file, self.counters)
         self.stopping = False
@@ -219,7 +220,11 @@ class Actor:
             try:
                 self.teardown()
             finally:
-                for sock in list(self.channels):
-                    sock.close(0)
-                if self._trace is not None:
-                    self._trace.close(0)
+                self.close_sockets()
+
+    def close_sockets(self) -> None:
+        """Close every socket (``run`` does on its way out)."""
+        for sock in list(self.channels):
+            sock.close(0)
+        if self._trace is not None:
+            self._trace.close(0)
