@@ -208,19 +208,23 @@ class Actor:
             self.setup()
             self._announce_ready()
             while not self.stopping:
-                events = dict(self.poller.poll(self.poll_timeout_ms()))
-                for sock_or_fd in events:
-                    ch = self.channels.get(sock_or_fd)  # type: ignore[arg-type]
-                    if ch is not None:
-                        self._drain(ch)
-                    elif sock_or_fd in self._extra_fds:
-                        self._extra_fds[sock_or_fd]()
-                self.tick(time.monotonic())
+                self.poll_once(self.poll_timeout_ms())
         finally:
             try:
                 self.teardown()
             finally:
                 self.close_sockets()
+
+    def poll_once(self, timeout_ms: int) -> None:
+        """One turn of the loop: handle what arrives within ``timeout_ms``, then the tick."""
+        events = dict(self.poller.poll(timeout_ms))
+        for sock_or_fd in events:
+            ch = self.channels.get(sock_or_fd)  # type: ignore[arg-type]
+            if ch is not None:
+                self._drain(ch)
+            elif sock_or_fd in self._extra_fds:
+                self._extra_fds[sock_or_fd]()
+        self.tick(time.monotonic())
 
     def close_sockets(self) -> None:
         """Close every socket (``run`` does on its way out)."""
