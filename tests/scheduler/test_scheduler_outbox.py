@@ -3,9 +3,13 @@ peer it is for (the router by the identity of the one that asked, each worker or
 every refusal goes to its sender alone, and the time a call passes in is the time it uses."""
 from __future__ import annotations
 
+import ast
+import pathlib
+
 import msgspec
 import pytest
 
+import pushkv.scheduler
 from pushkv import messages as m
 from pushkv.scheduler.outbox import Peer, Send, Trace
 from tests.scheduler.test_scheduler_roles import P_SRC, make
@@ -166,3 +170,20 @@ def test_shutdown_refuses_every_request_still_here_to_its_sender():
     out = sends(s)
     assert [(to, x.transfer_id, x.status) for to, x in out] == [(A, "ta", 503), (B, "tb", 503)]
     assert out[0][1].reason == "scheduler shutting down (upgrade)"
+
+
+PURE = ["core", "prefill", "decode", "local", "outbox", "prefix", "requests", "validate"]
+
+
+@pytest.mark.parametrize("module", PURE)
+def test_the_core_imports_no_socket_actor_or_clock(module):
+    """Only the shell (``scheduler/shell.py``) may: the rest is driven by plain calls."""
+    path = pathlib.Path(pushkv.scheduler.__file__).parent / f"{module}.py"
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            names.add(node.module or "")
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    assert not names & {"zmq", "time", "pushkv.actor", "pushkv.scheduler.shell", "pushkv.transport"}, names
