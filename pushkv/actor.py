@@ -44,7 +44,7 @@ class Actor:
     """Base of every process loop. Subclasses add channels in ``setup``."""
 
     def __init__(self, name: str, control_endpoint: str = "", trace_endpoint: str = "", secret_file: str = "",
-                 max_msg_bytes: int = limits.CONTROL_MSG_BYTES):
+                 max_msg_bytes: int = limits.CONTROL_MSG_BYTES, counters: Optional[Counter[str]] = None):
         self.name = name
         # the largest message a socket of ours accepts unless it names its own (pushkv.limits): ZMQ
         # drops a larger one and disconnects its sender before anything of it is decoded
@@ -52,7 +52,8 @@ class Actor:
         self.ctx = zmq.Context.instance()
         self.poller = zmq.Poller()
         self.channels: dict[zmq.Socket, Channel] = {}
-        self.counters: Counter[str] = Counter()
+        # a sans-I/O core's counters when it has one: the actor's own (bad frames, CURVE) join them
+        self.counters: Counter[str] = counters if counters is not None else Counter()
         # CURVE on network endpoints; peers refused are counted in self.counters
         self.security = security.load(secret_file, self.counters)
         self.stopping = False
@@ -207,19 +208,27 @@ class Actor:
             self.setup()
             self._announce_ready()
             while not self.stopping:
-                events = dict(self.poller.poll(self.poll_timeout_ms()))
-                for sock_or_fd in events:
-                    ch = self.channels.get(sock_or_fd)  # type: ignore[arg-type]
-                    if ch is not None:
-                        self._drain(ch)
-                    elif sock_or_fd in self._extra_fds:
-                        self._extra_fds[sock_or_fd]()
-                self.tick(time.monotonic())
+                self.poll_once(self.poll_timeout_ms())
         finally:
             try:
                 self.teardown()
             finally:
-                for sock in list(self.channels):
-                    sock.close(0)
-                if self._trace is not None:
-                    self._trace.close(0)
+                self.close_sockets()
+
+    def poll_once(self, timeout_ms: int) -> None:
+        """One turn of the loop: handle what arrives within ``timeout_ms``, then the tick."""
+        events = dict(self.poller.poll(timeout_ms))
+        for sock_or_fd in events:
+            ch = self.channels.get(sock_or_fd)  # type: ignore[arg-type]
+            if ch is not None:
+                self._drain(ch)
+            elif sock_or_fd in self._extra_fds:
+                self._extra_fds[sock_or_fd]()
+        self.tick(time.monotonic())
+
+    def close_sockets(self) -> None:
+        """Close every socket (``run`` does on its way out)."""
+        for sock in list(self.channels):
+            sock.close(0)
+        if self._trace is not None:
+            self._trace.close(0)

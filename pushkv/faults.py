@@ -47,8 +47,19 @@ def arm(directory: str, process: str, point_name: str) -> str:
 
 
 def point(process: str, name: str) -> None:
-    if _take("arm", process, name):
-        os.kill(os.getpid(), signal.SIGKILL)
+    if armed(process, name):
+        kill_self()
+
+
+def armed(process: str, name: str) -> bool:
+    """True once if point ``name`` was armed for ``process`` (removed as it is read): a caller
+    that cannot die where it stands (the scheduler core, which has messages to hand over first)
+    asks this and has its shell call ``kill_self``."""
+    return _take("arm", process, name)
+
+
+def kill_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def arm_delay(directory: str, process: str, point_name: str, seconds: float) -> str:

@@ -2,7 +2,7 @@
 
 The router refuses a request past any bound here with 400 naming the field
 (``pushkv/router/api.py``); every scheduler checks the same bounds again on what
-it receives (``SchedulerCore._validate``), since anyone who reaches its socket
+it receives (``SchedulerCore._refusal``), since anyone who reaches its socket
 can send a ``Generate`` without the router; and every ZMQ socket caps the size
 of a message it accepts (``zmq.MAXMSGSIZE``) at what the largest legal message
 of this deployment's configuration encodes to, with a margin. A peer that sends

@@ -1,9 +1,11 @@
-"""Schedulers: one class per role over a shared core (``core.SchedulerCore``)."""
+"""Schedulers: one class per role over a shared sans-I/O core (``core.SchedulerCore``), run
+in its process by ``shell.SchedulerShell``, which owns the sockets."""
 from __future__ import annotations
 
 
 def scheduler_for(cfg, inst):
-    """The scheduler actor for ``inst.role``: prefill, decode or local."""
+    """The scheduler core for ``inst.role``: prefill, decode or local (``SchedulerShell(core)``
+    runs it)."""
     from pushkv.scheduler.decode import DecodeScheduler
     from pushkv.scheduler.local import LocalScheduler
     from pushkv.scheduler.prefill import PrefillScheduler

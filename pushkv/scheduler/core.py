@@ -2,12 +2,26 @@
 continuous batching, request state, deadlines. Never touches KV bytes: workers
 compute into the pool, writers move it.
 
+Sans-I/O: no socket, no clock, no process. The entry points take the time in
+(``now``, monotonic; ``wall``, for request timelines) and append what is to
+happen to ``outbox`` in order (``outbox.Send`` a message to a ``Peer``,
+``Trace`` an event, ``Kill`` at an armed fault point):
+
+- ``handle(msg, frm, now, wall)``: one decoded message from the router, a worker or a writer rank;
+- ``refuse_undecodable(frm, reason, payload)``: a frame from the router that did not decode;
+- ``tick(now, wall)``: deadlines;
+- ``shutdown(reason)``: the process stops; every request still here is refused.
+
+``SchedulerShell`` (``pushkv.scheduler.shell``) owns the sockets and drains
+``take_outbox()`` after each; tests call the entry points and read it.
+
 What differs by role lives in one subclass each (``PrefillScheduler``,
 ``DecodeScheduler``, ``LocalScheduler``), behind four hooks:
 
 - ``_check_leg(msg)``: role-specific validation of a new request;
 - ``_admitted(r)``: blocks are reserved; what happens next (prefill, or wait for KV);
-- ``_prefilled(r, tok, lp)``: the prefill step ended with first token ``tok`` (and its logprob, if asked);
+- ``_prefilled(r, tok, lp)``: the prefill step ended with first token ``tok`` (and its logprob,
+  if asked);
 - ``_kv_done(r, answers)``: every writer rank answered the request's transfer with success.
 
 ``scheduler_for(cfg, inst)`` in ``pushkv.scheduler`` picks the class.
@@ -15,22 +29,19 @@ What differs by role lives in one subclass each (``PrefillScheduler``,
 from __future__ import annotations
 
 import logging
-import time
-from collections import OrderedDict
-from typing import Optional, Union
-
-import msgspec
-import zmq
+from collections import Counter, OrderedDict
+from typing import Any, Callable, Optional, Union
 
 from pushkv import faults
 from pushkv import limits
 from pushkv import messages as m
-from pushkv.actor import Actor
 from pushkv.config import DeploymentConfig, InstanceConfig
-from pushkv.protocol.prefix_cache import ROOT_HASH, PrefixCache, block_hashes
 from pushkv.kv import checksum
-from pushkv.scheduler.requests import Request, State, build_batch
-from pushkv.scheduler.validate import check_generate
+from pushkv.protocol.prefix_cache import PrefixCache
+from pushkv.scheduler.outbox import Effect, Kill, Peer, Send, Trace
+from pushkv.scheduler.prefix import index_blocks, prefix_hits
+from pushkv.scheduler.requests import Request, State, blocks_needed, build_batch, count_work, failures_of
+from pushkv.scheduler.validate import check_generate, readable_head
 
 log = logging.getLogger(__name__)
 
@@ -38,19 +49,28 @@ WRITER_STATS_WAIT_S = 0.25  # GetStats: how long to wait for the writers' counte
 REMEMBER_IDS = 65536  # transfer ids whose newest generation is kept, to refuse duplicates and stale reissues
 
 WriterAnswer = Union[m.KVSent, m.KVReceived, m.KVFailed]
+StepAnswer = Union[m.StepDone, m.StepFailed]
+Batch = list[tuple[Request, m.SeqWork]]
 
 
-class SchedulerCore(Actor):
+class SchedulerCore:
     role = ""  # set by each role's class
-    writer_answers: tuple[type, ...] = (m.KVSent, m.KVReceived, m.KVFailed)  # what this role's writers answer
+    # what this role's writers answer
+    writer_answers: tuple[type, ...] = (m.KVSent, m.KVReceived, m.KVFailed)
 
     def __init__(self, cfg: DeploymentConfig, inst: InstanceConfig):
         if inst.role != self.role:
             raise ValueError(f"{type(self).__name__} serves {self.role!r} instances, not {inst.role!r}")
-        super().__init__(f"{inst.name}-scheduler", cfg.control_endpoint, cfg.trace_endpoint, cfg.secret_file,
-                         limits.msg_cap_bytes(cfg))
+        self.name = f"{inst.name}-scheduler"
         self.cfg = cfg
         self.inst = inst
+        self.counters: Counter[str] = Counter()  # the shell's too: its socket-level counts join these
+        self.workers = tuple(Peer("worker", r) for r in range(len(inst.worker_endpoints)))
+        self.writers = tuple(Peer("writer", r) for r in range(len(inst.writer_endpoints)))
+        self.outbox: list[Effect] = []
+        self.now = 0.0  # monotonic seconds, from the entry point being handled
+        self.wall = 0.0  # wall-clock seconds, the same moment (request timelines cross processes)
+        self._handlers: dict[type, Callable[[Any, Peer], None]] = {}
         # ref-counted blocks with a prefix-hash index; with the cache off, a plain allocator
         self.alloc = PrefixCache(inst.num_blocks, inst.prefix_cache)
         self.reqs: dict[tuple[str, int], Request] = {}
@@ -58,15 +78,15 @@ class SchedulerCore(Actor):
         self.waiting: list[Request] = []
         self.next_seq = 1
         self.step_id = 0
-        self.step: Optional[list[tuple[Request, m.SeqWork]]] = None
+        self.step: Optional[Batch] = None
         self.step_started = 0.0
-        self.step_answers: dict[int, m.Msg] = {}
+        self.step_answers: dict[int, StepAnswer] = {}
         self.max_len = cfg.max_model_len or cfg.model.max_position
         self.vocab = cfg.model.vocab_size
         self.max_stop_ids = limits.stop_ids_bound(cfg)
         self.newest: OrderedDict[str, int] = OrderedDict()  # newest accepted generation per transfer id
         self.writer_counters: dict[int, dict[str, int]] = {}  # last WriterStats per rank
-        self._stats_waiting: list[bytes] = []  # router identities waiting for a Stats
+        self._stats_waiting: list[Peer] = []  # routers waiting for a Stats
         self._stats_fresh: set[int] = set()
         self._stats_asked = 0.0
 
@@ -87,9 +107,10 @@ class SchedulerCore(Actor):
     def _chunk_done(self, r: Request) -> None:
         """A prefill chunk ended and more of the prompt is left (``r.prefilled`` tokens are in)."""
 
-    def _streaming(self, batch: list[tuple[Request, m.SeqWork]]) -> tuple[m.StreamKV, ...]:
+    def _streaming(self, batch: Batch) -> tuple[m.StreamKV, ...]:
         """Prompts of this step whose layer groups the worker marks for the writers as stored."""
         return ()
+
     def _step_work(self, r: Request, w: m.SeqWork) -> m.SeqWork:
         """What the workers get for ``r`` this step (P: asks for the KV's checksums)."""
         return w
@@ -113,49 +134,108 @@ class SchedulerCore(Actor):
         """May the request's blocks be offered to the prefix cache once their KV is complete?"""
         return True
 
-    # -- lifecycle ---------------------------------------------------------------
-    def setup(self) -> None:
-        # what reaches us from outside: the router's Generate, at most the largest legal one (x2)
-        front = self.socket(zmq.ROUTER, self.inst.sched_endpoint, bind=True, max_msg_bytes=limits.generate_cap_bytes(self.cfg))
-        self.front = self.add_channel(front, m.DEC_ROUTER_TO_SCHED, "router", routed=True)
-        self.workers = []
-        for r, ep in enumerate(self.inst.worker_endpoints):
-            ch = self.add_channel(self.socket(zmq.DEALER, ep, bind=False), m.DEC_WORKER_TO_SCHED, f"{self.inst.name}-worker-{r}")
-            ch.index = r
-            self.workers.append(ch)
-        self.writers = []
-        for r, ep in enumerate(self.inst.writer_endpoints):
-            ch = self.add_channel(self.socket(zmq.DEALER, ep, bind=False), m.DEC_WRITER_TO_SCHED, f"{self.inst.name}-writer-{r}")
-            ch.index = r
-            self.writers.append(ch)
+    # -- entry points -------------------------------------------------------------------
+    def handles(self, typ: type) -> bool:
+        return self._handler(typ) is not None
 
-    def teardown(self) -> None:
+    def _handler(self, typ: type) -> Optional[Callable[[Any, Peer], None]]:
+        h = self._handlers.get(typ)
+        if h is None:
+            h = getattr(self, f"on_{typ.__name__}", None)
+            if h is not None:
+                self._handlers[typ] = h
+        return h
+
+    def handle(self, msg: Any, frm: Peer, now: float, wall: float) -> None:
+        """Act on one decoded message from ``frm``; what to send lands in ``outbox``."""
+        h = self._handler(type(msg))
+        if h is None:
+            raise TypeError(f"{self.name} has no handler for {type(msg).__name__} (from {frm})")
+        self.now, self.wall = now, wall
+        h(msg, frm)
+
+    def tick(self, now: float, wall: float) -> None:
+        """Deadlines: a writer slow to answer GetStats, a step that never ends."""
+        self.now, self.wall = now, wall
+        if self._stats_waiting and now - self._stats_asked > WRITER_STATS_WAIT_S:
+            self._answer_stats()  # a writer that does not answer must not hold the router's scrape
+        if self.step is not None and now - self.step_started > self.cfg.timeouts.step_s:
+            batch, self.step = self.step, None
+            self.counters["step_timeout"] += 1
+            for r, _ in batch:
+                r.in_step = False
+                self._fail(r, f"forward step exceeded {self.cfg.timeouts.step_s:.0f}s (worker dead or hung)", 503)
+            self.schedule()
+
+    def shutdown(self, reason: str = "") -> None:
+        """The process stops: every request still here is refused (503), never silently lost."""
+        why = f"scheduler shutting down ({reason})" if reason else "scheduler shutting down"
         for r in list(self.reqs.values()):
-            reason = f"scheduler shutting down ({self.stop_reason})" if self.stop_reason else "scheduler shutting down"
-            self._reply(r, m.RequestFailed(r.transfer_id, r.generation, reason, 503))
+            self._reply(r, m.RequestFailed(r.transfer_id, r.generation, why, 503))
+
+    def take_outbox(self) -> list[Effect]:
+        """What the calls so far asked for, in order; the outbox is empty after."""
+        out, self.outbox = self.outbox, []
+        return out
+
+    # -- refusals: every request the scheduler will not act on is answered here --------
+    def refuse_undecodable(self, frm: Peer, reason: str, payload: bytes = b"") -> None:
+        """Answer an undecodable request, naming its transfer id when it is readable."""
+        tid, gen = readable_head(payload)
+        self._send(frm, m.RequestFailed(tid, gen, f"undecodable message: {reason}", 400))
+
+    def _refusal(self, msg: m.Generate) -> Optional[tuple[str, int]]:
+        """Why a new request is refused (reason, HTTP status), or None: malformed, another role's,
+        refused by this role, a duplicate or stale generation, larger than the whole pool."""
+        if msg.leg != self.role:
+            return f"{self.role} instance cannot serve a {msg.leg!r} leg", 400
+        why = check_generate(msg, self.vocab, self.max_len, self.max_stop_ids)  # every value a step acts on
+        if why is not None:
+            return why, 400
+        err = self._check_leg(msg)
+        if err is not None:
+            return err
+        tid, gen = msg.transfer_id, msg.generation
+        seen = self.newest.get(tid)
+        if seen is not None and gen <= seen:
+            what = "duplicate" if gen == seen else "stale generation for"
+            return f"{what} transfer id {tid} (generation {gen}; newest {seen})", 409
+        old = self.by_tid.get(tid)
+        if old is not None and old.generation >= gen:
+            return f"duplicate transfer id {tid} (generation {gen})", 409
+        need = blocks_needed(msg.leg, len(msg.prompt_token_ids), msg.max_tokens, self.inst.block_size)
+        if need > self.alloc.num_blocks:
+            return f"request needs {need} KV blocks; the {self.role} pool has {self.alloc.num_blocks}", 413
+        return None
 
     # -- helpers --------------------------------------------------------------------
+    def _send(self, to: Peer, msg: m.Msg) -> None:
+        self.outbox.append(Send(to, msg))
+
     def _reply(self, r: Request, msg: m.Msg) -> None:
-        self.send(self.front, msg, r.identity)
+        self._send(Peer.router(r.identity), msg)
+
+    def _to_workers(self, msg: m.Msg) -> None:
+        for w in self.workers:
+            self._send(w, msg)
+
+    def _to_writers(self, msg: m.Msg) -> None:
+        for w in self.writers:
+            self._send(w, msg)
+
+    def _fault(self, point: str) -> None:
+        """A test's fault point (``pushkv.faults``): the shell kills the process there."""
+        if faults.armed(self.name, point):
+            self.outbox.append(Kill(point))
 
     def _stamp(self, r: Request, stage: str) -> None:
-        r.timeline[stage] = time.time()
-        self.trace_event(stage, r.transfer_id)
-
-    def _kv_stats(self, r: Request) -> Optional[m.KVTransferStats]:
-        kv = r.kv
-        if r.leg == "local" or not kv.nbytes:
-            return None
-        return m.KVTransferStats(kv.nbytes, kv.num_descs, kv.transfer_s, r.rendezvous or ("pull" if r.pull is not None else ""),
-                                 r.reserved_block_s, len(r.blocks) if r.reserved_block_s else 0, kv.parts, kv.stream)
+        r.timeline[stage] = self.wall
+        self.outbox.append(Trace(stage, r.transfer_id))
 
     def _count_kv(self, r: Request) -> None:
         self.counters["kv_bytes"] += r.kv.nbytes
         self.counters["kv_descs"] += r.kv.num_descs
         self.counters["kv_transfer_us"] += int(r.kv.transfer_s * 1e6)
-
-    def _timeline(self, r: Request) -> tuple[tuple[str, float], ...]:
-        return tuple(sorted(r.timeline.items(), key=lambda kv: kv[1]))
 
     def _release(self, r: Request) -> None:
         """The request is over: free its blocks exactly once and forget it."""
@@ -179,69 +259,27 @@ class SchedulerCore(Actor):
         self._reply(r, m.RequestFailed(r.transfer_id, r.generation, reason, status))
         self._release(r)
 
-    def _to_writers(self, msg: m.Msg) -> None:
-        for ch in self.writers:
-            self.send(ch, msg)
-
     # -- from the router --------------------------------------------------------------
-    def _validate(self, msg: m.Generate) -> Optional[tuple[str, int]]:
-        if msg.leg != self.role:
-            return f"{self.role} instance cannot serve a {msg.leg!r} leg", 400
-        why = check_generate(msg, self.vocab, self.max_len, self.max_stop_ids)  # every value a step acts on
-        if why is not None:
-            return why, 400
-        err = self._check_leg(msg)
-        if err is not None:
-            return err
-        seen = self.newest.get(msg.transfer_id)
-        if seen is not None and msg.generation <= seen:
-            what = "duplicate" if msg.generation == seen else "stale generation for"
-            return f"{what} transfer id {msg.transfer_id} (generation {msg.generation}; newest {seen})", 409
-        return None
-
     def _note_generation(self, r: Request) -> None:
         self.newest[r.transfer_id] = r.generation
         self.newest.move_to_end(r.transfer_id)
         if len(self.newest) > REMEMBER_IDS:
             self.newest.popitem(last=False)
 
-    def on_bad_frame(self, ch, identity, reason: str, payload: bytes = b"") -> None:
-        """Answer an undecodable request, naming its transfer id when it is readable."""
-        if ch is not self.front or identity is None:
-            return
-        tid, gen = "", 0
-        try:
-            head = msgspec.msgpack.decode(payload)
-            if isinstance(head, list) and len(head) >= 2 and isinstance(head[1], str):
-                tid = head[1]
-                gen = head[2] if len(head) >= 3 and type(head[2]) is int else 0
-        except (msgspec.DecodeError, RecursionError):
-            pass
-        self.send(self.front, m.RequestFailed(tid, gen, f"undecodable message: {reason}", 400), identity)
-
-    def on_Generate(self, msg: m.Generate, identity: bytes) -> None:
-        err = self._validate(msg)
-        if err is None:
-            old = self.by_tid.get(msg.transfer_id)
-            if old is not None and old.generation >= msg.generation:
-                err = (f"duplicate transfer id {msg.transfer_id} (generation {msg.generation})", 409)
-            elif old is not None:  # reissue: the new generation replaces the old
-                self.counters["reissued"] += 1
-                self._abort(old, f"superseded by generation {msg.generation}", notify=True)
+    def on_Generate(self, msg: m.Generate, frm: Peer) -> None:
+        err = self._refusal(msg)
         if err is not None:
             self.counters["rejected"] += 1
-            self.send(self.front, m.RequestFailed(msg.transfer_id, msg.generation, err[0], err[1]), identity)
+            self._send(frm, m.RequestFailed(msg.transfer_id, msg.generation, *err))
             return
-        r = Request(msg.transfer_id, msg.generation, msg.leg, msg.prompt_token_ids, msg.max_tokens, identity,
+        old = self.by_tid.get(msg.transfer_id)
+        if old is not None:  # reissue: the new generation replaces the old
+            self.counters["reissued"] += 1
+            self._abort(old, f"superseded by generation {msg.generation}", notify=True)
+        r = Request(msg.transfer_id, msg.generation, msg.leg, msg.prompt_token_ids, msg.max_tokens, frm.identity,
                     frozenset(msg.stop_token_ids), msg.source, msg.pull, seq_id=self.next_seq,
                     sampling=msg.sampling, late=msg.late, prefill_here=msg.prefill_here)
         self.next_seq += 1
-        need = r.blocks_needed(self.inst.block_size)
-        if need > self.alloc.num_blocks:
-            self.counters["rejected"] += 1
-            self.send(self.front, m.RequestFailed(msg.transfer_id, msg.generation,
-                      f"request needs {need} KV blocks; the {self.role} pool has {self.alloc.num_blocks}", 413), identity)
-            return
         if msg.arrival:
             r.timeline["arrival"] = msg.arrival
         self._stamp(r, f"{self.role}_queued")
@@ -252,7 +290,7 @@ class SchedulerCore(Actor):
         self.counters["requests"] += 1
         self.schedule()
 
-    def on_Abort(self, msg: m.Abort, identity: bytes) -> None:
+    def on_Abort(self, msg: m.Abort, frm: Peer) -> None:
         r = self.reqs.get((msg.transfer_id, msg.generation))
         if r is None:
             self.counters["abort_unknown"] += 1
@@ -273,25 +311,25 @@ class SchedulerCore(Actor):
         self._release(r)
         self.schedule()
 
-    def on_PeerLost(self, msg: m.PeerLost, identity: bytes) -> None:
+    def on_PeerLost(self, msg: m.PeerLost, frm: Peer) -> None:
         """The router's news of a peer instance gone (or back as a new incarnation): our
         writers end their transfers with it now, not at their deadlines."""
         self.counters["peer_lost"] += 1
         log.warning("%s: %s instance %s lost: %s", self.name, msg.role, msg.engine_id, msg.reason)
         self._to_writers(msg)
 
-    def on_GetStats(self, msg: m.GetStats, identity: bytes) -> None:
+    def on_GetStats(self, msg: m.GetStats, frm: Peer) -> None:
         """Answer with our counters and the writers' (``writer.<rank>.<name>``), asked afresh."""
-        self._stats_waiting.append(identity)
+        self._stats_waiting.append(frm)
         if len(self._stats_waiting) == 1:
-            self._stats_asked, self._stats_fresh = time.monotonic(), set()
+            self._stats_asked, self._stats_fresh = self.now, set()
             self._to_writers(m.GetStats())
         if not self.writers:
             self._answer_stats()
 
-    def on_WriterStats(self, msg: m.WriterStats) -> None:
-        self.writer_counters[self.current.index] = dict(msg.counters)
-        self._stats_fresh.add(self.current.index)
+    def on_WriterStats(self, msg: m.WriterStats, frm: Peer) -> None:
+        self.writer_counters[frm.rank] = dict(msg.counters)
+        self._stats_fresh.add(frm.rank)
         if self._stats_waiting and len(self._stats_fresh) >= len(self.writers):
             self._answer_stats()
 
@@ -304,21 +342,14 @@ class SchedulerCore(Actor):
         stats = m.Stats(self.inst.engine_id, self.role, self.alloc.num_blocks, self.alloc.num_free,
                         running, len(self.waiting), counters, self.alloc.num_cached)
         waiting, self._stats_waiting = self._stats_waiting, []
-        for identity in waiting:
-            self.send(self.front, stats, identity)
+        for to in waiting:
+            self._send(to, stats)
 
     # -- prefix cache ---------------------------------------------------------------------
     def _prefix_hits(self, r: Request) -> list[int]:
-        """Cached blocks of the prompt's longest cached prefix. The last prompt token is always
-        computed (its logits give the first token), so a block holding it is never a hit: a step
-        then writes only into blocks the request owns alone."""
         if not self.alloc.enabled or not self._reuses_prefix(r):
             return []
-        bs, unit = self.inst.block_size, self._hit_unit()
-        if not r.hashes:
-            r.hashes = block_hashes(r.prompt, bs)
-        hits = self.alloc.match(r.hashes[:(len(r.prompt) - 1) // bs])
-        return hits[:len(hits) * bs // unit * unit // bs]
+        return prefix_hits(self.alloc, r, self.inst.block_size, self._hit_unit())
 
     def _count_hits(self, r: Request, hit_blocks: int) -> None:
         r.cached = hit_blocks * self.inst.block_size
@@ -333,18 +364,8 @@ class SchedulerCore(Actor):
             self.counters["prefix_hit_tokens"] += r.cached
 
     def _index_blocks(self, r: Request, upto: int) -> None:
-        """Offer the request's full blocks below token ``upto`` (KV complete) to the prefix cache."""
-        bs = self.inst.block_size
-        full = min(upto // bs, len(r.blocks))
-        if full <= r.indexed or not self.alloc.enabled or not self._indexes(r):
-            return
-        if len(r.hashes) < full:
-            seq = r.prompt if full * bs <= len(r.prompt) else tuple(r.prompt) + tuple(r.output)
-            parent = r.hashes[-1] if r.hashes else ROOT_HASH
-            r.hashes.extend(block_hashes(seq[:full * bs], bs, parent, start=len(r.hashes) * bs))
-        for i in range(r.indexed, full):
-            self.alloc.insert(r.blocks[i], r.hashes[i])
-        r.indexed = full
+        if self.alloc.enabled and self._indexes(r):
+            index_blocks(self.alloc, r, upto, self.inst.block_size)
 
     # -- scheduling ---------------------------------------------------------------------
     def schedule(self) -> None:
@@ -363,11 +384,12 @@ class SchedulerCore(Actor):
             r.blocks = blocks
             self._count_hits(r, len(hits))
             self._stamp(r, f"{self.role}_alloc")
-            faults.point(self.name, "after_alloc")
+            self._fault("after_alloc")
             self._admitted(r)
 
     def _launch_step(self) -> None:
-        # an aborted prefill still here waits for its writers (a streamed chunk may be read): compute no more of it
+        # an aborted prefill still here waits for its writers (a streamed chunk may be read): compute
+        # no more of it
         prefills = [r for r in self.reqs.values() if r.state == State.PREFILL and not r.in_step and not r.aborted]
         running = [r for r in self.reqs.values() if r.state == State.RUNNING and not r.in_step]
         if not prefills and not running:
@@ -378,51 +400,26 @@ class SchedulerCore(Actor):
         self.step_id += 1
         self.step = batch
         self.step_answers = {}
-        self.step_started = time.monotonic()
-        self._count_work(batch)
+        self.step_started = self.now
+        count_work(batch)
         for r, w in batch:
             r.in_step = True
             if w.start_pos == r.cached and r.state == State.PREFILL:
                 self._stamp(r, "prefill_start")
-        cmd = m.ExecuteStep(self.step_id, tuple(w for _, w in batch), self._streaming(batch))
-        for ch in self.workers:
-            self.send(ch, cmd)
-
-    @staticmethod
-    def _count_work(batch) -> None:
-        """What this step computes, added to each of its requests (the router fits its costs on it)."""
-        pre_tokens = pre_ctx = seqs = ctx = 0
-        for r, w in batch:
-            if r.state == State.PREFILL:
-                pre_tokens += len(w.token_ids)
-                pre_ctx += w.start_pos
-            else:
-                seqs += 1
-                ctx += w.start_pos + 1
-        for r, _w in batch:
-            if r.state == State.PREFILL:
-                r.prefill_work[0] += 1
-                r.prefill_work[1] += pre_tokens
-                r.prefill_work[2] += pre_ctx
-            else:
-                dw = r.decode_work
-                dw[0] += 1
-                dw[1] += seqs
-                dw[2] += ctx
-                dw[3] += pre_tokens
+        self._to_workers(m.ExecuteStep(self.step_id, tuple(w for _, w in batch), self._streaming(batch)))
 
     # -- from the workers ----------------------------------------------------------------
-    def on_StepDone(self, msg: m.StepDone) -> None:
-        self._step_answer(msg)
+    def on_StepDone(self, msg: m.StepDone, frm: Peer) -> None:
+        self._step_answer(msg, frm)
 
-    def on_StepFailed(self, msg: m.StepFailed) -> None:
-        self._step_answer(msg)
+    def on_StepFailed(self, msg: m.StepFailed, frm: Peer) -> None:
+        self._step_answer(msg, frm)
 
-    def _step_answer(self, msg) -> None:
+    def _step_answer(self, msg: StepAnswer, frm: Peer) -> None:
         if self.step is None or msg.step_id != self.step_id:
             self.counters["stale_step_answer"] += 1
             return
-        self.step_answers[self.current.index] = msg
+        self.step_answers[frm.rank] = msg
         if len(self.step_answers) < len(self.workers):
             return
         batch, self.step = self.step, None
@@ -433,21 +430,25 @@ class SchedulerCore(Actor):
                 self._fail(r, f"forward step failed: {failed[0].reason}")
         else:
             self._take_checksums(batch)
-            sampled = iter(self.step_answers[0].sampled)  # one token per sampled seq, in batch order
-            logprobs = iter(self.step_answers[0].logprobs or ())
+            done = self.step_answers[0]
+            assert isinstance(done, m.StepDone)
+            sampled = iter(done.sampled)  # one token per sampled seq, in batch order
+            logprobs = iter(done.logprobs or ())
             for r, w in batch:
                 r.in_step = False
-                tok, lp = (next(sampled), next(logprobs, None)) if w.sample else (None, None)
-                self._after_step(r, w, tok, lp)
+                if w.sample:
+                    self._after_step(r, w, next(sampled), next(logprobs, None))
+                else:
+                    self._after_step(r, w, None, None)
         self.schedule()
 
-    def _take_checksums(self, batch) -> None:
+    def _take_checksums(self, batch: Batch) -> None:
         """--kv-verify: each rank summed its own heads; one struct per request, every head."""
         asked = [r for r, w in batch if w.checksum]
         if not asked:
             return
-        per_rank = [a.checksums if len(a.checksums) == len(asked) else (None,) * len(asked)
-                    for a in self.step_answers.values()]
+        per_rank = [a.checksums if isinstance(a, m.StepDone) and len(a.checksums) == len(asked)
+                    else (None,) * len(asked) for a in self.step_answers.values()]
         for i, r in enumerate(asked):
             try:
                 r.checksums = checksum.merge([sums[i] for sums in per_rank])
@@ -457,7 +458,8 @@ class SchedulerCore(Actor):
             if r.checksums is None:
                 self.counters["kv_checksums_missing"] += 1
 
-    def _after_step(self, r: Request, w: m.SeqWork, tok: Optional[int], lp: Optional[m.TokenLogprob] = None) -> None:
+    def _after_step(self, r: Request, w: m.SeqWork, tok: Optional[int],
+                    lp: Optional[m.TokenLogprob] = None) -> None:
         if r.aborted:
             if not self._pinned_by_writers(r):
                 self._release(r)
@@ -469,9 +471,9 @@ class SchedulerCore(Actor):
                 self._chunk_done(r)
                 return
             self._stamp(r, "prefill_end")
-            self._prefilled(r, tok, lp)
+            self._prefilled(r, tok, lp)  # type: ignore[arg-type]  # the last chunk always samples
         else:
-            self._emit(r, tok, lp)
+            self._emit(r, tok, lp)  # type: ignore[arg-type]  # a decode step always samples
 
     def _pinned_by_writers(self, r: Request) -> bool:
         """A streamed prefill's blocks stay ours until every writer rank answered (a WRITE
@@ -489,26 +491,26 @@ class SchedulerCore(Actor):
             self._stamp(r, "finished")
             self.counters["requests_completed"] += 1
             self._reply(r, m.TokensGenerated(r.transfer_id, r.generation, (tok,), True, reason, len(r.prompt),
-                                             self._timeline(r), self._kv_stats(r), lps, r.cached,
+                                             r.sorted_timeline(), r.kv_stats(), lps, r.cached,
                                              *r.decode_work))
             self._release(r)
         else:
             r.state = State.RUNNING
             self._reply(r, m.TokensGenerated(r.transfer_id, r.generation, (tok,), logprobs=lps))
             if len(r.output) == 3:
-                faults.point(self.name, "decoding")
+                self._fault("decoding")
 
     # -- from the writers --------------------------------------------------------------------
-    def on_KVSent(self, msg: m.KVSent) -> None:
-        self._writer_answer(msg)
+    def on_KVSent(self, msg: m.KVSent, frm: Peer) -> None:
+        self._writer_answer(msg, frm)
 
-    def on_KVReceived(self, msg: m.KVReceived) -> None:
-        self._writer_answer(msg)
+    def on_KVReceived(self, msg: m.KVReceived, frm: Peer) -> None:
+        self._writer_answer(msg, frm)
 
-    def on_KVFailed(self, msg: m.KVFailed) -> None:
-        self._writer_answer(msg)
+    def on_KVFailed(self, msg: m.KVFailed, frm: Peer) -> None:
+        self._writer_answer(msg, frm)
 
-    def _writer_answer(self, msg: WriterAnswer) -> None:
+    def _writer_answer(self, msg: WriterAnswer, frm: Peer) -> None:
         """Collect one terminal answer per writer rank; act once all have answered."""
         if not isinstance(msg, self.writer_answers):  # another role's answer: it would end a transfer wrongly
             self.counters["wrong_writer_answer"] += 1
@@ -519,37 +521,43 @@ class SchedulerCore(Actor):
         if r is None or not (r.state in (State.SENDING, State.AWAIT_KV) or self._pinned_by_writers(r)):
             self.counters["stale_writer_answer"] += 1
             return
-        rank = self.current.index
-        if not isinstance(r.answers.get(rank), m.KVFailed):  # a rank's failure is never overwritten
-            r.answers[rank] = msg
-        for stage, t in getattr(msg, "timeline", ()):  # the writers' own stages (first rank wins)
-            r.timeline.setdefault(stage, t)
-        if isinstance(msg, m.KVSent) and msg.rendezvous:
-            r.rendezvous = msg.rendezvous
-        if isinstance(msg, (m.KVSent, m.KVReceived)) and msg.nbytes:
-            r.kv.add(msg.nbytes, msg.num_descs, msg.transfer_s)
-        if isinstance(msg, m.KVSent):
-            r.kv.parts += msg.parts
-            r.kv.stream = r.kv.stream or msg.stream
-        if isinstance(msg, m.KVFailed) and len(self.writers) > 1:
-            others = m.CancelKV(r.transfer_id, r.generation, msg.reason)
-            for ch in self.writers:
-                if ch is not self.current:
-                    self.send(ch, others)
+        self._note_answer(r, msg, frm.rank)
         if len(r.answers) < len(self.writers):
             return
         answers, r.answers = r.answers, {}
-        failures = [a for a in answers.values() if isinstance(a, m.KVFailed)]
-        lost = next((a.lost for a in failures if a.lost), "")
+        if self._pinned_by_writers(r) and r.in_step:  # the chunk computing now still writes the blocks
+            self._stream_over_mid_step(r, answers)  # they are freed when its step ends
+            return
+        self._transfer_over(r, answers)
+        self.schedule()
+
+    def _note_answer(self, r: Request, msg: WriterAnswer, rank: int) -> None:
+        """One writer rank's answer: what it moved, and on failure the other ranks' cancel."""
+        r.note_answer(msg, rank)
+        if isinstance(msg, m.KVFailed) and len(self.writers) > 1:
+            others = m.CancelKV(r.transfer_id, r.generation, msg.reason)
+            for w in self.writers:
+                if w.rank != rank:
+                    self._send(w, others)
+
+    def _stream_over_mid_step(self, r: Request, answers: dict[int, m.Msg]) -> None:
+        """P: a stream ended before its prefill while a chunk computes: no writer reads the
+        blocks now; the request fails at once (unless aborted already) and is freed when the
+        step ends."""
+        r.streamed = False
+        if r.aborted:
+            return
+        failures, lost = failures_of(answers)
+        r.aborted = f"KV stream failed: {failures[0].reason}" if failures else "KV stream ended"
+        status, reason = (503, f"{lost}; retry") if lost else (502, r.aborted)
+        self.counters["requests_failed"] += 1
+        self._reply(r, m.RequestFailed(r.transfer_id, r.generation, reason, status))
+
+    def _transfer_over(self, r: Request, answers: dict[int, m.Msg]) -> None:
+        """Every writer rank answered ``r``'s transfer: free it, fail it, or go on (``_kv_done``)."""
+        failures, lost = failures_of(answers)
         if self._pinned_by_writers(r):  # a stream ended before its prefill: no writer reads the blocks now
             r.streamed = False
-            if r.in_step:  # the chunk computing now still writes them: free when its step ends
-                if not r.aborted:
-                    r.aborted = f"KV stream failed: {failures[0].reason}" if failures else "KV stream ended"
-                    status, reason = (503, f"{lost}; retry") if lost else (502, r.aborted)
-                    self.counters["requests_failed"] += 1
-                    self._reply(r, m.RequestFailed(r.transfer_id, r.generation, reason, status))
-                return
             if not failures and not r.aborted:  # writers answer a stream's end only when it failed
                 failures = [m.KVFailed(r.transfer_id, r.generation, "KV stream ended before prefill")]
         if r.aborted:
@@ -559,17 +567,4 @@ class SchedulerCore(Actor):
         elif failures:
             self._fail(r, f"KV transfer failed: {failures[0].reason}", 502)
         else:
-            self._kv_done(r, answers)
-        self.schedule()
-
-    # -- deadlines ---------------------------------------------------------------------
-    def tick(self, now: float) -> None:
-        if self._stats_waiting and now - self._stats_asked > WRITER_STATS_WAIT_S:
-            self._answer_stats()  # a writer that does not answer must not hold the router's scrape
-        if self.step is not None and now - self.step_started > self.cfg.timeouts.step_s:
-            batch, self.step = self.step, None
-            self.counters["step_timeout"] += 1
-            for r, _ in batch:
-                r.in_step = False
-                self._fail(r, f"forward step exceeded {self.cfg.timeouts.step_s:.0f}s (worker dead or hung)", 503)
-            self.schedule()
+            self._kv_done(r, answers)  # type: ignore[arg-type]  # every answer a success

@@ -16,9 +16,8 @@ reads from (``RenewLease``); P never extends a lease past ``lease_max_s``.
 """
 from __future__ import annotations
 
-import math
 import logging
-import time
+import math
 from typing import Optional
 
 from pushkv import faults
@@ -27,6 +26,7 @@ from pushkv.config import DeploymentConfig, InstanceConfig
 from pushkv.kv import checksum
 from pushkv.kv.layout import instance_layout, layer_groups
 from pushkv.scheduler.core import SchedulerCore, WriterAnswer
+from pushkv.scheduler.outbox import Peer
 from pushkv.scheduler.requests import Request, State
 
 log = logging.getLogger(__name__)
@@ -72,8 +72,8 @@ class DecodeScheduler(SchedulerCore):
             return True
         stall = faults.delay(self.name, "admit")  # tests only: one falsy check otherwise
         if stall:
-            self.stalled_until = time.monotonic() + stall
-        return bool(self.stalled_until) and time.monotonic() < self.stalled_until
+            self.stalled_until = self.now + stall
+        return bool(self.stalled_until) and self.now < self.stalled_until
 
     def _forget(self, r: Request) -> None:
         if self.blocked_on == r.key:
@@ -102,8 +102,9 @@ class DecodeScheduler(SchedulerCore):
             r.state = State.PREFILL
             return
         r.state = State.AWAIT_KV
-        r.reserved_at = time.monotonic()
+        r.reserved_at = self.now
         if r.pull is None:  # push: register now, while P computes
+            assert r.source is not None  # _check_leg: a leg that moves KV names where from
             self._to_writers(m.ExpectKV(r.transfer_id, r.generation, tuple(r.blocks), len(r.prompt),
                                         r.source, self.cfg.timeouts.write_wait_s, r.cached))
             self._stamp(r, "registration_sent")
@@ -128,7 +129,7 @@ class DecodeScheduler(SchedulerCore):
         """The KV has arrived on every rank: emit P's first token and start decoding."""
         self._stamp(r, "kv_received")
         # push's cost: D blocks held from their reservation until the KV is here
-        r.reserved_block_s = len(r.blocks) * (time.monotonic() - r.reserved_at)
+        r.reserved_block_s = len(r.blocks) * (self.now - r.reserved_at)
         self.counters["reserved_block_ms"] += int(r.reserved_block_s * 1000)
         self.counters["kv_waits"] += 1
         self._count_kv(r)
@@ -152,31 +153,27 @@ class DecodeScheduler(SchedulerCore):
             log.warning("%s: KV not verified: P sent no checksums transfer_id=%s", self.name, r.transfer_id)
             return False
         why = checksum.check_expected(exp, len(r.prompt), self.cfg.prefill.block_size, self.kv_groups)
-        if why is not None:
-            exp = None
-        elif r.cached:  # our prefix-cache hits did not cross: check what did
+        if why is None and r.cached:  # our prefix-cache hits did not cross: check what did
             exp = checksum.moved_units(exp, r.cached)
             if exp is None:
                 self.counters["kv_verify_nothing_moved"] += 1
                 return False
         r.state = State.VERIFY
-        r.checksums = exp
+        r.checksums = exp if why is None else None
         r.verified = {}
         self._stamp(r, "kv_verify_start")
-        if exp is None:
+        if why is not None:
             self._verify_failed(r, why)
             return True
-        cmd = m.VerifyKV(r.transfer_id, r.generation, tuple(r.blocks), exp)
-        for ch in self.workers:
-            self.send(ch, cmd)
+        self._to_workers(m.VerifyKV(r.transfer_id, r.generation, tuple(r.blocks), exp))
         return True
 
-    def on_KVVerified(self, msg: m.KVVerified) -> None:
+    def on_KVVerified(self, msg: m.KVVerified, frm: Peer) -> None:
         r = self.reqs.get((msg.transfer_id, msg.generation))
         if r is None or r.state != State.VERIFY:  # aborted meanwhile: its blocks are free already
             self.counters["stale_verify_answer"] += 1
             return
-        r.verified[self.current.index] = msg
+        r.verified[frm.rank] = msg
         if len(r.verified) < len(self.workers):
             return
         bad = [a.reason for a in r.verified.values() if a.reason]
@@ -196,8 +193,8 @@ class DecodeScheduler(SchedulerCore):
         self._fail(r, f"KV verification failed: {reason}", 502)
 
     # -- pull: P's lease lives while we still mean to read -----------------------------
-    def tick(self, now: float) -> None:
-        super().tick(now)
+    def tick(self, now: float, wall: float) -> None:
+        super().tick(now, wall)
         if self.stalled_until and now >= self.stalled_until:
             self.stalled_until = 0.0
             self.schedule()
@@ -212,7 +209,7 @@ class DecodeScheduler(SchedulerCore):
             if r.pull is None or r.aborted or r.state not in (State.WAITING, State.AWAIT_KV):
                 continue
             renew = m.RenewKV(r.transfer_id, r.generation, r.pull.source)
-            for ch in self.writers:
-                if ch.index not in r.answers:
-                    self.send(ch, renew)
+            for w in self.writers:
+                if w.rank not in r.answers:
+                    self._send(w, renew)
             self.counters["lease_renewals_sent"] += 1

@@ -7,12 +7,10 @@ Pull: ``HoldKV`` (the writers keep the blocks under a lease) and the router hear
 """
 from __future__ import annotations
 
-import time
 from typing import Optional
 
 import msgspec
 
-from pushkv import faults
 from pushkv import messages as m
 from pushkv.kv.layout import instance_layout, stream_plan
 from pushkv.scheduler.core import SchedulerCore, WriterAnswer
@@ -34,7 +32,8 @@ class PrefillScheduler(SchedulerCore):
     def _step_work(self, r: Request, w: m.SeqWork) -> m.SeqWork:
         """--kv-verify: the step that stores the prompt's last tokens also sums the KV, so the
         checksums are ready with the first token (and travel with the WRITE or the relay)."""
-        if self.cfg.kv_verify == "off" or r.state != State.PREFILL or w.start_pos + len(w.token_ids) < len(r.prompt):
+        last = r.state == State.PREFILL and w.start_pos + len(w.token_ids) >= len(r.prompt)
+        if self.cfg.kv_verify == "off" or not last:
             return w
         return msgspec.structs.replace(w, checksum=self.cfg.kv_verify)
 
@@ -66,7 +65,7 @@ class PrefillScheduler(SchedulerCore):
             self._stamp(r, "stream_start")
 
     def _prefilled(self, r: Request, tok: int, lp: Optional[m.TokenLogprob] = None) -> None:
-        faults.point(self.name, "prefill_done")
+        self._fault("prefill_done")
         r.state = State.SENDING
         r.output = [tok]
         if lp is not None:  # the first token's logprob is P's to give: D never sees these logits
@@ -79,8 +78,8 @@ class PrefillScheduler(SchedulerCore):
             self._to_writers(m.HoldKV(r.transfer_id, r.generation, tuple(r.blocks), len(r.prompt), tok, lease,
                                       write=r.late))
             src = m.PrefillSource(self.inst.engine_id, self.inst.tp, self.inst.handshake_endpoints)
-            pull = m.PullParams(src, tuple(r.blocks), len(r.prompt), tok, time.monotonic() + lease, r.checksums)
-            self._reply(r, m.PrefillFinished(r.transfer_id, r.generation, tok, pull, self._timeline(r),
+            pull = m.PullParams(src, tuple(r.blocks), len(r.prompt), tok, self.now + lease, r.checksums)
+            self._reply(r, m.PrefillFinished(r.transfer_id, r.generation, tok, pull, r.sorted_timeline(),
                                              None, r.cached, *r.prefill_work))
         else:
             self._to_writers(m.SendKV(r.transfer_id, r.generation, tuple(r.blocks), len(r.prompt), tok, r.checksums))
@@ -99,6 +98,6 @@ class PrefillScheduler(SchedulerCore):
         if r.rendezvous:
             self.counters[f"rendezvous_{r.rendezvous}"] += 1
         if not self._holds(r):
-            self._reply(r, m.PrefillFinished(r.transfer_id, r.generation, r.output[0], None, self._timeline(r),
-                                             self._kv_stats(r), r.cached, *r.prefill_work))
+            self._reply(r, m.PrefillFinished(r.transfer_id, r.generation, r.output[0], None, r.sorted_timeline(),
+                                             r.kv_stats(), r.cached, *r.prefill_work))
         self._release(r)

@@ -1,6 +1,6 @@
-"""Request state inside a scheduler, and the pure batch builder.
+"""Request state inside a scheduler, and the pure batch builder and step tally.
 
-No sockets, no clock reads: the scheduler actor passes ``now`` in.
+No sockets, no clock reads: the scheduler core passes ``now`` in.
 """
 from __future__ import annotations
 
@@ -81,9 +81,7 @@ class Request:
 
     def blocks_needed(self, block_size: int) -> int:
         """All blocks the request will ever need, reserved at admission (no preemption)."""
-        if self.leg == "prefill":
-            return blocks_for(len(self.prompt), block_size)
-        return blocks_for(len(self.prompt) + self.max_tokens, block_size)
+        return blocks_needed(self.leg, len(self.prompt), self.max_tokens, block_size)
 
     @property
     def num_tokens(self) -> int:
@@ -99,12 +97,47 @@ class Request:
         suppress = tuple(sorted(self.stop_ids)) if len(self.output) < p.min_tokens else ()
         return {"sampling": p, "output_index": len(self.output), "history": history, "suppress": suppress}
 
+    def note_answer(self, msg: m.Msg, rank: int) -> None:
+        """Writer rank ``rank`` answered the transfer: keep its answer (a failure is never
+        overwritten) and add what it moved and its stages (the first rank's win) to ours."""
+        if not isinstance(self.answers.get(rank), m.KVFailed):
+            self.answers[rank] = msg
+        for stage, t in getattr(msg, "timeline", ()):
+            self.timeline.setdefault(stage, t)
+        if isinstance(msg, m.KVSent) and msg.rendezvous:
+            self.rendezvous = msg.rendezvous
+        if isinstance(msg, (m.KVSent, m.KVReceived)) and msg.nbytes:
+            self.kv.add(msg.nbytes, msg.num_descs, msg.transfer_s)
+        if isinstance(msg, m.KVSent):
+            self.kv.parts += msg.parts
+            self.kv.stream = self.kv.stream or msg.stream
+
+    def kv_stats(self) -> Optional[m.KVTransferStats]:
+        """What moved the request's KV, for its last answer (None: nothing moved)."""
+        kv = self.kv
+        if self.leg == "local" or not kv.nbytes:
+            return None
+        rendezvous = self.rendezvous or ("pull" if self.pull is not None else "")
+        reserved = len(self.blocks) if self.reserved_block_s else 0
+        return m.KVTransferStats(kv.nbytes, kv.num_descs, kv.transfer_s, rendezvous, self.reserved_block_s,
+                                 reserved, kv.parts, kv.stream)
+
+    def sorted_timeline(self) -> tuple[tuple[str, float], ...]:
+        return tuple(sorted(self.timeline.items(), key=lambda kv: kv[1]))
+
     def finished(self) -> Optional[str]:
         if self.output and self.output[-1] in self.stop_ids:
             return "stop"
         if len(self.output) >= self.max_tokens:
             return "length"
         return None
+
+
+def blocks_needed(leg: str, prompt_len: int, max_tokens: int, block_size: int) -> int:
+    """A leg's blocks: its prompt's on P, the prompt's plus ``max_tokens`` elsewhere."""
+    if leg == "prefill":
+        return blocks_for(prompt_len, block_size)
+    return blocks_for(prompt_len + max_tokens, block_size)
 
 
 def build_batch(prefills: list[Request], running: list[Request], max_num_seqs: int,
@@ -142,3 +175,32 @@ def build_batch(prefills: list[Request], running: list[Request], max_num_seqs: i
         batch.append((r, m.SeqWork(r.seq_id, r.prompt[start:start + n], start, tuple(r.blocks), **fields)))
         tokens += n
     return batch
+
+
+def count_work(batch: list[tuple[Request, m.SeqWork]]) -> None:
+    """What a step computes, added to each of its requests (the router fits its costs on it)."""
+    pre_tokens = pre_ctx = seqs = ctx = 0
+    for r, w in batch:
+        if r.state == State.PREFILL:
+            pre_tokens += len(w.token_ids)
+            pre_ctx += w.start_pos
+        else:
+            seqs += 1
+            ctx += w.start_pos + 1
+    for r, _w in batch:
+        if r.state == State.PREFILL:
+            r.prefill_work[0] += 1
+            r.prefill_work[1] += pre_tokens
+            r.prefill_work[2] += pre_ctx
+        else:
+            dw = r.decode_work
+            dw[0] += 1
+            dw[1] += seqs
+            dw[2] += ctx
+            dw[3] += pre_tokens
+
+
+def failures_of(answers: dict[int, m.Msg]) -> tuple[list[m.KVFailed], str]:
+    """The writer ranks' failures, and the lost peer any of them names ("" if none)."""
+    failures = [a for a in answers.values() if isinstance(a, m.KVFailed)]
+    return failures, next((a.lost for a in failures if a.lost), "")

@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from typing import Iterable, Optional
 
+import msgspec
+
 from pushkv import limits as L
 from pushkv import messages as m
 
@@ -85,3 +87,17 @@ def check_generate(msg: m.Generate, vocab: int, max_len: int, max_stop_ids: int)
         if msg.pull.num_tokens != len(msg.prompt_token_ids):
             return f"pull.num_tokens {msg.pull.num_tokens} is not the prompt's {len(msg.prompt_token_ids)} tokens"
     return None
+
+
+def readable_head(payload: bytes) -> tuple[str, int]:
+    """The transfer id and generation of an undecodable request, where its first fields are
+    readable (``("", 0)`` otherwise), so that its refusal names them."""
+    tid, gen = "", 0
+    try:
+        head = msgspec.msgpack.decode(payload)
+        if isinstance(head, list) and len(head) >= 2 and isinstance(head[1], str):
+            tid = head[1]
+            gen = head[2] if len(head) >= 3 and type(head[2]) is int else 0
+    except (msgspec.DecodeError, RecursionError):
+        pass
+    return tid, gen

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from pushkv import messages as m
 from pushkv.model.sampling import sample
-from tests.scheduler.test_scheduler_roles import P_SRC, ROUTER_ID, all_free, deliver, make
+from tests.scheduler.test_scheduler_roles import P_SRC, ROUTER, all_free, deliver, make
 from tests.scheduler.test_scheduler_validate import VOCAB, logits_of
 
 pytestmark = pytest.mark.timeout(300)
@@ -125,7 +125,7 @@ def pending_step(wire) -> bool:
 def start_victims(s, wire, role: str) -> None:
     for v in VICTIMS:
         v = msgspec.structs.replace(v, leg=role, source=P_SRC if role == "decode" else None)
-        deliver(s, s.front, v, ROUTER_ID)
+        deliver(s, ROUTER, v)
     if role == "decode":
         wire.take("writer")
         for v in VICTIMS:
@@ -138,7 +138,7 @@ def finish(s, wire) -> None:
     while pending_step(wire):
         strict_step(s, wire)
     for r in list(s.reqs.values()):
-        deliver(s, s.front, m.Abort(r.transfer_id, r.generation), ROUTER_ID)
+        deliver(s, ROUTER, m.Abort(r.transfer_id, r.generation))
         for ch in s.writers:
             deliver(s, ch, m.KVFailed(r.transfer_id, r.generation, "cancelled"))
     while pending_step(wire):
@@ -179,9 +179,9 @@ def test_random_messages_change_no_other_requests_tokens(role, data):
         if role == "decode" and data.draw(st.booleans()):
             msg, ch = wire_trip(data.draw(writer_msgs()), m.DEC_WRITER_TO_SCHED), s.writers[0]
         else:
-            msg, ch = wire_trip(data.draw(router_msgs(role)), m.DEC_ROUTER_TO_SCHED), s.front
+            msg, ch = wire_trip(data.draw(router_msgs(role)), m.DEC_ROUTER_TO_SCHED), ROUTER
         if msg is not None:
-            deliver(s, ch, msg, ROUTER_ID if ch is s.front else None)
+            deliver(s, ch, msg)
         for x in wire.take("writer"):  # D: the KV of what it admitted arrives, with any first token
             if isinstance(x, (m.ExpectKV, m.ReadKV)) and data.draw(st.booleans()):
                 deliver(s, s.writers[0], m.KVReceived(x.transfer_id, x.generation, data.draw(ids)))

@@ -10,7 +10,7 @@ from pushkv import messages as m
 from pushkv.config import DeploymentConfig, InstanceConfig
 from pushkv.protocol.prefix_cache import block_hashes
 from pushkv.scheduler.requests import State
-from tests.scheduler.test_scheduler_roles import P_SRC, ROUTER_ID, deliver, wired
+from tests.scheduler.test_scheduler_roles import P_SRC, ROUTER, deliver, wired
 
 BS = 16
 
@@ -28,7 +28,7 @@ def prompt(n, first=1):
 
 
 def generate(s, tid, toks, leg="local", max_tokens=1, **kw):
-    deliver(s, s.front, m.Generate(tid, 0, leg, toks, max_tokens, **kw), ROUTER_ID)
+    deliver(s, ROUTER, m.Generate(tid, 0, leg, toks, max_tokens, **kw))
 
 
 def run_step(s, wire, token=42):
@@ -102,7 +102,7 @@ def test_shared_blocks_are_held_by_every_request_that_hit_them():
     b = s.by_tid["b"]
     assert b.blocks[:2] == a.blocks[:2] and b.blocks[2] != a.blocks[2]
     assert [s.alloc.refs(x) for x in a.blocks[:3]] == [2, 2, 1]
-    deliver(s, s.front, m.Abort("a", 0, "gone"), ROUTER_ID)  # a's first decode step runs: held till it ends
+    deliver(s, ROUTER, m.Abort("a", 0, "gone"))  # a's first decode step runs: held till it ends
     assert [s.alloc.refs(x) for x in b.blocks[:2]] == [2, 2]
     run_step(s, wire)
     assert "a" not in s.by_tid and [s.alloc.refs(x) for x in b.blocks[:3]] == [1, 1, 1]
@@ -304,7 +304,7 @@ def test_random_traffic_never_writes_a_shared_block_and_returns_every_block(role
                      **({"source": P_SRC} if role == "decode" else {}))
             live.append(tid)
         elif ev < 0.4 and live:
-            deliver(s, s.front, m.Abort(rng.choice(live), 0, "gone"), ROUTER_ID)
+            deliver(s, ROUTER, m.Abort(rng.choice(live), 0, "gone"))
         elif ev < 0.8 and pending:
             step = wire.take("worker")[0]
             for w in step.seqs:

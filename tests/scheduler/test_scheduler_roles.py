@@ -1,34 +1,42 @@
-"""Each role's scheduler driven by plain calls: no sockets, no processes.
+"""Each role's scheduler core driven by plain calls: no sockets, no processes.
 
-The scheduler's channels are replaced by records of what it sends; every other
-line is the real scheduler. Checks what each role sends when, and that every
-block is back at the end of every path.
+The core is sans-I/O: each message goes in with ``handle`` and what it sends comes out of its
+outbox, each message with the peer it is for. Checks what each role sends when, and that
+every block is back at the end of every path.
 """
 from __future__ import annotations
-
-import time
 
 import pytest
 
 from pushkv import messages as m
-from pushkv.actor import Channel
 from pushkv.config import DeploymentConfig, InstanceConfig
 from pushkv.scheduler import scheduler_for
 from pushkv.scheduler.decode import DecodeScheduler
+from pushkv.scheduler.outbox import Peer, Send
 
 P_SRC = m.PrefillSource("p-engine", 2, ("ipc://p0", "ipc://p1"))
 ROUTER_ID = b"router"
+ROUTER = Peer.router(ROUTER_ID)
 
 
 class Wire:
-    """Stands in for the sockets: keeps (peer, message) in send order."""
+    """Reads the core's outbox: (peer, message) in send order, the peer as ``str(Peer)``
+    (``router``, ``worker-1``, ``writer-0``)."""
 
-    def __init__(self):
-        self.sent: list[tuple[str, m.Msg]] = []
+    def __init__(self, core):
+        self.core = core
+        self._sent: list[tuple[str, m.Msg]] = []
+
+    @property
+    def sent(self) -> list[tuple[str, m.Msg]]:
+        for effect in self.core.take_outbox():
+            if isinstance(effect, Send):
+                self._sent.append((str(effect.to), effect.msg))
+        return self._sent
 
     def take(self, peer_prefix: str = "") -> list[m.Msg]:
         got = [msg for peer, msg in self.sent if peer.startswith(peer_prefix)]
-        self.sent = [(p, msg) for p, msg in self.sent if not p.startswith(peer_prefix)]
+        self._sent = [(p, msg) for p, msg in self._sent if not p.startswith(peer_prefix)]
         return got
 
 
@@ -42,38 +50,30 @@ def make(role: str, mode: str = "push", tp: int = 2, pull_read: str = "backgroun
 
 
 def wired(cfg: DeploymentConfig, inst: InstanceConfig):
-    """The scheduler for ``inst`` with its channels replaced by a Wire: (scheduler, wire)."""
-    tp = inst.tp
+    """The scheduler core for ``inst`` and a Wire on its outbox: (core, wire)."""
     s = scheduler_for(cfg, inst)
-    wire = Wire()
-    s.send = lambda ch, msg, identity=None: wire.sent.append((ch.peer, msg))
-
-    def chan(peer, idx):
-        ch = Channel(None, None, peer, routed=False)
-        ch.index = idx
-        return ch
-
-    s.front = chan("router", 0)
-    s.workers = [chan(f"worker-{r}", r) for r in range(tp)]
-    s.writers = [chan(f"writer-{r}", r) for r in range(tp)]
-    return s, wire
+    return s, Wire(s)
 
 
-def deliver(s, ch, msg, identity=None):
-    s.current = ch
-    h = getattr(s, f"on_{type(msg).__name__}")
-    h(msg, identity) if identity is not None else h(msg)
+def deliver(s, frm: Peer, msg, now: float | None = None):
+    """``msg`` from ``frm`` (the clock stays where the last call left it unless ``now`` moves it)."""
+    t = s.now if now is None else now
+    s.handle(msg, frm, t, t)
+
+
+def tick(s, now: float):
+    s.tick(now, now)
 
 
 def generate(s, tid, leg, prompt=(1, 2, 3), max_tokens=2, **kw):
-    deliver(s, s.front, m.Generate(tid, 0, leg, prompt, max_tokens, **kw), ROUTER_ID)
+    deliver(s, ROUTER, m.Generate(tid, 0, leg, prompt, max_tokens, **kw))
 
 
 def step_done(s, wire, sampled):
     steps = wire.take("worker")
     assert steps and all(isinstance(x, m.ExecuteStep) for x in steps), steps
-    for ch in s.workers:
-        deliver(s, ch, m.StepDone(steps[0].step_id, sampled))
+    for w in s.workers:
+        deliver(s, w, m.StepDone(steps[0].step_id, sampled))
     return steps[0]
 
 
@@ -122,7 +122,7 @@ def test_prefill_push_sends_kv_after_prefill_and_answers_when_written():
     assert step.seqs[0].start_pos == 0
     send = wire.take("writer")
     assert [type(x) for x in send] == [m.SendKV, m.SendKV] and send[0].first_token == 42
-    for r, ch in enumerate(s.writers):
+    for ch in s.writers:
         deliver(s, ch, m.KVSent("t1", 0, nbytes=10, num_descs=1, rendezvous="registration_first"))
     done = wire.take("router")
     assert [type(x) for x in done] == [m.PrefillFinished] and done[0].kv.nbytes == 20
@@ -210,22 +210,22 @@ def test_decode_pull_renews_p_leases_while_it_still_means_to_read():
     generate(s, "t1", "decode", pull=pull)
     generate(s, "t2", "decode", pull=pull)  # queued behind t1's READ (inline)
     wire.take("writer")
-    t0 = time.monotonic()
-    s.tick(t0)
+    t0 = 1000.0
+    tick(s, t0)
     assert renewals(wire, 0) == ["t1", "t2"] and renewals(wire, 1) == ["t1", "t2"]
     assert wire.take("writer") == []
     deliver(s, s.writers[0], m.KVReceived("t1", 0, 42))  # rank 0 has read t1; rank 1 still reads
-    s.tick(t0 + every * 0.5)
+    tick(s, t0 + every * 0.5)
     assert wire.take("writer") == []  # not due yet
-    s.tick(t0 + every)
+    tick(s, t0 + every)
     assert renewals(wire, 0) == ["t2"] and renewals(wire, 1) == ["t1", "t2"]
     deliver(s, s.writers[1], m.KVReceived("t1", 0, 42))  # t1 decodes; t2 is admitted and reads
     assert [type(x) for x in wire.take("writer")] == [m.ReadKV, m.ReadKV]
-    s.tick(t0 + every * 2)
+    tick(s, t0 + every * 2)
     assert renewals(wire, 0) == renewals(wire, 1) == ["t2"]
-    deliver(s, s.front, m.Abort("t2", 0), ROUTER_ID)  # aborted: its READ is being cancelled
+    deliver(s, ROUTER, m.Abort("t2", 0))  # aborted: its READ is being cancelled
     assert [type(x) for x in wire.take("writer")] == [m.CancelKV, m.CancelKV]
-    s.tick(t0 + every * 3)
+    tick(s, t0 + every * 3)
     assert wire.take("writer") == []
     assert s.counters["lease_renewals_sent"] == 2 + 2 + 1  # one per request per round
 
@@ -238,7 +238,7 @@ def test_decode_renews_nothing_that_holds_no_lease(mode, pull_read):
     generate(s, "t1", "decode", pull=pull)
     assert [type(x) for x in wire.take("writer")] == [m.ReadKV, m.ReadKV]
     for k in range(4):
-        s.tick(time.monotonic() + k * s.cfg.timeouts.lease_s)
+        tick(s, 1000.0 + k * s.cfg.timeouts.lease_s)
     assert wire.take("writer") == [] and s.counters["lease_renewals_sent"] == 0
 
 
@@ -258,7 +258,7 @@ def test_decode_prefills_a_leg_that_names_no_source_itself():
 def test_decode_prefilling_here_is_aborted_mid_step_and_frees_its_blocks_after_it():
     s, wire = make("decode")
     generate(s, "t1", "decode", max_tokens=4, prefill_here=True)
-    deliver(s, s.front, m.Abort("t1", 0, "client gone"), ROUTER_ID)
+    deliver(s, ROUTER, m.Abort("t1", 0, "client gone"))
     assert not all_free(s)  # the prefill step still writes its blocks
     step_done(s, wire, (5,))
     assert wire.take("router") == [] and all_free(s)

@@ -9,7 +9,7 @@ import pytest
 from pushkv import messages as m
 from pushkv.config import DeploymentConfig, InstanceConfig
 from pushkv.scheduler.requests import Request, State, build_batch
-from tests.scheduler.test_scheduler_roles import ROUTER_ID, all_free, deliver, wired
+from tests.scheduler.test_scheduler_roles import ROUTER, all_free, deliver, tick, wired
 
 CHUNK = 16
 
@@ -88,7 +88,7 @@ def make(role="prefill", mode="push", push_stream="chunk", tp=2, chunk=CHUNK, nu
 
 def generate(s, tid, n, leg="prefill", max_tokens=1, first=1, **kw):
     prompt = tuple(range(first, first + n))
-    deliver(s, s.front, m.Generate(tid, 0, leg, prompt, max_tokens, **kw), ROUTER_ID)
+    deliver(s, ROUTER, m.Generate(tid, 0, leg, prompt, max_tokens, **kw))
 
 
 def step_of(wire):
@@ -209,7 +209,7 @@ def held(s) -> int:
 
 def test_abort_mid_stream_frees_only_when_every_writer_answered_and_the_step_ended():
     s, wire, step = streaming()
-    deliver(s, s.front, m.Abort("t1", 0, "client gone"), ROUTER_ID)
+    deliver(s, ROUTER, m.Abort("t1", 0, "client gone"))
     cancels = wire.take("writer")
     assert types(cancels) == ["CancelKV", "CancelKV"] and cancels[0].reason == "client gone"
     finish_step(s, step)  # the chunk ends: the writers may still read the blocks
@@ -227,7 +227,7 @@ def test_abort_mid_stream_frees_only_when_every_writer_answered_and_the_step_end
 
 def test_abort_mid_stream_writers_first_then_the_step():
     s, wire, step = streaming()
-    deliver(s, s.front, m.Abort("t1", 0, "client gone"), ROUTER_ID)
+    deliver(s, ROUTER, m.Abort("t1", 0, "client gone"))
     wire.take("writer")
     for rank in range(2):
         answer(s, rank, m.KVFailed("t1", 0, "cancelled"))
@@ -242,7 +242,7 @@ def test_abort_mid_stream_with_a_new_request_waiting_for_its_blocks():
     s, wire, step = streaming()
     generate(s, "t2", 16 * 14, first=2)  # needs 14 of 16 blocks: waits for t1's 3 (no prefix shared)
     assert s.reqs[("t2", 0)].state == State.WAITING
-    deliver(s, s.front, m.Abort("t1", 0, "client gone"), ROUTER_ID)
+    deliver(s, ROUTER, m.Abort("t1", 0, "client gone"))
     finish_step(s, step)
     for rank in range(2):
         assert s.reqs[("t2", 0)].state == State.WAITING
@@ -321,10 +321,8 @@ def test_tp1_writer_failure_mid_stream():
 def test_step_timeout_mid_stream_ends_the_stream():
     """The worker hangs on a chunk: the request fails (503) and the writers are told to end the
     stream; their late answers free nothing twice."""
-    import time
-
     s, wire, step = streaming()
-    s.tick(time.monotonic() + s.cfg.timeouts.step_s + 1)
+    tick(s, s.now + s.cfg.timeouts.step_s + 1)
     (failed,) = wire.take("router")
     assert failed.status == 503 and "forward step exceeded" in failed.reason
     cancels = wire.take("writer")

@@ -16,7 +16,7 @@ from pushkv import limits as L
 from pushkv import messages as m
 from pushkv.model.sampling import sample
 from pushkv.scheduler.validate import check_generate
-from tests.scheduler.test_scheduler_roles import P_SRC, ROUTER_ID, all_free, deliver, make
+from tests.scheduler.test_scheduler_roles import P_SRC, ROUTER, all_free, deliver, make
 
 VOCAB = 320  # the "small" preset's (make() uses it)
 S = m.SamplingParams
@@ -45,7 +45,7 @@ def run_step(s, wire) -> m.ExecuteStep:
 def serve(s, wire, gens: list[m.Generate]) -> dict[str, list]:
     """Send ``gens``, run steps until nothing is left; each transfer id's tokens, or its failure."""
     for g in gens:
-        deliver(s, s.front, g, ROUTER_ID)
+        deliver(s, ROUTER, g)
     while any(isinstance(x, m.ExecuteStep) for _, x in wire.sent):
         run_step(s, wire)
     got: dict[str, list] = {}
@@ -141,8 +141,8 @@ def test_decode_checks_the_first_token_from_a_peer():
     """D's first token comes from P's writer (a peer): one outside the vocabulary fails that
     request (it would be the next step's input), and a pull leg's claims are checked on arrival."""
     s, wire = make("decode", tp=1, num_blocks=64)
-    deliver(s, s.front, m.Generate("t1", 0, "decode", (1, 2, 3), 4, source=P_SRC), ROUTER_ID)
-    deliver(s, s.front, m.Generate("t2", 0, "decode", (1, 2, 3), 4, source=P_SRC), ROUTER_ID)
+    deliver(s, ROUTER, m.Generate("t1", 0, "decode", (1, 2, 3), 4, source=P_SRC))
+    deliver(s, ROUTER, m.Generate("t2", 0, "decode", (1, 2, 3), 4, source=P_SRC))
     wire.take("writer")
     deliver(s, s.writers[0], m.KVReceived("t1", 0, VOCAB + 5))
     deliver(s, s.writers[0], m.KVReceived("t2", 0, 42))

@@ -10,7 +10,7 @@ import msgspec
 from pushkv import messages as m
 from pushkv.config import DeploymentConfig
 from pushkv.kv import checksum
-from tests.scheduler.test_scheduler_roles import P_SRC, all_free, deliver, generate, make, step_done, wired
+from tests.scheduler.test_scheduler_roles import P_SRC, ROUTER, all_free, deliver, generate, make, step_done, wired
 
 PROMPT = tuple(range(1, 41))  # 40 tokens: 3 blocks of 16
 
@@ -105,7 +105,7 @@ def test_decode_mismatch_fails_the_request_and_frees_its_blocks():
 def test_decode_abort_while_verifying_frees_at_once_and_ignores_late_verdicts():
     s, wire = verifying("decode")
     _arrived(s, wire, checksums=sums())
-    deliver(s, s.front, m.Abort("t1", 0), b"router")
+    deliver(s, ROUTER, m.Abort("t1", 0))
     assert all_free(s)
     for ch in s.workers:
         deliver(s, ch, m.KVVerified("t1", 0, "", 3))

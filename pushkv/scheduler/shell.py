@@ -1,0 +1,100 @@
+"""The scheduler process's actor: the sockets around a sans-I/O ``SchedulerCore``.
+
+It binds the router's ROUTER socket and connects one DEALER per worker and writer rank,
+decodes what arrives, hands it to the core as ``(message, Peer, now, wall)`` and sends what
+the core put in its outbox, in order. Nothing here decides anything about a request.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Optional
+
+import zmq
+
+from pushkv import faults
+from pushkv import limits
+from pushkv import messages as m
+from pushkv.actor import Actor, Channel
+from pushkv.scheduler.core import SchedulerCore
+from pushkv.scheduler.outbox import Kill, Peer, Send, Trace
+
+
+class SchedulerShell(Actor):
+    def __init__(self, core: SchedulerCore):
+        cfg = core.cfg
+        super().__init__(core.name, cfg.control_endpoint, cfg.trace_endpoint, cfg.secret_file,
+                         limits.msg_cap_bytes(cfg), counters=core.counters)
+        self.core = core
+        self.front: Optional[Channel] = None
+        self.worker_chs: list[Channel] = []
+        self.writer_chs: list[Channel] = []
+        self._peer_of: dict[Channel, Peer] = {}  # worker and writer channels: the rank they reach
+
+    def setup(self) -> None:
+        inst = self.core.inst
+        # what reaches us from outside: the router's Generate, at most the largest legal one (x2)
+        cap = limits.generate_cap_bytes(self.core.cfg)
+        front = self.socket(zmq.ROUTER, inst.sched_endpoint, bind=True, max_msg_bytes=cap)
+        self.front = self.add_channel(front, m.DEC_ROUTER_TO_SCHED, "router", routed=True)
+        for peer, ep in zip(self.core.workers, inst.worker_endpoints):
+            sock = self.socket(zmq.DEALER, ep, bind=False)
+            self.worker_chs.append(self._link(sock, m.DEC_WORKER_TO_SCHED, f"{inst.name}-worker", peer))
+        for peer, ep in zip(self.core.writers, inst.writer_endpoints):
+            sock = self.socket(zmq.DEALER, ep, bind=False)
+            self.writer_chs.append(self._link(sock, m.DEC_WRITER_TO_SCHED, f"{inst.name}-writer", peer))
+
+    def _link(self, sock: zmq.Socket, decoder: Any, name: str, peer: Peer) -> Channel:
+        ch = self.add_channel(sock, decoder, f"{name}-{peer.rank}")
+        ch.index = peer.rank
+        self._peer_of[ch] = peer
+        return ch
+
+    def teardown(self) -> None:
+        self.core.shutdown(self.stop_reason)
+        self._flush()
+
+    # -- into the core ------------------------------------------------------------------
+    def _handler(self, typ: type) -> Optional[Callable[..., Any]]:
+        own = super()._handler(typ)  # the supervisor's Shutdown and Ping
+        if own is not None:
+            return own
+        return self._into_core if self.core.handles(typ) else None
+
+    def _into_core(self, msg: Any, identity: Optional[bytes] = None) -> None:
+        ch = self.current
+        assert ch is not None
+        frm = Peer.router(identity or b"") if ch is self.front else self._peer_of[ch]
+        try:
+            self.core.handle(msg, frm, time.monotonic(), time.time())
+        finally:  # what the core asked for before a handler failed still leaves
+            self._flush()
+
+    def on_bad_frame(self, ch: Channel, identity: Optional[bytes], reason: str, payload: bytes = b"") -> None:
+        if ch is self.front and identity is not None:
+            self.core.refuse_undecodable(Peer.router(identity), reason, payload)
+            self._flush()
+
+    def tick(self, now: float) -> None:
+        try:
+            self.core.tick(now, time.time())
+        finally:
+            self._flush()
+
+    # -- out of the core ------------------------------------------------------------------
+    def _flush(self) -> None:
+        for effect in self.core.take_outbox():
+            if isinstance(effect, Send):
+                self._send_to(effect.to, effect.msg)
+            elif isinstance(effect, Trace):
+                self.trace_event(effect.kind, effect.transfer_id)
+            elif isinstance(effect, Kill):
+                faults.kill_self()
+
+    def _send_to(self, to: Peer, msg: m.Msg) -> None:
+        if to.kind == "router":
+            assert self.front is not None
+            self.send(self.front, msg, to.identity)
+        elif to.kind == "worker":
+            self.send(self.worker_chs[to.rank], msg)
+        else:
+            self.send(self.writer_chs[to.rank], msg)
