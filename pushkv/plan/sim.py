@@ -278,11 +278,9 @@ class Simulation:
         d.joining = []
         batch, local = list(d.running), d.local
         d.local = []
-        # a step's fixed part is paid once, by a step that only prefills too
-        ms = (self.c.step_ms(len(batch), sum(x.turn.prompt + x.tokens for x in batch) / len(batch)) if batch
-              else self.c.step_ms_fixed)
+        ms = self.c.step_ms(len(batch), sum(x.turn.prompt + x.tokens for x in batch) / len(batch)) if batch else 0.0
         for x in local:
-            x.prefill_ms = self.c.local_prefill_tokens_ms(x.turn.prompt - x.d_hit, x.d_hit)
+            x.prefill_ms = self.c.local_prefill_ms(x.turn.prompt - x.d_hit, x.d_hit)
             d.queued -= x.turn.prompt - x.d_hit
             ms += x.prefill_ms
         d.stepping = True

@@ -277,8 +277,7 @@ class Balancer:
         self.cost.add(C.samples(run.timeline, len(run.prompt), len(run.output_ids), prefill_leg=leg,
                                 cached_tokens=cached, moved_blocks=moved, decode_batch=batch,
                                 prefill_work=getattr(run, "prefill_work", ()),
-                                decode_work=getattr(run, "decode_work", ()),
-                                local_ms_per_token=self.cost.costs.local_ms_per_token))
+                                decode_work=getattr(run, "decode_work", ())))
         if self.metrics is not None and self.prefix_cache:
             self.metrics.prefix_guess(leg, h.predicted, cached)
             if not h.local:

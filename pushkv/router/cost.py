@@ -14,14 +14,18 @@ Three linear fits, each over a window of the latest samples:
 - **handoff** P -> D: ``ms = fixed + per_block * moved_blocks`` (from the later of P's
   ``prefill_end`` and D's registration or READ post, to D's ``kv_received``: the WRITE or READ
   and its rendezvous; D's own queue for blocks is not the link's cost);
-- **local prefill** on D (conditional disaggregation: D prefills a prompt itself): the same
-  form as P's, from D's ``prefill_start`` .. ``prefill_end`` of the prompt. ``Costs.local_prefill_ms``
-  prices a prefill on D with it once D has prefilled something, and at P's prices before (the
-  same hardware); P is priced at D's while P has prefilled nothing;
+- **local prefill** on D (conditional disaggregation: D prefills a prompt itself):
+  ``ms = fixed + per_token * computed``, from D's ``prefill_start`` .. ``prefill_end`` of the
+  prompt: the step that prefilled it, D's decodes in it included. The cached prefix is not a
+  regressor: a turn D prefills is a short suffix over a long cached history, so the cached
+  tokens barely vary against the fixed part and the two cannot be told apart (the fixed part
+  carries both). ``Costs.local_prefill_ms`` prices a prefill on D with it once D has prefilled
+  something, and at P's prices before (the same hardware); P is priced at D's while P has
+  prefilled nothing;
 - **decode step** on D: ``ms = fixed + per_seq * batch + per_kctx * batch * context / 1000``
   (a request's time per output token against the mean batch and context of the steps that
-  decoded it, as D reports them, less what the prompts D prefilled in those steps cost at D's
-  local rate).
+  decoded it, as D reports them). A request whose steps also prefilled a prompt on D is no step
+  sample: what the prefill added to its tokens is not the batch's cost.
 
 A fit starts at its prior (``PRIORS``: CPU-sized values) and moves to the data as samples come:
 while a window holds fewer than ``ENOUGH`` samples the prior enters as ``PRIOR_WEIGHT``
@@ -52,8 +56,7 @@ PRIORS = {
     "prefill": (("prefill_ms_fixed", "prefill_ms_per_token", "prefill_ms_per_cached_token"),
                 (5.0, 1.0, 0.01), (1.0, 512.0, 512.0)),
     "handoff": (("handoff_ms_fixed", "handoff_ms_per_block"), (5.0, 0.2), (1.0, 32.0)),
-    "local": (("local_prefill_ms_fixed", "local_prefill_ms_per_token", "local_prefill_ms_per_cached_token"),
-              (5.0, 1.0, 0.01), (1.0, 512.0, 512.0)),
+    "local": (("local_prefill_ms_fixed", "local_prefill_ms_per_token"), (5.0, 1.0), (1.0, 512.0)),
     "step": (("step_ms_fixed", "step_ms_per_seq", "step_ms_per_kctx"), (20.0, 5.0, 5.0), (1.0, 4.0, 4.0)),
 }
 
@@ -72,7 +75,6 @@ class Costs:
     step_ms_per_kctx: float = PRIORS["step"][1][2]
     local_prefill_ms_fixed: float = PRIORS["local"][1][0]
     local_prefill_ms_per_token: float = PRIORS["local"][1][1]
-    local_prefill_ms_per_cached_token: float = PRIORS["local"][1][2]
     prefill_samples: int = 0
     handoff_samples: int = 0
     step_samples: int = 0
@@ -93,13 +95,7 @@ class Costs:
         P's before (the same hardware)."""
         if not self.local_samples:
             return self.prefill_ms(computed, cached)
-        return (self.local_prefill_ms_fixed + self.local_prefill_ms_per_token * computed
-                + self.local_prefill_ms_per_cached_token * cached)
-
-    def local_prefill_tokens_ms(self, computed: int, cached: int = 0) -> float:
-        """``local_prefill_ms`` less its fixed part: what the prompt adds to a step D runs anyway."""
-        per_cached = self.local_prefill_ms_per_cached_token if self.local_samples else self.prefill_ms_per_cached_token
-        return self.local_ms_per_token * computed + per_cached * cached
+        return self.local_prefill_ms_fixed + self.local_prefill_ms_per_token * computed
 
     @property
     def local_ms_per_token(self) -> float:
@@ -173,8 +169,8 @@ class CostModel:
                 theta = fit_linear(xs, ys, np.array(prior, dtype=float), np.array(scale, dtype=float))
                 values.update(zip(names, (float(t) for t in theta)))
             if not self.windows["prefill"] and self.windows["local"]:  # P has prefilled nothing: D's prices
-                for k in PRIORS["prefill"][0]:
-                    values[k] = values["local_" + k]
+                values["prefill_ms_fixed"] = values["local_prefill_ms_fixed"]
+                values["prefill_ms_per_token"] = values["local_prefill_ms_per_token"]
             self._costs = Costs(**values, prefill_samples=self.seen["prefill"], handoff_samples=self.seen["handoff"],
                                 step_samples=self.seen["step"], local_samples=self.seen["local"])
         return self._costs
@@ -182,7 +178,7 @@ class CostModel:
 
 def samples(timeline: dict[str, float], prompt_tokens: int, output_tokens: int, *, prefill_leg: str,
             cached_tokens: int, moved_blocks: int, decode_batch: float, prefill_work: tuple = (),
-            decode_work: tuple = (), local_ms_per_token: float = 0.0) -> list[Sample]:
+            decode_work: tuple = ()) -> list[Sample]:
     """What one finished request's merged timeline (``<leg>.<stage>`` -> wall seconds) says.
 
     ``prefill_leg``: the leg that prefilled ("prefill", or "decode" when D prefilled it
@@ -191,7 +187,7 @@ def samples(timeline: dict[str, float], prompt_tokens: int, output_tokens: int, 
     D's batch (its legs on D) when D did not report ``decode_work``; ``prefill_work``: P's
     (steps, tokens computed, cached context) over the steps that computed the prompt;
     ``decode_work``: D's (steps, sequences, context tokens, prefill tokens) over the steps that
-    decoded it; ``local_ms_per_token``: the rate D's own prefill tokens are taken out of them at."""
+    decoded it."""
     out: list[Sample] = []
     start, end = timeline.get("prefill.prefill_start"), timeline.get("prefill.prefill_end")
     if prefill_leg == "prefill" and start is not None and end is not None and end >= start:
@@ -202,8 +198,7 @@ def samples(timeline: dict[str, float], prompt_tokens: int, output_tokens: int, 
         out.append(Sample("prefill", x, (end - start) * 1e3))
     d_start, d_end = timeline.get("decode.prefill_start"), timeline.get("decode.prefill_end")
     if prefill_leg == "decode" and d_start is not None and d_end is not None and d_end >= d_start:
-        x = (1.0, float(max(prompt_tokens - cached_tokens, 0)), float(cached_tokens))
-        out.append(Sample("local", x, (d_end - d_start) * 1e3))
+        out.append(Sample("local", (1.0, float(max(prompt_tokens - cached_tokens, 0))), (d_end - d_start) * 1e3))
     got = timeline.get("decode.kv_received")
     ready = timeline.get("decode.registration_sent", timeline.get("decode.read_posted"))
     if prefill_leg != "decode" and moved_blocks > 0 and end is not None and got is not None:
@@ -215,8 +210,9 @@ def samples(timeline: dict[str, float], prompt_tokens: int, output_tokens: int, 
         ms = (last - first) * 1e3 / (output_tokens - 1)
         if decode_work and decode_work[0] > 0:
             steps, seqs, context, prefill_tokens = decode_work
+            if prefill_tokens:  # its steps also prefilled a prompt on D: not the batch's cost
+                return out
             batch, kctx = seqs / steps, context / steps / 1000.0
-            ms = max(ms - local_ms_per_token * prefill_tokens / steps, 0.0)
         else:
             batch = max(decode_batch, 1.0)
             kctx = batch * (prompt_tokens + output_tokens / 2.0) / 1000.0

@@ -25,8 +25,8 @@ LONE_CASES = [
     ("push-layer", 162 + 3 + 5, 11.0),  # a quarter of the 20 ms is left after the prefill
     ("pull", 162 + 23 + 4, 11.0),  # the relay through the router
     ("pull-inline", 162 + 23 + 4, 11.0),  # D's engine waits for the READ, but nothing else runs
-    ("local", 10 + 160, 11.0),  # the first token at the end of the prefill's step (its fixed part and tokens)
-    ("conditional", 10 + 160, 11.0),  # an idle D: it prefills itself
+    ("local", 162, 11.0),  # the first token at the end of the prefill's step
+    ("conditional", 162, 11.0),  # an idle D: it prefills itself (at P's prices: D has not prefilled yet)
 ]
 
 

@@ -22,7 +22,7 @@ TRUTHS = [
     ("handoff", (1.5, 0.05), lambda r: (1.0, r.randint(1, 512))),
     ("handoff", (30.0, 3.0), lambda r: (1.0, r.randint(1, 64))),
     ("step", (12.0, 2.0, 0.5), lambda r: (1.0, (b := r.randint(1, 16)), b * r.randint(100, 8000) / 1000)),
-    ("local", (8.0, 0.05, 0.001), lambda r: (1.0, r.randint(16, 1024), r.randint(0, 8192))),
+    ("local", (8.0, 0.05), lambda r: (1.0, r.randint(16, 1024))),
 ]
 
 
@@ -91,7 +91,7 @@ SAMPLES = [
       "decode.finished": T0 + 0.2},
      dict(prompt_tokens=64, output_tokens=2, prefill_leg="decode", cached_tokens=48, moved_blocks=0,
           decode_batch=0.5),
-     [("local", (1.0, 16.0, 48.0), 100.0), ("step", (1.0, 1.0, (64 + 1) / 1000), 100.0)]),
+     [("local", (1.0, 16.0), 100.0), ("step", (1.0, 1.0, (64 + 1) / 1000), 100.0)]),
     # D registered after P's prefill ended (D's queue): the handoff counts from the registration
     ({"prefill.prefill_start": T0, "prefill.prefill_end": T0 + 0.2, "decode.registration_sent": T0 + 1.2,
       "decode.kv_received": T0 + 1.23},
@@ -130,12 +130,16 @@ def test_samples_use_what_the_steps_computed_when_the_instances_report_it():
     tl = {"prefill.prefill_start": T0, "prefill.prefill_end": T0 + 0.3, "decode.kv_received": T0 + 0.31,
           "decode.first_token": T0 + 0.31, "decode.finished": T0 + 0.71}
     got = C.samples(tl, 100, 5, prefill_leg="prefill", cached_tokens=50, moved_blocks=4, decode_batch=9.0,
-                    prefill_work=(2, 600, 1500), decode_work=(4, 12, 6000, 200), local_ms_per_token=0.1)
+                    prefill_work=(2, 600, 1500), decode_work=(4, 12, 6000, 0))
     pre, _, step = got
     # two steps computed 600 tokens over 1,500 cached ones (other prompts shared them)
     assert pre.x == (2.0, 600.0, 1500.0) and pre.ms == pytest.approx(300.0)
-    # 100 ms a token, less the 200 prefill tokens of its 4 steps at 0.1 ms (5 ms a step)
-    assert step.x == pytest.approx((1.0, 3.0, 1.5)) and step.ms == pytest.approx(95.0)
+    # 100 ms a token over 4 steps of 3 sequences with 1.5k of context each
+    assert step.x == pytest.approx((1.0, 3.0, 1.5)) and step.ms == pytest.approx(100.0)
+    # steps that also prefilled a prompt on D: no step sample (the prefill is not the batch's cost)
+    got = C.samples(tl, 100, 5, prefill_leg="prefill", cached_tokens=50, moved_blocks=4, decode_batch=9.0,
+                    prefill_work=(2, 600, 1500), decode_work=(4, 12, 6000, 200))
+    assert [s.fit for s in got] == ["prefill", "handoff"]
 
 
 def test_a_prefill_on_d_is_priced_at_ds_own_prices_once_d_has_prefilled():
@@ -146,10 +150,9 @@ def test_a_prefill_on_d_is_priced_at_ds_own_prices_once_d_has_prefilled():
         model.add([C.Sample("prefill", (1.0, n, 0.0), 5.0 + 0.2 * n)])
     c = model.costs
     assert c.local_samples == 0 and c.local_prefill_ms(1000) == pytest.approx(205.0, rel=0.03)
-    assert c.local_prefill_tokens_ms(1000) == pytest.approx(200.0, rel=0.03)
     for _ in range(40):  # D prefills at 8 ms + 0.05 ms a token
         n = r.randint(16, 1024)
-        model.add([C.Sample("local", (1.0, n, 4096.0), 8.0 + 0.05 * n)])
+        model.add([C.Sample("local", (1.0, n), 8.0 + 0.05 * n)])
     c = model.costs
     assert c.local_samples == 40 and c.local_prefill_ms(1000, 4096) == pytest.approx(58.0, rel=0.05)
     assert c.local_ms_per_token == pytest.approx(0.05, rel=0.05)
@@ -161,7 +164,7 @@ def test_p_is_priced_at_ds_prices_while_p_has_prefilled_nothing():
     r = random.Random(4)
     for _ in range(40):
         n = r.randint(16, 1024)
-        model.add([C.Sample("local", (1.0, n, 0.0), 8.0 + 0.05 * n)])
+        model.add([C.Sample("local", (1.0, n), 8.0 + 0.05 * n)])
     c = model.costs
     assert c.prefill_samples == 0 and c.prefill_ms(1000) == pytest.approx(58.0, rel=0.05)
 
