@@ -10,6 +10,7 @@ run: turn 1 and turns >= 2, measured and simulated, and the paths the requests t
     pushkv chat-sweep --layouts 1p1d 2p2d --cache on off --conditional off on --reps 2 \\
         --up-args "--model small --num-blocks 1024" --bench-args "--conversations 16 --rate 4" \\
         --result-dir chat-runs
+    pushkv chat-sweep --result-dir chat-runs --resimulate   # the saved runs against today's planner
 """
 from __future__ import annotations
 
@@ -110,11 +111,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--bench-args", default="", help="`pushkv bench --workload chat` arguments (not --base-url)")
     ap.add_argument("--start-timeout", type=float, default=600.0, help="seconds a deployment may take to start")
     ap.add_argument("--result-dir", required=True)
+    ap.add_argument("--resimulate", action="store_true",
+                    help="start nothing: simulate the runs saved in --result-dir again with this planner, each priced "
+                         "by its own fitted costs, and print the table")
     return ap.parse_args(argv)
+
+
+def resimulate(result_dir: str) -> list[dict]:
+    runs = []
+    for name in sorted(os.listdir(result_dir)):
+        if not name.endswith(".json"):
+            continue
+        with open(os.path.join(result_dir, name)) as f:
+            o = json.load(f)
+        b = argparse.Namespace(**o["bench_args"])
+        o["simulated"] = simulated(b, {"costs": o["costs"]}, *LAYOUTS[o["layout"]], o["cache"], o["conditional"])
+        runs.append(o)
+    return runs
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.resimulate:
+        print("\n".join([HEADER, *map(format_run, resimulate(args.result_dir))]))
+        return 0
     os.makedirs(args.result_dir, exist_ok=True)
     cells = [(lay, c == "on", d == "on", rep) for rep in range(args.reps) for lay in args.layouts
              for c in args.cache for d in args.conditional]
