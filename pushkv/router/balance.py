@@ -59,9 +59,10 @@ class Refused(Exception):
 
 @dataclass
 class Placed:
-    """To a waiting run: go, with this verdict (PUSH or LATE)."""
+    """To a run: go, with this verdict (PUSH, LATE or DECODE_LOCAL)."""
 
     verdict: P.Verdict
+    source: Optional[m.PrefillSource] = None  # PUSH: where D's leg takes the KV from
 
 
 @dataclass
@@ -137,6 +138,9 @@ class Balancer:
     def source(self, engine_id: str) -> m.PrefillSource:
         rec = self.records[engine_id]
         return m.PrefillSource(rec.engine_id, rec.tp, tuple(rec.handshake_endpoints))
+
+    def placed(self, v: P.Verdict) -> Placed:
+        return Placed(v, self.source(v.prefill) if v.kind == P.PUSH else None)
 
     def live(self, role: str) -> list[str]:
         return [e for e, l in self.loads.items() if l.role == role and l.up]
@@ -328,7 +332,7 @@ class Balancer:
                 return  # no room yet (or no live instance: it may come back before the deadline)
             self.queue.popleft()
             self._commit(run, v, ask)
-            run.deliver("router", Placed(v))
+            run.deliver("router", self.placed(v))
 
     def holder(self, run: "RequestRun") -> Held:
         return self.held.get(run.transfer_id) or Held()
