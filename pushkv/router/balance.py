@@ -29,15 +29,29 @@ from pushkv.router.prefix_index import PrefixIndex, hashes, usable_hit_tokens
 
 
 class RequestRun(Protocol):
-    """What the balancer reads of a request (``flow.RequestRun``): it never imports the flow."""
+    """What the balancer reads of a request (``flow.RequestRun``, over ``request.Request``): it never
+    imports the flow, and it only reads."""
 
-    transfer_id: str
-    prompt: tuple[int, ...]
-    output_ids: list[int]  # tokens streamed so far
-    done: bool  # D's last token came (the request ended well)
-    cached: dict[str, int]  # leg -> prompt tokens that leg's instance took from its prefix cache
-    timeline: dict[str, float]  # <leg>.<stage> -> wall seconds
-    hash_cache: dict[int, list[int]]  # block size -> the prompt's chained block hashes
+    @property
+    def transfer_id(self) -> str: ...
+
+    @property
+    def prompt(self) -> tuple[int, ...]: ...
+
+    @property
+    def output_ids(self) -> list[int]: ...  # tokens streamed so far
+
+    @property
+    def done(self) -> bool: ...  # D's last token came (the request ended well)
+
+    @property
+    def cached(self) -> dict[str, int]: ...  # leg -> prompt tokens that leg's instance took from its prefix cache
+
+    @property
+    def timeline(self) -> dict[str, float]: ...  # <leg>.<stage> -> wall seconds
+
+    @property
+    def hash_cache(self) -> dict[int, list[int]]: ...  # block size -> the prompt's chained block hashes
 
     @property
     def decode_tokens(self) -> int: ...

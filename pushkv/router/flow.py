@@ -18,7 +18,7 @@ import asyncio
 import logging
 import math
 import time
-from typing import AsyncIterator, Callable, Optional
+from typing import AsyncIterator, Callable, ClassVar, Optional
 
 import msgspec
 import zmq
@@ -144,10 +144,11 @@ class RequestRun:
         self.balancer = balancer
         self.local_link = local_link
         self.metrics = metrics
+        wall = time.time()
         self.req = R.Request(
             mode=cfg.mode, transfer_id=transfer_id, prompt=tuple(prompt_token_ids), max_tokens=max_tokens,
             stop=stop_token_ids, record=record, request_s=cfg.timeouts.request_s,
-            wall_offset=time.time() - time.monotonic(),
+            wall_offset=wall - time.monotonic(), arrival_wall=wall,
             sampling=sampling if sampling != m.SamplingParams() else None,
             local_engine=cfg.local.engine_id or "local",
         )
@@ -155,6 +156,8 @@ class RequestRun:
         self.links: dict[str, SchedulerLink] = {}  # leg -> the link its Generate went out on
         self.deadline = math.inf  # what the request armed
         self.started = False
+
+    ACTIONS: ClassVar[dict[type, Callable[..., Optional[object]]]] = {}  # action type -> how it is done
 
     # -- what the balancer reads (balance.RequestRun) ---------------------------
     @property
@@ -230,43 +233,50 @@ class RequestRun:
         return events
 
     def _do(self, a: R.Action, events: list[R.Event]) -> Optional[object]:
+        """Carry out one action; what it brings back (the balancer's answer, a refused send) is the
+        request's next input."""
         if isinstance(a, (R.Tokens, R.Finished, R.Failed)):
             events.append(a)
-        elif isinstance(a, R.Send):
-            return self._send(a)
-        elif isinstance(a, R.Arm):
-            self.deadline = a.at
-        elif isinstance(a, R.Disarm):
-            self.deadline = math.inf
-        else:
-            return self._balance(a)
-        return None
+            return None
+        return self.ACTIONS[type(a)](self, a)
 
-    def _balance(self, a: R.Action) -> Optional[object]:
-        b = self.balancer
-        assert b is not None, f"{type(a).__name__} without a balancer"
-        if isinstance(a, R.Place):
-            try:
-                v = b.request(self)
-            except Refused as e:
-                return R.Rejected(e.status, e.reason)
-            return R.Queued() if v is None else b.placed(v)
-        if isinstance(a, R.PlaceDecode):
-            engine = b.request_decode(self)
-            return R.DecodeQueued() if engine is None else DecodePlaced(engine)
-        if isinstance(a, R.PrefillDone):
-            b.prefill_done(self)
-        elif isinstance(a, R.KVArrived):
-            b.kv_arrived(self)
-        elif isinstance(a, R.Release):
-            b.release(self)
-        return None
+    @property
+    def _balancer(self) -> Balancer:
+        assert self.balancer is not None, "a disaggregated action in local mode"
+        return self.balancer
+
+    def _arm(self, a: R.Arm) -> None:
+        self.deadline = a.at
+
+    def _disarm(self, a: R.Disarm) -> None:
+        self.deadline = math.inf
+
+    def _place(self, a: R.Place) -> object:
+        try:
+            v = self._balancer.request(self)
+        except Refused as e:
+            return R.Rejected(e.status, e.reason)
+        return R.Queued() if v is None else self._balancer.placed(v)
+
+    def _place_decode(self, a: R.PlaceDecode) -> object:
+        engine = self._balancer.request_decode(self)
+        return R.DecodeQueued() if engine is None else DecodePlaced(engine)
+
+    def _prefill_done(self, a: R.PrefillDone) -> None:
+        self._balancer.prefill_done(self)
+
+    def _kv_arrived(self, a: R.KVArrived) -> None:
+        self._balancer.kv_arrived(self)
+
+    def _release(self, a: R.Release) -> None:
+        self._balancer.release(self)
 
     def _send(self, a: R.Send) -> Optional[R.SendFailed]:
         link = self.links.get(a.leg)
         try:
             if link is None:
-                link = self.local_link if a.leg == "local" else self.balancer.links[a.engine_id]
+                link = self.local_link if a.leg == "local" else self._balancer.links[a.engine_id]
+                assert link is not None, f"no link for the {a.leg} leg"
                 self.links[a.leg] = link
             link.send(a.msg)
         except Exception as e:
@@ -319,3 +329,10 @@ class RequestRun:
     def close(self, reason: str) -> None:
         """Abort every leg that was sent and has not ended (no await: safe while cancelled)."""
         self._feed(R.Close(reason))
+
+
+RequestRun.ACTIONS = {
+    R.Send: RequestRun._send, R.Arm: RequestRun._arm, R.Disarm: RequestRun._disarm,
+    R.Place: RequestRun._place, R.PlaceDecode: RequestRun._place_decode,
+    R.PrefillDone: RequestRun._prefill_done, R.KVArrived: RequestRun._kv_arrived, R.Release: RequestRun._release,
+}

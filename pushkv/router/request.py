@@ -199,7 +199,8 @@ class Request:
     stop: tuple[int, ...]
     record: RequestRecord  # monotonic times and the outcome, filled in here
     request_s: float  # the request's deadline, from its arrival
-    wall_offset: float = 0.0  # wall clock minus monotonic clock, at arrival
+    wall_offset: float = 0.0  # wall clock minus monotonic clock
+    arrival_wall: Optional[float] = None  # when the router made it (wall); default: the record's arrival
     sampling: Optional[m.SamplingParams] = None  # None: plain greedy, fewer bytes per step
     local_engine: str = "local"  # local mode: the instance's engine id
 
@@ -231,7 +232,9 @@ class Request:
     def __post_init__(self) -> None:
         self.late = self.mode == "pull"
         self.path = self.mode
-        self.timeline["router.arrival"] = self.record.arrival + self.wall_offset
+        if self.arrival_wall is None:
+            self.arrival_wall = self.record.arrival + self.wall_offset
+        self.timeline["router.arrival"] = self.arrival_wall
 
     # -- what others read --------------------------------------------------------
     @property

@@ -8,12 +8,13 @@ sockets).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import signal
 import time
 import uuid
-from typing import Optional
+from typing import Callable, Optional
 
 import msgspec
 import zmq
@@ -315,16 +316,16 @@ class Router:
     async def handle_chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=True)
 
-    def _parser(self, chat: bool):
+    def _parser(self, chat: bool) -> Callable[[dict], api.CompletionParams]:
         if not chat:
-            return lambda body: api.parse_completion(body, self.tokenizer, self.limits)
+            return functools.partial(api.parse_completion, tok=self.tokenizer, limits=self.limits)
         if self.chat_template is None:
             try:
                 self.chat_template = chat_mod.load_template(self.cfg.model.checkpoint)
             except (OSError, ValueError) as e:
                 raise api.ApiError(500, f"no usable chat template: {e}", "server_error") from None
-        template = self.chat_template
-        return lambda body: chat_mod.parse_chat(body, self.tokenizer, self.limits, template)
+        return functools.partial(chat_mod.parse_chat, tok=self.tokenizer, limits=self.limits,
+                                 template=self.chat_template)
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         arrival = time.monotonic()
