@@ -21,10 +21,9 @@ it), ``Arm`` / ``Disarm`` (the one deadline).
 Legs per path:
 
 - local: ``Generate(leg="local")``; tokens from the local scheduler.
-- push: P leg (``max_tokens=1``) and D leg (``source=P``) sent together; tokens from D; P answers
-  ``PrefillFinished`` (informative); D done first, the request waits ``PREFILL_REPORT_GRACE_S`` for it.
-- pull, and push's late allocation: P leg first; P's ``PrefillFinished.pull`` is relayed in the D
-  leg; tokens from D.
+- push: P leg (``max_tokens=1``) and D leg (``source=P``) together; tokens from D; D done first, the
+  request waits ``PREFILL_REPORT_GRACE_S`` for P's ``PrefillFinished`` (informative).
+- pull, and push's late allocation: P leg first; its ``PrefillFinished.pull`` is relayed in D's leg.
 - decode-local (conditional disaggregation): one D leg with ``prefill_here``; D prefills and decodes.
 """
 from __future__ import annotations
@@ -172,7 +171,7 @@ class Arm:
 
 @dataclass(frozen=True)
 class Disarm:
-    pass
+    """No deadline any more."""
 
 
 Event = Union[Tokens, Finished, Failed]  # what the client sees
@@ -243,7 +242,7 @@ class Request:
         return len(self.prompt) + self.max_tokens
 
     @property
-    def token_leg(self) -> str:
+    def token_leg(self) -> str:  # the leg whose tokens the client gets
         return "local" if self.mode == "local" else "decode"
 
     @property
