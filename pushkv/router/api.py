@@ -13,7 +13,7 @@ import json
 import random
 import re
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from pushkv import limits as L
 from pushkv.config import SamplingDefaults
@@ -185,6 +185,15 @@ def check_model(body: dict, served: tuple[str, ...]) -> None:
     if model not in served:
         raise ApiError(404, f"The model `{model}` does not exist; this server serves {list(served)}",
                        param="model", code="model_not_found")
+
+
+def parse_request(raw: bytes, served: tuple[str, ...],
+                  parse: Callable[[dict], CompletionParams]) -> CompletionParams:
+    """A request body, whole: JSON, then its fields (``parse``: completions or chat), then its model."""
+    body = parse_json(raw)
+    params = parse(body)
+    check_model(body, served)
+    return params
 
 
 def check_prompt_ids(ids: list[int], limits: Limits, param: str = "prompt") -> None:

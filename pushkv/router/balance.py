@@ -29,15 +29,29 @@ from pushkv.router.prefix_index import PrefixIndex, hashes, usable_hit_tokens
 
 
 class RequestRun(Protocol):
-    """What the balancer reads of a request (``flow.RequestRun``): it never imports the flow."""
+    """What the balancer reads of a request (``flow.RequestRun``, over ``request.Request``): it never
+    imports the flow, and it only reads."""
 
-    transfer_id: str
-    prompt: tuple[int, ...]
-    output_ids: list[int]  # tokens streamed so far
-    done: bool  # D's last token came (the request ended well)
-    cached: dict[str, int]  # leg -> prompt tokens that leg's instance took from its prefix cache
-    timeline: dict[str, float]  # <leg>.<stage> -> wall seconds
-    hash_cache: dict[int, list[int]]  # block size -> the prompt's chained block hashes
+    @property
+    def transfer_id(self) -> str: ...
+
+    @property
+    def prompt(self) -> tuple[int, ...]: ...
+
+    @property
+    def output_ids(self) -> list[int]: ...  # tokens streamed so far
+
+    @property
+    def done(self) -> bool: ...  # D's last token came (the request ended well)
+
+    @property
+    def cached(self) -> dict[str, int]: ...  # leg -> prompt tokens that leg's instance took from its prefix cache
+
+    @property
+    def timeline(self) -> dict[str, float]: ...  # <leg>.<stage> -> wall seconds
+
+    @property
+    def hash_cache(self) -> dict[int, list[int]]: ...  # block size -> the prompt's chained block hashes
 
     @property
     def decode_tokens(self) -> int: ...
@@ -59,9 +73,10 @@ class Refused(Exception):
 
 @dataclass
 class Placed:
-    """To a waiting run: go, with this verdict (PUSH or LATE)."""
+    """To a run: go, with this verdict (PUSH, LATE or DECODE_LOCAL)."""
 
     verdict: P.Verdict
+    source: Optional[m.PrefillSource] = None  # PUSH: where D's leg takes the KV from
 
 
 @dataclass
@@ -137,6 +152,9 @@ class Balancer:
     def source(self, engine_id: str) -> m.PrefillSource:
         rec = self.records[engine_id]
         return m.PrefillSource(rec.engine_id, rec.tp, tuple(rec.handshake_endpoints))
+
+    def placed(self, v: P.Verdict) -> Placed:
+        return Placed(v, self.source(v.prefill) if v.kind == P.PUSH else None)
 
     def live(self, role: str) -> list[str]:
         return [e for e, l in self.loads.items() if l.role == role and l.up]
@@ -327,7 +345,7 @@ class Balancer:
                 return  # no room yet (or no live instance: it may come back before the deadline)
             self.queue.popleft()
             self._commit(run, v, ask)
-            run.deliver("router", Placed(v))
+            run.deliver("router", self.placed(v))
 
     def holder(self, run: "RequestRun") -> Held:
         return self.held.get(run.transfer_id) or Held()

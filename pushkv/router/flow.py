@@ -1,33 +1,24 @@
-"""Scheduler links and the per-request leg orchestration.
+"""Scheduler links and the asyncio shell around each request's state machine.
 
 A ``SchedulerLink`` is one DEALER connected to one scheduler's ROUTER, with a
 receive task that hands every message to ``on_message(role, msg)``; the
 router routes it by ``transfer_id`` to the request's queue. A ``RequestRun``
-sends a request's legs and turns what comes back into ``Tokens`` /
-``Finished`` / ``Failed`` events:
-
-- local: ``Generate(leg="local")``; tokens from the local scheduler.
-- push: P leg (``max_tokens=1``) and D leg (``source=P``) sent together;
-  tokens from D; P answers ``PrefillFinished`` (informative).
-- pull, and push's late allocation: P leg first; P's ``PrefillFinished.pull`` is
-  relayed in the D leg; tokens from D.
-- decode-local (conditional disaggregation): one D leg with ``prefill_here``; D
-  prefills and decodes, nothing moves.
+reads that queue and the request's deadline, feeds each input to its pure
+``request.Request`` and carries out the actions it answers (sends, the
+balancer's bookkeeping) until the client's last event, ``Finished`` or
+``Failed``. What the legs are per path, and how a request ends, is in
+``request.py``.
 
 Which P and which D serve a request is the ``Balancer``'s choice (``balance.py``
 over the pure ``policy.py``); a request no D can hold waits there until one can.
-
-A failed leg fails the request; every leg sent and not yet ended gets an
-``Abort`` when the run closes, whatever the reason (failure, timeout, client
-gone, shutdown).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
-from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Optional, Union
+from typing import AsyncIterator, Callable, ClassVar, Optional
 
 import msgspec
 import zmq
@@ -35,20 +26,13 @@ import zmq.asyncio
 
 from pushkv import messages as m
 from pushkv.config import DeploymentConfig
-from pushkv.router import policy as P
-from pushkv.router.balance import Balancer, DecodePlaced, Placed, Refused
+from pushkv.router import request as R
+from pushkv.router.balance import Balancer, DecodePlaced, Refused
 from pushkv.router.metrics import RequestRecord, RouterMetrics
 from pushkv.security import Security, secure_connect
 from pushkv.trace import TracePublisher
 
 log = logging.getLogger(__name__)
-
-# Every leg this router sends is generation 0: nothing reissues a request today
-# (no preemption, no retry). Schedulers and writers still match the two halves by
-# (transfer id, generation) and let a higher generation supersede a lower one, so a
-# retry would send generation + 1 and never pair with a stale half.
-GENERATION = 0
-PREFILL_REPORT_GRACE_S = 1.0  # push: D done, wait this long for P's timeline
 
 
 class SchedulerLink:
@@ -147,305 +131,208 @@ class SchedulerLink:
 
 
 # ---------------------------------------------------------------------------
-# Events a run yields
+# The asyncio shell around one request's state machine (request.py)
 # ---------------------------------------------------------------------------
-@dataclass
-class Tokens:
-    token_ids: tuple[int, ...]
-    logprobs: tuple[m.TokenLogprob, ...] = ()  # one per token id when the request asked
-
-
-@dataclass
-class Finished:
-    finish_reason: str
-
-
-@dataclass
-class Failed:
-    status: int
-    reason: str
-    outcome: str = "failed"
-
-
-Event = Union[Tokens, Finished, Failed]
-ROUTER = "router"  # pseudo-role of events the router injects (abort, shutdown)
-
-
 class RequestRun:
-    """One request's legs, from the first Generate to the last Abort."""
+    """Feeds a ``request.Request`` what its legs, the balancer and its deadline say, and carries
+    out what it answers: sends, the balancer's bookkeeping, and the client's events."""
 
     def __init__(self, cfg: DeploymentConfig, balancer: Optional[Balancer], transfer_id: str,
                  prompt_token_ids: list[int], max_tokens: int, stop_token_ids: tuple[int, ...],
                  record: RequestRecord, metrics: RouterMetrics, sampling: Optional[m.SamplingParams] = None,
                  local_link: Optional[SchedulerLink] = None):
-        self.cfg = cfg
         self.balancer = balancer
         self.local_link = local_link
-        self.legs: dict[str, SchedulerLink] = {}  # leg -> the chosen instance's link
-        self.engines: dict[str, str] = {}  # leg -> engine id
-        self.late = cfg.mode == "pull"  # D's leg after P's (pull, or push's late allocation)
-        self.pull: Optional[m.PullParams] = None  # late: P's answer, relayed in D's leg
-        self.kv_seen = False
-        self.started = False
-        self.transfer_id = transfer_id
-        self.prompt = tuple(prompt_token_ids)
-        self.max_tokens = max_tokens
-        self.stop = stop_token_ids
-        self.record = record
         self.metrics = metrics
-        self.queue: asyncio.Queue[tuple[str, m.Msg]] = asyncio.Queue()
-        self.arrival_wall = time.time()
-        self.timeline: dict[str, float] = {"router.arrival": self.arrival_wall}
-        self.sent: set[str] = set()  # legs whose Generate went out
-        self.ended: set[str] = set()  # legs that answered their last message
-        self.token_leg = "local" if cfg.mode == "local" else "decode"
-        self.kv: dict[str, m.KVTransferStats] = {}  # per leg, as the schedulers measured the transfer
-        self.closed = False
-        self.sampling = sampling if sampling != m.SamplingParams() else None  # None: plain greedy, fewer bytes per step
-        # disaggregated: P drew the first token, so its logprob comes from P; D's first
-        # TokensGenerated waits here for it when the request asked for logprobs
-        self.first_logprob: Optional[m.TokenLogprob] = None
-        self.held: list[tuple[str, m.Msg]] = []  # D's tokens waiting for P's first logprob
-        self.replay: list[tuple[str, m.Msg]] = []  # ... and released, read before the queue
-        self.emitted = 0
-        self.output_ids: list[int] = []  # what D streamed (the balancer indexes D's prompt + answer)
-        self.done = False  # D's last token came
-        self.cached: dict[str, int] = {}  # leg -> prompt tokens its instance took from its prefix cache
-        self.prefill_work: tuple[int, int, int] = (0, 0, 0)  # P's steps for it: steps, tokens, context
-        self.decode_work: tuple[int, int, int, int] = (0, 0, 0, 0)  # D's: steps, seqs, context, prefill tokens
-        self.hash_cache: dict[int, list[int]] = {}  # block size -> the prompt's block hashes (placement)
-        self.path = cfg.mode  # push | late | pull | decode-local | local
-
-    # -- inputs ---------------------------------------------------------
-    def deliver(self, role: str, msg: m.Msg) -> None:
-        self.queue.put_nowait((role, msg))
-
-    def inject_failure(self, status: int, reason: str) -> None:
-        """From outside the run (abort endpoint, shutdown)."""
-        self.queue.put_nowait((ROUTER, m.RequestFailed(self.transfer_id, GENERATION, reason, status)))
-
-    # -- timeline ---------------------------------------------------------
-    def mark(self, stage: str, t: Optional[float] = None) -> None:
-        self.timeline.setdefault(stage, time.time() if t is None else t)
-
-    def merge(self, leg: str, pairs) -> None:
-        for stage, t in pairs:
-            self.timeline.setdefault(f"{leg}.{stage}", float(t))
-
-    # -- legs ---------------------------------------------------------------
-    def _generate(self, leg: str, **kw) -> m.Generate:
-        return m.Generate(
-            transfer_id=self.transfer_id, generation=GENERATION, leg=leg,
-            prompt_token_ids=self.prompt, stop_token_ids=self.stop,
-            arrival=self.arrival_wall, sampling=self.sampling, **kw,
+        wall = time.time()
+        self.req = R.Request(
+            mode=cfg.mode, transfer_id=transfer_id, prompt=tuple(prompt_token_ids), max_tokens=max_tokens,
+            stop=stop_token_ids, record=record, request_s=cfg.timeouts.request_s,
+            wall_offset=wall - time.monotonic(), arrival_wall=wall,
+            sampling=sampling if sampling != m.SamplingParams() else None,
+            local_engine=cfg.local.engine_id or "local",
         )
+        self.queue: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
+        self.links: dict[str, SchedulerLink] = {}  # leg -> the link its Generate went out on
+        self.deadline = math.inf  # what the request armed
+        self.started = False
+
+    ACTIONS: ClassVar[dict[type, Callable[..., Optional[object]]]] = {}  # action type -> how it is done
+
+    # -- what the balancer reads (balance.RequestRun) ---------------------------
+    @property
+    def transfer_id(self) -> str:
+        return self.req.transfer_id
+
+    @property
+    def prompt(self) -> tuple[int, ...]:
+        return self.req.prompt
 
     @property
     def decode_tokens(self) -> int:
-        """What D must hold for the whole request (no preemption)."""
-        return len(self.prompt) + self.max_tokens
+        return self.req.decode_tokens
 
-    def _assign(self, leg: str, engine_id: str) -> None:
-        self.legs[leg] = self.balancer.links[engine_id]
-        self.engines[leg] = engine_id
+    @property
+    def output_ids(self) -> list[int]:
+        return self.req.output_ids
 
-    def _send_leg(self, leg: str, msg: m.Generate) -> None:
-        self.sent.add(leg)
-        self.mark(f"router.send_{leg}")
-        log.debug("send %s leg to %s transfer_id=%s", leg, self.engines.get(leg, leg), self.transfer_id)
-        self.legs[leg].send(msg)
+    @property
+    def done(self) -> bool:
+        return self.req.done
 
-    def start(self) -> None:
-        """Send the legs, or queue the request at the balancer (``Placed`` comes later).
-        Raises ``Refused`` (429 / 503 / 413) before anything was sent."""
-        if not self.started:
-            self.started = True
-            self._start()
+    @property
+    def cached(self) -> dict[str, int]:
+        return self.req.cached
 
-    def _start(self) -> None:
-        mode = self.cfg.mode
-        if mode == "local":
-            self.legs["local"] = self.local_link
-            self._send_leg("local", self._generate("local", max_tokens=self.max_tokens))
-            return
-        if mode not in ("push", "pull"):
-            raise ValueError(f"unknown mode {mode!r}")
-        verdict = self.balancer.request(self)  # Refused: 429 / 503 / 413 with a reason
-        if verdict is None:
-            self.mark("router.queued")
-            return
-        self._dispatch(verdict)
+    @property
+    def timeline(self) -> dict[str, float]:
+        return self.req.timeline
 
-    def _dispatch(self, v: P.Verdict) -> None:
-        if v.kind == P.DECODE_LOCAL:
-            self.path = v.kind
-            log.debug("decode-local transfer_id=%s: %s", self.transfer_id, v.reason)
-            self._assign("decode", v.decode)
-            self._send_leg("decode", self._generate("decode", max_tokens=self.max_tokens, prefill_here=True))
-            return
-        self._assign("prefill", v.prefill)
-        if v.kind == P.LATE:
-            self.late = True
-            if self.cfg.mode == "push":
-                self.path = "late"
-                self.mark("router.late_allocation")
-                log.info("late allocation transfer_id=%s: %s", self.transfer_id, v.reason)
-            self._send_leg("prefill", self._generate("prefill", max_tokens=1, late=self.cfg.mode == "push"))
-            return
-        self._assign("decode", v.decode)
-        prefill = self._generate("prefill", max_tokens=1)
-        decode = self._generate("decode", max_tokens=self.max_tokens, source=self.balancer.source(v.prefill))
-        # both legs leave together, no await between: D reserves and registers while P computes
-        self._send_leg("prefill", prefill)
-        self._send_leg("decode", decode)
+    @property
+    def hash_cache(self) -> dict[int, list[int]]:
+        return self.req.hash_cache
 
-    def _send_late_decode(self, engine_id: str) -> None:
-        self._assign("decode", engine_id)
-        self._send_leg("decode", self._generate("decode", max_tokens=self.max_tokens,
-                                                source=self.pull.source, pull=self.pull))
+    @property
+    def prefill_work(self) -> tuple[int, int, int]:
+        return self.req.prefill_work
 
-    async def _next(self, deadline: float) -> Optional[tuple[str, m.Msg]]:
+    @property
+    def decode_work(self) -> tuple[int, int, int, int]:
+        return self.req.decode_work
+
+    @property
+    def record(self) -> RequestRecord:
+        return self.req.record
+
+    # -- inputs from outside the handler ------------------------------------------
+    def deliver(self, leg: str, msg: object) -> None:
+        self.queue.put_nowait((leg, msg))
+
+    def inject_failure(self, status: int, reason: str) -> None:
+        """The abort endpoint, shutdown, an instance down."""
+        self.queue.put_nowait((R.ROUTER, R.Cancel(status, reason)))
+
+    # -- feeding the machine and carrying out what it says --------------------------
+    def _feed(self, msg: object, leg: str = R.ROUTER) -> list[R.Event]:
+        """One input, and every input its actions bring back (the balancer's answers, a refused
+        send), at once: nothing awaits in here, so a cancellation never lands halfway."""
+        events: list[R.Event] = []
+        inputs: list[tuple[str, object]] = [(leg, msg)]
+        while inputs:
+            leg, msg = inputs.pop(0)
+            actions = self.req.on(msg, time.monotonic(), leg)
+            for i, a in enumerate(actions):
+                answer = self._do(a, events)
+                if isinstance(answer, R.SendFailed):  # the rest of this batch is moot
+                    unsent = tuple(b.leg for b in actions[i + 1:] if isinstance(b, R.Send))
+                    answer = R.SendFailed(answer.leg, answer.error, unsent)
+                if answer is not None:
+                    inputs.append((R.ROUTER, answer))
+                if isinstance(answer, R.SendFailed):
+                    break
+        return events
+
+    def _do(self, a: R.Action, events: list[R.Event]) -> Optional[object]:
+        """Carry out one action; what it brings back (the balancer's answer, a refused send) is the
+        request's next input."""
+        if isinstance(a, (R.Tokens, R.Finished, R.Failed)):
+            events.append(a)
+            return None
+        return self.ACTIONS[type(a)](self, a)
+
+    @property
+    def _balancer(self) -> Balancer:
+        assert self.balancer is not None, "a disaggregated action in local mode"
+        return self.balancer
+
+    def _arm(self, a: R.Arm) -> None:
+        self.deadline = a.at
+
+    def _disarm(self, a: R.Disarm) -> None:
+        self.deadline = math.inf
+
+    def _place(self, a: R.Place) -> object:
+        try:
+            v = self._balancer.request(self)
+        except Refused as e:
+            return R.Rejected(e.status, e.reason)
+        return R.Queued() if v is None else self._balancer.placed(v)
+
+    def _place_decode(self, a: R.PlaceDecode) -> object:
+        engine = self._balancer.request_decode(self)
+        return R.DecodeQueued() if engine is None else DecodePlaced(engine)
+
+    def _prefill_done(self, a: R.PrefillDone) -> None:
+        self._balancer.prefill_done(self)
+
+    def _kv_arrived(self, a: R.KVArrived) -> None:
+        self._balancer.kv_arrived(self)
+
+    def _release(self, a: R.Release) -> None:
+        self._balancer.release(self)
+
+    def _send(self, a: R.Send) -> Optional[R.SendFailed]:
+        link = self.links.get(a.leg)
+        try:
+            if link is None:
+                link = self.local_link if a.leg == "local" else self._balancer.links[a.engine_id]
+                assert link is not None, f"no link for the {a.leg} leg"
+                self.links[a.leg] = link
+            link.send(a.msg)
+        except Exception as e:
+            if isinstance(a.msg, m.Generate):
+                return R.SendFailed(a.leg, str(e))
+            log.error("abort to %s failed transfer_id=%s: %s", a.leg, self.transfer_id, e)
+            return None
+        if isinstance(a.msg, m.Abort):
+            self.metrics.aborts_sent.labels(role=a.leg).inc()
+            log.info("abort %s leg transfer_id=%s: %s", a.leg, self.transfer_id, a.msg.reason)
+        return None
+
+    # -- the handler's side ---------------------------------------------------------------
+    def start(self) -> Optional[R.Failed]:
+        """Send the legs, or queue the request at the balancer; the refusal if it was refused
+        (429 / 503 / 413) or a link refused the send."""
+        if self.started:
+            return None
+        self.started = True
+        return next((e for e in self._feed(R.Start()) if isinstance(e, R.Failed)), None)
+
+    async def _next(self) -> tuple[str, object]:
         # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancellation
         # (client gone) that lands in the same iteration as a queue item
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return None
+        remaining = self.deadline - time.monotonic()
         try:
-            if not hasattr(asyncio, "timeout"):  # Python 3.10
-                return await asyncio.wait_for(self.queue.get(), remaining)
-            async with asyncio.timeout(remaining):
+            if remaining <= 0:
+                return R.ROUTER, R.Tick()
+            async with asyncio.timeout(None if math.isinf(remaining) else remaining):
                 return await self.queue.get()
-        except (TimeoutError, asyncio.TimeoutError):
-            return None
+        except TimeoutError:
+            return R.ROUTER, R.Tick()
 
-    async def events(self) -> AsyncIterator[Event]:
+    async def events(self) -> AsyncIterator[R.Event]:
         """Yield the request's events; ends after one Finished or Failed."""
-        deadline = self.record.arrival + self.cfg.timeouts.request_s
-        try:
-            self.start()
-        except Refused as e:
-            log.info("refused transfer_id=%s status=%d: %s", self.transfer_id, e.status, e.reason)
-            yield Failed(e.status, e.reason, "rejected")
+        refusal = self.start()
+        if refusal is not None:
+            yield refusal
             return
-        except Exception as e:
-            log.error("sending legs failed transfer_id=%s: %s", self.transfer_id, e)
-            yield Failed(503, f"scheduler unreachable: {e}")
-            return
-        finish_reason = ""
-        while True:
-            if finish_reason:
-                if self.cfg.mode != "push" or "prefill" not in self.sent or "prefill" in self.ended:
-                    break
-                # push: D finished before P reported; wait briefly for P's timeline
-                deadline = min(deadline, time.monotonic() + PREFILL_REPORT_GRACE_S)
-            item = self.replay.pop(0) if self.replay else await self._next(deadline)
-            if item is None:
-                if finish_reason:
-                    break
-                yield Failed(504, f"request exceeded {self.cfg.timeouts.request_s:g} s", "timeout")
-                return
-            role, msg = item
-            if isinstance(msg, (Placed, DecodePlaced)):
-                try:
-                    if isinstance(msg, Placed):
-                        self.mark("router.placed")
-                        self._dispatch(msg.verdict)
-                    else:
-                        self._send_late_decode(msg.engine_id)
-                except Exception as e:
-                    yield Failed(503, f"scheduler unreachable: {e}")
-                    return
-                continue
-            if isinstance(msg, m.RequestFailed):
-                if role != ROUTER:
-                    self.ended.add(role)
-                if finish_reason:  # the client already has every token
-                    log.warning("leg %s failed after completion transfer_id=%s: %s",
-                                role, self.transfer_id, msg.reason)
-                    break
-                log.info("leg %s failed transfer_id=%s status=%d: %s",
-                         role, self.transfer_id, msg.status, msg.reason)
-                outcome = "failed" if role != ROUTER else ("shutdown" if msg.status == 503 else "aborted")
-                yield Failed(msg.status, f"{role}: {msg.reason}" if role != ROUTER else msg.reason, outcome)
-                return
-            if isinstance(msg, m.PrefillFinished):
-                self.ended.add(role)
-                self.mark("router.prefill_finished")
-                self.merge(role, msg.timeline)
-                self.cached[role] = msg.cached_tokens
-                self.prefill_work = (msg.prefill_steps, msg.prefill_step_tokens, msg.prefill_step_context)
-                if self.balancer is not None:
-                    self.balancer.prefill_done(self)
-                if msg.kv is not None:
-                    self.kv[role] = msg.kv
-                if self.late and "decode" not in self.sent and self.pull is None:
-                    if msg.pull is None:
-                        yield Failed(502, "prefill finished without pull parameters")
-                        return
-                    self.pull = msg.pull
-                    try:
-                        engine = self.balancer.request_decode(self)
-                        if engine is None:  # no D can hold it now: wait here, never at a full D
-                            self.mark("router.decode_queued")
-                        else:
-                            self._send_late_decode(engine)
-                    except Exception as e:
-                        yield Failed(503, f"decode scheduler unreachable: {e}")
-                        return
-                continue
-            if isinstance(msg, m.TokensGenerated):
-                if role != self.token_leg:  # P's own sampled token: D re-emits it, we keep its logprob
-                    self.merge(role, msg.timeline)
-                    if msg.logprobs and self.first_logprob is None:
-                        self.first_logprob = msg.logprobs[0]
-                        self.replay, self.held = self.held, []
-                    continue
-                if self.held or (self._needs_first_logprob(msg) and self.first_logprob is None):
-                    self.held.append((role, msg))  # in order, behind the first token
-                    continue
-                if not self.kv_seen and self.balancer is not None:  # D's first token: its KV is here
-                    self.kv_seen = True
-                    self.balancer.kv_arrived(self)
-                if self._needs_first_logprob(msg):
-                    msg = msgspec.structs.replace(msg, logprobs=(self.first_logprob,) + msg.logprobs)
-                self.emitted += len(msg.token_ids)
-                self.output_ids.extend(msg.token_ids)
-                if msg.token_ids and self.record.first_token is None:
-                    self.mark("router.first_token")
-                if msg.token_ids:
-                    self.record.add_tokens(time.monotonic(), len(msg.token_ids))
-                    yield Tokens(tuple(msg.token_ids), tuple(msg.logprobs))
-                if msg.finished:
-                    self.ended.add(role)
-                    self.done = True
-                    self.cached[role] = msg.cached_tokens
-                    self.decode_work = (msg.decode_steps, msg.decode_seqs, msg.decode_context,
-                                        msg.decode_prefill_tokens)
-                    self.merge(role, msg.timeline)
-                    if msg.kv is not None:
-                        self.kv[role] = msg.kv
-                    self.record.finish = time.monotonic()
-                    self.mark("router.finish")
-                    finish_reason = msg.finish_reason or "length"
-                continue
-            log.error("unexpected %s from %s transfer_id=%s", type(msg).__name__, role, self.transfer_id)
-        yield Finished(finish_reason)
+        while not self.req.over:
+            leg, msg = await self._next()
+            for ev in self._feed(msg, leg):
+                yield ev
 
-    def _needs_first_logprob(self, msg: m.TokensGenerated) -> bool:
-        return (self.sampling is not None and self.sampling.logprobs >= 0 and "prefill" in self.sent
-                and self.emitted == 0 and bool(msg.token_ids) and len(msg.logprobs) < len(msg.token_ids))
+    def stop_early(self, reason: str) -> None:
+        """A stop string ended the choice: it is complete, its legs are aborted."""
+        self._feed(R.Stopped())
+        self.close(reason)
 
     def close(self, reason: str) -> None:
         """Abort every leg that was sent and has not ended (no await: safe while cancelled)."""
-        if self.closed:
-            return
-        self.closed = True
-        if self.balancer is not None:
-            self.balancer.release(self)
-        for leg in sorted(self.sent - self.ended):
-            try:
-                self.legs[leg].send(m.Abort(self.transfer_id, GENERATION, reason))
-                self.metrics.aborts_sent.labels(role=leg).inc()
-                log.info("abort %s leg transfer_id=%s: %s", leg, self.transfer_id, reason)
-            except Exception as e:
-                log.error("abort to %s failed transfer_id=%s: %s", leg, self.transfer_id, e)
+        self._feed(R.Close(reason))
+
+
+RequestRun.ACTIONS = {
+    R.Send: RequestRun._send, R.Arm: RequestRun._arm, R.Disarm: RequestRun._disarm,
+    R.Place: RequestRun._place, R.PlaceDecode: RequestRun._place_decode,
+    R.PrefillDone: RequestRun._prefill_done, R.KVArrived: RequestRun._kv_arrived, R.Release: RequestRun._release,
+}

@@ -2,6 +2,10 @@
 served from its ``RequestRun``s: one run per choice, each its own transfer id
 (``<id>`` for n=1, ``<id>-<i>`` otherwise) and its own sampling stream.
 
+``serve`` is the one entry: it starts the runs (a refusal is a plain HTTP error even
+for a stream), then answers unary or streamed. Every refusal and failure a client
+sees is shaped by ``refusal`` / ``_error_body`` here.
+
 A choice that hits a stop string is done at once: its run closes, which aborts
 its legs, and its events stop being read.
 """
@@ -9,21 +13,43 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import AsyncIterator, Optional
 
-import msgspec
 from aiohttp import web
 
-from pushkv.seeds import derive_seed
 from pushkv.router import api, output
-from pushkv.router.flow import Failed, Finished, RequestRun, Tokens
+from pushkv.router.flow import RequestRun
+from pushkv.router.request import Failed, Finished, Tokens
 
 log = logging.getLogger(__name__)
 
 
-def choice_seed(params: api.CompletionParams, i: int):
-    return msgspec.structs.replace(params.sampling, seed=derive_seed(params.sampling.seed, i))
+def _error_body(status: int, reason: str) -> dict:
+    return api.error_body(reason, api.error_type(status), status)
+
+
+def refusal(status: int, reason: str) -> web.Response:
+    """A request refused or failed before its response began."""
+    return web.json_response(_error_body(status, reason), status=status)
+
+
+async def serve(router, request: web.Request, params: api.CompletionParams,
+                runs: list[RequestRun]) -> web.StreamResponse:
+    """Start every choice's run, then answer; a client that goes away aborts them all."""
+    gen = Generation(router, params, runs)
+    try:
+        for run in runs:  # placement first, so a refusal is a plain HTTP error even for a stream
+            refused = run.start()
+            if refused is not None:
+                for r in runs:
+                    r.record.outcome = refused.outcome
+                return refusal(refused.status, refused.reason)
+        if params.stream:
+            return await gen.stream(request)
+        return await gen.unary()
+    except asyncio.CancelledError:  # aiohttp cancels the handler when the client goes
+        gen.client_gone()
+        raise
 
 
 class Fanout:
@@ -44,7 +70,7 @@ class Fanout:
 
     def stop(self, i: int, reason: str) -> None:
         """Choice i is complete early (stop string): abort its legs, stop reading it."""
-        self.runs[i].close(reason)
+        self.runs[i].stop_early(reason)
         self.tasks[i].cancel()
 
     async def events(self) -> AsyncIterator[tuple[int, object]]:
@@ -82,17 +108,13 @@ class Generation:
 
     # -- bookkeeping -------------------------------------------------------
     def _apply(self, i: int, ev, fan: Fanout) -> Optional[output.Delta]:
-        out, run = self.outs[i], self.runs[i]
+        out = self.outs[i]
         if isinstance(ev, Tokens):
             delta = out.add(ev.token_ids, ev.logprobs)
             if delta.finish_reason:  # a stop string: this choice is complete now
-                run.record.outcome = "ok"
-                run.record.finish = time.monotonic()
-                run.mark("router.finish")
                 fan.stop(i, "stop string matched")
             return delta
         if isinstance(ev, Finished):
-            run.record.outcome = "ok"
             return out.finish(ev.finish_reason)
         return None
 
@@ -112,7 +134,7 @@ class Generation:
                             run.cached.get(leg) if leg else None)
 
     def _extension(self) -> dict:
-        run = self.runs[0]
+        run = self.runs[0].req
         ext = {"transfer_id": run.transfer_id,
                "timeline": dict(sorted(run.timeline.items(), key=lambda kv: kv[1]))}
         if run.engines:  # which instance served each leg
@@ -129,11 +151,17 @@ class Generation:
                          for leg, k in run.kv.items()}
         return ext
 
-    def _fail(self, i: int, ev: Failed) -> None:
-        self.runs[i].record.outcome = ev.outcome
-        for j, run in enumerate(self.runs):
-            if j != i and not run.record.outcome:
+    def _fail(self) -> None:
+        """One choice failed (its run says how): the others are aborted with it."""
+        for run in self.runs:
+            if not run.record.outcome:
                 run.record.outcome = "aborted"
+
+    def client_gone(self) -> None:
+        for run in self.runs:
+            if run.record.outcome != "ok":
+                run.record.outcome = "aborted"
+        log.info("client went away transfer_id=%s", self.runs[0].transfer_id.split("-")[0])
 
     # -- unary ------------------------------------------------------------------
     async def unary(self) -> web.Response:
@@ -141,9 +169,8 @@ class Generation:
         try:
             async for i, ev in fan.events():
                 if isinstance(ev, Failed):
-                    self._fail(i, ev)
-                    return web.json_response(api.error_body(ev.reason, api.error_type(ev.status), ev.status),
-                                             status=ev.status)
+                    self._fail()
+                    return refusal(ev.status, ev.reason)
                 self._apply(i, ev, fan)
         finally:
             await fan.close()
@@ -196,8 +223,8 @@ class Generation:
             failed = False
             async for i, ev in fan.events():
                 if isinstance(ev, Failed):
-                    self._fail(i, ev)
-                    await resp.write(output.sse(api.error_body(ev.reason, api.error_type(ev.status), ev.status)))
+                    self._fail()
+                    await resp.write(output.sse(_error_body(ev.status, ev.reason)))
                     failed = True
                     break
                 delta = self._apply(i, ev, fan)
@@ -213,10 +240,7 @@ class Generation:
             await resp.write(output.SSE_DONE)
             await resp.write_eof()
         except ConnectionError:  # the client closed the stream under us
-            for run in self.runs:
-                if run.record.outcome != "ok":
-                    run.record.outcome = "aborted"
-            log.info("client went away mid-stream request_id=%s", self.request_id)
+            self.client_gone()
         finally:
             await fan.close()
         return resp

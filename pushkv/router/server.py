@@ -8,12 +8,13 @@ sockets).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import signal
 import time
 import uuid
-from typing import Optional
+from typing import Callable, Optional
 
 import msgspec
 import zmq
@@ -27,12 +28,12 @@ from pushkv.config import DeploymentConfig
 from pushkv.discovery.base import Watcher
 from pushkv.discovery.local import LocalWatcher
 from pushkv.discovery.records import InstanceDown, InstanceRecord, InstanceUp
-from pushkv.router import api, auth, output, text
-from pushkv.router.balance import Balancer, Refused
+from pushkv.router import api, auth, generate, output, text
+from pushkv.router.balance import Balancer
 from pushkv.router import chat as chat_mod
 from pushkv.router.flow import RequestRun, SchedulerLink
-from pushkv.router.generate import Generation, choice_seed
 from pushkv.router.metrics import RequestRecord, RouterMetrics
+from pushkv.seeds import derive_seed
 from pushkv.security import secure_connect
 from pushkv.trace import TracePublisher
 
@@ -173,9 +174,7 @@ class Router:
         if self.balancer.down(ev.engine_id) is None:
             return
         role = ev.role
-        hit = [run for run in self.runs.values() if run.engines.get(role) == ev.engine_id
-               and ((role in run.sent and role not in run.ended)
-                    or (role == "prefill" and run.late and run.emitted == 0))]  # P held the KV D still needs
+        hit = [run for run in self.runs.values() if run.req.holds(role, ev.engine_id)]
         log.error("%s instance %s down (%s): failing %d request(s) with a leg on it",
                   role, ev.engine_id, ev.reason, len(hit))
         self.metrics.instance_down(role, ev.engine_id, ev.reason, len(hit))
@@ -317,83 +316,71 @@ class Router:
     async def handle_chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=True)
 
-    def _parse(self, body: dict, chat: bool) -> api.CompletionParams:
+    def _parser(self, chat: bool) -> Callable[[dict], api.CompletionParams]:
         if not chat:
-            return api.parse_completion(body, self.tokenizer, self.limits)
+            return functools.partial(api.parse_completion, tok=self.tokenizer, limits=self.limits)
         if self.chat_template is None:
             try:
                 self.chat_template = chat_mod.load_template(self.cfg.model.checkpoint)
             except (OSError, ValueError) as e:
                 raise api.ApiError(500, f"no usable chat template: {e}", "server_error") from None
-        return chat_mod.parse_chat(body, self.tokenizer, self.limits, self.chat_template)
+        return functools.partial(chat_mod.parse_chat, tok=self.tokenizer, limits=self.limits,
+                                 template=self.chat_template)
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         arrival = time.monotonic()
         if self.stopping:
-            return _error(503, "router shutting down", "service_unavailable")
+            return generate.refusal(503, "router shutting down")
         try:
-            body = api.parse_json(await request.read())
-            params = self._parse(body, chat)
-            api.check_model(body, self.served)
+            params = api.parse_request(await request.read(), self.served, self._parser(chat))
         except api.ApiError as e:
             self.metrics.requests.labels(outcome="rejected").inc()
             return web.json_response(e.body(), status=e.status)
+        runs = self._open(params, arrival)
+        log.debug("request transfer_id=%s prompt=%d max_tokens=%d n=%d stream=%s chat=%s",
+                  runs[0].transfer_id, len(params.prompt_token_ids), params.max_tokens, params.n, params.stream,
+                  chat)
+        try:
+            return await generate.serve(self, request, params, runs)
+        finally:
+            self._close(runs)
+
+    def _open(self, params: api.CompletionParams, arrival: float) -> list[RequestRun]:
+        """One run per choice, each its own transfer id and sampling stream, in flight from now."""
         base = uuid.uuid4().hex
         runs = []
         for i in range(params.n):
             tid = base if params.n == 1 else f"{base}-{i}"
             rec = RequestRecord(arrival=arrival, prompt_tokens=len(params.prompt_token_ids))
+            sampling = msgspec.structs.replace(params.sampling, seed=derive_seed(params.sampling.seed, i))
             run = RequestRun(self.cfg, self.balancer if self.local_link is None else None, tid,
                              params.prompt_token_ids, params.max_tokens, params.stop_token_ids, rec,
-                             self.metrics, choice_seed(params, i), local_link=self.local_link)
+                             self.metrics, sampling, local_link=self.local_link)
             self.runs[tid] = run
             runs.append(run)
             if self.tracer is not None:
                 self.tracer.event("http_request", tid, f"prompt={rec.prompt_tokens} max_tokens={params.max_tokens}")
         self._handlers_idle.clear()
         self.metrics.in_flight.inc()
-        log.debug("request transfer_id=%s prompt=%d max_tokens=%d n=%d stream=%s chat=%s",
-                  base, len(params.prompt_token_ids), params.max_tokens, params.n, params.stream, chat)
-        gen = Generation(self, params, runs)
-        try:
-            try:  # placement first, so a refusal is a plain HTTP error even for a stream
-                for run in runs:
-                    run.start()
-            except Refused as e:
-                log.info("refused transfer_id=%s status=%d: %s", base, e.status, e.reason)
-                for run in runs:
-                    run.record.outcome = "rejected"
-                return _error(e.status, e.reason, api.error_type(e.status))
-            except Exception as e:  # a link refused the send
-                log.error("sending legs failed transfer_id=%s: %s", base, e)
-                for run in runs:
-                    run.record.outcome = "failed"
-                return _error(503, f"scheduler unreachable: {e}", "service_unavailable")
-            if params.stream:
-                return await gen.stream(request)
-            return await gen.unary()
-        except asyncio.CancelledError:  # aiohttp cancels the handler when the client goes
-            for run in runs:
-                if run.record.outcome != "ok":
-                    run.record.outcome = "aborted"
-            log.info("client went away transfer_id=%s", base)
-            raise
-        finally:
-            for run in runs:
-                rec = run.record
-                if rec.outcome == "ok":
-                    reason = "request complete"  # only P (push) can still be open, or a stopped choice
-                else:
-                    rec.outcome = rec.outcome or "aborted"
-                    reason = "client disconnected" if rec.outcome == "aborted" else f"request {rec.outcome}"
-                run.close(reason)
-                self.runs.pop(run.transfer_id, None)
-                self.metrics.observe(rec, run.timeline, run.kv)
-                if self.tracer is not None:
-                    self.tracer.event("http_done", run.transfer_id, rec.outcome)
-            self.metrics.in_flight.dec()
-            if not self.runs:
-                self._handlers_idle.set()
+        return runs
+
+    def _close(self, runs: list[RequestRun]) -> None:
+        """Whatever ended the request: abort what is open, release it, record it."""
+        for run in runs:
+            rec = run.record
+            if rec.outcome == "ok":
+                reason = "request complete"  # only P (push) can still be open, or a stopped choice
+            else:
+                rec.outcome = rec.outcome or "aborted"
+                reason = "client disconnected" if rec.outcome == "aborted" else f"request {rec.outcome}"
+            run.close(reason)
+            self.runs.pop(run.transfer_id, None)
+            self.metrics.observe(rec, run.timeline, run.req.kv)
+            if self.tracer is not None:
+                self.tracer.event("http_done", run.transfer_id, rec.outcome)
+        self.metrics.in_flight.dec()
+        if not self.runs:
+            self._handlers_idle.set()
 
 
 def _error(status: int, message: str, type_: str) -> web.Response:

@@ -1,0 +1,277 @@
+"""The router's request state machine (router/request.py), driven by plain calls: each case is a
+sequence of inputs, each with the actions it must answer."""
+from __future__ import annotations
+
+import pytest
+
+from pushkv import messages as m
+from pushkv.router import policy as P
+from pushkv.router import request as R
+from pushkv.router.balance import DecodePlaced, Placed
+from pushkv.router.metrics import RequestRecord
+
+T0 = 100.0  # the request's arrival (monotonic)
+WALL = 1_000.0  # wall clock minus monotonic
+SRC = m.PrefillSource("p0", 1, ("hs",))
+PULL = m.PullParams(source=SRC, block_ids=(1, 2), num_tokens=3, first_token=7, lease_deadline=0.0)
+LP = m.TokenLogprob(-0.5, (7,), (-0.5,))
+
+
+def new(mode="push", logprobs=-1, request_s=10.0) -> R.Request:
+    sampling = m.SamplingParams(logprobs=logprobs) if logprobs >= 0 else None
+    return R.Request(mode=mode, transfer_id="t", prompt=(1, 2, 3), max_tokens=4, stop=(9,),
+                     record=RequestRecord(arrival=T0, prompt_tokens=3), request_s=request_s,
+                     wall_offset=WALL, sampling=sampling, local_engine="l0")
+
+
+def toks(ids, finished=False, reason="", lps=()):
+    return m.TokensGenerated("t", 0, tuple(ids), finished, reason, logprobs=tuple(lps))
+
+
+def pf(pull=None):
+    return m.PrefillFinished("t", 0, first_token=7, pull=pull, cached_tokens=2, prefill_steps=1)
+
+
+def fail(reason="boom", status=500):
+    return m.RequestFailed("t", 0, reason, status)
+
+
+def placed(kind, prefill="p0", decode="d0"):
+    v = P.Verdict(kind, prefill=prefill if kind != P.DECODE_LOCAL else None, decode=decode, reason="why")
+    return Placed(v, SRC if kind == P.PUSH else None)
+
+
+def show(a: R.Action) -> tuple:
+    """An action as a short tuple the tables compare."""
+    if isinstance(a, R.Send):
+        msg = a.msg
+        if isinstance(msg, m.Abort):
+            return ("abort", a.leg, a.engine_id)
+        flags = "".join(f" {k}" for k, on in (("src", msg.source is not None), ("pull", msg.pull is not None),
+                                              ("late", msg.late), ("here", msg.prefill_here)) if on)
+        return ("gen", a.leg, a.engine_id, f"max={msg.max_tokens}{flags}")
+    if isinstance(a, R.Tokens):
+        return ("tokens", a.token_ids) + ((tuple(lp.logprob for lp in a.logprobs),) if a.logprobs else ())
+    if isinstance(a, R.Finished):
+        return ("finished", a.finish_reason)
+    if isinstance(a, R.Failed):
+        return ("failed", a.status, a.reason, a.outcome)
+    if isinstance(a, R.Arm):
+        return ("arm", a.at)
+    return (type(a).__name__.lower(),)
+
+
+START_PUSH = [(R.Start(), "router", T0, [("arm", T0 + 10), ("place",)]),
+              (placed(P.PUSH), "router", T0, [("gen", "prefill", "p0", "max=1"),
+                                               ("gen", "decode", "d0", "max=4 src")])]
+START_LATE = [(R.Start(), "router", T0, [("arm", T0 + 10), ("place",)]),
+              (placed(P.LATE), "router", T0, [("gen", "prefill", "p0", "max=1 late")])]
+START_PULL = [(R.Start(), "router", T0, [("arm", T0 + 10), ("place",)]),
+              (placed(P.LATE), "router", T0, [("gen", "prefill", "p0", "max=1")])]
+DONE = [("finished", "stop"), ("disarm",)]
+
+CASES = {
+    "push completes": ("push", -1, START_PUSH + [
+        (toks([7]), "prefill", T0 + 1, []),  # P's own token: D re-emits it
+        (pf(), "prefill", T0 + 1, [("prefilldone",)]),
+        (toks([7]), "decode", T0 + 2, [("kvarrived",), ("tokens", (7,))]),
+        (toks([8], True, "stop"), "decode", T0 + 3, [("tokens", (8,))] + DONE),
+        (toks([8], True, "stop"), "decode", T0 + 4, []),  # a duplicate after the end
+        (fail(), "decode", T0 + 4, []),  # a late failure after the end
+        (R.Close("request complete"), "router", T0 + 5, [("disarm",), ("release",)]),  # nothing open
+        (R.Close("request complete"), "router", T0 + 5, []),
+    ]),
+    "push: D done first waits for P's report": ("push", -1, START_PUSH + [
+        (toks([7, 8], True, "length"), "decode", T0 + 2, [("kvarrived",), ("tokens", (7, 8)),
+                                                          ("arm", T0 + 2 + R.PREFILL_REPORT_GRACE_S)]),
+        (pf(), "prefill", T0 + 2.5, [("prefilldone",), ("finished", "length"), ("disarm",)]),
+    ]),
+    "push: P never reports, the grace ends it": ("push", -1, START_PUSH + [
+        (toks([7], True, "stop"), "decode", T0 + 2, [("kvarrived",), ("tokens", (7,)), ("arm", T0 + 3)]),
+        (R.Tick(), "router", T0 + 2.9, []),
+        (R.Tick(), "router", T0 + 3, DONE),
+        (R.Close("request complete"), "router", T0 + 3, [("disarm",), ("release",), ("abort", "prefill", "p0")]),
+    ]),
+    "push: P fails after D finished: the client has every token": ("push", -1, START_PUSH + [
+        (toks([7], True, "stop"), "decode", T0 + 2, [("kvarrived",), ("tokens", (7,)), ("arm", T0 + 3)]),
+        (fail(), "prefill", T0 + 2.1, DONE),
+        (R.Close("request complete"), "router", T0 + 3, [("disarm",), ("release",)]),
+    ]),
+    "P fails": ("push", -1, START_PUSH + [
+        (fail("no blocks", 503), "prefill", T0 + 1, [("failed", 503, "prefill: no blocks", "failed"), ("disarm",)]),
+        (toks([7]), "decode", T0 + 2, []),
+        (R.Close("request failed"), "router", T0 + 2, [("disarm",), ("release",), ("abort", "decode", "d0")]),
+    ]),
+    "D fails (pull)": ("pull", -1, START_PULL + [
+        (pf(PULL), "prefill", T0 + 1, [("prefilldone",), ("placedecode",)]),
+        (DecodePlaced("d1"), "router", T0 + 1, [("gen", "decode", "d1", "max=4 src pull")]),
+        (toks([7]), "decode", T0 + 2, [("kvarrived",), ("tokens", (7,))]),
+        (fail("step failed"), "decode", T0 + 3, [("failed", 500, "decode: step failed", "failed"), ("disarm",)]),
+        (R.Close("request failed"), "router", T0 + 3, [("disarm",), ("release",)]),  # both legs ended
+    ]),
+    "late: no D can hold it yet": ("push", -1, START_LATE + [
+        (pf(PULL), "prefill", T0 + 1, [("prefilldone",), ("placedecode",)]),
+        (R.DecodeQueued(), "router", T0 + 1, []),
+        (DecodePlaced("d0"), "router", T0 + 2, [("gen", "decode", "d0", "max=4 src pull")]),
+        (toks([7, 8], True, "stop"), "decode", T0 + 3, [("kvarrived",), ("tokens", (7, 8))] + DONE),
+    ]),
+    "pull: P answers without pull parameters": ("pull", -1, START_PULL + [
+        (pf(None), "prefill", T0 + 1, [("prefilldone",),
+                                       ("failed", 502, "prefill finished without pull parameters", "failed"),
+                                       ("disarm",)]),
+    ]),
+    "client aborts mid-stream": ("push", -1, START_PUSH + [
+        (toks([7]), "decode", T0 + 2, [("kvarrived",), ("tokens", (7,))]),
+        (R.Close("client disconnected"), "router", T0 + 2, [("disarm",), ("release",), ("abort", "decode", "d0"),
+                                                            ("abort", "prefill", "p0")]),
+        (toks([8]), "decode", T0 + 3, []),  # closed: over
+    ]),
+    "the abort endpoint": ("push", -1, START_PUSH + [
+        (R.Cancel(499, "aborted via /v1/abort"), "router", T0 + 1,
+         [("failed", 499, "aborted via /v1/abort", "aborted"), ("disarm",)]),
+    ]),
+    "shutdown": ("push", -1, START_PUSH + [
+        (R.Cancel(503, "router shutting down"), "router", T0 + 1,
+         [("failed", 503, "router shutting down", "shutdown"), ("disarm",)]),
+    ]),
+    "the deadline, waiting at the balancer": ("push", -1, [
+        (R.Start(), "router", T0, [("arm", T0 + 10), ("place",)]),
+        (R.Queued(), "router", T0, []),
+        (R.Tick(), "router", T0 + 9.9, []),
+        (R.Tick(), "router", T0 + 10, [("failed", 504, "request exceeded 10 s", "timeout"), ("disarm",)]),
+        (placed(P.PUSH), "router", T0 + 11, []),  # too late
+        (R.Close("request timeout"), "router", T0 + 11, [("disarm",), ("release",)]),
+    ]),
+    "the deadline, running": ("push", -1, START_PUSH + [
+        (R.Tick(), "router", T0 + 10, [("failed", 504, "request exceeded 10 s", "timeout"), ("disarm",)]),
+    ]),
+    "refused by the balancer": ("push", -1, [
+        (R.Start(), "router", T0, [("arm", T0 + 10), ("place",)]),
+        (R.Rejected(429, "queue full"), "router", T0, [("failed", 429, "queue full", "rejected"), ("disarm",)]),
+    ]),
+    "a link refuses the send": ("push", -1, START_PUSH + [
+        (R.SendFailed("prefill", "queue full", unsent=("decode",)), "router", T0,
+         [("failed", 503, "scheduler unreachable: queue full", "failed"), ("disarm",)]),
+        (R.Close("request failed"), "router", T0, [("disarm",), ("release",), ("abort", "prefill", "p0")]),
+    ]),
+    "decode-local": ("push", -1, [
+        (R.Start(), "router", T0, [("arm", T0 + 10), ("place",)]),
+        (placed(P.DECODE_LOCAL), "router", T0, [("gen", "decode", "d0", "max=4 here")]),
+        (toks([7, 8], True, "length"), "decode", T0 + 1, [("kvarrived",), ("tokens", (7, 8)),
+                                                          ("finished", "length"), ("disarm",)]),
+    ]),
+    "local": ("local", -1, [
+        (R.Start(), "router", T0, [("arm", T0 + 10), ("gen", "local", "l0", "max=4")]),
+        (toks([7]), "local", T0 + 1, [("tokens", (7,))]),
+        (toks([8], True, "stop"), "local", T0 + 2, [("tokens", (8,))] + DONE),
+        (R.Close("request complete"), "router", T0 + 2, [("disarm",)]),
+    ]),
+    "logprobs: D's first token waits for P's": ("push", 0, START_PUSH + [
+        (toks([7, 8], lps=[m.TokenLogprob(-1.0)]), "decode", T0 + 2, []),  # D has no logprob for P's token
+        (toks([9]), "decode", T0 + 2, []),  # held behind it, in order
+        (toks([7], lps=[LP]), "prefill", T0 + 2, [("kvarrived",), ("tokens", (7, 8), (-0.5, -1.0)),
+                                                  ("tokens", (9,))]),
+    ]),
+    "a stop string ends the choice": ("push", -1, START_PUSH + [
+        (toks([7]), "decode", T0 + 2, [("kvarrived",), ("tokens", (7,))]),
+        (R.Stopped(), "router", T0 + 2, [("disarm",)]),
+        (toks([8]), "decode", T0 + 3, []),
+        (R.Close("stop string matched"), "router", T0 + 3, [("disarm",), ("release",), ("abort", "decode", "d0"),
+                                                            ("abort", "prefill", "p0")]),
+    ]),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_sequence(name):
+    mode, logprobs, steps = CASES[name]
+    req = new(mode, logprobs)
+    for i, (msg, leg, now, want) in enumerate(steps):
+        got = [show(a) for a in req.on(msg, now, leg)]
+        assert got == want, f"step {i}: {type(msg).__name__} from {leg}"
+
+
+@pytest.mark.parametrize("name, outcome", [
+    ("push completes", "ok"), ("P fails", "failed"), ("the abort endpoint", "aborted"), ("shutdown", "shutdown"),
+    ("the deadline, running", "timeout"), ("refused by the balancer", "rejected"),
+    ("a stop string ends the choice", "ok"),
+])
+def test_the_end_sets_the_records_outcome(name, outcome):
+    mode, logprobs, steps = CASES[name]
+    req = new(mode, logprobs)
+    for msg, leg, now, _ in steps:
+        req.on(msg, now, leg)
+    assert req.over and req.record.outcome == outcome
+
+
+def test_what_a_completed_request_keeps():
+    req = new("push")
+    for msg, leg, now, _ in CASES["push completes"][2]:
+        req.on(msg, now, leg)
+    assert req.output_ids == [7, 8] and req.emitted == 2 and req.done
+    assert req.cached == {"prefill": 2, "decode": 0} and req.prefill_work == (1, 0, 0)
+    assert req.engines == {"prefill": "p0", "decode": "d0"} and req.path == "push"
+    assert req.record.first_token == T0 + 2 and req.record.finish == T0 + 3
+    assert req.record.token_times == [(T0 + 2, 1), (T0 + 3, 1)]
+    tl = req.timeline
+    assert tl["router.arrival"] == T0 + WALL and tl["router.send_prefill"] == T0 + WALL
+    assert tl["router.first_token"] == T0 + 2 + WALL and tl["router.finish"] == T0 + 3 + WALL
+
+
+def test_the_generate_legs_carry_the_request():
+    req = new("push", logprobs=0)
+    req.on(R.Start(), T0)
+    p, d = (a.msg for a in req.on(placed(P.PUSH), T0))
+    assert isinstance(p, m.Generate) and isinstance(d, m.Generate)
+    assert (p.leg, p.max_tokens, p.source, d.leg, d.max_tokens, d.source) == ("prefill", 1, None, "decode", 4, SRC)
+    for g in (p, d):
+        assert (g.transfer_id, g.generation, g.prompt_token_ids, g.stop_token_ids) == ("t", 0, (1, 2, 3), (9,))
+        assert g.arrival == T0 + WALL and g.sampling == m.SamplingParams(logprobs=0)
+
+
+def test_late_path_and_queue_marks():
+    req = new("push")
+    req.on(R.Start(), T0)
+    req.on(R.Queued(), T0)
+    req.on(placed(P.LATE), T0 + 1)
+    assert req.path == "late" and req.late
+    assert {"router.queued", "router.placed", "router.late_allocation"} <= set(req.timeline)
+
+
+@pytest.mark.parametrize("role, engine, steps, holds", [
+    ("decode", "d0", 0, True),  # D's leg is open
+    ("decode", "d1", 0, False),  # another D
+    ("prefill", "p0", 2, False),  # push: P reported, D has its KV coming by itself
+    ("decode", "d0", 4, False),  # D ended its leg
+])
+def test_an_instance_down_fails_what_it_holds(role, engine, steps, holds):
+    req = new("push")
+    seq = [(R.Start(), "router"), (placed(P.PUSH), "router"), (pf(), "prefill"), (toks([7]), "decode"),
+           (toks([8], True, "stop"), "decode")]
+    for msg, leg in seq[:2 + steps]:
+        req.on(msg, T0, leg)
+    assert req.holds(role, engine) is holds
+
+
+def test_a_late_p_holds_the_kv_until_d_streams():
+    req = new("pull")
+    for msg, leg, now, _ in START_PULL + [(pf(PULL), "prefill", T0, None), (DecodePlaced("d0"), "router", T0, None)]:
+        req.on(msg, now, leg)
+    assert req.holds("prefill", "p0")  # P's leg ended, but D has not read the KV yet
+    req.on(toks([7]), T0, "decode")
+    assert not req.holds("prefill", "p0")
+
+
+def test_every_input_has_one_handler_and_others_are_dropped():
+    inputs = {R.Start, R.Queued, R.DecodeQueued, R.Rejected, R.SendFailed, R.Cancel, R.Tick, R.Stopped, R.Close,
+              Placed, DecodePlaced, m.TokensGenerated, m.PrefillFinished, m.RequestFailed}
+    assert set(R.Request.HANDLERS) == inputs
+    req = new("push")
+    assert req.on(m.Stats("e", "decode", 1, 1, 0, 0), T0, "decode") == [] and req.phase is R.Phase.NEW
+
+
+def test_start_twice_is_an_error_naming_the_phase():
+    req = new("push")
+    req.on(R.Start(), T0)
+    with pytest.raises(ValueError, match="Start in phase placing"):
+        req.on(R.Start(), T0)
