@@ -32,24 +32,19 @@ from pushkv.protocol.mapping import map_transfer
 from pushkv.transport.grid import DescGrid, IndexPlan, grid_of, index_plan, indices, plan_indices
 from pushkv.transport import poster
 from pushkv.transport.nixl_agent import NixlAgent
-from pushkv.writer.poll import WARM_ENV, poll_ms, spin_s, warm_enabled
+from pushkv.writer.poll import poll_ms, spin_s, warm_enabled
 
 log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 5.0
 # right after a post, spin on it this long before going back to the loop (a small WRITE on
-# GPUs is done in ~30 us, a loop pass later costs more); 0 = off, for A/B runs
-SETTLE_S = float(os.environ.get("PUSHKV_SETTLE_US", "100")) * 1e-6
-SPIN_YIELD = os.environ.get("PUSHKV_SPIN_YIELD", "1") != "0"
-# 0: build descriptors per transfer (initialize_xfer) instead of indexing prepared lists; for A/B runs
-USE_PREPARED = os.environ.get("PUSHKV_NIXL_PREPARED", "1") != "0"
+# GPUs is done in ~30 us, a loop pass later costs more)
+SETTLE_S = 100e-6
 # keep-warm WRITEs: while a WRITE to a peer is expected, one of BEAT_BYTES into the peer's sink
-# every BEAT_MS (0 = off). A post after 20 ms without one costs ~15x a post right after another
-# even with the loop spinning; a 1 ms beat keeps it at the back-to-back cost (nixl_probe --heartbeat-ms)
-BEAT_MS = float(os.environ.get("PUSHKV_WRITER_BEAT_MS", "1"))
+# every BEAT_MS. A post after 20 ms without one costs ~15x a post right after another even with
+# the loop spinning; a 1 ms beat keeps it at the back-to-back cost (nixl_probe --heartbeat-ms)
+BEAT_MS = 1.0
 BEAT_BYTES = 256 << 10
-# 0: send no TransferStarting hints (the peer then sees a transfer at its pending poll rate); for A/B runs
-WAKE_HINTS = os.environ.get("PUSHKV_WAKE_HINTS", "1") != "0"
 
 
 @dataclass
@@ -126,8 +121,8 @@ class WriterBase(Actor):
         self.waits: dict[object, PeerWait] = {}  # requests waiting for handshakes
         self._link_failed: dict[tuple[str, int], str] = {}  # failures not yet told to waits
         self._expected: dict[tuple[str, int], float] = {}  # transfers peers announced -> spin until
-        # keep the loop hot while a transfer with us is expected (config writer_warm, env override)
-        self.warm = warm_enabled(cfg.writer_warm, rank_device(inst, rank), os.environ.get(WARM_ENV, ""))
+        # keep the loop hot while a transfer with us is expected (config writer_warm)
+        self.warm = warm_enabled(cfg.writer_warm, rank_device(inst, rank))
         self._warm: dict[tuple[str, int], float] = {}  # transfers expected -> warm until (a cap)
         self.sink = None  # our keep-warm sink (warm on): peers' beats land here, never in the pool
         self._beat_keys: dict[str, set] = {}  # peer agent -> warm keys whose WRITE to it is coming
@@ -164,7 +159,7 @@ class WriterBase(Actor):
             extra.append((self.sink.data_ptr(), BEAT_BYTES))
         self.nixl.register(self.pool.base_addr, self.pool.nbytes, extra)
         try:
-            grid = grid_of(self.layout) if USE_PREPARED else None
+            grid = grid_of(self.layout)
             if grid is not None:
                 self.nixl.prepare_local(grid.strided(self.pool.base_addr, self.nixl.dev_id))
                 self.grid = grid
@@ -357,8 +352,6 @@ class WriterBase(Actor):
     # -- wake hints over the handshake link ---------------------------------------------
     def wake_peer(self, peer: Peer, transfer_id: str, generation: int, nbytes: int) -> None:
         """Ask ``peer`` to drive NIXL progress: a transfer with it is about to be posted."""
-        if not WAKE_HINTS:
-            return
         hint = m.TransferStarting(transfer_id, generation, self.rank, nbytes)
         link = self.links.get((peer.engine_id, peer.rank))
         if link is not None and link.connected:
@@ -649,8 +642,7 @@ class WriterBase(Actor):
     def _spin() -> int:
         """Poll again at once, but let a runnable process on this core go first: on a
         crowded host the peer whose progress we wait for may be the one waiting for the core."""
-        if SPIN_YIELD:
-            os.sched_yield()
+        os.sched_yield()
         return 0
 
     def on_GetStats(self, msg: m.GetStats) -> None:

@@ -5,7 +5,6 @@ Pull mode: holds finished blocks under a lease until D's READ is done.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Union
@@ -25,9 +24,6 @@ log = logging.getLogger(__name__)
 
 WAITING = (rv.State.WAIT_PREFILL.value, rv.State.WAIT_REGISTRATION.value)  # a WRITE is coming
 MAX_TRACKED = 4096  # bounded bookkeeping for transfers that never complete
-# 1: send D a wake hint for every streamed part WRITE too (before: D then spun for each part's
-# expected time, however fast it landed); for A/B runs
-PART_HINTS = os.environ.get("PUSHKV_PART_HINTS", "0") == "1"
 
 
 @dataclass
@@ -319,7 +315,7 @@ class PrefillWriter(WriterBase):
                 # expected time (spin_s: 28 ms for 4 MiB) however fast the link moved it, on the cores our
                 # next chunk computes on; D's pending poll (every 1 ms while it waits for the KV) drives
                 # UCX's side of a part instead
-                if not a.last and not PART_HINTS:
+                if not a.last:
                     self.counters["wake_hints_skipped_part"] += 1
                 elif not reg.warm:
                     self.wake_peer(peer, a.transfer_id, a.generation, nbytes)

@@ -39,18 +39,14 @@ def dep(tmp_path_factory):
     fdir = d / "armed"
     fdir.mkdir()
     os.environ["PUSHKV_FAULTS_DIR"] = str(fdir)
-    # P announces each part to D (transfer_starting), so D can die while parts, not the last WRITE, fly:
-    # parts are not announced by default (D spun for nothing on each), PUSHKV_PART_HINTS=1 turns it on
-    os.environ["PUSHKV_PART_HINTS"] = "1"
     try:
         with deployment(d, "--mode", "push", "--push-stream", "chunk", "--prefill-chunk", str(CHUNK),
                         "--model", "small", "--num-blocks", "256", "--max-restarts", "20",
-                        "--writer-warm", "off") as dep:  # off: no warm skip of the hints either
+                        "--writer-warm", "off") as dep:  # off: no warm skip of the last WRITE's hint
             dep.faults_dir = str(fdir)
             yield dep
     finally:
         os.environ.pop("PUSHKV_FAULTS_DIR", None)
-        os.environ.pop("PUSHKV_PART_HINTS", None)
 
 
 def writer_counters(dep, role: str = "prefill") -> dict:
@@ -59,7 +55,9 @@ def writer_counters(dep, role: str = "prefill") -> dict:
 
 
 @pytest.mark.parametrize("victim, point", [
-    ("decode-writer-0", "transfer_starting"),  # D's writer dies as the first part is announced
+    # D's writer dies as the last WRITE is announced (parts are not: D never learns when one landed),
+    # with the stream's parts posted into its pool before it
+    ("decode-writer-0", "transfer_starting"),
     ("prefill-writer-0", "post_part"),  # P's writer dies about to post a part
 ])
 def test_process_killed_mid_stream(dep, victim, point):
