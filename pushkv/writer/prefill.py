@@ -68,7 +68,7 @@ class PrefillWriter(WriterBase):
         self._last_activity = now
         self.counters["prefill_done_received"] += 1
         # registrations may already sit in NIXL's queue: take them first
-        self._poll_notifs(now)
+        self.poll_notifs(now)
         try:
             acts = self.rdv.on_prefill_done(tid, gen, block_ids, num_tokens, first_token, now)
         except A.ProtocolError as e:
@@ -84,7 +84,7 @@ class PrefillWriter(WriterBase):
         self.counters["stream_progress_received"] += 1
         key = (msg.transfer_id, msg.generation)
         self._stamp(key, "stream_progress")
-        self._poll_notifs(now)
+        self.poll_notifs(now)
         try:
             acts = self.rdv.on_prefill_progress(msg.transfer_id, msg.generation, msg.block_ids, msg.num_tokens, now)
         except A.ProtocolError as e:
@@ -103,7 +103,7 @@ class PrefillWriter(WriterBase):
         now = time.monotonic()
         self._last_activity = now
         self.counters["layer_marks_received"] += 1
-        self._poll_notifs(now)  # registrations may already sit in NIXL's queue: take them first
+        self.poll_notifs(now)  # registrations may already sit in NIXL's queue: take them first
         for e in msg.entries:
             key = (e.transfer_id, e.generation)
             self._stamp(key, "stream_progress")
