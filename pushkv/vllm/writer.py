@@ -130,12 +130,12 @@ class VllmWriter(WarmWriter):
     def _heads(self, p_rank: int, p_tp: int, d_rank: int, d_tp: int):
         """What P rank ``p_rank`` moves into D rank ``d_rank``: None (whole pages, same TP),
         False (nothing) or (P's head, D's head, count) in each side's own head indices."""
-        if p_tp == d_tp:
-            return None if p_rank == d_rank else False
         total = self.total_kv_heads
         shared = head_overlap(p_rank, p_tp, d_rank, d_tp, total)
         if shared is None:
             return False
+        if p_tp == d_tp:  # the same heads in both ranks' pages (a replicated head too): whole pages
+            return None
         start, count = shared
         return (start - rank_heads(p_tp, p_rank, total)[0], start - rank_heads(d_tp, d_rank, total)[0], count)
 
