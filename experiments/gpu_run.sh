@@ -28,11 +28,6 @@ for step in "$@"; do
            python3 -m tools.stages "$OUT/sweep" | tee "$OUT/stages.txt"
            python3 -m tools.plot "$OUT/sweep" --out "$OUT/gpu_sweep.png" 2>&1 | tee "$OUT/table.txt"
            mkdir -p "$OUT/json" && cp "$OUT"/sweep/*.json "$OUT/json/" && (cd "$OUT" && tar czf sweep_json.tgz json) && rm -rf "$OUT/json" "$OUT/sweep" ;;
-    pullpoll) for poll in 1 0; do
-            PUSHKV_PENDING_POLL_MS=$poll timeout 200 python3 -m tools.sweep --result-dir "$OUT/poll$poll" \
-              --modes push pull-inline pull-background --qps 2 --inputs 1024 4096 --num-prompts 12 --output-len 64 \
-              --up-args "--device cuda --model medium --num-blocks 8192" > /dev/null 2>&1
-            echo "-- pending poll ${poll} ms"; python3 -m tools.stages "$OUT/poll$poll"; done ;;
     ucxinfo) for mode in pull push; do
             UCX_PROTO_INFO=y timeout 120 python3 -c "
 from pushkv.launch import launched

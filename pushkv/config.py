@@ -250,8 +250,8 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
     # expected (P: from D's registration or the end of prefill until the WRITE is done; D: from
     # ExpectKV until the KV is here), each expectation capped by its deadline: a post and its
     # completion then skip the wake-up from an idle sleep, at the price of a core per waiting
-    # writer. "auto" = on for CUDA instances, off on the CPU; "on" | "off" force it
-    # (env PUSHKV_WRITER_WARM overrides, for A/B runs). See pushkv/writer/poll.py.
+    # writer. "auto" = on for CUDA instances, off on the CPU; "on" | "off" force it.
+    # See pushkv/writer/poll.py.
     writer_warm: str = "auto"
     # P's writers post WRITEs from a second NIXL agent on its own thread (transport/poster.py): over
     # UCX's TCP transport a post returns only when the transfer is done, and the loop would read no

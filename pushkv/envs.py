@@ -2,8 +2,7 @@
 
 Nothing is read when this module is imported: ``get(NAME)`` (or ``envs.PUSHKV_THREADS``) reads the
 environment at that moment and parses the value by the variable's type, refusing a bad one with an
-error that names the variable. A module may still keep what it read at its own import (the writer's
-A/B switches do); ``tests/tools/test_envs.py`` holds this table to the names the code uses, and
+error that names the variable. ``tests/tools/test_envs.py`` holds this table to the names the code uses, and
 docs/running.md's table to this one (``python -m pushkv.envs`` prints it).
 """
 from __future__ import annotations
@@ -45,19 +44,7 @@ _VARS = (
     Var("PUSHKV_DEPLOYMENT_ID", str, "", "the deployment the process belongs to", INTERNAL),
     Var("PUSHKV_HOST", str, "", "the host named in every trace event of the process", INTERNAL),
     Var("PUSHKV_POOL", str, "", "the pool handle a writer reports and its worker maps (base64)", INTERNAL),
-    # A/B switches and kernel tuning
-    Var("PUSHKV_WRITER_WARM", str, "", "overrides the config's writer_warm in every writer; empty: the config's",
-        AB, ("", "auto", "on", "off")),
-    Var("PUSHKV_PENDING_POLL_MS", int, 1, "writer: poll period while a notification is awaited", AB),
-    Var("PUSHKV_SETTLE_US", float, 100.0, "writer: spin on a post this long before going back to the loop; "
-        "0: off", AB),
-    Var("PUSHKV_SPIN_YIELD", bool, True, "writer: yield the CPU between spins", AB),
-    Var("PUSHKV_NIXL_PREPARED", bool, True, "writer: post by index into prepared descriptor lists; 0: build "
-        "descriptors per transfer", AB),
-    Var("PUSHKV_WRITER_BEAT_MS", float, 1.0, "writer: keep-warm WRITE period while a transfer is expected; "
-        "0: off", AB),
-    Var("PUSHKV_WAKE_HINTS", bool, True, "writer: send TransferStarting hints to the peer", AB),
-    Var("PUSHKV_PART_HINTS", bool, False, "P writer: a wake hint for every streamed part WRITE too", AB),
+    # A/B switches and kernel tuning (an A/B that has its winner loses its switch)
     Var("PUSHKV_CUDA_GRAPHS", bool, True, "batched engine: CUDA graphs for decode steps (TP 1)", AB),
     Var("PUSHKV_FUSED", bool, True, "batched engine: the fused norm/RoPE/store kernels", AB),
     Var("PUSHKV_SAMPLER", str, "auto", "sampling: auto (Triton on CUDA, torch elsewhere), or force one", AB,

@@ -31,7 +31,6 @@ from pushkv import messages as m
 from pushkv.config import DeploymentConfig, InstanceConfig, encode_config, preset
 from pushkv.kv import layout as L
 from pushkv.supervisor.plan import plan_deployment
-from pushkv.writer.poll import WARM_ENV
 
 # the checkout whose writers run (default: the installed pushkv): point it at a checkout of an older
 # commit for a before/after comparison; ``python -m`` finds the packages of its working directory
@@ -45,7 +44,7 @@ REPLY_TIMEOUT_S = 60.0
 def writer_pair(model: str, block_size: int, num_blocks: int, device: str = "cpu",
                 decode_device: Optional[str] = None, warm: str = "auto"):
     """A planned push config with P's and D's writer rank 0 running (``warm``: their
-    writer_warm; PUSHKV_WRITER_WARM in the environment still wins); yields (cfg, P, D) sockets
+    writer_warm); yields (cfg, P, D) sockets
     to the writers' scheduler channels. Always stops the writers and removes the run dir."""
     root = tempfile.mkdtemp(prefix="pushkv-xfer-")
     cfg = DeploymentConfig(
@@ -204,8 +203,8 @@ def report(model: str, block_size: int, sizes_mib: list[float], reps: int, devic
         res = measure(model, block_size, sizes_mib, reps, device, decode_device, warm, gap_ms)
     rows = res["rows"]
     print(f"\nwriters only ({model}, block {block_size} tokens = {res['block_bytes'] / 2**10:.0f} KiB, "
-          f"{device}{' -> ' + decode_device if decode_device else ''}, medians of {reps}; warm {warm}"
-          f"{' (env ' + os.environ[WARM_ENV] + ')' if os.environ.get(WARM_ENV) else ''}, gap {gap_ms:g} ms, "
+          f"{device}{' -> ' + decode_device if decode_device else ''}, medians of {reps}; warm {warm}, "
+          f"gap {gap_ms:g} ms, "
           f"devices {'busy' if busy else 'idle'})")
     print(f"{'blocks':>7} {'MiB':>8} {'descs':>6} {'post us':>8} {'post->done us':>14} {'(min)':>7} {'GB/s':>7} "
           f"{'copy GB/s':>10} {'ratio':>6} {'send->recv us':>14}")

@@ -65,10 +65,11 @@ class PushKVConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-            from pushkv.vllm.worker_side import WorkerSide
+            from pushkv.vllm.worker_side import WorkerSide, model_geometry
 
             side = "decode" if kt.kv_role == "kv_consumer" else "prefill"
-            self.worker = WorkerSide(self.settings, get_tensor_model_parallel_rank(), side)
+            self.worker = WorkerSide(self.settings, get_tensor_model_parallel_rank(), side,
+                                     model_geometry(vllm_config))
 
     # ------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:

@@ -3,8 +3,9 @@
 Writer <-> writer traffic reuses pushkv's messages unchanged (``Register``,
 ``WriteDone``, ``WriteFailed``, ``CancelTransfer`` as NIXL notifications).
 What is vLLM-specific lives here: the handshake carries vLLM's KV memory
-description instead of a pushkv pool layout, and the connector's commands and
-the writer's events carry vLLM's request id beside the transfer id.
+description instead of a pushkv pool layout (a refusal is pushkv's
+``HelloRefused``), and the connector's commands and the writer's events carry
+vLLM's request id beside the transfer id.
 """
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ from typing import Union
 
 import msgspec
 
-from pushkv.messages import Msg, PrefillSource
+from pushkv.messages import HelloRefused, Msg, PrefillSource
 from pushkv.vllm.regions import KVMemory
 
 
 class VllmHello(Msg):
-    """Writer handshake (ZMQ, once per peer pair): NIXL metadata and KV memory."""
+    """Writer handshake (ZMQ, once per peer pair): NIXL metadata and KV memory, our
+    wire version and model (a peer that differs is answered with pushkv's ``HelloRefused``)."""
 
     engine_id: str
     rank: int
@@ -26,10 +28,8 @@ class VllmHello(Msg):
     agent_metadata: bytes
     base_addr: int
     memory: KVMemory
-
-
-class HandshakeRefused(Msg):
-    reason: str
+    wire_version: int = 0
+    model_id: str = ""
 
 
 # -- connector (vLLM scheduler process) -> writer ------------------------------------
@@ -98,7 +98,7 @@ class BlocksFailed(Msg):
 
 
 WriterToConnector = Union[WriterReady, BlocksSent, BlocksReceived, BlocksFailed]
-VllmHandshake = Union[VllmHello, HandshakeRefused]
+VllmHandshake = Union[VllmHello, HelloRefused]
 
 DEC_TO_WRITER = msgspec.msgpack.Decoder(ConnectorToWriter)
 DEC_TO_CONNECTOR = msgspec.msgpack.Decoder(WriterToConnector)

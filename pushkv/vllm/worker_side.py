@@ -41,11 +41,23 @@ WRITER_STOP_S = 5.0
 REMEMBER = 4096
 
 
+def model_geometry(vllm_config) -> tuple[int, int, str]:
+    """(this rank's KV heads, the model's, what the KV means) from vLLM's config: the writer
+    splits pages by head with them (a peer of another TP size), and peers must name the same
+    model id."""
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    total = mc.get_total_num_kv_heads()
+    arch = (mc.architectures or ["unknown"])[0]
+    model_id = f"vllm:{arch}:{mc.get_num_layers(pc)}x{total}x{mc.get_head_size()}:{mc.dtype}"
+    return mc.get_num_kv_heads(pc), total, model_id
+
+
 class WorkerSide:
-    def __init__(self, settings: P.Settings, rank: int, role: str):
+    def __init__(self, settings: P.Settings, rank: int, role: str, geometry: tuple[int, int, str] = (0, 0, "")):
         self.s = settings
         self.rank = rank
         self.role = role
+        self.kv_heads, self.total_kv_heads, self.model_id = geometry
         self.alloc = SharedKVAllocation(f"pushkv-vllm-{settings.engine_id}-{rank}")
         self.memory: Optional[R.KVMemory] = None
         self.ctx = zmq.Context.instance()
@@ -74,7 +86,8 @@ class WorkerSide:
         if self.alloc.tensor is None:
             raise RuntimeError("pushkv: vLLM did not allocate its KV cache through the connector's "
                                "get_mem_pool_context() (needs vLLM 0.32's CPU worker)")
-        self.memory = R.describe(kv_caches, self.alloc.base_addr, self.alloc.nbytes)
+        self.memory = R.describe(kv_caches, self.alloc.base_addr, self.alloc.nbytes, self.kv_heads,
+                                 self.total_kv_heads)
         self.events = self.ctx.socket(zmq.PULL)
         self.events.setsockopt(zmq.LINGER, 0)
         self.events.setsockopt(zmq.MAXMSGSIZE, limits.CONTROL_MSG_BYTES)
@@ -89,7 +102,7 @@ class WorkerSide:
     def _start_writer(self) -> None:
         cmd = [sys.executable, "-m", "pushkv.vllm.writer", "--role", self.role, "--engine-id", self.s.engine_id,
                "--rank", str(self.rank), "--tp", str(self.s.tp), "--fd", str(self.alloc.fd),
-               "--memory", msgspec.msgpack.encode(self.memory).hex(),
+               "--memory", msgspec.msgpack.encode(self.memory).hex(), "--model-id", self.model_id,
                "--cmd-endpoint", self.s.cmd_endpoint(self.rank), "--event-endpoint", self.event_endpoint,
                "--handshake-endpoint", self.s.handshake_endpoint(self.rank), "--parent-pid", str(os.getpid()),
                "--registration-wait-s", str(self.s.registration_wait_s), "--transfer-s", str(self.s.transfer_s),

@@ -11,8 +11,17 @@ process sends it commands directly (``SendBlocks`` when P's request finished,
 waits for an engine step; its outcomes go to the worker connector, which hands
 them to vLLM as finished sends / receives.
 
-D watches each P writer it talks to through a ZMQ socket monitor: when a P
-writer dies, its transfers fail at once with that reason.
+The shell is pushkv's own writer's (``pushkv/writer/``: peers and handshake,
+posting and reaping, the poll policy); here is what is vLLM's: the memory is
+vLLM's KV cache (``regions.py``), the Hello carries its description, and the
+commands and events carry vLLM's request ids. Any P rank pairs with any D rank:
+D registers with every P rank that produces one of its KV heads
+(``protocol/tp.py``), and each P rank WRITEs the heads it shares with each D rank.
+D's handshakes run on the loop: a request whose P ranks are not connected yet
+waits for them while every other message is handled.
+
+D watches each P writer it talks to through a ZMQ socket monitor on the
+handshake link: when a P writer dies, its transfers fail at once with that reason.
 """
 from __future__ import annotations
 
@@ -22,82 +31,61 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass
-from typing import Optional
+from typing import Any
 
 import msgspec
 import zmq
 
-from pushkv import limits
 from pushkv import messages as m
-from pushkv.actor import Actor
-from pushkv.security import secure_connect
 from pushkv.protocol import actions as A
 from pushkv.protocol import arrivals as ar
 from pushkv.protocol import rendezvous as rv
+from pushkv.protocol.tp import head_overlap, producers_for, rank_heads
 from pushkv.transport.nixl_agent import NixlAgent, TransferError
 from pushkv.vllm import wire as w
 from pushkv.vllm.memory import map_fd, mapping_addr
 from pushkv.vllm.regions import KVMemory, map_blocks
 from pushkv.vllm.timing import mark
+from pushkv.writer import memory as mem
+from pushkv.writer.peers import Peer
+from pushkv.writer.posting import InFlight
+from pushkv.writer.warm import WarmWriter
 
 log = logging.getLogger(__name__)
 
-HANDSHAKE_TIMEOUT_MS = 5000
-BUSY_POLL_MS = 1
-IDLE_POLL_MS = 10  # NIXL notifications have no fd: look this often when idle (~0.1 % of a core)
 
+class VllmWriter(WarmWriter):
+    watch_links = True  # D: a P writer whose link closes is gone, and its transfers with it
 
-@dataclass
-class Peer:
-    engine_id: str
-    rank: int
-    agent: str
-    base_addr: int
-    memory: KVMemory
-    endpoint: str = ""
-    monitor: Optional[zmq.Socket] = None  # D side: tells us when the P writer's socket closes
-    link: Optional[zmq.Socket] = None
-
-
-@dataclass
-class Posted:
-    req_id: str
-    transfer_id: str
-    handles: list
-    posted: float
-    nbytes: int
-    num_descs: int
-    failed: str = ""
-
-
-class VllmWriter(Actor):
     def __init__(self, args):
         super().__init__(f"vllm-{args.role}-writer-{args.rank}", secret_file=args.secret_file)
         self.args = args
         self.role = args.role  # "prefill" | "decode"
         self.engine_id = args.engine_id
         self.rank, self.tp = args.rank, args.tp
-        self.memory = msgspec.msgpack.decode(bytes.fromhex(args.memory), type=KVMemory)
+        self.model_id = args.model_id
+        self.kv = msgspec.msgpack.decode(bytes.fromhex(args.memory), type=KVMemory)
+        self.total_kv_heads = self.kv.total_kv_heads or self.tp  # unknown: one "head" per rank (same TP only)
         self.agent_name = f"{self.engine_id}-w{self.rank}-{os.getpid()}"
-        self.peers: dict[tuple[str, int], Peer] = {}
-        self.peers_by_agent: dict[str, Peer] = {}
+        self.stuck_s = 2 * args.transfer_s
+        self.init_peers()
+        self.init_posting()
+        self.init_warm(False, beat_ms=0)  # the CPU: no spinning for what is expected, no sink
         self.req_of: dict[str, str] = {}  # transfer id -> this instance's vLLM request id
-        self.posted: dict[str, Posted] = {}
-        self.sources: dict[str, tuple[str, int]] = {}  # D: transfer id -> producing P peer
-        self.quarantine: dict[str, tuple[float, str]] = {}  # D: failed, P may still write
+        self.sources: dict[str, tuple[str, set[int]]] = {}  # D: transfer id -> P engine, ranks still writing
+        self.quarantine: dict[str, tuple[float, str]] = {}  # D: failed, a P rank may still write
         self.stats: dict[str, tuple[int, int, float]] = {}
-        self.rdv = rv.PushRendezvous(self.rank, self.tp, self.tp, args.registration_wait_s, args.transfer_s)
+        self.rdv = rv.PushRendezvous(self.rank, self.tp, self.total_kv_heads, args.registration_wait_s,
+                                     args.transfer_s)
         self.arrivals = ar.KVArrivals()
-        self._last_activity = 0.0
 
     # -- lifecycle -------------------------------------------------------------------
     def setup(self) -> None:
         _die_with_parent()
-        self.mm = map_fd(self.args.fd, self.memory.nbytes)
-        self.base_addr = mapping_addr(self.mm)
+        self.mm = map_fd(self.args.fd, self.kv.nbytes)
+        self.memory = mem.Memory(mapping_addr(self.mm), self.kv.nbytes, self.kv)
         self.nixl = NixlAgent(self.agent_name)
-        self.nixl.register(self.base_addr, self.memory.nbytes)
+        mem.register(self.nixl, self.memory)  # no grid: vLLM's pages are posted as regions
         self.cmd = self.add_channel(self.socket(zmq.PULL, self.args.cmd_endpoint, bind=True),
                                     w.DEC_TO_WRITER, "vllm-scheduler")
         hs = self.socket(zmq.ROUTER, self.args.handshake_endpoint, bind=True)
@@ -105,109 +93,51 @@ class VllmWriter(Actor):
         self.events = self.socket(zmq.PUSH, self.args.event_endpoint, bind=False)
         self._emit(w.WriterReady(os.getpid(), self.agent_name))
         log.info("%s: %.1f MiB of vLLM KV registered (%d layers, %d blocks), handshake %s", self.name,
-                 self.memory.nbytes / 2**20, len(self.memory.layers), self.memory.num_blocks,
-                 self.args.handshake_endpoint)
+                 self.kv.nbytes / 2**20, len(self.kv.layers), self.kv.num_blocks, self.args.handshake_endpoint)
 
     def teardown(self) -> None:
-        for p in self.posted.values():
-            for h in p.handles:
-                self.nixl.release(h)
-        for peer in list(self.peers.values()):
-            self._close_link(peer)
+        for key in list(self.links):
+            self.close_link(key)
+        self.release_inflight()
         self.nixl.deregister()
         self.events.close(0)
 
     def _emit(self, msg: m.Msg) -> None:
         self.events.send(m.encode(msg))
 
+    # -- the handshake: pushkv's, with vLLM's memory in the Hello ------------------------
     def hello(self) -> w.VllmHello:
         return w.VllmHello(self.engine_id, self.rank, self.tp, self.agent_name, self.nixl.metadata(),
-                           self.base_addr, self.memory)
+                           self.memory.base_addr, self.kv, m.WIRE_VERSION, self.model_id)
 
-    # -- handshake -------------------------------------------------------------------
-    def _add_peer(self, h: w.VllmHello) -> Peer:
-        if h.tp != self.tp:
-            raise ValueError(f"peer {h.engine_id} has tp={h.tp}, this instance tp={self.tp} (must match)")
-        if not self.memory.same_pages(h.memory):
-            raise ValueError(f"peer {h.engine_id} KV pages differ (block size, heads, dtype or layers)")
-        old = self.peers.get((h.engine_id, h.rank))
-        if old is not None:
-            self._forget(old)
-        agent = self.nixl.add_remote(h.agent_metadata)
-        peer = Peer(h.engine_id, h.rank, agent, h.base_addr, h.memory)
-        self.peers[(h.engine_id, h.rank)] = peer
-        self.peers_by_agent[agent] = peer
-        log.info("%s: connected to %s rank %d (agent %s)", self.name, h.engine_id, h.rank, agent)
-        return peer
+    def handshake_decoder(self) -> Any:
+        return w.DEC_VHANDSHAKE
 
-    def on_VllmHello(self, msg: w.VllmHello, identity: bytes) -> None:
-        try:
-            self._add_peer(msg)
-        except ValueError as e:
-            log.error("%s: refusing peer: %s", self.name, e)
-            self.send(self.handshake, w.HandshakeRefused(str(e)), identity)
-            return
-        self.send(self.handshake, self.hello(), identity)
+    on_VllmHello = WarmWriter.on_Hello
 
-    def connect(self, engine_id: str, rank: int, endpoint: str) -> Peer:
-        """D: handshake with a P writer (bounded); keep the socket open and monitored."""
-        peer = self.peers.get((engine_id, rank))
-        if peer is not None:
-            return peer
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, limits.CONTROL_MSG_BYTES)
-        sock.setsockopt(zmq.RCVTIMEO, HANDSHAKE_TIMEOUT_MS)
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        secure_connect(sock, endpoint, self.security)
-        sock.send(m.encode(self.hello()))
-        try:
-            reply = w.DEC_VHANDSHAKE.decode(sock.recv())
-        except zmq.Again:
-            sock.disable_monitor()
-            monitor.close(0)
-            sock.close(0)
-            raise TransferError(f"handshake with {engine_id} rank {rank} at {endpoint} timed out")
-        if isinstance(reply, w.HandshakeRefused) or reply.engine_id != engine_id or reply.rank != rank:
-            sock.disable_monitor()
-            monitor.close(0)
-            sock.close(0)
-            why = reply.reason if isinstance(reply, w.HandshakeRefused) else f"answered by {reply.engine_id}"
-            raise TransferError(f"handshake with {engine_id} rank {rank} refused: {why}")
-        peer = self._add_peer(reply)
-        peer.endpoint, peer.link, peer.monitor = endpoint, sock, monitor
-        return peer
+    def check_peer(self, h: w.VllmHello) -> None:
+        if h.tp == self.tp:
+            if not self.kv.same_pages(h.memory):
+                raise ValueError(f"peer {h.engine_id} KV pages differ (block size, heads, dtype or layers)")
+        elif not self.kv.same_heads(h.memory):
+            raise ValueError(f"peer {h.engine_id} has tp={h.tp}, this instance tp={self.tp}, and their KV heads "
+                             f"cannot be paired: {h.memory.total_kv_heads} against {self.kv.total_kv_heads} heads "
+                             "(a different TP size needs the heads known and outermost in each page)")
 
-    def _close_link(self, peer: Peer) -> None:
-        if peer.link is not None:
-            peer.link.disable_monitor()
-            peer.monitor.close(0)
-            peer.link.close(0)
-            peer.link = peer.monitor = None
+    def peer_of(self, h: w.VllmHello, agent: str) -> Peer:
+        return Peer(h.engine_id, h.rank, h.tp, agent, h.base_addr, h.memory)
 
-    def _forget(self, peer: Peer) -> None:
-        self._close_link(peer)
-        self.peers.pop((peer.engine_id, peer.rank), None)
-        self.peers_by_agent.pop(peer.agent, None)
-        self.nixl.remove_remote(peer.agent)
-
-    def _check_links(self, now: float) -> None:
-        for peer in list(self.peers.values()):
-            if peer.monitor is None:
-                continue
-            try:
-                peer.monitor.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                continue
-            reason = f"prefill writer {peer.agent} lost (its connection closed)"
-            log.error("%s: %s", self.name, reason)
-            self._forget(peer)
-            for tid, src in list(self.sources.items()):
-                if src == (peer.engine_id, peer.rank):
-                    self.sources.pop(tid)  # nothing can still write: no quarantine
-                    self._apply(self.arrivals.cancel(tid, 0, reason, now), now)
-            for tid in list(self.quarantine):
-                self._release_quarantine(tid)
+    def _heads(self, p_rank: int, p_tp: int, d_rank: int, d_tp: int):
+        """What P rank ``p_rank`` moves into D rank ``d_rank``: None (whole pages, same TP),
+        False (nothing) or (P's head, D's head, count) in each side's own head indices."""
+        total = self.total_kv_heads
+        shared = head_overlap(p_rank, p_tp, d_rank, d_tp, total)
+        if shared is None:
+            return False
+        if p_tp == d_tp:  # the same heads in both ranks' pages (a replicated head too): whole pages
+            return None
+        start, count = shared
+        return (start - rank_heads(p_tp, p_rank, total)[0], start - rank_heads(d_tp, d_rank, total)[0], count)
 
     # -- commands from vLLM's scheduler ------------------------------------------------
     def on_SendBlocks(self, msg: w.SendBlocks) -> None:
@@ -215,7 +145,7 @@ class VllmWriter(Actor):
         self._last_activity = now
         mark("p_send_recvd", msg.transfer_id)
         self.req_of[msg.transfer_id] = msg.req_id
-        self._poll_notifs(now)  # a registration may already wait in NIXL's queue
+        self.poll_notifs(now)  # a registration may already wait in NIXL's queue
         try:
             acts = self.rdv.on_prefill_done(msg.transfer_id, 0, msg.block_ids, msg.num_tokens, 0, now)
         except A.ProtocolError as e:
@@ -224,83 +154,104 @@ class VllmWriter(Actor):
         self._apply(acts, now)
 
     def on_ExpectBlocks(self, msg: w.ExpectBlocks) -> None:
+        """D: register with every P rank that produces our heads, once their handshakes are
+        done (now, if they are); the loop goes on meanwhile."""
         now = time.monotonic()
         self._last_activity = now
         src = msg.source
-        try:
-            peer = self.connect(src.engine_id, self.rank, src.handshake[self.rank])
-        except Exception as e:
-            self._emit(w.BlocksFailed(msg.req_id, msg.transfer_id, f"cannot reach prefill writer: {e}"))
-            return
-        try:
-            acts = self.arrivals.expect(msg.transfer_id, 0, msg.block_ids, [self.rank], now + msg.deadline_s)
-        except (ar.ProtocolError, ValueError) as e:
-            self._emit(w.BlocksFailed(msg.req_id, msg.transfer_id, f"registration refused: {e}"))
-            return
         self.req_of[msg.transfer_id] = msg.req_id
-        self.sources[msg.transfer_id] = (peer.engine_id, peer.rank)
+        try:
+            ranks = producers_for(self.rank, self.tp, src.tp, self.total_kv_heads)
+            if any(r >= len(src.handshake) for r in ranks):
+                raise ValueError(f"{src.engine_id} lists {len(src.handshake)} handshake endpoints for tp={src.tp}")
+        except ValueError as e:
+            self._emit(w.BlocksFailed(self.req_of.pop(msg.transfer_id, ""), msg.transfer_id, f"bad source: {e}"))
+            return
+
+        def failed(reason: str) -> None:
+            self._emit(w.BlocksFailed(self.req_of.pop(msg.transfer_id, ""), msg.transfer_id,
+                                      f"cannot reach prefill writer: {reason}"))
+
+        self.with_peers(msg.transfer_id, src.engine_id, ranks, src.handshake,
+                        lambda peers: self._register(msg, peers), failed, now)
+
+    def _register(self, msg: w.ExpectBlocks, peers: list[Peer]) -> None:
+        now = time.monotonic()
+        ranks = [p.rank for p in peers]
+        try:
+            acts = self.arrivals.expect(msg.transfer_id, 0, msg.block_ids, ranks, now + msg.deadline_s)
+        except (ar.ProtocolError, ValueError) as e:
+            self._emit(w.BlocksFailed(self.req_of.pop(msg.transfer_id, ""), msg.transfer_id,
+                                      f"registration refused: {e}"))
+            return
+        self.sources[msg.transfer_id] = (msg.source.engine_id, set(ranks))
         self._apply(acts, now)
         mark("d_register_sent", msg.transfer_id)
-        self._notify(peer, m.Register(msg.transfer_id, 0, self.engine_id, self.rank, self.tp,
-                                      msg.block_ids, msg.num_tokens, msg.deadline_s))
+        reg = m.Register(msg.transfer_id, 0, self.engine_id, self.rank, self.tp, msg.block_ids, msg.num_tokens,
+                         msg.deadline_s)
+        for p in peers:
+            self.notify(p, reg)
 
     def on_CancelBlocks(self, msg: w.CancelBlocks) -> None:
         now = time.monotonic()
         if self.role == "prefill":
             self._apply(self.rdv.cancel(msg.transfer_id, 0, msg.reason, now), now)
+        elif self.drop_wait(msg.transfer_id):  # still waiting for handshakes: nothing registered, nothing lands
+            self._emit(w.BlocksFailed(self.req_of.pop(msg.transfer_id, ""), msg.transfer_id, msg.reason))
         else:
             self._apply(self.arrivals.cancel(msg.transfer_id, 0, msg.reason, now), now)
 
-    # -- NIXL notifications ------------------------------------------------------------
-    def _notify(self, peer: Peer, msg: m.Msg) -> None:
-        try:
-            self.nixl.send_notif(peer.agent, m.encode(msg))
-        except Exception as e:  # a dead peer: its deadline or the link monitor covers it
-            self.counters["notif_send_failed"] += 1
-            log.error("%s: %s to %s failed: %s transfer_id=%s", self.name, type(msg).__name__, peer.agent, e,
-                      getattr(msg, "transfer_id", ""))
+    # -- NIXL notifications (pushkv's messages) ------------------------------------------
+    def notif_Register(self, msg: m.Register, agent: str, now: float) -> None:
+        if agent not in self.peers_by_agent:
+            self.counters["register_from_unknown_peer"] += 1
+            return
+        mark("p_registration_recvd", msg.transfer_id)
+        self._apply(self.rdv.on_registration(msg, now), now)
 
-    def _poll_notifs(self, now: float) -> None:
-        for agent, payload, msg in self.nixl.poll_decoded(m.DEC_PEER):
-            self._last_activity = now
-            if isinstance(msg, Exception):
-                self.counters["bad_notif"] += 1
-                log.error("%s: undecodable notification from %s: %s", self.name, agent, msg)
-                continue
-            self._on_notif(msg, agent, now)
+    def notif_CancelTransfer(self, msg: m.CancelTransfer, agent: str, now: float) -> None:
+        self._apply(self.rdv.cancel(msg.transfer_id, msg.generation, msg.reason, now), now)
 
-    def _on_notif(self, msg, agent: str, now: float) -> None:
-        if isinstance(msg, m.Register):
-            if agent not in self.peers_by_agent:
-                self.counters["register_from_unknown_peer"] += 1
-                return
-            mark("p_registration_recvd", msg.transfer_id)
-            self._apply(self.rdv.on_registration(msg, now), now)
-        elif isinstance(msg, m.CancelTransfer):
-            self._apply(self.rdv.cancel(msg.transfer_id, msg.generation, msg.reason, now), now)
-        elif isinstance(msg, (m.WriteDone, m.WriteFailed)):
-            peer = self.peers_by_agent.get(agent)
-            src = self.sources.get(msg.transfer_id)
-            if src is not None and (peer is None or (peer.engine_id, peer.rank) != src):
-                self.counters["completion_from_wrong_peer"] += 1
-                return
-            if msg.transfer_id in self.quarantine:
+    def notif_WriteDone(self, msg: m.WriteDone, agent: str, now: float) -> None:
+        if self._from_producer(msg, agent):
+            self._apply(self.arrivals.on_write_done(msg, now), now)
+
+    def notif_WriteFailed(self, msg: m.WriteFailed, agent: str, now: float) -> None:
+        if self._from_producer(msg, agent):
+            self._apply(self.arrivals.on_write_failed(msg, now), now)
+
+    def _from_producer(self, msg, agent: str) -> bool:
+        """A completion counts only from the P writer that is that transfer's producer rank;
+        the rank then writes no more (a quarantined transfer is released once none does)."""
+        peer = self.peers_by_agent.get(agent)
+        src = self.sources.get(msg.transfer_id)
+        if src is not None and (peer is None or peer.engine_id != src[0] or peer.rank != msg.p_rank):
+            self.counters["completion_from_wrong_peer"] += 1
+            return False
+        if src is not None:
+            src[1].discard(msg.p_rank)
+        if msg.transfer_id in self.quarantine:
+            if src is None or not src[1]:
                 self._release_quarantine(msg.transfer_id)
-                return
-            if isinstance(msg, m.WriteFailed):  # the producer itself reported: nothing can land any more
-                self.sources.pop(msg.transfer_id, None)
-                self._apply(self.arrivals.on_write_failed(msg, now), now)
-            else:
-                self._apply(self.arrivals.on_write_done(msg, now), now)
-        else:
-            self.counters["unexpected_notif"] += 1
+            return False
+        return True
+
+    def peer_gone(self, peer: Peer, reason: str) -> None:
+        """A P writer died: nothing of it can still write; its transfers fail now."""
+        now = time.monotonic()
+        for tid, (engine, ranks) in list(self.sources.items()):
+            if engine != peer.engine_id or peer.rank not in ranks:
+                continue
+            ranks.discard(peer.rank)
+            if tid in self.quarantine:
+                if not ranks:
+                    self._release_quarantine(tid)
+                continue
+            self._apply(self.arrivals.cancel(tid, 0, f"prefill {reason}", now), now)
 
     # -- protocol actions ------------------------------------------------------------------
     def _apply(self, actions, now: float) -> None:
-        outcome: dict[str, object] = {}
-        for a in actions:
-            if isinstance(a, (A.Completed, A.Failed)):
-                outcome[a.transfer_id] = a
+        outcome = {a.transfer_id: a for a in actions if isinstance(a, (A.Completed, A.Failed))}
         for a in actions:
             if isinstance(a, A.PostWrite):
                 self._post_write(a, now)
@@ -308,14 +259,9 @@ class VllmWriter(Actor):
                 for reg in a.registrations:
                     peer = self.peers.get((reg.d_engine_id, reg.d_rank))
                     if peer is not None:
-                        self._notify(peer, m.WriteFailed(a.transfer_id, a.generation, self.rank, a.reason))
+                        self.notify(peer, m.WriteFailed(a.transfer_id, a.generation, self.rank, a.reason))
             elif isinstance(a, A.FreeBlocks):
-                o = outcome.get(a.transfer_id)
-                ok = isinstance(o, A.Completed)
-                nbytes, ndescs, secs = self.stats.pop(a.transfer_id, (0, 0, 0.0))
-                reason = "" if ok else (o.reason if isinstance(o, A.Failed) else a.reason)
-                self._emit(w.BlocksSent(self.req_of.pop(a.transfer_id, ""), a.transfer_id, ok, reason,
-                                        nbytes, ndescs, secs))
+                self._blocks_sent(a, outcome.get(a.transfer_id))
             elif isinstance(a, A.Received):
                 mark("d_kv_received", a.transfer_id)
                 self.sources.pop(a.transfer_id, None)
@@ -326,66 +272,68 @@ class VllmWriter(Actor):
             elif isinstance(a, A.Count):
                 self.counters[a.name] += 1
 
+    def _blocks_sent(self, a: A.FreeBlocks, outcome) -> None:
+        ok = isinstance(outcome, A.Completed)
+        nbytes, ndescs, secs = self.stats.pop(a.transfer_id, (0, 0, 0.0))
+        reason = "" if ok else (outcome.reason if isinstance(outcome, A.Failed) else a.reason)
+        self._emit(w.BlocksSent(self.req_of.pop(a.transfer_id, ""), a.transfer_id, ok, reason, nbytes, ndescs, secs))
+
     def _fail_receive(self, tid: str, reason: str, now: float) -> None:
         """Tell P to stop; report the blocks failed only once no WRITE can still land."""
-        src = self.sources.pop(tid, None)
-        peer = self.peers.get(src) if src else None
-        if peer is None:
+        engine, ranks = self.sources.get(tid, ("", set()))
+        peers = [p for p in (self.peers.get((engine, r)) for r in ranks) if p is not None]
+        if not peers:
+            self.sources.pop(tid, None)
             self._emit(w.BlocksFailed(self.req_of.pop(tid, ""), tid, reason))
             return
-        self._notify(peer, m.CancelTransfer(tid, 0, reason))
+        for peer in peers:
+            self.notify(peer, m.CancelTransfer(tid, 0, reason))
         self.quarantine[tid] = (now + self.args.transfer_s, reason)
 
     def _release_quarantine(self, tid: str) -> None:
         _, reason = self.quarantine.pop(tid)
+        self.sources.pop(tid, None)
         self._emit(w.BlocksFailed(self.req_of.pop(tid, ""), tid, reason))
 
     def _post_write(self, a: A.PostWrite, now: float) -> None:
-        p = Posted(self.req_of.get(a.transfer_id, ""), a.transfer_id, [], now, 0, 0)
+        fl = InFlight(a.transfer_id, a.generation, posted=now)
         try:
             for reg in a.registrations:
                 peer = self.peers.get((reg.d_engine_id, reg.d_rank))
                 if peer is None:
                     raise TransferError(f"no handshake with {reg.d_engine_id} rank {reg.d_rank}")
-                regions = map_blocks(self.memory, a.block_ids, peer.memory, reg.block_ids)
+                heads = self._heads(self.rank, self.tp, reg.d_rank, reg.d_tp)
+                if heads is False:
+                    continue
+                regions = map_blocks(self.kv, a.block_ids, peer.layout, reg.block_ids, heads)
                 nbytes = sum(r[2] for r in regions)
                 done = m.WriteDone(a.transfer_id, a.generation, self.rank, 0, nbytes, len(regions))
-                p.handles.append(self.nixl.post("WRITE", regions, self.base_addr, peer.agent, peer.base_addr,
-                                                m.encode(done)))
-                p.nbytes += nbytes
-                p.num_descs += len(regions)
+                fl.handles.append(self.post("WRITE", peer, regions, m.encode(done)))
+                fl.nbytes += nbytes
+                fl.num_descs += len(regions)
         except Exception as e:
             log.error("%s: WRITE failed to post: %s transfer_id=%s", self.name, e, a.transfer_id)
-            p.failed = f"WRITE failed to post: {e}"
+            fl.failed = f"WRITE failed to post: {e}"
         mark("p_write_posted", a.transfer_id)
-        self.posted[a.transfer_id] = p
-        if not p.handles:
-            self._finish_write(p, now)
-
-    def _check_posted(self, now: float) -> None:
-        for tid, p in list(self.posted.items()):
-            stuck = "WRITE stuck; abandoned" if now - p.posted > 2 * self.args.transfer_s else ""
-            pending, failure = self.nixl.reap(p.handles, "WRITE failed in flight", stuck)
-            p.failed = p.failed or failure
-            p.handles = pending
-            if not pending:
-                self._finish_write(p, now)
-
-    def _finish_write(self, p: Posted, now: float) -> None:
-        self.posted.pop(p.transfer_id, None)
-        self.stats[p.transfer_id] = (p.nbytes, p.num_descs, now - p.posted)
-        self._last_activity = now
-        if p.failed:
-            self._apply(self.rdv.on_write_failed(p.transfer_id, 0, p.failed, now), now)
+        if fl.handles:
+            self.inflight[(a.transfer_id, a.generation)] = fl
         else:
-            self._apply(self.rdv.on_write_done(p.transfer_id, 0, now), now)
+            self.transfer_finished(fl, now)
+
+    def transfer_finished(self, fl: InFlight, now: float) -> None:
+        self.stats[fl.transfer_id] = (fl.nbytes, fl.num_descs, now - fl.posted)
+        if fl.failed:
+            self._apply(self.rdv.on_write_failed(fl.transfer_id, fl.generation, fl.failed, now), now)
+        else:
+            self._apply(self.rdv.on_write_done(fl.transfer_id, fl.generation, now), now)
 
     # -- the loop ---------------------------------------------------------------------------
     def tick(self, now: float) -> None:
-        self._poll_notifs(now)
-        if self.posted:
-            self._check_posted(now)
-        self._check_links(now)
+        self.poll_notifs(now)
+        if self.inflight:
+            self.check_inflight(now)
+        if self.links:
+            self.expire_links(now)
         nd = self.rdv.next_deadline()
         if nd is not None and nd <= now:
             self._apply(self.rdv.expire(now), now)
@@ -399,12 +347,9 @@ class VllmWriter(Actor):
             log.error("%s: vLLM worker %d is gone; exiting", self.name, self.args.parent_pid)
             self.stopping = True
 
-    def poll_timeout_ms(self) -> int:
-        if self.posted:
-            return 0  # we drive UCX progress while data moves
-        busy = (self.rdv.next_deadline() is not None or self.arrivals.next_deadline() is not None
-                or self.quarantine or time.monotonic() - self._last_activity < 0.05)
-        return BUSY_POLL_MS if busy else IDLE_POLL_MS
+    def has_pending(self) -> bool:
+        return (self.rdv.next_deadline() is not None or self.arrivals.next_deadline() is not None
+                or bool(self.quarantine) or bool(self.waits))
 
 
 def _die_with_parent() -> None:
@@ -423,6 +368,7 @@ def main(argv=None) -> None:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--fd", type=int, required=True, help="inherited shared-memory fd of the KV cache")
     ap.add_argument("--memory", required=True, help="msgpack KVMemory, hex")
+    ap.add_argument("--model-id", default="", help="what the KV means (peers must name the same)")
     ap.add_argument("--cmd-endpoint", required=True)
     ap.add_argument("--event-endpoint", required=True)
     ap.add_argument("--handshake-endpoint", required=True)

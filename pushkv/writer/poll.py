@@ -18,11 +18,10 @@ In order:
 """
 from __future__ import annotations
 
-import os
 from typing import NamedTuple, Optional
 
 # something is waiting on a notification (or a peer's one-sided READ may need our progress)
-PENDING_POLL_MS = int(os.environ.get("PUSHKV_PENDING_POLL_MS", "1"))
+PENDING_POLL_MS = 1
 # a transfer is "young" (spin on progress) for SPIN_MIN_S plus its bytes at SPIN_FLOOR_BPS
 SPIN_MIN_S = 0.02
 SPIN_FLOOR_BPS = 0.5e9
@@ -35,8 +34,6 @@ WRITER_IDLE_POLL_MS = 10
 RECENT_ACTIVITY_S = 0.05  # just after a transfer or notification: the pending rate a while longer
 
 WARM_SETTINGS = ("auto", "on", "off")
-# overrides the config's writer_warm (auto|on|off) in every writer, for A/B runs
-WARM_ENV = "PUSHKV_WRITER_WARM"
 
 
 class Poll(NamedTuple):
@@ -49,12 +46,12 @@ def spin_s(nbytes: int) -> float:
     return SPIN_MIN_S + nbytes / SPIN_FLOOR_BPS
 
 
-def warm_enabled(setting: str, device: str, env: str = "") -> bool:
-    """Whether a writer on ``device`` keeps its loop hot while a transfer is expected:
-    ``env`` (``PUSHKV_WRITER_WARM``, when set) wins over the config's ``setting``; ``auto``
-    is on for a CUDA device (a core per waiting writer buys tens of µs per transfer) and off
-    on the CPU (a crowded host: the spinning would take the core the peer needs)."""
-    value = (env or setting).strip().lower()
+def warm_enabled(setting: str, device: str) -> bool:
+    """Whether a writer on ``device`` keeps its loop hot while a transfer is expected, by the
+    config's ``setting``: ``auto`` is on for a CUDA device (a core per waiting writer buys tens
+    of µs per transfer) and off on the CPU (a crowded host: the spinning would take the core
+    the peer needs)."""
+    value = setting.strip().lower()
     if value not in WARM_SETTINGS:
         raise ValueError(f"writer warm must be one of {', '.join(WARM_SETTINGS)}, got {value!r}")
     if value == "auto":

@@ -5,7 +5,6 @@ Pull mode: holds finished blocks under a lease until D's READ is done.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Union
@@ -25,9 +24,6 @@ log = logging.getLogger(__name__)
 
 WAITING = (rv.State.WAIT_PREFILL.value, rv.State.WAIT_REGISTRATION.value)  # a WRITE is coming
 MAX_TRACKED = 4096  # bounded bookkeeping for transfers that never complete
-# 1: send D a wake hint for every streamed part WRITE too (before: D then spun for each part's
-# expected time, however fast it landed); for A/B runs
-PART_HINTS = os.environ.get("PUSHKV_PART_HINTS", "0") == "1"
 
 
 @dataclass
@@ -72,7 +68,7 @@ class PrefillWriter(WriterBase):
         self._last_activity = now
         self.counters["prefill_done_received"] += 1
         # registrations may already sit in NIXL's queue: take them first
-        self._poll_notifs(now)
+        self.poll_notifs(now)
         try:
             acts = self.rdv.on_prefill_done(tid, gen, block_ids, num_tokens, first_token, now)
         except A.ProtocolError as e:
@@ -88,7 +84,7 @@ class PrefillWriter(WriterBase):
         self.counters["stream_progress_received"] += 1
         key = (msg.transfer_id, msg.generation)
         self._stamp(key, "stream_progress")
-        self._poll_notifs(now)
+        self.poll_notifs(now)
         try:
             acts = self.rdv.on_prefill_progress(msg.transfer_id, msg.generation, msg.block_ids, msg.num_tokens, now)
         except A.ProtocolError as e:
@@ -107,7 +103,7 @@ class PrefillWriter(WriterBase):
         now = time.monotonic()
         self._last_activity = now
         self.counters["layer_marks_received"] += 1
-        self._poll_notifs(now)  # registrations may already sit in NIXL's queue: take them first
+        self.poll_notifs(now)  # registrations may already sit in NIXL's queue: take them first
         for e in msg.entries:
             key = (e.transfer_id, e.generation)
             self._stamp(key, "stream_progress")
@@ -280,60 +276,69 @@ class PrefillWriter(WriterBase):
     def _post_write(self, a, now: float) -> None:
         faults.point(self.name, "post_write" if a.last else "post_part")
         key = (a.transfer_id, a.generation)
-        if a.last:
-            self._stamp(key, "write_post_start")  # to write_posted: our post cost
-        else:
-            self._stamp(key, "part_post_first")
+        self._stamp(key, "write_post_start" if a.last else "part_post_first")  # to write_posted: our post cost
         fl = InFlight(a.transfer_id, a.generation, posted=now, part=not a.last)
         t0 = a.token_start
-        sums = self._checksums.get(key) if a.last else None
         token_spans = list(a.spans or ((-1, t0, t0 + a.num_tokens),))  # (layer group, first token, end token)
         swap = False
         if a.last:
             swap, token_spans = self._damage(a, token_spans)
         try:
             for reg in a.registrations:
-                peer = self.peers.get((reg.d_engine_id, reg.d_rank))
-                if peer is None:
-                    raise TransferError(f"no handshake with {reg.d_engine_id} rank {reg.d_rank}")
-                heads = head_overlap(self.rank, self.inst.tp, reg.d_rank, reg.d_tp, self.layout.total_kv_heads)
-                if heads is None:
-                    continue
-                # a part (or the last WRITE after parts) starts at a token that is a whole block
-                # on both sides (the rendezvous' stream unit), so it is whole blocks of both tables;
-                # a layer-streamed one moves each layer group from its own first token
-                spans = [(a.block_ids[t // self.layout.block_size:],
-                          _swapped(reg.block_ids[t // peer.layout.block_size:], swap), end - t, None if g < 0 else (g,))
-                         for g, t, end in token_spans]
-                notif = ((lambda n, r: m.encode(m.WriteDone(a.transfer_id, a.generation, self.rank, a.first_token, n, r,
-                                                            sums)))
-                         if a.last else (lambda n, r: b""))
-                h, nbytes, runs = self.post_spans("WRITE", peer, heads, spans, notif)
-                fl.handles.append(h)
-                if a.last:
-                    self._stamp(key, "write_post_returned")  # the NIXL post to this D rank returned
-                # after the post, off its path: the hint's ZMQ message wakes D's loop at once, and D's
-                # polling only speeds up seeing our notification (the data moves without it); a warm D
-                # polls already, and the hint's send costs 20-40 us here. A part carries no notification
-                # and D never learns when one landed: a hint would have D spin for the part's whole
-                # expected time (spin_s: 28 ms for 4 MiB) however fast the link moved it, on the cores our
-                # next chunk computes on; D's pending poll (every 1 ms while it waits for the KV) drives
-                # UCX's side of a part instead
-                if not a.last and not PART_HINTS:
-                    self.counters["wake_hints_skipped_part"] += 1
-                elif not reg.warm:
-                    self.wake_peer(peer, a.transfer_id, a.generation, nbytes)
-                else:
-                    self.counters["wake_hints_skipped"] += 1
-                if a.last:
-                    self._stamp(key, "write_woke")
-                self.counters["write_posts" if a.last else "part_posts"] += 1  # one per D rank this rank writes into
-                fl.nbytes += nbytes
-                fl.num_descs += runs
+                self._post_to(a, reg, fl, token_spans, swap)
         except Exception as e:  # failed to post: tell D now, not at its deadline
             self.counters["write_post_failed"] += 1
             log.error("%s: WRITE post failed: %s transfer_id=%s", self.name, e, a.transfer_id)
             fl.failed = f"WRITE failed to post: {e}"
+        self._posted(a, fl, now)
+
+    def _post_to(self, a, reg, fl: InFlight, token_spans: list, swap: bool) -> None:
+        """Post D rank ``reg``'s share of the WRITE (nothing when it holds no head of ours)."""
+        key = (a.transfer_id, a.generation)
+        peer = self.peers.get((reg.d_engine_id, reg.d_rank))
+        if peer is None:
+            raise TransferError(f"no handshake with {reg.d_engine_id} rank {reg.d_rank}")
+        heads = head_overlap(self.rank, self.inst.tp, reg.d_rank, reg.d_tp, self.layout.total_kv_heads)
+        if heads is None:
+            return
+        # a part (or the last WRITE after parts) starts at a token that is a whole block
+        # on both sides (the rendezvous' stream unit), so it is whole blocks of both tables;
+        # a layer-streamed one moves each layer group from its own first token
+        spans = [(a.block_ids[t // self.layout.block_size:],
+                  _swapped(reg.block_ids[t // peer.layout.block_size:], swap), end - t, None if g < 0 else (g,))
+                 for g, t, end in token_spans]
+        sums = self._checksums.get(key) if a.last else None
+        notif = ((lambda n, r: m.encode(m.WriteDone(a.transfer_id, a.generation, self.rank, a.first_token, n, r, sums)))
+                 if a.last else (lambda n, r: b""))
+        h, nbytes, runs = self.post_spans("WRITE", peer, heads, spans, notif)
+        fl.handles.append(h)
+        if a.last:
+            self._stamp(key, "write_post_returned")  # the NIXL post to this D rank returned
+        self._hint(a, reg, peer, nbytes)
+        if a.last:
+            self._stamp(key, "write_woke")
+        self.counters["write_posts" if a.last else "part_posts"] += 1  # one per D rank this rank writes into
+        fl.nbytes += nbytes
+        fl.num_descs += runs
+
+    def _hint(self, a, reg, peer, nbytes: int) -> None:
+        """After the post, off its path: the hint's ZMQ message wakes D's loop at once, and D's
+        polling only speeds up seeing our notification (the data moves without it); a warm D
+        polls already, and the hint's send costs 20-40 us here. A part carries no notification
+        and D never learns when one landed: a hint would have D spin for the part's whole
+        expected time (spin_s: 28 ms for 4 MiB) however fast the link moved it, on the cores our
+        next chunk computes on; D's pending poll (every 1 ms while it waits for the KV) drives
+        UCX's side of a part instead."""
+        if not a.last:
+            self.counters["wake_hints_skipped_part"] += 1
+        elif not reg.warm:
+            self.wake_peer(peer, a.transfer_id, a.generation, nbytes)
+        else:
+            self.counters["wake_hints_skipped"] += 1
+
+    def _posted(self, a, fl: InFlight, now: float) -> None:
+        """Book the posted WRITE, then spin on it a moment (or finish it: nothing was posted)."""
+        key = (a.transfer_id, a.generation)
         self.trace_event("write_posted" if a.last else "part_posted", a.transfer_id, f"{fl.nbytes}B/{fl.num_descs}d")
         t = self._record(key)
         t.nbytes += fl.nbytes

@@ -2,8 +2,8 @@
 
 A long prompt streams its chunks to D while P computes the rest; then:
 
-- D's writer SIGKILLs itself when P's first part WRITE is announced to it (fault point
-  ``transfer_starting``): a part may be in flight into the dead writer's pool;
+- D's writer is SIGKILLed once P posted a part into its pool (parts are not announced to D,
+  which never learns when one landed): the rest of the stream goes to a dead writer;
 - P's writer SIGKILLs itself about to post a part (``post_part``);
 - the client aborts (``POST /v1/abort/{id}``) once P has posted a part.
 
@@ -15,13 +15,15 @@ registered ones.
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import time
 
 import pytest
 
 from pushkv import faults
 from tests.support.deploy import deployment, wait_pools_free
-from tests.faults.test_faults import Events, stream_request, wait_serving
+from tests.faults.test_faults import Events, _pid_of, stream_request, wait_serving
 from tests.e2e.test_load_abort import Stream, abort, wait_until
 from tools.layout_report import prompt
 
@@ -39,18 +41,14 @@ def dep(tmp_path_factory):
     fdir = d / "armed"
     fdir.mkdir()
     os.environ["PUSHKV_FAULTS_DIR"] = str(fdir)
-    # P announces each part to D (transfer_starting), so D can die while parts, not the last WRITE, fly:
-    # parts are not announced by default (D spun for nothing on each), PUSHKV_PART_HINTS=1 turns it on
-    os.environ["PUSHKV_PART_HINTS"] = "1"
     try:
         with deployment(d, "--mode", "push", "--push-stream", "chunk", "--prefill-chunk", str(CHUNK),
                         "--model", "small", "--num-blocks", "256", "--max-restarts", "20",
-                        "--writer-warm", "off") as dep:  # off: no warm skip of the hints either
+                        "--writer-warm", "off") as dep:  # off: no warm skip of the last WRITE's hint
             dep.faults_dir = str(fdir)
             yield dep
     finally:
         os.environ.pop("PUSHKV_FAULTS_DIR", None)
-        os.environ.pop("PUSHKV_PART_HINTS", None)
 
 
 def writer_counters(dep, role: str = "prefill") -> dict:
@@ -58,21 +56,38 @@ def writer_counters(dep, role: str = "prefill") -> dict:
     return {k[len("writer.0."):]: v for k, v in c.items() if k.startswith("writer.0.")}
 
 
+def kill_once_a_part_is_posted(dep, victim: str, p0: dict, killed: list) -> None:
+    """SIGKILL ``victim`` as soon as P's writer has posted a part of the stream."""
+    wait_until(lambda: writer_counters(dep).get("part_posts", 0) > p0.get("part_posts", 0), 30, "a part posted")
+    os.kill(_pid_of(dep, victim), signal.SIGKILL)
+    killed.append(victim)
+
+
 @pytest.mark.parametrize("victim, point", [
-    ("decode-writer-0", "transfer_starting"),  # D's writer dies as the first part is announced
-    ("prefill-writer-0", "post_part"),  # P's writer dies about to post a part
+    ("decode-writer-0", "part_posted"),  # D's writer killed (by the test) once P posted a part into it
+    ("prefill-writer-0", "post_part"),  # P's writer dies about to post a part (fault point)
 ])
 def test_process_killed_mid_stream(dep, victim, point):
     wait_serving(dep)
     st0 = wait_pools_free(dep)
     p0 = writer_counters(dep)
     ev = Events(dep.cfg.events_endpoint)
-    armed = faults.arm(dep.faults_dir, victim, point)
+    killed: list[str] = []
+    if point == "part_posted":
+        armed = ""
+        killer = threading.Thread(target=kill_once_a_part_is_posted, args=(dep, victim, p0, killed), daemon=True)
+        killer.start()
+    else:
+        armed = faults.arm(dep.faults_dir, victim, point)
     try:
         t0 = time.monotonic()
         outcome, detail = stream_request(dep.url, LONG, 20)
         took = time.monotonic() - t0
-        assert not os.path.exists(armed), f"{victim} never reached {point}: the prompt did not stream"
+        if armed:
+            assert not os.path.exists(armed), f"{victim} never reached {point}: the prompt did not stream"
+        else:
+            killer.join(DETECT_BOUND_S)
+            assert killed, f"{victim} was never killed: no part was posted"
         assert outcome != "ok", f"request completed although {victim} died at {point}"
         assert took < DETECT_BOUND_S, f"took {took:.1f}s to fail"
         assert "died" in detail or "failed" in detail or "lost" in detail, detail
@@ -93,7 +108,7 @@ def test_process_killed_mid_stream(dep, victim, point):
         print(f"{victim}:{point}: {outcome}: {detail[:80]!r} after {took:.2f}s; pools free")
     finally:
         ev.close()
-        if os.path.exists(armed):
+        if armed and os.path.exists(armed):
             os.unlink(armed)
 
 

@@ -54,14 +54,14 @@ def test_the_docs_table_is_the_generated_one():
 @pytest.mark.parametrize("name, raw, want", [
     ("PUSHKV_THREADS", None, 1),
     ("PUSHKV_THREADS", "4", 4),
-    ("PUSHKV_SETTLE_US", "0", 0.0),
+    ("PUSHKV_SAMPLE_KS", "32", 32),
     ("PUSHKV_CUDA_GRAPHS", None, True),
     ("PUSHKV_CUDA_GRAPHS", "0", False),
     ("PUSHKV_CUDA_GRAPHS", "", True),  # empty is unset for a typed variable
-    ("PUSHKV_PART_HINTS", "1", True),
+    ("PUSHKV_FUSED", "off", False),
     ("PUSHKV_VLLM_TIMING", "true", True),
     ("PUSHKV_SAMPLER", "torch", "torch"),
-    ("PUSHKV_WRITER_WARM", "", ""),
+    ("PUSHKV_LOG", "", ""),
     ("PUSHKV_REGISTRY_DIR", "/srv/reg", "/srv/reg"),
 ])
 def test_get_parses_by_type(name, raw, want):
@@ -73,7 +73,7 @@ def test_get_parses_by_type(name, raw, want):
     ("PUSHKV_THREADS", "four", "PUSHKV_THREADS='four': invalid literal for int()"),
     ("PUSHKV_CUDA_GRAPHS", "2", "PUSHKV_CUDA_GRAPHS='2': not one of 1/true/yes/on/0/false/no/off"),
     ("PUSHKV_SAMPLER", "gpu", "PUSHKV_SAMPLER='gpu': not one of auto, torch, triton"),
-    ("PUSHKV_WRITER_WARM", "maybe", "PUSHKV_WRITER_WARM='maybe': not one of '', auto, on, off"),
+    ("PUSHKV_CHECKSUM", "cuda", "PUSHKV_CHECKSUM='cuda': not one of triton, torch"),
 ])
 def test_a_bad_value_is_refused_naming_the_variable(name, raw, says):
     with pytest.raises(ValueError) as e:

@@ -93,6 +93,41 @@ def test_map_blocks_refuses_mismatches():
         R.map_blocks(LM, [16], LM, [0])
 
 
+# heads outermost in a page: P TP 2 (one head of HEAD bytes a page) and D TP 1 (both heads)
+HEAD = 32
+P2 = R.KVMemory(2 * 16 * HEAD, 16, (R.LayerRegion(0, HEAD, HEAD, HEAD), R.LayerRegion(16 * HEAD, HEAD, HEAD, HEAD)),
+                2)
+D1 = R.KVMemory(2 * 16 * PAGE, 16, (R.LayerRegion(0, PAGE, PAGE, HEAD), R.LayerRegion(16 * PAGE, PAGE, PAGE, HEAD)),
+                2)
+
+
+@pytest.mark.parametrize("src,src_blocks,dst,dst_blocks,heads,expect", [
+    # P rank 0's head into D's head 0 of each page: one run per block (D's pages interleave the heads)
+    (P2, [0, 1], D1, [5, 6], (0, 0, 1), [(0, 5 * PAGE, HEAD), (HEAD, 6 * PAGE, HEAD),
+                                         (16 * HEAD, 21 * PAGE, HEAD), (17 * HEAD, 22 * PAGE, HEAD)]),
+    # P rank 1's head: D's head 1, half a page in
+    (P2, [3], D1, [5], (0, 1, 1), [(3 * HEAD, 5 * PAGE + HEAD, HEAD), (16 * HEAD + 3 * HEAD, 21 * PAGE + HEAD, HEAD)]),
+    # D TP 1 -> a rank of TP 2 (the other way round): head 1 of D's page is all of the other's
+    (D1, [2, 3], P2, [0, 1], (1, 0, 1), [(2 * PAGE + HEAD, 0, HEAD), (3 * PAGE + HEAD, HEAD, HEAD),
+                                         (18 * PAGE + HEAD, 16 * HEAD, HEAD), (19 * PAGE + HEAD, 17 * HEAD, HEAD)]),
+])
+def test_map_blocks_moves_the_heads_two_tp_sizes_share(src, src_blocks, dst, dst_blocks, heads, expect):
+    assert R.map_blocks(src, src_blocks, dst, dst_blocks, heads) == expect
+
+
+def test_map_blocks_by_head_needs_the_heads_known():
+    with pytest.raises(ValueError, match="heads differ"):
+        R.map_blocks(LM, [0], LM, [0], (0, 0, 1))  # no head_bytes: pages are moved whole only
+    assert P2.same_heads(D1) and not P2.same_pages(D1)
+
+
+def test_describe_splits_pages_by_head_when_heads_are_outermost():
+    buf, v = views(2, 8, (2, 4, 16), dtype=torch.float32)  # [heads, block_size, 2 * head_size]
+    mem = R.describe(v, buf.data_ptr(), buf.numel(), kv_heads=2, total_kv_heads=4)
+    assert [lr.head_bytes for lr in mem.layers] == [4 * 16 * 4] * 2 and mem.total_kv_heads == 4
+    assert all(lr.head_bytes == 0 for lr in R.describe(v, buf.data_ptr(), buf.numel(), kv_heads=3).layers)
+
+
 def test_kv_memory_travels_as_msgpack():
     import msgspec
 

@@ -18,7 +18,7 @@ class _Writer(B.WriterBase):
 
 @pytest.fixture
 def writer(monkeypatch):
-    monkeypatch.setattr(B, "SPIN_YIELD", False)
+    monkeypatch.setattr(B.os, "sched_yield", lambda: None)  # a unit test: no need to give the core away
     cfg = DeploymentConfig(mode="push", model=preset("tiny"), prefill=InstanceConfig(role="prefill", num_blocks=8))
     return _Writer(cfg, cfg.prefill, 0)
 

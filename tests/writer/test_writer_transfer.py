@@ -2,7 +2,6 @@
 
 Checks the KV bytes directly: after the push, D's blocks equal P's.
 """
-import os
 import time
 
 import pytest
@@ -33,19 +32,9 @@ def pool_of(cfg, role, kids):
     return attach_pool(kids.ready[f"{role}-writer-0"].pool, lay), lay
 
 
-@pytest.fixture(scope="module", params=["prepared", "ad-hoc"])
-def pair(request, tmp_path_factory):
-    """Both ways of posting: by index into prepared descriptor lists, and per-transfer
-    descriptors (PUSHKV_NIXL_PREPARED=0, the fallback for transfers off the grids)."""
-    old = os.environ.get("PUSHKV_NIXL_PREPARED")
-    os.environ["PUSHKV_NIXL_PREPARED"] = "1" if request.param == "prepared" else "0"
-    try:
-        yield from _pair(tmp_path_factory)
-    finally:
-        if old is None:
-            os.environ.pop("PUSHKV_NIXL_PREPARED", None)
-        else:
-            os.environ["PUSHKV_NIXL_PREPARED"] = old
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    yield from _pair(tmp_path_factory)
 
 
 def _pair(tmp_path_factory, num_blocks: int = 64):
@@ -127,13 +116,11 @@ def test_unknown_completion_and_garbage_are_counted(pair):
     assert isinstance(recv(p_sched, m.DEC_WRITER_TO_SCHED), m.WriterStats)
 
 
-def test_planned_pools_post_by_index(pair, request):
-    """Every WRITE above went through the prepared descriptor lists (or, switched off, none did)."""
+def test_planned_pools_post_by_index(pair):
+    """Every WRITE above went through the prepared descriptor lists (whole blocks on both grids:
+    none needed the descriptors built per transfer)."""
     cfg, p_sched, *_ = pair
     p_sched.send(m.encode(m.GetStats()))
     st = recv(p_sched, m.DEC_WRITER_TO_SCHED).counters
-    way, other = ("posts_prepped", "posts_adhoc")
-    if os.environ.get("PUSHKV_NIXL_PREPARED") == "0":
-        way, other = other, way
-    assert st.get(way, 0) >= len(CASES), st
-    assert st.get(other, 0) == 0, st
+    assert st.get("posts_prepped", 0) >= len(CASES), st
+    assert st.get("posts_adhoc", 0) == 0, st

@@ -45,25 +45,22 @@ def test_poll_ms(args, want):
                      last_activity=last) == want
 
 
-@pytest.mark.parametrize("setting,device,env,want", [
-    ("auto", "cuda:0", "", True),
-    ("auto", "cuda", "", True),
-    ("auto", "cpu", "", False),
-    ("on", "cpu", "", True),
-    ("off", "cuda:1", "", False),
-    ("off", "cpu", "on", True),  # the env wins (A/B runs)
-    ("on", "cuda:0", "off", False),
-    ("on", "cpu", "auto", False),
-    ("auto", "cpu", " ON ", True),
+@pytest.mark.parametrize("setting,device,want", [
+    ("auto", "cuda:0", True),
+    ("auto", "cuda", True),
+    ("auto", "cpu", False),
+    ("on", "cpu", True),
+    ("off", "cuda:1", False),
+    (" ON ", "cpu", True),
 ])
-def test_warm_enabled(setting, device, env, want):
-    assert P.warm_enabled(setting, device, env) is want
+def test_warm_enabled(setting, device, want):
+    assert P.warm_enabled(setting, device) is want
 
 
-@pytest.mark.parametrize("setting,env", [("sometimes", ""), ("on", "yes")])
-def test_warm_enabled_refuses_unknown(setting, env):
+@pytest.mark.parametrize("setting", ["sometimes", "yes"])
+def test_warm_enabled_refuses_unknown(setting):
     with pytest.raises(ValueError, match="auto, on, off"):
-        P.warm_enabled(setting, "cpu", env)
+        P.warm_enabled(setting, "cpu")
 
 
 def test_plan_refuses_unknown_warm(tmp_path):
@@ -111,8 +108,7 @@ def wait_for(sock, name: str, at_least: int, timeout_s: float = 20.0) -> dict:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("warm", ["on", "off"])
-def test_prefill_writer_spins_while_a_registration_waits(warm, tmp_path, monkeypatch):
-    monkeypatch.delenv(P.WARM_ENV, raising=False)  # the config decides (children inherit our env)
+def test_prefill_writer_spins_while_a_registration_waits(warm, tmp_path):
     cfg = DeploymentConfig(
         mode="push", push_stream="off", model=preset("tiny"), writer_warm=warm,
         prefill=InstanceConfig(role="prefill", num_blocks=16, block_size=16),
@@ -174,8 +170,7 @@ def _reg(tid: str) -> m.Register:
 
 @pytest.mark.parametrize("first", ["registration", "prefill"])
 @pytest.mark.parametrize("end", ["cancel", "expire"])
-def test_prefill_warm_follows_the_rendezvous(monkeypatch, first, end):
-    monkeypatch.delenv(P.WARM_ENV, raising=False)
+def test_prefill_warm_follows_the_rendezvous(first, end):
     w = _prefill_writer("on")
     now = 10.0
     if first == "registration":  # D's registration waits for our prefill
@@ -196,18 +191,16 @@ def test_prefill_warm_follows_the_rendezvous(monkeypatch, first, end):
         assert [type(x).__name__ for x in w.sent] == ["KVFailed"]
 
 
-def test_prefill_warm_off_keeps_nothing(monkeypatch):
-    monkeypatch.delenv(P.WARM_ENV, raising=False)
+def test_prefill_warm_off_keeps_nothing():
     w = _prefill_writer("off")
     w.apply(w.rdv.on_registration(_reg("a"), 1.0), 1.0)
     w._sync_warm(("a", 0), 1.0)
     assert w._warm == {}
 
 
-def test_prefill_writer_says_a_transfer_ended_by_a_dead_decode_instance(monkeypatch):
+def test_prefill_writer_says_a_transfer_ended_by_a_dead_decode_instance():
     """Our prefill waits for a D that died: the blocks go back with KVFailed.lost naming the death
     (the scheduler then answers the request as the router would); any other failure has none."""
-    monkeypatch.delenv(P.WARM_ENV, raising=False)
     w = _prefill_writer("off")
     w.apply(w.rdv.on_prefill_done("a", 0, (2,), 16, 1, 1.0), 1.0)
     w._record(("a", 0)).d_engine_id = "d"

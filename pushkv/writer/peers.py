@@ -1,0 +1,288 @@
+"""A writer's peers: the handshake that makes one, and the forgetting of a dead one.
+
+A handshake is a ZMQ DEALER -> ROUTER exchange of Hellos, once per peer rank: NIXL
+metadata, the memory the peer registered and how it is laid out, its wire version and
+model (both must match ours, else ``HelloRefused`` names both sides' values). It runs on
+the loop, never blocking it: ``start_link`` sends our Hello, the answer arrives as any
+message does (``on_Hello``), a silent peer fails at its deadline (``expire_links``), and
+``with_peers`` runs a request's continuation once every rank it needs is connected, while
+every other message is handled meanwhile. The link stays open afterwards as our channel to
+that peer (wake hints; a socket monitor on it tells the vLLM writer when the peer is gone).
+
+What a Hello carries beside the common fields, and whether two writers' memories are
+compatible, is the writer's own (``check_peer``, ``peer_of``): pushkv's pools or vLLM's
+KV cache.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import zmq
+
+from pushkv import limits
+from pushkv import messages as m
+from pushkv.actor import Actor, Channel
+from pushkv.transport.grid import DescGrid
+from pushkv.transport.nixl_agent import NixlAgent
+
+log = logging.getLogger(__name__)
+
+HANDSHAKE_TIMEOUT_S = 5.0
+
+PeerKey = tuple[str, int]  # (engine_id, rank)
+
+
+@dataclass
+class Peer:
+    engine_id: str
+    rank: int
+    tp: int
+    agent: str
+    pool_base: int  # the base address of the memory it registered
+    layout: Any  # how that memory is laid out: a pushkv pool layout, or vLLM's KVMemory
+    dev_id: int = 0
+    grid: Optional[DescGrid] = None  # its pool's descriptor grid, prepared in NIXL (None: ad-hoc only)
+    identity: Optional[bytes] = None  # its DEALER's identity at our handshake ROUTER (it initiated)
+    plans: dict = field(default_factory=dict)  # (heads, we send) -> IndexPlan or None (grid.index_plan)
+    sink_addr: int = 0  # its keep-warm sink (Hello.sink_addr); 0: none
+    sink_bytes: int = 0
+    device_uuid: str = ""  # its pool's GPU (Hello.device_uuid)
+    post_agent: str = ""  # the agent its WRITEs come from, when not ``agent`` (Hello.post_agent)
+
+
+@dataclass
+class PeerLink:
+    """A handshake we initiated: a DEALER to the peer's handshake ROUTER, kept open once
+    answered as the channel for wake hints to that peer."""
+
+    engine_id: str
+    rank: int
+    endpoint: str
+    channel: Channel
+    deadline: float
+    connected: bool = False
+    monitor: Optional[zmq.Socket] = None  # EVENT_DISCONNECTED of the link (watch_links)
+
+
+@dataclass
+class PeerWait:
+    """Something (a request) waiting for handshakes with ``keys`` ((engine_id, rank))."""
+
+    key: object
+    keys: tuple
+    then: Callable[[list], None]
+    failed: Callable[[str], None]
+
+
+class PeerWriter(Actor):
+    """The peer table and the handshakes of a writer actor. A subclass sets ``engine_id``,
+    ``rank``, ``model_id``, ``nixl`` and ``handshake`` (our ROUTER, or None) before the loop
+    runs, and says what its Hello is (``hello``) and what a peer's means (``check_peer``,
+    ``peer_of``)."""
+
+    engine_id: str
+    rank: int
+    model_id: str
+    nixl: NixlAgent
+    handshake: Optional[Channel]
+    watch_links = False  # monitor each link for the peer's end closing (peer_gone)
+
+    def init_peers(self) -> None:
+        self.peers: dict[PeerKey, Peer] = {}
+        self.peers_by_agent: dict[str, Peer] = {}
+        self.links: dict[PeerKey, PeerLink] = {}  # handshakes we initiated
+        self.waits: dict[object, PeerWait] = {}  # requests waiting for handshakes
+        self._link_failed: dict[PeerKey, str] = {}  # failures not yet told to waits
+        self.handshake = None
+
+    # -- what the subclass says -----------------------------------------------------
+    def hello(self) -> Any:
+        raise NotImplementedError
+
+    def check_peer(self, h: Any) -> None:
+        """Raise ValueError when ``h``'s memory cannot pair with ours."""
+
+    def peer_of(self, h: Any, agent: str) -> Peer:
+        raise NotImplementedError
+
+    def peer_added(self, peer: Peer, h: Any) -> None:
+        """Called once a peer's metadata is loaded (prepare its descriptors, say)."""
+
+    def peer_forgotten(self, peer: Peer) -> None:
+        """Called as a peer is dropped (release what we keep for it)."""
+
+    def peer_gone(self, peer: Peer, reason: str) -> None:
+        """A watched link closed (``watch_links``): the peer's process is gone."""
+
+    # -- peers -------------------------------------------------------------------------
+    def add_peer(self, h: Any) -> Peer:
+        """Load a peer from its Hello: ValueError if it differs from us in what must match."""
+        if h.wire_version != m.WIRE_VERSION:
+            raise ValueError(f"wire version differs: ours {m.WIRE_VERSION}, {h.engine_id} rank {h.rank}'s "
+                             f"{h.wire_version}")
+        if h.model_id != self.model_id:
+            raise ValueError(f"model differs: ours {self.model_id}, {h.engine_id} rank {h.rank}'s "
+                             f"{h.model_id or 'unnamed'} (every instance must serve the same model, geometry "
+                             "and dtype)")
+        self.check_peer(h)
+        old = self.peers.get((h.engine_id, h.rank))
+        if old is not None:  # the peer restarted: drop its old NIXL metadata first
+            self.forget_peer(old)
+        agent = self.nixl.add_remote(h.agent_metadata)
+        peer = self.peer_of(h, agent)
+        self.peer_added(peer, h)
+        self.peers[(h.engine_id, h.rank)] = peer
+        self.peers_by_agent[agent] = peer
+        if peer.post_agent:  # its WRITEs' notifications come from its poster
+            self.peers_by_agent[peer.post_agent] = peer
+        log.info("%s: connected to %s rank %d (agent %s)", self.name, h.engine_id, h.rank, agent)
+        return peer
+
+    def forget_peer(self, peer: Peer) -> None:
+        """Drop a peer (dead, or restarted): its link, its NIXL metadata; waits on it fail."""
+        self.close_link((peer.engine_id, peer.rank))  # a restarted peer gets a fresh handshake
+        self.peer_forgotten(peer)
+        self.peers.pop((peer.engine_id, peer.rank), None)
+        self.peers_by_agent.pop(peer.agent, None)
+        if peer.post_agent:
+            self.peers_by_agent.pop(peer.post_agent, None)
+        self.nixl.remove_remote(peer.agent)
+        if self.waits:
+            self._resolve_waits()
+
+    def refusal(self, reason: str) -> m.HelloRefused:
+        return m.HelloRefused(self.engine_id, self.rank, reason)
+
+    # -- a handshake a peer initiated, or the answer to ours ------------------------------
+    def on_Hello(self, msg: Any, identity: Optional[bytes] = None) -> None:
+        if identity is None:  # the answer on a link we opened
+            self._link_answered(msg)
+            return
+        try:  # a peer initiated the handshake: load its metadata, answer with ours
+            peer = self.add_peer(msg)
+            peer.identity = identity  # our way back to it over the ROUTER (wake hints)
+        except Exception as e:  # refused (or its metadata would not load): the reason, not our NIXL metadata
+            log.error("%s: refusing peer %s rank %d: %s", self.name, msg.engine_id, msg.rank, e)
+            self.counters["peer_incompatible" if isinstance(e, ValueError) else "peer_metadata_failed"] += 1
+            if self.handshake is not None:
+                self.send(self.handshake, self.refusal(str(e)), identity)
+            return
+        if self.handshake is not None:
+            self.send(self.handshake, self.hello(), identity)
+
+    def on_HelloRefused(self, msg: m.HelloRefused, identity: Optional[bytes] = None) -> None:
+        """The peer refused our Hello: fail the link now, with its reason, not at the deadline."""
+        link = self._current_link()
+        if link is None or link.connected:
+            self.counters["unexpected_hello"] += 1
+            return
+        self.counters["peer_refused_us"] += 1
+        self._fail_link(link, f"refused by {msg.engine_id} rank {msg.rank}: {msg.reason}")
+        self._resolve_waits()
+
+    def _current_link(self) -> Optional[PeerLink]:
+        return next((lk for lk in self.links.values() if lk.channel is self.current), None)
+
+    def _link_answered(self, msg: Any) -> None:
+        link = self._current_link()
+        if link is None or link.connected:
+            self.counters["unexpected_hello"] += 1
+            return
+        try:
+            if msg.engine_id != link.engine_id or msg.rank != link.rank:
+                raise ValueError(f"handshake at {link.endpoint} answered by {msg.engine_id} rank {msg.rank}")
+            self.add_peer(msg)
+            link.connected = True
+        except ValueError as e:
+            self.counters["peer_incompatible"] += 1
+            self._fail_link(link, str(e))
+        self._resolve_waits()
+
+    # -- links we initiate -----------------------------------------------------------------
+    def start_link(self, engine_id: str, rank: int, endpoint: str, now: float) -> None:
+        """Send our Hello to a peer's handshake endpoint unless connected or under way; the
+        answer arrives on the loop (``on_Hello``), a silent peer fails at its deadline."""
+        key = (engine_id, rank)
+        if key in self.peers or key in self.links:
+            return
+        sock = self.socket(zmq.DEALER, endpoint, bind=False, max_msg_bytes=limits.CONTROL_MSG_BYTES)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED) if self.watch_links else None
+        ch = self.add_channel(sock, self.handshake_decoder(), f"handshake-{engine_id}-{rank}")
+        self.links[key] = PeerLink(engine_id, rank, endpoint, ch, now + HANDSHAKE_TIMEOUT_S, monitor=monitor)
+        self.send(ch, self.hello())
+        self.counters["handshakes_started"] += 1
+
+    def handshake_decoder(self) -> Any:
+        return m.DEC_HANDSHAKE
+
+    def with_peers(self, wait_key, engine_id: str, ranks, endpoints, then: Callable[[list[Peer]], None],
+                   failed: Callable[[str], None], now: float) -> None:
+        """Run ``then(peers)`` once every rank's handshake is done (now, if it is), or
+        ``failed(reason)`` when one fails. Never blocks: other transfers go on meanwhile."""
+        keys = tuple((engine_id, r) for r in ranks)
+        for r in ranks:
+            self.start_link(engine_id, r, endpoints[r], now)
+        wait = PeerWait(wait_key, keys, then, failed)
+        if not self._resolve(wait):
+            self.waits[wait_key] = wait
+
+    def drop_wait(self, wait_key) -> bool:
+        return self.waits.pop(wait_key, None) is not None
+
+    def _resolve(self, wait: PeerWait) -> bool:
+        """Run the wait's outcome if it has one; True when it ran."""
+        bad = next((self._link_failed[k] for k in wait.keys if k in self._link_failed), None)
+        lost = [k for k in wait.keys if k not in self.peers and k not in self.links]
+        if bad is None and lost:  # connected, then forgotten (its instance died) before the rest answered
+            bad = f"lost {lost[0][0]} rank {lost[0][1]} during the handshake"
+        if bad is not None:
+            wait.failed(bad)
+            return True
+        if all(k in self.peers for k in wait.keys):
+            wait.then([self.peers[k] for k in wait.keys])
+            return True
+        return False
+
+    def _resolve_waits(self) -> None:
+        for wk, wait in list(self.waits.items()):
+            if self.waits.get(wk) is wait and self._resolve(wait):
+                self.waits.pop(wk, None)
+        self._link_failed.clear()  # the next request tries the handshake again
+
+    def _fail_link(self, link: PeerLink, reason: str) -> None:
+        log.error("%s: handshake with %s rank %d failed: %s", self.name, link.engine_id, link.rank, reason)
+        self._link_failed[(link.engine_id, link.rank)] = reason
+        self.close_link((link.engine_id, link.rank))
+
+    def close_link(self, key: PeerKey) -> None:
+        link = self.links.pop(key, None)
+        if link is None:
+            return
+        if link.monitor is not None:
+            link.channel.sock.disable_monitor()
+            link.monitor.close(0)
+        self.channels.pop(link.channel.sock, None)
+        self.poller.unregister(link.channel.sock)
+        link.channel.sock.close(0)
+
+    def expire_links(self, now: float) -> None:
+        """Fail handshakes past their deadline; with ``watch_links``, forget peers whose link closed."""
+        late = [lk for lk in self.links.values() if not lk.connected and lk.deadline <= now]
+        for link in late:
+            self.counters["handshake_timeout"] += 1
+            self._fail_link(link, f"handshake with {link.engine_id} rank {link.rank} at {link.endpoint} "
+                                  f"timed out after {HANDSHAKE_TIMEOUT_S:.0f}s")
+        if late:
+            self._resolve_waits()
+        for key, link in list(self.links.items()):
+            if link.monitor is None or not link.connected or not link.monitor.poll(0):
+                continue
+            peer = self.peers.get(key)
+            if peer is not None:
+                self.counters["peer_link_closed"] += 1
+                reason = f"writer {peer.agent} lost (its connection closed)"
+                log.error("%s: %s", self.name, reason)
+                self.forget_peer(peer)
+                self.peer_gone(peer, reason)

@@ -1,0 +1,178 @@
+"""The vLLM connector's writer processes over real NIXL (UCX between processes), with this
+test as vLLM's scheduler and worker halves: a P instance of one TP size pushes into a D
+instance of another (each P rank WRITEs the heads it shares with each D rank, checked byte
+for byte), and D's handshakes run on its loop (a P writer that never answers delays no
+other request)."""
+import mmap
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+from pushkv import messages as m
+from pushkv.vllm import wire as w
+from pushkv.vllm.regions import KVMemory, LayerRegion
+from pushkv.writer.peers import HANDSHAKE_TIMEOUT_S
+
+pytestmark = pytest.mark.timeout(180)
+
+LAYERS, BLOCKS, BLOCK_SIZE, HEAD_SIZE, TOTAL_HEADS = 2, 8, 4, 8, 2
+HEAD_BYTES = BLOCK_SIZE * 2 * HEAD_SIZE * 4  # one head of a CPU page [heads, block_size, 2 * head_size], fp32
+READY_S = 60.0
+
+
+def kv_memory(tp: int) -> KVMemory:
+    """A rank's KV cache as vLLM's CPU backend lays it out: layer-major, a page per block."""
+    page = TOTAL_HEADS // tp * HEAD_BYTES
+    layers = tuple(LayerRegion(l * BLOCKS * page, page, page, HEAD_BYTES) for l in range(LAYERS))
+    return KVMemory(LAYERS * BLOCKS * page, BLOCKS, layers, TOTAL_HEADS)
+
+
+class Writers:
+    """Writer processes of one test, each with its KV cache in a memfd this test maps too."""
+
+    def __init__(self):
+        self.dir = tempfile.mkdtemp(prefix="pkvw-")
+        self.ctx = zmq.Context.instance()
+        self.procs, self.socks, self.maps, self.fds = [], [], [], []
+
+    def endpoint(self, name: str) -> str:
+        return f"ipc://{self.dir}/{name}"
+
+    def start(self, role: str, engine: str, rank: int, tp: int):
+        """(command socket, event socket, this rank's KV bytes) of a started, ready writer."""
+        kv = kv_memory(tp)
+        fd = os.memfd_create(f"{engine}-{rank}")
+        os.ftruncate(fd, kv.nbytes)
+        self.fds.append(fd)
+        mm = mmap.mmap(fd, kv.nbytes)
+        self.maps.append(mm)
+        events = self._sock(zmq.PULL)
+        ev = self.endpoint(f"{engine}-{rank}-ev")
+        events.bind(ev)
+        cmd = [sys.executable, "-m", "pushkv.vllm.writer", "--role", role, "--engine-id", engine,
+               "--rank", str(rank), "--tp", str(tp), "--fd", str(fd),
+               "--memory", msgspec.msgpack.encode(kv).hex(), "--model-id", "tiny",
+               "--cmd-endpoint", self.endpoint(f"{engine}-{rank}-cmd"), "--event-endpoint", ev,
+               "--handshake-endpoint", self.handshake(engine, rank), "--parent-pid", str(os.getpid()),
+               "--registration-wait-s", "20", "--transfer-s", "20"]
+        proc = subprocess.Popen(cmd, pass_fds=(fd,), stdin=subprocess.DEVNULL)
+        self.procs.append(proc)
+        assert events.poll(READY_S * 1000), f"{engine} rank {rank}: no WriterReady"
+        assert isinstance(w.DEC_TO_CONNECTOR.decode(events.recv()), w.WriterReady)
+        push = self._sock(zmq.PUSH)
+        push.connect(self.endpoint(f"{engine}-{rank}-cmd"))
+        return push, events, np.frombuffer(mm, dtype=np.uint8)
+
+    def handshake(self, engine: str, rank: int) -> str:
+        return self.endpoint(f"{engine}-{rank}-hs")
+
+    def _sock(self, kind: int) -> zmq.Socket:
+        s = self.ctx.socket(kind)
+        s.setsockopt(zmq.LINGER, 0)
+        self.socks.append(s)
+        return s
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for s in self.socks:
+            s.close(0)
+        for mm in self.maps:
+            mm.close()
+        for fd in self.fds:
+            os.close(fd)
+
+
+@pytest.fixture
+def writers():
+    ws = Writers()
+    yield ws
+    ws.close()
+
+
+def event(sock: zmq.Socket, timeout_s: float = 30.0):
+    assert sock.poll(timeout_s * 1000), "no event from the writer"
+    return w.DEC_TO_CONNECTOR.decode(sock.recv())
+
+
+def head_page(kv: np.ndarray, tp: int, layer: int, block: int, head: int) -> np.ndarray:
+    """The bytes of one of this rank's heads (its own head index) in a block's page."""
+    page = TOTAL_HEADS // tp * HEAD_BYTES
+    start = layer * BLOCKS * page + block * page + head * HEAD_BYTES
+    return kv[start:start + HEAD_BYTES]
+
+
+@pytest.mark.parametrize("p_tp, d_tp", [(2, 1), (1, 2)])
+def test_prefill_ranks_write_their_heads_into_decode_ranks_of_another_tp(writers, p_tp, d_tp):
+    ps = [writers.start("prefill", "P", r, p_tp) for r in range(p_tp)]
+    ds = [writers.start("decode", "D", r, d_tp) for r in range(d_tp)]
+    rng = np.random.default_rng(7)
+    for _, _, kv in ps:
+        kv[:] = rng.integers(0, 256, kv.size, dtype=np.uint8)
+    src = m.PrefillSource("P", p_tp, tuple(writers.handshake("P", r) for r in range(p_tp)))
+    p_blocks, d_blocks, tokens = (1, 2, 3), (7, 5, 6), 3 * BLOCK_SIZE
+    for cmd, _, _ in ds:
+        cmd.send(m.encode(w.ExpectBlocks("d-1", "T1", d_blocks, tokens, src, 20.0)))
+    for cmd, _, _ in ps:
+        cmd.send(m.encode(w.SendBlocks("p-1", "T1", p_blocks, tokens)))
+    for _, ev, _ in ds:
+        got = event(ev)
+        assert isinstance(got, w.BlocksReceived) and got.transfer_id == "T1", got
+        assert got.nbytes == LAYERS * len(d_blocks) * (TOTAL_HEADS // d_tp) * HEAD_BYTES, got
+    for _, ev, _ in ps:
+        got = event(ev)
+        assert isinstance(got, w.BlocksSent) and got.ok, got
+    for head in range(TOTAL_HEADS):  # every global head landed where D keeps it, from the P rank holding it
+        p_rank, p_head = divmod(head, TOTAL_HEADS // p_tp)
+        d_rank, d_head = divmod(head, TOTAL_HEADS // d_tp)
+        for layer in range(LAYERS):
+            for pb, db in zip(p_blocks, d_blocks):
+                want = head_page(ps[p_rank][2], p_tp, layer, pb, p_head)
+                assert np.array_equal(head_page(ds[d_rank][2], d_tp, layer, db, d_head), want), (head, layer, db)
+    untouched = set(range(BLOCKS)) - set(d_blocks)
+    for _, _, kv in ds:
+        for layer in range(LAYERS):
+            for b in untouched:
+                assert not head_page(kv, d_tp, layer, b, 0).any()
+
+
+def test_a_silent_prefill_writer_delays_no_other_request(writers):
+    """D's handshake with a P writer that never answers is pending on D's loop while a second
+    request, from another P, registers and receives its KV; the first fails at its deadline."""
+    silent = writers._sock(zmq.ROUTER)
+    silent.bind(writers.handshake("S", 0))  # takes the Hello, answers nothing
+    p_cmd, p_ev, p_kv = writers.start("prefill", "P", 0, 1)
+    d_cmd, d_ev, d_kv = writers.start("decode", "D", 0, 1)
+    p_kv[:] = 7
+    t0 = time.monotonic()
+    silent_src = m.PrefillSource("S", 1, (writers.handshake("S", 0),))
+    d_cmd.send(m.encode(w.ExpectBlocks("d-1", "T1", (1,), BLOCK_SIZE, silent_src, 20.0)))
+    assert silent.poll(10_000), "D never sent the silent P its Hello"
+    ident, hello = silent.recv_multipart()
+    assert isinstance(w.DEC_VHANDSHAKE.decode(hello), w.VllmHello)
+    d_cmd.send(m.encode(w.ExpectBlocks("d-2", "T2", (2,), BLOCK_SIZE,
+                                       m.PrefillSource("P", 1, (writers.handshake("P", 0),)), 20.0)))
+    p_cmd.send(m.encode(w.SendBlocks("p-2", "T2", (3,), BLOCK_SIZE)))
+    got = event(d_ev)
+    took = time.monotonic() - t0
+    assert isinstance(got, w.BlocksReceived) and got.transfer_id == "T2", got  # before T1's handshake ended
+    assert took < HANDSHAKE_TIMEOUT_S, f"T2 waited {took:.1f}s behind T1's handshake"
+    assert isinstance(event(p_ev), w.BlocksSent)
+    page = TOTAL_HEADS * HEAD_BYTES
+    assert (d_kv[2 * page:3 * page] == 7).all()
+    got = event(d_ev, HANDSHAKE_TIMEOUT_S + 10)
+    assert isinstance(got, w.BlocksFailed) and got.transfer_id == "T1" and "timed out" in got.reason, got
+    assert time.monotonic() - t0 >= HANDSHAKE_TIMEOUT_S * 0.9
