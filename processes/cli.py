@@ -20,17 +20,17 @@ from typing import Optional
 import msgspec
 from setproctitle import setproctitle
 
-from pushkv.config import PRESETS, DeploymentConfig, preset
+from pushkv.config import PRESETS, TRACE_AUTO, DeploymentConfig
+from pushkv.config_flags import GEOMETRY, user_config
 from pushkv.security import API_KEY_ENV, load_secret
 from pushkv.supervisor import commands as c
 from pushkv.supervisor import lifecycle, registry
-from pushkv.supervisor.plan import TRACE_AUTO, plan_deployment
-from pushkv.supervisor.supervisor import ON_CHILD_EXIT, PING_INTERVAL_S, STARTUP_TIMEOUT_S, STOP_TIMEOUT_S, ArgvHook, Supervisor
+from pushkv.supervisor.plan import plan_deployment
+from pushkv.supervisor.supervisor import (ON_CHILD_EXIT, PING_INTERVAL_S, STARTUP_TIMEOUT_S, STOP_TIMEOUT_S, ArgvHook,
+                                          Supervisor)
 from pushkv.supervisor.table import HEALTH_TIMEOUT_S, RestartPolicy
 
 ASK_TIMEOUT_S = 3.0
-GEOMETRY = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
-            "vocab_size", "dtype", "seed")
 
 
 # ---------------------------------------------------------------------------
@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-num-seqs", type=int, help="sequences per step, every instance")
     e.add_argument("--max-batch-tokens", type=int, help="tokens per step, every instance")
     e.add_argument("--prefill-chunk", type=int,
-                   help="prefill a longer prompt in chunks of at most this many tokens a step, mixed with decodes (0: never)")
+                   help="prefill a longer prompt in chunks of at most this many tokens a step, mixed with decodes "
+                        "(0: never)")
     e.add_argument("--no-prefix-cache", action="store_true",
                    help="every instance computes every prompt whole and forgets a request's blocks when it ends "
                         "(default: full prompt blocks are cached by a hash of their tokens and reused)")
@@ -160,65 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ---------------------------------------------------------------------------
-# config: file, then flags
+# config: the user's (pushkv.config_flags), then the planned one (plan_deployment)
 # ---------------------------------------------------------------------------
-def load_config_file(path: str) -> DeploymentConfig:
-    with open(path, "rb") as f:
-        raw = f.read()
-    if path.endswith(".toml"):
-        import tomllib
-
-        data = tomllib.loads(raw.decode())
-    else:
-        data = json.loads(raw)
-    if isinstance(data.get("model"), str):  # "model": "tiny" names a preset
-        data["model"] = msgspec.to_builtins(preset(data["model"]))
-    for role in ("prefill", "decode", "local"):
-        if isinstance(data.get(role), dict):
-            data[role].setdefault("role", role)
-    return msgspec.convert(data, DeploymentConfig)
-
-
-def _replace(obj, **changes):
-    changes = {k: v for k, v in changes.items() if v is not None}
-    return msgspec.structs.replace(obj, **changes) if changes else obj
-
-
 def config_from_args(args: argparse.Namespace) -> DeploymentConfig:
-    cfg = load_config_file(args.config) if args.config else DeploymentConfig()
-    model = preset(args.model) if args.model else cfg.model
-    if args.checkpoint:  # the checkpoint's config.json is the geometry; flags may still override
-        from pushkv.model.checkpoint import model_config_from_hf
-
-        overrides = {k: getattr(args, k) for k in GEOMETRY if getattr(args, k) is not None}
-        model = model_config_from_hf(args.checkpoint, args.generation_config, **overrides)
-    else:
-        model = _replace(model, **{k: getattr(args, k) for k in GEOMETRY})
-    model = _replace(model, engine=args.engine, random_init=args.random_init,
-                     deterministic=None if args.batch_invariant is None else args.batch_invariant == "on")
-    sizes = dict(max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens,
-                 prefill_chunk=args.prefill_chunk, prefix_cache=False if args.no_prefix_cache else None)
-    return _replace(
-        cfg, mode=args.mode, pull_read=args.pull_read, push_stream=args.push_stream,
-        push_stream_groups=args.push_stream_groups, kv_verify=args.kv_verify, host=args.host or (args.role and args.advertise),
-        port=args.port, host_role=args.role, registry=args.registry, advertise=args.advertise,
-        registry_ttl_s=args.registry_ttl,
-        log_level=args.log_level, model=model,
-        secret_file=os.path.abspath(args.secret_file) if args.secret_file else None, prefill_instances=args.prefill_instances,
-        decode_instances=args.decode_instances, router_queue=args.router_queue,
-        push_pin_fraction=args.push_pin_fraction, writer_warm=args.writer_warm,
-        writer_post_thread=args.writer_post_thread,
-        conditional_disagg=True if args.conditional_disagg else None,
-        served_model_name=tuple(args.served_model_name) if args.served_model_name else None,
-        trace_endpoint=TRACE_AUTO if args.trace else None,
-        trace_tap_endpoint=args.trace if args.trace not in (None, TRACE_AUTO) else None,
-        prefill=_replace(cfg.prefill, tp=args.prefill_tp, block_size=args.prefill_block_size or args.block_size,
-                         num_blocks=args.num_blocks, device=args.prefill_device or args.device, **sizes),
-        decode=_replace(cfg.decode, tp=args.decode_tp, block_size=args.decode_block_size or args.block_size,
-                        num_blocks=args.num_blocks, device=args.decode_device or args.device, **sizes),
-        local=_replace(cfg.local, tp=args.tp, block_size=args.block_size, num_blocks=args.num_blocks,
-                       device=args.device, **sizes),
-    )
+    """The user's config that ``pushkv up``'s parsed flags (and ``--config`` file) say."""
+    return user_config(vars(args))
 
 
 # ---------------------------------------------------------------------------
@@ -234,7 +181,8 @@ def cmd_up(args: argparse.Namespace, child_argv: Optional[ArgvHook] = None) -> i
         return 2
     if cfg.host_role and not cfg.secret_file and not getattr(args, "insecure", False):
         print(f"pushkv up: --role {cfg.host_role} binds its schedulers and writers on the network; give every host "
-              "the same --secret-file (make one: openssl rand -hex 32), or --insecure to run without one", file=sys.stderr)
+              "the same --secret-file (make one: openssl rand -hex 32), or --insecure to run without one",
+              file=sys.stderr)
         return 2
     if cfg.host_role and not cfg.secret_file:  # --insecure: said at every start, before anything can fail
         print(f"pushkv up: WARNING --insecure: {cfg.host_role} host without --secret-file: its ZMQ sockets on "
@@ -408,7 +356,7 @@ def instance_rows(instances_json: str, processes, router: dict[str, dict]) -> li
                 row[k] = view[k]
         rows.append(row)
     if not insts:  # a router host (several hosts): the instances the router found in the registry
-        for e, v in sorted(router.items()):
+        for _, v in sorted(router.items()):
             rows.append(dict(v, name="-", index=0, device="-", procs="-", restarts="-",
                              state="up" if v.get("up") else "down"))
     return rows

@@ -34,7 +34,7 @@ import zmq
 import zmq.asyncio
 
 from pushkv import messages as m
-from pushkv.config import DeploymentConfig
+from pushkv.config import DeploymentConfig, Role
 from pushkv.router import policy as P
 from pushkv.router.balance import Balancer, DecodePlaced, Placed, Refused
 from pushkv.router.metrics import RequestRecord, RouterMetrics
@@ -54,7 +54,7 @@ PREFILL_REPORT_GRACE_S = 1.0  # push: D done, wait this long for P's timeline
 class SchedulerLink:
     """DEALER to one scheduler, plus its receive task."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, role: str, endpoint: str,
+    def __init__(self, ctx: zmq.asyncio.Context, role: Role, endpoint: str,
                  on_message: Callable[[str, m.Msg], None], metrics: RouterMetrics,
                  tracer: Optional[TracePublisher] = None, engine_id: str = "", name: str = "",
                  security: Optional[Security] = None):
@@ -217,7 +217,7 @@ class RequestRun:
         self.path = cfg.mode  # push | late | pull | decode-local | local
 
     # -- inputs ---------------------------------------------------------
-    def deliver(self, role: str, msg: m.Msg) -> None:
+    def deliver(self, role: Role, msg: m.Msg) -> None:
         self.queue.put_nowait((role, msg))
 
     def inject_failure(self, status: int, reason: str) -> None:
@@ -228,12 +228,12 @@ class RequestRun:
     def mark(self, stage: str, t: Optional[float] = None) -> None:
         self.timeline.setdefault(stage, time.time() if t is None else t)
 
-    def merge(self, leg: str, pairs) -> None:
+    def merge(self, leg: Role, pairs) -> None:
         for stage, t in pairs:
             self.timeline.setdefault(f"{leg}.{stage}", float(t))
 
     # -- legs ---------------------------------------------------------------
-    def _generate(self, leg: str, **kw) -> m.Generate:
+    def _generate(self, leg: Role, **kw) -> m.Generate:
         return m.Generate(
             transfer_id=self.transfer_id, generation=GENERATION, leg=leg,
             prompt_token_ids=self.prompt, stop_token_ids=self.stop,
@@ -245,11 +245,11 @@ class RequestRun:
         """What D must hold for the whole request (no preemption)."""
         return len(self.prompt) + self.max_tokens
 
-    def _assign(self, leg: str, engine_id: str) -> None:
+    def _assign(self, leg: Role, engine_id: str) -> None:
         self.legs[leg] = self.balancer.links[engine_id]
         self.engines[leg] = engine_id
 
-    def _send_leg(self, leg: str, msg: m.Generate) -> None:
+    def _send_leg(self, leg: Role, msg: m.Generate) -> None:
         self.sent.add(leg)
         self.mark(f"router.send_{leg}")
         log.debug("send %s leg to %s transfer_id=%s", leg, self.engines.get(leg, leg), self.transfer_id)
