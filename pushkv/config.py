@@ -242,7 +242,7 @@ class InstanceConfig(msgspec.Struct, frozen=True):
 
     def source(self):
         """Where a decode leg finds this prefill instance's writers (``messages.PrefillSource``)."""
-        from pushkv.messages import PrefillSource  # the ground: messages imports nothing of ours
+        from pushkv.messages import PrefillSource  # here, not at the top: messages imports config (Role)
 
         return PrefillSource(self.engine_id, self.tp, tuple(self.handshake_endpoints))
 
