@@ -138,7 +138,7 @@ def test_samples_use_what_the_steps_computed_when_the_instances_report_it():
 
 
 def test_pushkv_status_prints_the_cost_model_on_one_line():
-    from processes.cli import format_costs
+    from pushkv.supervisor.deployments import format_costs
 
     line = format_costs(C.Costs(prefill_samples=3).as_dict())
     assert line.startswith("cost model: prefill 5.00 + 1.0000/token") and "(3 samples)" in line
