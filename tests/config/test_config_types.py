@@ -4,6 +4,9 @@ values it allows; the values stay plain strings on the wire and in JSON."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import msgspec
 import pytest
@@ -11,6 +14,7 @@ import pytest
 from pushkv import messages as m
 from pushkv.config import (DeploymentConfig, InstanceConfig, ModelConfig, choices, config_from_builtins,
                            decode_config, encode_config)
+from tests.support import ROOT
 
 BAD_JSON = [
     # the config as JSON, the path msgspec names, the values the error must list
@@ -71,3 +75,15 @@ def test_every_closed_field_is_typed():
     assert set(choices(InstanceConfig)) == {"role"}
     assert set(choices(ModelConfig)) == {"engine", "random_init"}
     assert set(choices(m.Generate)) == {"leg"}
+
+
+def test_mypy_refuses_a_misspelt_comparison(tmp_path):
+    """strict_equality (pyproject.toml) with the Literal fields: ``cfg.mode == "pusj"`` is an error."""
+    pytest.importorskip("mypy")
+    src = tmp_path / "misspelt.py"
+    src.write_text("from pushkv.config import DeploymentConfig\n\n\n"
+                   "def pushes(cfg: DeploymentConfig) -> bool:\n    return cfg.mode == \"pusj\"\n")
+    r = subprocess.run([sys.executable, "-m", "mypy", "--config-file", os.path.join(ROOT, "pyproject.toml"),
+                        "--cache-dir", os.devnull, "--follow-imports", "silent", str(src)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Non-overlapping equality check" in r.stdout and "pusj" in r.stdout, r.stdout
