@@ -4,33 +4,30 @@
 the router URL and ``READY`` on stdout once every child is ready (children's
 output goes to stderr). ``status`` and ``stop`` find running deployments
 through the registry directory ($PUSHKV_REGISTRY_DIR, default per user:
-$XDG_RUNTIME_DIR/pushkv-deployments or /tmp/pushkv-$UID) and talk to each supervisor's control socket.
+$XDG_RUNTIME_DIR/pushkv-deployments or /tmp/pushkv-$UID) and talk to each supervisor's control socket
+(``pushkv/supervisor/deployments.py``). Here: the parser, and each command called with what it parsed
+(the flags -> config mapping is ``pushkv/config_flags.py``).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-import signal
 import sys
-import time
 from typing import Optional
 
 import msgspec
 from setproctitle import setproctitle
 
-from pushkv.config import PRESETS, DeploymentConfig, preset
+from pushkv.config import PRESETS, TRACE_AUTO, DeploymentConfig
+from pushkv.config_flags import GEOMETRY, user_config
 from pushkv.security import API_KEY_ENV, load_secret
-from pushkv.supervisor import commands as c
-from pushkv.supervisor import lifecycle, registry
-from pushkv.supervisor.plan import TRACE_AUTO, plan_deployment
-from pushkv.supervisor.supervisor import ON_CHILD_EXIT, PING_INTERVAL_S, STARTUP_TIMEOUT_S, STOP_TIMEOUT_S, ArgvHook, Supervisor
+from pushkv.supervisor import deployments
+from pushkv.supervisor.plan import plan_deployment
+from pushkv.supervisor.supervisor import (ON_CHILD_EXIT, PING_INTERVAL_S, STARTUP_TIMEOUT_S, STOP_TIMEOUT_S, ArgvHook,
+                                          Supervisor)
 from pushkv.supervisor.table import HEALTH_TIMEOUT_S, RestartPolicy
 
-ASK_TIMEOUT_S = 3.0
-GEOMETRY = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
-            "vocab_size", "dtype", "seed")
 
 
 # ---------------------------------------------------------------------------
@@ -74,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-num-seqs", type=int, help="sequences per step, every instance")
     e.add_argument("--max-batch-tokens", type=int, help="tokens per step, every instance")
     e.add_argument("--prefill-chunk", type=int,
-                   help="prefill a longer prompt in chunks of at most this many tokens a step, mixed with decodes (0: never)")
+                   help="prefill a longer prompt in chunks of at most this many tokens a step, mixed with decodes "
+                        "(0: never)")
     e.add_argument("--no-prefix-cache", action="store_true",
                    help="every instance computes every prompt whole and forgets a request's blocks when it ends "
                         "(default: full prompt blocks are cached by a hash of their tokens and reused)")
@@ -160,65 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ---------------------------------------------------------------------------
-# config: file, then flags
+# config: the user's (pushkv.config_flags), then the planned one (plan_deployment)
 # ---------------------------------------------------------------------------
-def load_config_file(path: str) -> DeploymentConfig:
-    with open(path, "rb") as f:
-        raw = f.read()
-    if path.endswith(".toml"):
-        import tomllib
-
-        data = tomllib.loads(raw.decode())
-    else:
-        data = json.loads(raw)
-    if isinstance(data.get("model"), str):  # "model": "tiny" names a preset
-        data["model"] = msgspec.to_builtins(preset(data["model"]))
-    for role in ("prefill", "decode", "local"):
-        if isinstance(data.get(role), dict):
-            data[role].setdefault("role", role)
-    return msgspec.convert(data, DeploymentConfig)
-
-
-def _replace(obj, **changes):
-    changes = {k: v for k, v in changes.items() if v is not None}
-    return msgspec.structs.replace(obj, **changes) if changes else obj
-
-
 def config_from_args(args: argparse.Namespace) -> DeploymentConfig:
-    cfg = load_config_file(args.config) if args.config else DeploymentConfig()
-    model = preset(args.model) if args.model else cfg.model
-    if args.checkpoint:  # the checkpoint's config.json is the geometry; flags may still override
-        from pushkv.model.checkpoint import model_config_from_hf
-
-        overrides = {k: getattr(args, k) for k in GEOMETRY if getattr(args, k) is not None}
-        model = model_config_from_hf(args.checkpoint, args.generation_config, **overrides)
-    else:
-        model = _replace(model, **{k: getattr(args, k) for k in GEOMETRY})
-    model = _replace(model, engine=args.engine, random_init=args.random_init,
-                     deterministic=None if args.batch_invariant is None else args.batch_invariant == "on")
-    sizes = dict(max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens,
-                 prefill_chunk=args.prefill_chunk, prefix_cache=False if args.no_prefix_cache else None)
-    return _replace(
-        cfg, mode=args.mode, pull_read=args.pull_read, push_stream=args.push_stream,
-        push_stream_groups=args.push_stream_groups, kv_verify=args.kv_verify, host=args.host or (args.role and args.advertise),
-        port=args.port, host_role=args.role, registry=args.registry, advertise=args.advertise,
-        registry_ttl_s=args.registry_ttl,
-        log_level=args.log_level, model=model,
-        secret_file=os.path.abspath(args.secret_file) if args.secret_file else None, prefill_instances=args.prefill_instances,
-        decode_instances=args.decode_instances, router_queue=args.router_queue,
-        push_pin_fraction=args.push_pin_fraction, writer_warm=args.writer_warm,
-        writer_post_thread=args.writer_post_thread,
-        conditional_disagg=True if args.conditional_disagg else None,
-        served_model_name=tuple(args.served_model_name) if args.served_model_name else None,
-        trace_endpoint=TRACE_AUTO if args.trace else None,
-        trace_tap_endpoint=args.trace if args.trace not in (None, TRACE_AUTO) else None,
-        prefill=_replace(cfg.prefill, tp=args.prefill_tp, block_size=args.prefill_block_size or args.block_size,
-                         num_blocks=args.num_blocks, device=args.prefill_device or args.device, **sizes),
-        decode=_replace(cfg.decode, tp=args.decode_tp, block_size=args.decode_block_size or args.block_size,
-                        num_blocks=args.num_blocks, device=args.decode_device or args.device, **sizes),
-        local=_replace(cfg.local, tp=args.tp, block_size=args.block_size, num_blocks=args.num_blocks,
-                       device=args.device, **sizes),
-    )
+    """The user's config that ``pushkv up``'s parsed flags (and ``--config`` file) say."""
+    return user_config(vars(args))
 
 
 # ---------------------------------------------------------------------------
@@ -234,12 +178,13 @@ def cmd_up(args: argparse.Namespace, child_argv: Optional[ArgvHook] = None) -> i
         return 2
     if cfg.host_role and not cfg.secret_file and not getattr(args, "insecure", False):
         print(f"pushkv up: --role {cfg.host_role} binds its schedulers and writers on the network; give every host "
-              "the same --secret-file (make one: openssl rand -hex 32), or --insecure to run without one", file=sys.stderr)
+              "the same --secret-file (make one: openssl rand -hex 32), or --insecure to run without one",
+              file=sys.stderr)
         return 2
     if cfg.host_role and not cfg.secret_file:  # --insecure: said at every start, before anything can fail
         print(f"pushkv up: WARNING --insecure: {cfg.host_role} host without --secret-file: its ZMQ sockets on "
               f"{cfg.advertise or cfg.host} take plain, unauthenticated peers", file=sys.stderr)
-    _sweep_residue()
+    deployments.sweep_residue()
     announcer = None
     if cfg.host_role in ("prefill", "decode"):  # this host's instances go into the registry
         from pushkv.discovery.etcd import EtcdAnnouncer, EtcdError
@@ -272,183 +217,12 @@ def cmd_up(args: argparse.Namespace, child_argv: Optional[ArgvHook] = None) -> i
         return 1
 
 
-def _fmt_s(s: float) -> str:
-    if s <= 0:
-        return "-"
-    if s < 120:
-        return f"{s:.1f}s"
-    if s < 7200:
-        return f"{s / 60:.1f}m"
-    return f"{s / 3600:.1f}h"
-
-
-def _pick(records: list[registry.DeploymentRecord], dep_id: Optional[str]) -> list[registry.DeploymentRecord]:
-    if dep_id is None:
-        return records
-    return [r for r in records if r.deployment_id == dep_id or r.deployment_id.startswith(dep_id)]
-
-
-def _sweep_residue() -> None:
-    """A host whose processes were all killed left its deployments' records, run dirs and pools:
-    remove this user's, and say what went."""
-    for rec in registry.list_records():
-        if not lifecycle.pid_alive(rec.pid):
-            removed = lifecycle.cleanup(rec.deployment_id, rec.run_dir)
-            registry.remove_record(rec.deployment_id)
-            print(f"pushkv up: removed dead deployment {rec.deployment_id} (supervisor pid {rec.pid} gone): "
-                  f"its record, run dir and {len(removed)} pool segment(s)", file=sys.stderr)
-    for path, why in lifecycle.sweep_residue():
-        print(f"pushkv up: removed pool segment {path} ({why})", file=sys.stderr)
-
-
 def cmd_status(args: argparse.Namespace) -> int:
-    left = lifecycle.residue()
-    for path, why in left:
-        print(f"residue: {path} ({why}; `pushkv up` removes it)", file=sys.stderr)
-    records = _pick(registry.list_records(), args.id)
-    if not records:
-        print("no running pushkv deployments" + (f" matching {args.id!r}" if args.id else ""), file=sys.stderr)
-        return 1
-    report, rc = [], 0
-    for rec in records:
-        entry = {"deployment_id": rec.deployment_id, "supervisor_pid": rec.pid, "router_url": rec.router_url,
-                 "mode": rec.mode, "state": "", "processes": []}
-        if not lifecycle.pid_alive(rec.pid):
-            entry["state"] = "stale"
-            entry["error"] = f"supervisor pid {rec.pid} is gone; `pushkv stop {rec.deployment_id}` cleans up"
-            rc = 1
-        else:
-            try:
-                reply = c.ask(rec.control_endpoint, "status", timeout_s=ASK_TIMEOUT_S)
-                entry["state"] = reply.info.get("phase", "?") if reply.status == c.OK else "error"
-                entry["processes"] = [msgspec.structs.asdict(p) for p in reply.processes]
-                health = _router_health(rec.router_url)
-                entry["instances"] = instance_rows(reply.info.get("instances", "[]"), reply.processes,
-                                                   _router_view(health))
-                if health.get("costs"):
-                    entry["costs"] = health["costs"]
-                if reply.status != c.OK:
-                    entry["error"], rc = reply.reason, 1
-            except TimeoutError as e:
-                entry["state"], entry["error"], rc = "unresponsive", str(e), 1
-        report.append(entry)
-    if args.json:
-        print(json.dumps(report, indent=2))
-        return rc
-    for e in report:
-        print(f"deployment {e['deployment_id']}  mode={e['mode']}  {e['router_url']}  "
-              f"supervisor pid {e['supervisor_pid']}  {e['state']}")
-        if e.get("error"):
-            print(f"  {e['error']}")
-        if e["processes"]:
-            print(f"  {'NAME':<20} {'PID':>7}  {'STATE':<8} {'UPTIME':>7} {'RESTARTS':>8}  {'HEALTH':<9} LAST EXIT")
-        for p in e["processes"]:
-            health = "ok" if p["healthy"] else ("-" if p["state"] != "READY" else "unhealthy")
-            print(f"  {p['name']:<20} {p['pid'] or '-':>7}  {p['state']:<8} {_fmt_s(p['uptime_s']):>7} "
-                  f"{p['restarts']:>8}  {health:<9} {p['last_exit']}")
-        if e.get("instances"):
-            print(f"  {'INSTANCE':<10} {'ENGINE':<28} {'DEVICE':<8} {'STATE':<10} {'PROCS':>5} {'RESTARTS':>8} "
-                  f"{'LEGS':>5} {'QUEUED TOK':>10} {'BLOCKS (router)':>16}")
-        for i in e.get("instances", ()):
-            blocks = f"{i['blocks_committed']}/{i['num_blocks']}" if i["role"] == "decode" and "legs" in i else "-"
-            queued = i.get("queued_prefill_tokens", "-") if i["role"] == "prefill" else "-"
-            print(f"  {i['name']:<10} {i['engine_id']:<28} {i['device']:<8} {i['state']:<10} {i['procs']:>5} "
-                  f"{i['restarts']:>8} {i.get('legs', '-'):>5} {queued:>10} "
-                  f"{blocks:>16}")
-        if e.get("costs"):
-            print("  " + format_costs(e["costs"]))
-    return rc
-
-
-def format_costs(c: dict) -> str:
-    """The router's cost model on one line (ms), with the samples behind each fit."""
-    return (f"cost model: prefill {c['prefill_ms_fixed']:.2f} + {c['prefill_ms_per_token']:.4f}/token + "
-            f"{c['prefill_ms_per_cached_token']:.5f}/cached token ({c['prefill_samples']} samples); "
-            f"handoff {c['handoff_ms_fixed']:.2f} + {c['handoff_ms_per_block']:.4f}/block ({c['handoff_samples']}); "
-            f"decode step {c['step_ms_fixed']:.2f} + {c['step_ms_per_seq']:.3f}/seq + "
-            f"{c['step_ms_per_kctx']:.4f}/seq x 1k context ({c['step_samples']})")
-
-
-def _router_health(url: str) -> dict:
-    """The router's /health body; {} if unreachable."""
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=ASK_TIMEOUT_S) as r:
-            body = json.loads(r.read())
-    except (OSError, ValueError):
-        return {}
-    return body if isinstance(body, dict) else {}
-
-
-def _router_view(health) -> dict[str, dict]:
-    """The router's own accounting per instance (its /health: the body, or the router's URL), by engine id."""
-    if isinstance(health, str):
-        health = _router_health(health)
-    return {i["engine_id"]: i for i in health.get("instances", ()) if isinstance(i, dict) and "engine_id" in i}
-
-
-def instance_rows(instances_json: str, processes, router: dict[str, dict]) -> list[dict]:
-    """One row per instance: its processes' states summed up, and the router's view of it."""
-    try:
-        insts = json.loads(instances_json)
-    except ValueError:
-        return []
-    rows = []
-    for i in insts:
-        procs = [p for p in processes if p.role == i["role"] and p.instance == i["index"]]
-        ready = sum(1 for p in procs if p.state == "READY")
-        state = "up" if procs and ready == len(procs) else ("down" if ready == 0 else "restarting")
-        view = router.get(i["engine_id"], {})
-        if view and not view.get("up", True) and state == "up":
-            state = "up (router: down)"
-        row = dict(i, state=state, procs=f"{ready}/{len(procs)}", restarts=sum(p.restarts for p in procs))
-        for k in ("legs", "queued_prefill_tokens", "blocks_committed", "blocks_pinned"):
-            if k in view:
-                row[k] = view[k]
-        rows.append(row)
-    if not insts:  # a router host (several hosts): the instances the router found in the registry
-        for e, v in sorted(router.items()):
-            rows.append(dict(v, name="-", index=0, device="-", procs="-", restarts="-",
-                             state="up" if v.get("up") else "down"))
-    return rows
-
-
-def _stop_one(rec: registry.DeploymentRecord, timeout_s: float) -> bool:
-    if not lifecycle.pid_alive(rec.pid):
-        removed = lifecycle.cleanup(rec.deployment_id, rec.run_dir)
-        registry.remove_record(rec.deployment_id)
-        print(f"{rec.deployment_id}: supervisor was already gone; removed stale record"
-              + (f" and {len(removed)} shm segment(s)" if removed else ""))
-        return True
-    try:
-        reply = c.ask(rec.control_endpoint, "stop", {"reason": "pushkv stop"}, timeout_s=ASK_TIMEOUT_S)
-        if reply.status != c.OK:
-            print(f"{rec.deployment_id}: stop refused: {reply.reason}", file=sys.stderr)
-    except TimeoutError:
-        print(f"{rec.deployment_id}: control socket silent; sending SIGTERM to {rec.pid}", file=sys.stderr)
-        os.kill(rec.pid, signal.SIGTERM)
-    t0 = time.monotonic()
-    if lifecycle.wait_pid_exit(rec.pid, timeout_s):
-        print(f"{rec.deployment_id}: stopped in {time.monotonic() - t0:.1f}s")
-        return True
-    print(f"{rec.deployment_id}: supervisor pid {rec.pid} still running after {timeout_s:.0f}s", file=sys.stderr)
-    return False
+    return deployments.status(args.id, args.json)
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    records = registry.list_records()
-    if args.id:
-        records = _pick(records, args.id)
-    if not records:
-        print("no running pushkv deployments" + (f" matching {args.id!r}" if args.id else ""), file=sys.stderr)
-        return 1
-    if len(records) > 1 and not args.all:
-        ids = ", ".join(r.deployment_id for r in records)
-        print(f"several deployments are running ({ids}); name one or pass --all", file=sys.stderr)
-        return 2
-    ok = [_stop_one(r, args.timeout) for r in records]
-    return 0 if all(ok) else 1
+    return deployments.stop(args.id, args.all, args.timeout)
 
 
 def main(argv: Optional[list[str]] = None, *, child_argv: Optional[ArgvHook] = None) -> int:

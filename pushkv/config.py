@@ -2,16 +2,77 @@
 
 Plain msgspec Structs so a whole deployment serialises to JSON and every
 child process receives exactly the config the supervisor built.
+
+Every closed set of values (a mode, a role, a switch) is a ``Literal`` alias below: msgspec
+refuses any other value when a config is decoded (``decode_config``, ``config_from_builtins``)
+and ``__post_init__`` when one is built or replaced, each naming the field and the values it
+allows; mypy (strict_equality) refuses a comparison with a value the field cannot hold. On the
+wire and in JSON they stay plain strings.
 """
 from __future__ import annotations
 
+import functools
 import os
+import re
+import typing
 import uuid
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 import msgspec
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+Mode = Literal["push", "pull", "local"]
+Role = Literal["prefill", "decode", "local"]  # an instance's, and the leg of a request it serves
+HostRole = Literal["", "router", "prefill", "decode"]  # "": the whole deployment on this host
+PullRead = Literal["inline", "background", "write"]
+PushStream = Literal["off", "chunk", "layer"]
+KVVerify = Literal["off", "sample", "full"]
+Switch = Literal["auto", "on", "off"]  # "auto": the code decides (see each field)
+Engine = Literal["auto", "batched", "per-seq"]
+RandomInit = Literal["cpu", "device"]
+
+
+@functools.cache
+def choices(cls: type) -> dict[str, tuple[Any, ...]]:
+    """``cls``'s fields of a Literal type -> the values each allows."""
+    out: dict[str, tuple[Any, ...]] = {}
+    for name, hint in typing.get_type_hints(cls).items():
+        if typing.get_origin(hint) is Literal:
+            out[name] = typing.get_args(hint)
+    return out
+
+
+def _allowed(values: tuple[Any, ...]) -> str:
+    return ", ".join(repr(v) for v in values)
+
+
+def check_choices(obj: msgspec.Struct) -> None:
+    """ValueError naming the first Literal field of ``obj`` holding a value its type refuses."""
+    for name, allowed in choices(type(obj)).items():
+        value = getattr(obj, name)
+        if value not in allowed:
+            raise ValueError(f"{type(obj).__name__}.{name}: {value!r} is not one of {_allowed(allowed)}")
+
+
+_BAD_ENUM = re.compile(r"Invalid enum value (?P<value>.+) - at `\$(?P<path>[^`]*)`")
+
+
+def explain(e: msgspec.ValidationError, cls: type) -> msgspec.ValidationError:
+    """msgspec's error for a bad Literal value (it names the value and the path), with the values
+    the field allows; any other error as it was."""
+    m = _BAD_ENUM.fullmatch(str(e))
+    if not m:
+        return e
+    t: Any = cls
+    for part in re.findall(r"\.(\w+)", m["path"]):  # $.prefills[0].role: prefills, role
+        hints = typing.get_type_hints(t) if isinstance(t, type) else {}
+        t = hints.get(part)
+        while typing.get_origin(t) in (tuple, typing.Union):  # tuple[X, ...], Optional[X]: X
+            t = next(a for a in typing.get_args(t) if a is not type(None) and a is not Ellipsis)
+    if typing.get_origin(t) is not Literal:
+        return e
+    return msgspec.ValidationError(f"{e}: not one of {_allowed(typing.get_args(t))}")
 
 
 class SamplingDefaults(msgspec.Struct, frozen=True):
@@ -37,7 +98,7 @@ class ModelConfig(msgspec.Struct, frozen=True):
     max_position: int = 32768
     rope_theta: float = 10000.0
     rms_eps: float = 1e-6
-    dtype: str = "float32"
+    dtype: str = "float32"  # a key of DTYPE_BYTES (supervisor/geometry.py refuses another)
     seed: int = 0
     qk_norm: bool = True  # Qwen3-style q/k RMSNorm
     tie_embeddings: bool = False
@@ -53,12 +114,15 @@ class ModelConfig(msgspec.Struct, frozen=True):
     qk_rope_dim: int = 0
     # "auto": the batched engine (one packed forward per step, Triton paged attention,
     # CUDA graphs) on CUDA, the per-sequence engine on the CPU; "batched" | "per-seq" force one
-    engine: str = "auto"
-    random_init: str = "cpu"  # random weights drawn on "cpu" (fp32, then cast) or "device"
+    engine: Engine = "auto"
+    random_init: RandomInit = "cpu"  # random weights drawn on "cpu" (fp32, then cast) or "device"
     # every id that ends a turn: config.json's eos_token_id (an int or a list) and
     # generation_config.json's; eos_token_id above is the first of them
     eos_token_ids: tuple[int, ...] = ()
     sampling_defaults: SamplingDefaults = SamplingDefaults()  # from generation_config.json (--generation-config auto)
+
+    def __post_init__(self) -> None:
+        check_choices(self)
 
     @property
     def dtype_bytes(self) -> int:
@@ -146,7 +210,7 @@ def model_fingerprint(model: ModelConfig) -> str:
 
 
 class InstanceConfig(msgspec.Struct, frozen=True):
-    role: str  # "prefill" | "decode" | "local"
+    role: Role
     engine_id: str = ""
     tp: int = 1
     block_size: int = 16
@@ -168,6 +232,9 @@ class InstanceConfig(msgspec.Struct, frozen=True):
     # by later requests (only the uncached suffix is computed); freed blocks stay cached, LRU
     prefix_cache: bool = True
 
+    def __post_init__(self) -> None:
+        check_choices(self)
+
     @property
     def name(self) -> str:
         """Process-name prefix: ``prefill`` for the first instance (names as before), ``prefill1``, ..."""
@@ -175,7 +242,7 @@ class InstanceConfig(msgspec.Struct, frozen=True):
 
     def source(self):
         """Where a decode leg finds this prefill instance's writers (``messages.PrefillSource``)."""
-        from pushkv.messages import PrefillSource  # the ground: messages imports nothing of ours
+        from pushkv.messages import PrefillSource  # here, not at the top: messages imports config (Role)
 
         return PrefillSource(self.engine_id, self.tp, tuple(self.handshake_endpoints))
 
@@ -193,18 +260,18 @@ class Timeouts(msgspec.Struct, frozen=True):
 
 
 class DeploymentConfig(msgspec.Struct, frozen=True):
-    mode: str = "push"  # "push" | "pull" | "local"
+    mode: Mode = "push"
     # pull mode, how D fetches P's blocks after the relay: "inline" (READ posted inside D's
     # engine step, blocking it, like the default connector), "background" (READ on D's writer),
     # "write" (D registers its blocks after the relay and P WRITEs them: pull's protocol with
     # push's transfer direction, to separate protocol cost from READ-vs-WRITE transport cost)
-    pull_read: str = "background"
+    pull_read: PullRead = "background"
     # push: when P's KV leaves for D. "off": one WRITE after the whole prefill; "chunk": each
     # prefill chunk's finished blocks are written as soon as its step ends, while the next chunk
     # computes (needs prefill_chunk); "layer": each layer group's regions as soon as the worker
     # marks them stored (the pools of both sides cut into push_stream_groups layer groups; the
     # default: docs/results/stream_layer)
-    push_stream: str = "layer"
+    push_stream: PushStream = "layer"
     push_stream_groups: int = 4
     host: str = "127.0.0.1"
     port: int = 8000
@@ -242,7 +309,7 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
     # Several hosts (``pushkv up --role``): the part this host runs: "" = everything (one host),
     # "router", "prefill" or "decode" (that role's instances only, found by the router through
     # ``registry``). Every host is given the same model and geometry.
-    host_role: str = ""
+    host_role: HostRole = ""
     registry: str = ""  # etcd://[user:pass@]HOST:PORT[/prefix]; "" = single-host discovery
     registry_ttl_s: int = 5  # lease TTL: a dead or cut-off host leaves the registry within this
     advertise: str = ""  # this host's address for other hosts: its tcp:// endpoints bind on it
@@ -252,11 +319,11 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
     # completion then skip the wake-up from an idle sleep, at the price of a core per waiting
     # writer. "auto" = on for CUDA instances, off on the CPU; "on" | "off" force it.
     # See pushkv/writer/poll.py.
-    writer_warm: str = "auto"
+    writer_warm: Switch = "auto"
     # P's writers post WRITEs from a second NIXL agent on its own thread (transport/poster.py): over
     # UCX's TCP transport a post returns only when the transfer is done, and the loop would read no
     # notification meanwhile. "auto" = on when UCX_TLS limits UCX to TCP lanes (poster.wanted).
-    writer_post_thread: str = "auto"
+    writer_post_thread: Switch = "auto"
     # the names a request's "model" may give (vLLM's --served-model-name); none: the model's name
     # (preset or checkpoint directory) and the checkpoint's path. Another name gets 404.
     served_model_name: tuple[str, ...] = ()
@@ -265,14 +332,17 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
     # recompute them over the landed blocks before the first decode step, and a mismatch fails
     # the request (502). "sample": the first, the last and a few hashed blocks; "full": all.
     # See pushkv/kv/checksum.py and docs/layouts.md.
-    kv_verify: Literal["off", "sample", "full"] = "sample"
+    kv_verify: KVVerify = "sample"
+
+    def __post_init__(self) -> None:
+        check_choices(self)
 
     def served_names(self) -> tuple[str, ...]:
         if self.served_model_name:
             return self.served_model_name
         return tuple(dict.fromkeys(n for n in (self.model.name, self.model.checkpoint) if n))
 
-    def role_instances(self, role: str) -> list[InstanceConfig]:
+    def role_instances(self, role: Role) -> list[InstanceConfig]:
         """Every planned instance of ``role`` (the template alone before planning)."""
         planned = {"prefill": self.prefills, "decode": self.decodes}.get(role, ())
         return list(planned) if planned else [self.instance(role)]
@@ -287,10 +357,30 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
             return self.role_instances(self.host_role)
         return self.role_instances("prefill") + self.role_instances("decode")
 
-    def instance(self, role: str, index: int = 0) -> InstanceConfig:
+    def instance(self, role: Role, index: int = 0) -> InstanceConfig:
         if index:
             return self.role_instances(role)[index]
         return {"prefill": self.prefill, "decode": self.decode, "local": self.local}[role]
+
+
+TRACE_AUTO = "auto"  # trace_endpoint as the user asks for it: an ipc socket in the run dir, named by the plan
+
+# What the launcher derives from the user's config (supervisor.plan.plan_deployment), never what
+# the flags say: ids, the run dir, endpoints and ports, the instances' copies. A config file may pin
+# one (the plan keeps what is set); ``unplanned`` takes them out again.
+PLANNED_FIELDS = ("deployment_id", "run_dir", "control_endpoint", "events_endpoint", "prefills", "decodes")
+PLANNED_INSTANCE_FIELDS = ("engine_id", "sched_endpoint", "worker_endpoints", "writer_endpoints",
+                           "handshake_endpoints", "dist_init", "index")
+
+
+def unplanned(cfg: DeploymentConfig) -> DeploymentConfig:
+    """``cfg`` with every planned field back at its default: the user's part of a planned config."""
+    blank = DeploymentConfig()
+    inst_blank = InstanceConfig(role="local")
+    insts = {role: msgspec.structs.replace(
+        getattr(cfg, role), **{f: getattr(inst_blank, f) for f in PLANNED_INSTANCE_FIELDS})
+        for role in ("prefill", "decode", "local")}
+    return msgspec.structs.replace(cfg, **{f: getattr(blank, f) for f in PLANNED_FIELDS}, **insts)
 
 
 def rank_device(inst: "InstanceConfig", rank: int) -> str:
@@ -329,7 +419,18 @@ def encode_config(cfg: DeploymentConfig) -> bytes:
 
 
 def decode_config(data: bytes | str) -> DeploymentConfig:
-    return msgspec.json.decode(data, type=DeploymentConfig)
+    try:
+        return msgspec.json.decode(data, type=DeploymentConfig)
+    except msgspec.ValidationError as e:
+        raise explain(e, DeploymentConfig) from None
+
+
+def config_from_builtins(data: dict) -> DeploymentConfig:
+    """A DeploymentConfig from plain data (a parsed JSON or TOML file), validated as decoding is."""
+    try:
+        return msgspec.convert(data, DeploymentConfig)
+    except msgspec.ValidationError as e:
+        raise explain(e, DeploymentConfig) from None
 
 
 def marks_endpoint(writer_endpoint: str) -> str:

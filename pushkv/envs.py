@@ -12,7 +12,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-OPERATOR, INTERNAL, AB, TOOLS = "operator", "set by the supervisor", "A/B and tuning", "tools and tests"
+# (no A/B switches: an A/B that has its winner loses its switch)
+OPERATOR, INTERNAL, DEBUG, TOOLS = ("operator", "set by the supervisor", "debug kill-switches", "tools and tests")
 
 
 @dataclass(frozen=True)
@@ -37,21 +38,20 @@ _VARS = (
     Var("PUSHKV_SECRET_FILE", str, "", "pushkv.vllm: the CURVE secret file when the connector's extra config "
         "names none"),
     Var("PUSHKV_LOG", str, "INFO", "pushkv.vllm's writer process: log level"),
-    Var("PUSHKV_CHECKSUM", str, "triton", "--kv-verify on CUDA: the Triton kernel or torch's ops",
-        choices=("triton", "torch")),
     # set by the supervisor for each child
     Var("PUSHKV_NAME", str, "", "the process's name (`prefill-writer-0`)", INTERNAL),
     Var("PUSHKV_DEPLOYMENT_ID", str, "", "the deployment the process belongs to", INTERNAL),
     Var("PUSHKV_HOST", str, "", "the host named in every trace event of the process", INTERNAL),
     Var("PUSHKV_POOL", str, "", "the pool handle a writer reports and its worker maps (base64)", INTERNAL),
-    # A/B switches and kernel tuning (an A/B that has its winner loses its switch)
-    Var("PUSHKV_CUDA_GRAPHS", bool, True, "batched engine: CUDA graphs for decode steps (TP 1)", AB),
-    Var("PUSHKV_FUSED", bool, True, "batched engine: the fused norm/RoPE/store kernels", AB),
-    Var("PUSHKV_SAMPLER", str, "auto", "sampling: auto (Triton on CUDA, torch elsewhere), or force one", AB,
-        ("auto", "torch", "triton")),
-    Var("PUSHKV_SAMPLE_KS", int, 64, "Triton sampler: candidates per segment", AB),
-    Var("PUSHKV_SAMPLE_BLOCK", int, 8192, "Triton sampler: segment length", AB),
-    Var("PUSHKV_SAMPLE_WARPS", int, 16, "Triton sampler: warps per program", AB),
+    # debug kill-switches: each turns a GPU fast path off for the plain torch one that computes the same
+    # (to tell a kernel's fault from the rest's); not A/B switches, nothing is left to measure
+    Var("PUSHKV_CUDA_GRAPHS", bool, True, "batched engine: CUDA graphs for decode steps (TP 1); 0: every step "
+        "launched eagerly", DEBUG),
+    Var("PUSHKV_FUSED", bool, True, "batched engine: the fused norm/RoPE/store kernels; 0: torch's ops", DEBUG),
+    Var("PUSHKV_SAMPLER", str, "auto", "sampling: auto (the Triton kernel on CUDA, torch's ops elsewhere), or "
+        "force one", DEBUG, ("auto", "torch", "triton")),
+    Var("PUSHKV_CHECKSUM", str, "triton", "--kv-verify on CUDA: the Triton kernel, or torch's ops", DEBUG,
+        ("triton", "torch")),
     # tools and tests
     Var("PUSHKV_FAULTS_DIR", str, "", "fault injection: where armed kill and fire points are found (tests)",
         TOOLS),
@@ -97,7 +97,7 @@ def __getattr__(name: str) -> Any:
 def markdown_table() -> str:
     """The table of docs/running.md ("Environment variables")."""
     rows = ["| variable | type | default | what |", "| --- | --- | --- | --- |"]
-    for kind in (OPERATOR, INTERNAL, AB, TOOLS):
+    for kind in (OPERATOR, INTERNAL, DEBUG, TOOLS):
         rows.append(f"| *{kind}* | | | |")
         for v in _VARS:
             if v.kind == kind:

@@ -22,7 +22,7 @@ import zmq
 from pushkv import messages as m
 from pushkv import security
 from pushkv.security import secure_connect
-from pushkv.config import DeploymentConfig, decode_config
+from pushkv.config import DeploymentConfig, Role, decode_config
 from pushkv.supervisor.plan import free_tcp_port
 
 START_TIMEOUT_S = 180
@@ -61,7 +61,7 @@ class Deployment:
     def tokens(self, prompt, max_tokens: int) -> list[int]:
         return self.complete(prompt, max_tokens)["choices"][0]["token_ids"]
 
-    def stats(self, role: str, timeout_s: float = 10.0, index: int = 0) -> m.Stats:
+    def stats(self, role: Role, timeout_s: float = 10.0, index: int = 0) -> m.Stats:
         s = zmq.Context.instance().socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
         secure_connect(s, self.cfg.instance(role, index).sched_endpoint, security.load(self.cfg.secret_file))
@@ -73,10 +73,10 @@ class Deployment:
         finally:
             s.close(0)
 
-    def roles(self) -> list[str]:
+    def roles(self) -> list[Role]:
         return ["local"] if self.cfg.mode == "local" else ["prefill", "decode"]
 
-    def instance_names(self) -> dict[str, tuple[str, int]]:
+    def instance_names(self) -> dict[str, tuple[Role, int]]:
         """Every instance by name (``prefill``, ``prefill1``, ...) -> (role, index)."""
         return {i.name: (i.role, i.index) for i in self.cfg.instances()}
 

@@ -11,6 +11,8 @@ from typing import Literal, Optional, Union
 
 import msgspec
 
+from pushkv.config import Role  # a Literal: the one closed set of roles and legs
+
 
 class Msg(msgspec.Struct, tag=True, array_like=True, frozen=True, gc=False):
     """Base of every wire message (tag = class name)."""
@@ -149,7 +151,7 @@ class KVTransferStats(msgspec.Struct, array_like=True, frozen=True, gc=False):
 class Generate(Msg):
     transfer_id: str
     generation: int
-    leg: str  # "prefill" | "decode" | "local"
+    leg: Role
     prompt_token_ids: tuple[int, ...]
     max_tokens: int
     stop_token_ids: tuple[int, ...] = ()
@@ -220,7 +222,7 @@ class RequestFailed(Msg):
 
 class Stats(Msg):
     engine_id: str
-    role: str
+    role: Role
     num_blocks: int
     free_blocks: int
     running: int
@@ -237,7 +239,7 @@ class PeerLost(Msg):
     next request with it handshakes afresh."""
 
     engine_id: str
-    role: str
+    role: Role
     reason: str
 
 

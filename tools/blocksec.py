@@ -78,7 +78,8 @@ def run_variant(args, name: str) -> dict:
 def table(rows: list[dict], args) -> str:
     head = (f"load: {args.num_prompts} requests at {args.qps:g} QPS, input {args.input_len}, output "
             f"{args.output_len}, {args.num_blocks} blocks per instance\n"
-            f"{'variant':<15} {'ok':>4} {'fail':>4} {'late':>4} {'queued':>6} {'blk-s mean':>10} {'median':>8} {'p99':>8} "
+            f"{'variant':<15} {'ok':>4} {'fail':>4} {'late':>4} {'queued':>6} {'blk-s mean':>10} {'median':>8} "
+            f"{'p99':>8} "
             f"{'total':>9} {'TTFT med ms':>11}")
     lines = [head]
     for r in rows:

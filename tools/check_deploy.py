@@ -84,7 +84,8 @@ def structural_problems(docs: list[tuple[str, Doc]]) -> list[str]:
         if doc["kind"] not in CLUSTER_SCOPED and meta.get("namespace") != NAMESPACE:
             out.append(f"{_where(fname, doc)}: namespace {meta.get('namespace')!r}, expected {NAMESPACE!r}")
         by_kind.setdefault(doc["kind"], {})[meta["name"]] = doc
-    secrets = {n: set((d.get("stringData") or {}) | (d.get("data") or {})) for n, d in by_kind.get("Secret", {}).items()}
+    secrets = {n: set((d.get("stringData") or {}) | (d.get("data") or {}))
+               for n, d in by_kind.get("Secret", {}).items()}
     configmaps = {n: set(d.get("data") or {}) for n, d in by_kind.get("ConfigMap", {}).items()}
     services = by_kind.get("Service", {})
     workloads = [(f, d) for f, d in docs if _pod_spec(d) is not None]

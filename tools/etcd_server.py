@@ -159,7 +159,9 @@ def make_tls(tmp_dir) -> tuple[str, str, str]:
     ext = os.path.join(d, "ext.cnf")
     with open(ext, "w") as f:
         f.write("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    run = lambda *a: subprocess.run(["openssl", *a], check=True, capture_output=True, timeout=30)
+    def run(*a: str) -> None:
+        subprocess.run(["openssl", *a], check=True, capture_output=True, timeout=30)
+
     run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", ca, "-days", "1",
         "-subj", "/CN=pushkv-test-ca")
     run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr, "-subj", "/CN=localhost")

@@ -71,7 +71,8 @@ SPANS = {
     # streaming push's parts: the first layer group stored (push-layer, P's writer hears the mark) or
     # the first chunk's end (push-chunk, P's scheduler), the first part's post and completion, the
     # newest part's completion (P's writer)
-    "chunk1_ms": (("prefill.prefill_start", "prefill.layers_stored_0"), ("prefill.prefill_start", "prefill.stream_start")),
+    "chunk1_ms": (("prefill.prefill_start", "prefill.layers_stored_0"),
+                  ("prefill.prefill_start", "prefill.stream_start")),
     "part_lag_ms": (("prefill.layers_stored_0", "prefill.part_post_first"),
                     ("prefill.stream_start", "prefill.part_post_first")),
     "part1_ms": (("prefill.part_post_first", "prefill.part_done_first"),),
@@ -131,7 +132,9 @@ def mode_flags(spec: str, args) -> list[str]:
 def num_blocks(args) -> int:
     """Room for the loaded run on D (prompt + output per request, all at once) with push's pin
     cap (half of D) never reached, and for the longest lone prompt."""
-    per = lambda n: math.ceil((n + args.output_len) / BLOCK_SIZE)
+    def per(n: int) -> int:
+        return math.ceil((n + args.output_len) / BLOCK_SIZE)
+
     need = max([per(max(args.lengths))] + [args.num_prompts * per(n) for n in args.load_lengths])
     return 2 * need + 64
 
@@ -320,7 +323,9 @@ def pooled(runs: list[dict]) -> dict:
     out["cpu_ms"] = [c for r in runs for c in r.get("cpu_ms", [])]
     out["completed"] = sum(r["completed"] for r in runs)
     out["failed"] = sum(r["failed"] for r in runs)
-    ok = lambda key: [v for v, e in zip(out[key], out["errors"]) if not e and v is not None]
+    def ok(key: str) -> list:
+        return [v for v, e in zip(out[key], out["errors"]) if not e and v is not None]
+
     out["median_ttft_ms"] = statistics.median(ok("ttfts")) * 1e3 if ok("ttfts") else 0.0
     out["median_tpot_ms"] = statistics.median(ok("tpots")) * 1e3 if ok("tpots") else 0.0
     return out
@@ -464,7 +469,8 @@ def goal_line(g: dict) -> str:
 
 
 def goal_table(regime: dict, args) -> str:
-    head = (f"| streamed | tokens | TTFT push | TTFT streamed | goal: ≤ TTFT push - {GOAL_SHARE} x min | prefill (push) "
+    head = (f"| streamed | tokens | TTFT push | TTFT streamed | goal: ≤ TTFT push - {GOAL_SHARE} x min "
+            "| prefill (push) "
             "| transfer (push) | hidden | hidden / min(prefill, transfer) | tail shortened by | prefill Δ "
             "| of which P worker CPU | of which waiting for a core | parts | met |")
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
@@ -482,7 +488,8 @@ def goal_table(regime: dict, args) -> str:
 
 
 CPU_ROLES = ("prefill-worker", "prefill-worker wait", "prefill-writer", "prefill-scheduler", "decode-worker",
-             "decode-writer", "decode-scheduler", "local-worker", "local-worker wait", "local-writer", "local-scheduler")
+             "decode-writer", "decode-scheduler", "local-worker", "local-worker wait", "local-writer",
+             "local-scheduler")
 
 
 def cpu_table(regime: dict, args) -> str:
@@ -681,10 +688,12 @@ def main(argv=None) -> int:
     # every mode's flags: these, after its own (mode_flags: the mode, its prefill chunk)
     common = ["--model", args.model, *shlex.split(args.geometry), "--num-blocks", str(num_blocks(args)),
               "--block-size", str(BLOCK_SIZE), *shlex.split(args.up_args)]
-    results = {"date": date.today().isoformat(), "commit": _commit(), "argv": _argv(sys.argv[1:] if argv is None else argv),
+    results = {"date": date.today().isoformat(), "commit": _commit(),
+               "argv": _argv(sys.argv[1:] if argv is None else argv),
                "model": {"preset": args.model, "geometry": args.geometry, "kv_bytes_per_token": m.kv_bytes_per_token(),
                          "kv_formula": kv_formula(m)},
-               "up_flags": common, "mode_flags": {sp: mode_flags(sp, args) for sp in args.modes}, "caps": {r: cap_text(r) for r in args.rates}, "regimes": {}}
+               "up_flags": common, "mode_flags": {sp: mode_flags(sp, args) for sp in args.modes},
+               "caps": {r: cap_text(r) for r in args.rates}, "regimes": {}}
     signal.signal(signal.SIGTERM, _on_sigterm)
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where SIGINT is ignored
         signal.signal(signal.SIGINT, _on_sigint)
@@ -817,7 +826,8 @@ def _parts_text(c: dict) -> str:
     """The part stages of a streamed run (empty when nothing streamed)."""
     if not c.get("parts") and not c.get("stream"):
         return ""
-    return (f"  parts {_f(c.get('parts'), '.0f')} ({c.get('stream')}): first chunk (layer group) ends {_f(c.get('chunk1_ms'))}, "
+    return (f"  parts {_f(c.get('parts'), '.0f')} ({c.get('stream')}): "
+            f"first chunk (layer group) ends {_f(c.get('chunk1_ms'))}, "
             f"first part posted +{_f(c.get('part_lag_ms'), '.2f')}, on the wire {_f(c.get('part1_ms'))}, "
             f"last part landed {_f(c.get('parts_idle_ms'))} before prefill end")
 

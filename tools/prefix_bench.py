@@ -68,7 +68,8 @@ def table(rows: list[dict]) -> str:
     med = {}
     for k in keys:
         sel = [r for r in rows if (r["mode"], r["cache"], r["turn"]) == k]
-        med[k] = {f: statistics.median(r[f] for r in sel) for f in ("prompt_tokens", "ttft_ms", "hit_tokens", "kv_bytes")}
+        med[k] = {f: statistics.median(r[f] for r in sel)
+                  for f in ("prompt_tokens", "ttft_ms", "hit_tokens", "kv_bytes")}
     for (mode, cache, turn) in keys:
         m = med[(mode, cache, turn)]
         off = med.get((mode, False, turn))

@@ -66,7 +66,8 @@ def profile(device: str, vocab: int, batch: int, mix: str, reps: int, history: i
         wall = (time.perf_counter() - t0) / reps
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     gpu_us = sum(e.device_time for e in kernels) / reps
-    print(f"{vocab:>7} {batch:>5} {mix:<12} wall {wall * 1e3:.3f} ms/call (profiled), kernels {len(kernels) / reps:.0f}/call, "
+    print(f"{vocab:>7} {batch:>5} {mix:<12} wall {wall * 1e3:.3f} ms/call (profiled), "
+          f"kernels {len(kernels) / reps:.0f}/call, "
           f"kernel time {gpu_us / 1e3:.3f} ms/call")
     by: dict = {}
     for e in kernels:
@@ -105,7 +106,8 @@ def main(argv=None) -> None:
                     t = sorted(bench(a.device, vocab, batch, mix, a.reps, a.history))
                     sorted_rows = sampling.KERNEL_ROWS["sorted"] - before["sorted"]
                     p50, p90 = statistics.median(t), t[int(0.9 * (len(t) - 1))]
-                    print(f"{vocab:>7} {batch:>5} {mix:<12} {which:<7} {p50:>8.3f} {p90:>8.3f} {p50 * 1e3 / batch:>8.1f}"
+                    print(f"{vocab:>7} {batch:>5} {mix:<12} {which:<7} {p50:>8.3f} {p90:>8.3f} "
+                          f"{p50 * 1e3 / batch:>8.1f}"
                           + (f"  ({sorted_rows} rows left to the sorted path)" if sorted_rows else ""), flush=True)
 
 

@@ -50,14 +50,18 @@ def measure(body: dict) -> dict:
     end = _stage(tl, "prefill.prefill_end", "local.prefill_end")
     landed = _stage(tl, "decode.kv_received")
     kv = (body["pushkv"].get("kv") or {}).get("prefill") or {}
+
+    def since(stage: str) -> float:
+        return (tl[stage] - start) * 1e3 if stage in tl else float("nan")
+
     return {
         "ttft_ms": (tl["router.first_token"] - arrival) * 1e3,
         "prefill_ms": (end - start) * 1e3 if start and end else float("nan"),
         "tail_ms": (landed - end) * 1e3 if landed and end else float("nan"),
         "parts": kv.get("parts", 0) if isinstance(kv, dict) else 0,
         # streaming: when the first part was posted and the newest part completed (ms after prefill start)
-        "part_first_ms": (tl["prefill.part_post_first"] - start) * 1e3 if "prefill.part_post_first" in tl else float("nan"),
-        "part_done_ms": (tl["prefill.part_done_last"] - start) * 1e3 if "prefill.part_done_last" in tl else float("nan"),
+        "part_first_ms": since("prefill.part_post_first"),
+        "part_done_ms": since("prefill.part_done_last"),
     }
 
 
@@ -82,7 +86,8 @@ def run_mode(mode: str, up_args: list[str], lengths: list[int], reps: int, vocab
             out[n] = rows
             med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
             print(f"{mode:>16} {n:>6} tokens  TTFT {med['ttft_ms']:>9.1f} ms  prefill {med['prefill_ms']:>9.1f} ms  "
-                  f"tail {med['tail_ms']:>8.1f} ms  parts {med['parts']:.0f}  first part posted {med['part_first_ms']:.0f} ms, "
+                  f"tail {med['tail_ms']:>8.1f} ms  parts {med['parts']:.0f}  "
+                  f"first part posted {med['part_first_ms']:.0f} ms, "
                   f"last part done {med['part_done_ms']:.0f} ms after prefill start", flush=True)
     return out
 

@@ -308,7 +308,8 @@ def warm_matrix(model: str, block_size: int, sizes_mib: list[float], reps: int, 
     return out
 
 
-def _matrix_block(model, block_size, sizes_mib, reps, device, decode_device, gaps_ms, b: bool, ref: float) -> list[dict]:
+def _matrix_block(model, block_size, sizes_mib, reps, device, decode_device, gaps_ms, b: bool,
+                  ref: float) -> list[dict]:
     """The gaps x warm off/on part of the matrix, devices busy or not (``b``); the plain copy
     of ``ref`` MiB is measured once per block, under the same load."""
     out, copy = [], None
@@ -366,9 +367,10 @@ def post_cost(model: str, block_size: int, block_counts: list[int], reps: int = 
     from pushkv.transport.grid import grid_of, indices
     from pushkv.transport.nixl_agent import NixlAgent
 
+    blocks = 2 * max(block_counts) + 8
     cfg = DeploymentConfig(mode="push", model=preset(model),
-                           prefill=InstanceConfig(role="prefill", block_size=block_size, num_blocks=2 * max(block_counts) + 8),
-                           decode=InstanceConfig(role="decode", block_size=block_size, num_blocks=2 * max(block_counts) + 8))
+                           prefill=InstanceConfig(role="prefill", block_size=block_size, num_blocks=blocks),
+                           decode=InstanceConfig(role="decode", block_size=block_size, num_blocks=blocks))
     lay = L.instance_layout(cfg, cfg.prefill, 0)
     nbytes = L.pool_bytes(lay)
     ctx = mp.get_context("spawn")
@@ -419,7 +421,8 @@ def post_cost(model: str, block_size: int, block_counts: list[int], reps: int = 
             for prepped in (False, True):
                 runs = got[prepped]
                 rows.append({"blocks": n, "nbytes": n * L.block_bytes(lay), "way": "prepared" if prepped else "ad-hoc",
-                             "cpu": statistics.median(r[0] for r in runs), "post": statistics.median(r[1] for r in runs),
+                             "cpu": statistics.median(r[0] for r in runs),
+                             "post": statistics.median(r[1] for r in runs),
                              "done": statistics.median(r[2] for r in runs)})
         agent.deregister()
     finally:

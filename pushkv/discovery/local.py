@@ -19,11 +19,11 @@ import zmq
 import zmq.asyncio
 
 from pushkv import messages as m
-from pushkv.config import DeploymentConfig, InstanceConfig
+from pushkv.config import DeploymentConfig, InstanceConfig, Role
 from pushkv.security import secure_connect
 from pushkv.discovery.records import DiscoveryEvent, InstanceDown, InstanceRecord, InstanceUp
 
-ENGINE_ROLES = ("prefill", "decode")
+ENGINE_ROLES: tuple[Role, ...] = ("prefill", "decode")
 
 
 def record_of(cfg: DeploymentConfig, inst: InstanceConfig, supervisor_pid: int = 0) -> InstanceRecord:

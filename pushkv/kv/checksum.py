@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from pushkv.config import KVVerify
 from pushkv.kv.layout import KVLayout, expand_table, layer_groups, unit, window_group
 from pushkv.messages import KVChecksums
 
@@ -57,7 +58,7 @@ def n_units(num_tokens: int, unit_tokens: int) -> int:
     return -(-num_tokens // unit_tokens)
 
 
-def plan_units(mode: str, num_tokens: int, unit_tokens: int, salt: int = 0) -> tuple[int, ...]:
+def plan_units(mode: KVVerify, num_tokens: int, unit_tokens: int, salt: int = 0) -> tuple[int, ...]:
     """The units a transfer's checksums cover: none (off), all (full), or the first, the last
     and ``SAMPLE_EXTRA`` hashed from ``salt`` (sample). Sorted, distinct."""
     if mode not in MODES:

@@ -33,7 +33,7 @@ import heapq
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Optional, TypeVar
+from typing import Callable, Literal, Optional, TypeVar, get_args
 
 import numpy as np
 
@@ -41,7 +41,8 @@ from pushkv.plan.profile import Profile
 from pushkv.plan.workload import Turn, Workload
 from pushkv.router import policy as P
 
-MODES = ("local", "push", "push-layer", "pull", "pull-inline", "conditional")
+SimMode = Literal["local", "push", "push-layer", "pull", "pull-inline", "conditional"]
+MODES: tuple[SimMode, ...] = get_args(SimMode)
 
 
 
@@ -99,7 +100,7 @@ class Instance:
 
 
 class Simulation:
-    def __init__(self, workload: Workload, profile: Profile, mode: str, n_p: int, n_d: int,
+    def __init__(self, workload: Workload, profile: Profile, mode: SimMode, n_p: int, n_d: int,
                  prefix_cache: bool = True, pin_fraction: float = 0.5):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r} ({' | '.join(MODES)})")
@@ -320,7 +321,7 @@ class Simulation:
         self.drain()
 
 
-def simulate(workload: Workload, profile: Profile, mode: str, n_p: int, n_d: int, *,
+def simulate(workload: Workload, profile: Profile, mode: SimMode, n_p: int, n_d: int, *,
              prefix_cache: bool = True, pin_fraction: float = 0.5) -> list[Req]:
     return Simulation(workload, profile, mode, n_p, n_d, prefix_cache, pin_fraction).run()
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
 from pushkv import messages as m
+from pushkv.config import Mode, Role
 from pushkv.discovery.records import InstanceRecord
 from pushkv.router import cost as C
 from pushkv.router import policy as P
@@ -56,7 +57,7 @@ class RequestRun(Protocol):
     @property
     def decode_tokens(self) -> int: ...
 
-    def deliver(self, leg: str, msg: Any) -> None: ...
+    def deliver(self, leg: Role, msg: Any) -> None: ...
 
 
 SchedulerLink = Any  # flow.SchedulerLink: held per instance, handed back to the flow, never used here
@@ -104,7 +105,7 @@ class Held:
 
 
 class Balancer:
-    def __init__(self, mode: str, pin_fraction: float, queue_bound: int, metrics=None, prefix_cache: bool = False,
+    def __init__(self, mode: Mode, pin_fraction: float, queue_bound: int, metrics=None, prefix_cache: bool = False,
                  conditional: bool = False):
         self.mode = mode
         self.pin_fraction = pin_fraction
@@ -156,7 +157,7 @@ class Balancer:
     def placed(self, v: P.Verdict) -> Placed:
         return Placed(v, self.source(v.prefill) if v.kind == P.PUSH else None)
 
-    def live(self, role: str) -> list[str]:
+    def live(self, role: Role) -> list[str]:
         return [e for e, l in self.loads.items() if l.role == role and l.up]
 
     @property

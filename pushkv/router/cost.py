@@ -42,6 +42,8 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+from pushkv.config import Role
+
 # numpy is imported where a fit runs, not at import: the router (and every test deployment) starts
 # without paying for it
 
@@ -176,7 +178,7 @@ class CostModel:
         return self._costs
 
 
-def samples(timeline: dict[str, float], prompt_tokens: int, output_tokens: int, *, prefill_leg: str,
+def samples(timeline: dict[str, float], prompt_tokens: int, output_tokens: int, *, prefill_leg: Role,
             cached_tokens: int, moved_blocks: int, decode_batch: float, prefill_work: tuple = (),
             decode_work: tuple = ()) -> list[Sample]:
     """What one finished request's merged timeline (``<leg>.<stage>`` -> wall seconds) says.

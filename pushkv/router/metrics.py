@@ -12,13 +12,14 @@ at scrape time and exposed by ``InstanceCollector`` under ``pushkv_instance_*``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Literal, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pushkv import messages as m
+from pushkv.config import Mode, Role
 
 # Seconds; spans sub-ms ITLs on GPU to minute-long TTFTs of 16k prompts on CPU.
 LATENCY_BUCKETS_S = (
@@ -57,7 +58,7 @@ class RequestRecord:
 
 
 class RouterMetrics:
-    def __init__(self, mode: str = ""):
+    def __init__(self, mode: Mode | Literal[""] = ""):
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -142,11 +143,11 @@ class RouterMetrics:
         self.balance = BalanceCollector()
         r.register(self.balance)
 
-    def instance_down(self, role: str, engine: str, reason: str, failed: int) -> None:
+    def instance_down(self, role: Role, engine: str, reason: str, failed: int) -> None:
         self.instances_down.labels(role=role, engine=engine).inc()
         self.failed_by_instance_down.labels(role=role, engine=engine).inc(failed)
 
-    def prefix_guess(self, role: str, predicted: int, cached: int) -> None:
+    def prefix_guess(self, role: Role, predicted: int, cached: int) -> None:
         self.prefix_predicted.labels(role=role).inc(predicted)
         self.prefix_cached.labels(role=role).inc(cached)
         self.prefix_guess_error.labels(role=role).inc(abs(predicted - cached))

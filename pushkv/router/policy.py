@@ -37,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
+from pushkv.config import Mode, Role
 from pushkv.router.cost import Costs
 
 PUSH, LATE, WAIT, REFUSE, DECODE_LOCAL = "push", "late", "wait", "refuse", "decode-local"
@@ -47,7 +48,7 @@ class Load:
     """One instance as the router sees it."""
 
     engine_id: str
-    role: str  # "prefill" | "decode"
+    role: Role  # "prefill" | "decode"
     num_blocks: int = 0
     block_size: int = 16
     order: int = 0  # tie-break: the instance's index
@@ -77,7 +78,7 @@ def blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
-def live(loads: Iterable[Load], role: str) -> list[Load]:
+def live(loads: Iterable[Load], role: Role) -> list[Load]:
     return [l for l in loads if l.role == role and l.up]
 
 
@@ -167,7 +168,7 @@ def choose_path(p: Load, d: Load, ask: Ask) -> bool:
     return ask.conditional and path_costs(p, d, ask, p.block_size).local_wins
 
 
-def place(loads: list[Load], tokens: int, *, mode: str, pin_fraction: float, waiting: int,
+def place(loads: list[Load], tokens: int, *, mode: Mode, pin_fraction: float, waiting: int,
           queue_bound: int, ask: Ask = NO_ASK) -> Verdict:
     """A new request of ``tokens`` (prompt + max_tokens) with ``waiting`` requests already
     queued at the router (they go first: FIFO)."""
@@ -201,7 +202,8 @@ def place(loads: list[Load], tokens: int, *, mode: str, pin_fraction: float, wai
     return Verdict(PUSH, prefill=p.engine_id, decode=d.engine_id)
 
 
-def place_waiting(loads: list[Load], tokens: int, *, mode: str, pin_fraction: float, ask: Ask = NO_ASK) -> Verdict:
+def place_waiting(loads: list[Load], tokens: int, *, mode: Mode, pin_fraction: float,
+                  ask: Ask = NO_ASK) -> Verdict:
     """The head of the router's queue, when room may have appeared: as ``place`` with an
     empty queue, but never refused for the queue (it is in it)."""
     return place(loads, tokens, mode=mode, pin_fraction=pin_fraction, waiting=0, queue_bound=1, ask=ask)

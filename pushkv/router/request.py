@@ -37,6 +37,7 @@ from typing import Callable, ClassVar, Optional, Union
 import msgspec
 
 from pushkv import messages as m
+from pushkv.config import Role
 from pushkv.router import policy as P
 from pushkv.router.balance import DecodePlaced, Placed
 from pushkv.router.metrics import RequestRecord
@@ -274,7 +275,7 @@ class Request:
         return handler(self, msg, now, leg)
 
     # -- placing and sending --------------------------------------------------------------
-    def _generate(self, leg: str, max_tokens: int, **kw) -> m.Generate:
+    def _generate(self, leg: Role, max_tokens: int, **kw) -> m.Generate:
         return m.Generate(
             transfer_id=self.transfer_id, generation=GENERATION, leg=leg, prompt_token_ids=self.prompt,
             max_tokens=max_tokens, stop_token_ids=self.stop, arrival=self.timeline["router.arrival"],

@@ -24,7 +24,7 @@ from aiohttp import web
 from pushkv import limits
 from pushkv import messages as m
 from pushkv import security
-from pushkv.config import DeploymentConfig
+from pushkv.config import DeploymentConfig, Role
 from pushkv.discovery.base import Watcher
 from pushkv.discovery.local import LocalWatcher
 from pushkv.discovery.records import InstanceDown, InstanceRecord, InstanceUp
@@ -111,8 +111,6 @@ class Router:
         return link
 
     async def start(self) -> None:
-        if self.cfg.mode not in ("local", "push", "pull"):
-            raise ValueError(f"unknown mode {self.cfg.mode!r}")
         self._stop_requested = asyncio.Event()
         self._stopped = asyncio.Event()
         self._handlers_idle = asyncio.Event()
@@ -183,7 +181,7 @@ class Router:
         if self.cfg.registry:  # across hosts no supervisor tells the survivors: we do
             self._tell_peers(ev.engine_id, role, ev.reason)
 
-    def _tell_peers(self, engine_id: str, role: str, reason: str) -> None:
+    def _tell_peers(self, engine_id: str, role: Role, reason: str) -> None:
         """``PeerLost`` to every live instance of the other role (their writers end transfers
         with it at once; their blocks come back without waiting for a deadline)."""
         other = "decode" if role == "prefill" else "prefill"
@@ -262,7 +260,7 @@ class Router:
         log.info("router stopped")
 
     # -- routing ------------------------------------------------------------
-    def _route(self, role: str, msg: m.Msg) -> None:
+    def _route(self, role: Role, msg: m.Msg) -> None:
         run = self.runs.get(getattr(msg, "transfer_id", ""))
         if run is None:
             self.metrics.unrouted.labels(role=role).inc()

@@ -35,7 +35,7 @@ from typing import Any, Callable, Optional, Union
 from pushkv import faults
 from pushkv import limits
 from pushkv import messages as m
-from pushkv.config import DeploymentConfig, InstanceConfig
+from pushkv.config import DeploymentConfig, InstanceConfig, Role
 from pushkv.kv import checksum
 from pushkv.protocol.prefix_cache import PrefixCache
 from pushkv.scheduler.outbox import Effect, Kill, Peer, Send, Trace
@@ -54,7 +54,7 @@ Batch = list[tuple[Request, m.SeqWork]]
 
 
 class SchedulerCore:
-    role = ""  # set by each role's class
+    role: Role  # set by each role's class
     # what this role's writers answer
     writer_answers: tuple[type, ...] = (m.KVSent, m.KVReceived, m.KVFailed)
 

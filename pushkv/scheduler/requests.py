@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from pushkv import messages as m
+from pushkv.config import Role
 from pushkv.kv.layout import blocks_for
 
 
@@ -42,7 +43,7 @@ class KVTally:
 class Request:
     transfer_id: str
     generation: int
-    leg: str  # prefill | decode | local
+    leg: Role
     prompt: tuple[int, ...]
     max_tokens: int
     identity: bytes  # router socket identity

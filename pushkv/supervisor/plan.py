@@ -13,12 +13,12 @@ from typing import Callable, Iterable, Iterator, Optional
 
 import msgspec
 
-from pushkv.config import DeploymentConfig, InstanceConfig, ipc, new_deployment_id
+from pushkv.config import TRACE_AUTO, DeploymentConfig, InstanceConfig, ipc, new_deployment_id
 from pushkv.supervisor.geometry import check_deployment
 
 RUN_ROOT = "/tmp"
 LOOPBACK = "127.0.0.1"
-TRACE_AUTO = "auto"  # trace_endpoint placeholder: an ipc socket in run_dir
+# TRACE_AUTO (config.py): the trace_endpoint placeholder, an ipc socket in run_dir.
 # Tracing on: processes PUB to trace_endpoint, the supervisor forwards to
 # trace_tap_endpoint, where taps SUB (pushkv.trace.TraceForwarder).
 
@@ -26,7 +26,6 @@ TRACE_AUTO = "auto"  # trace_endpoint placeholder: an ipc socket in run_dir
 # A worker maps the pool its writer owns, a scheduler talks to ready workers
 # and writers, the router to ready schedulers.
 KIND_STAGE = {"writer": 0, "worker": 1, "scheduler": 2, "router": 3}
-HOST_ROLES = ("", "router", "prefill", "decode")  # "": the whole deployment on this host
 
 PortPicker = Callable[[], int]
 
@@ -139,24 +138,17 @@ def plan_deployment(
     Fields already set are kept (a config file may pin them). Only the
     instances the mode uses are planned; with ``prefill_instances`` /
     ``decode_instances`` above 1, ``prefills`` / ``decodes`` hold every one
-    (the first is also ``prefill`` / ``decode``).
+    (the first is also ``prefill`` / ``decode``). A value outside a field's closed set (a mode,
+    a switch) never gets here: the config refuses it when built or decoded.
     """
-    if cfg.mode not in ("push", "pull", "local"):
-        raise ValueError(f"unknown mode {cfg.mode!r}; expected push, pull or local")
-    if cfg.host_role not in HOST_ROLES:
-        raise ValueError(f"unknown host role {cfg.host_role!r}; expected one of {HOST_ROLES[1:]}")
     if cfg.host_role and (not cfg.registry or cfg.mode == "local"):
         raise ValueError("--role needs --registry etcd://HOST:PORT and --mode push or pull")
     if cfg.host_role in ("prefill", "decode") and not cfg.advertise:
         raise ValueError(f"--role {cfg.host_role} needs --advertise ADDR (this host's address for the others)")
     if cfg.registry_ttl_s < 1:
         raise ValueError(f"registry TTL must be >= 1 s, got {cfg.registry_ttl_s}")
-    if cfg.writer_warm not in ("auto", "on", "off"):
-        raise ValueError(f"writer warm must be auto, on or off, got {cfg.writer_warm!r}")
     if cfg.mode == "local" and (cfg.prefill_instances, cfg.decode_instances) != (1, 1):
         raise ValueError("--prefill-instances / --decode-instances need --mode push or pull")
-    if cfg.push_stream not in ("off", "chunk", "layer"):
-        raise ValueError(f"push stream must be off, chunk or layer, got {cfg.push_stream!r}")
     if cfg.push_stream_groups < 1:
         raise ValueError(f"push stream groups must be >= 1, got {cfg.push_stream_groups}")
     for inst in (cfg.prefill, cfg.decode, cfg.local):
@@ -206,13 +198,13 @@ def _plan_host(cfg: DeploymentConfig, dep_id: str, run_dir: str, ports: Iterator
     ``advertise`` (the other role's template stays unplanned: those instances are other hosts',
     found through the registry)."""
     role = cfg.host_role
-    if role == "router":
+    if role not in ("prefill", "decode"):  # the router's host
         return {}
     template = cfg.instance(role)
     count = cfg.prefill_instances if role == "prefill" else cfg.decode_instances
     planned = tuple(_plan_instance(i, dep_id, run_dir, ports, cfg.advertise)
                     for i in instance_copies(template, count, _gpu_base(template)))
-    out = {role: planned[0]}
+    out: dict[str, object] = {role: planned[0]}
     if len(planned) > 1:
         out[role + "s"] = planned
     return out

@@ -22,6 +22,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from pushkv.config import Switch
+
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05  # nothing queued or in flight: wait for a post this long at a time
@@ -29,7 +31,7 @@ BUSY_WAIT_S = 20e-6  # transfers in flight: poll them again after this (the GIL 
 NON_RDMA_LANES = ("tcp", "cuda_copy", "self", "sm", "posix", "sysv", "cma", "knem", "xpmem")
 
 
-def wanted(setting: str, ucx_tls: str) -> bool:
+def wanted(setting: Switch, ucx_tls: str) -> bool:
     """Whether a writer posts from a poster: ``on``/``off``, or ``auto``: when UCX is limited
     (``UCX_TLS``) to TCP for the network, where a post blocks for the whole transfer; not
     with RDMA or CUDA IPC lanes, whose posts return at once (and where a thread's hop would

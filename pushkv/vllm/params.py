@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from pushkv import envs
 from pushkv.messages import PrefillSource
@@ -33,7 +33,7 @@ class ParamsError(ValueError):
 
 @dataclass(frozen=True)
 class Leg:
-    role: str  # "prefill" | "decode"
+    role: Literal["prefill", "decode"]
     transfer_id: str
     source: Optional[PrefillSource] = None
 

@@ -15,8 +15,8 @@ import urllib.request
 
 import pytest
 
-from processes import cli
 from pushkv import faults
+from pushkv.supervisor import deployments
 from pushkv.supervisor.commands import ask
 from tests.support.deploy import deployment, wait_pools_free
 from tests.faults.test_faults import Events, wait_serving
@@ -77,7 +77,7 @@ def test_planned_instances_and_status(xpyd):
     """``pushkv status`` shows each instance: its processes and the router's view of it."""
     assert [i.name for i in xpyd.cfg.instances()] == ["prefill", "prefill1", "decode", "decode1"]
     reply = ask(xpyd.cfg.control_endpoint, "status")
-    rows = cli.instance_rows(reply.info["instances"], reply.processes, cli._router_view(xpyd.url))
+    rows = deployments.instance_rows(reply.info["instances"], reply.processes, deployments.router_view(xpyd.url))
     assert [(r["name"], r["state"], r["procs"]) for r in rows] == [
         ("prefill", "up", "3/3"), ("prefill1", "up", "3/3"), ("decode", "up", "3/3"), ("decode1", "up", "3/3")]
     assert [r["engine_id"] for r in rows] == [i.engine_id for i in xpyd.cfg.instances()]
@@ -96,7 +96,7 @@ def test_tokens_equal_local_and_spread_over_every_instance(xpyd, reference):
 
     def watch():  # the router's own accounting: blocks reserved early and still waiting for KV
         while not stop.is_set():
-            for i in cli._router_view(xpyd.url).values():
+            for i in deployments.router_view(xpyd.url).values():
                 pinned_peak[i["engine_id"]] = max(pinned_peak.get(i["engine_id"], 0), i["blocks_pinned"])
             stop.wait(0.01)
 
@@ -226,7 +226,7 @@ def test_killing_one_instance_fails_only_its_requests(xpyd, reference):
         os.kill(pid, signal.SIGKILL)
         d1 = xpyd.cfg.decodes[1].engine_id
         deadline = time.monotonic() + 10
-        while cli._router_view(xpyd.url)[d1]["up"]:  # the router has heard: decode1 is chosen no more
+        while deployments.router_view(xpyd.url)[d1]["up"]:  # the router has heard: decode1 is chosen no more
             assert time.monotonic() < deadline, "router never marked decode1 down"
             time.sleep(0.02)  # polling a remote state
         # the survivors keep serving while decode1 restarts

@@ -10,6 +10,7 @@ from pushkv import messages as m
 from pushkv.discovery.etcd import EtcdAnnouncer
 from pushkv.discovery.records import InstanceRecord
 from pushkv.router.balance import Balancer
+from pushkv.supervisor import deployments
 from pushkv.supervisor.plan import plan_deployment, process_specs
 
 REG = "etcd://10.0.0.9:2379"
@@ -121,6 +122,6 @@ def test_peer_lost_is_on_both_channels():
 def test_status_rows_of_a_router_host_come_from_the_router():
     view = {"p-1": {"engine_id": "p-1", "role": "prefill", "up": True, "legs": 2},
             "d-1": {"engine_id": "d-1", "role": "decode", "up": False, "legs": 0}}
-    rows = cli.instance_rows("[]", [], view)
+    rows = deployments.instance_rows("[]", [], view)
     assert [(r["engine_id"], r["role"], r["state"], r["legs"]) for r in rows] == [
         ("d-1", "decode", "down", 0), ("p-1", "prefill", "up", 2)]

@@ -27,9 +27,9 @@ def _lines(out: str) -> dict:
 @pytest.mark.timeout(600)
 def test_kernel_interpreted_equals_torch_path():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PUSHKV_SAMPLE_BLOCK": "256"}
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
     rows = len(C.MIXES)
-    r = subprocess.run([sys.executable, "-m", "tests.support.sampling_cases", str(rows), "6000"], cwd=ROOT, env=env,
+    r = subprocess.run([sys.executable, "-m", "tests.support.sampling_cases", str(rows), "6000", "256"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=540)
     assert r.returncode == 0, r.stderr[-3000:]
     got = _lines(r.stdout)

@@ -170,7 +170,7 @@ def test_p_is_priced_at_ds_prices_while_p_has_prefilled_nothing():
 
 
 def test_pushkv_status_prints_the_cost_model_on_one_line():
-    from processes.cli import format_costs
+    from pushkv.supervisor.deployments import format_costs
 
     line = format_costs(C.Costs(prefill_samples=3).as_dict())
     assert line.startswith("cost model: prefill 5.00 + 1.0000/token") and "(3 samples)" in line

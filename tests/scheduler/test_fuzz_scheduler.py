@@ -95,10 +95,11 @@ def writer_msgs():
 
 
 def wire_trip(msg, dec):
-    """What the scheduler would receive had ``msg`` crossed the wire (None: not encodable)."""
+    """What the scheduler would receive had ``msg`` crossed the wire (None: not encodable, or
+    refused when decoded, as a leg outside messages.Role is: no handler sees it)."""
     try:
         return dec.decode(m.encode(msg))
-    except (OverflowError, msgspec.EncodeError):
+    except (OverflowError, msgspec.EncodeError, msgspec.ValidationError):
         return None
 
 

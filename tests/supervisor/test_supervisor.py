@@ -78,7 +78,6 @@ def test_plan_fresh_ids_and_duplicate_ports_skipped():
 
 
 @pytest.mark.parametrize("cfg, err", [
-    (DeploymentConfig(mode="both"), "unknown mode"),
     (DeploymentConfig(prefill=InstanceConfig(role="prefill", tp=0)), "tp must be"),
     (DeploymentConfig(prefill=InstanceConfig(role="prefill", tp=2, worker_endpoints=("ipc://a",))), "worker endpoints"),
 ])

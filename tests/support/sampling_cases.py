@@ -57,6 +57,10 @@ def both(x: torch.Tensor, seqs) -> tuple:
 
 if __name__ == "__main__":  # the interpreter check: prints the two token lists and a batch-invariance check
     rows, vocab = int(sys.argv[1]), int(sys.argv[2])
+    if len(sys.argv) > 3:  # the kernel's segment length: several segments of a small vocabulary
+        from pushkv.model.kernels import triton_sample
+
+        triton_sample.BLOCK = int(sys.argv[3])
     x, seqs = batch(rows, vocab)
     a, b = both(x, seqs)
     print("torch", json.dumps(a.tokens))

@@ -10,7 +10,7 @@ import shutil
 import pytest
 import yaml
 
-from processes.cli import load_config_file
+from pushkv.config_flags import load_config_file
 from tools import check_deploy as cd
 from tests.support import ROOT
 

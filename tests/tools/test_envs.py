@@ -54,7 +54,6 @@ def test_the_docs_table_is_the_generated_one():
 @pytest.mark.parametrize("name, raw, want", [
     ("PUSHKV_THREADS", None, 1),
     ("PUSHKV_THREADS", "4", 4),
-    ("PUSHKV_SAMPLE_KS", "32", 32),
     ("PUSHKV_CUDA_GRAPHS", None, True),
     ("PUSHKV_CUDA_GRAPHS", "0", False),
     ("PUSHKV_CUDA_GRAPHS", "", True),  # empty is unset for a typed variable

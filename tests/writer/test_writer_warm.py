@@ -64,7 +64,7 @@ def test_warm_enabled_refuses_unknown(setting):
 
 
 def test_plan_refuses_unknown_warm(tmp_path):
-    with pytest.raises(ValueError, match="writer warm"):
+    with pytest.raises(ValueError, match="writer_warm"):
         planned(DeploymentConfig(mode="push", model=preset("tiny"), writer_warm="maybe"), tmp_path)
 
 

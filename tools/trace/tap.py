@@ -42,7 +42,8 @@ class TapError(Exception):
     pass
 
 
-def find_endpoint(dep_id: Optional[str] = None, directory: Optional[str] = None) -> tuple[str, registry.DeploymentRecord]:
+def find_endpoint(dep_id: Optional[str] = None,
+                  directory: Optional[str] = None) -> tuple[str, registry.DeploymentRecord]:
     """The tap endpoint of the one running (traced) deployment, or of ``dep_id`` (a prefix)."""
     recs = registry.list_records(directory)
     if dep_id:

@@ -414,8 +414,8 @@ BREAKDOWN_COLS = ("queue", "prefill", "relay", "transfer", "first_decode_step", 
 
 def breakdown_table(tls: list[RequestTimeline]) -> str:
     """Per-request stage breakdown in ms, and the median row."""
-    head = f"{'request':<10} {'mode':<10} " + " ".join(f"{c:>10}" for c in
-                                                     ("queue", "prefill", "relay", "transfer", "1st step", "TTFT", "e2e"))
+    stages = ("queue", "prefill", "relay", "transfer", "1st step", "TTFT", "e2e")
+    head = f"{'request':<10} {'mode':<10} " + " ".join(f"{c:>10}" for c in stages)
     head += "  rendezvous           bytes   descs"
     lines = [head]
     cols: dict[str, list[float]] = defaultdict(list)
@@ -428,7 +428,8 @@ def breakdown_table(tls: list[RequestTimeline]) -> str:
         lines.append(f"{t.transfer_id[:8]:<10} {t.variant:<10} {cells}  {t.info.get('rendezvous', '-'):<18} "
                      f"{t.info.get('bytes', 0):>8} {t.info.get('descriptors', 0):>7}")
     if len(tls) > 1:
-        cells = " ".join(f"{statistics.median(cols[c]) * 1e3:10.2f}" if cols[c] else f"{'-':>10}" for c in BREAKDOWN_COLS)
+        cells = " ".join(f"{statistics.median(cols[c]) * 1e3:10.2f}" if cols[c] else f"{'-':>10}"
+                         for c in BREAKDOWN_COLS)
         lines.append(f"{'median':<10} {'':<10} {cells}")
     return "\n".join(lines)
 
@@ -539,7 +540,8 @@ def _engine_steps(events: list[m.TraceEvent], us) -> list[dict]:
             t, n, pf = started.pop((e.process, msg.step_id))
             out.append({"name": f"step {msg.step_id}: {n} seq ({pf} prefill)", "cat": "step", "ph": "X",
                         "pid": pid, "tid": tid_of[e.process], "ts": us(t), "dur": round((e.t_mono - t) * 1e6, 3),
-                        "args": {"seqs": n, "prefills": pf, "compute_ms": round(getattr(msg, "compute_s", 0) * 1e3, 3)}})
+                        "args": {"seqs": n, "prefills": pf,
+                                 "compute_ms": round(getattr(msg, "compute_s", 0) * 1e3, 3)}})
     return out
 
 

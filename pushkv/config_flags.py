@@ -1,0 +1,96 @@
+"""The user's config: what ``pushkv up``'s flags and ``--config`` file say, as a DeploymentConfig.
+
+Two configs, kept apart: the *user's* (built here: the mode, model, shapes and switches asked
+for, every field left unsaid at its default) and the *planned* one the launcher derives from it
+(``supervisor.plan.plan_deployment``: ids, the run dir, ports and endpoints, each instance's copy
+and devices), which is what every child process reads. A user's config never holds a planned
+field unless a config file pins it (``config.PLANNED_FIELDS``). The argument parser stays in
+``processes/cli.py``; this module reads the parsed flags as a mapping (``vars(args)``), so a
+test can give the flags it means and leave the rest out.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Mapping
+
+import msgspec
+
+from pushkv.config import TRACE_AUTO, DeploymentConfig, ModelConfig, config_from_builtins, preset
+
+# the flags that override a preset's (or a checkpoint's) geometry, each named as its ModelConfig field
+GEOMETRY = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+            "vocab_size", "dtype", "seed")
+
+
+def load_config_file(path: str) -> DeploymentConfig:
+    """A JSON or TOML file of DeploymentConfig fields; ``"model": "tiny"`` names a preset, and an
+    instance table may leave out its ``role``."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    if path.endswith(".toml"):
+        import tomllib
+
+        data = tomllib.loads(raw.decode())
+    else:
+        data = json.loads(raw)
+    if isinstance(data.get("model"), str):
+        data["model"] = msgspec.to_builtins(preset(data["model"]))
+    for role in ("prefill", "decode", "local"):
+        if isinstance(data.get(role), dict):
+            data[role].setdefault("role", role)
+    return config_from_builtins(data)
+
+
+def _replace(obj, **changes):
+    """``obj`` with the changes that were given (None: the flag was not)."""
+    changes = {k: v for k, v in changes.items() if v is not None}
+    return msgspec.structs.replace(obj, **changes) if changes else obj
+
+
+def _model(flags: Mapping[str, Any], base: ModelConfig) -> ModelConfig:
+    model = preset(flags["model"]) if flags.get("model") else base
+    geometry = {k: flags.get(k) for k in GEOMETRY}
+    if flags.get("checkpoint"):  # the checkpoint's config.json is the geometry; flags may still override
+        from pushkv.model.checkpoint import model_config_from_hf
+
+        given = {k: v for k, v in geometry.items() if v is not None}
+        model = model_config_from_hf(flags["checkpoint"], flags.get("generation_config") or "auto", **given)
+    else:
+        model = _replace(model, **geometry)
+    invariant = flags.get("batch_invariant")
+    return _replace(model, engine=flags.get("engine"), random_init=flags.get("random_init"),
+                    deterministic=None if invariant is None else invariant == "on")
+
+
+def user_config(flags: Mapping[str, Any]) -> DeploymentConfig:
+    """The user's config from ``pushkv up``'s parsed flags (``vars(args)``; a flag missing or None
+    was not given): the ``--config`` file's, or the defaults, with every given flag on top."""
+    f = flags.get
+    path, secret, names = f("config"), f("secret_file"), f("served_model_name")
+    cfg = load_config_file(path) if path else DeploymentConfig()
+    sizes = dict(max_num_seqs=f("max_num_seqs"), max_batch_tokens=f("max_batch_tokens"),
+                 prefill_chunk=f("prefill_chunk"), prefix_cache=False if f("no_prefix_cache") else None)
+    trace = f("trace")
+    return _replace(
+        cfg, mode=f("mode"), pull_read=f("pull_read"), push_stream=f("push_stream"),
+        push_stream_groups=f("push_stream_groups"), kv_verify=f("kv_verify"),
+        # a host of several (--role) serves on its advertised address unless --host says otherwise
+        host=f("host") or (f("role") and f("advertise")), port=f("port"),
+        host_role=f("role"), registry=f("registry"), advertise=f("advertise"), registry_ttl_s=f("registry_ttl"),
+        log_level=f("log_level"), model=_model(flags, cfg.model),
+        secret_file=os.path.abspath(secret) if secret else None,
+        prefill_instances=f("prefill_instances"), decode_instances=f("decode_instances"),
+        router_queue=f("router_queue"), push_pin_fraction=f("push_pin_fraction"),
+        writer_warm=f("writer_warm"), writer_post_thread=f("writer_post_thread"),
+        conditional_disagg=True if f("conditional_disagg") else None,
+        served_model_name=tuple(names) if names else None,
+        trace_endpoint=TRACE_AUTO if trace else None,
+        trace_tap_endpoint=trace if trace not in (None, TRACE_AUTO) else None,
+        prefill=_replace(cfg.prefill, tp=f("prefill_tp"), block_size=f("prefill_block_size") or f("block_size"),
+                         num_blocks=f("num_blocks"), device=f("prefill_device") or f("device"), **sizes),
+        decode=_replace(cfg.decode, tp=f("decode_tp"), block_size=f("decode_block_size") or f("block_size"),
+                        num_blocks=f("num_blocks"), device=f("decode_device") or f("device"), **sizes),
+        local=_replace(cfg.local, tp=f("tp"), block_size=f("block_size"), num_blocks=f("num_blocks"),
+                       device=f("device"), **sizes),
+    )

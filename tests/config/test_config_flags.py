@@ -1,0 +1,97 @@
+"""``pushkv up``'s flags -> the user's config (pushkv.config_flags), table-driven per mode; the
+user's config holds no planned field, and planning adds only planned fields to it."""
+from __future__ import annotations
+
+import pytest
+
+from processes import cli
+from pushkv.config import (PLANNED_FIELDS, PLANNED_INSTANCE_FIELDS, TRACE_AUTO, DeploymentConfig, preset,
+                           unplanned)
+from pushkv.config_flags import user_config
+from pushkv.supervisor.plan import plan_deployment
+
+
+def from_argv(*flags: str) -> DeploymentConfig:
+    return user_config(vars(cli.build_parser().parse_args(["up", *flags])))
+
+
+CASES = [
+    # id, flags, {dotted field: value}
+    ("defaults", (), {"mode": "push", "push_stream": "layer", "kv_verify": "sample", "model": preset("small"),
+                      "prefill.tp": 1, "decode.device": "cpu", "writer_warm": "auto"}),
+    ("push", ("--mode", "push", "--push-stream", "chunk", "--prefill-chunk", "64", "--push-stream-groups", "2"),
+     {"mode": "push", "push_stream": "chunk", "push_stream_groups": 2, "prefill.prefill_chunk": 64,
+      "decode.prefill_chunk": 64}),
+    ("push-tp", ("--model", "tiny", "--prefill-tp", "2", "--decode-tp", "1", "--device", "cuda:0",
+                 "--decode-device", "cuda:2", "--block-size", "32", "--decode-block-size", "16"),
+     {"model": preset("tiny"), "prefill.tp": 2, "decode.tp": 1, "prefill.device": "cuda:0",
+      "decode.device": "cuda:2", "prefill.block_size": 32, "decode.block_size": 16, "local.block_size": 32}),
+    ("pull", ("--mode", "pull", "--pull-read", "inline", "--kv-verify", "off"),
+     {"mode": "pull", "pull_read": "inline", "kv_verify": "off"}),
+    ("pull-write", ("--mode", "pull", "--pull-read", "write", "--writer-warm", "off", "--writer-post-thread", "on"),
+     {"mode": "pull", "pull_read": "write", "writer_warm": "off", "writer_post_thread": "on"}),
+    ("local", ("--mode", "local", "--tp", "2", "--num-blocks", "64", "--no-prefix-cache", "--engine", "per-seq"),
+     {"mode": "local", "local.tp": 2, "local.num_blocks": 64, "local.prefix_cache": False,
+      "prefill.prefix_cache": False, "model.engine": "per-seq"}),
+    ("geometry", ("--model", "tiny", "--num-layers", "3", "--dtype", "bfloat16", "--batch-invariant", "off"),
+     {"model": preset("tiny", num_layers=3, dtype="bfloat16", deterministic=False)}),
+    ("xpyd", ("--prefill-instances", "2", "--decode-instances", "3", "--router-queue", "9", "--conditional-disagg"),
+     {"prefill_instances": 2, "decode_instances": 3, "router_queue": 9, "conditional_disagg": True,
+      "prefills": ()}),
+    ("trace", ("--trace",), {"trace_endpoint": TRACE_AUTO, "trace_tap_endpoint": ""}),
+    ("trace-at", ("--trace", "ipc:///x/tap.sock"), {"trace_endpoint": TRACE_AUTO,
+                                                     "trace_tap_endpoint": "ipc:///x/tap.sock"}),
+    ("router-host", ("--role", "router", "--registry", "etcd://h:2379", "--advertise", "10.0.0.9",
+                     "--registry-ttl", "7"),
+     {"host_role": "router", "registry": "etcd://h:2379", "advertise": "10.0.0.9", "host": "10.0.0.9",
+      "registry_ttl_s": 7}),
+    ("router-host-own-host", ("--role", "router", "--advertise", "10.0.0.9", "--host", "0.0.0.0"),
+     {"host": "0.0.0.0"}),
+    ("served-names", ("--served-model-name", "a", "b", "--log-level", "debug"),
+     {"served_model_name": ("a", "b"), "log_level": "DEBUG"}),
+]
+
+
+def _get(cfg, dotted: str):
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+@pytest.mark.parametrize("flags, want", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_flags_to_user_config(flags, want):
+    cfg = from_argv(*flags)
+    assert {k: _get(cfg, k) for k in want} == want
+    assert unplanned(cfg) == cfg  # flags never set a planned field
+
+
+def test_a_flag_left_out_is_the_default():
+    """The mapping reads the flags it is given: a mapping with only some of them (no parser) is fine."""
+    assert user_config({}) == DeploymentConfig()
+    assert user_config({"mode": "pull", "pull_read": "inline"}) == DeploymentConfig(mode="pull", pull_read="inline")
+
+
+def test_file_then_flags(tmp_path):
+    f = tmp_path / "d.json"
+    f.write_text('{"mode": "pull", "pull_read": "write", "model": "tiny", "decode": {"num_blocks": 7}}')
+    cfg = from_argv("--config", str(f), "--pull-read", "background")
+    assert (cfg.mode, cfg.pull_read, cfg.model, cfg.decode.num_blocks) == ("pull", "background", preset("tiny"), 7)
+
+
+def test_a_bad_file_value_names_the_field(tmp_path):
+    f = tmp_path / "d.toml"
+    f.write_text('mode = "pull"\n[decode]\nrole = "prefil"\n')
+    with pytest.raises(Exception, match=r"\$\.decode\.role.*'prefill', 'decode', 'local'"):
+        from_argv("--config", str(f))
+
+
+@pytest.mark.parametrize("flags", [(), ("--mode", "pull"), ("--mode", "local"), ("--decode-instances", "2")])
+def test_planning_adds_only_planned_fields(flags):
+    user = from_argv("--model", "tiny", *flags)
+    ports = iter(range(20000, 21000))
+    planned = plan_deployment(user, pick_port=lambda: next(ports), run_root="/tmp/x")
+    assert planned.deployment_id and planned.run_dir and planned.control_endpoint
+    assert all(i.engine_id and i.sched_endpoint and i.handshake_endpoints for i in planned.instances())
+    assert unplanned(planned) == user
+    assert set(PLANNED_FIELDS) <= set(DeploymentConfig.__struct_fields__)
+    assert all(f in planned.prefill.__struct_fields__ for f in PLANNED_INSTANCE_FIELDS)

@@ -1,0 +1,89 @@
+"""The config's closed sets (mode, role, leg, switches) are Literal types: a value outside one is
+refused when a config is decoded, built or replaced, with an error naming the field and the
+values it allows; the values stay plain strings on the wire and in JSON."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import msgspec
+import pytest
+
+from pushkv import messages as m
+from pushkv.config import (DeploymentConfig, InstanceConfig, ModelConfig, choices, config_from_builtins,
+                           decode_config, encode_config)
+from tests.support import ROOT
+
+BAD_JSON = [
+    # the config as JSON, the path msgspec names, the values the error must list
+    ({"mode": "pusj"}, "$.mode", "'push', 'pull', 'local'"),
+    ({"pull_read": "read"}, "$.pull_read", "'inline', 'background', 'write'"),
+    ({"push_stream": "layers"}, "$.push_stream", "'off', 'chunk', 'layer'"),
+    ({"kv_verify": "ful"}, "$.kv_verify", "'off', 'sample', 'full'"),
+    ({"writer_warm": "yes"}, "$.writer_warm", "'auto', 'on', 'off'"),
+    ({"writer_post_thread": "1"}, "$.writer_post_thread", "'auto', 'on', 'off'"),
+    ({"host_role": "both"}, "$.host_role", "'', 'router', 'prefill', 'decode'"),
+    ({"prefill": {"role": "prefil"}}, "$.prefill.role", "'prefill', 'decode', 'local'"),
+    ({"decodes": [{"role": "decode"}, {"role": "d"}]}, "$.decodes[1].role", "'prefill', 'decode', 'local'"),
+    ({"model": {"engine": "fast"}}, "$.model.engine", "'auto', 'batched', 'per-seq'"),
+]
+
+
+@pytest.mark.parametrize("data, path, allowed", BAD_JSON, ids=[p for _, p, _ in BAD_JSON])
+def test_a_bad_value_is_refused_at_decode(data, path, allowed):
+    for decode in (lambda: decode_config(json.dumps(data)), lambda: config_from_builtins(data)):
+        with pytest.raises(msgspec.ValidationError) as e:
+            decode()
+        assert path in str(e.value) and allowed in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("build, field", [
+    (lambda: DeploymentConfig(mode="both"), "DeploymentConfig.mode"),
+    (lambda: msgspec.structs.replace(DeploymentConfig(), push_stream="on"), "DeploymentConfig.push_stream"),
+    (lambda: InstanceConfig(role="router"), "InstanceConfig.role"),
+    (lambda: ModelConfig(random_init="gpu"), "ModelConfig.random_init"),
+])
+def test_a_bad_value_is_refused_when_built(build, field):
+    with pytest.raises(ValueError, match=f"{field}: .* is not one of"):
+        build()
+
+
+def test_values_stay_strings_on_the_wire():
+    cfg = DeploymentConfig(mode="pull", pull_read="inline", kv_verify="full", decode=InstanceConfig(role="decode"))
+    raw = json.loads(encode_config(cfg))
+    assert (raw["mode"], raw["pull_read"], raw["kv_verify"], raw["decode"]["role"]) == ("pull", "inline", "full",
+                                                                                        "decode")
+    assert decode_config(encode_config(cfg)) == cfg
+    gen = m.Generate("t", 0, "decode", (1, 2), 4)
+    assert msgspec.msgpack.decode(m.encode(gen))[3] == "decode"
+    assert m.DEC_ROUTER_TO_SCHED.decode(m.encode(gen)) == gen
+
+
+def test_a_message_with_a_bad_leg_is_refused_at_decode():
+    frame = msgspec.msgpack.encode(["Generate", "t", 0, "bogus", [1, 2], 4])
+    with pytest.raises(msgspec.ValidationError, match="Invalid enum value 'bogus'"):
+        m.DEC_ROUTER_TO_SCHED.decode(frame)
+
+
+def test_every_closed_field_is_typed():
+    """The fields compared against fixed strings across the code are Literals (so mypy's
+    strict_equality checks each comparison)."""
+    assert set(choices(DeploymentConfig)) == {"mode", "pull_read", "push_stream", "kv_verify", "writer_warm",
+                                              "writer_post_thread", "host_role"}
+    assert set(choices(InstanceConfig)) == {"role"}
+    assert set(choices(ModelConfig)) == {"engine", "random_init"}
+    assert set(choices(m.Generate)) == {"leg"}
+
+
+def test_mypy_refuses_a_misspelt_comparison(tmp_path):
+    """strict_equality (pyproject.toml) with the Literal fields: ``cfg.mode == "pusj"`` is an error."""
+    pytest.importorskip("mypy")
+    src = tmp_path / "misspelt.py"
+    src.write_text("from pushkv.config import DeploymentConfig\n\n\n"
+                   "def pushes(cfg: DeploymentConfig) -> bool:\n    return cfg.mode == \"pusj\"\n")
+    r = subprocess.run([sys.executable, "-m", "mypy", "--config-file", os.path.join(ROOT, "pyproject.toml"),
+                        "--cache-dir", os.devnull, "--follow-imports", "silent", str(src)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Non-overlapping equality check" in r.stdout and "pusj" in r.stdout, r.stdout
