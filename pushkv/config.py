@@ -3,7 +3,7 @@
 Plain msgspec Structs so a whole deployment serialises to JSON and every
 child process receives exactly the config the supervisor built.
 
-Every closed set of values (a mode, a role, a switch) is a ``Literal`` alias below: msgspec
+Every closed set of values (a mode, a role, a switch) is a ``Literal`` alias (``pushkv.kinds``): msgspec
 refuses any other value when a config is decoded (``decode_config``, ``config_from_builtins``)
 and ``__post_init__`` when one is built or replaced, each naming the field and the values it
 allows; mypy (strict_equality) refuses a comparison with a value the field cannot hold. On the
@@ -20,17 +20,11 @@ from typing import Any, Literal, Optional
 
 import msgspec
 
+from pushkv.kinds import Engine, HostRole, KVVerify, Mode, PullRead, PushStream, RandomInit, Role, Switch
+from pushkv.messages import PrefillSource
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
-Mode = Literal["push", "pull", "local"]
-Role = Literal["prefill", "decode", "local"]  # an instance's, and the leg of a request it serves
-HostRole = Literal["", "router", "prefill", "decode"]  # "": the whole deployment on this host
-PullRead = Literal["inline", "background", "write"]
-PushStream = Literal["off", "chunk", "layer"]
-KVVerify = Literal["off", "sample", "full"]
-Switch = Literal["auto", "on", "off"]  # "auto": the code decides (see each field)
-Engine = Literal["auto", "batched", "per-seq"]
-RandomInit = Literal["cpu", "device"]
 
 
 @functools.cache
@@ -242,7 +236,6 @@ class InstanceConfig(msgspec.Struct, frozen=True):
 
     def source(self):
         """Where a decode leg finds this prefill instance's writers (``messages.PrefillSource``)."""
-        from pushkv.messages import PrefillSource  # here, not at the top: messages imports config (Role)
 
         return PrefillSource(self.engine_id, self.tp, tuple(self.handshake_endpoints))
 

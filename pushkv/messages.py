@@ -11,7 +11,7 @@ from typing import Literal, Optional, Union
 
 import msgspec
 
-from pushkv.config import Role  # a Literal: the one closed set of roles and legs
+from pushkv.kinds import Role  # a Literal: the one closed set of roles and legs
 
 
 class Msg(msgspec.Struct, tag=True, array_like=True, frozen=True, gc=False):

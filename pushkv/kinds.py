@@ -1,0 +1,17 @@
+"""The closed sets of names a deployment is made of (a mode, a role, a switch), as ``Literal``
+aliases: the config's fields and the messages' use them, msgspec refuses any other value when
+either is decoded, and mypy any comparison with a value a field cannot hold. Imports nothing of
+pushkv, so both the config and the wire schema sit above it."""
+from __future__ import annotations
+
+from typing import Literal
+
+Mode = Literal["push", "pull", "local"]
+Role = Literal["prefill", "decode", "local"]  # an instance's, and the leg of a request it serves
+HostRole = Literal["", "router", "prefill", "decode"]  # "": the whole deployment on this host
+PullRead = Literal["inline", "background", "write"]
+PushStream = Literal["off", "chunk", "layer"]
+KVVerify = Literal["off", "sample", "full"]
+Switch = Literal["auto", "on", "off"]  # "auto": the code decides (see each field)
+Engine = Literal["auto", "batched", "per-seq"]
+RandomInit = Literal["cpu", "device"]
