@@ -118,3 +118,24 @@ def pytest_make_collect_report(collector):
     """A module that skips as a whole (``pytest.importorskip("vllm")`` at its top)."""
     outcome = yield
     _fail_skip_in_ci(outcome.get_result())
+
+
+# --------------------------------------------------------------------------- where the time goes
+_SECONDS: dict[tuple[str, str], float] = {}  # (kind, name) -> seconds of setup + call + teardown
+
+
+def pytest_runtest_logreport(report):
+    parts = report.nodeid.split("/")
+    folder = parts[1] if len(parts) > 2 and parts[0] == "tests" else "tests"
+    group = next((g for g in GROUPS if g in report.keywords), "unit")
+    for key in (("group", group), ("folder", folder)):
+        _SECONDS[key] = _SECONDS.get(key, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The tests' time by group (unit, e2e, faults, gpu) and by subsystem folder: what CI spends where."""
+    if not _SECONDS:
+        return
+    for kind in ("group", "folder"):
+        rows = sorted(((s, n) for (k, n), s in _SECONDS.items() if k == kind), reverse=True)
+        terminalreporter.write_line(f"time by {kind}: " + ", ".join(f"{n} {s:.0f} s" for s, n in rows))
