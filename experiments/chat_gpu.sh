@@ -9,7 +9,6 @@ export PYTHONPATH=/tmp/site:$PWD PUSHKV_THREADS=${PUSHKV_THREADS:-4}
 OUT=${OUT:-out}; NAME=${NAME:-runs}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/hardware.txt"
 python3 -c "import torch, nixl; print('torch', torch.__version__)" | tee -a "$OUT/hardware.txt"
-git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/hardware.txt"
 UP="--model qwen3-8b --device cuda:0 --num-blocks ${BLOCKS:-8192} --max-num-seqs 64 --max-batch-tokens 16384"
 BENCH="--conversations ${CONVS:-32} --rate ${RATE:-4} --turns 2 8 --system-len ${SYSTEM:-4096} --user-len 64 256 \
   --output-len 64 --think-s 0.5 --vocab 150000"
