@@ -127,7 +127,9 @@ def format_costs(c: dict) -> str:
             f"{c['prefill_ms_per_cached_token']:.5f}/cached token ({c['prefill_samples']} samples); "
             f"handoff {c['handoff_ms_fixed']:.2f} + {c['handoff_ms_per_block']:.4f}/block ({c['handoff_samples']}); "
             f"decode step {c['step_ms_fixed']:.2f} + {c['step_ms_per_seq']:.3f}/seq + "
-            f"{c['step_ms_per_kctx']:.4f}/seq x 1k context ({c['step_samples']})")
+            f"{c['step_ms_per_kctx']:.4f}/seq x 1k context ({c['step_samples']}); "
+            f"D's own prefill {c['local_prefill_ms_fixed']:.2f} + {c['local_prefill_ms_per_token']:.4f}/token "
+            f"({c['local_samples']})")
 
 
 def router_health(url: str) -> dict:

@@ -174,4 +174,4 @@ def test_pushkv_status_prints_the_cost_model_on_one_line():
 
     line = format_costs(C.Costs(prefill_samples=3).as_dict())
     assert line.startswith("cost model: prefill 5.00 + 1.0000/token") and "(3 samples)" in line
-    assert "\n" not in line and "decode step 20.00" in line
+    assert "\n" not in line and "decode step 20.00" in line and "D's own prefill 5.00" in line
