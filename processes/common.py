@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
+import signal
 import sys
 
 from pushkv import envs
@@ -26,6 +28,8 @@ def parse(kind: str, with_rank: bool = True) -> tuple[argparse.Namespace, Deploy
         level=getattr(logging, cfg.log_level.upper(), logging.INFO), stream=sys.stderr,
         format=f"%(asctime)s %(levelname)s [{title.split(' ', 1)[1]}] %(name)s: %(message)s",
     )
+    # `kill -USR1 PID` prints every thread's stack to the process's log: where a stuck process is
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     try:
         import setproctitle
 

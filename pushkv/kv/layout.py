@@ -201,10 +201,18 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 # ------------------------------------------------------------------- choosing
+# No instance is cut over more ranks than this. A TP size past it, off the wire, is refused before
+# anything loops over its ranks: a Register naming tp = 2**31 would otherwise hold a writer's loop
+# for minutes in ``protocol.tp.consumers_for``.
+MAX_TP = 1024
+
+
 def rank_heads(tp: int, rank: int, total_kv_heads: int) -> tuple[int, int]:
     """``(first global head, count)`` held by ``rank`` of a ``tp``-way instance."""
     if tp < 1 or total_kv_heads < 1:
         raise ValueError(f"tp ({tp}) and total_kv_heads ({total_kv_heads}) must be >= 1")
+    if tp > MAX_TP:
+        raise ValueError(f"tp={tp} is past the largest TP size, {MAX_TP}")
     if not 0 <= rank < tp:
         raise ValueError(f"rank {rank} out of range for tp={tp}")
     if tp <= total_kv_heads:

@@ -50,6 +50,7 @@ def producers_for(d_rank: int, d_tp: int, p_tp: int, total_kv_heads: int) -> lis
 def consumers_for(p_rank: int, p_tp: int, d_tp: int, total_kv_heads: int) -> list[int]:
     """D ranks that P rank ``p_rank`` writes into, every D replica included (ascending)."""
     rank_heads(p_tp, p_rank, total_kv_heads)  # validates p_rank
+    rank_heads(d_tp, 0, total_kv_heads)  # validates d_tp (at most MAX_TP ranks to look at)
     return [
         d for d in range(d_tp) if p_rank in producers_for(d, d_tp, p_tp, total_kv_heads)
     ]

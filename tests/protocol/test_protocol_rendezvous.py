@@ -88,6 +88,7 @@ SCENARIOS = [
         (("reg", "t", 1, 0, 2, 0.0), [], "wait_prefill"),
     ]),
     ("bad_d_tp", {}, [(("reg", "t", 1, 0, 3, 0.0), ["count:bad_registration"], None)]),
+    ("huge_d_tp", {}, [(("reg", "t", 1, 0, 2**31, 0.0), ["count:bad_registration"], None)]),
     ("duplicate_registration_waiting", {}, [
         (("reg", "t", 1, 0, 1, 0.0), [], "wait_prefill"),
         (("reg", "t", 1, 0, 1, 1.0), ["count:duplicate_registration"], "wait_prefill"),

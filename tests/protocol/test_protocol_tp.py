@@ -25,7 +25,8 @@ def test_rank_heads(tp, rank, total, expected):
 
 @pytest.mark.parametrize(
     "tp,rank,total,msg",
-    [(3, 0, 4, "does not divide"), (6, 0, 4, "multiple"), (2, 2, 4, "out of range"), (0, 0, 4, ">= 1")],
+    [(3, 0, 4, "does not divide"), (6, 0, 4, "multiple"), (2, 2, 4, "out of range"), (0, 0, 4, ">= 1"),
+     (2**31, 0, 8, "past the largest TP size")],
 )
 def test_rank_heads_errors(tp, rank, total, msg):
     with pytest.raises(ValueError, match=msg):
@@ -93,3 +94,11 @@ def test_is_producer(p_tp, total, producers):
     for p in range(p_tp):  # a rank produces iff it has a consumer, whatever D's TP
         for d_tp in (1, 2, 4, 8):
             assert bool(consumers_for(p, p_tp, d_tp, total)) == is_producer(p, p_tp, total)
+
+
+def test_a_tp_size_off_the_wire_past_the_largest_is_refused_before_its_ranks_are_looked_at():
+    """A Register naming tp = 2**31 (a multiple of the heads) once held a P writer's loop for
+    minutes in ``consumers_for``, one D rank at a time: now it is refused at once."""
+    with pytest.raises(ValueError, match="past the largest TP size"):
+        consumers_for(0, 1, 2**31, 8)
+    assert consumers_for(0, 1, 1024, 8) == list(range(1024))  # the largest is still served
