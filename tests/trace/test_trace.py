@@ -492,3 +492,14 @@ def test_pull_deployment_tapped_spans_complete_and_ordered(tmp_path):
         got = _metrics(dep)
         assert got["pushkv_kv_transfer_seconds_count"] == 2  # D's READ times, from the decode leg
         assert not any(k.startswith("pushkv_kv_rendezvous_total") for k in got)
+
+
+def test_a_last_write_d_has_before_its_post_call_returns_counts_no_negative_transfer():
+    """write_posted is stamped when the post call returns: a layer-streamed push's last WRITE is
+    small, and D may have it first. The transfer stage is then 0, never negative, and the relay
+    runs to the KV's arrival."""
+    script = [(7.8, *ev[1:]) if ev[3] == "write_done" else ev for ev in push_script(1.2, 7.65)]
+    st = T.RequestTimeline(TID, events(script)).stages()
+    assert st["transfer"] == 0.0
+    assert st["relay"] * 1e3 == pytest.approx(7.6 - 5.0)
+    assert all(v >= 0 for v in st.values()), st

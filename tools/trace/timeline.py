@@ -288,6 +288,10 @@ class RequestTimeline:
         t_req = mk.get("router.http_request")
         posted = mk.get("prefill-writer.write_posted" if self.transport == "WRITE" else "decode-writer.read_posted")
         have = mk.get("decode.kv_received")
+        if posted is not None and have is not None and posted > have:
+            # write_posted is stamped when the post call returns: a layer-streamed push's last WRITE
+            # is small, and D may have it (and its notification) before the call is back
+            posted = have
         pairs = {
             "queue": (t_req, mk.get(f"{first}.prefill_start")),
             "prefill": (mk.get(f"{first}.prefill_start"), mk.get(f"{first}.prefill_end")),
