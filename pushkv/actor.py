@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional
 import msgspec
 import zmq
 
+from pushkv.dispatch import handler_for
 from pushkv import limits
 from pushkv import messages as m
 from pushkv import security
@@ -131,12 +132,7 @@ class Actor:
 
     # -- dispatch -----------------------------------------------------------
     def _handler(self, typ: type) -> Optional[Callable[..., Any]]:
-        h = self._handlers.get(typ)
-        if h is None:
-            h = getattr(self, f"on_{typ.__name__}", None)
-            if h is not None:
-                self._handlers[typ] = h
-        return h
+        return handler_for(self, self._handlers, typ)
 
     def _drain(self, ch: Channel) -> None:
         while True:

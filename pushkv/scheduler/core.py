@@ -32,6 +32,7 @@ import logging
 from collections import Counter, OrderedDict
 from typing import Any, Callable, Optional, Union
 
+from pushkv.dispatch import handler_for
 from pushkv import faults
 from pushkv import limits
 from pushkv import messages as m
@@ -139,12 +140,7 @@ class SchedulerCore:
         return self._handler(typ) is not None
 
     def _handler(self, typ: type) -> Optional[Callable[[Any, Peer], None]]:
-        h = self._handlers.get(typ)
-        if h is None:
-            h = getattr(self, f"on_{typ.__name__}", None)
-            if h is not None:
-                self._handlers[typ] = h
-        return h
+        return handler_for(self, self._handlers, typ)
 
     def handle(self, msg: Any, frm: Peer, now: float, wall: float) -> None:
         """Act on one decoded message from ``frm``; what to send lands in ``outbox``."""
