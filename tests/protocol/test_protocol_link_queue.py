@@ -1,0 +1,160 @@
+"""One link's transfer queue (protocol/link_queue.py): table-driven.
+
+Each case is a window, an order and a list of (event, the post ids released by it). Events:
+("offer", id, key, nbytes[, remaining, deadline]), ("done", id), ("drop", key) (then the ids
+are those dropped)."""
+import pytest
+
+from pushkv.protocol.link_queue import LinkPost, LinkQueue, Window, window_of
+
+MB = 2**20
+
+
+def step(q: LinkQueue, ev):
+    kind, *args = ev
+    if kind == "offer":
+        pid, key, nbytes, *rest = args
+        remaining, deadline = (rest + [0, 0.0])[:2] if rest else (0, 0.0)
+        return q.offer(LinkPost(pid, key, nbytes, remaining, deadline))
+    if kind == "done":
+        return q.done(args[0])
+    if kind == "drop":
+        return q.drop(args[0])
+    raise AssertionError(kind)
+
+
+CASES = [
+    ("unbounded: everything at once", Window(), "arrival", [
+        (("offer", "a1", "a", 10 * MB), ["a1"]),
+        (("offer", "b1", "b", 10 * MB), ["b1"]),
+        (("offer", "c1", "c", 10 * MB), ["c1"]),
+    ]),
+    ("one part: the next waits for the one in flight", Window(max_parts=1), "arrival", [
+        (("offer", "a1", "a", 4 * MB), ["a1"]),
+        (("offer", "b1", "b", 4 * MB), []),
+        (("offer", "c1", "c", 4 * MB), []),
+        (("done", "a1"), ["b1"]),
+        (("offer", "a2", "a", 4 * MB), []),  # a's next part queues behind c
+        (("done", "b1"), ["c1"]),
+        (("done", "c1"), ["a2"]),
+        (("done", "a2"), []),
+    ]),
+    ("two parts in flight", Window(max_parts=2), "arrival", [
+        (("offer", "a1", "a", 1), ["a1"]),
+        (("offer", "b1", "b", 1), ["b1"]),
+        (("offer", "c1", "c", 1), []),
+        (("done", "b1"), ["c1"]),
+        (("done", "a1"), []),
+    ]),
+    ("byte bound: small posts share, a big one waits", Window(max_bytes=8 * MB), "arrival", [
+        (("offer", "a1", "a", 3 * MB), ["a1"]),
+        (("offer", "b1", "b", 4 * MB), ["b1"]),
+        (("offer", "c1", "c", 2 * MB), []),  # 9 MiB > 8
+        (("done", "a1"), ["c1"]),
+    ]),
+    ("byte bound: an idle link takes a post bigger than the window", Window(max_bytes=1 * MB), "arrival", [
+        (("offer", "a1", "a", 64 * MB), ["a1"]),
+        (("offer", "b1", "b", 1), []),
+        (("done", "a1"), ["b1"]),
+    ]),
+    ("byte bound: arrival order holds a small post behind a big one", Window(max_bytes=8 * MB), "arrival", [
+        (("offer", "a1", "a", 6 * MB), ["a1"]),
+        (("offer", "b1", "b", 6 * MB), []),
+        (("offer", "c1", "c", 1 * MB), []),  # would fit, but b is first
+        (("done", "a1"), ["b1", "c1"]),
+    ]),
+    ("parts and bytes: the tighter bound holds", Window(max_parts=3, max_bytes=8 * MB), "arrival", [
+        (("offer", "a1", "a", 1), ["a1"]),
+        (("offer", "b1", "b", 1), ["b1"]),
+        (("offer", "c1", "c", 1), ["c1"]),
+        (("offer", "d1", "d", 1), []),
+        (("done", "c1"), ["d1"]),
+    ]),
+    ("shortest remaining first", Window(max_parts=1), "shortest", [
+        (("offer", "a1", "a", 4 * MB, 64 * MB), ["a1"]),
+        (("offer", "b1", "b", 4 * MB, 32 * MB), []),
+        (("offer", "c1", "c", 4 * MB, 8 * MB), []),
+        (("offer", "d1", "d", 4 * MB, 8 * MB), []),  # ties with c: c came first
+        (("done", "a1"), ["c1"]),
+        (("done", "c1"), ["d1"]),
+        (("done", "d1"), ["b1"]),
+    ]),
+    ("shortest without remaining: by the post's own size", Window(max_parts=1), "shortest", [
+        (("offer", "a1", "a", 9), ["a1"]),
+        (("offer", "b1", "b", 5), []),
+        (("offer", "c1", "c", 2), []),
+        (("done", "a1"), ["c1"]),
+    ]),
+    ("earliest deadline first", Window(max_parts=1), "deadline", [
+        (("offer", "a1", "a", 1, 0, 5.0), ["a1"]),
+        (("offer", "b1", "b", 1, 0, 9.0), []),
+        (("offer", "c1", "c", 1, 0, 3.0), []),
+        (("done", "a1"), ["c1"]),
+        (("done", "c1"), ["b1"]),
+    ]),
+    ("drop: a cancelled transfer's queued posts leave; its post in flight stays", Window(max_parts=1), "arrival", [
+        (("offer", "a1", "a", 1), ["a1"]),
+        (("offer", "b1", "b", 1), []),
+        (("offer", "c1", "c", 1), []),
+        (("drop", "b"), ["b1"]),
+        (("drop", "a"), []),  # a1 is on the wire: it ends by itself
+        (("done", "a1"), ["c1"]),
+    ]),
+    ("done of an id not in flight changes nothing", Window(max_parts=1), "arrival", [
+        (("offer", "a1", "a", 1), ["a1"]),
+        (("offer", "b1", "b", 1), []),
+        (("done", "zz"), []),
+        (("done", "b1"), []),  # queued, not in flight
+        (("done", "a1"), ["b1"]),
+        (("done", "a1"), []),  # twice
+    ]),
+]
+
+
+@pytest.mark.parametrize("name,window,order,events", CASES, ids=[c[0] for c in CASES])
+def test_link_queue(name, window, order, events):
+    q = LinkQueue(window, order)
+    for ev, want in events:
+        got = [p.post_id for p in step(q, ev)]
+        assert got == want, f"{name}: after {ev}"
+
+
+def test_counts_follow_the_posts():
+    q = LinkQueue(Window(max_parts=2))
+    for i in range(4):
+        q.offer(LinkPost(i, i, 100))
+    assert (q.queued, q.inflight, q.inflight_bytes, len(q)) == (2, 2, 200, 4)
+    q.done(0)
+    q.drop(3)
+    assert (q.queued, q.inflight, q.inflight_bytes, len(q)) == (0, 2, 200, 2)
+
+
+def _offer_twice(q):
+    q.offer(LinkPost("a", "k", 1))
+    q.offer(LinkPost("a", "k", 1))
+
+
+REFUSED = [
+    ("negative window", lambda: Window(max_parts=-1), "window"),
+    ("unknown order", lambda: LinkQueue(order="random"), "not one of"),  # type: ignore[arg-type]
+    ("negative size", lambda: LinkQueue().offer(LinkPost("a", "a", -1)), "nbytes"),
+    ("an id twice", lambda: _offer_twice(LinkQueue(Window(1))), "already"),
+    ("negative config", lambda: window_of(-1, 0, True), ">= 0"),
+]
+
+
+@pytest.mark.parametrize("name,make,says", REFUSED, ids=[c[0] for c in REFUSED])
+def test_bad_input_is_refused(name, make, says):
+    with pytest.raises(ValueError, match=says):
+        make()
+
+
+@pytest.mark.parametrize("parts,mib,slow,want", [
+    (0, 0, True, Window(1, 0)),  # auto on a slow link: one post at a time
+    (0, 0, False, None),  # auto on a fast link: no queue
+    (3, 0, False, Window(3, 0)),
+    (0, 16, False, Window(0, 16 * MB)),
+    (2, 16, True, Window(2, 16 * MB)),
+])
+def test_window_of_config(parts, mib, slow, want):
+    assert window_of(parts, mib, slow) == want
