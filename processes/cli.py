@@ -14,6 +14,7 @@ import argparse
 import logging
 import os
 import sys
+import typing
 from typing import Optional
 
 import msgspec
@@ -21,6 +22,7 @@ from setproctitle import setproctitle
 
 from pushkv.config import PRESETS, TRACE_AUTO, DeploymentConfig
 from pushkv.config_flags import GEOMETRY, user_config
+from pushkv.kinds import LinkOrder
 from pushkv.security import API_KEY_ENV, load_secret
 from pushkv.supervisor import deployments
 from pushkv.supervisor.plan import plan_deployment
@@ -94,6 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="P's writers post WRITEs from a second NIXL agent on its own thread, so a post that "
                         "blocks for the whole transfer (UCX over TCP) leaves the loop reading notifications; "
                         "auto (default) = on when UCX_TLS limits UCX to TCP for the network")
+    t.add_argument("--link-window", type=int, metavar="N",
+                   help="WRITEs P keeps on the link to each D rank at a time (the rest queue): overlapping "
+                        "WRITEs share a slow link badly; 0 (default) = auto: 1 when UCX_TLS limits UCX to TCP, "
+                        "else no queue")
+    t.add_argument("--link-window-mib", type=int, metavar="MIB",
+                   help="and at most this many MiB of them (an idle link still takes one larger); 0 = no bound")
+    t.add_argument("--link-order", choices=typing.get_args(LinkOrder),
+                   help="which queued WRITE goes next on a link: arrival (default), shortest (fewest bytes left "
+                        "of its request), deadline (oldest transfer first)")
     t.add_argument("--writer-warm", choices=("auto", "on", "off"),
                    help="writers spin (a core each) while a transfer with them is expected, so its post and "
                         "completion skip the wake-up from idle; auto (default) = on for CUDA instances")

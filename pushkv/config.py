@@ -20,7 +20,7 @@ from typing import Any, Literal, Optional
 
 import msgspec
 
-from pushkv.kinds import Engine, HostRole, KVVerify, Mode, PullRead, PushStream, RandomInit, Role, Switch
+from pushkv.kinds import Engine, HostRole, KVVerify, LinkOrder, Mode, PullRead, PushStream, RandomInit, Role, Switch
 from pushkv.messages import PrefillSource
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -317,6 +317,13 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
     # UCX's TCP transport a post returns only when the transfer is done, and the loop would read no
     # notification meanwhile. "auto" = on when UCX_TLS limits UCX to TCP lanes (poster.wanted).
     writer_post_thread: Switch = "auto"
+    # P's writers queue the WRITEs bound for each D rank (protocol/link_queue.py) and keep at most
+    # link_window of them (and link_window_mib MiB, 0: no byte bound) on the link at a time, the
+    # next chosen by link_order: WRITEs that overlap on a slow link share it badly (issue 27).
+    # link_window 0 = auto: 1 when UCX_TLS limits UCX to TCP lanes (as for the poster), else no queue.
+    link_window: int = 0
+    link_window_mib: int = 0
+    link_order: LinkOrder = "arrival"
     # the names a request's "model" may give (vLLM's --served-model-name); none: the model's name
     # (preset or checkpoint directory) and the checkpoint's path. Another name gets 404.
     served_model_name: tuple[str, ...] = ()
@@ -329,6 +336,9 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
 
     def __post_init__(self) -> None:
         check_choices(self)
+        if self.link_window < 0 or self.link_window_mib < 0:
+            raise ValueError(f"DeploymentConfig.link_window ({self.link_window}) and link_window_mib "
+                             f"({self.link_window_mib}) are >= 0 (0: auto / no byte bound)")
 
     def served_names(self) -> tuple[str, ...]:
         if self.served_model_name:

@@ -15,3 +15,4 @@ KVVerify = Literal["off", "sample", "full"]
 Switch = Literal["auto", "on", "off"]  # "auto": the code decides (see each field)
 Engine = Literal["auto", "batched", "per-seq"]
 RandomInit = Literal["cpu", "device"]
+LinkOrder = Literal["arrival", "shortest", "deadline"]  # which queued WRITE goes next on a link

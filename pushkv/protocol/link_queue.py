@@ -27,9 +27,10 @@ has at most one WRITE of a request asked for at a time.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable, Literal, Optional
+from typing import Hashable, Optional
 
-LinkOrder = Literal["arrival", "shortest", "deadline"]
+from pushkv.kinds import LinkOrder
+
 ORDERS: tuple[LinkOrder, ...] = ("arrival", "shortest", "deadline")
 
 

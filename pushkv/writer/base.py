@@ -209,4 +209,7 @@ class WriterBase(WarmWriter):
         gauges = {"warm_expected": len(self._warm)}
         if getattr(self, "nixl", None) is not None and self.nixl.poster is not None:
             gauges["poster_posts"] = self.nixl.poster.posts  # transfers its thread posted
+        link_posts = getattr(self, "link_posts", None)
+        if link_posts is not None:  # P's link queues: WRITEs waiting, on the wire
+            gauges.update(link_posts.gauges())
         self.send(self.sched, m.WriterStats(counters={**self.counters, **gauges}))

@@ -42,6 +42,20 @@ class InFlight:
     failed: str = ""
     part: bool = False  # a streamed part WRITE (no notification; the last WRITE follows)
     info: Any = None  # the writer's own (what to report when it ends)
+    queued: int = 0  # posts of it still waiting in a link queue (it ends once they went and ended)
+
+
+@dataclass
+class SpanPost:
+    """A planned transfer with one peer, not posted yet: by grid ``indices`` (local, remote) or
+    by byte ``regions`` (local offset, remote offset, nbytes)."""
+
+    op: str
+    peer: Peer
+    nbytes: int
+    runs: int
+    indices: Optional[tuple[Any, Any]] = None
+    regions: Any = None
 
 
 class PostingWriter(PeerWriter):
@@ -154,6 +168,13 @@ class PostingWriter(PeerWriter):
         """``post_blocks`` of several ``(src_blocks, dst_blocks, num_tokens, layer groups or None)``
         spans as one transfer (one notification): a layer-streamed WRITE moves each layer
         group from its own first token."""
+        sp = self.plan_spans(op, peer, heads, spans)
+        before(sp.nbytes)
+        return self.post_planned(sp, notif(sp.nbytes, sp.runs)), sp.nbytes, sp.runs
+
+    def plan_spans(self, op: str, peer: Peer, heads: Optional[tuple[int, int]], spans) -> "SpanPost":
+        """What ``post_spans`` would post, without posting it: its size is known before it goes
+        (P's link queue orders and bounds posts by it)."""
         we_send = op == "WRITE"
         plan = self._index_plan(peer, heads, we_send)
         if plan is not None:
@@ -161,18 +182,21 @@ class PostingWriter(PeerWriter):
             si, di = parts[0][:2] if len(parts) == 1 else (
                 np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
             nbytes, runs = sum(p[2] for p in parts), sum(p[3] for p in parts)
-            before(nbytes)
             local, remote = (si, di) if we_send else (di, si)
-            self.counters["posts_prepped"] += 1  # by index into the prepared lists, as post() does
-            self.counters["posts_planned"] += 1  # ... with indices straight from block ids
-            return self.nixl.post_prepped(op, local, peer.agent, remote, notif(nbytes, runs)), nbytes, runs
+            return SpanPost(op, peer, nbytes, runs, indices=(local, remote))
         ours = self.memory.layout
         src, dst = (ours, peer.layout) if we_send else (peer.layout, ours)
         regions = [r for s, d, n, g in spans for r in map_transfer(src, s, dst, d, n, heads, g)]
-        nbytes, runs = sum(r[2] for r in regions), len(regions)
-        before(nbytes)
-        local = regions if we_send else [(d, s, n) for s, d, n in regions]  # (local, remote, bytes)
-        return self.post(op, peer, local, notif(nbytes, runs)), nbytes, runs
+        local_regions = regions if we_send else [(d, s, n) for s, d, n in regions]  # (local, remote, bytes)
+        return SpanPost(op, peer, sum(r[2] for r in regions), len(regions), regions=local_regions)
+
+    def post_planned(self, sp: "SpanPost", notif: bytes = b""):
+        """Post what ``plan_spans`` planned; returns the handle."""
+        if sp.indices is not None:
+            self.counters["posts_prepped"] += 1  # by index into the prepared lists, as post() does
+            self.counters["posts_planned"] += 1  # ... with indices straight from block ids
+            return self.nixl.post_prepped(sp.op, sp.indices[0], sp.peer.agent, sp.indices[1], notif)
+        return self.post(sp.op, sp.peer, sp.regions, notif)
 
     # -- reaping --------------------------------------------------------------------------
     def check_inflight(self, now: float) -> None:
@@ -189,6 +213,7 @@ class PostingWriter(PeerWriter):
                 break
 
     def _check_one(self, key, fl: InFlight, now: float) -> None:
+        before = fl.handles
         if now - fl.posted > self.stuck_s:  # a peer that vanished mid-transfer may never answer
             self.counters["transfer_stuck"] += 1
             fl.failed = fl.failed or f"transfer stuck for {self.stuck_s:.0f}s; abandoned"
@@ -198,10 +223,15 @@ class PostingWriter(PeerWriter):
         pending, failure = self.nixl.reap(fl.handles, "transfer failed in flight")
         fl.failed = fl.failed or failure
         fl.handles = pending
-        if not pending:
+        if len(pending) < len(before):  # (handles may be plain ints: compare by identity)
+            self.handles_ended([h for h in before if all(h is not p for p in pending)], now)
+        if not fl.handles and not fl.queued and key in self.inflight:
             del self.inflight[key]
             self._last_activity = now
             self.transfer_finished(fl, now)
+
+    def handles_ended(self, handles: list, now: float) -> None:
+        """These handles' transfers ended (done, failed or abandoned): a link queue's room."""
 
     def transfer_finished(self, fl: InFlight, now: float) -> None:
         raise NotImplementedError

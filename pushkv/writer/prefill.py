@@ -5,6 +5,7 @@ Pull mode: holds finished blocks under a lease until D's READ is done.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Union
@@ -14,11 +15,15 @@ from pushkv import messages as m
 from pushkv.protocol import actions as A
 from pushkv.protocol import rendezvous as rv
 from pushkv.protocol.lease import Leases
+from pushkv.protocol.link_queue import window_of
 from pushkv.kv.layout import layer_groups, stream_plan, window_group
 from pushkv.protocol.tp import consumers_for, head_overlap
+from pushkv.transport import poster
 from pushkv.transport.nixl_agent import TransferError
 from pushkv.kv import damage
 from pushkv.writer.base import InFlight, WriterBase
+from pushkv.writer.link_posts import LinkPosts
+from pushkv.writer.posting import SpanPost
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +42,19 @@ class PrefillTransfer:
     write_s: float = 0.0  # post to completion (the last WRITE)
     parts: int = 0  # streamed part WRITEs posted
     stages: dict[str, float] = field(default_factory=dict)  # writer-side timeline (wall time)
+    first_queued: float = 0.0  # monotonic: its first WRITE's turn in a link queue (order "deadline")
+
+
+@dataclass
+class _Post:
+    """A planned WRITE to one D rank, waiting for its turn in that rank's link queue."""
+
+    a: A.PostWrite
+    reg: m.Register
+    peer: object
+    sp: SpanPost
+    notif: bytes
+    fl: InFlight
 
 
 class PrefillWriter(WriterBase):
@@ -50,6 +68,9 @@ class PrefillWriter(WriterBase):
         self.leases = Leases(t.lease_s, t.lease_max_s)
         self._transfers: dict[tuple[str, int], PrefillTransfer] = {}
         self._checksums: dict[tuple[str, int], m.KVChecksums] = {}  # until the transfer's blocks are freed
+        # one queue per D rank we WRITE into (cfg.link_window; None: every WRITE posts at once)
+        window = window_of(cfg.link_window, cfg.link_window_mib, poster.wanted("auto", os.environ.get("UCX_TLS", "")))
+        self.link_posts = LinkPosts(window, cfg.link_order) if window is not None else None
 
     def has_pending(self) -> bool:
         return self.rdv.next_deadline() is not None or self.leases.next_deadline() is not None
@@ -232,6 +253,9 @@ class PrefillWriter(WriterBase):
                 self._free(a)
             elif isinstance(a, A.Count):
                 self.counters[a.name] += 1
+        for a in actions:
+            if isinstance(a, A.Failed):
+                self._drop_queued((a.transfer_id, a.generation), a.reason)
         if self._warm:
             for key in {(a.transfer_id, a.generation) for a in actions if hasattr(a, "transfer_id")}:
                 self._sync_warm(key, now)
@@ -276,7 +300,8 @@ class PrefillWriter(WriterBase):
     def _post_write(self, a, now: float) -> None:
         faults.point(self.name, "post_write" if a.last else "post_part")
         key = (a.transfer_id, a.generation)
-        self._stamp(key, "write_post_start" if a.last else "part_post_first")  # to write_posted: our post cost
+        if self.link_posts is not None:  # (the post's own stamps come when it leaves the queue)
+            self._stamp(key, "write_queued" if a.last else "part_queued")
         fl = InFlight(a.transfer_id, a.generation, posted=now, part=not a.last)
         t0 = a.token_start
         token_spans = list(a.spans or ((-1, t0, t0 + a.num_tokens),))  # (layer group, first token, end token)
@@ -308,18 +333,79 @@ class PrefillWriter(WriterBase):
                   _swapped(reg.block_ids[t // peer.layout.block_size:], swap), end - t, None if g < 0 else (g,))
                  for g, t, end in token_spans]
         sums = self._checksums.get(key) if a.last else None
-        notif = ((lambda n, r: m.encode(m.WriteDone(a.transfer_id, a.generation, self.rank, a.first_token, n, r, sums)))
-                 if a.last else (lambda n, r: b""))
-        h, nbytes, runs = self.post_spans("WRITE", peer, heads, spans, notif)
-        fl.handles.append(h)
+        sp = self.plan_spans("WRITE", peer, heads, spans)
+        notif = (m.encode(m.WriteDone(a.transfer_id, a.generation, self.rank, a.first_token, sp.nbytes, sp.runs, sums))
+                 if a.last else b"")
+        post = _Post(a, reg, peer, sp, notif, fl)
+        if self.link_posts is None:
+            self._send(post)
+            return
+        t = self._record(key)
+        t.first_queued = t.first_queued or fl.posted
+        # bytes the request has left (order "shortest"): this post's rate over the prompt's rest
+        left = max(1, len(a.block_ids) * self.layout.block_size - a.token_start)
+        remaining = sp.nbytes * left // max(1, a.num_tokens)
+        fl.queued += 1
+        self.counters["link_posts_queued"] += 1
+        self._send_released(self.link_posts.offer((reg.d_engine_id, reg.d_rank), key, sp.nbytes, remaining,
+                                                  t.first_queued + self.cfg.timeouts.transfer_s, post))
+
+    def _send(self, post: _Post):
+        """Post one planned WRITE to one D rank now; returns its handle (raises if it fails to post)."""
+        a, key = post.a, (post.a.transfer_id, post.a.generation)
+        self._stamp(key, "write_post_start" if a.last else "part_post_first")  # to write_posted: our post cost
+        h = self.post_planned(post.sp, post.notif)
+        post.fl.handles.append(h)
         if a.last:
             self._stamp(key, "write_post_returned")  # the NIXL post to this D rank returned
-        self._hint(a, reg, peer, nbytes)
+        self._hint(a, post.reg, post.peer, post.sp.nbytes)
         if a.last:
             self._stamp(key, "write_woke")
+            self._stamp(key, "write_posted")
         self.counters["write_posts" if a.last else "part_posts"] += 1  # one per D rank this rank writes into
-        fl.nbytes += nbytes
-        fl.num_descs += runs
+        post.fl.nbytes += post.sp.nbytes
+        post.fl.num_descs += post.sp.runs
+        t = self._record(key)
+        t.nbytes += post.sp.nbytes
+        t.num_descs += post.sp.runs
+        if not a.last:
+            self.counters["part_bytes"] += post.sp.nbytes
+        return h
+
+    def _send_released(self, released) -> None:
+        """Post what the link queues released (each the next WRITE on its link). A post that
+        fails, or whose transfer failed meanwhile, frees its room at once and fails its WRITE."""
+        assert self.link_posts is not None
+        while released:
+            link, pid, post = released.pop(0)
+            fl = post.fl
+            fl.queued -= 1
+            if not fl.failed:
+                try:
+                    self.link_posts.sent(link, pid, self._send(post))
+                    continue
+                except Exception as e:
+                    self.counters["write_post_failed"] += 1
+                    log.error("%s: WRITE post failed: %s transfer_id=%s", self.name, e, fl.transfer_id)
+                    fl.failed = f"WRITE failed to post: {e}"
+            else:
+                self.counters["link_posts_skipped"] += 1
+            released += self.link_posts.done(link, pid)
+
+    def handles_ended(self, handles: list, now: float) -> None:
+        if self.link_posts is not None:
+            for h in handles:
+                self._send_released(self.link_posts.ended(h))
+
+    def _drop_queued(self, key, reason: str) -> None:
+        """A failed transfer's WRITEs still queued never go: each fails its InFlight, which then
+        ends (the loop's reaping) and lets the rendezvous free the blocks as for a failed WRITE."""
+        if self.link_posts is None:
+            return
+        for post in self.link_posts.drop(key):
+            post.fl.queued -= 1
+            post.fl.failed = post.fl.failed or f"dropped from the link queue: {reason}"
+            self.counters["link_posts_dropped"] += 1
 
     def _hint(self, a, reg, peer, nbytes: int) -> None:
         """After the post, off its path: the hint's ZMQ message wakes D's loop at once, and D's
@@ -341,19 +427,16 @@ class PrefillWriter(WriterBase):
         key = (a.transfer_id, a.generation)
         self.trace_event("write_posted" if a.last else "part_posted", a.transfer_id, f"{fl.nbytes}B/{fl.num_descs}d")
         t = self._record(key)
-        t.nbytes += fl.nbytes
-        t.num_descs += fl.num_descs
         if a.last:
-            self._stamp(key, "write_posted")
             ikey = key
         else:
             t.parts += 1
-            self.counters["part_bytes"] += fl.nbytes
             self._parts_posted += 1
             ikey = (a.transfer_id, a.generation, self._parts_posted)
-        if fl.handles:
+        if fl.handles or fl.queued:
             self.inflight[ikey] = fl
-            self.settle(ikey)
+            if fl.handles:
+                self.settle(ikey)
         else:
             self.transfer_finished(fl, now)
 

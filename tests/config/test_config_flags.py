@@ -30,6 +30,8 @@ CASES = [
      {"mode": "pull", "pull_read": "inline", "kv_verify": "off"}),
     ("pull-write", ("--mode", "pull", "--pull-read", "write", "--writer-warm", "off", "--writer-post-thread", "on"),
      {"mode": "pull", "pull_read": "write", "writer_warm": "off", "writer_post_thread": "on"}),
+    ("link-queue", ("--link-window", "2", "--link-window-mib", "64", "--link-order", "shortest"),
+     {"link_window": 2, "link_window_mib": 64, "link_order": "shortest"}),
     ("local", ("--mode", "local", "--tp", "2", "--num-blocks", "64", "--no-prefix-cache", "--engine", "per-seq"),
      {"mode": "local", "local.tp": 2, "local.num_blocks": 64, "local.prefix_cache": False,
       "prefill.prefix_cache": False, "model.engine": "per-seq"}),

@@ -24,6 +24,7 @@ BAD_JSON = [
     ({"kv_verify": "ful"}, "$.kv_verify", "'off', 'sample', 'full'"),
     ({"writer_warm": "yes"}, "$.writer_warm", "'auto', 'on', 'off'"),
     ({"writer_post_thread": "1"}, "$.writer_post_thread", "'auto', 'on', 'off'"),
+    ({"link_order": "fifo"}, "$.link_order", "'arrival', 'shortest', 'deadline'"),
     ({"host_role": "both"}, "$.host_role", "'', 'router', 'prefill', 'decode'"),
     ({"prefill": {"role": "prefil"}}, "$.prefill.role", "'prefill', 'decode', 'local'"),
     ({"decodes": [{"role": "decode"}, {"role": "d"}]}, "$.decodes[1].role", "'prefill', 'decode', 'local'"),
@@ -71,7 +72,7 @@ def test_every_closed_field_is_typed():
     """The fields compared against fixed strings across the code are Literals (so mypy's
     strict_equality checks each comparison)."""
     assert set(choices(DeploymentConfig)) == {"mode", "pull_read", "push_stream", "kv_verify", "writer_warm",
-                                              "writer_post_thread", "host_role"}
+                                              "writer_post_thread", "host_role", "link_order"}
     assert set(choices(InstanceConfig)) == {"role"}
     assert set(choices(ModelConfig)) == {"engine", "random_init"}
     assert set(choices(m.Generate)) == {"leg"}

@@ -55,9 +55,10 @@ CASES = [
     ("push-layer chunked tp2->1 p16/d32", "small", LAYER + CHUNK + shape(2, 1, 16, 32), 2, "layer"),
     ("push-layer mla tp2->1 p16/d32", "mla", LAYER + shape(2, 1, 16, 32), 2, "layer"),
     ("push-layer hybrid tp1->1", "hybrid", LAYER, 1, "fallback: sliding-window layers"),
-    # each P rank's WRITEs posted by its own second agent on a thread (what UCX over TCP gets by default)
-    ("push-layer threaded post tp2->1 p16/d32", "small", LAYER + ("--writer-post-thread", "on") + shape(2, 1, 16, 32),
-     2, "layer"),
+    # each P rank's WRITEs posted by its own second agent on a thread, one at a time through its link
+    # queue (what UCX over TCP gets by default)
+    ("push-layer threaded post tp2->1 p16/d32", "small",
+     LAYER + ("--writer-post-thread", "on", "--link-window", "1") + shape(2, 1, 16, 32), 2, "layer"),
 ]
 
 
@@ -134,6 +135,11 @@ def test_chunked_and_streamed_tokens_equal_local(name, model, flags, ref_tp, str
                 writes_to = len(consumers_for(r, p_tp, d_tp, cfg.model.cache_kv_heads)) if \
                     is_producer(r, p_tp, cfg.model.cache_kv_heads) else 0
                 assert posts[r] == parts[r] * writes_to, (r, parts, posts)  # MLA: rank 1, a replica, writes none
+        if "--link-window" in flags:  # every WRITE took its turn in its link's queue, one on the link at a time
+            writes = per_rank(counters, "write_posts")
+            assert per_rank(counters, "link_posts_queued") == [a + b for a, b in zip(posts, writes)], counters
+            assert per_rank(counters, "link_inflight_peak") == [1] * p_tp, counters
+            assert per_rank(counters, "link_queued") == [0] * p_tp, counters
         else:  # pull streams nothing; the hybrid push hears every chunk (chunk) and falls back to one WRITE
             assert per_rank(counters, "stream_progress_received") == [10 if stream and "chunk" in flags else 0] * p_tp
             assert per_rank(counters, "layer_marks_received") == [0] * p_tp

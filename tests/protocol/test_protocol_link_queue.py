@@ -5,6 +5,7 @@ Each case is a window, an order and a list of (event, the post ids released by i
 are those dropped)."""
 import pytest
 
+from pushkv.config import DeploymentConfig
 from pushkv.protocol.link_queue import LinkPost, LinkQueue, Window, window_of
 
 MB = 2**20
@@ -140,6 +141,7 @@ REFUSED = [
     ("negative size", lambda: LinkQueue().offer(LinkPost("a", "a", -1)), "nbytes"),
     ("an id twice", lambda: _offer_twice(LinkQueue(Window(1))), "already"),
     ("negative config", lambda: window_of(-1, 0, True), ">= 0"),
+    ("negative config field", lambda: DeploymentConfig(link_window=-1), ">= 0"),
 ]
 
 
