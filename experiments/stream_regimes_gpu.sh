@@ -3,7 +3,7 @@
 # Steps (any order): e2e (GPU end-to-end tests: layer-streamed push, the default, equals local), probe (a WRITE
 # posted from a second thread over UCX's TCP transport: does the loop stay free?), device (lone TTFT per mode
 # on the device path, 1k-16k), devload (8k x QPS 2 per mode), tcp (lone per mode over UCX TCP), tcpload (1k x
-# QPS 2 over UCX TCP), tcpposter (that load with P's poster thread off and on). Needs the wheels of tools/gpu_wheels.sh in .whl/.
+# QPS 2 over UCX TCP), tcpposter (that load with P's poster thread off and on), tcplink (that load per link window). Needs the wheels of tools/gpu_wheels.sh in .whl/.
 #   bash experiments/stream_regimes_gpu.sh e2e probe device devload
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -42,6 +42,9 @@ for step in "$@"; do
     tcpload) GROUPS_N=9 load tcp_load_1k 1024 $TCP ;;
     tcpposter) # the same load, P's WRITEs posted on the loop (off) and by a poster thread (on; auto's choice here)
            for v in off on; do UP_EXTRA="--writer-post-thread $v" GROUPS_N=9 load tcp_load_1k_poster_$v 1024 $TCP; done ;;
+    tcplink) # that load with P's link queue at each window (--link-window: 1 = auto's choice over TCP; 64 = every
+             # WRITE at once, as before the queue)
+           for w in ${WINDOWS:-1 64}; do UP_EXTRA="--link-window $w ${UP_EXTRA:-}" GROUPS_N=9 load tcp_load_1k_window_$w 1024 $TCP; done ;;
     *) echo "unknown step $step" ;;
   esac
 done
