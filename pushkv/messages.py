@@ -502,7 +502,7 @@ PeerNotif = Union[Register, WriteDone, WriteFailed, ReadDone, CancelTransfer, Re
 # Channel: writer handshake (ZMQ DEALER/ROUTER, once per peer pair; the link then carries wake hints)
 # ---------------------------------------------------------------------------
 # The writers' handshake says which wire it speaks; a peer on another version is refused by name.
-WIRE_VERSION = 3  # 3: KVChecksums.sums packed as bytes
+WIRE_VERSION = 4  # 3: KVChecksums.sums packed as bytes; 4: control on the handshake link (HandshakeMsg)
 
 
 class Hello(Msg):
@@ -544,7 +544,10 @@ class TransferStarting(Msg):
     nbytes: int = 0
 
 
-HandshakeMsg = Union[Hello, TransferStarting, HelloRefused]
+# Control travels on the handshake link too, once it is up (writer/posting.py ``control``): over UCX
+# TCP a NIXL notification queues behind the KV bytes on the same connection, and a Register waited
+# 100-1,100 ms there at load (issue 27). WriteDone stays a notification: it must follow its WRITE's bytes.
+HandshakeMsg = Union[Hello, TransferStarting, HelloRefused, Register, CancelTransfer, WriteFailed]
 
 
 # ---------------------------------------------------------------------------

@@ -123,7 +123,7 @@ class DecodeWriter(WriterBase):
         reg = m.Register(tid, gen, self.inst.engine_id, self.rank, self.inst.tp, block_ids, num_tokens, deadline_s,
                          warm=key in self._warm, cached_tokens=cached_tokens)
         for p in peers:
-            self.notify(p, reg)
+            self.control(p, reg)
         self.trace_event("registration_sent", tid)
         faults.point(self.name, "registration_sent")
 
@@ -208,7 +208,7 @@ class DecodeWriter(WriterBase):
         for r in outstanding:
             peer = self.peers.get((reg.source.engine_id, r))
             if peer is not None:
-                self.notify(peer, m.CancelTransfer(key[0], key[1], reason))
+                self.control(peer, m.CancelTransfer(key[0], key[1], reason))
         if outstanding and reg.source.engine_id not in self._dead_engines:
             self.counters["quarantined"] += 1
             self._quarantine[key] = Quarantined(outstanding, now + self.cfg.timeouts.transfer_s, reason,
@@ -328,7 +328,7 @@ class DecodeWriter(WriterBase):
             if peer is None:
                 continue
             if fl.failed:
-                self.notify(peer, m.CancelTransfer(fl.transfer_id, fl.generation, fl.failed))
+                self.control(peer, m.CancelTransfer(fl.transfer_id, fl.generation, fl.failed))
             else:
                 self.notify(peer, m.ReadDone(fl.transfer_id, fl.generation, self.rank))
         if fl.failed:

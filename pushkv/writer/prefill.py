@@ -192,7 +192,7 @@ class PrefillWriter(WriterBase):
         if why:  # refused at once: D fails the request now rather than at its WRITE deadline
             self.counters["register_bad_cached_tokens"] += 1
             log.error("%s: Register refused: %s transfer_id=%s", self.name, why, msg.transfer_id)
-            self.notify(self.peers_by_agent[agent], m.WriteFailed(msg.transfer_id, msg.generation, self.rank, why))
+            self.control(self.peers_by_agent[agent], m.WriteFailed(msg.transfer_id, msg.generation, self.rank, why))
             return
         self._record((msg.transfer_id, msg.generation)).d_engine_id = msg.d_engine_id
         self._stamp((msg.transfer_id, msg.generation), "registration_received")
@@ -248,7 +248,7 @@ class PrefillWriter(WriterBase):
                 for reg in a.registrations:
                     peer = self.peers.get((reg.d_engine_id, reg.d_rank))
                     if peer is not None:
-                        self.notify(peer, m.WriteFailed(a.transfer_id, a.generation, self.rank, a.reason))
+                        self.control(peer, m.WriteFailed(a.transfer_id, a.generation, self.rank, a.reason))
             elif isinstance(a, A.FreeBlocks):
                 self._free(a)
             elif isinstance(a, A.Count):

@@ -87,33 +87,41 @@ class FakePeer:
         self.remote = ""
 
     def handshake(self, endpoint: str) -> m.Hello:
-        s = dealer(endpoint)
-        try:
-            s.send(m.encode(m.Hello(self.name, 0, 1, self.name, self.agent.metadata(), 0, self.layout,
-                                    wire_version=m.WIRE_VERSION, model_id=self.model_id)))
-            assert s.poll(10_000), "no handshake answer"
-            reply = m.DEC_HANDSHAKE.decode(s.recv())
-        finally:
-            s.close(0)
+        """Hello on a DEALER kept open afterwards, as a peer writer keeps its link: control
+        (Register, CancelTransfer, WriteFailed) travels on it."""
+        self.link = s = dealer(endpoint)
+        s.send(m.encode(m.Hello(self.name, 0, 1, self.name, self.agent.metadata(), 0, self.layout,
+                                wire_version=m.WIRE_VERSION, model_id=self.model_id)))
+        assert s.poll(10_000), "no handshake answer"
+        reply = m.DEC_HANDSHAKE.decode(s.recv())
         self.remote = self.agent.add_remote(reply.agent_metadata)
         return reply
 
     def notify(self, payload: bytes) -> None:
         self.agent.send_notif(self.remote, payload)
 
+    def control(self, msg) -> None:
+        self.link.send(m.encode(msg))
+
+    def _received(self) -> list:
+        out = [m.DEC_PEER.decode(p) for payloads in self.agent.poll_notifs().values() for p in payloads]
+        while self.link.poll(0):
+            out.append(m.DEC_HANDSHAKE.decode(self.link.recv()))
+        return out
+
     def pump(self, wait_s: float) -> None:
         """Drive this agent's progress (no progress thread) so queued notifications leave."""
         end = time.monotonic() + wait_s
         while time.monotonic() < end:
-            assert not self.agent.poll_notifs(), "unexpected answer"
+            assert not self._received(), "unexpected answer"
             time.sleep(0.005)
 
     def notifs(self, wait_s: float) -> list:
+        """What the writer told us, by NIXL notification or on the link."""
         end = time.monotonic() + wait_s
         out: list = []
         while not out and time.monotonic() < end:
-            for payloads in self.agent.poll_notifs().values():
-                out += [m.DEC_PEER.decode(p) for p in payloads]
+            out += self._received()
             time.sleep(0.005)
         return out
 
@@ -278,9 +286,9 @@ def test_registration_for_unknown_transfer_expires_and_is_answered(pair):
     before = p.counters()
     t0 = time.monotonic()
     reg = m.Register("orphan", 0, "fake-consumer", 0, 1, (1, 2), 20, deadline=0.5)
-    fake.notify(m.encode(reg))
-    fake.notify(m.encode(reg))  # duplicate
-    fake.notify(m.encode(m.Register("orphan-tp", 0, "fake-consumer", 0, 3, (1,), 1)))  # impossible TP
+    fake.control(reg)  # on the handshake link, as D's writer sends it
+    fake.notify(m.encode(reg))  # duplicate, as a NIXL notification (still accepted)
+    fake.control(m.Register("orphan-tp", 0, "fake-consumer", 0, 3, (1,), 1))  # impossible TP
     got = fake.notifs(wait_s=5)
     detect_s = time.monotonic() - t0
     assert [type(x) for x in got] == [m.WriteFailed] and got[0].transfer_id == "orphan", got
@@ -290,6 +298,21 @@ def test_registration_for_unknown_transfer_expires_and_is_answered(pair):
     assert 0.4 < detect_s < 0.5 + 2, detect_s
     p.quiet("orphan")  # no P blocks were involved: nothing for P's scheduler
     print(f"orphan registration: WriteFailed to the registering peer after {detect_s * 1e3:.0f} ms")
+
+
+def test_control_from_a_link_without_a_handshake_is_dropped(pair):
+    """A Register on P's handshake ROUTER from a socket that never completed a Hello there: no
+    peer stands behind it, so it is counted and dropped, and nothing answers it."""
+    cfg, p, d = pair
+    before = p.counters()
+    s = dealer(cfg.prefill.handshake_endpoints[0])
+    try:
+        s.send(m.encode(m.Register("stranger", 0, "nobody", 0, 1, (1, 2), 20, deadline=0.5)))
+        c = p.wait_counter("control_from_unknown_peer", before.get("control_from_unknown_peer", 0) + 1)
+        assert c.get("registrations_received", 0) == before.get("registrations_received", 0), c
+        assert not s.poll(300)
+    finally:
+        s.close(0)
 
 
 def test_lease_renewal_for_no_lease_is_counted(pair):

@@ -85,6 +85,8 @@ def test_many_requests_go_one_at_a_time_and_land_whole(pair):
     assert st["link_posts_queued"] == N, st
     assert st["link_inflight_peak"] == 1, st  # the window: one WRITE on the link at a time
     assert (st["link_queued"], st["link_inflight"]) == (0, 0), st
+    # D's registrations came on the handshake link, not behind the KV bytes as NIXL notifications
+    assert st.get("control_received", 0) >= N and st.get("control_by_notif", 0) == 0, st
 
 
 def test_cancel_amid_the_queue_ends_every_request_once(pair):
