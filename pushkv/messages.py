@@ -545,8 +545,8 @@ class TransferStarting(Msg):
 
 
 # Control travels on the handshake link too, once it is up (writer/posting.py ``control``): over UCX
-# TCP a NIXL notification queues behind the KV bytes on the same connection, and a Register waited
-# 100-1,100 ms there at load (issue 27). WriteDone stays a notification: it must follow its WRITE's bytes.
+# TCP a NIXL notification shares the connection that carries the KV bytes (issue 27), the link does
+# not. WriteDone stays a notification: it must follow its WRITE's bytes.
 HandshakeMsg = Union[Hello, TransferStarting, HelloRefused, Register, CancelTransfer, WriteFailed]
 
 
