@@ -1,12 +1,15 @@
-"""``pushkv vllm-proxy``: an OpenAI ``/v1/completions`` front for vLLM P/D
-instances that use pushkv's connector.
+"""``pushkv vllm-proxy``: an OpenAI front (``/v1/completions``, ``/v1/chat/completions``,
+``/v1/models``) for vLLM P/D instances that use pushkv's connector.
 
 Each request goes to one P and one D **at the same time**, with one transfer
 id in both legs' ``kv_transfer_params`` (see ``params.py`` for what other
 routers must send). D registers its blocks as soon as it allocates them, P
 WRITEs when its prefill ends, D decodes; the client gets D's response,
-streaming or not. P's identity (``pushkv_source``) is learnt from one probe
-request per P at start and refreshed from every P response.
+streaming or not. A chat request goes to both instances' chat endpoint, so each
+applies the same chat template to the same messages: the prompt P computes is the
+one D decodes from. P's identity (``pushkv_source``) is learnt from one probe
+request per P at start and refreshed from every P response. Errors are OpenAI's
+shape (``{"error": {"message", "type", "param", "code"}}``).
 
     pushkv vllm-proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
 """
@@ -30,6 +33,12 @@ from pushkv.vllm.timing import mark
 log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 300.0
+# what each endpoint's body must carry (the prompt P computes and D decodes from)
+ENDPOINTS = {"/v1/completions": "prompt", "/v1/chat/completions": "messages"}
+# the fields of a P leg that only shape D's answer (P samples one token, streamed to no one)
+ANSWER_ONLY = ("stream", "stream_options", "n", "best_of", "min_tokens", "logprobs", "top_logprobs", "echo",
+               "max_completion_tokens")
+ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 502: "bad_gateway", 503: "service_unavailable"}
 
 
 class Instance:
@@ -105,7 +114,7 @@ class Proxy:
     def legs(body: dict[str, Any], tid: str, source: dict[str, Any]) -> tuple[dict, dict]:
         """The two request bodies for one client request (pure; tested)."""
         p_body = copy.deepcopy(body)
-        for k in ("stream", "stream_options", "n", "best_of", "min_tokens", "logprobs", "echo"):
+        for k in ANSWER_ONLY:
             p_body.pop(k, None)
         p_body["max_tokens"] = 1
         p_body["kv_transfer_params"] = {P.KEY: {"role": "prefill", "transfer_id": tid}}
@@ -114,11 +123,17 @@ class Proxy:
         return p_body, d_body
 
     async def completions(self, req: web.Request) -> web.StreamResponse:
+        """``/v1/completions`` and ``/v1/chat/completions``: both legs at once, D's answer relayed."""
+        path = req.path
         body = await self._json(req)
         if isinstance(body, web.Response):
             return body
-        if not isinstance(body, dict) or "prompt" not in body:
-            return web.json_response({"error": {"message": "body must be an object with a 'prompt'"}}, status=400)
+        key = ENDPOINTS[path]
+        if not isinstance(body, dict) or body.get(key) in (None, "", []):
+            return self._error(400, f"body must be an object with a non-empty '{key}'", param=key)
+        if "model" in body and self.model is not None and body["model"] != self.model:
+            return self._error(404, f"the model '{body['model']}' does not exist; this proxy serves '{self.model}'",
+                               param="model", code="model_not_found")
         body.setdefault("model", self.model)
         self.counters["requests"] += 1
         p, d = self._pick(self.prefill), self._pick(self.decode)
@@ -127,9 +142,9 @@ class Proxy:
         p.inflight += 1
         d.inflight += 1
         mark("proxy_arrived", tid)
-        p_task = asyncio.create_task(self._prefill(p, p_body))
+        p_task = asyncio.create_task(self._prefill(p, p_body, path))
         try:
-            async with self.session.post(d.url + "/v1/completions", json=d_body) as dr:
+            async with self.session.post(d.url + path, json=d_body) as dr:
                 if dr.status != 200 or not body.get("stream"):
                     data = await dr.read()
                     if dr.status != 200:
@@ -154,7 +169,8 @@ class Proxy:
                         first = False
                     if b'"finish_reason":"error"' in chunk:
                         err = {"error": {"message": f"KV transfer failed (transfer_id={tid}); see the decode "
-                                                    "instance's log", "code": 500}}
+                                                    "instance's log", "type": "server_error", "param": None,
+                                         "code": 500}}
                         await resp.write(f"data: {json.dumps(err)}\n\n".encode())
                         self.counters["failed"] += 1
                         break
@@ -249,10 +265,10 @@ class Proxy:
                 kp = (await r.json())["kv_transfer_params"]
             p.source = {k: kp[k] for k in ("remote_engine_id", "remote_host", "remote_port", "tp_size")}
 
-    async def _prefill(self, p: Instance, body: dict) -> Optional[str]:
+    async def _prefill(self, p: Instance, body: dict, path: str = "/v1/completions") -> Optional[str]:
         """Run the P leg; None when it went well, else why not. Refreshes P's source."""
         try:
-            async with self.session.post(p.url + "/v1/completions", json=body) as r:
+            async with self.session.post(p.url + path, json=body) as r:
                 data = await r.read()
                 if r.status != 200:
                     return f"prefill {p.url} answered {r.status}: {data[:300]!r}"
@@ -280,11 +296,23 @@ class Proxy:
         try:
             return await req.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
-            return web.json_response({"error": {"message": "body must be JSON"}}, status=400)
+            return Proxy._error(400, "body must be JSON")
 
     @staticmethod
-    def _error(status: int, message: str) -> web.Response:
-        return web.json_response({"error": {"message": message, "code": status}}, status=status)
+    def _error(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None) -> web.Response:
+        """An error as OpenAI's API shapes it (clients read ``error.message`` and ``error.type``)."""
+        kind = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        return web.json_response({"error": {"message": message, "type": kind, "param": param,
+                                            "code": code if code is not None else status}}, status=status)
+
+    async def models(self, req: web.Request) -> web.Response:
+        """``/v1/models``: what the instances serve, as a D instance lists it."""
+        d = self._pick(self.decode)
+        try:
+            async with self.session.get(d.url + "/v1/models") as r:
+                return web.json_response(await r.json(content_type=None), status=r.status)
+        except (aiohttp.ClientError, ValueError) as e:
+            return self._error(502, f"decode {d.url} unreachable: {e}")
 
     async def health(self, req: web.Request) -> web.Response:
         return web.json_response({"prefill": [p.source for p in self.prefill], **self.counters})
@@ -295,6 +323,9 @@ class Proxy:
                           "nixl": (self.completions_nixl, self._start_session),
                           "nixl-push": (self.completions_nixl_push, self._probe_nixl)}[protocol]
         app.router.add_post("/v1/completions", handler)
+        if protocol == "pushkv":
+            app.router.add_post("/v1/chat/completions", handler)
+        app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.on_startup.append(start)
         app.on_cleanup.append(self.stop)

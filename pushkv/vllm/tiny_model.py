@@ -19,6 +19,11 @@ _CORPUS = (
 )
 
 
+# a plain role-prefixed template, so that /v1/chat/completions serves (vLLM needs one)
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
 def write_tiny_llama(path: str, seed: int = 0) -> str:
     """Write the checkpoint to ``path`` (created) and return it."""
     import torch
@@ -36,7 +41,7 @@ def write_tiny_llama(path: str, seed: int = 0) -> str:
     bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-                   "model_max_length": 4096, "add_bos_token": False}, f)
+                   "model_max_length": 4096, "add_bos_token": False, "chat_template": CHAT_TEMPLATE}, f)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
                       bos_token_id=bos, eos_token_id=eos, tie_word_embeddings=False, torch_dtype="float32")

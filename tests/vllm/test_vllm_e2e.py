@@ -85,7 +85,7 @@ def deployment(tmp_path_factory):
     with servers(ref, p, dec):
         with servers(proxy_server([p.url], [dec.url], BASE_PORT + 3, logs)) as (px,):
             expected = [tokens(post(ref.url, body(pr))[1]) for pr in prompts()]
-            yield {"proxy": px, "P": p, "D": dec, "ref": ref, "expected": expected}
+            yield {"proxy": px, "P": p, "D": dec, "ref": ref, "expected": expected, "model": model}
     for s in (ref, p, dec):  # nothing left behind: writers die with their server's process group
         assert s.proc.poll() is not None
     ours = (f"P-{BASE_PORT + 1}", f"D-{BASE_PORT + 2}")
@@ -122,6 +122,61 @@ def test_concurrent_prompts_equal_one_instance(deployment):
         if i % 2 == 0:  # D took the KV from P, less what its prefix cache had (128-token blocks)
             seen = 256 if i in (6, 9) else 0  # prompts the lone-request test sent before
             assert out["kv_transfer_params"]["pushkv_loaded_tokens"] == LENGTHS[i] - min(seen, LENGTHS[i] - 1)
+
+
+def _chat(url, messages, stream=False):
+    """POST /v1/chat/completions; the answer's text and token ids (streamed chunks joined)."""
+    b = {"messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True,
+         "stream": stream}
+    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(b).encode(),
+                                 headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            raw = r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+    if not stream:
+        out = json.loads(raw)
+        c = out["choices"][0]
+        return 200, {"text": c["message"]["content"], "ids": c.get("token_ids"), "finish": c["finish_reason"],
+                     "loaded": (out.get("kv_transfer_params") or {}).get("pushkv_loaded_tokens")}
+    text, ids, finish = "", [], None
+    for line in raw.decode().splitlines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        ev = json.loads(line[6:])
+        assert "error" not in ev, ev
+        for c in ev.get("choices", ()):
+            text += (c.get("delta") or {}).get("content") or ""
+            ids += c.get("token_ids") or []
+            finish = c.get("finish_reason") or finish
+    return 200, {"text": text, "ids": ids or None, "finish": finish}
+
+
+def test_chat_and_models_through_the_proxy_equal_one_instance(deployment):
+    """Chat as clients send it: P and D apply the same template, D's answer equals one plain
+    vLLM's (streamed and not); /v1/models lists what D serves; errors have OpenAI's shape."""
+    px, ref = deployment["proxy"].url, deployment["ref"].url
+    convs = [[{"role": "user", "content": "the quick brown fox jumps over the lazy dog"}],
+             [{"role": "system", "content": "one two three"},
+              {"role": "user", "content": "four five six seven eight nine ten " * 6}]]
+    for conv in convs:
+        want = _chat(ref, conv)[1]
+        assert want["text"] or want["ids"], want
+        for stream in (False, True):
+            status, got = _chat(px, conv, stream)
+            assert status == 200, got
+            assert got["text"] == want["text"] and got["finish"] == want["finish"], (stream, got, want)
+            if got["ids"] is not None and want["ids"] is not None:
+                assert got["ids"] == want["ids"]
+            if not stream:  # D took the prompt's KV from P (it did not prefill the chat itself)
+                assert got["loaded"], got
+    with urllib.request.urlopen(px + "/v1/models", timeout=30) as r:
+        models = json.loads(r.read())
+    assert [m["id"] for m in models["data"]] == [deployment["model"]]
+    status, err = _chat(px, None)  # no messages at all
+    assert status == 400 and err["error"]["type"] == "invalid_request_error", err
+    assert err["error"]["param"] == "messages" and "messages" in err["error"]["message"]
 
 
 def _is_writer(cmdline: str) -> bool:
@@ -187,16 +242,17 @@ def test_killing_prefill_writer_fails_inflight_then_recovers(deployment):
     assert "died with status" in p_log and "restarting it" in p_log
 
 
-def _tree_cpu_s(server) -> float:
+def _tree_cpu_s(server) -> dict[str, float]:
+    """CPU seconds of the server's process tree, by process (name and pid)."""
     procs = [psutil.Process(server.proc.pid)] + psutil.Process(server.proc.pid).children(recursive=True)
-    total = 0.0
+    out = {}
     for q in procs:
         try:
             t = q.cpu_times()
-            total += t.user + t.system
+            out[f"{q.name()}[{q.pid}]"] = t.user + t.system
         except psutil.Error:
             pass
-    return total
+    return out
 
 
 def test_idle_instances_do_not_spin(deployment):
@@ -204,6 +260,7 @@ def test_idle_instances_do_not_spin(deployment):
     time.sleep(2.0)  # let the last requests' steps drain
     before = {k: _tree_cpu_s(deployment[k]) for k in ("P", "D")}
     time.sleep(5.0)
-    used = {k: _tree_cpu_s(deployment[k]) - before[k] for k in ("P", "D")}
-    for k, cpu_s in used.items():
-        assert cpu_s < 1.0, f"idle {k} used {cpu_s:.2f} s of CPU in 5 s"
+    for k in ("P", "D"):
+        after = _tree_cpu_s(deployment[k])
+        by_proc = {name: round(s - before[k].get(name, 0.0), 2) for name, s in after.items()}
+        assert sum(by_proc.values()) < 1.0, f"idle {k} used CPU in 5 s: {by_proc}"

@@ -184,6 +184,25 @@ def test_proxy_legs_share_one_transfer_id():
     assert "kv_transfer_params" not in body  # the client's body is left alone
 
 
+def test_proxy_chat_legs_keep_the_messages_and_give_p_one_token():
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 40,
+            "stream": True, "stream_options": {"include_usage": True}, "logprobs": True, "top_logprobs": 2}
+    p, d = Proxy.legs(body, "tid", SRC)
+    assert p == {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                 "kv_transfer_params": {"pushkv": {"role": "prefill", "transfer_id": "tid"}}}
+    assert d["max_completion_tokens"] == 40 and d["top_logprobs"] == 2 and d["messages"] == body["messages"]
+
+
+@pytest.mark.parametrize("status, kind", [(400, "invalid_request_error"), (404, "not_found_error"),
+                                          (502, "bad_gateway"), (500, "server_error")])
+def test_proxy_errors_have_openais_shape(status, kind):
+    import json as _json
+
+    resp = Proxy._error(status, "why", param="prompt")
+    assert resp.status == status
+    assert _json.loads(resp.body) == {"error": {"message": "why", "type": kind, "param": "prompt", "code": status}}
+
+
 def test_shared_allocation_hook_takes_only_the_kv_buffer():
     alloc = SharedKVAllocation("pushkv-test")
     with alloc:
