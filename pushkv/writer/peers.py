@@ -30,6 +30,7 @@ from pushkv.transport.nixl_agent import NixlAgent
 log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 5.0
+GENERIC_REFUSAL = "refused"  # all an unauthenticated peer is told
 
 PeerKey = tuple[str, int]  # (engine_id, rank)
 
@@ -88,6 +89,10 @@ class PeerWriter(Actor):
     nixl: NixlAgent
     handshake: Optional[Channel]
     watch_links = False  # monitor each link for the peer's end closing (peer_gone)
+    # whether whoever reaches our handshake ROUTER is one of ours (CURVE with the deployment's secret,
+    # or an ipc:// file in the 0700 run dir): only then does a refusal say why; anyone else learns
+    # nothing of our model or layout from it (the reason goes to our log only)
+    peers_authenticated = False
 
     def init_peers(self) -> None:
         self.peers: dict[PeerKey, Peer] = {}
@@ -167,7 +172,8 @@ class PeerWriter(Actor):
             log.error("%s: refusing peer %s rank %d: %s", self.name, msg.engine_id, msg.rank, e)
             self.counters["peer_incompatible" if isinstance(e, ValueError) else "peer_metadata_failed"] += 1
             if self.handshake is not None:
-                self.send(self.handshake, self.refusal(str(e)), identity)
+                self.send(self.handshake, self.refusal(str(e) if self.peers_authenticated else GENERIC_REFUSAL),
+                          identity)
             return
         if self.handshake is not None:
             self.send(self.handshake, self.hello(), identity)
