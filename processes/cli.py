@@ -22,7 +22,7 @@ from setproctitle import setproctitle
 from pushkv.config import PRESETS, TRACE_AUTO, DeploymentConfig
 from pushkv.config_flags import GEOMETRY, user_config
 from pushkv.security import API_KEY_ENV, load_secret
-from pushkv.supervisor import deployments
+from pushkv.supervisor import deployments, registry
 from pushkv.supervisor.plan import plan_deployment
 from pushkv.supervisor.supervisor import (ON_CHILD_EXIT, PING_INTERVAL_S, STARTUP_TIMEOUT_S, STOP_TIMEOUT_S, ArgvHook,
                                           Supervisor)
@@ -184,6 +184,11 @@ def cmd_up(args: argparse.Namespace, child_argv: Optional[ArgvHook] = None) -> i
     if cfg.host_role and not cfg.secret_file:  # --insecure: said at every start, before anything can fail
         print(f"pushkv up: WARNING --insecure: {cfg.host_role} host without --secret-file: its ZMQ sockets on "
               f"{cfg.advertise or cfg.host} take plain, unauthenticated peers", file=sys.stderr)
+    try:  # a registry directory someone else planted is refused before it is read or written
+        registry.checked_dir(create=True)
+    except (registry.RegistryError, OSError) as e:
+        print(f"pushkv up: {e}", file=sys.stderr)
+        return 2
     deployments.sweep_residue()
     announcer = None
     if cfg.host_role in ("prefill", "decode"):  # this host's instances go into the registry
