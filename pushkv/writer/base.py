@@ -189,9 +189,11 @@ class WriterBase(WarmWriter):
         if msg.role == self.inst.role or msg.role not in ("prefill", "decode"):
             return
         self.counters["peer_lost"] += 1
-        if self.inst.role == "decode":  # we open the handshakes: the next request with it opens a fresh one
-            for p in [p for p in self.peers.values() if p.engine_id == msg.engine_id]:
-                self.forget_peer(p)
+        # both sides forget it: D (which opens the handshakes) handshakes afresh on its next request
+        # with that P; P tells a D that may still live that it was dropped, so D does the same
+        # (and a D restarted elsewhere is not refused as a displacement of the old one)
+        for p in [p for p in self.peers.values() if p.engine_id == msg.engine_id]:
+            self.forget_peer(p, tell=msg.reason)
         self.peer_instance_down(msg.engine_id, msg.reason, time.monotonic())
 
     def peer_instance_down(self, engine_id: str, reason: str, now: float) -> None:
