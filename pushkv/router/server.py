@@ -28,6 +28,7 @@ from pushkv.config import DeploymentConfig, Role
 from pushkv.discovery.base import Watcher
 from pushkv.discovery.local import LocalWatcher
 from pushkv.discovery.records import InstanceDown, InstanceRecord, InstanceUp
+from pushkv.framing import Drops, Shape, arecv_bounded
 from pushkv.router import api, auth, generate, output, text
 from pushkv.router.balance import Balancer
 from pushkv.router import chat as chat_mod
@@ -195,13 +196,18 @@ class Router:
         self._control = self.ctx.socket(zmq.DEALER)
         self._control.setsockopt(zmq.LINGER, 0)
         secure_connect(self._control, self.cfg.control_endpoint, self.security)
+        self._control_shape, self._control_drops = Shape.of(self._control), Drops("router")
         ready = m.Ready(name="router", pid=os.getpid(), url=self.url)
         await self._control.send(m.encode(ready))
         self._control_task = asyncio.get_running_loop().create_task(self._control_loop())
 
     async def _control_loop(self) -> None:
         while True:
-            payload = (await self._control.recv_multipart())[-1]
+            frames, why, n, nbytes = await arecv_bounded(self._control, self._control_shape)
+            if frames is None:
+                self._control_drops.drop("supervisor", why, n, nbytes, self._control_shape)
+                continue
+            payload = frames[-1]
             try:
                 msg = m.DEC_CONTROL.decode(payload)
             except (msgspec.DecodeError, msgspec.ValidationError) as e:

@@ -440,3 +440,21 @@ def test_hello_numbers_are_bounded(change, says):
     import msgspec
 
     assert says in hello_problem(msgspec.structs.replace(h, **change))
+
+
+@pytest.mark.parametrize("parts,counter", [
+    ([b"x" * 1024] * 64, "msg_dropped_frames"),  # 64 frames, each far under the cap
+    ([b"x" * (3 << 20)] * 2, "msg_dropped_bytes"),  # 2 frames of 3 MiB: each under the 4 MiB cap, not together
+])
+def test_a_message_past_its_shape_is_dropped_whole(pair, parts, counter):
+    """The size cap bounds a frame; a message is bounded as a whole too (64 x 4 MiB grew P's
+    writer by 250 MB): dropped and counted, and the writer goes on serving."""
+    cfg, p, d = pair
+    before = p.counters().get(counter, 0)
+    s = dealer(cfg.prefill.handshake_endpoints[0])
+    try:
+        s.send_multipart(parts)
+        p.wait_counter(counter, before + 1)
+    finally:
+        s.close(0)
+    push_once(cfg, p, d, f"after-{counter}")
