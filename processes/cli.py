@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "preset's or checkpoint directory's name, or the checkpoint's path); another: 404")
     r.add_argument("--router-queue", type=int, metavar="N",
                    help="requests that may wait at the router for a D that can hold them; past it: 429")
+    r.add_argument("--max-in-flight", type=int, metavar="N",
+                   help="choices the router serves at once, queued ones included (default 1024); past it: "
+                        "429 with Retry-After")
     r.add_argument("--push-pin-fraction", type=float, metavar="F",
                    help="push: at most this fraction of a D's blocks reserved early and still waiting for KV; "
                         "past it a request falls back to late allocation (D allocates after P)")

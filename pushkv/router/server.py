@@ -340,6 +340,12 @@ class Router:
         except api.ApiError as e:
             self.metrics.requests.labels(outcome="rejected").inc()
             return web.json_response(e.body(), status=e.status)
+        refused = admission(len(self.runs), params.n, self.cfg.router_max_in_flight)
+        if refused:
+            self.metrics.requests.labels(outcome="rejected").inc()
+            resp = generate.refusal(429, refused)
+            resp.headers["Retry-After"] = str(RETRY_AFTER_S)
+            return resp
         runs = self._open(params, arrival)
         log.debug("request transfer_id=%s prompt=%d max_tokens=%d n=%d stream=%s chat=%s",
                   runs[0].transfer_id, len(params.prompt_token_ids), params.max_tokens, params.n, params.stream,
@@ -385,6 +391,18 @@ class Router:
         self.metrics.in_flight.dec()
         if not self.runs:
             self._handlers_idle.set()
+
+
+RETRY_AFTER_S = 1  # what a 429 past the in-flight bound tells the client to wait: choices end in about this
+
+
+def admission(in_flight: int, n: int, bound: int) -> str:
+    """Why a request of ``n`` choices is refused with ``in_flight`` being served ("" when it is not):
+    past ``bound`` the router answers 429 at once, before any prefill is spent on it."""
+    if in_flight + n > bound:
+        return (f"too many requests in flight: {in_flight} choice(s) being served, {n} more asked, "
+                f"bound {bound}; retry later")
+    return ""
 
 
 def _error(status: int, message: str, type_: str) -> web.Response:

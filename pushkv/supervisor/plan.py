@@ -162,6 +162,8 @@ def plan_deployment(
         raise ValueError(f"lease_max_s ({cfg.timeouts.lease_max_s}) must be >= lease_s ({cfg.timeouts.lease_s})")
     if cfg.router_queue < 0:
         raise ValueError(f"router_queue must be >= 0, got {cfg.router_queue}")
+    if cfg.router_max_in_flight < 1:
+        raise ValueError(f"router_max_in_flight must be >= 1, got {cfg.router_max_in_flight}")
     check_deployment(cfg)  # P/D geometry: refuse before any process starts
     dep_id = cfg.deployment_id or new_deployment_id()
     run_dir = cfg.run_dir or os.path.join(run_root, f"pushkv-{dep_id}")
