@@ -24,7 +24,7 @@ from pushkv.config import PRESETS, TRACE_AUTO, DeploymentConfig
 from pushkv.config_flags import GEOMETRY, user_config
 from pushkv.kinds import LinkOrder
 from pushkv.security import API_KEY_ENV, load_secret
-from pushkv.supervisor import deployments
+from pushkv.supervisor import deployments, registry
 from pushkv.supervisor.plan import plan_deployment
 from pushkv.supervisor.supervisor import (ON_CHILD_EXIT, PING_INTERVAL_S, STARTUP_TIMEOUT_S, STOP_TIMEOUT_S, ArgvHook,
                                           Supervisor)
@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "preset's or checkpoint directory's name, or the checkpoint's path); another: 404")
     r.add_argument("--router-queue", type=int, metavar="N",
                    help="requests that may wait at the router for a D that can hold them; past it: 429")
+    r.add_argument("--max-in-flight", type=int, metavar="N",
+                   help="choices the router serves at once, queued ones included (default 1024); past it: "
+                        "429 with Retry-After")
     r.add_argument("--push-pin-fraction", type=float, metavar="F",
                    help="push: at most this fraction of a D's blocks reserved early and still waiting for KV; "
                         "past it a request falls back to late allocation (D allocates after P)")
@@ -195,6 +198,11 @@ def cmd_up(args: argparse.Namespace, child_argv: Optional[ArgvHook] = None) -> i
     if cfg.host_role and not cfg.secret_file:  # --insecure: said at every start, before anything can fail
         print(f"pushkv up: WARNING --insecure: {cfg.host_role} host without --secret-file: its ZMQ sockets on "
               f"{cfg.advertise or cfg.host} take plain, unauthenticated peers", file=sys.stderr)
+    try:  # a registry directory someone else planted is refused before it is read or written
+        registry.checked_dir(create=True)
+    except (registry.RegistryError, OSError) as e:
+        print(f"pushkv up: {e}", file=sys.stderr)
+        return 2
     deployments.sweep_residue()
     announcer = None
     if cfg.host_role in ("prefill", "decode"):  # this host's instances go into the registry

@@ -19,6 +19,7 @@ import msgspec
 import zmq
 
 from pushkv.dispatch import handler_for
+from pushkv.framing import Drops, Shape, recv_bounded
 from pushkv import limits
 from pushkv import messages as m
 from pushkv import security
@@ -39,6 +40,7 @@ class Channel:
         self.decoder = decoder
         self.peer = peer
         self.routed = routed  # ROUTER socket: first frame is the sender identity
+        self.shape = Shape.of(sock)  # the most frames and bytes one message may have (pushkv.framing)
 
 
 class Actor:
@@ -67,6 +69,7 @@ class Actor:
         self._handlers: dict[type, Callable[..., Any]] = {}
         self._extra_fds: dict[int, Callable[[], None]] = {}
         self.current: Optional[Channel] = None  # channel of the message being handled
+        self._drops = Drops(name, self.counters)  # messages past their channel's shape
 
     # -- lifecycle hooks -------------------------------------------------
     def setup(self) -> None:
@@ -139,9 +142,12 @@ class Actor:
             if ch.sock.closed:  # a handler closed its own channel (a refused or failed handshake link)
                 return
             try:
-                frames = ch.sock.recv_multipart(zmq.NOBLOCK)
+                frames, why, n, nbytes = recv_bounded(ch.sock, ch.shape, zmq.NOBLOCK)
             except zmq.Again:
                 return
+            if frames is None:
+                self._drops.drop(ch.peer, why, n, nbytes, ch.shape)
+                continue
             identity = frames[0] if ch.routed and len(frames) > 1 else None
             payload = frames[-1]
             try:

@@ -293,6 +293,9 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
     prefills: tuple[InstanceConfig, ...] = ()
     decodes: tuple[InstanceConfig, ...] = ()
     router_queue: int = 256  # requests waiting at the router for D room; past it: 429
+    # choices (a request's n) the router serves at once, queued ones included; past it: 429 with
+    # Retry-After, before anything is prefilled (it bounds the router's memory and open streams)
+    router_max_in_flight: int = 1024
     # push: D blocks reserved and still waiting for their KV may take at most this fraction of a
     # D instance's pool; a request past it falls back to late allocation (D allocates after P)
     push_pin_fraction: float = 0.5

@@ -20,6 +20,7 @@ import zmq.asyncio
 
 from pushkv import messages as m
 from pushkv.config import DeploymentConfig, InstanceConfig, Role
+from pushkv.framing import Drops, Shape, arecv_bounded
 from pushkv.security import secure_connect
 from pushkv.discovery.records import DiscoveryEvent, InstanceDown, InstanceRecord, InstanceUp
 
@@ -100,9 +101,13 @@ class LocalWatcher:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, b"pushkv.")
         secure_connect(sub, self.cfg.events_endpoint, self.security)
+        shape, drops = Shape.of(sub), Drops("router's watcher")
         try:
             while True:
-                frames = await sub.recv_multipart()
+                frames, why, n, nbytes = await arecv_bounded(sub, shape)
+                if frames is None:
+                    drops.drop("supervisor events", why, n, nbytes, shape)
+                    continue
                 try:
                     ev = m.DEC_EVENT.decode(frames[-1])
                 except (msgspec.DecodeError, msgspec.ValidationError):

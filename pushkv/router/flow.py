@@ -26,6 +26,7 @@ import zmq.asyncio
 
 from pushkv import messages as m
 from pushkv.config import DeploymentConfig
+from pushkv.framing import Drops, Shape, arecv_bounded
 from pushkv.router import request as R
 from pushkv.router.balance import Balancer, DecodePlaced, Refused
 from pushkv.router.metrics import RequestRecord, RouterMetrics
@@ -51,6 +52,8 @@ class SchedulerLink:
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         secure_connect(self.sock, endpoint, security)
+        self._shape = Shape.of(self.sock)  # a message past it is dropped whole (pushkv.framing)
+        self._drops = Drops(f"router link to {role}")
         self._on_message = on_message
         self._metrics = metrics
         self._task: Optional[asyncio.Task] = None
@@ -79,7 +82,11 @@ class SchedulerLink:
 
     async def _recv_loop(self) -> None:
         while True:
-            frames = await self.sock.recv_multipart()
+            frames, why, n, nbytes = await arecv_bounded(self.sock, self._shape)
+            if frames is None:
+                self._metrics.sched_messages.labels(role=self.role, kind=f"dropped_{why}").inc()
+                self._drops.drop(f"{self.role} scheduler", why, n, nbytes, self._shape)
+                continue
             payload = frames[-1]  # tolerate an empty delimiter frame
             try:
                 msg = m.DEC_SCHED_TO_ROUTER.decode(payload)

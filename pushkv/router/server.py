@@ -28,6 +28,7 @@ from pushkv.config import DeploymentConfig, Role
 from pushkv.discovery.base import Watcher
 from pushkv.discovery.local import LocalWatcher
 from pushkv.discovery.records import InstanceDown, InstanceRecord, InstanceUp
+from pushkv.framing import Drops, Shape, arecv_bounded
 from pushkv.router import api, auth, generate, output, text
 from pushkv.router.balance import Balancer
 from pushkv.router import chat as chat_mod
@@ -195,13 +196,18 @@ class Router:
         self._control = self.ctx.socket(zmq.DEALER)
         self._control.setsockopt(zmq.LINGER, 0)
         secure_connect(self._control, self.cfg.control_endpoint, self.security)
+        self._control_shape, self._control_drops = Shape.of(self._control), Drops("router")
         ready = m.Ready(name="router", pid=os.getpid(), url=self.url)
         await self._control.send(m.encode(ready))
         self._control_task = asyncio.get_running_loop().create_task(self._control_loop())
 
     async def _control_loop(self) -> None:
         while True:
-            payload = (await self._control.recv_multipart())[-1]
+            frames, why, n, nbytes = await arecv_bounded(self._control, self._control_shape)
+            if frames is None:
+                self._control_drops.drop("supervisor", why, n, nbytes, self._control_shape)
+                continue
+            payload = frames[-1]
             try:
                 msg = m.DEC_CONTROL.decode(payload)
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
@@ -334,6 +340,12 @@ class Router:
         except api.ApiError as e:
             self.metrics.requests.labels(outcome="rejected").inc()
             return web.json_response(e.body(), status=e.status)
+        refused = admission(len(self.runs), params.n, self.cfg.router_max_in_flight)
+        if refused:
+            self.metrics.requests.labels(outcome="rejected").inc()
+            resp = generate.refusal(429, refused)
+            resp.headers["Retry-After"] = str(RETRY_AFTER_S)
+            return resp
         runs = self._open(params, arrival)
         log.debug("request transfer_id=%s prompt=%d max_tokens=%d n=%d stream=%s chat=%s",
                   runs[0].transfer_id, len(params.prompt_token_ids), params.max_tokens, params.n, params.stream,
@@ -379,6 +391,18 @@ class Router:
         self.metrics.in_flight.dec()
         if not self.runs:
             self._handlers_idle.set()
+
+
+RETRY_AFTER_S = 1  # what a 429 past the in-flight bound tells the client to wait: choices end in about this
+
+
+def admission(in_flight: int, n: int, bound: int) -> str:
+    """Why a request of ``n`` choices is refused with ``in_flight`` being served ("" when it is not):
+    past ``bound`` the router answers 429 at once, before any prefill is spent on it."""
+    if in_flight + n > bound:
+        return (f"too many requests in flight: {in_flight} choice(s) being served, {n} more asked, "
+                f"bound {bound}; retry later")
+    return ""
 
 
 def _error(status: int, message: str, type_: str) -> web.Response:

@@ -35,13 +35,29 @@ def _pick(records: list[registry.DeploymentRecord], dep_id: Optional[str]) -> li
     return [r for r in records if r.deployment_id == dep_id or r.deployment_id.startswith(dep_id)]
 
 
+def supervisor_alive(rec: registry.DeploymentRecord) -> bool:
+    """The record's supervisor runs (its pid is ours and titled for its deployment: a reused or
+    foreign pid counts as gone, and is never signalled)."""
+    return lifecycle.is_our_supervisor(rec.pid, rec.deployment_id)
+
+
+def clean_after(rec: registry.DeploymentRecord, who: str) -> list[str]:
+    """Remove a dead deployment's record and, when the record is of pushkv's form
+    (``registry.run_dir_problem``), its run dir and pool segments; else delete nothing and say why."""
+    why = registry.run_dir_problem(rec)
+    registry.remove_record(rec.deployment_id)
+    if why:
+        print(f"{who}: record {rec.deployment_id} removed, but nothing it names was deleted: {why}", file=sys.stderr)
+        return []
+    return lifecycle.cleanup(rec.deployment_id, rec.run_dir)
+
+
 def sweep_residue() -> None:
     """A host whose processes were all killed left its deployments' records, run dirs and pools:
     remove this user's, and say what went."""
     for rec in registry.list_records():
-        if not lifecycle.pid_alive(rec.pid):
-            removed = lifecycle.cleanup(rec.deployment_id, rec.run_dir)
-            registry.remove_record(rec.deployment_id)
+        if not supervisor_alive(rec):
+            removed = clean_after(rec, "pushkv up")
             print(f"pushkv up: removed dead deployment {rec.deployment_id} (supervisor pid {rec.pid} gone): "
                   f"its record, run dir and {len(removed)} pool segment(s)", file=sys.stderr)
     for path, why in lifecycle.sweep_residue():
@@ -53,7 +69,11 @@ def status(dep_id: Optional[str] = None, as_json: bool = False) -> int:
     left = lifecycle.residue()
     for path, why in left:
         print(f"residue: {path} ({why}; `pushkv up` removes it)", file=sys.stderr)
-    records = _pick(registry.list_records(), dep_id)
+    try:
+        records = _pick(registry.list_records(), dep_id)
+    except registry.RegistryError as e:
+        print(f"pushkv status: {e}", file=sys.stderr)
+        return 2
     if not records:
         print("no running pushkv deployments" + (f" matching {dep_id!r}" if dep_id else ""), file=sys.stderr)
         return 1
@@ -73,7 +93,7 @@ def status_report(records: list[registry.DeploymentRecord]) -> tuple[list[dict],
     for rec in records:
         entry = {"deployment_id": rec.deployment_id, "supervisor_pid": rec.pid, "router_url": rec.router_url,
                  "mode": rec.mode, "state": "", "processes": []}
-        if not lifecycle.pid_alive(rec.pid):
+        if not supervisor_alive(rec):
             entry["state"] = "stale"
             entry["error"] = f"supervisor pid {rec.pid} is gone; `pushkv stop {rec.deployment_id}` cleans up"
             rc = 1
@@ -178,9 +198,8 @@ def instance_rows(instances_json: str, processes, router: dict[str, dict]) -> li
 
 
 def _stop_one(rec: registry.DeploymentRecord, timeout_s: float) -> bool:
-    if not lifecycle.pid_alive(rec.pid):
-        removed = lifecycle.cleanup(rec.deployment_id, rec.run_dir)
-        registry.remove_record(rec.deployment_id)
+    if not supervisor_alive(rec):
+        removed = clean_after(rec, "pushkv stop")
         print(f"{rec.deployment_id}: supervisor was already gone; removed stale record"
               + (f" and {len(removed)} shm segment(s)" if removed else ""))
         return True
@@ -189,6 +208,10 @@ def _stop_one(rec: registry.DeploymentRecord, timeout_s: float) -> bool:
         if reply.status != c.OK:
             print(f"{rec.deployment_id}: stop refused: {reply.reason}", file=sys.stderr)
     except TimeoutError:
+        if not supervisor_alive(rec):  # checked again right before the signal: the pid may have gone and been reused
+            print(f"{rec.deployment_id}: control socket silent and pid {rec.pid} is not its supervisor now; "
+                  "not signalled", file=sys.stderr)
+            return False
         print(f"{rec.deployment_id}: control socket silent; sending SIGTERM to {rec.pid}", file=sys.stderr)
         os.kill(rec.pid, signal.SIGTERM)
     t0 = time.monotonic()
@@ -201,7 +224,11 @@ def _stop_one(rec: registry.DeploymentRecord, timeout_s: float) -> bool:
 
 def stop(dep_id: Optional[str] = None, every: bool = False, timeout_s: float = 30.0) -> int:
     """``pushkv stop [ID] [--all]``: stop one deployment (the only one when no id is given), or every one."""
-    records = registry.list_records()
+    try:
+        records = registry.list_records()
+    except registry.RegistryError as e:
+        print(f"pushkv stop: {e}", file=sys.stderr)
+        return 2
     if dep_id:
         records = _pick(records, dep_id)
     if not records:

@@ -161,6 +161,22 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def is_our_supervisor(pid: int, deployment_id: str) -> bool:
+    """Whether ``pid`` is, now, a process of our uid titled as the supervisor of ``deployment_id``
+    (processes/cli.py sets ``pushkv supervisor <id>``): a pid from a record is signalled only then,
+    never one that was reused by another process or that a record merely names."""
+    if pid <= 1 or not deployment_id:
+        return False
+    try:
+        if os.stat(f"/proc/{pid}").st_uid != os.getuid():
+            return False
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").split()
+    except OSError:  # gone, or not ours to read
+        return False
+    return cmdline[:3] == ["pushkv", "supervisor", deployment_id]
+
+
 def wait_pid_exit(pid: int, timeout_s: float) -> bool:
     """Wait for any process (not only our child) to exit, via a pidfd."""
     import select

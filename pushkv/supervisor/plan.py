@@ -79,7 +79,8 @@ def _plan_instance(inst: InstanceConfig, dep_id: str, run_dir: str, ports: Itera
                    advertise: str = "") -> InstanceConfig:
     """``advertise``: this host's address for other hosts (``pushkv up --role``): the router's
     way in (the scheduler's ROUTER) and the writers' handshakes are tcp:// on it, and the engine
-    id names the host; the sockets inside the instance stay ipc://."""
+    id names the host; the sockets inside the instance stay ipc://. On one host every socket is
+    ipc:// in the run dir (0700), the handshakes included."""
     role, tp, name = inst.role, inst.tp, inst.name
     if tp < 1:
         raise ValueError(f"{role}: tp must be >= 1, got {tp}")
@@ -94,7 +95,6 @@ def _plan_instance(inst: InstanceConfig, dep_id: str, run_dir: str, ports: Itera
     dist_init = inst.dist_init
     if not dist_init and tp > 1:
         dist_init = f"tcp://{LOOPBACK}:{next(ports)}"
-    net = advertise or LOOPBACK
     return msgspec.structs.replace(
         inst,
         engine_id=inst.engine_id or (f"{name}-{advertise}-{dep_id}" if advertise else f"{name}-{dep_id}"),
@@ -104,8 +104,12 @@ def _plan_instance(inst: InstanceConfig, dep_id: str, run_dir: str, ports: Itera
                                   "worker endpoints"),
         writer_endpoints=per_rank(inst.writer_endpoints, lambda r: ipc(run_dir, f"{name}-writer-{r}.sock"),
                                   "writer endpoints"),
+        # one host: ipc in the 0700 run dir, so no other uid can reach the Hello (NIXL metadata,
+        # pool base) without a secret; several hosts: tcp on advertise, under CURVE (--secret-file)
         handshake_endpoints=per_rank(
-            inst.handshake_endpoints, lambda r: f"tcp://{net}:{next(ports)}", "handshake endpoints"
+            inst.handshake_endpoints,
+            lambda r: f"tcp://{advertise}:{next(ports)}" if advertise else ipc(run_dir, f"{name}-handshake-{r}.sock"),
+            "handshake endpoints",
         ),
         dist_init=dist_init,
     )
@@ -158,6 +162,8 @@ def plan_deployment(
         raise ValueError(f"lease_max_s ({cfg.timeouts.lease_max_s}) must be >= lease_s ({cfg.timeouts.lease_s})")
     if cfg.router_queue < 0:
         raise ValueError(f"router_queue must be >= 0, got {cfg.router_queue}")
+    if cfg.router_max_in_flight < 1:
+        raise ValueError(f"router_max_in_flight must be >= 1, got {cfg.router_max_in_flight}")
     check_deployment(cfg)  # P/D geometry: refuse before any process starts
     dep_id = cfg.deployment_id or new_deployment_id()
     run_dir = cfg.run_dir or os.path.join(run_root, f"pushkv-{dep_id}")

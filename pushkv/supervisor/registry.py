@@ -1,14 +1,31 @@
 """One small JSON file per running deployment, so ``pushkv status`` / ``stop``
 can find supervisors. Directory: $PUSHKV_REGISTRY_DIR, else per user: $XDG_RUNTIME_DIR/pushkv-deployments
-or /tmp/pushkv-$UID (made 0700, so one user's records are neither readable nor in the way of another's)."""
+or /tmp/pushkv-$UID (made 0700, so one user's records are neither readable nor in the way of another's).
+
+A record says which directory to delete and which pid to signal, so whoever can write one can make
+us delete and kill. /tmp/pushkv-$UID is a name anyone can take first: the directory is used only if
+it is a real directory (not a symlink), ours, and 0700 (``RegistryError`` says which it is not); and
+a record's run dir is deleted only in pushkv's own form (``run_dir_problem``), its pid signalled only
+when it is our supervisor of that deployment (``lifecycle.is_our_supervisor``)."""
 from __future__ import annotations
 
+import logging
 import os
+import re
+import stat
 from typing import Optional
 
 import msgspec
 
 from pushkv import envs
+
+log = logging.getLogger(__name__)
+
+DEPLOYMENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # new_deployment_id's, or a config's own
+
+
+class RegistryError(Exception):
+    """The registry directory is not safe to use (someone else's, a symlink, open to others)."""
 
 
 class DeploymentRecord(msgspec.Struct):
@@ -34,13 +51,68 @@ def registry_dir(environ=os.environ) -> str:
     return f"/tmp/pushkv-{os.getuid()}"
 
 
+def private_dir_problem(path: str) -> str:
+    """Why ``path`` is not a directory only we can write ("" when it is): checked on the entry
+    itself (lstat), so a symlink to a directory of ours does not pass."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return "it does not exist"
+    if stat.S_ISLNK(st.st_mode):
+        return "it is a symlink"
+    if not stat.S_ISDIR(st.st_mode):
+        return "it is not a directory"
+    if st.st_uid != os.getuid():
+        return f"it is owned by uid {st.st_uid}, not by us (uid {os.getuid()})"
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        return f"its mode is {stat.S_IMODE(st.st_mode):04o}, not 0700"
+    return ""
+
+
+def checked_dir(directory: Optional[str] = None, create: bool = False) -> str:
+    """The registry directory, made 0700 first if ``create`` and absent; RegistryError when it
+    is not safe to use. Never chmods or takes over what is there: an existing directory that is
+    someone else's, a symlink or open to others is refused, and the operator decides."""
+    d = directory or registry_dir()
+    if create and not os.path.lexists(d):
+        parent = os.path.dirname(os.path.abspath(d))
+        os.makedirs(parent, exist_ok=True)
+        try:
+            os.mkdir(d, 0o700)  # not exist_ok: one planted meanwhile is checked below like any other
+        except FileExistsError:
+            pass
+    why = private_dir_problem(d)
+    if why and not (why == "it does not exist" and not create):
+        raise RegistryError(f"registry directory {d}: {why}; pushkv will not read or write records there "
+                            "(remove it if it is not yours to use, or set PUSHKV_REGISTRY_DIR to a 0700 "
+                            "directory of your own)")
+    return d
+
+
+def run_dir_problem(rec: DeploymentRecord) -> str:
+    """Why a record's run dir is not one pushkv would have made for it ("" when it is): an absolute,
+    normalised ``.../pushkv-<deployment id>`` that, if present, is a real 0700 directory of ours. Only
+    then does cleaning up after the record delete it."""
+    rd = rec.run_dir
+    if not DEPLOYMENT_ID.fullmatch(rec.deployment_id):
+        return f"deployment id {rec.deployment_id!r} is not of pushkv's form"
+    if not os.path.isabs(rd) or os.path.normpath(rd) != rd or os.path.basename(rd) != f"pushkv-{rec.deployment_id}":
+        return f"run dir {rd!r} is not <root>/pushkv-{rec.deployment_id}"
+    if os.path.realpath(os.path.dirname(rd)) != os.path.dirname(rd):
+        return f"run dir {rd!r} lies under a symlink"
+    if os.path.lexists(rd):
+        why = private_dir_problem(rd)
+        if why:
+            return f"run dir {rd}: {why}"
+    return ""
+
+
 def record_path(deployment_id: str, directory: Optional[str] = None) -> str:
     return os.path.join(directory or registry_dir(), f"{deployment_id}.json")
 
 
 def write_record(rec: DeploymentRecord, directory: Optional[str] = None) -> str:
-    path = record_path(rec.deployment_id, directory)
-    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    path = record_path(rec.deployment_id, checked_dir(directory, create=True))
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
         f.write(msgspec.json.encode(rec))
@@ -56,8 +128,9 @@ def remove_record(deployment_id: str, directory: Optional[str] = None) -> None:
 
 
 def list_records(directory: Optional[str] = None) -> list[DeploymentRecord]:
-    d = directory or registry_dir()
-    if not os.path.isdir(d):
+    """The records in the registry directory (none if it is absent); RegistryError if it is not ours."""
+    d = checked_dir(directory)
+    if not os.path.lexists(d):
         return []
     out = []
     for fn in sorted(os.listdir(d)):
@@ -65,7 +138,11 @@ def list_records(directory: Optional[str] = None) -> list[DeploymentRecord]:
             continue
         try:
             with open(os.path.join(d, fn), "rb") as f:
-                out.append(msgspec.json.decode(f.read(), type=DeploymentRecord))
+                rec = msgspec.json.decode(f.read(), type=DeploymentRecord)
         except (OSError, msgspec.DecodeError, msgspec.ValidationError):
             continue  # half-removed or foreign file
+        if fn != f"{rec.deployment_id}.json":  # we write each under its own id: this one we did not
+            log.warning("registry %s: %s names deployment %r; ignored", d, fn, rec.deployment_id)
+            continue
+        out.append(rec)
     return out

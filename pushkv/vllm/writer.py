@@ -41,6 +41,7 @@ from pushkv.protocol import actions as A
 from pushkv.protocol import arrivals as ar
 from pushkv.protocol import rendezvous as rv
 from pushkv.protocol.tp import head_overlap, producers_for, rank_heads
+from pushkv.security import is_network
 from pushkv.transport.nixl_agent import NixlAgent, TransferError
 from pushkv.vllm import wire as w
 from pushkv.vllm.memory import map_fd, mapping_addr
@@ -90,6 +91,7 @@ class VllmWriter(WarmWriter):
                                     w.DEC_TO_WRITER, "vllm-scheduler")
         hs = self.socket(zmq.ROUTER, self.args.handshake_endpoint, bind=True)
         self.handshake = self.add_channel(hs, w.DEC_VHANDSHAKE, "peer-handshake", routed=True)
+        self.peers_authenticated = self.security is not None or not is_network(self.args.handshake_endpoint)
         self.events = self.socket(zmq.PUSH, self.args.event_endpoint, bind=False)
         self._emit(w.WriterReady(os.getpid(), self.agent_name))
         log.info("%s: %.1f MiB of vLLM KV registered (%d layers, %d blocks), handshake %s", self.name,

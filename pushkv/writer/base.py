@@ -29,6 +29,7 @@ from pushkv.config import DeploymentConfig, InstanceConfig, marks_endpoint, mode
 from pushkv.kv import layout as L
 from pushkv.kv.pool import Pool, create_pool, shm_name
 from pushkv.protocol.mapping import check_compatible
+from pushkv.security import is_network
 from pushkv.transport import poster
 from pushkv.transport.grid import grid_of
 from pushkv.transport.nixl_agent import NixlAgent
@@ -107,6 +108,8 @@ class WriterBase(WarmWriter):
             hs = self.socket(zmq.ROUTER, self.inst.handshake_endpoints[self.rank], bind=True,
                              max_msg_bytes=limits.CONTROL_MSG_BYTES)  # Hello, TransferStarting: no request's size
             self.handshake = self.add_channel(hs, m.DEC_HANDSHAKE, "peer-handshake", routed=True)
+            ours_only = self.security is not None or not is_network(self.inst.handshake_endpoints[self.rank])
+            self.peers_authenticated = ours_only
         if self.cfg.events_endpoint:
             sub = self.socket(zmq.SUB, self.cfg.events_endpoint, bind=False)
             sub.setsockopt(zmq.SUBSCRIBE, b"pushkv.")
@@ -186,9 +189,11 @@ class WriterBase(WarmWriter):
         if msg.role == self.inst.role or msg.role not in ("prefill", "decode"):
             return
         self.counters["peer_lost"] += 1
-        if self.inst.role == "decode":  # we open the handshakes: the next request with it opens a fresh one
-            for p in [p for p in self.peers.values() if p.engine_id == msg.engine_id]:
-                self.forget_peer(p)
+        # both sides forget it: D (which opens the handshakes) handshakes afresh on its next request
+        # with that P; P tells a D that may still live that it was dropped, so D does the same
+        # (and a D restarted elsewhere is not refused as a displacement of the old one)
+        for p in [p for p in self.peers.values() if p.engine_id == msg.engine_id]:
+            self.forget_peer(p, tell=msg.reason)
         self.peer_instance_down(msg.engine_id, msg.reason, time.monotonic())
 
     def peer_instance_down(self, engine_id: str, reason: str, now: float) -> None:

@@ -24,12 +24,36 @@ import zmq
 from pushkv import limits
 from pushkv import messages as m
 from pushkv.actor import Actor, Channel
+from pushkv.kv.layout import MAX_TP
 from pushkv.transport.grid import DescGrid
 from pushkv.transport.nixl_agent import NixlAgent
 
 log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 5.0
+GENERIC_REFUSAL = "refused"  # all an unauthenticated peer is told
+ADDRESS_LIMIT = 1 << 64  # a Hello's addresses are a 64-bit process's
+DEVICE_LIMIT = 1 << 16
+SINK_BYTES_MAX = 1 << 20  # a keep-warm sink is a small buffer (warm.BEAT_BYTES); ours is far below this
+DROPPED = "dropped: "  # a HelloRefused on a connected link: the peer forgot us (the rest says why)
+
+
+def hello_problem(h: Any) -> str:
+    """Why the numbers of a Hello (pushkv's or the vLLM connector's) cannot be a peer's ("" when
+    they can): each is bounded before anything is sized, indexed or posted by it."""
+    tp, rank = getattr(h, "tp", 1), getattr(h, "rank", 0)
+    if not 1 <= tp <= MAX_TP:
+        return f"tp={tp} is outside 1..{MAX_TP}"
+    if not 0 <= rank < tp:
+        return f"rank {rank} is outside 0..{tp - 1}"
+    for name in ("pool_base", "sink_addr"):
+        if not 0 <= getattr(h, name, 0) < ADDRESS_LIMIT:
+            return f"{name}={getattr(h, name)} is not a 64-bit address"
+    if not 0 <= getattr(h, "device_id", 0) < DEVICE_LIMIT:
+        return f"device_id={h.device_id} is outside 0..{DEVICE_LIMIT - 1}"
+    if not 0 <= getattr(h, "sink_bytes", 0) <= SINK_BYTES_MAX:
+        return f"sink_bytes={h.sink_bytes} is outside 0..{SINK_BYTES_MAX}"
+    return ""
 
 PeerKey = tuple[str, int]  # (engine_id, rank)
 
@@ -88,6 +112,10 @@ class PeerWriter(Actor):
     nixl: NixlAgent
     handshake: Optional[Channel]
     watch_links = False  # monitor each link for the peer's end closing (peer_gone)
+    # whether whoever reaches our handshake ROUTER is one of ours (CURVE with the deployment's secret,
+    # or an ipc:// file in the 0700 run dir): only then does a refusal say why; anyone else learns
+    # nothing of our model or layout from it (the reason goes to our log only)
+    peers_authenticated = False
 
     def init_peers(self) -> None:
         self.peers: dict[PeerKey, Peer] = {}
@@ -126,9 +154,12 @@ class PeerWriter(Actor):
             raise ValueError(f"model differs: ours {self.model_id}, {h.engine_id} rank {h.rank}'s "
                              f"{h.model_id or 'unnamed'} (every instance must serve the same model, geometry "
                              "and dtype)")
+        why = hello_problem(h)
+        if why:
+            raise ValueError(f"{h.engine_id} rank {h.rank}'s Hello: {why}")
         self.check_peer(h)
         old = self.peers.get((h.engine_id, h.rank))
-        if old is not None:  # the peer restarted: drop its old NIXL metadata first
+        if old is not None:  # the peer restarted (on_Hello checked its old link is gone): drop its old metadata
             self.forget_peer(old)
         agent = self.nixl.add_remote(h.agent_metadata)
         peer = self.peer_of(h, agent)
@@ -140,8 +171,13 @@ class PeerWriter(Actor):
         log.info("%s: connected to %s rank %d (agent %s)", self.name, h.engine_id, h.rank, agent)
         return peer
 
-    def forget_peer(self, peer: Peer) -> None:
-        """Drop a peer (dead, or restarted): its link, its NIXL metadata; waits on it fail."""
+    def forget_peer(self, peer: Peer, tell: str = "") -> None:
+        """Drop a peer (dead, or restarted): its link, its NIXL metadata; waits on it fail. With
+        ``tell``, a peer that handshook with us (it may still live: the router lost sight of it)
+        hears that it was dropped, so it handshakes again rather than post to a writer that no
+        longer knows it (``on_HelloRefused``)."""
+        if tell and peer.identity is not None and self.handshake is not None:
+            self.send(self.handshake, self.refusal(DROPPED + tell), peer.identity)
         self.close_link((peer.engine_id, peer.rank))  # a restarted peer gets a fresh handshake
         self.peer_forgotten(peer)
         self.peers.pop((peer.engine_id, peer.rank), None)
@@ -160,6 +196,18 @@ class PeerWriter(Actor):
         if identity is None:  # the answer on a link we opened
             self._link_answered(msg)
             return
+        old = self.peers.get((msg.engine_id, msg.rank))
+        if old is not None and old.identity != identity and self._peer_live(old):
+            # a live peer is never replaced by whoever names it (a Hello with D's engine id made P
+            # forget the real D); a restarted one is: its old link is gone, or it was reported dead
+            self.counters["peer_displace_refused"] += 1
+            log.error("%s: refusing a Hello naming %s rank %d: that peer is connected and alive", self.name,
+                      msg.engine_id, msg.rank)
+            if self.handshake is not None:
+                why = f"{msg.engine_id} rank {msg.rank} is already connected"
+                self.send(self.handshake, self.refusal(why if self.peers_authenticated else GENERIC_REFUSAL),
+                          identity)
+            return
         try:  # a peer initiated the handshake: load its metadata, answer with ours
             peer = self.add_peer(msg)
             peer.identity = identity  # our way back to it over the ROUTER (wake hints)
@@ -167,20 +215,63 @@ class PeerWriter(Actor):
             log.error("%s: refusing peer %s rank %d: %s", self.name, msg.engine_id, msg.rank, e)
             self.counters["peer_incompatible" if isinstance(e, ValueError) else "peer_metadata_failed"] += 1
             if self.handshake is not None:
-                self.send(self.handshake, self.refusal(str(e)), identity)
+                self.send(self.handshake, self.refusal(str(e) if self.peers_authenticated else GENERIC_REFUSAL),
+                          identity)
             return
         if self.handshake is not None:
             self.send(self.handshake, self.hello(), identity)
 
     def on_HelloRefused(self, msg: m.HelloRefused, identity: Optional[bytes] = None) -> None:
-        """The peer refused our Hello: fail the link now, with its reason, not at the deadline."""
+        """The peer refused our Hello: fail the link now, with its reason, not at the deadline.
+        On a connected link: the peer dropped us (``forget_peer(tell=)``); forget it too, so the
+        next request with it handshakes again."""
         link = self._current_link()
-        if link is None or link.connected:
+        if link is None or identity is not None:
             self.counters["unexpected_hello"] += 1
+            return
+        if link.connected:
+            peer = self.peers.get((link.engine_id, link.rank))
+            self.counters["peer_dropped_us"] += 1
+            log.warning("%s: %s rank %d dropped us (%s): handshaking again on the next request", self.name,
+                        link.engine_id, link.rank, msg.reason)
+            if peer is not None:
+                self.forget_peer(peer)
+                self.peer_gone(peer, f"{link.engine_id} rank {link.rank} dropped us: {msg.reason}")
             return
         self.counters["peer_refused_us"] += 1
         self._fail_link(link, f"refused by {msg.engine_id} rank {msg.rank}: {msg.reason}")
         self._resolve_waits()
+
+    def _peer_live(self, peer: Peer) -> bool:
+        """Whether a known peer still holds its connection with us: our link to it is up, or the
+        handshake ROUTER can still route to the DEALER it handshook from (probed with our Hello,
+        which a connected link takes as an unexpected one and ignores)."""
+        link = self.links.get((peer.engine_id, peer.rank))
+        if link is not None and link.connected:
+            return True
+        if peer.identity is None or self.handshake is None:
+            return False
+        sock = self.handshake.sock
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an identity with no connection raises, not drops
+        try:
+            sock.send_multipart([peer.identity, m.encode(self.hello())], flags=zmq.DONTWAIT)
+            return True
+        except zmq.Again:  # connected, only slow to read
+            return True
+        except zmq.ZMQError as e:
+            if e.errno == zmq.EHOSTUNREACH:
+                return False
+            raise
+        finally:
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+
+    def from_peer(self, identity: Optional[bytes]) -> bool:
+        """Whether the message being handled came from a peer we handshook with: over a link of
+        ours that its Hello answered, or from the DEALER whose Hello we took."""
+        if identity is None:
+            link = self._current_link()
+            return link is not None and link.connected
+        return any(p.identity == identity for p in self.peers.values())
 
     def _current_link(self) -> Optional[PeerLink]:
         return next((lk for lk in self.links.values() if lk.channel is self.current), None)

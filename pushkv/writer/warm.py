@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 BEAT_MS = 1.0
 BEAT_BYTES = 256 << 10
+HINT_SPIN_MAX_S = 30.0  # a wake hint keeps us hot at most this long, whatever size it names
 
 
 class WarmWriter(PostingWriter):
@@ -75,10 +76,25 @@ class WarmWriter(PostingWriter):
             self.send(self.handshake, hint, peer.identity)
 
     def on_TransferStarting(self, msg: m.TransferStarting, identity: Optional[bytes] = None) -> None:
+        # only a handshaken peer may make us spin, and no longer than a transfer into our memory
+        # could take (a hint with nbytes = 2**62, from anyone, held a core for good)
+        if not self.from_peer(identity):
+            self._refuse_hint("wake_hint_not_a_peer", msg)
+            return
+        if not 0 <= msg.nbytes <= self.memory.nbytes:
+            self._refuse_hint("wake_hint_bad_nbytes", msg)
+            return
         faults.point(self.name, "transfer_starting")  # a peer posted a transfer with us (a streamed part: mid-stream)
         now = time.monotonic()
         self.counters["wake_hints"] += 1
-        self._expected[(msg.transfer_id, msg.generation)] = now + spin_s(msg.nbytes)
+        self._expected[(msg.transfer_id, msg.generation)] = now + min(spin_s(msg.nbytes), HINT_SPIN_MAX_S)
+
+    def _refuse_hint(self, counter: str, msg: m.TransferStarting) -> None:
+        self.counters[counter] += 1
+        n = self.counters[counter]
+        if n & (n - 1) == 0:  # the 1st, 2nd, 4th, ...: a flood of them cannot flood the log
+            log.warning("%s: wake hint dropped (%s, %d so far): nbytes=%d transfer_id=%.64s", self.name, counter, n,
+                        msg.nbytes, msg.transfer_id)
 
     def transfer_arrived(self, transfer_id: str, generation: int) -> None:
         """The transfer a peer announced ended on our side: stop driving progress for it."""

@@ -1,7 +1,9 @@
 """The whole deployment over loopback and real NIXL: supervisor, router, and
 P and D each with scheduler, worker and writer. Greedy tokens through P/D must
 equal local mode's, token for token."""
+import os
 import random
+import shutil
 import time
 
 import pytest
@@ -116,3 +118,49 @@ def test_idle_processes_do_not_spin(push):
     wall = time.monotonic() - t0
     used = {n: cpu(p) - before[n] for n, p in procs.items()}
     assert all(u / wall < 0.10 for u in used.values()), used
+
+
+def _probe(asks: dict, as_other_uid: bool) -> dict:
+    """tests/support/other_uid_probe.py, as root or as uid 65534 (``setpriv``: CI runs as root)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "tests.support.other_uid_probe"]
+    if as_other_uid:
+        argv = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *argv]
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run(argv, input=json.dumps(asks), capture_output=True, text=True, timeout=60, cwd=repo,
+                         env=dict(os.environ, PYTHONPATH=repo))
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv for a 2nd uid")
+def test_another_uid_gets_no_handshake(push):
+    """A default deployment on one host: another local uid cannot reach a writer's handshake, so it
+    never gets a Hello (NIXL metadata, pool base: what a READ or WRITE of the pool needs). The same
+    Hello from our own uid is answered, so the probe's Hello is one the writer would take."""
+    from pushkv import messages as m
+    from pushkv.config import model_fingerprint
+    from pushkv.kv import layout as L
+    from pushkv.transport.nixl_agent import NixlAgent
+
+    cfg = push.cfg
+    agent = NixlAgent("uid-probe")
+
+    def hello(other) -> str:  # what a writer of the other role would say
+        return m.encode(m.Hello("uid-probe", 0, 1, "uid-probe", agent.metadata(), 0,
+                                L.instance_layout(cfg, other, 0), wire_version=m.WIRE_VERSION,
+                                model_id=model_fingerprint(cfg.model))).hex()
+
+    p_ep, d_ep = cfg.prefill.handshake_endpoints[0], cfg.decode.handshake_endpoints[0]
+    asks = {p_ep: hello(cfg.decode), d_ep: hello(cfg.prefill)}
+    theirs = _probe(asks, as_other_uid=True)
+    for ep, r in theirs.items():
+        assert r["connect"] != "connected" and not r["answer"], (ep, r)
+        assert r.get("unix") == "PermissionError", (ep, r)
+    ours = _probe({p_ep: asks[p_ep]}, as_other_uid=False)
+    got = m.DEC_HANDSHAKE.decode(bytes.fromhex(ours[p_ep]["answer"]))
+    assert isinstance(got, m.Hello) and got.agent_metadata, got

@@ -1,7 +1,7 @@
 """A push deployment with ``--secret-file`` and ``--api-key``, end to end over real processes.
 
-Its writers' handshake endpoints are tcp on loopback, and here the schedulers' too (pinned in
-a config file, as a multi-host deployment has them), so CURVE runs on the writer-to-writer
+Its writers' handshake endpoints and its schedulers' are tcp on loopback (pinned in a config
+file, as a multi-host deployment has them; one host's default is ipc in the run dir), so CURVE runs on the writer-to-writer
 handshake and on the router's links: a request is served, the handshake sockets report CURVE
 handshakes, and peers without the secret (plain ZMQ, another secret) are refused and counted
 by the process they knocked on. The HTTP API takes the key through the official ``openai``
@@ -64,8 +64,9 @@ def dep(tmp_path_factory):
     secret.chmod(0o600)
     cfg = tmp / "deploy.json"
     cfg.write_text(json.dumps({
-        "prefill": {"sched_endpoint": f"tcp://127.0.0.1:{free_tcp_port()}"},
-        "decode": {"sched_endpoint": f"tcp://127.0.0.1:{free_tcp_port()}"},
+        # tcp as a deployment over several hosts has them (one host's default is ipc in the run dir)
+        role: {"sched_endpoint": f"tcp://127.0.0.1:{free_tcp_port()}",
+               "handshake_endpoints": [f"tcp://127.0.0.1:{free_tcp_port()}"]} for role in ("prefill", "decode")
     }))
     with deployment(tmp, "--config", str(cfg), "--mode", "push", "--model", "tiny", "--num-blocks", "128",
                     "--secret-file", str(secret), "--api-key", KEY) as d:

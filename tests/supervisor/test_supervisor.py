@@ -51,9 +51,10 @@ def test_plan_fills_everything_push():
     assert p.sched_endpoint == "ipc:///tmp/pushkv-abc123/prefill-scheduler.sock"
     assert p.worker_endpoints == tuple(f"ipc:///tmp/pushkv-abc123/prefill-worker-{r}.sock" for r in range(2))
     assert p.writer_endpoints == tuple(f"ipc:///tmp/pushkv-abc123/prefill-writer-{r}.sock" for r in range(2))
-    ports = [e.rsplit(":", 1)[1] for e in p.handshake_endpoints + d.handshake_endpoints + (p.dist_init,)]
-    assert all(e.startswith("tcp://127.0.0.1:") for e in p.handshake_endpoints + (p.dist_init,))
-    assert len(set(ports)) == len(ports) == 4
+    # one host: the handshakes (P's Hello carries its NIXL metadata) are files in the 0700 run dir
+    assert p.handshake_endpoints == tuple(f"ipc:///tmp/pushkv-abc123/prefill-handshake-{r}.sock" for r in range(2))
+    assert d.handshake_endpoints == ("ipc:///tmp/pushkv-abc123/decode-handshake-0.sock",)
+    assert p.dist_init.startswith("tcp://127.0.0.1:")
     assert d.dist_init == ""  # tp=1
     assert cfg.local.sched_endpoint == ""  # unused in push mode
 
@@ -72,9 +73,11 @@ def test_plan_fresh_ids_and_duplicate_ports_skipped():
     b = plan_deployment(DeploymentConfig(), pick_port=counter_ports())
     assert a.deployment_id != b.deployment_id and a.run_dir != b.run_dir
     dup = iter([5000, 5000, 5001, 5002])
-    cfg = plan_deployment(DeploymentConfig(deployment_id="x"), pick_port=lambda: next(dup))
-    assert cfg.prefill.handshake_endpoints[0].endswith(":5000")
-    assert cfg.decode.handshake_endpoints[0].endswith(":5001")
+    two = dict(tp=2, device="cpu")
+    cfg = plan_deployment(DeploymentConfig(deployment_id="x", prefill=InstanceConfig(role="prefill", **two),
+                                           decode=InstanceConfig(role="decode", **two)), pick_port=lambda: next(dup))
+    assert cfg.prefill.dist_init.endswith(":5000")
+    assert cfg.decode.dist_init.endswith(":5001")
 
 
 @pytest.mark.parametrize("cfg, err", [
@@ -535,8 +538,8 @@ def test_planned_ports_never_take_the_router_port():
     from pushkv.supervisor.plan import plan_deployment
 
     picks = iter([8000, 8000, 9001, 9002, 9003, 9004])
-    cfg = DeploymentConfig(port=8000, prefill=InstanceConfig(role="prefill", tp=2))
+    cfg = DeploymentConfig(port=8000, prefill=InstanceConfig(role="prefill", tp=2),
+                           decode=InstanceConfig(role="decode", tp=2))
     planned = plan_deployment(cfg, pick_port=lambda: next(picks))
-    used = [int(e.rsplit(":", 1)[1]) for e in planned.prefill.handshake_endpoints + planned.decode.handshake_endpoints]
-    used.append(int(planned.prefill.dist_init.rsplit(":", 1)[1]))
+    used = [int(i.dist_init.rsplit(":", 1)[1]) for i in (planned.prefill, planned.decode)]
     assert 8000 not in used and len(set(used)) == len(used)

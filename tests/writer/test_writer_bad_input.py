@@ -360,3 +360,124 @@ def test_cached_offset_writes_only_the_tail(pair):
         sizes[tid] = p.answer(m.KVSent, tid, 0).nbytes
         assert d.answer(m.KVReceived, tid, 0).nbytes == sizes[tid]
     assert sizes["tail"] * 3 == sizes["whole"], sizes
+
+
+# --- peers that cannot be displaced, numbers that are bounded ---------------------------------
+def push_once(cfg, p, d, tid: str) -> None:
+    """One real push P -> D, answered on both sides (D's link to P is up afterwards)."""
+    d.sock.send(expect(cfg, tid, 0, blocks=(30,)))
+    p.sock.send(send_kv(tid, 0, blocks=(31,)))
+    d.answer(m.KVReceived, tid, 0)
+    p.answer(m.KVSent, tid, 0)
+
+
+def hello_as(peer: FakePeer, engine_id: str, sock) -> object:
+    sock.send(m.encode(m.Hello(engine_id, 0, 1, peer.name, peer.agent.metadata(), 0, peer.layout,
+                               wire_version=m.WIRE_VERSION, model_id=peer.model_id)))
+    assert sock.poll(10_000), "no handshake answer"
+    return m.DEC_HANDSHAKE.decode(sock.recv())
+
+
+def test_a_hello_naming_a_live_peer_displaces_nothing(pair):
+    """A Hello that names D's engine id (shown on /health) is refused while D's link lives, and
+    pushes go on; before, P forgot the real D and every request after failed."""
+    cfg, p, d = pair
+    push_once(cfg, p, d, "before-forgery")
+    forger = FakePeer("forger", cfg, "decode")
+    s = dealer(cfg.prefill.handshake_endpoints[0])
+    try:
+        got = hello_as(forger, cfg.decode.engine_id, s)
+    finally:
+        s.close(0)
+    assert isinstance(got, m.HelloRefused) and "already connected" in got.reason, got
+    assert p.counters()["peer_displace_refused"] >= 1
+    push_once(cfg, p, d, "after-forgery")
+
+
+def test_a_restarted_peer_is_taken_once_its_old_link_is_gone(pair):
+    """The restart case: the same engine id from a new connection replaces the old peer once the
+    old connection is closed (here at once; a real restart also hears of the death first)."""
+    cfg, p, d = pair
+    first, second = FakePeer("phoenix", cfg, "decode"), FakePeer("phoenix-2", cfg, "decode")
+    old = dealer(cfg.prefill.handshake_endpoints[0])
+    assert isinstance(hello_as(first, "phoenix", old), m.Hello)
+    new = dealer(cfg.prefill.handshake_endpoints[0])
+    try:
+        assert isinstance(hello_as(second, "phoenix", new), m.HelloRefused)  # the old one lives
+    finally:
+        new.close(0)
+    old.close(0)
+    end = time.monotonic() + 10.0
+    while True:  # P's ROUTER drops the closed connection on its own I/O thread: retry as D would
+        again = dealer(cfg.prefill.handshake_endpoints[0])
+        try:
+            got = hello_as(second, "phoenix", again)
+        finally:
+            again.close(0)
+        if isinstance(got, m.Hello) or time.monotonic() > end:
+            break
+    assert isinstance(got, m.Hello) and got.agent_metadata, got
+
+
+def test_d_handshakes_again_when_p_drops_it(pair):
+    """P forgets D (the router lost sight of D: PeerLost) and tells it; D forgets P too, and the
+    next push handshakes afresh instead of registering with a P that no longer knows it."""
+    cfg, p, d = pair
+    push_once(cfg, p, d, "before-drop")
+    before = d.counters().get("handshakes_started", 0)
+    p.sock.send(m.encode(m.PeerLost(cfg.decode.engine_id, "decode", "lease lapsed (test)")))
+    d.wait_counter("peer_dropped_us", 1)
+    push_once(cfg, p, d, "after-drop")
+    assert d.counters()["handshakes_started"] == before + 1
+
+
+@pytest.mark.parametrize("who", ["stranger", "peer"])
+def test_a_wake_hint_is_bounded_and_only_a_peers(pair, who):
+    """TransferStarting with nbytes = 2**62 held P's writer in a spin for good: now a hint counts
+    only from a handshaken peer, and only for a size that fits in our memory."""
+    cfg, p, d = pair
+    sock = dealer(cfg.prefill.handshake_endpoints[0])
+    try:
+        if who == "peer":
+            assert isinstance(hello_as(FakePeer("hinter", cfg, "decode"), "hinter", sock), m.Hello)
+        sock.send(m.encode(m.TransferStarting("spin", 0, 0, 2**62)))
+        counter = "wake_hint_not_a_peer" if who == "stranger" else "wake_hint_bad_nbytes"
+        c = p.wait_counter(counter, 1)
+        sock.send(m.encode(m.TransferStarting("fits", 0, 0, 4096)))
+        if who == "peer":  # a real hint from the peer still counts
+            p.wait_counter("wake_hints", c.get("wake_hints", 0) + 1)
+    finally:
+        sock.close(0)
+
+
+@pytest.mark.parametrize("change,says", [
+    ({"tp": 2**31}, "tp="), ({"tp": 0}, "tp="), ({"rank": 5}, "rank 5"), ({"rank": -1}, "rank -1"),
+    ({"pool_base": 2**64}, "pool_base"), ({"sink_addr": -1}, "sink_addr"), ({"sink_bytes": 2**40}, "sink_bytes"),
+    ({"device_id": 2**20}, "device_id"),
+])
+def test_hello_numbers_are_bounded(change, says):
+    from pushkv.writer.peers import hello_problem
+
+    h = m.Hello("x", 0, 1, "x", b"", 0, None, wire_version=m.WIRE_VERSION)
+    assert hello_problem(h) == ""
+    import msgspec
+
+    assert says in hello_problem(msgspec.structs.replace(h, **change))
+
+
+@pytest.mark.parametrize("parts,counter", [
+    ([b"x" * 1024] * 64, "msg_dropped_frames"),  # 64 frames, each far under the cap
+    ([b"x" * (3 << 20)] * 2, "msg_dropped_bytes"),  # 2 frames of 3 MiB: each under the 4 MiB cap, not together
+])
+def test_a_message_past_its_shape_is_dropped_whole(pair, parts, counter):
+    """The size cap bounds a frame; a message is bounded as a whole too (64 x 4 MiB grew P's
+    writer by 250 MB): dropped and counted, and the writer goes on serving."""
+    cfg, p, d = pair
+    before = p.counters().get(counter, 0)
+    s = dealer(cfg.prefill.handshake_endpoints[0])
+    try:
+        s.send_multipart(parts)
+        p.wait_counter(counter, before + 1)
+    finally:
+        s.close(0)
+    push_once(cfg, p, d, f"after-{counter}")

@@ -94,16 +94,20 @@ def test_peer_answering_for_another_engine_is_refused(pair, tmp_path):
         liar.close(0)
 
 
-def _ask(endpoint: str, hello: m.Hello):
+def _ask_raw(endpoint: str, hello: m.Hello) -> bytes:
     s = zmq.Context.instance().socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     s.connect(endpoint)
     try:
         s.send(m.encode(hello))
         assert s.poll(10_000), "no handshake answer"
-        return m.DEC_HANDSHAKE.decode(s.recv())
+        return s.recv()
     finally:
         s.close(0)
+
+
+def _ask(endpoint: str, hello: m.Hello):
+    return m.DEC_HANDSHAKE.decode(_ask_raw(endpoint, hello))
 
 
 @pytest.mark.parametrize("change,says", [
@@ -124,10 +128,13 @@ def test_refused_peer_gets_the_reason_not_the_metadata(pair, change, says):
     ours = _ask(cfg.prefill.handshake_endpoints[0], good)
     assert isinstance(ours, m.Hello) and ours.agent_metadata, "a matching peer is answered with P's Hello"
     hello = msgspec.structs.replace(good, engine_id=name + "-bad", **change)
-    got = _ask(cfg.prefill.handshake_endpoints[0], hello)
+    raw = _ask_raw(cfg.prefill.handshake_endpoints[0], hello)
+    got = m.DEC_HANDSHAKE.decode(raw)
     assert isinstance(got, m.HelloRefused), got
     assert says in got.reason and got.engine_id == cfg.prefill.engine_id, got.reason
-    assert not hasattr(got, "agent_metadata")
+    # nothing of P's Hello travels with the refusal: not its NIXL metadata, not its agent's name
+    assert ours.agent_metadata not in raw and ours.agent_name.encode() not in raw, raw[:200]
+    assert len(raw) < 200 + len(got.reason), len(raw)
 
 
 def test_refused_link_fails_its_request_at_once(pair, tmp_path):

@@ -45,7 +45,10 @@ class TapError(Exception):
 def find_endpoint(dep_id: Optional[str] = None,
                   directory: Optional[str] = None) -> tuple[str, registry.DeploymentRecord]:
     """The tap endpoint of the one running (traced) deployment, or of ``dep_id`` (a prefix)."""
-    recs = registry.list_records(directory)
+    try:
+        recs = registry.list_records(directory)
+    except registry.RegistryError as e:
+        raise TapError(str(e)) from e
     if dep_id:
         recs = [r for r in recs if r.deployment_id.startswith(dep_id)]
     if not recs:
