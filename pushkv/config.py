@@ -20,7 +20,7 @@ from typing import Any, Literal, Optional
 
 import msgspec
 
-from pushkv.kinds import Engine, HostRole, KVVerify, Mode, PullRead, PushStream, RandomInit, Role, Switch
+from pushkv.kinds import Engine, HostRole, KVVerify, Mode, PullRead, PushStream, RandomInit, Role, RopeType, Switch
 from pushkv.messages import PrefillSource
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -80,6 +80,24 @@ class SamplingDefaults(msgspec.Struct, frozen=True):
     max_tokens: Optional[int] = None  # max_new_tokens
 
 
+class RopeScaling(msgspec.Struct, frozen=True):
+    """How a checkpoint's RoPE frequencies differ from plain RoPE (its ``rope_parameters`` or
+    ``rope_scaling``), as pushkv/model/rope.py computes them. ``default``: plain RoPE."""
+
+    rope_type: RopeType = "default"
+    factor: float = 1.0
+    original_max_position: int = 0  # the context the model was pretrained on (llama3, yarn)
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: float = 1.0  # yarn: what cos and sin are multiplied by (read or derived at load)
+    truncate: bool = True  # yarn: round the correction range to whole dims
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+
+
 class ModelConfig(msgspec.Struct, frozen=True):
     name: str = "small"
     num_layers: int = 4
@@ -114,6 +132,16 @@ class ModelConfig(msgspec.Struct, frozen=True):
     # generation_config.json's; eos_token_id above is the first of them
     eos_token_ids: tuple[int, ...] = ()
     sampling_defaults: SamplingDefaults = SamplingDefaults()  # from generation_config.json (--generation-config auto)
+    # the checkpoint's architecture (config.json "architectures", a key of pushkv/model/arch.py's
+    # registry); "" = pushkv's own random model, named as Qwen3 (Qwen3MoE with experts)
+    architecture: str = ""
+    qkv_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    rope_scaling: RopeScaling = RopeScaling()
+    # mixture of experts (num_experts > 0): every layer's MLP is num_experts SwiGLU experts of
+    # intermediate_size columns each, experts_per_token of them chosen per token by a softmax router
+    num_experts: int = 0
+    experts_per_token: int = 0
+    norm_topk_prob: bool = True  # the chosen experts' router weights renormalised to sum to 1
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -145,6 +173,10 @@ class ModelConfig(msgspec.Struct, frozen=True):
     def cache_head_dim(self) -> int:
         """Width of one cached head row."""
         return self.kv_lora_rank + self.qk_rope_dim if self.is_mla else self.head_dim
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     def kv_bytes_per_token(self) -> int:
         return self.num_layers * self.kv_planes * self.cache_kv_heads * self.cache_head_dim * self.dtype_bytes

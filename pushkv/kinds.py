@@ -15,3 +15,4 @@ KVVerify = Literal["off", "sample", "full"]
 Switch = Literal["auto", "on", "off"]  # "auto": the code decides (see each field)
 Engine = Literal["auto", "batched", "per-seq"]
 RandomInit = Literal["cpu", "device"]
+RopeType = Literal["default", "linear", "llama3", "yarn"]  # RoPE frequency schemes built (pushkv/model/rope.py)
