@@ -142,6 +142,9 @@ class ModelConfig(msgspec.Struct, frozen=True):
     num_experts: int = 0
     experts_per_token: int = 0
     norm_topk_prob: bool = True  # the chosen experts' router weights renormalised to sum to 1
+    # local directory of the tokenizer (--tokenizer, or the checkpoint's with --load-format dummy);
+    # None: the checkpoint's own, or pushkv's byte tokenizer without one
+    tokenizer: Optional[str] = None
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -230,7 +233,8 @@ def model_fingerprint(model: ModelConfig) -> str:
     import hashlib
 
     keep = {f: getattr(model, f) for f in model.__struct_fields__
-            if f not in ("checkpoint", "engine", "random_init", "deterministic", "max_position", "eos_token_id")}
+            if f not in ("checkpoint", "engine", "random_init", "deterministic", "max_position", "eos_token_id",
+                         "tokenizer")}
     keep["checkpoint"] = os.path.basename(os.path.normpath(model.checkpoint)) if model.checkpoint else ""
     return hashlib.sha256(msgspec.json.encode(keep)).hexdigest()[:16]
 
