@@ -48,7 +48,8 @@ class BatchedForward:
         self.staging = Staging()
         self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.cuda else 1
         if use_graphs is None:
-            use_graphs = self.cuda and model.tp_size == 1 and envs.get("PUSHKV_CUDA_GRAPHS")
+            # MoE: the torch experts size their groups on the host, which a graph cannot capture
+            use_graphs = self.cuda and model.tp_size == 1 and not cfg.is_moe and envs.get("PUSHKV_CUDA_GRAPHS")
         self.use_graphs = use_graphs
         self.fused = self.cuda and envs.get("PUSHKV_FUSED") and not (self.hd & (self.hd - 1))
         self.max_num_seqs = max_num_seqs
