@@ -212,6 +212,14 @@ PRESETS: dict[str, ModelConfig] = {
         head_dim=128, intermediate_size=12288, vocab_size=151936, max_position=40960,
         rope_theta=1e6, dtype="bfloat16", deterministic=False, random_init="device",
     ),
+    # Qwen3-30B-A3B's shape: 128 experts of 768 columns a layer, 8 routed per token (3.3B of 30.5B
+    # parameters active); the shape the MoE roofline is to run (named as Qwen3-MoE's weights)
+    "qwen3-30b-a3b": ModelConfig(
+        name="qwen3-30b-a3b", num_layers=48, hidden_size=2048, num_heads=32, num_kv_heads=4,
+        head_dim=128, intermediate_size=768, vocab_size=151936, max_position=40960,
+        rope_theta=1e6, dtype="bfloat16", deterministic=False, random_init="device",
+        architecture="Qwen3MoeForCausalLM", num_experts=128, experts_per_token=8,
+    ),
     "qwen3-32b": ModelConfig(
         name="qwen3-32b", num_layers=64, hidden_size=5120, num_heads=64, num_kv_heads=8,
         head_dim=128, intermediate_size=25600, vocab_size=151936, max_position=40960,

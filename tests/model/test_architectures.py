@@ -138,3 +138,17 @@ def test_moe_reference_equals_each_token_through_its_experts():
                 want += w[t, j] * (down[e] @ (torch.nn.functional.silu(gate) * up))
             torch.testing.assert_close(got[t], want, rtol=1e-5, atol=1e-5)
         assert torch.allclose(w.sum(-1), torch.ones(T)) == renorm
+
+
+def test_moe_shape_preset_counts_qwen3_30b_a3b_parameters():
+    """The random shape of Qwen3-30B-A3B names (hf_names) 30.5B parameters, 3.3B active per token."""
+    from pushkv.config import preset
+    from pushkv.model.weights import hf_names
+
+    cfg = preset("qwen3-30b-a3b")
+    sizes = {name: torch.Size(shape).numel() for name, shape in hf_names(cfg)}
+    total = sum(sizes.values())
+    experts = sum(n for name, n in sizes.items() if ".experts." in name)
+    active = total - experts + experts * cfg.experts_per_token // cfg.num_experts
+    assert round(total / 1e9, 1) == 30.5 and 3.3 <= active / 1e9 <= 3.4
+    assert sum(".experts.0.gate_proj" in n for n in sizes) == cfg.num_layers
