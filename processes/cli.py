@@ -21,7 +21,7 @@ import msgspec
 from setproctitle import setproctitle
 
 from pushkv.config import PRESETS, TRACE_AUTO, DeploymentConfig
-from pushkv.config_flags import GEOMETRY, user_config
+from pushkv.config_flags import GEOMETRY, deprecations, user_config, weights_note
 from pushkv.kinds import LinkOrder
 from pushkv.security import API_KEY_ENV, load_secret
 from pushkv.supervisor import deployments, registry
@@ -55,15 +55,27 @@ def build_parser() -> argparse.ArgumentParser:
                          "fails the request (502); default sample")
     up.add_argument("--host")
     up.add_argument("--port", type=int)
-    up.add_argument("--model", choices=sorted(PRESETS), help="model preset")
-    up.add_argument("--checkpoint", metavar="DIR", help="local HF checkpoint directory")
+    up.add_argument("--model", metavar="PATH|ORG/NAME|SHAPE",
+                    help="a local Hugging Face checkpoint directory, or a Hugging Face repo id (resolved through "
+                         "huggingface_hub: from the local cache when HF_HUB_OFFLINE=1), as vLLM takes it; with "
+                         f"--load-format dummy also one of the random-weight shapes {', '.join(sorted(PRESETS))}")
+    up.add_argument("--revision", help="--model repo id: the branch, tag or commit (default: main)")
+    up.add_argument("--tokenizer", metavar="PATH|ORG/NAME",
+                    help="the tokenizer's directory or repo id (default: --model's)")
+    up.add_argument("--load-format", choices=("auto", "dummy"),
+                    help="auto: --model's weights; dummy: random weights (of --model's shape and tokenizer), "
+                         "said at startup")
+    up.add_argument("--max-model-len", type=int, metavar="N",
+                    help="longest prompt + output a request may have (default: the model's max_position_embeddings)")
+    up.add_argument("--checkpoint", metavar="DIR", help="deprecated: --model DIR")
     up.add_argument("--generation-config", choices=("auto", "none"), default="auto",
                     help="auto: a request's unset temperature, top_p, top_k, min_p and max_tokens come from "
                          "the checkpoint's generation_config.json when it has one (as vLLM); none: pushkv's "
                          "defaults (greedy). Its EOS ids are stopped on either way")
     g = up.add_argument_group("model geometry overrides")
     for name in GEOMETRY:
-        g.add_argument("--" + name.replace("_", "-"), type=str if name == "dtype" else int)
+        g.add_argument("--" + name.replace("_", "-"), type=str if name == "dtype" else int,
+                       help="auto (default): the checkpoint's; float32|bfloat16|float16" if name == "dtype" else None)
     e = up.add_argument_group("engine")
     e.add_argument("--engine", choices=("auto", "batched", "per-seq"),
                    help="auto: batched (Triton paged attention, CUDA graphs) on CUDA, per-seq on CPU")
@@ -79,9 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="every instance computes every prompt whole and forgets a request's blocks when it ends "
                         "(default: full prompt blocks are cached by a hash of their tokens and reused)")
     t = up.add_argument_group("instances")
-    t.add_argument("--prefill-tp", type=int)
-    t.add_argument("--decode-tp", type=int)
-    t.add_argument("--tp", type=int, help="TP of the local instance (--mode local)")
+    t.add_argument("-tp", "--tensor-parallel-size", type=int, metavar="N",
+                   help="tensor-parallel ranks of every instance (P, D and local)")
+    t.add_argument("--prefill-tp", type=int, help="P's TP size (overrides -tp)")
+    t.add_argument("--decode-tp", type=int, help="D's TP size (overrides -tp)")
+    t.add_argument("--tp", type=int, help="deprecated: -tp/--tensor-parallel-size")
     t.add_argument("--device", help="cpu | cuda[:N] for every instance (KV pool and model)")
     t.add_argument("--prefill-device", help="cpu | cuda[:N] (overrides --device for P)")
     t.add_argument("--decode-device", help="cpu | cuda[:N] (overrides --device for D)")
@@ -111,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     r = up.add_argument_group("router")
     r.add_argument("--served-model-name", nargs="+", metavar="NAME",
                    help="the names a request's model field may give, listed by /v1/models (default: the "
-                        "preset's or checkpoint directory's name, or the checkpoint's path); another: 404")
+                        "--model string, the checkpoint directory's name and its path; a shape: its name); "
+                        "another: 404")
     r.add_argument("--router-queue", type=int, metavar="N",
                    help="requests that may wait at the router for a D that can hold them; past it: 429")
     r.add_argument("--max-in-flight", type=int, metavar="N",
@@ -183,6 +198,8 @@ def config_from_args(args: argparse.Namespace) -> DeploymentConfig:
 # subcommands
 # ---------------------------------------------------------------------------
 def cmd_up(args: argparse.Namespace, child_argv: Optional[ArgvHook] = None) -> int:
+    for line in deprecations(vars(args)):
+        print(f"pushkv up: {line}", file=sys.stderr)
     try:
         cfg = plan_deployment(config_from_args(args))
         if cfg.secret_file:
@@ -203,6 +220,7 @@ def cmd_up(args: argparse.Namespace, child_argv: Optional[ArgvHook] = None) -> i
     except (registry.RegistryError, OSError) as e:
         print(f"pushkv up: {e}", file=sys.stderr)
         return 2
+    print(f"pushkv up: {weights_note(cfg.model)}", file=sys.stderr)
     deployments.sweep_residue()
     announcer = None
     if cfg.host_role in ("prefill", "decode"):  # this host's instances go into the registry

@@ -20,7 +20,8 @@ from typing import Any, Literal, Optional
 
 import msgspec
 
-from pushkv.kinds import Engine, HostRole, KVVerify, LinkOrder, Mode, PullRead, PushStream, RandomInit, Role, Switch
+from pushkv.kinds import (Engine, HostRole, KVVerify, LinkOrder, Mode, PullRead, PushStream, RandomInit, Role, RopeType,
+                          Switch)
 from pushkv.messages import PrefillSource
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -80,6 +81,24 @@ class SamplingDefaults(msgspec.Struct, frozen=True):
     max_tokens: Optional[int] = None  # max_new_tokens
 
 
+class RopeScaling(msgspec.Struct, frozen=True):
+    """How a checkpoint's RoPE frequencies differ from plain RoPE (its ``rope_parameters`` or
+    ``rope_scaling``), as pushkv/model/rope.py computes them. ``default``: plain RoPE."""
+
+    rope_type: RopeType = "default"
+    factor: float = 1.0
+    original_max_position: int = 0  # the context the model was pretrained on (llama3, yarn)
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: float = 1.0  # yarn: what cos and sin are multiplied by (read or derived at load)
+    truncate: bool = True  # yarn: round the correction range to whole dims
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+
+
 class ModelConfig(msgspec.Struct, frozen=True):
     name: str = "small"
     num_layers: int = 4
@@ -114,6 +133,19 @@ class ModelConfig(msgspec.Struct, frozen=True):
     # generation_config.json's; eos_token_id above is the first of them
     eos_token_ids: tuple[int, ...] = ()
     sampling_defaults: SamplingDefaults = SamplingDefaults()  # from generation_config.json (--generation-config auto)
+    # the checkpoint's architecture (config.json "architectures", a key of pushkv/model/arch.py's
+    # registry); "" = pushkv's own random model, named as Qwen3 (Qwen3MoE with experts)
+    architecture: str = ""
+    qkv_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    rope_scaling: RopeScaling = RopeScaling()
+    # mixture of experts (num_experts > 0): every layer's MLP is num_experts SwiGLU experts of
+    # intermediate_size columns each, experts_per_token of them chosen per token by a softmax router
+    num_experts: int = 0
+    experts_per_token: int = 0
+    norm_topk_prob: bool = True  # the chosen experts' router weights renormalised to sum to 1
+    # local directory of the tokenizer (--tokenizer, or the checkpoint's with --load-format dummy);
+    # None: the checkpoint's own, or pushkv's byte tokenizer without one
+    tokenizer: Optional[str] = None
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -146,6 +178,10 @@ class ModelConfig(msgspec.Struct, frozen=True):
         """Width of one cached head row."""
         return self.kv_lora_rank + self.qk_rope_dim if self.is_mla else self.head_dim
 
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
     def kv_bytes_per_token(self) -> int:
         return self.num_layers * self.kv_planes * self.cache_kv_heads * self.cache_head_dim * self.dtype_bytes
 
@@ -177,6 +213,14 @@ PRESETS: dict[str, ModelConfig] = {
         head_dim=128, intermediate_size=12288, vocab_size=151936, max_position=40960,
         rope_theta=1e6, dtype="bfloat16", deterministic=False, random_init="device",
     ),
+    # Qwen3-30B-A3B's shape: 128 experts of 768 columns a layer, 8 routed per token (3.3B of 30.5B
+    # parameters active); the shape the MoE roofline is to run (named as Qwen3-MoE's weights)
+    "qwen3-30b-a3b": ModelConfig(
+        name="qwen3-30b-a3b", num_layers=48, hidden_size=2048, num_heads=32, num_kv_heads=4,
+        head_dim=128, intermediate_size=768, vocab_size=151936, max_position=40960,
+        rope_theta=1e6, dtype="bfloat16", deterministic=False, random_init="device",
+        architecture="Qwen3MoeForCausalLM", num_experts=128, experts_per_token=8,
+    ),
     "qwen3-32b": ModelConfig(
         name="qwen3-32b", num_layers=64, hidden_size=5120, num_heads=64, num_kv_heads=8,
         head_dim=128, intermediate_size=25600, vocab_size=151936, max_position=40960,
@@ -198,7 +242,8 @@ def model_fingerprint(model: ModelConfig) -> str:
     import hashlib
 
     keep = {f: getattr(model, f) for f in model.__struct_fields__
-            if f not in ("checkpoint", "engine", "random_init", "deterministic", "max_position", "eos_token_id")}
+            if f not in ("checkpoint", "engine", "random_init", "deterministic", "max_position", "eos_token_id",
+                         "tokenizer")}
     keep["checkpoint"] = os.path.basename(os.path.normpath(model.checkpoint)) if model.checkpoint else ""
     return hashlib.sha256(msgspec.json.encode(keep)).hexdigest()[:16]
 

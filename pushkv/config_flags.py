@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import msgspec
 
-from pushkv.config import TRACE_AUTO, DeploymentConfig, ModelConfig, config_from_builtins, preset
+from pushkv.config import PRESETS, TRACE_AUTO, DeploymentConfig, ModelConfig, config_from_builtins, preset
 
 # the flags that override a preset's (or a checkpoint's) geometry, each named as its ModelConfig field
 GEOMETRY = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
@@ -48,19 +48,66 @@ def _replace(obj, **changes):
     return msgspec.structs.replace(obj, **changes) if changes else obj
 
 
+def _preset_named(name: Optional[str]) -> bool:
+    """``--model NAME`` names a random-weight shape: a preset, unless a directory of that name is here."""
+    return bool(name) and name in PRESETS and not os.path.isdir(str(name))
+
+
 def _model(flags: Mapping[str, Any], base: ModelConfig) -> ModelConfig:
-    model = preset(flags["model"]) if flags.get("model") else base
+    name, dummy = flags.get("model"), flags.get("load_format") == "dummy"
     geometry = {k: flags.get(k) for k in GEOMETRY}
-    if flags.get("checkpoint"):  # the checkpoint's config.json is the geometry; flags may still override
+    if geometry["dtype"] == "auto":  # vLLM's --dtype auto: the checkpoint's (a preset's own)
+        geometry["dtype"] = None
+    path = flags.get("checkpoint")  # deprecated spelling of --model DIR
+    if name and not path and not _preset_named(name):
+        from pushkv.model.hub import resolve
+
+        path = resolve(name, flags.get("revision"))
+    elif flags.get("revision"):
+        raise ValueError(f"--revision {flags['revision']!r} needs --model to name a Hugging Face repo id")
+    if path:  # the checkpoint's config.json is the geometry; flags may still override
         from pushkv.model.checkpoint import model_config_from_hf
 
         given = {k: v for k, v in geometry.items() if v is not None}
-        model = model_config_from_hf(flags["checkpoint"], flags.get("generation_config") or "auto", **given)
+        if name and not flags.get("checkpoint") and not os.path.isdir(name):  # a repo id: its name, not the cache's
+            given.setdefault("name", name)
+        model = model_config_from_hf(path, flags.get("generation_config") or "auto", **given)
+        if dummy:  # vLLM's dummy load: the checkpoint's shape and tokenizer, random weights
+            model = msgspec.structs.replace(model, checkpoint=None, tokenizer=model.checkpoint)
     else:
-        model = _replace(model, **geometry)
+        model = _replace(preset(name) if name else base, **geometry)
+    if flags.get("tokenizer"):
+        from pushkv.model.hub import TOKENIZER_FILES, resolve
+
+        model = msgspec.structs.replace(model, tokenizer=resolve(flags["tokenizer"], None, TOKENIZER_FILES))
     invariant = flags.get("batch_invariant")
     return _replace(model, engine=flags.get("engine"), random_init=flags.get("random_init"),
                     deterministic=None if invariant is None else invariant == "on")
+
+
+def deprecations(flags: Mapping[str, Any]) -> list[str]:
+    """One line per old spelling the flags use (each still works), saying the new one."""
+    out = []
+    if flags.get("checkpoint"):
+        out.append(f"--checkpoint is deprecated: use --model {flags['checkpoint']}")
+    if flags.get("tp") is not None:
+        out.append(f"--tp is deprecated: use -tp/--tensor-parallel-size {flags['tp']} (every side; "
+                   "--prefill-tp/--decode-tp override it)")
+    name = flags.get("model")
+    if flags.get("load_format") != "dummy" and not flags.get("checkpoint") and not flags.get("config") \
+            and (_preset_named(name) or not name):
+        shape = name or PRESETS["small"].name
+        out.append(f"{'--model ' + shape if name else 'no --model'} serves random weights; that this needs no "
+                   f"--load-format dummy is deprecated: use --model {shape} --load-format dummy")
+    return out
+
+
+def weights_note(model: ModelConfig) -> str:
+    """What ``pushkv up`` says at startup about where the weights come from."""
+    if model.checkpoint:
+        return f"weights: {model.checkpoint} ({model.architecture}, {model.dtype})"
+    return (f"RANDOM weights (--load-format dummy): the {model.name!r} shape, seed {model.seed}, {model.dtype}; "
+            "its tokens mean nothing")
 
 
 def user_config(flags: Mapping[str, Any]) -> DeploymentConfig:
@@ -69,6 +116,15 @@ def user_config(flags: Mapping[str, Any]) -> DeploymentConfig:
     f = flags.get
     path, secret, names = f("config"), f("secret_file"), f("served_model_name")
     cfg = load_config_file(path) if path else DeploymentConfig()
+    model = _model(flags, cfg.model)
+    if not names and f("model") and not _preset_named(f("model")):
+        # vLLM's default: the --model string as given; the directory's name and path still answer
+        names = [f("model"), model.name, *([model.checkpoint] if model.checkpoint else [])]
+    max_len = f("max_model_len")
+    if max_len is not None and not 1 <= max_len <= model.max_position:
+        raise ValueError(f"--max-model-len {max_len} must be in [1, {model.max_position}] "
+                         f"(the model's max_position_embeddings)")
+    tp = f("tensor_parallel_size") or f("tp")  # --tp: the deprecated spelling
     sizes = dict(max_num_seqs=f("max_num_seqs"), max_batch_tokens=f("max_batch_tokens"),
                  prefill_chunk=f("prefill_chunk"), prefix_cache=False if f("no_prefix_cache") else None)
     trace = f("trace")
@@ -78,7 +134,7 @@ def user_config(flags: Mapping[str, Any]) -> DeploymentConfig:
         # a host of several (--role) serves on its advertised address unless --host says otherwise
         host=f("host") or (f("role") and f("advertise")), port=f("port"),
         host_role=f("role"), registry=f("registry"), advertise=f("advertise"), registry_ttl_s=f("registry_ttl"),
-        log_level=f("log_level"), model=_model(flags, cfg.model),
+        log_level=f("log_level"), model=model, max_model_len=f("max_model_len"),
         secret_file=os.path.abspath(secret) if secret else None,
         prefill_instances=f("prefill_instances"), decode_instances=f("decode_instances"),
         router_queue=f("router_queue"), router_max_in_flight=f("max_in_flight"),
@@ -86,13 +142,13 @@ def user_config(flags: Mapping[str, Any]) -> DeploymentConfig:
         writer_warm=f("writer_warm"), writer_post_thread=f("writer_post_thread"),
         link_window=f("link_window"), link_window_mib=f("link_window_mib"), link_order=f("link_order"),
         conditional_disagg=True if f("conditional_disagg") else None,
-        served_model_name=tuple(names) if names else None,
+        served_model_name=tuple(dict.fromkeys(names)) if names else None,
         trace_endpoint=TRACE_AUTO if trace else None,
         trace_tap_endpoint=trace if trace not in (None, TRACE_AUTO) else None,
-        prefill=_replace(cfg.prefill, tp=f("prefill_tp"), block_size=f("prefill_block_size") or f("block_size"),
+        prefill=_replace(cfg.prefill, tp=f("prefill_tp") or tp, block_size=f("prefill_block_size") or f("block_size"),
                          num_blocks=f("num_blocks"), device=f("prefill_device") or f("device"), **sizes),
-        decode=_replace(cfg.decode, tp=f("decode_tp"), block_size=f("decode_block_size") or f("block_size"),
+        decode=_replace(cfg.decode, tp=f("decode_tp") or tp, block_size=f("decode_block_size") or f("block_size"),
                         num_blocks=f("num_blocks"), device=f("decode_device") or f("device"), **sizes),
-        local=_replace(cfg.local, tp=f("tp"), block_size=f("block_size"), num_blocks=f("num_blocks"),
+        local=_replace(cfg.local, tp=tp, block_size=f("block_size"), num_blocks=f("num_blocks"),
                        device=f("device"), **sizes),
     )

@@ -17,7 +17,7 @@ def _stage_ms(tl: dict, a: str, b: str) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="pushkv-demo", description=__doc__)
-    ap.add_argument("--model", default="small")
+    ap.add_argument("--model", default="small", help="a random-weight shape (nothing is downloaded)")
     ap.add_argument("--mode", default="push", choices=["push", "pull"])
     ap.add_argument("--prompt-len", type=int, nargs="+", default=[16, 300, 1024])
     ap.add_argument("--max-tokens", type=int, default=16)
@@ -28,7 +28,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     rng = random.Random(0)
     prompts = [[rng.randrange(256) for _ in range(n)] for n in args.prompt_len]
-    common = ("--model", args.model, "--num-blocks", args.num_blocks, "--device", args.device)
+    common = ("--model", args.model, "--load-format", "dummy", "--num-blocks", args.num_blocks, "--device", args.device)
     ref = None
     if not args.no_check:
         print("starting the reference: one local instance ...", flush=True)

@@ -47,7 +47,7 @@ class Combo:
     ci: bool = True  # in the test matrix (CI time budget); the report runs every combo
 
     def flags(self, num_blocks: int) -> tuple[str, ...]:
-        f = ("--mode", self.mode, "--model", self.model, "--num-blocks", str(num_blocks),
+        f = ("--mode", self.mode, "--model", self.model, "--load-format", "dummy", "--num-blocks", str(num_blocks),
              "--prefill-tp", str(self.p_tp), "--decode-tp", str(self.d_tp),
              "--prefill-block-size", str(self.p_bs), "--decode-block-size", str(self.d_bs),
              # the KV check reads the blocks an idle pool hands out first (0..n-1); the prefix cache
@@ -248,7 +248,8 @@ def mapped_descs(combo: Combo, n: int, fragmented: bool, num_blocks: int) -> tup
 def _reference(model: str, tp: int, prompts: dict, max_tokens: int, num_blocks: int) -> dict:
     from pushkv.launch import launched
 
-    with launched("--mode", "local", "--model", model, "--tp", str(tp), "--num-blocks", str(num_blocks)) as dep:
+    with launched("--mode", "local", "--model", model, "--load-format", "dummy", "-tp", str(tp),
+                  "--num-blocks", str(num_blocks)) as dep:
         return {name: dep.tokens(p, max_tokens) for name, p in prompts.items()}
 
 

@@ -686,8 +686,8 @@ def main(argv=None) -> int:
                           if netns.parse_rate(r) is not None)
         print(f"  {n} tokens: {kv_bytes(m, n) / 2**20:.1f} MiB of KV, {wires} on the wire")
     # every mode's flags: these, after its own (mode_flags: the mode, its prefill chunk)
-    common = ["--model", args.model, *shlex.split(args.geometry), "--num-blocks", str(num_blocks(args)),
-              "--block-size", str(BLOCK_SIZE), *shlex.split(args.up_args)]
+    common = ["--model", args.model, "--load-format", "dummy", *shlex.split(args.geometry),
+              "--num-blocks", str(num_blocks(args)), "--block-size", str(BLOCK_SIZE), *shlex.split(args.up_args)]
     results = {"date": date.today().isoformat(), "commit": _commit(),
                "argv": _argv(sys.argv[1:] if argv is None else argv),
                "model": {"preset": args.model, "geometry": args.geometry, "kv_bytes_per_token": m.kv_bytes_per_token(),

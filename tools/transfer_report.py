@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     rows = []
     print(f"starting a push deployment ({args.model}, block size {args.block_size}, {blocks} blocks) ...", flush=True)
     extra = ["--device", args.device] + (["--decode-device", args.decode_device] if args.decode_device else [])
-    with launched("--mode", "push", "--model", args.model, "--num-blocks", str(blocks),
+    with launched("--mode", "push", "--model", args.model, "--load-format", "dummy", "--num-blocks", str(blocks),
                   "--block-size", str(args.block_size), *extra) as dep:
         dep.complete([1, 2, 3], 2)  # warm-up: first handshake, allocator, lazy init
         for n in args.lengths:

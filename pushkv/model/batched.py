@@ -23,6 +23,7 @@ from pushkv import envs
 from pushkv.messages import SeqWork
 from pushkv.model.kernels import paged
 from pushkv.model.norms import rms_norm, rotate_half
+from pushkv.model.rope import cos_sin
 from pushkv.model.step import Staging, StepPlan, StepTensors, plan_step
 
 log = logging.getLogger(__name__)
@@ -42,16 +43,13 @@ class BatchedForward:
         self.group = plan.q_heads // plan.kv_heads
         rows = 64 if model.dtype == torch.float32 else 128  # query rows per prefill tile
         self.block_q = max(1, rows // self.group)
-        n = cfg.max_position
-        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, self.hd, 2, dtype=torch.float64) / self.hd))
-        ang = torch.outer(torch.arange(n, dtype=torch.float64), inv)
-        ang = torch.cat((ang, ang), dim=-1)
-        self.cos = ang.cos().to(self.device, model.dtype)
-        self.sin = ang.sin().to(self.device, model.dtype)
+        self.cos, self.sin = cos_sin(cfg.rope_theta, self.hd, cfg.rope_scaling, cfg.max_position,
+                                     self.device, model.dtype)
         self.staging = Staging()
         self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.cuda else 1
         if use_graphs is None:
-            use_graphs = self.cuda and model.tp_size == 1 and envs.get("PUSHKV_CUDA_GRAPHS")
+            # MoE: the torch experts size their groups on the host, which a graph cannot capture
+            use_graphs = self.cuda and model.tp_size == 1 and not cfg.is_moe and envs.get("PUSHKV_CUDA_GRAPHS")
         self.use_graphs = use_graphs
         self.fused = self.cuda and envs.get("PUSHKV_FUSED") and not (self.hd & (self.hd - 1))
         self.max_num_seqs = max_num_seqs
@@ -98,7 +96,7 @@ class BatchedForward:
         attn = torch.empty(T, p.q_heads, hd, device=self.device, dtype=m.dtype)
         for layer, lw in enumerate(m.w.layers):
             h = rms_norm(x, lw.input_norm, eps)
-            q, k, v = F.linear(h, lw.qkv).split([p.q_heads * hd, p.kv_heads * hd, p.kv_heads * hd], dim=-1)
+            q, k, v = F.linear(h, lw.qkv, lw.qkv_bias).split([p.q_heads * hd, p.kv_heads * hd, p.kv_heads * hd], dim=-1)
             q = q.view(T, p.q_heads, hd)
             k = k.view(T, p.kv_heads, hd)
             v = v.view(T, p.kv_heads, hd)
@@ -126,13 +124,17 @@ class BatchedForward:
         x, h = K.add_rms(x, None, layers[0].input_norm, eps)
         attn = torch.empty(T, p.q_heads, self.hd, device=self.device, dtype=m.dtype)
         for layer, lw in enumerate(layers):
-            q = K.qk_norm_rope_store(F.linear(h, lw.qkv), p.q_heads, p.kv_heads, self.hd, lw.q_norm, lw.k_norm,
-                                     eps, self.cos, self.sin, meta.positions, meta.slots, pools[layer])
+            q = K.qk_norm_rope_store(F.linear(h, lw.qkv, lw.qkv_bias), p.q_heads, p.kv_heads, self.hd,
+                                     lw.q_norm, lw.k_norm, eps, self.cos, self.sin, meta.positions, meta.slots,
+                                     pools[layer])
             if on_layer is not None:
                 on_layer(layer)
             paged.attention(q, pools[layer], meta, m.layer_window(layer), attn, splits, scratch)
             x, h = K.add_rms(x, m._all_reduce(F.linear(attn.view(T, -1), lw.o)), lw.post_norm, eps)
-            delta = m._all_reduce(F.linear(K.silu_mul(F.linear(h, lw.gate_up)), lw.down))
+            if lw.router is not None:  # MoE: the torch experts (a grouped Triton kernel is to come)
+                delta = m.mlp_delta(lw, h)
+            else:
+                delta = m._all_reduce(F.linear(K.silu_mul(F.linear(h, lw.gate_up)), lw.down))
             nxt = layers[layer + 1].input_norm if layer + 1 < len(layers) else m.w.final_norm
             x, h = K.add_rms(x, delta, nxt, eps)
         return h

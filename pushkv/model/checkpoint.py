@@ -1,4 +1,4 @@
-"""Local Hugging Face checkpoints (LlamaForCausalLM, Qwen3ForCausalLM) in safetensors.
+"""Local Hugging Face checkpoints in safetensors (the architectures of pushkv.model.arch).
 
 Tensors are read lazily and sliced on read, so a tensor-parallel rank only pulls
 its own rows/columns out of the files.
@@ -15,13 +15,15 @@ import torch
 from safetensors import safe_open
 
 from pushkv.config import ModelConfig, SamplingDefaults
+from pushkv.model.arch import check_supported, family_of, num_experts_of
+from pushkv.model.rope import rope_of
 
 log = logging.getLogger(__name__)
 
-ARCHITECTURES = {"LlamaForCausalLM": False, "Qwen3ForCausalLM": True}  # -> qk_norm
 HF_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 GEOMETRY = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
-            "intermediate_size", "vocab_size", "qk_norm", "tie_embeddings")
+            "intermediate_size", "vocab_size", "qk_norm", "tie_embeddings", "qkv_bias", "num_experts",
+            "experts_per_token", "architecture")
 
 
 def _read_config(path: str) -> dict:
@@ -30,49 +32,6 @@ def _read_config(path: str) -> dict:
         raise FileNotFoundError(f"{path} is not a Hugging Face checkpoint: no config.json")
     with open(cfg_path) as f:
         return json.load(f)
-
-
-def _window_layers(hf: dict, num_layers: int) -> tuple[int, ...]:
-    types = hf.get("layer_types")
-    if types:
-        return tuple(i for i, t in enumerate(types) if t == "sliding_attention")
-    if hf.get("use_sliding_window") and hf.get("sliding_window"):
-        first = hf.get("max_window_layers", 0)
-        return tuple(range(first, num_layers))
-    return ()
-
-
-ROPE_TYPES = ("default",)  # rotary embeddings implemented; scaled variants (linear, llama3, yarn...) are not
-ROPE_THETA_DEFAULT = 10000.0  # what transformers assumes when a config names none
-
-
-def rope_theta_of(hf: dict) -> float:
-    """RoPE base of an HF config, in either form transformers writes: ``rope_theta`` at
-    the top level (transformers 4) or ``rope_parameters: {rope_theta, rope_type}``
-    (transformers 5). A ``rope_type`` other than ``default`` (in ``rope_parameters`` or
-    the older ``rope_scaling``) is refused by name: its frequencies differ from plain RoPE."""
-    params = hf.get("rope_parameters") or {}
-    if not isinstance(params, dict):
-        raise ValueError(f"rope_parameters {params!r} is not a mapping")
-    if params and all(isinstance(v, dict) for v in params.values()):  # per layer type
-        distinct = {json.dumps(v, sort_keys=True) for v in params.values()}
-        if len(distinct) > 1:
-            raise ValueError(f"RoPE parameters that differ by layer type are not supported: {params}")
-        params = next(iter(params.values()))
-    for where, p in (("rope_parameters", params), ("rope_scaling", hf.get("rope_scaling") or {})):
-        kind = p.get("rope_type", p.get("type")) if isinstance(p, dict) else p
-        if kind not in (None, *ROPE_TYPES):
-            raise ValueError(f"{where}: rope_type {kind!r} is not implemented (implemented: "
-                             f"{', '.join(ROPE_TYPES)}); its frequencies differ from plain RoPE")
-    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ValueError(f"rope_parameters: partial_rotary_factor {params['partial_rotary_factor']} "
-                         "is not implemented (rotary embedding over the whole head only)")
-    top, nested = hf.get("rope_theta"), params.get("rope_theta")
-    if top is not None and nested is not None and float(top) != float(nested):
-        raise ValueError(f"config.json names two RoPE bases: rope_theta {top} and "
-                         f"rope_parameters.rope_theta {nested}")
-    theta = nested if nested is not None else top
-    return ROPE_THETA_DEFAULT if theta is None else float(theta)
 
 
 GENERATION_CONFIG = ("auto", "none")  # --generation-config: the file's sampling defaults, or pushkv's
@@ -156,26 +115,20 @@ def model_config_from_hf(path: str, generation_config: str = "auto", **overrides
         raise ValueError(f"generation_config must be one of {GENERATION_CONFIG}, got {generation_config!r}")
     hf = _read_config(path)
     gen = _read_generation_config(path)
-    archs = hf.get("architectures") or []
-    arch = next((a for a in archs if a in ARCHITECTURES), None)
-    if arch is None:
-        raise ValueError(f"unsupported architecture {archs} in {path}; "
-                         f"supported: {sorted(ARCHITECTURES)}")
     try:
-        rope_theta = rope_theta_of(hf)
+        arch, family = family_of(hf)
+        check_supported(hf, arch, family)
+        rope_theta, rope_scaling = rope_of(hf)
     except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
-    if hf.get("attention_bias") or hf.get("mlp_bias"):
-        raise ValueError("attention/MLP biases are not supported")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
+        raise ValueError(f"{path}/config.json: {e}") from None
     heads = hf["num_attention_heads"]
     num_layers = hf["num_hidden_layers"]
     dtype = hf.get("torch_dtype") or hf.get("dtype") or "float32"
     if dtype not in HF_DTYPES:
-        raise ValueError(f"unsupported checkpoint dtype {dtype!r}")
+        raise ValueError(f"{path}/config.json: dtype {dtype!r} is not supported (supported: {', '.join(HF_DTYPES)})")
     eos = eos_ids_of(hf, gen, hf["vocab_size"], path)
-    windows = _window_layers(hf, num_layers)
+    windows = family.windows(hf, num_layers)
+    moe = family.moe
     fields = dict(
         name=os.path.basename(os.path.normpath(path)),
         num_layers=num_layers,
@@ -183,13 +136,13 @@ def model_config_from_hf(path: str, generation_config: str = "auto", **overrides
         num_heads=heads,
         num_kv_heads=hf.get("num_key_value_heads") or heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        intermediate_size=hf["intermediate_size"],
+        intermediate_size=hf[moe.inter_key] if moe else hf["intermediate_size"],
         vocab_size=hf["vocab_size"],
         max_position=hf.get("max_position_embeddings", 32768),
         rope_theta=rope_theta,
         rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
         dtype=HF_DTYPES[dtype],
-        qk_norm=ARCHITECTURES[arch],
+        qk_norm=family.qk_norm,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         checkpoint=os.path.abspath(path),
         eos_token_id=eos[0] if eos else -1,
@@ -197,6 +150,12 @@ def model_config_from_hf(path: str, generation_config: str = "auto", **overrides
         window_layers=windows,
         eos_token_ids=eos,
         sampling_defaults=sampling_defaults_of(gen, path) if generation_config == "auto" else SamplingDefaults(),
+        architecture=arch,
+        qkv_bias=family.qkv_bias,
+        rope_scaling=rope_scaling,
+        num_experts=num_experts_of(hf) if moe else 0,
+        experts_per_token=int(hf["num_experts_per_tok"]) if moe else 0,
+        norm_topk_prob=bool(hf.get(moe.norm_topk_key, False)) if moe and moe.norm_topk_key else True,
     )
     fields.update(overrides)
     return ModelConfig(**fields)

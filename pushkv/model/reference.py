@@ -10,17 +10,19 @@ import math
 
 import torch
 
+from pushkv.model.rope import inv_freq
 from pushkv.model.transformer import Model, rms_norm
 
 
-def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """x [N, heads, hd]; rotate pairs (i, i + hd/2) by position * theta^(-2i/hd)."""
+def _rope(x: torch.Tensor, positions: torch.Tensor, cfg) -> torch.Tensor:
+    """x [N, heads, hd]; rotate pairs (i, i + hd/2) by position * inv_freq[i] (the scheme's
+    frequencies, pushkv.model.rope), times YaRN's attention factor where it has one."""
     hd = x.shape[-1]
     half = hd // 2
-    freq = theta ** (-torch.arange(half, dtype=torch.float64) * 2 / hd)
-    ang = positions.to(torch.float64)[:, None] * freq[None, :]
-    cos = ang.cos().to(x.dtype)[:, None, :]
-    sin = ang.sin().to(x.dtype)[:, None, :]
+    ang = positions.to(torch.float64)[:, None] * inv_freq(cfg.rope_theta, hd, cfg.rope_scaling)[None, :]
+    scale = cfg.rope_scaling.attention_factor if cfg.rope_scaling.rope_type == "yarn" else 1.0
+    cos = (ang.cos() * scale).to(x.dtype)[:, None, :]
+    sin = (ang.sin() * scale).to(x.dtype)[:, None, :]
     a, b = x[..., :half], x[..., half:]
     return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
 
@@ -47,14 +49,15 @@ def _step(model: Model, cache: list[list[torch.Tensor]], ids: list[int], start: 
     x = model.w.embed[torch.tensor(ids)]
     for layer, lw in enumerate(model.w.layers):
         h = rms_norm(x, lw.input_norm, eps)
-        q, k, v = (h @ lw.qkv.T).split(
+        qkv = h @ lw.qkv.T
+        q, k, v = (qkv if lw.qkv_bias is None else qkv + lw.qkv_bias).split(
             [p.q_heads * cfg.head_dim, p.kv_heads * cfg.head_dim, p.kv_heads * cfg.head_dim], -1)
         q = q.reshape(len(ids), p.q_heads, cfg.head_dim)
         k = k.reshape(len(ids), p.kv_heads, cfg.head_dim)
         v = v.reshape(len(ids), p.kv_heads, cfg.head_dim)
         if lw.q_norm is not None:
             q, k = rms_norm(q, lw.q_norm, eps), rms_norm(k, lw.k_norm, eps)
-        q, k = _rope(q, positions, cfg.rope_theta), _rope(k, positions, cfg.rope_theta)
+        q, k = _rope(q, positions, cfg), _rope(k, positions, cfg)
         cache[layer][0] = torch.cat((cache[layer][0], k))
         cache[layer][1] = torch.cat((cache[layer][1], v))
         attn = _attention(q, cache[layer][0], cache[layer][1], positions, model.layer_window(layer))

@@ -71,13 +71,14 @@ class HFTokenizer:
 
 
 def get_tokenizer(cfg: ModelConfig) -> Tokenizer:
-    if not cfg.checkpoint:
+    where = cfg.tokenizer or cfg.checkpoint
+    if not where:
         return ByteTokenizer(cfg.vocab_size)
-    path = os.path.join(cfg.checkpoint, "tokenizer.json")
+    path = os.path.join(where, "tokenizer.json")
     if not os.path.exists(path):
-        raise FileNotFoundError(f"checkpoint {cfg.checkpoint} has no tokenizer.json")
+        raise FileNotFoundError(f"tokenizer directory {where} has no tokenizer.json")
     bos = -1
-    cfg_path = os.path.join(cfg.checkpoint, "config.json")
+    cfg_path = os.path.join(where, "config.json")
     if os.path.exists(cfg_path):
         with open(cfg_path) as f:
             b = json.load(f).get("bos_token_id")

@@ -1,4 +1,4 @@
-"""Decoder-only transformer (Qwen3/Llama) with paged attention over an external KV pool.
+"""Decoder-only transformer (the families of pushkv.model.arch) with paged attention over an external KV pool.
 
 The pool is ``[num_blocks, num_layers, 2, kv_heads_local, block_size, head_dim]``
 (see pushkv.kv.layout), or a list of per-layer ``[num_blocks, planes, kv_heads_local,
@@ -19,7 +19,9 @@ import torch.nn.functional as F
 from pushkv.config import ModelConfig
 from pushkv.kv.layout import blocks_for, layout_for
 from pushkv.messages import KVLayoutDesc, SeqWork
+from pushkv.model.moe import moe_mlp
 from pushkv.model.norms import rms_norm, rotate_half
+from pushkv.model.rope import cos_sin
 from pushkv.model.sampling import Sampled, sample
 from pushkv.model.shard import ShardPlan
 from pushkv.model.weights import TORCH_DTYPES, LayerWeights, RankWeights
@@ -123,12 +125,8 @@ class Model:
             if need > self.cfg.max_position:
                 raise ValueError(f"position {need - 1} beyond max_position={self.cfg.max_position}")
             n = min(max(need, 2 * self._cos.shape[0], 1024), self.cfg.max_position)
-            hd = self.rope_dim
-            inv = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
-            ang = torch.outer(torch.arange(n, dtype=torch.float64), inv)
-            ang = torch.cat((ang, ang), dim=-1)
-            self._cos = ang.cos().to(self.device, self.dtype)
-            self._sin = ang.sin().to(self.device, self.dtype)
+            self._cos, self._sin = cos_sin(self.cfg.rope_theta, self.rope_dim, self.cfg.rope_scaling, n,
+                                           self.device, self.dtype)
         return self._cos[positions], self._sin[positions]
 
     def qkv(self, lw: LayerWeights, x: torch.Tensor, positions: torch.Tensor):
@@ -136,7 +134,7 @@ class Model:
         q [N, q_heads, hd], k and v [N, kv_heads, hd]."""
         p, hd, eps = self.plan, self.cfg.head_dim, self.cfg.rms_eps
         h = rms_norm(x, lw.input_norm, eps)
-        qkv = F.linear(h, lw.qkv)
+        qkv = F.linear(h, lw.qkv, lw.qkv_bias)
         q, k, v = qkv.split([p.q_heads * hd, p.kv_heads * hd, p.kv_heads * hd], dim=-1)
         q = q.view(-1, p.q_heads, hd)
         k = k.view(-1, p.kv_heads, hd)
@@ -156,9 +154,15 @@ class Model:
 
     def mlp(self, lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         """Residual after the SwiGLU MLP."""
-        h = rms_norm(x, lw.post_norm, self.cfg.rms_eps)
+        return x + self.mlp_delta(lw, rms_norm(x, lw.post_norm, self.cfg.rms_eps))
+
+    def mlp_delta(self, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+        """What the MLP (dense SwiGLU, or the routed experts) adds to the residual; h normed."""
+        if lw.router is not None:
+            out = moe_mlp(h, lw.router, lw.gate_up, lw.down, self.cfg.experts_per_token, self.cfg.norm_topk_prob)
+            return self._all_reduce(out)
         gate, up = F.linear(h, lw.gate_up).chunk(2, dim=-1)
-        return x + self._all_reduce(F.linear(F.silu(gate) * up, lw.down))
+        return self._all_reduce(F.linear(F.silu(gate) * up, lw.down))
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm + lm_head, float32 logits."""

@@ -14,6 +14,7 @@ import torch
 
 from pushkv.config import ModelConfig
 from pushkv.dtypes import TORCH_DTYPES
+from pushkv.model.arch import moe_parts
 from pushkv.model.shard import ShardPlan
 
 
@@ -44,15 +45,29 @@ def hf_names(cfg: ModelConfig, attn_names=None) -> list[tuple[str, tuple[int, ..
             ]
         if cfg.qk_norm and not cfg.is_mla:
             out += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,))]
-        out += [
-            (p + "post_attention_layernorm.weight", (d,)),
-            (p + "mlp.gate_proj.weight", (cfg.intermediate_size, d)),
-            (p + "mlp.up_proj.weight", (cfg.intermediate_size, d)),
-            (p + "mlp.down_proj.weight", (d, cfg.intermediate_size)),
-        ]
+        if cfg.qkv_bias:
+            out += [(p + "self_attn.q_proj.bias", (cfg.num_heads * hd,)),
+                    (p + "self_attn.k_proj.bias", (cfg.num_kv_heads * hd,)),
+                    (p + "self_attn.v_proj.bias", (cfg.num_kv_heads * hd,))]
+        out.append((p + "post_attention_layernorm.weight", (d,)))
+        out += _mlp_names(cfg, p)
     out.append(("model.norm.weight", (d,)))
     if not cfg.tie_embeddings:
         out.append(("lm_head.weight", (cfg.vocab_size, d)))
+    return out
+
+
+def _mlp_names(cfg: ModelConfig, p: str) -> list[tuple[str, tuple[int, ...]]]:
+    """A layer's SwiGLU, or its router and experts (each a SwiGLU of intermediate_size)."""
+    d, i = cfg.hidden_size, cfg.intermediate_size
+    if not cfg.is_moe:
+        return [(p + "mlp.gate_proj.weight", (i, d)), (p + "mlp.up_proj.weight", (i, d)),
+                (p + "mlp.down_proj.weight", (d, i))]
+    m = moe_parts(cfg.architecture)
+    out = [(f"{p}{m.block}.gate.weight", (cfg.num_experts, d))]
+    for e in range(cfg.num_experts):
+        x = f"{p}{m.block}.experts.{e}."
+        out += [(x + m.gate + ".weight", (i, d)), (x + m.up + ".weight", (i, d)), (x + m.down + ".weight", (d, i))]
     return out
 
 
@@ -70,6 +85,10 @@ class DictSource:
         return t.narrow(dim, start, (t.shape[dim] if end is None else end) - start)
 
 
+def _is_bias(name: str) -> bool:
+    return name.endswith(".bias")
+
+
 def random_weights(cfg: ModelConfig, names=None) -> dict[str, torch.Tensor]:
     """Full float32 weights drawn from cfg.seed on a CPU generator: the same bytes in
     every process. Projections use std 1/sqrt(fan_in) so each layer changes the residual
@@ -80,7 +99,8 @@ def random_weights(cfg: ModelConfig, names=None) -> dict[str, torch.Tensor]:
     out = {}
     for name, shape in names or hf_names(cfg):
         if len(shape) == 1:
-            out[name] = torch.ones(shape)
+            # a bias drawn small (not ones, a norm's weight): zero would leave its load path untested
+            out[name] = torch.randn(shape, generator=gen) * 0.1 if _is_bias(name) else torch.ones(shape)
         elif name == "model.embed_tokens.weight":
             std = 1 / math.sqrt(cfg.hidden_size) if cfg.tie_embeddings else 1.0
             out[name] = torch.randn(shape, generator=gen) * std
@@ -107,7 +127,7 @@ class RandomSource:
 
     def get(self, name, dim=0, start=0, end=None):
         shape = self.shapes[name]
-        if len(shape) == 1:
+        if len(shape) == 1 and not _is_bias(name):
             t = torch.ones(shape, dtype=self.dtype, device=self.device)
         else:
             gen = torch.Generator(device=self.device).manual_seed(
@@ -115,7 +135,7 @@ class RandomSource:
             if name == "model.embed_tokens.weight":
                 std = 1 / math.sqrt(self.cfg.hidden_size) if self.cfg.tie_embeddings else 1.0
             else:
-                std = 1 / math.sqrt(shape[1])
+                std = 0.1 if len(shape) == 1 else 1 / math.sqrt(shape[1])
             t = torch.randn(shape, generator=gen, dtype=self.dtype, device=self.device).mul_(std)
         return t.narrow(dim, start, (t.shape[dim] if end is None else end) - start)
 
@@ -128,8 +148,10 @@ class LayerWeights:
     k_norm: Optional[torch.Tensor]
     o: torch.Tensor  # [d, q_heads * head_dim], row-sharded (partial sums)
     post_norm: torch.Tensor  # [d]
-    gate_up: torch.Tensor  # [2 * inter_local, d]
-    down: torch.Tensor  # [d, inter_local], row-sharded (partial sums)
+    gate_up: torch.Tensor  # [2 * inter_local, d]; MoE: [experts, 2 * inter_local, d]
+    down: torch.Tensor  # [d, inter_local], row-sharded (partial sums); MoE: [experts, d, inter_local]
+    qkv_bias: Optional[torch.Tensor] = None  # [(q_heads + 2 kv_heads) * head_dim] (Qwen2)
+    router: Optional[torch.Tensor] = None  # [experts, d], replicated: a MoE layer's expert scores
 
 
 @dataclass
@@ -162,7 +184,9 @@ def load_rank(cfg: ModelConfig, plan: ShardPlan, src: WeightSource, device: str 
             q_norm=take(a + "q_norm.weight") if cfg.qk_norm else None,
             k_norm=take(a + "k_norm.weight") if cfg.qk_norm else None,
             o=take(a + "o_proj.weight", 1, *q_rows),
-            **mlp_slices(take, p, i_rows),
+            qkv_bias=torch.cat([take(a + "q_proj.bias", 0, *q_rows), take(a + "k_proj.bias", 0, *kv_rows),
+                                take(a + "v_proj.bias", 0, *kv_rows)]) if cfg.qkv_bias else None,
+            **(moe_slices(cfg, take, p, i_rows) if cfg.is_moe else mlp_slices(take, p, i_rows)),
         ))
     return with_embeddings(cfg, take, layers)
 
@@ -186,6 +210,20 @@ def mlp_slices(take, p: str, i_rows: tuple[int, int]) -> dict:
         gate_up=torch.cat([take(p + "mlp.gate_proj.weight", 0, *i_rows),
                            take(p + "mlp.up_proj.weight", 0, *i_rows)]),
         down=take(p + "mlp.down_proj.weight", 1, *i_rows),
+    )
+
+
+def moe_slices(cfg: ModelConfig, take, p: str, i_rows: tuple[int, int]) -> dict:
+    """A MoE layer: the router whole, and every expert's SwiGLU sliced as a dense MLP's is (TP
+    across each expert's intermediate columns), stacked on a leading expert axis."""
+    m = moe_parts(cfg.architecture)
+    x = [f"{p}{m.block}.experts.{e}." for e in range(cfg.num_experts)]
+    return dict(
+        post_norm=take(p + "post_attention_layernorm.weight"),
+        router=take(f"{p}{m.block}.gate.weight"),
+        gate_up=torch.stack([torch.cat([take(e + m.gate + ".weight", 0, *i_rows),
+                                        take(e + m.up + ".weight", 0, *i_rows)]) for e in x]),
+        down=torch.stack([take(e + m.down + ".weight", 1, *i_rows) for e in x]),
     )
 
 

@@ -325,7 +325,8 @@ class Router:
             return functools.partial(api.parse_completion, tok=self.tokenizer, limits=self.limits)
         if self.chat_template is None:
             try:
-                self.chat_template = chat_mod.load_template(self.cfg.model.checkpoint)
+                # the tokenizer's directory holds the template (--tokenizer, or --load-format dummy)
+                self.chat_template = chat_mod.load_template(self.cfg.model.tokenizer or self.cfg.model.checkpoint)
             except (OSError, ValueError) as e:
                 raise api.ApiError(500, f"no usable chat template: {e}", "server_error") from None
         return functools.partial(chat_mod.parse_chat, tok=self.tokenizer, limits=self.limits,

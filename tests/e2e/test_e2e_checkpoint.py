@@ -1,6 +1,8 @@
 """A local Hugging Face checkpoint directory (config.json, safetensors, tokenizer.json)
-served through P/D: `pushkv up --checkpoint DIR` takes the geometry and the
+served through P/D: `pushkv up --model DIR` takes the geometry and the
 tokenizer from it, and push gives the same greedy tokens as local mode."""
+import shutil
+
 import pytest
 
 from pushkv.config import preset
@@ -18,9 +20,35 @@ def test_checkpoint_push_equals_local(tmp_path):
     for mode in ("local", "push"):
         d = tmp_path / mode
         d.mkdir()
-        with deployment(d, "--mode", mode, "--checkpoint", str(ckpt), "--num-blocks", "64") as dep:
+        with deployment(d, "--mode", mode, "--model", str(ckpt), "--num-blocks", "64") as dep:
             got[mode] = [dep.complete(p, 8)["choices"][0] for p in prompts]
             wait_pools_free(dep)
     assert [c["token_ids"] for c in got["push"]] == [c["token_ids"] for c in got["local"]]
     assert [c["text"] for c in got["push"]] == [c["text"] for c in got["local"]]
     assert all(len(c["token_ids"]) >= 1 for c in got["push"])
+
+
+def test_hub_id_moe_push_tp2_to_1_equals_transformers(tmp_path, monkeypatch):
+    """`pushkv up --model ORG/NAME` from an offline Hub cache: a Qwen3-MoE checkpoint served in push
+    mode, P on two TP ranks (each expert's columns split) and D on one, gives transformers' tokens."""
+    from tests.config.test_model_flags import REPO
+    from tests.model.test_hf_reference import NEW_TOKENS, PROMPTS, hf_reference, save_hf_checkpoint
+
+    src = save_hf_checkpoint(str(tmp_path / "src"), "qwen3_moe", seed=4, num_local_experts=4,
+                             num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+    want = hf_reference(src, PROMPTS)
+    repo = tmp_path / "hf" / "hub" / ("models--" + REPO.replace("/", "--"))
+    commit = "0" * 40
+    shutil.copytree(src, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    (tmp_path / "dep").mkdir()
+    with deployment(tmp_path / "dep", "--mode", "push", "--model", REPO, "--prefill-tp", "2", "--decode-tp", "1",
+                    "--num-blocks", "64") as dep:
+        for prompt, (ids, new) in zip(PROMPTS, want):
+            body = dep.complete(prompt, NEW_TOKENS, model=REPO)
+            assert body["usage"]["prompt_tokens"] == len(ids), prompt
+            assert body["choices"][0]["token_ids"] == new, prompt
+        wait_pools_free(dep)

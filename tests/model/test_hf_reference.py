@@ -39,10 +39,19 @@ def _tokenizer(path: str) -> None:
                                          unk_token="<unk>", pad_token="<pad>").save_pretrained(path)
 
 
+HF_CLASSES = {  # the families of pushkv.model.arch, as transformers builds them
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+}
+
+
 def save_hf_checkpoint(path: str, arch: str = "llama", seed: int = 0, **extra) -> str:
-    cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[arch]
-    cfg = cls[0](rope_theta=ROPE_THETA, **GEOMETRY, **extra)
+    cls = HF_CLASSES[arch]
+    cfg = cls[0](**{"rope_theta": ROPE_THETA, **GEOMETRY, **extra})
     torch.manual_seed(seed)
     cls[1](cfg).to(torch.float32).save_pretrained(path)
     _tokenizer(path)
@@ -105,9 +114,13 @@ def test_served_text_prompt_counts_bos_and_equals_transformers(tmp_path, llama):
 
 
 @pytest.mark.parametrize("rope, needle", [
-    ({"rope_parameters": {"rope_theta": 1e6, "rope_type": "llama3", "factor": 8.0}}, "rope_type 'llama3' is not implemented"),
-    ({"rope_parameters": {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
-    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling: rope_type 'linear'"),
+    ({"rope_parameters": {"rope_theta": 1e6, "rope_type": "dynamic", "factor": 8.0}},
+     "rope_type 'dynamic' is not implemented"),
+    ({"rope_parameters": {"rope_theta": 1e6, "rope_type": "longrope", "factor": 4.0}}, "rope_type 'longrope'"),
+    ({"rope_scaling": {"type": "su", "factor": 2.0}}, "rope_scaling: rope_type 'su'"),
+    ({"rope_parameters": {"rope_theta": 1e6, "rope_type": "llama3", "factor": 8.0}},
+     "llama3' needs original_max_position_embeddings"),
+    ({"rope_parameters": {"rope_theta": 1e6, "rope_type": "linear", "factor": 0.5}}, "needs a factor >= 1"),
     ({"rope_theta": 1e4, "rope_parameters": {"rope_theta": 1e6}}, "two RoPE bases"),
     ({"rope_parameters": {"rope_theta": 1e6, "partial_rotary_factor": 0.5}}, "partial_rotary_factor"),
 ])

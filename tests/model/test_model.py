@@ -246,8 +246,8 @@ def test_checkpoint_round_trip(tmp_path, arch, overrides, sharded):
 
 def test_checkpoint_errors(tmp_path):
     cfg = preset("tiny")
-    write_checkpoint(tmp_path, cfg, "MistralForCausalLM", False)
-    with pytest.raises(ValueError, match="unsupported architecture"):
+    write_checkpoint(tmp_path, cfg, "GPTNeoXForCausalLM", False)
+    with pytest.raises(ValueError, match=r"architectures \['GPTNeoXForCausalLM'\]: not supported"):
         model_config_from_hf(str(tmp_path))
     write_checkpoint(tmp_path, cfg, "Qwen3ForCausalLM", False)
     with pytest.raises(ValueError, match="does not match checkpoint"):

@@ -1,0 +1,96 @@
+"""The architectures of pushkv/model/arch.py on a GPU (docs/running.md#models).
+
+1. float32: each architecture's tiny random checkpoint (written by transformers, as
+   tests/model/test_architectures.py writes them) run by the batched engine on CUDA (Triton paged
+   attention, fused norm/RoPE/store kernels, CUDA graphs where the model allows) gives transformers'
+   greedy tokens (transformers on the CPU, float32).
+2. bfloat16: a push deployment on the GPU gives the tokens a local deployment gives, per family named.
+
+    python3 -m experiments.models_gpu --out DIR [--push qwen2 qwen3_moe]   (from the checkout's root)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+
+def engine_vs_transformers(cases: list[str]) -> list[dict]:
+    from pushkv.model import build_model
+    from pushkv.model.checkpoint import model_config_from_hf
+    from tests.model.test_architectures import CASES, NEW
+    from tests.model.test_hf_reference import PROMPTS, hf_reference, save_hf_checkpoint
+    from tests.model.test_model import paged_generate
+
+    rows = []
+    for name in cases:
+        family, extra, _ = CASES[name]
+        path = save_hf_checkpoint(tempfile.mkdtemp(prefix=name), family, seed=3, **extra)
+        want = hf_reference(path, PROMPTS)
+        cfg = model_config_from_hf(path, engine="batched")
+        model = build_model(cfg, device="cuda")
+        lay = model.kv_layout(8, 16)
+        ok = 0
+        for ids, new in want:
+            pool = torch.full((8, lay.num_layers, lay.kv_planes, lay.kv_heads, 16, lay.head_dim), float("nan"),
+                              dtype=model.dtype, device="cuda")
+            got = paged_generate(model, pool, ids, NEW, tuple(range(8)))
+            stop = got.index(3) + 1 if 3 in got else len(got)
+            ok += got[:stop] == new
+        rows.append({"case": name, "architecture": cfg.architecture, "prompts_equal": ok, "prompts": len(want),
+                     "graphs": bool(model.batched.use_graphs), "fused": bool(model.batched.fused)})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def push_vs_local(families: list[str]) -> list[dict]:
+    from pushkv.launch import launched
+    from tests.model.test_architectures import CASES
+    from tests.model.test_hf_reference import save_hf_checkpoint
+
+    prompts = ["hello world, the lazy fox", [(7 * i) % 290 + 4 for i in range(200)], [5, 17, 42, 99, 3, 250]]
+    rows = []
+    for name in families:
+        family, extra, _ = CASES[name]
+        path = save_hf_checkpoint(tempfile.mkdtemp(prefix=name), family, seed=5, **extra)
+        got = {}
+        for mode in ("local", "push"):
+            t0 = time.monotonic()
+            with launched("--mode", mode, "--model", path, "--dtype", "bfloat16", "--device", "cuda",
+                          "--num-blocks", "256", start_timeout_s=300) as dep:
+                up = time.monotonic() - t0
+                got[mode] = [dep.tokens(p, 16) for p in prompts]
+            print(f"{name} {mode}: up in {up:.0f} s", flush=True)
+        rows.append({"case": name, "dtype": "bfloat16", "push_equals_local": got["push"] == got["local"],
+                     "tokens": got})
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "tokens"}), flush=True)
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--cases", nargs="*", default=None, help="default: every case of the CPU test")
+    ap.add_argument("--push", nargs="*", default=["qwen2", "qwen3_moe"])
+    args = ap.parse_args()
+    from tests.model.test_architectures import CASES
+
+    out = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    out["engine_float32"] = engine_vs_transformers(args.cases or sorted(CASES))
+    out["push_bfloat16"] = push_vs_local(args.push)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "models_gpu.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    bad = [r for r in out["engine_float32"] if r["prompts_equal"] != r["prompts"]]
+    bad += [r for r in out["push_bfloat16"] if not r["push_equals_local"]]
+    print("ALL EQUAL" if not bad else f"MISMATCH: {[r['case'] for r in bad]}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""The one registry of architectures pushkv serves: config.json's ``architectures`` -> the
+family's parts (q/k norm, q/k/v bias, which layers slide, the experts' parameter names).
+
+The families share everything else (RMSNorm, GQA attention, RoPE, SwiGLU, the engine), so a
+family is a handful of named differences beside the shared parts, not a model class of its own.
+Pure, no torch: ``pushkv up`` reads a checkpoint's config through it and refuses what is not
+built (:func:`check_supported`) before any process starts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+
+@dataclass(frozen=True)
+class MoeParts:
+    """Where a mixture-of-experts family keeps its router and experts, and how it says so."""
+
+    block: str  # layer prefix of the MoE block: "mlp" or "block_sparse_moe"
+    gate: str  # expert projection names: SwiGLU gate, up, down
+    up: str
+    down: str
+    inter_key: str  # config key of one expert's intermediate size
+    norm_topk_key: Optional[str]  # config key of renormalising the chosen weights; None: always
+
+
+def _no_window(hf: dict, num_layers: int) -> tuple[int, ...]:
+    return ()
+
+
+def _every_layer(hf: dict, num_layers: int) -> tuple[int, ...]:
+    """Mistral and Mixtral: ``sliding_window`` set means every layer slides."""
+    return tuple(range(num_layers)) if hf.get("sliding_window") else ()
+
+
+def _qwen_windows(hf: dict, num_layers: int) -> tuple[int, ...]:
+    """Qwen2/3: ``layer_types`` where written, else layers from ``max_window_layers`` on when
+    ``use_sliding_window``."""
+    types = hf.get("layer_types")
+    if types:
+        return tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    if hf.get("use_sliding_window") and hf.get("sliding_window"):
+        return tuple(range(hf.get("max_window_layers", 0), num_layers))
+    return ()
+
+
+@dataclass(frozen=True)
+class Family:
+    qk_norm: bool  # RMSNorm on each query and key head before RoPE (Qwen3)
+    qkv_bias: bool  # bias on q/k/v, none on o (Qwen2)
+    windows: Callable[[dict, int], tuple[int, ...]]  # the layers that use the sliding window
+    moe: Optional[MoeParts] = None
+
+
+QWEN3_MOE = MoeParts("mlp", "gate_proj", "up_proj", "down_proj", "moe_intermediate_size", "norm_topk_prob")
+MIXTRAL = MoeParts("block_sparse_moe", "w1", "w3", "w2", "intermediate_size", None)
+
+ARCHITECTURES: dict[str, Family] = {
+    "LlamaForCausalLM": Family(qk_norm=False, qkv_bias=False, windows=_no_window),
+    "MistralForCausalLM": Family(qk_norm=False, qkv_bias=False, windows=_every_layer),
+    "Qwen2ForCausalLM": Family(qk_norm=False, qkv_bias=True, windows=_qwen_windows),
+    "Qwen3ForCausalLM": Family(qk_norm=True, qkv_bias=False, windows=_qwen_windows),
+    "Qwen3MoeForCausalLM": Family(qk_norm=True, qkv_bias=False, windows=_qwen_windows, moe=QWEN3_MOE),
+    "MixtralForCausalLM": Family(qk_norm=False, qkv_bias=False, windows=_every_layer, moe=MIXTRAL),
+}
+
+# config.json keys that, set, name an attention or model variant no family here builds
+VARIANTS = {
+    "attention_bias": "a bias on q/k/v and o projections",
+    "mlp_bias": "biases on the MLP projections",
+    "attn_logit_softcapping": "attention logit soft-capping",
+    "final_logit_softcapping": "final logit soft-capping",
+    "attention_chunk_size": "chunked local attention",
+    "query_pre_attn_scalar": "a query scale other than 1/sqrt(head_dim)",
+    "no_rope_layers": "layers without RoPE",
+    "shared_expert_intermediate_size": "shared experts",
+}
+
+
+def family_of(hf: dict) -> tuple[str, Family]:
+    """The registry's entry for config.json's ``architectures``, or a ValueError naming them."""
+    archs = hf.get("architectures") or []
+    if not isinstance(archs, list):
+        raise ValueError(f"architectures {archs!r} is not a list")
+    arch = next((a for a in archs if a in ARCHITECTURES), None)
+    if arch is None:
+        raise ValueError(f"architectures {archs}: not supported (supported: {', '.join(sorted(ARCHITECTURES))})")
+    return arch, ARCHITECTURES[arch]
+
+
+def moe_parts(architecture: str) -> MoeParts:
+    """Expert parameter names of a family; pushkv's own random MoE is named as Qwen3-MoE."""
+    fam = ARCHITECTURES.get(architecture)
+    return fam.moe if fam is not None and fam.moe is not None else QWEN3_MOE
+
+
+def check_supported(hf: dict, arch: str, family: Family) -> None:
+    """Refuse, by field and value, what config.json asks for that no part here builds."""
+    for key in ("quantization_config", "compression_config"):
+        q = hf.get(key)
+        if q:
+            method = q.get("quant_method", q.get("format")) if isinstance(q, dict) else q
+            raise ValueError(f"{key}: quant_method {method!r} is not supported: pushkv loads float32, bfloat16 "
+                             "and float16 weights only (quantized weights would lose their scales)")
+    for key, what in VARIANTS.items():
+        if hf.get(key):
+            raise ValueError(f"{key}: {hf[key]!r} ({what}) is not built for {arch}")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act: {hf['hidden_act']!r} is not supported (only 'silu')")
+    if family.moe is not None:
+        if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
+            raise ValueError(f"decoder_sparse_step {hf.get('decoder_sparse_step', 1)} / mlp_only_layers "
+                             f"{hf.get('mlp_only_layers')}: dense layers between MoE layers are not built")
+        if int(hf.get("num_experts_per_tok") or 0) < 1:
+            raise ValueError(f"num_experts_per_tok: {hf.get('num_experts_per_tok')!r} must be >= 1")
+
+
+def num_experts_of(hf: dict) -> int:
+    """transformers 5 writes ``num_local_experts``; Qwen3-MoE's own configs ``num_experts``."""
+    return int(hf.get("num_local_experts") or hf.get("num_experts") or 0)

@@ -1,0 +1,144 @@
+"""RoPE frequencies: plain, and the scaled schemes checkpoints carry (``linear``, Llama 3's
+``llama3``, ``yarn``), read from config.json and turned into one cos/sin table.
+
+Every engine path (per-sequence, batched, the fused kernels, the dense reference) takes its
+table from :func:`cos_sin`, so a scheme is written once. ``dynamic`` (NTK) is refused: its
+frequencies change with the running sequence's length, so a sequence's cached keys would have
+been rotated with frequencies its later queries no longer use unless every step recomputed them.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import torch
+
+from pushkv.config import RopeScaling
+from pushkv.kinds import RopeType
+
+ROPE_THETA_DEFAULT = 10000.0  # what transformers assumes when a config names none
+ROPE_TYPES: tuple[RopeType, ...] = ("default", "linear", "llama3", "yarn")
+
+
+def _params(hf: dict) -> dict:
+    """The one RoPE parameter mapping of a config, in either form transformers writes: the
+    top-level ``rope_theta`` + ``rope_scaling`` (transformers 4) or ``rope_parameters`` (5),
+    possibly per layer type (refused when the layer types differ)."""
+    params = hf.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        raise ValueError(f"rope_parameters {params!r} is not a mapping")
+    if params and all(isinstance(v, dict) for v in params.values()):  # per layer type
+        distinct = {json.dumps(v, sort_keys=True) for v in params.values()}
+        if len(distinct) > 1:
+            raise ValueError(f"RoPE parameters that differ by layer type are not supported: {params}")
+        params = next(iter(params.values()))
+    scaling = hf.get("rope_scaling") or {}
+    if not isinstance(scaling, dict):
+        raise ValueError(f"rope_scaling {scaling!r} is not a mapping")
+    kinds = {where: p.get("rope_type", p.get("type")) for where, p in
+             (("rope_parameters", params), ("rope_scaling", scaling))}
+    if kinds["rope_parameters"] not in (None, "default") and kinds["rope_scaling"] not in (None, "default") \
+            and kinds["rope_parameters"] != kinds["rope_scaling"]:
+        raise ValueError(f"config.json names two RoPE types: rope_parameters {kinds['rope_parameters']!r} "
+                         f"and rope_scaling {kinds['rope_scaling']!r}")
+    # rope_parameters' own scheme wins; a transformers-4 rope_scaling fills in a plain one
+    merged = {**params, **scaling} if kinds["rope_parameters"] in (None, "default") else dict(params)
+    kind = merged.get("rope_type", merged.get("type")) or "default"
+    if kind not in ROPE_TYPES:
+        where = "rope_scaling" if kinds["rope_scaling"] == kind else "rope_parameters"
+        raise ValueError(f"{where}: rope_type {kind!r} is not implemented (implemented: "
+                         f"{', '.join(ROPE_TYPES)}); its frequencies differ from these")
+    merged["rope_type"] = kind
+    return merged
+
+
+def rope_of(hf: dict) -> tuple[float, RopeScaling]:
+    """RoPE base and scaling of an HF config; what pushkv does not build is refused by name."""
+    params = _params(hf)
+    if float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise ValueError(f"rope_parameters: partial_rotary_factor "
+                         f"{params.get('partial_rotary_factor', hf.get('partial_rotary_factor'))} "
+                         "is not implemented (rotary embedding over the whole head only)")
+    top, nested = hf.get("rope_theta"), params.get("rope_theta")
+    if top is not None and nested is not None and float(top) != float(nested):
+        raise ValueError(f"config.json names two RoPE bases: rope_theta {top} and "
+                         f"rope_parameters.rope_theta {nested}")
+    theta = nested if nested is not None else top
+    theta = ROPE_THETA_DEFAULT if theta is None else float(theta)
+    kind = params["rope_type"]
+    if kind == "default":
+        return theta, RopeScaling()
+    factor = params.get("factor")
+    original = int(params.get("original_max_position_embeddings")
+                   or hf.get("original_max_position_embeddings") or 0)
+    if kind == "yarn" and not original:
+        original = int(hf.get("max_position_embeddings") or 0)
+    if factor is None and kind == "yarn" and original:  # DeepSeek-V3 style: the ratio of the contexts
+        factor = hf["max_position_embeddings"] / original
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not factor >= 1:
+        raise ValueError(f"rope_parameters: rope_type {kind!r} needs a factor >= 1, got {factor!r}")
+    if kind in ("llama3", "yarn") and original <= 0:
+        raise ValueError(f"rope_parameters: rope_type {kind!r} needs original_max_position_embeddings")
+    out = dict(rope_type=kind, factor=float(factor), original_max_position=original if kind != "linear" else 0)
+    if kind == "llama3":
+        out.update(low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+                   high_freq_factor=float(params.get("high_freq_factor", 4.0)))
+        if not out["high_freq_factor"] > out["low_freq_factor"]:
+            raise ValueError(f"rope_parameters: llama3 high_freq_factor {out['high_freq_factor']} must exceed "
+                             f"low_freq_factor {out['low_freq_factor']}")
+    if kind == "yarn":
+        att = params.get("attention_factor")
+        if att is None:
+            mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
+            att = (_mscale(factor, mscale) / _mscale(factor, mscale_all) if mscale and mscale_all
+                   else _mscale(factor))
+        out.update(beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0),
+                   attention_factor=float(att), truncate=bool(params.get("truncate", True)))
+    return theta, RopeScaling(**out)
+
+
+def _mscale(factor: float, scale: float = 1.0) -> float:
+    """YaRN's attention temperature: 0.1 ln(s) + 1 for a stretch s > 1 (the paper's sqrt(1/t))."""
+    return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+
+def inv_freq(theta: float, dim: int, rs: RopeScaling) -> torch.Tensor:
+    """float64 [dim / 2]: each rotated pair's angle per position."""
+    base = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    if rs.rope_type == "linear":  # positions stretched by factor: every frequency slowed alike
+        return base / rs.factor
+    if rs.rope_type == "llama3":
+        # Wavelengths longer than the pretraining context / low_freq_factor are slowed by factor,
+        # shorter than context / high_freq_factor kept; those between blend the two linearly in
+        # context / wavelength.
+        wavelen = 2 * math.pi / base
+        ctx = rs.original_max_position
+        blend = (ctx / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+        mixed = (1 - blend) * base / rs.factor + blend * base
+        out = torch.where(wavelen > ctx / rs.low_freq_factor, base / rs.factor, mixed)
+        return torch.where(wavelen < ctx / rs.high_freq_factor, base, out)
+    if rs.rope_type == "yarn":
+        # Dims that turn fewer than beta_slow times over the pretraining context are interpolated
+        # (slowed by factor), more than beta_fast times extrapolated (kept), a linear ramp between.
+        def dim_of(turns: float) -> float:
+            return dim * math.log(rs.original_max_position / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+        lo, hi = dim_of(rs.beta_fast), dim_of(rs.beta_slow)
+        if rs.truncate:
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, dim - 1)
+        if lo == hi:
+            hi += 0.001  # a zero-width ramp would divide by zero
+        ramp = ((torch.arange(dim // 2, dtype=torch.float64) - lo) / (hi - lo)).clamp(0, 1)
+        keep = 1 - ramp
+        return base / rs.factor * (1 - keep) + base * keep
+    return base
+
+
+def cos_sin(theta: float, dim: int, rs: RopeScaling, positions: int,
+            device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [positions, dim] (rotate-half layout: each angle twice), in dtype on device."""
+    ang = torch.outer(torch.arange(positions, dtype=torch.float64), inv_freq(theta, dim, rs))
+    ang = torch.cat((ang, ang), dim=-1)
+    scale = rs.attention_factor if rs.rope_type == "yarn" else 1.0
+    return (ang.cos() * scale).to(device, dtype), (ang.sin() * scale).to(device, dtype)

@@ -1,0 +1,128 @@
+"""The model flags as vLLM spells them (pushkv.config_flags): ``--model`` a directory, a Hugging
+Face repo id (resolved from a local Hub cache laid out as huggingface_hub lays it out, offline),
+or a random-weight shape with ``--load-format dummy``; ``--revision``, ``--tokenizer``,
+``--served-model-name``, ``--max-model-len``, ``--dtype auto``, ``-tp``; the old spellings with
+their one-line deprecations. Table-driven over ``user_config``; no process starts."""
+from __future__ import annotations
+
+import hashlib
+import shutil
+
+import pytest
+
+from processes import cli
+from pushkv.config import DeploymentConfig, preset
+from pushkv.config_flags import deprecations, user_config, weights_note
+from tests.model.test_hf_reference import save_hf_checkpoint
+
+REPO = "acme/tiny-qwen2"
+
+
+def parse(*flags: str) -> dict:
+    return vars(cli.build_parser().parse_args(["up", *flags]))
+
+
+def config(*flags: str) -> DeploymentConfig:
+    return user_config(parse(*flags))
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return save_hf_checkpoint(str(tmp_path_factory.mktemp("ckpt")), "qwen2", seed=1)
+
+
+@pytest.fixture()
+def hub(tmp_path, ckpt, monkeypatch):
+    """An offline Hub cache holding REPO at main and at tag v2 (a 3-layer variant)."""
+    import huggingface_hub.constants as hc
+
+    repo = tmp_path / "hub" / ("models--" + REPO.replace("/", "--"))
+    v2 = save_hf_checkpoint(str(tmp_path / "v2"), "qwen2", seed=2, num_hidden_layers=3)
+    for ref, src in (("main", ckpt), ("v2", v2)):
+        commit = hashlib.sha1(ref.encode()).hexdigest()
+        shutil.copytree(src, repo / "snapshots" / commit)
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+    # huggingface_hub reads both at import: the module's values are what it uses
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return repo
+
+
+def test_model_takes_a_directory(ckpt):
+    cfg = config("--model", ckpt)
+    assert cfg.model.checkpoint == ckpt and cfg.model.architecture == "Qwen2ForCausalLM"
+    assert cfg.served_names()[0] == ckpt
+    assert deprecations(parse("--model", ckpt)) == []
+    assert weights_note(cfg.model).startswith(f"weights: {ckpt} (Qwen2ForCausalLM")
+
+
+def test_model_takes_a_hub_id_from_the_offline_cache(hub):
+    cfg = config("--model", REPO)
+    assert cfg.model.checkpoint.startswith(str(hub / "snapshots"))
+    assert cfg.model.name == REPO and cfg.served_names()[0] == REPO  # vLLM's default served name
+    assert cfg.model.num_layers == 2
+    assert config("--model", REPO, "--revision", "v2").model.num_layers == 3
+    assert config("--model", REPO, "--served-model-name", "mine").served_names() == ("mine",)
+
+
+@pytest.mark.usefixtures("hub")
+@pytest.mark.parametrize("flags, needle", [
+    (("--model", "acme/absent"), "'acme/absent': not in the local Hugging Face cache"),
+    (("--model", REPO, "--revision", "v9"), "revision 'v9': not in the local Hugging Face cache"),
+    (("--model", "no-such-dir"), "'no-such-dir': no such directory, and not a Hugging Face repo id"),
+    (("--model", "tiny", "--revision", "v2"), "--revision 'v2' needs --model to name a Hugging Face repo id"),
+    (("--model", REPO, "--max-model-len", "100000"), r"--max-model-len 100000 must be in \[1, 512\]"),
+])
+def test_bad_model_flags_are_refused_by_name(flags, needle):
+    with pytest.raises(ValueError, match=needle):
+        config(*flags)
+
+
+def test_load_format_dummy_keeps_the_shape_and_tokenizer_of_a_checkpoint(ckpt):
+    model = config("--model", ckpt, "--load-format", "dummy").model
+    assert model.checkpoint is None and model.tokenizer == ckpt and model.qkv_bias
+    assert weights_note(model).startswith("RANDOM weights (--load-format dummy)")
+
+
+@pytest.mark.parametrize("flags, fields", [
+    (("--model", "tiny", "--load-format", "dummy"), {"model": preset("tiny")}),
+    (("--model", "tiny", "--load-format", "dummy", "--dtype", "auto"), {"model": preset("tiny")}),
+    (("-tp", "2",), {"prefill.tp": 2, "decode.tp": 2, "local.tp": 2}),
+    (("--tensor-parallel-size", "2", "--decode-tp", "1"), {"prefill.tp": 2, "decode.tp": 1, "local.tp": 2}),
+    (("--tp", "2", "--prefill-tp", "1"), {"prefill.tp": 1, "decode.tp": 2, "local.tp": 2}),
+    (("--max-model-len", "1000"), {"max_model_len": 1000}),
+])
+def test_flags_set_fields(flags, fields):
+    cfg = config(*flags)
+    for dotted, want in fields.items():
+        obj = cfg
+        for part in dotted.split("."):
+            obj = getattr(obj, part)
+        assert obj == want, dotted
+
+
+@pytest.mark.parametrize("flags, lines", [
+    (("--model", "tiny", "--load-format", "dummy"), []),
+    (("--load-format", "dummy"), []),
+    (("--model", "tiny"), ["--model tiny serves random weights; that this needs no --load-format dummy is "
+                           "deprecated: use --model tiny --load-format dummy"]),
+    ((), ["no --model serves random weights; that this needs no --load-format dummy is deprecated: use "
+          "--model small --load-format dummy"]),
+    (("--model", "tiny", "--load-format", "dummy", "--tp", "2"),
+     ["--tp is deprecated: use -tp/--tensor-parallel-size 2 (every side; --prefill-tp/--decode-tp override it)"]),
+])
+def test_old_spellings_get_one_line_each(flags, lines):
+    assert deprecations(parse(*flags)) == lines
+
+
+def test_checkpoint_flag_still_works_and_says_so(ckpt):
+    assert config("--checkpoint", ckpt).model == config("--model", ckpt).model
+    assert deprecations(parse("--checkpoint", ckpt)) == [f"--checkpoint is deprecated: use --model {ckpt}"]
+
+
+def test_tokenizer_flag(ckpt, hub):
+    assert config("--model", "tiny", "--load-format", "dummy", "--tokenizer", REPO).model.tokenizer \
+        .startswith(str(hub / "snapshots"))
+    assert config("--model", "tiny", "--load-format", "dummy", "--tokenizer", ckpt).model.tokenizer == ckpt

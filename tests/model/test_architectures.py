@@ -1,0 +1,154 @@
+"""Every architecture of the registry (pushkv.model.arch), proved against transformers: a tiny
+random checkpoint that transformers writes gives transformers' float32 greedy tokens in pushkv's
+engine (the per-sequence engine, and the batched one's CPU path); the RoPE schemes' frequencies
+equal transformers' own; what is not built is refused by field and value, from config.json alone."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from pushkv.config import RopeScaling
+from pushkv.model import build_model, get_tokenizer
+from pushkv.model.checkpoint import model_config_from_hf
+from pushkv.model.moe import moe_mlp, route
+from pushkv.model.rope import inv_freq, rope_of
+from tests.model.test_hf_reference import GEOMETRY, PROMPTS, hf_reference, save_hf_checkpoint
+from tests.model.test_model import new_pool, paged_generate
+
+NEW = 8
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
+MOE = dict(num_local_experts=4, num_experts_per_tok=2)
+
+# name -> (transformers family, config extras, what pushkv must read from it)
+CASES = {
+    "llama3": ("llama", {"rope_parameters": {"rope_theta": 5e5, **LLAMA3}}, dict(architecture="LlamaForCausalLM")),
+    "llama-yarn": ("llama", {"rope_parameters": {"rope_theta": 5e5, **YARN}}, {}),
+    "llama-linear": ("llama", {"rope_parameters": {"rope_theta": 5e5, "rope_type": "linear", "factor": 2.0}}, {}),
+    "qwen2": ("qwen2", {}, dict(architecture="Qwen2ForCausalLM", qkv_bias=True)),
+    # a window shorter than the prompts, so that the window decides tokens
+    "mistral": ("mistral", {"sliding_window": 4}, dict(sliding_window=4, window_layers=(0, 1))),
+    "qwen3": ("qwen3", {}, dict(qk_norm=True)),
+    "qwen3_moe": ("qwen3_moe", dict(MOE, moe_intermediate_size=32, norm_topk_prob=True),
+                  dict(num_experts=4, experts_per_token=2, intermediate_size=32, qk_norm=True)),
+    "qwen3_moe-unnormed": ("qwen3_moe", dict(MOE, moe_intermediate_size=32, norm_topk_prob=False),
+                           dict(norm_topk_prob=False)),
+    "mixtral": ("mixtral", dict(MOE), dict(num_experts=4, experts_per_token=2, intermediate_size=128)),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request, tmp_path_factory):
+    family, extra, expect = CASES[request.param]
+    path = save_hf_checkpoint(str(tmp_path_factory.mktemp(request.param)), family, seed=3, **extra)
+    return path, expect, hf_reference(path, PROMPTS)
+
+
+@pytest.mark.parametrize("engine", ["per-seq", "batched"])
+def test_greedy_tokens_equal_transformers(case, engine):
+    path, expect, want = case
+    cfg = model_config_from_hf(path, engine=engine)
+    assert {k: getattr(cfg, k) for k in expect} == expect
+    model, tok = build_model(cfg), get_tokenizer(cfg)
+    for prompt, (ids, new) in zip(PROMPTS, want):
+        assert tok.encode(prompt) == ids
+        got = paged_generate(model, new_pool(model, 8, 16), ids, NEW, tuple(range(8)))
+        stop = got.index(3) + 1 if 3 in got else len(got)  # transformers stops at EOS
+        assert got[:stop] == new, prompt
+
+
+class _HFConfig:
+    """What transformers' RoPE init functions read off a config."""
+
+    def __init__(self, params: dict, max_pos: int = 512):
+        self.rope_parameters = params
+        self.head_dim, self.hidden_size, self.num_attention_heads = 16, 64, 4
+        self.max_position_embeddings = max_pos
+
+    def standardize_rope_params(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("params", [
+    {"rope_type": "linear", "factor": 4.0},
+    LLAMA3,
+    dict(LLAMA3, factor=32.0, low_freq_factor=2.0, high_freq_factor=8.0),
+    YARN,
+    dict(YARN, factor=16.0, beta_fast=16.0, beta_slow=2.0),
+    dict(YARN, truncate=False),
+    dict(YARN, attention_factor=0.8),
+    dict(YARN, mscale=0.7, mscale_all_dim=0.5),
+])
+def test_rope_frequencies_and_scale_equal_transformers(params):
+    params = dict(params, rope_theta=1e4)
+    want, want_scale = ROPE_INIT_FUNCTIONS[params["rope_type"]](_HFConfig(params), "cpu")
+    theta, rs = rope_of({"rope_parameters": params, "max_position_embeddings": 512})
+    got = inv_freq(theta, 16, rs)
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-6, atol=0)
+    assert (rs.attention_factor if rs.rope_type == "yarn" else 1.0) == pytest.approx(want_scale)
+
+
+def test_transformers_4_rope_scaling_form_is_read():
+    theta, rs = rope_of({"rope_theta": 5e5, "rope_scaling": dict(LLAMA3, type="llama3")})
+    assert theta == 5e5 and rs == RopeScaling("llama3", 8.0, 64, 1.0, 4.0)
+
+
+BASE = dict(GEOMETRY, architectures=["LlamaForCausalLM"], rope_theta=1e4, hidden_act="silu")
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"architectures": ["GPTNeoXForCausalLM"]}, r"architectures \['GPTNeoXForCausalLM'\]: not supported"),
+    ({"architectures": []}, r"architectures \[\]: not supported"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+     "quantization_config: quant_method 'fp8' is not supported"),
+    ({"quantization_config": {"quant_method": "awq", "bits": 4}}, "quant_method 'awq'"),
+    ({"attention_bias": True}, r"attention_bias: True \(a bias on q/k/v and o projections\) is not built"),
+    ({"mlp_bias": True}, "mlp_bias: True"),
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping: 50.0"),
+    ({"hidden_act": "gelu"}, "hidden_act: 'gelu'"),
+    ({"rope_theta": None, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic'"),
+    ({"dtype": "float8_e4m3fn"}, "dtype 'float8_e4m3fn' is not supported"),
+    ({"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 2,
+      "moe_intermediate_size": 32, "decoder_sparse_step": 2}, "dense layers between MoE layers are not built"),
+])
+def test_what_is_not_built_is_refused_by_field_and_value(tmp_path, change, needle):
+    (tmp_path / "config.json").write_text(json.dumps({**BASE, **change}))
+    with pytest.raises(ValueError, match=needle):
+        model_config_from_hf(str(tmp_path))
+
+
+def test_moe_reference_equals_each_token_through_its_experts():
+    """The grouped reference against the definition, token by token (no transformers)."""
+    g = torch.Generator().manual_seed(0)
+    T, d, i, E, k = 11, 8, 6, 5, 2
+    h, router = torch.randn(T, d, generator=g), torch.randn(E, d, generator=g)
+    gate_up, down = torch.randn(E, 2 * i, d, generator=g), torch.randn(E, d, i, generator=g)
+    for renorm in (True, False):
+        got = moe_mlp(h, router, gate_up, down, k, renorm)
+        w, ids = route(h, router, k, renorm)
+        for t in range(T):
+            want = torch.zeros(d)
+            for j in range(k):
+                e = int(ids[t, j])
+                gate, up = (gate_up[e] @ h[t]).chunk(2)
+                want += w[t, j] * (down[e] @ (torch.nn.functional.silu(gate) * up))
+            torch.testing.assert_close(got[t], want, rtol=1e-5, atol=1e-5)
+        assert torch.allclose(w.sum(-1), torch.ones(T)) == renorm
+
+
+def test_moe_shape_preset_counts_qwen3_30b_a3b_parameters():
+    """The random shape of Qwen3-30B-A3B names (hf_names) 30.5B parameters, 3.3B active per token."""
+    from pushkv.config import preset
+    from pushkv.model.weights import hf_names
+
+    cfg = preset("qwen3-30b-a3b")
+    sizes = {name: torch.Size(shape).numel() for name, shape in hf_names(cfg)}
+    total = sum(sizes.values())
+    experts = sum(n for name, n in sizes.items() if ".experts." in name)
+    active = total - experts + experts * cfg.experts_per_token // cfg.num_experts
+    assert round(total / 1e9, 1) == 30.5 and 3.3 <= active / 1e9 <= 3.4
+    assert sum(".experts.0.gate_proj" in n for n in sizes) == cfg.num_layers
