@@ -23,9 +23,15 @@ def parse(kind: str, with_rank: bool = True) -> tuple[argparse.Namespace, Deploy
     with open(args.config, "rb") as f:
         cfg = decode_config(f.read())
     name = (args.role if not args.instance else f"{args.role}{args.instance}") if with_rank else ""
-    title = f"pushkv {name}-{kind} {args.rank}" if with_rank else f"pushkv {kind}"
+    setup(f"pushkv {name}-{kind} {args.rank}" if with_rank else f"pushkv {kind}", cfg.log_level)
+    return args, cfg
+
+
+def setup(title: str, log_level: str) -> None:
+    """Logging, the stack dump on SIGUSR1 and the process title, the same in every process:
+    ``title`` ("pushkv <what>") names it in ``ps`` and, without "pushkv ", on every log line."""
     logging.basicConfig(
-        level=getattr(logging, cfg.log_level.upper(), logging.INFO), stream=sys.stderr,
+        level=getattr(logging, log_level.upper(), logging.INFO), stream=sys.stderr,
         format=f"%(asctime)s %(levelname)s [{title.split(' ', 1)[1]}] %(name)s: %(message)s",
     )
     # `kill -USR1 PID` prints every thread's stack to the process's log: where a stuck process is
@@ -36,7 +42,6 @@ def parse(kind: str, with_rank: bool = True) -> tuple[argparse.Namespace, Deploy
         setproctitle.setproctitle(title)
     except ImportError:
         pass
-    return args, cfg
 
 
 def run_profiled(run, name: str) -> None:

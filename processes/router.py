@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 
-from setproctitle import setproctitle
+import msgspec
 
+from processes.common import setup
 from pushkv.config import decode_config
-from pushkv.router import serve
+from pushkv.router.server import serve
 
 
 def main(argv=None) -> None:
@@ -19,13 +19,8 @@ def main(argv=None) -> None:
     with open(args.config, "rb") as f:
         cfg = decode_config(f.read())
     if args.port is not None:
-        import msgspec
         cfg = msgspec.structs.replace(cfg, port=args.port)
-    logging.basicConfig(
-        level=getattr(logging, cfg.log_level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s router %(name)s: %(message)s",
-    )
-    setproctitle("pushkv router")
+    setup("pushkv router", cfg.log_level)
     asyncio.run(serve(cfg))
 
 

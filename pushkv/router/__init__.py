@@ -1,10 +1,11 @@
 """The router: OpenAI-compatible HTTP front that drives the schedulers.
 
-``server.Router`` owns the aiohttp site, one DEALER per scheduler and the
-supervisor control socket; ``flow.RequestRun`` runs one request's legs
-(local / push / pull); ``api`` parses and shapes the HTTP bodies; ``metrics``
-holds the Prometheus collectors; ``text`` adapts the tokenizer.
-"""
-from pushkv.router.server import Router, serve
+``server.Router`` owns the aiohttp site, the scheduler links (``links``) and the supervisor
+control socket; each choice of a request is a pure state machine (``request``: a phase and a
+``ledger``), fed by its asyncio shell (``flow.RequestRun``); ``generate`` answers the HTTP
+request from its choices, shaped per endpoint by ``render``; ``api`` parses the bodies;
+``balance`` places requests over the pure ``policy``; ``metrics`` holds the Prometheus
+collectors; ``text`` adapts the tokenizer.
 
-__all__ = ["Router", "serve"]
+Importing the package imports nothing else: ``pushkv.router.server`` is the process's entry.
+"""

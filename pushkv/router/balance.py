@@ -27,6 +27,7 @@ from pushkv.discovery.records import InstanceRecord
 from pushkv.router import cost as C
 from pushkv.router import policy as P
 from pushkv.router.prefix_index import PrefixIndex, hashes, usable_hit_tokens
+from pushkv.router.request_msgs import DecodePlaced, Placed
 
 
 class RequestRun(Protocol):
@@ -70,21 +71,6 @@ class Refused(Exception):
         super().__init__(reason)
         self.status = status
         self.reason = reason
-
-
-@dataclass
-class Placed:
-    """To a run: go, with this verdict (PUSH, LATE or DECODE_LOCAL)."""
-
-    verdict: P.Verdict
-    source: Optional[m.PrefillSource] = None  # PUSH: where D's leg takes the KV from
-
-
-@dataclass
-class DecodePlaced:
-    """To a late run waiting for a D: send the D leg to ``engine_id``."""
-
-    engine_id: str
 
 
 @dataclass

@@ -17,7 +17,7 @@ from typing import AsyncIterator, Optional
 
 from aiohttp import web
 
-from pushkv.router import api, output
+from pushkv.router import api, output, render, text
 from pushkv.router.flow import RequestRun
 from pushkv.router.request import Failed, Finished, Tokens
 
@@ -33,16 +33,17 @@ def refusal(status: int, reason: str) -> web.Response:
     return web.json_response(_error_body(status, reason), status=status)
 
 
-async def serve(router, request: web.Request, params: api.CompletionParams,
-                runs: list[RequestRun]) -> web.StreamResponse:
-    """Start every choice's run, then answer; a client that goes away aborts them all."""
-    gen = Generation(router, params, runs)
+async def serve(request: web.Request, params: api.CompletionParams, runs: list[RequestRun], tok: text.Tokenizer,
+                served: tuple[str, ...]) -> web.StreamResponse:
+    """Start every choice's run, then answer; a client that goes away aborts them all.
+    ``served``: the names the model is served under (a request that names none gets the first)."""
+    gen = Generation(params, runs, tok, params.model or served[0])
     try:
         for run in runs:  # placement first, so a refusal is a plain HTTP error even for a stream
             refused = run.start()
             if refused is not None:
-                for r in runs:
-                    r.record.outcome = refused.outcome
+                for r in runs:  # the refusal ends every choice, the ones placed already too
+                    r.close(outcome=refused.outcome)
                 return refusal(refused.status, refused.reason)
         if params.stream:
             return await gen.stream(request)
@@ -92,19 +93,17 @@ class Fanout:
 
 
 class Generation:
-    def __init__(self, router, params: api.CompletionParams, runs: list[RequestRun]):
-        self.router = router
-        self.tok = router.tokenizer
+    """One HTTP request's choices, through ``output.ChoiceOutput`` (text) and its endpoint's renderer
+    (shapes). Its runs' ledgers are read, never written: how each choice ended is the run's."""
+
+    def __init__(self, params: api.CompletionParams, runs: list[RequestRun], tok: text.Tokenizer, model: str):
         self.params = params
         self.runs = runs
-        self.chat = params.chat
-        self.request_id = output.completion_id(runs[0].transfer_id.split("-")[0], self.chat)
-        self.model = params.model or router.served[0]
+        self.render = render.for_endpoint(tok, params)
+        self.request_id = self.render.request_id(runs[0].transfer_id.split("-")[0])
+        self.model = model
         self.created = output.now_s()
-        self.outs = [output.ChoiceOutput(i, self.tok, params.stop, params.sampling.min_tokens)
-                     for i in range(params.n)]
-        self.want_logprobs = params.sampling.logprobs >= 0
-        self.offsets = [len(params.prompt_text) if params.echo else 0] * params.n
+        self.outs = [output.ChoiceOutput(i, tok, params.stop, params.sampling.min_tokens) for i in range(params.n)]
 
     # -- bookkeeping -------------------------------------------------------
     def _apply(self, i: int, ev, fan: Fanout) -> Optional[output.Delta]:
@@ -118,49 +117,33 @@ class Generation:
             return out.finish(ev.finish_reason)
         return None
 
-    def _logprobs(self, i: int, delta: output.Delta) -> Optional[dict]:
-        if not self.want_logprobs:
-            return None
-        if self.chat:
-            return output.chat_logprobs(self.tok, delta.token_ids, delta.logprobs)
-        lp = output.completion_logprobs(self.tok, delta.token_ids, delta.logprobs, self.offsets[i])
-        self.offsets[i] += sum(len(s) for s in lp["tokens"])
-        return lp
-
     def _usage(self) -> dict:
-        run = self.runs[0]
-        leg = "prefill" if "prefill" in run.cached else next(iter(run.cached), "")
+        cached = self.runs[0].ledger.cached
+        leg = "prefill" if "prefill" in cached else next(iter(cached), "")
         return output.usage(len(self.params.prompt_token_ids), sum(len(o.token_ids) for o in self.outs),
-                            run.cached.get(leg) if leg else None)
+                            cached.get(leg) if leg else None)
 
     def _extension(self) -> dict:
-        run = self.runs[0].req
-        ext = {"transfer_id": run.transfer_id,
-               "timeline": dict(sorted(run.timeline.items(), key=lambda kv: kv[1]))}
-        if run.engines:  # which instance served each leg
-            ext["instances"] = dict(run.engines)
-        ext["path"] = run.path
-        d = run.kv.get("decode")
+        led = self.runs[0].ledger
+        ext: dict[str, object] = {"transfer_id": self.runs[0].transfer_id,
+                                  "timeline": dict(sorted(led.timeline.items(), key=lambda kv: kv[1]))}
+        if led.engines:  # which instance served each leg
+            ext["instances"] = dict(led.engines)
+        ext["path"] = led.path
+        d = led.kv.get("decode")
         if d is not None and d.reserved_blocks:  # D blocks x seconds held before the KV arrived
             ext["reserved_block_s"] = d.reserved_block_s
             ext["reserved_blocks"] = d.reserved_blocks
-            ext["allocation"] = "late" if run.late else "early"
-        if run.kv:  # each leg's KVTransferStats: bytes, descriptors, posted -> done as that side measured it
+            ext["allocation"] = "late" if led.late else "early"
+        if led.kv:  # each leg's KVTransferStats: bytes, descriptors, posted -> done as that side measured it
             ext["kv"] = {leg: {"bytes": k.nbytes, "descs": k.num_descs, "transfer_s": k.transfer_s,
                                "rendezvous": k.rendezvous, "parts": k.parts, "stream": k.stream}
-                         for leg, k in run.kv.items()}
+                         for leg, k in led.kv.items()}
         return ext
 
-    def _fail(self) -> None:
-        """One choice failed (its run says how): the others are aborted with it."""
-        for run in self.runs:
-            if not run.record.outcome:
-                run.record.outcome = "aborted"
-
     def client_gone(self) -> None:
-        for run in self.runs:
-            if run.record.outcome != "ok":
-                run.record.outcome = "aborted"
+        """Logged only: closing the runs (the server's, whatever ended the request) ends each choice
+        still open as aborted."""
         log.info("client went away transfer_id=%s", self.runs[0].transfer_id.split("-")[0])
 
     # -- unary ------------------------------------------------------------------
@@ -168,49 +151,27 @@ class Generation:
         fan = Fanout(self.runs)
         try:
             async for i, ev in fan.events():
-                if isinstance(ev, Failed):
-                    self._fail()
+                if isinstance(ev, Failed):  # the others end as aborted when the server closes them
                     return refusal(ev.status, ev.reason)
                 self._apply(i, ev, fan)
         finally:
             await fan.close()
         if not all(o.done for o in self.outs):
             raise RuntimeError("request run ended without an outcome")
-        choices = []
-        for o in self.outs:
-            lp = None
-            if self.want_logprobs:
-                d = output.Delta(o.text, o.token_ids, o.logprobs)
-                lp = self._logprobs(o.index, d)
-            if self.chat:
-                choices.append(output.chat_choice(o.index, o.text, o.finish_reason, lp))
-            else:
-                prefix = self.params.prompt_text if self.params.echo else ""
-                choices.append(output.completion_choice(o.index, prefix + o.text, o.token_ids, o.finish_reason, lp))
-        return web.json_response(output.body(self.request_id, self.created, self.model, choices, self.chat, False,
-                                             self._usage(), self._extension()))
+        choices = [self.render.choice(o) for o in self.outs]
+        return web.json_response(self.render.body(self.request_id, self.created, self.model, choices, False,
+                                                  self._usage(), self._extension()))
 
     # -- streaming ----------------------------------------------------------------
-    def _chunk(self, choice: dict, usage_: Optional[dict] = None, ext: Optional[dict] = None) -> bytes:
-        return output.sse(output.body(self.request_id, self.created, self.model, [choice] if choice else [],
-                                      self.chat, True, usage_, ext))
+    def _chunk(self, choice: Optional[dict], usage_: Optional[dict] = None, ext: Optional[dict] = None) -> bytes:
+        return output.sse(self.render.body(self.request_id, self.created, self.model, [choice] if choice else [],
+                                           True, usage_, ext))
 
     def _stream_delta(self, i: int, delta: output.Delta) -> bytes:
-        lp = self._logprobs(i, delta)
-        if self.chat:
-            d = {"content": delta.text} if delta.text or not delta.finish_reason else {}
-            return self._chunk(output.chat_chunk_choice(i, d, delta.finish_reason, lp))
-        choice = output.completion_choice(i, delta.text, delta.token_ids, delta.finish_reason, lp)
-        if delta.finish_reason and self.params.n == 1:  # the last chunk carries usage (pushkv's habit)
+        choice = self.render.chunk_choice(i, delta)
+        if delta.finish_reason and self.render.usage_in_last_chunk():
             return self._chunk(choice, self._usage(), self._extension())
         return self._chunk(choice)
-
-    def _opening(self, i: int) -> bytes:
-        if self.chat:
-            return self._chunk(output.chat_chunk_choice(i, {"role": "assistant", "content": ""}, None))
-        if self.params.echo:
-            return self._chunk(output.completion_choice(i, self.params.prompt_text, [], None))
-        return b""
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={
@@ -223,7 +184,6 @@ class Generation:
             failed = False
             async for i, ev in fan.events():
                 if isinstance(ev, Failed):
-                    self._fail()
                     await resp.write(output.sse(_error_body(ev.status, ev.reason)))
                     failed = True
                     break
@@ -231,9 +191,9 @@ class Generation:
                 if delta is not None and (delta.text or delta.token_ids or delta.finish_reason):
                     if not started[i]:  # with the first output, as vLLM: a client's TTFT stays true
                         started[i] = True
-                        opening = self._opening(i)
-                        if opening:
-                            await resp.write(opening)
+                        opening = self.render.opening(i)
+                        if opening is not None:
+                            await resp.write(self._chunk(opening))
                     await resp.write(self._stream_delta(i, delta))
             if not failed and self.params.include_usage:
                 await resp.write(self._chunk({}, self._usage()))

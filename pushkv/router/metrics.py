@@ -11,7 +11,6 @@ at scrape time and exposed by ``InstanceCollector`` under ``pushkv_instance_*``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -20,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pushkv import messages as m
 from pushkv.config import Mode, Role
+from pushkv.router.ledger import Ledger
 
 # Seconds; spans sub-ms ITLs on GPU to minute-long TTFTs of 16k prompts on CPU.
 LATENCY_BUCKETS_S = (
@@ -32,29 +32,6 @@ BYTES_BUCKETS = tuple(float(4096 * 4**i) for i in range(13))  # 4 KiB .. 64 GiB
 DESC_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384, 65536)
 BLOCK_S_BUCKETS = (0.01, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 5000.0, 25000.0)
 RENDEZVOUS_ORDERS = ("registration_first", "prefill_first")
-
-
-@dataclass
-class RequestRecord:
-    """Monotonic times of one request, filled in as it runs."""
-
-    arrival: float
-    prompt_tokens: int = 0
-    first_token: Optional[float] = None
-    token_times: list[tuple[float, int]] = field(default_factory=list)  # (time, n tokens)
-    finish: Optional[float] = None
-    outcome: str = ""  # "ok" | "failed" | "aborted" | "timeout" | "rejected" | "shutdown"
-
-    @property
-    def completion_tokens(self) -> int:
-        return sum(n for _, n in self.token_times)
-
-    def add_tokens(self, t: float, n: int) -> None:
-        if n <= 0:
-            return
-        if self.first_token is None:
-            self.first_token = t
-        self.token_times.append((t, n))
 
 
 class RouterMetrics:
@@ -155,8 +132,9 @@ class RouterMetrics:
     def watch_balancer(self, balancer) -> None:
         self.balance.balancer = balancer
 
-    def observe(self, rec: RequestRecord, timeline: Optional[dict[str, float]] = None,
-                kv: Optional[dict[str, m.KVTransferStats]] = None) -> None:
+    def observe(self, rec: Ledger) -> None:
+        """One request that ended, from its ledger."""
+        timeline, kv = rec.timeline, rec.kv
         self.requests.labels(outcome=rec.outcome or "ok").inc()
         if kv:
             self.observe_transfer(kv)

@@ -1,5 +1,6 @@
 """What a client sees of one choice: text held back until it is whole, stop strings,
-logprobs, and the OpenAI response shapes (pure, no I/O).
+token ids and logprobs as they come (pure, no I/O); the OpenAI shapes they go out in are
+``render.py``'s, one renderer per endpoint.
 
 Text is released only when it can no longer change: a character split across
 tokens waits for its last byte (``text.IncrementalDecoder``), and text that
@@ -15,13 +16,6 @@ from typing import Any, Optional, Sequence
 
 from pushkv.messages import TokenLogprob
 from pushkv.router import text
-
-FLOOR_LOGPROB = -9999.0  # JSON has no -inf
-
-
-def completion_id(transfer_id: str, chat: bool = False) -> str:
-    return f"{'chatcmpl' if chat else 'cmpl'}-{transfer_id}"
-
 
 def transfer_id_of(request_id: str) -> str:
     for prefix in ("chatcmpl-", "cmpl-"):
@@ -130,66 +124,3 @@ class ChoiceOutput:
         self.logprobs.extend(lps)
         self.finish_reason = reason
         return Delta(out, list(ids), list(lps), reason)
-
-
-# ---------------------------------------------------------------------------
-# Logprobs in the two OpenAI shapes
-# ---------------------------------------------------------------------------
-def _lp(x: float) -> float:
-    return x if x > FLOOR_LOGPROB else FLOOR_LOGPROB
-
-
-def completion_logprobs(tok: text.Tokenizer, ids: Sequence[int], lps: Sequence[TokenLogprob],
-                        offset: int = 0) -> dict:
-    """``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` of /v1/completions."""
-    tokens = [tok.decode([i]) for i in ids]
-    offsets = []
-    for s in tokens:
-        offsets.append(offset)
-        offset += len(s)
-    tops = [{tok.decode([t]): _lp(v) for t, v in zip(lp.top_ids, lp.top_logprobs)} for lp in lps]
-    return {"tokens": tokens, "token_logprobs": [_lp(lp.logprob) for lp in lps],
-            "top_logprobs": tops, "text_offset": offsets}
-
-
-def chat_logprobs(tok: text.Tokenizer, ids: Sequence[int], lps: Sequence[TokenLogprob]) -> dict:
-    """``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}`` of /v1/chat/completions."""
-    def entry(t: int, v: float) -> dict:
-        s = tok.decode([t])
-        return {"token": s, "logprob": _lp(v), "bytes": list(s.encode("utf-8"))}
-
-    content = []
-    for i, lp in zip(ids, lps):
-        e = entry(i, lp.logprob)
-        e["top_logprobs"] = [entry(t, v) for t, v in zip(lp.top_ids, lp.top_logprobs)]
-        content.append(e)
-    return {"content": content}
-
-
-# ---------------------------------------------------------------------------
-# Response bodies
-# ---------------------------------------------------------------------------
-def completion_choice(index: int, text_: str, token_ids: list[int], finish_reason: Optional[str],
-                      logprobs: Optional[dict] = None) -> dict:
-    return {"index": index, "text": text_, "logprobs": logprobs, "finish_reason": finish_reason,
-            "token_ids": token_ids}
-
-
-def chat_choice(index: int, content: str, finish_reason: Optional[str], logprobs: Optional[dict] = None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": content}, "logprobs": logprobs,
-            "finish_reason": finish_reason}
-
-
-def chat_chunk_choice(index: int, delta: dict, finish_reason: Optional[str], logprobs: Optional[dict] = None) -> dict:
-    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-
-
-def body(request_id: str, created: int, model: str, choices: list[dict], chat: bool, chunk: bool,
-         usage_: Optional[dict] = None, extension: Optional[dict] = None) -> dict:
-    obj = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
-    out = {"id": request_id, "object": obj, "created": created, "model": model, "choices": choices}
-    if usage_ is not None:
-        out["usage"] = usage_
-    if extension is not None:
-        out["pushkv"] = extension
-    return out

@@ -32,8 +32,9 @@ from pushkv.framing import Drops, Shape, arecv_bounded
 from pushkv.router import api, auth, generate, output, text
 from pushkv.router.balance import Balancer
 from pushkv.router import chat as chat_mod
-from pushkv.router.flow import RequestRun, SchedulerLink
-from pushkv.router.metrics import RequestRecord, RouterMetrics
+from pushkv.router.flow import RequestRun
+from pushkv.router.links import SchedulerLink
+from pushkv.router.metrics import RouterMetrics
 from pushkv.seeds import derive_seed
 from pushkv.security import secure_connect
 from pushkv.trace import TracePublisher
@@ -352,7 +353,7 @@ class Router:
                   runs[0].transfer_id, len(params.prompt_token_ids), params.max_tokens, params.n, params.stream,
                   chat)
         try:
-            return await generate.serve(self, request, params, runs)
+            return await generate.serve(request, params, runs, self.tokenizer, self.served)
         finally:
             self._close(runs)
 
@@ -362,33 +363,28 @@ class Router:
         runs = []
         for i in range(params.n):
             tid = base if params.n == 1 else f"{base}-{i}"
-            rec = RequestRecord(arrival=arrival, prompt_tokens=len(params.prompt_token_ids))
             sampling = msgspec.structs.replace(params.sampling, seed=derive_seed(params.sampling.seed, i))
             run = RequestRun(self.cfg, self.balancer if self.local_link is None else None, tid,
-                             params.prompt_token_ids, params.max_tokens, params.stop_token_ids, rec,
+                             params.prompt_token_ids, params.max_tokens, params.stop_token_ids, arrival,
                              self.metrics, sampling, local_link=self.local_link)
             self.runs[tid] = run
             runs.append(run)
             if self.tracer is not None:
-                self.tracer.event("http_request", tid, f"prompt={rec.prompt_tokens} max_tokens={params.max_tokens}")
+                self.tracer.event("http_request", tid,
+                                  f"prompt={len(params.prompt_token_ids)} max_tokens={params.max_tokens}")
         self._handlers_idle.clear()
         self.metrics.in_flight.inc()
         return runs
 
     def _close(self, runs: list[RequestRun]) -> None:
-        """Whatever ended the request: abort what is open, release it, record it."""
+        """Whatever ended the request: abort what is open, release it (a choice still open ends
+        as aborted: the client went away, or a sibling ended it), record it."""
         for run in runs:
-            rec = run.record
-            if rec.outcome == "ok":
-                reason = "request complete"  # only P (push) can still be open, or a stopped choice
-            else:
-                rec.outcome = rec.outcome or "aborted"
-                reason = "client disconnected" if rec.outcome == "aborted" else f"request {rec.outcome}"
-            run.close(reason)
+            run.close()
             self.runs.pop(run.transfer_id, None)
-            self.metrics.observe(rec, run.timeline, run.req.kv)
+            self.metrics.observe(run.ledger)
             if self.tracer is not None:
-                self.tracer.event("http_done", run.transfer_id, rec.outcome)
+                self.tracer.event("http_done", run.transfer_id, run.ledger.outcome)
         self.metrics.in_flight.dec()
         if not self.runs:
             self._handlers_idle.set()

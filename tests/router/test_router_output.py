@@ -5,7 +5,7 @@ import json
 import pytest
 
 from pushkv.messages import SamplingParams
-from pushkv.router import api, chat, output, text
+from pushkv.router import api, chat, output, render, text
 
 CJK_EMOJI = ["你好，世界！今天天气很好。", "hi 你好 😀 ok", "a 👨‍👩‍👧 b 👍🏽!", "héllo wörld 日本語 ☃"]
 LIMITS = api.Limits(vocab_size=320, max_model_len=256)
@@ -117,10 +117,10 @@ def test_logprob_shapes():
 
     tok = text.ByteTokenizer()
     lps = [TokenLogprob(-0.5, (104, 105), (-0.5, -1.0)), TokenLogprob(float("-inf"), (), ())]
-    c = output.completion_logprobs(tok, [104, 105], lps, offset=3)
-    assert c == {"tokens": ["h", "i"], "token_logprobs": [-0.5, output.FLOOR_LOGPROB],
+    c = render.completion_logprobs(tok, [104, 105], lps, offset=3)
+    assert c == {"tokens": ["h", "i"], "token_logprobs": [-0.5, render.FLOOR_LOGPROB],
                  "top_logprobs": [{"h": -0.5, "i": -1.0}, {}], "text_offset": [3, 4]}
-    ch = output.chat_logprobs(tok, [104], lps[:1])["content"][0]
+    ch = render.chat_logprobs(tok, [104], lps[:1])["content"][0]
     assert ch["token"] == "h" and ch["bytes"] == [104] and [t["token"] for t in ch["top_logprobs"]] == ["h", "i"]
     json.dumps(c, allow_nan=False)
 

@@ -9,7 +9,8 @@ from pushkv.config import DeploymentConfig, InstanceConfig
 from pushkv.discovery.local import InstanceTracker
 from pushkv.discovery.records import InstanceDown, InstanceRecord, InstanceUp
 from pushkv.router import policy as P
-from pushkv.router.balance import Balancer, DecodePlaced, Placed, Refused
+from pushkv.router.balance import Balancer, Refused
+from pushkv.router.request import DecodePlaced, Placed
 from pushkv.supervisor.plan import plan_deployment, process_specs
 
 

@@ -7,8 +7,6 @@ import pytest
 from pushkv import messages as m
 from pushkv.router import policy as P
 from pushkv.router import request as R
-from pushkv.router.balance import DecodePlaced, Placed
-from pushkv.router.metrics import RequestRecord
 
 T0 = 100.0  # the request's arrival (monotonic)
 WALL = 1_000.0  # wall clock minus monotonic
@@ -19,9 +17,9 @@ LP = m.TokenLogprob(-0.5, (7,), (-0.5,))
 
 def new(mode="push", logprobs=-1, request_s=10.0) -> R.Request:
     sampling = m.SamplingParams(logprobs=logprobs) if logprobs >= 0 else None
-    return R.Request(mode=mode, transfer_id="t", prompt=(1, 2, 3), max_tokens=4, stop=(9,),
-                     record=RequestRecord(arrival=T0, prompt_tokens=3), request_s=request_s,
-                     wall_offset=WALL, sampling=sampling, local_engine="l0")
+    spec = R.Spec(mode=mode, transfer_id="t", prompt=(1, 2, 3), max_tokens=4, stop=(9,), request_s=request_s,
+                  sampling=sampling, local_engine="l0", wall_offset=WALL)
+    return R.Request(spec, arrival=T0)
 
 
 def toks(ids, finished=False, reason="", lps=()):
@@ -38,7 +36,7 @@ def fail(reason="boom", status=500):
 
 def placed(kind, prefill="p0", decode="d0"):
     v = P.Verdict(kind, prefill=prefill if kind != P.DECODE_LOCAL else None, decode=decode, reason="why")
-    return Placed(v, SRC if kind == P.PUSH else None)
+    return R.Placed(v, SRC if kind == P.PUSH else None)
 
 
 def show(a: R.Action) -> tuple:
@@ -104,7 +102,7 @@ CASES = {
     ]),
     "D fails (pull)": ("pull", -1, START_PULL + [
         (pf(PULL), "prefill", T0 + 1, [("prefilldone",), ("placedecode",)]),
-        (DecodePlaced("d1"), "router", T0 + 1, [("gen", "decode", "d1", "max=4 src pull")]),
+        (R.DecodePlaced("d1"), "router", T0 + 1, [("gen", "decode", "d1", "max=4 src pull")]),
         (toks([7]), "decode", T0 + 2, [("kvarrived",), ("tokens", (7,))]),
         (fail("step failed"), "decode", T0 + 3, [("failed", 500, "decode: step failed", "failed"), ("disarm",)]),
         (R.Close("request failed"), "router", T0 + 3, [("disarm",), ("release",)]),  # both legs ended
@@ -112,7 +110,7 @@ CASES = {
     "late: no D can hold it yet": ("push", -1, START_LATE + [
         (pf(PULL), "prefill", T0 + 1, [("prefilldone",), ("placedecode",)]),
         (R.DecodeQueued(), "router", T0 + 1, []),
-        (DecodePlaced("d0"), "router", T0 + 2, [("gen", "decode", "d0", "max=4 src pull")]),
+        (R.DecodePlaced("d0"), "router", T0 + 2, [("gen", "decode", "d0", "max=4 src pull")]),
         (toks([7, 8], True, "stop"), "decode", T0 + 3, [("kvarrived",), ("tokens", (7, 8))] + DONE),
     ]),
     "pull: P answers without pull parameters": ("pull", -1, START_PULL + [
@@ -201,19 +199,19 @@ def test_the_end_sets_the_records_outcome(name, outcome):
     req = new(mode, logprobs)
     for msg, leg, now, _ in steps:
         req.on(msg, now, leg)
-    assert req.over and req.record.outcome == outcome
+    assert req.over and req.ledger.outcome == outcome
 
 
 def test_what_a_completed_request_keeps():
     req = new("push")
     for msg, leg, now, _ in CASES["push completes"][2]:
         req.on(msg, now, leg)
-    assert req.output_ids == [7, 8] and req.emitted == 2 and req.done
-    assert req.cached == {"prefill": 2, "decode": 0} and req.prefill_work == (1, 0, 0)
-    assert req.engines == {"prefill": "p0", "decode": "d0"} and req.path == "push"
-    assert req.record.first_token == T0 + 2 and req.record.finish == T0 + 3
-    assert req.record.token_times == [(T0 + 2, 1), (T0 + 3, 1)]
-    tl = req.timeline
+    assert req.ledger.output_ids == [7, 8] and req.ledger.emitted == 2 and req.ledger.done
+    assert req.ledger.cached == {"prefill": 2, "decode": 0} and req.ledger.prefill_work == (1, 0, 0)
+    assert req.ledger.engines == {"prefill": "p0", "decode": "d0"} and req.ledger.path == "push"
+    assert req.ledger.first_token == T0 + 2 and req.ledger.finish == T0 + 3
+    assert req.ledger.token_times == [(T0 + 2, 1), (T0 + 3, 1)]
+    tl = req.ledger.timeline
     assert tl["router.arrival"] == T0 + WALL and tl["router.send_prefill"] == T0 + WALL
     assert tl["router.first_token"] == T0 + 2 + WALL and tl["router.finish"] == T0 + 3 + WALL
 
@@ -234,8 +232,8 @@ def test_late_path_and_queue_marks():
     req.on(R.Start(), T0)
     req.on(R.Queued(), T0)
     req.on(placed(P.LATE), T0 + 1)
-    assert req.path == "late" and req.late
-    assert {"router.queued", "router.placed", "router.late_allocation"} <= set(req.timeline)
+    assert req.ledger.path == "late" and req.ledger.late
+    assert {"router.queued", "router.placed", "router.late_allocation"} <= set(req.ledger.timeline)
 
 
 @pytest.mark.parametrize("role, engine, steps, holds", [
@@ -255,7 +253,7 @@ def test_an_instance_down_fails_what_it_holds(role, engine, steps, holds):
 
 def test_a_late_p_holds_the_kv_until_d_streams():
     req = new("pull")
-    for msg, leg, now, _ in START_PULL + [(pf(PULL), "prefill", T0, None), (DecodePlaced("d0"), "router", T0, None)]:
+    for msg, leg, now, _ in START_PULL + [(pf(PULL), "prefill", T0, None), (R.DecodePlaced("d0"), "router", T0, None)]:
         req.on(msg, now, leg)
     assert req.holds("prefill", "p0")  # P's leg ended, but D has not read the KV yet
     req.on(toks([7]), T0, "decode")
@@ -264,7 +262,7 @@ def test_a_late_p_holds_the_kv_until_d_streams():
 
 def test_every_input_has_one_handler_and_others_are_dropped():
     inputs = {R.Start, R.Queued, R.DecodeQueued, R.Rejected, R.SendFailed, R.Cancel, R.Tick, R.Stopped, R.Close,
-              Placed, DecodePlaced, m.TokensGenerated, m.PrefillFinished, m.RequestFailed}
+              R.Placed, R.DecodePlaced, m.TokensGenerated, m.PrefillFinished, m.RequestFailed}
     assert set(R.Request.HANDLERS) == inputs
     req = new("push")
     assert req.on(m.Stats("e", "decode", 1, 1, 0, 0), T0, "decode") == [] and req.phase is R.Phase.NEW

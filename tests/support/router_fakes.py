@@ -17,7 +17,7 @@ import zmq
 
 from pushkv import messages as m
 from pushkv.config import DeploymentConfig, InstanceConfig, preset
-from pushkv.router import Router
+from pushkv.router.server import Router
 from pushkv.router.text import ByteTokenizer
 
 POLL_MS = 5

@@ -1,0 +1,123 @@
+"""One DEALER connected to one scheduler's ROUTER, with a receive task that hands every
+message to ``on_message(role, msg)``; the server routes it by ``transfer_id`` to the request's
+run (``flow.RequestRun``). ``Stats`` answers stay here: ``get_stats`` waits for them.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable, Optional, cast
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from pushkv import messages as m
+from pushkv.framing import Drops, Shape, arecv_bounded
+from pushkv.router.metrics import RouterMetrics
+from pushkv.security import Security, secure_connect
+from pushkv.trace import TracePublisher
+
+log = logging.getLogger(__name__)
+
+
+class SchedulerLink:
+    """DEALER to one scheduler, plus its receive task."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, role: str, endpoint: str,
+                 on_message: Callable[[str, m.Msg], None], metrics: RouterMetrics,
+                 tracer: Optional[TracePublisher] = None, engine_id: str = "", name: str = "",
+                 security: Optional[Security] = None):
+        self.role = role
+        self.engine_id = engine_id
+        self.peer = f"{name or role}-scheduler"  # in traces
+        self.tracer = tracer
+        self._stats_waiters: list[asyncio.Future] = []
+        self.endpoint = endpoint
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        secure_connect(self.sock, endpoint, security)
+        self._shape = Shape.of(self.sock)  # a message past it is dropped whole (pushkv.framing)
+        self._drops = Drops(f"router link to {role}")
+        self._on_message = on_message
+        self._metrics = metrics
+        self._task: Optional[asyncio.Task] = None
+        self.last_stats: Optional[m.Stats] = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._recv_loop(), name=f"recv-{self.role}")
+
+    def send(self, msg: m.Msg) -> None:
+        """Queue ``msg`` without awaiting, so no cancellation can land mid-send.
+
+        Raises zmq.Again when the scheduler's queue is full (or unconnected).
+        """
+        data = m.encode(msg)
+        if self.tracer is not None:
+            self.tracer.msg("send", self.peer, msg, data)
+        # zmq.asyncio's send is typed as an Awaitable; at run time it is an asyncio Future
+        fut = cast("asyncio.Future[object]", self.sock.send(data, flags=zmq.NOBLOCK))
+        if fut.done():
+            fut.result()
+        else:  # queued behind another send: surface a late error in the log
+            fut.add_done_callback(self._log_send_error)
+
+    def _log_send_error(self, fut: asyncio.Future) -> None:
+        if not fut.cancelled() and fut.exception() is not None:
+            log.error("send to %s scheduler failed: %s", self.role, fut.exception())
+
+    async def _recv_loop(self) -> None:
+        while True:
+            frames, why, n, nbytes = await arecv_bounded(self.sock, self._shape)
+            if frames is None:
+                self._metrics.sched_messages.labels(role=self.role, kind=f"dropped_{why}").inc()
+                self._drops.drop(f"{self.role} scheduler", why, n, nbytes, self._shape)
+                continue
+            payload = frames[-1]  # tolerate an empty delimiter frame
+            try:
+                msg = m.DEC_SCHED_TO_ROUTER.decode(payload)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                self._metrics.sched_messages.labels(role=self.role, kind="undecodable").inc()
+                log.error("undecodable frame from %s scheduler (%d bytes): %s", self.role, len(payload), e)
+                continue
+            self._metrics.sched_messages.labels(role=self.role, kind=type(msg).__name__).inc()
+            if self.tracer is not None:
+                self.tracer.msg("recv", self.peer, msg, payload)
+            if isinstance(msg, m.Stats):
+                self.last_stats = msg
+                waiters, self._stats_waiters = self._stats_waiters, []
+                for fut in waiters:
+                    if not fut.done():
+                        fut.set_result(msg)
+                continue
+            try:
+                self._on_message(self.role, msg)
+            except Exception:  # one bad message must not stop the link
+                log.exception("routing %s from %s failed", type(msg).__name__, self.role)
+
+    async def get_stats(self, timeout_s: float) -> Optional[m.Stats]:
+        """Ask the scheduler for its Stats; None if it does not answer in time."""
+        fut = asyncio.get_running_loop().create_future()
+        self._stats_waiters.append(fut)
+        try:
+            if len(self._stats_waiters) == 1:  # one GetStats answers every waiting scrape
+                self.send(m.GetStats())
+            return await asyncio.wait_for(fut, timeout_s)
+        except (asyncio.TimeoutError, zmq.ZMQError):
+            return None
+        finally:
+            if fut in self._stats_waiters:
+                self._stats_waiters.remove(fut)
+
+    def retire(self) -> None:
+        """Replaced by a link to a new endpoint: close in the background."""
+        asyncio.get_running_loop().create_task(self.close())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        self.sock.close(0)

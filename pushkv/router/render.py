@@ -1,0 +1,168 @@
+"""One renderer per endpoint: the OpenAI shapes of ``/v1/completions`` and ``/v1/chat/completions``
+(pure, no I/O). ``generate.Generation`` drives a choice's text through ``output.ChoiceOutput`` and hands
+each piece to its endpoint's renderer; what differs between the two endpoints (the response's object
+and id, the logprob shape, echo, the opening chunk, where usage goes) lives here and nowhere else.
+"""
+from __future__ import annotations
+
+from typing import ClassVar, Optional, Sequence
+
+from pushkv.messages import TokenLogprob
+from pushkv.router.api import CompletionParams
+from pushkv.router.output import ChoiceOutput, Delta
+from pushkv.router.text import Tokenizer
+
+FLOOR_LOGPROB = -9999.0  # JSON has no -inf
+
+
+class Renderer:
+    """What both endpoints share: the body around the choices, and the logprobs the request asked for."""
+
+    id_prefix: ClassVar[str]
+    object: ClassVar[str]  # a whole response's
+    chunk_object: ClassVar[str]  # a streamed chunk's
+
+    def __init__(self, tok: Tokenizer, params: CompletionParams):
+        self.tok = tok
+        self.params = params
+        self.want_logprobs = params.sampling.logprobs >= 0
+
+    def request_id(self, transfer_id: str) -> str:
+        return f"{self.id_prefix}-{transfer_id}"
+
+    def body(self, request_id: str, created: int, model: str, choices: list[dict], chunk: bool,
+             usage_: Optional[dict] = None, extension: Optional[dict] = None) -> dict:
+        return body(request_id, created, model, self.chunk_object if chunk else self.object, choices, usage_,
+                    extension)
+
+    def logprobs(self, i: int, delta: Delta) -> Optional[dict]:
+        return self._logprobs(i, delta) if self.want_logprobs else None
+
+    def _logprobs(self, i: int, delta: Delta) -> dict:
+        raise NotImplementedError
+
+    def choice(self, out: ChoiceOutput) -> dict:
+        """A whole choice of a unary response."""
+        raise NotImplementedError
+
+    def opening(self, i: int) -> Optional[dict]:
+        """The choice of the chunk that opens choice i's stream, if the endpoint has one."""
+        raise NotImplementedError
+
+    def chunk_choice(self, i: int, delta: Delta) -> dict:
+        raise NotImplementedError
+
+    def usage_in_last_chunk(self) -> bool:
+        """Whether the chunk that ends the choice carries usage and pushkv's extension."""
+        return False
+
+
+class CompletionRenderer(Renderer):
+    id_prefix, object, chunk_object = "cmpl", "text_completion", "text_completion"
+
+    def __init__(self, tok: Tokenizer, params: CompletionParams):
+        super().__init__(tok, params)
+        self.prefix = params.prompt_text if params.echo else ""
+        self.offsets = [len(self.prefix)] * params.n  # text_offset runs on across a choice's deltas
+
+    def _logprobs(self, i: int, delta: Delta) -> dict:
+        lp = completion_logprobs(self.tok, delta.token_ids, delta.logprobs, self.offsets[i])
+        self.offsets[i] += sum(len(s) for s in lp["tokens"])
+        return lp
+
+    def choice(self, out: ChoiceOutput) -> dict:
+        lp = self.logprobs(out.index, Delta(out.text, out.token_ids, out.logprobs))
+        return completion_choice(out.index, self.prefix + out.text, out.token_ids, out.finish_reason, lp)
+
+    def opening(self, i: int) -> Optional[dict]:
+        return completion_choice(i, self.prefix, [], None) if self.params.echo else None
+
+    def chunk_choice(self, i: int, delta: Delta) -> dict:
+        return completion_choice(i, delta.text, delta.token_ids, delta.finish_reason, self.logprobs(i, delta))
+
+    def usage_in_last_chunk(self) -> bool:
+        return self.params.n == 1  # pushkv's habit: one choice's last chunk carries usage
+
+
+class ChatRenderer(Renderer):
+    id_prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
+
+    def _logprobs(self, i: int, delta: Delta) -> dict:
+        return chat_logprobs(self.tok, delta.token_ids, delta.logprobs)
+
+    def choice(self, out: ChoiceOutput) -> dict:
+        lp = self.logprobs(out.index, Delta(out.text, out.token_ids, out.logprobs))
+        return chat_choice(out.index, out.text, out.finish_reason, lp)
+
+    def opening(self, i: int) -> Optional[dict]:
+        return chat_chunk_choice(i, {"role": "assistant", "content": ""}, None)
+
+    def chunk_choice(self, i: int, delta: Delta) -> dict:
+        d = {"content": delta.text} if delta.text or not delta.finish_reason else {}
+        return chat_chunk_choice(i, d, delta.finish_reason, self.logprobs(i, delta))
+
+
+def for_endpoint(tok: Tokenizer, params: CompletionParams) -> Renderer:
+    return (ChatRenderer if params.chat else CompletionRenderer)(tok, params)
+
+
+# ---------------------------------------------------------------------------
+# Logprobs in the two OpenAI shapes
+# ---------------------------------------------------------------------------
+def _lp(x: float) -> float:
+    return x if x > FLOOR_LOGPROB else FLOOR_LOGPROB
+
+
+def completion_logprobs(tok: Tokenizer, ids: Sequence[int], lps: Sequence[TokenLogprob],
+                        offset: int = 0) -> dict:
+    """``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` of /v1/completions."""
+    tokens = [tok.decode([i]) for i in ids]
+    offsets = []
+    for s in tokens:
+        offsets.append(offset)
+        offset += len(s)
+    tops = [{tok.decode([t]): _lp(v) for t, v in zip(lp.top_ids, lp.top_logprobs)} for lp in lps]
+    return {"tokens": tokens, "token_logprobs": [_lp(lp.logprob) for lp in lps],
+            "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(tok: Tokenizer, ids: Sequence[int], lps: Sequence[TokenLogprob]) -> dict:
+    """``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}`` of /v1/chat/completions."""
+    def entry(t: int, v: float) -> dict:
+        s = tok.decode([t])
+        return {"token": s, "logprob": _lp(v), "bytes": list(s.encode("utf-8"))}
+
+    content = []
+    for i, lp in zip(ids, lps):
+        e = entry(i, lp.logprob)
+        e["top_logprobs"] = [entry(t, v) for t, v in zip(lp.top_ids, lp.top_logprobs)]
+        content.append(e)
+    return {"content": content}
+
+
+# ---------------------------------------------------------------------------
+# Response bodies
+# ---------------------------------------------------------------------------
+def completion_choice(index: int, text_: str, token_ids: list[int], finish_reason: Optional[str],
+                      logprobs: Optional[dict] = None) -> dict:
+    return {"index": index, "text": text_, "logprobs": logprobs, "finish_reason": finish_reason,
+            "token_ids": token_ids}
+
+
+def chat_choice(index: int, content: str, finish_reason: Optional[str], logprobs: Optional[dict] = None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": content}, "logprobs": logprobs,
+            "finish_reason": finish_reason}
+
+
+def chat_chunk_choice(index: int, delta: dict, finish_reason: Optional[str], logprobs: Optional[dict] = None) -> dict:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def body(request_id: str, created: int, model: str, obj: str, choices: list[dict],
+         usage_: Optional[dict] = None, extension: Optional[dict] = None) -> dict:
+    out = {"id": request_id, "object": obj, "created": created, "model": model, "choices": choices}
+    if usage_ is not None:
+        out["usage"] = usage_
+    if extension is not None:
+        out["pushkv"] = extension
+    return out
