@@ -142,7 +142,7 @@ class KVTransferStats(msgspec.Struct, array_like=True, frozen=True, gc=False):
     reserved_block_s: float = 0.0
     reserved_blocks: int = 0
     parts: int = 0  # streaming push: WRITEs posted while P still computed (before the last one)
-    stream: str = ""  # streaming push: "chunk", or "fallback: <why>"
+    stream: str = ""  # streaming push: "layer" or "chunk"; "fallback: <why>"; "" when not streamed
 
 
 # ---------------------------------------------------------------------------
@@ -387,7 +387,7 @@ class KVSent(Msg):
     rendezvous: str = ""  # "registration_first" | "prefill_first" | "pull"
     timeline: tuple[tuple[str, float], ...] = ()  # writer stages (wall time)
     parts: int = 0  # streaming push: WRITEs posted before prefill ended (the last WRITE not counted)
-    stream: str = ""  # streaming push: "chunk", or why this transfer could not stream ("fallback: ...")
+    stream: str = ""  # streaming push: "layer" or "chunk", or why it could not stream ("fallback: ..."); "": off
 
 
 class KVReceived(Msg):

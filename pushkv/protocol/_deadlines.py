@@ -2,27 +2,30 @@
 from __future__ import annotations
 
 import heapq
-from typing import Callable, Hashable, Optional
+from typing import Callable, Generic, Hashable, Optional, TypeVar
+
+K = TypeVar("K", bound=Hashable)
 
 
-class Deadlines:
+class Deadlines(Generic[K]):
     """``(deadline, key)`` pairs; a key's newest arm wins, older arms are skipped.
 
     ``current(key)`` returns the deadline the owner still holds for ``key`` (or
     None), so entries re-armed or removed elsewhere never fire.
     """
 
-    def __init__(self, current: Callable[[Hashable], Optional[float]]):
-        self._heap: list[tuple[float, int, Hashable]] = []
+    def __init__(self, current: Callable[[K], Optional[float]]):
+        self._heap: list[tuple[float, int, K]] = []
         self._seq = 0
         self._current = current
 
-    def arm(self, key: Hashable, deadline: float) -> None:
+    def arm(self, key: K, deadline: float) -> None:
         self._seq += 1
         heapq.heappush(self._heap, (deadline, self._seq, key))
 
-    def due(self, now: float) -> list[Hashable]:
-        out, seen = [], set()
+    def due(self, now: float) -> list[K]:
+        out: list[K] = []
+        seen: set[K] = set()
         while self._heap and self._heap[0][0] <= now:
             deadline, _, key = heapq.heappop(self._heap)
             if key not in seen and self._current(key) == deadline:

@@ -43,7 +43,7 @@ class KVArrivals:
         self._live: dict[str, _Expect] = {}
         self._finished: OrderedDict[tuple[str, int], bool] = OrderedDict()
         self._remember = remember
-        self._deadlines = Deadlines(self._deadline_of)
+        self._deadlines: Deadlines[str] = Deadlines(self._deadline_of)
 
     def expect(
         self, transfer_id: str, generation: int, block_ids: Sequence[int],
@@ -149,6 +149,6 @@ class KVArrivals:
             self._finished.popitem(last=False)
         return [outcome]
 
-    def _deadline_of(self, tid) -> Optional[float]:
+    def _deadline_of(self, tid: str) -> Optional[float]:
         e = self._live.get(tid)
         return None if e is None else e.deadline

@@ -55,7 +55,7 @@ class Leases:
         self._live: dict[str, _Lease] = {}
         self._finished: OrderedDict[tuple[str, int], None] = OrderedDict()
         self._remember = remember
-        self._deadlines = Deadlines(self._current_deadline)
+        self._deadlines: Deadlines[str] = Deadlines(self._current_deadline)
 
     def hold(self, transfer_id: str, generation: int, block_ids: Sequence[int], now: float) -> list[Action]:
         """Pin blocks until ``now + lease_s``; an older generation's lease is released."""
@@ -146,7 +146,7 @@ class Leases:
     def __len__(self) -> int:
         return len(self._live)
 
-    def _current_deadline(self, tid) -> Optional[float]:
+    def _current_deadline(self, tid: str) -> Optional[float]:
         e = self._live.get(tid)
         return None if e is None else e.deadline
 

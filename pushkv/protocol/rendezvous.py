@@ -143,7 +143,7 @@ class PushRendezvous:
         self._draining: dict[tuple[str, int], _Transfer] = {}
         self._finished: OrderedDict[tuple[str, int], _Finished] = OrderedDict()
         self._newest: OrderedDict[str, int] = OrderedDict()  # newest generation seen per id
-        self._deadlines = Deadlines(self._current_deadline)
+        self._deadlines: Deadlines[tuple[str, int]] = Deadlines(self._current_deadline)
 
     # ------------------------------------------------------------------ events
     def on_prefill_done(
@@ -152,12 +152,12 @@ class PushRendezvous:
     ) -> list[Action]:
         blocks = tuple(block_ids)
         kind, e = self._lookup(transfer_id, generation)
-        if kind == "live" and not self.produces:  # a replica that tracked a stream: nothing to write
+        if e is not None and kind == "live" and not self.produces:  # a replica that tracked a stream: nothing to write
             e.has_prefill, e.block_ids = True, blocks
             self._retire(e, ok=True)
             return [FreeBlocks(transfer_id, generation, blocks, "replica writes nothing"),
                     Completed(transfer_id, generation, "replica")]
-        if kind == "live" or kind == "draining":
+        if e is not None:  # live or draining
             return self._dispatch(e, "prefill_done", now, blocks=blocks,
                                   num_tokens=num_tokens, first_token=first_token)
         if kind == "finished":
@@ -189,7 +189,7 @@ class PushRendezvous:
         if group >= self.stream_groups:
             return [Count("bad_progress_group")]
         kind, e = self._lookup(transfer_id, generation)
-        if kind == "live":
+        if e is not None and kind == "live":
             return self._dispatch(e, "progress", now, blocks=tuple(block_ids), num_tokens=num_tokens, group=group)
         if kind != "new":  # draining, finished or stale: that transfer is over
             return [Count("late_progress")]
@@ -208,7 +208,7 @@ class PushRendezvous:
             return [Count("unneeded_registration")]
         tid, gen = reg.transfer_id, reg.generation
         kind, e = self._lookup(tid, gen)
-        if kind == "live" or kind == "draining":
+        if e is not None:  # live or draining
             return self._dispatch(e, "registration", now, reg=reg)
         if kind == "finished":
             if self._finished[(tid, gen)].ok:
@@ -241,9 +241,9 @@ class PushRendezvous:
         answer it no longer waits for is counted stale there)."""
         kind, e = self._lookup(transfer_id, generation)
         empty: list[Action] = [FreeBlocks(transfer_id, generation, (), reason)] if answer else []
-        if kind == "live" and not (e.has_prefill or e.streamed):
+        if e is not None and kind == "live" and not (e.has_prefill or e.streamed):
             return empty + self._dispatch(e, "cancel", now, reason=reason)
-        if kind == "live" or kind == "draining":  # a drain answers when the WRITEs are done
+        if e is not None:  # live or draining: a drain answers when the WRITEs are done
             return self._dispatch(e, "cancel", now, reason=reason)
         if kind == "new":  # neither half seen: remember, so both die on arrival
             out = self._supersede(transfer_id, generation, now)
@@ -255,6 +255,8 @@ class PushRendezvous:
         out: list[Action] = []
         for tid, gen in self._deadlines.due(now):
             e = self._entry(tid, gen)
+            if e is None:  # due() only returns keys whose entry still holds that deadline
+                continue
             e.deadline = None
             out += self._dispatch(e, "expire", now)
         return out

@@ -16,13 +16,16 @@ happen to ``outbox`` in order (``outbox.Send`` a message to a ``Peer``,
 ``take_outbox()`` after each; tests call the entry points and read it.
 
 What differs by role lives in one subclass each (``PrefillScheduler``,
-``DecodeScheduler``, ``LocalScheduler``), behind four hooks:
+``DecodeScheduler``, ``LocalScheduler``), behind twelve hooks (the "role hooks" below):
 
-- ``_check_leg(msg)``: role-specific validation of a new request;
-- ``_admitted(r)``: blocks are reserved; what happens next (prefill, or wait for KV);
-- ``_prefilled(r, tok, lp)``: the prefill step ended with first token ``tok`` (and its logprob,
-  if asked);
-- ``_kv_done(r, answers)``: every writer rank answered the request's transfer with success.
+- the four every role answers: ``_check_leg(msg)`` (role-specific validation of a new
+  request), ``_admitted(r)`` (blocks are reserved: prefill, or wait for the KV),
+  ``_prefilled(r, tok, lp)`` (the prefill step ended with first token ``tok``) and
+  ``_kv_done(r, answers)`` (every writer rank answered the request's transfer with success);
+- eight with a default that a role overrides where it differs: ``_chunk_done`` (a prefill
+  chunk ended), ``_streaming`` (the step's layer-group marks), ``_step_work`` (what the
+  workers get), ``_engine_blocked`` (no step may run: D's inline READ), ``_forget``,
+  ``_reuses_prefix``, ``_hit_unit`` and ``_indexes`` (the prefix cache's rules).
 
 ``scheduler_for(cfg, inst)`` in ``pushkv.scheduler`` picks the class.
 """
