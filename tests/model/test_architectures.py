@@ -5,6 +5,7 @@ equal transformers' own; what is not built is refused by field and value, from c
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -152,3 +153,41 @@ def test_moe_shape_preset_counts_qwen3_30b_a3b_parameters():
     active = total - experts + experts * cfg.experts_per_token // cfg.num_experts
     assert round(total / 1e9, 1) == 30.5 and 3.3 <= active / 1e9 <= 3.4
     assert sum(".experts.0.gate_proj" in n for n in sizes) == cfg.num_layers
+
+
+# config.json fields as the published checkpoints carry them (geometry shrunk), in the transformers 4 form
+# most Hub repos still have: what each must read as
+REAL = {
+    "Llama-3.1": ({"architectures": ["LlamaForCausalLM"], "rope_theta": 500000.0, "attention_bias": False,
+                   "mlp_bias": False, "pretraining_tp": 1, "torch_dtype": "bfloat16", "eos_token_id": [5, 6, 7],
+                   "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                    "original_max_position_embeddings": 8192, "rope_type": "llama3"}},
+                  dict(rope_theta=5e5, dtype="bfloat16", eos_token_ids=(5, 6, 7),
+                       rope_scaling=RopeScaling("llama3", 8.0, 8192, 1.0, 4.0))),
+    "Qwen2.5-YaRN": ({"architectures": ["Qwen2ForCausalLM"], "rope_theta": 1e6, "use_sliding_window": False,
+                      "sliding_window": 131072, "max_window_layers": 1,
+                      "rope_scaling": {"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"}},
+                     dict(qkv_bias=True, sliding_window=0, window_layers=(), rope_scaling=RopeScaling(
+                         "yarn", 4.0, 32768, attention_factor=pytest.approx(0.1 * math.log(4) + 1)))),
+    "Mistral-7B-v0.1": ({"architectures": ["MistralForCausalLM"], "sliding_window": 4096},
+                        dict(sliding_window=4096, window_layers=(0, 1))),
+    "Mistral-7B-v0.3": ({"architectures": ["MistralForCausalLM"], "sliding_window": None},
+                        dict(sliding_window=0, window_layers=())),
+    "Mixtral-8x7B": ({"architectures": ["MixtralForCausalLM"], "num_local_experts": 8, "num_experts_per_tok": 2,
+                      "sliding_window": None, "output_router_logits": False, "router_aux_loss_coef": 0.02},
+                     dict(num_experts=8, experts_per_token=2, norm_topk_prob=True, intermediate_size=128)),
+    "Qwen3-30B-A3B": ({"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 16, "num_experts_per_tok": 4,
+                       "moe_intermediate_size": 32, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                       "mlp_only_layers": [], "use_sliding_window": False, "sliding_window": None},
+                      dict(num_experts=16, experts_per_token=4, intermediate_size=32, qk_norm=True)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REAL))
+def test_published_config_forms_are_read(tmp_path, name):
+    hf, want = REAL[name]
+    base = {k: v for k, v in GEOMETRY.items() if k not in ("bos_token_id", "eos_token_id")}
+    (tmp_path / "config.json").write_text(json.dumps({**base, "hidden_act": "silu", **hf}))
+    cfg = model_config_from_hf(str(tmp_path))
+    assert cfg.architecture == hf["architectures"][0]
+    assert {k: getattr(cfg, k) for k in want} == want
