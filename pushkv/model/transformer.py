@@ -159,7 +159,12 @@ class Model:
     def mlp_delta(self, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
         """What the MLP (dense SwiGLU, or the routed experts) adds to the residual; h normed."""
         if lw.router is not None:
-            out = moe_mlp(h, lw.router, lw.gate_up, lw.down, self.cfg.experts_per_token, self.cfg.norm_topk_prob)
+            experts = moe_mlp
+            if h.is_cuda:  # the grouped Triton kernels: two launches a layer, no host sync
+                from pushkv.model.kernels import triton_moe
+
+                experts = triton_moe.moe_mlp
+            out = experts(h, lw.router, lw.gate_up, lw.down, self.cfg.experts_per_token, self.cfg.norm_topk_prob)
             return self._all_reduce(out)
         gate, up = F.linear(h, lw.gate_up).chunk(2, dim=-1)
         return self._all_reduce(F.linear(F.silu(gate) * up, lw.down))

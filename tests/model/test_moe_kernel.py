@@ -1,0 +1,82 @@
+"""The grouped MoE kernels (model/kernels/triton_moe.py) equal the torch reference
+(model/moe.py): the slot grouping in-process, the kernels under Triton's interpreter on the CPU
+(a child process: the switch is read at import) and on a GPU when there is one."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from pushkv.model.kernels.triton_moe import group_slots  # noqa: E402
+
+# (tokens, experts, k, hidden, intermediate, renorm, dtype): sizes off the tiles' multiples, so
+# every mask is exercised; one token (a decode step) to more slots than one row block
+CASES = [(1, 8, 2, 32, 48, "renorm", "float32"), (5, 4, 2, 40, 24, "", "float32"),
+         (37, 8, 3, 64, 80, "renorm", "float32"), (300, 6, 2, 32, 32, "", "float32")]
+
+SCRIPT = r"""
+import json, sys, torch
+from pushkv.model.moe import moe_mlp
+from pushkv.model.kernels import triton_moe
+dev = sys.argv[1]
+out = []
+for T, E, k, d, i, renorm, dtype in json.loads(sys.argv[2]):
+    g = torch.Generator().manual_seed(T * 7 + E)
+    dt = getattr(torch, dtype)
+    h = torch.randn(T, d, generator=g).to(dev, dt)
+    router = torch.randn(E, d, generator=g).to(dev, dt)
+    gate_up = (torch.randn(E, 2 * i, d, generator=g) / d ** 0.5).to(dev, dt)
+    down = (torch.randn(E, d, i, generator=g) / i ** 0.5).to(dev, dt)
+    ref = moe_mlp(h, router, gate_up, down, k, bool(renorm)).float().cpu()
+    got = triton_moe.moe_mlp(h, router, gate_up, down, k, bool(renorm)).float().cpu()
+    out.append({"err": float((ref - got).abs().max()), "scale": float(ref.abs().max())})
+print(json.dumps(out))
+"""
+
+
+def _run(device: str, cases) -> list[dict]:
+    env = dict(os.environ)
+    if device == "cpu":
+        env["TRITON_INTERPRET"] = "1"
+    r = subprocess.run([sys.executable, "-c", SCRIPT, device, json.dumps(cases)], capture_output=True, text=True,
+                       env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("T, E, k, bm", [(1, 8, 2, 16), (7, 3, 2, 4), (40, 8, 4, 16), (5, 16, 1, 16)])
+def test_slots_are_grouped_by_expert_in_whole_blocks(T, E, k, bm):
+    experts = torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(t))[:k] for t in range(T)])
+    slot_ids, block_expert = group_slots(experts, E, bm)
+    n = T * k
+    assert slot_ids.numel() == block_expert.numel() * bm
+    real = slot_ids[slot_ids < n]
+    assert sorted(real.tolist()) == list(range(n))  # every slot once
+    flat = experts.flatten()
+    for b, e in enumerate(block_expert.tolist()):
+        rows = slot_ids[b * bm:(b + 1) * bm]
+        rows = rows[rows < n]
+        if e < 0:
+            assert rows.numel() == 0
+        else:
+            assert rows.numel() > 0 and bool((flat[rows.long()] == e).all())  # a block holds one expert's slots
+            assert rows.tolist() == sorted(rows.tolist())  # tokens in order within an expert
+    used = int((block_expert >= 0).sum())
+    assert used == sum(-(-int((flat == e).sum()) // bm) for e in range(E))  # no block more than needed
+
+
+def test_kernels_equal_the_reference_under_the_interpreter():
+    for case, r in zip(CASES, _run("cpu", CASES)):
+        assert r["err"] <= 1e-4 * max(1.0, r["scale"]), (case, r)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_kernels_equal_the_reference():
+    cases = CASES + [(c[0], c[1], c[2], c[3], c[4], c[5], "bfloat16") for c in CASES]
+    for case, r in zip(cases, _run("cuda", cases)):
+        tol = 1e-4 if case[-1] == "float32" else 3e-2
+        assert r["err"] <= tol * max(1.0, r["scale"]), (case, r)
