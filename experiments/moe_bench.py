@@ -69,8 +69,8 @@ def main() -> None:
         ref = moe_mlp(h, router, gate_up, down, K, True)
         got = triton_moe.moe_mlp(h, router, gate_up, down, K, True)
         err = float((ref.float() - got.float()).abs().max() / ref.float().abs().max())
-        ms_k = timed(lambda: triton_moe.moe_mlp(h, router, gate_up, down, K, True))
-        ms_t = timed(lambda: moe_mlp(h, router, gate_up, down, K, True), 5 if T > 64 else 20)
+        ms_k = timed(lambda h=h: triton_moe.moe_mlp(h, router, gate_up, down, K, True))
+        ms_t = timed(lambda h=h: moe_mlp(h, router, gate_up, down, K, True), 5 if T > 64 else 20)
         bytes_bound_ms = chosen * expert_bytes / hbm * 1e3
         flop_bound_ms = 2 * 3 * D * INTER * T * K / flops * 1e3
         bound = max(bytes_bound_ms, flop_bound_ms)
