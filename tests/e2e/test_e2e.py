@@ -120,24 +120,44 @@ def test_idle_processes_do_not_spin(push):
     assert all(u / wall < 0.10 for u in used.values()), used
 
 
+AS_NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+
+
 def _probe(asks: dict, as_other_uid: bool) -> dict:
-    """tests/support/other_uid_probe.py, as root or as uid 65534 (``setpriv``: CI runs as root)."""
+    """tests/support/other_uid_probe.py, as root or as uid 65534 (``setpriv``: CI runs as root), run
+    from a copy in a directory that uid can read (the checkout may not be)."""
     import json
-    import os
     import subprocess
     import sys
+    import tempfile
 
-    argv = [sys.executable, "-m", "tests.support.other_uid_probe"]
-    if as_other_uid:
-        argv = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *argv]
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = subprocess.run(argv, input=json.dumps(asks), capture_output=True, text=True, timeout=60, cwd=repo,
-                         env=dict(os.environ, PYTHONPATH=repo))
+    from tests.support import other_uid_probe
+
+    d = tempfile.mkdtemp(prefix="pushkv-probe-")
+    try:
+        os.chmod(d, 0o755)
+        script = os.path.join(d, "probe.py")
+        shutil.copyfile(other_uid_probe.__file__, script)
+        os.chmod(script, 0o644)
+        argv = [*(AS_NOBODY if as_other_uid else []), sys.executable, script]
+        out = subprocess.run(argv, input=json.dumps(asks), capture_output=True, text=True, timeout=60, cwd=d)
+    finally:
+        shutil.rmtree(d)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv for a 2nd uid")
+def _nobody_runs_python() -> bool:
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        return False
+    return subprocess.run([*AS_NOBODY, sys.executable, "-c", "import zmq"], capture_output=True, timeout=60,
+                          cwd="/").returncode == 0
+
+
+@pytest.mark.skipif(not _nobody_runs_python(), reason="needs root, setpriv, and this python usable by uid 65534")
 def test_another_uid_gets_no_handshake(push):
     """A default deployment on one host: another local uid cannot reach a writer's handshake, so it
     never gets a Hello (NIXL metadata, pool base: what a READ or WRITE of the pool needs). The same
