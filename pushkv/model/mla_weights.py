@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import Optional
+
 import torch
 
 from pushkv.config import ModelConfig
@@ -39,6 +41,7 @@ class MLALayerWeights:
     post_norm: torch.Tensor
     gate_up: torch.Tensor
     down: torch.Tensor
+    router: Optional[torch.Tensor] = None  # a dense SwiGLU: no experts (the MLP reads it as any layer's)
 
 
 def load_rank_mla(cfg: ModelConfig, plan: ShardPlan, take) -> RankWeights:
