@@ -34,6 +34,7 @@ class Registered:
     block_ids: tuple[int, ...] = ()
     num_tokens: int = 0
     checksums: "m.KVChecksums | None" = None  # --kv-verify: P's, from the first WriteDone that has them
+    sent: float = 0.0  # wall time our Register left (the scheduler's registration_sent is when it asked)
 
 
 @dataclass
@@ -124,6 +125,7 @@ class DecodeWriter(WriterBase):
                          warm=key in self._warm, cached_tokens=cached_tokens)
         for p in peers:
             self.control(p, reg)
+        self._registered[key].sent = time.time()  # a held loop shows between the scheduler's stamp and this
         self.trace_event("registration_sent", tid)
         faults.point(self.name, "registration_sent")
 
@@ -192,7 +194,9 @@ class DecodeWriter(WriterBase):
                 self.trace_event("kv_received", a.transfer_id)
                 if reg is not None and faults.fire(self.name, "kv_flip_dest"):  # tests of --kv-verify
                     damage.flip_last_token(self.pool, self.layout, reg.block_ids, reg.num_tokens)
+                stages = (("writer_registration_sent", reg.sent),) if reg is not None and reg.sent else ()
                 self.send(self.sched, m.KVReceived(a.transfer_id, a.generation, a.first_token, a.nbytes, a.num_descs,
+                                                   timeline=stages,
                                                    checksums=reg.checksums if reg is not None else None))
             elif isinstance(a, A.Failed):
                 self.counters["kv_failed"] += 1

@@ -78,6 +78,7 @@ def test_many_requests_go_one_at_a_time_and_land_whole(pair):
     sent = answers(p_sched, set(tids), (m.KVSent,))
     got = answers(d_sched, set(tids), (m.KVReceived,))
     assert all(g.first_token == 7 for g in got.values())
+    assert all(dict(g.timeline).get("writer_registration_sent", 0) > 0 for g in got.values())  # D's send, stamped
     assert all(s.nbytes == BLOCKS * L.block_bytes(lay) for s in sent.values())
     for b in range(N * BLOCKS):  # P's blocks and D's are the same ids here
         assert torch.equal(p_pool.tensor[b], d_pool.tensor[b]), b
