@@ -73,36 +73,41 @@ class Drops:
                       shape.nbytes, self._since.pop(peer))
 
 
+class _Gather:
+    """One message's frames as they come off a socket, kept while the message fits ``shape``."""
+
+    __slots__ = ("shape", "frames", "n", "total", "why")
+
+    def __init__(self, first: bytes, shape: Shape):
+        self.shape = shape
+        self.frames: Optional[list[bytes]] = [first]
+        self.n, self.total, self.why = 1, len(first), ""
+
+    def add(self, part: bytes) -> None:
+        self.n, self.total = self.n + 1, self.total + len(part)
+        self.why = self.why or judge(self.total, self.n, self.shape)
+        if self.why:
+            self.frames = None
+        elif self.frames is not None:
+            self.frames.append(part)
+
+    def result(self) -> tuple[Optional[list[bytes]], str, int, int]:
+        self.why = self.why or judge(self.total, self.n, self.shape)
+        return (None if self.why else self.frames), self.why, self.n, self.total
+
+
 def recv_bounded(sock: zmq.Socket, shape: Shape, flags: int = 0) -> tuple[Optional[list[bytes]], str, int, int]:
     """One whole message: (frames, "", n, bytes), or (None, why, n, bytes) when it is past ``shape``
     (every frame of it read, none kept past the point it went over). zmq.Again as ``recv``."""
-    first = sock.recv(flags)
-    frames: Optional[list[bytes]] = [first]
-    n, total, why = 1, len(first), ""
+    g = _Gather(sock.recv(flags), shape)
     while sock.getsockopt(zmq.RCVMORE):
-        part = sock.recv()  # the rest of a message is there once its first frame is
-        n, total = n + 1, total + len(part)
-        why = why or judge(total, n, shape)
-        if why:
-            frames = None
-        elif frames is not None:
-            frames.append(part)
-    why = why or judge(total, n, shape)
-    return (None if why else frames), why, n, total
+        g.add(sock.recv())  # the rest of a message is there once its first frame is
+    return g.result()
 
 
 async def arecv_bounded(sock, shape: Shape) -> tuple[Optional[list[bytes]], str, int, int]:
     """``recv_bounded`` for a zmq.asyncio socket."""
-    first = await sock.recv()
-    frames: Optional[list[bytes]] = [first]
-    n, total, why = 1, len(first), ""
+    g = _Gather(await sock.recv(), shape)
     while sock.getsockopt(zmq.RCVMORE):
-        part = await sock.recv()
-        n, total = n + 1, total + len(part)
-        why = why or judge(total, n, shape)
-        if why:
-            frames = None
-        elif frames is not None:
-            frames.append(part)
-    why = why or judge(total, n, shape)
-    return (None if why else frames), why, n, total
+        g.add(await sock.recv())
+    return g.result()
