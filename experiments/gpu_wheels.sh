@@ -15,4 +15,18 @@ for p in "${PLATFORMS[@]}"; do args+=(--platform "$p"); done
 "$PY" -m pip download -q "${args[@]}" \
   "nixl==${NIXL_VERSION:-1.5.1}" "nixl-cu13==${NIXL_VERSION:-1.5.1}" \
   "pyzmq==27.3.0" "msgspec==0.23.0" "setproctitle==1.3.8"
+# the device tree travels capped at 64 MiB: keep of nixl-cu13 (58.8 MB) only what pushkv loads (its module,
+# its libraries and UCX plugins: ~29 MB), not nixl_ep (expert-parallel builds per torch version), headers, examples
+"$PY" - <<'PYEOF'
+import glob, os, zipfile
+for src in glob.glob(".whl/nixl_cu13-*.whl"):
+    keep = ("nixl_cu13/", "nixl_cu13.libs/", ".nixl_cu13.mesonpy.libs/", "nixl_cu13-")
+    tmp = src + ".slim"
+    with zipfile.ZipFile(src) as z, zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as out:
+        for info in z.infolist():
+            if info.filename.startswith(keep) and "/headers/" not in info.filename and "/scripts/" not in info.filename:
+                out.writestr(info, z.read(info.filename))
+    os.replace(tmp, src)
+    print(f"{src}: {os.path.getsize(src) / 1e6:.1f} MB after slimming")
+PYEOF
 ls -1 .whl
