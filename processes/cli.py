@@ -55,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "fails the request (502); default sample")
     up.add_argument("--host")
     up.add_argument("--port", type=int)
+    up.add_argument("--metrics-port", type=int, metavar="PORT",
+                    help="each P / D instance serves /metrics (vLLM's vllm:* names) on its own port: the first "
+                         "on PORT, the next ones on the ports after it; 0 (default) = a free port each, shown "
+                         "by `pushkv status`")
     up.add_argument("--model", metavar="PATH|ORG/NAME|SHAPE",
                     help="a local Hugging Face checkpoint directory, or a Hugging Face repo id (resolved through "
                          "huggingface_hub: from the local cache when HF_HUB_OFFLINE=1), as vLLM takes it; with "
