@@ -26,6 +26,7 @@ from pushkv.kinds import LinkOrder
 from pushkv.security import API_KEY_ENV, load_secret
 from pushkv.supervisor import deployments, registry
 from pushkv.supervisor.plan import plan_deployment
+from pushkv.supervisor.preflight import preflight
 from pushkv.supervisor.supervisor import (ON_CHILD_EXIT, PING_INTERVAL_S, STARTUP_TIMEOUT_S, STOP_TIMEOUT_S, ArgvHook,
                                           Supervisor)
 from pushkv.supervisor.table import HEALTH_TIMEOUT_S, RestartPolicy
@@ -219,6 +220,13 @@ def cmd_up(args: argparse.Namespace, child_argv: Optional[ArgvHook] = None) -> i
     if cfg.host_role and not cfg.secret_file:  # --insecure: said at every start, before anything can fail
         print(f"pushkv up: WARNING --insecure: {cfg.host_role} host without --secret-file: its ZMQ sockets on "
               f"{cfg.advertise or cfg.host} take plain, unauthenticated peers", file=sys.stderr)
+    # a taken port, a missing GPU, NIXL that does not import: before any child (children a caller
+    # brings, child_argv, are not pushkv's writers: they need no NIXL)
+    problems = preflight(cfg, writers=child_argv is None)
+    if problems:
+        for line in problems:
+            print(f"pushkv up: {line}", file=sys.stderr)
+        return 2
     try:  # a registry directory someone else planted is refused before it is read or written
         registry.checked_dir(create=True)
     except (registry.RegistryError, OSError) as e:
