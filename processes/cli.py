@@ -23,6 +23,7 @@ from setproctitle import setproctitle
 from pushkv.config import PRESETS, TRACE_AUTO, DeploymentConfig
 from pushkv.config_flags import GEOMETRY, deprecations, user_config, weights_note
 from pushkv.kinds import LinkOrder
+from pushkv import up_help
 from pushkv.security import API_KEY_ENV, load_secret
 from pushkv.supervisor import deployments, registry
 from pushkv.supervisor.plan import plan_deployment
@@ -188,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("id", nargs="?")
     sp.add_argument("--all", action="store_true", help="stop every running deployment")
     sp.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS")
+    up_help.annotate(up)  # every flag of up: a help line and its default
     return ap
 
 
