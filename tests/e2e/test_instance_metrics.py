@@ -1,5 +1,9 @@
 """Each P and D instance's /metrics, scraped over HTTP as llm-d and Prometheus scrape a vLLM
 model server, parsed with prometheus_client's parser and checked against the load sent."""
+import json
+import os
+import subprocess
+import sys
 import urllib.request
 
 import pytest
@@ -25,6 +29,11 @@ def test_each_instance_serves_vllm_metrics(tmp_path):
     with deployment(tmp_path, "--mode", "push", "--model", "small", "--num-blocks", "64") as dep:
         urls = {i.role: f"http://{dep.cfg.metrics_host()}:{i.metrics_port}/metrics" for i in dep.cfg.instances()}
         idle = {role: scrape(u) for role, u in urls.items()}
+        env = dict(os.environ, PUSHKV_REGISTRY_DIR=str(tmp_path / "registry"))
+        st = subprocess.run([sys.executable, "-m", "processes.cli", "status", "--json"], env=env,
+                            capture_output=True, text=True, timeout=60)
+        (entry,) = json.loads(st.stdout)
+        assert {i["role"]: i["metrics_url"] for i in entry["instances"]} == urls  # `pushkv status` shows them
         for p in PROMPTS:
             assert len(dep.tokens(p, MAX_TOKENS)) == MAX_TOKENS
         wait_pools_free(dep)
