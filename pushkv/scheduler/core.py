@@ -41,8 +41,8 @@ from pushkv import limits
 from pushkv import messages as m
 from pushkv.config import DeploymentConfig, InstanceConfig, Role
 from pushkv.kv import checksum
-from pushkv.scheduler.metrics import InstanceMetrics, Snapshot
 from pushkv.protocol.prefix_cache import PrefixCache
+from pushkv.scheduler.metrics import InstanceMetrics, Snapshot
 from pushkv.scheduler.outbox import Effect, Kill, Peer, Send, Trace
 from pushkv.scheduler.prefix import index_blocks, prefix_hits
 from pushkv.scheduler.requests import Request, State, blocks_needed, build_batch, count_work, failures_of
@@ -95,8 +95,7 @@ class SchedulerCore:
         self._stats_fresh: set[int] = set()
         self._stats_asked = 0.0
         # /metrics under vLLM's names (the shell serves them): labelled with the first served name
-        self.metrics = InstanceMetrics(cfg.served_names()[0] if cfg.served_names() else cfg.model.name,
-                                       inst.engine_id, self.role)
+        self.metrics = InstanceMetrics((cfg.served_names() or (cfg.model.name,))[0], inst.engine_id, self.role)
 
     # -- role hooks -----------------------------------------------------------------
     def _check_leg(self, msg: m.Generate) -> Optional[tuple[str, int]]:
