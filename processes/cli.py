@@ -23,9 +23,11 @@ from setproctitle import setproctitle
 from pushkv.config import PRESETS, TRACE_AUTO, DeploymentConfig
 from pushkv.config_flags import GEOMETRY, deprecations, user_config, weights_note
 from pushkv.kinds import LinkOrder
+from pushkv import up_help
 from pushkv.security import API_KEY_ENV, load_secret
 from pushkv.supervisor import deployments, registry
 from pushkv.supervisor.plan import plan_deployment
+from pushkv.supervisor.preflight import preflight
 from pushkv.supervisor.supervisor import (ON_CHILD_EXIT, PING_INTERVAL_S, STARTUP_TIMEOUT_S, STOP_TIMEOUT_S, ArgvHook,
                                           Supervisor)
 from pushkv.supervisor.table import HEALTH_TIMEOUT_S, RestartPolicy
@@ -55,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "fails the request (502); default sample")
     up.add_argument("--host")
     up.add_argument("--port", type=int)
+    up.add_argument("--metrics-port", type=int, metavar="PORT",
+                    help="each P / D instance serves /metrics (vLLM's vllm:* names) on its own port: the first "
+                         "on PORT, the next ones on the ports after it; 0 (default) = a free port each, shown "
+                         "by `pushkv status`")
     up.add_argument("--model", metavar="PATH|ORG/NAME|SHAPE",
                     help="a local Hugging Face checkpoint directory, or a Hugging Face repo id (resolved through "
                          "huggingface_hub: from the local cache when HF_HUB_OFFLINE=1), as vLLM takes it; with "
@@ -183,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("id", nargs="?")
     sp.add_argument("--all", action="store_true", help="stop every running deployment")
     sp.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS")
+    up_help.annotate(up)  # every flag of up: a help line and its default
     return ap
 
 
@@ -215,6 +222,13 @@ def cmd_up(args: argparse.Namespace, child_argv: Optional[ArgvHook] = None) -> i
     if cfg.host_role and not cfg.secret_file:  # --insecure: said at every start, before anything can fail
         print(f"pushkv up: WARNING --insecure: {cfg.host_role} host without --secret-file: its ZMQ sockets on "
               f"{cfg.advertise or cfg.host} take plain, unauthenticated peers", file=sys.stderr)
+    # a taken port, a missing GPU, NIXL that does not import: before any child (children a caller
+    # brings, child_argv, are not pushkv's writers: they need no NIXL)
+    problems = preflight(cfg, writers=child_argv is None)
+    if problems:
+        for line in problems:
+            print(f"pushkv up: {line}", file=sys.stderr)
+        return 2
     try:  # a registry directory someone else planted is refused before it is read or written
         registry.checked_dir(create=True)
     except (registry.RegistryError, OSError) as e:

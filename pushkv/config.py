@@ -270,6 +270,8 @@ class InstanceConfig(msgspec.Struct, frozen=True):
     # prefix caching: full prompt blocks are indexed by a chained hash of their tokens and reused
     # by later requests (only the uncached suffix is computed); freed blocks stay cached, LRU
     prefix_cache: bool = True
+    # the scheduler serves /metrics (vLLM's names) on this TCP port of DeploymentConfig.metrics_host()
+    metrics_port: int = 0  # filled by the supervisor (from DeploymentConfig.metrics_port, else a free port)
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -313,6 +315,9 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
     push_stream_groups: int = 4
     host: str = "127.0.0.1"
     port: int = 8000
+    # each P / D instance's /metrics: the first instance planned gets this port, the next ones the
+    # ports after it (P's instances, then D's); 0 = a free port each (shown by `pushkv status`)
+    metrics_port: int = 0
     model: ModelConfig = PRESETS["small"]
     prefill: InstanceConfig = InstanceConfig(role="prefill")
     decode: InstanceConfig = InstanceConfig(role="decode")
@@ -388,6 +393,10 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
             raise ValueError(f"DeploymentConfig.link_window ({self.link_window}) and link_window_mib "
                              f"({self.link_window_mib}) are >= 0 (0: auto / no byte bound)")
 
+    def metrics_host(self) -> str:
+        """Where the instances' /metrics listen: this host's advertised address, else the router's --host."""
+        return self.advertise or self.host
+
     def served_names(self) -> tuple[str, ...]:
         if self.served_model_name:
             return self.served_model_name
@@ -421,7 +430,7 @@ TRACE_AUTO = "auto"  # trace_endpoint as the user asks for it: an ipc socket in 
 # one (the plan keeps what is set); ``unplanned`` takes them out again.
 PLANNED_FIELDS = ("deployment_id", "run_dir", "control_endpoint", "events_endpoint", "prefills", "decodes")
 PLANNED_INSTANCE_FIELDS = ("engine_id", "sched_endpoint", "worker_endpoints", "writer_endpoints",
-                           "handshake_endpoints", "dist_init", "index")
+                           "handshake_endpoints", "dist_init", "index", "metrics_port")
 
 
 def unplanned(cfg: DeploymentConfig) -> DeploymentConfig:

@@ -43,6 +43,38 @@ TOOLS: dict[str, tuple[str, str, str]] = {
 }
 
 
+# `pushkv --help` lists the deployment commands first, then the tools in these groups, each tool once
+GROUPS: dict[str, tuple[str, ...]] = {
+    "try it": ("demo",),
+    "bench (load a running deployment, read what it measured)": (
+        "bench", "sweep", "plot", "stages", "stream-bench", "chat-bench", "chat-sweep", "prefix-bench"),
+    "trace (one request's stages and transfer)": ("tap", "transfer-report"),
+    "plan (no deployment: predictions and offline checks)": ("plan", "check-deploy"),
+    "vLLM": ("vllm-proxy",),
+    "lab (instruments behind the docs' results; some need root or a GPU)": (
+        "blocksec", "link-bench", "layout-report", "tcp-write-report", "sampling-bench", "roofline"),
+}
+
+
+def tools_help(width: int = 100) -> str:
+    """The tools, group by group, for the top-level help's epilog (a name at four spaces, as argparse
+    lists the deployment commands)."""
+    import textwrap
+
+    lines = ["tools (pushkv TOOL --help: its options):"]
+    for title, names in GROUPS.items():
+        lines.append(f"  {title}:")
+        for name in names:
+            head = f"    {name:<18}"
+            body = textwrap.wrap(TOOLS[name][2], width - len(head)) or [""]
+            if len(name) > 16:  # the help starts on the next line, as argparse does
+                lines.append(f"    {name}")
+                head = " " * len(head)
+            lines.append(head + body[0])
+            lines.extend(" " * len(head) + more for more in body[1:])
+    return "\n".join(lines)
+
+
 def bench(argv: list[str]) -> Optional[int]:
     """``pushkv bench``: the open-loop load generator, or with ``--workload chat`` the chat
     workload (tools/chat_bench.py, whose own flags follow)."""
@@ -68,11 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     ap = deployment.build_parser()
     ap.prog = "pushkv"
-    ap.epilog = "pushkv COMMAND --help: that command's options"
+    ap.formatter_class = argparse.RawDescriptionHelpFormatter  # the epilog's groups keep their lines
+    ap.epilog = tools_help() + "\n\npushkv COMMAND --help: that command's options"
+    ap._positionals.title = "deployment commands"
     sub = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction))
     sub.metavar = "COMMAND"
-    for name, (_, _, help) in TOOLS.items():
-        sub.add_parser(name, help=help, add_help=False)
+    for name in TOOLS:  # parsed (and named in errors) like the deployment commands; listed in the epilog
+        sub.add_parser(name, add_help=False)
     return ap
 
 

@@ -42,6 +42,7 @@ from pushkv import messages as m
 from pushkv.config import DeploymentConfig, InstanceConfig, Role
 from pushkv.kv import checksum
 from pushkv.protocol.prefix_cache import PrefixCache
+from pushkv.scheduler.metrics import InstanceMetrics, Snapshot
 from pushkv.scheduler.outbox import Effect, Kill, Peer, Send, Trace
 from pushkv.scheduler.prefix import index_blocks, prefix_hits
 from pushkv.scheduler.requests import Request, State, blocks_needed, build_batch, count_work, failures_of
@@ -93,6 +94,8 @@ class SchedulerCore:
         self._stats_waiting: list[Peer] = []  # routers waiting for a Stats
         self._stats_fresh: set[int] = set()
         self._stats_asked = 0.0
+        # /metrics under vLLM's names (the shell serves them): labelled with the first served name
+        self.metrics = InstanceMetrics((cfg.served_names() or (cfg.model.name,))[0], inst.engine_id, self.role)
 
     # -- role hooks -----------------------------------------------------------------
     def _check_leg(self, msg: m.Generate) -> Optional[tuple[str, int]]:
@@ -171,6 +174,17 @@ class SchedulerCore:
         why = f"scheduler shutting down ({reason})" if reason else "scheduler shutting down"
         for r in list(self.reqs.values()):
             self._reply(r, m.RequestFailed(r.transfer_id, r.generation, why, 503))
+
+    def publish_metrics(self) -> None:
+        """Hand /metrics a snapshot of the queue, the running requests and the pool (the shell
+        calls it after each entry point; the scrape runs on another thread)."""
+        waiting = sum(1 for r in self.reqs.values() if r.state in (State.WAITING, State.AWAIT_KV))
+        running = sum(1 for r in self.reqs.values() if r.state in (State.PREFILL, State.RUNNING, State.VERIFY))
+        total = self.alloc.num_blocks
+        usage = (total - self.alloc.num_free) / total if total else 0.0
+        counters = dict(self.counters)
+        counters["prefix_evictions"] = self.alloc.evictions
+        self.metrics.publish(Snapshot(waiting, running, usage, total, counters))
 
     def take_outbox(self) -> list[Effect]:
         """What the calls so far asked for, in order; the outbox is empty after."""
@@ -281,6 +295,7 @@ class SchedulerCore:
         self.next_seq += 1
         if msg.arrival:
             r.timeline["arrival"] = msg.arrival
+        r.queued_at = self.now
         self._stamp(r, f"{self.role}_queued")
         self.reqs[r.key] = r
         self.by_tid[r.transfer_id] = r
@@ -381,6 +396,7 @@ class SchedulerCore:
                 return  # FIFO: wait for blocks to free
             self.waiting.pop(0)
             r.blocks = blocks
+            self.metrics.queued(self.now - r.queued_at)
             self._count_hits(r, len(hits))
             self._stamp(r, f"{self.role}_alloc")
             self._fault("after_alloc")
@@ -479,16 +495,29 @@ class SchedulerCore:
         of an earlier chunk may still read them)."""
         return r.streamed and r.state == State.PREFILL
 
+    def _first_token(self, r: Request) -> None:
+        """This instance produced ``r``'s first token (P: its prefill's; D: the one it sends first)."""
+        r.last_token_at = self.now
+        self.metrics.first_token(len(r.prompt), self.now - r.queued_at)
+
+    def _observe_finish(self, r: Request, reason: str) -> None:
+        self.metrics.finished(reason, len(r.prompt), len(r.output), self.now - r.queued_at)
+
     def _emit(self, r: Request, tok: int, lp: Optional[m.TokenLogprob] = None) -> None:
         r.output.append(tok)
         self._index_blocks(r, r.num_tokens)  # the prompt's KV (and the output's so far) is in the pool
         if len(r.output) == 1:
             self._stamp(r, "first_token")
+            self._first_token(r)
+        else:
+            self.metrics.token(self.now - r.last_token_at)
+            r.last_token_at = self.now
         reason = r.finished()
         lps = (lp,) if lp is not None else ()
         if reason:
             self._stamp(r, "finished")
             self.counters["requests_completed"] += 1
+            self._observe_finish(r, reason)
             self._reply(r, m.TokensGenerated(r.transfer_id, r.generation, (tok,), True, reason, len(r.prompt),
                                              r.sorted_timeline(), r.kv_stats(), lps, r.cached,
                                              *r.decode_work))

@@ -68,6 +68,7 @@ class PrefillScheduler(SchedulerCore):
         self._fault("prefill_done")
         r.state = State.SENDING
         r.output = [tok]
+        self._first_token(r)
         if lp is not None:  # the first token's logprob is P's to give: D never sees these logits
             self._reply(r, m.TokensGenerated(r.transfer_id, r.generation, (tok,), logprobs=(lp,)))
         if self._holds(r):
@@ -81,6 +82,7 @@ class PrefillScheduler(SchedulerCore):
             pull = m.PullParams(src, tuple(r.blocks), len(r.prompt), tok, self.now + lease, r.checksums)
             self._reply(r, m.PrefillFinished(r.transfer_id, r.generation, tok, pull, r.sorted_timeline(),
                                              None, r.cached, *r.prefill_work))
+            self._observe_finish(r, "length")  # P's leg: one token, as vLLM's P runs max_tokens=1
         else:
             self._to_writers(m.SendKV(r.transfer_id, r.generation, tuple(r.blocks), len(r.prompt), tok, r.checksums))
             self._stamp(r, "send_kv")
@@ -100,4 +102,5 @@ class PrefillScheduler(SchedulerCore):
         if not self._holds(r):
             self._reply(r, m.PrefillFinished(r.transfer_id, r.generation, r.output[0], None, r.sorted_timeline(),
                                              r.kv_stats(), r.cached, *r.prefill_work))
+            self._observe_finish(r, "length")  # P's leg: one token, as vLLM's P runs max_tokens=1
         self._release(r)

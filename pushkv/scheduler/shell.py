@@ -6,6 +6,7 @@ the core put in its outbox, in order. Nothing here decides anything about a requ
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Callable, Optional
 
@@ -18,6 +19,8 @@ from pushkv.actor import Actor, Channel
 from pushkv.scheduler.core import SchedulerCore
 from pushkv.scheduler.outbox import Kill, Peer, Send, Trace
 
+log = logging.getLogger(__name__)
+
 
 class SchedulerShell(Actor):
     def __init__(self, core: SchedulerCore):
@@ -29,6 +32,7 @@ class SchedulerShell(Actor):
         self.worker_chs: list[Channel] = []
         self.writer_chs: list[Channel] = []
         self._peer_of: dict[Channel, Peer] = {}  # worker and writer channels: the rank they reach
+        self._metrics_server: Any = None
 
     def setup(self) -> None:
         inst = self.core.inst
@@ -42,6 +46,19 @@ class SchedulerShell(Actor):
         for peer, ep in zip(self.core.writers, inst.writer_endpoints):
             sock = self.socket(zmq.DEALER, ep, bind=False)
             self.writer_chs.append(self._link(sock, m.DEC_WRITER_TO_SCHED, f"{inst.name}-writer", peer))
+        self._serve_metrics()
+
+    def _serve_metrics(self) -> None:
+        """/metrics for the scrapers that read each model server (llm-d, Prometheus), on prometheus_client's
+        HTTP server thread; it reads only the core's published snapshot and thread-safe collectors."""
+        from prometheus_client import start_http_server
+
+        inst, host = self.core.inst, self.core.cfg.metrics_host()
+        if not inst.metrics_port:
+            return  # an unplanned config (tests of the core alone): nothing to serve on
+        self.core.publish_metrics()
+        self._metrics_server, _ = start_http_server(inst.metrics_port, host, registry=self.core.metrics.registry)
+        log.info("%s: /metrics on http://%s:%d/metrics", self.name, host, inst.metrics_port)
 
     def _link(self, sock: zmq.Socket, decoder: Any, name: str, peer: Peer) -> Channel:
         ch = self.add_channel(sock, decoder, f"{name}-{peer.rank}")
@@ -52,6 +69,9 @@ class SchedulerShell(Actor):
     def teardown(self) -> None:
         self.core.shutdown(self.stop_reason)
         self._flush()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
 
     # -- into the core ------------------------------------------------------------------
     def _handler(self, typ: type) -> Optional[Callable[..., Any]]:
@@ -82,6 +102,7 @@ class SchedulerShell(Actor):
 
     # -- out of the core ------------------------------------------------------------------
     def _flush(self) -> None:
+        self.core.publish_metrics()
         for effect in self.core.take_outbox():
             if isinstance(effect, Send):
                 self._send_to(effect.to, effect.msg)

@@ -137,6 +137,9 @@ def print_report(report: list[dict]) -> None:
             print(f"  {i['name']:<10} {i['engine_id']:<28} {i['device']:<8} {i['state']:<10} {i['procs']:>5} "
                   f"{i['restarts']:>8} {i.get('legs', '-'):>5} {queued:>10} "
                   f"{blocks:>16}")
+        for i in e.get("instances", ()):
+            if i.get("metrics_url"):
+                print(f"  {i['name']:<10} metrics {i['metrics_url']}")
         if e.get("costs"):
             print("  " + format_costs(e["costs"]))
 

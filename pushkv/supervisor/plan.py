@@ -112,6 +112,7 @@ def _plan_instance(inst: InstanceConfig, dep_id: str, run_dir: str, ports: Itera
             "handshake endpoints",
         ),
         dist_init=dist_init,
+        metrics_port=inst.metrics_port or next(ports),
     )
 
 
@@ -126,7 +127,8 @@ def instance_copies(template: InstanceConfig, count: int, first_gpu: int) -> lis
         dev = template.device if template.device == "cpu" else f"cuda:{first_gpu + i * template.tp}"
         out.append(msgspec.structs.replace(
             template, index=i, device=dev, engine_id="", sched_endpoint="", worker_endpoints=(),
-            writer_endpoints=(), handshake_endpoints=(), dist_init=""))
+            writer_endpoints=(), handshake_endpoints=(), dist_init="",
+            metrics_port=template.metrics_port + i if template.metrics_port else 0))
     return out
 
 
@@ -165,9 +167,10 @@ def plan_deployment(
     if cfg.router_max_in_flight < 1:
         raise ValueError(f"router_max_in_flight must be >= 1, got {cfg.router_max_in_flight}")
     check_deployment(cfg)  # P/D geometry: refuse before any process starts
+    cfg = _fixed_metrics_ports(cfg)
     dep_id = cfg.deployment_id or new_deployment_id()
     run_dir = cfg.run_dir or os.path.join(run_root, f"pushkv-{dep_id}")
-    ports = _unique_ports(pick_port, (cfg.port,))
+    ports = _unique_ports(pick_port, (cfg.port, *(port for _, port in fixed_ports(cfg))))
     changes: dict = {
         "deployment_id": dep_id,
         "run_dir": run_dir,
@@ -197,6 +200,35 @@ def plan_deployment(
     if len(prefills) > 1 or len(decodes) > 1:
         changes.update(prefills=prefills, decodes=decodes)
     return msgspec.structs.replace(cfg, **changes)
+
+
+def _fixed_metrics_ports(cfg: DeploymentConfig) -> DeploymentConfig:
+    """--metrics-port N: the first instance planned takes N, each next one the port after (P's
+    instances, then D's; the copies of a template add their index, ``instance_copies``)."""
+    base = cfg.metrics_port
+    if not base:
+        return cfg
+    if cfg.mode == "local":
+        return msgspec.structs.replace(cfg, local=msgspec.structs.replace(cfg.local, metrics_port=base))
+    p_count = cfg.prefill_instances if cfg.host_role in ("", "prefill") else 0
+    p_port, d_port = base, base + p_count
+    return msgspec.structs.replace(cfg, prefill=msgspec.structs.replace(cfg.prefill, metrics_port=p_port),
+                                   decode=msgspec.structs.replace(cfg.decode, metrics_port=d_port))
+
+
+def fixed_ports(cfg: DeploymentConfig) -> list[tuple[str, int]]:
+    """The TCP ports the user fixed that this host will bind, with the flag that sets each:
+    the router's --port and the instances' --metrics-port range. Free ports the planner picks
+    are not here (it only picks free ones)."""
+    out: list[tuple[str, int]] = []
+    if cfg.host_role in ("", "router"):
+        out.append(("--port", cfg.port))
+    if cfg.metrics_port and cfg.host_role != "router":
+        n = 1 if cfg.mode == "local" else (
+            (cfg.prefill_instances if cfg.host_role in ("", "prefill") else 0)
+            + (cfg.decode_instances if cfg.host_role in ("", "decode") else 0))
+        out += [("--metrics-port", cfg.metrics_port + i) for i in range(n)]
+    return out
 
 
 def _plan_host(cfg: DeploymentConfig, dep_id: str, run_dir: str, ports: Iterator[int]) -> dict:

@@ -260,7 +260,8 @@ class Supervisor(Actor):
             # one entry per P / D / local instance, JSON (the info map holds strings)
             "instances": json.dumps([
                 {"name": i.name, "role": i.role, "index": i.index, "engine_id": i.engine_id, "tp": i.tp,
-                 "device": i.device, "num_blocks": i.num_blocks, "block_size": i.block_size}
+                 "device": i.device, "num_blocks": i.num_blocks, "block_size": i.block_size,
+                 "metrics_url": f"http://{self.cfg.metrics_host()}:{i.metrics_port}/metrics"}
                 for i in self.cfg.instances()]),
         }
 

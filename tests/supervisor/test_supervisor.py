@@ -72,12 +72,29 @@ def test_plan_fresh_ids_and_duplicate_ports_skipped():
     a = plan_deployment(DeploymentConfig(), pick_port=counter_ports())
     b = plan_deployment(DeploymentConfig(), pick_port=counter_ports())
     assert a.deployment_id != b.deployment_id and a.run_dir != b.run_dir
-    dup = iter([5000, 5000, 5001, 5002])
+    dup = iter([5000, 5000, 5001, 5001, 5002, 5003])
     two = dict(tp=2, device="cpu")
     cfg = plan_deployment(DeploymentConfig(deployment_id="x", prefill=InstanceConfig(role="prefill", **two),
                                            decode=InstanceConfig(role="decode", **two)), pick_port=lambda: next(dup))
     assert cfg.prefill.dist_init.endswith(":5000")
-    assert cfg.decode.dist_init.endswith(":5001")
+    assert cfg.prefill.metrics_port == 5001  # each instance's /metrics takes a planned port too
+    assert cfg.decode.dist_init.endswith(":5002")
+    assert cfg.decode.metrics_port == 5003
+
+
+@pytest.mark.parametrize("flags, want", [
+    (dict(), {}),  # free ports, picked by the planner
+    (dict(metrics_port=9100), {"prefill": 9100, "decode": 9101}),
+    (dict(metrics_port=9100, prefill_instances=2, decode_instances=2),
+     {"prefill": 9100, "prefill1": 9101, "decode": 9102, "decode1": 9103}),
+    (dict(metrics_port=9100, mode="local"), {"local": 9100}),
+])
+def test_plan_fixed_metrics_ports(flags, want):
+    cfg = plan_deployment(DeploymentConfig(**flags), pick_port=counter_ports())
+    got = {i.name: i.metrics_port for i in cfg.instances()}
+    assert all(got.values()) and len(set(got.values())) == len(got)
+    if want:
+        assert got == want
 
 
 @pytest.mark.parametrize("cfg, err", [

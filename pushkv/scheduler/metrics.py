@@ -1,0 +1,144 @@
+"""One instance's Prometheus metrics, under the names vLLM's model server exposes.
+
+llm-d's endpoint picker, the Gateway API Inference Extension, vLLM's Grafana dashboards and
+autoscalers read ``vllm:num_requests_waiting``, ``vllm:num_requests_running``,
+``vllm:kv_cache_usage_perc`` and the latency histograms from each model server's ``/metrics``,
+labelled with ``model_name``. Each P and D instance's scheduler serves them (its shell starts
+the HTTP server); pushkv's own per-instance counters (the KV moved, refusals, prefix cache)
+sit beside them under ``pushkv_instance_*``.
+
+What the core observes is on this instance's clock, from the request's arrival here:
+P's first token is its prefill's; D's is the first it sends (P's token, once the KV is in).
+
+No I/O here: the core calls ``first_token``, ``token`` and ``finished``; the shell calls
+``publish`` after each entry point, so the scrape (on the HTTP server's thread) reads a
+snapshot and never iterates the core's live structures.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+# buckets over the range vLLM's dashboards plot (ms TPOTs on GPU to minute-long TTFTs on CPU)
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                  20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                  40.0, 80.0)
+REQUEST_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                     240.0, 480.0, 960.0, 1920.0, 7680.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+# the core's counters exposed as pushkv_instance_<name>_total (the rest stay in the router's GetStats view)
+OWN_COUNTERS = {
+    "requests": "requests admitted to the queue",
+    "rejected": "requests refused at arrival",
+    "requests_failed": "requests failed after arrival",
+    "aborted": "requests aborted by the router",
+    "kv_transfers": "P: KV transfers completed",
+    "kv_waits": "D: KV arrivals completed",
+    "kv_bytes": "KV bytes moved by this instance's writers",
+    "kv_descs": "NIXL descriptors posted for those bytes",
+    "kv_transfer_us": "microseconds of transfer, posted to done, summed over requests",
+    "step_timeout": "forward steps past --step timeout",
+}
+
+
+class Snapshot:
+    """The gauges' values and the core's counters at the end of the last entry point."""
+
+    def __init__(self, waiting: int = 0, running: int = 0, usage: float = 0.0, num_blocks: int = 0,
+                 counters: Mapping[str, int] | None = None):
+        self.waiting, self.running, self.usage, self.num_blocks = waiting, running, usage, num_blocks
+        self.counters = dict(counters or {})
+
+
+class InstanceMetrics(Collector):
+    def __init__(self, model_name: str, engine_id: str, role: str):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.labels = {"model_name": model_name}
+        self.engine_id, self.role = engine_id, role
+        self.snap = Snapshot()
+        r, names = self.registry, ["model_name"]
+
+        def hist(name: str, doc: str, buckets: tuple) -> Histogram:
+            return Histogram(name, doc, names, buckets=buckets, registry=r).labels(model_name)
+
+        self.ttft = hist("vllm:time_to_first_token_seconds", "Arrival here to this instance's first token",
+                         TTFT_BUCKETS_S)
+        self.tpot = hist("vllm:time_per_output_token_seconds", "Between consecutive output tokens",
+                         TPOT_BUCKETS_S)
+        self.itl = hist("vllm:inter_token_latency_seconds", "Between consecutive output tokens", TPOT_BUCKETS_S)
+        self.e2e = hist("vllm:e2e_request_latency_seconds", "Arrival here to the request's end here",
+                        REQUEST_BUCKETS_S)
+        self.queue = hist("vllm:request_queue_time_seconds", "Arrival here to blocks allocated",
+                          REQUEST_BUCKETS_S)
+        self.prompt_hist = hist("vllm:request_prompt_tokens", "Prompt tokens of finished requests", TOKEN_BUCKETS)
+        self.gen_hist = hist("vllm:request_generation_tokens", "Tokens this instance produced per finished request",
+                             TOKEN_BUCKETS)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of requests that reached their first "
+                                     "token here", names, registry=r).labels(model_name)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens this instance produced", names,
+                                         registry=r).labels(model_name)
+        self.success = Counter("vllm:request_success", "Requests finished here", names + ["finished_reason"],
+                               registry=r)
+        r.register(self)
+
+    # -- from the core (pure: values in, observations out) ------------------------------
+    def queued(self, waited_s: float) -> None:
+        self.queue.observe(waited_s)
+
+    def first_token(self, prompt_len: int, ttft_s: float) -> None:
+        self.ttft.observe(ttft_s)
+        self.prompt_tokens.inc(prompt_len)
+        self.generation_tokens.inc()
+
+    def token(self, since_last_s: float) -> None:
+        """A token after the first."""
+        self.tpot.observe(since_last_s)
+        self.itl.observe(since_last_s)
+        self.generation_tokens.inc()
+
+    def finished(self, reason: str, prompt_len: int, generated: int, e2e_s: float) -> None:
+        self.success.labels(self.labels["model_name"], reason).inc()
+        self.prompt_hist.observe(prompt_len)
+        self.gen_hist.observe(generated)
+        self.e2e.observe(e2e_s)
+
+    def publish(self, snap: Snapshot) -> None:
+        self.snap = snap  # one reference swap: the scrape's thread sees the old one or this one
+
+    # -- the scrape -------------------------------------------------------------------------
+    def describe(self) -> list:
+        return []  # no fixed description: collect() is cheap and read at scrape time only
+
+    def collect(self):
+        s, name = self.snap, self.labels["model_name"]
+
+        def gauge(metric: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(metric, doc, labels=["model_name"])
+            g.add_metric([name], value)
+            return g
+
+        yield gauge("vllm:num_requests_waiting", "Requests queued for KV blocks (D: and waiting for the KV)",
+                    s.waiting)
+        yield gauge("vllm:num_requests_running", "Requests prefilling or decoding", s.running)
+        yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks held by requests (1 = full)", s.usage)
+        info = GaugeMetricFamily("pushkv_instance_info", "This instance", labels=["model_name", "engine_id", "role"])
+        info.add_metric([name, self.engine_id, self.role], 1)
+        yield info
+        yield gauge("pushkv_instance_kv_blocks", "KV blocks in this instance's pool", s.num_blocks)
+        for key, doc in OWN_COUNTERS.items():
+            c = CounterMetricFamily(f"pushkv_instance_{key}", doc, labels=["model_name"])
+            c.add_metric([name], s.counters.get(key, 0))
+            yield c
+        hits = CounterMetricFamily("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                   labels=["model_name"])
+        hits.add_metric([name], s.counters.get("prefix_hit_tokens", 0))
+        yield hits
+        queries = CounterMetricFamily("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      labels=["model_name"])
+        queries.add_metric([name], s.counters.get("prefix_query_tokens", 0))
+        yield queries

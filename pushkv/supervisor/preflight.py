@@ -1,0 +1,139 @@
+"""Checks before anything starts: the mistakes that would otherwise surface only after every
+model has loaded (a taken port, found when the router binds) or deep inside a child (torch's
+error from a writer on a host without a GPU, a raw ImportError from NIXL).
+
+Each check returns the problems it found, each naming the flag and the fix; ``pushkv up`` prints
+them and exits 2 before any process starts. They are cheap: binding a socket, loading the CUDA
+driver library and asking it for devices (no torch), and one child interpreter importing NIXL
+(started first, so it overlaps the rest; importing NIXL imports torch, seconds when cold).
+"""
+from __future__ import annotations
+
+import ctypes
+import socket
+import subprocess
+import sys
+from typing import Optional
+
+from pushkv.config import DeploymentConfig, InstanceConfig
+from pushkv.supervisor.plan import fixed_ports
+
+NIXL_IMPORT = "nixl._api"  # what pushkv.transport.nixl_agent imports
+NIXL_TIMEOUT_S = 120.0  # a cold torch import on a loaded host; only a hung import waits this long
+CUDA_SUCCESS = 0
+CUDA_ERROR_NO_DEVICE = 100
+
+
+def port_problems(cfg: DeploymentConfig) -> list[str]:
+    """Every port the user fixed that something on this host holds already."""
+    out = []
+    for flag, port in fixed_ports(cfg):
+        host = cfg.host if flag == "--port" else cfg.metrics_host()
+        err = _bind_error(host, port)
+        if err:
+            out.append(f"{flag} {port}: {host}:{port} is taken ({err}); give {flag} a free port, or stop what "
+                       f"listens there (ss -ltnp 'sport = :{port}' shows it)")
+    return out
+
+
+def _bind_error(host: str, port: int) -> str:
+    """"" if a server could bind host:port now (as it will, with SO_REUSEADDR: TIME_WAIT is no conflict)."""
+    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(fam, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return e.strerror or str(e)
+    return ""
+
+
+def _device_flag(cfg: DeploymentConfig, inst: InstanceConfig) -> str:
+    """The flag that put ``inst`` on its device, as the user would look for it."""
+    if cfg.mode == "local" or cfg.prefill.device == cfg.decode.device:
+        return "--device"
+    return f"--{inst.role}-device"
+
+
+def cuda_device_count() -> tuple[int, str]:
+    """GPUs the CUDA driver shows this process (CUDA_VISIBLE_DEVICES applies), and why none when 0.
+
+    Asks the driver library itself (what torch asks underneath), in milliseconds."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return 0, "no NVIDIA driver here (libcuda.so.1 does not load)"
+    rc = cuda.cuInit(0)
+    if rc != CUDA_SUCCESS:
+        why = "no GPU visible" if rc == CUDA_ERROR_NO_DEVICE else f"the driver does not start (cuInit error {rc})"
+        return 0, why
+    count = ctypes.c_int(0)
+    rc = cuda.cuDeviceGetCount(ctypes.byref(count))
+    if rc != CUDA_SUCCESS:
+        return 0, f"the driver does not count its GPUs (cuDeviceGetCount error {rc})"
+    return count.value, ""
+
+
+def gpu_problems(cfg: DeploymentConfig, count_gpus=cuda_device_count) -> list[str]:
+    """Every planned instance on CUDA whose GPUs (cuda:N .. N+tp-1) this host does not have."""
+    cuda = [i for i in cfg.instances() if i.device.startswith("cuda")]
+    if not cuda:
+        return []
+    count, why = count_gpus()
+    out = []
+    for inst in cuda:
+        first = int(inst.device.split(":")[1]) if ":" in inst.device else 0
+        flag = _device_flag(cfg, inst)
+        if count == 0:
+            out.append(f"{flag} {inst.device} ({inst.name}): {why}; use {flag} cpu, or run where a GPU is "
+                       "visible (check nvidia-smi and CUDA_VISIBLE_DEVICES)")
+            break  # one line says it for every instance
+        if first + inst.tp > count:
+            out.append(f"{flag} {inst.device} ({inst.name}, tp {inst.tp}) needs GPUs {first}..{first + inst.tp - 1}; "
+                       f"{count} visible (0..{count - 1}): give {flag} a lower index, fewer instances or a "
+                       "smaller tp")
+    return out
+
+
+def start_nixl_check() -> subprocess.Popen:
+    """Import NIXL in a child interpreter (the supervisor stays free of torch); ``nixl_problems`` reads it."""
+    return subprocess.Popen([sys.executable, "-c", f"import {NIXL_IMPORT}"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def nixl_problems(proc: subprocess.Popen, timeout_s: float = NIXL_TIMEOUT_S) -> list[str]:
+    try:
+        _, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        return [f"NIXL: `import {NIXL_IMPORT}` did not finish in {timeout_s:.0f} s"]
+    if proc.returncode == 0:
+        return []
+    last = next((line for line in reversed(err.strip().splitlines()) if line.strip()), "no error text")
+    return [f"NIXL does not import ({last}): every writer registers its KV pool with NIXL; install it into "
+            f"this environment ({sys.executable} -m pip install nixl), with the UCX it needs, and check with "
+            f"`{sys.executable} -c 'import {NIXL_IMPORT}'`"]
+
+
+def preflight(cfg: DeploymentConfig, writers: bool = True) -> list[str]:
+    """The problems of the planned ``cfg`` found before anything starts ([] = go). A port or GPU
+    problem is answered at once, without waiting for NIXL's import. ``writers``: pushkv's own
+    writers will run here (not on a router host, nor under a caller's own children), so NIXL must
+    import."""
+    nixl = start_nixl_check() if writers and cfg.host_role != "router" else None
+    try:
+        problems = port_problems(cfg) + gpu_problems(cfg)
+    except BaseException:
+        _reap(nixl)
+        raise
+    if problems or nixl is None:
+        _reap(nixl)
+        return problems
+    return nixl_problems(nixl)
+
+
+def _reap(proc: Optional[subprocess.Popen]) -> None:
+    if proc is not None:
+        proc.kill()
+        proc.communicate()

@@ -1,0 +1,65 @@
+"""Each P and D instance's /metrics, scraped over HTTP as llm-d and Prometheus scrape a vLLM
+model server, parsed with prometheus_client's parser and checked against the load sent."""
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support.deploy import deployment, wait_pools_free
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPTS = [[3 + i] * n for i, n in enumerate((5, 17, 40))]
+MAX_TOKENS = 4
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        assert r.status == 200
+        text = r.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_each_instance_serves_vllm_metrics(tmp_path):
+    with deployment(tmp_path, "--mode", "push", "--model", "small", "--num-blocks", "64") as dep:
+        urls = {i.role: f"http://{dep.cfg.metrics_host()}:{i.metrics_port}/metrics" for i in dep.cfg.instances()}
+        idle = {role: scrape(u) for role, u in urls.items()}
+        env = dict(os.environ, PUSHKV_REGISTRY_DIR=str(tmp_path / "registry"))
+        st = subprocess.run([sys.executable, "-m", "processes.cli", "status", "--json"], env=env,
+                            capture_output=True, text=True, timeout=60)
+        (entry,) = json.loads(st.stdout)
+        assert {i["role"]: i["metrics_url"] for i in entry["instances"]} == urls  # `pushkv status` shows them
+        for p in PROMPTS:
+            assert len(dep.tokens(p, MAX_TOKENS)) == MAX_TOKENS
+        wait_pools_free(dep)
+        after = {role: scrape(u) for role, u in urls.items()}
+        info = {(s.labels["engine_id"], s.labels["role"]) for fam in text_string_to_metric_families(
+            urllib.request.urlopen(urls["decode"], timeout=10).read().decode()) for s in fam.samples
+            if s.name == "pushkv_instance_info"}
+    assert info == {(dep.cfg.decode.engine_id, "decode")}
+    n, prompt_tokens = len(PROMPTS), sum(len(p) for p in PROMPTS)
+    label = (("model_name", "small"),)
+    for role, got in after.items():
+        before = idle[role]
+        success = ("vllm:request_success_total", (("finished_reason", "length"),) + label)
+        assert before.get(success, 0) == 0 and got[success] == n, role
+        assert before[("vllm:prompt_tokens_total", label)] == 0
+        assert got[("vllm:prompt_tokens_total", label)] == prompt_tokens, role
+        assert got[("vllm:time_to_first_token_seconds_count", label)] == n, role
+        assert got[("vllm:e2e_request_latency_seconds_count", label)] == n, role
+        assert got[("pushkv_instance_requests_total", label)] == n, role
+        assert got[("pushkv_instance_kv_bytes_total", label)] > 0, role
+        for gauge in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
+            assert before[(gauge, label)] == 0 and got[(gauge, label)] == 0, (role, gauge)
+        assert got[("pushkv_instance_kv_blocks", label)] == 64
+    # P's leg makes the first token; D sends every token (P's first among them) and times the rest
+    assert after["prefill"][("vllm:generation_tokens_total", label)] == n
+    assert after["decode"][("vllm:generation_tokens_total", label)] == n * MAX_TOKENS
+    assert after["decode"][("vllm:time_per_output_token_seconds_count", label)] == n * (MAX_TOKENS - 1)
+    assert after["prefill"][("pushkv_instance_kv_transfers_total", label)] == n
+    assert after["decode"][("pushkv_instance_kv_waits_total", label)] == n

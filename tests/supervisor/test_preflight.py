@@ -1,0 +1,94 @@
+"""Checks before anything starts: a taken port, a missing GPU, NIXL that does not import. Each
+`pushkv up` here must refuse before any child starts (exit 2), naming the flag and the fix."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from pushkv.config import DeploymentConfig, InstanceConfig
+from pushkv.supervisor.plan import free_tcp_port
+from pushkv.supervisor.preflight import cuda_device_count, gpu_problems, port_problems
+
+pytestmark = pytest.mark.timeout(120)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def up(tmp_path, *flags: str, env: dict | None = None) -> tuple[int, str]:
+    """``pushkv up FLAGS`` (real children, were it to get that far): exit status and stderr."""
+    argv = [sys.executable, "-m", "processes.cli", "up", "--model", "tiny", "--load-format", "dummy",
+            "--num-blocks", "16", *flags]
+    full = dict(os.environ, PUSHKV_REGISTRY_DIR=str(tmp_path / "registry"), **(env or {}))
+    p = subprocess.run(argv, env=full, capture_output=True, text=True, timeout=90, cwd=ROOT)
+    return p.returncode, p.stderr
+
+
+@pytest.fixture
+def taken_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def test_taken_router_port_refused_before_anything_starts(tmp_path, taken_port):
+    rc, err = up(tmp_path, "--mode", "local", "--port", str(taken_port))
+    assert rc == 2, err
+    assert f"--port {taken_port}: 127.0.0.1:{taken_port} is taken" in err and "give --port a free port" in err
+    assert "READY" not in err and not (tmp_path / "registry").exists()  # no deployment was recorded
+
+
+@pytest.mark.parametrize("mode,offset,flags", [
+    ("local", 0, ()),
+    ("push", 0, ()),  # P's
+    ("push", 1, ()),  # D's: the port after P's
+    ("push", 2, ("--prefill-instances", "2")),  # the second P's is +1, D's +2
+])
+def test_taken_metrics_port_names_its_flag(taken_port, mode, offset, flags):
+    cfg = DeploymentConfig(mode=mode, metrics_port=taken_port - offset, port=free_tcp_port(),
+                           prefill_instances=int(flags[1]) if flags else 1)
+    got = port_problems(cfg)
+    assert len(got) == 1 and got[0].startswith(f"--metrics-port {taken_port}:"), got
+
+
+def test_free_ports_pass():
+    assert port_problems(DeploymentConfig(port=free_tcp_port())) == []
+    assert port_problems(DeploymentConfig(port=free_tcp_port(), host_role="prefill", registry="etcd://h:1",
+                                          advertise="127.0.0.1")) == []  # a P host binds no router port
+
+
+@pytest.mark.parametrize("devices,count,want", [
+    (("cpu", "cpu"), 0, []),
+    (("cuda", "cuda"), 0, ["--device cuda (prefill): no GPU visible; use --device cpu"]),
+    (("cuda:0", "cpu"), 0, ["--prefill-device cuda:0 (prefill): no GPU visible"]),
+    (("cuda:0", "cuda:1"), 2, []),
+    (("cuda:0", "cuda:2"), 2, ["--decode-device cuda:2 (decode, tp 1) needs GPUs 2..2; 2 visible (0..1)"]),
+])
+def test_gpu_problems(devices, count, want):
+    cfg = DeploymentConfig(prefill=InstanceConfig(role="prefill", device=devices[0]),
+                           decode=InstanceConfig(role="decode", device=devices[1]))
+    got = gpu_problems(cfg, lambda: (count, "no GPU visible" if count == 0 else ""))
+    assert len(got) == len(want) and all(g.startswith(w) for g, w in zip(got, want)), got
+
+
+def test_cuda_without_a_gpu_refused(tmp_path):
+    if cuda_device_count()[0]:
+        pytest.skip("this host has a GPU")
+    rc, err = up(tmp_path, "--mode", "local", "--device", "cuda", "--port", str(free_tcp_port()))
+    assert rc == 2, err
+    assert "--device cuda (local): " in err and "use --device cpu" in err
+    assert "Traceback" not in err and not (tmp_path / "registry").exists()
+
+
+def test_nixl_that_does_not_import_refused(tmp_path):
+    broken = tmp_path / "site" / "nixl"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('libnixl.so: cannot open shared object file')\n")
+    path = os.pathsep.join([str(tmp_path / "site"), ROOT, os.environ.get("PYTHONPATH", "")])
+    rc, err = up(tmp_path, "--mode", "push", "--port", str(free_tcp_port()), env={"PYTHONPATH": path})
+    assert rc == 2, err
+    assert "NIXL does not import (ImportError: libnixl.so: cannot open shared object file)" in err
+    assert "pip install nixl" in err and "Traceback" not in err and not (tmp_path / "registry").exists()

@@ -1,0 +1,62 @@
+"""A help that reads: `pushkv --help` puts the deployment commands first and groups the tools;
+every flag of `pushkv up` has a help line that shows its default, and the defaults shown are
+what an `up` without the flag runs."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from processes import cli as deployment
+from pushkv import up_help
+from tools import cli
+
+
+def up_parser() -> argparse.ArgumentParser:
+    sub = next(a for a in deployment.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["up"]
+
+
+def test_no_up_flag_lacks_help_or_default():
+    missing = [a.option_strings[-1] for a in up_parser()._actions
+               if not isinstance(a, argparse._HelpAction) and (not a.help or "default" not in a.help)]
+    assert missing == []
+
+
+def test_up_help_renders():
+    text = up_parser().format_help()  # a % in a help line would raise here
+    assert "--mode {push,pull,local}" in text and "(default: push)" in text
+
+
+# (flag's dest, what the unflagged config says): the shown default is the one that runs
+RUNS = {
+    "mode": lambda c: c.mode, "port": lambda c: c.port, "host": lambda c: c.host,
+    "num_blocks": lambda c: c.decode.num_blocks, "block_size": lambda c: c.prefill.block_size,
+    "max_num_seqs": lambda c: c.prefill.max_num_seqs, "max_batch_tokens": lambda c: c.prefill.max_batch_tokens,
+    "prefill_chunk": lambda c: c.prefill.prefill_chunk, "device": lambda c: c.prefill.device,
+    "tensor_parallel_size": lambda c: c.prefill.tp, "prefill_instances": lambda c: c.prefill_instances,
+    "router_queue": lambda c: c.router_queue, "max_in_flight": lambda c: c.router_max_in_flight,
+    "registry_ttl": lambda c: c.registry_ttl_s, "metrics_port": lambda c: c.metrics_port,
+    "seed": lambda c: c.model.seed, "engine": lambda c: c.model.engine, "pull_read": lambda c: c.pull_read,
+    "link_order": lambda c: c.link_order, "log_level": lambda c: c.log_level,
+}
+
+
+@pytest.mark.parametrize("dest", sorted(RUNS))
+def test_shown_default_is_what_runs(dest):
+    cfg = deployment.config_from_args(deployment.build_parser().parse_args(["up"]))
+    shown = up_help.defaults()[dest]
+    assert str(shown) == str(RUNS[dest](cfg))
+    (action,) = [a for a in up_parser()._actions if a.dest == dest]
+    # the default appended, or the flag's own help saying it ("0 (default) = ...", "(default 1024)")
+    assert action.help.endswith(f"(default: {shown})") or str(shown) in action.help, action.help
+
+
+def test_top_level_help_lists_deployment_commands_first_then_every_tool_in_one_group():
+    text = cli.build_parser().format_help()
+    first_tool = text.index("tools (pushkv TOOL --help")
+    assert all(text.index(f"    {c} ") < first_tool for c in ("up", "status", "stop"))
+    grouped = [n for names in cli.GROUPS.values() for n in names]
+    assert sorted(grouped) == sorted(cli.TOOLS)  # every tool, each once
+    for name in cli.TOOLS:
+        assert f"\n    {name} " in text[first_tool:] or f"\n    {name}\n" in text[first_tool:], name
