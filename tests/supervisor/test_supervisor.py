@@ -510,7 +510,7 @@ def test_on_child_exit_shutdown_policy(deployments):
 @pytest.mark.timeout(60)
 def test_restart_cap_then_shutdown(deployments):
     d = deployments("--mode", "local", "--max-restarts", "2",
-                    child_args={"local-scheduler": ["--crash-after", "0.3"]})
+                    child_args={"local-scheduler": ["--crash-after", "1.5"]})
     d.wait_ready()
     st = _track(d)
     rec = d.record()
