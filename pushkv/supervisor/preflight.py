@@ -5,11 +5,18 @@ error from a writer on a host without a GPU, a raw ImportError from NIXL).
 Each check returns the problems it found, each naming the flag and the fix; ``pushkv up`` prints
 them and exits 2 before any process starts. They are cheap: binding a socket, loading the CUDA
 driver library and asking it for devices (no torch), and one child interpreter importing NIXL
-(started first, so it overlaps the rest; importing NIXL imports torch, seconds when cold).
+(started first, so it overlaps the rest; importing NIXL imports torch, seconds when cold). A NIXL
+that imported is remembered in the user's cache directory under a fingerprint of this
+interpreter and the files NIXL and torch load from (paths and times, read without importing them),
+so a later ``pushkv up`` over the same install does not pay that import again; any change of the
+install is a new fingerprint, checked afresh.
 """
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import importlib.util
+import os
 import socket
 import subprocess
 import sys
@@ -116,12 +123,51 @@ def nixl_problems(proc: subprocess.Popen, timeout_s: float = NIXL_TIMEOUT_S) -> 
             f"`{sys.executable} -c 'import {NIXL_IMPORT}'`"]
 
 
+NIXL_PACKAGES = ("nixl", "nixl_cu12", "nixl_cu13", "torch")  # what `import nixl._api` loads
+
+
+def nixl_fingerprint() -> Optional[str]:
+    """What a passed NIXL check stands for: this interpreter and where NIXL's packages (and torch)
+    would load from, with their files' times, found without importing them; None when no ``nixl``
+    package is found at all."""
+    parts = [sys.executable]
+    for name in NIXL_PACKAGES:
+        spec = importlib.util.find_spec(name)  # top-level names: nothing is imported
+        if spec is None:
+            if name == "nixl":
+                return None
+            continue
+        where = spec.origin or next(iter(spec.submodule_search_locations or []), "")
+        try:
+            stamp = os.stat(where).st_mtime_ns
+        except OSError:
+            stamp = 0
+        parts.append(f"{name}={where}@{stamp}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
+
+
+def cache_dir() -> str:
+    """Where pushkv remembers what it verified about this machine: $XDG_CACHE_HOME/pushkv, else
+    ~/.cache/pushkv (a mark there only spares a check; a planted one spares nothing worse)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "pushkv")
+
+
+def _verified_mark(fingerprint: Optional[str]) -> Optional[str]:
+    """The file that says NIXL imported for ``fingerprint`` (None: nothing to remember)."""
+    if fingerprint is None:
+        return None
+    return os.path.join(cache_dir(), f"nixl-imports-{fingerprint}")
+
+
 def preflight(cfg: DeploymentConfig, writers: bool = True) -> list[str]:
     """The problems of the planned ``cfg`` found before anything starts ([] = go). A port or GPU
     problem is answered at once, without waiting for NIXL's import. ``writers``: pushkv's own
     writers will run here (not on a router host, nor under a caller's own children), so NIXL must
     import."""
-    nixl = start_nixl_check() if writers and cfg.host_role != "router" else None
+    mark = _verified_mark(nixl_fingerprint()) if writers and cfg.host_role != "router" else None
+    known_good = mark is not None and os.path.exists(mark)
+    nixl = start_nixl_check() if writers and cfg.host_role != "router" and not known_good else None
     try:
         problems = port_problems(cfg) + gpu_problems(cfg)
     except BaseException:
@@ -130,7 +176,15 @@ def preflight(cfg: DeploymentConfig, writers: bool = True) -> list[str]:
     if problems or nixl is None:
         _reap(nixl)
         return problems
-    return nixl_problems(nixl)
+    problems = nixl_problems(nixl)
+    if not problems and mark is not None:
+        try:
+            os.makedirs(os.path.dirname(mark), mode=0o700, exist_ok=True)
+            with open(mark, "w"):
+                pass
+        except OSError:  # remembered or not, the check passed
+            pass
+    return problems
 
 
 def _reap(proc: Optional[subprocess.Popen]) -> None:

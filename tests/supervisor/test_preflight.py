@@ -92,3 +92,31 @@ def test_nixl_that_does_not_import_refused(tmp_path):
     assert rc == 2, err
     assert "NIXL does not import (ImportError: libnixl.so: cannot open shared object file)" in err
     assert "pip install nixl" in err and "Traceback" not in err and not (tmp_path / "registry").exists()
+
+
+def test_a_nixl_that_imported_is_remembered_for_the_same_install(tmp_path, monkeypatch):
+    """The NIXL import (seconds: it imports torch) runs once per install: a later check over the
+    same interpreter and files reads the mark; another install (a nixl found elsewhere) is checked."""
+    from pushkv.supervisor import preflight as pf
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    reg = tmp_path / "cache" / "pushkv"
+    cfg = DeploymentConfig(mode="local")
+    started = []
+
+    class Passed:  # an import check that went well, without a child
+        returncode = 0
+
+        def communicate(self, timeout=None):
+            return "", ""
+
+    monkeypatch.setattr(pf, "start_nixl_check", lambda: started.append(1) or Passed())
+    monkeypatch.setattr(pf, "port_problems", lambda cfg: [])
+    assert pf.preflight(cfg) == [] and len(started) == 1
+    assert [p.name for p in reg.iterdir()] == [f"nixl-imports-{pf.nixl_fingerprint()}"]
+    assert pf.preflight(cfg) == [] and len(started) == 1  # remembered: no second import
+    other = tmp_path / "site" / "nixl"
+    other.mkdir(parents=True)
+    (other / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    assert pf.preflight(cfg) == [] and len(started) == 2  # another nixl: checked afresh
