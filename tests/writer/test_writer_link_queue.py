@@ -5,10 +5,9 @@ import pytest
 import torch
 
 from pushkv import messages as m
-from pushkv.config import DeploymentConfig, InstanceConfig, preset
 from pushkv.kv import layout as L
-from tests.support.procs import children, dealer, leftover_shm, planned, recv
-from tests.writer.test_writer_transfer import fill, pool_of
+from tests.support.procs import recv
+from tests.writer.test_writer_transfer import _pair, fill
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -18,22 +17,7 @@ N = 8  # requests at once
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    cfg = DeploymentConfig(
-        mode="push", push_stream="off", model=preset("tiny"), link_window=1,
-        prefill=InstanceConfig(role="prefill", num_blocks=2 * N * BLOCKS, block_size=16),
-        decode=InstanceConfig(role="decode", num_blocks=2 * N * BLOCKS, block_size=16),
-    )
-    cfg = planned(cfg, tmp_path_factory.mktemp("lq"))
-    with children(cfg, [("writer", "prefill", 0), ("writer", "decode", 0)]) as kids:
-        p_sched, d_sched = dealer(cfg.prefill.writer_endpoints[0]), dealer(cfg.decode.writer_endpoints[0])
-        p_pool, p_lay = pool_of(cfg, "prefill", kids)
-        d_pool, _ = pool_of(cfg, "decode", kids)
-        yield cfg, p_sched, d_sched, p_pool, d_pool, p_lay
-        p_pool.close()
-        d_pool.close()
-        p_sched.close(0)
-        d_sched.close(0)
-    assert leftover_shm(cfg.deployment_id) == []
+    yield from _pair(tmp_path_factory, num_blocks=2 * N * BLOCKS, link_window=1)
 
 
 def stats(sock) -> dict:

@@ -37,10 +37,11 @@ def pair(tmp_path_factory):
     yield from _pair(tmp_path_factory)
 
 
-def _pair(tmp_path_factory, num_blocks: int = 64):
-    """A P and a D writer process over tiny-model pools: (cfg, P and D scheduler sockets, pools, P layout)."""
+def _pair(tmp_path_factory, num_blocks: int = 64, **extra):
+    """A P and a D writer process over tiny-model pools: (cfg, P and D scheduler sockets, pools, P layout).
+    ``extra``: more DeploymentConfig fields (a link window, say)."""
     cfg = DeploymentConfig(
-        mode="push", push_stream="off", model=preset("tiny"),  # one region: blocks are 6-d pool slices
+        mode="push", push_stream="off", model=preset("tiny"), **extra,  # one region: blocks are 6-d pool slices
         prefill=InstanceConfig(role="prefill", num_blocks=num_blocks, block_size=16),
         decode=InstanceConfig(role="decode", num_blocks=num_blocks, block_size=16),
     )
