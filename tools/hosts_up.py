@@ -35,7 +35,7 @@ class HostUp:
         self.host = host
         self.registry_dir = str(tmp_dir / f"registry-{name}")
         self.log_path = str(tmp_dir / f"{name}.log")
-        os.makedirs(self.registry_dir, exist_ok=True)
+        os.makedirs(self.registry_dir, mode=0o700, exist_ok=True)  # pushkv refuses a registry others can enter
         argv = [sys.executable, "-m", "processes.cli", "up", *flags]
         full_env = dict(os.environ, PUSHKV_REGISTRY_DIR=self.registry_dir, **(env or {}))
         self.log = open(self.log_path, "a")

@@ -458,7 +458,10 @@ def test_push_deployment_tapped_spans_complete_and_ordered(tmp_path, monkeypatch
         end = next(i for i, ln in enumerate(lines) if ln.split()[:1] == ["INSTANCE"])
         rows = {ln.split()[0]: ln.split() for ln in lines[2:end]}
         # then one row per instance, up, all processes ready (the router's cost model follows)
-        insts = [ln.split() for ln in lines[end + 1:] if ln.split() and "cost model:" not in ln]
+        insts = [ln.split() for ln in lines[end + 1:]
+                 if ln.split() and "cost model:" not in ln and ln.split()[1:2] != ["metrics"]]
+        urls = [ln.split() for ln in lines[end + 1:] if ln.split()[1:2] == ["metrics"]]  # each instance's own /metrics
+        assert [u[0] for u in urls] == ["prefill", "decode"] and all(u[2].endswith("/metrics") for u in urls), urls
         assert [(r[0], r[1], r[3], r[4]) for r in insts] == [
             ("prefill", dep.cfg.prefill.engine_id, "up", "3/3"), ("decode", dep.cfg.decode.engine_id, "up", "3/3")]
         assert set(rows) == ACTORS | {"router"}
