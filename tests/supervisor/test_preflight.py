@@ -119,4 +119,5 @@ def test_a_nixl_that_imported_is_remembered_for_the_same_install(tmp_path, monke
     other.mkdir(parents=True)
     (other / "__init__.py").write_text("")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.delitem(sys.modules, "nixl", raising=False)  # a test before may have imported the real one
     assert pf.preflight(cfg) == [] and len(started) == 2  # another nixl: checked afresh
