@@ -268,10 +268,26 @@ class PeerWriter(Actor):
     def from_peer(self, identity: Optional[bytes]) -> bool:
         """Whether the message being handled came from a peer we handshook with: over a link of
         ours that its Hello answered, or from the DEALER whose Hello we took."""
+        return self.sender(identity) is not None
+
+    def sender(self, identity: Optional[bytes]) -> Optional[Peer]:
+        """The peer the message being handled came from (``from_peer``'s rule), or None."""
         if identity is None:
             link = self._current_link()
-            return link is not None and link.connected
-        return any(p.identity == identity for p in self.peers.values())
+            return self.peers.get((link.engine_id, link.rank)) if link is not None and link.connected else None
+        return next((p for p in self.peers.values() if p.identity == identity), None)
+
+    def send_to_peer(self, peer: Peer, msg: Any) -> bool:
+        """Send ``msg`` to ``peer`` over the handshake link between us (ours to it, or its to our
+        ROUTER); False when there is none."""
+        link = self.links.get((peer.engine_id, peer.rank))
+        if link is not None and link.connected:
+            self.send(link.channel, msg)
+        elif peer.identity is not None and self.handshake is not None:
+            self.send(self.handshake, msg, peer.identity)
+        else:
+            return False
+        return True
 
     def _current_link(self) -> Optional[PeerLink]:
         return next((lk for lk in self.links.values() if lk.channel is self.current), None)

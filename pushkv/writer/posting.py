@@ -106,29 +106,17 @@ class PostingWriter(PeerWriter):
         """Send a control message (Register, CancelTransfer, WriteFailed) to ``peer`` over our
         handshake link with it (ZMQ), where no KV byte can hold it back; as a NIXL notification
         when there is no link (a peer that never did the handshake with us)."""
-        link = self.links.get((peer.engine_id, peer.rank))
-        if link is not None and link.connected:
-            ch, identity = link.channel, None
-        elif peer.identity is not None and self.handshake is not None:
-            ch, identity = self.handshake, peer.identity
+        if self.send_to_peer(peer, msg):  # (traced by send, as every message is)
+            self.counters["control_sent"] += 1
         else:
             self.counters["control_by_notif"] += 1
             self.notify(peer, msg)
-            return
-        self.send(ch, msg, identity)  # (traced by send, as every message is)
-        self.counters["control_sent"] += 1
 
     def on_control(self, msg: m.Msg, identity: Optional[bytes]) -> None:
         """A control message on a handshake link: handled as that peer's notification would be,
         and only from a peer whose handshake on this very link completed (its identity at our
         ROUTER, or the link we opened to it)."""
-        peer: Optional[Peer] = None
-        if identity is not None:
-            peer = next((p for p in self.peers.values() if p.identity == identity), None)
-        else:
-            link = next((lk for lk in self.links.values() if lk.channel is self.current), None)
-            if link is not None and link.connected:
-                peer = self.peers.get((link.engine_id, link.rank))
+        peer = self.sender(identity)
         if peer is None:
             self.counters["control_from_unknown_peer"] += 1
             log.error("%s: %s on a handshake link with no peer behind it transfer_id=%s", self.name,

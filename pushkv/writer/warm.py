@@ -68,12 +68,7 @@ class WarmWriter(PostingWriter):
     # -- wake hints over the handshake link ---------------------------------------------
     def wake_peer(self, peer: Peer, transfer_id: str, generation: int, nbytes: int) -> None:
         """Ask ``peer`` to drive NIXL progress: a transfer with it is about to be posted."""
-        hint = m.TransferStarting(transfer_id, generation, self.rank, nbytes)
-        link = self.links.get((peer.engine_id, peer.rank))
-        if link is not None and link.connected:
-            self.send(link.channel, hint)
-        elif peer.identity is not None and self.handshake is not None:
-            self.send(self.handshake, hint, peer.identity)
+        self.send_to_peer(peer, m.TransferStarting(transfer_id, generation, self.rank, nbytes))
 
     def on_TransferStarting(self, msg: m.TransferStarting, identity: Optional[bytes] = None) -> None:
         # only a handshaken peer may make us spin, and no longer than a transfer into our memory
