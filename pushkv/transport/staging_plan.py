@@ -74,16 +74,39 @@ def total(runs: Runs) -> int:
     return sum(n for _, n in runs)
 
 
-def wanted(setting: str, mode: str, device: str, ucx_tls: str) -> bool:
+AUTO_HOST_SHARE = 8  # auto stages through a mirror only when it takes at most 1/8 of the host's memory
+MAX_HOST_SHARE = 2  # and refuses one over half of it when asked for
+
+
+def wanted(setting: str, mode: str, device: str, ucx_tls: str, pool_bytes: int = 0, host_bytes: int = 0) -> bool:
     """Whether a writer stages its pool itself (``DeploymentConfig.staging``): ``pushkv`` /
     ``transport``, or ``auto``: for push on a GPU pool when ``UCX_TLS`` limits UCX to TCP for the
     network (where UCX would stage it fragment by fragment), never on the CPU (a host pool is
     what the transport reads already; ``pushkv`` there runs the same path through a second host
-    copy, which is how CI tests it). Pull keeps the transport's staging."""
+    copy, which is how CI tests it). Pull keeps the transport's staging.
+
+    The mirror is pinned host memory the size of the pool (``pool_bytes``): auto takes it only
+    when it is at most 1/``AUTO_HOST_SHARE`` of ``host_bytes``, and ``pushkv`` over half of it is
+    refused (ValueError) rather than left to the OOM killer."""
     from pushkv.transport.poster import wanted as tcp_only
 
     if mode != "push" or setting == "transport":
         return False
+    fits = not host_bytes or pool_bytes * AUTO_HOST_SHARE <= host_bytes
     if setting == "pushkv":
+        if host_bytes and pool_bytes * MAX_HOST_SHARE > host_bytes:
+            raise ValueError(f"--staging pushkv mirrors the KV pool ({pool_bytes / 2**30:.1f} GiB) in pinned host "
+                             f"memory, over half of this host's {host_bytes / 2**30:.1f} GiB: lower --num-blocks or "
+                             "use --staging transport")
         return True
-    return device != "cpu" and tcp_only("auto", ucx_tls)
+    return device != "cpu" and tcp_only("auto", ucx_tls) and fits
+
+
+def host_memory_bytes() -> int:
+    """This host's physical memory (0: unknown)."""
+    import os
+
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 0

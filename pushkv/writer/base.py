@@ -77,7 +77,8 @@ class WriterBase(WarmWriter):
         self.pool = create_pool(name, self.layout, self.cfg.model.dtype, device)
         ucx_tls = os.environ.get("UCX_TLS", "")
         post_thread = self.inst.role == "prefill" and poster.wanted(self.cfg.writer_post_thread, ucx_tls)
-        if staging_plan.wanted(self.cfg.staging, self.cfg.mode, device, ucx_tls):
+        if staging_plan.wanted(self.cfg.staging, self.cfg.mode, device, ucx_tls, self.pool.nbytes,
+                               staging_plan.host_memory_bytes()):
             # NIXL sees only the pinned host mirror: every transfer moves host to host (writer/staging.py)
             self.mirror = HostMirror(self.pool.tensor, device)
             log.info("%s: staging through a pinned host mirror of the pool (%.1f MiB)", self.name,

@@ -92,6 +92,15 @@ def test_wanted(setting, mode, device, tls, want):
     assert wanted(setting, mode, device, tls) is want
 
 
+def test_the_mirror_must_fit_the_host():
+    gib = 2**30
+    assert wanted("auto", "push", "cuda:0", "tcp,cuda_copy", 4 * gib, 128 * gib)
+    assert not wanted("auto", "push", "cuda:0", "tcp,cuda_copy", 40 * gib, 128 * gib)  # auto: the transport's
+    assert wanted("pushkv", "push", "cuda:0", "", 40 * gib, 128 * gib)  # asked for, and it fits
+    with pytest.raises(ValueError, match="lower --num-blocks or use --staging transport"):
+        wanted("pushkv", "push", "cuda:0", "", 70 * gib, 128 * gib)
+
+
 def test_config_refuses_pushkv_staging_for_pull():
     with pytest.raises(ValueError, match="staging 'pushkv' stages push"):
         DeploymentConfig(mode="pull", staging="pushkv")
