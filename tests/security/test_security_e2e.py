@@ -15,12 +15,12 @@ import urllib.error
 import urllib.request
 
 import pytest
-import zmq
 
 from pushkv import messages as m
-from pushkv.security import Security, derive_keys, load_secret, secure_connect
+from pushkv.security import Security, derive_keys, load_secret
 from pushkv.supervisor.plan import free_tcp_port
 from tests.support.deploy import deployment, wait_pools_free
+from tests.support.other_uid import knock
 
 openai = pytest.importorskip("openai")
 
@@ -36,24 +36,6 @@ def _stats_until(dep, role, pred, timeout_s=WAIT_S) -> m.Stats:
         if pred(st.counters) or time.monotonic() > end:
             return st
         time.sleep(0.05)  # polling a remote counter, bounded by timeout_s
-
-
-def _knock(endpoint: str, security, payload: bytes) -> None:
-    """A peer that sends one frame to a secured endpoint and stays until the server has
-    thrown it out (its own monitor sees the connection end), so the refusal is complete."""
-    ctx = zmq.Context()
-    try:
-        s = ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        mon = s.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-                                   | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-        secure_connect(s, endpoint, security)
-        s.send(payload)
-        assert mon.poll(int(WAIT_S * 1000)), f"{endpoint} did not throw out a peer without the secret"
-        assert not s.poll(0), "a peer without the secret got an answer"
-        s.disable_monitor()
-    finally:
-        ctx.destroy(0)
 
 
 @pytest.fixture(scope="module")
@@ -107,8 +89,8 @@ def test_peer_without_the_secret_is_refused_and_counted(dep, who, security):
     key_w, key_s = "writer.0.curve_refused", "curve_refused"  # the why: test_security.py
     before_w = dep.stats("prefill").counters.get(key_w, 0)
     before_s = dep.stats("decode").counters.get(key_s, 0)
-    _knock(hs, security(), m.encode(m.GetStats()))  # at P's writer handshake socket
-    _knock(sched, security(), m.encode(m.GetStats()))  # at D's scheduler
+    knock(hs, security(), m.encode(m.GetStats()))  # at P's writer handshake socket
+    knock(sched, security(), m.encode(m.GetStats()))  # at D's scheduler
     p = _stats_until(dep, "prefill", lambda c: c.get(key_w, 0) > before_w)
     assert p.counters[key_w] > before_w, (who, p.counters)  # >: a refused peer may redial
     d = _stats_until(dep, "decode", lambda c: c.get(key_s, 0) > before_s)
