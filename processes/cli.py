@@ -156,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "this host can send requests straight to its schedulers and writers); warns at every start")
     s.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
                    help=f"the router answers /v1/* only with 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
+    s.add_argument("--metrics-auth", action="store_true",
+                   help="/metrics (the router's and every instance's) needs the --api-key too; default off: "
+                        "open to scrapers, as vLLM's")
     h = up.add_argument_group(
         "several hosts", "one `pushkv up --role ...` per host, every host given the same --mode, model, geometry "
         "(--model/--checkpoint and overrides, --dtype, --seed) and instance shape (--prefill-tp/--decode-tp, "
@@ -213,6 +216,10 @@ def cmd_up(args: argparse.Namespace, child_argv: Optional[ArgvHook] = None) -> i
             load_secret(cfg.secret_file)  # refuse a missing or short secret before anything starts
     except (OSError, ValueError, msgspec.ValidationError) as e:
         print(f"pushkv up: bad configuration: {e}", file=sys.stderr)
+        return 2
+    if cfg.metrics_auth and not args.api_key:
+        print("pushkv up: --metrics-auth puts /metrics behind the API key: give --api-key (or "
+              f"${API_KEY_ENV}) too", file=sys.stderr)
         return 2
     if cfg.host_role and not cfg.secret_file and not getattr(args, "insecure", False):
         print(f"pushkv up: --role {cfg.host_role} binds its schedulers and writers on the network; give every host "

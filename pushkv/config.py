@@ -386,6 +386,10 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
     # the request (502). "sample": the first, the last and a few hashed blocks; "full": all.
     # See pushkv/kv/checksum.py and docs/layouts.md.
     kv_verify: KVVerify = "sample"
+    # /metrics (the router's and each instance's) needs the API key too (``--metrics-auth``); off:
+    # open to scrapers, as vLLM's. The key reaches the router and, with this on, the schedulers
+    # through their environment (PUSHKV_API_KEY), never through this file.
+    metrics_auth: bool = False
 
     def __post_init__(self) -> None:
         check_choices(self)

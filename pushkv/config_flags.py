@@ -142,6 +142,7 @@ def user_config(flags: Mapping[str, Any]) -> DeploymentConfig:
         writer_warm=f("writer_warm"), writer_post_thread=f("writer_post_thread"),
         link_window=f("link_window"), link_window_mib=f("link_window_mib"), link_order=f("link_order"),
         conditional_disagg=True if f("conditional_disagg") else None,
+        metrics_auth=True if f("metrics_auth") else None,
         served_model_name=tuple(dict.fromkeys(names)) if names else None,
         trace_endpoint=TRACE_AUTO if trace else None,
         trace_tap_endpoint=trace if trace not in (None, TRACE_AUTO) else None,

@@ -112,6 +112,12 @@ def load_secret(path: str) -> bytes:
     return secret
 
 
+def bearer_ok(authorization: str, key: str) -> bool:
+    """Whether an HTTP ``Authorization`` header carries ``Bearer <key>`` (constant-time compare)."""
+    scheme, _, token = authorization.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+
 def is_network(endpoint: str) -> bool:
     return not endpoint.startswith(("ipc://", "inproc://"))
 

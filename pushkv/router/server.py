@@ -86,7 +86,7 @@ class Router:
     # -- lifecycle ------------------------------------------------------
     def app(self) -> web.Application:
         refused = self.metrics.auth_refused.inc
-        app = web.Application(middlewares=[_json_errors, auth.middleware(self.api_key, refused)],
+        app = web.Application(middlewares=[_json_errors, auth.middleware(self.api_key, refused, self.cfg.metrics_auth)],
                               client_max_size=limits.http_body_bytes(self.cfg))
         app.router.add_post("/v1/completions", self.handle_completions)
         app.router.add_post("/v1/chat/completions", self.handle_chat)

@@ -229,6 +229,58 @@ def test_api_key_rule(path, header, key, ok):
     assert authorized(path, header, key) is ok
 
 
+@pytest.mark.parametrize("path, header, key, ok", [  # --metrics-auth
+    ("/metrics", "", "k1", False),
+    ("/metrics", "Bearer k2", "k1", False),
+    ("/metrics", "Bearer k1", "k1", True),
+    ("/metrics", "", "", True),  # no key at all (pushkv up refuses --metrics-auth without one)
+    ("/health", "", "k1", True),  # probes still pass
+    ("/v1/models", "", "k1", False),
+])
+def test_metrics_auth_rule(path, header, key, ok):
+    from pushkv.router.auth import authorized
+
+    assert authorized(path, header, key, metrics=True) is ok
+
+
+def _http_get(url: str, key: str = "") -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+@pytest.mark.parametrize("key", ["", "sk-metrics"])
+def test_instance_metrics_server_behind_the_key(key):
+    """An instance's /metrics server (real HTTP): with a key, no or a wrong bearer gets a 401 and
+    no metric; the key gets the scrape. Without a key it is open."""
+    from prometheus_client import CollectorRegistry, Counter
+
+    from pushkv.scheduler import metrics_http
+    from pushkv.supervisor.plan import free_tcp_port
+
+    reg = CollectorRegistry()
+    Counter("pushkv_probe", "a probe counter", registry=reg).inc(3)
+    port = free_tcp_port()
+    srv = metrics_http.serve(port, "127.0.0.1", reg, key)
+    try:
+        url = f"http://127.0.0.1:{port}/metrics"
+        status, body = _http_get(url)
+        if key:
+            assert status == 401 and "pushkv_probe" not in body, (status, body)
+            assert _http_get(url, "sk-wrong")[0] == 401
+            status, body = _http_get(url, key)
+        assert status == 200 and "pushkv_probe_total 3.0" in body, (status, body)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
 @pytest.mark.parametrize("content, expect", [(None, "No such file"), (b"short\n", "too short")])
 def test_pushkv_up_refuses_a_bad_secret_before_starting(tmp_path, capsys, content, expect):
     from processes.cli import main

@@ -5,7 +5,8 @@ file, as a multi-host deployment has them; one host's default is ipc in the run 
 handshake and on the router's links: a request is served, the handshake sockets report CURVE
 handshakes, and peers without the secret (plain ZMQ, another secret) are refused and counted
 by the process they knocked on. The HTTP API takes the key through the official ``openai``
-client; /health and /metrics stay open.
+client; with ``--metrics-auth`` /metrics (the router's and each instance's) takes it too, /health
+stays open.
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def dep(tmp_path_factory):
                "handshake_endpoints": [f"tcp://127.0.0.1:{free_tcp_port()}"]} for role in ("prefill", "decode")
     }))
     with deployment(tmp, "--config", str(cfg), "--mode", "push", "--model", "tiny", "--num-blocks", "128",
-                    "--secret-file", str(secret), "--api-key", KEY) as d:
+                    "--secret-file", str(secret), "--api-key", KEY, "--metrics-auth") as d:
         yield d
         wait_pools_free(d)
 
@@ -100,9 +101,13 @@ def test_peer_without_the_secret_is_refused_and_counted(dep, who, security):
     assert len(r.choices[0].token_ids) == 3
 
 
-def _get(url: str) -> tuple[int, str]:
-    with urllib.request.urlopen(url, timeout=30) as r:
-        return r.status, r.read().decode()
+def _get(url: str, key: str = KEY) -> tuple[int, str]:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
 
 
 def _refused(text: str) -> float:
@@ -127,6 +132,22 @@ def test_api_key(dep):
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req, timeout=30)
     assert e.value.code == 401 and e.value.headers["WWW-Authenticate"] == "Bearer"
-    assert _get(dep.url + "/health")[0] == 200  # probes and scrapers need no key
+    assert _get(dep.url + "/health", key="")[0] == 200  # probes need no key
     status, metrics = _get(dep.url + "/metrics")
     assert status == 200 and _refused(metrics) == before + 3
+
+
+@pytest.mark.timeout(300)
+def test_metrics_behind_the_key(dep):
+    """--metrics-auth: the router's /metrics and each instance's answer 401 without the key or with
+    another, and the scrape with it."""
+    cfg = dep.cfg
+    urls = [dep.url + "/metrics"] + [f"http://{cfg.metrics_host()}:{i.metrics_port}/metrics"
+                                     for i in (cfg.prefill, cfg.decode)]
+    for url in urls:
+        for key in ("", "sk-wrong"):
+            status, body = _get(url, key)
+            assert status == 401 and "vllm:" not in body and "pushkv_" not in body, (url, key, status)
+        status, body = _get(url)
+        assert status == 200 and ("vllm:num_requests_running" in body or "pushkv_router" in body), url
+    assert "pushkv_router_auth_refused_total" in _get(dep.url + "/metrics")[1]

@@ -422,6 +422,12 @@ def test_startup_all_ready_then_sigterm_cleans_up(deployments):
 
 
 @pytest.mark.timeout(60)
+def test_metrics_auth_needs_an_api_key(tmp_path, capsys):
+    assert cli.main(["up", "--metrics-auth", "--port", "18998"]) == 2
+    assert "--metrics-auth puts /metrics behind the API key: give --api-key" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
 def test_child_crash_at_startup_fails_at_once(deployments):
     d = deployments("--mode", "local", "--startup-timeout", "60",
                     child_args={"local-worker-0": ["--crash-at-start", "3"]})
