@@ -281,6 +281,22 @@ def test_instance_metrics_server_behind_the_key(key):
         srv.server_close()
 
 
+@pytest.mark.parametrize("kind, metrics_auth, gets_key", [
+    ("router", False, True),
+    ("scheduler", False, False),
+    ("scheduler", True, True),  # its /metrics checks the key
+    ("worker", True, False),
+    ("writer", True, False),
+])
+def test_a_child_gets_only_the_secrets_it_uses(kind, metrics_auth, gets_key):
+    from pushkv.security import API_KEY_ENV
+    from pushkv.supervisor.lifecycle import child_env
+
+    env = child_env(f"x-{kind}", "dep", base={API_KEY_ENV: "sk-k", "PATH": "/bin"}, kind=kind,
+                    metrics_auth=metrics_auth)
+    assert (API_KEY_ENV in env) is gets_key and env["PATH"] == "/bin" and env["PUSHKV_NAME"] == f"x-{kind}"
+
+
 @pytest.mark.parametrize("content, expect", [(None, "No such file"), (b"short\n", "too short")])
 def test_pushkv_up_refuses_a_bad_secret_before_starting(tmp_path, capsys, content, expect):
     from processes.cli import main
