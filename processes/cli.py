@@ -138,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-in-flight", type=int, metavar="N",
                    help="choices the router serves at once, queued ones included (default 1024); past it: "
                         "429 with Retry-After")
+    r.add_argument("--max-connections", type=int, metavar="N",
+                   help="HTTP connections the router holds at once (default 4096, and at most its open-file "
+                        "limit less 256); past it: 503 with Retry-After, closed unread")
     r.add_argument("--push-pin-fraction", type=float, metavar="F",
                    help="push: at most this fraction of a D's blocks reserved early and still waiting for KV; "
                         "past it a request falls back to late allocation (D allocates after P)")

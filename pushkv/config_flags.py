@@ -138,6 +138,7 @@ def user_config(flags: Mapping[str, Any]) -> DeploymentConfig:
         secret_file=os.path.abspath(secret) if secret else None,
         prefill_instances=f("prefill_instances"), decode_instances=f("decode_instances"),
         router_queue=f("router_queue"), router_max_in_flight=f("max_in_flight"),
+        router_max_connections=f("max_connections"),
         push_pin_fraction=f("push_pin_fraction"),
         writer_warm=f("writer_warm"), writer_post_thread=f("writer_post_thread"),
         link_window=f("link_window"), link_window_mib=f("link_window_mib"), link_order=f("link_order"),
