@@ -86,7 +86,9 @@ def test_decode_registers_at_allocation_and_prefill_sends_at_finish(model_dir, w
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.request import RequestStatus
 
-    src = {"engine_id": "P-test", "tp": 1, "handshake": ["tcp://127.0.0.1:7990"]}
+    from pushkv.vllm.params import socket_dir
+
+    src = {"engine_id": "P-test", "tp": 1, "handshake": [f"ipc://{socket_dir()}/P-test-0-hs"]}  # P's default
     d = KVConnectorFactory.create_connector(make_config(model_dir, "kv_consumer", "D-test"),
                                             KVConnectorRole.SCHEDULER, None)
     recv_d = writer_cmd(d.settings.cmd_endpoint(0))
