@@ -143,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-in-flight", type=int, metavar="N",
                    help="choices the router serves at once, queued ones included (default 1024); past it: "
                         "429 with Retry-After")
+    r.add_argument("--max-connections", type=int, metavar="N",
+                   help="HTTP connections the router holds at once (default 4096, and at most its open-file "
+                        "limit less 256); past it: 503 with Retry-After, closed unread")
     r.add_argument("--push-pin-fraction", type=float, metavar="F",
                    help="push: at most this fraction of a D's blocks reserved early and still waiting for KV; "
                         "past it a request falls back to late allocation (D allocates after P)")
@@ -161,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "this host can send requests straight to its schedulers and writers); warns at every start")
     s.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
                    help=f"the router answers /v1/* only with 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
+    s.add_argument("--metrics-auth", action="store_true",
+                   help="/metrics (the router's and every instance's) needs the --api-key too; default off: "
+                        "open to scrapers, as vLLM's")
     h = up.add_argument_group(
         "several hosts", "one `pushkv up --role ...` per host, every host given the same --mode, model, geometry "
         "(--model/--checkpoint and overrides, --dtype, --seed) and instance shape (--prefill-tp/--decode-tp, "
@@ -218,6 +224,10 @@ def cmd_up(args: argparse.Namespace, child_argv: Optional[ArgvHook] = None) -> i
             load_secret(cfg.secret_file)  # refuse a missing or short secret before anything starts
     except (OSError, ValueError, msgspec.ValidationError) as e:
         print(f"pushkv up: bad configuration: {e}", file=sys.stderr)
+        return 2
+    if cfg.metrics_auth and not args.api_key:
+        print("pushkv up: --metrics-auth puts /metrics behind the API key: give --api-key (or "
+              f"${API_KEY_ENV}) too", file=sys.stderr)
         return 2
     if cfg.host_role and not cfg.secret_file and not getattr(args, "insecure", False):
         print(f"pushkv up: --role {cfg.host_role} binds its schedulers and writers on the network; give every host "

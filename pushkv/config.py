@@ -346,6 +346,13 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
     # choices (a request's n) the router serves at once, queued ones included; past it: 429 with
     # Retry-After, before anything is prefilled (it bounds the router's memory and open streams)
     router_max_in_flight: int = 1024
+    # HTTP connections the router holds at once (kept 256 under its open-file limit, which it raises
+    # to the hard limit at start); one past it gets 503 with Retry-After, closed before it is read
+    router_max_connections: int = 4096
+    # a request's headers must arrive within this of its connection's accept (or of the last response
+    # on a kept-alive one), its body within the next; else the connection is closed / 408
+    router_header_timeout_s: float = 10.0
+    router_body_timeout_s: float = 30.0
     # push: D blocks reserved and still waiting for their KV may take at most this fraction of a
     # D instance's pool; a request past it falls back to late allocation (D allocates after P)
     push_pin_fraction: float = 0.5
@@ -394,6 +401,10 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
     # the request (502). "sample": the first, the last and a few hashed blocks; "full": all.
     # See pushkv/kv/checksum.py and docs/layouts.md.
     kv_verify: KVVerify = "sample"
+    # /metrics (the router's and each instance's) needs the API key too (``--metrics-auth``); off:
+    # open to scrapers, as vLLM's. The key reaches the router and, with this on, the schedulers
+    # through their environment (PUSHKV_API_KEY), never through this file.
+    metrics_auth: bool = False
 
     def __post_init__(self) -> None:
         check_choices(self)

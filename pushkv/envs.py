@@ -35,6 +35,9 @@ _VARS = (
     Var("PUSHKV_THREADS", int, 1, "torch CPU threads per worker"),
     Var("PUSHKV_PROFILE_DIR", str, "", "each writer process writes its cProfile to DIR/NAME.prof at exit; "
         "empty: off"),
+    Var("PUSHKV_KDF", str, "scrypt", "how the CURVE keys come from --secret-file: scrypt (a work factor, then "
+        "HKDF) or hkdf (HKDF alone, as before scrypt: every host of a deployment must use the same; see "
+        "docs/security.md, upgrading)", choices=("scrypt", "hkdf")),
     Var("PUSHKV_SECRET_FILE", str, "", "pushkv.vllm: the CURVE secret file when the connector's extra config "
         "names none"),
     Var("PUSHKV_LOG", str, "INFO", "pushkv.vllm's writer process: log level"),

@@ -6,7 +6,8 @@ made with ``openssl rand -hex 32``). From it each process derives, deterministic
 - the **server** key pair, which every socket that binds a network endpoint uses, and
 - the **client** key pair, which every socket that connects to one uses,
 
-with HKDF-SHA256 (RFC 5869) and ``zmq.curve_public``. So every holder of the secret can
+with scrypt (the work factor: a guess at a weak secret costs ~0.1 s and 32 MiB), then
+HKDF-SHA256 (RFC 5869) and ``zmq.curve_public``. So every holder of the secret can
 be a server or a client, and nobody else can: a peer without the secret cannot complete
 the CURVE handshake (it does not know the server's public key, so the server cannot
 open its HELLO), and one that learnt the server's public key still has no allowed client
@@ -24,6 +25,7 @@ thread, that talks to it.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import logging
@@ -37,11 +39,21 @@ import msgspec
 import zmq
 from zmq.utils import z85
 
+from pushkv import envs
+
 log = logging.getLogger(__name__)
 
 API_KEY_ENV = "PUSHKV_API_KEY"  # the router's HTTP API key (router/auth.py), as vLLM's VLLM_API_KEY
 MIN_SECRET_BYTES = 16  # after stripping surrounding whitespace
 KDF_SALT = b"pushkv-curve-v1"
+# The work factor before HKDF (``PUSHKV_KDF=scrypt``, the default): scrypt N=2^15, r=8, p=1 (32 MiB,
+# ~0.1 s once per process). Its own salt, so the two derivations never share a key. The salt is
+# fixed because every host must derive the same keys with nothing exchanged first. "hkdf" is the
+# derivation before it (HKDF alone), for a deployment whose hosts do not all run this version yet.
+SCRYPT_SALT = b"pushkv-curve-scrypt-v2"
+SCRYPT_N, SCRYPT_R, SCRYPT_P = 2**15, 8, 1
+SCRYPT_MAXMEM = 64 * 2**20  # 128 * r * N = 32 MiB, above hashlib's default cap of exactly that
+KDFS = ("scrypt", "hkdf")
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP spec (RFC 27)
 ZAP_VERSION = b"1.0"
 ZAP_DOMAIN = b"pushkv"
@@ -86,12 +98,29 @@ def hkdf_sha256(ikm: bytes, salt: bytes, info: bytes, length: int = 32) -> bytes
     return out[:length]
 
 
-def derive_keys(secret: bytes) -> CurveKeys:
-    """The deployment's two key pairs from the shared secret (pure, deterministic)."""
+def stretch(secret: bytes) -> bytes:
+    """The work factor: 32 bytes of scrypt over the secret."""
+    return hashlib.scrypt(secret, salt=SCRYPT_SALT, n=SCRYPT_N, r=SCRYPT_R, p=SCRYPT_P,
+                          maxmem=SCRYPT_MAXMEM, dklen=32)
+
+
+def derive_keys(secret: bytes, kdf: str = "") -> CurveKeys:
+    """The deployment's two key pairs from the shared secret (pure, deterministic). ``kdf``:
+    "scrypt" (scrypt, then HKDF) or "hkdf" (HKDF alone, the keys before the work factor);
+    "" = ``PUSHKV_KDF``."""
     if len(secret) < MIN_SECRET_BYTES:
         raise ValueError(f"CURVE secret too short: {len(secret)} bytes, need at least {MIN_SECRET_BYTES}")
-    server_secret = z85.encode(hkdf_sha256(secret, KDF_SALT, b"server"))
-    client_secret = z85.encode(hkdf_sha256(secret, KDF_SALT, b"client"))
+    kdf = kdf or envs.get("PUSHKV_KDF")
+    if kdf not in KDFS:
+        raise ValueError(f"PUSHKV_KDF={kdf!r}: one of {', '.join(KDFS)}")
+    return _derive(secret, kdf)
+
+
+@functools.lru_cache(maxsize=8)  # scrypt once per process (and per test secret), not per socket
+def _derive(secret: bytes, kdf: str) -> CurveKeys:
+    ikm = stretch(secret) if kdf == "scrypt" else secret
+    server_secret = z85.encode(hkdf_sha256(ikm, KDF_SALT, b"server"))
+    client_secret = z85.encode(hkdf_sha256(ikm, KDF_SALT, b"client"))
     return CurveKeys(zmq.curve_public(server_secret), server_secret,
                      zmq.curve_public(client_secret), client_secret)
 
@@ -110,6 +139,12 @@ def load_secret(path: str) -> bytes:
     except OSError:
         pass
     return secret
+
+
+def bearer_ok(authorization: str, key: str) -> bool:
+    """Whether an HTTP ``Authorization`` header carries ``Bearer <key>`` (constant-time compare)."""
+    scheme, _, token = authorization.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
 
 
 def is_network(endpoint: str) -> bool:

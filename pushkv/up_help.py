@@ -60,8 +60,10 @@ def defaults() -> dict[str, Any]:
         "link_window": c.link_window, "link_window_mib": c.link_window_mib, "link_order": c.link_order,
         "staging": c.staging,
         "writer_warm": c.writer_warm, "served_model_name": "--model's names", "router_queue": c.router_queue,
-        "max_in_flight": c.router_max_in_flight, "push_pin_fraction": c.push_pin_fraction,
+        "max_in_flight": c.router_max_in_flight,
+        "max_connections": c.router_max_connections, "push_pin_fraction": c.push_pin_fraction,
         "trace": "off", "secret_file": "none (no CURVE)", "api_key": "none: /v1/* open",
+        "metrics_auth": "off: /metrics open",
         "role": "none: the whole deployment here", "registry": "none: one host",
         "advertise": "none", "registry_ttl": c.registry_ttl_s, "log_level": c.log_level,
     }

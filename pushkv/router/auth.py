@@ -2,13 +2,13 @@
 
 With a key set, every ``/v1/*`` request needs ``Authorization: Bearer <key>`` or gets a
 401 with an OpenAI-style error body (the ``openai`` client raises AuthenticationError);
-``/health`` and ``/metrics`` stay open, for probes and scrapers. The key reaches the
+``/metrics`` too with ``--metrics-auth`` (off by default, as vLLM leaves it open for
+scrapers); ``/health`` stays open, for probes. The key reaches the
 router process through its environment (``pushkv up --api-key`` sets it for the
 children), never through the config file in the run dir.
 """
 from __future__ import annotations
 
-import hmac
 import logging
 from typing import Callable
 
@@ -16,28 +16,33 @@ from aiohttp import web
 
 from pushkv.router import api
 from pushkv.security import API_KEY_ENV  # noqa: F401 (re-exported: the router's key variable)
-from pushkv.security import LOG_EVERY, LOG_FIRST
+from pushkv.security import LOG_EVERY, LOG_FIRST, bearer_ok
 
 log = logging.getLogger(__name__)
 
 PROTECTED_PREFIX = "/v1/"
+METRICS_PATH = "/metrics"
 
 
-def authorized(path: str, authorization: str, key: str) -> bool:
-    """Whether a request may pass: no key set, an open path, or the right bearer token."""
-    if not key or not path.startswith(PROTECTED_PREFIX):
+def protected(path: str, metrics: bool) -> bool:
+    return path.startswith(PROTECTED_PREFIX) or (metrics and path == METRICS_PATH)
+
+
+def authorized(path: str, authorization: str, key: str, metrics: bool = False) -> bool:
+    """Whether a request may pass: no key set, an open path, or the right bearer token.
+    ``metrics``: /metrics is protected too (``--metrics-auth``)."""
+    if not key or not protected(path, metrics):
         return True
-    scheme, _, token = authorization.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+    return bearer_ok(authorization, key)
 
 
-def middleware(key: str, on_refused: Callable[[], None]):
+def middleware(key: str, on_refused: Callable[[], None], metrics: bool = False):
     refused = 0
 
     @web.middleware
     async def check_api_key(request: web.Request, handler) -> web.StreamResponse:
         nonlocal refused
-        if authorized(request.path, request.headers.get("Authorization", ""), key):
+        if authorized(request.path, request.headers.get("Authorization", ""), key, metrics):
             return await handler(request)
         on_refused()
         refused += 1

@@ -67,6 +67,9 @@ class RouterMetrics:
             "pushkv_router_aborts_sent", "Abort messages sent to schedulers", ["role"], registry=r)
         self.auth_refused = Counter(
             "pushkv_router_auth_refused", "/v1/* requests refused for a missing or wrong API key", registry=r)
+        self.connections_refused = Counter(
+            "pushkv_router_connections_refused", "HTTP connections refused with 503 past the connection cap",
+            registry=r)
         self.info = Gauge("pushkv_router_info", "Router deployment", ["mode"], registry=r)
         self.info.labels(mode=mode).set(1)
         self.mode = mode

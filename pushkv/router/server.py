@@ -29,7 +29,7 @@ from pushkv.discovery.base import Watcher
 from pushkv.discovery.local import LocalWatcher
 from pushkv.discovery.records import InstanceDown, InstanceRecord, InstanceUp
 from pushkv.framing import Drops, Shape, arecv_bounded
-from pushkv.router import api, auth, generate, output, text
+from pushkv.router import api, auth, edge, generate, output, text
 from pushkv.router.balance import Balancer
 from pushkv.router import chat as chat_mod
 from pushkv.router.flow import RequestRun
@@ -86,7 +86,7 @@ class Router:
     # -- lifecycle ------------------------------------------------------
     def app(self) -> web.Application:
         refused = self.metrics.auth_refused.inc
-        app = web.Application(middlewares=[_json_errors, auth.middleware(self.api_key, refused)],
+        app = web.Application(middlewares=[_json_errors, auth.middleware(self.api_key, refused, self.cfg.metrics_auth)],
                               client_max_size=limits.http_body_bytes(self.cfg))
         app.router.add_post("/v1/completions", self.handle_completions)
         app.router.add_post("/v1/chat/completions", self.handle_chat)
@@ -136,11 +136,20 @@ class Router:
             for rec in self.watcher.snapshot():
                 self.balancer.add(rec, self._make_link)
         # the client-disconnect path relies on aiohttp cancelling the handler
+        # the HTTP edge (router/edge.py): the keep-alive timer bounds a request's headers too
+        fds_before, fds = edge.raise_fd_limit()
+        cap = edge.connection_cap(self.cfg.router_max_connections, fds)
+        edge.quiet_noisy_loggers()
         self._runner = web.AppRunner(
-            self.app(), handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
+            self.app(), handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S,
+            keepalive_timeout=self.cfg.router_header_timeout_s)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
+        site = edge.CappedSite(self._runner, self.cfg.host, self.cfg.port, cap,
+                               self.metrics.connections_refused.inc)
         await site.start()
+        log.info("HTTP edge: open-file limit %d (was %d), at most %d connections, headers within %.0fs, "
+                 "a body within %.0fs", fds, fds_before, cap, self.cfg.router_header_timeout_s,
+                 self.cfg.router_body_timeout_s)
         port = self._runner.addresses[0][1]
         self.url = f"http://{self.cfg.host}:{port}"
         log.info("router (%s mode) listening on %s%s", self.cfg.mode, self.url,
@@ -338,7 +347,8 @@ class Router:
         if self.stopping:
             return generate.refusal(503, "router shutting down")
         try:
-            params = api.parse_request(await request.read(), self.served, self._parser(chat))
+            body = await edge.read_body(request, self.cfg.router_body_timeout_s)
+            params = api.parse_request(body, self.served, self._parser(chat))
         except api.ApiError as e:
             self.metrics.requests.labels(outcome="rejected").inc()
             return web.json_response(e.body(), status=e.status)

@@ -12,12 +12,13 @@ from typing import Any, Callable, Optional
 
 import zmq
 
-from pushkv import faults
+from pushkv import envs, faults
 from pushkv import limits
 from pushkv import messages as m
 from pushkv.actor import Actor, Channel
 from pushkv.scheduler.core import SchedulerCore
 from pushkv.scheduler.outbox import Kill, Peer, Send, Trace
+from pushkv.security import API_KEY_ENV
 
 log = logging.getLogger(__name__)
 
@@ -51,14 +52,20 @@ class SchedulerShell(Actor):
     def _serve_metrics(self) -> None:
         """/metrics for the scrapers that read each model server (llm-d, Prometheus), on prometheus_client's
         HTTP server thread; it reads only the core's published snapshot and thread-safe collectors."""
-        from prometheus_client import start_http_server
+        from pushkv.scheduler import metrics_http
 
         inst, host = self.core.inst, self.core.cfg.metrics_host()
         if not inst.metrics_port:
             return  # an unplanned config (tests of the core alone): nothing to serve on
+        key = ""
+        if self.core.cfg.metrics_auth:
+            key = envs.get(API_KEY_ENV)
+            if not key:
+                raise RuntimeError(f"metrics_auth is on but {API_KEY_ENV} is not set: /metrics would be open")
         self.core.publish_metrics()
-        self._metrics_server, _ = start_http_server(inst.metrics_port, host, registry=self.core.metrics.registry)
-        log.info("%s: /metrics on http://%s:%d/metrics", self.name, host, inst.metrics_port)
+        self._metrics_server = metrics_http.serve(inst.metrics_port, host, self.core.metrics.registry, key)
+        log.info("%s: /metrics on http://%s:%d/metrics%s", self.name, host, inst.metrics_port,
+                 " (API key required)" if key else "")
 
     def _link(self, sock: zmq.Socket, decoder: Any, name: str, peer: Peer) -> Channel:
         ch = self.add_channel(sock, decoder, f"{name}-{peer.rank}")

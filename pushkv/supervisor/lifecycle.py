@@ -17,6 +17,7 @@ import time
 from typing import Optional, Sequence
 
 from pushkv.config import SHM_DIR, shm_prefix
+from pushkv.security import API_KEY_ENV
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +33,26 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(127)
 
 
-def child_env(name: str, deployment_id: str, base: Optional[dict] = None) -> dict[str, str]:
+# the environment variables that hold a secret, and which kinds of child read each: a child gets
+# only those it uses (a worker that never sees the API key cannot leak it, through a crash dump,
+# a profiler or /proc/PID/environ)
+SECRET_VARS = (API_KEY_ENV,)
+
+
+def secrets_used(kind: str, metrics_auth: bool) -> frozenset[str]:
+    """The secret variables a child of ``kind`` reads: the router the API key, and the schedulers
+    too when their /metrics sits behind it."""
+    if kind == "router" or (kind == "scheduler" and metrics_auth):
+        return frozenset({API_KEY_ENV})
+    return frozenset()
+
+
+def child_env(name: str, deployment_id: str, base: Optional[dict] = None, kind: str = "",
+              metrics_auth: bool = False) -> dict[str, str]:
+    """The environment of child ``name`` of ``kind``: ours, less the secrets it does not use."""
     env = dict(os.environ if base is None else base)
+    for var in set(SECRET_VARS) - secrets_used(kind, metrics_auth):
+        env.pop(var, None)
     env["PUSHKV_NAME"] = name
     env["PUSHKV_DEPLOYMENT_ID"] = deployment_id
     env["PYTHONUNBUFFERED"] = "1"

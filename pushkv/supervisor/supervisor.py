@@ -156,7 +156,8 @@ class Supervisor(Actor):
     def _spawn(self, name: str, now: float) -> None:
         row = self.table[name]
         argv = list(self.child_argv(row.spec))
-        env = lifecycle.child_env(name, self.cfg.deployment_id)
+        env = lifecycle.child_env(name, self.cfg.deployment_id, kind=row.spec.kind,
+                                  metrics_auth=self.cfg.metrics_auth)
         if self.cfg.advertise:  # the host in every trace event (tools/trace/merge.py aligns hosts' clocks)
             env[HOST_ENV] = self.cfg.advertise
         if row.spec.kind == "worker":  # map the pool its writer owns (named per writer incarnation)

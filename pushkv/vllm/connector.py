@@ -6,10 +6,12 @@ version shares this interface, but the shared-memory KV allocation in
 
     --kv-transfer-config '{"kv_connector":"PushKVConnector","kv_connector_module_path":"pushkv.vllm",
                            "kv_role":"kv_producer"|"kv_consumer"|"kv_both",
-                           "kv_connector_extra_config":{"handshake_port":5601}}'
+                           "kv_connector_extra_config":{}}'
 
-Extra config (all optional): ``handshake_host`` / ``handshake_port`` (rank r's
-writer listens on port + r; defaults: VLLM_NIXL_SIDE_CHANNEL_HOST / _PORT),
+Extra config (all optional): ``handshake_host`` / ``handshake_port`` (peers on
+other hosts: rank r's writer listens on tcp://host:port + r under CURVE, which
+needs ``secret_file`` or PUSHKV_SECRET_FILE; defaults: VLLM_NIXL_SIDE_CHANNEL_HOST /
+_PORT; no host: one host, an ipc:// socket in a 0700 directory),
 ``registration_wait_s``, ``transfer_s``, ``idle_wait_ms``. What a router sends
 per request is in ``params.py``.
 """

@@ -5,13 +5,18 @@ A router sends both legs at once, with one transfer id::
 
     P leg: {"pushkv": {"role": "prefill", "transfer_id": T}}           (max_tokens 1)
     D leg: {"pushkv": {"role": "decode", "transfer_id": T,
-                       "source": {"engine_id": E, "tp": N, "handshake": ["tcp://host:port", ...]}}}
+                       "source": {"engine_id": E, "tp": N, "handshake": [endpoint, ...]}}}
 
 ``source`` is P's identity. P returns it in every finished request's
 ``kv_transfer_params`` as ``{"pushkv_source": {...}}``, so a router learns it
 from any P response (``pushkv vllm-proxy`` sends one probe request per P at
 start). ``transfer_id`` must be unique among the transfers in flight between
 that P and D; anything else in the params is ignored.
+
+P's writers' handshake endpoints are, on one host (no ``handshake_host``), ``ipc://``
+files in the connector's 0700 socket directory, so no other local user can reach a
+Hello (NIXL metadata, KV base address); across hosts (``handshake_host`` set)
+``tcp://host:port+rank`` under CURVE, which needs the deployment's secret file.
 """
 from __future__ import annotations
 
@@ -74,14 +79,16 @@ def source_dict(src: PrefillSource) -> dict[str, Any]:
 class Settings:
     engine_id: str
     tp: int
-    handshake_host: str
-    handshake_port: int  # rank r listens on port + r
+    handshake_host: str  # "" = one host: ipc:// in socket_dir(); else tcp:// on it, under CURVE
+    handshake_port: int  # rank r listens on port + r (tcp only)
     registration_wait_s: float
     transfer_s: float
     idle_wait_ms: float
     secret_file: str = ""  # CURVE on the tcp handshake sockets (pushkv/security.py); "" = none
 
     def handshake_endpoint(self, rank: int) -> str:
+        if not self.handshake_host:
+            return f"ipc://{socket_dir()}/{self.engine_id}-{rank}-hs"
         return f"tcp://{self.handshake_host}:{self.handshake_port + rank}"
 
     def cmd_endpoint(self, rank: int) -> str:
@@ -110,10 +117,17 @@ def socket_dir(environ=os.environ) -> str:
 
 
 def settings(engine_id: str, tp: int, extra: Optional[dict[str, Any]], env=os.environ) -> Settings:
-    """From kv_connector_extra_config, falling back on vLLM's NIXL side-channel variables."""
+    """From kv_connector_extra_config, falling back on vLLM's NIXL side-channel variables.
+    A tcp handshake (a ``handshake_host``, for peers on other hosts) without a secret is
+    refused: anyone who reaches the port would get the Hello, loopback included."""
     extra = extra or {}
-    host = extra.get("handshake_host") or env.get("VLLM_NIXL_SIDE_CHANNEL_HOST") or "127.0.0.1"
+    host = str(extra.get("handshake_host") or env.get("VLLM_NIXL_SIDE_CHANNEL_HOST") or "")
     port = int(extra.get("handshake_port") or env.get("VLLM_NIXL_SIDE_CHANNEL_PORT") or DEFAULT_HANDSHAKE_PORT)
+    secret_file = str(extra.get("secret_file") or envs.get("PUSHKV_SECRET_FILE", env) or "")
+    if host and not secret_file:
+        raise ValueError(f"pushkv's connector: a handshake on tcp://{host} (handshake_host or "
+                         "VLLM_NIXL_SIDE_CHANNEL_HOST) needs a secret for CURVE: set secret_file in "
+                         "kv_connector_extra_config or PUSHKV_SECRET_FILE (one host: leave the host unset, "
+                         "the handshake is then an ipc:// socket only this user can reach)")
     return Settings(engine_id, tp, host, port, float(extra.get("registration_wait_s", 30.0)),
-                    float(extra.get("transfer_s", 30.0)), float(extra.get("idle_wait_ms", 10.0)),
-                    str(extra.get("secret_file") or envs.get("PUSHKV_SECRET_FILE", env) or ""))
+                    float(extra.get("transfer_s", 30.0)), float(extra.get("idle_wait_ms", 10.0)), secret_file)

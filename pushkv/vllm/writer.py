@@ -103,6 +103,12 @@ class VllmWriter(WarmWriter):
         self.release_inflight()
         self.nixl.deregister()
         self.events.close(0)
+        for ep in (self.args.cmd_endpoint, self.args.handshake_endpoint):
+            if ep.startswith("ipc://"):  # zmq unlinks a bound file only if its io thread gets to it first
+                try:
+                    os.unlink(ep[len("ipc://"):])
+                except OSError:
+                    pass
 
     def _emit(self, msg: m.Msg) -> None:
         self.events.send(m.encode(msg))

@@ -3,12 +3,12 @@ P and D each with scheduler, worker and writer. Greedy tokens through P/D must
 equal local mode's, token for token."""
 import os
 import random
-import shutil
 import time
 
 import pytest
 
 from tests.support.deploy import concurrent, deployment, wait_pools_free
+from tests.support.other_uid import nobody_runs_python, probe
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -99,7 +99,6 @@ def test_streaming_matches_non_streaming(push, reference):
 def test_idle_processes_do_not_spin(push):
     """Event-driven loops: an idle deployment's processes (the writers included,
     which poll NIXL notifications with no fd to wait on) use almost no CPU."""
-    import os
 
     from pushkv.supervisor.commands import ask
 
@@ -120,44 +119,7 @@ def test_idle_processes_do_not_spin(push):
     assert all(u / wall < 0.10 for u in used.values()), used
 
 
-AS_NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
-
-
-def _probe(asks: dict, as_other_uid: bool) -> dict:
-    """tests/support/other_uid_probe.py, as root or as uid 65534 (``setpriv``: CI runs as root), run
-    from a copy in a directory that uid can read (the checkout may not be)."""
-    import json
-    import subprocess
-    import sys
-    import tempfile
-
-    from tests.support import other_uid_probe
-
-    d = tempfile.mkdtemp(prefix="pushkv-probe-")
-    try:
-        os.chmod(d, 0o755)
-        script = os.path.join(d, "probe.py")
-        shutil.copyfile(other_uid_probe.__file__, script)
-        os.chmod(script, 0o644)
-        argv = [*(AS_NOBODY if as_other_uid else []), sys.executable, script]
-        out = subprocess.run(argv, input=json.dumps(asks), capture_output=True, text=True, timeout=60, cwd=d)
-    finally:
-        shutil.rmtree(d)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
-
-
-def _nobody_runs_python() -> bool:
-    import subprocess
-    import sys
-
-    if os.geteuid() != 0 or not shutil.which("setpriv"):
-        return False
-    return subprocess.run([*AS_NOBODY, sys.executable, "-c", "import zmq"], capture_output=True, timeout=60,
-                          cwd="/").returncode == 0
-
-
-@pytest.mark.skipif(not _nobody_runs_python(), reason="needs root, setpriv, and this python usable by uid 65534")
+@pytest.mark.skipif(not nobody_runs_python(), reason="needs root, setpriv, and this python usable by uid 65534")
 def test_another_uid_gets_no_handshake(push):
     """A default deployment on one host: another local uid cannot reach a writer's handshake, so it
     never gets a Hello (NIXL metadata, pool base: what a READ or WRITE of the pool needs). The same
@@ -177,10 +139,10 @@ def test_another_uid_gets_no_handshake(push):
 
     p_ep, d_ep = cfg.prefill.handshake_endpoints[0], cfg.decode.handshake_endpoints[0]
     asks = {p_ep: hello(cfg.decode), d_ep: hello(cfg.prefill)}
-    theirs = _probe(asks, as_other_uid=True)
+    theirs = probe(asks, as_other_uid=True)
     for ep, r in theirs.items():
         assert r["connect"] != "connected" and not r["answer"], (ep, r)
         assert r.get("unix") == "PermissionError", (ep, r)
-    ours = _probe({p_ep: asks[p_ep]}, as_other_uid=False)
+    ours = probe({p_ep: asks[p_ep]}, as_other_uid=False)
     got = m.DEC_HANDSHAKE.decode(bytes.fromhex(ours[p_ep]["answer"]))
     assert isinstance(got, m.Hello) and got.agent_metadata, got

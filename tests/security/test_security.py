@@ -9,6 +9,7 @@ from collections import Counter
 import pytest
 import zmq
 import zmq.asyncio
+from zmq.utils import z85
 
 from pushkv import security as sec
 from pushkv.security import Security, derive_keys, secure_bind, secure_connect
@@ -30,6 +31,37 @@ def test_derive_keys_is_deterministic_and_secret_bound(a, b, same):
     assert ka.server_public != ka.client_public  # two pairs, not one
     assert zmq.curve_public(ka.server_secret) == ka.server_public
     assert zmq.curve_public(ka.client_secret) == ka.client_public
+
+
+# frozen: every host of a deployment must derive the same keys, so a change of the derivation
+# (its parameters, salts, order) must be a decision, not an accident. "hkdf" is the derivation
+# before the work factor: a host that sets PUSHKV_KDF=hkdf talks to hosts of the older version.
+KDF_VECTORS = {
+    "hkdf": (b"!TvKi9J19eJor*X[6<!KxtkdDgZPMlXrDF[oF]mk", b"StB89W#:7gU&xVTG@><PtHB$X!aTwB@)Y.cEX=G^"),
+    "scrypt": (b"A*Bcp@}$T[=KEG#7)j[kusm)6tmBuf&j+MyvwSPc", b"a=UQ{NU-hQnoquFWws{=R0254Cw1wUaTNrXK]#)I"),
+}
+
+
+@pytest.mark.parametrize("kdf", sorted(KDF_VECTORS))
+def test_derivation_is_frozen(kdf):
+    k = derive_keys(SECRET, kdf)
+    assert (k.server_public, k.client_public) == KDF_VECTORS[kdf]
+
+
+def test_the_default_derivation_has_a_work_factor(monkeypatch):
+    """scrypt, at least N=2^15 with r=8 (32 MiB a guess), then HKDF; PUSHKV_KDF picks the other."""
+    import hashlib
+
+    assert sec.SCRYPT_N >= 2**15 and sec.SCRYPT_R >= 8
+    stretched = hashlib.scrypt(SECRET, salt=sec.SCRYPT_SALT, n=2**15, r=8, p=1, maxmem=2**26, dklen=32)
+    want = zmq.curve_public(z85.encode(sec.hkdf_sha256(stretched, sec.KDF_SALT, b"server")))
+    monkeypatch.delenv("PUSHKV_KDF", raising=False)
+    assert derive_keys(SECRET).server_public == want == KDF_VECTORS["scrypt"][0]
+    monkeypatch.setenv("PUSHKV_KDF", "hkdf")
+    assert derive_keys(SECRET) == derive_keys(SECRET, "hkdf") != derive_keys(SECRET, "scrypt")
+    monkeypatch.setenv("PUSHKV_KDF", "md5")
+    with pytest.raises(ValueError, match="PUSHKV_KDF"):
+        derive_keys(SECRET)
 
 
 def test_hkdf_matches_rfc5869_case_1():
@@ -132,6 +164,9 @@ def _other_client_key():
     ("no CURVE", lambda: None, ("no_curve", "handshake")),
     ("another secret", lambda: Security(derive_keys(OTHER)), ("bad_key",)),
     ("server key, own client key", _other_client_key, ("not_allowed",)),
+    # a host left on the other derivation (an upgrade half done): refused as a stranger, so
+    # every host must set the same PUSHKV_KDF (docs/security.md, upgrading)
+    ("the secret, the old derivation", lambda: Security(derive_keys(SECRET, "hkdf")), ("bad_key",)),
 ])
 def test_peer_without_the_secret_is_refused_and_counted(server, who, security, whys):
     s, endpoint, counters = server
@@ -227,6 +262,74 @@ def test_api_key_rule(path, header, key, ok):
     from pushkv.router.auth import authorized
 
     assert authorized(path, header, key) is ok
+
+
+@pytest.mark.parametrize("path, header, key, ok", [  # --metrics-auth
+    ("/metrics", "", "k1", False),
+    ("/metrics", "Bearer k2", "k1", False),
+    ("/metrics", "Bearer k1", "k1", True),
+    ("/metrics", "", "", True),  # no key at all (pushkv up refuses --metrics-auth without one)
+    ("/health", "", "k1", True),  # probes still pass
+    ("/v1/models", "", "k1", False),
+])
+def test_metrics_auth_rule(path, header, key, ok):
+    from pushkv.router.auth import authorized
+
+    assert authorized(path, header, key, metrics=True) is ok
+
+
+def _http_get(url: str, key: str = "") -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+@pytest.mark.parametrize("key", ["", "sk-metrics"])
+def test_instance_metrics_server_behind_the_key(key):
+    """An instance's /metrics server (real HTTP): with a key, no or a wrong bearer gets a 401 and
+    no metric; the key gets the scrape. Without a key it is open."""
+    from prometheus_client import CollectorRegistry, Counter
+
+    from pushkv.scheduler import metrics_http
+    from pushkv.supervisor.plan import free_tcp_port
+
+    reg = CollectorRegistry()
+    Counter("pushkv_probe", "a probe counter", registry=reg).inc(3)
+    port = free_tcp_port()
+    srv = metrics_http.serve(port, "127.0.0.1", reg, key)
+    try:
+        url = f"http://127.0.0.1:{port}/metrics"
+        status, body = _http_get(url)
+        if key:
+            assert status == 401 and "pushkv_probe" not in body, (status, body)
+            assert _http_get(url, "sk-wrong")[0] == 401
+            status, body = _http_get(url, key)
+        assert status == 200 and "pushkv_probe_total 3.0" in body, (status, body)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+@pytest.mark.parametrize("kind, metrics_auth, gets_key", [
+    ("router", False, True),
+    ("scheduler", False, False),
+    ("scheduler", True, True),  # its /metrics checks the key
+    ("worker", True, False),
+    ("writer", True, False),
+])
+def test_a_child_gets_only_the_secrets_it_uses(kind, metrics_auth, gets_key):
+    from pushkv.security import API_KEY_ENV
+    from pushkv.supervisor.lifecycle import child_env
+
+    env = child_env(f"x-{kind}", "dep", base={API_KEY_ENV: "sk-k", "PATH": "/bin"}, kind=kind,
+                    metrics_auth=metrics_auth)
+    assert (API_KEY_ENV in env) is gets_key and env["PATH"] == "/bin" and env["PUSHKV_NAME"] == f"x-{kind}"
 
 
 @pytest.mark.parametrize("content, expect", [(None, "No such file"), (b"short\n", "too short")])

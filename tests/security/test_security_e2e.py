@@ -5,7 +5,8 @@ file, as a multi-host deployment has them; one host's default is ipc in the run 
 handshake and on the router's links: a request is served, the handshake sockets report CURVE
 handshakes, and peers without the secret (plain ZMQ, another secret) are refused and counted
 by the process they knocked on. The HTTP API takes the key through the official ``openai``
-client; /health and /metrics stay open.
+client; with ``--metrics-auth`` /metrics (the router's and each instance's) takes it too, /health
+stays open.
 """
 from __future__ import annotations
 
@@ -15,12 +16,12 @@ import urllib.error
 import urllib.request
 
 import pytest
-import zmq
 
 from pushkv import messages as m
-from pushkv.security import Security, derive_keys, load_secret, secure_connect
+from pushkv.security import Security, derive_keys, load_secret
 from pushkv.supervisor.plan import free_tcp_port
 from tests.support.deploy import deployment, wait_pools_free
+from tests.support.other_uid import knock
 
 openai = pytest.importorskip("openai")
 
@@ -38,24 +39,6 @@ def _stats_until(dep, role, pred, timeout_s=WAIT_S) -> m.Stats:
         time.sleep(0.05)  # polling a remote counter, bounded by timeout_s
 
 
-def _knock(endpoint: str, security, payload: bytes) -> None:
-    """A peer that sends one frame to a secured endpoint and stays until the server has
-    thrown it out (its own monitor sees the connection end), so the refusal is complete."""
-    ctx = zmq.Context()
-    try:
-        s = ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        mon = s.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-                                   | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-        secure_connect(s, endpoint, security)
-        s.send(payload)
-        assert mon.poll(int(WAIT_S * 1000)), f"{endpoint} did not throw out a peer without the secret"
-        assert not s.poll(0), "a peer without the secret got an answer"
-        s.disable_monitor()
-    finally:
-        ctx.destroy(0)
-
-
 @pytest.fixture(scope="module")
 def dep(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("secure")
@@ -69,7 +52,7 @@ def dep(tmp_path_factory):
                "handshake_endpoints": [f"tcp://127.0.0.1:{free_tcp_port()}"]} for role in ("prefill", "decode")
     }))
     with deployment(tmp, "--config", str(cfg), "--mode", "push", "--model", "tiny", "--num-blocks", "128",
-                    "--secret-file", str(secret), "--api-key", KEY) as d:
+                    "--secret-file", str(secret), "--api-key", KEY, "--metrics-auth") as d:
         yield d
         wait_pools_free(d)
 
@@ -107,8 +90,8 @@ def test_peer_without_the_secret_is_refused_and_counted(dep, who, security):
     key_w, key_s = "writer.0.curve_refused", "curve_refused"  # the why: test_security.py
     before_w = dep.stats("prefill").counters.get(key_w, 0)
     before_s = dep.stats("decode").counters.get(key_s, 0)
-    _knock(hs, security(), m.encode(m.GetStats()))  # at P's writer handshake socket
-    _knock(sched, security(), m.encode(m.GetStats()))  # at D's scheduler
+    knock(hs, security(), m.encode(m.GetStats()))  # at P's writer handshake socket
+    knock(sched, security(), m.encode(m.GetStats()))  # at D's scheduler
     p = _stats_until(dep, "prefill", lambda c: c.get(key_w, 0) > before_w)
     assert p.counters[key_w] > before_w, (who, p.counters)  # >: a refused peer may redial
     d = _stats_until(dep, "decode", lambda c: c.get(key_s, 0) > before_s)
@@ -118,9 +101,13 @@ def test_peer_without_the_secret_is_refused_and_counted(dep, who, security):
     assert len(r.choices[0].token_ids) == 3
 
 
-def _get(url: str) -> tuple[int, str]:
-    with urllib.request.urlopen(url, timeout=30) as r:
-        return r.status, r.read().decode()
+def _get(url: str, key: str = KEY) -> tuple[int, str]:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
 
 
 def _refused(text: str) -> float:
@@ -145,6 +132,22 @@ def test_api_key(dep):
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req, timeout=30)
     assert e.value.code == 401 and e.value.headers["WWW-Authenticate"] == "Bearer"
-    assert _get(dep.url + "/health")[0] == 200  # probes and scrapers need no key
+    assert _get(dep.url + "/health", key="")[0] == 200  # probes need no key
     status, metrics = _get(dep.url + "/metrics")
     assert status == 200 and _refused(metrics) == before + 3
+
+
+@pytest.mark.timeout(300)
+def test_metrics_behind_the_key(dep):
+    """--metrics-auth: the router's /metrics and each instance's answer 401 without the key or with
+    another, and the scrape with it."""
+    cfg = dep.cfg
+    urls = [dep.url + "/metrics"] + [f"http://{cfg.metrics_host()}:{i.metrics_port}/metrics"
+                                     for i in (cfg.prefill, cfg.decode)]
+    for url in urls:
+        for key in ("", "sk-wrong"):
+            status, body = _get(url, key)
+            assert status == 401 and "vllm:" not in body and "pushkv_" not in body, (url, key, status)
+        status, body = _get(url)
+        assert status == 200 and ("vllm:num_requests_running" in body or "pushkv_router" in body), url
+    assert "pushkv_router_auth_refused_total" in _get(dep.url + "/metrics")[1]

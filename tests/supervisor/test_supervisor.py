@@ -421,6 +421,39 @@ def test_startup_all_ready_then_sigterm_cleans_up(deployments):
     _assert_clean(rec, [p.pid for p in st.values()], d.reg_dir)
 
 
+def _environ(pid: int) -> dict[str, str]:
+    """What the supervisor gave a (fake) child: one that sets no process title keeps it readable."""
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        raw = f.read().split(b"\0")
+    return dict(kv.decode(errors="replace").partition("=")[::2] for kv in raw if b"=" in kv)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("metrics_auth", [False, True])
+def test_a_child_gets_only_the_secrets_it_uses(deployments, metrics_auth):
+    """The API key reaches the router, and the schedulers only when their /metrics check it
+    (--metrics-auth); never a worker or a writer."""
+    from pushkv.security import API_KEY_ENV
+
+    d = deployments("--mode", "push", "--api-key", "sk-child", *(["--metrics-auth"] if metrics_auth else []))
+    d.wait_ready()
+    st = _track(d)
+    assert {p.kind for p in st.values()} == {"router", "scheduler", "worker", "writer"}
+    for p in st.values():
+        env = _environ(p.pid)
+        assert env["PUSHKV_NAME"] == p.name
+        wants = p.kind == "router" or (p.kind == "scheduler" and metrics_auth)
+        assert (env.get(API_KEY_ENV) == "sk-child") is wants and (API_KEY_ENV in env) is wants, p.name
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(timeout=20) == 0
+
+
+@pytest.mark.timeout(60)
+def test_metrics_auth_needs_an_api_key(tmp_path, capsys):
+    assert cli.main(["up", "--metrics-auth", "--port", "18998"]) == 2
+    assert "--metrics-auth puts /metrics behind the API key: give --api-key" in capsys.readouterr().err
+
+
 @pytest.mark.timeout(60)
 def test_child_crash_at_startup_fails_at_once(deployments):
     d = deployments("--mode", "local", "--startup-timeout", "60",

@@ -77,7 +77,7 @@ def test_factory_loads_the_connector_class(model_dir):
     assert cls is PushKVConnector is pushkv.vllm.PushKVConnector and issubclass(cls, KVConnectorBase_V1)
     conn = KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, None)
     assert isinstance(conn, PushKVConnector) and conn.role == KVConnectorRole.SCHEDULER
-    assert conn.settings.handshake_endpoint(0) == "tcp://127.0.0.1:7990"
+    assert conn.settings.handshake_endpoint(0).startswith("ipc:///")  # one host: never tcp without a secret
     conn.shutdown()
 
 
@@ -86,7 +86,9 @@ def test_decode_registers_at_allocation_and_prefill_sends_at_finish(model_dir, w
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.request import RequestStatus
 
-    src = {"engine_id": "P-test", "tp": 1, "handshake": ["tcp://127.0.0.1:7990"]}
+    from pushkv.vllm.params import socket_dir
+
+    src = {"engine_id": "P-test", "tp": 1, "handshake": [f"ipc://{socket_dir()}/P-test-0-hs"]}  # P's default
     d = KVConnectorFactory.create_connector(make_config(model_dir, "kv_consumer", "D-test"),
                                             KVConnectorRole.SCHEDULER, None)
     recv_d = writer_cmd(d.settings.cmd_endpoint(0))

@@ -161,16 +161,30 @@ def test_parse_leg_refuses_bad_params(params, match):
 
 
 def test_settings_from_extra_config_and_env():
-    s = P.settings("E", 2, {"handshake_port": 7100}, env={})
-    assert [s.handshake_endpoint(r) for r in range(2)] == ["tcp://127.0.0.1:7100", "tcp://127.0.0.1:7101"]
-    assert P.source_dict(s.source()) == {"engine_id": "E", "tp": 2,
-                                         "handshake": ["tcp://127.0.0.1:7100", "tcp://127.0.0.1:7101"]}
-    env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": "5900", "VLLM_NIXL_SIDE_CHANNEL_HOST": "10.0.0.1"}
-    assert P.settings("E", 1, None, env=env).handshake_endpoint(0) == "tcp://10.0.0.1:5900"
+    s = P.settings("E", 2, {"handshake_port": 7100}, env={})  # one host: the port does not matter
+    hs = [s.handshake_endpoint(r) for r in range(2)]
+    d = P.socket_dir()
+    assert hs == [f"ipc://{d}/E-0-hs", f"ipc://{d}/E-1-hs"]  # in the 0700 directory (checked below)
+    assert P.source_dict(s.source()) == {"engine_id": "E", "tp": 2, "handshake": hs}
+    env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": "5900", "VLLM_NIXL_SIDE_CHANNEL_HOST": "10.0.0.1",
+           "PUSHKV_SECRET_FILE": "/s"}
+    s = P.settings("E", 1, None, env=env)
+    assert (s.handshake_endpoint(0), s.secret_file) == ("tcp://10.0.0.1:5900", "/s")
+    s = P.settings("E", 2, {"handshake_host": "10.0.0.2", "handshake_port": 7100, "secret_file": "/x"}, env={})
+    assert [s.handshake_endpoint(r) for r in range(2)] == ["tcp://10.0.0.2:7100", "tcp://10.0.0.2:7101"]
     ep = P.settings("E", 1, None, env={}).cmd_endpoint(0)
     assert ep.startswith("ipc:///") and "@" not in ep  # a file in a 0700 directory, not the abstract namespace
     d = os.path.dirname(ep[len("ipc://"):])
     assert stat.S_IMODE(os.stat(d).st_mode) == 0o700 and os.stat(d).st_uid == os.getuid()
+
+
+@pytest.mark.parametrize("extra,env", [
+    ({"handshake_host": "127.0.0.1"}, {}),  # loopback too: another local user reaches it
+    (None, {"VLLM_NIXL_SIDE_CHANNEL_HOST": "10.0.0.1"}),
+])
+def test_a_tcp_handshake_without_a_secret_is_refused(extra, env):
+    with pytest.raises(ValueError, match="needs a secret for CURVE"):
+        P.settings("E", 1, extra, env=env)
 
 
 def test_proxy_legs_share_one_transfer_id():

@@ -19,6 +19,7 @@ from pushkv import messages as m
 from pushkv.vllm import wire as w
 from pushkv.vllm.regions import KVMemory, LayerRegion
 from pushkv.writer.peers import HANDSHAKE_TIMEOUT_S
+from tests.support.other_uid import knock, nobody_runs_python, probe
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -45,8 +46,9 @@ class Writers:
     def endpoint(self, name: str) -> str:
         return f"ipc://{self.dir}/{name}"
 
-    def start(self, role: str, engine: str, rank: int, tp: int):
-        """(command socket, event socket, this rank's KV bytes) of a started, ready writer."""
+    def start(self, role: str, engine: str, rank: int, tp: int, handshake: str = "", secret_file: str = ""):
+        """(command socket, event socket, this rank's KV bytes) of a started, ready writer, its
+        handshake on ``handshake`` (default: an ipc file in this test's directory)."""
         kv = kv_memory(tp)
         fd = os.memfd_create(f"{engine}-{rank}")
         os.ftruncate(fd, kv.nbytes)
@@ -60,8 +62,8 @@ class Writers:
                "--rank", str(rank), "--tp", str(tp), "--fd", str(fd),
                "--memory", msgspec.msgpack.encode(kv).hex(), "--model-id", "tiny",
                "--cmd-endpoint", self.endpoint(f"{engine}-{rank}-cmd"), "--event-endpoint", ev,
-               "--handshake-endpoint", self.handshake(engine, rank), "--parent-pid", str(os.getpid()),
-               "--registration-wait-s", "20", "--transfer-s", "20"]
+               "--handshake-endpoint", handshake or self.handshake(engine, rank), "--parent-pid", str(os.getpid()),
+               "--registration-wait-s", "20", "--transfer-s", "20", "--secret-file", secret_file]
         proc = subprocess.Popen(cmd, pass_fds=(fd,), stdin=subprocess.DEVNULL)
         self.procs.append(proc)
         assert events.poll(READY_S * 1000), f"{engine} rank {rank}: no WriterReady"
@@ -176,3 +178,61 @@ def test_a_silent_prefill_writer_delays_no_other_request(writers):
     got = event(d_ev, HANDSHAKE_TIMEOUT_S + 10)
     assert isinstance(got, w.BlocksFailed) and got.transfer_id == "T1" and "timed out" in got.reason, got
     assert time.monotonic() - t0 >= HANDSHAKE_TIMEOUT_S * 0.9
+
+
+def _hello(engine: str, agent) -> bytes:
+    """A Hello a D writer of this test's shape would send (real NIXL metadata)."""
+    return m.encode(w.VllmHello(engine, 0, 1, agent.name, agent.metadata(), 0, kv_memory(1), m.WIRE_VERSION, "tiny"))
+
+
+@pytest.mark.skipif(not nobody_runs_python(), reason="needs root, setpriv, and this python usable by uid 65534")
+def test_default_handshake_is_closed_to_another_uid(writers):
+    """The connector's default (no handshake host): P's writer handshakes on an ipc file in the
+    connector's 0700 socket directory, so another local uid cannot connect and never gets the
+    Hello (NIXL metadata, KV base); the same Hello from our uid is answered with P's Hello."""
+    from pushkv.transport.nixl_agent import NixlAgent
+    from pushkv.vllm import params as P
+
+    ep = P.settings(f"P-uid-{os.getpid()}", 1, {}, env={}).handshake_endpoint(0)
+    assert ep.startswith("ipc:///")
+    writers.start("prefill", "P", 0, 1, handshake=ep)
+    agent = NixlAgent(f"uid-probe-{os.getpid()}")
+    ask = {ep: _hello("D-probe", agent).hex()}
+    theirs = probe(ask, as_other_uid=True)[ep]
+    assert theirs["connect"] != "connected" and not theirs["answer"], theirs
+    assert theirs.get("unix") == "PermissionError", theirs
+    ours = probe(ask, as_other_uid=False)[ep]
+    got = w.DEC_VHANDSHAKE.decode(bytes.fromhex(ours["answer"]))
+    assert isinstance(got, w.VllmHello) and got.agent_metadata, got
+    writers.procs[-1].terminate()
+    writers.procs[-1].wait(30)
+    assert not os.path.exists(ep[len("ipc://"):]), "the writer left its handshake socket file behind"
+
+
+def test_tcp_handshake_refuses_a_stranger_and_serves_the_secret_holder(writers, tmp_path):
+    """Across hosts the handshake is tcp under CURVE: a plain peer and one with another secret
+    are thrown out before their Hello is read, and get no answer; a D writer with the secret
+    handshakes and receives its KV."""
+    from pushkv.security import Security, derive_keys, load_secret
+    from pushkv.supervisor.plan import free_tcp_port
+
+    secret = tmp_path / "curve.secret"
+    secret.write_bytes(b"0123456789abcdef0123456789abcdef")
+    secret.chmod(0o600)
+    hs = f"tcp://127.0.0.1:{free_tcp_port()}"
+    p_cmd, p_ev, p_kv = writers.start("prefill", "P", 0, 1, handshake=hs, secret_file=str(secret))
+    from pushkv.transport.nixl_agent import NixlAgent
+
+    hello = _hello("D-stranger", NixlAgent(f"stranger-{os.getpid()}"))
+    knock(hs, None, hello)  # plain ZMQ
+    knock(hs, Security(derive_keys(b"another secret, 32 bytes long..")), hello)
+    assert derive_keys(load_secret(str(secret))) != derive_keys(b"another secret, 32 bytes long..")
+    d_cmd, d_ev, d_kv = writers.start("decode", "D", 0, 1, secret_file=str(secret))
+    p_kv[:] = 9
+    src = m.PrefillSource("P", 1, (hs,))
+    d_cmd.send(m.encode(w.ExpectBlocks("d-1", "T1", (4,), BLOCK_SIZE, src, 20.0)))
+    p_cmd.send(m.encode(w.SendBlocks("p-1", "T1", (2,), BLOCK_SIZE)))
+    got = event(d_ev)
+    assert isinstance(got, w.BlocksReceived) and got.transfer_id == "T1", got
+    page = TOTAL_HEADS * HEAD_BYTES
+    assert (d_kv[4 * page:5 * page] == 9).all()
