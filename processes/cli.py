@@ -27,6 +27,8 @@ from pushkv import up_help
 from pushkv.security import API_KEY_ENV, load_secret
 from pushkv.supervisor import deployments, registry
 from pushkv.supervisor.plan import plan_deployment
+from pushkv.cuda_driver import memory_info
+from pushkv.supervisor.kv_sizing import pool_note, size_pools
 from pushkv.supervisor.preflight import preflight
 from pushkv.supervisor.supervisor import (ON_CHILD_EXIT, PING_INTERVAL_S, STARTUP_TIMEOUT_S, STOP_TIMEOUT_S, ArgvHook,
                                           Supervisor)
@@ -108,7 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--prefill-block-size", type=int)
     t.add_argument("--decode-block-size", type=int)
     t.add_argument("--block-size", type=int, help="every instance's block size (the two above win)")
-    t.add_argument("--num-blocks", type=int, help="KV blocks per instance")
+    t.add_argument("--num-blocks", type=int,
+                   help="KV blocks in each rank's pool: the count, overriding --gpu-memory-utilization "
+                        "(vLLM's --num-gpu-blocks-override)")
+    t.add_argument("--gpu-memory-utilization", type=float, metavar="F",
+                   help="the fraction of each GPU's memory the instances may use (ranks on one GPU share it): "
+                        "a CUDA instance's KV pool is what it leaves after the weights and activations, and "
+                        "the GPU must have that much free; refused when no instance is on CUDA")
     t.add_argument("--prefill-instances", type=int, metavar="N",
                    help="P instances on this host, each with its own scheduler, workers, writers and devices")
     t.add_argument("--decode-instances", type=int, metavar="M", help="D instances on this host")
@@ -234,7 +242,15 @@ def cmd_up(args: argparse.Namespace, child_argv: Optional[ArgvHook] = None) -> i
     except (registry.RegistryError, OSError) as e:
         print(f"pushkv up: {e}", file=sys.stderr)
         return 2
+    sizing = size_pools(cfg, memory_info)  # vLLM's --gpu-memory-utilization; the pool fits the model
+    if sizing.problems:
+        for line in sizing.problems:
+            print(f"pushkv up: {line}", file=sys.stderr)
+        return 2
     print(f"pushkv up: {weights_note(cfg.model)}", file=sys.stderr)
+    for inst in sizing.cfg.instances():
+        print(f"pushkv up: {pool_note(sizing.cfg, inst, inst.name in sizing.sized)}", file=sys.stderr)
+    cfg = sizing.cfg
     deployments.sweep_residue()
     announcer = None
     if cfg.host_role in ("prefill", "decode"):  # this host's instances go into the registry

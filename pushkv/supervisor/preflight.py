@@ -13,7 +13,6 @@ install is a new fingerprint, checked afresh.
 """
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import importlib.util
 import os
@@ -23,12 +22,11 @@ import sys
 from typing import Optional
 
 from pushkv.config import DeploymentConfig, InstanceConfig
+from pushkv.cuda_driver import device_count as cuda_device_count
 from pushkv.supervisor.plan import fixed_ports
 
 NIXL_IMPORT = "nixl._api"  # what pushkv.transport.nixl_agent imports
 NIXL_TIMEOUT_S = 120.0  # a cold torch import on a loaded host; only a hung import waits this long
-CUDA_SUCCESS = 0
-CUDA_ERROR_NO_DEVICE = 100
 
 
 def port_problems(cfg: DeploymentConfig) -> list[str]:
@@ -60,25 +58,6 @@ def _device_flag(cfg: DeploymentConfig, inst: InstanceConfig) -> str:
     if cfg.mode == "local" or cfg.prefill.device == cfg.decode.device:
         return "--device"
     return f"--{inst.role}-device"
-
-
-def cuda_device_count() -> tuple[int, str]:
-    """GPUs the CUDA driver shows this process (CUDA_VISIBLE_DEVICES applies), and why none when 0.
-
-    Asks the driver library itself (what torch asks underneath), in milliseconds."""
-    try:
-        cuda = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return 0, "no NVIDIA driver here (libcuda.so.1 does not load)"
-    rc = cuda.cuInit(0)
-    if rc != CUDA_SUCCESS:
-        why = "no GPU visible" if rc == CUDA_ERROR_NO_DEVICE else f"the driver does not start (cuInit error {rc})"
-        return 0, why
-    count = ctypes.c_int(0)
-    rc = cuda.cuDeviceGetCount(ctypes.byref(count))
-    if rc != CUDA_SUCCESS:
-        return 0, f"the driver does not count its GPUs (cuDeviceGetCount error {rc})"
-    return count.value, ""
 
 
 def gpu_problems(cfg: DeploymentConfig, count_gpus=cuda_device_count) -> list[str]:

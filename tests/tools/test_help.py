@@ -9,6 +9,7 @@ import pytest
 
 from processes import cli as deployment
 from pushkv import up_help
+from pushkv.cuda_driver import device_count as cuda_device_count
 from tools import cli
 
 
@@ -31,9 +32,10 @@ def test_up_help_renders():
 # (flag's dest, what the unflagged config says): the shown default is the one that runs
 RUNS = {
     "mode": lambda c: c.mode, "port": lambda c: c.port, "host": lambda c: c.host,
-    "num_blocks": lambda c: c.decode.num_blocks, "block_size": lambda c: c.prefill.block_size,
+    "block_size": lambda c: c.prefill.block_size,
     "max_num_seqs": lambda c: c.prefill.max_num_seqs, "max_batch_tokens": lambda c: c.prefill.max_batch_tokens,
-    "prefill_chunk": lambda c: c.prefill.prefill_chunk, "device": lambda c: c.prefill.device,
+    "prefill_chunk": lambda c: c.prefill.prefill_chunk,
+    "gpu_memory_utilization": lambda c: c.gpu_memory_utilization,
     "tensor_parallel_size": lambda c: c.prefill.tp, "prefill_instances": lambda c: c.prefill_instances,
     "router_queue": lambda c: c.router_queue, "max_in_flight": lambda c: c.router_max_in_flight,
     "registry_ttl": lambda c: c.registry_ttl_s, "metrics_port": lambda c: c.metrics_port,
@@ -50,6 +52,17 @@ def test_shown_default_is_what_runs(dest):
     (action,) = [a for a in up_parser()._actions if a.dest == dest]
     # the default appended, or the flag's own help saying it ("0 (default) = ...", "(default 1024)")
     assert action.help.endswith(f"(default: {shown})") or str(shown) in action.help, action.help
+
+
+def test_shown_device_and_pool_defaults_are_what_runs_on_this_host():
+    """The device and the pool's size depend on the host: CUDA and a pool sized from memory where
+    the driver shows a GPU, the CPU and 2048 blocks where not; the help says both."""
+    cfg = deployment.config_from_args(deployment.build_parser().parse_args(["up"]))
+    on_gpu = cuda_device_count()[0] > 0
+    assert (cfg.prefill.device, cfg.decode.num_blocks) == (("cuda", 0) if on_gpu else ("cpu", 2048))
+    helps = {a.dest: a.help for a in up_parser()._actions}
+    assert helps["device"].endswith("(default: cuda where the driver shows a GPU, else cpu)")
+    assert helps["num_blocks"].endswith("(default: sized from --gpu-memory-utilization on CUDA, 2048 on cpu)")
 
 
 def test_top_level_help_lists_deployment_commands_first_then_every_tool_in_one_group():
