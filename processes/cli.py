@@ -30,8 +30,8 @@ from pushkv.supervisor.plan import plan_deployment
 from pushkv.cuda_driver import memory_info
 from pushkv.supervisor.kv_sizing import pool_note, size_pools
 from pushkv.supervisor.preflight import preflight
-from pushkv.supervisor.supervisor import (ON_CHILD_EXIT, PING_INTERVAL_S, STARTUP_TIMEOUT_S, STOP_TIMEOUT_S, ArgvHook,
-                                          Supervisor)
+from pushkv.supervisor.supervisor import (LOAD_TIMEOUT_S, ON_CHILD_EXIT, PING_INTERVAL_S, STARTUP_TIMEOUT_S,
+                                          STOP_TIMEOUT_S, ArgvHook, Supervisor)
 from pushkv.supervisor.table import HEALTH_TIMEOUT_S, RestartPolicy
 
 
@@ -183,7 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--on-child-exit", choices=ON_CHILD_EXIT, default="restart")
     up.add_argument("--max-restarts", type=int, default=5, help="per child, within --restart-window")
     up.add_argument("--restart-window", type=float, default=60.0, metavar="SECONDS")
-    up.add_argument("--startup-timeout", type=float, default=STARTUP_TIMEOUT_S, metavar="SECONDS")
+    up.add_argument("--startup-timeout", type=float, default=STARTUP_TIMEOUT_S, metavar="SECONDS",
+                    help="seconds each start stage has to become ready (writers, then schedulers, then the "
+                         "router); the workers' stage has --load-timeout")
+    up.add_argument("--load-timeout", type=float, default=LOAD_TIMEOUT_S, metavar="SECONDS",
+                    help="seconds the workers' stage has to load the weights and warm the engine (vLLM waits "
+                         "600 s for its engine); each worker logs its progress in GiB and seconds")
     up.add_argument("--stop-timeout", type=float, default=STOP_TIMEOUT_S, metavar="SECONDS")
     up.add_argument("--ping-interval", type=float, default=PING_INTERVAL_S, metavar="SECONDS",
                     help="health pings to every child; also the supervisor heartbeat event")
@@ -272,7 +277,7 @@ def cmd_up(args: argparse.Namespace, child_argv: Optional[ArgvHook] = None) -> i
     sup = Supervisor(
         cfg, child_argv=child_argv, on_child_exit=args.on_child_exit,
         restart_policy=RestartPolicy(args.max_restarts, args.restart_window),
-        startup_timeout_s=args.startup_timeout, stop_timeout_s=args.stop_timeout,
+        startup_timeout_s=args.startup_timeout, load_timeout_s=args.load_timeout, stop_timeout_s=args.stop_timeout,
         ping_interval_s=args.ping_interval, health_timeout_s=max(HEALTH_TIMEOUT_S, 5 * args.ping_interval),
         announcer=announcer,
     )

@@ -31,7 +31,6 @@ HELP = {
     "decode_block_size": "tokens per KV block on D (wins over --block-size)",
     "on_child_exit": "a child that dies: restart its whole instance, or shut the deployment down",
     "restart_window": "seconds over which --max-restarts counts a child's restarts",
-    "startup_timeout": "seconds every process has to become ready (loading weights included)",
     "stop_timeout": "seconds children have to exit after SIGTERM before they are killed",
     "log_level": "every process's log level",
 }

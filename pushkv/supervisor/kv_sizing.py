@@ -27,6 +27,7 @@ import msgspec
 
 from pushkv.config import DeploymentConfig, InstanceConfig, ModelConfig, rank_device
 from pushkv.kv.layout import block_bytes, layout_for
+from pushkv.model.footprint import weight_bytes
 
 GIB = 1 << 30
 CONTEXT_BYTES = 768 << 20  # one process's CUDA context, kernels and allocator slack (a rank runs two)
@@ -34,26 +35,6 @@ PROCESSES_PER_RANK = 2  # the worker (weights, activations) and the writer (the 
 LOGIT_COPIES = 3  # float32 logits and the sampler's working copies of them
 
 MemoryInfo = Callable[[int], "tuple[int, int]"]  # visible GPU ordinal -> (free, total) bytes
-
-
-def weight_bytes(model: ModelConfig, tp: int) -> int:
-    """One TP rank's weights: attention heads and MLP columns are split over ``tp``; the
-    embeddings, the LM head, the norms and an MoE router are whole on every rank."""
-    d, hd = model.hidden_size, model.head_dim
-    q = model.num_heads // tp
-    kv = max(1, model.num_kv_heads // tp)
-    inter = model.intermediate_size // tp
-    attn = 2 * q * hd * d + 2 * kv * hd * d
-    if model.qkv_bias:
-        attn += (q + 2 * kv) * hd
-    if model.qk_norm and not model.is_mla:
-        attn += 2 * hd
-    mlp = 3 * d * inter
-    if model.is_moe:
-        mlp = model.num_experts * (mlp + d)  # every expert's columns, and the router's row each
-    layer = 2 * d + attn + mlp
-    whole = model.vocab_size * d * (1 if model.tie_embeddings else 2) + d
-    return (model.num_layers * layer + whole) * model.dtype_bytes
 
 
 def activation_bytes(model: ModelConfig, inst: InstanceConfig) -> int:

@@ -15,8 +15,9 @@ import pytest
 from pushkv.config import PRESETS, DeploymentConfig, InstanceConfig, ModelConfig
 from pushkv.config_flags import user_config
 from pushkv.model.build import param_names
+from pushkv.model.footprint import weight_bytes
 from pushkv.supervisor.kv_sizing import (CONTEXT_BYTES, GIB, PROCESSES_PER_RANK, activation_bytes, pool_note,
-                                         rank_block_bytes, size_pools, weight_bytes)
+                                         rank_block_bytes, size_pools)
 from pushkv.supervisor.plan import plan_deployment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

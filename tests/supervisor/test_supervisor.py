@@ -438,6 +438,24 @@ def test_child_crash_at_startup_fails_at_once(deployments):
     assert registry.list_records(d.reg_dir) == []
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("hung, flags, says", [
+    ("local-writer-0", ("--startup-timeout", "1"),
+     "the writers stage (KV pools allocated and registered with NIXL) is not ready after 1 s: local-writer-0; "
+     "if it is only slow, give it longer with --startup-timeout SECONDS"),
+    ("local-worker-0", ("--startup-timeout", "10", "--load-timeout", "2"),
+     "the workers stage (weights loaded, engine warmed) is not ready after 2 s: local-worker-0; "
+     "if it is only slow, give it longer with --load-timeout SECONDS"),
+], ids=["writers", "workers"])
+def test_a_stage_past_its_time_names_itself_and_its_flag(deployments, hung, flags, says):
+    d = deployments("--mode", "local", "--stop-timeout", "2", *flags, child_args={hung: ["--hang-at-start"]})
+    assert d.proc.wait(timeout=30) == 1
+    err = d.stderr()
+    assert says in err, err
+    d.ids = [re.search(r"deployment (\w+) \(local mode\)", err).group(1)]
+    assert lifecycle.shm_leftovers(d.ids[0]) == []
+
+
 def _subscribe(endpoint: str) -> zmq.Socket:
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
