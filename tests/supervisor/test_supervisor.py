@@ -20,6 +20,7 @@ import zmq
 from processes import cli
 from pushkv import messages as m
 from pushkv.config import DeploymentConfig, InstanceConfig, preset
+from pushkv.cuda_driver import device_count as cuda_device_count
 from pushkv.supervisor import commands as c
 from pushkv.supervisor import lifecycle, registry
 from pushkv.supervisor.plan import ProcessSpec, event_topic, plan_deployment, process_specs
@@ -419,6 +420,9 @@ def test_startup_all_ready_then_sigterm_cleans_up(deployments):
     d.proc.send_signal(signal.SIGTERM)
     assert d.proc.wait(timeout=20) == 0
     _assert_clean(rec, [p.pid for p in st.values()], d.reg_dir)
+    if not cuda_device_count()[0]:  # the CPU's pool: --num-blocks' default, said at startup
+        assert "KV pool prefill: 2048 blocks x 16 tokens = 32768 tokens of context (1.00 x --max-model-len 32768), " \
+               "0.06 GiB per rank on cpu (tp 2; --num-blocks (cpu))" in d.stderr()
 
 
 @pytest.mark.timeout(60)
