@@ -73,3 +73,20 @@ def test_top_level_help_lists_deployment_commands_first_then_every_tool_in_one_g
     assert sorted(grouped) == sorted(cli.TOOLS)  # every tool, each once
     for name in cli.TOOLS:
         assert f"\n    {name} " in text[first_tool:] or f"\n    {name}\n" in text[first_tool:], name
+
+
+UP_GROUPS = ["deployment", "model", "parallelism", "memory", "transfer", "routing", "security", "hosts",
+             "supervision"]
+
+
+def test_up_flags_are_grouped_by_topic_in_order():
+    up = up_parser()
+    groups = {g.title: [a.option_strings[-1] for a in g._group_actions] for g in up._action_groups}
+    assert groups["options"] == ["--help"]  # every flag of up sits in a topic
+    assert [t for t in groups if t in UP_GROUPS] == UP_GROUPS
+    assert {"--gpu-memory-utilization", "--num-blocks", "--block-size"} <= set(groups["memory"])
+    assert {"--tensor-parallel-size", "--device", "--prefill-instances"} <= set(groups["parallelism"])
+    assert {"--push-stream", "--link-window", "--kv-verify"} <= set(groups["transfer"])
+    assert {"--startup-timeout", "--load-timeout"} <= set(groups["supervision"])
+    text = up.format_help()
+    assert [text.index(f"\n{t}:") for t in UP_GROUPS] == sorted(text.index(f"\n{t}:") for t in UP_GROUPS)
