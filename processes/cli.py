@@ -80,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="auto: a request's unset temperature, top_p, top_k, min_p and max_tokens come from "
                           "the checkpoint's generation_config.json when it has one (as vLLM); none: pushkv's "
                           "defaults (greedy). Its EOS ids are stopped on either way")
+    mod.add_argument("--chat-template", metavar="FILE|TEMPLATE",
+                     help="the chat template /v1/chat/completions renders messages with, as vLLM takes it: a "
+                          "Jinja file's path or the template itself (default: the checkpoint's chat_template.jinja "
+                          "or tokenizer_config.json's, else one 'role: content' line per message)")
     mod.add_argument("--checkpoint", metavar="DIR", help="deprecated: --model DIR")
     for name in GEOMETRY:
         mod.add_argument("--" + name.replace("_", "-"), type=str if name == "dtype" else int,

@@ -392,6 +392,9 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
     # use (ranks on one GPU share it); a CUDA instance whose num_blocks is 0 gets the KV pool that
     # fraction leaves after its weights and activations (supervisor/kv_sizing.py, at launch)
     gpu_memory_utilization: float = 0.9
+    # the chat template's text (pushkv up --chat-template FILE|TEMPLATE, read at launch); "" = the
+    # checkpoint's (or the plain one)
+    chat_template: str = ""
 
     def __post_init__(self) -> None:
         check_choices(self)

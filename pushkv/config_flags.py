@@ -112,6 +112,22 @@ def weights_note(model: ModelConfig) -> str:
             "its tokens mean nothing")
 
 
+def chat_template_text(given: str) -> str:
+    """``--chat-template``, as vLLM takes it: a file's path, or the Jinja template itself; compiled
+    here, so a broken one is refused before anything starts."""
+    if os.path.isfile(given):
+        with open(given, encoding="utf-8") as f:
+            source = f.read()
+    elif "{{" in given or "{%" in given:
+        source = given
+    else:
+        raise ValueError(f"--chat-template {given!r}: no such file, and not a Jinja template either")
+    from pushkv.router.chat import ChatTemplate
+
+    ChatTemplate(source, name=given if len(given) < 80 else "--chat-template")  # ValueError if it does not compile
+    return source
+
+
 def default_device(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]]) -> Optional[str]:
     """vLLM's device default: CUDA where the driver shows a GPU, else the CPU; None when a flag or
     a --config file says where (theirs stands)."""
@@ -167,6 +183,7 @@ def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = 
         prefill_instances=f("prefill_instances"), decode_instances=f("decode_instances"),
         router_queue=f("router_queue"), router_max_in_flight=f("max_in_flight"),
         push_pin_fraction=f("push_pin_fraction"), gpu_memory_utilization=f("gpu_memory_utilization"),
+        chat_template=chat_template_text(template) if (template := f("chat_template")) else None,
         writer_warm=f("writer_warm"), writer_post_thread=f("writer_post_thread"),
         link_window=f("link_window"), link_window_mib=f("link_window_mib"), link_order=f("link_order"),
         conditional_disagg=True if f("conditional_disagg") else None,
