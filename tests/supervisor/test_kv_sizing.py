@@ -153,3 +153,14 @@ def test_pushkv_up_refuses_it_on_the_cpu_at_once():
                         "--device", "cpu", "--gpu-memory-utilization", "0.8"],
                        capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert p.returncode == 2 and "--gpu-memory-utilization sizes KV pools on CUDA" in p.stderr
+
+
+def test_a_pool_sized_on_another_host_bounds_the_routers_messages_by_the_widest_id():
+    """A router host plans templates whose pools are sized elsewhere (num_blocks 0): its message caps
+    must hold P's largest block ids all the same."""
+    from pushkv import limits
+
+    sized_elsewhere = deployment(blocks=0)
+    known = deployment(blocks=(1 << 32) - 1)
+    assert limits.generate_cap_bytes(sized_elsewhere) == limits.generate_cap_bytes(known)
+    assert limits.generate_cap_bytes(sized_elsewhere) > limits.generate_cap_bytes(deployment(blocks=100))
