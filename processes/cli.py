@@ -28,7 +28,7 @@ from pushkv.security import API_KEY_ENV, load_secret
 from pushkv.supervisor import deployments, registry
 from pushkv.supervisor.plan import plan_deployment
 from pushkv.cuda_driver import memory_info
-from pushkv.supervisor.kv_sizing import pool_note, size_pools
+from pushkv.supervisor.kv_sizing import Sizing, pool_note, size_pools
 from pushkv.supervisor.preflight import preflight
 from pushkv.supervisor.supervisor import (LOAD_TIMEOUT_S, ON_CHILD_EXIT, PING_INTERVAL_S, STARTUP_TIMEOUT_S,
                                           STOP_TIMEOUT_S, ArgvHook, Supervisor)
@@ -252,9 +252,15 @@ def cmd_up(args: argparse.Namespace, child_argv: Optional[ArgvHook] = None) -> i
     if cfg.host_role and not cfg.secret_file:  # --insecure: said at every start, before anything can fail
         print(f"pushkv up: WARNING --insecure: {cfg.host_role} host without --secret-file: its ZMQ sockets on "
               f"{cfg.advertise or cfg.host} take plain, unauthenticated peers", file=sys.stderr)
-    # a taken port, a missing GPU, NIXL that does not import: before any child (children a caller
-    # brings, child_argv, are not pushkv's writers: they need no NIXL)
-    problems = preflight(cfg, writers=child_argv is None)
+    # a taken port, a missing GPU, a model that does not fit, NIXL that does not import: before any
+    # child (children a caller brings, child_argv, are not pushkv's writers: they need no NIXL)
+    sized: list[Sizing] = []
+
+    def size() -> list[str]:  # vLLM's --gpu-memory-utilization; a model that does not fit is refused
+        sized.append(size_pools(cfg, memory_info))
+        return sized[0].problems
+
+    problems = preflight(cfg, writers=child_argv is None, then=size)
     if problems:
         for line in problems:
             print(f"pushkv up: {line}", file=sys.stderr)
@@ -264,11 +270,7 @@ def cmd_up(args: argparse.Namespace, child_argv: Optional[ArgvHook] = None) -> i
     except (registry.RegistryError, OSError) as e:
         print(f"pushkv up: {e}", file=sys.stderr)
         return 2
-    sizing = size_pools(cfg, memory_info)  # vLLM's --gpu-memory-utilization; the pool fits the model
-    if sizing.problems:
-        for line in sizing.problems:
-            print(f"pushkv up: {line}", file=sys.stderr)
-        return 2
+    (sizing,) = sized
     print(f"pushkv up: {weights_note(cfg.model)}", file=sys.stderr)
     for inst in sizing.cfg.instances():
         print(f"pushkv up: {pool_note(sizing.cfg, inst, inst.name in sizing.sized)}", file=sys.stderr)

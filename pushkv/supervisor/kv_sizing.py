@@ -26,6 +26,7 @@ from typing import Callable
 import msgspec
 
 from pushkv.config import DeploymentConfig, InstanceConfig, ModelConfig, rank_device
+from pushkv.cuda_driver import DriverError
 from pushkv.kv.layout import block_bytes, layout_for
 from pushkv.model.footprint import weight_bytes
 
@@ -92,7 +93,12 @@ def size_pools(cfg: DeploymentConfig, memory: MemoryInfo) -> Sizing:
     problems: list[str] = []
     share: dict[int, int] = {}
     for gpu in sorted({gpu_of(i, r) for i in sized for r in range(i.tp)}):
-        free, total = memory(gpu)
+        try:
+            free, total = memory(gpu)
+        except DriverError as e:
+            problems.append(f"--gpu-memory-utilization: cuda:{gpu}'s memory is unknown ({e}); give --num-blocks N, "
+                            "or check the GPU with nvidia-smi")
+            continue
         budget = int(util * total)
         if free < budget:
             problems.append(

@@ -2,6 +2,9 @@
 model has loaded (a taken port, found when the router binds) or deep inside a child (torch's
 error from a writer on a host without a GPU, a raw ImportError from NIXL).
 
+The KV pools' sizing (``kv_sizing``: a model that does not fit its GPUs) runs here too, once the
+port and GPU checks passed, so it is not kept waiting for NIXL either.
+
 Each check returns the problems it found, each naming the flag and the fix; ``pushkv up`` prints
 them and exits 2 before any process starts. They are cheap: binding a socket, loading the CUDA
 driver library and asking it for devices (no torch), and one child interpreter importing NIXL
@@ -19,7 +22,7 @@ import os
 import socket
 import subprocess
 import sys
-from typing import Optional
+from typing import Callable, Optional
 
 from pushkv.config import DeploymentConfig, InstanceConfig
 from pushkv.cuda_driver import device_count as cuda_device_count
@@ -139,9 +142,11 @@ def _verified_mark(fingerprint: Optional[str]) -> Optional[str]:
     return os.path.join(cache_dir(), f"nixl-imports-{fingerprint}")
 
 
-def preflight(cfg: DeploymentConfig, writers: bool = True) -> list[str]:
+def preflight(cfg: DeploymentConfig, writers: bool = True,
+              then: Optional[Callable[[], list[str]]] = None) -> list[str]:
     """The problems of the planned ``cfg`` found before anything starts ([] = go). A port or GPU
-    problem is answered at once, without waiting for NIXL's import. ``writers``: pushkv's own
+    problem is answered at once, without waiting for NIXL's import, and so are ``then``'s (a check
+    that needs the GPUs there: the pools' sizing), run once those passed. ``writers``: pushkv's own
     writers will run here (not on a router host, nor under a caller's own children), so NIXL must
     import."""
     mark = _verified_mark(nixl_fingerprint()) if writers and cfg.host_role != "router" else None
@@ -149,6 +154,8 @@ def preflight(cfg: DeploymentConfig, writers: bool = True) -> list[str]:
     nixl = start_nixl_check() if writers and cfg.host_role != "router" and not known_good else None
     try:
         problems = port_problems(cfg) + gpu_problems(cfg)
+        if not problems and then is not None:
+            problems = then()
     except BaseException:
         _reap(nixl)
         raise

@@ -164,3 +164,27 @@ def test_a_pool_sized_on_another_host_bounds_the_routers_messages_by_the_widest_
     known = deployment(blocks=(1 << 32) - 1)
     assert limits.generate_cap_bytes(sized_elsewhere) == limits.generate_cap_bytes(known)
     assert limits.generate_cap_bytes(sized_elsewhere) > limits.generate_cap_bytes(deployment(blocks=100))
+
+
+def test_a_gpu_whose_memory_the_driver_does_not_give_is_a_problem_not_a_crash():
+    from pushkv.cuda_driver import DriverError
+
+    def refuses(gpu):
+        raise DriverError("cuDevicePrimaryCtxRetain error 46")
+
+    sized = size_pools(deployment(), refuses)
+    assert sized.problems[0] == ("--gpu-memory-utilization: cuda:0's memory is unknown (cuDevicePrimaryCtxRetain "
+                                 "error 46); give --num-blocks N, or check the GPU with nvidia-smi")
+
+
+def test_the_driver_query_without_a_gpu_says_why():
+    from pushkv.cuda_driver import DriverError, device_count, memory_info
+
+    count, why = device_count()
+    if count:
+        free, total = memory_info(0)
+        assert 0 < free <= total
+    else:
+        assert why
+        with pytest.raises(DriverError):
+            memory_info(0)
