@@ -1,7 +1,7 @@
 """The supervisor actor: start a deployment, watch it, stop it.
 
 Phases: *starting* (spawn stage by stage, each child NEW -> STARTED -> READY,
-one overall deadline, a child's exit fails startup at once), *running*
+a deadline per stage, a child's exit fails startup at once), *running*
 (Ping/Pong health, restart or shut down on a child's death, control
 commands), *stopping* (Shutdown, SIGTERM, one deadline, SIGKILL, reap, unlink
 shared memory, delete the run dir). Child exits arrive as pidfds in the same
