@@ -27,9 +27,11 @@ from pushkv import up_help
 from pushkv.security import API_KEY_ENV, load_secret
 from pushkv.supervisor import deployments, registry
 from pushkv.supervisor.plan import plan_deployment
+from pushkv.cuda_driver import memory_info
+from pushkv.supervisor.kv_sizing import Sizing, pool_note, size_pools
 from pushkv.supervisor.preflight import preflight
-from pushkv.supervisor.supervisor import (ON_CHILD_EXIT, PING_INTERVAL_S, STARTUP_TIMEOUT_S, STOP_TIMEOUT_S, ArgvHook,
-                                          Supervisor)
+from pushkv.supervisor.supervisor import (LOAD_TIMEOUT_S, ON_CHILD_EXIT, PING_INTERVAL_S, STARTUP_TIMEOUT_S,
+                                          STOP_TIMEOUT_S, ArgvHook, Supervisor)
 from pushkv.supervisor.table import HEALTH_TIMEOUT_S, RestartPolicy
 
 
@@ -42,156 +44,184 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     up = sub.add_parser("up", help="start a deployment and supervise it until stopped")
-    up.add_argument("--config", help="JSON or TOML file of DeploymentConfig fields (flags override)")
-    up.add_argument("--mode", choices=("push", "pull", "local"))
-    up.add_argument("--pull-read", choices=("inline", "background", "write"),
-                    help="pull: READ inside D's step, READ on D's writer, or D registers after the relay and P WRITEs")
-    up.add_argument("--push-stream", choices=("off", "chunk", "layer"),
-                    help="push: WRITE after the whole prefill (off), each chunk's blocks as its step ends (chunk), "
-                         "or each layer group's as the worker marks it stored (layer, the default)")
-    up.add_argument("--push-stream-groups", type=int, metavar="N",
-                    help="--push-stream layer: layer groups per pool, each WRITTEN as it is stored (default 4)")
-    up.add_argument("--kv-verify", choices=("off", "sample", "full"),
-                    help="D checks the KV it received against P's checksums before the first decode step: "
-                         "off, a sample of blocks (first, last and a few more), or every block; a mismatch "
-                         "fails the request (502); default sample")
-    up.add_argument("--host")
-    up.add_argument("--port", type=int)
-    up.add_argument("--metrics-port", type=int, metavar="PORT",
-                    help="each P / D instance serves /metrics (vLLM's vllm:* names) on its own port: the first "
-                         "on PORT, the next ones on the ports after it; 0 (default) = a free port each, shown "
-                         "by `pushkv status`")
-    up.add_argument("--model", metavar="PATH|ORG/NAME|SHAPE",
-                    help="a local Hugging Face checkpoint directory, or a Hugging Face repo id (resolved through "
-                         "huggingface_hub: from the local cache when HF_HUB_OFFLINE=1), as vLLM takes it; with "
-                         f"--load-format dummy also one of the random-weight shapes {', '.join(sorted(PRESETS))}")
-    up.add_argument("--revision", help="--model repo id: the branch, tag or commit (default: main)")
-    up.add_argument("--tokenizer", metavar="PATH|ORG/NAME",
-                    help="the tokenizer's directory or repo id (default: --model's)")
-    up.add_argument("--load-format", choices=("auto", "dummy"),
-                    help="auto: --model's weights; dummy: random weights (of --model's shape and tokenizer), "
-                         "said at startup")
-    up.add_argument("--max-model-len", type=int, metavar="N",
-                    help="longest prompt + output a request may have (default: the model's max_position_embeddings)")
-    up.add_argument("--checkpoint", metavar="DIR", help="deprecated: --model DIR")
-    up.add_argument("--generation-config", choices=("auto", "none"), default="auto",
-                    help="auto: a request's unset temperature, top_p, top_k, min_p and max_tokens come from "
-                         "the checkpoint's generation_config.json when it has one (as vLLM); none: pushkv's "
-                         "defaults (greedy). Its EOS ids are stopped on either way")
-    g = up.add_argument_group("model geometry overrides")
+    dep = up.add_argument_group("deployment")
+    dep.add_argument("--config", help="JSON or TOML file of DeploymentConfig fields (flags override)")
+    dep.add_argument("--mode", choices=("push", "pull", "local"))
+    dep.add_argument("--host")
+    dep.add_argument("--port", type=int)
+    dep.add_argument("--metrics-port", type=int, metavar="PORT",
+                     help="each P / D instance serves /metrics (vLLM's vllm:* names) on its own port: the first "
+                          "on PORT, the next ones on the ports after it; 0 (default) = a free port each, shown "
+                          "by `pushkv status`")
+    dep.add_argument("--trace", nargs="?", const=TRACE_AUTO, metavar="ENDPOINT",
+                     help="every process mirrors what it sends and receives; taps (pushkv tap) attach at "
+                          "ENDPOINT (default: an ipc socket in the run dir, found through the registry)")
+    dep.add_argument("--log-level", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+
+    mod = up.add_argument_group("model", "what is served, as vLLM takes it")
+    mod.add_argument("--model", metavar="PATH|ORG/NAME|SHAPE",
+                     help="a local Hugging Face checkpoint directory, or a Hugging Face repo id (resolved through "
+                          "huggingface_hub: from the local cache when HF_HUB_OFFLINE=1), as vLLM takes it; with "
+                          f"--load-format dummy also one of the random-weight shapes {', '.join(sorted(PRESETS))}")
+    mod.add_argument("--revision", help="--model repo id: the branch, tag or commit (default: main)")
+    mod.add_argument("--tokenizer", metavar="PATH|ORG/NAME",
+                     help="the tokenizer's directory or repo id (default: --model's)")
+    mod.add_argument("--load-format", choices=("auto", "dummy"),
+                     help="auto: --model's weights; dummy: random weights (of --model's shape and tokenizer), "
+                          "said at startup")
+    mod.add_argument("--max-model-len", type=int, metavar="N",
+                     help="longest prompt + output a request may have (default: the model's max_position_embeddings)")
+    mod.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                     help="the names a request's model field may give, listed by /v1/models (default: the "
+                          "--model string, the checkpoint directory's name and its path; a shape: its name); "
+                          "another: 404")
+    mod.add_argument("--generation-config", choices=("auto", "none"), default="auto",
+                     help="auto: a request's unset temperature, top_p, top_k, min_p and max_tokens come from "
+                          "the checkpoint's generation_config.json when it has one (as vLLM); none: pushkv's "
+                          "defaults (greedy). Its EOS ids are stopped on either way")
+    mod.add_argument("--chat-template", metavar="FILE|TEMPLATE",
+                     help="the chat template /v1/chat/completions renders messages with, as vLLM takes it: a "
+                          "Jinja file's path or the template itself (default: the checkpoint's chat_template.jinja "
+                          "or tokenizer_config.json's, else one 'role: content' line per message)")
+    mod.add_argument("--checkpoint", metavar="DIR", help="deprecated: --model DIR")
     for name in GEOMETRY:
-        g.add_argument("--" + name.replace("_", "-"), type=str if name == "dtype" else int,
-                       help="auto (default): the checkpoint's; float32|bfloat16|float16" if name == "dtype" else None)
-    e = up.add_argument_group("engine")
-    e.add_argument("--engine", choices=("auto", "batched", "per-seq"),
-                   help="auto: batched (Triton paged attention, CUDA graphs) on CUDA, per-seq on CPU")
-    e.add_argument("--batch-invariant", choices=("on", "off"),
-                   help="on: each sequence runs alone, so tokens never depend on the batch (exact equality tests)")
-    e.add_argument("--random-init", choices=("cpu", "device"), help="where random weights are drawn")
-    e.add_argument("--max-num-seqs", type=int, help="sequences per step, every instance")
-    e.add_argument("--max-batch-tokens", type=int, help="tokens per step, every instance")
-    e.add_argument("--prefill-chunk", type=int,
-                   help="prefill a longer prompt in chunks of at most this many tokens a step, mixed with decodes "
-                        "(0: never)")
-    e.add_argument("--no-prefix-cache", action="store_true",
-                   help="every instance computes every prompt whole and forgets a request's blocks when it ends "
-                        "(default: full prompt blocks are cached by a hash of their tokens and reused)")
-    t = up.add_argument_group("instances")
-    t.add_argument("-tp", "--tensor-parallel-size", type=int, metavar="N",
-                   help="tensor-parallel ranks of every instance (P, D and local)")
-    t.add_argument("--prefill-tp", type=int, help="P's TP size (overrides -tp)")
-    t.add_argument("--decode-tp", type=int, help="D's TP size (overrides -tp)")
-    t.add_argument("--tp", type=int, help="deprecated: -tp/--tensor-parallel-size")
-    t.add_argument("--device", help="cpu | cuda[:N] for every instance (KV pool and model)")
-    t.add_argument("--prefill-device", help="cpu | cuda[:N] (overrides --device for P)")
-    t.add_argument("--decode-device", help="cpu | cuda[:N] (overrides --device for D)")
-    t.add_argument("--prefill-block-size", type=int)
-    t.add_argument("--decode-block-size", type=int)
-    t.add_argument("--block-size", type=int, help="every instance's block size (the two above win)")
-    t.add_argument("--num-blocks", type=int, help="KV blocks per instance")
-    t.add_argument("--prefill-instances", type=int, metavar="N",
-                   help="P instances on this host, each with its own scheduler, workers, writers and devices")
-    t.add_argument("--decode-instances", type=int, metavar="M", help="D instances on this host")
-    t.add_argument("--writer-post-thread", choices=("auto", "on", "off"),
-                   help="P's writers post WRITEs from a second NIXL agent on its own thread, so a post that "
-                        "blocks for the whole transfer (UCX over TCP) leaves the loop reading notifications; "
-                        "auto (default) = on when UCX_TLS limits UCX to TCP for the network")
-    t.add_argument("--link-window", type=int, metavar="N",
-                   help="WRITEs P keeps on the link to each D rank at a time (the rest queue): overlapping "
-                        "WRITEs share a slow link badly; 0 (default) = auto: 1 when UCX_TLS limits UCX to TCP, "
-                        "else no queue")
-    t.add_argument("--link-window-mib", type=int, metavar="MIB",
-                   help="and at most this many MiB of them (an idle link still takes one larger); 0 = no bound")
-    t.add_argument("--link-order", choices=typing.get_args(LinkOrder),
-                   help="which queued WRITE goes next on a link: arrival (default), shortest (fewest bytes left "
-                        "of its request), deadline (oldest transfer first)")
-    t.add_argument("--staging", choices=typing.get_args(Staging),
-                   help="who stages GPU KV through host memory for a transport that cannot reach GPU memory "
-                        "(UCX over TCP): transport (UCX's cuda_copy, a fragment at a time), pushkv (a pinned host "
-                        "mirror of the pool, copied on a copy stream around each WRITE); auto (default) = pushkv "
-                        "for push on GPU pools when UCX_TLS limits UCX to TCP, else transport")
-    t.add_argument("--writer-warm", choices=("auto", "on", "off"),
-                   help="writers spin (a core each) while a transfer with them is expected, so its post and "
-                        "completion skip the wake-up from idle; auto (default) = on for CUDA instances")
-    r = up.add_argument_group("router")
-    r.add_argument("--served-model-name", nargs="+", metavar="NAME",
-                   help="the names a request's model field may give, listed by /v1/models (default: the "
-                        "--model string, the checkpoint directory's name and its path; a shape: its name); "
-                        "another: 404")
-    r.add_argument("--router-queue", type=int, metavar="N",
-                   help="requests that may wait at the router for a D that can hold them; past it: 429")
-    r.add_argument("--max-in-flight", type=int, metavar="N",
-                   help="choices the router serves at once, queued ones included (default 1024); past it: "
-                        "429 with Retry-After")
-    r.add_argument("--max-connections", type=int, metavar="N",
-                   help="HTTP connections the router holds at once (default 4096, and at most its open-file "
-                        "limit less 256); past it: 503 with Retry-After, closed unread")
-    r.add_argument("--push-pin-fraction", type=float, metavar="F",
-                   help="push: at most this fraction of a D's blocks reserved early and still waiting for KV; "
-                        "past it a request falls back to late allocation (D allocates after P)")
-    r.add_argument("--conditional-disagg", action="store_true",
-                   help="per request, D may prefill it itself (no KV moves) when the router's cost model, "
-                        "learned from this deployment's timings, prices that below P's prefill and the handoff")
-    up.add_argument("--trace", nargs="?", const=TRACE_AUTO, metavar="ENDPOINT",
-                    help="every process mirrors what it sends and receives; taps (pushkv tap) attach at "
-                         "ENDPOINT (default: an ipc socket in the run dir, found through the registry)")
-    s = up.add_argument_group("security")
-    s.add_argument("--secret-file", metavar="FILE",
-                   help="shared secret every host holds; every ZMQ socket on a tcp:// endpoint then uses CURVE "
-                        "with keys derived from it, and peers without it are refused (make one: openssl rand -hex 32)")
-    s.add_argument("--insecure", action="store_true",
-                   help="with --role: start without --secret-file (plain ZMQ on the network: anyone who reaches "
-                        "this host can send requests straight to its schedulers and writers); warns at every start")
-    s.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
-                   help=f"the router answers /v1/* only with 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
-    s.add_argument("--metrics-auth", action="store_true",
-                   help="/metrics (the router's and every instance's) needs the --api-key too; default off: "
-                        "open to scrapers, as vLLM's")
-    h = up.add_argument_group(
-        "several hosts", "one `pushkv up --role ...` per host, every host given the same --mode, model, geometry "
+        mod.add_argument("--" + name.replace("_", "-"), type=str if name == "dtype" else int,
+                         help="auto (default): the checkpoint's; float32|bfloat16|float16" if name == "dtype" else None)
+    mod.add_argument("--engine", choices=("auto", "batched", "per-seq"),
+                     help="auto: batched (Triton paged attention, CUDA graphs) on CUDA, per-seq on CPU")
+    mod.add_argument("--batch-invariant", choices=("on", "off"),
+                     help="on: each sequence runs alone, so tokens never depend on the batch (exact equality tests)")
+    mod.add_argument("--random-init", choices=("cpu", "device"), help="where random weights are drawn")
+
+    par = up.add_argument_group("parallelism", "TP ranks, instances and the devices they run on")
+    par.add_argument("-tp", "--tensor-parallel-size", type=int, metavar="N",
+                     help="tensor-parallel ranks of every instance (P, D and local)")
+    par.add_argument("--prefill-tp", type=int, help="P's TP size (overrides -tp)")
+    par.add_argument("--decode-tp", type=int, help="D's TP size (overrides -tp)")
+    par.add_argument("--tp", type=int, help="deprecated: -tp/--tensor-parallel-size")
+    par.add_argument("--prefill-instances", type=int, metavar="N",
+                     help="P instances on this host, each with its own scheduler, workers, writers and devices")
+    par.add_argument("--decode-instances", type=int, metavar="M", help="D instances on this host")
+    par.add_argument("--device", help="cpu | cuda[:N] for every instance (KV pool and model)")
+    par.add_argument("--prefill-device", help="cpu | cuda[:N] (overrides --device for P)")
+    par.add_argument("--decode-device", help="cpu | cuda[:N] (overrides --device for D)")
+
+    mem = up.add_argument_group("memory", "the KV pool and what a step may hold")
+    mem.add_argument("--gpu-memory-utilization", type=float, metavar="F",
+                     help="the fraction of each GPU's memory the instances may use (ranks on one GPU share it): "
+                          "a CUDA instance's KV pool is what it leaves after the weights and activations, and "
+                          "the GPU must have that much free; refused when no instance is on CUDA")
+    mem.add_argument("--num-blocks", type=int,
+                     help="KV blocks in each rank's pool: the count, overriding --gpu-memory-utilization "
+                          "(vLLM's --num-gpu-blocks-override)")
+    mem.add_argument("--block-size", type=int,
+                     help="every instance's block size (--prefill-block-size and --decode-block-size win)")
+    mem.add_argument("--prefill-block-size", type=int)
+    mem.add_argument("--decode-block-size", type=int)
+    mem.add_argument("--max-num-seqs", type=int, help="sequences per step, every instance")
+    mem.add_argument("--max-batch-tokens", type=int, help="tokens per step, every instance")
+    mem.add_argument("--prefill-chunk", type=int,
+                     help="prefill a longer prompt in chunks of at most this many tokens a step, mixed with decodes "
+                          "(0: never)")
+    mem.add_argument("--no-prefix-cache", action="store_true",
+                     help="every instance computes every prompt whole and forgets a request's blocks when it ends "
+                          "(default: full prompt blocks are cached by a hash of their tokens and reused)")
+
+    tra = up.add_argument_group("transfer", "how the KV moves from P to D")
+    tra.add_argument("--push-stream", choices=("off", "chunk", "layer"),
+                     help="push: WRITE after the whole prefill (off), each chunk's blocks as its step ends (chunk), "
+                          "or each layer group's as the worker marks it stored (layer, the default)")
+    tra.add_argument("--push-stream-groups", type=int, metavar="N",
+                     help="--push-stream layer: layer groups per pool, each WRITTEN as it is stored (default 4)")
+    tra.add_argument("--pull-read", choices=("inline", "background", "write"),
+                     help="pull: READ inside D's step, READ on D's writer, or D registers after the relay and P WRITEs")
+    tra.add_argument("--kv-verify", choices=("off", "sample", "full"),
+                     help="D checks the KV it received against P's checksums before the first decode step: "
+                          "off, a sample of blocks (first, last and a few more), or every block; a mismatch "
+                          "fails the request (502); default sample")
+    tra.add_argument("--writer-post-thread", choices=("auto", "on", "off"),
+                     help="P's writers post WRITEs from a second NIXL agent on its own thread, so a post that "
+                          "blocks for the whole transfer (UCX over TCP) leaves the loop reading notifications; "
+                          "auto (default) = on when UCX_TLS limits UCX to TCP for the network")
+    tra.add_argument("--link-window", type=int, metavar="N",
+                     help="WRITEs P keeps on the link to each D rank at a time (the rest queue): overlapping "
+                          "WRITEs share a slow link badly; 0 (default) = auto: 1 when UCX_TLS limits UCX to TCP, "
+                          "else no queue")
+    tra.add_argument("--link-window-mib", type=int, metavar="MIB",
+                     help="and at most this many MiB of them (an idle link still takes one larger); 0 = no bound")
+    tra.add_argument("--link-order", choices=typing.get_args(LinkOrder),
+                     help="which queued WRITE goes next on a link: arrival (default), shortest (fewest bytes left "
+                          "of its request), deadline (oldest transfer first)")
+    tra.add_argument("--staging", choices=typing.get_args(Staging),
+                     help="who stages GPU KV through host memory for a transport that cannot reach GPU memory "
+                          "(UCX over TCP): transport (UCX's cuda_copy, a fragment at a time), pushkv (a pinned host "
+                          "mirror of the pool, copied on a copy stream around each WRITE); auto (default) = pushkv "
+                          "for push on GPU pools when UCX_TLS limits UCX to TCP and the mirror fits, else transport")
+    tra.add_argument("--writer-warm", choices=("auto", "on", "off"),
+                     help="writers spin (a core each) while a transfer with them is expected, so its post and "
+                          "completion skip the wake-up from idle; auto (default) = on for CUDA instances")
+
+    rou = up.add_argument_group("routing", "the router's admission and placement")
+    rou.add_argument("--router-queue", type=int, metavar="N",
+                     help="requests that may wait at the router for a D that can hold them; past it: 429")
+    rou.add_argument("--max-in-flight", type=int, metavar="N",
+                     help="choices the router serves at once, queued ones included (default 1024); past it: "
+                          "429 with Retry-After")
+    rou.add_argument("--max-connections", type=int, metavar="N",
+                     help="HTTP connections the router holds at once (default 4096, and at most its open-file "
+                          "limit less 256); past it: 503 with Retry-After, closed unread")
+    rou.add_argument("--push-pin-fraction", type=float, metavar="F",
+                     help="push: at most this fraction of a D's blocks reserved early and still waiting for KV; "
+                          "past it a request falls back to late allocation (D allocates after P)")
+    rou.add_argument("--conditional-disagg", action="store_true",
+                     help="per request, D may prefill it itself (no KV moves) when the router's cost model, "
+                          "learned from this deployment's timings, prices that below P's prefill and the handoff")
+
+    sec = up.add_argument_group("security")
+    sec.add_argument("--secret-file", metavar="FILE",
+                     help="shared secret every host holds; every ZMQ socket on a tcp:// endpoint then uses CURVE "
+                          "with keys derived from it, and peers without it are refused (make one: openssl rand -hex "
+                          "32)")
+    sec.add_argument("--insecure", action="store_true",
+                     help="with --role: start without --secret-file (plain ZMQ on the network: anyone who reaches "
+                          "this host can send requests straight to its schedulers and writers); warns at every start")
+    sec.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                     help=f"the router answers /v1/* only with 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
+    sec.add_argument("--metrics-auth", action="store_true",
+                     help="/metrics (the router's and every instance's) needs the --api-key too; default off: "
+                          "open to scrapers, as vLLM's")
+
+    hos = up.add_argument_group(
+        "hosts", "one `pushkv up --role ...` per host, every host given the same --mode, model, geometry "
         "(--model/--checkpoint and overrides, --dtype, --seed) and instance shape (--prefill-tp/--decode-tp, "
         "block sizes); the router finds P and D instances through etcd")
-    h.add_argument("--role", choices=("router", "prefill", "decode"),
-                   help="run only this part here: the router, or this host's P (--prefill-instances) or D "
-                        "(--decode-instances) instances; without --role, the whole deployment runs here")
-    h.add_argument("--registry", metavar="etcd://[USER:PASS@]HOST:PORT[/PREFIX]",
-                   help="etcd every host registers in (etcds:// for TLS; ?password_file=FILE keeps the password "
-                        "off the command line)")
-    h.add_argument("--advertise", metavar="ADDR",
-                   help="this host's address the other hosts reach: its schedulers' and writers' tcp:// "
-                        "endpoints bind on it (the router's HTTP port too, unless --host)")
-    h.add_argument("--registry-ttl", type=int, metavar="SECONDS",
-                   help="lease TTL (default 5): a host that dies or is cut off leaves the registry, and its "
-                        "requests fail, within this (plus TTL/3)")
-    up.add_argument("--on-child-exit", choices=ON_CHILD_EXIT, default="restart")
-    up.add_argument("--max-restarts", type=int, default=5, help="per child, within --restart-window")
-    up.add_argument("--restart-window", type=float, default=60.0, metavar="SECONDS")
-    up.add_argument("--startup-timeout", type=float, default=STARTUP_TIMEOUT_S, metavar="SECONDS")
-    up.add_argument("--stop-timeout", type=float, default=STOP_TIMEOUT_S, metavar="SECONDS")
-    up.add_argument("--ping-interval", type=float, default=PING_INTERVAL_S, metavar="SECONDS",
-                    help="health pings to every child; also the supervisor heartbeat event")
-    up.add_argument("--log-level", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    hos.add_argument("--role", choices=("router", "prefill", "decode"),
+                     help="run only this part here: the router, or this host's P (--prefill-instances) or D "
+                          "(--decode-instances) instances; without --role, the whole deployment runs here")
+    hos.add_argument("--registry", metavar="etcd://[USER:PASS@]HOST:PORT[/PREFIX]",
+                     help="etcd every host registers in (etcds:// for TLS; ?password_file=FILE keeps the password "
+                          "off the command line)")
+    hos.add_argument("--advertise", metavar="ADDR",
+                     help="this host's address the other hosts reach: its schedulers' and writers' tcp:// "
+                          "endpoints bind on it (the router's HTTP port too, unless --host)")
+    hos.add_argument("--registry-ttl", type=int, metavar="SECONDS",
+                     help="lease TTL (default 5): a host that dies or is cut off leaves the registry, and its "
+                          "requests fail, within this (plus TTL/3)")
 
+    sup = up.add_argument_group("supervision", "start stages, restarts and stop")
+    sup.add_argument("--on-child-exit", choices=ON_CHILD_EXIT, default="restart")
+    sup.add_argument("--max-restarts", type=int, default=5, help="per child, within --restart-window")
+    sup.add_argument("--restart-window", type=float, default=60.0, metavar="SECONDS")
+    sup.add_argument("--startup-timeout", type=float, default=STARTUP_TIMEOUT_S, metavar="SECONDS",
+                     help="seconds each start stage has to become ready (writers, then schedulers, then the "
+                          "router); the workers' stage has --load-timeout")
+    sup.add_argument("--load-timeout", type=float, default=LOAD_TIMEOUT_S, metavar="SECONDS",
+                     help="seconds the workers' stage has to load the weights and warm the engine (vLLM waits "
+                          "600 s for its engine); each worker logs its progress in GiB and seconds")
+    sup.add_argument("--stop-timeout", type=float, default=STOP_TIMEOUT_S, metavar="SECONDS")
+    sup.add_argument("--ping-interval", type=float, default=PING_INTERVAL_S, metavar="SECONDS",
+                     help="health pings to every child; also the supervisor heartbeat event")
     st = sub.add_parser("status", help="show running deployments and their processes")
     st.add_argument("id", nargs="?", help="deployment id (default: all)")
     st.add_argument("--json", action="store_true", help="machine-readable output")
@@ -237,9 +267,15 @@ def cmd_up(args: argparse.Namespace, child_argv: Optional[ArgvHook] = None) -> i
     if cfg.host_role and not cfg.secret_file:  # --insecure: said at every start, before anything can fail
         print(f"pushkv up: WARNING --insecure: {cfg.host_role} host without --secret-file: its ZMQ sockets on "
               f"{cfg.advertise or cfg.host} take plain, unauthenticated peers", file=sys.stderr)
-    # a taken port, a missing GPU, NIXL that does not import: before any child (children a caller
-    # brings, child_argv, are not pushkv's writers: they need no NIXL)
-    problems = preflight(cfg, writers=child_argv is None)
+    # a taken port, a missing GPU, a model that does not fit, NIXL that does not import: before any
+    # child (children a caller brings, child_argv, are not pushkv's writers: they need no NIXL)
+    sized: list[Sizing] = []
+
+    def size() -> list[str]:  # vLLM's --gpu-memory-utilization; a model that does not fit is refused
+        sized.append(size_pools(cfg, memory_info))
+        return sized[0].problems
+
+    problems = preflight(cfg, writers=child_argv is None, then=size)
     if problems:
         for line in problems:
             print(f"pushkv up: {line}", file=sys.stderr)
@@ -249,7 +285,11 @@ def cmd_up(args: argparse.Namespace, child_argv: Optional[ArgvHook] = None) -> i
     except (registry.RegistryError, OSError) as e:
         print(f"pushkv up: {e}", file=sys.stderr)
         return 2
+    (sizing,) = sized
     print(f"pushkv up: {weights_note(cfg.model)}", file=sys.stderr)
+    for inst in sizing.cfg.instances():
+        print(f"pushkv up: {pool_note(sizing.cfg, inst, inst.name in sizing.sized)}", file=sys.stderr)
+    cfg = sizing.cfg
     deployments.sweep_residue()
     announcer = None
     if cfg.host_role in ("prefill", "decode"):  # this host's instances go into the registry
@@ -271,7 +311,7 @@ def cmd_up(args: argparse.Namespace, child_argv: Optional[ArgvHook] = None) -> i
     sup = Supervisor(
         cfg, child_argv=child_argv, on_child_exit=args.on_child_exit,
         restart_policy=RestartPolicy(args.max_restarts, args.restart_window),
-        startup_timeout_s=args.startup_timeout, stop_timeout_s=args.stop_timeout,
+        startup_timeout_s=args.startup_timeout, load_timeout_s=args.load_timeout, stop_timeout_s=args.stop_timeout,
         ping_interval_s=args.ping_interval, health_timeout_s=max(HEALTH_TIMEOUT_S, 5 * args.ping_interval),
         announcer=announcer,
     )

@@ -253,6 +253,8 @@ class InstanceConfig(msgspec.Struct, frozen=True):
     engine_id: str = ""
     tp: int = 1
     block_size: int = 16
+    # KV blocks in each rank's pool; 0 = sized at launch from DeploymentConfig.gpu_memory_utilization
+    # (CUDA only: `pushkv up` asks it for a CUDA instance given no --num-blocks)
     num_blocks: int = 2048
     max_num_seqs: int = 32
     max_batch_tokens: int = 8192
@@ -405,9 +407,19 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
     # open to scrapers, as vLLM's. The key reaches the router and, with this on, the schedulers
     # through their environment (PUSHKV_API_KEY), never through this file.
     metrics_auth: bool = False
+    # vLLM's --gpu-memory-utilization: the fraction of each GPU's memory this host's instances may
+    # use (ranks on one GPU share it); a CUDA instance whose num_blocks is 0 gets the KV pool that
+    # fraction leaves after its weights and activations (supervisor/kv_sizing.py, at launch)
+    gpu_memory_utilization: float = 0.9
+    # the chat template's text (pushkv up --chat-template FILE|TEMPLATE, read at launch); "" = the
+    # checkpoint's (or the plain one)
+    chat_template: str = ""
 
     def __post_init__(self) -> None:
         check_choices(self)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"--gpu-memory-utilization {self.gpu_memory_utilization} must be in (0, 1]: "
+                             "the fraction of each GPU's memory the instances may use")
         if self.link_window < 0 or self.link_window_mib < 0:
             raise ValueError(f"DeploymentConfig.link_window ({self.link_window}) and link_window_mib "
                              f"({self.link_window_mib}) are >= 0 (0: auto / no byte bound)")

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import msgspec
 
-from pushkv.config import PRESETS, TRACE_AUTO, DeploymentConfig, ModelConfig, config_from_builtins, preset
+from pushkv.config import (PRESETS, TRACE_AUTO, DeploymentConfig, InstanceConfig, ModelConfig, config_from_builtins,
+                           preset)
+from pushkv.cuda_driver import device_count
 
 # the flags that override a preset's (or a checkpoint's) geometry, each named as its ModelConfig field
 GEOMETRY = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
@@ -110,12 +112,54 @@ def weights_note(model: ModelConfig) -> str:
             "its tokens mean nothing")
 
 
-def user_config(flags: Mapping[str, Any]) -> DeploymentConfig:
+def chat_template_text(given: str) -> str:
+    """``--chat-template``, as vLLM takes it: a file's path, or the Jinja template itself; compiled
+    here, so a broken one is refused before anything starts."""
+    if os.path.isfile(given):
+        with open(given, encoding="utf-8") as f:
+            source = f.read()
+    elif "{{" in given or "{%" in given:
+        source = given
+    else:
+        raise ValueError(f"--chat-template {given!r}: no such file, and not a Jinja template either")
+    from pushkv.router.chat import ChatTemplate
+
+    ChatTemplate(source, name=given if len(given) < 80 else "--chat-template")  # ValueError if it does not compile
+    return source
+
+
+def default_device(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]]) -> Optional[str]:
+    """vLLM's device default: CUDA where the driver shows a GPU, else the CPU; None when a flag or
+    a --config file says where (theirs stands)."""
+    if flags.get("config") or any(flags.get(k) for k in ("device", "prefill_device", "decode_device")):
+        return None
+    return "cuda" if gpus()[0] > 0 else None
+
+
+def _pool_sizes(cfg: DeploymentConfig, flags: Mapping[str, Any]) -> DeploymentConfig:
+    """CUDA instances without --num-blocks (and without a --config file's say) get their pool sized
+    from --gpu-memory-utilization at launch (num_blocks 0); that flag on a deployment with no CUDA
+    instance is refused (a cpu pool is --num-blocks)."""
+    insts = {"local": cfg.local} if cfg.mode == "local" else {"prefill": cfg.prefill, "decode": cfg.decode}
+    if flags.get("gpu_memory_utilization") is not None and not any(i.device.startswith("cuda")
+                                                                   for i in insts.values()):
+        raise ValueError(f"--gpu-memory-utilization sizes KV pools on CUDA; every instance here is on "
+                         f"{', '.join(sorted({i.device for i in insts.values()}))}, whose pool is --num-blocks "
+                         f"(default {InstanceConfig(role='local').num_blocks}): drop the flag, or give --device cuda")
+    if flags.get("num_blocks") is not None or flags.get("config"):
+        return cfg
+    return _replace(cfg, **{role: _replace(i, num_blocks=0 if i.device.startswith("cuda") else None)
+                            for role, i in insts.items()})
+
+
+def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = device_count) -> DeploymentConfig:
     """The user's config from ``pushkv up``'s parsed flags (``vars(args)``; a flag missing or None
-    was not given): the ``--config`` file's, or the defaults, with every given flag on top."""
+    was not given): the ``--config`` file's, or the defaults, with every given flag on top.
+    ``gpus`` counts this host's GPUs (the device's default)."""
     f = flags.get
     path, secret, names = f("config"), f("secret_file"), f("served_model_name")
     cfg = load_config_file(path) if path else DeploymentConfig()
+    device = f("device") or default_device(flags, gpus)
     model = _model(flags, cfg.model)
     if not names and f("model") and not _preset_named(f("model")):
         # vLLM's default: the --model string as given; the directory's name and path still answer
@@ -128,7 +172,7 @@ def user_config(flags: Mapping[str, Any]) -> DeploymentConfig:
     sizes = dict(max_num_seqs=f("max_num_seqs"), max_batch_tokens=f("max_batch_tokens"),
                  prefill_chunk=f("prefill_chunk"), prefix_cache=False if f("no_prefix_cache") else None)
     trace = f("trace")
-    return _replace(
+    cfg = _replace(
         cfg, mode=f("mode"), pull_read=f("pull_read"), push_stream=f("push_stream"),
         push_stream_groups=f("push_stream_groups"), kv_verify=f("kv_verify"),
         # a host of several (--role) serves on its advertised address unless --host says otherwise
@@ -139,7 +183,8 @@ def user_config(flags: Mapping[str, Any]) -> DeploymentConfig:
         prefill_instances=f("prefill_instances"), decode_instances=f("decode_instances"),
         router_queue=f("router_queue"), router_max_in_flight=f("max_in_flight"),
         router_max_connections=f("max_connections"),
-        push_pin_fraction=f("push_pin_fraction"),
+        push_pin_fraction=f("push_pin_fraction"), gpu_memory_utilization=f("gpu_memory_utilization"),
+        chat_template=chat_template_text(template) if (template := f("chat_template")) else None,
         writer_warm=f("writer_warm"), writer_post_thread=f("writer_post_thread"),
         link_window=f("link_window"), link_window_mib=f("link_window_mib"), link_order=f("link_order"),
         staging=f("staging"),
@@ -149,9 +194,10 @@ def user_config(flags: Mapping[str, Any]) -> DeploymentConfig:
         trace_endpoint=TRACE_AUTO if trace else None,
         trace_tap_endpoint=trace if trace not in (None, TRACE_AUTO) else None,
         prefill=_replace(cfg.prefill, tp=f("prefill_tp") or tp, block_size=f("prefill_block_size") or f("block_size"),
-                         num_blocks=f("num_blocks"), device=f("prefill_device") or f("device"), **sizes),
+                         num_blocks=f("num_blocks"), device=f("prefill_device") or device, **sizes),
         decode=_replace(cfg.decode, tp=f("decode_tp") or tp, block_size=f("decode_block_size") or f("block_size"),
-                        num_blocks=f("num_blocks"), device=f("decode_device") or f("device"), **sizes),
+                        num_blocks=f("num_blocks"), device=f("decode_device") or device, **sizes),
         local=_replace(cfg.local, tp=tp, block_size=f("block_size"), num_blocks=f("num_blocks"),
-                       device=f("device"), **sizes),
+                       device=device, **sizes),
     )
+    return _pool_sizes(cfg, flags)

@@ -88,6 +88,9 @@ ENDPOINT_CHARS = 256  # a tcp:// or ipc:// endpoint, generously
 ID_CHARS = 128  # transfer ids, engine ids
 
 
+UNSIZED_BLOCK_ID = (1 << 32) - 1  # the widest id a pool sized elsewhere could give, as msgpack writes it
+
+
 def _instances(cfg: DeploymentConfig) -> list[InstanceConfig]:
     if cfg.mode == "local":
         return [cfg.local]
@@ -108,7 +111,9 @@ def largest_generate(cfg: DeploymentConfig) -> m.Generate:
     n, top = max_len(cfg), cfg.model.vocab_size - 1
     tp = max(i.tp for i in _instances(cfg))
     block = min(i.block_size for i in _instances(cfg))
-    num_blocks = max(i.num_blocks for i in _instances(cfg))
+    # a pool sized at launch on another host (num_blocks 0 here) may hand out any block id
+    num_blocks = max(i.num_blocks for i in _instances(cfg)) if all(i.num_blocks for i in _instances(cfg)) \
+        else UNSIZED_BLOCK_ID
     source = m.PrefillSource("e" * ID_CHARS, tp, ("t" * ENDPOINT_CHARS,) * tp)
     pull = m.PullParams(source, (num_blocks,) * -(-n // block), n, top, 1e9 + 0.1, _largest_checksums(cfg, n))
     return m.Generate("t" * ID_CHARS, (1 << 63) - 1, "prefill", (top,) * n, n, (top,) * stop_ids_bound(cfg),

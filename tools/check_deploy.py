@@ -13,7 +13,15 @@ and exits 1 if there is one:
 - every volumeMount names a volume of its pod; every ``$(VAR)`` in a container's command or
   args is one of its env vars (Kubernetes leaves an unknown one as literal text);
 - every Service a container's args reach by name (``host:port``) exists with that port;
-- kustomization.yaml lists every manifest but the Secret template, and nothing else.
+- no command line carries a Secret's value (a ``$(VAR)`` from a ``secretKeyRef`` other than a user
+  name): it would show in ``ps`` and in the expanded pod spec; read it from the environment or a file;
+- every pushkv container has readiness and liveness probes, and every probe's port is one of its
+  container's ports; every PersistentVolumeClaim a pod mounts is in ``deploy/``; ``HF_HOME`` lies
+  on a mounted volume;
+- every ServiceMonitor (Prometheus Operator) selects a Service here and scrapes a port it names;
+- deploy/Dockerfile builds on a CUDA base with the CUDA torch;
+- kustomization.yaml lists every manifest but the Secret template and the operator's kinds
+  (``servicemonitor.yaml``, applied only where its CRDs are), and nothing else.
 """
 from __future__ import annotations
 
@@ -32,6 +40,10 @@ KUSTOMIZATION = "kustomization.yaml"
 WORKLOADS = {"Deployment", "StatefulSet", "DaemonSet", "Job"}
 CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "PersistentVolume", "StorageClass"}
 VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+# kinds a cluster has only with an operator's CRDs: no bundled schema, checked structurally here,
+# and their files left out of kustomization.yaml
+OPERATOR_KINDS = {"ServiceMonitor": "monitoring.coreos.com/v1"}
+SECRET_KEYS_ARGS_MAY_HOLD = {"username"}  # a name is no credential; a password, key or token is
 
 Doc = dict[str, Any]
 
@@ -106,6 +118,9 @@ def structural_problems(docs: list[tuple[str, Doc]]) -> list[str]:
         volumes = {v["name"]: v for v in spec.get("volumes") or []}
         claims = {c["metadata"]["name"] for c in (doc.get("spec") or {}).get("volumeClaimTemplates") or []}
         for v in volumes.values():
+            claim = (v.get("persistentVolumeClaim") or {}).get("claimName")
+            if claim is not None and claim not in by_kind.get("PersistentVolumeClaim", {}):
+                out.append(f"{where}: PersistentVolumeClaim {claim!r} is not in deploy/")
             if "secret" in v:
                 for item in v["secret"].get("items") or [{"key": None}]:
                     ref(where, "Secret", secrets, v["secret"].get("secretName", ""), item["key"])
@@ -119,11 +134,15 @@ def structural_problems(docs: list[tuple[str, Doc]]) -> list[str]:
         for c in _containers(spec):
             cw = f"{where} container {c.get('name')}"
             env = set()
+            from_secret: dict[str, tuple[str, str]] = {}
             for e in c.get("env") or []:
                 env.add(e["name"])
                 vf = e.get("valueFrom") or {}
                 if "secretKeyRef" in vf:
-                    ref(cw, "Secret", secrets, vf["secretKeyRef"]["name"], vf["secretKeyRef"]["key"])
+                    sk = vf["secretKeyRef"]
+                    from_secret[e["name"]] = (sk["name"], sk["key"])
+                    if not sk.get("optional"):
+                        ref(cw, "Secret", secrets, sk["name"], sk["key"])
                 if "configMapKeyRef" in vf:
                     ref(cw, "ConfigMap", configmaps, vf["configMapKeyRef"]["name"], vf["configMapKeyRef"]["key"])
             for src in c.get("envFrom") or []:
@@ -134,17 +153,36 @@ def structural_problems(docs: list[tuple[str, Doc]]) -> list[str]:
             for m in c.get("volumeMounts") or []:
                 if m["name"] not in volumes and m["name"] not in claims:
                     out.append(f"{cw}: volumeMount {m['name']!r} names no volume of the pod")
+            out += _container_problems(cw, c, doc["kind"])
             words = [str(w) for w in (c.get("command") or []) + (c.get("args") or [])]
             for w in words:
                 for var in VAR_REF.findall(w):
                     if var not in env:
                         out.append(f"{cw}: $({var}) in its command line is not one of its env vars")
-                for host, port in re.findall(r"(?:^|[@/])([a-z][a-z0-9-]*):(\d+)(?:$|/)", w):
+                    elif var in from_secret and from_secret[var][1] not in SECRET_KEYS_ARGS_MAY_HOLD:
+                        out.append(f"{cw}: $({var}) puts Secret {from_secret[var][0]!r} key {from_secret[var][1]!r} "
+                                   "on its command line (ps and the pod's expanded spec show it); read it from the "
+                                   "environment or a mounted file")
+                for host, port in re.findall(r"(?:^|[@/])([a-z][a-z0-9-]*):(\d+)(?:$|[/?])", w):
                     svc = services.get(host)
                     if svc is None:
                         out.append(f"{cw}: {host}:{port} names no Service in deploy/")
                     elif int(port) not in {p.get("port") for p in (svc.get("spec") or {}).get("ports") or []}:
                         out.append(f"{cw}: Service {host} has no port {port}")
+
+    for mname, mon in by_kind.get("ServiceMonitor", {}).items():
+        where = f"ServiceMonitor/{mname}"
+        want = ((mon.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
+        scraped = [one for one in services.values()
+                   if want and all(((one.get("metadata") or {}).get("labels") or {}).get(k) == v
+                                   for k, v in want.items())]
+        if not scraped:
+            out.append(f"{where}: selector {want} matches no Service's labels in deploy/")
+        for ep in (mon.get("spec") or {}).get("endpoints") or []:
+            for one in scraped:
+                if ep.get("port") not in {p.get("name") for p in (one.get("spec") or {}).get("ports") or []}:
+                    out.append(f"{where}: endpoint port {ep.get('port')!r} is not a named port of "
+                               f"Service/{one['metadata']['name']}")
 
     for sname, svc in services.items():
         where = f"Service/{sname}"
@@ -164,6 +202,38 @@ def structural_problems(docs: list[tuple[str, Doc]]) -> list[str]:
     return out
 
 
+def _container_problems(cw: str, c: Doc, kind: str) -> list[str]:
+    """Probes (present on pushkv's long-running containers, on a port the container has) and HF_HOME."""
+    out: list[str] = []
+    ports = c.get("ports") or []
+    names, numbers = {p.get("name") for p in ports}, {p.get("containerPort") for p in ports}
+    serves = c.get("command") == ["pushkv"] and (c.get("args") or [None])[0] == "up" and kind != "Job"
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        spec = c.get(probe)
+        if spec is None:
+            if serves and probe != "startupProbe":
+                out.append(f"{cw}: no {probe}")
+            continue
+        port = (spec.get("httpGet") or spec.get("tcpSocket") or {}).get("port")
+        if port is not None and port not in (names if isinstance(port, str) else numbers):
+            out.append(f"{cw}: {probe} port {port!r} is not one of its container ports")
+    home = next((e.get("value") for e in c.get("env") or [] if e["name"] == "HF_HOME"), None)
+    mounts = [m.get("mountPath", "") for m in c.get("volumeMounts") or []]
+    if home and not any(home == m or home.startswith(m.rstrip("/") + "/") for m in mounts):
+        out.append(f"{cw}: HF_HOME {home} is on no mounted volume (the checkpoint would not be there)")
+    return out
+
+
+def _operator_only(deploy_dir: str, name: str) -> bool:
+    """Every document of the file is a kind only an operator's CRDs define."""
+    with open(os.path.join(deploy_dir, name)) as f:
+        try:
+            docs = [d for d in yaml.safe_load_all(f) if d is not None]
+        except yaml.YAMLError:
+            return False
+    return bool(docs) and all(OPERATOR_KINDS.get(d.get("kind")) == d.get("apiVersion") for d in docs)
+
+
 def kustomization_problems(deploy_dir: str) -> list[str]:
     path = os.path.join(deploy_dir, KUSTOMIZATION)
     if not os.path.exists(path):
@@ -171,8 +241,11 @@ def kustomization_problems(deploy_dir: str) -> list[str]:
     with open(path) as f:
         listed = set((yaml.safe_load(f) or {}).get("resources") or [])
     files = {n for n in os.listdir(deploy_dir) if n.endswith((".yaml", ".yml"))} - {KUSTOMIZATION, SECRET_TEMPLATE}
+    operator = {n for n in files if _operator_only(deploy_dir, n)}
     out = [f"{KUSTOMIZATION}: {n} is not a file in deploy/" for n in sorted(listed - files)]
-    out += [f"{KUSTOMIZATION}: {n} is not listed" for n in sorted(files - listed)]
+    out += [f"{KUSTOMIZATION}: {n} is not listed" for n in sorted(files - listed - operator)]
+    out += [f"{KUSTOMIZATION}: lists {n}, whose kinds exist only with an operator's CRDs (apply it apart)"
+            for n in sorted(listed & operator)]
     if SECRET_TEMPLATE in listed:
         out.append(f"{KUSTOMIZATION}: lists {SECRET_TEMPLATE} (its placeholders would be applied)")
     return out
@@ -184,6 +257,11 @@ def schema_problems(docs: Iterable[tuple[str, Doc]], versions: Iterable[str] = K
 
     out: list[str] = []
     for fname, doc in docs:
+        if doc.get("kind") in OPERATOR_KINDS:  # no bundled schema: structural_problems checks it
+            if OPERATOR_KINDS[doc["kind"]] != doc.get("apiVersion"):
+                out.append(f"{_where(fname, doc)}: apiVersion {doc.get('apiVersion')!r}, expected "
+                           f"{OPERATOR_KINDS[doc['kind']]!r}")
+            continue
         for v in versions:
             try:
                 kv.validate(doc, v, strict=True)
@@ -195,10 +273,27 @@ def schema_problems(docs: Iterable[tuple[str, Doc]], versions: Iterable[str] = K
     return out
 
 
+def dockerfile_problems(deploy_dir: str) -> list[str]:
+    """The image the manifests run: a CUDA base, and tools/install.sh with the CUDA torch."""
+    path = os.path.join(deploy_dir, "Dockerfile")
+    if not os.path.exists(path):
+        return ["Dockerfile is missing (the image every pod runs)"]
+    with open(path) as f:
+        lines = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+    out = []
+    base = next((line for line in lines if line.upper().startswith("FROM ")), "")
+    if not base.split()[1:2] or not base.split()[1].startswith("nvidia/cuda:"):
+        out.append(f"Dockerfile: {base or 'no FROM'} is not a CUDA base (nvidia/cuda:...)")
+    if not any("PUSHKV_TORCH=cuda" in line and "tools/install.sh" in line for line in lines):
+        out.append("Dockerfile: installs no CUDA torch (PUSHKV_TORCH=cuda bash tools/install.sh)")
+    return out
+
+
 def check(deploy_dir: str, schemas: bool = True) -> list[str]:
     docs, out = load(deploy_dir)
     out += structural_problems(docs)
     out += kustomization_problems(deploy_dir)
+    out += dockerfile_problems(deploy_dir)
     if schemas:
         out += schema_problems(docs)
     return out

@@ -7,6 +7,8 @@ from typing import Optional
 import torch
 
 from pushkv.config import ModelConfig
+from pushkv.model.footprint import weight_bytes
+from pushkv.model.load_progress import LoadProgress
 from pushkv.model.mla import MLAModel
 from pushkv.model.mla_weights import load_rank_mla, mla_names
 from pushkv.model.shard import shard_plan
@@ -24,11 +26,14 @@ def param_names(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def build_model(cfg: ModelConfig, tp_rank: int = 0, tp_size: int = 1, device: str = "cpu",
-                group=None, source: Optional[WeightSource] = None, max_num_seqs: int = 64) -> Model:
+                group=None, source: Optional[WeightSource] = None, max_num_seqs: int = 64,
+                label: str = "", progress: Optional[LoadProgress] = None) -> Model:
     """This rank's model: weights from cfg.checkpoint, from source, or random from cfg.seed
     (drawn on the CPU, or on the device when cfg.random_init == "device"). The batched
     engine (pushkv.model.batched) runs steps on CUDA, or wherever cfg.engine says;
-    max_num_seqs bounds the decode batches it captures as CUDA graphs."""
+    max_num_seqs bounds the decode batches it captures as CUDA graphs. Loading shows its progress
+    (``model.load_progress``, or ``progress``) under ``label`` (the process's name; default: the model
+    and rank)."""
     if cfg.engine not in ENGINES:
         raise ValueError(f"unknown engine {cfg.engine!r}; known: {ENGINES}")
     if cfg.random_init not in ("cpu", "device"):
@@ -51,10 +56,13 @@ def build_model(cfg: ModelConfig, tp_rank: int = 0, tp_size: int = 1, device: st
             source = RandomSource(cfg, device, param_names(cfg))
         else:
             source = DictSource(random_weights(cfg, param_names(cfg)))
+    if progress is None:
+        progress = LoadProgress(label or f"{cfg.name} rank {tp_rank}/{tp_size}", weight_bytes(cfg, tp_size))
     if cfg.is_mla:
-        weights = load_rank_mla(cfg, plan, taker(cfg, source, device))
+        weights = load_rank_mla(cfg, plan, taker(cfg, source, device, progress))
     else:
-        weights = load_rank(cfg, plan, source, device)
+        weights = load_rank(cfg, plan, source, device, progress)
+    progress.finish()
     log.info("model %s rank %d/%d: %d layers, q heads %d, kv heads %d from %d%s",
              cfg.name, tp_rank, tp_size, cfg.num_layers, plan.q_heads, plan.kv_heads, plan.kv_start,
              " (MLA latent, replicated)" if cfg.is_mla else "")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 import torch
 
@@ -162,9 +162,11 @@ class RankWeights:
     lm_head: torch.Tensor  # [vocab, d], replicated (may alias embed)
 
 
-def load_rank(cfg: ModelConfig, plan: ShardPlan, src: WeightSource, device: str = "cpu") -> RankWeights:
-    """Slice this rank's share out of src and cast to cfg.dtype on device."""
-    take = taker(cfg, src, device)
+def load_rank(cfg: ModelConfig, plan: ShardPlan, src: WeightSource, device: str = "cpu",
+              progress: Optional[Callable[[int], None]] = None) -> RankWeights:
+    """Slice this rank's share out of src and cast to cfg.dtype on device (``progress`` is told
+    each slice's bytes)."""
+    take = taker(cfg, src, device, progress)
     hd = cfg.head_dim
 
     if cfg.is_mla:
@@ -191,14 +193,18 @@ def load_rank(cfg: ModelConfig, plan: ShardPlan, src: WeightSource, device: str 
     return with_embeddings(cfg, take, layers)
 
 
-def taker(cfg: ModelConfig, src: WeightSource, device: str):
-    """take(name, dim, start, end): a slice of a source tensor, in cfg.dtype on device."""
+def taker(cfg: ModelConfig, src: WeightSource, device: str, progress: Optional[Callable[[int], None]] = None):
+    """take(name, dim, start, end): a slice of a source tensor, in cfg.dtype on device; ``progress``
+    is told the bytes of each slice taken."""
     dtype = TORCH_DTYPES[cfg.dtype]
 
     def take(name, dim=0, start=0, end=None):
         if not src.has(name):
             raise KeyError(f"weight {name!r} missing from the checkpoint")
-        return src.get(name, dim, start, end).to(device=device, dtype=dtype).contiguous()
+        t = src.get(name, dim, start, end).to(device=device, dtype=dtype).contiguous()
+        if progress is not None:
+            progress(t.numel() * t.element_size())
+        return t
 
     return take
 

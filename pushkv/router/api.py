@@ -5,7 +5,8 @@ with the HTTP status and the field named; the server turns it into
 ``{"error": {"message", "type", "param"}}``. Unknown fields are ignored, as
 OpenAI-compatible servers do; known fields that would change the result and
 are not implemented (``suffix``, ``best_of`` > n, beam search, a repetition
-penalty other than 1) are refused.
+penalty other than 1, structured output: ``response_format`` other than text
+and vLLM's ``guided_*`` / ``structured_outputs``) are refused.
 """
 from __future__ import annotations
 
@@ -220,6 +221,28 @@ def parse_completion(body: dict, tok: text.Tokenizer, limits: Limits) -> Complet
     return params
 
 
+# vLLM's own fields that constrain the output to a grammar (its structured outputs)
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_whitespace_pattern",
+                 "guided_decoding_backend", "structured_outputs")
+
+
+def refuse_structured_output(body: dict) -> None:
+    """Structured output is not built: ``response_format`` other than ``{"type": "text"}``, and
+    vLLM's ``guided_*`` fields, are a 400 naming the field, never output that ignores them."""
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if not isinstance(fmt, dict) or not isinstance(kind, str):
+            raise bad("response_format", "response_format must be an object with a string 'type'")
+        if kind != "text":
+            raise bad("response_format", f"response_format {kind!r} is not supported: pushkv does not constrain "
+                                         "output to a JSON schema or grammar; leave response_format out (or "
+                                         "{\"type\": \"text\"}) and ask for JSON in the prompt")
+    for name in GUIDED_FIELDS:
+        if body.get(name) not in (None, False, "", [], {}):
+            raise bad(name, f"{name} is not supported: pushkv does not constrain output to a grammar")
+
+
 def parse_generation(body: dict, ids: list[int], limits: Limits, default_max: Optional[int],
                      logprobs: int, max_tokens_field: str = "max_tokens") -> CompletionParams:
     """The fields completions and chat share, for a prompt already tokenized."""
@@ -244,6 +267,7 @@ def parse_generation(body: dict, ids: list[int], limits: Limits, default_max: Op
         raise bad("stream_options", "stream_options must be an object")
     include_usage = get_bool(opts or {}, "include_usage") if opts else False
 
+    refuse_structured_output(body)
     n = get_int(body, "n", 1, 1, L.MAX_N)
     best_of = get_int(body, "best_of", None, 1, L.MAX_BEST_OF)
     if best_of is not None and best_of != n:

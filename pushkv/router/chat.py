@@ -13,6 +13,11 @@ What a tool-calling template reads is passed to it as transformers'
 ``tool_use`` named template, where there is one, when there are), and each
 message's ``name``, ``tool_call_id`` and ``tool_calls`` (a call's JSON-string
 arguments as an object).
+
+A request's ``chat_template_kwargs`` (vLLM's: Qwen3's ``enable_thinking``, a template's own switches)
+are passed to the template beside these, and its ``add_generation_prompt`` (default true) as given;
+``--chat-template`` replaces the checkpoint's template at launch. A request's own ``chat_template``
+and ``continue_final_message`` are refused, not ignored.
 """
 from __future__ import annotations
 
@@ -77,15 +82,18 @@ class ChatTemplate:
             raise api.bad("messages", f"the chat template failed on the messages: {e}") from None
 
 
-def load_template(checkpoint: str) -> ChatTemplate:
-    """The checkpoint's chat template, or the plain one."""
-    if not checkpoint:
-        return ChatTemplate(PLAIN_TEMPLATE)
+def load_template(checkpoint: str, given: str = "") -> ChatTemplate:
+    """``given`` (--chat-template's text) with the checkpoint's special tokens, else the
+    checkpoint's chat template, else the plain one."""
     cfg: dict = {}
-    path = os.path.join(checkpoint, "tokenizer_config.json")
-    if os.path.exists(path):
+    path = os.path.join(checkpoint, "tokenizer_config.json") if checkpoint else ""
+    if path and os.path.exists(path):
         with open(path) as f:
             cfg = json.load(f)
+    if given:
+        return ChatTemplate(given, _special(cfg, "bos_token"), _special(cfg, "eos_token"), name="--chat-template")
+    if not checkpoint:
+        return ChatTemplate(PLAIN_TEMPLATE)
     source: Any = None
     jinja_path = os.path.join(checkpoint, "chat_template.jinja")
     if os.path.exists(jinja_path):
@@ -181,11 +189,38 @@ def parse_tools(body: dict) -> list[dict]:
     return tools
 
 
+# what the template is given by pushkv itself: chat_template_kwargs may not replace them
+RESERVED_KWARGS = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "raise_exception",
+                   "strftime_now")
+
+
+def parse_template_kwargs(body: dict) -> dict:
+    """vLLM's ``chat_template_kwargs``: an object of extra variables for the template."""
+    kw = body.get("chat_template_kwargs")
+    if kw is None:
+        return {}
+    if not isinstance(kw, dict):
+        raise api.bad("chat_template_kwargs", "chat_template_kwargs must be an object")
+    taken = [k for k in kw if k in RESERVED_KWARGS]
+    if taken:
+        raise api.bad("chat_template_kwargs", f"chat_template_kwargs may not set {taken[0]!r} (the request's own "
+                                              "fields give it)")
+    return kw
+
+
 def parse_chat(body: dict, tok: text.Tokenizer, limits: api.Limits, template: ChatTemplate) -> api.CompletionParams:
+    if body.get("chat_template") is not None:
+        raise api.bad("chat_template", "a request's own chat template is not accepted: the deployment's is used "
+                                       "(pushkv up --chat-template sets it)")
+    if api.get_bool(body, "continue_final_message"):
+        raise api.bad("continue_final_message", "continue_final_message is not supported")
     tools = parse_tools(body)
     messages = parse_messages(body)
+    extra = parse_template_kwargs(body)
     # as transformers' apply_chat_template: tools=None when there are none (templates test `if tools`)
-    prompt = template.for_tools(bool(tools)).render(messages, add_generation_prompt=True, tools=tools or None)
+    prompt = template.for_tools(bool(tools)).render(
+        messages, add_generation_prompt=api.get_bool(body, "add_generation_prompt", True), tools=tools or None,
+        **extra)
     ids = api.encode_text(tok, prompt, "messages")
     # The template writes the special tokens itself (Llama's writes "<s>"): drop what the
     # tokenizer's post-processor adds in front, as vLLM's chat does (add_special_tokens=False)

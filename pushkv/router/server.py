@@ -336,7 +336,8 @@ class Router:
         if self.chat_template is None:
             try:
                 # the tokenizer's directory holds the template (--tokenizer, or --load-format dummy)
-                self.chat_template = chat_mod.load_template(self.cfg.model.tokenizer or self.cfg.model.checkpoint)
+                self.chat_template = chat_mod.load_template(self.cfg.model.tokenizer or self.cfg.model.checkpoint,
+                                                            self.cfg.chat_template)
             except (OSError, ValueError) as e:
                 raise api.ApiError(500, f"no usable chat template: {e}", "server_error") from None
         return functools.partial(chat_mod.parse_chat, tok=self.tokenizer, limits=self.limits,

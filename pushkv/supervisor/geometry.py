@@ -52,8 +52,9 @@ def check_instance(model: ModelConfig, inst: InstanceConfig) -> None:
     who = f"{inst.role} instance"
     if inst.block_size < 1:
         raise ValueError(f"{who}: block_size must be >= 1, got {inst.block_size}")
-    if inst.num_blocks < 1:
-        raise ValueError(f"{who}: num_blocks must be >= 1, got {inst.num_blocks}")
+    if inst.num_blocks < 0 or (inst.num_blocks == 0 and not inst.device.startswith("cuda")):
+        raise ValueError(f"{who}: num_blocks must be >= 1 (0: sized from --gpu-memory-utilization, on CUDA "
+                         f"only), got {inst.num_blocks} on {inst.device}")
     if inst.tp < 1:
         raise ValueError(f"{who}: tp must be >= 1, got {inst.tp}")
     try:

@@ -2,6 +2,9 @@
 model has loaded (a taken port, found when the router binds) or deep inside a child (torch's
 error from a writer on a host without a GPU, a raw ImportError from NIXL).
 
+The KV pools' sizing (``kv_sizing``: a model that does not fit its GPUs) runs here too, once the
+port and GPU checks passed, so it is not kept waiting for NIXL either.
+
 Each check returns the problems it found, each naming the flag and the fix; ``pushkv up`` prints
 them and exits 2 before any process starts. They are cheap: binding a socket, loading the CUDA
 driver library and asking it for devices (no torch), and one child interpreter importing NIXL
@@ -13,22 +16,20 @@ install is a new fingerprint, checked afresh.
 """
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import importlib.util
 import os
 import socket
 import subprocess
 import sys
-from typing import Optional
+from typing import Callable, Optional
 
 from pushkv.config import DeploymentConfig, InstanceConfig
+from pushkv.cuda_driver import device_count as cuda_device_count
 from pushkv.supervisor.plan import fixed_ports
 
 NIXL_IMPORT = "nixl._api"  # what pushkv.transport.nixl_agent imports
 NIXL_TIMEOUT_S = 120.0  # a cold torch import on a loaded host; only a hung import waits this long
-CUDA_SUCCESS = 0
-CUDA_ERROR_NO_DEVICE = 100
 
 
 def port_problems(cfg: DeploymentConfig) -> list[str]:
@@ -60,25 +61,6 @@ def _device_flag(cfg: DeploymentConfig, inst: InstanceConfig) -> str:
     if cfg.mode == "local" or cfg.prefill.device == cfg.decode.device:
         return "--device"
     return f"--{inst.role}-device"
-
-
-def cuda_device_count() -> tuple[int, str]:
-    """GPUs the CUDA driver shows this process (CUDA_VISIBLE_DEVICES applies), and why none when 0.
-
-    Asks the driver library itself (what torch asks underneath), in milliseconds."""
-    try:
-        cuda = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return 0, "no NVIDIA driver here (libcuda.so.1 does not load)"
-    rc = cuda.cuInit(0)
-    if rc != CUDA_SUCCESS:
-        why = "no GPU visible" if rc == CUDA_ERROR_NO_DEVICE else f"the driver does not start (cuInit error {rc})"
-        return 0, why
-    count = ctypes.c_int(0)
-    rc = cuda.cuDeviceGetCount(ctypes.byref(count))
-    if rc != CUDA_SUCCESS:
-        return 0, f"the driver does not count its GPUs (cuDeviceGetCount error {rc})"
-    return count.value, ""
 
 
 def gpu_problems(cfg: DeploymentConfig, count_gpus=cuda_device_count) -> list[str]:
@@ -160,9 +142,11 @@ def _verified_mark(fingerprint: Optional[str]) -> Optional[str]:
     return os.path.join(cache_dir(), f"nixl-imports-{fingerprint}")
 
 
-def preflight(cfg: DeploymentConfig, writers: bool = True) -> list[str]:
+def preflight(cfg: DeploymentConfig, writers: bool = True,
+              then: Optional[Callable[[], list[str]]] = None) -> list[str]:
     """The problems of the planned ``cfg`` found before anything starts ([] = go). A port or GPU
-    problem is answered at once, without waiting for NIXL's import. ``writers``: pushkv's own
+    problem is answered at once, without waiting for NIXL's import, and so are ``then``'s (a check
+    that needs the GPUs there: the pools' sizing), run once those passed. ``writers``: pushkv's own
     writers will run here (not on a router host, nor under a caller's own children), so NIXL must
     import."""
     mark = _verified_mark(nixl_fingerprint()) if writers and cfg.host_role != "router" else None
@@ -170,6 +154,8 @@ def preflight(cfg: DeploymentConfig, writers: bool = True) -> list[str]:
     nixl = start_nixl_check() if writers and cfg.host_role != "router" and not known_good else None
     try:
         problems = port_problems(cfg) + gpu_problems(cfg)
+        if not problems and then is not None:
+            problems = then()
     except BaseException:
         _reap(nixl)
         raise

@@ -1,7 +1,7 @@
 """The supervisor actor: start a deployment, watch it, stop it.
 
 Phases: *starting* (spawn stage by stage, each child NEW -> STARTED -> READY,
-one overall deadline, a child's exit fails startup at once), *running*
+a deadline per stage, a child's exit fails startup at once), *running*
 (Ping/Pong health, restart or shut down on a child's death, control
 commands), *stopping* (Shutdown, SIGTERM, one deadline, SIGKILL, reap, unlink
 shared memory, delete the run dir). Child exits arrive as pidfds in the same
@@ -37,7 +37,13 @@ from pushkv.supervisor.table import (
 
 log = logging.getLogger(__name__)
 
-STARTUP_TIMEOUT_S = 120.0
+STARTUP_TIMEOUT_S = 120.0  # each start stage but the workers'
+LOAD_TIMEOUT_S = 1200.0  # the workers' stage: weights load (GiB from disk) and the engine warms
+# what each start stage (plan.KIND_STAGE) waits for, and the flag that gives it longer
+STAGES = {0: ("writers", "KV pools allocated and registered with NIXL", "--startup-timeout"),
+          1: ("workers", "weights loaded, engine warmed", "--load-timeout"),
+          2: ("schedulers", "linked to their workers and writers", "--startup-timeout"),
+          3: ("router", "HTTP port bound, instances found", "--startup-timeout")}
 STOP_TIMEOUT_S = 10.0
 STOP_GRACE_FRACTION = 0.3  # of the stop deadline: time for children to obey Shutdown before SIGTERM
 PING_INTERVAL_S = 2.0
@@ -58,6 +64,13 @@ class InstanceRestart:
     # UCX picks its interfaces at start-up)
     wait_registry: bool = False
 
+def stage_late(stage: int, timeout_s: float, waiting: Sequence[str]) -> str:
+    """The failure of a start stage past its time: which stage, who is not ready, and the flag."""
+    name, what, flag = STAGES.get(stage, (f"stage {stage}", "ready", "--startup-timeout"))
+    return (f"startup failed: the {name} stage ({what}) is not ready after {timeout_s:.0f} s: {', '.join(waiting)}; "
+            f"if it is only slow, give it longer with {flag} SECONDS (its log shows how far it got)")
+
+
 ArgvHook = Callable[[ProcessSpec], Sequence[str]]
 
 
@@ -70,6 +83,7 @@ class Supervisor(Actor):
         on_child_exit: str = "restart",
         restart_policy: RestartPolicy = RestartPolicy(),
         startup_timeout_s: float = STARTUP_TIMEOUT_S,
+        load_timeout_s: float = LOAD_TIMEOUT_S,
         stop_timeout_s: float = STOP_TIMEOUT_S,
         ping_interval_s: float = PING_INTERVAL_S,
         health_timeout_s: float = HEALTH_TIMEOUT_S,
@@ -92,6 +106,7 @@ class Supervisor(Actor):
         self.on_child_exit = on_child_exit
         self.policy = restart_policy
         self.startup_timeout_s = startup_timeout_s
+        self.load_timeout_s = load_timeout_s
         self.stop_timeout_s = stop_timeout_s
         self.ping_interval_s = ping_interval_s
         self.health_timeout_s = health_timeout_s
@@ -109,7 +124,7 @@ class Supervisor(Actor):
         self._unhealthy: set[str] = set()
         self._stages = sorted({s.stage for s in self.specs})
         self._stage_idx = 0
-        self._startup_deadline = 0.0
+        self._stage_deadline = 0.0  # the start stage being spawned must be ready by then
         self._next_ping = 0.0
         self._control_router: Optional[zmq.Socket] = None  # children (DEALER) and REQ clients
         self._events: Optional[zmq.Socket] = None
@@ -144,11 +159,16 @@ class Supervisor(Actor):
             ), self.registry_dir)
         log.info("deployment %s (%s mode): %d processes, run dir %s", self.cfg.deployment_id,
                  self.cfg.mode, len(self.specs), self.cfg.run_dir)
-        self._startup_deadline = now + self.startup_timeout_s
         self._spawn_stage(now)
+
+    def stage_timeout_s(self, stage: int) -> float:
+        """Seconds a start stage has, from its first spawn: the workers' (loading weights) is
+        --load-timeout, every other --startup-timeout."""
+        return self.load_timeout_s if STAGES.get(stage, ("",) * 3)[2] == "--load-timeout" else self.startup_timeout_s
 
     def _spawn_stage(self, now: float) -> None:
         stage = self._stages[self._stage_idx]
+        self._stage_deadline = now + self.stage_timeout_s(stage)
         for spec in self.specs:
             if spec.stage == stage and not self.stopping:
                 self._spawn(spec.name, now)
@@ -428,18 +448,19 @@ class Supervisor(Actor):
         if self.host_registry is not None and self.phase == "starting":
             self._registry_tick(now)  # keep the lease taken at start-up
         if self.phase == "starting":
-            if now > self._startup_deadline:
-                waiting = [r.name for r in self.table.in_state(State.NEW, State.STARTED)]
-                self._fail(f"startup failed: not ready after {self.startup_timeout_s:.0f} s: {', '.join(waiting)}")
+            if now > self._stage_deadline:
+                stage = self._stages[self._stage_idx]
+                waiting = [r.name for r in self.table.in_state(State.NEW, State.STARTED) if r.spec.stage == stage]
+                self._fail(stage_late(stage, self.stage_timeout_s(stage), waiting))
             return
         if self.phase != "running":
             return
         if self.host_registry is not None:
             self._registry_tick(now)
         for row in self.table.in_state(State.STARTED):  # a restarted child that never gets ready
-            if now - row.started_at > self.startup_timeout_s:
-                log.error("%s (pid %d) not ready %.0f s after restart; killing it", row.name, row.pid,
-                          self.startup_timeout_s)
+            if now - row.started_at > self.stage_timeout_s(row.spec.stage):
+                log.error("%s (pid %d) not ready %.0f s after restart (%s); killing it", row.name, row.pid,
+                          self.stage_timeout_s(row.spec.stage), STAGES.get(row.spec.stage, ("", "", "?"))[2])
                 lifecycle.signal_child(self.procs[row.name], signal.SIGKILL)
         for st in self._instance_restart.values():
             for name in st.stopping:

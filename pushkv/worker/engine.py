@@ -54,7 +54,7 @@ class Worker(Actor):
                                     world_size=self.inst.tp)
             group = dist.group.WORLD
         self.model = build_model(self.cfg.model, self.rank, self.inst.tp, self.device, group,
-                                 max_num_seqs=self.inst.max_num_seqs)
+                                 max_num_seqs=self.inst.max_num_seqs, label=self.name)
         mine = self.model.kv_layout(self.inst.num_blocks, self.inst.block_size)
         if (mine.kv_heads, mine.head_start) != (self.layout.kv_heads, self.layout.head_start):
             raise RuntimeError(f"model layout {mine} disagrees with pool layout {self.layout}")

@@ -121,3 +121,22 @@ def test_a_nixl_that_imported_is_remembered_for_the_same_install(tmp_path, monke
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     monkeypatch.delitem(sys.modules, "nixl", raising=False)  # a test before may have imported the real one
     assert pf.preflight(cfg) == [] and len(started) == 2  # another nixl: checked afresh
+
+
+def test_the_pools_sizing_runs_once_ports_and_gpus_pass_and_does_not_wait_for_nixl(taken_port, monkeypatch):
+    """A model that does not fit is answered as fast as a taken port: the sizing runs before NIXL's
+    import is waited for, and not at all when a cheaper check already failed."""
+    from pushkv.supervisor import preflight as pf
+
+    monkeypatch.setattr(pf, "nixl_problems", lambda proc, timeout_s=0: pytest.fail("waited for NIXL"))
+    monkeypatch.setattr(pf, "_verified_mark", lambda fingerprint: None)  # never remembered: NIXL is checked
+    calls = []
+
+    def sizing():
+        calls.append(1)
+        return ["prefill: the model does not fit"]
+
+    ok = DeploymentConfig(mode="local", port=free_tcp_port())
+    assert pf.preflight(ok, then=sizing) == ["prefill: the model does not fit"] and calls == [1]
+    taken = DeploymentConfig(mode="local", port=taken_port)
+    assert pf.preflight(taken, then=sizing)[0].startswith(f"--port {taken_port}") and calls == [1]

@@ -20,6 +20,7 @@ import zmq
 from processes import cli
 from pushkv import messages as m
 from pushkv.config import DeploymentConfig, InstanceConfig, preset
+from pushkv.cuda_driver import device_count as cuda_device_count
 from pushkv.supervisor import commands as c
 from pushkv.supervisor import lifecycle, registry
 from pushkv.supervisor.plan import ProcessSpec, event_topic, plan_deployment, process_specs
@@ -419,6 +420,9 @@ def test_startup_all_ready_then_sigterm_cleans_up(deployments):
     d.proc.send_signal(signal.SIGTERM)
     assert d.proc.wait(timeout=20) == 0
     _assert_clean(rec, [p.pid for p in st.values()], d.reg_dir)
+    if not cuda_device_count()[0]:  # the CPU's pool: --num-blocks' default, said at startup
+        assert "KV pool prefill: 2048 blocks x 16 tokens = 32768 tokens of context (1.00 x --max-model-len 32768), " \
+               "0.06 GiB per rank on cpu (tp 2; --num-blocks (cpu))" in d.stderr()
 
 
 def _environ(pid: int) -> dict[str, str]:
@@ -469,6 +473,24 @@ def test_child_crash_at_startup_fails_at_once(deployments):
     assert lifecycle.shm_leftovers(dep_id) == []
     assert not os.path.exists(f"/tmp/pushkv-{dep_id}")
     assert registry.list_records(d.reg_dir) == []
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("hung, flags, says", [
+    ("local-writer-0", ("--startup-timeout", "1"),
+     "the writers stage (KV pools allocated and registered with NIXL) is not ready after 1 s: local-writer-0; "
+     "if it is only slow, give it longer with --startup-timeout SECONDS"),
+    ("local-worker-0", ("--startup-timeout", "10", "--load-timeout", "2"),
+     "the workers stage (weights loaded, engine warmed) is not ready after 2 s: local-worker-0; "
+     "if it is only slow, give it longer with --load-timeout SECONDS"),
+], ids=["writers", "workers"])
+def test_a_stage_past_its_time_names_itself_and_its_flag(deployments, hung, flags, says):
+    d = deployments("--mode", "local", "--stop-timeout", "2", *flags, child_args={hung: ["--hang-at-start"]})
+    assert d.proc.wait(timeout=30) == 1
+    err = d.stderr()
+    assert says in err, err
+    d.ids = [re.search(r"deployment (\w+) \(local mode\)", err).group(1)]
+    assert lifecycle.shm_leftovers(d.ids[0]) == []
 
 
 def _subscribe(endpoint: str) -> zmq.Socket:

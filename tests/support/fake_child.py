@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import threading
 
 from pushkv.actor import Actor
 from pushkv.config import SHM_DIR, decode_config, shm_prefix
@@ -26,6 +27,9 @@ class FakeChild(Actor):
             os._exit(self.args.crash_at_start)
         if self.args.ignore_term:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if self.args.hang_at_start:  # never Ready; SIGTERM still ends it
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            threading.Event().wait()
 
     def on_Shutdown(self, msg) -> None:
         if not self.args.ignore_term:
@@ -42,6 +46,7 @@ def main() -> None:
     ap.add_argument("--name", required=True)
     ap.add_argument("--crash-at-start", type=int, default=None, help="exit with this code before Ready")
     ap.add_argument("--crash-after", type=float, default=None, help="exit(7) this many seconds after start")
+    ap.add_argument("--hang-at-start", action="store_true", help="never send Ready")
     ap.add_argument("--ignore-term", action="store_true", help="ignore SIGTERM and Shutdown")
     args, _ = ap.parse_known_args()
     with open(args.config, "rb") as f:

@@ -5,17 +5,19 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import shutil
 
 import pytest
 import yaml
 
 from pushkv.config_flags import load_config_file
+from pushkv.supervisor.plan import plan_deployment
 from tools import check_deploy as cd
 from tests.support import ROOT
 
 DEPLOY = os.path.join(ROOT, "deploy")
-ETCD_URL = "etcd://$(ETCD_USER):$(ETCD_PASSWORD)@etcd:2379"
+ETCD_URL = "etcd://$(ETCD_USER)@etcd:2379?password_file=/etc/etcd-credentials/password"
 
 
 def _docs():
@@ -36,7 +38,8 @@ def test_structure_and_kustomization():
     for want in [("Namespace", "pushkv"), ("StatefulSet", "etcd"), ("Service", "etcd"), ("Job", "etcd-auth"),
                  ("Deployment", "pushkv-router"), ("Service", "pushkv-router"), ("Deployment", "pushkv-prefill"),
                  ("Deployment", "pushkv-decode"), ("Secret", "pushkv-secrets"), ("Secret", "etcd-credentials"),
-                 ("ConfigMap", "pushkv-config")]:
+                 ("ConfigMap", "pushkv-config"), ("PersistentVolumeClaim", "pushkv-models"), ("Job", "model-download"),
+                 ("Service", "pushkv-instance-metrics"), ("ServiceMonitor", "pushkv"), ("Secret", "hf-token")]:
         assert want in kinds
 
 
@@ -65,12 +68,26 @@ def test_hosts_command_line(role):
     vol = next(v for v in spec["volumes"] if v["name"] == mounts["/etc/pushkv"])
     assert vol["secret"]["items"] == [{"key": "curve.secret", "path": "curve.secret"}]
     assert vol["secret"]["defaultMode"] == 0o400
+    # the model: the ConfigMap's repo id, resolved offline from the Hub cache on the models volume
+    assert (flag("--model"), flag("--revision")) == ("$(PUSHKV_MODEL)", "$(PUSHKV_REVISION)")
+    assert env["PUSHKV_MODEL"] == {"configMapKeyRef": {"name": "pushkv-config", "key": "model"}}
+    plain = {e["name"]: e.get("value") for e in c["env"]}
+    assert (plain["HF_HOME"], plain["HF_HUB_OFFLINE"]) == ("/models/hf", "1")
+    models = next(v for v in spec["volumes"] if v["name"] == mounts["/models"])
+    assert models["persistentVolumeClaim"] == {"claimName": "pushkv-models", "readOnly": True}
+    # no credential on the command line: the etcd password from a file, the API key from the environment
+    assert "--api-key" not in args and not any("ETCD_PASSWORD" in a for a in args)
     if role == "router":
-        assert flag("--api-key") == "$(PUSHKV_API_KEY)"
         assert env["PUSHKV_API_KEY"]["secretKeyRef"] == {"name": "pushkv-secrets", "key": "api-key"}
     else:
-        assert "--api-key" not in args
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert flag("--metrics-port") == "8001"
+        for probe in ("startupProbe", "livenessProbe"):
+            assert c[probe]["httpGet"] == {"path": "/metrics", "port": "metrics"}
+        # the startup probe waits out --load-timeout (1200 s) before liveness may restart the pod
+        assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] >= 1200
+        assert c["readinessProbe"]["exec"]["command"] == ["pushkv", "status"]
+        assert dep["spec"]["template"]["metadata"]["labels"]["pushkv.io/model-server"] == "true"
 
 
 def test_config_map_is_a_pushkv_config(tmp_path):
@@ -79,7 +96,32 @@ def test_config_map_is_a_pushkv_config(tmp_path):
     path.write_text(cm["data"]["deploy.json"])
     cfg = load_config_file(str(path))  # what `pushkv up --config` reads
     assert cfg.mode == "push" and cfg.prefill.device == "cuda" and cfg.decode.device == "cuda"
+    # pools sized from each GPU at launch, and the plan accepts that
+    assert (cfg.gpu_memory_utilization, cfg.prefill.num_blocks, cfg.decode.num_blocks) == (0.9, 0, 0)
+    ports = iter(range(30000, 31000))
+    plan_deployment(cfg, pick_port=lambda: next(ports), run_root=str(tmp_path))
+    assert "/" in cm["data"]["model"] and cm["data"]["revision"]  # a Hub repo id, for every host alike
     json.loads(cm["data"]["deploy.json"])
+
+
+def test_the_download_job_fills_the_cache_every_pod_reads():
+    docs = _docs()
+    job = _find(docs, "Job", "model-download")
+    (c,) = job["spec"]["template"]["spec"]["containers"]
+    assert c["command"] == ["hf", "download"]
+    assert c["args"][:3] == ["$(PUSHKV_MODEL)", "--revision", "$(PUSHKV_REVISION)"]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["HF_HOME"]["value"] == "/models/hf"
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token", "optional": True}
+    assert job["spec"]["template"]["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"] == "pushkv-models"
+    pvc = _find(docs, "PersistentVolumeClaim", "pushkv-models")
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]  # P and D pods on several nodes mount it
+
+
+def test_the_dockerfile_builds_on_cuda_with_the_cuda_torch():
+    assert cd.dockerfile_problems(DEPLOY) == []
+    with open(os.path.join(DEPLOY, "Dockerfile")) as f:
+        assert re.search(r"^FROM nvidia/cuda:\S+-runtime", f.read(), re.M)
 
 
 def _mutate(fname, kind, name, edit):
@@ -99,6 +141,18 @@ def _c(d):
     return _pod(d)["containers"][0]
 
 
+def _env(d, name):
+    return next(e for e in _c(d)["env"] if e["name"] == name)
+
+
+def _volume(d, name):
+    return next(v for v in _pod(d)["volumes"] if v["name"] == name)
+
+
+def _add_args(d, *words):
+    _c(d)["args"].extend(words)
+
+
 BREAKS = [
     ("service selector", _mutate("router.yaml", "Service", "pushkv-router",
                                  lambda d: d["spec"]["selector"].update({"app.kubernetes.io/component": "routr"})),
@@ -107,13 +161,13 @@ BREAKS = [
                                    lambda d: d["spec"]["ports"][0].update(targetPort="web")),
      "is not a container port"),
     ("missing secret key", _mutate("router.yaml", "Deployment", "pushkv-router",
-                                   lambda d: _c(d)["env"][3]["valueFrom"]["secretKeyRef"].update(key="apikey")),
+                                   lambda d: _env(d, "PUSHKV_API_KEY")["valueFrom"]["secretKeyRef"].update(key="apikey")),
      "has no key 'apikey'"),
     ("missing secret", _mutate("prefill.yaml", "Deployment", "pushkv-prefill",
-                               lambda d: _pod(d)["volumes"][0]["secret"].update(secretName="curve")),
+                               lambda d: _volume(d, "curve")["secret"].update(secretName="curve")),
      "Secret 'curve' is not in deploy/"),
     ("missing configmap", _mutate("decode.yaml", "Deployment", "pushkv-decode",
-                                  lambda d: _pod(d)["volumes"][1]["configMap"].update(name="cfg")),
+                                  lambda d: _volume(d, "config")["configMap"].update(name="cfg")),
      "ConfigMap 'cfg' is not in deploy/"),
     ("undefined $(VAR)", _mutate("decode.yaml", "Deployment", "pushkv-decode",
                                  lambda d: _c(d)["env"].pop(0)),
@@ -129,6 +183,26 @@ BREAKS = [
     ("statefulset serviceName", _mutate("etcd.yaml", "StatefulSet", "etcd",
                                         lambda d: d["spec"].update(serviceName="etcd")),
      "is not a headless Service"),
+    ("api key on the command line", _mutate("router.yaml", "Deployment", "pushkv-router",
+                                            lambda d: _add_args(d, "--api-key", "$(PUSHKV_API_KEY)")),
+     "puts Secret 'pushkv-secrets' key 'api-key' on its command line"),
+    ("probe port", _mutate("decode.yaml", "Deployment", "pushkv-decode",
+                           lambda d: _c(d)["livenessProbe"]["httpGet"].update(port="metric")),
+     "livenessProbe port 'metric' is not one of its container ports"),
+    ("no liveness probe", _mutate("prefill.yaml", "Deployment", "pushkv-prefill", lambda d: _c(d).pop("livenessProbe")),
+     "no livenessProbe"),
+    ("missing claim", _mutate("prefill.yaml", "Deployment", "pushkv-prefill",
+                              lambda d: _volume(d, "models")["persistentVolumeClaim"].update(claimName="models")),
+     "PersistentVolumeClaim 'models' is not in deploy/"),
+    ("HF_HOME off the volume", _mutate("decode.yaml", "Deployment", "pushkv-decode",
+                                       lambda d: _env(d, "HF_HOME").update(value="/root/.cache/huggingface")),
+     "HF_HOME /root/.cache/huggingface is on no mounted volume"),
+    ("ServiceMonitor selector", _mutate("servicemonitor.yaml", "ServiceMonitor", "pushkv",
+                                        lambda d: d["spec"]["selector"]["matchLabels"].update({"x": "y"})),
+     "matches no Service's labels"),
+    ("ServiceMonitor port", _mutate("servicemonitor.yaml", "ServiceMonitor", "pushkv",
+                                    lambda d: d["spec"]["endpoints"][0].update(port="http")),
+     "endpoint port 'http' is not a named port of Service/pushkv-instance-metrics"),
     ("namespace", _mutate("decode.yaml", "Deployment", "pushkv-decode",
                           lambda d: d["metadata"].update(namespace="default")),
      "expected 'pushkv'"),
@@ -165,6 +239,12 @@ def test_a_broken_file_fails_the_whole_check(tmp_path):
     (d / "router.yaml").write_text((d / "router.yaml").read_text() + "\n  bad: [indent\n")
     (d / "extra.yaml").write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "ConfigMap",
                                                   "metadata": {"name": "x", "namespace": "pushkv"}}))
+    with open(d / "kustomization.yaml", "a") as f:
+        f.write("  - servicemonitor.yaml\n")
+    (d / "Dockerfile").write_text("FROM python:3.12\nRUN bash tools/install.sh\n")
     problems = cd.check(str(d), schemas=False)
     assert any("router.yaml: does not parse" in p for p in problems)
     assert any("extra.yaml is not listed" in p for p in problems)
+    assert any("lists servicemonitor.yaml, whose kinds exist only with an operator's CRDs" in p for p in problems)
+    assert any("Dockerfile: FROM python:3.12 is not a CUDA base" in p for p in problems)
+    assert any("Dockerfile: installs no CUDA torch" in p for p in problems)

@@ -9,6 +9,7 @@ import pytest
 
 from processes import cli as deployment
 from pushkv import up_help
+from pushkv.cuda_driver import device_count as cuda_device_count
 from tools import cli
 
 
@@ -31,9 +32,10 @@ def test_up_help_renders():
 # (flag's dest, what the unflagged config says): the shown default is the one that runs
 RUNS = {
     "mode": lambda c: c.mode, "port": lambda c: c.port, "host": lambda c: c.host,
-    "num_blocks": lambda c: c.decode.num_blocks, "block_size": lambda c: c.prefill.block_size,
+    "block_size": lambda c: c.prefill.block_size,
     "max_num_seqs": lambda c: c.prefill.max_num_seqs, "max_batch_tokens": lambda c: c.prefill.max_batch_tokens,
-    "prefill_chunk": lambda c: c.prefill.prefill_chunk, "device": lambda c: c.prefill.device,
+    "prefill_chunk": lambda c: c.prefill.prefill_chunk,
+    "gpu_memory_utilization": lambda c: c.gpu_memory_utilization,
     "tensor_parallel_size": lambda c: c.prefill.tp, "prefill_instances": lambda c: c.prefill_instances,
     "router_queue": lambda c: c.router_queue, "max_in_flight": lambda c: c.router_max_in_flight,
     "registry_ttl": lambda c: c.registry_ttl_s, "metrics_port": lambda c: c.metrics_port,
@@ -52,6 +54,17 @@ def test_shown_default_is_what_runs(dest):
     assert action.help.endswith(f"(default: {shown})") or str(shown) in action.help, action.help
 
 
+def test_shown_device_and_pool_defaults_are_what_runs_on_this_host():
+    """The device and the pool's size depend on the host: CUDA and a pool sized from memory where
+    the driver shows a GPU, the CPU and 2048 blocks where not; the help says both."""
+    cfg = deployment.config_from_args(deployment.build_parser().parse_args(["up"]))
+    on_gpu = cuda_device_count()[0] > 0
+    assert (cfg.prefill.device, cfg.decode.num_blocks) == (("cuda", 0) if on_gpu else ("cpu", 2048))
+    helps = {a.dest: a.help for a in up_parser()._actions}
+    assert helps["device"].endswith("(default: cuda where the driver shows a GPU, else cpu)")
+    assert helps["num_blocks"].endswith("(default: sized from --gpu-memory-utilization on CUDA, 2048 on cpu)")
+
+
 def test_top_level_help_lists_deployment_commands_first_then_every_tool_in_one_group():
     text = cli.build_parser().format_help()
     first_tool = text.index("tools (pushkv TOOL --help")
@@ -60,3 +73,20 @@ def test_top_level_help_lists_deployment_commands_first_then_every_tool_in_one_g
     assert sorted(grouped) == sorted(cli.TOOLS)  # every tool, each once
     for name in cli.TOOLS:
         assert f"\n    {name} " in text[first_tool:] or f"\n    {name}\n" in text[first_tool:], name
+
+
+UP_GROUPS = ["deployment", "model", "parallelism", "memory", "transfer", "routing", "security", "hosts",
+             "supervision"]
+
+
+def test_up_flags_are_grouped_by_topic_in_order():
+    up = up_parser()
+    groups = {g.title: [a.option_strings[-1] for a in g._group_actions] for g in up._action_groups}
+    assert groups["options"] == ["--help"]  # every flag of up sits in a topic
+    assert [t for t in groups if t in UP_GROUPS] == UP_GROUPS
+    assert {"--gpu-memory-utilization", "--num-blocks", "--block-size"} <= set(groups["memory"])
+    assert {"--tensor-parallel-size", "--device", "--prefill-instances"} <= set(groups["parallelism"])
+    assert {"--push-stream", "--link-window", "--kv-verify"} <= set(groups["transfer"])
+    assert {"--startup-timeout", "--load-timeout"} <= set(groups["supervision"])
+    text = up.format_help()
+    assert [text.index(f"\n{t}:") for t in UP_GROUPS] == sorted(text.index(f"\n{t}:") for t in UP_GROUPS)

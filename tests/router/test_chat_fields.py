@@ -1,0 +1,104 @@
+"""No request field silently ignored: ``chat_template_kwargs`` (Qwen3's ``enable_thinking``) and
+``add_generation_prompt`` reach the chat template, ``--chat-template`` replaces the checkpoint's, and
+structured output (``response_format`` other than text, vLLM's ``guided_*``) is a 400 naming the
+field, in OpenAI's error shape, before anything is computed."""
+from __future__ import annotations
+
+import pytest
+import transformers
+
+from pushkv import messages as m
+from pushkv.config_flags import chat_template_text, user_config
+from pushkv.router import api, chat, text
+from tests.model.test_model import write_tokenizer
+from tests.router.test_router import local_script, run
+from tests.support.router_fakes import Harness, make_cfg
+
+pytestmark = pytest.mark.timeout(30)
+
+# the tail of Qwen3's template: enable_thinking false writes an empty think block
+QWEN3_LIKE = (
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{%- endif %}"
+    "{%- endif %}"
+)
+MESSAGES = [{"role": "user", "content": "Hi"}]
+LIMITS = api.Limits(vocab_size=320, max_model_len=4096)
+
+
+def prompt(body: dict, template: str = QWEN3_LIKE) -> str:
+    p = chat.parse_chat({"messages": MESSAGES, **body}, text.ByteTokenizer(), LIMITS, chat.ChatTemplate(template))
+    return bytes(p.prompt_token_ids).decode()
+
+
+@pytest.fixture(scope="module")
+def hf_tok(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    write_tokenizer(str(path), 300)
+    return transformers.PreTrainedTokenizerFast(tokenizer_file=str(path))
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"enable_thinking": False}, {"enable_thinking": True}])
+@pytest.mark.parametrize("gen", [True, False])
+def test_template_kwargs_render_as_transformers_renders_them(hf_tok, kwargs, gen):
+    want = hf_tok.apply_chat_template(MESSAGES, chat_template=QWEN3_LIKE, tokenize=False, add_generation_prompt=gen,
+                                      **kwargs)
+    assert prompt({"chat_template_kwargs": kwargs, "add_generation_prompt": gen}) == want
+    assert ("<think>" in want) == (gen and kwargs.get("enable_thinking") is False)  # the switch matters
+
+
+@pytest.mark.parametrize("body, param, says", [
+    ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs", "must be an object"),
+    ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs", "may not set 'messages'"),
+    ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs", "may not set 'tools'"),
+    ({"add_generation_prompt": "yes"}, "add_generation_prompt", "must be a boolean"),
+    ({"chat_template": "{{ messages }}"}, "chat_template", "--chat-template"),
+    ({"continue_final_message": True}, "continue_final_message", "not supported"),
+    ({"response_format": {"type": "json_object"}}, "response_format", "'json_object' is not supported"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format",
+     "'json_schema' is not supported"),
+    ({"response_format": "json"}, "response_format", "must be an object"),
+    ({"guided_json": {"type": "object"}}, "guided_json", "not supported"),
+    ({"guided_choice": ["a", "b"]}, "guided_choice", "not supported"),
+    ({"structured_outputs": {"regex": "a+"}}, "structured_outputs", "not supported"),
+])
+def test_what_would_change_the_answer_and_is_not_built_is_refused(body, param, says):
+    with pytest.raises(api.ApiError) as e:
+        prompt(body)
+    assert (e.value.status, e.value.param) == (400, param) and says in str(e.value)
+
+
+def test_response_format_text_is_what_runs_anyway():
+    assert prompt({"response_format": {"type": "text"}}) == prompt({})
+
+
+def test_chat_template_flag_takes_a_file_or_the_template(tmp_path):
+    f = tmp_path / "t.jinja"
+    f.write_text(QWEN3_LIKE)
+    assert chat_template_text(str(f)) == QWEN3_LIKE == chat_template_text(QWEN3_LIKE)
+    assert user_config({"model": "tiny", "chat_template": str(f)}).chat_template == QWEN3_LIKE
+    with pytest.raises(ValueError, match="no such file, and not a Jinja template"):
+        chat_template_text(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="does not compile"):
+        chat_template_text("{% for m in messages %}")
+
+
+def test_through_the_router_kwargs_reach_the_deployments_template_and_a_format_is_refused(tmp_path):
+    async def body():
+        cfg = make_cfg(tmp_path, "local", chat_template=QWEN3_LIKE)
+        async with Harness(cfg, {"local": local_script([[33]], "stop")}) as h:
+            r = await h.http.post("/v1/chat/completions", json={
+                "messages": MESSAGES, "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": False}})
+            assert r.status == 200, await r.text()
+            (g,) = h.log.received("local", m.Generate)
+            # the rendering the test above checks against transformers'
+            assert bytes(g.prompt_token_ids).decode() == prompt({"chat_template_kwargs": {"enable_thinking": False}})
+            assert "<think>" in bytes(g.prompt_token_ids).decode()
+            for path, req in (("/v1/chat/completions", {"messages": MESSAGES}), ("/v1/completions", {"prompt": "x"})):
+                r = await h.http.post(path, json={**req, "response_format": {"type": "json_object"}})
+                err = (await r.json())["error"]
+                assert r.status == 400 and err["param"] == "response_format" and err["type"] == "invalid_request_error"
+                assert "'json_object' is not supported" in err["message"]
+            assert len(h.log.received("local", m.Generate)) == 1  # the refused ones sent nothing
+    run(body())

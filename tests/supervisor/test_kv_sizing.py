@@ -1,0 +1,190 @@
+"""--gpu-memory-utilization: a CUDA instance's KV pool sized from its GPU's memory at launch (vLLM's
+rule), --num-blocks as the override, and the refusals (not enough free memory, a model that does
+not fit, a pool shorter than one request), each naming the flags that fix it. The GPU's memory is
+given (the driver query itself is ``pushkv.cuda_driver``); on the CPU the flag is refused."""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import msgspec
+import pytest
+
+from pushkv.config import PRESETS, DeploymentConfig, InstanceConfig, ModelConfig
+from pushkv.config_flags import user_config
+from pushkv.model.build import param_names
+from pushkv.model.footprint import weight_bytes
+from pushkv.supervisor.kv_sizing import (CONTEXT_BYTES, GIB, PROCESSES_PER_RANK, activation_bytes, pool_note,
+                                         rank_block_bytes, size_pools)
+from pushkv.supervisor.plan import plan_deployment
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+H200 = 143 * GIB  # total; most of it free
+
+
+def counted(model: ModelConfig) -> int:
+    """The bytes of every parameter the loader names (``model.weights.hf_names``)."""
+    return sum(math.prod(shape) for _, shape in param_names(model)) * model.dtype_bytes
+
+
+@pytest.mark.parametrize("model", [
+    PRESETS["tiny"], PRESETS["small"], PRESETS["qwen3-8b"], PRESETS["qwen3-30b-a3b"],
+    msgspec.structs.replace(PRESETS["small"], qkv_bias=True, qk_norm=False, tie_embeddings=True),
+], ids=["tiny", "small", "qwen3-8b", "qwen3-30b-a3b", "qwen2-like"])
+def test_one_rank_weights_are_every_parameter_the_loader_names(model):
+    assert weight_bytes(model, 1) == counted(model)
+
+
+def test_tp_splits_heads_and_columns_but_not_the_embeddings():
+    m = PRESETS["qwen3-8b"]
+    whole = 2 * m.vocab_size * m.hidden_size * m.dtype_bytes
+    assert weight_bytes(m, 2) - whole / 2 == pytest.approx((weight_bytes(m, 1) - whole) / 2 + whole / 2, rel=1e-3)
+    assert weight_bytes(m, 4) < weight_bytes(m, 2) < weight_bytes(m, 1)
+
+
+def deployment(model="qwen3-8b", p="cuda:0", d="cuda:1", tp=1, util=0.9, blocks=0, **kw) -> DeploymentConfig:
+    inst = dict(tp=tp, num_blocks=blocks)
+    cfg = DeploymentConfig(model=PRESETS[model], gpu_memory_utilization=util,
+                           prefill=InstanceConfig(role="prefill", device=p, **inst),
+                           decode=InstanceConfig(role="decode", device=d, **inst), **kw)
+    ports = iter(range(20000, 21000))
+    return plan_deployment(cfg, pick_port=lambda: next(ports))
+
+
+class GPUs:
+    """Each GPU's (free, total); records what was asked."""
+
+    def __init__(self, free=H200 - GIB // 2, total=H200):
+        self.free, self.total, self.asked = free, total, []
+
+    def __call__(self, gpu: int) -> tuple[int, int]:
+        self.asked.append(gpu)
+        return self.free, self.total
+
+
+def test_the_pool_is_what_the_share_leaves_after_weights_activations_and_contexts():
+    cfg = deployment()
+    sized = size_pools(cfg, GPUs())
+    assert sized.problems == [] and sized.sized == ("prefill", "decode")
+    for inst in sized.cfg.instances():
+        used = (weight_bytes(cfg.model, 1) + activation_bytes(cfg.model, inst) + PROCESSES_PER_RANK * CONTEXT_BYTES
+                + inst.num_blocks * rank_block_bytes(cfg.model, inst, 0))
+        assert 0.9 * H200 - rank_block_bytes(cfg.model, inst, 0) < used <= 0.9 * H200
+        assert inst.num_blocks > 10_000  # 8B in bf16 on an H200: ~100 GiB of KV at 2.25 MiB a block
+    assert sized.cfg.prefill.num_blocks == sized.cfg.decode.num_blocks
+
+
+def test_ranks_on_one_gpu_share_its_budget_and_each_gpu_is_asked_once():
+    alone, gpus = size_pools(deployment(), GPUs()), GPUs()
+    shared = size_pools(deployment(d="cuda:0"), gpus)
+    assert gpus.asked == [0]
+    assert shared.cfg.decode.num_blocks < alone.cfg.decode.num_blocks / 2
+    gpus = GPUs()
+    size_pools(deployment(p="cuda:0", d="cuda:2", tp=2), gpus)
+    assert sorted(gpus.asked) == [0, 1, 2, 3]
+
+
+def test_num_blocks_overrides_and_nothing_is_asked():
+    gpus = GPUs()
+    sized = size_pools(deployment(blocks=128), gpus)
+    assert gpus.asked == [] and sized.cfg.decode.num_blocks == 128 and sized.sized == ()
+    assert "128 blocks x 16 tokens = 2048 tokens of context" in pool_note(sized.cfg, sized.cfg.decode, False)
+
+
+def test_less_free_memory_than_asked_is_refused_with_the_fraction_that_fits():
+    sized = size_pools(deployment(), GPUs(free=H200 // 2))
+    assert len(sized.problems) == 2  # one line per GPU
+    assert "--gpu-memory-utilization 0.9: cuda:0 has 71.50 GiB free of 143.00 GiB" in sized.problems[0]
+    assert "lower it to 0.5 or less" in sized.problems[0]
+
+
+def test_a_model_that_does_not_fit_names_tp_and_the_flag():
+    sized = size_pools(deployment("qwen3-32b", d="cuda:0"), GPUs(free=48 * GIB, total=48 * GIB))
+    assert sized.problems and all("the model does not fit" in p and "raise -tp" in p for p in sized.problems)
+    assert "weights take 61.0" in sized.problems[0]
+
+
+def test_a_pool_shorter_than_one_request_names_max_model_len():
+    sized = size_pools(deployment(util=0.15), GPUs())
+    assert sized.problems and "fewer than one request of --max-model-len 40960" in sized.problems[0]
+    assert size_pools(deployment(util=0.15, max_model_len=4096), GPUs()).problems == []
+
+
+def test_the_note_says_blocks_tokens_and_gib():
+    sized = size_pools(deployment(), GPUs())
+    note = pool_note(sized.cfg, sized.cfg.prefill, True)
+    n = sized.cfg.prefill.num_blocks
+    assert note.startswith(f"KV pool prefill: {n} blocks x 16 tokens = {n * 16} tokens of context")
+    assert f"{n * rank_block_bytes(sized.cfg.model, sized.cfg.prefill, 0) / GIB:.2f} GiB per rank on cuda:0" in note
+    assert "--gpu-memory-utilization 0.9" in note
+
+
+def no_gpu():
+    return 0, "no GPU visible"
+
+
+def one_gpu():
+    return 1, ""
+
+
+def test_the_device_is_cuda_where_a_gpu_is_and_its_pool_is_sized():
+    on_gpu = user_config({"model": "tiny", "load_format": "dummy"}, gpus=one_gpu)
+    assert (on_gpu.prefill.device, on_gpu.decode.device, on_gpu.prefill.num_blocks) == ("cuda", "cuda", 0)
+    on_cpu = user_config({"model": "tiny", "load_format": "dummy"}, gpus=no_gpu)
+    assert (on_cpu.prefill.device, on_cpu.decode.num_blocks) == ("cpu", 2048)
+    given = user_config({"model": "tiny", "device": "cpu", "num_blocks": 64}, gpus=one_gpu)
+    assert (given.decode.device, given.decode.num_blocks) == ("cpu", 64)
+    fixed = user_config({"model": "tiny", "device": "cuda:1", "num_blocks": 64}, gpus=one_gpu)
+    assert fixed.decode.num_blocks == 64
+
+
+def test_gpu_memory_utilization_on_the_cpu_is_refused():
+    with pytest.raises(ValueError, match="--gpu-memory-utilization sizes KV pools on CUDA; every instance here is "
+                                         "on cpu, whose pool is --num-blocks"):
+        user_config({"model": "tiny", "gpu_memory_utilization": 0.5}, gpus=no_gpu)
+    with pytest.raises(ValueError, match=r"must be in \(0, 1\]"):
+        user_config({"model": "tiny", "device": "cuda", "gpu_memory_utilization": 0}, gpus=one_gpu)
+
+
+def test_pushkv_up_refuses_it_on_the_cpu_at_once():
+    p = subprocess.run([sys.executable, "-m", "processes.cli", "up", "--model", "tiny", "--load-format", "dummy",
+                        "--device", "cpu", "--gpu-memory-utilization", "0.8"],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert p.returncode == 2 and "--gpu-memory-utilization sizes KV pools on CUDA" in p.stderr
+
+
+def test_a_pool_sized_on_another_host_bounds_the_routers_messages_by_the_widest_id():
+    """A router host plans templates whose pools are sized elsewhere (num_blocks 0): its message caps
+    must hold P's largest block ids all the same."""
+    from pushkv import limits
+
+    sized_elsewhere = deployment(blocks=0)
+    known = deployment(blocks=(1 << 32) - 1)
+    assert limits.generate_cap_bytes(sized_elsewhere) == limits.generate_cap_bytes(known)
+    assert limits.generate_cap_bytes(sized_elsewhere) > limits.generate_cap_bytes(deployment(blocks=100))
+
+
+def test_a_gpu_whose_memory_the_driver_does_not_give_is_a_problem_not_a_crash():
+    from pushkv.cuda_driver import DriverError
+
+    def refuses(gpu):
+        raise DriverError("cuDevicePrimaryCtxRetain error 46")
+
+    sized = size_pools(deployment(), refuses)
+    assert sized.problems[0] == ("--gpu-memory-utilization: cuda:0's memory is unknown (cuDevicePrimaryCtxRetain "
+                                 "error 46); give --num-blocks N, or check the GPU with nvidia-smi")
+
+
+def test_the_driver_query_without_a_gpu_says_why():
+    from pushkv.cuda_driver import DriverError, device_count, memory_info
+
+    count, why = device_count()
+    if count:
+        free, total = memory_info(0)
+        assert 0 < free <= total
+    else:
+        assert why
+        with pytest.raises(DriverError):
+            memory_info(0)
