@@ -11,18 +11,25 @@ events before they touch a socket.
 
 Off by default: a process without a trace endpoint has no publisher and the
 actor's ``trace_msg`` returns after one ``is None`` check.
+
+Processes that are not pushkv's (the vLLM connector's, inside vLLM's own processes) have no
+trace endpoint; ``stamp`` prints their per-transfer timestamps to stderr instead, with
+PUSHKV_VLLM_TIMING=1 (``python -m tools.vllm_timing LOG...`` reads them back).
 """
 from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from collections import Counter
+from functools import cache
 from typing import Any, Optional
 
 import zmq
 
+from pushkv import envs
 from pushkv import messages as m
 from pushkv.security import Security, secure_bind, secure_connect
 
@@ -31,6 +38,21 @@ log = logging.getLogger(__name__)
 HOST_ENV = "PUSHKV_HOST"  # set by the supervisor for its children: the host in every trace event
 TRACE_SNDHWM = 100_000  # events queued per publisher before it drops (never blocks)
 TAP_SNDHWM = 1_000_000  # events queued per attached tap in the forwarder
+
+
+STAMP_PREFIX = "pushkv-timing "  # a stamp's line: PREFIX <event> <transfer id> <wall time>
+
+
+@cache
+def stamps_on() -> bool:
+    """PUSHKV_VLLM_TIMING, read once per process (at the first stamp)."""
+    return bool(envs.get("PUSHKV_VLLM_TIMING"))
+
+
+def stamp(event: str, transfer_id: str) -> None:
+    """One per-transfer timestamp on stderr (the vLLM server's log) when stamps are on."""
+    if stamps_on():
+        print(f"{STAMP_PREFIX}{event} {transfer_id} {time.time():.6f}", file=sys.stderr, flush=True)
 
 
 class TracePublisher:

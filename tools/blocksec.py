@@ -23,7 +23,7 @@ import tempfile
 
 import numpy as np
 
-from pushkv.launch import launched
+from tools.launch import launched
 from tools import bench
 
 # label -> `pushkv up` arguments

@@ -5,7 +5,7 @@ names D's engine id (what it is answered, then the status of the requests after 
 
     python tools/hostile_peer.py [--model small]
 
-Prints one JSON object. Starts and stops its own deployment (pushkv.launch).
+Prints one JSON object. Starts and stops its own deployment (tools.launch).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import zmq
 from pushkv import messages as m
 from pushkv.config import model_fingerprint
 from pushkv.kv import layout as L
-from pushkv.launch import launched
+from tools.launch import launched
 from pushkv.supervisor.commands import ask
 from pushkv.transport.nixl_agent import NixlAgent
 

@@ -13,7 +13,7 @@ import random
 import statistics
 import sys
 
-from pushkv.launch import launched
+from tools.launch import launched
 from tools.copy_speed import plain_copy_gbps
 
 

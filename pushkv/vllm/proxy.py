@@ -28,7 +28,7 @@ import aiohttp
 from aiohttp import web
 
 from pushkv.vllm import params as P
-from pushkv.vllm.timing import mark
+from pushkv.trace import stamp as mark
 
 log = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ import zmq
 from pushkv import messages as m
 from pushkv.vllm import params as P
 from pushkv.vllm import wire as w
-from pushkv.vllm.timing import ON as TIMING
-from pushkv.vllm.timing import mark
+from pushkv.trace import stamp as mark
+from pushkv.trace import stamps_on
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ class SchedulerSide:
             self.pending_send.pop(rid, None)
         for rid in out.finished_recving or ():
             entry = self.waiting_recv.pop(rid, None)
-            if entry and TIMING:
+            if entry and stamps_on():
                 mark("d_sched_recvd", entry[0])
                 self.marking[rid] = entry[0]
 

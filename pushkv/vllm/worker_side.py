@@ -32,7 +32,7 @@ from pushkv.vllm import params as P
 from pushkv.vllm import regions as R
 from pushkv.vllm import wire as w
 from pushkv.vllm.memory import SharedKVAllocation
-from pushkv.vllm.timing import mark
+from pushkv.trace import stamp as mark
 
 log = logging.getLogger(__name__)
 
