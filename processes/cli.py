@@ -20,18 +20,23 @@ from typing import Optional
 import msgspec
 from setproctitle import setproctitle
 
+from pushkv import up_help
 from pushkv.config import PRESETS, TRACE_AUTO, DeploymentConfig
 from pushkv.config_flags import GEOMETRY, deprecations, user_config, weights_note
 from pushkv.kinds import LinkOrder
-from pushkv import up_help
 from pushkv.security import API_KEY_ENV, load_secret
 from pushkv.supervisor import deployments, registry
 from pushkv.supervisor.plan import plan_deployment
 from pushkv.supervisor.preflight import preflight
-from pushkv.supervisor.supervisor import (ON_CHILD_EXIT, PING_INTERVAL_S, STARTUP_TIMEOUT_S, STOP_TIMEOUT_S, ArgvHook,
-                                          Supervisor)
+from pushkv.supervisor.supervisor import (
+    ON_CHILD_EXIT,
+    PING_INTERVAL_S,
+    STARTUP_TIMEOUT_S,
+    STOP_TIMEOUT_S,
+    ArgvHook,
+    Supervisor,
+)
 from pushkv.supervisor.table import HEALTH_TIMEOUT_S, RestartPolicy
-
 
 
 # ---------------------------------------------------------------------------

@@ -18,11 +18,10 @@ from typing import Any, Callable, Optional
 import msgspec
 import zmq
 
+from pushkv import limits, security
+from pushkv import messages as m
 from pushkv.dispatch import handler_for
 from pushkv.framing import Drops, Shape, recv_bounded
-from pushkv import limits
-from pushkv import messages as m
-from pushkv import security
 from pushkv.security import secure_bind, secure_connect
 from pushkv.trace import TracePublisher
 

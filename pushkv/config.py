@@ -20,8 +20,19 @@ from typing import Any, Literal, Optional
 
 import msgspec
 
-from pushkv.kinds import (Engine, HostRole, KVVerify, LinkOrder, Mode, PullRead, PushStream, RandomInit, Role, RopeType,
-                          Switch)
+from pushkv.kinds import (
+    Engine,
+    HostRole,
+    KVVerify,
+    LinkOrder,
+    Mode,
+    PullRead,
+    PushStream,
+    RandomInit,
+    Role,
+    RopeType,
+    Switch,
+)
 from pushkv.messages import PrefillSource
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

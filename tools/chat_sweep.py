@@ -22,11 +22,11 @@ import shlex
 import sys
 import time
 
-from tools.launch import launched
 from pushkv.plan import profile as PR
 from pushkv.plan import sim
 from pushkv.plan import workload as W
 from tools import chat_bench as CB
+from tools.launch import launched
 
 LAYOUTS = {"1p1d": (1, 1), "2p2d": (2, 2), "1p2d": (1, 2), "2p1d": (2, 1)}
 

@@ -13,8 +13,8 @@ import os
 import shlex
 import sys
 
-from tools.launch import launched
 from tools import bench
+from tools.launch import launched
 
 # label -> `pushkv up` arguments
 MODES: dict[str, list[str]] = {

@@ -25,8 +25,7 @@ from typing import Iterable, Optional
 
 import msgspec
 
-from pushkv.discovery.records import (DiscoveryEvent, InstanceDown, InstanceRecord, InstanceUp,
-                                      decode_record)
+from pushkv.discovery.records import DiscoveryEvent, InstanceDown, InstanceRecord, InstanceUp, decode_record
 
 DEFAULT_PREFIX = "/pushkv"
 DEFAULT_PORT = 2379

@@ -33,8 +33,19 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
-from pushkv.kv.layout import (blocks_for, group_heads, head_bytes, layer_groups, layer_place,
-                              region_base, region_block_bytes, slab_bytes, token_bytes, unit, window_group)
+from pushkv.kv.layout import (
+    blocks_for,
+    group_heads,
+    head_bytes,
+    layer_groups,
+    layer_place,
+    region_base,
+    region_block_bytes,
+    slab_bytes,
+    token_bytes,
+    unit,
+    window_group,
+)
 from pushkv.messages import KVLayoutDesc
 
 Region = tuple[int, int, int]

@@ -15,8 +15,11 @@ from typing import Callable
 from aiohttp import web
 
 from pushkv.router import api
-from pushkv.security import API_KEY_ENV  # noqa: F401 (re-exported: the router's key variable)
-from pushkv.security import LOG_EVERY, LOG_FIRST
+from pushkv.security import (
+    API_KEY_ENV,  # noqa: F401 (re-exported: the router's key variable)
+    LOG_EVERY,
+    LOG_FIRST,
+)
 
 log = logging.getLogger(__name__)
 

@@ -21,22 +21,21 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
-from pushkv import limits
+from pushkv import limits, security
 from pushkv import messages as m
-from pushkv import security
 from pushkv.config import DeploymentConfig, Role
 from pushkv.discovery.base import Watcher
 from pushkv.discovery.local import LocalWatcher
 from pushkv.discovery.records import InstanceDown, InstanceRecord, InstanceUp
 from pushkv.framing import Drops, Shape, arecv_bounded
 from pushkv.router import api, auth, generate, output, text
-from pushkv.router.balance import Balancer
 from pushkv.router import chat as chat_mod
+from pushkv.router.balance import Balancer
 from pushkv.router.flow import RequestRun
 from pushkv.router.links import SchedulerLink
 from pushkv.router.metrics import RouterMetrics
-from pushkv.seeds import derive_seed
 from pushkv.security import secure_connect
+from pushkv.seeds import derive_seed
 from pushkv.trace import TracePublisher
 
 log = logging.getLogger(__name__)

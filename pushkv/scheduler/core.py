@@ -35,11 +35,10 @@ import logging
 from collections import Counter, OrderedDict
 from typing import Any, Callable, Optional, Union
 
-from pushkv.dispatch import handler_for
-from pushkv import faults
-from pushkv import limits
+from pushkv import faults, limits
 from pushkv import messages as m
 from pushkv.config import DeploymentConfig, InstanceConfig, Role
+from pushkv.dispatch import handler_for
 from pushkv.kv import checksum
 from pushkv.protocol.prefix_cache import PrefixCache
 from pushkv.scheduler.metrics import InstanceMetrics, Snapshot

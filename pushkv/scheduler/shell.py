@@ -12,8 +12,7 @@ from typing import Any, Callable, Optional
 
 import zmq
 
-from pushkv import faults
-from pushkv import limits
+from pushkv import faults, limits
 from pushkv import messages as m
 from pushkv.actor import Actor, Channel
 from pushkv.scheduler.core import SchedulerCore

@@ -30,10 +30,17 @@ from pushkv.supervisor import commands as c
 from pushkv.supervisor import lifecycle, registry
 from pushkv.supervisor.host_registry import HostRegistry
 from pushkv.supervisor.plan import ProcessSpec, config_path, event_topic, process_specs
-from pushkv.trace import HOST_ENV, TraceForwarder
 from pushkv.supervisor.table import (
-    HEALTH_TIMEOUT_S, Event, IllegalTransition, ProcessTable, RestartPolicy, Row, State, describe_exit,
+    HEALTH_TIMEOUT_S,
+    Event,
+    IllegalTransition,
+    ProcessTable,
+    RestartPolicy,
+    Row,
+    State,
+    describe_exit,
 )
+from pushkv.trace import HOST_ENV, TraceForwarder
 
 log = logging.getLogger(__name__)
 

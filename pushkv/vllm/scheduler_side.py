@@ -24,10 +24,10 @@ import msgspec
 import zmq
 
 from pushkv import messages as m
-from pushkv.vllm import params as P
-from pushkv.vllm import wire as w
 from pushkv.trace import stamp as mark
 from pushkv.trace import stamps_on
+from pushkv.vllm import params as P
+from pushkv.vllm import wire as w
 
 log = logging.getLogger(__name__)
 

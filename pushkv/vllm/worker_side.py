@@ -28,11 +28,11 @@ import zmq
 
 from pushkv import limits
 from pushkv import messages as m
+from pushkv.trace import stamp as mark
 from pushkv.vllm import params as P
 from pushkv.vllm import regions as R
 from pushkv.vllm import wire as w
 from pushkv.vllm.memory import SharedKVAllocation
-from pushkv.trace import stamp as mark
 
 log = logging.getLogger(__name__)
 

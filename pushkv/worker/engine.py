@@ -8,15 +8,12 @@ import time
 import msgspec
 import zmq
 
-from pushkv import envs
-from pushkv import faults
-from pushkv import limits
+from pushkv import envs, faults, limits
 from pushkv import messages as m
 from pushkv.actor import Actor
-from pushkv.config import DeploymentConfig, InstanceConfig
+from pushkv.config import DeploymentConfig, InstanceConfig, marks_endpoint, rank_device
 from pushkv.kv import checksum, damage
 from pushkv.kv import layout as L
-from pushkv.config import marks_endpoint, rank_device
 from pushkv.kv.pool import Pool, attach_worker_pool
 from pushkv.model import sampling
 from pushkv.worker.marks import LayerMarks
