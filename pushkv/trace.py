@@ -149,7 +149,7 @@ class TraceForwarder:
         log.info("trace forwarder: publishers -> %s, taps <- %s", self.publish_endpoint, self.tap_endpoint)
 
     def stop(self, timeout_s: float = 2.0) -> None:
-        if self._thread is None:
+        if self._thread is None or self._ctl is None:
             return
         try:
             self._ctl.send(b"TERMINATE")

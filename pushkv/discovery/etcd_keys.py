@@ -178,7 +178,7 @@ class RegistryView:
         for kv in kvs:
             name = split_instance_key(self.prefix, unb64(kv.get("key", "")).decode(errors="replace"))
             rec = self._decode(kv.get("value", "")) if name else None
-            if rec is not None:
+            if name is not None and rec is not None:
                 fresh[name] = rec
         out: list[DiscoveryEvent] = [InstanceDown(eid, role, REASON_MISSED)
                                      for (role, eid) in self.records if (role, eid) not in fresh]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -54,7 +54,7 @@ class BatchedForward:
         self.fused = self.cuda and envs.get("PUSHKV_FUSED") and not (self.hd & (self.hd - 1))
         self.max_num_seqs = max_num_seqs
         self.graphs: dict[int, "_DecodeGraph"] = {}
-        self.graph_pool = None
+        self.graph_pool: Optional[Any] = None  # torch.cuda.graph_pool_handle(), shared by the graphs
         self.graph_width = 0
 
     # ------------------------------------------------------------------ public

@@ -229,7 +229,8 @@ def _map_token_runs(src, sb, dst, db, num_tokens, hs, hc, win_sub, layers=None) 
 def _layer_places(lay) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per layer: offset of sub-block 0 (head group 0), sub-block stride, head-group stride."""
     places = [layer_place(lay, l) for l in range(lay.num_layers)]
-    return tuple(np.array([p[i] for p in places], dtype=np.int64) for i in range(3))
+    first, stride, group_stride = (np.array([p[i] for p in places], dtype=np.int64) for i in range(3))
+    return first, stride, group_stride
 
 
 def _subs(lay, logical: np.ndarray, num_tokens: int) -> np.ndarray:

@@ -48,7 +48,7 @@ class SchedulerSide:
         self.block_size = block_size
         if num_groups != 1:
             raise ValueError(f"pushkv's connector supports one KV cache group, this model has {num_groups}")
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context = zmq.Context.instance()
         self.writers: list[zmq.Socket] = []
         for r in range(settings.tp):
             sock = self.ctx.socket(zmq.PUSH)
