@@ -20,7 +20,7 @@ from typing import Optional
 import msgspec
 from setproctitle import setproctitle
 
-from pushkv import up_help
+from pushkv import envs, up_help
 from pushkv.config import PRESETS, TRACE_AUTO, DeploymentConfig
 from pushkv.config_flags import GEOMETRY, deprecations, user_config, weights_note
 from pushkv.kinds import LinkOrder
@@ -159,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--insecure", action="store_true",
                    help="with --role: start without --secret-file (plain ZMQ on the network: anyone who reaches "
                         "this host can send requests straight to its schedulers and writers); warns at every start")
-    s.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+    s.add_argument("--api-key", default=envs.PUSHKV_API_KEY or None,
                    help=f"the router answers /v1/* only with 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
     h = up.add_argument_group(
         "several hosts", "one `pushkv up --role ...` per host, every host given the same --mode, model, geometry "

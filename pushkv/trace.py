@@ -19,7 +19,6 @@ PUSHKV_VLLM_TIMING=1 (``python -m tools.vllm_timing LOG...`` reads them back).
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import threading
 import time
@@ -46,7 +45,7 @@ STAMP_PREFIX = "pushkv-timing "  # a stamp's line: PREFIX <event> <transfer id> 
 @cache
 def stamps_on() -> bool:
     """PUSHKV_VLLM_TIMING, read once per process (at the first stamp)."""
-    return bool(envs.get("PUSHKV_VLLM_TIMING"))
+    return envs.PUSHKV_VLLM_TIMING
 
 
 def stamp(event: str, transfer_id: str) -> None:
@@ -62,7 +61,7 @@ class TracePublisher:
                  counters: Optional[Counter] = None, security: Optional[Security] = None):
         self.process = process
         # which host's clock t_mono is (tools/trace/merge.py aligns hosts); the supervisor sets it
-        self.host = os.environ.get(HOST_ENV, "")
+        self.host = envs.PUSHKV_HOST
         self.counters = counters if counters is not None else Counter()
         self.sock = (ctx or zmq.Context.instance()).socket(zmq.PUB)
         self.sock.setsockopt(zmq.LINGER, 0)

@@ -21,7 +21,7 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
-from pushkv import limits, security
+from pushkv import envs, limits, security
 from pushkv import messages as m
 from pushkv.config import DeploymentConfig, Role
 from pushkv.discovery.base import Watcher
@@ -50,7 +50,7 @@ class Router:
                  watcher: Optional[Watcher] = None, api_key: Optional[str] = None):
         self.cfg = cfg
         self.watcher = watcher  # where P and D instances come from (default: the planned config)
-        self.api_key = os.environ.get(auth.API_KEY_ENV, "") if api_key is None else api_key
+        self.api_key = envs.PUSHKV_API_KEY if api_key is None else api_key
         self.tokenizer = tokenizer if tokenizer is not None else text.load_tokenizer(cfg.model)
         self.limits = api.Limits(
             vocab_size=cfg.model.vocab_size,

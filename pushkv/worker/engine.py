@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import msgspec
@@ -38,7 +37,7 @@ class Worker(Actor):
 
         from pushkv.model.build import build_model
 
-        torch.set_num_threads(max(1, envs.get("PUSHKV_THREADS")))
+        torch.set_num_threads(max(1, envs.PUSHKV_THREADS))
         self.device = rank_device(self.inst, self.rank)
         if self.device != "cpu":
             torch.cuda.set_device(self.device)
@@ -71,7 +70,7 @@ class Worker(Actor):
 
     def _attach(self) -> Pool:
         """The pool its writer owns: the handle the supervisor passed on (shm or CUDA IPC)."""
-        return attach_worker_pool(os.environ, self.cfg.deployment_id, self.inst.name, self.rank, self.layout,
+        return attach_worker_pool(None, self.cfg.deployment_id, self.inst.name, self.rank, self.layout,
                                   self.cfg.model.dtype)
 
     def teardown(self) -> None:
@@ -122,7 +121,7 @@ class Worker(Actor):
         """The kernel on CUDA (PUSHKV_CHECKSUM=torch keeps torch's ops), torch on the CPU. Both
         give the same sums, so a kernel that fails here falls back to torch for good."""
         args = (self.layer_pools, self.layout, table, num_tokens, units, unit_tokens)
-        if self.device != "cpu" and envs.get("PUSHKV_CHECKSUM") == "triton" and not self._kernel_failed:
+        if self.device != "cpu" and envs.PUSHKV_CHECKSUM == "triton" and not self._kernel_failed:
             try:
                 from pushkv.model.kernels.triton_checksum import unit_sums
 
