@@ -23,7 +23,7 @@ from setproctitle import setproctitle
 from pushkv import envs, up_help
 from pushkv.config import PRESETS, TRACE_AUTO, DeploymentConfig
 from pushkv.config_flags import GEOMETRY, deprecations, user_config, weights_note
-from pushkv.kinds import LinkOrder
+from pushkv.kinds import LinkOrder, Staging
 from pushkv.security import API_KEY_ENV, load_secret
 from pushkv.supervisor import deployments, registry
 from pushkv.supervisor.plan import plan_deployment
@@ -130,6 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--link-order", choices=typing.get_args(LinkOrder),
                    help="which queued WRITE goes next on a link: arrival (default), shortest (fewest bytes left "
                         "of its request), deadline (oldest transfer first)")
+    t.add_argument("--staging", choices=typing.get_args(Staging),
+                   help="who stages GPU KV through host memory for a transport that cannot reach GPU memory "
+                        "(UCX over TCP): transport (UCX's cuda_copy, a fragment at a time), pushkv (a pinned host "
+                        "mirror of the pool, copied on a copy stream around each WRITE); auto (default) = pushkv "
+                        "for push on GPU pools when UCX_TLS limits UCX to TCP, else transport")
     t.add_argument("--writer-warm", choices=("auto", "on", "off"),
                    help="writers spin (a core each) while a transfer with them is expected, so its post and "
                         "completion skip the wake-up from idle; auto (default) = on for CUDA instances")

@@ -141,6 +141,7 @@ def user_config(flags: Mapping[str, Any]) -> DeploymentConfig:
         push_pin_fraction=f("push_pin_fraction"),
         writer_warm=f("writer_warm"), writer_post_thread=f("writer_post_thread"),
         link_window=f("link_window"), link_window_mib=f("link_window_mib"), link_order=f("link_order"),
+        staging=f("staging"),
         conditional_disagg=True if f("conditional_disagg") else None,
         served_model_name=tuple(dict.fromkeys(names)) if names else None,
         trace_endpoint=TRACE_AUTO if trace else None,

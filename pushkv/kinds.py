@@ -16,4 +16,5 @@ Switch = Literal["auto", "on", "off"]  # "auto": the code decides (see each fiel
 Engine = Literal["auto", "batched", "per-seq"]
 RandomInit = Literal["cpu", "device"]
 LinkOrder = Literal["arrival", "shortest", "deadline"]  # which queued WRITE goes next on a link
+Staging = Literal["auto", "transport", "pushkv"]  # who stages a GPU pool's KV through host memory (writer/staging.py)
 RopeType = Literal["default", "linear", "llama3", "yarn"]  # RoPE frequency schemes built (pushkv/model/rope.py)

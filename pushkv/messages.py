@@ -522,6 +522,7 @@ class Hello(Msg):
     model_id: str = ""  # what the KV means: model geometry, dtype and weights (config.model_fingerprint)
     # the agent our WRITEs and their notifications come from when a poster thread posts them ("": agent_name)
     post_agent: str = ""
+    mem_kind: str = ""  # the memory NIXL moves: "VRAM" (the GPU pool) or "DRAM" (a host pool, or its mirror)
 
 
 class HelloRefused(Msg):

@@ -21,6 +21,8 @@ MODES: dict[str, list[str]] = {
     "push": ["--mode", "push", "--push-stream", "off"],  # one WRITE at prefill end: the unstreamed baseline
     "push-chunk": ["--mode", "push", "--push-stream", "chunk"],  # with --prefill-chunk in the up args
     "push-layer": ["--mode", "push", "--push-stream", "layer"],  # each layer group's KV as it is stored
+    # the same, GPU memory staged by UCX's cuda_copy lane rather than pushkv's host mirror (--staging)
+    "push-layer-ucx-staging": ["--mode", "push", "--push-stream", "layer", "--staging", "transport"],
     "pull-inline": ["--mode", "pull", "--pull-read", "inline"],
     "pull-background": ["--mode", "pull", "--pull-read", "background"],
     "pull-write": ["--mode", "pull", "--pull-read", "write"],

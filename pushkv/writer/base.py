@@ -30,13 +30,14 @@ from pushkv.kv import layout as L
 from pushkv.kv.pool import Pool, create_pool, shm_name
 from pushkv.protocol.mapping import check_compatible
 from pushkv.security import is_network
-from pushkv.transport import poster
+from pushkv.transport import poster, staging_plan
 from pushkv.transport.grid import grid_of
 from pushkv.transport.nixl_agent import NixlAgent
 from pushkv.writer import memory as mem
 from pushkv.writer.peers import HANDSHAKE_TIMEOUT_S, Peer, PeerLink, PeerWait
 from pushkv.writer.posting import SETTLE_S, InFlight
 from pushkv.writer.poll import warm_enabled
+from pushkv.writer.staging import HostMirror
 from pushkv.writer.warm import BEAT_BYTES, BEAT_MS, WarmWriter
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class WriterBase(WarmWriter):
         self.layout = L.instance_layout(cfg, inst, rank)  # cut to match the peer instance
         self.model_id = model_fingerprint(cfg.model)  # peers must agree on what the KV means
         self.pool: Optional[Pool] = None
+        self.mirror: Optional[HostMirror] = None  # --staging pushkv: NIXL moves this pinned copy of the pool
         self.memory = mem.Memory(0, 0, self.layout)  # the pool's, once registered (setup)
         self.stuck_s = 2 * cfg.timeouts.transfer_s
         self.init_peers()
@@ -73,20 +75,29 @@ class WriterBase(WarmWriter):
         name = shm_name(self.cfg.deployment_id, self.inst.name, self.rank, os.getpid())
         device = rank_device(self.inst, self.rank)
         self.pool = create_pool(name, self.layout, self.cfg.model.dtype, device)
-        post_thread = self.inst.role == "prefill" and poster.wanted(self.cfg.writer_post_thread,
-                                                                     os.environ.get("UCX_TLS", ""))
-        self.nixl = NixlAgent(self.agent_name, device=device, post_thread=post_thread)
+        ucx_tls = os.environ.get("UCX_TLS", "")
+        post_thread = self.inst.role == "prefill" and poster.wanted(self.cfg.writer_post_thread, ucx_tls)
+        if staging_plan.wanted(self.cfg.staging, self.cfg.mode, device, ucx_tls, self.pool.nbytes,
+                               staging_plan.host_memory_bytes()):
+            # NIXL sees only the pinned host mirror: every transfer moves host to host (writer/staging.py)
+            self.mirror = HostMirror(self.pool.tensor, device)
+            log.info("%s: staging through a pinned host mirror of the pool (%.1f MiB)", self.name,
+                     self.mirror.nbytes / 2**20)
+        self.nixl = NixlAgent(self.agent_name, device="cpu" if self.mirror is not None else device,
+                              post_thread=post_thread)
         if post_thread:
             log.info("%s: WRITEs posted by agent %s on its own thread", self.name, self.nixl.post_agent)
         if device != "cpu":
             import torch
 
             self.device_uuid = str(torch.cuda.get_device_properties(torch.device(device)).uuid)
-        self.memory = mem.Memory(self.pool.base_addr, self.pool.nbytes, self.layout, self.nixl.dev_id)
+        base = self.mirror.base_addr if self.mirror is not None else self.pool.base_addr
+        self.memory = mem.Memory(base, self.pool.nbytes, self.layout, self.nixl.dev_id)
         if self.wants_sink():
             import torch
 
-            self.sink = torch.empty(BEAT_BYTES, dtype=torch.uint8, device=device)
+            self.sink = torch.empty(BEAT_BYTES, dtype=torch.uint8,
+                                    device="cpu" if self.mirror is not None else device)  # NIXL's memory kind
             self.memory.extra.append((self.sink.data_ptr(), BEAT_BYTES))
         try:
             grid = grid_of(self.layout)
@@ -129,6 +140,8 @@ class WriterBase(WarmWriter):
             self.release_inflight()
             self.release_beats()
             self.nixl.deregister()
+        if self.mirror is not None:
+            self.mirror.close()
         if self.pool is not None:
             self.pool.close()
 
@@ -141,10 +154,14 @@ class WriterBase(WarmWriter):
             sink_addr=self.sink.data_ptr() if self.sink is not None else 0,
             sink_bytes=BEAT_BYTES if self.sink is not None else 0, device_uuid=self.device_uuid,
             wire_version=m.WIRE_VERSION, model_id=self.model_id, post_agent=self.nixl.post_agent,
+            mem_kind=self.nixl.mem_type,
         )
 
     def check_peer(self, h: m.Hello) -> None:
         check_compatible(self.layout, h.layout)
+        if h.mem_kind and h.mem_kind != self.nixl.mem_type:  # descriptors name one kind for both sides
+            raise ValueError(f"peer's transfers use {h.mem_kind} memory, ours {self.nixl.mem_type} (both sides "
+                             "must run the same --staging)")
 
     def peer_of(self, h: m.Hello, agent: str) -> Peer:
         return Peer(h.engine_id, h.rank, h.tp, agent, h.pool_base, h.layout, h.device_id,

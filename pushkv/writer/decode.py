@@ -16,6 +16,9 @@ from pushkv.protocol import actions as A
 from pushkv.protocol import arrivals as ar
 from pushkv.protocol.tp import head_overlap, producers_for
 from pushkv.kv import damage
+from pushkv.transport.grid import grid_of
+from pushkv.transport.staging_plan import runs_of_blocks
+from pushkv.writer import staging
 from pushkv.writer.base import InFlight, WriterBase
 
 log = logging.getLogger(__name__)
@@ -35,6 +38,19 @@ class Registered:
     num_tokens: int = 0
     checksums: "m.KVChecksums | None" = None  # --kv-verify: P's, from the first WriteDone that has them
     sent: float = 0.0  # wall time our Register left (the scheduler's registration_sent is when it asked)
+    cached_tokens: int = 0  # the prompt's first tokens already in our blocks (prefix cache): not written
+
+
+@dataclass
+class StagingIn:
+    """--staging pushkv: a transfer whose bytes landed in the host mirror, being copied into the
+    pool; reported received (or failed, if cancelled meanwhile) once the copy is done."""
+
+    event: object
+    received: A.Received
+    reg: "Registered | None"
+    started: float  # wall time
+    cancelled: str = ""
 
 
 @dataclass
@@ -57,6 +73,7 @@ class DecodeWriter(WriterBase):
         self._reads_cancelled: dict[tuple[str, int], str] = {}  # READs in flight whose request was cancelled
         self._quarantine: dict[tuple[str, int], Quarantined] = {}
         self._dead_engines: set[str] = set()
+        self._staging_in: dict[tuple[str, int], StagingIn] = {}
 
     def setup(self) -> None:
         super().setup()
@@ -70,7 +87,8 @@ class DecodeWriter(WriterBase):
                     self.start_link(src.engine_id, r, src.handshake_endpoints[r], now)
 
     def has_pending(self) -> bool:
-        return self.arrivals.next_deadline() is not None or bool(self._quarantine) or bool(self.waits)
+        return (self.arrivals.next_deadline() is not None or bool(self._quarantine) or bool(self.waits)
+                or bool(self._staging_in))
 
     def _with_producers(self, key, src: m.PrefillSource, then, now: float) -> None:
         """``then(peers)`` once P's producer ranks for us are connected; KVFailed if one cannot be."""
@@ -119,7 +137,8 @@ class DecodeWriter(WriterBase):
                 reason = f"registration refused: {_REFUSED.get(e.state, e.state)}"
                 self.send(self.sched, m.KVFailed(tid, gen, reason))
             return
-        self._registered[key] = Registered(source, ranks, block_ids=tuple(block_ids), num_tokens=num_tokens)
+        self._registered[key] = Registered(source, ranks, block_ids=tuple(block_ids), num_tokens=num_tokens,
+                                           cached_tokens=cached_tokens)
         self.apply(acts, now)
         reg = m.Register(tid, gen, self.inst.engine_id, self.rank, self.inst.tp, block_ids, num_tokens, deadline_s,
                          warm=key in self._warm, cached_tokens=cached_tokens)
@@ -174,6 +193,10 @@ class DecodeWriter(WriterBase):
         now = time.monotonic()
         key = (msg.transfer_id, msg.generation)
         self.cool(key)
+        if key in self._staging_in:  # the KV is here, being copied into the blocks: answer when that ends
+            self._staging_in[key].cancelled = self._staging_in[key].cancelled or msg.reason
+            self.counters["stage_in_cancel_deferred"] += 1
+            return
         if key in self.inflight and key in self._reads:  # our READ still lands in these blocks: answer when it ends
             self._reads_cancelled[key] = msg.reason
             self.counters["read_cancel_deferred"] += 1
@@ -190,19 +213,54 @@ class DecodeWriter(WriterBase):
                 self.cool(key)
             if isinstance(a, A.Received):
                 reg = self._registered.pop(key, None)
-                self.counters["kv_received"] += 1
-                self.trace_event("kv_received", a.transfer_id)
-                if reg is not None and faults.fire(self.name, "kv_flip_dest"):  # tests of --kv-verify
-                    damage.flip_last_token(self.pool, self.layout, reg.block_ids, reg.num_tokens)
-                stages = (("writer_registration_sent", reg.sent),) if reg is not None and reg.sent else ()
-                self.send(self.sched, m.KVReceived(a.transfer_id, a.generation, a.first_token, a.nbytes, a.num_descs,
-                                                   timeline=stages,
-                                                   checksums=reg.checksums if reg is not None else None))
+                if self.mirror is not None and reg is not None:
+                    self._stage_in(key, a, reg)
+                else:
+                    self._received(a, reg)
             elif isinstance(a, A.Failed):
                 self.counters["kv_failed"] += 1
                 self._fail_transfer(key, a.reason, now)
             elif isinstance(a, A.Count):
                 self.counters[a.name] += 1
+
+    def _received(self, a: A.Received, reg: "Registered | None", staged: tuple = ()) -> None:
+        """Every producer's bytes are in our blocks: the scheduler may decode from them."""
+        self.counters["kv_received"] += 1
+        self.trace_event("kv_received", a.transfer_id)
+        if reg is not None and faults.fire(self.name, "kv_flip_dest"):  # tests of --kv-verify
+            damage.flip_last_token(self.pool, self.layout, reg.block_ids, reg.num_tokens)
+        stages = (("writer_registration_sent", reg.sent),) if reg is not None and reg.sent else ()
+        self.send(self.sched, m.KVReceived(a.transfer_id, a.generation, a.first_token, a.nbytes, a.num_descs,
+                                           timeline=stages + staged,
+                                           checksums=reg.checksums if reg is not None else None))
+
+    # -- --staging pushkv: the landed bytes go from the host mirror to the pool ----------------
+    def _stage_in(self, key, a: A.Received, reg: Registered) -> None:
+        """Start copying the transfer's destination blocks (those it wrote: past our cached
+        prefix) from the mirror into the pool; ``check_staging`` reports it when done."""
+        blocks = reg.block_ids[reg.cached_tokens // self.layout.block_size:]
+        event = self.mirror.stage_in(runs_of_blocks(self.layout, self.memory.grid or grid_of(self.layout), blocks))
+        self.counters["stage_in_copies"] += 1
+        self._staging_in[key] = StagingIn(event, a, reg, time.time())
+        self.warm_for(key, time.monotonic() + self.cfg.timeouts.transfer_s)  # its report is a copy away
+        self.check_staging()
+
+    def check_staging(self) -> None:
+        for key, st in list(self._staging_in.items()):
+            if not staging.done(st.event):
+                continue
+            del self._staging_in[key]
+            self.cool(key)
+            if st.cancelled:  # the copy into the blocks is over: they may go back now
+                self.counters["kv_failed"] += 1
+                self.send(self.sched, m.KVFailed(key[0], key[1], st.cancelled))
+                continue
+            self._received(st.received, st.reg, (("stage_in_start", st.started), ("stage_in_done", time.time())))
+
+    def tick(self, now: float) -> None:
+        super().tick(now)
+        if self._staging_in:
+            self.check_staging()
 
     def _fail_transfer(self, key, reason: str, now: float) -> None:
         """Tell the producers to stop; hand the blocks back only once no WRITE can land in them."""

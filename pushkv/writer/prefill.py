@@ -8,7 +8,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from pushkv import faults
 from pushkv import messages as m
@@ -24,6 +24,8 @@ from pushkv.kv import damage
 from pushkv.writer.base import InFlight, WriterBase
 from pushkv.writer.link_posts import LinkPosts
 from pushkv.writer.posting import SpanPost
+from pushkv.transport.staging_plan import runs_of_indices, runs_of_regions
+from pushkv.writer import staging
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,7 @@ class _Post:
     sp: SpanPost
     notif: bytes
     fl: InFlight
+    staged: Any = None  # --staging pushkv: the copy of its bytes into the host mirror (a CUDA event)
 
 
 class PrefillWriter(WriterBase):
@@ -336,7 +339,7 @@ class PrefillWriter(WriterBase):
         sp = self.plan_spans("WRITE", peer, heads, spans)
         notif = (m.encode(m.WriteDone(a.transfer_id, a.generation, self.rank, a.first_token, sp.nbytes, sp.runs, sums))
                  if a.last else b"")
-        post = _Post(a, reg, peer, sp, notif, fl)
+        post = _Post(a, reg, peer, sp, notif, fl, self._stage_out(key, sp))
         if self.link_posts is None:
             self._send(post)
             return
@@ -350,9 +353,26 @@ class PrefillWriter(WriterBase):
         self._send_released(self.link_posts.offer((reg.d_engine_id, reg.d_rank), key, sp.nbytes, remaining,
                                                   t.first_queued + self.cfg.timeouts.transfer_s, post))
 
+    def _stage_out(self, key, sp: SpanPost) -> Any:
+        """--staging pushkv: start copying the bytes ``sp`` WRITEs from the pool into the host
+        mirror NIXL reads (on the copy stream; the post waits for it). None: no staging."""
+        if self.mirror is None:
+            return None
+        self._stamp(key, "stage_out_start")
+        grid = self.memory.grid
+        runs = runs_of_indices(grid, sp.indices[0]) if sp.indices is not None and grid is not None else \
+            runs_of_regions(sp.regions)  # (a post by indices is planned only over our prepared grid)
+        self.counters["stage_out_copies"] += 1
+        return self.mirror.stage_out(runs)
+
     def _send(self, post: _Post):
         """Post one planned WRITE to one D rank now; returns its handle (raises if it fails to post)."""
         a, key = post.a, (post.a.transfer_id, post.a.generation)
+        if post.staged is not None:  # its bytes must be in the mirror: most often copied long ago
+            if not staging.done(post.staged):
+                self.counters["stage_out_waits"] += 1
+                staging.wait(post.staged)
+            self._stamp(key, "stage_out_done")
         self._stamp(key, "write_post_start" if a.last else "part_post_first")  # to write_posted: our post cost
         h = self.post_planned(post.sp, post.notif)
         post.fl.handles.append(h)

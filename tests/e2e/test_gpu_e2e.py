@@ -89,3 +89,21 @@ def test_gpu_layer_streamed_push_equals_local():
         marks = sum(v for k, v in d.stats("prefill").counters.items() if k.endswith("layer_marks_received"))
     assert got == want
     assert marks == 4 * len(ps)  # every group of every prompt's one prefill step
+
+
+@pytest.mark.timeout(600)
+def test_gpu_pushkv_staging_equals_local():
+    """--staging pushkv on the GPU: NIXL moves the writers' pinned host mirrors, P copies each
+    WRITE's bytes out of the GPU pool on its copy stream, D copies the landed blocks in before
+    reporting them; the tokens equal local mode's (batch-invariant), streamed per layer group."""
+    flags = GEOM + ("--batch-invariant", "on")
+    ps = prompts(7)
+    want = run(("--mode", "local") + flags, ps)
+    staged = ("--mode", "push", "--push-stream", "layer", "--push-stream-groups", "4", "--staging", "pushkv")
+    with launched(*staged, *flags, start_timeout_s=240) as d:
+        got = [d.tokens(p, 24) for p in ps]
+        p_counters, d_counters = d.stats("prefill").counters, d.stats("decode").counters
+    assert got == want
+    total = lambda cs, k: sum(v for n, v in cs.items() if n.endswith("." + k))  # noqa: E731
+    assert total(p_counters, "stage_out_copies") >= len(ps)
+    assert total(d_counters, "stage_in_copies") == total(d_counters, "kv_received") == len(ps)

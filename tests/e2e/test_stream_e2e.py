@@ -59,6 +59,10 @@ CASES = [
     # queue (what UCX over TCP gets by default)
     ("push-layer threaded post tp2->1 p16/d32", "small",
      LAYER + ("--writer-post-thread", "on", "--link-window", "1") + shape(2, 1, 16, 32), 2, "layer"),
+    # --staging pushkv: NIXL moves the writers' host mirrors (a second copy of a host pool here, as
+    # a GPU pool's pinned mirror there); P copies out before each post, D copies in before reporting
+    ("push-layer pushkv staging tp2->1 p16/d32", "small",
+     LAYER + ("--staging", "pushkv", "--link-window", "1") + shape(2, 1, 16, 32), 2, "layer"),
 ]
 
 
@@ -144,3 +148,10 @@ def test_chunked_and_streamed_tokens_equal_local(name, model, flags, ref_tp, str
             assert per_rank(counters, "link_posts_queued") == [a + b for a, b in zip(posts, writes)], counters
             assert per_rank(counters, "link_inflight_peak") == [1] * p_tp, counters
             assert per_rank(counters, "link_queued") == [0] * p_tp, counters
+        if "--staging" in flags:  # every WRITE (part or last) was copied into the mirror before it went
+            writes = per_rank(counters, "write_posts")
+            assert per_rank(counters, "stage_out_copies") == [a + b for a, b in zip(posts, writes)], counters
+            d_counters = dep.stats("decode").counters
+            received = sum(v for k, v in d_counters.items() if k.endswith(".kv_received"))
+            staged_in = sum(v for k, v in d_counters.items() if k.endswith(".stage_in_copies"))
+            assert received > 0 and staged_in == received, d_counters
