@@ -30,7 +30,7 @@ for step in "$@"; do
            mkdir -p "$OUT/json" && cp "$OUT"/sweep/*.json "$OUT/json/" && (cd "$OUT" && tar czf sweep_json.tgz json) && rm -rf "$OUT/json" "$OUT/sweep" ;;
     ucxinfo) for mode in pull push; do
             UCX_PROTO_INFO=y timeout 120 python3 -c "
-from pushkv.launch import launched
+from tools.launch import launched
 import sys
 with launched('--mode', '$mode', '--device', 'cuda', '--model', 'medium', '--num-blocks', '4096', log_path='$OUT/ucx_$mode.log') as d:
     for n in (1024, 4096):

@@ -123,7 +123,7 @@ def host_costs(model_name: str, length: int, block_size: int, groups: int, reps:
 
 
 def ttft(mode: str, up_args: list[str], length: int, reps: int, vocab: int) -> dict:
-    from pushkv.launch import launched
+    from tools.launch import launched
 
     rng = random.Random(1)
     out = {"kv_verify": mode, "ttft_ms": [], "verify_ms": []}

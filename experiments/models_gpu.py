@@ -49,7 +49,7 @@ def engine_vs_transformers(cases: list[str]) -> list[dict]:
 
 
 def push_vs_local(families: list[str]) -> list[dict]:
-    from pushkv.launch import launched
+    from tools.launch import launched
     from tests.model.test_architectures import CASES
     from tests.model.test_hf_reference import save_hf_checkpoint
 

@@ -7,7 +7,7 @@ import random
 import sys
 import time
 
-from pushkv.launch import launched
+from tools.launch import launched
 
 
 def main() -> int:

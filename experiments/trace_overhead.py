@@ -21,7 +21,7 @@ from contextlib import ExitStack
 
 import numpy as np
 
-from pushkv.launch import launched
+from tools.launch import launched
 
 VARIANTS = ("off", "trace", "trace+tap")
 

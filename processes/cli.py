@@ -20,20 +20,26 @@ from typing import Optional
 import msgspec
 from setproctitle import setproctitle
 
+from pushkv import envs, up_help
 from pushkv.config import PRESETS, TRACE_AUTO, DeploymentConfig
 from pushkv.config_flags import GEOMETRY, deprecations, user_config, weights_note
+from pushkv.cuda_driver import memory_info
 from pushkv.kinds import LinkOrder, Staging
-from pushkv import up_help
 from pushkv.security import API_KEY_ENV, load_secret
 from pushkv.supervisor import deployments, registry
-from pushkv.supervisor.plan import plan_deployment
-from pushkv.cuda_driver import memory_info
 from pushkv.supervisor.kv_sizing import Sizing, pool_note, size_pools
+from pushkv.supervisor.plan import plan_deployment
 from pushkv.supervisor.preflight import preflight
-from pushkv.supervisor.supervisor import (LOAD_TIMEOUT_S, ON_CHILD_EXIT, PING_INTERVAL_S, STARTUP_TIMEOUT_S,
-                                          STOP_TIMEOUT_S, ArgvHook, Supervisor)
+from pushkv.supervisor.supervisor import (
+    LOAD_TIMEOUT_S,
+    ON_CHILD_EXIT,
+    PING_INTERVAL_S,
+    STARTUP_TIMEOUT_S,
+    STOP_TIMEOUT_S,
+    ArgvHook,
+    Supervisor,
+)
 from pushkv.supervisor.table import HEALTH_TIMEOUT_S, RestartPolicy
-
 
 
 # ---------------------------------------------------------------------------
@@ -186,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     sec.add_argument("--insecure", action="store_true",
                      help="with --role: start without --secret-file (plain ZMQ on the network: anyone who reaches "
                           "this host can send requests straight to its schedulers and writers); warns at every start")
-    sec.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+    sec.add_argument("--api-key", default=envs.PUSHKV_API_KEY or None,
                      help=f"the router answers /v1/* only with 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
     sec.add_argument("--metrics-auth", action="store_true",
                      help="/metrics (the router's and every instance's) needs the --api-key too; default off: "

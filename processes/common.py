@@ -47,7 +47,7 @@ def setup(title: str, log_level: str) -> None:
 def run_profiled(run, name: str) -> None:
     """``run()``; under cProfile when ``PUSHKV_PROFILE_DIR`` is set, the stats written to
     ``<dir>/<name>.prof`` at exit (read them with ``python -m pstats``)."""
-    out = envs.get("PUSHKV_PROFILE_DIR")
+    out = envs.PUSHKV_PROFILE_DIR
     if not out:
         run()
         return

@@ -4,9 +4,11 @@ from processes.common import parse
 
 def main() -> None:
     args, cfg = parse("worker")
-    from pushkv.worker.engine import Worker
+    from pushkv import faults
+    from pushkv.worker.engine import Worker, worker_name
 
-    Worker(cfg, cfg.instance(args.role, args.instance), args.rank).run()
+    inst = cfg.instance(args.role, args.instance)
+    Worker(cfg, inst, args.rank, faults.from_env(worker_name(inst, args.rank))).run()
 
 
 if __name__ == "__main__":

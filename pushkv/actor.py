@@ -18,11 +18,10 @@ from typing import Any, Callable, Optional
 import msgspec
 import zmq
 
+from pushkv import limits, security
+from pushkv import messages as m
 from pushkv.dispatch import handler_for
 from pushkv.framing import Drops, Shape, recv_bounded
-from pushkv import limits
-from pushkv import messages as m
-from pushkv import security
 from pushkv.security import secure_bind, secure_connect
 from pushkv.trace import TracePublisher
 
@@ -52,7 +51,7 @@ class Actor:
         # the largest message a socket of ours accepts unless it names its own (pushkv.limits): ZMQ
         # drops a larger one and disconnects its sender before anything of it is decoded
         self.max_msg_bytes = max_msg_bytes
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context = zmq.Context.instance()
         self.poller = zmq.Poller()
         self.channels: dict[zmq.Socket, Channel] = {}
         # a sans-I/O core's counters when it has one: the actor's own (bad frames, CURVE) join them

@@ -20,8 +20,20 @@ from typing import Any, Literal, Optional
 
 import msgspec
 
-from pushkv.kinds import (Engine, HostRole, KVVerify, LinkOrder, Mode, PullRead, PushStream, RandomInit, Role, RopeType,
-                          Staging, Switch)
+from pushkv.kinds import (
+    Engine,
+    HostRole,
+    KVVerify,
+    LinkOrder,
+    Mode,
+    PullRead,
+    PushStream,
+    RandomInit,
+    Role,
+    RopeType,
+    Staging,
+    Switch,
+)
 from pushkv.messages import PrefillSource
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

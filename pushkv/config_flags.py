@@ -16,8 +16,15 @@ from typing import Any, Callable, Mapping, Optional
 
 import msgspec
 
-from pushkv.config import (PRESETS, TRACE_AUTO, DeploymentConfig, InstanceConfig, ModelConfig, config_from_builtins,
-                           preset)
+from pushkv.config import (
+    PRESETS,
+    TRACE_AUTO,
+    DeploymentConfig,
+    InstanceConfig,
+    ModelConfig,
+    config_from_builtins,
+    preset,
+)
 from pushkv.cuda_driver import device_count
 
 # the flags that override a preset's (or a checkpoint's) geometry, each named as its ModelConfig field

@@ -1,19 +1,22 @@
-"""Every ``PUSHKV_*`` environment variable the code reads: its type, default and what it does.
+"""Every environment variable the code reads: its type, default and what it does (pushkv's own
+``PUSHKV_*``, and the few of other tools' that pushkv reads itself).
 
-Nothing is read when this module is imported: ``get(NAME)`` (or ``envs.PUSHKV_THREADS``) reads the
-environment at that moment and parses the value by the variable's type, refusing a bad one with an
-error that names the variable. ``tests/tools/test_envs.py`` holds this table to the names the code uses, and
-docs/running.md's table to this one (``python -m pushkv.envs`` prints it).
+Nothing is read when this module is imported: ``envs.PUSHKV_THREADS`` (typed for mypy by the
+``TYPE_CHECKING`` block below) or ``get(NAME, environ)`` reads the environment at that moment and
+parses the value by the variable's type, refusing a bad one with an error that names the variable.
+``tests/tools/test_envs.py`` holds this table to the names the code uses, and docs/running.md's table
+to this one (``python -m pushkv.envs`` prints it).
 """
 from __future__ import annotations
 
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 # (no A/B switches: an A/B that has its winner loses its switch)
 OPERATOR, INTERNAL, DEBUG, TOOLS = ("operator", "set by the supervisor", "debug kill-switches", "tools and tests")
+FOREIGN = "other tools' variables pushkv reads"
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,17 @@ _VARS = (
     Var("PUSHKV_WRITERS_ROOT", str, "", "pushkv transfer-report --writers-only: run the writers from this "
         "checkout (a before/after comparison)", TOOLS),
     Var("PUSHKV_TCPW_UCX_LOG", str, "", "pushkv tcp-write-report: keep UCX's protocol log", TOOLS),
+    # other tools' variables, read as those tools read them
+    Var("HF_HUB_OFFLINE", str, "", "Hugging Face's offline mode (1/true/yes/on): `--model ORG/NAME` only from the "
+        "local cache, and the error says so", FOREIGN),
+    Var("XDG_CACHE_HOME", str, "", "where preflight remembers what it verified (DIR/pushkv); empty: ~/.cache",
+        FOREIGN),
+    Var("XDG_RUNTIME_DIR", str, "", "the deployments' registry and the vLLM connector's sockets live under it "
+        "when it exists; else under /tmp, per user", FOREIGN),
+    Var("VLLM_NIXL_SIDE_CHANNEL_HOST", str, "", "pushkv.vllm: the writers' handshake host when the connector's "
+        "extra config names none; empty: 127.0.0.1", FOREIGN),
+    Var("VLLM_NIXL_SIDE_CHANNEL_PORT", int, 0, "pushkv.vllm: the writers' handshake port when the extra config "
+        "names none; 0: 5600", FOREIGN),
 )
 VARS: dict[str, Var] = {v.name: v for v in _VARS}
 
@@ -91,6 +105,33 @@ def get(name: str, environ: Optional[Mapping[str, str]] = None) -> Any:
     return var.default if raw is None or (raw == "" and var.type is not str) else parse(var, raw)
 
 
+if TYPE_CHECKING:  # what ``envs.NAME`` returns, for mypy (tests/tools/test_envs.py holds it to the table)
+    PUSHKV_API_KEY: str
+    PUSHKV_REGISTRY_DIR: str
+    PUSHKV_THREADS: int
+    PUSHKV_PROFILE_DIR: str
+    PUSHKV_KDF: str
+    PUSHKV_SECRET_FILE: str
+    PUSHKV_LOG: str
+    PUSHKV_NAME: str
+    PUSHKV_DEPLOYMENT_ID: str
+    PUSHKV_HOST: str
+    PUSHKV_POOL: str
+    PUSHKV_CUDA_GRAPHS: bool
+    PUSHKV_FUSED: bool
+    PUSHKV_SAMPLER: str
+    PUSHKV_CHECKSUM: str
+    PUSHKV_FAULTS_DIR: str
+    PUSHKV_VLLM_TIMING: bool
+    PUSHKV_WRITERS_ROOT: str
+    PUSHKV_TCPW_UCX_LOG: str
+    HF_HUB_OFFLINE: str
+    XDG_CACHE_HOME: str
+    XDG_RUNTIME_DIR: str
+    VLLM_NIXL_SIDE_CHANNEL_HOST: str
+    VLLM_NIXL_SIDE_CHANNEL_PORT: int
+
+
 def __getattr__(name: str) -> Any:
     if name in VARS:
         return get(name)
@@ -100,7 +141,7 @@ def __getattr__(name: str) -> Any:
 def markdown_table() -> str:
     """The table of docs/running.md ("Environment variables")."""
     rows = ["| variable | type | default | what |", "| --- | --- | --- | --- |"]
-    for kind in (OPERATOR, INTERNAL, DEBUG, TOOLS):
+    for kind in (OPERATOR, INTERNAL, DEBUG, TOOLS, FOREIGN):
         rows.append(f"| *{kind}* | | | |")
         for v in _VARS:
             if v.kind == kind:

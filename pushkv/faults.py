@@ -1,65 +1,104 @@
-"""Fault injection for tests: kill this process at a named protocol point, or stall it.
+"""Fault injection for tests: kill a process at a named protocol point, stall it, or have it damage
+the KV it moves.
 
-With ``PUSHKV_FAULTS_DIR`` set, a process reaching point ``P`` SIGKILLs
-itself if the file ``arm-<process name>-<P>`` exists there, removing it first
-(so the restarted process does not fire again). A test arms one fault at a
-time on a running deployment. Unset: one falsy check.
+A process's faults are one ``Faults`` object made at its start (``from_env``: ``PUSHKV_FAULTS_DIR``,
+read once) and injected where they act; without that variable there is no object, and the product's
+paths hold no fault check. A test arms one fault at a time on a running deployment, as a file in
+that directory:
 
-``fire(process, P)`` is the kind that corrupts instead of killing: True once
-after ``arm_fire`` (file ``fire-<process name>-<P>``), for a writer to damage the
-KV it moves (flip a byte, post fewer bytes, swap two destinations) so that a
-test can see ``--kv-verify`` catch it.
+- ``arm-<process>-<P>``: the process SIGKILLs itself at point ``P`` (``point``), or, where it cannot
+  die where it stands (the scheduler, which has messages to hand over first), its shell's filter on
+  the core's effects kills it after the effect that marks ``P`` (``scheduler/fault_filter.py``);
+- ``fire-<process>-<P>``: ``fire`` is True once, for a writer or worker to damage the KV it moves
+  (flip a byte, post fewer bytes, swap two destinations) so that a test sees ``--kv-verify`` catch it;
+- ``delay-<process>-<P>``: the seconds written there (``delay``), for the process to hold back
+  without blocking its loop (D's scheduler: admit nothing and run no step that long, as a long READ
+  ahead in the queue would).
 
-``delay(process, P)`` is the other kind: the seconds written in
-``delay-<process name>-<P>`` (removed as it is read), for the process to hold
-back there without blocking its loop (D's scheduler: admit nothing and run no
-step that long, as a long READ ahead in the queue would).
+Each file is removed as it is taken, so a restarted process does not fire again.
 """
 from __future__ import annotations
 
 import os
 import signal
+from functools import cache
+from typing import Any, Callable, Optional
 
 from pushkv import envs
 
-_DIR = envs.get("PUSHKV_FAULTS_DIR")
+
+class Faults:
+    """The armed points of one process (``process``: its name, as the files spell it)."""
+
+    def __init__(self, directory: str, process: str):
+        self.directory = directory
+        self.process = process
+
+    def _take(self, kind: str, name: str) -> bool:
+        try:
+            os.unlink(os.path.join(self.directory, f"{kind}-{self.process}-{name}"))
+        except FileNotFoundError:
+            return False
+        return True
+
+    def armed(self, name: str) -> bool:
+        """True once if point ``name`` was armed (removed as it is read)."""
+        return self._take("arm", name)
+
+    def point(self, name: str) -> None:
+        """Die here if point ``name`` was armed."""
+        if self.armed(name):
+            kill_self()
+
+    def before(self, name: str, handler: Callable[..., Any]) -> Callable[..., Any]:
+        """``handler`` with point ``name`` at its start: wired once at start, so that a process without
+        faults runs the bare handler."""
+
+        def at_point(*args: Any, **kw: Any) -> Any:
+            self.point(name)
+            return handler(*args, **kw)
+
+        return at_point
+
+    def fire(self, name: str) -> bool:
+        """True once if ``fire-<process>-<name>`` was armed (removed as it fires)."""
+        return self._take("fire", name)
+
+    def delay(self, name: str) -> float:
+        """Seconds to hold back at point ``name`` once (0.0: not armed)."""
+        path = os.path.join(self.directory, f"delay-{self.process}-{name}")
+        try:
+            with open(path) as f:
+                text = f.read()
+            os.unlink(path)
+        except FileNotFoundError:
+            return 0.0
+        return float(text)
 
 
+def from_env(process: str) -> Optional[Faults]:
+    """``process``'s faults when ``PUSHKV_FAULTS_DIR`` is set, else None: called once, at its start."""
+    directory = envs.PUSHKV_FAULTS_DIR
+    return Faults(directory, process) if directory else None
+
+
+def kill_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+# -- the test's side: arming --------------------------------------------------------------------
 def _arm(directory: str, kind: str, process: str, point_name: str) -> str:
     path = os.path.join(directory, f"{kind}-{process}-{point_name}")
     open(path, "w").close()
     return path
 
 
-def _take(kind: str, process: str, name: str) -> bool:
-    """True once if ``<kind>-<process>-<name>`` was armed (removed as it is taken)."""
-    if not _DIR:
-        return False
-    try:
-        os.unlink(os.path.join(_DIR, f"{kind}-{process}-{name}"))
-    except FileNotFoundError:
-        return False
-    return True
-
-
 def arm(directory: str, process: str, point_name: str) -> str:
     return _arm(directory, "arm", process, point_name)
 
 
-def point(process: str, name: str) -> None:
-    if armed(process, name):
-        kill_self()
-
-
-def armed(process: str, name: str) -> bool:
-    """True once if point ``name`` was armed for ``process`` (removed as it is read): a caller
-    that cannot die where it stands (the scheduler core, which has messages to hand over first)
-    asks this and has its shell call ``kill_self``."""
-    return _take("arm", process, name)
-
-
-def kill_self() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
+def arm_fire(directory: str, process: str, point_name: str) -> str:
+    return _arm(directory, "fire", process, point_name)
 
 
 def arm_delay(directory: str, process: str, point_name: str, seconds: float) -> str:
@@ -70,24 +109,16 @@ def arm_delay(directory: str, process: str, point_name: str, seconds: float) -> 
     return path
 
 
-def delay(process: str, name: str) -> float:
-    """Seconds to hold back at point ``name`` once (0.0: not armed)."""
-    if not _DIR:
-        return 0.0
-    path = os.path.join(_DIR, f"delay-{process}-{name}")
-    try:
-        with open(path) as f:
-            text = f.read()
-        os.unlink(path)
-    except FileNotFoundError:
-        return 0.0
-    return float(text)
+# -- by process name, for the writers until their rewrite injects a Faults -----------------------
+@cache
+def _dir() -> str:
+    return envs.PUSHKV_FAULTS_DIR  # read once per process
 
 
-def arm_fire(directory: str, process: str, point_name: str) -> str:
-    return _arm(directory, "fire", process, point_name)
+def point(process: str, name: str) -> None:
+    if _dir():
+        Faults(_dir(), process).point(name)
 
 
 def fire(process: str, name: str) -> bool:
-    """True once if ``fire-<process>-<name>`` was armed (removed as it fires)."""
-    return _take("fire", process, name)
+    return bool(_dir()) and Faults(_dir(), process).fire(name)

@@ -228,7 +228,7 @@ class CurveGuard:
         self.closed = False
         self.client_public = client_public
         self._client_raw = z85.decode(client_public)
-        self.ctx = zmq.Context.shadow(ctx.underlying)  # plain sockets, whatever ctx's flavour
+        self.ctx: zmq.Context = zmq.Context.shadow(ctx.underlying)  # plain sockets, whatever ctx's flavour
         self._new: queue.SimpleQueue = queue.SimpleQueue()  # (monitor PAIR, counters, endpoint)
         self._wake_r, self._wake_w = os.pipe()
         self._n = 0

@@ -11,18 +11,24 @@ events before they touch a socket.
 
 Off by default: a process without a trace endpoint has no publisher and the
 actor's ``trace_msg`` returns after one ``is None`` check.
+
+Processes that are not pushkv's (the vLLM connector's, inside vLLM's own processes) have no
+trace endpoint; ``stamp`` prints their per-transfer timestamps to stderr instead, with
+PUSHKV_VLLM_TIMING=1 (``python -m tools.vllm_timing LOG...`` reads them back).
 """
 from __future__ import annotations
 
 import logging
-import os
+import sys
 import threading
 import time
 from collections import Counter
+from functools import cache
 from typing import Any, Optional
 
 import zmq
 
+from pushkv import envs
 from pushkv import messages as m
 from pushkv.security import Security, secure_bind, secure_connect
 
@@ -33,6 +39,21 @@ TRACE_SNDHWM = 100_000  # events queued per publisher before it drops (never blo
 TAP_SNDHWM = 1_000_000  # events queued per attached tap in the forwarder
 
 
+STAMP_PREFIX = "pushkv-timing "  # a stamp's line: PREFIX <event> <transfer id> <wall time>
+
+
+@cache
+def stamps_on() -> bool:
+    """PUSHKV_VLLM_TIMING, read once per process (at the first stamp)."""
+    return envs.PUSHKV_VLLM_TIMING
+
+
+def stamp(event: str, transfer_id: str) -> None:
+    """One per-transfer timestamp on stderr (the vLLM server's log) when stamps are on."""
+    if stamps_on():
+        print(f"{STAMP_PREFIX}{event} {transfer_id} {time.time():.6f}", file=sys.stderr, flush=True)
+
+
 class TracePublisher:
     """A process's PUB to the trace endpoint. Not thread-safe: one per thread."""
 
@@ -40,7 +61,7 @@ class TracePublisher:
                  counters: Optional[Counter] = None, security: Optional[Security] = None):
         self.process = process
         # which host's clock t_mono is (tools/trace/merge.py aligns hosts); the supervisor sets it
-        self.host = os.environ.get(HOST_ENV, "")
+        self.host = envs.PUSHKV_HOST
         self.counters = counters if counters is not None else Counter()
         self.sock = (ctx or zmq.Context.instance()).socket(zmq.PUB)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -127,7 +148,7 @@ class TraceForwarder:
         log.info("trace forwarder: publishers -> %s, taps <- %s", self.publish_endpoint, self.tap_endpoint)
 
     def stop(self, timeout_s: float = 2.0) -> None:
-        if self._thread is None:
+        if self._thread is None or self._ctl is None:
             return
         try:
             self._ctl.send(b"TERMINATE")

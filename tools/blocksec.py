@@ -23,8 +23,8 @@ import tempfile
 
 import numpy as np
 
-from pushkv.launch import launched
 from tools import bench
+from tools.launch import launched
 
 # label -> `pushkv up` arguments
 VARIANTS: dict[str, list[str]] = {

@@ -2,7 +2,7 @@
 setting, with the planner checked against every run.
 
 For every (layout, cache, conditional) cell it starts one deployment (``pushkv up`` as a
-subprocess, pushkv.launch), sends one warm-up prompt, runs ``pushkv bench --workload chat``
+subprocess, tools.launch), sends one warm-up prompt, runs ``pushkv bench --workload chat``
 in-process, reads the router's ``/health`` (its fitted cost model), and simulates the same
 workload with those costs (``pushkv plan``'s simulator, the same P:D). It prints one line per
 run: turn 1 and turns >= 2, measured and simulated, and the paths the requests took.
@@ -22,11 +22,11 @@ import shlex
 import sys
 import time
 
-from pushkv.launch import launched
 from pushkv.plan import profile as PR
 from pushkv.plan import sim
 from pushkv.plan import workload as W
 from tools import chat_bench as CB
+from tools.launch import launched
 
 LAYOUTS = {"1p1d": (1, 1), "2p2d": (2, 2), "1p2d": (1, 2), "2p1d": (2, 1)}
 

@@ -8,7 +8,7 @@ import random
 import sys
 import time
 
-from pushkv.launch import launched
+from tools.launch import launched
 
 
 def _stage_ms(tl: dict, a: str, b: str) -> str:

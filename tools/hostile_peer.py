@@ -5,7 +5,7 @@ names D's engine id (what it is answered, then the status of the requests after 
 
     python tools/hostile_peer.py [--model small]
 
-Prints one JSON object. Starts and stops its own deployment (pushkv.launch).
+Prints one JSON object. Starts and stops its own deployment (tools.launch).
 """
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ import zmq
 from pushkv import messages as m
 from pushkv.config import model_fingerprint
 from pushkv.kv import layout as L
-from pushkv.launch import launched
 from pushkv.supervisor.commands import ask
 from pushkv.transport.nixl_agent import NixlAgent
+from tools.launch import launched
 
 WINDOW_S = 5.0
 FRAME_BYTES = (4 << 20) - 4096  # each under the 4 MiB per-frame cap of a handshake socket

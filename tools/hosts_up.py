@@ -19,8 +19,8 @@ import zmq
 
 from pushkv import messages as m
 from pushkv import security
-from pushkv.security import secure_connect
 from pushkv.config import DeploymentConfig, decode_config
+from pushkv.security import secure_connect
 from pushkv.supervisor import lifecycle
 
 START_TIMEOUT_S = 120.0

@@ -246,7 +246,7 @@ def mapped_descs(combo: Combo, n: int, fragmented: bool, num_blocks: int) -> tup
 
 # ---------------------------------------------------------------------------- main
 def _reference(model: str, tp: int, prompts: dict, max_tokens: int, num_blocks: int) -> dict:
-    from pushkv.launch import launched
+    from tools.launch import launched
 
     with launched("--mode", "local", "--model", model, "--load-format", "dummy", "-tp", str(tp),
                   "--num-blocks", str(num_blocks)) as dep:
@@ -314,7 +314,7 @@ def _row(c: Combo, n: int, **kw) -> dict:
 
 
 def _run_combo(c: Combo, ref: dict, prompts: dict, args, num_blocks: int) -> list[dict]:
-    from pushkv.launch import launched
+    from tools.launch import launched
 
     rows = []
     total = preset(c.model).cache_kv_heads

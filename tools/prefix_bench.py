@@ -1,7 +1,7 @@
 """Prefix caching, lone chat turns: TTFT with the cache on and off.
 
 For each mode it starts one deployment per cache setting (``pushkv up`` as a subprocess,
-pushkv.launch) and runs ``--conversations`` two-turn conversations one request at a time:
+tools.launch) and runs ``--conversations`` two-turn conversations one request at a time:
 turn 1 is a shared system prompt and a question, turn 2 repeats turn 1's prompt and answer
 and asks a follow-up. From every answer's timeline it takes TTFT (router arrival -> the
 router's first token) and, from the instances' counters, the prompt tokens found cached and
@@ -21,7 +21,7 @@ import statistics
 import sys
 import tempfile
 
-from pushkv.launch import launched
+from tools.launch import launched
 from tools.sweep import MODES
 
 

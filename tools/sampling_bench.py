@@ -52,7 +52,8 @@ def bench(device: str, vocab: int, batch: int, mix: str, reps: int, history: int
 def profile(device: str, vocab: int, batch: int, mix: str, reps: int, history: int, top: int = 8) -> None:
     """Where one ``sample()`` call's time goes: host wall time against the device's kernel time
     (torch.profiler), kernels per call, and the costliest kernels."""
-    from torch.profiler import ProfilerActivity, profile as tprofile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
 
     logits = torch.randn(batch, vocab, device=device) * 3
     seqs = seqs_for(mix, batch, history)

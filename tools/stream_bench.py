@@ -1,7 +1,7 @@
 """pushkv stream-bench: lone requests per mode and prompt length, with the stage breakdown
 that shows what streaming push hides.
 
-For each mode it starts one deployment (``pushkv up`` as a subprocess, pushkv.launch),
+For each mode it starts one deployment (``pushkv up`` as a subprocess, tools.launch),
 sends each prompt length ``--reps`` times one at a time (after one warm-up), and takes
 from every answer's timeline:
 
@@ -29,7 +29,7 @@ import statistics
 import sys
 import time
 
-from pushkv.launch import launched
+from tools.launch import launched
 from tools.sweep import MODES
 
 DEFAULT_CHUNK = 2048  # push-chunk's --prefill-chunk when the up args give none

@@ -1,7 +1,7 @@
 """pushkv sweep: modes x QPS x input lengths, one deployment per mode.
 
 For each mode it starts ``pushkv up --mode ... --port P`` as a subprocess
-(pushkv.launch), waits until it prints READY, runs ``pushkv bench`` for every (QPS,
+(tools.launch), waits until it prints READY, runs ``pushkv bench`` for every (QPS,
 input length) cell, then stops the deployment with SIGINT. The default grid
 is small enough for a 2-core CPU box in well under 15 minutes; ``--full``
 is the 1k-16k x 1/2/4/8 QPS grid.
@@ -13,8 +13,8 @@ import os
 import shlex
 import sys
 
-from pushkv.launch import launched
 from tools import bench
+from tools.launch import launched
 
 # label -> `pushkv up` arguments
 MODES: dict[str, list[str]] = {

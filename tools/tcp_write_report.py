@@ -39,6 +39,8 @@ import zlib
 import msgspec
 import numpy as np
 
+from pushkv import envs
+
 MIB = 1 << 20
 DEFAULT_SIZES_MIB = (1, 16, 64, 256)
 STEP_TIMEOUT_S = 60.0  # one WRITE or one socket stream, at worst
@@ -241,7 +243,7 @@ def measure(sizes: list[int], reps: int, tls: str = "tcp", rate: str = "none") -
             result = json.loads(out.strip().splitlines()[-1])
             target.wait(STEP_TIMEOUT_S)
             result["ucx_transport"] = ucx_transport(out + err)
-            if os.environ.get("PUSHKV_TCPW_UCX_LOG"):
+            if envs.PUSHKV_TCPW_UCX_LOG:
                 sys.stderr.write(out + err)
             result["ucx_tls"] = tls
             result["hosts"] = [h1.addr, h2.addr]

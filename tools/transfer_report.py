@@ -13,8 +13,8 @@ import random
 import statistics
 import sys
 
-from pushkv.launch import launched
 from tools.copy_speed import plain_copy_gbps
+from tools.launch import launched
 
 
 def one(dep, n: int, rng: random.Random) -> dict:

@@ -27,6 +27,7 @@ from typing import Optional
 
 import zmq
 
+from pushkv import envs
 from pushkv import messages as m
 from pushkv.config import DeploymentConfig, InstanceConfig, encode_config, preset
 from pushkv.kv import layout as L
@@ -35,7 +36,7 @@ from pushkv.supervisor.plan import plan_deployment
 # the checkout whose writers run (default: the installed pushkv): point it at a checkout of an older
 # commit for a before/after comparison; ``python -m`` finds the packages of its working directory
 # first (its writers must speak the same scheduler messages)
-WRITERS_ROOT = os.environ.get("PUSHKV_WRITERS_ROOT") or None
+WRITERS_ROOT = envs.PUSHKV_WRITERS_ROOT or None
 READY_TIMEOUT_S = 120.0
 REPLY_TIMEOUT_S = 60.0
 

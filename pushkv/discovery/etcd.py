@@ -26,10 +26,25 @@ import logging
 import time
 from typing import AsyncIterator, Union
 
-from pushkv.discovery.etcd_gateway import (CALL_TIMEOUT_S, AsyncGateway, EtcdAuthError,  # noqa: F401
-                                           EtcdError, EtcdUnavailable, SyncGateway, target_of)
-from pushkv.discovery.etcd_keys import (EtcdTarget, RegistryView, b64, instance_key,
-                                        instances_prefix, marker_key, marker_value, range_end)
+from pushkv.discovery.etcd_gateway import (  # noqa: F401
+    CALL_TIMEOUT_S,
+    AsyncGateway,
+    EtcdAuthError,
+    EtcdError,
+    EtcdUnavailable,
+    SyncGateway,
+    target_of,
+)
+from pushkv.discovery.etcd_keys import (
+    EtcdTarget,
+    RegistryView,
+    b64,
+    instance_key,
+    instances_prefix,
+    marker_key,
+    marker_value,
+    range_end,
+)
 from pushkv.discovery.records import DiscoveryEvent, InstanceRecord, encode_record
 
 log = logging.getLogger(__name__)

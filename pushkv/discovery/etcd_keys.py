@@ -25,8 +25,7 @@ from typing import Iterable, Optional
 
 import msgspec
 
-from pushkv.discovery.records import (DiscoveryEvent, InstanceDown, InstanceRecord, InstanceUp,
-                                      decode_record)
+from pushkv.discovery.records import DiscoveryEvent, InstanceDown, InstanceRecord, InstanceUp, decode_record
 
 DEFAULT_PREFIX = "/pushkv"
 DEFAULT_PORT = 2379
@@ -179,7 +178,7 @@ class RegistryView:
         for kv in kvs:
             name = split_instance_key(self.prefix, unb64(kv.get("key", "")).decode(errors="replace"))
             rec = self._decode(kv.get("value", "")) if name else None
-            if rec is not None:
+            if name is not None and rec is not None:
                 fresh[name] = rec
         out: list[DiscoveryEvent] = [InstanceDown(eid, role, REASON_MISSED)
                                      for (role, eid) in self.records if (role, eid) not in fresh]

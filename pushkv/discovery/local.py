@@ -20,9 +20,9 @@ import zmq.asyncio
 
 from pushkv import messages as m
 from pushkv.config import DeploymentConfig, InstanceConfig, Role
+from pushkv.discovery.records import DiscoveryEvent, InstanceDown, InstanceRecord, InstanceUp
 from pushkv.framing import Drops, Shape, arecv_bounded
 from pushkv.security import secure_connect
-from pushkv.discovery.records import DiscoveryEvent, InstanceDown, InstanceRecord, InstanceUp
 
 ENGINE_ROLES: tuple[Role, ...] = ("prefill", "decode")
 

@@ -188,8 +188,8 @@ def layer_views(pool, lay: KVLayout) -> list:
     views = []
     for layer in range(lay.num_layers):
         base, stride, hstride = layer_place(lay, layer)
-        size = (phys_blocks(lay), lay.kv_planes, ng, hg, u, hd)
-        strides = (stride // esz, slab_bytes(lay) // esz, hstride // esz, u * hd, hd, 1)
+        size: tuple[int, ...] = (phys_blocks(lay), lay.kv_planes, ng, hg, u, hd)
+        strides: tuple[int, ...] = (stride // esz, slab_bytes(lay) // esz, hstride // esz, u * hd, hd, 1)
         if ng == 1:
             size, strides = size[:2] + size[3:], strides[:2] + strides[3:]
         views.append(flat.as_strided(size, strides, flat.storage_offset() + base // esz))

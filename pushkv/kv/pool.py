@@ -13,12 +13,13 @@ import mmap
 import os
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Mapping, Optional
 
 import msgspec
 import numpy as np
 import torch
 
+from pushkv import envs
 from pushkv.config import SHM_DIR, shm_name  # noqa: F401  (shm_name: the pool's users name it from here)
 from pushkv.dtypes import TORCH_DTYPES
 from pushkv.kv import layout as L
@@ -137,13 +138,14 @@ def attach_pool(handle: PoolHandle, lay: KVLayoutDesc) -> Pool:
     return Pool(handle=handle, tensor=t, base_addr=addr, owner=False, _mm=mm)
 
 
-def attach_worker_pool(env: dict, deployment_id: str, role: str, rank: int, lay: KVLayoutDesc, dtype: str,
-                       wait_s: float = POOL_WAIT_S) -> Pool:
+def attach_worker_pool(env: Optional[Mapping[str, str]], deployment_id: str, role: str, rank: int,
+                       lay: KVLayoutDesc, dtype: str, wait_s: float = POOL_WAIT_S) -> Pool:
     """The pool a worker maps: the handle the supervisor passed (``POOL_ENV``), else the
     writer's un-numbered segment (children started without a supervisor). A CPU pool
     appears atomically (renamed when complete); wait for it."""
-    if env.get(POOL_ENV):
-        handle = handle_from_env(env[POOL_ENV])
+    passed: str = envs.get(POOL_ENV, env)
+    if passed:
+        handle = handle_from_env(passed)
     else:
         handle = PoolHandle("shm", os.path.join(SHM_DIR, shm_name(deployment_id, role, rank)),
                             L.pool_bytes(lay), dtype, L.pool_shape(lay))

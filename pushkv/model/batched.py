@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -49,12 +49,12 @@ class BatchedForward:
         self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.cuda else 1
         if use_graphs is None:
             # MoE: the torch experts size their groups on the host, which a graph cannot capture
-            use_graphs = self.cuda and model.tp_size == 1 and not cfg.is_moe and envs.get("PUSHKV_CUDA_GRAPHS")
+            use_graphs = self.cuda and model.tp_size == 1 and not cfg.is_moe and envs.PUSHKV_CUDA_GRAPHS
         self.use_graphs = use_graphs
-        self.fused = self.cuda and envs.get("PUSHKV_FUSED") and not (self.hd & (self.hd - 1))
+        self.fused = self.cuda and envs.PUSHKV_FUSED and not (self.hd & (self.hd - 1))
         self.max_num_seqs = max_num_seqs
         self.graphs: dict[int, "_DecodeGraph"] = {}
-        self.graph_pool = None
+        self.graph_pool: Optional[Any] = None  # torch.cuda.graph_pool_handle(), shared by the graphs
         self.graph_width = 0
 
     # ------------------------------------------------------------------ public

@@ -13,8 +13,16 @@ from pushkv.model.mla import MLAModel
 from pushkv.model.mla_weights import load_rank_mla, mla_names
 from pushkv.model.shard import shard_plan
 from pushkv.model.transformer import Model
-from pushkv.model.weights import (TORCH_DTYPES, DictSource, RandomSource, WeightSource, hf_names,
-                                  load_rank, random_weights, taker)
+from pushkv.model.weights import (
+    TORCH_DTYPES,
+    DictSource,
+    RandomSource,
+    WeightSource,
+    hf_names,
+    load_rank,
+    random_weights,
+    taker,
+)
 
 log = logging.getLogger(__name__)
 

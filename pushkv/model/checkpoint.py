@@ -199,6 +199,8 @@ class SafetensorsSource:
 
 def checkpoint_source(cfg: ModelConfig) -> SafetensorsSource:
     """The weights of cfg.checkpoint, after checking cfg's geometry matches it."""
+    if cfg.checkpoint is None:
+        raise ValueError("the model config names no checkpoint")
     hf = model_config_from_hf(cfg.checkpoint)
     bad = [f"{k}: config {getattr(cfg, k)} vs checkpoint {getattr(hf, k)}"
            for k in GEOMETRY if getattr(cfg, k) != getattr(hf, k)]

@@ -7,6 +7,8 @@ import os
 import re
 from typing import Optional
 
+from pushkv import envs
+
 # what serving reads out of a repo: not its other weight formats (.bin, .pth, .gguf), which can
 # weigh as much again
 SERVE_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
@@ -36,7 +38,7 @@ def resolve(name: str, revision: Optional[str] = None, files: Optional[list[str]
         from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
     except ImportError:  # transformers and tokenizers bring it; a bare install may not
         raise ValueError(f"--model {name!r} is a Hugging Face repo id: install huggingface_hub") from None
-    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    offline = envs.HF_HUB_OFFLINE.lower() in ("1", "true", "yes", "on")  # as huggingface_hub reads it
     try:
         return snapshot_download(repo_id=name, revision=revision, allow_patterns=files or SERVE_FILES)
     except LocalEntryNotFoundError as e:

@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from pushkv.config import ModelConfig
+from pushkv.model.mla_weights import MLALayerWeights
 from pushkv.model.shard import ShardPlan
 from pushkv.model.transformer import Model, rms_norm, rotate_half
-from pushkv.model.mla_weights import MLALayerWeights
 from pushkv.model.weights import RankWeights
 
 

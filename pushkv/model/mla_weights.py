@@ -5,7 +5,6 @@ See mla.py for the attention itself.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 from typing import Optional
 
 import torch

@@ -55,7 +55,7 @@ def _step(model: Model, cache: list[list[torch.Tensor]], ids: list[int], start: 
         q = q.reshape(len(ids), p.q_heads, cfg.head_dim)
         k = k.reshape(len(ids), p.kv_heads, cfg.head_dim)
         v = v.reshape(len(ids), p.kv_heads, cfg.head_dim)
-        if lw.q_norm is not None:
+        if lw.q_norm is not None and lw.k_norm is not None:  # both or neither (cfg.qk_norm)
             q, k = rms_norm(q, lw.q_norm, eps), rms_norm(k, lw.k_norm, eps)
         q, k = _rope(q, positions, cfg), _rope(k, positions, cfg)
         cache[layer][0] = torch.cat((cache[layer][0], k))

@@ -41,7 +41,7 @@ GREEDY = SamplingParams()
 WINDOW = 1024  # candidates a row without top_k is filtered on before its whole row is sorted
 # which sampler: "auto" = the one-launch Triton kernel on CUDA (kernels/triton_sample.py), the
 # torch ops elsewhere; "torch" or "triton" force one (triton on CPU needs TRITON_INTERPRET=1)
-SAMPLER = envs.get("PUSHKV_SAMPLER")
+SAMPLER = envs.PUSHKV_SAMPLER
 KERNEL_ROWS = {"kernel": 0, "sorted": 0}  # rows the GPU sampler drew, and those it left to the sorted path
 @dataclass
 class Sampled:

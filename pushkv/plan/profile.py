@@ -7,10 +7,9 @@ model (``derived``), so the planner routes with exactly the prices the router us
 """
 from __future__ import annotations
 
-from typing import Any
-
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from pushkv.router.cost import Costs
 

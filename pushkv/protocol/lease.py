@@ -36,7 +36,7 @@ class _Lease:
     transfer_id: str
     generation: int
     block_ids: tuple[int, ...]
-    deadline: Optional[float]
+    deadline: float
     held_at: float = 0.0
     readers: set[int] = field(default_factory=set)
     renewals: int = 0
@@ -160,8 +160,7 @@ class Leases:
         return e if e is not None and e.generation == gen else None
 
     def _end(self, e: _Lease, reason: str, ok: Optional[bool]) -> list[Action]:
-        del self._live[e.transfer_id]
-        e.deadline = None
+        del self._live[e.transfer_id]  # its heap entries die with it (_current_deadline reads _live)
         self._finished[(e.transfer_id, e.generation)] = None
         while len(self._finished) > self._remember:
             self._finished.popitem(last=False)

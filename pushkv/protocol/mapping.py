@@ -33,8 +33,19 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
-from pushkv.kv.layout import (blocks_for, group_heads, head_bytes, layer_groups, layer_place,
-                              region_base, region_block_bytes, slab_bytes, token_bytes, unit, window_group)
+from pushkv.kv.layout import (
+    blocks_for,
+    group_heads,
+    head_bytes,
+    layer_groups,
+    layer_place,
+    region_base,
+    region_block_bytes,
+    slab_bytes,
+    token_bytes,
+    unit,
+    window_group,
+)
 from pushkv.messages import KVLayoutDesc
 
 Region = tuple[int, int, int]
@@ -218,7 +229,8 @@ def _map_token_runs(src, sb, dst, db, num_tokens, hs, hc, win_sub, layers=None) 
 def _layer_places(lay) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per layer: offset of sub-block 0 (head group 0), sub-block stride, head-group stride."""
     places = [layer_place(lay, l) for l in range(lay.num_layers)]
-    return tuple(np.array([p[i] for p in places], dtype=np.int64) for i in range(3))
+    first, stride, group_stride = (np.array([p[i] for p in places], dtype=np.int64) for i in range(3))
+    return first, stride, group_stride
 
 
 def _subs(lay, logical: np.ndarray, num_tokens: int) -> np.ndarray:

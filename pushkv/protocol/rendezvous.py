@@ -64,7 +64,14 @@ from typing import Callable, Optional, Sequence
 from pushkv.messages import Register
 from pushkv.protocol._deadlines import Deadlines
 from pushkv.protocol.actions import (
-    Action, Completed, Count, Failed, FreeBlocks, NotifyFailure, PostWrite, ProtocolError,
+    Action,
+    Completed,
+    Count,
+    Failed,
+    FreeBlocks,
+    NotifyFailure,
+    PostWrite,
+    ProtocolError,
 )
 from pushkv.protocol.tp import consumers_for, is_producer
 

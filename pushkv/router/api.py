@@ -14,7 +14,7 @@ import json
 import random
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, TypeVar, overload
 
 from pushkv import limits as L
 from pushkv.config import SamplingDefaults
@@ -114,8 +114,19 @@ def get_bool(body: dict, name: str, default: bool = False) -> bool:
     return v
 
 
+@overload
+def get_int(body: dict, name: str, default: int, lo: Optional[int] = None, hi: Optional[int] = None) -> int: ...
+
+
+@overload
+def get_int(body: dict, name: str, default: None, lo: Optional[int] = None,
+            hi: Optional[int] = None) -> Optional[int]: ...
+
+
 def get_int(body: dict, name: str, default: Optional[int], lo: Optional[int] = None,
             hi: Optional[int] = None) -> Optional[int]:
+    """``body[name]`` as an integer within [lo, hi], else ``default`` when absent (an int default:
+    an int back)."""
     v = body.get(name)
     if v is None:
         return default
@@ -335,7 +346,10 @@ def parse_sampling(body: dict, limits: Limits, logprobs: int, max_tokens: int) -
     )
 
 
-def _or(v, default):
+_T = TypeVar("_T")
+
+
+def _or(v: Optional[_T], default: _T) -> _T:
     return default if v is None else v
 
 

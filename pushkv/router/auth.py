@@ -15,8 +15,12 @@ from typing import Callable
 from aiohttp import web
 
 from pushkv.router import api
-from pushkv.security import API_KEY_ENV  # noqa: F401 (re-exported: the router's key variable)
-from pushkv.security import LOG_EVERY, LOG_FIRST, bearer_ok
+from pushkv.security import (
+    API_KEY_ENV,  # noqa: F401 (re-exported: the router's key variable)
+    LOG_EVERY,
+    LOG_FIRST,
+    bearer_ok,
+)
 
 log = logging.getLogger(__name__)
 

@@ -17,6 +17,7 @@ from typing import Any, Optional, Sequence
 from pushkv.messages import TokenLogprob
 from pushkv.router import text
 
+
 def transfer_id_of(request_id: str) -> str:
     for prefix in ("chatcmpl-", "cmpl-"):
         if request_id.startswith(prefix):

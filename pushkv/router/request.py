@@ -48,9 +48,30 @@ from pushkv.kinds import Mode, Role
 from pushkv.router import policy as P
 from pushkv.router.ledger import Ledger, Outcome
 from pushkv.router.request_msgs import (  # re-exported: the machine's callers name them R.<Input>
-    Start, Placed, Queued, DecodePlaced, DecodeQueued, Rejected, SendFailed, Cancel, Tick, Stopped, Close,
-    Send, Tokens, Finished, Failed, Place, PlaceDecode, PrefillDone, KVArrived, Release, Arm, Disarm, Event,
     Action,
+    Arm,
+    Cancel,
+    Close,
+    DecodePlaced,
+    DecodeQueued,
+    Disarm,
+    Event,
+    Failed,
+    Finished,
+    KVArrived,
+    Place,
+    Placed,
+    PlaceDecode,
+    PrefillDone,
+    Queued,
+    Rejected,
+    Release,
+    Send,
+    SendFailed,
+    Start,
+    Stopped,
+    Tick,
+    Tokens,
 )
 
 log = logging.getLogger(__name__)

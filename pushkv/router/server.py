@@ -21,22 +21,21 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
-from pushkv import limits
+from pushkv import envs, limits, security
 from pushkv import messages as m
-from pushkv import security
 from pushkv.config import DeploymentConfig, Role
 from pushkv.discovery.base import Watcher
 from pushkv.discovery.local import LocalWatcher
 from pushkv.discovery.records import InstanceDown, InstanceRecord, InstanceUp
 from pushkv.framing import Drops, Shape, arecv_bounded
 from pushkv.router import api, auth, edge, generate, output, text
-from pushkv.router.balance import Balancer
 from pushkv.router import chat as chat_mod
+from pushkv.router.balance import Balancer
 from pushkv.router.flow import RequestRun
 from pushkv.router.links import SchedulerLink
 from pushkv.router.metrics import RouterMetrics
-from pushkv.seeds import derive_seed
 from pushkv.security import secure_connect
+from pushkv.seeds import derive_seed
 from pushkv.trace import TracePublisher
 
 log = logging.getLogger(__name__)
@@ -51,7 +50,7 @@ class Router:
                  watcher: Optional[Watcher] = None, api_key: Optional[str] = None):
         self.cfg = cfg
         self.watcher = watcher  # where P and D instances come from (default: the planned config)
-        self.api_key = os.environ.get(auth.API_KEY_ENV, "") if api_key is None else api_key
+        self.api_key = envs.PUSHKV_API_KEY if api_key is None else api_key
         self.tokenizer = tokenizer if tokenizer is not None else text.load_tokenizer(cfg.model)
         self.limits = api.Limits(
             vocab_size=cfg.model.vocab_size,

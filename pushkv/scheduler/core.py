@@ -5,7 +5,7 @@ compute into the pool, writers move it.
 Sans-I/O: no socket, no clock, no process. The entry points take the time in
 (``now``, monotonic; ``wall``, for request timelines) and append what is to
 happen to ``outbox`` in order (``outbox.Send`` a message to a ``Peer``,
-``Trace`` an event, ``Kill`` at an armed fault point):
+``Trace`` an event; a ``Kill`` is only ever added by the shell's fault filter, in tests):
 
 - ``handle(msg, frm, now, wall)``: one decoded message from the router, a worker or a writer rank;
 - ``refuse_undecodable(frm, reason, payload)``: a frame from the router that did not decode;
@@ -35,15 +35,14 @@ import logging
 from collections import Counter, OrderedDict
 from typing import Any, Callable, Optional, Union
 
-from pushkv.dispatch import handler_for
-from pushkv import faults
 from pushkv import limits
 from pushkv import messages as m
 from pushkv.config import DeploymentConfig, InstanceConfig, Role
+from pushkv.dispatch import handler_for
 from pushkv.kv import checksum
 from pushkv.protocol.prefix_cache import PrefixCache
 from pushkv.scheduler.metrics import InstanceMetrics, Snapshot
-from pushkv.scheduler.outbox import Effect, Kill, Peer, Send, Trace
+from pushkv.scheduler.outbox import Effect, Peer, Send, Trace
 from pushkv.scheduler.prefix import index_blocks, prefix_hits
 from pushkv.scheduler.requests import Request, State, blocks_needed, build_batch, count_work, failures_of
 from pushkv.scheduler.validate import check_generate, readable_head
@@ -236,11 +235,6 @@ class SchedulerCore:
         for w in self.writers:
             self._send(w, msg)
 
-    def _fault(self, point: str) -> None:
-        """A test's fault point (``pushkv.faults``): the shell kills the process there."""
-        if faults.armed(self.name, point):
-            self.outbox.append(Kill(point))
-
     def _stamp(self, r: Request, stage: str) -> None:
         r.timeline[stage] = self.wall
         self.outbox.append(Trace(stage, r.transfer_id))
@@ -399,7 +393,6 @@ class SchedulerCore:
             self.metrics.queued(self.now - r.queued_at)
             self._count_hits(r, len(hits))
             self._stamp(r, f"{self.role}_alloc")
-            self._fault("after_alloc")
             self._admitted(r)
 
     def _launch_step(self) -> None:
@@ -525,8 +518,6 @@ class SchedulerCore:
         else:
             r.state = State.RUNNING
             self._reply(r, m.TokensGenerated(r.transfer_id, r.generation, (tok,), logprobs=lps))
-            if len(r.output) == 3:
-                self._fault("decoding")
 
     # -- from the writers --------------------------------------------------------------------
     def on_KVSent(self, msg: m.KVSent, frm: Peer) -> None:

@@ -20,7 +20,6 @@ import logging
 import math
 from typing import Optional
 
-from pushkv import faults
 from pushkv import messages as m
 from pushkv.config import DeploymentConfig, InstanceConfig
 from pushkv.kv import checksum
@@ -52,7 +51,7 @@ class DecodeScheduler(SchedulerCore):
         self.renews = cfg.mode == "pull" and cfg.pull_read != "write"
         self.renew_every_s = cfg.timeouts.lease_s / RENEWALS_PER_LEASE
         self.next_renewal = 0.0
-        self.stalled_until = 0.0  # tests: an injected stall (faults.delay "admit") ends then
+        self.stalled_until = 0.0  # tests: an injected stall (stall_admission) ends then
         self.kv_groups = len(layer_groups(instance_layout(cfg, inst, 0)))  # rows of P's checksums, per head
 
     def _check_leg(self, msg: m.Generate) -> Optional[tuple[str, int]]:
@@ -67,12 +66,14 @@ class DecodeScheduler(SchedulerCore):
                 return f"unknown prefill source {src.engine_id!r} at {list(src.handshake)}", 400
         return None
 
+    def stall_admission(self, until: float) -> None:
+        """Tests only (a ``delay`` fault the shell took): admit nothing and run no step until ``until``
+        (monotonic), as a long READ ahead in the queue would."""
+        self.stalled_until = until
+
     def _engine_blocked(self) -> bool:
         if self.blocked_on is not None:
             return True
-        stall = faults.delay(self.name, "admit")  # tests only: one falsy check otherwise
-        if stall:
-            self.stalled_until = self.now + stall
         return bool(self.stalled_until) and self.now < self.stalled_until
 
     def _forget(self, r: Request) -> None:

@@ -65,7 +65,6 @@ class PrefillScheduler(SchedulerCore):
             self._stamp(r, "stream_start")
 
     def _prefilled(self, r: Request, tok: int, lp: Optional[m.TokenLogprob] = None) -> None:
-        self._fault("prefill_done")
         r.state = State.SENDING
         r.output = [tok]
         self._first_token(r)

@@ -3,6 +3,9 @@
 It binds the router's ROUTER socket and connects one DEALER per worker and writer rank,
 decodes what arrives, hands it to the core as ``(message, Peer, now, wall)`` and sends what
 the core put in its outbox, in order. Nothing here decides anything about a request.
+
+Started with ``faults`` (tests), it passes the outbox through ``FaultFilter`` and hands D's core
+the stalls a test armed; started without, it holds no fault check.
 """
 from __future__ import annotations
 
@@ -12,19 +15,21 @@ from typing import Any, Callable, Optional
 
 import zmq
 
-from pushkv import envs, faults
-from pushkv import limits
+from pushkv import envs, limits
 from pushkv import messages as m
 from pushkv.actor import Actor, Channel
+from pushkv.faults import Faults, kill_self
 from pushkv.scheduler.core import SchedulerCore
-from pushkv.scheduler.outbox import Kill, Peer, Send, Trace
+from pushkv.scheduler.decode import DecodeScheduler
+from pushkv.scheduler.fault_filter import FaultFilter
+from pushkv.scheduler.outbox import Effect, Kill, Peer, Send, Trace
 from pushkv.security import API_KEY_ENV
 
 log = logging.getLogger(__name__)
 
 
 class SchedulerShell(Actor):
-    def __init__(self, core: SchedulerCore):
+    def __init__(self, core: SchedulerCore, faults: Optional[Faults] = None):
         cfg = core.cfg
         super().__init__(core.name, cfg.control_endpoint, cfg.trace_endpoint, cfg.secret_file,
                          limits.msg_cap_bytes(cfg), counters=core.counters)
@@ -34,6 +39,14 @@ class SchedulerShell(Actor):
         self.writer_chs: list[Channel] = []
         self._peer_of: dict[Channel, Peer] = {}  # worker and writer channels: the rank they reach
         self._metrics_server: Any = None
+        # chosen once: without faults the core's entry and its outbox are the bare ones (no per-message check)
+        self.faults = faults
+        self._entry: Callable[..., None] = self._into_core
+        self._take_effects: Callable[[], list[Effect]] = core.take_outbox
+        if faults is not None:
+            fault_filter = FaultFilter(faults, core.role)
+            self._entry = self._into_core_with_faults
+            self._take_effects = lambda: fault_filter(core.take_outbox())
 
     def setup(self) -> None:
         inst = self.core.inst
@@ -85,7 +98,12 @@ class SchedulerShell(Actor):
         own = super()._handler(typ)  # the supervisor's Shutdown and Ping
         if own is not None:
             return own
-        return self._into_core if self.core.handles(typ) else None
+        return self._entry if self.core.handles(typ) else None
+
+    def _into_core_with_faults(self, msg: Any, identity: Optional[bytes] = None) -> None:
+        if isinstance(msg, m.Generate):
+            self._injected_stall(time.monotonic())
+        self._into_core(msg, identity)
 
     def _into_core(self, msg: Any, identity: Optional[bytes] = None) -> None:
         ch = self.current
@@ -107,16 +125,24 @@ class SchedulerShell(Actor):
         finally:
             self._flush()
 
+    def _injected_stall(self, now: float) -> None:
+        """Tests: a ``delay`` armed at D's ``admit`` stalls D's admission and steps from the next
+        request on (taken as it arrives, before the core sees it)."""
+        if isinstance(self.core, DecodeScheduler) and self.faults is not None:
+            stall = self.faults.delay("admit")
+            if stall:
+                self.core.stall_admission(now + stall)
+
     # -- out of the core ------------------------------------------------------------------
     def _flush(self) -> None:
         self.core.publish_metrics()
-        for effect in self.core.take_outbox():
+        for effect in self._take_effects():
             if isinstance(effect, Send):
                 self._send_to(effect.to, effect.msg)
             elif isinstance(effect, Trace):
                 self.trace_event(effect.kind, effect.transfer_id)
             elif isinstance(effect, Kill):
-                faults.kill_self()
+                kill_self()
 
     def _send_to(self, to: Peer, msg: m.Msg) -> None:
         if to.kind == "router":

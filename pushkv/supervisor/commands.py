@@ -142,7 +142,7 @@ def dispatch(ctx: CommandContext, req: m.ControlCommand, now: float) -> m.Contro
 
 def ask(endpoint: str, command: str, args: Optional[dict[str, str]] = None, timeout_s: float = 3.0) -> m.ControlReply:
     """Client side: one request on a fresh REQ socket. Raises TimeoutError."""
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context = zmq.Context.instance()
     sock = ctx.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, limits.CONTROL_MSG_BYTES)

@@ -24,6 +24,7 @@ import subprocess
 import sys
 from typing import Callable, Optional
 
+from pushkv import envs
 from pushkv.config import DeploymentConfig, InstanceConfig
 from pushkv.cuda_driver import device_count as cuda_device_count
 from pushkv.supervisor.plan import fixed_ports
@@ -131,7 +132,7 @@ def nixl_fingerprint() -> Optional[str]:
 def cache_dir() -> str:
     """Where pushkv remembers what it verified about this machine: $XDG_CACHE_HOME/pushkv, else
     ~/.cache/pushkv (a mark there only spares a check; a planted one spares nothing worse)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    base = envs.XDG_CACHE_HOME or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "pushkv")
 
 

@@ -13,7 +13,7 @@ import logging
 import os
 import re
 import stat
-from typing import Optional
+from typing import Mapping, Optional
 
 import msgspec
 
@@ -41,11 +41,11 @@ class DeploymentRecord(msgspec.Struct):
     trace_tap_endpoint: str = ""  # where pushkv tap connects (the supervisor's XPUB)
 
 
-def registry_dir(environ=os.environ) -> str:
-    chosen = envs.get("PUSHKV_REGISTRY_DIR", environ)
+def registry_dir(environ: Optional[Mapping[str, str]] = None) -> str:
+    chosen: str = envs.get("PUSHKV_REGISTRY_DIR", environ)
     if chosen:
         return chosen
-    runtime = environ.get("XDG_RUNTIME_DIR")
+    runtime: str = envs.get("XDG_RUNTIME_DIR", environ)
     if runtime and os.path.isdir(runtime):
         return os.path.join(runtime, "pushkv-deployments")
     return f"/tmp/pushkv-{os.getuid()}"

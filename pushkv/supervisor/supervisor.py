@@ -9,6 +9,7 @@ poller as the control socket.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -30,10 +31,17 @@ from pushkv.supervisor import commands as c
 from pushkv.supervisor import lifecycle, registry
 from pushkv.supervisor.host_registry import HostRegistry
 from pushkv.supervisor.plan import ProcessSpec, config_path, event_topic, process_specs
-from pushkv.trace import HOST_ENV, TraceForwarder
 from pushkv.supervisor.table import (
-    HEALTH_TIMEOUT_S, Event, IllegalTransition, ProcessTable, RestartPolicy, Row, State, describe_exit,
+    HEALTH_TIMEOUT_S,
+    Event,
+    IllegalTransition,
+    ProcessTable,
+    RestartPolicy,
+    Row,
+    State,
+    describe_exit,
 )
+from pushkv.trace import HOST_ENV, TraceForwarder
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +202,7 @@ class Supervisor(Actor):
         self.table.spawned(name, proc.pid, now, time.time())
         fd = os.pidfd_open(proc.pid)
         self._pidfds[name] = fd
-        self.add_fd(fd, lambda name=name: self._on_child_exit(name))
+        self.add_fd(fd, functools.partial(self._on_child_exit, name))
         log.info("%s %s (pid %d)", "restarted" if restart else "started", name, proc.pid)
         self._publish(name, "restart" if restart else "spawn", row)
 
@@ -263,9 +271,16 @@ class Supervisor(Actor):
         if isinstance(msg, m.ControlCommand) and identity is not None:
             self._reply(identity, m.ControlReply(command=msg.command, status=c.ERROR, reason="handler failed"))
 
+    @property
+    def _router_sock(self) -> zmq.Socket:
+        """The control ROUTER, bound in start() before any child or client can speak."""
+        if self._control_router is None:
+            raise RuntimeError("the supervisor's control socket is not bound yet")
+        return self._control_router
+
     def _reply(self, identity: bytes, reply: m.ControlReply) -> None:
         # REQ envelope: identity, empty delimiter, body
-        self._control_router.send_multipart([identity, b"", m.encode(reply)])
+        self._router_sock.send_multipart([identity, b"", m.encode(reply)])
 
     # ------------------------------------------------------------------
     # CommandContext
@@ -310,7 +325,7 @@ class Supervisor(Actor):
         """
         self.table.apply(row.name, Event.STOP)
         if row.identity is not None:
-            self._control_router.send_multipart([row.identity, m.encode(m.Shutdown(reason=reason))])
+            self._router_sock.send_multipart([row.identity, m.encode(m.Shutdown(reason=reason))])
         else:
             lifecycle.signal_child(self.procs[row.name], signal.SIGTERM)
 
@@ -387,7 +402,8 @@ class Supervisor(Actor):
         st = self._instance_restart.get(role)
         if st is None or st.stopping:
             return
-        if st.stage_idx < 0 and st.wait_registry and not self.host_registry.in_contact:
+        waiting = st.wait_registry and self.host_registry is not None and not self.host_registry.in_contact
+        if st.stage_idx < 0 and waiting:
             return  # stopped; started again once etcd answers (_registry_tick)
         rows = self._instance_rows(role)
         while True:
@@ -413,15 +429,15 @@ class Supervisor(Actor):
     # ------------------------------------------------------------------
     # the registry (several hosts)
     # ------------------------------------------------------------------
-    def _registry_tick(self, now: float) -> None:
+    def _registry_tick(self, reg: HostRegistry, now: float) -> None:
         """When the lease is lost the router has failed this host's requests already: stop every
         instance (their work and blocks go with them) and start them again once etcd answers
         (a process started while cut off may find no network: UCX picks interfaces at start)."""
-        if self.host_registry.tick(now) and self.phase == "running":
+        if reg.tick(now) and self.phase == "running":
             for inst in self.cfg.instances():
                 if inst.name not in self._instance_restart:
                     self._restart_instance(inst.name, "registry lease lost", now, wait_registry=True)
-        if self.host_registry.in_contact:
+        if reg.in_contact:
             for name in [n for n, st in self._instance_restart.items() if st.wait_registry and st.stage_idx < 0]:
                 self._advance_instance(name, now)
 
@@ -446,7 +462,7 @@ class Supervisor(Actor):
     # ------------------------------------------------------------------
     def tick(self, now: float) -> None:
         if self.host_registry is not None and self.phase == "starting":
-            self._registry_tick(now)  # keep the lease taken at start-up
+            self._registry_tick(self.host_registry, now)  # keep the lease taken at start-up
         if self.phase == "starting":
             if now > self._stage_deadline:
                 stage = self._stages[self._stage_idx]
@@ -456,7 +472,7 @@ class Supervisor(Actor):
         if self.phase != "running":
             return
         if self.host_registry is not None:
-            self._registry_tick(now)
+            self._registry_tick(self.host_registry, now)
         for row in self.table.in_state(State.STARTED):  # a restarted child that never gets ready
             if now - row.started_at > self.stage_timeout_s(row.spec.stage):
                 log.error("%s (pid %d) not ready %.0f s after restart (%s); killing it", row.name, row.pid,
@@ -481,7 +497,7 @@ class Supervisor(Actor):
         ping = m.encode(m.Ping())
         for row in self.table.in_state(State.READY):
             if row.identity is not None:
-                self._control_router.send_multipart([row.identity, ping])
+                self._router_sock.send_multipart([row.identity, ping])
             if not row.healthy(now, self.health_timeout_s) and row.name not in self._unhealthy:
                 self._unhealthy.add(row.name)
                 log.warning("%s (pid %d) has not answered pings for %.1f s", row.name, row.pid,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -45,11 +45,10 @@ class SharedKVAllocation:
         self.tensor: Optional[torch.Tensor] = None
         self.base_addr = 0
         self.nbytes = 0
-        self._orig = None
+        self._orig: Optional[Callable[..., torch.Tensor]] = None
 
     def __enter__(self):
-        self._orig = torch.zeros
-        orig = self._orig
+        orig = self._orig = torch.zeros
 
         def zeros(*size, **kw):
             dims = size[0] if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else size

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Mapping, Optional
 
 from pushkv import envs
 from pushkv.messages import PrefillSource
@@ -101,12 +101,12 @@ class Settings:
         return PrefillSource(self.engine_id, self.tp, tuple(self.handshake_endpoint(r) for r in range(self.tp)))
 
 
-def socket_dir(environ=os.environ) -> str:
+def socket_dir(environ: Optional[Mapping[str, str]] = None) -> str:
     """Where the connector's ipc sockets live: a directory only this user can enter (an
     abstract-namespace socket has no permissions, so any local process could command a writer).
     $XDG_RUNTIME_DIR/pushkv-vllm, else /tmp/pushkv-vllm-$UID; made 0700, refused if another user
     owns it or others can enter it."""
-    runtime = environ.get("XDG_RUNTIME_DIR")
+    runtime: str = envs.get("XDG_RUNTIME_DIR", environ)
     fallback = f"/tmp/pushkv-vllm-{os.getuid()}"
     d = os.path.join(runtime, "pushkv-vllm") if runtime and os.path.isdir(runtime) else fallback
     os.makedirs(d, mode=0o700, exist_ok=True)
@@ -116,13 +116,14 @@ def socket_dir(environ=os.environ) -> str:
     return d
 
 
-def settings(engine_id: str, tp: int, extra: Optional[dict[str, Any]], env=os.environ) -> Settings:
+def settings(engine_id: str, tp: int, extra: Optional[dict[str, Any]],
+             env: Optional[Mapping[str, str]] = None) -> Settings:
     """From kv_connector_extra_config, falling back on vLLM's NIXL side-channel variables.
     A tcp handshake (a ``handshake_host``, for peers on other hosts) without a secret is
     refused: anyone who reaches the port would get the Hello, loopback included."""
     extra = extra or {}
-    host = str(extra.get("handshake_host") or env.get("VLLM_NIXL_SIDE_CHANNEL_HOST") or "")
-    port = int(extra.get("handshake_port") or env.get("VLLM_NIXL_SIDE_CHANNEL_PORT") or DEFAULT_HANDSHAKE_PORT)
+    host = str(extra.get("handshake_host") or envs.get("VLLM_NIXL_SIDE_CHANNEL_HOST", env) or "")
+    port = int(extra.get("handshake_port") or envs.get("VLLM_NIXL_SIDE_CHANNEL_PORT", env) or DEFAULT_HANDSHAKE_PORT)
     secret_file = str(extra.get("secret_file") or envs.get("PUSHKV_SECRET_FILE", env) or "")
     if host and not secret_file:
         raise ValueError(f"pushkv's connector: a handshake on tcp://{host} (handshake_host or "

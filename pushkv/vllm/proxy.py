@@ -27,8 +27,8 @@ from typing import Any, Optional
 import aiohttp
 from aiohttp import web
 
+from pushkv.trace import stamp as mark
 from pushkv.vllm import params as P
-from pushkv.vllm.timing import mark
 
 log = logging.getLogger(__name__)
 

@@ -24,10 +24,10 @@ import msgspec
 import zmq
 
 from pushkv import messages as m
+from pushkv.trace import stamp as mark
+from pushkv.trace import stamps_on
 from pushkv.vllm import params as P
 from pushkv.vllm import wire as w
-from pushkv.vllm.timing import ON as TIMING
-from pushkv.vllm.timing import mark
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class SchedulerSide:
         self.block_size = block_size
         if num_groups != 1:
             raise ValueError(f"pushkv's connector supports one KV cache group, this model has {num_groups}")
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context = zmq.Context.instance()
         self.writers: list[zmq.Socket] = []
         for r in range(settings.tp):
             sock = self.ctx.socket(zmq.PUSH)
@@ -153,7 +153,7 @@ class SchedulerSide:
             self.pending_send.pop(rid, None)
         for rid in out.finished_recving or ():
             entry = self.waiting_recv.pop(rid, None)
-            if entry and TIMING:
+            if entry and stamps_on():
                 mark("d_sched_recvd", entry[0])
                 self.marking[rid] = entry[0]
 

@@ -28,11 +28,11 @@ import zmq
 
 from pushkv import limits
 from pushkv import messages as m
+from pushkv.trace import stamp as mark
 from pushkv.vllm import params as P
 from pushkv.vllm import regions as R
 from pushkv.vllm import wire as w
 from pushkv.vllm.memory import SharedKVAllocation
-from pushkv.vllm.timing import mark
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class WorkerSide:
         self.kv_heads, self.total_kv_heads, self.model_id = geometry
         self.alloc = SharedKVAllocation(f"pushkv-vllm-{settings.engine_id}-{rank}")
         self.memory: Optional[R.KVMemory] = None
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context = zmq.Context.instance()
         self.events: Optional[zmq.Socket] = None
         self.event_endpoint = settings.event_endpoint(rank, os.getpid())
         self.proc: Optional[subprocess.Popen] = None

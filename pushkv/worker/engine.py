@@ -2,21 +2,19 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
+from typing import Optional
 
 import msgspec
 import zmq
 
-from pushkv import envs
-from pushkv import faults
-from pushkv import limits
+from pushkv import envs, limits
 from pushkv import messages as m
 from pushkv.actor import Actor
-from pushkv.config import DeploymentConfig, InstanceConfig
+from pushkv.config import DeploymentConfig, InstanceConfig, marks_endpoint, rank_device
+from pushkv.faults import Faults
 from pushkv.kv import checksum, damage
 from pushkv.kv import layout as L
-from pushkv.config import marks_endpoint, rank_device
 from pushkv.kv.pool import Pool, attach_worker_pool
 from pushkv.model import sampling
 from pushkv.worker.marks import LayerMarks
@@ -24,9 +22,14 @@ from pushkv.worker.marks import LayerMarks
 log = logging.getLogger(__name__)
 
 
+
+def worker_name(inst: InstanceConfig, rank: int) -> str:
+    """The process's name (its fault points' files are named by it)."""
+    return f"{inst.name}-worker-{rank}"
+
 class Worker(Actor):
-    def __init__(self, cfg: DeploymentConfig, inst: InstanceConfig, rank: int):
-        super().__init__(f"{inst.name}-worker-{rank}", cfg.control_endpoint, cfg.trace_endpoint, cfg.secret_file,
+    def __init__(self, cfg: DeploymentConfig, inst: InstanceConfig, rank: int, faults: Optional[Faults] = None):
+        super().__init__(worker_name(inst, rank), cfg.control_endpoint, cfg.trace_endpoint, cfg.secret_file,
                          limits.msg_cap_bytes(cfg))
         self.cfg = cfg
         self.inst = inst
@@ -35,13 +38,16 @@ class Worker(Actor):
         self.pool: Pool | None = None
         self.marks: LayerMarks | None = None
         self._kernel_failed = False  # --kv-verify: the Triton checksum kernel raised once; torch from then on
+        self.faults = faults
+        if faults is not None:  # tests: point "execute" before each step, wired into the dispatch once
+            self._handlers[m.ExecuteStep] = faults.before("execute", self.on_ExecuteStep)
 
     def setup(self) -> None:
         import torch
 
         from pushkv.model.build import build_model
 
-        torch.set_num_threads(max(1, envs.get("PUSHKV_THREADS")))
+        torch.set_num_threads(max(1, envs.PUSHKV_THREADS))
         self.device = rank_device(self.inst, self.rank)
         if self.device != "cpu":
             torch.cuda.set_device(self.device)
@@ -74,7 +80,7 @@ class Worker(Actor):
 
     def _attach(self) -> Pool:
         """The pool its writer owns: the handle the supervisor passed on (shm or CUDA IPC)."""
-        return attach_worker_pool(os.environ, self.cfg.deployment_id, self.inst.name, self.rank, self.layout,
+        return attach_worker_pool(None, self.cfg.deployment_id, self.inst.name, self.rank, self.layout,
                                   self.cfg.model.dtype)
 
     def teardown(self) -> None:
@@ -91,7 +97,6 @@ class Worker(Actor):
 
     def on_ExecuteStep(self, msg: m.ExecuteStep) -> None:
         t0 = time.perf_counter()
-        faults.point(self.name, "execute")
         try:
             on_layer = self.marks.hook(msg.step_id, msg.stream) if self.marks is not None and msg.stream else None
             out = self.model.execute_sampled(self._physical(msg.seqs), self.layer_pools, on_layer)
@@ -117,7 +122,7 @@ class Worker(Actor):
         units = checksum.plan_units(s.checksum, n, unit_tokens, salt=s.seq_id)
         sums = checksum.to_wire(self.layout, self._unit_sums(s.block_table, n, units, unit_tokens), units,
                                 unit_tokens, n)
-        if faults.fire(self.name, "kv_flip_source"):  # tests of --kv-verify: the source changes after its sums
+        if self.faults is not None and self.faults.fire("kv_flip_source"):  # tests of --kv-verify: after the sums
             damage.flip_last_token(self.pool, self.layout, s.block_table, n)
         return sums
 
@@ -125,7 +130,7 @@ class Worker(Actor):
         """The kernel on CUDA (PUSHKV_CHECKSUM=torch keeps torch's ops), torch on the CPU. Both
         give the same sums, so a kernel that fails here falls back to torch for good."""
         args = (self.layer_pools, self.layout, table, num_tokens, units, unit_tokens)
-        if self.device != "cpu" and envs.get("PUSHKV_CHECKSUM") == "triton" and not self._kernel_failed:
+        if self.device != "cpu" and envs.PUSHKV_CHECKSUM == "triton" and not self._kernel_failed:
             try:
                 from pushkv.model.kernels.triton_checksum import unit_sums
 

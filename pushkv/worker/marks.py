@@ -66,7 +66,7 @@ class LayerMarks:
         self._thread.join(timeout=5)
 
     def _run(self, endpoint: str, max_msg_bytes: int) -> None:
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context = zmq.Context.instance()
         try:
             if self.device != "cpu":
                 import torch

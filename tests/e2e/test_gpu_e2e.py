@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from pushkv.launch import launched
+from tools.launch import launched
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

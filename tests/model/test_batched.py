@@ -194,7 +194,7 @@ def test_real_presets_shard_at_tp_1_2_4_8():
 @pytest.mark.timeout(240)
 def test_cpu_deployments_on_batched_engine_push_equals_local():
     """The batched engine behind real processes (CPU: torch reference ops)."""
-    from pushkv.launch import launched
+    from tools.launch import launched
 
     ps = [prompt_of(n, seed=n) for n in (1, 17, 90)]
     got = {}

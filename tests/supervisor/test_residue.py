@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from pushkv.launch import launched
+from tools.launch import launched
 from pushkv.supervisor import lifecycle
 
 

@@ -8,7 +8,7 @@ import threading
 from contextlib import contextmanager
 
 from pushkv import messages as m
-from pushkv.launch import Deployment, launched
+from tools.launch import Deployment, launched
 from pushkv.supervisor.lifecycle import shm_leftovers
 
 

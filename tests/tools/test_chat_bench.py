@@ -58,7 +58,7 @@ def test_request_path():
 def test_a_chat_run_against_a_deployment(tmp_path):
     """Every turn answers; turn k's prompt begins with turn k-1's prompt and answer, so the
     reusable share of later turns is at least what the conversation repeats."""
-    from pushkv.launch import launched
+    from tools.launch import launched
 
     convs = cb.make_conversations(3, 0.0, (2, 3), (4, 8), 0.0, 200, seed=1)
     system = cb.system_prompt(48, 200, 1)

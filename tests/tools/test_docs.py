@@ -1,5 +1,6 @@
-"""The docs' own gates: every page fits a reader (no page over 600 lines, one topic a page) and
-every relative link in them lands on a file and, with an anchor, on a heading of that file."""
+"""The docs' own gates: every page fits a reader (no page over 600 lines, one topic a page),
+every relative link in them lands on a file and, with an anchor, on a heading of that file, and
+results are text, CSV, JSON and plots that read in a diff, never archives."""
 from __future__ import annotations
 
 import pathlib
@@ -10,6 +11,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MAX_LINES = 600
 LINK = re.compile(r"\]\(([^)\s]+)\)")
+ARCHIVES = (".tgz", ".tar", ".gz", ".xz", ".bz2", ".zip", ".zst")
 
 
 def pages() -> list[pathlib.Path]:
@@ -58,3 +60,9 @@ def test_a_broken_link_is_caught(tmp_path: pathlib.Path):
     page = tmp_path / "a.md"
     page.write_text("[ok](b.md#title-here) [gone](c.md) [no heading](b.md#other)\n")
     assert broken_links(page) == ["c.md: no such file", "b.md#other: no such heading"]
+
+
+def test_no_archive_in_the_docs():
+    found = sorted(p.relative_to(ROOT).as_posix() for p in ROOT.joinpath("docs").rglob("*")
+                   if p.is_file() and p.name.endswith(ARCHIVES))
+    assert found == [], f"summarise these as text or CSV (experiments/results_csv.py): {found}"

@@ -12,7 +12,7 @@ import zmq  # noqa: E402
 
 from pushkv import messages as m  # noqa: E402
 from pushkv.vllm import wire as w  # noqa: E402
-from pushkv.vllm.tiny_model import write_tiny_llama  # noqa: E402
+from tools.vllm_tiny_model import write_tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 

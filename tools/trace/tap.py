@@ -30,8 +30,8 @@ import zmq
 from pushkv import messages as m
 from pushkv import security
 from pushkv.supervisor import registry
-from tools.trace import timeline as T
 from tools.trace import merge as trace_merge
+from tools.trace import timeline as T
 
 RCVHWM = 1_000_000
 REORDER_S = 0.05  # the live log holds events this long to print them in time order across processes

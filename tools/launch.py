@@ -21,8 +21,8 @@ import zmq
 
 from pushkv import messages as m
 from pushkv import security
-from pushkv.security import secure_connect
 from pushkv.config import DeploymentConfig, Role, decode_config
+from pushkv.security import secure_connect
 from pushkv.supervisor.plan import free_tcp_port
 
 START_TIMEOUT_S = 180

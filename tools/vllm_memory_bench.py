@@ -1,4 +1,4 @@
-"""``python -m pushkv.vllm.memory_bench``: what the shared-memory KV cache costs.
+"""``python -m tools.vllm_memory_bench``: what the shared-memory KV cache costs.
 
 1. Allocation: vLLM's own ``torch.zeros`` of the KV buffer against the same
    size through :class:`SharedKVAllocation` (memfd, every page touched).

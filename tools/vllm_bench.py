@@ -1,4 +1,4 @@
-"""``python -m pushkv.vllm.bench``: one client, the same cells and prompts, against
+"""``python -m tools.vllm_bench``: one client, the same cells and prompts, against
 P/D deployments on the tiny Llama, one system at a time (at most 3 vLLM
 instances alive, each on its own core):
 
@@ -29,8 +29,8 @@ import time
 import aiohttp
 import numpy as np
 
-from pushkv.vllm.launch import Server, proxy_server, servers, vllm_server
-from pushkv.vllm.tiny_model import _CORPUS, write_tiny_llama
+from tools.vllm_launch import Server, proxy_server, servers, vllm_server
+from tools.vllm_tiny_model import _CORPUS, write_tiny_llama
 
 WORDS = sorted(set(_CORPUS.replace(".", " ").split()))
 
