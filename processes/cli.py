@@ -162,8 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
     tra.add_argument("--staging", choices=typing.get_args(Staging),
                      help="who stages GPU KV through host memory for a transport that cannot reach GPU memory "
                           "(UCX over TCP): transport (UCX's cuda_copy, a fragment at a time), pushkv (a pinned host "
-                          "mirror of the pool, copied on a copy stream around each WRITE); auto (default) = pushkv "
-                          "for push on GPU pools when UCX_TLS limits UCX to TCP and the mirror fits, else transport")
+                          "staging area, copied on a copy stream around each WRITE); auto (default) = pushkv "
+                          "for push on GPU pools when UCX_TLS limits UCX to TCP, else transport")
+    tra.add_argument("--staging-mib", type=int, metavar="MIB",
+                     help="--staging pushkv: each writer's pinned host staging area; a transfer waits for room in "
+                          "it and one larger fails; 0 (default) = auto: 1/16 of the host's memory, at most the pool")
     tra.add_argument("--writer-warm", choices=("auto", "on", "off"),
                      help="writers spin (a core each) while a transfer with them is expected, so its post and "
                           "completion skip the wake-up from idle; auto (default) = on for CUDA instances")

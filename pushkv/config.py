@@ -400,12 +400,16 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
     link_order: LinkOrder = "arrival"
     # Who moves a GPU pool's KV through host memory when the transport cannot reach GPU memory
     # itself (UCX over TCP): "transport" = UCX's cuda_copy lane, a fragment at a time inside its
-    # progress calls; "pushkv" = the writers keep a pinned host mirror of the pool, P copies each
-    # WRITE's blocks into it on a copy stream, the WRITE goes host to host, and D copies the
-    # landed blocks to the GPU before reporting them (writer/staging.py). "auto" = pushkv for
+    # progress calls; "pushkv" = each writer keeps a pinned host staging area laid out as its pool
+    # (staging_mib), P copies each WRITE's blocks into slots of it on a copy stream, the WRITE goes
+    # host to host into slots D registered, and D copies them into its blocks before reporting
+    # them (writer/staging.py). "auto" = pushkv for
     # push on GPU pools when UCX_TLS limits UCX to TCP lanes, else transport. Both sides of a
     # deployment must agree (the Hello carries the memory kind).
     staging: Staging = "auto"
+    # the staging area of each writer, MiB of pinned host memory (0 = auto: 1/16 of the host's memory,
+    # never more than the pool): a transfer waits for room in it, one larger than it fails
+    staging_mib: int = 0
     # the names a request's "model" may give (vLLM's --served-model-name); none: the model's name
     # (preset or checkpoint directory) and the checkpoint's path. Another name gets 404.
     served_model_name: tuple[str, ...] = ()
@@ -435,6 +439,8 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
         if self.link_window < 0 or self.link_window_mib < 0:
             raise ValueError(f"DeploymentConfig.link_window ({self.link_window}) and link_window_mib "
                              f"({self.link_window_mib}) are >= 0 (0: auto / no byte bound)")
+        if self.staging_mib < 0:
+            raise ValueError(f"DeploymentConfig.staging_mib ({self.staging_mib}) is >= 0 (0: auto)")
         if self.staging == "pushkv" and self.mode != "push":
             raise ValueError(f"DeploymentConfig.staging 'pushkv' stages push's WRITEs; mode {self.mode!r} keeps the "
                              "transport's staging (staging 'auto' or 'transport')")

@@ -194,7 +194,7 @@ def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = 
         chat_template=chat_template_text(template) if (template := f("chat_template")) else None,
         writer_warm=f("writer_warm"), writer_post_thread=f("writer_post_thread"),
         link_window=f("link_window"), link_window_mib=f("link_window_mib"), link_order=f("link_order"),
-        staging=f("staging"),
+        staging=f("staging"), staging_mib=f("staging_mib"),
         conditional_disagg=True if f("conditional_disagg") else None,
         metrics_auth=True if f("metrics_auth") else None,
         served_model_name=tuple(dict.fromkeys(names)) if names else None,

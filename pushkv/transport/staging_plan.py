@@ -1,19 +1,16 @@
-"""What pushkv's own staging copies, as byte runs of the pool (pure: numpy, no torch, no NIXL).
+"""What pushkv's own staging copies and how large its area is (pure: numpy, no torch, no NIXL).
 
-With ``--staging pushkv`` a writer keeps a host mirror of its GPU pool laid out byte for byte
-as the pool, so a transfer's regions are the same offsets in both: P copies a WRITE's local
-bytes from the pool to the mirror before it posts, and D copies a transfer's destination
-blocks from the mirror to the pool once every producer's WRITE has landed. Each copy is a list
-of ``(offset, nbytes)`` runs, merged where they touch, so a request's contiguous blocks cost
-one copy per pool region rather than one per descriptor.
-
-- ``runs_of_indices``: the local descriptor indices of a planned post (``transport/grid.py``);
-- ``runs_of_regions``: the local side of a post's ``(local, remote, nbytes)`` byte regions;
-- ``runs_of_blocks``: whole blocks of a pool, in every region (D's landed blocks).
+With ``--staging pushkv`` a writer keeps a pinned host **staging area** laid out as its pool but
+with fewer blocks (``area_blocks``); transfers move between areas, and a writer copies between
+its pool's blocks and its area's blocks ("slots"). ``block_pairs`` lists those copies as
+``(pool offset, area offset, nbytes)``, one per run of blocks and slots contiguous on both
+sides in each grid region (``transport/grid.py``), so a request's contiguous blocks cost one
+copy per region rather than one per block; ``group_regions`` picks the regions of some layer
+groups (a layer-streamed part carries only its group). ``wanted`` says when a writer stages.
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -40,66 +37,41 @@ def merged(offs: np.ndarray, lens: np.ndarray) -> Runs:
     return list(zip(offs[first].tolist(), (reach[last] - offs[first]).tolist()))
 
 
-def runs_of_indices(grid: DescGrid, idx: Sequence[int] | np.ndarray) -> Runs:
-    """The byte runs of descriptors ``idx`` of ``grid``."""
-    idx = np.asarray(idx, dtype=np.int64)
-    if not len(idx):
-        return []
-    if (idx < 0).any() or (idx >= grid.size).any():
-        raise ValueError(f"descriptor index out of the grid's {grid.size}")
-    r = np.searchsorted(grid.first, idx, side="right") - 1
-    return merged(grid.base[r] + (idx - grid.first[r]) * grid.elem[r], grid.elem[r])
-
-
-def runs_of_regions(regions: Iterable[tuple[int, int, int]]) -> Runs:
-    """The byte runs of the local side of ``(local offset, remote offset, nbytes)`` regions."""
-    rows = np.asarray([(lo, n) for lo, _, n in regions], dtype=np.int64).reshape(-1, 2)
-    return merged(rows[:, 0], rows[:, 1])
-
-
-def runs_of_blocks(lay: KVLayoutDesc, grid: DescGrid, block_ids: Sequence[int]) -> Runs:
-    """The byte runs of whole logical blocks ``block_ids`` of a pool laid out as ``lay``, in every
-    region (layer group and head group) of its grid."""
-    if not len(block_ids):
-        return []
-    if min(block_ids) < 0 or max(block_ids) >= lay.num_blocks:
-        raise ValueError(f"block id out of the pool's {lay.num_blocks} blocks")
-    phys = np.asarray(L.expand_table(lay, block_ids), dtype=np.int64)
-    offs = (grid.base[:, None] + phys[None, :] * grid.elem[:, None]).ravel()
-    lens = np.broadcast_to(grid.elem[:, None], (len(grid.base), len(phys))).ravel()
-    return merged(offs, lens)
-
-
 def total(runs: Runs) -> int:
     return sum(n for _, n in runs)
 
 
-AUTO_HOST_SHARE = 8  # auto stages through a mirror only when it takes at most 1/8 of the host's memory
-MAX_HOST_SHARE = 2  # and refuses one over half of it when asked for
+AUTO_HOST_SHARE = 16  # auto: each writer's staging area takes at most 1/16 of the host's memory
+MAX_HOST_SHARE = 2  # one asked for (--staging-mib) over half of it is refused
 
 
-def wanted(setting: str, mode: str, device: str, ucx_tls: str, pool_bytes: int = 0, host_bytes: int = 0) -> bool:
+def wanted(setting: str, mode: str, device: str, ucx_tls: str) -> bool:
     """Whether a writer stages its pool itself (``DeploymentConfig.staging``): ``pushkv`` /
     ``transport``, or ``auto``: for push on a GPU pool when ``UCX_TLS`` limits UCX to TCP for the
     network (where UCX would stage it fragment by fragment), never on the CPU (a host pool is
     what the transport reads already; ``pushkv`` there runs the same path through a second host
-    copy, which is how CI tests it). Pull keeps the transport's staging.
-
-    The mirror is pinned host memory the size of the pool (``pool_bytes``): auto takes it only
-    when it is at most 1/``AUTO_HOST_SHARE`` of ``host_bytes``, and ``pushkv`` over half of it is
-    refused (ValueError) rather than left to the OOM killer."""
+    copy, which is how CI tests it). Pull keeps the transport's staging."""
     from pushkv.transport.poster import wanted as tcp_only
 
     if mode != "push" or setting == "transport":
         return False
-    fits = not host_bytes or pool_bytes * AUTO_HOST_SHARE <= host_bytes
     if setting == "pushkv":
-        if host_bytes and pool_bytes * MAX_HOST_SHARE > host_bytes:
-            raise ValueError(f"--staging pushkv mirrors the KV pool ({pool_bytes / 2**30:.1f} GiB) in pinned host "
-                             f"memory, over half of this host's {host_bytes / 2**30:.1f} GiB: lower --num-blocks or "
-                             "use --staging transport")
         return True
-    return device != "cpu" and tcp_only("auto", ucx_tls) and fits
+    return device != "cpu" and tcp_only("auto", ucx_tls)
+
+
+def area_blocks(pool_blocks: int, block_bytes: int, staging_mib: int, host_bytes: int) -> int:
+    """Blocks of a writer's staging area: ``staging_mib`` MiB of them, or (0) as many as
+    1/``AUTO_HOST_SHARE`` of the host's memory holds; never more than the pool's, at least one.
+    ValueError for an area over half the host's memory."""
+    if staging_mib:
+        if host_bytes and staging_mib * 2**20 * MAX_HOST_SHARE > host_bytes:
+            raise ValueError(f"--staging-mib {staging_mib} is over half of this host's "
+                             f"{host_bytes / 2**30:.1f} GiB of memory (each writer pins that much)")
+        n = staging_mib * 2**20 // block_bytes
+    else:
+        n = host_bytes // AUTO_HOST_SHARE // block_bytes if host_bytes else pool_blocks
+    return max(1, min(pool_blocks, n))
 
 
 def host_memory_bytes() -> int:
@@ -110,3 +82,39 @@ def host_memory_bytes() -> int:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
         return 0
+
+
+def group_regions(lay: KVLayoutDesc, groups: Optional[Sequence[int]]) -> list[int]:
+    """The grid regions (``transport/grid.py``: layer group major, then head group) of layer
+    ``groups`` (None: all of them)."""
+    hg = L.head_groups(lay)
+    gs = range(len(L.layer_groups(lay))) if groups is None else groups
+    return [g * hg + k for g in gs for k in range(hg)]
+
+
+Pairs = list[tuple[int, int, int]]  # (pool offset, staging offset, nbytes)
+
+
+def block_pairs(lay: KVLayoutDesc, pool: DescGrid, area: DescGrid, blocks: Sequence[int], slots: Sequence[int],
+                regions: Optional[Sequence[int]] = None) -> Pairs:
+    """The copies between pool ``blocks`` and the staging area's ``slots`` (pairwise), in grid
+    ``regions`` (None: all): one ``(pool offset, staging offset, nbytes)`` per run of blocks and
+    slots that are contiguous on both sides, per region. The two grids are of the same layout
+    but for their block counts."""
+    if len(blocks) != len(slots):
+        raise ValueError(f"{len(blocks)} blocks for {len(slots)} staging slots")
+    if not len(blocks):
+        return []
+    m = L.subs_per_block(lay)
+    b, s = np.asarray(blocks, dtype=np.int64), np.asarray(slots, dtype=np.int64)
+    # runs: where the next block and slot both follow on
+    brk = np.flatnonzero((np.diff(b) != 1) | (np.diff(s) != 1)) + 1
+    first = np.concatenate([[0], brk])
+    count = np.diff(np.concatenate([first, [len(b)]]))
+    out: Pairs = []
+    for r in (range(len(pool.base)) if regions is None else regions):
+        piece = m * int(pool.elem[r])  # one block's bytes in this region
+        pb, ab = int(pool.base[r]), int(area.base[r])
+        out.extend((pb + int(b[i]) * piece, ab + int(s[i]) * piece, int(c) * piece)
+                   for i, c in zip(first.tolist(), count.tolist()))
+    return out

@@ -37,7 +37,7 @@ from pushkv.writer import memory as mem
 from pushkv.writer.peers import HANDSHAKE_TIMEOUT_S, Peer, PeerLink, PeerWait
 from pushkv.writer.posting import SETTLE_S, InFlight
 from pushkv.writer.poll import warm_enabled
-from pushkv.writer.staging import HostMirror
+from pushkv.writer.staging import StagingArea
 from pushkv.writer.warm import BEAT_BYTES, BEAT_MS, WarmWriter
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ class WriterBase(WarmWriter):
         self.layout = L.instance_layout(cfg, inst, rank)  # cut to match the peer instance
         self.model_id = model_fingerprint(cfg.model)  # peers must agree on what the KV means
         self.pool: Optional[Pool] = None
-        self.mirror: Optional[HostMirror] = None  # --staging pushkv: NIXL moves this pinned copy of the pool
+        self.area: Optional[StagingArea] = None  # --staging pushkv: what NIXL moves, pinned host memory
         self.memory = mem.Memory(0, 0, self.layout)  # the pool's, once registered (setup)
         self.stuck_s = 2 * cfg.timeouts.transfer_s
         self.init_peers()
@@ -77,13 +77,14 @@ class WriterBase(WarmWriter):
         self.pool = create_pool(name, self.layout, self.cfg.model.dtype, device)
         ucx_tls = os.environ.get("UCX_TLS", "")
         post_thread = self.inst.role == "prefill" and poster.wanted(self.cfg.writer_post_thread, ucx_tls)
-        if staging_plan.wanted(self.cfg.staging, self.cfg.mode, device, ucx_tls, self.pool.nbytes,
-                               staging_plan.host_memory_bytes()):
-            # NIXL sees only the pinned host mirror: every transfer moves host to host (writer/staging.py)
-            self.mirror = HostMirror(self.pool.tensor, device)
-            log.info("%s: staging through a pinned host mirror of the pool (%.1f MiB)", self.name,
-                     self.mirror.nbytes / 2**20)
-        self.nixl = NixlAgent(self.agent_name, device="cpu" if self.mirror is not None else device,
+        if staging_plan.wanted(self.cfg.staging, self.cfg.mode, device, ucx_tls):
+            # NIXL sees only a pinned host staging area: every transfer moves host to host (writer/staging.py)
+            blocks = staging_plan.area_blocks(self.layout.num_blocks, L.block_bytes(self.layout), self.cfg.staging_mib,
+                                              staging_plan.host_memory_bytes())
+            self.area = StagingArea(self.pool.tensor, device, self.layout, blocks)
+            log.info("%s: staging through a pinned host area of %d of the pool's %d blocks (%.1f MiB)", self.name,
+                     blocks, self.layout.num_blocks, self.area.nbytes / 2**20)
+        self.nixl = NixlAgent(self.agent_name, device="cpu" if self.area is not None else device,
                               post_thread=post_thread)
         if post_thread:
             log.info("%s: WRITEs posted by agent %s on its own thread", self.name, self.nixl.post_agent)
@@ -91,16 +92,18 @@ class WriterBase(WarmWriter):
             import torch
 
             self.device_uuid = str(torch.cuda.get_device_properties(torch.device(device)).uuid)
-        base = self.mirror.base_addr if self.mirror is not None else self.pool.base_addr
-        self.memory = mem.Memory(base, self.pool.nbytes, self.layout, self.nixl.dev_id)
+        if self.area is not None:  # transfers name the area's blocks (slots): a pool of that many blocks
+            self.memory = mem.Memory(self.area.base_addr, self.area.nbytes, self.area.layout, 0)
+        else:
+            self.memory = mem.Memory(self.pool.base_addr, self.pool.nbytes, self.layout, self.nixl.dev_id)
         if self.wants_sink():
             import torch
 
             self.sink = torch.empty(BEAT_BYTES, dtype=torch.uint8,
-                                    device="cpu" if self.mirror is not None else device)  # NIXL's memory kind
+                                    device="cpu" if self.area is not None else device)  # NIXL's memory kind
             self.memory.extra.append((self.sink.data_ptr(), BEAT_BYTES))
         try:
-            grid = grid_of(self.layout)
+            grid = grid_of(self.memory.layout)
         except Exception as e:  # every transfer then builds its own descriptors
             log.warning("%s: no descriptor grid for the pool (ad-hoc posts instead): %s", self.name, e)
             grid = None
@@ -140,8 +143,8 @@ class WriterBase(WarmWriter):
             self.release_inflight()
             self.release_beats()
             self.nixl.deregister()
-        if self.mirror is not None:
-            self.mirror.close()
+        if self.area is not None:
+            self.area.close()
         if self.pool is not None:
             self.pool.close()
 
@@ -150,7 +153,7 @@ class WriterBase(WarmWriter):
         return m.Hello(
             engine_id=self.inst.engine_id, rank=self.rank, tp=self.inst.tp,
             agent_name=self.agent_name, agent_metadata=self.nixl.metadata(),
-            pool_base=self.memory.base_addr, layout=self.layout, device_id=self.nixl.dev_id,
+            pool_base=self.memory.base_addr, layout=self.memory.layout, device_id=self.nixl.dev_id,
             sink_addr=self.sink.data_ptr() if self.sink is not None else 0,
             sink_bytes=BEAT_BYTES if self.sink is not None else 0, device_uuid=self.device_uuid,
             wire_version=m.WIRE_VERSION, model_id=self.model_id, post_agent=self.nixl.post_agent,
@@ -231,6 +234,9 @@ class WriterBase(WarmWriter):
         gauges = {"warm_expected": len(self._warm)}
         if getattr(self, "nixl", None) is not None and self.nixl.poster is not None:
             gauges["poster_posts"] = self.nixl.poster.posts  # transfers its thread posted
+        if self.area is not None:  # --staging pushkv: the area's room (all free when nothing moves)
+            gauges["staging_blocks"] = self.area.blocks
+            gauges["staging_free_blocks"] = self.area.slots.num_free
         link_posts = getattr(self, "link_posts", None)
         if link_posts is not None:  # P's link queues: WRITEs waiting, on the wire
             gauges.update(link_posts.gauges())

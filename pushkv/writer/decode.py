@@ -6,9 +6,11 @@ while every other transfer goes on."""
 from __future__ import annotations
 
 import functools
+from collections import deque
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from pushkv import faults
 from pushkv import messages as m
@@ -16,8 +18,6 @@ from pushkv.protocol import actions as A
 from pushkv.protocol import arrivals as ar
 from pushkv.protocol.tp import head_overlap, producers_for
 from pushkv.kv import damage
-from pushkv.transport.grid import grid_of
-from pushkv.transport.staging_plan import runs_of_blocks
 from pushkv.writer import staging
 from pushkv.writer.base import InFlight, WriterBase
 
@@ -39,11 +39,22 @@ class Registered:
     checksums: "m.KVChecksums | None" = None  # --kv-verify: P's, from the first WriteDone that has them
     sent: float = 0.0  # wall time our Register left (the scheduler's registration_sent is when it asked)
     cached_tokens: int = 0  # the prompt's first tokens already in our blocks (prefix cache): not written
+    slots: "list[int] | None" = None  # --staging pushkv: the staging area's blocks P WRITEs into
+
+
+@dataclass
+class SlotWait:
+    """--staging pushkv: a registration waiting for room in the staging area."""
+
+    key: tuple[str, int]
+    need: int
+    deadline: float
+    then: Callable[[list[int]], None]
 
 
 @dataclass
 class StagingIn:
-    """--staging pushkv: a transfer whose bytes landed in the host mirror, being copied into the
+    """--staging pushkv: a transfer whose bytes landed in the staging area, being copied into the
     pool; reported received (or failed, if cancelled meanwhile) once the copy is done."""
 
     event: object
@@ -62,6 +73,7 @@ class Quarantined:
     deadline: float
     reason: str
     engine_id: str
+    slots: "list[int] | None" = None  # --staging pushkv: given back with the blocks
 
 
 class DecodeWriter(WriterBase):
@@ -74,6 +86,7 @@ class DecodeWriter(WriterBase):
         self._quarantine: dict[tuple[str, int], Quarantined] = {}
         self._dead_engines: set[str] = set()
         self._staging_in: dict[tuple[str, int], StagingIn] = {}
+        self._slot_waits: deque[SlotWait] = deque()
 
     def setup(self) -> None:
         super().setup()
@@ -88,7 +101,7 @@ class DecodeWriter(WriterBase):
 
     def has_pending(self) -> bool:
         return (self.arrivals.next_deadline() is not None or bool(self._quarantine) or bool(self.waits)
-                or bool(self._staging_in))
+                or bool(self._staging_in) or bool(self._slot_waits))
 
     def _with_producers(self, key, src: m.PrefillSource, then, now: float) -> None:
         """``then(peers)`` once P's producer ranks for us are connected; KVFailed if one cannot be."""
@@ -123,13 +136,28 @@ class DecodeWriter(WriterBase):
             tid, gen, block_ids, num_tokens, source, deadline_s, deadline, peers, cached_tokens), time.monotonic())
 
     def _registered_with(self, tid, gen, block_ids, num_tokens, source, deadline_s, deadline, peers,
-                         cached_tokens: int = 0) -> None:
+                         cached_tokens: int = 0, slots: "list[int] | None" = None) -> None:
         now = time.monotonic()
         key = (tid, gen)
+        written = len(block_ids) - cached_tokens // self.layout.block_size  # the blocks P WRITEs
+        if self.area is not None and slots is None:  # --staging pushkv: P WRITEs into slots of our area
+            if written > self.area.blocks:
+                self.counters["staging_too_small"] += 1
+                self.cool(key)
+                self.send(self.sched, m.KVFailed(tid, gen, f"the KV needs {written} staging blocks and the staging "
+                                                 f"area holds {self.area.blocks}: raise --staging-mib"))
+                return
+            self._slot_waits.append(SlotWait(key, written, deadline, lambda got: self._registered_with(
+                tid, gen, block_ids, num_tokens, source, deadline_s, deadline, peers, cached_tokens, got)))
+            self._take_slots()
+            if any(w.key == key for w in self._slot_waits):
+                self.counters["staging_room_waits"] += 1  # the area is full: it registers once there is room
+            return
         ranks = tuple(p.rank for p in peers)
         try:
             acts = self.arrivals.expect(tid, gen, block_ids, ranks, deadline)
         except ar.ProtocolError as e:  # a finished or older generation: nothing registered, nothing can land
+            self._give_slots(slots)
             self.counters["expect_refused"] += 1
             self.cool(key)
             log.error("%s: registration refused: %s transfer_id=%s", self.name, e, tid)
@@ -138,9 +166,11 @@ class DecodeWriter(WriterBase):
                 self.send(self.sched, m.KVFailed(tid, gen, reason))
             return
         self._registered[key] = Registered(source, ranks, block_ids=tuple(block_ids), num_tokens=num_tokens,
-                                           cached_tokens=cached_tokens)
+                                           cached_tokens=cached_tokens, slots=slots)
         self.apply(acts, now)
-        reg = m.Register(tid, gen, self.inst.engine_id, self.rank, self.inst.tp, block_ids, num_tokens, deadline_s,
+        # staged: P WRITEs into our slots (the cached prefix's entries, which it never writes, name the first)
+        ids = block_ids if slots is None else [slots[0]] * (len(block_ids) - written) + list(slots)
+        reg = m.Register(tid, gen, self.inst.engine_id, self.rank, self.inst.tp, ids, num_tokens, deadline_s,
                          warm=key in self._warm, cached_tokens=cached_tokens)
         for p in peers:
             self.control(p, reg)
@@ -193,6 +223,9 @@ class DecodeWriter(WriterBase):
         now = time.monotonic()
         key = (msg.transfer_id, msg.generation)
         self.cool(key)
+        if self._drop_slot_wait(key):  # never registered: nothing can land
+            self.send(self.sched, m.KVFailed(msg.transfer_id, msg.generation, msg.reason))
+            return
         if key in self._staging_in:  # the KV is here, being copied into the blocks: answer when that ends
             self._staging_in[key].cancelled = self._staging_in[key].cancelled or msg.reason
             self.counters["stage_in_cancel_deferred"] += 1
@@ -213,7 +246,7 @@ class DecodeWriter(WriterBase):
                 self.cool(key)
             if isinstance(a, A.Received):
                 reg = self._registered.pop(key, None)
-                if self.mirror is not None and reg is not None:
+                if reg is not None and reg.slots is not None:
                     self._stage_in(key, a, reg)
                 else:
                     self._received(a, reg)
@@ -234,16 +267,38 @@ class DecodeWriter(WriterBase):
                                            timeline=stages + staged,
                                            checksums=reg.checksums if reg is not None else None))
 
-    # -- --staging pushkv: the landed bytes go from the host mirror to the pool ----------------
+    # -- --staging pushkv: the landed bytes go from the staging area to the pool ----------------
     def _stage_in(self, key, a: A.Received, reg: Registered) -> None:
-        """Start copying the transfer's destination blocks (those it wrote: past our cached
-        prefix) from the mirror into the pool; ``check_staging`` reports it when done."""
+        """Start copying the slots P wrote into our blocks past the cached prefix (on the copy
+        stream); ``check_staging`` reports the KV received when that copy is done."""
+        assert self.area is not None and reg.slots is not None
         blocks = reg.block_ids[reg.cached_tokens // self.layout.block_size:]
-        event = self.mirror.stage_in(runs_of_blocks(self.layout, self.memory.grid or grid_of(self.layout), blocks))
+        event = self.area.copy_in(self.area.pairs(blocks, reg.slots))
         self.counters["stage_in_copies"] += 1
         self._staging_in[key] = StagingIn(event, a, reg, time.time())
         self.warm_for(key, time.monotonic() + self.cfg.timeouts.transfer_s)  # its report is a copy away
         self.check_staging()
+
+    # -- the staging area's slots ----------------------------------------------------------
+    def _take_slots(self) -> None:
+        """Registrations waiting for staging room take it in arrival order while there is some."""
+        while self._slot_waits and self.area is not None:
+            slots = self.area.take(self._slot_waits[0].need)
+            if slots is None:
+                return
+            self._slot_waits.popleft().then(slots)
+
+    def _give_slots(self, slots) -> None:
+        if slots and self.area is not None:
+            self.area.give_back(slots)
+            self._take_slots()
+
+    def _drop_slot_wait(self, key) -> bool:
+        for w in self._slot_waits:
+            if w.key == key:
+                self._slot_waits.remove(w)
+                return True
+        return False
 
     def check_staging(self) -> None:
         for key, st in list(self._staging_in.items()):
@@ -251,6 +306,7 @@ class DecodeWriter(WriterBase):
                 continue
             del self._staging_in[key]
             self.cool(key)
+            self._give_slots(st.reg.slots if st.reg is not None else None)
             if st.cancelled:  # the copy into the blocks is over: they may go back now
                 self.counters["kv_failed"] += 1
                 self.send(self.sched, m.KVFailed(key[0], key[1], st.cancelled))
@@ -274,9 +330,10 @@ class DecodeWriter(WriterBase):
         if outstanding and reg.source.engine_id not in self._dead_engines:
             self.counters["quarantined"] += 1
             self._quarantine[key] = Quarantined(outstanding, now + self.cfg.timeouts.transfer_s, reason,
-                                                reg.source.engine_id)
+                                                reg.source.engine_id, reg.slots)
         else:
             self.send(self.sched, m.KVFailed(key[0], key[1], reason, lost=self._lost))
+            self._give_slots(reg.slots if reg is not None else None)
 
     def peer_instance_down(self, engine_id: str, reason: str, now: float) -> None:
         """Producers that died cannot write any more: nothing to wait for."""
@@ -291,10 +348,17 @@ class DecodeWriter(WriterBase):
         self._dead_engines.discard(engine_id)  # a restarted instance is a live peer again
 
     def _release_quarantine(self, key) -> None:
-        reason = self._quarantine.pop(key).reason
-        self.send(self.sched, m.KVFailed(key[0], key[1], reason))
+        q = self._quarantine.pop(key)
+        self.send(self.sched, m.KVFailed(key[0], key[1], q.reason))
+        self._give_slots(q.slots)
 
     def expire(self, now: float) -> None:
+        for w in [w for w in self._slot_waits if w.deadline <= now]:
+            self._slot_waits.remove(w)
+            self.counters["staging_wait_expired"] += 1
+            self.cool(w.key)
+            self.send(self.sched, m.KVFailed(w.key[0], w.key[1], "no room in the staging area within the "
+                                             "transfer's deadline"))
         nd = self.arrivals.next_deadline()
         if nd is not None and nd <= now:
             self.apply(self.arrivals.expire(now), now)

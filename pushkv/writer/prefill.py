@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -16,7 +17,7 @@ from pushkv.protocol import actions as A
 from pushkv.protocol import rendezvous as rv
 from pushkv.protocol.lease import Leases
 from pushkv.protocol.link_queue import window_of
-from pushkv.kv.layout import layer_groups, stream_plan, window_group
+from pushkv.kv.layout import blocks_for, layer_groups, stream_plan, window_group
 from pushkv.protocol.tp import consumers_for, head_overlap
 from pushkv.transport import poster
 from pushkv.transport.nixl_agent import TransferError
@@ -24,7 +25,6 @@ from pushkv.kv import damage
 from pushkv.writer.base import InFlight, WriterBase
 from pushkv.writer.link_posts import LinkPosts
 from pushkv.writer.posting import SpanPost
-from pushkv.transport.staging_plan import runs_of_indices, runs_of_regions
 from pushkv.writer import staging
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,21 @@ class _Post:
     sp: SpanPost
     notif: bytes
     fl: InFlight
-    staged: Any = None  # --staging pushkv: the copy of its bytes into the host mirror (a CUDA event)
+    staged: Any = None  # --staging pushkv: the copy of its bytes into the staging area (a CUDA event)
+    slots: Optional[list[int]] = None  # --staging pushkv: the area's blocks it WRITEs from
+
+
+@dataclass
+class _SlotWait:
+    """A WRITE to one D rank waiting for room in the staging area (--staging pushkv)."""
+
+    a: A.PostWrite
+    reg: m.Register
+    peer: object
+    heads: tuple
+    fl: InFlight
+    spans: list
+    need: int
 
 
 class PrefillWriter(WriterBase):
@@ -74,6 +88,8 @@ class PrefillWriter(WriterBase):
         # one queue per D rank we WRITE into (cfg.link_window; None: every WRITE posts at once)
         window = window_of(cfg.link_window, cfg.link_window_mib, poster.wanted("auto", os.environ.get("UCX_TLS", "")))
         self.link_posts = LinkPosts(window, cfg.link_order) if window is not None else None
+        self._slot_waits: deque[_SlotWait] = deque()  # --staging pushkv: WRITEs waiting for staging room
+        self._slots_of: dict[int, list[int]] = {}  # id(posted handle) -> the staging slots it WRITEs from
 
     def has_pending(self) -> bool:
         return self.rdv.next_deadline() is not None or self.leases.next_deadline() is not None
@@ -322,7 +338,6 @@ class PrefillWriter(WriterBase):
 
     def _post_to(self, a, reg, fl: InFlight, token_spans: list, swap: bool) -> None:
         """Post D rank ``reg``'s share of the WRITE (nothing when it holds no head of ours)."""
-        key = (a.transfer_id, a.generation)
         peer = self.peers.get((reg.d_engine_id, reg.d_rank))
         if peer is None:
             raise TransferError(f"no handshake with {reg.d_engine_id} rank {reg.d_rank}")
@@ -335,11 +350,61 @@ class PrefillWriter(WriterBase):
         spans = [(a.block_ids[t // self.layout.block_size:],
                   _swapped(reg.block_ids[t // peer.layout.block_size:], swap), end - t, None if g < 0 else (g,))
                  for g, t, end in token_spans]
-        sums = self._checksums.get(key) if a.last else None
-        sp = self.plan_spans("WRITE", peer, heads, spans)
+        if self.area is None:
+            self._post_spans(a, reg, peer, heads, fl, spans)
+            return
+        need = len({b for s, _, n, _ in spans for b in s[:blocks_for(n, self.layout.block_size)]})
+        if need > self.area.blocks:
+            raise TransferError(f"the WRITE needs {need} staging blocks and the staging area holds "
+                                f"{self.area.blocks}: raise --staging-mib")
+        fl.queued += 1  # (until it has its slots: a failed transfer drops it, see _drop_queued)
+        wait = _SlotWait(a, reg, peer, heads, fl, spans, need)
+        self._slot_waits.append(wait)
+        self._take_slots()
+        if wait in self._slot_waits:
+            self.counters["staging_room_waits"] += 1  # the area is full: it goes once there is room
+
+    def _take_slots(self) -> None:
+        """Posts waiting for staging slots take them in arrival order while the area has room."""
+        while self._slot_waits and self.area is not None:
+            w = self._slot_waits[0]
+            slots = self.area.take(w.need)
+            if slots is None:
+                return
+            self._slot_waits.popleft()
+            w.fl.queued -= 1
+            if w.fl.failed:  # its transfer failed meanwhile
+                self.area.give_back(slots)
+                continue
+            try:
+                self._post_spans(w.a, w.reg, w.peer, w.heads, w.fl, w.spans, slots)
+            except Exception as e:
+                self.counters["write_post_failed"] += 1
+                log.error("%s: WRITE post failed: %s transfer_id=%s", self.name, e, w.a.transfer_id)
+                w.fl.failed = f"WRITE failed to post: {e}"
+
+    def _give_slots(self, slots) -> None:
+        if slots and self.area is not None:
+            self.area.give_back(slots)
+            self._take_slots()
+
+    def _post_spans(self, a, reg, peer, heads, fl: InFlight, spans: list, slots=None) -> None:
+        """Plan and post (or queue on the link) the WRITE of ``spans`` to D rank ``reg``; with a
+        staging area, from ``slots`` (one per distinct block of the spans), its bytes copied out
+        first."""
+        key = (a.transfer_id, a.generation)
+        staged = None
+        try:
+            if slots is not None:
+                spans, staged = self._stage_out(key, spans, slots)
+            sums = self._checksums.get(key) if a.last else None
+            sp = self.plan_spans("WRITE", peer, heads, spans)
+        except Exception:
+            self._give_slots(slots)
+            raise
         notif = (m.encode(m.WriteDone(a.transfer_id, a.generation, self.rank, a.first_token, sp.nbytes, sp.runs, sums))
                  if a.last else b"")
-        post = _Post(a, reg, peer, sp, notif, fl, self._stage_out(key, sp))
+        post = _Post(a, reg, peer, sp, notif, fl, staged, slots)
         if self.link_posts is None:
             self._send(post)
             return
@@ -353,26 +418,44 @@ class PrefillWriter(WriterBase):
         self._send_released(self.link_posts.offer((reg.d_engine_id, reg.d_rank), key, sp.nbytes, remaining,
                                                   t.first_queued + self.cfg.timeouts.transfer_s, post))
 
-    def _stage_out(self, key, sp: SpanPost) -> Any:
-        """--staging pushkv: start copying the bytes ``sp`` WRITEs from the pool into the host
-        mirror NIXL reads (on the copy stream; the post waits for it). None: no staging."""
-        if self.mirror is None:
-            return None
+    def _stage_out(self, key, spans: list, slots) -> tuple[list, Any]:
+        """--staging pushkv: the spans with their blocks replaced by ``slots`` of the staging
+        area, and the copy (started now, on the copy stream) of those blocks' layer groups into
+        them; the post waits for it."""
+        assert self.area is not None
         self._stamp(key, "stage_out_start")
-        grid = self.memory.grid
-        runs = runs_of_indices(grid, sp.indices[0]) if sp.indices is not None and grid is not None else \
-            runs_of_regions(sp.regions)  # (a post by indices is planned only over our prepared grid)
+        slot_of: dict[int, int] = {}
+        out, pairs = [], []
+        for src, dst, n, groups in spans:
+            blocks = list(src[:blocks_for(n, self.layout.block_size)])
+            for b in blocks:
+                if b not in slot_of:
+                    slot_of[b] = slots[len(slot_of)]
+            mapped = [slot_of[b] for b in blocks]
+            out.append((mapped, dst, n, groups))
+            pairs += self.area.pairs(blocks, mapped, groups)
         self.counters["stage_out_copies"] += 1
-        return self.mirror.stage_out(runs)
+        return out, self.area.copy_out(pairs)
 
     def _send(self, post: _Post):
         """Post one planned WRITE to one D rank now; returns its handle (raises if it fails to post)."""
-        a, key = post.a, (post.a.transfer_id, post.a.generation)
-        if post.staged is not None:  # its bytes must be in the mirror: most often copied long ago
+        key = (post.a.transfer_id, post.a.generation)
+        if post.slots is not None:  # its bytes must be in the staging area: most often copied long ago
             if not staging.done(post.staged):
                 self.counters["stage_out_waits"] += 1
                 staging.wait(post.staged)
             self._stamp(key, "stage_out_done")
+        try:
+            h = self._post_now(post)
+        except Exception:
+            self._give_slots(post.slots)
+            raise
+        if post.slots is not None:  # they go back when this WRITE ends (handles_ended)
+            self._slots_of[id(h)] = post.slots
+        return h
+
+    def _post_now(self, post: _Post):
+        a, key = post.a, (post.a.transfer_id, post.a.generation)
         self._stamp(key, "write_post_start" if a.last else "part_post_first")  # to write_posted: our post cost
         h = self.post_planned(post.sp, post.notif)
         post.fl.handles.append(h)
@@ -410,22 +493,31 @@ class PrefillWriter(WriterBase):
                     fl.failed = f"WRITE failed to post: {e}"
             else:
                 self.counters["link_posts_skipped"] += 1
+                self._give_slots(post.slots)
             released += self.link_posts.done(link, pid)
 
     def handles_ended(self, handles: list, now: float) -> None:
-        if self.link_posts is not None:
-            for h in handles:
+        for h in handles:
+            slots = self._slots_of.pop(id(h), None)
+            if slots is not None:
+                self._give_slots(slots)
+            if self.link_posts is not None:
                 self._send_released(self.link_posts.ended(h))
 
     def _drop_queued(self, key, reason: str) -> None:
         """A failed transfer's WRITEs still queued never go: each fails its InFlight, which then
         ends (the loop's reaping) and lets the rendezvous free the blocks as for a failed WRITE."""
+        for w in [w for w in self._slot_waits if (w.a.transfer_id, w.a.generation) == key]:
+            self._slot_waits.remove(w)
+            w.fl.queued -= 1
+            w.fl.failed = w.fl.failed or f"dropped while waiting for staging room: {reason}"
         if self.link_posts is None:
             return
         for post in self.link_posts.drop(key):
             post.fl.queued -= 1
             post.fl.failed = post.fl.failed or f"dropped from the link queue: {reason}"
             self.counters["link_posts_dropped"] += 1
+            self._give_slots(post.slots)
 
     def _hint(self, a, reg, peer, nbytes: int) -> None:
         """After the post, off its path: the hint's ZMQ message wakes D's loop at once, and D's

@@ -6,76 +6,103 @@ sides. On a GPU busy with prefill or decode kernels each of those copies waits f
 (measured on an H200: a WRITE took 0.8-1.1 s while D decoded against 0.3 s idle, and D's
 writer loop was held meanwhile, so D saw the bytes 0.5-0.9 s late).
 
-Here the writer keeps a pinned host **mirror** of its pool, laid out byte for byte as the pool,
-and registers the mirror with NIXL instead of the pool (as host memory). A transfer's regions
-are then the same offsets in both, so nothing in the protocol, the grids or the mapping changes:
-- P copies the bytes a WRITE carries from the pool into its mirror on a copy stream, as soon as
-  the WRITE is planned (it may wait in a link queue meanwhile), and posts it once that copy is
-  done: the WRITE then moves host to host;
-- D copies a transfer's destination blocks from its mirror into the pool on its copy stream
-  once every producer rank's WRITE has landed, and reports the KV received when that copy is
-  done (the loop polls the copy's event; it never waits on it).
+Here each writer keeps a **staging area**: pinned host memory laid out as its pool but with
+fewer blocks (``--staging-mib``), its blocks ("slots") handed out by a block allocator. NIXL
+registers the area instead of the pool (as host memory), so every transfer moves host to host
+and the protocol, grids and mapping are those of a pool of that many blocks:
+- P copies each WRITE's blocks (the layer groups it carries) from the pool into slots of its
+  area on a copy stream, as soon as the WRITE is planned, and posts it from those slots once
+  the copy is done; the slots go back when the WRITE ends;
+- D registers slots of its area with P instead of its pool's blocks, and once every producer
+  rank's WRITE has landed copies them into its blocks on its copy stream; it reports the KV
+  received (and frees the slots) when that copy is done. The loop polls the copy's event; it
+  never waits on it.
 
-The price is host memory the size of the pool, pinned, on each side. Which runs are copied is
-pure (``transport/staging_plan.py``).
+A transfer waits for slots when the area is full (P: before its link queue; D: before its
+registration), and one larger than the whole area fails at once, saying so. Which bytes are
+copied is pure (``transport/staging_plan.py``).
 """
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Optional
 
-from pushkv.transport.staging_plan import Runs, total
+import msgspec
+
+from pushkv.kv import layout as L
+from pushkv.messages import KVLayoutDesc
+from pushkv.protocol.allocator import BlockAllocator
+from pushkv.transport.grid import grid_of
+from pushkv.transport.staging_plan import Pairs, block_pairs, group_regions
 
 log = logging.getLogger(__name__)
 
 
-class HostMirror:
-    """A pinned host copy of a GPU pool's bytes, and a copy stream between the two (a host
-    pool's mirror copies at once: the CPU path CI runs)."""
+class StagingArea:
+    """A pinned host area of ``blocks`` blocks of the pool's layout, a slot allocator over it,
+    and a copy stream between it and the pool (a host pool's area copies at once: the CPU path
+    CI runs)."""
 
-    def __init__(self, pool_tensor: Any, device: str):
+    def __init__(self, pool_tensor: Any, device: str, pool_layout: KVLayoutDesc, blocks: int):
         import torch
 
         self._torch = torch
+        self.pool_layout = pool_layout
+        self.layout = msgspec.structs.replace(pool_layout, num_blocks=blocks)
+        self.pool_grid, self.grid = grid_of(pool_layout), grid_of(self.layout)
         self.gpu = pool_tensor.reshape(-1).view(torch.uint8)  # the pool's bytes (it is contiguous)
         on_gpu = device != "cpu"
-        self.host = torch.empty(self.gpu.numel(), dtype=torch.uint8, pin_memory=on_gpu)
-        # a host pool (CI's path through the mirror): plain copies, done when they return
+        self.host = torch.empty(L.pool_bytes(self.layout), dtype=torch.uint8, pin_memory=on_gpu)
         self.stream = torch.cuda.Stream(device=torch.device(device)) if on_gpu else None
         self.base_addr = self.host.data_ptr()
-        self.nbytes = self.gpu.numel()
+        self.nbytes = self.host.numel()
+        self.slots = BlockAllocator(blocks)
         self.copies = 0
-        self.bytes_out = 0
-        self.bytes_in = 0
 
-    def _copy(self, runs: Runs, to_host: bool) -> Any:
+    @property
+    def blocks(self) -> int:
+        return self.layout.num_blocks
+
+    # -- slots ------------------------------------------------------------------------
+    def take(self, n: int) -> Optional[list[int]]:
+        """``n`` slots, or None while the area has fewer free."""
+        return self.slots.allocate(n)
+
+    def give_back(self, slots) -> None:
+        self.slots.free(slots)
+
+    # -- copies -----------------------------------------------------------------------
+    def pairs(self, blocks, slots, groups=None) -> Pairs:
+        regions = None if groups is None else group_regions(self.layout, groups)
+        return block_pairs(self.layout, self.pool_grid, self.grid, blocks, slots, regions)
+
+    def copy_out(self, pairs: Pairs) -> Any:
+        """Start copying pool bytes into the area; returns the copy's CUDA event (None: done)."""
+        return self._copy(pairs, to_host=True)
+
+    def copy_in(self, pairs: Pairs) -> Any:
+        """Start copying area bytes into the pool; returns the copy's CUDA event (None: done)."""
+        return self._copy(pairs, to_host=False)
+
+    def _copy(self, pairs: Pairs, to_host: bool) -> Any:
         torch = self._torch
-        self.copies += len(runs)
+        self.copies += len(pairs)
         if self.stream is None:
-            for off, n in runs:
-                dst, src = (self.host, self.gpu) if to_host else (self.gpu, self.host)
-                dst[off:off + n].copy_(src[off:off + n])
+            for po, so, n in pairs:
+                if to_host:
+                    self.host[so:so + n].copy_(self.gpu[po:po + n])
+                else:
+                    self.gpu[po:po + n].copy_(self.host[so:so + n])
             return None
         with torch.cuda.stream(self.stream):
-            for off, n in runs:
-                host, gpu = self.host[off:off + n], self.gpu[off:off + n]
+            for po, so, n in pairs:
                 if to_host:
-                    host.copy_(gpu, non_blocking=True)
+                    self.host[so:so + n].copy_(self.gpu[po:po + n], non_blocking=True)
                 else:
-                    gpu.copy_(host, non_blocking=True)
+                    self.gpu[po:po + n].copy_(self.host[so:so + n], non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.stream)
         return event
-
-    def stage_out(self, runs: Runs) -> Any:
-        """Start copying ``runs`` of the pool into the mirror; returns the copy's CUDA event."""
-        self.bytes_out += total(runs)
-        return self._copy(runs, to_host=True)
-
-    def stage_in(self, runs: Runs) -> Any:
-        """Start copying ``runs`` of the mirror into the pool; returns the copy's CUDA event."""
-        self.bytes_in += total(runs)
-        return self._copy(runs, to_host=False)
 
     def close(self) -> None:
         if self.stream is not None:
@@ -84,7 +111,7 @@ class HostMirror:
 
 
 def done(event: Any) -> bool:
-    """Whether a copy ``stage_out``/``stage_in`` started has finished (never blocks)."""
+    """Whether a copy ``copy_out``/``copy_in`` started has finished (never blocks)."""
     return event is None or bool(event.query())
 
 

@@ -59,10 +59,12 @@ CASES = [
     # queue (what UCX over TCP gets by default)
     ("push-layer threaded post tp2->1 p16/d32", "small",
      LAYER + ("--writer-post-thread", "on", "--link-window", "1") + shape(2, 1, 16, 32), 2, "layer"),
-    # --staging pushkv: NIXL moves the writers' host mirrors (a second copy of a host pool here, as
-    # a GPU pool's pinned mirror there); P copies out before each post, D copies in before reporting
+    # --staging pushkv: NIXL moves the writers' staging areas (host memory beside a host pool here, as
+    # pinned memory beside a GPU pool there); P copies out before each post, D copies in before
+    # reporting; D's area (2 MiB: 16 of its 64 blocks) is smaller than the concurrent load needs, so
+    # registrations wait for room
     ("push-layer pushkv staging tp2->1 p16/d32", "small",
-     LAYER + ("--staging", "pushkv", "--link-window", "1") + shape(2, 1, 16, 32), 2, "layer"),
+     LAYER + ("--staging", "pushkv", "--staging-mib", "2", "--link-window", "1") + shape(2, 1, 16, 32), 2, "layer"),
 ]
 
 
@@ -155,3 +157,26 @@ def test_chunked_and_streamed_tokens_equal_local(name, model, flags, ref_tp, str
             received = sum(v for k, v in d_counters.items() if k.endswith(".kv_received"))
             staged_in = sum(v for k, v in d_counters.items() if k.endswith(".stage_in_copies"))
             assert received > 0 and staged_in == received, d_counters
+            for counters_of in (counters, d_counters):  # every slot of every area is back
+                areas = {k.rsplit(".", 1)[0]: v for k, v in counters_of.items() if k.endswith(".staging_blocks")}
+                assert areas and all(counters_of[f"{w}.staging_free_blocks"] == n for w, n in areas.items()), \
+                    counters_of
+            assert areas == {"writer.0": 16}, areas  # D's: 2 MiB of 128 KiB blocks
+
+
+def test_a_transfer_larger_than_the_staging_area_fails_and_frees_everything(tmp_path):
+    """--staging pushkv with D's area (1 MiB: 8 of its 128 KiB blocks) smaller than a 300-token
+    prompt needs (10): that request fails at once, saying what to raise; a short one then gets its
+    tokens, and every block and staging slot is free again."""
+    flags = ("--mode", "push", "--staging", "pushkv", "--staging-mib", "1", "--model", "small",
+             "--num-blocks", str(NUM_BLOCKS)) + shape(2, 1, 16, 32)
+    with deployment(tmp_path, *flags) as dep:
+        status, body = dep.post("/v1/completions", {"prompt": PROMPTS[300], "max_tokens": MAX_TOKENS})
+        assert status >= 500 and "staging" in str(body) and "--staging-mib" in str(body), (status, body)
+        assert len(dep.complete(PROMPTS[16], MAX_TOKENS)["choices"][0]["token_ids"]) == MAX_TOKENS
+        wait_pools_free(dep)
+        d = dep.stats("decode").counters
+        assert d["writer.0.staging_too_small"] == 1 and d["writer.0.staging_blocks"] == 8, d
+        assert d["writer.0.staging_free_blocks"] == 8, d
+        p = dep.stats("prefill").counters
+        assert all(p[f"writer.{r}.staging_free_blocks"] == p[f"writer.{r}.staging_blocks"] for r in range(2)), p

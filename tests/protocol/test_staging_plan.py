@@ -1,21 +1,18 @@
-"""pushkv's own staging, the pure part (transport/staging_plan.py): which byte runs of the pool a
-staged WRITE copies out and a staged arrival copies in, and when a writer stages at all.
+"""pushkv's own staging, the pure part (transport/staging_plan.py): which bytes a staged WRITE
+copies between pool blocks and staging slots, how large the area is, and when a writer stages.
 
-Every run list is checked against the byte set it must cover, computed the slow way (one
-descriptor or one block region at a time), so a run that misses or adds a byte fails."""
+Every copy list is checked byte for byte against the mapping it must make, computed the slow way
+(one block of one region at a time), so a copy that misses, adds or misplaces a byte fails."""
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 
 from pushkv.config import DeploymentConfig, ModelConfig
 from pushkv.kv import layout as L
-from pushkv.transport.grid import grid_of, index_plan, plan_indices
-from pushkv.transport.staging_plan import merged, runs_of_blocks, runs_of_indices, runs_of_regions, total, wanted
-
-
-def covered(runs) -> set[int]:
-    return {b for off, n in runs for b in range(off, off + n)}
+from pushkv.transport.grid import grid_of
+from pushkv.transport.staging_plan import area_blocks, block_pairs, group_regions, merged, total, wanted
 
 
 def lay(sub_block: int = 0, head_group: int = 0, layer_split: int = 0, num_blocks: int = 12):
@@ -37,45 +34,57 @@ def test_merged(offs, lens, want):
     assert merged(np.asarray(offs), np.asarray(lens)) == want
 
 
+def pool_bytes_of(la, grid, blocks, regions=None):
+    """The bytes of whole ``blocks`` in grid ``regions``, the slow way (one block at a time)."""
+    m = L.subs_per_block(la)
+    out = []
+    for r in (range(len(grid.base)) if regions is None else regions):
+        piece = m * int(grid.elem[r])
+        out += [(r, b, int(grid.base[r]) + b * piece, piece) for b in blocks]
+    return out
+
+
 @pytest.mark.parametrize("kw", [{}, {"sub_block": 4}, {"head_group": 2}, {"layer_split": 2}])
-def test_runs_of_blocks_cover_exactly_those_blocks_in_every_region(kw):
+def test_block_pairs_copy_each_block_to_its_slot_in_every_region(kw):
     la = lay(**kw)
-    grid = grid_of(la)
-    blocks = [3, 4, 5, 9, 0]
-    runs = runs_of_blocks(la, grid, blocks)
-    want = set()
-    for r in range(len(grid.base)):
-        for p in L.expand_table(la, blocks):
-            start = int(grid.base[r] + p * grid.elem[r])
-            want |= set(range(start, start + int(grid.elem[r])))
-    assert covered(runs) == want and total(runs) == len(want)
-    # contiguous blocks join: at most one run per region per contiguous stretch of blocks (0, 3-5, 9)
-    assert len(runs) <= 3 * len(grid.base)
-    assert all(a + n < b for (a, n), (b, _) in zip(runs, runs[1:]))  # disjoint, sorted, not touching
-    with pytest.raises(ValueError):
-        runs_of_blocks(la, grid, [la.num_blocks])
+    area = msgspec.structs.replace(la, num_blocks=5)
+    pool_grid, area_grid = grid_of(la), grid_of(area)
+    blocks, slots = [3, 4, 5, 9, 0], [1, 2, 3, 0, 4]
+    pairs = block_pairs(la, pool_grid, area_grid, blocks, slots)
+    got = {po + i: so + i for po, so, n in pairs for i in range(n)}  # byte for byte: pool -> area
+    want = {}
+    for (_, _, off, piece), (_, _, soff, _) in zip(pool_bytes_of(la, pool_grid, blocks),
+                                                    pool_bytes_of(area, area_grid, slots)):
+        want.update({off + i: soff + i for i in range(piece)})
+    assert got == want
+    # runs contiguous on both sides join: blocks 3-5 -> slots 1-3 is one copy per region
+    assert len(pairs) == 3 * len(pool_grid.base)
+    assert total([(po, n) for po, _, n in pairs]) == len(want)
 
 
-def test_runs_of_indices_are_the_descriptors_bytes():
+def test_block_pairs_in_some_regions_only():
     la = lay(layer_split=2)
-    grid = grid_of(la)
-    plan = index_plan(la, la, None)
-    src, _, nbytes, _ = plan_indices(plan, [2, 3, 7], [0, 1, 2], 20, None)
-    runs = runs_of_indices(grid, src)
-    want = set()
-    for i in np.asarray(src).tolist():
-        r = int(np.searchsorted(grid.first, i, side="right") - 1)
-        start = int(grid.base[r] + (i - grid.first[r]) * grid.elem[r])
-        want |= set(range(start, start + int(grid.elem[r])))
-    assert covered(runs) == want and total(runs) == nbytes
-    assert runs_of_indices(grid, []) == []
+    pool_grid = grid_of(la)
+    area_grid = grid_of(msgspec.structs.replace(la, num_blocks=4))
+    regions = group_regions(la, [1])
+    assert len(L.layer_groups(la)) == 2 and regions == [1]  # layer group major, one head group
+    pairs = block_pairs(la, pool_grid, area_grid, [7], [2], regions)
+    piece = int(pool_grid.elem[1]) * L.subs_per_block(la)
+    assert pairs == [(int(pool_grid.base[1]) + 7 * piece, int(area_grid.base[1]) + 2 * piece, piece)]
+    assert group_regions(la, None) == [0, 1]
     with pytest.raises(ValueError):
-        runs_of_indices(grid, [grid.size])
+        block_pairs(la, pool_grid, area_grid, [1, 2], [0])
 
 
-def test_runs_of_regions_take_the_local_side():
-    assert runs_of_regions([(0, 100, 8), (8, 500, 8), (40, 0, 4)]) == [(0, 16), (40, 4)]
-    assert runs_of_regions([]) == []
+def test_area_blocks():
+    gib, mib = 2**30, 2**20
+    assert area_blocks(1000, mib, 64, 128 * gib) == 64  # asked for: 64 MiB of 1 MiB blocks
+    assert area_blocks(1000, mib, 0, 128 * gib) == 1000  # auto: 8 GiB would hold more than the pool
+    assert area_blocks(100_000, mib, 0, 128 * gib) == 8192  # auto: 1/16 of the host
+    assert area_blocks(10, mib, 0, 0) == 10  # host unknown: the pool's
+    assert area_blocks(10, 4 * mib, 1, 128 * gib) == 1  # at least one block
+    with pytest.raises(ValueError, match="over half"):
+        area_blocks(100_000, mib, 70 * 1024, 128 * gib)
 
 
 @pytest.mark.parametrize("setting,mode,device,tls,want", [
@@ -90,15 +99,6 @@ def test_runs_of_regions_take_the_local_side():
 ])
 def test_wanted(setting, mode, device, tls, want):
     assert wanted(setting, mode, device, tls) is want
-
-
-def test_the_mirror_must_fit_the_host():
-    gib = 2**30
-    assert wanted("auto", "push", "cuda:0", "tcp,cuda_copy", 4 * gib, 128 * gib)
-    assert not wanted("auto", "push", "cuda:0", "tcp,cuda_copy", 40 * gib, 128 * gib)  # auto: the transport's
-    assert wanted("pushkv", "push", "cuda:0", "", 40 * gib, 128 * gib)  # asked for, and it fits
-    with pytest.raises(ValueError, match="lower --num-blocks or use --staging transport"):
-        wanted("pushkv", "push", "cuda:0", "", 70 * gib, 128 * gib)
 
 
 def test_config_refuses_pushkv_staging_for_pull():
