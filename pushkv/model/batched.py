@@ -54,6 +54,7 @@ class BatchedForward:
         self.fused = self.cuda and envs.PUSHKV_FUSED and not (self.hd & (self.hd - 1))
         self.max_num_seqs = max_num_seqs
         self.graphs: dict[int, "_DecodeGraph"] = {}
+        self.graph_type: type[_DecodeGraph] = _DecodeGraph  # tests stand in a CPU replay
         self.graph_pool: Optional[Any] = None  # torch.cuda.graph_pool_handle(), shared by the graphs
         self.graph_width = 0
 
@@ -149,7 +150,7 @@ class BatchedForward:
             self.graph_width = max(W, -(-self.m.cfg.max_position // pools[0].shape[-2]))
         g = self.graphs.get(bucket)
         if g is None:
-            g = self.graphs[bucket] = _DecodeGraph(self, bucket, self.graph_width, pools)
+            g = self.graphs[bucket] = self.graph_type(self, bucket, self.graph_width, pools)
         return g.run(plan)
 
     def warmup(self, pools: list[torch.Tensor], num_tokens: int = 512) -> float:
@@ -188,7 +189,7 @@ class BatchedForward:
         self.graph_width = -(-self.m.cfg.max_position // pools[0].shape[-2])
         limit = min(up_to or self.max_num_seqs, self.max_num_seqs)
         for b in sorted({b for b in GRAPH_BUCKETS if b < limit} | {limit}, reverse=True):
-            self.graphs[b] = _DecodeGraph(self, b, self.graph_width, pools)
+            self.graphs[b] = self.graph_type(self, b, self.graph_width, pools)
         return time.perf_counter() - t0
 
 
@@ -213,6 +214,11 @@ class _DecodeGraph:
         self.logits = torch.empty(size, fwd.m.cfg.vocab_size, device=dev, dtype=torch.float32)
         self.staging = Staging()  # the step's arrays, pinned, one copy per replay
         self.staging.take(size * (4 + width))
+        self._capture(pools)
+
+    def _capture(self, pools: list[torch.Tensor]) -> None:
+        """Record the step on the pools: the graph keeps their addresses, not the tensors."""
+        dev, fwd = self.fwd.device, self.fwd
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):  # warm up (Triton compiles, cuBLAS picks) off the capture
@@ -224,6 +230,9 @@ class _DecodeGraph:
             fwd.graph_pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(self.graph, pool=fwd.graph_pool):
             fwd.forward(self.meta, pools, self.splits, self.scratch, self.logits)
+
+    def _launch(self) -> None:
+        self.graph.replay()
 
     def run(self, plan: StepPlan) -> torch.Tensor:
         B, S, W = plan.num_seqs, self.size, plan.block_table.shape[1]
@@ -240,12 +249,13 @@ class _DecodeGraph:
         tab[:B] = plan.block_table
         tab[B:] = 0
         dev = host[:4 * S + S * W].to(self.fwd.device, non_blocking=True)
-        self.staging.copied()
+        if self.fwd.cuda:
+            self.staging.copied()
         mt = self.meta
         mt.ids.copy_(dev[0:S])
         mt.positions.copy_(dev[S:2 * S])
         mt.slots.copy_(dev[2 * S:3 * S])
         mt.seq_lens.copy_(dev[3 * S:4 * S])
         mt.block_table[:, :W].copy_(dev[4 * S:].view(S, W))
-        self.graph.replay()
+        self._launch()
         return self.logits[:B].clone()  # the next replay overwrites the static buffer
