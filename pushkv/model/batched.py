@@ -53,9 +53,12 @@ class BatchedForward:
         self.use_graphs = use_graphs
         self.fused = self.cuda and envs.PUSHKV_FUSED and not (self.hd & (self.hd - 1))
         self.max_num_seqs = max_num_seqs
+        self.buckets = sorted({b for b in GRAPH_BUCKETS if b < max_num_seqs} | {max_num_seqs})
         self.graphs: dict[int, "_DecodeGraph"] = {}
+        self.graph_type: type[_DecodeGraph] = _DecodeGraph  # tests stand in a CPU replay
         self.graph_pool: Optional[Any] = None  # torch.cuda.graph_pool_handle(), shared by the graphs
         self.graph_width = 0
+        self.graph_pools: tuple = ()  # pools_key of the pools the graphs were captured on
 
     # ------------------------------------------------------------------ public
     def logits(self, seqs: Sequence[SeqWork], pools: list[torch.Tensor], on_layer=None) -> torch.Tensor:
@@ -66,11 +69,17 @@ class BatchedForward:
         meta = StepTensors.upload(plan, self.device, self.staging)
         return self.forward(meta, pools, self.decode_splits(plan.num_seqs), on_layer=on_layer)
 
+    def bucket(self, num_seqs: int) -> int:
+        """The size of the graph a decode step of num_seqs replays (past max_num_seqs: num_seqs)."""
+        return next((b for b in self.buckets if b >= num_seqs), num_seqs)
+
     def decode_splits(self, num_seqs: int) -> int:
-        """Key-range splits per decode tile: enough programs to fill the GPU twice."""
+        """Key-range splits per decode tile: enough programs to fill the GPU twice. Counted at the
+        step's graph bucket, so a decode step sums each row's keys in the same order (and float32
+        gives the same tokens) whether it replays a graph or runs eagerly (graphs off, a layer hook)."""
         if not self.cuda:
             return 1
-        progs = max(1, num_seqs * self.m.plan.kv_heads)
+        progs = max(1, self.bucket(num_seqs) * self.m.plan.kv_heads)
         return max(1, min(16, -(-2 * self.sms // progs)))
 
     def forward(self, meta: StepTensors, pools: list[torch.Tensor], splits: int,
@@ -141,15 +150,11 @@ class BatchedForward:
 
     # ------------------------------------------------------------- CUDA graphs
     def _replay(self, plan: StepPlan, pools: list[torch.Tensor]) -> torch.Tensor:
-        B = plan.num_seqs
-        bucket = next(b for b in GRAPH_BUCKETS + (self.max_num_seqs,) if b >= B)
-        W = plan.block_table.shape[1]
-        if W > self.graph_width:  # tables outgrew the captured width: capture wider graphs
-            self.graphs.clear()
-            self.graph_width = max(W, -(-self.m.cfg.max_position // pools[0].shape[-2]))
+        bucket = self.bucket(plan.num_seqs)
+        self._graphs_for(pools, plan.block_table.shape[1])
         g = self.graphs.get(bucket)
         if g is None:
-            g = self.graphs[bucket] = _DecodeGraph(self, bucket, self.graph_width, pools)
+            g = self.graphs[bucket] = self.graph_type(self, bucket, self.graph_width, pools)
         return g.run(plan)
 
     def warmup(self, pools: list[torch.Tensor], num_tokens: int = 512) -> float:
@@ -185,11 +190,30 @@ class BatchedForward:
         if not self.use_graphs:
             return 0.0
         t0 = time.perf_counter()
-        self.graph_width = -(-self.m.cfg.max_position // pools[0].shape[-2])
-        limit = min(up_to or self.max_num_seqs, self.max_num_seqs)
-        for b in sorted({b for b in GRAPH_BUCKETS if b < limit} | {limit}, reverse=True):
-            self.graphs[b] = _DecodeGraph(self, b, self.graph_width, pools)
+        self._graphs_for(pools, 0)
+        last = self.bucket(min(up_to or self.max_num_seqs, self.max_num_seqs))
+        for b in reversed([b for b in self.buckets if b <= last]):
+            if b not in self.graphs:
+                self.graphs[b] = self.graph_type(self, b, self.graph_width, pools)
         return time.perf_counter() - t0
+
+    def _graphs_for(self, pools: list[torch.Tensor], width: int) -> None:
+        """Drop the graphs that cannot run a step on these pools with tables this wide.
+
+        A graph replays the addresses it was captured with: the pools of its capture, whatever
+        pools a later step names. One caller driving several pools (a pool per request, as the
+        model tests and experiments/models_gpu.py do) had its decode steps read and write the
+        first pool's blocks, freed memory by then, and float32 tokens differed from eager ones."""
+        key = pools_key(pools)
+        if key != self.graph_pools or width > self.graph_width:
+            self.graphs.clear()
+            self.graph_pools = key
+            self.graph_width = max(width, -(-self.m.cfg.max_position // pools[0].shape[-2]))
+
+
+def pools_key(pools: Sequence[torch.Tensor]) -> tuple:
+    """What a captured step holds of the pools: each layer view's address, shape, strides and dtype."""
+    return tuple((t.data_ptr(), t.shape, t.stride(), t.dtype) for t in pools)
 
 
 class _DecodeGraph:
@@ -213,6 +237,11 @@ class _DecodeGraph:
         self.logits = torch.empty(size, fwd.m.cfg.vocab_size, device=dev, dtype=torch.float32)
         self.staging = Staging()  # the step's arrays, pinned, one copy per replay
         self.staging.take(size * (4 + width))
+        self._capture(pools)
+
+    def _capture(self, pools: list[torch.Tensor]) -> None:
+        """Record the step on the pools: the graph keeps their addresses, not the tensors."""
+        dev, fwd = self.fwd.device, self.fwd
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):  # warm up (Triton compiles, cuBLAS picks) off the capture
@@ -224,6 +253,9 @@ class _DecodeGraph:
             fwd.graph_pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(self.graph, pool=fwd.graph_pool):
             fwd.forward(self.meta, pools, self.splits, self.scratch, self.logits)
+
+    def _launch(self) -> None:
+        self.graph.replay()
 
     def run(self, plan: StepPlan) -> torch.Tensor:
         B, S, W = plan.num_seqs, self.size, plan.block_table.shape[1]
@@ -240,12 +272,13 @@ class _DecodeGraph:
         tab[:B] = plan.block_table
         tab[B:] = 0
         dev = host[:4 * S + S * W].to(self.fwd.device, non_blocking=True)
-        self.staging.copied()
+        if self.fwd.cuda:
+            self.staging.copied()
         mt = self.meta
         mt.ids.copy_(dev[0:S])
         mt.positions.copy_(dev[S:2 * S])
         mt.slots.copy_(dev[2 * S:3 * S])
         mt.seq_lens.copy_(dev[3 * S:4 * S])
         mt.block_table[:, :W].copy_(dev[4 * S:].view(S, W))
-        self.graph.replay()
+        self._launch()
         return self.logits[:B].clone()  # the next replay overwrites the static buffer

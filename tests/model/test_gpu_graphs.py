@@ -1,0 +1,64 @@
+"""On a GPU: every dense architecture's float32 greedy tokens with the decode CUDA graphs on equal
+transformers' and the eager engine's (docs/results/2026-12-02-models-gpu/ found 1-2 of 3 prompts
+differing with graphs on: the graphs replayed on the pool of their first capture).
+
+    pytest tests/model/test_gpu_graphs.py -v -s -p no:cacheprovider    (from the checkout's root)
+
+prints one line per architecture and passes or fails per architecture.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pushkv.messages import SeqWork
+from pushkv.model import build_model
+from pushkv.model.checkpoint import model_config_from_hf
+from tests.model.test_architectures import CASES, NEW
+from tests.model.test_hf_reference import PROMPTS, hf_reference, save_hf_checkpoint
+from tests.model.test_model import paged_generate
+
+DENSE = sorted(name for name, (family, _, _) in CASES.items() if family not in ("qwen3_moe", "mixtral"))
+BLOCKS, U = 8, 16  # per sequence
+
+
+def _pool(model, blocks: int) -> torch.Tensor:
+    lay = model.kv_layout(blocks, U)
+    return torch.full((blocks, lay.num_layers, lay.kv_planes, lay.kv_heads, U, lay.head_dim), float("nan"),
+                      dtype=model.dtype, device="cuda")
+
+
+def _together(model, prompts: list[list[int]]) -> list[list[int]]:
+    """The prompts prefilled in one step, then decoded together: steps of 3 in the graph of 4."""
+    tables = [tuple(range(BLOCKS * i, BLOCKS * i + BLOCKS)) for i in range(len(prompts))]
+    pool = _pool(model, BLOCKS * len(prompts))
+    outs = [[t] for t in model.execute([SeqWork(i, tuple(p), 0, tables[i]) for i, p in enumerate(prompts)], pool)]
+    for step in range(1, NEW):
+        seqs = [SeqWork(i, (o[-1],), len(p) + step - 1, tables[i]) for i, (p, o) in enumerate(zip(prompts, outs))]
+        for o, t in zip(outs, model.execute(seqs, pool)):
+            o.append(t)
+    return outs
+
+
+@pytest.mark.parametrize("case", DENSE)
+def test_gpu_float32_tokens_with_graphs_equal_transformers_and_eager(case, tmp_path):
+    family, extra, _ = CASES[case]
+    path = save_hf_checkpoint(str(tmp_path), family, seed=3, **extra)
+    want = hf_reference(path, PROMPTS)
+    model = build_model(model_config_from_hf(path, engine="batched"), device="cuda")
+    fwd = model.batched
+    assert fwd.use_graphs, "CUDA graphs are off (PUSHKV_CUDA_GRAPHS=0?)"
+    got = {}
+    for graphs in (True, False):
+        fwd.use_graphs = graphs
+        # a fresh pool per prompt, as experiments/models_gpu.py runs them
+        alone = [paged_generate(model, _pool(model, BLOCKS), ids, NEW, tuple(range(BLOCKS))) for ids, _ in want]
+        got[graphs] = alone, _together(model, [ids for ids, _ in want])
+    fwd.use_graphs = True
+    assert fwd.graphs, "no decode step replayed a graph"
+    equal = [a[:a.index(3) + 1 if 3 in a else len(a)] == new for a, (_, new) in zip(got[True][0], want)]
+    same = got[True] == got[False]
+    print(f"\n{case}: graphs on, float32: {'equal' if all(equal) else 'NOT EQUAL'} to transformers "
+          f"({sum(equal)} of {len(equal)} prompts); {'equal' if same else 'NOT EQUAL'} to graphs off "
+          f"(alone and 3 together)")
+    assert all(equal) and same
