@@ -206,6 +206,10 @@ class BatchedForward:
         first pool's blocks, freed memory by then, and float32 tokens differed from eager ones."""
         key = pools_key(pools)
         if key != self.graph_pools or width > self.graph_width:
+            if self.graphs:  # no replay of them may still run, and their memory pool goes with them:
+                if torch.device(self.device).type == "cuda":  # capturing into a pool whose graphs were
+                    torch.cuda.synchronize(self.device)  # all released trips the caching allocator's
+                self.graph_pool = None  # use_count assert (seen on an H200)
             self.graphs.clear()
             self.graph_pools = key
             self.graph_width = max(width, -(-self.m.cfg.max_position // pools[0].shape[-2]))
