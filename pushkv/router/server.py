@@ -42,6 +42,10 @@ from pushkv.trace import TracePublisher
 log = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 5.0  # in-flight handlers get this long to send their 503
+LISTEN_BACKLOG_MIN = 128  # aiohttp's own default
+# push pins D only for a prefill P is predicted to finish within this share of the wait for it
+# (the rest is the cost model's margin of error)
+PIN_WAIT_SHARE = 0.5
 STATS_TIMEOUT_S = 0.5  # /metrics: how long to wait for each scheduler's Stats
 CLIENT_ABORT_STATUS = 499  # nginx's "client closed request"
 
@@ -63,8 +67,10 @@ class Router:
         self.metrics = RouterMetrics(cfg.mode)
         self.security = security.load(cfg.secret_file)  # CURVE to tcp:// schedulers
         caching = any(i.prefix_cache for i in cfg.role_instances("prefill") + cfg.role_instances("decode"))
+        t = cfg.timeouts  # a pinned D waits this long for the WRITE, and P for its own prefill
         self.balancer = Balancer(cfg.mode, cfg.push_pin_fraction, cfg.router_queue, self.metrics,
-                                 prefix_cache=caching, conditional=cfg.conditional_disagg)
+                                 prefix_cache=caching, conditional=cfg.conditional_disagg,
+                                 pin_wait_ms=PIN_WAIT_SHARE * 1000 * min(t.registration_wait_s, t.write_wait_s))
         self.metrics.watch_balancer(self.balancer)
         self.ctx: Optional[zmq.asyncio.Context] = None
         self.local_link: Optional[SchedulerLink] = None
@@ -139,7 +145,11 @@ class Router:
         self._runner = web.AppRunner(
             self.app(), handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
+        # the listen backlog holds a burst of connections up to the in-flight bound (which answers
+        # the rest 429): at aiohttp's 128, 400 clients connecting at once got 53 connection resets
+        # (the kernel clips it at net.core.somaxconn)
+        site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port,
+                           backlog=max(LISTEN_BACKLOG_MIN, self.cfg.router_max_in_flight))
         await site.start()
         port = self._runner.addresses[0][1]
         self.url = f"http://{self.cfg.host}:{port}"
