@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "429 with Retry-After")
     r.add_argument("--push-pin-fraction", type=float, metavar="F",
                    help="push: at most this fraction of a D's blocks reserved early and still waiting for KV; "
-                        "past it a request falls back to late allocation (D allocates after P)")
+                        "past it a request falls back to late allocation (D allocates after P); in [0, 1]")
     r.add_argument("--conditional-disagg", action="store_true",
                    help="per request, D may prefill it itself (no KV moves) when the router's cost model, "
                         "learned from this deployment's timings, prices that below P's prefill and the handoff")

@@ -392,6 +392,10 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
         if self.link_window < 0 or self.link_window_mib < 0:
             raise ValueError(f"DeploymentConfig.link_window ({self.link_window}) and link_window_mib "
                              f"({self.link_window_mib}) are >= 0 (0: auto / no byte bound)")
+        if not 0.0 <= self.push_pin_fraction <= 1.0:  # NaN fails too
+            raise ValueError(f"DeploymentConfig.push_pin_fraction (--push-pin-fraction) is "
+                             f"{self.push_pin_fraction}: a fraction of D's pool, in [0, 1] (0: every push "
+                             f"request allocates late)")
 
     def metrics_host(self) -> str:
         """Where the instances' /metrics listen: this host's advertised address, else the router's --host."""

@@ -296,7 +296,7 @@ class Router:
                                "queued_prefill_tokens": l.queued_tokens, "blocks_committed": l.committed,
                                "blocks_pinned": l.pinned, "num_blocks": l.num_blocks}
                               for e, l in sorted(self.balancer.loads.items())],
-                "conditional_disagg": self.cfg.conditional_disagg,
+                "conditional_disagg": self.cfg.conditional_disagg, "push_pin_fraction": self.cfg.push_pin_fraction,
                 "costs": self.balancer.cost.costs.as_dict() if self.local_link is None else {}}
         return web.json_response(body, status=200 if ok else 503)
 
