@@ -64,6 +64,9 @@ class Router:
             defaults=cfg.model.sampling_defaults,
         )
         self.served = cfg.served_names()  # what a request's "model" may name
+        # this router's epoch: a restarted router's is newer, and the schedulers abort the legs of
+        # the one before (messages.RouterEpoch)
+        self.epoch = time.time_ns()
         self.metrics = RouterMetrics(cfg.mode)
         self.security = security.load(cfg.secret_file)  # CURVE to tcp:// schedulers
         caching = any(i.prefix_cache for i in cfg.role_instances("prefill") + cfg.role_instances("decode"))
@@ -115,7 +118,7 @@ class Router:
         name = next((i.name for i in self.cfg.role_instances(rec.role) if i.engine_id == rec.engine_id), rec.role)
         link = SchedulerLink(self.ctx, rec.role, rec.sched_endpoint, self._route, self.metrics, self.tracer,
                              engine_id=rec.engine_id, name=name, security=self.security)
-        link.start()
+        link.start(self.epoch)
         return link
 
     async def start(self) -> None:
@@ -135,7 +138,7 @@ class Router:
                 raise ValueError("local instance has no sched_endpoint")
             self.local_link = SchedulerLink(self.ctx, "local", endpoint, self._route, self.metrics, self.tracer,
                                             engine_id=self.cfg.local.engine_id, security=self.security)
-            self.local_link.start()
+            self.local_link.start(self.epoch)
         else:
             if self.watcher is None:
                 self.watcher = LocalWatcher(self.cfg, self.ctx, self.security)
