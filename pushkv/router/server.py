@@ -170,9 +170,10 @@ class Router:
             async for ev in self.watcher.events():
                 if isinstance(ev, InstanceUp):
                     known = self.balancer.loads.get(ev.record.engine_id)
+                    came_back = known is not None and not known.up  # read before add() marks it up
                     if known is None or not known.up:
                         self.balancer.add(ev.record, self._make_link, fresh=bool(self.cfg.registry))
-                    if known is not None and not known.up and self.cfg.registry:
+                    if came_back and self.cfg.registry:
                         # back in the registry = restarted (its host drops its work when its lease
                         # lapses): peers forget the old incarnation and handshake afresh
                         self._tell_peers(ev.record.engine_id, ev.record.role, "rejoined (a new incarnation)")
