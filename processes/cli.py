@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "limit less 256); past it: 503 with Retry-After, closed unread")
     rou.add_argument("--push-pin-fraction", type=float, metavar="F",
                      help="push: at most this fraction of a D's blocks reserved early and still waiting for KV; "
-                          "past it a request falls back to late allocation (D allocates after P)")
+                          "past it a request falls back to late allocation (D allocates after P); in [0, 1]")
     rou.add_argument("--conditional-disagg", action="store_true",
                      help="per request, D may prefill it itself (no KV moves) when the router's cost model, "
                           "learned from this deployment's timings, prices that below P's prefill and the handoff")

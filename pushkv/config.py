@@ -444,6 +444,10 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
         if self.staging == "pushkv" and self.mode != "push":
             raise ValueError(f"DeploymentConfig.staging 'pushkv' stages push's WRITEs; mode {self.mode!r} keeps the "
                              "transport's staging (staging 'auto' or 'transport')")
+        if not 0.0 <= self.push_pin_fraction <= 1.0:  # NaN fails too
+            raise ValueError(f"DeploymentConfig.push_pin_fraction (--push-pin-fraction) is "
+                             f"{self.push_pin_fraction}: a fraction of D's pool, in [0, 1] (0: every push "
+                             f"request allocates late)")
 
     def metrics_host(self) -> str:
         """Where the instances' /metrics listen: this host's advertised address, else the router's --host."""

@@ -243,7 +243,16 @@ class PeerLost(Msg):
     reason: str
 
 
-RouterToScheduler = Union[Generate, Abort, GetStats, PeerLost]
+class RouterEpoch(Msg):
+    """The router's first message on each scheduler link: its epoch, the wall clock's ns at its
+    start. A scheduler that hears a newer epoch aborts every request another router sent (the
+    router before a restart: nobody will read those tokens) and frees their blocks; an older
+    epoch is counted and ignored."""
+
+    epoch: int
+
+
+RouterToScheduler = Union[Generate, Abort, GetStats, PeerLost, RouterEpoch]
 SchedulerToRouter = Union[TokensGenerated, PrefillFinished, RequestFailed, Stats]
 
 

@@ -49,6 +49,7 @@ class EtcdServer:
     hosts: tuple[str, ...] = ("127.0.0.1",)
     argv: list = field(default_factory=list, repr=False)
     token: str = field(default="", repr=False)
+    root_password: str = field(default="", repr=False)  # set with auth: a restart needs a new token
     ca_file: str = ""  # set when the client port speaks TLS
 
     @property
@@ -67,6 +68,9 @@ class EtcdServer:
         self.proc = _start(self.argv, self.log_path)
         if not _wait_healthy(self.proc, self._base, self._ctx):
             raise RuntimeError(f"etcd did not come back; log: {self.log_path}")
+        if self.root_password:  # tokens do not outlive the server
+            self.token = ""
+            self.token = self.call("auth/authenticate", {"name": "root", "password": self.root_password})["token"]
 
     def restart(self) -> None:
         """Stop etcd and start it again (clients see a break)."""
@@ -108,6 +112,7 @@ class EtcdServer:
             ("auth/enable", {}),
         ):
             self.call(path, body)
+        self.root_password = root_password
         self.token = self.call("auth/authenticate", {"name": "root", "password": root_password})["token"]
 
     def keys(self, prefix: str) -> list[str]:

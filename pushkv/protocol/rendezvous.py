@@ -114,6 +114,7 @@ class _Transfer:
     failure: str = ""  # why a WRITE failed while others were still in flight
     last_posted: bool = False  # the WRITE with D's notification was asked for
     ended: str = ""  # why the transfer was abandoned
+    wait_s: float = 0.0  # WAIT_REGISTRATION: the wait armed last (prefill's, or a renewal's)
 
     def registrations(self) -> tuple[Register, ...]:
         return tuple(self.regs[d] for d in sorted(self.regs))
@@ -155,8 +156,11 @@ class PushRendezvous:
     # ------------------------------------------------------------------ events
     def on_prefill_done(
         self, transfer_id: str, generation: int, block_ids: Sequence[int],
-        num_tokens: int, first_token: int, now: float,
+        num_tokens: int, first_token: int, now: float, wait_s: Optional[float] = None,
     ) -> list[Action]:
+        """P's finished blocks. ``wait_s``: how long they wait for D's first sign (its
+        registration, or its ``renew`` while its leg still queues), registration_wait_s
+        unless given: a late hold, whose D leg the router places only now, waits longer."""
         blocks = tuple(block_ids)
         kind, e = self._lookup(transfer_id, generation)
         if e is not None and kind == "live" and not self.produces:  # a replica that tracked a stream: nothing to write
@@ -166,7 +170,7 @@ class PushRendezvous:
                     Completed(transfer_id, generation, "replica")]
         if e is not None:  # live or draining
             return self._dispatch(e, "prefill_done", now, blocks=blocks,
-                                  num_tokens=num_tokens, first_token=first_token)
+                                  num_tokens=num_tokens, first_token=first_token, wait_s=wait_s)
         if kind == "finished":
             fin = self._finished[(transfer_id, generation)]
             if fin.had_prefill:
@@ -186,7 +190,7 @@ class PushRendezvous:
         e = _Transfer(transfer_id, generation, State.WAIT_PREFILL, "prefill_first")
         self._live[transfer_id] = e
         self._note_generation(transfer_id, generation)
-        return out + self._accept_prefill(e, now, blocks, num_tokens, first_token)
+        return out + self._accept_prefill(e, now, blocks, num_tokens, first_token, wait_s)
 
     def on_prefill_progress(self, transfer_id: str, generation: int, block_ids: Sequence[int],
                             num_tokens: int, now: float, group: int = -1) -> list[Action]:
@@ -230,6 +234,21 @@ class PushRendezvous:
         self._live[tid] = e
         self._note_generation(tid, gen)
         return out + self._add_registration(e, now, reg)
+
+    def renew(self, transfer_id: str, generation: int, now: float) -> list[Action]:
+        """D still means to register: its leg is queued there, not admitted yet (D says so every
+        third of the wait while it queues). P's finished blocks waiting for that registration
+        wait ``registration_wait_s`` from now: the clock runs from D's admission, not from
+        the end of P's prefill, so a long queue at D fails nothing here. Anything else (no
+        prefill yet, already writing, over) has no registration clock: counted, ignored."""
+        kind, e = self._lookup(transfer_id, generation)
+        if e is None or kind != "live" or e.state is not State.WAIT_REGISTRATION:
+            return [Count("renew_ignored")]
+        if e.deadline is not None and now >= e.deadline:  # ran out: the next expire() ends it
+            return [Count("renew_expired")]
+        e.wait_s = self.registration_wait_s
+        self._arm(e, now + e.wait_s)
+        return [Count("renewed")]
 
     def on_write_done(self, transfer_id: str, generation: int, now: float, part: bool = False) -> list[Action]:
         return self._local(transfer_id, generation, "write_done", now, part=part)
@@ -297,13 +316,14 @@ class PushRendezvous:
             raise ProtocolError(kind if kind != "new" else "unknown", event, tid, gen)
         return self._dispatch(e, event, now, **kw)
 
-    def _accept_prefill(self, e, now, blocks, num_tokens, first_token) -> list[Action]:
+    def _accept_prefill(self, e, now, blocks, num_tokens, first_token, wait_s=None) -> list[Action]:
         e.has_prefill, e.block_ids = True, blocks
         e.num_tokens, e.first_token = num_tokens, first_token
         if e.needed and e.needed <= e.regs.keys():
             return self._post(e, now)
         e.state = State.WAIT_REGISTRATION
-        self._arm(e, now + self.registration_wait_s)
+        e.wait_s = self.registration_wait_s if wait_s is None else wait_s
+        self._arm(e, now + e.wait_s)
         return []
 
     def _add_registration(self, e, now, reg) -> list[Action]:
@@ -474,7 +494,7 @@ class PushRendezvous:
         if e.state is State.WAIT_PREFILL:
             reason, counter = f"no prefill within {self.registration_wait_s}s of registration", "expired_registration"
         else:
-            reason, counter = f"no registration within {self.registration_wait_s}s of prefill", "expired_prefill"
+            reason, counter = f"no registration within {e.wait_s}s of prefill or of D's last renewal", "expired_prefill"
         if e.inflight:
             return self._abandon(e, now, reason) + [Count(counter)]
         return self._teardown(e, reason) + [Count(counter)]

@@ -92,9 +92,10 @@ class Held:
 
 class Balancer:
     def __init__(self, mode: Mode, pin_fraction: float, queue_bound: int, metrics=None, prefix_cache: bool = False,
-                 conditional: bool = False):
+                 conditional: bool = False, pin_wait_ms: float = math.inf):
         self.mode = mode
         self.pin_fraction = pin_fraction
+        self.pin_wait_ms = pin_wait_ms  # push: no D pinned for a prefill P would finish later (policy.place)
         self.queue_bound = queue_bound
         self.metrics = metrics
         self.prefix_cache = prefix_cache  # the instances cache prefixes: the index is worth keeping
@@ -173,7 +174,8 @@ class Balancer:
         """Place a new request now (its verdict), or queue it (None); Refused past the bound."""
         ask = self.ask(run)
         v = P.place(list(self.loads.values()), run.decode_tokens, mode=self.mode,
-                    pin_fraction=self.pin_fraction, waiting=self.waiting, queue_bound=self.queue_bound, ask=ask)
+                    pin_fraction=self.pin_fraction, waiting=self.waiting, queue_bound=self.queue_bound, ask=ask,
+                    pin_wait_ms=self.pin_wait_ms)
         if v.kind == P.REFUSE:
             if self.metrics is not None:
                 self.metrics.refused.labels(status=str(v.status)).inc()
@@ -327,7 +329,7 @@ class Balancer:
             run = self.queue[0]
             ask = self.ask(run)
             v = P.place_waiting(list(self.loads.values()), run.decode_tokens, mode=self.mode,
-                                pin_fraction=self.pin_fraction, ask=ask)
+                                pin_fraction=self.pin_fraction, ask=ask, pin_wait_ms=self.pin_wait_ms)
             if v.kind not in (P.PUSH, P.LATE, P.DECODE_LOCAL):
                 return  # no room yet (or no live instance: it may come back before the deadline)
             self.queue.popleft()

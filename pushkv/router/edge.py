@@ -104,8 +104,8 @@ class CappedSite(web.TCPSite):
     """aiohttp's TCPSite, whose protocol factory refuses connections past ``cap``."""
 
     def __init__(self, runner: web.BaseRunner, host: str, port: int, cap: int,
-                 on_refused: Callable[[], None]):
-        super().__init__(runner, host, port, backlog=BACKLOG)
+                 on_refused: Callable[[], None], backlog: int = BACKLOG):
+        super().__init__(runner, host, port, backlog=backlog)
         self.cap = cap
         self.on_refused = on_refused
         self.live = 0  # connections handed to aiohttp and not yet lost

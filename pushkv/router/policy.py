@@ -30,10 +30,14 @@ of the blocks D lacks. No fixed threshold: the prices are the deployment's own.
 
 Push pins D blocks while P computes. ``pin_fraction`` caps the blocks of one D
 reserved early and still waiting for their KV; a request past it (D short of
-blocks) falls back to late allocation, so a P backlog cannot pin all of D.
+blocks) falls back to late allocation, so a P backlog cannot pin all of D. So does
+a request whose prefill P would finish only after ``pin_wait_ms`` (its queue
+priced by the cost model): D's registration would wait past P's and D's deadlines
+for a prefill that has not started (under load, a 502 after a wasted prefill).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
@@ -169,7 +173,7 @@ def choose_path(p: Load, d: Load, ask: Ask) -> bool:
 
 
 def place(loads: list[Load], tokens: int, *, mode: Mode, pin_fraction: float, waiting: int,
-          queue_bound: int, ask: Ask = NO_ASK) -> Verdict:
+          queue_bound: int, ask: Ask = NO_ASK, pin_wait_ms: float = math.inf) -> Verdict:
     """A new request of ``tokens`` (prompt + max_tokens) with ``waiting`` requests already
     queued at the router (they go first: FIFO)."""
     p = pick_prefill(loads, ask)
@@ -199,11 +203,17 @@ def place(loads: list[Load], tokens: int, *, mode: Mode, pin_fraction: float, wa
     if d.pinned + decode_need(d, tokens) > pin_fraction * d.num_blocks:
         return Verdict(LATE, prefill=p.engine_id,
                        reason=f"decode short of blocks: {d.pinned} of {d.num_blocks} already wait for KV")
+    wait = prefill_wait_ms(p, ask)
+    if wait > pin_wait_ms:
+        return Verdict(LATE, prefill=p.engine_id,
+                       reason=f"prefill queue: P would finish in {wait:.0f} ms, past {pin_wait_ms:.0f} ms of "
+                              f"pinning D")
     return Verdict(PUSH, prefill=p.engine_id, decode=d.engine_id)
 
 
 def place_waiting(loads: list[Load], tokens: int, *, mode: Mode, pin_fraction: float,
-                  ask: Ask = NO_ASK) -> Verdict:
+                  ask: Ask = NO_ASK, pin_wait_ms: float = math.inf) -> Verdict:
     """The head of the router's queue, when room may have appeared: as ``place`` with an
     empty queue, but never refused for the queue (it is in it)."""
-    return place(loads, tokens, mode=mode, pin_fraction=pin_fraction, waiting=0, queue_bound=1, ask=ask)
+    return place(loads, tokens, mode=mode, pin_fraction=pin_fraction, waiting=0, queue_bound=1, ask=ask,
+                 pin_wait_ms=pin_wait_ms)

@@ -352,7 +352,10 @@ class Request:
         out: list[Action] = [Disarm()]
         if self.spec.mode != "local":
             out.append(Release())
-        for open_leg in sorted(led.sent - led.ended):
+        legs = led.sent - led.ended
+        if led.late and led.pull is not None and not led.kv_seen:
+            legs |= {"prefill"}  # P answered its leg, but still holds the KV no D took: free it now
+        for open_leg in sorted(legs):
             out.append(Send(open_leg, led.engines[open_leg], m.Abort(self.transfer_id, GENERATION, reason)))
         return out
 

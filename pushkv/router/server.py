@@ -41,6 +41,9 @@ from pushkv.trace import TracePublisher
 log = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 5.0  # in-flight handlers get this long to send their 503
+# push pins D only for a prefill P is predicted to finish within this share of the wait for it
+# (the rest is the cost model's margin of error)
+PIN_WAIT_SHARE = 0.5
 STATS_TIMEOUT_S = 0.5  # /metrics: how long to wait for each scheduler's Stats
 CLIENT_ABORT_STATUS = 499  # nginx's "client closed request"
 
@@ -59,11 +62,16 @@ class Router:
             defaults=cfg.model.sampling_defaults,
         )
         self.served = cfg.served_names()  # what a request's "model" may name
+        # this router's epoch: a restarted router's is newer, and the schedulers abort the legs of
+        # the one before (messages.RouterEpoch)
+        self.epoch = time.time_ns()
         self.metrics = RouterMetrics(cfg.mode)
         self.security = security.load(cfg.secret_file)  # CURVE to tcp:// schedulers
         caching = any(i.prefix_cache for i in cfg.role_instances("prefill") + cfg.role_instances("decode"))
+        t = cfg.timeouts  # a pinned D waits this long for the WRITE, and P for its own prefill
         self.balancer = Balancer(cfg.mode, cfg.push_pin_fraction, cfg.router_queue, self.metrics,
-                                 prefix_cache=caching, conditional=cfg.conditional_disagg)
+                                 prefix_cache=caching, conditional=cfg.conditional_disagg,
+                                 pin_wait_ms=PIN_WAIT_SHARE * 1000 * min(t.registration_wait_s, t.write_wait_s))
         self.metrics.watch_balancer(self.balancer)
         self.ctx: Optional[zmq.asyncio.Context] = None
         self.local_link: Optional[SchedulerLink] = None
@@ -108,7 +116,7 @@ class Router:
         name = next((i.name for i in self.cfg.role_instances(rec.role) if i.engine_id == rec.engine_id), rec.role)
         link = SchedulerLink(self.ctx, rec.role, rec.sched_endpoint, self._route, self.metrics, self.tracer,
                              engine_id=rec.engine_id, name=name, security=self.security)
-        link.start()
+        link.start(self.epoch)
         return link
 
     async def start(self) -> None:
@@ -128,7 +136,7 @@ class Router:
                 raise ValueError("local instance has no sched_endpoint")
             self.local_link = SchedulerLink(self.ctx, "local", endpoint, self._route, self.metrics, self.tracer,
                                             engine_id=self.cfg.local.engine_id, security=self.security)
-            self.local_link.start()
+            self.local_link.start(self.epoch)
         else:
             if self.watcher is None:
                 self.watcher = LocalWatcher(self.cfg, self.ctx, self.security)
@@ -143,8 +151,12 @@ class Router:
             self.app(), handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S,
             keepalive_timeout=self.cfg.router_header_timeout_s)
         await self._runner.setup()
+        # the listen backlog holds a burst of connections up to the in-flight bound (which answers
+        # the rest 429): at aiohttp's 128, 400 clients connecting at once got 53 connection resets
+        # (the kernel clips it at net.core.somaxconn)
         site = edge.CappedSite(self._runner, self.cfg.host, self.cfg.port, cap,
-                               self.metrics.connections_refused.inc)
+                               self.metrics.connections_refused.inc,
+                               backlog=max(edge.BACKLOG, self.cfg.router_max_in_flight))
         await site.start()
         log.info("HTTP edge: open-file limit %d (was %d), at most %d connections, headers within %.0fs, "
                  "a body within %.0fs", fds, fds_before, cap, self.cfg.router_header_timeout_s,
@@ -165,9 +177,10 @@ class Router:
             async for ev in self.watcher.events():
                 if isinstance(ev, InstanceUp):
                     known = self.balancer.loads.get(ev.record.engine_id)
+                    came_back = known is not None and not known.up  # read before add() marks it up
                     if known is None or not known.up:
                         self.balancer.add(ev.record, self._make_link, fresh=bool(self.cfg.registry))
-                    if known is not None and not known.up and self.cfg.registry:
+                    if came_back and self.cfg.registry:
                         # back in the registry = restarted (its host drops its work when its lease
                         # lapses): peers forget the old incarnation and handshake afresh
                         self._tell_peers(ev.record.engine_id, ev.record.role, "rejoined (a new incarnation)")
@@ -294,7 +307,7 @@ class Router:
                                "queued_prefill_tokens": l.queued_tokens, "blocks_committed": l.committed,
                                "blocks_pinned": l.pinned, "num_blocks": l.num_blocks}
                               for e, l in sorted(self.balancer.loads.items())],
-                "conditional_disagg": self.cfg.conditional_disagg,
+                "conditional_disagg": self.cfg.conditional_disagg, "push_pin_fraction": self.cfg.push_pin_fraction,
                 "costs": self.balancer.cost.costs.as_dict() if self.local_link is None else {}}
         return web.json_response(body, status=200 if ok else 503)
 

@@ -89,6 +89,7 @@ class SchedulerCore:
         self.vocab = cfg.model.vocab_size
         self.max_stop_ids = limits.stop_ids_bound(cfg)
         self.newest: OrderedDict[str, int] = OrderedDict()  # newest accepted generation per transfer id
+        self.router_epoch = 0  # the newest router's (RouterEpoch); 0: none announced yet
         self.writer_counters: dict[int, dict[str, int]] = {}  # last WriterStats per rank
         self._stats_waiting: list[Peer] = []  # routers waiting for a Stats
         self._stats_fresh: set[int] = set()
@@ -318,6 +319,27 @@ class SchedulerCore:
             return
         self._release(r)
         self.schedule()
+
+    def on_RouterEpoch(self, msg: m.RouterEpoch, frm: Peer) -> None:
+        """A router (re)started: the requests any other router sent are orphans (their client's
+        connection went with it), so they are aborted and their blocks freed now, not after
+        decoding to max_tokens. An older epoch than ours is a router that was replaced."""
+        if msg.epoch <= self.router_epoch:
+            if msg.epoch < self.router_epoch:
+                self.counters["router_epoch_stale"] += 1
+                log.warning("%s: router epoch %d is older than %d: ignored", self.name, msg.epoch, self.router_epoch)
+            return
+        first = self.router_epoch == 0
+        self.router_epoch = msg.epoch
+        # the queued first, so that freeing blocks admits none of them
+        orphans = sorted((r for r in self.reqs.values() if r.identity != frm.identity and not r.aborted),
+                         key=lambda r: r.state != State.WAITING)
+        if orphans or not first:
+            log.warning("%s: router epoch %d: aborting %d request(s) of the router before", self.name, msg.epoch,
+                        len(orphans))
+        for r in orphans:
+            self.counters["router_epoch_aborted"] += 1
+            self._abort(r, "router restarted (a new epoch)", notify=False)
 
     def on_PeerLost(self, msg: m.PeerLost, frm: Peer) -> None:
         """The router's news of a peer instance gone (or back as a new incarnation): our

@@ -47,9 +47,13 @@ class DecodeScheduler(SchedulerCore):
         self.sources = {p.source() for p in cfg.role_instances("prefill")}
         self.any_source = bool(cfg.registry)
         self.blocked_on: Optional[tuple[str, int]] = None  # pull inline: the READ the engine waits on
-        # pull with a READ (not the write variant, not push's late allocation, which hold no lease)
-        self.renews = cfg.mode == "pull" and cfg.pull_read != "write"
-        self.renew_every_s = cfg.timeouts.lease_s / RENEWALS_PER_LEASE
+        # pull with a READ renews P's lease while it queues or reads; every leg that registers
+        # with P (push, push's late allocation, pull's write variant) renews while it queues here,
+        # so P's wait for our registration runs from our admission (PushRendezvous.renew)
+        self.reads = cfg.mode == "pull" and cfg.pull_read != "write"
+        self.renews = cfg.mode != "local"
+        t = cfg.timeouts
+        self.renew_every_s = min(t.lease_s, t.registration_wait_s) / RENEWALS_PER_LEASE
         self.next_renewal = 0.0
         self.stalled_until = 0.0  # tests: an injected stall (stall_admission) ends then
         self.kv_groups = len(layer_groups(instance_layout(cfg, inst, 0)))  # rows of P's checksums, per head
@@ -205,11 +209,17 @@ class DecodeScheduler(SchedulerCore):
 
     def _renew_leases(self) -> None:
         """Every pull request queued or waiting for its READ: each writer rank that has not
-        answered it renews P's lease (a rank done reading has told P so already)."""
+        answered it renews P's lease (a rank done reading has told P so already). Every leg
+        that will register with P and is still queued here: P's wait for that registration
+        starts anew (it runs from our admission)."""
         for r in self.reqs.values():
-            if r.pull is None or r.aborted or r.state not in (State.WAITING, State.AWAIT_KV):
+            source = r.pull.source if r.pull is not None else r.source
+            if source is None or r.aborted:
                 continue
-            renew = m.RenewKV(r.transfer_id, r.generation, r.pull.source)
+            reading = self.reads and r.pull is not None and r.state == State.AWAIT_KV
+            if r.state != State.WAITING and not reading:
+                continue
+            renew = m.RenewKV(r.transfer_id, r.generation, source)
             for w in self.writers:
                 if w.rank not in r.answers:
                     self._send(w, renew)

@@ -1,6 +1,12 @@
 """This host's instances in the registry, for a supervisor of one host among several
 (``pushkv up --role prefill|decode``): put once ready, out while restarting, and news of a lost
-lease, which the supervisor answers by stopping its instances until etcd answers again."""
+lease, which the supervisor answers by restarting its instances.
+
+No answer from etcd for a TTL is not a lost lease: etcd may be down for every host (then no lease
+expires, and etcd extends every lease when it comes back) or this host may be cut off from it
+(then the router saw our lease expire and failed our work). From here the two look alike, so the
+instances keep serving meanwhile, and the lease is judged when etcd answers again: still alive,
+nothing happened; expired, the lease is lost (restart, then announce afresh)."""
 from __future__ import annotations
 
 import logging
@@ -19,6 +25,7 @@ class HostRegistry:
         self.cfg = cfg
         self.announcer = announcer
         self._leases_lost = announcer.leases_lost
+        self.out_of_contact = False  # no refresh answered for a TTL; cleared when etcd answers
 
     def _inst(self, name: str):
         return next(i for i in self.cfg.instances() if i.name == name)
@@ -38,17 +45,19 @@ class HostRegistry:
         return bool(self.announcer.lease_id)
 
     def tick(self, now: float) -> bool:
-        """Keep the lease; True when it was lost while our instances were in the registry (no
-        refresh answered for a TTL: the lease expired in etcd and the router failed their work;
-        or etcd said so). Known without reaching etcd, so a cut-off host learns it by itself."""
+        """Keep the lease; True when etcd said it was lost while our instances were in the
+        registry (it expired: the router saw them leave and failed their work)."""
         ann = self.announcer
         announced = bool(ann.records)
         ann.tick(now)
-        if announced and ann.lapsed(now):
-            log.error("registry lease lapsed (no refresh answered for %ss): this host is out of the registry",
-                      ann.ttl_s)
-            ann.lose()
+        if announced and ann.lapsed(now) and not self.out_of_contact:
+            self.out_of_contact = True
+            log.error("registry: no refresh answered for %ss (etcd down, or this host cut off from it): the "
+                      "instances keep serving; the lease is checked when etcd answers", ann.ttl_s)
         lost, self._leases_lost = ann.leases_lost != self._leases_lost, ann.leases_lost
+        if self.out_of_contact and not ann.lapsed(now):
+            self.out_of_contact = False
+            log.warning("registry: etcd answers again; the lease %s", "was lost" if lost else "held")
         return lost and announced
 
     def close(self) -> None:

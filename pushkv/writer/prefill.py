@@ -102,7 +102,8 @@ class PrefillWriter(WriterBase):
                 self._checksums.pop(next(iter(self._checksums)))
         self._prefill_done(msg, msg.transfer_id, msg.generation, msg.block_ids, msg.num_tokens, msg.first_token)
 
-    def _prefill_done(self, msg, tid: str, gen: int, block_ids, num_tokens: int, first_token: int) -> None:
+    def _prefill_done(self, msg, tid: str, gen: int, block_ids, num_tokens: int, first_token: int,
+                      wait_s: float | None = None) -> None:
         """The blocks hold the KV: WRITE once D's registration is here (or now, if it is)."""
         now = time.monotonic()
         self._last_activity = now
@@ -110,7 +111,7 @@ class PrefillWriter(WriterBase):
         # registrations may already sit in NIXL's queue: take them first
         self.poll_notifs(now)
         try:
-            acts = self.rdv.on_prefill_done(tid, gen, block_ids, num_tokens, first_token, now)
+            acts = self.rdv.on_prefill_done(tid, gen, block_ids, num_tokens, first_token, now, wait_s)
         except A.ProtocolError as e:
             self._refused(msg, e)
             return
@@ -174,8 +175,12 @@ class PrefillWriter(WriterBase):
             self._hold_for_read(msg)
 
     def _hold_for_write(self, msg: m.HoldKV) -> None:
-        """Pull's protocol, push's transfer: D registers after the relay, and we WRITE then."""
-        self._prefill_done(msg, msg.transfer_id, msg.generation, msg.block_ids, msg.num_tokens, msg.first_token)
+        """Pull's protocol, push's transfer: D registers after the relay, and we WRITE then.
+        D's leg leaves the router only now, and may wait there for room: the blocks wait for
+        D's first sign (its registration, or its renewal while the leg queues at D) up to the
+        cap of a lease, and from then on registration_wait_s from D's last renewal."""
+        self._prefill_done(msg, msg.transfer_id, msg.generation, msg.block_ids, msg.num_tokens, msg.first_token,
+                           wait_s=max(self.cfg.timeouts.lease_max_s, self.cfg.timeouts.registration_wait_s))
 
     def _hold_for_read(self, msg: m.HoldKV) -> None:
         """Keep the blocks under a lease until D's READ is done."""
@@ -246,12 +251,16 @@ class PrefillWriter(WriterBase):
         self.apply(self.leases.on_read_done(msg.transfer_id, msg.generation, msg.d_rank, readers), now)
 
     def notif_RenewLease(self, msg: m.RenewLease, agent: str, now: float) -> None:
-        """D still means to read (queued, or READing): the lease lives on, up to its cap."""
+        """D still means to read (queued, or READing): the lease lives on, up to its cap. A push
+        transfer (late, or D's leg queued at D): the wait for D's registration starts anew."""
         if agent not in self.peers_by_agent:
             self.counters["renew_from_unknown_peer"] += 1
             log.error("%s: RenewLease from unknown agent %s transfer_id=%s", self.name, agent, msg.transfer_id)
             return
-        self.apply(self.leases.renew(msg.transfer_id, msg.generation, now), now)
+        if self.leases.deadline_of(msg.transfer_id, msg.generation) is not None:
+            self.apply(self.leases.renew(msg.transfer_id, msg.generation, now), now)
+        else:
+            self.apply(self.rdv.renew(msg.transfer_id, msg.generation, now), now)
 
     # -- actions of the rendezvous ------------------------------------------------------
     def apply(self, actions, now: float) -> None:

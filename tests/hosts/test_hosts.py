@@ -6,8 +6,10 @@ tcp:// ZMQ socket, NIXL over UCX on TCP between the hosts:
 - kill -9 every process of one D host: the router sees its lease lapse, fails its requests in
   flight with a reason, the survivors free every block; the others keep serving; started again,
   the host rejoins and serves;
-- cut one P host's link, then restore it: the same, and the cut host drops its own work when its
-  lease lapses (it restarts its instances), then rejoins once its link is back.
+- cut one P host's link, then restore it: the same; the cut host keeps its instances until etcd
+  answers again and says its lease expired, then restarts them and rejoins;
+- stop etcd under traffic for five TTLs, then start it again: every host keeps serving (no request
+  fails, no instance stops) and its records are in etcd again once it is back.
 
 The figures (detection, failures, leaks, rejoin) are printed and written to ``hosts_figures.json``
 in the module's tmp dir. Root, ``ip netns`` and etcd are needed; skipped cleanly without them.
@@ -55,7 +57,7 @@ UCX_TCP = {"UCX_TLS": "tcp"}  # the network path, forced: no shared memory betwe
 
 class Cluster:
     def __init__(self, net, etcd, tmp, mode: str = "push"):
-        self.net, self.tmp = net, tmp
+        self.net, self.tmp, self.etcd = net, tmp, etcd
         # etcd with auth, as an operator runs it: a pushkv user with read-write on its prefix only,
         # its password in a file (not on any command line)
         etcd_pw = tmp / "etcd-password"
@@ -387,20 +389,21 @@ def test_cut_one_host_then_restore(cluster, reference):
     leaked, freed_s = c.freed_since(survivors, t_detect)
     told = peer_lost(c, victim)
     served = check_served(c, reference, in_parallel(c.complete, PROMPTS))
-    # the cut host drops its own work once it knows its lease lapsed: it stops its instance, to
-    # start it again once etcd answers
-    wait_for(lambda: host.log_has("stopped for the restart of the prefill instance"), 60,
-             "p1 to stop its instance")
-    dropped_s = time.monotonic() - t0
+    # cut off, the host cannot tell its lease expired from etcd being down: it keeps its instance
+    assert not host.log_has("stopped for the restart of the prefill instance")
     t1 = time.monotonic()
     c.net[HOSTS[victim][0]].restore()
+    # once etcd answers that the lease expired (the router failed its work), it restarts them
+    wait_for(lambda: host.log_has("stopped for the restart of the prefill instance"), 60,
+             "p1 to stop its instance")
+    dropped_s = time.monotonic() - t1
     figs = {
         "victim": victim, "engine": engine, "ttl_s": TTL_S, "detection_s": round(detect_s, 2),
         "requests_sent_during_cut": len(results), "requests_failed": len(failed),
         "failed": [{"status": s, "reason": m} for s, m in failed],
         "blocks_held_on_survivors": leaked, "survivors_free_after_detection_s": freed_s, "peer_lost_seen_by": told,
         "served_after": {k: sorted(v) for k, v in served.items()},
-        "cut_host_stopped_its_instance_by_s": round(dropped_s, 2),
+        "cut_host_stopped_its_instance_after_restore_s": round(dropped_s, 2),
         "restore": rejoin(c, reference, victim, t1),
     }
     figs["restore"]["measured_from"] = "link restored"
@@ -411,3 +414,57 @@ def test_cut_one_host_then_restore(cluster, reference):
     assert leaked == {n: 0 for n in survivors}
     assert freed_s < TIMEOUTS["transfer_s"]  # D's blocks owed by p1 came back with PeerLost, not the quarantine
     assert engine not in served["prefill"]
+
+
+OUTAGE_S = 5 * TTL_S  # etcd down this long: every lease would have expired more than twice over
+
+
+@pytest.mark.timeout(300)
+def test_etcd_outage_stops_no_instance(cluster, reference):
+    """etcd stopped under traffic, then started again: no request fails, no instance stops, the
+    router keeps every instance in its view, and every host's records are in etcd again after."""
+    c = cluster
+    engines = {c.engine(n) for n in HOSTS}
+    results: list = []
+    stop = threading.Event()
+
+    def restarts(h) -> int:  # instance restarts in the host's log so far (an earlier test may have made some)
+        return open(h.log_path).read().count("stopped for the restart")
+
+    restarts_before = {n: restarts(h) for n, h in c.hosts.items()}
+
+    def traffic():
+        while not stop.is_set():
+            results.extend(in_parallel(c.complete, PROMPTS))
+
+    t = threading.Thread(target=traffic)
+    t.start()
+    wait_for(lambda: len(results) >= len(PROMPTS), 60, "traffic under way")
+    before = len(results)
+    t0 = time.monotonic()
+    c.etcd.stop()
+    views = []
+    while time.monotonic() - t0 < OUTAGE_S:
+        views.append(up_engines(c.url))
+        time.sleep(0.5)  # sampling the router's view while etcd is down
+    during = len(results) - before
+    c.etcd.start()
+    t1 = time.monotonic()
+    prefix = "/pushkv/instances/"
+    wait_for(lambda: len(c.etcd.keys(prefix)) >= len(HOSTS), 30, "every host's record in etcd again")
+    back_s = time.monotonic() - t1
+    wait_for(lambda: len(results) >= before + during + 2 * len(PROMPTS), 60, "traffic after etcd is back")
+    stop.set()
+    t.join(120)
+    failed = [(s, b.get("error", {}).get("message", "")) for s, b in results if s != 200]
+    stopped = [n for n, h in c.hosts.items() if restarts(h) > restarts_before[n]]
+    figs = {"etcd_down_s": OUTAGE_S, "ttl_s": TTL_S, "requests": len(results),
+            "requests_while_down": during, "requests_failed": len(failed), "failed": failed[:5],
+            "hosts_that_stopped_an_instance": stopped, "records_back_after_s": round(back_s, 2),
+            "router_view_complete_throughout": all(engines <= v for v in views)}
+    c.record("etcd_outage", figs)
+    assert not failed, failed
+    assert during > 0, "no request was served while etcd was down"
+    assert not stopped, stopped
+    assert all(engines <= v for v in views), views
+    assert engines <= up_engines(c.url)

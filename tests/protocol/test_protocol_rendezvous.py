@@ -9,6 +9,7 @@ from pushkv.protocol.rendezvous import (
 )
 
 WAIT, XFER = 10.0, 5.0
+LATE_WAIT = 100.0
 BLOCKS = (4, 5, 6)
 
 
@@ -58,11 +59,50 @@ def step(m, ev):
         return m.cancel(tid, gen, "aborted", now)
     if kind == "expire":
         return m.expire(*args)
+    if kind == "lprefill":  # a late hold: D's leg leaves the router only now
+        tid, gen, now = args
+        return m.on_prefill_done(tid, gen, BLOCKS, 40, 7, now, wait_s=LATE_WAIT)
+    if kind == "renew":  # D: the leg still queues there
+        return m.renew(*args)
     raise AssertionError(kind)
 
 
 # name, machine kwargs, [(event, expected short actions, state of (t, 1) after or None)]
 SCENARIOS = [
+    # P's registration clock runs from D's admission: D renews while its leg queues
+    ("renewed_while_d_queues", {}, [
+        (("prefill", "t", 1, 0.0), [], "wait_registration"),
+        (("renew", "t", 1, 9.0), ["count:renewed"], "wait_registration"),
+        (("expire", 10.0), [], "wait_registration"),  # the prefill's own wait is past: renewed
+        (("renew", "t", 1, 18.0), ["count:renewed"], "wait_registration"),
+        (("reg", "t", 1, 0, 1, 27.0), ["post t1 [0]"], "writing"),
+        (("done", "t", 1, 28.0), ["free t1", "completed t1 prefill_first"], None),
+    ]),
+    ("renewals_stop_then_expire", {}, [
+        (("prefill", "t", 1, 0.0), [], "wait_registration"),
+        (("renew", "t", 1, 5.0), ["count:renewed"], "wait_registration"),
+        (("expire", 15.0), ["free t1", "failed t1", "count:expired_prefill"], None),
+        (("renew", "t", 1, 16.0), ["count:renew_ignored"], None),
+    ]),
+    ("renew_past_the_deadline_revives_nothing", {}, [
+        (("prefill", "t", 1, 0.0), [], "wait_registration"),
+        (("renew", "t", 1, 10.0), ["count:renew_expired"], "wait_registration"),
+        (("expire", 10.0), ["free t1", "failed t1", "count:expired_prefill"], None),
+    ]),
+    ("renew_without_a_registration_clock", {}, [
+        (("renew", "t", 1, 0.0), ["count:renew_ignored"], None),  # no prefill yet: nothing to time
+        (("reg", "t", 1, 0, 1, 1.0), [], "wait_prefill"),
+        (("renew", "t", 1, 2.0), ["count:renew_ignored"], "wait_prefill"),
+        (("prefill", "t", 1, 3.0), ["post t1 [0]"], "writing"),
+        (("renew", "t", 1, 4.0), ["count:renew_ignored"], "writing"),
+    ]),
+    # a late hold waits for D's leg to leave the router; once D renews, the usual wait
+    ("late_hold_waits_for_the_router", {}, [
+        (("lprefill", "t", 1, 0.0), [], "wait_registration"),
+        (("expire", WAIT * 5), [], "wait_registration"),
+        (("renew", "t", 1, 60.0), ["count:renewed"], "wait_registration"),
+        (("expire", 60.0 + WAIT), ["free t1", "failed t1", "count:expired_prefill"], None),
+    ]),
     ("prefill_first", {}, [
         (("prefill", "t", 1, 0.0), [], "wait_registration"),
         (("reg", "t", 1, 0, 1, 1.0), ["post t1 [0]"], "writing"),
@@ -289,6 +329,9 @@ DEADLINES = [
     ("earliest_of_many", [("prefill", "a", 1, 5.0), ("reg", "b", 1, 0, 1, 2.0)], 2.0 + WAIT),
     ("cleared_when_done", [("prefill", "t", 1, 0.0), ("reg", "t", 1, 0, 1, 0.0), ("done", "t", 1, 1.0)], None),
     ("cleared_when_superseded", [("prefill", "t", 1, 0.0), ("reg", "t", 2, 0, 1, 3.0)], 3.0 + WAIT),
+    ("late_hold", [("lprefill", "t", 1, 1.0)], 1.0 + LATE_WAIT),
+    ("renewal_rearms_from_now", [("prefill", "t", 1, 0.0), ("renew", "t", 1, 7.0)], 7.0 + WAIT),
+    ("renewal_shortens_a_late_hold", [("lprefill", "t", 1, 0.0), ("renew", "t", 1, 7.0)], 7.0 + WAIT),
 ]
 
 

@@ -145,7 +145,7 @@ def test_pull_sends_decode_after_prefill_with_params(tmp_path):
         cfg = make_cfg(tmp_path, "pull")
         async with Harness(cfg, {"prefill": p_script, "decode": d_script}) as h:
             req = asyncio.create_task(h.http.post("/v1/completions", json={"prompt": [5] * 20, "max_tokens": 2}))
-            await h.wait(lambda e: any(r == "prefill" and d == "recv" for r, d, _ in e))
+            await h.wait(lambda e: any(r == "prefill" and d == "recv" and isinstance(x, m.Generate) for r, d, x in e))
             assert not h.log.received("decode", m.Generate)  # P has not answered yet
             release_p.set()
             r = await req
@@ -237,7 +237,8 @@ def test_client_errors_are_4xx(tmp_path):
                 assert r.status == 400, name
                 err = (await r.json())["error"]
                 assert err["type"] == "invalid_request_error" and err["message"], name
-            assert not h.log.entries  # nothing reached a scheduler
+            # nothing reached a scheduler but the router's epoch
+            assert not [e for e in h.log.entries if not isinstance(e[2], m.RouterEpoch)]
             # exactly at the limit is accepted; the silent fakes then time it out
             r = await h.http.post("/v1/completions", json={"prompt": "hi", "temperature": 0, "max_tokens": 62})
             assert r.status == 504
@@ -382,7 +383,7 @@ def test_stop_fails_inflight_with_503_and_frees_port(tmp_path):
         await h.__aenter__()
         try:
             req = asyncio.create_task(h.http.post("/v1/completions", json={"prompt": [1], "max_tokens": 8}))
-            await h.wait(lambda e: any(r == "local" and d == "recv" for r, d, _ in e))
+            await h.wait(lambda e: any(r == "local" and d == "recv" and isinstance(x, m.Generate) for r, d, x in e))
             await h.router.stop()
             r = await req
             assert r.status == 503

@@ -96,6 +96,32 @@ def test_place(loads, tokens, mode, waiting, bound, pin, want):
         assert v.reason  # every refusal says why
 
 
+# (P's queued prefill tokens, pin_wait_ms) -> kind: with the priors (1 ms a prefill token), a prompt
+# of 10 tokens behind Q queued ones finishes in 5 + Q + 10 ms; past pin_wait_ms D is not pinned for it
+PIN_WAIT = [
+    (0, float("inf"), P.PUSH),
+    (10_000, float("inf"), P.PUSH),  # no bound given: as before
+    (0, 100.0, P.PUSH),
+    (84, 100.0, P.PUSH),  # 99 ms: within
+    (86, 100.0, P.LATE),  # 101 ms: past
+    (10_000, 15_000.0, P.PUSH),
+    (20_000, 15_000.0, P.LATE),
+]
+
+
+@pytest.mark.parametrize("queued,pin_wait_ms,want", PIN_WAIT)
+def test_place_pins_d_only_for_a_prefill_that_will_finish_soon(queued, pin_wait_ms, want):
+    """A push request behind a long P queue would pin D's blocks past the registration deadline
+    (and waste a prefill on a 502): it takes late allocation, D's leg once P is done."""
+    ask = P.Ask(prompt_tokens=10)
+    v = P.place([pf("p0", queued), dc("d0")], 26, mode="push", pin_fraction=0.5, waiting=0, queue_bound=4,
+                ask=ask, pin_wait_ms=pin_wait_ms)
+    assert (v.kind, v.prefill) == (want, "p0")
+    assert v.decode == ("d0" if want == P.PUSH else None)
+    if want == P.LATE:
+        assert "prefill queue" in v.reason and f"{pin_wait_ms:.0f} ms" in v.reason
+
+
 def test_refusal_reasons_name_the_cause():
     v = P.place([pf("p0"), dc("d0", committed=95)], 160, mode="push", pin_fraction=1, waiting=3, queue_bound=3)
     assert "queue full" in v.reason

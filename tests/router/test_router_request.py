@@ -113,6 +113,19 @@ CASES = {
         (R.DecodePlaced("d0"), "router", T0 + 2, [("gen", "decode", "d0", "max=4 src pull")]),
         (toks([7, 8], True, "stop"), "decode", T0 + 3, [("kvarrived",), ("tokens", (7, 8))] + DONE),
     ]),
+    # P answered its late leg but still holds the KV: a request that ends before D has it frees it
+    "late: D fails before its KV": ("push", -1, START_LATE + [
+        (pf(PULL), "prefill", T0 + 1, [("prefilldone",), ("placedecode",)]),
+        (R.DecodePlaced("d0"), "router", T0 + 2, [("gen", "decode", "d0", "max=4 src pull")]),
+        (fail("decode instance failed", 503), "decode", T0 + 3,
+         [("failed", 503, "decode: decode instance failed", "failed"), ("disarm",)]),
+        (R.Close("request failed"), "router", T0 + 3, [("disarm",), ("release",), ("abort", "prefill", "p0")]),
+    ]),
+    "late: the client leaves while D's leg waits at the router": ("push", -1, START_LATE + [
+        (pf(PULL), "prefill", T0 + 1, [("prefilldone",), ("placedecode",)]),
+        (R.DecodeQueued(), "router", T0 + 1, []),
+        (R.Close("client disconnected"), "router", T0 + 2, [("disarm",), ("release",), ("abort", "prefill", "p0")]),
+    ]),
     "pull: P answers without pull parameters": ("pull", -1, START_PULL + [
         (pf(None), "prefill", T0 + 1, [("prefilldone",),
                                        ("failed", 502, "prefill finished without pull parameters", "failed"),

@@ -232,7 +232,8 @@ def test_decode_pull_renews_p_leases_while_it_still_means_to_read():
 
 @pytest.mark.parametrize("mode, pull_read", [("pull", "write"), ("push", "background")])
 def test_decode_renews_nothing_that_holds_no_lease(mode, pull_read):
-    """The write variant and push's late allocation are a rendezvous on P, not a lease."""
+    """The write variant and push's late allocation are a rendezvous on P, not a lease: once
+    admitted (registered), nothing is renewed."""
     pull = m.PullParams(P_SRC, (0, 1), 3, 42, 0.0)
     s, wire = make("decode", mode=mode, pull_read=pull_read)
     generate(s, "t1", "decode", pull=pull)
@@ -240,6 +241,40 @@ def test_decode_renews_nothing_that_holds_no_lease(mode, pull_read):
     for k in range(4):
         tick(s, 1000.0 + k * s.cfg.timeouts.lease_s)
     assert wire.take("writer") == [] and s.counters["lease_renewals_sent"] == 0
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["push", "late"])
+def test_decode_renews_a_leg_that_registers_while_it_queues(late):
+    """A leg that will register with P (push, or push's late allocation) and queues here for
+    blocks is renewed every third of P's registration wait, so P's clock for our registration
+    runs from our admission; once admitted (its registration sent) it is renewed no more."""
+    s, wire = make("decode", num_blocks=2)  # one request of 3 + 2 tokens at 16 a block: 1 block
+    every = min(s.cfg.timeouts.lease_s, s.cfg.timeouts.registration_wait_s) / 3
+
+    def leg(n):
+        return {"pull": m.PullParams(P_SRC, (0, 1), n, 42, 0.0)} if late else {"source": P_SRC}
+
+    big = tuple(range(20))  # 20 + 2 tokens: both blocks
+    generate(s, "t0", "decode", prompt=big, **leg(20))
+    generate(s, "t1", "decode", **leg(3))  # queued: the pool is t0's
+    first = wire.take("writer")
+    assert [x.transfer_id for x in first] == ["t0", "t0"]  # t0 registers (both ranks)
+    t0 = 1000.0
+    tick(s, t0)
+    assert renewals(wire, 0) == renewals(wire, 1) == ["t1"]
+    tick(s, t0 + every * 0.5)
+    assert wire.take("writer") == []  # not due yet
+    tick(s, t0 + every)
+    assert renewals(wire, 0) == renewals(wire, 1) == ["t1"]
+    deliver(s, ROUTER, m.Abort("t0", 0))
+    assert [type(x) for x in wire.take("writer")] == [m.CancelKV, m.CancelKV]
+    for w in s.writers:  # t0's blocks are back: t1 is admitted, registers, and is renewed no more
+        deliver(s, w, m.KVFailed("t0", 0, "cancelled"))
+    admitted = [x for x in wire.take("writer") if x.transfer_id == "t1"]
+    assert [type(x) for x in admitted] == [m.ReadKV if late else m.ExpectKV] * 2
+    tick(s, t0 + every * 2)
+    assert wire.take("writer") == []
+    assert s.counters["lease_renewals_sent"] == 2
 
 
 def test_decode_prefills_a_leg_that_names_no_source_itself():

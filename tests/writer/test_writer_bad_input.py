@@ -316,15 +316,16 @@ def test_control_from_a_link_without_a_handshake_is_dropped(pair):
 
 
 def test_lease_renewal_for_no_lease_is_counted(pair):
-    """A RenewLease for a lease P does not hold (unknown, or a push transfer): counted, no answer."""
+    """A RenewLease for a transfer P neither leases nor waits to WRITE: counted, no answer."""
     cfg, p, d = pair
     fake = FakePeer("fake-renewer", cfg, "decode")
     fake.handshake(cfg.prefill.handshake_endpoints[0])
     before = p.counters()
     fake.notify(m.encode(m.RenewLease("no-lease", 0, 0)))
     fake.pump(0.1)
-    c = p.wait_counter("lease_renew_unknown", before.get("lease_renew_unknown", 0) + 1)
+    c = p.wait_counter("renew_ignored", before.get("renew_ignored", 0) + 1)
     assert c.get("lease_renewed", 0) == before.get("lease_renewed", 0), c
+    assert c.get("renewed", 0) == before.get("renewed", 0), c
     assert fake.notifs(wait_s=0.3) == []
     p.quiet("no-lease")
 

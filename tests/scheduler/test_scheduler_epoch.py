@@ -1,0 +1,63 @@
+"""A restarted router's epoch: the scheduler aborts what the router before it sent and frees
+its blocks; the new router's requests, and an old epoch heard late, change nothing."""
+from __future__ import annotations
+
+from pushkv import messages as m
+from pushkv.scheduler.outbox import Peer
+from tests.scheduler.test_scheduler_roles import P_SRC, all_free, deliver, make, step_done
+
+OLD, NEW = Peer.router(b"old-router"), Peer.router(b"new-router")
+
+
+def gen(s, frm, tid, leg, prompt=(1, 2, 3), max_tokens=50, **kw):
+    deliver(s, frm, m.Generate(tid, 0, leg, prompt, max_tokens, **kw))
+
+
+def test_decode_aborts_the_old_routers_legs_running_and_queued_and_frees_their_blocks():
+    s, wire = make("decode", num_blocks=8)
+    deliver(s, OLD, m.RouterEpoch(100))
+    gen(s, OLD, "run", "decode", prefill_here=True)  # 4 blocks: prefilled and decoding here
+    gen(s, OLD, "kv", "decode", source=P_SRC)  # 4 blocks: registered, waiting for the KV
+    gen(s, OLD, "queued", "decode", prefill_here=True)  # no room: queued
+    step_done(s, wire, (5,))  # "run" prefilled; its next step is in flight
+    wire.take("writer")
+    assert len(s.waiting) == 1 and s.alloc.num_free == 0
+    deliver(s, NEW, m.RouterEpoch(200))
+    gen(s, NEW, "fresh", "decode", prefill_here=True)
+    assert s.counters["router_epoch_aborted"] == 3
+    # the registered leg's blocks wait for its writers to say nothing lands in them any more
+    assert [type(x) for x in wire.take("writer")] == [m.CancelKV, m.CancelKV]
+    for w in s.writers:
+        deliver(s, w, m.KVFailed("kv", 0, "cancelled"))
+    step_done(s, wire, (6,))  # "run"'s step ends: its blocks are freed, "fresh" is admitted
+    assert set(r.transfer_id for r in s.reqs.values()) == {"fresh"}
+    out = [x for x in wire.take("router")]
+    assert not any(isinstance(x, m.RequestFailed) and x.transfer_id != "fresh" for x in out)  # nobody to tell
+    while s.reqs:
+        step_done(s, wire, (7,) * len(s.step))
+    assert all_free(s)
+
+
+def test_prefill_aborts_the_old_routers_legs_and_keeps_the_new_ones():
+    s, wire = make("prefill", num_blocks=8)
+    gen(s, OLD, "a", "prefill")  # prefilling
+    gen(s, OLD, "b", "prefill", prompt=tuple(range(1, 100)))  # queued (7 blocks)
+    deliver(s, NEW, m.RouterEpoch(1))  # the first epoch heard: every other router's work is an orphan
+    assert s.counters["router_epoch_aborted"] == 2
+    step_done(s, wire, (42,))  # "a"'s step ends: aborted, nothing more is handed to the writers
+    cancels = [x for x in wire.take("writer") if not isinstance(x, m.StreamKV)]
+    # layer-streamed push: the writers may already read "a"'s blocks, so they are asked to stop
+    assert {(type(x), x.transfer_id) for x in cancels} <= {(m.CancelKV, "a")}
+    for w in s.writers if cancels else ():
+        deliver(s, w, m.KVFailed("a", 0, "cancelled"))
+    assert all_free(s)
+
+
+def test_an_older_or_the_same_epoch_changes_nothing():
+    s, wire = make("decode", num_blocks=8)
+    deliver(s, NEW, m.RouterEpoch(200))
+    gen(s, NEW, "t", "decode", prefill_here=True)
+    deliver(s, OLD, m.RouterEpoch(100))  # a replaced router heard late
+    deliver(s, NEW, m.RouterEpoch(200))  # the same router again
+    assert s.counters["router_epoch_stale"] == 1 and s.counters["router_epoch_aborted"] == 0
+    assert [r.transfer_id for r in s.reqs.values()] == ["t"]
