@@ -11,6 +11,10 @@ Role = Literal["prefill", "decode", "local"]  # an instance's, and the leg of a 
 HostRole = Literal["", "router", "prefill", "decode"]  # "": the whole deployment on this host
 PullRead = Literal["inline", "background", "write"]
 PushStream = Literal["off", "chunk", "layer"]
+Direction = Literal["write", "read"]  # how P's KV reaches D: P WRITEs into D's blocks, or D READs P's
+# what P's writers tell of a transfer's stream (KVSent.stream): "" none asked for, "fallback" asked
+# for but off (the deployment's TransferPlan.fallback says why)
+StreamSent = Literal["", "chunk", "layer", "fallback"]
 KVVerify = Literal["off", "sample", "full"]
 Switch = Literal["auto", "on", "off"]  # "auto": the code decides (see each field)
 Engine = Literal["auto", "batched", "per-seq"]

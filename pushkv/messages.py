@@ -11,7 +11,7 @@ from typing import Literal, Optional, Union
 
 import msgspec
 
-from pushkv.kinds import Role  # a Literal: the one closed set of roles and legs
+from pushkv.kinds import Role, StreamSent  # Literals: the closed sets of roles and legs, of stream kinds
 
 
 class Msg(msgspec.Struct, tag=True, array_like=True, frozen=True, gc=False):
@@ -387,7 +387,7 @@ class KVSent(Msg):
     rendezvous: str = ""  # "registration_first" | "prefill_first" | "pull"
     timeline: tuple[tuple[str, float], ...] = ()  # writer stages (wall time)
     parts: int = 0  # streaming push: WRITEs posted before prefill ended (the last WRITE not counted)
-    stream: str = ""  # streaming push: "layer" or "chunk", or why it could not stream ("fallback: ..."); "": off
+    stream: StreamSent = ""  # "layer" or "chunk"; "fallback": asked for but off (TransferPlan.fallback says why)
 
 
 class KVReceived(Msg):
