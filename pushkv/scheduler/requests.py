@@ -10,7 +10,7 @@ from typing import Callable, Optional
 
 from pushkv import messages as m
 from pushkv.config import Role
-from pushkv.kinds import StreamSent
+from pushkv.kinds import FinishReason, Rendezvous, StreamSent
 from pushkv.kv.layout import blocks_for
 
 
@@ -60,7 +60,7 @@ class Request:
     answers: dict[int, m.Msg] = field(default_factory=dict)  # writer rank -> its KVSent / KVReceived / KVFailed
     timeline: dict[str, float] = field(default_factory=dict)
     kv: KVTally = field(default_factory=lambda: KVTally())
-    rendezvous: str = ""  # P, push: which half arrived first (from the writers' KVSent)
+    rendezvous: Rendezvous = ""  # P, push: which half arrived first (from the writers' KVSent)
     sampling: Optional[m.SamplingParams] = None  # None: greedy
     late: bool = False  # P, push deployment: hold the KV and answer with pull parameters
     # what the steps that ran it did (reported to the router's cost model): see messages
@@ -130,7 +130,7 @@ class Request:
     def sorted_timeline(self) -> tuple[tuple[str, float], ...]:
         return tuple(sorted(self.timeline.items(), key=lambda kv: kv[1]))
 
-    def finished(self) -> Optional[str]:
+    def finished(self) -> Optional[FinishReason]:
         if self.output and self.output[-1] in self.stop_ids:
             return "stop"
         if len(self.output) >= self.max_tokens:
