@@ -24,7 +24,18 @@ from pushkv import envs, up_help
 from pushkv.config import PRESETS, TRACE_AUTO, DeploymentConfig
 from pushkv.config_flags import GEOMETRY, deprecations, user_config, weights_note
 from pushkv.cuda_driver import memory_info
-from pushkv.kinds import LinkOrder, Staging
+from pushkv.kinds import (
+    Engine,
+    HostRole,
+    KVVerify,
+    LinkOrder,
+    Mode,
+    PullRead,
+    PushStream,
+    RandomInit,
+    Staging,
+    Switch,
+)
 from pushkv.security import API_KEY_ENV, load_secret
 from pushkv.supervisor import deployments, registry
 from pushkv.supervisor.kv_sizing import Sizing, pool_note, size_pools
@@ -52,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start a deployment and supervise it until stopped")
     dep = up.add_argument_group("deployment")
     dep.add_argument("--config", help="JSON or TOML file of DeploymentConfig fields (flags override)")
-    dep.add_argument("--mode", choices=("push", "pull", "local"))
+    dep.add_argument("--mode", choices=typing.get_args(Mode))
     dep.add_argument("--host")
     dep.add_argument("--port", type=int)
     dep.add_argument("--metrics-port", type=int, metavar="PORT",
@@ -94,11 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     for name in GEOMETRY:
         mod.add_argument("--" + name.replace("_", "-"), type=str if name == "dtype" else int,
                          help="auto (default): the checkpoint's; float32|bfloat16|float16" if name == "dtype" else None)
-    mod.add_argument("--engine", choices=("auto", "batched", "per-seq"),
+    mod.add_argument("--engine", choices=typing.get_args(Engine),
                      help="auto: batched (Triton paged attention, CUDA graphs) on CUDA, per-seq on CPU")
     mod.add_argument("--batch-invariant", choices=("on", "off"),
                      help="on: each sequence runs alone, so tokens never depend on the batch (exact equality tests)")
-    mod.add_argument("--random-init", choices=("cpu", "device"), help="where random weights are drawn")
+    mod.add_argument("--random-init", choices=typing.get_args(RandomInit), help="where random weights are drawn")
 
     par = up.add_argument_group("parallelism", "TP ranks, instances and the devices they run on")
     par.add_argument("-tp", "--tensor-parallel-size", type=int, metavar="N",
@@ -135,18 +146,18 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: full prompt blocks are cached by a hash of their tokens and reused)")
 
     tra = up.add_argument_group("transfer", "how the KV moves from P to D")
-    tra.add_argument("--push-stream", choices=("off", "chunk", "layer"),
+    tra.add_argument("--push-stream", choices=typing.get_args(PushStream),
                      help="push: WRITE after the whole prefill (off), each chunk's blocks as its step ends (chunk), "
                           "or each layer group's as the worker marks it stored (layer, the default)")
     tra.add_argument("--push-stream-groups", type=int, metavar="N",
                      help="--push-stream layer: layer groups per pool, each WRITTEN as it is stored (default 4)")
-    tra.add_argument("--pull-read", choices=("inline", "background", "write"),
+    tra.add_argument("--pull-read", choices=typing.get_args(PullRead),
                      help="pull: READ inside D's step, READ on D's writer, or D registers after the relay and P WRITEs")
-    tra.add_argument("--kv-verify", choices=("off", "sample", "full"),
+    tra.add_argument("--kv-verify", choices=typing.get_args(KVVerify),
                      help="D checks the KV it received against P's checksums before the first decode step: "
                           "off, a sample of blocks (first, last and a few more), or every block; a mismatch "
                           "fails the request (502); default sample")
-    tra.add_argument("--writer-post-thread", choices=("auto", "on", "off"),
+    tra.add_argument("--writer-post-thread", choices=typing.get_args(Switch),
                      help="P's writers post WRITEs from a second NIXL agent on its own thread, so a post that "
                           "blocks for the whole transfer (UCX over TCP) leaves the loop reading notifications; "
                           "auto (default) = on when UCX_TLS limits UCX to TCP for the network")
@@ -167,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     tra.add_argument("--staging-mib", type=int, metavar="MIB",
                      help="--staging pushkv: each writer's pinned host staging area; a transfer waits for room in "
                           "it and one larger fails; 0 (default) = auto: 1/16 of the host's memory, at most the pool")
-    tra.add_argument("--writer-warm", choices=("auto", "on", "off"),
+    tra.add_argument("--writer-warm", choices=typing.get_args(Switch),
                      help="writers spin (a core each) while a transfer with them is expected, so its post and "
                           "completion skip the wake-up from idle; auto (default) = on for CUDA instances")
 
@@ -205,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
         "hosts", "one `pushkv up --role ...` per host, every host given the same --mode, model, geometry "
         "(--model/--checkpoint and overrides, --dtype, --seed) and instance shape (--prefill-tp/--decode-tp, "
         "block sizes); the router finds P and D instances through etcd")
-    hos.add_argument("--role", choices=("router", "prefill", "decode"),
+    hos.add_argument("--role", choices=tuple(r for r in typing.get_args(HostRole) if r),  # "": no --role
                      help="run only this part here: the router, or this host's P (--prefill-instances) or D "
                           "(--decode-instances) instances; without --role, the whole deployment runs here")
     hos.add_argument("--registry", metavar="etcd://[USER:PASS@]HOST:PORT[/PREFIX]",

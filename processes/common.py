@@ -7,16 +7,18 @@ import logging
 import os
 import signal
 import sys
+import typing
 
 from pushkv import envs
 from pushkv.config import DeploymentConfig, decode_config
+from pushkv.kinds import Role
 
 
 def parse(kind: str, with_rank: bool = True) -> tuple[argparse.Namespace, DeploymentConfig]:
     ap = argparse.ArgumentParser(prog=f"pushkv-{kind}", description=f"pushkv {kind} process")
     ap.add_argument("--config", required=True, help="deployment config JSON written by the supervisor")
     if with_rank:
-        ap.add_argument("--role", required=True, choices=["prefill", "decode", "local"])
+        ap.add_argument("--role", required=True, choices=typing.get_args(Role))
         ap.add_argument("--rank", type=int, default=0)
         ap.add_argument("--instance", type=int, default=0, help="which instance of the role (0 = the first)")
     args = ap.parse_args()

@@ -21,6 +21,7 @@ from typing import Any, Literal, Optional
 import msgspec
 
 from pushkv.kinds import (
+    Direction,
     Engine,
     HostRole,
     KVVerify,
@@ -32,6 +33,7 @@ from pushkv.kinds import (
     Role,
     RopeType,
     Staging,
+    StreamSent,
     Switch,
 )
 from pushkv.messages import PrefillSource
@@ -313,6 +315,34 @@ class Timeouts(msgspec.Struct, frozen=True):
     request_s: float = 600.0  # router-side bound on one request
 
 
+class TransferPlan(msgspec.Struct, frozen=True):
+    """What a P/D deployment's KV transfers do, decided once where the deployment is planned
+    (``kv.layout.plan_transfer``, called by ``supervisor.plan.plan_deployment``) from the mode, the
+    stream flags, the model and both roles' block sizes, and carried in the planned config: every
+    process reads this, none decides it again from the raw flags (``kv.layout.transfer_of``)."""
+
+    stream: PushStream = "off"  # how P streams a prompt's KV while it computes ("off": one WRITE at the end)
+    unit: int = 0  # tokens per streamed part: a whole block of both sides (their lcm); 0: no parts
+    split: int = 0  # runs of layers both pools are cut into for a layer stream; 0: one group per attention kind
+    groups: int = 1  # layer groups each pool holds (``kv.layout.layer_groups``): marks, parts and checksum rows
+    fallback: str = ""  # why a stream the flags ask for is off ("" when none is asked for or it is on)
+    direction: Direction = "write"  # push and pull_read "write": P WRITEs; pull otherwise: D READs
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+
+    @property
+    def sent(self) -> StreamSent:
+        """What P's writers say of the stream in ``KVSent.stream``."""
+        if self.fallback:
+            return "fallback"
+        return "" if self.stream == "off" else self.stream
+
+    def describe(self, sent: StreamSent) -> str:
+        """A transfer's stream as its stats show it: ``layer``, ``chunk``, ``fallback: <why>`` or ""."""
+        return f"fallback: {self.fallback}" if sent == "fallback" else sent
+
+
 class DeploymentConfig(msgspec.Struct, frozen=True):
     mode: Mode = "push"
     # pull mode, how D fetches P's blocks after the relay: "inline" (READ posted inside D's
@@ -430,6 +460,8 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
     # the chat template's text (pushkv up --chat-template FILE|TEMPLATE, read at launch); "" = the
     # checkpoint's (or the plain one)
     chat_template: str = ""
+    # what the transfers do, decided by the planner (plan_deployment); None until then
+    transfer: Optional[TransferPlan] = None
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -484,7 +516,8 @@ TRACE_AUTO = "auto"  # trace_endpoint as the user asks for it: an ipc socket in 
 # What the launcher derives from the user's config (supervisor.plan.plan_deployment), never what
 # the flags say: ids, the run dir, endpoints and ports, the instances' copies. A config file may pin
 # one (the plan keeps what is set); ``unplanned`` takes them out again.
-PLANNED_FIELDS = ("deployment_id", "run_dir", "control_endpoint", "events_endpoint", "prefills", "decodes")
+PLANNED_FIELDS = ("deployment_id", "run_dir", "control_endpoint", "events_endpoint", "prefills", "decodes",
+                  "transfer")
 PLANNED_INSTANCE_FIELDS = ("engine_id", "sched_endpoint", "worker_endpoints", "writer_endpoints",
                            "handshake_endpoints", "dist_init", "index", "metrics_port")
 

@@ -11,6 +11,15 @@ Role = Literal["prefill", "decode", "local"]  # an instance's, and the leg of a 
 HostRole = Literal["", "router", "prefill", "decode"]  # "": the whole deployment on this host
 PullRead = Literal["inline", "background", "write"]
 PushStream = Literal["off", "chunk", "layer"]
+Direction = Literal["write", "read"]  # how P's KV reaches D: P WRITEs into D's blocks, or D READs P's
+# what P's writers tell of a transfer's stream (KVSent.stream): "" none asked for, "fallback" asked
+# for but off (the deployment's TransferPlan.fallback says why)
+StreamSent = Literal["", "chunk", "layer", "fallback"]
+# how a P transfer met its D side: which half came first (push), D's READ (pull), a rank with
+# nothing to write (replica); "": not known (no KVSent)
+Rendezvous = Literal["", "registration_first", "prefill_first", "pull", "replica"]
+FinishReason = Literal["", "length", "stop"]  # why a leg's last token ended it; "": not finished
+PoolKind = Literal["shm", "cuda_ipc"]  # how a worker maps its writer's pool: a /dev/shm file or CUDA IPC
 KVVerify = Literal["off", "sample", "full"]
 Switch = Literal["auto", "on", "off"]  # "auto": the code decides (see each field)
 Engine = Literal["auto", "batched", "per-seq"]

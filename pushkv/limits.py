@@ -17,6 +17,7 @@ from typing import Optional
 
 from pushkv import messages as m
 from pushkv.config import DeploymentConfig, InstanceConfig
+from pushkv.kv.layout import transfer_of
 
 # -- request bounds (docs/api.md: the table is checked against BOUNDS by tests/router/test_request_limits.py)
 MAX_N = 16  # choices: each one is its own prefill and decode (OpenAI allows 128 and bills them)
@@ -121,13 +122,9 @@ def largest_generate(cfg: DeploymentConfig) -> m.Generate:
 
 
 def _checksum_groups(cfg: DeploymentConfig) -> int:
-    """Layer groups P's pool is cut into (``kv.layout.layer_groups``): full and window
-    attention, or with layer-streamed push up to ``push_stream_groups`` runs of layers."""
-    if cfg.model.sliding_window and cfg.model.window_layers:
-        return 2
-    if cfg.mode == "push" and cfg.push_stream == "layer" and cfg.push_stream_groups > 1:
-        return min(cfg.push_stream_groups, cfg.model.num_layers)
-    return 1
+    """Layer groups P's pool is cut into (``kv.layout.layer_groups``), as the transfer plan says:
+    full and window attention, or with layer-streamed push up to ``push_stream_groups`` runs of layers."""
+    return transfer_of(cfg).groups
 
 
 def _largest_checksums(cfg: DeploymentConfig, n: int) -> Optional[m.KVChecksums]:

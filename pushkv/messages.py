@@ -11,7 +11,7 @@ from typing import Literal, Optional, Union
 
 import msgspec
 
-from pushkv.kinds import Role  # a Literal: the one closed set of roles and legs
+from pushkv.kinds import FinishReason, PoolKind, Rendezvous, Role, StreamSent  # Literals: closed sets
 
 
 class Msg(msgspec.Struct, tag=True, array_like=True, frozen=True, gc=False):
@@ -43,7 +43,7 @@ class KVLayoutDesc(msgspec.Struct, array_like=True, frozen=True, gc=False):
 class PoolHandle(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """How a worker maps the pool its writer owns."""
 
-    kind: str  # "shm" | "cuda_ipc"
+    kind: PoolKind
     name: str  # shm: the segment's path; cuda_ipc: ""
     nbytes: int
     dtype: str
@@ -136,7 +136,7 @@ class KVTransferStats(msgspec.Struct, array_like=True, frozen=True, gc=False):
     nbytes: int
     num_descs: int
     transfer_s: float  # posted -> done, slowest rank
-    rendezvous: str = ""  # push: "registration_first" | "prefill_first"; pull: "pull"
+    rendezvous: Rendezvous = ""  # push: which half came first; pull: "pull"
     # D: its blocks x seconds from their reservation until the KV had arrived (push's cost:
     # D memory held while P computes), and how many blocks that was
     reserved_block_s: float = 0.0
@@ -182,7 +182,7 @@ class TokensGenerated(Msg):
     generation: int
     token_ids: tuple[int, ...]
     finished: bool = False
-    finish_reason: str = ""  # "length" | "stop"
+    finish_reason: FinishReason = ""
     num_prompt_tokens: int = 0
     timeline: tuple[tuple[str, float], ...] = ()  # (stage, wall time) on finish
     kv: Optional[KVTransferStats] = None  # D, on finish: the transfer D measured (pull: its READ)
@@ -393,10 +393,10 @@ class KVSent(Msg):
     nbytes: int = 0
     num_descs: int = 0
     transfer_s: float = 0.0
-    rendezvous: str = ""  # "registration_first" | "prefill_first" | "pull"
+    rendezvous: Rendezvous = ""  # which half came first (push), "pull", or "replica" (nothing to write)
     timeline: tuple[tuple[str, float], ...] = ()  # writer stages (wall time)
     parts: int = 0  # streaming push: WRITEs posted before prefill ended (the last WRITE not counted)
-    stream: str = ""  # streaming push: "layer" or "chunk", or why it could not stream ("fallback: ..."); "": off
+    stream: StreamSent = ""  # "layer" or "chunk"; "fallback": asked for but off (TransferPlan.fallback says why)
 
 
 class KVReceived(Msg):

@@ -32,6 +32,10 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
+import msgspec
+
+from pushkv.config import TransferPlan
+from pushkv.kinds import Direction
 from pushkv.messages import KVLayoutDesc
 
 KVLayout = KVLayoutDesc  # the wire struct is the layout; helpers below
@@ -265,30 +269,37 @@ def instance_layout(cfg, inst, rank: int) -> KVLayout:
     if cfg.mode == "local" or inst.role == "local":
         return layout_for(cfg.model, inst.tp, rank, inst.num_blocks, inst.block_size)
     sub, hg = transfer_geometry(cfg)
-    return layout_for(cfg.model, inst.tp, rank, inst.num_blocks, inst.block_size, sub, hg, stream_split(cfg))
+    return layout_for(cfg.model, inst.tp, rank, inst.num_blocks, inst.block_size, sub, hg, transfer_of(cfg).split)
 
 
-def stream_plan(cfg, inst, lay: KVLayout) -> tuple[str, int]:
-    """(what the stats say, tokens per streamed unit) for this P instance: a part WRITE
-    starts and ends on a whole block of both sides (the lcm of the two block sizes); 0 =
-    no parts, every transfer is one WRITE at the end of prefill. ``layer`` streams each of
-    ``layer_groups(lay)`` as the worker marks it stored, ``chunk`` every group at once after
-    each prefill chunk."""
-    if cfg.mode != "push" or cfg.push_stream == "off":
-        return "", 0
-    if window_group(lay) >= 0:  # a window group moves only the blocks of the last window
-        return "fallback: sliding-window layers; one WRITE at prefill end", 0
-    unit_tokens = math.lcm(inst.block_size, cfg.decode.block_size)
-    if cfg.push_stream == "layer":
-        return "layer", unit_tokens
-    if inst.prefill_chunk <= 0:
-        return "fallback: --prefill-chunk is 0 (prompts are not chunked); one WRITE at prefill end", 0
-    return "chunk", unit_tokens
+def plan_transfer(cfg) -> TransferPlan:
+    """The deployment's transfer plan, decided from its flags, model and block sizes (the planner
+    calls this once; every process reads the result, ``transfer_of``).
+
+    A part WRITE starts and ends on a whole block of both sides (the lcm of the two block sizes).
+    ``layer`` streams each of ``layer_groups`` as the worker marks it stored, ``chunk`` every group
+    at once after each prefill chunk; a model with sliding-window layers falls back to one WRITE at
+    prefill end (a window group moves only the blocks of the last window), as does ``chunk`` with
+    unchunked prompts."""
+    windowed = bool(cfg.model.sliding_window and cfg.model.window_layers)
+    direction: Direction = "read" if cfg.mode == "pull" and cfg.pull_read != "write" else "write"
+    asked = cfg.push_stream if cfg.mode == "push" else "off"
+    split = cfg.push_stream_groups if asked == "layer" and cfg.push_stream_groups > 1 and not windowed else 0
+    window_layers = tuple(sorted(cfg.model.window_layers)) if windowed else ()
+    groups = len(_groups(cfg.model.num_layers, window_layers, split))
+    plan = TransferPlan(split=split, groups=groups, direction=direction)
+    if asked == "off":
+        return plan
+    if windowed:
+        return msgspec.structs.replace(plan, fallback="sliding-window layers; one WRITE at prefill end")
+    if asked == "chunk" and cfg.prefill.prefill_chunk <= 0:
+        return msgspec.structs.replace(
+            plan, fallback="--prefill-chunk is 0 (prompts are not chunked); one WRITE at prefill end")
+    return msgspec.structs.replace(plan, stream=asked,
+                                   unit=math.lcm(cfg.prefill.block_size, cfg.decode.block_size))
 
 
-def stream_split(cfg) -> int:
-    """Layer groups both sides' pools are cut into: layer-streamed push WRITEs each group's
-    regions as the worker marks them stored; 0 otherwise (one group per attention kind)."""
-    if cfg.mode == "push" and cfg.push_stream == "layer":
-        return cfg.push_stream_groups
-    return 0
+def transfer_of(cfg) -> TransferPlan:
+    """What the deployment's transfers do: the plan the planner put in the config. A config that
+    was never planned (a unit test's, an in-process tool's) gets it decided here, by the same rule."""
+    return cfg.transfer if cfg.transfer is not None else plan_transfer(cfg)

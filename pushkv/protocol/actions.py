@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pushkv.kinds import Rendezvous
 from pushkv.messages import Register
 
 
@@ -73,12 +74,12 @@ class NotifyFailure:
 
 @dataclass(frozen=True)
 class Completed:
-    """P: the WRITE completed. ``order`` is "registration_first" | "prefill_first", or
-    "replica" for a rank with nothing to write."""
+    """P: the WRITE completed. ``order`` is "registration_first" | "prefill_first", "pull" (D's
+    READ, under a lease), or "replica" for a rank with nothing to write."""
 
     transfer_id: str
     generation: int
-    order: str
+    order: Rendezvous
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Optional, Sequence
 
+from pushkv.kinds import Rendezvous
 from pushkv.messages import Register
 from pushkv.protocol._deadlines import Deadlines
 from pushkv.protocol.actions import (
@@ -95,7 +96,7 @@ class _Transfer:
     transfer_id: str
     generation: int
     state: State
-    order: str  # which half came first
+    order: Rendezvous  # which half came first
     has_prefill: bool = False
     block_ids: tuple[int, ...] = ()
     num_tokens: int = 0

@@ -27,7 +27,7 @@ from pushkv.discovery.records import InstanceRecord
 from pushkv.router import cost as C
 from pushkv.router import policy as P
 from pushkv.router.prefix_index import PrefixIndex, hashes, usable_hit_tokens
-from pushkv.router.request_msgs import DecodePlaced, Placed
+from pushkv.router.request_msgs import DecodePlaced, Placed, Source
 
 
 class RequestRun(Protocol):
@@ -58,7 +58,7 @@ class RequestRun(Protocol):
     @property
     def decode_tokens(self) -> int: ...
 
-    def deliver(self, leg: Role, msg: Any) -> None: ...
+    def deliver(self, leg: Source, msg: Any) -> None: ...
 
 
 SchedulerLink = Any  # flow.SchedulerLink: held per instance, handed back to the flow, never used here

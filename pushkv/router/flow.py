@@ -48,7 +48,7 @@ class RequestRun:
         )
         self.req = R.Request(spec, arrival, arrival_wall=wall)
         self.hash_cache: dict[int, list[int]] = {}  # the balancer's: block size -> the prompt's block hashes
-        self.queue: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
+        self.queue: asyncio.Queue[tuple[R.Source, object]] = asyncio.Queue()
         self.links: dict[str, SchedulerLink] = {}  # leg -> the link its Generate went out on
         self.deadline = math.inf  # what the request armed
         self.started = False
@@ -97,7 +97,7 @@ class RequestRun:
         return self.req.ledger.decode_work
 
     # -- inputs from outside the handler ------------------------------------------
-    def deliver(self, leg: str, msg: object) -> None:
+    def deliver(self, leg: R.Source, msg: object) -> None:
         self.queue.put_nowait((leg, msg))
 
     def inject_failure(self, status: int, reason: str) -> None:
@@ -105,11 +105,11 @@ class RequestRun:
         self.queue.put_nowait((R.ROUTER, R.Cancel(status, reason)))
 
     # -- feeding the machine and carrying out what it says --------------------------
-    def _feed(self, msg: object, leg: str = R.ROUTER) -> list[R.Event]:
+    def _feed(self, msg: object, leg: R.Source = R.ROUTER) -> list[R.Event]:
         """One input, and every input its actions bring back (the balancer's answers, a refused
         send), at once: nothing awaits in here, so a cancellation never lands halfway."""
         events: list[R.Event] = []
-        inputs: list[tuple[str, object]] = [(leg, msg)]
+        inputs: list[tuple[R.Source, object]] = [(leg, msg)]
         while inputs:
             leg, msg = inputs.pop(0)
             try:
@@ -196,7 +196,7 @@ class RequestRun:
         self.started = True
         return next((e for e in self._feed(R.Start()) if isinstance(e, R.Failed)), None)
 
-    async def _next(self) -> tuple[str, object]:
+    async def _next(self) -> tuple[R.Source, object]:
         # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancellation
         # (client gone) that lands in the same iteration as a queue item
         remaining = self.deadline - time.monotonic()

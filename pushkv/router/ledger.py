@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from pushkv import messages as m
+from pushkv.kinds import FinishReason, Role
 
 # How a request ended, as /metrics counts it ("" while it runs).
 Outcome = Literal["ok", "failed", "aborted", "timeout", "rejected", "shutdown"]
@@ -29,16 +30,16 @@ class Ledger:
     late: bool = False  # D's leg after P's (pull, or push's late allocation)
     pull: Optional[m.PullParams] = None  # late: P's answer, relayed in D's leg
     # the legs
-    engines: dict[str, str] = field(default_factory=dict)  # leg -> engine id
-    sent: set[str] = field(default_factory=set)  # legs whose Generate went out
-    ended: set[str] = field(default_factory=set)  # legs that answered their last message
+    engines: dict[Role, str] = field(default_factory=dict)  # leg -> engine id
+    sent: set[Role] = field(default_factory=set)  # legs whose Generate went out
+    ended: set[Role] = field(default_factory=set)  # legs that answered their last message
     # the tokens
     first_token: Optional[float] = None
     token_times: list[tuple[float, int]] = field(default_factory=list)  # (time, n tokens), as the client got them
     output_ids: list[int] = field(default_factory=list)  # what D streamed (the balancer indexes it)
     kv_seen: bool = False  # D's first message came: its KV is there (or D computed it)
     finish: Optional[float] = None  # the last token, or the stop string that ended the choice
-    finish_reason: str = ""  # D's, once its last token came
+    finish_reason: FinishReason = ""  # D's, once its last token came
     # what the legs reported
     timeline: dict[str, float] = field(default_factory=dict)  # <leg>.<stage> -> wall seconds
     kv: dict[str, m.KVTransferStats] = field(default_factory=dict)  # per leg, as its scheduler measured

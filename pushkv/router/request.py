@@ -39,7 +39,7 @@ import enum
 import logging
 import math
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Optional
+from typing import Callable, ClassVar, Literal, Optional
 
 import msgspec
 
@@ -68,6 +68,7 @@ from pushkv.router.request_msgs import (  # re-exported: the machine's callers n
     Release,
     Send,
     SendFailed,
+    Source,
     Start,
     Stopped,
     Tick,
@@ -79,14 +80,21 @@ log = logging.getLogger(__name__)
 __all__ = ["Start", "Placed", "Queued", "DecodePlaced", "DecodeQueued", "Rejected", "SendFailed", "Cancel",
            "Tick", "Stopped", "Close", "Send", "Tokens", "Finished", "Failed", "Place", "PlaceDecode",
            "PrefillDone", "KVArrived", "Release", "Arm", "Disarm", "Event", "Action", "IllegalInput", "Phase",
-           "Request", "Spec", "TRANSITIONS", "GENERATION", "PREFILL_REPORT_GRACE_S", "ROUTER"]
+           "Request", "Spec", "TRANSITIONS", "GENERATION", "PREFILL_REPORT_GRACE_S", "ROUTER", "Source"]
 
 # Every leg this router sends is generation 0: nothing reissues a request today (no preemption,
 # no retry). Schedulers and writers still match the two halves by (transfer id, generation) and
 # let a higher generation supersede a lower one, so a retry would send generation + 1.
 GENERATION = 0
 PREFILL_REPORT_GRACE_S = 1.0  # push: D done, wait this long for P's timeline
-ROUTER = "router"  # the leg of inputs the router makes itself
+ROUTER: Literal["router"] = "router"  # the leg of inputs the router makes itself
+
+
+def _sent_leg(leg: Source) -> Role:
+    """The leg of a scheduler's message: one the request sent (``Request.on`` refuses the rest)."""
+    if leg == ROUTER:
+        raise IllegalInput("a scheduler's message from the router's own leg")
+    return leg
 
 
 # ---------------------------------------------------------------------------
@@ -182,7 +190,7 @@ class Request:
         return len(self.spec.prompt) + self.spec.max_tokens
 
     @property
-    def token_leg(self) -> str:  # the leg whose tokens the client gets
+    def token_leg(self) -> Role:  # the leg whose tokens the client gets
         return "local" if self.spec.mode == "local" else "decode"
 
     @property
@@ -190,7 +198,7 @@ class Request:
         """The client has its end, or the handler let go: nothing is emitted any more."""
         return self.phase in (Phase.DONE, Phase.CLOSED)
 
-    def holds(self, role: str, engine_id: str) -> bool:
+    def holds(self, role: Role, engine_id: str) -> bool:
         """Whether an instance going down fails this request: it has a leg open there, or it is
         the P that holds the KV a late D still needs."""
         led = self.ledger
@@ -200,7 +208,7 @@ class Request:
                 or (role == "prefill" and led.late and led.emitted == 0))
 
     # -- the one entry ----------------------------------------------------------------
-    def on(self, msg: object, now: float, leg: str = ROUTER) -> list[Action]:
+    def on(self, msg: object, now: float, leg: Source = ROUTER) -> list[Action]:
         """The actions ``msg`` (from ``leg``) calls for at ``now``. Once over, every input but a first
         ``Close`` is dropped (a late or duplicate message); before, an input the phase does not take,
         or a scheduler's message on a leg never sent, raises ``IllegalInput`` and changes nothing."""
@@ -224,7 +232,7 @@ class Request:
     def _mark(self, stage: str, now: float) -> None:
         self.ledger.timeline.setdefault(stage, now + self.spec.wall_offset)
 
-    def _merge(self, leg: str, pairs) -> None:
+    def _merge(self, leg: Source, pairs) -> None:
         for stage, t in pairs:
             self.ledger.timeline.setdefault(f"{leg}.{stage}", float(t))
 
@@ -237,14 +245,14 @@ class Request:
             sampling=s.sampling, **kw,
         )
 
-    def _send(self, leg: str, engine_id: str, msg: m.Generate, now: float) -> Send:
+    def _send(self, leg: Role, engine_id: str, msg: m.Generate, now: float) -> Send:
         self.ledger.engines[leg] = engine_id
         self.ledger.sent.add(leg)
         self._mark(f"router.send_{leg}", now)
         log.debug("send %s leg to %s transfer_id=%s", leg, engine_id, self.transfer_id)
         return Send(leg, engine_id, msg)
 
-    def _on_start(self, msg: Start, now: float, leg: str) -> list[Action]:
+    def _on_start(self, msg: Start, now: float, leg: Source) -> list[Action]:
         self.deadline = self.ledger.arrival + self.spec.request_s
         arm: list[Action] = [Arm(self.deadline)]
         if self.spec.mode == "local":
@@ -254,12 +262,12 @@ class Request:
         self.phase = Phase.PLACING
         return arm + [Place()]
 
-    def _on_queued(self, msg: Queued, now: float, leg: str) -> list[Action]:
+    def _on_queued(self, msg: Queued, now: float, leg: Source) -> list[Action]:
         self.phase = Phase.QUEUED
         self._mark("router.queued", now)
         return []
 
-    def _on_placed(self, msg: Placed, now: float, leg: str) -> list[Action]:
+    def _on_placed(self, msg: Placed, now: float, leg: Source) -> list[Action]:
         if self.phase is Phase.QUEUED:
             self._mark("router.placed", now)
         self.phase = Phase.RUNNING
@@ -280,12 +288,12 @@ class Request:
         return [self._send("prefill", p, self._generate("prefill", 1), now),
                 self._send("decode", d, self._generate("decode", n, source=msg.source), now)]
 
-    def _on_decode_queued(self, msg: DecodeQueued, now: float, leg: str) -> list[Action]:
+    def _on_decode_queued(self, msg: DecodeQueued, now: float, leg: Source) -> list[Action]:
         self.phase = Phase.DECODE_QUEUED
         self._mark("router.decode_queued", now)  # no D can hold it now: it waits at the router, never at a full D
         return []
 
-    def _on_decode_placed(self, msg: DecodePlaced, now: float, leg: str) -> list[Action]:
+    def _on_decode_placed(self, msg: DecodePlaced, now: float, leg: Source) -> list[Action]:
         pull = self.ledger.pull
         assert pull is not None, "the table lets DecodePlaced in only once P's pull parameters came"
         self.phase = Phase.RUNNING
@@ -304,45 +312,45 @@ class Request:
         self.ledger.outcome = outcome
         return [Failed(status, reason, outcome), Disarm()]
 
-    def _on_rejected(self, msg: Rejected, now: float, leg: str) -> list[Action]:
+    def _on_rejected(self, msg: Rejected, now: float, leg: Source) -> list[Action]:
         log.info("refused transfer_id=%s status=%d: %s", self.transfer_id, msg.status, msg.reason)
         return self._fail(msg.status, msg.reason, "rejected")
 
-    def _on_send_failed(self, msg: SendFailed, now: float, leg: str) -> list[Action]:
+    def _on_send_failed(self, msg: SendFailed, now: float, leg: Source) -> list[Action]:
         self.ledger.sent.difference_update(msg.unsent)
         log.error("sending %s leg failed transfer_id=%s: %s", msg.leg, self.transfer_id, msg.error)
         late_decode = msg.leg == "decode" and self.ledger.pull is not None
         return self._fail(503, f"{'decode ' if late_decode else ''}scheduler unreachable: {msg.error}")
 
-    def _on_request_failed(self, msg: m.RequestFailed, now: float, leg: str) -> list[Action]:
-        self.ledger.ended.add(leg)
+    def _on_request_failed(self, msg: m.RequestFailed, now: float, leg: Source) -> list[Action]:
+        self.ledger.ended.add(_sent_leg(leg))
         if self.phase is Phase.FINISHING:  # the client already has every token
             log.warning("leg %s failed after completion transfer_id=%s: %s", leg, self.transfer_id, msg.reason)
             return self._finish()
         log.info("leg %s failed transfer_id=%s status=%d: %s", leg, self.transfer_id, msg.status, msg.reason)
         return self._fail(msg.status, f"{leg}: {msg.reason}")
 
-    def _on_cancel(self, msg: Cancel, now: float, leg: str) -> list[Action]:
+    def _on_cancel(self, msg: Cancel, now: float, leg: Source) -> list[Action]:
         if self.phase is Phase.FINISHING:
             return self._finish()
         log.info("cancelled transfer_id=%s status=%d: %s", self.transfer_id, msg.status, msg.reason)
         return self._fail(msg.status, msg.reason, "shutdown" if msg.status == 503 else "aborted")
 
-    def _on_tick(self, msg: Tick, now: float, leg: str) -> list[Action]:
+    def _on_tick(self, msg: Tick, now: float, leg: Source) -> list[Action]:
         if now < self.deadline:
             return []
         if self.phase is Phase.FINISHING:  # P never reported: the answer is complete without it
             return self._finish()
         return self._fail(504, f"request exceeded {self.spec.request_s:g} s", "timeout")
 
-    def _on_stopped(self, msg: Stopped, now: float, leg: str) -> list[Action]:
+    def _on_stopped(self, msg: Stopped, now: float, leg: Source) -> list[Action]:
         self.ledger.outcome = "ok"
         self.ledger.finish = now
         self._mark("router.finish", now)
         self.phase = Phase.DONE
         return [Disarm()]
 
-    def _on_close(self, msg: Close, now: float, leg: str) -> list[Action]:
+    def _on_close(self, msg: Close, now: float, leg: Source) -> list[Action]:
         led = self.ledger
         if not led.outcome:  # it had not ended: the client went away, or a sibling choice ended it
             led.outcome = msg.outcome
@@ -360,9 +368,9 @@ class Request:
         return out
 
     # -- what the legs report ------------------------------------------------------------------------
-    def _on_prefill_finished(self, msg: m.PrefillFinished, now: float, leg: str) -> list[Action]:
+    def _on_prefill_finished(self, msg: m.PrefillFinished, now: float, leg: Source) -> list[Action]:
         led = self.ledger
-        led.ended.add(leg)
+        led.ended.add(_sent_leg(leg))
         self._mark("router.prefill_finished", now)
         self._merge(leg, msg.timeline)
         led.cached[leg] = msg.cached_tokens
@@ -385,7 +393,7 @@ class Request:
         return (s is not None and s.logprobs >= 0 and "prefill" in self.ledger.sent
                 and self.ledger.emitted == 0 and bool(msg.token_ids) and len(msg.logprobs) < len(msg.token_ids))
 
-    def _on_tokens(self, msg: m.TokensGenerated, now: float, leg: str) -> list[Action]:
+    def _on_tokens(self, msg: m.TokensGenerated, now: float, leg: Source) -> list[Action]:
         led = self.ledger
         if leg != self.token_leg:  # P's own sampled token: D re-emits it, we keep its logprob
             self._merge(leg, msg.timeline)
@@ -420,9 +428,9 @@ class Request:
             out += self._last_tokens(msg, now, leg)
         return out
 
-    def _last_tokens(self, msg: m.TokensGenerated, now: float, leg: str) -> list[Action]:
+    def _last_tokens(self, msg: m.TokensGenerated, now: float, leg: Source) -> list[Action]:
         led = self.ledger
-        led.ended.add(leg)
+        led.ended.add(_sent_leg(leg))
         led.cached[leg] = msg.cached_tokens
         led.decode_work = (msg.decode_steps, msg.decode_seqs, msg.decode_context, msg.decode_prefill_tokens)
         self._merge(leg, msg.timeline)

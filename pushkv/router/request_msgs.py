@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Literal, Optional, Union
 
 from pushkv import messages as m
+from pushkv.kinds import FinishReason, Role
 from pushkv.router import policy as P
 from pushkv.router.ledger import Outcome
+
+Source = Role | Literal["router"]  # where a request's input comes from: a leg's scheduler, or the router
 
 
 # ---------------------------------------------------------------------------
@@ -55,9 +58,9 @@ class Rejected:
 class SendFailed:
     """A link refused a ``Generate``; ``unsent``: legs of the same batch never tried."""
 
-    leg: str
+    leg: Role
     error: str
-    unsent: tuple[str, ...] = ()
+    unsent: tuple[Role, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,7 @@ class Close:
 # ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Send:
-    leg: str
+    leg: Role
     engine_id: str
     msg: Union[m.Generate, m.Abort]
 
@@ -107,7 +110,7 @@ class Tokens:
 
 @dataclass(frozen=True)
 class Finished:
-    finish_reason: str
+    finish_reason: FinishReason
 
 
 @dataclass(frozen=True)

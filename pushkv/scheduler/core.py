@@ -39,6 +39,7 @@ from pushkv import limits
 from pushkv import messages as m
 from pushkv.config import DeploymentConfig, InstanceConfig, Role
 from pushkv.dispatch import handler_for
+from pushkv.kinds import FinishReason
 from pushkv.kv import checksum
 from pushkv.protocol.prefix_cache import PrefixCache
 from pushkv.scheduler.metrics import InstanceMetrics, Snapshot
@@ -515,7 +516,7 @@ class SchedulerCore:
         r.last_token_at = self.now
         self.metrics.first_token(len(r.prompt), self.now - r.queued_at)
 
-    def _observe_finish(self, r: Request, reason: str) -> None:
+    def _observe_finish(self, r: Request, reason: FinishReason) -> None:
         self.metrics.finished(reason, len(r.prompt), len(r.output), self.now - r.queued_at)
 
     def _emit(self, r: Request, tok: int, lp: Optional[m.TokenLogprob] = None) -> None:

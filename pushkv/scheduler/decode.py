@@ -23,7 +23,7 @@ from typing import Optional
 from pushkv import messages as m
 from pushkv.config import DeploymentConfig, InstanceConfig
 from pushkv.kv import checksum
-from pushkv.kv.layout import instance_layout, layer_groups
+from pushkv.kv.layout import transfer_of
 from pushkv.scheduler.core import SchedulerCore, WriterAnswer
 from pushkv.scheduler.outbox import Peer
 from pushkv.scheduler.requests import Request, State
@@ -47,16 +47,17 @@ class DecodeScheduler(SchedulerCore):
         self.sources = {p.source() for p in cfg.role_instances("prefill")}
         self.any_source = bool(cfg.registry)
         self.blocked_on: Optional[tuple[str, int]] = None  # pull inline: the READ the engine waits on
+        self.transfer = transfer_of(cfg)  # decided by the planner
         # pull with a READ renews P's lease while it queues or reads; every leg that registers
         # with P (push, push's late allocation, pull's write variant) renews while it queues here,
         # so P's wait for our registration runs from our admission (PushRendezvous.renew)
-        self.reads = cfg.mode == "pull" and cfg.pull_read != "write"
+        self.reads = self.transfer.direction == "read"
         self.renews = cfg.mode != "local"
         t = cfg.timeouts
         self.renew_every_s = min(t.lease_s, t.registration_wait_s) / RENEWALS_PER_LEASE
         self.next_renewal = 0.0
         self.stalled_until = 0.0  # tests: an injected stall (stall_admission) ends then
-        self.kv_groups = len(layer_groups(instance_layout(cfg, inst, 0)))  # rows of P's checksums, per head
+        self.kv_groups = self.transfer.groups  # rows of P's checksums, per head
 
     def _check_leg(self, msg: m.Generate) -> Optional[tuple[str, int]]:
         if msg.prefill_here:
@@ -119,8 +120,8 @@ class DecodeScheduler(SchedulerCore):
             if late:
                 self.counters["late_allocations"] += 1
             wait = self.cfg.timeouts.write_wait_s if late else self.cfg.timeouts.transfer_s
-            self._to_writers(m.ReadKV(r.transfer_id, r.generation, tuple(r.blocks), r.pull, wait, write=late,
-                                      cached_tokens=r.cached))
+            self._to_writers(m.ReadKV(r.transfer_id, r.generation, tuple(r.blocks), r.pull, wait,
+                                      write=self.transfer.direction == "write", cached_tokens=r.cached))
             self._stamp(r, "read_posted")
             if self.cfg.pull_read == "inline":
                 self.blocked_on = r.key  # the engine step blocks on the READ, like the default connector

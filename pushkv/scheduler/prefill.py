@@ -12,7 +12,7 @@ from typing import Optional
 import msgspec
 
 from pushkv import messages as m
-from pushkv.kv.layout import instance_layout, stream_plan
+from pushkv.kv.layout import transfer_of
 from pushkv.scheduler.core import SchedulerCore, WriterAnswer
 from pushkv.scheduler.requests import Request, State
 
@@ -23,8 +23,7 @@ class PrefillScheduler(SchedulerCore):
 
     def __init__(self, cfg, inst):
         super().__init__(cfg, inst)
-        # what the writers stream (they say the same in KVSent.stream)
-        self._layer_stream = stream_plan(cfg, inst, instance_layout(cfg, inst, 0))[0] == "layer"
+        self.transfer = transfer_of(cfg)  # what the writers stream (they say the same in KVSent.stream)
 
     def _admitted(self, r: Request) -> None:
         r.state = State.PREFILL
@@ -41,7 +40,7 @@ class PrefillScheduler(SchedulerCore):
         """Streaming push: the chunk's blocks may leave for D while the next chunk computes.
         From the first, the writers may be reading the blocks: they stay ours until every
         writer rank answers (``SchedulerCore._pinned_by_writers``)."""
-        if self.cfg.mode != "push" or self.cfg.push_stream != "chunk" or self._holds(r) or r.aborted:
+        if self.transfer.stream != "chunk" or self._holds(r) or r.aborted:
             return
         self._stream_started(r)
         self._to_writers(m.StreamKV(r.transfer_id, r.generation, tuple(r.blocks), r.prefilled))
@@ -50,7 +49,7 @@ class PrefillScheduler(SchedulerCore):
         """Layer-streamed push: each prompt this step computes, with the tokens it holds after
         it; the workers tell their writers as each layer group is stored, so the writers may
         read the blocks from this step on."""
-        if not self._layer_stream:
+        if self.transfer.stream != "layer":
             return ()
         out = []
         for r, w in batch:
@@ -75,8 +74,9 @@ class PrefillScheduler(SchedulerCore):
             if r.late:
                 self.counters["late_allocations"] += 1
             # a late push request keeps push's transfer: D registers after the relay and we WRITE
+            # P WRITEs after D registers: pull's "write" variant, and push's late request (push WRITEs)
             self._to_writers(m.HoldKV(r.transfer_id, r.generation, tuple(r.blocks), len(r.prompt), tok, lease,
-                                      write=r.late))
+                                      write=self.transfer.direction == "write"))
             src = m.PrefillSource(self.inst.engine_id, self.inst.tp, self.inst.handshake_endpoints)
             pull = m.PullParams(src, tuple(r.blocks), len(r.prompt), tok, self.now + lease, r.checksums)
             self._reply(r, m.PrefillFinished(r.transfer_id, r.generation, tok, pull, r.sorted_timeline(),
@@ -100,6 +100,6 @@ class PrefillScheduler(SchedulerCore):
             self.counters[f"rendezvous_{r.rendezvous}"] += 1
         if not self._holds(r):
             self._reply(r, m.PrefillFinished(r.transfer_id, r.generation, r.output[0], None, r.sorted_timeline(),
-                                             r.kv_stats(), r.cached, *r.prefill_work))
+                                             r.kv_stats(self.transfer.describe), r.cached, *r.prefill_work))
             self._observe_finish(r, "length")  # P's leg: one token, as vLLM's P runs max_tokens=1
         self._release(r)

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from pushkv import messages as m
 from pushkv.config import Role
+from pushkv.kinds import FinishReason, Rendezvous, StreamSent
 from pushkv.kv.layout import blocks_for
 
 
@@ -31,7 +32,7 @@ class KVTally:
     num_descs: int = 0
     transfer_s: float = 0.0  # the slowest rank's posted -> done
     parts: int = 0  # streamed part WRITEs (all ranks)
-    stream: str = ""  # "chunk" or "fallback: ..." (from P's writers)
+    stream: StreamSent = ""  # what P's writers say of the stream (KVSent.stream)
 
     def add(self, nbytes: int, num_descs: int, transfer_s: float) -> None:
         self.nbytes += nbytes
@@ -59,7 +60,7 @@ class Request:
     answers: dict[int, m.Msg] = field(default_factory=dict)  # writer rank -> its KVSent / KVReceived / KVFailed
     timeline: dict[str, float] = field(default_factory=dict)
     kv: KVTally = field(default_factory=lambda: KVTally())
-    rendezvous: str = ""  # P, push: which half arrived first (from the writers' KVSent)
+    rendezvous: Rendezvous = ""  # P, push: which half arrived first (from the writers' KVSent)
     sampling: Optional[m.SamplingParams] = None  # None: greedy
     late: bool = False  # P, push deployment: hold the KV and answer with pull parameters
     # what the steps that ran it did (reported to the router's cost model): see messages
@@ -115,20 +116,21 @@ class Request:
             self.kv.parts += msg.parts
             self.kv.stream = self.kv.stream or msg.stream
 
-    def kv_stats(self) -> Optional[m.KVTransferStats]:
-        """What moved the request's KV, for its last answer (None: nothing moved)."""
+    def kv_stats(self, describe: Callable[[StreamSent], str] = str) -> Optional[m.KVTransferStats]:
+        """What moved the request's KV, for its last answer (None: nothing moved); ``describe``
+        says the stream as the stats show it (P: ``TransferPlan.describe``, which names a fallback's why)."""
         kv = self.kv
         if self.leg == "local" or not kv.nbytes:
             return None
         rendezvous = self.rendezvous or ("pull" if self.pull is not None else "")
         reserved = len(self.blocks) if self.reserved_block_s else 0
         return m.KVTransferStats(kv.nbytes, kv.num_descs, kv.transfer_s, rendezvous, self.reserved_block_s,
-                                 reserved, kv.parts, kv.stream)
+                                 reserved, kv.parts, describe(kv.stream))
 
     def sorted_timeline(self) -> tuple[tuple[str, float], ...]:
         return tuple(sorted(self.timeline.items(), key=lambda kv: kv[1]))
 
-    def finished(self) -> Optional[str]:
+    def finished(self) -> Optional[FinishReason]:
         if self.output and self.output[-1] in self.stop_ids:
             return "stop"
         if len(self.output) >= self.max_tokens:

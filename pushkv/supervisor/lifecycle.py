@@ -25,9 +25,15 @@ PR_SET_PDEATHSIG = 1
 _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded before fork: preexec_fn must not import
 
 
+def parent_death_signal(sig: int) -> bool:
+    """This process gets ``sig`` when its parent dies, even by SIGKILL (Linux prctl PR_SET_PDEATHSIG);
+    False when the kernel refuses. Imports nothing: it runs between fork and exec too."""
+    return _LIBC.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0
+
+
 def _die_with_parent(parent_pid: int) -> None:
     """Runs in the child between fork and exec."""
-    if _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+    if not parent_death_signal(signal.SIGKILL):
         os._exit(127)
     if os.getppid() != parent_pid:  # parent died before prctl took effect
         os._exit(127)

@@ -14,6 +14,7 @@ from typing import Callable, Iterable, Iterator, Optional
 import msgspec
 
 from pushkv.config import TRACE_AUTO, DeploymentConfig, InstanceConfig, ipc, new_deployment_id
+from pushkv.kv.layout import plan_transfer
 from pushkv.supervisor.geometry import check_deployment
 
 RUN_ROOT = "/tmp"
@@ -141,7 +142,8 @@ def plan_deployment(
 ) -> DeploymentConfig:
     """Fill every id, directory and endpoint left empty in ``cfg``.
 
-    Fields already set are kept (a config file may pin them). Only the
+    Fields already set are kept (a config file may pin them), except the transfer plan, which is
+    decided here from the user's fields (``kv.layout.plan_transfer``). Only the
     instances the mode uses are planned; with ``prefill_instances`` /
     ``decode_instances`` above 1, ``prefills`` / ``decodes`` hold every one
     (the first is also ``prefill`` / ``decode``). A value outside a field's closed set (a mode,
@@ -166,6 +168,9 @@ def plan_deployment(
         raise ValueError(f"router_queue must be >= 0, got {cfg.router_queue}")
     if cfg.router_max_in_flight < 1:
         raise ValueError(f"router_max_in_flight must be >= 1, got {cfg.router_max_in_flight}")
+    # what the transfers do, decided here once for every process (never kept from a config file: it
+    # follows from the flags above, which a pinned copy might not)
+    cfg = msgspec.structs.replace(cfg, transfer=plan_transfer(cfg))
     check_deployment(cfg)  # P/D geometry: refuse before any process starts
     cfg = _fixed_metrics_ports(cfg)
     dep_id = cfg.deployment_id or new_deployment_id()

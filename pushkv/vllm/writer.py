@@ -26,7 +26,6 @@ handshake link: when a P writer dies, its transfers fail at once with that reaso
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
 import signal
@@ -42,6 +41,7 @@ from pushkv.protocol import arrivals as ar
 from pushkv.protocol import rendezvous as rv
 from pushkv.protocol.tp import head_overlap, producers_for, rank_heads
 from pushkv.security import is_network
+from pushkv.supervisor.lifecycle import parent_death_signal
 from pushkv.transport.nixl_agent import NixlAgent, TransferError
 from pushkv.vllm import wire as w
 from pushkv.vllm.memory import map_fd, mapping_addr
@@ -82,7 +82,8 @@ class VllmWriter(WarmWriter):
 
     # -- lifecycle -------------------------------------------------------------------
     def setup(self) -> None:
-        _die_with_parent()
+        if not parent_death_signal(signal.SIGTERM):  # SIGTERM when the vLLM worker dies, even by SIGKILL
+            log.warning("%s: cannot ask for a signal at the vLLM worker's death; its pid is watched", self.name)
         self.mm = map_fd(self.args.fd, self.kv.nbytes)
         self.memory = mem.Memory(mapping_addr(self.mm), self.kv.nbytes, self.kv)
         self.nixl = NixlAgent(self.agent_name)
@@ -358,14 +359,6 @@ class VllmWriter(WarmWriter):
     def has_pending(self) -> bool:
         return (self.rdv.next_deadline() is not None or self.arrivals.next_deadline() is not None
                 or bool(self.quarantine) or bool(self.waits))
-
-
-def _die_with_parent() -> None:
-    """SIGTERM when the vLLM worker dies, even by SIGKILL (Linux prctl PR_SET_PDEATHSIG)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
-    except OSError:
-        pass
 
 
 def main(argv=None) -> None:

@@ -72,11 +72,15 @@ class Worker(Actor):
             log.info("%s: batched engine warm in %.1fs, %d decode CUDA graphs captured in %.1fs",
                      self.name, warm, len(self.model.batched.graphs), graphs)
             sampling.warmup(self.cfg.model.vocab_size, self.device)
-        if L.stream_plan(self.cfg, self.inst, self.layout)[0] == "layer" and self.inst.role == "prefill":
+        if self.takes_marks():
             self.marks = LayerMarks(marks_endpoint(self.inst.writer_endpoints[self.rank]), L.layer_groups(self.layout),
                                     self.device, limits.msg_cap_bytes(self.cfg))
         sock = self.socket(zmq.DEALER, self.inst.worker_endpoints[self.rank], bind=True)
         self.sched = self.add_channel(sock, m.DEC_SCHED_TO_WORKER, f"{self.inst.name}-scheduler")
+
+    def takes_marks(self) -> bool:
+        """A P worker marks each layer group stored for its writer when the plan streams layers."""
+        return L.transfer_of(self.cfg).stream == "layer" and self.inst.role == "prefill"
 
     def _attach(self) -> Pool:
         """The pool its writer owns: the handle the supervisor passed on (shm or CUDA IPC)."""

@@ -370,7 +370,7 @@ class DecodeWriter(WriterBase):
     # -- pull, background: READ on the writer --------------------------------------------
     def on_ReadKV(self, msg: m.ReadKV) -> None:
         p = msg.pull
-        if msg.write or self.cfg.pull_read == "write":  # register now, after the relay; P WRITEs (see config)
+        if msg.write:  # register now, after the relay; P WRITEs (the scheduler says: TransferPlan.direction)
             self._register(msg.transfer_id, msg.generation, msg.block_ids, p.num_tokens, p.source, msg.deadline_s,
                            msg.cached_tokens)
             return

@@ -17,7 +17,7 @@ from pushkv.protocol import actions as A
 from pushkv.protocol import rendezvous as rv
 from pushkv.protocol.lease import Leases
 from pushkv.protocol.link_queue import window_of
-from pushkv.kv.layout import blocks_for, layer_groups, stream_plan, window_group
+from pushkv.kv.layout import blocks_for, transfer_of, window_group
 from pushkv.protocol.tp import consumers_for, head_overlap
 from pushkv.transport import poster
 from pushkv.transport.nixl_agent import TransferError
@@ -78,9 +78,10 @@ class PrefillWriter(WriterBase):
     def __init__(self, cfg, inst, rank):
         super().__init__(cfg, inst, rank)
         t = cfg.timeouts
-        self.stream, unit = stream_plan(cfg, inst, self.layout)
+        plan = transfer_of(cfg)  # decided by the planner
+        self.stream, unit = plan.sent, plan.unit
         self.rdv = rv.PushRendezvous(rank, inst.tp, self.layout.total_kv_heads, t.registration_wait_s, t.transfer_s,
-                                     stream_unit=unit, stream_groups=len(layer_groups(self.layout)))
+                                     stream_unit=unit, stream_groups=plan.groups)
         self._parts_posted = 0  # keys of part WRITEs in flight: (tid, gen, n)
         self.leases = Leases(t.lease_s, t.lease_max_s)
         self._transfers: dict[tuple[str, int], PrefillTransfer] = {}
@@ -169,7 +170,7 @@ class PrefillWriter(WriterBase):
 
     def on_HoldKV(self, msg: m.HoldKV) -> None:
         faults.point(self.name, "lease_held")
-        if msg.write or self.cfg.pull_read == "write":
+        if msg.write:  # the scheduler says (the deployment's TransferPlan.direction, or a late push)
             self._hold_for_write(msg)
         else:
             self._hold_for_read(msg)

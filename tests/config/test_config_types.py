@@ -12,8 +12,16 @@ import msgspec
 import pytest
 
 from pushkv import messages as m
-from pushkv.config import (DeploymentConfig, InstanceConfig, ModelConfig, choices, config_from_builtins,
-                           decode_config, encode_config)
+from pushkv.config import (
+    DeploymentConfig,
+    InstanceConfig,
+    ModelConfig,
+    TransferPlan,
+    choices,
+    config_from_builtins,
+    decode_config,
+    encode_config,
+)
 from tests.support import ROOT
 
 BAD_JSON = [
@@ -76,6 +84,34 @@ def test_every_closed_field_is_typed():
     assert set(choices(InstanceConfig)) == {"role"}
     assert set(choices(ModelConfig)) == {"engine", "random_init"}
     assert set(choices(m.Generate)) == {"leg"}
+    assert set(choices(TransferPlan)) == {"stream", "direction"}
+
+
+# message -> its closed fields, and the values each allows
+CLOSED_MESSAGE_FIELDS = [
+    (m.KVSent, {"rendezvous": ("", "registration_first", "prefill_first", "pull", "replica"),
+                "stream": ("", "chunk", "layer", "fallback")}),
+    (m.KVTransferStats, {"rendezvous": ("", "registration_first", "prefill_first", "pull", "replica")}),
+    (m.TokensGenerated, {"finish_reason": ("", "length", "stop")}),
+    (m.PoolHandle, {"kind": ("shm", "cuda_ipc")}),
+    (m.Generate, {"leg": ("prefill", "decode", "local")}),
+]
+
+
+@pytest.mark.parametrize("cls, fields", CLOSED_MESSAGE_FIELDS, ids=[c.__name__ for c, _ in CLOSED_MESSAGE_FIELDS])
+def test_every_closed_message_field_is_typed(cls, fields):
+    assert choices(cls) == fields
+
+
+@pytest.mark.parametrize("decoder, frame", [
+    # a fallback's why is the plan's to say, not the message's
+    (m.DEC_WRITER_TO_SCHED, ["KVSent", "t", 0, 1, 1, 0.0, "", [], 0, "fallback: sliding-window layers"]),
+    (m.DEC_WRITER_TO_SCHED, ["KVSent", "t", 0, 1, 1, 0.0, "registration-first"]),
+    (m.DEC_SCHED_TO_ROUTER, ["TokensGenerated", "t", 0, [1], True, "eos"]),
+], ids=["stream", "rendezvous", "finish_reason"])
+def test_a_message_with_a_value_outside_its_set_is_refused_at_decode(decoder, frame):
+    with pytest.raises(msgspec.ValidationError, match="Invalid enum value"):
+        decoder.decode(msgspec.msgpack.encode(frame))
 
 
 def test_mypy_refuses_a_misspelt_comparison(tmp_path):

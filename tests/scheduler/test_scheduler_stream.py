@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pushkv import messages as m
-from pushkv.config import DeploymentConfig, InstanceConfig
+from pushkv.config import DeploymentConfig, InstanceConfig, preset
 from pushkv.scheduler.requests import Request, State, build_batch
 from tests.scheduler.test_scheduler_roles import ROUTER, all_free, deliver, tick, wired
 
@@ -79,11 +79,11 @@ def test_chunks_cover_the_prompt_once_in_order(n, chunk):
 
 
 # --------------------------------------------------------------------------- schedulers
-def make(role="prefill", mode="push", push_stream="chunk", tp=2, chunk=CHUNK, num_blocks=16):
+def make(role="prefill", mode="push", push_stream="chunk", tp=2, chunk=CHUNK, num_blocks=16, model="small"):
     inst = InstanceConfig(role=role, engine_id=f"{role}-engine", tp=tp, num_blocks=num_blocks, prefill_chunk=chunk,
                           worker_endpoints=tuple(f"w{r}" for r in range(tp)),
                           writer_endpoints=tuple(f"x{r}" for r in range(tp)))
-    return wired(DeploymentConfig(mode=mode, push_stream=push_stream, **{role: inst}), inst)
+    return wired(DeploymentConfig(mode=mode, push_stream=push_stream, model=preset(model), **{role: inst}), inst)
 
 
 def generate(s, tid, n, leg="prefill", max_tokens=1, first=1, **kw):
@@ -142,6 +142,23 @@ def test_push_chunk_streams_each_non_final_chunk():
     assert isinstance(done, m.PrefillFinished) and done.first_token == 42
     assert (done.kv.parts, done.kv.stream) == (4, "chunk")
     assert all_free(s)
+
+
+def test_a_hybrid_model_streams_no_chunk():
+    """Sliding-window layers: the plan falls back to one WRITE at prefill end, and the scheduler
+    reads that plan (it sends no StreamKV after a chunk, as the writers would stream nothing)."""
+    s, wire = make(model="hybrid")
+    generate(s, "t1", 40)
+    for _ in range(2):
+        run_chunk(s, wire)
+        assert wire.take("writer") == []
+    run_chunk(s, wire)
+    assert types(wire.take("writer")) == ["SendKV", "SendKV"]
+    assert not s.reqs[("t1", 0)].streamed
+    for rank in range(2):
+        answer(s, rank, m.KVSent("t1", 0, nbytes=10, num_descs=1, rendezvous="registration_first", stream="fallback"))
+    (done,) = wire.take("router")
+    assert done.kv.stream == "fallback: sliding-window layers; one WRITE at prefill end"
 
 
 def test_a_prompt_within_one_chunk_streams_nothing():
@@ -334,31 +351,3 @@ def test_step_timeout_mid_stream_ends_the_stream():
     assert all_free(s) and s.counters["stale_writer_answer"] == 2 and s.counters["stale_step_answer"] == 2
 
 
-# --------------------------------------------------------------------------- what P's writers stream
-@pytest.mark.parametrize("mode, push_stream, model, p_bs, d_bs, chunk, stream, unit", [
-    ("push", "off", "small", 16, 16, 32, "", 0),
-    ("pull", "chunk", "small", 16, 16, 32, "", 0),
-    ("push", "layer", "small", 16, 16, 32, "layer", 16),
-    ("push", "layer", "small", 16, 32, 0, "layer", 32),  # needs no chunking: marks come within a step
-    ("push", "layer", "hybrid", 16, 16, 0, "fallback: sliding-window layers", 0),
-    ("push", "layer", "mla", 32, 16, 0, "layer", 32),
-    ("push", "chunk", "hybrid", 16, 16, 32, "fallback: sliding-window layers", 0),
-    ("push", "chunk", "small", 16, 16, 0, "fallback: --prefill-chunk is 0", 0),
-    ("push", "chunk", "small", 16, 16, 32, "chunk", 16),
-    ("push", "chunk", "small", 16, 32, 32, "chunk", 32),  # whole blocks on both sides: lcm
-    ("push", "chunk", "small", 32, 16, 32, "chunk", 32),
-    ("push", "chunk", "small", 32, 48, 32, "chunk", 96),
-    ("push", "chunk", "mla", 16, 32, 32, "chunk", 32),
-])
-def test_stream_plan(mode, push_stream, model, p_bs, d_bs, chunk, stream, unit):
-    """What P's writers tell the scheduler of the stream (KVSent.stream), and the unit of a part."""
-    from pushkv.config import preset
-    from pushkv.kv.layout import instance_layout
-    from pushkv.kv.layout import stream_plan
-
-    cfg = DeploymentConfig(mode=mode, push_stream=push_stream, model=preset(model),
-                           prefill=InstanceConfig(role="prefill", block_size=p_bs, prefill_chunk=chunk),
-                           decode=InstanceConfig(role="decode", block_size=d_bs))
-    got_stream, got_unit = stream_plan(cfg, cfg.prefill, instance_layout(cfg, cfg.prefill, 0))
-    assert got_stream.startswith(stream) and (got_stream == "") == (stream == "")
-    assert got_unit == unit

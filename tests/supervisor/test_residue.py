@@ -9,6 +9,7 @@ import pytest
 
 from tools.launch import launched
 from pushkv.supervisor import lifecycle
+from tests.support import ROOT
 
 
 def _dead_pid() -> int:
@@ -63,3 +64,18 @@ def test_pushkv_up_removes_a_killed_deployments_pools(tmp_path, capsys):
         assert not os.path.exists(run_dir)
     log = open(tmp_path / "second.log").read()
     assert f"removed dead deployment {dep_id}" in log, log[-2000:]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_parent_death_signal_is_what_the_kernel_holds(sig):
+    """The one prctl both the supervisor's children (SIGKILL) and the vLLM writer (SIGTERM) use;
+    read back with PR_GET_PDEATHSIG in a child of its own, so this test process keeps none."""
+    code = ("import ctypes, sys\n"
+            "from pushkv.supervisor.lifecycle import _LIBC, parent_death_signal\n"
+            f"assert parent_death_signal({int(sig)})\n"
+            "got = ctypes.c_int()\n"
+            "assert _LIBC.prctl(2, ctypes.byref(got), 0, 0, 0) == 0\n"  # PR_GET_PDEATHSIG
+            "print(got.value)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.returncode == 0 and out.stdout.strip() == str(int(sig)), out.stderr

@@ -90,3 +90,16 @@ def test_up_flags_are_grouped_by_topic_in_order():
     assert {"--startup-timeout", "--load-timeout"} <= set(groups["supervision"])
     text = up.format_help()
     assert [text.index(f"\n{t}:") for t in UP_GROUPS] == sorted(text.index(f"\n{t}:") for t in UP_GROUPS)
+
+
+def test_a_closed_flag_offers_exactly_its_kind():
+    """A flag whose config field is a closed set offers that set's values (read from ``pushkv.kinds``),
+    so a value added to a kind is a value the CLI takes."""
+    from pushkv.config import DeploymentConfig, ModelConfig, choices
+
+    kinds = {**choices(DeploymentConfig), **choices(ModelConfig)}
+    kinds["role"] = tuple(r for r in kinds.pop("host_role") if r)  # --role sets host_role; "": without it
+    offered = {a.dest: tuple(a.choices) for a in up_parser()._actions if a.dest in kinds}
+    assert offered == {dest: kinds[dest] for dest in offered}
+    assert set(offered) == {"mode", "pull_read", "push_stream", "kv_verify", "writer_warm", "writer_post_thread",
+                            "role", "link_order", "staging", "engine", "random_init"}
