@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# P and D on one GPU (both cuda:0), each in its own network namespace, joined by a veth capped with tc (issue 27,
+# item 5): UCX over TCP from GPU memory (UCX_TLS=tcp,cuda_copy, its TCP lanes bound to the veth), qwen3-8b,
+# --num-blocks 3072, modes push-layer (pushkv's staging: auto's choice there), push-layer-ucx-staging (UCX's
+# cuda_copy staging) and pull-inline, at 1k and 4k tokens, lone and at load. `pushkv link-bench` does the work
+# (tools/link_bench.py: namespaces, tc, etcd, one deployment at a time, every rate given on each): each argument
+# is a tc rate, run in that order by every mode. Needs root, iproute2 (ip, tc) and etcd; where the image lacks
+# them, experiments/netbin.sh fills .netbin/ with this machine's, carried beside .whl. The namespaces, qdiscs,
+# etcd and every process are removed however it ends (link-bench's cleanup, then a sweep on exit).
+#   OUT=out bash experiments/capped_link_gpu.sh 10gbit 25gbit none
+# Knobs: MODES, LENGTHS (lone), LOAD_LENGTHS, REPS, LOAD (share of a capped link's capacity the load asks for),
+# QPS (uncapped link's load), LOAD_N (prompts per loaded run), BENCH_S (link-bench's time limit), DEVICE,
+# BENCH_EXTRA (more link-bench flags), UP_EXTRA (more `pushkv up` flags). Smoke test on a CPU (tiny model):
+#   DEVICE=cpu MODEL=small GEOMETRY="--num-kv-heads 8 --head-dim 64" TLS=tcp BLOCKS=1024 LENGTHS=256 \
+#     LOAD_LENGTHS=256 REPS=1 LOAD_N=6 OUT=/tmp/capped bash experiments/capped_link_gpu.sh 300mbit
+set -uo pipefail
+cd "$(dirname "$0")/.."
+[ -d .netbin ] && export PATH=$PATH:$PWD/.netbin/bin  # carried iproute2 / etcd: only where the image has none
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PUSHKV_THREADS=${PUSHKV_THREADS:-4} PYTHONUNBUFFERED=1
+OUT=$(realpath -m "${OUT:-out}"); mkdir -p "$OUT"
+RUN=$(mktemp -d /tmp/capped-link-XXXX)  # link-bench's folder; $OUT gets its tables, JSON and two archives
+DEVICE=${DEVICE:-cuda:0}
+[ $# -gt 0 ] || { echo "give the tc rates to run, e.g. 10gbit 25gbit none"; exit 2; }
+
+cleanup() {  # what a killed link-bench left: namespaces of dead runs (tools/netns.py names them by pid)
+  python3 -c "from tools import netns; netns.sweep_stale()" 2>/dev/null
+  ip netns list 2>/dev/null | grep -q '^pushkv-' && echo "left over: $(ip netns list | grep '^pushkv-')"
+}
+trap cleanup EXIT; trap "exit 130" INT; trap "exit 143" TERM
+
+# preflight, in a second or two: root, ip, tc, etcd, a namespace, a veth and a tbf qdisc (needs sch_tbf)
+preflight() {
+  [ "$(id -u)" = 0 ] || { echo "preflight: not root"; return 1; }
+  for b in ip tc etcd; do command -v $b >/dev/null || { echo "preflight: no $b (carry .netbin: experiments/netbin.sh)"; return 1; }; done
+  local ns=pushkv-preflight-$$
+  ip netns add $ns || { echo "preflight: ip netns add failed (no CAP_SYS_ADMIN?)"; return 1; }
+  local ok=0
+  ip link add pkpf$$ type veth peer name eth0 netns $ns \
+    && ip -n $ns link set eth0 up \
+    && tc -n $ns qdisc replace dev eth0 root tbf rate 10gbit burst 1250000 latency 20ms \
+    && ip netns exec $ns true && ok=1
+  ip link del pkpf$$ 2>/dev/null; ip netns del $ns
+  [ $ok = 1 ] || { echo "preflight: veth, tbf qdisc or ip netns exec failed"; return 1; }
+}
+preflight || exit 1
+{ [ "${DEVICE%%:*}" = cuda ] && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import torch, nixl; print('torch', torch.__version__)"; ip -V; tc -V; etcd --version | head -1
+  nproc; } 2>&1 | tee "$OUT/hardware.txt"
+
+echo "=== link-bench $* $(date -u +%H:%M:%S)"
+# link-bench takes SIGTERM as Ctrl-C: it removes its hosts and processes before it exits
+timeout -s TERM ${BENCH_S:-520} python3 -m tools.link_bench --rates "$@" --one-at-a-time \
+  --modes ${MODES:-push-layer push-layer-ucx-staging pull-inline} \
+  --model ${MODEL:-qwen3-8b} --geometry "${GEOMETRY:-}" --prefill-chunk 0 \
+  --lengths ${LENGTHS:-1024 4096} --load-lengths ${LOAD_LENGTHS:-1024 4096} --reps ${REPS:-2} \
+  --link-load ${LOAD:-0.9} --qps ${QPS:-2} --num-prompts ${LOAD_N:-16} --output-len ${OUTPUT_LEN:-32} \
+  --ucx-tls ${TLS:-tcp,cuda_copy} --ucx-net-devices eth0 \
+  --up-args "--device $DEVICE --num-blocks ${BLOCKS:-3072} --max-num-seqs 64 --max-batch-tokens 16384 ${UP_EXTRA:-}" \
+  --out "$RUN" ${BENCH_EXTRA:-} 2>&1 | grep -v "^20" | tee "$OUT/link_bench.txt" | grep -v "link-bench:" | tail -60
+rc=${PIPESTATUS[0]}
+echo "=== done rc=$rc $(date -u +%H:%M:%S)"
+# what comes back from the GPU machine (at most 8 files): the tables, the run's JSON, and two archives: every
+# run's bench JSON with the plots, and the deployments' logs
+cp "$RUN"/tables.md "$RUN"/link_bench.json "$OUT"/ 2>/dev/null
+(cd "$RUN" && tar czf "$OUT/runs.tgz" --exclude=logs . && tar czf "$OUT/logs.tgz" logs) 2>/dev/null
+rm -rf "$RUN"
+exit $rc
