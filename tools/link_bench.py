@@ -419,7 +419,8 @@ def table(rate: str, regime: dict, args, m) -> str:
             failed = (lo.get("failed") or 0) + (ld.get("failed") or 0)
             lines.append(f"| {mode} | {n} | {_f(lo.get('ttft_ms'))} | {_f(lo.get('tpot_ms'))} | "
                          f"{_f(lo.get('prefill_ms'))} | {_f(lo.get('pend_to_kv_ms'))} | {_wire(lo)} | "
-                         f"{_f(ld.get('qps'), 'g')} | {_f(ld.get('ttft_ms'))} | {_f(ld.get('tpot_ms'))} | {_f(ld.get('pend_to_kv_ms'))} | "
+                         f"{_f(ld.get('qps'), 'g')} | {_f(ld.get('ttft_ms'))} | {_f(ld.get('tpot_ms'))} | "
+                         f"{_f(ld.get('pend_to_kv_ms'))} | "
                          f"{failed if c else '-'} |")
     return "\n".join(lines)
 
@@ -610,7 +611,7 @@ def plots(args, results: dict) -> list[str]:
             continue
         path = os.path.join(args.out, f"ttft_{rate}.png")
         plot.plot(cells, path, title=f"link {rate}: {cap_text(rate)}",
-                  column=lambda q: "lone requests" if q == LONE_QPS else load_text(rate, args))
+                  column=lambda q, rate=rate: "lone requests" if q == LONE_QPS else load_text(rate, args))
         paths.append(path)
     return paths
 
