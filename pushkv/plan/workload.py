@@ -103,13 +103,33 @@ class Recorded:
         return out
 
 
-Workload = Union[Poisson, Chat, Recorded]
+@dataclass(frozen=True)
+class Arrivals:
+    """Independent requests exactly as a bench sent them: each one's arrival (s) and prompt length
+    (what ``tools/link_plan.py`` checks the planner's link model against)."""
+
+    starts: tuple[float, ...]
+    prompts: tuple[int, ...]
+    output: int
+    kind: str = "arrivals"
+
+    def __post_init__(self) -> None:
+        if len(self.starts) != len(self.prompts):
+            raise ValueError(f"arrivals: {len(self.starts)} starts but {len(self.prompts)} prompts")
+
+    def conversations(self) -> list[list[Turn]]:
+        pairs = enumerate(zip(self.starts, self.prompts))
+        return [[Turn(i, 1, n, self.output, 0, 0, start_s=t)] for i, (t, n) in pairs]
+
+
+Workload = Union[Poisson, Chat, Recorded, Arrivals]
 
 
 def from_dict(d: dict) -> Workload:
     """A workload from JSON: {"kind": "poisson", "qps": 8, "requests": 200, "prompt": [16384, 16384],
-    "output": 256, "reuse": 0} or {"kind": "chat", "rate": 4, "conversations": 16, "turns": [2, 4],
-    "system": 1024, "user": [32, 128], "output": 32, "think_s": 0.2}."""
+    "output": 256, "reuse": 0}, {"kind": "chat", "rate": 4, "conversations": 16, "turns": [2, 4],
+    "system": 1024, "user": [32, 128], "output": 32, "think_s": 0.2} or {"kind": "arrivals", "starts":
+    [0.0, 0.31], "prompts": [1024, 4096], "output": 16}."""
     d = dict(d)
     kind = d.pop("kind", "poisson")
     if kind == "poisson":
@@ -118,4 +138,6 @@ def from_dict(d: dict) -> Workload:
     if kind == "chat":
         return Chat(float(d["rate"]), int(d["conversations"]), tuple(d["turns"]), int(d["system"]),
                     tuple(d["user"]), int(d["output"]), float(d.get("think_s", 0.0)), int(d.get("seed", 0)))
-    raise ValueError(f"unknown workload kind {kind!r} (poisson | chat)")
+    if kind == "arrivals":
+        return Arrivals(tuple(float(t) for t in d["starts"]), tuple(int(n) for n in d["prompts"]), int(d["output"]))
+    raise ValueError(f"unknown workload kind {kind!r} (poisson | chat | arrivals)")
