@@ -52,6 +52,7 @@ class Link:
     now: float = 0.0  # when ``left`` was last brought up to date
     busy_ms: float = 0.0  # time with at least one transfer in flight
     peak: int = 0  # the most transfers in flight at once
+    started: int = 0  # transfers put on the wire so far
 
     def lane(self, name: str, window: Optional[Window] = None, order: LinkOrder = "arrival") -> LinkQueue:
         """The lane ``name``, made on first use (``window`` None: every post at once)."""
@@ -103,6 +104,7 @@ class Link:
         for p in posts:
             self.left[p.post_id] = float(p.nbytes)
             self.lane_of[p.post_id] = lane
+        self.started += len(posts)
         self.peak = max(self.peak, len(self.left))
         return posts
 

@@ -18,11 +18,11 @@ What it models, as pushkv does it:
   (``pull``, on D's writer) or READs inside D's step (``pull-inline``: D's engine waits);
 - **the link** (only with ``profile.link_window`` set): every transfer into a D goes on D's one
   link (``plan/link.py``), sharing its rate. Each P's WRITEs into it (push's one, push-layer's
-  parts: a request's next part once its group is stored and its previous part has landed) queue
-  under that P writer's window and order (``protocol/link_queue.py``, the queue P's writer runs
-  per D); pull's READs queue on D's side, one at a time for ``pull-inline`` (D's engine waits for
-  each, so no step runs while one is under way), all at once for ``pull``. Without it each
-  transfer moves alone at the link's rate however many overlap;
+  parts: a request's next part once a group is stored and its previous part has landed, carrying
+  every group stored since) queue under that P writer's window and order (``protocol/
+  link_queue.py``, the queue P's writer runs per D); pull's READs queue on D's side, one at a time
+  for ``pull-inline`` (D's engine waits for each, so no step runs while one is under way), all at
+  once for ``pull``. Without it each transfer moves alone at the link's rate however many overlap;
 - **D memory**: a request holds prompt + output tokens on D; push reserves them at arrival
   (while P computes; past ``pin_fraction`` of D pinned, late allocation), pull after the
   prefill; a request no D can hold waits at the router, FIFO;
@@ -80,9 +80,10 @@ class Req:
     tokens: int = 0
     blocks: int = 0  # what moves (the link model)
     groups_stored: int = 0  # push-layer: layer groups P has stored
-    parts_posted: int = 0  # push-layer: parts offered to the link
+    parts_posted: int = 0  # push-layer: groups whose part has been offered to the link
     part_on_link: bool = False  # a part of it queued or in flight (one at a time)
     first_offer: Optional[float] = None  # its first post's offer (order "deadline")
+    prefill_end: Optional[float] = None  # P's prefill ended (P's leg)
 
     @property
     def need(self) -> int:
@@ -237,11 +238,15 @@ class Simulation:
         p = self.ps[i]
         r.p, r.p_hit = i, a.hits[f"p{i}"]
         computed = r.turn.prompt - r.p_hit
-        r.prefill_ms = self.c.prefill_ms(computed, r.p_hit)
-        start = max(self.now, p.busy_until)
-        p.busy_until = start + r.prefill_ms
+        if r.turn.prefill_span_ms is None:
+            r.prefill_ms = self.c.prefill_ms(computed, r.p_hit)
+            start = max(self.now, p.busy_until)
+            p.busy_until = start + r.prefill_ms
+        else:  # a replayed run: P's prefill as it ran (P batches prompts: not the FIFO above)
+            began, ended = r.turn.prefill_span_ms
+            start, r.prefill_ms = self.now + began, ended - began
         p.queued += computed
-        self.at(p.busy_until, self.prefilled, r, computed)
+        self.at(start + r.prefill_ms, self.prefilled, r, computed)
         if self.prof.link_window is not None and self.mode == "push-layer" and r.path == "push":
             r.blocks = P.blocks_for(r.turn.prompt - r.d_hit, self.prof.block_size)
             n = self.prof.layer_groups
@@ -249,6 +254,7 @@ class Simulation:
                 self.at(start + r.prefill_ms * (g + 1) / n, self.group_stored, r)
 
     def prefilled(self, r: Req, computed: int) -> None:
+        r.prefill_end = self.now
         p = self.ps[_set(r.p)]
         p.queued -= computed
         self.keep(p, r.turn, r.turn.prompt)
@@ -270,7 +276,7 @@ class Simulation:
         if self.mode == "pull-inline":  # D's engine waits for the READ, after the relay
             d = self.ds[_set(r.d)]
             d.blocked_until = max(d.blocked_until, self.now + self.prof.relay_ms) + move - self.prof.relay_ms
-        self.at(self.now + move, self.kv_landed, r)
+        self.at(self.now + move + r.turn.land_ms, self.kv_landed, r)
 
     # -- the link model (profile.link_window set) ------------------------------------------
     def link(self, r: Req) -> tuple[int, Link]:
@@ -304,30 +310,32 @@ class Simulation:
 
     def landing(self, r: Req) -> None:
         """The last bytes moved: D has the KV once the transfer's fixed cost (its notice) is paid."""
-        self.at(self.now + self.c.handoff_ms_fixed, self.kv_landed, r)
+        self.at(self.now + self.c.handoff_ms_fixed + r.turn.land_ms, self.kv_landed, r)
 
     def group_stored(self, r: Req) -> None:
         r.groups_stored += 1
         self.next_part(r)
 
     def next_part(self, r: Req) -> None:
-        """push-layer: offer the request's next part once its group is stored and the last has landed."""
+        """push-layer: once a request's last part has landed, its next one carries every group stored
+        since (P's rendezvous asks for one WRITE of a request at a time); the part with the last
+        group is the last WRITE."""
         n = self.prof.layer_groups
         if r.part_on_link or r.parts_posted >= r.groups_stored:
             return
-        g = r.parts_posted
-        size = r.blocks * (g + 1) // n - r.blocks * g // n
-        r.parts_posted += 1
+        g0, g1 = r.parts_posted, r.groups_stored
+        size = r.blocks * g1 // n - r.blocks * g0 // n
+        r.parts_posted = g1
         r.part_on_link = True
 
         def part_done() -> None:
             r.part_on_link = False
-            if g == n - 1:
+            if g1 == n:
                 self.landing(r)
             else:
                 self.next_part(r)
 
-        self.offer(r, "write", size, part_done, left=r.blocks - r.blocks * g // n)
+        self.offer(r, "write", size, part_done, left=r.blocks - r.blocks * g0 // n)
 
     def offer(self, r: Req, lane: str, units: int, on_end: Callable[[], None], left: Optional[int] = None) -> None:
         key, link = self.link(r)

@@ -136,6 +136,15 @@ def test_push_layer_parts_start_with_the_first_group_stored():
     assert old.ttft_ms == pytest.approx(162 + 50 + 3)
 
 
+def test_a_push_layer_part_carries_every_group_stored_while_the_last_was_on_the_wire():
+    # 400 ms of KV, a group's part 100 ms: part 1 (group 1) 40.5-140.5, by then groups 2 and 3 are
+    # stored and go as one part (140.5-340.5), then the last group (340.5-440.5): three WRITEs
+    slow = dataclasses.replace(C, handoff_ms_per_block=20.0)
+    s = sim.Simulation(LONE, dataclasses.replace(linked(), costs=slow), "push-layer", 1, 1)
+    (r,) = s.run()
+    assert r.ttft_ms == pytest.approx(440.5 + 3) and s.links[0].started == 3
+
+
 # one P whose prefill costs 2 ms: a long WRITE (200 blocks, on the wire 2-202) while B (100 blocks,
 # ready at 12) and then C (20 blocks, ready at 22) queue behind it: the order decides who goes next
 ARRIVALS = W.Arrivals(starts=(0.0, 0.010, 0.020), prompts=(3200, 1600, 320), output=2)
