@@ -15,7 +15,10 @@
 #     LOAD_LENGTHS=256 REPS=1 LOAD_N=6 OUT=/tmp/capped bash experiments/capped_link_gpu.sh 300mbit
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ -d .netbin ] && export PATH=$PATH:$PWD/.netbin/bin  # carried iproute2 / etcd: only where the image has none
+if [ -d .netbin ]; then  # carried iproute2 / etcd (experiments/netbin.sh): only where the image has none
+  export PATH=$PATH:$PWD/.netbin/bin
+  command -v etcd >/dev/null || [ ! -f .netbin/etcd.gz ] || { gunzip -c .netbin/etcd.gz > .netbin/bin/etcd && chmod +x .netbin/bin/etcd; }
+fi
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD
@@ -30,7 +33,6 @@ DEVICE=${DEVICE:-cuda:0}
 
 cleanup() {  # what a killed link-bench left: namespaces of dead runs (tools/netns.py names them by pid)
   python3 -c "from tools import netns; netns.sweep_stale()" 2>/dev/null
-  ip netns list 2>/dev/null | grep -q '^pushkv-' && echo "left over: $(ip netns list | grep '^pushkv-')"
 }
 trap cleanup EXIT; trap "exit 130" INT; trap "exit 143" TERM
 

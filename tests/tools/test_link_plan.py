@@ -37,9 +37,9 @@ def test_the_profile_is_the_lone_figures_and_the_cap():
     assert c.prefill_ms_per_token * 256 == pytest.approx(110.0)  # the median over both modes' prefill
     assert c.prefill_ms_fixed == pytest.approx(5.0)  # TTFT less the prefill and the tail
     assert (prof.link_window, prof.link_order, prof.layer_groups) == (1, "arrival", 4)  # auto over TCP: 1
-    layer = LP.profile_for(results(["--link-order", "shortest"]), RATE, "push-layer", 256)
+    layer = LP.profile_for(results(["--link-order", "shortest", "--push-stream-groups", "9"]), RATE, "push-layer", 256)
     assert layer.costs.handoff_ms_fixed == pytest.approx(5.0)  # streamed: push's fixed cost
-    assert (layer.link_window, layer.link_order) == (4, "shortest")
+    assert (layer.link_window, layer.link_order, layer.layer_groups) == (4, "shortest", 9)
     assert LP.profile_for(results(), "none", "push", 256) is None  # no cap: no link to model
     assert LP.profile_for(results(), RATE, "push", 512) is None  # no lone figures there
 
@@ -77,4 +77,6 @@ def test_check_replays_each_loaded_run(tmp_path):
     ttft_1 = 101.0 + 16 * PER_BLOCK_MS + 5.0 + 10.0
     assert row["replayed"] == pytest.approx(ttft_1 + 16 * PER_BLOCK_MS / 2)
     assert row["replayed_no_link_model"] == pytest.approx(ttft_1)
+    # at 2 QPS: the link busy 2 x 16 blocks x ~21.9 ms, P 2 x 110 ms (the lone prefill's median)
+    assert row["link_busy"] == pytest.approx(2 * 16 * PER_BLOCK_MS / 1e3) and row["p_busy"] == pytest.approx(0.22)
     assert "| push | 256 |" in LP.table([row])
