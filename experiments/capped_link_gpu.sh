@@ -33,10 +33,12 @@ DEVICE=${DEVICE:-cuda:0}
 
 cleanup() {  # what a killed link-bench left: namespaces of dead runs (tools/netns.py names them by pid)
   python3 -c "from tools import netns; netns.sweep_stale()" 2>/dev/null
+  ip link del pkpf$$ 2>/dev/null; ip netns del pushkv-preflight-$$ 2>/dev/null
 }
 trap cleanup EXIT; trap "exit 130" INT; trap "exit 143" TERM
 
-# preflight, in a second or two: root, ip, tc, etcd, a namespace, a veth and a tbf qdisc (needs sch_tbf)
+# preflight, in seconds: root, ip, tc, etcd, a namespace, a veth and a tbf qdisc (needs sch_tbf), and on a GPU
+# torch's CUDA and NIXL from inside a namespace
 preflight() {
   [ "$(id -u)" = 0 ] || { echo "preflight: not root"; return 1; }
   for b in ip tc etcd; do command -v $b >/dev/null || { echo "preflight: no $b (carry .netbin: experiments/netbin.sh)"; return 1; }; done
@@ -47,8 +49,11 @@ preflight() {
     && ip -n $ns link set eth0 up \
     && tc -n $ns qdisc replace dev eth0 root tbf rate 10gbit burst 1250000 latency 20ms \
     && ip netns exec $ns true && ok=1
+  if [ $ok = 1 ] && [ "${DEVICE%%:*}" = cuda ]; then  # the GPU and NIXL as a process inside a namespace sees them
+    ip netns exec $ns timeout 120 python3 -c "import torch, nixl._api; torch.zeros(1, device='$DEVICE'); print('preflight: $DEVICE and NIXL inside a namespace')" || ok=0
+  fi
   ip link del pkpf$$ 2>/dev/null; ip netns del $ns
-  [ $ok = 1 ] || { echo "preflight: veth, tbf qdisc or ip netns exec failed"; return 1; }
+  [ $ok = 1 ] || { echo "preflight: veth, tbf qdisc, ip netns exec or the GPU inside a namespace failed"; return 1; }
 }
 preflight || exit 1
 { [ "${DEVICE%%:*}" = cuda ] && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
