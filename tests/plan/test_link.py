@@ -177,3 +177,14 @@ def test_the_cli_refuses_a_link_that_cannot_be(capsys):
     prof = json.dumps({"name": "t", "costs": C.as_dict()})
     assert cli.main(["--workload", wl, "--profile", prof, "--link-overlap", "1.5"]) == 2
     assert "link_overlap_share" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", sim.MODES)
+@pytest.mark.parametrize("order", ["arrival", "shortest", "deadline"])
+def test_every_request_of_every_mode_finishes_over_the_link(mode, order):
+    # mixed lengths at a load past the link's rate, two P, two D, D memory for a few requests only
+    # (push's late allocation and the router's queue both run): nothing is lost or stuck
+    wl = W.Poisson(20.0, 40, (64, 1024), 4, seed=3)
+    prof = dataclasses.replace(linked(2, order, 0.7), d_capacity_tokens=3000)
+    reqs = sim.simulate(wl, prof, mode, 2, 2)
+    assert len(reqs) == 40 and all(r.tokens == 4 and r.ttft_ms > 0 for r in reqs)
