@@ -2,8 +2,9 @@
 
 P and D run on two network-namespace hosts (``tools/netns.py``), each a ``pushkv up --role``
 (``tools/hosts_up.py``, as ``tests/hosts/test_hosts.py`` starts them), with the router and etcd in the
-root namespace on the bridge; NIXL is forced onto UCX's TCP transport (``UCX_TLS=tcp``: across
-namespaces UCX would otherwise copy with cma and never touch the link). Each host's link is capped
+root namespace on the bridge; NIXL is forced onto UCX's TCP transport (``--ucx-tls``, default
+``tcp``: across namespaces UCX would otherwise copy with cma and never touch the link; ``tcp,cuda_copy``
+for pools in GPU memory), its lanes bound to each host's veth end (``--ucx-net-devices eth0``). Each host's link is capped
 in turn at every ``--rates`` entry by a tc tbf on its veth end (``Host.cap``: what P sends to D
 and what D sends to P both go through one; ``none`` = the veth as it runs). ``local`` runs one
 instance on P's host: no link, the no-disaggregation reference.
@@ -13,7 +14,8 @@ the same ``--prefill-chunk`` (``MODE@CHUNK`` gives one its own, to set chunk siz
 For each rate: lone requests, ``--reps`` rounds at each length of one request to each mode in
 turn (the order rotating), each sent once the previous one ended, so that the modes' figures lie
 seconds apart on a host whose load drifts (the median per mode); then each mode's loaded run
-(Poisson arrivals at ``--qps``, ``--num-prompts`` prompts, at each ``--load-lengths``).
+(Poisson arrivals at ``--qps``, or at ``--link-load`` of a capped link's capacity, ``--num-prompts``
+prompts, at each ``--load-lengths``).
 ``--one-at-a-time`` runs one deployment at a time instead. Every run is a pushkv bench JSON under
 ``OUT/<rate>/`` (``qps0`` = the lone requests, with ``cpu_ms``: the CPU each role's processes spent
 per request), so ``pushkv stages`` and ``pushkv plot`` read them too; at the end, per rate (stdout
