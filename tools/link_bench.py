@@ -4,10 +4,10 @@ P and D run on two network-namespace hosts (``tools/netns.py``), each a ``pushkv
 (``tools/hosts_up.py``, as ``tests/hosts/test_hosts.py`` starts them), with the router and etcd in the
 root namespace on the bridge; NIXL is forced onto UCX's TCP transport (``--ucx-tls``, default
 ``tcp``: across namespaces UCX would otherwise copy with cma and never touch the link; ``tcp,cuda_copy``
-for pools in GPU memory), its lanes bound to each host's veth end (``--ucx-net-devices eth0``). Each host's link is capped
-in turn at every ``--rates`` entry by a tc tbf on its veth end (``Host.cap``: what P sends to D
-and what D sends to P both go through one; ``none`` = the veth as it runs). ``local`` runs one
-instance on P's host: no link, the no-disaggregation reference.
+for pools in GPU memory), its lanes bound to each host's veth end (``--ucx-net-devices eth0``).
+Each host's link is capped in turn at every ``--rates`` entry by a tc tbf on its veth end
+(``Host.cap``: what P sends to D and what D sends to P both go through one; ``none`` = the veth
+as it runs). ``local`` runs one instance on P's host: no link, the no-disaggregation reference.
 
 Every mode gets one deployment (its own registry prefix), all up at once; every mode runs with
 the same ``--prefill-chunk`` (``MODE@CHUNK`` gives one its own, to set chunk sizes side by side).
