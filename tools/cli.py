@@ -40,6 +40,8 @@ TOOLS: dict[str, tuple[str, str, str]] = {
     "vllm-proxy": ("pushkv.vllm.proxy", "main", "the router in front of vLLM instances with the pushkv connector"),
     "plan": ("pushkv.plan.cli", "main", "predict TTFT and TPOT per mode and P:D ratio from a workload and a hardware "
              "profile (a simulation: starts nothing)"),
+    "link-plan": ("tools.link_plan", "main", "the planner's link model against a link-bench run: its loads' TTFT "
+                  "predicted and measured"),
 }
 
 
@@ -49,7 +51,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "bench (load a running deployment, read what it measured)": (
         "bench", "sweep", "plot", "stages", "stream-bench", "chat-bench", "chat-sweep", "prefix-bench"),
     "trace (one request's stages and transfer)": ("tap", "transfer-report"),
-    "plan (no deployment: predictions and offline checks)": ("plan", "check-deploy"),
+    "plan (no deployment: predictions and offline checks)": ("plan", "link-plan", "check-deploy"),
     "vLLM": ("vllm-proxy",),
     "lab (instruments behind the docs' results; some need root or a GPU)": (
         "blocksec", "link-bench", "layout-report", "tcp-write-report", "sampling-bench", "roofline"),

@@ -2,18 +2,20 @@
 
 P and D run on two network-namespace hosts (``tools/netns.py``), each a ``pushkv up --role``
 (``tools/hosts_up.py``, as ``tests/hosts/test_hosts.py`` starts them), with the router and etcd in the
-root namespace on the bridge; NIXL is forced onto UCX's TCP transport (``UCX_TLS=tcp``: across
-namespaces UCX would otherwise copy with cma and never touch the link). Each host's link is capped
-in turn at every ``--rates`` entry by a tc tbf on its veth end (``Host.cap``: what P sends to D
-and what D sends to P both go through one; ``none`` = the veth as it runs). ``local`` runs one
-instance on P's host: no link, the no-disaggregation reference.
+root namespace on the bridge; NIXL is forced onto UCX's TCP transport (``--ucx-tls``, default
+``tcp``: across namespaces UCX would otherwise copy with cma and never touch the link; ``tcp,cuda_copy``
+for pools in GPU memory), its lanes bound to each host's veth end (``--ucx-net-devices eth0``).
+Each host's link is capped in turn at every ``--rates`` entry by a tc tbf on its veth end
+(``Host.cap``: what P sends to D and what D sends to P both go through one; ``none`` = the veth
+as it runs). ``local`` runs one instance on P's host: no link, the no-disaggregation reference.
 
 Every mode gets one deployment (its own registry prefix), all up at once; every mode runs with
 the same ``--prefill-chunk`` (``MODE@CHUNK`` gives one its own, to set chunk sizes side by side).
 For each rate: lone requests, ``--reps`` rounds at each length of one request to each mode in
 turn (the order rotating), each sent once the previous one ended, so that the modes' figures lie
 seconds apart on a host whose load drifts (the median per mode); then each mode's loaded run
-(Poisson arrivals at ``--qps``, ``--num-prompts`` prompts, at each ``--load-lengths``).
+(Poisson arrivals at ``--qps``, or at ``--link-load`` of a capped link's capacity, ``--num-prompts``
+prompts, at each ``--load-lengths``).
 ``--one-at-a-time`` runs one deployment at a time instead. Every run is a pushkv bench JSON under
 ``OUT/<rate>/`` (``qps0`` = the lone requests, with ``cpu_ms``: the CPU each role's processes spent
 per request), so ``pushkv stages`` and ``pushkv plot`` read them too; at the end, per rate (stdout
@@ -58,7 +60,7 @@ DEFAULT_MODES = ["push", "push-chunk", "pull-inline", "pull-background", "local"
 # (1024 tokens: 134 ms on the wire, ~280 ms of prefill measured on the 2-core machine)
 DEFAULT_MODEL = "small"
 DEFAULT_GEOMETRY = "--num-kv-heads 8 --head-dim 64"
-UCX_TCP = {"UCX_TLS": "tcp"}
+UCX_TLS = "tcp"  # P's and D's UCX lanes (--ucx-tls): TCP, so that the bytes cross the capped veth
 LONE_QPS = 0.0  # the file name's qps of lone requests
 BLOCK_SIZE = 16
 START_TIMEOUT_S = 180.0
@@ -129,6 +131,26 @@ def mode_flags(spec: str, args) -> list[str]:
     return [*MODES[split_mode(spec)[0]], *(["--prefill-chunk", str(chunk)] if chunk > 0 else [])]
 
 
+def ucx_env(args) -> dict[str, str]:
+    """P's and D's UCX environment: ``--ucx-tls`` (UCX over TCP: across namespaces UCX would
+    otherwise copy with cma and never touch the link; ``tcp,cuda_copy`` from GPU memory) and its
+    TCP lanes bound to the host's veth end (``--ucx-net-devices``), so no byte takes another path."""
+    env = {"UCX_TLS": args.ucx_tls}
+    if args.ucx_net_devices:
+        env["UCX_NET_DEVICES"] = args.ucx_net_devices
+    return env
+
+
+def load_qps(rate: str, length: int, args, m) -> float:
+    """The loaded run's arrival rate at one cap and length: ``--link-load`` of the capped link's
+    capacity (its rate over one request's KV), or ``--qps`` where the link is not capped (or no
+    ``--link-load`` is given)."""
+    bps = netns.parse_rate(rate)
+    if args.link_load is None or bps is None:
+        return args.qps
+    return round(args.link_load * bps / 8 / kv_bytes(m, length), 3)
+
+
 def num_blocks(args) -> int:
     """Room for the loaded run on D (prompt + output per request, all at once) with push's pin
     cap (half of D) never reached, and for the longest lone prompt."""
@@ -172,7 +194,7 @@ def deployed(spec: str, net, registry: str, common: list[str], tmp: pathlib.Path
                                                       "--port", str(port), *flags, *reg], tmp))
             for i, role in ((1, "prefill"), (2, "decode")):
                 ups.append(HostUp(f"{name}-{role}", net[i], ["--role", role, "--advertise", net[i].addr,
-                                                             *flags, *reg], tmp, UCX_TCP))
+                                                             *flags, *reg], tmp, ucx_env(args)))
             url = f"http://{net.root_addr}:{port}"
         for u in ups:
             u.wait_ready(START_TIMEOUT_S)
@@ -299,10 +321,11 @@ def lone_summary(url: str, mode: str, rate: str, length: int, got, duration_s: f
     return s
 
 
-def loaded(url: str, mode: str, length: int, args, out_dir: str, it: int = 0) -> dict:
-    """One loaded run (round ``it``: its own arrivals and prompts), with ``cpu_ms``: the CPU each
-    role's processes spent during the run, per completed request."""
-    b = bench.parse_args(["--url", url, "--mode", mode, "--qps", str(args.qps), "--num-prompts",
+def loaded(url: str, mode: str, length: int, args, out_dir: str, it: int = 0, qps: Optional[float] = None) -> dict:
+    """One loaded run (round ``it``: its own arrivals and prompts; at ``qps``, else ``--qps``), with
+    ``cpu_ms``: the CPU each role's processes spent during the run, per completed request."""
+    qps = args.qps if qps is None else qps
+    b = bench.parse_args(["--url", url, "--mode", mode, "--qps", str(qps), "--num-prompts",
                           str(args.num_prompts), "--input-len", str(length), "--output-len", str(args.output_len),
                           "--warmup", "0", "--seed", str(args.seed + it), "--result-dir", out_dir, "--iter", str(it),
                           "--no-progress"])
@@ -389,7 +412,7 @@ def _wire(c: dict) -> str:
 
 def table(rate: str, regime: dict, args, m) -> str:
     head = ("| mode | tokens | TTFT p50 lone | TPOT p50 lone | prefill | prefill end → KV landed | WRITE/READ "
-            "| TTFT p50 load | TPOT p50 load | prefill end → KV landed, load | failed |")
+            "| load QPS | TTFT p50 load | TPOT p50 load | prefill end → KV landed, load | failed |")
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     for mode in args.modes:
         for n in sorted(set(args.lengths) | set(args.load_lengths)):
@@ -398,7 +421,8 @@ def table(rate: str, regime: dict, args, m) -> str:
             failed = (lo.get("failed") or 0) + (ld.get("failed") or 0)
             lines.append(f"| {mode} | {n} | {_f(lo.get('ttft_ms'))} | {_f(lo.get('tpot_ms'))} | "
                          f"{_f(lo.get('prefill_ms'))} | {_f(lo.get('pend_to_kv_ms'))} | {_wire(lo)} | "
-                         f"{_f(ld.get('ttft_ms'))} | {_f(ld.get('tpot_ms'))} | {_f(ld.get('pend_to_kv_ms'))} | "
+                         f"{_f(ld.get('qps'), 'g')} | {_f(ld.get('ttft_ms'))} | {_f(ld.get('tpot_ms'))} | "
+                         f"{_f(ld.get('pend_to_kv_ms'))} | "
                          f"{failed if c else '-'} |")
     return "\n".join(lines)
 
@@ -536,7 +560,9 @@ def cap_text(rate: str) -> str:
 
 def report(results: dict, args, m) -> str:
     parts = [f"model {args.model} {args.geometry}: KV {kv_formula(m)}; {args.output_len} output tokens; "
-             f"lone: median of {args.reps}; load: {args.num_prompts} prompts at {bench.fmt_qps(args.qps)} QPS "
+             f"lone: median of {args.reps}; load: {args.num_prompts} prompts at "
+             f"{f'{args.link_load:g} of a capped link (uncapped: ' if args.link_load is not None else ''}"
+             f"{bench.fmt_qps(args.qps)} QPS{')' if args.link_load is not None else ''} "
              f"(Poisson) at {', '.join(map(str, args.load_lengths))} tokens, {args.load_rounds} round(s) pooled; "
              f"times in ms"]
     for rate in args.rates:
@@ -573,6 +599,12 @@ def plot_cells(regime: dict, args) -> dict:
     return cells
 
 
+def load_text(rate: str, args) -> str:
+    if args.link_load is not None and netns.parse_rate(rate) is not None:
+        return f"load: {args.link_load:g} of the link"
+    return f"load: {bench.fmt_qps(args.qps)} QPS"
+
+
 def plots(args, results: dict) -> list[str]:
     paths = []
     for rate in args.rates:
@@ -581,7 +613,7 @@ def plots(args, results: dict) -> list[str]:
             continue
         path = os.path.join(args.out, f"ttft_{rate}.png")
         plot.plot(cells, path, title=f"link {rate}: {cap_text(rate)}",
-                  column=lambda q: "lone requests" if q == LONE_QPS else f"load: {bench.fmt_qps(q)} QPS")
+                  column=lambda q, rate=rate: "lone requests" if q == LONE_QPS else load_text(rate, args))
         paths.append(path)
     return paths
 
@@ -598,12 +630,19 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "(push@256 push-chunk@256 push@512 ...: chunk sizes side by side)")
     ap.add_argument("--reps", type=int, default=3, help="lone requests per length (median)")
     ap.add_argument("--qps", type=float, default=2.0, help="loaded run: Poisson arrival rate")
+    ap.add_argument("--link-load", type=float, metavar="SHARE",
+                    help="loaded run on a capped link: arrivals at this share of its capacity (0.9: QPS = 0.9 x "
+                         "rate / one request's KV), per rate and length; --qps where the link is not capped")
     ap.add_argument("--num-prompts", type=int, default=16, help="loaded run: prompts")
     ap.add_argument("--load-lengths", nargs="*", type=int, default=[1024], help="loaded run at these lengths")
     ap.add_argument("--load-rounds", type=int, default=1,
                     help="loaded runs per mode and length, each with its own arrivals, the modes taking turns; "
                          "the figures pool every round's requests")
     ap.add_argument("--output-len", type=int, default=16)
+    ap.add_argument("--ucx-tls", default=UCX_TLS,
+                    help="P's and D's UCX_TLS (tcp,cuda_copy for pools in GPU memory: UCX over TCP all the same)")
+    ap.add_argument("--ucx-net-devices", default=netns.DEV,
+                    help="P's and D's UCX_NET_DEVICES: the TCP lanes bound to each host's veth end ('' = UCX's choice)")
     ap.add_argument("--model", default=DEFAULT_MODEL, help="pushkv preset")
     ap.add_argument("--geometry", default=DEFAULT_GEOMETRY, help="`pushkv up` geometry flags, one shell string")
     ap.add_argument("--prefill-chunk", type=int, default=256,
@@ -771,14 +810,16 @@ def run_rate_side_by_side(urls: dict[str, str], rate: str, net, args, results: d
             bar.update(1)
         _print_goals(tqdm, regime, rate, n, args)
     modes = list(urls)
+    m = model_config(args.model, args.geometry)
     for n in args.load_lengths:
+        qps = load_qps(rate, n, args, m)
         runs: dict[str, list[dict]] = {mode: [] for mode in modes}
         for it in range(args.load_rounds):  # round by round, the order rotating: a drifting host load
             for mode in modes[it % len(modes):] + modes[:it % len(modes)]:  # spreads over every mode
                 bar.set_postfix_str(f"{mode} {rate} load {n} round {it + 1}/{args.load_rounds}")
-                runs[mode].append(loaded(urls[mode], mode, n, args, out_dir, it))
+                runs[mode].append(loaded(urls[mode], mode, n, args, out_dir, it, qps))
         for mode in modes:
-            c = regime.setdefault(mode, {}).setdefault(str(n), {})["load"] = cell(pooled(runs[mode]))
+            c = regime.setdefault(mode, {}).setdefault(str(n), {})["load"] = dict(cell(pooled(runs[mode])), qps=qps)
             _print_cell(tqdm, mode, rate, "load", n, c)
             bar.update(1)
 
@@ -811,10 +852,12 @@ def run_rate(url: str, mode: str, rate: str, net, args, results: dict, bar) -> N
         c = regime.setdefault(str(n), {})["lone"] = cell(lone(url, mode, rate, n, args, out_dir))
         _print_cell(tqdm, mode, rate, "lone", n, c)
         bar.update(1)
+    m = model_config(args.model, args.geometry)
     for n in args.load_lengths:
         bar.set_postfix_str(f"{mode} {rate} load {n}")
-        c = regime.setdefault(str(n), {})["load"] = cell(pooled([loaded(url, mode, n, args, out_dir, it)
-                                                                for it in range(args.load_rounds)]))
+        qps = load_qps(rate, n, args, m)
+        c = regime.setdefault(str(n), {})["load"] = dict(cell(pooled([loaded(url, mode, n, args, out_dir, it, qps)
+                                                                     for it in range(args.load_rounds)])), qps=qps)
         _print_cell(tqdm, mode, rate, "load", n, c)
         bar.update(1)
     if any(mode in pair for pair in goal_pairs(args)):  # the goal, once both of a pair have run at this rate

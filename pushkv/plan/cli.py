@@ -10,6 +10,7 @@ every P share in eighths of N. Rows sort by predicted e2e p50 (TTFT + output x T
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -17,6 +18,7 @@ import sys
 from pushkv.plan import profile as PR
 from pushkv.plan import sim
 from pushkv.plan import workload as W
+from pushkv.protocol.link_queue import ORDERS
 
 
 def _json_arg(text: str) -> dict:
@@ -30,6 +32,15 @@ def load_profile(text: str) -> PR.Profile:
     if text in PR.PRESETS:
         return PR.PRESETS[text]()
     return PR.from_dict(_json_arg(text))
+
+
+def with_link(prof: PR.Profile, args) -> PR.Profile:
+    """The profile with the link flags given on the command line (the link model: plan/link.py)."""
+    got = {k: v for k, v in (("link_window", args.link_window), ("link_order", args.link_order),
+                             ("link_overlap_share", args.link_overlap)) if v is not None}
+    if got and prof.link_window is None and "link_window" not in got:
+        got["link_window"] = 0  # an order or an overlap share alone: the link model, every WRITE at once
+    return dataclasses.replace(prof, **got) if got else prof
 
 
 def ratios(args) -> list[tuple[int, int]]:
@@ -77,6 +88,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--modes", nargs="+", default=list(sim.MODES), choices=sim.MODES)
     ap.add_argument("--pd", nargs="+", metavar="P:D", help="P:D ratios to simulate")
     ap.add_argument("--instances", nargs="+", type=int, metavar="N", help="instances in all (every P share in eighths)")
+    ap.add_argument("--link-window", type=int, metavar="POSTS",
+                    help="model the link each P -> D pair shares: P's WRITEs in flight on it at a time, the rest "
+                         "queued (0: all at once); without it (or the two flags below, or a profile's "
+                         "link_window) each transfer moves alone at the link's rate however many overlap")
+    ap.add_argument("--link-order", choices=ORDERS, help="which queued WRITE goes next (default arrival)")
+    ap.add_argument("--link-overlap", type=float, metavar="SHARE",
+                    help="what the link moves with several transfers on it, as a share of one transfer's rate "
+                         "(default 1: fair sharing; about 0.6 over UCX's TCP lanes from GPU memory, issue 27)")
     ap.add_argument("--turns", choices=("all", "1", ">=2"), default="all", help="which turns the figures cover")
     ap.add_argument("--no-prefix-cache", action="store_true")
     ap.add_argument("--best", action="store_true", help="only the best ratio per N and mode")
@@ -88,7 +107,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         wl = W.from_dict(_json_arg(args.workload))
-        prof = load_profile(args.profile)
+        prof = with_link(load_profile(args.profile), args)
     except (ValueError, KeyError, TypeError, OSError) as e:
         print(f"pushkv plan: {e}", file=sys.stderr)
         return 2
@@ -101,6 +120,9 @@ def main(argv=None) -> int:
                 best[k] = r
         rows = list(best.values())
     print(f"profile {prof.name}: {json.dumps(prof.costs.as_dict())}")
+    if prof.link_window is not None:
+        print(f"link per P -> D: window {prof.link_window or 'unbounded'}, order {prof.link_order}, "
+              f"{prof.link_overlap_share:g} of one transfer's rate with several on it")
     print(format_rows(rows))
     if args.out:
         with open(args.out, "w") as f:

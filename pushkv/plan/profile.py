@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
+from pushkv.kinds import LinkOrder
+from pushkv.protocol.link_queue import ORDERS
 from pushkv.router.cost import Costs
 
 
@@ -22,7 +24,24 @@ class Profile:
     d_capacity_tokens: int = 1 << 30  # KV tokens one D instance holds (requests wait at the router past it)
     relay_ms: float = 1.0  # pull: P's answer through the router to D before D's READ
     layer_groups: int = 4  # push-layer: a group's blocks leave as soon as it is stored
+    # the link each P -> D pair shares (plan/link.py): None = no link model, each transfer alone at
+    # the handoff's rate however many overlap; else P's WRITEs in flight per link (0: all at once,
+    # as a fast link's writer posts them), taken in link_order, every transfer on the link sharing
+    # its rate, and the link moving link_overlap_share of one transfer's rate with several on it
+    link_window: Optional[int] = None
+    link_order: LinkOrder = "arrival"
+    link_overlap_share: float = 1.0
     note: str = ""
+
+    def __post_init__(self) -> None:
+        if self.link_window is not None and self.link_window < 0:
+            raise ValueError(f"profile {self.name}: link_window {self.link_window} < 0 (0: every WRITE at once)")
+        if self.link_order not in ORDERS:
+            raise ValueError(f"profile {self.name}: link_order {self.link_order!r} is not one of {', '.join(ORDERS)}")
+        if not 0 < self.link_overlap_share <= 1:
+            raise ValueError(f"profile {self.name}: link_overlap_share {self.link_overlap_share} is not in (0, 1]")
+        if self.link_window is not None and self.costs.handoff_ms_per_block <= 0:
+            raise ValueError(f"profile {self.name}: the link model needs handoff_ms_per_block > 0 (the link's rate)")
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)

@@ -16,6 +16,13 @@ What it models, as pushkv does it:
   (``push-layer``: only the last group's share, or what the link could not move during the
   prefill, is left); pull relays P's answer through the router (``relay_ms``) and READs
   (``pull``, on D's writer) or READs inside D's step (``pull-inline``: D's engine waits);
+- **the link** (only with ``profile.link_window`` set): every transfer into a D goes on D's one
+  link (``plan/link.py``), sharing its rate. Each P's WRITEs into it (push's one, push-layer's
+  parts: a request's next part once a group is stored and its previous part has landed, carrying
+  every group stored since) queue under that P writer's window and order (``protocol/
+  link_queue.py``, the queue P's writer runs per D); pull's READs queue on D's side, one at a time
+  for ``pull-inline`` (D's engine waits for each, so no step runs while one is under way), all at
+  once for ``pull``. Without it each transfer moves alone at the link's rate however many overlap;
 - **D memory**: a request holds prompt + output tokens on D; push reserves them at arrival
   (while P computes; past ``pin_fraction`` of D pinned, late allocation), pull after the
   prefill; a request no D can hold waits at the router, FIFO;
@@ -33,12 +40,14 @@ import heapq
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Optional, TypeVar, get_args
+from typing import Callable, Hashable, Literal, Optional, TypeVar, get_args
 
 import numpy as np
 
+from pushkv.plan.link import Link, LinkSpec
 from pushkv.plan.profile import Profile
 from pushkv.plan.workload import Turn, Workload
+from pushkv.protocol.link_queue import LinkPost, Window
 from pushkv.router import policy as P
 
 SimMode = Literal["local", "push", "push-layer", "pull", "pull-inline", "conditional"]
@@ -69,6 +78,12 @@ class Req:
     first: Optional[float] = None
     last: Optional[float] = None
     tokens: int = 0
+    blocks: int = 0  # what moves (the link model)
+    groups_stored: int = 0  # push-layer: layer groups P has stored
+    parts_posted: int = 0  # push-layer: groups whose part has been offered to the link
+    part_on_link: bool = False  # a part of it queued or in flight (one at a time)
+    first_offer: Optional[float] = None  # its first post's offer (order "deadline")
+    prefill_end: Optional[float] = None  # P's prefill ended (P's leg)
 
     @property
     def need(self) -> int:
@@ -97,6 +112,7 @@ class Instance:
     stepping: bool = False
     blocked_until: float = 0.0  # D, pull-inline: no step starts before the READs under way end
     wake: bool = False  # a kick is scheduled for blocked_until
+    reading: int = 0  # D, pull-inline over the link model: READs queued or under way (no step runs)
 
 
 class Simulation:
@@ -115,6 +131,10 @@ class Simulation:
         self._seq = itertools.count()
         self.waiting: deque[tuple[Req, Callable[[Req], None]]] = deque()  # (request, what to do once a D holds it)
         self.done: list[Req] = []
+        self.links: dict[int, Link] = {}  # D -> the link every transfer into it shares (profile.link_window set)
+        self._link_version: dict[int, int] = {}
+        self._posts = itertools.count()
+        self._on_end: dict[Hashable, Callable[[], None]] = {}  # post id -> what its end does
         self.convs = workload.conversations()
         for turns in self.convs:
             self.at(turns[0].start_s * 1e3, self.arrive, Req(turns[0]))
@@ -218,13 +238,23 @@ class Simulation:
         p = self.ps[i]
         r.p, r.p_hit = i, a.hits[f"p{i}"]
         computed = r.turn.prompt - r.p_hit
-        r.prefill_ms = self.c.prefill_ms(computed, r.p_hit)
-        start = max(self.now, p.busy_until)
-        p.busy_until = start + r.prefill_ms
+        if r.turn.prefill_span_ms is None:
+            r.prefill_ms = self.c.prefill_ms(computed, r.p_hit)
+            start = max(self.now, p.busy_until)
+            p.busy_until = start + r.prefill_ms
+        else:  # a replayed run: P's prefill as it ran (P batches prompts: not the FIFO above)
+            began, ended = r.turn.prefill_span_ms
+            start, r.prefill_ms = self.now + began, ended - began
         p.queued += computed
-        self.at(p.busy_until, self.prefilled, r, computed)
+        self.at(start + r.prefill_ms, self.prefilled, r, computed)
+        if self.prof.link_window is not None and self.mode == "push-layer" and r.path == "push":
+            r.blocks = P.blocks_for(r.turn.prompt - r.d_hit, self.prof.block_size)
+            n = self.prof.layer_groups
+            for g in range(n):  # group g stored after its share of the prefill
+                self.at(start + r.prefill_ms * (g + 1) / n, self.group_stored, r)
 
     def prefilled(self, r: Req, computed: int) -> None:
+        r.prefill_end = self.now
         p = self.ps[_set(r.p)]
         p.queued -= computed
         self.keep(p, r.turn, r.turn.prompt)
@@ -234,6 +264,8 @@ class Simulation:
             self.handoff(r)
 
     def handoff(self, r: Req) -> None:
+        if self.prof.link_window is not None:
+            return self.handoff_on_link(r)
         blocks = P.blocks_for(r.turn.prompt - r.d_hit, self.prof.block_size)
         move = self.c.handoff_ms(blocks)
         if self.mode == "push-layer" and r.path == "push":  # the groups left while P computed
@@ -244,7 +276,92 @@ class Simulation:
         if self.mode == "pull-inline":  # D's engine waits for the READ, after the relay
             d = self.ds[_set(r.d)]
             d.blocked_until = max(d.blocked_until, self.now + self.prof.relay_ms) + move - self.prof.relay_ms
-        self.at(self.now + move, self.kv_landed, r)
+        self.at(self.now + move + r.turn.land_ms, self.kv_landed, r)
+
+    # -- the link model (profile.link_window set) ------------------------------------------
+    def link(self, r: Req) -> tuple[int, Link]:
+        key = _set(r.d)
+        if key not in self.links:
+            link = self.links[key] = Link(LinkSpec(1.0 / self.c.handoff_ms_per_block, self.prof.link_overlap_share))
+            link.lane("read", Window(1 if self.mode == "pull-inline" else 0))
+        return key, self.links[key]
+
+    def handoff_on_link(self, r: Req) -> None:
+        if self.mode == "push-layer" and r.path == "push":
+            return  # its parts are on their way (group_stored)
+        r.blocks = P.blocks_for(r.turn.prompt - r.d_hit, self.prof.block_size)
+        if r.path == "push":
+            return self.offer(r, "write", r.blocks, lambda: self.landing(r))
+        # pull's READ, or push's late allocation (a WRITE), once D has P's answer through the router
+        self.at(self.now + self.prof.relay_ms, self.post_after_relay, r)
+
+    def post_after_relay(self, r: Req) -> None:
+        inline = self.mode == "pull-inline"
+        if inline:
+            self.ds[_set(r.d)].reading += 1
+
+        def done() -> None:
+            if inline:
+                self.ds[_set(r.d)].reading -= 1
+                self.kick(_set(r.d))
+            self.landing(r)
+
+        self.offer(r, "read" if r.path == "pull" else "write", r.blocks, done)
+
+    def landing(self, r: Req) -> None:
+        """The last bytes moved: D has the KV once the transfer's fixed cost (its notice) is paid."""
+        self.at(self.now + self.c.handoff_ms_fixed + r.turn.land_ms, self.kv_landed, r)
+
+    def group_stored(self, r: Req) -> None:
+        r.groups_stored += 1
+        self.next_part(r)
+
+    def next_part(self, r: Req) -> None:
+        """push-layer: once a request's last part has landed, its next one carries every group stored
+        since (P's rendezvous asks for one WRITE of a request at a time); the part with the last
+        group is the last WRITE."""
+        n = self.prof.layer_groups
+        if r.part_on_link or r.parts_posted >= r.groups_stored:
+            return
+        g0, g1 = r.parts_posted, r.groups_stored
+        size = r.blocks * g1 // n - r.blocks * g0 // n
+        r.parts_posted = g1
+        r.part_on_link = True
+
+        def part_done() -> None:
+            r.part_on_link = False
+            if g1 == n:
+                self.landing(r)
+            else:
+                self.next_part(r)
+
+        self.offer(r, "write", size, part_done, left=r.blocks - r.blocks * g0 // n)
+
+    def offer(self, r: Req, lane: str, units: int, on_end: Callable[[], None], left: Optional[int] = None) -> None:
+        key, link = self.link(r)
+        if lane == "write":  # P's writer queues per D: a lane per P on D's link
+            lane = f"write-p{_set(r.p)}"
+            link.lane(lane, Window(self.prof.link_window or 0), self.prof.link_order)
+        r.first_offer = self.now if r.first_offer is None else r.first_offer
+        pid = next(self._posts)
+        self._on_end[pid] = on_end
+        link.offer(self.now, lane, LinkPost(pid, id(r), units, units if left is None else left, r.first_offer))
+        self.link_wake(key)
+
+    def link_wake(self, key: int) -> None:
+        """(Re)schedule the link's next end; an earlier schedule goes stale (its version)."""
+        v = self._link_version[key] = self._link_version.get(key, 0) + 1
+        t = self.links[key].next_end()
+        if t is not None:
+            self.at(t, self.link_ended, key, v)
+
+    def link_ended(self, key: int, version: int) -> None:
+        if self._link_version.get(key) != version:
+            return
+        done, _ = self.links[key].ended(self.now)
+        self.link_wake(key)
+        for pid in done:
+            self._on_end.pop(pid)()
 
     # -- D ------------------------------------------------------------------------------
     def kv_landed(self, r: Req) -> None:
@@ -268,7 +385,7 @@ class Simulation:
 
     def kick(self, j: int) -> None:
         d = self.ds[j]
-        if d.stepping or not (d.running or d.joining or d.local):
+        if d.stepping or d.reading or not (d.running or d.joining or d.local):
             return
         if self.now < d.blocked_until:
             if not d.wake:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
 
 
 @dataclass
@@ -29,6 +29,11 @@ class Turn:
     history: int  # leading prompt tokens that are the previous turn's prompt and answer
     start_s: float = 0.0  # conversation start (turn 1's arrival)
     think_s: float = 0.0  # pause after the previous turn's answer
+    # replaying a measured run (Arrivals): P's prefill as it ran, its start and end in ms after the
+    # arrival (None: P's queue and the profile's cost), and what D spent from the KV landing to the
+    # first token leaving the router
+    prefill_span_ms: Optional[tuple[float, float]] = None
+    land_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -103,13 +108,44 @@ class Recorded:
         return out
 
 
-Workload = Union[Poisson, Chat, Recorded]
+@dataclass(frozen=True)
+class Arrivals:
+    """Independent requests exactly as a bench sent them: each one's arrival (s) and prompt length
+    (what ``tools/link_plan.py`` checks the planner's link model against); optionally each one's
+    prefill (its start and end, ms after its arrival) and D's time from the KV to the first token
+    (ms) as that run measured them, so that only the link and its queues are predicted."""
+
+    starts: tuple[float, ...]
+    prompts: tuple[int, ...]
+    output: int
+    prefills_ms: tuple[tuple[float, float], ...] = ()
+    lands_ms: tuple[float, ...] = ()
+    kind: str = "arrivals"
+
+    def __post_init__(self) -> None:
+        n = len(self.starts)
+        if len(self.prompts) != n or len(self.prefills_ms) not in (0, n) or len(self.lands_ms) not in (0, n):
+            raise ValueError(f"arrivals: {n} starts but {len(self.prompts)} prompts, {len(self.prefills_ms)} "
+                             f"prefills and {len(self.lands_ms)} landings (give each per request, or none)")
+        if any(not 0 <= a <= b for a, b in self.prefills_ms):
+            raise ValueError("arrivals: a prefill is (start, end) in ms after its arrival, 0 <= start <= end")
+
+    def conversations(self) -> list[list[Turn]]:
+        pre: tuple = self.prefills_ms or (None,) * len(self.starts)
+        land = self.lands_ms or (0.0,) * len(self.starts)
+        rows = enumerate(zip(self.starts, self.prompts, pre, land))
+        return [[Turn(i, 1, n, self.output, 0, 0, start_s=t, prefill_span_ms=p, land_ms=d)]
+                for i, (t, n, p, d) in rows]
+
+
+Workload = Union[Poisson, Chat, Recorded, Arrivals]
 
 
 def from_dict(d: dict) -> Workload:
     """A workload from JSON: {"kind": "poisson", "qps": 8, "requests": 200, "prompt": [16384, 16384],
-    "output": 256, "reuse": 0} or {"kind": "chat", "rate": 4, "conversations": 16, "turns": [2, 4],
-    "system": 1024, "user": [32, 128], "output": 32, "think_s": 0.2}."""
+    "output": 256, "reuse": 0}, {"kind": "chat", "rate": 4, "conversations": 16, "turns": [2, 4],
+    "system": 1024, "user": [32, 128], "output": 32, "think_s": 0.2} or {"kind": "arrivals", "starts":
+    [0.0, 0.31], "prompts": [1024, 4096], "output": 16, "prefills_ms": [[1, 90], [2, 400]] (optional)}."""
     d = dict(d)
     kind = d.pop("kind", "poisson")
     if kind == "poisson":
@@ -118,4 +154,11 @@ def from_dict(d: dict) -> Workload:
     if kind == "chat":
         return Chat(float(d["rate"]), int(d["conversations"]), tuple(d["turns"]), int(d["system"]),
                     tuple(d["user"]), int(d["output"]), float(d.get("think_s", 0.0)), int(d.get("seed", 0)))
-    raise ValueError(f"unknown workload kind {kind!r} (poisson | chat)")
+    if kind == "arrivals":
+        def floats(key: str) -> tuple[float, ...]:
+            return tuple(float(x) for x in d.get(key, ()))
+
+        spans = tuple((float(a), float(b)) for a, b in d.get("prefills_ms", ()))
+        return Arrivals(floats("starts"), tuple(int(n) for n in d["prompts"]), int(d["output"]), spans,
+                        floats("lands_ms"))
+    raise ValueError(f"unknown workload kind {kind!r} (poisson | chat | arrivals)")

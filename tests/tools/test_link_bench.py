@@ -69,11 +69,29 @@ def test_table_rows_and_missing_cells():
     args = lb.parse_args(["--modes", "push", "local", "--lengths", "512", "--load-lengths", "1024"])
     c = {"ttft_ms": 190.0, "tpot_ms": 8.0, "failed": 0, "prefill_ms": 115.0, "pend_to_kv_ms": 72.0,
          "wire_ms": 70.0, "wire_gbit_s": 0.96}
-    regime = {"push": {"512": {"lone": c}, "1024": {"load": dict(c, failed=2)}}}
+    regime = {"push": {"512": {"lone": c}, "1024": {"load": dict(c, failed=2, qps=3.5)}}}
     rows = lb.table("1gbit", regime, args, None).splitlines()
-    assert rows[2] == "| push | 512 | 190.0 | 8.0 | 115.0 | 72.0 | 70.0 (0.96 Gbit/s) | - | - | - | 0 |"
-    assert rows[3].startswith("| push | 1024 | - |") and rows[3].endswith("| 72.0 | 2 |")
-    assert rows[4] == "| local | 512 | - | - | - | - | - | - | - | - | - |"
+    assert rows[2] == "| push | 512 | 190.0 | 8.0 | 115.0 | 72.0 | 70.0 (0.96 Gbit/s) | - | - | - | - | 0 |"
+    assert rows[3].startswith("| push | 1024 | - |") and rows[3].endswith("| 3.5 | 190.0 | 8.0 | 72.0 | 2 |")
+    assert rows[4] == "| local | 512 | - | - | - | - | - | - | - | - | - | - |"
+
+
+@pytest.mark.parametrize("rate, n, link_load, qps", [
+    ("1gbit", 1024, 0.9, 0.9 * 1e9 / 8 / (1024 * 16384)),  # 16 MiB of KV: 6.7 QPS fill 90 % of 1 Gbit/s
+    ("10gbit", 4096, 0.5, 0.5 * 10e9 / 8 / (4096 * 16384)),
+    ("none", 1024, 0.9, 2.0),  # no cap: --qps
+    ("1gbit", 1024, None, 2.0),  # no --link-load: --qps
+])
+def test_load_qps_is_a_share_of_the_capped_link(rate, n, link_load, qps):
+    argv = ["--qps", "2"] + (["--link-load", str(link_load)] if link_load is not None else [])
+    args = lb.parse_args(argv)
+    assert lb.load_qps(rate, n, args, lb.model_config(args.model, args.geometry)) == pytest.approx(qps, abs=1e-3)
+
+
+def test_ucx_env_binds_the_tcp_lanes_to_the_veth():
+    assert lb.ucx_env(lb.parse_args([])) == {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"}
+    assert lb.ucx_env(lb.parse_args(["--ucx-tls", "tcp,cuda_copy", "--ucx-net-devices", ""])) == {
+        "UCX_TLS": "tcp,cuda_copy"}
 
 
 @pytest.mark.parametrize("argv", [

@@ -1,0 +1,135 @@
+"""One link between a P and a D as the planner sees it: the transfers on it share its rate, and
+queues decide which go on it when (issue 27).
+
+Pure: no clock, no socket. Time is passed in (ms); sizes are in any unit the caller keeps (the
+simulation uses KV blocks, so the rate is blocks per ms).
+
+- **Lanes.** Each lane is one ``protocol.link_queue.LinkQueue``, the very queue P's writer runs:
+  a window (posts in flight) and an order (``arrival``, ``shortest``, ``deadline``). P's WRITEs
+  go through one lane with the deployment's window; pull's READs (D's side) through another.
+  A lane with an unbounded window posts everything at once.
+- **Sharing.** Every transfer in flight, of every lane, gets an equal share of the link's rate
+  (processor sharing, as TCP streams through one bottleneck). When more than one is in flight
+  the link as a whole moves only ``overlap_share`` of one transfer's rate: over UCX's TCP lanes
+  from GPU memory one WRITE moved 0.45 GB/s and 2-8 overlapping ones 0.24-0.29 GB/s together
+  (issue 27), about 0.6; over a tc-capped veth between host buffers they share it fully (1.0).
+
+The caller offers posts, asks ``next_end`` when the next transfer will end, and at that time
+calls ``ended``, which returns the posts that finished and starts the next ones of their lanes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable, Optional
+
+from pushkv.kinds import LinkOrder
+from pushkv.protocol.link_queue import LinkPost, LinkQueue, Window
+
+EPS = 1e-9  # a transfer with this little left is done (float rounding)
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """A link's rate for one transfer (units per ms), and what several in flight move together."""
+
+    rate: float
+    overlap_share: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.rate <= 0 or not 0 < self.overlap_share <= 1:
+            raise ValueError(f"a link's rate is > 0 and its overlap share in (0, 1], not {self}")
+
+    def total_rate(self, inflight: int) -> float:
+        return self.rate if inflight <= 1 else self.rate * self.overlap_share
+
+
+@dataclass
+class Link:
+    spec: LinkSpec
+    lanes: dict[str, LinkQueue] = field(default_factory=dict)
+    left: dict[Hashable, float] = field(default_factory=dict)  # post id -> units still to move, in flight
+    lane_of: dict[Hashable, str] = field(default_factory=dict)  # post id -> its lane, in flight
+    now: float = 0.0  # when ``left`` was last brought up to date
+    busy_ms: float = 0.0  # time with at least one transfer in flight
+    peak: int = 0  # the most transfers in flight at once
+    started: int = 0  # transfers put on the wire so far
+
+    def lane(self, name: str, window: Optional[Window] = None, order: LinkOrder = "arrival") -> LinkQueue:
+        """The lane ``name``, made on first use (``window`` None: every post at once)."""
+        q = self.lanes.get(name)
+        if q is None:
+            q = self.lanes[name] = LinkQueue(window or Window(), order)
+        return q
+
+    def offer(self, now: float, lane: str, post: LinkPost) -> list[LinkPost]:
+        """Queue ``post`` on ``lane`` (made beforehand with ``lane``); returns the posts that went
+        on the wire now."""
+        self._advance(now)
+        return self._start(lane, self.lanes[lane].offer(post))
+
+    def next_end(self) -> Optional[float]:
+        """When the next transfer in flight ends if nothing else is offered; None: none in flight."""
+        if not self.left:
+            return None
+        per = self.spec.total_rate(len(self.left)) / len(self.left)
+        return self.now + min(self.left.values()) / per
+
+    def ended(self, now: float) -> tuple[list[Hashable], list[LinkPost]]:
+        """Bring the link to ``now``: the post ids that have ended, and the posts their room started."""
+        self._advance(now)
+        done = [pid for pid, left in self.left.items() if left <= EPS * max(1.0, self.spec.rate)]
+        started: list[LinkPost] = []
+        for pid in done:
+            del self.left[pid]
+            lane = self.lane_of.pop(pid)
+            started += self._start(lane, self.lanes[lane].done(pid))
+        return done, started
+
+    @property
+    def inflight(self) -> int:
+        return len(self.left)
+
+    def _advance(self, now: float) -> None:
+        if now < self.now - EPS:
+            raise ValueError(f"time runs backwards on a link: {now} < {self.now}")
+        dt = max(0.0, now - self.now)
+        if self.left and dt > 0:
+            per = self.spec.total_rate(len(self.left)) / len(self.left) * dt
+            for pid in self.left:
+                self.left[pid] = max(0.0, self.left[pid] - per)
+            self.busy_ms += dt
+        self.now = max(self.now, now)
+
+    def _start(self, lane: str, posts: list[LinkPost]) -> list[LinkPost]:
+        for p in posts:
+            self.left[p.post_id] = float(p.nbytes)
+            self.lane_of[p.post_id] = lane
+        self.started += len(posts)
+        self.peak = max(self.peak, len(self.left))
+        return posts
+
+
+def finish_times(spec: LinkSpec, offers: list[tuple[float, str, LinkPost]],
+                 lanes: Optional[dict[str, tuple[Optional[Window], LinkOrder]]] = None) -> dict[Hashable, float]:
+    """Each post's end on one link, given when each is offered and on which lane (``lanes``: each
+    lane's window and order; a lane not named: every post at once, arrival order). For tests and
+    for reasoning about one link alone."""
+    link = Link(spec)
+    for name, (window, order) in (lanes or {}).items():
+        link.lane(name, window, order)
+    pending = sorted(offers, key=lambda o: o[0])
+    out: dict[Hashable, float] = {}
+    i = 0
+    while i < len(pending) or link.inflight:
+        t_end = link.next_end()
+        if i < len(pending) and (t_end is None or pending[i][0] <= t_end):
+            t, lane, post = pending[i]
+            link.lane(lane)
+            link.offer(t, lane, post)
+            i += 1
+            continue
+        assert t_end is not None
+        done, _ = link.ended(t_end)
+        for pid in done:
+            out[pid] = t_end
+    return out

@@ -1,0 +1,190 @@
+"""The planner's link model (pushkv/plan/link.py) and the simulation over it: transfers that share
+a link's rate, the writer's window and order deciding which go when, and what that does to TTFT
+(tables by hand). Pure: no processes."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from pushkv.plan import cli, sim
+from pushkv.plan import profile as PR
+from pushkv.plan import workload as W
+from pushkv.plan.link import Link, LinkSpec, finish_times
+from pushkv.protocol.link_queue import LinkPost, Window
+from pushkv.router.cost import Costs
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def post(pid, nbytes, remaining=0, deadline=0.0):
+    return LinkPost(pid, pid, nbytes, remaining, deadline)
+
+
+# (window posts, overlap share, offers (t, id, size)) -> end of each post; rate 1 unit/ms
+SHARING = [
+    (0, 1.0, [(0, "a", 10), (0, "b", 10)], {"a": 20, "b": 20}),  # two at once share the rate
+    (1, 1.0, [(0, "a", 10), (0, "b", 10)], {"a": 10, "b": 20}),  # one at a time: the first is done at 10
+    (0, 0.5, [(0, "a", 10), (0, "b", 10)], {"a": 40, "b": 40}),  # overlapping, the link moves half
+    (1, 0.5, [(0, "a", 10), (0, "b", 10)], {"a": 10, "b": 20}),  # the window keeps the link's whole rate
+    (0, 1.0, [(0, "a", 10), (5, "b", 10)], {"a": 15, "b": 20}),  # b joins a with 5 left: both at half
+    (2, 1.0, [(0, "a", 10), (0, "b", 10), (0, "c", 10)], {"a": 20, "b": 20, "c": 30}),
+    (0, 1.0, [(0, "a", 0)], {"a": 0}),  # nothing to move ends at once
+]
+
+
+@pytest.mark.parametrize("window, share, offers, ends", SHARING)
+def test_transfers_share_the_link(window, share, offers, ends):
+    got = finish_times(LinkSpec(1.0, share), [(t, "w", post(i, n)) for t, i, n in offers],
+                       {"w": (Window(window), "arrival")})
+    assert got == pytest.approx(ends)
+
+
+# a 30-unit post holds the link (window 1) while b (20 units, deadline 10) and c (5, deadline 5) queue
+ORDERS = [("arrival", {"a": 30, "b": 50, "c": 55}),
+          ("shortest", {"a": 30, "c": 35, "b": 55}),
+          ("deadline", {"a": 30, "c": 35, "b": 55})]
+
+
+@pytest.mark.parametrize("order, ends", ORDERS)
+def test_the_order_picks_the_next_post(order, ends):
+    offers = [(0, "w", post("a", 30, 30, 0.0)), (1, "w", post("b", 20, 20, 10.0)), (2, "w", post("c", 5, 5, 5.0))]
+    assert finish_times(LinkSpec(1.0), offers, {"w": (Window(1), order)}) == pytest.approx(ends)
+
+
+def test_lanes_share_one_rate_each_under_its_own_window():
+    # WRITEs one at a time, READs all at once: the READ shares the rate with the WRITE in flight
+    offers = [(0, "write", post("w1", 10)), (0, "write", post("w2", 10)), (0, "read", post("r", 10))]
+    ends = finish_times(LinkSpec(1.0), offers, {"write": (Window(1), "arrival"), "read": (None, "arrival")})
+    assert ends == pytest.approx({"w1": 20, "r": 20, "w2": 30})
+
+
+@pytest.mark.parametrize("bad", [dict(rate=0.0), dict(rate=1.0, overlap_share=0.0),
+                                 dict(rate=1.0, overlap_share=1.5)])
+def test_a_link_refuses_what_cannot_be(bad):
+    with pytest.raises(ValueError):
+        LinkSpec(**bad)
+
+
+def test_time_never_runs_backwards_on_a_link():
+    link = Link(LinkSpec(1.0))
+    link.lane("w")
+    link.offer(5.0, "w", post("a", 1))
+    with pytest.raises(ValueError, match="backwards"):
+        link.offer(4.0, "w", post("b", 1))
+
+
+# --- the simulation over the link model ---------------------------------------------------
+C = Costs(prefill_ms_fixed=2.0, prefill_ms_per_token=0.5, prefill_ms_per_cached_token=0.0,
+          handoff_ms_fixed=3.0, handoff_ms_per_block=1.0, step_ms_fixed=10.0, step_ms_per_seq=1.0,
+          step_ms_per_kctx=0.0)
+BASE = PR.Profile("t", C, block_size=16, relay_ms=4.0, layer_groups=4)
+LONE = W.Poisson(1.0, 1, (320, 320), 5)  # prefill 162 ms, 20 blocks: 20 ms on the wire
+
+
+def linked(window=1, order="arrival", share=1.0):
+    return dataclasses.replace(BASE, link_window=window, link_order=order, link_overlap_share=share)
+
+
+@pytest.mark.parametrize("mode", ["push", "push-layer", "pull", "pull-inline"])
+def test_a_lone_request_costs_the_same_with_the_link_model(mode):
+    (old,) = sim.simulate(LONE, BASE, mode, 1, 1)
+    (new,) = sim.simulate(LONE, linked(), mode, 1, 1)
+    assert new.ttft_ms == pytest.approx(old.ttft_ms) and new.tpot_ms == pytest.approx(old.tpot_ms)
+
+
+# two requests at once on one P whose prefill costs 2 ms each (they end at 2 and 4), one D, 20 ms
+# of KV each on one link
+BURST = [
+    (None, 1.0, [25, 27]),  # no link model: each alone at the link's rate
+    (1, 1.0, [25, 45]),  # one at a time: the second waits for the first
+    (0, 1.0, [43, 45]),  # both at once from 4 ms, sharing: the first has 18 left, the second 20
+    (0, 0.5, [79, 81]),  # both at once on a link that overlaps badly: it moves half its rate
+    (1, 0.5, [25, 45]),  # the window keeps the link's whole rate
+]
+
+
+@pytest.mark.parametrize("window, share, ttfts", BURST)
+def test_a_burst_queues_on_the_link(window, share, ttfts):
+    quick = dataclasses.replace(C, prefill_ms_per_token=0.0)
+    prof = dataclasses.replace(BASE, costs=quick, link_window=window, link_overlap_share=share)
+    reqs = sim.simulate(W.Poisson(1e6, 2, (320, 320), 2), prof, "push", 1, 1)
+    assert sorted(r.ttft_ms for r in reqs) == pytest.approx(ttfts, abs=0.01)
+
+
+def test_writers_of_two_p_share_the_link_into_one_d():
+    # each P's writer has its own window of 1, so both WRITEs go at once into D's one link
+    reqs = sim.simulate(W.Poisson(1e6, 2, (320, 320), 2), linked(1), "push", 2, 1)
+    assert sorted(r.ttft_ms for r in reqs) == pytest.approx([162 + 40 + 3] * 2, abs=0.01)
+
+
+def test_pull_inline_reads_one_at_a_time_and_d_waits():
+    reqs = sim.simulate(W.Poisson(1e6, 2, (320, 320), 2), linked(), "pull-inline", 2, 1)
+    # relay 4 after the prefill (162): READs 166-186 and 186-206, each landing 3 ms later
+    assert sorted(r.ttft_ms for r in reqs) == pytest.approx([189, 209], abs=0.01)
+
+
+def test_push_layer_parts_start_with_the_first_group_stored():
+    # 200 ms of KV in four parts of 50 ms as each quarter of the prefill is stored (40.5, 81, 121.5,
+    # 162): the link starts at 40.5, so 78.5 ms are left at prefill end; without the link model
+    # the rule of thumb (max(a quarter, transfer - prefill)) says 50
+    slow = dataclasses.replace(C, handoff_ms_per_block=10.0)
+    (r,) = sim.simulate(LONE, dataclasses.replace(linked(), costs=slow), "push-layer", 1, 1)
+    assert r.ttft_ms == pytest.approx(162 + 78.5 + 3)
+    (old,) = sim.simulate(LONE, dataclasses.replace(BASE, costs=slow), "push-layer", 1, 1)
+    assert old.ttft_ms == pytest.approx(162 + 50 + 3)
+
+
+def test_a_push_layer_part_carries_every_group_stored_while_the_last_was_on_the_wire():
+    # 400 ms of KV, a group's part 100 ms: part 1 (group 1) 40.5-140.5, by then groups 2 and 3 are
+    # stored and go as one part (140.5-340.5), then the last group (340.5-440.5): three WRITEs
+    slow = dataclasses.replace(C, handoff_ms_per_block=20.0)
+    s = sim.Simulation(LONE, dataclasses.replace(linked(), costs=slow), "push-layer", 1, 1)
+    (r,) = s.run()
+    assert r.ttft_ms == pytest.approx(440.5 + 3) and s.links[0].started == 3
+
+
+# one P whose prefill costs 2 ms: a long WRITE (200 blocks, on the wire 2-202) while B (100 blocks,
+# ready at 12) and then C (20 blocks, ready at 22) queue behind it: the order decides who goes next
+ARRIVALS = W.Arrivals(starts=(0.0, 0.010, 0.020), prompts=(3200, 1600, 320), output=2)
+ORDER_TTFT = [("arrival", 302 + 20 + 3 - 20), ("shortest", 202 + 20 + 3 - 20),
+              ("deadline", 302 + 20 + 3 - 20)]  # B was first queued, so its deadline is first
+
+
+@pytest.mark.parametrize("order, ttft_c", ORDER_TTFT)
+def test_the_order_decides_whether_a_short_request_waits(order, ttft_c):
+    quick = dataclasses.replace(C, prefill_ms_per_token=0.0)
+    reqs = sim.simulate(ARRIVALS, dataclasses.replace(linked(1, order), costs=quick), "push", 1, 1)
+    c = next(r for r in reqs if r.turn.prompt == 320)
+    assert c.ttft_ms == pytest.approx(ttft_c, abs=0.01)
+
+
+@pytest.mark.parametrize("flags, p50", [(["--link-window", "1"], "35.0"),  # TTFT 25 and 45 (the burst above)
+                                         (["--link-window", "0"], "44.0"),  # 43 and 45
+                                         (["--link-overlap", "0.5"], "80.0")])  # 79 and 81: every WRITE at once
+def test_the_cli_models_the_link_from_its_flags(capsys, flags, p50):
+    wl = '{"kind": "arrivals", "starts": [0, 0], "prompts": [320, 320], "output": 2}'
+    costs = dict(C.as_dict(), prefill_ms_per_token=0.0)
+    prof = json.dumps({"name": "t", "costs": costs, "relay_ms": 4})
+    assert cli.main(["--workload", wl, "--profile", prof, "--modes", "push", "--pd", "1:1", *flags]) == 0
+    out = capsys.readouterr().out
+    assert "link per P -> D" in out and f" {p50} " in out.splitlines()[-1]
+
+
+def test_the_cli_refuses_a_link_that_cannot_be(capsys):
+    wl = '{"kind": "arrivals", "starts": [0], "prompts": [320], "output": 2}'
+    prof = json.dumps({"name": "t", "costs": C.as_dict()})
+    assert cli.main(["--workload", wl, "--profile", prof, "--link-overlap", "1.5"]) == 2
+    assert "link_overlap_share" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", sim.MODES)
+@pytest.mark.parametrize("order", ["arrival", "shortest", "deadline"])
+def test_every_request_of_every_mode_finishes_over_the_link(mode, order):
+    # mixed lengths at a load past the link's rate, two P, two D, D memory for a few requests only
+    # (push's late allocation and the router's queue both run): nothing is lost or stuck
+    wl = W.Poisson(20.0, 40, (64, 1024), 4, seed=3)
+    prof = dataclasses.replace(linked(2, order, 0.7), d_capacity_tokens=3000)
+    reqs = sim.simulate(wl, prof, mode, 2, 2)
+    assert len(reqs) == 40 and all(r.tokens == 4 and r.ttft_ms > 0 for r in reqs)

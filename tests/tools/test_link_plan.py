@@ -1,0 +1,82 @@
+"""pushkv link-plan: a link-bench run's lone figures made into the planner's profile, a loaded
+run's arrivals (and, replayed, its compute) read from its timelines, and the rows it prints.
+A synthetic run folder: no processes."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tools import bench
+from tools import link_plan as LP
+
+pytestmark = pytest.mark.timeout(60)
+
+KV_PER_TOKEN = 16384  # 16 blocks of 16 tokens: 256 KiB per block
+RATE = "100mbit"
+PER_BLOCK_MS = 16 * KV_PER_TOKEN * 8 / (100e6 * LP.TCP_PAYLOAD_SHARE) * 1e3  # ~21.9 ms
+
+
+def lone(prefill, tail, ttft, tpot=10.0, **kw):
+    return {"lone": dict(prefill_ms=prefill, pend_to_kv_ms=tail, ttft_ms=ttft, tpot_ms=tpot, **kw)}
+
+
+def results(up_flags=()):
+    return {"model": {"kv_bytes_per_token": KV_PER_TOKEN}, "up_flags": ["--model", "small", *up_flags],
+            "mode_flags": {"push": ["--mode", "push", "--push-stream", "off"],
+                           "push-layer": ["--mode", "push", "--push-stream", "layer", "--link-window", "4"]},
+            "regimes": {RATE: {"push": {"256": lone(100.0, 16 * PER_BLOCK_MS + 5.0, 16 * PER_BLOCK_MS + 110.0)},
+                               "push-layer": {"256": lone(120.0, 30.0, 155.0, parts=3, stream="layer")}}}}
+
+
+def test_the_profile_is_the_lone_figures_and_the_cap():
+    prof = LP.profile_for(results(), RATE, "push", 256)
+    c = prof.costs
+    assert c.handoff_ms_per_block == pytest.approx(PER_BLOCK_MS)
+    assert c.handoff_ms_fixed == pytest.approx(5.0)  # the lone tail less 16 blocks on the capped link
+    assert c.prefill_ms_per_token * 256 == pytest.approx(110.0)  # the median over both modes' prefill
+    assert c.prefill_ms_fixed == pytest.approx(5.0)  # TTFT less the prefill and the tail
+    assert (prof.link_window, prof.link_order, prof.layer_groups) == (1, "arrival", 4)  # auto over TCP: 1
+    layer = LP.profile_for(results(["--link-order", "shortest", "--push-stream-groups", "9"]), RATE, "push-layer", 256)
+    assert layer.costs.handoff_ms_fixed == pytest.approx(5.0)  # streamed: push's fixed cost
+    assert (layer.link_window, layer.link_order, layer.layer_groups) == (4, "shortest", 9)
+    assert LP.profile_for(results(), "none", "push", 256) is None  # no cap: no link to model
+    assert LP.profile_for(results(), RATE, "push", 512) is None  # no lone figures there
+
+
+def run_json(starts, pre=(1.0, 101.0), tail=400.0, land=10.0):
+    tls = []
+    for t in starts:
+        t0 = 1000.0 + t
+        p0, p1 = t0 + pre[0] / 1e3, t0 + pre[1] / 1e3
+        tls.append({"router.arrival": t0, "prefill.prefill_start": p0, "prefill.prefill_end": p1,
+                    "decode.kv_received": p1 + tail / 1e3, "router.first_token": p1 + (tail + land) / 1e3})
+    ttfts = [tl["router.first_token"] - tl["router.arrival"] for tl in tls]
+    return {"timelines": tls, "input_lens": [256] * len(starts), "output_lens": [8] * len(starts),
+            "median_ttft_ms": sorted(ttfts)[len(ttfts) // 2] * 1e3, "request_rate": 2.0, "failed": 0}
+
+
+def test_arrivals_and_the_replayed_compute_come_from_the_timelines():
+    wl = LP.arrivals(run_json([0.5, 0.0]), replay=True)
+    assert wl.starts == pytest.approx((0.5, 0.0)) and wl.prompts == (256, 256) and wl.output == 8
+    assert wl.prefills_ms[0] == pytest.approx((1.0, 101.0)) and wl.lands_ms == pytest.approx((10.0, 10.0))
+    with pytest.raises(ValueError, match="router.arrival"):
+        LP.arrivals({"timelines": [{}], "input_lens": [1], "output_lens": [1]})
+
+
+def test_check_replays_each_loaded_run(tmp_path):
+    (tmp_path / RATE).mkdir()
+    (tmp_path / "link_bench.json").write_text(json.dumps(results()))
+    # two requests at once whose KV (16 blocks, ~350 ms on the link each) queues one behind the other
+    run = run_json([0.0, 0.0], tail=16 * PER_BLOCK_MS + 5.0)
+    (tmp_path / RATE / bench.result_name("push", 2.0, 256, 8, 0)).write_text(json.dumps(run))
+    (row,) = LP.check(str(tmp_path))
+    assert (row["mode"], row["tokens"], row["window"]) == ("push", 256, 1)
+    # replayed: the two prefills end together; one WRITE waits for the other, the p50 of the two
+    # TTFTs is half a transfer over the measured (which queued nothing): the link model shows it
+    ttft_1 = 101.0 + 16 * PER_BLOCK_MS + 5.0 + 10.0
+    assert row["replayed"] == pytest.approx(ttft_1 + 16 * PER_BLOCK_MS / 2)
+    assert row["replayed_no_link_model"] == pytest.approx(ttft_1)
+    # at 2 QPS: the link busy 2 x 16 blocks x ~21.9 ms, P 2 x 110 ms (the lone prefill's median)
+    assert row["link_busy"] == pytest.approx(2 * 16 * PER_BLOCK_MS / 1e3) and row["p_busy"] == pytest.approx(0.22)
+    assert "| push | 256 |" in LP.table([row])

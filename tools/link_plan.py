@@ -1,0 +1,251 @@
+"""pushkv link-plan: the planner's link model checked against a ``pushkv link-bench`` run.
+
+For every capped rate and mode of the run, a profile is made from what the run measured *lone*:
+P's prefill, a transfer's fixed cost, D's step; the link's rate is the cap's (the tc rate less the
+TCP and Ethernet headers). The planner then replays each *loaded* run's own
+arrivals (``router.arrival`` of every request) through ``pushkv.plan.sim`` with the writer's link
+window and order as the deployment ran them, and the predicted TTFT p50 is set against the measured
+one. The same replay without the link model (each transfer alone at the link's rate, what the
+planner did before) shows what the queue adds.
+
+    pushkv link-plan results/link              # a link-bench --out folder
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import json
+import os
+import statistics
+import sys
+from typing import Optional
+
+import msgspec
+
+from pushkv.config import DeploymentConfig
+from pushkv.plan import sim
+from pushkv.plan import workload as W
+from pushkv.plan.profile import Profile
+from pushkv.router.cost import Costs
+from tools import bench, netns
+
+# what a TCP stream moves of what tbf lets through: MSS 1448 (timestamps on) of each 1514-byte frame
+TCP_PAYLOAD_SHARE = 1448 / 1514
+BLOCK_SIZE = 16
+GOAL_ERROR = 0.20  # issue 27: the planner predicts the capped-link loads within 20 %
+# link-bench mode -> the planner's mode
+SIM_MODE = {"push": "push", "push-layer": "push-layer", "push-layer-ucx-staging": "push-layer",
+            "pull-inline": "pull-inline", "pull-background": "pull"}
+UNSTREAMED = ("push", "pull-inline", "pull-background")
+PUSH_STREAM_GROUPS = next(f.default for f in msgspec.structs.fields(DeploymentConfig)
+                          if f.name == "push_stream_groups")  # pushkv up's default
+
+
+def flag(flags: list[str], name: str, default: str) -> str:
+    """The last value of ``name`` in a ``pushkv up`` argv (what the deployment ran with)."""
+    got = default
+    for a, b in zip(flags, flags[1:]):
+        if a == name:
+            got = b
+    return got
+
+
+def link_setting(results: dict, mode: str) -> tuple[int, str]:
+    """The writer's link window and order as ``pushkv up`` ran them: window 0 (auto) is 1 over UCX's
+    TCP lanes, which link-bench always uses."""
+    flags = [*results["mode_flags"].get(mode, []), *results["up_flags"]]
+    window = int(flag(flags, "--link-window", "0")) or 1
+    return window, flag(flags, "--link-order", "arrival")
+
+
+def lone(regime: dict, mode: str, n: int) -> dict:
+    return ((regime.get(mode) or {}).get(str(n)) or {}).get("lone") or {}
+
+
+def _median(xs: list) -> Optional[float]:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def profile_for(results: dict, rate: str, mode: str, n: int) -> Optional[Profile]:
+    """The lone measurements at ``n`` tokens and the cap, as the planner's profile; None where the
+    run has no lone figures at that length."""
+    bps = netns.parse_rate(rate)
+    regime = results["regimes"].get(rate, {})
+    kv_per_token = results["model"]["kv_bytes_per_token"]
+    if bps is None or not lone(regime, mode, n):
+        return None
+    # the link's rate: the cap less the headers (a lone WRITE's measured rate is lower: its post and
+    # notice are in it; they are the fixed cost below)
+    per_block = kv_per_token * BLOCK_SIZE * 8 / (bps * TCP_PAYLOAD_SHARE) * 1e3
+    blocks = -(-n // BLOCK_SIZE)
+    # one hardware figure for P's prefill: the median over every mode's lone runs at this length
+    prefill = _median([lone(regime, m, n).get("prefill_ms") for m in regime])
+    own = lone(regime, mode, n)
+    # the transfer's fixed cost: prefill end -> KV landed less the bytes' time on the link, from this
+    # mode's own lone runs (a streamed mode's tail hides its bytes: it takes push's, else 0)
+    src = own if mode in UNSTREAMED else lone(regime, "push", n)
+    fixed = (src["pend_to_kv_ms"] - blocks * per_block) if src.get("pend_to_kv_ms") is not None else 0.0
+    # what TTFT holds besides the prefill and the handoff (the router, P's queue entry, D's first token)
+    rest = own["ttft_ms"] - own["prefill_ms"] - own["pend_to_kv_ms"] if None not in (
+        own.get("ttft_ms"), own.get("prefill_ms"), own.get("pend_to_kv_ms")) else 0.0
+    if prefill is None or own.get("tpot_ms") is None:
+        return None
+    costs = Costs(prefill_ms_fixed=max(rest, 0.0), prefill_ms_per_token=prefill / n, prefill_ms_per_cached_token=0.0,
+                  handoff_ms_fixed=max(fixed, 0.0), handoff_ms_per_block=per_block,
+                  step_ms_fixed=own["tpot_ms"], step_ms_per_seq=0.0, step_ms_per_kctx=0.0)
+    window, order = link_setting(results, mode)
+    # push-layer's groups as the deployment ran them (a lone run's part count is not it: a part
+    # carries every group stored while the one before was on the wire)
+    groups = int(flag([*results["mode_flags"].get(mode, []), *results["up_flags"]], "--push-stream-groups",
+                      str(PUSH_STREAM_GROUPS)))
+    return Profile(f"{rate} {mode} lone", costs, block_size=BLOCK_SIZE, relay_ms=0.0, layer_groups=groups,
+                   link_window=window, link_order=order)  # type: ignore[arg-type]
+
+
+def arrivals(run: dict, replay: bool = False) -> W.Arrivals:
+    """A loaded run's requests as they arrived at the router (its timelines); ``replay``: with each
+    one's prefill and D's time from the KV to its first token as the run measured them."""
+    tls = run["timelines"]
+    starts = [tl.get("router.arrival") for tl in tls]
+    if any(t is None for t in starts):
+        raise ValueError("a request of the run has no router.arrival in its timeline")
+    t0 = min(starts)
+    extra: dict = {}
+    if replay:
+        extra["prefills_ms"] = tuple((_span(tl, "router.arrival", "prefill.prefill_start"),
+                                      _span(tl, "router.arrival", "prefill.prefill_end")) for tl in tls)
+        extra["lands_ms"] = tuple(_span(tl, "decode.kv_received", "router.first_token") for tl in tls)
+    return W.Arrivals(tuple(t - t0 for t in starts), tuple(run["input_lens"]), int(run["output_lens"][0] or 1),
+                      **extra)
+
+
+def _span(tl: dict, a: str, b: str) -> float:
+    if a not in tl or b not in tl:
+        raise ValueError(f"a request of the run has no {a if a not in tl else b} in its timeline")
+    return (tl[b] - tl[a]) * 1e3
+
+
+def measured_tail_ms(run: dict) -> Optional[float]:
+    """The run's prefill end -> KV landed, p50 (the stage the link and its queue make)."""
+    return _median([(tl["decode.kv_received"] - tl["prefill.prefill_end"]) * 1e3 for tl in run["timelines"]
+                    if "decode.kv_received" in tl and "prefill.prefill_end" in tl])
+
+
+def predicted_tail_ms(reqs: list) -> Optional[float]:
+    return _median([r.first - r.turn.land_ms - r.prefill_end for r in reqs if r.prefill_end is not None])
+
+
+def loaded_runs(out: str, rate: str, mode: str, n: int) -> list[dict]:
+    runs = []
+    for path in sorted(glob.glob(os.path.join(out, rate, f"{mode}_qps*_in{n}_out*_iter*.json"))):
+        meta = bench.parse_result_name(path)
+        if meta and meta["mode"] == mode and meta["qps"] > 0:
+            with open(path) as f:
+                runs.append(json.load(f))
+    return runs
+
+
+def check(out: str) -> list[dict]:
+    """One row per (rate, mode, length) with a loaded run: measured and predicted TTFT p50."""
+    with open(os.path.join(out, "link_bench.json")) as f:
+        results = json.load(f)
+    rows = []
+    for rate, regime in results["regimes"].items():
+        for mode in regime:
+            for n_text in regime[mode]:
+                n = int(n_text)
+                prof = profile_for(results, rate, mode, n)
+                runs = loaded_runs(out, rate, mode, n)
+                if prof is None or not runs or mode not in SIM_MODE:
+                    continue
+                for run in runs:
+                    mode_ = SIM_MODE[mode]
+                    wl, replay = arrivals(run), arrivals(run, replay=True)
+                    got = sim.summary(sim.simulate(wl, prof, mode_, 1, 1))  # type: ignore[arg-type]
+                    alone = sim.summary(sim.simulate(wl, dataclasses.replace(prof, link_window=None),
+                                                     mode_, 1, 1))  # type: ignore[arg-type]
+                    rep = sim.simulate(replay, prof, mode_, 1, 1)  # type: ignore[arg-type]
+                    rep_alone = sim.simulate(replay, dataclasses.replace(prof, link_window=None),
+                                             mode_, 1, 1)  # type: ignore[arg-type]
+                    meas = run["median_ttft_ms"]
+                    rows.append({
+                        "rate": rate, "mode": mode, "tokens": n, "qps": run["request_rate"],
+                        "requests": len(wl.starts), "window": prof.link_window, "order": prof.link_order,
+                        "failed": run["failed"], "measured": meas,
+                        # every cost from the lone runs and the cap
+                        "predicted": got["ttft_p50"], "no_link_model": alone["ttft_p50"],
+                        # each request's compute as the run measured it: the link and the queues predicted
+                        "replayed": sim.summary(rep)["ttft_p50"],
+                        "replayed_no_link_model": sim.summary(rep_alone)["ttft_p50"],
+                        # the share of the time each resource is busy at this load (lone costs): the link's
+                        # (its bytes at the cap's rate) and P's (its lone prefill)
+                        "link_busy": run["request_rate"] * -(-n // BLOCK_SIZE) * prof.costs.handoff_ms_per_block / 1e3,
+                        "p_busy": run["request_rate"] * prof.costs.prefill_ms_per_token * n / 1e3,
+                        "p_wait_measured": _median([_span(tl, "router.arrival", "prefill.prefill_start")
+                                                    for tl in run["timelines"]]),
+                        "tail_measured": measured_tail_ms(run), "tail_replayed": predicted_tail_ms(rep),
+                        "tail_replayed_no_link_model": predicted_tail_ms(rep_alone)})
+    return rows
+
+
+def _err(pred: Optional[float], meas: Optional[float]) -> str:
+    return "-" if pred is None or not meas else f"{100 * (pred / meas - 1):+.0f} %"
+
+
+def error(r: dict, key: str, of: str = "measured") -> float:
+    return r[key] / r[of] - 1
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| rate | mode | tokens | QPS | window | link busy | P busy | P's queue p50 measured | TTFT p50 measured "
+            "| predicted from lone runs | error | replayed compute | error | same, no link model | error "
+            "| prefill end → KV landed p50: measured | replayed | error | no link model | error |")
+    lines = [head, "|" + " --- |" * (head.count("|") - 1)]
+    f = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+    for r in rows:
+        lines.append(f"| {r['rate']} | {r['mode']} | {r['tokens']} | {r['qps']:g} | {r['window']} | "
+                     f"{r['link_busy']:.2f} | {r['p_busy']:.2f} | {f(r['p_wait_measured'])} | {f(r['measured'])} | "
+                     f"{f(r['predicted'])} | "
+                     f"{_err(r['predicted'], r['measured'])} | "
+                     f"{f(r['replayed'])} | {_err(r['replayed'], r['measured'])} | "
+                     f"{f(r['replayed_no_link_model'])} | {_err(r['replayed_no_link_model'], r['measured'])} | "
+                     f"{f(r['tail_measured'])} | {f(r['tail_replayed'])} | "
+                     f"{_err(r['tail_replayed'], r['tail_measured'])} | {f(r['tail_replayed_no_link_model'])} | "
+                     f"{_err(r['tail_replayed_no_link_model'], r['tail_measured'])} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="pushkv link-plan", description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", nargs="+", help="link-bench --out folders (link_bench.json and the runs' JSON)")
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args(argv)
+    rows = []
+    for out in args.out:
+        try:
+            rows += [dict(r, run=out) for r in check(out)]
+        except (OSError, KeyError, ValueError) as e:
+            print(f"pushkv link-plan: {out}: {e}", file=sys.stderr)
+            return 2
+    print(table(rows))
+    if rows:
+        # link-bound: the link the busier of the two (else P's compute sets the pace, and on a shared
+        # CPU its cost under load is not the lone one)
+        bound = [r for r in rows if r["link_busy"] >= r["p_busy"]]
+        for key, what in (("predicted", "every cost from the lone runs"),
+                          ("replayed", "each request's compute replayed, the link and queues predicted")):
+            for name, rs in (("loaded runs", rows), ("link-bound ones (the link busier than P)", bound)):
+                if rs:
+                    worst = max(abs(error(r, key)) for r in rs)
+                    print(f"TTFT p50, {what}: worst error {100 * worst:.0f} % over {len(rs)} {name} "
+                          f"(goal: within {100 * GOAL_ERROR:.0f} %: {'met' if worst <= GOAL_ERROR else 'NOT met'})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
