@@ -94,7 +94,7 @@ def parts(cfg: DeploymentConfig) -> dict:
         "P worker marks": Worker(cfg, cfg.prefill, 0).takes_marks(),
         "pools' groups": {len(L.layer_groups(L.instance_layout(cfg, i, 0))) for i in (cfg.prefill, cfg.decode)},
         "D checksum rows": d_sched.kv_groups,
-        "D renews leases": d_sched.renews,
+        "D reads (and renews P's lease)": d_sched.reads,
         "message cap's groups": limits._checksum_groups(cfg),
     }
 
@@ -105,7 +105,7 @@ def test_every_process_reads_the_hybrid_fallback(tmp_path):
     assert parts(cfg) == {
         "P scheduler streams": "off", "P writer says": "fallback", "P writer's unit": 0, "P writer's groups": 2,
         "P writer takes marks": False, "P worker marks": False, "pools' groups": {2}, "D checksum rows": 2,
-        "D renews leases": False, "message cap's groups": 2,
+        "D reads (and renews P's lease)": False, "message cap's groups": 2,
     }
 
 
@@ -119,7 +119,7 @@ def test_every_process_reads_the_plan_not_the_flags(tmp_path):
     assert parts(cfg) == {
         "P scheduler streams": "layer", "P writer says": "layer", "P writer's unit": 32, "P writer's groups": 2,
         "P writer takes marks": True, "P worker marks": True, "pools' groups": {2}, "D checksum rows": 2,
-        "D renews leases": True, "message cap's groups": 2,
+        "D reads (and renews P's lease)": True, "message cap's groups": 2,
     }
 
 
