@@ -211,9 +211,12 @@ def test_killing_prefill_writer_fails_inflight_then_recovers(deployment):
         assert "KV transfer failed (transfer_id=" in msg, o
         tid = msg.split("transfer_id=")[1].split(")")[0]
         line = next(ln for ln in d_log.splitlines() if f"(transfer {tid}) failed" in ln)
-        # the P writer's death as D saw it (link closed), or the new P writer refusing a transfer
-        # its predecessor had taken (the connector cancels those when it restarts the writer)
-        assert "prefill writer" in line and "lost" in line or "transfer already failed" in line, line
+        # the P writer's death as D saw it (link closed), the handshake D began with it while it was
+        # stopped and then dead timing out (on a loaded machine D may not have linked before), or the
+        # new P writer refusing a transfer its predecessor had taken (the connector cancels those when
+        # it restarts the writer)
+        assert ("prefill writer" in line and ("lost" in line or "timed out" in line)
+                or "transfer already failed" in line), line
     for (s, o), pr in zip(outs, long):  # those that succeeded are right
         if s == 200:
             assert tokens(o)[:MAX_TOKENS] == deployment["expected"][prs.index(pr)]
