@@ -53,6 +53,14 @@ POSTER_SCENARIOS = [
 ]
 
 
+# --staging pushkv (P WRITEs from slots of its staging area into slots D registered): a peer dying
+# around a post ends the same way, and every staging slot on both sides comes back
+STAGING_SCENARIOS = [
+    ("prefill-writer-0", "post_write", "staged: about to WRITE"),
+    ("decode-writer-0", "registration_sent", "staged: registered, waiting for the WRITE"),
+]
+
+
 def _faulty_deployment(tmp_path_factory, mode: str, *extra: str):
     d = tmp_path_factory.mktemp(f"faults-{mode}")
     fdir = d / "armed"
@@ -80,6 +88,11 @@ def pull_dep(tmp_path_factory):
 @pytest.fixture(scope="module")
 def poster_dep(tmp_path_factory):
     yield from _faulty_deployment(tmp_path_factory, "push", "--writer-post-thread", "on")
+
+
+@pytest.fixture(scope="module")
+def staged_dep(tmp_path_factory):
+    yield from _faulty_deployment(tmp_path_factory, "push", "--staging", "pushkv", "--staging-mib", "4")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -176,6 +189,15 @@ def test_peer_death_pull(pull_dep, victim, point, phase):
 @pytest.mark.parametrize("victim,point,phase", POSTER_SCENARIOS, ids=[f"{v}:{p}" for v, p, _ in POSTER_SCENARIOS])
 def test_peer_death_threaded_post(poster_dep, victim, point, phase):
     _scenario(poster_dep, victim, point, phase)
+
+
+@pytest.mark.parametrize("victim,point,phase", STAGING_SCENARIOS, ids=[f"{v}:{p}" for v, p, _ in STAGING_SCENARIOS])
+def test_peer_death_staged(staged_dep, victim, point, phase):
+    _scenario(staged_dep, victim, point, phase)
+    for role in ("prefill", "decode"):  # every slot of every staging area is back (a restarted writer's: fresh)
+        c = staged_dep.stats(role).counters
+        areas = {k.rsplit(".", 1)[0]: v for k, v in c.items() if k.endswith(".staging_blocks")}
+        assert areas and all(c[f"{w}.staging_free_blocks"] == n for w, n in areas.items()), (role, c)
 
 
 def _scenario(dep, victim, point, phase):
