@@ -9,7 +9,7 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 from pushkv import faults
 from pushkv import messages as m
@@ -25,7 +25,7 @@ from pushkv.kv import damage
 from pushkv.writer.base import InFlight, WriterBase
 from pushkv.writer.link_posts import LinkPosts
 from pushkv.writer.posting import SpanPost
-from pushkv.writer import staging
+from pushkv.writer import sides, staging
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,6 @@ class PrefillTransfer:
     """What P's writer keeps per transfer until its blocks are freed."""
 
     d_engine_id: str = ""  # the D instance that registered (for peer death)
-    outcome: Optional[Union[A.Completed, A.Failed]] = None  # until FreeBlocks reports it
     nbytes: int = 0  # of the WRITE, once posted
     num_descs: int = 0
     write_s: float = 0.0  # post to completion (the last WRITE)
@@ -85,6 +84,7 @@ class PrefillWriter(WriterBase):
         self._parts_posted = 0  # keys of part WRITEs in flight: (tid, gen, n)
         self.leases = Leases(t.lease_s, t.lease_max_s)
         self._transfers: dict[tuple[str, int], PrefillTransfer] = {}
+        self.side = sides.PrefillSide(rank)  # the rendezvous' actions as effects
         self._checksums: dict[tuple[str, int], m.KVChecksums] = {}  # until the transfer's blocks are freed
         # one queue per D rank we WRITE into (cfg.link_window; None: every WRITE posts at once)
         window = window_of(cfg.link_window, cfg.link_window_mib, poster.wanted("auto", os.environ.get("UCX_TLS", "")))
@@ -93,7 +93,7 @@ class PrefillWriter(WriterBase):
         self._slots_of: dict[int, list[int]] = {}  # id(posted handle) -> the staging slots it WRITEs from
 
     def has_pending(self) -> bool:
-        return self.rdv.next_deadline() is not None or self.leases.next_deadline() is not None
+        return sides.pending(self.rdv, self.leases)
 
     # -- from the scheduler ----------------------------------------------------------
     def on_SendKV(self, msg: m.SendKV) -> None:
@@ -265,26 +265,19 @@ class PrefillWriter(WriterBase):
 
     # -- actions of the rendezvous ------------------------------------------------------
     def apply(self, actions, now: float) -> None:
-        # outcomes first: a FreeBlocks in the same batch reports them to the scheduler
-        for a in actions:
-            if isinstance(a, (A.Completed, A.Failed)):
-                self._record((a.transfer_id, a.generation)).outcome = a
-                self.counters[f"rendezvous_{a.order}" if isinstance(a, A.Completed) else "transfers_failed"] += 1
-        for a in actions:
-            if isinstance(a, A.PostWrite):
-                self._post_write(a, now)
-            elif isinstance(a, A.NotifyFailure):
-                for reg in a.registrations:
-                    peer = self.peers.get((reg.d_engine_id, reg.d_rank))
-                    if peer is not None:
-                        self.control(peer, m.WriteFailed(a.transfer_id, a.generation, self.rank, a.reason))
-            elif isinstance(a, A.FreeBlocks):
-                self._free(a)
-            elif isinstance(a, A.Count):
-                self.counters[a.name] += 1
-        for a in actions:
-            if isinstance(a, A.Failed):
-                self._drop_queued((a.transfer_id, a.generation), a.reason)
+        for e in self.side.effects(actions):
+            if isinstance(e, sides.Post):
+                self._post_write(e.write, now)
+            elif isinstance(e, sides.Tell):
+                peer = self.peers.get(e.peer)
+                if peer is not None:
+                    self.control(peer, e.msg)
+            elif isinstance(e, sides.Report):
+                self._free(e)
+            elif isinstance(e, sides.Drop):
+                self._drop_queued(e.key, e.reason)
+            else:
+                self.counters[e.name] += 1
         if self._warm:
             for key in {(a.transfer_id, a.generation) for a in actions if hasattr(a, "transfer_id")}:
                 self._sync_warm(key, now)
@@ -316,15 +309,16 @@ class PrefillWriter(WriterBase):
     def _stamp(self, key, stage: str) -> None:
         self._record(key).stages.setdefault(stage, time.time())
 
-    def _free(self, a) -> None:
+    def _free(self, r: sides.Report) -> None:
+        a = r.free
         t = self._transfers.pop((a.transfer_id, a.generation), None) or PrefillTransfer()
         self._checksums.pop((a.transfer_id, a.generation), None)
-        if isinstance(t.outcome, A.Completed):
+        if isinstance(r.outcome, A.Completed):
             self.send(self.sched, m.KVSent(a.transfer_id, a.generation, t.nbytes, t.num_descs, t.write_s,
-                                           t.outcome.order, tuple(t.stages.items()), t.parts, self.stream))
+                                           r.outcome.order, tuple(t.stages.items()), t.parts, self.stream))
         else:
-            reason = t.outcome.reason if isinstance(t.outcome, A.Failed) else a.reason
-            self.send(self.sched, m.KVFailed(a.transfer_id, a.generation, reason or "transfer failed", lost=self._lost))
+            self.send(self.sched, m.KVFailed(a.transfer_id, a.generation, r.reason or "transfer failed",
+                                             lost=self._lost))
 
     def _post_write(self, a, now: float) -> None:
         faults.point(self.name, "post_write" if a.last else "post_part")
@@ -596,12 +590,8 @@ class PrefillWriter(WriterBase):
         self.apply(acts, now)
 
     def expire(self, now: float) -> None:
-        if self.rdv.next_deadline() is not None and self.rdv.next_deadline() <= now:
-            self.apply(self.rdv.expire(now), now)
-        nd = self.leases.next_deadline()
-        if nd is not None and nd <= now:
-            self.apply(self.leases.expire(now), now)
-
+        self.apply(sides.due(self.rdv, now), now)
+        self.apply(sides.due(self.leases, now), now)
 
 def _swapped(ids, swap: bool):
     return damage.swap_first_two(ids) if swap else ids
