@@ -39,7 +39,7 @@ from pushkv import messages as m
 from pushkv.protocol import actions as A
 from pushkv.protocol import arrivals as ar
 from pushkv.protocol import rendezvous as rv
-from pushkv.protocol.tp import head_overlap, producers_for, rank_heads
+from pushkv.protocol.tp import page_heads, producers_for
 from pushkv.security import is_network
 from pushkv.supervisor.lifecycle import parent_death_signal
 from pushkv.transport.nixl_agent import NixlAgent, TransferError
@@ -48,6 +48,7 @@ from pushkv.vllm.memory import map_fd, mapping_addr
 from pushkv.vllm.regions import KVMemory, map_blocks
 from pushkv.vllm.timing import mark
 from pushkv.writer import memory as mem
+from pushkv.writer import sides
 from pushkv.writer.peers import Peer
 from pushkv.writer.posting import InFlight
 from pushkv.writer.warm import WarmWriter
@@ -74,11 +75,12 @@ class VllmWriter(WarmWriter):
         self.init_warm(False, beat_ms=0)  # the CPU: no spinning for what is expected, no sink
         self.req_of: dict[str, str] = {}  # transfer id -> this instance's vLLM request id
         self.sources: dict[str, tuple[str, set[int]]] = {}  # D: transfer id -> P engine, ranks still writing
-        self.quarantine: dict[str, tuple[float, str]] = {}  # D: failed, a P rank may still write
+        self.quarantine = sides.Quarantine()  # D: failed transfers a P rank may still write into
         self.stats: dict[str, tuple[int, int, float]] = {}
         self.rdv = rv.PushRendezvous(self.rank, self.tp, self.total_kv_heads, args.registration_wait_s,
                                      args.transfer_s)
         self.arrivals = ar.KVArrivals()
+        self.side = sides.PrefillSide(self.rank)
 
     # -- lifecycle -------------------------------------------------------------------
     def setup(self) -> None:
@@ -125,28 +127,12 @@ class VllmWriter(WarmWriter):
     on_VllmHello = WarmWriter.on_Hello
 
     def check_peer(self, h: w.VllmHello) -> None:
-        if h.tp == self.tp:
-            if not self.kv.same_pages(h.memory):
-                raise ValueError(f"peer {h.engine_id} KV pages differ (block size, heads, dtype or layers)")
-        elif not self.kv.same_heads(h.memory):
-            raise ValueError(f"peer {h.engine_id} has tp={h.tp}, this instance tp={self.tp}, and their KV heads "
-                             f"cannot be paired: {h.memory.total_kv_heads} against {self.kv.total_kv_heads} heads "
-                             "(a different TP size needs the heads known and outermost in each page)")
+        why = self.kv.pairing_problem(self.tp, h.memory, h.tp, h.engine_id)
+        if why:
+            raise ValueError(why)
 
     def peer_of(self, h: w.VllmHello, agent: str) -> Peer:
         return Peer(h.engine_id, h.rank, h.tp, agent, h.base_addr, h.memory)
-
-    def _heads(self, p_rank: int, p_tp: int, d_rank: int, d_tp: int):
-        """What P rank ``p_rank`` moves into D rank ``d_rank``: None (whole pages, same TP),
-        False (nothing) or (P's head, D's head, count) in each side's own head indices."""
-        total = self.total_kv_heads
-        shared = head_overlap(p_rank, p_tp, d_rank, d_tp, total)
-        if shared is None:
-            return False
-        if p_tp == d_tp:  # the same heads in both ranks' pages (a replicated head too): whole pages
-            return None
-        start, count = shared
-        return (start - rank_heads(p_tp, p_rank, total)[0], start - rank_heads(d_tp, d_rank, total)[0], count)
 
     # -- commands from vLLM's scheduler ------------------------------------------------
     def on_SendBlocks(self, msg: w.SendBlocks) -> None:
@@ -160,7 +146,7 @@ class VllmWriter(WarmWriter):
         except A.ProtocolError as e:
             self._emit(w.BlocksSent(msg.req_id, msg.transfer_id, False, f"refused: {e}"))
             return
-        self._apply(acts, now)
+        self._apply_p(acts, now)
 
     def on_ExpectBlocks(self, msg: w.ExpectBlocks) -> None:
         """D: register with every P rank that produces our heads, once their handshakes are
@@ -194,7 +180,7 @@ class VllmWriter(WarmWriter):
                                       f"registration refused: {e}"))
             return
         self.sources[msg.transfer_id] = (msg.source.engine_id, set(ranks))
-        self._apply(acts, now)
+        self._apply_d(acts, now)
         mark("d_register_sent", msg.transfer_id)
         reg = m.Register(msg.transfer_id, 0, self.engine_id, self.rank, self.tp, msg.block_ids, msg.num_tokens,
                          msg.deadline_s)
@@ -204,11 +190,11 @@ class VllmWriter(WarmWriter):
     def on_CancelBlocks(self, msg: w.CancelBlocks) -> None:
         now = time.monotonic()
         if self.role == "prefill":
-            self._apply(self.rdv.cancel(msg.transfer_id, 0, msg.reason, now), now)
+            self._apply_p(self.rdv.cancel(msg.transfer_id, 0, msg.reason, now), now)
         elif self.drop_wait(msg.transfer_id):  # still waiting for handshakes: nothing registered, nothing lands
             self._emit(w.BlocksFailed(self.req_of.pop(msg.transfer_id, ""), msg.transfer_id, msg.reason))
         else:
-            self._apply(self.arrivals.cancel(msg.transfer_id, 0, msg.reason, now), now)
+            self._apply_d(self.arrivals.cancel(msg.transfer_id, 0, msg.reason, now), now)
 
     # -- NIXL notifications (pushkv's messages) ------------------------------------------
     def notif_Register(self, msg: m.Register, agent: str, now: float) -> None:
@@ -216,93 +202,87 @@ class VllmWriter(WarmWriter):
             self.counters["register_from_unknown_peer"] += 1
             return
         mark("p_registration_recvd", msg.transfer_id)
-        self._apply(self.rdv.on_registration(msg, now), now)
+        self._apply_p(self.rdv.on_registration(msg, now), now)
 
     def notif_CancelTransfer(self, msg: m.CancelTransfer, agent: str, now: float) -> None:
-        self._apply(self.rdv.cancel(msg.transfer_id, msg.generation, msg.reason, now), now)
+        self._apply_p(self.rdv.cancel(msg.transfer_id, msg.generation, msg.reason, now), now)
 
     def notif_WriteDone(self, msg: m.WriteDone, agent: str, now: float) -> None:
         if self._from_producer(msg, agent):
-            self._apply(self.arrivals.on_write_done(msg, now), now)
+            self._apply_d(self.arrivals.on_write_done(msg, now), now)
 
     def notif_WriteFailed(self, msg: m.WriteFailed, agent: str, now: float) -> None:
         if self._from_producer(msg, agent):
-            self._apply(self.arrivals.on_write_failed(msg, now), now)
+            self._apply_d(self.arrivals.on_write_failed(msg, now), now)
 
     def _from_producer(self, msg, agent: str) -> bool:
         """A completion counts only from the P writer that is that transfer's producer rank;
         the rank then writes no more (a quarantined transfer is released once none does)."""
-        peer = self.peers_by_agent.get(agent)
-        src = self.sources.get(msg.transfer_id)
-        if src is not None and (peer is None or peer.engine_id != src[0] or peer.rank != msg.p_rank):
+        peer, tid = self.peers_by_agent.get(agent), msg.transfer_id
+        src, held = self.sources.get(tid), self.quarantine.get(tid)
+        engine = src[0] if src is not None else held.engine_id if held is not None else None
+        if engine is not None and (peer is None or peer.engine_id != engine or peer.rank != msg.p_rank):
             self.counters["completion_from_wrong_peer"] += 1
             return False
         if src is not None:
             src[1].discard(msg.p_rank)
-        if msg.transfer_id in self.quarantine:
-            if src is None or not src[1]:
-                self._release_quarantine(msg.transfer_id)
+        if held is not None:
+            self._release(self.quarantine.answered(tid, msg.p_rank))
             return False
         return True
 
     def peer_gone(self, peer: Peer, reason: str) -> None:
         """A P writer died: nothing of it can still write; its transfers fail now."""
         now = time.monotonic()
+        self._release(self.quarantine.rank_gone(peer.engine_id, peer.rank))
         for tid, (engine, ranks) in list(self.sources.items()):
-            if engine != peer.engine_id or peer.rank not in ranks:
-                continue
-            ranks.discard(peer.rank)
-            if tid in self.quarantine:
-                if not ranks:
-                    self._release_quarantine(tid)
-                continue
-            self._apply(self.arrivals.cancel(tid, 0, f"prefill {reason}", now), now)
+            if engine == peer.engine_id and peer.rank in ranks:
+                ranks.discard(peer.rank)
+                self._apply_d(self.arrivals.cancel(tid, 0, f"prefill {reason}", now), now)
 
-    # -- protocol actions ------------------------------------------------------------------
-    def _apply(self, actions, now: float) -> None:
-        outcome = {a.transfer_id: a for a in actions if isinstance(a, (A.Completed, A.Failed))}
+    # -- the sides' actions ----------------------------------------------------------------
+    def _apply_p(self, actions, now: float) -> None:
+        for e in self.side.effects(actions):
+            if isinstance(e, sides.Post):
+                self._post_write(e.write, now)
+            elif isinstance(e, sides.Tell):
+                peer = self.peers.get(e.peer)
+                if peer is not None:
+                    self.notify(peer, e.msg)
+            elif isinstance(e, sides.Report):
+                nbytes, ndescs, secs = self.stats.pop(e.free.transfer_id, (0, 0, 0.0))
+                self._emit(w.BlocksSent(self.req_of.pop(e.free.transfer_id, ""), e.free.transfer_id, e.ok,
+                                        e.reason, nbytes, ndescs, secs))
+            elif isinstance(e, A.Count):
+                self.counters[e.name] += 1
+
+    def _apply_d(self, actions, now: float) -> None:
         for a in actions:
-            if isinstance(a, A.PostWrite):
-                self._post_write(a, now)
-            elif isinstance(a, A.NotifyFailure):
-                for reg in a.registrations:
-                    peer = self.peers.get((reg.d_engine_id, reg.d_rank))
-                    if peer is not None:
-                        self.notify(peer, m.WriteFailed(a.transfer_id, a.generation, self.rank, a.reason))
-            elif isinstance(a, A.FreeBlocks):
-                self._blocks_sent(a, outcome.get(a.transfer_id))
-            elif isinstance(a, A.Received):
+            if isinstance(a, A.Received):
                 mark("d_kv_received", a.transfer_id)
                 self.sources.pop(a.transfer_id, None)
                 self._emit(w.BlocksReceived(self.req_of.pop(a.transfer_id, ""), a.transfer_id,
                                             a.nbytes, a.num_descs))
-            elif isinstance(a, A.Failed) and self.role == "decode":
+            elif isinstance(a, A.Failed):
                 self._fail_receive(a.transfer_id, a.reason, now)
             elif isinstance(a, A.Count):
                 self.counters[a.name] += 1
 
-    def _blocks_sent(self, a: A.FreeBlocks, outcome) -> None:
-        ok = isinstance(outcome, A.Completed)
-        nbytes, ndescs, secs = self.stats.pop(a.transfer_id, (0, 0, 0.0))
-        reason = "" if ok else (outcome.reason if isinstance(outcome, A.Failed) else a.reason)
-        self._emit(w.BlocksSent(self.req_of.pop(a.transfer_id, ""), a.transfer_id, ok, reason, nbytes, ndescs, secs))
-
     def _fail_receive(self, tid: str, reason: str, now: float) -> None:
         """Tell P to stop; report the blocks failed only once no WRITE can still land."""
-        engine, ranks = self.sources.get(tid, ("", set()))
+        engine, ranks = self.sources.pop(tid, ("", set()))
         peers = [p for p in (self.peers.get((engine, r)) for r in ranks) if p is not None]
-        if not peers:
-            self.sources.pop(tid, None)
-            self._emit(w.BlocksFailed(self.req_of.pop(tid, ""), tid, reason))
-            return
         for peer in peers:
             self.notify(peer, m.CancelTransfer(tid, 0, reason))
-        self.quarantine[tid] = (now + self.args.transfer_s, reason)
+        if peers:
+            self.quarantine.hold(tid, engine, ranks, now + self.args.transfer_s, reason)
+        else:
+            self._emit(w.BlocksFailed(self.req_of.pop(tid, ""), tid, reason))
 
-    def _release_quarantine(self, tid: str) -> None:
-        _, reason = self.quarantine.pop(tid)
-        self.sources.pop(tid, None)
-        self._emit(w.BlocksFailed(self.req_of.pop(tid, ""), tid, reason))
+    def _release(self, released) -> None:
+        """Quarantined transfers no WRITE can land in any more: their blocks fail now."""
+        for tid, q in released:
+            self._emit(w.BlocksFailed(self.req_of.pop(tid, ""), tid, q.reason))
 
     def _post_write(self, a: A.PostWrite, now: float) -> None:
         fl = InFlight(a.transfer_id, a.generation, posted=now)
@@ -311,7 +291,7 @@ class VllmWriter(WarmWriter):
                 peer = self.peers.get((reg.d_engine_id, reg.d_rank))
                 if peer is None:
                     raise TransferError(f"no handshake with {reg.d_engine_id} rank {reg.d_rank}")
-                heads = self._heads(self.rank, self.tp, reg.d_rank, reg.d_tp)
+                heads = page_heads(self.rank, self.tp, reg.d_rank, reg.d_tp, self.total_kv_heads)
                 if heads is False:
                     continue
                 regions = map_blocks(self.kv, a.block_ids, peer.layout, reg.block_ids, heads)
@@ -332,9 +312,9 @@ class VllmWriter(WarmWriter):
     def transfer_finished(self, fl: InFlight, now: float) -> None:
         self.stats[fl.transfer_id] = (fl.nbytes, fl.num_descs, now - fl.posted)
         if fl.failed:
-            self._apply(self.rdv.on_write_failed(fl.transfer_id, fl.generation, fl.failed, now), now)
+            self._apply_p(self.rdv.on_write_failed(fl.transfer_id, fl.generation, fl.failed, now), now)
         else:
-            self._apply(self.rdv.on_write_done(fl.transfer_id, fl.generation, now), now)
+            self._apply_p(self.rdv.on_write_done(fl.transfer_id, fl.generation, now), now)
 
     # -- the loop ---------------------------------------------------------------------------
     def tick(self, now: float) -> None:
@@ -343,22 +323,15 @@ class VllmWriter(WarmWriter):
             self.check_inflight(now)
         if self.links:
             self.expire_links(now)
-        nd = self.rdv.next_deadline()
-        if nd is not None and nd <= now:
-            self._apply(self.rdv.expire(now), now)
-        nd = self.arrivals.next_deadline()
-        if nd is not None and nd <= now:
-            self._apply(self.arrivals.expire(now), now)
-        for tid, (deadline, _) in list(self.quarantine.items()):
-            if deadline <= now:
-                self._release_quarantine(tid)
+        self._apply_p(sides.due(self.rdv, now), now)
+        self._apply_d(sides.due(self.arrivals, now), now)
+        self._release(self.quarantine.expired(now))
         if os.getppid() != self.args.parent_pid:
             log.error("%s: vLLM worker %d is gone; exiting", self.name, self.args.parent_pid)
             self.stopping = True
 
     def has_pending(self) -> bool:
-        return (self.rdv.next_deadline() is not None or self.arrivals.next_deadline() is not None
-                or bool(self.quarantine) or bool(self.waits))
+        return sides.pending(self.rdv, self.arrivals) or bool(self.quarantine) or bool(self.waits)
 
 
 def main(argv=None) -> None:

@@ -1,0 +1,140 @@
+"""The writer's pure sides (no socket, NIXL agent or clock): the rendezvous' actions as
+effects, D's quarantine, and the deadline checks, which pushkv's writers and the vLLM
+writer share."""
+import pytest
+
+from pushkv import messages as m
+from pushkv.protocol import actions as A
+from pushkv.protocol import rendezvous as rv
+from pushkv.protocol.tp import page_heads
+from pushkv.writer import sides as S
+
+REG0 = m.Register("t", 0, "d", 0, 2, (5, 6), 32)
+REG1 = m.Register("t", 0, "d", 1, 2, (7, 8), 32)
+POST = A.PostWrite("t", 0, (1, 2), 32, 9, (REG0,))
+FREE = A.FreeBlocks("t", 0, (1, 2), "written")
+
+
+@pytest.mark.parametrize("actions,want", [
+    ([], []),
+    ([POST], [S.Post(POST)]),
+    ([A.Count("cancelled")], [A.Count("cancelled")]),
+    # the outcome comes with the free that reports it, whichever comes first in the batch
+    ([FREE, A.Completed("t", 0, "prefill_first")],
+     [A.Count("rendezvous_prefill_first"), S.Report(FREE, A.Completed("t", 0, "prefill_first"))]),
+    # a failure: each registered D rank told, the queued WRITEs dropped last
+    ([A.FreeBlocks("t", 0, (1,), "boom"), A.NotifyFailure("t", 0, (REG0, REG1), "boom"), A.Failed("t", 0, "boom")],
+     [A.Count("transfers_failed"), S.Report(A.FreeBlocks("t", 0, (1,), "boom"), A.Failed("t", 0, "boom")),
+      S.Tell(("d", 0), m.WriteFailed("t", 0, 3, "boom")), S.Tell(("d", 1), m.WriteFailed("t", 0, 3, "boom")),
+      S.Drop(("t", 0), "boom")]),
+    # a free with no outcome (a refused half): reported failed with the free's reason
+    ([A.FreeBlocks("t", 1, (), "stale")], [S.Report(A.FreeBlocks("t", 1, (), "stale"), None)]),
+])
+def test_prefill_side_turns_actions_into_effects(actions, want):
+    assert S.PrefillSide(rank=3).effects(actions) == want
+
+
+def test_a_failure_is_reported_by_the_free_that_comes_batches_later():
+    side = S.PrefillSide(rank=0)
+    assert side.effects([A.Failed("t", 0, "cancelled")]) == [A.Count("transfers_failed"), S.Drop(("t", 0), "cancelled")]
+    late = A.FreeBlocks("t", 0, (1,), "write finished after failure")
+    (report,) = side.effects([late])
+    assert report == S.Report(late, A.Failed("t", 0, "cancelled")) and not report.ok and report.reason == "cancelled"
+    assert side.outcomes == {}  # forgotten once reported
+
+
+@pytest.mark.parametrize("outcome,free_reason,ok,reason", [
+    (A.Completed("t", 0, "pull"), "written", True, ""),
+    (A.Failed("t", 0, "expired"), "x", False, "expired"),
+    (None, "refused", False, "refused"),
+])
+def test_report_says_ok_and_why(outcome, free_reason, ok, reason):
+    r = S.Report(A.FreeBlocks("t", 0, (), free_reason), outcome)
+    assert (r.ok, r.reason) == (ok, reason)
+
+
+def test_prefill_side_bounds_the_outcomes_it_keeps():
+    side = S.PrefillSide(rank=0, max_tracked=2)
+    for i in range(3):
+        side.effects([A.Failed(f"t{i}", 0, "x")])
+    assert list(side.outcomes) == [("t1", 0), ("t2", 0)]
+
+
+def test_prefill_side_runs_a_real_rendezvous_to_one_report():
+    r = rv.PushRendezvous(0, 1, 1, registration_wait_s=5, transfer_s=5)
+    side = S.PrefillSide(rank=0)
+    reg = m.Register("t", 0, "d", 0, 1, (4,), 16)
+    assert side.effects(r.on_registration(reg, 0.0)) == []
+    (post,) = [e for e in side.effects(r.on_prefill_done("t", 0, (1,), 16, 7, 0.0)) if isinstance(e, S.Post)]
+    assert post.write.registrations == (reg,)
+    (report,) = [e for e in side.effects(r.on_write_done("t", 0, 0.1)) if isinstance(e, S.Report)]
+    assert report.ok and report.free.block_ids == (1,)
+
+
+# -- D's quarantine ----------------------------------------------------------------------
+def _quarantine() -> S.Quarantine:
+    q = S.Quarantine()
+    q.hold("a", "p0", {0, 1}, deadline=10.0, reason="ra")
+    q.hold("b", "p0", {1}, deadline=20.0, reason="rb", slots=[3])
+    q.hold("c", "p1", {0}, deadline=5.0, reason="rc")
+    return q
+
+
+@pytest.mark.parametrize("call,released,left", [
+    (lambda q: q.answered("a", 0), [], {"a", "b", "c"}),  # rank 1 may still write
+    (lambda q: q.answered("b", 1), ["b"], {"a", "c"}),
+    (lambda q: q.answered("zz", 0), [], {"a", "b", "c"}),  # not held: nothing
+    (lambda q: q.rank_gone("p0", 1), ["b"], {"a", "c"}),  # a still waits for rank 0
+    (lambda q: q.rank_gone("p1", 1), [], {"a", "b", "c"}),  # rank 1 of p1 owes nothing
+    (lambda q: q.engine_gone("p0"), ["a", "b"], {"c"}),
+    (lambda q: q.expired(9.99), ["c"], {"a", "b"}),
+    (lambda q: q.expired(20.0), ["a", "b", "c"], set()),
+])
+def test_quarantine_releases_once_no_write_can_land(call, released, left):
+    q = _quarantine()
+    assert [k for k, _ in call(q)] == released
+    assert set(q.held) == left and len(q) == len(left)
+
+
+def test_quarantine_release_carries_reason_and_slots():
+    q = _quarantine()
+    q.answered("a", 1)
+    assert "a" in q and q.get("a").outstanding == {0}
+    ((_, held),) = q.answered("a", 0)
+    assert held.reason == "ra"
+    ((_, b),) = q.engine_gone("p0")
+    assert (b.reason, b.slots) == ("rb", [3])
+
+
+# -- deadlines ------------------------------------------------------------------------------
+class _Clocked:
+    def __init__(self, deadline):
+        self.deadline = deadline
+
+    def next_deadline(self):
+        return self.deadline
+
+    def expire(self, now):
+        return [A.Count(f"expired@{now}")]
+
+
+@pytest.mark.parametrize("deadline,now,want", [
+    (None, 5.0, []), (6.0, 5.0, []), (5.0, 5.0, [A.Count("expired@5.0")]),
+])
+def test_due_expires_only_past_deadlines(deadline, now, want):
+    assert S.due(_Clocked(deadline), now) == want
+
+
+@pytest.mark.parametrize("deadlines,want", [((), False), ((None,), False), ((None, 3.0), True)])
+def test_pending_when_any_machine_has_a_deadline(deadlines, want):
+    assert S.pending(*[_Clocked(d) for d in deadlines]) is want
+
+
+@pytest.mark.parametrize("p_rank,p_tp,d_rank,d_tp,total,want", [
+    (0, 1, 0, 1, 4, None),  # same TP: whole pages
+    (1, 2, 0, 1, 4, (0, 2, 2)),  # P rank 1 of 2 holds heads 2-3: D's 2-3
+    (0, 1, 1, 2, 4, (2, 0, 2)),  # D rank 1 of 2 wants heads 2-3: P's 2-3
+    (1, 2, 0, 2, 4, False),  # nothing shared
+])
+def test_page_heads(p_rank, p_tp, d_rank, d_tp, total, want):
+    assert page_heads(p_rank, p_tp, d_rank, d_tp, total) == want
