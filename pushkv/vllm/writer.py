@@ -25,7 +25,6 @@ handshake link: when a P writer dies, its transfers fail at once with that reaso
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import signal
@@ -44,6 +43,7 @@ from pushkv.security import is_network
 from pushkv.supervisor.lifecycle import parent_death_signal
 from pushkv.transport.nixl_agent import NixlAgent, TransferError
 from pushkv.vllm import wire as w
+from pushkv.vllm import writer_args
 from pushkv.vllm.memory import map_fd, mapping_addr
 from pushkv.vllm.regions import KVMemory, map_blocks
 from pushkv.vllm.timing import mark
@@ -59,7 +59,7 @@ log = logging.getLogger(__name__)
 class VllmWriter(WarmWriter):
     watch_links = True  # D: a P writer whose link closes is gone, and its transfers with it
 
-    def __init__(self, args):
+    def __init__(self, args: writer_args.WriterArgs):
         super().__init__(f"vllm-{args.role}-writer-{args.rank}", secret_file=args.secret_file)
         self.args = args
         self.role = args.role  # "prefill" | "decode"
@@ -335,30 +335,8 @@ class VllmWriter(WarmWriter):
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description="pushkv writer for one vLLM worker (started by the connector)")
-    ap.add_argument("--role", choices=("prefill", "decode"), required=True)
-    ap.add_argument("--engine-id", required=True)
-    ap.add_argument("--rank", type=int, default=0)
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--fd", type=int, required=True, help="inherited shared-memory fd of the KV cache")
-    ap.add_argument("--memory", required=True, help="msgpack KVMemory, hex")
-    ap.add_argument("--model-id", default="", help="what the KV means (peers must name the same)")
-    ap.add_argument("--cmd-endpoint", required=True)
-    ap.add_argument("--event-endpoint", required=True)
-    ap.add_argument("--handshake-endpoint", required=True)
-    ap.add_argument("--parent-pid", type=int, required=True)
-    ap.add_argument("--registration-wait-s", type=float, default=30.0)
-    ap.add_argument("--transfer-s", type=float, default=30.0)
-    ap.add_argument("--secret-file", default="", help="CURVE secret for the tcp handshake sockets")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("PUSHKV_LOG", "INFO"),
-                        format=f"%(asctime)s pushkv-writer[{args.role}-{args.rank}] %(levelname)s %(message)s")
-    try:
-        import setproctitle
-
-        setproctitle.setproctitle(f"pushkv-vllm-writer {args.role} {args.engine_id} rank {args.rank}")
-    except ImportError:
-        pass
+    args = writer_args.parse(argv)
+    writer_args.set_up_process(args)
     VllmWriter(args).run()
 
 
