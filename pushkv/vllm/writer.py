@@ -74,8 +74,7 @@ class VllmWriter(WarmWriter):
         self.init_posting()
         self.init_warm(False, beat_ms=0)  # the CPU: no spinning for what is expected, no sink
         self.req_of: dict[str, str] = {}  # transfer id -> this instance's vLLM request id
-        self.sources: dict[str, tuple[str, set[int]]] = {}  # D: transfer id -> P engine, ranks still writing
-        self.quarantine = sides.Quarantine()  # D: failed transfers a P rank may still write into
+        self.producers = sides.Producers()  # D: by transfer id, the P ranks still writing (and the quarantine)
         self.stats: dict[str, tuple[int, int, float]] = {}
         self.rdv = rv.PushRendezvous(self.rank, self.tp, self.total_kv_heads, args.registration_wait_s,
                                      args.transfer_s)
@@ -179,7 +178,7 @@ class VllmWriter(WarmWriter):
             self._emit(w.BlocksFailed(self.req_of.pop(msg.transfer_id, ""), msg.transfer_id,
                                       f"registration refused: {e}"))
             return
-        self.sources[msg.transfer_id] = (msg.source.engine_id, set(ranks))
+        self.producers.expect(msg.transfer_id, msg.source.engine_id, ranks)
         self._apply_d(acts, now)
         mark("d_register_sent", msg.transfer_id)
         reg = m.Register(msg.transfer_id, 0, self.engine_id, self.rank, self.tp, msg.block_ids, msg.num_tokens,
@@ -216,29 +215,21 @@ class VllmWriter(WarmWriter):
             self._apply_d(self.arrivals.on_write_failed(msg, now), now)
 
     def _from_producer(self, msg, agent: str) -> bool:
-        """A completion counts only from the P writer that is that transfer's producer rank;
-        the rank then writes no more (a quarantined transfer is released once none does)."""
-        peer, tid = self.peers_by_agent.get(agent), msg.transfer_id
-        src, held = self.sources.get(tid), self.quarantine.get(tid)
-        engine = src[0] if src is not None else held.engine_id if held is not None else None
-        if engine is not None and (peer is None or peer.engine_id != engine or peer.rank != msg.p_rank):
+        peer = self.peers_by_agent.get(agent)
+        verdict, released = self.producers.completion(msg.transfer_id, (peer.engine_id, peer.rank) if peer else None,
+                                                      msg.p_rank)
+        if verdict == "wrong_peer":
             self.counters["completion_from_wrong_peer"] += 1
-            return False
-        if src is not None:
-            src[1].discard(msg.p_rank)
-        if held is not None:
-            self._release(self.quarantine.answered(tid, msg.p_rank))
-            return False
-        return True
+        self._release(released)
+        return verdict == "counts"
 
     def peer_gone(self, peer: Peer, reason: str) -> None:
         """A P writer died: nothing of it can still write; its transfers fail now."""
         now = time.monotonic()
-        self._release(self.quarantine.rank_gone(peer.engine_id, peer.rank))
-        for tid, (engine, ranks) in list(self.sources.items()):
-            if engine == peer.engine_id and peer.rank in ranks:
-                ranks.discard(peer.rank)
-                self._apply_d(self.arrivals.cancel(tid, 0, f"prefill {reason}", now), now)
+        released, failing = self.producers.rank_gone(peer.engine_id, peer.rank)
+        self._release(released)
+        for tid in failing:
+            self._apply_d(self.arrivals.cancel(tid, 0, f"prefill {reason}", now), now)
 
     # -- the sides' actions ----------------------------------------------------------------
     def _apply_p(self, actions, now: float) -> None:
@@ -260,7 +251,7 @@ class VllmWriter(WarmWriter):
         for a in actions:
             if isinstance(a, A.Received):
                 mark("d_kv_received", a.transfer_id)
-                self.sources.pop(a.transfer_id, None)
+                self.producers.received(a.transfer_id)
                 self._emit(w.BlocksReceived(self.req_of.pop(a.transfer_id, ""), a.transfer_id,
                                             a.nbytes, a.num_descs))
             elif isinstance(a, A.Failed):
@@ -270,13 +261,10 @@ class VllmWriter(WarmWriter):
 
     def _fail_receive(self, tid: str, reason: str, now: float) -> None:
         """Tell P to stop; report the blocks failed only once no WRITE can still land."""
-        engine, ranks = self.sources.pop(tid, ("", set()))
-        peers = [p for p in (self.peers.get((engine, r)) for r in ranks) if p is not None]
-        for peer in peers:
-            self.notify(peer, m.CancelTransfer(tid, 0, reason))
-        if peers:
-            self.quarantine.hold(tid, engine, ranks, now + self.args.transfer_s, reason)
-        else:
+        tell, held = self.producers.fail(tid, reason, now + self.args.transfer_s, lambda e, r: (e, r) in self.peers)
+        for key in tell:
+            self.notify(self.peers[key], m.CancelTransfer(tid, 0, reason))
+        if not held:
             self._emit(w.BlocksFailed(self.req_of.pop(tid, ""), tid, reason))
 
     def _release(self, released) -> None:
@@ -325,13 +313,13 @@ class VllmWriter(WarmWriter):
             self.expire_links(now)
         self._apply_p(sides.due(self.rdv, now), now)
         self._apply_d(sides.due(self.arrivals, now), now)
-        self._release(self.quarantine.expired(now))
+        self._release(self.producers.quarantine.expired(now))
         if os.getppid() != self.args.parent_pid:
             log.error("%s: vLLM worker %d is gone; exiting", self.name, self.args.parent_pid)
             self.stopping = True
 
     def has_pending(self) -> bool:
-        return sides.pending(self.rdv, self.arrivals) or bool(self.quarantine) or bool(self.waits)
+        return sides.pending(self.rdv, self.arrivals) or bool(self.producers.quarantine) or bool(self.waits)
 
 
 def main(argv=None) -> None:

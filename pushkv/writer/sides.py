@@ -11,18 +11,22 @@ argument), like the scheduler's core and its outbox:
 - :class:`Quarantine` keeps D's failed transfers whose producer ranks may still write into
   their blocks, and says which to hand back (every rank answered, its producer died, or the
   deadline passed).
+- :class:`Producers` (the vLLM writer's D) tracks which producer ranks still write each
+  transfer: a completion counts only from its producer rank, and a failed transfer is held
+  while a rank may still write.
 - :func:`due` and :func:`pending` are the deadline checks of ``tick`` and ``has_pending``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol, Union
+from typing import Any, Literal, Optional, Protocol, Union
 
 from pushkv import messages as m
 from pushkv.protocol import actions as A
 
 Key = tuple[str, int]  # (transfer id, generation)
 Outcome = Union[A.Completed, A.Failed]
+Verdict = Literal["counts", "wrong_peer", "quarantined"]  # of a completion at D
 MAX_TRACKED = 4096  # bounded bookkeeping for transfers that never free their blocks
 
 
@@ -162,6 +166,55 @@ class Quarantine:
 
     def expired(self, now: float) -> list[tuple[Any, Held]]:
         return [(k, self.held.pop(k)) for k in [k for k, q in self.held.items() if q.deadline <= now]]
+
+
+class Producers:
+    """D: the P engine and the ranks still writing each registered transfer, and the failed
+    ones held in :class:`Quarantine` until none can still write (the vLLM writer's table)."""
+
+    def __init__(self) -> None:
+        self.writing: dict[Any, tuple[str, set[int]]] = {}
+        self.quarantine = Quarantine()
+
+    def expect(self, key: Any, engine_id: str, ranks) -> None:
+        self.writing[key] = (engine_id, set(ranks))
+
+    def received(self, key: Any) -> None:
+        self.writing.pop(key, None)
+
+    def completion(self, key: Any, peer: Optional[tuple[str, int]], p_rank: int) -> tuple[Verdict, list]:
+        """A WriteDone / WriteFailed of ``key`` claiming ``p_rank``, from ``peer`` (engine id,
+        rank; None: not a known peer). Returns whether it goes to the arrivals machine
+        ("counts"; "wrong_peer": not from the producer rank; "quarantined": the transfer failed
+        already) and the quarantined transfers it releases. The producer rank writes no more."""
+        src, held = self.writing.get(key), self.quarantine.get(key)
+        engine = src[0] if src is not None else held.engine_id if held is not None else None
+        if engine is not None and peer != (engine, p_rank):
+            return "wrong_peer", []
+        if src is not None:
+            src[1].discard(p_rank)
+        if held is not None:
+            return "quarantined", self.quarantine.answered(key, p_rank)
+        return "counts", []
+
+    def fail(self, key: Any, reason: str, deadline: float, connected) -> tuple[list[tuple[str, int]], bool]:
+        """``key`` failed: the producer ranks to tell to stop (``connected(engine, rank)``), and
+        whether it is held (some can still write) rather than failed now."""
+        engine, ranks = self.writing.pop(key, ("", set()))
+        tell = [(engine, r) for r in ranks if connected(engine, r)]
+        if tell:
+            self.quarantine.hold(key, engine, ranks, deadline, reason)
+        return tell, bool(tell)
+
+    def rank_gone(self, engine_id: str, rank: int) -> tuple[list, list]:
+        """Producer rank ``rank`` of ``engine_id`` died: (the quarantined transfers released,
+        the registered ones it was writing, which fail now)."""
+        failing = []
+        for key, (engine, ranks) in self.writing.items():
+            if engine == engine_id and rank in ranks:
+                ranks.discard(rank)
+                failing.append(key)
+        return self.quarantine.rank_gone(engine_id, rank), failing
 
 
 # -- deadlines -------------------------------------------------------------------------------

@@ -138,3 +138,56 @@ def test_pending_when_any_machine_has_a_deadline(deadlines, want):
 ])
 def test_page_heads(p_rank, p_tp, d_rank, d_tp, total, want):
     assert page_heads(p_rank, p_tp, d_rank, d_tp, total) == want
+
+
+# -- D's producers (the vLLM writer's table) ------------------------------------------------
+def _producers() -> S.Producers:
+    p = S.Producers()
+    p.expect("t", "P", [0, 1])
+    return p
+
+
+@pytest.mark.parametrize("peer,p_rank,verdict", [
+    (("P", 0), 0, "counts"),
+    (("P", 1), 0, "wrong_peer"),  # claims rank 0, is rank 1
+    (("Q", 0), 0, "wrong_peer"),  # another engine
+    (None, 0, "wrong_peer"),  # not a known peer
+])
+def test_a_completion_counts_only_from_its_producer_rank(peer, p_rank, verdict):
+    p = _producers()
+    assert p.completion("t", peer, p_rank) == (verdict, [])
+    assert p.writing["t"][1] == ({1} if verdict == "counts" else {0, 1})
+
+
+def test_an_unknown_transfer_goes_to_the_arrivals_machine():
+    assert S.Producers().completion("zz", None, 0) == ("counts", [])
+
+
+@pytest.mark.parametrize("connected,tell,held", [
+    (set(), [], False),  # nobody can still write: fail now
+    ({1}, [("P", 1)], True),  # rank 1 may: tell it to stop, hold the blocks
+    ({0, 1}, [("P", 0), ("P", 1)], True),
+])
+def test_a_failed_transfer_is_held_while_a_connected_rank_may_write(connected, tell, held):
+    p = _producers()
+    assert p.fail("t", "boom", 9.0, lambda e, r: e == "P" and r in connected) == (tell, held)
+    assert "t" not in p.writing and ("t" in p.quarantine) is held
+
+
+def test_a_held_transfer_is_released_when_its_ranks_answer_or_die():
+    p = _producers()
+    p.fail("t", "boom", 9.0, lambda e, r: True)
+    assert p.completion("t", ("P", 1), 0)[0] == "wrong_peer"
+    assert p.completion("t", ("P", 0), 0) == ("quarantined", [])  # rank 1 may still write
+    ((key, held),) = p.rank_gone("P", 1)[0]
+    assert (key, held.reason) == ("t", "boom") and len(p.quarantine) == 0
+
+
+def test_a_dead_rank_fails_the_transfers_it_was_writing():
+    p = _producers()
+    p.expect("u", "P", [1])
+    p.expect("v", "Q", [0])
+    assert p.rank_gone("P", 0) == ([], ["t"])
+    assert p.writing["t"][1] == {1} and p.rank_gone("P", 1) == ([], ["t", "u"])
+    p.received("v")
+    assert "v" not in p.writing
