@@ -115,6 +115,10 @@ class VllmWriter(WarmWriter):
     def _emit(self, msg: m.Msg) -> None:
         self.events.send(m.encode(msg))
 
+    def _failed(self, tid: str, reason: str) -> None:
+        """D: the blocks of vLLM's request for ``tid`` failed to arrive (and nothing lands in them)."""
+        self._emit(w.BlocksFailed(self.req_of.pop(tid, ""), tid, reason))
+
     # -- the handshake: pushkv's, with vLLM's memory in the Hello ------------------------
     def hello(self) -> w.VllmHello:
         return w.VllmHello(self.engine_id, self.rank, self.tp, self.agent_name, self.nixl.metadata(),
@@ -159,15 +163,11 @@ class VllmWriter(WarmWriter):
             if any(r >= len(src.handshake) for r in ranks):
                 raise ValueError(f"{src.engine_id} lists {len(src.handshake)} handshake endpoints for tp={src.tp}")
         except ValueError as e:
-            self._emit(w.BlocksFailed(self.req_of.pop(msg.transfer_id, ""), msg.transfer_id, f"bad source: {e}"))
+            self._failed(msg.transfer_id, f"bad source: {e}")
             return
 
-        def failed(reason: str) -> None:
-            self._emit(w.BlocksFailed(self.req_of.pop(msg.transfer_id, ""), msg.transfer_id,
-                                      f"cannot reach prefill writer: {reason}"))
-
-        self.with_peers(msg.transfer_id, src.engine_id, ranks, src.handshake,
-                        lambda peers: self._register(msg, peers), failed, now)
+        self.with_peers(msg.transfer_id, src.engine_id, ranks, src.handshake, lambda peers: self._register(msg, peers),
+                        lambda why: self._failed(msg.transfer_id, f"cannot reach prefill writer: {why}"), now)
 
     def _register(self, msg: w.ExpectBlocks, peers: list[Peer]) -> None:
         now = time.monotonic()
@@ -175,8 +175,7 @@ class VllmWriter(WarmWriter):
         try:
             acts = self.arrivals.expect(msg.transfer_id, 0, msg.block_ids, ranks, now + msg.deadline_s)
         except (ar.ProtocolError, ValueError) as e:
-            self._emit(w.BlocksFailed(self.req_of.pop(msg.transfer_id, ""), msg.transfer_id,
-                                      f"registration refused: {e}"))
+            self._failed(msg.transfer_id, f"registration refused: {e}")
             return
         self.producers.expect(msg.transfer_id, msg.source.engine_id, ranks)
         self._apply_d(acts, now)
@@ -191,7 +190,7 @@ class VllmWriter(WarmWriter):
         if self.role == "prefill":
             self._apply_p(self.rdv.cancel(msg.transfer_id, 0, msg.reason, now), now)
         elif self.drop_wait(msg.transfer_id):  # still waiting for handshakes: nothing registered, nothing lands
-            self._emit(w.BlocksFailed(self.req_of.pop(msg.transfer_id, ""), msg.transfer_id, msg.reason))
+            self._failed(msg.transfer_id, msg.reason)
         else:
             self._apply_d(self.arrivals.cancel(msg.transfer_id, 0, msg.reason, now), now)
 
@@ -265,12 +264,12 @@ class VllmWriter(WarmWriter):
         for key in tell:
             self.notify(self.peers[key], m.CancelTransfer(tid, 0, reason))
         if not held:
-            self._emit(w.BlocksFailed(self.req_of.pop(tid, ""), tid, reason))
+            self._failed(tid, reason)
 
     def _release(self, released) -> None:
         """Quarantined transfers no WRITE can land in any more: their blocks fail now."""
         for tid, q in released:
-            self._emit(w.BlocksFailed(self.req_of.pop(tid, ""), tid, q.reason))
+            self._failed(tid, q.reason)
 
     def _post_write(self, a: A.PostWrite, now: float) -> None:
         fl = InFlight(a.transfer_id, a.generation, posted=now)
@@ -305,15 +304,13 @@ class VllmWriter(WarmWriter):
             self._apply_p(self.rdv.on_write_done(fl.transfer_id, fl.generation, now), now)
 
     # -- the loop ---------------------------------------------------------------------------
-    def tick(self, now: float) -> None:
-        self.poll_notifs(now)
-        if self.inflight:
-            self.check_inflight(now)
-        if self.links:
-            self.expire_links(now)
+    def expire(self, now: float) -> None:
         self._apply_p(sides.due(self.rdv, now), now)
         self._apply_d(sides.due(self.arrivals, now), now)
         self._release(self.producers.quarantine.expired(now))
+
+    def tick(self, now: float) -> None:
+        super().tick(now)
         if os.getppid() != self.args.parent_pid:
             log.error("%s: vLLM worker %d is gone; exiting", self.name, self.args.parent_pid)
             self.stopping = True

@@ -174,19 +174,6 @@ class WriterBase(WarmWriter):
     def grid_of_peer(self, h: m.Hello) -> Any:
         return grid_of(h.layout)
 
-    # -- the loop ----------------------------------------------------------------------
-    def tick(self, now: float) -> None:
-        self.beat(time.perf_counter())
-        self.poll_notifs(now)
-        if self.inflight:
-            self.check_inflight(now)
-        if self.links:
-            self.expire_links(now)
-        self.expire(now)
-
-    def expire(self, now: float) -> None:
-        """Side-specific deadlines."""
-
     # -- a peer instance died ------------------------------------------------------------
     def on_LifecycleEvent(self, ev) -> None:
         """A process of the other instance died: the supervisor restarts that whole
