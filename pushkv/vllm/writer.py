@@ -1,27 +1,14 @@
-"""The pushkv writer of one vLLM worker: registration, rendezvous and WRITE,
-out of vLLM's engine loop.
+"""The pushkv writer of one vLLM worker (one process per TP rank, started and
+supervised by that worker's connector): registration, rendezvous and WRITE, out
+of vLLM's engine loop (``pushkv/vllm/README.md``).
 
-One process per vLLM worker (TP rank), started and supervised by that worker's
-connector. It maps the worker's KV cache (a shared-memory file whose
-descriptor it inherits, see ``memory.py``), registers it with NIXL, and runs
-pushkv's protocol machines unchanged: ``PushRendezvous`` on P, ``KVArrivals``
-on D, with pushkv's NIXL notifications between writers. vLLM's scheduler
-process sends it commands directly (``SendBlocks`` when P's request finished,
-``ExpectBlocks`` when D allocated), so neither the registration nor the WRITE
-waits for an engine step; its outcomes go to the worker connector, which hands
-them to vLLM as finished sends / receives.
-
-The shell is pushkv's own writer's (``pushkv/writer/``: peers and handshake,
-posting and reaping, the poll policy); here is what is vLLM's: the memory is
-vLLM's KV cache (``regions.py``), the Hello carries its description, and the
-commands and events carry vLLM's request ids. Any P rank pairs with any D rank:
-D registers with every P rank that produces one of its KV heads
-(``protocol/tp.py``), and each P rank WRITEs the heads it shares with each D rank.
-D's handshakes run on the loop: a request whose P ranks are not connected yet
-waits for them while every other message is handled.
-
-D watches each P writer it talks to through a ZMQ socket monitor on the
-handshake link: when a P writer dies, its transfers fail at once with that reason.
+A shell: the roles are pushkv's pure sides (``PushRendezvous`` and
+``writer/sides.PrefillSide`` on P, ``KVArrivals`` and ``writer/sides.Producers``
+on D) and its writer shell (peers and handshake, posting, the loop); here is
+only what is vLLM's: the memory is vLLM's KV cache (``regions.py``, described
+in the Hello), and the commands and events carry vLLM's request ids. D watches
+each P writer through a socket monitor on the handshake link: a dead P writer
+fails its transfers at once.
 """
 from __future__ import annotations
 
