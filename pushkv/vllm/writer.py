@@ -62,7 +62,6 @@ class VllmWriter(WarmWriter):
         self.init_warm(False, beat_ms=0)  # the CPU: no spinning for what is expected, no sink
         self.req_of: dict[str, str] = {}  # transfer id -> this instance's vLLM request id
         self.producers = sides.Producers()  # D: by transfer id, the P ranks still writing (and the quarantine)
-        self.stats: dict[str, tuple[int, int, float]] = {}
         self.rdv = rv.PushRendezvous(self.rank, self.tp, self.total_kv_heads, args.registration_wait_s,
                                      args.transfer_s)
         self.arrivals = ar.KVArrivals()
@@ -227,9 +226,9 @@ class VllmWriter(WarmWriter):
                 if peer is not None:
                     self.notify(peer, e.msg)
             elif isinstance(e, sides.Report):
-                nbytes, ndescs, secs = self.stats.pop(e.free.transfer_id, (0, 0, 0.0))
-                self._emit(w.BlocksSent(self.req_of.pop(e.free.transfer_id, ""), e.free.transfer_id, e.ok,
-                                        e.reason, nbytes, ndescs, secs))
+                t, tid = e.transfer, e.free.transfer_id
+                self._emit(w.BlocksSent(self.req_of.pop(tid, ""), tid, e.ok, e.reason, t.nbytes, t.num_descs,
+                                        t.write_s))
             elif isinstance(e, A.Count):
                 self.counters[e.name] += 1
 
@@ -284,7 +283,8 @@ class VllmWriter(WarmWriter):
             self.transfer_finished(fl, now)
 
     def transfer_finished(self, fl: InFlight, now: float) -> None:
-        self.stats[fl.transfer_id] = (fl.nbytes, fl.num_descs, now - fl.posted)
+        t = self.side.record((fl.transfer_id, fl.generation))
+        t.nbytes, t.num_descs, t.write_s = fl.nbytes, fl.num_descs, now - fl.posted
         if fl.failed:
             self._apply_p(self.rdv.on_write_failed(fl.transfer_id, fl.generation, fl.failed, now), now)
         else:

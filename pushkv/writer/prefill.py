@@ -8,7 +8,7 @@ import logging
 import os
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from pushkv import faults
@@ -31,19 +31,6 @@ log = logging.getLogger(__name__)
 
 WAITING = (rv.State.WAIT_PREFILL.value, rv.State.WAIT_REGISTRATION.value)  # a WRITE is coming
 MAX_TRACKED = 4096  # bounded bookkeeping for transfers that never complete
-
-
-@dataclass
-class PrefillTransfer:
-    """What P's writer keeps per transfer until its blocks are freed."""
-
-    d_engine_id: str = ""  # the D instance that registered (for peer death)
-    nbytes: int = 0  # of the WRITE, once posted
-    num_descs: int = 0
-    write_s: float = 0.0  # post to completion (the last WRITE)
-    parts: int = 0  # streamed part WRITEs posted
-    stages: dict[str, float] = field(default_factory=dict)  # writer-side timeline (wall time)
-    first_queued: float = 0.0  # monotonic: its first WRITE's turn in a link queue (order "deadline")
 
 
 @dataclass
@@ -83,8 +70,7 @@ class PrefillWriter(WriterBase):
                                      stream_unit=unit, stream_groups=plan.groups)
         self._parts_posted = 0  # keys of part WRITEs in flight: (tid, gen, n)
         self.leases = Leases(t.lease_s, t.lease_max_s)
-        self._transfers: dict[tuple[str, int], PrefillTransfer] = {}
-        self.side = sides.PrefillSide(rank)  # the rendezvous' actions as effects
+        self.side = sides.PrefillSide(rank)  # the rendezvous' actions as effects; each transfer's record
         self._checksums: dict[tuple[str, int], m.KVChecksums] = {}  # until the transfer's blocks are freed
         # one queue per D rank we WRITE into (cfg.link_window; None: every WRITE posts at once)
         window = window_of(cfg.link_window, cfg.link_window_mib, poster.wanted("auto", os.environ.get("UCX_TLS", "")))
@@ -292,26 +278,20 @@ class PrefillWriter(WriterBase):
             self.cool(key)
 
     def peer_instance_down(self, engine_id: str, reason: str, now: float) -> None:
-        for key, t in list(self._transfers.items()):
+        for key, t in list(self.side.transfers.items()):
             if t.d_engine_id == engine_id:
                 self.counters["cancelled_peer_death"] += 1
                 with self.ending_for_loss("decode", reason):
                     self.apply(self.rdv.cancel(key[0], key[1], f"decode instance lost: {reason}", now), now)
 
-    def _record(self, key) -> PrefillTransfer:
-        t = self._transfers.get(key)
-        if t is None:
-            t = self._transfers[key] = PrefillTransfer()
-            while len(self._transfers) > MAX_TRACKED:  # halves that never paired (expired, cancelled)
-                self._transfers.pop(next(iter(self._transfers)))
-        return t
+    def _record(self, key) -> sides.PrefillTransfer:
+        return self.side.record(key)
 
     def _stamp(self, key, stage: str) -> None:
         self._record(key).stages.setdefault(stage, time.time())
 
     def _free(self, r: sides.Report) -> None:
-        a = r.free
-        t = self._transfers.pop((a.transfer_id, a.generation), None) or PrefillTransfer()
+        a, t = r.free, r.transfer
         self._checksums.pop((a.transfer_id, a.generation), None)
         if isinstance(r.outcome, A.Completed):
             self.send(self.sched, m.KVSent(a.transfer_id, a.generation, t.nbytes, t.num_descs, t.write_s,

@@ -18,7 +18,7 @@ argument), like the scheduler's core and its outbox:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Protocol, Union
 
 from pushkv import messages as m
@@ -46,12 +46,30 @@ class Tell:
     msg: m.Msg
 
 
+@dataclass
+class PrefillTransfer:
+    """What P's writer keeps per transfer until its blocks are freed."""
+
+    d_engine_id: str = ""  # the D instance that registered (for peer death)
+    outcome: Optional[Outcome] = None  # until FreeBlocks reports it
+    nbytes: int = 0  # of the WRITE, once posted
+    num_descs: int = 0
+    write_s: float = 0.0  # post to completion (the last WRITE)
+    parts: int = 0  # streamed part WRITEs posted
+    stages: dict[str, float] = field(default_factory=dict)  # writer-side timeline (wall time)
+    first_queued: float = 0.0  # monotonic: its first WRITE's turn in a link queue (order "deadline")
+
+
 @dataclass(frozen=True)
 class Report:
-    """P: the blocks may be freed; report the transfer's outcome to whoever owns them."""
+    """P: the blocks may be freed; report the transfer (its outcome, what moved) to whoever owns them."""
 
     free: A.FreeBlocks
-    outcome: Optional[Outcome]
+    transfer: PrefillTransfer
+
+    @property
+    def outcome(self) -> Optional[Outcome]:
+        return self.transfer.outcome
 
     @property
     def ok(self) -> bool:
@@ -78,19 +96,29 @@ Effect = Union[Post, Tell, Report, Drop, A.Count]
 
 # -- P -------------------------------------------------------------------------------------
 class PrefillSide:
-    """The rendezvous' actions of one P rank as effects. It remembers each transfer's outcome
-    until its blocks are freed (a failure may come batches before its drained WRITE frees)."""
+    """The rendezvous' actions of one P rank as effects. It keeps each transfer's record (its
+    outcome, what moved) until its blocks are freed: a failure may come batches before its
+    drained WRITE frees them."""
 
     def __init__(self, rank: int, max_tracked: int = MAX_TRACKED):
         self.rank = rank
         self.max_tracked = max_tracked
-        self.outcomes: dict[Key, Outcome] = {}
+        self.transfers: dict[Key, PrefillTransfer] = {}
+
+    def record(self, key: Key) -> PrefillTransfer:
+        """The transfer's record, made on first use."""
+        t = self.transfers.get(key)
+        if t is None:
+            t = self.transfers[key] = PrefillTransfer()
+            while len(self.transfers) > self.max_tracked:  # halves that never paired (expired, cancelled)
+                self.transfers.pop(next(iter(self.transfers)))
+        return t
 
     def effects(self, actions: list) -> list[Effect]:
         out: list[Effect] = []
         for a in actions:  # outcomes first: a FreeBlocks in the same batch reports them
             if isinstance(a, (A.Completed, A.Failed)):
-                self._remember((a.transfer_id, a.generation), a)
+                self.record((a.transfer_id, a.generation)).outcome = a
                 out.append(A.Count(f"rendezvous_{a.order}" if isinstance(a, A.Completed) else "transfers_failed"))
         for a in actions:
             if isinstance(a, A.PostWrite):
@@ -99,16 +127,11 @@ class PrefillSide:
                 out += [Tell((r.d_engine_id, r.d_rank), m.WriteFailed(a.transfer_id, a.generation, self.rank,
                                                                        a.reason)) for r in a.registrations]
             elif isinstance(a, A.FreeBlocks):
-                out.append(Report(a, self.outcomes.pop((a.transfer_id, a.generation), None)))
+                out.append(Report(a, self.transfers.pop((a.transfer_id, a.generation), PrefillTransfer())))
             elif isinstance(a, A.Count):
                 out.append(a)
         out += [Drop((a.transfer_id, a.generation), a.reason) for a in actions if isinstance(a, A.Failed)]
         return out
-
-    def _remember(self, key: Key, outcome: Outcome) -> None:
-        self.outcomes[key] = outcome
-        while len(self.outcomes) > self.max_tracked:  # halves that never paired (expired, cancelled)
-            self.outcomes.pop(next(iter(self.outcomes)))
 
 
 # -- D -------------------------------------------------------------------------------------

@@ -21,14 +21,16 @@ FREE = A.FreeBlocks("t", 0, (1, 2), "written")
     ([A.Count("cancelled")], [A.Count("cancelled")]),
     # the outcome comes with the free that reports it, whichever comes first in the batch
     ([FREE, A.Completed("t", 0, "prefill_first")],
-     [A.Count("rendezvous_prefill_first"), S.Report(FREE, A.Completed("t", 0, "prefill_first"))]),
+     [A.Count("rendezvous_prefill_first"),
+      S.Report(FREE, S.PrefillTransfer(outcome=A.Completed("t", 0, "prefill_first")))]),
     # a failure: each registered D rank told, the queued WRITEs dropped last
     ([A.FreeBlocks("t", 0, (1,), "boom"), A.NotifyFailure("t", 0, (REG0, REG1), "boom"), A.Failed("t", 0, "boom")],
-     [A.Count("transfers_failed"), S.Report(A.FreeBlocks("t", 0, (1,), "boom"), A.Failed("t", 0, "boom")),
+     [A.Count("transfers_failed"),
+      S.Report(A.FreeBlocks("t", 0, (1,), "boom"), S.PrefillTransfer(outcome=A.Failed("t", 0, "boom"))),
       S.Tell(("d", 0), m.WriteFailed("t", 0, 3, "boom")), S.Tell(("d", 1), m.WriteFailed("t", 0, 3, "boom")),
       S.Drop(("t", 0), "boom")]),
     # a free with no outcome (a refused half): reported failed with the free's reason
-    ([A.FreeBlocks("t", 1, (), "stale")], [S.Report(A.FreeBlocks("t", 1, (), "stale"), None)]),
+    ([A.FreeBlocks("t", 1, (), "stale")], [S.Report(A.FreeBlocks("t", 1, (), "stale"), S.PrefillTransfer())]),
 ])
 def test_prefill_side_turns_actions_into_effects(actions, want):
     assert S.PrefillSide(rank=3).effects(actions) == want
@@ -37,10 +39,11 @@ def test_prefill_side_turns_actions_into_effects(actions, want):
 def test_a_failure_is_reported_by_the_free_that_comes_batches_later():
     side = S.PrefillSide(rank=0)
     assert side.effects([A.Failed("t", 0, "cancelled")]) == [A.Count("transfers_failed"), S.Drop(("t", 0), "cancelled")]
+    side.record(("t", 0)).nbytes = 4096  # the shell books what moved
     late = A.FreeBlocks("t", 0, (1,), "write finished after failure")
     (report,) = side.effects([late])
-    assert report == S.Report(late, A.Failed("t", 0, "cancelled")) and not report.ok and report.reason == "cancelled"
-    assert side.outcomes == {}  # forgotten once reported
+    assert report.outcome == A.Failed("t", 0, "cancelled") and not report.ok and report.reason == "cancelled"
+    assert report.transfer.nbytes == 4096 and side.transfers == {}  # forgotten once reported
 
 
 @pytest.mark.parametrize("outcome,free_reason,ok,reason", [
@@ -49,15 +52,16 @@ def test_a_failure_is_reported_by_the_free_that_comes_batches_later():
     (None, "refused", False, "refused"),
 ])
 def test_report_says_ok_and_why(outcome, free_reason, ok, reason):
-    r = S.Report(A.FreeBlocks("t", 0, (), free_reason), outcome)
+    r = S.Report(A.FreeBlocks("t", 0, (), free_reason), S.PrefillTransfer(outcome=outcome))
     assert (r.ok, r.reason) == (ok, reason)
 
 
-def test_prefill_side_bounds_the_outcomes_it_keeps():
+def test_prefill_side_bounds_the_records_it_keeps():
     side = S.PrefillSide(rank=0, max_tracked=2)
     for i in range(3):
         side.effects([A.Failed(f"t{i}", 0, "x")])
-    assert list(side.outcomes) == [("t1", 0), ("t2", 0)]
+    assert list(side.transfers) == [("t1", 0), ("t2", 0)]
+    assert side.record(("t2", 0)).outcome == A.Failed("t2", 0, "x")
 
 
 def test_prefill_side_runs_a_real_rendezvous_to_one_report():
