@@ -523,9 +523,8 @@ class PrefillWriter(WriterBase):
         key = (a.transfer_id, a.generation)
         self.trace_event("write_posted" if a.last else "part_posted", a.transfer_id, f"{fl.nbytes}B/{fl.num_descs}d")
         t = self._record(key)
-        if a.last:
-            ikey = key
-        else:
+        ikey: tuple = key  # a part's: (transfer id, generation, its number)
+        if not a.last:
             t.parts += 1
             self._parts_posted += 1
             ikey = (a.transfer_id, a.generation, self._parts_posted)
