@@ -86,10 +86,7 @@ class VllmWriter(WarmWriter):
                  self.kv.nbytes / 2**20, len(self.kv.layers), self.kv.num_blocks, self.args.handshake_endpoint)
 
     def teardown(self) -> None:
-        for key in list(self.links):
-            self.close_link(key)
-        self.release_inflight()
-        self.nixl.deregister()
+        super().teardown()
         self.events.close(0)
         for ep in (self.args.cmd_endpoint, self.args.handshake_endpoint):
             if ep.startswith("ipc://"):  # zmq unlinks a bound file only if its io thread gets to it first

@@ -137,12 +137,7 @@ class WriterBase(WarmWriter):
         return m.Ready(self.name, os.getpid(), pool=self.pool.handle if self.pool else None, agent=self.agent_name)
 
     def teardown(self) -> None:
-        for key in list(self.links):
-            self.close_link(key)
-        if getattr(self, "nixl", None) is not None:
-            self.release_inflight()
-            self.release_beats()
-            self.nixl.deregister()
+        super().teardown()
         if self.area is not None:
             self.area.close()
         if self.pool is not None:
