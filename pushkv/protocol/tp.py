@@ -72,3 +72,17 @@ def head_overlap(
     if not mine:
         return None
     return mine[0], len(mine)
+
+
+def page_heads(p_rank: int, p_tp: int, d_rank: int, d_tp: int, total_kv_heads: int):
+    """What P rank ``p_rank`` moves into D rank ``d_rank`` of pages laid out by head: None
+    (whole pages, same TP), False (nothing) or ``(P's head, D's head, count)`` in each
+    side's own head indices."""
+    shared = head_overlap(p_rank, p_tp, d_rank, d_tp, total_kv_heads)
+    if shared is None:
+        return False
+    if p_tp == d_tp:  # the same heads in both ranks' pages (a replicated head too): whole pages
+        return None
+    start, count = shared
+    return (start - rank_heads(p_tp, p_rank, total_kv_heads)[0], start - rank_heads(d_tp, d_rank, total_kv_heads)[0],
+            count)

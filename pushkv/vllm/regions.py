@@ -50,6 +50,17 @@ class KVMemory(msgspec.Struct, array_like=True, frozen=True, gc=False):
         return bool(self.total_kv_heads) and self.total_kv_heads == other.total_kv_heads and \
             mine == theirs and all(mine)
 
+    def pairing_problem(self, tp: int, other: "KVMemory", other_tp: int, other_name: str) -> str:
+        """Why this rank (of ``tp``) cannot move KV with ``other`` (a rank of ``other_tp``); "" if it can."""
+        if tp == other_tp:
+            if not self.same_pages(other):
+                return f"peer {other_name} KV pages differ (block size, heads, dtype or layers)"
+        elif not self.same_heads(other):
+            return (f"peer {other_name} has tp={other_tp}, this instance tp={tp}, and their KV heads cannot be "
+                    f"paired: {other.total_kv_heads} against {self.total_kv_heads} heads (a different TP size "
+                    "needs the heads known and outermost in each page)")
+        return ""
+
 
 def describe(views: dict, base_addr: int, nbytes: int, kv_heads: int = 0, total_kv_heads: int = 0) -> KVMemory:
     """Describe vLLM's per-layer KV views (torch tensors, block dim first)

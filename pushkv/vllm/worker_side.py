@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
-import sys
 import threading
 import time
 from collections import OrderedDict
@@ -33,6 +32,7 @@ from pushkv.vllm import params as P
 from pushkv.vllm import regions as R
 from pushkv.vllm import wire as w
 from pushkv.vllm.memory import SharedKVAllocation
+from pushkv.vllm.writer_args import WriterArgs
 
 log = logging.getLogger(__name__)
 
@@ -100,13 +100,12 @@ class WorkerSide:
         self._thread.start()
 
     def _start_writer(self) -> None:
-        cmd = [sys.executable, "-m", "pushkv.vllm.writer", "--role", self.role, "--engine-id", self.s.engine_id,
-               "--rank", str(self.rank), "--tp", str(self.s.tp), "--fd", str(self.alloc.fd),
-               "--memory", msgspec.msgpack.encode(self.memory).hex(), "--model-id", self.model_id,
-               "--cmd-endpoint", self.s.cmd_endpoint(self.rank), "--event-endpoint", self.event_endpoint,
-               "--handshake-endpoint", self.s.handshake_endpoint(self.rank), "--parent-pid", str(os.getpid()),
-               "--registration-wait-s", str(self.s.registration_wait_s), "--transfer-s", str(self.s.transfer_s),
-               "--secret-file", self.s.secret_file]
+        cmd = WriterArgs(role=self.role, engine_id=self.s.engine_id, fd=self.alloc.fd,
+                         memory=msgspec.msgpack.encode(self.memory).hex(), cmd_endpoint=self.s.cmd_endpoint(self.rank),
+                         event_endpoint=self.event_endpoint, handshake_endpoint=self.s.handshake_endpoint(self.rank),
+                         parent_pid=os.getpid(), rank=self.rank, tp=self.s.tp, model_id=self.model_id,
+                         registration_wait_s=self.s.registration_wait_s, transfer_s=self.s.transfer_s,
+                         secret_file=self.s.secret_file).argv()
         t0 = time.monotonic()
         self.proc = subprocess.Popen(cmd, pass_fds=(self.alloc.fd,), stdin=subprocess.DEVNULL)
         deadline = t0 + WRITER_READY_S

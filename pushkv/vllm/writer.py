@@ -1,31 +1,17 @@
-"""The pushkv writer of one vLLM worker: registration, rendezvous and WRITE,
-out of vLLM's engine loop.
+"""The pushkv writer of one vLLM worker (one process per TP rank, started and
+supervised by that worker's connector): registration, rendezvous and WRITE, out
+of vLLM's engine loop (``pushkv/vllm/README.md``).
 
-One process per vLLM worker (TP rank), started and supervised by that worker's
-connector. It maps the worker's KV cache (a shared-memory file whose
-descriptor it inherits, see ``memory.py``), registers it with NIXL, and runs
-pushkv's protocol machines unchanged: ``PushRendezvous`` on P, ``KVArrivals``
-on D, with pushkv's NIXL notifications between writers. vLLM's scheduler
-process sends it commands directly (``SendBlocks`` when P's request finished,
-``ExpectBlocks`` when D allocated), so neither the registration nor the WRITE
-waits for an engine step; its outcomes go to the worker connector, which hands
-them to vLLM as finished sends / receives.
-
-The shell is pushkv's own writer's (``pushkv/writer/``: peers and handshake,
-posting and reaping, the poll policy); here is what is vLLM's: the memory is
-vLLM's KV cache (``regions.py``), the Hello carries its description, and the
-commands and events carry vLLM's request ids. Any P rank pairs with any D rank:
-D registers with every P rank that produces one of its KV heads
-(``protocol/tp.py``), and each P rank WRITEs the heads it shares with each D rank.
-D's handshakes run on the loop: a request whose P ranks are not connected yet
-waits for them while every other message is handled.
-
-D watches each P writer it talks to through a ZMQ socket monitor on the
-handshake link: when a P writer dies, its transfers fail at once with that reason.
+A shell: the roles are pushkv's pure sides (``PushRendezvous`` and
+``writer/sides.PrefillSide`` on P, ``KVArrivals`` and ``writer/sides.Producers``
+on D) and its writer shell (peers and handshake, posting, the loop); here is
+only what is vLLM's: the memory is vLLM's KV cache (``regions.py``, described
+in the Hello), and the commands and events carry vLLM's request ids. D watches
+each P writer through a socket monitor on the handshake link: a dead P writer
+fails its transfers at once.
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import signal
@@ -39,15 +25,17 @@ from pushkv import messages as m
 from pushkv.protocol import actions as A
 from pushkv.protocol import arrivals as ar
 from pushkv.protocol import rendezvous as rv
-from pushkv.protocol.tp import head_overlap, producers_for, rank_heads
+from pushkv.protocol.tp import page_heads, producers_for
 from pushkv.security import is_network
 from pushkv.supervisor.lifecycle import parent_death_signal
 from pushkv.transport.nixl_agent import NixlAgent, TransferError
 from pushkv.vllm import wire as w
+from pushkv.vllm import writer_args
 from pushkv.vllm.memory import map_fd, mapping_addr
 from pushkv.vllm.regions import KVMemory, map_blocks
 from pushkv.vllm.timing import mark
 from pushkv.writer import memory as mem
+from pushkv.writer import sides
 from pushkv.writer.peers import Peer
 from pushkv.writer.posting import InFlight
 from pushkv.writer.warm import WarmWriter
@@ -58,7 +46,7 @@ log = logging.getLogger(__name__)
 class VllmWriter(WarmWriter):
     watch_links = True  # D: a P writer whose link closes is gone, and its transfers with it
 
-    def __init__(self, args):
+    def __init__(self, args: writer_args.WriterArgs):
         super().__init__(f"vllm-{args.role}-writer-{args.rank}", secret_file=args.secret_file)
         self.args = args
         self.role = args.role  # "prefill" | "decode"
@@ -73,12 +61,11 @@ class VllmWriter(WarmWriter):
         self.init_posting()
         self.init_warm(False, beat_ms=0)  # the CPU: no spinning for what is expected, no sink
         self.req_of: dict[str, str] = {}  # transfer id -> this instance's vLLM request id
-        self.sources: dict[str, tuple[str, set[int]]] = {}  # D: transfer id -> P engine, ranks still writing
-        self.quarantine: dict[str, tuple[float, str]] = {}  # D: failed, a P rank may still write
-        self.stats: dict[str, tuple[int, int, float]] = {}
+        self.producers = sides.Producers()  # D: by transfer id, the P ranks still writing (and the quarantine)
         self.rdv = rv.PushRendezvous(self.rank, self.tp, self.total_kv_heads, args.registration_wait_s,
                                      args.transfer_s)
         self.arrivals = ar.KVArrivals()
+        self.side = sides.PrefillSide(self.rank)
 
     # -- lifecycle -------------------------------------------------------------------
     def setup(self) -> None:
@@ -99,10 +86,7 @@ class VllmWriter(WarmWriter):
                  self.kv.nbytes / 2**20, len(self.kv.layers), self.kv.num_blocks, self.args.handshake_endpoint)
 
     def teardown(self) -> None:
-        for key in list(self.links):
-            self.close_link(key)
-        self.release_inflight()
-        self.nixl.deregister()
+        super().teardown()
         self.events.close(0)
         for ep in (self.args.cmd_endpoint, self.args.handshake_endpoint):
             if ep.startswith("ipc://"):  # zmq unlinks a bound file only if its io thread gets to it first
@@ -113,6 +97,10 @@ class VllmWriter(WarmWriter):
 
     def _emit(self, msg: m.Msg) -> None:
         self.events.send(m.encode(msg))
+
+    def _failed(self, tid: str, reason: str) -> None:
+        """D: the blocks of vLLM's request for ``tid`` failed to arrive (and nothing lands in them)."""
+        self._emit(w.BlocksFailed(self.req_of.pop(tid, ""), tid, reason))
 
     # -- the handshake: pushkv's, with vLLM's memory in the Hello ------------------------
     def hello(self) -> w.VllmHello:
@@ -125,28 +113,12 @@ class VllmWriter(WarmWriter):
     on_VllmHello = WarmWriter.on_Hello
 
     def check_peer(self, h: w.VllmHello) -> None:
-        if h.tp == self.tp:
-            if not self.kv.same_pages(h.memory):
-                raise ValueError(f"peer {h.engine_id} KV pages differ (block size, heads, dtype or layers)")
-        elif not self.kv.same_heads(h.memory):
-            raise ValueError(f"peer {h.engine_id} has tp={h.tp}, this instance tp={self.tp}, and their KV heads "
-                             f"cannot be paired: {h.memory.total_kv_heads} against {self.kv.total_kv_heads} heads "
-                             "(a different TP size needs the heads known and outermost in each page)")
+        why = self.kv.pairing_problem(self.tp, h.memory, h.tp, h.engine_id)
+        if why:
+            raise ValueError(why)
 
     def peer_of(self, h: w.VllmHello, agent: str) -> Peer:
         return Peer(h.engine_id, h.rank, h.tp, agent, h.base_addr, h.memory)
-
-    def _heads(self, p_rank: int, p_tp: int, d_rank: int, d_tp: int):
-        """What P rank ``p_rank`` moves into D rank ``d_rank``: None (whole pages, same TP),
-        False (nothing) or (P's head, D's head, count) in each side's own head indices."""
-        total = self.total_kv_heads
-        shared = head_overlap(p_rank, p_tp, d_rank, d_tp, total)
-        if shared is None:
-            return False
-        if p_tp == d_tp:  # the same heads in both ranks' pages (a replicated head too): whole pages
-            return None
-        start, count = shared
-        return (start - rank_heads(p_tp, p_rank, total)[0], start - rank_heads(d_tp, d_rank, total)[0], count)
 
     # -- commands from vLLM's scheduler ------------------------------------------------
     def on_SendBlocks(self, msg: w.SendBlocks) -> None:
@@ -160,7 +132,7 @@ class VllmWriter(WarmWriter):
         except A.ProtocolError as e:
             self._emit(w.BlocksSent(msg.req_id, msg.transfer_id, False, f"refused: {e}"))
             return
-        self._apply(acts, now)
+        self._apply_p(acts, now)
 
     def on_ExpectBlocks(self, msg: w.ExpectBlocks) -> None:
         """D: register with every P rank that produces our heads, once their handshakes are
@@ -174,15 +146,11 @@ class VllmWriter(WarmWriter):
             if any(r >= len(src.handshake) for r in ranks):
                 raise ValueError(f"{src.engine_id} lists {len(src.handshake)} handshake endpoints for tp={src.tp}")
         except ValueError as e:
-            self._emit(w.BlocksFailed(self.req_of.pop(msg.transfer_id, ""), msg.transfer_id, f"bad source: {e}"))
+            self._failed(msg.transfer_id, f"bad source: {e}")
             return
 
-        def failed(reason: str) -> None:
-            self._emit(w.BlocksFailed(self.req_of.pop(msg.transfer_id, ""), msg.transfer_id,
-                                      f"cannot reach prefill writer: {reason}"))
-
-        self.with_peers(msg.transfer_id, src.engine_id, ranks, src.handshake,
-                        lambda peers: self._register(msg, peers), failed, now)
+        self.with_peers(msg.transfer_id, src.engine_id, ranks, src.handshake, lambda peers: self._register(msg, peers),
+                        lambda why: self._failed(msg.transfer_id, f"cannot reach prefill writer: {why}"), now)
 
     def _register(self, msg: w.ExpectBlocks, peers: list[Peer]) -> None:
         now = time.monotonic()
@@ -190,11 +158,10 @@ class VllmWriter(WarmWriter):
         try:
             acts = self.arrivals.expect(msg.transfer_id, 0, msg.block_ids, ranks, now + msg.deadline_s)
         except (ar.ProtocolError, ValueError) as e:
-            self._emit(w.BlocksFailed(self.req_of.pop(msg.transfer_id, ""), msg.transfer_id,
-                                      f"registration refused: {e}"))
+            self._failed(msg.transfer_id, f"registration refused: {e}")
             return
-        self.sources[msg.transfer_id] = (msg.source.engine_id, set(ranks))
-        self._apply(acts, now)
+        self.producers.expect(msg.transfer_id, msg.source.engine_id, ranks)
+        self._apply_d(acts, now)
         mark("d_register_sent", msg.transfer_id)
         reg = m.Register(msg.transfer_id, 0, self.engine_id, self.rank, self.tp, msg.block_ids, msg.num_tokens,
                          msg.deadline_s)
@@ -204,11 +171,11 @@ class VllmWriter(WarmWriter):
     def on_CancelBlocks(self, msg: w.CancelBlocks) -> None:
         now = time.monotonic()
         if self.role == "prefill":
-            self._apply(self.rdv.cancel(msg.transfer_id, 0, msg.reason, now), now)
+            self._apply_p(self.rdv.cancel(msg.transfer_id, 0, msg.reason, now), now)
         elif self.drop_wait(msg.transfer_id):  # still waiting for handshakes: nothing registered, nothing lands
-            self._emit(w.BlocksFailed(self.req_of.pop(msg.transfer_id, ""), msg.transfer_id, msg.reason))
+            self._failed(msg.transfer_id, msg.reason)
         else:
-            self._apply(self.arrivals.cancel(msg.transfer_id, 0, msg.reason, now), now)
+            self._apply_d(self.arrivals.cancel(msg.transfer_id, 0, msg.reason, now), now)
 
     # -- NIXL notifications (pushkv's messages) ------------------------------------------
     def notif_Register(self, msg: m.Register, agent: str, now: float) -> None:
@@ -216,93 +183,76 @@ class VllmWriter(WarmWriter):
             self.counters["register_from_unknown_peer"] += 1
             return
         mark("p_registration_recvd", msg.transfer_id)
-        self._apply(self.rdv.on_registration(msg, now), now)
+        self._apply_p(self.rdv.on_registration(msg, now), now)
 
     def notif_CancelTransfer(self, msg: m.CancelTransfer, agent: str, now: float) -> None:
-        self._apply(self.rdv.cancel(msg.transfer_id, msg.generation, msg.reason, now), now)
+        self._apply_p(self.rdv.cancel(msg.transfer_id, msg.generation, msg.reason, now), now)
 
     def notif_WriteDone(self, msg: m.WriteDone, agent: str, now: float) -> None:
         if self._from_producer(msg, agent):
-            self._apply(self.arrivals.on_write_done(msg, now), now)
+            self._apply_d(self.arrivals.on_write_done(msg, now), now)
 
     def notif_WriteFailed(self, msg: m.WriteFailed, agent: str, now: float) -> None:
         if self._from_producer(msg, agent):
-            self._apply(self.arrivals.on_write_failed(msg, now), now)
+            self._apply_d(self.arrivals.on_write_failed(msg, now), now)
 
     def _from_producer(self, msg, agent: str) -> bool:
-        """A completion counts only from the P writer that is that transfer's producer rank;
-        the rank then writes no more (a quarantined transfer is released once none does)."""
         peer = self.peers_by_agent.get(agent)
-        src = self.sources.get(msg.transfer_id)
-        if src is not None and (peer is None or peer.engine_id != src[0] or peer.rank != msg.p_rank):
+        verdict, released = self.producers.completion(msg.transfer_id, (peer.engine_id, peer.rank) if peer else None,
+                                                      msg.p_rank)
+        if verdict == "wrong_peer":
             self.counters["completion_from_wrong_peer"] += 1
-            return False
-        if src is not None:
-            src[1].discard(msg.p_rank)
-        if msg.transfer_id in self.quarantine:
-            if src is None or not src[1]:
-                self._release_quarantine(msg.transfer_id)
-            return False
-        return True
+        self._release(released)
+        return verdict == "counts"
 
     def peer_gone(self, peer: Peer, reason: str) -> None:
         """A P writer died: nothing of it can still write; its transfers fail now."""
         now = time.monotonic()
-        for tid, (engine, ranks) in list(self.sources.items()):
-            if engine != peer.engine_id or peer.rank not in ranks:
-                continue
-            ranks.discard(peer.rank)
-            if tid in self.quarantine:
-                if not ranks:
-                    self._release_quarantine(tid)
-                continue
-            self._apply(self.arrivals.cancel(tid, 0, f"prefill {reason}", now), now)
+        released, failing = self.producers.rank_gone(peer.engine_id, peer.rank)
+        self._release(released)
+        for tid in failing:
+            self._apply_d(self.arrivals.cancel(tid, 0, f"prefill {reason}", now), now)
 
-    # -- protocol actions ------------------------------------------------------------------
-    def _apply(self, actions, now: float) -> None:
-        outcome = {a.transfer_id: a for a in actions if isinstance(a, (A.Completed, A.Failed))}
+    # -- the sides' actions ----------------------------------------------------------------
+    def _apply_p(self, actions, now: float) -> None:
+        for e in self.side.effects(actions):
+            if isinstance(e, sides.Post):
+                self._post_write(e.write, now)
+            elif isinstance(e, sides.Tell):
+                peer = self.peers.get(e.peer)
+                if peer is not None:
+                    self.notify(peer, e.msg)
+            elif isinstance(e, sides.Report):
+                t, tid = e.transfer, e.free.transfer_id
+                self._emit(w.BlocksSent(self.req_of.pop(tid, ""), tid, e.ok, e.reason, t.nbytes, t.num_descs,
+                                        t.write_s))
+            elif isinstance(e, A.Count):
+                self.counters[e.name] += 1
+
+    def _apply_d(self, actions, now: float) -> None:
         for a in actions:
-            if isinstance(a, A.PostWrite):
-                self._post_write(a, now)
-            elif isinstance(a, A.NotifyFailure):
-                for reg in a.registrations:
-                    peer = self.peers.get((reg.d_engine_id, reg.d_rank))
-                    if peer is not None:
-                        self.notify(peer, m.WriteFailed(a.transfer_id, a.generation, self.rank, a.reason))
-            elif isinstance(a, A.FreeBlocks):
-                self._blocks_sent(a, outcome.get(a.transfer_id))
-            elif isinstance(a, A.Received):
+            if isinstance(a, A.Received):
                 mark("d_kv_received", a.transfer_id)
-                self.sources.pop(a.transfer_id, None)
+                self.producers.received(a.transfer_id)
                 self._emit(w.BlocksReceived(self.req_of.pop(a.transfer_id, ""), a.transfer_id,
                                             a.nbytes, a.num_descs))
-            elif isinstance(a, A.Failed) and self.role == "decode":
+            elif isinstance(a, A.Failed):
                 self._fail_receive(a.transfer_id, a.reason, now)
             elif isinstance(a, A.Count):
                 self.counters[a.name] += 1
 
-    def _blocks_sent(self, a: A.FreeBlocks, outcome) -> None:
-        ok = isinstance(outcome, A.Completed)
-        nbytes, ndescs, secs = self.stats.pop(a.transfer_id, (0, 0, 0.0))
-        reason = "" if ok else (outcome.reason if isinstance(outcome, A.Failed) else a.reason)
-        self._emit(w.BlocksSent(self.req_of.pop(a.transfer_id, ""), a.transfer_id, ok, reason, nbytes, ndescs, secs))
-
     def _fail_receive(self, tid: str, reason: str, now: float) -> None:
         """Tell P to stop; report the blocks failed only once no WRITE can still land."""
-        engine, ranks = self.sources.get(tid, ("", set()))
-        peers = [p for p in (self.peers.get((engine, r)) for r in ranks) if p is not None]
-        if not peers:
-            self.sources.pop(tid, None)
-            self._emit(w.BlocksFailed(self.req_of.pop(tid, ""), tid, reason))
-            return
-        for peer in peers:
-            self.notify(peer, m.CancelTransfer(tid, 0, reason))
-        self.quarantine[tid] = (now + self.args.transfer_s, reason)
+        tell, held = self.producers.fail(tid, reason, now + self.args.transfer_s, lambda e, r: (e, r) in self.peers)
+        for key in tell:
+            self.notify(self.peers[key], m.CancelTransfer(tid, 0, reason))
+        if not held:
+            self._failed(tid, reason)
 
-    def _release_quarantine(self, tid: str) -> None:
-        _, reason = self.quarantine.pop(tid)
-        self.sources.pop(tid, None)
-        self._emit(w.BlocksFailed(self.req_of.pop(tid, ""), tid, reason))
+    def _release(self, released) -> None:
+        """Quarantined transfers no WRITE can land in any more: their blocks fail now."""
+        for tid, q in released:
+            self._failed(tid, q.reason)
 
     def _post_write(self, a: A.PostWrite, now: float) -> None:
         fl = InFlight(a.transfer_id, a.generation, posted=now)
@@ -311,7 +261,7 @@ class VllmWriter(WarmWriter):
                 peer = self.peers.get((reg.d_engine_id, reg.d_rank))
                 if peer is None:
                     raise TransferError(f"no handshake with {reg.d_engine_id} rank {reg.d_rank}")
-                heads = self._heads(self.rank, self.tp, reg.d_rank, reg.d_tp)
+                heads = page_heads(self.rank, self.tp, reg.d_rank, reg.d_tp, self.total_kv_heads)
                 if heads is False:
                     continue
                 regions = map_blocks(self.kv, a.block_ids, peer.layout, reg.block_ids, heads)
@@ -330,62 +280,32 @@ class VllmWriter(WarmWriter):
             self.transfer_finished(fl, now)
 
     def transfer_finished(self, fl: InFlight, now: float) -> None:
-        self.stats[fl.transfer_id] = (fl.nbytes, fl.num_descs, now - fl.posted)
+        t = self.side.record((fl.transfer_id, fl.generation))
+        t.nbytes, t.num_descs, t.write_s = fl.nbytes, fl.num_descs, now - fl.posted
         if fl.failed:
-            self._apply(self.rdv.on_write_failed(fl.transfer_id, fl.generation, fl.failed, now), now)
+            self._apply_p(self.rdv.on_write_failed(fl.transfer_id, fl.generation, fl.failed, now), now)
         else:
-            self._apply(self.rdv.on_write_done(fl.transfer_id, fl.generation, now), now)
+            self._apply_p(self.rdv.on_write_done(fl.transfer_id, fl.generation, now), now)
 
     # -- the loop ---------------------------------------------------------------------------
+    def expire(self, now: float) -> None:
+        self._apply_p(sides.due(self.rdv, now), now)
+        self._apply_d(sides.due(self.arrivals, now), now)
+        self._release(self.producers.quarantine.expired(now))
+
     def tick(self, now: float) -> None:
-        self.poll_notifs(now)
-        if self.inflight:
-            self.check_inflight(now)
-        if self.links:
-            self.expire_links(now)
-        nd = self.rdv.next_deadline()
-        if nd is not None and nd <= now:
-            self._apply(self.rdv.expire(now), now)
-        nd = self.arrivals.next_deadline()
-        if nd is not None and nd <= now:
-            self._apply(self.arrivals.expire(now), now)
-        for tid, (deadline, _) in list(self.quarantine.items()):
-            if deadline <= now:
-                self._release_quarantine(tid)
+        super().tick(now)
         if os.getppid() != self.args.parent_pid:
             log.error("%s: vLLM worker %d is gone; exiting", self.name, self.args.parent_pid)
             self.stopping = True
 
     def has_pending(self) -> bool:
-        return (self.rdv.next_deadline() is not None or self.arrivals.next_deadline() is not None
-                or bool(self.quarantine) or bool(self.waits))
+        return sides.pending(self.rdv, self.arrivals) or bool(self.producers.quarantine) or bool(self.waits)
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description="pushkv writer for one vLLM worker (started by the connector)")
-    ap.add_argument("--role", choices=("prefill", "decode"), required=True)
-    ap.add_argument("--engine-id", required=True)
-    ap.add_argument("--rank", type=int, default=0)
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--fd", type=int, required=True, help="inherited shared-memory fd of the KV cache")
-    ap.add_argument("--memory", required=True, help="msgpack KVMemory, hex")
-    ap.add_argument("--model-id", default="", help="what the KV means (peers must name the same)")
-    ap.add_argument("--cmd-endpoint", required=True)
-    ap.add_argument("--event-endpoint", required=True)
-    ap.add_argument("--handshake-endpoint", required=True)
-    ap.add_argument("--parent-pid", type=int, required=True)
-    ap.add_argument("--registration-wait-s", type=float, default=30.0)
-    ap.add_argument("--transfer-s", type=float, default=30.0)
-    ap.add_argument("--secret-file", default="", help="CURVE secret for the tcp handshake sockets")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("PUSHKV_LOG", "INFO"),
-                        format=f"%(asctime)s pushkv-writer[{args.role}-{args.rank}] %(levelname)s %(message)s")
-    try:
-        import setproctitle
-
-        setproctitle.setproctitle(f"pushkv-vllm-writer {args.role} {args.engine_id} rank {args.rank}")
-    except ImportError:
-        pass
+    args = writer_args.parse(argv)
+    writer_args.set_up_process(args)
     VllmWriter(args).run()
 
 

@@ -137,12 +137,7 @@ class WriterBase(WarmWriter):
         return m.Ready(self.name, os.getpid(), pool=self.pool.handle if self.pool else None, agent=self.agent_name)
 
     def teardown(self) -> None:
-        for key in list(self.links):
-            self.close_link(key)
-        if getattr(self, "nixl", None) is not None:
-            self.release_inflight()
-            self.release_beats()
-            self.nixl.deregister()
+        super().teardown()
         if self.area is not None:
             self.area.close()
         if self.pool is not None:
@@ -173,19 +168,6 @@ class WriterBase(WarmWriter):
 
     def grid_of_peer(self, h: m.Hello) -> Any:
         return grid_of(h.layout)
-
-    # -- the loop ----------------------------------------------------------------------
-    def tick(self, now: float) -> None:
-        self.beat(time.perf_counter())
-        self.poll_notifs(now)
-        if self.inflight:
-            self.check_inflight(now)
-        if self.links:
-            self.expire_links(now)
-        self.expire(now)
-
-    def expire(self, now: float) -> None:
-        """Side-specific deadlines."""
 
     # -- a peer instance died ------------------------------------------------------------
     def on_LifecycleEvent(self, ev) -> None:

@@ -18,7 +18,7 @@ from pushkv.protocol import actions as A
 from pushkv.protocol import arrivals as ar
 from pushkv.protocol.tp import head_overlap, producers_for
 from pushkv.kv import damage
-from pushkv.writer import staging
+from pushkv.writer import sides, staging
 from pushkv.writer.base import InFlight, WriterBase
 
 log = logging.getLogger(__name__)
@@ -64,18 +64,6 @@ class StagingIn:
     cancelled: str = ""
 
 
-@dataclass
-class Quarantined:
-    """A failed transfer whose producers may still be writing into its blocks: the blocks go
-    back to the scheduler once every outstanding rank answered, or at the deadline."""
-
-    outstanding: set[int]
-    deadline: float
-    reason: str
-    engine_id: str
-    slots: "list[int] | None" = None  # --staging pushkv: given back with the blocks
-
-
 class DecodeWriter(WriterBase):
     def __init__(self, cfg, inst, rank):
         super().__init__(cfg, inst, rank)
@@ -83,7 +71,7 @@ class DecodeWriter(WriterBase):
         self._registered: dict[tuple[str, int], Registered] = {}
         self._reads: dict[tuple[str, int], m.ReadKV] = {}
         self._reads_cancelled: dict[tuple[str, int], str] = {}  # READs in flight whose request was cancelled
-        self._quarantine: dict[tuple[str, int], Quarantined] = {}
+        self.quarantine = sides.Quarantine()  # failed transfers a producer may still write into
         self._dead_engines: set[str] = set()
         self._staging_in: dict[tuple[str, int], StagingIn] = {}
         self._slot_waits: deque[SlotWait] = deque()
@@ -100,7 +88,7 @@ class DecodeWriter(WriterBase):
                     self.start_link(src.engine_id, r, src.handshake_endpoints[r], now)
 
     def has_pending(self) -> bool:
-        return (self.arrivals.next_deadline() is not None or bool(self._quarantine) or bool(self.waits)
+        return (sides.pending(self.arrivals) or bool(self.quarantine) or bool(self.waits)
                 or bool(self._staging_in) or bool(self._slot_waits))
 
     def _with_producers(self, key, src: m.PrefillSource, then, now: float) -> None:
@@ -213,11 +201,7 @@ class DecodeWriter(WriterBase):
         reg = self._registered.get(key)
         if reg is not None:
             reg.reported.add(msg.p_rank)
-        q = self._quarantine.get(key)
-        if q is not None:
-            q.outstanding.discard(msg.p_rank)
-            if not q.outstanding:
-                self._release_quarantine(key)
+        self._release(self.quarantine.answered(key, msg.p_rank))
 
     def on_CancelKV(self, msg: m.CancelKV) -> None:
         now = time.monotonic()
@@ -329,8 +313,8 @@ class DecodeWriter(WriterBase):
                 self.control(peer, m.CancelTransfer(key[0], key[1], reason))
         if outstanding and reg.source.engine_id not in self._dead_engines:
             self.counters["quarantined"] += 1
-            self._quarantine[key] = Quarantined(outstanding, now + self.cfg.timeouts.transfer_s, reason,
-                                                reg.source.engine_id, reg.slots)
+            self.quarantine.hold(key, reg.source.engine_id, outstanding, now + self.cfg.timeouts.transfer_s, reason,
+                                 reg.slots)
         else:
             self.send(self.sched, m.KVFailed(key[0], key[1], reason, lost=self._lost))
             self._give_slots(reg.slots if reg is not None else None)
@@ -343,14 +327,14 @@ class DecodeWriter(WriterBase):
                 self.counters["failed_peer_death"] += 1
                 with self.ending_for_loss("prefill", reason):
                     self.apply(self.arrivals.cancel(key[0], key[1], f"prefill instance lost: {reason}", now), now)
-        for key in [k for k, q in self._quarantine.items() if q.engine_id == engine_id]:
-            self._release_quarantine(key)
+        self._release(self.quarantine.engine_gone(engine_id))
         self._dead_engines.discard(engine_id)  # a restarted instance is a live peer again
 
-    def _release_quarantine(self, key) -> None:
-        q = self._quarantine.pop(key)
-        self.send(self.sched, m.KVFailed(key[0], key[1], q.reason))
-        self._give_slots(q.slots)
+    def _release(self, released) -> None:
+        """Quarantined blocks no WRITE can land in any more go back to the scheduler."""
+        for key, q in released:
+            self.send(self.sched, m.KVFailed(key[0], key[1], q.reason))
+            self._give_slots(q.slots)
 
     def expire(self, now: float) -> None:
         for w in [w for w in self._slot_waits if w.deadline <= now]:
@@ -359,13 +343,10 @@ class DecodeWriter(WriterBase):
             self.cool(w.key)
             self.send(self.sched, m.KVFailed(w.key[0], w.key[1], "no room in the staging area within the "
                                              "transfer's deadline"))
-        nd = self.arrivals.next_deadline()
-        if nd is not None and nd <= now:
-            self.apply(self.arrivals.expire(now), now)
-        for key, q in list(self._quarantine.items()):
-            if q.deadline <= now:
-                self.counters["quarantine_expired"] += 1
-                self._release_quarantine(key)
+        self.apply(sides.due(self.arrivals, now), now)
+        for key, q in self.quarantine.expired(now):
+            self.counters["quarantine_expired"] += 1
+            self._release([(key, q)])
 
     # -- pull, background: READ on the writer --------------------------------------------
     def on_ReadKV(self, msg: m.ReadKV) -> None:

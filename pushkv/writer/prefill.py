@@ -8,8 +8,8 @@ import logging
 import os
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from dataclasses import dataclass
+from typing import Any, Optional
 
 from pushkv import faults
 from pushkv import messages as m
@@ -25,26 +25,12 @@ from pushkv.kv import damage
 from pushkv.writer.base import InFlight, WriterBase
 from pushkv.writer.link_posts import LinkPosts
 from pushkv.writer.posting import SpanPost
-from pushkv.writer import staging
+from pushkv.writer import sides, staging
 
 log = logging.getLogger(__name__)
 
 WAITING = (rv.State.WAIT_PREFILL.value, rv.State.WAIT_REGISTRATION.value)  # a WRITE is coming
 MAX_TRACKED = 4096  # bounded bookkeeping for transfers that never complete
-
-
-@dataclass
-class PrefillTransfer:
-    """What P's writer keeps per transfer until its blocks are freed."""
-
-    d_engine_id: str = ""  # the D instance that registered (for peer death)
-    outcome: Optional[Union[A.Completed, A.Failed]] = None  # until FreeBlocks reports it
-    nbytes: int = 0  # of the WRITE, once posted
-    num_descs: int = 0
-    write_s: float = 0.0  # post to completion (the last WRITE)
-    parts: int = 0  # streamed part WRITEs posted
-    stages: dict[str, float] = field(default_factory=dict)  # writer-side timeline (wall time)
-    first_queued: float = 0.0  # monotonic: its first WRITE's turn in a link queue (order "deadline")
 
 
 @dataclass
@@ -84,7 +70,7 @@ class PrefillWriter(WriterBase):
                                      stream_unit=unit, stream_groups=plan.groups)
         self._parts_posted = 0  # keys of part WRITEs in flight: (tid, gen, n)
         self.leases = Leases(t.lease_s, t.lease_max_s)
-        self._transfers: dict[tuple[str, int], PrefillTransfer] = {}
+        self.side = sides.PrefillSide(rank)  # the rendezvous' actions as effects; each transfer's record
         self._checksums: dict[tuple[str, int], m.KVChecksums] = {}  # until the transfer's blocks are freed
         # one queue per D rank we WRITE into (cfg.link_window; None: every WRITE posts at once)
         window = window_of(cfg.link_window, cfg.link_window_mib, poster.wanted("auto", os.environ.get("UCX_TLS", "")))
@@ -93,7 +79,7 @@ class PrefillWriter(WriterBase):
         self._slots_of: dict[int, list[int]] = {}  # id(posted handle) -> the staging slots it WRITEs from
 
     def has_pending(self) -> bool:
-        return self.rdv.next_deadline() is not None or self.leases.next_deadline() is not None
+        return sides.pending(self.rdv, self.leases)
 
     # -- from the scheduler ----------------------------------------------------------
     def on_SendKV(self, msg: m.SendKV) -> None:
@@ -265,26 +251,19 @@ class PrefillWriter(WriterBase):
 
     # -- actions of the rendezvous ------------------------------------------------------
     def apply(self, actions, now: float) -> None:
-        # outcomes first: a FreeBlocks in the same batch reports them to the scheduler
-        for a in actions:
-            if isinstance(a, (A.Completed, A.Failed)):
-                self._record((a.transfer_id, a.generation)).outcome = a
-                self.counters[f"rendezvous_{a.order}" if isinstance(a, A.Completed) else "transfers_failed"] += 1
-        for a in actions:
-            if isinstance(a, A.PostWrite):
-                self._post_write(a, now)
-            elif isinstance(a, A.NotifyFailure):
-                for reg in a.registrations:
-                    peer = self.peers.get((reg.d_engine_id, reg.d_rank))
-                    if peer is not None:
-                        self.control(peer, m.WriteFailed(a.transfer_id, a.generation, self.rank, a.reason))
-            elif isinstance(a, A.FreeBlocks):
-                self._free(a)
-            elif isinstance(a, A.Count):
-                self.counters[a.name] += 1
-        for a in actions:
-            if isinstance(a, A.Failed):
-                self._drop_queued((a.transfer_id, a.generation), a.reason)
+        for e in self.side.effects(actions):
+            if isinstance(e, sides.Post):
+                self._post_write(e.write, now)
+            elif isinstance(e, sides.Tell):
+                peer = self.peers.get(e.peer)
+                if peer is not None:
+                    self.control(peer, e.msg)
+            elif isinstance(e, sides.Report):
+                self._free(e)
+            elif isinstance(e, sides.Drop):
+                self._drop_queued(e.key, e.reason)
+            else:
+                self.counters[e.name] += 1
         if self._warm:
             for key in {(a.transfer_id, a.generation) for a in actions if hasattr(a, "transfer_id")}:
                 self._sync_warm(key, now)
@@ -299,32 +278,27 @@ class PrefillWriter(WriterBase):
             self.cool(key)
 
     def peer_instance_down(self, engine_id: str, reason: str, now: float) -> None:
-        for key, t in list(self._transfers.items()):
+        for key, t in list(self.side.transfers.items()):
             if t.d_engine_id == engine_id:
                 self.counters["cancelled_peer_death"] += 1
                 with self.ending_for_loss("decode", reason):
                     self.apply(self.rdv.cancel(key[0], key[1], f"decode instance lost: {reason}", now), now)
 
-    def _record(self, key) -> PrefillTransfer:
-        t = self._transfers.get(key)
-        if t is None:
-            t = self._transfers[key] = PrefillTransfer()
-            while len(self._transfers) > MAX_TRACKED:  # halves that never paired (expired, cancelled)
-                self._transfers.pop(next(iter(self._transfers)))
-        return t
+    def _record(self, key) -> sides.PrefillTransfer:
+        return self.side.record(key)
 
     def _stamp(self, key, stage: str) -> None:
         self._record(key).stages.setdefault(stage, time.time())
 
-    def _free(self, a) -> None:
-        t = self._transfers.pop((a.transfer_id, a.generation), None) or PrefillTransfer()
+    def _free(self, r: sides.Report) -> None:
+        a, t = r.free, r.transfer
         self._checksums.pop((a.transfer_id, a.generation), None)
-        if isinstance(t.outcome, A.Completed):
+        if isinstance(r.outcome, A.Completed):
             self.send(self.sched, m.KVSent(a.transfer_id, a.generation, t.nbytes, t.num_descs, t.write_s,
-                                           t.outcome.order, tuple(t.stages.items()), t.parts, self.stream))
+                                           r.outcome.order, tuple(t.stages.items()), t.parts, self.stream))
         else:
-            reason = t.outcome.reason if isinstance(t.outcome, A.Failed) else a.reason
-            self.send(self.sched, m.KVFailed(a.transfer_id, a.generation, reason or "transfer failed", lost=self._lost))
+            self.send(self.sched, m.KVFailed(a.transfer_id, a.generation, r.reason or "transfer failed",
+                                             lost=self._lost))
 
     def _post_write(self, a, now: float) -> None:
         faults.point(self.name, "post_write" if a.last else "post_part")
@@ -549,9 +523,8 @@ class PrefillWriter(WriterBase):
         key = (a.transfer_id, a.generation)
         self.trace_event("write_posted" if a.last else "part_posted", a.transfer_id, f"{fl.nbytes}B/{fl.num_descs}d")
         t = self._record(key)
-        if a.last:
-            ikey = key
-        else:
+        ikey: tuple = key  # a part's: (transfer id, generation, its number)
+        if not a.last:
             t.parts += 1
             self._parts_posted += 1
             ikey = (a.transfer_id, a.generation, self._parts_posted)
@@ -596,12 +569,8 @@ class PrefillWriter(WriterBase):
         self.apply(acts, now)
 
     def expire(self, now: float) -> None:
-        if self.rdv.next_deadline() is not None and self.rdv.next_deadline() <= now:
-            self.apply(self.rdv.expire(now), now)
-        nd = self.leases.next_deadline()
-        if nd is not None and nd <= now:
-            self.apply(self.leases.expire(now), now)
-
+        self.apply(sides.due(self.rdv, now), now)
+        self.apply(sides.due(self.leases, now), now)
 
 def _swapped(ids, swap: bool):
     return damage.swap_first_two(ids) if swap else ids

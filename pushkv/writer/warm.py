@@ -149,6 +149,31 @@ class WarmWriter(PostingWriter):
                 self.counters["warm_beats_failed"] += 1
                 log.debug("%s: keep-warm WRITE to %s failed: %s", self.name, agent, e)
 
+    # -- the loop ---------------------------------------------------------------------------
+    def teardown(self) -> None:
+        """Every writer's end: its handshake links closed, its transfers and beats released,
+        its memory deregistered from NIXL."""
+        for key in list(self.links):
+            self.close_link(key)
+        if getattr(self, "nixl", None) is not None:
+            self.release_inflight()
+            self.release_beats()
+            self.nixl.deregister()
+
+    def tick(self, now: float) -> None:
+        """Every writer's turn of the loop: keep-warm beats, NIXL's notifications, the
+        transfers in flight, the handshakes, then the role's own deadlines (``expire``)."""
+        self.beat(time.perf_counter())
+        self.poll_notifs(now)
+        if self.inflight:
+            self.check_inflight(now)
+        if self.links:
+            self.expire_links(now)
+        self.expire(now)
+
+    def expire(self, now: float) -> None:
+        """The role's own deadlines."""
+
     # -- the poll timeout -----------------------------------------------------------------
     def has_pending(self) -> bool:
         """Something waits on a deadline or a notification: poll at the pending rate."""

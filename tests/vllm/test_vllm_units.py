@@ -268,3 +268,14 @@ def test_proxy_reads_json_bodies_once_for_every_protocol(raw, want):
     else:
         assert isinstance(got, web.Response) and got.status == want
         assert _json.loads(got.body)["error"]["message"] == "body must be JSON"
+
+
+@pytest.mark.parametrize("extra", [{}, {"rank": 3, "tp": 4, "model_id": "m", "transfer_s": 2.5, "secret_file": "/s"}])
+def test_writer_args_round_trip_through_the_command_line(extra):
+    """The connector's command starts the writer with exactly what it meant (one copy of the flags)."""
+    from pushkv.vllm.writer_args import WriterArgs, parse
+
+    a = WriterArgs(role="decode", engine_id="e", fd=7, memory="ab", cmd_endpoint="ipc:///c", event_endpoint="ipc:///e",
+                   handshake_endpoint="tcp://h:1", parent_pid=42, **extra)
+    argv = a.argv()
+    assert argv[1:3] == ["-m", "pushkv.vllm.writer"] and parse(argv[3:]) == a
