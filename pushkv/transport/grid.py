@@ -16,8 +16,8 @@ caller then posts ad-hoc descriptors for that transfer, which moves the same byt
 from __future__ import annotations
 
 from bisect import bisect_right
-from itertools import chain
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Optional, Sequence
 
 import numpy as np

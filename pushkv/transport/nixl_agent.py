@@ -12,7 +12,6 @@ import os
 from typing import Iterator, Optional, Sequence
 
 import msgspec
-
 import numpy as np
 
 from pushkv.transport.poster import Poster, QueuedPost

@@ -35,8 +35,8 @@ from pushkv.transport.grid import grid_of
 from pushkv.transport.nixl_agent import NixlAgent
 from pushkv.writer import memory as mem
 from pushkv.writer.peers import HANDSHAKE_TIMEOUT_S, Peer, PeerLink, PeerWait
-from pushkv.writer.posting import SETTLE_S, InFlight
 from pushkv.writer.poll import warm_enabled
+from pushkv.writer.posting import SETTLE_S, InFlight
 from pushkv.writer.staging import StagingArea
 from pushkv.writer.warm import BEAT_BYTES, BEAT_MS, WarmWriter
 

@@ -6,18 +6,18 @@ while every other transfer goes on."""
 from __future__ import annotations
 
 import functools
-from collections import deque
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
 from pushkv import faults
 from pushkv import messages as m
+from pushkv.kv import damage
 from pushkv.protocol import actions as A
 from pushkv.protocol import arrivals as ar
 from pushkv.protocol.tp import head_overlap, producers_for
-from pushkv.kv import damage
 from pushkv.writer import sides, staging
 from pushkv.writer.base import InFlight, WriterBase
 

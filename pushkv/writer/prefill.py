@@ -13,19 +13,19 @@ from typing import Any, Optional
 
 from pushkv import faults
 from pushkv import messages as m
+from pushkv.kv import damage
+from pushkv.kv.layout import blocks_for, transfer_of, window_group
 from pushkv.protocol import actions as A
 from pushkv.protocol import rendezvous as rv
 from pushkv.protocol.lease import Leases
 from pushkv.protocol.link_queue import window_of
-from pushkv.kv.layout import blocks_for, transfer_of, window_group
 from pushkv.protocol.tp import consumers_for, head_overlap
 from pushkv.transport import poster
 from pushkv.transport.nixl_agent import TransferError
-from pushkv.kv import damage
+from pushkv.writer import sides, staging
 from pushkv.writer.base import InFlight, WriterBase
 from pushkv.writer.link_posts import LinkPosts
 from pushkv.writer.posting import SpanPost
-from pushkv.writer import sides, staging
 
 log = logging.getLogger(__name__)
 
