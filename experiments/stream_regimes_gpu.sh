@@ -12,7 +12,7 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/hardware.txt"
 python3 -c "import torch, nixl; print('torch', torch.__version__)" | tee -a "$OUT/hardware.txt"
 UP="--model qwen3-8b --device cuda:0 --num-blocks 16384 --max-num-seqs 64 --max-batch-tokens 16384 ${UP_EXTRA:-}"
-MODES=${MODES:-push push-layer pull-inline pull-background local}
+MODES=${MODES:-push-off push-layer pull-inline pull-background local}
 TCP="UCX_TLS=tcp,cuda_copy"
 lone() {  # name, lengths, reps, env...
   local name=$1 lengths=$2 reps=$3; shift 3

@@ -47,6 +47,7 @@ from typing import Iterator, Optional
 
 from tools import bench, netns, plot
 from tools.sweep import MODES as SWEEP_MODES
+from tools.sweep import mode_flags as sweep_mode_flags
 
 MODES: dict[str, list[str]] = {
     **SWEEP_MODES,
@@ -128,7 +129,9 @@ def mode_flags(spec: str, args) -> list[str]:
     """``pushkv up`` flags of a mode spec: the mode's own, then its prefill chunk (every mode alike
     unless the spec names one)."""
     chunk = chunk_of(spec, args)
-    return [*MODES[split_mode(spec)[0]], *(["--prefill-chunk", str(chunk)] if chunk > 0 else [])]
+    mode = split_mode(spec)[0]
+    own = sweep_mode_flags(mode) if mode in SWEEP_MODES else MODES[mode]  # (sweep's say what "push" is)
+    return [*own, *(["--prefill-chunk", str(chunk)] if chunk > 0 else [])]
 
 
 def ucx_env(args) -> dict[str, str]:

@@ -22,7 +22,7 @@ import sys
 import tempfile
 
 from tools.launch import launched
-from tools.sweep import MODES
+from tools.sweep import MODES, mode_flags
 
 
 def counters(dep, role: str) -> dict:
@@ -32,7 +32,7 @@ def counters(dep, role: str) -> dict:
 def run(mode: str, cache: bool, args, log_dir: str) -> list[dict]:
     rng = random.Random(args.seed)
     system = [rng.randrange(1, args.vocab) for _ in range(args.system)]
-    flags = [*MODES[mode], *shlex.split(args.up_args), *([] if cache else ["--no-prefix-cache"])]
+    flags = [*mode_flags(mode), *shlex.split(args.up_args), *([] if cache else ["--no-prefix-cache"])]
     computes = "local" if mode == "local" else "prefill"
     side = computes if mode == "local" else ("prefill" if mode.startswith("push") else "decode")
     rows = []

@@ -30,7 +30,7 @@ import sys
 import time
 
 from tools.launch import launched
-from tools.sweep import MODES
+from tools.sweep import MODES, mode_flags
 
 DEFAULT_CHUNK = 2048  # push-chunk's --prefill-chunk when the up args give none
 
@@ -69,7 +69,7 @@ def run_mode(mode: str, up_args: list[str], lengths: list[int], reps: int, vocab
              log_dir: str, timeout_s: float) -> dict[int, list[dict]]:
     rng = random.Random(seed)
     out: dict[int, list[dict]] = {}
-    flags = list(MODES[mode])
+    flags = mode_flags(mode)
     if mode == "push-chunk" and "--prefill-chunk" not in up_args:  # chunk streaming needs chunks
         flags += ["--prefill-chunk", str(DEFAULT_CHUNK)]
     with launched(*flags, *up_args, log_path=os.path.join(log_dir, f"{mode}.log"),
