@@ -109,7 +109,7 @@ def arm_delay(directory: str, process: str, point_name: str, seconds: float) -> 
     return path
 
 
-# -- by process name, for the writers until their rewrite injects a Faults -----------------------
+# -- by process name: the writers' kill points (their KV damage is injected: writer/kv_damage.py) ---
 @cache
 def _dir() -> str:
     return envs.PUSHKV_FAULTS_DIR  # read once per process
@@ -118,7 +118,3 @@ def _dir() -> str:
 def point(process: str, name: str) -> None:
     if _dir():
         Faults(_dir(), process).point(name)
-
-
-def fire(process: str, name: str) -> bool:
-    return bool(_dir()) and Faults(_dir(), process).fire(name)

@@ -3,9 +3,9 @@ supervised by that worker's connector): registration, rendezvous and WRITE, out
 of vLLM's engine loop (``pushkv/vllm/README.md``).
 
 A shell: the roles are pushkv's pure sides (``PushRendezvous`` and
-``writer/sides.PrefillSide`` on P, ``KVArrivals`` and ``writer/sides.Producers``
-on D) and its writer shell (peers and handshake, posting, the loop); here is
-only what is vLLM's: the memory is vLLM's KV cache (``regions.py``, described
+``writer/sides.PrefillSide`` on P, ``writer/receive_side.ReceiveSide`` on D)
+and its writer shell (peers and handshake, posting, the loop); here is only
+what is vLLM's: the memory is vLLM's KV cache (``regions.py``, described
 in the Hello), and the commands and events carry vLLM's request ids. D watches
 each P writer through a socket monitor on the handshake link: a dead P writer
 fails its transfers at once.
@@ -38,6 +38,7 @@ from pushkv.writer import memory as mem
 from pushkv.writer import sides
 from pushkv.writer.peers import Peer
 from pushkv.writer.posting import InFlight
+from pushkv.writer.receive_side import Lost, ReceiveSide
 from pushkv.writer.warm import WarmWriter
 
 log = logging.getLogger(__name__)
@@ -61,11 +62,10 @@ class VllmWriter(WarmWriter):
         self.init_posting()
         self.init_warm(False, beat_ms=0)  # the CPU: no spinning for what is expected, no sink
         self.req_of: dict[str, str] = {}  # transfer id -> this instance's vLLM request id
-        self.producers = sides.Producers()  # D: by transfer id, the P ranks still writing (and the quarantine)
         self.rdv = rv.PushRendezvous(self.rank, self.tp, self.total_kv_heads, args.registration_wait_s,
                                      args.transfer_s)
-        self.arrivals = ar.KVArrivals()
         self.side = sides.PrefillSide(self.rank)
+        self.recv = ReceiveSide(args.transfer_s, lambda e, r: (e, r) in self.peers)  # D
 
     # -- lifecycle -------------------------------------------------------------------
     def setup(self) -> None:
@@ -154,14 +154,13 @@ class VllmWriter(WarmWriter):
 
     def _register(self, msg: w.ExpectBlocks, peers: list[Peer]) -> None:
         now = time.monotonic()
-        ranks = [p.rank for p in peers]
         try:
-            acts = self.arrivals.expect(msg.transfer_id, 0, msg.block_ids, ranks, now + msg.deadline_s)
+            effects = self.recv.expect((msg.transfer_id, 0), msg.source.engine_id, [p.rank for p in peers],
+                                       msg.block_ids, now + msg.deadline_s, now)
         except (ar.ProtocolError, ValueError) as e:
             self._failed(msg.transfer_id, f"registration refused: {e}")
             return
-        self.producers.expect(msg.transfer_id, msg.source.engine_id, ranks)
-        self._apply_d(acts, now)
+        self._apply_d(effects)
         mark("d_register_sent", msg.transfer_id)
         reg = m.Register(msg.transfer_id, 0, self.engine_id, self.rank, self.tp, msg.block_ids, msg.num_tokens,
                          msg.deadline_s)
@@ -175,7 +174,7 @@ class VllmWriter(WarmWriter):
         elif self.drop_wait(msg.transfer_id):  # still waiting for handshakes: nothing registered, nothing lands
             self._failed(msg.transfer_id, msg.reason)
         else:
-            self._apply_d(self.arrivals.cancel(msg.transfer_id, 0, msg.reason, now), now)
+            self._apply_d(self.recv.cancel((msg.transfer_id, 0), msg.reason, now))
 
     # -- NIXL notifications (pushkv's messages) ------------------------------------------
     def notif_Register(self, msg: m.Register, agent: str, now: float) -> None:
@@ -188,30 +187,15 @@ class VllmWriter(WarmWriter):
     def notif_CancelTransfer(self, msg: m.CancelTransfer, agent: str, now: float) -> None:
         self._apply_p(self.rdv.cancel(msg.transfer_id, msg.generation, msg.reason, now), now)
 
-    def notif_WriteDone(self, msg: m.WriteDone, agent: str, now: float) -> None:
-        if self._from_producer(msg, agent):
-            self._apply_d(self.arrivals.on_write_done(msg, now), now)
-
-    def notif_WriteFailed(self, msg: m.WriteFailed, agent: str, now: float) -> None:
-        if self._from_producer(msg, agent):
-            self._apply_d(self.arrivals.on_write_failed(msg, now), now)
-
-    def _from_producer(self, msg, agent: str) -> bool:
+    def notif_WriteDone(self, msg: "m.WriteDone | m.WriteFailed", agent: str, now: float) -> None:
         peer = self.peers_by_agent.get(agent)
-        verdict, released = self.producers.completion(msg.transfer_id, (peer.engine_id, peer.rank) if peer else None,
-                                                      msg.p_rank)
-        if verdict == "wrong_peer":
-            self.counters["completion_from_wrong_peer"] += 1
-        self._release(released)
-        return verdict == "counts"
+        self._apply_d(self.recv.completion(msg, (peer.engine_id, peer.rank) if peer else None, now))
+
+    notif_WriteFailed = notif_WriteDone
 
     def peer_gone(self, peer: Peer, reason: str) -> None:
         """A P writer died: nothing of it can still write; its transfers fail now."""
-        now = time.monotonic()
-        released, failing = self.producers.rank_gone(peer.engine_id, peer.rank)
-        self._release(released)
-        for tid in failing:
-            self._apply_d(self.arrivals.cancel(tid, 0, f"prefill {reason}", now), now)
+        self._apply_d(self.recv.rank_gone(peer.engine_id, peer.rank, f"prefill {reason}", time.monotonic()))
 
     # -- the sides' actions ----------------------------------------------------------------
     def _apply_p(self, actions, now: float) -> None:
@@ -229,30 +213,17 @@ class VllmWriter(WarmWriter):
             elif isinstance(e, A.Count):
                 self.counters[e.name] += 1
 
-    def _apply_d(self, actions, now: float) -> None:
-        for a in actions:
-            if isinstance(a, A.Received):
-                mark("d_kv_received", a.transfer_id)
-                self.producers.received(a.transfer_id)
-                self._emit(w.BlocksReceived(self.req_of.pop(a.transfer_id, ""), a.transfer_id,
-                                            a.nbytes, a.num_descs))
-            elif isinstance(a, A.Failed):
-                self._fail_receive(a.transfer_id, a.reason, now)
-            elif isinstance(a, A.Count):
-                self.counters[a.name] += 1
-
-    def _fail_receive(self, tid: str, reason: str, now: float) -> None:
-        """Tell P to stop; report the blocks failed only once no WRITE can still land."""
-        tell, held = self.producers.fail(tid, reason, now + self.args.transfer_s, lambda e, r: (e, r) in self.peers)
-        for key in tell:
-            self.notify(self.peers[key], m.CancelTransfer(tid, 0, reason))
-        if not held:
-            self._failed(tid, reason)
-
-    def _release(self, released) -> None:
-        """Quarantined transfers no WRITE can land in any more: their blocks fail now."""
-        for tid, q in released:
-            self._failed(tid, q.reason)
+    def _apply_d(self, effects) -> None:
+        for e in effects:
+            if isinstance(e, A.Received):
+                mark("d_kv_received", e.transfer_id)
+                self._emit(w.BlocksReceived(self.req_of.pop(e.transfer_id, ""), e.transfer_id, e.nbytes, e.num_descs))
+            elif isinstance(e, sides.Tell):
+                self.notify(self.peers[e.peer], e.msg)
+            elif isinstance(e, Lost):
+                self._failed(e.key[0], e.reason)
+            elif isinstance(e, A.Count):
+                self.counters[e.name] += 1
 
     def _post_write(self, a: A.PostWrite, now: float) -> None:
         fl = InFlight(a.transfer_id, a.generation, posted=now)
@@ -290,8 +261,7 @@ class VllmWriter(WarmWriter):
     # -- the loop ---------------------------------------------------------------------------
     def expire(self, now: float) -> None:
         self._apply_p(sides.due(self.rdv, now), now)
-        self._apply_d(sides.due(self.arrivals, now), now)
-        self._release(self.producers.quarantine.expired(now))
+        self._apply_d(self.recv.expire(now))
 
     def tick(self, now: float) -> None:
         super().tick(now)
@@ -300,7 +270,7 @@ class VllmWriter(WarmWriter):
             self.stopping = True
 
     def has_pending(self) -> bool:
-        return sides.pending(self.rdv, self.arrivals) or bool(self.producers.quarantine) or bool(self.waits)
+        return sides.pending(self.rdv) or self.recv.pending() or bool(self.waits)
 
 
 def main(argv=None) -> None:

@@ -66,6 +66,10 @@ class WriterBase(WarmWriter):
         self.init_warm(warm_enabled(cfg.writer_warm, rank_device(inst, rank)))
         self._lost = ""  # while ending transfers with a dead peer instance: KVFailed.lost for them
 
+    def damaged_by(self, kv: Any) -> None:
+        """Fault tests of --kv-verify: a role writer that moves KV damages it through ``kv``
+        (``kv_damage.KVDamage``), wired in once at its start; this one moves none."""
+
     @property
     def agent_name(self) -> str:
         return f"{self.inst.engine_id}-w{self.rank}"

@@ -14,12 +14,12 @@ from typing import Callable
 
 from pushkv import faults
 from pushkv import messages as m
-from pushkv.kv import damage
 from pushkv.protocol import actions as A
 from pushkv.protocol import arrivals as ar
 from pushkv.protocol.tp import head_overlap, producers_for
 from pushkv.writer import sides, staging
 from pushkv.writer.base import InFlight, WriterBase
+from pushkv.writer.kv_damage import KVDamage
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,12 @@ class DecodeWriter(WriterBase):
                     continue
                 for r in producers_for(self.rank, self.inst.tp, src.tp, self.layout.total_kv_heads):
                     self.start_link(src.engine_id, r, src.handshake_endpoints[r], now)
+
+    def damaged_by(self, kv: KVDamage) -> None:
+        """Fault tests of --kv-verify: what we receive (push or pull) and what a READ moves, damaged."""
+        self._received = kv.received(self._received)  # type: ignore[method-assign]
+        self._read_done = kv.read_done(self._read_done)  # type: ignore[method-assign]
+        self._read_dest = kv.read_dest(self._read_dest, self.cfg.prefill.block_size)  # type: ignore[method-assign]
 
     def has_pending(self) -> bool:
         return (sides.pending(self.arrivals) or bool(self.quarantine) or bool(self.waits)
@@ -244,8 +250,6 @@ class DecodeWriter(WriterBase):
         """Every producer's bytes are in our blocks: the scheduler may decode from them."""
         self.counters["kv_received"] += 1
         self.trace_event("kv_received", a.transfer_id)
-        if reg is not None and faults.fire(self.name, "kv_flip_dest"):  # tests of --kv-verify
-            damage.flip_last_token(self.pool, self.layout, reg.block_ids, reg.num_tokens)
         stages = (("writer_registration_sent", reg.sent),) if reg is not None and reg.sent else ()
         self.send(self.sched, m.KVReceived(a.transfer_id, a.generation, a.first_token, a.nbytes, a.num_descs,
                                            timeline=stages + staged,
@@ -394,11 +398,7 @@ class DecodeWriter(WriterBase):
         fl = InFlight(msg.transfer_id, msg.generation, posted=now)
         # the prompt's first cached_tokens are in our prefix cache (whole blocks of both sides): READ the rest
         t0 = msg.cached_tokens
-        dst, num_tokens = msg.block_ids[t0 // self.layout.block_size:], p.num_tokens
-        if faults.fire(self.name, "kv_swap_dest"):  # tests of --kv-verify: damage what the READ moves
-            dst = damage.swap_first_two(dst)
-        if faults.fire(self.name, "kv_truncate"):
-            num_tokens = damage.truncated(num_tokens, t0, self.cfg.prefill.block_size)
+        dst, num_tokens = self._read_dest(msg)
         try:
             for peer in peers:
                 heads = head_overlap(peer.rank, p.source.tp, self.rank, self.inst.tp, self.layout.total_kv_heads)
@@ -421,6 +421,10 @@ class DecodeWriter(WriterBase):
         else:
             self.transfer_finished(fl, now)
 
+    def _read_dest(self, msg: m.ReadKV) -> tuple:
+        """The blocks a READ lands in (past our cached prefix) and its end token."""
+        return msg.block_ids[msg.cached_tokens // self.layout.block_size:], msg.pull.num_tokens
+
     def transfer_finished(self, fl: InFlight, now: float) -> None:
         msg = self._reads.pop((fl.transfer_id, fl.generation), None)
         if msg is None:
@@ -442,9 +446,11 @@ class DecodeWriter(WriterBase):
             self.send(self.sched, m.KVFailed(fl.transfer_id, fl.generation, fl.failed))
         else:
             self.counters["bytes_read"] += fl.nbytes
-            if faults.fire(self.name, "kv_flip_dest"):  # tests of --kv-verify
-                damage.flip_last_token(self.pool, self.layout, msg.block_ids, msg.pull.num_tokens)
-            wall = time.time()
-            stages = (("read_posted", wall - (now - fl.posted)), ("read_done", wall))
-            self.send(self.sched, m.KVReceived(fl.transfer_id, fl.generation, msg.pull.first_token,
-                                               fl.nbytes, fl.num_descs, now - fl.posted, stages))
+            self._read_done(fl, msg, now)
+
+    def _read_done(self, fl: InFlight, msg: m.ReadKV, now: float) -> None:
+        """The READ's bytes are in our blocks: the scheduler may decode from them."""
+        wall = time.time()
+        stages = (("read_posted", wall - (now - fl.posted)), ("read_done", wall))
+        self.send(self.sched, m.KVReceived(fl.transfer_id, fl.generation, msg.pull.first_token,
+                                           fl.nbytes, fl.num_descs, now - fl.posted, stages))

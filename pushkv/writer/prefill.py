@@ -24,6 +24,7 @@ from pushkv.transport import poster
 from pushkv.transport.nixl_agent import TransferError
 from pushkv.writer import sides, staging
 from pushkv.writer.base import InFlight, WriterBase
+from pushkv.writer.kv_damage import KVDamage
 from pushkv.writer.link_posts import LinkPosts
 from pushkv.writer.posting import SpanPost
 
@@ -71,6 +72,7 @@ class PrefillWriter(WriterBase):
         self._parts_posted = 0  # keys of part WRITEs in flight: (tid, gen, n)
         self.leases = Leases(t.lease_s, t.lease_max_s)
         self.side = sides.PrefillSide(rank)  # the rendezvous' actions as effects; each transfer's record
+        self.effects = self.side.effects  # (tests of --kv-verify: through KVDamage, see damaged_by)
         self._checksums: dict[tuple[str, int], m.KVChecksums] = {}  # until the transfer's blocks are freed
         # one queue per D rank we WRITE into (cfg.link_window; None: every WRITE posts at once)
         window = window_of(cfg.link_window, cfg.link_window_mib, poster.wanted("auto", os.environ.get("UCX_TLS", "")))
@@ -80,6 +82,11 @@ class PrefillWriter(WriterBase):
 
     def has_pending(self) -> bool:
         return sides.pending(self.rdv, self.leases)
+
+    def damaged_by(self, kv: KVDamage) -> None:
+        """Fault tests of --kv-verify: the side's effects go through ``kv`` (a last WRITE damaged)."""
+        side_effects = self.side.effects
+        self.effects = lambda actions: kv.effects(side_effects(actions))
 
     # -- from the scheduler ----------------------------------------------------------
     def on_SendKV(self, msg: m.SendKV) -> None:
@@ -251,9 +258,9 @@ class PrefillWriter(WriterBase):
 
     # -- actions of the rendezvous ------------------------------------------------------
     def apply(self, actions, now: float) -> None:
-        for e in self.side.effects(actions):
+        for e in self.effects(actions):
             if isinstance(e, sides.Post):
-                self._post_write(e.write, now)
+                self._post_write(e.write, now, e.swap_dest)
             elif isinstance(e, sides.Tell):
                 peer = self.peers.get(e.peer)
                 if peer is not None:
@@ -300,7 +307,7 @@ class PrefillWriter(WriterBase):
             self.send(self.sched, m.KVFailed(a.transfer_id, a.generation, r.reason or "transfer failed",
                                              lost=self._lost))
 
-    def _post_write(self, a, now: float) -> None:
+    def _post_write(self, a, now: float, swap: bool = False) -> None:
         faults.point(self.name, "post_write" if a.last else "post_part")
         key = (a.transfer_id, a.generation)
         if self.link_posts is not None:  # (the post's own stamps come when it leaves the queue)
@@ -308,9 +315,6 @@ class PrefillWriter(WriterBase):
         fl = InFlight(a.transfer_id, a.generation, posted=now, part=not a.last)
         t0 = a.token_start
         token_spans = list(a.spans or ((-1, t0, t0 + a.num_tokens),))  # (layer group, first token, end token)
-        swap = False
-        if a.last:
-            swap, token_spans = self._damage(a, token_spans)
         try:
             for reg in a.registrations:
                 self._post_to(a, reg, fl, token_spans, swap)
@@ -534,18 +538,6 @@ class PrefillWriter(WriterBase):
                 self.settle(ikey)
         else:
             self.transfer_finished(fl, now)
-
-    def _damage(self, a, spans: list) -> tuple[bool, list]:
-        """Tests of --kv-verify only (faults.fire): damage the KV this WRITE moves. Returns
-        (swap two destination blocks, the token spans to post: the last a block short when
-        truncated)."""
-        if faults.fire(self.name, "kv_flip_source"):  # bytes this WRITE carries, whatever parts took before
-            layer, end = damage.carried_last_token(self.layout, spans)
-            damage.flip_last_token(self.pool, self.layout, a.block_ids, end, layer)
-        if faults.fire(self.name, "kv_truncate"):
-            g, t, e = spans[-1]
-            spans = spans[:-1] + [(g, t, damage.truncated(e, t, self.layout.block_size))]
-        return faults.fire(self.name, "kv_swap_dest"), spans
 
     def transfer_finished(self, fl: InFlight, now: float) -> None:
         key = (fl.transfer_id, fl.generation)

@@ -36,6 +36,7 @@ class Post:
     """P: post this WRITE (its share to each registered D rank)."""
 
     write: A.PostWrite
+    swap_dest: bool = False  # fault tests of --kv-verify only (``kv_damage.py``): two destination blocks swapped
 
 
 @dataclass(frozen=True)
