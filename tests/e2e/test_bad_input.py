@@ -364,6 +364,12 @@ def test_duplicate_and_stale_generate(dep, reference):
     p = dealer(dep.cfg.prefill.sched_endpoint)
     try:
         d.send(m.encode(gen(dep, "decode", t, 1)))  # D registers with P and waits for P's KV
+        # admitted before the duplicate is sent: two sockets' messages are not ordered between them, and
+        # a duplicate that overtook this one would be the request (and this one its duplicate)
+        end = time.monotonic() + 10
+        while dep.stats("decode").free_blocks == NUM_BLOCKS:
+            assert time.monotonic() < end, "the request was never admitted"
+            time.sleep(0.01)
         dup = refused(dep, "decode", gen(dep, "decode", t, 1))
         assert dup.status == 409 and "duplicate" in dup.reason, dup
         stale = refused(dep, "decode", gen(dep, "decode", t, 0))
