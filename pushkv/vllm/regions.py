@@ -20,6 +20,8 @@ from typing import Optional, Sequence
 
 import msgspec
 
+from pushkv.protocol.tp import page_heads
+
 
 class LayerRegion(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """One layer's pages inside the backing allocation (bytes from its base)."""
@@ -133,3 +135,14 @@ def map_blocks(src: KVMemory, src_blocks: Sequence[int], dst: KVMemory, dst_bloc
                 continue
         merged.append((s, d, n))
     return merged
+
+
+def write_regions(kv: KVMemory, rank: int, tp: int, total_kv_heads: int, block_ids: Sequence[int]):
+    """P rank ``rank`` (of ``tp``) writing its ``block_ids``: the regions into one registered D rank,
+    ``of(reg, peer)`` (None: that rank holds no head of ours)."""
+
+    def of(reg, peer):
+        heads = page_heads(rank, tp, reg.d_rank, reg.d_tp, total_kv_heads)
+        return None if heads is False else map_blocks(kv, block_ids, peer.layout, reg.block_ids, heads)
+
+    return of
