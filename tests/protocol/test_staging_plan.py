@@ -12,8 +12,8 @@ import pytest
 
 from pushkv.config import DeploymentConfig, ModelConfig
 from pushkv.kv import layout as L
-from pushkv.transport.grid import grid_of
 from pushkv.protocol.allocator import BlockAllocator
+from pushkv.transport.grid import grid_of
 from pushkv.transport.staging_plan import SlotQueue, area_blocks, block_pairs, group_regions, merged, total, wanted
 
 
