@@ -2,11 +2,13 @@
 
 For every capped rate and mode of the run, a profile is made from what the run measured *lone*:
 P's prefill, a transfer's fixed cost, D's step; the link's rate is the cap's (the tc rate less the
-TCP and Ethernet headers). The planner then replays each *loaded* run's own
-arrivals (``router.arrival`` of every request) through ``pushkv.plan.sim`` with the writer's link
-window and order as the deployment ran them, and the predicted TTFT p50 is set against the measured
-one. The same replay without the link model (each transfer alone at the link's rate, what the
-planner did before) shows what the queue adds.
+TCP and Ethernet headers), or the mode's own path's where its lone transfers moved slower than that
+(``plan.link.path_rate``: pull's READ through UCX's staging on the GPU). The planner then replays
+each *loaded* run's own arrivals (``router.arrival`` of every request, and the prefix of each prompt
+P and D already held, as the bytes it moved show) through ``pushkv.plan.sim`` with the writer's
+link window and order and D's pool as the deployment ran them, and the predicted TTFT p50 is set
+against the measured one. The same replay without the link model (each transfer alone at the
+link's rate, what the planner did before) shows what the queue adds.
 
     pushkv link-plan results/link              # a link-bench --out folder
 """
@@ -26,6 +28,7 @@ import msgspec
 from pushkv.config import DeploymentConfig
 from pushkv.plan import sim
 from pushkv.plan import workload as W
+from pushkv.plan.link import path_rate
 from pushkv.plan.profile import Profile
 from pushkv.router.cost import Costs
 from tools import bench, netns
@@ -35,9 +38,9 @@ TCP_PAYLOAD_SHARE = 1448 / 1514
 BLOCK_SIZE = 16
 GOAL_ERROR = 0.20  # issue 27: the planner predicts the capped-link loads within 20 %
 # link-bench mode -> the planner's mode
-SIM_MODE = {"push": "push", "push-layer": "push-layer", "push-layer-ucx-staging": "push-layer",
+SIM_MODE = {"push": "push", "push-off": "push", "push-layer": "push-layer", "push-layer-ucx-staging": "push-layer",
             "pull-inline": "pull-inline", "pull-background": "pull"}
-UNSTREAMED = ("push", "pull-inline", "pull-background")
+UNSTREAMED = ("push", "push-off", "pull-inline", "pull-background")
 PUSH_STREAM_GROUPS = next(f.default for f in msgspec.structs.fields(DeploymentConfig)
                           if f.name == "push_stream_groups")  # pushkv up's default
 
@@ -76,9 +79,11 @@ def profile_for(results: dict, rate: str, mode: str, n: int) -> Optional[Profile
     kv_per_token = results["model"]["kv_bytes_per_token"]
     if bps is None or not lone(regime, mode, n):
         return None
-    # the link's rate: the cap less the headers (a lone WRITE's measured rate is lower: its post and
-    # notice are in it; they are the fixed cost below)
-    per_block = kv_per_token * BLOCK_SIZE * 8 / (bps * TCP_PAYLOAD_SHARE) * 1e3
+    # the link's rate: the cap less the headers, or this mode's path where it is slower (the slope
+    # of its lone transfers' time over their bytes: a lone WRITE's own rate is lower than the cap's
+    # by its post and notice, which are the fixed cost below, not a slower path)
+    cap_per_block = kv_per_token * BLOCK_SIZE * 8 / (bps * TCP_PAYLOAD_SHARE) * 1e3
+    per_block = 1.0 / path_rate(1.0 / cap_per_block, lone_transfers(regime, mode, kv_per_token))
     blocks = -(-n // BLOCK_SIZE)
     # one hardware figure for P's prefill: the median over every mode's lone runs at this length
     prefill = _median([lone(regime, m, n).get("prefill_ms") for m in regime])
@@ -100,13 +105,29 @@ def profile_for(results: dict, rate: str, mode: str, n: int) -> Optional[Profile
     # carries every group stored while the one before was on the wire)
     groups = int(flag([*results["mode_flags"].get(mode, []), *results["up_flags"]], "--push-stream-groups",
                       str(PUSH_STREAM_GROUPS)))
+    flags = [*results["mode_flags"].get(mode, []), *results["up_flags"]]
+    capacity = int(flag(flags, "--num-blocks", "0")) * int(flag(flags, "--block-size", str(BLOCK_SIZE)))
     return Profile(f"{rate} {mode} lone", costs, block_size=BLOCK_SIZE, relay_ms=0.0, layer_groups=groups,
-                   link_window=window, link_order=order)  # type: ignore[arg-type]
+                   link_window=window, link_order=order,  # type: ignore[arg-type]
+                   **({"d_capacity_tokens": capacity} if capacity else {}))
 
 
-def arrivals(run: dict, replay: bool = False) -> W.Arrivals:
+def lone_transfers(regime: dict, mode: str, kv_per_token: int) -> list[tuple[float, float]]:
+    """(blocks, ms on the wire) of this mode's lone transfers at each length (the last WRITE or the
+    READ: what D's notification announced)."""
+    out = []
+    for n_text in (regime.get(mode) or {}):
+        lo = lone(regime, mode, int(n_text))
+        if lo.get("kv_bytes") and lo.get("wire_ms"):
+            out.append((lo["kv_bytes"] / (kv_per_token * BLOCK_SIZE), lo["wire_ms"]))
+    return out
+
+
+def arrivals(run: dict, replay: bool = False, kv_per_token: int = 0) -> W.Arrivals:
     """A loaded run's requests as they arrived at the router (its timelines); ``replay``: with each
-    one's prefill and D's time from the KV to its first token as the run measured them."""
+    one's prefill and D's time from the KV to its first token as the run measured them.
+    ``kv_per_token``: each prompt's prefix that P and D already held, from the bytes it moved (a
+    run whose prompts begin as an earlier run's did: link-bench's loads share a seed)."""
     tls = run["timelines"]
     starts = [tl.get("router.arrival") for tl in tls]
     if any(t is None for t in starts):
@@ -117,8 +138,17 @@ def arrivals(run: dict, replay: bool = False) -> W.Arrivals:
         extra["prefills_ms"] = tuple((_span(tl, "router.arrival", "prefill.prefill_start"),
                                       _span(tl, "router.arrival", "prefill.prefill_end")) for tl in tls)
         extra["lands_ms"] = tuple(_span(tl, "decode.kv_received", "router.first_token") for tl in tls)
+    if kv_per_token:
+        extra["cached"] = tuple(cached_tokens(n, kv, kv_per_token) for n, kv in zip(run["input_lens"], run["kv"]))
     return W.Arrivals(tuple(t - t0 for t in starts), tuple(run["input_lens"]), int(run["output_lens"][0] or 1),
                       **extra)
+
+
+def cached_tokens(prompt: int, kv: Optional[dict], kv_per_token: int) -> int:
+    """The prompt's prefix one request did not move: its length less what P wrote (push) or D read
+    (pull); 0 where the run kept no count."""
+    moved = ((kv or {}).get("prefill") or (kv or {}).get("decode") or {}).get("bytes")
+    return 0 if not moved else min(prompt, max(0, prompt - moved // kv_per_token))
 
 
 def _span(tl: dict, a: str, b: str) -> float:
@@ -162,7 +192,8 @@ def check(out: str) -> list[dict]:
                     continue
                 for run in runs:
                     mode_ = SIM_MODE[mode]
-                    wl, replay = arrivals(run), arrivals(run, replay=True)
+                    kvt = results["model"]["kv_bytes_per_token"]
+                    wl, replay = arrivals(run, kv_per_token=kvt), arrivals(run, replay=True, kv_per_token=kvt)
                     got = sim.summary(sim.simulate(wl, prof, mode_, 1, 1))  # type: ignore[arg-type]
                     alone = sim.summary(sim.simulate(wl, dataclasses.replace(prof, link_window=None),
                                                      mode_, 1, 1))  # type: ignore[arg-type]

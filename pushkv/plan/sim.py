@@ -153,7 +153,7 @@ class Simulation:
     def hit(self, inst: Instance, t: Turn, unit: int) -> int:
         if not self.cache:
             return 0
-        held = max(inst.held.get(t.conv, 0), t.shared if inst.system else 0)
+        held = max(inst.held.get(t.conv, 0), t.shared if inst.system else 0, t.cached)
         return min(held, t.prompt - 1) // unit * unit
 
     def keep(self, inst: Instance, t: Turn, tokens: int) -> None:
