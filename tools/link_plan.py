@@ -90,7 +90,7 @@ def profile_for(results: dict, rate: str, mode: str, n: int) -> Optional[Profile
     own = lone(regime, mode, n)
     # the transfer's fixed cost: prefill end -> KV landed less the bytes' time on the link, from this
     # mode's own lone runs (a streamed mode's tail hides its bytes: it takes push's, else 0)
-    src = own if mode in UNSTREAMED else lone(regime, "push", n)
+    src = own if mode in UNSTREAMED else (lone(regime, "push-off", n) or lone(regime, "push", n))
     fixed = (src["pend_to_kv_ms"] - blocks * per_block) if src.get("pend_to_kv_ms") is not None else 0.0
     # what TTFT holds besides the prefill and the handoff (the router, P's queue entry, D's first token)
     rest = own["ttft_ms"] - own["prefill_ms"] - own["pend_to_kv_ms"] if None not in (

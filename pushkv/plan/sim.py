@@ -292,7 +292,7 @@ class Simulation:
         r.blocks = P.blocks_for(r.turn.prompt - r.d_hit, self.prof.block_size)
         if r.path == "push":
             return self.offer(r, "write", r.blocks, lambda: self.landing(r))
-        # pull's READ, or push's late allocation (a WRITE), once D has P's answer through the router
+        # pull's READ, or push's late allocation (a READ too), once D has P's answer through the router
         self.at(self.now + self.prof.relay_ms, self.post_after_relay, r)
 
     def post_after_relay(self, r: Req) -> None:
@@ -306,7 +306,9 @@ class Simulation:
                 self.kick(_set(r.d))
             self.landing(r)
 
-        self.offer(r, "read" if r.path == "pull" else "write", r.blocks, done)
+        # push's late allocation too is D's READ (the KV bytes P holds, as pull's), on D's lane: the
+        # GPU runs show a late request's rendezvous "pull", its READ beside P's WRITEs
+        self.offer(r, "read", r.blocks, done)
 
     def landing(self, r: Req) -> None:
         """The last bytes moved: D has the KV once the transfer's fixed cost (its notice) is paid."""
