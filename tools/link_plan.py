@@ -104,8 +104,8 @@ def profile_for(results: dict, rate: str, mode: str, n: int) -> Optional[Profile
     groups = int(flag(flags, "--push-stream-groups", str(PUSH_STREAM_GROUPS)))
     capacity = int(flag(flags, "--num-blocks", "0")) * int(flag(flags, "--block-size", str(BLOCK_SIZE)))
     prof = Profile(f"{rate} {mode} lone", costs, block_size=BLOCK_SIZE, relay_ms=0.0, layer_groups=groups,
-                   link_window=window, link_order=order,  # type: ignore[arg-type]
-                   **({"d_capacity_tokens": capacity} if capacity else {}))
+                   d_capacity_tokens=capacity or Profile.d_capacity_tokens,
+                   link_window=window, link_order=order)  # type: ignore[arg-type]
     # the transfer's fixed cost: this mode's lone prefill end -> KV landed less what the model puts
     # there without one (the bytes on the link, a streamed mode's parts placed while P computes):
     # the posts, the staging copies, D's copy-in and its notice
@@ -165,7 +165,8 @@ def arrivals(run: dict, replay: bool = False, kv_per_token: int = 0) -> W.Arriva
                                       _span(tl, "router.arrival", "prefill.prefill_end")) for tl in tls)
         extra["lands_ms"] = tuple(_span(tl, "decode.kv_received", "router.first_token") for tl in tls)
     if kv_per_token:
-        extra["cached"] = tuple(cached_tokens(n, kv, kv_per_token) for n, kv in zip(run["input_lens"], run["kv"]))
+        kvs = run.get("kv") or [None] * len(tls)
+        extra["cached"] = tuple(cached_tokens(n, kv, kv_per_token) for n, kv in zip(run["input_lens"], kvs))
     return W.Arrivals(tuple(t - t0 for t in starts), tuple(run["input_lens"]), int(run["output_lens"][0] or 1),
                       **extra)
 
@@ -299,7 +300,8 @@ def main(argv=None) -> int:
         classes = (("loaded runs", rows),
                    ("link-bound ones (the link busier than P, the mode's path as fast as the link)",
                     [r for r in rows if bound_by(r) == "link"]),
-                   ("path-bound ones (the mode's path slower than the link)", [r for r in rows if bound_by(r) == "path"]))
+                   ("path-bound ones (the mode's path slower than the link)",
+                    [r for r in rows if bound_by(r) == "path"]))
         for key, what in (("predicted", "every cost from the lone runs"),
                           ("replayed", "each request's compute replayed, the link and queues predicted")):
             for name, rs in classes:
