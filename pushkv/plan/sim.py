@@ -22,13 +22,14 @@ What it models, as pushkv does it:
   every group stored since) queue under that P writer's window and order (``protocol/
   link_queue.py``, the queue P's writer runs per D); pull's READs queue on D's side, one at a time
   for ``pull-inline`` (D's engine waits for each, so no step runs while one is under way), all at
-  once for ``pull``. Without it each transfer moves alone at the link's rate however many overlap;
+  once for ``pull``; push's late allocation is D's READ on that lane too, as pushkv does it. Without
+  it each transfer moves alone at the link's rate however many overlap;
 - **D memory**: a request holds prompt + output tokens on D; push reserves them at arrival
   (while P computes; past ``pin_fraction`` of D pinned, late allocation), pull after the
   prefill; a request no D can hold waits at the router, FIFO;
 - **prefix caches** (``prefix_cache``): P keeps a conversation's prompts, D its prompts and
-  answers, both the shared system prompt; no eviction (the planner assumes caches large
-  enough for the working set);
+  answers, both the shared system prompt, and a replayed turn's ``cached`` prefix (held from
+  before the run); no eviction (the planner assumes caches large enough for the working set);
 - ``conditional``: push, with D prefilling a request itself when ``policy.choose_path`` says so.
 
 The first token comes with the KV (D re-emits P's token when the KV lands) or, on D, at the end
