@@ -81,3 +81,11 @@ def test_heads_that_are_not_the_page_s_cannot_pair_between_tp_sizes():
                                                           for lr in mem.layers), 8)
     assert "cannot be paired" in flat.pairing_problem(1, mem, 2, "peer")
     assert "differ" in mem.pairing_problem(1, cache("flash_attn_hnd", 8)[2], 1, "peer")  # NHD against HND
+
+
+def test_expandable_segments_are_refused_with_the_reason():
+    from pushkv.vllm.cuda_kv import sharing_problem
+
+    t = torch.zeros(4)
+    why = sharing_problem(t, {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64, expandable_segments:True"})
+    assert "expandable_segments" in why and "legacy CUDA IPC" in why
