@@ -26,6 +26,7 @@ import sys
 import time
 import traceback
 import uuid
+from typing import Any
 
 import torch
 
@@ -118,7 +119,7 @@ def _wait(ws: WorkerSide, rid: str, kind: str) -> tuple[bool, float]:
 
 def _side(role: str, conn, device: str) -> None:
     """One instance's worker: its KV cache, its writer, and what the harness tells it to do."""
-    ws = None
+    ws: Any = None  # a WorkerSide once opened
     try:
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))
