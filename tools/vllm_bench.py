@@ -160,6 +160,25 @@ def cpu_by_role(server: Server) -> dict[str, float]:
     return out
 
 
+ITL = "vllm:inter_token_latency_seconds"
+
+
+def engine_itl(url: str) -> tuple[float, float]:
+    """(sum s, count) of vLLM's inter-token latency histogram at ``url``: stamped in the engine
+    core, so a round's mean is D's own time per output token, whatever delays its API server,
+    the proxy or the client add (the client's TPOT has them all)."""
+    import urllib.request
+
+    total = count = 0.0
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(ITL + "_sum"):
+                total += float(line.rsplit(" ", 1)[1])
+            elif line.startswith(ITL + "_count"):
+                count += float(line.rsplit(" ", 1)[1])
+    return total, count
+
+
 def ratio(a, b) -> float | None:
     return None if a is None or not b else a / b
 
@@ -178,6 +197,7 @@ def ab(args, model: str, work: str, cells: list) -> int:
     urls = {}
     results: dict = {}
     cpus: dict = {}
+    itls: dict = {}
     with servers(*[s for pair in made for s in pair]):
         proxies = [proxy_server([p.url], [d.url], args.port + 20 * (i + 1) + 3, work, "pushkv",
                                 name=f"proxy-{i}") for i, (p, d) in enumerate(made)]
@@ -191,6 +211,7 @@ def ab(args, model: str, work: str, cells: list) -> int:
                     for label, _ in order:
                         pd = made[[x for x, _ in systems].index(label)]
                         cpu0 = [cpu_by_role(x) for x in pd]
+                        itl0 = engine_itl(pd[1].url)
                         res = asyncio.run(run_cell(urls[label], prompts[(c, r)], c[0], args.output_len,
                                                    int(c[0] * 10) + c[1] + r, args.timeout))
                         for x, want in zip(res, refs[(c, r)]):
@@ -199,22 +220,31 @@ def ab(args, model: str, work: str, cells: list) -> int:
                         s = summarize(res, refs[(c, r)])
                         cpu = [{k: v - before[k] for k, v in cpu_by_role(x).items()} for x, before in zip(pd, cpu0)]
                         cpus.setdefault((c, label), []).append(cpu)
+                        itl = [b - a for a, b in zip(itl0, engine_itl(pd[1].url))]
+                        itls.setdefault((c, label), []).append(itl)
                         print(f"round {r} {label} {c}: TTFT med {s['ttft_median_ms']:.1f} ms, TPOT med "
-                              f"{s['tpot_median_ms']:.1f} ms, failed {s['failed']}, wrong {s['wrong']}; CPU s "
+                              f"{s['tpot_median_ms']:.1f} ms, D's engine TPOT mean "
+                              f"{1e3 * itl[0] / max(itl[1], 1):.2f} ms, failed {s['failed']}, wrong {s['wrong']}; "
+                              "CPU s "
                               + "; ".join(f"{side} " + ", ".join(f"{k} {v:.2f}" for k, v in u.items())
                                           for side, u in zip("PD", cpu)), flush=True)
-    return ab_report(args, cells, [label for label, _ in systems], results, cpus)
+    return ab_report(args, cells, [label for label, _ in systems], results, cpus, itls)
 
 
-def ab_report(args, cells: list, labels: list[str], results: dict, cpus: dict) -> int:
-    """Per cell: each system's medians over every round's requests, each round's TPOT median, and
-    the new/old ratios; 1 when a TPOT ratio is over ``--max-tpot-ratio``."""
+def fmt(v: float | None, digits: int) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def ab_report(args, cells: list, labels: list[str], results: dict, cpus: dict, itls: dict) -> int:
+    """Per cell: each system's medians over every round's requests, each round's TPOT median, D's
+    engine TPOT (vLLM's inter-token latency, over every round), CPU per role, and the new/old
+    ratios; 1 when a TPOT ratio (D's engine's) is over ``--max-tpot-ratio``."""
     new, old = labels
     report: dict = {"ab": {"new": new, "old": old, "rounds": args.rounds}, "cells": {}}
     worst = 0.0
-    print("| cell | system | TTFT med ms | TPOT med ms | TPOT med per round | failed | wrong | CPU s: P writer, "
-          "D engine, D writer |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| cell | system | TTFT med ms | TPOT med ms (client) | per round | D's engine TPOT mean ms | per round "
+          "| failed | wrong | CPU s: P writer, D engine, D writer |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for c in cells:
         cell = report["cells"].setdefault(f"qps={c[0]} words={c[1]}", {})
         for label in labels:
@@ -224,18 +254,23 @@ def ab_report(args, cells: list, labels: list[str], results: dict, cpus: dict) -
             s["tpot_rounds_ms"] = [summarize(res, None)["tpot_median_ms"] for res in rounds]
             s["cpu_s"] = {f"{side}_{k}": round(sum(r[i][k] for r in cpus[(c, label)]), 2)
                           for i, side in enumerate("PD") for k in ("api", "engine", "writer")}
+            n = sum(x[1] for x in itls[(c, label)])
+            s["d_engine_tpot_ms"] = 1e3 * sum(x[0] for x in itls[(c, label)]) / n if n else None
+            s["d_engine_tpot_rounds_ms"] = [1e3 * x[0] / x[1] if x[1] else None for x in itls[(c, label)]]
             cell[label] = s
-            per = " / ".join("-" if t is None else f"{t:.1f}" for t in s["tpot_rounds_ms"])
-            ttft, tpot = s["ttft_median_ms"], s["tpot_median_ms"]
-            print(f"| {c[0]} QPS, {c[1]} words | {label} | {'-' if ttft is None else f'{ttft:.1f}'} | "
-                  f"{'-' if tpot is None else f'{tpot:.1f}'} | {per} | {s['failed']} | {s['wrong']} | "
+            per = " / ".join(fmt(t, 1) for t in s["tpot_rounds_ms"])
+            per_d = " / ".join(fmt(t, 2) for t in s["d_engine_tpot_rounds_ms"])
+            print(f"| {c[0]} QPS, {c[1]} words | {label} | {fmt(s['ttft_median_ms'], 1)} | "
+                  f"{fmt(s['tpot_median_ms'], 1)} | {per} | {fmt(s['d_engine_tpot_ms'], 2)} | {per_d} | "
+                  f"{s['failed']} | {s['wrong']} | "
                   f"{s['cpu_s']['P_writer']:.2f}, {s['cpu_s']['D_engine']:.2f}, {s['cpu_s']['D_writer']:.2f} |")
+        d_r = ratio(cell[new]["d_engine_tpot_ms"], cell[old]["d_engine_tpot_ms"])
         tpot_r = ratio(cell[new]["tpot_median_ms"], cell[old]["tpot_median_ms"])
         ttft_r = ratio(cell[new]["ttft_median_ms"], cell[old]["ttft_median_ms"])
-        cell["tpot_ratio"], cell["ttft_ratio"] = tpot_r, ttft_r
-        fmt = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731
-        print(f"{c[0]} QPS, {c[1]} words: {new} / {old}: TPOT x{fmt(tpot_r)}, TTFT x{fmt(ttft_r)}")
-        worst = max(worst, tpot_r if tpot_r is not None else float("inf"))
+        cell["d_engine_tpot_ratio"], cell["tpot_ratio"], cell["ttft_ratio"] = d_r, tpot_r, ttft_r
+        print(f"{c[0]} QPS, {c[1]} words: {new} / {old}: D's engine TPOT x{fmt(d_r, 2)}, client TPOT "
+              f"x{fmt(tpot_r, 2)}, TTFT x{fmt(ttft_r, 2)}")
+        worst = max(worst, d_r if d_r is not None else float("inf"))
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     if args.max_tpot_ratio and worst > args.max_tpot_ratio:
@@ -262,7 +297,7 @@ def main(argv=None) -> int:
                     help="--ab: run revision REV's connector as the new side instead of this tree's")
     ap.add_argument("--rounds", type=int, default=3, help="--ab: rounds, each running every cell on both")
     ap.add_argument("--max-tpot-ratio", type=float, default=0.0,
-                    help="--ab: exit 1 when a cell's TPOT median over REV's is above this (0: never)")
+                    help="--ab: exit 1 when a cell's D engine TPOT over REV's is above this (0: never)")
     args = ap.parse_args(argv)
     work = tempfile.mkdtemp(prefix="pushkv-vllm-bench-")
     model = write_tiny_llama(os.path.join(work, "tiny-llama"))
