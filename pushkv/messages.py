@@ -474,6 +474,17 @@ class WriteDone(Msg, frozen=True):
     checksums: Optional[KVChecksums] = None  # --kv-verify: P's sums of the KV this WRITE moved
 
 
+class PartWritten(Msg, frozen=True):
+    """P -> D (--staging pushkv): this P rank's part WRITE of a streamed transfer landed in the
+    registered slots; its notification, which NIXL delivers after the part's data. D copies
+    what every producer's part has landed into its blocks while later parts are on the wire."""
+
+    transfer_id: str
+    generation: int
+    p_rank: int
+    spans: tuple[tuple[int, int, int], ...]  # (layer group, -1: every group; first token; end token)
+
+
 class WriteFailed(Msg, frozen=True):
     transfer_id: str
     generation: int
@@ -506,7 +517,7 @@ class RenewLease(Msg, frozen=True):
     d_rank: int
 
 
-PeerNotif = Union[Register, WriteDone, WriteFailed, ReadDone, CancelTransfer, RenewLease]
+PeerNotif = Union[Register, WriteDone, WriteFailed, ReadDone, CancelTransfer, RenewLease, PartWritten]
 
 
 # ---------------------------------------------------------------------------

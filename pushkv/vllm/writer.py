@@ -3,10 +3,11 @@ that worker's connector): registration, rendezvous and WRITE, out of vLLM's engi
 (``pushkv/vllm/README.md``).
 
 A shell over pushkv's: the roles are its pure sides (``PushRendezvous`` and ``PrefillSide``
-on P, ``ReceiveSide`` on D), the peers, posting and loop the writer shell's (``writer/shell.py``).
-Here is only what is vLLM's: the memory is vLLM's KV cache (``regions.py``, described in the
-Hello), and the commands and events carry vLLM's request ids. D watches each P writer through
-a socket monitor on the handshake link: a dead P writer fails its transfers at once.
+on P; ``ReceiveSide`` on D, mapped to vLLM's events by ``receive.py``), the peers, posting and
+loop the writer shell's (``writer/shell.py``). Here is only what is vLLM's: the memory is
+vLLM's KV cache (``regions.py``, described in the Hello), and the commands and events carry
+vLLM's request ids. D watches each P writer through a socket monitor on the handshake link:
+a dead P writer fails its transfers at once.
 """
 from __future__ import annotations
 
@@ -19,20 +20,18 @@ import zmq
 
 from pushkv import messages as m
 from pushkv.protocol import actions as A
-from pushkv.protocol import arrivals as ar
 from pushkv.protocol import rendezvous as rv
-from pushkv.protocol.tp import producers_for
 from pushkv.trace import stamp as mark
 from pushkv.transport.nixl_agent import NixlAgent
+from pushkv.vllm import stream, writer_args
 from pushkv.vllm import wire as w
-from pushkv.vllm import writer_args
-from pushkv.vllm.memory import map_fd, mapping_addr
-from pushkv.vllm.regions import KVMemory, write_regions
+from pushkv.vllm.memory import open_for_writer
+from pushkv.vllm.receive import Receiver
+from pushkv.vllm.regions import KVMemory
 from pushkv.writer import memory as mem
 from pushkv.writer import sides
 from pushkv.writer.peers import Peer
 from pushkv.writer.posting import InFlight
-from pushkv.writer.receive_side import Lost, ReceiveSide
 from pushkv.writer.shell import WriterShell, unlink_ipc
 
 log = logging.getLogger(__name__)
@@ -53,17 +52,22 @@ class VllmWriter(WriterShell):
         self.kv = msgspec.msgpack.decode(bytes.fromhex(args.memory), type=KVMemory)
         self.total_kv_heads = self.kv.total_kv_heads or self.tp  # unknown: one "head" per rank (same TP only)
         self.agent_name = f"{self.engine_id}-w{self.rank}-{os.getpid()}"
-        self.req_of: dict[str, str] = {}  # transfer id -> this instance's vLLM request id
-        self.rdv = rv.PushRendezvous(self.rank, self.tp, self.total_kv_heads, args.registration_wait_s, args.transfer_s)
+        self.req_of: dict[str, str] = {}  # P: transfer id -> this instance's vLLM request id
+        self.groups = stream.groups_of(len(self.kv.layers), args.stream_groups)
+        self.rdv = rv.PushRendezvous(self.rank, self.tp, self.total_kv_heads, args.registration_wait_s,
+                                     args.transfer_s, stream_unit=self.kv.block_tokens if args.stream_groups else 0,
+                                     stream_groups=len(self.groups))
         self.side = sides.PrefillSide(self.rank)
-        self.recv = ReceiveSide(args.transfer_s, lambda e, r: (e, r) in self.peers)  # D
+        self.d = Receiver(self, self.tp, self.total_kv_heads, args.transfer_s, self._emit)  # D's role (vllm/receive.py)
 
     # -- lifecycle -------------------------------------------------------------------
     def setup(self) -> None:
         self.watch_parent(self.args.parent_pid)  # the vLLM worker
-        self.mm = map_fd(self.args.fd, self.kv.nbytes)
-        self.memory = mem.Memory(mapping_addr(self.mm), self.kv.nbytes, self.kv)
-        self.nixl = NixlAgent(self.agent_name)
+        self.mm, base, dev = open_for_writer(self.args.fd, self.args.cuda_ipc, self.kv.nbytes)
+        self.memory = mem.Memory(base, self.kv.nbytes, self.kv, dev_id=max(dev, 0))
+        self.nixl = NixlAgent(self.agent_name, device="cpu" if dev < 0 else f"cuda:{dev}")
+        self.marks = stream.MarkWaiter(stream.event_opener(dev))
+        self.add_fd(self.marks.fd, self._marks_ready)
         mem.register(self.nixl, self.memory)  # no grid: vLLM's pages are posted as regions
         self.cmd = self.add_channel(self.socket(zmq.PULL, self.args.cmd_endpoint, bind=True),
                                     w.DEC_TO_WRITER, "vllm-scheduler")
@@ -75,15 +79,12 @@ class VllmWriter(WriterShell):
 
     def teardown(self) -> None:
         super().teardown()
+        self.marks.close()
         self.events.close(0)
         unlink_ipc(self.args.cmd_endpoint, self.args.handshake_endpoint)
 
     def _emit(self, msg: m.Msg) -> None:
         self.events.send(m.encode(msg))
-
-    def _failed(self, tid: str, reason: str) -> None:
-        """D: the blocks of vLLM's request for ``tid`` failed to arrive (and nothing lands in them)."""
-        self._emit(w.BlocksFailed(self.req_of.pop(tid, ""), tid, reason))
 
     # -- the handshake: pushkv's, with vLLM's memory in the Hello ------------------------
     def hello(self) -> w.VllmHello:
@@ -98,7 +99,7 @@ class VllmWriter(WriterShell):
             raise ValueError(why)
 
     def peer_of(self, h: w.VllmHello, agent: str) -> Peer:
-        return Peer(h.engine_id, h.rank, h.tp, agent, h.base_addr, h.memory)
+        return Peer(h.engine_id, h.rank, h.tp, agent, h.base_addr, h.memory, dev_id=max(h.memory.dev_id, 0))
 
     # -- commands from vLLM's scheduler ------------------------------------------------
     def on_SendBlocks(self, msg: w.SendBlocks) -> None:
@@ -113,39 +114,26 @@ class VllmWriter(WriterShell):
             return
         self._apply_p(acts, now)
 
-    def on_ExpectBlocks(self, msg: w.ExpectBlocks) -> None:
-        """D: register with every P rank that produces our heads, once their handshakes are
-        done (now, if they are); the loop goes on meanwhile."""
-        now = self.last_activity = time.monotonic()
-        self.req_of[msg.transfer_id] = msg.req_id
-        self.peers.when_source_connected(
-            msg.transfer_id, msg.source, lambda p_tp: producers_for(self.rank, self.tp, p_tp, self.total_kv_heads),
-            lambda peers: self._register(msg, peers),
-            lambda why: self._failed(msg.transfer_id, f"cannot reach prefill writer: {why}"), now)
+    def on_LayersStored(self, msg: w.LayersStored) -> None:
+        self.marks.submit(msg)  # on to the rendezvous once its event completed (_marks_ready)
 
-    def _register(self, msg: w.ExpectBlocks, peers: list[Peer]) -> None:
+    def _marks_ready(self) -> None:
         now = time.monotonic()
-        try:
-            effects = self.recv.expect((msg.transfer_id, 0), msg.source.engine_id, [p.rank for p in peers],
-                                       msg.block_ids, now + msg.deadline_s, now)
-        except (ar.ProtocolError, ValueError) as e:
-            self._failed(msg.transfer_id, f"registration refused: {e}")
-            return
-        self._apply_d(effects)
-        mark("d_register_sent", msg.transfer_id)
-        reg = m.Register(msg.transfer_id, 0, self.engine_id, self.rank, self.tp, msg.block_ids, msg.num_tokens,
-                         msg.deadline_s)
-        for p in peers:
-            self.posting.notify(p, reg)
+        for msg, why in self.marks.ready():
+            self.req_of.setdefault(msg.transfer_id, msg.req_id)
+            acts = self.rdv.cancel(msg.transfer_id, 0, why, now) if why else \
+                self.rdv.on_prefill_progress(msg.transfer_id, 0, msg.block_ids, msg.num_tokens, now, msg.group)
+            self._apply_p(acts, now)
+
+    def on_ExpectBlocks(self, msg: w.ExpectBlocks) -> None:
+        self.d.expect(msg)
 
     def on_CancelBlocks(self, msg: w.CancelBlocks) -> None:
         now = time.monotonic()
         if self.role == "prefill":
             self._apply_p(self.rdv.cancel(msg.transfer_id, 0, msg.reason, now), now)
-        elif self.peers.drop_wait(msg.transfer_id):  # still waiting for handshakes: nothing registered, nothing lands
-            self._failed(msg.transfer_id, msg.reason)
         else:
-            self._apply_d(self.recv.cancel((msg.transfer_id, 0), msg.reason, now))
+            self.d.cancel(msg)
 
     # -- NIXL notifications (pushkv's messages) ------------------------------------------
     def notif_Register(self, msg: m.Register, agent: str, now: float) -> None:
@@ -159,22 +147,20 @@ class VllmWriter(WriterShell):
         self._apply_p(self.rdv.cancel(msg.transfer_id, msg.generation, msg.reason, now), now)
 
     def notif_WriteDone(self, msg: "m.WriteDone | m.WriteFailed", agent: str, now: float) -> None:
-        peer = self.peers.by_agent.get(agent)
-        self._apply_d(self.recv.completion(msg, (peer.engine_id, peer.rank) if peer else None, now))
+        self.d.completion(msg, agent, now)
 
     notif_WriteFailed = notif_WriteDone
 
     def peer_gone(self, peer: Peer, reason: str) -> None:
-        """A P writer died: nothing of it can still write; its transfers fail now."""
-        self._apply_d(self.recv.rank_gone(peer.engine_id, peer.rank, f"prefill {reason}", time.monotonic()))
+        self.d.rank_gone(peer, reason)
 
     # -- the sides' effects, carried out ------------------------------------------------------
     def _apply_p(self, actions, now: float) -> None:
         for e in self.side.effects(actions):
             if isinstance(e, sides.Post):
                 a = e.write
-                fl = self.posting.post_regions(a, write_regions(self.kv, self.rank, self.tp, self.total_kv_heads,
-                                                                a.block_ids), now)
+                fl = self.posting.post_regions(a, stream.regions_of(self.kv, a, self.rank, self.tp,
+                                                                    self.total_kv_heads, self.groups), now)
                 mark("p_write_posted", fl.transfer_id)
                 self.posting.book((fl.transfer_id, fl.generation), fl, now)
             elif isinstance(e, sides.Report):
@@ -184,30 +170,23 @@ class VllmWriter(WriterShell):
             else:
                 self.count_or_tell(e, self.posting.notify)
 
-    def _apply_d(self, effects) -> None:
-        for e in effects:
-            if isinstance(e, A.Received):
-                mark("d_kv_received", e.transfer_id)
-                self._emit(w.BlocksReceived(self.req_of.pop(e.transfer_id, ""), e.transfer_id, e.nbytes, e.num_descs))
-            elif isinstance(e, Lost):
-                self._failed(e.key[0], e.reason)
-            else:
-                self.count_or_tell(e, self.posting.notify)
-
     def transfer_finished(self, fl: InFlight, now: float) -> None:
-        key = (fl.transfer_id, fl.generation)
+        key, part = (fl.transfer_id, fl.generation), fl.part
         t = self.side.record(key)
-        t.nbytes, t.num_descs, t.write_s = fl.nbytes, fl.num_descs, now - fl.posted
-        acts = self.rdv.on_write_failed(*key, fl.failed, now) if fl.failed else self.rdv.on_write_done(*key, now)
+        t.nbytes, t.num_descs = t.nbytes + fl.nbytes, t.num_descs + fl.num_descs
+        if not part:
+            t.write_s = now - fl.posted  # the last WRITE's: one layer group's, when streamed
+        acts = (self.rdv.on_write_failed(*key, fl.failed, now, part=part) if fl.failed
+                else self.rdv.on_write_done(*key, now, part=part))
         self._apply_p(acts, now)
 
     # -- the loop ---------------------------------------------------------------------------
     def expire(self, now: float) -> None:
         self._apply_p(sides.due(self.rdv, now), now)
-        self._apply_d(self.recv.expire(now))
+        self.d.expire(now)
 
     def has_pending(self) -> bool:
-        return sides.pending(self.rdv) or self.recv.pending() or bool(self.peers.waits)
+        return sides.pending(self.rdv) or self.d.pending() or bool(self.peers.waits)
 
 
 def main(argv=None) -> None:

@@ -251,9 +251,9 @@ class Posting:
     def post_regions(self, a: A.PostWrite, regions_of: Callable[[m.Register, Peer], Optional[list]],
                      now: float) -> InFlight:
         """Post WRITE ``a``'s share to each registered D rank as byte regions (``regions_of(reg,
-        peer)``; None: that rank holds no head of ours), each with its WriteDone. Returns its
-        InFlight, failed when a post failed (the D ranks not posted to hear it from P's side)."""
-        fl = InFlight(a.transfer_id, a.generation, posted=now)
+        peer)``; None: that rank holds no head of ours); a last WRITE carries its WriteDone (a streamed
+        part none). Returns its InFlight, failed when a post failed."""
+        fl = InFlight(a.transfer_id, a.generation, posted=now, part=not a.last)
         try:
             for reg in a.registrations:
                 peer = self.host.peers.get((reg.d_engine_id, reg.d_rank))
@@ -264,7 +264,7 @@ class Posting:
                     continue
                 nbytes = sum(r[2] for r in regions)
                 done = m.WriteDone(a.transfer_id, a.generation, self.host.rank, a.first_token, nbytes, len(regions))
-                fl.handles.append(self.post("WRITE", peer, regions, m.encode(done)))
+                fl.handles.append(self.post("WRITE", peer, regions, m.encode(done) if a.last else b""))
                 fl.nbytes += nbytes
                 fl.num_descs += len(regions)
         except Exception as e:
