@@ -47,9 +47,8 @@ class BatchedForward:
                                      self.device, model.dtype)
         self.staging = Staging()
         self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.cuda else 1
-        if use_graphs is None:
-            # MoE: the torch experts size their groups on the host, which a graph cannot capture
-            use_graphs = self.cuda and model.tp_size == 1 and not cfg.is_moe and envs.PUSHKV_CUDA_GRAPHS
+        if use_graphs is None:  # MoE too: its CUDA kernels never wait for the host (kernels/triton_moe.py)
+            use_graphs = self.cuda and model.tp_size == 1 and envs.PUSHKV_CUDA_GRAPHS
         self.use_graphs = use_graphs
         self.fused = self.cuda and envs.PUSHKV_FUSED and not (self.hd & (self.hd - 1))
         self.max_num_seqs = max_num_seqs
@@ -158,7 +157,7 @@ class BatchedForward:
                 on_layer(layer)
             paged.attention(q, pools[layer], meta, m.layer_window(layer), attn, splits, scratch)
             x, h = K.add_rms(x, m._all_reduce(F.linear(attn.view(T, -1), lw.o)), lw.post_norm, eps)
-            if lw.router is not None:  # MoE: the torch experts (a grouped Triton kernel is to come)
+            if lw.router is not None:  # MoE: the grouped Triton kernels (kernels/triton_moe.py)
                 delta = m.mlp_delta(lw, h)
             else:
                 delta = m._all_reduce(F.linear(K.silu_mul(F.linear(h, lw.gate_up)), lw.down))
