@@ -88,8 +88,8 @@ def test_slots_are_grouped_by_expert_in_whole_blocks(T, E, k, bm):
     assert used == sum(-(-int((flat == e).sum()) // bm) for e in range(E))  # no block more than needed
 
 
-@pytest.mark.unit  # the skip's reason names the GPU, which would file it (and skip it) as a GPU test
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the kernels themselves (below)")
+@pytest.mark.unit  # the skip reason names CUDA, which would file it (and skip it, off a GPU) as a GPU test
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU runs the kernels themselves (below)")
 def test_kernels_equal_the_reference_under_the_interpreter():
     for case, r in zip(CASES, _run("cpu", CASES)):
         assert r["err"] <= 1e-4 * max(1.0, r["scale"]) and r["tile_err"] <= 1e-4 * max(1.0, r["scale"]), (case, r)
