@@ -3,7 +3,7 @@
 # Steps (any order): e2e (GPU end-to-end tests: layer-streamed push, the default, equals local), probe (a WRITE
 # posted from a second thread over UCX's TCP transport: does the loop stay free?), device (lone TTFT per mode
 # on the device path, 1k-16k), devload (8k x QPS 2 per mode), tcp (lone per mode over UCX TCP), tcpload (1k x
-# QPS 2 over UCX TCP), tcpposter (that load with P's poster thread off and on), tcplink (that load per link window), tcpstaging (pushkv's staging against UCX's, lone and at that load). Needs the wheels of tools/gpu_wheels.sh in .whl/.
+# QPS 2 over UCX TCP), tcpposter (that load with P's poster thread off and on), tcplink (that load per link window), tcpstaging (pushkv's staging against UCX's, lone and at that load), tcpstaginglone (pushkv's staging lone, unstreamed and layer-streamed: the lone goal). Needs the wheels of tools/gpu_wheels.sh in .whl/.
 #   bash experiments/stream_regimes_gpu.sh e2e probe device devload
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -49,6 +49,11 @@ for step in "$@"; do
              # (push-layer-ucx-staging) and pull inline, lone and at the 1k load
            MODES="push-layer push-layer-ucx-staging pull-inline" GROUPS_N=9 lone tcp_staging_lone "${LENGTHS:-1024 4096 16384}" ${REPS:-2} $TCP
            MODES="push-layer push-layer-ucx-staging pull-inline" GROUPS_N=9 load tcp_staging_load_1k 1024 $TCP ;;
+    tcpstaginglone) # lone over UCX TCP with pushkv's staging (auto's choice there): push-off (one WRITE at prefill
+             # end, D copies it all in after) and push-layer (D copies each group in as its part lands); read
+             # TTFT, prefill, tail (prefill end -> kv_received), copy (D's last WRITE landed -> kv_received)
+             # and lone<= (1.15x max(prefill, push-off's tail less its copy)) in tcp_staging_lone.txt
+           MODES="push-off push-layer" GROUPS_N=9 lone tcp_staging_lone "${LENGTHS:-1024 16384}" ${REPS:-2} $TCP ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -475,6 +475,17 @@ class WriteDone(Msg):
     checksums: Optional[KVChecksums] = None  # --kv-verify: P's sums of the KV this WRITE moved
 
 
+class PartWritten(Msg):
+    """P -> D (--staging pushkv): this P rank's part WRITE of a streamed transfer landed in the
+    registered slots; its notification, which NIXL delivers after the part's data. D copies
+    what every producer's part has landed into its blocks while later parts are on the wire."""
+
+    transfer_id: str
+    generation: int
+    p_rank: int
+    spans: tuple[tuple[int, int, int], ...]  # (layer group, -1: every group; first token; end token)
+
+
 class WriteFailed(Msg):
     transfer_id: str
     generation: int
@@ -507,7 +518,7 @@ class RenewLease(Msg):
     d_rank: int
 
 
-PeerNotif = Union[Register, WriteDone, WriteFailed, ReadDone, CancelTransfer, RenewLease]
+PeerNotif = Union[Register, WriteDone, WriteFailed, ReadDone, CancelTransfer, RenewLease, PartWritten]
 
 
 # ---------------------------------------------------------------------------

@@ -2,11 +2,13 @@
 
 For every capped rate and mode of the run, a profile is made from what the run measured *lone*:
 P's prefill, a transfer's fixed cost, D's step; the link's rate is the cap's (the tc rate less the
-TCP and Ethernet headers). The planner then replays each *loaded* run's own
-arrivals (``router.arrival`` of every request) through ``pushkv.plan.sim`` with the writer's link
-window and order as the deployment ran them, and the predicted TTFT p50 is set against the measured
-one. The same replay without the link model (each transfer alone at the link's rate, what the
-planner did before) shows what the queue adds.
+TCP and Ethernet headers), or the mode's own path's where its lone transfers moved slower than that
+(``plan.link.path_rate``: pull's READ through UCX's staging on the GPU). The planner then replays
+each *loaded* run's own arrivals (``router.arrival`` of every request, and the prefix of each prompt
+P and D already held, as the bytes it moved show) through ``pushkv.plan.sim`` with the writer's
+link window and order and D's pool as the deployment ran them, and the predicted TTFT p50 is set
+against the measured one. The same replay without the link model (each transfer alone at the
+link's rate, what the planner did before) shows what the queue adds.
 
     pushkv link-plan results/link              # a link-bench --out folder
 """
@@ -26,6 +28,7 @@ import msgspec
 from pushkv.config import DeploymentConfig
 from pushkv.plan import sim
 from pushkv.plan import workload as W
+from pushkv.plan.link import path_rate
 from pushkv.plan.profile import Profile
 from pushkv.router.cost import Costs
 from tools import bench, netns
@@ -33,11 +36,14 @@ from tools import bench, netns
 # what a TCP stream moves of what tbf lets through: MSS 1448 (timestamps on) of each 1514-byte frame
 TCP_PAYLOAD_SHARE = 1448 / 1514
 BLOCK_SIZE = 16
+# the report's classes only (the model takes each rate as measured): a mode's path "bounds" it where
+# it moves less than this share of the link's rate (pull's READ through UCX's staging on the GPU:
+# 0.17-0.44; push's WRITE: 0.97-1.0, what a fit over two lengths gives of the cap)
+PATH_BOUND_SHARE = 0.9
 GOAL_ERROR = 0.20  # issue 27: the planner predicts the capped-link loads within 20 %
 # link-bench mode -> the planner's mode
-SIM_MODE = {"push": "push", "push-layer": "push-layer", "push-layer-ucx-staging": "push-layer",
+SIM_MODE = {"push": "push", "push-off": "push", "push-layer": "push-layer", "push-layer-ucx-staging": "push-layer",
             "pull-inline": "pull-inline", "pull-background": "pull"}
-UNSTREAMED = ("push", "pull-inline", "pull-background")
 PUSH_STREAM_GROUPS = next(f.default for f in msgspec.structs.fields(DeploymentConfig)
                           if f.name == "push_stream_groups")  # pushkv up's default
 
@@ -76,37 +82,78 @@ def profile_for(results: dict, rate: str, mode: str, n: int) -> Optional[Profile
     kv_per_token = results["model"]["kv_bytes_per_token"]
     if bps is None or not lone(regime, mode, n):
         return None
-    # the link's rate: the cap less the headers (a lone WRITE's measured rate is lower: its post and
-    # notice are in it; they are the fixed cost below)
-    per_block = kv_per_token * BLOCK_SIZE * 8 / (bps * TCP_PAYLOAD_SHARE) * 1e3
-    blocks = -(-n // BLOCK_SIZE)
+    # the link's rate: the cap less the headers, or this mode's path where it is slower (the slope
+    # of its lone transfers' time over their bytes: a lone WRITE's own rate is lower than the cap's
+    # by its post and notice, which are the fixed cost below, not a slower path)
+    cap_per_block = cap_ms_per_block(results, rate)
+    per_block = 1.0 / path_rate(1.0 / cap_per_block, lone_transfers(regime, mode, kv_per_token))
     # one hardware figure for P's prefill: the median over every mode's lone runs at this length
     prefill = _median([lone(regime, m, n).get("prefill_ms") for m in regime])
     own = lone(regime, mode, n)
-    # the transfer's fixed cost: prefill end -> KV landed less the bytes' time on the link, from this
-    # mode's own lone runs (a streamed mode's tail hides its bytes: it takes push's, else 0)
-    src = own if mode in UNSTREAMED else lone(regime, "push", n)
-    fixed = (src["pend_to_kv_ms"] - blocks * per_block) if src.get("pend_to_kv_ms") is not None else 0.0
-    # what TTFT holds besides the prefill and the handoff (the router, P's queue entry, D's first token)
-    rest = own["ttft_ms"] - own["prefill_ms"] - own["pend_to_kv_ms"] if None not in (
-        own.get("ttft_ms"), own.get("prefill_ms"), own.get("pend_to_kv_ms")) else 0.0
-    if prefill is None or own.get("tpot_ms") is None:
+    if prefill is None or None in (own.get(k) for k in ("ttft_ms", "prefill_ms", "pend_to_kv_ms", "tpot_ms")):
         return None
+    # what TTFT holds besides the prefill and the handoff (the router, P's queue entry, D's first token)
+    rest = own["ttft_ms"] - own["prefill_ms"] - own["pend_to_kv_ms"]
     costs = Costs(prefill_ms_fixed=max(rest, 0.0), prefill_ms_per_token=prefill / n, prefill_ms_per_cached_token=0.0,
-                  handoff_ms_fixed=max(fixed, 0.0), handoff_ms_per_block=per_block,
+                  handoff_ms_fixed=0.0, handoff_ms_per_block=per_block,
                   step_ms_fixed=own["tpot_ms"], step_ms_per_seq=0.0, step_ms_per_kctx=0.0)
+    flags = [*results["mode_flags"].get(mode, []), *results["up_flags"]]
     window, order = link_setting(results, mode)
     # push-layer's groups as the deployment ran them (a lone run's part count is not it: a part
-    # carries every group stored while the one before was on the wire)
-    groups = int(flag([*results["mode_flags"].get(mode, []), *results["up_flags"]], "--push-stream-groups",
-                      str(PUSH_STREAM_GROUPS)))
-    return Profile(f"{rate} {mode} lone", costs, block_size=BLOCK_SIZE, relay_ms=0.0, layer_groups=groups,
+    # carries every group stored while the one before was on the wire); D's pool as it ran
+    groups = int(flag(flags, "--push-stream-groups", str(PUSH_STREAM_GROUPS)))
+    capacity = int(flag(flags, "--num-blocks", "0")) * int(flag(flags, "--block-size", str(BLOCK_SIZE)))
+    prof = Profile(f"{rate} {mode} lone", costs, block_size=BLOCK_SIZE, relay_ms=0.0, layer_groups=groups,
+                   d_capacity_tokens=capacity or Profile.d_capacity_tokens,
                    link_window=window, link_order=order)  # type: ignore[arg-type]
+    # the transfer's fixed cost: this mode's lone prefill end -> KV landed less what the model puts
+    # there without one (the bytes on the link, a streamed mode's parts placed while P computes):
+    # the posts, the staging copies, D's copy-in and its notice
+    fixed = own["pend_to_kv_ms"] - _model_tail(prof, SIM_MODE.get(mode, "push"), n, own["prefill_ms"])
+    return dataclasses.replace(prof, costs=dataclasses.replace(costs, handoff_ms_fixed=max(fixed, 0.0)))
 
 
-def arrivals(run: dict, replay: bool = False) -> W.Arrivals:
+def cap_ms_per_block(results: dict, rate: str) -> float:
+    """A KV block's time on the capped link: the tc rate less the TCP and Ethernet headers."""
+    bps = netns.parse_rate(rate)
+    if bps is None:
+        raise ValueError(f"{rate}: not a capped rate")
+    return results["model"]["kv_bytes_per_token"] * BLOCK_SIZE * 8 / (bps * TCP_PAYLOAD_SHARE) * 1e3
+
+
+def bound_by(r: dict) -> str:
+    """What sets a loaded run's pace at its lone costs: "path" (the mode's path moves slower than the
+    link: pull's READ through UCX's staging), "link" (the link busier than P), else "P"."""
+    if r["link_busy"] < PATH_BOUND_SHARE * r["path_busy"]:
+        return "path"
+    return "link" if r["link_busy"] >= r["p_busy"] else "P"
+
+
+def _model_tail(prof: Profile, mode: str, n: int, prefill_ms: float) -> float:
+    """What ``prof`` (no fixed cost) puts between a lone request's prefill end and its KV landing:
+    the bytes on the link as the model places them (a streamed mode's parts while P computes)."""
+    wl = W.Arrivals((0.0,), (n,), 1, ((0.0, prefill_ms),))
+    (r,) = sim.simulate(wl, prof, mode, 1, 1)  # type: ignore[arg-type]
+    assert r.first is not None and r.prefill_end is not None
+    return r.first - r.prefill_end
+
+
+def lone_transfers(regime: dict, mode: str, kv_per_token: int) -> list[tuple[float, float]]:
+    """(blocks, ms on the wire) of this mode's lone transfers at each length (the last WRITE or the
+    READ: what D's notification announced)."""
+    out = []
+    for n_text in (regime.get(mode) or {}):
+        lo = lone(regime, mode, int(n_text))
+        if lo.get("kv_bytes") and lo.get("wire_ms"):
+            out.append((lo["kv_bytes"] / (kv_per_token * BLOCK_SIZE), lo["wire_ms"]))
+    return out
+
+
+def arrivals(run: dict, replay: bool = False, kv_per_token: int = 0) -> W.Arrivals:
     """A loaded run's requests as they arrived at the router (its timelines); ``replay``: with each
-    one's prefill and D's time from the KV to its first token as the run measured them."""
+    one's prefill and D's time from the KV to its first token as the run measured them.
+    ``kv_per_token``: each prompt's prefix that P and D already held, from the bytes it moved (a
+    run whose prompts begin as an earlier run's did: link-bench's loads share a seed)."""
     tls = run["timelines"]
     starts = [tl.get("router.arrival") for tl in tls]
     if any(t is None for t in starts):
@@ -117,8 +164,18 @@ def arrivals(run: dict, replay: bool = False) -> W.Arrivals:
         extra["prefills_ms"] = tuple((_span(tl, "router.arrival", "prefill.prefill_start"),
                                       _span(tl, "router.arrival", "prefill.prefill_end")) for tl in tls)
         extra["lands_ms"] = tuple(_span(tl, "decode.kv_received", "router.first_token") for tl in tls)
+    if kv_per_token:
+        kvs = run.get("kv") or [None] * len(tls)
+        extra["cached"] = tuple(cached_tokens(n, kv, kv_per_token) for n, kv in zip(run["input_lens"], kvs))
     return W.Arrivals(tuple(t - t0 for t in starts), tuple(run["input_lens"]), int(run["output_lens"][0] or 1),
                       **extra)
+
+
+def cached_tokens(prompt: int, kv: Optional[dict], kv_per_token: int) -> int:
+    """The prompt's prefix one request did not move: its length less what P wrote (push) or D read
+    (pull); 0 where the run kept no count."""
+    moved = ((kv or {}).get("prefill") or (kv or {}).get("decode") or {}).get("bytes")
+    return 0 if not moved else min(prompt, max(0, prompt - moved // kv_per_token))
 
 
 def _span(tl: dict, a: str, b: str) -> float:
@@ -162,7 +219,8 @@ def check(out: str) -> list[dict]:
                     continue
                 for run in runs:
                     mode_ = SIM_MODE[mode]
-                    wl, replay = arrivals(run), arrivals(run, replay=True)
+                    kvt = results["model"]["kv_bytes_per_token"]
+                    wl, replay = arrivals(run, kv_per_token=kvt), arrivals(run, replay=True, kv_per_token=kvt)
                     got = sim.summary(sim.simulate(wl, prof, mode_, 1, 1))  # type: ignore[arg-type]
                     alone = sim.summary(sim.simulate(wl, dataclasses.replace(prof, link_window=None),
                                                      mode_, 1, 1))  # type: ignore[arg-type]
@@ -181,7 +239,11 @@ def check(out: str) -> list[dict]:
                         "replayed_no_link_model": sim.summary(rep_alone)["ttft_p50"],
                         # the share of the time each resource is busy at this load (lone costs): the link's
                         # (its bytes at the cap's rate) and P's (its lone prefill)
-                        "link_busy": run["request_rate"] * -(-n // BLOCK_SIZE) * prof.costs.handoff_ms_per_block / 1e3,
+                        # and the mode's path's (its bytes at the rate it moves them: the cap's, or
+                        # its own path's where that is slower)
+                        "link_busy": run["request_rate"] * -(-n // BLOCK_SIZE) * cap_ms_per_block(results, rate) / 1e3,
+                        "path_busy": run["request_rate"] * -(-n // BLOCK_SIZE) * prof.costs.handoff_ms_per_block / 1e3,
+                        "path_gbit_s": kvt * BLOCK_SIZE * 8 / prof.costs.handoff_ms_per_block / 1e6,
                         "p_busy": run["request_rate"] * prof.costs.prefill_ms_per_token * n / 1e3,
                         "p_wait_measured": _median([_span(tl, "router.arrival", "prefill.prefill_start")
                                                     for tl in run["timelines"]]),
@@ -199,14 +261,16 @@ def error(r: dict, key: str, of: str = "measured") -> float:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| rate | mode | tokens | QPS | window | link busy | P busy | P's queue p50 measured | TTFT p50 measured "
+    head = ("| rate | mode | tokens | QPS | window | path Gbit/s | link busy | path busy | P busy | bound "
+            "| P's queue p50 measured | TTFT p50 measured "
             "| predicted from lone runs | error | replayed compute | error | same, no link model | error "
             "| prefill end → KV landed p50: measured | replayed | error | no link model | error |")
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     f = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
     for r in rows:
         lines.append(f"| {r['rate']} | {r['mode']} | {r['tokens']} | {r['qps']:g} | {r['window']} | "
-                     f"{r['link_busy']:.2f} | {r['p_busy']:.2f} | {f(r['p_wait_measured'])} | {f(r['measured'])} | "
+                     f"{r['path_gbit_s']:.2f} | {r['link_busy']:.2f} | {r['path_busy']:.2f} | {r['p_busy']:.2f} | "
+                     f"{bound_by(r)} | {f(r['p_wait_measured'])} | {f(r['measured'])} | "
                      f"{f(r['predicted'])} | "
                      f"{_err(r['predicted'], r['measured'])} | "
                      f"{f(r['replayed'])} | {_err(r['replayed'], r['measured'])} | "
@@ -231,12 +295,16 @@ def main(argv=None) -> int:
             return 2
     print(table(rows))
     if rows:
-        # link-bound: the link the busier of the two (else P's compute sets the pace, and on a shared
-        # CPU its cost under load is not the lone one)
-        bound = [r for r in rows if r["link_busy"] >= r["p_busy"]]
+        # link-bound: the link busier than P (else P's compute sets the pace, and on a shared CPU its
+        # cost under load is not the lone one); path-bound: the mode's own path slower than the link
+        classes = (("loaded runs", rows),
+                   ("link-bound ones (the link busier than P, the mode's path as fast as the link)",
+                    [r for r in rows if bound_by(r) == "link"]),
+                   ("path-bound ones (the mode's path slower than the link)",
+                    [r for r in rows if bound_by(r) == "path"]))
         for key, what in (("predicted", "every cost from the lone runs"),
                           ("replayed", "each request's compute replayed, the link and queues predicted")):
-            for name, rs in (("loaded runs", rows), ("link-bound ones (the link busier than P)", bound)):
+            for name, rs in classes:
                 if rs:
                     worst = max(abs(error(r, key)) for r in rs)
                     print(f"TTFT p50, {what}: worst error {100 * worst:.0f} % over {len(rs)} {name} "

@@ -13,6 +13,12 @@ simulation uses KV blocks, so the rate is blocks per ms).
   the link as a whole moves only ``overlap_share`` of one transfer's rate: over UCX's TCP lanes
   from GPU memory one WRITE moved 0.45 GB/s and 2-8 overlapping ones 0.24-0.29 GB/s together
   (issue 27), about 0.6; over a tc-capped veth between host buffers they share it fully (1.0).
+- **The path.** A transfer moves no faster than its path: a staging copy or the transport can bound
+  it below the link's cap. ``path_rate`` takes the rate a mode's lone transfers measured as the
+  slope of time over bytes across lengths (what does not grow with the bytes is a per-transfer
+  cost, not a rate) and the link's rate is the lower of that and the cap. Over a veth capped at
+  10 Gbit/s from one H200, push's pinned-host WRITE measured 9.56 (the cap's), pull's READ through
+  UCX's ``cuda_copy`` staging 4.1-4.2 whatever the cap (docs/results/2026-12-02-slow-link/capped_gpu).
 
 The caller offers posts, asks ``next_end`` when the next transfer will end, and at that time
 calls ``ended``, which returns the posts that finished and starts the next ones of their lanes.
@@ -20,7 +26,7 @@ calls ``ended``, which returns the posts that finished and starts the next ones 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable, Optional
+from typing import Hashable, Optional, Sequence
 
 from pushkv.kinds import LinkOrder
 from pushkv.protocol.link_queue import LinkPost, LinkQueue, Window
@@ -41,6 +47,22 @@ class LinkSpec:
 
     def total_rate(self, inflight: int) -> float:
         return self.rate if inflight <= 1 else self.rate * self.overlap_share
+
+
+def path_rate(cap: float, lone: Sequence[tuple[float, float]]) -> float:
+    """The rate (units per ms) a mode's transfers move at over a link of rate ``cap``: the cap, or
+    less where the mode's path is slower. ``lone``: (size, ms on the wire) of its lone transfers at
+    two or more sizes; the path's rate is the slope of their least-squares line, since a fixed cost
+    per transfer (its post, its notice) lowers a single transfer's rate without bounding the bytes'.
+    One size, or a slope that does not rise: the cap (nothing tells a slow path)."""
+    if cap <= 0:
+        raise ValueError(f"a link's rate is > 0, not {cap}")
+    pts = [(float(b), float(t)) for b, t in lone]
+    if len({b for b, _ in pts}) < 2:
+        return cap
+    mb, mt = sum(b for b, _ in pts) / len(pts), sum(t for _, t in pts) / len(pts)
+    ms_per_unit = sum((b - mb) * (t - mt) for b, t in pts) / sum((b - mb) ** 2 for b, _ in pts)
+    return cap if ms_per_unit <= 0 else min(cap, 1.0 / ms_per_unit)
 
 
 @dataclass

@@ -22,13 +22,14 @@ What it models, as pushkv does it:
   every group stored since) queue under that P writer's window and order (``protocol/
   link_queue.py``, the queue P's writer runs per D); pull's READs queue on D's side, one at a time
   for ``pull-inline`` (D's engine waits for each, so no step runs while one is under way), all at
-  once for ``pull``. Without it each transfer moves alone at the link's rate however many overlap;
+  once for ``pull``; push's late allocation is D's READ on that lane too, as pushkv does it. Without
+  it each transfer moves alone at the link's rate however many overlap;
 - **D memory**: a request holds prompt + output tokens on D; push reserves them at arrival
   (while P computes; past ``pin_fraction`` of D pinned, late allocation), pull after the
   prefill; a request no D can hold waits at the router, FIFO;
 - **prefix caches** (``prefix_cache``): P keeps a conversation's prompts, D its prompts and
-  answers, both the shared system prompt; no eviction (the planner assumes caches large
-  enough for the working set);
+  answers, both the shared system prompt, and a replayed turn's ``cached`` prefix (held from
+  before the run); no eviction (the planner assumes caches large enough for the working set);
 - ``conditional``: push, with D prefilling a request itself when ``policy.choose_path`` says so.
 
 The first token comes with the KV (D re-emits P's token when the KV lands) or, on D, at the end
@@ -153,7 +154,7 @@ class Simulation:
     def hit(self, inst: Instance, t: Turn, unit: int) -> int:
         if not self.cache:
             return 0
-        held = max(inst.held.get(t.conv, 0), t.shared if inst.system else 0)
+        held = max(inst.held.get(t.conv, 0), t.shared if inst.system else 0, t.cached)
         return min(held, t.prompt - 1) // unit * unit
 
     def keep(self, inst: Instance, t: Turn, tokens: int) -> None:
@@ -292,7 +293,7 @@ class Simulation:
         r.blocks = P.blocks_for(r.turn.prompt - r.d_hit, self.prof.block_size)
         if r.path == "push":
             return self.offer(r, "write", r.blocks, lambda: self.landing(r))
-        # pull's READ, or push's late allocation (a WRITE), once D has P's answer through the router
+        # pull's READ, or push's late allocation (a READ too), once D has P's answer through the router
         self.at(self.now + self.prof.relay_ms, self.post_after_relay, r)
 
     def post_after_relay(self, r: Req) -> None:
@@ -306,7 +307,9 @@ class Simulation:
                 self.kick(_set(r.d))
             self.landing(r)
 
-        self.offer(r, "read" if r.path == "pull" else "write", r.blocks, done)
+        # push's late allocation too is D's READ (the KV bytes P holds, as pull's), on D's lane: the
+        # GPU runs show a late request's rendezvous "pull", its READ beside P's WRITEs
+        self.offer(r, "read", r.blocks, done)
 
     def landing(self, r: Req) -> None:
         """The last bytes moved: D has the KV once the transfer's fixed cost (its notice) is paid."""

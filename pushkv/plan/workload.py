@@ -34,6 +34,9 @@ class Turn:
     # first token leaving the router
     prefill_span_ms: Optional[tuple[float, float]] = None
     land_ms: float = 0.0
+    # leading prompt tokens every instance already holds when the turn arrives (a replayed run whose
+    # prompts share a prefix with an earlier run's: that much is neither computed nor moved)
+    cached: int = 0
 
 
 @dataclass(frozen=True)
@@ -113,29 +116,35 @@ class Arrivals:
     """Independent requests exactly as a bench sent them: each one's arrival (s) and prompt length
     (what ``tools/link_plan.py`` checks the planner's link model against); optionally each one's
     prefill (its start and end, ms after its arrival) and D's time from the KV to the first token
-    (ms) as that run measured them, so that only the link and its queues are predicted."""
+    (ms) as that run measured them, so that only the link and its queues are predicted, and the
+    leading tokens of each prompt that P and D already held when it arrived (``cached``)."""
 
     starts: tuple[float, ...]
     prompts: tuple[int, ...]
     output: int
     prefills_ms: tuple[tuple[float, float], ...] = ()
     lands_ms: tuple[float, ...] = ()
+    cached: tuple[int, ...] = ()
     kind: str = "arrivals"
 
     def __post_init__(self) -> None:
         n = len(self.starts)
-        if len(self.prompts) != n or len(self.prefills_ms) not in (0, n) or len(self.lands_ms) not in (0, n):
+        if len(self.prompts) != n or any(len(x) not in (0, n) for x in (self.prefills_ms, self.lands_ms, self.cached)):
             raise ValueError(f"arrivals: {n} starts but {len(self.prompts)} prompts, {len(self.prefills_ms)} "
-                             f"prefills and {len(self.lands_ms)} landings (give each per request, or none)")
+                             f"prefills, {len(self.lands_ms)} landings and {len(self.cached)} cached prefixes "
+                             f"(give each per request, or none)")
         if any(not 0 <= a <= b for a, b in self.prefills_ms):
             raise ValueError("arrivals: a prefill is (start, end) in ms after its arrival, 0 <= start <= end")
+        if any(not 0 <= c <= p for c, p in zip(self.cached, self.prompts)):
+            raise ValueError("arrivals: a cached prefix is 0 to the prompt's length")
 
     def conversations(self) -> list[list[Turn]]:
         pre: tuple = self.prefills_ms or (None,) * len(self.starts)
         land = self.lands_ms or (0.0,) * len(self.starts)
-        rows = enumerate(zip(self.starts, self.prompts, pre, land))
-        return [[Turn(i, 1, n, self.output, 0, 0, start_s=t, prefill_span_ms=p, land_ms=d)]
-                for i, (t, n, p, d) in rows]
+        cached = self.cached or (0,) * len(self.starts)
+        rows = enumerate(zip(self.starts, self.prompts, pre, land, cached))
+        return [[Turn(i, 1, n, self.output, 0, 0, start_s=t, prefill_span_ms=p, land_ms=d, cached=c)]
+                for i, (t, n, p, d, c) in rows]
 
 
 Workload = Union[Poisson, Chat, Recorded, Arrivals]
@@ -160,5 +169,5 @@ def from_dict(d: dict) -> Workload:
 
         spans = tuple((float(a), float(b)) for a, b in d.get("prefills_ms", ()))
         return Arrivals(floats("starts"), tuple(int(n) for n in d["prompts"]), int(d["output"]), spans,
-                        floats("lands_ms"))
+                        floats("lands_ms"), tuple(int(c) for c in d.get("cached", ())))
     raise ValueError(f"unknown workload kind {kind!r} (poisson | chat | arrivals)")

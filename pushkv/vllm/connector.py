@@ -72,6 +72,7 @@ class PushKVConnector(KVConnectorBase_V1, SupportsHMA):
             side = "decode" if kt.kv_role == "kv_consumer" else "prefill"
             self.worker = WorkerSide(self.settings, get_tensor_model_parallel_rank(), side,
                                      model_geometry(vllm_config))
+            self.block_tokens = vllm_config.cache_config.block_size
 
     # ------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -107,7 +108,7 @@ class PushKVConnector(KVConnectorBase_V1, SupportsHMA):
         return self.worker.alloc if self.worker is not None else None
 
     def register_kv_caches(self, kv_caches) -> None:
-        self.worker.register_kv_caches(kv_caches)
+        self.worker.register_kv_caches(kv_caches, self.block_tokens)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -121,7 +122,10 @@ class PushKVConnector(KVConnectorBase_V1, SupportsHMA):
         """Nothing to wait for (see start_load_kv)."""
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
-        """Nothing to save: the model writes its KV into the shared pages the writer WRITEs from."""
+        """Nothing to copy: the model writes its KV into the pages the writer WRITEs from. With
+        layer streaming, a layer group's last layer marks the group stored for the writer."""
+        if self.worker is not None:
+            self.worker.save_layer(layer_name)
 
     def wait_for_save(self) -> None:
         """No save work in the engine loop: the writer WRITEs on its own."""

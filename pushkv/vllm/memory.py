@@ -76,3 +76,17 @@ class SharedKVAllocation:
         log.info("pushkv: KV cache of %.1f MiB allocated in shared memory (memfd %s)", nbytes / 2**20, self.name)
         return self.tensor
 
+
+
+def open_for_writer(fd: int, cuda_ipc_hex: str, nbytes: int) -> tuple[object, int, int]:
+    """The writer's view of the worker's KV cache: (what keeps it mapped, base address, CUDA
+    device or -1): the inherited memfd mapped, or the GPU storage opened by CUDA IPC."""
+    if cuda_ipc_hex:
+        from pushkv.vllm.cuda_kv import SharedKV
+
+        shared = SharedKV(bytes.fromhex(cuda_ipc_hex))
+        if shared.nbytes < nbytes:
+            raise ValueError(f"the shared KV storage holds {shared.nbytes} B, the description {nbytes} B")
+        return shared, shared.base_addr, shared.dev_id
+    mm = map_fd(fd, nbytes)
+    return mm, mapping_addr(mm), -1

@@ -85,6 +85,7 @@ class Settings:
     transfer_s: float
     idle_wait_ms: float
     secret_file: str = ""  # CURVE on the tcp handshake sockets (pushkv/security.py); "" = none
+    stream_groups: int = 0  # layer streaming: P WRITEs this many layer groups as each is stored; 0: off
 
     def handshake_endpoint(self, rank: int) -> str:
         if not self.handshake_host:
@@ -131,4 +132,5 @@ def settings(engine_id: str, tp: int, extra: Optional[dict[str, Any]],
                          "kv_connector_extra_config or PUSHKV_SECRET_FILE (one host: leave the host unset, "
                          "the handshake is then an ipc:// socket only this user can reach)")
     return Settings(engine_id, tp, host, port, float(extra.get("registration_wait_s", 30.0)),
-                    float(extra.get("transfer_s", 30.0)), float(extra.get("idle_wait_ms", 10.0)), secret_file)
+                    float(extra.get("transfer_s", 30.0)), float(extra.get("idle_wait_ms", 10.0)), secret_file,
+                    int(extra.get("stream_groups", 0)))

@@ -40,6 +40,8 @@ class StepMeta:
     sends: dict[str, str] = field(default_factory=dict)  # P: req id -> transfer id, new this step
     recvs: dict[str, tuple[str, list[int]]] = field(default_factory=dict)  # D: req id -> (tid, blocks)
     pending: bool = False  # transfers are outstanding on this instance
+    # P, layer streaming: req id -> (tid, its blocks, prompt tokens stored once this step's layers are)
+    streams: dict[str, tuple[str, list[int], int]] = field(default_factory=dict)
 
 
 class SchedulerSide:
@@ -63,6 +65,7 @@ class SchedulerSide:
         self.pending_send: dict[str, str] = {}
         self._new_sends: dict[str, str] = {}
         self._new_recvs: dict[str, tuple[str, list[int]]] = {}
+        self.stream_blocks: dict[str, list[int]] = {}  # P, layer streaming: req id -> its blocks so far
 
     def _tell(self, msg: m.Msg) -> None:
         data = m.encode(msg)
@@ -116,6 +119,7 @@ class SchedulerSide:
 
         rid = request.request_id
         leg = self.legs.pop(rid, None)
+        self.stream_blocks.pop(rid, None)
         self.loaded.discard(rid)
         loaded = self.loaded_tokens.pop(rid, 0)
         source = {P.SOURCE_KEY: P.source_dict(self.s.source())}
@@ -144,9 +148,31 @@ class SchedulerSide:
                 if tid:
                     mark("d_scheduled", tid)
         meta = StepMeta(idle=scheduler_output.total_num_scheduled_tokens == 0, sends=self._new_sends,
-                        recvs=self._new_recvs, pending=bool(self.pending_send or self.waiting_recv))
+                        recvs=self._new_recvs, pending=bool(self.pending_send or self.waiting_recv),
+                        streams=self._streams(scheduler_output) if self.s.stream_groups else {})
         self._new_sends, self._new_recvs = {}, {}
         return meta
+
+    def _streams(self, out) -> dict[str, tuple[str, list[int], int]]:
+        """P legs whose prompt this step computes (part of), with their blocks and the prompt
+        tokens stored once the step's layers are: what the workers mark per layer group."""
+        streams = {}
+        counts = out.num_scheduled_tokens
+        news = [(r.req_id, list(r.block_ids[0]), r.num_computed_tokens, len(r.prompt_token_ids or ()))
+                for r in out.scheduled_new_reqs]
+        cached = out.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            new = cached.new_block_ids[i]
+            blocks = self.stream_blocks.get(rid, []) + (list(new[0]) if new else [])
+            news.append((rid, blocks, cached.num_computed_tokens[i], -1))
+        for rid, blocks, done, prompt in news:
+            leg = self.legs.get(rid)
+            if leg is None or leg.role != "prefill" or rid not in counts:
+                continue
+            self.stream_blocks[rid] = blocks
+            tokens = done + counts[rid]
+            streams[rid] = (leg.transfer_id, blocks, min(tokens, prompt) if prompt >= 0 else tokens)
+        return streams
 
     def update_connector_output(self, out) -> None:
         for rid in out.finished_sending or ():

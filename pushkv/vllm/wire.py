@@ -59,7 +59,20 @@ class CancelBlocks(Msg):
     reason: str = "cancelled"
 
 
-ConnectorToWriter = Union[SendBlocks, ExpectBlocks, CancelBlocks]
+class LayersStored(Msg):
+    """P's worker -> its writer (layer streaming): layer group ``group`` of this step has stored
+    the request's first ``num_tokens`` tokens in ``block_ids`` once ``event`` (a CUDA IPC event
+    handle) completes; empty ``event``: stored already (the CPU)."""
+
+    req_id: str
+    transfer_id: str
+    group: int
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    event: bytes = b""
+
+
+ConnectorToWriter = Union[SendBlocks, ExpectBlocks, CancelBlocks, LayersStored]
 
 
 # -- writer -> connector (vLLM worker process) ----------------------------------------

@@ -2,10 +2,12 @@
 cache's shared memory, starts and supervises this worker's pushkv writer, and
 turns the writer's events into vLLM's finished sends / receives.
 
-Nothing here touches KV bytes: the model writes its KV into shared pages, the
-writer WRITEs them (P) or they land there (D). ``start_load_kv``,
-``wait_for_layer_load``, ``save_kv_layer`` and ``wait_for_save`` have nothing
-to do.
+Nothing here touches KV bytes: the model writes its KV into shared pages (a
+memfd on the CPU; on a GPU vLLM's own allocation, handed to the writer by CUDA
+IPC, ``cuda_kv.py``), the writer WRITEs them (P) or they land there (D). With
+layer streaming (``stream_groups``) ``save_kv_layer`` marks each stored layer
+group for the writer (``stream.py``); ``start_load_kv``, ``wait_for_layer_load``
+and ``wait_for_save`` have nothing to do.
 
 When a step is empty (vLLM keeps stepping while a transfer is pending) the
 worker waits on the writer's event socket for up to ``idle_wait_ms`` instead
@@ -20,7 +22,7 @@ import subprocess
 import threading
 import time
 from collections import OrderedDict
-from typing import Optional
+from typing import Callable, Optional
 
 import msgspec
 import zmq
@@ -30,6 +32,7 @@ from pushkv import messages as m
 from pushkv.trace import stamp as mark
 from pushkv.vllm import params as P
 from pushkv.vllm import regions as R
+from pushkv.vllm import stream
 from pushkv.vllm import wire as w
 from pushkv.vllm.memory import SharedKVAllocation
 from pushkv.vllm.writer_args import WriterArgs
@@ -80,14 +83,29 @@ class WorkerSide:
         self._early: list = []  # events read while waiting for a new writer's WriterReady
         self._idle_wait = False
         self.cmd: Optional[zmq.Socket] = None
+        self.cuda_ipc = ""  # the GPU KV storage's CUDA IPC handle, hex ("" on the CPU)
+        self.marks: Optional[stream.LayerMarks] = None
 
     # -- memory and writer -----------------------------------------------------------
-    def register_kv_caches(self, kv_caches: dict) -> None:
-        if self.alloc.tensor is None:
+    def register_kv_caches(self, kv_caches: dict, block_tokens: int = 0, layout: str = "") -> None:
+        first = next(iter(kv_caches.values()), None)
+        if first is not None and first.is_cuda:  # vLLM's own allocation, shared by CUDA IPC (refused: why)
+            from pushkv.vllm import cuda_kv
+
+            handle, base, nbytes = cuda_kv.export(first)
+            self.cuda_ipc, dev = handle.hex(), first.device.index or 0
+            ring = cuda_kv.EventRing(first.device)
+            record: Optional[Callable[[], bytes]] = ring.record
+        elif self.alloc.tensor is None:
             raise RuntimeError("pushkv: vLLM did not allocate its KV cache through the connector's "
                                "get_mem_pool_context() (needs vLLM 0.32's CPU worker)")
-        self.memory = R.describe(kv_caches, self.alloc.base_addr, self.alloc.nbytes, self.kv_heads,
-                                 self.total_kv_heads)
+        else:
+            base, nbytes, dev, record = self.alloc.base_addr, self.alloc.nbytes, -1, None
+        self.memory = R.describe(kv_caches, base, nbytes, self.kv_heads, self.total_kv_heads, layout,
+                                 block_tokens, dev)
+        if self.s.stream_groups and self.role == "prefill":
+            self.marks = stream.LayerMarks(R.layer_index(kv_caches, base), self.s.stream_groups, self._send_mark,
+                                           record)
         self.events = self.ctx.socket(zmq.PULL)
         self.events.setsockopt(zmq.LINGER, 0)
         self.events.setsockopt(zmq.MAXMSGSIZE, limits.CONTROL_MSG_BYTES)
@@ -101,13 +119,15 @@ class WorkerSide:
 
     def _start_writer(self) -> None:
         cmd = WriterArgs(role=self.role, engine_id=self.s.engine_id, fd=self.alloc.fd,
+                         cuda_ipc=self.cuda_ipc, stream_groups=self.s.stream_groups,
                          memory=msgspec.msgpack.encode(self.memory).hex(), cmd_endpoint=self.s.cmd_endpoint(self.rank),
                          event_endpoint=self.event_endpoint, handshake_endpoint=self.s.handshake_endpoint(self.rank),
                          parent_pid=os.getpid(), rank=self.rank, tp=self.s.tp, model_id=self.model_id,
                          registration_wait_s=self.s.registration_wait_s, transfer_s=self.s.transfer_s,
                          secret_file=self.s.secret_file).argv()
         t0 = time.monotonic()
-        self.proc = subprocess.Popen(cmd, pass_fds=(self.alloc.fd,), stdin=subprocess.DEVNULL)
+        fds = (self.alloc.fd,) if self.alloc.fd >= 0 else ()
+        self.proc = subprocess.Popen(cmd, pass_fds=fds, stdin=subprocess.DEVNULL)
         deadline = t0 + WRITER_READY_S
         while True:  # bounded wait for WriterReady; a writer that exits early fails now
             if self.events.poll(100):
@@ -162,7 +182,18 @@ class WorkerSide:
         self.events = self.cmd = None
 
     # -- per step ------------------------------------------------------------------------
+    def save_layer(self, layer_name: str) -> None:
+        """vLLM's ``save_kv_layer``: after a layer group's last layer, mark it for the writer."""
+        if self.marks is not None:
+            self.marks.saved(layer_name)
+
+    def _send_mark(self, msg: w.LayersStored) -> None:
+        if self.cmd is not None:
+            self.cmd.send(m.encode(msg))
+
     def bind(self, meta) -> None:
+        if self.marks is not None:
+            self.marks.step(getattr(meta, "streams", {}))
         with self._pending_lock:
             for rid, tid in meta.sends.items():
                 if rid not in self.reported:

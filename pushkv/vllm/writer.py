@@ -29,10 +29,10 @@ from pushkv.protocol.tp import page_heads, producers_for
 from pushkv.security import is_network
 from pushkv.supervisor.lifecycle import parent_death_signal
 from pushkv.transport.nixl_agent import NixlAgent, TransferError
+from pushkv.vllm import stream, writer_args
 from pushkv.vllm import wire as w
-from pushkv.vllm import writer_args
-from pushkv.vllm.memory import map_fd, mapping_addr
-from pushkv.vllm.regions import KVMemory, map_blocks
+from pushkv.vllm.memory import open_for_writer
+from pushkv.vllm.regions import KVMemory
 from pushkv.vllm.timing import mark
 from pushkv.writer import memory as mem
 from pushkv.writer import sides
@@ -62,8 +62,10 @@ class VllmWriter(WarmWriter):
         self.init_posting()
         self.init_warm(False, beat_ms=0)  # the CPU: no spinning for what is expected, no sink
         self.req_of: dict[str, str] = {}  # transfer id -> this instance's vLLM request id
+        self.groups = stream.groups_of(len(self.kv.layers), args.stream_groups)
         self.rdv = rv.PushRendezvous(self.rank, self.tp, self.total_kv_heads, args.registration_wait_s,
-                                     args.transfer_s)
+                                     args.transfer_s, stream_unit=self.kv.block_tokens if args.stream_groups else 0,
+                                     stream_groups=len(self.groups))
         self.side = sides.PrefillSide(self.rank)
         self.recv = ReceiveSide(args.transfer_s, lambda e, r: (e, r) in self.peers)  # D
 
@@ -71,9 +73,11 @@ class VllmWriter(WarmWriter):
     def setup(self) -> None:
         if not parent_death_signal(signal.SIGTERM):  # SIGTERM when the vLLM worker dies, even by SIGKILL
             log.warning("%s: cannot ask for a signal at the vLLM worker's death; its pid is watched", self.name)
-        self.mm = map_fd(self.args.fd, self.kv.nbytes)
-        self.memory = mem.Memory(mapping_addr(self.mm), self.kv.nbytes, self.kv)
-        self.nixl = NixlAgent(self.agent_name)
+        self.mm, base, dev = open_for_writer(self.args.fd, self.args.cuda_ipc, self.kv.nbytes)
+        self.memory = mem.Memory(base, self.kv.nbytes, self.kv, dev_id=max(dev, 0))
+        self.nixl = NixlAgent(self.agent_name, device="cpu" if dev < 0 else f"cuda:{dev}")
+        self.marks = stream.MarkWaiter(stream.event_opener(dev))
+        self.add_fd(self.marks.fd, self._marks_ready)
         mem.register(self.nixl, self.memory)  # no grid: vLLM's pages are posted as regions
         self.cmd = self.add_channel(self.socket(zmq.PULL, self.args.cmd_endpoint, bind=True),
                                     w.DEC_TO_WRITER, "vllm-scheduler")
@@ -87,6 +91,7 @@ class VllmWriter(WarmWriter):
 
     def teardown(self) -> None:
         super().teardown()
+        self.marks.close()
         self.events.close(0)
         for ep in (self.args.cmd_endpoint, self.args.handshake_endpoint):
             if ep.startswith("ipc://"):  # zmq unlinks a bound file only if its io thread gets to it first
@@ -118,7 +123,7 @@ class VllmWriter(WarmWriter):
             raise ValueError(why)
 
     def peer_of(self, h: w.VllmHello, agent: str) -> Peer:
-        return Peer(h.engine_id, h.rank, h.tp, agent, h.base_addr, h.memory)
+        return Peer(h.engine_id, h.rank, h.tp, agent, h.base_addr, h.memory, dev_id=max(h.memory.dev_id, 0))
 
     # -- commands from vLLM's scheduler ------------------------------------------------
     def on_SendBlocks(self, msg: w.SendBlocks) -> None:
@@ -133,6 +138,17 @@ class VllmWriter(WarmWriter):
             self._emit(w.BlocksSent(msg.req_id, msg.transfer_id, False, f"refused: {e}"))
             return
         self._apply_p(acts, now)
+
+    def on_LayersStored(self, msg: w.LayersStored) -> None:
+        self.marks.submit(msg)  # on to the rendezvous once its event completed (_marks_ready)
+
+    def _marks_ready(self) -> None:
+        now = time.monotonic()
+        for msg, why in self.marks.ready():
+            self.req_of.setdefault(msg.transfer_id, msg.req_id)
+            acts = self.rdv.cancel(msg.transfer_id, 0, why, now) if why else \
+                self.rdv.on_prefill_progress(msg.transfer_id, 0, msg.block_ids, msg.num_tokens, now, msg.group)
+            self._apply_p(acts, now)
 
     def on_ExpectBlocks(self, msg: w.ExpectBlocks) -> None:
         """D: register with every P rank that produces our heads, once their handshakes are
@@ -226,7 +242,7 @@ class VllmWriter(WarmWriter):
                 self.counters[e.name] += 1
 
     def _post_write(self, a: A.PostWrite, now: float) -> None:
-        fl = InFlight(a.transfer_id, a.generation, posted=now)
+        fl = InFlight(a.transfer_id, a.generation, posted=now, part=not a.last)
         try:
             for reg in a.registrations:
                 peer = self.peers.get((reg.d_engine_id, reg.d_rank))
@@ -235,10 +251,11 @@ class VllmWriter(WarmWriter):
                 heads = page_heads(self.rank, self.tp, reg.d_rank, reg.d_tp, self.total_kv_heads)
                 if heads is False:
                     continue
-                regions = map_blocks(self.kv, a.block_ids, peer.layout, reg.block_ids, heads)
+                regions = stream.write_regions(self.kv, a, peer.layout, reg.block_ids, reg.num_tokens, heads,
+                                               self.groups)
                 nbytes = sum(r[2] for r in regions)
                 done = m.WriteDone(a.transfer_id, a.generation, self.rank, 0, nbytes, len(regions))
-                fl.handles.append(self.post("WRITE", peer, regions, m.encode(done)))
+                fl.handles.append(self.post("WRITE", peer, regions, m.encode(done) if a.last else b""))
                 fl.nbytes += nbytes
                 fl.num_descs += len(regions)
         except Exception as e:
@@ -252,11 +269,13 @@ class VllmWriter(WarmWriter):
 
     def transfer_finished(self, fl: InFlight, now: float) -> None:
         t = self.side.record((fl.transfer_id, fl.generation))
-        t.nbytes, t.num_descs, t.write_s = fl.nbytes, fl.num_descs, now - fl.posted
+        t.nbytes, t.num_descs = t.nbytes + fl.nbytes, t.num_descs + fl.num_descs
+        if not fl.part:
+            t.write_s = now - fl.posted  # the last WRITE's: one layer group's, when streamed
         if fl.failed:
-            self._apply_p(self.rdv.on_write_failed(fl.transfer_id, fl.generation, fl.failed, now), now)
+            self._apply_p(self.rdv.on_write_failed(fl.transfer_id, fl.generation, fl.failed, now, part=fl.part), now)
         else:
-            self._apply_p(self.rdv.on_write_done(fl.transfer_id, fl.generation, now), now)
+            self._apply_p(self.rdv.on_write_done(fl.transfer_id, fl.generation, now, part=fl.part), now)
 
     # -- the loop ---------------------------------------------------------------------------
     def expire(self, now: float) -> None:

@@ -14,7 +14,7 @@ from pushkv import envs
 class WriterArgs:
     role: str  # "prefill" | "decode"
     engine_id: str
-    fd: int  # inherited shared-memory fd of the KV cache
+    fd: int  # inherited shared-memory fd of the KV cache (-1: a GPU's, by ``cuda_ipc``)
     memory: str  # msgpack KVMemory, hex
     cmd_endpoint: str
     event_endpoint: str
@@ -26,6 +26,8 @@ class WriterArgs:
     registration_wait_s: float = 30.0
     transfer_s: float = 30.0
     secret_file: str = ""  # CURVE secret for the tcp handshake sockets
+    cuda_ipc: str = ""  # the GPU KV storage's CUDA IPC handle, hex (cuda_kv.export); "": host memory (fd)
+    stream_groups: int = 0  # layer streaming: layer groups WRITTEN apart as the worker marks them; 0: off
 
     def argv(self) -> list[str]:
         """The command that starts the writer process with these arguments."""
@@ -51,6 +53,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--registration-wait-s", type=float, default=30.0)
     ap.add_argument("--transfer-s", type=float, default=30.0)
     ap.add_argument("--secret-file", default="", help="CURVE secret for the tcp handshake sockets")
+    ap.add_argument("--cuda-ipc", default="", help="the GPU KV storage's CUDA IPC handle, hex")
+    ap.add_argument("--stream-groups", type=int, default=0, help="layer groups streamed apart; 0: off")
     return ap
 
 

@@ -8,18 +8,20 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
 from pushkv import faults
 from pushkv import messages as m
+from pushkv.kv import layout as L
 from pushkv.protocol import actions as A
 from pushkv.protocol import arrivals as ar
 from pushkv.protocol.tp import head_overlap, producers_for
-from pushkv.writer import sides, staging
+from pushkv.transport.staged_parts import PartLedger
+from pushkv.writer import sides
 from pushkv.writer.base import InFlight, WriterBase
 from pushkv.writer.kv_damage import KVDamage
+from pushkv.writer.stage_in import Ending, StageIn
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +42,8 @@ class Registered:
     sent: float = 0.0  # wall time our Register left (the scheduler's registration_sent is when it asked)
     cached_tokens: int = 0  # the prompt's first tokens already in our blocks (prefix cache): not written
     slots: "list[int] | None" = None  # --staging pushkv: the staging area's blocks P WRITEs into
+    parts: "PartLedger | None" = None  # --staging pushkv: what of them landed, and what is copied in
+    part_copied: tuple[float, ...] = ()  # wall times of its first and newest part copy
 
 
 @dataclass
@@ -47,21 +51,8 @@ class SlotWait:
     """--staging pushkv: a registration waiting for room in the staging area."""
 
     key: tuple[str, int]
-    need: int
     deadline: float
     then: Callable[[list[int]], None]
-
-
-@dataclass
-class StagingIn:
-    """--staging pushkv: a transfer whose bytes landed in the staging area, being copied into the
-    pool; reported received (or failed, if cancelled meanwhile) once the copy is done."""
-
-    event: object
-    received: A.Received
-    reg: "Registered | None"
-    started: float  # wall time
-    cancelled: str = ""
 
 
 class DecodeWriter(WriterBase):
@@ -73,11 +64,12 @@ class DecodeWriter(WriterBase):
         self._reads_cancelled: dict[tuple[str, int], str] = {}  # READs in flight whose request was cancelled
         self.quarantine = sides.Quarantine()  # failed transfers a producer may still write into
         self._dead_engines: set[str] = set()
-        self._staging_in: dict[tuple[str, int], StagingIn] = {}
-        self._slot_waits: deque[SlotWait] = deque()
+        self.stage_in: "StageIn | None" = None  # --staging pushkv: copies from the area into the pool
 
     def setup(self) -> None:
         super().setup()
+        if self.area is not None:
+            self.stage_in = StageIn(self.area)
         # start the handshakes with the configured prefill instance, off the TTFT path
         if self.cfg.mode in ("push", "pull"):
             now = time.monotonic()
@@ -95,7 +87,7 @@ class DecodeWriter(WriterBase):
 
     def has_pending(self) -> bool:
         return (sides.pending(self.arrivals) or bool(self.quarantine) or bool(self.waits)
-                or bool(self._staging_in) or bool(self._slot_waits))
+                or bool(self.stage_in) or bool(self.area is not None and self.area.queue))
 
     def _with_producers(self, key, src: m.PrefillSource, then, now: float) -> None:
         """``then(peers)`` once P's producer ranks for us are connected; KVFailed if one cannot be."""
@@ -141,10 +133,11 @@ class DecodeWriter(WriterBase):
                 self.send(self.sched, m.KVFailed(tid, gen, f"the KV needs {written} staging blocks and the staging "
                                                  f"area holds {self.area.blocks}: raise --staging-mib"))
                 return
-            self._slot_waits.append(SlotWait(key, written, deadline, lambda got: self._registered_with(
-                tid, gen, block_ids, num_tokens, source, deadline_s, deadline, peers, cached_tokens, got)))
+            wait = SlotWait(key, deadline, lambda got: self._registered_with(
+                tid, gen, block_ids, num_tokens, source, deadline_s, deadline, peers, cached_tokens, got))
+            self.area.queue.ask(wait, written)
             self._take_slots()
-            if any(w.key == key for w in self._slot_waits):
+            if wait in self.area.queue:
                 self.counters["staging_room_waits"] += 1  # the area is full: it registers once there is room
             return
         ranks = tuple(p.rank for p in peers)
@@ -159,8 +152,12 @@ class DecodeWriter(WriterBase):
                 reason = f"registration refused: {_REFUSED.get(e.state, e.state)}"
                 self.send(self.sched, m.KVFailed(tid, gen, reason))
             return
+        parts = None
+        if slots is not None:  # what of the slots landed, part by part (they are copied in as they do)
+            bs = self.layout.block_size
+            parts = PartLedger(ranks, len(L.layer_groups(self.layout)), bs, num_tokens, cached_tokens // bs)
         self._registered[key] = Registered(source, ranks, block_ids=tuple(block_ids), num_tokens=num_tokens,
-                                           cached_tokens=cached_tokens, slots=slots)
+                                           cached_tokens=cached_tokens, slots=slots, parts=parts)
         self.apply(acts, now)
         # staged: P WRITEs into our slots (the cached prefix's entries, which it never writes, name the first)
         ids = block_ids if slots is None else [slots[0]] * (len(block_ids) - written) + list(slots)
@@ -181,6 +178,32 @@ class DecodeWriter(WriterBase):
             reg.checksums = msg.checksums
         self._producer_reported(msg, now)
         self.apply(self.arrivals.on_write_done(msg, now), now)
+
+    def notif_PartWritten(self, msg: m.PartWritten, agent: str, now: float) -> None:
+        """A producer's staged part landed in our slots: copy in what every producer's parts have
+        landed now, while the later parts are on the wire."""
+        if not self._from_producer(msg, agent):
+            return
+        key = (msg.transfer_id, msg.generation)
+        reg = self._registered.get(key)
+        if reg is None or reg.parts is None or self.stage_in is None:  # over (its rest copied), or not staged
+            self.counters["part_written_ignored"] += 1
+            return
+        cells = reg.parts.landed(msg.p_rank, msg.spans)
+        if cells is None:
+            self.counters["part_written_bad"] += 1
+            log.error("%s: PartWritten with spans %s from P rank %d does not fit transfer_id=%s", self.name,
+                      msg.spans, msg.p_rank, msg.transfer_id)
+            return
+        self.counters["parts_written_received"] += 1
+        if not cells:  # another producer's part with these cells is still on the wire
+            return
+        assert reg.slots is not None
+        self.stage_in.copy(key, reg.block_ids[reg.cached_tokens // self.layout.block_size:], reg.slots, cells)
+        wall = time.time()
+        reg.part_copied = (reg.part_copied[0] if reg.part_copied else wall, wall)
+        self.counters["stage_in_part_copies"] += 1
+        self.counters["stage_in_part_cells"] += sum(len(i) for _, i in cells)
 
     def notif_WriteFailed(self, msg: m.WriteFailed, agent: str, now: float) -> None:
         if not self._from_producer(msg, agent):
@@ -213,11 +236,12 @@ class DecodeWriter(WriterBase):
         now = time.monotonic()
         key = (msg.transfer_id, msg.generation)
         self.cool(key)
-        if self._drop_slot_wait(key):  # never registered: nothing can land
+        if self.area is not None and self.area.queue.drop(lambda w: w.key == key):  # never registered
             self.send(self.sched, m.KVFailed(msg.transfer_id, msg.generation, msg.reason))
             return
-        if key in self._staging_in:  # the KV is here, being copied into the blocks: answer when that ends
-            self._staging_in[key].cancelled = self._staging_in[key].cancelled or msg.reason
+        ending = self.stage_in.ending.get(key) if self.stage_in is not None else None
+        if ending is not None:  # the KV is here, being copied into the blocks: answer when that ends
+            ending.reason = ending.reason or msg.reason
             self.counters["stage_in_cancel_deferred"] += 1
             return
         if key in self.inflight and key in self._reads:  # our READ still lands in these blocks: answer when it ends
@@ -257,53 +281,58 @@ class DecodeWriter(WriterBase):
 
     # -- --staging pushkv: the landed bytes go from the staging area to the pool ----------------
     def _stage_in(self, key, a: A.Received, reg: Registered) -> None:
-        """Start copying the slots P wrote into our blocks past the cached prefix (on the copy
-        stream); ``check_staging`` reports the KV received when that copy is done."""
-        assert self.area is not None and reg.slots is not None
-        blocks = reg.block_ids[reg.cached_tokens // self.layout.block_size:]
-        event = self.area.copy_in(self.area.pairs(blocks, reg.slots))
+        """Every producer's last WRITE landed: copy what no part copied yet into our blocks past
+        the cached prefix (on the copy stream); ``check_staging`` reports the KV received once
+        every copy into them is done."""
+        assert self.stage_in is not None and reg.slots is not None and reg.parts is not None
+        cells = reg.parts.rest()
         self.counters["stage_in_copies"] += 1
-        self._staging_in[key] = StagingIn(event, a, reg, time.time())
+        self.counters["stage_in_rest_cells"] += sum(len(i) for _, i in cells)
+        self.stage_in.finish(key, Ending(reg.slots, a, reg, started=time.time()),
+                             reg.block_ids[reg.cached_tokens // self.layout.block_size:], reg.slots, cells)
         self.warm_for(key, time.monotonic() + self.cfg.timeouts.transfer_s)  # its report is a copy away
         self.check_staging()
+
+    def _failed(self, key, reason: str, slots, lost: str = "") -> None:
+        """Tell the scheduler the transfer failed and give its slots back, once no copy into its
+        blocks runs any more (a part's may: then when it ends, ``check_staging``)."""
+        if self.stage_in is not None and self.stage_in.running(key):
+            self.counters["stage_in_fail_deferred"] += 1
+            self.stage_in.finish(key, Ending(slots, reason=reason, lost=lost))
+            return
+        self.send(self.sched, m.KVFailed(key[0], key[1], reason, lost=lost))
+        self._give_slots(slots)
 
     # -- the staging area's slots ----------------------------------------------------------
     def _take_slots(self) -> None:
         """Registrations waiting for staging room take it in arrival order while there is some."""
-        while self._slot_waits and self.area is not None:
-            slots = self.area.take(self._slot_waits[0].need)
-            if slots is None:
-                return
-            self._slot_waits.popleft().then(slots)
+        while self.area is not None and (got := self.area.queue.grant()) is not None:
+            wait, slots = got
+            wait.then(slots)
 
     def _give_slots(self, slots) -> None:
         if slots and self.area is not None:
-            self.area.give_back(slots)
+            self.area.queue.give_back(slots)
             self._take_slots()
 
-    def _drop_slot_wait(self, key) -> bool:
-        for w in self._slot_waits:
-            if w.key == key:
-                self._slot_waits.remove(w)
-                return True
-        return False
-
     def check_staging(self) -> None:
-        for key, st in list(self._staging_in.items()):
-            if not staging.done(st.event):
-                continue
-            del self._staging_in[key]
+        if self.stage_in is None:
+            return
+        for key, st in self.stage_in.ended():
             self.cool(key)
-            self._give_slots(st.reg.slots if st.reg is not None else None)
-            if st.cancelled:  # the copy into the blocks is over: they may go back now
+            self._give_slots(st.slots)
+            if st.received is None or st.reason:  # every copy into the blocks is over: they may go back now
                 self.counters["kv_failed"] += 1
-                self.send(self.sched, m.KVFailed(key[0], key[1], st.cancelled))
+                self.send(self.sched, m.KVFailed(key[0], key[1], st.reason, lost=st.lost))
                 continue
-            self._received(st.received, st.reg, (("stage_in_start", st.started), ("stage_in_done", time.time())))
+            parts = st.reg.part_copied if st.reg is not None else ()
+            stamps = tuple(zip(("stage_in_part_first", "stage_in_part_last"), parts))
+            self._received(st.received, st.reg, stamps + (("stage_in_start", st.started),
+                                                          ("stage_in_done", time.time())))
 
     def tick(self, now: float) -> None:
         super().tick(now)
-        if self._staging_in:
+        if self.stage_in:
             self.check_staging()
 
     def _fail_transfer(self, key, reason: str, now: float) -> None:
@@ -320,8 +349,7 @@ class DecodeWriter(WriterBase):
             self.quarantine.hold(key, reg.source.engine_id, outstanding, now + self.cfg.timeouts.transfer_s, reason,
                                  reg.slots)
         else:
-            self.send(self.sched, m.KVFailed(key[0], key[1], reason, lost=self._lost))
-            self._give_slots(reg.slots if reg is not None else None)
+            self._failed(key, reason, reg.slots if reg is not None else None, self._lost)
 
     def peer_instance_down(self, engine_id: str, reason: str, now: float) -> None:
         """Producers that died cannot write any more: nothing to wait for."""
@@ -337,12 +365,10 @@ class DecodeWriter(WriterBase):
     def _release(self, released) -> None:
         """Quarantined blocks no WRITE can land in any more go back to the scheduler."""
         for key, q in released:
-            self.send(self.sched, m.KVFailed(key[0], key[1], q.reason))
-            self._give_slots(q.slots)
+            self._failed(key, q.reason, q.slots)
 
     def expire(self, now: float) -> None:
-        for w in [w for w in self._slot_waits if w.deadline <= now]:
-            self._slot_waits.remove(w)
+        for w in self.area.queue.drop(lambda w: w.deadline <= now) if self.area is not None else ():
             self.counters["staging_wait_expired"] += 1
             self.cool(w.key)
             self.send(self.sched, m.KVFailed(w.key[0], w.key[1], "no room in the staging area within the "

@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -58,7 +57,6 @@ class _SlotWait:
     heads: tuple
     fl: InFlight
     spans: list
-    need: int
 
 
 class PrefillWriter(WriterBase):
@@ -77,7 +75,6 @@ class PrefillWriter(WriterBase):
         # one queue per D rank we WRITE into (cfg.link_window; None: every WRITE posts at once)
         window = window_of(cfg.link_window, cfg.link_window_mib, poster.wanted("auto", os.environ.get("UCX_TLS", "")))
         self.link_posts = LinkPosts(window, cfg.link_order) if window is not None else None
-        self._slot_waits: deque[_SlotWait] = deque()  # --staging pushkv: WRITEs waiting for staging room
         self._slots_of: dict[int, list[int]] = {}  # id(posted handle) -> the staging slots it WRITEs from
 
     def has_pending(self) -> bool:
@@ -313,8 +310,7 @@ class PrefillWriter(WriterBase):
         if self.link_posts is not None:  # (the post's own stamps come when it leaves the queue)
             self._stamp(key, "write_queued" if a.last else "part_queued")
         fl = InFlight(a.transfer_id, a.generation, posted=now, part=not a.last)
-        t0 = a.token_start
-        token_spans = list(a.spans or ((-1, t0, t0 + a.num_tokens),))  # (layer group, first token, end token)
+        token_spans = list(_token_spans(a))
         try:
             for reg in a.registrations:
                 self._post_to(a, reg, fl, token_spans, swap)
@@ -346,23 +342,19 @@ class PrefillWriter(WriterBase):
             raise TransferError(f"the WRITE needs {need} staging blocks and the staging area holds "
                                 f"{self.area.blocks}: raise --staging-mib")
         fl.queued += 1  # (until it has its slots: a failed transfer drops it, see _drop_queued)
-        wait = _SlotWait(a, reg, peer, heads, fl, spans, need)
-        self._slot_waits.append(wait)
+        wait = _SlotWait(a, reg, peer, heads, fl, spans)
+        self.area.queue.ask(wait, need)
         self._take_slots()
-        if wait in self._slot_waits:
+        if wait in self.area.queue:
             self.counters["staging_room_waits"] += 1  # the area is full: it goes once there is room
 
     def _take_slots(self) -> None:
         """Posts waiting for staging slots take them in arrival order while the area has room."""
-        while self._slot_waits and self.area is not None:
-            w = self._slot_waits[0]
-            slots = self.area.take(w.need)
-            if slots is None:
-                return
-            self._slot_waits.popleft()
+        while self.area is not None and (got := self.area.queue.grant()) is not None:
+            w, slots = got
             w.fl.queued -= 1
             if w.fl.failed:  # its transfer failed meanwhile
-                self.area.give_back(slots)
+                self.area.queue.give_back(slots)
                 continue
             try:
                 self._post_spans(w.a, w.reg, w.peer, w.heads, w.fl, w.spans, slots)
@@ -373,7 +365,7 @@ class PrefillWriter(WriterBase):
 
     def _give_slots(self, slots) -> None:
         if slots and self.area is not None:
-            self.area.give_back(slots)
+            self.area.queue.give_back(slots)
             self._take_slots()
 
     def _post_spans(self, a, reg, peer, heads, fl: InFlight, spans: list, slots=None) -> None:
@@ -390,8 +382,13 @@ class PrefillWriter(WriterBase):
         except Exception:
             self._give_slots(slots)
             raise
-        notif = (m.encode(m.WriteDone(a.transfer_id, a.generation, self.rank, a.first_token, sp.nbytes, sp.runs, sums))
-                 if a.last else b"")
+        if a.last:
+            notif = m.encode(m.WriteDone(a.transfer_id, a.generation, self.rank, a.first_token, sp.nbytes, sp.runs,
+                                         sums))
+        elif slots is not None:  # staged: D copies each part in once it landed, which this notification says
+            notif = m.encode(m.PartWritten(a.transfer_id, a.generation, self.rank, _token_spans(a)))
+        else:
+            notif = b""
         post = _Post(a, reg, peer, sp, notif, fl, staged, slots)
         if self.link_posts is None:
             self._send(post)
@@ -495,8 +492,8 @@ class PrefillWriter(WriterBase):
     def _drop_queued(self, key, reason: str) -> None:
         """A failed transfer's WRITEs still queued never go: each fails its InFlight, which then
         ends (the loop's reaping) and lets the rendezvous free the blocks as for a failed WRITE."""
-        for w in [w for w in self._slot_waits if (w.a.transfer_id, w.a.generation) == key]:
-            self._slot_waits.remove(w)
+        gone = self.area.queue.drop(lambda w: (w.a.transfer_id, w.a.generation) == key) if self.area else []
+        for w in gone:
             w.fl.queued -= 1
             w.fl.failed = w.fl.failed or f"dropped while waiting for staging room: {reason}"
         if self.link_posts is None:
@@ -510,11 +507,11 @@ class PrefillWriter(WriterBase):
     def _hint(self, a, reg, peer, nbytes: int) -> None:
         """After the post, off its path: the hint's ZMQ message wakes D's loop at once, and D's
         polling only speeds up seeing our notification (the data moves without it); a warm D
-        polls already, and the hint's send costs 20-40 us here. A part carries no notification
-        and D never learns when one landed: a hint would have D spin for the part's whole
-        expected time (spin_s: 28 ms for 4 MiB) however fast the link moved it, on the cores our
-        next chunk computes on; D's pending poll (every 1 ms while it waits for the KV) drives
-        UCX's side of a part instead."""
+        polls already, and the hint's send costs 20-40 us here. A part carries no WriteDone (a
+        staged one a PartWritten, which D copies it in by): a hint would have D spin for the
+        part's whole expected time (spin_s: 28 ms for 4 MiB) however fast the link moved it, on
+        the cores our next chunk computes on; D's pending poll (every 1 ms while it waits for the
+        KV) drives UCX's side of a part, and sees its PartWritten, instead."""
         if not a.last:
             self.counters["wake_hints_skipped_part"] += 1
         elif not reg.warm:
@@ -563,6 +560,11 @@ class PrefillWriter(WriterBase):
     def expire(self, now: float) -> None:
         self.apply(sides.due(self.rdv, now), now)
         self.apply(sides.due(self.leases, now), now)
+
+def _token_spans(a: A.PostWrite) -> tuple[tuple[int, int, int], ...]:
+    """What a WRITE moves: ``(layer group, first token, end token)`` per span; group -1: every group."""
+    return a.spans or ((-1, a.token_start, a.token_start + a.num_tokens),)
+
 
 def _swapped(ids, swap: bool):
     return damage.swap_first_two(ids) if swap else ids

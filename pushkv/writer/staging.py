@@ -13,19 +13,22 @@ and the protocol, grids and mapping are those of a pool of that many blocks:
 - P copies each WRITE's blocks (the layer groups it carries) from the pool into slots of its
   area on a copy stream, as soon as the WRITE is planned, and posts it from those slots once
   the copy is done; the slots go back when the WRITE ends;
-- D registers slots of its area with P instead of its pool's blocks, and once every producer
-  rank's WRITE has landed copies them into its blocks on its copy stream; it reports the KV
-  received (and frees the slots) when that copy is done. The loop polls the copy's event; it
-  never waits on it.
+- D registers slots of its area with P instead of its pool's blocks, and copies them into its
+  blocks on its copy stream as they land: each layer group (or chunk) a part carried once every
+  producer rank's part has landed (its ``PartWritten`` notification, which NIXL delivers after
+  the part's data), and the rest once every producer's last WRITE has; it reports the KV
+  received (and frees the slots) when that last copy is done (``writer/stage_in.py``). The
+  loop polls the copies' events; it never waits on them.
 
 A transfer waits for slots when the area is full (P: before its link queue; D: before its
-registration), and one larger than the whole area fails at once, saying so. Which bytes are
-copied is pure (``transport/staging_plan.py``).
+registration), in one first-come queue per area (``SlotQueue``), and one larger than the whole
+area fails at once, saying so. Which bytes are copied is pure (``transport/staging_plan.py``,
+``transport/staged_parts.py``).
 """
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any
 
 import msgspec
 
@@ -33,15 +36,16 @@ from pushkv.kv import layout as L
 from pushkv.messages import KVLayoutDesc
 from pushkv.protocol.allocator import BlockAllocator
 from pushkv.transport.grid import grid_of
-from pushkv.transport.staging_plan import Pairs, block_pairs, group_regions
+from pushkv.transport.staged_parts import Cells, cell_pairs
+from pushkv.transport.staging_plan import Pairs, SlotQueue, block_pairs, group_regions
 
 log = logging.getLogger(__name__)
 
 
 class StagingArea:
-    """A pinned host area of ``blocks`` blocks of the pool's layout, a slot allocator over it,
-    and a copy stream between it and the pool (a host pool's area copies at once: the CPU path
-    CI runs)."""
+    """A pinned host area of ``blocks`` blocks of the pool's layout, a slot allocator over it with
+    the queue of transfers waiting for slots (``queue``: each side's waits), and a copy stream
+    between it and the pool (a host pool's area copies at once: the CPU path CI runs)."""
 
     def __init__(self, pool_tensor: Any, device: str, pool_layout: KVLayoutDesc, blocks: int):
         import torch
@@ -57,24 +61,21 @@ class StagingArea:
         self.base_addr = self.host.data_ptr()
         self.nbytes = self.host.numel()
         self.slots = BlockAllocator(blocks)
+        self.queue: SlotQueue[Any] = SlotQueue(self.slots)
         self.copies = 0
 
     @property
     def blocks(self) -> int:
         return self.layout.num_blocks
 
-    # -- slots ------------------------------------------------------------------------
-    def take(self, n: int) -> Optional[list[int]]:
-        """``n`` slots, or None while the area has fewer free."""
-        return self.slots.allocate(n)
-
-    def give_back(self, slots) -> None:
-        self.slots.free(slots)
-
     # -- copies -----------------------------------------------------------------------
     def pairs(self, blocks, slots, groups=None) -> Pairs:
         regions = None if groups is None else group_regions(self.layout, groups)
         return block_pairs(self.layout, self.pool_grid, self.grid, blocks, slots, regions)
+
+    def cell_pairs(self, blocks, slots, cells: Cells) -> Pairs:
+        """The copies of some layer groups of some blocks (``transport/staged_parts.py``)."""
+        return cell_pairs(self.layout, self.pool_grid, self.grid, blocks, slots, cells)
 
     def copy_out(self, pairs: Pairs) -> Any:
         """Start copying pool bytes into the area; returns the copy's CUDA event (None: done)."""

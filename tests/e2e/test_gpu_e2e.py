@@ -94,8 +94,9 @@ def test_gpu_layer_streamed_push_equals_local():
 @pytest.mark.timeout(600)
 def test_gpu_pushkv_staging_equals_local():
     """--staging pushkv on the GPU: NIXL moves the writers' pinned host mirrors, P copies each
-    WRITE's bytes out of the GPU pool on its copy stream, D copies the landed blocks in before
-    reporting them; the tokens equal local mode's (batch-invariant), streamed per layer group."""
+    WRITE's bytes out of the GPU pool on its copy stream, D copies each part's blocks in as it
+    lands (its PartWritten) and the rest before reporting them; the tokens equal local mode's
+    (batch-invariant), streamed per layer group."""
     flags = GEOM + ("--batch-invariant", "on")
     ps = prompts(7)
     want = run(("--mode", "local") + flags, ps)
@@ -107,3 +108,4 @@ def test_gpu_pushkv_staging_equals_local():
     total = lambda cs, k: sum(v for n, v in cs.items() if n.endswith("." + k))  # noqa: E731
     assert total(p_counters, "stage_out_copies") >= len(ps)
     assert total(d_counters, "stage_in_copies") == total(d_counters, "kv_received") == len(ps)
+    assert total(d_counters, "stage_in_part_cells") > 0 or total(p_counters, "parts") == 0, d_counters

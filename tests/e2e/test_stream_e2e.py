@@ -60,9 +60,9 @@ CASES = [
     ("push-layer threaded post tp2->1 p16/d32", "small",
      LAYER + ("--writer-post-thread", "on", "--link-window", "1") + shape(2, 1, 16, 32), 2, "layer"),
     # --staging pushkv: NIXL moves the writers' staging areas (host memory beside a host pool here, as
-    # pinned memory beside a GPU pool there); P copies out before each post, D copies in before
-    # reporting; D's area (2 MiB: 16 of its 64 blocks) is smaller than the concurrent load needs, so
-    # registrations wait for room
+    # pinned memory beside a GPU pool there); P copies out before each post, D copies each part in once
+    # both producers' parts landed (PartWritten) and the rest before reporting; D's area (2 MiB: 16 of
+    # its 64 blocks) is smaller than the concurrent load needs, so registrations wait for room
     ("push-layer pushkv staging tp2->1 p16/d32", "small",
      LAYER + ("--staging", "pushkv", "--staging-mib", "2", "--link-window", "1") + shape(2, 1, 16, 32), 2, "layer"),
 ]
@@ -103,6 +103,9 @@ def test_chunked_and_streamed_tokens_equal_local(name, model, flags, ref_tp, str
                     # last WRITE then takes it all)
                     assert kv["parts"] > 0, (n, kv, tl)
                     early += 1
+            if "--staging" in flags and "decode.stage_in_part_first" in tl:  # D copied parts in before the rest
+                assert tl["decode.stage_in_part_first"] <= tl["decode.stage_in_part_last"] < tl[
+                    "decode.stage_in_start"] < tl["decode.kv_received"], tl
             p_table = range(L.blocks_for(n, cfg.prefill.block_size))
             d_table = range(L.blocks_for(n + MAX_TOKENS, cfg.decode.block_size))
             bad, compared = kv_mismatches(cfg, n, p_table, d_table)
@@ -158,6 +161,14 @@ def test_chunked_and_streamed_tokens_equal_local(name, model, flags, ref_tp, str
             received = sum(v for k, v in d_counters.items() if k.endswith(".kv_received"))
             staged_in = sum(v for k, v in d_counters.items() if k.endswith(".stage_in_copies"))
             assert received > 0 and staged_in == received, d_counters
+            # D copied each part's cells (layer group x written block) in once both producers' parts had
+            # landed, before the last WRITE, and after it only the rest: every cell of every transfer once
+            d_groups = len(L.layer_groups(L.instance_layout(cfg, cfg.decode, 0)))
+            cells = {k: sum(v for c, v in d_counters.items() if c.endswith(f".stage_in_{k}_cells"))
+                     for k in ("part", "rest")}
+            assert cells["part"] + cells["rest"] == rounds * d_tp * d_groups * sum(
+                L.blocks_for(n, cfg.decode.block_size) for n in LENGTHS), (cells, d_counters)
+            assert cells["part"] > 0 or not early, (cells, early)
             for counters_of in (counters, d_counters):  # every slot of every area is back
                 areas = {k.rsplit(".", 1)[0]: v for k, v in counters_of.items() if k.endswith(".staging_blocks")}
                 assert areas and all(counters_of[f"{w}.staging_free_blocks"] == n for w, n in areas.items()), \

@@ -11,7 +11,7 @@ import pytest
 from pushkv.plan import cli, sim
 from pushkv.plan import profile as PR
 from pushkv.plan import workload as W
-from pushkv.plan.link import Link, LinkSpec, finish_times
+from pushkv.plan.link import Link, LinkSpec, finish_times, path_rate
 from pushkv.protocol.link_queue import LinkPost, Window
 from pushkv.router.cost import Costs
 
@@ -58,6 +58,27 @@ def test_lanes_share_one_rate_each_under_its_own_window():
     offers = [(0, "write", post("w1", 10)), (0, "write", post("w2", 10)), (0, "read", post("r", 10))]
     ends = finish_times(LinkSpec(1.0), offers, {"write": (Window(1), "arrival"), "read": (None, "arrival")})
     assert ends == pytest.approx({"w1": 20, "r": 20, "w2": 30})
+
+
+# (the cap, (size, ms) of a mode's lone transfers) -> the rate its transfers move at (units per ms)
+PATH_RATES = [
+    (1.0, [], 1.0),  # nothing measured: the cap
+    (1.0, [(100, 400)], 1.0),  # one size: a slow lone transfer may be its fixed cost, not its path
+    (1.0, [(100, 400), (400, 1600)], 0.25),  # a quarter of the cap at every size: the path bounds it
+    (1.0, [(100, 130), (400, 430)], 1.0),  # 30 ms at each size over the cap's time: a fixed cost
+    (0.5, [(100, 120), (400, 420)], 0.5),  # a path faster than the cap: the cap
+    (1.0, [(100, 300), (400, 1200), (400, 1000)], 3 / 8),  # least squares over every transfer (8/3 ms a unit)
+    (1.0, [(100, 500), (400, 300)], 1.0),  # longer for fewer bytes: nothing tells a slow path
+    # the H200 runs over a veth capped at 10 Gbit/s (9.565 of payload), 144 KiB per token:
+    # push-layer's last WRITE (768 and 3072 tokens) at the cap, pull's READ (1024, 4096) at 4.1 (bits per ms)
+    (9.565e6, [(768 * 147456 * 8, 95.0), (3072 * 147456 * 8, 379.1)], 9.565e6),
+    (9.565e6, [(1024 * 147456 * 8, 272.8), (4096 * 147456 * 8, 1151.9)], 4.1235e6),
+]
+
+
+@pytest.mark.parametrize("cap, lone, rate", PATH_RATES)
+def test_a_mode_moves_at_the_lower_of_the_cap_and_its_path(cap, lone, rate):
+    assert path_rate(cap, lone) == pytest.approx(rate, rel=1e-3)
 
 
 @pytest.mark.parametrize("bad", [dict(rate=0.0), dict(rate=1.0, overlap_share=0.0),
@@ -143,6 +164,28 @@ def test_a_push_layer_part_carries_every_group_stored_while_the_last_was_on_the_
     s = sim.Simulation(LONE, dataclasses.replace(linked(), costs=slow), "push-layer", 1, 1)
     (r,) = s.run()
     assert r.ttft_ms == pytest.approx(440.5 + 3) and s.links[0].started == 3
+
+
+def test_a_prefix_p_and_d_already_hold_is_neither_computed_nor_moved():
+    # 320 tokens, 160 of them held from an earlier run: P computes 160 (80 ms), 10 blocks move
+    wl = W.Arrivals(starts=(0.0,), prompts=(320,), output=2, cached=(160,))
+    (r,) = sim.simulate(wl, linked(), "push", 1, 1)
+    assert r.ttft_ms == pytest.approx(2 + 160 * 0.5 + 10 + 3)
+    with pytest.raises(ValueError, match="cached"):
+        W.Arrivals(starts=(0.0,), prompts=(320,), output=2, cached=(400,))
+
+
+def test_a_late_allocation_is_ds_read_beside_ps_writes():
+    # D holds one request pinned (capacity 700 tokens, half of it for pushes): the second goes late,
+    # D READs its 20 blocks after the relay (4 ms) on its own lane, sharing the link with the WRITE
+    quick = dataclasses.replace(C, prefill_ms_per_token=0.0)
+    prof = dataclasses.replace(linked(1), costs=quick, d_capacity_tokens=700)
+    reqs = sim.simulate(W.Poisson(1e6, 2, (320, 320), 2), prof, "push", 1, 1)
+    assert sorted(r.path for r in reqs) == ["late", "push"]
+    # WRITE 2-22 alone until the READ joins at 8 (14 left): both at half the rate to 36, then the
+    # READ's last 6 alone
+    by = {r.path: r.ttft_ms for r in reqs}
+    assert by["push"] == pytest.approx(36 + 3, abs=0.01) and by["late"] == pytest.approx(42 + 3, abs=0.01)
 
 
 # one P whose prefill costs 2 ms: a long WRITE (200 blocks, on the wire 2-202) while B (100 blocks,

@@ -26,7 +26,10 @@ def results(up_flags=()):
             "mode_flags": {"push": ["--mode", "push", "--push-stream", "off"],
                            "push-layer": ["--mode", "push", "--push-stream", "layer", "--link-window", "4"]},
             "regimes": {RATE: {"push": {"256": lone(100.0, 16 * PER_BLOCK_MS + 5.0, 16 * PER_BLOCK_MS + 110.0)},
-                               "push-layer": {"256": lone(120.0, 30.0, 155.0, parts=3, stream="layer")}}}}
+                               # 4 groups stored at 30, 60, 90, 120 ms: parts of 4, 8 and 4 blocks from 30 on
+                               # leave 16 blocks on the link less the 90 ms after the first group, + 5 fixed
+                               "push-layer": {"256": lone(120.0, 16 * PER_BLOCK_MS - 90.0 + 5.0, 500.0, parts=2,
+                                                          stream="layer")}}}}
 
 
 def test_the_profile_is_the_lone_figures_and_the_cap():
@@ -37,8 +40,9 @@ def test_the_profile_is_the_lone_figures_and_the_cap():
     assert c.prefill_ms_per_token * 256 == pytest.approx(110.0)  # the median over both modes' prefill
     assert c.prefill_ms_fixed == pytest.approx(5.0)  # TTFT less the prefill and the tail
     assert (prof.link_window, prof.link_order, prof.layer_groups) == (1, "arrival", 4)  # auto over TCP: 1
+    # a streamed mode's fixed cost: its own lone tail less what the model puts there (its parts)
+    assert LP.profile_for(results(), RATE, "push-layer", 256).costs.handoff_ms_fixed == pytest.approx(5.0)
     layer = LP.profile_for(results(["--link-order", "shortest", "--push-stream-groups", "9"]), RATE, "push-layer", 256)
-    assert layer.costs.handoff_ms_fixed == pytest.approx(5.0)  # streamed: push's fixed cost
     assert (layer.link_window, layer.link_order, layer.layer_groups) == (4, "shortest", 9)
     assert LP.profile_for(results(), "none", "push", 256) is None  # no cap: no link to model
     assert LP.profile_for(results(), RATE, "push", 512) is None  # no lone figures there
@@ -80,3 +84,28 @@ def test_check_replays_each_loaded_run(tmp_path):
     # at 2 QPS: the link busy 2 x 16 blocks x ~21.9 ms, P 2 x 110 ms (the lone prefill's median)
     assert row["link_busy"] == pytest.approx(2 * 16 * PER_BLOCK_MS / 1e3) and row["p_busy"] == pytest.approx(0.22)
     assert "| push | 256 |" in LP.table([row])
+
+
+def test_a_mode_whose_lone_transfers_move_slower_than_the_cap_at_every_length_takes_its_path_rate():
+    # pull's READ at a third of the cap at 256 and 512 tokens (16 and 32 blocks): the path bounds it;
+    # push's WRITE 5 ms over the cap's time at both: a fixed cost, the cap stays its rate
+    res = results()
+    res["regimes"][RATE]["pull-inline"] = {
+        str(n): lone(100.0, 3 * b * PER_BLOCK_MS + 2.0, 3 * b * PER_BLOCK_MS + 110.0,
+                     kv_bytes=b * 16 * KV_PER_TOKEN, wire_ms=3 * b * PER_BLOCK_MS) for n, b in ((256, 16), (512, 32))}
+    for n, b in ((256, 16), (512, 32)):
+        res["regimes"][RATE]["push"][str(n)] = lone(100.0, b * PER_BLOCK_MS + 5.0, b * PER_BLOCK_MS + 110.0,
+                                                     kv_bytes=b * 16 * KV_PER_TOKEN, wire_ms=b * PER_BLOCK_MS + 5.0)
+    pull = LP.profile_for(res, RATE, "pull-inline", 256).costs
+    assert pull.handoff_ms_per_block == pytest.approx(3 * PER_BLOCK_MS) and pull.handoff_ms_fixed == pytest.approx(2.0)
+    push = LP.profile_for(res, RATE, "push", 256).costs
+    assert push.handoff_ms_per_block == pytest.approx(PER_BLOCK_MS) and push.handoff_ms_fixed == pytest.approx(5.0)
+
+
+@pytest.mark.parametrize("prompt, kv, cached", [
+    (256, {"prefill": {"bytes": 256 * KV_PER_TOKEN}}, 0),  # P wrote every token
+    (256, {"prefill": {"bytes": 192 * KV_PER_TOKEN}, "decode": {"bytes": 1}}, 64),  # P's count wins
+    (256, {"decode": {"bytes": 128 * KV_PER_TOKEN}}, 128),  # pull (or a late push): what D read
+    (256, None, 0), (256, {}, 0)])  # no count kept
+def test_a_replayed_request_holds_the_prefix_it_did_not_move(prompt, kv, cached):
+    assert LP.cached_tokens(prompt, kv, KV_PER_TOKEN) == cached

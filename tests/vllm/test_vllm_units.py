@@ -49,15 +49,15 @@ def test_describe_reads_offsets_strides_and_pages(layer_major):
         assert [(lr.offset, lr.block_stride) for lr in mem.layers] == [(0, 2 * page), (page, 2 * page)]
 
 
-def test_describe_refuses_memory_outside_the_allocation_and_strided_pages():
+def test_describe_refuses_memory_outside_the_allocation_and_unknown_layouts():
     buf, v = views(1, 4, (2, 8))
     other = torch.zeros(1 << 16, dtype=torch.int8)
     with pytest.raises(ValueError, match="outside the shared allocation"):
         R.describe(v, other.data_ptr(), other.numel())
-    strided = {"l": torch.zeros(4, 8, 2).transpose(1, 2)}  # a block's page is not contiguous
-    t = strided["l"]
-    with pytest.raises(ValueError, match="not contiguous"):
-        R.describe(strided, t.data_ptr(), t.untyped_storage().nbytes())
+    flat = {"l": torch.zeros(4, 8)}  # no layout of vLLM's
+    t = flat["l"]
+    with pytest.raises(ValueError, match="not a layout"):
+        R.describe(flat, t.data_ptr(), t.untyped_storage().nbytes())
     shared = dict(v, again=v["layers.0.attn"])  # a KV-sharing layer is listed once
     assert len(R.describe(shared, buf.data_ptr(), buf.numel()).layers) == 1
 
@@ -215,6 +215,32 @@ def test_proxy_errors_have_openais_shape(status, kind):
     resp = Proxy._error(status, "why", param="prompt")
     assert resp.status == status
     assert _json.loads(resp.body) == {"error": {"message": "why", "type": kind, "param": "prompt", "code": status}}
+
+
+@pytest.mark.parametrize("status, answer, want", [
+    (400, {"error": {"message": "messages.0.role: Field required", "type": "BadRequestError", "param": None,
+                     "code": 400}}, "messages.0.role: Field required"),
+    (500, {"error": {"message": "boom", "type": "InternalServerError"}}, "KV transfer failed"),
+    (400, b"not json", "KV transfer failed"),
+])
+def test_proxy_relays_what_d_said_of_a_bad_request(status, answer, want):
+    """D refusing the client's request (4xx with vLLM's error) is the client's error, told as D put it,
+    in OpenAI's shape; anything else is named a failed transfer with its id."""
+    import asyncio
+    import json as _json
+
+    async def run():
+        async def prefill_ok():
+            return None
+
+        data = answer if isinstance(answer, bytes) else _json.dumps(answer).encode()
+        return await Proxy(["http://p"], ["http://d"])._failed(status, data, asyncio.ensure_future(prefill_ok()), "t1")
+
+    resp = asyncio.run(run())
+    err = _json.loads(resp.body)["error"]
+    assert resp.status == status and set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == ("invalid_request_error" if status == 400 else "server_error")
+    assert err["message"].startswith(want) and (("t1" in err["message"]) == (want == "KV transfer failed"))
 
 
 def test_shared_allocation_hook_takes_only_the_kv_buffer():

@@ -82,6 +82,7 @@ def strategies(cfg: DeploymentConfig):
     peer_to_d = st.one_of(
         st.builds(m.WriteDone, tid, gen, rank, count, count, count, sums),
         st.builds(m.WriteFailed, tid, gen, rank, st.just("fuzz")),
+        st.builds(m.PartWritten, tid, gen, rank, st.lists(st.tuples(count, count, count), max_size=3).map(tuple)),
         st.builds(m.CancelTransfer, tid, gen, st.just("fuzz")))
     return st.lists(st.tuples(st.sampled_from(["p", "d", "peer_p", "peer_d"]), st.data()), min_size=1, max_size=8), \
         {"p": to_p, "d": to_d, "peer_p": peer_to_p, "peer_d": peer_to_d}

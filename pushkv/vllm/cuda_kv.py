@@ -1,0 +1,108 @@
+"""vLLM's KV cache on a GPU, handed to the writer process by CUDA IPC (imports no vLLM).
+
+The worker exports the storage under vLLM's per-layer KV views (torch's ``_share_cuda_``:
+a ``cudaIpcGetMemHandle`` of the allocation, the offset of the storage in it); the writer
+opens it (``_new_shared_cuda``) and registers the bytes with NIXL as VRAM. Legacy CUDA IPC
+shares only ``cudaMalloc`` memory, so what it cannot share is refused at start, with the
+reason: PyTorch's expandable segments (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``)
+and any other VMM or memory-pool allocation (the driver says the pointer is not legacy-IPC
+capable).
+
+Layer streaming (``stream.py``): :class:`EventRing` records an inter-process CUDA event on the
+worker's current stream once a layer group has stored its KV; the writer opens the event's
+handle (:func:`open_event`) and waits for it off its loop.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Mapping, Optional
+
+import msgspec
+import torch
+
+from pushkv.cuda_driver import DriverError, _driver
+
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE = 10
+EVENT_RING = 64  # events reused in turn: re-recording one only moves its wait later, never earlier
+
+
+def _expandable(environ: Optional[Mapping[str, str]] = None) -> str:
+    env = os.environ if environ is None else environ
+    for var in ALLOC_CONF_VARS:
+        conf = env.get(var, "").replace(" ", "").lower()
+        if "expandable_segments:true" in conf:
+            return var
+    return ""
+
+
+def _legacy_ipc_capable(ptr: int) -> Optional[bool]:
+    """The driver's word on ``ptr`` (None: the driver cannot be asked)."""
+    try:
+        cuda = _driver()
+    except DriverError:
+        return None
+    out = ctypes.c_int(0)
+    rc = cuda.cuPointerGetAttribute(ctypes.byref(out), CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
+                                    ctypes.c_uint64(ptr))
+    return None if rc != 0 else bool(out.value)
+
+
+def sharing_problem(t: torch.Tensor, environ: Optional[Mapping[str, str]] = None) -> str:
+    """Why ``t``'s memory cannot go to the writer by CUDA IPC; "" when it can."""
+    var = _expandable(environ)
+    if var:
+        return (f"{var} sets expandable_segments:True: PyTorch then maps memory with the CUDA VMM API, "
+                "which legacy CUDA IPC cannot share with pushkv's writer; start vLLM without it")
+    if _legacy_ipc_capable(t.untyped_storage().data_ptr()) is False:
+        return ("the KV cache is a VMM or memory-pool allocation (cuMemCreate / cudaMallocAsync, e.g. vLLM's "
+                "sleep mode or PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync), which legacy CUDA IPC cannot "
+                "share with pushkv's writer")
+    return ""
+
+
+def export(t: torch.Tensor) -> tuple[bytes, int, int]:
+    """(IPC handle, base address, bytes) of the storage under ``t`` (one of vLLM's KV views):
+    the handle is torch's ``_share_cuda_`` fields, msgpack-encoded (no pickle). Raises
+    ValueError with the reason when the memory cannot be shared."""
+    why = sharing_problem(t)
+    if why:
+        raise ValueError(f"pushkv: cannot hand vLLM's KV cache to the writer: {why}")
+    storage = t.untyped_storage()
+    fields = list(storage._share_cuda_())
+    return msgspec.msgpack.encode(fields), storage.data_ptr(), storage.nbytes()
+
+
+class SharedKV:
+    """The writer's mapping of the worker's KV storage (kept open while the writer lives)."""
+
+    def __init__(self, blob: bytes):
+        fields = msgspec.msgpack.decode(blob)
+        self.dev_id = int(fields[0])
+        torch.cuda.set_device(self.dev_id)
+        self.storage = torch.UntypedStorage._new_shared_cuda(*fields)
+        self.base_addr = self.storage.data_ptr()
+        self.nbytes = self.storage.nbytes()
+
+
+class EventRing:
+    """Worker side: inter-process events recorded in turn on the current stream."""
+
+    def __init__(self, device: torch.device, size: int = EVENT_RING):
+        with torch.cuda.device(device):
+            self.events = [torch.cuda.Event(interprocess=True) for _ in range(size)]
+            for e in self.events:
+                e.record()  # created now, on this device, not in the forward
+            self.handles = [bytes(e.ipc_handle()) for e in self.events]
+        self.i = 0
+
+    def record(self) -> bytes:
+        """Record the next event after what the current stream has queued; its handle."""
+        i, self.i = self.i, (self.i + 1) % len(self.events)
+        self.events[i].record()
+        return self.handles[i]
+
+
+def open_event(dev_id: int, handle: bytes) -> torch.cuda.Event:
+    return torch.cuda.Event.from_ipc_handle(torch.device("cuda", dev_id), handle)

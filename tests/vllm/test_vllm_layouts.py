@@ -1,0 +1,91 @@
+"""vLLM's GPU KV layouts (FlashAttention NHD/HND, FlashInfer NHD/HND, 0.32's pages, MLA) as the
+writer describes and maps them: a block copied region by region lands head by head where D
+keeps it, whole pages at equal TP and head slices between TP sizes (pure: torch on the CPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pushkv.protocol.actions import PostWrite
+from pushkv.protocol.tp import page_heads
+from pushkv.vllm import regions as R
+from pushkv.vllm.stream import groups_of, write_regions
+from tools.vllm_gpu_harness import CASES, block_of, cache_bytes, head_of, kv_views, write_layer
+
+L, NB, BS, HD = 3, 10, 4, 8
+
+
+def cache(case: str, heads: int):
+    hd = 24 if case == "mla" else HD
+    buf = torch.zeros(cache_bytes(case, L, NB, BS, heads, hd, torch.bfloat16), dtype=torch.int8)
+    views = kv_views(buf, case, L, NB, BS, heads, hd, torch.bfloat16)
+    mem = R.describe(views, buf.data_ptr(), buf.numel(), heads, 8 if case != "mla" else 1, CASES[case], BS)
+    return buf, views, mem
+
+
+def copy(src: torch.Tensor, dst: torch.Tensor, regions) -> None:
+    for s, d, n in regions:
+        dst[d:d + n] = src[s:s + n]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("p_tp,d_tp", [(1, 1), (2, 1), (1, 2)])
+def test_every_layout_moves_each_head_where_d_keeps_it(case, p_tp, d_tp):
+    if case == "mla" and p_tp != d_tp:
+        p_tp = d_tp = 1  # one latent page every rank holds: tested as equal TP
+    total = 1 if case == "mla" else 8
+    ph, dh = max(1, total // p_tp), max(1, total // d_tp)
+    p_blocks, d_blocks = [1, 2, 3, 7], [9, 0, 1]  # D has the first block from its prefix cache
+    ps = [cache(case, ph) for _ in range(p_tp)]
+    ds = [cache(case, dh) for _ in range(d_tp)]
+    for r, (_, views, _) in enumerate(ps):
+        for li, name in enumerate(views):
+            write_layer(case, views[name], li, p_blocks, seed=r + 1)
+    for pr, (pbuf, _, pmem) in enumerate(ps):
+        for dr, (dbuf, _, dmem) in enumerate(ds):
+            heads = None if p_tp == d_tp else page_heads(pr, p_tp, dr, d_tp, total)
+            if heads is False or (p_tp == d_tp and pr != dr):
+                continue
+            copy(pbuf, dbuf, R.map_blocks(pmem, p_blocks, dmem, d_blocks, heads))
+    for dr, (_, dviews, _) in enumerate(ds):
+        for name, dv in dviews.items():
+            for h in range(dh):
+                g = dr * dh + h  # the model's head
+                pr, ph_local = divmod(g, ph)
+                pv = ps[pr][1][name]
+                for pb, db in zip(p_blocks[1:], d_blocks):
+                    want = head_of(block_of(pv, case, pb), case, ph_local)
+                    got = head_of(block_of(dv, case, db), case, h)
+                    assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (name, g, db)
+            assert not block_of(dv, case, 5).view(torch.int16).any()  # nothing else written
+
+
+@pytest.mark.parametrize("case", ["flash_attn_nhd", "flashinfer_hnd", "mla"])
+def test_streamed_spans_together_move_exactly_the_whole_write(case):
+    _, _, mem = cache(case, 1 if case == "mla" else 8)
+    blocks, d_blocks, tokens = [1, 2, 3, 7], [4, 5, 6, 8], 4 * BS - 1
+    groups = groups_of(L, 2)
+    whole = R.map_blocks(mem, blocks, mem, d_blocks)
+    parts = [PostWrite("t", 0, tuple(blocks), BS * 2, 0, (), 0, False, ((0, 0, 2 * BS), (1, 0, BS))),
+             PostWrite("t", 0, tuple(blocks), tokens, 0, (), 0, True, ((0, 2 * BS, tokens), (1, BS, tokens)))]
+    got = sorted(r for a in parts for r in write_regions(mem, a, mem, d_blocks, tokens, None, groups))
+    assert sum(n for *_, n in got) == sum(n for *_, n in whole)
+    covered = sorted((s, n) for s, _, n in got)
+    for (s0, n0), (s1, _) in zip(covered, covered[1:]):
+        assert s0 + n0 <= s1  # no byte moved twice
+
+
+def test_heads_that_are_not_the_page_s_cannot_pair_between_tp_sizes():
+    _, _, mem = cache("flash_attn_nhd", 8)
+    flat = R.KVMemory(mem.nbytes, mem.num_blocks, tuple(R.LayerRegion(lr.offset, lr.block_stride, lr.page_bytes)
+                                                          for lr in mem.layers), 8)
+    assert "cannot be paired" in flat.pairing_problem(1, mem, 2, "peer")
+    assert "differ" in mem.pairing_problem(1, cache("flash_attn_hnd", 8)[2], 1, "peer")  # NHD against HND
+
+
+def test_expandable_segments_are_refused_with_the_reason():
+    from pushkv.vllm.cuda_kv import sharing_problem
+
+    t = torch.zeros(4)
+    why = sharing_problem(t, {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64, expandable_segments:True"})
+    assert "expandable_segments" in why and "legacy CUDA IPC" in why
