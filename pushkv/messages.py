@@ -130,6 +130,9 @@ class SeqWork(msgspec.Struct, array_like=True, frozen=True, gc=False):
     history: tuple[int, ...] = ()  # output so far, when a penalty needs it
     suppress: tuple[int, ...] = ()  # ids that may not be sampled now (stop ids before min_tokens)
     checksum: Literal["", "sample", "full"] = ""  # P, the prompt's last chunk: answer the KV's checksums (--kv-verify)
+    # dynamic RoPE: the sequence length whose frequencies these tokens take (a prompt's chunk: the
+    # whole prompt's, as transformers' one prefill takes them); 0: start_pos + len(token_ids)
+    rope_len: int = 0
 
 
 class KVTransferStats(msgspec.Struct, array_like=True, frozen=True, gc=False):
