@@ -2,8 +2,8 @@
 that worker's connector): registration, rendezvous and WRITE, out of vLLM's engine loop
 (``pushkv/vllm/README.md``).
 
-A shell over pushkv's: the roles are its pure sides (``PushRendezvous`` and ``PrefillSide``
-on P; ``ReceiveSide`` on D, mapped to vLLM's events by ``receive.py``), the peers, posting and
+A shell over pushkv's: the roles are its pure sides (``PrefillSide``, which owns the
+rendezvous, on P; ``ReceiveSide`` on D, mapped to vLLM's events by ``receive.py``), the peers, posting and
 loop the writer shell's (``writer/shell.py``). Here is only what is vLLM's: the memory is
 vLLM's KV cache (``regions.py``, described in the Hello), and the commands and events carry
 vLLM's request ids. D watches each P writer through a socket monitor on the handshake link:
@@ -19,7 +19,6 @@ import msgspec
 import zmq
 
 from pushkv import messages as m
-from pushkv.protocol import actions as A
 from pushkv.protocol import rendezvous as rv
 from pushkv.trace import stamp as mark
 from pushkv.transport.nixl_agent import NixlAgent
@@ -54,10 +53,9 @@ class VllmWriter(WriterShell):
         self.agent_name = f"{self.engine_id}-w{self.rank}-{os.getpid()}"
         self.req_of: dict[str, str] = {}  # P: transfer id -> this instance's vLLM request id
         self.groups = stream.groups_of(len(self.kv.layers), args.stream_groups)
-        self.rdv = rv.PushRendezvous(self.rank, self.tp, self.total_kv_heads, args.registration_wait_s,
-                                     args.transfer_s, stream_unit=self.kv.block_tokens if args.stream_groups else 0,
-                                     stream_groups=len(self.groups))
-        self.side = sides.PrefillSide(self.rank)
+        self.side = sides.PrefillSide(rv.PushRendezvous(  # P's role
+            self.rank, self.tp, self.total_kv_heads, args.registration_wait_s, args.transfer_s,
+            stream_unit=self.kv.block_tokens if args.stream_groups else 0, stream_groups=len(self.groups)))
         self.d = Receiver(self, self.tp, self.total_kv_heads, args.transfer_s, self._emit)  # D's role (vllm/receive.py)
 
     # -- lifecycle -------------------------------------------------------------------
@@ -107,12 +105,7 @@ class VllmWriter(WriterShell):
         mark("p_send_recvd", msg.transfer_id)
         self.req_of[msg.transfer_id] = msg.req_id
         self.posting.poll_notifs(now)  # a registration may already wait in NIXL's queue
-        try:
-            acts = self.rdv.on_prefill_done(msg.transfer_id, 0, msg.block_ids, msg.num_tokens, 0, now)
-        except A.ProtocolError as e:
-            self._emit(w.BlocksSent(msg.req_id, msg.transfer_id, False, f"refused: {e}"))
-            return
-        self._apply_p(acts, now)
+        self._apply_p(self.side.prefill_done((msg.transfer_id, 0), msg.block_ids, msg.num_tokens, 0, now), now)
 
     def on_LayersStored(self, msg: w.LayersStored) -> None:
         self.marks.submit(msg)  # on to the rendezvous once its event completed (_marks_ready)
@@ -121,9 +114,9 @@ class VllmWriter(WriterShell):
         now = time.monotonic()
         for msg, why in self.marks.ready():
             self.req_of.setdefault(msg.transfer_id, msg.req_id)
-            acts = self.rdv.cancel(msg.transfer_id, 0, why, now) if why else \
-                self.rdv.on_prefill_progress(msg.transfer_id, 0, msg.block_ids, msg.num_tokens, now, msg.group)
-            self._apply_p(acts, now)
+            key = (msg.transfer_id, 0)
+            self._apply_p(self.side.cancel(key, why, now) if why else
+                          self.side.progress(key, msg.block_ids, msg.num_tokens, now, msg.group), now)
 
     def on_ExpectBlocks(self, msg: w.ExpectBlocks) -> None:
         self.d.expect(msg)
@@ -131,7 +124,7 @@ class VllmWriter(WriterShell):
     def on_CancelBlocks(self, msg: w.CancelBlocks) -> None:
         now = time.monotonic()
         if self.role == "prefill":
-            self._apply_p(self.rdv.cancel(msg.transfer_id, 0, msg.reason, now), now)
+            self._apply_p(self.side.cancel((msg.transfer_id, 0), msg.reason, now), now)
         else:
             self.d.cancel(msg)
 
@@ -141,10 +134,10 @@ class VllmWriter(WriterShell):
             self.counters["register_from_unknown_peer"] += 1
             return
         mark("p_registration_recvd", msg.transfer_id)
-        self._apply_p(self.rdv.on_registration(msg, now), now)
+        self._apply_p(self.side.registration(msg, now), now)
 
     def notif_CancelTransfer(self, msg: m.CancelTransfer, agent: str, now: float) -> None:
-        self._apply_p(self.rdv.cancel(msg.transfer_id, msg.generation, msg.reason, now), now)
+        self._apply_p(self.side.cancel((msg.transfer_id, msg.generation), msg.reason, now), now)
 
     def notif_WriteDone(self, msg: "m.WriteDone | m.WriteFailed", agent: str, now: float) -> None:
         self.d.completion(msg, agent, now)
@@ -155,8 +148,8 @@ class VllmWriter(WriterShell):
         self.d.rank_gone(peer, reason)
 
     # -- the sides' effects, carried out ------------------------------------------------------
-    def _apply_p(self, actions, now: float) -> None:
-        for e in self.side.effects(actions):
+    def _apply_p(self, effects: list, now: float) -> None:
+        for e in effects:
             if isinstance(e, sides.Post):
                 a = e.write
                 fl = self.posting.post_regions(a, stream.regions_of(self.kv, a, self.rank, self.tp,
@@ -167,26 +160,22 @@ class VllmWriter(WriterShell):
                 t, tid = e.transfer, e.free.transfer_id
                 self._emit(w.BlocksSent(self.req_of.pop(tid, ""), tid, e.ok, e.reason, t.nbytes, t.num_descs,
                                         t.write_s))
+            elif isinstance(e, sides.Refused):  # these blocks were never handed over
+                self._emit(w.BlocksSent(self.req_of.get(e.key[0], ""), e.key[0], False, f"refused: {e.error}"))
             else:
                 self.count_or_tell(e, self.posting.notify)
 
     def transfer_finished(self, fl: InFlight, now: float) -> None:
-        key, part = (fl.transfer_id, fl.generation), fl.part
-        t = self.side.record(key)
-        t.nbytes, t.num_descs = t.nbytes + fl.nbytes, t.num_descs + fl.num_descs
-        if not part:
-            t.write_s = now - fl.posted  # the last WRITE's: one layer group's, when streamed
-        acts = (self.rdv.on_write_failed(*key, fl.failed, now, part=part) if fl.failed
-                else self.rdv.on_write_done(*key, now, part=part))
-        self._apply_p(acts, now)
+        self._apply_p(self.side.write_ended((fl.transfer_id, fl.generation), now, part=fl.part, failed=fl.failed,
+                                            nbytes=fl.nbytes, num_descs=fl.num_descs, posted=fl.posted), now)
 
     # -- the loop ---------------------------------------------------------------------------
     def expire(self, now: float) -> None:
-        self._apply_p(sides.due(self.rdv, now), now)
+        self._apply_p(self.side.expire(now), now)
         self.d.expire(now)
 
     def has_pending(self) -> bool:
-        return sides.pending(self.rdv) or self.d.pending() or bool(self.peers.waits)
+        return self.side.pending() or self.d.pending() or bool(self.peers.waits)
 
 
 def main(argv=None) -> None:

@@ -29,7 +29,6 @@ from pushkv.writer.posting import SpanPost
 
 log = logging.getLogger(__name__)
 
-WAITING = (rv.State.WAIT_PREFILL.value, rv.State.WAIT_REGISTRATION.value)  # a WRITE is coming
 MAX_TRACKED = 4096  # bounded bookkeeping for transfers that never complete
 
 
@@ -65,12 +64,13 @@ class PrefillWriter(WriterBase):
         t = cfg.timeouts
         plan = transfer_of(cfg)  # decided by the planner
         self.stream, unit = plan.sent, plan.unit
-        self.rdv = rv.PushRendezvous(rank, inst.tp, self.layout.total_kv_heads, t.registration_wait_s, t.transfer_s,
-                                     stream_unit=unit, stream_groups=plan.groups)
+        # the rendezvous, its inputs in and effects out; each transfer's record
+        self.side = sides.PrefillSide(rv.PushRendezvous(rank, inst.tp, self.layout.total_kv_heads,
+                                                        t.registration_wait_s, t.transfer_s,
+                                                        stream_unit=unit, stream_groups=plan.groups))
         self._parts_posted = 0  # keys of part WRITEs in flight: (tid, gen, n)
         self.leases = Leases(t.lease_s, t.lease_max_s)
-        self.side = sides.PrefillSide(rank)  # the rendezvous' actions as effects; each transfer's record
-        self.effects = self.side.effects  # (tests of --kv-verify: through KVDamage, see damaged_by)
+        self.damage = lambda effects: effects  # tests of --kv-verify: KVDamage's filter (damaged_by)
         self._checksums: dict[tuple[str, int], m.KVChecksums] = {}  # until the transfer's blocks are freed
         # one queue per D rank we WRITE into (cfg.link_window; None: every WRITE posts at once)
         window = window_of(cfg.link_window, cfg.link_window_mib, poster.wanted("auto", os.environ.get("UCX_TLS", "")))
@@ -78,12 +78,11 @@ class PrefillWriter(WriterBase):
         self._slots_of: dict[int, list[int]] = {}  # id(posted handle) -> the staging slots it WRITEs from
 
     def has_pending(self) -> bool:
-        return sides.pending(self.rdv, self.leases)
+        return self.side.pending() or sides.pending(self.leases)
 
     def damaged_by(self, kv: KVDamage) -> None:
         """Fault tests of --kv-verify: the side's effects go through ``kv`` (a last WRITE damaged)."""
-        side_effects = self.side.effects
-        self.effects = lambda actions: kv.effects(side_effects(actions))
+        self.damage = kv.effects
 
     # -- from the scheduler ----------------------------------------------------------
     def on_SendKV(self, msg: m.SendKV) -> None:
@@ -91,23 +90,18 @@ class PrefillWriter(WriterBase):
             self._checksums[(msg.transfer_id, msg.generation)] = msg.checksums
             while len(self._checksums) > MAX_TRACKED:  # transfers refused before they began
                 self._checksums.pop(next(iter(self._checksums)))
-        self._prefill_done(msg, msg.transfer_id, msg.generation, msg.block_ids, msg.num_tokens, msg.first_token)
+        self._prefill_done(msg)
 
-    def _prefill_done(self, msg, tid: str, gen: int, block_ids, num_tokens: int, first_token: int,
-                      wait_s: float | None = None) -> None:
+    def _prefill_done(self, msg: "m.SendKV | m.HoldKV", wait_s: float | None = None) -> None:
         """The blocks hold the KV: WRITE once D's registration is here (or now, if it is)."""
         now = time.monotonic()
         self.last_activity = now
         self.counters["prefill_done_received"] += 1
         # registrations may already sit in NIXL's queue: take them first
         self.posting.poll_notifs(now)
-        try:
-            acts = self.rdv.on_prefill_done(tid, gen, block_ids, num_tokens, first_token, now, wait_s)
-        except A.ProtocolError as e:
-            self._refused(msg, e)
-            return
-        self.apply(acts, now)
-        self._sync_warm((tid, gen), now)
+        key = (msg.transfer_id, msg.generation)
+        self.apply(self.side.prefill_done(key, msg.block_ids, msg.num_tokens, msg.first_token, now, wait_s), now)
+        self._sync_warm(key, now)
 
     def on_StreamKV(self, msg: m.StreamKV) -> None:
         """A prefill chunk ended: WRITE what is whole now (once D's registration is here)."""
@@ -117,12 +111,7 @@ class PrefillWriter(WriterBase):
         key = (msg.transfer_id, msg.generation)
         self._stamp(key, "stream_progress")
         self.posting.poll_notifs(now)
-        try:
-            acts = self.rdv.on_prefill_progress(msg.transfer_id, msg.generation, msg.block_ids, msg.num_tokens, now)
-        except A.ProtocolError as e:
-            self._refused(msg, e)
-            return
-        self.apply(acts, now)
+        self.apply(self.side.progress(key, msg.block_ids, msg.num_tokens, now), now)
         self._sync_warm(key, now)
 
     def takes_marks(self) -> bool:
@@ -140,23 +129,16 @@ class PrefillWriter(WriterBase):
             key = (e.transfer_id, e.generation)
             self._stamp(key, "stream_progress")
             self._stamp(key, f"layers_stored_{msg.group}")
-            try:
-                acts = self.rdv.on_prefill_progress(e.transfer_id, e.generation, e.block_ids, e.num_tokens, now,
-                                                    group=msg.group)
-            except A.ProtocolError as err:
-                self._refused(e, err)
-                continue
-            self.apply(acts, now)
+            self.apply(self.side.progress(key, e.block_ids, e.num_tokens, now, group=msg.group), now)
             self._sync_warm(key, now)
 
-    def _refused(self, msg, e: Exception) -> None:
+    def _refused(self, r: sides.Refused) -> None:
         """A half the protocol refuses (its transfer already finished, say): these blocks were
         never handed over, so the scheduler may free them; a live half answers for itself."""
         self.counters["command_refused"] += 1
-        log.error("%s: %s refused: %s transfer_id=%s", self.name, type(msg).__name__, e, msg.transfer_id)
-        tid, gen = msg.transfer_id, msg.generation
-        if self.rdv.state_of(tid, gen) is None and self.leases.deadline_of(tid, gen) is None:
-            self.send(self.sched, m.KVFailed(tid, gen, f"refused: transfer already {getattr(e, 'state', 'seen')}"))
+        log.error("%s: %s refused: %s transfer_id=%s", self.name, r.event, r.error, r.key[0])
+        if not r.live and self.leases.deadline_of(*r.key) is None:
+            self.send(self.sched, m.KVFailed(*r.key, f"refused: transfer already {r.state}"))
 
     def on_HoldKV(self, msg: m.HoldKV) -> None:
         faults.point(self.name, "lease_held")
@@ -170,31 +152,31 @@ class PrefillWriter(WriterBase):
         D's leg leaves the router only now, and may wait there for room: the blocks wait for
         D's first sign (its registration, or its renewal while the leg queues at D) up to the
         cap of a lease, and from then on registration_wait_s from D's last renewal."""
-        self._prefill_done(msg, msg.transfer_id, msg.generation, msg.block_ids, msg.num_tokens, msg.first_token,
-                           wait_s=max(self.cfg.timeouts.lease_max_s, self.cfg.timeouts.registration_wait_s))
+        self._prefill_done(msg, wait_s=max(self.cfg.timeouts.lease_max_s, self.cfg.timeouts.registration_wait_s))
 
     def _hold_for_read(self, msg: m.HoldKV) -> None:
         """Keep the blocks under a lease until D's READ is done."""
         now = time.monotonic()
-        if not self.rdv.produces:  # a replica rank: no D rank reads from it
-            self.apply([A.Completed(msg.transfer_id, msg.generation, "replica"),
-                        A.FreeBlocks(msg.transfer_id, msg.generation, msg.block_ids, "replica")], now)
+        if not self.side.rdv.produces:  # a replica rank: no D rank reads from it
+            self._apply_leases([A.Completed(msg.transfer_id, msg.generation, "replica"),
+                                A.FreeBlocks(msg.transfer_id, msg.generation, msg.block_ids, "replica")], now)
             return
         try:
             acts = self.leases.hold(msg.transfer_id, msg.generation, msg.block_ids, now)
         except A.ProtocolError as e:
-            self._refused(msg, e)
+            key = (msg.transfer_id, msg.generation)
+            self._refused(sides.Refused(key, e.event, e.state, str(e), self.side.live(key)))
             return
-        self.apply(acts, now)
+        self._apply_leases(acts, now)
 
     def on_CancelKV(self, msg: m.CancelKV) -> None:
         """One answer per cancel: from the lease that holds the blocks (pull), else from the
         rendezvous (push), which answers even a transfer it has not seen yet."""
         now = time.monotonic()
         if self.leases.deadline_of(msg.transfer_id, msg.generation) is not None:
-            self.apply(self.leases.cancel(msg.transfer_id, msg.generation, msg.reason, now), now)
+            self._apply_leases(self.leases.cancel(msg.transfer_id, msg.generation, msg.reason, now), now)
         else:
-            self.apply(self.rdv.cancel(msg.transfer_id, msg.generation, msg.reason, now, answer=True), now)
+            self.apply(self.side.cancel((msg.transfer_id, msg.generation), msg.reason, now, answer=True), now)
 
     # -- from D's writers (NIXL notifications) --------------------------------------------
     def notif_Register(self, msg: m.Register, agent: str, now: float) -> None:
@@ -210,10 +192,9 @@ class PrefillWriter(WriterBase):
             self.posting.control(self.peers.by_agent[agent],
                                  m.WriteFailed(msg.transfer_id, msg.generation, self.rank, why))
             return
-        self._record((msg.transfer_id, msg.generation)).d_engine_id = msg.d_engine_id
         self._stamp((msg.transfer_id, msg.generation), "registration_received")
         faults.point(self.name, "registration_received")
-        self.apply(self.rdv.on_registration(msg, now), now)
+        self.apply(self.side.registration(msg, now), now)
         self._sync_warm((msg.transfer_id, msg.generation), now)
         self.warmup.beat_for((msg.transfer_id, msg.generation), agent)  # our WRITE to this D rank is coming
 
@@ -233,14 +214,14 @@ class PrefillWriter(WriterBase):
         return ""
 
     def notif_CancelTransfer(self, msg: m.CancelTransfer, agent: str, now: float) -> None:
-        self.apply(self.rdv.cancel(msg.transfer_id, msg.generation, msg.reason, now), now)
-        self.apply(self.leases.cancel(msg.transfer_id, msg.generation, msg.reason, now), now)
+        self.apply(self.side.cancel((msg.transfer_id, msg.generation), msg.reason, now), now)
+        self._apply_leases(self.leases.cancel(msg.transfer_id, msg.generation, msg.reason, now), now)
 
     def notif_ReadDone(self, msg: m.ReadDone, agent: str, now: float) -> None:
         peer = self.peers.by_agent.get(agent)
         readers = len(consumers_for(self.rank, self.inst.tp, peer.tp, self.layout.total_kv_heads)) if peer else 1
         self.warmup.transfer_arrived(msg.transfer_id, msg.generation)
-        self.apply(self.leases.on_read_done(msg.transfer_id, msg.generation, msg.d_rank, readers), now)
+        self._apply_leases(self.leases.on_read_done(msg.transfer_id, msg.generation, msg.d_rank, readers), now)
 
     def notif_RenewLease(self, msg: m.RenewLease, agent: str, now: float) -> None:
         """D still means to read (queued, or READing): the lease lives on, up to its cap. A push
@@ -250,40 +231,45 @@ class PrefillWriter(WriterBase):
             log.error("%s: RenewLease from unknown agent %s transfer_id=%s", self.name, agent, msg.transfer_id)
             return
         if self.leases.deadline_of(msg.transfer_id, msg.generation) is not None:
-            self.apply(self.leases.renew(msg.transfer_id, msg.generation, now), now)
+            self._apply_leases(self.leases.renew(msg.transfer_id, msg.generation, now), now)
         else:
-            self.apply(self.rdv.renew(msg.transfer_id, msg.generation, now), now)
+            self.apply(self.side.renew((msg.transfer_id, msg.generation), now), now)
 
-    # -- actions of the rendezvous ------------------------------------------------------
-    def apply(self, actions, now: float) -> None:
-        for e in self.effects(actions):
+    # -- the side's effects, carried out ----------------------------------------------------
+    def apply(self, effects: list, now: float) -> None:
+        for e in self.damage(effects):
             if isinstance(e, sides.Post):
                 self._post_write(e.write, now, e.swap_dest)
             elif isinstance(e, sides.Report):
                 self._free(e)
             elif isinstance(e, sides.Drop):
                 self._drop_queued(e.key, e.reason)
+            elif isinstance(e, sides.Refused):
+                self._refused(e)
             else:
                 self.count_or_tell(e, self.posting.control)
         if self.warmup.warm:
-            for key in {(a.transfer_id, a.generation) for a in actions if hasattr(a, "transfer_id")}:
+            for key in sides.keys_of(effects):
                 self._sync_warm(key, now)
+
+    def _apply_leases(self, actions: list, now: float) -> None:
+        """Pull: the leases' actions, as the side's effects."""
+        self.apply(self.side.effects(actions), now)
 
     def _sync_warm(self, key, now: float) -> None:
         """Warm while the transfer waits for its other half (D's registration or our prefill):
         its WRITE is coming; capped by the rendezvous' own wait. Posted, done or gone: cool
         (a posted WRITE is spun on as in flight)."""
-        if self.rdv.state_of(*key) in WAITING:
+        if self.side.waiting(key):
             self.warmup.warm_for(key, now + self.cfg.timeouts.registration_wait_s)
         else:
             self.warmup.cool(key)
 
     def peer_instance_down(self, engine_id: str, reason: str, now: float) -> None:
-        for key, t in list(self.side.transfers.items()):
-            if t.d_engine_id == engine_id:
-                self.counters["cancelled_peer_death"] += 1
-                with self.ending_for_loss("decode", reason):
-                    self.apply(self.rdv.cancel(key[0], key[1], f"decode instance lost: {reason}", now), now)
+        for key in self.side.registered_by(engine_id):
+            self.counters["cancelled_peer_death"] += 1
+            with self.ending_for_loss("decode", reason):
+                self.apply(self.side.cancel(key, f"decode instance lost: {reason}", now), now)
 
     def _record(self, key) -> sides.PrefillTransfer:
         return self.side.record(key)
@@ -448,11 +434,8 @@ class PrefillWriter(WriterBase):
             self._stamp(key, "write_woke")
             self._stamp(key, "write_posted")
         self.counters["write_posts" if a.last else "part_posts"] += 1  # one per D rank this rank writes into
-        post.fl.nbytes += post.sp.nbytes
+        post.fl.nbytes += post.sp.nbytes  # (the side books them when the WRITE ends)
         post.fl.num_descs += post.sp.runs
-        t = self._record(key)
-        t.nbytes += post.sp.nbytes
-        t.num_descs += post.sp.runs
         if not a.last:
             self.counters["part_bytes"] += post.sp.nbytes
         return h
@@ -535,24 +518,22 @@ class PrefillWriter(WriterBase):
             self._stamp(key, "part_done_first")  # with part_post_first: the first part's time on the wire
             self._record(key).stages["part_done_last"] = time.time()  # the newest part's completion (not setdefault)
         else:
-            self._record(key).write_s = now - fl.posted
             self._stamp(key, "write_done")
         self.trace_event(("part" if fl.part else "write") + ("_done" if not fl.failed else "_failed"), fl.transfer_id)
-        if fl.failed:
-            acts = self.rdv.on_write_failed(fl.transfer_id, fl.generation, fl.failed, now, part=fl.part)
-            if "DISCONNECT" in fl.failed:  # D's agent vanished under the WRITE: D died, whoever hears it first
-                with self.ending_for_loss("decode", f"its writer disconnected during the WRITE ({fl.failed})"):
-                    self.apply(acts, now)
-                return
-        else:
+        if not fl.failed:
             self.counters["bytes_written"] += fl.nbytes
             self.counters["parts" if fl.part else "writes"] += 1
-            acts = self.rdv.on_write_done(fl.transfer_id, fl.generation, now, part=fl.part)
-        self.apply(acts, now)
+        effects = self.side.write_ended(key, now, part=fl.part, failed=fl.failed, nbytes=fl.nbytes,
+                                        num_descs=fl.num_descs, posted=fl.posted)
+        if "DISCONNECT" in fl.failed:  # D's agent vanished under the WRITE: D died, whoever hears it first
+            with self.ending_for_loss("decode", f"its writer disconnected during the WRITE ({fl.failed})"):
+                self.apply(effects, now)
+            return
+        self.apply(effects, now)
 
     def expire(self, now: float) -> None:
-        self.apply(sides.due(self.rdv, now), now)
-        self.apply(sides.due(self.leases, now), now)
+        self.apply(self.side.expire(now), now)
+        self._apply_leases(sides.due(self.leases, now), now)
 
 def _token_spans(a: A.PostWrite) -> tuple[tuple[int, int, int], ...]:
     """What a WRITE moves: ``(layer group, first token, end token)`` per span; group -1: every group."""

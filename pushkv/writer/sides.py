@@ -5,9 +5,11 @@ are shells around the same machines (``PushRendezvous`` on P, ``KVArrivals`` on 
 they decide alike lives here once, holding no socket, NIXL agent or clock (``now`` is an
 argument), like the scheduler's core and its outbox:
 
-- :class:`PrefillSide` turns the rendezvous' actions into effects (post this WRITE, tell
-  these D ranks it failed, report the freed blocks with their outcome, count, drop the
-  failed transfer's queued WRITEs); the shell performs them in order.
+- :class:`PrefillSide` owns P's rendezvous (``PushRendezvous``): the prefill's halves, D's
+  registrations and cancels, the WRITEs' ends and the deadlines go in, effects come out (post
+  this WRITE, tell these D ranks it failed, report the freed blocks with their outcome, count,
+  drop the failed transfer's queued WRITEs, a half refused); the shell maps its ids and events
+  to these calls and performs the effects in order.
 - :class:`Quarantine` keeps D's failed transfers whose producer ranks may still write into
   their blocks, and says which to hand back (every rank answered, its producer died, or the
   deadline passed).
@@ -19,15 +21,17 @@ argument), like the scheduler's core and its outbox:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Protocol, Union
+from typing import Any, Literal, Optional, Protocol, Sequence, Union
 
 from pushkv import messages as m
 from pushkv.protocol import actions as A
+from pushkv.protocol import rendezvous as rv
 
 Key = tuple[str, int]  # (transfer id, generation)
 Outcome = Union[A.Completed, A.Failed]
 Verdict = Literal["counts", "wrong_peer", "quarantined"]  # of a completion at D
 MAX_TRACKED = 4096  # bounded bookkeeping for transfers that never free their blocks
+WAITING = (rv.State.WAIT_PREFILL.value, rv.State.WAIT_REGISTRATION.value)  # a WRITE is coming
 
 
 # -- effects -----------------------------------------------------------------------------
@@ -38,13 +42,21 @@ class Post:
     write: A.PostWrite
     swap_dest: bool = False  # fault tests of --kv-verify only (``kv_damage.py``): two destination blocks swapped
 
+    @property
+    def key(self) -> Key:
+        return self.write.transfer_id, self.write.generation
+
 
 @dataclass(frozen=True)
 class Tell:
     """Send ``msg`` to the writer of D rank ``peer`` (engine id, rank), if connected."""
 
     peer: tuple[str, int]
-    msg: m.Msg
+    msg: Union[m.WriteFailed, m.CancelTransfer]  # P: stop waiting; D: stop writing
+
+    @property
+    def key(self) -> Key:
+        return self.msg.transfer_id, self.msg.generation
 
 
 @dataclass
@@ -67,6 +79,10 @@ class Report:
 
     free: A.FreeBlocks
     transfer: PrefillTransfer
+
+    @property
+    def key(self) -> Key:
+        return self.free.transfer_id, self.free.generation
 
     @property
     def outcome(self) -> Optional[Outcome]:
@@ -92,20 +108,100 @@ class Drop:
     reason: str
 
 
-Effect = Union[Post, Tell, Report, Drop, A.Count]
+@dataclass(frozen=True)
+class Refused:
+    """P: the rendezvous refused a half of ``key`` (``event`` illegal in ``state``: its transfer
+    finished already, say) and changed nothing. Its blocks were never handed over; when the
+    transfer is ``live`` still, the rendezvous answers for it itself."""
+
+    key: Key
+    event: str
+    state: str
+    error: str
+    live: bool
+
+
+Effect = Union[Post, Tell, Report, Drop, Refused, A.Count]
+
+
+def keys_of(effects: list) -> set[Key]:
+    """The transfers the effects move (a refusal moves none)."""
+    return {e.key for e in effects if isinstance(e, (Post, Tell, Report, Drop))}
 
 
 # -- P -------------------------------------------------------------------------------------
 class PrefillSide:
-    """The rendezvous' actions of one P rank as effects. It keeps each transfer's record (its
-    outcome, what moved) until its blocks are freed: a failure may come batches before its
-    drained WRITE frees them."""
+    """One P rank's rendezvous, its inputs in and effects out. It keeps each transfer's record
+    (its outcome, what moved) until its blocks are freed: a failure may come batches before
+    its drained WRITE frees them. Pull's leases (pushkv's P only) go through :meth:`effects`."""
 
-    def __init__(self, rank: int, max_tracked: int = MAX_TRACKED):
-        self.rank = rank
+    def __init__(self, rdv: rv.PushRendezvous, max_tracked: int = MAX_TRACKED):
+        self.rdv = rdv
+        self.rank = rdv.p_rank
         self.max_tracked = max_tracked
         self.transfers: dict[Key, PrefillTransfer] = {}
 
+    # -- inputs: our prefill's halves ------------------------------------------------------
+    def prefill_done(self, key: Key, block_ids: Sequence[int], num_tokens: int, first_token: int, now: float,
+                     wait_s: Optional[float] = None) -> list[Effect]:
+        """The blocks hold the prompt's KV: WRITE once D's registration is here (or now)."""
+        try:
+            return self.effects(self.rdv.on_prefill_done(*key, block_ids, num_tokens, first_token, now, wait_s))
+        except A.ProtocolError as e:
+            return [self._refused(key, e)]
+
+    def progress(self, key: Key, block_ids: Sequence[int], num_tokens: int, now: float,
+                 group: int = -1) -> list[Effect]:
+        """A prefill chunk ended (``group`` -1) or layer group ``group`` of a step was stored."""
+        try:
+            return self.effects(self.rdv.on_prefill_progress(*key, block_ids, num_tokens, now, group=group))
+        except A.ProtocolError as e:
+            return [self._refused(key, e)]
+
+    # -- inputs: D's messages ------------------------------------------------------------------
+    def registration(self, reg: m.Register, now: float) -> list[Effect]:
+        """D's registration (from a known peer): its D instance noted (for its death)."""
+        self.record((reg.transfer_id, reg.generation)).d_engine_id = reg.d_engine_id
+        return self.effects(self.rdv.on_registration(reg, now))
+
+    def cancel(self, key: Key, reason: str, now: float, answer: bool = False) -> list[Effect]:
+        """End the transfer (``answer``: the scheduler asked, and waits for one answer)."""
+        return self.effects(self.rdv.cancel(*key, reason, now, answer=answer))
+
+    def renew(self, key: Key, now: float) -> list[Effect]:
+        return self.effects(self.rdv.renew(*key, now))
+
+    def registered_by(self, engine_id: str) -> list[Key]:
+        """The transfers D instance ``engine_id`` registered for (they end if it dies)."""
+        return [key for key, t in self.transfers.items() if t.d_engine_id == engine_id]
+
+    # -- inputs: our WRITEs, the clock ---------------------------------------------------------
+    def write_ended(self, key: Key, now: float, *, part: bool, failed: str = "", nbytes: int = 0,
+                    num_descs: int = 0, posted: float = 0.0) -> list[Effect]:
+        """A WRITE of ``key`` (a streamed part, or the last) ended, posted at ``posted`` and
+        moving ``nbytes`` in ``num_descs`` descriptors; ``failed``: why it did not."""
+        t = self.record(key)
+        t.nbytes, t.num_descs = t.nbytes + nbytes, t.num_descs + num_descs
+        if not part:
+            t.write_s = now - posted  # the last WRITE's: one layer group's, when streamed
+        acts = (self.rdv.on_write_failed(*key, failed, now, part=part) if failed
+                else self.rdv.on_write_done(*key, now, part=part))
+        return self.effects(acts)
+
+    def expire(self, now: float) -> list[Effect]:
+        return self.effects(due(self.rdv, now))
+
+    def pending(self) -> bool:
+        return pending(self.rdv)
+
+    def waiting(self, key: Key) -> bool:
+        """Whether the transfer waits for its other half (its WRITE is coming)."""
+        return self.rdv.state_of(*key) in WAITING
+
+    def live(self, key: Key) -> bool:
+        return self.rdv.state_of(*key) is not None
+
+    # -- the records and the effects -------------------------------------------------------------
     def record(self, key: Key) -> PrefillTransfer:
         """The transfer's record, made on first use."""
         t = self.transfers.get(key)
@@ -116,6 +212,7 @@ class PrefillSide:
         return t
 
     def effects(self, actions: list) -> list[Effect]:
+        """The machines' actions as effects (the rendezvous', or pushkv's leases')."""
         out: list[Effect] = []
         for a in actions:  # outcomes first: a FreeBlocks in the same batch reports them
             if isinstance(a, (A.Completed, A.Failed)):
@@ -133,6 +230,9 @@ class PrefillSide:
                 out.append(a)
         out += [Drop((a.transfer_id, a.generation), a.reason) for a in actions if isinstance(a, A.Failed)]
         return out
+
+    def _refused(self, key: Key, e: A.ProtocolError) -> Refused:
+        return Refused(key, e.event, e.state, str(e), self.live(key))
 
 
 # -- D -------------------------------------------------------------------------------------

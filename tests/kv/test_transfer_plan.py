@@ -88,8 +88,8 @@ def parts(cfg: DeploymentConfig) -> dict:
     return {
         "P scheduler streams": p_sched.transfer.stream,
         "P writer says": writer.stream,
-        "P writer's unit": writer.rdv.stream_unit,
-        "P writer's groups": writer.rdv.stream_groups,
+        "P writer's unit": writer.side.rdv.stream_unit,
+        "P writer's groups": writer.side.rdv.stream_groups,
         "P writer takes marks": writer.takes_marks(),
         "P worker marks": Worker(cfg, cfg.prefill, 0).takes_marks(),
         "pools' groups": {len(L.layer_groups(L.instance_layout(cfg, i, 0))) for i in (cfg.prefill, cfg.decode)},

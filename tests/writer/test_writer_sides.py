@@ -1,6 +1,6 @@
-"""The writer's pure sides (no socket, NIXL agent or clock): the rendezvous' actions as
-effects, D's quarantine, and the deadline checks, which pushkv's writers and the vLLM
-writer share."""
+"""The writer's pure sides (no socket, NIXL agent or clock): P's rendezvous driven by its
+inputs to effects, D's quarantine, and the deadline checks, which pushkv's writers and the
+vLLM writer share."""
 import pytest
 
 from pushkv import messages as m
@@ -13,6 +13,10 @@ REG0 = m.Register("t", 0, "d", 0, 2, (5, 6), 32)
 REG1 = m.Register("t", 0, "d", 1, 2, (7, 8), 32)
 POST = A.PostWrite("t", 0, (1, 2), 32, 9, (REG0,))
 FREE = A.FreeBlocks("t", 0, (1, 2), "written")
+
+
+def _side(rank: int = 0, tp: int = 4, max_tracked: int = S.MAX_TRACKED, **kw) -> S.PrefillSide:
+    return S.PrefillSide(rv.PushRendezvous(rank, tp, tp, registration_wait_s=5, transfer_s=5, **kw), max_tracked)
 
 
 @pytest.mark.parametrize("actions,want", [
@@ -33,11 +37,11 @@ FREE = A.FreeBlocks("t", 0, (1, 2), "written")
     ([A.FreeBlocks("t", 1, (), "stale")], [S.Report(A.FreeBlocks("t", 1, (), "stale"), S.PrefillTransfer())]),
 ])
 def test_prefill_side_turns_actions_into_effects(actions, want):
-    assert S.PrefillSide(rank=3).effects(actions) == want
+    assert _side(rank=3).effects(actions) == want
 
 
 def test_a_failure_is_reported_by_the_free_that_comes_batches_later():
-    side = S.PrefillSide(rank=0)
+    side = _side()
     assert side.effects([A.Failed("t", 0, "cancelled")]) == [A.Count("transfers_failed"), S.Drop(("t", 0), "cancelled")]
     side.record(("t", 0)).nbytes = 4096  # the shell books what moved
     late = A.FreeBlocks("t", 0, (1,), "write finished after failure")
@@ -57,22 +61,100 @@ def test_report_says_ok_and_why(outcome, free_reason, ok, reason):
 
 
 def test_prefill_side_bounds_the_records_it_keeps():
-    side = S.PrefillSide(rank=0, max_tracked=2)
+    side = _side(max_tracked=2)
     for i in range(3):
         side.effects([A.Failed(f"t{i}", 0, "x")])
     assert list(side.transfers) == [("t1", 0), ("t2", 0)]
     assert side.record(("t2", 0)).outcome == A.Failed("t2", 0, "x")
 
 
-def test_prefill_side_runs_a_real_rendezvous_to_one_report():
-    r = rv.PushRendezvous(0, 1, 1, registration_wait_s=5, transfer_s=5)
-    side = S.PrefillSide(rank=0)
-    reg = m.Register("t", 0, "d", 0, 1, (4,), 16)
-    assert side.effects(r.on_registration(reg, 0.0)) == []
-    (post,) = [e for e in side.effects(r.on_prefill_done("t", 0, (1,), 16, 7, 0.0)) if isinstance(e, S.Post)]
-    assert post.write.registrations == (reg,)
-    (report,) = [e for e in side.effects(r.on_write_done("t", 0, 0.1)) if isinstance(e, S.Report)]
-    assert report.ok and report.free.block_ids == (1,)
+# -- P's inputs, through its own rendezvous: each row a sequence of calls, the effects of the last
+T = ("t", 0)
+REG = m.Register("t", 0, "d", 0, 1, (4,), 16)
+WRITE = A.PostWrite("t", 0, (1,), 16, 7, (REG,))
+NO_REG = "no registration within 5s of prefill or of D's last renewal"
+REFUSED = "event 'prefill_done' is illegal in state 'finished' (transfer_id=t generation=0)"
+
+
+def _run(side: S.PrefillSide, calls: list) -> list:
+    out: list = []
+    for name, *args in calls:
+        out = getattr(side, name)(*args[:-1], **args[-1]) if args and isinstance(args[-1], dict) else \
+            getattr(side, name)(*args)
+    return out
+
+
+@pytest.mark.parametrize("calls,want", [
+    # D first, then our prefill: the WRITE posts at once
+    ([("registration", REG, 0.0), ("prefill_done", T, (1,), 16, 7, 0.1)], [S.Post(WRITE)]),
+    # our prefill first: it waits for D
+    ([("prefill_done", T, (1,), 16, 7, 0.0)], []),
+    ([("prefill_done", T, (1,), 16, 7, 0.0), ("registration", REG, 0.1)], [S.Post(WRITE)]),
+    # the WRITE done: its blocks reported, with what moved and how long the last WRITE took
+    ([("registration", REG, 0.0), ("prefill_done", T, (1,), 16, 7, 0.0),
+      ("write_ended", T, 0.75, {"part": False, "nbytes": 512, "num_descs": 2, "posted": 0.5})],
+     [A.Count("rendezvous_registration_first"),
+      S.Report(A.FreeBlocks("t", 0, (1,), "written"),
+               S.PrefillTransfer("d", A.Completed("t", 0, "registration_first"), 512, 2, 0.25))]),
+    # the WRITE failed: blocks reported failed, D told, nothing queued goes
+    ([("registration", REG, 0.0), ("prefill_done", T, (1,), 16, 7, 0.0),
+      ("write_ended", T, 0.75, {"part": False, "failed": "boom", "posted": 0.25})],
+     [A.Count("transfers_failed"), S.Report(A.FreeBlocks("t", 0, (1,), "boom"),
+                                            S.PrefillTransfer("d", A.Failed("t", 0, "boom"), write_s=0.5)),
+      S.Tell(("d", 0), m.WriteFailed("t", 0, 0, "boom")), A.Count("write_failed"), S.Drop(T, "boom")]),
+    # the scheduler's cancel of a transfer not begun: one answer (an empty free), remembered failed
+    ([("cancel", T, "aborted", 0.0, {"answer": True})],
+     [A.Count("transfers_failed"), S.Report(A.FreeBlocks("t", 0, (), "aborted"),
+                                            S.PrefillTransfer(outcome=A.Failed("t", 0, "aborted"))),
+      A.Count("cancelled"), S.Drop(T, "aborted")]),
+    # a cancel before either half: the prefill that comes later frees its blocks, failed with the cancel's
+    # reason; a second prefill is refused, and the side says so
+    ([("cancel", T, "aborted", 0.0), ("prefill_done", T, (1,), 16, 7, 0.1)],
+     [S.Report(A.FreeBlocks("t", 0, (1,), "transfer already failed"),
+               S.PrefillTransfer(outcome=A.Failed("t", 0, "aborted"))), A.Count("late_prefill")]),
+    ([("cancel", T, "aborted", 0.0), ("prefill_done", T, (1,), 16, 7, 0.1), ("prefill_done", T, (1,), 16, 7, 0.2)],
+     [S.Refused(T, "prefill_done", "finished", REFUSED, live=False)]),
+    # D renews while our blocks wait for it; with nothing waiting, the renewal is ignored
+    ([("prefill_done", T, (1,), 16, 7, 0.0), ("renew", T, 4.0)], [A.Count("renewed")]),
+    ([("renew", T, 0.0)], [A.Count("renew_ignored")]),
+    # the deadline: blocks that waited for D in vain go back, failed
+    ([("prefill_done", T, (1,), 16, 7, 0.0), ("expire", 4.9)], []),
+    ([("prefill_done", T, (1,), 16, 7, 0.0), ("expire", 5.0)],
+     [A.Count("transfers_failed"), S.Report(A.FreeBlocks("t", 0, (1,), NO_REG), S.PrefillTransfer(
+         outcome=A.Failed("t", 0, NO_REG))), A.Count("expired_prefill"), S.Drop(T, NO_REG)]),
+])
+def test_prefill_side_inputs_to_effects(calls, want):
+    assert _run(_side(tp=1), calls) == want
+
+
+def test_prefill_side_streams_parts_and_books_their_bytes():
+    side = _side(tp=1, stream_unit=16)
+    side.registration(REG, 0.0)
+    (part,) = side.progress(T, (1, 2), 16, 0.1)
+    assert isinstance(part, S.Post) and not part.write.last and part.write.num_tokens == 16
+    assert side.prefill_done(T, (1, 2), 32, 7, 0.2) == []  # the last WRITE waits for the part in flight
+    (last,) = side.write_ended(T, 0.3, part=True, nbytes=100, num_descs=1, posted=0.1)
+    assert isinstance(last, S.Post) and last.write.last
+    report = [e for e in side.write_ended(T, 0.5, part=False, nbytes=50, num_descs=1, posted=0.4)
+              if isinstance(e, S.Report)][0]
+    assert report.ok and (report.transfer.nbytes, report.transfer.num_descs) == (150, 2)
+    assert report.transfer.write_s == pytest.approx(0.1) and not side.pending()
+
+
+def test_prefill_side_knows_who_registered_and_whether_it_waits():
+    side = _side(tp=1)
+    assert side.waiting(T) is False and not side.live(T) and not side.pending()
+    side.registration(REG, 0.0)
+    assert side.waiting(T) and side.live(T) and side.pending() and side.registered_by("d") == [T]
+    assert side.registered_by("other") == []
+    side.prefill_done(T, (1,), 16, 7, 0.1)
+    assert not side.waiting(T) and side.live(T)  # writing
+
+
+def test_keys_of_effects_name_the_transfers_moved():
+    effects = [S.Post(WRITE), A.Count("x"), S.Drop(("u", 1), "r"), S.Tell(("d", 0), m.WriteFailed("v", 2, 0, "r")),
+               S.Refused(("w", 0), "progress", "writing", "e", True)]
+    assert S.keys_of(effects) == {T, ("u", 1), ("v", 2)}
 
 
 # -- D's quarantine ----------------------------------------------------------------------

@@ -174,26 +174,26 @@ def test_prefill_warm_follows_the_rendezvous(first, end):
     w = _prefill_writer("on")
     now = 10.0
     if first == "registration":  # D's registration waits for our prefill
-        w.apply(w.rdv.on_registration(_reg("a"), now), now)
+        w.apply(w.side.registration(_reg("a"), now), now)
     else:  # our prefill waits for D's registration
-        w.apply(w.rdv.on_prefill_done("a", 0, (2,), 16, 1, now), now)
+        w.apply(w.side.prefill_done(("a", 0), (2,), 16, 1, now), now)
     w._sync_warm(("a", 0), now)
     cap = now + w.cfg.timeouts.registration_wait_s
     assert w.warmup.warm == {("a", 0): cap}
     w._sync_warm(("a", 0), now + 5)  # still waiting: the first cap holds
     assert w.warmup.warm == {("a", 0): cap}
     if end == "cancel":
-        w.apply(w.rdv.cancel("a", 0, "gone", now + 1), now + 1)
+        w.apply(w.side.cancel(("a", 0), "gone", now + 1), now + 1)
     else:
-        w.apply(w.rdv.expire(cap + 1), cap + 1)
-    assert w.rdv.state_of("a", 0) is None and w.warmup.warm == {}
+        w.apply(w.side.expire(cap + 1), cap + 1)
+    assert not w.side.live(("a", 0)) and w.warmup.warm == {}
     if first == "prefill":  # our blocks went back to the scheduler with the failure
         assert [type(x).__name__ for x in w.sent] == ["KVFailed"]
 
 
 def test_prefill_warm_off_keeps_nothing():
     w = _prefill_writer("off")
-    w.apply(w.rdv.on_registration(_reg("a"), 1.0), 1.0)
+    w.apply(w.side.registration(_reg("a"), 1.0), 1.0)
     w._sync_warm(("a", 0), 1.0)
     assert w.warmup.warm == {}
 
@@ -202,10 +202,10 @@ def test_prefill_writer_says_a_transfer_ended_by_a_dead_decode_instance():
     """Our prefill waits for a D that died: the blocks go back with KVFailed.lost naming the death
     (the scheduler then answers the request as the router would); any other failure has none."""
     w = _prefill_writer("off")
-    w.apply(w.rdv.on_prefill_done("a", 0, (2,), 16, 1, 1.0), 1.0)
+    w.apply(w.side.prefill_done(("a", 0), (2,), 16, 1, 1.0), 1.0)
     w._record(("a", 0)).d_engine_id = "d"
-    w.apply(w.rdv.on_prefill_done("b", 0, (3,), 16, 1, 1.0), 1.0)
+    w.apply(w.side.prefill_done(("b", 0), (3,), 16, 1, 1.0), 1.0)
     w.peer_instance_down("d", "decode-worker-0 died (killed by SIGKILL)", 2.0)
-    w.apply(w.rdv.cancel("b", 0, "aborted", 2.0), 2.0)
+    w.apply(w.side.cancel(("b", 0), "aborted", 2.0), 2.0)
     assert [(x.transfer_id, x.lost) for x in w.sent] == [
         ("a", "decode instance failed: decode-worker-0 died (killed by SIGKILL)"), ("b", "")]
