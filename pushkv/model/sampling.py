@@ -158,7 +158,8 @@ def sample(logits: torch.Tensor, seqs: Sequence[SeqWork]) -> Sampled:
     rows.add("inv_t", inv_t, floats=True)
     plan = _draw_plan(ps, hs, logits.shape[1], rows) if hot else None
     t = rows.upload(dev)
-    cold_tokens = drawn = None
+    cold_tokens: Optional[torch.Tensor] = None
+    drawn: Optional[torch.Tensor] = None
     if cold:
         x = logits[t["cold"]] if hot else logits.clone()
         _edit(x, [params[i] for i in cold], [seqs[i] for i in cold])
@@ -171,13 +172,17 @@ def sample(logits: torch.Tensor, seqs: Sequence[SeqWork]) -> Sampled:
             x.mul_(scale)
         else:
             x = logits[t["hot"]].mul_(scale) if cold else logits * scale  # one new tensor either way
+        assert plan is not None
         drawn = _draw(x, plan, t)
-    if cold and hot:
+    if cold_tokens is not None and drawn is not None:
         tokens = torch.empty(len(seqs), dtype=torch.long, device=dev)
         tokens[t["cold"]] = cold_tokens
         tokens[t["hot"]] = drawn
+    elif cold_tokens is not None:
+        tokens = cold_tokens
     else:
-        tokens = cold_tokens if cold else drawn
+        assert drawn is not None  # every seq is cold or hot
+        tokens = drawn
     tokens_list = tokens.tolist()
     if all(p.logprobs < 0 for p in params):
         return Sampled(tokens_list)
@@ -251,7 +256,7 @@ def _sample_kernel(logits: torch.Tensor, seqs: Sequence[SeqWork], params: list[S
     return Sampled(tokens, _logprobs(logits, out, params))
 
 
-def _edit(x: torch.Tensor, params: list[SamplingParams], seqs: list[SeqWork]) -> None:
+def _edit(x: torch.Tensor, params: list[SamplingParams], seqs: Sequence[SeqWork]) -> None:
     """Bias, penalties and suppression, in place, as sparse scatters: touches only the ids a
     request names or generated, never the whole vocabulary. Penalties are computed on the
     device from the padded output histories (no per-token Python loop)."""
@@ -308,24 +313,28 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def _draw(x: torch.Tensor, plan: _DrawPlan, t: dict[str, torch.Tensor]) -> torch.Tensor:
     """One token per row of the temperature-scaled, edited logits: top_k -> min_p -> top_p -> draw."""
     u = t["u"]
-    both = bool(plan.plain and plan.filtered)
-    out = torch.empty(x.shape[0], dtype=torch.long, device=x.device) if both else None
-    if plan.plain:  # no filter: the whole distribution, in vocabulary order
-        sub = x[t["plain"]] if both else x  # ours to overwrite: x is sample()'s own copy
-        got = _inverse_cdf(sub.sub_(sub.max(-1, keepdim=True).values).exp_(), u[t["plain"]] if both else u)
-        if not both:
-            return got
-        out[t["plain"]] = got
-    sub, uf = (x[t["filtered"]], u[t["filtered"]]) if both else (x, u)
+    if not plan.filtered:  # x is sample()'s own copy: ours to overwrite
+        return _draw_plain(x, u)
+    if not plan.plain:
+        return _draw_filtered(x, plan, t, u)
+    out = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
+    out[t["plain"]] = _draw_plain(x[t["plain"]], u[t["plain"]])
+    out[t["filtered"]] = _draw_filtered(x[t["filtered"]], plan, t, u[t["filtered"]])
+    return out
+
+
+def _draw_plain(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """No filter: the whole distribution, in vocabulary order (``x`` overwritten)."""
+    return _inverse_cdf(x.sub_(x.max(-1, keepdim=True).values).exp_(), u)
+
+
+def _draw_filtered(x: torch.Tensor, plan: _DrawPlan, t: dict[str, torch.Tensor], u: torch.Tensor) -> torch.Tensor:
     mask = t["mask"].view(-1, 3)
-    got, spill = _draw_window(sub, plan, mask, t["has_k"], uf)
+    got, spill = _draw_window(x, plan, mask, t["has_k"], u)
     if spill:  # the window did not hold these rows' candidates: sort their whole rows
         back = _up(spill, x.device)
-        got[back] = _draw_sorted(sub[back], mask[back], t["has_k"][back], uf[back])
-    if not both:
-        return got
-    out[t["filtered"]] = got
-    return out
+        got[back] = _draw_sorted(x[back], mask[back], t["has_k"][back], u[back])
+    return got
 
 
 def _draw_window(x: torch.Tensor, plan: _DrawPlan, mask: torch.Tensor, has_k: torch.Tensor,
@@ -412,11 +421,10 @@ def _logprobs_torch(raw: torch.Tensor, tokens: torch.Tensor, params: list[Sampli
     if kmax:  # one copy to the host: [chosen, top values, top ids] per row (ids < 2^24: exact in fp32)
         top_v, top_i = x.topk(kmax, dim=-1)
         host = torch.cat([chosen, top_v - lse, top_i.to(x.dtype)], dim=1).tolist()
-        chosen = [r[0] for r in host]
-        top_v = [r[1:1 + kmax] for r in host]
-        top_i = [[int(t) for t in r[1 + kmax:]] for r in host]
+        lps: list[float] = [r[0] for r in host]
+        vals: list[list[float]] = [r[1:1 + kmax] for r in host]
+        ids: list[list[int]] = [[int(t) for t in r[1 + kmax:]] for r in host]
     else:
-        chosen = chosen.squeeze(1).tolist()
-        top_v = top_i = [[]] * len(rows)
-    return [TokenLogprob(chosen[j], tuple(top_i[j][:params[i].logprobs]), tuple(top_v[j][:params[i].logprobs]))
+        lps, vals, ids = chosen.squeeze(1).tolist(), [[]] * len(rows), [[]] * len(rows)
+    return [TokenLogprob(lps[j], tuple(ids[j][:params[i].logprobs]), tuple(vals[j][:params[i].logprobs]))
             for j, i in enumerate(rows)]

@@ -115,22 +115,19 @@ class StepTensors:
         # arguments on it, so unaligned views compiled new kernel variants mid-serving
         starts = np.cumsum([0] + [-(-n // ALIGN_INT32) * ALIGN_INT32 for n in sizes])
         total = int(starts[-1])
-        if device.type == "cuda":
-            staging = staging or Staging()
-            pinned = staging.take(total)[:total]
-            host = pinned.numpy()
-        else:
-            host = np.zeros(total, np.int32)
+        stage = (staging or Staging()) if device.type == "cuda" else None
+        pinned = stage.take(total)[:total] if stage is not None else torch.from_numpy(np.zeros(total, np.int32))
+        host = pinned.numpy()
         for p, a, n in zip(parts, starts, sizes):
             host[a:a + n] = p
-        if device.type == "cuda":
+        if stage is not None:
             dev = pinned.to(device, non_blocking=True)
-            staging.copied()
+            stage.copied()
         else:
-            dev = torch.from_numpy(host)
+            dev = pinned
         views = [dev[a:a + n] for a, n in zip(starts.tolist(), sizes)]
         table = views.pop().view(plan.block_table.shape)
-        return StepTensors(*views, block_table=table, block_q=plan.block_q)
+        return StepTensors(**dict(zip(_FIELDS, views)), block_table=table, block_q=plan.block_q)
 
 
 ALIGN_INT32 = 4  # 16 bytes

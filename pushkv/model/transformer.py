@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,9 @@ from pushkv.model.rope import cos_sin, cos_sin_rows, dynamic_spans, seq_spans
 from pushkv.model.sampling import Sampled, sample
 from pushkv.model.shard import ShardPlan
 from pushkv.model.weights import TORCH_DTYPES, LayerWeights, RankWeights
+
+if TYPE_CHECKING:
+    from pushkv.model.batched import BatchedForward
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +75,7 @@ class Model:
         self.window_layers = frozenset(cfg.window_layers) if cfg.sliding_window > 0 else frozenset()
         self.rope_dim = cfg.head_dim  # dims RoPE rotates (MLA: the decoupled part only)
         self._cos = self._sin = torch.empty(0)
-        self.batched = None  # BatchedForward: one packed pass per step, attention in place
+        self.batched: Optional[BatchedForward] = None  # one packed pass per step, attention in place
 
     def enable_batched(self, max_num_seqs: int = 64, use_graphs=None) -> None:
         """Run steps through pushkv.model.batched (the GPU path; on CPU, for tests)."""
@@ -102,18 +105,18 @@ class Model:
     @torch.inference_mode()
     def logits(self, seqs: Sequence[SeqWork], pool: torch.Tensor, on_layer=None) -> torch.Tensor:
         """float32 [num sampled seqs, vocab] logits of each sampled seq's last position."""
-        pool = self._layer_pools(pool)
+        pools = self._layer_pools(pool)
         if not seqs:
             return torch.empty(0, self.cfg.vocab_size)
         for s in seqs:
-            self._check_seq(s, pool[0].shape[-2])
+            self._check_seq(s, pools[0].shape[-2])
         run = self.batched.logits if self.batched is not None else self._forward
         if not self.cfg.deterministic:
-            return run(list(seqs), pool, on_layer)
+            return run(list(seqs), pools, on_layer)
         # Each seq alone: its matmul shapes, hence its bytes, never depend on the batch. A layer
         # holds the whole step's K/V once the last seq's pass has stored it.
         last = len(seqs) - 1
-        parts = [p for p in (run([s], pool, on_layer if i == last else None) for i, s in enumerate(seqs))
+        parts = [p for p in (run([s], pools, on_layer if i == last else None) for i, s in enumerate(seqs))
                  if p.shape[0]]
         return torch.cat(parts) if parts else torch.empty(0, self.cfg.vocab_size)
 
@@ -153,6 +156,7 @@ class Model:
         k = k.view(-1, p.kv_heads, hd)
         v = v.view(-1, p.kv_heads, hd)
         if lw.q_norm is not None:
+            assert lw.k_norm is not None  # (the two come together)
             q = rms_norm(q, lw.q_norm, eps)
             k = rms_norm(k, lw.k_norm, eps)
         cos, sin = rope[0][:, None, :], rope[1][:, None, :]
@@ -259,7 +263,9 @@ class Model:
 
     def _forward(self, seqs: list[SeqWork], pool: list[torch.Tensor], on_layer=None) -> torch.Tensor:
         bs = pool[0].shape[-2]
-        ids, pos, plans, last_rows = [], [], [], []
+        ids: list[int] = []
+        pos: list[int] = []
+        plans, last_rows = [], []
         for s in seqs:
             r0 = len(ids)
             ids.extend(s.token_ids)
