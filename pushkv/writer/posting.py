@@ -61,9 +61,9 @@ class SpanPost:
     regions: Any = None
 
 
-class PostHost(Protocol):
-    """What :class:`Posting` asks of its shell: its NIXL agent and memory (set in its setup),
-    the peer table, tracing, and the role's ``notif_<Type>`` handlers and transfer hooks."""
+class PartHost(Protocol):
+    """What every part of the writer shell asks of it (``Posting``, ``warm.WarmUp``): its name
+    and counters, our rank, its NIXL agent and memory (set in its setup), the peer table."""
 
     name: str
     counters: Any
@@ -71,6 +71,12 @@ class PostHost(Protocol):
     nixl: NixlAgent
     memory: Memory
     peers: Peers
+
+
+class PostHost(PartHost, Protocol):
+    """What :class:`Posting` asks of its shell besides: tracing, and the role's ``notif_<Type>``
+    handlers and transfer hooks."""
+
     stuck_s: float  # an InFlight older than this is abandoned (a peer that vanished mid-transfer)
     last_activity: float
 

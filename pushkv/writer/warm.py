@@ -24,11 +24,9 @@ from typing import Any, Iterable, Optional, Protocol
 
 from pushkv import faults
 from pushkv import messages as m
-from pushkv.transport.nixl_agent import NixlAgent
-from pushkv.writer.memory import Memory
-from pushkv.writer.peers import Peer, Peers
+from pushkv.writer.peers import Peer
 from pushkv.writer.poll import poll_ms, spin_s
-from pushkv.writer.posting import InFlight
+from pushkv.writer.posting import InFlight, PartHost
 
 log = logging.getLogger(__name__)
 
@@ -37,16 +35,9 @@ BEAT_BYTES = 256 << 10
 HINT_SPIN_MAX_S = 30.0  # a wake hint keeps us hot at most this long, whatever size it names
 
 
-class WarmHost(Protocol):
-    """What :class:`WarmUp` asks of its shell: its NIXL agent, memory and GPU (set in its
-    setup), the peer table."""
+class WarmHost(PartHost, Protocol):
+    """What :class:`WarmUp` asks of its shell besides a part's: its GPU (set in its setup)."""
 
-    name: str
-    counters: Any
-    rank: int
-    nixl: NixlAgent
-    memory: Memory
-    peers: Peers
     device_uuid: str  # our pool's GPU ("" on the CPU)
 
 
