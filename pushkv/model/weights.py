@@ -30,7 +30,7 @@ def hf_names(cfg: ModelConfig, attn_names=None) -> list[tuple[str, tuple[int, ..
     attn_names(cfg, prefix) names a layer's attention parameters when they are not the
     dense ones (MLA: pushkv.model.mla_weights.mla_names)."""
     d, hd = cfg.hidden_size, cfg.head_dim
-    out = [("model.embed_tokens.weight", (cfg.vocab_size, d))]
+    out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (cfg.vocab_size, d))]
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         out.append((p + "input_layernorm.weight", (d,)))
@@ -64,7 +64,7 @@ def _mlp_names(cfg: ModelConfig, p: str) -> list[tuple[str, tuple[int, ...]]]:
         return [(p + "mlp.gate_proj.weight", (i, d)), (p + "mlp.up_proj.weight", (i, d)),
                 (p + "mlp.down_proj.weight", (d, i))]
     m = moe_parts(cfg.architecture)
-    out = [(f"{p}{m.block}.gate.weight", (cfg.num_experts, d))]
+    out: list[tuple[str, tuple[int, ...]]] = [(f"{p}{m.block}.gate.weight", (cfg.num_experts, d))]
     for e in range(cfg.num_experts):
         x = f"{p}{m.block}.experts.{e}."
         out += [(x + m.gate + ".weight", (i, d)), (x + m.up + ".weight", (i, d)), (x + m.down + ".weight", (d, i))]
