@@ -157,7 +157,7 @@ class PrefillWriter(WriterBase):
     def _hold_for_read(self, msg: m.HoldKV) -> None:
         """Keep the blocks under a lease until D's READ is done."""
         now = time.monotonic()
-        if not self.side.rdv.produces:  # a replica rank: no D rank reads from it
+        if not self.side.produces:  # a replica rank: no D rank reads from it
             self._apply_leases([A.Completed(msg.transfer_id, msg.generation, "replica"),
                                 A.FreeBlocks(msg.transfer_id, msg.generation, msg.block_ids, "replica")], now)
             return

@@ -201,6 +201,11 @@ class PrefillSide:
     def live(self, key: Key) -> bool:
         return self.rdv.state_of(*key) is not None
 
+    @property
+    def produces(self) -> bool:
+        """False on a replica rank (a lower rank produces every head it holds): it writes nothing."""
+        return self.rdv.produces
+
     # -- the records and the effects -------------------------------------------------------------
     def record(self, key: Key) -> PrefillTransfer:
         """The transfer's record, made on first use."""

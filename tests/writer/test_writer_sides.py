@@ -151,6 +151,15 @@ def test_prefill_side_knows_who_registered_and_whether_it_waits():
     assert not side.waiting(T) and side.live(T)  # writing
 
 
+def test_a_replica_rank_writes_nothing():
+    side = S.PrefillSide(rv.PushRendezvous(1, 2, 1, registration_wait_s=5, transfer_s=5))  # rank 0 holds the head
+    assert side.produces is False and _side().produces is True
+    assert side.prefill_done(T, (1,), 16, 7, 0.0) == [
+        A.Count("rendezvous_replica"),
+        S.Report(A.FreeBlocks("t", 0, (1,), "replica writes nothing"),
+                 S.PrefillTransfer(outcome=A.Completed("t", 0, "replica")))]
+
+
 def test_keys_of_effects_name_the_transfers_moved():
     effects = [S.Post(WRITE), A.Count("x"), S.Drop(("u", 1), "r"), S.Tell(("d", 0), m.WriteFailed("v", 2, 0, "r")),
                S.Refused(("w", 0), "progress", "writing", "e", True)]
