@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from pushkv import faults
 from pushkv import messages as m
 from pushkv.protocol import actions as A
 from pushkv.protocol import arrivals as ar
@@ -242,6 +243,7 @@ class VllmWriter(WarmWriter):
                 self.counters[e.name] += 1
 
     def _post_write(self, a: A.PostWrite, now: float) -> None:
+        faults.point(self.name, "post_write" if a.last else "post_part")  # tests: die mid-stream
         fl = InFlight(a.transfer_id, a.generation, posted=now, part=not a.last)
         try:
             for reg in a.registrations:
@@ -253,6 +255,8 @@ class VllmWriter(WarmWriter):
                     continue
                 regions = stream.write_regions(self.kv, a, peer.layout, reg.block_ids, reg.num_tokens, heads,
                                                self.groups)
+                if not regions:  # a part of blocks D's own prefix cache holds (D did not register them)
+                    continue
                 nbytes = sum(r[2] for r in regions)
                 done = m.WriteDone(a.transfer_id, a.generation, self.rank, 0, nbytes, len(regions))
                 fl.handles.append(self.post("WRITE", peer, regions, m.encode(done) if a.last else b""))
@@ -261,7 +265,8 @@ class VllmWriter(WarmWriter):
         except Exception as e:
             log.error("%s: WRITE failed to post: %s transfer_id=%s", self.name, e, a.transfer_id)
             fl.failed = f"WRITE failed to post: {e}"
-        mark("p_write_posted", a.transfer_id)
+        if a.last or fl.handles:  # a part: only one that moves bytes (the streaming e2e counts them)
+            mark("p_write_posted" if a.last else "p_part_posted", a.transfer_id)
         if fl.handles:
             self.inflight[(a.transfer_id, a.generation)] = fl
         else:
