@@ -264,11 +264,11 @@ class WorkerSide:
                 self.sent_early[msg.req_id] = msg  # still vLLM's (running, or freed by an abort)
                 _forget_oldest(self.sent_early)
                 return
-            if not msg.ok:
-                log.warning("pushkv: transfer %s (request %s) ended without a WRITE: %s",
-                            msg.transfer_id, msg.req_id, msg.reason)
             self.pending_sends.pop(msg.req_id, None)
-            if self._report(msg.req_id):
+            if self._report(msg.req_id):  # (a second answer, e.g. to a dead writer's stream, is dropped)
+                if not msg.ok:
+                    log.warning("pushkv: transfer %s (request %s) ended without a WRITE: %s",
+                                msg.transfer_id, msg.req_id, msg.reason)
                 sent.add(msg.req_id)
                 self.last_transfer = {"nbytes": msg.nbytes, "num_descs": msg.num_descs, "write_s": msg.write_s}
         elif isinstance(msg, w.BlocksReceived):
