@@ -1,26 +1,42 @@
-"""One MoE MLP layer of Qwen3-30B-A3B's shape (128 experts, 8 a token, hidden 2048, intermediate
-768, bf16) on a GPU: the grouped Triton kernels (pushkv/model/kernels/triton_moe.py) against the
-torch reference (pushkv/model/moe.py), side by side in one run, and each against its bounds.
+"""Qwen3-30B-A3B's MoE (128 experts, 8 a token, hidden 2048, expert intermediate 768, bf16) on a GPU
+against its bounds, in one command of under three minutes on an H200:
 
-- decode (1-64 tokens): bound by the bytes of the experts the batch actually chose (each read
-  once), at the device's HBM rate measured here by a plain copy;
-- prefill (4,096 tokens): bound by the FLOPs of the routed tokens (2 x 3 x d x i per slot), at
-  the matmul rate measured here by one large torch bf16 matmul.
+1. **layer**: one MoE MLP layer, the grouped Triton kernels (pushkv/model/kernels/triton_moe.py) eager
+   and captured in a CUDA graph (as the decode step runs them), against the torch reference
+   (pushkv/model/moe.py) and against the bound: the bytes of the experts the batch chose (each read
+   once) at the HBM rate a plain device copy reaches here, or the routed tokens' FLOPs at the rate
+   one 8k bf16 matmul reaches, whichever is larger. The graph runs LAYERS layers, each with its own
+   weights, so no expert is still in L2 from the layer before (a layer's time is the graph's / LAYERS);
+2. **tiles**: the same graph per decode batch for a sweep of tile shapes (``triton_moe.Tiles``), and
+   the best of each batch against ``tiles_for``'s choice;
+3. **model**: a whole decode step of the qwen3-30b-a3b preset (48 layers, random weights drawn on the
+   device, a context of --ctx tokens a sequence), CUDA graphs on, with ``tiles_for``'s tiles and with
+   the sweep's best, against its bytes bound: every non-expert weight once, the experts each layer's
+   routing actually chose (counted on the step's own tokens), and the KV read.
 
     python3 experiments/moe_bench.py --out DIR    (from the checkout's root)
+
+writes DIR/moe_bench.json (every figure) and DIR/moe_bench.md (the tables).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import time
 
 import torch
 
 from pushkv.model.kernels import triton_moe
+from pushkv.model.kernels.triton_moe import Tiles
 from pushkv.model.moe import moe_mlp, route
 
 E, K, D, INTER = 128, 8, 2048, 768
+LAYERS = 8  # layers (own weights each) in the layer graph: 8 x 1.2 GB, far past L2
+SWEPT = (1, 8, 32, 64)  # the decode batches swept (and the whole model's)
+SWEEP = [Tiles(16, bu, bd, bk, 4, st) for bu, bd, bk in
+         ((16, 32, 128), (16, 64, 256), (32, 64, 128), (32, 64, 64), (32, 128, 128), (64, 64, 64), (64, 128, 128))
+         for st in (3, 4)]
 
 
 def timed(fn, reps: int = 20) -> float:
@@ -49,19 +65,36 @@ def device_rates() -> tuple[float, float]:
     return hbm, 2 * 8192 ** 3 / (ms / 1e3)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="out")
-    ap.add_argument("--tokens", default="1,2,4,8,16,32,64,4096")
-    args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    torch.manual_seed(0)
-    hbm, flops = device_rates()
-    router = torch.randn(E, D, dtype=torch.bfloat16, device="cuda") / D ** 0.5
-    gate_up = torch.randn(E, 2 * INTER, D, dtype=torch.bfloat16, device="cuda") / D ** 0.5
-    down = torch.randn(E, D, INTER, dtype=torch.bfloat16, device="cuda") / INTER ** 0.5
-    expert_bytes = (gate_up[0].numel() + down[0].numel()) * 2
-    rows = []
+def graphed(fn) -> torch.cuda.CUDAGraph:
+    """fn captured in a CUDA graph, after a warm-up (compiles) on a side stream."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+def layer_graph_ms(h, layers, tiles=None) -> float:
+    """ms per layer of LAYERS layers in one CUDA graph (each layer on the previous one's output)."""
+    def run():
+        x = h
+        for router, gate_up, down in layers:
+            x = triton_moe.moe_mlp(x, router, gate_up, down, K, True, tiles)
+    g = graphed(run)
+    return timed(g.replay) / len(layers)
+
+
+def bench_layers(args, hbm: float, flops: float) -> tuple[list, list]:
+    layers = [(torch.randn(E, D, dtype=torch.bfloat16, device="cuda") / D ** 0.5,
+               torch.randn(E, 2 * INTER, D, dtype=torch.bfloat16, device="cuda") / D ** 0.5,
+               torch.randn(E, D, INTER, dtype=torch.bfloat16, device="cuda") / INTER ** 0.5) for _ in range(LAYERS)]
+    router, gate_up, down = layers[0]
+    expert_bytes = 3 * D * INTER * 2
+    rows, sweep = [], []
     for T in [int(t) for t in args.tokens.split(",")]:
         h = torch.randn(T, D, dtype=torch.bfloat16, device="cuda")
         _, experts = route(h, router, K, True)
@@ -70,26 +103,163 @@ def main() -> None:
         got = triton_moe.moe_mlp(h, router, gate_up, down, K, True)
         err = float((ref.float() - got.float()).abs().max() / ref.float().abs().max())
         ms_k = timed(lambda h=h: triton_moe.moe_mlp(h, router, gate_up, down, K, True))
-        ms_t = timed(lambda h=h: moe_mlp(h, router, gate_up, down, K, True), 5 if T > 64 else 20)
-        bytes_bound_ms = chosen * expert_bytes / hbm * 1e3
-        flop_bound_ms = 2 * 3 * D * INTER * T * K / flops * 1e3
-        bound = max(bytes_bound_ms, flop_bound_ms)
-        row = {"tokens": T, "experts_chosen": chosen, "kernel_ms": round(ms_k, 4), "torch_ms": round(ms_t, 4),
-               "speedup": round(ms_t / ms_k, 2), "bound_ms": round(bound, 4),
-               "bound": "bytes" if bytes_bound_ms >= flop_bound_ms else "flops",
-               "x_bound": round(ms_k / bound, 2), "max_rel_err": round(err, 5)}
+        ms_g = layer_graph_ms(h, layers)
+        ms_t = timed(lambda h=h: moe_mlp(h, router, gate_up, down, K, True), 5 if T > 64 else 10)
+        bytes_ms = chosen * expert_bytes / hbm * 1e3
+        flop_ms = 2 * 3 * D * INTER * T * K / flops * 1e3
+        bound = max(bytes_ms, flop_ms)
+        row = {"tokens": T, "experts_chosen": chosen, "graph_ms": round(ms_g, 4), "eager_ms": round(ms_k, 4),
+               "torch_ms": round(ms_t, 4), "bound_ms": round(bound, 4),
+               "bound": "bytes" if bytes_ms >= flop_ms else "flops", "x_bound": round(ms_g / bound, 2),
+               "max_rel_err": round(err, 5), "tiles": list(triton_moe.tiles_for(T))}
+        if T in SWEPT:
+            times = {}
+            for t in SWEEP:
+                try:
+                    times[t] = layer_graph_ms(h, layers, t)
+                except Exception as e:  # a tile the device cannot run (shared memory): said, not hidden
+                    print(f"tokens {T}: tiles {tuple(t)} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            best = min(times, key=times.__getitem__) if times else triton_moe.tiles_for(T)
+            times.setdefault(best, ms_g)
+            row.update(best_tiles=list(best), best_ms=round(times[best], 4), best_x_bound=round(times[best] / bound, 2))
+            sweep += [{"tokens": T, "tiles": list(t), "ms": round(ms, 4)} for t, ms in times.items()]
         rows.append(row)
         print(json.dumps(row), flush=True)
-    report = {"device": torch.cuda.get_device_name(), "hbm_GBps": round(hbm / 1e9), "bf16_TFLOPs": round(flops / 1e12),
-              "shape": {"experts": E, "k": K, "hidden": D, "intermediate": INTER}, "rows": rows}
+    del layers
+    torch.cuda.empty_cache()
+    return rows, sweep
+
+
+def bench_model(args, hbm: float, best: dict) -> list:
+    """Whole decode steps of the qwen3-30b-a3b preset with graphs on, against the bytes bound."""
+    from pushkv.config import preset
+    from pushkv.messages import SeqWork
+    from pushkv.model.build import build_model
+
+    t0 = time.perf_counter()
+    cfg = preset("qwen3-30b-a3b")
+    batches = [int(b) for b in args.batches.split(",")]
+    model = build_model(cfg, device="cuda", max_num_seqs=max(batches))
+    torch.cuda.synchronize()
+    print(f"qwen3-30b-a3b: weights drawn on the device in {time.perf_counter() - t0:.1f} s", flush=True)
+    w, fwd = model.w, model.batched
+    assert fwd.use_graphs, "CUDA graphs are off for the MoE model (PUSHKV_CUDA_GRAPHS=0?)"
+    item = model.dtype.itemsize
+    # read once a step: every layer's tensors but the experts, the final norm, the lm_head (the
+    # embedding only in the B rows looked up, left out)
+    dense = sum(t.numel() for lw in w.layers for name, t in vars(lw).items()
+                if isinstance(t, torch.Tensor) and name not in ("gate_up", "down"))
+    dense += w.final_norm.numel() + w.lm_head.numel()
+    expert_bytes = 3 * cfg.hidden_size * cfg.intermediate_size * item
+    u, ctx = 16, args.ctx
+    nb = -(-(ctx + 1) // u)
+    lay = model.kv_layout(1, u)
+    pool = torch.empty(max(batches) * nb, lay.num_layers, 2, lay.kv_heads, u, lay.head_dim, dtype=model.dtype,
+                       device="cuda").normal_()
+    views = model._layer_pools(pool)
+    rows = []
+    for B in batches:
+        seqs = [SeqWork(i, (1 + 7 * i,), ctx, tuple(range(i * nb, (i + 1) * nb))) for i in range(B)]
+        chosen = _chosen_experts(fwd, seqs, views)
+        nbytes = dense * item + sum(chosen) * expert_bytes \
+            + B * (ctx + 1) * cfg.kv_bytes_per_token()
+        bound_ms = nbytes / hbm * 1e3
+        row = {"batch": B, "ctx": ctx, "experts_chosen_per_layer": round(sum(chosen) / len(chosen), 1),
+               "bound_ms": round(bound_ms, 3), "bytes_GB": round(nbytes / 1e9, 2)}
+        for name, tiles in (("default", None), ("best", best.get(B))):
+            if name == "best" and tiles is None:
+                continue
+            _use_tiles(fwd, tiles)
+            fwd.use_graphs = False
+            eager = timed(lambda seqs=seqs: fwd.logits(seqs, views), 3)
+            fwd.use_graphs = True
+            graph = timed(lambda seqs=seqs: fwd.logits(seqs, views), 10)
+            assert B in fwd.graphs, f"batch {B} did not replay a graph"
+            row.update({f"{name}_graph_ms": round(graph, 3), f"{name}_eager_ms": round(eager, 3),
+                        f"{name}_x_bound": round(graph / bound_ms, 2)})
+        _use_tiles(fwd, None)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def _chosen_experts(fwd, seqs, views) -> list[int]:
+    """Experts each layer's routing chooses for this step's tokens (one eager step, counted)."""
+    counts: list[int] = []
+    real = triton_moe.moe_mlp
+
+    def counting(h, router, gate_up, down, k, renorm, tiles=None):
+        counts.append(int(route(h, router, k, renorm)[1].unique().numel()))
+        return real(h, router, gate_up, down, k, renorm, tiles)
+
+    triton_moe.moe_mlp, fwd.use_graphs = counting, False
+    try:
+        fwd.logits(seqs, views)
+    finally:
+        triton_moe.moe_mlp, fwd.use_graphs = real, True
+    return counts
+
+
+_TILES_FOR = triton_moe.tiles_for
+
+
+def _use_tiles(fwd, tiles) -> None:
+    """Make every MoE launch take these tiles (None: tiles_for's), and drop the graphs captured so far
+    (and their memory pool, as BatchedForward._graphs_for does)."""
+    triton_moe.tiles_for = _TILES_FOR if tiles is None else (lambda tokens: tiles)
+    if fwd.graphs:
+        torch.cuda.synchronize()
+        fwd.graphs.clear()
+        fwd.graph_pool = None
+
+
+def markdown(report: dict) -> str:
+    out = [f"# MoE bench: {report['device']}, copy {report['hbm_GBps']} GB/s, matmul {report['bf16_TFLOPs']} TFLOP/s",
+           "", "## One layer (graph: per layer, within a graph of 8 layers with their own weights)", "",
+           "| tokens | experts read | graph ms | eager ms | torch ms | bound ms (kind) | graph / bound | "
+           "best swept tiles | best ms | best / bound | max rel err |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in report["layer"]:
+        out.append(f"| {r['tokens']} | {r['experts_chosen']} | {r['graph_ms']} | {r['eager_ms']} | {r['torch_ms']} | "
+                   f"{r['bound_ms']} ({r['bound']}) | {r['x_bound']} | {r.get('best_tiles', '')} | "
+                   f"{r.get('best_ms', '')} | {r.get('best_x_bound', '')} | {r['max_rel_err']} |")
+    out += ["", f"## Whole decode step, qwen3-30b-a3b, context {report['model'][0]['ctx'] if report['model'] else ''}, "
+            "CUDA graphs on", "",
+            "| batch | experts / layer | bytes GB | bound ms | graph ms | x bound | eager ms | best-tiles graph ms | "
+            "x bound |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in report["model"]:
+        out.append(f"| {r['batch']} | {r['experts_chosen_per_layer']} | {r['bytes_GB']} | {r['bound_ms']} | "
+                   f"{r['default_graph_ms']} | {r['default_x_bound']} | {r['default_eager_ms']} | "
+                   f"{r.get('best_graph_ms', '')} | {r.get('best_x_bound', '')} |")
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="out")
+    ap.add_argument("--tokens", default="1,2,4,8,16,32,64,4096", help="layer: tokens a step")
+    ap.add_argument("--batches", default="1,8,32,64", help="whole model: decode batches (graph buckets)")
+    ap.add_argument("--ctx", type=int, default=512, help="whole model: context of each sequence")
+    ap.add_argument("--no-model", action="store_true", help="the layer and the sweep only")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    hbm, flops = device_rates()
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "hbm_GBps": round(hbm / 1e9),
+              "bf16_TFLOPs": round(flops / 1e12), "shape": {"experts": E, "k": K, "hidden": D, "intermediate": INTER}}
+    report["layer"], report["sweep"] = bench_layers(args, hbm, flops)
+    print(f"layer and sweep: {time.perf_counter() - t0:.0f} s", flush=True)
+    best = {r["tokens"]: Tiles(*r["best_tiles"]) for r in report["layer"] if "best_tiles" in r}
+    report["model"] = [] if args.no_model else bench_model(args, hbm, best)
+    report["seconds"] = round(time.perf_counter() - t0)
     with open(os.path.join(args.out, "moe_bench.json"), "w") as f:
         json.dump(report, f, indent=1)
-    print(f"device {report['device']}: copy {report['hbm_GBps']} GB/s, matmul {report['bf16_TFLOPs']} TFLOP/s")
-    print("| tokens | experts read | kernel ms | torch ms | speedup | bound ms (kind) | x bound | max rel err |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for r in rows:
-        print(f"| {r['tokens']} | {r['experts_chosen']} | {r['kernel_ms']} | {r['torch_ms']} | {r['speedup']}x | "
-              f"{r['bound_ms']} ({r['bound']}) | {r['x_bound']} | {r['max_rel_err']} |")
+    md = markdown(report)
+    with open(os.path.join(args.out, "moe_bench.md"), "w") as f:
+        f.write(md)
+    print(md)
+    print(f"done in {report['seconds']} s")
 
 
 if __name__ == "__main__":

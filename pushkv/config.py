@@ -101,7 +101,7 @@ class RopeScaling(msgspec.Struct, frozen=True):
 
     rope_type: RopeType = "default"
     factor: float = 1.0
-    original_max_position: int = 0  # the context the model was pretrained on (llama3, yarn)
+    original_max_position: int = 0  # the context the model was pretrained on (llama3, yarn, dynamic)
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
     beta_fast: float = 32.0  # yarn

@@ -26,4 +26,5 @@ Engine = Literal["auto", "batched", "per-seq"]
 RandomInit = Literal["cpu", "device"]
 LinkOrder = Literal["arrival", "shortest", "deadline"]  # which queued WRITE goes next on a link
 Staging = Literal["auto", "transport", "pushkv"]  # who stages a GPU pool's KV through host memory (writer/staging.py)
-RopeType = Literal["default", "linear", "llama3", "yarn"]  # RoPE frequency schemes built (pushkv/model/rope.py)
+# RoPE frequency schemes built (pushkv/model/rope.py)
+RopeType = Literal["default", "linear", "dynamic", "llama3", "yarn"]

@@ -15,7 +15,9 @@ from pushkv.kinds import FinishReason, PoolKind, Rendezvous, Role, StreamSent  #
 
 
 class Msg(msgspec.Struct, tag=True, array_like=True, frozen=True, gc=False):
-    """Base of every wire message (tag = class name)."""
+    """Base of every wire message (tag = class name). Each subclass says ``frozen=True`` again:
+    msgspec inherits it at run time, but mypy's dataclass_transform reads a subclass without it
+    as mutable (and refuses it under a frozen base)."""
 
 
 # ---------------------------------------------------------------------------
@@ -128,6 +130,9 @@ class SeqWork(msgspec.Struct, array_like=True, frozen=True, gc=False):
     history: tuple[int, ...] = ()  # output so far, when a penalty needs it
     suppress: tuple[int, ...] = ()  # ids that may not be sampled now (stop ids before min_tokens)
     checksum: Literal["", "sample", "full"] = ""  # P, the prompt's last chunk: answer the KV's checksums (--kv-verify)
+    # dynamic RoPE: the sequence length whose frequencies these tokens take (a prompt's chunk: the
+    # whole prompt's, as transformers' one prefill takes them); 0: start_pos + len(token_ids)
+    rope_len: int = 0
 
 
 class KVTransferStats(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -148,7 +153,7 @@ class KVTransferStats(msgspec.Struct, array_like=True, frozen=True, gc=False):
 # ---------------------------------------------------------------------------
 # Channel: router <-> scheduler
 # ---------------------------------------------------------------------------
-class Generate(Msg):
+class Generate(Msg, frozen=True):
     transfer_id: str
     generation: int
     leg: Role
@@ -167,17 +172,17 @@ class Generate(Msg):
     prefill_here: bool = False
 
 
-class Abort(Msg):
+class Abort(Msg, frozen=True):
     transfer_id: str
     generation: int
     reason: str = "aborted by client"
 
 
-class GetStats(Msg):
+class GetStats(Msg, frozen=True):
     pass
 
 
-class TokensGenerated(Msg):
+class TokensGenerated(Msg, frozen=True):
     transfer_id: str
     generation: int
     token_ids: tuple[int, ...]
@@ -196,7 +201,7 @@ class TokensGenerated(Msg):
     decode_prefill_tokens: int = 0
 
 
-class PrefillFinished(Msg):
+class PrefillFinished(Msg, frozen=True):
     """P's leg is done (push: KV written; pull: KV held under lease)."""
 
     transfer_id: str
@@ -213,14 +218,14 @@ class PrefillFinished(Msg):
     prefill_step_context: int = 0
 
 
-class RequestFailed(Msg):
+class RequestFailed(Msg, frozen=True):
     transfer_id: str
     generation: int
     reason: str
     status: int = 500  # HTTP status the router should answer with
 
 
-class Stats(Msg):
+class Stats(Msg, frozen=True):
     engine_id: str
     role: Role
     num_blocks: int
@@ -231,7 +236,7 @@ class Stats(Msg):
     cached_blocks: int = 0  # blocks in the prefix cache's index (held by requests or evictable)
 
 
-class PeerLost(Msg):
+class PeerLost(Msg, frozen=True):
     """An instance of the other role is gone (its lease lapsed, it was withdrawn) or came back
     as a new incarnation: the router tells every scheduler, which tells its writers. Across
     hosts this is the only peer-death news (no shared supervisor): writers end their transfers
@@ -243,7 +248,7 @@ class PeerLost(Msg):
     reason: str
 
 
-class RouterEpoch(Msg):
+class RouterEpoch(Msg, frozen=True):
     """The router's first message on each scheduler link: its epoch, the wall clock's ns at its
     start. A scheduler that hears a newer epoch aborts every request another router sent (the
     router before a restart: nobody will read those tokens) and frees their blocks; an older
@@ -259,7 +264,7 @@ SchedulerToRouter = Union[TokensGenerated, PrefillFinished, RequestFailed, Stats
 # ---------------------------------------------------------------------------
 # Channel: scheduler <-> worker
 # ---------------------------------------------------------------------------
-class ExecuteStep(Msg):
+class ExecuteStep(Msg, frozen=True):
     step_id: int
     seqs: tuple[SeqWork, ...]
     # layer-streamed push (P): the streaming prompts this step computes, each with the tokens it
@@ -267,7 +272,7 @@ class ExecuteStep(Msg):
     stream: tuple["StreamKV", ...] = ()
 
 
-class StepDone(Msg):
+class StepDone(Msg, frozen=True):
     step_id: int
     sampled: tuple[int, ...]  # one per seq with sample=True, in order
     compute_s: float = 0.0
@@ -276,12 +281,12 @@ class StepDone(Msg):
     checksums: tuple[KVChecksums, ...] = ()
 
 
-class StepFailed(Msg):
+class StepFailed(Msg, frozen=True):
     step_id: int
     reason: str
 
 
-class VerifyKV(Msg):
+class VerifyKV(Msg, frozen=True):
     """D, before a request's first decode step: recompute the checksums over the blocks the KV
     landed in and compare them with P's (this rank's heads)."""
 
@@ -291,7 +296,7 @@ class VerifyKV(Msg):
     checksums: KVChecksums
 
 
-class KVVerified(Msg):
+class KVVerified(Msg, frozen=True):
     """A worker rank's answer to ``VerifyKV``: ``reason`` is "" when every checked sum matched."""
 
     transfer_id: str
@@ -305,7 +310,7 @@ SchedulerToWorker = Union[ExecuteStep, VerifyKV]
 WorkerToScheduler = Union[StepDone, StepFailed, KVVerified]
 
 
-class LayersStored(Msg):
+class LayersStored(Msg, frozen=True):
     """P worker -> its writer (layer-streamed push): layer group ``group`` of step ``step_id``
     is in the pool (on CUDA: the event recorded after the group's last store has completed), so
     each entry's first ``num_tokens`` tokens of that group may leave."""
@@ -321,7 +326,7 @@ WorkerToWriter = Union[LayersStored]
 # ---------------------------------------------------------------------------
 # Channel: scheduler <-> writer
 # ---------------------------------------------------------------------------
-class SendKV(Msg):
+class SendKV(Msg, frozen=True):
     """P: these finished blocks hold the request's KV; push them to D."""
 
     transfer_id: str
@@ -332,7 +337,7 @@ class SendKV(Msg):
     checksums: Optional[KVChecksums] = None  # --kv-verify: sent to D with the WRITE's notification
 
 
-class StreamKV(Msg):
+class StreamKV(Msg, frozen=True):
     """P, streaming push: the prompt's first ``num_tokens`` tokens are in these blocks (a
     prefill chunk ended, more of the prompt is still computing). The writer WRITEs what is
     whole on both sides now; ``SendKV`` still follows at the end of prefill."""
@@ -343,7 +348,7 @@ class StreamKV(Msg):
     num_tokens: int
 
 
-class HoldKV(Msg):
+class HoldKV(Msg, frozen=True):
     """P (pull): keep these blocks under a lease until D has read them."""
 
     transfer_id: str
@@ -355,7 +360,7 @@ class HoldKV(Msg):
     write: bool = False  # D registers after the relay and we WRITE (not: D READs under a lease)
 
 
-class ExpectKV(Msg):
+class ExpectKV(Msg, frozen=True):
     """D (push): blocks are reserved; register them with P's writers."""
 
     transfer_id: str
@@ -367,7 +372,7 @@ class ExpectKV(Msg):
     cached_tokens: int = 0  # the prompt's first tokens D holds already (prefix cache): not to be written
 
 
-class ReadKV(Msg):
+class ReadKV(Msg, frozen=True):
     """D (pull, background): READ P's blocks into ours."""
 
     transfer_id: str
@@ -379,13 +384,13 @@ class ReadKV(Msg):
     cached_tokens: int = 0  # the prompt's first tokens D holds already (prefix cache): not to be moved
 
 
-class CancelKV(Msg):
+class CancelKV(Msg, frozen=True):
     transfer_id: str
     generation: int
     reason: str = "cancelled"
 
 
-class KVSent(Msg):
+class KVSent(Msg, frozen=True):
     """P: the WRITE (push) or the remote READ (pull) finished; blocks may be freed."""
 
     transfer_id: str
@@ -399,7 +404,7 @@ class KVSent(Msg):
     stream: StreamSent = ""  # "layer" or "chunk"; "fallback": asked for but off (TransferPlan.fallback says why)
 
 
-class KVReceived(Msg):
+class KVReceived(Msg, frozen=True):
     transfer_id: str
     generation: int
     first_token: int
@@ -410,7 +415,7 @@ class KVReceived(Msg):
     checksums: Optional[KVChecksums] = None  # push: P's, from its WriteDone (--kv-verify)
 
 
-class KVFailed(Msg):
+class KVFailed(Msg, frozen=True):
     """Either side: the transfer failed; free the blocks, fail the request."""
 
     transfer_id: str
@@ -421,11 +426,11 @@ class KVFailed(Msg):
     lost: str = ""
 
 
-class WriterStats(Msg):
+class WriterStats(Msg, frozen=True):
     counters: dict[str, int] = {}
 
 
-class RenewKV(Msg):
+class RenewKV(Msg, frozen=True):
     """D (pull): this request still means to read P's blocks (queued here, or its READ in
     flight on this rank): renew P's lease on them with the producer ranks we read from."""
 
@@ -441,7 +446,7 @@ WriterToScheduler = Union[KVSent, KVReceived, KVFailed, WriterStats]
 # ---------------------------------------------------------------------------
 # Channel: writer <-> writer, carried as NIXL notifications
 # ---------------------------------------------------------------------------
-class Register(Msg):
+class Register(Msg, frozen=True):
     """D -> P: destination blocks for one request on one D rank."""
 
     transfer_id: str
@@ -460,7 +465,7 @@ class Register(Msg):
     cached_tokens: int = 0
 
 
-class WriteDone(Msg):
+class WriteDone(Msg, frozen=True):
     """P -> D: this P rank's WRITE into the registered blocks completed."""
 
     transfer_id: str
@@ -472,7 +477,7 @@ class WriteDone(Msg):
     checksums: Optional[KVChecksums] = None  # --kv-verify: P's sums of the KV this WRITE moved
 
 
-class PartWritten(Msg):
+class PartWritten(Msg, frozen=True):
     """P -> D (--staging pushkv): this P rank's part WRITE of a streamed transfer landed in the
     registered slots; its notification, which NIXL delivers after the part's data. D copies
     what every producer's part has landed into its blocks while later parts are on the wire."""
@@ -483,14 +488,14 @@ class PartWritten(Msg):
     spans: tuple[tuple[int, int, int], ...]  # (layer group, -1: every group; first token; end token)
 
 
-class WriteFailed(Msg):
+class WriteFailed(Msg, frozen=True):
     transfer_id: str
     generation: int
     p_rank: int
     reason: str
 
 
-class ReadDone(Msg):
+class ReadDone(Msg, frozen=True):
     """D -> P (pull): finished reading; P frees its leased blocks."""
 
     transfer_id: str
@@ -498,7 +503,7 @@ class ReadDone(Msg):
     d_rank: int
 
 
-class CancelTransfer(Msg):
+class CancelTransfer(Msg, frozen=True):
     """Either way: the other half was aborted; drop state and free blocks."""
 
     transfer_id: str
@@ -506,7 +511,7 @@ class CancelTransfer(Msg):
     reason: str
 
 
-class RenewLease(Msg):
+class RenewLease(Msg, frozen=True):
     """D -> P (pull): D rank ``d_rank`` still means to read; push the lease's deadline on
     (``protocol/lease.py``: now + lease_s, never past the cap lease_max_s)."""
 
@@ -525,7 +530,7 @@ PeerNotif = Union[Register, WriteDone, WriteFailed, ReadDone, CancelTransfer, Re
 WIRE_VERSION = 4  # 3: KVChecksums.sums packed as bytes; 4: control on the handshake link (HandshakeMsg)
 
 
-class Hello(Msg):
+class Hello(Msg, frozen=True):
     engine_id: str
     rank: int
     tp: int
@@ -545,7 +550,7 @@ class Hello(Msg):
     mem_kind: str = ""  # the memory NIXL moves: "VRAM" (the GPU pool) or "DRAM" (a host pool, or its mirror)
 
 
-class HelloRefused(Msg):
+class HelloRefused(Msg, frozen=True):
     """A writer's answer to a Hello it refuses (another wire version, model or layout): the
     reason, and none of its NIXL metadata."""
 
@@ -554,7 +559,7 @@ class HelloRefused(Msg):
     reason: str
 
 
-class TransferStarting(Msg):
+class TransferStarting(Msg, frozen=True):
     """Writer to a peer writer over the handshake link, just before posting a transfer with it:
     drive NIXL progress until it ends (a WRITE with a notification completes only as the
     target progresses, and NIXL notifications have no file descriptor to wake on)."""
@@ -574,7 +579,7 @@ HandshakeMsg = Union[Hello, TransferStarting, HelloRefused, Register, CancelTran
 # ---------------------------------------------------------------------------
 # Channel: any process <-> supervisor
 # ---------------------------------------------------------------------------
-class Ready(Msg):
+class Ready(Msg, frozen=True):
     name: str  # e.g. "prefill-writer-0"
     pid: int
     pool: Optional[PoolHandle] = None  # writer: the pool it owns, which its worker maps
@@ -582,15 +587,15 @@ class Ready(Msg):
     url: str = ""  # router: where it serves HTTP
 
 
-class Shutdown(Msg):
+class Shutdown(Msg, frozen=True):
     reason: str = ""
 
 
-class Ping(Msg):
+class Ping(Msg, frozen=True):
     pass
 
 
-class Pong(Msg):
+class Pong(Msg, frozen=True):
     name: str
     pid: int
     uptime_s: float
@@ -606,7 +611,7 @@ ControlMsg = Union[Ready, Shutdown, Ping, Pong]
 # events on its PUB socket (two frames: topic ``pushkv.<role>.<kind>.<event>``,
 # then a LifecycleEvent). The commands themselves live in supervisor/commands.py.
 # ---------------------------------------------------------------------------
-class ControlCommand(Msg):
+class ControlCommand(Msg, frozen=True):
     command: str  # "status", "stop", ...
     args: dict[str, str] = {}
 
@@ -626,7 +631,7 @@ class ProcessInfo(msgspec.Struct, array_like=True, frozen=True, gc=False):
     instance: int = 0  # index of the instance of its role
 
 
-class ControlReply(Msg):
+class ControlReply(Msg, frozen=True):
     command: str
     status: str  # "ok" | "error"
     reason: str = ""
@@ -634,7 +639,7 @@ class ControlReply(Msg):
     info: dict[str, str] = {}  # free-form text for people: deployment facts, command help
 
 
-class LifecycleEvent(Msg):
+class LifecycleEvent(Msg, frozen=True):
     name: str  # process name, or "deployment" / "supervisor" / "<role>.instance"
     event: str  # "spawn", "ready", "exit", "restart", "unhealthy", "stop", ...
     pid: int = 0
@@ -653,7 +658,7 @@ SupervisorInbound = Union[Ready, Pong, ControlCommand]
 # ---------------------------------------------------------------------------
 # Trace mirror: what any process sends/receives, for tools/trace/tap
 # ---------------------------------------------------------------------------
-class TraceEvent(Msg):
+class TraceEvent(Msg, frozen=True):
     t_mono: float
     t_wall: float
     process: str

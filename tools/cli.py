@@ -38,6 +38,8 @@ TOOLS: dict[str, tuple[str, str, str]] = {
     "roofline": ("tools.roofline", "main", "the batched engine's steps against their hardware bounds (GPU)"),
     "check-deploy": ("tools.check_deploy", "main", "offline checks of the Kubernetes manifests under deploy/"),
     "vllm-proxy": ("pushkv.vllm.proxy", "main", "the router in front of vLLM instances with the pushkv connector"),
+    "vllm-bench": ("tools.vllm_bench", "main", "vLLM P/D with the pushkv connector against vLLM's connectors on one "
+                   "client; --ab REV: this tree's connector against REV's, interleaved, TPOT ratio"),
     "plan": ("pushkv.plan.cli", "main", "predict TTFT and TPOT per mode and P:D ratio from a workload and a hardware "
              "profile (a simulation: starts nothing)"),
     "link-plan": ("tools.link_plan", "main", "the planner's link model against a link-bench run: its loads' TTFT "
@@ -52,7 +54,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "bench", "sweep", "plot", "stages", "stream-bench", "chat-bench", "chat-sweep", "prefix-bench"),
     "trace (one request's stages and transfer)": ("tap", "transfer-report"),
     "plan (no deployment: predictions and offline checks)": ("plan", "link-plan", "check-deploy"),
-    "vLLM": ("vllm-proxy",),
+    "vLLM": ("vllm-proxy", "vllm-bench"),
     "lab (instruments behind the docs' results; some need root or a GPU)": (
         "blocksec", "link-bench", "layout-report", "tcp-write-report", "sampling-bench", "roofline"),
 }

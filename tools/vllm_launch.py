@@ -25,11 +25,11 @@ def _get(url: str, timeout: float = 2.0) -> int:
 
 
 class Server:
-    def __init__(self, name: str, cmd: list[str], env: dict, url: str, log_path: str):
+    def __init__(self, name: str, cmd: list[str], env: dict, url: str, log_path: str, cwd: Optional[str] = None):
         self.name, self.url, self.log_path = name, url, log_path
         self._log = open(log_path, "ab")
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+                                     stdin=subprocess.DEVNULL, start_new_session=True, cwd=cwd)
 
     def wait_ready(self, path: str = "/health", timeout: float = START_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout
@@ -66,11 +66,13 @@ class Server:
 
 def vllm_server(name: str, model: str, port: int, core: int, log_dir: str, role: Optional[str] = None,
                 handshake_port: int = 0, connector: str = "PushKVConnector", extra_args=(),
-                kv_cache_bytes: int = 256 * 2**20, connector_config: Optional[dict] = None,
-                env: Optional[dict] = None) -> Server:
+                kv_cache_bytes: int = 256 * 2**20, code: Optional[str] = None,
+                connector_config: Optional[dict] = None, env: Optional[dict] = None) -> Server:
     """role None: a plain instance; "prefill"/"decode": with ``connector`` (pushkv's takes
-    ``connector_config`` into its extra config, e.g. ``{"stream_groups": 2}``); ``env`` is added to
-    the server's environment."""
+    ``connector_config`` into its extra config, e.g. ``{"stream_groups": 2}``). ``code``: a directory
+    holding another ``pushkv`` package (another commit's, for A/B runs): the instance, its engine
+    and its writers import pushkv from there (run in it, and first on PYTHONPATH). ``env`` is added
+    to the server's environment."""
     env = dict(os.environ, **(env or {}), HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND=str(core),
                VLLM_NIXL_SIDE_CHANNEL_PORT=str(handshake_port or port + 1000), OMP_NUM_THREADS="1",
                VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "INFO"))
@@ -88,16 +90,19 @@ def vllm_server(name: str, model: str, port: int, core: int, log_dir: str, role:
             cfg["kv_role"] = "kv_both"
             cfg["kv_buffer_device"] = "cpu"
         cmd += ["--kv-transfer-config", json.dumps(cfg)]
-    return Server(name, cmd, env, f"http://127.0.0.1:{port}", os.path.join(log_dir, f"{name}.log"))
+    if code is not None:  # `python -m` puts the working directory first on sys.path, then PYTHONPATH
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (code, env.get("PYTHONPATH", "")) if p)
+    return Server(name, cmd, env, f"http://127.0.0.1:{port}", os.path.join(log_dir, f"{name}.log"), cwd=code)
 
 
-def proxy_server(prefill: list[str], decode: list[str], port: int, log_dir: str, protocol: str = "pushkv") -> Server:
+def proxy_server(prefill: list[str], decode: list[str], port: int, log_dir: str, protocol: str = "pushkv",
+                 name: str = "proxy") -> Server:
     cmd = [sys.executable, "-m", "pushkv.vllm.proxy", "--port", str(port), "--protocol", protocol]
     for u in prefill:
         cmd += ["--prefill", u]
     for u in decode:
         cmd += ["--decode", u]
-    return Server("proxy", cmd, dict(os.environ), f"http://127.0.0.1:{port}", os.path.join(log_dir, "proxy.log"))
+    return Server(name, cmd, dict(os.environ), f"http://127.0.0.1:{port}", os.path.join(log_dir, f"{name}.log"))
 
 
 @contextmanager

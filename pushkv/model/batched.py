@@ -23,7 +23,7 @@ from pushkv import envs
 from pushkv.messages import SeqWork
 from pushkv.model.kernels import paged
 from pushkv.model.norms import rms_norm, rotate_half
-from pushkv.model.rope import cos_sin
+from pushkv.model.rope import cos_sin, cos_sin_rows, dynamic_spans, seq_spans
 from pushkv.model.step import Staging, StepPlan, StepTensors, plan_step
 
 log = logging.getLogger(__name__)
@@ -47,9 +47,8 @@ class BatchedForward:
                                      self.device, model.dtype)
         self.staging = Staging()
         self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.cuda else 1
-        if use_graphs is None:
-            # MoE: the torch experts size their groups on the host, which a graph cannot capture
-            use_graphs = self.cuda and model.tp_size == 1 and not cfg.is_moe and envs.PUSHKV_CUDA_GRAPHS
+        if use_graphs is None:  # MoE too: its CUDA kernels never wait for the host (kernels/triton_moe.py)
+            use_graphs = self.cuda and model.tp_size == 1 and envs.PUSHKV_CUDA_GRAPHS
         self.use_graphs = use_graphs
         self.fused = self.cuda and envs.PUSHKV_FUSED and not (self.hd & (self.hd - 1))
         self.max_num_seqs = max_num_seqs
@@ -64,10 +63,26 @@ class BatchedForward:
     def logits(self, seqs: Sequence[SeqWork], pools: list[torch.Tensor], on_layer=None) -> torch.Tensor:
         u = pools[0].shape[-2]
         plan = plan_step(seqs, u, self.block_q)
-        if self.use_graphs and plan.is_decode and plan.num_seqs <= self.max_num_seqs and on_layer is None:
+        spans = dynamic_spans(self.m.cfg.rope_scaling, seq_spans(seqs))
+        # a decode step's rows are all the table's (dynamic RoPE too), so graphs replay it
+        if self.use_graphs and plan.is_decode and plan.num_seqs <= self.max_num_seqs and on_layer is None \
+                and not spans:
             return self._replay(plan, pools)
         meta = StepTensors.upload(plan, self.device, self.staging)
-        return self.forward(meta, pools, self.decode_splits(plan.num_seqs), on_layer=on_layer)
+        rope = self._rope_rows(meta, spans) if spans else None
+        return self.forward(meta, pools, self.decode_splits(plan.num_seqs), on_layer=on_layer, rope=rope)
+
+    def _rope_rows(self, meta: StepTensors, spans) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(cos, sin, index) of a step with rows that dynamic RoPE rotates for their prompt's
+        length: the step's own rows (the table's, those spans recomputed), indexed 0..T-1."""
+        cfg = self.m.cfg
+        cos = self.cos.index_select(0, meta.positions)
+        sin = self.sin.index_select(0, meta.positions)
+        for row, start, n, length in spans:
+            cos[row:row + n], sin[row:row + n] = cos_sin_rows(cfg.rope_theta, self.hd, cfg.rope_scaling, start,
+                                                              start + n, length, self.device, self.m.dtype)
+        rows = torch.arange(cos.shape[0], device=self.device, dtype=meta.positions.dtype)
+        return cos, sin, rows
 
     def bucket(self, num_seqs: int) -> int:
         """The size of the graph a decode step of num_seqs replays (past max_num_seqs: num_seqs)."""
@@ -83,9 +98,11 @@ class BatchedForward:
         return max(1, min(16, -(-2 * self.sms // progs)))
 
     def forward(self, meta: StepTensors, pools: list[torch.Tensor], splits: int,
-                scratch=None, out_logits: Optional[torch.Tensor] = None, on_layer=None) -> torch.Tensor:
+                scratch=None, out_logits: Optional[torch.Tensor] = None, on_layer=None,
+                rope: Optional[tuple] = None) -> torch.Tensor:
+        """rope: (cos, sin, index) where the step's rows are not the table's at their positions."""
         run = self._layers_fused if self.fused else self._layers_torch
-        h = run(meta, pools, splits, scratch, on_layer)
+        h = run(meta, pools, splits, scratch, on_layer, rope or (self.cos, self.sin, meta.positions))
         T = meta.ids.shape[0]
         rows = h.index_select(0, meta.sample_rows.long()) if meta.sample_rows.shape[0] != T else h
         logits = F.linear(rows, self.m.w.lm_head).float()
@@ -94,14 +111,14 @@ class BatchedForward:
             return out_logits
         return logits
 
-    def _layers_torch(self, meta, pools, splits, scratch, on_layer=None) -> torch.Tensor:
+    def _layers_torch(self, meta, pools, splits, scratch, on_layer, rope) -> torch.Tensor:
         """Every layer with torch ops (the CPU path); returns the final-normed hidden rows."""
         m, cfg, p = self.m, self.m.cfg, self.m.plan
         hd, eps = self.hd, cfg.rms_eps
         T = meta.ids.shape[0]
         x = F.embedding(meta.ids, m.w.embed)
-        cos = self.cos.index_select(0, meta.positions)[:, None, :]
-        sin = self.sin.index_select(0, meta.positions)[:, None, :]
+        cos = rope[0].index_select(0, rope[2])[:, None, :]
+        sin = rope[1].index_select(0, rope[2])[:, None, :]
         attn = torch.empty(T, p.q_heads, hd, device=self.device, dtype=m.dtype)
         for layer, lw in enumerate(m.w.layers):
             h = rms_norm(x, lw.input_norm, eps)
@@ -122,7 +139,7 @@ class BatchedForward:
             x = m.mlp(lw, x)
         return rms_norm(x, m.w.final_norm, eps)
 
-    def _layers_fused(self, meta, pools, splits, scratch, on_layer=None) -> torch.Tensor:
+    def _layers_fused(self, meta, pools, splits, scratch, on_layer, rope) -> torch.Tensor:
         """Every layer with the fused Triton kernels: ~9 launches a layer."""
         from pushkv.model.kernels import triton_fused as K
 
@@ -134,13 +151,13 @@ class BatchedForward:
         attn = torch.empty(T, p.q_heads, self.hd, device=self.device, dtype=m.dtype)
         for layer, lw in enumerate(layers):
             q = K.qk_norm_rope_store(F.linear(h, lw.qkv, lw.qkv_bias), p.q_heads, p.kv_heads, self.hd,
-                                     lw.q_norm, lw.k_norm, eps, self.cos, self.sin, meta.positions, meta.slots,
+                                     lw.q_norm, lw.k_norm, eps, rope[0], rope[1], rope[2], meta.slots,
                                      pools[layer])
             if on_layer is not None:
                 on_layer(layer)
             paged.attention(q, pools[layer], meta, m.layer_window(layer), attn, splits, scratch)
             x, h = K.add_rms(x, m._all_reduce(F.linear(attn.view(T, -1), lw.o)), lw.post_norm, eps)
-            if lw.router is not None:  # MoE: the torch experts (a grouped Triton kernel is to come)
+            if lw.router is not None:  # MoE: the grouped Triton kernels (kernels/triton_moe.py)
                 delta = m.mlp_delta(lw, h)
             else:
                 delta = m._all_reduce(F.linear(K.silu_mul(F.linear(h, lw.gate_up)), lw.down))

@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 from pushkv.config import ModelConfig, SamplingDefaults
 from pushkv.model.arch import check_supported, family_of, num_experts_of
-from pushkv.model.rope import rope_of
+from pushkv.model.rope import max_position_of, rope_of
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ def model_config_from_hf(path: str, generation_config: str = "auto", **overrides
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
         intermediate_size=hf[moe.inter_key] if moe else hf["intermediate_size"],
         vocab_size=hf["vocab_size"],
-        max_position=hf.get("max_position_embeddings", 32768),
+        max_position=max_position_of(hf, rope_scaling),
         rope_theta=rope_theta,
         rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
         dtype=HF_DTYPES[dtype],

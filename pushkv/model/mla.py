@@ -34,21 +34,21 @@ class MLAModel(Model):
         super().__init__(cfg, plan, weights, device, group)
         self.rope_dim = cfg.qk_rope_dim
 
-    def latent(self, lw: MLALayerWeights, x: torch.Tensor, positions: torch.Tensor):
+    def latent(self, lw: MLALayerWeights, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
         """Pre-norm, queries [N, q_heads, hd + rd] and the cached latent rows [N, r + rd]."""
         cfg, eps = self.cfg, self.cfg.rms_eps
         hd, rd, r = cfg.head_dim, cfg.qk_rope_dim, cfg.kv_lora_rank
         h = rms_norm(x, lw.input_norm, eps)
         q_nope, q_rope = F.linear(h, lw.q).view(-1, self.plan.q_heads, hd + rd).split([hd, rd], -1)
         c, k_rope = F.linear(h, lw.kv_a).split([r, rd], -1)
-        cos, sin = self.rope(positions)
+        cos, sin = rope
         q_rope = q_rope * cos[:, None] + rotate_half(q_rope) * sin[:, None]
         k_rope = k_rope * cos + rotate_half(k_rope) * sin
         return torch.cat((q_nope, q_rope), -1), torch.cat((rms_norm(c, lw.kv_norm, eps), k_rope), -1)
 
-    def _attention(self, lw, x, positions, kv_pool, plans, kind, w_block, w_slot, bs) -> list[torch.Tensor]:
-        """kv_pool: this layer's [blocks, 1, 1, block, r + rd] view."""
-        q, lat = self.latent(lw, x, positions)
+    def _attention(self, lw, x, rope, kv_pool, plans, kind, w_block, w_slot, bs) -> list[torch.Tensor]:
+        """kv_pool: this layer's [blocks, 1, 1, block, r + rd] view; rope: the step's cos, sin rows."""
+        q, lat = self.latent(lw, x, rope)
         kv_pool[w_block, 0, 0, w_slot] = lat
         outs = []
         for p in plans:

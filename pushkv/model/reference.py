@@ -16,10 +16,12 @@ from pushkv.model.transformer import Model, rms_norm
 
 def _rope(x: torch.Tensor, positions: torch.Tensor, cfg) -> torch.Tensor:
     """x [N, heads, hd]; rotate pairs (i, i + hd/2) by position * inv_freq[i] (the scheme's
-    frequencies, pushkv.model.rope), times YaRN's attention factor where it has one."""
+    frequencies, pushkv.model.rope, for a sequence that ends with these positions), times YaRN's
+    attention factor where it has one."""
     hd = x.shape[-1]
     half = hd // 2
-    ang = positions.to(torch.float64)[:, None] * inv_freq(cfg.rope_theta, hd, cfg.rope_scaling)[None, :]
+    freq = inv_freq(cfg.rope_theta, hd, cfg.rope_scaling, int(positions[-1]) + 1)
+    ang = positions.to(torch.float64)[:, None] * freq[None, :]
     scale = cfg.rope_scaling.attention_factor if cfg.rope_scaling.rope_type == "yarn" else 1.0
     cos = (ang.cos() * scale).to(x.dtype)[:, None, :]
     sin = (ang.sin() * scale).to(x.dtype)[:, None, :]

@@ -1,15 +1,21 @@
-"""RoPE frequencies: plain, and the scaled schemes checkpoints carry (``linear``, Llama 3's
-``llama3``, ``yarn``), read from config.json and turned into one cos/sin table.
+"""RoPE frequencies: plain, and the scaled schemes checkpoints carry (``linear``, ``dynamic``,
+Llama 3's ``llama3``, ``yarn``), read from config.json and turned into one cos/sin table.
 
 Every engine path (per-sequence, batched, the fused kernels, the dense reference) takes its
-table from :func:`cos_sin`, so a scheme is written once. ``dynamic`` (NTK) is refused: its
-frequencies change with the running sequence's length, so a sequence's cached keys would have
-been rotated with frequencies its later queries no longer use unless every step recomputed them.
+table from :func:`cos_sin`, so a scheme is written once.
+
+``dynamic`` (NTK) as transformers runs it: a forward over a sequence of length S (its last new
+position + 1) rotates its new tokens with a base grown for S once S passes the pretraining context
+(``max_position_embeddings``), and the keys it caches keep that rotation. A decode token at position
+p is therefore rotated for length p + 1 (row p of :func:`cos_sin`'s table), while a prompt's tokens
+take the whole prompt's length, however the prompt is chunked (:func:`dynamic_spans` names the rows
+the table does not hold).
 """
 from __future__ import annotations
 
 import json
 import math
+from typing import Iterable
 
 import torch
 
@@ -17,7 +23,7 @@ from pushkv.config import RopeScaling
 from pushkv.kinds import RopeType
 
 ROPE_THETA_DEFAULT = 10000.0  # what transformers assumes when a config names none
-ROPE_TYPES: tuple[RopeType, ...] = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES: tuple[RopeType, ...] = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
 def _params(hf: dict) -> dict:
@@ -73,12 +79,15 @@ def rope_of(hf: dict) -> tuple[float, RopeScaling]:
                    or hf.get("original_max_position_embeddings") or 0)
     if kind == "yarn" and not original:
         original = int(hf.get("max_position_embeddings") or 0)
+    if kind == "dynamic":  # transformers grows the base past max_position_embeddings, whatever else is named
+        original = int(hf.get("max_position_embeddings") or 0)
     if factor is None and kind == "yarn" and original:  # DeepSeek-V3 style: the ratio of the contexts
         factor = hf["max_position_embeddings"] / original
     if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not factor >= 1:
         raise ValueError(f"rope_parameters: rope_type {kind!r} needs a factor >= 1, got {factor!r}")
-    if kind in ("llama3", "yarn") and original <= 0:
-        raise ValueError(f"rope_parameters: rope_type {kind!r} needs original_max_position_embeddings")
+    if kind in ("llama3", "yarn", "dynamic") and original <= 0:
+        needs = "max_position_embeddings" if kind == "dynamic" else "original_max_position_embeddings"
+        raise ValueError(f"rope_parameters: rope_type {kind!r} needs {needs}")
     out = dict(rope_type=kind, factor=float(factor), original_max_position=original if kind != "linear" else 0)
     if kind == "llama3":
         out.update(low_freq_factor=float(params.get("low_freq_factor", 1.0)),
@@ -97,14 +106,33 @@ def rope_of(hf: dict) -> tuple[float, RopeScaling]:
     return theta, RopeScaling(**out)
 
 
+def max_position_of(hf: dict, rs: RopeScaling) -> int:
+    """The longest sequence the model serves: ``max_position_embeddings``, stretched by the factor
+    for dynamic NTK (whose point is to run past it; vLLM derives its max_model_len the same way)."""
+    n = int(hf.get("max_position_embeddings", 32768))
+    return int(n * rs.factor) if rs.rope_type == "dynamic" else n
+
+
 def _mscale(factor: float, scale: float = 1.0) -> float:
     """YaRN's attention temperature: 0.1 ln(s) + 1 for a stretch s > 1 (the paper's sqrt(1/t))."""
     return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
 
 
-def inv_freq(theta: float, dim: int, rs: RopeScaling) -> torch.Tensor:
-    """float64 [dim / 2]: each rotated pair's angle per position."""
-    base = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+def dynamic_theta(theta: float, dim: int, rs: RopeScaling, length: torch.Tensor) -> torch.Tensor:
+    """Dynamic NTK's base for sequences of these lengths (float64, any shape): theta up to the
+    pretraining context M, then theta * (factor * S / M - (factor - 1)) ** (dim / (dim - 2))."""
+    ctx = rs.original_max_position
+    s = length.to(torch.float64).clamp(min=ctx)
+    return theta * (rs.factor * s / ctx - (rs.factor - 1)) ** (dim / (dim - 2))
+
+
+def inv_freq(theta: float, dim: int, rs: RopeScaling, length: int = 0) -> torch.Tensor:
+    """float64 [dim / 2]: each rotated pair's angle per position (dynamic: in a sequence of
+    ``length`` tokens; up to the pretraining context, plain RoPE's)."""
+    exps = torch.arange(0, dim, 2, dtype=torch.float64) / dim
+    if rs.rope_type == "dynamic":
+        return 1.0 / dynamic_theta(theta, dim, rs, torch.tensor(float(length))) ** exps
+    base = 1.0 / theta ** exps
     if rs.rope_type == "linear":  # positions stretched by factor: every frequency slowed alike
         return base / rs.factor
     if rs.rope_type == "llama3":
@@ -137,8 +165,45 @@ def inv_freq(theta: float, dim: int, rs: RopeScaling) -> torch.Tensor:
 
 def cos_sin(theta: float, dim: int, rs: RopeScaling, positions: int,
             device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [positions, dim] (rotate-half layout: each angle twice), in dtype on device."""
-    ang = torch.outer(torch.arange(positions, dtype=torch.float64), inv_freq(theta, dim, rs))
+    """cos, sin [positions, dim] (rotate-half layout: each angle twice), in dtype on device.
+    Dynamic: row p as a decode step at p rotates it, in a sequence of p + 1 tokens."""
+    pos = torch.arange(positions, dtype=torch.float64)
+    return _cos_sin(theta, dim, rs, pos, pos + 1, device, dtype)
+
+
+def cos_sin_rows(theta: float, dim: int, rs: RopeScaling, start: int, stop: int, length: int,
+                 device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [stop - start, dim] of positions [start, stop) in a sequence of ``length`` tokens."""
+    pos = torch.arange(start, stop, dtype=torch.float64)
+    return _cos_sin(theta, dim, rs, pos, torch.full_like(pos, float(length)), device, dtype)
+
+
+def _cos_sin(theta, dim, rs, pos: torch.Tensor, length: torch.Tensor, device, dtype):
+    if rs.rope_type == "dynamic":
+        exps = torch.arange(0, dim, 2, dtype=torch.float64) / dim
+        ang = pos[:, None] / dynamic_theta(theta, dim, rs, length)[:, None] ** exps[None, :]
+    else:
+        ang = torch.outer(pos, inv_freq(theta, dim, rs))
     ang = torch.cat((ang, ang), dim=-1)
     scale = rs.attention_factor if rs.rope_type == "yarn" else 1.0
     return (ang.cos() * scale).to(device, dtype), (ang.sin() * scale).to(device, dtype)
+
+
+def seq_spans(seqs) -> list[tuple[int, int, int]]:
+    """(start position, count, RoPE length) of each of a step's SeqWork, in order."""
+    return [(s.start_pos, len(s.token_ids), max(s.rope_len, s.start_pos + len(s.token_ids))) for s in seqs]
+
+
+def dynamic_spans(rs: RopeScaling, seqs: Iterable[tuple[int, int, int]]) -> list[tuple[int, int, int, int]]:
+    """The rows a step must rotate for a length other than their own position + 1 (where
+    :func:`cos_sin`'s table has them): (first row, start position, count, length) for each
+    (start position, count, length) of the step's sequences, packed in order, whose length
+    passes the pretraining context. Empty unless RoPE is dynamic."""
+    if rs.rope_type != "dynamic":
+        return []
+    out, row = [], 0
+    for start, n, length in seqs:
+        if length > rs.original_max_position and start + 1 < length:
+            out.append((row, start, n, length))
+        row += n
+    return out

@@ -21,7 +21,7 @@ from pushkv.kv.layout import blocks_for, layout_for
 from pushkv.messages import KVLayoutDesc, SeqWork
 from pushkv.model.moe import moe_mlp
 from pushkv.model.norms import rms_norm, rotate_half
-from pushkv.model.rope import cos_sin
+from pushkv.model.rope import cos_sin, cos_sin_rows, dynamic_spans, seq_spans
 from pushkv.model.sampling import Sampled, sample
 from pushkv.model.shard import ShardPlan
 from pushkv.model.weights import TORCH_DTYPES, LayerWeights, RankWeights
@@ -129,8 +129,21 @@ class Model:
                                            self.device, self.dtype)
         return self._cos[positions], self._sin[positions]
 
-    def qkv(self, lw: LayerWeights, x: torch.Tensor, positions: torch.Tensor):
-        """Pre-norm + projections + q/k norm + RoPE. x [N, d] ->
+    def step_rope(self, seqs: Sequence[SeqWork], positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, rope dim] of a step's packed tokens: the table's rows, but for the rows that
+        dynamic RoPE rotates for their sequence's length (a long prompt's)."""
+        cos, sin = self.rope(positions)
+        spans = dynamic_spans(self.cfg.rope_scaling, seq_spans(seqs))
+        if spans:
+            cos, sin = cos.clone(), sin.clone()
+            for row, start, n, length in spans:
+                cos[row:row + n], sin[row:row + n] = cos_sin_rows(
+                    self.cfg.rope_theta, self.rope_dim, self.cfg.rope_scaling, start, start + n, length,
+                    self.device, self.dtype)
+        return cos, sin
+
+    def qkv(self, lw: LayerWeights, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+        """Pre-norm + projections + q/k norm + RoPE (the step's cos, sin rows). x [N, d] ->
         q [N, q_heads, hd], k and v [N, kv_heads, hd]."""
         p, hd, eps = self.plan, self.cfg.head_dim, self.cfg.rms_eps
         h = rms_norm(x, lw.input_norm, eps)
@@ -142,8 +155,7 @@ class Model:
         if lw.q_norm is not None:
             q = rms_norm(q, lw.q_norm, eps)
             k = rms_norm(k, lw.k_norm, eps)
-        cos, sin = self.rope(positions)
-        cos, sin = cos[:, None, :], sin[:, None, :]
+        cos, sin = rope[0][:, None, :], rope[1][:, None, :]
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         return q, k, v
@@ -160,7 +172,7 @@ class Model:
         """What the MLP (dense SwiGLU, or the routed experts) adds to the residual; h normed."""
         if lw.router is not None:
             experts = moe_mlp
-            if h.is_cuda:  # the grouped Triton kernels: two launches a layer, no host sync
+            if h.is_cuda:  # the grouped Triton kernels: five launches a layer, no host sync
                 from pushkv.model.kernels import triton_moe
 
                 experts = triton_moe.moe_mlp
@@ -262,9 +274,10 @@ class Model:
         w_slot = positions % bs
 
         x = F.embedding(torch.tensor(ids, device=dev), self.w.embed)
+        rope = self.step_rope(seqs, positions)
         for layer, lw in enumerate(self.w.layers):
             kind = "window" if layer in self.window_layers else "full"
-            outs = self._attention(lw, x, positions, pool[layer], plans, kind, w_block, w_slot, bs)
+            outs = self._attention(lw, x, rope, pool[layer], plans, kind, w_block, w_slot, bs)
             if on_layer is not None:
                 on_layer(layer)
             x = self.attn_out(lw, x, outs[0] if len(outs) == 1 else torch.cat(outs))
@@ -273,10 +286,10 @@ class Model:
             return torch.empty(0, self.cfg.vocab_size)
         return self.head(x[torch.tensor(last_rows, device=dev)])
 
-    def _attention(self, lw, x, positions, kv_pool, plans, kind, w_block, w_slot, bs) -> list[torch.Tensor]:
+    def _attention(self, lw, x, rope, kv_pool, plans, kind, w_block, w_slot, bs) -> list[torch.Tensor]:
         """One layer's attention, per seq [num_new, q_heads * hd]; stores the new K/V.
-        kv_pool: this layer's [blocks, 2, kv_heads, block, hd] view."""
-        q, k, v = self.qkv(lw, x, positions)
+        kv_pool: this layer's [blocks, 2, kv_heads, block, hd] view; rope: the step's cos, sin rows."""
+        q, k, v = self.qkv(lw, x, rope)
         self._store(kv_pool, w_block, 0, w_slot, k)
         self._store(kv_pool, w_block, 1, w_slot, v)
         return [self._attend(kv_pool, p, q[p.rows], k[p.rows], v[p.rows], p.attn[kind], bs) for p in plans]

@@ -77,7 +77,8 @@ class SchedulerCore:
         self.wall = 0.0  # wall-clock seconds, the same moment (request timelines cross processes)
         self._handlers: dict[type, Callable[[Any, Peer], None]] = {}
         # ref-counted blocks with a prefix-hash index; with the cache off, a plain allocator
-        self.alloc = PrefixCache(inst.num_blocks, inst.prefix_cache)
+        # (off under dynamic RoPE: a block's keys carry the rotation of the length they were made at)
+        self.alloc = PrefixCache(inst.num_blocks, inst.prefix_cache and cfg.model.rope_scaling.rope_type != "dynamic")
         self.reqs: dict[tuple[str, int], Request] = {}
         self.by_tid: dict[str, Request] = {}
         self.waiting: list[Request] = []

@@ -176,7 +176,7 @@ def build_batch(prefills: list[Request], running: list[Request], max_num_seqs: i
             break
         admitted += 1
         last = start + n == len(r.prompt)
-        fields = r.sample_fields() if last else {"sample": False}
+        fields = r.sample_fields() if last else {"sample": False, "rope_len": len(r.prompt)}
         batch.append((r, m.SeqWork(r.seq_id, r.prompt[start:start + n], start, tuple(r.blocks), **fields)))
         tokens += n
     return batch

@@ -36,6 +36,7 @@ class DescGrid:
     first: np.ndarray  # int64 [regions]: index of the region's descriptor 0
     # the same as Python lists, for the few-region path (numpy costs ~1 us per call on tiny arrays)
     rows: list = field(init=False, repr=False, compare=False)
+    _bases: list[int] = field(init=False, repr=False, compare=False)  # base as a list, for bisect
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rows", list(zip(self.base.tolist(), self.elem.tolist(), self.count.tolist(),
@@ -69,7 +70,7 @@ class DescGrid:
 
     def descs(self, pool_base: int, dev_id: int) -> list[tuple[int, int, int]]:
         """The same list expanded, one (address, len, device) per descriptor."""
-        out = []
+        out: list[tuple[int, int, int]] = []
         for b, e, c in zip(self.base.tolist(), self.elem.tolist(), self.count.tolist()):
             out.extend((pool_base + b + i * e, e, dev_id) for i in range(c))
         return out

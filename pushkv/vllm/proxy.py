@@ -284,9 +284,15 @@ class Proxy:
         'fail') with a bare 500; the connector logs the cause on D under the transfer id."""
         p_err = await p_task
         try:
-            msg = json.loads(data).get("error", {}).get("message") or data[:300].decode(errors="replace")
+            err = json.loads(data).get("error")
+            msg = (err or {}).get("message") or data[:300].decode(errors="replace")
         except (ValueError, AttributeError):
-            msg = data[:300].decode(errors="replace")
+            err, msg = None, data[:300].decode(errors="replace")
+        if 400 <= status < 500 and isinstance(err, dict) and err.get("message"):
+            # the client's request is at fault (vLLM validated it: a bad field, too long a prompt),
+            # not the transfer: D's own message says what to fix, in OpenAI's shape
+            param = err.get("param")
+            return self._error(status, str(err["message"]), param=param if isinstance(param, str) else None)
         why = f"prefill failed: {p_err}" if p_err else "KV transfer failed"
         return self._error(status, f"{why} (transfer_id={tid}); decode answered {status}: {msg}")
 

@@ -22,6 +22,7 @@ from typing import Callable, Optional, Sequence
 
 from pushkv.kv.layout import split_layers
 from pushkv.protocol.actions import PostWrite
+from pushkv.protocol.tp import page_heads
 from pushkv.vllm import wire as w
 from pushkv.vllm.regions import KVMemory, map_blocks
 
@@ -48,6 +49,22 @@ def write_regions(src: KVMemory, a: PostWrite, dst: KVMemory, dst_blocks: Sequen
         out += map_blocks(src, a.block_ids, dst, dst_blocks, heads, None if g < 0 else groups[g],
                           t0 // bt, -(-t1 // bt), skip=skip)
     return out
+
+
+def regions_of(kv: KVMemory, a: PostWrite, rank: int, tp: int, total_kv_heads: int,
+               groups: tuple[tuple[int, ...], ...]) -> Callable:
+    """P rank ``rank`` (of ``tp``) posting ``a``: its regions into one registered D rank,
+    ``of(reg, peer)`` (None: that rank holds no head of ours, or a part has nothing for it: its
+    blocks are in D's own prefix cache, which D did not register; NIXL refuses an empty post)."""
+
+    def of(reg, peer):
+        heads = page_heads(rank, tp, reg.d_rank, reg.d_tp, total_kv_heads)
+        if heads is False:
+            return None
+        regions = write_regions(kv, a, peer.layout, reg.block_ids, reg.num_tokens, heads, groups)
+        return regions if regions or a.last else None
+
+    return of
 
 
 def event_opener(dev_id: int) -> Optional[Callable[[bytes], object]]:

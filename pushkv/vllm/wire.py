@@ -17,7 +17,7 @@ from pushkv.messages import HelloRefused, Msg, PrefillSource
 from pushkv.vllm.regions import KVMemory
 
 
-class VllmHello(Msg):
+class VllmHello(Msg, frozen=True):
     """Writer handshake (ZMQ, once per peer pair): NIXL metadata and KV memory, our
     wire version and model (a peer that differs is answered with pushkv's ``HelloRefused``)."""
 
@@ -33,7 +33,7 @@ class VllmHello(Msg):
 
 
 # -- connector (vLLM scheduler process) -> writer ------------------------------------
-class SendBlocks(Msg):
+class SendBlocks(Msg, frozen=True):
     """P: this finished request's blocks hold its prompt KV; WRITE them once D registers."""
 
     req_id: str
@@ -42,7 +42,7 @@ class SendBlocks(Msg):
     num_tokens: int
 
 
-class ExpectBlocks(Msg):
+class ExpectBlocks(Msg, frozen=True):
     """D: these blocks are reserved for the request's prompt KV; register them with P."""
 
     req_id: str
@@ -53,13 +53,13 @@ class ExpectBlocks(Msg):
     deadline_s: float
 
 
-class CancelBlocks(Msg):
+class CancelBlocks(Msg, frozen=True):
     req_id: str
     transfer_id: str
     reason: str = "cancelled"
 
 
-class LayersStored(Msg):
+class LayersStored(Msg, frozen=True):
     """P's worker -> its writer (layer streaming): layer group ``group`` of this step has stored
     the request's first ``num_tokens`` tokens in ``block_ids`` once ``event`` (a CUDA IPC event
     handle) completes; empty ``event``: stored already (the CPU)."""
@@ -76,12 +76,12 @@ ConnectorToWriter = Union[SendBlocks, ExpectBlocks, CancelBlocks, LayersStored]
 
 
 # -- writer -> connector (vLLM worker process) ----------------------------------------
-class WriterReady(Msg):
+class WriterReady(Msg, frozen=True):
     pid: int
     agent_name: str
 
 
-class BlocksSent(Msg):
+class BlocksSent(Msg, frozen=True):
     """P: the blocks may be freed (the WRITE completed, or the transfer ended without one)."""
 
     req_id: str
@@ -93,7 +93,7 @@ class BlocksSent(Msg):
     write_s: float = 0.0
 
 
-class BlocksReceived(Msg):
+class BlocksReceived(Msg, frozen=True):
     """D: every producer's WRITE landed in the registered blocks."""
 
     req_id: str
@@ -102,7 +102,7 @@ class BlocksReceived(Msg):
     num_descs: int = 0
 
 
-class BlocksFailed(Msg):
+class BlocksFailed(Msg, frozen=True):
     """D: the KV will not arrive; no late WRITE can land in the blocks any more."""
 
     req_id: str

@@ -1,7 +1,8 @@
 """pushkv's writer process: owns the KV pool and the NIXL agent of one instance rank.
 
-A role writer (``prefill.py`` / ``decode.py`` / ``local.py``) over this shell, itself
-composed of the parts every writer shares, the vLLM connector's included:
+A role writer (``prefill.py`` / ``decode.py`` / ``local.py``) over this base, itself over
+the shell every writer shares, the vLLM connector's included (``shell.py``), which holds
+the parts:
 
 - ``peers.py``: the peer table and the handshake (Hello / HelloRefused, wire version and
   model check), driven by the loop, never blocking it; forgetting a dead peer;
@@ -29,7 +30,6 @@ from pushkv.config import DeploymentConfig, InstanceConfig, marks_endpoint, mode
 from pushkv.kv import layout as L
 from pushkv.kv.pool import Pool, create_pool, shm_name
 from pushkv.protocol.mapping import check_compatible
-from pushkv.security import is_network
 from pushkv.transport import poster, staging_plan
 from pushkv.transport.grid import grid_of
 from pushkv.transport.nixl_agent import NixlAgent
@@ -37,8 +37,9 @@ from pushkv.writer import memory as mem
 from pushkv.writer.peers import HANDSHAKE_TIMEOUT_S, Peer, PeerLink, PeerWait
 from pushkv.writer.poll import warm_enabled
 from pushkv.writer.posting import SETTLE_S, InFlight
+from pushkv.writer.shell import WriterShell
 from pushkv.writer.staging import StagingArea
-from pushkv.writer.warm import BEAT_BYTES, BEAT_MS, WarmWriter
+from pushkv.writer.warm import BEAT_BYTES, BEAT_MS
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +47,12 @@ __all__ = ["BEAT_BYTES", "BEAT_MS", "HANDSHAKE_TIMEOUT_S", "SETTLE_S", "InFlight
            "WriterBase"]
 
 
-class WriterBase(WarmWriter):
+class WriterBase(WriterShell):
     def __init__(self, cfg: DeploymentConfig, inst: InstanceConfig, rank: int):
+        # keep the loop hot while a transfer with us is expected (config writer_warm)
         super().__init__(f"{inst.name}-writer-{rank}", cfg.control_endpoint, cfg.trace_endpoint, cfg.secret_file,
-                         limits.msg_cap_bytes(cfg))
+                         limits.msg_cap_bytes(cfg), warm=warm_enabled(cfg.writer_warm, rank_device(inst, rank)),
+                         stuck_s=2 * cfg.timeouts.transfer_s)
         self.cfg = cfg
         self.inst = inst
         self.engine_id = inst.engine_id
@@ -59,11 +62,6 @@ class WriterBase(WarmWriter):
         self.pool: Optional[Pool] = None
         self.area: Optional[StagingArea] = None  # --staging pushkv: what NIXL moves, pinned host memory
         self.memory = mem.Memory(0, 0, self.layout)  # the pool's, once registered (setup)
-        self.stuck_s = 2 * cfg.timeouts.transfer_s
-        self.init_peers()
-        self.init_posting()
-        # keep the loop hot while a transfer with us is expected (config writer_warm)
-        self.init_warm(warm_enabled(cfg.writer_warm, rank_device(inst, rank)))
         self._lost = ""  # while ending transfers with a dead peer instance: KVFailed.lost for them
 
     def damaged_by(self, kv: Any) -> None:
@@ -100,12 +98,12 @@ class WriterBase(WarmWriter):
             self.memory = mem.Memory(self.area.base_addr, self.area.nbytes, self.area.layout, 0)
         else:
             self.memory = mem.Memory(self.pool.base_addr, self.pool.nbytes, self.layout, self.nixl.dev_id)
-        if self.wants_sink():
+        if self.warmup.wants_sink():
             import torch
 
-            self.sink = torch.empty(BEAT_BYTES, dtype=torch.uint8,
+            self.warmup.sink = torch.empty(BEAT_BYTES, dtype=torch.uint8,
                                     device="cpu" if self.area is not None else device)  # NIXL's memory kind
-            self.memory.extra.append((self.sink.data_ptr(), BEAT_BYTES))
+            self.memory.extra.append((self.warmup.sink.data_ptr(), BEAT_BYTES))
         try:
             grid = grid_of(self.memory.layout)
         except Exception as e:  # every transfer then builds its own descriptors
@@ -123,11 +121,8 @@ class WriterBase(WarmWriter):
             marks = self.socket(zmq.PULL, marks_endpoint(self.inst.writer_endpoints[self.rank]), bind=True)
             self.add_channel(marks, m.DEC_WORKER_TO_WRITER, f"{self.inst.name}-worker-{self.rank}")
         if self.inst.handshake_endpoints:
-            hs = self.socket(zmq.ROUTER, self.inst.handshake_endpoints[self.rank], bind=True,
-                             max_msg_bytes=limits.CONTROL_MSG_BYTES)  # Hello, TransferStarting: no request's size
-            self.handshake = self.add_channel(hs, m.DEC_HANDSHAKE, "peer-handshake", routed=True)
-            ours_only = self.security is not None or not is_network(self.inst.handshake_endpoints[self.rank])
-            self.peers_authenticated = ours_only
+            # Hello, TransferStarting: no request's size
+            self.bind_handshake(self.inst.handshake_endpoints[self.rank], limits.CONTROL_MSG_BYTES)
         if self.cfg.events_endpoint:
             sub = self.socket(zmq.SUB, self.cfg.events_endpoint, bind=False)
             sub.setsockopt(zmq.SUBSCRIBE, b"pushkv.")
@@ -149,12 +144,13 @@ class WriterBase(WarmWriter):
 
     # -- what our Hello carries, and what a peer's must match ----------------------------
     def hello(self) -> m.Hello:
+        sink = self.warmup.sink
         return m.Hello(
             engine_id=self.inst.engine_id, rank=self.rank, tp=self.inst.tp,
             agent_name=self.agent_name, agent_metadata=self.nixl.metadata(),
             pool_base=self.memory.base_addr, layout=self.memory.layout, device_id=self.nixl.dev_id,
-            sink_addr=self.sink.data_ptr() if self.sink is not None else 0,
-            sink_bytes=BEAT_BYTES if self.sink is not None else 0, device_uuid=self.device_uuid,
+            sink_addr=sink.data_ptr() if sink is not None else 0,
+            sink_bytes=BEAT_BYTES if sink is not None else 0, device_uuid=self.device_uuid,
             wire_version=m.WIRE_VERSION, model_id=self.model_id, post_agent=self.nixl.post_agent,
             mem_kind=self.nixl.mem_type,
         )
@@ -186,7 +182,7 @@ class WriterBase(WarmWriter):
             return
         dead = [p for p in self.peers.values() if p.engine_id == engine]
         for p in dead:
-            self.forget_peer(p)
+            self.peers.forget(p)
         self.peer_instance_down(engine, f"{ev.name} died ({ev.detail})", time.monotonic())
 
     def on_PeerLost(self, msg: m.PeerLost) -> None:
@@ -199,7 +195,7 @@ class WriterBase(WarmWriter):
         # with that P; P tells a D that may still live that it was dropped, so D does the same
         # (and a D restarted elsewhere is not refused as a displacement of the old one)
         for p in [p for p in self.peers.values() if p.engine_id == msg.engine_id]:
-            self.forget_peer(p, tell=msg.reason)
+            self.peers.forget(p, tell=msg.reason)
         self.peer_instance_down(msg.engine_id, msg.reason, time.monotonic())
 
     def peer_instance_down(self, engine_id: str, reason: str, now: float) -> None:
@@ -217,7 +213,7 @@ class WriterBase(WarmWriter):
 
     def on_GetStats(self, msg: m.GetStats) -> None:
         # warm_expected: a gauge (transfers we keep the loop hot for now), next to the counters
-        gauges = {"warm_expected": len(self._warm)}
+        gauges = {"warm_expected": len(self.warmup.warm)}
         if getattr(self, "nixl", None) is not None and self.nixl.poster is not None:
             gauges["poster_posts"] = self.nixl.poster.posts  # transfers its thread posted
         if self.area is not None:  # --staging pushkv: the area's room (all free when nothing moves)

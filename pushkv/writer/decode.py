@@ -1,7 +1,7 @@
 """D side writer: registers reserved blocks with P's writers (push), or READs
 them from P (pull, background), and reports the KV received once every
 producer rank has completed. Handshakes with P's writers run on the loop: a
-request whose producers are not connected yet waits for them (``with_peers``)
+request whose producers are not connected yet waits for them (``peers.when_connected``)
 while every other transfer goes on."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import functools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from pushkv import faults
 from pushkv import messages as m
@@ -76,8 +76,8 @@ class DecodeWriter(WriterBase):
             for src in self.cfg.role_instances("prefill"):  # every P instance this host planned
                 if not src.handshake_endpoints:
                     continue
-                for r in producers_for(self.rank, self.inst.tp, src.tp, self.layout.total_kv_heads):
-                    self.start_link(src.engine_id, r, src.handshake_endpoints[r], now)
+                for r in self._producers(src.tp):
+                    self.peers.start_link(src.engine_id, r, src.handshake_endpoints[r], now)
 
     def damaged_by(self, kv: KVDamage) -> None:
         """Fault tests of --kv-verify: what we receive (push or pull) and what a READ moves, damaged."""
@@ -86,27 +86,21 @@ class DecodeWriter(WriterBase):
         self._read_dest = kv.read_dest(self._read_dest, self.cfg.prefill.block_size)  # type: ignore[method-assign]
 
     def has_pending(self) -> bool:
-        return (sides.pending(self.arrivals) or bool(self.quarantine) or bool(self.waits)
+        return (sides.pending(self.arrivals) or bool(self.quarantine) or bool(self.peers.waits)
                 or bool(self.stage_in) or bool(self.area is not None and self.area.queue))
 
     def _with_producers(self, key, src: m.PrefillSource, then, now: float) -> None:
         """``then(peers)`` once P's producer ranks for us are connected; KVFailed if one cannot be."""
         def failed(reason: str) -> None:
             self.counters["handshake_failed"] += 1
-            self.cool(key)
+            self.warmup.cool(key)
             self.send(self.sched, m.KVFailed(key[0], key[1], f"cannot reach prefill writers: {reason}"))
 
-        try:
-            ranks = producers_for(self.rank, self.inst.tp, src.tp, self.layout.total_kv_heads)
-        except ValueError as e:  # a TP size that cannot shard the model: no such prefill instance
-            self.counters["bad_source"] += 1
-            failed(f"bad prefill source {src.engine_id!r}: {e}")
-            return
-        bad = [r for r in ranks if r >= len(src.handshake)]
-        if bad:
-            failed(f"no handshake endpoint for rank(s) {bad} of {src.engine_id}")
-            return
-        self.with_peers(key, src.engine_id, ranks, src.handshake, then, failed, now)
+        self.peers.when_source_connected(key, src, self._producers, then, failed, now)
+
+    def _producers(self, p_tp: int) -> list[int]:
+        """The ranks of a P instance of TP ``p_tp`` whose heads we take (ValueError: none can shard the model)."""
+        return producers_for(self.rank, self.inst.tp, p_tp, self.layout.total_kv_heads)
 
     # -- push: registration at allocation time ------------------------------------------
     def on_ExpectKV(self, msg: m.ExpectKV) -> None:
@@ -117,7 +111,7 @@ class DecodeWriter(WriterBase):
                   deadline_s: float, cached_tokens: int = 0) -> None:
         """Register our reserved blocks with the producer ranks (after their handshakes)."""
         deadline = time.monotonic() + deadline_s
-        self.warm_for((tid, gen), deadline)  # P's WRITE and its WriteDone are coming: be awake for them
+        self.warmup.warm_for((tid, gen), deadline)  # P's WRITE and its WriteDone are coming: be awake for them
         self._with_producers((tid, gen), source, lambda peers: self._registered_with(
             tid, gen, block_ids, num_tokens, source, deadline_s, deadline, peers, cached_tokens), time.monotonic())
 
@@ -129,7 +123,7 @@ class DecodeWriter(WriterBase):
         if self.area is not None and slots is None:  # --staging pushkv: P WRITEs into slots of our area
             if written > self.area.blocks:
                 self.counters["staging_too_small"] += 1
-                self.cool(key)
+                self.warmup.cool(key)
                 self.send(self.sched, m.KVFailed(tid, gen, f"the KV needs {written} staging blocks and the staging "
                                                  f"area holds {self.area.blocks}: raise --staging-mib"))
                 return
@@ -146,7 +140,7 @@ class DecodeWriter(WriterBase):
         except ar.ProtocolError as e:  # a finished or older generation: nothing registered, nothing can land
             self._give_slots(slots)
             self.counters["expect_refused"] += 1
-            self.cool(key)
+            self.warmup.cool(key)
             log.error("%s: registration refused: %s transfer_id=%s", self.name, e, tid)
             if self.arrivals.state_of(tid, gen) != "waiting":  # a live one answers itself
                 reason = f"registration refused: {_REFUSED.get(e.state, e.state)}"
@@ -160,11 +154,11 @@ class DecodeWriter(WriterBase):
                                            cached_tokens=cached_tokens, slots=slots, parts=parts)
         self.apply(acts, now)
         # staged: P WRITEs into our slots (the cached prefix's entries, which it never writes, name the first)
-        ids = block_ids if slots is None else [slots[0]] * (len(block_ids) - written) + list(slots)
+        ids = tuple(block_ids) if slots is None else (slots[0],) * (len(block_ids) - written) + tuple(slots)
         reg = m.Register(tid, gen, self.inst.engine_id, self.rank, self.inst.tp, ids, num_tokens, deadline_s,
-                         warm=key in self._warm, cached_tokens=cached_tokens)
+                         warm=key in self.warmup.warm, cached_tokens=cached_tokens)
         for p in peers:
-            self.control(p, reg)
+            self.posting.control(p, reg)
         self._registered[key].sent = time.time()  # a held loop shows between the scheduler's stamp and this
         self.trace_event("registration_sent", tid)
         faults.point(self.name, "registration_sent")
@@ -216,7 +210,7 @@ class DecodeWriter(WriterBase):
         reg = self._registered.get((msg.transfer_id, msg.generation))
         if reg is None:
             return True  # unknown / finished / stale: the arrivals machine counts it
-        peer = self.peers_by_agent.get(agent)
+        peer = self.peers.by_agent.get(agent)
         if peer is not None and peer.engine_id == reg.source.engine_id and peer.rank == msg.p_rank:
             return True
         self.counters["completion_from_wrong_peer"] += 1
@@ -226,7 +220,7 @@ class DecodeWriter(WriterBase):
 
     def _producer_reported(self, msg, now: float) -> None:
         key = (msg.transfer_id, msg.generation)
-        self.transfer_arrived(*key)
+        self.warmup.transfer_arrived(*key)
         reg = self._registered.get(key)
         if reg is not None:
             reg.reported.add(msg.p_rank)
@@ -235,7 +229,7 @@ class DecodeWriter(WriterBase):
     def on_CancelKV(self, msg: m.CancelKV) -> None:
         now = time.monotonic()
         key = (msg.transfer_id, msg.generation)
-        self.cool(key)
+        self.warmup.cool(key)
         if self.area is not None and self.area.queue.drop(lambda w: w.key == key):  # never registered
             self.send(self.sched, m.KVFailed(msg.transfer_id, msg.generation, msg.reason))
             return
@@ -244,20 +238,20 @@ class DecodeWriter(WriterBase):
             ending.reason = ending.reason or msg.reason
             self.counters["stage_in_cancel_deferred"] += 1
             return
-        if key in self.inflight and key in self._reads:  # our READ still lands in these blocks: answer when it ends
+        if key in self.posting.inflight and key in self._reads:  # our READ still lands in these blocks: answer then
             self._reads_cancelled[key] = msg.reason
             self.counters["read_cancel_deferred"] += 1
             return
-        if self.drop_wait(key) or key not in self._registered:  # nothing registered: nothing can be writing
+        if self.peers.drop_wait(key) or key not in self._registered:  # nothing registered: nothing can be writing
             self.send(self.sched, m.KVFailed(msg.transfer_id, msg.generation, msg.reason))
             return
         self.apply(self.arrivals.cancel(msg.transfer_id, msg.generation, msg.reason, now), now)
 
     def apply(self, actions, now: float) -> None:
         for a in actions:
-            key = (a.transfer_id, a.generation) if hasattr(a, "transfer_id") else None
+            key: Any = (a.transfer_id, a.generation) if hasattr(a, "transfer_id") else None
             if isinstance(a, (A.Received, A.Failed)):
-                self.cool(key)
+                self.warmup.cool(key)
             if isinstance(a, A.Received):
                 reg = self._registered.pop(key, None)
                 if reg is not None and reg.slots is not None:
@@ -290,7 +284,7 @@ class DecodeWriter(WriterBase):
         self.counters["stage_in_rest_cells"] += sum(len(i) for _, i in cells)
         self.stage_in.finish(key, Ending(reg.slots, a, reg, started=time.time()),
                              reg.block_ids[reg.cached_tokens // self.layout.block_size:], reg.slots, cells)
-        self.warm_for(key, time.monotonic() + self.cfg.timeouts.transfer_s)  # its report is a copy away
+        self.warmup.warm_for(key, time.monotonic() + self.cfg.timeouts.transfer_s)  # its report is a copy away
         self.check_staging()
 
     def _failed(self, key, reason: str, slots, lost: str = "") -> None:
@@ -319,7 +313,7 @@ class DecodeWriter(WriterBase):
         if self.stage_in is None:
             return
         for key, st in self.stage_in.ended():
-            self.cool(key)
+            self.warmup.cool(key)
             self._give_slots(st.slots)
             if st.received is None or st.reason:  # every copy into the blocks is over: they may go back now
                 self.counters["kv_failed"] += 1
@@ -338,18 +332,18 @@ class DecodeWriter(WriterBase):
     def _fail_transfer(self, key, reason: str, now: float) -> None:
         """Tell the producers to stop; hand the blocks back only once no WRITE can land in them."""
         reg = self._registered.pop(key, None)
-        self.transfer_arrived(*key)
+        self.warmup.transfer_arrived(*key)
         outstanding = set(reg.ranks) - reg.reported if reg else set()
+        engine, slots = (reg.source.engine_id, reg.slots) if reg else ("", None)
         for r in outstanding:
-            peer = self.peers.get((reg.source.engine_id, r))
+            peer = self.peers.get((engine, r))
             if peer is not None:
-                self.control(peer, m.CancelTransfer(key[0], key[1], reason))
-        if outstanding and reg.source.engine_id not in self._dead_engines:
+                self.posting.control(peer, m.CancelTransfer(key[0], key[1], reason))
+        if outstanding and engine not in self._dead_engines:
             self.counters["quarantined"] += 1
-            self.quarantine.hold(key, reg.source.engine_id, outstanding, now + self.cfg.timeouts.transfer_s, reason,
-                                 reg.slots)
+            self.quarantine.hold(key, engine, outstanding, now + self.cfg.timeouts.transfer_s, reason, slots)
         else:
-            self._failed(key, reason, reg.slots if reg is not None else None, self._lost)
+            self._failed(key, reason, slots, self._lost)
 
     def peer_instance_down(self, engine_id: str, reason: str, now: float) -> None:
         """Producers that died cannot write any more: nothing to wait for."""
@@ -370,7 +364,7 @@ class DecodeWriter(WriterBase):
     def expire(self, now: float) -> None:
         for w in self.area.queue.drop(lambda w: w.deadline <= now) if self.area is not None else ():
             self.counters["staging_wait_expired"] += 1
-            self.cool(w.key)
+            self.warmup.cool(w.key)
             self.send(self.sched, m.KVFailed(w.key[0], w.key[1], "no room in the staging area within the "
                                              "transfer's deadline"))
         self.apply(sides.due(self.arrivals, now), now)
@@ -396,26 +390,26 @@ class DecodeWriter(WriterBase):
         later, finds it connected."""
         now = time.monotonic()
         key = (msg.transfer_id, msg.generation)
-        read, fl = self._reads.get(key), self.inflight.get(key)
+        read, fl = self._reads.get(key), self.posting.inflight.get(key)
         if read is not None and fl is not None and now - fl.posted > read.deadline_s:
             self.counters["lease_renew_past_deadline"] += 1
             return
         src = msg.source
         renew = m.RenewLease(msg.transfer_id, msg.generation, self.rank)
         try:
-            ranks = producers_for(self.rank, self.inst.tp, src.tp, self.layout.total_kv_heads)
+            ranks = self._producers(src.tp)
         except ValueError:  # a TP size that cannot shard the model: nobody to renew with
             self.counters["bad_source"] += 1
             return
         for r in ranks:
             peer = self.peers.get((src.engine_id, r))
             if peer is not None:
-                self.notify(peer, renew)
+                self.posting.notify(peer, renew)
                 self.counters["lease_renewals_sent"] += 1
             else:
                 self.counters["lease_renew_no_peer"] += 1
                 if r < len(src.handshake):
-                    self.start_link(src.engine_id, r, src.handshake[r], now)
+                    self.peers.start_link(src.engine_id, r, src.handshake[r], now)
 
     def _post_read(self, msg: m.ReadKV, peers) -> None:
         now = time.monotonic()
@@ -432,9 +426,9 @@ class DecodeWriter(WriterBase):
                     continue
                 src = p.block_ids[t0 // peer.layout.block_size:]
                 # a READ may need P's progress: wake P before posting
-                h, nbytes, runs = self.post_blocks(
+                h, nbytes, runs = self.posting.post_blocks(
                     "READ", peer, heads, src, dst, num_tokens - t0,
-                    before=functools.partial(self.wake_peer, peer, msg.transfer_id, msg.generation))
+                    before=functools.partial(self.warmup.wake_peer, peer, msg.transfer_id, msg.generation))
                 fl.handles.append(h)
                 fl.nbytes += nbytes
                 fl.num_descs += runs
@@ -442,10 +436,7 @@ class DecodeWriter(WriterBase):
             fl.failed = f"READ failed to post: {e}"
         self.trace_event("read_posted", msg.transfer_id, f"{fl.nbytes}B/{fl.num_descs}d")
         self._reads[(msg.transfer_id, msg.generation)] = msg
-        if fl.handles:
-            self.inflight[(msg.transfer_id, msg.generation)] = fl
-        else:
-            self.transfer_finished(fl, now)
+        self.posting.book((msg.transfer_id, msg.generation), fl, now)
 
     def _read_dest(self, msg: m.ReadKV) -> tuple:
         """The blocks a READ lands in (past our cached prefix) and its end token."""
@@ -459,15 +450,15 @@ class DecodeWriter(WriterBase):
         fl.failed = fl.failed or cancelled  # answered only now: the READ wrote into the blocks until it ended
         self.trace_event("read_failed" if fl.failed else "read_done", fl.transfer_id)
         src = msg.pull.source
-        ranks = producers_for(self.rank, self.inst.tp, src.tp, self.layout.total_kv_heads)
+        ranks = self._producers(src.tp)
         for r in ranks:  # P frees on ReadDone, or on CancelTransfer when we failed
             peer = self.peers.get((src.engine_id, r))
             if peer is None:
                 continue
             if fl.failed:
-                self.control(peer, m.CancelTransfer(fl.transfer_id, fl.generation, fl.failed))
+                self.posting.control(peer, m.CancelTransfer(fl.transfer_id, fl.generation, fl.failed))
             else:
-                self.notify(peer, m.ReadDone(fl.transfer_id, fl.generation, self.rank))
+                self.posting.notify(peer, m.ReadDone(fl.transfer_id, fl.generation, self.rank))
         if fl.failed:
             self.send(self.sched, m.KVFailed(fl.transfer_id, fl.generation, fl.failed))
         else:

@@ -97,10 +97,10 @@ class PrefillWriter(WriterBase):
                       wait_s: float | None = None) -> None:
         """The blocks hold the KV: WRITE once D's registration is here (or now, if it is)."""
         now = time.monotonic()
-        self._last_activity = now
+        self.last_activity = now
         self.counters["prefill_done_received"] += 1
         # registrations may already sit in NIXL's queue: take them first
-        self.poll_notifs(now)
+        self.posting.poll_notifs(now)
         try:
             acts = self.rdv.on_prefill_done(tid, gen, block_ids, num_tokens, first_token, now, wait_s)
         except A.ProtocolError as e:
@@ -112,11 +112,11 @@ class PrefillWriter(WriterBase):
     def on_StreamKV(self, msg: m.StreamKV) -> None:
         """A prefill chunk ended: WRITE what is whole now (once D's registration is here)."""
         now = time.monotonic()
-        self._last_activity = now
+        self.last_activity = now
         self.counters["stream_progress_received"] += 1
         key = (msg.transfer_id, msg.generation)
         self._stamp(key, "stream_progress")
-        self.poll_notifs(now)
+        self.posting.poll_notifs(now)
         try:
             acts = self.rdv.on_prefill_progress(msg.transfer_id, msg.generation, msg.block_ids, msg.num_tokens, now)
         except A.ProtocolError as e:
@@ -133,9 +133,9 @@ class PrefillWriter(WriterBase):
         streaming prompt (once D's registration is here). A mark may trail the prefill half
         (they travel apart): the rendezvous counts and drops it."""
         now = time.monotonic()
-        self._last_activity = now
+        self.last_activity = now
         self.counters["layer_marks_received"] += 1
-        self.poll_notifs(now)  # registrations may already sit in NIXL's queue: take them first
+        self.posting.poll_notifs(now)  # registrations may already sit in NIXL's queue: take them first
         for e in msg.entries:
             key = (e.transfer_id, e.generation)
             self._stamp(key, "stream_progress")
@@ -198,23 +198,24 @@ class PrefillWriter(WriterBase):
 
     # -- from D's writers (NIXL notifications) --------------------------------------------
     def notif_Register(self, msg: m.Register, agent: str, now: float) -> None:
-        if agent not in self.peers_by_agent:
+        if agent not in self.peers.by_agent:
             self.counters["register_from_unknown_peer"] += 1
             log.error("%s: Register from unknown agent %s transfer_id=%s", self.name, agent, msg.transfer_id)
             return
         self.counters["registrations_received"] += 1
-        why = self._bad_cached_tokens(msg, self.peers_by_agent[agent])
+        why = self._bad_cached_tokens(msg, self.peers.by_agent[agent])
         if why:  # refused at once: D fails the request now rather than at its WRITE deadline
             self.counters["register_bad_cached_tokens"] += 1
             log.error("%s: Register refused: %s transfer_id=%s", self.name, why, msg.transfer_id)
-            self.control(self.peers_by_agent[agent], m.WriteFailed(msg.transfer_id, msg.generation, self.rank, why))
+            self.posting.control(self.peers.by_agent[agent],
+                                 m.WriteFailed(msg.transfer_id, msg.generation, self.rank, why))
             return
         self._record((msg.transfer_id, msg.generation)).d_engine_id = msg.d_engine_id
         self._stamp((msg.transfer_id, msg.generation), "registration_received")
         faults.point(self.name, "registration_received")
         self.apply(self.rdv.on_registration(msg, now), now)
         self._sync_warm((msg.transfer_id, msg.generation), now)
-        self.beat_for((msg.transfer_id, msg.generation), agent)  # our WRITE to this D rank is coming
+        self.warmup.beat_for((msg.transfer_id, msg.generation), agent)  # our WRITE to this D rank is coming
 
     def _bad_cached_tokens(self, msg: m.Register, peer) -> str:
         """Why D's prefix-cache offset cannot be honoured ("" if it can): a WRITE starts on whole
@@ -236,15 +237,15 @@ class PrefillWriter(WriterBase):
         self.apply(self.leases.cancel(msg.transfer_id, msg.generation, msg.reason, now), now)
 
     def notif_ReadDone(self, msg: m.ReadDone, agent: str, now: float) -> None:
-        peer = self.peers_by_agent.get(agent)
+        peer = self.peers.by_agent.get(agent)
         readers = len(consumers_for(self.rank, self.inst.tp, peer.tp, self.layout.total_kv_heads)) if peer else 1
-        self.transfer_arrived(msg.transfer_id, msg.generation)
+        self.warmup.transfer_arrived(msg.transfer_id, msg.generation)
         self.apply(self.leases.on_read_done(msg.transfer_id, msg.generation, msg.d_rank, readers), now)
 
     def notif_RenewLease(self, msg: m.RenewLease, agent: str, now: float) -> None:
         """D still means to read (queued, or READing): the lease lives on, up to its cap. A push
         transfer (late, or D's leg queued at D): the wait for D's registration starts anew."""
-        if agent not in self.peers_by_agent:
+        if agent not in self.peers.by_agent:
             self.counters["renew_from_unknown_peer"] += 1
             log.error("%s: RenewLease from unknown agent %s transfer_id=%s", self.name, agent, msg.transfer_id)
             return
@@ -258,17 +259,13 @@ class PrefillWriter(WriterBase):
         for e in self.effects(actions):
             if isinstance(e, sides.Post):
                 self._post_write(e.write, now, e.swap_dest)
-            elif isinstance(e, sides.Tell):
-                peer = self.peers.get(e.peer)
-                if peer is not None:
-                    self.control(peer, e.msg)
             elif isinstance(e, sides.Report):
                 self._free(e)
             elif isinstance(e, sides.Drop):
                 self._drop_queued(e.key, e.reason)
             else:
-                self.counters[e.name] += 1
-        if self._warm:
+                self.count_or_tell(e, self.posting.control)
+        if self.warmup.warm:
             for key in {(a.transfer_id, a.generation) for a in actions if hasattr(a, "transfer_id")}:
                 self._sync_warm(key, now)
 
@@ -277,9 +274,9 @@ class PrefillWriter(WriterBase):
         its WRITE is coming; capped by the rendezvous' own wait. Posted, done or gone: cool
         (a posted WRITE is spun on as in flight)."""
         if self.rdv.state_of(*key) in WAITING:
-            self.warm_for(key, now + self.cfg.timeouts.registration_wait_s)
+            self.warmup.warm_for(key, now + self.cfg.timeouts.registration_wait_s)
         else:
-            self.cool(key)
+            self.warmup.cool(key)
 
     def peer_instance_down(self, engine_id: str, reason: str, now: float) -> None:
         for key, t in list(self.side.transfers.items()):
@@ -378,7 +375,7 @@ class PrefillWriter(WriterBase):
             if slots is not None:
                 spans, staged = self._stage_out(key, spans, slots)
             sums = self._checksums.get(key) if a.last else None
-            sp = self.plan_spans("WRITE", peer, heads, spans)
+            sp = self.posting.plan_spans("WRITE", peer, heads, spans)
         except Exception:
             self._give_slots(slots)
             raise
@@ -442,7 +439,7 @@ class PrefillWriter(WriterBase):
     def _post_now(self, post: _Post):
         a, key = post.a, (post.a.transfer_id, post.a.generation)
         self._stamp(key, "write_post_start" if a.last else "part_post_first")  # to write_posted: our post cost
-        h = self.post_planned(post.sp, post.notif)
+        h = self.posting.post_planned(post.sp, post.notif)
         post.fl.handles.append(h)
         if a.last:
             self._stamp(key, "write_post_returned")  # the NIXL post to this D rank returned
@@ -515,7 +512,7 @@ class PrefillWriter(WriterBase):
         if not a.last:
             self.counters["wake_hints_skipped_part"] += 1
         elif not reg.warm:
-            self.wake_peer(peer, a.transfer_id, a.generation, nbytes)
+            self.warmup.wake_peer(peer, a.transfer_id, a.generation, nbytes)
         else:
             self.counters["wake_hints_skipped"] += 1
 
@@ -529,12 +526,8 @@ class PrefillWriter(WriterBase):
             t.parts += 1
             self._parts_posted += 1
             ikey = (a.transfer_id, a.generation, self._parts_posted)
-        if fl.handles or fl.queued:
-            self.inflight[ikey] = fl
-            if fl.handles:
-                self.settle(ikey)
-        else:
-            self.transfer_finished(fl, now)
+        if self.posting.book(ikey, fl, now) and fl.handles:
+            self.posting.settle(ikey)
 
     def transfer_finished(self, fl: InFlight, now: float) -> None:
         key = (fl.transfer_id, fl.generation)

@@ -15,14 +15,16 @@ from pushkv.config import RopeScaling
 from pushkv.model import build_model, get_tokenizer
 from pushkv.model.checkpoint import model_config_from_hf
 from pushkv.model.moe import moe_mlp, route
-from pushkv.model.rope import inv_freq, rope_of
+from pushkv.model.rope import cos_sin, cos_sin_rows, dynamic_spans, inv_freq, rope_of
 from tests.model.test_hf_reference import GEOMETRY, PROMPTS, hf_reference, save_hf_checkpoint
 from tests.model.test_model import new_pool, paged_generate
+from tests.support.deploy import deployment
 
 NEW = 8
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 64}
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
+DYNAMIC = {"rope_theta": 5e5, "rope_type": "dynamic", "factor": 4.0}
 MOE = dict(num_local_experts=4, num_experts_per_tok=2)
 
 # name -> (transformers family, config extras, what pushkv must read from it)
@@ -30,6 +32,9 @@ CASES = {
     "llama3": ("llama", {"rope_parameters": {"rope_theta": 5e5, **LLAMA3}}, dict(architecture="LlamaForCausalLM")),
     "llama-yarn": ("llama", {"rope_parameters": {"rope_theta": 5e5, **YARN}}, {}),
     "llama-linear": ("llama", {"rope_parameters": {"rope_theta": 5e5, "rope_type": "linear", "factor": 2.0}}, {}),
+    # a context of 5: the prompts of 7 and 10 tokens prefill past it, the one of 2 decodes past it
+    "llama-dynamic": ("llama", {"max_position_embeddings": 5, "rope_parameters": DYNAMIC},
+                      dict(max_position=20, rope_scaling=RopeScaling("dynamic", 4.0, 5))),
     "qwen2": ("qwen2", {}, dict(architecture="Qwen2ForCausalLM", qkv_bias=True)),
     # a window shorter than the prompts, so that the window decides tokens
     "mistral": ("mistral", {"sliding_window": 4}, dict(sliding_window=4, window_layers=(0, 1))),
@@ -93,6 +98,68 @@ def test_rope_frequencies_and_scale_equal_transformers(params):
     assert (rs.attention_factor if rs.rope_type == "yarn" else 1.0) == pytest.approx(want_scale)
 
 
+@pytest.mark.parametrize("length", [1, 511, 512, 513, 700, 4096])
+def test_dynamic_frequencies_per_length_equal_transformers(length):
+    """transformers' NTK base for a sequence of `length` (max_position_embeddings 512), and the
+    engine's tables: row p of cos_sin for length p + 1 (a decode step), cos_sin_rows for any."""
+    params = dict(DYNAMIC, rope_theta=1e4)
+    want, _ = ROPE_INIT_FUNCTIONS["dynamic"](_HFConfig(params, 512), "cpu", seq_len=length)
+    theta, rs = rope_of({"rope_parameters": params, "max_position_embeddings": 512})
+    torch.testing.assert_close(inv_freq(theta, 16, rs, length).float(), want.float(), rtol=1e-6, atol=0)
+    p = length - 1
+    cos, sin = cos_sin(theta, 16, rs, length, "cpu", torch.float64)
+    ang = p * inv_freq(theta, 16, rs, length)
+    torch.testing.assert_close(cos[p], torch.cat((ang, ang)).cos())
+    rows = cos_sin_rows(theta, 16, rs, 0, length, length, "cpu", torch.float64)[1]
+    torch.testing.assert_close(rows[p], sin[p])
+    if length > 513:  # earlier rows: the table's are for their own length, a prompt's for its whole one
+        assert not torch.allclose(rows[p - 100], sin[p - 100])
+
+
+@pytest.mark.parametrize("kind, spans, want", [
+    ("dynamic", [(0, 7, 7), (7, 1, 8), (0, 3, 3), (0, 4, 9), (4, 5, 9)], [(0, 0, 7, 7), (11, 0, 4, 9), (15, 4, 5, 9)]),
+    ("dynamic", [(9, 1, 10), (0, 5, 5), (20, 1, 21)], []),  # decodes, and a prompt within the context
+    ("yarn", [(0, 7, 7)], []),
+])
+def test_dynamic_spans_are_the_rows_off_the_table(kind, spans, want):
+    """(start, count, length) per sequence, context 5: rows to recompute, as (row, start, count, length)."""
+    assert dynamic_spans(RopeScaling(kind, 4.0, 5), spans) == want
+
+
+@pytest.fixture(scope="module")
+def dynamic_ckpt(tmp_path_factory):
+    family, extra, _ = CASES["llama-dynamic"]
+    path = save_hf_checkpoint(str(tmp_path_factory.mktemp("llama-dynamic")), family, seed=3, **extra)
+    return path, hf_reference(path, PROMPTS)
+
+
+def test_dynamic_rope_chunked_prefill_takes_the_prompts_length(dynamic_ckpt):
+    """A prompt past the context prefilled in chunks of 3 rotates every chunk for the whole
+    prompt's length, as transformers' one prefill does: the same keys as one prefill's (a chunk
+    rotated for its own end differs by up to ~0.3), and transformers' tokens."""
+    path, want = dynamic_ckpt
+    model = build_model(model_config_from_hf(path, engine="batched"))
+    for ids, new in want:
+        kv = {}
+        for chunk in (None, 3):
+            pool = new_pool(model, 8, 16)
+            got = paged_generate(model, pool, ids, 1, tuple(range(8)), chunk=chunk)
+            kv[chunk] = pool.clone()
+            assert got == new[:1]
+        torch.testing.assert_close(kv[3], kv[None], rtol=1e-5, atol=1e-5, equal_nan=True)
+        assert paged_generate(model, new_pool(model, 8, 16), ids, NEW, tuple(range(8)), chunk=3) == new
+
+
+@pytest.mark.parametrize("flags", [("--mode", "local", "--prefill-chunk", "3"), ("--mode", "push")])
+def test_dynamic_rope_served_equals_transformers(tmp_path, dynamic_ckpt, flags):
+    """Served: local with the scheduler chunking the prompts, and P/D push, where the prompt's KV is
+    made on P (rotated for the prompt's length) and decoded past it on D."""
+    path, want = dynamic_ckpt
+    with deployment(tmp_path, *flags, "--model", path, "--num-blocks", "32") as dep:
+        for ids, new in want:
+            assert dep.tokens(ids, NEW) == new, ids
+
+
 def test_transformers_4_rope_scaling_form_is_read():
     theta, rs = rope_of({"rope_theta": 5e5, "rope_scaling": dict(LLAMA3, type="llama3")})
     assert theta == 5e5 and rs == RopeScaling("llama3", 8.0, 64, 1.0, 4.0)
@@ -111,7 +178,8 @@ BASE = dict(GEOMETRY, architectures=["LlamaForCausalLM"], rope_theta=1e4, hidden
     ({"mlp_bias": True}, "mlp_bias: True"),
     ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping: 50.0"),
     ({"hidden_act": "gelu"}, "hidden_act: 'gelu'"),
-    ({"rope_theta": None, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic'"),
+    ({"max_position_embeddings": None, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}},
+     "rope_type 'dynamic' needs max_position_embeddings"),
     ({"dtype": "float8_e4m3fn"}, "dtype 'float8_e4m3fn' is not supported"),
     ({"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 2,
       "moe_intermediate_size": 32, "decoder_sparse_step": 2}, "dense layers between MoE layers are not built"),

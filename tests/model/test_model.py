@@ -51,7 +51,9 @@ def paged_generate(model, pool, prompt, max_tokens, table, chunk=None, on_prefil
     out = []
     for s in range(0, len(prompt), chunk):
         last = s + chunk >= len(prompt)
-        got = model.execute([SeqWork(0, tuple(prompt[s:s + chunk]), s, table, sample=last)], pool)
+        # an earlier chunk names the prompt's length, as the scheduler's do (dynamic RoPE reads it)
+        got = model.execute([SeqWork(0, tuple(prompt[s:s + chunk]), s, table, sample=last,
+                                     rope_len=0 if last else len(prompt))], pool)
         assert len(got) == (1 if last else 0)
         out += got
     if on_prefill:

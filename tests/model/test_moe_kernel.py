@@ -1,6 +1,12 @@
 """The grouped MoE kernels (model/kernels/triton_moe.py) equal the torch reference
 (model/moe.py): the slot grouping in-process, the kernels under Triton's interpreter on the CPU
-(a child process: the switch is read at import) and on a GPU when there is one."""
+(a child process: the switch is read at import) and on a GPU when there is one: the fused routing
+and grouping kernel against ``route`` + ``group_slots`` exactly, the layer against the reference
+at every tile ``tiles_for`` picks, and (GPU) the layer captured in a CUDA graph and replayed on
+new tokens.
+
+    pytest tests/model/test_moe_kernel.py -v -p no:cacheprovider    (on a GPU: the GPU cases)
+"""
 import json
 import os
 import subprocess
@@ -16,11 +22,12 @@ from pushkv.model.kernels.triton_moe import group_slots  # noqa: E402
 # (tokens, experts, k, hidden, intermediate, renorm, dtype): sizes off the tiles' multiples, so
 # every mask is exercised; one token (a decode step) to more slots than one row block
 CASES = [(1, 8, 2, 32, 48, "renorm", "float32"), (5, 4, 2, 40, 24, "", "float32"),
-         (37, 8, 3, 64, 80, "renorm", "float32"), (300, 6, 2, 32, 32, "", "float32")]
+         (37, 8, 3, 64, 80, "renorm", "float32"), (300, 6, 2, 32, 32, "", "float32"),
+         (9, 12, 8, 32, 40, "renorm", "float32")]  # E not a power of two, k = 8 (Qwen3-MoE's)
 
 SCRIPT = r"""
 import json, sys, torch
-from pushkv.model.moe import moe_mlp
+from pushkv.model.moe import moe_mlp, route
 from pushkv.model.kernels import triton_moe
 dev = sys.argv[1]
 out = []
@@ -33,7 +40,20 @@ for T, E, k, d, i, renorm, dtype in json.loads(sys.argv[2]):
     down = (torch.randn(E, d, i, generator=g) / i ** 0.5).to(dev, dt)
     ref = moe_mlp(h, router, gate_up, down, k, bool(renorm)).float().cpu()
     got = triton_moe.moe_mlp(h, router, gate_up, down, k, bool(renorm)).float().cpu()
-    out.append({"err": float((ref - got).abs().max()), "scale": float(ref.abs().max())})
+    # every tile size tiles_for picks, on the smaller shapes (the interpreter is slow)
+    tiles = {triton_moe.tiles_for(n) for n in (1, 100, 5000)} if T < 10 else set()
+    errs = [float((ref - triton_moe.moe_mlp(h, router, gate_up, down, k, bool(renorm), tiles=t).float().cpu())
+                  .abs().max()) for t in tiles] + [0.0]
+    # the fused routing + grouping against route + group_slots: each token's same experts (as a set: CUDA's top-k
+    # may order a token's k experts differently from the CPU's) and the same slot table
+    w, ex = route(h, router, k, bool(renorm))
+    bm = triton_moe.tiles_for(T).bm
+    kw, kex, slots, blocks = triton_moe.route_group(h, router, k, bool(renorm), bm)
+    ref_slots, ref_blocks = triton_moe.group_slots(kex.view(T, k).long(), E, bm)
+    out.append({"err": float((ref - got).abs().max()), "tile_err": max(errs), "scale": float(ref.abs().max()),
+                "experts": [sorted(r) for r in ex.tolist()] == [sorted(r) for r in kex.view(T, k).long().tolist()],
+                "weights": float((w.float().sort(-1).values - kw.view(T, k).float().sort(-1).values).abs().max()),
+                "slots": torch.equal(slots.cpu(), ref_slots.cpu()) and torch.equal(blocks.cpu(), ref_blocks.cpu())})
 print(json.dumps(out))
 """
 
@@ -69,10 +89,12 @@ def test_slots_are_grouped_by_expert_in_whole_blocks(T, E, k, bm):
     assert used == sum(-(-int((flat == e).sum()) // bm) for e in range(E))  # no block more than needed
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the kernels themselves (below)")
+@pytest.mark.unit  # the skip reason names CUDA, which would file it (and skip it, off a GPU) as a GPU test
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU runs the kernels themselves (below)")
 def test_kernels_equal_the_reference_under_the_interpreter():
     for case, r in zip(CASES, _run("cpu", CASES)):
-        assert r["err"] <= 1e-4 * max(1.0, r["scale"]), (case, r)
+        assert r["err"] <= 1e-4 * max(1.0, r["scale"]) and r["tile_err"] <= 1e-4 * max(1.0, r["scale"]), (case, r)
+        assert r["experts"] and r["slots"] and r["weights"] <= 1e-6, (case, r)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -80,4 +102,34 @@ def test_gpu_kernels_equal_the_reference():
     cases = CASES + [(c[0], c[1], c[2], c[3], c[4], c[5], "bfloat16") for c in CASES]
     for case, r in zip(cases, _run("cuda", cases)):
         tol = 1e-4 if case[-1] == "float32" else 3e-2
-        assert r["err"] <= tol * max(1.0, r["scale"]), (case, r)
+        assert r["err"] <= tol * max(1.0, r["scale"]) and r["tile_err"] <= tol * max(1.0, r["scale"]), (case, r)
+        assert r["experts"] and r["slots"] and r["weights"] <= (1e-6 if case[-1] == "float32" else 1e-2), (case, r)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("T", [1, 8, 64, 200])  # 200: routed and grouped in torch
+def test_gpu_layer_captured_in_a_cuda_graph_replays_new_tokens(T):
+    """The layer waits for no host read: captured once, replayed on other tokens (other experts
+    chosen), it equals the reference on them."""
+    from pushkv.model.kernels import triton_moe
+    from pushkv.model.moe import moe_mlp
+
+    g = torch.Generator().manual_seed(T)
+    E, k, d, i = 32, 4, 256, 128
+    router = torch.randn(E, d, generator=g).cuda()
+    gate_up = (torch.randn(E, 2 * i, d, generator=g) / d ** 0.5).cuda()
+    down = (torch.randn(E, d, i, generator=g) / i ** 0.5).cuda()
+    h = torch.randn(T, d, generator=g).cuda()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        triton_moe.moe_mlp(h, router, gate_up, down, k, True)  # compiles
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_moe.moe_mlp(h, router, gate_up, down, k, True)
+    for _ in range(3):
+        h.copy_(torch.randn(T, d, generator=g).cuda())
+        graph.replay()
+        ref = moe_mlp(h, router, gate_up, down, k, True)
+        assert float((out - ref).abs().max()) <= 1e-4 * max(1.0, float(ref.abs().max()))

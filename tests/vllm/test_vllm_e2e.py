@@ -182,6 +182,12 @@ def test_chat_and_models_through_the_proxy_equal_one_instance(deployment):
     status, err = _chat(px, None)  # no messages at all
     assert status == 400 and err["error"]["type"] == "invalid_request_error", err
     assert err["error"]["param"] == "messages" and "messages" in err["error"]["message"]
+    # malformed past the proxy's own check: vLLM refuses it, and the client is told what vLLM said
+    # (a bad request, not a failed KV transfer), in OpenAI's shape
+    status, err = _chat(px, [{"content": "no role"}])
+    assert status == 400 and set(err["error"]) == {"message", "type", "param", "code"}, err
+    assert err["error"]["type"] == "invalid_request_error" and err["error"]["code"] == 400, err
+    assert "KV transfer" not in err["error"]["message"] and "role" in err["error"]["message"], err
 
 
 def _is_writer(cmdline: str) -> bool:

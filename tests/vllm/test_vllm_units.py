@@ -218,6 +218,32 @@ def test_proxy_errors_have_openais_shape(status, kind):
     assert _json.loads(resp.body) == {"error": {"message": "why", "type": kind, "param": "prompt", "code": status}}
 
 
+@pytest.mark.parametrize("status, answer, want", [
+    (400, {"error": {"message": "messages.0.role: Field required", "type": "BadRequestError", "param": None,
+                     "code": 400}}, "messages.0.role: Field required"),
+    (500, {"error": {"message": "boom", "type": "InternalServerError"}}, "KV transfer failed"),
+    (400, b"not json", "KV transfer failed"),
+])
+def test_proxy_relays_what_d_said_of_a_bad_request(status, answer, want):
+    """D refusing the client's request (4xx with vLLM's error) is the client's error, told as D put it,
+    in OpenAI's shape; anything else is named a failed transfer with its id."""
+    import asyncio
+    import json as _json
+
+    async def run():
+        async def prefill_ok():
+            return None
+
+        data = answer if isinstance(answer, bytes) else _json.dumps(answer).encode()
+        return await Proxy(["http://p"], ["http://d"])._failed(status, data, asyncio.ensure_future(prefill_ok()), "t1")
+
+    resp = asyncio.run(run())
+    err = _json.loads(resp.body)["error"]
+    assert resp.status == status and set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == ("invalid_request_error" if status == 400 else "server_error")
+    assert err["message"].startswith(want) and (("t1" in err["message"]) == (want == "KV transfer failed"))
+
+
 def test_shared_allocation_hook_takes_only_the_kv_buffer():
     alloc = SharedKVAllocation("pushkv-test")
     with alloc:

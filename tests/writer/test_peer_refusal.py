@@ -9,19 +9,19 @@ import msgspec
 import pytest
 
 from pushkv import messages as m
-from pushkv.writer.peers import GENERIC_REFUSAL, PeerWriter
+from pushkv.writer.peers import GENERIC_REFUSAL, Peers
 
 
-class RefusingWriter(PeerWriter):
-    """A PeerWriter without an actor loop: what it sends is recorded; a peer's layout is refused
-    when ``bad_layout``."""
+class RefusingShell:
+    """A writer shell without an actor loop, for its ``Peers``: what it sends is recorded; a
+    peer's layout is refused when ``bad_layout``."""
 
     def __init__(self, authenticated: bool, bad_layout: bool = False):
         self.name, self.engine_id, self.rank, self.model_id = "p-writer-0", "p", 0, "model-a"
         self.counters: Counter = Counter()
-        self.init_peers()
-        self.handshake = object()  # type: ignore[assignment]  # only compared, never used as a socket
-        self.peers_authenticated = authenticated
+        self.peers = Peers(self)  # type: ignore[arg-type]  # a fake shell: only what a refusal uses
+        self.peers.handshake = object()  # type: ignore[assignment]  # only compared, never used as a socket
+        self.peers.authenticated = authenticated
         self.bad_layout = bad_layout
         self.sent: list = []
 
@@ -43,8 +43,8 @@ GOOD = m.Hello("d", 0, 1, "d-w0", b"", 0, None, wire_version=m.WIRE_VERSION, mod
 ])
 @pytest.mark.parametrize("authenticated", [True, False])
 def test_refusal_says_why_only_to_our_own(change, bad_layout, says, authenticated):
-    w = RefusingWriter(authenticated, bad_layout)
-    w.on_Hello(msgspec.structs.replace(GOOD, **change), identity=b"peer-1")
+    w = RefusingShell(authenticated, bad_layout)
+    w.peers.on_hello(msgspec.structs.replace(GOOD, **change), identity=b"peer-1")
     [(msg, ident)] = w.sent
     assert isinstance(msg, m.HelloRefused) and ident == b"peer-1"
     if authenticated:
@@ -52,4 +52,4 @@ def test_refusal_says_why_only_to_our_own(change, bad_layout, says, authenticate
     else:
         assert msg.reason == GENERIC_REFUSAL, msg.reason
         assert "model-a" not in msg.reason  # nothing of ours: not the model, not the layout
-    assert w.peers == {} and w.counters["peer_incompatible"] == 1
+    assert w.peers.table == {} and w.counters["peer_incompatible"] == 1

@@ -7,6 +7,7 @@ import pytest
 from pushkv.config import DeploymentConfig, InstanceConfig, preset
 from pushkv.writer import base as B
 from pushkv.writer import poll as P
+from pushkv.writer import warm as W
 
 
 class _Writer(B.WriterBase):
@@ -18,13 +19,14 @@ class _Writer(B.WriterBase):
 
 @pytest.fixture
 def writer(monkeypatch):
-    monkeypatch.setattr(B.os, "sched_yield", lambda: None)  # a unit test: no need to give the core away
+    monkeypatch.setattr(W.os, "sched_yield", lambda: None)  # a unit test: no need to give the core away
     cfg = DeploymentConfig(mode="push", model=preset("tiny"), prefill=InstanceConfig(role="prefill", num_blocks=8))
     return _Writer(cfg, cfg.prefill, 0)
 
 
 def _inflight(w, age_s: float, nbytes: int = 0) -> None:
-    w.inflight[("t", len(w.inflight))] = B.InFlight("t", 0, posted=time.monotonic() - age_s, nbytes=nbytes)
+    inflight = w.posting.inflight
+    inflight[("t", len(inflight))] = B.InFlight("t", 0, posted=time.monotonic() - age_s, nbytes=nbytes)
 
 
 @pytest.mark.parametrize("age_s,nbytes,lo,hi", [
@@ -46,16 +48,16 @@ def test_youngest_transfer_decides(writer):
 
 
 def test_announced_transfer_spins_until_its_time(writer):
-    writer._last_activity = 0.0
+    writer.last_activity = 0.0
     assert writer.poll_timeout_ms() == P.WRITER_IDLE_POLL_MS
-    writer._expected[("t", 0)] = time.monotonic() + 1.0
+    writer.warmup.expected[("t", 0)] = time.monotonic() + 1.0
     assert writer.poll_timeout_ms() == 0
-    writer.transfer_arrived("t", 0)
+    writer.warmup.transfer_arrived("t", 0)
     assert writer.poll_timeout_ms() == P.WRITER_IDLE_POLL_MS
-    writer._expected[("t", 1)] = time.monotonic() - 0.001  # overstayed: dropped, no spin
+    writer.warmup.expected[("t", 1)] = time.monotonic() - 0.001  # overstayed: dropped, no spin
     writer.pending = True
     assert writer.poll_timeout_ms() == P.PENDING_POLL_MS
-    assert not writer._expected
+    assert not writer.warmup.expected
 
 
 class _States:

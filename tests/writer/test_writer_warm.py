@@ -179,14 +179,14 @@ def test_prefill_warm_follows_the_rendezvous(first, end):
         w.apply(w.rdv.on_prefill_done("a", 0, (2,), 16, 1, now), now)
     w._sync_warm(("a", 0), now)
     cap = now + w.cfg.timeouts.registration_wait_s
-    assert w._warm == {("a", 0): cap}
+    assert w.warmup.warm == {("a", 0): cap}
     w._sync_warm(("a", 0), now + 5)  # still waiting: the first cap holds
-    assert w._warm == {("a", 0): cap}
+    assert w.warmup.warm == {("a", 0): cap}
     if end == "cancel":
         w.apply(w.rdv.cancel("a", 0, "gone", now + 1), now + 1)
     else:
         w.apply(w.rdv.expire(cap + 1), cap + 1)
-    assert w.rdv.state_of("a", 0) is None and w._warm == {}
+    assert w.rdv.state_of("a", 0) is None and w.warmup.warm == {}
     if first == "prefill":  # our blocks went back to the scheduler with the failure
         assert [type(x).__name__ for x in w.sent] == ["KVFailed"]
 
@@ -195,7 +195,7 @@ def test_prefill_warm_off_keeps_nothing():
     w = _prefill_writer("off")
     w.apply(w.rdv.on_registration(_reg("a"), 1.0), 1.0)
     w._sync_warm(("a", 0), 1.0)
-    assert w._warm == {}
+    assert w.warmup.warm == {}
 
 
 def test_prefill_writer_says_a_transfer_ended_by_a_dead_decode_instance():

@@ -1,24 +1,33 @@
 """The mixture-of-experts MLP on the GPU (Triton): tokens grouped by expert, one grouped GEMM
 per projection. Equals ``pushkv.model.moe.moe_mlp`` (the torch reference).
 
-A decode step routes a few tokens to a few experts each; a torch loop over experts pays a
-launch (and a host sync for the group sizes) per expert and layer. Here the grouping is
-device-side torch (no host sync): each token-slot (token, k-th choice) is sorted by expert and
-placed in its expert's segment, padded to whole row blocks, and each row block knows its
-expert. Then two launches a layer:
+A decode step routes a few tokens to a few experts each: its bytes are the chosen experts'
+weights, a few tens of microseconds on an H200, so what a layer costs beyond them is launches.
+A layer is five, none waiting for the host (so the decode step's CUDA graph captures it;
+a step of more than ``FUSED_ROUTE_TOKENS`` routes and groups in torch instead, also without a sync):
 
+- the router's logits (one matmul, in the model dtype as the reference rounds them);
+- ``_route_group_kernel``, one program: softmax (float32), top-k, renormalisation, then the
+  grouping: each token-slot (token, k-th choice) placed in its expert's segment of the slot
+  table, each segment padded to whole blocks of ``BM`` rows, and each block's expert named
+  (-1 past the last); by one-hot counts and running sums over chunks of slots, no sort;
 - ``_gate_up_kernel``: for each row block and column tile of the intermediate, gather the
   block's token rows, multiply by the expert's gate and up weights, and store
   ``silu(gate) * up`` per slot;
 - ``_down_kernel``: that product times the expert's down projection, scaled by the slot's
-  routing weight, stored per slot.
+  routing weight, stored per slot;
+- the sum of a token's k slots (torch; no atomics, so the sum is deterministic).
 
-The k slots of a token are summed in torch (no atomics: the sum is deterministic). Only the
-experts that tokens chose are read, each once per row block.
+Only the experts that tokens chose are read, each once per row block. Tiles come from
+:func:`tiles_for` (small row blocks and narrow column tiles for a decode step's few slots, so that
+more programs share the few experts' bytes; experiments/moe_bench.py sweeps them).
 """
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
+
 import torch
+import torch.nn.functional as F
 
 from pushkv.extras import missing
 from pushkv.model.moe import route
@@ -30,7 +39,71 @@ except ModuleNotFoundError as e:  # a CUDA torch build without Triton
     raise missing("triton", "pushkv's CUDA kernels") from e
 
 
-@triton.jit
+# Counts that change with the batch are not specialised on (Triton compiles a variant per count that
+# is 1 or a multiple of 16): one compile serves every decode batch.
+@triton.jit(do_not_specialize=["T", "n_rows", "max_blocks"])
+def _route_group_kernel(Logits, Weights, Experts, SlotIds, BlockExpert, T, E, stride_l, n_rows, max_blocks,
+                        K: tl.constexpr, RENORM: tl.constexpr, BM: tl.constexpr, EP: tl.constexpr,
+                        TT: tl.constexpr, SC: tl.constexpr, FILL: tl.constexpr):
+    n = T * K
+    e = tl.arange(0, EP)
+    # 1. route, TT tokens at a time: k rounds of the largest probability (lowest expert on a tie),
+    # twice when renormalising (the first to sum the chosen ones)
+    for t0 in range(0, T, TT):
+        t = t0 + tl.arange(0, TT)
+        x = tl.load(Logits + t[:, None].to(tl.int64) * stride_l + e[None, :],
+                    mask=(t[:, None] < T) & (e[None, :] < E), other=float("-inf")).to(tl.float32)
+        x = tl.where(e[None, :] < E, x, float("-inf"))
+        p = tl.exp(x - tl.max(x, 1)[:, None])
+        p = p / tl.sum(p, 1)[:, None]
+        total = tl.full((TT,), 1.0, tl.float32)
+        if RENORM:
+            left = p
+            total = tl.zeros((TT,), tl.float32)
+            for _ in tl.static_range(K):
+                best = tl.max(left, 1)
+                pick = tl.min(tl.where(left == best[:, None], e[None, :], EP), 1)
+                left = tl.where(e[None, :] == pick[:, None], -1.0, left)
+                total += best
+        left = p
+        for j in tl.static_range(K):
+            best = tl.max(left, 1)
+            pick = tl.min(tl.where(left == best[:, None], e[None, :], EP), 1)
+            left = tl.where(e[None, :] == pick[:, None], -1.0, left)
+            tl.store(Weights + t * K + j, (best / total).to(Weights.dtype.element_ty), mask=t < T)
+            tl.store(Experts + t * K + j, pick, mask=t < T)
+    # 2. padding everywhere in the slot table, before the slots land
+    for r0 in range(0, n_rows, FILL):
+        r = r0 + tl.arange(0, FILL)
+        tl.store(SlotIds + r, tl.full((FILL,), 0, tl.int32) + n, mask=r < n_rows)
+    tl.debug_barrier()  # the experts and the fill, stored above, are read below by other threads
+    # 3. slots per expert, whole blocks each, their first rows
+    counts = tl.zeros((EP,), tl.int32)
+    for s0 in range(0, n, SC):
+        s = s0 + tl.arange(0, SC)
+        ex = tl.load(Experts + s, mask=s < n, other=EP)
+        counts += tl.sum((ex[:, None] == e[None, :]).to(tl.int32), 0)
+    blocks = (counts + BM - 1) // BM
+    ends = tl.cumsum(blocks, 0)
+    first_row = (ends - blocks) * BM
+    # 4. each slot's row: its expert's first row + the slots of that expert before it
+    seen = tl.zeros((EP,), tl.int32)
+    for s0 in range(0, n, SC):
+        s = s0 + tl.arange(0, SC)
+        ex = tl.load(Experts + s, mask=s < n, other=EP)
+        hot = (ex[:, None] == e[None, :]).to(tl.int32)
+        before = tl.cumsum(hot, 0) - hot + seen[None, :]
+        row = tl.sum(hot * (first_row[None, :] + before), 1)
+        tl.store(SlotIds + row, s, mask=s < n)
+        seen += tl.sum(hot, 0)
+    # 5. each block's expert: how many experts' blocks end at or before it
+    for b0 in range(0, max_blocks, SC):
+        b = b0 + tl.arange(0, SC)
+        owner = tl.sum((ends[None, :] <= b[:, None]).to(tl.int32), 1)
+        tl.store(BlockExpert + b, tl.where(owner < E, owner, -1), mask=b < max_blocks)
+
+
+@triton.jit(do_not_specialize=["n_slots"])
 def _gate_up_kernel(H, W, Act, SlotIds, BlockExpert, n_slots, d, inter, k_top,
                     stride_h, stride_we, stride_wn, stride_act,
                     PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
@@ -63,7 +136,7 @@ def _gate_up_kernel(H, W, Act, SlotIds, BlockExpert, n_slots, d, inter, k_top,
              mask=valid[:, None] & (cols[None, :] < inter))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_slots"])
 def _down_kernel(Act, W, Weights, Out, SlotIds, BlockExpert, n_slots, d, inter,
                  stride_act, stride_we, stride_wn, stride_out,
                  PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
@@ -95,11 +168,12 @@ def _down_kernel(Act, W, Weights, Out, SlotIds, BlockExpert, n_slots, d, inter,
 def group_slots(experts: torch.Tensor, num_experts: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
     """experts [T, k] -> (slot ids [B * bm], block expert [B]): the token-slots (``t * k + j``)
     sorted by expert, each expert's run padded to whole blocks of ``bm`` rows (padding rows hold
-    ``T * k``), and each block's expert (-1 past the last). ``B`` is the bound ``ceil(T k / bm) +
-    E``, so nothing here waits for the device."""
+    ``T * k``), and each block's expert (-1 past the last). ``B`` is ``block_bound``, so nothing
+    here waits for the device. In torch: what ``_route_group_kernel`` computes, the tests' reference."""
     flat = experts.flatten()
     n = flat.numel()
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    counts.scatter_add_(0, flat.long(), torch.ones_like(flat, dtype=torch.long))  # bincount syncs
     blocks = (counts + bm - 1) // bm
     ends = torch.cumsum(blocks, 0)
     starts = (ends - blocks) * bm  # each expert's first row
@@ -107,7 +181,7 @@ def group_slots(experts: torch.Tensor, num_experts: int, bm: int) -> tuple[torch
     by_expert = flat[order]
     first_of = torch.cumsum(counts, 0) - counts
     pos = starts[by_expert] + torch.arange(n, device=flat.device) - first_of[by_expert]
-    max_blocks = (n + bm - 1) // bm + num_experts
+    max_blocks = block_bound(n, num_experts, bm)
     slot_ids = torch.full((max_blocks * bm,), n, dtype=torch.int32, device=flat.device)
     slot_ids[pos] = order.to(torch.int32)
     block_expert = torch.searchsorted(ends, torch.arange(max_blocks, device=flat.device), right=True)
@@ -115,36 +189,90 @@ def group_slots(experts: torch.Tensor, num_experts: int, bm: int) -> tuple[torch
     return slot_ids, block_expert
 
 
-def _tiles(n_slots: int) -> tuple[int, int, int]:
-    """(rows, columns, depth) of a tile: small row blocks for a decode step's few slots per
-    expert (less padding), larger ones for a prefill's many."""
-    if n_slots <= 512:
-        return 16, 64, 64
-    return 64, 64, 64
+def block_bound(n_slots: int, num_experts: int, bm: int) -> int:
+    """Row blocks enough for any routing of n_slots: each expert used pads at most one block, and
+    at most min(E, n_slots) experts are used (a decode step of one token: 9 blocks, not 129)."""
+    return (n_slots + bm - 1) // bm + min(num_experts, n_slots)
+
+
+# Steps of up to this many tokens route and group in the one-program kernel (a decode step: one
+# launch where torch takes ~15); longer ones in torch, whose launches are spread over the whole GPU
+# (a graph bucket bound, so a step routes alike replayed or eager)
+FUSED_ROUTE_TOKENS = 128
+
+
+class Tiles(NamedTuple):
+    """A launch's tile: rows per expert block; gate/up columns; down columns; depth; warps; stages."""
+
+    bm: int
+    bn_up: int
+    bn_down: int
+    bk: int
+    warps: int = 4
+    stages: int = 3
+
+
+def tiles_for(tokens: int) -> Tiles:
+    """Small row blocks for a decode step's few slots per expert (less padding) and narrow gate/up
+    columns (a single token's 8 experts x 768 / 32 = 192 programs, not 96, stream the bytes); larger
+    rows for a prefill's many slots. Chosen by tokens at bounds that are decode graph buckets
+    (pushkv/model/batched.py), so a step sums in the same order replayed or eager."""
+    if tokens <= 8:
+        return Tiles(16, 32, 64, 128)
+    if tokens <= 128:
+        return Tiles(16, 64, 64, 64)
+    return Tiles(64, 64, 64, 64)
+
+
+def route_group(h: torch.Tensor, router: torch.Tensor, k: int, renorm: bool, bm: int):
+    """(weights [T k], experts [T k] int32, slot ids, block expert) of ``route`` + ``group_slots``,
+    in two launches: the router's matmul and ``_route_group_kernel``."""
+    T = h.shape[0]
+    E = router.shape[0]
+    logits = F.linear(h, router)
+    n = T * k
+    max_blocks = block_bound(n, E, bm)
+    dev = h.device
+    weights = torch.empty(n, dtype=h.dtype, device=dev)
+    experts = torch.empty(n, dtype=torch.int32, device=dev)
+    slot_ids = torch.empty(max_blocks * bm, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+    ep = triton.next_power_of_2(E)
+    _route_group_kernel[(1,)](logits, weights, experts, slot_ids, block_expert, T, E, logits.stride(0),
+                              max_blocks * bm, max_blocks, K=k, RENORM=renorm, BM=bm, EP=ep,
+                              TT=max(1, min(16, 4096 // ep)), SC=max(16, min(64, 8192 // ep)), FILL=1024,
+                              num_warps=8)
+    return weights, experts, slot_ids, block_expert
 
 
 def moe_mlp(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-            k: int, renorm: bool) -> torch.Tensor:
+            k: int, renorm: bool, tiles: Optional[Tiles] = None) -> torch.Tensor:
     """As ``pushkv.model.moe.moe_mlp``: h [T, d] (normed), router [E, d], gate_up [E, 2 i, d],
-    down [E, d, i] -> [T, d]."""
+    down [E, d, i] -> [T, d]. ``tiles``: the launch's tile (default: ``tiles_for``)."""
     T, d = h.shape
     E, two_i, _ = gate_up.shape
     inter = two_i // 2
-    weights, experts = route(h, router, k, renorm)
     n = T * k
-    bm, bn, bk = _tiles(n)
-    slot_ids, block_expert = group_slots(experts, E, bm)
+    tl_ = tiles or tiles_for(T)
     h = h.contiguous()
+    if T <= FUSED_ROUTE_TOKENS:
+        weights, _, slot_ids, block_expert = route_group(h, router, k, renorm, tl_.bm)
+    else:  # a prefill: the one-program kernel would walk its many slots alone; torch spreads them
+        w, experts = route(h, router, k, renorm)
+        weights = w.flatten().contiguous()
+        slot_ids, block_expert = group_slots(experts, E, tl_.bm)
     gate_up, down = gate_up.contiguous(), down.contiguous()
     act = torch.empty((n, inter), dtype=h.dtype, device=h.device)
     prec = "ieee" if h.dtype == torch.float32 else "tf32"
-    grid = (block_expert.numel(), triton.cdiv(inter, bn))
+    grid = (block_expert.numel(), triton.cdiv(inter, tl_.bn_up))
     _gate_up_kernel[grid](h, gate_up, act, slot_ids, block_expert, n, d, inter, k,
                           h.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
-                          PREC=prec, BM=bm, BN=bn, BK=bk)
+                          PREC=prec, BM=tl_.bm, BN=tl_.bn_up, BK=tl_.bk, num_warps=tl_.warps,
+                          num_stages=tl_.stages)
     per_slot = torch.empty((n, d), dtype=h.dtype, device=h.device)
-    grid = (block_expert.numel(), triton.cdiv(d, bn))
-    _down_kernel[grid](act, down, weights.flatten().contiguous(), per_slot, slot_ids, block_expert, n, d, inter,
+    grid = (block_expert.numel(), triton.cdiv(d, tl_.bn_down))
+    _down_kernel[grid](act, down, weights, per_slot, slot_ids, block_expert, n, d, inter,
                        act.stride(0), down.stride(0), down.stride(1), per_slot.stride(0),
-                       PREC=prec, BM=bm, BN=bn, BK=bk)
+                       PREC=prec, BM=tl_.bm, BN=tl_.bn_down, BK=tl_.bk, num_warps=tl_.warps,
+                       num_stages=tl_.stages)
     return per_slot.view(T, k, d).sum(dim=1)

@@ -1,0 +1,45 @@
+"""P's link queues as a pure stage between the side's Post effects and the post call
+(``writer/link_posts.py``): no NIXL, socket or clock; the writer's posts and handles are
+plain objects here. Each link (D engine, D rank) has its own window; a handle's end frees
+its own link's room; a failed transfer's queued posts come out of every link."""
+from pushkv.protocol.link_queue import Window
+from pushkv.writer.link_posts import LinkPosts
+
+D0, D1 = ("d", 0), ("d", 1)
+
+
+def posts(released):
+    return [p for _, _, p in released]
+
+
+def test_one_post_in_flight_per_link_and_links_apart():
+    lp = LinkPosts(Window(max_parts=1), "arrival")
+    a = lp.offer(D0, ("a", 0), 100, 100, 0.0, "a-d0")
+    assert posts(a) == ["a-d0"]
+    assert lp.offer(D0, ("b", 0), 10, 10, 0.0, "b-d0") == []  # D0 is busy: it waits
+    assert posts(lp.offer(D1, ("b", 0), 10, 10, 0.0, "b-d1")) == ["b-d1"]  # D1's window is its own
+    (link, pid, _), = a
+    handle = object()
+    lp.sent(link, pid, handle)
+    assert lp.gauges() == {"link_queued": 1, "link_inflight": 2, "link_inflight_peak": 1}
+    assert posts(lp.ended(handle)) == ["b-d0"]  # a's WRITE ended: D0's room goes to b
+    assert lp.ended(object()) == []  # a handle posted without the queue frees nothing
+
+
+def test_shortest_goes_first_and_a_post_that_never_went_frees_its_room():
+    lp = LinkPosts(Window(max_parts=1), "shortest")
+    [(link, first, _)] = lp.offer(D0, ("a", 0), 100, 1000, 0.0, "a")
+    lp.offer(D0, ("b", 0), 100, 900, 0.0, "b")
+    lp.offer(D0, ("c", 0), 100, 100, 0.0, "c")
+    assert posts(lp.done(link, first)) == ["c"]  # the fewest bytes left (its post failed: done all the same)
+
+
+def test_drop_takes_a_failed_transfers_queued_posts_out_of_every_link():
+    lp = LinkPosts(Window(max_parts=1), "arrival")
+    lp.offer(D0, ("x", 0), 1, 1, 0.0, "x-d0")
+    lp.offer(D1, ("x", 0), 1, 1, 0.0, "x-d1")
+    lp.offer(D0, ("a", 0), 1, 1, 0.0, "a-d0")
+    lp.offer(D1, ("a", 0), 1, 1, 0.0, "a-d1")
+    assert sorted(lp.drop(("a", 0))) == ["a-d0", "a-d1"]  # queued: out, never posted
+    assert lp.drop(("x", 0)) == []  # in flight already: ends on its own
+    assert lp.gauges()["link_queued"] == 0
