@@ -16,7 +16,9 @@ from every answer's timeline:
   P rank 0's (``w1``, ``w2``, ... the last WRITE last), ms after prefill start: the newest layer
   mark it carries (``mark``, with that group), when the rendezvous asked for it, its copy into
   the staging area (issued from, issued to, begun on the device, seen done: ``--staging
-  pushkv``), posted and done; and when D heard each staged part land (``pw<n>_landed``).
+  pushkv``), posted; with a poster thread (UCX over TCP), when the poster took it, when its post
+  call returned (over TCP the bytes move inside it) and when it saw it end; done (P's loop saw
+  it); and when D heard each staged part land (``pw<n>_landed``).
 
 It prints medians per (mode, length), each mode's TTFT against ``push`` / ``push-off`` (stream
 off) measured in the same run, the goal check ``TTFT(push-chunk) <= TTFT(push) - 0.8 x min(prefill,
@@ -54,7 +56,8 @@ def _stage(tl: dict, *names: str):
 
 WRITE_STAMPS = {  # per-WRITE stamps of P's writer (w<n>_<stamp>) -> the JSON's names
     "stored": "mark", "asked": "asked", "stage_out_start": "out_start", "stage_out_issued": "out_issued",
-    "copy_begun": "copy_begun", "stage_out_done": "out_done", "posted": "posted", "done": "done"}
+    "copy_begun": "copy_begun", "stage_out_done": "out_done", "posted": "posted", "poster_picked": "picked",
+    "poster_returned": "returned", "poster_ended": "ended", "done": "done"}
 
 
 def writes_of(tl: dict, start: float) -> list[dict]:
@@ -82,13 +85,13 @@ def format_writes(writes: list[dict], prefill_ms: float) -> str:
         return f"{w[k]:7.1f}" if k in w else f"{'-':>7}"
 
     lines = [f"    {'WRITE':>5} {'group<=':>7} {'mark':>7} {'asked':>7} {'out':>7} {'issued':>7} {'gpu':>7} "
-             f"{'copied':>7} {'posted':>7} {'done':>7} {'landed':>7}   (ms after prefill start; it ended at "
-             f"{prefill_ms:.1f})"]
+             f"{'copied':>7} {'posted':>7} {'picked':>7} {'return':>7} {'ended':>7} {'done':>7} {'landed':>7}   "
+             f"(ms after prefill start; it ended at {prefill_ms:.1f})"]
     for i, w in enumerate(writes):
         name = "last" if i == len(writes) - 1 else f"w{w['n']}"
         lines.append(f"    {name:>5} {w['group'] if w['group'] >= 0 else '-':>7} " + " ".join(
-            f(w, k) for k in ("mark", "asked", "out_start", "out_issued", "copy_begun", "out_done", "posted", "done",
-                              "landed")))
+            f(w, k) for k in ("mark", "asked", "out_start", "out_issued", "copy_begun", "out_done", "posted", "picked",
+                              "returned", "ended", "done", "landed")))
     return "\n".join(lines)
 
 

@@ -21,6 +21,7 @@ from pushkv.protocol.link_queue import window_of
 from pushkv.protocol.tp import consumers_for, head_overlap
 from pushkv.transport import poster
 from pushkv.transport.nixl_agent import TransferError
+from pushkv.transport.poster import QueuedPost
 from pushkv.writer import sides, staging
 from pushkv.writer.base import InFlight, WriterBase
 from pushkv.writer.kv_damage import KVDamage
@@ -80,6 +81,7 @@ class PrefillWriter(WriterBase):
         # (the loop polls their events and never waits on one: a wait held the loop for the whole
         # copy, and the layer marks that came meanwhile merged into fewer, later parts)
         self._copying: staging.Copying[_Post] = staging.Copying()
+        self._poster_posts: dict[int, tuple[Any, int]] = {}  # id(poster's handle) -> (key, WRITE number): stamps
 
     def has_pending(self) -> bool:
         return sides.pending(self.rdv, self.leases) or bool(self._copying)
@@ -516,6 +518,8 @@ class PrefillWriter(WriterBase):
         self._stamp(key, f"w{post.fl.number}_posted")
         h = self.posting.post_planned(post.sp, post.notif)
         post.fl.handles.append(h)
+        if isinstance(h, QueuedPost):
+            self._poster_posts[id(h)] = (key, post.fl.number)
         if a.last:
             self._stamp(key, "write_post_returned")  # the NIXL post to this D rank returned
         self._hint(a, post.reg, post.peer, post.sp.nbytes)
@@ -555,6 +559,12 @@ class PrefillWriter(WriterBase):
 
     def handles_ended(self, handles: list, now: float) -> None:
         for h in handles:
+            posted = self._poster_posts.pop(id(h), None)
+            t = self.side.transfers.get(posted[0]) if posted is not None else None
+            if posted is not None and t is not None and h.ended:  # the poster's times: pickup, post call, end
+                for stamp, at in (("picked", h.picked), ("returned", h.returned), ("ended", h.ended)):
+                    if at:
+                        t.stages.setdefault(f"w{posted[1]}_poster_{stamp}", at)
             slots = self._slots_of.pop(id(h), None)
             if slots is not None:
                 self._give_slots(slots)
