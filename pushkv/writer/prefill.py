@@ -78,8 +78,8 @@ class PrefillWriter(WriterBase):
         self.link_posts = LinkPosts(window, cfg.link_order) if window is not None else None
         self._slots_of: dict[int, list[int]] = {}  # id(posted handle) -> the staging slots it WRITEs from
         # --staging pushkv: planned WRITEs whose copy into the area runs, in the copy stream's order
-        # (the loop polls their events and never waits on one: a wait held the loop for the whole
-        # copy, and the layer marks that came meanwhile merged into fewer, later parts)
+        # (the loop polls their events and never waits on one: a wait held the loop, and every
+        # notification, registration and completion behind it, for the whole copy)
         self._copying: staging.Copying[_Post] = staging.Copying()
         self._poster_posts: dict[int, tuple[Any, int]] = {}  # id(poster's handle) -> (key, WRITE number): stamps
 

@@ -12,13 +12,13 @@ registers the area instead of the pool (as host memory), so every transfer moves
 and the protocol, grids and mapping are those of a pool of that many blocks:
 - P copies each WRITE's blocks (the layer groups it carries) from the pool into slots of its
   area on a copy stream, as soon as the WRITE is planned, and posts it from those slots once
-  the copy is done; the slots go back when the WRITE ends;
+  its loop sees the copy done (``Copying``); the slots go back when the WRITE ends;
 - D registers slots of its area with P instead of its pool's blocks, and copies them into its
   blocks on its copy stream as they land: each layer group (or chunk) a part carried once every
   producer rank's part has landed (its ``PartWritten`` notification, which NIXL delivers after
   the part's data), and the rest once every producer's last WRITE has; it reports the KV
-  received (and frees the slots) when that last copy is done (``writer/stage_in.py``). The
-  loop polls the copies' events; it never waits on them.
+  received (and frees the slots) when that last copy is done (``writer/stage_in.py``).
+Both loops poll the copies' events; neither waits on them.
 
 A transfer waits for slots when the area is full (P: before its link queue; D: before its
 registration), in one first-come queue per area (``SlotQueue``), and one larger than the whole
