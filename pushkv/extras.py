@@ -11,6 +11,7 @@ EXTRA_OF = {
     "kubernetes_validate": "deploy",    # pushkv check-deploy
     "vllm": "vllm",                     # pushkv.vllm, the vLLM connector
     "transformers": "vllm",             # pushkv.vllm's tiny test model
+    "psutil": "vllm",                   # pushkv vllm-bench: the servers' CPU seconds (vLLM depends on it)
 }
 
 

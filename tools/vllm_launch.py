@@ -66,22 +66,26 @@ class Server:
 
 def vllm_server(name: str, model: str, port: int, core: int, log_dir: str, role: Optional[str] = None,
                 handshake_port: int = 0, connector: str = "PushKVConnector", extra_args=(),
-                kv_cache_bytes: int = 256 * 2**20, code: Optional[str] = None) -> Server:
-    """role None: a plain instance; "prefill"/"decode": with ``connector``. ``code``: a directory
+                kv_cache_bytes: int = 256 * 2**20, code: Optional[str] = None,
+                connector_config: Optional[dict] = None, env: Optional[dict] = None) -> Server:
+    """role None: a plain instance; "prefill"/"decode": with ``connector`` (pushkv's takes
+    ``connector_config`` into its extra config, e.g. ``{"stream_groups": 2}``). ``code``: a directory
     holding another ``pushkv`` package (another commit's, for A/B runs): the instance, its engine
-    and its writers import pushkv from there (run in it, and first on PYTHONPATH)."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND=str(core),
+    and its writers import pushkv from there (run in it, and first on PYTHONPATH). ``env`` is added
+    to the server's environment."""
+    env = dict(os.environ, **(env or {}), HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND=str(core),
                VLLM_NIXL_SIDE_CHANNEL_PORT=str(handshake_port or port + 1000), OMP_NUM_THREADS="1",
                VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "INFO"))
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
            "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "2048", "--seed", "0",
            "--kv-cache-memory-bytes", str(kv_cache_bytes), "--enforce-eager", *extra_args]
     if role is not None:
-        cfg = {"kv_connector": connector, "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
-               "engine_id": f"{name}-{port}"}
+        cfg: dict[str, object] = {"kv_connector": connector, "engine_id": f"{name}-{port}",
+                                  "kv_role": "kv_producer" if role == "prefill" else "kv_consumer"}
         if connector == "PushKVConnector":
             cfg["kv_connector_module_path"] = "pushkv.vllm"
-            cfg["kv_connector_extra_config"] = {"handshake_port": handshake_port or port + 1000}
+            cfg["kv_connector_extra_config"] = {"handshake_port": handshake_port or port + 1000,
+                                                **(connector_config or {})}
         else:  # vLLM's NIXL connectors: both roles, host buffers on CPU
             cfg["kv_role"] = "kv_both"
             cfg["kv_buffer_device"] = "cpu"

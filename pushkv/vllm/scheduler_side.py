@@ -65,7 +65,8 @@ class SchedulerSide:
         self.pending_send: dict[str, str] = {}
         self._new_sends: dict[str, str] = {}
         self._new_recvs: dict[str, tuple[str, list[int]]] = {}
-        self.stream_blocks: dict[str, list[int]] = {}  # P, layer streaming: req id -> its blocks so far
+        # P, layer streaming: req id -> (its blocks so far, its prompt's length)
+        self.stream_blocks: dict[str, tuple[list[int], int]] = {}
 
     def _tell(self, msg: m.Msg) -> None:
         data = m.encode(msg)
@@ -162,16 +163,23 @@ class SchedulerSide:
                 for r in out.scheduled_new_reqs]
         cached = out.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
+            if rid not in self.stream_blocks:  # not a stream (or its prompt is done)
+                continue
             new = cached.new_block_ids[i]
-            blocks = self.stream_blocks.get(rid, []) + (list(new[0]) if new else [])
-            news.append((rid, blocks, cached.num_computed_tokens[i], -1))
+            if rid in cached.resumed_req_ids:  # preempted and back: a new block table, whole
+                blocks = list(new[0]) if new else []
+            else:
+                blocks = self.stream_blocks[rid][0] + (list(new[0]) if new else [])
+            news.append((rid, blocks, cached.num_computed_tokens[i], self.stream_blocks[rid][1]))
         for rid, blocks, done, prompt in news:
             leg = self.legs.get(rid)
             if leg is None or leg.role != "prefill" or rid not in counts:
                 continue
-            self.stream_blocks[rid] = blocks
-            tokens = done + counts[rid]
-            streams[rid] = (leg.transfer_id, blocks, min(tokens, prompt) if prompt >= 0 else tokens)
+            if done >= prompt:  # the prompt is stored: a decode step of a P leg that asked for more
+                self.stream_blocks.pop(rid, None)
+                continue
+            self.stream_blocks[rid] = (blocks, prompt)
+            streams[rid] = (leg.transfer_id, blocks, min(done + counts[rid], prompt))
         return streams
 
     def update_connector_output(self, out) -> None:

@@ -54,12 +54,15 @@ def write_regions(src: KVMemory, a: PostWrite, dst: KVMemory, dst_blocks: Sequen
 def regions_of(kv: KVMemory, a: PostWrite, rank: int, tp: int, total_kv_heads: int,
                groups: tuple[tuple[int, ...], ...]) -> Callable:
     """P rank ``rank`` (of ``tp``) posting ``a``: its regions into one registered D rank,
-    ``of(reg, peer)`` (None: that rank holds no head of ours)."""
+    ``of(reg, peer)`` (None: that rank holds no head of ours, or a part has nothing for it: its
+    blocks are in D's own prefix cache, which D did not register; NIXL refuses an empty post)."""
 
     def of(reg, peer):
         heads = page_heads(rank, tp, reg.d_rank, reg.d_tp, total_kv_heads)
-        return None if heads is False else write_regions(kv, a, peer.layout, reg.block_ids, reg.num_tokens, heads,
-                                                         groups)
+        if heads is False:
+            return None
+        regions = write_regions(kv, a, peer.layout, reg.block_ids, reg.num_tokens, heads, groups)
+        return regions if regions or a.last else None
 
     return of
 

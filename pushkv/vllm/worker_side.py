@@ -70,13 +70,21 @@ class WorkerSide:
         self.restarts = 0
         self._lock = threading.Lock()  # the event socket: the worker thread, or a restart
         self._pending_lock = threading.Lock()  # the pending maps, short holds only
-        # (reason, the sends and receives that writer had), filled by the supervising thread
-        self._deaths: list[tuple[str, dict, dict]] = []
+        # (reason, the sends, receives and streams that writer had), filled by the supervising thread
+        self._deaths: list[tuple[str, dict, dict, dict]] = []
         self._stopping = threading.Event()
         self._thread: Optional[threading.Thread] = None
         # bookkeeping from the scheduler's step metadata
         self.pending_sends: dict[str, str] = {}
         self.pending_recvs: dict[str, tuple[str, list[int]]] = {}
+        # P, layer streaming: req id -> transfer id, from the first step that streams it until the
+        # scheduler hands its blocks over (``sends``); and the writer's answers for such streams
+        # that came before (a part failed, D cancelled): held, since vLLM frees a request's blocks
+        # on ``finished_sending`` even while it still runs, and asserts on one it already freed
+        self.streaming: OrderedDict[str, str] = OrderedDict()
+        self.sent_early: OrderedDict[str, w.BlocksSent] = OrderedDict()
+        self.died_streaming: OrderedDict[str, str] = OrderedDict()  # req id -> why (its writer died mid-stream)
+        self._released: list[w.BlocksSent] = []
         self.reported: OrderedDict[str, None] = OrderedDict()
         self.load_errors: set[int] = set()
         self.last_transfer: dict[str, float] = {}
@@ -153,7 +161,8 @@ class WorkerSide:
             reason = f"pushkv writer (pid {proc.pid}) died with status {code}"
             log.error("pushkv: %s; restarting it", reason)
             with self._pending_lock:  # what the dead writer had, now: later work goes to its successor
-                self._deaths.append((reason, dict(self.pending_sends), dict(self.pending_recvs)))
+                self._deaths.append((reason, dict(self.pending_sends), dict(self.pending_recvs),
+                                     dict(self.streaming)))
                 self.pending_sends.clear()
                 self.pending_recvs.clear()
             try:
@@ -192,10 +201,22 @@ class WorkerSide:
             self.cmd.send(m.encode(msg))
 
     def bind(self, meta) -> None:
+        streams = getattr(meta, "streams", {})
         if self.marks is not None:
-            self.marks.step(getattr(meta, "streams", {}))
+            self.marks.step(streams)
         with self._pending_lock:
+            for rid, entry in streams.items():
+                if rid not in self.reported:
+                    self.streaming[rid] = entry[0]
+            _forget_oldest(self.streaming)
             for rid, tid in meta.sends.items():
+                self.streaming.pop(rid, None)
+                early = self.sent_early.pop(rid, None)
+                why = self.died_streaming.pop(rid, None)
+                if why is not None:  # the writer that streamed it is dead: nothing reads these blocks
+                    early = w.BlocksSent(rid, tid, False, why)
+                if early is not None:  # the writer answered first: report it now that vLLM waits for it
+                    self._released.append(early)
                 if rid not in self.reported:
                     self.pending_sends[rid] = tid
             for rid, entry in meta.recvs.items():
@@ -213,8 +234,11 @@ class WorkerSide:
             self._early.clear()
             with self._pending_lock:
                 deaths, self._deaths = self._deaths, []
-            for reason, sends, recvs in deaths:
-                self._writer_died(reason, sends, recvs, sent, recvd, failed)
+            for reason, sends, recvs, streams in deaths:
+                self._writer_died(reason, sends, recvs, streams, sent, recvd, failed)
+            released, self._released = self._released, []
+            for msg in released:
+                self._handle(msg, sent, recvd, failed)
             if self.events is None:
                 return sent, recvd, failed
             wait_ms = self.s.idle_wait_ms if self._idle_wait else 0
@@ -236,11 +260,15 @@ class WorkerSide:
 
     def _handle(self, msg, sent: set, recvd: set, failed: set) -> None:
         if isinstance(msg, w.BlocksSent):
-            if not msg.ok:
-                log.warning("pushkv: transfer %s (request %s) ended without a WRITE: %s",
-                            msg.transfer_id, msg.req_id, msg.reason)
+            if msg.req_id in self.streaming and msg.req_id not in self.pending_sends:
+                self.sent_early[msg.req_id] = msg  # still vLLM's (running, or freed by an abort)
+                _forget_oldest(self.sent_early)
+                return
             self.pending_sends.pop(msg.req_id, None)
-            if self._report(msg.req_id):
+            if self._report(msg.req_id):  # (a second answer, e.g. to a dead writer's stream, is dropped)
+                if not msg.ok:
+                    log.warning("pushkv: transfer %s (request %s) ended without a WRITE: %s",
+                                msg.transfer_id, msg.req_id, msg.reason)
                 sent.add(msg.req_id)
                 self.last_transfer = {"nbytes": msg.nbytes, "num_descs": msg.num_descs, "write_s": msg.write_s}
         elif isinstance(msg, w.BlocksReceived):
@@ -257,8 +285,22 @@ class WorkerSide:
                 if entry is not None:
                     self.load_errors.update(entry[1])
 
-    def _writer_died(self, reason: str, sends: dict, recvs: dict, sent: set, recvd: set, failed: set) -> None:
-        """The dead writer can WRITE nothing more: P's blocks are free, D's transfers failed."""
+    def _writer_died(self, reason: str, sends: dict, recvs: dict, streams: dict, sent: set, recvd: set,
+                     failed: set) -> None:
+        """The dead writer can WRITE nothing more: P's blocks are free, D's transfers failed. A
+        stream it had (its prefill may still run) is cancelled at the new writer, which then answers
+        the request's ``SendBlocks`` at once instead of waiting for a registration that went to the
+        dead one; and its blocks are reported free once vLLM hands them over, whether or not that
+        ``SendBlocks`` reached anyone (one sent as the writer died is lost). D saw the death on its link."""
+        for rid, tid in streams.items():
+            if rid not in sends:
+                why = f"{reason} while streaming"
+                self.cmd.send(m.encode(w.CancelBlocks(rid, tid, why)))
+                if rid in self.pending_sends:  # handed over since the death was seen: free now
+                    self._released.append(w.BlocksSent(rid, tid, False, why))
+                else:
+                    self.died_streaming[rid] = why
+                    _forget_oldest(self.died_streaming)
         for rid, tid in sends.items():
             log.error("pushkv: transfer %s (request %s) ended: %s", tid, rid, reason)
             if self._report(rid):
@@ -275,3 +317,9 @@ class WorkerSide:
     def take_load_errors(self) -> set[int]:
         errs, self.load_errors = self.load_errors, set()
         return errs
+
+
+def _forget_oldest(d: OrderedDict) -> None:
+    """Bound a map whose entries may never be claimed (a streamed request that vLLM aborted)."""
+    while len(d) > REMEMBER:
+        d.popitem(last=False)

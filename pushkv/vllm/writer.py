@@ -18,6 +18,7 @@ import time
 import msgspec
 import zmq
 
+from pushkv import faults
 from pushkv import messages as m
 from pushkv.protocol import actions as A
 from pushkv.protocol import rendezvous as rv
@@ -159,9 +160,11 @@ class VllmWriter(WriterShell):
         for e in self.side.effects(actions):
             if isinstance(e, sides.Post):
                 a = e.write
+                faults.point(self.name, "post_write" if a.last else "post_part")  # tests: die mid-stream
                 fl = self.posting.post_regions(a, stream.regions_of(self.kv, a, self.rank, self.tp,
                                                                     self.total_kv_heads, self.groups), now)
-                mark("p_write_posted", fl.transfer_id)
+                if a.last or fl.handles or fl.queued:  # a part: only one that moves bytes (the e2e counts them)
+                    mark("p_write_posted" if a.last else "p_part_posted", fl.transfer_id)
                 self.posting.book((fl.transfer_id, fl.generation), fl, now)
             elif isinstance(e, sides.Report):
                 t, tid = e.transfer, e.free.transfer_id

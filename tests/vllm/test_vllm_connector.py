@@ -140,3 +140,43 @@ def test_bad_params_serve_the_request_without_transfer(model_dir, writer_cmd):
     req = request("d-3", [1, 2, 3], {"pushkv": {"role": "decode", "transfer_id": "T"}})  # no source
     assert d.get_num_new_matched_tokens(req, 0) == (0, False)
     d.shutdown()
+
+
+def test_prefill_streams_list_each_steps_blocks_and_stored_tokens(model_dir):
+    """Layer streaming: each step's metadata lists P legs whose prompt it computes, with their
+    blocks so far and the prompt tokens stored once the step's layers are: a prompt chunked over
+    two steps (vLLM's own NewRequestData / CachedRequestData), then a decode step of that leg,
+    which is no stream; a plain request never is."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData
+
+    p = KVConnectorFactory.create_connector(
+        make_config(model_dir, "kv_producer", "P-stream", {"handshake_port": 7991, "stream_groups": 2}),
+        KVConnectorRole.SCHEDULER, None)
+    bs = p.sched.block_size
+    n = 2 * bs + 30
+    preq = request("p-1", list(range(2, 2 + n)), {"pushkv": {"role": "prefill", "transfer_id": "T1"}})
+    plain = request("x-1", [1, 2, 3], None)
+    for r in (preq, plain):
+        p.get_num_new_matched_tokens(r, 0)
+
+    def step(new, cached, counts):
+        return SimpleNamespace(scheduled_new_reqs=new, scheduled_cached_reqs=cached, num_scheduled_tokens=counts,
+                               total_num_scheduled_tokens=sum(counts.values()))
+
+    def cached(rid, new_blocks, done):
+        c = CachedRequestData.make_empty()
+        c.req_ids, c.new_block_ids, c.num_computed_tokens, c.num_output_tokens = [rid], [new_blocks], [done], [0]
+        return c
+
+    first = step([NewRequestData.from_request(preq, ([3, 4],)), NewRequestData.from_request(plain, ([9],))],
+                 CachedRequestData.make_empty(), {"p-1": 2 * bs, "x-1": 3})
+    assert p.build_connector_meta(first).step.streams == {"p-1": ("T1", [3, 4], 2 * bs)}
+    second = step([], cached("p-1", ([5],), 2 * bs), {"p-1": 30})
+    assert p.build_connector_meta(second).step.streams == {"p-1": ("T1", [3, 4, 5], n)}
+    third = step([], cached("p-1", None, n), {"p-1": 1})  # a P leg that asked for more tokens: decoding
+    assert p.build_connector_meta(third).step.streams == {}
+    p.shutdown()

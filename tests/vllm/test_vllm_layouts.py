@@ -89,3 +89,23 @@ def test_expandable_segments_are_refused_with_the_reason():
     t = torch.zeros(4)
     why = sharing_problem(t, {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64, expandable_segments:True"})
     assert "expandable_segments" in why and "legacy CUDA IPC" in why
+
+
+def test_a_part_of_blocks_in_d_s_prefix_cache_posts_nothing():
+    """D registers only the blocks its prefix cache lacks (the prompt's last): a part of the first
+    blocks has no region there, and is no post (NIXL refuses an empty one, which failed the
+    transfer); a part reaching D's blocks, and a last WRITE, have regions."""
+    from types import SimpleNamespace
+
+    from pushkv.vllm.stream import regions_of
+
+    _, _, mem = cache("flash_attn_nhd", 8)
+    groups, tokens = groups_of(L, 2), 4 * BS - 1
+    reg, peer = SimpleNamespace(d_rank=0, d_tp=1, block_ids=(8,), num_tokens=tokens), SimpleNamespace(layout=mem)
+    blocks = (1, 2, 3, 7)
+    early = PostWrite("t", 0, blocks, 3 * BS, 0, (), 0, False, ((0, 0, 3 * BS),))  # D holds blocks 0-2
+    late = PostWrite("t", 0, blocks, tokens, 0, (), 0, False, ((0, 0, tokens),))
+    last = PostWrite("t", 0, blocks, tokens, 0, (), 0, True, ((1, 0, tokens),))
+    assert regions_of(mem, early, 0, 1, 8, groups)(reg, peer) is None
+    assert regions_of(mem, late, 0, 1, 8, groups)(reg, peer)
+    assert regions_of(mem, last, 0, 1, 8, groups)(reg, peer)

@@ -1,6 +1,7 @@
 """pushkv.vllm's pure parts, no vLLM needed: KV memory description and block
 mapping over views laid out as vLLM 0.32 lays them, kv_transfer_params
-parsing, the proxy's two request bodies, the shared-memory allocation hook."""
+parsing, the proxy's two request bodies, the shared-memory allocation hook, the
+worker half's bookkeeping of layer-streamed requests."""
 import os
 import stat
 
@@ -305,3 +306,55 @@ def test_writer_args_round_trip_through_the_command_line(extra):
                    handshake_endpoint="tcp://h:1", parent_pid=42, **extra)
     argv = a.argv()
     assert argv[1:3] == ["-m", "pushkv.vllm.writer"] and parse(argv[3:]) == a
+
+
+class _Sent:  # the worker's command socket to its writer: what it sent
+    def __init__(self):
+        self.msgs = []
+
+    def send(self, data):
+        from pushkv.vllm import wire as w
+
+        self.msgs.append(w.DEC_TO_WRITER.decode(data))
+
+
+def _worker():
+    from pushkv.vllm.scheduler_side import StepMeta
+    from pushkv.vllm.worker_side import WorkerSide
+
+    ws = WorkerSide(P.settings("P-unit", 1, {}), 0, "prefill")
+    ws.cmd = _Sent()
+    return ws, StepMeta
+
+
+def test_a_streams_early_answer_waits_until_vllm_hands_its_blocks_over():
+    """A stream that ended before its request finished (a part failed): reporting it at once
+    would have vLLM free the blocks of a running request; it is reported once the request is in
+    the step's sends. A request that never streamed is reported at once, as before."""
+    from pushkv.vllm import wire as w
+
+    ws, StepMeta = _worker()
+    ws.bind(StepMeta(idle=False, streams={"r1": ("T1", [4, 5], 256)}))
+    ws._early += [w.BlocksSent("r1", "T1", False, "streamed part: boom"), w.BlocksSent("r2", "T2", True)]
+    assert ws.transfer_results()[0] == {"r2"}
+    ws.bind(StepMeta(idle=False, streams={"r1": ("T1", [4, 5, 6], 300)}))  # still prefilling
+    assert ws.transfer_results()[0] == set()
+    ws.bind(StepMeta(sends={"r1": "T1"}))  # vLLM's request_finished: the blocks wait on us now
+    assert ws.transfer_results()[0] == {"r1"}
+    ws._early.append(w.BlocksSent("r1", "T1", False, "transfer already failed"))  # its SendBlocks' answer
+    assert ws.transfer_results()[0] == set()  # once only
+
+
+def test_a_writer_dying_mid_stream_cancels_the_stream_and_frees_its_blocks_at_hand_over():
+    from pushkv.vllm import wire as w
+
+    ws, StepMeta = _worker()
+    ws.bind(StepMeta(idle=False, streams={"r1": ("T1", [4], 128)}))
+    ws._deaths.append(("pushkv writer (pid 1) died with status -9", {}, {}, dict(ws.streaming)))
+    assert ws.transfer_results() == (set(), set(), set())  # the request still runs: its blocks are vLLM's
+    why = "pushkv writer (pid 1) died with status -9 while streaming"
+    assert ws.cmd.msgs == [w.CancelBlocks("r1", "T1", why)]  # at the new writer: no wait for a registration
+    ws.bind(StepMeta(sends={"r1": "T1"}))
+    assert ws.transfer_results()[0] == {"r1"}  # free, whether or not the new writer got SendBlocks
+    ws._early.append(w.BlocksSent("r1", "T1", False, why))  # the new writer's answer, if it got SendBlocks
+    assert ws.transfer_results()[0] == set()
