@@ -12,6 +12,7 @@ from every answer's timeline:
   from its staging area of what no part copy moved yet (push-off: all of it; layer-streamed:
   about the last group's);
 - parts: streamed part WRITEs (``KVTransferStats.parts``, summed over P ranks);
+- timeline_ms (JSON ``raw``): every stage of the answer's timeline, ms after prefill start;
 - writes (JSON ``raw``, and one line per WRITE printed for each streamed request): per WRITE of
   P rank 0's (``w1``, ``w2``, ... the last WRITE last), ms after prefill start: the newest layer
   mark it carries (``mark``, with that group), when the rendezvous asked for it, its copy into
@@ -118,12 +119,15 @@ def measure(body: dict) -> dict:
         "part_first_ms": since("prefill.part_post_first"),
         "part_done_ms": since("prefill.part_done_last"),
         "writes": writes_of(tl, start) if start else [],
+        # every stage of the answer's timeline (ms after prefill start): what the figures above leave out
+        "timeline_ms": {k: round((v - start) * 1e3, 2) for k, v in sorted(tl.items(), key=lambda kv: kv[1])}
+        if start else {},
     }
 
 
 def medians(rows: list[dict]) -> dict:
-    """The median of each figure over the repetitions (not the per-WRITE lists)."""
-    return {k: statistics.median(r[k] for r in rows) for k, v in rows[0].items() if not isinstance(v, list)}
+    """The median of each figure over the repetitions (not the per-WRITE lists nor the timelines)."""
+    return {k: statistics.median(r[k] for r in rows) for k, v in rows[0].items() if not isinstance(v, (list, dict))}
 
 
 def run_mode(mode: str, up_args: list[str], lengths: list[int], reps: int, vocab: int, seed: int,

@@ -31,5 +31,6 @@ def test_each_write_has_its_stamps_after_prefill_start_and_the_group_its_newest_
 
 def test_no_write_stamps_no_writes_and_medians_skip_the_lists():
     assert writes_of(_tl(prefill__write_done=5), T0) == []
-    rows = [{"ttft_ms": 3.0, "writes": [{"n": 1}]}, {"ttft_ms": 1.0, "writes": []}, {"ttft_ms": 2.0, "writes": []}]
+    rows = [{"ttft_ms": 3.0, "writes": [{"n": 1}], "timeline_ms": {"a": 1.0}}, {"ttft_ms": 1.0, "writes": [],
+            "timeline_ms": {}}, {"ttft_ms": 2.0, "writes": [], "timeline_ms": {}}]
     assert medians(rows) == {"ttft_ms": 2.0}
