@@ -21,6 +21,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import signal
 import statistics
 import sys
 import time
@@ -157,6 +158,8 @@ def _side(role: str, conn, device: str) -> None:
                     torch.cuda.synchronize()
                 t_stored = time.monotonic()
                 ws.cmd.send(_enc(w.SendBlocks(a["rid"], a["tid"], tuple(blocks), a["tokens"])))
+                # and the step's metadata hands the request over, as vLLM's scheduler does when it finishes
+                ws.bind(StepMeta(idle=True, pending=True, sends={a["rid"]: a["tid"]}))
                 ok, t_sent = _wait(ws, a["rid"], "sent")
                 conn.send(("ok", {"t_first": t_first, "t_stored": t_stored, "t_sent": t_sent, "ok": ok,
                                   **ws.last_transfer}))
@@ -278,6 +281,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-measure", action="store_true", help="only the layouts' byte checks")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a time limit's TERM still writes what was measured
     dev = args.device
     if dev.startswith("cuda") and not torch.cuda.is_available():
         print("no GPU here: use --device cpu", file=sys.stderr)
@@ -314,7 +318,12 @@ def main(argv=None) -> int:
         flops = args.layer_tflop * 1e12 if dev.startswith("cuda") else 0
         for mode, groups in (("whole", 0), ("streamed", args.groups)):
             g = open_pair(pair, "flash_attn_hnd", groups, **geo)
-            runs = [transfer(pair, g, tokens, p_blocks, d_blocks, seed=11 + i, flops=flops) for i in range(reps + 1)]
+            runs = []
+            for i in range(reps + 1):  # each shown as it ends: a run cut by a time limit still says what it saw
+                runs.append(transfer(pair, g, tokens, p_blocks, d_blocks, seed=11 + i, flops=flops))
+                r = runs[-1]
+                print(f"  {mode} #{i}: tail {r['tail_s'] * 1e3:.2f} ms, WRITE {r['write_s'] * 1e3:.2f} ms, "
+                      f"prefill {r['prefill_s'] * 1e3:.2f} ms, exact {r['ok'] and r['bad_heads'] == 0}", flush=True)
             runs = runs[1:]  # the first warms the path (handshake, registration caches)
             results["measure"][mode] = {"runs": runs,
                                         "tail_ms": statistics.median(r["tail_s"] for r in runs) * 1e3,
