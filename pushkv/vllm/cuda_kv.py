@@ -95,6 +95,9 @@ def allocate_owned(nbytes: int, dev_id: int) -> tuple[torch.Tensor, bytes]:
     """Writer side: ``nbytes`` of zeroed device memory owned by this process, and its CUDA IPC
     handle (torch's ``_share_cuda_`` fields, msgpack). Raises ValueError with the reason when the
     allocation cannot be shared."""
+    if not torch.cuda.is_available() or dev_id >= torch.cuda.device_count():
+        raise ValueError(f"the writer sees no CUDA device {dev_id} (torch {torch.__version__}, "
+                         f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} devices)")
     torch.cuda.set_device(dev_id)
     t = torch.zeros(nbytes, dtype=torch.int8, device=torch.device("cuda", dev_id))
     torch.cuda.synchronize(t.device)
