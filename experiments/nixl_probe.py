@@ -51,7 +51,7 @@ def _rows(base: int, nbytes: int, dev: int) -> np.ndarray:
     return np.array([[base + i * CHUNK, CHUNK, dev] for i in range(n)], dtype=np.int64)
 
 
-def _decode_side(device: str, nbytes: int, conn) -> None:
+def _decode_side(device: str, nbytes: int, conn, poll_us: float = 0.0) -> None:
     import torch
 
     if device != "cpu":
@@ -62,7 +62,11 @@ def _decode_side(device: str, nbytes: int, conn) -> None:
     p_meta = conn.recv()
     a.add_remote(p_meta)
     seen: dict[bytes, float] = {}
-    while True:  # spin on notifications; the parent says when to stop
+    while True:  # spin on notifications (or, with poll_us, busy that long between polls); the parent says when to stop
+        if poll_us:  # a loop whose other work takes poll_us between its NIXL polls (it holds the core, as work does)
+            end = time.perf_counter() + poll_us / 1e6
+            while time.perf_counter() < end:
+                pass
         for _, payloads in a.poll_notifs().items():
             now = time.perf_counter()
             for p in payloads:
@@ -92,7 +96,8 @@ def _wait_done(a, h) -> float:
 
 def probe(device: str, peer_device: str, sizes_mib: list[float], reps: int, gap_ms: float = 0.0,
           gap_spin: bool = False, heartbeat_ms: float = 0.0, local_ms: float = 0.0, op: str = "WRITE",
-          ways: tuple[str, ...] = ("adhoc", "adhoc+notif", "prepped+notif", "split64+notif")) -> dict:
+          ways: tuple[str, ...] = ("adhoc", "adhoc+notif", "prepped+notif", "split64+notif"),
+          d_poll_us: float = 0.0) -> dict:
     import torch
 
     from tools.copy_speed import plain_copy_gbps
@@ -103,7 +108,7 @@ def probe(device: str, peer_device: str, sizes_mib: list[float], reps: int, gap_
     nbytes = max(CHUNK * 64, (nbytes + CHUNK - 1) // CHUNK * CHUNK)
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
-    child = ctx.Process(target=_decode_side, args=(peer_device, nbytes, there), daemon=True)
+    child = ctx.Process(target=_decode_side, args=(peer_device, nbytes, there, d_poll_us), daemon=True)
     child.start()
     rows = []
     try:
@@ -229,10 +234,13 @@ def main() -> None:
     ap.add_argument("--op", choices=("WRITE", "READ"), default="WRITE",
                     help="READ: the first process reads the peer's buffer into its own (pull's direction)")
     ap.add_argument("--ways", nargs="+", default=["adhoc", "adhoc+notif", "prepped+notif", "split64+notif"])
+    ap.add_argument("--d-poll-us", type=float, default=0.0,
+                    help="the peer keeps its core busy this long between its NIXL polls (a writer loop's other work; "
+                         "0: it spins on them): over UCX TCP the receiver's progress moves the bytes")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     res = probe(a.device, a.peer_device or a.device, a.sizes_mib, a.reps, a.gap_ms, a.gap_spin, a.heartbeat_ms,
-                a.local_ms, a.op, tuple(a.ways))
+                a.local_ms, a.op, tuple(a.ways), a.d_poll_us)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)

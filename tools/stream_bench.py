@@ -11,7 +11,15 @@ from every answer's timeline:
 - copy tail (``--staging pushkv``): D's last WRITE landed -> ``decode.kv_received``, D's copy
   from its staging area of what no part copy moved yet (push-off: all of it; layer-streamed:
   about the last group's);
-- parts: streamed part WRITEs (``KVTransferStats.parts``, summed over P ranks).
+- parts: streamed part WRITEs (``KVTransferStats.parts``, summed over P ranks);
+- timeline_ms (JSON ``raw``): every stage of the answer's timeline, ms after prefill start;
+- writes (JSON ``raw``, and one line per WRITE printed for each streamed request): per WRITE of
+  P rank 0's (``w1``, ``w2``, ... the last WRITE last), ms after prefill start: the newest layer
+  mark it carries (``mark``, with that group), when the rendezvous asked for it, its copy into
+  the staging area (issued from, issued to, begun on the device, seen done: ``--staging
+  pushkv``), posted; with a poster thread (UCX over TCP), when the poster took it, when its post
+  call returned (over TCP the bytes move inside it) and when it saw it end; done (P's loop saw
+  it); and when D heard each staged part land (``pw<n>_landed``).
 
 It prints medians per (mode, length), each mode's TTFT against ``push`` / ``push-off`` (stream
 off) measured in the same run, the goal check ``TTFT(push-chunk) <= TTFT(push) - 0.8 x min(prefill,
@@ -47,6 +55,47 @@ def _stage(tl: dict, *names: str):
     return None
 
 
+WRITE_STAMPS = {  # per-WRITE stamps of P's writer (w<n>_<stamp>) -> the JSON's names
+    "stored": "mark", "asked": "asked", "stage_out_start": "out_start", "stage_out_issued": "out_issued",
+    "copy_begun": "copy_begun", "stage_out_done": "out_done", "posted": "posted", "poster_picked": "picked",
+    "poster_returned": "returned", "poster_ended": "ended", "done": "done"}
+
+
+def writes_of(tl: dict, start: float) -> list[dict]:
+    """P's WRITEs of one request from its timeline, in order: each one's stamps (ms after
+    ``start``; absent ones left out), the newest layer ``group`` whose mark it carries (-1: none
+    came before it) and when D heard it land (``landed``, a staged part's)."""
+    marks = {v: int(k.rsplit("_", 1)[1]) for k, v in tl.items() if k.startswith("prefill.layers_stored_")}
+    out = []
+    n = 1
+    while f"prefill.w{n}_asked" in tl:
+        w: dict = {"n": n, "group": marks.get(tl.get(f"prefill.w{n}_stored", -1.0), -1)}
+        for stamp, name in WRITE_STAMPS.items():
+            if f"prefill.w{n}_{stamp}" in tl:
+                w[name] = round((tl[f"prefill.w{n}_{stamp}"] - start) * 1e3, 2)
+        if f"decode.pw{n}_landed" in tl:
+            w["landed"] = round((tl[f"decode.pw{n}_landed"] - start) * 1e3, 2)
+        out.append(w)
+        n += 1
+    return out
+
+
+def format_writes(writes: list[dict], prefill_ms: float) -> str:
+    """One line per WRITE: what it carries, its copy out and its time on the wire (ms after prefill start)."""
+    def f(w: dict, k: str) -> str:
+        return f"{w[k]:7.1f}" if k in w else f"{'-':>7}"
+
+    lines = [f"    {'WRITE':>5} {'group<=':>7} {'mark':>7} {'asked':>7} {'out':>7} {'issued':>7} {'gpu':>7} "
+             f"{'copied':>7} {'posted':>7} {'picked':>7} {'return':>7} {'ended':>7} {'done':>7} {'landed':>7}   "
+             f"(ms after prefill start; it ended at {prefill_ms:.1f})"]
+    for i, w in enumerate(writes):
+        name = "last" if i == len(writes) - 1 else f"w{w['n']}"
+        lines.append(f"    {name:>5} {w['group'] if w['group'] >= 0 else '-':>7} " + " ".join(
+            f(w, k) for k in ("mark", "asked", "out_start", "out_issued", "copy_begun", "out_done", "posted", "picked",
+                              "returned", "ended", "done", "landed")))
+    return "\n".join(lines)
+
+
 def measure(body: dict) -> dict:
     """One answer's figures (ms) from its timeline."""
     tl = body["pushkv"]["timeline"]
@@ -69,7 +118,16 @@ def measure(body: dict) -> dict:
         # streaming: when the first part was posted and the newest part completed (ms after prefill start)
         "part_first_ms": since("prefill.part_post_first"),
         "part_done_ms": since("prefill.part_done_last"),
+        "writes": writes_of(tl, start) if start else [],
+        # every stage of the answer's timeline (ms after prefill start): what the figures above leave out
+        "timeline_ms": {k: round((v - start) * 1e3, 2) for k, v in sorted(tl.items(), key=lambda kv: kv[1])}
+        if start else {},
     }
+
+
+def medians(rows: list[dict]) -> dict:
+    """The median of each figure over the repetitions (not the per-WRITE lists nor the timelines)."""
+    return {k: statistics.median(r[k] for r in rows) for k, v in rows[0].items() if not isinstance(v, (list, dict))}
 
 
 def run_mode(mode: str, up_args: list[str], lengths: list[int], reps: int, vocab: int, seed: int,
@@ -91,12 +149,16 @@ def run_mode(mode: str, up_args: list[str], lengths: list[int], reps: int, vocab
                 if i:  # the first of each length warms that shape
                     rows.append(measure(body))
             out[n] = rows
-            med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+            med = medians(rows)
             print(f"{mode:>16} {n:>6} tokens  TTFT {med['ttft_ms']:>9.1f} ms  prefill {med['prefill_ms']:>9.1f} ms  "
                   f"tail {med['tail_ms']:>8.1f} ms  copy tail {med['copy_tail_ms']:>6.1f} ms  "
                   f"parts {med['parts']:.0f}  "
                   f"first part posted {med['part_first_ms']:.0f} ms, "
                   f"last part done {med['part_done_ms']:.0f} ms after prefill start", flush=True)
+            for i, r in enumerate(rows):
+                if len(r["writes"]) > 1 or any("out_start" in w for w in r["writes"]):  # streamed, or staged
+                    print(f"{mode:>16} {n:>6} tokens, request {i + 1}:\n" + format_writes(r["writes"], r["prefill_ms"]),
+                          flush=True)
     return out
 
 
@@ -105,10 +167,10 @@ def summarize(results: dict[str, dict[int, list[dict]]]) -> list[dict]:
     base = results.get("push") or results.get("push-off", {})  # the unstreamed baseline, by either name
     for mode, cells in results.items():
         for n, reps in cells.items():
-            med = {k: statistics.median(r[k] for r in reps) for k in reps[0]}
+            med = medians(reps)
             row = {"mode": mode, "tokens": n, **med}
             if n in base:
-                b = {k: statistics.median(r[k] for r in base[n]) for k in base[n][0]}
+                b = medians(base[n])
                 row["ttft_vs_push"] = med["ttft_ms"] / b["ttft_ms"]
                 if mode.startswith("push-"):
                     hide = 0.8 * min(b["prefill_ms"], b["tail_ms"])

@@ -59,6 +59,11 @@ class QueuedPost:
     error: str = ""
     abandoned: bool = False
     handle: object = field(default=None, repr=False)
+    # wall times (the writer's per-WRITE stamps): this thread took it, its post call returned (over
+    # TCP the bytes moved inside it), it saw it end
+    picked: float = 0.0
+    returned: float = 0.0
+    ended: float = 0.0
 
 
 class Poster:
@@ -157,6 +162,7 @@ class Poster:
         if p.abandoned:
             self._end(p, "ERR", "abandoned before its post")
             return
+        p.picked = time.time()
         try:
             with self._lock:  # over TCP this holds for the whole transfer: only our own agent waits
                 p.handle = self._make(p)
@@ -165,6 +171,7 @@ class Poster:
             self._end(p, "ERR", f"{p.op} to {p.remote} failed to post: {e}")
             return
         self.posts += 1
+        p.returned = time.time()
         if st == "ERR":
             self._end(p, "ERR", f"{p.op} to {p.remote} failed to post")
         else:
@@ -205,6 +212,7 @@ class Poster:
                 log.debug("%s: release_xfer_handle failed", self.name, exc_info=True)
             p.handle = None
         p.error = error
+        p.ended = time.time()
         p.state = state  # last: the writer's thread reads it without a lock
 
     def _drop_remote_dlist(self, name: str) -> None:

@@ -44,6 +44,7 @@ class Registered:
     slots: "list[int] | None" = None  # --staging pushkv: the staging area's blocks P WRITEs into
     parts: "PartLedger | None" = None  # --staging pushkv: what of them landed, and what is copied in
     part_copied: tuple[float, ...] = ()  # wall times of its first and newest part copy
+    parts_landed: list[float] = field(default_factory=list)  # wall times each PartWritten came (pw<n>_landed)
 
 
 @dataclass
@@ -190,6 +191,7 @@ class DecodeWriter(WriterBase):
                       msg.spans, msg.p_rank, msg.transfer_id)
             return
         self.counters["parts_written_received"] += 1
+        reg.parts_landed.append(time.time())
         if not cells:  # another producer's part with these cells is still on the wire
             return
         assert reg.slots is not None
@@ -321,6 +323,8 @@ class DecodeWriter(WriterBase):
                 continue
             parts = st.reg.part_copied if st.reg is not None else ()
             stamps = tuple(zip(("stage_in_part_first", "stage_in_part_last"), parts))
+            if st.reg is not None:
+                stamps += tuple((f"pw{i}_landed", t) for i, t in enumerate(st.reg.parts_landed, 1))
             self._received(st.received, st.reg, stamps + (("stage_in_start", st.started),
                                                           ("stage_in_done", time.time())))
 

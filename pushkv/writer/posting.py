@@ -46,6 +46,7 @@ class InFlight:
     part: bool = False  # a streamed part WRITE (no notification; the last WRITE follows)
     info: Any = None  # the writer's own (what to report when it ends)
     queued: int = 0  # posts of it still waiting in a link queue (it ends once they went and ended)
+    number: int = 0  # P: the WRITE's number in its transfer (1, 2, ...; its w<n>_ stamps)
 
 
 @dataclass

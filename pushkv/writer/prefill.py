@@ -21,6 +21,7 @@ from pushkv.protocol.link_queue import window_of
 from pushkv.protocol.tp import consumers_for, head_overlap
 from pushkv.transport import poster
 from pushkv.transport.nixl_agent import TransferError
+from pushkv.transport.poster import QueuedPost
 from pushkv.writer import sides, staging
 from pushkv.writer.base import InFlight, WriterBase
 from pushkv.writer.kv_damage import KVDamage
@@ -76,9 +77,25 @@ class PrefillWriter(WriterBase):
         window = window_of(cfg.link_window, cfg.link_window_mib, poster.wanted("auto", os.environ.get("UCX_TLS", "")))
         self.link_posts = LinkPosts(window, cfg.link_order) if window is not None else None
         self._slots_of: dict[int, list[int]] = {}  # id(posted handle) -> the staging slots it WRITEs from
+        # --staging pushkv: planned WRITEs whose copy into the area runs, in the copy stream's order
+        # (the loop polls their events and never waits on one: a wait held the loop, and every
+        # notification, registration and completion behind it, for the whole copy)
+        self._copying: staging.Copying[_Post] = staging.Copying()
+        self._poster_posts: dict[int, tuple[Any, int]] = {}  # id(poster's handle) -> (key, WRITE number): stamps
 
     def has_pending(self) -> bool:
-        return sides.pending(self.rdv, self.leases)
+        return sides.pending(self.rdv, self.leases) or bool(self._copying)
+
+    def tick(self, now: float) -> None:
+        if self._copying:
+            self._copies_done()
+        super().tick(now)
+
+    def poll_timeout_ms(self) -> int:
+        if self._copying:  # a copy ends within milliseconds and its WRITE should go at once
+            os.sched_yield()
+            return 0
+        return super().poll_timeout_ms()
 
     def damaged_by(self, kv: KVDamage) -> None:
         """Fault tests of --kv-verify: the side's effects go through ``kv`` (a last WRITE damaged)."""
@@ -308,6 +325,7 @@ class PrefillWriter(WriterBase):
             self._stamp(key, "write_queued" if a.last else "part_queued")
         fl = InFlight(a.transfer_id, a.generation, posted=now, part=not a.last)
         token_spans = list(_token_spans(a))
+        fl.number = self._stamp_asked(key, token_spans)
         try:
             for reg in a.registrations:
                 self._post_to(a, reg, fl, token_spans, swap)
@@ -316,6 +334,20 @@ class PrefillWriter(WriterBase):
             log.error("%s: WRITE post failed: %s transfer_id=%s", self.name, e, a.transfer_id)
             fl.failed = f"WRITE failed to post: {e}"
         self._posted(a, fl, now)
+
+    def _stamp_asked(self, key, token_spans) -> int:
+        """The WRITE's number in its transfer (1, 2, ...; the last WRITE's is its parts + 1), with
+        its per-WRITE stamps begun: ``w<n>_asked`` (the rendezvous asked for it) and
+        ``w<n>_stored`` (the newest layer mark among the groups it carries, when marks came)."""
+        t = self._record(key)
+        n = t.parts + 1
+        self._stamp(key, f"w{n}_asked")
+        groups = range(self.rdv.stream_groups) if any(g < 0 for g, _, _ in token_spans) else \
+            {g for g, _, _ in token_spans}
+        marks = [t.stages[f"layers_stored_{g}"] for g in groups if f"layers_stored_{g}" in t.stages]
+        if marks:
+            t.stages.setdefault(f"w{n}_stored", max(marks))
+        return n
 
     def _post_to(self, a, reg, fl: InFlight, token_spans: list, swap: bool) -> None:
         """Post D rank ``reg``'s share of the WRITE (nothing when it holds no head of ours)."""
@@ -373,7 +405,7 @@ class PrefillWriter(WriterBase):
         staged = None
         try:
             if slots is not None:
-                spans, staged = self._stage_out(key, spans, slots)
+                spans, staged = self._stage_out(key, fl.number, spans, slots)
             sums = self._checksums.get(key) if a.last else None
             sp = self.posting.plan_spans("WRITE", peer, heads, spans)
         except Exception:
@@ -387,6 +419,46 @@ class PrefillWriter(WriterBase):
         else:
             notif = b""
         post = _Post(a, reg, peer, sp, notif, fl, staged, slots)
+        if slots is not None and not staging.done(staged):  # posted once the loop sees its copy done
+            fl.queued += 1
+            self.counters["stage_out_pending"] += 1
+            self._copying.add(post, staged)
+            return
+        if slots is not None:
+            self._copied(post)
+        self._enqueue(post)
+
+    def _copies_done(self) -> None:
+        """The planned WRITEs whose copy into the staging area is done go on, in the copy stream's
+        order (one stream: a later copy never ends before an earlier one); a WRITE whose transfer
+        failed meanwhile gives its slots back now that no copy writes them."""
+        for post in self._copying.ready():
+            post.fl.queued -= 1
+            if post.fl.failed:
+                self._give_slots(post.slots)
+                continue
+            self._copied(post)
+            try:
+                self._enqueue(post)
+            except Exception as e:
+                self.counters["write_post_failed"] += 1
+                log.error("%s: WRITE post failed: %s transfer_id=%s", self.name, e, post.a.transfer_id)
+                post.fl.failed = f"WRITE failed to post: {e}"
+
+    def _copied(self, post: _Post) -> None:
+        """Stamp a WRITE's copy into the area done, and ``w<n>_copy_begun``: when the device began
+        it (the done time less its time on the device), later than ``w<n>_stage_out_issued`` by
+        what it waited for on the GPU."""
+        stages, n = self._record((post.a.transfer_id, post.a.generation)).stages, post.fl.number
+        if f"w{n}_stage_out_done" not in stages:  # (the first D rank's)
+            wall = time.time()
+            stages[f"w{n}_stage_out_done"] = wall
+            stages[f"w{n}_copy_begun"] = wall - staging.device_s(post.staged)
+
+    def _enqueue(self, post: _Post) -> None:
+        """Post a planned WRITE (its bytes staged, if it is staged), or queue it on its link."""
+        a, sp, fl, reg = post.a, post.sp, post.fl, post.reg
+        key = (a.transfer_id, a.generation)
         if self.link_posts is None:
             self._send(post)
             return
@@ -400,12 +472,13 @@ class PrefillWriter(WriterBase):
         self._send_released(self.link_posts.offer((reg.d_engine_id, reg.d_rank), key, sp.nbytes, remaining,
                                                   t.first_queued + self.cfg.timeouts.transfer_s, post))
 
-    def _stage_out(self, key, spans: list, slots) -> tuple[list, Any]:
+    def _stage_out(self, key, number: int, spans: list, slots) -> tuple[list, Any]:
         """--staging pushkv: the spans with their blocks replaced by ``slots`` of the staging
         area, and the copy (started now, on the copy stream) of those blocks' layer groups into
-        them; the post waits for it."""
+        them; the post waits for it (``_copies_done``)."""
         assert self.area is not None
         self._stamp(key, "stage_out_start")
+        self._stamp(key, f"w{number}_stage_out_start")
         slot_of: dict[int, int] = {}
         out, pairs = [], []
         for src, dst, n, groups in spans:
@@ -417,13 +490,16 @@ class PrefillWriter(WriterBase):
             out.append((mapped, dst, n, groups))
             pairs += self.area.pairs(blocks, mapped, groups)
         self.counters["stage_out_copies"] += 1
-        return out, self.area.copy_out(pairs)
+        self.counters["stage_out_pairs"] += len(pairs)
+        copy = self.area.copy_out(pairs)
+        self._stamp(key, f"w{number}_stage_out_issued")  # from _start: planning and issuing the copies
+        return out, copy
 
     def _send(self, post: _Post):
         """Post one planned WRITE to one D rank now; returns its handle (raises if it fails to post)."""
         key = (post.a.transfer_id, post.a.generation)
-        if post.slots is not None:  # its bytes must be in the staging area: most often copied long ago
-            if not staging.done(post.staged):
+        if post.slots is not None:  # its bytes must be in the staging area: they are (_copies_done)
+            if not staging.done(post.staged):  # (never: a guard, since a half copy must not go)
                 self.counters["stage_out_waits"] += 1
                 staging.wait(post.staged)
             self._stamp(key, "stage_out_done")
@@ -439,8 +515,11 @@ class PrefillWriter(WriterBase):
     def _post_now(self, post: _Post):
         a, key = post.a, (post.a.transfer_id, post.a.generation)
         self._stamp(key, "write_post_start" if a.last else "part_post_first")  # to write_posted: our post cost
+        self._stamp(key, f"w{post.fl.number}_posted")
         h = self.posting.post_planned(post.sp, post.notif)
         post.fl.handles.append(h)
+        if isinstance(h, QueuedPost):
+            self._poster_posts[id(h)] = (key, post.fl.number)
         if a.last:
             self._stamp(key, "write_post_returned")  # the NIXL post to this D rank returned
         self._hint(a, post.reg, post.peer, post.sp.nbytes)
@@ -480,6 +559,12 @@ class PrefillWriter(WriterBase):
 
     def handles_ended(self, handles: list, now: float) -> None:
         for h in handles:
+            posted = self._poster_posts.pop(id(h), None)
+            t = self.side.transfers.get(posted[0]) if posted is not None else None
+            if posted is not None and t is not None and h.ended:  # the poster's times: pickup, post call, end
+                for stamp, at in (("picked", h.picked), ("returned", h.returned), ("ended", h.ended)):
+                    if at:
+                        t.stages.setdefault(f"w{posted[1]}_poster_{stamp}", at)
             slots = self._slots_of.pop(id(h), None)
             if slots is not None:
                 self._give_slots(slots)
@@ -493,6 +578,9 @@ class PrefillWriter(WriterBase):
         for w in gone:
             w.fl.queued -= 1
             w.fl.failed = w.fl.failed or f"dropped while waiting for staging room: {reason}"
+        for post in self._copying:  # (they end, and give their slots back, once their copy is done)
+            if (post.a.transfer_id, post.a.generation) == key:
+                post.fl.failed = post.fl.failed or f"dropped while copied into the staging area: {reason}"
         if self.link_posts is None:
             return
         for post in self.link_posts.drop(key):
@@ -531,6 +619,7 @@ class PrefillWriter(WriterBase):
 
     def transfer_finished(self, fl: InFlight, now: float) -> None:
         key = (fl.transfer_id, fl.generation)
+        self._stamp(key, f"w{fl.number}_done")
         if fl.part:
             self._stamp(key, "part_done_first")  # with part_post_first: the first part's time on the wire
             self._record(key).stages["part_done_last"] = time.time()  # the newest part's completion (not setdefault)

@@ -12,13 +12,13 @@ registers the area instead of the pool (as host memory), so every transfer moves
 and the protocol, grids and mapping are those of a pool of that many blocks:
 - P copies each WRITE's blocks (the layer groups it carries) from the pool into slots of its
   area on a copy stream, as soon as the WRITE is planned, and posts it from those slots once
-  the copy is done; the slots go back when the WRITE ends;
+  its loop sees the copy done (``Copying``); the slots go back when the WRITE ends;
 - D registers slots of its area with P instead of its pool's blocks, and copies them into its
   blocks on its copy stream as they land: each layer group (or chunk) a part carried once every
   producer rank's part has landed (its ``PartWritten`` notification, which NIXL delivers after
   the part's data), and the rest once every producer's last WRITE has; it reports the KV
-  received (and frees the slots) when that last copy is done (``writer/stage_in.py``). The
-  loop polls the copies' events; it never waits on them.
+  received (and frees the slots) when that last copy is done (``writer/stage_in.py``).
+Both loops poll the copies' events; neither waits on them.
 
 A transfer waits for slots when the area is full (P: before its link queue; D: before its
 registration), in one first-come queue per area (``SlotQueue``), and one larger than the whole
@@ -28,7 +28,8 @@ area fails at once, saying so. Which bytes are copied is pure (``transport/stagi
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections import deque
+from typing import Any, Generic, Iterator, TypeVar
 
 import msgspec
 
@@ -78,11 +79,11 @@ class StagingArea:
         return cell_pairs(self.layout, self.pool_grid, self.grid, blocks, slots, cells)
 
     def copy_out(self, pairs: Pairs) -> Any:
-        """Start copying pool bytes into the area; returns the copy's CUDA event (None: done)."""
+        """Start copying pool bytes into the area; returns the copy's ``Copy`` (None: done)."""
         return self._copy(pairs, to_host=True)
 
     def copy_in(self, pairs: Pairs) -> Any:
-        """Start copying area bytes into the pool; returns the copy's CUDA event (None: done)."""
+        """Start copying area bytes into the pool; returns the copy's ``Copy`` (None: done)."""
         return self._copy(pairs, to_host=False)
 
     def _copy(self, pairs: Pairs, to_host: bool) -> Any:
@@ -96,19 +97,75 @@ class StagingArea:
                     self.gpu[po:po + n].copy_(self.host[so:so + n])
             return None
         with torch.cuda.stream(self.stream):
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(self.stream)
             for po, so, n in pairs:
                 if to_host:
                     self.host[so:so + n].copy_(self.gpu[po:po + n], non_blocking=True)
                 else:
                     self.gpu[po:po + n].copy_(self.host[so:so + n], non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        return event
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(self.stream)
+        return Copy(start, end)
 
     def close(self) -> None:
         if self.stream is not None:
             self.stream.synchronize()  # no copy may outlive the memory it reads or writes
         self.host = self.gpu = None  # type: ignore[assignment]
+
+
+class Copy:
+    """One ``_copy``'s pair of CUDA events on the copy stream: ``end`` is what ``done``/``wait``
+    ask; with ``start`` it gives the copy's time on the device once done (``device_s``), which
+    against the wall time the loop saw it done says when the GPU began it (a copy issued from
+    the writer's CUDA context may wait for the worker's kernels before it runs)."""
+
+    __slots__ = ("start", "end")
+
+    def __init__(self, start: Any, end: Any):
+        self.start, self.end = start, end
+
+    def query(self) -> bool:
+        return bool(self.end.query())
+
+    def synchronize(self) -> None:
+        self.end.synchronize()
+
+    def device_s(self) -> float:
+        """Seconds between the copy's start and end on the device (only once it is done)."""
+        return float(self.start.elapsed_time(self.end)) / 1e3
+
+
+def device_s(event: Any) -> float:
+    """A finished copy's time on the device (0: a host area's copy, done at once)."""
+    return event.device_s() if isinstance(event, Copy) else 0.0
+
+
+T = TypeVar("T")
+
+
+class Copying(Generic[T]):
+    """What waits for its copy (a P WRITE for its bytes to be in the area), in the order the
+    copies were issued on the one copy stream; the loop takes what is ready each turn and never
+    waits on a copy."""
+
+    def __init__(self) -> None:
+        self._q: deque[tuple[T, Any]] = deque()
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def __iter__(self) -> Iterator[T]:
+        return (item for item, _ in self._q)
+
+    def add(self, item: T, copy: Any) -> None:
+        self._q.append((item, copy))
+
+    def ready(self) -> Iterator[T]:
+        """The items whose copy is done, in issue order, up to the first still running (a later
+        one never overtakes it: on one stream it cannot end first, and the order is the link's)."""
+        while self._q and done(self._q[0][1]):
+            yield self._q.popleft()[0]
 
 
 def done(event: Any) -> bool:

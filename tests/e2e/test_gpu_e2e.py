@@ -107,5 +107,7 @@ def test_gpu_pushkv_staging_equals_local():
     assert got == want
     total = lambda cs, k: sum(v for n, v in cs.items() if n.endswith("." + k))  # noqa: E731
     assert total(p_counters, "stage_out_copies") >= len(ps)
+    # P's loop never waited on a copy: a post whose copy still ran waited in staging.Copying instead
+    assert total(p_counters, "stage_out_waits") == 0, p_counters
     assert total(d_counters, "stage_in_copies") == total(d_counters, "kv_received") == len(ps)
     assert total(d_counters, "stage_in_part_cells") > 0 or total(p_counters, "parts") == 0, d_counters

@@ -103,6 +103,22 @@ def test_chunked_and_streamed_tokens_equal_local(name, model, flags, ref_tp, str
                     # last WRITE then takes it all)
                     assert kv["parts"] > 0, (n, kv, tl)
                     early += 1
+            if "--staging" in flags or "--writer-post-thread" in flags:  # each WRITE's stamps (tools/stream_bench's
+                # breakdown) in its order: asked; staged: its copy into P's area issued and seen done; posted;
+                # from a poster thread: taken, its post call returned, seen ended; done. The last WRITE's number
+                # is the parts' + 1 (P rank 0's or 1's: the first to report gives them)
+                stamps = ("asked",) + (("stage_out_start", "stage_out_issued", "stage_out_done") if "--staging" in
+                                       flags else ()) + ("posted",) + (("poster_picked", "poster_returned",
+                                                                         "poster_ended") if "--writer-post-thread"
+                                                                        in flags else ()) + ("done",)
+                count = 0
+                while f"prefill.w{count + 1}_asked" in tl:
+                    count += 1
+                    seq = [tl[f"prefill.w{count}_{s}"] for s in stamps]
+                    assert seq == sorted(seq), (count, tl)
+                    if "--staging" in flags:
+                        assert tl[f"prefill.w{count}_copy_begun"] <= tl[f"prefill.w{count}_stage_out_done"], tl
+                assert count >= 1 and f"prefill.w{count}_done" in tl, tl
             if "--staging" in flags and "decode.stage_in_part_first" in tl:  # D copied parts in before the rest
                 assert tl["decode.stage_in_part_first"] <= tl["decode.stage_in_part_last"] < tl[
                     "decode.stage_in_start"] < tl["decode.kv_received"], tl

@@ -26,12 +26,24 @@ def up(tmp_path, *flags: str, env: dict | None = None) -> tuple[int, str]:
     return p.returncode, p.stderr
 
 
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
 @pytest.fixture
 def taken_port():
+    """A port this test holds, below the ephemeral range, with the three after it free (the metrics
+    tests plan those: an outgoing connection's port there would be a second 'taken' port)."""
+    port = next(p for p in (free_tcp_port() for _ in range(200)) if all(_bindable(p + i) for i in (1, 2, 3)))
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("127.0.0.1", port))
         s.listen()
-        yield s.getsockname()[1]
+        yield port
 
 
 def test_taken_router_port_refused_before_anything_starts(tmp_path, taken_port):
