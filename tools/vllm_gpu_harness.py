@@ -5,6 +5,11 @@ to D as it writes the layers.
     python -m tools.vllm_gpu_harness --out DIR               # one GPU (P and D share cuda:0)
     python -m tools.vllm_gpu_harness --device cpu --quick --out DIR
 
+On a GPU each side's KV cache is allocated as vLLM's GPU worker allocates it, through the
+connector's hook (``with ws.alloc:``): by default (``--cuda-memory writer``) the writer allocates
+it and the side maps it by CUDA IPC; ``--cuda-memory vllm`` is the fallback (the side allocates,
+the writer imports it by CUDA IPC), kept to compare.
+
 1. For every layout (``pushkv/vllm/regions.py`` LAYOUTS, NHD and HND where both exist): P fills
    each layer of a request's blocks from a kernel, marks each layer group stored (an inter-process
    CUDA event on the GPU) and D checks its bytes head by head -> PASS/FAIL per layout.
@@ -103,8 +108,8 @@ def write_layer(case: str, view: torch.Tensor, layer: int, blocks: list[int], se
 
 
 # -- the two processes --------------------------------------------------------------------------
-def _settings(engine: str, groups: int) -> P.Settings:
-    return P.Settings(engine, 1, "", 0, 20.0, 30.0, 5.0, stream_groups=groups)
+def _settings(engine: str, groups: int, cuda_memory: P.CudaMemory = "writer") -> P.Settings:
+    return P.Settings(engine, 1, "", 0, 20.0, 30.0, 5.0, stream_groups=groups, cuda_memory=cuda_memory)
 
 
 def _wait(ws: WorkerSide, rid: str, kind: str) -> tuple[bool, float]:
@@ -121,6 +126,8 @@ def _wait(ws: WorkerSide, rid: str, kind: str) -> tuple[bool, float]:
 def _side(role: str, conn, device: str) -> None:
     """One instance's worker: its KV cache, its writer, and what the harness tells it to do."""
     ws: Any = None  # a WorkerSide once opened
+    views: Any = None  # its KV cache: vLLM's per-layer views of buf
+    buf: Any = None
     try:
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))
@@ -130,9 +137,11 @@ def _side(role: str, conn, device: str) -> None:
                 break
             op, a = cmd
             if op == "open":
-                if ws is not None:
+                if ws is not None:  # the old cache first: it may be the old writer's memory
+                    views = buf = None
                     ws.shutdown()
-                ws = WorkerSide(_settings(a["engine"], a["groups"]), 0, role, (a["heads"], a["heads"], "harness"))
+                settings = _settings(a["engine"], a["groups"], a["cuda_memory"])
+                ws = WorkerSide(settings, 0, role, (a["heads"], a["heads"], "harness"))
                 dtype = DTYPES[a["dtype"]]
                 n = cache_bytes(a["case"], a["layers"], a["blocks"], a["bs"], a["heads"], a["hd"], dtype)
                 with ws.alloc:
@@ -140,7 +149,7 @@ def _side(role: str, conn, device: str) -> None:
                 views = kv_views(buf, a["case"], a["layers"], a["blocks"], a["bs"], a["heads"], a["hd"], dtype)
                 ws.register_kv_caches(views, a["bs"], CASES[a["case"]])
                 case, names = a["case"], list(views)
-                conn.send(("ok", None))
+                conn.send(("ok", {"writer_owns_kv": ws.writer_owns_kv}))
             elif op == "expect":  # D: the blocks are reserved; register them with P
                 ws.cmd.send(_enc(w.ExpectBlocks(a["rid"], a["tid"], tuple(a["blocks"]), a["tokens"], a["source"],
                                                 50.0)))
@@ -171,6 +180,7 @@ def _side(role: str, conn, device: str) -> None:
         conn.send(("error", traceback.format_exc()))
     finally:
         if ws is not None:
+            views = buf = None
             ws.shutdown()
 
 
@@ -257,13 +267,14 @@ def transfer(pair: Pair, geo: dict, n_tokens: int, p_blocks: list[int], d_blocks
             "bad_heads": d["bad_heads"]}
 
 
-def open_pair(pair: Pair, case: str, groups: int, **geo) -> dict:
+def open_pair(pair: Pair, case: str, groups: int, cuda_memory: str = "writer", **geo) -> dict:
     tag = uuid.uuid4().hex[:6]
     g = dict(geo, case=case, p_engine=f"hp{tag}", d_engine=f"hd{tag}")
-    pair.conns["prefill"].send(("open", dict(engine=g["p_engine"], groups=groups, case=case, **geo)))
-    pair.conns["decode"].send(("open", dict(engine=g["d_engine"], groups=0, case=case, **geo)))
-    pair.answer("prefill", "open")  # both writers start at once
-    pair.answer("decode", "open")
+    for role, engine, gr in (("prefill", g["p_engine"], groups), ("decode", g["d_engine"], 0)):
+        pair.conns[role].send(("open", dict(engine=engine, groups=gr, case=case, cuda_memory=cuda_memory, **geo)))
+    owns = [pair.answer("prefill", "open")["writer_owns_kv"],  # both writers start at once
+            pair.answer("decode", "open")["writer_owns_kv"]]
+    g["writer_owns_kv"] = all(owns)
     return g
 
 
@@ -279,6 +290,9 @@ def main(argv=None) -> int:
                     help="stand-in compute per layer on the GPU, TFLOP (qwen3-8b at 8k: ~3.6)")
     ap.add_argument("--cases", default=",".join(CASES), help="layouts to check, comma-separated")
     ap.add_argument("--skip-measure", action="store_true", help="only the layouts' byte checks")
+    ap.add_argument("--cuda-memory", choices=P.CUDA_MEMORY, default="writer",
+                    help="who allocates a GPU KV cache: the writer (mapped by the side) or the side "
+                         "(imported by the writer), as the connector's cuda_memory")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a time limit's TERM still writes what was measured
@@ -286,7 +300,8 @@ def main(argv=None) -> int:
     if dev.startswith("cuda") and not torch.cuda.is_available():
         print("no GPU here: use --device cpu", file=sys.stderr)
         return 2
-    results: dict = {"device": dev, "torch": torch.__version__, "layouts": {}, "measure": {}}
+    results: dict = {"device": dev, "torch": torch.__version__, "cuda_memory": args.cuda_memory, "layouts": {},
+                     "measure": {}}
     lines = []
     pair = Pair(dev)
     try:
@@ -298,10 +313,10 @@ def main(argv=None) -> int:
         for case in cases:
             geo = dict(small, hd=576, heads=1) if case == "mla" else small
             try:
-                g = open_pair(pair, case, args.groups, **geo)
+                g = open_pair(pair, case, args.groups, args.cuda_memory, **geo)
                 r = transfer(pair, g, 5 * 16 - 3, [3, 4, 5, 9, 10], [20, 2, 7, 8, 11], seed=7)
                 ok = r["ok"] and r["bad_heads"] == 0
-                results["layouts"][case] = {"pass": ok, **r}
+                results["layouts"][case] = {"pass": ok, "writer_owns_kv": g["writer_owns_kv"], **r}
             except Exception as e:
                 ok, results["layouts"][case] = False, {"pass": False, "error": str(e)[-2000:]}
             lines.append(f"{case:16s} {'PASS' if ok else 'FAIL'}")
@@ -317,7 +332,8 @@ def main(argv=None) -> int:
         p_blocks, d_blocks = list(range(8, 8 + nb)), list(range(nb))
         flops = args.layer_tflop * 1e12 if dev.startswith("cuda") else 0
         for mode, groups in (("whole", 0), ("streamed", args.groups)):
-            g = open_pair(pair, "flash_attn_hnd", groups, **geo)
+            g = open_pair(pair, "flash_attn_hnd", groups, args.cuda_memory, **geo)
+            results["writer_owns_kv"] = g["writer_owns_kv"]
             runs = []
             for i in range(reps + 1):  # each shown as it ends: a run cut by a time limit still says what it saw
                 runs.append(transfer(pair, g, tokens, p_blocks, d_blocks, seed=11 + i, flops=flops))
@@ -336,8 +352,9 @@ def main(argv=None) -> int:
         results["measure"].update(group_write_ms=group_ms, ratio=ratio, tokens=tokens, geometry=geo,
                                   groups=args.groups, nbytes=whole["runs"][0]["nbytes"])
         gib = whole["runs"][0]["nbytes"] / 2**30
+        owner = "the writer's, mapped by the side" if results["writer_owns_kv"] else "the side's"
         lines += [f"measure: {tokens} tokens, {geo['layers']} layers x {geo['heads']} KV heads x {geo['hd']}, "
-                  f"{gib:.2f} GiB, {args.groups} groups",
+                  f"{gib:.2f} GiB, {args.groups} groups, KV memory: {owner}",
                   f"whole WRITE    {whole['write_ms']:.2f} ms ({gib / (whole['write_ms'] / 1e3 or 1):.0f} GiB/s), "
                   f"tail {whole['tail_ms']:.2f} ms, exact {whole['exact']}",
                   f"streamed       tail {streamed['tail_ms']:.2f} ms, last WRITE {streamed['write_ms']:.2f} ms, "

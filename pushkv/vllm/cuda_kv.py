@@ -1,10 +1,16 @@
-"""vLLM's KV cache on a GPU, handed to the writer process by CUDA IPC (imports no vLLM).
+"""vLLM's KV cache on a GPU, shared between the worker and its writer by CUDA IPC (imports no vLLM).
 
-The worker exports the storage under vLLM's per-layer KV views (torch's ``_share_cuda_``:
-a ``cudaIpcGetMemHandle`` of the allocation, the offset of the storage in it); the writer
-opens it (``_new_shared_cuda``) and registers the bytes with NIXL as VRAM. Legacy CUDA IPC
-shares only ``cudaMalloc`` memory, so what it cannot share is refused at start, with the
-reason: PyTorch's expandable segments (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``)
+``cuda_memory: writer`` (the default): the writer allocates the cache on the worker's device
+(:func:`allocate_owned`, with ``cudaMalloc``: its environment has no allocator configuration,
+:func:`writer_env`) and registers its own allocation with NIXL as VRAM; the worker opens the
+handle (:func:`open_owned`) and vLLM's KV tensors are views of it. NIXL/UCX moves
+CUDA-IPC-imported memory at ~0.5 GiB/s, its own allocation at the link's speed.
+
+``cuda_memory: vllm`` (the fallback): the worker exports the storage under vLLM's per-layer KV
+views (torch's ``_share_cuda_``: a ``cudaIpcGetMemHandle`` of the allocation, the offset of
+the storage in it); the writer opens it (``_new_shared_cuda``) and registers the bytes with
+NIXL as VRAM. Legacy CUDA IPC shares only ``cudaMalloc`` memory, so what it cannot share is
+refused at start, with the reason: PyTorch's expandable segments (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``)
 and any other VMM or memory-pool allocation (the driver says the pointer is not legacy-IPC
 capable).
 
@@ -25,6 +31,10 @@ from pushkv.cuda_driver import DriverError, _driver
 
 ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE = 10
+NOT_THROUGH_HOOK = ("vLLM allocated its CUDA KV cache outside the connector's get_mem_pool_context(), so the "
+                    "writer could not allocate it (cuda_memory: writer); set \"cuda_memory\": \"vllm\" in "
+                    "kv_connector_extra_config to hand vLLM's own allocation to the writer instead (slower: "
+                    "NIXL moves CUDA-IPC-imported memory at ~0.5 GiB/s)")
 EVENT_RING = 64  # events reused in turn: re-recording one only moves its wait later, never earlier
 
 
@@ -72,6 +82,40 @@ def export(t: torch.Tensor) -> tuple[bytes, int, int]:
     storage = t.untyped_storage()
     fields = list(storage._share_cuda_())
     return msgspec.msgpack.encode(fields), storage.data_ptr(), storage.nbytes()
+
+
+def writer_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The writer's environment: the worker's, less the allocator configuration, so the cache the
+    writer allocates is a plain ``cudaMalloc`` (expandable segments or ``cudaMallocAsync`` in the
+    worker's would make it one that legacy CUDA IPC cannot share)."""
+    return {k: v for k, v in environ.items() if k not in ALLOC_CONF_VARS}
+
+
+def allocate_owned(nbytes: int, dev_id: int) -> tuple[torch.Tensor, bytes]:
+    """Writer side: ``nbytes`` of zeroed device memory owned by this process, and its CUDA IPC
+    handle (torch's ``_share_cuda_`` fields, msgpack). Raises ValueError with the reason when the
+    allocation cannot be shared."""
+    if not torch.cuda.is_available() or dev_id >= torch.cuda.device_count():
+        raise ValueError(f"the writer sees no CUDA device {dev_id} (torch {torch.__version__}, "
+                         f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} devices)")
+    torch.cuda.set_device(dev_id)
+    t = torch.zeros(nbytes, dtype=torch.int8, device=torch.device("cuda", dev_id))
+    torch.cuda.synchronize(t.device)
+    why = sharing_problem(t, environ={})
+    if why:
+        raise ValueError(f"pushkv's writer cannot share the KV cache it allocated: {why}")
+    return t, msgspec.msgpack.encode(list(t.untyped_storage()._share_cuda_()))
+
+
+def open_owned(blob: bytes, nbytes: int) -> torch.Tensor:
+    """Worker side: the writer's allocation as one flat int8 tensor (vLLM's KV buffer)."""
+    fields = msgspec.msgpack.decode(blob)
+    torch.cuda.set_device(int(fields[0]))
+    storage = torch.UntypedStorage._new_shared_cuda(*fields)
+    if storage.nbytes() < nbytes:
+        raise ValueError(f"the writer's KV allocation holds {storage.nbytes()} B, vLLM asked for {nbytes} B")
+    t = torch.empty(0, dtype=torch.int8, device=storage.device)
+    return t.set_(storage, 0, (nbytes,), (1,))
 
 
 class SharedKV:

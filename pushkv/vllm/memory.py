@@ -12,15 +12,20 @@ model writes its KV straight into pages the writer maps too: no staging copy,
 no copy at transfer time. The writer maps the file and registers it with NIXL
 as DRAM; UCX moves P's pages into D's writer's mapping of D's file (cma).
 
-GPU (not built here): the same hook would allocate in the writer (CUDA IPC into
-a writer-owned allocation), as pushkv's own writer does.
+GPU (vLLM's GPU worker makes the same call, ``device=cuda:N``): with ``cuda_memory:
+writer`` (the default) the hook asks the worker side for the bytes, which has this
+worker's writer allocate them on the device and opens the writer's CUDA IPC handle
+(``worker_side.py``, ``writer_alloc.py``): the writer then registers its own allocation
+with NIXL, as pushkv's own writer does with its pool (NIXL/UCX on CUDA-IPC-imported memory
+crawls). With ``cuda_memory: vllm`` the call is left to vLLM and its allocation is
+exported to the writer afterwards (``cuda_kv.export``).
 """
 from __future__ import annotations
 
 import logging
 import mmap
 import os
-from typing import Callable, Optional
+from typing import Callable, Literal, Optional
 
 import numpy as np
 import torch
@@ -35,28 +40,52 @@ def mapping_addr(mm: mmap.mmap) -> int:
     return np.frombuffer(mm, dtype=np.uint8).ctypes.data
 
 
-class SharedKVAllocation:
-    """Context manager: the KV cache buffer vLLM allocates inside it lives in /dev/shm."""
+Claim = Literal["memfd", "writer", ""]
+CudaAllocator = Callable[[int, torch.device], torch.Tensor]  # (bytes, device) -> int8 tensor over them
 
-    def __init__(self, name: str):
+
+def claim(size: tuple, kw: dict, taken: bool, cuda_memory: str) -> tuple[Claim, int]:
+    """Which of the hook's ``torch.zeros`` calls is vLLM's KV buffer, and who provides it:
+    ("memfd", bytes) on the CPU, ("writer", bytes) on a GPU when the writer allocates it,
+    ("", 0) to leave the call to torch (another tensor, the buffer already taken, or a GPU
+    cache vLLM allocates itself)."""
+    dims = size[0] if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else size
+    if taken or kw.get("dtype") is not torch.int8 or len(dims) != 1 or int(dims[0]) <= 0:
+        return "", 0
+    dev = kw.get("device")
+    kind = "cpu" if dev is None else torch.device(dev).type
+    if kind == "cpu":
+        return "memfd", int(dims[0])
+    if kind == "cuda" and cuda_memory == "writer":
+        return "writer", int(dims[0])
+    return "", 0
+
+
+class SharedKVAllocation:
+    """Context manager: the KV cache buffer vLLM allocates inside it is shared with the writer
+    (a memfd on the CPU; on a GPU, with ``cuda_allocator`` set, the writer's allocation)."""
+
+    def __init__(self, name: str, cuda_memory: str = "writer", cuda_allocator: Optional[CudaAllocator] = None):
         self.name = name
+        self.cuda_memory = cuda_memory
+        self.cuda_allocator = cuda_allocator
         self.fd = -1
         self.mm: Optional[mmap.mmap] = None
         self.tensor: Optional[torch.Tensor] = None
         self.base_addr = 0
         self.nbytes = 0
+        self.dev_id = -1  # the writer's GPU allocation's device; -1: the memfd (or none)
         self._orig: Optional[Callable[..., torch.Tensor]] = None
 
     def __enter__(self):
         orig = self._orig = torch.zeros
 
         def zeros(*size, **kw):
-            dims = size[0] if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else size
-            dev = kw.get("device")
-            on_cpu = dev is None or torch.device(dev).type == "cpu"
-            if (self.tensor is None and kw.get("dtype") is torch.int8 and on_cpu
-                    and len(dims) == 1 and int(dims[0]) > 0):
-                return self._allocate(int(dims[0]))
+            what, nbytes = claim(size, kw, self.tensor is not None, self.cuda_memory)
+            if what == "memfd":
+                return self._allocate(nbytes)
+            if what == "writer" and self.cuda_allocator is not None:
+                return self._allocate_cuda(nbytes, torch.device(kw["device"]))
             return orig(*size, **kw)
 
         torch.zeros = zeros
@@ -75,6 +104,19 @@ class SharedKVAllocation:
         self.tensor.zero_()  # touch every page now, not on the first forward or WRITE
         log.info("pushkv: KV cache of %.1f MiB allocated in shared memory (memfd %s)", nbytes / 2**20, self.name)
         return self.tensor
+
+    def _allocate_cuda(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        assert self.cuda_allocator is not None
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        t = self.cuda_allocator(nbytes, device)
+        if t.dtype is not torch.int8 or t.numel() != nbytes or t.device != device:
+            raise RuntimeError(f"pushkv: the writer's KV allocation is {t.numel()} {t.dtype} on {t.device}; "
+                               f"vLLM asked for {nbytes} int8 on {device}")
+        self.tensor, self.nbytes, self.base_addr, self.dev_id = t, nbytes, t.data_ptr(), device.index
+        log.info("pushkv: KV cache of %.1f MiB allocated by the writer on %s (mapped by CUDA IPC)",
+                 nbytes / 2**20, device)
+        return t
 
 
 

@@ -30,6 +30,11 @@ from pushkv.messages import PrefillSource
 KEY = "pushkv"
 SOURCE_KEY = "pushkv_source"
 DEFAULT_HANDSHAKE_PORT = 5600  # vLLM's VLLM_NIXL_SIDE_CHANNEL_PORT default
+# Who allocates a GPU KV cache: "writer" (the writer allocates it and registers its own allocation
+# with NIXL; vLLM's tensors are views of it, opened by CUDA IPC) or "vllm" (vLLM allocates it and
+# the writer registers the CUDA IPC import, which NIXL/UCX moves at ~0.5 GiB/s: a fallback)
+CudaMemory = Literal["writer", "vllm"]
+CUDA_MEMORY: tuple[CudaMemory, ...] = ("writer", "vllm")
 
 
 class ParamsError(ValueError):
@@ -86,6 +91,7 @@ class Settings:
     idle_wait_ms: float
     secret_file: str = ""  # CURVE on the tcp handshake sockets (pushkv/security.py); "" = none
     stream_groups: int = 0  # layer streaming: P WRITEs this many layer groups as each is stored; 0: off
+    cuda_memory: CudaMemory = "writer"  # who allocates a GPU KV cache (CUDA_MEMORY); the CPU: always a memfd
 
     def handshake_endpoint(self, rank: int) -> str:
         if not self.handshake_host:
@@ -133,4 +139,14 @@ def settings(engine_id: str, tp: int, extra: Optional[dict[str, Any]],
                          "the handshake is then an ipc:// socket only this user can reach)")
     return Settings(engine_id, tp, host, port, float(extra.get("registration_wait_s", 30.0)),
                     float(extra.get("transfer_s", 30.0)), float(extra.get("idle_wait_ms", 10.0)), secret_file,
-                    int(extra.get("stream_groups", 0)))
+                    int(extra.get("stream_groups", 0)), parse_cuda_memory(extra.get("cuda_memory", "writer")))
+
+
+def parse_cuda_memory(value: Any) -> CudaMemory:
+    """kv_connector_extra_config's ``cuda_memory``, refused with the choices when unknown."""
+    for choice in CUDA_MEMORY:
+        if value == choice:
+            return choice
+    raise ValueError(f"pushkv's connector: cuda_memory must be one of {list(CUDA_MEMORY)}, got {value!r} "
+                     "(writer: the writer allocates the GPU KV cache and vLLM maps it, the fast path; "
+                     "vllm: vLLM allocates it and hands it to the writer by CUDA IPC)")

@@ -75,10 +75,30 @@ class LayersStored(Msg, frozen=True):
 ConnectorToWriter = Union[SendBlocks, ExpectBlocks, CancelBlocks, LayersStored]
 
 
+class DescribeKV(Msg, frozen=True):
+    """Worker -> a writer that allocated the KV cache (``cuda_memory: writer``): what vLLM laid
+    out in it (msgpack ``KVMemory``); the writer then registers it with NIXL and says
+    ``WriterReady``. Sent once, before any other command (its own decoder, ``DEC_DESCRIBE``)."""
+
+    memory: bytes
+
+
 # -- writer -> connector (vLLM worker process) ----------------------------------------
 class WriterReady(Msg, frozen=True):
     pid: int
     agent_name: str
+
+
+class KVAllocated(Msg, frozen=True):
+    """Writer -> worker (``cuda_memory: writer``): the writer allocated the worker's KV cache on
+    ``dev_id``; ``ipc`` is torch's CUDA IPC handle fields of it, msgpack-encoded. A non-empty
+    ``reason``: it could not, and why."""
+
+    pid: int
+    dev_id: int
+    nbytes: int
+    ipc: bytes = b""
+    reason: str = ""
 
 
 class BlocksSent(Msg, frozen=True):
@@ -110,9 +130,10 @@ class BlocksFailed(Msg, frozen=True):
     reason: str
 
 
-WriterToConnector = Union[WriterReady, BlocksSent, BlocksReceived, BlocksFailed]
+WriterToConnector = Union[WriterReady, KVAllocated, BlocksSent, BlocksReceived, BlocksFailed]
 VllmHandshake = Union[VllmHello, HelloRefused]
 
 DEC_TO_WRITER = msgspec.msgpack.Decoder(ConnectorToWriter)
+DEC_DESCRIBE = msgspec.msgpack.Decoder(DescribeKV)
 DEC_TO_CONNECTOR = msgspec.msgpack.Decoder(WriterToConnector)
 DEC_VHANDSHAKE = msgspec.msgpack.Decoder(VllmHandshake)

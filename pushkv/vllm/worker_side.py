@@ -3,8 +3,13 @@ cache's shared memory, starts and supervises this worker's pushkv writer, and
 turns the writer's events into vLLM's finished sends / receives.
 
 Nothing here touches KV bytes: the model writes its KV into shared pages (a
-memfd on the CPU; on a GPU vLLM's own allocation, handed to the writer by CUDA
-IPC, ``cuda_kv.py``), the writer WRITEs them (P) or they land there (D). With
+memfd on the CPU; on a GPU, with ``cuda_memory: writer``, the writer's own
+allocation, which this worker maps by CUDA IPC, or with ``cuda_memory: vllm``
+vLLM's allocation handed to the writer by CUDA IPC, ``cuda_kv.py``), the writer
+WRITEs them (P) or they land there (D). The writer that owns a GPU cache is
+started from inside vLLM's allocation (:meth:`WorkerSide._writer_allocates`)
+and told what vLLM laid out in it at ``register_kv_caches``; its death takes
+the cache with it, so the worker stops (raises) instead of starting another. With
 layer streaming (``stream_groups``) ``save_kv_layer`` marks each stored layer
 group for the writer (``stream.py``); ``start_load_kv``, ``wait_for_layer_load``
 and ``wait_for_save`` have nothing to do.
@@ -16,6 +21,7 @@ outcome is seen the moment the writer sends it.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import subprocess
@@ -25,6 +31,7 @@ from collections import OrderedDict
 from typing import Callable, Optional
 
 import msgspec
+import torch
 import zmq
 
 from pushkv import limits
@@ -34,6 +41,7 @@ from pushkv.vllm import params as P
 from pushkv.vllm import regions as R
 from pushkv.vllm import stream
 from pushkv.vllm import wire as w
+from pushkv.vllm.cuda_kv import writer_env
 from pushkv.vllm.memory import SharedKVAllocation
 from pushkv.vllm.writer_args import WriterArgs
 
@@ -61,12 +69,14 @@ class WorkerSide:
         self.rank = rank
         self.role = role
         self.kv_heads, self.total_kv_heads, self.model_id = geometry
-        self.alloc = SharedKVAllocation(f"pushkv-vllm-{settings.engine_id}-{rank}")
+        self.alloc = SharedKVAllocation(f"pushkv-vllm-{settings.engine_id}-{rank}", settings.cuda_memory,
+                                        self._writer_allocates)
         self.memory: Optional[R.KVMemory] = None
         self.ctx: zmq.Context = zmq.Context.instance()
         self.events: Optional[zmq.Socket] = None
         self.event_endpoint = settings.event_endpoint(rank, os.getpid())
         self.proc: Optional[subprocess.Popen] = None
+        self._t0 = 0.0  # when the writer was started
         self.restarts = 0
         self._lock = threading.Lock()  # the event socket: the worker thread, or a restart
         self._pending_lock = threading.Lock()  # the pending maps, short holds only
@@ -93,63 +103,116 @@ class WorkerSide:
         self.cmd: Optional[zmq.Socket] = None
         self.cuda_ipc = ""  # the GPU KV storage's CUDA IPC handle, hex ("" on the CPU)
         self.marks: Optional[stream.LayerMarks] = None
+        self.writer_owns_kv = False  # the writer allocated the GPU KV cache: it cannot be restarted
+        self._fatal = ""  # why this worker cannot go on (its KV cache's owner died)
 
     # -- memory and writer -----------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict, block_tokens: int = 0, layout: str = "") -> None:
         first = next(iter(kv_caches.values()), None)
-        if first is not None and first.is_cuda:  # vLLM's own allocation, shared by CUDA IPC (refused: why)
+        record: Optional[Callable[[], bytes]] = None
+        if first is not None and first.is_cuda and self.writer_owns_kv:  # the writer's allocation, mapped here
             from pushkv.vllm import cuda_kv
 
-            handle, base, nbytes = cuda_kv.export(first)
+            base, nbytes, dev = self.alloc.base_addr, self.alloc.nbytes, self.alloc.dev_id
+            record = cuda_kv.EventRing(first.device).record
+        elif first is not None and first.is_cuda:
+            from pushkv.vllm import cuda_kv
+
+            if self.s.cuda_memory == "writer":
+                raise RuntimeError(f"pushkv: {cuda_kv.NOT_THROUGH_HOOK}")
+            handle, base, nbytes = cuda_kv.export(first)  # vLLM's own allocation, by CUDA IPC (refused: why)
             self.cuda_ipc, dev = handle.hex(), first.device.index or 0
-            ring = cuda_kv.EventRing(first.device)
-            record: Optional[Callable[[], bytes]] = ring.record
+            record = cuda_kv.EventRing(first.device).record
         elif self.alloc.tensor is None:
             raise RuntimeError("pushkv: vLLM did not allocate its KV cache through the connector's "
                                "get_mem_pool_context() (needs vLLM 0.32's CPU worker)")
         else:
-            base, nbytes, dev, record = self.alloc.base_addr, self.alloc.nbytes, -1, None
+            base, nbytes, dev = self.alloc.base_addr, self.alloc.nbytes, -1
         self.memory = R.describe(kv_caches, base, nbytes, self.kv_heads, self.total_kv_heads, layout,
                                  block_tokens, dev)
         if self.s.stream_groups and self.role == "prefill":
             self.marks = stream.LayerMarks(R.layer_index(kv_caches, base), self.s.stream_groups, self._send_mark,
                                            record)
+        self._open_sockets()
+        if self.writer_owns_kv:  # started at the allocation: now it learns what vLLM laid out in it
+            assert self.cmd is not None
+            self.cmd.send(m.encode(w.DescribeKV(msgspec.msgpack.encode(self.memory))))
+            self._await(w.WriterReady, "after DescribeKV")
+        else:
+            self._start_writer()
+        self._thread = threading.Thread(target=self._supervise, name="pushkv-writer-supervisor", daemon=True)
+        self._thread.start()
+
+    def _open_sockets(self) -> None:
+        """The writer's event socket (bound here) and command socket (its own: to describe the KV
+        cache, mark stored layers, cancel what a dead writer left); once."""
+        if self.events is not None:
+            return
         self.events = self.ctx.socket(zmq.PULL)
         self.events.setsockopt(zmq.LINGER, 0)
         self.events.setsockopt(zmq.MAXMSGSIZE, limits.CONTROL_MSG_BYTES)
         self.events.bind(self.event_endpoint)
-        self.cmd = self.ctx.socket(zmq.PUSH)  # only to cancel what a dead writer left
+        self.cmd = self.ctx.socket(zmq.PUSH)
         self.cmd.setsockopt(zmq.LINGER, 0)
         self.cmd.connect(self.s.cmd_endpoint(self.rank))
-        self._start_writer()
-        self._thread = threading.Thread(target=self._supervise, name="pushkv-writer-supervisor", daemon=True)
-        self._thread.start()
+
+    def _writer_allocates(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """The allocation hook's GPU half (``cuda_memory: writer``): start this worker's writer
+        now, have it allocate vLLM's KV buffer on ``device``, and map its allocation."""
+        from pushkv.vllm import cuda_kv
+
+        self._open_sockets()
+        self._spawn(self._writer_args(memory="", alloc_bytes=nbytes, alloc_device=int(device.index or 0)))
+        got = self._await(w.KVAllocated, "allocating the KV cache")
+        if got.reason:
+            raise RuntimeError(f"pushkv: the writer could not allocate vLLM's KV cache: {got.reason}")
+        t = cuda_kv.open_owned(got.ipc, nbytes)
+        self.writer_owns_kv = True
+        return t
+
+    def _writer_args(self, **over) -> WriterArgs:
+        memory = msgspec.msgpack.encode(self.memory).hex() if self.memory is not None else ""
+        args = WriterArgs(role=self.role, engine_id=self.s.engine_id, fd=self.alloc.fd, cuda_ipc=self.cuda_ipc,
+                          stream_groups=self.s.stream_groups, memory=memory,
+                          cmd_endpoint=self.s.cmd_endpoint(self.rank), event_endpoint=self.event_endpoint,
+                          handshake_endpoint=self.s.handshake_endpoint(self.rank), parent_pid=os.getpid(),
+                          rank=self.rank, tp=self.s.tp, model_id=self.model_id,
+                          registration_wait_s=self.s.registration_wait_s, transfer_s=self.s.transfer_s,
+                          secret_file=self.s.secret_file)
+        return dataclasses.replace(args, **over)
+
+    def _spawn(self, args: WriterArgs) -> None:
+        self._t0 = time.monotonic()
+        fds = (self.alloc.fd,) if self.alloc.fd >= 0 else ()
+        # no allocator configuration: a cache the writer allocates must be legacy-IPC shareable
+        self.proc = subprocess.Popen(args.argv(), pass_fds=fds, stdin=subprocess.DEVNULL,
+                                     env=writer_env(os.environ))
 
     def _start_writer(self) -> None:
-        cmd = WriterArgs(role=self.role, engine_id=self.s.engine_id, fd=self.alloc.fd,
-                         cuda_ipc=self.cuda_ipc, stream_groups=self.s.stream_groups,
-                         memory=msgspec.msgpack.encode(self.memory).hex(), cmd_endpoint=self.s.cmd_endpoint(self.rank),
-                         event_endpoint=self.event_endpoint, handshake_endpoint=self.s.handshake_endpoint(self.rank),
-                         parent_pid=os.getpid(), rank=self.rank, tp=self.s.tp, model_id=self.model_id,
-                         registration_wait_s=self.s.registration_wait_s, transfer_s=self.s.transfer_s,
-                         secret_file=self.s.secret_file).argv()
-        t0 = time.monotonic()
-        fds = (self.alloc.fd,) if self.alloc.fd >= 0 else ()
-        self.proc = subprocess.Popen(cmd, pass_fds=fds, stdin=subprocess.DEVNULL)
-        deadline = t0 + WRITER_READY_S
-        while True:  # bounded wait for WriterReady; a writer that exits early fails now
-            if self.events.poll(100):
+        self._spawn(self._writer_args())
+        self._await(w.WriterReady, "at start")
+
+    def _await(self, kind: type, when: str):
+        """The writer's ``kind`` event (bounded wait; other events are kept for the step): a
+        writer that exits first fails now, with its last word if it sent one."""
+        assert self.events is not None and self.proc is not None
+        deadline = time.monotonic() + WRITER_READY_S
+        while True:
+            exited = self.proc.poll() is not None
+            while self.events.poll(200 if exited else 100):
                 msg = w.DEC_TO_CONNECTOR.decode(self.events.recv())
-                if isinstance(msg, w.WriterReady) and msg.pid == self.proc.pid:
-                    break
+                if isinstance(msg, kind) and getattr(msg, "pid", -1) == self.proc.pid:
+                    if kind is w.WriterReady:
+                        log.info("pushkv: writer pid %d ready in %.2fs (rank %d, %s)", self.proc.pid,
+                                 time.monotonic() - self._t0, self.rank, self.s.handshake_endpoint(self.rank))
+                    return msg
                 self._early.append(msg)
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"pushkv writer exited with status {self.proc.returncode} at start")
+            if exited:
+                raise RuntimeError(f"pushkv writer exited with status {self.proc.returncode} {when}")
             if time.monotonic() > deadline:
                 self.proc.kill()
-                raise RuntimeError(f"pushkv writer not ready after {WRITER_READY_S:.0f}s")
-        log.info("pushkv: writer pid %d ready in %.2fs (rank %d, %s)", self.proc.pid, time.monotonic() - t0,
-                 self.rank, self.s.handshake_endpoint(self.rank))
+                raise RuntimeError(f"pushkv writer did not answer {kind.__name__} within {WRITER_READY_S:.0f}s "
+                                   f"({when})")
 
     def _supervise(self) -> None:
         """Watch the writer; when it dies, record why and start a new one."""
@@ -159,12 +222,18 @@ class WorkerSide:
             if self._stopping.is_set():
                 return
             reason = f"pushkv writer (pid {proc.pid}) died with status {code}"
-            log.error("pushkv: %s; restarting it", reason)
+            if not self.writer_owns_kv:
+                log.error("pushkv: %s; restarting it", reason)
             with self._pending_lock:  # what the dead writer had, now: later work goes to its successor
                 self._deaths.append((reason, dict(self.pending_sends), dict(self.pending_recvs),
                                      dict(self.streaming)))
                 self.pending_sends.clear()
                 self.pending_recvs.clear()
+                if self.writer_owns_kv:
+                    self._fatal = reason
+            if self.writer_owns_kv:  # vLLM's KV cache was that writer's memory: no successor can have it
+                log.error("pushkv: %s; it owned vLLM's KV cache (cuda_memory: writer), so this worker stops", reason)
+                return
             try:
                 self._restart()
             except Exception:
@@ -178,6 +247,8 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         self._stopping.set()
+        if self.writer_owns_kv:  # our mapping of the writer's memory goes before the writer does
+            self.alloc.tensor = None
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -236,6 +307,9 @@ class WorkerSide:
                 deaths, self._deaths = self._deaths, []
             for reason, sends, recvs, streams in deaths:
                 self._writer_died(reason, sends, recvs, streams, sent, recvd, failed)
+            if self._fatal:
+                raise RuntimeError(f"pushkv: {self._fatal}; it had allocated vLLM's KV cache "
+                                   "(cuda_memory: writer), which died with it: restart this vLLM instance")
             released, self._released = self._released, []
             for msg in released:
                 self._handle(msg, sent, recvd, failed)

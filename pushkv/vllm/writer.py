@@ -5,7 +5,8 @@ that worker's connector): registration, rendezvous and WRITE, out of vLLM's engi
 A shell over pushkv's: the roles are its pure sides (``PrefillSide``, which owns the
 rendezvous, on P; ``ReceiveSide`` on D, mapped to vLLM's events by ``receive.py``), the peers, posting and
 loop the writer shell's (``writer/shell.py``). Here is only what is vLLM's: the memory is
-vLLM's KV cache (``regions.py``, described in the Hello), and the commands and events carry
+vLLM's KV cache (``regions.py``, described in the Hello; on a GPU this writer's own allocation,
+``writer_alloc.py``, unless ``cuda_memory: vllm``), and the commands and events carry
 vLLM's request ids. D watches each P writer through a socket monitor on the handshake link:
 a dead P writer fails its transfers at once.
 """
@@ -13,17 +14,21 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
+from typing import Optional
 
 import msgspec
+import torch
 import zmq
 
 from pushkv import faults
 from pushkv import messages as m
 from pushkv.protocol import rendezvous as rv
+from pushkv.supervisor.lifecycle import parent_death_signal
 from pushkv.trace import stamp as mark
 from pushkv.transport.nixl_agent import NixlAgent
-from pushkv.vllm import stream, writer_args
+from pushkv.vllm import stream, writer_alloc, writer_args
 from pushkv.vllm import wire as w
 from pushkv.vllm.memory import open_for_writer
 from pushkv.vllm.receive import Receiver
@@ -40,11 +45,12 @@ log = logging.getLogger(__name__)
 class VllmWriter(WriterShell):
     hello_decoder = w.DEC_VHANDSHAKE
 
-    def __init__(self, args: writer_args.WriterArgs):
+    def __init__(self, args: writer_args.WriterArgs, owned: Optional[torch.Tensor] = None):
         # the CPU: no spinning for what is expected, no sink; D: a P writer whose link closes is gone
         super().__init__(f"vllm-{args.role}-writer-{args.rank}", secret_file=args.secret_file, beat_ms=0,
                          watch_links=True, stuck_s=2 * args.transfer_s)
         self.args = args
+        self.owned = owned  # the worker's KV cache, allocated by this process (cuda_memory writer)
         self.role = args.role  # "prefill" | "decode"
         self.engine_id = args.engine_id
         self.rank, self.tp = args.rank, args.tp
@@ -62,7 +68,14 @@ class VllmWriter(WriterShell):
     # -- lifecycle -------------------------------------------------------------------
     def setup(self) -> None:
         self.watch_parent(self.args.parent_pid)  # the vLLM worker
-        self.mm, base, dev = open_for_writer(self.args.fd, self.args.cuda_ipc, self.kv.nbytes)
+        self.mm: object  # what keeps the KV cache mapped here
+        if self.owned is not None:  # NIXL registers our own allocation: VRAM at the link's speed
+            if self.kv.nbytes > self.owned.numel():
+                raise ValueError(f"the worker describes {self.kv.nbytes} B of KV, this writer allocated "
+                                 f"{self.owned.numel()} B")
+            self.mm, base, dev = self.owned, self.owned.data_ptr(), self.args.alloc_device
+        else:
+            self.mm, base, dev = open_for_writer(self.args.fd, self.args.cuda_ipc, self.kv.nbytes)
         self.memory = mem.Memory(base, self.kv.nbytes, self.kv, dev_id=max(dev, 0))
         self.nixl = NixlAgent(self.agent_name, device="cpu" if dev < 0 else f"cuda:{dev}")
         self.marks = stream.MarkWaiter(stream.event_opener(dev))
@@ -184,7 +197,11 @@ class VllmWriter(WriterShell):
 def main(argv=None) -> None:
     args = writer_args.parse(argv)
     writer_args.set_up_process(args)
-    VllmWriter(args).run()
+    owned = None
+    if args.alloc_bytes:  # ends with the worker from now: its KV cache is about to be ours
+        parent_death_signal(signal.SIGTERM)
+        owned, args = writer_alloc.allocate_and_wait(args)
+    VllmWriter(args, owned).run()
 
 
 if __name__ == "__main__":

@@ -14,8 +14,8 @@ from pushkv import envs
 class WriterArgs:
     role: str  # "prefill" | "decode"
     engine_id: str
-    fd: int  # inherited shared-memory fd of the KV cache (-1: a GPU's, by ``cuda_ipc``)
-    memory: str  # msgpack KVMemory, hex
+    fd: int  # inherited shared-memory fd of the KV cache (-1: a GPU's, by ``cuda_ipc`` or ``alloc_bytes``)
+    memory: str  # msgpack KVMemory, hex ("" with ``alloc_bytes``: the worker describes it later)
     cmd_endpoint: str
     event_endpoint: str
     handshake_endpoint: str
@@ -28,6 +28,8 @@ class WriterArgs:
     secret_file: str = ""  # CURVE secret for the tcp handshake sockets
     cuda_ipc: str = ""  # the GPU KV storage's CUDA IPC handle, hex (cuda_kv.export); "": host memory (fd)
     stream_groups: int = 0  # layer streaming: layer groups WRITTEN apart as the worker marks them; 0: off
+    alloc_bytes: int = 0  # cuda_memory writer: allocate the worker's KV cache (this many bytes) first
+    alloc_device: int = -1  # ... on this CUDA device
 
     def argv(self) -> list[str]:
         """The command that starts the writer process with these arguments."""
@@ -44,7 +46,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--fd", type=int, required=True, help="inherited shared-memory fd of the KV cache")
-    ap.add_argument("--memory", required=True, help="msgpack KVMemory, hex")
+    ap.add_argument("--memory", required=True, help="msgpack KVMemory, hex ('' with --alloc-bytes)")
     ap.add_argument("--model-id", default="", help="what the KV means (peers must name the same)")
     ap.add_argument("--cmd-endpoint", required=True)
     ap.add_argument("--event-endpoint", required=True)
@@ -55,6 +57,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--secret-file", default="", help="CURVE secret for the tcp handshake sockets")
     ap.add_argument("--cuda-ipc", default="", help="the GPU KV storage's CUDA IPC handle, hex")
     ap.add_argument("--stream-groups", type=int, default=0, help="layer groups streamed apart; 0: off")
+    ap.add_argument("--alloc-bytes", type=int, default=0,
+                    help="allocate the worker's KV cache (this many bytes) on --alloc-device first; 0: the worker's")
+    ap.add_argument("--alloc-device", type=int, default=-1, help="the CUDA device of --alloc-bytes")
     return ap
 
 
