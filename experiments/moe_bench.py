@@ -16,7 +16,7 @@ against its bounds, in one command of under three minutes on an H200:
 
     python3 experiments/moe_bench.py --out DIR    (from the checkout's root)
 
-writes DIR/moe_bench.json (every figure) and DIR/moe_bench.md (the tables).
+writes DIR/moe_bench.json (every figure), DIR/moe_bench.md (the tables) and DIR/moe_bench.png (against the bound).
 """
 from __future__ import annotations
 
@@ -234,6 +234,34 @@ def markdown(report: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def plot(report: dict, path: str) -> None:
+    """Each measure against its bound: the layer (in a graph, per tokens a step) and the whole decode
+    step (per batch); 1 is the bound, below 1 faster than a plain copy moves the bytes."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    layer = [r for r in report["layer"] if r["bound"] == "bytes"]
+    axes[0].plot([r["tokens"] for r in layer], [r["x_bound"] for r in layer], "o-", label="MoE layer, CUDA graph")
+    axes[0].set_xscale("log", base=2)
+    axes[0].set_xlabel("tokens a step")
+    if report["model"]:
+        axes[1].plot([r["batch"] for r in report["model"]], [r["default_x_bound"] for r in report["model"]], "o-",
+                     label="qwen3-30b-a3b decode step, graphs on")
+    axes[1].set_xscale("log", base=2)
+    axes[1].set_xlabel("decode batch")
+    for ax in axes:
+        ax.axhline(1.0, color="grey", lw=1)
+        ax.axhline(1.5, color="grey", lw=1, ls="--")  # issue 30's goal
+        ax.set_ylabel("time / bytes bound")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"MoE on {report['device']}: time over the bytes bound (copy {report['hbm_GBps']} GB/s); "
+                 "dashed: 1.5x")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="out")
@@ -259,6 +287,7 @@ def main() -> None:
     with open(os.path.join(args.out, "moe_bench.md"), "w") as f:
         f.write(md)
     print(md)
+    plot(report, os.path.join(args.out, "moe_bench.png"))
     print(f"done in {report['seconds']} s")
 
 
