@@ -22,9 +22,9 @@ import time
 import pytest
 
 from pushkv import faults
-from tests.support.deploy import deployment, wait_pools_free
-from tests.faults.test_faults import Events, _pid_of, stream_request, wait_serving
 from tests.e2e.test_load_abort import Stream, abort, wait_until
+from tests.faults.test_faults import Events, _pid_of, stream_request, wait_serving
+from tests.support.deploy import deployment, wait_pools_free
 from tools.layout_report import prompt
 
 pytestmark = pytest.mark.timeout(600)
@@ -118,7 +118,7 @@ def test_abort_mid_stream_frees_every_block(dep):
         wait_pools_free(dep)
         p0, s0 = writer_counters(dep), dep.stats("prefill").counters
         s = Stream(dep, LONG, 20)
-        wait_until(lambda: writer_counters(dep).get("parts", 0) > p0.get("parts", 0), 30, "a part written")
+        wait_until(lambda p0=p0: writer_counters(dep).get("parts", 0) > p0.get("parts", 0), 30, "a part written")
         t0 = time.monotonic()
         abort(dep, s.request_id)
         wait_pools_free(dep, timeout_s=FREE_BOUND_S + 5)  # however the race went, every block comes back
