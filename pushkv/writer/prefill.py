@@ -316,9 +316,7 @@ class PrefillWriter(WriterBase):
             for reg in a.registrations:
                 self._post_to(a, reg, fl, token_spans, swap)
         except Exception as e:  # failed to post: tell D now, not at its deadline
-            self.counters["write_post_failed"] += 1
-            log.error("%s: WRITE post failed: %s transfer_id=%s", self.name, e, a.transfer_id)
-            fl.failed = f"WRITE failed to post: {e}"
+            self._post_failed(fl, e)
         self._posted(a, fl, now)
 
     def _stamp_asked(self, key, token_spans) -> int:
@@ -374,9 +372,7 @@ class PrefillWriter(WriterBase):
             try:
                 self._post_spans(w.a, w.reg, w.peer, w.heads, w.fl, w.spans, slots)
             except Exception as e:
-                self.counters["write_post_failed"] += 1
-                log.error("%s: WRITE post failed: %s transfer_id=%s", self.name, e, w.a.transfer_id)
-                w.fl.failed = f"WRITE failed to post: {e}"
+                self._post_failed(w.fl, e)
 
     def _give_slots(self, slots) -> None:
         if slots and self.area is not None:
@@ -414,6 +410,12 @@ class PrefillWriter(WriterBase):
             self._copied(post)
         self._enqueue(post)
 
+    def _post_failed(self, fl: InFlight, e: Exception) -> None:
+        """A WRITE that failed to post: its transfer fails now (D is told), not at its deadline."""
+        self.counters["write_post_failed"] += 1
+        log.error("%s: WRITE post failed: %s transfer_id=%s", self.name, e, fl.transfer_id)
+        fl.failed = f"WRITE failed to post: {e}"
+
     def _copies_done(self) -> None:
         """The planned WRITEs whose copy into the staging area is done go on, in the copy stream's
         order (one stream: a later copy never ends before an earlier one); a WRITE whose transfer
@@ -427,9 +429,7 @@ class PrefillWriter(WriterBase):
             try:
                 self._enqueue(post)
             except Exception as e:
-                self.counters["write_post_failed"] += 1
-                log.error("%s: WRITE post failed: %s transfer_id=%s", self.name, e, post.a.transfer_id)
-                post.fl.failed = f"WRITE failed to post: {e}"
+                self._post_failed(post.fl, e)
 
     def _copied(self, post: _Post) -> None:
         """Stamp a WRITE's copy into the area done, and ``w<n>_copy_begun``: when the device began
@@ -532,9 +532,7 @@ class PrefillWriter(WriterBase):
                     self.link_posts.sent(link, pid, self._send(post))
                     continue
                 except Exception as e:
-                    self.counters["write_post_failed"] += 1
-                    log.error("%s: WRITE post failed: %s transfer_id=%s", self.name, e, fl.transfer_id)
-                    fl.failed = f"WRITE failed to post: {e}"
+                    self._post_failed(fl, e)
             else:
                 self.counters["link_posts_skipped"] += 1
                 self._give_slots(post.slots)
