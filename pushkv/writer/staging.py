@@ -90,23 +90,23 @@ class StagingArea:
         torch = self._torch
         self.copies += len(pairs)
         if self.stream is None:
-            for po, so, n in pairs:
-                if to_host:
-                    self.host[so:so + n].copy_(self.gpu[po:po + n])
-                else:
-                    self.gpu[po:po + n].copy_(self.host[so:so + n])
+            self._copy_pairs(pairs, to_host)
             return None
         with torch.cuda.stream(self.stream):
             start = torch.cuda.Event(enable_timing=True)
             start.record(self.stream)
-            for po, so, n in pairs:
-                if to_host:
-                    self.host[so:so + n].copy_(self.gpu[po:po + n], non_blocking=True)
-                else:
-                    self.gpu[po:po + n].copy_(self.host[so:so + n], non_blocking=True)
+            self._copy_pairs(pairs, to_host)
             end = torch.cuda.Event(enable_timing=True)
             end.record(self.stream)
         return Copy(start, end)
+
+    def _copy_pairs(self, pairs: Pairs, to_host: bool) -> None:
+        """Each (pool offset, area offset, bytes) copied, on the current stream (a host pool's: at once)."""
+        non_blocking = self.stream is not None
+        for po, so, n in pairs:
+            pool, area = self.gpu[po:po + n], self.host[so:so + n]
+            dst, src = (area, pool) if to_host else (pool, area)
+            dst.copy_(src, non_blocking=non_blocking)
 
     def close(self) -> None:
         if self.stream is not None:
