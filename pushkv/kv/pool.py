@@ -84,7 +84,7 @@ def create_pool(name: str, lay: KVLayoutDesc, dtype: str, device: str = "cpu") -
         t = torch.zeros(L.pool_shape(lay), dtype=TORCH_DTYPES[dtype], device=device)
         torch.cuda.synchronize(t.device)
         handle = PoolHandle(kind="cuda_ipc", name="", nbytes=nbytes, dtype=dtype, shape=tuple(t.shape),
-                            ipc=_export_cuda(t))
+                            ipc=export_cuda(t))
         return Pool(handle=handle, tensor=t, base_addr=t.data_ptr(), owner=True)
     path = os.path.join(SHM_DIR, name)
     tmp = path + ".init"
@@ -96,9 +96,16 @@ def create_pool(name: str, lay: KVLayoutDesc, dtype: str, device: str = "cpu") -
     return Pool(handle=handle, tensor=t, base_addr=addr, owner=True, _mm=mm)
 
 
-def _export_cuda(t: torch.Tensor) -> bytes:
+def export_cuda(t: torch.Tensor) -> bytes:
     """The CUDA IPC handle fields of ``t``'s storage, msgpack-encoded (no pickle)."""
     return msgspec.msgpack.encode(list(t.untyped_storage()._share_cuda_()))
+
+
+def open_cuda(blob: bytes) -> torch.UntypedStorage:
+    """Another process's storage from its ``export_cuda`` handle, on its device (made current)."""
+    fields = msgspec.msgpack.decode(blob)
+    torch.cuda.set_device(int(fields[0]))
+    return torch.UntypedStorage._new_shared_cuda(*fields)
 
 
 def _contiguous_strides(shape) -> tuple[int, ...]:
@@ -110,9 +117,7 @@ def _contiguous_strides(shape) -> tuple[int, ...]:
 
 
 def _attach_cuda(handle: PoolHandle, lay: KVLayoutDesc) -> Pool:
-    fields = msgspec.msgpack.decode(handle.ipc)
-    torch.cuda.set_device(int(fields[0]))
-    storage = torch.UntypedStorage._new_shared_cuda(*fields)
+    storage = open_cuda(handle.ipc)
     typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=TORCH_DTYPES[handle.dtype], _internal=True)
     shape = L.pool_shape(lay)
     t = torch._utils._rebuild_tensor(typed, 0, shape, _contiguous_strides(shape))

@@ -24,10 +24,10 @@ import ctypes
 import os
 from typing import Mapping, Optional
 
-import msgspec
 import torch
 
 from pushkv.cuda_driver import DriverError, _driver
+from pushkv.kv.pool import export_cuda, open_cuda
 
 ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE = 10
@@ -80,8 +80,7 @@ def export(t: torch.Tensor) -> tuple[bytes, int, int]:
     if why:
         raise ValueError(f"pushkv: cannot hand vLLM's KV cache to the writer: {why}")
     storage = t.untyped_storage()
-    fields = list(storage._share_cuda_())
-    return msgspec.msgpack.encode(fields), storage.data_ptr(), storage.nbytes()
+    return export_cuda(t), storage.data_ptr(), storage.nbytes()
 
 
 def writer_env(environ: Mapping[str, str]) -> dict[str, str]:
@@ -104,14 +103,12 @@ def allocate_owned(nbytes: int, dev_id: int) -> tuple[torch.Tensor, bytes]:
     why = sharing_problem(t, environ={})
     if why:
         raise ValueError(f"pushkv's writer cannot share the KV cache it allocated: {why}")
-    return t, msgspec.msgpack.encode(list(t.untyped_storage()._share_cuda_()))
+    return t, export_cuda(t)
 
 
 def open_owned(blob: bytes, nbytes: int) -> torch.Tensor:
     """Worker side: the writer's allocation as one flat int8 tensor (vLLM's KV buffer)."""
-    fields = msgspec.msgpack.decode(blob)
-    torch.cuda.set_device(int(fields[0]))
-    storage = torch.UntypedStorage._new_shared_cuda(*fields)
+    storage = open_cuda(blob)
     if storage.nbytes() < nbytes:
         raise ValueError(f"the writer's KV allocation holds {storage.nbytes()} B, vLLM asked for {nbytes} B")
     t = torch.empty(0, dtype=torch.int8, device=storage.device)
@@ -122,10 +119,8 @@ class SharedKV:
     """The writer's mapping of the worker's KV storage (kept open while the writer lives)."""
 
     def __init__(self, blob: bytes):
-        fields = msgspec.msgpack.decode(blob)
-        self.dev_id = int(fields[0])
-        torch.cuda.set_device(self.dev_id)
-        self.storage = torch.UntypedStorage._new_shared_cuda(*fields)
+        self.storage = open_cuda(blob)
+        self.dev_id = self.storage.device.index
         self.base_addr = self.storage.data_ptr()
         self.nbytes = self.storage.nbytes()
 
