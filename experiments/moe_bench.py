@@ -183,6 +183,46 @@ def bench_model(args, hbm: float, best: dict) -> list:
     return rows
 
 
+def profile_step(args) -> None:
+    """Where a graphed decode step's time goes: kernels by name (GPU time, count) from torch's profiler
+    over 10 replays, and the gap (the step's wall time less its kernels': launch and idle)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from pushkv.config import preset
+    from pushkv.messages import SeqWork
+    from pushkv.model.build import build_model
+
+    B, ctx, u = args.profile, args.ctx, 16
+    model = build_model(preset("qwen3-30b-a3b"), device="cuda", max_num_seqs=B)
+    fwd = model.batched
+    nb = -(-(ctx + 1) // u)
+    lay = model.kv_layout(1, u)
+    pool = torch.empty(B * nb, lay.num_layers, 2, lay.kv_heads, u, lay.head_dim, dtype=model.dtype,
+                       device="cuda").normal_()
+    views = model._layer_pools(pool)
+    seqs = [SeqWork(i, (1 + 7 * i,), ctx, tuple(range(i * nb, (i + 1) * nb))) for i in range(B)]
+    step = timed(lambda: fwd.logits(seqs, views), 10)
+    reps = 10
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fwd.logits(seqs, views)
+        torch.cuda.synchronize()
+    by: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type.name == "CUDA":
+            by.setdefault(ev.name[:90], []).append(ev.device_time_total / 1e3)
+    rows = sorted(((sum(v) / reps, len(v) // reps, k) for k, v in by.items()), reverse=True)
+    busy = sum(r[0] for r in rows)
+    lines = [f"qwen3-30b-a3b decode step, batch {B}, context {ctx}, graphs {fwd.use_graphs}: {step:.3f} ms a step, "
+             f"kernels {busy:.3f} ms, {sum(r[1] for r in rows)} launches, gap {step - busy:.3f} ms",
+             "ms/step  count/step  kernel"]
+    lines += [f"{ms:8.3f}  {n:10d}  {name}" for ms, n, name in rows[:40]]
+    text = "\n".join(lines)
+    print(text, flush=True)
+    with open(os.path.join(args.out, "moe_profile.txt"), "w") as f:
+        f.write(text + "\n")
+
+
 def _chosen_experts(fwd, seqs, views) -> list[int]:
     """Experts each layer's routing chooses for this step's tokens (one eager step, counted)."""
     counts: list[int] = []
@@ -269,9 +309,15 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32,64", help="whole model: decode batches (graph buckets)")
     ap.add_argument("--ctx", type=int, default=512, help="whole model: context of each sequence")
     ap.add_argument("--no-model", action="store_true", help="the layer and the sweep only")
+    ap.add_argument("--profile", type=int, default=0, metavar="B",
+                    help="only profile the whole model's decode step at batch B (graph replay): each kernel's GPU "
+                         "time, summed by name, against the step's wall time; writes DIR/moe_profile.txt")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
+    if args.profile:
+        profile_step(args)
+        return
     t0 = time.perf_counter()
     hbm, flops = device_rates()
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "hbm_GBps": round(hbm / 1e9),
