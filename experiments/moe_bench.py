@@ -33,10 +33,13 @@ from pushkv.model.moe import moe_mlp, route
 
 E, K, D, INTER = 128, 8, 2048, 768
 LAYERS = 8  # layers (own weights each) in the layer graph: 8 x 1.2 GB, far past L2
-SWEPT = (1, 8, 32, 64)  # the decode batches swept (and the whole model's)
+SWEPT = (1, 8, 32, 64, 4096)  # the decode batches swept (and the whole model's), and a 4k prefill
 SWEEP = [Tiles(16, bu, bd, bk, 4, st) for bu, bd, bk in
          ((16, 32, 128), (16, 64, 256), (32, 64, 128), (32, 64, 64), (32, 128, 128), (64, 64, 64), (64, 128, 128))
          for st in (3, 4)]
+PREFILL_SWEEP = [Tiles(bm, bu, bd, bk, w, st) for bm, bu, bd in ((64, 64, 64), (64, 128, 128), (128, 64, 64),
+                                                                 (128, 128, 128), (128, 128, 64))
+                 for bk, w, st in ((32, 4, 4), (64, 4, 3), (64, 8, 3), (64, 8, 4))]
 
 
 def timed(fn, reps: int = 20) -> float:
@@ -114,7 +117,7 @@ def bench_layers(args, hbm: float, flops: float) -> tuple[list, list]:
                "max_rel_err": round(err, 5), "tiles": list(triton_moe.tiles_for(T))}
         if T in SWEPT:
             times = {}
-            for t in SWEEP:
+            for t in (SWEEP if T <= triton_moe.FUSED_ROUTE_TOKENS else PREFILL_SWEEP):
                 try:
                     times[t] = layer_graph_ms(h, layers, t)
                 except Exception as e:  # a tile the device cannot run (shared memory): said, not hidden
