@@ -312,18 +312,16 @@ WorkerToScheduler = Union[StepDone, StepFailed, KVVerified]
 
 class LayersStored(Msg, frozen=True):
     """P worker -> its writer (layer-streamed push): layer group ``group`` of step ``step_id``
-    is in the pool (on CUDA: the event recorded after the group's last store has completed), so
-    each entry's first ``num_tokens`` tokens of that group may leave."""
+    is in the pool (on CUDA: once ``event`` completes), so each entry's first ``num_tokens``
+    tokens of that group may leave."""
 
     step_id: int
     group: int
     entries: tuple["StreamKV", ...]
-    # wall clock, 0 where unknown: when the worker's forward passed the group's last store, when the
-    # device finished it (the step's start plus the event's device time from the step's first launch;
-    # CUDA only), and when the sender thread saw it complete
-    recorded: float = 0.0
-    gpu_done: float = 0.0
-    synced: float = 0.0
+    recorded: float = 0.0  # when the worker's forward passed the group's last store (wall clock)
+    # on CUDA: the handle of an inter-process event recorded after the group's stores (the writer
+    # waits for it: kv/layer_events.py); empty on the CPU, where the stores are done
+    event: bytes = b""
 
 
 WorkerToWriter = Union[LayersStored]

@@ -82,14 +82,13 @@ def writes_of(tl: dict, start: float) -> list[dict]:
 
 def marks_of(tl: dict, start: float) -> list[dict]:
     """Each layer group's mark (ms after ``start``): when P's worker passed the group's last store
-    (``recorded``), when the device finished it (``gpu``), when the worker's sender saw that
-    (``synced``) and when P's writer took the mark (``taken``)."""
+    (``recorded``), when the mark reached P's writer (``arrived``) and when the writer took it,
+    its event complete (``taken``)."""
     out = []
     g = 0
     while f"prefill.layers_stored_{g}" in tl:
         row: dict = {"group": g}
-        for stamp, name in (("recorded", "recorded"), ("gpu_done", "gpu"), ("synced", "synced"),
-                            ("stored", "taken")):
+        for stamp, name in (("recorded", "recorded"), ("arrived", "arrived"), ("stored", "taken")):
             if f"prefill.layers_{stamp}_{g}" in tl:
                 row[name] = round((tl[f"prefill.layers_{stamp}_{g}"] - start) * 1e3, 2)
         out.append(row)
@@ -98,9 +97,9 @@ def marks_of(tl: dict, start: float) -> list[dict]:
 
 
 def format_marks(marks: list[dict]) -> str:
-    return "\n".join(["    group  recorded      gpu   synced    taken   (ms after prefill start)"] + [
+    return "\n".join(["    group  recorded  arrived    taken   (ms after prefill start)"] + [
         f"    {r['group']:>5} " + " ".join(f"{r[k]:8.1f}" if k in r else f"{'-':>8}"
-                                         for k in ("recorded", "gpu", "synced", "taken")) for r in marks])
+                                         for k in ("recorded", "arrived", "taken")) for r in marks])
 
 
 def format_writes(writes: list[dict], prefill_ms: float) -> str:

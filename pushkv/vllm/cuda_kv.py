@@ -14,9 +14,9 @@ refused at start, with the reason: PyTorch's expandable segments (``PYTORCH_CUDA
 and any other VMM or memory-pool allocation (the driver says the pointer is not legacy-IPC
 capable).
 
-Layer streaming (``stream.py``): :class:`EventRing` records an inter-process CUDA event on the
-worker's current stream once a layer group has stored its KV; the writer opens the event's
-handle (:func:`open_event`) and waits for it off its loop.
+Layer streaming (``stream.py``): ``kv/layer_events.py``'s ``EventRing`` records an inter-process CUDA
+event on the worker's current stream once a layer group has stored its KV; the writer opens the
+event's handle (``open_event``) and waits for it off its loop.
 """
 from __future__ import annotations
 
@@ -35,7 +35,6 @@ NOT_THROUGH_HOOK = ("vLLM allocated its CUDA KV cache outside the connector's ge
                     "writer could not allocate it (cuda_memory: writer); set \"cuda_memory\": \"vllm\" in "
                     "kv_connector_extra_config to hand vLLM's own allocation to the writer instead (slower: "
                     "NIXL moves CUDA-IPC-imported memory at ~0.5 GiB/s)")
-EVENT_RING = 64  # events reused in turn: re-recording one only moves its wait later, never earlier
 
 
 def _expandable(environ: Optional[Mapping[str, str]] = None) -> str:
@@ -123,25 +122,3 @@ class SharedKV:
         self.dev_id = self.storage.device.index
         self.base_addr = self.storage.data_ptr()
         self.nbytes = self.storage.nbytes()
-
-
-class EventRing:
-    """Worker side: inter-process events recorded in turn on the current stream."""
-
-    def __init__(self, device: torch.device, size: int = EVENT_RING):
-        with torch.cuda.device(device):
-            self.events = [torch.cuda.Event(interprocess=True) for _ in range(size)]
-            for e in self.events:
-                e.record()  # created now, on this device, not in the forward
-            self.handles = [bytes(e.ipc_handle()) for e in self.events]
-        self.i = 0
-
-    def record(self) -> bytes:
-        """Record the next event after what the current stream has queued; its handle."""
-        i, self.i = self.i, (self.i + 1) % len(self.events)
-        self.events[i].record()
-        return self.handles[i]
-
-
-def open_event(dev_id: int, handle: bytes) -> torch.cuda.Event:
-    return torch.cuda.Event.from_ipc_handle(torch.device("cuda", dev_id), handle)

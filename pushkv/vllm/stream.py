@@ -14,10 +14,6 @@ without streaming: the last WRITE's notification.
 from __future__ import annotations
 
 import logging
-import os
-import queue
-import threading
-from collections import deque
 from typing import Callable, Optional, Sequence
 
 from pushkv.kv.layout import split_layers
@@ -67,15 +63,6 @@ def regions_of(kv: KVMemory, a: PostWrite, rank: int, tp: int, total_kv_heads: i
     return of
 
 
-def event_opener(dev_id: int) -> Optional[Callable[[bytes], object]]:
-    """How a writer on CUDA device ``dev_id`` opens a mark's event handle (None: host memory)."""
-    if dev_id < 0:
-        return None
-    from pushkv.vllm.cuda_kv import open_event
-
-    return lambda handle: open_event(dev_id, handle)
-
-
 class LayerMarks:
     """Worker side: which layer ends a group, and the marks to send when it is saved."""
 
@@ -98,64 +85,3 @@ class LayerMarks:
         event = self.record() if self.record is not None else b""
         for rid, (tid, blocks, tokens) in self.streams.items():
             self.send(w.LayersStored(rid, tid, g, tuple(blocks), tokens, event))
-
-
-class MarkWaiter:
-    """Writer side: waits for each mark's event in order on a thread; the loop reads the marks
-    whose event completed (``fd`` turns readable) with :meth:`ready`. A mark without an event
-    (the CPU) is ready at once. A wait that fails yields the mark with the reason."""
-
-    def __init__(self, open_event: Optional[Callable[[bytes], object]] = None):
-        self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._open = open_event
-        self._events: dict[bytes, object] = {}
-        self._q: "queue.SimpleQueue[Optional[w.LayersStored]]" = queue.SimpleQueue()
-        self._done: deque[tuple[w.LayersStored, str]] = deque()
-        self._thread: Optional[threading.Thread] = None
-
-    def submit(self, mark: w.LayersStored) -> None:
-        if not mark.event:
-            self._finish(mark, "")
-            return
-        if self._open is None:
-            self._finish(mark, "a CUDA event for a writer of host memory")
-            return
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="pushkv-mark-waiter", daemon=True)
-            self._thread.start()
-        self._q.put(mark)
-
-    def _run(self) -> None:
-        while True:
-            mark = self._q.get()
-            if mark is None:
-                return
-            why = ""
-            try:
-                ev = self._events.get(mark.event)
-                if ev is None:
-                    ev = self._events[mark.event] = self._open(mark.event)  # type: ignore[misc]
-                ev.synchronize()  # type: ignore[attr-defined]
-            except Exception as e:  # a bad handle, a dead context: the stream fails, with why
-                why = f"layer group {mark.group}'s completion event failed: {e}"
-            self._finish(mark, why)
-
-    def _finish(self, mark: w.LayersStored, why: str) -> None:
-        self._done.append((mark, why))
-        os.eventfd_write(self.fd, 1)
-
-    def ready(self) -> list[tuple[w.LayersStored, str]]:
-        try:
-            os.eventfd_read(self.fd)
-        except BlockingIOError:
-            pass
-        out = []
-        while self._done:
-            out.append(self._done.popleft())
-        return out
-
-    def close(self) -> None:
-        if self._thread is not None:
-            self._q.put(None)
-            self._thread.join(5.0)
-        os.close(self.fd)

@@ -36,6 +36,7 @@ import zmq
 
 from pushkv import limits
 from pushkv import messages as m
+from pushkv.kv import layer_events
 from pushkv.trace import stamp as mark
 from pushkv.vllm import params as P
 from pushkv.vllm import regions as R
@@ -114,7 +115,7 @@ class WorkerSide:
             from pushkv.vllm import cuda_kv
 
             base, nbytes, dev = self.alloc.base_addr, self.alloc.nbytes, self.alloc.dev_id
-            record = cuda_kv.EventRing(first.device).record
+            record = layer_events.EventRing(first.device).record
         elif first is not None and first.is_cuda:
             from pushkv.vllm import cuda_kv
 
@@ -122,7 +123,7 @@ class WorkerSide:
                 raise RuntimeError(f"pushkv: {cuda_kv.NOT_THROUGH_HOOK}")
             handle, base, nbytes = cuda_kv.export(first)  # vLLM's own allocation, by CUDA IPC (refused: why)
             self.cuda_ipc, dev = handle.hex(), first.device.index or 0
-            record = cuda_kv.EventRing(first.device).record
+            record = layer_events.EventRing(first.device).record
         elif self.alloc.tensor is None:
             raise RuntimeError("pushkv: vLLM did not allocate its KV cache through the connector's "
                                "get_mem_pool_context() (needs vLLM 0.32's CPU worker)")

@@ -24,6 +24,7 @@ import zmq
 
 from pushkv import faults
 from pushkv import messages as m
+from pushkv.kv import layer_events
 from pushkv.protocol import rendezvous as rv
 from pushkv.supervisor.lifecycle import parent_death_signal
 from pushkv.trace import stamp as mark
@@ -80,7 +81,7 @@ class VllmWriter(WriterShell):
             self.mm, base, dev = open_for_writer(self.args.fd, self.args.cuda_ipc, self.kv.nbytes)
         self.memory = mem.Memory(base, self.kv.nbytes, self.kv, dev_id=max(dev, 0))
         self.nixl = NixlAgent(self.agent_name, device="cpu" if dev < 0 else f"cuda:{dev}")
-        self.marks = stream.MarkWaiter(stream.event_opener(dev))
+        self.marks = layer_events.MarkWaiter(layer_events.event_opener(dev))
         self.add_fd(self.marks.fd, self._marks_ready)
         mem.register(self.nixl, self.memory)  # no grid: vLLM's pages are posted as regions
         self.cmd = self.add_channel(self.socket(zmq.PULL, self.args.cmd_endpoint, bind=True),

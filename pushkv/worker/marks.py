@@ -3,19 +3,21 @@
 Layer-streamed push (``--push-stream layer``) cuts both pools into layer groups
 (``kv.layout.layer_groups``). While a step with streaming prompts runs, the model calls
 ``on_layer(layer)`` once a layer has queued its K/V store; after the last layer of a group
-the worker records a completion mark: on CUDA an event on the compute stream, on the CPU
-nothing (the store has already happened). A sender thread waits for each mark in order
-and sends ``LayersStored`` to the writer over its own socket, so the forward never waits
-and the writer, an isolated process, learns of the group by message. Its WRITE then reads
-bytes the event has proven stored, while later layers compute.
+the worker sends ``LayersStored`` to its writer at once, over its own socket: on CUDA with
+the handle of an inter-process event recorded after the group's stores
+(``kv/layer_events.py``), which the writer waits for on its own thread; on the CPU with
+none (the store has already happened). So the forward never waits, and no thread of the
+worker stands between the device finishing a group and the writer hearing of it: a sender
+thread here that waited for the event needed the interpreter lock back, and a 16k prefill's
+host calls held it until the step ended (every mark after the first then arrived with the
+last). The writer's WRITE then reads bytes the event has proven stored, while later layers
+compute.
 """
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import zmq
 
@@ -30,75 +32,37 @@ def group_ends(groups: Sequence[Sequence[int]]) -> dict[int, int]:
 
 
 class LayerMarks:
-    """The worker's side: ``hook(step)`` gives the model's ``on_layer``; ``close()`` ends the sender."""
+    """The worker's side: ``hook(step)`` gives the model's ``on_layer``; ``close()`` ends it.
+    Used from the worker's thread only (its socket is that thread's)."""
 
     def __init__(self, endpoint: str, groups: Sequence[Sequence[int]], device: str, max_msg_bytes: int = 0):
         self.ends = group_ends(groups)
         self.device = device
-        self._q: "queue.SimpleQueue[Optional[tuple]]" = queue.SimpleQueue()  # (start, event, step, group, ...)
-        self._ready = threading.Event()
-        self._error: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._run, args=(endpoint, max_msg_bytes), name="layer-marks",
-                                        daemon=True)
-        self._thread.start()
-        self._ready.wait(10)
-        if self._error is not None:
-            raise RuntimeError(f"layer marks sender failed to start: {self._error}")
+        self.ring = None
+        if device != "cpu":
+            from pushkv.kv.layer_events import EventRing
+
+            self.ring = EventRing(device)
+        self.sock: zmq.Socket = zmq.Context.instance().socket(zmq.PUSH)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        if max_msg_bytes:
+            self.sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
+        self.sock.connect(endpoint)
+        self.failed = False  # a send that raised: streaming ends, the WRITE at prefill end still runs
 
     def hook(self, step_id: int, entries: tuple[m.StreamKV, ...]) -> Callable[[int], None]:
-        cuda = self.device != "cpu"
-        start = None
-        if cuda:  # the step's first launch on the device: each mark's event is timed from it
-            import torch
-
-            start = (torch.cuda.Event(enable_timing=True), time.time())
-            start[0].record()
-
         def on_layer(layer: int) -> None:
             g = self.ends.get(layer)
-            if g is None:
+            if g is None or self.failed:
                 return
-            event = None
-            if cuda:
-                event = torch.cuda.Event(enable_timing=True)
-                event.record()
-            self._q.put((start, event, step_id, g, entries, time.time()))
+            event = self.ring.record() if self.ring is not None else b""
+            try:
+                self.sock.send(m.encode(m.LayersStored(step_id, g, entries, time.time(), event)), zmq.NOBLOCK)
+            except zmq.ZMQError:  # a writer that cannot take marks ends streaming, not the step
+                self.failed = True
+                log.exception("layer marks: sending group %d of step %d failed; streaming stops", g, step_id)
 
         return on_layer
 
     def close(self) -> None:
-        self._q.put(None)
-        self._thread.join(timeout=5)
-
-    def _run(self, endpoint: str, max_msg_bytes: int) -> None:
-        ctx: zmq.Context = zmq.Context.instance()
-        try:
-            if self.device != "cpu":
-                import torch
-
-                torch.cuda.set_device(self.device)
-            sock = ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            if max_msg_bytes:
-                sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
-            sock.connect(endpoint)
-        except BaseException as e:  # noqa: BLE001 -- reported to the constructor
-            self._error = e
-            self._ready.set()
-            return
-        self._ready.set()
-        try:
-            while True:
-                item = self._q.get()
-                if item is None:
-                    return
-                start, event, step_id, group, entries, recorded = item
-                gpu_done = 0.0
-                if event is not None:
-                    event.synchronize()  # the group's stores are done on the device
-                    gpu_done = start[1] + start[0].elapsed_time(event) / 1e3
-                sock.send(m.encode(m.LayersStored(step_id, group, entries, recorded, gpu_done, time.time())))
-        except Exception:  # a dead writer ends streaming, not the worker: the WRITE at prefill end still runs
-            log.exception("layer marks sender stopped")
-        finally:
-            sock.close(0)
+        self.sock.close(0)

@@ -27,6 +27,7 @@ import zmq
 from pushkv import limits
 from pushkv import messages as m
 from pushkv.config import DeploymentConfig, InstanceConfig, marks_endpoint, model_fingerprint, rank_device
+from pushkv.kv import layer_events
 from pushkv.kv import layout as L
 from pushkv.kv.pool import Pool, create_pool, shm_name
 from pushkv.protocol.mapping import check_compatible
@@ -63,6 +64,7 @@ class WriterBase(WriterShell):
         self.area: Optional[StagingArea] = None  # --staging pushkv: what NIXL moves, pinned host memory
         self.memory = mem.Memory(0, 0, self.layout)  # the pool's, once registered (setup)
         self._lost = ""  # while ending transfers with a dead peer instance: KVFailed.lost for them
+        self.mark_waiter: Optional[layer_events.MarkWaiter] = None  # P, layer-streamed: waits for marks' events
 
     def damaged_by(self, kv: Any) -> None:
         """Fault tests of --kv-verify: a role writer that moves KV damages it through ``kv``
@@ -120,6 +122,10 @@ class WriterBase(WriterShell):
         if self.takes_marks():
             marks = self.socket(zmq.PULL, marks_endpoint(self.inst.writer_endpoints[self.rank]), bind=True)
             self.add_channel(marks, m.DEC_WORKER_TO_WRITER, f"{self.inst.name}-worker-{self.rank}")
+            # a mark's event is our worker's, on its device
+            dev_id = layer_events.device_index(rank_device(self.inst, self.rank))
+            self.mark_waiter = layer_events.MarkWaiter(layer_events.event_opener(dev_id))
+            self.add_fd(self.mark_waiter.fd, self._marks_ready)
         if self.inst.handshake_endpoints:
             # Hello, TransferStarting: no request's size
             self.bind_handshake(self.inst.handshake_endpoints[self.rank], limits.CONTROL_MSG_BYTES)
@@ -135,8 +141,13 @@ class WriterBase(WriterShell):
     def ready_msg(self) -> m.Ready:
         return m.Ready(self.name, os.getpid(), pool=self.pool.handle if self.pool else None, agent=self.agent_name)
 
+    def _marks_ready(self) -> None:
+        """The mark waiter's fd turned readable (the role that takes marks handles them)."""
+
     def teardown(self) -> None:
         super().teardown()
+        if self.mark_waiter is not None:
+            self.mark_waiter.close()
         if self.area is not None:
             self.area.close()
         if self.pool is not None:

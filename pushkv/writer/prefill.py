@@ -135,21 +135,42 @@ class PrefillWriter(WriterBase):
         return self.stream == "layer"
 
     def on_LayersStored(self, msg: m.LayersStored) -> None:
-        """Our worker stored a layer group of a step: WRITE that group's computed units of each
-        streaming prompt (once D's registration is here). A mark may trail the prefill half
-        (they travel apart): the rendezvous counts and drops it."""
+        """Our worker stored a layer group of a step: once its event completes (the mark waiter's
+        thread waits; a CPU mark has none), WRITE that group's computed units of each streaming
+        prompt (once D's registration is here)."""
+        self.last_activity = time.monotonic()
+        self.counters["layer_marks_received"] += 1
+        arrived = time.time()
+        for e in msg.entries:
+            stages = self._record((e.transfer_id, e.generation)).stages
+            if msg.recorded:  # the worker's side of the mark: when its forward passed the group
+                stages.setdefault(f"layers_recorded_{msg.group}", msg.recorded)
+            stages.setdefault(f"layers_arrived_{msg.group}", arrived)
+        if self.mark_waiter is None or not msg.event:  # the CPU: stored when the worker sent it
+            self._take_mark(msg)
+            return
+        self.mark_waiter.submit(msg)
+
+    def _marks_ready(self) -> None:
+        if self.mark_waiter is None:
+            return
+        for msg, why in self.mark_waiter.ready():
+            if why:  # the WRITE at prefill end still moves the group: streaming is lost, not the KV
+                self.counters["layer_mark_failed"] += 1
+                log.error("%s: %s (step %d): its WRITE waits for the prefill's end", self.name, why, msg.step_id)
+                continue
+            self._take_mark(msg)
+
+    def _take_mark(self, msg: m.LayersStored) -> None:
+        """A mark whose group is stored: WRITE it. A mark may trail the prefill half (they travel
+        apart): the rendezvous counts and drops it."""
         now = time.monotonic()
         self.last_activity = now
-        self.counters["layer_marks_received"] += 1
         self.posting.poll_notifs(now)  # registrations may already sit in NIXL's queue: take them first
         for e in msg.entries:
             key = (e.transfer_id, e.generation)
             self._stamp(key, "stream_progress")
             self._stamp(key, f"layers_stored_{msg.group}")
-            stages = self._record(key).stages
-            for stamp in ("recorded", "gpu_done", "synced"):  # the worker's side of the mark
-                if getattr(msg, stamp):
-                    stages.setdefault(f"layers_{stamp}_{msg.group}", getattr(msg, stamp))
             self.apply(self.side.progress(key, e.block_ids, e.num_tokens, now, group=msg.group), now)
             self._sync_warm(key, now)
 

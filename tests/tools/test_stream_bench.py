@@ -37,9 +37,9 @@ def test_no_write_stamps_no_writes_and_medians_skip_the_lists():
 
 
 def test_each_marks_worker_side_and_writer_side_in_group_order():
-    tl = _tl(prefill__layers_recorded_0=20, prefill__layers_gpu_done_0=59, prefill__layers_synced_0=59.5,
-             prefill__layers_stored_0=60, prefill__layers_stored_1=130, prefill__layers_recorded_1=21)
+    tl = _tl(prefill__layers_recorded_0=20, prefill__layers_arrived_0=20.5, prefill__layers_stored_0=60,
+             prefill__layers_stored_1=130, prefill__layers_recorded_1=21)
     got = marks_of(tl, T0)
-    assert got == [{"group": 0, "recorded": 20.0, "gpu": 59.0, "synced": 59.5, "taken": 60.0},
-                   {"group": 1, "recorded": 21.0, "taken": 130.0}]  # a CPU worker: no device time
-    assert format_marks(got).splitlines()[2].split() == ["1", "21.0", "-", "-", "130.0"]
+    assert got == [{"group": 0, "recorded": 20.0, "arrived": 20.5, "taken": 60.0},
+                   {"group": 1, "recorded": 21.0, "taken": 130.0}]
+    assert format_marks(got).splitlines()[2].split() == ["1", "21.0", "-", "130.0"]
