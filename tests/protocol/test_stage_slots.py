@@ -102,7 +102,8 @@ def test_the_area_holds_the_pool_bytes_each_span_reads(spans, head_group, cut):
     for (at, _, n, groups), (blocks, want_groups) in zip(placed, unstaged):
         assert groups == want_groups
         k = -(-n // BS)
-        got, want = area[region_bytes(area_la, area_grid, at[:k], groups)], pool[region_bytes(la, pool_grid, blocks[:k], groups)]
+        got = area[region_bytes(area_la, area_grid, at[:k], groups)]
+        want = pool[region_bytes(la, pool_grid, blocks[:k], groups)]
         assert len(got) and (got == want).all()
 
 
