@@ -177,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "for push on GPU pools when UCX_TLS limits UCX to TCP, else transport")
     tra.add_argument("--staging-mib", type=int, metavar="MIB",
                      help="--staging pushkv: each writer's pinned host staging area; a transfer waits for room in "
-                          "it and one larger fails; 0 (default) = auto: 1/16 of the host's memory, at most the pool")
+                          "it and one larger fails (D holds each registered prompt's blocks, P each queued WRITE's "
+                          "layer groups); 0 (default) = auto: 1/16 of the host's memory, at most the pool")
     tra.add_argument("--writer-warm", choices=typing.get_args(Switch),
                      help="writers spin (a core each) while a transfer with them is expected, so its post and "
                           "completion skip the wake-up from idle; auto (default) = on for CUDA instances")

@@ -7,18 +7,16 @@ its pool's blocks and its area's blocks ("slots"). ``block_pairs`` lists those c
 sides in each grid region (``transport/grid.py``), so a request's contiguous blocks cost one
 copy per region rather than one per block; ``group_regions`` picks the regions of some layer
 groups (a layer-streamed part carries only its group). ``wanted`` says when a writer stages.
-``SlotQueue`` is the one queue of transfers waiting for an area's slots, P's and D's alike.
+Which slots a WRITE takes, and the queue of waits for them, are ``transport/stage_slots.py``.
 """
 from __future__ import annotations
 
-from collections import deque
-from typing import Callable, Generic, Optional, Sequence, TypeVar
+from typing import Optional, Sequence
 
 import numpy as np
 
 from pushkv.kv import layout as L
 from pushkv.messages import KVLayoutDesc
-from pushkv.protocol.allocator import BlockAllocator
 from pushkv.transport.grid import DescGrid
 
 Runs = list[tuple[int, int]]  # (byte offset from the pool base, nbytes), ascending, disjoint
@@ -121,49 +119,3 @@ def block_pairs(lay: KVLayoutDesc, pool: DescGrid, area: DescGrid, blocks: Seque
         out.extend((pb + int(b[i]) * piece, ab + int(s[i]) * piece, int(c) * piece)
                    for i, c in zip(first.tolist(), count.tolist()))
     return out
-
-
-W = TypeVar("W")
-
-
-class SlotQueue(Generic[W]):
-    """Waits for a staging area's slots, served in arrival order over its allocator: the first
-    wait takes its ``need`` once that many are free, and no later wait overtakes it (a large
-    transfer is never starved by small ones). A wait is whatever its side carries (P: a post
-    to make; D: a registration to send); the queue only counts slots."""
-
-    def __init__(self, slots: BlockAllocator):
-        self.slots = slots
-        self._waits: deque[tuple[W, int]] = deque()
-
-    def __len__(self) -> int:
-        return len(self._waits)
-
-    def __contains__(self, wait: object) -> bool:
-        return any(w is wait for w, _ in self._waits)
-
-    def ask(self, wait: W, need: int) -> None:
-        """Queue ``wait`` for ``need`` slots. ValueError for a need the whole area cannot meet
-        (it would wait forever): the side says what to raise."""
-        if not 0 <= need <= self.slots.num_blocks:
-            raise ValueError(f"a wait for {need} slots in an area of {self.slots.num_blocks}")
-        self._waits.append((wait, need))
-
-    def grant(self) -> Optional[tuple[W, list[int]]]:
-        """The first wait with its slots, taken now; None while it does not fit (or none waits)."""
-        if not self._waits:
-            return None
-        got = self.slots.allocate(self._waits[0][1])
-        if got is None:
-            return None
-        return self._waits.popleft()[0], got
-
-    def give_back(self, slots: Sequence[int]) -> None:
-        self.slots.free(slots)
-
-    def drop(self, which: Callable[[W], bool]) -> list[W]:
-        """Remove (and return, in order) the waits ``which`` picks: cancelled, expired."""
-        gone = [w for w, _ in self._waits if which(w)]
-        if gone:
-            self._waits = deque((w, n) for w, n in self._waits if not which(w))
-        return gone

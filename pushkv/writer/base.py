@@ -85,7 +85,9 @@ class WriterBase(WriterShell):
             # NIXL sees only a pinned host staging area: every transfer moves host to host (writer/staging.py)
             blocks = staging_plan.area_blocks(self.layout.num_blocks, L.block_bytes(self.layout), self.cfg.staging_mib,
                                               staging_plan.host_memory_bytes())
-            self.area = StagingArea(self.pool.tensor, device, self.layout, blocks)
+            # P's cut per layer group (a WRITE takes cells of the groups it carries); D's whole (its
+            # Register names one slot list for every group)
+            self.area = StagingArea(self.pool.tensor, device, self.layout, blocks, cut=self.inst.role == "prefill")
             log.info("%s: staging through a pinned host area of %d of the pool's %d blocks (%.1f MiB)", self.name,
                      blocks, self.layout.num_blocks, self.area.nbytes / 2**20)
         self.nixl = NixlAgent(self.agent_name, device="cpu" if self.area is not None else device,
@@ -228,8 +230,13 @@ class WriterBase(WriterShell):
         if getattr(self, "nixl", None) is not None and self.nixl.poster is not None:
             gauges["poster_posts"] = self.nixl.poster.posts  # transfers its thread posted
         if self.area is not None:  # --staging pushkv: the area's room (all free when nothing moves)
+            slots = self.area.slots
             gauges["staging_blocks"] = self.area.blocks
-            gauges["staging_free_blocks"] = self.area.slots.num_free
+            gauges["staging_free_blocks"] = slots.num_free  # free in every layer group
+            gauges["staging_cells"] = slots.num_cells  # a layer group of a slot
+            gauges["staging_free_cells"] = slots.free_cells
+            gauges["staging_peak_cells"] = slots.peak_cells  # the most in use at once
+            gauges["staging_room_waits"] = self.area.queue.waits  # transfers that waited for room
         link_posts = getattr(self, "link_posts", None)
         if link_posts is not None:  # P's link queues: WRITEs waiting, on the wire
             gauges.update(link_posts.gauges())

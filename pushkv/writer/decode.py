@@ -130,10 +130,8 @@ class DecodeWriter(WriterBase):
                 return
             wait = SlotWait(key, deadline, lambda got: self._registered_with(
                 tid, gen, block_ids, num_tokens, source, deadline_s, deadline, peers, cached_tokens, got))
-            self.area.queue.ask(wait, written)
+            self.area.queue.ask(wait, written)  # whole slots (the queue counts a wait for room)
             self._take_slots()
-            if wait in self.area.queue:
-                self.counters["staging_room_waits"] += 1  # the area is full: it registers once there is room
             return
         ranks = tuple(p.rank for p in peers)
         try:
@@ -303,12 +301,12 @@ class DecodeWriter(WriterBase):
     def _take_slots(self) -> None:
         """Registrations waiting for staging room take it in arrival order while there is some."""
         while self.area is not None and (got := self.area.queue.grant()) is not None:
-            wait, slots = got
+            wait, (slots,) = got  # D's area is whole: one cut, each slot in every layer group
             wait.then(slots)
 
     def _give_slots(self, slots) -> None:
         if slots and self.area is not None:
-            self.area.queue.give_back(slots)
+            self.area.queue.give_back([slots])
             self._take_slots()
 
     def check_staging(self) -> None:

@@ -13,7 +13,7 @@ from typing import Any, Optional
 from pushkv import faults
 from pushkv import messages as m
 from pushkv.kv import damage
-from pushkv.kv.layout import blocks_for, transfer_of, window_group
+from pushkv.kv.layout import transfer_of, window_group
 from pushkv.protocol import actions as A
 from pushkv.protocol import rendezvous as rv
 from pushkv.protocol.lease import Leases
@@ -22,6 +22,7 @@ from pushkv.protocol.tp import consumers_for, head_overlap
 from pushkv.transport import poster
 from pushkv.transport.nixl_agent import TransferError
 from pushkv.transport.poster import QueuedPost
+from pushkv.transport.stage_slots import Grant, Placement, placement
 from pushkv.writer import sides, staging
 from pushkv.writer.base import InFlight, WriterBase
 from pushkv.writer.kv_damage import KVDamage
@@ -44,7 +45,7 @@ class _Post:
     notif: bytes
     fl: InFlight
     staged: Any = None  # --staging pushkv: the copy of its bytes into the staging area (a CUDA event)
-    slots: Optional[list[int]] = None  # --staging pushkv: the area's blocks it WRITEs from
+    slots: Optional[Grant] = None  # --staging pushkv: the area's cells it WRITEs from (per cut, its slots)
 
 
 @dataclass
@@ -56,7 +57,7 @@ class _SlotWait:
     peer: object
     heads: tuple
     fl: InFlight
-    spans: list
+    place: Placement  # its spans, and the cells they need
 
 
 class PrefillWriter(WriterBase):
@@ -76,7 +77,7 @@ class PrefillWriter(WriterBase):
         # one queue per D rank we WRITE into (cfg.link_window; None: every WRITE posts at once)
         window = window_of(cfg.link_window, cfg.link_window_mib, poster.wanted("auto", os.environ.get("UCX_TLS", "")))
         self.link_posts = LinkPosts(window, cfg.link_order) if window is not None else None
-        self._slots_of: dict[int, list[int]] = {}  # id(posted handle) -> the staging slots it WRITEs from
+        self._slots_of: dict[int, Grant] = {}  # id(posted handle) -> the staging cells it WRITEs from
         # --staging pushkv: planned WRITEs whose copy into the area runs, in the copy stream's order
         # (the loop polls their events and never waits on one: a wait held the loop, and every
         # notification, registration and completion behind it, for the whole copy)
@@ -375,16 +376,14 @@ class PrefillWriter(WriterBase):
         if self.area is None:
             self._post_spans(a, reg, peer, heads, fl, spans)
             return
-        need = len({b for s, _, n, _ in spans for b in s[:blocks_for(n, self.layout.block_size)]})
-        if need > self.area.blocks:
-            raise TransferError(f"the WRITE needs {need} staging blocks and the staging area holds "
+        # the cells it carries: a layer-streamed part takes its own group's only (stage_slots.py)
+        place = placement(spans, self.layout.block_size, self.area.slots.groups, self.area.slots.cut)
+        if max(place.need) > self.area.blocks:
+            raise TransferError(f"the WRITE needs {max(place.need)} staging blocks and the staging area holds "
                                 f"{self.area.blocks}: raise --staging-mib")
         fl.queued += 1  # (until it has its slots: a failed transfer drops it, see _drop_queued)
-        wait = _SlotWait(a, reg, peer, heads, fl, spans)
-        self.area.queue.ask(wait, need)
+        self.area.queue.ask(_SlotWait(a, reg, peer, heads, fl, place), place.need)  # (the queue counts a wait)
         self._take_slots()
-        if wait in self.area.queue:
-            self.counters["staging_room_waits"] += 1  # the area is full: it goes once there is room
 
     def _take_slots(self) -> None:
         """Posts waiting for staging slots take them in arrival order while the area has room."""
@@ -395,7 +394,7 @@ class PrefillWriter(WriterBase):
                 self.area.queue.give_back(slots)
                 continue
             try:
-                self._post_spans(w.a, w.reg, w.peer, w.heads, w.fl, w.spans, slots)
+                self._post_spans(w.a, w.reg, w.peer, w.heads, w.fl, w.place, slots)
             except Exception as e:
                 self._post_failed(w.fl, e)
 
@@ -404,10 +403,10 @@ class PrefillWriter(WriterBase):
             self.area.queue.give_back(slots)
             self._take_slots()
 
-    def _post_spans(self, a, reg, peer, heads, fl: InFlight, spans: list, slots=None) -> None:
+    def _post_spans(self, a, reg, peer, heads, fl: InFlight, spans, slots: Optional[Grant] = None) -> None:
         """Plan and post (or queue on the link) the WRITE of ``spans`` to D rank ``reg``; with a
-        staging area, from ``slots`` (one per distinct block of the spans), its bytes copied out
-        first."""
+        staging area, ``spans`` is their ``Placement`` and they go from the cells ``slots`` granted
+        it, their bytes copied out first."""
         key = (a.transfer_id, a.generation)
         staged = None
         try:
@@ -483,25 +482,19 @@ class PrefillWriter(WriterBase):
         self._send_released(self.link_posts.offer((reg.d_engine_id, reg.d_rank), key, sp.nbytes, remaining,
                                                   t.first_queued + self.cfg.timeouts.transfer_s, post))
 
-    def _stage_out(self, key, number: int, spans: list, slots) -> tuple[list, Any]:
-        """--staging pushkv: the spans with their blocks replaced by ``slots`` of the staging
-        area, and the copy (started now, on the copy stream) of those blocks' layer groups into
-        them; the post waits for it (``_copies_done``)."""
+    def _stage_out(self, key, number: int, place: Placement, slots: Grant) -> tuple[list, Any]:
+        """--staging pushkv: the spans with their blocks replaced by the cells ``slots`` granted,
+        and the copy (started now, on the copy stream) of those cells from the pool into the area;
+        the post waits for it (``_copies_done``)."""
         assert self.area is not None
         self._stamp(key, "stage_out_start")
         self._stamp(key, f"w{number}_stage_out_start")
-        slot_of: dict[int, int] = {}
-        out, pairs = [], []
-        for src, dst, n, groups in spans:
-            blocks = list(src[:blocks_for(n, self.layout.block_size)])
-            for b in blocks:
-                if b not in slot_of:
-                    slot_of[b] = slots[len(slot_of)]
-            mapped = [slot_of[b] for b in blocks]
-            out.append((mapped, dst, n, groups))
-            pairs += self.area.pairs(blocks, mapped, groups)
+        out, copies = place.place(slots)
+        pairs = self.area.copies_pairs(copies)
         self.counters["stage_out_copies"] += 1
         self.counters["stage_out_pairs"] += len(pairs)
+        self.counters["stage_out_cells"] += place.cells  # each layer group of each block it carries, once
+        self.counters["stage_out_cells_taken"] += place.cells_taken  # the room it held for them
         copy = self.area.copy_out(pairs)
         self._stamp(key, f"w{number}_stage_out_issued")  # from _start: planning and issuing the copies
         return out, copy

@@ -7,20 +7,23 @@ sides. On a GPU busy with prefill or decode kernels each of those copies waits f
 writer loop was held meanwhile, so D saw the bytes 0.5-0.9 s late).
 
 Here each writer keeps a **staging area**: pinned host memory laid out as its pool but with
-fewer blocks (``--staging-mib``), its blocks ("slots") handed out by a block allocator. NIXL
-registers the area instead of the pool (as host memory), so every transfer moves host to host
-and the protocol, grids and mapping are those of a pool of that many blocks:
-- P copies each WRITE's blocks (the layer groups it carries) from the pool into slots of its
-  area on a copy stream, as soon as the WRITE is planned, and posts it from those slots once
-  its loop sees the copy done (``Copying``); the slots go back when the WRITE ends;
-- D registers slots of its area with P instead of its pool's blocks, and copies them into its
+fewer blocks (``--staging-mib``), its blocks ("slots") handed out per layer group or whole
+(``transport/stage_slots.py``). NIXL registers the area instead of the pool (as host memory), so
+every transfer moves host to host and the protocol, grids and mapping are those of a pool of that
+many blocks:
+- P's area is cut per layer group: a WRITE takes cells (one layer group of one slot) only in the
+  layer groups it carries (a layer-streamed part, its own group's). P copies each WRITE's cells
+  from the pool into its area on a copy stream, as soon as the WRITE is planned, and posts it from
+  them once its loop sees the copy done (``Copying``); the cells go back when the WRITE ends;
+- D registers whole slots of its area with P instead of its pool's blocks (one list for every
+  layer group, as the Register carries), and copies them into its
   blocks on its copy stream as they land: each layer group (or chunk) a part carried once every
   producer rank's part has landed (its ``PartWritten`` notification, which NIXL delivers after
   the part's data), and the rest once every producer's last WRITE has; it reports the KV
   received (and frees the slots) when that last copy is done (``writer/stage_in.py``).
 Both loops poll the copies' events; neither waits on them.
 
-A transfer waits for slots when the area is full (P: before its link queue; D: before its
+A transfer waits for cells when the area is full (P: before its link queue; D: before its
 registration), in one first-come queue per area (``SlotQueue``), and one larger than the whole
 area fails at once, saying so. Which bytes are copied is pure (``transport/staging_plan.py``,
 ``transport/staged_parts.py``).
@@ -35,20 +38,21 @@ import msgspec
 
 from pushkv.kv import layout as L
 from pushkv.messages import KVLayoutDesc
-from pushkv.protocol.allocator import BlockAllocator
 from pushkv.transport.grid import grid_of
+from pushkv.transport.stage_slots import AreaSlots, CellCopy, SlotQueue
 from pushkv.transport.staged_parts import Cells, cell_pairs
-from pushkv.transport.staging_plan import Pairs, SlotQueue, block_pairs, group_regions
+from pushkv.transport.staging_plan import Pairs, block_pairs, group_regions
 
 log = logging.getLogger(__name__)
 
 
 class StagingArea:
-    """A pinned host area of ``blocks`` blocks of the pool's layout, a slot allocator over it with
-    the queue of transfers waiting for slots (``queue``: each side's waits), and a copy stream
-    between it and the pool (a host pool's area copies at once: the CPU path CI runs)."""
+    """A pinned host area of ``blocks`` blocks of the pool's layout, its cells (``slots``: cut per
+    layer group, P's, or whole, D's) with the queue of transfers waiting for them (``queue``: each
+    side's waits), and a copy stream between it and the pool (a host pool's area copies at once:
+    the CPU path CI runs)."""
 
-    def __init__(self, pool_tensor: Any, device: str, pool_layout: KVLayoutDesc, blocks: int):
+    def __init__(self, pool_tensor: Any, device: str, pool_layout: KVLayoutDesc, blocks: int, cut: bool = False):
         import torch
 
         self._torch = torch
@@ -61,7 +65,7 @@ class StagingArea:
         self.stream = torch.cuda.Stream(device=torch.device(device)) if on_gpu else None
         self.base_addr = self.host.data_ptr()
         self.nbytes = self.host.numel()
-        self.slots = BlockAllocator(blocks)
+        self.slots = AreaSlots(blocks, len(L.layer_groups(self.layout)), cut)
         self.queue: SlotQueue[Any] = SlotQueue(self.slots)
         self.copies = 0
 
@@ -73,6 +77,10 @@ class StagingArea:
     def pairs(self, blocks, slots, groups=None) -> Pairs:
         regions = None if groups is None else group_regions(self.layout, groups)
         return block_pairs(self.layout, self.pool_grid, self.grid, blocks, slots, regions)
+
+    def copies_pairs(self, copies: list[CellCopy]) -> Pairs:
+        """The copies a placed WRITE's cells need (``stage_slots.Placement.place``)."""
+        return [p for blocks, slots, groups in copies for p in self.pairs(blocks, slots, groups)]
 
     def cell_pairs(self, blocks, slots, cells: Cells) -> Pairs:
         """The copies of some layer groups of some blocks (``transport/staged_parts.py``)."""

@@ -185,6 +185,15 @@ def test_chunked_and_streamed_tokens_equal_local(name, model, flags, ref_tp, str
             assert cells["part"] + cells["rest"] == rounds * d_tp * d_groups * sum(
                 L.blocks_for(n, cfg.decode.block_size) for n in LENGTHS), (cells, d_counters)
             assert cells["part"] > 0 or not early, (cells, early)
+            # P staged each cell (layer group x P block) of every transfer once per D rank it writes to, and
+            # took room for those cells only: its area is cut per layer group, so a part of one group holds
+            # that group's cells, not its blocks in every group
+            p_groups = len(L.layer_groups(L.instance_layout(cfg, cfg.prefill, 0)))
+            p_blocks = sum(L.blocks_for(n, cfg.prefill.block_size) for n in LENGTHS)
+            for r in range(p_tp):
+                writes_to = len(consumers_for(r, p_tp, d_tp, cfg.model.cache_kv_heads))
+                assert counters[f"writer.{r}.stage_out_cells"] == rounds * writes_to * p_groups * p_blocks, counters
+                assert counters[f"writer.{r}.stage_out_cells_taken"] == counters[f"writer.{r}.stage_out_cells"]
             for counters_of in (counters, d_counters):  # every slot of every area is back
                 areas = {k.rsplit(".", 1)[0]: v for k, v in counters_of.items() if k.endswith(".staging_blocks")}
                 assert areas and all(counters_of[f"{w}.staging_free_blocks"] == n for w, n in areas.items()), \

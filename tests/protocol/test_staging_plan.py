@@ -1,6 +1,6 @@
 """pushkv's own staging, the pure part (transport/staging_plan.py): which bytes a staged WRITE
-copies between pool blocks and staging slots, how large the area is, when a writer stages, and the
-one queue of waits for an area's slots.
+copies between pool blocks and staging slots, how large the area is, and when a writer stages (the
+slots a WRITE takes, and the queue of waits for them: test_stage_slots.py).
 
 Every copy list is checked byte for byte against the mapping it must make, computed the slow way
 (one block of one region at a time), so a copy that misses, adds or misplaces a byte fails."""
@@ -12,9 +12,8 @@ import pytest
 
 from pushkv.config import DeploymentConfig, ModelConfig
 from pushkv.kv import layout as L
-from pushkv.protocol.allocator import BlockAllocator
 from pushkv.transport.grid import grid_of
-from pushkv.transport.staging_plan import SlotQueue, area_blocks, block_pairs, group_regions, merged, total, wanted
+from pushkv.transport.staging_plan import area_blocks, block_pairs, group_regions, merged, total, wanted
 
 
 def lay(sub_block: int = 0, head_group: int = 0, layer_split: int = 0, num_blocks: int = 12):
@@ -107,45 +106,3 @@ def test_config_refuses_pushkv_staging_for_pull():
     with pytest.raises(ValueError, match="staging 'pushkv' stages push"):
         DeploymentConfig(mode="pull", staging="pushkv")
     assert DeploymentConfig(mode="push", staging="pushkv").staging == "pushkv"
-
-
-# -- the one queue of waits for slots (P's posts and D's registrations alike) --------------------------
-# steps: ("ask", wait, need) | ("grant", wait or None, slots) | ("give", slots) | ("drop", waits dropped)
-QUEUE_CASES = {
-    "first come first served": [
-        ("ask", "a", 2), ("ask", "b", 1), ("grant", "a", [0, 1]), ("grant", "b", [2]), ("grant", None, None)],
-    "a later small wait never overtakes a large first one": [
-        ("ask", "a", 3), ("grant", "a", [0, 1, 2]), ("ask", "b", 2), ("ask", "c", 1),
-        ("grant", None, None),  # c would fit (one free), but b is first
-        ("give", [0, 1]), ("grant", "b", [0, 1]), ("grant", "c", [3]), ("grant", None, None)],
-    "a dropped wait lets the next one go": [
-        ("ask", "a", 4), ("grant", "a", [0, 1, 2, 3]), ("ask", "b", 3), ("ask", "c", 1), ("drop", ["b"]),
-        ("give", [3]), ("grant", "c", [3]), ("drop", [])],
-    "a wait for nothing goes at once": [("ask", "a", 0), ("grant", "a", [])],
-}
-
-
-@pytest.mark.parametrize("steps", QUEUE_CASES.values(), ids=QUEUE_CASES.keys())
-def test_slot_queue(steps):
-    q = SlotQueue(BlockAllocator(4))
-    waits = {}
-    for step in steps:
-        if step[0] == "ask":
-            waits[step[1]] = {"name": step[1]}  # a side's wait is any object: compared by identity
-            q.ask(waits[step[1]], step[2])
-            assert waits[step[1]] in q
-        elif step[0] == "grant":
-            got = q.grant()
-            assert (got and (got[0]["name"], got[1])) == (step[1] and (step[1], step[2])), step
-        elif step[0] == "give":
-            q.give_back(step[1])
-        else:
-            assert [w["name"] for w in q.drop(lambda w: w["name"] in ("b",))] == step[1]
-    q.slots.check()
-
-
-def test_slot_queue_refuses_a_wait_the_area_cannot_meet():
-    q = SlotQueue(BlockAllocator(4))
-    with pytest.raises(ValueError, match="5 slots in an area of 4"):
-        q.ask(object(), 5)
-    assert len(q) == 0
