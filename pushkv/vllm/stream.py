@@ -18,7 +18,7 @@ import os
 import queue
 import threading
 from collections import deque
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 from pushkv.kv.layout import split_layers
 from pushkv.protocol.actions import PostWrite
@@ -100,30 +100,35 @@ class LayerMarks:
             self.send(w.LayersStored(rid, tid, g, tuple(blocks), tokens, event))
 
 
+Ordered = Union[w.LayersStored, w.StreamPreempted]
+
+
 class MarkWaiter:
     """Writer side: waits for each mark's event in order on a thread; the loop reads the marks
     whose event completed (``fd`` turns readable) with :meth:`ready`. A mark without an event
-    (the CPU) is ready at once. A wait that fails yields the mark with the reason."""
+    (the CPU), or a ``StreamPreempted``, is ready once every mark submitted before it is (at once
+    while no event is waited for). A wait that fails yields the mark with the reason."""
 
     def __init__(self, open_event: Optional[Callable[[bytes], object]] = None):
         self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._open = open_event
         self._events: dict[bytes, object] = {}
-        self._q: "queue.SimpleQueue[Optional[w.LayersStored]]" = queue.SimpleQueue()
-        self._done: deque[tuple[w.LayersStored, str]] = deque()
+        self._q: "queue.SimpleQueue[Optional[Ordered]]" = queue.SimpleQueue()
+        self._done: deque[tuple[Ordered, str]] = deque()
         self._thread: Optional[threading.Thread] = None
 
-    def submit(self, mark: w.LayersStored) -> None:
-        if not mark.event:
+    def submit(self, mark: Ordered) -> None:
+        event = getattr(mark, "event", b"")
+        if self._thread is None and not event:  # nothing waited for: in order now
             self._finish(mark, "")
             return
-        if self._open is None:
+        if event and self._open is None:
             self._finish(mark, "a CUDA event for a writer of host memory")
             return
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="pushkv-mark-waiter", daemon=True)
             self._thread.start()
-        self._q.put(mark)
+        self._q.put(mark)  # behind the marks still waited for
 
     def _run(self) -> None:
         while True:
@@ -131,20 +136,24 @@ class MarkWaiter:
             if mark is None:
                 return
             why = ""
+            if not getattr(mark, "event", b""):
+                self._finish(mark, why)
+                continue
             try:
+                assert isinstance(mark, w.LayersStored)
                 ev = self._events.get(mark.event)
                 if ev is None:
                     ev = self._events[mark.event] = self._open(mark.event)  # type: ignore[misc]
                 ev.synchronize()  # type: ignore[attr-defined]
             except Exception as e:  # a bad handle, a dead context: the stream fails, with why
-                why = f"layer group {mark.group}'s completion event failed: {e}"
+                why = f"layer group {getattr(mark, 'group', -1)}'s completion event failed: {e}"
             self._finish(mark, why)
 
-    def _finish(self, mark: w.LayersStored, why: str) -> None:
+    def _finish(self, mark: Ordered, why: str) -> None:
         self._done.append((mark, why))
         os.eventfd_write(self.fd, 1)
 
-    def ready(self) -> list[tuple[w.LayersStored, str]]:
+    def ready(self) -> list[tuple[Ordered, str]]:
         try:
             os.eventfd_read(self.fd)
         except BlockingIOError:
