@@ -61,9 +61,11 @@ def event_opener(dev_id: int) -> Optional[Callable[[bytes], object]]:
 
 
 class MarkWaiter:
-    """Writer side: waits for each mark's event (``mark.event``, a handle; empty: none) in order on a
-    thread; the loop reads the marks whose event completed (``fd`` turns readable) with :meth:`ready`.
-    A mark without an event is ready at once. A wait that fails yields the mark with the reason
+    """Writer side: waits for each mark's event (``mark.event``, a handle) in order on a thread; the
+    loop reads the marks whose event completed (``fd`` turns readable) with :meth:`ready`. A mark
+    without an event (the CPU, or another message that must keep its place among the marks, such
+    as the vLLM connector's ``StreamPreempted``) is ready once every mark submitted before it is (at
+    once while no event is waited for). A wait that fails yields the mark with the reason
     (``mark.group`` names it)."""
 
     def __init__(self, open_event: Optional[Callable[[bytes], object]] = None):
@@ -75,16 +77,17 @@ class MarkWaiter:
         self._thread: Optional[threading.Thread] = None
 
     def submit(self, mark: Any) -> None:
-        if not mark.event:
+        event = getattr(mark, "event", b"")
+        if self._thread is None and not event:  # nothing waited for: in order now
             self._finish(mark, "")
             return
-        if self._open is None:
+        if event and self._open is None:
             self._finish(mark, "a CUDA event for a writer of host memory")
             return
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="pushkv-mark-waiter", daemon=True)
             self._thread.start()
-        self._q.put(mark)
+        self._q.put(mark)  # behind the marks still waited for
 
     def _run(self) -> None:
         while True:
@@ -92,13 +95,16 @@ class MarkWaiter:
             if mark is None:
                 return
             why = ""
+            if not getattr(mark, "event", b""):
+                self._finish(mark, why)
+                continue
             try:
                 ev = self._events.get(mark.event)
                 if ev is None:
                     ev = self._events[mark.event] = self._open(mark.event)  # type: ignore[misc]
                 ev.synchronize()  # type: ignore[attr-defined]
             except Exception as e:  # a bad handle, a dead context: the stream fails, with why
-                why = f"layer group {mark.group}'s completion event failed: {e}"
+                why = f"layer group {getattr(mark, 'group', -1)}'s completion event failed: {e}"
             self._finish(mark, why)
 
     def _finish(self, mark: Any, why: str) -> None:

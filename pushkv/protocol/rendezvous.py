@@ -32,7 +32,9 @@ has completed, so D's one notification means every byte has landed. With
 marks each group of layers stored, a part moves each group's whole units not yet
 written (one span per group, merged when they agree; the last group's final marked unit
 waits for the last WRITE), and the last WRITE moves each group's rest. Marks that arrive
-after the prefill half are counted and dropped (the prefill half already covers them). A part that
+after the prefill half are counted and dropped (the prefill half already covers them). A
+prefill that the engine preempts and computes again (``on_prefill_restart``) keeps what was
+sent and streams on from there into its new blocks. A part that
 fails fails the transfer; any failure while WRITEs are in flight drains them first
 (DRAINING counts them down), and a streamed transfer that ends before its prefill
 half frees (reports) the streamed blocks all the same, so the scheduler always
@@ -211,6 +213,18 @@ class PushRendezvous:
         self._note_generation(transfer_id, generation)
         return out + self._progress(e, now, tuple(block_ids), num_tokens, group)
 
+    def on_prefill_restart(self, transfer_id: str, generation: int, now: float) -> list[Action]:
+        """Streaming push: the engine preempted the prefill before its end, freed the blocks the
+        progress named, and will compute the prompt again into new ones (vLLM's recompute). The
+        caller makes sure no posted WRITE still reads the old blocks before they are reused. What
+        D holds stays: the parts already asked for were read while those blocks were valid. The
+        progress starts over (later marks name the new blocks) and parts resume once it passes what
+        was sent, so no unit is sent twice; the prefill half brings the whole new table."""
+        kind, e = self._lookup(transfer_id, generation)
+        if e is not None:
+            return self._dispatch(e, "restart", now)
+        return [Count("restart_ignored")]  # no stream seen yet, or that transfer is over
+
     def on_registration(self, reg: Register, now: float) -> list[Action]:
         try:
             wanted = consumers_for(self.p_rank, self.p_tp, reg.d_tp, self.total_kv_heads)
@@ -367,6 +381,12 @@ class PushRendezvous:
         self._arm(e, now + self.registration_wait_s)  # the prefill is alive: wait for its end anew
         return self._post_part(e)
 
+    def _restart(self, e, now) -> list[Action]:
+        e.progress = [0] * self.stream_groups
+        e.block_ids = ()  # freed: the next progress brings the new table
+        self._arm(e, now + self.registration_wait_s)  # the prefill is alive: wait for its end anew
+        return [Count("prefill_restarted")]
+
     def _post_part(self, e) -> list[Action]:
         """Ask for a part WRITE of the whole units computed and not yet asked for, in every
         layer group (none while another part is in flight: its completion asks again)."""
@@ -519,6 +539,9 @@ class PushRendezvous:
     def _ignore(self, e, now, **kw) -> list[Action]:
         return [Count("cancel_ignored")]
 
+    def _restart_ignored(self, e, now) -> list[Action]:
+        return [Count("restart_ignored")]
+
     # ---------------------------------------------------------------- helpers
     def _teardown(self, e: _Transfer, reason: str) -> list[Action]:
         """End a waiting transfer: nothing is in flight, so free at once."""
@@ -618,6 +641,8 @@ _TABLE: dict[tuple[State, str], Callable] = {
     (S.WAIT_PREFILL, "progress"): PushRendezvous._progress,
     (S.WAIT_PREFILL, "write_done"): PushRendezvous._part_done_waiting,
     (S.WAIT_PREFILL, "write_failed"): PushRendezvous._part_failed_waiting,
+    (S.WAIT_PREFILL, "restart"): PushRendezvous._restart,
+    (S.DRAINING, "restart"): PushRendezvous._restart_ignored,
     (S.WAIT_REGISTRATION, "registration"): PushRendezvous._add_registration,
     (S.WAIT_REGISTRATION, "progress"): PushRendezvous._late_progress,
     (S.WRITING, "progress"): PushRendezvous._late_progress,

@@ -115,6 +115,12 @@ class PushKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker is not None and isinstance(connector_metadata, PushKVMetadata):
             self.worker.bind(connector_metadata.step)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before the step's forward: a streamed P request vLLM preempted has its blocks freed, and
+        this forward may overwrite them; wait until the writer reads them no more."""
+        if self.worker is not None and isinstance(kv_connector_metadata, PushKVMetadata):
+            self.worker.preempted(kv_connector_metadata.step.preempted)
+
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         """Nothing to start: D's KV was WRITten into its blocks before the request was scheduled."""
 

@@ -57,7 +57,7 @@ class Receiver:
         self.shell.warmup.warm_for(msg.transfer_id, now + msg.deadline_s)  # its parts are coming: poll hot
         mark("d_register_sent", msg.transfer_id)
         reg = m.Register(msg.transfer_id, 0, self.shell.engine_id, self.shell.rank, self.tp, msg.block_ids,
-                         msg.num_tokens, msg.deadline_s)
+                         msg.num_tokens, msg.deadline_s, cached_tokens=msg.cached_tokens)
         for p in peers:
             self.shell.posting.notify(p, reg)
 

@@ -221,6 +221,26 @@ def _offsets(axes) -> list[int]:
     return out
 
 
+def cached_problem(block_tokens: int, num_blocks: int, num_tokens: int, cached_tokens: int) -> str:
+    """Why P cannot honour a D registration whose prefix cache holds the prompt's first
+    ``cached_tokens`` tokens ("" if it can): they must be whole blocks (D's blocks are P's, same
+    size), leave at least one token to WRITE (it carries D's notification), and D's ``num_blocks``
+    registered blocks must be exactly the rest of the prompt's (P's WRITEs skip that many)."""
+    if not cached_tokens:
+        return ""
+    if block_tokens <= 0:
+        return f"cached_tokens={cached_tokens}, but this KV memory does not say its block size"
+    if cached_tokens < 0 or cached_tokens % block_tokens:
+        return f"cached_tokens={cached_tokens} is not whole blocks of {block_tokens} tokens"
+    if cached_tokens >= num_tokens:
+        return f"cached_tokens={cached_tokens} leaves nothing of the {num_tokens}-token prompt to write"
+    rest = -(-num_tokens // block_tokens) - cached_tokens // block_tokens
+    if num_blocks != rest:
+        return (f"{num_blocks} blocks registered for tokens [{cached_tokens}, {num_tokens}), "
+                f"which fill {rest} blocks of {block_tokens}")
+    return ""
+
+
 def map_blocks(src: KVMemory, src_blocks: Sequence[int], dst: KVMemory, dst_blocks: Sequence[int],
                heads: Optional[tuple[int, int, int]] = None, layers: Optional[Sequence[int]] = None,
                first_block: int = 0, end_block: Optional[int] = None,

@@ -42,6 +42,8 @@ class StepMeta:
     pending: bool = False  # transfers are outstanding on this instance
     # P, layer streaming: req id -> (tid, its blocks, prompt tokens stored once this step's layers are)
     streams: dict[str, tuple[str, list[int], int]] = field(default_factory=dict)
+    # P, layer streaming: req id -> transfer id, streams whose blocks vLLM freed this step (preempted)
+    preempted: dict[str, str] = field(default_factory=dict)
 
 
 class SchedulerSide:
@@ -112,7 +114,7 @@ class SchedulerSide:
         self._new_recvs[request.request_id] = (leg.transfer_id, block_ids)
         mark("d_expect_sent", leg.transfer_id)
         self._tell(w.ExpectBlocks(request.request_id, leg.transfer_id, tuple(block_ids), n, leg.source,
-                                  self.s.registration_wait_s + self.s.transfer_s))
+                                  self.s.registration_wait_s + self.s.transfer_s, first * self.block_size))
 
     # -- P ----------------------------------------------------------------------
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
@@ -150,7 +152,8 @@ class SchedulerSide:
                     mark("d_scheduled", tid)
         meta = StepMeta(idle=scheduler_output.total_num_scheduled_tokens == 0, sends=self._new_sends,
                         recvs=self._new_recvs, pending=bool(self.pending_send or self.waiting_recv),
-                        streams=self._streams(scheduler_output) if self.s.stream_groups else {})
+                        streams=self._streams(scheduler_output) if self.s.stream_groups else {},
+                        preempted=self._preempted(scheduler_output) if self.s.stream_groups else {})
         self._new_sends, self._new_recvs = {}, {}
         return meta
 
@@ -181,6 +184,17 @@ class SchedulerSide:
             self.stream_blocks[rid] = (blocks, prompt)
             streams[rid] = (leg.transfer_id, blocks, min(done + counts[rid], prompt))
         return streams
+
+    def _preempted(self, out) -> dict[str, str]:
+        """Streamed P legs that vLLM preempted this step: their blocks are freed (the worker holds
+        the step until the writer reads them no more); they resume with a new block table."""
+        gone = {}
+        for rid in getattr(out, "preempted_req_ids", None) or ():
+            entry, leg = self.stream_blocks.get(rid), self.legs.get(rid)
+            if entry is not None and leg is not None:
+                self.stream_blocks[rid] = ([], entry[1])
+                gone[rid] = leg.transfer_id
+        return gone
 
     def update_connector_output(self, out) -> None:
         for rid in out.finished_sending or ():

@@ -43,7 +43,9 @@ class SendBlocks(Msg, frozen=True):
 
 
 class ExpectBlocks(Msg, frozen=True):
-    """D: these blocks are reserved for the request's prompt KV; register them with P."""
+    """D: these blocks are reserved for the request's prompt KV; register them with P. They hold
+    the prompt's tokens from ``cached_tokens`` on: D's prefix cache has the first ones (whole
+    blocks), which P then does not WRITE (``Register.cached_tokens``)."""
 
     req_id: str
     transfer_id: str
@@ -51,6 +53,7 @@ class ExpectBlocks(Msg, frozen=True):
     num_tokens: int
     source: PrefillSource
     deadline_s: float
+    cached_tokens: int = 0
 
 
 class CancelBlocks(Msg, frozen=True):
@@ -72,7 +75,16 @@ class LayersStored(Msg, frozen=True):
     event: bytes = b""
 
 
-ConnectorToWriter = Union[SendBlocks, ExpectBlocks, CancelBlocks, LayersStored]
+class StreamPreempted(Msg, frozen=True):
+    """P's worker -> its writer (layer streaming): vLLM preempted the streamed request, freed its
+    blocks and will compute its prompt again into new ones; the step that may overwrite the old
+    blocks waits for ``StreamReleased``. Ordered after the marks the worker sent before it."""
+
+    req_id: str
+    transfer_id: str
+
+
+ConnectorToWriter = Union[SendBlocks, ExpectBlocks, CancelBlocks, LayersStored, StreamPreempted]
 
 
 class DescribeKV(Msg, frozen=True):
@@ -130,7 +142,15 @@ class BlocksFailed(Msg, frozen=True):
     reason: str
 
 
-WriterToConnector = Union[WriterReady, KVAllocated, BlocksSent, BlocksReceived, BlocksFailed]
+class StreamReleased(Msg, frozen=True):
+    """P: no WRITE of the preempted stream reads its old blocks any more (answers
+    ``StreamPreempted``); the transfer goes on from the blocks vLLM computes it into again."""
+
+    req_id: str
+    transfer_id: str
+
+
+WriterToConnector = Union[WriterReady, KVAllocated, BlocksSent, BlocksReceived, BlocksFailed, StreamReleased]
 VllmHandshake = Union[VllmHello, HelloRefused]
 
 DEC_TO_WRITER = msgspec.msgpack.Decoder(ConnectorToWriter)

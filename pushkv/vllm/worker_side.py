@@ -11,7 +11,9 @@ started from inside vLLM's allocation (:meth:`WorkerSide._writer_allocates`)
 and told what vLLM laid out in it at ``register_kv_caches``; its death takes
 the cache with it, so the worker stops (raises) instead of starting another. With
 layer streaming (``stream_groups``) ``save_kv_layer`` marks each stored layer
-group for the writer (``stream.py``); ``start_load_kv``, ``wait_for_layer_load``
+group for the writer (``stream.py``), and ``handle_preemptions`` holds a step
+whose forward may overwrite a preempted stream's blocks until the writer reads
+them no more (:meth:`WorkerSide.preempted`); ``start_load_kv``, ``wait_for_layer_load``
 and ``wait_for_save`` have nothing to do.
 
 When a step is empty (vLLM keeps stepping while a transfer is pending) the
@@ -272,6 +274,38 @@ class WorkerSide:
         if self.cmd is not None:
             self.cmd.send(m.encode(msg))
 
+    def preempted(self, streams: dict[str, str]) -> None:
+        """vLLM's ``handle_preemptions``, before the step's forward: the scheduler preempted these
+        streamed P requests (req id -> transfer id) and freed their blocks, which this step may
+        overwrite. The writer goes on with each stream from the blocks vLLM computes it into
+        again; this returns once it says no WRITE of theirs still reads the old ones. A writer that
+        does not say so within ``transfer_s`` is killed (its WRITEs stop; D fails what it was
+        writing and the writer is restarted): a late read could hand D another request's KV."""
+        if not streams or self.cmd is None or self.events is None:
+            return
+        with self._lock:
+            for rid, tid in streams.items():
+                mark("p_preempt_sent", tid)
+                self.cmd.send(m.encode(w.StreamPreempted(rid, tid)))
+            waiting = set(streams)
+            deadline = time.monotonic() + self.s.transfer_s
+            while waiting:
+                if self.proc is None or self.proc.poll() is not None:
+                    return  # dead: it reads nothing (the supervisor tells vLLM and restarts it)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    log.error("pushkv: writer pid %d did not release preempted streams %s within %.0fs; "
+                              "killing it", self.proc.pid, sorted(streams[r] for r in waiting), self.s.transfer_s)
+                    self.proc.kill()
+                    self.proc.wait()
+                    return
+                if self.events.poll(int(min(left, 0.2) * 1000) + 1):
+                    msg = w.DEC_TO_CONNECTOR.decode(self.events.recv())
+                    if isinstance(msg, w.StreamReleased) and msg.req_id in waiting:
+                        waiting.discard(msg.req_id)
+                    else:
+                        self._early.append(msg)  # the step's results, read by transfer_results
+
     def bind(self, meta) -> None:
         streams = getattr(meta, "streams", {})
         if self.marks is not None:
@@ -334,6 +368,8 @@ class WorkerSide:
         return True
 
     def _handle(self, msg, sent: set, recvd: set, failed: set) -> None:
+        if isinstance(msg, w.StreamReleased):  # a late answer (its writer was being replaced): nothing waits
+            return
         if isinstance(msg, w.BlocksSent):
             if msg.req_id in self.streaming and msg.req_id not in self.pending_sends:
                 self.sent_early[msg.req_id] = msg  # still vLLM's (running, or freed by an abort)

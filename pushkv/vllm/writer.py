@@ -33,7 +33,7 @@ from pushkv.vllm import stream, writer_alloc, writer_args
 from pushkv.vllm import wire as w
 from pushkv.vllm.memory import open_for_writer
 from pushkv.vllm.receive import Receiver
-from pushkv.vllm.regions import KVMemory
+from pushkv.vllm.regions import KVMemory, cached_problem
 from pushkv.writer import memory as mem
 from pushkv.writer import sides
 from pushkv.writer.peers import Peer
@@ -62,6 +62,7 @@ class VllmWriter(WriterShell):
         self.total_kv_heads = self.kv.total_kv_heads or self.tp  # unknown: one "head" per rank (same TP only)
         self.agent_name = f"{self.engine_id}-w{self.rank}-{os.getpid()}"
         self.req_of: dict[str, str] = {}  # P: transfer id -> this instance's vLLM request id
+        self.releasing: dict[tuple[str, int], str] = {}  # P: preempted streams whose WRITE still flies -> req id
         self.groups = stream.groups_of(len(self.kv.layers), args.stream_groups)
         self.side = sides.PrefillSide(rv.PushRendezvous(  # P's role
             self.rank, self.tp, self.total_kv_heads, args.registration_wait_s, args.transfer_s,
@@ -127,13 +128,38 @@ class VllmWriter(WriterShell):
     def on_LayersStored(self, msg: w.LayersStored) -> None:
         self.marks.submit(msg)  # on to the rendezvous once its event completed (_marks_ready)
 
+    def on_StreamPreempted(self, msg: w.StreamPreempted) -> None:
+        self.marks.submit(msg)  # after the marks sent before it (_marks_ready)
+
     def _marks_ready(self) -> None:
         now = time.monotonic()
         for msg, why in self.marks.ready():
+            if isinstance(msg, w.StreamPreempted):
+                self._preempted(msg, now)
+                continue
             self.req_of.setdefault(msg.transfer_id, msg.req_id)
             key = (msg.transfer_id, 0)
             self._apply_p(self.side.cancel(key, why, now) if why else
                           self.side.progress(key, msg.block_ids, msg.num_tokens, now, msg.group), now)
+
+    def _preempted(self, msg: w.StreamPreempted, now: float) -> None:
+        """vLLM freed the stream's blocks: the stream goes on from its new ones, and the worker,
+        whose next step may overwrite the old ones, hears once no WRITE of ours reads them."""
+        key = (msg.transfer_id, 0)
+        mark("p_stream_preempted", msg.transfer_id)
+        for e in self.side.restart(key, now):
+            if isinstance(e, sides.Refused):  # its prefill half is in: vLLM preempts no finished request
+                log.error("%s: preemption refused: %s transfer_id=%s", self.name, e.error, msg.transfer_id)
+            else:
+                self.count_or_tell(e, self.posting.notify)
+        if key in self.posting.inflight:  # a part WRITE still reads them: answered when it ends
+            self.releasing[key] = msg.req_id
+        else:
+            self._released(key, msg.req_id)
+
+    def _released(self, key: tuple[str, int], req_id: str) -> None:
+        mark("p_stream_released", key[0])
+        self._emit(w.StreamReleased(req_id, key[0]))
 
     def on_ExpectBlocks(self, msg: w.ExpectBlocks) -> None:
         self.d.expect(msg)
@@ -149,6 +175,13 @@ class VllmWriter(WriterShell):
     def notif_Register(self, msg: m.Register, agent: str, now: float) -> None:
         if agent not in self.peers.by_agent:
             self.counters["register_from_unknown_peer"] += 1
+            return
+        why = cached_problem(self.kv.block_tokens, len(msg.block_ids), msg.num_tokens, msg.cached_tokens)
+        if why:  # refused at once: D fails the request now, not at its deadline
+            self.counters["register_bad_cached_tokens"] += 1
+            log.error("%s: Register refused: %s transfer_id=%s", self.name, why, msg.transfer_id)
+            self.posting.notify(self.peers.by_agent[agent], m.WriteFailed(msg.transfer_id, msg.generation,
+                                                                          self.rank, f"registration refused: {why}"))
             return
         mark("p_registration_recvd", msg.transfer_id)
         self._apply_p(self.side.registration(msg, now), now)
@@ -174,6 +207,8 @@ class VllmWriter(WriterShell):
                                                                     self.total_kv_heads, self.groups), now)
                 if a.last or fl.handles or fl.queued:  # a part: only one that moves bytes (the e2e counts them)
                     mark("p_write_posted" if a.last else "p_part_posted", fl.transfer_id)
+                else:  # nothing of it is in D's registered blocks: no post
+                    mark("p_part_empty", fl.transfer_id)
                 self.posting.book((fl.transfer_id, fl.generation), fl, now)
             elif isinstance(e, sides.Report):
                 t, tid = e.transfer, e.free.transfer_id
@@ -185,8 +220,11 @@ class VllmWriter(WriterShell):
                 self.count_or_tell(e, self.posting.notify)
 
     def transfer_finished(self, fl: InFlight, now: float) -> None:
-        self._apply_p(self.side.write_ended((fl.transfer_id, fl.generation), now, part=fl.part, failed=fl.failed,
+        key = (fl.transfer_id, fl.generation)
+        self._apply_p(self.side.write_ended(key, now, part=fl.part, failed=fl.failed,
                                             nbytes=fl.nbytes, num_descs=fl.num_descs, posted=fl.posted), now)
+        if key in self.releasing and key not in self.posting.inflight:  # (no part of the old blocks follows)
+            self._released(key, self.releasing.pop(key))
 
     # -- the loop ---------------------------------------------------------------------------
     def expire(self, now: float) -> None:

@@ -158,6 +158,14 @@ class PrefillSide:
         except A.ProtocolError as e:
             return [self._refused(key, e)]
 
+    def restart(self, key: Key, now: float) -> list[Effect]:
+        """The engine preempted the streamed prefill and computes it again into new blocks (the
+        shell makes sure no WRITE still reads the old ones before the engine reuses them)."""
+        try:
+            return self.effects(self.rdv.on_prefill_restart(*key, now))
+        except A.ProtocolError as e:
+            return [self._refused(key, e)]
+
     # -- inputs: D's messages ------------------------------------------------------------------
     def registration(self, reg: m.Register, now: float) -> list[Effect]:
         """D's registration (from a known peer): its D instance noted (for its death)."""

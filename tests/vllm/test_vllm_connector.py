@@ -104,6 +104,13 @@ def test_decode_registers_at_allocation_and_prefill_sends_at_finish(model_dir, w
     meta = d.build_connector_meta(type("SO", (), {"total_num_scheduled_tokens": 0})())
     assert meta.step.recvs == {"d-1": ("T1", [7, 8, 9])} and meta.step.idle
 
+    # D's prefix cache has the prompt's first block: D registers the other two and says so
+    hit = request("d-4", prompt, {"pushkv": {"role": "decode", "transfer_id": "T4", "source": src}})
+    assert d.get_num_new_matched_tokens(hit, bs) == (len(prompt) - bs, True)
+    d.update_state_after_alloc(hit, blocks([8, 9]), len(prompt) - bs)  # (the allocation's new blocks)
+    got = recv_d()
+    assert (got.block_ids, got.num_tokens, got.cached_tokens) == ((8, 9), len(prompt), bs)
+
     plain = request("d-2", [1, 2, 3], None)
     assert d.get_num_new_matched_tokens(plain, 0) == (0, False)  # no pushkv params: plain vLLM
 
@@ -179,4 +186,40 @@ def test_prefill_streams_list_each_steps_blocks_and_stored_tokens(model_dir):
     assert p.build_connector_meta(second).step.streams == {"p-1": ("T1", [3, 4, 5], n)}
     third = step([], cached("p-1", None, n), {"p-1": 1})  # a P leg that asked for more tokens: decoding
     assert p.build_connector_meta(third).step.streams == {}
+    p.shutdown()
+
+
+def test_a_preempted_stream_is_named_once_and_resumes_with_its_new_table(model_dir):
+    """vLLM preempts a streamed P leg mid-prefill (its ``preempted_req_ids``): that step's metadata
+    names it for the workers (they hold the step until the writer reads its freed blocks no more);
+    when vLLM resumes it, the stream's blocks are the new table alone."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData
+
+    p = KVConnectorFactory.create_connector(
+        make_config(model_dir, "kv_producer", "P-preempt", {"handshake_port": 7992, "stream_groups": 2}),
+        KVConnectorRole.SCHEDULER, None)
+    bs = p.sched.block_size
+    n = 3 * bs
+    preq = request("p-1", list(range(2, 2 + n)), {"pushkv": {"role": "prefill", "transfer_id": "T1"}})
+    other = request("p-2", list(range(2, 2 + n)), {"pushkv": {"role": "prefill", "transfer_id": "T2"}})
+    for r in (preq, other):
+        p.get_num_new_matched_tokens(r, 0)
+
+    def step(new, cached, counts, preempted=()):
+        return SimpleNamespace(scheduled_new_reqs=new, scheduled_cached_reqs=cached, num_scheduled_tokens=counts,
+                               total_num_scheduled_tokens=sum(counts.values()), preempted_req_ids=set(preempted))
+
+    first = step([NewRequestData.from_request(preq, ([3],))], CachedRequestData.make_empty(), {"p-1": bs})
+    assert p.build_connector_meta(first).step.streams == {"p-1": ("T1", [3], bs)}
+    gone = p.build_connector_meta(step([], CachedRequestData.make_empty(), {}, preempted={"p-1", "p-2"})).step
+    assert gone.preempted == {"p-1": "T1"}  # p-2 never streamed: nothing of it to hold
+    assert p.build_connector_meta(step([], CachedRequestData.make_empty(), {})).step.preempted == {}
+    back = CachedRequestData.make_empty()
+    back.req_ids, back.new_block_ids, back.num_computed_tokens, back.num_output_tokens = ["p-1"], [([9, 4],)], [0], [0]
+    back.resumed_req_ids = {"p-1"}
+    assert p.build_connector_meta(step([], back, {"p-1": 2 * bs})).step.streams == {"p-1": ("T1", [9, 4], 2 * bs)}
     p.shutdown()

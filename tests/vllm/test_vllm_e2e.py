@@ -343,8 +343,8 @@ def _legs_registered_first(st, prompt, max_tokens=MAX_TOKENS):
 def test_layer_streamed_tokens_equal_one_instance(deployment, streamed):
     """Prompts of 1 to 1,500 tokens at once through the streaming pair's proxy, then again with D
     registered first so that P's writer streams them (P and D now hold the prompts' first blocks
-    in their prefix caches, so the parts of those blocks have nothing to move): the same tokens as
-    one plain vLLM."""
+    in their prefix caches, so D registers only the rest and P streams nothing of those blocks):
+    the same tokens as one plain vLLM."""
     prs = prompts()
     with ThreadPoolExecutor(len(prs)) as pool:
         outs = list(pool.map(lambda i: post(streamed["proxy"].url, body(prs[i], stream=i % 2 == 1)),

@@ -109,3 +109,49 @@ def test_a_part_of_blocks_in_d_s_prefix_cache_posts_nothing():
     assert regions_of(mem, early, 0, 1, 8, groups)(reg, peer) is None
     assert regions_of(mem, late, 0, 1, 8, groups)(reg, peer)
     assert regions_of(mem, last, 0, 1, 8, groups)(reg, peer)
+
+
+@pytest.mark.parametrize("cached_blocks", [0, 2, 3])
+def test_p_streams_nothing_of_what_d_s_prefix_cache_holds(cached_blocks):
+    """P's side as the vLLM writer drives it (the rendezvous under ``PrefillSide``, each WRITE's
+    regions from ``regions_of``), D registering the blocks its prefix cache lacks and saying how many
+    tokens it holds (``cached_tokens``): no part is asked that has nothing to move, and together
+    the WRITEs move exactly the registered blocks, each byte once. Without ``cached_tokens`` (the
+    registration before) the parts of the cached blocks were asked and posted nothing."""
+    from types import SimpleNamespace
+
+    from pushkv.messages import Register
+    from pushkv.protocol.rendezvous import PushRendezvous
+    from pushkv.vllm.stream import regions_of
+    from pushkv.writer import sides
+
+    _, _, mem = cache("flash_attn_hnd", 8)
+    groups, tokens = groups_of(L, 2), 4 * BS - 1
+    p_blocks, d_blocks = (1, 2, 3, 7), (5, 8, 6, 4)[cached_blocks:]
+    peer = SimpleNamespace(layout=mem)
+
+    def run(cached):
+        side = sides.PrefillSide(PushRendezvous(0, 1, 8, 30.0, 30.0, stream_unit=BS, stream_groups=len(groups)))
+        reg = Register("t", 0, "D", 0, 1, d_blocks, tokens, 0.0, cached_tokens=cached)
+        posts, now = [], 0.0
+
+        def posted(effects):
+            for e in effects:
+                if isinstance(e, sides.Post):
+                    posts.append(regions_of(mem, e.write, 0, 1, 8, groups)(reg, peer))
+                    posted(side.write_ended(e.key, now, part=not e.write.last))  # it completed
+
+        posted(side.registration(reg, now))
+        for step_end in (2 * BS, tokens):  # two chunks, each stored group by group
+            for g in range(len(groups)):
+                now += 1.0
+                posted(side.progress(("t", 0), p_blocks, step_end, now, g))
+        posted(side.prefill_done(("t", 0), p_blocks, tokens, 0, now + 1.0))
+        return posts
+
+    posts = run(cached_blocks * BS)
+    assert posts and all(r is not None for r in posts), posts  # no part of nothing
+    got = sorted(r for regions in posts for r in regions)
+    assert got == sorted(R.map_blocks(mem, p_blocks, mem, d_blocks))  # exactly D's blocks, once
+    if cached_blocks:
+        assert None in run(0)  # the registration without cached_tokens asked parts of D's cached blocks

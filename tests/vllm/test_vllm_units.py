@@ -3,11 +3,15 @@ mapping over views laid out as vLLM 0.32 lays them, kv_transfer_params
 parsing, the proxy's two request bodies, the shared-memory allocation hook, the
 worker half's bookkeeping of layer-streamed requests."""
 import os
+import select
 import stat
+import threading
+import time
 
 import pytest
 import torch
 
+from pushkv.kv import layer_events
 from pushkv.vllm import params as P
 from pushkv.vllm import regions as R
 from pushkv.vllm.memory import SharedKVAllocation
@@ -358,3 +362,123 @@ def test_a_writer_dying_mid_stream_cancels_the_stream_and_frees_its_blocks_at_ha
     assert ws.transfer_results()[0] == {"r1"}  # free, whether or not the new writer got SendBlocks
     ws._early.append(w.BlocksSent("r1", "T1", False, why))  # the new writer's answer, if it got SendBlocks
     assert ws.transfer_results()[0] == set()
+
+
+class _Proc:
+    """Stands in for the writer's Popen: alive until killed."""
+
+    pid = 4242
+
+    def __init__(self):
+        self.killed = False
+
+    def poll(self):
+        return -9 if self.killed else None
+
+    def kill(self):
+        self.killed = True
+
+    def wait(self, timeout=None):
+        return -9
+
+
+def _events(ws):
+    """The worker's event socket, bound; returns a PUSH into it (the writer's side)."""
+    import zmq
+
+    ws.events = ws.ctx.socket(zmq.PULL)
+    ws.events.setsockopt(zmq.LINGER, 0)
+    ws.events.bind(f"inproc://events-{id(ws)}")
+    push = ws.ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(f"inproc://events-{id(ws)}")
+    return push
+
+
+def test_a_preempted_stream_holds_the_step_until_the_writer_releases_it():
+    """vLLM's handle_preemptions: the worker tells its writer and returns only once the writer says
+    no WRITE reads the freed blocks; the writer's other events meanwhile wait for the step's results."""
+    from pushkv import messages as m
+    from pushkv.vllm import wire as w
+
+    ws, _ = _worker()
+    ws.proc = _Proc()
+    push = _events(ws)
+    try:
+        push.send(m.encode(w.BlocksSent("r2", "T2", True)))
+        push.send(m.encode(w.StreamReleased("r1", "T1")))
+        ws.preempted({"r1": "T1"})
+        assert ws.cmd.msgs == [w.StreamPreempted("r1", "T1")]
+        assert ws._early == [w.BlocksSent("r2", "T2", True)] and not ws.proc.killed
+        assert ws.transfer_results()[0] == {"r2"}
+        ws.preempted({})  # no preemption: nothing sent, no wait
+        assert len(ws.cmd.msgs) == 1
+    finally:
+        push.close(0)
+        ws.events.close(0)
+
+
+def test_a_writer_that_never_releases_a_preempted_stream_is_killed():
+    """No answer within transfer_s: a late read could hand D another request's KV, so the writer
+    dies (its WRITEs stop; D fails what it was writing; the supervisor restarts it)."""
+    from pushkv.vllm.worker_side import WorkerSide
+
+    ws = WorkerSide(P.settings("P-unit", 1, {"transfer_s": 0.3}), 0, "prefill")
+    ws.cmd = _Sent()
+    ws.proc = _Proc()
+    push = _events(ws)
+    try:
+        ws.preempted({"r1": "T1"})
+        assert ws.proc.killed
+        ws.proc = _Proc()
+        ws.proc.killed = True  # a dead writer reads nothing: no wait at all
+        ws.preempted({"r3": "T3"})
+    finally:
+        push.close(0)
+        ws.events.close(0)
+
+
+@pytest.mark.parametrize("cached,blocks,tokens,why", [
+    (0, 3, 300, ""),  # nothing cached: as before
+    (256, 1, 300, ""),  # two blocks cached, the third registered
+    (256, 2, 300, "2 blocks registered for tokens [256, 300), which fill 1 blocks"),
+    (100, 2, 300, "not whole blocks of 128"),
+    (384, 0, 300, "leaves nothing of the 300-token prompt"),
+])
+def test_cached_tokens_must_agree_with_the_registered_blocks(cached, blocks, tokens, why):
+    got = R.cached_problem(128, blocks, tokens, cached)
+    assert (why in got and got) if why else got == "", got
+    assert "block size" in R.cached_problem(0, 1, 300, 128)
+
+
+def test_marks_keep_their_order_with_a_preemption_behind_them():
+    """A preemption notice is handled after every mark the worker sent before it: on the CPU at
+    once; on a GPU behind the marks whose events are still waited for."""
+    from pushkv.vllm import wire as w
+
+    cpu = layer_events.MarkWaiter()
+    a, pre = w.LayersStored("r1", "T1", 0, (1,), 128), w.StreamPreempted("r1", "T1")
+    cpu.submit(a)
+    cpu.submit(pre)
+    assert cpu.ready() == [(a, ""), (pre, "")]
+    cpu.close()
+
+    go = threading.Event()
+
+    class Ev:
+        def synchronize(self):
+            assert go.wait(10)
+
+    gpu = layer_events.MarkWaiter(lambda handle: Ev())
+    marked = w.LayersStored("r1", "T1", 0, (1,), 128, b"h")
+    gpu.submit(marked)
+    gpu.submit(pre)
+    assert gpu.ready() == []  # the preemption waits behind the event
+    go.set()
+    got = []
+    deadline = time.monotonic() + 10
+    while len(got) < 2 and time.monotonic() < deadline:
+        select.select([gpu.fd], [], [], 1.0)
+        got += gpu.ready()
+    assert got == [(marked, ""), (pre, "")]
+    gpu.close()
