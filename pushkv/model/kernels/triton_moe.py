@@ -27,7 +27,7 @@ more programs share the few experts' bytes; experiments/moe_bench.py sweeps them
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Union
+from typing import NamedTuple, Union
 
 import torch
 import torch.nn.functional as F
