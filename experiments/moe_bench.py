@@ -32,6 +32,7 @@ from pushkv.model.kernels import triton_moe
 from pushkv.model.kernels.triton_moe import Tiles
 from pushkv.model.kernels.triton_moe_decode import DECODE_TOKENS, DecodeTiles
 from pushkv.model.moe import moe_mlp, route
+from tools.roofline import chosen_experts
 
 E, K, D, INTER = 128, 8, 2048, 768
 LAYERS = 8  # layers (own weights each) in the layer graph: 8 x 1.2 GB, far past L2
@@ -247,20 +248,13 @@ def profile_step(args) -> None:
 
 
 def _chosen_experts(fwd, seqs, views) -> list[int]:
-    """Experts each layer's routing chooses for this step's tokens (one eager step, counted)."""
-    counts: list[int] = []
-    real = triton_moe.moe_mlp
-
-    def counting(h, router, gate_up, down, k, renorm, tiles=None):
-        counts.append(int(route(h, router, k, renorm)[1].unique().numel()))
-        return real(h, router, gate_up, down, k, renorm, tiles)
-
-    triton_moe.moe_mlp, fwd.use_graphs = counting, False
+    """Experts each layer's routing chooses for this step's tokens (one eager step, counted as pushkv
+    roofline counts them)."""
+    fwd.use_graphs = False
     try:
-        fwd.logits(seqs, views)
+        return chosen_experts(fwd.m, lambda: fwd.logits(seqs, views))
     finally:
-        triton_moe.moe_mlp, fwd.use_graphs = real, True
-    return counts
+        fwd.use_graphs = True
 
 
 _TILES_FOR = triton_moe.tiles_for
