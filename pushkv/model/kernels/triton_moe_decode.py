@@ -13,8 +13,8 @@ sixth step. Here:
   ``F.linear`` instead; moe_bench sweeps both);
 - ``_gate_up_kernel``: one program per (slot, column tile), where slot = (token, k-th choice): it
   routes its token itself (softmax in float32, k rounds of the largest probability, the lowest expert
-  on a tie, renormalised or not) from the token's E logits, a few hundred bytes, and keeps its own
-  pick; then ``silu(gate) * up`` for its columns as a GEMV over the one token row. The programs of
+  on a tie, one reduction a round; renormalised or not) from the token's E logits, a few hundred
+  bytes, and keeps its own pick; then ``silu(gate) * up`` for its columns as a GEMV over the one token row. The programs of
   column tile 0 store the routing for the next launch. Programs are numbered slot-fastest, so the
   slots of one column tile run together and two tokens that chose one expert read its tile once
   from HBM and once from L2;
@@ -87,22 +87,26 @@ def _router_kernel(H, R, Logits, E, d, stride_h, stride_r, stride_l, BE: tl.cons
 @triton.jit
 def _pick(Logits, t, j, E, stride_l, K: tl.constexpr, RENORM: tl.constexpr, EP: tl.constexpr):
     """(expert, weight in float32) of token t's j-th choice: the reference's softmax, top-k (the
-    lowest expert on a tie) and renormalisation over the k chosen."""
+    lowest expert on a tie) and renormalisation over the k chosen. Each round is one reduction, over
+    keys that order as the probabilities do and then by the lower expert: a probability's float32
+    bits (it is >= 0, so they order as it does) above the expert's index counted down."""
     e = tl.arange(0, EP)
     x = tl.load(Logits + t * stride_l + e, mask=e < E, other=float("-inf")).to(tl.float32)
     p = tl.exp(x - tl.max(x, 0))
     p = p / tl.sum(p, 0)
-    left = tl.where(e < E, p, -1.0)
+    key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (EP - 1 - e)
+    key = tl.where(e < E, key, -1)
     total = 0.0
     mine_e = 0
     mine_p = 0.0
     for r in tl.static_range(K):
-        best = tl.max(left, 0)
-        pick = tl.min(tl.where(left == best, e, EP), 0)
-        left = tl.where(e == pick, -1.0, left)
-        total += best
+        best = tl.max(key, 0)
+        pick = EP - 1 - best.to(tl.int32)  # the low 32 bits
+        prob = (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        key = tl.where(e == pick, -1, key)
+        total += prob
         mine_e = tl.where(j == r, pick, mine_e)
-        mine_p = tl.where(j == r, best, mine_p)
+        mine_p = tl.where(j == r, prob, mine_p)
     if RENORM:
         mine_p = mine_p / total
     return mine_e, mine_p
