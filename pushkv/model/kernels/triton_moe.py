@@ -4,7 +4,7 @@ per projection. Equals ``pushkv.model.moe.moe_mlp`` (the torch reference). A dec
 GEMVs, a token's slots summed in the down projection), unless it is handed ``Tiles`` (moe_bench
 compares the two).
 
-A decode step routes a few tokens to a few experts each: its bytes are the chosen experts'
+A step of a few dozen tokens routes each to a few experts: its bytes are the chosen experts'
 weights, a few tens of microseconds on an H200, so what a layer costs beyond them is launches.
 A layer is five, none waiting for the host (so the decode step's CUDA graph captures it;
 a step of more than ``FUSED_ROUTE_TOKENS`` routes and groups in torch instead, also without a sync):
@@ -22,8 +22,8 @@ a step of more than ``FUSED_ROUTE_TOKENS`` routes and groups in torch instead, a
 - the sum of a token's k slots (torch; no atomics, so the sum is deterministic).
 
 Only the experts that tokens chose are read, each once per row block. Tiles come from
-:func:`tiles_for` (small row blocks and narrow column tiles for a decode step's few slots, so that
-more programs share the few experts' bytes; experiments/moe_bench.py sweeps them).
+:func:`tiles_for` (small row blocks for a few slots per expert, so that more programs share the
+experts' bytes; experiments/moe_bench.py sweeps them).
 """
 from __future__ import annotations
 
