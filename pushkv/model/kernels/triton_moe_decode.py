@@ -14,10 +14,10 @@ sixth step. Here:
 - ``_gate_up_kernel``: one program per (slot, column tile), where slot = (token, k-th choice): it
   routes its token itself (softmax in float32, k rounds of the largest probability, the lowest expert
   on a tie, one reduction a round; renormalised or not) from the token's E logits, a few hundred
-  bytes, and keeps its own pick; then ``silu(gate) * up`` for its columns as a GEMV over the one token row. The programs of
-  column tile 0 store the routing for the next launch. Programs are numbered slot-fastest, so the
-  slots of one column tile run together and two tokens that chose one expert read its tile once
-  from HBM and once from L2;
+  bytes, and keeps its own pick; then ``silu(gate) * up`` for its columns as a GEMV over the one
+  token row. The programs of column tile 0 store the routing for the next launch. Programs are
+  numbered slot-fastest, so the slots of one column tile run together and two tokens that chose one
+  expert read its tile once from HBM and once from L2;
 - ``_down_kernel``: one program per (token, column tile of the hidden size): the token's k slots in
   order j = 0..k-1, each its expert's down projection (rounded), times its weight (rounded), summed
   in float32 and rounded once. No atomics and no per-slot buffer: a token's bits depend on nothing
