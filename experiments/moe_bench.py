@@ -45,7 +45,7 @@ SWEEP = [Tiles(16, bu, bd, bk, 4, st) for bu, bd, bk in
 _DECODE = DecodeTiles(16, 256, 4, 256, 2, 4, 3)
 DECODE_SWEEP = [_DECODE] + [_DECODE._replace(**{knob: v}) for knob, values in
                             (("bn_up", (8, 32)), ("bk_up", (128, 512)), ("bn_down", (2, 8, 16)),
-                             ("bk_down", (128, 512)), ("be", (0, 1, 4)), ("warps", (2, 8)), ("stages", (2, 4)))
+                             ("bk_down", (128, 512)), ("be", (0, 1, 4)), ("warps", (2, 8)))
                             for v in values] + [
     DecodeTiles(8, 512, 2, 256, 2, 4, 3), DecodeTiles(32, 128, 8, 128, 4, 8, 4), DecodeTiles(8, 256, 8, 256, 1, 2, 3)]
 PREFILL_SWEEP = [Tiles(bm, bu, bd, bk, w, st) for bm, bu, bd in ((64, 64, 64), (64, 128, 128), (128, 64, 64),

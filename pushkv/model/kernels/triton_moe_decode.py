@@ -16,12 +16,12 @@ sixth step. Here:
   on a tie, one reduction a round; renormalised or not) from the token's E logits, a few hundred
   bytes, and keeps its own pick; then ``silu(gate) * up`` for its columns as a GEMV over the one
   token row. The programs of column tile 0 store the routing for the next launch. Programs are
-  numbered slot-fastest, so the slots of one column tile run together and two tokens that chose one
-  expert read its tile once from HBM and once from L2;
+  numbered slot-fastest, so the slots of one column tile run together and a second token that chose
+  the same expert finds its tile in L2;
 - ``_down_kernel``: one program per (token, column tile of the hidden size): the token's k slots in
   order j = 0..k-1, each its expert's down projection (rounded), times its weight (rounded), summed
-  in float32 and rounded once. No atomics and no per-slot buffer: a token's bits depend on nothing
-  but its own routing and the tile, not on the batch it ran in.
+  in float32 and rounded once. No atomics and no per-slot buffer: a token's bits depend on its own
+  row and the tiles only, never on the run or (with the router's own kernel, ``be > 0``) the batch.
 
 Rounding points are the reference's (each projection, the SiLU, each slot times its weight); the sum
 of a token's slots runs in float32 where the reference adds in the model dtype, as the grouped path's
@@ -49,7 +49,8 @@ DECODE_TOKENS = 8
 
 class DecodeTiles(NamedTuple):
     """A decode launch's tiles: gate/up columns and depth; down columns and depth; router experts a
-    program (0: torch's F.linear); warps; stages."""
+    program (0: torch's F.linear); warps; stages (kept for the launch, though Triton software-pipelines
+    only loads that feed a ``tl.dot``, and these kernels have none)."""
 
     bn_up: int
     bk_up: int
