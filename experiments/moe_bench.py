@@ -1,5 +1,5 @@
 """Qwen3-30B-A3B's MoE (128 experts, 8 a token, hidden 2048, expert intermediate 768, bf16) on a GPU
-against its bounds, in one command of under three minutes on an H200:
+against its bounds, in one command of a few minutes on an H200:
 
 1. **layer**: one MoE MLP layer, the grouped Triton kernels (pushkv/model/kernels/triton_moe.py) eager
    and captured in a CUDA graph (as the decode step runs them), against the torch reference
