@@ -1,5 +1,5 @@
 """Qwen3-30B-A3B's MoE (128 experts, 8 a token, hidden 2048, expert intermediate 768, bf16) on a GPU
-against its bounds, in one command of under three minutes on an H200:
+against its bounds, in one command of a few minutes on an H200:
 
 1. **layer**: one MoE MLP layer, the grouped Triton kernels (pushkv/model/kernels/triton_moe.py) eager
    and captured in a CUDA graph (as the decode step runs them), against the torch reference
@@ -7,8 +7,9 @@ against its bounds, in one command of under three minutes on an H200:
    once) at the HBM rate a plain device copy reaches here, or the routed tokens' FLOPs at the rate
    one 8k bf16 matmul reaches, whichever is larger. The graph runs LAYERS layers, each with its own
    weights, so no expert is still in L2 from the layer before (a layer's time is the graph's / LAYERS);
-2. **tiles**: the same graph per decode batch for a sweep of tile shapes (``triton_moe.Tiles``), and
-   the best of each batch against ``tiles_for``'s choice;
+2. **tiles**: the same graph per decode batch for a sweep of tile shapes (``triton_moe.Tiles``, and up
+   to ``DECODE_TOKENS`` tokens the ungrouped decode kernels' ``DecodeTiles`` beside the grouped ones),
+   and the best of each batch against ``tiles_for``'s choice;
 3. **model**: a whole decode step of the qwen3-30b-a3b preset (48 layers, random weights drawn on the
    device, a context of --ctx tokens a sequence), CUDA graphs on, with ``tiles_for``'s tiles and with
    the sweep's best, against its bytes bound: every non-expert weight once, the experts each layer's
@@ -29,7 +30,9 @@ import torch
 
 from pushkv.model.kernels import triton_moe
 from pushkv.model.kernels.triton_moe import Tiles
+from pushkv.model.kernels.triton_moe_decode import DECODE_TOKENS, DecodeTiles
 from pushkv.model.moe import moe_mlp, route
+from tools.roofline import chosen_experts
 
 E, K, D, INTER = 128, 8, 2048, 768
 LAYERS = 8  # layers (own weights each) in the layer graph: 8 x 1.2 GB, far past L2
@@ -37,6 +40,14 @@ SWEPT = (1, 8, 32, 64, 4096)  # the decode batches swept (and the whole model's)
 SWEEP = [Tiles(16, bu, bd, bk, 4, st) for bu, bd, bk in
          ((16, 32, 128), (16, 64, 256), (32, 64, 128), (32, 64, 64), (32, 128, 128), (64, 64, 64), (64, 128, 128))
          for st in (3, 4)]
+# the decode kernels around decode_tiles_for's choice, one knob at a time, and a few together; at one token
+# bn_up 32 and bn_down 8 fall under 2 x 132 programs (192, 256), to show what the rule costs
+_DECODE = DecodeTiles(16, 256, 4, 256, 2, 4, 3)
+DECODE_SWEEP = [_DECODE] + [_DECODE._replace(**{knob: v}) for knob, values in
+                            (("bn_up", (8, 32)), ("bk_up", (128, 512)), ("bn_down", (2, 8, 16)),
+                             ("bk_down", (128, 512)), ("be", (0, 1, 4)), ("warps", (2, 8)))
+                            for v in values] + [
+    DecodeTiles(8, 512, 2, 256, 2, 4, 3), DecodeTiles(32, 128, 8, 128, 4, 8, 4), DecodeTiles(8, 256, 8, 256, 1, 2, 3)]
 PREFILL_SWEEP = [Tiles(bm, bu, bd, bk, w, st) for bm, bu, bd in ((64, 64, 64), (64, 128, 128), (128, 64, 64),
                                                                  (128, 128, 128), (128, 128, 64))
                  for bk, w, st in ((32, 4, 4), (64, 4, 3), (64, 8, 3), (64, 8, 4))]
@@ -91,13 +102,20 @@ def layer_graph_ms(h, layers, tiles=None) -> float:
     return timed(g.replay) / len(layers)
 
 
-def bench_layers(args, hbm: float, flops: float) -> tuple[list, list]:
+def tile_record(t) -> list:
+    """A tile as the JSON keeps it: its kind (Tiles: grouped; DecodeTiles: the decode kernels), then its fields."""
+    return [type(t).__name__, *t]
+
+
+def bench_layers(args, hbm: float, flops: float) -> tuple[list, list, dict]:
+    """(rows, every swept time, the best tiles of each swept token count)."""
     layers = [(torch.randn(E, D, dtype=torch.bfloat16, device="cuda") / D ** 0.5,
                torch.randn(E, 2 * INTER, D, dtype=torch.bfloat16, device="cuda") / D ** 0.5,
                torch.randn(E, D, INTER, dtype=torch.bfloat16, device="cuda") / INTER ** 0.5) for _ in range(LAYERS)]
     router, gate_up, down = layers[0]
     expert_bytes = 3 * D * INTER * 2
     rows, sweep = [], []
+    best_of: dict = {}
     for T in [int(t) for t in args.tokens.split(",")]:
         h = torch.randn(T, D, dtype=torch.bfloat16, device="cuda")
         _, experts = route(h, router, K, True)
@@ -114,23 +132,26 @@ def bench_layers(args, hbm: float, flops: float) -> tuple[list, list]:
         row = {"tokens": T, "experts_chosen": chosen, "graph_ms": round(ms_g, 4), "eager_ms": round(ms_k, 4),
                "torch_ms": round(ms_t, 4), "bound_ms": round(bound, 4),
                "bound": "bytes" if bytes_ms >= flop_ms else "flops", "x_bound": round(ms_g / bound, 2),
-               "max_rel_err": round(err, 5), "tiles": list(triton_moe.tiles_for(T))}
+               "max_rel_err": round(err, 5), "tiles": tile_record(triton_moe.tiles_for(T))}
         if T in SWEPT:
             times = {}
-            for t in (SWEEP if T <= triton_moe.FUSED_ROUTE_TOKENS else PREFILL_SWEEP):
+            swept = PREFILL_SWEEP if T > triton_moe.FUSED_ROUTE_TOKENS else SWEEP
+            for t in (DECODE_SWEEP + swept if T <= DECODE_TOKENS else swept):
                 try:
                     times[t] = layer_graph_ms(h, layers, t)
                 except Exception as e:  # a tile the device cannot run (shared memory): said, not hidden
                     print(f"tokens {T}: tiles {tuple(t)} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
             best = min(times, key=times.__getitem__) if times else triton_moe.tiles_for(T)
             times.setdefault(best, ms_g)
-            row.update(best_tiles=list(best), best_ms=round(times[best], 4), best_x_bound=round(times[best] / bound, 2))
-            sweep += [{"tokens": T, "tiles": list(t), "ms": round(ms, 4)} for t, ms in times.items()]
+            best_of[T] = best
+            row.update(best_tiles=tile_record(best), best_ms=round(times[best], 4),
+                       best_x_bound=round(times[best] / bound, 2))
+            sweep += [{"tokens": T, "tiles": tile_record(t), "ms": round(ms, 4)} for t, ms in times.items()]
         rows.append(row)
         print(json.dumps(row), flush=True)
     del layers
     torch.cuda.empty_cache()
-    return rows, sweep
+    return rows, sweep, best_of
 
 
 def bench_model(args, hbm: float, best: dict) -> list:
@@ -227,20 +248,13 @@ def profile_step(args) -> None:
 
 
 def _chosen_experts(fwd, seqs, views) -> list[int]:
-    """Experts each layer's routing chooses for this step's tokens (one eager step, counted)."""
-    counts: list[int] = []
-    real = triton_moe.moe_mlp
-
-    def counting(h, router, gate_up, down, k, renorm, tiles=None):
-        counts.append(int(route(h, router, k, renorm)[1].unique().numel()))
-        return real(h, router, gate_up, down, k, renorm, tiles)
-
-    triton_moe.moe_mlp, fwd.use_graphs = counting, False
+    """Experts each layer's routing chooses for this step's tokens (one eager step, counted as pushkv
+    roofline counts them)."""
+    fwd.use_graphs = False
     try:
-        fwd.logits(seqs, views)
+        return chosen_experts(fwd.m, lambda: fwd.logits(seqs, views))
     finally:
-        triton_moe.moe_mlp, fwd.use_graphs = real, True
-    return counts
+        fwd.use_graphs = True
 
 
 _TILES_FOR = triton_moe.tiles_for
@@ -249,7 +263,10 @@ _TILES_FOR = triton_moe.tiles_for
 def _use_tiles(fwd, tiles) -> None:
     """Make every MoE launch take these tiles (None: tiles_for's), and drop the graphs captured so far
     (and their memory pool, as BatchedForward._graphs_for does)."""
-    triton_moe.tiles_for = _TILES_FOR if tiles is None else (lambda tokens: tiles)
+    def fixed(tokens: int):  # decode tiles serve only a decode step's few tokens
+        return tiles if not isinstance(tiles, DecodeTiles) or tokens <= DECODE_TOKENS else _TILES_FOR(tokens)
+
+    triton_moe.tiles_for = _TILES_FOR if tiles is None else fixed
     if fwd.graphs:
         torch.cuda.synchronize()
         fwd.graphs.clear()
@@ -325,9 +342,8 @@ def main() -> None:
     hbm, flops = device_rates()
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "hbm_GBps": round(hbm / 1e9),
               "bf16_TFLOPs": round(flops / 1e12), "shape": {"experts": E, "k": K, "hidden": D, "intermediate": INTER}}
-    report["layer"], report["sweep"] = bench_layers(args, hbm, flops)
+    report["layer"], report["sweep"], best = bench_layers(args, hbm, flops)
     print(f"layer and sweep: {time.perf_counter() - t0:.0f} s", flush=True)
-    best = {r["tokens"]: Tiles(*r["best_tiles"]) for r in report["layer"] if "best_tiles" in r}
     report["model"] = [] if args.no_model else bench_model(args, hbm, best)
     report["seconds"] = round(time.perf_counter() - t0)
     with open(os.path.join(args.out, "moe_bench.json"), "w") as f:

@@ -5,10 +5,13 @@ written per second by a large device-to-device copy) and the bf16 matmul through
 (8192^3), then times the model's steps and prints each against the bound it would
 have at those rates:
 - decode, batch B over context C: bound = max(bytes / bandwidth, flops / matmul rate),
-  bytes = every weight once + B x C tokens of KV (+ the new K/V), flops = 2 x
-  non-embedding params x B + attention;
-- prefill of L tokens: achieved TFLOP/s (matmuls + causal attention) against the
-  measured matmul rate.
+  bytes = every weight once (of the embedding, the B rows looked up) + B x C tokens of
+  KV (+ the new K/V), flops = 2 x
+  non-embedding params x B + attention; for a mixture of experts, of the experts'
+  weights only those of the experts the step's routing chose (counted per layer on the
+  step's own tokens, one eager step), and each token's FLOPs through its k experts;
+- prefill of L tokens: achieved TFLOP/s (matmuls, a token's k experts for a mixture of
+  experts, and causal attention) against the measured matmul rate.
 Decode runs through the CUDA graphs the worker uses, and eager for comparison.
 Cells whose KV does not fit the free memory are skipped (said so, not hidden).
 """
@@ -25,6 +28,7 @@ import torch
 from pushkv.config import preset
 from pushkv.messages import SeqWork
 from pushkv.model.build import build_model
+from pushkv.model.moe import route
 
 
 def copy_bandwidth(dev, nbytes=4 << 30, reps=10) -> float:
@@ -53,23 +57,76 @@ def _time(fn, reps: int, warm: int = 3) -> float:
 
 
 def model_counts(model) -> dict:
+    """Parameter and byte counts of a built model. ``matmul_params``: what every token multiplies
+    through (attention, the router, a dense MLP); ``expert_params``: one expert of one layer (0 for a
+    dense model), of which a token goes through ``experts_per_token`` a layer."""
     cfg, w = model.cfg, model.w
-    layer = sum(t.numel() for lw in w.layers for t in (lw.qkv, lw.o, lw.gate_up, lw.down))
+    dense = sum(t.numel() for lw in w.layers for t in (lw.qkv, lw.o))
+    experts = sum(lw.gate_up.numel() + lw.down.numel() for lw in w.layers)
+    if cfg.is_moe:
+        dense += sum(lw.router.numel() for lw in w.layers)
+        expert_params = experts // (cfg.num_experts * len(w.layers))
+    else:
+        dense += experts
+        expert_params = 0
     head = w.lm_head.numel()
-    total = layer + head + (0 if w.embed is w.lm_head else w.embed.numel())
-    return dict(matmul_params=layer, head_params=head, weight_bytes=total * model.dtype.itemsize,
+    embed = 0 if w.embed is w.lm_head else w.embed.numel()
+    item = model.dtype.itemsize
+    return dict(matmul_params=dense, head_params=head, embed_params=embed, hidden=cfg.hidden_size,
+                expert_params=expert_params,
+                moe_layers=len(w.layers) if cfg.is_moe else 0, num_experts=cfg.num_experts,
+                experts_per_token=cfg.experts_per_token, itemsize=item,
+                weight_bytes=(dense + head + embed + expert_params * cfg.num_experts * len(w.layers)) * item,
                 kv_bytes_per_token=cfg.kv_bytes_per_token(),
                 attn_width=cfg.num_layers * cfg.num_heads * cfg.head_dim)
 
 
-def decode_bound(c: dict, B: int, ctx: int, bw: float, rate: float) -> float:
-    nbytes = c["weight_bytes"] + B * (ctx + 1) * c["kv_bytes_per_token"]
-    flops = 2 * (c["matmul_params"] + c["head_params"]) * B + 4 * B * (ctx + 1) * c["attn_width"]
-    return max(nbytes / bw, flops / rate)
+def decode_bytes(c: dict, B: int, ctx: int, experts_read: int = 0) -> int:
+    """Bytes a decode step reads at least: the weights every token uses, the B rows of the embedding it
+    looks up (an untied one: a tied one is read whole as the lm_head), the ``experts_read`` experts
+    (summed over layers) its routing chose, the KV."""
+    if c["moe_layers"] and experts_read < c["moe_layers"] * c["experts_per_token"]:
+        raise ValueError(f"experts_read={experts_read}: a mixture of experts reads at least k = "
+                         f"{c['experts_per_token']} experts in each of its {c['moe_layers']} layers")
+    rows = B * c["hidden"] if c["embed_params"] else 0
+    weights = c["matmul_params"] + c["head_params"] + rows + experts_read * c["expert_params"]
+    return weights * c["itemsize"] + B * (ctx + 1) * c["kv_bytes_per_token"]
+
+
+def token_params(c: dict) -> int:
+    """The matmul parameters one token goes through (its k experts a layer, not every expert)."""
+    return c["matmul_params"] + c["moe_layers"] * c["experts_per_token"] * c["expert_params"]
+
+
+def decode_bound(c: dict, B: int, ctx: int, bw: float, rate: float, experts_read: int = 0) -> float:
+    flops = 2 * (token_params(c) + c["head_params"]) * B + 4 * B * (ctx + 1) * c["attn_width"]
+    return max(decode_bytes(c, B, ctx, experts_read) / bw, flops / rate)
 
 
 def prefill_flops(c: dict, L: int) -> float:
-    return 2 * c["matmul_params"] * L + 2 * c["head_params"] + 2 * L * L * c["attn_width"]
+    return 2 * token_params(c) * L + 2 * c["head_params"] + 2 * L * L * c["attn_width"]
+
+
+def chosen_experts(model, run) -> list[int]:
+    """The experts each MoE layer's routing chose in one step, ``run()`` (eager: a graph replay runs no
+    Python), counted as the union over the layer's calls (the per-sequence engine calls it once a
+    sequence); one count a layer, in order."""
+    chosen: dict[int, set] = {}
+    real = model.mlp_delta
+    cfg = model.cfg
+
+    def counting(lw, h):
+        if lw.router is not None:
+            picked = route(h, lw.router, cfg.experts_per_token, cfg.norm_topk_prob)[1]
+            chosen.setdefault(id(lw), set()).update(picked.flatten().tolist())
+        return real(lw, h)
+
+    model.mlp_delta = counting
+    try:
+        run()
+    finally:
+        del model.mlp_delta  # the class's method again
+    return [len(v) for v in chosen.values()]
 
 
 def plot(json_path: str, out_png: str) -> None:
@@ -146,16 +203,19 @@ def main(argv=None) -> int:
             if B * nb > nblocks:
                 print(f"{'':>8} {B:>5} {ctx:>6} skipped: needs {B * nb} blocks, pool has {nblocks}")
                 continue
-            seqs = [SeqWork(i, (1,), ctx, tuple(range(i * nb, (i + 1) * nb))) for i in range(B)]
+            # tokens apart, so a mixture of experts routes the sequences as a batch of users would
+            seqs = [SeqWork(i, ((1 + 7 * i) % cfg.vocab_size,), ctx, tuple(range(i * nb, (i + 1) * nb)))
+                    for i in range(B)]
             run = functools.partial(fwd.logits, seqs, views)
             fwd.use_graphs = True
             g = _time(run, args.reps)
             fwd.use_graphs = False
             e = _time(run, max(3, args.reps // 3), warm=1)
+            read = sum(chosen_experts(model, run)) if cfg.is_moe else 0
             fwd.use_graphs = True
-            bound = decode_bound(c, B, ctx, bw, rate)
-            moved = c["weight_bytes"] + B * (ctx + 1) * c["kv_bytes_per_token"]
-            rows.append(dict(kind="decode", batch=B, ctx=ctx, graph_s=g, eager_s=e, bound_s=bound))
+            bound = decode_bound(c, B, ctx, bw, rate, read)
+            moved = decode_bytes(c, B, ctx, read)
+            rows.append(dict(kind="decode", batch=B, ctx=ctx, graph_s=g, eager_s=e, bound_s=bound, experts_read=read))
             print(f"{'':>8} {B:>5} {ctx:>6} {g * 1e3:>9.2f} {e * 1e3:>9.2f} {bound * 1e3:>9.2f} "
                   f"{g / bound:>8.2f} {moved / g / 1e9:>6.0f}", flush=True)
     print(f"\n{'prefill':>8} {'tokens':>6} {'ms':>9} {'TFLOP/s':>8} {'of matmul':>9}")

@@ -28,6 +28,15 @@ def moe_mlp(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: 
     """h [T, d] (normed) -> [T, d]: the routed experts' SwiGLU outputs, weighted and summed.
     gate_up [E, 2 i, d], down [E, d, i] (this rank's i columns: a partial sum under TP)."""
     weights, experts = route(h, router, k, renorm)
+    return routed_experts(h, weights, experts, gate_up, down)
+
+
+def routed_experts(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
+                   down: torch.Tensor) -> torch.Tensor:
+    """The experts' half of ``moe_mlp`` for a routing already made (weights and expert ids [T, k]):
+    each projection rounded to h's dtype, each slot's output times its weight rounded, and a
+    token's slots summed in h's dtype in the order of their expert ids."""
+    k = experts.shape[1]
     flat = experts.flatten()
     order = flat.argsort(stable=True)  # token-slots grouped by expert, tokens in order within
     rows = order // k

@@ -1,9 +1,12 @@
-"""The grouped MoE kernels (model/kernels/triton_moe.py) equal the torch reference
+"""The MoE kernels (model/kernels/triton_moe.py, triton_moe_decode.py) equal the torch reference
 (model/moe.py): the slot grouping in-process, the kernels under Triton's interpreter on the CPU
 (a child process: the switch is read at import) and on a GPU when there is one: the fused routing
-and grouping kernel against ``route`` + ``group_slots`` exactly, the layer against the reference
-at every tile ``tiles_for`` picks, and (GPU) the layer captured in a CUDA graph and replayed on
-new tokens.
+and grouping kernel against ``route`` + ``group_slots`` exactly, the grouped layer against the
+reference at every tile ``tiles_for`` picks (and at the grouped tiles for a few tokens), the decode
+kernels (1, 2, 7, 8 tokens; ties; renormalised or not) against the reference routed with the
+kernels' tie rule, bit for bit run to run and batch to batch, and at the reference's rounding points
+(float16, whose rounding the interpreter does as the GPU does); and (GPU) the layer captured in a
+CUDA graph and replayed on new tokens.
 
     pytest tests/model/test_moe_kernel.py -v -p no:cacheprovider    (on a GPU: the GPU cases)
 """
@@ -40,14 +43,15 @@ for T, E, k, d, i, renorm, dtype in json.loads(sys.argv[2]):
     down = (torch.randn(E, d, i, generator=g) / i ** 0.5).to(dev, dt)
     ref = moe_mlp(h, router, gate_up, down, k, bool(renorm)).float().cpu()
     got = triton_moe.moe_mlp(h, router, gate_up, down, k, bool(renorm)).float().cpu()
-    # every tile size tiles_for picks, on the smaller shapes (the interpreter is slow)
-    tiles = {triton_moe.tiles_for(n) for n in (1, 100, 5000)} if T < 10 else set()
+    # every grouped tile size tiles_for picks, and the grouped path at a decode step's few tokens, on the
+    # smaller shapes (the interpreter is slow)
+    tiles = {triton_moe.tiles_for(n) for n in (100, 5000)} | {triton_moe.Tiles(16, 32, 64, 128)} if T < 10 else set()
     errs = [float((ref - triton_moe.moe_mlp(h, router, gate_up, down, k, bool(renorm), tiles=t).float().cpu())
                   .abs().max()) for t in tiles] + [0.0]
     # the fused routing + grouping against route + group_slots: each token's same experts (as a set: CUDA's top-k
     # may order a token's k experts differently from the CPU's) and the same slot table
     w, ex = route(h, router, k, bool(renorm))
-    bm = triton_moe.tiles_for(T).bm
+    bm = 16
     kw, kex, slots, blocks = triton_moe.route_group(h, router, k, bool(renorm), bm)
     ref_slots, ref_blocks = triton_moe.group_slots(kex.view(T, k).long(), E, bm)
     out.append({"err": float((ref - got).abs().max()), "tile_err": max(errs), "scale": float(ref.abs().max()),
@@ -57,12 +61,89 @@ for T, E, k, d, i, renorm, dtype in json.loads(sys.argv[2]):
 print(json.dumps(out))
 """
 
+# (tokens, experts, k, hidden, intermediate, renorm, ties, dtype, tiles). "ties": every expert has a
+# twin (router rows 2m and 2m+1 equal), so each token's probabilities come in tied pairs: with k odd
+# the k-th choice splits a pair (the lower expert is to win), with k even a pair is chosen whole.
+# float16 at k = 2 checks the rounding points: the interpreter rounds float16 as the GPU does (its
+# bfloat16 truncates), and two slots sum alike in float32 and in the reference's float16 adds.
+# Tiles: "default" (decode_tiles_for), "fine" (every shape cut into several masked column tiles and
+# depth chunks; one router row a program), "coarse" (the router in torch; partial tiles).
+DECODE_CASES = [(1, 8, 2, 32, 48, "renorm", "", "float32", "default"),
+                (1, 10, 3, 24, 40, "", "ties", "float32", "fine"),
+                (2, 12, 8, 40, 24, "", "", "float32", "coarse"),  # E not a power of two, k = 8 (Qwen3-MoE's)
+                (2, 8, 3, 32, 32, "renorm", "ties", "float32", "fine"),
+                (7, 8, 3, 40, 48, "renorm", "ties", "float32", "coarse"),
+                (7, 6, 2, 32, 32, "", "ties", "float32", "default"),
+                (8, 6, 2, 40, 24, "", "", "float32", "coarse"),
+                (8, 16, 5, 32, 24, "renorm", "ties", "float32", "coarse"),
+                (1, 8, 2, 64, 96, "renorm", "", "float16", "default"),
+                (8, 12, 2, 64, 48, "", "ties", "float16", "coarse")]
 
-def _run(device: str, cases) -> list[dict]:
+DECODE_SCRIPT = r"""
+import json, sys, torch
+from pushkv.model.moe import routed_experts, route
+from pushkv.model.kernels import triton_moe
+from pushkv.model.kernels.triton_moe_decode import DecodeTiles, decode_tiles_for, moe_mlp_decode, router_logits
+dev = sys.argv[1]
+out = []
+TILES = {"default": decode_tiles_for(1), "fine": DecodeTiles(16, 16, 4, 16, 1, 2, 2),
+         "coarse": DecodeTiles(32, 64, 16, 64, 0, 8, 3)}
+
+
+def stable_route(logits, k, renorm, dtype):
+    # the kernels' tie rule: the larger probability first, the lower expert on a tie
+    probs = logits.float().softmax(dim=-1)
+    experts = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :k]
+    weights = probs.gather(1, experts)
+    if renorm:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(dtype), experts
+
+
+for T, E, k, d, i, renorm, ties, dtype, tiles in json.loads(sys.argv[2]):
+    tiles = TILES[tiles]
+    g = torch.Generator().manual_seed(T * 11 + E + k)
+    dt = getattr(torch, dtype)
+    h = torch.randn(T, d, generator=g)
+    router = torch.randn(E, d, generator=g)
+    if ties:
+        router[1::2] = router[0:E - E % 2:2]
+    h, router = h.to(dev, dt), router.to(dev, dt)
+    gate_up = (torch.randn(E, 2 * i, d, generator=g) / d ** 0.5).to(dev, dt)
+    down = (torch.randn(E, d, i, generator=g) / i ** 0.5).to(dev, dt)
+    # routed from the logits the kernels computed (checked on their own below), so a bfloat16 logit that
+    # rounds one way on the device and another on the CPU cannot change the experts compared
+    logits = router_logits(h, router, tiles.be).cpu()
+    w_ref, ex_ref = stable_route(logits, k, bool(renorm), dt)
+    ref = routed_experts(h.cpu(), w_ref, ex_ref, gate_up.cpu(), down.cpu()).float()
+    got, w, ex = moe_mlp_decode(h, router, gate_up, down, k, bool(renorm), tiles)
+    # run to run (on the CPU numpy's, so only on a GPU), and each token alone as in the batch (with the
+    # router's own kernel: torch's matmul may sum a batch's logits in another order than one token's)
+    again = moe_mlp_decode(h, router, gate_up, down, k, bool(renorm), tiles)[0] if dev != "cpu" else got
+    alone = torch.cat([moe_mlp_decode(h[t:t + 1], router, gate_up, down, k, bool(renorm), tiles)[0]
+                       for t in range(T)]) if T > 1 and tiles.be else got
+    exact = h.cpu().double() @ router.cpu().double().T
+    diff = (ref - got.float().cpu()).abs()
+    out.append({
+        "err": float(diff.max()), "scale": float(ref.abs().max()), "frac_differ": float((diff > 0).float().mean()),
+        "via_moe_mlp": torch.equal(triton_moe.moe_mlp(h, router, gate_up, down, k, bool(renorm)), got)
+        if tiles == decode_tiles_for(T) else None,
+        "experts": ex.long().cpu().tolist() == ex_ref.tolist(),
+        "topk_sets": [sorted(r) for r in ex.long().cpu().tolist()] == [sorted(r) for r in route(
+            h.cpu(), router.cpu(), k, bool(renorm))[1].tolist()] if not ties else None,
+        "weights": float((w.float().cpu() - w_ref.float()).abs().max()),
+        "same_bits": torch.equal(got, again), "batch_invariant": torch.equal(got, alone),
+        "logits_err": float((logits.double() - exact).abs().max() / exact.abs().max()),
+        "has_ties": bool((logits[:, 0] == logits[:, 1]).all()) if ties else None})
+print(json.dumps(out))
+"""
+
+
+def _run(device: str, cases, script: str = SCRIPT) -> list[dict]:
     env = dict(os.environ)
     if device == "cpu":
         env["TRITON_INTERPRET"] = "1"
-    r = subprocess.run([sys.executable, "-c", SCRIPT, device, json.dumps(cases)], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", script, device, json.dumps(cases)], capture_output=True, text=True,
                        env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -95,6 +176,32 @@ def test_kernels_equal_the_reference_under_the_interpreter():
     for case, r in zip(CASES, _run("cpu", CASES)):
         assert r["err"] <= 1e-4 * max(1.0, r["scale"]) and r["tile_err"] <= 1e-4 * max(1.0, r["scale"]), (case, r)
         assert r["experts"] and r["slots"] and r["weights"] <= 1e-6, (case, r)
+
+
+def _check_decode(case, r, tol: float) -> None:
+    dtype = case[7]
+    assert r["experts"] and r["topk_sets"] in (None, True), (case, r)  # the tie rule, and torch's top-k elsewhere
+    assert r["has_ties"] in (None, True), (case, r)  # the twins did tie
+    assert r["weights"] <= {"float32": 1e-6, "float16": 1e-3, "bfloat16": 1e-2}[dtype], (case, r)  # an ulp or two
+    assert r["logits_err"] <= {"float32": 1e-5, "float16": 1e-3, "bfloat16": 8e-3}[dtype], (case, r)
+    assert r["err"] <= tol * max(1.0, r["scale"]), (case, r)
+    assert r["same_bits"] and r["batch_invariant"] and r["via_moe_mlp"] in (None, True), (case, r)
+
+
+@pytest.mark.unit
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU runs the kernels themselves (below)")
+def test_decode_kernels_equal_the_reference_under_the_interpreter():
+    for case, r in zip(DECODE_CASES, _run("cpu", DECODE_CASES, DECODE_SCRIPT)):
+        _check_decode(case, r, 1e-4 if case[7] == "float32" else 2e-3)
+        if case[7] == "float16":  # a rounding point left out or added shows in a third or more of the outputs
+            assert r["frac_differ"] <= 0.02, (case, r)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_decode_kernels_equal_the_reference():
+    cases = DECODE_CASES + [c[:7] + ("bfloat16", c[8]) for c in DECODE_CASES if c[7] == "float32"]
+    for case, r in zip(cases, _run("cuda", cases, DECODE_SCRIPT)):
+        _check_decode(case, r, {"float32": 1e-4, "float16": 2e-3, "bfloat16": 3e-2}[case[7]])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

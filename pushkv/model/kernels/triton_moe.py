@@ -1,7 +1,10 @@
 """The mixture-of-experts MLP on the GPU (Triton): tokens grouped by expert, one grouped GEMM
-per projection. Equals ``pushkv.model.moe.moe_mlp`` (the torch reference).
+per projection. Equals ``pushkv.model.moe.moe_mlp`` (the torch reference). A decode step of up to
+``DECODE_TOKENS`` tokens takes the three launches of ``triton_moe_decode`` instead (no grouping,
+GEMVs, a token's slots summed in the down projection), unless it is handed ``Tiles`` (moe_bench
+compares the two).
 
-A decode step routes a few tokens to a few experts each: its bytes are the chosen experts'
+A step of a few dozen tokens routes each to a few experts: its bytes are the chosen experts'
 weights, a few tens of microseconds on an H200, so what a layer costs beyond them is launches.
 A layer is five, none waiting for the host (so the decode step's CUDA graph captures it;
 a step of more than ``FUSED_ROUTE_TOKENS`` routes and groups in torch instead, also without a sync):
@@ -19,17 +22,18 @@ a step of more than ``FUSED_ROUTE_TOKENS`` routes and groups in torch instead, a
 - the sum of a token's k slots (torch; no atomics, so the sum is deterministic).
 
 Only the experts that tokens chose are read, each once per row block. Tiles come from
-:func:`tiles_for` (small row blocks and narrow column tiles for a decode step's few slots, so that
-more programs share the few experts' bytes; experiments/moe_bench.py sweeps them).
+:func:`tiles_for` (small row blocks for a few slots per expert, so that more programs share the
+experts' bytes; experiments/moe_bench.py sweeps them).
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Union
 
 import torch
 import torch.nn.functional as F
 
 from pushkv.extras import missing
+from pushkv.model.kernels.triton_moe_decode import DECODE_TOKENS, DecodeTiles, decode_tiles_for, moe_mlp_decode
 from pushkv.model.moe import route
 
 try:
@@ -212,13 +216,13 @@ class Tiles(NamedTuple):
     stages: int = 3
 
 
-def tiles_for(tokens: int) -> Tiles:
-    """Small row blocks for a decode step's few slots per expert (less padding) and narrow gate/up
-    columns (a single token's 8 experts x 768 / 32 = 192 programs, not 96, stream the bytes); larger
-    rows for a prefill's many slots. Chosen by tokens at bounds that are decode graph buckets
-    (pushkv/model/batched.py), so a step sums in the same order replayed or eager."""
-    if tokens <= 8:
-        return Tiles(16, 32, 64, 128)
+def tiles_for(tokens: int) -> Union[Tiles, DecodeTiles]:
+    """A decode step's tiles (``DecodeTiles``: the ungrouped GEMV kernels) up to ``DECODE_TOKENS``;
+    then small row blocks for a few slots per expert (less padding), larger rows for a prefill's many
+    slots. Chosen by tokens at bounds that are decode graph buckets (pushkv/model/batched.py), so a
+    step sums in the same order replayed or eager."""
+    if tokens <= DECODE_TOKENS:
+        return decode_tiles_for(tokens)
     if tokens <= 128:
         return Tiles(16, 64, 64, 64)
     return Tiles(64, 64, 64, 64)
@@ -246,15 +250,20 @@ def route_group(h: torch.Tensor, router: torch.Tensor, k: int, renorm: bool, bm:
 
 
 def moe_mlp(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-            k: int, renorm: bool, tiles: Optional[Tiles] = None) -> torch.Tensor:
+            k: int, renorm: bool, tiles: Union[Tiles, DecodeTiles, None] = None) -> torch.Tensor:
     """As ``pushkv.model.moe.moe_mlp``: h [T, d] (normed), router [E, d], gate_up [E, 2 i, d],
-    down [E, d, i] -> [T, d]. ``tiles``: the launch's tile (default: ``tiles_for``)."""
+    down [E, d, i] -> [T, d]. ``tiles``: the launch's tiles (default: ``tiles_for``); ``DecodeTiles``
+    (up to ``DECODE_TOKENS`` tokens) take the ungrouped decode kernels."""
     T, d = h.shape
     E, two_i, _ = gate_up.shape
     inter = two_i // 2
     n = T * k
     tl_ = tiles or tiles_for(T)
     h = h.contiguous()
+    if isinstance(tl_, DecodeTiles):
+        if T > DECODE_TOKENS:
+            raise ValueError(f"DecodeTiles serve at most {DECODE_TOKENS} tokens, not {T}")
+        return moe_mlp_decode(h, router.contiguous(), gate_up.contiguous(), down.contiguous(), k, renorm, tl_)[0]
     if T <= FUSED_ROUTE_TOKENS:
         weights, _, slot_ids, block_expert = route_group(h, router, k, renorm, tl_.bm)
     else:  # a prefill: the one-program kernel would walk its many slots alone; torch spreads them

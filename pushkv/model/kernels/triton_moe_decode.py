@@ -1,0 +1,204 @@
+"""The mixture-of-experts MLP of a decode step (a few tokens) on the GPU (Triton), in three launches
+and without grouping the slots by expert. Equals ``pushkv.model.moe.moe_mlp`` (the torch reference);
+``triton_moe.moe_mlp`` sends a step of up to ``DECODE_TOKENS`` tokens here.
+
+At one token a layer's bytes are its 8 chosen experts' weights (75 MB in Qwen3-30B-A3B, ~18 us at
+the H200's HBM rate), so a launch, a serial phase or an idle SM is as dear as the bytes. The grouped
+path (``triton_moe``) pays five launches, one of them a single program that routes and groups
+(7.5 us for one token), pads each expert's rows to a 16-row ``tl.dot`` and sums a token's slots in a
+sixth step. Here:
+
+- ``_router_kernel``: the router's logits as a GEMV, one program per (block of ``be`` experts,
+  token), rounded to the model dtype as the reference's ``F.linear`` rounds them (``be = 0``: torch's
+  ``F.linear`` instead; moe_bench sweeps both);
+- ``_gate_up_kernel``: one program per (slot, column tile), where slot = (token, k-th choice): it
+  routes its token itself (softmax in float32, k rounds of the largest probability, the lowest expert
+  on a tie, one reduction a round; renormalised or not) from the token's E logits, a few hundred
+  bytes, and keeps its own pick; then ``silu(gate) * up`` for its columns as a GEMV over the one
+  token row. The programs of column tile 0 store the routing for the next launch. Programs are
+  numbered slot-fastest, so the slots of one column tile run together and a second token that chose
+  the same expert finds its tile in L2;
+- ``_down_kernel``: one program per (token, column tile of the hidden size): the token's k slots in
+  order j = 0..k-1, each its expert's down projection (rounded), times its weight (rounded), summed
+  in float32 and rounded once. No atomics and no per-slot buffer: a token's bits depend on its own
+  row and the tiles only, never on the run or (with the router's own kernel, ``be > 0``) the batch.
+
+Rounding points are the reference's (each projection, the SiLU, each slot times its weight); the sum
+of a token's slots runs in float32 where the reference adds in the model dtype, as the grouped path's
+torch sum does. Nothing waits for the host: the decode step's CUDA graph captures the three launches.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from pushkv.extras import missing
+
+try:
+    import triton
+    import triton.language as tl
+except ModuleNotFoundError as e:  # a CUDA torch build without Triton
+    raise missing("triton", "pushkv's CUDA kernels") from e
+
+# Steps of up to this many tokens take these kernels (a decode graph bucket bound, so a step runs
+# the same path replayed or eager); longer ones group the slots by expert (triton_moe)
+DECODE_TOKENS = 8
+
+
+class DecodeTiles(NamedTuple):
+    """A decode launch's tiles: gate/up columns and depth; down columns and depth; router experts a
+    program (0: torch's F.linear); warps; stages (kept for the launch, though Triton software-pipelines
+    only loads that feed a ``tl.dot``, and these kernels have none)."""
+
+    bn_up: int
+    bk_up: int
+    bn_down: int
+    bk_down: int
+    be: int
+    warps: int = 4
+    stages: int = 3
+
+
+def decode_tiles_for(tokens: int) -> DecodeTiles:
+    """Grids that spread a step's bytes over >= 2 x the H200's 132 SMs at one token (Qwen3-30B-A3B: E =
+    128, k = 8, hidden 2048, expert intermediate 768): gate/up 8 slots x 768 / 16 = 384 programs of 2
+    x 16 rows x 2048 (128 KB each; 3,072 at eight tokens); down 1 token x 2048 / 4 = 512 programs of 8
+    experts x 4 rows x 768 (48 KB each; 4,096 at eight tokens); the router 128 / 2 = 64 programs x
+    tokens of 8 KB (0.5 MB: its bytes are 1 % of the step's). moe_bench sweeps the alternatives."""
+    return DecodeTiles(16, 256, 4, 256, 2)
+
+
+@triton.jit
+def _router_kernel(H, R, Logits, E, d, stride_h, stride_r, stride_l, BE: tl.constexpr, BK: tl.constexpr):
+    t = tl.program_id(1).to(tl.int64)
+    e = tl.program_id(0) * BE + tl.arange(0, BE)
+    kk = tl.arange(0, BK)
+    acc = tl.zeros((BE, BK), dtype=tl.float32)
+    for k0 in range(0, d, BK):
+        k = k0 + kk
+        a = tl.load(H + t * stride_h + k, mask=k < d, other=0.0).to(tl.float32)
+        w = tl.load(R + e[:, None].to(tl.int64) * stride_r + k[None, :], mask=(e[:, None] < E) & (k[None, :] < d),
+                    other=0.0).to(tl.float32)
+        acc += w * a[None, :]
+    tl.store(Logits + t * stride_l + e, tl.sum(acc, 1).to(Logits.dtype.element_ty), mask=e < E)
+
+
+@triton.jit
+def _pick(Logits, t, j, E, stride_l, K: tl.constexpr, RENORM: tl.constexpr, EP: tl.constexpr):
+    """(expert, weight in float32) of token t's j-th choice: the reference's softmax, top-k (the
+    lowest expert on a tie) and renormalisation over the k chosen. Each round is one reduction, over
+    keys that order as the probabilities do and then by the lower expert: a probability's float32
+    bits (it is >= 0, so they order as it does) above the expert's index counted down."""
+    e = tl.arange(0, EP)
+    x = tl.load(Logits + t * stride_l + e, mask=e < E, other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, 0))
+    p = p / tl.sum(p, 0)
+    key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (EP - 1 - e)
+    key = tl.where(e < E, key, -1)
+    total = 0.0
+    mine_e = 0
+    mine_p = 0.0
+    for r in tl.static_range(K):
+        best = tl.max(key, 0)
+        pick = EP - 1 - best.to(tl.int32)  # the low 32 bits
+        prob = (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        key = tl.where(e == pick, -1, key)
+        total += prob
+        mine_e = tl.where(j == r, pick, mine_e)
+        mine_p = tl.where(j == r, prob, mine_p)
+    if RENORM:
+        mine_p = mine_p / total
+    return mine_e, mine_p
+
+
+@triton.jit
+def _gate_up_kernel(H, Logits, W, Act, Weights, Experts, E, d, inter, stride_h, stride_l, stride_we, stride_wn,
+                    stride_act, K: tl.constexpr, RENORM: tl.constexpr, EP: tl.constexpr, BN: tl.constexpr,
+                    BK: tl.constexpr):
+    s = tl.program_id(0)
+    t = s // K
+    e, wt = _pick(Logits, t, s % K, E, stride_l, K, RENORM, EP)
+    if tl.program_id(1) == 0:  # the routing, once, for the down projection
+        tl.store(Weights + s, wt.to(Weights.dtype.element_ty))
+        tl.store(Experts + s, e)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    kk = tl.arange(0, BK)
+    acc_g = tl.zeros((BN, BK), dtype=tl.float32)
+    acc_u = tl.zeros((BN, BK), dtype=tl.float32)
+    w_base = W + e.to(tl.int64) * stride_we
+    h_base = H + t.to(tl.int64) * stride_h
+    for k0 in range(0, d, BK):
+        k = k0 + kk
+        a = tl.load(h_base + k, mask=k < d, other=0.0).to(tl.float32)
+        wmask = (cols[:, None] < inter) & (k[None, :] < d)
+        wg = tl.load(w_base + cols[:, None] * stride_wn + k[None, :], mask=wmask, other=0.0)
+        wu = tl.load(w_base + (cols[:, None] + inter) * stride_wn + k[None, :], mask=wmask, other=0.0)
+        acc_g += wg.to(tl.float32) * a[None, :]
+        acc_u += wu.to(tl.float32) * a[None, :]
+    # the reference rounds each projection to the model dtype before SiLU and the product
+    g = tl.sum(acc_g, 1).to(Act.dtype.element_ty).to(tl.float32)
+    u = tl.sum(acc_u, 1).to(Act.dtype.element_ty).to(tl.float32)
+    act = (g * tl.sigmoid(g)).to(Act.dtype.element_ty).to(tl.float32) * u
+    tl.store(Act + s.to(tl.int64) * stride_act + cols, act.to(Act.dtype.element_ty), mask=cols < inter)
+
+
+@triton.jit
+def _down_kernel(Act, W, Weights, Experts, Out, d, inter, stride_act, stride_we, stride_wn, stride_out,
+                 K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    kk = tl.arange(0, BK)
+    out = tl.zeros((BN,), dtype=tl.float32)
+    for j in range(K):  # a token's slots in a fixed order: the sum is the same bits every run
+        s = t * K + j
+        e = tl.load(Experts + s).to(tl.int64)
+        wt = tl.load(Weights + s).to(tl.float32)
+        w_base = W + e * stride_we
+        acc = tl.zeros((BN, BK), dtype=tl.float32)
+        for k0 in range(0, inter, BK):
+            k = k0 + kk
+            a = tl.load(Act + s * stride_act + k, mask=k < inter, other=0.0).to(tl.float32)
+            w = tl.load(w_base + cols[:, None] * stride_wn + k[None, :],
+                        mask=(cols[:, None] < d) & (k[None, :] < inter), other=0.0)
+            acc += w.to(tl.float32) * a[None, :]
+        y = tl.sum(acc, 1).to(Out.dtype.element_ty).to(tl.float32) * wt
+        out += y.to(Out.dtype.element_ty).to(tl.float32)
+    tl.store(Out + t * stride_out + cols, out.to(Out.dtype.element_ty), mask=cols < d)
+
+
+def router_logits(h: torch.Tensor, router: torch.Tensor, be: int, bk: int = 256) -> torch.Tensor:
+    """h [T, d], router [E, d] -> logits [T, E] in h's dtype; ``be`` experts a program (0: F.linear)."""
+    if be == 0:
+        return F.linear(h, router)
+    T, d = h.shape
+    E = router.shape[0]
+    logits = torch.empty((T, E), dtype=h.dtype, device=h.device)
+    _router_kernel[(triton.cdiv(E, be), T)](h, router, logits, E, d, h.stride(0), router.stride(0), logits.stride(0),
+                                            BE=be, BK=bk)
+    return logits
+
+
+def moe_mlp_decode(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, k: int,
+                   renorm: bool, tiles: DecodeTiles) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(output [T, d], routing weights [T, k] in h's dtype, expert ids [T, k] int32) of the MoE MLP; h
+    [T, d] contiguous (normed), router [E, d], gate_up [E, 2 i, d], down [E, d, i], all contiguous."""
+    T, d = h.shape
+    E, two_i, _ = gate_up.shape
+    inter = two_i // 2
+    n = T * k
+    dev = h.device
+    logits = router_logits(h, router, tiles.be)
+    weights = torch.empty((T, k), dtype=h.dtype, device=dev)
+    experts = torch.empty((T, k), dtype=torch.int32, device=dev)
+    act = torch.empty((n, inter), dtype=h.dtype, device=dev)
+    _gate_up_kernel[(n, triton.cdiv(inter, tiles.bn_up))](
+        h, logits, gate_up, act, weights, experts, E, d, inter, h.stride(0), logits.stride(0), gate_up.stride(0),
+        gate_up.stride(1), act.stride(0), K=k, RENORM=renorm, EP=triton.next_power_of_2(E), BN=tiles.bn_up,
+        BK=tiles.bk_up, num_warps=tiles.warps, num_stages=tiles.stages)
+    out = torch.empty_like(h)
+    _down_kernel[(T, triton.cdiv(d, tiles.bn_down))](
+        act, down, weights, experts, out, d, inter, act.stride(0), down.stride(0), down.stride(1), out.stride(0),
+        K=k, BN=tiles.bn_down, BK=tiles.bk_down, num_warps=tiles.warps, num_stages=tiles.stages)
+    return out, weights, experts
