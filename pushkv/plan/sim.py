@@ -10,8 +10,12 @@ What it models, as pushkv does it:
   a step runs go in the next step together (``plan/prefill_step.py``: arrival order, up to the
   profile's ``max_batch_tokens`` and ``max_num_seqs``; budget 0, one prompt a step), the step costs
   the router's prefill price of all its tokens (one fixed part a step), and every prompt of it waits
-  for the whole step, its layer groups stored at the step's shares; the router picks the P that would finish first and the D holding the most of the prompt
-  (``router.policy``'s rules, the same prices);
+  for the whole step, its layer groups stored at the step's shares; the router picks the P that
+  would finish first and the D holding the most of the prompt (``router.policy``'s rules, the
+  same prices);
+- **one device** (``profile.one_device``: P and D on one GPU): the steps of P and D that run at
+  once share it, each at an equal share of its time (the GPU time-slices between the processes),
+  so a prefill while D decodes takes up to twice its lone time, and D's steps too;
 - **D** runs continuous batching: a step of ``b`` sequences of mean context ``c`` costs
   ``step_ms(b, c)``; a prefill on D (local mode, or conditional disaggregation's decode-local)
   runs inside a step and every sequence of that step waits for it;

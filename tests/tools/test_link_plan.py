@@ -38,8 +38,15 @@ def test_the_profile_is_the_lone_figures_and_the_cap():
     assert c.handoff_ms_per_block == pytest.approx(PER_BLOCK_MS)
     assert c.handoff_ms_fixed == pytest.approx(5.0)  # the lone tail less 16 blocks on the capped link
     assert c.prefill_ms_per_token * 256 == pytest.approx(110.0)  # the median over both modes' prefill
-    assert c.prefill_ms_fixed == pytest.approx(5.0)  # TTFT less the prefill and the tail
+    assert c.prefill_ms_fixed == 0.0  # a step's: TTFT's rest (less the prefill and the tail) is each request's
+    assert LP.lone_rest_ms(results(), RATE, "push", 256) == pytest.approx(5.0)
     assert (prof.link_window, prof.link_order, prof.layer_groups) == (1, "arrival", 4)  # auto over TCP: 1
+    # P's step budget and its device as pushkv up ran them: its defaults, the CPU
+    assert (prof.max_batch_tokens, prof.max_num_seqs, prof.one_device) == (8192, 32, False)
+    gpu = LP.profile_for(results(["--device", "cuda:0", "--max-batch-tokens", "16384", "--max-num-seqs", "64"]),
+                         RATE, "push", 256)
+    assert (gpu.max_batch_tokens, gpu.max_num_seqs, gpu.one_device) == (16384, 64, True)
+    assert not LP.one_device(["--device", "cuda:0", "--decode-device", "cuda:1"])  # one GPU each
     # a streamed mode's fixed cost: its own lone tail less what the model puts there (its parts)
     assert LP.profile_for(results(), RATE, "push-layer", 256).costs.handoff_ms_fixed == pytest.approx(5.0)
     layer = LP.profile_for(results(["--link-order", "shortest", "--push-stream-groups", "9"]), RATE, "push-layer", 256)
