@@ -21,7 +21,7 @@ import json
 import os
 import statistics
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 import msgspec
 
@@ -49,6 +49,10 @@ PUSH_STREAM_GROUPS = next(f.default for f in msgspec.structs.fields(DeploymentCo
 # P's step budget as pushkv up defaults it (a run's flags override it)
 STEP_DEFAULTS = {f.name: f.default for f in msgspec.structs.fields(InstanceConfig)
                  if f.name in ("max_batch_tokens", "max_num_seqs")}
+
+
+# what --without leaves out of the model: P's steps one prompt each, P and D each on a device of its own
+WITHOUT: dict[str, dict[str, Any]] = {"batching": {"max_batch_tokens": 0}, "shared-device": {"one_device": False}}
 
 
 def flag(flags: list[str], name: str, default: str) -> str:
@@ -226,8 +230,9 @@ def loaded_runs(out: str, rate: str, mode: str, n: int) -> list[dict]:
     return runs
 
 
-def check(out: str) -> list[dict]:
-    """One row per (rate, mode, length) with a loaded run: measured and predicted TTFT p50."""
+def check(out: str, without: tuple[str, ...] = ()) -> list[dict]:
+    """One row per (rate, mode, length) with a loaded run: measured and predicted TTFT p50;
+    ``without``: parts of the model left out of the prediction (``WITHOUT``), to see what each adds."""
     with open(os.path.join(out, "link_bench.json")) as f:
         results = json.load(f)
     rows = []
@@ -239,6 +244,8 @@ def check(out: str) -> list[dict]:
                 runs = loaded_runs(out, rate, mode, n)
                 if prof is None or not runs or mode not in SIM_MODE:
                     continue
+                for part in without:
+                    prof = dataclasses.replace(prof, **WITHOUT[part])
                 for run in runs:
                     mode_ = SIM_MODE[mode]
                     kvt = results["model"]["kv_bytes_per_token"]
@@ -308,11 +315,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="pushkv link-plan", description=__doc__.split("\n\n")[0])
     ap.add_argument("out", nargs="+", help="link-bench --out folders (link_bench.json and the runs' JSON)")
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--without", action="append", default=[], choices=sorted(WITHOUT),
+                    help="leave this part out of the model (repeatable): P's steps one prompt each "
+                         "(batching), P and D each on a device of its own (shared-device)")
     args = ap.parse_args(argv)
     rows = []
     for out in args.out:
         try:
-            rows += [dict(r, run=out) for r in check(out)]
+            rows += [dict(r, run=out) for r in check(out, tuple(args.without))]
         except (OSError, KeyError, ValueError) as e:
             print(f"pushkv link-plan: {out}: {e}", file=sys.stderr)
             return 2

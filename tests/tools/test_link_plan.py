@@ -116,3 +116,21 @@ def test_a_mode_whose_lone_transfers_move_slower_than_the_cap_at_every_length_ta
     (256, None, 0), (256, {}, 0)])  # no count kept
 def test_a_replayed_request_holds_the_prefix_it_did_not_move(prompt, kv, cached):
     assert LP.cached_tokens(prompt, kv, KV_PER_TOKEN) == cached
+
+
+def test_without_batching_p_runs_one_prompt_a_step(tmp_path):
+    # a 10 Gbit/s link moves the KV in ~3.5 ms (the lone tail's rest is a fixed cost): P sets the pace
+    res = results()
+    res["regimes"] = {"10gbit": res["regimes"][RATE]}
+    (tmp_path / "10gbit").mkdir()
+    (tmp_path / "link_bench.json").write_text(json.dumps(res))
+    # three at once: the first computes alone (110 ms), the other two wait and share P's next step,
+    # each waiting for both (220 ms more), so the middle prefill ends at 330, not at 220
+    run = run_json([0.0, 0.0, 0.0])
+    (tmp_path / "10gbit" / bench.result_name("push", 2.0, 256, 8, 0)).write_text(json.dumps(run))
+    (batched,) = LP.check(str(tmp_path))
+    (alone,) = LP.check(str(tmp_path), ("batching",))
+    assert batched["predicted"] - alone["predicted"] == pytest.approx(110.0)
+    assert batched["replayed"] == alone["replayed"]  # the replay keeps P's compute as it ran
+    with pytest.raises(SystemExit):
+        LP.main([str(tmp_path), "--without", "nothing"])
