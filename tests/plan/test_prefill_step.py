@@ -3,6 +3,8 @@ scheduler's own ``build_batch``), a step's prompts waiting for all of it in the 
 and D's steps sharing one device. Pure: no processes."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from pushkv.plan import profile as PR
@@ -94,3 +96,18 @@ def test_push_layer_stores_its_groups_at_the_devices_pace():
     (shared,) = sim.simulate(wl, PR.Profile("t", C, layer_groups=4, link_window=1, one_device=True),
                              "push-layer", 1, 1)
     assert shared.ttft_ms == pytest.approx(alone.ttft_ms, abs=0.01) and shared.prefill_end == pytest.approx(162.0)
+
+
+def test_plan_takes_the_step_budget_and_the_device_from_its_flags(tmp_path):
+    from pushkv.plan import cli
+
+    out = tmp_path / "plan.json"
+    wl = json.dumps({"kind": "poisson", "qps": 50, "requests": 8, "prompt": [320, 320], "output": 4})
+    args = ["--workload", wl, "--profile", "qwen3-32b-tp8-tcp", "--modes", "push", "--out", str(out)]
+    assert cli.main(args) == 0
+    prof = json.loads(out.read_text())["profile"]
+    assert (prof["max_batch_tokens"], prof["one_device"]) == (0, False)  # the profile's: one prompt a step
+    assert cli.main([*args, "--max-batch-tokens", "8192", "--max-num-seqs", "4", "--one-device"]) == 0
+    prof = json.loads(out.read_text())["profile"]
+    assert (prof["max_batch_tokens"], prof["max_num_seqs"], prof["one_device"]) == (8192, 4, True)
+    assert cli.main([*args, "--max-num-seqs", "0"]) == 2  # a step that takes nothing: refused
