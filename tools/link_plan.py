@@ -6,9 +6,11 @@ TCP and Ethernet headers), or the mode's own path's where its lone transfers mov
 (``plan.link.path_rate``: pull's READ through UCX's staging on the GPU). The planner then replays
 each *loaded* run's own arrivals (``router.arrival`` of every request, and the prefix of each prompt
 P and D already held, as the bytes it moved show) through ``pushkv.plan.sim`` with the writer's
-link window and order and D's pool as the deployment ran them, and the predicted TTFT p50 is set
-against the measured one. The same replay without the link model (each transfer alone at the
-link's rate, what the planner did before) shows what the queue adds.
+link window and order, D's pool, P's step budget (``--max-batch-tokens``: the prompts that wait
+while a step runs go in the next together) and P's and D's device (one GPU for both: their steps
+share it) as the deployment ran them, and the predicted TTFT p50 is set against the measured one.
+The same replay without the link model (each transfer alone at the link's rate, what the planner
+did before) shows what the queue adds.
 
     pushkv link-plan results/link              # a link-bench --out folder
 """
