@@ -318,6 +318,12 @@ class LayersStored(Msg, frozen=True):
     step_id: int
     group: int
     entries: tuple["StreamKV", ...]
+    # wall clock, 0 where unknown: when the worker's forward passed the group's last store, when the
+    # device finished it (the step's start plus the event's device time from the step's first launch;
+    # CUDA only), and when the sender thread saw it complete
+    recorded: float = 0.0
+    gpu_done: float = 0.0
+    synced: float = 0.0
 
 
 WorkerToWriter = Union[LayersStored]

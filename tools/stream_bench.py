@@ -80,6 +80,29 @@ def writes_of(tl: dict, start: float) -> list[dict]:
     return out
 
 
+def marks_of(tl: dict, start: float) -> list[dict]:
+    """Each layer group's mark (ms after ``start``): when P's worker passed the group's last store
+    (``recorded``), when the device finished it (``gpu``), when the worker's sender saw that
+    (``synced``) and when P's writer took the mark (``taken``)."""
+    out = []
+    g = 0
+    while f"prefill.layers_stored_{g}" in tl:
+        row: dict = {"group": g}
+        for stamp, name in (("recorded", "recorded"), ("gpu_done", "gpu"), ("synced", "synced"),
+                            ("stored", "taken")):
+            if f"prefill.layers_{stamp}_{g}" in tl:
+                row[name] = round((tl[f"prefill.layers_{stamp}_{g}"] - start) * 1e3, 2)
+        out.append(row)
+        g += 1
+    return out
+
+
+def format_marks(marks: list[dict]) -> str:
+    return "\n".join(["    group  recorded      gpu   synced    taken   (ms after prefill start)"] + [
+        f"    {r['group']:>5} " + " ".join(f"{r[k]:8.1f}" if k in r else f"{'-':>8}"
+                                         for k in ("recorded", "gpu", "synced", "taken")) for r in marks])
+
+
 def format_writes(writes: list[dict], prefill_ms: float) -> str:
     """One line per WRITE: what it carries, its copy out and its time on the wire (ms after prefill start)."""
     def f(w: dict, k: str) -> str:
@@ -119,6 +142,7 @@ def measure(body: dict) -> dict:
         "part_first_ms": since("prefill.part_post_first"),
         "part_done_ms": since("prefill.part_done_last"),
         "writes": writes_of(tl, start) if start else [],
+        "marks": marks_of(tl, start) if start else [],
         # every stage of the answer's timeline (ms after prefill start): what the figures above leave out
         "timeline_ms": {k: round((v - start) * 1e3, 2) for k, v in sorted(tl.items(), key=lambda kv: kv[1])}
         if start else {},
@@ -159,6 +183,8 @@ def run_mode(mode: str, up_args: list[str], lengths: list[int], reps: int, vocab
                 if len(r["writes"]) > 1 or any("out_start" in w for w in r["writes"]):  # streamed, or staged
                     print(f"{mode:>16} {n:>6} tokens, request {i + 1}:\n" + format_writes(r["writes"], r["prefill_ms"]),
                           flush=True)
+                if r["marks"]:
+                    print(format_marks(r["marks"]), flush=True)
     return out
 
 

@@ -54,6 +54,7 @@ class Receiver:
             self._failed(msg.transfer_id, f"registration refused: {e}")
             return
         self._apply(effects)
+        self.shell.warmup.warm_for(msg.transfer_id, now + msg.deadline_s)  # its parts are coming: poll hot
         mark("d_register_sent", msg.transfer_id)
         reg = m.Register(msg.transfer_id, 0, self.shell.engine_id, self.shell.rank, self.tp, msg.block_ids,
                          msg.num_tokens, msg.deadline_s)
@@ -79,12 +80,14 @@ class Receiver:
 
     def _failed(self, tid: str, reason: str) -> None:
         """The blocks of vLLM's request for ``tid`` failed to arrive (and nothing lands in them)."""
+        self.shell.warmup.cool(tid)
         self.emit(w.BlocksFailed(self.req_of.pop(tid, ""), tid, reason))
 
     def _apply(self, effects: list) -> None:
         for e in effects:
             if isinstance(e, A.Received):
                 mark("d_kv_received", e.transfer_id)
+                self.shell.warmup.cool(e.transfer_id)
                 self.emit(w.BlocksReceived(self.req_of.pop(e.transfer_id, ""), e.transfer_id, e.nbytes, e.num_descs))
             elif isinstance(e, Lost):
                 self._failed(e.key[0], e.reason)

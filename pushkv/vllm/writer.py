@@ -46,9 +46,11 @@ class VllmWriter(WriterShell):
     hello_decoder = w.DEC_VHANDSHAKE
 
     def __init__(self, args: writer_args.WriterArgs, owned: Optional[torch.Tensor] = None):
-        # the CPU: no spinning for what is expected, no sink; D: a P writer whose link closes is gone
+        # no sink; D: a P writer whose link closes is gone; warm (spin while KV is expected, as pushkv's
+        # writers do: "auto") on a GPU only, where a 1 ms poll is a tenth of a layer group's WRITE
+        gpu = args.alloc_device >= 0 or bool(args.cuda_ipc)
         super().__init__(f"vllm-{args.role}-writer-{args.rank}", secret_file=args.secret_file, beat_ms=0,
-                         watch_links=True, stuck_s=2 * args.transfer_s)
+                         watch_links=True, stuck_s=2 * args.transfer_s, warm=gpu)
         self.args = args
         self.owned = owned  # the worker's KV cache, allocated by this process (cuda_memory writer)
         self.role = args.role  # "prefill" | "decode"

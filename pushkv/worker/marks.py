@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from typing import Callable, Optional, Sequence
 
 import zmq
@@ -34,7 +35,7 @@ class LayerMarks:
     def __init__(self, endpoint: str, groups: Sequence[Sequence[int]], device: str, max_msg_bytes: int = 0):
         self.ends = group_ends(groups)
         self.device = device
-        self._q: "queue.SimpleQueue[Optional[tuple]]" = queue.SimpleQueue()
+        self._q: "queue.SimpleQueue[Optional[tuple]]" = queue.SimpleQueue()  # (start, event, step, group, ...)
         self._ready = threading.Event()
         self._error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, args=(endpoint, max_msg_bytes), name="layer-marks",
@@ -46,6 +47,12 @@ class LayerMarks:
 
     def hook(self, step_id: int, entries: tuple[m.StreamKV, ...]) -> Callable[[int], None]:
         cuda = self.device != "cpu"
+        start = None
+        if cuda:  # the step's first launch on the device: each mark's event is timed from it
+            import torch
+
+            start = (torch.cuda.Event(enable_timing=True), time.time())
+            start[0].record()
 
         def on_layer(layer: int) -> None:
             g = self.ends.get(layer)
@@ -53,11 +60,9 @@ class LayerMarks:
                 return
             event = None
             if cuda:
-                import torch
-
-                event = torch.cuda.Event()
+                event = torch.cuda.Event(enable_timing=True)
                 event.record()
-            self._q.put((event, m.LayersStored(step_id, g, entries)))
+            self._q.put((start, event, step_id, g, entries, time.time()))
 
         return on_layer
 
@@ -87,10 +92,12 @@ class LayerMarks:
                 item = self._q.get()
                 if item is None:
                     return
-                event, msg = item
+                start, event, step_id, group, entries, recorded = item
+                gpu_done = 0.0
                 if event is not None:
                     event.synchronize()  # the group's stores are done on the device
-                sock.send(m.encode(msg))
+                    gpu_done = start[1] + start[0].elapsed_time(event) / 1e3
+                sock.send(m.encode(m.LayersStored(step_id, group, entries, recorded, gpu_done, time.time())))
         except Exception:  # a dead writer ends streaming, not the worker: the WRITE at prefill end still runs
             log.exception("layer marks sender stopped")
         finally:

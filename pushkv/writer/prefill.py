@@ -146,6 +146,10 @@ class PrefillWriter(WriterBase):
             key = (e.transfer_id, e.generation)
             self._stamp(key, "stream_progress")
             self._stamp(key, f"layers_stored_{msg.group}")
+            stages = self._record(key).stages
+            for stamp in ("recorded", "gpu_done", "synced"):  # the worker's side of the mark
+                if getattr(msg, stamp):
+                    stages.setdefault(f"layers_{stamp}_{msg.group}", getattr(msg, stamp))
             self.apply(self.side.progress(key, e.block_ids, e.num_tokens, now, group=msg.group), now)
             self._sync_warm(key, now)
 

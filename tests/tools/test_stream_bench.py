@@ -1,7 +1,7 @@
 """tools/stream_bench's per-WRITE breakdown read from a request's timeline (pure)."""
 from __future__ import annotations
 
-from tools.stream_bench import format_writes, medians, writes_of
+from tools.stream_bench import format_marks, format_writes, marks_of, medians, writes_of
 
 T0 = 100.0  # prefill start (wall seconds)
 
@@ -34,3 +34,12 @@ def test_no_write_stamps_no_writes_and_medians_skip_the_lists():
     rows = [{"ttft_ms": 3.0, "writes": [{"n": 1}], "timeline_ms": {"a": 1.0}}, {"ttft_ms": 1.0, "writes": [],
             "timeline_ms": {}}, {"ttft_ms": 2.0, "writes": [], "timeline_ms": {}}]
     assert medians(rows) == {"ttft_ms": 2.0}
+
+
+def test_each_marks_worker_side_and_writer_side_in_group_order():
+    tl = _tl(prefill__layers_recorded_0=20, prefill__layers_gpu_done_0=59, prefill__layers_synced_0=59.5,
+             prefill__layers_stored_0=60, prefill__layers_stored_1=130, prefill__layers_recorded_1=21)
+    got = marks_of(tl, T0)
+    assert got == [{"group": 0, "recorded": 20.0, "gpu": 59.0, "synced": 59.5, "taken": 60.0},
+                   {"group": 1, "recorded": 21.0, "taken": 130.0}]  # a CPU worker: no device time
+    assert format_marks(got).splitlines()[2].split() == ["1", "21.0", "-", "-", "130.0"]

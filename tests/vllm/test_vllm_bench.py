@@ -16,8 +16,8 @@ from importlib.util import find_spec
 import pytest
 
 from pushkv.config import preset
-from tests.support.deploy import deployment, wait_pools_free
 from tests.model.test_model import write_checkpoint
+from tests.support.deploy import deployment, wait_pools_free
 
 pytestmark = pytest.mark.timeout(900)
 

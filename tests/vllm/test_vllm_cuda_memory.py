@@ -167,3 +167,21 @@ def test_the_death_of_the_writer_that_owns_the_cache_stops_the_worker(tmp_path, 
     assert ws.restarts == 0
     with pytest.raises(RuntimeError, match=r"died with status 3; it had allocated vLLM's KV cache"):
         ws.transfer_results()
+
+
+def test_a_writer_of_gpu_memory_polls_hot_while_kv_is_expected_and_one_of_host_memory_does_not():
+    """D's writer on a GPU spins while a registered transfer's parts are coming (a 1 ms poll is a
+    tenth of a layer group's WRITE there); on the CPU it sleeps between polls, as pushkv's writers."""
+    from pushkv.vllm.writer import VllmWriter
+
+    mem = msgspec.msgpack.encode(_memory()).hex()
+    with tempfile.TemporaryDirectory(prefix="pkvc-") as d:
+        gpu = VllmWriter(_args(d, role="decode", memory=mem))
+        host = VllmWriter(_args(d, role="decode", memory=mem, alloc_device=-1, alloc_bytes=0, fd=7))
+        for wr in (gpu, host):
+            wr.warmup.warm_for("t1", 1e18)
+        assert gpu.warmup.warm == {"t1": 1e18} and host.warmup.warm == {}
+        gpu.warmup.cool("t1")
+        assert gpu.warmup.warm == {}
+        for wr in (gpu, host):
+            wr.close_sockets()
