@@ -6,9 +6,11 @@ TCP and Ethernet headers), or the mode's own path's where its lone transfers mov
 (``plan.link.path_rate``: pull's READ through UCX's staging on the GPU). The planner then replays
 each *loaded* run's own arrivals (``router.arrival`` of every request, and the prefix of each prompt
 P and D already held, as the bytes it moved show) through ``pushkv.plan.sim`` with the writer's
-link window and order and D's pool as the deployment ran them, and the predicted TTFT p50 is set
-against the measured one. The same replay without the link model (each transfer alone at the
-link's rate, what the planner did before) shows what the queue adds.
+link window and order, D's pool, P's step budget (``--max-batch-tokens``: the prompts that wait
+while a step runs go in the next together) and P's and D's device (one GPU for both: their steps
+share it) as the deployment ran them, and the predicted TTFT p50 is set against the measured one.
+The same replay without the link model (each transfer alone at the link's rate, what the planner
+did before) shows what the queue adds.
 
     pushkv link-plan results/link              # a link-bench --out folder
 """
@@ -21,11 +23,11 @@ import json
 import os
 import statistics
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 import msgspec
 
-from pushkv.config import DeploymentConfig
+from pushkv.config import DeploymentConfig, InstanceConfig
 from pushkv.plan import sim
 from pushkv.plan import workload as W
 from pushkv.plan.link import path_rate
@@ -46,6 +48,13 @@ SIM_MODE = {"push": "push", "push-off": "push", "push-layer": "push-layer", "pus
             "pull-inline": "pull-inline", "pull-background": "pull"}
 PUSH_STREAM_GROUPS = next(f.default for f in msgspec.structs.fields(DeploymentConfig)
                           if f.name == "push_stream_groups")  # pushkv up's default
+# P's step budget as pushkv up defaults it (a run's flags override it)
+STEP_DEFAULTS = {f.name: f.default for f in msgspec.structs.fields(InstanceConfig)
+                 if f.name in ("max_batch_tokens", "max_num_seqs")}
+
+
+# what --without leaves out of the model: P's steps one prompt each, P and D each on a device of its own
+WITHOUT: dict[str, dict[str, Any]] = {"batching": {"max_batch_tokens": 0}, "shared-device": {"one_device": False}}
 
 
 def flag(flags: list[str], name: str, default: str) -> str:
@@ -92,25 +101,44 @@ def profile_for(results: dict, rate: str, mode: str, n: int) -> Optional[Profile
     own = lone(regime, mode, n)
     if prefill is None or None in (own.get(k) for k in ("ttft_ms", "prefill_ms", "pend_to_kv_ms", "tpot_ms")):
         return None
-    # what TTFT holds besides the prefill and the handoff (the router, P's queue entry, D's first token)
-    rest = own["ttft_ms"] - own["prefill_ms"] - own["pend_to_kv_ms"]
-    costs = Costs(prefill_ms_fixed=max(rest, 0.0), prefill_ms_per_token=prefill / n, prefill_ms_per_cached_token=0.0,
+    # P's step: the lone prompt's own cost a token (attention makes a token of a long prompt dearer,
+    # so this length's figure, not a line over the lengths: every prompt of a run has its length),
+    # and no fixed part a step (TTFT's own rest is each request's, ``lone_rest_ms``)
+    costs = Costs(prefill_ms_fixed=0.0, prefill_ms_per_token=prefill / n, prefill_ms_per_cached_token=0.0,
                   handoff_ms_fixed=0.0, handoff_ms_per_block=per_block,
                   step_ms_fixed=own["tpot_ms"], step_ms_per_seq=0.0, step_ms_per_kctx=0.0)
     flags = [*results["mode_flags"].get(mode, []), *results["up_flags"]]
     window, order = link_setting(results, mode)
     # push-layer's groups as the deployment ran them (a lone run's part count is not it: a part
-    # carries every group stored while the one before was on the wire); D's pool as it ran
+    # carries every group stored while the one before was on the wire); D's pool as it ran; P's
+    # step budget as it ran (the prompts that wait while a step runs go in the next one together)
     groups = int(flag(flags, "--push-stream-groups", str(PUSH_STREAM_GROUPS)))
     capacity = int(flag(flags, "--num-blocks", "0")) * int(flag(flags, "--block-size", str(BLOCK_SIZE)))
     prof = Profile(f"{rate} {mode} lone", costs, block_size=BLOCK_SIZE, relay_ms=0.0, layer_groups=groups,
                    d_capacity_tokens=capacity or Profile.d_capacity_tokens,
-                   link_window=window, link_order=order)  # type: ignore[arg-type]
+                   link_window=window, link_order=order,  # type: ignore[arg-type]
+                   max_batch_tokens=int(flag(flags, "--max-batch-tokens", str(STEP_DEFAULTS["max_batch_tokens"]))),
+                   max_num_seqs=int(flag(flags, "--max-num-seqs", str(STEP_DEFAULTS["max_num_seqs"]))),
+                   one_device=one_device(flags))
     # the transfer's fixed cost: this mode's lone prefill end -> KV landed less what the model puts
     # there without one (the bytes on the link, a streamed mode's parts placed while P computes):
     # the posts, the staging copies, D's copy-in and its notice
     fixed = own["pend_to_kv_ms"] - _model_tail(prof, SIM_MODE.get(mode, "push"), n, own["prefill_ms"])
     return dataclasses.replace(prof, costs=dataclasses.replace(costs, handoff_ms_fixed=max(fixed, 0.0)))
+
+
+def one_device(flags: list[str]) -> bool:
+    """P and D on one GPU, as the deployment ran them (their steps then share it)."""
+    device = flag(flags, "--device", "cpu")
+    p, d = flag(flags, "--prefill-device", device), flag(flags, "--decode-device", device)
+    return p == d and p.startswith("cuda")
+
+
+def lone_rest_ms(results: dict, rate: str, mode: str, n: int) -> float:
+    """What a lone request's TTFT holds besides P's prefill and the handoff: the router, P's queue
+    entry, D's first token after the KV (each request's own, not a step's)."""
+    own = lone(results["regimes"].get(rate, {}), mode, n)
+    return max(own["ttft_ms"] - own["prefill_ms"] - own["pend_to_kv_ms"], 0.0)
 
 
 def cap_ms_per_block(results: dict, rate: str) -> float:
@@ -204,8 +232,9 @@ def loaded_runs(out: str, rate: str, mode: str, n: int) -> list[dict]:
     return runs
 
 
-def check(out: str) -> list[dict]:
-    """One row per (rate, mode, length) with a loaded run: measured and predicted TTFT p50."""
+def check(out: str, without: tuple[str, ...] = ()) -> list[dict]:
+    """One row per (rate, mode, length) with a loaded run: measured and predicted TTFT p50;
+    ``without``: parts of the model left out of the prediction (``WITHOUT``), to see what each adds."""
     with open(os.path.join(out, "link_bench.json")) as f:
         results = json.load(f)
     rows = []
@@ -217,10 +246,13 @@ def check(out: str) -> list[dict]:
                 runs = loaded_runs(out, rate, mode, n)
                 if prof is None or not runs or mode not in SIM_MODE:
                     continue
+                for part in without:
+                    prof = dataclasses.replace(prof, **WITHOUT[part])
                 for run in runs:
                     mode_ = SIM_MODE[mode]
                     kvt = results["model"]["kv_bytes_per_token"]
                     wl, replay = arrivals(run, kv_per_token=kvt), arrivals(run, replay=True, kv_per_token=kvt)
+                    wl = dataclasses.replace(wl, lands_ms=(lone_rest_ms(results, rate, mode, n),) * len(wl.starts))
                     got = sim.summary(sim.simulate(wl, prof, mode_, 1, 1))  # type: ignore[arg-type]
                     alone = sim.summary(sim.simulate(wl, dataclasses.replace(prof, link_window=None),
                                                      mode_, 1, 1))  # type: ignore[arg-type]
@@ -285,11 +317,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="pushkv link-plan", description=__doc__.split("\n\n")[0])
     ap.add_argument("out", nargs="+", help="link-bench --out folders (link_bench.json and the runs' JSON)")
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--without", action="append", default=[], choices=sorted(WITHOUT),
+                    help="leave this part out of the model (repeatable): P's steps one prompt each "
+                         "(batching), P and D each on a device of its own (shared-device)")
     args = ap.parse_args(argv)
     rows = []
     for out in args.out:
         try:
-            rows += [dict(r, run=out) for r in check(out)]
+            rows += [dict(r, run=out) for r in check(out, tuple(args.without))]
         except (OSError, KeyError, ValueError) as e:
             print(f"pushkv link-plan: {out}: {e}", file=sys.stderr)
             return 2

@@ -40,6 +40,8 @@ def with_link(prof: PR.Profile, args) -> PR.Profile:
                              ("link_overlap_share", args.link_overlap)) if v is not None}
     if got and prof.link_window is None and "link_window" not in got:
         got["link_window"] = 0  # an order or an overlap share alone: the link model, every WRITE at once
+    got.update({k: v for k, v in (("max_batch_tokens", args.max_batch_tokens), ("max_num_seqs", args.max_num_seqs),
+                                  ("one_device", args.one_device or None)) if v is not None})
     return dataclasses.replace(prof, **got) if got else prof
 
 
@@ -96,6 +98,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--link-overlap", type=float, metavar="SHARE",
                     help="what the link moves with several transfers on it, as a share of one transfer's rate "
                          "(default 1: fair sharing; about 0.6 over UCX's TCP lanes from GPU memory, issue 27)")
+    ap.add_argument("--max-batch-tokens", type=int, metavar="TOKENS",
+                    help="P's step budget (the deployment's --max-batch-tokens): the prompts that wait while a "
+                         "step runs go in the next one together, each waiting for all of it (default: the "
+                         "profile's; 0, one prompt a step)")
+    ap.add_argument("--max-num-seqs", type=int, metavar="N", help="the most prompts in one P step (default: the "
+                                                                  "profile's, 64)")
+    ap.add_argument("--one-device", action="store_true",
+                    help="P and D on one GPU: their steps that run at once share it, each at an equal share")
     ap.add_argument("--turns", choices=("all", "1", ">=2"), default="all", help="which turns the figures cover")
     ap.add_argument("--no-prefix-cache", action="store_true")
     ap.add_argument("--best", action="store_true", help="only the best ratio per N and mode")

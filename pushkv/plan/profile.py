@@ -31,6 +31,14 @@ class Profile:
     link_window: Optional[int] = None
     link_order: LinkOrder = "arrival"
     link_overlap_share: float = 1.0
+    # P's step (plan/prefill_step.py): the prompts waiting when a step ends go in the next one
+    # together up to this many tokens and prompts (the deployment's --max-batch-tokens and
+    # --max-num-seqs); 0 tokens: one prompt a step
+    max_batch_tokens: int = 0
+    max_num_seqs: int = 64
+    # every P and D on one device (a one-GPU deployment): the device time-slices between the steps
+    # that run at once, so each computes at an equal share of it (two at once: each at half speed)
+    one_device: bool = False
     note: str = ""
 
     def __post_init__(self) -> None:
@@ -40,6 +48,9 @@ class Profile:
             raise ValueError(f"profile {self.name}: link_order {self.link_order!r} is not one of {', '.join(ORDERS)}")
         if not 0 < self.link_overlap_share <= 1:
             raise ValueError(f"profile {self.name}: link_overlap_share {self.link_overlap_share} is not in (0, 1]")
+        if self.max_batch_tokens < 0 or self.max_num_seqs < 1:
+            raise ValueError(f"profile {self.name}: max_batch_tokens {self.max_batch_tokens} < 0 or max_num_seqs "
+                             f"{self.max_num_seqs} < 1 (0 tokens: one prompt a step)")
         if self.link_window is not None and self.costs.handoff_ms_per_block <= 0:
             raise ValueError(f"profile {self.name}: the link model needs handoff_ms_per_block > 0 (the link's rate)")
 

@@ -6,9 +6,16 @@ every turn of the workload through ``n_p`` prefill and ``n_d`` decode instances 
 
 What it models, as pushkv does it:
 
-- **P** prefills one prompt after another (FIFO), computing what its prefix cache lacks;
-  the router picks the P that would finish first and the D holding the most of the prompt
-  (``router.policy``'s rules, the same prices);
+- **P** prefills in steps, computing what its prefix cache lacks: the prompts that arrive while
+  a step runs go in the next step together (``plan/prefill_step.py``: arrival order, up to the
+  profile's ``max_batch_tokens`` and ``max_num_seqs``; budget 0, one prompt a step), the step costs
+  the router's prefill price of all its tokens (one fixed part a step), and every prompt of it waits
+  for the whole step, its layer groups stored at the step's shares; the router picks the P that
+  would finish first and the D holding the most of the prompt (``router.policy``'s rules, the
+  same prices);
+- **one device** (``profile.one_device``: P and D on one GPU): the steps of P and D that run at
+  once share it, each at an equal share of its time (the GPU time-slices between the processes),
+  so a prefill while D decodes takes up to twice its lone time, and D's steps too;
 - **D** runs continuous batching: a step of ``b`` sequences of mean context ``c`` costs
   ``step_ms(b, c)``; a prefill on D (local mode, or conditional disaggregation's decode-local)
   runs inside a step and every sequence of that step waits for it;
@@ -46,6 +53,7 @@ from typing import Callable, Hashable, Literal, Optional, TypeVar, get_args
 import numpy as np
 
 from pushkv.plan.link import Link, LinkSpec
+from pushkv.plan.prefill_step import next_step
 from pushkv.plan.profile import Profile
 from pushkv.plan.workload import Turn, Workload
 from pushkv.protocol.link_queue import LinkPost, Window
@@ -58,6 +66,8 @@ MODES: tuple[SimMode, ...] = get_args(SimMode)
 
 
 T = TypeVar("T")
+DEVICE = "device"  # the links' key of the device P's and D's steps share (profile.one_device)
+US_PER_MS = 1000  # a step's compute on the shared device, in its units (µs of lone compute)
 
 
 def _set(value: Optional[T]) -> T:
@@ -103,7 +113,7 @@ class Req:
 class Instance:
     held: dict = field(default_factory=dict)  # conversation -> leading prompt tokens cached
     system: bool = False  # holds the shared prefix
-    busy_until: float = 0.0  # P: when its queue of prefills ends
+    waiting: list = field(default_factory=list)  # P: (request, tokens to compute) for its next steps
     queued: int = 0  # P: prompt tokens still to compute; D: its own prefills' tokens queued
     used: int = 0  # D: tokens reserved
     pinned: int = 0  # D: tokens reserved early, KV not there yet
@@ -132,8 +142,12 @@ class Simulation:
         self._seq = itertools.count()
         self.waiting: deque[tuple[Req, Callable[[Req], None]]] = deque()  # (request, what to do once a D holds it)
         self.done: list[Req] = []
-        self.links: dict[int, Link] = {}  # D -> the link every transfer into it shares (profile.link_window set)
-        self._link_version: dict[int, int] = {}
+        # D -> the link every transfer into it shares (profile.link_window set); DEVICE -> the one
+        # device every instance's steps share (profile.one_device)
+        self.links: dict[Hashable, Link] = {}
+        if profile.one_device:
+            self.links[DEVICE] = Link(LinkSpec(float(US_PER_MS)))
+        self._link_version: dict[Hashable, int] = {}
         self._posts = itertools.count()
         self._on_end: dict[Hashable, Callable[[], None]] = {}  # post id -> what its end does
         self.convs = workload.conversations()
@@ -239,20 +253,69 @@ class Simulation:
         p = self.ps[i]
         r.p, r.p_hit = i, a.hits[f"p{i}"]
         computed = r.turn.prompt - r.p_hit
-        if r.turn.prefill_span_ms is None:
-            r.prefill_ms = self.c.prefill_ms(computed, r.p_hit)
-            start = max(self.now, p.busy_until)
-            p.busy_until = start + r.prefill_ms
-        else:  # a replayed run: P's prefill as it ran (P batches prompts: not the FIFO above)
-            began, ended = r.turn.prefill_span_ms
-            start, r.prefill_ms = self.now + began, ended - began
         p.queued += computed
-        self.at(start + r.prefill_ms, self.prefilled, r, computed)
-        if self.prof.link_window is not None and self.mode == "push-layer" and r.path == "push":
-            r.blocks = P.blocks_for(r.turn.prompt - r.d_hit, self.prof.block_size)
-            n = self.prof.layer_groups
-            for g in range(n):  # group g stored after its share of the prefill
-                self.at(start + r.prefill_ms * (g + 1) / n, self.group_stored, r)
+        if r.turn.prefill_span_ms is not None:  # a replayed run: P's prefill as it ran
+            began, ended = r.turn.prefill_span_ms
+            return self.prefill_step([(r, computed)], self.now + began, ended - began)
+        p.waiting.append((r, computed))
+        self.kick_p(i)
+
+    def kick_p(self, i: int) -> None:
+        """P's next step, if P is idle: the prompts waiting that fit (``prefill_step.next_step``)."""
+        p = self.ps[i]
+        if p.stepping or not p.waiting:
+            return
+        k = next_step([n for _, n in p.waiting], self.prof.max_batch_tokens, self.prof.max_num_seqs)
+        batch, p.waiting = p.waiting[:k], p.waiting[k:]
+        ms = self.c.prefill_ms(sum(n for _, n in batch), sum(r.p_hit for r, _ in batch))
+        p.stepping = True
+        if DEVICE not in self.links:
+            self.prefill_step(batch, self.now, ms)
+            return self.at(self.now + ms, self.p_stepped, i)
+        self.p_share(i, batch, ms, self.now, 0)
+
+    def p_share(self, i: int, batch: list[tuple[Req, int]], ms: float, start: float, g: int) -> None:
+        """On the shared device: P's step computes in shares, one a layer group where push-layer
+        streams (each stored when its share ends), at the device's pace."""
+        streams = self.prof.link_window is not None and self.mode == "push-layer"
+        n = self.prof.layer_groups if streams else 1
+        for r, _ in batch:
+            if streams and r.path == "push":
+                if g == 0:
+                    r.blocks = P.blocks_for(r.turn.prompt - r.d_hit, self.prof.block_size)
+                else:
+                    self.group_stored(r)
+        if g < n:
+            return self.compute(f"p{i}", ms / n, lambda: self.p_share(i, batch, ms, start, g + 1))
+        for r, computed in batch:
+            r.prefill_ms = self.now - start
+            self.prefilled(r, computed)
+        self.p_stepped(i)
+
+    def p_stepped(self, i: int) -> None:
+        self.ps[i].stepping = False
+        self.kick_p(i)
+
+    def compute(self, who: str, ms: float, on_end: Callable[[], None]) -> None:
+        """``ms`` of an instance's lone compute on the one device: every instance computing at once
+        gets an equal share of it (it time-slices between them), so each takes longer."""
+        pid = next(self._posts)
+        self._on_end[pid] = on_end
+        device = self.links[DEVICE]
+        device.lane(who)
+        device.offer(self.now, who, LinkPost(pid, who, max(1, round(ms * US_PER_MS))))
+        self.link_wake(DEVICE)
+
+    def prefill_step(self, batch: list[tuple[Req, int]], start: float, ms: float) -> None:
+        """Every prompt of a step ends with it; push-layer's groups are stored at its shares."""
+        for r, computed in batch:
+            r.prefill_ms = ms
+            self.at(start + ms, self.prefilled, r, computed)
+            if self.prof.link_window is not None and self.mode == "push-layer" and r.path == "push":
+                r.blocks = P.blocks_for(r.turn.prompt - r.d_hit, self.prof.block_size)
+                n = self.prof.layer_groups
+                for g in range(n):  # group g stored after its share of the step
+                    self.at(start + ms * (g + 1) / n, self.group_stored, r)
 
     def prefilled(self, r: Req, computed: int) -> None:
         r.prefill_end = self.now
@@ -351,14 +414,14 @@ class Simulation:
         link.offer(self.now, lane, LinkPost(pid, id(r), units, units if left is None else left, r.first_offer))
         self.link_wake(key)
 
-    def link_wake(self, key: int) -> None:
+    def link_wake(self, key: Hashable) -> None:
         """(Re)schedule the link's next end; an earlier schedule goes stale (its version)."""
         v = self._link_version[key] = self._link_version.get(key, 0) + 1
         t = self.links[key].next_end()
         if t is not None:
             self.at(t, self.link_ended, key, v)
 
-    def link_ended(self, key: int, version: int) -> None:
+    def link_ended(self, key: Hashable, version: int) -> None:
         if self._link_version.get(key) != version:
             return
         done, _ = self.links[key].ended(self.now)
@@ -405,6 +468,8 @@ class Simulation:
             d.queued -= x.turn.prompt - x.d_hit
             ms += x.prefill_ms
         d.stepping = True
+        if DEVICE in self.links:
+            return self.compute(f"d{j}", ms, lambda: self.stepped(j, batch, local))
         self.at(self.now + ms, self.stepped, j, batch, local)
 
     def woken(self, j: int) -> None:

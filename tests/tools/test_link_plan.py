@@ -38,8 +38,15 @@ def test_the_profile_is_the_lone_figures_and_the_cap():
     assert c.handoff_ms_per_block == pytest.approx(PER_BLOCK_MS)
     assert c.handoff_ms_fixed == pytest.approx(5.0)  # the lone tail less 16 blocks on the capped link
     assert c.prefill_ms_per_token * 256 == pytest.approx(110.0)  # the median over both modes' prefill
-    assert c.prefill_ms_fixed == pytest.approx(5.0)  # TTFT less the prefill and the tail
+    assert c.prefill_ms_fixed == 0.0  # a step's: TTFT's rest (less the prefill and the tail) is each request's
+    assert LP.lone_rest_ms(results(), RATE, "push", 256) == pytest.approx(5.0)
     assert (prof.link_window, prof.link_order, prof.layer_groups) == (1, "arrival", 4)  # auto over TCP: 1
+    # P's step budget and its device as pushkv up ran them: its defaults, the CPU
+    assert (prof.max_batch_tokens, prof.max_num_seqs, prof.one_device) == (8192, 32, False)
+    gpu = LP.profile_for(results(["--device", "cuda:0", "--max-batch-tokens", "16384", "--max-num-seqs", "64"]),
+                         RATE, "push", 256)
+    assert (gpu.max_batch_tokens, gpu.max_num_seqs, gpu.one_device) == (16384, 64, True)
+    assert not LP.one_device(["--device", "cuda:0", "--decode-device", "cuda:1"])  # one GPU each
     # a streamed mode's fixed cost: its own lone tail less what the model puts there (its parts)
     assert LP.profile_for(results(), RATE, "push-layer", 256).costs.handoff_ms_fixed == pytest.approx(5.0)
     layer = LP.profile_for(results(["--link-order", "shortest", "--push-stream-groups", "9"]), RATE, "push-layer", 256)
@@ -109,3 +116,21 @@ def test_a_mode_whose_lone_transfers_move_slower_than_the_cap_at_every_length_ta
     (256, None, 0), (256, {}, 0)])  # no count kept
 def test_a_replayed_request_holds_the_prefix_it_did_not_move(prompt, kv, cached):
     assert LP.cached_tokens(prompt, kv, KV_PER_TOKEN) == cached
+
+
+def test_without_batching_p_runs_one_prompt_a_step(tmp_path):
+    # a 10 Gbit/s link moves the KV in ~3.5 ms (the lone tail's rest is a fixed cost): P sets the pace
+    res = results()
+    res["regimes"] = {"10gbit": res["regimes"][RATE]}
+    (tmp_path / "10gbit").mkdir()
+    (tmp_path / "link_bench.json").write_text(json.dumps(res))
+    # three at once: the first computes alone (110 ms), the other two wait and share P's next step,
+    # each waiting for both (220 ms more), so the middle prefill ends at 330, not at 220
+    run = run_json([0.0, 0.0, 0.0])
+    (tmp_path / "10gbit" / bench.result_name("push", 2.0, 256, 8, 0)).write_text(json.dumps(run))
+    (batched,) = LP.check(str(tmp_path))
+    (alone,) = LP.check(str(tmp_path), ("batching",))
+    assert batched["predicted"] - alone["predicted"] == pytest.approx(110.0)
+    assert batched["replayed"] == alone["replayed"]  # the replay keeps P's compute as it ran
+    with pytest.raises(SystemExit):
+        LP.main([str(tmp_path), "--without", "nothing"])
