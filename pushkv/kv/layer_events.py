@@ -3,8 +3,8 @@
 One copy for pushkv's workers (``pushkv/worker/marks.py``) and vLLM's (``pushkv/vllm/stream.py``).
 On a GPU the worker records an inter-process CUDA event once a layer group has queued its K/V
 stores (:class:`EventRing`) and sends its handle at once: the worker never waits for the device,
-and no thread of the worker (whose interpreter lock the forward's host calls may hold until the
-step ends) stands between the device finishing the group and the writer hearing of it. The writer
+and no thread of the worker (one that waited saw a 16k prefill's marks only at the step's end)
+stands between the device finishing the group and the writer hearing of it. The writer
 opens each handle once (:func:`open_event`) and waits for the marks in order on its own thread
 (:class:`MarkWaiter`), handing the completed ones to its loop through an eventfd. On the CPU a mark
 carries no event: the store is done when the layer returns, so it is ready at once.

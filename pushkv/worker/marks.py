@@ -8,9 +8,9 @@ the handle of an inter-process event recorded after the group's stores
 (``kv/layer_events.py``), which the writer waits for on its own thread; on the CPU with
 none (the store has already happened). So the forward never waits, and no thread of the
 worker stands between the device finishing a group and the writer hearing of it: a sender
-thread here that waited for the event needed the interpreter lock back, and a 16k prefill's
-host calls held it until the step ended (every mark after the first then arrived with the
-last). The writer's WRITE then reads bytes the event has proven stored, while later layers
+thread here that waited for each event saw every one after the first only when a 16k
+prefill's step ended (experiments/marks_probe.py), so every part but the first left after the
+prefill. The writer's WRITE then reads bytes the event has proven stored, while later layers
 compute.
 """
 from __future__ import annotations
