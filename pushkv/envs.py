@@ -58,6 +58,9 @@ _VARS = (
         "force one", DEBUG, ("auto", "torch", "triton")),
     Var("PUSHKV_CHECKSUM", str, "triton", "--kv-verify on CUDA: the Triton kernel, or torch's ops", DEBUG,
         ("triton", "torch")),
+    Var("PUSHKV_MOE_DECODE", str, "grouped", "MoE decode steps (<= 8 tokens) on CUDA: the grouped kernels "
+        "(measured on an H200), or the three-launch ungrouped ones (kernels/triton_moe_decode.py: tested under "
+        "Triton's interpreter, not yet measured on a GPU)", DEBUG, ("grouped", "ungrouped")),
     # tools and tests
     Var("PUSHKV_FAULTS_DIR", str, "", "fault injection: where armed kill and fire points are found (tests)",
         TOOLS),
@@ -120,6 +123,7 @@ if TYPE_CHECKING:  # what ``envs.NAME`` returns, for mypy (tests/tools/test_envs
     PUSHKV_CUDA_GRAPHS: bool
     PUSHKV_FUSED: bool
     PUSHKV_SAMPLER: str
+    PUSHKV_MOE_DECODE: str
     PUSHKV_CHECKSUM: str
     PUSHKV_FAULTS_DIR: str
     PUSHKV_VLLM_TIMING: bool

@@ -176,7 +176,7 @@ class Model:
         """What the MLP (dense SwiGLU, or the routed experts) adds to the residual; h normed."""
         if lw.router is not None:
             experts = moe_mlp
-            if h.is_cuda:  # the Triton kernels: three launches a decode layer, five a longer step; no host sync
+            if h.is_cuda:  # the Triton kernels, no host sync (kernels/triton_moe.py)
                 from pushkv.model.kernels import triton_moe
 
                 experts = triton_moe.moe_mlp

@@ -126,7 +126,7 @@ for T, E, k, d, i, renorm, ties, dtype, tiles in json.loads(sys.argv[2]):
     diff = (ref - got.float().cpu()).abs()
     out.append({
         "err": float(diff.max()), "scale": float(ref.abs().max()), "frac_differ": float((diff > 0).float().mean()),
-        "via_moe_mlp": torch.equal(triton_moe.moe_mlp(h, router, gate_up, down, k, bool(renorm)), got)
+        "via_moe_mlp": torch.equal(triton_moe.moe_mlp(h, router, gate_up, down, k, bool(renorm), tiles), got)
         if tiles == decode_tiles_for(T) else None,
         "experts": ex.long().cpu().tolist() == ex_ref.tolist(),
         "topk_sets": [sorted(r) for r in ex.long().cpu().tolist()] == [sorted(r) for r in route(
@@ -240,3 +240,15 @@ def test_gpu_layer_captured_in_a_cuda_graph_replays_new_tokens(T):
         graph.replay()
         ref = moe_mlp(h, router, gate_up, down, k, True)
         assert float((out - ref).abs().max()) <= 1e-4 * max(1.0, float(ref.abs().max()))
+
+
+def test_decode_steps_take_the_grouped_kernels_unless_the_ungrouped_are_asked_for(monkeypatch):
+    """The ungrouped decode kernels are not yet measured on a GPU: opt-in (PUSHKV_MOE_DECODE)."""
+    from pushkv.model.kernels import triton_moe
+    from pushkv.model.kernels.triton_moe_decode import decode_tiles_for
+
+    monkeypatch.delenv("PUSHKV_MOE_DECODE", raising=False)
+    assert all(isinstance(triton_moe.tiles_for(t), triton_moe.Tiles) for t in (1, 8, 64, 4096))
+    monkeypatch.setenv("PUSHKV_MOE_DECODE", "ungrouped")
+    assert triton_moe.tiles_for(1) == decode_tiles_for(1) and triton_moe.tiles_for(8) == decode_tiles_for(8)
+    assert isinstance(triton_moe.tiles_for(64), triton_moe.Tiles)

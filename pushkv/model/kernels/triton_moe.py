@@ -32,6 +32,7 @@ from typing import NamedTuple, Union
 import torch
 import torch.nn.functional as F
 
+from pushkv import envs
 from pushkv.extras import missing
 from pushkv.model.kernels.triton_moe_decode import DECODE_TOKENS, DecodeTiles, decode_tiles_for, moe_mlp_decode
 from pushkv.model.moe import route
@@ -217,12 +218,15 @@ class Tiles(NamedTuple):
 
 
 def tiles_for(tokens: int) -> Union[Tiles, DecodeTiles]:
-    """A decode step's tiles (``DecodeTiles``: the ungrouped GEMV kernels) up to ``DECODE_TOKENS``;
-    then small row blocks for a few slots per expert (less padding), larger rows for a prefill's many
-    slots. Chosen by tokens at bounds that are decode graph buckets (pushkv/model/batched.py), so a
-    step sums in the same order replayed or eager."""
-    if tokens <= DECODE_TOKENS:
+    """A decode step's tiles up to ``DECODE_TOKENS``: the grouped kernels' (measured on an H200), or
+    with ``PUSHKV_MOE_DECODE=ungrouped`` ``DecodeTiles`` (the three-launch GEMV kernels, tested under
+    Triton's interpreter, not yet measured on a GPU); then small row blocks for a few slots per expert
+    (less padding), larger rows for a prefill's many slots. Chosen by tokens at bounds that are decode
+    graph buckets (pushkv/model/batched.py), so a step sums in the same order replayed or eager."""
+    if tokens <= DECODE_TOKENS and envs.PUSHKV_MOE_DECODE == "ungrouped":
         return decode_tiles_for(tokens)
+    if tokens <= 8:
+        return Tiles(16, 32, 64, 128)
     if tokens <= 128:
         return Tiles(16, 64, 64, 64)
     if tokens < 2048:
