@@ -39,16 +39,21 @@ class LayerMarks:
         self.ends = group_ends(groups)
         self.device = device
         self.ring = None
+        self.failed = False  # no marks: streaming ends, the WRITE at prefill end still moves every group
         if device != "cpu":
-            from pushkv.kv.layer_events import EventRing
+            from pushkv.kv import layer_events
 
-            self.ring = EventRing(device)
+            try:
+                self.ring = layer_events.EventRing(device)
+            except Exception:  # a mark without its event would let a WRITE read unstored bytes: send none
+                self.failed = True
+                log.exception("layer marks: no inter-process CUDA events on %s; the KV leaves at prefill end",
+                              device)
         self.sock: zmq.Socket = zmq.Context.instance().socket(zmq.PUSH)
         self.sock.setsockopt(zmq.LINGER, 0)
         if max_msg_bytes:
             self.sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
         self.sock.connect(endpoint)
-        self.failed = False  # a send that raised: streaming ends, the WRITE at prefill end still runs
 
     def hook(self, step_id: int, entries: tuple[m.StreamKV, ...]) -> Callable[[int], None]:
         def on_layer(layer: int) -> None:
