@@ -7,7 +7,7 @@ watchdog: a C thread, so it sees a thread that holds the interpreter lock).
 
     python3 experiments/marks_probe.py --out DIR [--tokens 16384] [--temperature 1.0]
 
-Prints each group: when the forward passed it, when the device finished it (the event's device time
+Prints each group: when the forward passed it, when the device finished it (the event's GPU timing
 from the step's first launch) and when the waiting thread saw that; DIR/stacks.txt holds the dumps.
 """
 from __future__ import annotations

@@ -36,7 +36,7 @@ class Profile:
     # --max-num-seqs); 0 tokens: one prompt a step
     max_batch_tokens: int = 0
     max_num_seqs: int = 64
-    # every P and D on one device (a one-GPU deployment): the device time-slices between the steps
+    # every P and D on one device (a one-GPU deployment): the GPU is time-sliced between the steps
     # that run at once, so each computes at an equal share of it (two at once: each at half speed)
     one_device: bool = False
     note: str = ""
