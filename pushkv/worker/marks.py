@@ -37,7 +37,6 @@ class LayerMarks:
 
     def __init__(self, endpoint: str, groups: Sequence[Sequence[int]], device: str, max_msg_bytes: int = 0):
         self.ends = group_ends(groups)
-        self.device = device
         self.ring = None
         self.failed = False  # no marks: streaming ends, the WRITE at prefill end still moves every group
         if device != "cpu":
