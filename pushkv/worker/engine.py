@@ -108,9 +108,13 @@ class Worker(Actor):
             log.exception("%s: step %d failed", self.name, msg.step_id)
             self.send(self.sched, m.StepFailed(msg.step_id, f"{type(e).__name__}: {e}"))
             return
-        # Reading the sampled tokens (tolist) waits for the whole step on the worker's
-        # stream, so by StepDone every K/V of the step is in the pool and a WRITE posted
-        # on it never reads unfinished blocks.
+        # By StepDone every K/V of the step must be in the pool: the WRITE (or the staging copy)
+        # that StreamKV / SendKV start reads it from another stream. Reading the sampled tokens
+        # (tolist) waits for the step; a step that samples nothing (only non-final prefill
+        # chunks) reads an empty tensor, which does not, so it waits here (without it a chunk's
+        # part went out before its K/V was stored: KV check mismatches on the GPU).
+        if not out.tokens and self.device != "cpu":
+            self._step_stored()
         try:  # --kv-verify: the KV as stored
             sums = tuple(self._checksums(s) for s in msg.seqs if s.checksum)
         except Exception:  # the step itself succeeded: answer it; D sees no checksums and says so
@@ -118,6 +122,12 @@ class Worker(Actor):
             sums = ()
         self.send(self.sched, m.StepDone(msg.step_id, tuple(out.tokens), time.perf_counter() - t0, out.logprobs,
                                          sums))
+
+    def _step_stored(self) -> None:
+        import torch
+
+        torch.cuda.current_stream(self.device).synchronize()
+        self.counters["steps_synced"] += 1
 
     def _checksums(self, s: m.SeqWork) -> m.KVChecksums:
         """This rank's checksums of a prompt whose last chunk this step stored (kv/checksum.py)."""

@@ -111,3 +111,25 @@ def test_gpu_pushkv_staging_equals_local():
     assert total(p_counters, "stage_out_waits") == 0, p_counters
     assert total(d_counters, "stage_in_copies") == total(d_counters, "kv_received") == len(ps)
     assert total(d_counters, "stage_in_part_cells") > 0 or total(p_counters, "parts") == 0, d_counters
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("staging", ["transport", "pushkv"])
+def test_gpu_chunk_streamed_push_equals_local(staging):
+    """--push-stream chunk on the GPU: each prefill chunk's part leaves once the scheduler hears the
+    chunk's step done. A step that samples nothing (a non-final chunk) must still have stored its
+    K/V by then: a part posted (or staged out on the copy stream) earlier reads unstored blocks,
+    which D's KV check fails (502), as it did at 8k over a capped link before the worker waited."""
+    flags = GEOM + ("--batch-invariant", "on", "--prefill-chunk", "256")
+    ps = prompts(7)
+    want = run(("--mode", "local") + flags, ps)
+    chunk = ("--mode", "push", "--push-stream", "chunk", "--push-pin-fraction", "1", "--staging", staging)
+    with launched(*chunk, *flags, start_timeout_s=240) as d:
+        got = []
+        for p in ps:
+            status, body = d.post("/v1/completions", {"prompt": p, "max_tokens": 24})
+            assert status == 200, body
+            got.append(body["choices"][0]["token_ids"])
+        counters = d.stats("prefill").counters
+    assert got == want
+    assert sum(v for k, v in counters.items() if k.endswith(".parts")) > 0, counters  # 1000 and 2500 streamed
