@@ -12,8 +12,8 @@ a dead P writer fails its transfers at once.
 """
 from __future__ import annotations
 
-import logging
 import itertools
+import logging
 import os
 import signal
 import time
