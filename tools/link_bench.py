@@ -277,8 +277,15 @@ async def _one_by_one(url: str, prompts: list[list[int]], output_len: int) -> li
         return [await bench.send_request(s, url.rstrip("/") + "/v1/completions", p, output_len) for p in prompts]
 
 
-def lone_prompts(length: int, args) -> list[list[int]]:
-    return bench.make_prompts(args.reps, length, bench.DEFAULT_VOCAB, args.seed + length)
+def rate_seed(rate: str, args) -> int:
+    """The prompts' seed at ``rate``: each rate its own prompts. One deployment serves every rate,
+    so a rate that sent the prompts of the one before found them in P's and D's prefix caches,
+    and moved no KV (a lone 16k "transfer" of 0.8 ms at 10 Gbit/s after one at 25)."""
+    return args.seed + 1_000_003 * (args.rates.index(rate) if rate in args.rates else 0)
+
+
+def lone_prompts(length: int, rate: str, args) -> list[list[int]]:
+    return bench.make_prompts(args.reps, length, bench.DEFAULT_VOCAB, rate_seed(rate, args) + length)
 
 
 def _one_timed(url: str, prompt: list[int], args) -> tuple[bench.RequestResult, dict[str, float]]:
@@ -291,7 +298,7 @@ def _one_timed(url: str, prompt: list[int], args) -> tuple[bench.RequestResult, 
 def lone(url: str, mode: str, rate: str, length: int, args, out_dir: str) -> dict:
     """``args.reps`` requests of ``length``, each sent once the previous one ended."""
     t0 = time.perf_counter()
-    got = [_one_timed(url, p, args) for p in lone_prompts(length, args)]
+    got = [_one_timed(url, p, args) for p in lone_prompts(length, rate, args)]
     return lone_summary(url, mode, rate, length, got, time.perf_counter() - t0, args, out_dir)
 
 
@@ -299,7 +306,7 @@ def lone_side_by_side(urls: dict[str, str], rate: str, length: int, args, out_di
     """``args.reps`` rounds of one request of ``length`` to each mode's deployment in turn (the
     order rotating by one each round), each sent once the previous one ended: a mode's requests
     and the others' are as close in time as they can be on a host whose load drifts."""
-    prompts = lone_prompts(length, args)
+    prompts = lone_prompts(length, rate, args)
     got: dict[str, list] = {mode: [] for mode in urls}
     busy = {mode: 0.0 for mode in urls}
     modes = list(urls)
@@ -316,7 +323,7 @@ def lone_summary(url: str, mode: str, rate: str, length: int, got, duration_s: f
     results = [r for r, _ in got]
     meta = {"date": time.strftime("%Y%m%d-%H%M%S"), "backend": "pushkv", "mode": mode, "base_url": url,
             "num_prompts": args.reps, "request_rate": "lone", "input_len": length,
-            "output_len": args.output_len, "seed": args.seed + length, "warmup": 0, "rate": rate}
+            "output_len": args.output_len, "seed": rate_seed(rate, args) + length, "warmup": 0, "rate": rate}
     s = bench.aggregate(results, duration_s, meta)
     s["cpu_ms"] = [c for _, c in got]  # per request: CPU of the deployment's processes meanwhile, per role
     with open(os.path.join(out_dir, bench.result_name(mode, LONE_QPS, length, args.output_len, 0)), "w") as f:
@@ -324,14 +331,15 @@ def lone_summary(url: str, mode: str, rate: str, length: int, got, duration_s: f
     return s
 
 
-def loaded(url: str, mode: str, length: int, args, out_dir: str, it: int = 0, qps: Optional[float] = None) -> dict:
+def loaded(url: str, mode: str, rate: str, length: int, args, out_dir: str, it: int = 0,
+           qps: Optional[float] = None) -> dict:
     """One loaded run (round ``it``: its own arrivals and prompts; at ``qps``, else ``--qps``), with
     ``cpu_ms``: the CPU each role's processes spent during the run, per completed request."""
     qps = args.qps if qps is None else qps
     b = bench.parse_args(["--url", url, "--mode", mode, "--qps", str(qps), "--num-prompts",
                           str(args.num_prompts), "--input-len", str(length), "--output-len", str(args.output_len),
-                          "--warmup", "0", "--seed", str(args.seed + it), "--result-dir", out_dir, "--iter", str(it),
-                          "--no-progress"])
+                          "--warmup", "0", "--seed", str(rate_seed(rate, args) + it), "--result-dir", out_dir,
+                          "--iter", str(it), "--no-progress"])
     before = cpu_ns(url)
     path, s = bench.run(b)
     spent = cpu_delta_ms(before, cpu_ns(url))
@@ -820,7 +828,7 @@ def run_rate_side_by_side(urls: dict[str, str], rate: str, net, args, results: d
         for it in range(args.load_rounds):  # round by round, the order rotating: a drifting host load
             for mode in modes[it % len(modes):] + modes[:it % len(modes)]:  # spreads over every mode
                 bar.set_postfix_str(f"{mode} {rate} load {n} round {it + 1}/{args.load_rounds}")
-                runs[mode].append(loaded(urls[mode], mode, n, args, out_dir, it, qps))
+                runs[mode].append(loaded(urls[mode], mode, rate, n, args, out_dir, it, qps))
         for mode in modes:
             c = regime.setdefault(mode, {}).setdefault(str(n), {})["load"] = dict(cell(pooled(runs[mode])), qps=qps)
             _print_cell(tqdm, mode, rate, "load", n, c)
@@ -859,7 +867,7 @@ def run_rate(url: str, mode: str, rate: str, net, args, results: dict, bar) -> N
     for n in args.load_lengths:
         bar.set_postfix_str(f"{mode} {rate} load {n}")
         qps = load_qps(rate, n, args, m)
-        c = regime.setdefault(str(n), {})["load"] = dict(cell(pooled([loaded(url, mode, n, args, out_dir, it, qps)
+        c = regime.setdefault(str(n), {})["load"] = dict(cell(pooled([loaded(url, mode, rate, n, args, out_dir, it, qps)
                                                                      for it in range(args.load_rounds)])), qps=qps)
         _print_cell(tqdm, mode, rate, "load", n, c)
         bar.update(1)

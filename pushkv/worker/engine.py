@@ -108,12 +108,13 @@ class Worker(Actor):
             log.exception("%s: step %d failed", self.name, msg.step_id)
             self.send(self.sched, m.StepFailed(msg.step_id, f"{type(e).__name__}: {e}"))
             return
-        # By StepDone every K/V of the step must be in the pool: the WRITE (or the staging copy)
+        # By StepDone every K/V of a P step must be in the pool: the WRITE (or the staging copy)
         # that StreamKV / SendKV start reads it from another stream. Reading the sampled tokens
         # (tolist) waits for the step; a step that samples nothing (only non-final prefill
-        # chunks) reads an empty tensor, which does not, so it waits here (without it a chunk's
-        # part went out before its K/V was stored: KV check mismatches on the GPU).
-        if not out.tokens and self.device != "cpu":
+        # chunks) reads an empty tensor, which does not, so P waits here (without it a chunk's
+        # part went out before its K/V was stored: KV check mismatches on the GPU). D's and
+        # local steps' K/V are read by no other stream.
+        if not out.tokens and self.device != "cpu" and self.inst.role == "prefill":
             self._step_stored()
         try:  # --kv-verify: the KV as stored
             sums = tuple(self._checksums(s) for s in msg.seqs if s.checksum)

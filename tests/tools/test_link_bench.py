@@ -190,3 +190,14 @@ def test_plot_cells_are_the_table_figures():
                        "1024": {"load": {"ttft_ms": 900.0, "tpot_ms": None}}}}
     assert lb.plot_cells(regime, args) == {("push", 0.0, 512): {"median_ttft_ms": 190.0, "median_tpot_ms": 8.0},
                                            ("push", 2.0, 1024): {"median_ttft_ms": 900.0}}
+
+
+def test_each_rate_sends_its_own_prompts():
+    """One deployment serves every rate: the same prompts at the next rate would hit P's and D's
+    prefix caches and move no KV."""
+    args = lb.parse_args(["--rates", "25gbit", "10gbit", "--lengths", "1024", "--reps", "2"])
+    first, second = lb.lone_prompts(1024, "25gbit", args), lb.lone_prompts(1024, "10gbit", args)
+    assert len(first) == len(second) == 2 and all(len(p) == 1024 for p in first + second)
+    assert not {tuple(p[:16]) for p in first} & {tuple(p[:16]) for p in second}  # not one first block shared
+    assert lb.lone_prompts(1024, "25gbit", args) == first  # and each rate's are the same from run to run
+    assert lb.rate_seed("25gbit", args) != lb.rate_seed("10gbit", args)

@@ -219,8 +219,8 @@ class Tiles(NamedTuple):
 
 def tiles_for(tokens: int) -> Union[Tiles, DecodeTiles]:
     """A decode step's tiles up to ``DECODE_TOKENS``: the grouped kernels' (measured on an H200), or
-    with ``PUSHKV_MOE_DECODE=ungrouped`` ``DecodeTiles`` (the three-launch GEMV kernels, tested under
-    Triton's interpreter, not yet measured on a GPU); then small row blocks for a few slots per expert
+    with ``PUSHKV_MOE_DECODE=ungrouped`` ``DecodeTiles`` (the three-launch GEMV kernels: on an H200 equal at
+    one token and 1.5x slower at eight, docs/results/2026-12-02-moe-kernel); then small row blocks for a few slots per expert
     (less padding), larger rows for a prefill's many slots. Chosen by tokens at bounds that are decode
     graph buckets (pushkv/model/batched.py), so a step sums in the same order replayed or eager."""
     if tokens <= DECODE_TOKENS and envs.PUSHKV_MOE_DECODE == "ungrouped":
