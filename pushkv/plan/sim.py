@@ -25,9 +25,12 @@ What it models, as pushkv does it:
   (``pull``, on D's writer) or READs inside D's step (``pull-inline``: D's engine waits);
 - **the link** (only with ``profile.link_window`` set): every transfer into a D goes on D's one
   link (``plan/link.py``), sharing its rate. Each P's WRITEs into it (push's one, push-layer's
-  parts: a request's next part once a group is stored and its previous part has landed, carrying
-  every group stored since) queue under that P writer's window and order (``protocol/
-  link_queue.py``, the queue P's writer runs per D); pull's READs queue on D's side, one at a time
+  parts: a request's next part as soon as a group is stored and fewer than ``PARTS_AHEAD`` (2) of
+  its parts are queued or on the link, else once one of them has landed, carrying every group
+  stored since, as P's rendezvous asks them; D has the KV once every part has landed and the last
+  WRITE's notice, the fixed cost, is paid) queue under that P writer's window and order
+  (``protocol/link_queue.py``, the queue P's writer runs per D, which keeps a request's parts in
+  the order asked); pull's READs queue on D's side, one at a time
   for ``pull-inline`` (D's engine waits for each, so no step runs while one is under way), all at
   once for ``pull``; push's late allocation is D's READ on that lane too, as pushkv does it. Without
   it each transfer moves alone at the link's rate however many overlap;
@@ -57,6 +60,7 @@ from pushkv.plan.prefill_step import next_step
 from pushkv.plan.profile import Profile
 from pushkv.plan.workload import Turn, Workload
 from pushkv.protocol.link_queue import LinkPost, Window
+from pushkv.protocol.rendezvous import PARTS_AHEAD
 from pushkv.router import policy as P
 
 SimMode = Literal["local", "push", "push-layer", "pull", "pull-inline", "conditional"]
@@ -92,7 +96,7 @@ class Req:
     blocks: int = 0  # what moves (the link model)
     groups_stored: int = 0  # push-layer: layer groups P has stored
     parts_posted: int = 0  # push-layer: groups whose part has been offered to the link
-    part_on_link: bool = False  # a part of it queued or in flight (one at a time)
+    parts_on_link: int = 0  # its parts queued or in flight (up to PARTS_AHEAD, as P's rendezvous asks them)
     first_offer: Optional[float] = None  # its first post's offer (order "deadline")
     prefill_end: Optional[float] = None  # P's prefill ended (P's leg)
 
@@ -383,20 +387,22 @@ class Simulation:
         self.next_part(r)
 
     def next_part(self, r: Req) -> None:
-        """push-layer: once a request's last part has landed, its next one carries every group stored
-        since (P's rendezvous asks for one WRITE of a request at a time); the part with the last
-        group is the last WRITE."""
+        """push-layer: a request's next part carries every group stored and not yet offered, offered
+        as soon as fewer than PARTS_AHEAD of its parts are queued or on the link (else once one of
+        them lands), as P's rendezvous asks them: it waits in P's link queue while the one before
+        it is on the wire. The KV has landed once every group's part has (the last WRITE, which
+        follows them all, is its notice: ``landing``'s fixed cost)."""
         n = self.prof.layer_groups
-        if r.part_on_link or r.parts_posted >= r.groups_stored:
+        if r.parts_on_link >= PARTS_AHEAD or r.parts_posted >= r.groups_stored:
             return
         g0, g1 = r.parts_posted, r.groups_stored
         size = r.blocks * g1 // n - r.blocks * g0 // n
         r.parts_posted = g1
-        r.part_on_link = True
+        r.parts_on_link += 1
 
         def part_done() -> None:
-            r.part_on_link = False
-            if g1 == n:
+            r.parts_on_link -= 1
+            if r.parts_posted == n and not r.parts_on_link:
                 self.landing(r)
             else:
                 self.next_part(r)

@@ -22,7 +22,9 @@ than the byte bound still goes (alone). Which queued post goes next is the ``ord
   end by).
 
 Ties go by arrival. The posts of one request never overtake each other here: the rendezvous
-has at most one WRITE of a request asked for at a time.
+may have two parts of a request asked for at once (``rendezvous.PARTS_AHEAD``), and of a
+request's queued posts only the one offered first may go next, whatever the order (under
+``shortest`` its later part, having less of the prompt left, would otherwise go first).
 """
 from __future__ import annotations
 
@@ -134,7 +136,10 @@ class LinkQueue:
         if self.order == "arrival":
             return 0  # offered in order: the list is already by arrival
         rank = _RANKS[self.order]
-        return min(range(len(self._queued)), key=lambda i: (rank(self._queued[i][1]), self._queued[i][0]))
+        heads: dict[Hashable, int] = {}  # each request's post offered first (the list is by arrival)
+        for i, (_, p) in enumerate(self._queued):
+            heads.setdefault(p.key, i)
+        return min(heads.values(), key=lambda i: (rank(self._queued[i][1]), self._queued[i][0]))
 
     def _fits(self, nbytes: int) -> bool:
         if not self._inflight:

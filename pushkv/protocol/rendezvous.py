@@ -22,11 +22,13 @@ prefill chunk reports its progress (``on_prefill_progress``: the prompt's first 
 tokens are in the blocks). In WAIT_PREFILL, once every registration is there, the
 machine asks for a **part** WRITE of the whole units (multiples of ``stream_unit``,
 the lcm of both sides' block sizes, so each part is whole blocks on both sides) not
-yet written; parts carry no notification. One part is in flight at a time: the next
-one is asked for when it completes and takes everything computed meanwhile, so the
-link carries one WRITE at a time (concurrent WRITEs over TCP shared it and each ran
-past its expected time) and a fast link posts few, large parts. At prefill end the **last** WRITE moves
-the rest with the completion notification, and is asked for only once every part
+yet written; parts carry no notification. Up to ``PARTS_AHEAD`` (2) parts are in flight
+at a time: a part is asked for as soon as new whole units are computed and fewer are in
+flight, so the next part is staged and queued while the previous one is on the wire; once
+both fly, the next waits for a completion and then takes everything computed meanwhile, so
+a fast link still posts few, large parts. Posting one WRITE at a time on a link is P's
+link queue's job (``protocol/link_queue.py``), not this machine's. At prefill end the **last**
+WRITE moves the rest with the completion notification, and is asked for only once every part
 has completed, so D's one notification means every byte has landed. With
 ``stream_groups`` > 1 (layer-streamed push) progress is per layer group: the worker
 marks each group of layers stored, a part moves each group's whole units not yet
@@ -34,9 +36,10 @@ written (one span per group, merged when they agree; the last group's final mark
 waits for the last WRITE), and the last WRITE moves each group's rest. Marks that arrive
 after the prefill half are counted and dropped (the prefill half already covers them). A
 prefill that the engine preempts and computes again (``on_prefill_restart``) keeps what was
-sent and streams on from there into its new blocks. A part that
-fails fails the transfer; any failure while WRITEs are in flight drains them first
-(DRAINING counts them down), and a streamed transfer that ends before its prefill
+sent and streams on from there into its new blocks. Parts may complete in either order
+(the machine counts them; each names its own spans). A part that fails fails the transfer;
+any failure while WRITEs are in flight (the other part, say) drains every one of them first
+(DRAINING counts them down, then frees and tells D once), and a streamed transfer that ends before its prefill
 half frees (reports) the streamed blocks all the same, so the scheduler always
 hears one outcome.
 
@@ -79,11 +82,18 @@ from pushkv.protocol.actions import (
 from pushkv.protocol.tp import consumers_for, is_producer
 
 __all__ = [
-    "PushRendezvous", "State", "ProtocolError", "Action", "PostWrite", "FreeBlocks",
+    "PARTS_AHEAD", "PushRendezvous", "State", "ProtocolError", "Action", "PostWrite", "FreeBlocks",
     "NotifyFailure", "Completed", "Failed", "Count",
 ]
 
 REMEMBER_FINISHED = 4096  # (transfer id, generation) outcomes kept for late halves
+# Streamed parts of one transfer in flight at once (asked for and not yet reported). With one,
+# the next part was asked only when the previous completed, and its staging copy (GPU to pinned
+# host, ~12 ms for a 16k prompt's layer group over a 25 Gbit/s veth on one H200) left the link
+# idle before every part; with two, the next one is staged while the previous is on the wire
+# and waits in P's link queue, which posts them one after the other under its window. More
+# would only split what a completion coalesces into more, smaller parts.
+PARTS_AHEAD = 2
 
 
 class State(str, Enum):
@@ -112,7 +122,7 @@ class _Transfer:
     sent: list[int] = field(default_factory=list)  # per layer group: prompt tokens asked for in parts
     marked: bool = False  # progress came from layer marks (which may reach the prompt's end before it is done)
     parts: int = 0  # part WRITEs asked for
-    inflight: int = 0  # WRITEs asked for (parts and the last) not yet reported
+    inflight: int = 0  # WRITEs asked for (up to PARTS_AHEAD parts, or the last) not yet reported
     final_pending: bool = False  # all halves in; the last WRITE waits for the parts
     failure: str = ""  # why a WRITE failed while others were still in flight
     last_posted: bool = False  # the WRITE with D's notification was asked for
@@ -389,8 +399,10 @@ class PushRendezvous:
 
     def _post_part(self, e) -> list[Action]:
         """Ask for a part WRITE of the whole units computed and not yet asked for, in every
-        layer group (none while another part is in flight: its completion asks again)."""
-        if e.inflight or not (self.stream_unit and e.streamed and e.needed and e.needed <= e.regs.keys()):
+        layer group (none while PARTS_AHEAD parts are in flight: a completion asks again)."""
+        if e.inflight >= PARTS_AHEAD:
+            return []
+        if not (self.stream_unit and e.streamed and e.needed and e.needed <= e.regs.keys()):
             return []
         u = self.stream_unit
         ends = [p // u * u for p in e.progress]
@@ -466,7 +478,7 @@ class PushRendezvous:
         return self._last_write(e)
 
     def _write_done(self, e, now, part=False) -> list[Action]:
-        if e.inflight <= 0 or part == e.last_posted:  # one WRITE flies: a part until the last is posted
+        if e.inflight <= 0 or part == e.last_posted:  # parts until the last is posted, then only the last
             raise ProtocolError(e.state.value, "write_done", e.transfer_id, e.generation)
         e.inflight -= 1
         if part:

@@ -12,6 +12,7 @@ a dead P writer fails its transfers at once.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import signal
@@ -63,6 +64,7 @@ class VllmWriter(WriterShell):
         self.agent_name = f"{self.engine_id}-w{self.rank}-{os.getpid()}"
         self.req_of: dict[str, str] = {}  # P: transfer id -> this instance's vLLM request id
         self.releasing: dict[tuple[str, int], str] = {}  # P: preempted streams whose WRITE still flies -> req id
+        self._part_ids = itertools.count(1)  # P: a part's key in flight, (tid, gen, n): two may fly at once
         self.groups = stream.groups_of(len(self.kv.layers), args.stream_groups)
         self.side = sides.PrefillSide(rv.PushRendezvous(  # P's role
             self.rank, self.tp, self.total_kv_heads, args.registration_wait_s, args.transfer_s,
@@ -152,7 +154,7 @@ class VllmWriter(WriterShell):
                 log.error("%s: preemption refused: %s transfer_id=%s", self.name, e.error, msg.transfer_id)
             else:
                 self.count_or_tell(e, self.posting.notify)
-        if key in self.posting.inflight:  # a part WRITE still reads them: answered when it ends
+        if self._reading(key):  # a part WRITE still reads them: answered when the last one ends
             self.releasing[key] = msg.req_id
         else:
             self._released(key, msg.req_id)
@@ -209,7 +211,10 @@ class VllmWriter(WriterShell):
                     mark("p_write_posted" if a.last else "p_part_posted", fl.transfer_id)
                 else:  # nothing of it is in D's registered blocks: no post
                     mark("p_part_empty", fl.transfer_id)
-                self.posting.book((fl.transfer_id, fl.generation), fl, now)
+                # a part's own key: two of a transfer may fly at once (rendezvous.PARTS_AHEAD)
+                ikey = (fl.transfer_id, fl.generation) if a.last else (fl.transfer_id, fl.generation,
+                                                                      next(self._part_ids))
+                self.posting.book(ikey, fl, now)
             elif isinstance(e, sides.Report):
                 t, tid = e.transfer, e.free.transfer_id
                 self._emit(w.BlocksSent(self.req_of.pop(tid, ""), tid, e.ok, e.reason, t.nbytes, t.num_descs,
@@ -223,8 +228,12 @@ class VllmWriter(WriterShell):
         key = (fl.transfer_id, fl.generation)
         self._apply_p(self.side.write_ended(key, now, part=fl.part, failed=fl.failed,
                                             nbytes=fl.nbytes, num_descs=fl.num_descs, posted=fl.posted), now)
-        if key in self.releasing and key not in self.posting.inflight:  # (no part of the old blocks follows)
+        if key in self.releasing and not self._reading(key):  # (no part of the old blocks follows)
             self._released(key, self.releasing.pop(key))
+
+    def _reading(self, key: tuple[str, int]) -> bool:
+        """Whether a WRITE of transfer ``key`` (a part, or the last) is still in flight."""
+        return any(k[:2] == key for k in self.posting.inflight)
 
     # -- the loop ---------------------------------------------------------------------------
     def expire(self, now: float) -> None:

@@ -157,13 +157,32 @@ def test_push_layer_parts_start_with_the_first_group_stored():
     assert old.ttft_ms == pytest.approx(162 + 50 + 3)
 
 
-def test_a_push_layer_part_carries_every_group_stored_while_the_last_was_on_the_wire():
-    # 400 ms of KV, a group's part 100 ms: part 1 (group 1) 40.5-140.5, by then groups 2 and 3 are
-    # stored and go as one part (140.5-340.5), then the last group (340.5-440.5): three WRITEs
+def test_a_push_layer_part_waits_in_the_queue_while_the_one_before_it_is_on_the_wire():
+    # 400 ms of KV, a group's part 100 ms: part 1 (group 1) 40.5-140.5; group 2's part is offered at
+    # 81 while part 1 flies (two parts ahead) and waits in P's link queue (window 1): 140.5-240.5;
+    # group 3's (121.5) waits for a part to land, and goes at 240.5, group 4's at 340.5: four WRITEs
     slow = dataclasses.replace(C, handoff_ms_per_block=20.0)
     s = sim.Simulation(LONE, dataclasses.replace(linked(), costs=slow), "push-layer", 1, 1)
     (r,) = s.run()
-    assert r.ttft_ms == pytest.approx(440.5 + 3) and s.links[0].started == 3
+    assert r.ttft_ms == pytest.approx(440.5 + 3) and s.links[0].started == 4 and s.links[0].peak == 1
+
+
+def test_a_third_part_waits_for_a_landing_and_carries_every_group_stored_meanwhile():
+    # a group's part 200 ms: part 1 (group 1) 40.5-240.5, group 2's queued behind it at 81; groups 3
+    # (121.5) and 4 (162) wait, two parts being out, and go as one part once part 1 lands: 440.5-840.5
+    slow = dataclasses.replace(C, handoff_ms_per_block=40.0)
+    s = sim.Simulation(LONE, dataclasses.replace(linked(), costs=slow), "push-layer", 1, 1)
+    (r,) = s.run()
+    assert r.ttft_ms == pytest.approx(840.5 + 3) and s.links[0].started == 3
+
+
+def test_two_parts_of_a_request_share_a_link_without_a_window():
+    # no window: group 2's part goes on the wire beside part 1, and on a link that overlaps badly
+    # (half its rate with two in flight) the request ends later than one part at a time
+    slow = dataclasses.replace(C, handoff_ms_per_block=20.0)
+    s = sim.Simulation(LONE, dataclasses.replace(linked(0, share=0.5), costs=slow), "push-layer", 1, 1)
+    (r,) = s.run()
+    assert s.links[0].peak == 2 and r.ttft_ms > 440.5 + 3
 
 
 def test_a_prefix_p_and_d_already_hold_is_neither_computed_nor_moved():

@@ -93,6 +93,28 @@ CASES = [
         (("done", "a1"), ["c1"]),
         (("done", "c1"), ["b1"]),
     ]),
+    # the rendezvous asks a request's next part while its previous one waits (PARTS_AHEAD): its
+    # later part, with less of the prompt left, must not go before the earlier one
+    ("shortest: a request's later part never overtakes its earlier one", Window(max_parts=1), "shortest", [
+        (("offer", "b1", "b", 4 * MB, 40 * MB), ["b1"]),
+        (("offer", "a1", "a", 4 * MB, 16 * MB), []),
+        (("offer", "a2", "a", 4 * MB, 8 * MB), []),
+        (("offer", "c1", "c", 4 * MB, 12 * MB), []),
+        (("done", "b1"), ["c1"]),  # a2 (8) is not a's first: a1 (16) and c1 (12) compete
+        (("offer", "d1", "d", 4 * MB, 10 * MB), []),
+        (("done", "c1"), ["d1"]),
+        (("done", "d1"), ["a1"]),
+        (("done", "a1"), ["a2"]),
+    ]),
+    ("deadline: a request's parts go in the order asked", Window(max_parts=1), "deadline", [
+        (("offer", "z1", "z", 1, 0, 1.0), ["z1"]),
+        (("offer", "a1", "a", 1, 0, 5.0), []),
+        (("offer", "b1", "b", 1, 0, 4.0), []),
+        (("offer", "a2", "a", 1, 0, 3.0), []),  # (a request's deadline never moves earlier: a guard)
+        (("done", "z1"), ["b1"]),
+        (("done", "b1"), ["a1"]),
+        (("done", "a1"), ["a2"]),
+    ]),
     ("drop: a cancelled transfer's queued posts leave; its post in flight stays", Window(max_parts=1), "arrival", [
         (("offer", "a1", "a", 1), ["a1"]),
         (("offer", "b1", "b", 1), []),

@@ -41,6 +41,14 @@ CASES = [
      [[], ["part t1 [0] 0+32 old"], ["count:prefill_restarted"], [], [], [],
       ["part t1 [0] 32+32 new"], [], ["last t1 [0] 64+6 ft7 new"],
       ["free t1", "completed t1 registration_first", ]]),
+    # two parts fly over the old blocks (PARTS_AHEAD): both end as they would; the recomputed
+    # progress resumes past both (48 sent), and the last waits for the new part
+    ("two_parts_in_flight_then_recompute", [
+        ("reg",), ("prog", 16, OLD), ("prog", 48, OLD), ("restart",), ("pdone",), ("pdone",),
+        ("prog", 40, NEW), ("prog", 64, NEW), ("prefill", 70), ("pdone",), ("done",)],
+     [[], ["part t1 [0] 0+16 old"], ["part t1 [0] 16+32 old"], ["count:prefill_restarted"], [], [],
+      [], ["part t1 [0] 48+16 new"], [], ["last t1 [0] 64+6 ft7 new"],
+      ["free t1", "completed t1 registration_first"]]),
     # preempted before D registered: nothing was sent, so everything goes from the new blocks
     ("restart_before_registration", [
         ("prog", 48, OLD), ("restart",), ("prog", 20, NEW), ("reg",), ("prefill", 40)],

@@ -11,7 +11,7 @@ import pytest
 
 from pushkv.messages import Register
 from pushkv.protocol.rendezvous import (
-    Completed, Count, Failed, FreeBlocks, NotifyFailure, PostWrite, ProtocolError, PushRendezvous,
+    PARTS_AHEAD, Completed, Count, Failed, FreeBlocks, NotifyFailure, PostWrite, ProtocolError, PushRendezvous,
 )
 
 WAIT, XFER = 10.0, 5.0
@@ -87,12 +87,74 @@ SCENARIOS = [
         (("reg", "t", 1, 0, 1, 0.0), [], "wait_prefill"),
         (("prog", "t", 1, 10, 1.0), [], "wait_prefill"),  # less than a unit
         (("prog", "t", 1, 16, 2.0), ["part t1 [0] 0+16"], "wait_prefill"),
-        (("prog", "t", 1, 40, 3.0), [], "wait_prefill"),  # one part in flight at a time
-        (("prog", "t", 1, 70, 4.0), [], "wait_prefill"),
-        (("pdone", "t", 1, 5.0), ["part t1 [0] 16+48"], "wait_prefill"),  # coalesces what was computed
+        (("pdone", "t", 1, 2.5), [], "wait_prefill"),
+        (("prog", "t", 1, 40, 3.0), ["part t1 [0] 16+16"], "wait_prefill"),
         (("pdone", "t", 1, 6.0), [], "wait_prefill"),
-        (("prefill", "t", 1, 75, 7.0), ["last t1 [0] 64+11 ft7"], "writing"),  # no part flies: at once
+        (("prefill", "t", 1, 45, 7.0), ["last t1 [0] 32+13 ft7"], "writing"),  # no part flies: at once
         (("done", "t", 1, 8.0), ["free t1", "completed t1 registration_first"], None),
+    ]),
+    # -- two parts ahead (PARTS_AHEAD): the next part is asked while the previous one flies
+    ("second_part_asked_while_the_first_flies", {}, [
+        (("reg", "t", 1, 0, 1, 0.0), [], "wait_prefill"),
+        (("prog", "t", 1, 16, 1.0), ["part t1 [0] 0+16"], "wait_prefill"),
+        (("prog", "t", 1, 40, 2.0), ["part t1 [0] 16+16"], "wait_prefill"),  # at once: only one flies
+        (("prog", "t", 1, 50, 3.0), [], "wait_prefill"),  # two fly: a third waits
+        (("prog", "t", 1, 70, 4.0), [], "wait_prefill"),
+        (("pdone", "t", 1, 5.0), ["part t1 [0] 32+32"], "wait_prefill"),  # everything computed meanwhile
+        (("pdone", "t", 1, 6.0), [], "wait_prefill"),  # 70 computed, 64 sent: no whole unit more
+        (("pdone", "t", 1, 7.0), [], "wait_prefill"),
+        (("prefill", "t", 1, 75, 8.0), ["last t1 [0] 64+11 ft7"], "writing"),
+        (("done", "t", 1, 9.0), ["free t1", "completed t1 registration_first"], None),
+    ]),
+    ("registration_releases_one_part_and_the_next_follows", {}, [
+        (("prog", "t", 1, 40, 0.0), [], "wait_prefill"),
+        (("reg", "t", 1, 0, 1, 1.0), ["part t1 [0] 0+32"], "wait_prefill"),  # what is whole, in one part
+        (("prog", "t", 1, 64, 2.0), ["part t1 [0] 32+32"], "wait_prefill"),
+        (("prog", "t", 1, 80, 3.0), [], "wait_prefill"),
+        (("pdone", "t", 1, 4.0), ["part t1 [0] 64+16"], "wait_prefill"),
+    ]),
+    ("last_write_waits_for_both_parts", {}, [
+        (("reg", "t", 1, 0, 1, 0.0), [], "wait_prefill"),
+        (("prog", "t", 1, 16, 1.0), ["part t1 [0] 0+16"], "wait_prefill"),
+        (("prog", "t", 1, 32, 2.0), ["part t1 [0] 16+16"], "wait_prefill"),
+        (("prefill", "t", 1, 40, 3.0), [], "writing"),  # final_pending: two parts fly
+        (("pdone", "t", 1, 4.0), [], "writing"),  # one still flies
+        (("pdone", "t", 1, 5.0), ["last t1 [0] 32+8 ft7"], "writing"),
+        (("done", "t", 1, 6.0), ["free t1", "completed t1 registration_first"], None),
+    ]),
+    ("first_to_end_fails_while_both_fly", {}, [
+        (("reg", "t", 1, 0, 1, 0.0), [], "wait_prefill"),
+        (("prog", "t", 1, 16, 1.0), ["part t1 [0] 0+16"], "wait_prefill"),
+        (("prog", "t", 1, 32, 2.0), ["part t1 [0] 16+16"], "wait_prefill"),
+        (("pfail", "t", 1, 3.0), ["failed t1", "count:write_failed"], "draining"),  # the other still reads
+        (("prog", "t", 1, 48, 3.5), ["count:late_progress"], "draining"),  # no part more
+        (("pdone", "t", 1, 4.0), ["free t1", "notify t1 [0]"], None),  # drained: freed, D told once
+        (("prefill", "t", 1, 50, 5.0), ["free t1", "count:late_prefill"], None),
+    ]),
+    ("second_to_end_fails_after_the_first_completed", {}, [
+        (("reg", "t", 1, 0, 1, 0.0), [], "wait_prefill"),
+        (("prog", "t", 1, 16, 1.0), ["part t1 [0] 0+16"], "wait_prefill"),
+        (("prog", "t", 1, 32, 2.0), ["part t1 [0] 16+16"], "wait_prefill"),
+        (("prog", "t", 1, 48, 2.5), [], "wait_prefill"),
+        (("pdone", "t", 1, 3.0), ["part t1 [0] 32+16"], "wait_prefill"),  # two fly again
+        (("pfail", "t", 1, 4.0), ["failed t1", "count:write_failed"], "draining"),
+        (("pdone", "t", 1, 5.0), ["free t1", "notify t1 [0]"], None),
+    ]),
+    ("both_parts_fail", {}, [
+        (("reg", "t", 1, 0, 1, 0.0), [], "wait_prefill"),
+        (("prog", "t", 1, 16, 1.0), ["part t1 [0] 0+16"], "wait_prefill"),
+        (("prog", "t", 1, 32, 2.0), ["part t1 [0] 16+16"], "wait_prefill"),
+        (("prefill", "t", 1, 40, 2.5), [], "writing"),
+        (("pfail", "t", 1, 3.0), ["failed t1", "count:write_failed"], "draining"),
+        (("pfail", "t", 1, 4.0), ["free t1", "notify t1 [0]"], None),
+    ]),
+    ("cancel_while_both_fly", {}, [
+        (("reg", "t", 1, 0, 1, 0.0), [], "wait_prefill"),
+        (("prog", "t", 1, 16, 1.0), ["part t1 [0] 0+16"], "wait_prefill"),
+        (("prog", "t", 1, 32, 2.0), ["part t1 [0] 16+16"], "wait_prefill"),
+        (("cancel", "t", 1, 3.0), ["failed t1", "count:cancelled"], "draining"),
+        (("pdone", "t", 1, 4.0), [], "draining"),  # one still reads the blocks
+        (("pdone", "t", 1, 5.0), ["free t1", "notify t1 [0]"], None),
     ]),
     ("parts_wait_for_every_d_rank", {}, [
         (("prog", "t", 1, 32, 0.0), [], "wait_prefill"),
@@ -370,9 +432,10 @@ def test_random_walk_streams(seed):
     """Any interleaving of chunks, registrations, prefill ends, WRITE completions, cancels,
     deadlines and reissues, on P rank 0 of 1 or 2 and D of 1 or 2 ranks:
 
-    - at most one WRITE of a transfer in flight; parts are whole units, contiguous from
-      token 0 and never past what was computed; the last WRITE is posted once, only after
-      every part completed, moves the rest of the prompt and carries the first token;
+    - at most PARTS_AHEAD parts of a transfer in flight, and its last WRITE only alone; parts
+      are whole units, contiguous from token 0 and never past what was computed; the last WRITE
+      is posted once, only after every part completed, moves the rest of the prompt and
+      carries the first token; completions come in any order;
     - no FreeBlocks and no NotifyFailure while a WRITE of that transfer may still be in flight;
     - blocks handed in (a stream's first chunk, a prefill) are reported exactly once: by a
       FreeBlocks in the same answer (a late or stale half, a replica), or later, once, by the
@@ -389,7 +452,7 @@ def test_random_walk_streams(seed):
     prompt = {}  # key -> prompt length
     progress = {}  # key -> tokens computed so far (what the scheduler reported)
     prefilled = set()  # keys whose prefill half was handed in
-    flying: dict = {}  # key -> "part" | "last"
+    flying: dict = {}  # key -> its WRITEs in flight: "part" (up to PARTS_AHEAD) or "last" (alone)
     sent = {}  # key -> tokens asked for so far
     last_posted = set()
     holding = set()  # keys whose blocks the machine holds (to report once)
@@ -400,19 +463,20 @@ def test_random_walk_streams(seed):
         for a in actions:
             key = (a.transfer_id, a.generation) if hasattr(a, "transfer_id") else None
             if isinstance(a, PostWrite):
-                assert key not in flying, f"two WRITEs of {key} in flight"
                 assert {r.d_rank for r in a.registrations} == needed
                 assert a.token_start == sent.get(key, 0), "parts must be contiguous"
                 if a.last:
                     assert key not in last_posted and key in prefilled
+                    assert key not in flying, f"the last WRITE of {key} while a part flies"
                     assert a.token_start + a.num_tokens == prompt[key] and a.first_token == FIRST
                     last_posted.add(key)
-                    flying[key] = "last"
+                    flying[key] = ["last"]
                 else:
                     assert key not in last_posted and a.num_tokens > 0
+                    assert len(flying.get(key, [])) < PARTS_AHEAD, f"too many parts of {key} in flight"
                     assert a.num_tokens % unit == 0 and a.token_start % unit == 0
                     assert a.token_start + a.num_tokens <= progress[key]
-                    flying[key] = "part"
+                    flying.setdefault(key, []).append("part")
                 sent[key] = a.token_start + a.num_tokens
             elif isinstance(a, FreeBlocks) and not a.block_ids:  # a cancel's answer when nothing is held
                 assert key not in holding and key not in flying, f"empty FreeBlocks of {key} while it holds blocks"
@@ -470,7 +534,7 @@ def test_random_walk_streams(seed):
             absorb(m.on_registration(register(tid, gen, rng.randint(0, d_tp - 1), d_tp), now))
         elif r < 0.85 and flying:
             key = rng.choice(sorted(flying))
-            part = flying.pop(key) == "part"
+            part = _land(flying, key) == "part"
             if rng.random() < 0.8:
                 absorb(m.on_write_done(*key, now, part=part))
             else:
@@ -484,12 +548,21 @@ def test_random_walk_streams(seed):
             absorb(m.expire(now))
     while flying:
         key = sorted(flying)[0]
-        absorb(m.on_write_done(*key, now, part=flying.pop(key) == "part"))
+        absorb(m.on_write_done(*key, now, part=_land(flying, key) == "part"))
     absorb(m.expire(now + 1e6))
     absorb(m.expire(now + 2e6))
     assert holding == set(), f"never reported: {holding}"
     assert all(v == 1 for v in outcomes.values()), outcomes
     assert m.held_blocks() == [] and len(m) == 0 and m.next_deadline() is None
+
+
+def _land(flying: dict, key) -> str:
+    """One WRITE of ``key`` in flight ends (which one does not matter: the machine counts them)."""
+    kinds = flying[key]
+    kind = kinds.pop()
+    if not kinds:
+        del flying[key]
+    return kind
 
 
 # --------------------------------------------------------------------------- layer-streamed push
@@ -499,18 +572,21 @@ def spans(a):
 
 
 def test_layer_groups_stream_apart_and_the_last_write_moves_each_rest():
-    """Three layer groups, unit 16: each group's mark sends its whole units (one part in flight,
+    """Four layer groups, unit 16: each group's mark sends its whole units (two parts in flight,
     the next taking every group computed meanwhile); the last WRITE moves each group's rest
     from its own first token; a mark after the prefill half is counted and dropped."""
-    m = PushRendezvous(0, 1, 4, WAIT, XFER, stream_unit=UNIT, stream_groups=3)
+    m = PushRendezvous(0, 1, 4, WAIT, XFER, stream_unit=UNIT, stream_groups=4)
     assert m.on_registration(register(), 0.0) == []
     (part,) = m.on_prefill_progress("t", 1, BLOCKS, 40, 1.0, group=0)
     assert not part.last and spans(part) == ((0, 0, 32),)
-    assert m.on_prefill_progress("t", 1, BLOCKS, 40, 1.1, group=1) == []  # a part flies: wait
-    assert m.on_prefill_progress("t", 1, BLOCKS, 40, 1.2, group=2) == []
-    (part,) = m.on_write_done("t", 1, 1.3, part=True)  # groups 1 and 2 together (0 is ahead of them)
-    assert spans(part) == ((1, 0, 32), (2, 0, 32))
-    assert m.on_prefill_done("t", 1, BLOCKS, 40, FIRST, 1.4) == []  # the last waits for the part
+    (part,) = m.on_prefill_progress("t", 1, BLOCKS, 40, 1.1, group=1)  # while group 0's flies
+    assert spans(part) == ((1, 0, 32),)
+    assert m.on_prefill_progress("t", 1, BLOCKS, 40, 1.2, group=2) == []  # two fly: wait
+    assert m.on_prefill_progress("t", 1, BLOCKS, 40, 1.25, group=3) == []
+    (part,) = m.on_write_done("t", 1, 1.3, part=True)  # groups 2 and 3 together (0 and 1 are ahead)
+    assert spans(part) == ((2, 0, 32), (3, 0, 32))
+    assert m.on_prefill_done("t", 1, BLOCKS, 40, FIRST, 1.4) == []  # the last waits for both parts
+    assert m.on_write_done("t", 1, 1.45, part=True) == []
     (last,) = m.on_write_done("t", 1, 1.5, part=True)
     assert last.last and last.first_token == FIRST and spans(last) == ((-1, 32, 40),)  # every group from 32
     assert [short(a) for a in m.on_prefill_progress("t", 1, BLOCKS, 40, 1.6, group=2)] == ["count:late_progress"]
@@ -559,10 +635,10 @@ def test_layer_marks_keep_the_last_groups_final_unit_for_the_last_write():
     m.on_registration(register(), 0.0)
     (part,) = m.on_prefill_progress("t", 1, BLOCKS, 32, 1.0, group=0)
     assert spans(part) == ((0, 0, 32),)  # not the last group: all its whole units
-    assert m.on_prefill_progress("t", 1, BLOCKS, 32, 1.1, group=1) == []  # a part flies
-    (part,) = m.on_write_done("t", 1, 1.2, part=True)
+    (part,) = m.on_prefill_progress("t", 1, BLOCKS, 32, 1.1, group=1)  # beside the part in flight
     assert spans(part) == ((1, 0, 16),)  # the last group: its final unit stays
     assert m.on_prefill_done("t", 1, BLOCKS, 32, FIRST, 1.3) == []
+    assert m.on_write_done("t", 1, 1.35, part=True) == []  # (in either order: they are counted)
     (last,) = m.on_write_done("t", 1, 1.4, part=True)
     assert last.last and spans(last) == ((1, 16, 32),)
     # one group (layer streaming with --push-stream-groups 1): the same

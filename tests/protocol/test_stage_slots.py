@@ -191,6 +191,9 @@ CONCURRENT = {
         4, [part(0, 4), part(1, 4, 4) + part(2, 4, 4)], 0, 1),
     # in lockstep (one prefill step marks a group for every request at once) they share one group's room
     "three requests in lockstep at one layer group": (4, [part(0, 4), part(0, 4, 4), part(0, 4, 8)], 2, 2),
+    # one request's two parts in flight at once (rendezvous.PARTS_AHEAD): the second, staged while the
+    # first is on the wire, takes its own group's cells of the same blocks
+    "a request's second part beside its first": (4, [part(0, 4), part(1, 4)], 0, 1),
     "a whole WRITE takes every group's room": (3, [[([0, 1], [0, 1], 16, None)], part(1, 2, 4)], 1, 1),
 }
 

@@ -5,10 +5,13 @@ for byte), and D's handshakes run on its loop (a P writer that never answers del
 other request)."""
 import mmap
 import os
+import queue
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from typing import Optional
 
 import msgspec
 import numpy as np
@@ -32,7 +35,7 @@ def kv_memory(tp: int) -> KVMemory:
     """A rank's KV cache as vLLM's CPU backend lays it out: layer-major, a page per block."""
     page = TOTAL_HEADS // tp * HEAD_BYTES
     layers = tuple(LayerRegion(l * BLOCKS * page, page, page, HEAD_BYTES) for l in range(LAYERS))
-    return KVMemory(LAYERS * BLOCKS * page, BLOCKS, layers, TOTAL_HEADS)
+    return KVMemory(LAYERS * BLOCKS * page, BLOCKS, layers, TOTAL_HEADS, BLOCK_SIZE)
 
 
 class Writers:
@@ -46,9 +49,11 @@ class Writers:
     def endpoint(self, name: str) -> str:
         return f"ipc://{self.dir}/{name}"
 
-    def start(self, role: str, engine: str, rank: int, tp: int, handshake: str = "", secret_file: str = ""):
+    def start(self, role: str, engine: str, rank: int, tp: int, handshake: str = "", secret_file: str = "",
+              extra: tuple = (), stamps: "Optional[queue.Queue]" = None):
         """(command socket, event socket, this rank's KV bytes) of a started, ready writer, its
-        handshake on ``handshake`` (default: an ipc file in this test's directory)."""
+        handshake on ``handshake`` (default: an ipc file in this test's directory); ``extra``: more
+        arguments; ``stamps``: a queue that gets its pushkv-timing stamps, (event, transfer id)."""
         kv = kv_memory(tp)
         fd = os.memfd_create(f"{engine}-{rank}")
         os.ftruncate(fd, kv.nbytes)
@@ -63,9 +68,13 @@ class Writers:
                "--memory", msgspec.msgpack.encode(kv).hex(), "--model-id", "tiny",
                "--cmd-endpoint", self.endpoint(f"{engine}-{rank}-cmd"), "--event-endpoint", ev,
                "--handshake-endpoint", handshake or self.handshake(engine, rank), "--parent-pid", str(os.getpid()),
-               "--registration-wait-s", "20", "--transfer-s", "20", "--secret-file", secret_file]
-        proc = subprocess.Popen(cmd, pass_fds=(fd,), stdin=subprocess.DEVNULL)
+               "--registration-wait-s", "20", "--transfer-s", "20", "--secret-file", secret_file, *extra]
+        env = dict(os.environ, PUSHKV_VLLM_TIMING="1") if stamps is not None else None
+        proc = subprocess.Popen(cmd, pass_fds=(fd,), stdin=subprocess.DEVNULL, env=env,
+                                stderr=subprocess.PIPE if stamps is not None else None, text=True)
         self.procs.append(proc)
+        if stamps is not None:  # read on a thread (the pipe never fills), echoed for the test's log
+            threading.Thread(target=_read_stamps, args=(proc.stderr, stamps), daemon=True).start()
         assert events.poll(READY_S * 1000), f"{engine} rank {rank}: no WriterReady"
         assert isinstance(w.DEC_TO_CONNECTOR.decode(events.recv()), w.WriterReady)
         push = self._sock(zmq.PUSH)
@@ -103,6 +112,21 @@ def writers():
     ws = Writers()
     yield ws
     ws.close()
+
+
+def _read_stamps(pipe, out: "queue.Queue") -> None:
+    for ln in pipe:
+        sys.stderr.write(ln)
+        if ln.startswith("pushkv-timing "):
+            _, ev, tid, _ = ln.split()
+            out.put((ev, tid))
+
+
+def wait_stamp(stamps: "queue.Queue", want: tuple[str, str], seen: list, timeout_s: float = 30.0) -> None:
+    """Wait for the writer's stamp ``want`` (event, transfer id); every stamp read goes to ``seen``."""
+    end = time.monotonic() + timeout_s
+    while want not in seen:
+        seen.append(stamps.get(timeout=max(0.01, end - time.monotonic())))
 
 
 def event(sock: zmq.Socket, timeout_s: float = 30.0):
@@ -149,6 +173,41 @@ def test_prefill_ranks_write_their_heads_into_decode_ranks_of_another_tp(writers
         for layer in range(LAYERS):
             for b in untouched:
                 assert not head_page(kv, d_tp, layer, b, 0).any()
+
+
+def test_two_streamed_parts_in_flight_then_the_last_write(writers):
+    """Layer streaming (two groups, one layer each): D registered, P's worker marks both groups
+    stored back to back, so the rendezvous asks both parts at once (PARTS_AHEAD) and they fly
+    together; the last WRITE follows once both ended, and every byte lands where D keeps it. (Two
+    parts booked under one key lost the first: its end never reached the rendezvous, whose last
+    WRITE then waited for it until D failed the transfer.)"""
+    stamps: queue.Queue = queue.Queue()
+    p_cmd, p_ev, p_kv = writers.start("prefill", "P", 0, 1, extra=("--stream-groups", "2"), stamps=stamps)
+    d_cmd, d_ev, d_kv = writers.start("decode", "D", 0, 1)
+    p_kv[:] = np.random.default_rng(3).integers(0, 256, p_kv.size, dtype=np.uint8)
+    src = m.PrefillSource("P", 1, (writers.handshake("P", 0),))
+    p_blocks, d_blocks, tokens = (1, 2, 3), (6, 4, 5), 3 * BLOCK_SIZE
+    d_cmd.send(m.encode(w.ExpectBlocks("d-1", "T1", d_blocks, tokens, src, 20.0)))
+    seen: list = []
+    wait_stamp(stamps, ("p_registration_recvd", "T1"), seen)  # parts go only once D registered
+    for group in (0, 1):
+        p_cmd.send(m.encode(w.LayersStored("p-1", "T1", group, p_blocks, tokens)))
+    while seen.count(("p_part_posted", "T1")) < 2:  # (the prefill half travels apart from the marks:
+        seen.append(stamps.get(timeout=30.0))  # one that overtook them would leave nothing to stream)
+    p_cmd.send(m.encode(w.SendBlocks("p-1", "T1", p_blocks, tokens)))
+    got = event(d_ev)
+    assert isinstance(got, w.BlocksReceived) and got.transfer_id == "T1", got
+    sent = event(p_ev)
+    assert isinstance(sent, w.BlocksSent) and sent.ok, sent
+    assert sent.nbytes == LAYERS * len(p_blocks) * TOTAL_HEADS * HEAD_BYTES, sent  # each byte once
+    wait_stamp(stamps, ("p_write_posted", "T1"), seen)
+    posts = [ev for ev, tid in seen if tid == "T1" and ev in ("p_part_posted", "p_write_posted")]
+    assert posts == ["p_part_posted", "p_part_posted", "p_write_posted"], seen
+    for head in range(TOTAL_HEADS):
+        for layer in range(LAYERS):
+            for pb, db in zip(p_blocks, d_blocks):
+                want = head_page(p_kv, 1, layer, pb, head)
+                assert np.array_equal(head_page(d_kv, 1, layer, db, head), want), (head, layer, db)
 
 
 def test_a_silent_prefill_writer_delays_no_other_request(writers):
