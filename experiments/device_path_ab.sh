@@ -4,14 +4,16 @@
 # `git archive REV pushkv processes tools | tar x -C .old`), interleaved A B A B ... in one lease, so both see the
 # same machine. Prints each run's TTFT and TPOT p50 and the ratio B / A.
 #   OLD=.old ROUNDS=2 OUT=out bash experiments/device_path_ab.sh
+# UP_A / UP_B give A and B their own `pushkv up` flags (both default to UP).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 [ -n "${NO_WHL:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 OUT=$(realpath -m "${OUT:-out}"); mkdir -p "$OUT"; OLD=$(realpath "${OLD:-.old}")
 UP=${UP:-"--model qwen3-8b --device cuda:0 --num-blocks 16384 --max-num-seqs 64 --max-batch-tokens 16384 --push-stream-groups 4"}
-run() {  # label, tree
+UP_A=${UP_A:-$UP}; UP_B=${UP_B:-$UP}  # each tree's own flags (e.g. its default layer groups: leave the flag out)
+run() {  # label, tree, up args
   (cd "$2" && PYTHONPATH=/tmp/site:$PWD PUSHKV_THREADS=4 timeout 300 python3 -m tools.sweep --modes push-layer \
-    --inputs ${INPUT:-8192} --qps 2 --num-prompts ${N:-24} --output-len ${OUTPUT_LEN:-128} --warmup 1 --up-args "$UP" \
+    --inputs ${INPUT:-8192} --qps 2 --num-prompts ${N:-24} --output-len ${OUTPUT_LEN:-128} --warmup 1 --up-args "$3" \
     --result-dir "$OUT/$1" > "$OUT/$1.log" 2>&1)
   python3 - "$OUT/$1" "$1" <<'PY'
 import glob, json, statistics, sys
@@ -21,7 +23,7 @@ print(sys.argv[2], *(f"ttft_p50={x['median_ttft_ms']:.1f} tpot_p50={x['median_tp
 PY
   rm -f "$OUT/$1"/*deployment.log
 }
-for i in $(seq ${ROUNDS:-2}); do run A$i "$OLD"; run B$i "$PWD"; done 2>&1 | tee "$OUT/ab.txt"
+for i in $(seq ${ROUNDS:-2}); do run A$i "$OLD" "$UP_A"; run B$i "$PWD" "$UP_B"; done 2>&1 | tee "$OUT/ab.txt"
 python3 - "$OUT/ab.txt" <<'PY'
 import re, statistics, sys
 v = {"A": [], "B": []}

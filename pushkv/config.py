@@ -354,9 +354,11 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
     # prefill chunk's finished blocks are written as soon as its step ends, while the next chunk
     # computes (needs prefill_chunk); "layer": each layer group's regions as soon as the worker
     # marks them stored (the pools of both sides cut into push_stream_groups layer groups; the
-    # default: docs/results/stream_layer)
+    # default: docs/results/stream_layer). 9 groups: on a capped link the link waits less for the
+    # first group and lone TTFT drops 4-8 % against 4, with the device path unchanged
+    # (docs/results/2026-12-02-slow-link/groups/)
     push_stream: PushStream = "layer"
-    push_stream_groups: int = 4
+    push_stream_groups: int = 9
     host: str = "127.0.0.1"
     port: int = 8000
     # each P / D instance's /metrics: the first instance planned gets this port, the next ones the
