@@ -45,6 +45,7 @@ from contextlib import ExitStack, contextmanager
 from datetime import date
 from typing import Iterator, Optional
 
+from pushkv.config import DeploymentConfig
 from tools import bench, netns, plot
 from tools.sweep import MODES as SWEEP_MODES
 from tools.sweep import mode_flags as sweep_mode_flags
@@ -741,7 +742,9 @@ def main(argv=None) -> int:
     results = {"date": date.today().isoformat(), "commit": _commit(),
                "argv": _argv(sys.argv[1:] if argv is None else argv),
                "model": {"preset": args.model, "geometry": args.geometry, "kv_bytes_per_token": m.kv_bytes_per_token(),
-                         "kv_formula": kv_formula(m)},
+                         "num_layers": m.num_layers, "kv_formula": kv_formula(m)},
+               # pushkv up's default layer groups when this ran (a flag in up_flags overrides it)
+               "push_stream_groups": DeploymentConfig().push_stream_groups,
                "up_flags": common, "mode_flags": {sp: mode_flags(sp, args) for sp in args.modes},
                "caps": {r: cap_text(r) for r in args.rates}, "regimes": {}}
     signal.signal(signal.SIGTERM, _on_sigterm)

@@ -21,8 +21,8 @@ def lone(prefill, tail, ttft, tpot=10.0, **kw):
     return {"lone": dict(prefill_ms=prefill, pend_to_kv_ms=tail, ttft_ms=ttft, tpot_ms=tpot, **kw)}
 
 
-def results(up_flags=()):
-    return {"model": {"kv_bytes_per_token": KV_PER_TOKEN}, "up_flags": ["--model", "small", *up_flags],
+def results(up_flags=(), num_layers=4, groups=LP.PUSH_STREAM_GROUPS):
+    return {"model": {"kv_bytes_per_token": KV_PER_TOKEN, "num_layers": num_layers}, "push_stream_groups": groups, "up_flags": ["--model", "small", *up_flags],
             "mode_flags": {"push": ["--mode", "push", "--push-stream", "off"],
                            "push-layer": ["--mode", "push", "--push-stream", "layer", "--link-window", "4"]},
             "regimes": {RATE: {"push": {"256": lone(100.0, 16 * PER_BLOCK_MS + 5.0, 16 * PER_BLOCK_MS + 110.0)},
@@ -40,7 +40,8 @@ def test_the_profile_is_the_lone_figures_and_the_cap():
     assert c.prefill_ms_per_token * 256 == pytest.approx(110.0)  # the median over both modes' prefill
     assert c.prefill_ms_fixed == 0.0  # a step's: TTFT's rest (less the prefill and the tail) is each request's
     assert LP.lone_rest_ms(results(), RATE, "push", 256) == pytest.approx(5.0)
-    assert (prof.link_window, prof.link_order, prof.layer_groups) == (1, "arrival", 4)  # auto over TCP: 1
+    # auto over TCP: window 1; the default groups, at most one a layer of the 4-layer model
+    assert (prof.link_window, prof.link_order, prof.layer_groups) == (1, "arrival", 4)
     # P's step budget and its device as pushkv up ran them: its defaults, the CPU
     assert (prof.max_batch_tokens, prof.max_num_seqs, prof.one_device) == (8192, 32, False)
     gpu = LP.profile_for(results(["--device", "cuda:0", "--max-batch-tokens", "16384", "--max-num-seqs", "64"]),
@@ -49,8 +50,8 @@ def test_the_profile_is_the_lone_figures_and_the_cap():
     assert not LP.one_device(["--device", "cuda:0", "--decode-device", "cuda:1"])  # one GPU each
     # a streamed mode's fixed cost: its own lone tail less what the model puts there (its parts)
     assert LP.profile_for(results(), RATE, "push-layer", 256).costs.handoff_ms_fixed == pytest.approx(5.0)
-    layer = LP.profile_for(results(["--link-order", "shortest", "--push-stream-groups", "9"]), RATE, "push-layer", 256)
-    assert (layer.link_window, layer.link_order, layer.layer_groups) == (4, "shortest", 9)
+    layer = LP.profile_for(results(["--link-order", "shortest", "--push-stream-groups", "3"]), RATE, "push-layer", 256)
+    assert (layer.link_window, layer.link_order, layer.layer_groups) == (4, "shortest", 3)
     assert LP.profile_for(results(), "none", "push", 256) is None  # no cap: no link to model
     assert LP.profile_for(results(), RATE, "push", 512) is None  # no lone figures there
 
@@ -134,3 +135,13 @@ def test_without_batching_p_runs_one_prompt_a_step(tmp_path):
     assert batched["replayed"] == alone["replayed"]  # the replay keeps P's compute as it ran
     with pytest.raises(SystemExit):
         LP.main([str(tmp_path), "--without", "nothing"])
+
+
+def test_the_profile_streams_the_default_groups_or_one_a_layer():
+    assert LP.PUSH_STREAM_GROUPS == 9
+    assert LP.profile_for(results(num_layers=36), RATE, "push", 256).layer_groups == 9
+    assert LP.profile_for(results(num_layers=4), RATE, "push", 256).layer_groups == 4
+    assert LP.profile_for(results(["--push-stream-groups", "2"], num_layers=36), RATE, "push", 256).layer_groups == 2
+    old = results(num_layers=36)
+    del old["push_stream_groups"]  # a run that did not record its default ran the old one
+    assert LP.profile_for(old, RATE, "push", 256).layer_groups == LP.LEGACY_GROUPS == 4
