@@ -27,7 +27,8 @@ from typing import Any, Optional
 
 import msgspec
 
-from pushkv.config import DeploymentConfig, InstanceConfig
+from pushkv.config import InstanceConfig
+from pushkv.kv.layout import split_layers
 from pushkv.plan import sim
 from pushkv.plan import workload as W
 from pushkv.plan.link import path_rate
@@ -46,8 +47,6 @@ GOAL_ERROR = 0.20  # issue 27: the planner predicts the capped-link loads within
 # link-bench mode -> the planner's mode
 SIM_MODE = {"push": "push", "push-off": "push", "push-layer": "push-layer", "push-layer-ucx-staging": "push-layer",
             "pull-inline": "pull-inline", "pull-background": "pull"}
-PUSH_STREAM_GROUPS = next(f.default for f in msgspec.structs.fields(DeploymentConfig)
-                          if f.name == "push_stream_groups")  # pushkv up's default
 LEGACY_GROUPS = 4  # the default of the runs that did not record theirs (before 2026-12-03)
 # P's step budget as pushkv up defaults it (a run's flags override it)
 STEP_DEFAULTS = {f.name: f.default for f in msgspec.structs.fields(InstanceConfig)
@@ -113,9 +112,10 @@ def profile_for(results: dict, rate: str, mode: str, n: int) -> Optional[Profile
     # push-layer's groups as the deployment ran them (a lone run's part count is not it: a part
     # carries every group stored while the one before was on the wire); D's pool as it ran; P's
     # step budget as it ran (the prompts that wait while a step runs go in the next one together)
-    # (at most one a layer: a 4-layer model streams 4 groups whatever the flag says)
+    # (cut as the pools are: a 4-layer model streams 4 groups whatever the flag says)
     groups = int(flag(flags, "--push-stream-groups", str(results.get("push_stream_groups", LEGACY_GROUPS))))
-    groups = min(groups, int(results["model"].get("num_layers") or groups))
+    if results["model"].get("num_layers"):
+        groups = len(split_layers(results["model"]["num_layers"], groups))
     capacity = int(flag(flags, "--num-blocks", "0")) * int(flag(flags, "--block-size", str(BLOCK_SIZE)))
     prof = Profile(f"{rate} {mode} lone", costs, block_size=BLOCK_SIZE, relay_ms=0.0, layer_groups=groups,
                    d_capacity_tokens=capacity or Profile.d_capacity_tokens,

@@ -274,7 +274,9 @@ def main(argv=None) -> int:
     print(format_rows(rows))
     print(f"({time.monotonic() - t0:.0f} s)")
     with open(os.path.join(args.out, "stream_bench.json"), "w") as f:
-        json.dump({"args": vars(args), "rows": rows, "raw": results}, f, indent=1)
+        # the output folder by its name (the file lies in it), not this machine's path to it
+        saved = {**vars(args), "out": os.path.basename(os.path.normpath(args.out))}
+        json.dump({"args": saved, "rows": rows, "raw": results}, f, indent=1)
     if rows:
         try:
             plot(rows, os.path.join(args.out, "ttft.png"), args.title or args.up_args)

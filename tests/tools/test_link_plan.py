@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from pushkv.config import DeploymentConfig
 from tools import bench
 from tools import link_plan as LP
 
@@ -21,8 +22,12 @@ def lone(prefill, tail, ttft, tpot=10.0, **kw):
     return {"lone": dict(prefill_ms=prefill, pend_to_kv_ms=tail, ttft_ms=ttft, tpot_ms=tpot, **kw)}
 
 
-def results(up_flags=(), num_layers=4, groups=LP.PUSH_STREAM_GROUPS):
-    return {"model": {"kv_bytes_per_token": KV_PER_TOKEN, "num_layers": num_layers}, "push_stream_groups": groups, "up_flags": ["--model", "small", *up_flags],
+GROUPS = DeploymentConfig().push_stream_groups  # pushkv up's default
+
+
+def results(up_flags=(), num_layers=4, groups=GROUPS):
+    return {"model": {"kv_bytes_per_token": KV_PER_TOKEN, "num_layers": num_layers}, "push_stream_groups": groups,
+            "up_flags": ["--model", "small", *up_flags],
             "mode_flags": {"push": ["--mode", "push", "--push-stream", "off"],
                            "push-layer": ["--mode", "push", "--push-stream", "layer", "--link-window", "4"]},
             "regimes": {RATE: {"push": {"256": lone(100.0, 16 * PER_BLOCK_MS + 5.0, 16 * PER_BLOCK_MS + 110.0)},
@@ -138,7 +143,7 @@ def test_without_batching_p_runs_one_prompt_a_step(tmp_path):
 
 
 def test_the_profile_streams_the_default_groups_or_one_a_layer():
-    assert LP.PUSH_STREAM_GROUPS == 9
+    assert GROUPS == 9
     assert LP.profile_for(results(num_layers=36), RATE, "push", 256).layer_groups == 9
     assert LP.profile_for(results(num_layers=4), RATE, "push", 256).layer_groups == 4
     assert LP.profile_for(results(["--push-stream-groups", "2"], num_layers=36), RATE, "push", 256).layer_groups == 2
