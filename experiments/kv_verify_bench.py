@@ -26,7 +26,7 @@ import statistics
 import time
 
 
-def kernel_times(model_name: str, length: int, block_size: int, device: str, reps: int) -> list[dict]:
+def kernel_times(model_name: str, length: int, block_size: int, device: str, reps: int, groups: int = 1) -> list[dict]:
     import torch
 
     from pushkv.config import preset
@@ -35,7 +35,7 @@ def kernel_times(model_name: str, length: int, block_size: int, device: str, rep
 
     model = preset(model_name)
     blocks = L.blocks_for(length, block_size) + 4
-    lay = L.layout_for(model, 1, 0, blocks, block_size)
+    lay = L.layout_for(model, 1, 0, blocks, block_size, layer_split=groups if groups > 1 else 0)
     pool = torch.empty(L.pool_bytes(lay) // lay.dtype_bytes, dtype=getattr(torch, model.dtype), device=device)
     pool.view(torch.int16 if lay.dtype_bytes == 2 else torch.int32).random_(-30000, 30000)
     views = L.layer_views(pool, lay)
@@ -157,7 +157,7 @@ def main(argv=None) -> None:
     ap.add_argument("--vocab", type=int, default=250)
     ap.add_argument("--out", default="", help="JSON file for every figure")
     ap.add_argument("--host-only", action="store_true", help="only the costs beside the kernels (no pool)")
-    ap.add_argument("--groups", type=int, default=4, help="layer groups of --host-only's sums (layer streaming's)")
+    ap.add_argument("--groups", type=int, default=4, help="layer groups of the sums (layer-streamed push's pools)")
     a = ap.parse_args(argv)
     host = host_costs(a.model, a.length, a.block_size, a.groups, a.reps)
     print(f"{a.model} {a.length} tokens, full: {host['sums']} sums, {host['message_bytes']} B a message; P to the "
@@ -168,7 +168,8 @@ def main(argv=None) -> None:
             with open(a.out, "w") as f:
                 json.dump({"host": host}, f, indent=1)
         return
-    res = {"host": host, "kernels": kernel_times(a.model, a.length, a.block_size, a.device, a.reps)}
+    res = {"host": host, "kernels": kernel_times(a.model, a.length, a.block_size, a.device, a.reps,
+                                                           a.groups)}
     print(f"{a.model} {a.length} tokens, block {a.block_size}, {a.device}: one rank's sums of one request")
     for r in res["kernels"]:
         if "error" in r:

@@ -353,12 +353,13 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
     # push: when P's KV leaves for D. "off": one WRITE after the whole prefill; "chunk": each
     # prefill chunk's finished blocks are written as soon as its step ends, while the next chunk
     # computes (needs prefill_chunk); "layer": each layer group's regions as soon as the worker
-    # marks them stored (the pools of both sides cut into push_stream_groups layer groups; the
-    # default: docs/results/stream_layer). 9 groups: on a capped link the link waits less for the
-    # first group and lone TTFT drops 4-8 % against 4, with the device path unchanged
-    # (docs/results/2026-12-02-slow-link/groups/)
+    # marks them stored (the pools of both sides cut into push_stream_groups layer groups, the first
+    # and the last about half the others: kv.layout.split_layers; the default:
+    # docs/results/stream_layer). 10 groups (2 + 8 x 4 + 2 layers for 36): on a capped link the link
+    # starts on the short first group and little is left after the prompt's end
+    # (docs/results/2026-12-02-slow-link/groups/, docs/results/2026-12-03-slow-link/)
     push_stream: PushStream = "layer"
-    push_stream_groups: int = 9
+    push_stream_groups: int = 10
     host: str = "127.0.0.1"
     port: int = 8000
     # each P / D instance's /metrics: the first instance planned gets this port, the next ones the

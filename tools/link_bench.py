@@ -745,6 +745,9 @@ def main(argv=None) -> int:
                          "num_layers": m.num_layers, "kv_formula": kv_formula(m)},
                # pushkv up's default layer groups when this ran (a flag in up_flags overrides it)
                "push_stream_groups": DeploymentConfig().push_stream_groups,
+               # how the pools cut the layers into groups (kv.layout.split_layers): the first and the
+               # last group about half the others (runs that record none had equal groups)
+               "layer_cut": "short_ends",
                "up_flags": common, "mode_flags": {sp: mode_flags(sp, args) for sp in args.modes},
                "caps": {r: cap_text(r) for r in args.rates}, "regimes": {}}
     signal.signal(signal.SIGTERM, _on_sigterm)

@@ -114,10 +114,14 @@ def profile_for(results: dict, rate: str, mode: str, n: int) -> Optional[Profile
     # step budget as it ran (the prompts that wait while a step runs go in the next one together)
     # (cut as the pools are: a 4-layer model streams 4 groups whatever the flag says)
     groups = int(flag(flags, "--push-stream-groups", str(results.get("push_stream_groups", LEGACY_GROUPS))))
+    cut: tuple[int, ...] = ()
     if results["model"].get("num_layers"):
         groups = len(split_layers(results["model"]["num_layers"], groups))
+        if results.get("layer_cut") == "short_ends":  # runs before it recorded none: equal groups
+            cut = tuple(len(g) for g in split_layers(results["model"]["num_layers"], groups))
     capacity = int(flag(flags, "--num-blocks", "0")) * int(flag(flags, "--block-size", str(BLOCK_SIZE)))
     prof = Profile(f"{rate} {mode} lone", costs, block_size=BLOCK_SIZE, relay_ms=0.0, layer_groups=groups,
+                   group_layers=cut,
                    d_capacity_tokens=capacity or Profile.d_capacity_tokens,
                    link_window=window, link_order=order,  # type: ignore[arg-type]
                    max_batch_tokens=int(flag(flags, "--max-batch-tokens", str(STEP_DEFAULTS["max_batch_tokens"]))),

@@ -60,11 +60,24 @@ def _groups(num_layers: int, window_layers: tuple[int, ...], split: int = 0) -> 
 
 
 def split_layers(num_layers: int, parts: int) -> tuple[tuple[int, ...], ...]:
-    """``range(num_layers)`` cut into ``min(parts, num_layers)`` runs of consecutive layers,
-    the first ones a layer longer when it does not divide."""
+    """``range(num_layers)`` cut into ``min(parts, num_layers)`` runs of consecutive layers.
+
+    From three runs up the first and the last are about half as long as the others: a
+    layer-streamed WRITE can leave once the first run is stored, so a short one starts the link
+    sooner, and what is left after the prompt's last layer (the last run's WRITE, its copy-in and
+    check on D) is short too. The runs between are as equal as they divide, the earlier ones a
+    layer longer."""
     parts = max(1, min(parts, num_layers))
-    size, extra = divmod(num_layers, parts)
-    out, start = [], 0
+    if parts < 3:
+        return _even(0, num_layers, parts)
+    edge = max(1, min(round(num_layers / (parts - 1) / 2), (num_layers - (parts - 2)) // 2))
+    middle = _even(edge, num_layers - 2 * edge, parts - 2)
+    return (tuple(range(edge)),) + middle + (tuple(range(num_layers - edge, num_layers)),)
+
+
+def _even(first: int, count: int, parts: int) -> tuple[tuple[int, ...], ...]:
+    size, extra = divmod(count, parts)
+    out, start = [], first
     for i in range(parts):
         n = size + (i < extra)
         out.append(tuple(range(start, start + n)))

@@ -24,6 +24,9 @@ class Profile:
     d_capacity_tokens: int = 1 << 30  # KV tokens one D instance holds (requests wait at the router past it)
     relay_ms: float = 1.0  # pull: P's answer through the router to D before D's READ
     layer_groups: int = 4  # push-layer: a group's blocks leave as soon as it is stored
+    # the layers of each group as the pools cut them (kv.layout.split_layers); empty: layer_groups
+    # equal groups (what runs before the cut's short first and last groups had)
+    group_layers: tuple[int, ...] = ()
     # the link each P -> D pair shares (plan/link.py): None = no link model, each transfer alone at
     # the handoff's rate however many overlap; else P's WRITEs in flight per link (0: all at once,
     # as a fast link's writer posts them), taken in link_order, every transfer on the link sharing
@@ -51,8 +54,18 @@ class Profile:
         if self.max_batch_tokens < 0 or self.max_num_seqs < 1:
             raise ValueError(f"profile {self.name}: max_batch_tokens {self.max_batch_tokens} < 0 or max_num_seqs "
                              f"{self.max_num_seqs} < 1 (0 tokens: one prompt a step)")
+        if self.group_layers and (len(self.group_layers) != self.layer_groups or min(self.group_layers) < 1):
+            raise ValueError(f"profile {self.name}: group_layers {self.group_layers} is not {self.layer_groups} "
+                             f"groups of at least one layer")
         if self.link_window is not None and self.costs.handoff_ms_per_block <= 0:
             raise ValueError(f"profile {self.name}: the link model needs handoff_ms_per_block > 0 (the link's rate)")
+
+    def stored_share(self, groups: int) -> tuple[int, int]:
+        """How much of a prompt's KV (and of P's step) the first ``groups`` groups are, as a
+        fraction ``(num, den)``."""
+        if not self.group_layers:
+            return groups, self.layer_groups
+        return sum(self.group_layers[:groups]), sum(self.group_layers)
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)

@@ -27,7 +27,7 @@ What it models, as pushkv does it:
   link (``plan/link.py``), sharing its rate. Each P's WRITEs into it (push's one, push-layer's
   parts: a request's next part as soon as a group is stored and fewer than ``PARTS_AHEAD`` (2) of
   its parts are queued or on the link, else once one of them has landed, carrying every group
-  stored since, as P's rendezvous asks them; D has the KV once every part has landed and the last
+  stored since, as P's rendezvous asks them, and at the prefill's end the rest at once; D has the KV once every part has landed and the last
   WRITE's notice, the fixed cost, is paid) queue under that P writer's window and order
   (``protocol/link_queue.py``, the queue P's writer runs per D, which keeps a request's parts in
   the order asked); pull's READs queue on D's side, one at a time
@@ -290,7 +290,9 @@ class Simulation:
                 else:
                     self.group_stored(r)
         if g < n:
-            return self.compute(f"p{i}", ms / n, lambda: self.p_share(i, batch, ms, start, g + 1))
+            (a, den), (b, _) = self.prof.stored_share(g), self.prof.stored_share(g + 1)
+            share = ms * (b - a) / den if streams else ms
+            return self.compute(f"p{i}", share, lambda: self.p_share(i, batch, ms, start, g + 1))
         for r, computed in batch:
             r.prefill_ms = self.now - start
             self.prefilled(r, computed)
@@ -319,7 +321,8 @@ class Simulation:
                 r.blocks = P.blocks_for(r.turn.prompt - r.d_hit, self.prof.block_size)
                 n = self.prof.layer_groups
                 for g in range(n):  # group g stored after its share of the step
-                    self.at(start + ms * (g + 1) / n, self.group_stored, r)
+                    num, den = self.prof.stored_share(g + 1)
+                    self.at(start + ms * num / den, self.group_stored, r)
 
     def prefilled(self, r: Req, computed: int) -> None:
         r.prefill_end = self.now
@@ -338,7 +341,8 @@ class Simulation:
         move = self.c.handoff_ms(blocks)
         if self.mode == "push-layer" and r.path == "push":  # the groups left while P computed
             per = self.c.handoff_ms_per_block * blocks
-            move = self.c.handoff_ms_fixed + max(per / self.prof.layer_groups, per - r.prefill_ms)
+            before, whole = self.prof.stored_share(self.prof.layer_groups - 1)  # the last group leaves last
+            move = self.c.handoff_ms_fixed + max(per * (whole - before) / whole, per - r.prefill_ms)
         if r.path != "push":
             move += self.prof.relay_ms
         if self.mode == "pull-inline":  # D's engine waits for the READ, after the relay
@@ -389,15 +393,16 @@ class Simulation:
     def next_part(self, r: Req) -> None:
         """push-layer: a request's next part carries every group stored and not yet offered, offered
         as soon as fewer than PARTS_AHEAD of its parts are queued or on the link (else once one of
-        them lands), as P's rendezvous asks them: it waits in P's link queue while the one before
-        it is on the wire. The KV has landed once every group's part has (the last WRITE, which
+        them lands; once the last group is stored, the rest at once), as P's rendezvous asks them:
+        it waits in P's link queue while the one before it is on the wire. The KV has landed once every group's part has (the last WRITE, which
         follows them all, is its notice: ``landing``'s fixed cost)."""
         n = self.prof.layer_groups
-        if r.parts_on_link >= PARTS_AHEAD or r.parts_posted >= r.groups_stored:
+        ahead = PARTS_AHEAD + (r.groups_stored == n)  # the prefill ended: the rest leaves at once
+        if r.parts_on_link >= ahead or r.parts_posted >= r.groups_stored:
             return
-        g0, g1 = r.parts_posted, r.groups_stored
-        size = r.blocks * g1 // n - r.blocks * g0 // n
-        r.parts_posted = g1
+        (a, den), (b, _) = self.prof.stored_share(r.parts_posted), self.prof.stored_share(r.groups_stored)
+        size = r.blocks * b // den - r.blocks * a // den
+        r.parts_posted = r.groups_stored
         r.parts_on_link += 1
 
         def part_done() -> None:
@@ -407,7 +412,7 @@ class Simulation:
             else:
                 self.next_part(r)
 
-        self.offer(r, "write", size, part_done, left=r.blocks - r.blocks * g0 // n)
+        self.offer(r, "write", size, part_done, left=r.blocks - r.blocks * a // den)
 
     def offer(self, r: Req, lane: str, units: int, on_end: Callable[[], None], left: Optional[int] = None) -> None:
         key, link = self.link(r)

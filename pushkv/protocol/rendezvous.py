@@ -29,7 +29,9 @@ both fly, the next waits for a completion and then takes everything computed mea
 a fast link still posts few, large parts. Posting one WRITE at a time on a link is P's
 link queue's job (``protocol/link_queue.py``), not this machine's. At prefill end the **last**
 WRITE moves the rest with the completion notification, and is asked for only once every part
-has completed, so D's one notification means every byte has landed. With
+has completed, so D's one notification means every byte has landed; a prefill that ends while
+parts fly asks for its remaining whole units at once as one more part (queued behind them), so
+the last WRITE that waits for them carries only the final unit. With
 ``stream_groups`` > 1 (layer-streamed push) progress is per layer group: the worker
 marks each group of layers stored, a part moves each group's whole units not yet
 written (one span per group, merged when they agree; the last group's final marked unit
@@ -474,8 +476,27 @@ class PushRendezvous:
         self._arm(e, now + self.transfer_s)
         if e.inflight:  # D's one notification must follow every part's data
             e.final_pending = True
-            return []
+            return self._post_rest(e)
         return self._last_write(e)
+
+    def _post_rest(self, e) -> list[Action]:
+        """The prefill ended while parts fly: every whole unit not yet asked for leaves now as one
+        more part (beyond PARTS_AHEAD: nothing is left to compute, so nothing would merge into
+        it), staged and queued behind them, so the link does not idle while the last WRITE
+        waits for them. The last group's final unit stays for the last WRITE (its bytes, which
+        the notification follows)."""
+        if not (self.stream_unit and e.sent):
+            return []
+        u = self.stream_unit
+        ends = [e.num_tokens // u * u] * len(e.sent)
+        ends[-1] = (e.num_tokens - 1) // u * u
+        spans = [(g, e.sent[g], end) for g, end in enumerate(ends) if end > e.sent[g]]
+        if not spans:
+            return []
+        for g, _, end in spans:
+            e.sent[g] = end
+        e.parts, e.inflight = e.parts + 1, e.inflight + 1
+        return [self._write(e, spans, 0, last=False)]
 
     def _write_done(self, e, now, part=False) -> list[Action]:
         if e.inflight <= 0 or part == e.last_posted:  # parts until the last is posted, then only the last

@@ -289,11 +289,11 @@ def test_verify_on_the_sums_device_answers_as_compare():
 ])
 def test_source_fault_flips_what_the_last_write_carries(spans, want):
     """kv_flip_source (pushkv/kv/damage.py) picks a byte the last WRITE moves, so it is seen
-    with layer-streamed push too: small's 4 layers in 3 groups are (0, 1), (2,), (3,)."""
+    with layer-streamed push too: small's 4 layers in 3 groups are (0,), (1, 2), (3,)."""
     from pushkv.kv import damage
 
     lay = L.layout_for(preset("small"), 1, 0, 8, 16, layer_split=3)
-    assert L.layer_groups(lay) == ((0, 1), (2,), (3,))
+    assert L.layer_groups(lay) == ((0,), (1, 2), (3,))
     layer, end = damage.carried_last_token(lay, spans)
     assert (layer, end) == want
     g = next(g for g, t, e in reversed(spans) if e == end)

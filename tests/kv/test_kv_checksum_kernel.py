@@ -10,11 +10,12 @@ import sys
 import pytest
 import torch
 
-# (model, dtype, tp, rank, block size, sub-block, head group, prompt tokens)
+# (model, dtype, tp, rank, block size, sub-block, head group, prompt tokens, layer groups)
 CASES = [
-    ("small", "float32", 2, 1, 32, 16, 1, 61),  # head groups of one head, sub-blocks of 16
-    ("hybrid", "bfloat16", 1, 0, 16, 8, 0, 100),  # a window group
-    ("mla", "bfloat16", 1, 0, 16, 16, 0, 45),
+    ("small", "float32", 2, 1, 32, 16, 1, 61, 0),  # head groups of one head, sub-blocks of 16
+    ("hybrid", "bfloat16", 1, 0, 16, 8, 0, 100, 0),  # a window group
+    ("mla", "bfloat16", 1, 0, 16, 16, 0, 45, 0),
+    ("small", "bfloat16", 1, 0, 16, 0, 0, 90, 3),  # layer-streamed push's groups: 1, 2 and 1 layers
 ]
 
 SCRIPT = r"""
@@ -24,8 +25,8 @@ from pushkv.kv import checksum as C, layout as L
 from pushkv.model.kernels import triton_checksum as K
 dev = sys.argv[1]
 out = []
-for name, dtype, tp, rank, bs, sub, hg, n in json.loads(sys.argv[2]):
-    lay = L.layout_for(preset(name, dtype=dtype), tp, rank, 12, bs, sub, hg)
+for name, dtype, tp, rank, bs, sub, hg, n, split in json.loads(sys.argv[2]):
+    lay = L.layout_for(preset(name, dtype=dtype), tp, rank, 12, bs, sub, hg, layer_split=split)
     pool = torch.empty(L.pool_bytes(lay) // lay.dtype_bytes, dtype=getattr(torch, dtype), device=dev)
     pool.view(torch.int16 if lay.dtype_bytes == 2 else torch.int32).random_(-30000, 30000)
     views = L.layer_views(pool, lay)

@@ -49,10 +49,11 @@ CASES = [
      [[], ["part t1 [0] 0+16 old"], ["part t1 [0] 16+32 old"], ["count:prefill_restarted"], [], [],
       [], ["part t1 [0] 48+16 new"], [], ["last t1 [0] 64+6 ft7 new"],
       ["free t1", "completed t1 registration_first"]]),
-    # preempted before D registered: nothing was sent, so everything goes from the new blocks
+    # preempted before D registered: nothing was sent, so everything goes from the new blocks (the
+    # prefill ends while the first part flies: its whole units leave at once as one more part)
     ("restart_before_registration", [
         ("prog", 48, OLD), ("restart",), ("prog", 20, NEW), ("reg",), ("prefill", 40)],
-     [[], ["count:prefill_restarted"], [], ["part t1 [0] 0+16 new"], []]),
+     [[], ["count:prefill_restarted"], [], ["part t1 [0] 0+16 new"], ["part t1 [0] 16+16 new"]]),
     # a stream that no mark reached yet (or one already over): nothing to restart
     ("nothing_streamed_yet", [("restart",)], [["count:restart_ignored"]]),
 ]

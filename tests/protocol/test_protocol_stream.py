@@ -432,7 +432,8 @@ def test_random_walk_streams(seed):
     """Any interleaving of chunks, registrations, prefill ends, WRITE completions, cancels,
     deadlines and reissues, on P rank 0 of 1 or 2 and D of 1 or 2 ranks:
 
-    - at most PARTS_AHEAD parts of a transfer in flight, and its last WRITE only alone; parts
+    - at most PARTS_AHEAD parts of a transfer in flight (one more once its prefill ended: the
+      rest of its whole units), and its last WRITE only alone; parts
       are whole units, contiguous from token 0 and never past what was computed; the last WRITE
       is posted once, only after every part completed, moves the rest of the prompt and
       carries the first token; completions come in any order;
@@ -473,9 +474,11 @@ def test_random_walk_streams(seed):
                     flying[key] = ["last"]
                 else:
                     assert key not in last_posted and a.num_tokens > 0
-                    assert len(flying.get(key, [])) < PARTS_AHEAD, f"too many parts of {key} in flight"
+                    # one more once the prefill ended (the rest of its whole units, at once)
+                    ahead = PARTS_AHEAD + (key in prefilled)
+                    assert len(flying.get(key, [])) < ahead, f"too many parts of {key} in flight"
                     assert a.num_tokens % unit == 0 and a.token_start % unit == 0
-                    assert a.token_start + a.num_tokens <= progress[key]
+                    assert a.token_start + a.num_tokens <= (prompt[key] if key in prefilled else progress[key])
                     flying.setdefault(key, []).append("part")
                 sent[key] = a.token_start + a.num_tokens
             elif isinstance(a, FreeBlocks) and not a.block_ids:  # a cancel's answer when nothing is held
@@ -599,9 +602,13 @@ def test_layer_groups_uneven_rests_and_a_last_write_with_nothing_left():
     m.on_registration(register(), 0.0)
     (part,) = m.on_prefill_progress("t", 1, BLOCKS, 48, 1.0, group=0)
     assert spans(part) == ((0, 0, 48),)
-    m.on_prefill_done("t", 1, BLOCKS, 48, FIRST, 1.1)  # group 1 never marked: it all goes last
-    (last,) = m.on_write_done("t", 1, 1.2, part=True)
-    assert spans(last) == ((1, 0, 48),)
+    # group 1 never marked: its whole units leave at prefill end as one more part (group 0's
+    # still flies), and the last WRITE moves its final unit
+    (rest,) = m.on_prefill_done("t", 1, BLOCKS, 48, FIRST, 1.1)
+    assert not rest.last and spans(rest) == ((1, 0, 32),)
+    assert m.on_write_done("t", 1, 1.2, part=True) == []
+    (last,) = m.on_write_done("t", 1, 1.3, part=True)
+    assert spans(last) == ((1, 32, 48),)
     # every group's units reached the prompt's end before the prefill half: the notification
     # still needs a WRITE, so the last moves the final unit of the last group again
     m = PushRendezvous(0, 1, 4, WAIT, XFER, stream_unit=UNIT, stream_groups=2)

@@ -27,6 +27,7 @@ GROUPS = DeploymentConfig().push_stream_groups  # pushkv up's default
 
 def results(up_flags=(), num_layers=4, groups=GROUPS):
     return {"model": {"kv_bytes_per_token": KV_PER_TOKEN, "num_layers": num_layers}, "push_stream_groups": groups,
+            "layer_cut": "short_ends",
             "up_flags": ["--model", "small", *up_flags],
             "mode_flags": {"push": ["--mode", "push", "--push-stream", "off"],
                            "push-layer": ["--mode", "push", "--push-stream", "layer", "--link-window", "4"]},
@@ -143,10 +144,14 @@ def test_without_batching_p_runs_one_prompt_a_step(tmp_path):
 
 
 def test_the_profile_streams_the_default_groups_or_one_a_layer():
-    assert GROUPS == 9
-    assert LP.profile_for(results(num_layers=36), RATE, "push", 256).layer_groups == 9
+    assert GROUPS == 10
+    prof = LP.profile_for(results(num_layers=36), RATE, "push", 256)
+    assert prof.layer_groups == 10 and prof.group_layers == (2, 4, 4, 4, 4, 4, 4, 4, 4, 2)
+    assert prof.stored_share(1) == (2, 36) and prof.stored_share(9) == (34, 36)
     assert LP.profile_for(results(num_layers=4), RATE, "push", 256).layer_groups == 4
     assert LP.profile_for(results(["--push-stream-groups", "2"], num_layers=36), RATE, "push", 256).layer_groups == 2
     old = results(num_layers=36)
-    del old["push_stream_groups"]  # a run that did not record its default ran the old one
-    assert LP.profile_for(old, RATE, "push", 256).layer_groups == LP.LEGACY_GROUPS == 4
+    del old["push_stream_groups"], old["layer_cut"]  # a run that did not record its default ran the old one
+    prof = LP.profile_for(old, RATE, "push", 256)
+    assert prof.layer_groups == LP.LEGACY_GROUPS == 4 and prof.group_layers == ()  # equal groups then
+    assert prof.stored_share(1) == (1, 4)

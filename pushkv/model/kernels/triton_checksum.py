@@ -58,9 +58,9 @@ def _sums_kernel(pool_ptr, rows_ptr, units_ptr, layers_ptr, base_ptr, sstride_pt
 
 
 def _upload(lists: Sequence[Sequence[int]], device) -> list[torch.Tensor]:
-    """The kernel's index arrays in one copy to the device (each a host -> device copy that
-    waits: one, not eight, on the path of D's first token), every array starting 16-byte
-    aligned (Triton specialises pointers on it; an unaligned one compiles another variant)."""
+    """Index arrays in one copy to the device (each a host -> device copy that waits: one, not
+    several, on the path of D's first token), every array starting 16-byte aligned (Triton
+    specialises pointers on it; an unaligned one compiles another variant)."""
     flat: list[int] = []
     spans = []
     for xs in lists:
@@ -71,14 +71,35 @@ def _upload(lists: Sequence[Sequence[int]], device) -> list[torch.Tensor]:
     return [buf[a:a + n] for a, n in spans]
 
 
+_PLACES: dict = {}  # (layout, device) -> the per-layer arrays of a pool, on the device (uploaded once)
+
+
+def _places(lay: KVLayout, device) -> tuple[list[int], list[torch.Tensor]]:
+    """Each layer's group, and the kernel's per-layer arrays (layer, base, sub-block and head
+    strides in words) on ``device``: the same for every request of a pool, so uploaded once."""
+    key = (lay, str(device))
+    got = _PLACES.get(key)
+    if got is None:
+        wb = C.word_bytes(lay)
+        groups = layer_groups(lay)
+        layers = [layer for g in groups for layer in g]
+        place = [layer_place(lay, layer) for layer in layers]
+        group_of = [g for g, ls in enumerate(groups) for _ in ls]
+        got = _PLACES[key] = (group_of, _upload(
+            [layers, [b // wb for b, _, _ in place], [st // wb for _, st, _ in place],
+             [hs // wb for _, _, hs in place]], device))
+    return got
+
+
 def unit_sums(views, lay: KVLayout, table: Sequence[int], num_tokens: int, units: Sequence[int],
               unit_tokens: int) -> torch.Tensor:
-    """``[groups, len(units), local heads]`` int64, as ``checksum.unit_sums``."""
+    """``[groups, len(units), local heads]`` int64, as ``checksum.unit_sums``: one upload of the
+    request's rows, one launch, one reduction of the rows and layers into (group, unit)."""
     C.check_unit_tokens(lay, unit_tokens)
-    groups = layer_groups(lay)
+    ngroups = len(layer_groups(lay))
     dev = views[0].device
     nu = len(units)
-    out = torch.zeros(len(groups), nu, lay.kv_heads, dtype=torch.int64, device=dev)
+    out = torch.zeros(ngroups, nu, lay.kv_heads, dtype=torch.int64, device=dev)
     if not nu:
         return out
     wb = C.word_bytes(lay)
@@ -88,24 +109,22 @@ def unit_sums(views, lay: KVLayout, table: Sequence[int], num_tokens: int, units
     flat = torch.as_strided(views[0], (pool_bytes(lay) // esz,), (1,), views[0].storage_offset() - base0 // esz)
     words = flat.view(torch.int32 if wb == 4 else torch.int16)
     spu = unit_tokens // unit(lay)
-    layers = [layer for g in groups for layer in g]
-    place = [layer_place(lay, layer) for layer in layers]
-    keep = [k for g in range(len(groups)) for k in C.checked_units(lay, g, units, unit_tokens, num_tokens)]
-    rows, units_t, layers_t, base, sstride, hstride, keep_t = _upload(
-        [C.sub_rows(lay, table, units, unit_tokens), list(units), layers, [b // wb for b, _, _ in place],
-         [s // wb for _, s, _ in place], [hs // wb for _, _, hs in place], [int(k) for k in keep]], dev)
+    group_of, (layers_t, base, sstride, hstride) = _places(lay, dev)
+    nl = len(group_of)
+    keep = [k for g in range(ngroups) for k in C.checked_units(lay, g, units, unit_tokens, num_tokens)]
+    rows_list = C.sub_rows(lay, table, units, unit_tokens)
+    # where each (row, layer) partial sum goes: its (group, unit), masked by whether it is checked
+    to = [group_of[li] * nu + r // spu for r in range(len(rows_list)) for li in range(nl)]
+    rows, units_t, to_t, keep_t = _upload([rows_list, list(units), to, [int(k) for k in keep]], dev)
     row_words = lay.head_dim * lay.dtype_bytes // wb
     block = triton.next_power_of_2(unit(lay) * row_words)
-    part = torch.empty(len(rows), len(layers), lay.kv_heads, dtype=torch.int64, device=dev)
-    _sums_kernel[(len(rows), len(layers), lay.kv_heads)](
+    part = torch.empty(len(rows_list) * nl, lay.kv_heads, dtype=torch.int64, device=dev)
+    _sums_kernel[(len(rows_list), nl, lay.kv_heads)](
         words, rows, units_t, layers_t, base, sstride, hstride, part,
-        num_tokens, len(layers), lay.kv_heads, spu, unit_tokens,
+        num_tokens, nl, lay.kv_heads, spu, unit_tokens,
         GH=group_heads(lay), PLANES=lay.kv_planes, SUB=unit(lay), WORDS=row_words,
         SLAB=slab_bytes(lay) // wb, HEAD=head_bytes(lay) // wb, BLOCK=block, C1=C.C1, C2=C.C2)
-    per_layer = part.view(nu, spu, len(layers), lay.kv_heads).sum(dim=1)  # [units, layers, heads]
-    keep_t = keep_t.view(len(groups), nu)
-    at = 0
-    for g, ls in enumerate(groups):
-        out[g] = per_layer[:, at:at + len(ls)].sum(dim=1) * keep_t[g][:, None]
-        at += len(ls)
+    flat_out = out.view(ngroups * nu, lay.kv_heads)
+    flat_out.index_add_(0, to_t, part)  # int64 sums wrap modulo 2**64, as the reference's
+    flat_out.mul_(keep_t[:, None])
     return out
