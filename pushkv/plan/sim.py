@@ -27,8 +27,8 @@ What it models, as pushkv does it:
   link (``plan/link.py``), sharing its rate. Each P's WRITEs into it (push's one, push-layer's
   parts: a request's next part as soon as a group is stored and fewer than ``PARTS_AHEAD`` (2) of
   its parts are queued or on the link, else once one of them has landed, carrying every group
-  stored since, as P's rendezvous asks them, and at the prefill's end the rest at once; D has the KV once every part has landed and the last
-  WRITE's notice, the fixed cost, is paid) queue under that P writer's window and order
+  stored since, as P's rendezvous asks them, and at the prefill's end the rest at once; D has
+  the KV once every part has landed and the last WRITE's notice, the fixed cost, is paid) queue under that P writer's window and order
   (``protocol/link_queue.py``, the queue P's writer runs per D, which keeps a request's parts in
   the order asked); pull's READs queue on D's side, one at a time
   for ``pull-inline`` (D's engine waits for each, so no step runs while one is under way), all at
@@ -394,8 +394,9 @@ class Simulation:
         """push-layer: a request's next part carries every group stored and not yet offered, offered
         as soon as fewer than PARTS_AHEAD of its parts are queued or on the link (else once one of
         them lands; once the last group is stored, the rest at once), as P's rendezvous asks them:
-        it waits in P's link queue while the one before it is on the wire. The KV has landed once every group's part has (the last WRITE, which
-        follows them all, is its notice: ``landing``'s fixed cost)."""
+        it waits in P's link queue while the one before it is on the wire. The KV has landed once
+        every group's part has (the last WRITE, which follows them all, is its notice:
+        ``landing``'s fixed cost)."""
         n = self.prof.layer_groups
         ahead = PARTS_AHEAD + (r.groups_stored == n)  # the prefill ended: the rest leaves at once
         if r.parts_on_link >= ahead or r.parts_posted >= r.groups_stored:
