@@ -28,7 +28,8 @@ What it models, as pushkv does it:
   parts: a request's next part as soon as a group is stored and fewer than ``PARTS_AHEAD`` (2) of
   its parts are queued or on the link, else once one of them has landed, carrying every group
   stored since, as P's rendezvous asks them, and at the prefill's end the rest at once; D has
-  the KV once every part has landed and the last WRITE's notice, the fixed cost, is paid) queue under that P writer's window and order
+  the KV once every part has landed and the last WRITE's notice, the fixed cost, is paid) queue
+  under that P writer's window and order
   (``protocol/link_queue.py``, the queue P's writer runs per D, which keeps a request's parts in
   the order asked); pull's READs queue on D's side, one at a time
   for ``pull-inline`` (D's engine waits for each, so no step runs while one is under way), all at
