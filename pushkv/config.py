@@ -357,7 +357,7 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
     # and the last about half the others: kv.layout.split_layers; the default:
     # docs/results/stream_layer). 10 groups (2 + 8 x 4 + 2 layers for 36): on a capped link the link
     # starts on the short first group and little is left after the prompt's end
-    # (docs/results/2026-12-02-slow-link/groups/, docs/results/2026-12-03-slow-link/)
+    # (docs/results/2026-12-02-slow-link/groups/, docs/results/2026-12-03-slow-link-tail/)
     push_stream: PushStream = "layer"
     push_stream_groups: int = 10
     host: str = "127.0.0.1"
