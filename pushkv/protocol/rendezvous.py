@@ -410,6 +410,10 @@ class PushRendezvous:
         ends = [p // u * u for p in e.progress]
         if e.marked:  # the last group's last marked unit waits for the last WRITE (below)
             ends[-1] = (e.progress[-1] - 1) // u * u
+        return self._ask_part(e, ends)
+
+    def _ask_part(self, e, ends: list[int]) -> list[Action]:
+        """A part WRITE of each group's units from what was sent to ``ends`` (none if nothing is new)."""
         spans = [(g, e.sent[g], end) for g, end in enumerate(ends) if end > e.sent[g]]
         if not spans:
             return []
@@ -490,13 +494,7 @@ class PushRendezvous:
         u = self.stream_unit
         ends = [e.num_tokens // u * u] * len(e.sent)
         ends[-1] = (e.num_tokens - 1) // u * u
-        spans = [(g, e.sent[g], end) for g, end in enumerate(ends) if end > e.sent[g]]
-        if not spans:
-            return []
-        for g, _, end in spans:
-            e.sent[g] = end
-        e.parts, e.inflight = e.parts + 1, e.inflight + 1
-        return [self._write(e, spans, 0, last=False)]
+        return self._ask_part(e, ends)
 
     def _write_done(self, e, now, part=False) -> list[Action]:
         if e.inflight <= 0 or part == e.last_posted:  # parts until the last is posted, then only the last
