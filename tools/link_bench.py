@@ -748,6 +748,8 @@ def main(argv=None) -> int:
                # how the pools cut the layers into groups (kv.layout.split_layers): the first and the
                # last group about half the others (runs that record none had equal groups)
                "layer_cut": "short_ends",
+               # a prefill that ends while parts fly sends the rest of its whole units at once as one more part
+               "rest_part": True,
                "up_flags": common, "mode_flags": {sp: mode_flags(sp, args) for sp in args.modes},
                "caps": {r: cap_text(r) for r in args.rates}, "regimes": {}}
     signal.signal(signal.SIGTERM, _on_sigterm)

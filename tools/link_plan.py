@@ -121,7 +121,8 @@ def profile_for(results: dict, rate: str, mode: str, n: int) -> Optional[Profile
             cut = tuple(len(g) for g in split_layers(results["model"]["num_layers"], groups))
     capacity = int(flag(flags, "--num-blocks", "0")) * int(flag(flags, "--block-size", str(BLOCK_SIZE)))
     prof = Profile(f"{rate} {mode} lone", costs, block_size=BLOCK_SIZE, relay_ms=0.0, layer_groups=groups,
-                   group_layers=cut,
+                   # the rest at once: recorded, or implied by the short-ends cut (the same change)
+                   group_layers=cut, rest_at_end=bool(results.get("rest_part", results.get("layer_cut"))),
                    d_capacity_tokens=capacity or Profile.d_capacity_tokens,
                    link_window=window, link_order=order,  # type: ignore[arg-type]
                    max_batch_tokens=int(flag(flags, "--max-batch-tokens", str(STEP_DEFAULTS["max_batch_tokens"]))),

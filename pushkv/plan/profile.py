@@ -27,6 +27,9 @@ class Profile:
     # the layers of each group as the pools cut them (kv.layout.split_layers); empty: layer_groups
     # equal groups (what runs before the cut's short first and last groups had)
     group_layers: tuple[int, ...] = ()
+    # push-layer: at the prefill's end the rest leaves at once as one more part (beyond PARTS_AHEAD), as
+    # P's rendezvous asks it since 2026-12-03; False: it waited for the last WRITE (runs before)
+    rest_at_end: bool = True
     # the link each P -> D pair shares (plan/link.py): None = no link model, each transfer alone at
     # the handoff's rate however many overlap; else P's WRITEs in flight per link (0: all at once,
     # as a fast link's writer posts them), taken in link_order, every transfer on the link sharing

@@ -399,7 +399,7 @@ class Simulation:
         every group's part has (the last WRITE, which follows them all, is its notice:
         ``landing``'s fixed cost)."""
         n = self.prof.layer_groups
-        ahead = PARTS_AHEAD + (r.groups_stored == n)  # the prefill ended: the rest leaves at once
+        ahead = PARTS_AHEAD + (self.prof.rest_at_end and r.groups_stored == n)  # the prefill ended: the rest at once
         if r.parts_on_link >= ahead or r.parts_posted >= r.groups_stored:
             return
         (a, den), (b, _) = self.prof.stored_share(r.parts_posted), self.prof.stored_share(r.groups_stored)

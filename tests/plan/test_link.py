@@ -251,3 +251,16 @@ def test_every_request_of_every_mode_finishes_over_the_link(mode, order):
     prof = dataclasses.replace(linked(2, order, 0.7), d_capacity_tokens=3000)
     reqs = sim.simulate(wl, prof, mode, 2, 2)
     assert len(reqs) == 40 and all(r.tokens == 4 and r.ttft_ms > 0 for r in reqs)
+
+
+def test_the_rest_leaves_at_the_prefills_end_only_where_the_run_did_so():
+    # no window, two parts already on the link when the last group is stored: the rest goes beside
+    # them at once (a third on the link), or, as P asked it before 2026-12-03, waits for one to land
+    slow = dataclasses.replace(C, handoff_ms_per_block=20.0)
+    peaks = {}
+    for rest in (True, False):
+        prof = dataclasses.replace(linked(0, share=0.5), costs=slow, rest_at_end=rest)
+        s = sim.Simulation(LONE, prof, "push-layer", 1, 1)
+        s.run()
+        peaks[rest] = s.links[0].peak
+    assert peaks == {True: 3, False: 2}

@@ -148,10 +148,12 @@ def test_the_profile_streams_the_default_groups_or_one_a_layer():
     prof = LP.profile_for(results(num_layers=36), RATE, "push", 256)
     assert prof.layer_groups == 10 and prof.group_layers == (2, 4, 4, 4, 4, 4, 4, 4, 4, 2)
     assert prof.stored_share(1) == (2, 36) and prof.stored_share(9) == (34, 36)
+    assert prof.rest_at_end  # the short-ends cut came with the rest sent at once at the prefill's end
     assert LP.profile_for(results(num_layers=4), RATE, "push", 256).layer_groups == 4
     assert LP.profile_for(results(["--push-stream-groups", "2"], num_layers=36), RATE, "push", 256).layer_groups == 2
     old = results(num_layers=36)
     del old["push_stream_groups"], old["layer_cut"]  # a run that did not record its default ran the old one
     prof = LP.profile_for(old, RATE, "push", 256)
     assert prof.layer_groups == LP.LEGACY_GROUPS == 4 and prof.group_layers == ()  # equal groups then
+    assert not prof.rest_at_end  # and the rest waited for the last WRITE
     assert prof.stored_share(1) == (1, 4)
