@@ -35,7 +35,7 @@ def kernel_times(model_name: str, length: int, block_size: int, device: str, rep
 
     model = preset(model_name)
     blocks = L.blocks_for(length, block_size) + 4
-    lay = L.layout_for(model, 1, 0, blocks, block_size, layer_split=groups if groups > 1 else 0)
+    lay = L.layout_for(model, 1, 0, blocks, block_size, layer_split=groups)
     pool = torch.empty(L.pool_bytes(lay) // lay.dtype_bytes, dtype=getattr(torch, model.dtype), device=device)
     pool.view(torch.int16 if lay.dtype_bytes == 2 else torch.int32).random_(-30000, 30000)
     views = L.layer_views(pool, lay)

@@ -116,9 +116,10 @@ def profile_for(results: dict, rate: str, mode: str, n: int) -> Optional[Profile
     groups = int(flag(flags, "--push-stream-groups", str(results.get("push_stream_groups", LEGACY_GROUPS))))
     cut: tuple[int, ...] = ()
     if results["model"].get("num_layers"):
-        groups = len(split_layers(results["model"]["num_layers"], groups))
+        split = split_layers(results["model"]["num_layers"], groups)
+        groups = len(split)
         if results.get("layer_cut") == "short_ends":  # runs before it recorded none: equal groups
-            cut = tuple(len(g) for g in split_layers(results["model"]["num_layers"], groups))
+            cut = tuple(len(g) for g in split)
     capacity = int(flag(flags, "--num-blocks", "0")) * int(flag(flags, "--block-size", str(BLOCK_SIZE)))
     prof = Profile(f"{rate} {mode} lone", costs, block_size=BLOCK_SIZE, relay_ms=0.0, layer_groups=groups,
                    # the rest at once: recorded, or implied by the short-ends cut (the same change)

@@ -10,6 +10,7 @@ head]``, and torch adds the rows of a unit and the layers of a group (a few kB).
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Sequence
 
 import torch
@@ -71,24 +72,16 @@ def _upload(lists: Sequence[Sequence[int]], device) -> list[torch.Tensor]:
     return [buf[a:a + n] for a, n in spans]
 
 
-_PLACES: dict = {}  # (layout, device) -> the per-layer arrays of a pool, on the device (uploaded once)
-
-
-def _places(lay: KVLayout, device) -> tuple[list[int], list[torch.Tensor]]:
-    """Each layer's group, and the kernel's per-layer arrays (layer, base, sub-block and head
-    strides in words) on ``device``: the same for every request of a pool, so uploaded once."""
-    key = (lay, str(device))
-    got = _PLACES.get(key)
-    if got is None:
-        wb = C.word_bytes(lay)
-        groups = layer_groups(lay)
-        layers = [layer for g in groups for layer in g]
-        place = [layer_place(lay, layer) for layer in layers]
-        group_of = [g for g, ls in enumerate(groups) for _ in ls]
-        got = _PLACES[key] = (group_of, _upload(
-            [layers, [b // wb for b, _, _ in place], [st // wb for _, st, _ in place],
-             [hs // wb for _, _, hs in place]], device))
-    return got
+@lru_cache(maxsize=64)
+def _places(lay: KVLayout, device: str) -> list[torch.Tensor]:
+    """The kernel's per-layer arrays (layer, base, sub-block and head strides in words) and each
+    layer's group, on ``device``: the same for every request of a pool, so uploaded once."""
+    wb = C.word_bytes(lay)
+    groups = layer_groups(lay)
+    layers = [layer for g in groups for layer in g]
+    place = [layer_place(lay, layer) for layer in layers]
+    return _upload([layers, [b // wb for b, _, _ in place], [st // wb for _, st, _ in place],
+                    [hs // wb for _, _, hs in place], [g for g, ls in enumerate(groups) for _ in ls]], device)
 
 
 def unit_sums(views, lay: KVLayout, table: Sequence[int], num_tokens: int, units: Sequence[int],
@@ -109,22 +102,22 @@ def unit_sums(views, lay: KVLayout, table: Sequence[int], num_tokens: int, units
     flat = torch.as_strided(views[0], (pool_bytes(lay) // esz,), (1,), views[0].storage_offset() - base0 // esz)
     words = flat.view(torch.int32 if wb == 4 else torch.int16)
     spu = unit_tokens // unit(lay)
-    group_of, (layers_t, base, sstride, hstride) = _places(lay, dev)
-    nl = len(group_of)
+    layers_t, base, sstride, hstride, group_of = _places(lay, str(dev))
+    nl = len(layers_t)
     keep = [k for g in range(ngroups) for k in C.checked_units(lay, g, units, unit_tokens, num_tokens)]
     rows_list = C.sub_rows(lay, table, units, unit_tokens)
-    # where each (row, layer) partial sum goes: its (group, unit), masked by whether it is checked
-    to = [group_of[li] * nu + r // spu for r in range(len(rows_list)) for li in range(nl)]
-    rows, units_t, to_t, keep_t = _upload([rows_list, list(units), to, [int(k) for k in keep]], dev)
+    rows, units_t, keep_t = _upload([rows_list, list(units), [int(k) for k in keep]], dev)
     row_words = lay.head_dim * lay.dtype_bytes // wb
     block = triton.next_power_of_2(unit(lay) * row_words)
-    part = torch.empty(len(rows_list) * nl, lay.kv_heads, dtype=torch.int64, device=dev)
+    part = torch.empty(len(rows_list), nl, lay.kv_heads, dtype=torch.int64, device=dev)
     _sums_kernel[(len(rows_list), nl, lay.kv_heads)](
         words, rows, units_t, layers_t, base, sstride, hstride, part,
         num_tokens, nl, lay.kv_heads, spu, unit_tokens,
         GH=group_heads(lay), PLANES=lay.kv_planes, SUB=unit(lay), WORDS=row_words,
         SLAB=slab_bytes(lay) // wb, HEAD=head_bytes(lay) // wb, BLOCK=block, C1=C.C1, C2=C.C2)
-    flat_out = out.view(ngroups * nu, lay.kv_heads)
-    flat_out.index_add_(0, to_t, part)  # int64 sums wrap modulo 2**64, as the reference's
-    flat_out.mul_(keep_t[:, None])
+    per_layer = part.view(nu, spu, nl, lay.kv_heads).sum(dim=1)  # [units, layers, heads]
+    # each layer's sums into its group (int64 sums wrap modulo 2**64, as the reference's), masked
+    # by whether the group checks the unit
+    out.index_add_(0, group_of, per_layer.permute(1, 0, 2))
+    out.mul_(keep_t.view(ngroups, nu, 1))
     return out
