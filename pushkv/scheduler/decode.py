@@ -145,9 +145,19 @@ class DecodeScheduler(SchedulerCore):
             self._fail(r, f"KV transfer failed: first token {first} outside the vocabulary [0, {self.vocab})", 502)
             return
         if self.cfg.kv_verify != "off" and self._verify(r, answers):
-            r.output = [first]  # emitted once every worker rank says the KV is P's
-            return
+            r.output = [first]
+            if r.state == State.VERIFY and r.finished() is None:
+                self._early_first(r)
+            return  # else: a token that ends the request goes out once its KV is checked (it is indexed)
         self._emit(r, first)
+
+    def _early_first(self, r: Request) -> None:
+        """P's first token does not depend on the KV that moved: it goes out while the workers check
+        the KV; the first decode step and the prefix index wait for their verdict."""
+        r.first_out = True
+        self._stamp(r, "first_token")
+        self._first_token(r)
+        self._reply(r, m.TokensGenerated(r.transfer_id, r.generation, (r.output[0],)))
 
     # -- --kv-verify: the workers check the KV against P's checksums before the first step --
     def _verify(self, r: Request, answers: dict[int, WriterAnswer]) -> bool:
@@ -190,8 +200,11 @@ class DecodeScheduler(SchedulerCore):
         else:
             self.counters["kv_verified"] += 1
             self._stamp(r, "kv_verified")
-            first = r.output.pop()
-            self._emit(r, first)
+            if r.first_out:  # the client has it: the KV joins the prefix index and the request decodes
+                self._index_blocks(r, r.num_tokens)
+                r.state = State.RUNNING
+            else:
+                self._emit(r, r.output.pop())
         self.schedule()
 
     def _verify_failed(self, r: Request, reason: str) -> None:

@@ -78,6 +78,7 @@ class Request:
     indexed: int = 0  # leading blocks offered to the prefix cache so far
     checksums: Optional[m.KVChecksums] = None  # --kv-verify: P's sums of the KV (P: computed; D: to check)
     verified: dict[int, m.KVVerified] = field(default_factory=dict)  # D: worker rank -> its verdict
+    first_out: bool = False  # D, --kv-verify: P's first token went out before the verdict (it gates the first step)
 
     @property
     def key(self) -> tuple[str, int]:

@@ -9,8 +9,10 @@ layer-streamed (parts leave as P's worker marks each layer group stored, so the 
 damage what the last WRITE carries: the flipped byte is the last group's, and the prompt a
 whole number of units whose first groups' ends left in parts); pull checks every block, D's
 blocks twice P's. On a GPU, push-layer and pull run again with the pools in GPU memory."""
+import json
 import os
 import random
+import urllib.request
 
 import pytest
 import torch
@@ -112,4 +114,38 @@ def test_damaged_kv_is_caught_and_clean_kv_is_served(dep):
         print(f"\n{dep.mode} {point}: {status} {body.get('error', body)}")
         wait_pools_free(dep, 20)
     assert dep.tokens(_prompt(dep, "clean"), MAX_TOKENS) == clean  # undamaged again: the same tokens
+    wait_pools_free(dep, 20)
+
+
+def _stream(dp, prompt) -> tuple[int, str]:
+    """A streamed completion: (tokens before the end, the error's message or '')."""
+    body = json.dumps({"prompt": prompt, "max_tokens": MAX_TOKENS, "stream": True}).encode()
+    req = urllib.request.Request(dp.url + "/v1/completions", data=body, headers={"content-type": "application/json"})
+    tokens = 0
+    with urllib.request.urlopen(req, timeout=120) as r:
+        for line in r:
+            line = line.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            if "error" in ev:
+                return tokens, ev["error"].get("message", "")
+            tokens += sum(len(c.get("token_ids") or ()) for c in ev.get("choices", ()))
+    return tokens, ""
+
+
+def test_streamed_damage_sends_ps_token_then_the_failure(dep):
+    """P's first token does not depend on the KV that moved: D sends it on as the KV lands, while its
+    workers check; the mismatch then ends the stream with the reason, and no token decoded from the
+    damaged KV is sent."""
+    if dep.mode != "push":
+        pytest.skip("one mode shows it")
+    armed = faults.arm_fire(dep.faults_dir, "decode-writer-0", "kv_flip_dest")
+    tokens, error = _stream(dep, _prompt(dep, "streamed"))
+    assert not os.path.exists(armed), "kv_flip_dest never fired"
+    assert "KV verification failed" in error, error
+    assert tokens == 1, tokens  # P's token, and nothing decoded after it
+    wait_pools_free(dep, 20)
+    tokens, error = _stream(dep, _prompt(dep, "streamed clean"))
+    assert (tokens, error) == (MAX_TOKENS, "")
     wait_pools_free(dep, 20)

@@ -1,8 +1,8 @@
 """--kv-verify in the schedulers, driven by plain calls (no sockets): P asks for the KV's
 checksums in the step that stores the prompt's last tokens and hands them on (SendKV, or
-PullParams in pull); D asks its workers to verify before emitting the first token, and a
-mismatch, an abort meanwhile or checksums that cannot be checked each end with every block
-free."""
+PullParams in pull); D sends P's first token on (it does not depend on the moved KV) and asks its
+workers to verify before the first decode step, and a mismatch, an abort meanwhile or checksums
+that cannot be checked each end with every block free."""
 from __future__ import annotations
 
 import msgspec
@@ -64,28 +64,44 @@ def test_prefill_without_verify_asks_nothing():
     assert wire.take("worker")[0].seqs[0].checksum == ""
 
 
-def _arrived(s, wire, tid="t1", checksums=None, first=42):
-    generate(s, tid, "decode", prompt=PROMPT, source=P_SRC)
+def _arrived(s, wire, tid="t1", checksums=None, first=42, max_tokens=2):
+    generate(s, tid, "decode", prompt=PROMPT, source=P_SRC, max_tokens=max_tokens)
     wire.take("writer")
     for ch in s.writers:
         deliver(s, ch, m.KVReceived(tid, 0, first, checksums=checksums))
 
 
-def test_decode_verifies_before_the_first_token():
+def test_decode_sends_ps_token_at_once_and_verifies_before_the_first_step():
     s, wire = verifying("decode")
     _arrived(s, wire, checksums=sums())
-    assert wire.take("router") == []  # no token before every rank has verified
+    out = wire.take("router")  # P's token: computed from P's own KV, out before the check
+    assert [x.token_ids for x in out] == [(42,)] and not out[0].finished
+    assert "first_token" in s.reqs["t1", 0].timeline
     cmds = wire.take("worker")
     assert [type(x) for x in cmds] == [m.VerifyKV, m.VerifyKV] and cmds[0].checksums == sums()
     assert cmds[0].block_ids == tuple(s.reqs["t1", 0].blocks)
+    assert s.reqs["t1", 0].indexed == 0  # unchecked KV is not offered to the prefix cache
     deliver(s, s.workers[0], m.KVVerified("t1", 0, "", 3))
-    assert wire.take("router") == []
+    assert wire.take("router") == [] and wire.take("worker") == []  # no decode step before every verdict
     deliver(s, s.workers[1], m.KVVerified("t1", 0, "", 3))
-    assert [x.token_ids for x in wire.take("router")] == [(42,)]
     assert s.counters["kv_verified"] == 1 and s.counters["kv_verify_sums"] == 6
     step = step_done(s, wire, (7,))
     assert step.seqs[0].token_ids == (42,)
-    assert wire.take("router")[-1].finished
+    out = wire.take("router")
+    assert [x.token_ids for x in out] == [(7,)] and out[-1].finished
+    assert all_free(s)
+
+
+def test_decode_first_token_that_ends_the_request_waits_for_the_verdict():
+    """A token that finishes the request would free and index its blocks: it goes out once checked."""
+    s, wire = verifying("decode")
+    _arrived(s, wire, checksums=sums(), max_tokens=1)
+    assert wire.take("router") == []
+    assert [type(x) for x in wire.take("worker")] == [m.VerifyKV, m.VerifyKV]
+    for ch in s.workers:
+        deliver(s, ch, m.KVVerified("t1", 0, "", 3))
+    out = wire.take("router")
+    assert [x.token_ids for x in out] == [(42,)] and out[0].finished
     assert all_free(s)
 
 
@@ -95,9 +111,10 @@ def test_decode_mismatch_fails_the_request_and_frees_its_blocks():
     wire.take("worker")
     deliver(s, s.workers[0], m.KVVerified("t1", 0, "KV checksum mismatch: tokens 0..15 (unit 0)", 1))
     deliver(s, s.workers[1], m.KVVerified("t1", 0, "", 3))
-    out = wire.take("router")
-    assert [type(x) for x in out] == [m.RequestFailed]
-    assert out[0].status == 502 and "KV verification failed: KV checksum mismatch" in out[0].reason
+    out = wire.take("router")  # P's token, then the failure: no token decoded from the KV
+    assert [type(x) for x in out] == [m.TokensGenerated, m.RequestFailed]
+    assert out[1].status == 502 and "KV verification failed: KV checksum mismatch" in out[1].reason
+    assert wire.take("worker") == []
     assert s.counters["kv_verify_failed"] == 1
     assert all_free(s)
 
@@ -105,6 +122,7 @@ def test_decode_mismatch_fails_the_request_and_frees_its_blocks():
 def test_decode_abort_while_verifying_frees_at_once_and_ignores_late_verdicts():
     s, wire = verifying("decode")
     _arrived(s, wire, checksums=sums())
+    assert [type(x) for x in wire.take("router")] == [m.TokensGenerated]
     deliver(s, ROUTER, m.Abort("t1", 0))
     assert all_free(s)
     for ch in s.workers:
