@@ -98,7 +98,7 @@ class Req:
     groups_stored: int = 0  # push-layer: layer groups P has stored
     parts_posted: int = 0  # push-layer: groups whose part has been offered to the link
     parts_on_link: int = 0  # its parts queued or in flight (up to PARTS_AHEAD, as P's rendezvous asks them)
-    first_offer: Optional[float] = None  # its first post's offer (order "deadline")
+    first_offer: Optional[float] = None  # its first post's offer (orders "arrival" and "deadline")
     prefill_end: Optional[float] = None  # P's prefill ended (P's leg)
 
     @property
@@ -424,7 +424,8 @@ class Simulation:
         r.first_offer = self.now if r.first_offer is None else r.first_offer
         pid = next(self._posts)
         self._on_end[pid] = on_end
-        link.offer(self.now, lane, LinkPost(pid, id(r), units, units if left is None else left, r.first_offer))
+        link.offer(self.now, lane, LinkPost(pid, id(r), units, units if left is None else left, r.first_offer,
+                                            r.first_offer))
         self.link_wake(key)
 
     def link_wake(self, key: Hashable) -> None:

@@ -15,7 +15,12 @@ The window bounds the posts in flight (``max_parts``) and their bytes (``max_byt
 either unbounded. An idle link always takes the next post, however large, so a post bigger
 than the byte bound still goes (alone). Which queued post goes next is the ``order``:
 
-- ``arrival``: in the order offered (first come, first served);
+- ``arrival``: requests in the order they reached the link (first come, first served): a post
+  ranks by its request's first offer (``since``), so a request's later parts and its last WRITE go
+  before the parts of requests that came after it; posts that give no ``since`` go in the order
+  offered. (Ranked by each post's own offer, the parts of requests in flight together would
+  alternate, and each would finish as late as the last: a 4k request's one-unit last WRITE waited
+  219 ms behind a later request's parts over 25 Gbit/s.)
 - ``shortest``: the post whose request has the fewest bytes left to move (``remaining``), so
   short prompts are not stuck behind long ones;
 - ``deadline``: the earliest ``deadline`` (the writer passes when the request's transfer must
@@ -62,6 +67,7 @@ class LinkPost:
     nbytes: int
     remaining: int = 0  # bytes the request has left to move, this post's included (order "shortest")
     deadline: float = 0.0  # when the request's transfer must end (order "deadline")
+    since: float = 0.0  # when the request's first post was offered (order "arrival")
 
 
 @dataclass
@@ -133,8 +139,6 @@ class LinkQueue:
 
     def _next(self) -> int:
         """Index in the queue of the post the order picks (ties: the earliest offered)."""
-        if self.order == "arrival":
-            return 0  # offered in order: the list is already by arrival
         rank = _RANKS[self.order]
         heads: dict[Hashable, int] = {}  # each request's post offered first (the list is by arrival)
         for i, (_, p) in enumerate(self._queued):
@@ -151,6 +155,7 @@ class LinkQueue:
 
 
 _RANKS = {
+    "arrival": lambda p: p.since,
     "shortest": lambda p: p.remaining or p.nbytes,
     "deadline": lambda p: p.deadline,
 }

@@ -28,14 +28,14 @@ class LinkPosts:
         self._ids = itertools.count()
         self.peak = 0  # the most posts on one link at once (the window holds: <= its max_parts)
 
-    def offer(self, link: Link, key: Hashable, nbytes: int, remaining: int, deadline: float,
+    def offer(self, link: Link, key: Hashable, nbytes: int, remaining: int, deadline: float, since: float,
               post: Any) -> list[Released]:
         pid = next(self._ids)
         self._posts[pid] = post
         q = self.queues.get(link)
         if q is None:
             q = self.queues[link] = LinkQueue(self.window, self.order)
-        return self._take(link, q.offer(LinkPost(pid, key, nbytes, remaining, deadline)))
+        return self._take(link, q.offer(LinkPost(pid, key, nbytes, remaining, deadline, since)))
 
     def sent(self, link: Link, pid: Hashable, handle: Any) -> None:
         self._handles[id(handle)] = (link, pid)

@@ -70,7 +70,7 @@ class PrefillTransfer:
     write_s: float = 0.0  # post to completion (the last WRITE)
     parts: int = 0  # streamed part WRITEs posted
     stages: dict[str, float] = field(default_factory=dict)  # writer-side timeline (wall time)
-    first_queued: float = 0.0  # monotonic: its first WRITE's turn in a link queue (order "deadline")
+    first_queued: float = 0.0  # monotonic: its first WRITE's turn in a link queue (orders "arrival", "deadline")
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """One link's transfer queue (protocol/link_queue.py): table-driven.
 
 Each case is a window, an order and a list of (event, the post ids released by it). Events:
-("offer", id, key, nbytes[, remaining, deadline]), ("done", id), ("drop", key) (then the ids
+("offer", id, key, nbytes[, remaining, deadline, since]), ("done", id), ("drop", key) (then the ids
 are those dropped)."""
 import pytest
 
@@ -15,8 +15,8 @@ def step(q: LinkQueue, ev):
     kind, *args = ev
     if kind == "offer":
         pid, key, nbytes, *rest = args
-        remaining, deadline = (rest + [0, 0.0])[:2] if rest else (0, 0.0)
-        return q.offer(LinkPost(pid, key, nbytes, remaining, deadline))
+        remaining, deadline, since = (list(rest) + [0, 0.0, 0.0][len(rest):])
+        return q.offer(LinkPost(pid, key, nbytes, remaining, deadline, since))
     if kind == "done":
         return q.done(args[0])
     if kind == "drop":
@@ -35,10 +35,23 @@ CASES = [
         (("offer", "b1", "b", 4 * MB), []),
         (("offer", "c1", "c", 4 * MB), []),
         (("done", "a1"), ["b1"]),
-        (("offer", "a2", "a", 4 * MB), []),  # a's next part queues behind c
+        (("offer", "a2", "a", 4 * MB), []),  # no request's first offer given: behind c
         (("done", "b1"), ["c1"]),
         (("done", "c1"), ["a2"]),
         (("done", "a2"), []),
+    ]),
+    # a request's later parts, and its last WRITE asked once its parts had landed, rank by its first
+    # offer: before the parts of the requests that came after it (first come, first served by request)
+    ("arrival: requests in the order they reached the link", Window(max_parts=1), "arrival", [
+        (("offer", "a1", "a", 4 * MB, 0, 0.0, 1.0), ["a1"]),
+        (("offer", "b1", "b", 4 * MB, 0, 0.0, 2.0), []),
+        (("offer", "b2", "b", 4 * MB, 0, 0.0, 2.0), []),
+        (("done", "a1"), ["b1"]),  # a has nothing queued: the link goes on with b
+        (("offer", "a2", "a", 1, 0, 0.0, 1.0), []),  # a's last WRITE, asked now
+        (("offer", "c1", "c", 4 * MB, 0, 0.0, 3.0), []),
+        (("done", "b1"), ["a2"]),  # a came first: its last WRITE before b's second part
+        (("done", "a2"), ["b2"]),
+        (("done", "b2"), ["c1"]),
     ]),
     ("two parts in flight", Window(max_parts=2), "arrival", [
         (("offer", "a1", "a", 1), ["a1"]),

@@ -14,10 +14,10 @@ def posts(released):
 
 def test_one_post_in_flight_per_link_and_links_apart():
     lp = LinkPosts(Window(max_parts=1), "arrival")
-    a = lp.offer(D0, ("a", 0), 100, 100, 0.0, "a-d0")
+    a = lp.offer(D0, ("a", 0), 100, 100, 0.0, 0.0, "a-d0")
     assert posts(a) == ["a-d0"]
-    assert lp.offer(D0, ("b", 0), 10, 10, 0.0, "b-d0") == []  # D0 is busy: it waits
-    assert posts(lp.offer(D1, ("b", 0), 10, 10, 0.0, "b-d1")) == ["b-d1"]  # D1's window is its own
+    assert lp.offer(D0, ("b", 0), 10, 10, 0.0, 0.0, "b-d0") == []  # D0 is busy: it waits
+    assert posts(lp.offer(D1, ("b", 0), 10, 10, 0.0, 0.0, "b-d1")) == ["b-d1"]  # D1's window is its own
     (link, pid, _), = a
     handle = object()
     lp.sent(link, pid, handle)
@@ -28,18 +28,18 @@ def test_one_post_in_flight_per_link_and_links_apart():
 
 def test_shortest_goes_first_and_a_post_that_never_went_frees_its_room():
     lp = LinkPosts(Window(max_parts=1), "shortest")
-    [(link, first, _)] = lp.offer(D0, ("a", 0), 100, 1000, 0.0, "a")
-    lp.offer(D0, ("b", 0), 100, 900, 0.0, "b")
-    lp.offer(D0, ("c", 0), 100, 100, 0.0, "c")
+    [(link, first, _)] = lp.offer(D0, ("a", 0), 100, 1000, 0.0, 0.0, "a")
+    lp.offer(D0, ("b", 0), 100, 900, 0.0, 0.0, "b")
+    lp.offer(D0, ("c", 0), 100, 100, 0.0, 0.0, "c")
     assert posts(lp.done(link, first)) == ["c"]  # the fewest bytes left (its post failed: done all the same)
 
 
 def test_drop_takes_a_failed_transfers_queued_posts_out_of_every_link():
     lp = LinkPosts(Window(max_parts=1), "arrival")
-    lp.offer(D0, ("x", 0), 1, 1, 0.0, "x-d0")
-    lp.offer(D1, ("x", 0), 1, 1, 0.0, "x-d1")
-    lp.offer(D0, ("a", 0), 1, 1, 0.0, "a-d0")
-    lp.offer(D1, ("a", 0), 1, 1, 0.0, "a-d1")
+    lp.offer(D0, ("x", 0), 1, 1, 0.0, 0.0, "x-d0")
+    lp.offer(D1, ("x", 0), 1, 1, 0.0, 0.0, "x-d1")
+    lp.offer(D0, ("a", 0), 1, 1, 0.0, 0.0, "a-d0")
+    lp.offer(D1, ("a", 0), 1, 1, 0.0, 0.0, "a-d1")
     assert sorted(lp.drop(("a", 0))) == ["a-d0", "a-d1"]  # queued: out, never posted
     assert lp.drop(("x", 0)) == []  # in flight already: ends on its own
     assert lp.gauges()["link_queued"] == 0
