@@ -168,9 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     tra.add_argument("--link-window-mib", type=int, metavar="MIB",
                      help="and at most this many MiB of them (an idle link still takes one larger); 0 = no bound")
     tra.add_argument("--link-order", choices=typing.get_args(LinkOrder),
-                     help="which queued WRITE goes next on a link: arrival (default: requests in the order they reached "
-                          "the link), shortest (fewest bytes left "
-                          "of its request), deadline (oldest transfer first)")
+                     help="which queued WRITE goes next on a link: arrival (default: requests in the order they "
+                          "reached the link), shortest (fewest bytes left of its request), deadline (oldest "
+                          "transfer first)")
     tra.add_argument("--staging", choices=typing.get_args(Staging),
                      help="who stages GPU KV through host memory for a transport that cannot reach GPU memory "
                           "(UCX over TCP): transport (UCX's cuda_copy, a fragment at a time), pushkv (a pinned host "
