@@ -74,11 +74,6 @@ def link_setting(results: dict, mode: str) -> tuple[int, str]:
     return window, flag(flags, "--link-order", "arrival")
 
 
-# a lone streamed transfer whose KV landed this share of its link span after the prefill's end was
-# bounded by the link (a prefill-bound one lands a unit after it)
-LINK_SET_SHARE = 0.25
-
-
 def lone(regime: dict, mode: str, n: int) -> dict:
     return ((regime.get(mode) or {}).get(str(n)) or {}).get("lone") or {}
 
@@ -181,30 +176,14 @@ def _model_tail(prof: Profile, mode: str, n: int, prefill_ms: float) -> float:
 
 
 def lone_transfers(regime: dict, mode: str, kv_per_token: int) -> list[tuple[float, float]]:
-    """(blocks, ms on the wire) of this mode's lone transfers at each length: the last WRITE or the
-    READ (what D's notification announced); streamed, the whole KV over the span the link was busy
-    with it (its first part's post to the KV landed), where the link, not the prefill, set that span
-    (the KV landed well after the prefill's end): a streamed last WRITE alone is one unit, which tells
-    nothing of the path's rate, and the capped TCP path runs below the cap (18-19 Gbit/s under 25 on
-    2026-12-03)."""
+    """(blocks, ms on the wire) of this mode's lone transfers at each length (the last WRITE or the
+    READ: what D's notification announced)."""
     out = []
     for n_text in (regime.get(mode) or {}):
         lo = lone(regime, mode, int(n_text))
-        busy = _busy_ms(lo)
-        if busy is not None:
-            out.append(((lo["part_bytes"] + lo["kv_bytes"]) / (kv_per_token * BLOCK_SIZE), busy))
-        elif lo.get("kv_bytes") and lo.get("wire_ms"):
+        if lo.get("kv_bytes") and lo.get("wire_ms"):
             out.append((lo["kv_bytes"] / (kv_per_token * BLOCK_SIZE), lo["wire_ms"]))
     return out
-
-
-def _busy_ms(lo: dict) -> Optional[float]:
-    """A lone streamed transfer's span on the link where the link bounded it, else None."""
-    keys = ("part_bytes", "kv_bytes", "chunk1_ms", "part_lag_ms", "prefill_ms", "pend_to_kv_ms")
-    if not lo.get("part_bytes") or any(lo.get(k) is None for k in keys):
-        return None
-    busy = lo["prefill_ms"] + lo["pend_to_kv_ms"] - (lo["chunk1_ms"] + lo["part_lag_ms"])
-    return busy if busy > 0 and lo["pend_to_kv_ms"] > LINK_SET_SHARE * busy else None
 
 
 def arrivals(run: dict, replay: bool = False, kv_per_token: int = 0) -> W.Arrivals:

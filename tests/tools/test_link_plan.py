@@ -116,30 +116,6 @@ def test_a_mode_whose_lone_transfers_move_slower_than_the_cap_at_every_length_ta
     assert push.handoff_ms_per_block == pytest.approx(PER_BLOCK_MS) and push.handoff_ms_fixed == pytest.approx(5.0)
 
 
-def test_a_streamed_mode_takes_the_rate_its_whole_kv_moved_at_when_the_link_bounded_it():
-    # push-layer's last WRITE is one unit: its own rate tells nothing. Lone at 256 and 512 tokens the
-    # parts and the last WRITE (16 and 32 blocks) kept the link busy from the first part's post (the
-    # first group stored at 10 ms, posted 1 ms later) to the KV landed, at 80 % of the cap's rate
-    # plus 4 ms: that rate is the path's. A prefill-bound run (the KV landed 1 ms after the prefill)
-    # says nothing of the link: the cap stays.
-    res = results()
-    slow = PER_BLOCK_MS / 0.8
-
-    def streamed(b, prefill):
-        busy = b * slow + 4.0
-        return lone(prefill, 11.0 + busy - prefill, 500.0, chunk1_ms=10.0, part_lag_ms=1.0, stream="layer",
-                    part_bytes=(b - 1) * 16 * KV_PER_TOKEN, kv_bytes=16 * KV_PER_TOKEN, wire_ms=0.5)
-
-    res["regimes"][RATE]["push-layer"] = {"256": streamed(16, 120.0), "512": streamed(32, 240.0)}
-    assert LP.profile_for(res, RATE, "push-layer", 256).costs.handoff_ms_per_block == pytest.approx(slow)
-    bound = {n: lone(900.0, 1.0, 950.0, chunk1_ms=10.0, part_lag_ms=1.0, stream="layer",
-                     part_bytes=(b - 1) * 16 * KV_PER_TOKEN, kv_bytes=16 * KV_PER_TOKEN, wire_ms=0.5)
-             for n, b in (("256", 16), ("512", 32))}
-    res["regimes"][RATE]["push-layer"] = bound
-    assert LP.lone_transfers(res["regimes"][RATE], "push-layer", KV_PER_TOKEN) == [(1.0, 0.5), (1.0, 0.5)]
-    assert LP.profile_for(res, RATE, "push-layer", 256).costs.handoff_ms_per_block == pytest.approx(PER_BLOCK_MS)
-
-
 @pytest.mark.parametrize("prompt, kv, cached", [
     (256, {"prefill": {"bytes": 256 * KV_PER_TOKEN}}, 0),  # P wrote every token
     (256, {"prefill": {"bytes": 192 * KV_PER_TOKEN}, "decode": {"bytes": 1}}, 64),  # P's count wins
