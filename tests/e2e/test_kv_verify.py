@@ -59,13 +59,13 @@ GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 @pytest.fixture(scope="module", params=["push", "push-layer", "pull", pytest.param("push-layer cuda", marks=GPU),
                                         pytest.param("pull cuda", marks=GPU)])
 def dep(request, tmp_path_factory):
-    mode, _, device = request.param.partition(" ")
+    mode, _, device = request.param.partition(" ")  # no device named: the CPU (a GPU host's default is CUDA)
     d = tmp_path_factory.mktemp(f"kv-verify-{mode}")
     fdir = d / "armed"
     fdir.mkdir()
     os.environ["PUSHKV_FAULTS_DIR"] = str(fdir)
     try:
-        with deployment(d, "--num-blocks", "64", *FLAGS[mode], *(("--device", device) if device else ())) as dp:
+        with deployment(d, "--num-blocks", "64", *FLAGS[mode], "--device", device or "cpu") as dp:
             dp.faults_dir = str(fdir)
             dp.mode = mode
             yield dp
