@@ -317,7 +317,10 @@ def fault(c: Cluster, reference, victim: str, do_fault, key: str, in_flight) -> 
         "served_after": {k: sorted(v) for k, v in served.items()},
     }
     assert failed, "no request was in flight on the victim"
-    assert all(s >= 500 for s, _, _ in failed) and any("lease expired" in m for _, m, _ in failed), failed
+    # the lost instance named as the reason: its lease expired (etcd), or, for a request whose WRITE was still
+    # moving into it when it went, NIXL's disconnect (sooner; seen once on a loaded machine)
+    assert all(s >= 500 for s, _, _ in failed), failed
+    assert any("lease expired" in m or "writer disconnected" in m for _, m, _ in failed), failed
     assert detect_s <= TTL_S + TTL_S / 3 + 2.5  # lease TTL + one refresh period + the watch's delivery
     assert leaked == {n: 0 for n in survivors}
     assert engine not in served["prefill"] | served["decode"]
