@@ -664,6 +664,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="one mode's deployment at a time, each running every rate (less memory; the modes' "
                          "lone requests then lie minutes apart); default: every mode up at once, lone "
                          "requests alternating between them")
+    ap.add_argument("--probe-mib", nargs="*", type=float, default=[16.0, 64.0, 256.0],
+                    help="at every rate, before the runs: NIXL WRITEs of these sizes between the hosts' buffers "
+                         "(pushkv tcp-write-report's measurement), the link's rate of this sitting for "
+                         "pushkv link-plan (none: no probe)")
+    ap.add_argument("--probe-reps", type=int, default=3, help="WRITEs per probe size (median)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="results/link")
     ap.add_argument("--replot", action="store_true",
@@ -817,6 +822,7 @@ def run_rate_side_by_side(urls: dict[str, str], rate: str, net, args, results: d
 
     for h in (net[1], net[2]):
         h.cap(rate)
+    probe_link(net, rate, args, results, tqdm)
     out_dir = os.path.join(args.out, rate)
     for url in urls.values():
         warm_up(url, args)
@@ -857,12 +863,38 @@ def _print_goals(tqdm, regime: dict, rate: str, n: int, args) -> None:
             tqdm.write(f"{rate:>7s} {goal_line(g)}")
 
 
+def probe_link(net, rate: str, args, results: dict, tqdm) -> None:
+    """The link's rate now, at ``rate``: NIXL WRITEs from P's host into D's, between host buffers,
+    under the deployments' UCX settings (``tools.tcp_write_report.measure_on``, with a plain socket's
+    stream beside them), kept under ``results["probes"][rate]`` (one per mode with
+    --one-at-a-time): a capped TCP path moves less than its cap, by an amount that differs between
+    sittings, and the planner models the link at what it moved (``tools.link_plan.link_rate``).
+    A probe that fails is kept with its error; the runs go on."""
+    if not args.probe_mib or netns.parse_rate(rate) is None:
+        return
+    from tools import tcp_write_report
+
+    try:
+        got = tcp_write_report.measure_on(net[1], net[2], [int(s * 2**20) for s in args.probe_mib],
+                                          args.probe_reps, ucx_env(args))
+        row = {"at": round(time.time(), 3), "ucx_transport": got["ucx_transport"],
+               "sizes": [{k: sz[k] for k in ("bytes", "nixl_s", "nixl_min_s", "tcp_s")} for sz in got["sizes"]]}
+        tqdm.write(f"link probe at {rate}: " + ", ".join(
+            f"{sz['bytes'] / 2**20:g} MiB WRITE {sz['bytes'] * 8 / sz['nixl_s'] / 1e9:.2f} Gbit/s "
+            f"(socket {sz['bytes'] * 8 / sz['tcp_s'] / 1e9:.2f})" for sz in row["sizes"]))
+    except (RuntimeError, OSError, ValueError, KeyError, subprocess.TimeoutExpired) as e:
+        row = {"at": round(time.time(), 3), "error": repr(e)[-1000:]}
+        tqdm.write(f"link probe at {rate} failed: {row['error']}")
+    results.setdefault("probes", {}).setdefault(rate, []).append(row)
+
+
 def run_rate(url: str, mode: str, rate: str, net, args, results: dict, bar) -> None:
     """Every cell of one mode at one rate, on the running deployment."""
     from tqdm import tqdm
 
     for h in (net[1], net[2]):
         h.cap(rate)
+    probe_link(net, rate, args, results, tqdm)
     out_dir = os.path.join(args.out, rate)
     warm_up(url, args)
     regime = results["regimes"].setdefault(rate, {}).setdefault(mode, {})

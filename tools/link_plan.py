@@ -1,8 +1,10 @@
 """pushkv link-plan: the planner's link model checked against a ``pushkv link-bench`` run.
 
 For every capped rate and mode of the run, a profile is made from what the run measured *lone*:
-P's prefill, a transfer's fixed cost, D's step; the link's rate is the cap's (the tc rate less the
-TCP and Ethernet headers), or the mode's own path's where its lone transfers moved slower than that
+P's prefill, a transfer's fixed cost, D's step; the link's rate is what link-bench's probe of that
+sitting measured at the cap (NIXL WRITEs between the hosts' buffers over UCX's TCP lanes, the slope
+over their sizes: ``link_rate``), or the cap's (the tc rate less the TCP and Ethernet headers) for runs
+without a probe, and the mode's own path's where its lone transfers moved slower than that
 (``plan.link.path_rate``: pull's READ through UCX's staging on the GPU). The planner then replays
 each *loaded* run's own arrivals (``router.arrival`` of every request, and the prefix of each prompt
 P and D already held, as the bytes it moved show) through ``pushkv.plan.sim`` with the writer's
@@ -94,8 +96,8 @@ def profile_for(results: dict, rate: str, mode: str, n: int) -> Optional[Profile
     # the link's rate: the cap less the headers, or this mode's path where it is slower (the slope
     # of its lone transfers' time over their bytes: a lone WRITE's own rate is lower than the cap's
     # by its post and notice, which are the fixed cost below, not a slower path)
-    cap_per_block = cap_ms_per_block(results, rate)
-    per_block = 1.0 / path_rate(1.0 / cap_per_block, lone_transfers(regime, mode, kv_per_token))
+    link_per_block = link_ms_per_block(results, rate)
+    per_block = 1.0 / path_rate(1.0 / link_per_block, lone_transfers(regime, mode, kv_per_token))
     # one hardware figure for P's prefill: the median over every mode's lone runs at this length
     prefill = _median([lone(regime, m, n).get("prefill_ms") for m in regime])
     own = lone(regime, mode, n)
@@ -156,6 +158,29 @@ def cap_ms_per_block(results: dict, rate: str) -> float:
     if bps is None:
         raise ValueError(f"{rate}: not a capped rate")
     return results["model"]["kv_bytes_per_token"] * BLOCK_SIZE * 8 / (bps * TCP_PAYLOAD_SHARE) * 1e3
+
+
+def probe_points(results: dict, rate: str) -> list[tuple[float, float]]:
+    """(bytes, ms) of every size link-bench's probe WRITEs measured at ``rate`` (each probe's median),
+    the probes that failed left out."""
+    return [(sz["bytes"], sz["nixl_s"] * 1e3) for pr in (results.get("probes") or {}).get(rate, [])
+            if "error" not in pr for sz in pr.get("sizes", [])]
+
+
+def link_rate(results: dict, rate: str) -> tuple[float, str]:
+    """The capped link's payload rate (bytes per ms) and where it comes from: the slope of the
+    sitting's probe WRITEs over their sizes (``probe``; the cap less the headers at most), or the
+    cap less the headers (``cap``) where the run has no probe of two sizes or more."""
+    cap = results["model"]["kv_bytes_per_token"] * BLOCK_SIZE / cap_ms_per_block(results, rate)
+    pts = probe_points(results, rate)
+    if len({b for b, _ in pts}) < 2:
+        return cap, "cap"
+    return path_rate(cap, pts), "probe"
+
+
+def link_ms_per_block(results: dict, rate: str) -> float:
+    """A KV block's time on the link at ``rate`` (``link_rate``)."""
+    return results["model"]["kv_bytes_per_token"] * BLOCK_SIZE / link_rate(results, rate)[0]
 
 
 def bound_by(r: dict) -> str:
@@ -248,6 +273,7 @@ def check(out: str, without: tuple[str, ...] = ()) -> list[dict]:
         results = json.load(f)
     rows = []
     for rate, regime in results["regimes"].items():
+        lrate, lfrom = link_rate(results, rate) if netns.parse_rate(rate) is not None else (0.0, "-")
         for mode in regime:
             for n_text in regime[mode]:
                 n = int(n_text)
@@ -279,10 +305,11 @@ def check(out: str, without: tuple[str, ...] = ()) -> list[dict]:
                         "replayed": sim.summary(rep)["ttft_p50"],
                         "replayed_no_link_model": sim.summary(rep_alone)["ttft_p50"],
                         # the share of the time each resource is busy at this load (lone costs): the link's
-                        # (its bytes at the cap's rate) and P's (its lone prefill)
+                        # (its bytes at its rate: the probe's or the cap's) and P's (its lone prefill)
                         # and the mode's path's (its bytes at the rate it moves them: the cap's, or
                         # its own path's where that is slower)
-                        "link_busy": run["request_rate"] * -(-n // BLOCK_SIZE) * cap_ms_per_block(results, rate) / 1e3,
+                        "link_busy": run["request_rate"] * -(-n // BLOCK_SIZE) * link_ms_per_block(results, rate) / 1e3,
+                        "link_gbit_s": lrate * 8 / 1e6, "link_from": lfrom,
                         "path_busy": run["request_rate"] * -(-n // BLOCK_SIZE) * prof.costs.handoff_ms_per_block / 1e3,
                         "path_gbit_s": kvt * BLOCK_SIZE * 8 / prof.costs.handoff_ms_per_block / 1e6,
                         "p_busy": run["request_rate"] * prof.costs.prefill_ms_per_token * n / 1e3,
@@ -302,7 +329,8 @@ def error(r: dict, key: str, of: str = "measured") -> float:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| rate | mode | tokens | QPS | window | path Gbit/s | link busy | path busy | P busy | bound "
+    head = ("| rate | mode | tokens | QPS | window | link Gbit/s | path Gbit/s | link busy | path busy | P busy "
+            "| bound "
             "| P's queue p50 measured | TTFT p50 measured "
             "| predicted from lone runs | error | replayed compute | error | same, no link model | error "
             "| prefill end → KV landed p50: measured | replayed | error | no link model | error |")
@@ -310,7 +338,8 @@ def table(rows: list[dict]) -> str:
     f = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
     for r in rows:
         lines.append(f"| {r['rate']} | {r['mode']} | {r['tokens']} | {r['qps']:g} | {r['window']} | "
-                     f"{r['path_gbit_s']:.2f} | {r['link_busy']:.2f} | {r['path_busy']:.2f} | {r['p_busy']:.2f} | "
+                     f"{r['link_gbit_s']:.2f} ({r['link_from']}) | {r['path_gbit_s']:.2f} | {r['link_busy']:.2f} | "
+                     f"{r['path_busy']:.2f} | {r['p_busy']:.2f} | "
                      f"{bound_by(r)} | {f(r['p_wait_measured'])} | {f(r['measured'])} | "
                      f"{f(r['predicted'])} | "
                      f"{_err(r['predicted'], r['measured'])} | "

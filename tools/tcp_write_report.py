@@ -221,41 +221,48 @@ def measure(sizes: list[int], reps: int, tls: str = "tcp", rate: str = "none") -
     result's ``qdisc`` then holds each host's tbf with its counters after the run."""
     from tools.netns import hosts
 
-    env = dict(os.environ, UCX_TLS=tls, UCX_PROTO_INFO="y", UCX_PROTO_ENABLE="y")
-    me = [sys.executable, "-m", "tools.tcp_write_report"]
     with hosts(2) as net:
-        h1, h2 = net[1], net[2]
-        for h in (h1, h2):
+        for h in (net[1], net[2]):
             h.cap(rate)
-        target = h2.popen(me + ["--role", "target", "--bind", h2.addr, "--max-bytes", str(max(sizes))],
-                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        init = None
-        try:
-            port = int(target.stdout.readline() or 0)
-            if not port:
-                raise RuntimeError(f"target did not start: {target.stderr.read()[-2000:]}")
-            init = h1.popen(me + ["--role", "initiator", "--connect", f"{h2.addr}:{port}",
-                                  "--sizes", ",".join(map(str, sizes)), "--reps", str(reps)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            out, err = init.communicate(timeout=RUN_TIMEOUT_S)
-            if init.returncode:
-                raise RuntimeError(f"initiator failed ({init.returncode}):\n{(out + err)[-3000:]}")
-            result = json.loads(out.strip().splitlines()[-1])
-            target.wait(STEP_TIMEOUT_S)
-            result["ucx_transport"] = ucx_transport(out + err)
-            if envs.PUSHKV_TCPW_UCX_LOG:
-                sys.stderr.write(out + err)
-            result["ucx_tls"] = tls
-            result["hosts"] = [h1.addr, h2.addr]
-            result["rate"] = rate
-            result["qdisc"] = {h.addr: h.qdisc() for h in (h1, h2)}
-            return result
-        finally:
-            for p in (init, target):
-                if p is not None and p.poll() is None:
-                    p.kill()
-                if p is not None:
-                    p.communicate(timeout=10)
+        result = measure_on(net[1], net[2], sizes, reps, {"UCX_TLS": tls})
+        result["rate"] = rate
+        return result
+
+
+def measure_on(h1, h2, sizes: list[int], reps: int, ucx: dict[str, str]) -> dict:
+    """The measurement between two hosts that exist (``tools.netns`` hosts, their caps as they
+    are): ``h1`` WRITEs into ``h2`` under ``ucx`` (``UCX_TLS`` and the like). ``pushkv link-bench``
+    runs it on its own hosts at every rate, so that the planner has the link's rate of that sitting."""
+    env = dict(os.environ, **ucx, UCX_PROTO_INFO="y", UCX_PROTO_ENABLE="y")
+    me = [sys.executable, "-m", "tools.tcp_write_report"]
+    target = h2.popen(me + ["--role", "target", "--bind", h2.addr, "--max-bytes", str(max(sizes))],
+                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    init = None
+    try:
+        port = int(target.stdout.readline() or 0)
+        if not port:
+            raise RuntimeError(f"target did not start: {target.stderr.read()[-2000:]}")
+        init = h1.popen(me + ["--role", "initiator", "--connect", f"{h2.addr}:{port}",
+                              "--sizes", ",".join(map(str, sizes)), "--reps", str(reps)],
+                        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out, err = init.communicate(timeout=RUN_TIMEOUT_S)
+        if init.returncode:
+            raise RuntimeError(f"initiator failed ({init.returncode}):\n{(out + err)[-3000:]}")
+        result = json.loads(out.strip().splitlines()[-1])
+        target.wait(STEP_TIMEOUT_S)
+        result["ucx_transport"] = ucx_transport(out + err)
+        if envs.PUSHKV_TCPW_UCX_LOG:
+            sys.stderr.write(out + err)
+        result["ucx_tls"] = ucx.get("UCX_TLS", "")
+        result["hosts"] = [h1.addr, h2.addr]
+        result["qdisc"] = {h.addr: h.qdisc() for h in (h1, h2)}
+        return result
+    finally:
+        for p in (init, target):
+            if p is not None and p.poll() is None:
+                p.kill()
+            if p is not None:
+                p.communicate(timeout=10)
 
 
 def print_table(result: dict) -> None:

@@ -517,6 +517,12 @@ class SchedulerCore:
         r.last_token_at = self.now
         self.metrics.first_token(len(r.prompt), self.now - r.queued_at)
 
+    def _first_sent(self, r: Request) -> None:
+        """``r``'s first token goes to the client now: stamped and measured (D sends P's early
+        under --kv-verify, through ``_emit`` otherwise)."""
+        self._stamp(r, "first_token")
+        self._first_token(r)
+
     def _observe_finish(self, r: Request, reason: FinishReason) -> None:
         self.metrics.finished(reason, len(r.prompt), len(r.output), self.now - r.queued_at)
 
@@ -524,8 +530,7 @@ class SchedulerCore:
         r.output.append(tok)
         self._index_blocks(r, r.num_tokens)  # the prompt's KV (and the output's so far) is in the pool
         if len(r.output) == 1:
-            self._stamp(r, "first_token")
-            self._first_token(r)
+            self._first_sent(r)
         else:
             self.metrics.token(self.now - r.last_token_at)
             r.last_token_at = self.now

@@ -155,8 +155,7 @@ class DecodeScheduler(SchedulerCore):
         """P's first token does not depend on the KV that moved: it goes out while the workers check
         the KV; the first decode step and the prefix index wait for their verdict."""
         r.first_out = True
-        self._stamp(r, "first_token")
-        self._first_token(r)
+        self._first_sent(r)
         self._reply(r, m.TokensGenerated(r.transfer_id, r.generation, (r.output[0],)))
 
     # -- --kv-verify: the workers check the KV against P's checksums before the first step --

@@ -88,3 +88,33 @@ def test_free_link_is_faster_than_the_cap():
     assert row["nixl_s"] < wire_s, (row, wire_s)
     assert row["tcp_s"] < wire_s, (row, wire_s)
     assert _mine() <= before
+
+
+@namespaces
+@pytest.mark.timeout(120)
+def test_link_bench_probes_the_capped_link_and_the_planner_takes_its_rate():
+    """link-bench's probe at a rate (``probe_link``, on hosts that exist, under the deployments'
+    UCX settings) keeps each size's WRITE time; the planner's link rate is their slope: through
+    the cap (never faster than it), and the probe's, not the cap's."""
+    from argparse import Namespace
+
+    from tools import link_bench, link_plan
+
+    before = _mine()
+    bps = parse_rate(RATE)
+    args = Namespace(probe_mib=[2.0, SIZE / MIB], probe_reps=REPS, ucx_tls="tcp", ucx_net_devices=netns.DEV)
+    results: dict = {"model": {"kv_bytes_per_token": 1024}}
+    lines: list[str] = []
+    with netns.hosts(2) as net:
+        for h in (net[1], net[2]):
+            h.cap(RATE)
+        link_bench.probe_link(net, RATE, args, results, Namespace(write=lines.append))
+    (probe,) = results["probes"][RATE]
+    assert "error" not in probe, probe
+    assert [sz["bytes"] for sz in probe["sizes"]] == [2 * MIB, SIZE] and "tcp/" in probe["ucx_transport"], probe
+    floor = {sz["bytes"]: (sz["bytes"] - cap_burst_bytes(bps)) * 8 / bps for sz in probe["sizes"]}
+    assert all(sz["nixl_min_s"] >= floor[sz["bytes"]] for sz in probe["sizes"]), (probe, floor)
+    rate, source = link_plan.link_rate(results, RATE)  # bytes per ms
+    assert source == "probe" and 0.2 * bps / 8e3 < rate <= bps * link_plan.TCP_PAYLOAD_SHARE / 8e3, rate
+    assert lines and lines[0].startswith(f"link probe at {RATE}: 2 MiB WRITE"), lines
+    assert _mine() <= before

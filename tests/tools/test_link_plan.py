@@ -157,3 +157,29 @@ def test_the_profile_streams_the_default_groups_or_one_a_layer():
     assert prof.layer_groups == LP.LEGACY_GROUPS == 4 and prof.group_layers == ()  # equal groups then
     assert not prof.rest_at_end  # and the rest waited for the last WRITE
     assert prof.stored_share(1) == (1, 4)
+
+
+def probe(*sizes_ms, error=False):
+    """A link-bench probe: (blocks, ms) per size, each block 16 tokens of KV."""
+    if error:
+        return {"at": 0.0, "error": "RuntimeError('initiator failed')"}
+    return {"at": 0.0, "sizes": [{"bytes": b * 16 * KV_PER_TOKEN, "nixl_s": ms / 1e3, "nixl_min_s": ms / 1e3,
+                                  "tcp_s": ms / 1e3} for b, ms in sizes_ms]}
+
+
+def test_the_link_s_rate_is_the_probe_s_slope_and_the_cap_at_most():
+    res = results()
+    assert LP.link_rate(res, RATE)[1] == "cap"  # no probe: the cap less the headers
+    # the probe's WRITEs at 1.25x the cap's time a block, plus 3 ms each: the slope, not one size's rate
+    res["probes"] = {RATE: [probe((16, 16 * 1.25 * PER_BLOCK_MS + 3.0), (64, 64 * 1.25 * PER_BLOCK_MS + 3.0)),
+                            probe(error=True)]}
+    assert LP.link_rate(res, RATE)[1] == "probe"
+    assert LP.link_ms_per_block(res, RATE) == pytest.approx(1.25 * PER_BLOCK_MS)
+    assert LP.profile_for(res, RATE, "push", 256).costs.handoff_ms_per_block == pytest.approx(1.25 * PER_BLOCK_MS)
+    # a probe faster than the cap (tbf's burst on a short one): the cap
+    res["probes"] = {RATE: [probe((16, 16 * 0.5 * PER_BLOCK_MS), (64, 64 * 0.5 * PER_BLOCK_MS))]}
+    assert LP.link_ms_per_block(res, RATE) == pytest.approx(PER_BLOCK_MS)
+    # one size only, or only failed probes: nothing to take a slope from
+    for probes in ([probe((64, 100.0))], [probe(error=True)]):
+        res["probes"] = {RATE: probes}
+        assert LP.link_rate(res, RATE)[1] == "cap" and LP.link_ms_per_block(res, RATE) == pytest.approx(PER_BLOCK_MS)

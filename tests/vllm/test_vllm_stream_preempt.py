@@ -30,6 +30,7 @@ BASE_PORT = 19300 + (os.getpid() % 50) * 10  # apart from test_vllm_e2e's ports 
 BLOCK = 128  # vLLM's CPU block size
 P_ARGS = ("--num-gpu-blocks-override", "17", "--max-num-batched-tokens", "256",
           "--long-prefill-token-threshold", "128")
+TRIES = 4  # pairs sent until vLLM preempts one (it does only while both prefills run together)
 
 
 @pytest.fixture(scope="module")
@@ -103,20 +104,28 @@ def test_a_preempted_stream_goes_on_from_its_new_blocks(pair):
     P's worker holds the next step until P's writer reads the freed blocks no more (stamped
     ``p_stream_preempted`` / ``p_stream_released``); the stream goes on from the blocks vLLM
     computes it into again; both requests end with the tokens of one plain vLLM, every prompt
-    token from P, and no block stays held on P or D."""
+    token from P, and no block stays held on P or D.
+
+    vLLM preempts only while both prefills run together: on a busy machine the second P leg can
+    reach vLLM after the first has finished and freed its blocks. So a pair that vLLM did not
+    preempt is checked for its tokens and blocks, and a fresh pair goes, up to ``TRIES`` pairs."""
     rng = random.Random(23)
-    prs = [[rng.randrange(2, 512) for _ in range(1200)] for _ in range(2)]
-    want = [tokens(post(pair["ref"].url, body(pr))[1]) for pr in prs]
-    before = preemptions(pair["P"])
-    outs = registered_first(pair, prs)
-    for (tid, status, out), pr, w in zip(outs, prs, want):
-        assert status == 200 and tokens(out) == w, (tid, out)
-        assert out["kv_transfer_params"]["pushkv_loaded_tokens"] == len(pr)
-    assert preemptions(pair["P"]) > before, "vLLM preempted nothing"
+    for attempt in range(TRIES):
+        prs = [[rng.randrange(2, 512) for _ in range(1200)] for _ in range(2)]
+        want = [tokens(post(pair["ref"].url, body(pr))[1]) for pr in prs]
+        before = preemptions(pair["P"])
+        outs = registered_first(pair, prs)
+        for (tid, status, out), pr, w in zip(outs, prs, want):
+            assert status == 200 and tokens(out) == w, (attempt, tid, out)
+            assert out["kv_transfer_params"]["pushkv_loaded_tokens"] == len(pr)
+        _all_free(pair["P"], pair["D"])
+        if preemptions(pair["P"]) > before:
+            break
+    else:
+        raise AssertionError(f"vLLM preempted nothing in {TRIES} pairs")
     stamps = [_stamps(pair["P"].log_path, tid) for tid, *_ in outs]
     hit = [st for st in stamps if "p_stream_preempted" in st]
     assert hit, f"no stream was preempted: {stamps}"
     for st in hit:
         assert st["p_preempt_sent"][0] <= st["p_stream_preempted"][0] <= st["p_stream_released"][0], st
         assert st["p_write_posted"][0] > st["p_stream_released"][-1], st  # the last WRITE, from the new blocks
-    _all_free(pair["P"], pair["D"])
