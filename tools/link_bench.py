@@ -664,10 +664,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="one mode's deployment at a time, each running every rate (less memory; the modes' "
                          "lone requests then lie minutes apart); default: every mode up at once, lone "
                          "requests alternating between them")
-    ap.add_argument("--probe-mib", nargs="*", type=float, default=[16.0, 64.0, 256.0],
-                    help="at every rate, before the runs: NIXL WRITEs of these sizes between the hosts' buffers "
-                         "(pushkv tcp-write-report's measurement), the link's rate of this sitting for "
-                         "pushkv link-plan (none: no probe)")
+    ap.add_argument("--probe-mib", nargs="*", type=float, default=None,
+                    help="at every capped rate, before the runs: NIXL WRITEs of these sizes between the hosts' "
+                         "buffers (pushkv tcp-write-report's measurement), the link's rate of this sitting for "
+                         "pushkv link-plan; default: what the cap moves in 40 and 160 ms; none given: no probe")
     ap.add_argument("--probe-reps", type=int, default=3, help="WRITEs per probe size (median)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="results/link")
@@ -863,6 +863,15 @@ def _print_goals(tqdm, regime: dict, rate: str, n: int, args) -> None:
             tqdm.write(f"{rate:>7s} {goal_line(g)}")
 
 
+PROBE_S = (0.04, 0.16)  # the probe's WRITEs: what the cap moves in these times (a fixed cost, then the slope)
+
+
+def probe_sizes(bps: float, mib: Optional[list[float]] = None) -> list[int]:
+    """The probe's sizes in bytes: ``mib``, or what ``bps`` moves in ``PROBE_S`` (whole MiB, >= 1)."""
+    got = mib if mib is not None else [max(1.0, round(t * bps / 8 / 2**20)) for t in PROBE_S]
+    return [int(s * 2**20) for s in got]
+
+
 def probe_link(net, rate: str, args, results: dict, tqdm) -> None:
     """The link's rate now, at ``rate``: NIXL WRITEs from P's host into D's, between host buffers,
     under the deployments' UCX settings (``tools.tcp_write_report.measure_on``, with a plain socket's
@@ -870,13 +879,14 @@ def probe_link(net, rate: str, args, results: dict, tqdm) -> None:
     --one-at-a-time): a capped TCP path moves less than its cap, by an amount that differs between
     sittings, and the planner models the link at what it moved (``tools.link_plan.link_rate``).
     A probe that fails is kept with its error; the runs go on."""
-    if not args.probe_mib or netns.parse_rate(rate) is None:
+    bps = netns.parse_rate(rate)
+    if bps is None or args.probe_mib == []:
         return
     from tools import tcp_write_report
 
+    sizes = probe_sizes(bps, args.probe_mib)
     try:
-        got = tcp_write_report.measure_on(net[1], net[2], [int(s * 2**20) for s in args.probe_mib],
-                                          args.probe_reps, ucx_env(args))
+        got = tcp_write_report.measure_on(net[1], net[2], sizes, args.probe_reps, ucx_env(args))
         row = {"at": round(time.time(), 3), "ucx_transport": got["ucx_transport"],
                "sizes": [{k: sz[k] for k in ("bytes", "nixl_s", "nixl_min_s", "tcp_s")} for sz in got["sizes"]]}
         tqdm.write(f"link probe at {rate}: " + ", ".join(

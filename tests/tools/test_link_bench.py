@@ -201,3 +201,9 @@ def test_each_rate_sends_its_own_prompts():
     assert not {tuple(p[:16]) for p in first} & {tuple(p[:16]) for p in second}  # not one first block shared
     assert lb.lone_prompts(1024, "25gbit", args) == first  # and each rate's are the same from run to run
     assert lb.rate_seed("25gbit", args) != lb.rate_seed("10gbit", args)
+
+
+def test_the_link_probe_s_sizes_scale_with_the_cap():
+    assert lb.probe_sizes(25e9) == [119 * 2**20, 477 * 2**20]  # 40 and 160 ms at 25 Gbit/s
+    assert lb.probe_sizes(1e8) == [2**20, 2 * 2**20]  # at least 1 MiB
+    assert lb.probe_sizes(1e9, [0.5, 8.0]) == [2**19, 8 * 2**20]  # as given
