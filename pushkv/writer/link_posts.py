@@ -40,16 +40,32 @@ class LinkPosts:
     def sent(self, link: Link, pid: Hashable, handle: Any) -> None:
         self._handles[id(handle)] = (link, pid)
 
-    def ended(self, handle: Any) -> list[Released]:
+    def ended(self, handle: Any, release: bool = True) -> list[Released]:
         """``handle``'s transfer ended: what its link posts next (nothing for a handle posted
-        without the queue)."""
+        without the queue; ``release`` False: nothing yet, ``release()`` hands its room out)."""
         found = self._handles.pop(id(handle), None)
-        return self.done(*found) if found else []
+        return self.done(*found, release=release) if found else []
 
-    def done(self, link: Link, pid: Hashable) -> list[Released]:
+    def done(self, link: Link, pid: Hashable, release: bool = True) -> list[Released]:
         """Post ``pid`` ended, or never went (its post failed, or was skipped)."""
         q = self.queues.get(link)
-        return self._take(link, q.done(pid)) if q else []
+        return self._take(link, q.done(pid, release)) if q else []
+
+    def release(self) -> list[Released]:
+        """What every link has room for now (the rooms that ``ended(..., release=False)`` freed)."""
+        return [r for link, q in self.queues.items() for r in self._take(link, q.release())]
+
+    def hold(self, link: Link, key: Hashable) -> None:
+        """Keep a room on ``link`` for transfer ``key``'s next post (being copied for it)."""
+        q = self.queues.get(link)
+        if q is None:
+            q = self.queues[link] = LinkQueue(self.window, self.order)
+        q.hold(key)
+
+    def unhold(self, link: Link, key: Hashable) -> list[Released]:
+        """``key``'s post is not coming (its transfer failed): the room goes to the next posts."""
+        q = self.queues.get(link)
+        return self._take(link, q.unhold(key)) if q else []
 
     def drop(self, key: Hashable) -> list[Any]:
         """Transfer ``key``'s posts still queued on any link: out, never to be posted."""

@@ -85,6 +85,7 @@ class PostHost(PartHost, Protocol):
     def grid_of_peer(self, h: Any) -> Any: ...
     def transfer_finished(self, fl: InFlight, now: float) -> None: ...
     def handles_ended(self, handles: list, now: float) -> None: ...
+    def release_links(self) -> None: ...
 
 
 class Posting:
@@ -314,9 +315,12 @@ class Posting:
         pending, failure = host.nixl.reap(fl.handles, "transfer failed in flight")
         fl.failed = fl.failed or failure
         fl.handles = pending
-        if len(pending) < len(before):  # (handles may be plain ints: compare by identity)
+        ended = len(pending) < len(before)
+        if ended:  # (handles may be plain ints: compare by identity)
             host.handles_ended([h for h in before if all(h is not p for p in pending)], now)
         if not fl.handles and not fl.queued and key in self.inflight:
             del self.inflight[key]
             host.last_activity = now
             host.transfer_finished(fl, now)
+        if ended:  # a link queue's rooms, once what the ends asked for (a last WRITE) is offered
+            host.release_links()

@@ -429,6 +429,8 @@ class PrefillWriter(WriterBase):
             fl.queued += 1
             self.counters["stage_out_pending"] += 1
             self._copying.add(post, staged)
+            if a.last and self.link_posts is not None:  # its link keeps a room for it meanwhile
+                self.link_posts.hold((reg.d_engine_id, reg.d_rank), key)
             return
         if slots is not None:
             self._copied(post)
@@ -448,6 +450,9 @@ class PrefillWriter(WriterBase):
             post.fl.queued -= 1
             if post.fl.failed:
                 self._give_slots(post.slots)
+                if post.a.last and self.link_posts is not None:  # the room kept for it
+                    self._send_released(self.link_posts.unhold((post.reg.d_engine_id, post.reg.d_rank),
+                                                               (post.a.transfer_id, post.a.generation)))
                 continue
             self._copied(post)
             try:
@@ -568,8 +573,15 @@ class PrefillWriter(WriterBase):
             slots = self._slots_of.pop(id(h), None)
             if slots is not None:
                 self._give_slots(slots)
-            if self.link_posts is not None:
-                self._send_released(self.link_posts.ended(h))
+            if self.link_posts is not None:  # its room waits for what the end asks (release_links)
+                self.link_posts.ended(h, release=False)
+
+    def release_links(self) -> None:
+        """After the ends of a reaping pass are heard: a request's last WRITE that its last part's
+        end asked for has been offered (or, staged, holds a room), and goes before the next
+        request's part (``protocol/link_queue.py``)."""
+        if self.link_posts is not None:
+            self._send_released(self.link_posts.release())
 
     def _drop_queued(self, key, reason: str) -> None:
         """A failed transfer's WRITEs still queued never go: each fails its InFlight, which then

@@ -87,6 +87,9 @@ class WriterShell(Actor):
     def handles_ended(self, handles: list, now: float) -> None:
         """These handles' transfers ended (done, failed or abandoned): a link queue's room."""
 
+    def release_links(self) -> None:
+        """After ``handles_ended`` and the ends' ``transfer_finished``: a link queue's rooms go out."""
+
     def expire(self, now: float) -> None:
         """The role's own deadlines."""
 

@@ -2,7 +2,8 @@
 
 Each case is a window, an order and a list of (event, the post ids released by it). Events:
 ("offer", id, key, nbytes[, remaining, deadline, since]), ("done", id), ("drop", key) (then the ids
-are those dropped)."""
+are those dropped), ("done-later", id) (its room not handed out yet), ("release",), ("hold", key),
+("unhold", key)."""
 import pytest
 
 from pushkv.config import DeploymentConfig
@@ -21,6 +22,15 @@ def step(q: LinkQueue, ev):
         return q.done(args[0])
     if kind == "drop":
         return q.drop(args[0])
+    if kind == "done-later":
+        return q.done(args[0], release=False)
+    if kind == "release":
+        return q.release()
+    if kind == "hold":
+        q.hold(args[0])
+        return []
+    if kind == "unhold":
+        return q.unhold(args[0])
     raise AssertionError(kind)
 
 
@@ -136,6 +146,55 @@ CASES = [
         (("drop", "a"), []),  # a1 is on the wire: it ends by itself
         (("done", "a1"), ["c1"]),
     ]),
+    # the writer hears a part's end before it hands out its room: the last WRITE its end asks for is
+    # offered first and goes before the next request's part (handed the room at once, it would wait
+    # for that whole part)
+    ("a part's room waits for what its end asks: the last WRITE goes first", Window(max_parts=1), "arrival", [
+        (("offer", "a1", "a", 4 * MB, 0, 0.0, 1.0), ["a1"]),
+        (("offer", "b1", "b", 4 * MB, 0, 0.0, 2.0), []),
+        (("done-later", "a1"), []),
+        (("offer", "a2", "a", 1, 0, 0.0, 1.0), ["a2"]),  # a's last WRITE: the room is free, it ranks first
+        (("release",), []),  # nothing more fits
+        (("done-later", "a2"), []),
+        (("release",), ["b1"]),  # nothing of a's followed: b goes
+        (("release",), []),
+    ]),
+    ("hold: a room kept for a request's post on its way", Window(max_parts=1), "arrival", [
+        (("offer", "a1", "a", 4 * MB, 0, 0.0, 1.0), ["a1"]),
+        (("offer", "b1", "b", 4 * MB, 0, 0.0, 2.0), []),
+        (("done-later", "a1"), []),
+        (("hold", "a"), []),  # a's last WRITE is being copied into the staging area
+        (("release",), []),  # the room is a's
+        (("offer", "c1", "c", 1, 0, 0.0, 0.5), []),  # not even for an earlier request's post
+        (("offer", "a2", "a", 1, 0, 0.0, 1.0), ["a2"]),  # a's post takes its room, whatever the order
+        (("done", "a2"), ["c1"]),
+        (("done", "c1"), ["b1"]),
+    ]),
+    ("hold: unhold (the copy's transfer failed) hands the room out", Window(max_parts=1), "arrival", [
+        (("offer", "a1", "a", 4 * MB, 0, 0.0, 1.0), ["a1"]),
+        (("offer", "b1", "b", 4 * MB, 0, 0.0, 2.0), []),
+        (("done-later", "a1"), []),
+        (("hold", "a"), []),
+        (("release",), []),
+        (("unhold", "x"), []),  # held by no one: nothing
+        (("unhold", "a"), ["b1"]),
+        (("unhold", "a"), []),  # twice
+    ]),
+    ("hold while the window is full: the post waits for a room, then goes first", Window(max_parts=1), "arrival", [
+        (("offer", "b1", "b", 4 * MB, 0, 0.0, 2.0), ["b1"]),
+        (("hold", "a"), []),
+        (("offer", "c1", "c", 1, 0, 0.0, 0.5), []),
+        (("offer", "a1", "a", 1, 0, 0.0, 1.0), []),  # the window holds: b1 is on the wire
+        (("done", "b1"), ["a1"]),  # the room kept for a, before c's earlier rank
+        (("done", "a1"), ["c1"]),
+    ]),
+    ("hold on an idle link: the window counts it", Window(max_parts=2), "arrival", [
+        (("hold", "a"), []),
+        (("offer", "b1", "b", 4 * MB), ["b1"]),  # one room of two kept for a, one left
+        (("offer", "c1", "c", 4 * MB), []),
+        (("offer", "a1", "a", 1), ["a1"]),
+        (("done", "b1"), ["c1"]),
+    ]),
     ("done of an id not in flight changes nothing", Window(max_parts=1), "arrival", [
         (("offer", "a1", "a", 1), ["a1"]),
         (("offer", "b1", "b", 1), []),
@@ -163,6 +222,8 @@ def test_counts_follow_the_posts():
     q.done(0)
     q.drop(3)
     assert (q.queued, q.inflight, q.inflight_bytes, len(q)) == (0, 2, 200, 2)
+    q.hold("k")
+    assert (q.held, len(q)) == (1, 3)
 
 
 def _offer_twice(q):
