@@ -28,7 +28,11 @@ than the byte bound still goes (alone). Which queued post goes next is the ``ord
 - ``arrival``: requests in the order they reached the link (first come, first served): a post
   ranks by its request's first offer (``since``), so a request's later parts and its last WRITE go
   before the parts of requests that came after it; posts that give no ``since`` go in the order
-  offered. (Ranked by each post's own offer, the parts of requests in flight together would
+  offered. A request's last WRITE (``last``: the post that ends its transfer, one unit with D's
+  notice) goes before every part, whatever its request's rank: it ends a request for the cost of
+  one unit. (Ranked by ``since`` alone, the last WRITE of a request prefilled in one step with
+  another waited for the other's whole part when the other's first post had been offered a
+  moment sooner: 230-463 ms at 300 Mbit/s on the CPU.) (Ranked by each post's own offer, the parts of requests in flight together would
   alternate, and each would finish as late as the last: a 4k request's one-unit last WRITE waited
   219 ms behind a later request's parts over 25 Gbit/s.)
 - ``shortest``: the post whose request has the fewest bytes left to move (``remaining``), so
@@ -78,6 +82,7 @@ class LinkPost:
     remaining: int = 0  # bytes the request has left to move, this post's included (order "shortest")
     deadline: float = 0.0  # when the request's transfer must end (order "deadline")
     since: float = 0.0  # when the request's first post was offered (order "arrival")
+    last: bool = False  # it ends its request's transfer (order "arrival": before every part)
 
 
 @dataclass
@@ -199,7 +204,7 @@ class LinkQueue:
 
 
 _RANKS = {
-    "arrival": lambda p: p.since,
+    "arrival": lambda p: (not p.last, p.since),
     "shortest": lambda p: p.remaining or p.nbytes,
     "deadline": lambda p: p.deadline,
 }

@@ -29,13 +29,13 @@ class LinkPosts:
         self.peak = 0  # the most posts on one link at once (the window holds: <= its max_parts)
 
     def offer(self, link: Link, key: Hashable, nbytes: int, remaining: int, deadline: float, since: float,
-              post: Any) -> list[Released]:
+              post: Any, last: bool = False) -> list[Released]:
         pid = next(self._ids)
         self._posts[pid] = post
         q = self.queues.get(link)
         if q is None:
             q = self.queues[link] = LinkQueue(self.window, self.order)
-        return self._take(link, q.offer(LinkPost(pid, key, nbytes, remaining, deadline, since)))
+        return self._take(link, q.offer(LinkPost(pid, key, nbytes, remaining, deadline, since, last)))
 
     def sent(self, link: Link, pid: Hashable, handle: Any) -> None:
         self._handles[id(handle)] = (link, pid)

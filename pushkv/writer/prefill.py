@@ -486,7 +486,7 @@ class PrefillWriter(WriterBase):
         self.counters["link_posts_queued"] += 1
         self._send_released(self.link_posts.offer((reg.d_engine_id, reg.d_rank), key, sp.nbytes, remaining,
                                                   t.first_queued + self.cfg.timeouts.transfer_s, t.first_queued,
-                                                  post))
+                                                  post, last=a.last))
 
     def _stage_out(self, key, number: int, place: Placement, slots: Grant) -> tuple[list, Any]:
         """--staging pushkv: the spans with their blocks replaced by the cells ``slots`` granted,

@@ -1,7 +1,7 @@
 """One link's transfer queue (protocol/link_queue.py): table-driven.
 
 Each case is a window, an order and a list of (event, the post ids released by it). Events:
-("offer", id, key, nbytes[, remaining, deadline, since]), ("done", id), ("drop", key) (then the ids
+("offer", id, key, nbytes[, remaining, deadline, since, last]), ("done", id), ("drop", key) (then the ids
 are those dropped), ("done-later", id) (its room not handed out yet), ("release",), ("hold", key),
 ("unhold", key)."""
 import pytest
@@ -16,8 +16,8 @@ def step(q: LinkQueue, ev):
     kind, *args = ev
     if kind == "offer":
         pid, key, nbytes, *rest = args
-        remaining, deadline, since = (list(rest) + [0, 0.0, 0.0][len(rest):])
-        return q.offer(LinkPost(pid, key, nbytes, remaining, deadline, since))
+        remaining, deadline, since, last = (list(rest) + [0, 0.0, 0.0, False][len(rest):])
+        return q.offer(LinkPost(pid, key, nbytes, remaining, deadline, since, last))
     if kind == "done":
         return q.done(args[0])
     if kind == "drop":
@@ -158,6 +158,21 @@ CASES = [
         (("done-later", "a2"), []),
         (("release",), ["b1"]),  # nothing of a's followed: b goes
         (("release",), []),
+    ]),
+    # two requests prefilled in one step: b's first post was offered a moment before a's, so b ranks
+    # first; a's last WRITE (one unit) still goes before b's next part, and ends a at once
+    ("arrival: a request's last WRITE goes before every part", Window(max_parts=1), "arrival", [
+        (("offer", "b1", "b", 4 * MB, 0, 0.0, 1.0), ["b1"]),
+        (("offer", "a1", "a", 4 * MB, 0, 0.0, 1.001), []),
+        (("done", "b1"), ["a1"]),
+        (("offer", "b2", "b", 4 * MB, 0, 0.0, 1.0), []),
+        (("offer", "a2", "a", 1, 0, 0.0, 1.001, True), []),
+        (("done", "a1"), ["a2"]),  # b ranks first, a's last WRITE goes first
+        (("offer", "c1", "c", 1, 0, 0.0, 0.5, True), []),  # last WRITEs among themselves: by arrival
+        (("offer", "d1", "d", 1, 0, 0.0, 0.2, True), []),
+        (("done", "a2"), ["d1"]),
+        (("done", "d1"), ["c1"]),
+        (("done", "c1"), ["b2"]),
     ]),
     ("hold: a room kept for a request's post on its way", Window(max_parts=1), "arrival", [
         (("offer", "a1", "a", 4 * MB, 0, 0.0, 1.0), ["a1"]),

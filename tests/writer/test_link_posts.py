@@ -43,3 +43,28 @@ def test_drop_takes_a_failed_transfers_queued_posts_out_of_every_link():
     assert sorted(lp.drop(("a", 0))) == ["a-d0", "a-d1"]  # queued: out, never posted
     assert lp.drop(("x", 0)) == []  # in flight already: ends on its own
     assert lp.gauges()["link_queued"] == 0
+
+
+def test_an_ended_part_s_room_waits_for_the_writer_to_hear_what_the_end_asks():
+    """The writer's reaping pass: the part's handle ends (room freed, nothing handed out), its end
+    asks the request's last WRITE (offered: it goes first), then ``release`` hands out the rest."""
+    lp = LinkPosts(Window(max_parts=1), "arrival")
+    [(link, pid, _)] = lp.offer(D0, ("a", 0), 100, 100, 0.0, 1.0, "a-part")
+    lp.offer(D0, ("b", 0), 100, 100, 0.0, 2.0, "b-part")
+    handle = object()
+    lp.sent(link, pid, handle)
+    assert lp.ended(handle, release=False) == []
+    assert posts(lp.offer(D0, ("a", 0), 1, 1, 0.0, 1.0, "a-last")) == ["a-last"]
+    assert lp.release() == []  # the window is full again
+
+
+def test_a_staged_last_write_keeps_a_room_while_its_bytes_are_copied():
+    lp = LinkPosts(Window(max_parts=1), "arrival")
+    [(link, pid, _)] = lp.offer(D0, ("a", 0), 100, 100, 0.0, 1.0, "a-part")
+    lp.offer(D0, ("b", 0), 100, 100, 0.0, 2.0, "b-part")
+    lp.hold(D0, ("a", 0))  # a's last WRITE is being copied into the staging area
+    assert lp.done(link, pid) == []  # a's part ended: the room stays a's
+    assert posts(lp.offer(D0, ("a", 0), 1, 1, 0.0, 1.0, "a-last")) == ["a-last"]
+    lp.hold(D1, ("c", 0))
+    assert lp.offer(D1, ("d", 0), 1, 1, 0.0, 0.0, "d") == []  # D1's one room is kept for c
+    assert posts(lp.unhold(D1, ("c", 0))) == ["d"]  # c's transfer failed while copied: d goes
