@@ -33,8 +33,9 @@ than the byte bound still goes (alone). Which queued post goes next is the ``ord
   one unit. (Ranked by ``since`` alone, the last WRITE of a request prefilled in one step with
   another waited for the other's whole part when the other's first post had been offered a
   moment sooner: 230-463 ms at 300 Mbit/s on the CPU.) (Ranked by each post's own offer, the
-  parts of requests in flight together would alternate, and each would finish as late as the last: a 4k request's one-unit last WRITE waited
-  219 ms behind a later request's parts over 25 Gbit/s.)
+  parts of requests in flight together would alternate, and each would finish as late as the
+  last: a 4k request's one-unit last WRITE waited 219 ms behind a later request's parts over
+  25 Gbit/s.)
 - ``shortest``: the post whose request has the fewest bytes left to move (``remaining``), so
   short prompts are not stuck behind long ones;
 - ``deadline``: the earliest ``deadline`` (the writer passes when the request's transfer must
