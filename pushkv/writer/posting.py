@@ -318,9 +318,11 @@ class Posting:
         ended = len(pending) < len(before)
         if ended:  # (handles may be plain ints: compare by identity)
             host.handles_ended([h for h in before if all(h is not p for p in pending)], now)
-        if not fl.handles and not fl.queued and key in self.inflight:
-            del self.inflight[key]
-            host.last_activity = now
-            host.transfer_finished(fl, now)
-        if ended:  # a link queue's rooms, once what the ends asked for (a last WRITE) is offered
-            host.release_links()
+        try:
+            if not fl.handles and not fl.queued and key in self.inflight:
+                del self.inflight[key]
+                host.last_activity = now
+                host.transfer_finished(fl, now)
+        finally:
+            if ended:  # a link queue's rooms, once what the ends asked for (a last WRITE) is offered
+                host.release_links()
