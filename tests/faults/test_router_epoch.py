@@ -26,6 +26,18 @@ def _router_pid(dep) -> int:
     return next(p.pid for p in ask(dep.cfg.control_endpoint, "status").processes if p.name == "router")
 
 
+def _wait_router_ready(dep, old_pid: int, timeout_s: float = 30.0) -> None:
+    """Until the supervisor has the restarted router READY: its HTTP edge listens only then (its
+    scheduler links, which announce its epoch and free the old legs' blocks, start before it)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        procs = ask(dep.cfg.control_endpoint, "status").processes
+        if any(p.name == "router" and p.pid != old_pid and p.state == "READY" for p in procs):
+            return
+        assert time.monotonic() < deadline, f"no router READY again within {timeout_s:.0f}s: {procs}"
+        time.sleep(0.1)
+
+
 class Stream:
     """One streaming completion read on its own thread: its tokens, and how it ended."""
 
@@ -70,7 +82,8 @@ def test_router_kill_frees_every_block_within_5s(tmp_path):
             assert s.first.wait(60) and not s.ended, s.ended
         before = {r: dep.stats(r) for r in dep.roles()}
         assert before["decode"].free_blocks < before["decode"].num_blocks  # the legs hold D's blocks
-        os.kill(_router_pid(dep), signal.SIGKILL)
+        old_pid = _router_pid(dep)
+        os.kill(old_pid, signal.SIGKILL)
         t_kill = time.monotonic()
         for s in streams:
             s.t.join(10)
@@ -84,4 +97,5 @@ def test_router_kill_frees_every_block_within_5s(tmp_path):
               f"{freed_s:.2f}s after the kill; aborted by the new epoch {aborted}")
         assert freed_s <= FREE_WITHIN_S, f"blocks free only {freed_s:.1f}s after the kill"
         assert aborted["decode"] == STREAMS, aborted
+        _wait_router_ready(dep, old_pid)
         assert dep.tokens([1, 2, 3], 2)  # the new router serves
