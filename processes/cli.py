@@ -169,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="and at most this many MiB of them (an idle link still takes one larger); 0 = no bound")
     tra.add_argument("--link-order", choices=typing.get_args(LinkOrder),
                      help="which queued WRITE goes next on a link: arrival (default: requests in the order they "
-                          "reached the link, a request's last WRITE before every part), shortest (fewest bytes left of its request), deadline (oldest "
+                          "reached the link, a request's last WRITE before every part), shortest (fewest bytes "
+                          "left of its request), deadline (oldest "
                           "transfer first)")
     tra.add_argument("--staging", choices=typing.get_args(Staging),
                      help="who stages GPU KV through host memory for a transport that cannot reach GPU memory "
