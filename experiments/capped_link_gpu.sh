@@ -76,9 +76,12 @@ timeout -s TERM ${BENCH_S:-520} python3 -m tools.link_bench --rates "$@" --one-a
   --out "$RUN" ${BENCH_EXTRA:-} 2>&1 | grep -v "^20" | tee "$OUT/link_bench.txt" | grep -v "link-bench:" | tail -60
 rc=${PIPESTATUS[0]}
 echo "=== done rc=$rc $(date -u +%H:%M:%S)"
-# what comes back from the GPU machine (at most 8 files): the tables, the run's JSON, and two archives: every
-# run's bench JSON with the plots, and the deployments' logs
+# what comes back from the GPU machine (at most 8 files): the tables, the run's JSON, the planner's check, and two
+# archives: every run's bench JSON with the plots, and the deployments' logs
 cp "$RUN"/tables.md "$RUN"/link_bench.json "$OUT"/ 2>/dev/null
+# the planner against the loaded runs, with the link's rate this sitting's probe measured (link-bench probes every
+# capped rate before its runs)
+python3 -m tools.link_plan "$RUN" > "$OUT/plan_check.txt" 2>&1
 (cd "$RUN" && tar czf "$OUT/runs.tgz" --exclude=logs . && tar czf "$OUT/logs.tgz" logs) 2>/dev/null
 rm -rf "$RUN"
 exit $rc
