@@ -178,6 +178,25 @@ def link_rate(results: dict, rate: str) -> tuple[float, str]:
     return path_rate(cap, pts), "probe"
 
 
+def link_lines(results: dict) -> list[str]:
+    """Per capped rate of a run: the link's rate the model takes and where from, beside the cap's and
+    each probe's largest WRITE (what one WRITE alone moved, its fixed cost included)."""
+    out = []
+    for rate in results["regimes"]:
+        if netns.parse_rate(rate) is None:
+            continue
+        got, source = link_rate(results, rate)
+        cap = results["model"]["kv_bytes_per_token"] * BLOCK_SIZE / cap_ms_per_block(results, rate)
+        probes = (results.get("probes") or {}).get(rate, [])
+        ones = [max(pr["sizes"], key=lambda sz: sz["bytes"]) for pr in probes if pr.get("sizes")]
+        seen = ", ".join(f"{sz['bytes'] * 8 / sz['nixl_s'] / 1e9:.2f}" for sz in ones) or "none"
+        failed = sum(1 for pr in probes if "error" in pr)
+        out.append(f"{rate}: the link at {got * 8 / 1e6:.2f} Gbit/s ({source}); the cap less the headers "
+                   f"{cap * 8 / 1e6:.2f}; the probes' largest WRITE alone {seen} Gbit/s"
+                   + (f"; {failed} probe(s) failed" if failed else ""))
+    return out
+
+
 def link_ms_per_block(results: dict, rate: str) -> float:
     """A KV block's time on the link at ``rate`` (``link_rate``)."""
     return results["model"]["kv_bytes_per_token"] * BLOCK_SIZE / link_rate(results, rate)[0]
@@ -362,6 +381,9 @@ def main(argv=None) -> int:
     rows = []
     for out in args.out:
         try:
+            with open(os.path.join(out, "link_bench.json")) as f:
+                for line in link_lines(json.load(f)):
+                    print(f"{out}: {line}")
             rows += [dict(r, run=out) for r in check(out, tuple(args.without))]
         except (OSError, KeyError, ValueError) as e:
             print(f"pushkv link-plan: {out}: {e}", file=sys.stderr)

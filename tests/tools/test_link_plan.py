@@ -183,3 +183,14 @@ def test_the_link_s_rate_is_the_probe_s_slope_and_the_cap_at_most():
     for probes in ([probe((64, 100.0))], [probe(error=True)]):
         res["probes"] = {RATE: probes}
         assert LP.link_rate(res, RATE)[1] == "cap" and LP.link_ms_per_block(res, RATE) == pytest.approx(PER_BLOCK_MS)
+
+
+def test_the_report_says_which_rate_the_link_takes():
+    res = results()
+    assert LP.link_lines(res) == [f"{RATE}: the link at 0.10 Gbit/s (cap); the cap less the headers 0.10; "
+                                  "the probes' largest WRITE alone none Gbit/s"]
+    res["probes"] = {RATE: [probe((16, 16 * 1.25 * PER_BLOCK_MS + 3.0), (64, 64 * 1.25 * PER_BLOCK_MS)),
+                            probe(error=True)]}
+    (line,) = LP.link_lines(res)
+    assert line.startswith(f"{RATE}: the link at 0.08 Gbit/s (probe); the cap less the headers 0.10; "
+                           "the probes' largest WRITE alone 0.08 Gbit/s") and line.endswith("1 probe(s) failed"), line
