@@ -18,7 +18,8 @@ def _ms(tl: dict, a: str, b: str):
 
 
 def row(path: str) -> str:
-    r = json.load(open(path))
+    with open(path) as f:
+        r = json.load(f)
     tls = r["timelines"]
     waits = [w for tl in tls if (w := _ms(tl, "prefill.write_queued", "prefill.write_posted")) is not None]
     tails = [t for tl in tls if (t := _ms(tl, "prefill.prefill_end", "decode.kv_received")) is not None]

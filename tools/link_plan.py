@@ -160,6 +160,11 @@ def cap_ms_per_block(results: dict, rate: str) -> float:
     return results["model"]["kv_bytes_per_token"] * BLOCK_SIZE * 8 / (bps * TCP_PAYLOAD_SHARE) * 1e3
 
 
+def cap_rate(results: dict, rate: str) -> float:
+    """The capped link's payload rate (bytes per ms): the tc rate less the TCP and Ethernet headers."""
+    return results["model"]["kv_bytes_per_token"] * BLOCK_SIZE / cap_ms_per_block(results, rate)
+
+
 def probe_points(results: dict, rate: str) -> list[tuple[float, float]]:
     """(bytes, ms) of every size link-bench's probe WRITEs measured at ``rate`` (each probe's median),
     the probes that failed left out."""
@@ -171,7 +176,7 @@ def link_rate(results: dict, rate: str) -> tuple[float, str]:
     """The capped link's payload rate (bytes per ms) and where it comes from: the slope of the
     sitting's probe WRITEs over their sizes (``probe``; the cap less the headers at most), or the
     cap less the headers (``cap``) where the run has no probe of two sizes or more."""
-    cap = results["model"]["kv_bytes_per_token"] * BLOCK_SIZE / cap_ms_per_block(results, rate)
+    cap = cap_rate(results, rate)
     pts = probe_points(results, rate)
     if len({b for b, _ in pts}) < 2:
         return cap, "cap"
@@ -186,7 +191,7 @@ def link_lines(results: dict) -> list[str]:
         if netns.parse_rate(rate) is None:
             continue
         got, source = link_rate(results, rate)
-        cap = results["model"]["kv_bytes_per_token"] * BLOCK_SIZE / cap_ms_per_block(results, rate)
+        cap = cap_rate(results, rate)
         probes = (results.get("probes") or {}).get(rate, [])
         ones = [max(pr["sizes"], key=lambda sz: sz["bytes"]) for pr in probes if pr.get("sizes")]
         seen = ", ".join(f"{sz['bytes'] * 8 / sz['nixl_s'] / 1e9:.2f}" for sz in ones) or "none"
@@ -327,7 +332,7 @@ def check(out: str, without: tuple[str, ...] = ()) -> list[dict]:
                         # (its bytes at its rate: the probe's or the cap's) and P's (its lone prefill)
                         # and the mode's path's (its bytes at the rate it moves them: the cap's, or
                         # its own path's where that is slower)
-                        "link_busy": run["request_rate"] * -(-n // BLOCK_SIZE) * link_ms_per_block(results, rate) / 1e3,
+                        "link_busy": run["request_rate"] * -(-n // BLOCK_SIZE) * kvt * BLOCK_SIZE / lrate / 1e3,
                         "link_gbit_s": lrate * 8 / 1e6, "link_from": lfrom,
                         "path_busy": run["request_rate"] * -(-n // BLOCK_SIZE) * prof.costs.handoff_ms_per_block / 1e3,
                         "path_gbit_s": kvt * BLOCK_SIZE * 8 / prof.costs.handoff_ms_per_block / 1e6,

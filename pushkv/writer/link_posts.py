@@ -32,10 +32,7 @@ class LinkPosts:
               post: Any, last: bool = False) -> list[Released]:
         pid = next(self._ids)
         self._posts[pid] = post
-        q = self.queues.get(link)
-        if q is None:
-            q = self.queues[link] = LinkQueue(self.window, self.order)
-        return self._take(link, q.offer(LinkPost(pid, key, nbytes, remaining, deadline, since, last)))
+        return self._take(link, self._queue(link).offer(LinkPost(pid, key, nbytes, remaining, deadline, since, last)))
 
     def sent(self, link: Link, pid: Hashable, handle: Any) -> None:
         self._handles[id(handle)] = (link, pid)
@@ -57,10 +54,7 @@ class LinkPosts:
 
     def hold(self, link: Link, key: Hashable) -> None:
         """Keep a room on ``link`` for transfer ``key``'s next post (being copied for it)."""
-        q = self.queues.get(link)
-        if q is None:
-            q = self.queues[link] = LinkQueue(self.window, self.order)
-        q.hold(key)
+        self._queue(link).hold(key)
 
     def unhold(self, link: Link, key: Hashable) -> list[Released]:
         """``key``'s post is not coming (its transfer failed): the room goes to the next posts."""
@@ -77,6 +71,12 @@ class LinkPosts:
     def gauges(self) -> dict[str, int]:
         return {"link_queued": sum(q.queued for q in self.queues.values()),
                 "link_inflight": sum(q.inflight for q in self.queues.values()), "link_inflight_peak": self.peak}
+
+    def _queue(self, link: Link) -> LinkQueue:
+        q = self.queues.get(link)
+        if q is None:
+            q = self.queues[link] = LinkQueue(self.window, self.order)
+        return q
 
     def _take(self, link: Link, released: list[LinkPost]) -> list[Released]:
         if released:
