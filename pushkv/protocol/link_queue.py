@@ -20,6 +20,10 @@ once the writer has heard what the end asks for (the last WRITE offered meanwhil
 by ``arrival``). A post that needs work before it can be offered (its bytes copied into the
 staging area) keeps the room for its request: ``hold(key)`` counts as a post in flight until the
 request offers its next post, which takes the next room whatever the order, or ``unhold(key)``.
+Rooms kept for several requests go in the order they were kept: the first goes whenever the
+window has a room, the next once one more is free. (Each kept room counted against every post,
+its own included, so two last WRITEs held on a window of one waited for each other forever: every
+transfer on that link then failed at its deadline, on the H200 over a capped link.)
 
 The window bounds the posts in flight (``max_parts``) and their bytes (``max_bytes``); 0 leaves
 either unbounded. An idle link always takes the next post, however large, so a post bigger
@@ -92,7 +96,7 @@ class LinkQueue:
     order: LinkOrder = "arrival"
     _queued: list[tuple[int, LinkPost]] = field(default_factory=list)  # (arrival seq, post)
     _inflight: dict[Hashable, int] = field(default_factory=dict)  # post_id -> nbytes
-    _held: set[Hashable] = field(default_factory=set)  # keys whose next post has a room kept for it
+    _held: dict[Hashable, None] = field(default_factory=dict)  # keys whose next post has a room kept, in order
     _seq: int = 0
 
     def __post_init__(self) -> None:
@@ -125,13 +129,13 @@ class LinkQueue:
     def hold(self, key: Hashable) -> None:
         """Keep a room for transfer ``key``'s next post, which is on its way (its bytes being
         copied): it counts as a post in flight until ``key`` offers one, or ``unhold``."""
-        self._held.add(key)
+        self._held.setdefault(key)
 
     def unhold(self, key: Hashable) -> list[LinkPost]:
         """``key`` offers nothing after all (its transfer failed): its room goes to the next posts."""
         if key not in self._held:
             return []
-        self._held.discard(key)
+        del self._held[key]
         return self._release()
 
     def drop(self, key: Hashable) -> list[LinkPost]:
@@ -165,22 +169,20 @@ class LinkQueue:
     # -- the choice -----------------------------------------------------------------------
     def _release(self) -> list[LinkPost]:
         out: list[LinkPost] = []
-        for key in list(self._held):  # the rooms kept: each goes to its request's post once it is here
+        ahead = 0  # rooms kept for earlier holds whose posts have not gone
+        for key in list(self._held):  # each kept room goes to its request's post once it is here
             i = next((i for i, (_, p) in enumerate(self._queued) if p.key == key), None)
-            if i is None:
+            if i is None or not self._fits(self._queued[i][1].nbytes, ahead):
+                ahead += 1
                 continue
-            self._held.discard(key)
-            post = self._queued[i][1]
-            if not self._fits(post.nbytes):  # held while the window was full: it waits for a room
-                self._held.add(key)
-                continue
-            del self._queued[i]
+            del self._held[key]
+            post = self._queued.pop(i)[1]
             self._inflight[post.post_id] = post.nbytes
             out.append(post)
         while self._queued:
             i = self._next()
             post = self._queued[i][1]
-            if not self._fits(post.nbytes):
+            if not self._fits(post.nbytes, len(self._held)):
                 break  # the window is full: the next post waits for a ``done``
             del self._queued[i]
             self._inflight[post.post_id] = post.nbytes
@@ -195,11 +197,12 @@ class LinkQueue:
             heads.setdefault(p.key, i)
         return min(heads.values(), key=lambda i: (rank(self._queued[i][1]), self._queued[i][0]))
 
-    def _fits(self, nbytes: int) -> bool:
-        if not self._inflight and not self._held:
+    def _fits(self, nbytes: int, kept: int) -> bool:
+        """A post of ``nbytes`` goes now, with ``kept`` rooms kept before it (holds)."""
+        if not self._inflight and not kept:
             return True  # an idle link takes the next post, however large
         w = self.window
-        if w.max_parts and len(self._inflight) + len(self._held) >= w.max_parts:
+        if w.max_parts and len(self._inflight) + kept >= w.max_parts:
             return False
         return not (w.max_bytes and self.inflight_bytes + nbytes > w.max_bytes)
 

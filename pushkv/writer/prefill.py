@@ -450,15 +450,20 @@ class PrefillWriter(WriterBase):
             post.fl.queued -= 1
             if post.fl.failed:
                 self._give_slots(post.slots)
-                if post.a.last and self.link_posts is not None:  # the room kept for it
-                    self._send_released(self.link_posts.unhold((post.reg.d_engine_id, post.reg.d_rank),
-                                                               (post.a.transfer_id, post.a.generation)))
+                self._unhold(post)
                 continue
             self._copied(post)
             try:
                 self._enqueue(post)
             except Exception as e:
                 self._post_failed(post.fl, e)
+                self._unhold(post)
+
+    def _unhold(self, post: _Post) -> None:
+        """A staged last WRITE that will not be offered: the room its link kept for it goes on."""
+        if post.a.last and self.link_posts is not None:
+            self._send_released(self.link_posts.unhold((post.reg.d_engine_id, post.reg.d_rank),
+                                                       (post.a.transfer_id, post.a.generation)))
 
     def _copied(self, post: _Post) -> None:
         """Stamp a WRITE's copy into the area done, and ``w<n>_copy_begun``: when the device began

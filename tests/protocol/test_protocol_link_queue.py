@@ -4,6 +4,8 @@ Each case is a window, an order and a list of (event, the post ids released by i
 ("offer", id, key, nbytes[, remaining, deadline, since, last]), ("done", id), ("drop", key) (then the ids
 are those dropped), ("done-later", id) (its room not handed out yet), ("release",), ("hold", key),
 ("unhold", key)."""
+import random
+
 import pytest
 
 from pushkv.config import DeploymentConfig
@@ -203,6 +205,32 @@ CASES = [
         (("done", "b1"), ["a1"]),  # the room kept for a, before c's earlier rank
         (("done", "a1"), ["c1"]),
     ]),
+    ("two rooms kept on a window of one: they go in the order kept (they once waited for each other)",
+     Window(max_parts=1), "arrival", [
+        (("offer", "a1", "a", 4 * MB, 0, 0.0, 1.0), ["a1"]),
+        (("done-later", "a1"), []),
+        (("hold", "a"), []),  # a's last WRITE is copied into the staging area
+        (("hold", "b"), []),  # b's too (its parts landed before its prefill ended)
+        (("release",), []),
+        (("offer", "c1", "c", 1, 0, 0.0, 0.5), []),
+        (("offer", "b9", "b", 1, 0, 0.0, 2.0, True), []),  # b's copy is done first: a's room comes first
+        (("offer", "a9", "a", 1, 0, 0.0, 1.0, True), ["a9"]),
+        (("done", "a9"), ["b9"]),
+        (("done", "b9"), ["c1"]),
+    ]),
+    ("two rooms kept, the first post first: each goes in turn", Window(max_parts=1), "arrival", [
+        (("hold", "a"), []),
+        (("hold", "b"), []),
+        (("offer", "a9", "a", 1, 0, 0.0, 1.0, True), ["a9"]),
+        (("offer", "b9", "b", 1, 0, 0.0, 2.0, True), []),
+        (("done", "a9"), ["b9"]),
+    ]),
+    ("a kept room given up lets the next kept one go", Window(max_parts=1), "arrival", [
+        (("hold", "a"), []),
+        (("hold", "b"), []),
+        (("offer", "b9", "b", 1, 0, 0.0, 2.0, True), []),
+        (("unhold", "a"), ["b9"]),  # a's transfer failed while copied
+    ]),
     ("hold on an idle link: the window counts it", Window(max_parts=2), "arrival", [
         (("hold", "a"), []),
         (("offer", "b1", "b", 4 * MB), ["b1"]),  # one room of two kept for a, one left
@@ -239,6 +267,84 @@ def test_counts_follow_the_posts():
     assert (q.queued, q.inflight, q.inflight_bytes, len(q)) == (0, 2, 200, 2)
     q.hold("k")
     assert (q.held, len(q)) == (1, 3)
+
+
+@pytest.mark.parametrize("window", [Window(max_parts=1), Window(max_parts=2), Window(max_bytes=6 * MB),
+                                    Window(max_parts=2, max_bytes=6 * MB)], ids=str)
+@pytest.mark.parametrize("order", ["arrival", "shortest", "deadline"])
+@pytest.mark.parametrize("seed", range(40))
+def test_random_writers_never_stall_the_link(window, order, seed):
+    """A writer's life on one link, at random: requests offer parts (up to two queued), their posts
+    end (their rooms handed out at once or at the pass's end), a request whose parts ended keeps a
+    room for its last WRITE while it is copied (or not), then offers it or fails. Whatever happens,
+    the window holds, every post goes once, and once every copy is done and every post has ended
+    nothing is left waiting."""
+    rng = random.Random(seed)
+    q = LinkQueue(window, order)
+    todo = {f"r{i}": rng.randint(0, 3) for i in range(rng.randint(2, 7))}  # parts left per request
+    active: dict[str, int] = {}  # request -> its posts not ended (queued or in flight)
+    copying: set[str] = set()  # last WRITEs held while their bytes are copied
+    went: list = []
+    inflight: list = []
+    ids = iter(range(10**6))
+    clock = iter(range(1, 10**6))
+
+    def took(released):
+        for p in released:
+            assert p.post_id not in went, f"{p.post_id} went twice"
+            went.append(p.post_id)
+            inflight.append(p)
+        if window.max_parts:
+            assert q.inflight <= window.max_parts, "the window was overrun"
+
+    def offer(key, last=False):
+        active[key] = active.get(key, 0) + 1
+        size = rng.choice([1, MB, 4 * MB, 8 * MB]) if not last else 1
+        took(q.offer(LinkPost(next(ids), key, size, remaining=size * 3, deadline=rng.random(), since=next(clock),
+                              last=last)))
+
+    def last_write(key):  # a request's parts all ended: its last WRITE, staged (a room kept while copied) or not
+        if rng.random() < 0.6:
+            q.hold(key)
+            copying.add(key)
+            todo[key] = -2
+        else:
+            offer(key, last=True)
+            todo[key] = -1
+
+    for _ in range(200):
+        moves = []
+        moves += [("part", k) for k, n in todo.items() if n > 0 and active.get(k, 0) < 2]
+        moves += [("end", i) for i in range(len(inflight))]
+        moves += [("copied", k) for k in copying]
+        moves += [("last", k) for k, n in todo.items() if n == 0 and not active.get(k) and k not in copying]
+        if not moves:
+            break
+        kind, what = rng.choice(moves)
+        if kind == "part":
+            todo[what] -= 1
+            offer(what)
+        elif kind == "end":
+            p = inflight.pop(what)
+            active[p.key] -= 1
+            later = rng.random() < 0.5
+            took(q.done(p.post_id, release=not later))
+            if later:  # what the end asks for first (the request's last WRITE), then the room goes
+                if todo[p.key] == 0 and not active[p.key]:
+                    last_write(p.key)
+                took(q.release())
+        elif kind == "copied":
+            copying.discard(what)
+            if rng.random() < 0.2:  # its transfer failed while its bytes were copied
+                took(q.unhold(what))
+            else:
+                offer(what, last=True)
+            todo[what] = -1
+        else:
+            last_write(what)
+        if not inflight and not copying:  # nothing on the wire and nothing on its way: nothing may wait
+            assert q.queued == 0 and q.held == 0, f"stalled: {q.queued} queued, {q.held} rooms kept"
+    assert len(went) == len(set(went))
 
 
 def _offer_twice(q):

@@ -68,3 +68,18 @@ def test_a_staged_last_write_keeps_a_room_while_its_bytes_are_copied():
     lp.hold(D1, ("c", 0))
     assert lp.offer(D1, ("d", 0), 1, 1, 0.0, 0.0, "d") == []  # D1's one room is kept for c
     assert posts(lp.unhold(D1, ("c", 0))) == ["d"]  # c's transfer failed while copied: d goes
+
+
+def test_two_staged_last_writes_on_a_window_of_one_go_in_turn():
+    """Two requests' last WRITEs copied at once (a stream-off load on the GPU): the rooms kept for
+    them go in the order kept, whichever copy ends first. (Each once counted against the other, and
+    every WRITE on the link waited forever.)"""
+    lp = LinkPosts(Window(max_parts=1), "arrival")
+    lp.hold(D0, ("a", 0))
+    lp.hold(D0, ("b", 0))
+    assert lp.offer(D0, ("b", 0), 1, 1, 0.0, 2.0, "b-last", last=True) == []  # a's room comes first
+    [(link, pid, post)] = lp.offer(D0, ("a", 0), 1, 1, 0.0, 1.0, "a-last", last=True)
+    assert post == "a-last"
+    handle = object()
+    lp.sent(link, pid, handle)
+    assert posts(lp.ended(handle)) == ["b-last"]
