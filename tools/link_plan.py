@@ -98,6 +98,9 @@ def profile_for(results: dict, rate: str, mode: str, n: int) -> Optional[Profile
     # by its post and notice, which are the fixed cost below, not a slower path)
     link_per_block = link_ms_per_block(results, rate)
     per_block = 1.0 / path_rate(1.0 / link_per_block, lone_transfers(regime, mode, kv_per_token))
+    whole = whole_transfer(regime, mode, n, kv_per_token)
+    if per_block == link_per_block and whole is not None:  # one length only: its one transfer's rate
+        per_block = max(per_block, whole[1] / whole[0])
     # one hardware figure for P's prefill: the median over every mode's lone runs at this length
     prefill = _median([lone(regime, m, n).get("prefill_ms") for m in regime])
     own = lone(regime, mode, n)
@@ -172,15 +175,41 @@ def probe_points(results: dict, rate: str) -> list[tuple[float, float]]:
             if "error" not in pr for sz in pr.get("sizes", [])]
 
 
+def parts_rate(results: dict, rate: str) -> Optional[float]:
+    """What the deployment's own streamed WRITEs moved at ``rate`` (bytes per ms), at the least: of
+    each lone streamed run whose last part landed after its prefill ended (the link, not P's compute,
+    was behind), its parts' bytes over the time from its first part's post to its last part's end
+    (the link may have idled between parts early on, so the link moves this much or more); the
+    fastest of them. None where no lone run streamed so."""
+    best = None
+    for cells in results["regimes"].get(rate, {}).values():
+        for cell in cells.values():
+            lo = cell.get("lone") or {}
+            keys = ("part_bytes", "prefill_ms", "parts_idle_ms", "chunk1_ms", "part_lag_ms")
+            if any(lo.get(k) is None for k in keys) or lo["parts_idle_ms"] >= 0:
+                continue
+            span = lo["prefill_ms"] - lo["parts_idle_ms"] - lo["chunk1_ms"] - lo["part_lag_ms"]
+            if span > 0:
+                best = max(best or 0.0, lo["part_bytes"] / span)
+    return best
+
+
 def link_rate(results: dict, rate: str) -> tuple[float, str]:
-    """The capped link's payload rate (bytes per ms) and where it comes from: the slope of the
-    sitting's probe WRITEs over their sizes (``probe``; the cap less the headers at most), or the
-    cap less the headers (``cap``) where the run has no probe of two sizes or more."""
+    """The capped link's payload rate (bytes per ms) and where it comes from, never above the cap
+    less the headers (``cap``, also where nothing was measured): the slope of the sitting's probe
+    WRITEs over their sizes (``probe``), or, where faster, what the deployment's own streamed parts
+    moved lone (``lone parts``). The probe is one WRITE's path; over a fast capped link one TCP flow
+    moves less than the deployment's lanes do (on the H200 at 25 Gbit/s: the probe 9.6-10.2 Gbit/s,
+    the lone parts 22.9), so what the parts moved is the floor."""
     cap = cap_rate(results, rate)
     pts = probe_points(results, rate)
-    if len({b for b, _ in pts}) < 2:
+    probe = path_rate(cap, pts) if len({b for b, _ in pts}) >= 2 else None
+    parts = parts_rate(results, rate)
+    if probe is None and parts is None:
         return cap, "cap"
-    return path_rate(cap, pts), "probe"
+    if parts is not None and (probe is None or parts > probe):
+        return min(cap, parts), "lone parts" if parts < cap else "cap"
+    return min(cap, probe or cap), "probe"
 
 
 def link_lines(results: dict) -> list[str]:
@@ -233,6 +262,17 @@ def lone_transfers(regime: dict, mode: str, kv_per_token: int) -> list[tuple[flo
         if lo.get("kv_bytes") and lo.get("wire_ms"):
             out.append((lo["kv_bytes"] / (kv_per_token * BLOCK_SIZE), lo["wire_ms"]))
     return out
+
+
+def whole_transfer(regime: dict, mode: str, n: int, kv_per_token: int) -> Optional[tuple[float, float]]:
+    """(blocks, ms on the wire) of this mode's lone transfer at ``n`` tokens where it is the only
+    length the run has and that one transfer moved the whole prompt's KV (pull's READ, an unstreamed
+    WRITE): its rate, fixed cost and all, is then the path's (a long transfer's fixed cost is small
+    beside it; a streamed mode's last WRITE, one unit, says nothing of the path). None otherwise."""
+    pts = lone_transfers(regime, mode, kv_per_token)
+    if len(pts) != 1 or pts[0][0] < 0.9 * -(-n // BLOCK_SIZE):
+        return None
+    return pts[0]
 
 
 def arrivals(run: dict, replay: bool = False, kv_per_token: int = 0) -> W.Arrivals:
@@ -290,9 +330,11 @@ def loaded_runs(out: str, rate: str, mode: str, n: int) -> list[dict]:
     return runs
 
 
-def check(out: str, without: tuple[str, ...] = ()) -> list[dict]:
+def check(out: str, without: tuple[str, ...] = (), skipped: Optional[list[str]] = None) -> list[dict]:
     """One row per (rate, mode, length) with a loaded run: measured and predicted TTFT p50;
-    ``without``: parts of the model left out of the prediction (``WITHOUT``), to see what each adds."""
+    ``without``: parts of the model left out of the prediction (``WITHOUT``), to see what each adds.
+    A run with failed requests is not checked (a failed request's timeline has no first token):
+    a line for it goes to ``skipped``."""
     with open(os.path.join(out, "link_bench.json")) as f:
         results = json.load(f)
     rows = []
@@ -308,6 +350,11 @@ def check(out: str, without: tuple[str, ...] = ()) -> list[dict]:
                 for part in without:
                     prof = dataclasses.replace(prof, **WITHOUT[part])
                 for run in runs:
+                    if run.get("failed"):
+                        if skipped is not None:
+                            skipped.append(f"{rate} {mode} {n} tokens at QPS {run['request_rate']:g}: "
+                                           f"{run['failed']} of {len(run['input_lens'])} failed, not checked")
+                        continue
                     mode_ = SIM_MODE[mode]
                     kvt = results["model"]["kv_bytes_per_token"]
                     wl, replay = arrivals(run, kv_per_token=kvt), arrivals(run, replay=True, kv_per_token=kvt)
@@ -385,11 +432,14 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     rows = []
     for out in args.out:
+        skipped: list[str] = []
         try:
             with open(os.path.join(out, "link_bench.json")) as f:
                 for line in link_lines(json.load(f)):
                     print(f"{out}: {line}")
-            rows += [dict(r, run=out) for r in check(out, tuple(args.without))]
+            rows += [dict(r, run=out) for r in check(out, tuple(args.without), skipped)]
+            for line in skipped:
+                print(f"{out}: {line}")
         except (OSError, KeyError, ValueError) as e:
             print(f"pushkv link-plan: {out}: {e}", file=sys.stderr)
             return 2

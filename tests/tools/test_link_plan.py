@@ -194,3 +194,58 @@ def test_the_report_says_which_rate_the_link_takes():
     (line,) = LP.link_lines(res)
     assert line.startswith(f"{RATE}: the link at 0.08 Gbit/s (probe); the cap less the headers 0.10; "
                            "the probes' largest WRITE alone 0.08 Gbit/s") and line.endswith("1 probe(s) failed"), line
+
+
+def parts_cell(part_blocks, span_ms, idle_ms=-10.0, prefill=100.0, chunk1=5.0, lag=1.0):
+    """A lone push-layer cell whose parts (``part_blocks`` blocks) went from the first part's post
+    (``chunk1 + lag`` after the prefill began) to the last part's end ``-idle_ms`` after it ended,
+    ``span_ms`` in all: ``prefill`` is set so that the span comes out right."""
+    prefill = span_ms + chunk1 + lag + idle_ms
+    return lone(prefill, 20.0, prefill + 30.0, parts=4, stream="layer", part_bytes=part_blocks * 16 * KV_PER_TOKEN,
+                parts_idle_ms=idle_ms, chunk1_ms=chunk1, part_lag_ms=lag)
+
+
+def test_the_link_moves_at_least_what_the_deployment_s_lone_parts_moved():
+    # the probe (one TCP flow) at half the cap; the deployment's own parts at 0.8 of it: the parts' rate
+    res = results()
+    res["probes"] = {RATE: [probe((16, 16 * 2 * PER_BLOCK_MS), (64, 64 * 2 * PER_BLOCK_MS))]}
+    res["regimes"][RATE]["push-layer"]["512"] = parts_cell(30, 30 * PER_BLOCK_MS / 0.8)
+    assert LP.link_rate(res, RATE)[1] == "lone parts"
+    assert LP.link_ms_per_block(res, RATE) == pytest.approx(PER_BLOCK_MS / 0.8)
+    # a run whose parts all landed before its prefill ended (P behind, the link idle): no floor from it
+    res["regimes"][RATE]["push-layer"]["512"] = parts_cell(30, 30 * PER_BLOCK_MS / 0.8, idle_ms=5.0)
+    assert LP.link_rate(res, RATE)[1] == "probe"
+    assert LP.link_ms_per_block(res, RATE) == pytest.approx(2 * PER_BLOCK_MS)
+    # parts faster than the cap (tbf's burst): the cap; no probe: the parts' floor all the same
+    res["regimes"][RATE]["push-layer"]["512"] = parts_cell(30, 30 * PER_BLOCK_MS / 1.2)
+    assert LP.link_rate(res, RATE)[1] == "cap" and LP.link_ms_per_block(res, RATE) == pytest.approx(PER_BLOCK_MS)
+    del res["probes"]
+    res["regimes"][RATE]["push-layer"]["512"] = parts_cell(30, 30 * PER_BLOCK_MS / 0.5)
+    assert LP.link_rate(res, RATE)[1] == "lone parts"
+    assert LP.link_ms_per_block(res, RATE) == pytest.approx(2 * PER_BLOCK_MS)
+
+
+def test_one_length_of_a_whole_transfer_gives_its_path_rate():
+    # pull's READ at one length only, at a third of the cap: no slope to take, its own rate is the path's
+    res = results()
+    read_ms = 3 * 16 * PER_BLOCK_MS
+    res["regimes"][RATE]["pull-inline"] = {"256": lone(100.0, read_ms + 2.0, read_ms + 110.0,
+                                                       kv_bytes=16 * 16 * KV_PER_TOKEN, wire_ms=read_ms)}
+    assert LP.profile_for(res, RATE, "pull-inline", 256).costs.handoff_ms_per_block == pytest.approx(3 * PER_BLOCK_MS)
+    # a streamed mode's last WRITE (one block of the prompt's 16) says nothing of the path: the link's rate
+    res["regimes"][RATE]["push-layer"]["256"]["lone"].update(kv_bytes=16 * KV_PER_TOKEN, wire_ms=5.0)
+    assert LP.whole_transfer(res["regimes"][RATE], "push-layer", 256, KV_PER_TOKEN) is None
+    assert LP.profile_for(res, RATE, "push-layer", 256).costs.handoff_ms_per_block == pytest.approx(PER_BLOCK_MS)
+
+
+def test_a_run_with_failed_requests_is_reported_not_checked(tmp_path, capsys):
+    (tmp_path / RATE).mkdir()
+    (tmp_path / "link_bench.json").write_text(json.dumps(results()))
+    run = dict(run_json([0.0, 0.0]), failed=1)
+    run["timelines"][1] = {"prefill.prefill_start": 1.0}  # a failed request's timeline: no arrival, no first token
+    (tmp_path / RATE / bench.result_name("push", 2.0, 256, 8, 0)).write_text(json.dumps(run))
+    skipped: list[str] = []
+    assert LP.check(str(tmp_path), skipped=skipped) == []
+    assert skipped == [f"{RATE} push 256 tokens at QPS 2: 1 of 2 failed, not checked"]
+    assert LP.main([str(tmp_path)]) == 0
+    assert "1 of 2 failed, not checked" in capsys.readouterr().out
