@@ -21,6 +21,7 @@ def main() -> None:
     armed = faults.from_env(writer.name)
     if armed is not None:  # tests: the KV damage of --kv-verify's fault tests, wired in once
         writer.damaged_by(KVDamage(armed, writer))
+        writer.copy_hold_s = armed.copy_hold_s()  # (its staging copies, once its area is made)
     run_profiled(writer.run, writer.name)
 
 

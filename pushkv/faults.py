@@ -15,7 +15,12 @@ that directory:
   without blocking its loop (D's scheduler: admit nothing and run no step that long, as a long READ
   ahead in the queue would).
 
-Each file is removed as it is taken, so a restarted process does not fire again.
+Each file is removed as it is taken, so a restarted process does not fire again. One is not:
+
+- ``hold-<process>-stage_out``: the seconds written there (``copy_hold_s``, read once at the
+  writer's start) each copy into its staging area is reported still running after it was issued.
+  A CPU pool's copy is done when it is issued; with this, P's writer on the CPU meets what a GPU's
+  copy stream makes it do (a WRITE, a last WRITE among them, waiting for its bytes).
 """
 from __future__ import annotations
 
@@ -76,6 +81,15 @@ class Faults:
         return float(text)
 
 
+    def copy_hold_s(self) -> float:
+        """Seconds each staging copy is reported running after its issue (0.0: not armed; not removed)."""
+        try:
+            with open(os.path.join(self.directory, f"hold-{self.process}-stage_out")) as f:
+                return float(f.read())
+        except FileNotFoundError:
+            return 0.0
+
+
 def from_env(process: str) -> Optional[Faults]:
     """``process``'s faults when ``PUSHKV_FAULTS_DIR`` is set, else None: called once, at its start."""
     directory = envs.PUSHKV_FAULTS_DIR
@@ -106,6 +120,14 @@ def arm_delay(directory: str, process: str, point_name: str, seconds: float) -> 
     with open(path + ".tmp", "w") as f:
         f.write(repr(float(seconds)))
     os.replace(path + ".tmp", path)  # never seen half-written
+    return path
+
+
+def arm_copy_hold(directory: str, process: str, seconds: float) -> str:
+    path = os.path.join(directory, f"hold-{process}-stage_out")
+    with open(path + ".tmp", "w") as f:
+        f.write(repr(float(seconds)))
+    os.replace(path + ".tmp", path)
     return path
 
 

@@ -62,6 +62,7 @@ class WriterBase(WriterShell):
         self.model_id = model_fingerprint(cfg.model)  # peers must agree on what the KV means
         self.pool: Optional[Pool] = None
         self.area: Optional[StagingArea] = None  # --staging pushkv: what NIXL moves, pinned host memory
+        self.copy_hold_s = 0.0  # tests (faults.py's hold): each copy out reported running this long
         self.memory = mem.Memory(0, 0, self.layout)  # the pool's, once registered (setup)
         self._lost = ""  # while ending transfers with a dead peer instance: KVFailed.lost for them
         self.mark_waiter: Optional[layer_events.MarkWaiter] = None  # P, layer-streamed: waits for marks' events
@@ -90,6 +91,7 @@ class WriterBase(WriterShell):
             self.area = StagingArea(self.pool.tensor, device, self.layout, blocks, cut=self.inst.role == "prefill")
             log.info("%s: staging through a pinned host area of %d of the pool's %d blocks (%.1f MiB)", self.name,
                      blocks, self.layout.num_blocks, self.area.nbytes / 2**20)
+            self.area.hold_s = self.copy_hold_s
         self.nixl = NixlAgent(self.agent_name, device="cpu" if self.area is not None else device,
                               post_thread=post_thread)
         if post_thread:

@@ -31,6 +31,7 @@ area fails at once, saying so. Which bytes are copied is pure (``transport/stagi
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from typing import Any, Generic, Iterator, TypeVar
 
@@ -65,6 +66,7 @@ class StagingArea:
         self.stream = torch.cuda.Stream(device=torch.device(device)) if on_gpu else None
         self.base_addr = self.host.data_ptr()
         self.nbytes = self.host.numel()
+        self.hold_s = 0.0  # tests (faults.py's hold): each copy out reported running this long after its issue
         self.slots = AreaSlots(blocks, len(L.layer_groups(self.layout)), cut)
         self.queue: SlotQueue[Any] = SlotQueue(self.slots)
         self.copies = 0
@@ -88,7 +90,8 @@ class StagingArea:
 
     def copy_out(self, pairs: Pairs) -> Any:
         """Start copying pool bytes into the area; returns the copy's ``Copy`` (None: done)."""
-        return self._copy(pairs, to_host=True)
+        copy = self._copy(pairs, to_host=True)
+        return HeldCopy(copy, time.monotonic() + self.hold_s) if self.hold_s else copy
 
     def copy_in(self, pairs: Pairs) -> Any:
         """Start copying area bytes into the pool; returns the copy's ``Copy`` (None: done)."""
@@ -142,6 +145,25 @@ class Copy:
     def device_s(self) -> float:
         """Seconds between the copy's start and end on the device (only once it is done)."""
         return float(self.start.elapsed_time(self.end)) / 1e3
+
+
+class HeldCopy:
+    """A copy reported running until ``until`` (monotonic seconds) whatever the device says
+    (``StagingArea.hold_s``: the fault ``hold-<process>-stage_out`` of ``faults.py``), so that a host
+    area's copy, done when issued, keeps its WRITE waiting as a GPU's copy stream would."""
+
+    __slots__ = ("inner", "until")
+
+    def __init__(self, inner: Any, until: float):
+        self.inner, self.until = inner, until
+
+    def query(self) -> bool:
+        return done(self.inner) and time.monotonic() >= self.until
+
+    def synchronize(self) -> None:
+        wait(self.inner)
+        time.sleep(max(0.0, self.until - time.monotonic()))
+
 
 
 def device_s(event: Any) -> float:
