@@ -182,7 +182,7 @@ def parts_rate(results: dict, rate: str) -> Optional[float]:
     (the link may have idled between parts early on, so the link moves this much or more); the
     fastest of them. None where no lone run streamed so."""
     best = None
-    for cells in results["regimes"].get(rate, {}).values():
+    for cells in (results.get("regimes") or {}).get(rate, {}).values():
         for cell in cells.values():
             lo = cell.get("lone") or {}
             keys = ("part_bytes", "prefill_ms", "parts_idle_ms", "chunk1_ms", "part_lag_ms")
