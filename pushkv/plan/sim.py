@@ -31,9 +31,12 @@ What it models, as pushkv does it:
   the KV once every part has landed and the last WRITE's notice, the fixed cost, is paid) queue
   under that P writer's window and order
   (``protocol/link_queue.py``, the queue P's writer runs per D, which keeps a request's parts in
-  the order asked); pull's READs queue on D's side, one at a time
-  for ``pull-inline`` (D's engine waits for each, so no step runs while one is under way), all at
-  once for ``pull``; push's late allocation is D's READ on that lane too, as pushkv does it. Without
+  the order asked); pull's READs queue on D's side and move one at a time, in the order posted:
+  ``pull-inline``'s because D's engine waits for each (no step runs while one is under way),
+  ``pull``'s because D's writer posts them all at once to one P over one endpoint, whose TCP stream
+  carries them one after another (on the CPU's capped link, modelled so: -4 % and +4 % at 0.5 and
+  0.9 of the link; shared instead: +20 % and +60 %); push's late allocation is D's READ on that lane
+  too, as pushkv does it. Without
   it each transfer moves alone at the link's rate however many overlap;
 - **D memory**: a request holds prompt + output tokens on D; push reserves them at arrival
   (while P computes; past ``pin_fraction`` of D pinned, late allocation), pull after the
@@ -356,7 +359,7 @@ class Simulation:
         key = _set(r.d)
         if key not in self.links:
             link = self.links[key] = Link(LinkSpec(1.0 / self.c.handoff_ms_per_block, self.prof.link_overlap_share))
-            link.lane("read", Window(1 if self.mode == "pull-inline" else 0))
+            link.lane("read", Window(1))  # one TCP stream to P: one READ after another (see the top)
         return key, self.links[key]
 
     def handoff_on_link(self, r: Req) -> None:

@@ -146,6 +146,13 @@ def test_pull_inline_reads_one_at_a_time_and_d_waits():
     assert sorted(r.ttft_ms for r in reqs) == pytest.approx([189, 209], abs=0.01)
 
 
+def test_pull_reads_posted_together_move_one_after_another():
+    # D's writer posts both READs at once, over one TCP stream to P: the second waits for the first
+    # (as pull inline's), not both sharing the link and ending together at 206
+    reqs = sim.simulate(W.Poisson(1e6, 2, (320, 320), 2), linked(), "pull", 2, 1)
+    assert sorted(r.ttft_ms for r in reqs) == pytest.approx([189, 209], abs=0.01)
+
+
 def test_push_layer_parts_start_with_the_first_group_stored():
     # 200 ms of KV in four parts of 50 ms as each quarter of the prefill is stored (40.5, 81, 121.5,
     # 162): the link starts at 40.5, so 78.5 ms are left at prefill end; without the link model
