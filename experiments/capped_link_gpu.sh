@@ -8,10 +8,10 @@
 # them, experiments/netbin.sh fills .netbin/ with this machine's, carried beside .whl. The namespaces, qdiscs,
 # etcd and every process are removed however it ends (link-bench's cleanup, then a sweep on exit).
 #   OUT=out bash experiments/capped_link_gpu.sh 10gbit 25gbit none
-# Time (estimated, not yet run on a GPU): per mode a start of P and D (qwen3-8b, dummy weights) and per rate lone
-# 1k/4k x 2 and two loads of 16; the modes staged by UCX drain 16 x 4k at ~0.45 GB/s (~21 s) per load. About 2.5-3
-# minutes per mode for three rates: split the modes over calls (MODES="push-layer pull-inline", then
-# MODES=push-layer-ucx-staging) to stay under 9 minutes a call; BENCH_S (520) stops link-bench with what it has.
+# Time (measured on an H200, 2026-12-03): a mode's start of P and D (qwen3-8b, dummy weights) with the link probe is
+# about 45-50 s; four modes at one rate with one lone run and one load of 12 at 8k took 228 s, five at 4k over
+# 10 Gbit/s about 250 s. Split the modes and rates over calls to stay under 9 minutes a call; BENCH_S (520) stops
+# link-bench with what it has (its tables and the planner's check then cover the cells that ran).
 # Knobs: MODES, LENGTHS (lone), LOAD_LENGTHS, REPS, LOAD (share of a capped link's capacity the load asks for),
 # QPS (uncapped link's load), LOAD_N (prompts per loaded run), BENCH_S (link-bench's time limit), DEVICE,
 # BENCH_EXTRA (more link-bench flags), UP_EXTRA (more `pushkv up` flags). Smoke test on a CPU (tiny model):
