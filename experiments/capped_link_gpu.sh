@@ -11,7 +11,7 @@
 # Time (measured on an H200, 2026-12-03): a mode's start of P and D (qwen3-8b, dummy weights) with the link probe is
 # about 45-50 s; four modes at one rate with one lone run and one load of 12 at 8k took 228 s, five at 4k over
 # 10 Gbit/s about 250 s. Split the modes and rates over calls to stay under 9 minutes a call; BENCH_S (520) stops
-# link-bench with what it has (its tables and the planner's check then cover the cells that ran).
+# link-bench with what it has (its JSON, kept as it goes, and the planner's check then cover the cells that ran).
 # Knobs: MODES, LENGTHS (lone), LOAD_LENGTHS, REPS, LOAD (share of a capped link's capacity the load asks for),
 # QPS (uncapped link's load), LOAD_N (prompts per loaded run), BENCH_S (link-bench's time limit), DEVICE,
 # BENCH_EXTRA (more link-bench flags), UP_EXTRA (more `pushkv up` flags). Smoke test on a CPU (tiny model):
