@@ -56,12 +56,31 @@ class Server:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 pass
-        try:  # children that outlived the server (engine core, workers, writers)
+        # the rest of the group (engine core, workers, writers) ends on the SIGTERM it got too: give it
+        # the time to unlink its shared memory (vLLM's message queues), killed only once that is up
+        deadline = time.monotonic() + GROUP_EXIT_S
+        while _group_alive(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        try:  # children that outlived the server and that time
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         self.proc.wait()
         self._log.close()
+
+
+GROUP_EXIT_S = 15.0  # a stopped server's other processes, to end by themselves
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any process of group ``pgid`` is left (one that is only a zombie counts until reaped)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def vllm_server(name: str, model: str, port: int, core: int, log_dir: str, role: Optional[str] = None,

