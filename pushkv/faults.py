@@ -80,7 +80,6 @@ class Faults:
             return 0.0
         return float(text)
 
-
     def copy_hold_s(self) -> float:
         """Seconds each staging copy is reported running after its issue (0.0: not armed; not removed)."""
         try:
@@ -115,20 +114,20 @@ def arm_fire(directory: str, process: str, point_name: str) -> str:
     return _arm(directory, "fire", process, point_name)
 
 
-def arm_delay(directory: str, process: str, point_name: str, seconds: float) -> str:
-    path = os.path.join(directory, f"delay-{process}-{point_name}")
+def _arm_seconds(directory: str, kind: str, process: str, point_name: str, seconds: float) -> str:
+    path = os.path.join(directory, f"{kind}-{process}-{point_name}")
     with open(path + ".tmp", "w") as f:
         f.write(repr(float(seconds)))
     os.replace(path + ".tmp", path)  # never seen half-written
     return path
 
 
+def arm_delay(directory: str, process: str, point_name: str, seconds: float) -> str:
+    return _arm_seconds(directory, "delay", process, point_name, seconds)
+
+
 def arm_copy_hold(directory: str, process: str, seconds: float) -> str:
-    path = os.path.join(directory, f"hold-{process}-stage_out")
-    with open(path + ".tmp", "w") as f:
-        f.write(repr(float(seconds)))
-    os.replace(path + ".tmp", path)
-    return path
+    return _arm_seconds(directory, "hold", process, "stage_out", seconds)
 
 
 # -- by process name: the writers' kill points (their KV damage is injected: writer/kv_damage.py) ---

@@ -99,7 +99,7 @@ def profile_for(results: dict, rate: str, mode: str, n: int) -> Optional[Profile
     link_per_block = link_ms_per_block(results, rate)
     per_block = 1.0 / path_rate(1.0 / link_per_block, lone_transfers(regime, mode, kv_per_token))
     whole = whole_transfer(regime, mode, n, kv_per_token)
-    if per_block == link_per_block and whole is not None:  # one length only: its one transfer's rate
+    if whole is not None:  # one length only (no slope: the link's rate above): its one transfer's rate
         per_block = max(per_block, whole[1] / whole[0])
     # one hardware figure for P's prefill: the median over every mode's lone runs at this length
     prefill = _median([lone(regime, m, n).get("prefill_ms") for m in regime])
@@ -205,11 +205,11 @@ def link_rate(results: dict, rate: str) -> tuple[float, str]:
     pts = probe_points(results, rate)
     probe = path_rate(cap, pts) if len({b for b, _ in pts}) >= 2 else None
     parts = parts_rate(results, rate)
-    if probe is None and parts is None:
-        return cap, "cap"
     if parts is not None and (probe is None or parts > probe):
-        return min(cap, parts), "lone parts" if parts < cap else "cap"
-    return min(cap, probe or cap), "probe"
+        return (parts, "lone parts") if parts < cap else (cap, "cap")
+    if probe is not None:  # (path_rate: the cap at most)
+        return probe, "probe"
+    return cap, "cap"
 
 
 def link_lines(results: dict) -> list[str]:

@@ -13,6 +13,8 @@ import urllib.request
 from contextlib import contextmanager
 from typing import Optional
 
+from pushkv.supervisor.lifecycle import pid_alive
+
 START_TIMEOUT_S = 240.0
 
 
@@ -59,7 +61,7 @@ class Server:
         # the rest of the group (engine core, workers, writers) ends on the SIGTERM it got too: give it
         # the time to unlink its shared memory (vLLM's message queues), killed only once that is up
         deadline = time.monotonic() + GROUP_EXIT_S
-        while _group_alive(self.proc.pid) and time.monotonic() < deadline:
+        while pid_alive(-self.proc.pid) and time.monotonic() < deadline:  # (a negative pid: its group)
             time.sleep(0.1)
         try:  # children that outlived the server and that time
             os.killpg(self.proc.pid, signal.SIGKILL)
@@ -70,17 +72,6 @@ class Server:
 
 
 GROUP_EXIT_S = 15.0  # a stopped server's other processes, to end by themselves
-
-
-def _group_alive(pgid: int) -> bool:
-    """Whether any process of group ``pgid`` is left (one that is only a zombie counts until reaped)."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def vllm_server(name: str, model: str, port: int, core: int, log_dir: str, role: Optional[str] = None,

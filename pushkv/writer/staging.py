@@ -165,7 +165,6 @@ class HeldCopy:
         time.sleep(max(0.0, self.until - time.monotonic()))
 
 
-
 def device_s(event: Any) -> float:
     """A finished copy's time on the device (0: a host area's copy, done at once)."""
     return event.device_s() if isinstance(event, Copy) else 0.0
