@@ -116,7 +116,8 @@ def profile_for(results: dict, rate: str, mode: str, n: int) -> Optional[Profile
     window, order = link_setting(results, mode)
     # push-layer's groups as the deployment ran them (a lone run's part count is not it: a part
     # carries every group stored while the one before was on the wire); D's pool as it ran; P's
-    # step budget as it ran (the prompts that wait while a step runs go in the next one together)
+    # step budget as it ran (the prompts that wait while a step runs go in the next one together); P's
+    # pool as D's (link-bench gives both sides one --num-blocks)
     # (cut as the pools are: a 4-layer model streams 4 groups whatever the flag says)
     groups = int(flag(flags, "--push-stream-groups", str(results.get("push_stream_groups", LEGACY_GROUPS))))
     cut: tuple[int, ...] = ()
@@ -130,6 +131,7 @@ def profile_for(results: dict, rate: str, mode: str, n: int) -> Optional[Profile
                    # the rest at once: recorded, or implied by the short-ends cut (the same change)
                    group_layers=cut, rest_at_end=bool(results.get("rest_part", results.get("layer_cut"))),
                    d_capacity_tokens=capacity or Profile.d_capacity_tokens,
+                   p_capacity_tokens=capacity or Profile.p_capacity_tokens,
                    link_window=window, link_order=order,  # type: ignore[arg-type]
                    max_batch_tokens=int(flag(flags, "--max-batch-tokens", str(STEP_DEFAULTS["max_batch_tokens"]))),
                    max_num_seqs=int(flag(flags, "--max-num-seqs", str(STEP_DEFAULTS["max_num_seqs"]))),

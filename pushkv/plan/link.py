@@ -8,11 +8,19 @@ simulation uses KV blocks, so the rate is blocks per ms).
   a window (posts in flight) and an order (``arrival``, ``shortest``, ``deadline``). P's WRITEs
   go through one lane with the deployment's window; pull's READs (D's side) through another.
   A lane with an unbounded window posts everything at once.
-- **Sharing.** Every transfer in flight, of every lane, gets an equal share of the link's rate
-  (processor sharing, as TCP streams through one bottleneck). When more than one is in flight
-  the link as a whole moves only ``overlap_share`` of one transfer's rate: over UCX's TCP lanes
-  from GPU memory one WRITE moved 0.45 GB/s and 2-8 overlapping ones 0.24-0.29 GB/s together
-  (issue 27), about 0.6; over a tc-capped veth between host buffers they share it fully (1.0).
+- **Sharing.** Every transfer moving, of every lane, gets an equal share of the link's rate
+  (processor sharing, as TCP streams through one bottleneck). When more than one is moving the
+  link as a whole moves only ``overlap_share`` of one transfer's rate: over UCX's TCP lanes from
+  GPU memory one WRITE moved 0.45 GB/s and 2-8 overlapping ones 0.24-0.29 GB/s together (issue
+  27), about 0.6; over a tc-capped veth between host buffers they share it fully (1.0).
+- **Streams.** Lanes may name one stream (one P's WRITEs and D's READs from that P: one endpoint
+  pair, whose TCP connection carries the bytes in the order they were posted). Within a stream a
+  lane's transfers move together, and another lane's wait for those that went on the wire before
+  them and hold back those that came after. On the H200's veth capped at 25 Gbit/s, a late
+  allocation's READ that D posted while P's WRITE to it was on the wire did not slow that WRITE (it
+  moved 8k tokens' KV in 439 ms, its lone rate) and ended after it (docs/results/
+  2026-12-03-h200-link-check/plan/gap_25gbit_8k, push-off); pull's READs posted together to one P
+  moved one after another (docs/results/2026-12-03-h200-16k-load).
 - **The path.** A transfer moves no faster than its path: a staging copy or the transport can bound
   it below the link's cap. ``path_rate`` takes the rate a mode's lone transfers measured as the
   slope of time over bytes across lengths (what does not grow with the bytes is a per-transfer
@@ -71,16 +79,21 @@ class Link:
     lanes: dict[str, LinkQueue] = field(default_factory=dict)
     left: dict[Hashable, float] = field(default_factory=dict)  # post id -> units still to move, in flight
     lane_of: dict[Hashable, str] = field(default_factory=dict)  # post id -> its lane, in flight
+    stream_of: dict[str, str] = field(default_factory=dict)  # lane -> its stream (its own name by default)
+    seq: dict[Hashable, int] = field(default_factory=dict)  # post id -> the order it went on the wire, in flight
     now: float = 0.0  # when ``left`` was last brought up to date
     busy_ms: float = 0.0  # time with at least one transfer in flight
     peak: int = 0  # the most transfers in flight at once
     started: int = 0  # transfers put on the wire so far
 
-    def lane(self, name: str, window: Optional[Window] = None, order: LinkOrder = "arrival") -> LinkQueue:
-        """The lane ``name``, made on first use (``window`` None: every post at once)."""
+    def lane(self, name: str, window: Optional[Window] = None, order: LinkOrder = "arrival",
+             stream: Optional[str] = None) -> LinkQueue:
+        """The lane ``name``, made on first use (``window`` None: every post at once; ``stream``: the
+        stream it shares with other lanes, None: its own)."""
         q = self.lanes.get(name)
         if q is None:
             q = self.lanes[name] = LinkQueue(window or Window(), order)
+            self.stream_of[name] = stream or name
         return q
 
     def offer(self, now: float, lane: str, post: LinkPost) -> list[LinkPost]:
@@ -91,10 +104,11 @@ class Link:
 
     def next_end(self) -> Optional[float]:
         """When the next transfer in flight ends if nothing else is offered; None: none in flight."""
-        if not self.left:
+        moving = self.moving()
+        if not moving:
             return None
-        per = self.spec.total_rate(len(self.left)) / len(self.left)
-        return self.now + min(self.left.values()) / per
+        per = self.spec.total_rate(len(moving)) / len(moving)
+        return self.now + min(self.left[pid] for pid in moving) / per
 
     def ended(self, now: float) -> tuple[list[Hashable], list[LinkPost]]:
         """Bring the link to ``now``: the post ids that have ended, and the posts their room started."""
@@ -102,7 +116,7 @@ class Link:
         done = [pid for pid, left in self.left.items() if left <= EPS * max(1.0, self.spec.rate)]
         started: list[LinkPost] = []
         for pid in done:
-            del self.left[pid]
+            del self.left[pid], self.seq[pid]
             lane = self.lane_of.pop(pid)
             started += self._start(lane, self.lanes[lane].done(pid))
         return done, started
@@ -111,13 +125,29 @@ class Link:
     def inflight(self) -> int:
         return len(self.left)
 
+    def moving(self) -> list[Hashable]:
+        """The transfers on the wire that move now: in each stream, those of the lane of its earliest
+        transfer that went on the wire before any other lane's of that stream."""
+        by_stream: dict[str, list[Hashable]] = {}
+        for pid in sorted(self.left, key=self.seq.__getitem__):
+            by_stream.setdefault(self.stream_of[self.lane_of[pid]], []).append(pid)
+        out: list[Hashable] = []
+        for pids in by_stream.values():
+            lane = self.lane_of[pids[0]]
+            for pid in pids:
+                if self.lane_of[pid] != lane:
+                    break
+                out.append(pid)
+        return out
+
     def _advance(self, now: float) -> None:
         if now < self.now - EPS:
             raise ValueError(f"time runs backwards on a link: {now} < {self.now}")
         dt = max(0.0, now - self.now)
         if self.left and dt > 0:
-            per = self.spec.total_rate(len(self.left)) / len(self.left) * dt
-            for pid in self.left:
+            moving = self.moving()
+            per = self.spec.total_rate(len(moving)) / len(moving) * dt
+            for pid in moving:
                 self.left[pid] = max(0.0, self.left[pid] - per)
             self.busy_ms += dt
         self.now = max(self.now, now)
@@ -126,19 +156,21 @@ class Link:
         for p in posts:
             self.left[p.post_id] = float(p.nbytes)
             self.lane_of[p.post_id] = lane
-        self.started += len(posts)
+            self.seq[p.post_id] = self.started
+            self.started += 1
         self.peak = max(self.peak, len(self.left))
         return posts
 
 
 def finish_times(spec: LinkSpec, offers: list[tuple[float, str, LinkPost]],
-                 lanes: Optional[dict[str, tuple[Optional[Window], LinkOrder]]] = None) -> dict[Hashable, float]:
+                 lanes: Optional[dict[str, tuple[Optional[Window], LinkOrder]]] = None,
+                 streams: Optional[dict[str, str]] = None) -> dict[Hashable, float]:
     """Each post's end on one link, given when each is offered and on which lane (``lanes``: each
-    lane's window and order; a lane not named: every post at once, arrival order). For tests and
-    for reasoning about one link alone."""
+    lane's window and order; a lane not named: every post at once, arrival order; ``streams``: a
+    lane's stream, where it shares one). For tests and for reasoning about one link alone."""
     link = Link(spec)
     for name, (window, order) in (lanes or {}).items():
-        link.lane(name, window, order)
+        link.lane(name, window, order, (streams or {}).get(name))
     pending = sorted(offers, key=lambda o: o[0])
     out: dict[Hashable, float] = {}
     i = 0

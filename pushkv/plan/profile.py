@@ -1,5 +1,5 @@
 """Hardware profiles: the cost model's parameters for one deployment, and what the planner needs
-besides them (block size, D's KV capacity, the router's relay for pull, layer groups for push).
+besides them (block size, P's and D's KV capacity, the router's relay for pull, layer groups for push).
 
 A profile is the router's own ``Costs`` (``pushkv status`` / ``/health``'s ``costs``, read from
 a running deployment or measured by ``pushkv bench``) or one derived on paper from a link and a
@@ -45,6 +45,9 @@ class Profile:
     # every P and D on one device (a one-GPU deployment): the GPU is time-sliced between the steps
     # that run at once, so each computes at an equal share of it (two at once: each at half speed)
     one_device: bool = False
+    # KV tokens one P instance holds: a prompt holds its blocks on P from its admission until its KV
+    # has left (push: P's last WRITE; pull: D's READ), and prompts wait at P past it, in arrival order
+    p_capacity_tokens: int = 1 << 30
     note: str = ""
 
     def __post_init__(self) -> None:
@@ -95,7 +98,8 @@ def derived(name: str, *, prefill_ms_per_token: float, prefill_ms_fixed: float, 
                   prefill_ms_per_cached_token=prefill_ms_per_token / 100,
                   handoff_ms_fixed=link_latency_ms, handoff_ms_per_block=per_block_ms,
                   step_ms_fixed=step_ms_fixed, step_ms_per_seq=step_ms_per_seq, step_ms_per_kctx=step_ms_per_kctx)
-    return Profile(name, costs, block_size, d_capacity_tokens, relay_ms, note=note)
+    return Profile(name, costs, block_size=block_size, d_capacity_tokens=d_capacity_tokens, relay_ms=relay_ms,
+                   note=note)
 
 
 # Profiles on paper for the questions the planner answers (docs/results/plan/): Qwen3-32B, TP 8

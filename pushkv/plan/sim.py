@@ -36,11 +36,16 @@ What it models, as pushkv does it:
   ``pull``'s because D's writer posts them all at once to one P over one endpoint, whose TCP stream
   carries them one after another (on the CPU's capped link, modelled so: -4 % and +4 % at 0.5 and
   0.9 of the link; shared instead: +20 % and +60 %); push's late allocation is D's READ on that lane
-  too, as pushkv does it. Without
+  too, as pushkv does it. A P's WRITEs and D's READs from it are one stream (``plan/link.py``): a
+  READ waits for the WRITEs on the wire before it, not sharing the link with them (push-off at 8k
+  on the H200: +36 % shared, +13 % so). Without
   it each transfer moves alone at the link's rate however many overlap;
 - **D memory**: a request holds prompt + output tokens on D; push reserves them at arrival
   (while P computes; past ``pin_fraction`` of D pinned, late allocation), pull after the
   prefill; a request no D can hold waits at the router, FIFO;
+- **P memory**: a prompt holds its blocks on P from its admission until its KV has left P (the
+  last of P's WRITEs, or D's READ, has moved its bytes), as P's scheduler frees them; a prompt P
+  cannot hold waits at P, FIFO (pull's READs keep P's blocks for as long as they take);
 - **prefix caches** (``prefix_cache``): P keeps a conversation's prompts, D its prompts and
   answers, both the shared system prompt, and a replayed turn's ``cached`` prefix (held from
   before the run); no eviction (the planner assumes caches large enough for the working set);
@@ -103,6 +108,7 @@ class Req:
     parts_on_link: int = 0  # its parts queued or in flight (up to PARTS_AHEAD, as P's rendezvous asks them)
     first_offer: Optional[float] = None  # its first post's offer (orders "arrival" and "deadline")
     prefill_end: Optional[float] = None  # P's prefill ended (P's leg)
+    p_held: int = 0  # tokens of P's blocks it holds (0: none, or freed)
 
     @property
     def need(self) -> int:
@@ -122,6 +128,8 @@ class Instance:
     held: dict = field(default_factory=dict)  # conversation -> leading prompt tokens cached
     system: bool = False  # holds the shared prefix
     waiting: list = field(default_factory=list)  # P: (request, tokens to compute) for its next steps
+    admitting: deque = field(default_factory=deque)  # P: (request, tokens to compute) waiting for P's blocks
+    held_tokens: int = 0  # P: the blocks (in tokens) its prompts hold until their KV has left
     queued: int = 0  # P: prompt tokens still to compute; D: its own prefills' tokens queued
     used: int = 0  # D: tokens reserved
     pinned: int = 0  # D: tokens reserved early, KV not there yet
@@ -265,8 +273,30 @@ class Simulation:
         if r.turn.prefill_span_ms is not None:  # a replayed run: P's prefill as it ran
             began, ended = r.turn.prefill_span_ms
             return self.prefill_step([(r, computed)], self.now + began, ended - began)
-        p.waiting.append((r, computed))
+        p.admitting.append((r, computed))
+        self.admit_p(i)
+
+    def admit_p(self, i: int) -> None:
+        """P takes the prompts waiting for its blocks, in arrival order, while they fit (one that
+        needs more than P holds goes alone), and starts its next step."""
+        p, bs = self.ps[i], self.prof.block_size
+        while p.admitting:
+            r, computed = p.admitting[0]
+            need = P.blocks_for(r.turn.prompt, bs) * bs
+            if p.held_tokens and p.held_tokens + need > self.prof.p_capacity_tokens:
+                break
+            p.admitting.popleft()
+            r.p_held, p.held_tokens = need, p.held_tokens + need
+            p.waiting.append((r, computed))
         self.kick_p(i)
+
+    def kv_left_p(self, r: Req) -> None:
+        """The prompt's KV has left P: its blocks are free for the prompts waiting there."""
+        if r.p is None or not r.p_held:
+            return
+        self.ps[r.p].held_tokens -= r.p_held
+        r.p_held = 0
+        self.admit_p(r.p)
 
     def kick_p(self, i: int) -> None:
         """P's next step, if P is idle: the prompts waiting that fit (``prefill_step.next_step``)."""
@@ -358,8 +388,7 @@ class Simulation:
     def link(self, r: Req) -> tuple[int, Link]:
         key = _set(r.d)
         if key not in self.links:
-            link = self.links[key] = Link(LinkSpec(1.0 / self.c.handoff_ms_per_block, self.prof.link_overlap_share))
-            link.lane("read", Window(1))  # one TCP stream to P: one READ after another (see the top)
+            self.links[key] = Link(LinkSpec(1.0 / self.c.handoff_ms_per_block, self.prof.link_overlap_share))
         return key, self.links[key]
 
     def handoff_on_link(self, r: Req) -> None:
@@ -388,6 +417,7 @@ class Simulation:
 
     def landing(self, r: Req) -> None:
         """The last bytes moved: D has the KV once the transfer's fixed cost (its notice) is paid."""
+        self.kv_left_p(r)
         self.at(self.now + self.c.handoff_ms_fixed + r.turn.land_ms, self.kv_landed, r)
 
     def group_stored(self, r: Req) -> None:
@@ -421,9 +451,18 @@ class Simulation:
 
     def offer(self, r: Req, lane: str, units: int, on_end: Callable[[], None], left: Optional[int] = None) -> None:
         key, link = self.link(r)
-        if lane == "write":  # P's writer queues per D: a lane per P on D's link
-            lane = f"write-p{_set(r.p)}"
-            link.lane(lane, Window(self.prof.link_window or 0), self.prof.link_order)
+        # lanes per P on D's link, on that P's stream (see the top): P's writer queues its WRITEs per
+        # D; D's READs from that P go one at a time, after what P posted before them. Pull inline's
+        # READs go one at a time whatever their P: D's engine waits for each before it admits more
+        stream = f"p{_set(r.p)}"
+        if lane == "write":
+            lane = f"write-{stream}"
+            link.lane(lane, Window(self.prof.link_window or 0), self.prof.link_order, stream)
+        elif self.mode == "pull-inline":
+            link.lane(lane, Window(1))
+        else:
+            lane = f"read-{stream}"
+            link.lane(lane, Window(1), stream=stream)
         r.first_offer = self.now if r.first_offer is None else r.first_offer
         pid = next(self._posts)
         self._on_end[pid] = on_end
@@ -448,6 +487,7 @@ class Simulation:
 
     # -- D ------------------------------------------------------------------------------
     def kv_landed(self, r: Req) -> None:
+        self.kv_left_p(r)  # without the link model: P frees the blocks as D has them
         d = self.ds[_set(r.d)]
         if r.pinned:
             d.pinned -= r.need

@@ -60,6 +60,34 @@ def test_lanes_share_one_rate_each_under_its_own_window():
     assert ends == pytest.approx({"w1": 20, "r": 20, "w2": 30})
 
 
+# one stream of two lanes (P's WRITEs, window 1; D's READs), rate 1 unit/ms: (offers (t, lane, id,
+# size), the lanes' streams) -> each post's end
+STREAMS = [
+    # the READ went on the wire after w1: it waits for w1, and w2 (on after it) waits for it
+    ([(0, "write", "w1", 10), (0, "write", "w2", 10), (5, "read", "r", 10)], {"write": "s", "read": "s"},
+     {"w1": 10, "r": 20, "w2": 30}),
+    # the same lanes on streams of their own share the link (as test_lanes_share_one_rate...)
+    ([(0, "write", "w1", 10), (0, "write", "w2", 10), (5, "read", "r", 10)], {},
+     {"w1": 15, "r": 25, "w2": 30}),
+    # the READ first: the WRITE waits for it
+    ([(0, "read", "r", 10), (1, "write", "w1", 10)], {"write": "s", "read": "s"}, {"r": 10, "w1": 20}),
+    # a lane's own posts (no window) move together; another lane's post waits for both
+    ([(0, "all", "a", 10), (0, "all", "b", 10), (1, "read", "r", 10)], {"all": "s", "read": "s"},
+     {"a": 20, "b": 20, "r": 30}),
+    # two streams share the link: s's head and t's move at half the rate each
+    ([(0, "write", "w1", 10), (0, "read", "r", 10), (0, "other", "o", 10)], {"write": "s", "read": "s"},
+     {"w1": 20, "o": 20, "r": 30}),
+]
+
+
+@pytest.mark.parametrize("offers, streams, ends", STREAMS)
+def test_a_stream_moves_its_lanes_in_the_order_they_went_on_the_wire(offers, streams, ends):
+    lanes = {"write": (Window(1), "arrival"), "read": (None, "arrival"), "all": (None, "arrival"),
+             "other": (None, "arrival")}
+    got = finish_times(LinkSpec(1.0), [(t, lane, post(i, n)) for t, lane, i, n in offers], lanes, streams)
+    assert got == pytest.approx(ends)
+
+
 # (the cap, (size, ms) of a mode's lone transfers) -> the rate its transfers move at (units per ms)
 PATH_RATES = [
     (1.0, [], 1.0),  # nothing measured: the cap
@@ -147,10 +175,19 @@ def test_pull_inline_reads_one_at_a_time_and_d_waits():
 
 
 def test_pull_reads_posted_together_move_one_after_another():
-    # D's writer posts both READs at once, over one TCP stream to P: the second waits for the first
-    # (as pull inline's), not both sharing the link and ending together at 206
+    # D's writer posts both READs to one P at once, over one TCP stream: the second waits for the
+    # first (as pull inline's), not both sharing the link and ending together at 6 + 40
+    quick = dataclasses.replace(C, prefill_ms_per_token=0.0)
+    prof = dataclasses.replace(linked(), costs=quick)
+    reqs = sim.simulate(W.Poisson(1e6, 2, (320, 320), 2), prof, "pull", 1, 1)
+    # prefills end at 2 and 4, READs after the relay (4): 6-26 and 26-46, each landing 3 ms later
+    assert sorted(r.ttft_ms for r in reqs) == pytest.approx([29, 49], abs=0.01)
+
+
+def test_reads_from_two_p_share_the_link():
+    # one endpoint per P: D's READs from two P move at once, each at half the link's rate (166-206)
     reqs = sim.simulate(W.Poisson(1e6, 2, (320, 320), 2), linked(), "pull", 2, 1)
-    assert sorted(r.ttft_ms for r in reqs) == pytest.approx([189, 209], abs=0.01)
+    assert sorted(r.ttft_ms for r in reqs) == pytest.approx([209, 209], abs=0.01)
 
 
 def test_push_layer_parts_start_with_the_first_group_stored():
@@ -202,17 +239,39 @@ def test_a_prefix_p_and_d_already_hold_is_neither_computed_nor_moved():
         W.Arrivals(starts=(0.0,), prompts=(320,), output=2, cached=(400,))
 
 
-def test_a_late_allocation_is_ds_read_beside_ps_writes():
+def test_a_late_allocation_is_ds_read_after_ps_write_on_their_stream():
     # D holds one request pinned (capacity 700 tokens, half of it for pushes): the second goes late,
-    # D READs its 20 blocks after the relay (4 ms) on its own lane, sharing the link with the WRITE
+    # D READs its 20 blocks after the relay (4 ms) from the same P, whose WRITE went on the wire
+    # first: the READ waits for it on their one stream instead of sharing the link
     quick = dataclasses.replace(C, prefill_ms_per_token=0.0)
     prof = dataclasses.replace(linked(1), costs=quick, d_capacity_tokens=700)
     reqs = sim.simulate(W.Poisson(1e6, 2, (320, 320), 2), prof, "push", 1, 1)
     assert sorted(r.path for r in reqs) == ["late", "push"]
-    # WRITE 2-22 alone until the READ joins at 8 (14 left): both at half the rate to 36, then the
-    # READ's last 6 alone
+    # WRITE 2-22 alone (the READ, posted at 8, waits), then the READ 22-42
     by = {r.path: r.ttft_ms for r in reqs}
-    assert by["push"] == pytest.approx(36 + 3, abs=0.01) and by["late"] == pytest.approx(42 + 3, abs=0.01)
+    assert by["push"] == pytest.approx(22 + 3, abs=0.01) and by["late"] == pytest.approx(42 + 3, abs=0.01)
+
+
+def test_a_p_full_of_prompts_whose_kv_has_not_left_admits_no_more():
+    # P holds one 320-token prompt (20 blocks): the second's prefill waits until D's READ of the
+    # first has moved it (pull keeps P's blocks for the READ): prefill 2-4... no: 0-2, READ 6-26,
+    # then the second's prefill 26-28, its READ 32-52
+    quick = dataclasses.replace(C, prefill_ms_per_token=0.0)
+    wl = W.Poisson(1e6, 2, (320, 320), 2)
+    held = dataclasses.replace(linked(), costs=quick, p_capacity_tokens=320)
+    reqs = sim.simulate(wl, held, "pull", 1, 1)
+    assert sorted(r.ttft_ms for r in reqs) == pytest.approx([29, 55], abs=0.01)
+    # room for both: the second prefills at once (as before P's pool was modelled)
+    roomy = sim.simulate(wl, dataclasses.replace(held, p_capacity_tokens=640), "pull", 1, 1)
+    assert sorted(r.ttft_ms for r in roomy) == pytest.approx([29, 49], abs=0.01)
+
+
+def test_a_prompt_larger_than_p_is_admitted_alone():
+    quick = dataclasses.replace(C, prefill_ms_per_token=0.0)
+    prof = dataclasses.replace(linked(), costs=quick, p_capacity_tokens=16)
+    reqs = sim.simulate(W.Poisson(1e6, 2, (320, 320), 2), prof, "push", 1, 1)
+    # each goes alone: prefill, WRITE (20), landing; the second's prefill after the first's WRITE
+    assert sorted(r.ttft_ms for r in reqs) == pytest.approx([25, 47], abs=0.01)
 
 
 # one P whose prefill costs 2 ms: a long WRITE (200 blocks, on the wire 2-202) while B (100 blocks,
