@@ -157,8 +157,8 @@ class BatchedForward:
                 on_layer(layer)
             paged.attention(q, pools[layer], meta, m.layer_window(layer), attn, splits, scratch)
             x, h = K.add_rms(x, m._all_reduce(F.linear(attn.view(T, -1), lw.o)), lw.post_norm, eps)
-            if lw.router is not None:  # MoE: the grouped Triton kernels (kernels/triton_moe.py)
-                delta = m.mlp_delta(lw, h)
+            if lw.router is not None:  # MoE: the grouped Triton kernels (kernels/triton_moe.py), whose
+                delta = m.mlp_delta(lw, h, summed=False)  # k experts a token add_rms sums
             else:
                 delta = m._all_reduce(F.linear(K.silu_mul(F.linear(h, lw.gate_up)), lw.down))
             nxt = layers[layer + 1].input_norm if layer + 1 < len(layers) else m.w.final_norm

@@ -172,15 +172,19 @@ class Model:
         """Residual after the SwiGLU MLP."""
         return x + self.mlp_delta(lw, rms_norm(x, lw.post_norm, self.cfg.rms_eps))
 
-    def mlp_delta(self, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
-        """What the MLP (dense SwiGLU, or the routed experts) adds to the residual; h normed."""
+    def mlp_delta(self, lw: LayerWeights, h: torch.Tensor, summed: bool = True) -> torch.Tensor:
+        """What the MLP (dense SwiGLU, or the routed experts) adds to the residual; h normed.
+        ``summed`` False: an MoE layer on the GPU at TP 1 may give its tokens' k experts unsummed,
+        [T, k, d], for ``triton_fused.add_rms`` to sum in the residual add (one launch less)."""
         if lw.router is not None:
-            experts = moe_mlp
             if h.is_cuda:  # the Triton kernels, no host sync (kernels/triton_moe.py)
                 from pushkv.model.kernels import triton_moe
 
-                experts = triton_moe.moe_mlp
-            out = experts(h, lw.router, lw.gate_up, lw.down, self.cfg.experts_per_token, self.cfg.norm_topk_prob)
+                out = triton_moe.moe_mlp(h, lw.router, lw.gate_up, lw.down, self.cfg.experts_per_token,
+                                         self.cfg.norm_topk_prob, summed=summed or self.tp_size > 1)
+            else:
+                out = moe_mlp(h, lw.router, lw.gate_up, lw.down, self.cfg.experts_per_token,
+                              self.cfg.norm_topk_prob)
             return self._all_reduce(out)
         gate, up = F.linear(h, lw.gate_up).chunk(2, dim=-1)
         return self._all_reduce(F.linear(F.silu(gate) * up, lw.down))

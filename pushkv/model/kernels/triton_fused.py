@@ -25,13 +25,19 @@ from pushkv.model.kernels.triton_paged import _cache_strides
 
 
 @triton.jit
-def _add_rms_kernel(X, Delta, W, Xout, H, n_cols, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+def _add_rms_kernel(X, Delta, W, Xout, H, n_cols, eps, HAS_DELTA: tl.constexpr, SLOTS: tl.constexpr,
+                    BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     m = c < n_cols
     x = tl.load(X + row * n_cols + c, mask=m, other=0.0)
     if HAS_DELTA:
-        x = (x.to(tl.float32) + tl.load(Delta + row * n_cols + c, mask=m, other=0.0).to(tl.float32)).to(x.dtype)
+        # a row's SLOTS deltas (an MoE token's k experts) summed in float32 and rounded once, as
+        # torch's sum over them rounds, then added: one slot is the plain residual add
+        d = tl.zeros([BLOCK], dtype=tl.float32)
+        for s in tl.static_range(SLOTS):
+            d += tl.load(Delta + (row * SLOTS + s) * n_cols + c, mask=m, other=0.0).to(tl.float32)
+        x = (x.to(tl.float32) + d.to(x.dtype).to(tl.float32)).to(x.dtype)
         tl.store(Xout + row * n_cols + c, x, mask=m)
     xf = x.to(tl.float32)
     r = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n_cols + eps)
@@ -40,14 +46,22 @@ def _add_rms_kernel(X, Delta, W, Xout, H, n_cols, eps, HAS_DELTA: tl.constexpr, 
 
 
 def add_rms(x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, eps: float):
-    """(x + delta, rms_norm(x + delta) * w); x [N, d] contiguous. delta None: just the norm."""
+    """(x + delta, rms_norm(x + delta) * w); x [N, d] contiguous. delta None: just the norm; delta
+    [N, S, d] (an MoE layer's k experts a token, unsummed): x + their sum, in one launch."""
     N, d = x.shape
     h = torch.empty_like(x)
     xo = torch.empty_like(x) if delta is not None else x
+    slots = 1
+    if delta is not None:
+        if delta.dim() == 3:
+            slots = delta.shape[1]
+        if delta.shape[0] != N or delta.shape[-1] != d or not delta.is_contiguous():
+            raise ValueError(f"add_rms: delta {tuple(delta.shape)} is not a contiguous [{N}, ({{S}},) {d}]")
     if N:
         blk = triton.next_power_of_2(d)
         _add_rms_kernel[(N,)](x, delta if delta is not None else x, w, xo, h, d, eps,
-                              HAS_DELTA=delta is not None, BLOCK=blk, num_warps=min(16, max(1, blk // 256)))
+                              HAS_DELTA=delta is not None, SLOTS=slots, BLOCK=blk,
+                              num_warps=min(16, max(1, blk // 256)))
     return xo, h
 
 

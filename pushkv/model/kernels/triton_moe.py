@@ -259,10 +259,12 @@ def route_group(h: torch.Tensor, router: torch.Tensor, k: int, renorm: bool, bm:
 
 
 def moe_mlp(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-            k: int, renorm: bool, tiles: Union[Tiles, DecodeTiles, None] = None) -> torch.Tensor:
+            k: int, renorm: bool, tiles: Union[Tiles, DecodeTiles, None] = None, summed: bool = True) -> torch.Tensor:
     """As ``pushkv.model.moe.moe_mlp``: h [T, d] (normed), router [E, d], gate_up [E, 2 i, d],
     down [E, d, i] -> [T, d]. ``tiles``: the launch's tiles (default: ``tiles_for``); ``DecodeTiles``
-    (up to ``DECODE_TOKENS`` tokens) take the ungrouped decode kernels."""
+    (up to ``DECODE_TOKENS`` tokens) take the ungrouped decode kernels. ``summed`` False: the grouped
+    kernels' [T, k, d] (each token's k experts, weighted, not yet summed) for the caller to sum in its
+    next launch (``triton_fused.add_rms``); the decode kernels sum in theirs ([T, d] either way)."""
     T, d = h.shape
     E, two_i, _ = gate_up.shape
     inter = two_i // 2
@@ -293,4 +295,5 @@ def moe_mlp(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: 
                        act.stride(0), down.stride(0), down.stride(1), per_slot.stride(0),
                        PREC=prec, BM=tl_.bm, BN=tl_.bn_down, BK=tl_.bk, num_warps=tl_.warps,
                        num_stages=tl_.stages)
-    return per_slot.view(T, k, d).sum(dim=1)
+    per_token = per_slot.view(T, k, d)
+    return per_token.sum(dim=1) if summed else per_token
