@@ -27,7 +27,7 @@ experts' bytes; experiments/moe_bench.py sweeps them).
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -237,24 +237,42 @@ def tiles_for(tokens: int) -> Union[Tiles, DecodeTiles]:
     return Tiles(128, 128, 128, 64, 8, 3)
 
 
+class RouteLaunch(NamedTuple):
+    """The routing kernel's launch: tokens a pass, slots a pass, warps."""
+
+    tt: int
+    sc: int
+    warps: int
+
+
+def route_launch_for(tokens: int, ep: int) -> RouteLaunch:
+    """The routing kernel's tile for ``tokens`` over ``ep`` (a power of two) experts: up to 4k
+    elements a token pass and 8k a slot pass, on 8 warps."""
+    return RouteLaunch(max(1, min(16, 4096 // ep)), max(16, min(64, 8192 // ep)), 8)
+
+
 def route_group(h: torch.Tensor, router: torch.Tensor, k: int, renorm: bool, bm: int):
     """(weights [T k], experts [T k] int32, slot ids, block expert) of ``route`` + ``group_slots``,
     in two launches: the router's matmul and ``_route_group_kernel``."""
-    T = h.shape[0]
-    E = router.shape[0]
-    logits = F.linear(h, router)
+    return group_logits(F.linear(h, router), k, renorm, bm)
+
+
+def group_logits(logits: torch.Tensor, k: int, renorm: bool, bm: int, launch: Optional[RouteLaunch] = None):
+    """``route_group`` from the router's logits [T, E]: ``_route_group_kernel`` alone (``launch``: its
+    tile and warps, default ``route_launch_for``)."""
+    T, E = logits.shape
     n = T * k
     max_blocks = block_bound(n, E, bm)
-    dev = h.device
-    weights = torch.empty(n, dtype=h.dtype, device=dev)
+    dev = logits.device
+    weights = torch.empty(n, dtype=logits.dtype, device=dev)
     experts = torch.empty(n, dtype=torch.int32, device=dev)
     slot_ids = torch.empty(max_blocks * bm, dtype=torch.int32, device=dev)
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     ep = triton.next_power_of_2(E)
+    rl = launch or route_launch_for(T, ep)
     _route_group_kernel[(1,)](logits, weights, experts, slot_ids, block_expert, T, E, logits.stride(0),
                               max_blocks * bm, max_blocks, K=k, RENORM=renorm, BM=bm, EP=ep,
-                              TT=max(1, min(16, 4096 // ep)), SC=max(16, min(64, 8192 // ep)), FILL=1024,
-                              num_warps=8)
+                              TT=rl.tt, SC=rl.sc, FILL=1024, num_warps=rl.warps)
     return weights, experts, slot_ids, block_expert
 
 
