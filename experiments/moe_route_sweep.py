@@ -15,6 +15,7 @@ import json
 import os
 
 import torch
+from moe_bench import graphed, timed  # noqa: E402  (run as experiments/moe_route_sweep.py: its folder is on the path)
 
 from pushkv.model.kernels import triton_moe
 from pushkv.model.kernels.triton_moe import RouteLaunch, route_launch_for
@@ -27,28 +28,6 @@ BM = 16
 def _route(logits: torch.Tensor, launch: RouteLaunch):
     """``route_group``'s kernel on ready logits (its router matmul left out)."""
     return triton_moe.group_logits(logits, K, True, BM, launch)
-
-
-def timed_graph(fn, reps: int = 30) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(3):
-        g.replay()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return sorted(ts)[len(ts) // 2]
 
 
 def main() -> None:
@@ -68,7 +47,7 @@ def main() -> None:
         for launch in launches:
             got = [_route(x, launch) for x in logits[:2]]
             same = all(torch.equal(a, b) for g, w in zip(got, want) for a, b in zip(g, w))
-            ms = timed_graph(lambda launch=launch, logits=logits: [_route(x, launch) for x in logits])
+            ms = timed(graphed(lambda launch=launch, logits=logits: [_route(x, launch) for x in logits]).replay, 30)
             row = {"tokens": T, "tt": launch.tt, "sc": launch.sc, "warps": launch.warps,
                    "us_per_layer": round(ms * 1e3 / LAYERS, 2), "same": same, "default": launch == base}
             rows.append(row)

@@ -9,15 +9,13 @@ float16 as a GPU does and truncates to bfloat16, so bfloat16 is checked on the G
 
     pytest tests/model/test_moe_slot_sum.py -v -p no:cacheprovider
 """
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
+
+from tests.model.test_moe_kernel import _run  # noqa: E402  (the kernels' child process, interpreter or GPU)
+
 pytestmark = pytest.mark.timeout(600)
 
 # (tokens, experts, k, hidden, intermediate, dtype): hidden off a power of two (masked columns)
@@ -58,19 +56,9 @@ print(json.dumps(out))
 """
 
 
-def _run(device: str, cases: list) -> list[dict]:
-    env = dict(os.environ)
-    if device == "cpu":
-        env["TRITON_INTERPRET"] = "1"
-    r = subprocess.run([sys.executable, "-c", SCRIPT, device, json.dumps(cases)], capture_output=True, text=True,
-                       env=env, timeout=540)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
-
 def _check(cases: list, results: list[dict]) -> None:
     assert len(results) == len(cases)
-    for (T, E, k, d, i, dtype), r in zip(cases, results):
+    for (T, E, k, d, _i, dtype), r in zip(cases, results):
         case = (T, E, k, d, dtype)
         assert r["shape"] == [T, k, d], (case, r)
         assert r["sum_equal"] and r["x_equal"] and r["h_equal"] and r["batch_invariant"], (case, r)
@@ -81,12 +69,12 @@ def _check(cases: list, results: list[dict]) -> None:
 @pytest.mark.unit
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU runs the kernels themselves (below)")
 def test_slots_summed_in_the_residual_add_under_the_interpreter():
-    _check(CASES, _run("cpu", CASES))
+    _check(CASES, _run("cpu", CASES, SCRIPT))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_slots_summed_in_the_residual_add():
-    _check(GPU_CASES, _run("cuda", GPU_CASES))
+    _check(GPU_CASES, _run("cuda", GPU_CASES, SCRIPT))
 
 
 def test_a_delta_of_the_wrong_shape_is_refused():
