@@ -142,7 +142,6 @@ class BatchedForward:
     def _layers_fused(self, meta, pools, splits, scratch, on_layer, rope) -> torch.Tensor:
         """Every layer with the fused Triton kernels: ~9 launches a layer."""
         from pushkv.model.kernels import triton_fused as K
-        from pushkv.model.kernels.triton_gemv import linear  # one row: a GEMV, not cuBLAS's GEMM
 
         m, cfg, p = self.m, self.m.cfg, self.m.plan
         eps, layers = cfg.rms_eps, m.w.layers
@@ -151,13 +150,13 @@ class BatchedForward:
         x, h = K.add_rms(x, None, layers[0].input_norm, eps)
         attn = torch.empty(T, p.q_heads, self.hd, device=self.device, dtype=m.dtype)
         for layer, lw in enumerate(layers):
-            q = K.qk_norm_rope_store(linear(h, lw.qkv, lw.qkv_bias), p.q_heads, p.kv_heads, self.hd,
+            q = K.qk_norm_rope_store(F.linear(h, lw.qkv, lw.qkv_bias), p.q_heads, p.kv_heads, self.hd,
                                      lw.q_norm, lw.k_norm, eps, rope[0], rope[1], rope[2], meta.slots,
                                      pools[layer])
             if on_layer is not None:
                 on_layer(layer)
             paged.attention(q, pools[layer], meta, m.layer_window(layer), attn, splits, scratch)
-            x, h = K.add_rms(x, m._all_reduce(linear(attn.view(T, -1), lw.o)), lw.post_norm, eps)
+            x, h = K.add_rms(x, m._all_reduce(F.linear(attn.view(T, -1), lw.o)), lw.post_norm, eps)
             if lw.router is not None:  # MoE: the grouped Triton kernels (kernels/triton_moe.py), whose
                 delta = m.mlp_delta(lw, h, summed=False)  # k experts a token add_rms sums
             else:
