@@ -53,6 +53,10 @@ def test_the_profile_is_the_lone_figures_and_the_cap():
     gpu = LP.profile_for(results(["--device", "cuda:0", "--max-batch-tokens", "16384", "--max-num-seqs", "64"]),
                          RATE, "push", 256)
     assert (gpu.max_batch_tokens, gpu.max_num_seqs, gpu.one_device) == (16384, 64, True)
+    # P's pool and D's as the deployment ran them (one --num-blocks for both), unbounded where none was given
+    pooled = LP.profile_for(results(["--num-blocks", "3072", "--block-size", "16"]), RATE, "push", 256)
+    assert (pooled.p_capacity_tokens, pooled.d_capacity_tokens) == (3072 * 16, 3072 * 16)
+    assert prof.p_capacity_tokens == prof.d_capacity_tokens == 1 << 30
     assert not LP.one_device(["--device", "cuda:0", "--decode-device", "cuda:1"])  # one GPU each
     # a streamed mode's fixed cost: its own lone tail less what the model puts there (its parts)
     assert LP.profile_for(results(), RATE, "push-layer", 256).costs.handoff_ms_fixed == pytest.approx(5.0)
