@@ -42,7 +42,25 @@ def with_link(prof: PR.Profile, args) -> PR.Profile:
         got["link_window"] = 0  # an order or an overlap share alone: the link model, every WRITE at once
     got.update({k: v for k, v in (("max_batch_tokens", args.max_batch_tokens), ("max_num_seqs", args.max_num_seqs),
                                   ("one_device", args.one_device or None)) if v is not None})
+    if args.num_blocks is not None:  # the deployment's --num-blocks: every P's pool and every D's
+        if args.num_blocks < 1:
+            raise ValueError(f"--num-blocks {args.num_blocks} < 1")
+        got["p_capacity_tokens"] = got["d_capacity_tokens"] = args.num_blocks * prof.block_size
     return dataclasses.replace(prof, **got) if got else prof
+
+
+def check_fits(wl: W.Workload, prof: PR.Profile) -> None:
+    """Refuse a workload with a request no instance could hold (pushkv refuses such a prompt; the
+    simulation would leave it waiting forever)."""
+    turns = [t for conv in wl.conversations() for t in conv]
+    need = max((t.prompt + t.output for t in turns), default=0)
+    prompt = max((t.prompt for t in turns), default=0)
+    if need > prof.d_capacity_tokens:
+        raise ValueError(f"a request of {need} tokens (prompt and output) does not fit a D of "
+                         f"{prof.d_capacity_tokens} tokens: give more --num-blocks")
+    if prompt > prof.p_capacity_tokens:
+        raise ValueError(f"a prompt of {prompt} tokens does not fit a P of {prof.p_capacity_tokens} tokens: "
+                         f"give more --num-blocks")
 
 
 def ratios(args) -> list[tuple[int, int]]:
@@ -104,6 +122,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "profile's; 0, one prompt a step)")
     ap.add_argument("--max-num-seqs", type=int, metavar="N", help="the most prompts in one P step (default: the "
                                                                   "profile's, 64)")
+    ap.add_argument("--num-blocks", type=int, metavar="BLOCKS",
+                    help="each P's and D's KV pool in blocks of the profile's block size, as the deployment's "
+                         "--num-blocks: a prompt holds P's blocks until its KV has left P (pull: until D's READ "
+                         "ends), a request D's from its reservation (default: the profile's capacities)")
     ap.add_argument("--one-device", action="store_true",
                     help="P and D on one GPU: their steps that run at once share it, each at an equal share")
     ap.add_argument("--turns", choices=("all", "1", ">=2"), default="all", help="which turns the figures cover")
@@ -118,6 +140,7 @@ def main(argv=None) -> int:
     try:
         wl = W.from_dict(_json_arg(args.workload))
         prof = with_link(load_profile(args.profile), args)
+        check_fits(wl, prof)
     except (ValueError, KeyError, TypeError, OSError) as e:
         print(f"pushkv plan: {e}", file=sys.stderr)
         return 2

@@ -308,6 +308,28 @@ def test_the_cli_refuses_a_link_that_cannot_be(capsys):
     assert "link_overlap_share" in capsys.readouterr().err
 
 
+def test_the_cli_sizes_p_and_d_from_num_blocks(tmp_path, capsys):
+    # two 320-token prompts at once, pull: with 21 blocks (336 tokens) a side P holds one prompt and D one
+    # request, so the second waits for the first's READ on P and for its decode on D
+    wl = '{"kind": "arrivals", "starts": [0, 0], "prompts": [320, 320], "output": 2}'
+    costs = dict(C.as_dict(), prefill_ms_per_token=0.0)
+    prof = json.dumps({"name": "t", "costs": costs, "relay_ms": 4})
+    base = ["--workload", wl, "--profile", prof, "--modes", "pull", "--pd", "1:1", "--link-window", "1"]
+    p50 = {}
+    for blocks in (None, 21):
+        out = tmp_path / f"{blocks}.json"
+        assert cli.main(base + ["--out", str(out)] + (["--num-blocks", str(blocks)] if blocks else [])) == 0
+        got = json.loads(out.read_text())
+        p50[blocks] = got["rows"][0]["ttft_p50"]
+        if blocks:
+            assert got["profile"]["p_capacity_tokens"] == got["profile"]["d_capacity_tokens"] == 21 * 16
+    assert p50[21] > p50[None]
+    capsys.readouterr()
+    assert cli.main(base + ["--num-blocks", "0"]) == 2 and "--num-blocks" in capsys.readouterr().err
+    # a request no D could hold (322 tokens in 20 blocks of 16): refused by name, not left waiting forever
+    assert cli.main(base + ["--num-blocks", "20"]) == 2 and "322 tokens" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("mode", sim.MODES)
 @pytest.mark.parametrize("order", ["arrival", "shortest", "deadline"])
 def test_every_request_of_every_mode_finishes_over_the_link(mode, order):
