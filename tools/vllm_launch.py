@@ -16,6 +16,7 @@ from typing import Optional
 from pushkv.supervisor.lifecycle import pid_alive
 
 START_TIMEOUT_S = 240.0
+GROUP_EXIT_S = 15.0  # a stopped server's other processes, to end by themselves
 
 
 def _get(url: str, timeout: float = 2.0) -> int:
@@ -69,9 +70,6 @@ class Server:
             pass
         self.proc.wait()
         self._log.close()
-
-
-GROUP_EXIT_S = 15.0  # a stopped server's other processes, to end by themselves
 
 
 def vllm_server(name: str, model: str, port: int, core: int, log_dir: str, role: Optional[str] = None,

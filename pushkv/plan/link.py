@@ -77,10 +77,10 @@ def path_rate(cap: float, lone: Sequence[tuple[float, float]]) -> float:
 class Link:
     spec: LinkSpec
     lanes: dict[str, LinkQueue] = field(default_factory=dict)
-    left: dict[Hashable, float] = field(default_factory=dict)  # post id -> units still to move, in flight
+    # post id -> units still to move, in flight, in the order they went on the wire (a dict keeps it)
+    left: dict[Hashable, float] = field(default_factory=dict)
     lane_of: dict[Hashable, str] = field(default_factory=dict)  # post id -> its lane, in flight
     stream_of: dict[str, str] = field(default_factory=dict)  # lane -> its stream (its own name by default)
-    seq: dict[Hashable, int] = field(default_factory=dict)  # post id -> the order it went on the wire, in flight
     now: float = 0.0  # when ``left`` was last brought up to date
     busy_ms: float = 0.0  # time with at least one transfer in flight
     peak: int = 0  # the most transfers in flight at once
@@ -116,7 +116,7 @@ class Link:
         done = [pid for pid, left in self.left.items() if left <= EPS * max(1.0, self.spec.rate)]
         started: list[LinkPost] = []
         for pid in done:
-            del self.left[pid], self.seq[pid]
+            del self.left[pid]
             lane = self.lane_of.pop(pid)
             started += self._start(lane, self.lanes[lane].done(pid))
         return done, started
@@ -129,7 +129,7 @@ class Link:
         """The transfers on the wire that move now: in each stream, those of the lane of its earliest
         transfer that went on the wire before any other lane's of that stream."""
         by_stream: dict[str, list[Hashable]] = {}
-        for pid in sorted(self.left, key=self.seq.__getitem__):
+        for pid in self.left:  # in the order they went on the wire
             by_stream.setdefault(self.stream_of[self.lane_of[pid]], []).append(pid)
         out: list[Hashable] = []
         for pids in by_stream.values():
@@ -156,8 +156,7 @@ class Link:
         for p in posts:
             self.left[p.post_id] = float(p.nbytes)
             self.lane_of[p.post_id] = lane
-            self.seq[p.post_id] = self.started
-            self.started += 1
+        self.started += len(posts)
         self.peak = max(self.peak, len(self.left))
         return posts
 

@@ -254,8 +254,8 @@ def test_a_late_allocation_is_ds_read_after_ps_write_on_their_stream():
 
 def test_a_p_full_of_prompts_whose_kv_has_not_left_admits_no_more():
     # P holds one 320-token prompt (20 blocks): the second's prefill waits until D's READ of the
-    # first has moved it (pull keeps P's blocks for the READ): prefill 2-4... no: 0-2, READ 6-26,
-    # then the second's prefill 26-28, its READ 32-52
+    # first has moved it (pull keeps P's blocks for the READ): prefill 0-2, READ 6-26, then the
+    # second's prefill 26-28, its READ 32-52
     quick = dataclasses.replace(C, prefill_ms_per_token=0.0)
     wl = W.Poisson(1e6, 2, (320, 320), 2)
     held = dataclasses.replace(linked(), costs=quick, p_capacity_tokens=320)
