@@ -10,7 +10,9 @@ each *loaded* run's own arrivals (``router.arrival`` of every request, and the p
 P and D already held, as the bytes it moved show) through ``pushkv.plan.sim`` with the writer's
 link window and order, D's pool, P's step budget (``--max-batch-tokens``: the prompts that wait
 while a step runs go in the next together) and P's and D's device (one GPU for both: their steps
-share it) as the deployment ran them, and the predicted TTFT p50 is set against the measured one.
+share it; where UCX stages the transfers through that GPU, as pull's READs, none moves while a prefill
+computes on it: ``Profile.staged_holds``) as the deployment ran them, and the predicted TTFT p50 is set
+against the measured one.
 The same replay without the link model (each transfer alone at the link's rate, what the planner
 did before) shows what the queue adds.
 
@@ -36,6 +38,7 @@ from pushkv.plan import workload as W
 from pushkv.plan.link import path_rate
 from pushkv.plan.profile import Profile
 from pushkv.router.cost import Costs
+from pushkv.transport import staging_plan
 from tools import bench, netns
 
 # what a TCP stream moves of what tbf lets through: MSS 1448 (timestamps on) of each 1514-byte frame
@@ -56,7 +59,9 @@ STEP_DEFAULTS = {f.name: f.default for f in msgspec.structs.fields(InstanceConfi
 
 
 # what --without leaves out of the model: P's steps one prompt each, P and D each on a device of its own
-WITHOUT: dict[str, dict[str, Any]] = {"batching": {"max_batch_tokens": 0}, "shared-device": {"one_device": False}}
+WITHOUT: dict[str, dict[str, Any]] = {"batching": {"max_batch_tokens": 0},
+                                      "shared-device": {"one_device": False, "staged_holds": False},
+                                      "staged-holds": {"staged_holds": False}}
 
 
 def flag(flags: list[str], name: str, default: str) -> str:
@@ -135,7 +140,7 @@ def profile_for(results: dict, rate: str, mode: str, n: int) -> Optional[Profile
                    link_window=window, link_order=order,  # type: ignore[arg-type]
                    max_batch_tokens=int(flag(flags, "--max-batch-tokens", str(STEP_DEFAULTS["max_batch_tokens"]))),
                    max_num_seqs=int(flag(flags, "--max-num-seqs", str(STEP_DEFAULTS["max_num_seqs"]))),
-                   one_device=one_device(flags))
+                   one_device=one_device(flags), staged_holds=one_device(flags) and transport_staged(flags))
     # the transfer's fixed cost: this mode's lone prefill end -> KV landed less what the model puts
     # there without one (the bytes on the link, a streamed mode's parts placed while P computes):
     # the posts, the staging copies, D's copy-in and its notice
@@ -148,6 +153,14 @@ def one_device(flags: list[str]) -> bool:
     device = flag(flags, "--device", "cpu")
     p, d = flag(flags, "--prefill-device", device), flag(flags, "--decode-device", device)
     return p == d and p.startswith("cuda")
+
+
+def transport_staged(flags: list[str]) -> bool:
+    """The deployment's transfers staged by UCX through a GPU (``staging_plan.wanted`` false on a
+    GPU pool: pull, or ``--staging transport``), over the UCX TCP lanes link-bench always uses."""
+    device = flag(flags, "--device", "cpu")
+    mode = flag(flags, "--mode", "push")
+    return device.startswith("cuda") and not staging_plan.wanted(flag(flags, "--staging", "auto"), mode, device, "tcp")
 
 
 def lone_rest_ms(results: dict, rate: str, mode: str, n: int) -> float:
@@ -430,7 +443,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--without", action="append", default=[], choices=sorted(WITHOUT),
                     help="leave this part out of the model (repeatable): P's steps one prompt each "
-                         "(batching), P and D each on a device of its own (shared-device)")
+                         "(batching), P and D each on a device of its own (shared-device), transfers "
+                         "UCX stages through the GPU moving while a prefill computes there (staged-holds)")
     args = ap.parse_args(argv)
     rows = []
     for out in args.out:

@@ -27,6 +27,12 @@ simulation uses KV blocks, so the rate is blocks per ms).
   cost, not a rate) and the link's rate is the lower of that and the cap. Over a veth capped at
   10 Gbit/s from one H200, push's pinned-host WRITE measured 9.56 (the cap's), pull's READ through
   UCX's ``cuda_copy`` staging 4.1-4.2 whatever the cap (docs/results/2026-12-02-slow-link/capped_gpu).
+- **Held.** A link may be held (``hold``/``release``, counted): nothing on it moves meanwhile. The
+  simulation holds a link whose transfers UCX stages through a GPU while a prefill computes on that
+  GPU (``Profile.staged_holds``): on the H200 with P and D on one GPU, pull's READs through UCX's
+  ``cuda_copy`` lost about as long as each prefill they overlapped lasted (16k at half of 25 Gbit/s:
+  0.6-1.4 s more than a lone READ's 4.9-5.0 s with 0.6-1.6 s of prefill beside it, 0.1-0.4 s more with
+  none; docs/results/2026-12-03-h200-16k-load).
 
 The caller offers posts, asks ``next_end`` when the next transfer will end, and at that time
 calls ``ended``, which returns the posts that finished and starts the next ones of their lanes.
@@ -85,6 +91,7 @@ class Link:
     busy_ms: float = 0.0  # time with at least one transfer in flight
     peak: int = 0  # the most transfers in flight at once
     started: int = 0  # transfers put on the wire so far
+    held: int = 0  # holds not yet released: nothing moves while > 0
 
     def lane(self, name: str, window: Optional[Window] = None, order: LinkOrder = "arrival",
              stream: Optional[str] = None) -> LinkQueue:
@@ -103,9 +110,10 @@ class Link:
         return self._start(lane, self.lanes[lane].offer(post))
 
     def next_end(self) -> Optional[float]:
-        """When the next transfer in flight ends if nothing else is offered; None: none in flight."""
+        """When the next transfer in flight ends if nothing else is offered; None: none in flight,
+        or the link is held (its release asks again)."""
         moving = self.moving()
-        if not moving:
+        if not moving or self.held:
             return None
         per = self.spec.total_rate(len(moving)) / len(moving)
         return self.now + min(self.left[pid] for pid in moving) / per
@@ -120,6 +128,17 @@ class Link:
             lane = self.lane_of.pop(pid)
             started += self._start(lane, self.lanes[lane].done(pid))
         return done, started
+
+    def hold(self, now: float) -> None:
+        """From ``now`` nothing on the link moves until every hold is released."""
+        self._advance(now)
+        self.held += 1
+
+    def release(self, now: float) -> None:
+        if self.held <= 0:
+            raise ValueError("a link released more often than held")
+        self._advance(now)
+        self.held -= 1
 
     @property
     def inflight(self) -> int:
@@ -145,11 +164,14 @@ class Link:
             raise ValueError(f"time runs backwards on a link: {now} < {self.now}")
         dt = max(0.0, now - self.now)
         if self.left and dt > 0:
+            self.busy_ms += dt
+            if self.held:
+                self.now = max(self.now, now)
+                return
             moving = self.moving()
             per = self.spec.total_rate(len(moving)) / len(moving) * dt
             for pid in moving:
                 self.left[pid] = max(0.0, self.left[pid] - per)
-            self.busy_ms += dt
         self.now = max(self.now, now)
 
     def _start(self, lane: str, posts: list[LinkPost]) -> list[LinkPost]:

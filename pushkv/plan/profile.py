@@ -45,6 +45,9 @@ class Profile:
     # every P and D on one device (a one-GPU deployment): the GPU is time-sliced between the steps
     # that run at once, so each computes at an equal share of it (two at once: each at half speed)
     one_device: bool = False
+    # the transfers are staged by the transport through that one device (UCX's cuda_copy on a GPU):
+    # none moves while a prefill computes on it (plan/link.py, "Held")
+    staged_holds: bool = False
     # KV tokens one P instance holds: a prompt holds its blocks on P from its admission until its KV
     # has left (push: P's last WRITE; pull: D's READ), and prompts wait at P past it, in arrival order
     p_capacity_tokens: int = 1 << 30

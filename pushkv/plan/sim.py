@@ -15,7 +15,9 @@ What it models, as pushkv does it:
   same prices);
 - **one device** (``profile.one_device``: P and D on one GPU): the steps of P and D that run at
   once share it, each at an equal share of its time (the GPU time-slices between the processes),
-  so a prefill while D decodes takes up to twice its lone time, and D's steps too;
+  so a prefill while D decodes takes up to twice its lone time, and D's steps too; where the
+  transport stages the transfers through that device (``profile.staged_holds``: pull's READs
+  through UCX's ``cuda_copy``), no transfer moves while a prefill computes (``plan/link.py``, "Held");
 - **D** runs continuous batching: a step of ``b`` sequences of mean context ``c`` costs
   ``step_ms(b, c)``; a prefill on D (local mode, or conditional disaggregation's decode-local)
   runs inside a step and every sequence of that step waits for it;
@@ -161,6 +163,7 @@ class Simulation:
         # D -> the link every transfer into it shares (profile.link_window set); DEVICE -> the one
         # device every instance's steps share (profile.one_device)
         self.links: dict[Hashable, Link] = {}
+        self.prefills = 0  # prefills computing now (profile.staged_holds: each transfer link is held meanwhile)
         if profile.one_device:
             self.links[DEVICE] = Link(LinkSpec(float(US_PER_MS)))
         self._link_version: dict[Hashable, int] = {}
@@ -323,10 +326,13 @@ class Simulation:
                     r.blocks = P.blocks_for(r.turn.prompt - r.d_hit, self.prof.block_size)
                 else:
                     self.group_stored(r)
+        if g == 0:
+            self.prefill_computes(True)
         if g < n:
             (a, den), (b, _) = self.prof.stored_share(g), self.prof.stored_share(g + 1)
             share = ms * (b - a) / den if streams else ms
             return self.compute(f"p{i}", share, lambda: self.p_share(i, batch, ms, start, g + 1))
+        self.prefill_computes(False)
         for r, computed in batch:
             r.prefill_ms = self.now - start
             self.prefilled(r, computed)
@@ -346,8 +352,22 @@ class Simulation:
         device.offer(self.now, who, LinkPost(pid, who, max(1, round(ms * US_PER_MS))))
         self.link_wake(DEVICE)
 
+    def prefill_computes(self, begins: bool) -> None:
+        """A prefill begins or ends on the device; with ``profile.staged_holds`` every transfer link
+        is held while any computes (``plan/link.py``, "Held")."""
+        self.prefills += 1 if begins else -1
+        if not self.prof.staged_holds:
+            return
+        for key, link in self.links.items():
+            if key == DEVICE:
+                continue
+            (link.hold if begins else link.release)(self.now)
+            self.link_wake(key)
+
     def prefill_step(self, batch: list[tuple[Req, int]], start: float, ms: float) -> None:
         """Every prompt of a step ends with it; push-layer's groups are stored at its shares."""
+        self.at(start, self.prefill_computes, True)
+        self.at(start + ms, self.prefill_computes, False)
         for r, computed in batch:
             r.prefill_ms = ms
             self.at(start + ms, self.prefilled, r, computed)
@@ -389,6 +409,8 @@ class Simulation:
         key = _set(r.d)
         if key not in self.links:
             self.links[key] = Link(LinkSpec(1.0 / self.c.handoff_ms_per_block, self.prof.link_overlap_share))
+            if self.prof.staged_holds:  # made while prefills compute: held for them too
+                self.links[key].now, self.links[key].held = self.now, self.prefills
         return key, self.links[key]
 
     def handoff_on_link(self, r: Req) -> None:

@@ -125,6 +125,22 @@ def test_time_never_runs_backwards_on_a_link():
 
 
 # --- the simulation over the link model ---------------------------------------------------
+def test_a_held_link_moves_nothing_until_every_hold_is_released():
+    link = Link(LinkSpec(1.0))
+    link.lane("w")
+    link.offer(0.0, "w", post("a", 10))
+    link.hold(4.0)
+    link.hold(5.0)  # two prefills at once: both must end
+    assert link.next_end() is None
+    link.release(8.0)
+    assert link.next_end() is None and link.ended(9.0) == ([], [])
+    link.release(9.0)  # 6 left, moving again from 9
+    assert link.next_end() == pytest.approx(15.0)
+    assert link.ended(15.0)[0] == ["a"] and link.busy_ms == pytest.approx(15.0)
+    with pytest.raises(ValueError, match="released more often"):
+        link.release(16.0)
+
+
 C = Costs(prefill_ms_fixed=2.0, prefill_ms_per_token=0.5, prefill_ms_per_cached_token=0.0,
           handoff_ms_fixed=3.0, handoff_ms_per_block=1.0, step_ms_fixed=10.0, step_ms_per_seq=1.0,
           step_ms_per_kctx=0.0)
@@ -352,3 +368,16 @@ def test_the_rest_leaves_at_the_prefills_end_only_where_the_run_did_so():
         s.run()
         peaks[rest] = s.links[0].peak
     assert peaks == {True: 3, False: 2}
+
+
+@pytest.mark.parametrize("one_device", [False, True])  # P's step on the device P and D share, or alone
+def test_a_transport_staged_read_waits_while_a_prefill_computes(one_device):
+    # pull's READs staged by UCX through the GPU P and D share (staged_holds): the first prompt's
+    # READ (after its prefill 0-162 and the relay: 166-186 alone) stops while the second prompt's
+    # prefill computes (170-332), so 16 of its 20 ms are left at 332: it ends at 348; the second's
+    # READ (relay at 336) waits for it on their stream: 348-368. Each lands 3 ms later.
+    wl = W.Arrivals(starts=(0.0, 0.170), prompts=(320, 320), output=2)
+    free = sim.simulate(wl, linked(), "pull", 1, 1)
+    assert [r.ttft_ms for r in sorted(free, key=lambda r: r.arrival)] == pytest.approx([189, 359 - 170], abs=0.01)
+    held = sim.simulate(wl, dataclasses.replace(linked(), staged_holds=True, one_device=one_device), "pull", 1, 1)
+    assert [r.ttft_ms for r in sorted(held, key=lambda r: r.arrival)] == pytest.approx([351, 371 - 170], abs=0.01)

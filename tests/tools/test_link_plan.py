@@ -58,6 +58,13 @@ def test_the_profile_is_the_lone_figures_and_the_cap():
     assert (pooled.p_capacity_tokens, pooled.d_capacity_tokens) == (3072 * 16, 3072 * 16)
     assert prof.p_capacity_tokens == prof.d_capacity_tokens == 1 << 30
     assert not LP.one_device(["--device", "cuda:0", "--decode-device", "cuda:1"])  # one GPU each
+    # UCX stages the transfers through the GPU (the link is held while a prefill computes there):
+    # pull's READs, and push's WRITEs where --staging transport; push's own staging on the GPU does not
+    assert not gpu.staged_holds and not prof.staged_holds
+    assert LP.transport_staged(["--mode", "pull", "--device", "cuda:0"])
+    assert LP.transport_staged(["--mode", "push", "--staging", "transport", "--device", "cuda:0"])
+    assert not LP.transport_staged(["--mode", "push", "--device", "cuda:0"])
+    assert not LP.transport_staged(["--mode", "pull", "--device", "cpu"])  # a host pool: nothing to stage
     # a streamed mode's fixed cost: its own lone tail less what the model puts there (its parts)
     assert LP.profile_for(results(), RATE, "push-layer", 256).costs.handoff_ms_fixed == pytest.approx(5.0)
     layer = LP.profile_for(results(["--link-order", "shortest", "--push-stream-groups", "3"]), RATE, "push-layer", 256)
