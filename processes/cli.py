@@ -162,9 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "blocks for the whole transfer (UCX over TCP) leaves the loop reading notifications; "
                           "auto (default) = on when UCX_TLS limits UCX to TCP for the network")
     tra.add_argument("--link-window", type=int, metavar="N",
-                     help="WRITEs P keeps on the link to each D rank at a time (the rest queue): overlapping "
-                          "WRITEs share a slow link badly; 0 (default) = auto: 1 when UCX_TLS limits UCX to TCP, "
-                          "else no queue")
+                     help="WRITEs P keeps on the link to each D rank at a time (the rest queue), and READs D "
+                          "keeps on the link from each P instance (pull): overlapping transfers share a slow link "
+                          "badly; 0 (default) = auto: 1 when UCX_TLS limits UCX to TCP, else no queue")
     tra.add_argument("--link-window-mib", type=int, metavar="MIB",
                      help="and at most this many MiB of them (an idle link still takes one larger); 0 = no bound")
     tra.add_argument("--link-order", choices=typing.get_args(LinkOrder),

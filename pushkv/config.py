@@ -427,6 +427,7 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
     # P's writers queue the WRITEs bound for each D rank (protocol/link_queue.py) and keep at most
     # link_window of them (and link_window_mib MiB, 0: no byte bound) on the link at a time, the
     # next chosen by link_order: WRITEs that overlap on a slow link share it badly (issue 27).
+    # D's writers queue pull's READs from each P instance the same way (writer/decode.py).
     # link_window 0 = auto: 1 when UCX_TLS limits UCX to TCP lanes (as for the poster), else no queue.
     link_window: int = 0
     link_window_mib: int = 0

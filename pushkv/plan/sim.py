@@ -33,12 +33,12 @@ What it models, as pushkv does it:
   the KV once every part has landed and the last WRITE's notice, the fixed cost, is paid) queue
   under that P writer's window and order
   (``protocol/link_queue.py``, the queue P's writer runs per D, which keeps a request's parts in
-  the order asked); pull's READs queue on D's side and move one at a time, in the order posted:
-  ``pull-inline``'s because D's engine waits for each (no step runs while one is under way),
-  ``pull``'s because D's writer posts them all at once to one P over one endpoint, whose TCP stream
-  carries them one after another (on the CPU's capped link, modelled so: -4 % and +4 % at 0.5 and
-  0.9 of the link; shared instead: +20 % and +60 %); push's late allocation is D's READ on that lane
-  too, as pushkv does it. A P's WRITEs and D's READs from it are one stream (``plan/link.py``): a
+  the order asked); pull's READs queue on D's side: ``pull-inline``'s one at a time because D's
+  engine waits for each (no step runs while one is under way), ``pull``'s in D's writer's queue per
+  P under the same window and order (one at a time over TCP: on the CPU's capped link, before D had
+  that queue, its READs posted at once to one P moved so, -4 % and +4 % at 0.5 and 0.9 of the link;
+  shared instead: +20 % and +60 %); push's late allocation is D's READ on that lane too, as pushkv
+  does it. A P's WRITEs and D's READs from it are one stream (``plan/link.py``): a
   READ waits for the WRITEs on the wire before it, not sharing the link with them (push-off at 8k
   on the H200: +36 % shared, +13 % so). Without
   it each transfer moves alone at the link's rate however many overlap;
@@ -482,9 +482,9 @@ class Simulation:
             link.lane(lane, Window(self.prof.link_window or 0), self.prof.link_order, stream)
         elif self.mode == "pull-inline":
             link.lane(lane, Window(1))
-        else:
+        else:  # D's writer queues its READs from each P under the deployment's window, as P its WRITEs
             lane = f"read-{stream}"
-            link.lane(lane, Window(1), stream=stream)
+            link.lane(lane, Window(self.prof.link_window or 0), self.prof.link_order, stream)
         r.first_offer = self.now if r.first_offer is None else r.first_offer
         pid = next(self._posts)
         self._on_end[pid] = on_end

@@ -240,6 +240,6 @@ class WriterBase(WriterShell):
             gauges["staging_peak_cells"] = slots.peak_cells  # the most in use at once
             gauges["staging_room_waits"] = self.area.queue.waits  # transfers that waited for room
         link_posts = getattr(self, "link_posts", None)
-        if link_posts is not None:  # P's link queues: WRITEs waiting, on the wire
+        if link_posts is not None:  # the link queues: P's WRITEs, D's READs, waiting and on the wire
             gauges.update(link_posts.gauges())
         self.send(self.sched, m.WriterStats(counters={**self.counters, **gauges}))

@@ -2,11 +2,16 @@
 them from P (pull, background), and reports the KV received once every
 producer rank has completed. Handshakes with P's writers run on the loop: a
 request whose producers are not connected yet waits for them (``peers.when_connected``)
-while every other transfer goes on."""
+while every other transfer goes on. Pull's READs from one P instance go through a link
+queue (``writer/link_posts.py``, the queue P's writer runs for its WRITEs) under the
+deployment's link window and order: over UCX's TCP lanes one at a time, where READs posted
+while another moved waited for it and then shared the link, so each ended as late as the
+last (docs/results/2026-12-03-staged-holds)."""
 from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -16,11 +21,14 @@ from pushkv import messages as m
 from pushkv.kv import layout as L
 from pushkv.protocol import actions as A
 from pushkv.protocol import arrivals as ar
+from pushkv.protocol.link_queue import window_of
 from pushkv.protocol.tp import head_overlap, producers_for
+from pushkv.transport import poster
 from pushkv.transport.staged_parts import PartLedger
 from pushkv.writer import sides
 from pushkv.writer.base import InFlight, WriterBase
 from pushkv.writer.kv_damage import KVDamage
+from pushkv.writer.link_posts import LinkPosts
 from pushkv.writer.stage_in import Ending, StageIn
 
 log = logging.getLogger(__name__)
@@ -66,6 +74,11 @@ class DecodeWriter(WriterBase):
         self.quarantine = sides.Quarantine()  # failed transfers a producer may still write into
         self._dead_engines: set[str] = set()
         self.stage_in: "StageIn | None" = None  # --staging pushkv: copies from the area into the pool
+        # pull's READs per P instance under the link window (None: each posted at once, as on a fast link)
+        window = window_of(cfg.link_window, cfg.link_window_mib, poster.wanted("auto", os.environ.get("UCX_TLS", "")))
+        self.link_posts = LinkPosts(window, cfg.link_order) if window is not None else None
+        self._reads_queued: dict[tuple[str, int], tuple[m.ReadKV, list]] = {}  # READs waiting on their link
+        self._read_links: dict[tuple[str, int], tuple[Any, Any]] = {}  # READ -> (its link, post id) in flight
 
     def setup(self) -> None:
         super().setup()
@@ -238,6 +251,9 @@ class DecodeWriter(WriterBase):
             ending.reason = ending.reason or msg.reason
             self.counters["stage_in_cancel_deferred"] += 1
             return
+        if self._drop_queued_read(key, msg.reason):  # never posted: nothing lands in the blocks
+            self.send(self.sched, m.KVFailed(msg.transfer_id, msg.generation, msg.reason))
+            return
         if key in self.posting.inflight and key in self._reads:  # our READ still lands in these blocks: answer then
             self._reads_cancelled[key] = msg.reason
             self.counters["read_cancel_deferred"] += 1
@@ -356,6 +372,13 @@ class DecodeWriter(WriterBase):
                 with self.ending_for_loss("prefill", reason):
                     self.apply(self.arrivals.cancel(key[0], key[1], f"prefill instance lost: {reason}", now), now)
         self._release(self.quarantine.engine_gone(engine_id))
+        lost = f"prefill instance lost: {reason}"
+        for key, (msg, _) in list(self._reads_queued.items()):
+            if msg.pull.source.engine_id == engine_id:  # queued READs from it: never to be posted
+                self.counters["failed_peer_death"] += 1
+                self._drop_queued_read(key, lost, tell_peers=False)
+                with self.ending_for_loss("prefill", reason):
+                    self.send(self.sched, m.KVFailed(key[0], key[1], lost, lost=self._lost))
         self._dead_engines.discard(engine_id)  # a restarted instance is a live peer again
 
     def _release(self, released) -> None:
@@ -414,6 +437,44 @@ class DecodeWriter(WriterBase):
                     self.peers.start_link(src.engine_id, r, src.handshake[r], now)
 
     def _post_read(self, msg: m.ReadKV, peers) -> None:
+        """Post the READ, or queue it on its P's link (``link_posts``) behind the READs before it."""
+        if self.link_posts is None:
+            return self._post_read_now(msg, peers)
+        key, now = (msg.transfer_id, msg.generation), time.monotonic()
+        blocks = -(-(msg.pull.num_tokens - msg.cached_tokens) // self.layout.block_size)
+        nbytes = blocks * L.block_bytes(self.layout)
+        self._reads_queued[key] = (msg, peers)
+        self.counters["read_posts_queued"] += 1
+        released = self.link_posts.offer((msg.pull.source.engine_id, 0), key, nbytes, nbytes, now + msg.deadline_s,
+                                         now, (msg, peers))
+        if not released:
+            self.counters["read_posts_waited"] += 1  # behind a READ on its link
+        self._send_reads(released)
+
+    def _send_reads(self, released) -> None:
+        """Post the READs their links released (each ending may release the next: ``transfer_finished``)."""
+        for link, pid, (msg, peers) in released:
+            key = (msg.transfer_id, msg.generation)
+            if self._reads_queued.pop(key, None) is None:  # cancelled meanwhile (dropped): never posted
+                self._send_reads(self.link_posts.done(link, pid) if self.link_posts is not None else [])
+                continue
+            self._read_links[key] = (link, pid)
+            self._post_read_now(msg, peers)
+
+    def _drop_queued_read(self, key, reason: str, tell_peers: bool = True) -> bool:
+        """Take a READ still waiting on its link out (never to be posted); True if it was. Its P ranks
+        free their lease at once (``tell_peers``) instead of at its end."""
+        queued = self._reads_queued.pop(key, None)
+        if queued is None:
+            return False
+        if self.link_posts is not None:
+            self.link_posts.drop(key)
+        self.counters["read_posts_dropped"] += 1
+        for peer in queued[1] if tell_peers else ():
+            self.posting.control(peer, m.CancelTransfer(key[0], key[1], reason))
+        return True
+
+    def _post_read_now(self, msg: m.ReadKV, peers) -> None:
         now = time.monotonic()
         p = msg.pull
         faults.point(self.name, "read_posted")
@@ -466,6 +527,9 @@ class DecodeWriter(WriterBase):
         else:
             self.counters["bytes_read"] += fl.nbytes
             self._read_done(fl, msg, now)
+        link = self._read_links.pop((fl.transfer_id, fl.generation), None)
+        if link is not None and self.link_posts is not None:  # its link's room: the next READ goes
+            self._send_reads(self.link_posts.done(*link))
 
     def _read_done(self, fl: InFlight, msg: m.ReadKV, now: float) -> None:
         """The READ's bytes are in our blocks: the scheduler may decode from them."""

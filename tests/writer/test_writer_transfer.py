@@ -41,7 +41,8 @@ def _pair(tmp_path_factory, num_blocks: int = 64, prefill_chunk: int = 0, **extr
     """A P and a D writer process over tiny-model pools: (cfg, P and D scheduler sockets, pools, P layout).
     ``extra``: more DeploymentConfig fields (a link window, say); ``prefill_chunk``: P's (chunk streaming)."""
     cfg = DeploymentConfig(
-        mode="push", model=preset("tiny"), **{"push_stream": "off", **extra},  # one region: blocks are 6-d pool slices
+        # one region: blocks are 6-d pool slices
+        model=preset("tiny"), **{"mode": "push", "push_stream": "off", **extra},
         prefill=InstanceConfig(role="prefill", num_blocks=num_blocks, block_size=16, prefill_chunk=prefill_chunk),
         decode=InstanceConfig(role="decode", num_blocks=num_blocks, block_size=16),
     )
