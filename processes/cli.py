@@ -164,7 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     tra.add_argument("--link-window", type=int, metavar="N",
                      help="WRITEs P keeps on the link to each D rank at a time (the rest queue), and READs D "
                           "keeps on the link from each P instance (pull): overlapping transfers share a slow link "
-                          "badly; 0 (default) = auto: 1 when UCX_TLS limits UCX to TCP, else no queue")
+                          "badly; 0 (default) = auto: when UCX_TLS limits UCX to TCP, 1 WRITE and 2 pull READs, "
+                          "else no queue")
     tra.add_argument("--link-window-mib", type=int, metavar="MIB",
                      help="and at most this many MiB of them (an idle link still takes one larger); 0 = no bound")
     tra.add_argument("--link-order", choices=typing.get_args(LinkOrder),

@@ -428,7 +428,8 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
     # link_window of them (and link_window_mib MiB, 0: no byte bound) on the link at a time, the
     # next chosen by link_order: WRITEs that overlap on a slow link share it badly (issue 27).
     # D's writers queue pull's READs from each P instance the same way (writer/decode.py).
-    # link_window 0 = auto: 1 when UCX_TLS limits UCX to TCP lanes (as for the poster), else no queue.
+    # link_window 0 = auto: when UCX_TLS limits UCX to TCP lanes (as for the poster) 1 WRITE, 2 pull
+    # READs (protocol/link_queue.AUTO_WINDOW), else no queue.
     link_window: int = 0
     link_window_mib: int = 0
     link_order: LinkOrder = "arrival"

@@ -46,6 +46,7 @@ from datetime import date
 from typing import Iterator, Optional
 
 from pushkv.config import DeploymentConfig
+from pushkv.protocol import link_queue
 from tools import bench, netns, plot
 from tools.sweep import MODES as SWEEP_MODES
 from tools.sweep import mode_flags as sweep_mode_flags
@@ -750,6 +751,8 @@ def main(argv=None) -> int:
                          "num_layers": m.num_layers, "kv_formula": kv_formula(m)},
                # pushkv up's default layer groups when this ran (a flag in up_flags overrides it)
                "push_stream_groups": DeploymentConfig().push_stream_groups,
+               # the writers' link windows over UCX's TCP lanes when --link-window is auto (link-plan's model)
+               "auto_windows": dict(link_queue.AUTO_WINDOW),
                # how the pools cut the layers into groups (kv.layout.split_layers): the first and the
                # last group about half the others (runs that record none had equal groups)
                "layer_cut": "short_ends",

@@ -73,11 +73,15 @@ def flag(flags: list[str], name: str, default: str) -> str:
     return got
 
 
-def link_setting(results: dict, mode: str) -> tuple[int, str]:
-    """The writer's link window and order as ``pushkv up`` ran them: window 0 (auto) is 1 over UCX's
-    TCP lanes, which link-bench always uses."""
+def link_setting(results: dict, mode: str, op: str = "write") -> tuple[int, str]:
+    """The writers' link window (P's WRITEs, or ``op`` "read": D's READs from one P) and order as
+    ``pushkv up`` ran them: window 0 (auto) is ``AUTO_WINDOW[op]`` over UCX's TCP lanes, which
+    link-bench always uses."""
     flags = [*results["mode_flags"].get(mode, []), *results["up_flags"]]
-    window = int(flag(flags, "--link-window", "0")) or 1
+    # auto as the run's pushkv had it (link-bench records it); runs before D's READ queue posted READs at
+    # once, which moved about one after another, as the model took them then: 1
+    auto = results.get("auto_windows", {}).get(op, 1)
+    window = int(flag(flags, "--link-window", "0")) or auto
     return window, flag(flags, "--link-order", "arrival")
 
 
@@ -138,6 +142,8 @@ def profile_for(results: dict, rate: str, mode: str, n: int) -> Optional[Profile
                    d_capacity_tokens=capacity or Profile.d_capacity_tokens,
                    p_capacity_tokens=capacity or Profile.p_capacity_tokens,
                    link_window=window, link_order=order,  # type: ignore[arg-type]
+                   read_window=link_setting(results, mode, "read" if SIM_MODE.get(mode, "").startswith("pull")
+                                            else "write")[0],
                    max_batch_tokens=int(flag(flags, "--max-batch-tokens", str(STEP_DEFAULTS["max_batch_tokens"]))),
                    max_num_seqs=int(flag(flags, "--max-num-seqs", str(STEP_DEFAULTS["max_num_seqs"]))),
                    one_device=one_device(flags), staged_holds=one_device(flags) and transport_staged(flags))

@@ -35,6 +35,8 @@ class Profile:
     # as a fast link's writer posts them), taken in link_order, every transfer on the link sharing
     # its rate, and the link moving link_overlap_share of one transfer's rate with several on it
     link_window: Optional[int] = None
+    # D's READs from one P in flight at once (its writer's read queue; 0: every READ at once); None: link_window
+    read_window: Optional[int] = None
     link_order: LinkOrder = "arrival"
     link_overlap_share: float = 1.0
     # P's step (plan/prefill_step.py): the prompts waiting when a step ends go in the next one
@@ -54,6 +56,8 @@ class Profile:
     note: str = ""
 
     def __post_init__(self) -> None:
+        if self.read_window is not None and self.read_window < 0:
+            raise ValueError(f"profile {self.name}: read_window {self.read_window} < 0 (0: every READ at once)")
         if self.link_window is not None and self.link_window < 0:
             raise ValueError(f"profile {self.name}: link_window {self.link_window} < 0 (0: every WRITE at once)")
         if self.link_order not in ORDERS:

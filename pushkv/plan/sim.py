@@ -35,10 +35,11 @@ What it models, as pushkv does it:
   (``protocol/link_queue.py``, the queue P's writer runs per D, which keeps a request's parts in
   the order asked); pull's READs queue on D's side: ``pull-inline``'s one at a time because D's
   engine waits for each (no step runs while one is under way), ``pull``'s in D's writer's queue per
-  P under the same window and order (one at a time over TCP: on the CPU's capped link, before D had
-  that queue, its READs posted at once to one P moved so, -4 % and +4 % at 0.5 and 0.9 of the link;
-  shared instead: +20 % and +60 %); push's late allocation is D's READ on that lane too, as pushkv
-  does it. A P's WRITEs and D's READs from it are one stream (``plan/link.py``): a
+  P (``profile.read_window``, the link window where None; two at a time over TCP; before D had that
+  queue, its READs posted at once to one P moved about one after another, modelled so on the CPU's
+  capped link: -4 % and +4 % at 0.5 and 0.9 of the link; shared instead: +20 % and +60 %); push's
+  late allocation is D's READ on that lane too, one at a time, as pushkv does it. A P's WRITEs
+  and D's READs from it are one stream (``plan/link.py``): a
   READ waits for the WRITEs on the wire before it, not sharing the link with them (push-off at 8k
   on the H200: +36 % shared, +13 % so). Without
   it each transfer moves alone at the link's rate however many overlap;
@@ -479,12 +480,14 @@ class Simulation:
         stream = f"p{_set(r.p)}"
         if lane == "write":
             lane = f"write-{stream}"
-            link.lane(lane, Window(self.prof.link_window or 0), self.prof.link_order, stream)
+            window = self.prof.link_window if self.prof.read_window is None else self.prof.read_window
+            link.lane(lane, Window(window or 0), self.prof.link_order, stream)
         elif self.mode == "pull-inline":
             link.lane(lane, Window(1))
         else:  # D's writer queues its READs from each P under the deployment's window, as P its WRITEs
             lane = f"read-{stream}"
-            link.lane(lane, Window(self.prof.link_window or 0), self.prof.link_order, stream)
+            window = self.prof.link_window if self.prof.read_window is None else self.prof.read_window
+            link.lane(lane, Window(window or 0), self.prof.link_order, stream)
         r.first_offer = self.now if r.first_offer is None else r.first_offer
         pid = next(self._posts)
         self._on_end[pid] = on_end

@@ -214,13 +214,22 @@ _RANKS = {
 }
 
 
-def window_of(parts: int, mib: int, slow_link: bool) -> Optional[Window]:
+# auto's window on a slow link: P's WRITEs one at a time (overlapping WRITEs share it badly); pull's READs
+# from one P two at a time (push's late allocations READ one at a time, on the stream of P's WRITEs).
+# Over UCX's TCP lanes from GPU memory (the H200, a veth capped at 25 Gbit/s, pull-background at 0.9 of
+# the link, 12 prompts; docs/results/2026-12-03-read-queue) TTFT p50 was 4,549 (1k) and 18,438 ms (8k)
+# with every READ posted at once, 3,173 and 18,960 one at a time (each waited for the one before to be
+# seen done: 0.52 s a 1k READ against 0.37 in a batch), 2,886 and 16,257 two at a time.
+AUTO_WINDOW = {"write": 1, "read": 2}
+
+
+def window_of(parts: int, mib: int, slow_link: bool, op: str = "write") -> Optional[Window]:
     """The window a writer uses from its config: ``parts`` posts in flight per link (0 = auto:
-    1 on a slow link, where overlapping WRITEs share it badly, else unbounded) and ``mib`` MiB
-    (0: no byte bound). None: no queue at all (every post goes at once, as on a fast link)."""
+    ``AUTO_WINDOW[op]`` on a slow link, else unbounded) and ``mib`` MiB (0: no byte bound). None:
+    no queue at all (every post goes at once, as on a fast link)."""
     if parts < 0 or mib < 0:
         raise ValueError(f"link window: {parts} posts, {mib} MiB; each >= 0 (0: auto / unbounded)")
     if parts == 0:
-        parts = 1 if slow_link else 0
+        parts = AUTO_WINDOW[op] if slow_link else 0
     w = Window(parts, mib * 2**20)
     return None if w.unbounded else w

@@ -4,9 +4,9 @@ producer rank has completed. Handshakes with P's writers run on the loop: a
 request whose producers are not connected yet waits for them (``peers.when_connected``)
 while every other transfer goes on. Pull's READs from one P instance go through a link
 queue (``writer/link_posts.py``, the queue P's writer runs for its WRITEs) under the
-deployment's link window and order: over UCX's TCP lanes one at a time, where READs posted
-while another moved waited for it and then shared the link, so each ended as late as the
-last (docs/results/2026-12-03-staged-holds)."""
+deployment's link window and order: over UCX's TCP lanes two at a time (``AUTO_WINDOW``), where
+READs posted at once waited for the one moving and then shared the link, each ending as late as
+the last (docs/results/2026-12-03-read-queue)."""
 from __future__ import annotations
 
 import functools
@@ -75,7 +75,8 @@ class DecodeWriter(WriterBase):
         self._dead_engines: set[str] = set()
         self.stage_in: "StageIn | None" = None  # --staging pushkv: copies from the area into the pool
         # pull's READs per P instance under the link window (None: each posted at once, as on a fast link)
-        window = window_of(cfg.link_window, cfg.link_window_mib, poster.wanted("auto", os.environ.get("UCX_TLS", "")))
+        window = window_of(cfg.link_window, cfg.link_window_mib, poster.wanted("auto", os.environ.get("UCX_TLS", "")),
+                           "read" if cfg.mode == "pull" else "write")  # push's late READs: on a stream with WRITEs
         self.link_posts = LinkPosts(window, cfg.link_order) if window is not None else None
         self._reads_queued: dict[tuple[str, int], tuple[m.ReadKV, list]] = {}  # READs waiting on their link
         self._read_links: dict[tuple[str, int], tuple[Any, Any]] = {}  # READ -> (its link, post id) in flight

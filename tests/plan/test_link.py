@@ -381,3 +381,12 @@ def test_a_transport_staged_read_waits_while_a_prefill_computes(one_device):
     assert [r.ttft_ms for r in sorted(free, key=lambda r: r.arrival)] == pytest.approx([189, 359 - 170], abs=0.01)
     held = sim.simulate(wl, dataclasses.replace(linked(), staged_holds=True, one_device=one_device), "pull", 1, 1)
     assert [r.ttft_ms for r in sorted(held, key=lambda r: r.arrival)] == pytest.approx([351, 371 - 170], abs=0.01)
+
+
+def test_pull_reads_two_at_a_time_share_the_link():
+    # D's read queue with a window of two (pull's auto over TCP): the READs posted at 6 and 8 share the
+    # link from 8 (the first has 18 left, each moves at half): 8 + 36 = 44 and 46, each landing 3 ms later
+    quick = dataclasses.replace(C, prefill_ms_per_token=0.0)
+    prof = dataclasses.replace(linked(), costs=quick, read_window=2)
+    reqs = sim.simulate(W.Poisson(1e6, 2, (320, 320), 2), prof, "pull", 1, 1)
+    assert sorted(r.ttft_ms for r in reqs) == pytest.approx([47, 49], abs=0.01)

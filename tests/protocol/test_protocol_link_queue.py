@@ -377,3 +377,13 @@ def test_bad_input_is_refused(name, make, says):
 ])
 def test_window_of_config(parts, mib, slow, want):
     assert window_of(parts, mib, slow) == want
+
+
+@pytest.mark.parametrize("parts,slow,want", [
+    (0, True, Window(2, 0)),  # auto on a slow link: pull's READs from one P two at a time
+    (0, False, None),  # a fast link: no queue
+    (1, True, Window(1, 0)),  # the flag, as given, for READs too
+])
+def test_reads_have_their_own_auto_window(parts, slow, want):
+    assert window_of(parts, 0, slow, "read") == want
+    assert window_of(0, 0, True, "write") == Window(1, 0)  # P's WRITEs stay one at a time

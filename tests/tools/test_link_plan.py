@@ -65,6 +65,12 @@ def test_the_profile_is_the_lone_figures_and_the_cap():
     assert LP.transport_staged(["--mode", "push", "--staging", "transport", "--device", "cuda:0"])
     assert not LP.transport_staged(["--mode", "push", "--device", "cuda:0"])
     assert not LP.transport_staged(["--mode", "pull", "--device", "cpu"])  # a host pool: nothing to stage
+    # D's READs from one P: the window link-bench recorded as auto (pull's READs two at a time), one
+    # where it recorded none (before D's READ queue: posted at once, moving about one after another)
+    assert LP.link_setting(results(), "push", "read") == (1, "arrival")
+    assert LP.link_setting(dict(results(), auto_windows={"write": 1, "read": 2}), "push", "read") == (2, "arrival")
+    assert LP.link_setting(results(["--link-window", "3"]), "push", "read") == (3, "arrival")  # the flag wins
+    assert prof.read_window == 1  # push: its late allocations' READs, one at a time
     # a streamed mode's fixed cost: its own lone tail less what the model puts there (its parts)
     assert LP.profile_for(results(), RATE, "push-layer", 256).costs.handoff_ms_fixed == pytest.approx(5.0)
     layer = LP.profile_for(results(["--link-order", "shortest", "--push-stream-groups", "3"]), RATE, "push-layer", 256)
