@@ -39,7 +39,7 @@ from pushkv.plan.link import path_rate
 from pushkv.plan.profile import Profile
 from pushkv.router.cost import Costs
 from pushkv.transport import staging_plan
-from tools import bench, netns
+from tools import bench, link_bench, netns
 
 # what a TCP stream moves of what tbf lets through: MSS 1448 (timestamps on) of each 1514-byte frame
 TCP_PAYLOAD_SHARE = 1448 / 1514
@@ -94,9 +94,10 @@ def _median(xs: list) -> Optional[float]:
     return statistics.median(xs) if xs else None
 
 
-def profile_for(results: dict, rate: str, mode: str, n: int) -> Optional[Profile]:
+def profile_for(results: dict, rate: str, mode: str, n: int, out: Optional[str] = None) -> Optional[Profile]:
     """The lone measurements at ``n`` tokens and the cap, as the planner's profile; None where the
-    run has no lone figures at that length."""
+    run has no lone figures at that length. ``out``: the run's folder, whose lone reps give the
+    mode's path its fastest transfer at each length (else the lone medians)."""
     bps = netns.parse_rate(rate)
     regime = results["regimes"].get(rate, {})
     kv_per_token = results["model"]["kv_bytes_per_token"]
@@ -106,8 +107,9 @@ def profile_for(results: dict, rate: str, mode: str, n: int) -> Optional[Profile
     # of its lone transfers' time over their bytes: a lone WRITE's own rate is lower than the cap's
     # by its post and notice, which are the fixed cost below, not a slower path)
     link_per_block = link_ms_per_block(results, rate)
-    per_block = 1.0 / path_rate(1.0 / link_per_block, lone_transfers(regime, mode, kv_per_token))
-    whole = whole_transfer(regime, mode, n, kv_per_token)
+    fastest = fastest_wire_ms(out, rate, mode) if out else None
+    per_block = 1.0 / path_rate(1.0 / link_per_block, lone_transfers(regime, mode, kv_per_token, fastest))
+    whole = whole_transfer(regime, mode, n, kv_per_token, fastest)
     if whole is not None:  # one length only (no slope: the link's rate above): its one transfer's rate
         per_block = max(per_block, whole[1] / whole[0])
     # one hardware figure for P's prefill: the median over every mode's lone runs at this length
@@ -274,23 +276,47 @@ def _model_tail(prof: Profile, mode: str, n: int, prefill_ms: float) -> float:
     return r.first - r.prefill_end
 
 
-def lone_transfers(regime: dict, mode: str, kv_per_token: int) -> list[tuple[float, float]]:
+def lone_transfers(regime: dict, mode: str, kv_per_token: int,
+                   fastest: Optional[dict[int, float]] = None) -> list[tuple[float, float]]:
     """(blocks, ms on the wire) of this mode's lone transfers at each length (the last WRITE or the
-    READ: what D's notification announced)."""
+    READ: what D's notification announced): the lone runs' median, or the fastest rep where
+    ``fastest`` has it (``fastest_wire_ms``)."""
     out = []
     for n_text in (regime.get(mode) or {}):
         lo = lone(regime, mode, int(n_text))
         if lo.get("kv_bytes") and lo.get("wire_ms"):
-            out.append((lo["kv_bytes"] / (kv_per_token * BLOCK_SIZE), lo["wire_ms"]))
+            wire = min(lo["wire_ms"], (fastest or {}).get(int(n_text), lo["wire_ms"]))
+            out.append((lo["kv_bytes"] / (kv_per_token * BLOCK_SIZE), wire))
     return out
 
 
-def whole_transfer(regime: dict, mode: str, n: int, kv_per_token: int) -> Optional[tuple[float, float]]:
+def fastest_wire_ms(out: str, rate: str, mode: str) -> dict[int, float]:
+    """Per length, the fastest of a mode's lone reps on the wire (its run files in ``out``): the path's
+    own time, where a slower rep met something else (a lone READ through UCX's staging on the H200 varied
+    by up to 17 % between reps: docs/results/2026-12-03-staged-holds)."""
+    got: dict[int, float] = {}
+    for path in glob.glob(os.path.join(out, rate, f"{mode}_qps0_in*_out*_iter*.json")):
+        meta = bench.parse_result_name(path)
+        if not meta or meta["mode"] != mode:
+            continue
+        with open(path) as f:
+            run = json.load(f)
+        n = int(run.get("input_len") or 0)
+        for tl in run.get("timelines") or []:
+            for a, b in link_bench.SPANS["wire_ms"]:  # the span link-bench's wire_ms takes
+                if a in tl and b in tl:
+                    got[n] = min(got.get(n, float("inf")), (tl[b] - tl[a]) * 1e3)
+                    break
+    return got
+
+
+def whole_transfer(regime: dict, mode: str, n: int, kv_per_token: int,
+                   fastest: Optional[dict[int, float]] = None) -> Optional[tuple[float, float]]:
     """(blocks, ms on the wire) of this mode's lone transfer at ``n`` tokens where it is the only
     length the run has and that one transfer moved the whole prompt's KV (pull's READ, an unstreamed
     WRITE): its rate, fixed cost and all, is then the path's (a long transfer's fixed cost is small
     beside it; a streamed mode's last WRITE, one unit, says nothing of the path). None otherwise."""
-    pts = lone_transfers(regime, mode, kv_per_token)
+    pts = lone_transfers(regime, mode, kv_per_token, fastest)
     if len(pts) != 1 or pts[0][0] < 0.9 * -(-n // BLOCK_SIZE):
         return None
     return pts[0]
@@ -364,7 +390,7 @@ def check(out: str, without: tuple[str, ...] = (), skipped: Optional[list[str]] 
         for mode in regime:
             for n_text in regime[mode]:
                 n = int(n_text)
-                prof = profile_for(results, rate, mode, n)
+                prof = profile_for(results, rate, mode, n, out)
                 runs = loaded_runs(out, rate, mode, n)
                 if prof is None or not runs or mode not in SIM_MODE:
                     continue

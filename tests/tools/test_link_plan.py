@@ -266,3 +266,20 @@ def test_a_run_with_failed_requests_is_reported_not_checked(tmp_path, capsys):
     assert skipped == [f"{RATE} push 256 tokens at QPS 2: 1 of 2 failed, not checked"]
     assert LP.main([str(tmp_path)]) == 0
     assert "1 of 2 failed, not checked" in capsys.readouterr().out
+
+
+def test_the_path_takes_the_fastest_lone_rep_where_the_run_folder_has_them(tmp_path):
+    # two lone reps of pull inline at 256 tokens (16 blocks), one slowed by something else: 16 and 20
+    # blocks' time; the profile's path takes the faster (the median in link_bench.json says 18)
+    res = results()
+    res["mode_flags"]["pull-inline"] = ["--mode", "pull", "--pull-read", "inline"]
+    res["regimes"][RATE]["pull-inline"] = {"256": lone(100.0, 18 * PER_BLOCK_MS, 18 * PER_BLOCK_MS + 110.0,
+                                                        kv_bytes=16 * 16 * KV_PER_TOKEN, wire_ms=18 * PER_BLOCK_MS)}
+    (tmp_path / RATE).mkdir()
+    tls = [{"decode.read_posted": 10.0, "decode.read_done": 10.0 + k * PER_BLOCK_MS / 1e3} for k in (16, 20)]
+    (tmp_path / RATE / "pull-inline_qps0_in256_out8_iter0.json").write_text(
+        json.dumps({"input_len": 256, "timelines": tls}))
+    assert LP.fastest_wire_ms(str(tmp_path), RATE, "pull-inline") == {256: pytest.approx(16 * PER_BLOCK_MS)}
+    median = LP.profile_for(res, RATE, "pull-inline", 256).costs.handoff_ms_per_block
+    fastest = LP.profile_for(res, RATE, "pull-inline", 256, str(tmp_path)).costs.handoff_ms_per_block
+    assert median == pytest.approx(18 / 16 * PER_BLOCK_MS) and fastest == pytest.approx(PER_BLOCK_MS)
