@@ -373,13 +373,13 @@ class DecodeWriter(WriterBase):
                 with self.ending_for_loss("prefill", reason):
                     self.apply(self.arrivals.cancel(key[0], key[1], f"prefill instance lost: {reason}", now), now)
         self._release(self.quarantine.engine_gone(engine_id))
-        lost = f"prefill instance lost: {reason}"
+        why = f"prefill instance lost: {reason}"
         for key, (msg, _) in list(self._reads_queued.items()):
             if msg.pull.source.engine_id == engine_id:  # queued READs from it: never to be posted
                 self.counters["failed_peer_death"] += 1
-                self._drop_queued_read(key, lost, tell_peers=False)
+                self._drop_queued_read(key, why, tell_peers=False)
                 with self.ending_for_loss("prefill", reason):
-                    self.send(self.sched, m.KVFailed(key[0], key[1], lost, lost=self._lost))
+                    self.send(self.sched, m.KVFailed(key[0], key[1], why, lost=self._lost))
         self._dead_engines.discard(engine_id)  # a restarted instance is a live peer again
 
     def _release(self, released) -> None:
@@ -446,6 +446,7 @@ class DecodeWriter(WriterBase):
         nbytes = blocks * L.block_bytes(self.layout)
         self._reads_queued[key] = (msg, peers)
         self.counters["read_posts_queued"] += 1
+        # one queue per P instance (its ranks' READs go together, one post): the link's rank is 0
         released = self.link_posts.offer((msg.pull.source.engine_id, 0), key, nbytes, nbytes, now + msg.deadline_s,
                                          now, (msg, peers))
         if not released:
@@ -454,11 +455,9 @@ class DecodeWriter(WriterBase):
 
     def _send_reads(self, released) -> None:
         """Post the READs their links released (each ending may release the next: ``transfer_finished``)."""
-        for link, pid, (msg, peers) in released:
+        for link, pid, (msg, peers) in released:  # (a cancelled READ was dropped from its queue: never here)
             key = (msg.transfer_id, msg.generation)
-            if self._reads_queued.pop(key, None) is None:  # cancelled meanwhile (dropped): never posted
-                self._send_reads(self.link_posts.done(link, pid) if self.link_posts is not None else [])
-                continue
+            del self._reads_queued[key]
             self._read_links[key] = (link, pid)
             self._post_read_now(msg, peers)
 
