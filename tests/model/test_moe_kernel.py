@@ -26,7 +26,8 @@ from pushkv.model.kernels.triton_moe import group_slots  # noqa: E402
 # every mask is exercised; one token (a decode step) to more slots than one row block
 CASES = [(1, 8, 2, 32, 48, "renorm", "float32"), (5, 4, 2, 40, 24, "", "float32"),
          (37, 8, 3, 64, 80, "renorm", "float32"), (300, 6, 2, 32, 32, "", "float32"),
-         (9, 12, 8, 32, 40, "renorm", "float32")]  # E not a power of two, k = 8 (Qwen3-MoE's)
+         (9, 12, 8, 32, 40, "renorm", "float32"),  # E not a power of two, k = 8 (Qwen3-MoE's)
+         (20, 8, 2, 128, 128, "renorm", "float32")]  # whole tiles of every size tiles_for picks: loads unmasked
 
 SCRIPT = r"""
 import json, sys, torch
@@ -46,8 +47,15 @@ for T, E, k, d, i, renorm, dtype in json.loads(sys.argv[2]):
     # every grouped tile size tiles_for picks, and the grouped path at a decode step's few tokens, on the
     # smaller shapes (the interpreter is slow)
     tiles = {triton_moe.tiles_for(n) for n in (100, 5000)} | {triton_moe.Tiles(16, 32, 64, 128)} if T < 10 else set()
+    # and the down kernel with its own depth, warps and stages
+    tiles |= {triton_moe.tiles_for(n) for n in (100, 5000)} | {triton_moe.Tiles(64, 64, 128, 64, 4, 3, 128, 8, 4)} \
+        if d % 128 == 0 and i % 128 == 0 else set()
     errs = [float((ref - triton_moe.moe_mlp(h, router, gate_up, down, k, bool(renorm), tiles=t).float().cpu())
                   .abs().max()) for t in tiles] + [0.0]
+    # the product in slot order and masked loads (what experiments/moe_prefill_probe.py measures against)
+    triton_moe.ROW_ACT = triton_moe.EVEN_LOADS = False
+    errs.append(float((ref - triton_moe.moe_mlp(h, router, gate_up, down, k, bool(renorm)).float().cpu()).abs().max()))
+    triton_moe.ROW_ACT = triton_moe.EVEN_LOADS = True
     # the fused routing + grouping against route + group_slots: each token's same experts (as a set: CUDA's top-k
     # may order a token's k experts differently from the CPU's) and the same slot table
     w, ex = route(h, router, k, bool(renorm))

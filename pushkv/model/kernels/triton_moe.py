@@ -111,7 +111,8 @@ def _route_group_kernel(Logits, Weights, Experts, SlotIds, BlockExpert, T, E, st
 @triton.jit(do_not_specialize=["n_slots"])
 def _gate_up_kernel(H, W, Act, SlotIds, BlockExpert, n_slots, d, inter, k_top,
                     stride_h, stride_we, stride_wn, stride_act,
-                    PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                    PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    EVEN: tl.constexpr, ROW_ACT: tl.constexpr):
     pid_m = tl.program_id(0)
     e = tl.load(BlockExpert + pid_m).to(tl.int64)
     if e < 0:  # a block past the last expert's segment
@@ -119,7 +120,8 @@ def _gate_up_kernel(H, W, Act, SlotIds, BlockExpert, n_slots, d, inter, k_top,
     rows = pid_m * BM + tl.arange(0, BM)
     slots = tl.load(SlotIds + rows)
     valid = slots < n_slots  # padding rows of the expert's last block carry n_slots
-    tok = (slots // k_top).to(tl.int64)
+    # a padding row reads token 0's row (its product is never used), so no load needs a row mask
+    tok = tl.where(valid, slots // k_top, 0).to(tl.int64)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     kk = tl.arange(0, BK)
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
@@ -127,24 +129,34 @@ def _gate_up_kernel(H, W, Act, SlotIds, BlockExpert, n_slots, d, inter, k_top,
     w_base = W + e * stride_we
     for k0 in range(0, d, BK):
         k = k0 + kk
-        a = tl.load(H + tok[:, None] * stride_h + k[None, :], mask=valid[:, None] & (k[None, :] < d), other=0.0)
-        wmask = (cols[None, :] < inter) & (k[:, None] < d)
-        wg = tl.load(w_base + cols[None, :] * stride_wn + k[:, None], mask=wmask, other=0.0)
-        wu = tl.load(w_base + (cols[None, :] + inter) * stride_wn + k[:, None], mask=wmask, other=0.0)
+        if EVEN:  # d a multiple of BK and inter of BN: no mask, so the loads vectorise
+            a = tl.load(H + tok[:, None] * stride_h + k[None, :])
+            wg = tl.load(w_base + cols[None, :] * stride_wn + k[:, None])
+            wu = tl.load(w_base + (cols[None, :] + inter) * stride_wn + k[:, None])
+        else:
+            a = tl.load(H + tok[:, None] * stride_h + k[None, :], mask=k[None, :] < d, other=0.0)
+            wmask = (cols[None, :] < inter) & (k[:, None] < d)
+            wg = tl.load(w_base + cols[None, :] * stride_wn + k[:, None], mask=wmask, other=0.0)
+            wu = tl.load(w_base + (cols[None, :] + inter) * stride_wn + k[:, None], mask=wmask, other=0.0)
         acc_g += tl.dot(a, wg, input_precision=PREC)
         acc_u += tl.dot(a, wu, input_precision=PREC)
     # the reference rounds each projection to the model dtype before SiLU and the product
     g = acc_g.to(Act.dtype.element_ty).to(tl.float32)
     u = acc_u.to(Act.dtype.element_ty).to(tl.float32)
     act = (g * tl.sigmoid(g)).to(Act.dtype.element_ty).to(tl.float32) * u
-    tl.store(Act + slots[:, None].to(tl.int64) * stride_act + cols[None, :], act.to(Act.dtype.element_ty),
-             mask=valid[:, None] & (cols[None, :] < inter))
+    if ROW_ACT:  # the block's rows as they lie in the slot table, padding too: the down kernel reads them whole
+        tl.store(Act + rows[:, None].to(tl.int64) * stride_act + cols[None, :], act.to(Act.dtype.element_ty),
+                 mask=cols[None, :] < inter)
+    else:
+        tl.store(Act + slots[:, None].to(tl.int64) * stride_act + cols[None, :], act.to(Act.dtype.element_ty),
+                 mask=valid[:, None] & (cols[None, :] < inter))
 
 
 @triton.jit(do_not_specialize=["n_slots"])
 def _down_kernel(Act, W, Weights, Out, SlotIds, BlockExpert, n_slots, d, inter,
                  stride_act, stride_we, stride_wn, stride_out,
-                 PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                 PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 EVEN: tl.constexpr, ROW_ACT: tl.constexpr):
     pid_m = tl.program_id(0)
     e = tl.load(BlockExpert + pid_m).to(tl.int64)
     if e < 0:
@@ -153,16 +165,21 @@ def _down_kernel(Act, W, Weights, Out, SlotIds, BlockExpert, n_slots, d, inter,
     slots = tl.load(SlotIds + rows)
     valid = slots < n_slots
     s64 = slots.to(tl.int64)
+    # the product's rows: the block's own (ROW_ACT), or its slots' (a padding row reads slot 0's)
+    a_rows = rows.to(tl.int64) if ROW_ACT else tl.where(valid, s64, 0)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     kk = tl.arange(0, BK)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     w_base = W + e * stride_we
     for k0 in range(0, inter, BK):
         k = k0 + kk
-        a = tl.load(Act + s64[:, None] * stride_act + k[None, :], mask=valid[:, None] & (k[None, :] < inter),
-                    other=0.0)
-        w = tl.load(w_base + cols[None, :] * stride_wn + k[:, None], mask=(cols[None, :] < d) & (k[:, None] < inter),
-                    other=0.0)
+        if EVEN:  # inter a multiple of BK and d of BN
+            a = tl.load(Act + a_rows[:, None] * stride_act + k[None, :])
+            w = tl.load(w_base + cols[None, :] * stride_wn + k[:, None])
+        else:
+            a = tl.load(Act + a_rows[:, None] * stride_act + k[None, :], mask=k[None, :] < inter, other=0.0)
+            w = tl.load(w_base + cols[None, :] * stride_wn + k[:, None],
+                        mask=(cols[None, :] < d) & (k[:, None] < inter), other=0.0)
         acc += tl.dot(a, w, input_precision=PREC)
     wt = tl.load(Weights + slots, mask=valid, other=0.0).to(tl.float32)
     y = acc.to(Out.dtype.element_ty).to(tl.float32) * wt[:, None]
@@ -200,6 +217,12 @@ def block_bound(n_slots: int, num_experts: int, bm: int) -> int:
     return (n_slots + bm - 1) // bm + min(num_experts, n_slots)
 
 
+# The product of gate/up kept in the slot table's row order (the down kernel's loads are then whole
+# blocks, no gather), and loads without masks where the shapes are whole tiles: experiments/moe_prefill_probe.py
+# turns each off to measure what it gives
+ROW_ACT = True
+EVEN_LOADS = True
+
 # Steps of up to this many tokens route and group in the one-program kernel (a decode step: one
 # launch where torch takes ~15); longer ones in torch, whose launches are spread over the whole GPU
 # (a graph bucket bound, so a step routes alike replayed or eager)
@@ -207,7 +230,8 @@ FUSED_ROUTE_TOKENS = 128
 
 
 class Tiles(NamedTuple):
-    """A launch's tile: rows per expert block; gate/up columns; down columns; depth; warps; stages."""
+    """A launch's tile: rows per expert block; gate/up columns; down columns; depth; warps; stages; and
+    the down kernel's own depth, warps and stages where they differ (0: the same as gate/up's)."""
 
     bm: int
     bn_up: int
@@ -215,6 +239,9 @@ class Tiles(NamedTuple):
     bk: int
     warps: int = 4
     stages: int = 3
+    bk_down: int = 0
+    down_warps: int = 0
+    down_stages: int = 0
 
 
 def tiles_for(tokens: int) -> Union[Tiles, DecodeTiles]:
@@ -281,6 +308,43 @@ def group_logits(logits: torch.Tensor, k: int, renorm: bool, bm: int, launch: Op
     return weights, experts, slot_ids, block_expert
 
 
+def gate_up_product(h: torch.Tensor, gate_up: torch.Tensor, slot_ids: torch.Tensor, block_expert: torch.Tensor,
+                    k: int, tiles: Tiles) -> torch.Tensor:
+    """``silu(gate) * up`` of each slot's token row through its expert, [rows, i]: in the slot table's row
+    order (``ROW_ACT``: padding rows too), else in slot order. One launch (``_gate_up_kernel``)."""
+    T, d = h.shape
+    inter = gate_up.shape[1] // 2
+    n = T * k
+    act = torch.empty((slot_ids.numel() if ROW_ACT else n, inter), dtype=h.dtype, device=h.device)
+    grid = (block_expert.numel(), triton.cdiv(inter, tiles.bn_up))
+    _gate_up_kernel[grid](h, gate_up, act, slot_ids, block_expert, n, d, inter, k,
+                          h.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
+                          PREC=_precision(h), BM=tiles.bm, BN=tiles.bn_up, BK=tiles.bk,
+                          EVEN=EVEN_LOADS and d % tiles.bk == 0 and inter % tiles.bn_up == 0, ROW_ACT=ROW_ACT,
+                          num_warps=tiles.warps, num_stages=tiles.stages)
+    return act
+
+
+def down_per_slot(act: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, slot_ids: torch.Tensor,
+                  block_expert: torch.Tensor, n: int, tiles: Tiles) -> torch.Tensor:
+    """Each slot's product through its expert's down projection times its routing weight, [n, d], in
+    slot order (token t's k slots at rows t k .. t k + k - 1). One launch (``_down_kernel``)."""
+    d, inter = down.shape[1], down.shape[2]
+    bk, warps, stages = tiles.bk_down or tiles.bk, tiles.down_warps or tiles.warps, tiles.down_stages or tiles.stages
+    per_slot = torch.empty((n, d), dtype=act.dtype, device=act.device)
+    grid = (block_expert.numel(), triton.cdiv(d, tiles.bn_down))
+    _down_kernel[grid](act, down, weights, per_slot, slot_ids, block_expert, n, d, inter,
+                       act.stride(0), down.stride(0), down.stride(1), per_slot.stride(0),
+                       PREC=_precision(act), BM=tiles.bm, BN=tiles.bn_down, BK=bk,
+                       EVEN=EVEN_LOADS and inter % bk == 0 and d % tiles.bn_down == 0, ROW_ACT=ROW_ACT,
+                       num_warps=warps, num_stages=stages)
+    return per_slot
+
+
+def _precision(x: torch.Tensor) -> str:
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
 def moe_mlp(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
             k: int, renorm: bool, tiles: Union[Tiles, DecodeTiles, None] = None, summed: bool = True) -> torch.Tensor:
     """As ``pushkv.model.moe.moe_mlp``: h [T, d] (normed), router [E, d], gate_up [E, 2 i, d],
@@ -289,8 +353,7 @@ def moe_mlp(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: 
     kernels' [T, k, d] (each token's k experts, weighted, not yet summed) for the caller to sum in its
     next launch (``triton_fused.add_rms``); the decode kernels sum in theirs ([T, d] either way)."""
     T, d = h.shape
-    E, two_i, _ = gate_up.shape
-    inter = two_i // 2
+    E = gate_up.shape[0]
     n = T * k
     tl_ = tiles or tiles_for(T)
     h = h.contiguous()
@@ -304,19 +367,7 @@ def moe_mlp(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: 
         w, experts = route(h, router, k, renorm)
         weights = w.flatten().contiguous()
         slot_ids, block_expert = group_slots(experts, E, tl_.bm)
-    gate_up, down = gate_up.contiguous(), down.contiguous()
-    act = torch.empty((n, inter), dtype=h.dtype, device=h.device)
-    prec = "ieee" if h.dtype == torch.float32 else "tf32"
-    grid = (block_expert.numel(), triton.cdiv(inter, tl_.bn_up))
-    _gate_up_kernel[grid](h, gate_up, act, slot_ids, block_expert, n, d, inter, k,
-                          h.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
-                          PREC=prec, BM=tl_.bm, BN=tl_.bn_up, BK=tl_.bk, num_warps=tl_.warps,
-                          num_stages=tl_.stages)
-    per_slot = torch.empty((n, d), dtype=h.dtype, device=h.device)
-    grid = (block_expert.numel(), triton.cdiv(d, tl_.bn_down))
-    _down_kernel[grid](act, down, weights, per_slot, slot_ids, block_expert, n, d, inter,
-                       act.stride(0), down.stride(0), down.stride(1), per_slot.stride(0),
-                       PREC=prec, BM=tl_.bm, BN=tl_.bn_down, BK=tl_.bk, num_warps=tl_.warps,
-                       num_stages=tl_.stages)
+    act = gate_up_product(h, gate_up.contiguous(), slot_ids, block_expert, k, tl_)
+    per_slot = down_per_slot(act, down.contiguous(), weights, slot_ids, block_expert, n, tl_)
     per_token = per_slot.view(T, k, d)
     return per_token.sum(dim=1) if summed else per_token
