@@ -91,16 +91,16 @@ def sweep(h, layer, peak: float) -> tuple[dict, list]:
         for bn, bk, wp, st in UP_SWEEP:
             t = Tiles(bm, bn, 64, bk, wp, st)
             try:
-                up_t[(bn, bk, wp, st)] = ms(lambda t=t: triton_moe.gate_up_product(h, gate_up, slot_ids, block_expert,
-                                                                                   K, t))
+                up_t[(bn, bk, wp, st)] = ms(functools.partial(triton_moe.gate_up_product, h, gate_up, slot_ids,
+                                                              block_expert, K, t))
             except Exception as e:  # a tile the device cannot run (shared memory): said, not hidden
                 print(f"gate/up {t} failed: {type(e).__name__}: {str(e)[:160]}", flush=True)
         act = triton_moe.gate_up_product(h, gate_up, slot_ids, block_expert, K, Tiles(bm, 64, 64, 64))
         for bn, bk, wp, st in DOWN_SWEEP:
             t = Tiles(bm, 64, bn, 64, 4, 3, bk, wp, st)
             try:
-                down_t[(bn, bk, wp, st)] = ms(lambda t=t: triton_moe.down_per_slot(act, down, weights, slot_ids,
-                                                                                   block_expert, T * K, t))
+                down_t[(bn, bk, wp, st)] = ms(functools.partial(triton_moe.down_per_slot, act, down, weights,
+                                                                slot_ids, block_expert, T * K, t))
             except Exception as e:
                 print(f"down {t} failed: {type(e).__name__}: {str(e)[:160]}", flush=True)
         recs += [{"bm": bm, "kernel": "gate_up", "tile": list(k), "ms": round(v, 4)} for k, v in up_t.items()]
@@ -179,9 +179,10 @@ def markdown(rep: dict) -> str:
              "options off | ROW_ACT only | EVEN only | best tiles |", "| --- " * 13 + "|"]
     for r in rep["layer"]:
         s = r["stages"]
-        lines.append(f"| {r['tokens']} | {r['bound_ms']:.3f} | {s['route']:.3f} | {s['group']:.3f} | {s['gate_up']:.3f} | "
-                     f"{s['down']:.3f} | {s['sum']:.3f} | {s['rows_padded_pct']} % | {r['shipped']:.3f} | "
-                     f"{r['off']:.3f} | {r['row_act_only']:.3f} | {r['even_only']:.3f} | {r.get('best', float('nan')):.3f} |")
+        lines.append(f"| {r['tokens']} | {r['bound_ms']:.3f} | {s['route']:.3f} | {s['group']:.3f} | "
+                     f"{s['gate_up']:.3f} | {s['down']:.3f} | {s['sum']:.3f} | {s['rows_padded_pct']} % | "
+                     f"{r['shipped']:.3f} | {r['off']:.3f} | {r['row_act_only']:.3f} | {r['even_only']:.3f} | "
+                     f"{r['best']:.3f} |")
     if rep.get("model"):
         lines += ["", "| prefill tokens | shipped ms (of matmul) | options off | best tiles |", "| --- " * 4 + "|"]
         for r in rep["model"]["rows"]:
