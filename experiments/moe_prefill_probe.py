@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from pushkv.model.kernels import triton_moe
+from pushkv.model.kernels import triton_moe, triton_paged
 from pushkv.model.kernels.triton_moe import Tiles
 from pushkv.model.moe import moe_mlp, route
 from tools.roofline import _time, matmul_rate
@@ -59,34 +59,99 @@ def options(row_act: bool, even: bool) -> None:
     triton_moe.ROW_ACT, triton_moe.EVEN_LOADS = row_act, even
 
 
+def torch_grouping(h, router, k, renorm, bm):
+    """The grouping before route_group_wide: torch's routing and its sort-based grouping (group_slots)."""
+    w, experts = route(h, router, k, renorm)
+    slot_ids, block_expert = triton_moe.group_slots(experts, router.shape[0], bm)
+    return w.flatten().contiguous(), experts, slot_ids, block_expert
+
+
+def old_tiles(tokens: int):
+    """tiles_for before the sweep of gate/up and down apart."""
+    return Tiles(128, 128, 128, 64, 8, 3) if tokens >= 2048 else SHIPPED_TILES(tokens)
+
+
+SHIPPED_TILES, SHIPPED_GROUPING = triton_moe.tiles_for, triton_moe.route_group_wide
+
+
+def tree(before: bool, attention_before: bool = False) -> None:
+    """The MoE kernels and attention as they were before this probe's changes (True), or as shipped."""
+    options(not before, not before)
+    triton_moe.tiles_for = old_tiles if before else SHIPPED_TILES
+    triton_moe.route_group_wide = torch_grouping if before else SHIPPED_GROUPING
+    triton_paged.HEAVY_FIRST = triton_paged.FREE_LOOP = not (before or attention_before)
+
+
 def stages(h, layer, tiles: Tiles) -> dict:
     """Each step of the layer alone, in ms."""
     router, gate_up, down = layer
     T = h.shape[0]
-    w, experts = route(h, router, K, True)
-    weights = w.flatten().contiguous()
-    slot_ids, block_expert = triton_moe.group_slots(experts, E, tiles.bm)
+    weights, _, slot_ids, block_expert = triton_moe.route_group_wide(h, router, K, True, tiles.bm)
     act = triton_moe.gate_up_product(h, gate_up, slot_ids, block_expert, K, tiles)
     per_slot = triton_moe.down_per_slot(act, down, weights, slot_ids, block_expert, T * K, tiles)
     used_rows = int((slot_ids < T * K).sum())
     blocks_used = int((block_expert >= 0).sum())
-    return {"route": ms(lambda: route(h, router, K, True)),
-            "group": ms(lambda: triton_moe.group_slots(experts, E, tiles.bm)),
+    return {"route_group": ms(lambda: triton_moe.route_group_wide(h, router, K, True, tiles.bm)),
+            "torch_route_group": ms(lambda: torch_grouping(h, router, K, True, tiles.bm)),
             "gate_up": ms(lambda: triton_moe.gate_up_product(h, gate_up, slot_ids, block_expert, K, tiles)),
             "down": ms(lambda: triton_moe.down_per_slot(act, down, weights, slot_ids, block_expert, T * K, tiles)),
             "sum": ms(lambda: per_slot.view(T, K, D).sum(dim=1)),
             "rows_padded_pct": round(100 * (blocks_used * tiles.bm - used_rows) / used_rows, 1)}
 
 
+def attention(L: int, peak: float) -> list:
+    """The prefill's attention alone at the model's shape (32 query heads on 4 KV heads, head 128, blocks of 16
+    through a shuffled table), as shipped and with the heavy-first order and mask-free loop off, per block_q and
+    config (block_n, warps, stages); each output checked against the torch reference."""
+    import random
+
+    from pushkv.messages import SeqWork
+    from pushkv.model.kernels import paged
+    from pushkv.model.step import StepTensors, plan_step
+
+    kvh, G, hd, u = 4, 8, 128, 16
+    nb = -(-L // u)
+    table = list(range(nb))
+    random.Random(0).shuffle(table)
+    cache = torch.randn(nb, 2, kvh, u, hd, dtype=torch.bfloat16, device="cuda")
+    q = torch.randn(L, kvh * G, hd, dtype=torch.bfloat16, device="cuda")
+    flops = 2 * L * L * kvh * G * hd
+    rows = []
+    for bq in (16, 8, 32):
+        plan = plan_step([SeqWork(0, tuple(range(L)), 0, tuple(table))], u, bq)
+        meta = StepTensors.upload(plan, torch.device("cuda"))
+        want = paged.attention_ref(q.float(), cache.float(), meta.block_table, meta.seq_lens, meta.q_starts,
+                                   meta.q_lens) if bq == 16 else None
+        for cfg in (None, (64, 8, 3), (128, 8, 2), (64, 4, 2), (32, 4, 3)):
+            for opts in ((True, True), (False, False), (True, False), (False, True)):
+                if cfg is not None and opts != (True, True):
+                    continue
+                triton_paged.HEAVY_FIRST, triton_paged.FREE_LOOP = opts
+                run = functools.partial(triton_paged.attention, q, cache, meta.block_table, meta.seq_lens,
+                                        meta.q_starts, meta.q_lens, meta.prefill_tiles, meta.prefill_q0, bq,
+                                        config=cfg)
+                try:
+                    t = _time(run, 5, warm=2)
+                except Exception as e:  # out of shared memory etc.: said, not hidden
+                    print(f"attention block_q {bq} config {cfg}: {type(e).__name__}", flush=True)
+                    continue
+                err = float((run().float() - want).abs().max()) if want is not None else None
+                row = {"block_q": bq, "config": cfg, "heavy_first": opts[0], "free_loop": opts[1],
+                       "ms": round(t * 1e3, 3), "tflops": round(flops / t / 1e12, 1),
+                       "of_matmul": round(flops / t / peak, 3), "max_err": err}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    triton_paged.HEAVY_FIRST = triton_paged.FREE_LOOP = True
+    return rows
+
+
 def sweep(h, layer, peak: float) -> tuple[dict, list]:
     """gate/up and down tiles apart, per row block; (best Tiles per bm, every record)."""
     router, gate_up, down = layer
     T = h.shape[0]
-    w, experts = route(h, router, K, True)
-    weights = w.flatten().contiguous()
     recs, best = [], {}
-    for bm in (64, 128):
-        slot_ids, block_expert = triton_moe.group_slots(experts, E, bm)
+    for bm in ((64, 128) if T >= 2048 else (64,)):
+        weights, _, slot_ids, block_expert = triton_moe.route_group_wide(h, router, K, True, bm)
         up_t, down_t = {}, {}
         for bn, bk, wp, st in UP_SWEEP:
             t = Tiles(bm, bn, 64, bk, wp, st)
@@ -118,8 +183,9 @@ def layer_ms(h, layer, tiles=None) -> float:
     return ms(lambda: triton_moe.moe_mlp(h, router, gate_up, down, K, True, tiles, summed=False))
 
 
-def bench_model(args, peak: float, best: Tiles) -> dict:
-    """The qwen3-30b-a3b prefill (one sequence), as pushkv roofline times it: shipped, options off, best tiles."""
+def bench_model(args, peak: float) -> dict:
+    """The qwen3-30b-a3b prefill (one sequence), as pushkv roofline times it: the tree before this probe's
+    changes, the MoE changes alone (attention as before), and as shipped; a profile of the first length."""
     from torch.profiler import ProfilerActivity, profile
 
     from pushkv.config import preset
@@ -140,21 +206,18 @@ def bench_model(args, peak: float, best: Tiles) -> dict:
     pool = torch.empty(nb, lay.num_layers, 2, lay.kv_heads, u, lay.head_dim, dtype=model.dtype,
                        device="cuda").normal_()
     views = model._layer_pools(pool)
-    shipped = triton_moe.tiles_for
     out: dict = {"rows": []}
     for L in lengths:
         seqs = [SeqWork(0, tuple(range(L)), 0, tuple(range(-(-L // u))))]
         run = functools.partial(fwd.logits, seqs, views)
         fl = prefill_flops(c, L)
         row = {"tokens": L, "flops": fl}
-        for name in ("shipped", "options_off", "best_tiles"):
-            options(name != "options_off", name != "options_off")
-            triton_moe.tiles_for = (lambda n: best if n > triton_moe.FUSED_ROUTE_TOKENS else shipped(n)) \
-                if name == "best_tiles" else shipped
+        for name, before, attention_before in (("before", True, False), ("moe_only", False, True),
+                                               ("shipped", False, False)):
+            tree(before, attention_before)
             t = _time(run, 3, warm=1)
             row[name] = {"ms": round(t * 1e3, 2), "of_matmul": round(fl / t / peak, 3)}
-        options(True, True)
-        triton_moe.tiles_for = shipped
+        tree(False)
         out["rows"].append(row)
         print(json.dumps(row), flush=True)
     L = lengths[0]
@@ -175,20 +238,23 @@ def bench_model(args, peak: float, best: Tiles) -> dict:
 
 def markdown(rep: dict) -> str:
     lines = [f"matmul rate {rep['matmul_tflops']:.0f} TFLOP/s (8k bf16), {rep['gpu']}", "",
-             "| tokens | FLOPs bound | route | group | gate/up | down | sum | padded rows | layer (shipped) | "
-             "options off | ROW_ACT only | EVEN only | best tiles |", "| --- " * 13 + "|"]
+             "| tokens | FLOPs bound | route+group | (torch's) | gate/up | down | sum | padded rows | layer before | "
+             "layer shipped | max rel. err |", "| --- " * 11 + "|"]
     for r in rep["layer"]:
         s = r["stages"]
-        lines.append(f"| {r['tokens']} | {r['bound_ms']:.3f} | {s['route']:.3f} | {s['group']:.3f} | "
+        lines.append(f"| {r['tokens']} | {r['bound_ms']:.3f} | {s['route_group']:.3f} | {s['torch_route_group']:.3f} | "
                      f"{s['gate_up']:.3f} | {s['down']:.3f} | {s['sum']:.3f} | {s['rows_padded_pct']} % | "
-                     f"{r['shipped']:.3f} | {r['off']:.3f} | {r['row_act_only']:.3f} | {r['even_only']:.3f} | "
-                     f"{r['best']:.3f} |")
+                     f"{r['before']:.3f} | {r['shipped']:.3f} | {r['max_rel_err']:.4f} |")
+    lines += ["", "| attention block_q | config | heavy first | free loop | ms | TFLOP/s | of matmul |",
+              "| --- " * 7 + "|"]
+    lines += [f"| {a['block_q']} | {a['config'] or 'default'} | {a['heavy_first']} | {a['free_loop']} | {a['ms']} | "
+              f"{a['tflops']} | {a['of_matmul']:.0%} |" for a in rep["attention"]]
     if rep.get("model"):
-        lines += ["", "| prefill tokens | shipped ms (of matmul) | options off | best tiles |", "| --- " * 4 + "|"]
+        lines += ["", "| prefill tokens | before ms (of matmul) | MoE changes only | shipped |", "| --- " * 4 + "|"]
         for r in rep["model"]["rows"]:
             lines.append(f"| {r['tokens']} | " + " | ".join(f"{r[k]['ms']} ({r[k]['of_matmul']:.0%})"
-                                                             for k in ("shipped", "options_off", "best_tiles")) + " |")
-        lines += ["", "kernels of the first length's prefill (ms, count):"]
+                                                             for k in ("before", "moe_only", "shipped")) + " |")
+        lines += ["", "kernels of the first length's prefill, shipped (ms, count):"]
         lines += [f"- {p['ms']:.3f} x{p['count']} {p['kernel']}" for p in rep["model"]["profile"]]
     return "\n".join(lines) + "\n"
 
@@ -197,41 +263,43 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="out")
     ap.add_argument("--tokens", default="1024,4096,16384", help="layer: prefill lengths")
-    ap.add_argument("--sweep-tokens", default="4096", help="the length the tiles are swept at")
+    ap.add_argument("--sweep-tokens", default="", help="lengths the tiles are swept at (none by default)")
+    ap.add_argument("--attention-tokens", type=int, default=4096)
     ap.add_argument("--model-tokens", default="4096,1024,16384", help="whole model: prefill lengths (first profiled)")
     ap.add_argument("--no-model", action="store_true")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
     peak = matmul_rate(torch.device("cuda"))
-    rep: dict = {"gpu": torch.cuda.get_device_name(), "matmul_tflops": peak / 1e12, "layer": []}
+    rep: dict = {"gpu": torch.cuda.get_device_name(), "matmul_tflops": peak / 1e12, "layer": [], "sweep": [],
+                 "best_tiles": {}}
+    rep["attention"] = attention(args.attention_tokens, peak)
     layer = weights_of_layer(1)
-    sweep_T = int(args.sweep_tokens)
-    h = torch.randn(sweep_T, D, device="cuda", dtype=torch.bfloat16)
-    best_by_bm, rep["sweep"] = sweep(h, layer, peak)
-    best_layer = {bm: layer_ms(h, layer, t) for bm, t in best_by_bm.items()}
-    best = best_by_bm[min(best_layer, key=best_layer.__getitem__)]
-    rep["best_tiles"] = list(best)
-    print(f"best tiles at {sweep_T}: {best} ({best_layer})", flush=True)
+    for T in [int(t) for t in args.sweep_tokens.split(",") if t]:
+        h = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+        best_by_bm, recs = sweep(h, layer, peak)
+        rep["sweep"] += [{"tokens": T, **r} for r in recs]
+        best_layer = {bm: layer_ms(h, layer, t) for bm, t in best_by_bm.items()}
+        rep["best_tiles"][T] = list(best_by_bm[min(best_layer, key=best_layer.__getitem__)])
+        print(f"best tiles at {T}: {rep['best_tiles'][T]} ({best_layer}; shipped {layer_ms(h, layer):.3f})",
+              flush=True)
     for T in [int(t) for t in args.tokens.split(",")]:
         h = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
         router, gate_up, down = layer
         ref = moe_mlp(h, router, gate_up, down, K, True).float()
-        got = triton_moe.moe_mlp(h, router, gate_up, down, K, True, best).float()
+        got = triton_moe.moe_mlp(h, router, gate_up, down, K, True).float()
         row = {"tokens": T, "bound_ms": flops_ms(T, peak), "stages": stages(h, layer, triton_moe.tiles_for(T)),
-               "best_stages": stages(h, layer, best),
-               "best_max_rel_err": float((ref - got).abs().max() / ref.abs().max())}
-        for name, ra, ev in (("off", False, False), ("row_act_only", True, False), ("even_only", False, True),
-                             ("shipped", True, True)):
-            options(ra, ev)
+               "max_rel_err": float((ref - got).abs().max() / ref.abs().max())}
+        for name, before in (("before", True), ("shipped", False)):
+            tree(before)
             row[name] = layer_ms(h, layer)
-        row["best"] = layer_ms(h, layer, best)
+        tree(False)
         rep["layer"].append(row)
         print(json.dumps(row), flush=True)
     if not args.no_model:
         del layer
         torch.cuda.empty_cache()
-        rep["model"] = bench_model(args, peak, best)
+        rep["model"] = bench_model(args, peak)
     with open(os.path.join(args.out, "moe_prefill.json"), "w") as f:
         json.dump(rep, f, indent=1)
     text = markdown(rep)

@@ -62,7 +62,18 @@ for T, E, k, d, i, renorm, dtype in json.loads(sys.argv[2]):
     bm = 16
     kw, kex, slots, blocks = triton_moe.route_group(h, router, k, bool(renorm), bm)
     ref_slots, ref_blocks = triton_moe.group_slots(kex.view(T, k).long(), E, bm)
+    # a prefill's grouping across the GPU: the same routing, each expert's run holding the same slots (in
+    # any order) and the same blocks; the layer's per-slot products bit for bit those of the sorted table
+    ww, wex, wslots, wblocks = triton_moe.route_group_wide(h, router, k, bool(renorm), bm)
+    canon = lambda sl, bl: torch.sort(bl.repeat_interleave(bm).long().cpu() * (T * k + 1) + sl.long().cpu()).values
+    t16 = triton_moe.Tiles(16, 32, 32, 32)
+    per_slot = lambda sl, bl: triton_moe.down_per_slot(triton_moe.gate_up_product(h, gate_up, sl, bl, k, t16), down,
+                                                      kw, sl, bl, T * k, t16)
+    wide = (torch.equal(ww, kw) and torch.equal(wex, kex) and torch.equal(wblocks.cpu(), ref_blocks.cpu())
+            and torch.equal(canon(wslots, wblocks), canon(ref_slots, ref_blocks))
+            and torch.equal(per_slot(wslots, wblocks), per_slot(ref_slots.to(dev), ref_blocks.to(dev))))
     out.append({"err": float((ref - got).abs().max()), "tile_err": max(errs), "scale": float(ref.abs().max()),
+                "wide": wide,
                 "experts": [sorted(r) for r in ex.tolist()] == [sorted(r) for r in kex.view(T, k).long().tolist()],
                 "weights": float((w.float().sort(-1).values - kw.view(T, k).float().sort(-1).values).abs().max()),
                 "slots": torch.equal(slots.cpu(), ref_slots.cpu()) and torch.equal(blocks.cpu(), ref_blocks.cpu())})
@@ -183,7 +194,7 @@ def test_slots_are_grouped_by_expert_in_whole_blocks(T, E, k, bm):
 def test_kernels_equal_the_reference_under_the_interpreter():
     for case, r in zip(CASES, _run("cpu", CASES)):
         assert r["err"] <= 1e-4 * max(1.0, r["scale"]) and r["tile_err"] <= 1e-4 * max(1.0, r["scale"]), (case, r)
-        assert r["experts"] and r["slots"] and r["weights"] <= 1e-6, (case, r)
+        assert r["experts"] and r["slots"] and r["wide"] and r["weights"] <= 1e-6, (case, r)
 
 
 def _check_decode(case, r, tol: float) -> None:

@@ -6,24 +6,29 @@ compares the two).
 
 A step of a few dozen tokens routes each to a few experts: its bytes are the chosen experts'
 weights, a few tens of microseconds on an H200, so what a layer costs beyond them is launches.
-A layer is five, none waiting for the host (so the decode step's CUDA graph captures it;
-a step of more than ``FUSED_ROUTE_TOKENS`` routes and groups in torch instead, also without a sync):
+A layer is four or five, none waiting for the host (so the decode step's CUDA graph captures it):
 
 - the router's logits (one matmul, in the model dtype as the reference rounds them);
-- ``_route_group_kernel``, one program: softmax (float32), top-k, renormalisation, then the
-  grouping: each token-slot (token, k-th choice) placed in its expert's segment of the slot
-  table, each segment padded to whole blocks of ``BM`` rows, and each block's expert named
-  (-1 past the last); by one-hot counts and running sums over chunks of slots, no sort;
+- a decode step (up to ``FUSED_ROUTE_TOKENS`` tokens): ``_route_group_kernel``, one program:
+  softmax (float32), top-k, renormalisation, then the grouping: each token-slot (token, k-th
+  choice) placed in its expert's segment of the slot table, each segment padded to whole blocks of
+  ``BM`` rows, and each block's expert named (-1 past the last); by one-hot counts and running sums
+  over chunks of slots, no sort;
+- a prefill: the same spread over the GPU (``route_group_wide``): ``_route_count_kernel`` routes a
+  few tokens a program and adds each expert's count, ``_place_kernel`` takes each program's range
+  of its experts' rows by one atomic an expert and places its slots there;
 - ``_gate_up_kernel``: for each row block and column tile of the intermediate, gather the
   block's token rows, multiply by the expert's gate and up weights, and store
-  ``silu(gate) * up`` per slot;
-- ``_down_kernel``: that product times the expert's down projection, scaled by the slot's
-  routing weight, stored per slot;
-- the sum of a token's k slots (torch; no atomics, so the sum is deterministic).
+  ``silu(gate) * up`` in the block's rows (``ROW_ACT``);
+- ``_down_kernel``: that product (whole row blocks, no gather) times the expert's down projection,
+  scaled by the slot's routing weight, stored per slot;
+- the sum of a token's k slots (in the model's next residual add, ``triton_fused.add_rms``, or
+  torch; no atomics, so the sum is deterministic).
 
 Only the experts that tokens chose are read, each once per row block. Tiles come from
 :func:`tiles_for` (small row blocks for a few slots per expert, so that more programs share the
-experts' bytes; experiments/moe_bench.py sweeps them).
+experts' bytes; experiments/moe_bench.py sweeps them at decode sizes, experiments/moe_prefill_probe.py
+at prefill lengths).
 """
 from __future__ import annotations
 
@@ -35,13 +40,41 @@ import torch.nn.functional as F
 from pushkv import envs
 from pushkv.extras import missing
 from pushkv.model.kernels.triton_moe_decode import DECODE_TOKENS, DecodeTiles, decode_tiles_for, moe_mlp_decode
-from pushkv.model.moe import route
 
 try:
     import triton
     import triton.language as tl
 except ModuleNotFoundError as e:  # a CUDA torch build without Triton
     raise missing("triton", "pushkv's CUDA kernels") from e
+
+
+@triton.jit
+def _route_tokens(Logits, Weights, Experts, t, T, E, stride_l, K: tl.constexpr, RENORM: tl.constexpr,
+                  EP: tl.constexpr):
+    """Tokens ``t`` (a vector): softmax, then k rounds of the largest probability (lowest expert on a
+    tie), twice when renormalising (the first to sum the chosen ones); their weights and experts stored."""
+    e = tl.arange(0, EP)
+    x = tl.load(Logits + t[:, None].to(tl.int64) * stride_l + e[None, :],
+                mask=(t[:, None] < T) & (e[None, :] < E), other=float("-inf")).to(tl.float32)
+    x = tl.where(e[None, :] < E, x, float("-inf"))
+    p = tl.exp(x - tl.max(x, 1)[:, None])
+    p = p / tl.sum(p, 1)[:, None]
+    total = tl.full(t.shape, 1.0, tl.float32)
+    if RENORM:
+        left = p
+        total = tl.zeros(t.shape, tl.float32)
+        for _ in tl.static_range(K):
+            best = tl.max(left, 1)
+            pick = tl.min(tl.where(left == best[:, None], e[None, :], EP), 1)
+            left = tl.where(e[None, :] == pick[:, None], -1.0, left)
+            total += best
+    left = p
+    for j in tl.static_range(K):
+        best = tl.max(left, 1)
+        pick = tl.min(tl.where(left == best[:, None], e[None, :], EP), 1)
+        left = tl.where(e[None, :] == pick[:, None], -1.0, left)
+        tl.store(Weights + t * K + j, (best / total).to(Weights.dtype.element_ty), mask=t < T)
+        tl.store(Experts + t * K + j, pick, mask=t < T)
 
 
 # Counts that change with the batch are not specialised on (Triton compiles a variant per count that
@@ -52,31 +85,9 @@ def _route_group_kernel(Logits, Weights, Experts, SlotIds, BlockExpert, T, E, st
                         TT: tl.constexpr, SC: tl.constexpr, FILL: tl.constexpr):
     n = T * K
     e = tl.arange(0, EP)
-    # 1. route, TT tokens at a time: k rounds of the largest probability (lowest expert on a tie),
-    # twice when renormalising (the first to sum the chosen ones)
+    # 1. route, TT tokens at a time
     for t0 in range(0, T, TT):
-        t = t0 + tl.arange(0, TT)
-        x = tl.load(Logits + t[:, None].to(tl.int64) * stride_l + e[None, :],
-                    mask=(t[:, None] < T) & (e[None, :] < E), other=float("-inf")).to(tl.float32)
-        x = tl.where(e[None, :] < E, x, float("-inf"))
-        p = tl.exp(x - tl.max(x, 1)[:, None])
-        p = p / tl.sum(p, 1)[:, None]
-        total = tl.full((TT,), 1.0, tl.float32)
-        if RENORM:
-            left = p
-            total = tl.zeros((TT,), tl.float32)
-            for _ in tl.static_range(K):
-                best = tl.max(left, 1)
-                pick = tl.min(tl.where(left == best[:, None], e[None, :], EP), 1)
-                left = tl.where(e[None, :] == pick[:, None], -1.0, left)
-                total += best
-        left = p
-        for j in tl.static_range(K):
-            best = tl.max(left, 1)
-            pick = tl.min(tl.where(left == best[:, None], e[None, :], EP), 1)
-            left = tl.where(e[None, :] == pick[:, None], -1.0, left)
-            tl.store(Weights + t * K + j, (best / total).to(Weights.dtype.element_ty), mask=t < T)
-            tl.store(Experts + t * K + j, pick, mask=t < T)
+        _route_tokens(Logits, Weights, Experts, t0 + tl.arange(0, TT), T, E, stride_l, K, RENORM, EP)
     # 2. padding everywhere in the slot table, before the slots land
     for r0 in range(0, n_rows, FILL):
         r = r0 + tl.arange(0, FILL)
@@ -103,6 +114,50 @@ def _route_group_kernel(Logits, Weights, Experts, SlotIds, BlockExpert, T, E, st
         seen += tl.sum(hot, 0)
     # 5. each block's expert: how many experts' blocks end at or before it
     for b0 in range(0, max_blocks, SC):
+        b = b0 + tl.arange(0, SC)
+        owner = tl.sum((ends[None, :] <= b[:, None]).to(tl.int32), 1)
+        tl.store(BlockExpert + b, tl.where(owner < E, owner, -1), mask=b < max_blocks)
+
+
+@triton.jit(do_not_specialize=["T", "n_rows"])
+def _route_count_kernel(Logits, Weights, Experts, Counts, SlotIds, T, E, stride_l, n_rows,
+                        K: tl.constexpr, RENORM: tl.constexpr, EP: tl.constexpr, TT: tl.constexpr,
+                        SP: tl.constexpr, FILL: tl.constexpr):
+    """A prefill's routing, TT tokens a program: their experts and weights, each expert's count of them
+    added to ``Counts``, and a share of the slot table filled with padding (``T * K``)."""
+    pid = tl.program_id(0)
+    n = T * K
+    _route_tokens(Logits, Weights, Experts, pid * TT + tl.arange(0, TT), T, E, stride_l, K, RENORM, EP)
+    tl.debug_barrier()  # the experts stored above are read below by other threads
+    e = tl.arange(0, EP)
+    s = pid * TT * K + tl.arange(0, SP)
+    ex = tl.load(Experts + s, mask=(s < n) & (s < (pid + 1) * TT * K), other=EP)
+    tl.atomic_add(Counts + e, tl.sum((ex[:, None] == e[None, :]).to(tl.int32), 0), mask=e < E)
+    for r0 in range(pid * FILL, n_rows, tl.num_programs(0) * FILL):
+        r = r0 + tl.arange(0, FILL)
+        tl.store(SlotIds + r, tl.full((FILL,), 0, tl.int32) + n, mask=r < n_rows)
+
+
+@triton.jit(do_not_specialize=["n", "max_blocks"])
+def _place_kernel(Experts, Counts, Cursor, SlotIds, BlockExpert, n, E, max_blocks,
+                  BM: tl.constexpr, EP: tl.constexpr, SC: tl.constexpr):
+    """A prefill's grouping, SC slots a program: each expert's first row from the counts (its run padded
+    to whole blocks of BM), a range of its rows taken for this program's slots of it (one atomic per
+    expert), the slots placed there; and a share of the blocks' experts (-1 past the last)."""
+    pid = tl.program_id(0)
+    e = tl.arange(0, EP)
+    counts = tl.load(Counts + e, mask=e < E, other=0)
+    blocks = (counts + BM - 1) // BM
+    ends = tl.cumsum(blocks, 0)
+    first_row = (ends - blocks) * BM
+    s = pid * SC + tl.arange(0, SC)
+    ex = tl.load(Experts + s, mask=s < n, other=EP)
+    hot = (ex[:, None] == e[None, :]).to(tl.int32)
+    base = tl.atomic_add(Cursor + e, tl.sum(hot, 0), mask=e < E)
+    before = tl.cumsum(hot, 0) - hot
+    row = tl.sum(hot * (first_row[None, :] + base[None, :] + before), 1)
+    tl.store(SlotIds + row, s, mask=s < n)
+    for b0 in range(pid * SC, max_blocks, tl.num_programs(0) * SC):
         b = b0 + tl.arange(0, SC)
         owner = tl.sum((ends[None, :] <= b[:, None]).to(tl.int32), 1)
         tl.store(BlockExpert + b, tl.where(owner < E, owner, -1), mask=b < max_blocks)
@@ -259,9 +314,18 @@ def tiles_for(tokens: int) -> Union[Tiles, DecodeTiles]:
         return Tiles(16, 64, 64, 64)
     if tokens < 2048:
         return Tiles(64, 64, 64, 64)
-    # a long prefill (>= 16 slots an expert at 8 of 128): the best of experiments/moe_bench.py's sweep
-    # at 4k tokens on an H200, 0.98 ms a layer against 1.19 with 64-row tiles
-    return Tiles(128, 128, 128, 64, 8, 3)
+    # a long prefill (>= 16 slots an expert at 8 of 128): the best of experiments/moe_prefill_probe.py's sweep
+    # at 4k tokens on an H200 (gate/up and down swept apart): gate/up 0.466 ms and down 0.285 ms a layer,
+    # against 0.508 and 0.377 with (128, 128, 128, 64, 8, 3) for both
+    return Tiles(128, 128, 256, 64, 8, 4, 64, 8, 4)
+
+
+def fit_tiles(tiles: Tiles, itemsize: int) -> Tiles:
+    """Tiles for a dtype of ``itemsize`` bytes: float32 tiles take twice the shared memory a stage, so at
+    most 3 stages (2 buffers) each, as fit the H200's 227 KB at the widest prefill tile."""
+    if itemsize < 4:
+        return tiles
+    return tiles._replace(stages=min(tiles.stages, 3), down_stages=min(tiles.down_stages or tiles.stages, 3))
 
 
 class RouteLaunch(NamedTuple):
@@ -305,6 +369,33 @@ def group_logits(logits: torch.Tensor, k: int, renorm: bool, bm: int, launch: Op
     _route_group_kernel[(1,)](logits, weights, experts, slot_ids, block_expert, T, E, logits.stride(0),
                               max_blocks * bm, max_blocks, K=k, RENORM=renorm, BM=bm, EP=ep,
                               TT=rl.tt, SC=rl.sc, FILL=1024, num_warps=rl.warps)
+    return weights, experts, slot_ids, block_expert
+
+
+def route_group_wide(h: torch.Tensor, router: torch.Tensor, k: int, renorm: bool, bm: int):
+    """``route_group`` for a prefill's many tokens, spread over the GPU: the router's matmul, the counters
+    zeroed, ``_route_count_kernel`` (TT tokens a program) and ``_place_kernel`` (SC slots a program); four
+    launches, none waiting for the host (torch's sort-based grouping takes about twenty). Within an
+    expert's rows the slots lie in the order the programs took their ranges, which may change run to run;
+    a slot's products are its own row's, so the layer's output does not."""
+    logits = F.linear(h, router)
+    T, E = logits.shape
+    n = T * k
+    max_blocks = block_bound(n, E, bm)
+    dev = logits.device
+    weights = torch.empty(n, dtype=logits.dtype, device=dev)
+    experts = torch.empty(n, dtype=torch.int32, device=dev)
+    slot_ids = torch.empty(max_blocks * bm, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+    counters = torch.zeros((2, E), dtype=torch.int32, device=dev)  # each expert's slots; its rows taken
+    ep = triton.next_power_of_2(E)
+    tt = max(1, min(16, 4096 // ep))
+    _route_count_kernel[(triton.cdiv(T, tt),)](logits, weights, experts, counters[0], slot_ids, T, E,
+                                               logits.stride(0), max_blocks * bm, K=k, RENORM=renorm, EP=ep,
+                                               TT=tt, SP=triton.next_power_of_2(tt * k), FILL=1024, num_warps=4)
+    sc = max(16, min(64, 8192 // ep))
+    _place_kernel[(triton.cdiv(n, sc),)](experts, counters[0], counters[1], slot_ids, block_expert, n, E,
+                                         max_blocks, BM=bm, EP=ep, SC=sc, num_warps=4)
     return weights, experts, slot_ids, block_expert
 
 
@@ -353,7 +444,6 @@ def moe_mlp(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: 
     kernels' [T, k, d] (each token's k experts, weighted, not yet summed) for the caller to sum in its
     next launch (``triton_fused.add_rms``); the decode kernels sum in theirs ([T, d] either way)."""
     T, d = h.shape
-    E = gate_up.shape[0]
     n = T * k
     tl_ = tiles or tiles_for(T)
     h = h.contiguous()
@@ -361,12 +451,11 @@ def moe_mlp(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: 
         if T > DECODE_TOKENS:
             raise ValueError(f"DecodeTiles serve at most {DECODE_TOKENS} tokens, not {T}")
         return moe_mlp_decode(h, router.contiguous(), gate_up.contiguous(), down.contiguous(), k, renorm, tl_)[0]
-    if T <= FUSED_ROUTE_TOKENS:
-        weights, _, slot_ids, block_expert = route_group(h, router, k, renorm, tl_.bm)
-    else:  # a prefill: the one-program kernel would walk its many slots alone; torch spreads them
-        w, experts = route(h, router, k, renorm)
-        weights = w.flatten().contiguous()
-        slot_ids, block_expert = group_slots(experts, E, tl_.bm)
+    # a prefill's many slots across the GPU; a decode step's few in one program (the one-program kernel
+    # would walk a prefill's alone)
+    tl_ = fit_tiles(tl_, h.element_size())
+    grouping = route_group if T <= FUSED_ROUTE_TOKENS else route_group_wide
+    weights, _, slot_ids, block_expert = grouping(h, router, k, renorm, tl_.bm)
     act = gate_up_product(h, gate_up.contiguous(), slot_ids, block_expert, k, tl_)
     per_slot = down_per_slot(act, down.contiguous(), weights, slot_ids, block_expert, n, tl_)
     per_token = per_slot.view(T, k, d)

@@ -25,6 +25,10 @@ except ModuleNotFoundError as e:  # a CUDA torch build without Triton
     raise missing("triton", "pushkv's CUDA kernels") from e
 
 LOG2E = 1.4426950408889634
+# Prefill: tiles with the most keys start first, and key tiles wholly before a tile's queries are walked
+# without a mask (experiments/attn_tune.py turns each off to measure what it gives)
+HEAVY_FIRST = True
+FREE_LOOP = True
 
 
 @triton.jit
@@ -79,8 +83,11 @@ def _attn_kernel(Q, O, cache, block_table, seq_lens, q_starts, q_lens, tile_seq,
                  s_blk, s_plane, s_grp, s_head, s_slot, HG, U,
                  total_rows, num_q_heads, sm_scale_log2, window,
                  PREC: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                 HEAVY_FIRST: tl.constexpr, FREE_LOOP: tl.constexpr):
     tile = tl.program_id(0)
+    if HEAVY_FIRST:  # a sequence's later tiles see more keys: started first, none is left running alone at the end
+        tile = tl.num_programs(0) - 1 - tile
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq = tl.load(tile_seq + tile)
@@ -116,7 +123,30 @@ def _attn_kernel(Q, O, cache, block_table, seq_lens, q_starts, q_lens, tile_seq,
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
+    # keys before the tile's first query are seen by every row of it: whole key tiles of them need no mask
+    free_end = lo
+    if FREE_LOOP and window == 0:
+        free_end = lo + tl.maximum(tl.minimum(ctx - qlen + q0 + 1, hi) - lo, 0) // BLOCK_N * BLOCK_N
+    for start in range(lo, free_end, BLOCK_N):
+        kpos = start + tl.arange(0, BLOCK_N)
+        blk = tl.load(bt + kpos // U).to(tl.int64)
+        off = head_off + blk * s_blk + (kpos % U) * s_slot
+        if BLOCK_D == D:
+            k = tl.load(cache + off[:, None] + d[None, :])
+        else:
+            k = tl.load(cache + off[:, None] + d[None, :], mask=dm[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * sm_scale_log2
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if BLOCK_D == D:
+            v = tl.load(cache + s_plane + off[:, None] + d[None, :])
+        else:
+            v = tl.load(cache + s_plane + off[:, None] + d[None, :], mask=dm[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m_i = m_new
+    for start in range(free_end, hi, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         kv_ok = kpos < hi
         blk = tl.load(bt + kpos // U, mask=kv_ok, other=0).to(tl.int64)
@@ -217,7 +247,7 @@ def attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, s
         T, Hq, LOG2E / (D ** 0.5), window,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", G=G, D=D, BLOCK_D=block_d, BLOCK_Q=block_q,
         BLOCK_M=block_m, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, num_warps=warps, num_stages=stages)
+        NUM_SPLITS=num_splits, HEAVY_FIRST=HEAVY_FIRST, FREE_LOOP=FREE_LOOP, num_warps=warps, num_stages=stages)
     if num_splits > 1:
         if block_q != 1:
             raise ValueError("split keys only for one-token (decode) tiles")
