@@ -235,7 +235,7 @@ def attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, s
     else:
         part = part_ml = out  # unused
     warps = 4 if block_m <= 64 else 8
-    stages = 2
+    stages = 3 if block_m >= 256 else 2  # 256 rows: 0.39 against 0.42 ms with 2 (a 4k prefill, 32 heads on 4)
     if q.dtype == torch.float32:
         block_n = 32
     if config is not None:  # (block_n, warps, stages), for tuning
