@@ -1,19 +1,22 @@
-"""Qwen3-30B-A3B's MoE prefill on a GPU: where a long prefill's MoE layer spends its time, what the grouped
-kernels' options and tiles give, and the whole model's prefill against the matmul rate, in one command:
+"""Qwen3-30B-A3B's prefill on a GPU: where a long prefill's MoE layer and attention spend their time, what the
+grouped kernels' options and tiles give, and the whole model's prefill against the matmul rate, in one command:
 
-1. **stages**: one MoE layer (128 experts, 8 a token, hidden 2048, expert intermediate 768, bf16, random weights)
-   at each of --tokens: the torch routing, the grouping by expert, gate/up, down and the sum of a token's
-   slots, each timed alone by CUDA events, with ``tiles_for``'s tiles; against the layer's FLOPs at the rate
-   one 8k bf16 matmul reaches in the same run;
-2. **options**: the layer as a prefill runs it, with the gate/up product kept in the slot table's row order
-   (``triton_moe.ROW_ACT``) and unmasked loads (``triton_moe.EVEN_LOADS``), each on and off;
-3. **tiles**: gate/up and down swept apart (each kernel timed alone) for each row block, at the first length
-   of --sweep-tokens; the best pair, and then it against ``tiles_for``'s at every length;
+1. **attention**: the prefill's paged attention alone at --attention-tokens (32 query heads on 4 KV heads, head
+   128, a shuffled block table), per block_q and config, with the heavy-tiles-first order and the mask-free loop
+   (``triton_paged.HEAVY_FIRST``, ``FREE_LOOP``) each on and off; checked against the torch reference;
+2. **tiles** (``--sweep-tokens``, none by default): gate/up and down swept apart (each kernel timed alone) for
+   each row block; the best pair against ``tiles_for``'s;
+3. **layer**: one MoE layer (128 experts, 8 a token, hidden 2048, expert intermediate 768, bf16, random weights)
+   at each of --tokens: the routing and grouping (``route_group_wide``, and torch's sort-based grouping beside
+   it), gate/up, down and the sum of a token's slots, each timed alone by CUDA events; the layer as it was before
+   (torch's grouping, the product in slot order, masked loads, the tiles before the sweep) and as shipped;
+   against the layer's FLOPs at the rate one 8k bf16 matmul reaches in the same run;
 4. **model**: the ``qwen3-30b-a3b`` preset's prefill of one sequence (as ``pushkv roofline`` times it) at
-   --model-tokens, with what ships, with both options off, and with the sweep's best tiles; and a profile of
-   the first length's prefill: kernels by GPU time.
+   --model-tokens: the tree before (``tree``), the MoE changes alone (attention, its query rows a tile and the
+   q/k norm-RoPE-store as before), and as shipped; and a profile
+   of the first length's prefill as shipped: kernels by GPU time.
 
-    python3 experiments/moe_prefill_probe.py --out DIR    (from the checkout's root; ~6 min on an H200)
+    python3 experiments/moe_prefill_probe.py --out DIR    (from the checkout's root; ~4 min on an H200)
 
 writes DIR/moe_prefill.json (every figure) and DIR/moe_prefill.md (the tables).
 """
@@ -27,7 +30,7 @@ import time
 
 import torch
 
-from pushkv.model.kernels import triton_moe, triton_paged
+from pushkv.model.kernels import triton_fused, triton_moe, triton_paged
 from pushkv.model.kernels.triton_moe import Tiles
 from pushkv.model.moe import moe_mlp, route
 from tools.roofline import _time, matmul_rate
@@ -72,14 +75,22 @@ def old_tiles(tokens: int):
 
 
 SHIPPED_TILES, SHIPPED_GROUPING = triton_moe.tiles_for, triton_moe.route_group_wide
+SHIPPED_ROPE = triton_fused.qk_norm_rope_store
 
 
-def tree(before: bool, attention_before: bool = False) -> None:
-    """The MoE kernels and attention as they were before this probe's changes (True), or as shipped."""
+def tree(before: bool, attention_before: bool = False, fwd=None) -> None:
+    """The kernels as they were before this probe's changes (True), or as shipped: the MoE layer's grouping,
+    options and tiles; attention's order, loop and (given the model's ``fwd``) query rows a tile; the q/k
+    norm-RoPE-store's one token a program."""
     options(not before, not before)
     triton_moe.tiles_for = old_tiles if before else SHIPPED_TILES
     triton_moe.route_group_wide = torch_grouping if before else SHIPPED_GROUPING
-    triton_paged.HEAVY_FIRST = triton_paged.FREE_LOOP = not (before or attention_before)
+    old_attention = before or attention_before
+    triton_paged.HEAVY_FIRST = triton_paged.FREE_LOOP = not old_attention
+    triton_fused.qk_norm_rope_store = functools.partial(SHIPPED_ROPE, tokens_a_program=1) if old_attention \
+        else SHIPPED_ROPE
+    if fwd is not None:
+        fwd.block_q = max(1, (128 if old_attention else 256 if fwd.group >= 8 else 128) // fwd.group)
 
 
 def stages(h, layer, tiles: Tiles) -> dict:
@@ -214,10 +225,10 @@ def bench_model(args, peak: float) -> dict:
         row = {"tokens": L, "flops": fl}
         for name, before, attention_before in (("before", True, False), ("moe_only", False, True),
                                                ("shipped", False, False)):
-            tree(before, attention_before)
+            tree(before, attention_before, fwd)
             t = _time(run, 3, warm=1)
             row[name] = {"ms": round(t * 1e3, 2), "of_matmul": round(fl / t / peak, 3)}
-        tree(False)
+        tree(False, fwd=fwd)
         out["rows"].append(row)
         print(json.dumps(row), flush=True)
     L = lengths[0]
