@@ -354,17 +354,22 @@ def route_group(h: torch.Tensor, router: torch.Tensor, k: int, renorm: bool, bm:
     return group_logits(F.linear(h, router), k, renorm, bm)
 
 
+def _routing_buffers(logits: torch.Tensor, k: int, bm: int):
+    """(weights, experts, slot ids, block expert) for a routing of logits [T, E], unfilled."""
+    T, E = logits.shape
+    max_blocks = block_bound(T * k, E, bm)
+    dev = logits.device
+    return (torch.empty(T * k, dtype=logits.dtype, device=dev), torch.empty(T * k, dtype=torch.int32, device=dev),
+            torch.empty(max_blocks * bm, dtype=torch.int32, device=dev),
+            torch.empty(max_blocks, dtype=torch.int32, device=dev))
+
+
 def group_logits(logits: torch.Tensor, k: int, renorm: bool, bm: int, launch: Optional[RouteLaunch] = None):
     """``route_group`` from the router's logits [T, E]: ``_route_group_kernel`` alone (``launch``: its
     tile and warps, default ``route_launch_for``)."""
     T, E = logits.shape
-    n = T * k
-    max_blocks = block_bound(n, E, bm)
-    dev = logits.device
-    weights = torch.empty(n, dtype=logits.dtype, device=dev)
-    experts = torch.empty(n, dtype=torch.int32, device=dev)
-    slot_ids = torch.empty(max_blocks * bm, dtype=torch.int32, device=dev)
-    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+    weights, experts, slot_ids, block_expert = _routing_buffers(logits, k, bm)
+    max_blocks = block_expert.numel()
     ep = triton.next_power_of_2(E)
     rl = launch or route_launch_for(T, ep)
     _route_group_kernel[(1,)](logits, weights, experts, slot_ids, block_expert, T, E, logits.stride(0),
@@ -382,12 +387,9 @@ def route_group_wide(h: torch.Tensor, router: torch.Tensor, k: int, renorm: bool
     logits = F.linear(h, router)
     T, E = logits.shape
     n = T * k
-    max_blocks = block_bound(n, E, bm)
+    weights, experts, slot_ids, block_expert = _routing_buffers(logits, k, bm)
+    max_blocks = block_expert.numel()
     dev = logits.device
-    weights = torch.empty(n, dtype=logits.dtype, device=dev)
-    experts = torch.empty(n, dtype=torch.int32, device=dev)
-    slot_ids = torch.empty(max_blocks * bm, dtype=torch.int32, device=dev)
-    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     counters = torch.zeros((2, E), dtype=torch.int32, device=dev)  # each expert's slots; its rows taken
     ep = triton.next_power_of_2(E)
     tt = max(1, min(16, 4096 // ep))
