@@ -454,9 +454,9 @@ def moe_mlp(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: 
         if T > DECODE_TOKENS:
             raise ValueError(f"DecodeTiles serve at most {DECODE_TOKENS} tokens, not {T}")
         return moe_mlp_decode(h, router.contiguous(), gate_up.contiguous(), down.contiguous(), k, renorm, tl_)[0]
+    tl_ = fit_tiles(tl_, h.element_size())
     # a prefill's many slots across the GPU; a decode step's few in one program (the one-program kernel
     # would walk a prefill's alone)
-    tl_ = fit_tiles(tl_, h.element_size())
     grouping = route_group if T <= FUSED_ROUTE_TOKENS else route_group_wide
     weights, _, slot_ids, block_expert = grouping(h, router, k, renorm, tl_.bm)
     act = gate_up_product(h, gate_up.contiguous(), slot_ids, block_expert, k, tl_)

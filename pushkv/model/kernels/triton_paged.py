@@ -26,7 +26,7 @@ except ModuleNotFoundError as e:  # a CUDA torch build without Triton
 
 LOG2E = 1.4426950408889634
 # Prefill: tiles with the most keys start first, and key tiles wholly before a tile's queries are walked
-# without a mask (experiments/attn_tune.py turns each off to measure what it gives)
+# without a mask (experiments/moe_prefill_probe.py turns each off to measure what it gives)
 HEAVY_FIRST = True
 FREE_LOOP = True
 
