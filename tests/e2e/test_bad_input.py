@@ -408,9 +408,15 @@ def test_reissue_supersedes_older_generation(dep, reference):
             assert time.monotonic() < end, "generation 0 never admitted"
             time.sleep(0.01)
         t0 = time.monotonic()
-        p.send(m.encode(gen(dep, "prefill", t, 1)))
+        # D's half first, and D's answer to a GetStats behind it: D has seen the reissue before P's half can
+        # end generation 0 at P's rendezvous (that order is the rendezvous's own tests' case).
         d.send(m.encode(gen(dep, "decode", t, 1)))
-        msgs = recv_until(d, lambda g: any(isinstance(x, m.TokensGenerated) and x.finished for x in g))
+        d.send(m.encode(m.GetStats()))
+        msgs = recv_until(d, lambda g: any(isinstance(x, m.Stats) for x in g))
+        assert delta(before, {"decode": dict(msgs[-1].counters)}, "decode", "reissued") == 1
+        msgs = msgs[:-1]
+        p.send(m.encode(gen(dep, "prefill", t, 1)))
+        msgs += recv_until(d, lambda g: any(isinstance(x, m.TokensGenerated) and x.finished for x in g))
         old = [x for x in msgs if x.generation == 0]
         assert len(old) == 1 and isinstance(old[0], m.RequestFailed), old
         assert "superseded by generation 1" in old[0].reason
