@@ -115,11 +115,11 @@ def chosen_experts(model, run) -> list[int]:
     real = model.mlp_delta
     cfg = model.cfg
 
-    def counting(lw, h, summed: bool = True):
+    def counting(lw, h, summed: bool = True, logits=None):
         if lw.router is not None:
             picked = route(h, lw.router, cfg.experts_per_token, cfg.norm_topk_prob)[1]
             chosen.setdefault(id(lw), set()).update(picked.flatten().tolist())
-        return real(lw, h, summed)
+        return real(lw, h, summed, logits)
 
     model.mlp_delta = counting
     try:
@@ -157,6 +157,31 @@ def plot(json_path: str, out_png: str) -> None:
     fig.savefig(out_png, dpi=110)
 
 
+def load(name: str, max_num_seqs: int, block_size: int = 16, mem_frac: float = 0.85):
+    """(config, model, per-layer pool views, blocks) of preset ``name`` with random weights on the GPU and a
+    pool of ``mem_frac`` of the memory left, filled with random K/V."""
+    dev = torch.device("cuda")
+    t0 = time.perf_counter()
+    cfg = preset(name)
+    model = build_model(cfg, device="cuda", max_num_seqs=max_num_seqs)
+    torch.cuda.synchronize()
+    print(f"{name}: weights drawn on the device in {time.perf_counter() - t0:.1f}s", flush=True)
+    lay = model.kv_layout(1, block_size)
+    per_block = block_size * model_counts(model)["kv_bytes_per_token"]
+    nblocks = int(torch.cuda.mem_get_info(dev)[0] * mem_frac) // per_block
+    pool = torch.empty(nblocks, lay.num_layers, 2, lay.kv_heads, block_size, lay.head_dim, dtype=model.dtype,
+                       device=dev)
+    pool.normal_()
+    return cfg, model, model._layer_pools(pool), nblocks
+
+
+def decode_seqs(cfg, B: int, ctx: int, u: int) -> list[SeqWork]:
+    """A decode step of B sequences of ctx keys each (blocks apart); their tokens apart, so a mixture of
+    experts routes the sequences as a batch of users would."""
+    nb = -(-(ctx + 1) // u)
+    return [SeqWork(i, ((1 + 7 * i) % cfg.vocab_size,), ctx, tuple(range(i * nb, (i + 1) * nb))) for i in range(B)]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="pushkv roofline", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen3-8b")
@@ -177,22 +202,11 @@ def main(argv=None) -> int:
     bw, rate = copy_bandwidth(dev), matmul_rate(dev)
     print(f"{torch.cuda.get_device_name(dev)}: copy {bw / 1e9:.0f} GB/s (read+write), "
           f"bf16 matmul {rate / 1e12:.0f} TFLOP/s (8192^3), torch {torch.__version__}", flush=True)
-    t0 = time.perf_counter()
-    cfg = preset(args.model)
-    model = build_model(cfg, device="cuda", max_num_seqs=max(args.batches))
-    torch.cuda.synchronize()
-    print(f"{args.model}: weights drawn on the device in {time.perf_counter() - t0:.1f}s", flush=True)
+    cfg, model, views, nblocks = load(args.model, max(args.batches), args.block_size, args.mem_frac)
     c = model_counts(model)
     u = args.block_size
-    lay = model.kv_layout(1, u)
-    per_block = u * c["kv_bytes_per_token"]
-    free = torch.cuda.mem_get_info(dev)[0]
-    nblocks = int(free * args.mem_frac) // per_block
-    pool = torch.empty(nblocks, lay.num_layers, 2, lay.kv_heads, u, lay.head_dim, dtype=model.dtype, device=dev)
-    pool.normal_()
-    views = model._layer_pools(pool)
     fwd = model.batched
-    print(f"pool: {nblocks} blocks of {u} tokens ({nblocks * per_block / 2**30:.0f} GiB); "
+    print(f"pool: {nblocks} blocks of {u} tokens ({nblocks * u * c['kv_bytes_per_token'] / 2**30:.0f} GiB); "
           f"warm-up {fwd.warmup(views):.1f}s, graphs {fwd.capture(views):.1f}s for {sorted(fwd.graphs)}", flush=True)
     rows = []
     print(f"\n{'decode':>8} {'batch':>5} {'ctx':>6} {'graph ms':>9} {'eager ms':>9} {'bound ms':>9} "
@@ -203,10 +217,7 @@ def main(argv=None) -> int:
             if B * nb > nblocks:
                 print(f"{'':>8} {B:>5} {ctx:>6} skipped: needs {B * nb} blocks, pool has {nblocks}")
                 continue
-            # tokens apart, so a mixture of experts routes the sequences as a batch of users would
-            seqs = [SeqWork(i, ((1 + 7 * i) % cfg.vocab_size,), ctx, tuple(range(i * nb, (i + 1) * nb)))
-                    for i in range(B)]
-            run = functools.partial(fwd.logits, seqs, views)
+            run = functools.partial(fwd.logits, decode_seqs(cfg, B, ctx, u), views)
             fwd.use_graphs = True
             g = _time(run, args.reps)
             fwd.use_graphs = False

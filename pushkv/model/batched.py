@@ -30,6 +30,11 @@ log = logging.getLogger(__name__)
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
+# An MoE layer's router logits made in the post-attention norm's launch (``add_rms_router``) for steps of up
+# to this many tokens (a graph bucket bound, so a step routes alike replayed or eager; 0: never), where each
+# token's program re-reads the router's rows; experiments/moe_decode_probe.py measures it on and off
+ROUTER_IN_NORM_TOKENS = 16
+
 
 class BatchedForward:
     """Runs one Model's weights over a packed step (see module doc)."""
@@ -145,6 +150,7 @@ class BatchedForward:
     def _layers_fused(self, meta, pools, splits, scratch, on_layer, rope) -> torch.Tensor:
         """Every layer with the fused Triton kernels: ~9 launches a layer."""
         from pushkv.model.kernels import triton_fused as K
+        from pushkv.model.kernels.triton_moe import FUSED_ROUTE_TOKENS
 
         m, cfg, p = self.m, self.m.cfg, self.m.plan
         eps, layers = cfg.rms_eps, m.w.layers
@@ -159,10 +165,16 @@ class BatchedForward:
             if on_layer is not None:
                 on_layer(layer)
             paged.attention(q, pools[layer], meta, m.layer_window(layer), attn, splits, scratch)
-            x, h = K.add_rms(x, m._all_reduce(F.linear(attn.view(T, -1), lw.o)), lw.post_norm, eps)
-            if lw.router is not None:  # MoE: the grouped Triton kernels (kernels/triton_moe.py), whose
+            o = m._all_reduce(F.linear(attn.view(T, -1), lw.o))
+            if lw.router is not None and T <= min(ROUTER_IN_NORM_TOKENS, FUSED_ROUTE_TOKENS):
+                # MoE, a decode step: the router's logits made with the norm, one launch less
+                x, h, logits = K.add_rms_router(x, o, lw.post_norm, eps, lw.router)
+                delta = m.mlp_delta(lw, h, summed=False, logits=logits)
+            elif lw.router is not None:  # MoE: the grouped Triton kernels (kernels/triton_moe.py), whose
+                x, h = K.add_rms(x, o, lw.post_norm, eps)
                 delta = m.mlp_delta(lw, h, summed=False)  # k experts a token add_rms sums
             else:
+                x, h = K.add_rms(x, o, lw.post_norm, eps)
                 delta = m._all_reduce(F.linear(K.silu_mul(F.linear(h, lw.gate_up)), lw.down))
             nxt = layers[layer + 1].input_norm if layer + 1 < len(layers) else m.w.final_norm
             x, h = K.add_rms(x, delta, nxt, eps)

@@ -4,7 +4,8 @@ A decode step of a small batch is bound by kernel count, not bytes: the torch fo
 spends ~50 launches a layer on norms, RoPE and the SwiGLU product. These fuse them to
 one launch each:
 - ``add_rms``: residual add and the next RMSNorm (HF semantics: normalise in float32,
-  round to the model dtype, then scale by the weight);
+  round to the model dtype, then scale by the weight); ``add_rms_router`` also the MoE router's
+  logits of the normed row (a decode step);
 - ``qk_norm_rope_store``: from the fused QKV projection, q/k RMSNorm (Qwen3), RoPE
   (rotate-half) and the K/V store into the paged pool, one program per head of one token (a decode
   step) or of 8 (a prefill);
@@ -22,12 +23,15 @@ try:
 except ModuleNotFoundError as e:  # a CUDA torch build without Triton
     raise missing("triton", "pushkv's CUDA kernels") from e
 
+from pushkv.model.kernels import chain
+from pushkv.model.kernels.chain import wait_prior
 from pushkv.model.kernels.triton_paged import _cache_strides
 
 
 @triton.jit
 def _add_rms_kernel(X, Delta, W, Xout, H, n_cols, eps, HAS_DELTA: tl.constexpr, SLOTS: tl.constexpr,
-                    BLOCK: tl.constexpr):
+                    BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_prior(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     m = c < n_cols
@@ -62,15 +66,61 @@ def add_rms(x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, eps: f
         blk = triton.next_power_of_2(d)
         _add_rms_kernel[(N,)](x, delta if delta is not None else x, w, xo, h, d, eps,
                               HAS_DELTA=delta is not None, SLOTS=slots, BLOCK=blk,
-                              num_warps=min(16, max(1, blk // 256)))
+                              num_warps=min(16, max(1, blk // 256)), **chain.launch(x))
     return xo, h
+
+
+@triton.jit
+def _add_rms_router_kernel(X, Delta, W, Xout, H, R, Logits, n_cols, E, eps, BE: tl.constexpr, BLOCK: tl.constexpr,
+                           PDL: tl.constexpr):
+    # one token's row (every program of the row normalises it; the first stores it) and BE experts' logits
+    wait_prior(PDL)
+    row = tl.program_id(1).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    m = c < n_cols
+    x = tl.load(X + row * n_cols + c, mask=m, other=0.0)
+    x = (x.to(tl.float32) + tl.load(Delta + row * n_cols + c, mask=m, other=0.0).to(tl.float32)).to(x.dtype)
+    xf = x.to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n_cols + eps)
+    y = ((xf * r).to(x.dtype).to(tl.float32) * tl.load(W + c, mask=m, other=0.0).to(tl.float32)).to(x.dtype)
+    if tl.program_id(0) == 0:
+        tl.store(Xout + row * n_cols + c, x, mask=m)
+        tl.store(H + row * n_cols + c, y, mask=m)
+    e = tl.program_id(0) * BE + tl.arange(0, BE)
+    w = tl.load(R + e[:, None].to(tl.int64) * n_cols + c[None, :], mask=(e[:, None] < E) & m[None, :], other=0.0)
+    logit = tl.sum(w.to(tl.float32) * y.to(tl.float32)[None, :], 1)
+    tl.store(Logits + row * E + e, logit.to(Logits.dtype.element_ty), mask=e < E)
+
+
+def add_rms_router(x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: float, router: torch.Tensor,
+                   experts_a_program: int = 2):
+    """(x + delta, h = rms_norm(x + delta) * w, the router's logits of h) in one launch, for an MoE layer of
+    a decode step: x, delta [N, d] contiguous, router [E, d] contiguous -> logits [N, E] in x's dtype, each
+    a float32 dot of h (rounded) and the expert's row, rounded once (as ``F.linear`` rounds). One program a
+    token and ``experts_a_program`` experts (64 programs of 8 KB at Qwen3-30B-A3B's 128): the router's
+    matmul was its own launch, 5 us of a 77 us layer at one token on an H200."""
+    N, d = x.shape
+    E = router.shape[0]
+    if delta.shape != x.shape or not delta.is_contiguous() or router.shape[1] != d or not router.is_contiguous():
+        raise ValueError(f"add_rms_router: x {tuple(x.shape)}, delta {tuple(delta.shape)}, router "
+                         f"{tuple(router.shape)} (contiguous [N, d], [N, d], [E, d])")
+    h = torch.empty_like(x)
+    xo = torch.empty_like(x)
+    logits = torch.empty((N, E), dtype=x.dtype, device=x.device)
+    if N:
+        blk = triton.next_power_of_2(d)
+        _add_rms_router_kernel[(triton.cdiv(E, experts_a_program), N)](
+            x, delta, w, xo, h, router, logits, d, E, eps, BE=experts_a_program, BLOCK=blk,
+            num_warps=min(16, max(1, blk // 256)), **chain.launch(x))
+    return xo, h, logits
 
 
 @triton.jit
 def _qk_rope_store_kernel(QKV, QN, KN, Cos, Sin, Pos, Slots, Qout, cache, T,
                           stride_row, stride_cos, s_blk, s_plane, s_grp, s_head, s_slot, HG, U, eps,
                           HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr,
-                          TB: tl.constexpr):
+                          TB: tl.constexpr, PDL: tl.constexpr):
+    wait_prior(PDL)
     # one head of TB tokens a program
     t = (tl.program_id(0) * TB + tl.arange(0, TB)).to(tl.int64)
     live = t < T
@@ -137,12 +187,14 @@ def qk_norm_rope_store(qkv: torch.Tensor, q_heads: int, kv_heads: int, head_dim:
     _qk_rope_store_kernel[(triton.cdiv(T, tb), q_heads + kv_heads)](
         qkv, q_norm if has_norm else qkv, k_norm if has_norm else qkv, cos, sin, positions, slots, q, cache, T,
         qkv.stride(0), cos.stride(0), blk, plane, grp, head, slot, hg, u, eps,
-        HQ=q_heads, HK=kv_heads, D=head_dim, HAS_NORM=has_norm, TB=tb, num_warps=1 if tb == 1 else 4)
+        HQ=q_heads, HK=kv_heads, D=head_dim, HAS_NORM=has_norm, TB=tb, num_warps=1 if tb == 1 else 4,
+        **chain.launch(qkv))
     return q
 
 
 @triton.jit
-def _silu_mul_kernel(GU, Out, n_cols, BLOCK: tl.constexpr):
+def _silu_mul_kernel(GU, Out, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_prior(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = c < n_cols
@@ -158,5 +210,5 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     n = two // 2
     out = torch.empty(N, n, device=gate_up.device, dtype=gate_up.dtype)
     if N:
-        _silu_mul_kernel[(N, triton.cdiv(n, 1024))](gate_up, out, n, BLOCK=1024, num_warps=4)
+        _silu_mul_kernel[(N, triton.cdiv(n, 1024))](gate_up, out, n, BLOCK=1024, num_warps=4, **chain.launch(gate_up))
     return out

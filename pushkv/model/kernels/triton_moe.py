@@ -47,6 +47,9 @@ try:
 except ModuleNotFoundError as e:  # a CUDA torch build without Triton
     raise missing("triton", "pushkv's CUDA kernels") from e
 
+from pushkv.model.kernels import chain
+from pushkv.model.kernels.chain import wait_prior
+
 
 @triton.jit
 def _route_tokens(Logits, Weights, Experts, t, T, E, stride_l, K: tl.constexpr, RENORM: tl.constexpr,
@@ -82,7 +85,8 @@ def _route_tokens(Logits, Weights, Experts, t, T, E, stride_l, K: tl.constexpr, 
 @triton.jit(do_not_specialize=["T", "n_rows", "max_blocks"])
 def _route_group_kernel(Logits, Weights, Experts, SlotIds, BlockExpert, T, E, stride_l, n_rows, max_blocks,
                         K: tl.constexpr, RENORM: tl.constexpr, BM: tl.constexpr, EP: tl.constexpr,
-                        TT: tl.constexpr, SC: tl.constexpr, FILL: tl.constexpr):
+                        TT: tl.constexpr, SC: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr):
+    wait_prior(PDL)
     n = T * K
     e = tl.arange(0, EP)
     # 1. route, TT tokens at a time
@@ -167,7 +171,8 @@ def _place_kernel(Experts, Counts, Cursor, SlotIds, BlockExpert, n, E, max_block
 def _gate_up_kernel(H, W, Act, SlotIds, BlockExpert, n_slots, d, inter, k_top,
                     stride_h, stride_we, stride_wn, stride_act,
                     PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    EVEN: tl.constexpr, ROW_ACT: tl.constexpr):
+                    EVEN: tl.constexpr, ROW_ACT: tl.constexpr, PDL: tl.constexpr):
+    wait_prior(PDL)
     pid_m = tl.program_id(0)
     e = tl.load(BlockExpert + pid_m).to(tl.int64)
     if e < 0:  # a block past the last expert's segment
@@ -211,7 +216,8 @@ def _gate_up_kernel(H, W, Act, SlotIds, BlockExpert, n_slots, d, inter, k_top,
 def _down_kernel(Act, W, Weights, Out, SlotIds, BlockExpert, n_slots, d, inter,
                  stride_act, stride_we, stride_wn, stride_out,
                  PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 EVEN: tl.constexpr, ROW_ACT: tl.constexpr):
+                 EVEN: tl.constexpr, ROW_ACT: tl.constexpr, PDL: tl.constexpr):
+    wait_prior(PDL)
     pid_m = tl.program_id(0)
     e = tl.load(BlockExpert + pid_m).to(tl.int64)
     if e < 0:
@@ -374,7 +380,7 @@ def group_logits(logits: torch.Tensor, k: int, renorm: bool, bm: int, launch: Op
     rl = launch or route_launch_for(T, ep)
     _route_group_kernel[(1,)](logits, weights, experts, slot_ids, block_expert, T, E, logits.stride(0),
                               max_blocks * bm, max_blocks, K=k, RENORM=renorm, BM=bm, EP=ep,
-                              TT=rl.tt, SC=rl.sc, FILL=1024, num_warps=rl.warps)
+                              TT=rl.tt, SC=rl.sc, FILL=1024, num_warps=rl.warps, **chain.launch(logits))
     return weights, experts, slot_ids, block_expert
 
 
@@ -415,7 +421,7 @@ def gate_up_product(h: torch.Tensor, gate_up: torch.Tensor, slot_ids: torch.Tens
                           h.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
                           PREC=_precision(h), BM=tiles.bm, BN=tiles.bn_up, BK=tiles.bk,
                           EVEN=EVEN_LOADS and d % tiles.bk == 0 and inter % tiles.bn_up == 0, ROW_ACT=ROW_ACT,
-                          num_warps=tiles.warps, num_stages=tiles.stages)
+                          num_warps=tiles.warps, num_stages=tiles.stages, **chain.launch(h))
     return act
 
 
@@ -431,7 +437,7 @@ def down_per_slot(act: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, 
                        act.stride(0), down.stride(0), down.stride(1), per_slot.stride(0),
                        PREC=_precision(act), BM=tiles.bm, BN=tiles.bn_down, BK=bk,
                        EVEN=EVEN_LOADS and inter % bk == 0 and d % tiles.bn_down == 0, ROW_ACT=ROW_ACT,
-                       num_warps=warps, num_stages=stages)
+                       num_warps=warps, num_stages=stages, **chain.launch(act))
     return per_slot
 
 
@@ -440,12 +446,15 @@ def _precision(x: torch.Tensor) -> str:
 
 
 def moe_mlp(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-            k: int, renorm: bool, tiles: Union[Tiles, DecodeTiles, None] = None, summed: bool = True) -> torch.Tensor:
+            k: int, renorm: bool, tiles: Union[Tiles, DecodeTiles, None] = None, summed: bool = True,
+            logits: Optional[torch.Tensor] = None) -> torch.Tensor:
     """As ``pushkv.model.moe.moe_mlp``: h [T, d] (normed), router [E, d], gate_up [E, 2 i, d],
     down [E, d, i] -> [T, d]. ``tiles``: the launch's tiles (default: ``tiles_for``); ``DecodeTiles``
     (up to ``DECODE_TOKENS`` tokens) take the ungrouped decode kernels. ``summed`` False: the grouped
     kernels' [T, k, d] (each token's k experts, weighted, not yet summed) for the caller to sum in its
-    next launch (``triton_fused.add_rms``); the decode kernels sum in theirs ([T, d] either way)."""
+    next launch (``triton_fused.add_rms``); the decode kernels sum in theirs ([T, d] either way). ``logits``:
+    the router's logits of h [T, E] where the caller has them (``triton_fused.add_rms_router``, a decode
+    step of up to ``FUSED_ROUTE_TOKENS``), so the router's matmul is not run again."""
     T, d = h.shape
     n = T * k
     tl_ = tiles or tiles_for(T)
@@ -453,12 +462,18 @@ def moe_mlp(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: 
     if isinstance(tl_, DecodeTiles):
         if T > DECODE_TOKENS:
             raise ValueError(f"DecodeTiles serve at most {DECODE_TOKENS} tokens, not {T}")
-        return moe_mlp_decode(h, router.contiguous(), gate_up.contiguous(), down.contiguous(), k, renorm, tl_)[0]
+        return moe_mlp_decode(h, router.contiguous(), gate_up.contiguous(), down.contiguous(), k, renorm, tl_,
+                              logits)[0]
     tl_ = fit_tiles(tl_, h.element_size())
     # a prefill's many slots across the GPU; a decode step's few in one program (the one-program kernel
     # would walk a prefill's alone)
-    grouping = route_group if T <= FUSED_ROUTE_TOKENS else route_group_wide
-    weights, _, slot_ids, block_expert = grouping(h, router, k, renorm, tl_.bm)
+    if logits is not None:
+        if T > FUSED_ROUTE_TOKENS:
+            raise ValueError(f"router logits are taken for up to {FUSED_ROUTE_TOKENS} tokens, not {T}")
+        weights, _, slot_ids, block_expert = group_logits(logits, k, renorm, tl_.bm)
+    else:
+        grouping = route_group if T <= FUSED_ROUTE_TOKENS else route_group_wide
+        weights, _, slot_ids, block_expert = grouping(h, router, k, renorm, tl_.bm)
     act = gate_up_product(h, gate_up.contiguous(), slot_ids, block_expert, k, tl_)
     per_slot = down_per_slot(act, down.contiguous(), weights, slot_ids, block_expert, n, tl_)
     per_token = per_slot.view(T, k, d)

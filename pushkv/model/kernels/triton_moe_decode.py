@@ -42,6 +42,9 @@ try:
 except ModuleNotFoundError as e:  # a CUDA torch build without Triton
     raise missing("triton", "pushkv's CUDA kernels") from e
 
+from pushkv.model.kernels import chain
+from pushkv.model.kernels.chain import wait_prior
+
 # Steps of up to this many tokens take these kernels (a decode graph bucket bound, so a step runs
 # the same path replayed or eager); longer ones group the slots by expert (triton_moe)
 DECODE_TOKENS = 8
@@ -71,7 +74,9 @@ def decode_tiles_for(tokens: int) -> DecodeTiles:
 
 
 @triton.jit
-def _router_kernel(H, R, Logits, E, d, stride_h, stride_r, stride_l, BE: tl.constexpr, BK: tl.constexpr):
+def _router_kernel(H, R, Logits, E, d, stride_h, stride_r, stride_l, BE: tl.constexpr, BK: tl.constexpr,
+                   PDL: tl.constexpr):
+    wait_prior(PDL)
     t = tl.program_id(1).to(tl.int64)
     e = tl.program_id(0) * BE + tl.arange(0, BE)
     kk = tl.arange(0, BK)
@@ -116,7 +121,8 @@ def _pick(Logits, t, j, E, stride_l, K: tl.constexpr, RENORM: tl.constexpr, EP: 
 @triton.jit
 def _gate_up_kernel(H, Logits, W, Act, Weights, Experts, E, d, inter, stride_h, stride_l, stride_we, stride_wn,
                     stride_act, K: tl.constexpr, RENORM: tl.constexpr, EP: tl.constexpr, BN: tl.constexpr,
-                    BK: tl.constexpr):
+                    BK: tl.constexpr, PDL: tl.constexpr):
+    wait_prior(PDL)
     s = tl.program_id(0)
     t = s // K
     e, wt = _pick(Logits, t, s % K, E, stride_l, K, RENORM, EP)
@@ -146,7 +152,8 @@ def _gate_up_kernel(H, Logits, W, Act, Weights, Experts, E, d, inter, stride_h, 
 
 @triton.jit
 def _down_kernel(Act, W, Weights, Experts, Out, d, inter, stride_act, stride_we, stride_wn, stride_out,
-                 K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                 K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+    wait_prior(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     kk = tl.arange(0, BK)
@@ -176,29 +183,32 @@ def router_logits(h: torch.Tensor, router: torch.Tensor, be: int, bk: int = 256)
     E = router.shape[0]
     logits = torch.empty((T, E), dtype=h.dtype, device=h.device)
     _router_kernel[(triton.cdiv(E, be), T)](h, router, logits, E, d, h.stride(0), router.stride(0), logits.stride(0),
-                                            BE=be, BK=bk)
+                                            BE=be, BK=bk, **chain.launch(h))
     return logits
 
 
 def moe_mlp_decode(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, k: int,
-                   renorm: bool, tiles: DecodeTiles) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   renorm: bool, tiles: DecodeTiles, logits: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(output [T, d], routing weights [T, k] in h's dtype, expert ids [T, k] int32) of the MoE MLP; h
-    [T, d] contiguous (normed), router [E, d], gate_up [E, 2 i, d], down [E, d, i], all contiguous."""
+    [T, d] contiguous (normed), router [E, d], gate_up [E, 2 i, d], down [E, d, i], all contiguous;
+    ``logits`` the router's [T, E] where the caller has them."""
     T, d = h.shape
     E, two_i, _ = gate_up.shape
     inter = two_i // 2
     n = T * k
     dev = h.device
-    logits = router_logits(h, router, tiles.be)
+    if logits is None:
+        logits = router_logits(h, router, tiles.be)
     weights = torch.empty((T, k), dtype=h.dtype, device=dev)
     experts = torch.empty((T, k), dtype=torch.int32, device=dev)
     act = torch.empty((n, inter), dtype=h.dtype, device=dev)
     _gate_up_kernel[(n, triton.cdiv(inter, tiles.bn_up))](
         h, logits, gate_up, act, weights, experts, E, d, inter, h.stride(0), logits.stride(0), gate_up.stride(0),
         gate_up.stride(1), act.stride(0), K=k, RENORM=renorm, EP=triton.next_power_of_2(E), BN=tiles.bn_up,
-        BK=tiles.bk_up, num_warps=tiles.warps, num_stages=tiles.stages)
+        BK=tiles.bk_up, num_warps=tiles.warps, num_stages=tiles.stages, **chain.launch(h))
     out = torch.empty_like(h)
     _down_kernel[(T, triton.cdiv(d, tiles.bn_down))](
         act, down, weights, experts, out, d, inter, act.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        K=k, BN=tiles.bn_down, BK=tiles.bk_down, num_warps=tiles.warps, num_stages=tiles.stages)
+        K=k, BN=tiles.bn_down, BK=tiles.bk_down, num_warps=tiles.warps, num_stages=tiles.stages, **chain.launch(act))
     return out, weights, experts

@@ -24,6 +24,9 @@ try:
 except ModuleNotFoundError as e:  # a CUDA torch build without Triton
     raise missing("triton", "pushkv's CUDA kernels") from e
 
+from pushkv.model.kernels import chain
+from pushkv.model.kernels.chain import wait_prior
+
 LOG2E = 1.4426950408889634
 # Prefill: tiles with the most keys start first, and key tiles wholly before a tile's queries are walked
 # without a mask (experiments/moe_prefill_probe.py turns each off to measure what it gives)
@@ -84,7 +87,8 @@ def _attn_kernel(Q, O, cache, block_table, seq_lens, q_starts, q_lens, tile_seq,
                  total_rows, num_q_heads, sm_scale_log2, window,
                  PREC: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                 HEAVY_FIRST: tl.constexpr, FREE_LOOP: tl.constexpr):
+                 HEAVY_FIRST: tl.constexpr, FREE_LOOP: tl.constexpr, PDL: tl.constexpr):
+    wait_prior(PDL)
     tile = tl.program_id(0)
     if HEAVY_FIRST:  # a sequence's later tiles see more keys: started first, none is left running alone at the end
         tile = tl.num_programs(0) - 1 - tile
@@ -181,7 +185,8 @@ def _attn_kernel(Q, O, cache, block_table, seq_lens, q_starts, q_lens, tile_seq,
 
 @triton.jit
 def _merge_kernel(Part, PartML, O, q_starts, tile_seq, stride_ot, stride_oh, total_rows, num_q_heads,
-                  D: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                  D: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr):
+    wait_prior(PDL)
     # one decode tile (its one query row) x one query head
     row = tl.load(q_starts + tl.load(tile_seq + tl.program_id(0)))
     head = tl.program_id(1)
@@ -247,10 +252,11 @@ def attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, s
         T, Hq, LOG2E / (D ** 0.5), window,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", G=G, D=D, BLOCK_D=block_d, BLOCK_Q=block_q,
         BLOCK_M=block_m, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, HEAVY_FIRST=HEAVY_FIRST, FREE_LOOP=FREE_LOOP, num_warps=warps, num_stages=stages)
+        NUM_SPLITS=num_splits, HEAVY_FIRST=HEAVY_FIRST, FREE_LOOP=FREE_LOOP, num_warps=warps, num_stages=stages,
+        **chain.launch(q))
     if num_splits > 1:
         if block_q != 1:
             raise ValueError("split keys only for one-token (decode) tiles")
         _merge_kernel[(n_tiles, Hq)](part, part_ml, out, q_starts, tile_seq, out.stride(0), out.stride(1), T, Hq,
-                               D=D, BLOCK_D=block_d, NUM_SPLITS=num_splits, num_warps=1)
+                               D=D, BLOCK_D=block_d, NUM_SPLITS=num_splits, num_warps=1, **chain.launch(q))
     return out

@@ -1,0 +1,146 @@
+"""Qwen3-30B-A3B's decode step on a GPU at small batches: the step with and without each change of the
+decode path, through the CUDA graphs the worker replays, and where a batch-1 step spends its time.
+
+Variants (each re-captures the graphs):
+- ``before``: no programmatic dependent launch (``kernels.chain.ON`` off) and the router's matmul as its own
+  launch (``batched.ROUTER_IN_NORM_TOKENS = 0``);
+- ``router``: the router's logits made in the post-attention norm's launch (``add_rms_router``), up to 16
+  tokens;
+- ``pdl``: the Triton kernels chained by programmatic dependent launch;
+- ``shipped``: both (the defaults); ``router_128``: both, the router's logits in the norm up to 128 tokens.
+
+For each: the step's time at each --batches (context --ctx) against the bytes bound (``pushkv roofline``'s:
+the weights and K/V a step reads, the experts counted as chosen, at the copy rate measured in the same
+run), and the greedy tokens of the batch, which must be the same in every variant. Then a profile of a
+batch-1 graph replay, before and shipped: each kernel's GPU time a layer, and the time no kernel runs.
+
+    python3 experiments/moe_decode_probe.py --out DIR    (from the checkout's root; ~3 min on an H200)
+
+writes DIR/moe_decode.json and DIR/moe_decode.md.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+
+import torch
+
+from pushkv.model import batched
+from pushkv.model.kernels import chain
+from tools.roofline import (
+    _time,
+    chosen_experts,
+    copy_bandwidth,
+    decode_bound,
+    decode_seqs,
+    load,
+    matmul_rate,
+    model_counts,
+)
+
+VARIANTS = {"before": (False, 0), "router": (False, 16), "pdl": (True, 0), "shipped": (True, 16),
+            "router_128": (True, 128)}
+
+
+def set_variant(fwd, name: str) -> None:
+    chain.ON, batched.ROUTER_IN_NORM_TOKENS = VARIANTS[name]
+    fwd.graphs.clear()  # captured with the last variant's launches
+
+
+def profile_step(run, layers: int, reps: int = 20) -> dict:
+    """A graph replay's kernels: GPU microseconds a layer by kernel, the step's span and what no kernel covers."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            run()
+        torch.cuda.synchronize()
+    by: dict[str, float] = {}
+    spans = []
+    for ev in prof.events():
+        if ev.device_type.name == "CUDA":
+            by[ev.name[:80]] = by.get(ev.name[:80], 0.0) + ev.device_time_total
+            spans.append((ev.time_range.start, ev.time_range.end))
+    spans.sort()
+    busy, end = 0.0, None
+    for s, e in spans:  # the union of kernel intervals
+        if end is None or s > end:
+            busy += e - s
+            end = e
+        elif e > end:
+            busy += e - end
+            end = e
+    span = spans[-1][1] - spans[0][0] if spans else 0.0
+    per = reps * layers
+    kernels = sorted(((v / per, k) for k, v in by.items()), reverse=True)
+    return {"kernel_us_a_layer": [{"us": round(u, 2), "kernel": k} for u, k in kernels[:16]],
+            "busy_us_a_layer": round(busy / per, 2), "span_us_a_layer": round(span / per, 2)}
+
+
+def markdown(rep: dict) -> str:
+    names = list(VARIANTS)
+    out = [f"GPU: {rep['gpu']}; copy rate {rep['copy_GBps']:.0f} GB/s; context {rep['ctx']} keys a sequence", "",
+           "| batch | bound ms | " + " | ".join(f"{n} ms (x bound)" for n in names) + " |",
+           "| --- | --- | " + " | ".join("---" for _ in names) + " |"]
+    for r in rep["rows"]:
+        cells = [f"{r[n]['ms']:.2f} ({r[n]['ms'] / r['bound_ms']:.2f})" for n in names]
+        out.append(f"| {r['batch']} | {r['bound_ms']:.2f} | " + " | ".join(cells) + " |")
+    out += ["", f"Greedy tokens equal in every variant: {rep['tokens_equal']}", ""]
+    for name, p in rep["profile"].items():
+        out += [f"Batch-1 graph replay, {name}: {p['span_us_a_layer']} us a layer, kernels busy "
+                f"{p['busy_us_a_layer']} us",
+                "", "| us a layer | kernel |", "| --- | --- |"]
+        out += [f"| {k['us']} | `{k['kernel']}` |" for k in p["kernel_us_a_layer"]]
+        out.append("")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="out")
+    ap.add_argument("--batches", default="1,2,8,16,32,64")
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    batches = [int(b) for b in args.batches.split(",")]
+    dev = torch.device("cuda")
+    bw, rate = copy_bandwidth(dev), matmul_rate(dev)
+    cfg, model, views, nblocks = load("qwen3-30b-a3b", max(batches))
+    c = model_counts(model)
+    fwd = model.batched
+    fwd.warmup(views)
+    rep: dict = {"gpu": torch.cuda.get_device_name(), "copy_GBps": bw / 1e9, "ctx": args.ctx, "rows": [],
+                 "profile": {}}
+    tokens: dict = {}
+    for B in batches:
+        run = functools.partial(fwd.logits, decode_seqs(cfg, B, args.ctx, 16), views)
+        read = sum(chosen_experts(model, run))
+        row: dict = {"batch": B, "bound_ms": decode_bound(c, B, args.ctx, bw, rate, read) * 1e3}
+        for name in VARIANTS:
+            set_variant(fwd, name)
+            row[name] = {"ms": _time(run, args.reps) * 1e3}
+            tokens.setdefault(B, {})[name] = run().argmax(-1).tolist()
+        rep["rows"].append(row)
+        print(json.dumps(row), flush=True)
+    rep["tokens_equal"] = all(len({tuple(t) for t in by.values()}) == 1 for by in tokens.values())
+    rep["tokens"] = tokens
+    run = functools.partial(fwd.logits, decode_seqs(cfg, 1, args.ctx, 16), views)
+    for name in ("before", "shipped"):
+        set_variant(fwd, name)
+        rep["profile"][name] = profile_step(run, cfg.num_layers)
+    set_variant(fwd, "shipped")
+    with open(os.path.join(args.out, "moe_decode.json"), "w") as f:
+        json.dump(rep, f, indent=1)
+    text = markdown(rep)
+    with open(os.path.join(args.out, "moe_decode.md"), "w") as f:
+        f.write(text)
+    print(text, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""Programmatic dependent launch (Hopper and later) for the Triton kernels of a step.
+
+A decode step of one sequence is ~10 launches a layer of a few microseconds each, and between two of
+them the GPU idles while the first drains and the second is scheduled. Launched with
+``launch_pdl``, a kernel's programs may be scheduled once every program of the kernel before it has
+started (``gdc_launch_dependents``); each program first waits in ``gdc_wait`` until that kernel has
+finished and its writes are visible, so no load or store of it runs early. The overlap is the
+launch and scheduling, not the work. A kernel after a launch without the option (cuBLAS) waits for
+it as before, and a graph capture keeps the option as a programmatic edge.
+
+Each kernel takes ``PDL`` (a constexpr) and calls ``wait_prior(PDL)`` first; its caller passes
+``**chain.launch(tensor)``. Off under Triton's interpreter, off the GPU, below compute capability 9,
+and where ``ON`` is False (experiments/moe_decode_probe.py's "before").
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+ON = True
+
+
+@functools.cache
+def _capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def enabled(device: torch.device) -> bool:
+    return (ON and device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+            and _capable(device.index if device.index is not None else torch.cuda.current_device()))
+
+
+def launch(t: torch.Tensor) -> dict:
+    """A kernel's launch arguments for a step on t's device: ``PDL`` and, where on, ``launch_pdl``."""
+    return {"PDL": True, "launch_pdl": True} if enabled(t.device) else {"PDL": False}
+
+
+@triton.jit
+def wait_prior(PDL: tl.constexpr):
+    """Wait for the kernel before this one (its writes visible), then let the next one be scheduled."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()

@@ -1,0 +1,63 @@
+"""The post-attention norm with an MoE layer's router logits in one launch (``triton_fused.add_rms_router``):
+its residual and normed rows are bit for bit ``add_rms``'s, its logits equal the router's matmul of the normed
+row, and the MoE layer given those logits (``triton_moe.moe_mlp(logits=...)``) equals the layer routing h
+itself. On the CPU under Triton's interpreter (TRITON_INTERPRET=1, a child process), where the launches go
+without programmatic dependent launch (``chain.launch``); on a GPU the kernels themselves, chained."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+SCRIPT = r"""
+import torch
+import torch.nn.functional as F
+from pushkv.model.kernels import chain, triton_fused as K, triton_moe
+from pushkv.model.moe import moe_mlp
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+torch.manual_seed(0)
+N, d, E, k, inter = 5, 96, 11, 3, 32
+for dt in (torch.float32, torch.bfloat16):
+    x = torch.randn(N, d, device=dev).to(dt)
+    delta = torch.randn(N, d, device=dev).to(dt)
+    w = (torch.rand(d, device=dev) + 0.5).to(dt)
+    router = (torch.randn(E, d, device=dev) / d ** 0.5).to(dt)
+    for be in (1, 2, 4):
+        xo, h, logits = K.add_rms_router(x, delta, w, 1e-6, router, experts_a_program=be)
+        x_ref, h_ref = K.add_rms(x, delta, w, 1e-6)
+        assert torch.equal(xo, x_ref) and torch.equal(h, h_ref), (dt, be)
+        want = F.linear(h.float(), router.float())
+        tol = 1e-5 if dt == torch.float32 else 1e-2
+        torch.testing.assert_close(logits.float(), want, atol=tol, rtol=tol)
+        assert logits.dtype == dt and logits.shape == (N, E)
+    if dt == torch.float32:
+        gate_up = torch.randn(E, 2 * inter, d, device=dev) / d ** 0.5
+        down = torch.randn(E, d, inter, device=dev) / inter ** 0.5
+        given = triton_moe.moe_mlp(h, router, gate_up, down, k, True, logits=logits)
+        own = triton_moe.moe_mlp(h, router, gate_up, down, k, True)
+        torch.testing.assert_close(given, own, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(given, moe_mlp(h, router, gate_up, down, k, True), atol=1e-4, rtol=1e-4)
+        try:
+            K.add_rms_router(x, delta[:, :-1].contiguous(), w, 1e-6, router)
+        except ValueError as e:
+            assert "add_rms_router" in str(e)
+        else:
+            raise AssertionError("a delta of the wrong shape was taken")
+if dev == "cpu":
+    assert chain.launch(x) == {"PDL": False}
+print("ok", dev)
+"""
+
+
+@pytest.mark.unit
+def test_add_rms_router_equals_add_rms_then_the_routers_matmul():
+    env = dict(os.environ)
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
+    r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().startswith("ok"), r.stderr[-3000:]
