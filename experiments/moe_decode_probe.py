@@ -3,16 +3,16 @@ decode path, through the CUDA graphs the worker replays, and where a batch-1 ste
 
 Variants (each re-captures the graphs):
 - ``before``: no programmatic dependent launch (``kernels.chain.ON`` off) and the router's matmul as its own
-  launch (``batched.ROUTER_IN_NORM_TOKENS = 0``);
+  launch (``batched.ROUTER_IN_NORM_TOKENS = 0``): the defaults until this probe has run on a GPU;
 - ``router``: the router's logits made in the post-attention norm's launch (``add_rms_router``), up to 16
   tokens;
 - ``pdl``: the Triton kernels chained by programmatic dependent launch;
-- ``shipped``: both (the defaults); ``router_128``: both, the router's logits in the norm up to 128 tokens.
+- ``both``; ``router_128``: both, the router's logits in the norm up to 128 tokens.
 
 For each: the step's time at each --batches (context --ctx) against the bytes bound (``pushkv roofline``'s:
 the weights and K/V a step reads, the experts counted as chosen, at the copy rate measured in the same
 run), and the greedy tokens of the batch, which must be the same in every variant. Then a profile of a
-batch-1 graph replay, before and shipped: each kernel's GPU time a layer, and the time no kernel runs.
+batch-1 graph replay, before and with both: each kernel's GPU time a layer, and the time no kernel runs.
 
     python3 experiments/moe_decode_probe.py --out DIR    (from the checkout's root; ~3 min on an H200)
 
@@ -40,7 +40,7 @@ from tools.roofline import (
     model_counts,
 )
 
-VARIANTS = {"before": (False, 0), "router": (False, 16), "pdl": (True, 0), "shipped": (True, 16),
+VARIANTS = {"before": (False, 0), "router": (False, 16), "pdl": (True, 0), "both": (True, 16),
             "router_128": (True, 128)}
 
 
@@ -130,10 +130,10 @@ def main() -> None:
     rep["tokens_equal"] = all(len({tuple(t) for t in by.values()}) == 1 for by in tokens.values())
     rep["tokens"] = tokens
     run = functools.partial(fwd.logits, decode_seqs(cfg, 1, args.ctx, 16), views)
-    for name in ("before", "shipped"):
+    for name in ("before", "both"):
         set_variant(fwd, name)
         rep["profile"][name] = profile_step(run, cfg.num_layers)
-    set_variant(fwd, "shipped")
+    set_variant(fwd, "before")
     with open(os.path.join(args.out, "moe_decode.json"), "w") as f:
         json.dump(rep, f, indent=1)
     text = markdown(rep)

@@ -31,9 +31,10 @@ log = logging.getLogger(__name__)
 GRAPH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 # An MoE layer's router logits made in the post-attention norm's launch (``add_rms_router``) for steps of up
-# to this many tokens (a graph bucket bound, so a step routes alike replayed or eager; 0: never), where each
-# token's program re-reads the router's rows; experiments/moe_decode_probe.py measures it on and off
-ROUTER_IN_NORM_TOKENS = 16
+# to this many tokens (a graph bucket bound, so a step routes alike replayed or eager), where each token's
+# program re-reads the router's rows. 0 (never) until a GPU run of experiments/moe_decode_probe.py, which
+# sets it, has measured what it gives
+ROUTER_IN_NORM_TOKENS = 0
 
 
 class BatchedForward:

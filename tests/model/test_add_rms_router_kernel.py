@@ -1,7 +1,8 @@
 """The post-attention norm with an MoE layer's router logits in one launch (``triton_fused.add_rms_router``):
 its residual and normed rows are bit for bit ``add_rms``'s, its logits equal the router's matmul of the normed
 row, and the MoE layer given those logits (``triton_moe.moe_mlp(logits=...)``) equals the layer routing h
-itself. On the CPU under Triton's interpreter (TRITON_INTERPRET=1, a child process), where the launches go
+itself; and a decode step of a small MoE model through the fused layer loop gives the same logits with the
+router in the norm as with its own matmul. On the CPU under Triton's interpreter (TRITON_INTERPRET=1, a child process), where the launches go
 without programmatic dependent launch (``chain.launch``); on a GPU the kernels themselves, chained."""
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SCRIPT = r"""
 import torch
@@ -60,4 +63,55 @@ def test_add_rms_router_equals_add_rms_then_the_routers_matmul():
     if not torch.cuda.is_available():
         env["TRITON_INTERPRET"] = "1"
     r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().startswith("ok"), r.stderr[-3000:]
+
+
+LAYERS = r"""
+import torch
+from pushkv.config import preset
+from pushkv.messages import SeqWork
+from pushkv.model import batched, build_model
+from pushkv.model.kernels import triton_moe
+from tests.model.test_model import new_pool, prompt_of
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+model = build_model(preset("tiny", architecture="Qwen3MoeForCausalLM", num_experts=4, experts_per_token=2,
+                           intermediate_size=32), device=dev)
+model.enable_batched(max_num_seqs=8, use_graphs=False)
+cfg, fwd, real = model.cfg, model.batched, model.mlp_delta
+if dev == "cpu":  # the experts' Triton kernels, as on a GPU (mlp_delta takes torch's on the CPU)
+    def triton_delta(lw, h, summed=True, logits=None):
+        if lw.router is None:
+            return real(lw, h, summed, logits)
+        return triton_moe.moe_mlp(h, lw.router, lw.gate_up, lw.down, cfg.experts_per_token, cfg.norm_topk_prob,
+                                  summed=summed, logits=logits)
+    model.mlp_delta = triton_delta
+    fwd.fused = True
+seqs = [SeqWork(i, tuple(prompt_of(9 + 4 * i, seed=i)), 0, tuple(range(4 * i, 4 * i + 4))) for i in range(3)]
+pool = new_pool(model, 16, 8).to(dev)
+model.execute(seqs, pool)
+step = [SeqWork(i, (3 + i,), 9 + 4 * i, s.block_table) for i, s in enumerate(seqs)]
+used = []
+from pushkv.model.kernels import triton_fused
+orig = triton_fused.add_rms_router
+def counted(*a, **k):
+    used.append(1)
+    return orig(*a, **k)
+triton_fused.add_rms_router = counted
+outs = {}
+for tokens in (0, 16):
+    batched.ROUTER_IN_NORM_TOKENS = tokens
+    outs[tokens] = fwd.logits(step, model._layer_pools(pool.clone()))
+assert len(used) == cfg.num_layers, used  # taken in every layer with the bound at 16, never at 0
+torch.testing.assert_close(outs[16], outs[0], atol=1e-5, rtol=1e-5)
+assert torch.equal(outs[16].argmax(-1), outs[0].argmax(-1))
+print("ok", dev)
+"""
+
+
+@pytest.mark.unit
+def test_fused_layers_with_the_router_in_the_norm_equal_its_own_matmul():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
+    r = subprocess.run([sys.executable, "-c", LAYERS], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().startswith("ok"), r.stderr[-3000:]

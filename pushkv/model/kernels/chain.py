@@ -10,7 +10,8 @@ it as before, and a graph capture keeps the option as a programmatic edge.
 
 Each kernel takes ``PDL`` (a constexpr) and calls ``wait_prior(PDL)`` first; its caller passes
 ``**chain.launch(tensor)``. Off under Triton's interpreter, off the GPU, below compute capability 9,
-and where ``ON`` is False (experiments/moe_decode_probe.py's "before").
+and while ``ON`` is False: the default until a GPU run of experiments/moe_decode_probe.py (which turns
+it on and off) has measured what it gives. Nothing else sets it.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-ON = True
+ON = False
 
 
 @functools.cache

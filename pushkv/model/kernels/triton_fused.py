@@ -98,7 +98,8 @@ def add_rms_router(x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: f
     a decode step: x, delta [N, d] contiguous, router [E, d] contiguous -> logits [N, E] in x's dtype, each
     a float32 dot of h (rounded) and the expert's row, rounded once (as ``F.linear`` rounds). One program a
     token and ``experts_a_program`` experts (64 programs of 8 KB at Qwen3-30B-A3B's 128): the router's
-    matmul was its own launch, 5 us of a 77 us layer at one token on an H200."""
+    matmul as its own launch took 5.0 us of an ~80 us layer at one token on an H200
+    (docs/results/2026-12-03-moe-decode-launches). Taken where ``batched.ROUTER_IN_NORM_TOKENS`` says."""
     N, d = x.shape
     E = router.shape[0]
     if delta.shape != x.shape or not delta.is_contiguous() or router.shape[1] != d or not router.is_contiguous():
