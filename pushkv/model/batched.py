@@ -167,7 +167,7 @@ class BatchedForward:
                 on_layer(layer)
             paged.attention(q, pools[layer], meta, m.layer_window(layer), attn, splits, scratch)
             o = m._all_reduce(F.linear(attn.view(T, -1), lw.o))
-            if lw.router is not None and T <= min(ROUTER_IN_NORM_TOKENS, FUSED_ROUTE_TOKENS):
+            if lw.router is not None and 0 < T <= min(ROUTER_IN_NORM_TOKENS, FUSED_ROUTE_TOKENS):
                 # MoE, a decode step: the router's logits made with the norm, one launch less
                 x, h, logits = K.add_rms_router(x, o, lw.post_norm, eps, lw.router)
                 delta = m.mlp_delta(lw, h, summed=False, logits=logits)
