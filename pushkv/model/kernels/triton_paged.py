@@ -80,6 +80,46 @@ def _cache_strides(cache: torch.Tensor):
 
 
 @triton.jit
+def _key_tile(q, cache, bt, start, hi, qpos, head_off, d, dm, m_i, l_i, acc, s_blk, s_plane, s_slot, U,
+              sm_scale_log2, window, PREC: tl.constexpr, WHOLE_D: tl.constexpr, BLOCK_N: tl.constexpr,
+              MASKED: tl.constexpr):
+    """BLOCK_N keys from ``start`` into a tile's online softmax (m_i, l_i, acc). MASKED: the keys from ``hi`` on
+    and past each row's causal (and window) bound are masked; else every key is seen by every row, no mask
+    (nor on the head dimension where it is whole)."""
+    kpos = start + tl.arange(0, BLOCK_N)
+    kv_ok = kpos < hi
+    if MASKED:
+        blk = tl.load(bt + kpos // U, mask=kv_ok, other=0).to(tl.int64)
+    else:
+        blk = tl.load(bt + kpos // U).to(tl.int64)
+    off = head_off + blk * s_blk + (kpos % U) * s_slot
+    if MASKED:
+        k = tl.load(cache + off[:, None] + d[None, :], mask=kv_ok[:, None] & dm[None, :], other=0.0)
+    elif WHOLE_D:
+        k = tl.load(cache + off[:, None] + d[None, :])
+    else:
+        k = tl.load(cache + off[:, None] + d[None, :], mask=dm[None, :], other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * sm_scale_log2
+    if MASKED:
+        ok = kv_ok[None, :] & (kpos[None, :] <= qpos[:, None])
+        if window > 0:
+            ok = ok & (kpos[None, :] > qpos[:, None] - window)
+        s = tl.where(ok, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if MASKED:
+        v = tl.load(cache + s_plane + off[:, None] + d[None, :], mask=kv_ok[:, None] & dm[None, :], other=0.0)
+    elif WHOLE_D:
+        v = tl.load(cache + s_plane + off[:, None] + d[None, :])
+    else:
+        v = tl.load(cache + s_plane + off[:, None] + d[None, :], mask=dm[None, :], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _attn_kernel(Q, O, cache, block_table, seq_lens, q_starts, q_lens, tile_seq, tile_q0,
                  Part, PartML,
                  stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
@@ -132,43 +172,11 @@ def _attn_kernel(Q, O, cache, block_table, seq_lens, q_starts, q_lens, tile_seq,
     if FREE_LOOP and window == 0:
         free_end = lo + tl.maximum(tl.minimum(ctx - qlen + q0 + 1, hi) - lo, 0) // BLOCK_N * BLOCK_N
     for start in range(lo, free_end, BLOCK_N):
-        kpos = start + tl.arange(0, BLOCK_N)
-        blk = tl.load(bt + kpos // U).to(tl.int64)
-        off = head_off + blk * s_blk + (kpos % U) * s_slot
-        if BLOCK_D == D:
-            k = tl.load(cache + off[:, None] + d[None, :])
-        else:
-            k = tl.load(cache + off[:, None] + d[None, :], mask=dm[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * sm_scale_log2
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if BLOCK_D == D:
-            v = tl.load(cache + s_plane + off[:, None] + d[None, :])
-        else:
-            v = tl.load(cache + s_plane + off[:, None] + d[None, :], mask=dm[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m_i = m_new
+        m_i, l_i, acc = _key_tile(q, cache, bt, start, hi, qpos, head_off, d, dm, m_i, l_i, acc, s_blk, s_plane,
+                                  s_slot, U, sm_scale_log2, window, PREC, BLOCK_D == D, BLOCK_N, False)
     for start in range(free_end, hi, BLOCK_N):
-        kpos = start + tl.arange(0, BLOCK_N)
-        kv_ok = kpos < hi
-        blk = tl.load(bt + kpos // U, mask=kv_ok, other=0).to(tl.int64)
-        off = head_off + blk * s_blk + (kpos % U) * s_slot
-        k = tl.load(cache + off[:, None] + d[None, :], mask=kv_ok[:, None] & dm[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * sm_scale_log2
-        ok = kv_ok[None, :] & (kpos[None, :] <= qpos[:, None])
-        if window > 0:
-            ok = ok & (kpos[None, :] > qpos[:, None] - window)
-        s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(cache + s_plane + off[:, None] + d[None, :], mask=kv_ok[:, None] & dm[None, :],
-                    other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m_i = m_new
+        m_i, l_i, acc = _key_tile(q, cache, bt, start, hi, qpos, head_off, d, dm, m_i, l_i, acc, s_blk, s_plane,
+                                  s_slot, U, sm_scale_log2, window, PREC, BLOCK_D == D, BLOCK_N, True)
 
     rows = qrow0 + q0 + tq
     if NUM_SPLITS == 1:

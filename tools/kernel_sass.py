@@ -1,0 +1,151 @@
+"""The step's Triton kernels compiled for an H100/H200 (sm_90) on any machine, by Triton's compiler and its
+bundled ptxas and cuobjdump (no GPU): their instruction sequences saved, and two saves compared. A refactor of a
+kernel that leaves its instructions as they were needs no GPU run to show it costs nothing.
+
+    python3 -m tools.kernel_sass --out before.json     (at one commit)
+    python3 -m tools.kernel_sass --out after.json      (at the next)
+    python3 -m tools.kernel_sass --compare before.json after.json
+
+``tests/model/test_kernels_sm90.py`` compiles the same list with programmatic dependent launch on and off.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+# pointers: the capitalised arguments but the counts, and the tables; the rest are int32 scalars but two floats
+COUNTS = {"T", "E", "HG", "U"}
+TABLES = {"cache", "block_table", "seq_lens", "q_starts", "q_lens", "tile_seq", "tile_q0"}
+FLOATS = {"eps", "sm_scale_log2"}
+INT_PTRS = {"Pos", "Slots", "block_table", "seq_lens", "q_starts", "q_lens", "tile_seq", "tile_q0", "SlotIds",
+            "BlockExpert", "Experts"}
+F32_PTRS = {"Part", "PartML"}
+
+DECODE_ATTN = dict(PREC="tf32", G=8, D=128, BLOCK_D=128, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=64, NUM_SPLITS=16,
+                   HEAVY_FIRST=True, FREE_LOOP=True)
+PREFILL_ATTN = dict(DECODE_ATTN, BLOCK_Q=32, BLOCK_M=256, NUM_SPLITS=1)
+GROUPED = dict(PREC="tf32", BM=16, BK=128, EVEN=True, ROW_ACT=True)
+
+
+def kernels() -> list[tuple[str, object, dict, int, int]]:
+    """(name, kernel, constexprs, warps, stages): a Qwen3-30B-A3B decode step's launches, a prefill's attention,
+    and float32 attention."""
+    from pushkv.model.kernels import triton_fused, triton_moe, triton_moe_decode, triton_paged
+
+    return [
+        ("add_rms", triton_fused._add_rms_kernel, dict(HAS_DELTA=True, SLOTS=8, BLOCK=2048), 8, 3),
+        ("add_rms_router", triton_fused._add_rms_router_kernel, dict(BE=2, BLOCK=2048), 8, 3),
+        ("qk_rope_store", triton_fused._qk_rope_store_kernel, dict(HQ=32, HK=4, D=128, HAS_NORM=True, TB=1), 1, 3),
+        ("silu_mul", triton_fused._silu_mul_kernel, dict(BLOCK=1024), 4, 3),
+        ("attn_decode", triton_paged._attn_kernel, DECODE_ATTN, 4, 2),
+        ("attn_prefill", triton_paged._attn_kernel, PREFILL_ATTN, 8, 3),
+        ("attn_fp32", triton_paged._attn_kernel, dict(DECODE_ATTN, PREC="ieee", BLOCK_N=32), 4, 2),
+        ("attn_merge", triton_paged._merge_kernel, dict(D=128, BLOCK_D=128, NUM_SPLITS=16), 1, 3),
+        ("route_group", triton_moe._route_group_kernel, dict(K=8, RENORM=True, BM=16, EP=128, TT=1, SC=16, FILL=1024),
+         1, 3),
+        ("moe_gate_up", triton_moe._gate_up_kernel, dict(GROUPED, BN=32), 4, 3),
+        ("moe_down", triton_moe._down_kernel, dict(GROUPED, BN=64), 4, 3),
+        ("decode_router", triton_moe_decode._router_kernel, dict(BE=2, BK=256), 4, 3),
+        ("decode_gate_up", triton_moe_decode._gate_up_kernel, dict(K=8, RENORM=True, EP=128, BN=16, BK=256), 4, 3),
+        ("decode_down", triton_moe_decode._down_kernel, dict(K=8, BN=4, BK=256), 4, 3),
+    ]
+
+
+def compile_sm90(fn, consts: dict, pdl: bool, warps: int, stages: int):
+    """The kernel compiled for sm_90 (``asm`` holds its ptx and cubin), chained (``PDL``) or not."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {}
+    for p in fn.params:
+        if p.is_constexpr:
+            sig[p.name] = "constexpr"
+        elif p.name in FLOATS:
+            sig[p.name] = "fp32"
+        elif p.name in COUNTS or (p.name not in TABLES and not p.name[0].isupper()):
+            sig[p.name] = "i32"
+        else:
+            sig[p.name] = "*i32" if p.name in INT_PTRS else "*fp32" if p.name in F32_PTRS else "*bf16"
+    opts = dict(num_warps=warps, num_stages=stages, **({"launch_pdl": True} if pdl else {}))
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs={**consts, "PDL": pdl}),
+                          target=GPUTarget("cuda", 90, 32), options=opts)
+
+
+def instructions(cubin: bytes) -> list[str]:
+    """The cubin's SASS, one instruction a line, without addresses and encodings."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
+    out = []
+    for line in sass.splitlines():
+        text = re.sub(r"/\*.*?\*/", "", line).strip()
+        if text.endswith(";"):
+            out.append(text)
+    return out
+
+
+_OPERANDS = re.compile(r"\bU?R\d+\b|\bU?P\d+\b|0x[0-9a-f]+|c\[[^\]]*\]\[[^\]]*\]")
+
+
+def shape(instruction: str) -> str:
+    """An instruction without its registers, predicates, constants and reuse hints."""
+    return _OPERANDS.sub("#", instruction.replace(".reuse", ""))
+
+
+def verdict(a: list[str], b: list[str]) -> str:
+    if a == b:
+        return "the same instructions"
+    sa, sb = [shape(x) for x in a], [shape(x) for x in b]
+    if sa == sb:
+        return "the same operations in the same order, other registers or constants"
+    if sorted(sa) == sorted(sb):
+        moved = sum(x != y for x, y in zip(sa, sb))
+        return f"the same operations, {moved} of them in another place"
+    gone = len(sa) - sum(min(sa.count(x), sb.count(x)) for x in set(sa))
+    new = len(sb) - sum(min(sa.count(x), sb.count(x)) for x in set(sb))
+    return f"other operations: {gone} gone, {new} new"
+
+
+def compare(a: dict, b: dict) -> list[str]:
+    lines = []
+    for name in sorted(a.keys() | b.keys()):
+        if name not in a or name not in b:
+            lines.append(f"{name}: only in {'the second' if name not in a else 'the first'}")
+        else:
+            lines.append(f"{name}: {len(a[name])} -> {len(b[name])} instructions, {verdict(a[name], b[name])}")
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python3 -m tools.kernel_sass", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", help="save the kernels' instructions (JSON)")
+    ap.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two saves")
+    args = ap.parse_args(argv)
+    if args.compare:
+        with open(args.compare[0]) as fa, open(args.compare[1]) as fb:
+            print("\n".join(compare(json.load(fa), json.load(fb))))
+        return 0
+    if not args.out:
+        ap.error("--out or --compare")
+    saved = {}
+    for name, fn, consts, warps, stages in kernels():
+        saved[name] = instructions(compile_sm90(fn, consts, False, warps, stages).asm["cubin"])
+        print(f"{name}: {len(saved[name])} instructions", flush=True)
+    with open(args.out, "w") as f:
+        json.dump(saved, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
