@@ -7,7 +7,10 @@ Variants (each re-captures the graphs):
 - ``router``: the router's logits made in the post-attention norm's launch (``add_rms_router``), up to 16
   tokens;
 - ``pdl``: the Triton kernels chained by programmatic dependent launch;
-- ``both``; ``router_128``: both, the router's logits in the norm up to 128 tokens.
+- ``both``; ``router_128``: both, the router's logits in the norm up to 128 tokens;
+- ``ungrouped``: both, with ``PUSHKV_MOE_DECODE=ungrouped``: a step of up to 8 tokens takes the GEMV kernels
+  that route each slot themselves (``triton_moe_decode``), so the router in the norm leaves two launches for
+  the experts where the grouped path keeps three (routing and grouping, gate/up, down).
 
 For each: the step's time at each --batches (context --ctx) against the bytes bound (``pushkv roofline``'s:
 the weights and K/V a step reads, the experts counted as chosen, at the copy rate measured in the same
@@ -40,12 +43,14 @@ from tools.roofline import (
     model_counts,
 )
 
-VARIANTS = {"before": (False, 0), "router": (False, 16), "pdl": (True, 0), "both": (True, 16),
-            "router_128": (True, 128)}
+# (chained launches, the router in the norm up to this many tokens, the MoE decode kernels of up to 8 tokens)
+VARIANTS = {"before": (False, 0, "grouped"), "router": (False, 16, "grouped"), "pdl": (True, 0, "grouped"),
+            "both": (True, 16, "grouped"), "router_128": (True, 128, "grouped"),
+            "ungrouped": (True, 16, "ungrouped")}
 
 
 def set_variant(fwd, name: str) -> None:
-    chain.ON, batched.ROUTER_IN_NORM_TOKENS = VARIANTS[name]
+    chain.ON, batched.ROUTER_IN_NORM_TOKENS, os.environ["PUSHKV_MOE_DECODE"] = VARIANTS[name]
     fwd.graphs.clear()  # captured with the last variant's launches
 
 

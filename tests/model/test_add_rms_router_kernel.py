@@ -21,6 +21,7 @@ SCRIPT = r"""
 import torch
 import torch.nn.functional as F
 from pushkv.model.kernels import chain, triton_fused as K, triton_moe
+from pushkv.model.kernels.triton_moe_decode import decode_tiles_for
 from pushkv.model.moe import moe_mlp
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 torch.manual_seed(0)
@@ -45,6 +46,10 @@ for dt in (torch.float32, torch.bfloat16):
         own = triton_moe.moe_mlp(h, router, gate_up, down, k, True)
         torch.testing.assert_close(given, own, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(given, moe_mlp(h, router, gate_up, down, k, True), atol=1e-4, rtol=1e-4)
+        ungrouped = decode_tiles_for(N)  # the decode GEMVs, which route each slot from the logits themselves
+        torch.testing.assert_close(triton_moe.moe_mlp(h, router, gate_up, down, k, True, ungrouped, logits=logits),
+                                   triton_moe.moe_mlp(h, router, gate_up, down, k, True, ungrouped),
+                                   atol=1e-5, rtol=1e-5)
         try:
             K.add_rms_router(x, delta[:, :-1].contiguous(), w, 1e-6, router)
         except ValueError as e:
