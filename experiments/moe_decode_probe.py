@@ -131,7 +131,9 @@ def main() -> None:
                  "profile": {}}
     for B in batches:
         run = functools.partial(fwd.logits, decode_seqs(cfg, B, args.ctx, 16), views)
+        fwd.use_graphs = False  # counted eagerly: a replay runs no Python
         read = sum(chosen_experts(model, run))
+        fwd.use_graphs = True
         row: dict = {"batch": B, "bound_ms": decode_bound(c, B, args.ctx, bw, rate, read) * 1e3}
         logits = {}
         for name in VARIANTS:
