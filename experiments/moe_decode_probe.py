@@ -53,7 +53,12 @@ VARIANTS = {"before": (False, 0, "grouped"), "router": (False, 16, "grouped"), "
 
 def set_variant(fwd, name: str) -> None:
     chain.ON, batched.ROUTER_IN_NORM_TOKENS, os.environ["PUSHKV_MOE_DECODE"] = VARIANTS[name]
-    fwd.graphs.clear()  # captured with the last variant's launches
+    # the graphs were captured with the last variant's launches: dropped with their memory pool, as
+    # BatchedForward._graphs_for drops them (a capture into a pool whose graphs were all released trips the
+    # caching allocator's assert)
+    torch.cuda.synchronize()
+    fwd.graphs.clear()
+    fwd.graph_pool = None
 
 
 def profile_step(run, layers: int, reps: int = 20) -> dict:
