@@ -2,7 +2,8 @@
 bundled ptxas and cuobjdump (no GPU): their instruction sequences saved, and two saves compared. A refactor of a
 kernel that leaves its instructions as they were needs no GPU run to show it costs nothing.
 
-    python3 -m tools.kernel_sass --out before.json     (at one commit)
+    python3 -m tools.kernel_sass --out before.json     (at one commit; prints each kernel's registers, spills and
+                                                        shared memory)
     python3 -m tools.kernel_sass --out after.json      (at the next)
     python3 -m tools.kernel_sass --compare before.json after.json
 
@@ -25,6 +26,9 @@ FLOATS = {"eps", "sm_scale_log2"}
 INT_PTRS = {"Pos", "Slots", "block_table", "seq_lens", "q_starts", "q_lens", "tile_seq", "tile_q0", "SlotIds",
             "BlockExpert", "Experts"}
 F32_PTRS = {"Part", "PartML"}
+# as a launch specialises them (tt.divisibility 16): every pointer (torch's allocations are aligned), and the
+# integers that are multiples of 16 in a Qwen3-30B-A3B step (strides, widths, counts of 128), not these
+UNALIGNED = {"HG", "k_top", "window", "total_rows", "T", "n_slots", "n_rows", "max_blocks"}
 
 DECODE_ATTN = dict(PREC="tf32", G=8, D=128, BLOCK_D=128, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=64, NUM_SPLITS=16,
                    HEAVY_FIRST=True, FREE_LOOP=True)
@@ -72,13 +76,14 @@ def compile_sm90(fn, consts: dict, pdl: bool, warps: int, stages: int):
             sig[p.name] = "i32"
         else:
             sig[p.name] = "*i32" if p.name in INT_PTRS else "*fp32" if p.name in F32_PTRS else "*bf16"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params)
+             if sig[p.name] != "constexpr" and sig[p.name] != "fp32" and p.name not in UNALIGNED}
     opts = dict(num_warps=warps, num_stages=stages, **({"launch_pdl": True} if pdl else {}))
-    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs={**consts, "PDL": pdl}),
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs={**consts, "PDL": pdl}, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32), options=opts)
 
 
-def instructions(cubin: bytes) -> list[str]:
-    """The cubin's SASS, one instruction a line, without addresses and encodings."""
+def _cuobjdump(cubin: bytes, *flags: str) -> str:
     import triton
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -86,9 +91,13 @@ def instructions(cubin: bytes) -> list[str]:
         path = os.path.join(tmp, "k.cubin")
         with open(path, "wb") as f:
             f.write(cubin)
-        sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([tool, *flags, path], capture_output=True, text=True, check=True).stdout
+
+
+def instructions(cubin: bytes) -> list[str]:
+    """The cubin's SASS, one instruction a line, without addresses and encodings."""
     out = []
-    for line in sass.splitlines():
+    for line in _cuobjdump(cubin, "-sass").splitlines():
         text = re.sub(r"/\*.*?\*/", "", line).strip()
         if text.endswith(";"):
             out.append(text)
@@ -117,6 +126,13 @@ def verdict(a: list[str], b: list[str]) -> str:
     return f"other operations: {gone} gone, {new} new"
 
 
+def resources(cubin: bytes) -> dict:
+    """cuobjdump's resource usage of a cubin: registers a thread, stack bytes a thread (spills), static shared."""
+    text = _cuobjdump(cubin, "--dump-resource-usage")
+    found = dict(re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", text))
+    return {k.lower(): int(v) for k, v in found.items()}
+
+
 def compare(a: dict, b: dict) -> list[str]:
     lines = []
     for name in sorted(a.keys() | b.keys()):
@@ -140,8 +156,12 @@ def main(argv=None) -> int:
         ap.error("--out or --compare")
     saved = {}
     for name, fn, consts, warps, stages in kernels():
-        saved[name] = instructions(compile_sm90(fn, consts, False, warps, stages).asm["cubin"])
-        print(f"{name}: {len(saved[name])} instructions", flush=True)
+        k = compile_sm90(fn, consts, False, warps, stages)
+        saved[name] = instructions(k.asm["cubin"])
+        r = resources(k.asm["cubin"])
+        print(f"{name}: {len(saved[name])} instructions, {r.get('reg')} registers a thread, {r.get('stack')} "
+              f"stack bytes (spills), {k.metadata.shared} bytes of shared memory; {warps} warps, {stages} stages",
+              flush=True)
     with open(args.out, "w") as f:
         json.dump(saved, f)
     return 0
