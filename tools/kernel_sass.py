@@ -6,6 +6,7 @@ kernel that leaves its instructions as they were needs no GPU run to show it cos
                                                         shared memory)
     python3 -m tools.kernel_sass --out after.json      (at the next)
     python3 -m tools.kernel_sass --compare before.json after.json
+    python3 -m tools.kernel_sass --attention-tiles     (a prefill's attention tile's spills per config)
 
 ``tests/model/test_kernels_sm90.py`` compiles the same list with programmatic dependent launch on and off.
 """
@@ -147,7 +148,18 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m tools.kernel_sass", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="save the kernels' instructions (JSON)")
     ap.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two saves")
+    ap.add_argument("--attention-tiles", action="store_true",
+                    help="a prefill's 256-row attention tile: registers and spills per (keys a step, warps, stages)")
     args = ap.parse_args(argv)
+    if args.attention_tiles:
+        from pushkv.model.kernels import triton_paged
+
+        for bn, warps, stages in ((64, 8, 3), (64, 8, 2), (64, 16, 3), (64, 16, 2), (32, 8, 3), (32, 16, 3)):
+            k = compile_sm90(triton_paged._attn_kernel, dict(PREFILL_ATTN, BLOCK_N=bn), False, warps, stages)
+            r = resources(k.asm["cubin"])
+            print(f"block_n {bn}, {warps} warps, {stages} stages: {r.get('reg')} registers, {r.get('stack')} stack "
+                  f"bytes (spills), {k.metadata.shared} bytes of shared memory", flush=True)
+        return 0
     if args.compare:
         with open(args.compare[0]) as fa, open(args.compare[1]) as fb:
             print("\n".join(compare(json.load(fa), json.load(fb))))
