@@ -116,12 +116,14 @@ s.print_callees('_post_write|_prefill_done|on_ExpectKV|_poll_notifs')" 2>&1 | gr
              --sizes-mib 0.25 1 16 64 256 --reps 7 --gap-ms 20 --out "$OUT/xferwarm.json" 2>&1 \
              | grep -E "^warm|^\(devices|Error|error:" | tee "$OUT/xferwarm.txt" ;;
     gpue2e) timeout 400 python3 -m pytest -q -p no:cacheprovider tests/e2e/test_gpu_e2e.py 2>&1 | tee "$OUT/gpue2e.txt" | tail -5 ;;
-    moedecode) # the MoE decode path's GPU tests, then experiments/moe_decode_probe.py (chained launches and the router
-            # in the norm, each on and off); the probe's tables decide kernels.chain.ON and batched.ROUTER_IN_NORM_TOKENS
+    moetests) # the MoE decode path's GPU tests (the router in the norm, the GEMVs, the kernels, graphs)
             timeout 280 python3 -m pytest -q -p no:cacheprovider tests/model/test_add_rms_router_kernel.py \
-              tests/model/test_moe_kernel.py tests/model/test_moe_slot_sum.py tests/model/test_gpu_graphs.py \
-              tests/model/test_batched.py -k "gpu or add_rms_router or moe" 2>&1 | tail -4 | tee "$OUT/moe_decode_tests.txt"
-            timeout 300 python3 experiments/moe_decode_probe.py --out "$OUT" 2>&1 | tail -40 ;;
+              tests/model/test_gemv_kernel.py tests/model/test_moe_kernel.py tests/model/test_moe_slot_sum.py \
+              tests/model/test_gpu_graphs.py tests/model/test_batched.py -k "gpu or add_rms_router or moe or gemv" \
+              2>&1 | tail -4 | tee "$OUT/moe_decode_tests.txt" ;;
+    moedecode) # experiments/moe_decode_probe.py: chained launches, the router in the norm and the GEMVs, each on
+            # and off; its tables decide kernels.chain.ON, batched.ROUTER_IN_NORM_TOKENS and batched.GEMV_TOKENS
+            timeout 540 python3 experiments/moe_decode_probe.py --out "$OUT" 2>&1 | tail -40 ;;
     attntune) timeout 300 python3 -m experiments.attn_tune 2>&1 | tee "$OUT/attn_tune.txt" ;;
     kvverifyfaults) # the fault cases end to end with the pools in GPU memory (push-layer and pull, tiny models)
               timeout 500 python3 -m pytest -q -p no:cacheprovider -rs tests/e2e/test_kv_verify.py -k cuda \

@@ -10,16 +10,20 @@ Variants (each re-captures the graphs):
 - ``both``; ``router_128``: both, the router's logits in the norm up to 128 tokens;
 - ``ungrouped``: both, with ``PUSHKV_MOE_DECODE=ungrouped``: a step of up to 8 tokens takes the GEMV kernels
   that route each slot themselves (``triton_moe_decode``), so the router in the norm leaves two launches for
-  the experts where the grouped path keeps three (routing and grouping, gate/up, down).
+  the experts where the grouped path keeps three (routing and grouping, gate/up, down);
+- ``gemv_alone``: the router in the norm and the qkv and o projections of up to 8 tokens as GEMVs
+  (``kernels/triton_gemv.py``, ``batched.GEMV_TOKENS``) instead of cuBLAS, unchained; ``gemv``: the same,
+  chained, so each GEMV's weights stream in while the kernel before it runs.
 
 For each: the step's time at each --batches (context --ctx) against the bytes bound (``pushkv roofline``'s:
 the weights and K/V a step reads, the experts counted as chosen, at the copy rate measured in the same
 run); the chained variants' logits against the unchained ones' (the same bits: chaining changes no
 arithmetic), and the router's own dot against cuBLAS's and the ungrouped kernels against the grouped (close,
-and how often the greedy token agrees). Then a profile of a batch-1 graph replay, before and with both: each
-kernel's GPU time a layer, and the time no kernel runs.
+and how often the greedy token agrees; the GEMVs against cuBLAS likewise). Then a profile of a batch-1 graph
+replay, before, with both and with the chained GEMVs: each kernel's GPU time a layer, and the time no kernel
+runs.
 
-    python3 experiments/moe_decode_probe.py --out DIR    (from the checkout's root; ~3 min on an H200)
+    python3 experiments/moe_decode_probe.py --out DIR    (from the checkout's root; a few minutes on an H200)
 
 writes DIR/moe_decode.json and DIR/moe_decode.md.
 """
@@ -45,14 +49,16 @@ from tools.roofline import (
     model_counts,
 )
 
-# (chained launches, the router in the norm up to this many tokens, the MoE decode kernels of up to 8 tokens)
-VARIANTS = {"before": (False, 0, "grouped"), "router": (False, 16, "grouped"), "pdl": (True, 0, "grouped"),
-            "both": (True, 16, "grouped"), "router_128": (True, 128, "grouped"),
-            "ungrouped": (True, 16, "ungrouped")}
+# (chained launches, the router in the norm up to this many tokens, the MoE decode kernels of up to 8 tokens, the
+# qkv and o GEMVs up to this many tokens)
+VARIANTS = {"before": (False, 0, "grouped", 0), "router": (False, 16, "grouped", 0), "pdl": (True, 0, "grouped", 0),
+            "both": (True, 16, "grouped", 0), "router_128": (True, 128, "grouped", 0),
+            "ungrouped": (True, 16, "ungrouped", 0), "gemv_alone": (False, 16, "grouped", 8),
+            "gemv": (True, 16, "grouped", 8)}
 
 
 def set_variant(fwd, name: str) -> None:
-    chain.ON, batched.ROUTER_IN_NORM_TOKENS, os.environ["PUSHKV_MOE_DECODE"] = VARIANTS[name]
+    chain.ON, batched.ROUTER_IN_NORM_TOKENS, os.environ["PUSHKV_MOE_DECODE"], batched.GEMV_TOKENS = VARIANTS[name]
     # the graphs were captured with the last variant's launches: dropped with their memory pool, as
     # BatchedForward._graphs_for drops them (a capture into a pool whose graphs were all released trips the
     # caching allocator's assert)
@@ -101,12 +107,12 @@ def markdown(rep: dict) -> str:
     for r in rep["rows"]:
         cells = [f"{r[n]['ms']:.2f} ({r[n]['ms'] / r['bound_ms']:.2f})" for n in names]
         out.append(f"| {r['batch']} | {r['bound_ms']:.2f} | " + " | ".join(cells) + " |")
-    out += ["", "| batch | chained: the same bits | router vs before: max abs, argmax agree | ungrouped vs both |",
-            "| --- | --- | --- | --- |"]
+    pairs = ("router_vs_before", "ungrouped_vs_both", "gemv_vs_both")
+    out += ["", "| batch | chained: the same bits | " + " | ".join(f"{p}: max abs, argmax agree" for p in pairs) + " |",
+            "| --- | --- | " + " | ".join("---" for _ in pairs) + " |"]
     for r in rep["rows"]:
-        a, b = r["router_vs_before"], r["ungrouped_vs_both"]
-        out.append(f"| {r['batch']} | {r['chained_same_bits']} | {a['max_abs']:.3g}, {a['argmax_agree']:.0%} | "
-                   f"{b['max_abs']:.3g}, {b['argmax_agree']:.0%} |")
+        cells = [f"{r[p]['max_abs']:.3g}, {r[p]['argmax_agree']:.0%}" for p in pairs]
+        out.append(f"| {r['batch']} | {r['chained_same_bits']} | " + " | ".join(cells) + " |")
     out.append("")
     for name, p in rep["profile"].items():
         out += [f"Batch-1 graph replay, {name}: {p['span_us_a_layer']} us a layer, kernels busy "
@@ -120,7 +126,7 @@ def markdown(rep: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="out")
-    ap.add_argument("--batches", default="1,2,8,16,32,64")
+    ap.add_argument("--batches", default="1,8,16,64")
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
@@ -149,14 +155,14 @@ def main() -> None:
         # cuBLAS, and the ungrouped kernels theirs, so those are compared as close (random weights' logits are
         # nearly flat, so a greedy token may differ without a fault)
         row["chained_same_bits"] = torch.equal(logits["pdl"], logits["before"]) and \
-            torch.equal(logits["both"], logits["router"])
-        for a, b in (("router", "before"), ("ungrouped", "both")):
+            torch.equal(logits["both"], logits["router"]) and torch.equal(logits["gemv"], logits["gemv_alone"])
+        for a, b in (("router", "before"), ("ungrouped", "both"), ("gemv", "both")):
             row[f"{a}_vs_{b}"] = {"max_abs": float((logits[a] - logits[b]).abs().max()),
                                   "argmax_agree": float((logits[a].argmax(-1) == logits[b].argmax(-1)).float().mean())}
         rep["rows"].append(row)
         print(json.dumps(row), flush=True)
     run = functools.partial(fwd.logits, decode_seqs(cfg, 1, args.ctx, 16), views)
-    for name in ("before", "both"):
+    for name in ("before", "both", "gemv"):
         set_variant(fwd, name)
         rep["profile"][name] = profile_step(run, cfg.num_layers)
     set_variant(fwd, "before")

@@ -21,7 +21,7 @@ import sys
 import tempfile
 
 # pointers: the capitalised arguments but the counts, and the tables; the rest are int32 scalars but two floats
-COUNTS = {"T", "E", "HG", "U"}
+COUNTS = {"T", "E", "HG", "U", "N"}
 TABLES = {"cache", "block_table", "seq_lens", "q_starts", "q_lens", "tile_seq", "tile_q0"}
 FLOATS = {"eps", "sm_scale_log2"}
 INT_PTRS = {"Pos", "Slots", "block_table", "seq_lens", "q_starts", "q_lens", "tile_seq", "tile_q0", "SlotIds",
@@ -40,7 +40,7 @@ GROUPED = dict(PREC="tf32", BM=16, BK=128, EVEN=True, ROW_ACT=True)
 def kernels() -> list[tuple[str, object, dict, int, int]]:
     """(name, kernel, constexprs, warps, stages): a Qwen3-30B-A3B decode step's launches, a prefill's attention,
     and float32 attention."""
-    from pushkv.model.kernels import triton_fused, triton_moe, triton_moe_decode, triton_paged
+    from pushkv.model.kernels import triton_fused, triton_gemv, triton_moe, triton_moe_decode, triton_paged
 
     return [
         ("add_rms", triton_fused._add_rms_kernel, dict(HAS_DELTA=True, SLOTS=8, BLOCK=2048), 8, 3),
@@ -58,6 +58,8 @@ def kernels() -> list[tuple[str, object, dict, int, int]]:
         ("decode_router", triton_moe_decode._router_kernel, dict(BE=2, BK=256), 4, 3),
         ("decode_gate_up", triton_moe_decode._gate_up_kernel, dict(K=8, RENORM=True, EP=128, BN=16, BK=256), 4, 3),
         ("decode_down", triton_moe_decode._down_kernel, dict(K=8, BN=4, BK=256), 4, 3),
+        ("gemv_o", triton_gemv._gemv_kernel, dict(K=4096, BN=8, HAS_BIAS=False), 8, 1),
+        ("gemv_qkv_bias", triton_gemv._gemv_kernel, dict(K=2048, BN=8, HAS_BIAS=True), 8, 1),
     ]
 
 

@@ -36,6 +36,11 @@ GRAPH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # sets it, has measured what it gives
 ROUTER_IN_NORM_TOKENS = 0
 
+# The qkv and o projections of steps of up to this many tokens as GEMVs that load their weights before they wait
+# for the kernel before them (``kernels/triton_gemv.py``; cuBLAS else). A graph bucket bound; 0 (never) until
+# experiments/moe_decode_probe.py has timed them on a GPU
+GEMV_TOKENS = 0
+
 
 class BatchedForward:
     """Runs one Model's weights over a packed step (see module doc)."""
@@ -151,22 +156,24 @@ class BatchedForward:
     def _layers_fused(self, meta, pools, splits, scratch, on_layer, rope) -> torch.Tensor:
         """Every layer with the fused Triton kernels: ~9 launches a layer."""
         from pushkv.model.kernels import triton_fused as K
+        from pushkv.model.kernels import triton_gemv
         from pushkv.model.kernels.triton_moe import FUSED_ROUTE_TOKENS
 
         m, cfg, p = self.m, self.m.cfg, self.m.plan
         eps, layers = cfg.rms_eps, m.w.layers
         T = meta.ids.shape[0]
+        linear = triton_gemv.linear if 0 < T <= GEMV_TOKENS else F.linear  # the qkv and o projections
         x = F.embedding(meta.ids, m.w.embed)
         x, h = K.add_rms(x, None, layers[0].input_norm, eps)
         attn = torch.empty(T, p.q_heads, self.hd, device=self.device, dtype=m.dtype)
         for layer, lw in enumerate(layers):
-            q = K.qk_norm_rope_store(F.linear(h, lw.qkv, lw.qkv_bias), p.q_heads, p.kv_heads, self.hd,
+            q = K.qk_norm_rope_store(linear(h, lw.qkv, lw.qkv_bias), p.q_heads, p.kv_heads, self.hd,
                                      lw.q_norm, lw.k_norm, eps, rope[0], rope[1], rope[2], meta.slots,
                                      pools[layer])
             if on_layer is not None:
                 on_layer(layer)
             paged.attention(q, pools[layer], meta, m.layer_window(layer), attn, splits, scratch)
-            o = m._all_reduce(F.linear(attn.view(T, -1), lw.o))
+            o = m._all_reduce(linear(attn.view(T, -1), lw.o))
             if lw.router is not None and 0 < T <= min(ROUTER_IN_NORM_TOKENS, FUSED_ROUTE_TOKENS):
                 # MoE, a decode step: the router's logits made with the norm, one launch less
                 x, h, logits = K.add_rms_router(x, o, lw.post_norm, eps, lw.router)
