@@ -6,16 +6,11 @@ router in the norm as with its own matmul. On the CPU under Triton's interpreter
 without programmatic dependent launch (``chain.launch``); on a GPU the kernels themselves, chained."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
-import torch
 
 pytest.importorskip("triton")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.model.kernel_script import run_kernel_script  # noqa: E402
 
 SCRIPT = r"""
 import torch
@@ -64,20 +59,15 @@ print("ok", dev)
 
 @pytest.mark.unit
 def test_add_rms_router_equals_add_rms_then_the_routers_matmul():
-    env = dict(os.environ)
-    if not torch.cuda.is_available():
-        env["TRITON_INTERPRET"] = "1"
-    r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 0 and r.stdout.strip().startswith("ok"), r.stderr[-3000:]
+    run_kernel_script(SCRIPT)
 
 
 LAYERS = r"""
 import torch
 from pushkv.config import preset
-from pushkv.messages import SeqWork
 from pushkv.model import batched, build_model
 from pushkv.model.kernels import triton_moe
-from tests.model.test_model import new_pool, prompt_of
+from tests.model.kernel_script import decode_step
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 model = build_model(preset("tiny", architecture="Qwen3MoeForCausalLM", num_experts=4, experts_per_token=2,
                            intermediate_size=32), device=dev)
@@ -91,10 +81,7 @@ if dev == "cpu":  # the experts' Triton kernels, as on a GPU (mlp_delta takes to
                                   summed=summed, logits=logits)
     model.mlp_delta = triton_delta
     fwd.fused = True
-seqs = [SeqWork(i, tuple(prompt_of(9 + 4 * i, seed=i)), 0, tuple(range(4 * i, 4 * i + 4))) for i in range(3)]
-pool = new_pool(model, 16, 8).to(dev)
-model.execute(seqs, pool)
-step = [SeqWork(i, (3 + i,), 9 + 4 * i, s.block_table) for i, s in enumerate(seqs)]
+step, pool = decode_step(model, dev)
 used = []
 from pushkv.model.kernels import triton_fused
 orig = triton_fused.add_rms_router
@@ -115,8 +102,4 @@ print("ok", dev)
 
 @pytest.mark.unit
 def test_fused_layers_with_the_router_in_the_norm_equal_its_own_matmul():
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-    if not torch.cuda.is_available():
-        env["TRITON_INTERPRET"] = "1"
-    r = subprocess.run([sys.executable, "-c", LAYERS], capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 0 and r.stdout.strip().startswith("ok"), r.stderr[-3000:]
+    run_kernel_script(LAYERS)

@@ -5,25 +5,19 @@ model's decode step through the fused layer loop gives the same logits with the 
 under Triton's interpreter (TRITON_INTERPRET=1, a child process); on a GPU the kernel itself."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
-import torch
 
 pytest.importorskip("triton")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.model.kernel_script import run_kernel_script  # noqa: E402
 
 SCRIPT = r"""
 import torch
 import torch.nn.functional as F
 from pushkv.config import preset
-from pushkv.messages import SeqWork
 from pushkv.model import batched, build_model
 from pushkv.model.kernels import triton_gemv
-from tests.model.test_model import new_pool, prompt_of
+from tests.model.kernel_script import decode_step
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 torch.manual_seed(0)
 for dt, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
@@ -46,10 +40,7 @@ model = build_model(preset("tiny"), device=dev)
 model.enable_batched(max_num_seqs=8, use_graphs=False)
 fwd = model.batched
 fwd.fused = True  # the fused layer loop (the CPU's default is torch's)
-seqs = [SeqWork(i, tuple(prompt_of(9 + 4 * i, seed=i)), 0, tuple(range(4 * i, 4 * i + 4))) for i in range(3)]
-pool = new_pool(model, 16, 8).to(dev)
-model.execute(seqs, pool)
-step = [SeqWork(i, (3 + i,), 9 + 4 * i, s.block_table) for i, s in enumerate(seqs)]
+step, pool = decode_step(model, dev)
 calls = []
 real = triton_gemv._gemv_kernel.run
 def counted(*a, **k):
@@ -69,8 +60,4 @@ print("ok", dev)
 
 @pytest.mark.unit
 def test_gemv_equals_linear_and_serves_the_fused_layers():
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-    if not torch.cuda.is_available():
-        env["TRITON_INTERPRET"] = "1"
-    r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 0 and r.stdout.strip().startswith("ok"), r.stderr[-3000:]
+    run_kernel_script(SCRIPT)
