@@ -13,7 +13,8 @@ Variants (each re-captures the graphs):
   the experts where the grouped path keeps three (routing and grouping, gate/up, down);
 - ``gemv_alone``: the router in the norm and the qkv and o projections of up to 8 tokens as GEMVs
   (``kernels/triton_gemv.py``, ``batched.GEMV_TOKENS``) instead of cuBLAS, unchained; ``gemv``: the same,
-  chained, so each GEMV's weights stream in while the kernel before it runs.
+  chained, so each GEMV's weights stream in while the kernel before it runs; ``gemv_4``, ``gemv_2``: chained,
+  4 and 2 output columns a program (fewer registers each, so more of the weights resident early).
 
 For each: the step's time at each --batches (context --ctx) against the bytes bound (``pushkv roofline``'s:
 the weights and K/V a step reads, the experts counted as chosen, at the copy rate measured in the same
@@ -37,7 +38,7 @@ import os
 import torch
 
 from pushkv.model import batched
-from pushkv.model.kernels import chain
+from pushkv.model.kernels import chain, triton_gemv
 from tools.roofline import (
     _time,
     chosen_experts,
@@ -50,15 +51,17 @@ from tools.roofline import (
 )
 
 # (chained launches, the router in the norm up to this many tokens, the MoE decode kernels of up to 8 tokens, the
-# qkv and o GEMVs up to this many tokens)
-VARIANTS = {"before": (False, 0, "grouped", 0), "router": (False, 16, "grouped", 0), "pdl": (True, 0, "grouped", 0),
-            "both": (True, 16, "grouped", 0), "router_128": (True, 128, "grouped", 0),
-            "ungrouped": (True, 16, "ungrouped", 0), "gemv_alone": (False, 16, "grouped", 8),
-            "gemv": (True, 16, "grouped", 8)}
+# qkv and o GEMVs up to this many tokens, their output columns a program)
+VARIANTS = {"before": (False, 0, "grouped", 0, 8), "router": (False, 16, "grouped", 0, 8),
+            "pdl": (True, 0, "grouped", 0, 8), "both": (True, 16, "grouped", 0, 8),
+            "router_128": (True, 128, "grouped", 0, 8), "ungrouped": (True, 16, "ungrouped", 0, 8),
+            "gemv_alone": (False, 16, "grouped", 8, 8), "gemv": (True, 16, "grouped", 8, 8),
+            "gemv_4": (True, 16, "grouped", 8, 4), "gemv_2": (True, 16, "grouped", 8, 2)}
 
 
 def set_variant(fwd, name: str) -> None:
-    chain.ON, batched.ROUTER_IN_NORM_TOKENS, os.environ["PUSHKV_MOE_DECODE"], batched.GEMV_TOKENS = VARIANTS[name]
+    (chain.ON, batched.ROUTER_IN_NORM_TOKENS, os.environ["PUSHKV_MOE_DECODE"], batched.GEMV_TOKENS,
+     triton_gemv.COLUMNS) = VARIANTS[name]
     # the graphs were captured with the last variant's launches: dropped with their memory pool, as
     # BatchedForward._graphs_for drops them (a capture into a pool whose graphs were all released trips the
     # caching allocator's assert)

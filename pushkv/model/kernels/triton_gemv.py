@@ -35,6 +35,9 @@ from pushkv.model.kernels.chain import wait_prior
 # of bf16 pairs), which compiles without spills for sm_90 (python3 -m tools.kernel_sass)
 TILE_ELEMENTS = 32768
 WARPS = 8
+# output columns a program at most: fewer hold fewer registers, so more programs (and more of the weights) are
+# resident while the kernel before runs (experiments/moe_decode_probe.py times 8, 4 and 2)
+COLUMNS = 8
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -62,7 +65,7 @@ def tile_for(n: int, k: int) -> Optional[tuple[int, int]]:
     qkv (5120 x 2048): 640 of 32 KB."""
     if k & (k - 1) or k > TILE_ELEMENTS:
         return None
-    return max(1, min(8, TILE_ELEMENTS // k)), WARPS
+    return max(1, min(COLUMNS, TILE_ELEMENTS // k)), WARPS
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
