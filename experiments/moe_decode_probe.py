@@ -102,6 +102,11 @@ def profile_step(run, layers: int, reps: int = 20) -> dict:
             "busy_us_a_layer": round(busy / per, 2), "span_us_a_layer": round(span / per, 2)}
 
 
+def save(rep: dict, out: str) -> None:
+    with open(os.path.join(out, "moe_decode.json"), "w") as f:
+        json.dump(rep, f, indent=1)
+
+
 def markdown(rep: dict) -> str:
     names = list(VARIANTS)
     out = [f"GPU: {rep['gpu']}; copy rate {rep['copy_GBps']:.0f} GB/s; context {rep['ctx']} keys a sequence", "",
@@ -164,13 +169,13 @@ def main() -> None:
                                   "argmax_agree": float((logits[a].argmax(-1) == logits[b].argmax(-1)).float().mean())}
         rep["rows"].append(row)
         print(json.dumps(row), flush=True)
+        save(rep, args.out)  # each batch as it is measured: a run cut short keeps what it had
     run = functools.partial(fwd.logits, decode_seqs(cfg, 1, args.ctx, 16), views)
     for name in ("before", "both", "gemv"):
         set_variant(fwd, name)
         rep["profile"][name] = profile_step(run, cfg.num_layers)
     set_variant(fwd, "before")
-    with open(os.path.join(args.out, "moe_decode.json"), "w") as f:
-        json.dump(rep, f, indent=1)
+    save(rep, args.out)
     text = markdown(rep)
     with open(os.path.join(args.out, "moe_decode.md"), "w") as f:
         f.write(text)
