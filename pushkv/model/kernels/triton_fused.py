@@ -29,10 +29,8 @@ from pushkv.model.kernels.triton_paged import _cache_strides
 
 
 @triton.jit
-def _add_rms_kernel(X, Delta, W, Xout, H, n_cols, eps, HAS_DELTA: tl.constexpr, SLOTS: tl.constexpr,
-                    BLOCK: tl.constexpr, PDL: tl.constexpr):
-    wait_prior(PDL)
-    row = tl.program_id(0).to(tl.int64)
+def _add_norm_row(X, Delta, W, row, n_cols, eps, HAS_DELTA: tl.constexpr, SLOTS: tl.constexpr, BLOCK: tl.constexpr):
+    """Row ``row`` of X plus its SLOTS deltas, and that row's RMSNorm times W, both in X's dtype."""
     c = tl.arange(0, BLOCK)
     m = c < n_cols
     x = tl.load(X + row * n_cols + c, mask=m, other=0.0)
@@ -43,11 +41,23 @@ def _add_rms_kernel(X, Delta, W, Xout, H, n_cols, eps, HAS_DELTA: tl.constexpr, 
         for s in tl.static_range(SLOTS):
             d += tl.load(Delta + (row * SLOTS + s) * n_cols + c, mask=m, other=0.0).to(tl.float32)
         x = (x.to(tl.float32) + d.to(x.dtype).to(tl.float32)).to(x.dtype)
-        tl.store(Xout + row * n_cols + c, x, mask=m)
     xf = x.to(tl.float32)
     r = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n_cols + eps)
     y = (xf * r).to(x.dtype).to(tl.float32) * tl.load(W + c, mask=m, other=0.0).to(tl.float32)
-    tl.store(H + row * n_cols + c, y.to(x.dtype), mask=m)
+    return x, y.to(x.dtype)
+
+
+@triton.jit
+def _add_rms_kernel(X, Delta, W, Xout, H, n_cols, eps, HAS_DELTA: tl.constexpr, SLOTS: tl.constexpr,
+                    BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_prior(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    m = c < n_cols
+    x, y = _add_norm_row(X, Delta, W, row, n_cols, eps, HAS_DELTA, SLOTS, BLOCK)
+    if HAS_DELTA:
+        tl.store(Xout + row * n_cols + c, x, mask=m)
+    tl.store(H + row * n_cols + c, y, mask=m)
 
 
 def add_rms(x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, eps: float):
@@ -78,11 +88,7 @@ def _add_rms_router_kernel(X, Delta, W, Xout, H, R, Logits, n_cols, E, eps, BE: 
     row = tl.program_id(1).to(tl.int64)
     c = tl.arange(0, BLOCK)
     m = c < n_cols
-    x = tl.load(X + row * n_cols + c, mask=m, other=0.0)
-    x = (x.to(tl.float32) + tl.load(Delta + row * n_cols + c, mask=m, other=0.0).to(tl.float32)).to(x.dtype)
-    xf = x.to(tl.float32)
-    r = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n_cols + eps)
-    y = ((xf * r).to(x.dtype).to(tl.float32) * tl.load(W + c, mask=m, other=0.0).to(tl.float32)).to(x.dtype)
+    x, y = _add_norm_row(X, Delta, W, row, n_cols, eps, True, 1, BLOCK)
     if tl.program_id(0) == 0:
         tl.store(Xout + row * n_cols + c, x, mask=m)
         tl.store(H + row * n_cols + c, y, mask=m)

@@ -80,6 +80,17 @@ def _cache_strides(cache: torch.Tensor):
 
 
 @triton.jit
+def _rows(ptrs, kv_ok, dm, MASKED: tl.constexpr, WHOLE_D: tl.constexpr):
+    """A tile of keys' (or values') rows: masked past the keys and the head dimension, or only where needed."""
+    if MASKED:
+        return tl.load(ptrs, mask=kv_ok[:, None] & dm[None, :], other=0.0)
+    elif WHOLE_D:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=dm[None, :], other=0.0)
+
+
+@triton.jit
 def _key_tile(q, cache, bt, start, hi, qpos, head_off, d, dm, m_i, l_i, acc, s_blk, s_plane, s_slot, U,
               sm_scale_log2, window, PREC: tl.constexpr, WHOLE_D: tl.constexpr, BLOCK_N: tl.constexpr,
               MASKED: tl.constexpr):
@@ -93,12 +104,7 @@ def _key_tile(q, cache, bt, start, hi, qpos, head_off, d, dm, m_i, l_i, acc, s_b
     else:
         blk = tl.load(bt + kpos // U).to(tl.int64)
     off = head_off + blk * s_blk + (kpos % U) * s_slot
-    if MASKED:
-        k = tl.load(cache + off[:, None] + d[None, :], mask=kv_ok[:, None] & dm[None, :], other=0.0)
-    elif WHOLE_D:
-        k = tl.load(cache + off[:, None] + d[None, :])
-    else:
-        k = tl.load(cache + off[:, None] + d[None, :], mask=dm[None, :], other=0.0)
+    k = _rows(cache + off[:, None] + d[None, :], kv_ok, dm, MASKED, WHOLE_D)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * sm_scale_log2
     if MASKED:
         ok = kv_ok[None, :] & (kpos[None, :] <= qpos[:, None])
@@ -109,12 +115,7 @@ def _key_tile(q, cache, bt, start, hi, qpos, head_off, d, dm, m_i, l_i, acc, s_b
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if MASKED:
-        v = tl.load(cache + s_plane + off[:, None] + d[None, :], mask=kv_ok[:, None] & dm[None, :], other=0.0)
-    elif WHOLE_D:
-        v = tl.load(cache + s_plane + off[:, None] + d[None, :])
-    else:
-        v = tl.load(cache + s_plane + off[:, None] + d[None, :], mask=dm[None, :], other=0.0)
+    v = _rows(cache + s_plane + off[:, None] + d[None, :], kv_ok, dm, MASKED, WHOLE_D)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
     return m_new, l_i, acc
 
