@@ -30,3 +30,21 @@ def decode_step(model, dev: str):
     pool = new_pool(model, 16, 8).to(dev)
     model.execute(seqs, pool)
     return [SeqWork(i, (3 + i,), 9 + 4 * i, s.block_table) for i, s in enumerate(seqs)], pool
+
+
+def logits_off_and_on(fwd, step, pool, module, bound: str, on: int, owner, name: str):
+    """(logits of ``step`` with ``module.bound`` at 0, the same at ``on``, the calls made meanwhile of
+    ``owner.name``, which is wrapped to count them), each run on a copy of ``pool``."""
+    calls = []
+    real = getattr(owner, name)
+
+    def counted(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    setattr(owner, name, counted)
+    out = {}
+    for value in (0, on):
+        setattr(module, bound, value)
+        out[value] = fwd.logits(step, fwd.m._layer_pools(pool.clone()))
+    return out[0], out[on], len(calls)

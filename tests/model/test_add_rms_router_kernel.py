@@ -66,8 +66,8 @@ LAYERS = r"""
 import torch
 from pushkv.config import preset
 from pushkv.model import batched, build_model
-from pushkv.model.kernels import triton_moe
-from tests.model.kernel_script import decode_step
+from pushkv.model.kernels import triton_fused, triton_moe
+from tests.model.kernel_script import decode_step, logits_off_and_on
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 model = build_model(preset("tiny", architecture="Qwen3MoeForCausalLM", num_experts=4, experts_per_token=2,
                            intermediate_size=32), device=dev)
@@ -82,20 +82,11 @@ if dev == "cpu":  # the experts' Triton kernels, as on a GPU (mlp_delta takes to
     model.mlp_delta = triton_delta
     fwd.fused = True
 step, pool = decode_step(model, dev)
-used = []
-from pushkv.model.kernels import triton_fused
-orig = triton_fused.add_rms_router
-def counted(*a, **k):
-    used.append(1)
-    return orig(*a, **k)
-triton_fused.add_rms_router = counted
-outs = {}
-for tokens in (0, 16):
-    batched.ROUTER_IN_NORM_TOKENS = tokens
-    outs[tokens] = fwd.logits(step, model._layer_pools(pool.clone()))
-assert len(used) == cfg.num_layers, used  # taken in every layer with the bound at 16, never at 0
-torch.testing.assert_close(outs[16], outs[0], atol=1e-5, rtol=1e-5)
-assert torch.equal(outs[16].argmax(-1), outs[0].argmax(-1))
+off, on, calls = logits_off_and_on(fwd, step, pool, batched, "ROUTER_IN_NORM_TOKENS", 16, triton_fused,
+                                   "add_rms_router")
+assert calls == cfg.num_layers, calls  # taken in every layer with the bound at 16, never at 0
+torch.testing.assert_close(on, off, atol=1e-5, rtol=1e-5)
+assert torch.equal(on.argmax(-1), off.argmax(-1))
 print("ok", dev)
 """
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from pushkv.config import preset
 from pushkv.model import batched, build_model
 from pushkv.model.kernels import triton_gemv
-from tests.model.kernel_script import decode_step
+from tests.model.kernel_script import decode_step, logits_off_and_on
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 torch.manual_seed(0)
 for dt, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
@@ -41,19 +41,10 @@ model.enable_batched(max_num_seqs=8, use_graphs=False)
 fwd = model.batched
 fwd.fused = True  # the fused layer loop (the CPU's default is torch's)
 step, pool = decode_step(model, dev)
-calls = []
-real = triton_gemv._gemv_kernel.run
-def counted(*a, **k):
-    calls.append(1)
-    return real(*a, **k)
-triton_gemv._gemv_kernel.run = counted
-outs = {}
-for tokens in (0, 8):
-    batched.GEMV_TOKENS = tokens
-    outs[tokens] = fwd.logits(step, model._layer_pools(pool.clone()))
-assert len(calls) == 2 * model.cfg.num_layers, calls  # qkv and o in every layer at 8, never at 0
-torch.testing.assert_close(outs[8], outs[0], atol=1e-4, rtol=1e-4)
-assert torch.equal(outs[8].argmax(-1), outs[0].argmax(-1))
+off, on, calls = logits_off_and_on(fwd, step, pool, batched, "GEMV_TOKENS", 8, triton_gemv._gemv_kernel, "run")
+assert calls == 2 * model.cfg.num_layers, calls  # qkv and o in every layer at 8, never at 0
+torch.testing.assert_close(on, off, atol=1e-4, rtol=1e-4)
+assert torch.equal(on.argmax(-1), off.argmax(-1))
 print("ok", dev)
 """
 
