@@ -261,16 +261,12 @@ _TILES_FOR = triton_moe.tiles_for
 
 
 def _use_tiles(fwd, tiles) -> None:
-    """Make every MoE launch take these tiles (None: tiles_for's), and drop the graphs captured so far
-    (and their memory pool, as BatchedForward._graphs_for does)."""
+    """Make every MoE launch take these tiles (None: tiles_for's), and drop the graphs captured so far."""
     def fixed(tokens: int):  # decode tiles serve only a decode step's few tokens
         return tiles if not isinstance(tiles, DecodeTiles) or tokens <= DECODE_TOKENS else _TILES_FOR(tokens)
 
     triton_moe.tiles_for = _TILES_FOR if tiles is None else fixed
-    if fwd.graphs:
-        torch.cuda.synchronize()
-        fwd.graphs.clear()
-        fwd.graph_pool = None
+    fwd.drop_graphs()
 
 
 def markdown(report: dict) -> str:

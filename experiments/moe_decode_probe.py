@@ -62,12 +62,7 @@ VARIANTS = {"before": (False, 0, "grouped", 0, 8), "router": (False, 16, "groupe
 def set_variant(fwd, name: str) -> None:
     (chain.ON, batched.ROUTER_IN_NORM_TOKENS, os.environ["PUSHKV_MOE_DECODE"], batched.GEMV_TOKENS,
      triton_gemv.COLUMNS) = VARIANTS[name]
-    # the graphs were captured with the last variant's launches: dropped with their memory pool, as
-    # BatchedForward._graphs_for drops them (a capture into a pool whose graphs were all released trips the
-    # caching allocator's assert)
-    torch.cuda.synchronize()
-    fwd.graphs.clear()
-    fwd.graph_pool = None
+    fwd.drop_graphs()  # captured with the last variant's launches
 
 
 def profile_step(run, layers: int, reps: int = 20) -> dict:

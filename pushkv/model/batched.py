@@ -237,6 +237,14 @@ class BatchedForward:
                 self.graphs[b] = self.graph_type(self, b, self.graph_width, pools)
         return time.perf_counter() - t0
 
+    def drop_graphs(self) -> None:
+        """Drop the captured graphs; the next decode step captures its bucket's again."""
+        if self.graphs:  # no replay of them may still run, and their memory pool goes with them:
+            if torch.device(self.device).type == "cuda":  # capturing into a pool whose graphs were
+                torch.cuda.synchronize(self.device)  # all released trips the caching allocator's
+            self.graph_pool = None  # use_count assert (seen on an H200)
+        self.graphs.clear()
+
     def _graphs_for(self, pools: list[torch.Tensor], width: int) -> None:
         """Drop the graphs that cannot run a step on these pools with tables this wide.
 
@@ -246,11 +254,7 @@ class BatchedForward:
         first pool's blocks, freed memory by then, and float32 tokens differed from eager ones."""
         key = pools_key(pools)
         if key != self.graph_pools or width > self.graph_width:
-            if self.graphs:  # no replay of them may still run, and their memory pool goes with them:
-                if torch.device(self.device).type == "cuda":  # capturing into a pool whose graphs were
-                    torch.cuda.synchronize(self.device)  # all released trips the caching allocator's
-                self.graph_pool = None  # use_count assert (seen on an H200)
-            self.graphs.clear()
+            self.drop_graphs()
             self.graph_pools = key
             self.graph_width = max(width, -(-self.m.cfg.max_position // pools[0].shape[-2]))
 
