@@ -120,10 +120,10 @@ s.print_callees('_post_write|_prefill_done|on_ExpectKV|_poll_notifs')" 2>&1 | gr
             timeout 280 python3 -m pytest -q -p no:cacheprovider tests/model/test_add_rms_router_kernel.py \
               tests/model/test_gemv_kernel.py tests/model/test_moe_kernel.py tests/model/test_moe_slot_sum.py \
               tests/model/test_gpu_graphs.py tests/model/test_batched.py -k "gpu or add_rms_router or moe or gemv" \
-              2>&1 | tail -4 | tee "$OUT/moe_decode_tests.txt" ;;
+              -rfE 2>&1 | tee "$OUT/moe_decode_tests.txt" | tail -4 ;;
     moedecode) # experiments/moe_decode_probe.py: chained launches, the router in the norm and the GEMVs, each on
             # and off; its tables decide kernels.chain.ON, batched.ROUTER_IN_NORM_TOKENS and batched.GEMV_TOKENS
-            timeout 540 python3 experiments/moe_decode_probe.py --out "$OUT" 2>&1 | tail -40 ;;
+            timeout 540 python3 -m experiments.moe_decode_probe --out "$OUT" 2>&1 | tail -40 ;;
     attntune) timeout 300 python3 -m experiments.attn_tune 2>&1 | tee "$OUT/attn_tune.txt" ;;
     kvverifyfaults) # the fault cases end to end with the pools in GPU memory (push-layer and pull, tiny models)
               timeout 500 python3 -m pytest -q -p no:cacheprovider -rs tests/e2e/test_kv_verify.py -k cuda \

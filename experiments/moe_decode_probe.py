@@ -3,7 +3,8 @@ decode path, through the CUDA graphs the worker replays, and where a batch-1 ste
 
 Variants (each re-captures the graphs):
 - ``before``: no programmatic dependent launch (``kernels.chain.ON`` off) and the router's matmul as its own
-  launch (``batched.ROUTER_IN_NORM_TOKENS = 0``): the defaults until this probe has run on a GPU;
+  launch (``batched.ROUTER_IN_NORM_TOKENS = 0``): the defaults before this probe's first GPU run (both are on
+  now, from its figures: docs/results/2026-12-04-moe-decode);
 - ``router``: the router's logits made in the post-attention norm's launch (``add_rms_router``), up to 16
   tokens;
 - ``pdl``: the Triton kernels chained by programmatic dependent launch;
@@ -24,9 +25,11 @@ and how often the greedy token agrees; the GEMVs against cuBLAS likewise). Then 
 replay, before, with both and with the chained GEMVs: each kernel's GPU time a layer, and the time no kernel
 runs.
 
-    python3 experiments/moe_decode_probe.py --out DIR    (from the checkout's root; a few minutes on an H200)
+    python3 -m experiments.moe_decode_probe --out DIR    (from the checkout's root; a few minutes on an H200)
 
-writes DIR/moe_decode.json and DIR/moe_decode.md.
+writes DIR/moe_decode.json and DIR/moe_decode.md. With ``--sweep-tokens 1,2,8,16,64`` it sweeps the grouped
+MoE kernels' decode tiles instead (gate/up and down apart, ``TILE_SWEEP``; each kernel alone over the 48 layers,
+captured in a CUDA graph; output checked against the shipped tile's) and writes DIR/moe_decode_tiles.json.
 """
 from __future__ import annotations
 
@@ -97,6 +100,93 @@ def profile_step(run, layers: int, reps: int = 20) -> dict:
             "busy_us_a_layer": round(busy / per, 2), "span_us_a_layer": round(span / per, 2)}
 
 
+# the grouped kernels' decode tiles swept, gate/up and down apart: (output columns, k a step, warps, stages)
+# (the first sweep on an H200 found 64 columns best at every count, so the wider ones were added)
+TILE_SWEEP = [(bn, bk, w, st) for bn in (32, 64, 128, 256) for bk in (64, 128, 256) for w in (2, 4, 8)
+              for st in (3, 4, 5, 6) if bn * bk * st <= 64 * 256 * 4]
+
+
+def graph_us(fn, reps: int) -> float:
+    """Microseconds a call of ``fn`` captured in a CUDA graph and replayed (no launch cost from Python)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return _time(graph.replay, reps) * 1e6
+
+
+def sweep_tiles(model, tokens: list[int], reps: int = 20) -> list[dict]:
+    """gate/up and down of the grouped kernels (row block 16, as ``triton_moe.tiles_for`` gives a decode step)
+    at each token count, every layer in turn (each call reads its own layer's experts from HBM, as a step does,
+    not the last call's from L2), per tile of ``TILE_SWEEP``: microseconds a layer and the bytes rate, and the
+    largest difference from the shipped tile's output (the same sums in another order: small)."""
+    from pushkv.model.kernels import triton_moe
+    from pushkv.model.moe import route
+
+    cfg = model.cfg
+    k, renorm = cfg.experts_per_token, cfg.norm_topk_prob
+    layers = [lw for lw in model.w.layers if lw.router is not None]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for T in tokens:
+        shipped = triton_moe.tiles_for(T)
+        inputs = []
+        for lw in layers:
+            h = torch.randn(T, cfg.hidden_size, device="cuda", dtype=lw.gate_up.dtype, generator=g)
+            w, _, slot_ids, block_expert = triton_moe.group_logits(torch.nn.functional.linear(h, lw.router), k,
+                                                                   renorm, shipped.bm)
+            inputs.append((lw, h, w, slot_ids, block_expert))
+        experts = sum(len(set(route(h, lw.router, k, renorm)[1].flatten().tolist()))
+                      for lw, h, *_ in inputs) / len(inputs)
+        item = layers[0].gate_up.element_size()
+        up_bytes = experts * layers[0].gate_up.shape[1] * cfg.hidden_size * item
+        down_bytes = experts * layers[0].down.shape[1] * layers[0].down.shape[2] * item
+
+        def up(t, i, inputs=inputs):
+            lw, h, _, slot_ids, block_expert = inputs[i]
+            return triton_moe.gate_up_product(h, lw.gate_up, slot_ids, block_expert, k, t)
+
+        n_layers = len(inputs)
+        acts = [up(shipped, i) for i in range(n_layers)]
+
+        def down(t, i, inputs=inputs, acts=acts, T=T):
+            lw, _, w, slot_ids, block_expert = inputs[i]
+            return triton_moe.down_per_slot(acts[i], lw.down, w, slot_ids, block_expert, T * k, t)
+
+        # the product's rows of blocks past the last expert's (no expert: never written) are left out
+        written = (inputs[0][4] >= 0).repeat_interleave(shipped.bm)
+
+        def up_rows(t, i, written=written):
+            return up(t, i)[written]
+
+        want_up, want_down = up_rows(shipped, 0).float(), down(shipped, 0).float()
+        for kernel, fn, check, want, nbytes in (("gate_up", up, up_rows, want_up, up_bytes),
+                                                ("down", down, down, want_down, down_bytes)):
+            for bn, bk, wp, st in TILE_SWEEP:
+                t = (triton_moe.Tiles(shipped.bm, bn, 64, bk, wp, st) if kernel == "gate_up" else
+                     triton_moe.Tiles(shipped.bm, 64, bn, 64, 4, 3, bk, wp, st))
+                try:
+                    err = float((check(t, 0).float() - want).abs().max())
+                    us = graph_us(lambda fn=fn, t=t, n=n_layers: [fn(t, i) for i in range(n)], reps) / n_layers
+                except Exception as e:  # a tile the device cannot run (shared memory): said, not hidden
+                    print(f"{kernel} {t} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                    continue
+                rows.append({"tokens": T, "kernel": kernel, "tile": [bn, bk, wp, st], "us": round(us, 2),
+                             "GBps": round(nbytes / us / 1e3, 1), "max_diff": err,
+                             "shipped": (bn, bk, wp, st) == ((shipped.bn_up, shipped.bk, shipped.warps, shipped.stages)
+                                                             if kernel == "gate_up" else
+                                                             (shipped.bn_down, shipped.bk_down or shipped.bk,
+                                                              shipped.down_warps or shipped.warps,
+                                                              shipped.down_stages or shipped.stages))})
+            mine = [r for r in rows if r["tokens"] == T and r["kernel"] == kernel]
+            best = min(mine, key=lambda r: r["us"])
+            ship = next((r for r in mine if r["shipped"]), None)
+            print(f"tokens {T} {kernel} ({experts:.1f} experts a layer): best {best['tile']} {best['us']} us "
+                  f"{best['GBps']} GB/s; shipped {ship and ship['us']} us", flush=True)
+    return rows
+
+
 def save(rep: dict, out: str) -> None:
     with open(os.path.join(out, "moe_decode.json"), "w") as f:
         json.dump(rep, f, indent=1)
@@ -132,6 +222,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,16,64")
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--sweep-tokens", default="", help="token counts the grouped decode tiles are swept at "
+                    "(alone: no variants, no profile)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     batches = [int(b) for b in args.batches.split(",")]
@@ -140,6 +232,11 @@ def main() -> None:
     cfg, model, views, nblocks = load("qwen3-30b-a3b", max(batches))
     c = model_counts(model)
     fwd = model.batched
+    if args.sweep_tokens:
+        rows = sweep_tiles(model, [int(t) for t in args.sweep_tokens.split(",")], args.reps)
+        with open(os.path.join(args.out, "moe_decode_tiles.json"), "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "copy_GBps": bw / 1e9, "rows": rows}, f, indent=1)
+        return
     fwd.warmup(views)
     rep: dict = {"gpu": torch.cuda.get_device_name(), "copy_GBps": bw / 1e9, "ctx": args.ctx, "rows": [],
                  "profile": {}}

@@ -16,7 +16,7 @@ grouped kernels' options and tiles give, and the whole model's prefill against t
    q/k norm-RoPE-store as before), and as shipped; and a profile
    of the first length's prefill as shipped: kernels by GPU time.
 
-    python3 experiments/moe_prefill_probe.py --out DIR    (from the checkout's root; ~4 min on an H200)
+    python3 -m experiments.moe_prefill_probe --out DIR    (from the checkout's root; ~4 min on an H200)
 
 writes DIR/moe_prefill.json (every figure) and DIR/moe_prefill.md (the tables).
 """

@@ -63,8 +63,9 @@ def kernels() -> list[tuple[str, object, dict, int, int]]:
     ]
 
 
-def compile_sm90(fn, consts: dict, pdl: bool, warps: int, stages: int):
-    """The kernel compiled for sm_90 (``asm`` holds its ptx and cubin), chained (``PDL``) or not."""
+def compile_sm90(fn, consts: dict, pdl: bool, warps: int, stages: int, dtype: str = "bf16"):
+    """The kernel compiled for sm_90 (``asm`` holds its ptx and cubin), chained (``PDL``) or not; its tensors
+    of ``dtype`` (bf16, or fp32 for a float32 model)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -78,7 +79,7 @@ def compile_sm90(fn, consts: dict, pdl: bool, warps: int, stages: int):
         elif p.name in COUNTS or (p.name not in TABLES and not p.name[0].isupper()):
             sig[p.name] = "i32"
         else:
-            sig[p.name] = "*i32" if p.name in INT_PTRS else "*fp32" if p.name in F32_PTRS else "*bf16"
+            sig[p.name] = "*i32" if p.name in INT_PTRS else "*fp32" if p.name in F32_PTRS else f"*{dtype}"
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params)
              if sig[p.name] != "constexpr" and sig[p.name] != "fp32" and p.name not in UNALIGNED}
     opts = dict(num_warps=warps, num_stages=stages, **({"launch_pdl": True} if pdl else {}))

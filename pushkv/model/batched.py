@@ -32,13 +32,16 @@ GRAPH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 # An MoE layer's router logits made in the post-attention norm's launch (``add_rms_router``) for steps of up
 # to this many tokens (a graph bucket bound, so a step routes alike replayed or eager), where each token's
-# program re-reads the router's rows. 0 (never) until a GPU run of experiments/moe_decode_probe.py, which
-# sets it, has measured what it gives
-ROUTER_IN_NORM_TOKENS = 0
+# program re-reads the router's rows. 16: on an H200, Qwen3-30B-A3B's decode step at 1, 8 and 16 sequences
+# took 3.58, 8.75 and 12.87 ms against 3.79, 8.97 and 13.05 with the router's own launch, and 128 gave no more
+# at 64 (experiments/moe_decode_probe.py, docs/results/2026-12-04-moe-decode)
+ROUTER_IN_NORM_TOKENS = 16
 
 # The qkv and o projections of steps of up to this many tokens as GEMVs that load their weights before they wait
-# for the kernel before them (``kernels/triton_gemv.py``; cuBLAS else). A graph bucket bound; 0 (never) until
-# experiments/moe_decode_probe.py has timed them on a GPU
+# for the kernel before them (``kernels/triton_gemv.py``; cuBLAS else). A graph bucket bound; 0 (never): on an
+# H200 they took Qwen3-30B-A3B's chained decode step of one sequence from 3.12 ms to 3.00 (2.91 at 2 columns a
+# program) but that of eight from 8.08 to 9.13 (experiments/moe_decode_probe.py,
+# docs/results/2026-12-04-moe-decode); left off
 GEMV_TOKENS = 0
 
 

@@ -3,7 +3,9 @@ bundled ptxas (no GPU; ``tools/kernel_sass.py``): with programmatic dependent la
 every kernel's first instruction that touches global or shared memory comes after ``griddepcontrol.wait``, so
 nothing it reads or writes can race the kernel before it (the GEMV loads its weights, which no kernel writes, before
 the wait, and nothing else), and ``launch_dependents`` follows; with it off, no
-``griddepcontrol`` at all. ptxas must accept each (a cubin comes out). And the SASS comparison's verdicts."""
+``griddepcontrol`` at all. ptxas must accept each (a cubin comes out). The grouped MoE kernels' tiles, as
+``triton_moe.tiles_for`` gives them for a decode step or a prefill in bf16 and float32, fit the shared memory
+(a float32 decode tile once asked for 272 KB and failed on the GPU). And the SASS comparison's verdicts."""
 from __future__ import annotations
 
 import re
@@ -39,6 +41,22 @@ def test_chained_kernel_waits_before_touching_memory(name, fn, consts, warps, st
     if name == "attn_merge":  # cuobjdump reads a cubin back into instructions
         sass = instructions(off.asm["cubin"])
         assert len(sass) > 20 and all(x.endswith(";") for x in sass) and any("EXIT" in x for x in sass)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("tokens", [1, 8, 16, 128, 1024, 4096])
+@pytest.mark.parametrize("dtype, itemsize, prec", [("bf16", 2, "tf32"), ("fp32", 4, "ieee")])
+def test_grouped_moe_tiles_fit_shared_memory(tokens, dtype, itemsize, prec):
+    from pushkv.model.kernels import triton_moe as tm
+
+    t = tm.fit_tiles(tm.tiles_for(tokens), itemsize)
+    for fn, bn, bk, warps, stages, mats in (
+            (tm._gate_up_kernel, t.bn_up, t.bk, t.warps, t.stages, 2),
+            (tm._down_kernel, t.bn_down, t.bk_down or t.bk, t.down_warps or t.warps, t.down_stages or t.stages, 1)):
+        k = compile_sm90(fn, dict(PREC=prec, BM=t.bm, BN=bn, BK=bk, EVEN=True, ROW_ACT=True), False, warps, stages,
+                         dtype)
+        assert k.metadata.shared == tm.shared_bytes(t.bm, bn, bk, stages, itemsize, mats), (t, fn.__name__)
+        assert k.metadata.shared <= tm.SHARED_BYTES, (t, fn.__name__, k.metadata.shared)
 
 
 @pytest.mark.unit

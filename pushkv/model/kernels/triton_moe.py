@@ -314,10 +314,14 @@ def tiles_for(tokens: int) -> Union[Tiles, DecodeTiles]:
     replayed or eager."""
     if tokens <= DECODE_TOKENS and envs.PUSHKV_MOE_DECODE == "ungrouped":
         return decode_tiles_for(tokens)
+    # decode steps: the best of experiments/moe_decode_probe.py's sweep (--sweep-tokens 1,2,8,16,64, each kernel
+    # alone over the 48 layers through a CUDA graph) on an H200, summed over the counts each serves; the tiles
+    # change no bits. One token: gate/up 16.7 us a layer against 22.3 with (32, 128, 4, 3); 64 tokens: 185.1
+    # against 200.9, down 97.6 against 103.3 (docs/results/2026-12-04-moe-decode)
     if tokens <= 8:
-        return Tiles(16, 32, 64, 128)
+        return Tiles(16, 64, 64, 128, 4, 5, 128, 2, 3)
     if tokens <= 128:
-        return Tiles(16, 64, 64, 64)
+        return Tiles(16, 128, 64, 128, 4, 3, 128, 2, 4)
     if tokens < 2048:  # the best of experiments/moe_prefill_probe.py's sweep at 1k tokens on an H200: a layer
         # 0.42 ms against 0.51 with (64, 64, 64, 64, 4, 3)
         return Tiles(64, 128, 256, 64, 8, 5, 64, 8, 4)
@@ -327,12 +331,31 @@ def tiles_for(tokens: int) -> Union[Tiles, DecodeTiles]:
     return Tiles(128, 128, 256, 64, 8, 4, 64, 8, 4)
 
 
+# an H200's (and H100's) shared memory a block: 227 KB
+SHARED_BYTES = 232448
+
+
+def shared_bytes(bm: int, bn: int, bk: int, stages: int, itemsize: int, mats: int) -> int:
+    """Shared memory of a grouped kernel's pipeline as Triton 3.6 lays it out on sm_90: a buffer a stage where
+    the dot takes wgmma (16-bit operands, row blocks of 64 and more), else stages - 1 buffers; each buffer a row
+    block's slice of A [bm, bk] and ``mats`` weight slices [bk, bn] (gate/up two, down one)."""
+    buffers = stages if itemsize < 4 and bm >= 64 else max(1, stages - 1)
+    return buffers * (bm * bk + mats * bk * bn) * itemsize
+
+
 def fit_tiles(tiles: Tiles, itemsize: int) -> Tiles:
     """Tiles for a dtype of ``itemsize`` bytes: float32 tiles take twice the shared memory a stage, so at
-    most 3 stages (2 buffers) each, as fit the H200's 227 KB at the widest prefill tile."""
+    most 3 stages (2 buffers) each, and the depth halved until both kernels fit ``SHARED_BYTES`` (a decode
+    step's 128-column gate/up tile at depth 128 would take 272 KB)."""
     if itemsize < 4:
         return tiles
-    return tiles._replace(stages=min(tiles.stages, 3), down_stages=min(tiles.down_stages or tiles.stages, 3))
+    stages, down_stages = min(tiles.stages, 3), min(tiles.down_stages or tiles.stages, 3)
+    bk, bk_down = tiles.bk, tiles.bk_down or tiles.bk
+    while bk > 16 and shared_bytes(tiles.bm, tiles.bn_up, bk, stages, itemsize, 2) > SHARED_BYTES:
+        bk //= 2
+    while bk_down > 16 and shared_bytes(tiles.bm, tiles.bn_down, bk_down, down_stages, itemsize, 1) > SHARED_BYTES:
+        bk_down //= 2
+    return tiles._replace(stages=stages, down_stages=down_stages, bk=bk, bk_down=bk_down)
 
 
 class RouteLaunch(NamedTuple):
