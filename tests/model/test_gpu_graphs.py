@@ -42,6 +42,32 @@ def _together(model, prompts: list[list[int]]) -> list[list[int]]:
 
 @pytest.mark.parametrize("case", ALL)
 def test_gpu_float32_tokens_with_graphs_equal_transformers_and_eager(case, tmp_path):
+    _graphs_equal_transformers_and_eager(case, tmp_path)
+
+
+@pytest.mark.parametrize("case", ["qwen3", "qwen2", "qwen3_moe"])
+def test_gpu_float32_tokens_with_gemv_projections_equal_transformers(case, tmp_path, monkeypatch):
+    """The qkv and o projections of a one-token step as GEMVs (``batched.GEMV_TOKENS``, off by default: on an
+    H200 2 columns a program took Qwen3-30B-A3B's batch-1 step from 3.12 to 2.91 ms) give transformers' float32
+    tokens, with graphs and eager; qwen2 carries the q/k/v bias."""
+    from pushkv.model import batched
+    from pushkv.model.kernels import triton_gemv
+
+    calls = []
+    real = triton_gemv.linear
+
+    def counted(x, w, bias=None):
+        calls.append((x.shape[0], triton_gemv.tile_for(w.shape[0], x.shape[1]) is not None))
+        return real(x, w, bias)
+
+    monkeypatch.setattr(batched, "GEMV_TOKENS", 1)
+    monkeypatch.setattr(triton_gemv, "COLUMNS", 2)
+    monkeypatch.setattr(triton_gemv, "linear", counted)
+    _graphs_equal_transformers_and_eager(case, tmp_path)
+    assert calls and set(calls) == {(1, True)}, calls  # one-token steps only, each by the GEMV kernel
+
+
+def _graphs_equal_transformers_and_eager(case, tmp_path):
     family, extra, _ = CASES[case]
     path = save_hf_checkpoint(str(tmp_path), family, seed=3, **extra)
     want = hf_reference(path, PROMPTS)
