@@ -114,7 +114,11 @@ def deprecations(flags: Mapping[str, Any]) -> list[str]:
 def weights_note(model: ModelConfig) -> str:
     """What ``pushkv up`` says at startup about where the weights come from."""
     if model.checkpoint:
-        return f"weights: {model.checkpoint} ({model.architecture}, {model.dtype})"
+        from pushkv.model.checkpoint import fp8_blocks_in
+
+        blocks = fp8_blocks_in(model.checkpoint)
+        fp8 = f"; block-scaled fp8 ({blocks[0]}x{blocks[1]}) dequantized to {model.dtype} at load" if blocks else ""
+        return f"weights: {model.checkpoint} ({model.architecture}, {model.dtype}{fp8})"
     return (f"RANDOM weights (--load-format dummy): the {model.name!r} shape, seed {model.seed}, {model.dtype}; "
             "its tokens mean nothing")
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from pushkv.model.fp8 import fp8_blocks_of
+
 
 @dataclass(frozen=True)
 class MoeParts:
@@ -96,12 +98,12 @@ def moe_parts(architecture: str) -> MoeParts:
 
 def check_supported(hf: dict, arch: str, family: Family) -> None:
     """Refuse, by field and value, what config.json asks for that no part here builds."""
-    for key in ("quantization_config", "compression_config"):
-        q = hf.get(key)
-        if q:
-            method = q.get("quant_method", q.get("format")) if isinstance(q, dict) else q
-            raise ValueError(f"{key}: quant_method {method!r} is not supported: pushkv loads float32, bfloat16 "
-                             "and float16 weights only (quantized weights would lose their scales)")
+    fp8_blocks_of(hf)  # a quantization_config other than block-scaled fp8 is refused by name
+    q = hf.get("compression_config")
+    if q:
+        method = q.get("quant_method", q.get("format")) if isinstance(q, dict) else q
+        raise ValueError(f"compression_config: quant_method {method!r} is not supported: pushkv loads float32, "
+                         "bfloat16 and float16 weights, and block-scaled fp8 (quantization_config)")
     for key, what in VARIANTS.items():
         if hf.get(key):
             raise ValueError(f"{key}: {hf[key]!r} ({what}) is not built for {arch}")

@@ -16,6 +16,7 @@ from safetensors import safe_open
 
 from pushkv.config import ModelConfig, SamplingDefaults
 from pushkv.model.arch import check_supported, family_of, num_experts_of
+from pushkv.model.fp8 import SCALE_SUFFIX, dequantize, fp8_blocks_of, scale_span
 from pushkv.model.rope import max_position_of, rope_of
 
 log = logging.getLogger(__name__)
@@ -161,6 +162,11 @@ def model_config_from_hf(path: str, generation_config: str = "auto", **overrides
     return ModelConfig(**fields)
 
 
+def fp8_blocks_in(path: str) -> Optional[tuple[int, int]]:
+    """The scale blocks of a checkpoint directory's block-scaled fp8 weights (pushkv/model/fp8.py), or None."""
+    return fp8_blocks_of(_read_config(path)) if os.path.exists(os.path.join(path, "config.json")) else None
+
+
 class SafetensorsSource:
     """WeightSource over model.safetensors or a sharded model.safetensors.index.json."""
 
@@ -178,6 +184,7 @@ class SafetensorsSource:
         self.path = path
         self.weight_map = weight_map
         self._files: dict = {}
+        self.fp8_blocks = fp8_blocks_in(path)  # block-scaled fp8 weights, dequantized as each slice is taken
 
     def _file(self, name: str):
         fname = self.weight_map[name]
@@ -189,12 +196,25 @@ class SafetensorsSource:
         return name in self.weight_map
 
     def get(self, name: str, dim: int = 0, start: int = 0, end: Optional[int] = None) -> torch.Tensor:
+        """Elements [start, end) along ``dim`` (0 or 1) of a tensor; a block-scaled fp8 weight's multiplied out
+        by its scales (float32)."""
         sl = self._file(name).get_slice(name)
-        size = sl.get_shape()[dim]
-        end = size if end is None else end
-        if dim == 0:
-            return sl[start:end]
-        return sl[:, start:end]
+        shape = sl.get_shape()
+        end = shape[dim] if end is None else end
+        t = sl[start:end] if dim == 0 else sl[:, start:end]
+        scale_name = name + SCALE_SUFFIX
+        if self.fp8_blocks is not None and scale_name in self.weight_map:
+            (r0, r1), (c0, c1) = ((start, end), (0, shape[1])) if dim == 0 else ((0, shape[0]), (start, end))
+            (sr0, sr1), (sc0, sc1) = (scale_span(r0, r1, self.fp8_blocks[0]), scale_span(c0, c1, self.fp8_blocks[1]))
+            scale = self._file(scale_name).get_slice(scale_name)[sr0:sr1, sc0:sc1]
+            try:
+                return dequantize(t, scale, self.fp8_blocks, r0, c0)
+            except ValueError as e:
+                raise ValueError(f"{self.path}: weight {name!r}: {e}") from None
+        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise ValueError(f"{self.path}: weight {name!r} is {t.dtype} with no {scale_name!r} beside it "
+                             "(block-scaled fp8 needs config.json's quantization_config and a scale a weight)")
+        return t
 
 
 def checkpoint_source(cfg: ModelConfig) -> SafetensorsSource:

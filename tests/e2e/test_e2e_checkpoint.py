@@ -6,8 +6,8 @@ import shutil
 import pytest
 
 from pushkv.config import preset
-from tests.support.deploy import deployment, wait_pools_free
 from tests.model.test_model import write_checkpoint
+from tests.support.deploy import deployment, wait_pools_free
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -49,6 +49,28 @@ def test_hub_id_moe_push_tp2_to_1_equals_transformers(tmp_path, monkeypatch):
                     "--num-blocks", "64") as dep:
         for prompt, (ids, new) in zip(PROMPTS, want):
             body = dep.complete(prompt, NEW_TOKENS, model=REPO)
+            assert body["usage"]["prompt_tokens"] == len(ids), prompt
+            assert body["choices"][0]["token_ids"] == new, prompt
+        wait_pools_free(dep)
+
+
+def test_fp8_moe_push_tp2_to_1_equals_transformers(tmp_path):
+    """A block-scaled FP8 Qwen3-MoE checkpoint (as Qwen ships its -FP8 models), served in push mode with P on two
+    TP ranks and D on one, gives the tokens transformers gives loading the same FP8 checkpoint. Its blocks are 16
+    rows by 32 columns, so each P rank's half of every expert's down projection starts mid-block."""
+    pytest.importorskip("accelerate")
+    from tests.model.test_fp8_checkpoint import quantize_checkpoint
+    from tests.model.test_hf_reference import NEW_TOKENS, PROMPTS, hf_reference, save_hf_checkpoint
+
+    ckpt = save_hf_checkpoint(str(tmp_path / "ckpt"), "qwen3_moe", seed=6, num_local_experts=4,
+                              num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+    assert quantize_checkpoint(ckpt, (16, 32)) > 0
+    want = hf_reference(ckpt, PROMPTS)
+    (tmp_path / "dep").mkdir()
+    with deployment(tmp_path / "dep", "--mode", "push", "--model", ckpt, "--prefill-tp", "2", "--decode-tp", "1",
+                    "--num-blocks", "64") as dep:
+        for prompt, (ids, new) in zip(PROMPTS, want):
+            body = dep.complete(prompt, NEW_TOKENS)
             assert body["usage"]["prompt_tokens"] == len(ids), prompt
             assert body["choices"][0]["token_ids"] == new, prompt
         wait_pools_free(dep)

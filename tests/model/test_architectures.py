@@ -171,8 +171,9 @@ BASE = dict(GEOMETRY, architectures=["LlamaForCausalLM"], rope_theta=1e4, hidden
 @pytest.mark.parametrize("change, needle", [
     ({"architectures": ["GPTNeoXForCausalLM"]}, r"architectures \['GPTNeoXForCausalLM'\]: not supported"),
     ({"architectures": []}, r"architectures \[\]: not supported"),
-    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
-     "quantization_config: quant_method 'fp8' is not supported"),
+    ({"quantization_config": {"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]}},
+     "quantization_config: activation_scheme 'static' is not supported"),
+    ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config: weight_block_size None"),
     ({"quantization_config": {"quant_method": "awq", "bits": 4}}, "quant_method 'awq'"),
     ({"attention_bias": True}, r"attention_bias: True \(a bias on q/k/v and o projections\) is not built"),
     ({"mlp_bias": True}, "mlp_bias: True"),
