@@ -7,6 +7,9 @@
 2. bfloat16: a push deployment on the GPU gives the tokens a local deployment gives, per family named.
 
     python3 -m experiments.models_gpu --out DIR [--push qwen2 qwen3_moe]   (from the checkout's root)
+
+A case named ``NAME-fp8`` (``--cases qwen3_moe-fp8``, ``--push llama3-fp8``) is the case's checkpoint quantized
+to block-scaled fp8, which pushkv dequantizes at load and transformers too.
 """
 from __future__ import annotations
 
@@ -20,17 +23,31 @@ import time
 import torch
 
 
+def checkpoint(name: str, seed: int) -> str:
+    """A case of tests/model/test_architectures.py written by transformers; ``NAME-fp8``: the same, its projections
+    then quantized to block-scaled fp8 (16 x 32 blocks) as the FP8 releases are (tests/model/test_fp8_checkpoint.py)."""
+    from tests.model.test_architectures import CASES
+    from tests.model.test_fp8_checkpoint import quantize_checkpoint
+    from tests.model.test_hf_reference import save_hf_checkpoint
+
+    base = name.removesuffix("-fp8")
+    family, extra, _ = CASES[base]
+    path = save_hf_checkpoint(tempfile.mkdtemp(prefix=name), family, seed=seed, **extra)
+    if name != base:
+        quantize_checkpoint(path, (16, 32))
+    return path
+
+
 def engine_vs_transformers(cases: list[str]) -> list[dict]:
     from pushkv.model import build_model
     from pushkv.model.checkpoint import model_config_from_hf
-    from tests.model.test_architectures import CASES, NEW
-    from tests.model.test_hf_reference import PROMPTS, hf_reference, save_hf_checkpoint
+    from tests.model.test_architectures import NEW
+    from tests.model.test_hf_reference import PROMPTS, hf_reference
     from tests.model.test_model import paged_generate
 
     rows = []
     for name in cases:
-        family, extra, _ = CASES[name]
-        path = save_hf_checkpoint(tempfile.mkdtemp(prefix=name), family, seed=3, **extra)
+        path = checkpoint(name, seed=3)
         want = hf_reference(path, PROMPTS)
         cfg = model_config_from_hf(path, engine="batched")
         model = build_model(cfg, device="cuda")
@@ -50,14 +67,11 @@ def engine_vs_transformers(cases: list[str]) -> list[dict]:
 
 def push_vs_local(families: list[str]) -> list[dict]:
     from tools.launch import launched
-    from tests.model.test_architectures import CASES
-    from tests.model.test_hf_reference import save_hf_checkpoint
 
     prompts = ["hello world, the lazy fox", [(7 * i) % 290 + 4 for i in range(200)], [5, 17, 42, 99, 3, 250]]
     rows = []
     for name in families:
-        family, extra, _ = CASES[name]
-        path = save_hf_checkpoint(tempfile.mkdtemp(prefix=name), family, seed=5, **extra)
+        path = checkpoint(name, seed=5)
         got = {}
         for mode in ("local", "push"):
             t0 = time.monotonic()
@@ -75,13 +89,14 @@ def push_vs_local(families: list[str]) -> list[dict]:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--cases", nargs="*", default=None, help="default: every case of the CPU test")
-    ap.add_argument("--push", nargs="*", default=["qwen2", "qwen3_moe"])
+    ap.add_argument("--cases", nargs="*", default=None,
+                    help="default: every case of the CPU test, and llama3-fp8 and qwen3_moe-fp8")
+    ap.add_argument("--push", nargs="*", default=["qwen2", "qwen3_moe", "qwen3_moe-fp8"])
     args = ap.parse_args()
     from tests.model.test_architectures import CASES
 
     out = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
-    out["engine_float32"] = engine_vs_transformers(args.cases or sorted(CASES))
+    out["engine_float32"] = engine_vs_transformers(args.cases or sorted(CASES) + ["llama3-fp8", "qwen3_moe-fp8"])
     out["push_bfloat16"] = push_vs_local(args.push)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "models_gpu.json"), "w") as f:
