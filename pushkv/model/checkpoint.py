@@ -204,6 +204,8 @@ class SafetensorsSource:
         t = sl[start:end] if dim == 0 else sl[:, start:end]
         scale_name = name + SCALE_SUFFIX
         if self.fp8_blocks is not None and scale_name in self.weight_map:
+            if len(shape) != 2:
+                raise ValueError(f"{self.path}: weight {name!r} of shape {shape} has a block scale: 2-D expected")
             (r0, r1), (c0, c1) = ((start, end), (0, shape[1])) if dim == 0 else ((0, shape[0]), (start, end))
             (sr0, sr1), (sc0, sc1) = (scale_span(r0, r1, self.fp8_blocks[0]), scale_span(c0, c1, self.fp8_blocks[1]))
             scale = self._file(scale_name).get_slice(scale_name)[sr0:sr1, sc0:sc1]
