@@ -42,6 +42,7 @@ def kernels() -> list[tuple[str, object, dict, int, int]]:
     and float32 attention."""
     from pushkv.model.kernels import triton_fused, triton_gemv, triton_moe, triton_moe_decode, triton_paged
 
+    dt = triton_moe.tiles_for(1)  # a decode step's grouped tiles, as shipped
     return [
         ("add_rms", triton_fused._add_rms_kernel, dict(HAS_DELTA=True, SLOTS=8, BLOCK=2048), 8, 3),
         ("add_rms_router", triton_fused._add_rms_router_kernel, dict(BE=2, BLOCK=2048), 8, 3),
@@ -53,8 +54,10 @@ def kernels() -> list[tuple[str, object, dict, int, int]]:
         ("attn_merge", triton_paged._merge_kernel, dict(D=128, BLOCK_D=128, NUM_SPLITS=16), 1, 3),
         ("route_group", triton_moe._route_group_kernel, dict(K=8, RENORM=True, BM=16, EP=128, TT=1, SC=16, FILL=1024),
          1, 3),
-        ("moe_gate_up", triton_moe._gate_up_kernel, dict(GROUPED, BN=32), 4, 3),
-        ("moe_down", triton_moe._down_kernel, dict(GROUPED, BN=64), 4, 3),
+        ("moe_gate_up", triton_moe._gate_up_kernel, dict(GROUPED, BM=dt.bm, BN=dt.bn_up, BK=dt.bk), dt.warps,
+         dt.stages),
+        ("moe_down", triton_moe._down_kernel, dict(GROUPED, BM=dt.bm, BN=dt.bn_down, BK=dt.bk_down or dt.bk),
+         dt.down_warps or dt.warps, dt.down_stages or dt.stages),
         ("decode_router", triton_moe_decode._router_kernel, dict(BE=2, BK=256), 4, 3),
         ("decode_gate_up", triton_moe_decode._gate_up_kernel, dict(K=8, RENORM=True, EP=128, BN=16, BK=256), 4, 3),
         ("decode_down", triton_moe_decode._down_kernel, dict(K=8, BN=4, BK=256), 4, 3),
