@@ -59,7 +59,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], row
     if q.dim() != 2 or scale.dim() != 2:
         raise ValueError(f"fp8 weight {tuple(q.shape)} and scale {tuple(scale.shape)}: 2-D tensors expected")
     br, bc = block
-    r_off, c_off = row0 - (row0 // br) * br, col0 - (col0 // bc) * bc
+    r_off, c_off = row0 % br, col0 % bc  # the slice's place within its first block
     rows, cols = q.shape
     s = scale.float().repeat_interleave(br, 0).repeat_interleave(bc, 1)
     if s.shape[0] < r_off + rows or s.shape[1] < c_off + cols:

@@ -350,12 +350,14 @@ def fit_tiles(tiles: Tiles, itemsize: int) -> Tiles:
     if itemsize < 4:
         return tiles
     stages, down_stages = min(tiles.stages, 3), min(tiles.down_stages or tiles.stages, 3)
-    bk, bk_down = tiles.bk, tiles.bk_down or tiles.bk
-    while bk > 16 and shared_bytes(tiles.bm, tiles.bn_up, bk, stages, itemsize, 2) > SHARED_BYTES:
-        bk //= 2
-    while bk_down > 16 and shared_bytes(tiles.bm, tiles.bn_down, bk_down, down_stages, itemsize, 1) > SHARED_BYTES:
-        bk_down //= 2
-    return tiles._replace(stages=stages, down_stages=down_stages, bk=bk, bk_down=bk_down)
+
+    def depth(bn: int, bk: int, stages: int, mats: int) -> int:
+        while bk > 16 and shared_bytes(tiles.bm, bn, bk, stages, itemsize, mats) > SHARED_BYTES:
+            bk //= 2
+        return bk
+
+    return tiles._replace(stages=stages, down_stages=down_stages, bk=depth(tiles.bn_up, tiles.bk, stages, 2),
+                          bk_down=depth(tiles.bn_down, tiles.bk_down or tiles.bk, down_stages, 1))
 
 
 class RouteLaunch(NamedTuple):
