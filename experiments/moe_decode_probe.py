@@ -15,7 +15,10 @@ Variants (each re-captures the graphs):
 - ``gemv_alone``: the router in the norm and the qkv and o projections of up to 8 tokens as GEMVs
   (``kernels/triton_gemv.py``, ``batched.GEMV_TOKENS``) instead of cuBLAS, unchained; ``gemv``: the same,
   chained, so each GEMV's weights stream in while the kernel before it runs; ``gemv_4``, ``gemv_2``: chained,
-  4 and 2 output columns a program (fewer registers each, so more of the weights resident early).
+  4 and 2 output columns a program (fewer registers each, so more of the weights resident early); ``gemv1_2``:
+  the GEMVs of 2 columns at one token only, as shipped since 2026-12-04's GPU run of their float32 test.
+
+``--variants both,gemv1_2`` times only those.
 
 For each: the step's time at each --batches (context --ctx) against the bytes bound (``pushkv roofline``'s:
 the weights and K/V a step reads, the experts counted as chosen, at the copy rate measured in the same
@@ -59,7 +62,8 @@ VARIANTS = {"before": (False, 0, "grouped", 0, 8), "router": (False, 16, "groupe
             "pdl": (True, 0, "grouped", 0, 8), "both": (True, 16, "grouped", 0, 8),
             "router_128": (True, 128, "grouped", 0, 8), "ungrouped": (True, 16, "ungrouped", 0, 8),
             "gemv_alone": (False, 16, "grouped", 8, 8), "gemv": (True, 16, "grouped", 8, 8),
-            "gemv_4": (True, 16, "grouped", 8, 4), "gemv_2": (True, 16, "grouped", 8, 2)}
+            "gemv_4": (True, 16, "grouped", 8, 4), "gemv_2": (True, 16, "grouped", 8, 2),
+            "gemv1_2": (True, 16, "grouped", 1, 2)}
 
 
 def set_variant(fwd, name: str) -> None:
@@ -201,7 +205,8 @@ def markdown(rep: dict) -> str:
     for r in rep["rows"]:
         cells = [f"{r[n]['ms']:.2f} ({r[n]['ms'] / r['bound_ms']:.2f})" for n in names]
         out.append(f"| {r['batch']} | {r['bound_ms']:.2f} | " + " | ".join(cells) + " |")
-    pairs = [p for p in ("router_vs_before", "ungrouped_vs_both", "gemv_vs_both") if p in rep["rows"][0]]
+    pairs = [p for p in ("router_vs_before", "ungrouped_vs_both", "gemv_vs_both", "gemv1_2_vs_both")
+             if p in rep["rows"][0]]
     out += ["", "| batch | chained: the same bits |" + "".join(f" {p}: max abs, argmax agree |" for p in pairs),
             "| --- | --- |" + " --- |" * len(pairs)]
     for r in rep["rows"]:
@@ -226,6 +231,7 @@ def main() -> None:
     ap.add_argument("--model", default="qwen3-30b-a3b", help="a preset (a dense one: --chain-only)")
     ap.add_argument("--chain-only", action="store_true", help="only 'before' and 'pdl' (chained launches off and "
                     "on), no profile: what chaining gives a model")
+    ap.add_argument("--variants", default="", help="comma-separated names of VARIANTS to time (default: all)")
     ap.add_argument("--sweep-tokens", default="", help="token counts the grouped decode tiles are swept at "
                     "(alone: no variants, no profile)")
     args = ap.parse_args()
@@ -242,7 +248,8 @@ def main() -> None:
             json.dump({"gpu": torch.cuda.get_device_name(), "copy_GBps": bw / 1e9, "rows": rows}, f, indent=1)
         return
     fwd.warmup(views)
-    variants = ["before", "pdl"] if args.chain_only else list(VARIANTS)
+    variants = (args.variants.split(",") if args.variants else ["before", "pdl"] if args.chain_only
+                else list(VARIANTS))
     rep: dict = {"gpu": torch.cuda.get_device_name(), "model": args.model, "copy_GBps": bw / 1e9, "ctx": args.ctx,
                  "variants": variants, "rows": [], "profile": {}}
     for B in batches:
@@ -260,15 +267,17 @@ def main() -> None:
         # cuBLAS, and the ungrouped kernels theirs, so those are compared as close (random weights' logits are
         # nearly flat, so a greedy token may differ without a fault)
         row["chained_same_bits"] = all(torch.equal(logits[a], logits[b]) for a, b in (
-            ("pdl", "before"), ("both", "router"), ("gemv", "gemv_alone")) if a in logits)
-        for a, b in (("router", "before"), ("ungrouped", "both"), ("gemv", "both")) if len(variants) > 2 else ():
+            ("pdl", "before"), ("both", "router"), ("gemv", "gemv_alone")) if a in logits and b in logits)
+        for a, b in (("router", "before"), ("ungrouped", "both"), ("gemv", "both"), ("gemv1_2", "both")):
+            if a not in logits or b not in logits:
+                continue
             row[f"{a}_vs_{b}"] = {"max_abs": float((logits[a] - logits[b]).abs().max()),
                                   "argmax_agree": float((logits[a].argmax(-1) == logits[b].argmax(-1)).float().mean())}
         rep["rows"].append(row)
         print(json.dumps(row), flush=True)
         save(rep, args.out)  # each batch as it is measured: a run cut short keeps what it had
     run = functools.partial(fwd.logits, decode_seqs(cfg, 1, args.ctx, 16), views)
-    for name in ("before", "both", "gemv") if len(variants) > 2 else ():
+    for name in [v for v in ("before", "both", "gemv", "gemv1_2") if v in variants] if len(variants) > 2 else ():
         set_variant(fwd, name)
         rep["profile"][name] = profile_step(run, cfg.num_layers)
     set_variant(fwd, "before")

@@ -38,11 +38,10 @@ GRAPH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 ROUTER_IN_NORM_TOKENS = 16
 
 # The qkv and o projections of steps of up to this many tokens as GEMVs that load their weights before they wait
-# for the kernel before them (``kernels/triton_gemv.py``; cuBLAS else). A graph bucket bound; 0 (never): on an
-# H200 they took Qwen3-30B-A3B's chained decode step of one sequence from 3.12 ms to 3.00 (2.91 at 2 columns a
-# program) but that of eight from 8.08 to 9.13 (experiments/moe_decode_probe.py,
-# docs/results/2026-12-04-moe-decode); left off
-GEMV_TOKENS = 0
+# for the kernel before them (``kernels/triton_gemv.py``; cuBLAS else). A graph bucket bound. On an H200, at 2
+# columns a program, they took Qwen3-30B-A3B's chained decode step of one sequence from 3.12 ms to 2.91, but that
+# of eight from 8.08 to 9.09 (experiments/moe_decode_probe.py, docs/results/2026-12-04-moe-decode): so one token
+GEMV_TOKENS = 1
 
 
 class BatchedForward:

@@ -58,6 +58,17 @@ def save_hf_checkpoint(path: str, arch: str = "llama", seed: int = 0, **extra) -
     return path
 
 
+def _dequantized(path: str) -> dict:
+    """An FP8 checkpoint dequantized by transformers on the CPU: where CUDA is present transformers would
+    otherwise reach for its FP8 GPU kernel, which it fetches from the network."""
+    with open(os.path.join(path, "config.json")) as f:
+        quant = json.load(f).get("quantization_config")
+    if not quant or quant.get("quant_method") != "fp8":
+        return {}
+    return {"quantization_config": transformers.FineGrainedFP8Config(
+        weight_block_size=tuple(quant["weight_block_size"]), dequantize=True)}
+
+
 def hf_reference(path: str, prompts) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, greedy new tokens) from transformers itself, a fresh model per prompt: dynamic
     RoPE's module keeps the frequencies of the longest sequence it has run and applies them to a
@@ -65,7 +76,8 @@ def hf_reference(path: str, prompts) -> list[tuple[list[int], list[int]]]:
     tok = transformers.AutoTokenizer.from_pretrained(path)
     out = []
     for p in prompts:
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                                  **_dequantized(path)).eval()
         ids = tok(p).input_ids
         with torch.no_grad():
             gen = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,

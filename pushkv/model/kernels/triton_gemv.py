@@ -36,8 +36,9 @@ from pushkv.model.kernels.chain import wait_prior
 TILE_ELEMENTS = 32768
 WARPS = 8
 # output columns a program at most: fewer hold fewer registers, so more programs (and more of the weights) are
-# resident while the kernel before runs (experiments/moe_decode_probe.py times 8, 4 and 2)
-COLUMNS = 8
+# resident while the kernel before runs (experiments/moe_decode_probe.py times 8, 4 and 2: 2 was fastest at one
+# token on an H200, 2.91 ms against 3.00 at 8 for Qwen3-30B-A3B's step)
+COLUMNS = 2
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -61,8 +62,8 @@ def _gemv_kernel(X, W, B, Y, T, N, stride_x, stride_y, K: tl.constexpr, BN: tl.c
 
 def tile_for(n: int, k: int) -> Optional[tuple[int, int]]:
     """(output columns a program, warps) for an [n, k] weight, or None where the kernel does not serve it (k not
-    a power of two, or more than TILE_ELEMENTS). Qwen3-30B-A3B's o (2048 x 4096): 256 programs of 64 KB; its
-    qkv (5120 x 2048): 640 of 32 KB."""
+    a power of two, or more than TILE_ELEMENTS). At 2 columns, Qwen3-30B-A3B's o (2048 x 4096): 1,024 programs
+    of 16 KB; its qkv (5120 x 2048): 2,560 of 8 KB."""
     if k & (k - 1) or k > TILE_ELEMENTS:
         return None
     return max(1, min(COLUMNS, TILE_ELEMENTS // k)), WARPS
