@@ -271,3 +271,77 @@ def test_decode_steps_take_the_grouped_kernels_unless_the_ungrouped_are_asked_fo
     monkeypatch.setenv("PUSHKV_MOE_DECODE", "ungrouped")
     assert triton_moe.tiles_for(1) == decode_tiles_for(1) and triton_moe.tiles_for(8) == decode_tiles_for(8)
     assert isinstance(triton_moe.tiles_for(64), triton_moe.Tiles)
+
+
+# one token (a decode step of one sequence): (experts, k, hidden, intermediate, renorm, ties, dtype)
+SELF_ROUTE_CASES = [(8, 2, 32, 48, "renorm", "", "float32"), (12, 8, 40, 24, "", "", "float32"),
+                    (10, 3, 32, 32, "renorm", "ties", "float32"), (16, 5, 64, 96, "", "ties", "float16")]
+
+SELF_ROUTE_SCRIPT = r"""
+import json, sys, torch
+import torch.nn.functional as F
+from pushkv.model.moe import moe_mlp
+from pushkv.model.kernels import triton_moe
+dev = sys.argv[1]
+out = []
+for E, k, d, i, renorm, ties, dtype in json.loads(sys.argv[2]):
+    g = torch.Generator().manual_seed(E * 5 + k)
+    dt = getattr(torch, dtype)
+    h = torch.randn(1, d, generator=g)
+    router = torch.randn(E, d, generator=g)
+    if ties:
+        router[1::2] = router[0:E - E % 2:2]
+    h, router = h.to(dev, dt), router.to(dev, dt)
+    gate_up = (torch.randn(E, 2 * i, d, generator=g) / d ** 0.5).to(dev, dt)
+    down = (torch.randn(E, d, i, generator=g) / i ** 0.5).to(dev, dt)
+    logits = F.linear(h, router)
+    ref = moe_mlp(h, router, gate_up, down, k, bool(renorm)).float().cpu()
+    res = {}
+    for on in (False, True):
+        triton_moe.SELF_ROUTE_ONE_TOKEN = on
+        res[on] = [triton_moe.moe_mlp(h, router, gate_up, down, k, bool(renorm), summed=False),
+                   triton_moe.moe_mlp(h, router, gate_up, down, k, bool(renorm), logits=logits),
+                   triton_moe.moe_mlp(h, router, gate_up, down, k, bool(renorm))]
+    # the tables the gate/up kernel writes: slot j's row block holds its choice, the weights the grouping's
+    tiles = triton_moe.fit_tiles(triton_moe.tiles_for(1), h.element_size())
+    kw, kex, _, _ = triton_moe.group_logits(logits, k, bool(renorm), tiles.bm)
+    route = triton_moe.SelfRoute(logits, k, bool(renorm))
+    w, _, slots, blocks = triton_moe._routing_buffers(logits, k, tiles.bm, blocks=k)
+    slots.fill_(-7), blocks.fill_(-7)
+    triton_moe.gate_up_product(h, gate_up, slots, blocks, k, tiles, route, w)
+    off, on = res[False], res[True]
+    out.append({"same_bits": all(torch.equal(a, b) for a, b in zip(off, on)),
+                "max_diff": max(float((a.float() - b.float()).abs().max()) for a, b in zip(off, on)),
+                "err": float((ref - on[2].float().cpu()).abs().max()), "scale": float(ref.abs().max()),
+                "experts": blocks.tolist() == kex.tolist(), "weights": float((w.float() - kw.float()).abs().max()),
+                "slots": slots.tolist() == [j if r == 0 else k for j in range(k) for r in range(tiles.bm)],
+                "has_ties": bool(logits[0, 0] == logits[0, 1]) if ties else None})
+print(json.dumps(out))
+"""
+
+
+def _check_self_route(case, r, exact: bool) -> None:
+    tol = 1e-4 if case[-1] == "float32" else 3e-3
+    assert r["experts"] and r["slots"] and r["has_ties"] in (None, True), (case, r)
+    assert r["weights"] <= (0 if exact else 1e-2), (case, r)
+    assert r["err"] <= tol * max(1.0, r["scale"]), (case, r)
+    # the interpreter sums the softmax in one order, so the routing is the grouping's to the bit; a GPU's
+    # reductions over other warps may move a weight by an ulp of its dtype
+    assert r["same_bits"] if exact else r["max_diff"] <= tol * max(1.0, r["scale"]), (case, r)
+
+
+@pytest.mark.unit
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU runs the kernels themselves (below)")
+def test_one_token_routed_by_the_gate_up_kernel_equals_the_grouping_under_the_interpreter():
+    """``SELF_ROUTE_ONE_TOKEN``: no routing launch, the gate/up kernel routes the token and writes the tables
+    the down kernel reads; each choice in its own row block, in choice order (the grouping's experts, ties to
+    the lower expert), and the layer the grouped path's, summed or not, with the router's logits given or not."""
+    for case, r in zip(SELF_ROUTE_CASES, _run("cpu", SELF_ROUTE_CASES, SELF_ROUTE_SCRIPT)):
+        _check_self_route(case, r, exact=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_one_token_routed_by_the_gate_up_kernel_equals_the_grouping():
+    cases = SELF_ROUTE_CASES + [c[:6] + ("bfloat16",) for c in SELF_ROUTE_CASES]
+    for case, r in zip(cases, _run("cuda", cases, SELF_ROUTE_SCRIPT)):
+        _check_self_route(case, r, exact=False)

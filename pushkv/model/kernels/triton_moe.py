@@ -52,32 +52,66 @@ from pushkv.model.kernels.chain import wait_prior
 
 
 @triton.jit
-def _route_tokens(Logits, Weights, Experts, t, T, E, stride_l, K: tl.constexpr, RENORM: tl.constexpr,
-                  EP: tl.constexpr):
-    """Tokens ``t`` (a vector): softmax, then k rounds of the largest probability (lowest expert on a
-    tie), twice when renormalising (the first to sum the chosen ones); their weights and experts stored."""
+def _probs(Logits, t, T, E, stride_l, EP: tl.constexpr):
+    """Tokens ``t``' (a vector) softmax over their E logits, float32 [len(t), EP] (0 past E), and the experts."""
     e = tl.arange(0, EP)
     x = tl.load(Logits + t[:, None].to(tl.int64) * stride_l + e[None, :],
                 mask=(t[:, None] < T) & (e[None, :] < E), other=float("-inf")).to(tl.float32)
     x = tl.where(e[None, :] < E, x, float("-inf"))
     p = tl.exp(x - tl.max(x, 1)[:, None])
-    p = p / tl.sum(p, 1)[:, None]
-    total = tl.full(t.shape, 1.0, tl.float32)
+    return p / tl.sum(p, 1)[:, None], e
+
+
+@triton.jit
+def _take(left, e, EP: tl.constexpr):
+    """The largest probability left (the lowest expert on a tie): (it, its expert, the rest)."""
+    best = tl.max(left, 1)
+    pick = tl.min(tl.where(left == best[:, None], e[None, :], EP), 1)
+    return best, pick, tl.where(e[None, :] == pick[:, None], -1.0, left)
+
+
+@triton.jit
+def _chosen_total(p, e, K: tl.constexpr, RENORM: tl.constexpr, EP: tl.constexpr):
+    """What each weight is divided by: the sum of the k chosen probabilities when renormalising, else 1."""
+    total = tl.full((p.shape[0],), 1.0, tl.float32)
     if RENORM:
         left = p
-        total = tl.zeros(t.shape, tl.float32)
+        total = tl.zeros((p.shape[0],), tl.float32)
         for _ in tl.static_range(K):
-            best = tl.max(left, 1)
-            pick = tl.min(tl.where(left == best[:, None], e[None, :], EP), 1)
-            left = tl.where(e[None, :] == pick[:, None], -1.0, left)
+            best, _pick, left = _take(left, e, EP)
             total += best
+    return total
+
+
+@triton.jit
+def _route_tokens(Logits, Weights, Experts, t, T, E, stride_l, K: tl.constexpr, RENORM: tl.constexpr,
+                  EP: tl.constexpr):
+    """Tokens ``t`` (a vector): softmax, then k rounds of the largest probability (lowest expert on a
+    tie), twice when renormalising (the first to sum the chosen ones); their weights and experts stored."""
+    p, e = _probs(Logits, t, T, E, stride_l, EP)
+    total = _chosen_total(p, e, K, RENORM, EP)
     left = p
     for j in tl.static_range(K):
-        best = tl.max(left, 1)
-        pick = tl.min(tl.where(left == best[:, None], e[None, :], EP), 1)
-        left = tl.where(e[None, :] == pick[:, None], -1.0, left)
+        best, pick, left = _take(left, e, EP)
         tl.store(Weights + t * K + j, (best / total).to(Weights.dtype.element_ty), mask=t < T)
         tl.store(Experts + t * K + j, pick, mask=t < T)
+
+
+@triton.jit
+def _one_token_choice(Logits, j, E, K: tl.constexpr, RENORM: tl.constexpr, EP: tl.constexpr):
+    """A one-token step's k-th choice ``j``, routed by the program itself from the token's E logits (a few
+    hundred bytes): (expert, weight in float32), as ``_route_tokens`` chooses and weighs."""
+    t = tl.arange(0, 1)
+    p, e = _probs(Logits, t, 1, E, 0, EP)
+    total = _chosen_total(p, e, K, RENORM, EP)
+    left = p
+    expert = tl.zeros((1,), tl.int32)
+    weight = tl.zeros((1,), tl.float32)
+    for jj in tl.static_range(K):
+        best, pick, left = _take(left, e, EP)
+        expert = tl.where(jj == j, pick, expert)
+        weight = tl.where(jj == j, best / total, weight)
+    return tl.sum(expert, 0), tl.sum(weight, 0)
 
 
 # Counts that change with the batch are not specialised on (Triton compiles a variant per count that
@@ -168,17 +202,29 @@ def _place_kernel(Experts, Counts, Cursor, SlotIds, BlockExpert, n, E, max_block
 
 
 @triton.jit(do_not_specialize=["n_slots"])
-def _gate_up_kernel(H, W, Act, SlotIds, BlockExpert, n_slots, d, inter, k_top,
+def _gate_up_kernel(H, W, Act, SlotIds, BlockExpert, Logits, Weights, n_slots, d, inter, k_top, E,
                     stride_h, stride_we, stride_wn, stride_act,
                     PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    EVEN: tl.constexpr, ROW_ACT: tl.constexpr, PDL: tl.constexpr):
+                    EVEN: tl.constexpr, ROW_ACT: tl.constexpr, PDL: tl.constexpr, SELF_ROUTE: tl.constexpr,
+                    K: tl.constexpr, RENORM: tl.constexpr, EP: tl.constexpr):
     wait_prior(PDL)
     pid_m = tl.program_id(0)
-    e = tl.load(BlockExpert + pid_m).to(tl.int64)
-    if e < 0:  # a block past the last expert's segment
-        return
     rows = pid_m * BM + tl.arange(0, BM)
-    slots = tl.load(SlotIds + rows)
+    if SELF_ROUTE:
+        # a one-token step: row block j is the token's j-th choice, routed here from its logits, its first row
+        # slot j; the column tile 0 programs write that to the tables the down kernel reads as the grouping's
+        choice, wt = _one_token_choice(Logits, pid_m, E, K, RENORM, EP)
+        e = choice.to(tl.int64)
+        slots = tl.where(tl.arange(0, BM) == 0, pid_m, n_slots)
+        if tl.program_id(1) == 0:
+            tl.store(SlotIds + rows, slots)
+            tl.store(BlockExpert + pid_m, choice)
+            tl.store(Weights + pid_m, wt.to(Weights.dtype.element_ty))
+    else:
+        e = tl.load(BlockExpert + pid_m).to(tl.int64)
+        if e < 0:  # a block past the last expert's segment
+            return
+        slots = tl.load(SlotIds + rows)
     valid = slots < n_slots  # padding rows of the expert's last block carry n_slots
     # a padding row reads token 0's row (its product is never used), so no load needs a row mask
     tok = tl.where(valid, slots // k_top, 0).to(tl.int64)
@@ -284,6 +330,13 @@ def block_bound(n_slots: int, num_experts: int, bm: int) -> int:
 ROW_ACT = True
 EVEN_LOADS = True
 
+# A one-token step (a decode step of one sequence) routed by the gate/up kernel itself, each
+# program its own choice from the token's logits, so no routing launch runs between the router and the
+# experts: a row block a choice (one token's k experts are distinct, so the grouping too gives each its own
+# block), and the gate/up kernel writes the tables the down kernel reads. Off until a GPU run times it
+# (experiments/moe_decode_probe.py, variant ``self_route``)
+SELF_ROUTE_ONE_TOKEN = False
+
 # Steps of up to this many tokens route and group in the one-program kernel (a decode step: one
 # launch where torch takes ~15); longer ones in torch, whose launches are spread over the whole GPU
 # (a graph bucket bound, so a step routes alike replayed or eager)
@@ -385,10 +438,11 @@ def route_group(h: torch.Tensor, router: torch.Tensor, k: int, renorm: bool, bm:
     return group_logits(F.linear(h, router), k, renorm, bm)
 
 
-def _routing_buffers(logits: torch.Tensor, k: int, bm: int):
-    """(weights, experts, slot ids, block expert) for a routing of logits [T, E], unfilled."""
+def _routing_buffers(logits: torch.Tensor, k: int, bm: int, blocks: int = 0):
+    """(weights, experts, slot ids, block expert) for a routing of logits [T, E], unfilled; ``blocks`` row
+    blocks (default: ``block_bound``'s)."""
     T, E = logits.shape
-    max_blocks = block_bound(T * k, E, bm)
+    max_blocks = blocks or block_bound(T * k, E, bm)
     dev = logits.device
     return (torch.empty(T * k, dtype=logits.dtype, device=dev), torch.empty(T * k, dtype=torch.int32, device=dev),
             torch.empty(max_blocks * bm, dtype=torch.int32, device=dev),
@@ -433,20 +487,40 @@ def route_group_wide(h: torch.Tensor, router: torch.Tensor, k: int, renorm: bool
     return weights, experts, slot_ids, block_expert
 
 
+class SelfRoute(NamedTuple):
+    """A one-token step routed by the gate/up kernel itself (``SELF_ROUTE_ONE_TOKEN``): the token's router
+    logits [1, E], its k and whether the chosen weights are renormalised."""
+
+    logits: torch.Tensor
+    k: int
+    renorm: bool
+
+
 def gate_up_product(h: torch.Tensor, gate_up: torch.Tensor, slot_ids: torch.Tensor, block_expert: torch.Tensor,
-                    k: int, tiles: Tiles) -> torch.Tensor:
+                    k: int, tiles: Tiles, route: Optional[SelfRoute] = None,
+                    weights: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``silu(gate) * up`` of each slot's token row through its expert, [rows, i]: in the slot table's row
-    order (``ROW_ACT``: padding rows too), else in slot order. One launch (``_gate_up_kernel``)."""
+    order (``ROW_ACT``: padding rows too), else in slot order. One launch (``_gate_up_kernel``). ``route``:
+    a one-token step's routing, made by the kernel (row block j the token's j-th choice), which writes the
+    slot table, the blocks' experts and ``weights`` as the grouping would have (k row blocks of tiles.bm)."""
     T, d = h.shape
     inter = gate_up.shape[1] // 2
     n = T * k
-    act = torch.empty((slot_ids.numel() if ROW_ACT else n, inter), dtype=h.dtype, device=h.device)
-    grid = (block_expert.numel(), triton.cdiv(inter, tiles.bn_up))
-    _gate_up_kernel[grid](h, gate_up, act, slot_ids, block_expert, n, d, inter, k,
+    if route is None:
+        blocks, E, logits, routing = block_expert.numel(), 1, h, {"SELF_ROUTE": False, "K": 1, "RENORM": False,
+                                                                  "EP": 1}
+    else:
+        E = route.logits.shape[1]
+        blocks, logits = route.k, route.logits
+        routing = {"SELF_ROUTE": True, "K": route.k, "RENORM": route.renorm, "EP": triton.next_power_of_2(E)}
+    act = torch.empty((blocks * tiles.bm if ROW_ACT else n, inter), dtype=h.dtype, device=h.device)
+    grid = (blocks, triton.cdiv(inter, tiles.bn_up))
+    _gate_up_kernel[grid](h, gate_up, act, slot_ids, block_expert, logits, h if weights is None else weights,
+                          n, d, inter, k, E,
                           h.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
                           PREC=_precision(h), BM=tiles.bm, BN=tiles.bn_up, BK=tiles.bk,
                           EVEN=EVEN_LOADS and d % tiles.bk == 0 and inter % tiles.bn_up == 0, ROW_ACT=ROW_ACT,
-                          num_warps=tiles.warps, num_stages=tiles.stages, **chain.launch(h))
+                          num_warps=tiles.warps, num_stages=tiles.stages, **routing, **chain.launch(h))
     return act
 
 
@@ -490,6 +564,12 @@ def moe_mlp(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: 
         return moe_mlp_decode(h, router.contiguous(), gate_up.contiguous(), down.contiguous(), k, renorm, tl_,
                               logits)[0]
     tl_ = fit_tiles(tl_, h.element_size())
+    if T == 1 and SELF_ROUTE_ONE_TOKEN:  # no routing launch: the gate/up kernel routes the token itself
+        route = SelfRoute(F.linear(h, router) if logits is None else logits, k, renorm)
+        weights, _, slot_ids, block_expert = _routing_buffers(route.logits, k, tl_.bm, blocks=k)
+        act = gate_up_product(h, gate_up.contiguous(), slot_ids, block_expert, k, tl_, route, weights)
+        per_slot = down_per_slot(act, down.contiguous(), weights, slot_ids, block_expert, n, tl_)
+        return per_slot.sum(dim=0, keepdim=True) if summed else per_slot.view(T, k, d)
     # a prefill's many slots across the GPU; a decode step's few in one program (the one-program kernel
     # would walk a prefill's alone)
     if logits is not None:
