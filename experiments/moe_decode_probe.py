@@ -16,7 +16,10 @@ Variants (each re-captures the graphs):
   (``kernels/triton_gemv.py``, ``batched.GEMV_TOKENS``) instead of cuBLAS, unchained; ``gemv``: the same,
   chained, so each GEMV's weights stream in while the kernel before it runs; ``gemv_4``, ``gemv_2``: chained,
   4 and 2 output columns a program (fewer registers each, so more of the weights resident early); ``gemv1_2``:
-  the GEMVs of 2 columns at one token only, as shipped since 2026-12-04's GPU run of their float32 test.
+  the GEMVs of 2 columns at one token only, as shipped since 2026-12-04's GPU run of their float32 test;
+- ``self_route``: ``gemv1_2`` with a one-token step routed by the MoE gate/up kernel itself, no routing launch
+  (``triton_moe.SELF_ROUTE_ONE_TOKEN``); ``fused_merge``: ``gemv1_2`` with the split decode attention merged by
+  its last program, no merge launch (``triton_paged.FUSED_MERGE``); ``self_route_merge``: both.
 
 ``--variants both,gemv1_2`` times only those.
 
@@ -63,12 +66,17 @@ VARIANTS = {"before": (False, 0, "grouped", 0, 8), "router": (False, 16, "groupe
             "router_128": (True, 128, "grouped", 0, 8), "ungrouped": (True, 16, "ungrouped", 0, 8),
             "gemv_alone": (False, 16, "grouped", 8, 8), "gemv": (True, 16, "grouped", 8, 8),
             "gemv_4": (True, 16, "grouped", 8, 4), "gemv_2": (True, 16, "grouped", 8, 2),
-            "gemv1_2": (True, 16, "grouped", 1, 2)}
+            "gemv1_2": (True, 16, "grouped", 1, 2),
+            "self_route": (True, 16, "grouped", 1, 2, True), "fused_merge": (True, 16, "grouped", 1, 2, False, True),
+            "self_route_merge": (True, 16, "grouped", 1, 2, True, True)}
 
 
 def set_variant(fwd, name: str) -> None:
+    from pushkv.model.kernels import triton_moe, triton_paged
+
+    v = VARIANTS[name] + (False, False)[len(VARIANTS[name]) - 5:]
     (chain.ON, batched.ROUTER_IN_NORM_TOKENS, os.environ["PUSHKV_MOE_DECODE"], batched.GEMV_TOKENS,
-     triton_gemv.COLUMNS) = VARIANTS[name]
+     triton_gemv.COLUMNS, triton_moe.SELF_ROUTE_ONE_TOKEN, triton_paged.FUSED_MERGE) = v
     fwd.drop_graphs()  # captured with the last variant's launches
 
 
@@ -205,7 +213,8 @@ def markdown(rep: dict) -> str:
     for r in rep["rows"]:
         cells = [f"{r[n]['ms']:.2f} ({r[n]['ms'] / r['bound_ms']:.2f})" for n in names]
         out.append(f"| {r['batch']} | {r['bound_ms']:.2f} | " + " | ".join(cells) + " |")
-    pairs = [p for p in ("router_vs_before", "ungrouped_vs_both", "gemv_vs_both", "gemv1_2_vs_both")
+    pairs = [p for p in ("router_vs_before", "ungrouped_vs_both", "gemv_vs_both", "gemv1_2_vs_both",
+                         "self_route_vs_gemv1_2", "fused_merge_vs_gemv1_2", "self_route_merge_vs_gemv1_2")
              if p in rep["rows"][0]]
     out += ["", "| batch | chained: the same bits |" + "".join(f" {p}: max abs, argmax agree |" for p in pairs),
             "| --- | --- |" + " --- |" * len(pairs)]
@@ -268,7 +277,8 @@ def main() -> None:
         # nearly flat, so a greedy token may differ without a fault)
         row["chained_same_bits"] = all(torch.equal(logits[a], logits[b]) for a, b in (
             ("pdl", "before"), ("both", "router"), ("gemv", "gemv_alone")) if a in logits and b in logits)
-        for a, b in (("router", "before"), ("ungrouped", "both"), ("gemv", "both"), ("gemv1_2", "both")):
+        for a, b in (("router", "before"), ("ungrouped", "both"), ("gemv", "both"), ("gemv1_2", "both"),
+                     ("self_route", "gemv1_2"), ("fused_merge", "gemv1_2"), ("self_route_merge", "gemv1_2")):
             if a not in logits or b not in logits:
                 continue
             row[f"{a}_vs_{b}"] = {"max_abs": float((logits[a] - logits[b]).abs().max()),
@@ -277,7 +287,8 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         save(rep, args.out)  # each batch as it is measured: a run cut short keeps what it had
     run = functools.partial(fwd.logits, decode_seqs(cfg, 1, args.ctx, 16), views)
-    for name in [v for v in ("before", "both", "gemv", "gemv1_2") if v in variants] if len(variants) > 2 else ():
+    for name in [v for v in ("before", "both", "gemv", "gemv1_2", "self_route_merge") if v in variants] \
+            if len(variants) > 2 else ():
         set_variant(fwd, name)
         rep["profile"][name] = profile_step(run, cfg.num_layers)
     set_variant(fwd, "before")
