@@ -25,14 +25,14 @@ COUNTS = {"T", "E", "HG", "U", "N"}
 TABLES = {"cache", "block_table", "seq_lens", "q_starts", "q_lens", "tile_seq", "tile_q0"}
 FLOATS = {"eps", "sm_scale_log2"}
 INT_PTRS = {"Pos", "Slots", "block_table", "seq_lens", "q_starts", "q_lens", "tile_seq", "tile_q0", "SlotIds",
-            "BlockExpert", "Experts"}
+            "BlockExpert", "Experts", "Counter"}
 F32_PTRS = {"Part", "PartML"}
 # as a launch specialises them (tt.divisibility 16): every pointer (torch's allocations are aligned), and the
 # integers that are multiples of 16 in a Qwen3-30B-A3B step (strides, widths, counts of 128), not these
 UNALIGNED = {"HG", "k_top", "window", "total_rows", "T", "n_slots", "n_rows", "max_blocks"}
 
 DECODE_ATTN = dict(PREC="tf32", G=8, D=128, BLOCK_D=128, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=64, NUM_SPLITS=16,
-                   HEAVY_FIRST=True, FREE_LOOP=True)
+                   HEAVY_FIRST=True, FREE_LOOP=True, FUSED_MERGE=False)
 PREFILL_ATTN = dict(DECODE_ATTN, BLOCK_Q=32, BLOCK_M=256, NUM_SPLITS=1)
 GROUPED = dict(PREC="tf32", BM=16, BK=128, EVEN=True, ROW_ACT=True)
 
@@ -49,6 +49,7 @@ def kernels() -> list[tuple[str, object, dict, int, int]]:
         ("qk_rope_store", triton_fused._qk_rope_store_kernel, dict(HQ=32, HK=4, D=128, HAS_NORM=True, TB=1), 1, 3),
         ("silu_mul", triton_fused._silu_mul_kernel, dict(BLOCK=1024), 4, 3),
         ("attn_decode", triton_paged._attn_kernel, DECODE_ATTN, 4, 2),
+        ("attn_decode_fused_merge", triton_paged._attn_kernel, dict(DECODE_ATTN, FUSED_MERGE=True), 4, 2),
         ("attn_prefill", triton_paged._attn_kernel, PREFILL_ATTN, 8, 3),
         ("attn_fp32", triton_paged._attn_kernel, dict(DECODE_ATTN, PREC="ieee", BLOCK_N=32), 4, 2),
         ("attn_merge", triton_paged._merge_kernel, dict(D=128, BLOCK_D=128, NUM_SPLITS=16), 1, 3),

@@ -118,6 +118,9 @@ class BatchedForward:
                 rope: Optional[tuple] = None) -> torch.Tensor:
         """rope: (cos, sin, index) where the step's rows are not the table's at their positions."""
         run = self._layers_fused if self.fused else self._layers_torch
+        if scratch is None and splits > 1 and meta.decode_tiles.shape[0]:
+            p = self.m.plan  # one scratch for every layer: its merge counters are zeroed once a step, not a layer
+            scratch = paged.decode_scratch(splits, meta.ids.shape[0], p.q_heads, p.kv_heads, self.hd, self.device)
         h = run(meta, pools, splits, scratch, on_layer, rope or (self.cos, self.sin, meta.positions))
         T = meta.ids.shape[0]
         rows = h.index_select(0, meta.sample_rows.long()) if meta.sample_rows.shape[0] != T else h
@@ -282,8 +285,7 @@ class _DecodeGraph:
             block_table=torch.zeros(size, width, dtype=torch.int32, device=dev), block_q=fwd.block_q)
         self.splits = fwd.decode_splits(size)
         p = fwd.m.plan
-        self.scratch = (torch.empty(self.splits * size * p.q_heads * fwd.hd, device=dev, dtype=torch.float32),
-                        torch.empty(self.splits * size * p.q_heads * 2, device=dev, dtype=torch.float32))
+        self.scratch = paged.decode_scratch(self.splits, size, p.q_heads, p.kv_heads, fwd.hd, dev)
         self.logits = torch.empty(size, fwd.m.cfg.vocab_size, device=dev, dtype=torch.float32)
         self.staging = Staging()  # the step's arrays, pinned, one copy per replay
         self.staging.take(size * (4 + width))

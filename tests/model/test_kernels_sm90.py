@@ -67,3 +67,24 @@ def test_sass_verdicts():
         "the same operations in the same order, other registers or constants"
     assert verdict(a, [a[1], a[0], a[2]]) == "the same operations, 2 of them in another place"
     assert verdict(a, [a[0], "STG.E desc[UR4][R6.64], R3 ;", a[2]]) == "other operations: 1 gone, 1 new"
+
+
+@pytest.mark.unit
+def test_fused_merge_counts_in_after_every_thread_stored():
+    """Split decode attention with the merge in the kernel: every thread's partials stored before a barrier, then one
+    thread's acquire-release add on the tile's counter (its result broadcast through shared memory behind another
+    barrier, so every thread takes the same branch after that thread's acquire), and the last resets it to zero."""
+    from pushkv.model.kernels import triton_paged
+    from tools.kernel_sass import DECODE_ATTN
+
+    ptx = compile_sm90(triton_paged._attn_kernel, dict(DECODE_ATTN, FUSED_MERGE=True), False, 4, 2).asm["ptx"]
+    lines = [x.strip() for x in ptx.splitlines() if x.strip() and not x.strip().startswith(("//", ".loc"))]
+    add = [i for i, x in enumerate(lines) if "atom.global.gpu.acq_rel.add" in x]
+    assert len(add) == 1 and lines[add[0]].startswith("@%p"), add  # one thread's
+    partials = [i for i, x in enumerate(lines[:add[0]]) if re.match(r"(@%p\d+\s+)?st\.global", x)]
+    assert partials and any(x.startswith("bar.sync") for x in lines[max(partials):add[0]])
+    after = lines[add[0]:]
+    assert re.match(r"@%p\d+ st\.shared", after[1]) and after[2].startswith("bar.sync"), after[:3]
+    assert any("atom.global.gpu.relaxed.exch" in x for x in after)
+    off = compile_sm90(triton_paged._attn_kernel, DECODE_ATTN, False, 4, 2).asm["ptx"]
+    assert "atom." not in off

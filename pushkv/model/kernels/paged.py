@@ -57,6 +57,16 @@ def attention_ref(q, cache, block_table, seq_lens, q_starts, q_lens, window: int
     return out
 
 
+def decode_scratch(splits: int, tokens: int, q_heads: int, kv_heads: int, head_dim: int,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What split decode attention leaves between its programs, for up to ``tokens`` decode rows: fp32 partials
+    [splits, tokens, q_heads, head_dim] and their (m, l), and one int32 counter a (tile, kv head) for the merge in
+    the kernel, zero (each launch leaves them zero, so one scratch serves every layer and graph replay)."""
+    return (torch.empty(splits * tokens * q_heads * head_dim, device=device, dtype=torch.float32),
+            torch.empty(splits * tokens * q_heads * 2, device=device, dtype=torch.float32),
+            torch.zeros(tokens * kv_heads, device=device, dtype=torch.int32))
+
+
 def store_kv(cache, k, v, slots) -> None:
     if cache.is_cuda:
         from pushkv.model.kernels import triton_paged

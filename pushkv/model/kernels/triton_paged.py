@@ -10,7 +10,9 @@ Attention is one kernel for prefill and decode. A program takes one *tile* (up t
 K/V tile once for all its query heads. Keys are walked ``BLOCK_N`` at a time through the
 block table with an online softmax (FlashAttention-2 style). Decode tiles (one token)
 can split the key range over ``num_splits`` programs (flash-decoding), whose partial
-results a second kernel merges: at small batch that is what keeps every SM reading.
+results a second kernel merges: at small batch that is what keeps every SM reading. With
+``FUSED_MERGE`` the split programs count themselves in on a counter instead, and the last
+of a tile's to finish merges, one launch less; the same arithmetic, the same bits.
 """
 from __future__ import annotations
 
@@ -26,12 +28,16 @@ except ModuleNotFoundError as e:  # a CUDA torch build without Triton
 
 from pushkv.model.kernels import chain
 from pushkv.model.kernels.chain import wait_prior
+from pushkv.model.kernels.paged import decode_scratch
 
 LOG2E = 1.4426950408889634
 # Prefill: tiles with the most keys start first, and key tiles wholly before a tile's queries are walked
 # without a mask (experiments/moe_prefill_probe.py turns each off to measure what it gives)
 HEAVY_FIRST = True
 FREE_LOOP = True
+# Decode: the last split program of a tile merges the partials (no second launch, ~2 us a layer at batch 1 on an
+# H200 by the estimate that asked for it). Off until a GPU has measured it and run the fused-merge GPU tests.
+FUSED_MERGE = False
 
 
 @triton.jit
@@ -122,13 +128,14 @@ def _key_tile(q, cache, bt, start, hi, qpos, head_off, d, dm, m_i, l_i, acc, s_b
 
 @triton.jit
 def _attn_kernel(Q, O, cache, block_table, seq_lens, q_starts, q_lens, tile_seq, tile_q0,
-                 Part, PartML,
+                 Part, PartML, Counter,
                  stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                  s_blk, s_plane, s_grp, s_head, s_slot, HG, U,
                  total_rows, num_q_heads, sm_scale_log2, window,
                  PREC: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                 HEAVY_FIRST: tl.constexpr, FREE_LOOP: tl.constexpr, PDL: tl.constexpr):
+                 HEAVY_FIRST: tl.constexpr, FREE_LOOP: tl.constexpr, FUSED_MERGE: tl.constexpr,
+                 PDL: tl.constexpr):
     wait_prior(PDL)
     tile = tl.program_id(0)
     if HEAVY_FIRST:  # a sequence's later tiles see more keys: started first, none is left running alone at the end
@@ -159,7 +166,9 @@ def _attn_kernel(Q, O, cache, block_table, seq_lens, q_starts, q_lens, tile_seq,
         lo = tl.maximum(ctx - qlen + q0 - window + 1, 0)
     if NUM_SPLITS > 1:
         n_tiles = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
-        per = tl.cdiv(n_tiles, NUM_SPLITS) * BLOCK_N
+        per_tiles = tl.cdiv(n_tiles, NUM_SPLITS)
+        per = per_tiles * BLOCK_N
+        used = tl.cdiv(n_tiles, tl.maximum(per_tiles, 1))  # splits with keys: the others' partials are empty
         lo = lo + split * per
         hi = tl.minimum(hi, lo + per)
 
@@ -190,6 +199,41 @@ def _attn_kernel(Q, O, cache, block_table, seq_lens, q_starts, q_lens, tile_seq,
         tl.store(Part + idx[:, None] * D + d[None, :], acc, mask=row_ok[:, None] & dm[None, :])
         tl.store(PartML + idx * 2, m_i, mask=row_ok)
         tl.store(PartML + idx * 2 + 1, l_i, mask=row_ok)
+        if FUSED_MERGE:
+            # every thread's stores issued before the one atomic (thread 0's, its result broadcast to all), whose
+            # release publishes them and whose acquire, in the last program, makes the others' visible to it
+            tl.debug_barrier()
+            counter = Counter + tile * tl.num_programs(1) + kvh
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+            if arrived == NUM_SPLITS - 1:  # the tile's last split to finish
+                # zero for the next launch (or graph replay): the kernel boundary orders it, no fence needed
+                tl.atomic_xchg(counter, 0, sem="relaxed")
+                # the splits past `used` hold no keys (m -1e30, l 0, acc 0): each would add an exact +0 to l and to
+                # acc (never -0: both start at +0), so leaving them out keeps the merge kernel's bits
+                out = _merge_splits(Part, PartML, rows * num_q_heads + head, total_rows * num_q_heads, row_ok, d, dm,
+                                    used, D, BLOCK_M, BLOCK_D)
+                tl.store(O + rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                         out.to(O.dtype.element_ty), mask=row_ok[:, None] & dm[None, :])
+
+
+@triton.jit
+def _merge_splits(Part, PartML, idx, split_stride, ok, d, dm, n, D: tl.constexpr, ROWS: tl.constexpr,
+                  BLOCK_D: tl.constexpr):
+    """Rows' partials of splits 0 .. n-1 merged, [ROWS, BLOCK_D] fp32: idx are the rows' indices at split 0
+    (split s: + s * split_stride). Both merge paths call it, in the same order, so they give the same bits."""
+    m = tl.full([ROWS], -1.0e30, tl.float32)
+    for s in range(n):
+        m = tl.maximum(m, tl.load(PartML + (idx + s * split_stride) * 2, mask=ok, other=-1.0e30))
+    l = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    for s in range(n):
+        i = idx + s * split_stride
+        ms = tl.load(PartML + i * 2, mask=ok, other=-1.0e30)
+        ls = tl.load(PartML + i * 2 + 1, mask=ok, other=0.0)
+        w = tl.exp2(ms - m)
+        l += ls * w
+        acc += tl.load(Part + i[:, None] * D + d[None, :], mask=ok[:, None] & dm[None, :], other=0.0) * w[:, None]
+    return acc / tl.where(l > 0, l, 1.0)[:, None]
 
 
 @triton.jit
@@ -201,34 +245,26 @@ def _merge_kernel(Part, PartML, O, q_starts, tile_seq, stride_ot, stride_oh, tot
     head = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
     dm = d < D
-    m = tl.full([1], -1.0e30, tl.float32)
-    for s in range(NUM_SPLITS):
-        idx = (s * total_rows + row) * num_q_heads + head
-        m = tl.maximum(m, tl.load(PartML + idx * 2 + tl.arange(0, 1)))
-    l = tl.zeros([1], tl.float32)
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for s in range(NUM_SPLITS):
-        idx = (s * total_rows + row) * num_q_heads + head
-        ms = tl.load(PartML + idx * 2 + tl.arange(0, 1))
-        ls = tl.load(PartML + idx * 2 + 1 + tl.arange(0, 1))
-        w = tl.exp2(ms - m)
-        l += ls * w
-        acc += tl.load(Part + idx * D + d, mask=dm, other=0.0) * w
-    out = acc / tl.where(l > 0, l, 1.0)
-    tl.store(O + row * stride_ot + head * stride_oh + d, out.to(O.dtype.element_ty), mask=dm)
+    idx = row * num_q_heads + head + tl.zeros([1], tl.int32)
+    out = _merge_splits(Part, PartML, idx, total_rows * num_q_heads, tl.full([1], 1, tl.int1), d, dm, NUM_SPLITS, D, 1,
+                        BLOCK_D)
+    tl.store(O + row * stride_ot + head * stride_oh + d[None, :], out.to(O.dtype.element_ty), mask=dm[None, :])
 
 
 def attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
               q_starts: torch.Tensor, q_lens: torch.Tensor, tile_seq: torch.Tensor, tile_q0: torch.Tensor,
               block_q: int, num_splits: int = 1, window: int = 0, out: torch.Tensor | None = None,
-              scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
+              scratch: tuple[torch.Tensor, ...] | None = None,
               config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Causal attention of q [T, Hq, D] over each sequence's keys in the pool.
 
     Per sequence i: its queries are rows q_starts[i] .. + q_lens[i] of q, at positions
     seq_lens[i] - q_lens[i] ..; its keys (new ones already stored) sit at positions
     0 .. seq_lens[i] - 1 in blocks block_table[i]. Tiles (tile_seq, tile_q0) name the
-    programs: block_q queries of one sequence each. Returns out [T, Hq, D]."""
+    programs: block_q queries of one sequence each. Returns out [T, Hq, D].
+
+    scratch (decode splits): ``paged.decode_scratch``'s (partials, (m, l), counters), counters zero (the
+    kernel leaves them so); a (partials, (m, l)) pair merges in a second launch."""
     T, Hq, D = q.shape
     blk, plane, grp, head, slot, hg, u = _cache_strides(cache)
     kvh = hg * (cache.shape[2] if cache.dim() == 6 else 1)
@@ -241,13 +277,19 @@ def attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, s
     block_m = max(16, triton.next_power_of_2(block_q * G))
     block_d = triton.next_power_of_2(D)
     block_n = 64 if block_q == 1 else (64 if D > 64 else 128)
+    fused = False
     if num_splits > 1:
+        if block_q != 1:
+            raise ValueError("split keys only for one-token (decode) tiles")
         if scratch is None:
-            scratch = (torch.empty(num_splits * T * Hq * D, device=q.device, dtype=torch.float32),
-                       torch.empty(num_splits * T * Hq * 2, device=q.device, dtype=torch.float32))
-        part, part_ml = scratch
+            scratch = decode_scratch(num_splits, T, Hq, kvh, D, q.device)
+        part, part_ml = scratch[0], scratch[1]
+        fused = FUSED_MERGE and len(scratch) > 2
+        counters = scratch[2] if fused else part_ml  # unused without the fused merge
+        if fused and counters.numel() < n_tiles * kvh:
+            raise ValueError(f"{counters.numel()} merge counters for {n_tiles} tiles x {kvh} kv heads")
     else:
-        part = part_ml = out  # unused
+        part = part_ml = counters = out  # unused
     warps = 4 if block_m <= 64 else 8
     stages = 3 if block_m >= 256 else 2  # 256 rows: 0.39 against 0.42 ms with 2 (a 4k prefill, 32 heads on 4)
     if q.dtype == torch.float32:
@@ -255,17 +297,15 @@ def attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, s
     if config is not None:  # (block_n, warps, stages), for tuning
         block_n, warps, stages = config
     _attn_kernel[(n_tiles, kvh, num_splits)](
-        q, out, cache, block_table, seq_lens, q_starts, q_lens, tile_seq, tile_q0, part, part_ml,
+        q, out, cache, block_table, seq_lens, q_starts, q_lens, tile_seq, tile_q0, part, part_ml, counters,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         blk, plane, grp, head, slot, hg, u,
         T, Hq, LOG2E / (D ** 0.5), window,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", G=G, D=D, BLOCK_D=block_d, BLOCK_Q=block_q,
         BLOCK_M=block_m, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, HEAVY_FIRST=HEAVY_FIRST, FREE_LOOP=FREE_LOOP, num_warps=warps, num_stages=stages,
-        **chain.launch(q))
-    if num_splits > 1:
-        if block_q != 1:
-            raise ValueError("split keys only for one-token (decode) tiles")
+        NUM_SPLITS=num_splits, HEAVY_FIRST=HEAVY_FIRST, FREE_LOOP=FREE_LOOP, FUSED_MERGE=fused, num_warps=warps,
+        num_stages=stages, **chain.launch(q))
+    if num_splits > 1 and not fused:
         _merge_kernel[(n_tiles, Hq)](part, part_ml, out, q_starts, tile_seq, out.stride(0), out.stride(1), T, Hq,
                                D=D, BLOCK_D=block_d, NUM_SPLITS=num_splits, num_warps=1, **chain.launch(q))
     return out
