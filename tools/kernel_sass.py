@@ -35,6 +35,9 @@ DECODE_ATTN = dict(PREC="tf32", G=8, D=128, BLOCK_D=128, BLOCK_Q=1, BLOCK_M=16, 
                    HEAVY_FIRST=True, FREE_LOOP=True, FUSED_MERGE=False)
 PREFILL_ATTN = dict(DECODE_ATTN, BLOCK_Q=32, BLOCK_M=256, NUM_SPLITS=1)
 GROUPED = dict(PREC="tf32", BM=16, BK=128, EVEN=True, ROW_ACT=True)
+# the gate/up kernel's routing: the grouping's tables, or a one-token step routed by the kernel itself
+GROUPED_ROUTE = dict(SELF_ROUTE=False, K=1, RENORM=False, EP=1)
+SELF_ROUTE = dict(SELF_ROUTE=True, K=8, RENORM=True, EP=128)
 
 
 def kernels() -> list[tuple[str, object, dict, int, int]]:
@@ -55,8 +58,10 @@ def kernels() -> list[tuple[str, object, dict, int, int]]:
         ("attn_merge", triton_paged._merge_kernel, dict(D=128, BLOCK_D=128, NUM_SPLITS=16), 1, 3),
         ("route_group", triton_moe._route_group_kernel, dict(K=8, RENORM=True, BM=16, EP=128, TT=1, SC=16, FILL=1024),
          1, 3),
-        ("moe_gate_up", triton_moe._gate_up_kernel, dict(GROUPED, BM=dt.bm, BN=dt.bn_up, BK=dt.bk), dt.warps,
-         dt.stages),
+        ("moe_gate_up", triton_moe._gate_up_kernel, dict(GROUPED, **GROUPED_ROUTE, BM=dt.bm, BN=dt.bn_up, BK=dt.bk),
+         dt.warps, dt.stages),
+        ("moe_gate_up_self_route", triton_moe._gate_up_kernel,
+         dict(GROUPED, **SELF_ROUTE, BM=dt.bm, BN=dt.bn_up, BK=dt.bk), dt.warps, dt.stages),
         ("moe_down", triton_moe._down_kernel, dict(GROUPED, BM=dt.bm, BN=dt.bn_down, BK=dt.bk_down or dt.bk),
          dt.down_warps or dt.warps, dt.down_stages or dt.stages),
         ("decode_router", triton_moe_decode._router_kernel, dict(BE=2, BK=256), 4, 3),

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from tools.kernel_sass import compile_sm90, instructions, kernels, verdict  # noqa: E402
+from tools.kernel_sass import GROUPED_ROUTE, compile_sm90, instructions, kernels, verdict  # noqa: E402
 
 KERNELS = kernels()
 MEMORY = re.compile(r"^\s*(@%p\d+\s+)?(ld|st|atom|red|cp\.async)\.(global|shared)")
@@ -50,11 +50,12 @@ def test_grouped_moe_tiles_fit_shared_memory(tokens, dtype, itemsize, prec):
     from pushkv.model.kernels import triton_moe as tm
 
     t = tm.fit_tiles(tm.tiles_for(tokens), itemsize)
-    for fn, bn, bk, warps, stages, mats in (
-            (tm._gate_up_kernel, t.bn_up, t.bk, t.warps, t.stages, 2),
-            (tm._down_kernel, t.bn_down, t.bk_down or t.bk, t.down_warps or t.warps, t.down_stages or t.stages, 1)):
-        k = compile_sm90(fn, dict(PREC=prec, BM=t.bm, BN=bn, BK=bk, EVEN=True, ROW_ACT=True), False, warps, stages,
-                         dtype)
+    for fn, bn, bk, warps, stages, mats, route in (
+            (tm._gate_up_kernel, t.bn_up, t.bk, t.warps, t.stages, 2, GROUPED_ROUTE),
+            (tm._down_kernel, t.bn_down, t.bk_down or t.bk, t.down_warps or t.warps, t.down_stages or t.stages, 1,
+             {})):
+        k = compile_sm90(fn, dict(PREC=prec, BM=t.bm, BN=bn, BK=bk, EVEN=True, ROW_ACT=True, **route), False, warps,
+                         stages, dtype)
         assert k.metadata.shared == tm.shared_bytes(t.bm, bn, bk, stages, itemsize, mats), (t, fn.__name__)
         assert k.metadata.shared <= tm.SHARED_BYTES, (t, fn.__name__, k.metadata.shared)
 
