@@ -321,7 +321,7 @@ print(json.dumps(out))
 
 
 def _check_self_route(case, r, exact: bool) -> None:
-    tol = 1e-4 if case[-1] == "float32" else 3e-3
+    tol = {"float32": 1e-4, "float16": 3e-3, "bfloat16": 3e-2}[case[-1]]
     assert r["experts"] and r["slots"] and r["has_ties"] in (None, True), (case, r)
     assert r["weights"] <= (0 if exact else 1e-2), (case, r)
     assert r["err"] <= tol * max(1.0, r["scale"]), (case, r)

@@ -333,8 +333,10 @@ EVEN_LOADS = True
 # A one-token step (a decode step of one sequence) routed by the gate/up kernel itself, each
 # program its own choice from the token's logits, so no routing launch runs between the router and the
 # experts: a row block a choice (one token's k experts are distinct, so the grouping too gives each its own
-# block), and the gate/up kernel writes the tables the down kernel reads. Off until a GPU run times it
-# (experiments/moe_decode_probe.py, variant ``self_route``)
+# block), and the gate/up kernel writes the tables the down kernel reads. Off: on an H200 it took Qwen3-30B-A3B's
+# chained batch-1 step from 2.88 to 2.87 ms (200 replays; the same logits), as each program's routing lengthens
+# gate/up by about what the launch cost (experiments/moe_decode_probe.py, variant ``self_route``;
+# docs/results/2026-12-04-decode-launches)
 SELF_ROUTE_ONE_TOKEN = False
 
 # Steps of up to this many tokens route and group in the one-program kernel (a decode step: one

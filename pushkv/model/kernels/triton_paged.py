@@ -35,8 +35,10 @@ LOG2E = 1.4426950408889634
 # without a mask (experiments/moe_prefill_probe.py turns each off to measure what it gives)
 HEAVY_FIRST = True
 FREE_LOOP = True
-# Decode: the last split program of a tile merges the partials (no second launch, ~2 us a layer at batch 1 on an
-# H200 by the estimate that asked for it). Off until a GPU has measured it and run the fused-merge GPU tests.
+# Decode: the last split program of a tile merges the partials, no second launch. Off: on an H200 it took
+# Qwen3-30B-A3B's chained batch-1 step from 2.90 to 2.98 ms (the same logits): one program merging a tile's 8
+# heads after the others have finished costs more than the merge launch's 32 programs, whose launch chaining
+# already hides (experiments/moe_decode_probe.py, variant ``fused_merge``; docs/results/2026-12-04-decode-launches)
 FUSED_MERGE = False
 
 
