@@ -29,19 +29,31 @@ CASES = [(1, 8, 2, 32, 48, "renorm", "float32"), (5, 4, 2, 40, 24, "", "float32"
          (9, 12, 8, 32, 40, "renorm", "float32"),  # E not a power of two, k = 8 (Qwen3-MoE's)
          (20, 8, 2, 128, 128, "renorm", "float32")]  # whole tiles of every size tiles_for picks: loads unmasked
 
+# the child scripts' layer: a token batch, the router (``ties``: every expert has a twin, rows 2m and 2m+1
+# equal) and the experts' weights, drawn in this order from one generator
+DRAW = r"""
+def draw(T, E, d, i, dtype, seed, dev, ties=""):
+    g = torch.Generator().manual_seed(seed)
+    dt = getattr(torch, dtype)
+    h = torch.randn(T, d, generator=g)
+    router = torch.randn(E, d, generator=g)
+    if ties:
+        router[1::2] = router[0:E - E % 2:2]
+    h, router = h.to(dev, dt), router.to(dev, dt)
+    gate_up = (torch.randn(E, 2 * i, d, generator=g) / d ** 0.5).to(dev, dt)
+    down = (torch.randn(E, d, i, generator=g) / i ** 0.5).to(dev, dt)
+    return h, router, gate_up, down
+"""
+
 SCRIPT = r"""
 import json, sys, torch
 from pushkv.model.moe import moe_mlp, route
 from pushkv.model.kernels import triton_moe
+""" + DRAW + r"""
 dev = sys.argv[1]
 out = []
 for T, E, k, d, i, renorm, dtype in json.loads(sys.argv[2]):
-    g = torch.Generator().manual_seed(T * 7 + E)
-    dt = getattr(torch, dtype)
-    h = torch.randn(T, d, generator=g).to(dev, dt)
-    router = torch.randn(E, d, generator=g).to(dev, dt)
-    gate_up = (torch.randn(E, 2 * i, d, generator=g) / d ** 0.5).to(dev, dt)
-    down = (torch.randn(E, d, i, generator=g) / i ** 0.5).to(dev, dt)
+    h, router, gate_up, down = draw(T, E, d, i, dtype, T * 7 + E, dev)
     ref = moe_mlp(h, router, gate_up, down, k, bool(renorm)).float().cpu()
     got = triton_moe.moe_mlp(h, router, gate_up, down, k, bool(renorm)).float().cpu()
     # every grouped tile size tiles_for picks, and the grouped path at a decode step's few tokens, on the
@@ -103,6 +115,7 @@ import json, sys, torch
 from pushkv.model.moe import routed_experts, route
 from pushkv.model.kernels import triton_moe
 from pushkv.model.kernels.triton_moe_decode import DecodeTiles, decode_tiles_for, moe_mlp_decode, router_logits
+""" + DRAW + r"""
 dev = sys.argv[1]
 out = []
 TILES = {"default": decode_tiles_for(1), "fine": DecodeTiles(16, 16, 4, 16, 1, 2, 2),
@@ -121,15 +134,8 @@ def stable_route(logits, k, renorm, dtype):
 
 for T, E, k, d, i, renorm, ties, dtype, tiles in json.loads(sys.argv[2]):
     tiles = TILES[tiles]
-    g = torch.Generator().manual_seed(T * 11 + E + k)
     dt = getattr(torch, dtype)
-    h = torch.randn(T, d, generator=g)
-    router = torch.randn(E, d, generator=g)
-    if ties:
-        router[1::2] = router[0:E - E % 2:2]
-    h, router = h.to(dev, dt), router.to(dev, dt)
-    gate_up = (torch.randn(E, 2 * i, d, generator=g) / d ** 0.5).to(dev, dt)
-    down = (torch.randn(E, d, i, generator=g) / i ** 0.5).to(dev, dt)
+    h, router, gate_up, down = draw(T, E, d, i, dtype, T * 11 + E + k, dev, ties)
     # routed from the logits the kernels computed (checked on their own below), so a bfloat16 logit that
     # rounds one way on the device and another on the CPU cannot change the experts compared
     logits = router_logits(h, router, tiles.be).cpu()
@@ -282,18 +288,11 @@ import json, sys, torch
 import torch.nn.functional as F
 from pushkv.model.moe import moe_mlp
 from pushkv.model.kernels import triton_moe
+""" + DRAW + r"""
 dev = sys.argv[1]
 out = []
 for E, k, d, i, renorm, ties, dtype in json.loads(sys.argv[2]):
-    g = torch.Generator().manual_seed(E * 5 + k)
-    dt = getattr(torch, dtype)
-    h = torch.randn(1, d, generator=g)
-    router = torch.randn(E, d, generator=g)
-    if ties:
-        router[1::2] = router[0:E - E % 2:2]
-    h, router = h.to(dev, dt), router.to(dev, dt)
-    gate_up = (torch.randn(E, 2 * i, d, generator=g) / d ** 0.5).to(dev, dt)
-    down = (torch.randn(E, d, i, generator=g) / i ** 0.5).to(dev, dt)
+    h, router, gate_up, down = draw(1, E, d, i, dtype, E * 5 + k, dev, ties)
     logits = F.linear(h, router)
     ref = moe_mlp(h, router, gate_up, down, k, bool(renorm)).float().cpu()
     res = {}
