@@ -19,7 +19,10 @@ Variants (each re-captures the graphs):
   the GEMVs of 2 columns at one token only, as shipped since 2026-12-04's GPU run of their float32 test;
 - ``self_route``: ``gemv1_2`` with a one-token step routed by the MoE gate/up kernel itself, no routing launch
   (``triton_moe.SELF_ROUTE_ONE_TOKEN``); ``fused_merge``: ``gemv1_2`` with the split decode attention merged by
-  its last program, no merge launch (``triton_paged.FUSED_MERGE``); ``self_route_merge``: both.
+  its last program, no merge launch (``triton_paged.FUSED_MERGE``); ``self_route_merge``: both;
+- ``down_gemv_N``: ``gemv1_2`` with the MoE down projections of a one-token step as GEMVs of N columns a
+  program that load their experts' weights before they wait for gate/up (``triton_moe.DOWN_GEMV_TOKENS``,
+  ``DOWN_GEMV_COLUMNS``); ``down_gemv2_8``: the same to two tokens, 8 columns.
 
 ``--variants both,gemv1_2`` times only those.
 
@@ -68,15 +71,20 @@ VARIANTS = {"before": (False, 0, "grouped", 0, 8), "router": (False, 16, "groupe
             "gemv_4": (True, 16, "grouped", 8, 4), "gemv_2": (True, 16, "grouped", 8, 2),
             "gemv1_2": (True, 16, "grouped", 1, 2),
             "self_route": (True, 16, "grouped", 1, 2, True), "fused_merge": (True, 16, "grouped", 1, 2, False, True),
-            "self_route_merge": (True, 16, "grouped", 1, 2, True, True)}
+            "self_route_merge": (True, 16, "grouped", 1, 2, True, True),
+            "down_gemv_4": (True, 16, "grouped", 1, 2, False, False, 1, 4),
+            "down_gemv_8": (True, 16, "grouped", 1, 2, False, False, 1, 8),
+            "down_gemv_16": (True, 16, "grouped", 1, 2, False, False, 1, 16),
+            "down_gemv2_8": (True, 16, "grouped", 1, 2, False, False, 2, 8)}
 
 
 def set_variant(fwd, name: str) -> None:
     from pushkv.model.kernels import triton_moe, triton_paged
 
-    v = VARIANTS[name] + (False, False)[len(VARIANTS[name]) - 5:]
+    v = VARIANTS[name] + (False, False, 0, 8)[len(VARIANTS[name]) - 5:]
     (chain.ON, batched.ROUTER_IN_NORM_TOKENS, os.environ["PUSHKV_MOE_DECODE"], batched.GEMV_TOKENS,
-     triton_gemv.COLUMNS, triton_moe.SELF_ROUTE_ONE_TOKEN, triton_paged.FUSED_MERGE) = v
+     triton_gemv.COLUMNS, triton_moe.SELF_ROUTE_ONE_TOKEN, triton_paged.FUSED_MERGE, triton_moe.DOWN_GEMV_TOKENS,
+     triton_moe.DOWN_GEMV_COLUMNS) = v
     fwd.drop_graphs()  # captured with the last variant's launches
 
 
@@ -214,7 +222,8 @@ def markdown(rep: dict) -> str:
         cells = [f"{r[n]['ms']:.2f} ({r[n]['ms'] / r['bound_ms']:.2f})" for n in names]
         out.append(f"| {r['batch']} | {r['bound_ms']:.2f} | " + " | ".join(cells) + " |")
     pairs = [p for p in ("router_vs_before", "ungrouped_vs_both", "gemv_vs_both", "gemv1_2_vs_both",
-                         "self_route_vs_gemv1_2", "fused_merge_vs_gemv1_2", "self_route_merge_vs_gemv1_2")
+                         "self_route_vs_gemv1_2", "fused_merge_vs_gemv1_2", "self_route_merge_vs_gemv1_2",
+                         "down_gemv_8_vs_gemv1_2")
              if p in rep["rows"][0]]
     out += ["", "| batch | chained: the same bits |" + "".join(f" {p}: max abs, argmax agree |" for p in pairs),
             "| --- | --- |" + " --- |" * len(pairs)]
@@ -278,7 +287,8 @@ def main() -> None:
         row["chained_same_bits"] = all(torch.equal(logits[a], logits[b]) for a, b in (
             ("pdl", "before"), ("both", "router"), ("gemv", "gemv_alone")) if a in logits and b in logits)
         for a, b in (("router", "before"), ("ungrouped", "both"), ("gemv", "both"), ("gemv1_2", "both"),
-                     ("self_route", "gemv1_2"), ("fused_merge", "gemv1_2"), ("self_route_merge", "gemv1_2")):
+                     ("self_route", "gemv1_2"), ("fused_merge", "gemv1_2"), ("self_route_merge", "gemv1_2"),
+                     ("down_gemv_8", "gemv1_2")):
             if a not in logits or b not in logits:
                 continue
             row[f"{a}_vs_{b}"] = {"max_abs": float((logits[a] - logits[b]).abs().max()),
@@ -287,7 +297,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         save(rep, args.out)  # each batch as it is measured: a run cut short keeps what it had
     run = functools.partial(fwd.logits, decode_seqs(cfg, 1, args.ctx, 16), views)
-    for name in [v for v in ("before", "both", "gemv", "gemv1_2", "self_route_merge") if v in variants] \
+    for name in [v for v in ("before", "both", "gemv", "gemv1_2", "self_route_merge", "down_gemv_8") if v in variants] \
             if len(variants) > 2 else ():
         set_variant(fwd, name)
         rep["profile"][name] = profile_step(run, cfg.num_layers)

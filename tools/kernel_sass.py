@@ -69,6 +69,8 @@ def kernels() -> list[tuple[str, object, dict, int, int]]:
         ("decode_down", triton_moe_decode._down_kernel, dict(K=8, BN=4, BK=256), 4, 3),
         ("gemv_o", triton_gemv._gemv_kernel, dict(K=4096, BN=8, HAS_BIAS=False), 8, 1),
         ("gemv_qkv_bias", triton_gemv._gemv_kernel, dict(K=2048, BN=8, HAS_BIAS=True), 8, 1),
+        ("gemv_moe_down", triton_moe._down_gemv_kernel,
+         dict(K=768, KP=1024, BM=dt.bm, BN=triton_moe.DOWN_GEMV_COLUMNS, ROW_ACT=True), 8, 1),
     ]
 
 

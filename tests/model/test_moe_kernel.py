@@ -344,3 +344,65 @@ def test_gpu_one_token_routed_by_the_gate_up_kernel_equals_the_grouping():
     cases = SELF_ROUTE_CASES + [c[:6] + ("bfloat16",) for c in SELF_ROUTE_CASES]
     for case, r in zip(cases, _run("cuda", cases, SELF_ROUTE_SCRIPT)):
         _check_self_route(case, r, exact=False)
+
+
+# (tokens, experts, k, hidden, intermediate, renorm, dtype): one token to a few sharing experts (rows of one block
+# taken in turn), an intermediate size off a power of two (masked depth), hidden off the column tile
+DOWN_GEMV_CASES = [(1, 8, 2, 32, 48, "renorm", "float32"), (1, 12, 8, 40, 24, "", "float32"),
+                   (5, 4, 2, 40, 24, "renorm", "float32"), (8, 6, 3, 64, 96, "", "float16")]
+
+DOWN_GEMV_SCRIPT = r"""
+import json, sys, torch
+from pushkv.model.moe import moe_mlp
+from pushkv.model.kernels import triton_moe
+""" + DRAW + r"""
+dev = sys.argv[1]
+out = []
+calls = []
+real = triton_moe._down_gemv_kernel
+class Counted:
+    def __getitem__(self, grid):
+        calls.append(grid)
+        return real[grid]
+triton_moe._down_gemv_kernel = Counted()
+for T, E, k, d, i, renorm, dtype in json.loads(sys.argv[2]):
+    h, router, gate_up, down = draw(T, E, d, i, dtype, T * 13 + E + k, dev)
+    ref = moe_mlp(h, router, gate_up, down, k, bool(renorm)).float().cpu()
+    triton_moe.DOWN_GEMV_TOKENS = 0
+    grouped = triton_moe.moe_mlp(h, router, gate_up, down, k, bool(renorm), summed=False).float().cpu()
+    errs = []
+    for cols in (1, 4, 8):
+        for row_act in (True, False):
+            triton_moe.DOWN_GEMV_TOKENS, triton_moe.DOWN_GEMV_COLUMNS, triton_moe.ROW_ACT = 8, cols, row_act
+            n = len(calls)
+            got = triton_moe.moe_mlp(h, router, gate_up, down, k, bool(renorm), summed=False).float().cpu()
+            errs.append({"took_gemv": len(calls) == n + 1, "vs_grouped": float((got - grouped).abs().max()),
+                         "vs_ref": float((got.sum(1) - ref).abs().max())})
+    triton_moe.DOWN_GEMV_TOKENS, triton_moe.DOWN_GEMV_COLUMNS, triton_moe.ROW_ACT = 0, 8, True
+    out.append({"runs": errs, "scale": float(ref.abs().max())})
+print(json.dumps(out))
+"""
+
+
+def _check_down_gemv(case, r) -> None:
+    tol = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 2e-2}[case[-1]] * max(1.0, r["scale"])
+    for run in r["runs"]:
+        assert run["took_gemv"], (case, run)
+        # each slot's product as the grouped kernel gives it, to the rounding of another order of sums
+        assert run["vs_grouped"] <= tol and run["vs_ref"] <= 10 * tol, (case, run)
+
+
+@pytest.mark.unit
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU runs the kernels themselves (below)")
+def test_down_projection_as_gemvs_equals_the_grouped_kernel_under_the_interpreter():
+    """``DOWN_GEMV_TOKENS``: the down projections of a few tokens as GEMVs whose weights load before the wait;
+    1, 4 and 8 columns a program, the products in the slot table's rows or in slot order."""
+    for case, r in zip(DOWN_GEMV_CASES, _run("cpu", DOWN_GEMV_CASES, DOWN_GEMV_SCRIPT)):
+        _check_down_gemv(case, r)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_down_projection_as_gemvs_equals_the_grouped_kernel():
+    cases = DOWN_GEMV_CASES + [c[:6] + ("bfloat16",) for c in DOWN_GEMV_CASES]
+    for case, r in zip(cases, _run("cuda", cases, DOWN_GEMV_SCRIPT)):
+        _check_down_gemv(case, r)

@@ -294,6 +294,37 @@ def _down_kernel(Act, W, Weights, Out, SlotIds, BlockExpert, n_slots, d, inter,
              mask=valid[:, None] & (cols[None, :] < d))
 
 
+@triton.jit(do_not_specialize=["n_slots"])
+def _down_gemv_kernel(Act, W, Weights, Out, SlotIds, BlockExpert, n_slots, d, stride_act, stride_we, stride_wn,
+                      stride_out, K: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                      ROW_ACT: tl.constexpr, PDL: tl.constexpr):
+    """``_down_kernel``'s products as GEMVs, a row block's BN output columns a program, for a step of a token
+    or two. The grouping's tables come from the routing launch, which finished before gate/up began, so this
+    kernel may read them, and its expert's weights, before it waits for gate/up's products: chained, the
+    weights stream in while gate/up runs."""
+    pid_m = tl.program_id(0)
+    e = tl.load(BlockExpert + pid_m).to(tl.int64)
+    rows = pid_m * BM + tl.arange(0, BM)
+    slots = tl.load(SlotIds + rows)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    kk = tl.arange(0, KP)
+    live = (cols < d) & (e >= 0)
+    w = tl.load(W + tl.maximum(e, 0) * stride_we + cols[:, None].to(tl.int64) * stride_wn + kk[None, :],
+                mask=live[:, None] & (kk[None, :] < K), other=0.0)
+    wait_prior(PDL)
+    if e >= 0:
+        # a block's slots come first, its padding (n_slots) after
+        for r in range(tl.sum((slots < n_slots).to(tl.int32), 0)):
+            slot = tl.sum(tl.where(tl.arange(0, BM) == r, slots, 0), 0).to(tl.int64)
+            a_row = (pid_m * BM + r).to(tl.int64) if ROW_ACT else slot
+            a = tl.load(Act + a_row * stride_act + kk, mask=kk < K, other=0.0).to(tl.float32)
+            y = tl.sum(w.to(tl.float32) * a[None, :], 1)
+            wt = tl.load(Weights + slot).to(tl.float32)
+            # rounded as _down_kernel rounds: the projection, then its product with the weight
+            y = y.to(Out.dtype.element_ty).to(tl.float32) * wt
+            tl.store(Out + slot * stride_out + cols, y.to(Out.dtype.element_ty), mask=cols < d)
+
+
 def group_slots(experts: torch.Tensor, num_experts: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
     """experts [T, k] -> (slot ids [B * bm], block expert [B]): the token-slots (``t * k + j``)
     sorted by expert, each expert's run padded to whole blocks of ``bm`` rows (padding rows hold
@@ -338,6 +369,15 @@ EVEN_LOADS = True
 # gate/up by about what the launch cost (experiments/moe_decode_probe.py, variant ``self_route``;
 # docs/results/2026-12-04-decode-launches)
 SELF_ROUTE_ONE_TOKEN = False
+
+# The down projections of steps of up to this many tokens as GEMVs that load their experts' weights before they
+# wait for gate/up (``_down_gemv_kernel``; the routing that names the experts finished before gate/up began),
+# DOWN_GEMV_COLUMNS output columns a program, where an expert's intermediate size is at most TILE_DEPTH (its whole
+# row in one program's registers). A graph bucket bound; 0: off until a GPU run times it
+# (experiments/moe_decode_probe.py, variants ``down_gemv_*``)
+DOWN_GEMV_TOKENS = 0
+DOWN_GEMV_COLUMNS = 8
+TILE_DEPTH = 4096
 
 # Steps of up to this many tokens route and group in the one-program kernel (a decode step: one
 # launch where torch takes ~15); longer ones in torch, whose launches are spread over the whole GPU
@@ -542,6 +582,23 @@ def down_per_slot(act: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, 
     return per_slot
 
 
+def down_gemv(act: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, slot_ids: torch.Tensor,
+              block_expert: torch.Tensor, n: int, bm: int) -> torch.Tensor:
+    """``down_per_slot`` by ``_down_gemv_kernel``: [n, d], each slot's product through its expert's down
+    projection times its weight, ``DOWN_GEMV_COLUMNS`` output columns a program."""
+    from pushkv.model.kernels.triton_gemv import TILE_ELEMENTS, WARPS
+
+    d, inter = down.shape[1], down.shape[2]
+    kp = triton.next_power_of_2(inter)
+    bn = max(1, min(DOWN_GEMV_COLUMNS, TILE_ELEMENTS // kp))
+    per_slot = torch.empty((n, d), dtype=act.dtype, device=act.device)
+    grid = (block_expert.numel(), triton.cdiv(d, bn))
+    _down_gemv_kernel[grid](act, down, weights, per_slot, slot_ids, block_expert, n, d, act.stride(0),
+                            down.stride(0), down.stride(1), per_slot.stride(0), K=inter, KP=kp, BM=bm, BN=bn,
+                            ROW_ACT=ROW_ACT, num_warps=WARPS, **chain.launch(act))
+    return per_slot
+
+
 def _precision(x: torch.Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
@@ -582,6 +639,9 @@ def moe_mlp(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: 
         grouping = route_group if T <= FUSED_ROUTE_TOKENS else route_group_wide
         weights, _, slot_ids, block_expert = grouping(h, router, k, renorm, tl_.bm)
     act = gate_up_product(h, gate_up.contiguous(), slot_ids, block_expert, k, tl_)
-    per_slot = down_per_slot(act, down.contiguous(), weights, slot_ids, block_expert, n, tl_)
+    if T <= DOWN_GEMV_TOKENS and down.shape[2] <= TILE_DEPTH:
+        per_slot = down_gemv(act, down.contiguous(), weights, slot_ids, block_expert, n, tl_.bm)
+    else:
+        per_slot = down_per_slot(act, down.contiguous(), weights, slot_ids, block_expert, n, tl_)
     per_token = per_slot.view(T, k, d)
     return per_token.sum(dim=1) if summed else per_token
