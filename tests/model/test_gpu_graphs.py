@@ -67,6 +67,26 @@ def test_gpu_float32_tokens_with_gemv_projections_equal_transformers(case, tmp_p
     assert calls and set(calls) == {(1, True)}, calls  # one-token steps only, each by the GEMV kernel
 
 
+@pytest.mark.parametrize("case", ["qwen3_moe", "qwen3_moe-unnormed", "mixtral"])
+def test_gpu_float32_tokens_with_moe_down_gemvs_equal_transformers(case, tmp_path, monkeypatch):
+    """The MoE down projections of a one-token step as GEMVs that load their weights before they wait
+    (``triton_moe.DOWN_GEMV_TOKENS``) give transformers' float32 tokens, with graphs and eager, and every
+    one-token step took them."""
+    from pushkv.model.kernels import triton_moe
+
+    calls = []
+    real = triton_moe.down_gemv
+
+    def counted(act, *args):
+        calls.append(act.shape[0])
+        return real(act, *args)
+
+    monkeypatch.setattr(triton_moe, "DOWN_GEMV_TOKENS", 1)
+    monkeypatch.setattr(triton_moe, "down_gemv", counted)
+    _graphs_equal_transformers_and_eager(case, tmp_path)
+    assert calls, "no step took the down GEMVs"
+
+
 def _graphs_equal_transformers_and_eager(case, tmp_path):
     family, extra, _ = CASES[case]
     path = save_hf_checkpoint(str(tmp_path), family, seed=3, **extra)
