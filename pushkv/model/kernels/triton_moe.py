@@ -373,8 +373,10 @@ SELF_ROUTE_ONE_TOKEN = False
 # The down projections of steps of up to this many tokens as GEMVs that load their experts' weights before they
 # wait for gate/up (``_down_gemv_kernel``; the routing that names the experts finished before gate/up began),
 # DOWN_GEMV_COLUMNS output columns a program, where an expert's intermediate size is at most TILE_DEPTH (its whole
-# row in one program's registers). A graph bucket bound; 0: off until a GPU run times it
-# (experiments/moe_decode_probe.py, variants ``down_gemv_*``)
+# row in one program's registers). A graph bucket bound; 0: off. On an H200 they took Qwen3-30B-A3B's chained
+# batch-1 step from 2.90 to 2.98 ms at 8 and 16 columns (3.11 at 4): the early weight loads slow gate/up, which
+# already draws most of the bandwidth, by about what they save (experiments/moe_decode_probe.py, variants
+# ``down_gemv_*``; docs/results/2026-12-04-decode-launches)
 DOWN_GEMV_TOKENS = 0
 DOWN_GEMV_COLUMNS = 8
 TILE_DEPTH = 4096
