@@ -625,23 +625,22 @@ def moe_mlp(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: 
         return moe_mlp_decode(h, router.contiguous(), gate_up.contiguous(), down.contiguous(), k, renorm, tl_,
                               logits)[0]
     tl_ = fit_tiles(tl_, h.element_size())
+    route = None
     if T == 1 and SELF_ROUTE_ONE_TOKEN:  # no routing launch: the gate/up kernel routes the token itself
         route = SelfRoute(F.linear(h, router) if logits is None else logits, k, renorm)
         weights, _, slot_ids, block_expert = _routing_buffers(route.logits, k, tl_.bm, blocks=k)
-        act = gate_up_product(h, gate_up.contiguous(), slot_ids, block_expert, k, tl_, route, weights)
-        per_slot = down_per_slot(act, down.contiguous(), weights, slot_ids, block_expert, n, tl_)
-        return per_slot.sum(dim=0, keepdim=True) if summed else per_slot.view(T, k, d)
     # a prefill's many slots across the GPU; a decode step's few in one program (the one-program kernel
     # would walk a prefill's alone)
-    if logits is not None:
+    elif logits is not None:
         if T > FUSED_ROUTE_TOKENS:
             raise ValueError(f"router logits are taken for up to {FUSED_ROUTE_TOKENS} tokens, not {T}")
         weights, _, slot_ids, block_expert = group_logits(logits, k, renorm, tl_.bm)
     else:
         grouping = route_group if T <= FUSED_ROUTE_TOKENS else route_group_wide
         weights, _, slot_ids, block_expert = grouping(h, router, k, renorm, tl_.bm)
-    act = gate_up_product(h, gate_up.contiguous(), slot_ids, block_expert, k, tl_)
-    if T <= DOWN_GEMV_TOKENS and down.shape[2] <= TILE_DEPTH:
+    act = gate_up_product(h, gate_up.contiguous(), slot_ids, block_expert, k, tl_, route, weights)
+    # the down GEMVs read the tables before they wait: only a routing launch's, never those gate/up writes
+    if route is None and T <= DOWN_GEMV_TOKENS and down.shape[2] <= TILE_DEPTH:
         per_slot = down_gemv(act, down.contiguous(), weights, slot_ids, block_expert, n, tl_.bm)
     else:
         per_slot = down_per_slot(act, down.contiguous(), weights, slot_ids, block_expert, n, tl_)
