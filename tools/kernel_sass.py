@@ -25,7 +25,7 @@ COUNTS = {"T", "E", "HG", "U", "N"}
 TABLES = {"cache", "block_table", "seq_lens", "q_starts", "q_lens", "tile_seq", "tile_q0"}
 FLOATS = {"eps", "sm_scale_log2"}
 INT_PTRS = {"Pos", "Slots", "block_table", "seq_lens", "q_starts", "q_lens", "tile_seq", "tile_q0", "SlotIds",
-            "BlockExpert", "Experts", "Counter"}
+            "BlockExpert", "Experts", "Counter", "Counters"}
 F32_PTRS = {"Part", "PartML"}
 # as a launch specialises them (tt.divisibility 16): every pointer (torch's allocations are aligned), and the
 # integers that are multiples of 16 in a Qwen3-30B-A3B step (strides, widths, counts of 128), not these

@@ -147,6 +147,16 @@ for T, E, k, d, i, renorm, ties, dtype, tiles in json.loads(sys.argv[2]):
     again = moe_mlp_decode(h, router, gate_up, down, k, bool(renorm), tiles)[0] if dev != "cpu" else got
     alone = torch.cat([moe_mlp_decode(h[t:t + 1], router, gate_up, down, k, bool(renorm), tiles)[0]
                        for t in range(T)]) if T > 1 and tiles.be else got
+    # gate/up and down in one launch, and with the down weights prefetched (a no-op off the GPU): the same bits,
+    # twice in a row (the launch leaves its counters zero for the next), and the counters zero after
+    from pushkv.model.kernels import triton_moe_decode
+    one = []
+    for one_launch, ahead in ((True, False), (True, False), (False, True), (True, True)):
+        triton_moe_decode.ONE_LAUNCH, triton_moe_decode.PREFETCH_DOWN = one_launch, ahead
+        one.append(moe_mlp_decode(h, router, gate_up, down, k, bool(renorm), tiles))
+    triton_moe_decode.ONE_LAUNCH = triton_moe_decode.PREFETCH_DOWN = False
+    one_launch = all(torch.equal(a, b) for o in one for a, b in zip(o, (got, w, ex))) and \
+        not bool(triton_moe_decode.counters(h.device, T).any())
     exact = h.cpu().double() @ router.cpu().double().T
     diff = (ref - got.float().cpu()).abs()
     out.append({
@@ -157,7 +167,7 @@ for T, E, k, d, i, renorm, ties, dtype, tiles in json.loads(sys.argv[2]):
         "topk_sets": [sorted(r) for r in ex.long().cpu().tolist()] == [sorted(r) for r in route(
             h.cpu(), router.cpu(), k, bool(renorm))[1].tolist()] if not ties else None,
         "weights": float((w.float().cpu() - w_ref.float()).abs().max()),
-        "same_bits": torch.equal(got, again), "batch_invariant": torch.equal(got, alone),
+        "same_bits": torch.equal(got, again), "batch_invariant": torch.equal(got, alone), "one_launch": one_launch,
         "logits_err": float((logits.double() - exact).abs().max() / exact.abs().max()),
         "has_ties": bool((logits[:, 0] == logits[:, 1]).all()) if ties else None})
 print(json.dumps(out))
@@ -211,6 +221,7 @@ def _check_decode(case, r, tol: float) -> None:
     assert r["logits_err"] <= {"float32": 1e-5, "float16": 1e-3, "bfloat16": 8e-3}[dtype], (case, r)
     assert r["err"] <= tol * max(1.0, r["scale"]), (case, r)
     assert r["same_bits"] and r["batch_invariant"] and r["via_moe_mlp"] in (None, True), (case, r)
+    assert r["one_launch"], (case, r)
 
 
 @pytest.mark.unit

@@ -47,8 +47,9 @@ try:
 except ModuleNotFoundError as e:  # a CUDA torch build without Triton
     raise missing("triton", "pushkv's CUDA kernels") from e
 
-from pushkv.model.kernels import chain
+from pushkv.model.kernels import chain, prefetch
 from pushkv.model.kernels.chain import wait_prior
+from pushkv.model.kernels.prefetch import l2_share
 
 
 @triton.jit
@@ -202,11 +203,12 @@ def _place_kernel(Experts, Counts, Cursor, SlotIds, BlockExpert, n, E, max_block
 
 
 @triton.jit(do_not_specialize=["n_slots"])
-def _gate_up_kernel(H, W, Act, SlotIds, BlockExpert, Logits, Weights, n_slots, d, inter, k_top, E,
-                    stride_h, stride_we, stride_wn, stride_act,
+def _gate_up_kernel(H, W, Act, SlotIds, BlockExpert, Logits, Weights, D, n_slots, d, inter, k_top, E,
+                    stride_h, stride_we, stride_wn, stride_act, stride_de, down_elems,
                     PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     EVEN: tl.constexpr, ROW_ACT: tl.constexpr, PDL: tl.constexpr, SELF_ROUTE: tl.constexpr,
-                    K: tl.constexpr, RENORM: tl.constexpr, EP: tl.constexpr):
+                    K: tl.constexpr, RENORM: tl.constexpr, EP: tl.constexpr,
+                    PREFETCH: tl.constexpr = False, LINES: tl.constexpr = 1, LINE: tl.constexpr = 64):
     wait_prior(PDL)
     pid_m = tl.program_id(0)
     rows = pid_m * BM + tl.arange(0, BM)
@@ -225,6 +227,10 @@ def _gate_up_kernel(H, W, Act, SlotIds, BlockExpert, Logits, Weights, n_slots, d
         if e < 0:  # a block past the last expert's segment
             return
         slots = tl.load(SlotIds + rows)
+    if PREFETCH:  # this program's share of its expert's down weights, into L2 for the down launch (kernels/prefetch.py)
+        l2_share(D + e * stride_de, down_elems, tl.program_id(1), tl.num_programs(1), LINES, LINE)
+    # with the prefetch, the gate/up weights (read once) leave L2 first, so the down weights stay
+    evict: tl.constexpr = "evict_first" if PREFETCH else ""
     valid = slots < n_slots  # padding rows of the expert's last block carry n_slots
     # a padding row reads token 0's row (its product is never used), so no load needs a row mask
     tok = tl.where(valid, slots // k_top, 0).to(tl.int64)
@@ -237,13 +243,15 @@ def _gate_up_kernel(H, W, Act, SlotIds, BlockExpert, Logits, Weights, n_slots, d
         k = k0 + kk
         if EVEN:  # d a multiple of BK and inter of BN: no mask, so the loads vectorise
             a = tl.load(H + tok[:, None] * stride_h + k[None, :])
-            wg = tl.load(w_base + cols[None, :] * stride_wn + k[:, None])
-            wu = tl.load(w_base + (cols[None, :] + inter) * stride_wn + k[:, None])
+            wg = tl.load(w_base + cols[None, :] * stride_wn + k[:, None], eviction_policy=evict)
+            wu = tl.load(w_base + (cols[None, :] + inter) * stride_wn + k[:, None], eviction_policy=evict)
         else:
             a = tl.load(H + tok[:, None] * stride_h + k[None, :], mask=k[None, :] < d, other=0.0)
             wmask = (cols[None, :] < inter) & (k[:, None] < d)
-            wg = tl.load(w_base + cols[None, :] * stride_wn + k[:, None], mask=wmask, other=0.0)
-            wu = tl.load(w_base + (cols[None, :] + inter) * stride_wn + k[:, None], mask=wmask, other=0.0)
+            wg = tl.load(w_base + cols[None, :] * stride_wn + k[:, None], mask=wmask, other=0.0,
+                         eviction_policy=evict)
+            wu = tl.load(w_base + (cols[None, :] + inter) * stride_wn + k[:, None], mask=wmask, other=0.0,
+                         eviction_policy=evict)
         acc_g += tl.dot(a, wg, input_precision=PREC)
         acc_u += tl.dot(a, wu, input_precision=PREC)
     # the reference rounds each projection to the model dtype before SiLU and the product
@@ -380,6 +388,12 @@ SELF_ROUTE_ONE_TOKEN = False
 DOWN_GEMV_TOKENS = 0
 DOWN_GEMV_COLUMNS = 8
 TILE_DEPTH = 4096
+
+# Steps of up to this many tokens (at most a row block's BM, so an expert has one row block and one set of
+# programs asking for it) have the gate/up programs ask L2 for their experts' down weights, which the down launch
+# reads next (kernels/prefetch.py); the gate/up weights then load evict-first. 0: off, until
+# experiments/moe_decode_probe.py (variant ``prefetch_down``) has timed it on a GPU
+PREFETCH_DOWN_TOKENS = 0
 
 # Steps of up to this many tokens route and group in the one-program kernel (a decode step: one
 # launch where torch takes ~15); longer ones in torch, whose launches are spread over the whole GPU
@@ -542,11 +556,13 @@ class SelfRoute(NamedTuple):
 
 def gate_up_product(h: torch.Tensor, gate_up: torch.Tensor, slot_ids: torch.Tensor, block_expert: torch.Tensor,
                     k: int, tiles: Tiles, route: Optional[SelfRoute] = None,
-                    weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    weights: Optional[torch.Tensor] = None, down: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``silu(gate) * up`` of each slot's token row through its expert, [rows, i]: in the slot table's row
     order (``ROW_ACT``: padding rows too), else in slot order. One launch (``_gate_up_kernel``). ``route``:
     a one-token step's routing, made by the kernel (row block j the token's j-th choice), which writes the
-    slot table, the blocks' experts and ``weights`` as the grouping would have (k row blocks of tiles.bm)."""
+    slot table, the blocks' experts and ``weights`` as the grouping would have (k row blocks of tiles.bm).
+    ``down`` [E, d, i] (contiguous): the programs of each row block also ask L2 for its expert's down weights,
+    a share each (``PREFETCH_DOWN_TOKENS``)."""
     T, d = h.shape
     inter = gate_up.shape[1] // 2
     n = T * k
@@ -559,12 +575,17 @@ def gate_up_product(h: torch.Tensor, gate_up: torch.Tensor, slot_ids: torch.Tens
         routing = {"SELF_ROUTE": True, "K": route.k, "RENORM": route.renorm, "EP": triton.next_power_of_2(E)}
     act = torch.empty((blocks * tiles.bm if ROW_ACT else n, inter), dtype=h.dtype, device=h.device)
     grid = (blocks, triton.cdiv(inter, tiles.bn_up))
+    ahead: dict = {}
+    if down is not None and prefetch.enabled(h):
+        lines, line = prefetch.lines_for(down[0].numel(), grid[1], down.element_size())
+        ahead = {"PREFETCH": True, "LINES": lines, "LINE": line}
     _gate_up_kernel[grid](h, gate_up, act, slot_ids, block_expert, logits, h if weights is None else weights,
-                          n, d, inter, k, E,
+                          h if down is None else down, n, d, inter, k, E,
                           h.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
+                          0 if down is None else down.stride(0), 0 if down is None else down[0].numel(),
                           PREC=_precision(h), BM=tiles.bm, BN=tiles.bn_up, BK=tiles.bk,
                           EVEN=EVEN_LOADS and d % tiles.bk == 0 and inter % tiles.bn_up == 0, ROW_ACT=ROW_ACT,
-                          num_warps=tiles.warps, num_stages=tiles.stages, **routing, **chain.launch(h))
+                          num_warps=tiles.warps, num_stages=tiles.stages, **routing, **ahead, **chain.launch(h))
     return act
 
 
@@ -638,11 +659,13 @@ def moe_mlp(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: 
     else:
         grouping = route_group if T <= FUSED_ROUTE_TOKENS else route_group_wide
         weights, _, slot_ids, block_expert = grouping(h, router, k, renorm, tl_.bm)
-    act = gate_up_product(h, gate_up.contiguous(), slot_ids, block_expert, k, tl_, route, weights)
+    down = down.contiguous()
+    act = gate_up_product(h, gate_up.contiguous(), slot_ids, block_expert, k, tl_, route, weights,
+                          down if T <= PREFETCH_DOWN_TOKENS else None)
     # the down GEMVs read the tables before they wait: only a routing launch's, never those gate/up writes
     if route is None and T <= DOWN_GEMV_TOKENS and down.shape[2] <= TILE_DEPTH:
-        per_slot = down_gemv(act, down.contiguous(), weights, slot_ids, block_expert, n, tl_.bm)
+        per_slot = down_gemv(act, down, weights, slot_ids, block_expert, n, tl_.bm)
     else:
-        per_slot = down_per_slot(act, down.contiguous(), weights, slot_ids, block_expert, n, tl_)
+        per_slot = down_per_slot(act, down, weights, slot_ids, block_expert, n, tl_)
     per_token = per_slot.view(T, k, d)
     return per_token.sum(dim=1) if summed else per_token

@@ -42,12 +42,36 @@ try:
 except ModuleNotFoundError as e:  # a CUDA torch build without Triton
     raise missing("triton", "pushkv's CUDA kernels") from e
 
-from pushkv.model.kernels import chain
+from pushkv.model.kernels import chain, prefetch
 from pushkv.model.kernels.chain import wait_prior
+from pushkv.model.kernels.prefetch import l2_share
 
 # Steps of up to this many tokens take these kernels (a decode graph bucket bound, so a step runs
 # the same path replayed or eager); longer ones group the slots by expert (triton_moe)
 DECODE_TOKENS = 8
+
+# gate/up and down in one launch (``_one_launch_kernel``): a token's down programs wait for its gate/up programs
+# on a counter, not at a kernel boundary; the same bits as the two launches. Off until
+# experiments/moe_decode_probe.py (variants ``one_launch*``) has timed it on a GPU
+ONE_LAUNCH = False
+# the gate/up programs ask L2 for their experts' down weights, which the down programs read next
+# (kernels/prefetch.py); the same bits. Off until the probe (variants ``*_prefetch``) has timed it
+PREFETCH_DOWN = False
+
+_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def counters(dev: torch.device, tokens: int) -> torch.Tensor:
+    """``_one_launch_kernel``'s counters for a step of up to ``DECODE_TOKENS`` tokens on the current stream of
+    ``dev``: zero, and each launch leaves them zero, so one buffer serves every layer, step and graph replay
+    (a stream's launches run one at a time; another stream has its own)."""
+    if tokens > DECODE_TOKENS:
+        raise ValueError(f"one launch serves at most {DECODE_TOKENS} tokens, not {tokens}")
+    stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
+    key = (dev.index if dev.index is not None else -1, stream)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(2 + DECODE_TOKENS, dtype=torch.int32, device=dev)
+    return _COUNTERS[key]
 
 
 class DecodeTiles(NamedTuple):
@@ -119,17 +143,21 @@ def _pick(Logits, t, j, E, stride_l, K: tl.constexpr, RENORM: tl.constexpr, EP: 
 
 
 @triton.jit
-def _gate_up_kernel(H, Logits, W, Act, Weights, Experts, E, d, inter, stride_h, stride_l, stride_we, stride_wn,
-                    stride_act, K: tl.constexpr, RENORM: tl.constexpr, EP: tl.constexpr, BN: tl.constexpr,
-                    BK: tl.constexpr, PDL: tl.constexpr):
-    wait_prior(PDL)
-    s = tl.program_id(0)
+def _gate_up_tile(H, Logits, W, Act, Weights, Experts, D, s, c, E, d, inter, stride_h, stride_l, stride_we, stride_wn,
+                  stride_act, stride_de, down_elems, shares, K: tl.constexpr, RENORM: tl.constexpr, EP: tl.constexpr,
+                  BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, LINES: tl.constexpr,
+                  LINE: tl.constexpr):
+    """Slot s's column tile c: its routing (stored by tile 0), ``silu(gate) * up`` for BN columns; with
+    ``PREFETCH`` its share (c of ``shares``) of its expert's down weights asked of L2 first."""
     t = s // K
     e, wt = _pick(Logits, t, s % K, E, stride_l, K, RENORM, EP)
-    if tl.program_id(1) == 0:  # the routing, once, for the down projection
+    if c == 0:  # the routing, once, for the down projection
         tl.store(Weights + s, wt.to(Weights.dtype.element_ty))
         tl.store(Experts + s, e)
-    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    if PREFETCH:  # for the down projection, which reads it next (kernels/prefetch.py)
+        l2_share(D + e.to(tl.int64) * stride_de, down_elems, c, shares, LINES, LINE)
+    evict: tl.constexpr = "evict_first" if PREFETCH else ""  # read once: leaves L2 before the down weights
+    cols = c * BN + tl.arange(0, BN)
     kk = tl.arange(0, BK)
     acc_g = tl.zeros((BN, BK), dtype=tl.float32)
     acc_u = tl.zeros((BN, BK), dtype=tl.float32)
@@ -139,8 +167,9 @@ def _gate_up_kernel(H, Logits, W, Act, Weights, Experts, E, d, inter, stride_h, 
         k = k0 + kk
         a = tl.load(h_base + k, mask=k < d, other=0.0).to(tl.float32)
         wmask = (cols[:, None] < inter) & (k[None, :] < d)
-        wg = tl.load(w_base + cols[:, None] * stride_wn + k[None, :], mask=wmask, other=0.0)
-        wu = tl.load(w_base + (cols[:, None] + inter) * stride_wn + k[None, :], mask=wmask, other=0.0)
+        wg = tl.load(w_base + cols[:, None] * stride_wn + k[None, :], mask=wmask, other=0.0, eviction_policy=evict)
+        wu = tl.load(w_base + (cols[:, None] + inter) * stride_wn + k[None, :], mask=wmask, other=0.0,
+                     eviction_policy=evict)
         acc_g += wg.to(tl.float32) * a[None, :]
         acc_u += wu.to(tl.float32) * a[None, :]
     # the reference rounds each projection to the model dtype before SiLU and the product
@@ -151,28 +180,96 @@ def _gate_up_kernel(H, Logits, W, Act, Weights, Experts, E, d, inter, stride_h, 
 
 
 @triton.jit
-def _down_kernel(Act, W, Weights, Experts, Out, d, inter, stride_act, stride_we, stride_wn, stride_out,
-                 K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
-    wait_prior(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+def _down_tile(Act, W, Weights, Experts, Out, t, c, d, inter, stride_act, stride_we, stride_wn, stride_out,
+               K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Token t's column tile c of the hidden size: its k slots in order, each its expert's down projection
+    (rounded) times its weight (rounded), summed in float32 and rounded once. The products are read from L2
+    (``.cg``): in one launch (``_one_launch_kernel``) other programs wrote them during this kernel."""
+    t = t.to(tl.int64)
+    cols = c * BN + tl.arange(0, BN)
     kk = tl.arange(0, BK)
     out = tl.zeros((BN,), dtype=tl.float32)
     for j in range(K):  # a token's slots in a fixed order: the sum is the same bits every run
         s = t * K + j
-        e = tl.load(Experts + s).to(tl.int64)
-        wt = tl.load(Weights + s).to(tl.float32)
+        e = tl.load(Experts + s, cache_modifier=".cg").to(tl.int64)
+        wt = tl.load(Weights + s, cache_modifier=".cg").to(tl.float32)
         w_base = W + e * stride_we
         acc = tl.zeros((BN, BK), dtype=tl.float32)
         for k0 in range(0, inter, BK):
             k = k0 + kk
-            a = tl.load(Act + s * stride_act + k, mask=k < inter, other=0.0).to(tl.float32)
+            a = tl.load(Act + s * stride_act + k, mask=k < inter, other=0.0, cache_modifier=".cg").to(tl.float32)
             w = tl.load(w_base + cols[:, None] * stride_wn + k[None, :],
                         mask=(cols[:, None] < d) & (k[None, :] < inter), other=0.0)
             acc += w.to(tl.float32) * a[None, :]
         y = tl.sum(acc, 1).to(Out.dtype.element_ty).to(tl.float32) * wt
         out += y.to(Out.dtype.element_ty).to(tl.float32)
     tl.store(Out + t * stride_out + cols, out.to(Out.dtype.element_ty), mask=cols < d)
+
+
+@triton.jit
+def _gate_up_kernel(H, Logits, W, Act, Weights, Experts, D, E, d, inter, stride_h, stride_l, stride_we, stride_wn,
+                    stride_act, stride_de, down_elems, K: tl.constexpr, RENORM: tl.constexpr, EP: tl.constexpr,
+                    BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = False,
+                    LINES: tl.constexpr = 1, LINE: tl.constexpr = 64):
+    wait_prior(PDL)
+    _gate_up_tile(H, Logits, W, Act, Weights, Experts, D, tl.program_id(0), tl.program_id(1), E, d, inter, stride_h,
+                  stride_l, stride_we, stride_wn, stride_act, stride_de, down_elems, tl.num_programs(1), K, RENORM,
+                  EP, BN, BK, PREFETCH, LINES, LINE)
+
+
+@triton.jit
+def _down_kernel(Act, W, Weights, Experts, Out, d, inter, stride_act, stride_we, stride_wn, stride_out,
+                 K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+    wait_prior(PDL)
+    _down_tile(Act, W, Weights, Experts, Out, tl.program_id(0), tl.program_id(1), d, inter, stride_act, stride_we,
+               stride_wn, stride_out, K, BN, BK)
+
+
+@triton.jit
+def _one_launch_kernel(H, Logits, W, Act, Weights, Experts, D, Out, Counters, T, E, d, inter, stride_h, stride_l,
+                       stride_we, stride_wn, stride_act, stride_de, stride_dn, stride_out, down_elems,
+                       K: tl.constexpr, RENORM: tl.constexpr, EP: tl.constexpr, BN_UP: tl.constexpr,
+                       BK_UP: tl.constexpr, BN_DOWN: tl.constexpr, BK_DOWN: tl.constexpr, PDL: tl.constexpr,
+                       PREFETCH: tl.constexpr = False, LINES: tl.constexpr = 1, LINE: tl.constexpr = 64):
+    """``_gate_up_kernel`` and ``_down_kernel`` in one launch: the first T k x up-tiles programs (in the order
+    they start) are gate/up's, the rest down's, and a token's down programs wait for its gate/up ones on a
+    counter instead of at a kernel boundary. Counters [2 + T] int32, zero: the ticket (the order programs
+    start in), the down programs finished, and each token's gate/up tiles done. The last down program leaves
+    them zero for the next launch."""
+    wait_prior(PDL)
+    # a program's work follows the order programs start in, not its id: a down program waits only for gate/up
+    # programs, which took their tickets before it and so are running; no wait can hold an unscheduled program
+    ticket = tl.atomic_add(Counters, 1, sem="relaxed")
+    up_tiles = tl.cdiv(inter, BN_UP)
+    n = T * K
+    if ticket < n * up_tiles:
+        s = ticket % n  # slot-fastest, as _gate_up_kernel's grid
+        _gate_up_tile(H, Logits, W, Act, Weights, Experts, D, s, ticket // n, E, d, inter, stride_h, stride_l,
+                      stride_we, stride_wn, stride_act, stride_de, down_elems, up_tiles, K, RENORM, EP, BN_UP,
+                      BK_UP, PREFETCH, LINES, LINE)
+        # every thread's stores issued before the one release that publishes them
+        tl.debug_barrier()
+        tl.atomic_add(Counters + 2 + s // K, 1, sem="release")
+    else:
+        i = ticket - n * up_tiles
+        t = i % T
+        ready = Counters + 2 + t
+        seen = 0
+        while seen < K * up_tiles:
+            while tl.load(ready, volatile=True) < K * up_tiles:  # a plain read while waiting: no atomic traffic
+                pass
+            # then one acquire, which makes the gate/up programs' stores visible from here on (its result is used:
+            # Triton drops an atomic whose result is not)
+            seen = tl.atomic_add(ready, 0, sem="acquire")
+        tl.debug_barrier()
+        _down_tile(Act, D, Weights, Experts, Out, t, i // T, d, inter, stride_act, stride_de, stride_dn,
+                   stride_out, K, BN_DOWN, BK_DOWN)
+        down_programs = T * tl.cdiv(d, BN_DOWN)
+        if tl.atomic_add(Counters + 1, 1, sem="relaxed") == down_programs - 1:
+            # the last: every program took its ticket and every gate/up count is in, so the counters may go back
+            # to zero (the kernel boundary orders this for the next launch)
+            for z in range(2 + T):
+                tl.atomic_xchg(Counters + z, 0, sem="relaxed")
 
 
 def router_logits(h: torch.Tensor, router: torch.Tensor, be: int, bk: int = 256) -> torch.Tensor:
@@ -203,12 +300,27 @@ def moe_mlp_decode(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor,
     weights = torch.empty((T, k), dtype=h.dtype, device=dev)
     experts = torch.empty((T, k), dtype=torch.int32, device=dev)
     act = torch.empty((n, inter), dtype=h.dtype, device=dev)
-    _gate_up_kernel[(n, triton.cdiv(inter, tiles.bn_up))](
-        h, logits, gate_up, act, weights, experts, E, d, inter, h.stride(0), logits.stride(0), gate_up.stride(0),
-        gate_up.stride(1), act.stride(0), K=k, RENORM=renorm, EP=triton.next_power_of_2(E), BN=tiles.bn_up,
-        BK=tiles.bk_up, num_warps=tiles.warps, num_stages=tiles.stages, **chain.launch(h))
     out = torch.empty_like(h)
-    _down_kernel[(T, triton.cdiv(d, tiles.bn_down))](
+    up_tiles, down_tiles = triton.cdiv(inter, tiles.bn_up), triton.cdiv(d, tiles.bn_down)
+    ahead: dict = {}
+    if PREFETCH_DOWN and prefetch.enabled(h):
+        lines, line = prefetch.lines_for(down[0].numel(), up_tiles, down.element_size())
+        ahead = {"PREFETCH": True, "LINES": lines, "LINE": line}
+    ep = triton.next_power_of_2(E)
+    if ONE_LAUNCH:
+        _one_launch_kernel[(n * up_tiles + T * down_tiles,)](
+            h, logits, gate_up, act, weights, experts, down, out, counters(dev, T), T, E, d, inter, h.stride(0),
+            logits.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0), down.stride(0), down.stride(1),
+            out.stride(0), down[0].numel(), K=k, RENORM=renorm, EP=ep, BN_UP=tiles.bn_up, BK_UP=tiles.bk_up,
+            BN_DOWN=tiles.bn_down, BK_DOWN=tiles.bk_down, num_warps=tiles.warps, num_stages=tiles.stages, **ahead,
+            **chain.launch(h))
+        return out, weights, experts
+    _gate_up_kernel[(n, up_tiles)](
+        h, logits, gate_up, act, weights, experts, down, E, d, inter, h.stride(0), logits.stride(0),
+        gate_up.stride(0), gate_up.stride(1), act.stride(0), down.stride(0), down[0].numel(), K=k, RENORM=renorm,
+        EP=ep, BN=tiles.bn_up, BK=tiles.bk_up, num_warps=tiles.warps, num_stages=tiles.stages, **ahead,
+        **chain.launch(h))
+    _down_kernel[(T, down_tiles)](
         act, down, weights, experts, out, d, inter, act.stride(0), down.stride(0), down.stride(1), out.stride(0),
         K=k, BN=tiles.bn_down, BK=tiles.bk_down, num_warps=tiles.warps, num_stages=tiles.stages, **chain.launch(act))
     return out, weights, experts
