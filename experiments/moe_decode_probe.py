@@ -22,7 +22,12 @@ Variants (each re-captures the graphs):
   its last program, no merge launch (``triton_paged.FUSED_MERGE``); ``self_route_merge``: both;
 - ``down_gemv_N``: ``gemv1_2`` with the MoE down projections of a one-token step as GEMVs of N columns a
   program that load their experts' weights before they wait for gate/up (``triton_moe.DOWN_GEMV_TOKENS``,
-  ``DOWN_GEMV_COLUMNS``); ``down_gemv2_8``: the same to two tokens, 8 columns.
+  ``DOWN_GEMV_COLUMNS``); ``down_gemv2_8``: the same to two tokens, 8 columns;
+- ``prefetch_down``: ``gemv1_2`` with the grouped gate/up programs asking L2 for their experts' down weights
+  (``triton_moe.PREFETCH_DOWN_TOKENS``, kernels/prefetch.py), up to 8 tokens;
+- ``ungrouped1``: ``gemv1_2`` with the ungrouped MoE decode kernels (two launches); ``ungrouped_prefetch``: their
+  gate/up asking L2 for the down weights (``triton_moe_decode.PREFETCH_DOWN``); ``one_launch``: gate/up and down
+  in one launch (``triton_moe_decode.ONE_LAUNCH``); ``one_launch_prefetch``: both.
 
 ``--variants both,gemv1_2`` times only those.
 
@@ -75,16 +80,25 @@ VARIANTS = {"before": (False, 0, "grouped", 0, 8), "router": (False, 16, "groupe
             "down_gemv_4": (True, 16, "grouped", 1, 2, False, False, 1, 4),
             "down_gemv_8": (True, 16, "grouped", 1, 2, False, False, 1, 8),
             "down_gemv_16": (True, 16, "grouped", 1, 2, False, False, 1, 16),
-            "down_gemv2_8": (True, 16, "grouped", 1, 2, False, False, 2, 8)}
+            "down_gemv2_8": (True, 16, "grouped", 1, 2, False, False, 2, 8),
+            "prefetch_down": (True, 16, "grouped", 1, 2, False, False, 0, 8, 8),
+            "ungrouped1": (True, 16, "ungrouped", 1, 2),
+            "ungrouped_prefetch": (True, 16, "ungrouped", 1, 2, False, False, 0, 8, 0, False, True),
+            "one_launch": (True, 16, "ungrouped", 1, 2, False, False, 0, 8, 0, True),
+            "one_launch_prefetch": (True, 16, "ungrouped", 1, 2, False, False, 0, 8, 0, True, True)}
+# what a variant leaves out: no self-routing, no fused merge, no down GEMVs (8 columns), no grouped prefetch, two
+# launches for the ungrouped kernels, no ungrouped prefetch
+DEFAULTS = (False, False, 0, 8, 0, False, False)
 
 
 def set_variant(fwd, name: str) -> None:
-    from pushkv.model.kernels import triton_moe, triton_paged
+    from pushkv.model.kernels import triton_moe, triton_moe_decode, triton_paged
 
-    v = VARIANTS[name] + (False, False, 0, 8)[len(VARIANTS[name]) - 5:]
+    v = VARIANTS[name] + DEFAULTS[len(VARIANTS[name]) - 5:]
     (chain.ON, batched.ROUTER_IN_NORM_TOKENS, os.environ["PUSHKV_MOE_DECODE"], batched.GEMV_TOKENS,
      triton_gemv.COLUMNS, triton_moe.SELF_ROUTE_ONE_TOKEN, triton_paged.FUSED_MERGE, triton_moe.DOWN_GEMV_TOKENS,
-     triton_moe.DOWN_GEMV_COLUMNS) = v
+     triton_moe.DOWN_GEMV_COLUMNS, triton_moe.PREFETCH_DOWN_TOKENS, triton_moe_decode.ONE_LAUNCH,
+     triton_moe_decode.PREFETCH_DOWN) = v
     fwd.drop_graphs()  # captured with the last variant's launches
 
 
@@ -223,7 +237,9 @@ def markdown(rep: dict) -> str:
         out.append(f"| {r['batch']} | {r['bound_ms']:.2f} | " + " | ".join(cells) + " |")
     pairs = [p for p in ("router_vs_before", "ungrouped_vs_both", "gemv_vs_both", "gemv1_2_vs_both",
                          "self_route_vs_gemv1_2", "fused_merge_vs_gemv1_2", "self_route_merge_vs_gemv1_2",
-                         "down_gemv_8_vs_gemv1_2")
+                         "down_gemv_8_vs_gemv1_2", "prefetch_down_vs_gemv1_2", "ungrouped1_vs_gemv1_2",
+                         "ungrouped_prefetch_vs_ungrouped1", "one_launch_vs_ungrouped1",
+                         "one_launch_prefetch_vs_ungrouped1")
              if p in rep["rows"][0]]
     out += ["", "| batch | chained: the same bits |" + "".join(f" {p}: max abs, argmax agree |" for p in pairs),
             "| --- | --- |" + " --- |" * len(pairs)]
@@ -288,7 +304,9 @@ def main() -> None:
             ("pdl", "before"), ("both", "router"), ("gemv", "gemv_alone")) if a in logits and b in logits)
         for a, b in (("router", "before"), ("ungrouped", "both"), ("gemv", "both"), ("gemv1_2", "both"),
                      ("self_route", "gemv1_2"), ("fused_merge", "gemv1_2"), ("self_route_merge", "gemv1_2"),
-                     ("down_gemv_8", "gemv1_2")):
+                     ("down_gemv_8", "gemv1_2"), ("prefetch_down", "gemv1_2"), ("ungrouped1", "gemv1_2"),
+                     ("ungrouped_prefetch", "ungrouped1"), ("one_launch", "ungrouped1"),
+                     ("one_launch_prefetch", "ungrouped1")):
             if a not in logits or b not in logits:
                 continue
             row[f"{a}_vs_{b}"] = {"max_abs": float((logits[a] - logits[b]).abs().max()),
@@ -297,7 +315,8 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         save(rep, args.out)  # each batch as it is measured: a run cut short keeps what it had
     run = functools.partial(fwd.logits, decode_seqs(cfg, 1, args.ctx, 16), views)
-    for name in [v for v in ("before", "both", "gemv", "gemv1_2", "self_route_merge", "down_gemv_8") if v in variants] \
+    for name in [v for v in ("before", "both", "gemv", "gemv1_2", "self_route_merge", "down_gemv_8", "prefetch_down",
+                             "one_launch", "one_launch_prefetch") if v in variants] \
             if len(variants) > 2 else ():
         set_variant(fwd, name)
         rep["profile"][name] = profile_step(run, cfg.num_layers)

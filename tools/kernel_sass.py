@@ -38,6 +38,10 @@ GROUPED = dict(PREC="tf32", BM=16, BK=128, EVEN=True, ROW_ACT=True)
 # the gate/up kernel's routing: the grouping's tables, or a one-token step routed by the kernel itself
 GROUPED_ROUTE = dict(SELF_ROUTE=False, K=1, RENORM=False, EP=1)
 SELF_ROUTE = dict(SELF_ROUTE=True, K=8, RENORM=True, EP=128)
+# the ungrouped decode MoE kernels in one launch (decode_tiles_for's tiles), and the down weights asked of L2 by
+# gate/up (a Qwen3-30B-A3B expert's 2048 x 768 bf16 down weights over its 48 gate/up programs: 512 lines each)
+ONE_LAUNCH = dict(K=8, RENORM=True, EP=128, BN_UP=16, BK_UP=256, BN_DOWN=4, BK_DOWN=256)
+PREFETCH = dict(PREFETCH=True, LINES=512, LINE=64)
 
 
 def kernels() -> list[tuple[str, object, dict, int, int]]:
@@ -67,6 +71,13 @@ def kernels() -> list[tuple[str, object, dict, int, int]]:
         ("decode_router", triton_moe_decode._router_kernel, dict(BE=2, BK=256), 4, 3),
         ("decode_gate_up", triton_moe_decode._gate_up_kernel, dict(K=8, RENORM=True, EP=128, BN=16, BK=256), 4, 3),
         ("decode_down", triton_moe_decode._down_kernel, dict(K=8, BN=4, BK=256), 4, 3),
+        ("decode_gate_up_prefetch", triton_moe_decode._gate_up_kernel,
+         dict(K=8, RENORM=True, EP=128, BN=16, BK=256, **PREFETCH), 4, 3),
+        ("decode_one_launch", triton_moe_decode._one_launch_kernel, ONE_LAUNCH, 4, 3),
+        ("decode_one_launch_prefetch", triton_moe_decode._one_launch_kernel, dict(ONE_LAUNCH, **PREFETCH), 4, 3),
+        ("moe_gate_up_prefetch", triton_moe._gate_up_kernel,
+         dict(GROUPED, **GROUPED_ROUTE, BM=dt.bm, BN=dt.bn_up, BK=dt.bk, PREFETCH=True, LINES=2048, LINE=64),
+         dt.warps, dt.stages),
         ("gemv_o", triton_gemv._gemv_kernel, dict(K=4096, BN=8, HAS_BIAS=False), 8, 1),
         ("gemv_qkv_bias", triton_gemv._gemv_kernel, dict(K=2048, BN=8, HAS_BIAS=True), 8, 1),
         ("gemv_moe_down", triton_moe._down_gemv_kernel,

@@ -87,6 +87,34 @@ def test_gpu_float32_tokens_with_moe_down_gemvs_equal_transformers(case, tmp_pat
     assert calls, "no step took the down GEMVs"
 
 
+@pytest.mark.parametrize("case", ["qwen3_moe", "qwen3_moe-unnormed", "mixtral"])
+@pytest.mark.parametrize("flags", ["one_launch", "one_launch_prefetch", "grouped_prefetch"])
+def test_gpu_float32_tokens_with_moe_one_launch_or_prefetch_equal_transformers(case, flags, tmp_path, monkeypatch):
+    """The MoE decode kernels of up to 8 tokens in one launch (``triton_moe_decode.ONE_LAUNCH``, with
+    ``PUSHKV_MOE_DECODE=ungrouped``), also with the down weights asked of L2 by gate/up (``PREFETCH_DOWN``), and
+    the grouped kernels with that prefetch (``triton_moe.PREFETCH_DOWN_TOKENS``) give transformers' float32
+    tokens, with graphs and eager; every decode step took the one launch where it is on."""
+    from pushkv.model.kernels import triton_moe, triton_moe_decode
+
+    launches = []
+    real = triton_moe_decode._one_launch_kernel
+
+    class Counted:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+
+    if flags.startswith("one_launch"):
+        monkeypatch.setenv("PUSHKV_MOE_DECODE", "ungrouped")
+        monkeypatch.setattr(triton_moe_decode, "ONE_LAUNCH", True)
+        monkeypatch.setattr(triton_moe_decode, "PREFETCH_DOWN", flags.endswith("prefetch"))
+        monkeypatch.setattr(triton_moe_decode, "_one_launch_kernel", Counted())
+    else:
+        monkeypatch.setattr(triton_moe, "PREFETCH_DOWN_TOKENS", 8)
+    _graphs_equal_transformers_and_eager(case, tmp_path)
+    assert bool(launches) == flags.startswith("one_launch"), len(launches)
+
+
 def _graphs_equal_transformers_and_eager(case, tmp_path):
     family, extra, _ = CASES[case]
     path = save_hf_checkpoint(str(tmp_path), family, seed=3, **extra)

@@ -91,3 +91,59 @@ def test_fused_merge_counts_in_after_every_thread_stored():
     assert any("atom.global.gpu.relaxed.exch" in x for x in after)
     off = compile_sm90(triton_paged._attn_kernel, DECODE_ATTN, False, 4, 2).asm["ptx"]
     assert "atom." not in off
+
+
+def _lines(ptx: str) -> list[str]:
+    return [x.strip() for x in ptx.splitlines() if x.strip() and not x.strip().startswith(("//", ".loc"))]
+
+
+@pytest.mark.unit
+def test_one_launch_down_programs_wait_with_an_acquire_for_a_release_after_every_store():
+    """The one-launch MoE decode kernel: a program's work by ticket (one thread's relaxed add, after the wait for the
+    kernel before); gate/up's stores, then a barrier, then one thread's release add on the token's counter; down
+    spins on a volatile read, then one acquire read (an atomic add of 0 that Triton makes a load: it once dropped it
+    as unused), a barrier, and only then reads the products; the last program zeroes the counters."""
+    from pushkv.model.kernels import triton_moe_decode
+    from tools.kernel_sass import ONE_LAUNCH
+
+    k = compile_sm90(triton_moe_decode._one_launch_kernel, ONE_LAUNCH, True, 4, 3)
+    lines = _lines(k.asm["ptx"])
+    wait = next(i for i, x in enumerate(lines) if "griddepcontrol.wait" in x)
+    ticket = next(i for i, x in enumerate(lines) if "atom.global" in x)
+    assert wait < ticket and "atom.global.gpu.relaxed.add" in lines[ticket] and lines[ticket].startswith("@%p")
+    release = [i for i, x in enumerate(lines) if "atom.global.gpu.release.add" in x]
+    assert len(release) == 1 and lines[release[0]].startswith("@%p"), release
+    stores = [i for i, x in enumerate(lines[:release[0]]) if re.match(r"(@%p\d+\s+)?st\.global", x)]
+    assert stores and any(x.startswith("bar.sync") for x in lines[max(stores):release[0]])
+    spin = [i for i, x in enumerate(lines) if "ld.volatile.global" in x]
+    acquire = [i for i, x in enumerate(lines) if "ld.global.gpu.acquire" in x]
+    assert len(spin) == 1 and len(acquire) == 1 and release[0] < spin[0] < acquire[0], (spin, acquire)
+    # after the acquire: a barrier before the products' loads (from L2: .cg)
+    reads = [i for i, x in enumerate(lines) if re.match(r"(@%p\d+\s+)?ld\.global\.cg", x)]
+    assert reads and min(reads) > acquire[0]
+    assert any(x.startswith("bar.sync") for x in lines[acquire[0]:min(reads)])
+    assert sum("atom.global.gpu.relaxed.exch" in x for x in lines) >= 1
+    # the acquire invalidates L1 in SASS (CCTL.IVALL) after its strong load
+    sass = instructions(k.asm["cubin"])
+    assert any("CCTL.IVALL" in x for x in sass) and any("LDG.E.STRONG.GPU" in x for x in sass)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name", ["decode_gate_up_prefetch", "decode_one_launch_prefetch", "moe_gate_up_prefetch"])
+def test_prefetch_asks_l2_for_lines_only_when_on(name):
+    """With PREFETCH a gate/up program asks L2 for its share of its expert's down weights (prefetch ...evict_last,
+    CCTL.E.PML2 in SASS: LINES over the program's threads), and the ungrouped gate/up weights load evict-first;
+    without it, neither."""
+    fn, consts, warps, stages = next((f, c, w, st) for n, f, c, w, st in KERNELS if n == name)
+    on = compile_sm90(fn, consts, True, warps, stages)
+    off = compile_sm90(fn, {c: v for c, v in consts.items() if c not in ("PREFETCH", "LINES", "LINE")}, True, warps,
+                       stages)
+    lines = _lines(on.asm["ptx"])
+    asks = [x for x in lines if "prefetch.global.L2::evict_last" in x]
+    per_thread = consts["LINES"] // (32 * warps)
+    assert len(asks) >= per_thread, (len(asks), per_thread)
+    assert sum("CCTL.E.PML2" in x for x in instructions(on.asm["cubin"])) == per_thread
+    assert "prefetch" not in off.asm["ptx"] and not any("CCTL.E.PML2" in x for x in instructions(off.asm["cubin"]))
+    if name.startswith("decode"):
+        assert any("ld.global.L1::evict_first" in x for x in lines)
+        assert not any("evict_first" in x for x in _lines(off.asm["ptx"]))
