@@ -124,14 +124,15 @@ s.print_callees('_post_write|_prefill_done|on_ExpectKV|_poll_notifs')" 2>&1 | gr
     moedecode) # experiments/moe_decode_probe.py: chained launches, the router in the norm and the GEMVs, each on
             # and off (~90 s); its tables set kernels.chain.ON, batched.ROUTER_IN_NORM_TOKENS and batched.GEMV_TOKENS
             timeout 540 python3 -m experiments.moe_decode_probe --out "$OUT" 2>&1 | tail -40 ;;
-    moeahead) # one launch and the L2 prefetch of the MoE down weights (both off until timed): their GPU tests (the
-            # bits of the two launches, replayed 50 times; float32 tokens against transformers), then the probe's
-            # variants against the shipped step at batches 1, 2 and 8
-            timeout 300 python3 -m pytest -q -p no:cacheprovider tests/model/test_moe_kernel.py \
+    moeaheadtests) # one launch and the L2 prefetches (the MoE down weights, the dense weights ahead; all off until
+            # timed): their GPU tests (the bits of the two launches, replayed 50 times; float32 tokens against
+            # transformers with each on)
+            timeout 500 python3 -m pytest -q -p no:cacheprovider tests/model/test_moe_kernel.py \
               tests/model/test_gpu_graphs.py -k "one_launch or prefetch or gpu_decode_kernels or gpu_kernels_equal" \
-              -rfE 2>&1 | tee "$OUT/moe_ahead_tests.txt" | tail -4
-            timeout 280 python3 -m experiments.moe_decode_probe --out "$OUT" --batches 1,2,8 --reps ${REPS:-50} \
-              --variants ${AHEAD_VARIANTS:-gemv1_2,prefetch_down,ungrouped1,ungrouped_prefetch,one_launch,one_launch_prefetch} \
+              -rfE 2>&1 | tee "$OUT/moe_ahead_tests.txt" | tail -4 ;;
+    moeahead) # the probe's variants of them against the shipped step at batches 1, 2 and 8
+            timeout 540 python3 -m experiments.moe_decode_probe --out "$OUT" --batches 1,2,8 --reps ${REPS:-50} \
+              --variants ${AHEAD_VARIANTS:-gemv1_2,prefetch_down,ungrouped1,ungrouped_prefetch,one_launch,one_launch_prefetch,ahead_o,ahead_o_route,ahead_o_sum,ahead_all} \
               2>&1 | tail -40 ;;
     attntune) timeout 300 python3 -m experiments.attn_tune 2>&1 | tee "$OUT/attn_tune.txt" ;;
     kvverifyfaults) # the fault cases end to end with the pools in GPU memory (push-layer and pull, tiny models)

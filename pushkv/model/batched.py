@@ -43,6 +43,14 @@ ROUTER_IN_NORM_TOKENS = 16
 # of eight from 8.08 to 9.09 (experiments/moe_decode_probe.py, docs/results/2026-12-04-moe-decode): so one token
 GEMV_TOKENS = 1
 
+# Steps of up to AHEAD_TOKENS tokens ask L2 for a layer's dense weights ahead of their projection, in a launch of
+# their own (``kernels/prefetch.ahead``), at the places named: "o": the o projection's while the attention runs;
+# "qkv_route": the next layer's qkv while an MoE layer routes (the last layer asks for none); "qkv_sum": the next
+# layer's qkv while the residual add sums the experts. The same bits. Off (0) until experiments/moe_decode_probe.py
+# (variants ``ahead_*``) has timed it on a GPU
+AHEAD_TOKENS = 0
+AHEAD: frozenset = frozenset({"o"})
+
 
 class BatchedForward:
     """Runs one Model's weights over a packed step (see module doc)."""
@@ -67,6 +75,10 @@ class BatchedForward:
             use_graphs = self.cuda and model.tp_size == 1 and envs.PUSHKV_CUDA_GRAPHS
         self.use_graphs = use_graphs
         self.fused = self.cuda and envs.PUSHKV_FUSED and not (self.hd & (self.hd - 1))
+        if self.cuda and any(lw.router is not None for lw in model.w.layers):
+            from pushkv.model.kernels import triton_moe_decode
+
+            triton_moe_decode.counters(self.device)  # made here, never inside a graph capture
         self.max_num_seqs = max_num_seqs
         self.buckets = sorted({b for b in GRAPH_BUCKETS if b < max_num_seqs} | {max_num_seqs})
         self.graphs: dict[int, "_DecodeGraph"] = {}
@@ -160,8 +172,8 @@ class BatchedForward:
 
     def _layers_fused(self, meta, pools, splits, scratch, on_layer, rope) -> torch.Tensor:
         """Every layer with the fused Triton kernels: ~9 launches a layer."""
+        from pushkv.model.kernels import prefetch, triton_gemv
         from pushkv.model.kernels import triton_fused as K
-        from pushkv.model.kernels import triton_gemv
         from pushkv.model.kernels.triton_moe import FUSED_ROUTE_TOKENS
 
         m, cfg, p = self.m, self.m.cfg, self.m.plan
@@ -171,17 +183,23 @@ class BatchedForward:
         x = F.embedding(meta.ids, m.w.embed)
         x, h = K.add_rms(x, None, layers[0].input_norm, eps)
         attn = torch.empty(T, p.q_heads, self.hd, device=self.device, dtype=m.dtype)
+        places = AHEAD if 0 < T <= AHEAD_TOKENS else frozenset()
         for layer, lw in enumerate(layers):
             q = K.qk_norm_rope_store(linear(h, lw.qkv, lw.qkv_bias), p.q_heads, p.kv_heads, self.hd,
                                      lw.q_norm, lw.k_norm, eps, rope[0], rope[1], rope[2], meta.slots,
                                      pools[layer])
             if on_layer is not None:
                 on_layer(layer)
+            if "o" in places:
+                prefetch.ahead(lw.o, self.sms)
             paged.attention(q, pools[layer], meta, m.layer_window(layer), attn, splits, scratch)
             o = m._all_reduce(linear(attn.view(T, -1), lw.o))
+            nxt_qkv = layers[layer + 1].qkv if layer + 1 < len(layers) else None
             if lw.router is not None and 0 < T <= min(ROUTER_IN_NORM_TOKENS, FUSED_ROUTE_TOKENS):
                 # MoE, a decode step: the router's logits made with the norm, one launch less
                 x, h, logits = K.add_rms_router(x, o, lw.post_norm, eps, lw.router)
+                if "qkv_route" in places and nxt_qkv is not None:
+                    prefetch.ahead(nxt_qkv, self.sms)
                 delta = m.mlp_delta(lw, h, summed=False, logits=logits)
             elif lw.router is not None:  # MoE: the grouped Triton kernels (kernels/triton_moe.py), whose
                 x, h = K.add_rms(x, o, lw.post_norm, eps)
@@ -189,6 +207,8 @@ class BatchedForward:
             else:
                 x, h = K.add_rms(x, o, lw.post_norm, eps)
                 delta = m._all_reduce(F.linear(K.silu_mul(F.linear(h, lw.gate_up)), lw.down))
+            if "qkv_sum" in places and nxt_qkv is not None:
+                prefetch.ahead(nxt_qkv, self.sms)
             nxt = layers[layer + 1].input_norm if layer + 1 < len(layers) else m.w.final_norm
             x, h = K.add_rms(x, delta, nxt, eps)
         return h

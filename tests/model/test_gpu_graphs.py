@@ -88,31 +88,41 @@ def test_gpu_float32_tokens_with_moe_down_gemvs_equal_transformers(case, tmp_pat
 
 
 @pytest.mark.parametrize("case", ["qwen3_moe", "qwen3_moe-unnormed", "mixtral"])
-@pytest.mark.parametrize("flags", ["one_launch", "one_launch_prefetch", "grouped_prefetch"])
+@pytest.mark.parametrize("flags", ["one_launch", "one_launch_prefetch", "grouped_prefetch", "ahead"])
 def test_gpu_float32_tokens_with_moe_one_launch_or_prefetch_equal_transformers(case, flags, tmp_path, monkeypatch):
     """The MoE decode kernels of up to 8 tokens in one launch (``triton_moe_decode.ONE_LAUNCH``, with
-    ``PUSHKV_MOE_DECODE=ungrouped``), also with the down weights asked of L2 by gate/up (``PREFETCH_DOWN``), and
-    the grouped kernels with that prefetch (``triton_moe.PREFETCH_DOWN_TOKENS``) give transformers' float32
-    tokens, with graphs and eager; every decode step took the one launch where it is on."""
-    from pushkv.model.kernels import triton_moe, triton_moe_decode
+    ``PUSHKV_MOE_DECODE=ungrouped``), also with the down weights asked of L2 by gate/up (``PREFETCH_DOWN``), the
+    grouped kernels with that prefetch (``triton_moe.PREFETCH_DOWN_TOKENS``), and the dense weights asked of L2
+    ahead of their projections at every place (``batched.AHEAD``) give transformers' float32 tokens, with graphs
+    and eager; the decode steps took the launch counted where it is on."""
+    from pushkv.model import batched
+    from pushkv.model.kernels import prefetch, triton_moe, triton_moe_decode
 
     launches = []
-    real = triton_moe_decode._one_launch_kernel
 
-    class Counted:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return real[grid]
+    def counted(module, name):
+        real = getattr(module, name)
+
+        class Counted:
+            def __getitem__(self, grid):
+                launches.append(grid)
+                return real[grid]
+
+        monkeypatch.setattr(module, name, Counted())
 
     if flags.startswith("one_launch"):
         monkeypatch.setenv("PUSHKV_MOE_DECODE", "ungrouped")
         monkeypatch.setattr(triton_moe_decode, "ONE_LAUNCH", True)
         monkeypatch.setattr(triton_moe_decode, "PREFETCH_DOWN", flags.endswith("prefetch"))
-        monkeypatch.setattr(triton_moe_decode, "_one_launch_kernel", Counted())
+        counted(triton_moe_decode, "_one_launch_kernel")
+    elif flags == "ahead":
+        monkeypatch.setattr(batched, "AHEAD_TOKENS", 8)
+        monkeypatch.setattr(batched, "AHEAD", frozenset({"o", "qkv_route", "qkv_sum"}))
+        counted(prefetch, "_ahead_kernel")
     else:
         monkeypatch.setattr(triton_moe, "PREFETCH_DOWN_TOKENS", 8)
     _graphs_equal_transformers_and_eager(case, tmp_path)
-    assert bool(launches) == flags.startswith("one_launch"), len(launches)
+    assert bool(launches) == (flags != "grouped_prefetch"), len(launches)
 
 
 def _graphs_equal_transformers_and_eager(case, tmp_path):

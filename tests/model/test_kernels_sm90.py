@@ -147,3 +147,36 @@ def test_prefetch_asks_l2_for_lines_only_when_on(name):
     if name.startswith("decode"):
         assert any("ld.global.L1::evict_first" in x for x in lines)
         assert not any("evict_first" in x for x in _lines(off.asm["ptx"]))
+
+
+@pytest.mark.unit
+def test_ahead_launch_lets_the_next_kernel_go_then_asks_then_waits():
+    """``prefetch.ahead``'s kernel, chained: launch_dependents first (the kernel after it is scheduled as early as
+    without it), then only L2 prefetches (no load or store of any value), then the wait, so that it ends only
+    after the kernel before it: the next kernel's wait still covers that one. Unchained: no griddepcontrol."""
+    from pushkv.model.kernels import prefetch
+
+    on = compile_sm90(prefetch._ahead_kernel, dict(LINES=2048, LINE=64), True, prefetch.AHEAD_WARPS, 1)
+    lines = _lines(on.asm["ptx"])
+    go = next(i for i, x in enumerate(lines) if "griddepcontrol.launch_dependents" in x)
+    wait = next(i for i, x in enumerate(lines) if "griddepcontrol.wait" in x)
+    asks = [i for i, x in enumerate(lines) if "prefetch.global.L2::evict_last" in x]
+    assert go < min(asks) and max(asks) < wait, (go, asks[:2], wait)
+    assert not any(MEMORY.match(x) for x in lines), [x for x in lines if MEMORY.match(x)]
+    assert sum("CCTL.E.PML2" in x for x in instructions(on.asm["cubin"])) == 2048 // (32 * prefetch.AHEAD_WARPS)
+    off = compile_sm90(prefetch._ahead_kernel, dict(LINES=2048, LINE=64), False, prefetch.AHEAD_WARPS, 1)
+    assert "griddepcontrol" not in off.asm["ptx"] and "prefetch.global.L2" in off.asm["ptx"]
+
+
+@pytest.mark.unit
+def test_prefetch_lines_cover_each_share():
+    """``lines_for``: a share's lines, rounded up to a power of two, cover its elements (a Qwen3-30B-A3B o
+    projection, 2048 x 4096 bf16, over 132 programs: 63,550 elements a share, 993 lines, 1,024 asked)."""
+    from pushkv.model.kernels.prefetch import lines_for
+
+    for elems, shares, size in ((2048 * 4096, 132, 2), (2048 * 768, 48, 2), (5120 * 2048, 132, 4), (100, 7, 2)):
+        lines, line = lines_for(elems, shares, size)
+        assert line * size == 128 and lines & (lines - 1) == 0
+        per = -(-elems // shares)
+        assert lines * line >= per and (lines // 2) * line < per, (elems, shares, lines, line)
+    assert lines_for(2048 * 4096, 132, 2) == (1024, 64)

@@ -8,6 +8,11 @@ register holds it and nothing waits for it, so the program that asks goes on at 
 for the down weights of their expert (they know it once routed), and the down projection, a launch later or a
 phase later, finds them in L2 (50 MB on an H200, against 25 MB of down weights a Qwen3-30B-A3B layer).
 
+The same request serves a step's dense weights: :func:`ahead` is a launch of its own in a chained step
+(``kernels/chain.py``) that asks L2 for a weight matrix while the kernels before it run, for a kernel after it.
+At one token the attention and its merge move about a megabyte in several microseconds, so the o projection's
+17 MB can come in then (``batched.AHEAD``).
+
 A prefetch changes no bits: it moves bytes between memories, never a value. It is PTX, which Triton's
 interpreter cannot run, so :func:`enabled` is False there and off the GPU.
 """
@@ -18,6 +23,9 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from pushkv.model.kernels import chain
 
 # a line of L2: what one prefetch asks for
 LINE_BYTES = 128
@@ -50,3 +58,28 @@ def l2_share(Base, elems, share, shares, LINES: tl.constexpr, LINE: tl.constexpr
     first = share.to(tl.int64) * per
     last = tl.minimum(first + per, elems) - 1
     _l2_evict_last(Base + tl.minimum(first + tl.arange(0, LINES).to(tl.int64) * LINE, last))
+
+
+@triton.jit
+def _ahead_kernel(W, elems, LINES: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr):
+    """A share of W's lines asked of L2, in a chained step: the next kernel may be scheduled at once (it waits
+    for this one, which waits for the one before, so the chain's order holds), the lines are asked for before
+    the wait (W is no kernel's output), and the program ends once the kernel before has."""
+    if PDL:
+        gdc_launch_dependents()
+    l2_share(W, elems, tl.program_id(0), tl.num_programs(0), LINES, LINE)
+    if PDL:
+        gdc_wait()
+
+
+# programs of an ahead launch: one an SM (an H200's 132), of 4 warps, each a few prefetches a thread
+AHEAD_WARPS = 4
+
+
+def ahead(w: torch.Tensor, programs: int) -> None:
+    """Ask L2 for w (contiguous) in a launch of ``programs`` programs, where it helps: in a chained step on the GPU
+    (without chaining it would run alone between two kernels, and only cost). Nothing else changes."""
+    if not (enabled(w) and chain.enabled(w.device) and w.is_contiguous()):
+        return
+    lines, line = lines_for(w.numel(), programs, w.element_size())
+    _ahead_kernel[(programs,)](w, w.numel(), LINES=lines, LINE=line, num_warps=AHEAD_WARPS, **chain.launch(w))

@@ -58,17 +58,19 @@ ONE_LAUNCH = False
 # (kernels/prefetch.py); the same bits. Off until the probe (variants ``*_prefetch``) has timed it
 PREFETCH_DOWN = False
 
-_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
+_COUNTERS: dict[str, torch.Tensor] = {}
 
 
-def counters(dev: torch.device, tokens: int) -> torch.Tensor:
-    """``_one_launch_kernel``'s counters for a step of up to ``DECODE_TOKENS`` tokens on the current stream of
-    ``dev``: zero, and each launch leaves them zero, so one buffer serves every layer, step and graph replay
-    (a stream's launches run one at a time; another stream has its own)."""
+def counters(dev: torch.device, tokens: int = 1) -> torch.Tensor:
+    """``_one_launch_kernel``'s counters on ``dev`` for a step of up to ``DECODE_TOKENS`` tokens: zero, and each
+    launch leaves them zero, so one buffer serves every layer, step and graph replay. A device's decode steps run
+    one at a time (the worker's one stream), so its launches never share the buffer at once. Made on first use;
+    the batched forward makes it at its start, so that no graph capture makes it (a memset in the graph)."""
     if tokens > DECODE_TOKENS:
         raise ValueError(f"one launch serves at most {DECODE_TOKENS} tokens, not {tokens}")
-    stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
-    key = (dev.index if dev.index is not None else -1, stream)
+    if dev.type == "cuda" and dev.index is None:  # a tensor's device names its index
+        dev = torch.device("cuda", torch.cuda.current_device())
+    key = str(dev)
     if key not in _COUNTERS:
         _COUNTERS[key] = torch.zeros(2 + DECODE_TOKENS, dtype=torch.int32, device=dev)
     return _COUNTERS[key]
