@@ -31,7 +31,10 @@ Variants (each re-captures the graphs):
 - ``ahead_o``: ``gemv1_2`` with a launch that asks L2 for the o projection's weights while the attention runs
   (``batched.AHEAD``, kernels/prefetch.py), up to 8 tokens; ``ahead_o_route``, ``ahead_o_sum``: also the next
   layer's qkv, while the MoE routes or while the residual add sums the experts; ``ahead_all``: ``ahead_o_sum``
-  with ``prefetch_down``.
+  with ``prefetch_down``;
+- ``own``: ``gemv1_2`` with each grouped gate/up and down program asking L2 for its own weight rows at once before
+  its pipelined loads (``triton_moe.PREFETCH_OWN_TOKENS``), up to 8 tokens; ``own_down``: with ``prefetch_down``;
+  ``own_all``: with ``ahead_all``.
 
 ``--variants both,gemv1_2`` times only those.
 
@@ -93,10 +96,14 @@ VARIANTS = {"before": (False, 0, "grouped", 0, 8), "router": (False, 16, "groupe
             "ahead_o": (True, 16, "grouped", 1, 2, False, False, 0, 8, 0, False, False, 8, {"o"}),
             "ahead_o_route": (True, 16, "grouped", 1, 2, False, False, 0, 8, 0, False, False, 8, {"o", "qkv_route"}),
             "ahead_o_sum": (True, 16, "grouped", 1, 2, False, False, 0, 8, 0, False, False, 8, {"o", "qkv_sum"}),
-            "ahead_all": (True, 16, "grouped", 1, 2, False, False, 0, 8, 8, False, False, 8, {"o", "qkv_sum"})}
+            "ahead_all": (True, 16, "grouped", 1, 2, False, False, 0, 8, 8, False, False, 8, {"o", "qkv_sum"}),
+            "own": (True, 16, "grouped", 1, 2, False, False, 0, 8, 0, False, False, 0, {"o"}, 8),
+            "own_down": (True, 16, "grouped", 1, 2, False, False, 0, 8, 8, False, False, 0, {"o"}, 8),
+            "own_all": (True, 16, "grouped", 1, 2, False, False, 0, 8, 8, False, False, 8, {"o", "qkv_sum"}, 8)}
 # what a variant leaves out: no self-routing, no fused merge, no down GEMVs (8 columns), no grouped prefetch, two
-# launches for the ungrouped kernels, no ungrouped prefetch, no dense weights asked for ahead
-DEFAULTS = (False, False, 0, 8, 0, False, False, 0, {"o"})
+# launches for the ungrouped kernels, no ungrouped prefetch, no dense weights asked for ahead, no program asking
+# for its own rows
+DEFAULTS = (False, False, 0, 8, 0, False, False, 0, {"o"}, 0)
 
 
 def set_variant(fwd, name: str) -> None:
@@ -106,7 +113,7 @@ def set_variant(fwd, name: str) -> None:
     (chain.ON, batched.ROUTER_IN_NORM_TOKENS, os.environ["PUSHKV_MOE_DECODE"], batched.GEMV_TOKENS,
      triton_gemv.COLUMNS, triton_moe.SELF_ROUTE_ONE_TOKEN, triton_paged.FUSED_MERGE, triton_moe.DOWN_GEMV_TOKENS,
      triton_moe.DOWN_GEMV_COLUMNS, triton_moe.PREFETCH_DOWN_TOKENS, triton_moe_decode.ONE_LAUNCH,
-     triton_moe_decode.PREFETCH_DOWN, batched.AHEAD_TOKENS, places) = v
+     triton_moe_decode.PREFETCH_DOWN, batched.AHEAD_TOKENS, places, triton_moe.PREFETCH_OWN_TOKENS) = v
     batched.AHEAD = frozenset(places)
     fwd.drop_graphs()  # captured with the last variant's launches
 
@@ -249,7 +256,8 @@ def markdown(rep: dict) -> str:
                          "down_gemv_8_vs_gemv1_2", "prefetch_down_vs_gemv1_2", "ungrouped1_vs_gemv1_2",
                          "ungrouped_prefetch_vs_ungrouped1", "one_launch_vs_ungrouped1",
                          "one_launch_prefetch_vs_ungrouped1", "ahead_o_vs_gemv1_2", "ahead_o_route_vs_gemv1_2",
-                         "ahead_o_sum_vs_gemv1_2", "ahead_all_vs_gemv1_2")
+                         "ahead_o_sum_vs_gemv1_2", "ahead_all_vs_gemv1_2", "own_vs_gemv1_2", "own_down_vs_gemv1_2",
+                         "own_all_vs_gemv1_2")
              if p in rep["rows"][0]]
     out += ["", "| batch | chained: the same bits |" + "".join(f" {p}: max abs, argmax agree |" for p in pairs),
             "| --- | --- |" + " --- |" * len(pairs)]
@@ -317,7 +325,8 @@ def main() -> None:
                      ("down_gemv_8", "gemv1_2"), ("prefetch_down", "gemv1_2"), ("ungrouped1", "gemv1_2"),
                      ("ungrouped_prefetch", "ungrouped1"), ("one_launch", "ungrouped1"),
                      ("one_launch_prefetch", "ungrouped1"), ("ahead_o", "gemv1_2"), ("ahead_o_route", "gemv1_2"),
-                     ("ahead_o_sum", "gemv1_2"), ("ahead_all", "gemv1_2")):
+                     ("ahead_o_sum", "gemv1_2"), ("ahead_all", "gemv1_2"), ("own", "gemv1_2"),
+                     ("own_down", "gemv1_2"), ("own_all", "gemv1_2")):
             if a not in logits or b not in logits:
                 continue
             row[f"{a}_vs_{b}"] = {"max_abs": float((logits[a] - logits[b]).abs().max()),
@@ -327,7 +336,8 @@ def main() -> None:
         save(rep, args.out)  # each batch as it is measured: a run cut short keeps what it had
     run = functools.partial(fwd.logits, decode_seqs(cfg, 1, args.ctx, 16), views)
     for name in [v for v in ("before", "both", "gemv", "gemv1_2", "self_route_merge", "down_gemv_8", "prefetch_down",
-                             "one_launch", "one_launch_prefetch", "ahead_o_sum", "ahead_all") if v in variants] \
+                             "one_launch", "one_launch_prefetch", "ahead_o_sum", "ahead_all", "own", "own_all")
+                 if v in variants] \
             if len(variants) > 2 else ():
         set_variant(fwd, name)
         rep["profile"][name] = profile_step(run, cfg.num_layers)

@@ -92,7 +92,8 @@ def test_gpu_float32_tokens_with_moe_down_gemvs_equal_transformers(case, tmp_pat
 def test_gpu_float32_tokens_with_moe_one_launch_or_prefetch_equal_transformers(case, flags, tmp_path, monkeypatch):
     """The MoE decode kernels of up to 8 tokens in one launch (``triton_moe_decode.ONE_LAUNCH``, with
     ``PUSHKV_MOE_DECODE=ungrouped``), also with the down weights asked of L2 by gate/up (``PREFETCH_DOWN``), the
-    grouped kernels with that prefetch (``triton_moe.PREFETCH_DOWN_TOKENS``), and the dense weights asked of L2
+    grouped kernels with that prefetch and each program's own rows asked for first (``triton_moe.PREFETCH_DOWN_TOKENS``,
+    ``PREFETCH_OWN_TOKENS``), and the dense weights asked of L2
     ahead of their projections at every place (``batched.AHEAD``) give transformers' float32 tokens, with graphs
     and eager; the decode steps took the launch counted where it is on."""
     from pushkv.model import batched
@@ -119,8 +120,9 @@ def test_gpu_float32_tokens_with_moe_one_launch_or_prefetch_equal_transformers(c
         monkeypatch.setattr(batched, "AHEAD_TOKENS", 8)
         monkeypatch.setattr(batched, "AHEAD", frozenset({"o", "qkv_route", "qkv_sum"}))
         counted(prefetch, "_ahead_kernel")
-    else:
+    else:  # the grouped kernels asking for the down weights and for their own rows
         monkeypatch.setattr(triton_moe, "PREFETCH_DOWN_TOKENS", 8)
+        monkeypatch.setattr(triton_moe, "PREFETCH_OWN_TOKENS", 8)
     _graphs_equal_transformers_and_eager(case, tmp_path)
     assert bool(launches) == (flags != "grouped_prefetch"), len(launches)
 

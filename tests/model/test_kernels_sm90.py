@@ -180,3 +180,32 @@ def test_prefetch_lines_cover_each_share():
         per = -(-elems // shares)
         assert lines * line >= per and (lines // 2) * line < per, (elems, shares, lines, line)
     assert lines_for(2048 * 4096, 132, 2) == (1024, 64)
+
+
+@pytest.mark.unit
+def test_own_prefetch_asks_for_every_line_of_the_tile_before_its_loads():
+    """``PREFETCH_OWN_TOKENS``: a grouped gate/up program asks L2 for its gate and up rows (a decode step's 64
+    columns x 2 x 2048 bf16: 4,096 lines, 32 a thread), a down program for its rows (64 x 768: 16 lines a row
+    rounded up, 16 a thread on 2 warps), at normal priority (CCTL.E.PF2 in SASS, not the evict-last PML2), after
+    the wait and before the first weight load; without it, none."""
+    from pushkv.model.kernels import triton_moe as tm
+    from tools.kernel_sass import GROUPED, GROUPED_ROUTE
+
+    dt = tm.tiles_for(1)
+    for fn, consts, warps, stages, lines in (
+            (tm._gate_up_kernel, dict(GROUPED, **GROUPED_ROUTE, BM=dt.bm, BN=dt.bn_up, BK=dt.bk), dt.warps, dt.stages,
+             dt.bn_up * 2 * 32),
+            (tm._down_kernel, dict(GROUPED, BM=dt.bm, BN=dt.bn_down, BK=dt.bk_down), dt.down_warps, dt.down_stages,
+             dt.bn_down * 16)):
+        lpr = 32 if fn is tm._gate_up_kernel else 16
+        on = compile_sm90(fn, dict(consts, OWN=True, LPR=lpr, LINE=64), True, warps, stages)
+        ptx = _lines(on.asm["ptx"])
+        asks = [i for i, x in enumerate(ptx) if x.startswith("prefetch.global.L2 ") or " prefetch.global.L2 [" in x]
+        wait = next(i for i, x in enumerate(ptx) if "griddepcontrol.wait" in x)
+        first_weight = next(i for i, x in enumerate(ptx) if "cp.async" in x)
+        assert asks and wait < min(asks) and max(asks) < first_weight, (fn.__name__, wait, asks[:1], first_weight)
+        assert not any("evict_last" in x for x in ptx)
+        sass = instructions(on.asm["cubin"])
+        assert sum("CCTL.E.PF2" in x for x in sass) == lines // (32 * warps), fn.__name__
+        off = compile_sm90(fn, consts, True, warps, stages)
+        assert "prefetch" not in off.asm["ptx"]

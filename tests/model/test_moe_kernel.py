@@ -58,9 +58,13 @@ for T, E, k, d, i, renorm, dtype in json.loads(sys.argv[2]):
     ref = moe_mlp(h, router, gate_up, down, k, bool(renorm)).float().cpu()
     got = triton_moe.moe_mlp(h, router, gate_up, down, k, bool(renorm)).float().cpu()
     # the gate/up programs asking L2 for the down weights (on a GPU; a no-op under the interpreter): the same bits
-    triton_moe.PREFETCH_DOWN_TOKENS = triton_moe_decode.DECODE_TOKENS
-    ahead = torch.equal(triton_moe.moe_mlp(h, router, gate_up, down, k, bool(renorm)).float().cpu(), got)
-    triton_moe.PREFETCH_DOWN_TOKENS = 0
+    # and each program asking for its own rows first, with and without that
+    ahead = True
+    for down_ahead, own in ((True, False), (False, True), (True, True)):
+        triton_moe.PREFETCH_DOWN_TOKENS = triton_moe_decode.DECODE_TOKENS if down_ahead else 0
+        triton_moe.PREFETCH_OWN_TOKENS = triton_moe_decode.DECODE_TOKENS if own else 0
+        ahead &= torch.equal(triton_moe.moe_mlp(h, router, gate_up, down, k, bool(renorm)).float().cpu(), got)
+    triton_moe.PREFETCH_DOWN_TOKENS = triton_moe.PREFETCH_OWN_TOKENS = 0
     # every grouped tile size tiles_for picks, and the grouped path at a decode step's few tokens, on the
     # smaller shapes (the interpreter is slow)
     tiles = {triton_moe.tiles_for(n) for n in (100, 5000)} | {triton_moe.Tiles(16, 32, 64, 128)} if T < 10 else set()

@@ -51,6 +51,29 @@ def _l2_evict_last(ptrs):
 
 
 @triton.jit
+def _l2(ptrs):
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+def row_lines(row_elems: int, itemsize: int) -> tuple[int, int]:
+    """(LPR, LINE) for :func:`l2_rows`: the lines a row of ``row_elems`` elements spans, rounded up to a power of
+    two, and the elements a line holds."""
+    line = LINE_BYTES // itemsize
+    return triton.next_power_of_2(max(1, -(-row_elems // line))), line
+
+
+@triton.jit
+def l2_rows(Base, rows, stride, row_elems, LPR: tl.constexpr, LINE: tl.constexpr):
+    """Ask L2 for whole rows of a row-major matrix at ``Base`` (``rows`` a vector of row indices, each of
+    ``row_elems`` elements ``stride`` apart), at the normal eviction priority: a program's own tile, asked for all
+    at once before its loads go through the pipeline, so that the HBM sees every request of the tile at the start
+    instead of a few stages' worth at a time. Lines past a row's end ask for its last again."""
+    offs = tl.minimum(tl.arange(0, LPR).to(tl.int64) * LINE, row_elems - 1)
+    _l2(Base + rows[:, None].to(tl.int64) * stride + offs[None, :])
+
+
+@triton.jit
 def l2_share(Base, elems, share, shares, LINES: tl.constexpr, LINE: tl.constexpr):
     """Ask L2 for the ``share``-th of ``shares`` equal parts of the ``elems`` contiguous elements at ``Base``
     (kept there ahead of streamed lines: evict_last). Lines past the part's end ask for its last one again."""

@@ -49,7 +49,7 @@ except ModuleNotFoundError as e:  # a CUDA torch build without Triton
 
 from pushkv.model.kernels import chain, prefetch
 from pushkv.model.kernels.chain import wait_prior
-from pushkv.model.kernels.prefetch import l2_share
+from pushkv.model.kernels.prefetch import l2_rows, l2_share
 
 
 @triton.jit
@@ -208,7 +208,8 @@ def _gate_up_kernel(H, W, Act, SlotIds, BlockExpert, Logits, Weights, D, n_slots
                     PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     EVEN: tl.constexpr, ROW_ACT: tl.constexpr, PDL: tl.constexpr, SELF_ROUTE: tl.constexpr,
                     K: tl.constexpr, RENORM: tl.constexpr, EP: tl.constexpr,
-                    PREFETCH: tl.constexpr = False, LINES: tl.constexpr = 1, LINE: tl.constexpr = 64):
+                    PREFETCH: tl.constexpr = False, LINES: tl.constexpr = 1, LINE: tl.constexpr = 64,
+                    OWN: tl.constexpr = False, LPR: tl.constexpr = 1):
     wait_prior(PDL)
     pid_m = tl.program_id(0)
     rows = pid_m * BM + tl.arange(0, BM)
@@ -227,6 +228,10 @@ def _gate_up_kernel(H, W, Act, SlotIds, BlockExpert, Logits, Weights, D, n_slots
         if e < 0:  # a block past the last expert's segment
             return
         slots = tl.load(SlotIds + rows)
+    if OWN:  # its own gate and up rows, every line asked of L2 at once (PREFETCH_OWN_TOKENS)
+        own = tl.minimum(tl.program_id(1) * BN + tl.arange(0, BN), inter - 1)
+        l2_rows(W + e * stride_we, own, stride_wn, d, LPR, LINE)
+        l2_rows(W + e * stride_we, own + inter, stride_wn, d, LPR, LINE)
     if PREFETCH:  # this program's share of its expert's down weights, into L2 for the down launch (kernels/prefetch.py)
         l2_share(D + e * stride_de, down_elems, tl.program_id(1), tl.num_programs(1), LINES, LINE)
     # with the prefetch, the gate/up weights (read once) leave L2 first, so the down weights stay
@@ -270,12 +275,16 @@ def _gate_up_kernel(H, W, Act, SlotIds, BlockExpert, Logits, Weights, D, n_slots
 def _down_kernel(Act, W, Weights, Out, SlotIds, BlockExpert, n_slots, d, inter,
                  stride_act, stride_we, stride_wn, stride_out,
                  PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 EVEN: tl.constexpr, ROW_ACT: tl.constexpr, PDL: tl.constexpr):
+                 EVEN: tl.constexpr, ROW_ACT: tl.constexpr, PDL: tl.constexpr, OWN: tl.constexpr = False,
+                 LPR: tl.constexpr = 1, LINE: tl.constexpr = 64):
     wait_prior(PDL)
     pid_m = tl.program_id(0)
     e = tl.load(BlockExpert + pid_m).to(tl.int64)
     if e < 0:
         return
+    if OWN:  # its own rows of the expert's down weights, every line asked of L2 at once (PREFETCH_OWN_TOKENS)
+        l2_rows(W + e * stride_we, tl.minimum(tl.program_id(1) * BN + tl.arange(0, BN), d - 1), stride_wn, inter,
+                LPR, LINE)
     rows = pid_m * BM + tl.arange(0, BM)
     slots = tl.load(SlotIds + rows)
     valid = slots < n_slots
@@ -394,6 +403,13 @@ TILE_DEPTH = 4096
 # reads next (kernels/prefetch.py); the gate/up weights then load evict-first. 0: off, until
 # experiments/moe_decode_probe.py (variant ``prefetch_down``) has timed it on a GPU
 PREFETCH_DOWN_TOKENS = 0
+
+# Steps of up to this many tokens have each grouped gate/up and down program ask L2 for its own weight rows, all
+# at once, before its pipelined loads: at one token 96 gate/up programs on 132 SMs draw about 70 % of the HBM
+# rate, a few stages of loads in flight a program, and asking for the whole tile up front puts every request
+# before the HBM at the start (kernels/prefetch.py). The same bits. 0: off, until experiments/moe_decode_probe.py
+# (variants ``own*``) has timed it on a GPU
+PREFETCH_OWN_TOKENS = 0
 
 # Steps of up to this many tokens route and group in the one-program kernel (a decode step: one
 # launch where torch takes ~15); longer ones in torch, whose launches are spread over the whole GPU
@@ -556,13 +572,15 @@ class SelfRoute(NamedTuple):
 
 def gate_up_product(h: torch.Tensor, gate_up: torch.Tensor, slot_ids: torch.Tensor, block_expert: torch.Tensor,
                     k: int, tiles: Tiles, route: Optional[SelfRoute] = None,
-                    weights: Optional[torch.Tensor] = None, down: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    weights: Optional[torch.Tensor] = None, down: Optional[torch.Tensor] = None,
+                    own: bool = False) -> torch.Tensor:
     """``silu(gate) * up`` of each slot's token row through its expert, [rows, i]: in the slot table's row
     order (``ROW_ACT``: padding rows too), else in slot order. One launch (``_gate_up_kernel``). ``route``:
     a one-token step's routing, made by the kernel (row block j the token's j-th choice), which writes the
     slot table, the blocks' experts and ``weights`` as the grouping would have (k row blocks of tiles.bm).
     ``down`` [E, d, i] (contiguous): the programs of each row block also ask L2 for its expert's down weights,
-    a share each (``PREFETCH_DOWN_TOKENS``)."""
+    a share each (``PREFETCH_DOWN_TOKENS``). ``own``: each program asks L2 for its own weight rows first
+    (``PREFETCH_OWN_TOKENS``)."""
     T, d = h.shape
     inter = gate_up.shape[1] // 2
     n = T * k
@@ -579,6 +597,9 @@ def gate_up_product(h: torch.Tensor, gate_up: torch.Tensor, slot_ids: torch.Tens
     if down is not None and prefetch.enabled(h):
         lines, line = prefetch.lines_for(down[0].numel(), grid[1], down.element_size())
         ahead = {"PREFETCH": True, "LINES": lines, "LINE": line}
+    if own and prefetch.enabled(h):
+        lpr, line = prefetch.row_lines(d, gate_up.element_size())
+        ahead.update(OWN=True, LPR=lpr, LINE=line)
     _gate_up_kernel[grid](h, gate_up, act, slot_ids, block_expert, logits, h if weights is None else weights,
                           h if down is None else down, n, d, inter, k, E,
                           h.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
@@ -590,18 +611,23 @@ def gate_up_product(h: torch.Tensor, gate_up: torch.Tensor, slot_ids: torch.Tens
 
 
 def down_per_slot(act: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, slot_ids: torch.Tensor,
-                  block_expert: torch.Tensor, n: int, tiles: Tiles) -> torch.Tensor:
+                  block_expert: torch.Tensor, n: int, tiles: Tiles, own: bool = False) -> torch.Tensor:
     """Each slot's product through its expert's down projection times its routing weight, [n, d], in
-    slot order (token t's k slots at rows t k .. t k + k - 1). One launch (``_down_kernel``)."""
+    slot order (token t's k slots at rows t k .. t k + k - 1). One launch (``_down_kernel``). ``own``: each
+    program asks L2 for its own weight rows first (``PREFETCH_OWN_TOKENS``)."""
     d, inter = down.shape[1], down.shape[2]
     bk, warps, stages = tiles.bk_down or tiles.bk, tiles.down_warps or tiles.warps, tiles.down_stages or tiles.stages
     per_slot = torch.empty((n, d), dtype=act.dtype, device=act.device)
+    ahead: dict = {}
+    if own and prefetch.enabled(act):
+        lpr, line = prefetch.row_lines(inter, down.element_size())
+        ahead = {"OWN": True, "LPR": lpr, "LINE": line}
     grid = (block_expert.numel(), triton.cdiv(d, tiles.bn_down))
     _down_kernel[grid](act, down, weights, per_slot, slot_ids, block_expert, n, d, inter,
                        act.stride(0), down.stride(0), down.stride(1), per_slot.stride(0),
                        PREC=_precision(act), BM=tiles.bm, BN=tiles.bn_down, BK=bk,
                        EVEN=EVEN_LOADS and inter % bk == 0 and d % tiles.bn_down == 0, ROW_ACT=ROW_ACT,
-                       num_warps=warps, num_stages=stages, **chain.launch(act))
+                       num_warps=warps, num_stages=stages, **ahead, **chain.launch(act))
     return per_slot
 
 
@@ -660,12 +686,13 @@ def moe_mlp(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: 
         grouping = route_group if T <= FUSED_ROUTE_TOKENS else route_group_wide
         weights, _, slot_ids, block_expert = grouping(h, router, k, renorm, tl_.bm)
     down = down.contiguous()
+    own = T <= PREFETCH_OWN_TOKENS
     act = gate_up_product(h, gate_up.contiguous(), slot_ids, block_expert, k, tl_, route, weights,
-                          down if T <= PREFETCH_DOWN_TOKENS else None)
+                          down if T <= PREFETCH_DOWN_TOKENS else None, own)
     # the down GEMVs read the tables before they wait: only a routing launch's, never those gate/up writes
     if route is None and T <= DOWN_GEMV_TOKENS and down.shape[2] <= TILE_DEPTH:
         per_slot = down_gemv(act, down, weights, slot_ids, block_expert, n, tl_.bm)
     else:
-        per_slot = down_per_slot(act, down, weights, slot_ids, block_expert, n, tl_)
+        per_slot = down_per_slot(act, down, weights, slot_ids, block_expert, n, tl_, own)
     per_token = per_slot.view(T, k, d)
     return per_token.sum(dim=1) if summed else per_token
