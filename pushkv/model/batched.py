@@ -183,7 +183,8 @@ class BatchedForward:
         x = F.embedding(meta.ids, m.w.embed)
         x, h = K.add_rms(x, None, layers[0].input_norm, eps)
         attn = torch.empty(T, p.q_heads, self.hd, device=self.device, dtype=m.dtype)
-        places = AHEAD if 0 < T <= AHEAD_TOKENS else frozenset()
+        # (not under TP: its all-reduce between launches breaks the chain the ahead launch runs beside)
+        places = AHEAD if 0 < T <= AHEAD_TOKENS and m.tp_size == 1 else frozenset()
         for layer, lw in enumerate(layers):
             q = K.qk_norm_rope_store(linear(h, lw.qkv, lw.qkv_bias), p.q_heads, p.kv_heads, self.hd,
                                      lw.q_norm, lw.k_norm, eps, rope[0], rope[1], rope[2], meta.slots,
