@@ -130,9 +130,9 @@ s.print_callees('_post_write|_prefill_done|on_ExpectKV|_poll_notifs')" 2>&1 | gr
             timeout 500 python3 -m pytest -q -p no:cacheprovider tests/model/test_moe_kernel.py \
               tests/model/test_gpu_graphs.py -k "one_launch or prefetch or gpu_decode_kernels or gpu_kernels_equal" \
               -rfE 2>&1 | tee "$OUT/moe_ahead_tests.txt" | tail -4 ;;
-    moeahead) # the probe's variants of them against the shipped step at batches 1, 2 and 8
-            timeout 540 python3 -m experiments.moe_decode_probe --out "$OUT" --batches 1,2,8 --reps ${REPS:-50} \
-              --variants ${AHEAD_VARIANTS:-gemv1_2,prefetch_down,ungrouped1,ungrouped_prefetch,one_launch,one_launch_prefetch,ahead_o,ahead_o_route,ahead_o_sum,ahead_all,own,own_down,own_all} \
+    moeahead) # the probe's variants of them against the shipped step at batches 1 and 8
+            timeout 540 python3 -m experiments.moe_decode_probe --out "$OUT" --batches ${AHEAD_BATCHES:-1,8} --reps ${REPS:-30} \
+              --variants ${AHEAD_VARIANTS:-gemv1_2,prefetch_down,ungrouped1,ungrouped_prefetch,one_launch,one_launch_prefetch,ahead_o,ahead_o_route,ahead_o_sum,ahead_all,own,own_down,own_all,ungrouped_own,one_launch_own,one_launch_all} \
               2>&1 | tail -40 ;;
     attntune) timeout 300 python3 -m experiments.attn_tune 2>&1 | tee "$OUT/attn_tune.txt" ;;
     kvverifyfaults) # the fault cases end to end with the pools in GPU memory (push-layer and pull, tiny models)

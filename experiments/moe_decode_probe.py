@@ -34,7 +34,10 @@ Variants (each re-captures the graphs):
   with ``prefetch_down``;
 - ``own``: ``gemv1_2`` with each grouped gate/up and down program asking L2 for its own weight rows at once before
   its pipelined loads (``triton_moe.PREFETCH_OWN_TOKENS``), up to 8 tokens; ``own_down``: with ``prefetch_down``;
-  ``own_all``: with ``ahead_all``.
+  ``own_all``: with ``ahead_all``;
+- ``ungrouped_own``: ``ungrouped_prefetch`` with each ungrouped program asking for its own rows first
+  (``triton_moe_decode.PREFETCH_OWN``; a down program its rows of all k experts at once); ``one_launch_own``: the
+  same in one launch; ``one_launch_all``: that with the o and next qkv weights ahead.
 
 ``--variants both,gemv1_2`` times only those.
 
@@ -99,11 +102,15 @@ VARIANTS = {"before": (False, 0, "grouped", 0, 8), "router": (False, 16, "groupe
             "ahead_all": (True, 16, "grouped", 1, 2, False, False, 0, 8, 8, False, False, 8, {"o", "qkv_sum"}),
             "own": (True, 16, "grouped", 1, 2, False, False, 0, 8, 0, False, False, 0, {"o"}, 8),
             "own_down": (True, 16, "grouped", 1, 2, False, False, 0, 8, 8, False, False, 0, {"o"}, 8),
-            "own_all": (True, 16, "grouped", 1, 2, False, False, 0, 8, 8, False, False, 8, {"o", "qkv_sum"}, 8)}
+            "own_all": (True, 16, "grouped", 1, 2, False, False, 0, 8, 8, False, False, 8, {"o", "qkv_sum"}, 8),
+            "ungrouped_own": (True, 16, "ungrouped", 1, 2, False, False, 0, 8, 0, False, True, 0, {"o"}, 0, True),
+            "one_launch_own": (True, 16, "ungrouped", 1, 2, False, False, 0, 8, 0, True, True, 0, {"o"}, 0, True),
+            "one_launch_all": (True, 16, "ungrouped", 1, 2, False, False, 0, 8, 0, True, True, 8, {"o", "qkv_sum"}, 0,
+                               True)}
 # what a variant leaves out: no self-routing, no fused merge, no down GEMVs (8 columns), no grouped prefetch, two
 # launches for the ungrouped kernels, no ungrouped prefetch, no dense weights asked for ahead, no program asking
 # for its own rows
-DEFAULTS = (False, False, 0, 8, 0, False, False, 0, {"o"}, 0)
+DEFAULTS = (False, False, 0, 8, 0, False, False, 0, {"o"}, 0, False)
 
 
 def set_variant(fwd, name: str) -> None:
@@ -113,7 +120,8 @@ def set_variant(fwd, name: str) -> None:
     (chain.ON, batched.ROUTER_IN_NORM_TOKENS, os.environ["PUSHKV_MOE_DECODE"], batched.GEMV_TOKENS,
      triton_gemv.COLUMNS, triton_moe.SELF_ROUTE_ONE_TOKEN, triton_paged.FUSED_MERGE, triton_moe.DOWN_GEMV_TOKENS,
      triton_moe.DOWN_GEMV_COLUMNS, triton_moe.PREFETCH_DOWN_TOKENS, triton_moe_decode.ONE_LAUNCH,
-     triton_moe_decode.PREFETCH_DOWN, batched.AHEAD_TOKENS, places, triton_moe.PREFETCH_OWN_TOKENS) = v
+     triton_moe_decode.PREFETCH_DOWN, batched.AHEAD_TOKENS, places, triton_moe.PREFETCH_OWN_TOKENS,
+     triton_moe_decode.PREFETCH_OWN) = v
     batched.AHEAD = frozenset(places)
     fwd.drop_graphs()  # captured with the last variant's launches
 
@@ -257,7 +265,8 @@ def markdown(rep: dict) -> str:
                          "ungrouped_prefetch_vs_ungrouped1", "one_launch_vs_ungrouped1",
                          "one_launch_prefetch_vs_ungrouped1", "ahead_o_vs_gemv1_2", "ahead_o_route_vs_gemv1_2",
                          "ahead_o_sum_vs_gemv1_2", "ahead_all_vs_gemv1_2", "own_vs_gemv1_2", "own_down_vs_gemv1_2",
-                         "own_all_vs_gemv1_2")
+                         "own_all_vs_gemv1_2", "ungrouped_own_vs_ungrouped1", "one_launch_own_vs_ungrouped1",
+                         "one_launch_all_vs_ungrouped1")
              if p in rep["rows"][0]]
     out += ["", "| batch | chained: the same bits |" + "".join(f" {p}: max abs, argmax agree |" for p in pairs),
             "| --- | --- |" + " --- |" * len(pairs)]
@@ -326,7 +335,8 @@ def main() -> None:
                      ("ungrouped_prefetch", "ungrouped1"), ("one_launch", "ungrouped1"),
                      ("one_launch_prefetch", "ungrouped1"), ("ahead_o", "gemv1_2"), ("ahead_o_route", "gemv1_2"),
                      ("ahead_o_sum", "gemv1_2"), ("ahead_all", "gemv1_2"), ("own", "gemv1_2"),
-                     ("own_down", "gemv1_2"), ("own_all", "gemv1_2")):
+                     ("own_down", "gemv1_2"), ("own_all", "gemv1_2"), ("ungrouped_own", "ungrouped1"),
+                     ("one_launch_own", "ungrouped1"), ("one_launch_all", "ungrouped1")):
             if a not in logits or b not in logits:
                 continue
             row[f"{a}_vs_{b}"] = {"max_abs": float((logits[a] - logits[b]).abs().max()),
@@ -336,7 +346,8 @@ def main() -> None:
         save(rep, args.out)  # each batch as it is measured: a run cut short keeps what it had
     run = functools.partial(fwd.logits, decode_seqs(cfg, 1, args.ctx, 16), views)
     for name in [v for v in ("before", "both", "gemv", "gemv1_2", "self_route_merge", "down_gemv_8", "prefetch_down",
-                             "one_launch", "one_launch_prefetch", "ahead_o_sum", "ahead_all", "own", "own_all")
+                             "one_launch", "one_launch_prefetch", "ahead_o_sum", "ahead_all", "own", "own_all",
+                             "one_launch_own", "one_launch_all")
                  if v in variants] \
             if len(variants) > 2 else ():
         set_variant(fwd, name)

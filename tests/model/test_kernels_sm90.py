@@ -209,3 +209,22 @@ def test_own_prefetch_asks_for_every_line_of_the_tile_before_its_loads():
         assert sum("CCTL.E.PF2" in x for x in sass) == lines // (32 * warps), fn.__name__
         off = compile_sm90(fn, consts, True, warps, stages)
         assert "prefetch" not in off.asm["ptx"]
+
+
+# a thread's own-row asks: gate/up's 16 gate and 16 up rows of 32 lines over 128 threads; down's 4 rows of 16
+# lines an expert (64: every thread holds one, half of them twice over), for each of 8 experts
+GATE_UP_ASKS, DOWN_ASKS = 16 * 2 * 32 // 128, 8 * max(1, 4 * 16 // 128)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name, asks", [("decode_gate_up_own", GATE_UP_ASKS), ("decode_down_own", DOWN_ASKS),
+                                        ("decode_one_launch_own", GATE_UP_ASKS + DOWN_ASKS)])
+def test_ungrouped_own_prefetch_asks_for_the_whole_tile(name, asks):
+    """``triton_moe_decode.PREFETCH_OWN``: a gate/up program asks L2 for its 16 gate and 16 up rows (2048 bf16:
+    32 lines each), a down program for its 4 rows of each of its token's 8 experts (768 bf16: 12 lines, 16
+    asked), at normal priority (CCTL.E.PF2); in one launch both, beside the evict-last asks of the down weights."""
+    fn, consts, warps, stages = next((f, c, w, st) for n, f, c, w, st in KERNELS if n == name)
+    sass = instructions(compile_sm90(fn, consts, True, warps, stages).asm["cubin"])
+    assert sum("CCTL.E.PF2" in x for x in sass) == asks
+    if "LINES" in consts:
+        assert sum("CCTL.E.PML2" in x for x in sass) == consts["LINES"] // (32 * warps)

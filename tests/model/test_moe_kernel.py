@@ -160,10 +160,12 @@ for T, E, k, d, i, renorm, ties, dtype, tiles in json.loads(sys.argv[2]):
     # twice in a row (the launch leaves its counters zero for the next), and the counters zero after
     from pushkv.model.kernels import triton_moe_decode
     one = []
-    for one_launch, ahead in ((True, False), (True, False), (False, True), (True, True)):
+    for one_launch, ahead, own in ((True, False, False), (True, False, False), (False, True, False),
+                                   (True, True, False), (False, False, True), (True, True, True)):
         triton_moe_decode.ONE_LAUNCH, triton_moe_decode.PREFETCH_DOWN = one_launch, ahead
+        triton_moe_decode.PREFETCH_OWN = own
         one.append(moe_mlp_decode(h, router, gate_up, down, k, bool(renorm), tiles))
-    triton_moe_decode.ONE_LAUNCH = triton_moe_decode.PREFETCH_DOWN = False
+    triton_moe_decode.ONE_LAUNCH = triton_moe_decode.PREFETCH_DOWN = triton_moe_decode.PREFETCH_OWN = False
     one_launch = all(torch.equal(a, b) for o in one for a, b in zip(o, (got, w, ex))) and \
         not bool(triton_moe_decode.counters(h.device, T).any())
     exact = h.cpu().double() @ router.cpu().double().T
@@ -294,7 +296,8 @@ def test_gpu_layer_captured_in_a_cuda_graph_replays_new_tokens(T):
 def test_gpu_one_launch_replayed_in_a_cuda_graph_equals_two_launches(T, ahead):
     """The ungrouped decode kernels in one launch at Qwen3-30B-A3B's shapes (bf16), where its down programs truly
     wait on other programs: captured once and replayed on 50 new batches, each
-    replay the two launches' bits (eager), and the counters zero after; with the down weights prefetched too."""
+    replay the two launches' bits (eager), and the counters zero after; ``ahead``: with the down weights asked of
+    L2 by gate/up and every program's own rows too."""
     from pushkv.model.kernels import triton_moe_decode as tmd
 
     g = torch.Generator().manual_seed(T)
@@ -306,7 +309,7 @@ def test_gpu_one_launch_replayed_in_a_cuda_graph_equals_two_launches(T, ahead):
     h = torch.randn(T, d, generator=g).to("cuda", dt)
     tiles = tmd.decode_tiles_for(T)
     try:
-        tmd.ONE_LAUNCH, tmd.PREFETCH_DOWN = True, ahead
+        tmd.ONE_LAUNCH, tmd.PREFETCH_DOWN, tmd.PREFETCH_OWN = True, ahead, ahead
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -318,13 +321,13 @@ def test_gpu_one_launch_replayed_in_a_cuda_graph_equals_two_launches(T, ahead):
         for _ in range(50):
             h.copy_(torch.randn(T, d, generator=g).to("cuda", dt))
             graph.replay()
-            tmd.ONE_LAUNCH = tmd.PREFETCH_DOWN = False
+            tmd.ONE_LAUNCH = tmd.PREFETCH_DOWN = tmd.PREFETCH_OWN = False
             two = tmd.moe_mlp_decode(h, router, gate_up, down, k, True, tiles)[0]
-            tmd.ONE_LAUNCH, tmd.PREFETCH_DOWN = True, ahead
+            tmd.ONE_LAUNCH, tmd.PREFETCH_DOWN, tmd.PREFETCH_OWN = True, ahead, ahead
             assert torch.equal(out, two)
         assert not bool(tmd.counters(h.device, T).any())
     finally:
-        tmd.ONE_LAUNCH = tmd.PREFETCH_DOWN = False
+        tmd.ONE_LAUNCH = tmd.PREFETCH_DOWN = tmd.PREFETCH_OWN = False
 
 
 def test_decode_steps_take_the_grouped_kernels_unless_the_ungrouped_are_asked_for(monkeypatch):

@@ -44,7 +44,7 @@ except ModuleNotFoundError as e:  # a CUDA torch build without Triton
 
 from pushkv.model.kernels import chain, prefetch
 from pushkv.model.kernels.chain import wait_prior
-from pushkv.model.kernels.prefetch import l2_share
+from pushkv.model.kernels.prefetch import l2_rows, l2_share
 
 # Steps of up to this many tokens take these kernels (a decode graph bucket bound, so a step runs
 # the same path replayed or eager); longer ones group the slots by expert (triton_moe)
@@ -57,6 +57,10 @@ ONE_LAUNCH = False
 # the gate/up programs ask L2 for their experts' down weights, which the down programs read next
 # (kernels/prefetch.py); the same bits. Off until the probe (variants ``*_prefetch``) has timed it
 PREFETCH_DOWN = False
+# each gate/up program asks L2 for its own rows, and each down program for its rows of all k experts, at once
+# before its loads (which otherwise go a BK chunk and an expert at a time: a down program's 3 x k rounds one
+# after another); the same bits. Off until the probe (variants ``*_own``) has timed it
+PREFETCH_OWN = False
 
 _COUNTERS: dict[str, torch.Tensor] = {}
 
@@ -148,7 +152,7 @@ def _pick(Logits, t, j, E, stride_l, K: tl.constexpr, RENORM: tl.constexpr, EP: 
 def _gate_up_tile(H, Logits, W, Act, Weights, Experts, D, s, c, E, d, inter, stride_h, stride_l, stride_we, stride_wn,
                   stride_act, stride_de, down_elems, shares, K: tl.constexpr, RENORM: tl.constexpr, EP: tl.constexpr,
                   BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, LINES: tl.constexpr,
-                  LINE: tl.constexpr):
+                  LINE: tl.constexpr, OWN: tl.constexpr, LPR: tl.constexpr):
     """Slot s's column tile c: its routing (stored by tile 0), ``silu(gate) * up`` for BN columns; with
     ``PREFETCH`` its share (c of ``shares``) of its expert's down weights asked of L2 first."""
     t = s // K
@@ -156,6 +160,10 @@ def _gate_up_tile(H, Logits, W, Act, Weights, Experts, D, s, c, E, d, inter, str
     if c == 0:  # the routing, once, for the down projection
         tl.store(Weights + s, wt.to(Weights.dtype.element_ty))
         tl.store(Experts + s, e)
+    if OWN:  # its own gate and up rows, every line asked of L2 at once (PREFETCH_OWN)
+        own = tl.minimum(c * BN + tl.arange(0, BN), inter - 1)
+        l2_rows(W + e.to(tl.int64) * stride_we, own, stride_wn, d, LPR, LINE)
+        l2_rows(W + e.to(tl.int64) * stride_we, own + inter, stride_wn, d, LPR, LINE)
     if PREFETCH:  # for the down projection, which reads it next (kernels/prefetch.py)
         l2_share(D + e.to(tl.int64) * stride_de, down_elems, c, shares, LINES, LINE)
     evict: tl.constexpr = "evict_first" if PREFETCH else ""  # read once: leaves L2 before the down weights
@@ -183,7 +191,8 @@ def _gate_up_tile(H, Logits, W, Act, Weights, Experts, D, s, c, E, d, inter, str
 
 @triton.jit
 def _down_tile(Act, W, Weights, Experts, Out, t, c, d, inter, stride_act, stride_we, stride_wn, stride_out,
-               K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+               K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, OWN: tl.constexpr, LPR: tl.constexpr,
+               LINE: tl.constexpr):
     """Token t's column tile c of the hidden size: its k slots in order, each its expert's down projection
     (rounded) times its weight (rounded), summed in float32 and rounded once. The products are read from L2
     (``.cg``): in one launch (``_one_launch_kernel``) other programs wrote them during this kernel."""
@@ -191,6 +200,11 @@ def _down_tile(Act, W, Weights, Experts, Out, t, c, d, inter, stride_act, stride
     cols = c * BN + tl.arange(0, BN)
     kk = tl.arange(0, BK)
     out = tl.zeros((BN,), dtype=tl.float32)
+    if OWN:  # its rows of all k experts asked of L2 at once, not one expert's after the last's (PREFETCH_OWN)
+        own = tl.minimum(cols, d - 1)
+        for j in tl.static_range(K):
+            e = tl.load(Experts + t * K + j, cache_modifier=".cg").to(tl.int64)
+            l2_rows(W + e * stride_we, own, stride_wn, inter, LPR, LINE)
     for j in range(K):  # a token's slots in a fixed order: the sum is the same bits every run
         s = t * K + j
         e = tl.load(Experts + s, cache_modifier=".cg").to(tl.int64)
@@ -212,19 +226,21 @@ def _down_tile(Act, W, Weights, Experts, Out, t, c, d, inter, stride_act, stride
 def _gate_up_kernel(H, Logits, W, Act, Weights, Experts, D, E, d, inter, stride_h, stride_l, stride_we, stride_wn,
                     stride_act, stride_de, down_elems, K: tl.constexpr, RENORM: tl.constexpr, EP: tl.constexpr,
                     BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = False,
-                    LINES: tl.constexpr = 1, LINE: tl.constexpr = 64):
+                    LINES: tl.constexpr = 1, LINE: tl.constexpr = 64, OWN: tl.constexpr = False,
+                    LPR: tl.constexpr = 1):
     wait_prior(PDL)
     _gate_up_tile(H, Logits, W, Act, Weights, Experts, D, tl.program_id(0), tl.program_id(1), E, d, inter, stride_h,
                   stride_l, stride_we, stride_wn, stride_act, stride_de, down_elems, tl.num_programs(1), K, RENORM,
-                  EP, BN, BK, PREFETCH, LINES, LINE)
+                  EP, BN, BK, PREFETCH, LINES, LINE, OWN, LPR)
 
 
 @triton.jit
 def _down_kernel(Act, W, Weights, Experts, Out, d, inter, stride_act, stride_we, stride_wn, stride_out,
-                 K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+                 K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr, OWN: tl.constexpr = False,
+                 LPR: tl.constexpr = 1, LINE: tl.constexpr = 64):
     wait_prior(PDL)
     _down_tile(Act, W, Weights, Experts, Out, tl.program_id(0), tl.program_id(1), d, inter, stride_act, stride_we,
-               stride_wn, stride_out, K, BN, BK)
+               stride_wn, stride_out, K, BN, BK, OWN, LPR, LINE)
 
 
 @triton.jit
@@ -232,7 +248,8 @@ def _one_launch_kernel(H, Logits, W, Act, Weights, Experts, D, Out, Counters, T,
                        stride_we, stride_wn, stride_act, stride_de, stride_dn, stride_out, down_elems,
                        K: tl.constexpr, RENORM: tl.constexpr, EP: tl.constexpr, BN_UP: tl.constexpr,
                        BK_UP: tl.constexpr, BN_DOWN: tl.constexpr, BK_DOWN: tl.constexpr, PDL: tl.constexpr,
-                       PREFETCH: tl.constexpr = False, LINES: tl.constexpr = 1, LINE: tl.constexpr = 64):
+                       PREFETCH: tl.constexpr = False, LINES: tl.constexpr = 1, LINE: tl.constexpr = 64,
+                       OWN: tl.constexpr = False, LPR_UP: tl.constexpr = 1, LPR_DOWN: tl.constexpr = 1):
     """``_gate_up_kernel`` and ``_down_kernel`` in one launch: the first T k x up-tiles programs (in the order
     they start) are gate/up's, the rest down's, and a token's down programs wait for its gate/up ones on a
     counter instead of at a kernel boundary. Counters [2 + T] int32, zero: the ticket (the order programs
@@ -248,7 +265,7 @@ def _one_launch_kernel(H, Logits, W, Act, Weights, Experts, D, Out, Counters, T,
         s = ticket % n  # slot-fastest, as _gate_up_kernel's grid
         _gate_up_tile(H, Logits, W, Act, Weights, Experts, D, s, ticket // n, E, d, inter, stride_h, stride_l,
                       stride_we, stride_wn, stride_act, stride_de, down_elems, up_tiles, K, RENORM, EP, BN_UP,
-                      BK_UP, PREFETCH, LINES, LINE)
+                      BK_UP, PREFETCH, LINES, LINE, OWN, LPR_UP)
         # every thread's stores issued before the one release that publishes them
         tl.debug_barrier()
         tl.atomic_add(Counters + 2 + s // K, 1, sem="release")
@@ -265,7 +282,7 @@ def _one_launch_kernel(H, Logits, W, Act, Weights, Experts, D, Out, Counters, T,
             seen = tl.atomic_add(ready, 0, sem="acquire")
         tl.debug_barrier()
         _down_tile(Act, D, Weights, Experts, Out, t, i // T, d, inter, stride_act, stride_de, stride_dn,
-                   stride_out, K, BN_DOWN, BK_DOWN)
+                   stride_out, K, BN_DOWN, BK_DOWN, OWN, LPR_DOWN, LINE)
         down_programs = T * tl.cdiv(d, BN_DOWN)
         if tl.atomic_add(Counters + 1, 1, sem="relaxed") == down_programs - 1:
             # the last: every program took its ticket and every gate/up count is in, so the counters may go back
@@ -308,21 +325,30 @@ def moe_mlp_decode(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor,
     if PREFETCH_DOWN and prefetch.enabled(h):
         lines, line = prefetch.lines_for(down[0].numel(), up_tiles, down.element_size())
         ahead = {"PREFETCH": True, "LINES": lines, "LINE": line}
+    own_up: dict = {}
+    own_down: dict = {}
+    if PREFETCH_OWN and prefetch.enabled(h):
+        lpr_up, line = prefetch.row_lines(d, h.element_size())
+        lpr_down = prefetch.row_lines(inter, h.element_size())[0]
+        own_up, own_down = {"OWN": True, "LPR": lpr_up, "LINE": line}, {"OWN": True, "LPR": lpr_down, "LINE": line}
     ep = triton.next_power_of_2(E)
     if ONE_LAUNCH:
+        own = {"OWN": True, "LPR_UP": own_up["LPR"], "LPR_DOWN": own_down["LPR"], "LINE": own_up["LINE"]} \
+            if own_up else {}
         _one_launch_kernel[(n * up_tiles + T * down_tiles,)](
             h, logits, gate_up, act, weights, experts, down, out, counters(dev, T), T, E, d, inter, h.stride(0),
             logits.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0), down.stride(0), down.stride(1),
             out.stride(0), down[0].numel(), K=k, RENORM=renorm, EP=ep, BN_UP=tiles.bn_up, BK_UP=tiles.bk_up,
-            BN_DOWN=tiles.bn_down, BK_DOWN=tiles.bk_down, num_warps=tiles.warps, num_stages=tiles.stages, **ahead,
-            **chain.launch(h))
+            BN_DOWN=tiles.bn_down, BK_DOWN=tiles.bk_down, num_warps=tiles.warps, num_stages=tiles.stages,
+            **{**ahead, **own}, **chain.launch(h))
         return out, weights, experts
     _gate_up_kernel[(n, up_tiles)](
         h, logits, gate_up, act, weights, experts, down, E, d, inter, h.stride(0), logits.stride(0),
         gate_up.stride(0), gate_up.stride(1), act.stride(0), down.stride(0), down[0].numel(), K=k, RENORM=renorm,
-        EP=ep, BN=tiles.bn_up, BK=tiles.bk_up, num_warps=tiles.warps, num_stages=tiles.stages, **ahead,
-        **chain.launch(h))
+        EP=ep, BN=tiles.bn_up, BK=tiles.bk_up, num_warps=tiles.warps, num_stages=tiles.stages,
+        **{**ahead, **own_up}, **chain.launch(h))
     _down_kernel[(T, down_tiles)](
         act, down, weights, experts, out, d, inter, act.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        K=k, BN=tiles.bn_down, BK=tiles.bk_down, num_warps=tiles.warps, num_stages=tiles.stages, **chain.launch(act))
+        K=k, BN=tiles.bn_down, BK=tiles.bk_down, num_warps=tiles.warps, num_stages=tiles.stages, **own_down,
+        **chain.launch(act))
     return out, weights, experts
