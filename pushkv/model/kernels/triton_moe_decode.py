@@ -23,6 +23,12 @@ sixth step. Here:
   in float32 and rounded once. No atomics and no per-slot buffer: a token's bits depend on its own
   row and the tiles only, never on the run or (with the router's own kernel, ``be > 0``) the batch.
 
+With ``ONE_LAUNCH`` the two run as one launch (``_one_launch_kernel``): the programs take their parts by ticket
+in the order they start, and a token's down programs wait on a counter for its gate/up programs. With
+``PREFETCH_DOWN`` the gate/up programs ask L2 for their experts' down weights, and with ``PREFETCH_OWN`` each
+program asks for its own tile first (kernels/prefetch.py). All three give the same bits and are off until a GPU
+has timed them (experiments/moe_decode_probe.py).
+
 Rounding points are the reference's (each projection, the SiLU, each slot times its weight); the sum
 of a token's slots runs in float32 where the reference adds in the model dtype, as the grouped path's
 torch sum does. Nothing waits for the host: the decode step's CUDA graph captures the three launches.
