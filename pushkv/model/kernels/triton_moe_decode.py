@@ -159,8 +159,8 @@ def _gate_up_tile(H, Logits, W, Act, Weights, Experts, D, s, c, E, d, inter, str
                   stride_act, stride_de, down_elems, shares, K: tl.constexpr, RENORM: tl.constexpr, EP: tl.constexpr,
                   BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, LINES: tl.constexpr,
                   LINE: tl.constexpr, OWN: tl.constexpr, LPR: tl.constexpr):
-    """Slot s's column tile c: its routing (stored by tile 0), ``silu(gate) * up`` for BN columns; with
-    ``PREFETCH`` its share (c of ``shares``) of its expert's down weights asked of L2 first."""
+    """Slot s's column tile c: its routing (stored by tile 0), ``silu(gate) * up`` for BN columns; with ``OWN``
+    its own rows asked of L2 first, with ``PREFETCH`` its share (c of ``shares``) of its expert's down weights."""
     t = s // K
     e, wt = _pick(Logits, t, s % K, E, stride_l, K, RENORM, EP)
     if c == 0:  # the routing, once, for the down projection
