@@ -111,6 +111,10 @@ def test_one_launch_down_programs_wait_with_an_acquire_for_a_release_after_every
     wait = next(i for i, x in enumerate(lines) if "griddepcontrol.wait" in x)
     ticket = next(i for i, x in enumerate(lines) if "atom.global" in x)
     assert wait < ticket and "atom.global.gpu.relaxed.add" in lines[ticket] and lines[ticket].startswith("@%p")
+    # one thread's ticket, given to every thread through shared memory behind a barrier (else the others would
+    # take another part)
+    after = lines[ticket + 1:ticket + 4]
+    assert any(re.match(r"@%p\d+ st\.shared", x) for x in after) and after[-1].startswith("bar.sync"), after
     release = [i for i, x in enumerate(lines) if "atom.global.gpu.release.add" in x]
     assert len(release) == 1 and lines[release[0]].startswith("@%p"), release
     stores = [i for i, x in enumerate(lines[:release[0]]) if re.match(r"(@%p\d+\s+)?st\.global", x)]
@@ -118,6 +122,8 @@ def test_one_launch_down_programs_wait_with_an_acquire_for_a_release_after_every
     spin = [i for i, x in enumerate(lines) if "ld.volatile.global" in x]
     acquire = [i for i, x in enumerate(lines) if "ld.global.gpu.acquire" in x]
     assert len(spin) == 1 and len(acquire) == 1 and release[0] < spin[0] < acquire[0], (spin, acquire)
+    after = lines[acquire[0] + 1:acquire[0] + 3]  # the acquired count, to every thread
+    assert re.match(r"@%p\d+ st\.shared", after[0]) and after[1].startswith("bar.sync"), after
     # after the acquire: a barrier before the products' loads (from L2: .cg)
     reads = [i for i, x in enumerate(lines) if re.match(r"(@%p\d+\s+)?ld\.global\.cg", x)]
     assert reads and min(reads) > acquire[0]
