@@ -132,11 +132,11 @@ s.print_callees('_post_write|_prefill_done|on_ExpectKV|_poll_notifs')" 2>&1 | gr
               -rfE 2>&1 | tee "$OUT/moe_ahead_tests.txt" | tail -4 ;;
     moeahead) # the probe's variants of them against the shipped step at batches 1 and 8
             timeout 540 python3 -m experiments.moe_decode_probe --out "$OUT" --batches ${AHEAD_BATCHES:-1,8} --reps ${REPS:-30} \
-              --variants ${AHEAD_VARIANTS:-gemv1_2,prefetch_down,ungrouped1,ungrouped_prefetch,one_launch,one_launch_prefetch,ahead_o,ahead_o_route,ahead_o_sum,ahead_all,own,own_down,own_all,ungrouped_own,one_launch_own,one_launch_all} \
+              --variants ${AHEAD_VARIANTS:-gemv1_2,prefetch_down,ungrouped1,ungrouped_prefetch,one_launch,one_launch_prefetch,ahead_o,ahead_o_route,ahead_o_sum,ahead_all,own,own_down,own_all,ungrouped_own,one_launch_own,one_launch_all,ahead_kv,own_all_kv} \
               2>&1 | tail -40 ;;
     denseahead) # the dense weights asked of L2 ahead (batched.AHEAD) on a dense model: qwen3-8b's o is 33 MB
             timeout 540 python3 -m experiments.moe_decode_probe --model qwen3-8b --out "$OUT/dense" --batches 1,8 \
-              --reps ${REPS:-30} --variants gemv1_2,ahead_o,ahead_o_sum 2>&1 | tail -25 ;;
+              --reps ${REPS:-30} --variants gemv1_2,ahead_o,ahead_o_sum,ahead_kv 2>&1 | tail -25 ;;
     attntune) timeout 300 python3 -m experiments.attn_tune 2>&1 | tee "$OUT/attn_tune.txt" ;;
     kvverifyfaults) # the fault cases end to end with the pools in GPU memory (push-layer and pull, tiny models)
               timeout 500 python3 -m pytest -q -p no:cacheprovider -rs tests/e2e/test_kv_verify.py -k cuda \

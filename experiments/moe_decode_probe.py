@@ -37,7 +37,9 @@ Variants (each re-captures the graphs):
   ``own_all``: with ``ahead_all``;
 - ``ungrouped_own``: ``ungrouped_prefetch`` with each ungrouped program asking for its own rows first
   (``triton_moe_decode.PREFETCH_OWN``; a down program its rows of all k experts at once); ``one_launch_own``: the
-  same in one launch; ``one_launch_all``: that with the o and next qkv weights ahead.
+  same in one launch; ``one_launch_all``: that with the o and next qkv weights ahead;
+- ``ahead_kv``: ``gemv1_2`` with each decode attention program asking L2 for its first key tile before it waits
+  (``triton_paged.PREFETCH_KV``); ``own_all_kv``: ``own_all`` with that.
 
 ``--variants both,gemv1_2`` times only those.
 
@@ -106,7 +108,10 @@ VARIANTS = {"before": (False, 0, "grouped", 0, 8), "router": (False, 16, "groupe
             "ungrouped_own": (True, 16, "ungrouped", 1, 2, False, False, 0, 8, 0, False, True, 0, {"o"}, 0, True),
             "one_launch_own": (True, 16, "ungrouped", 1, 2, False, False, 0, 8, 0, True, True, 0, {"o"}, 0, True),
             "one_launch_all": (True, 16, "ungrouped", 1, 2, False, False, 0, 8, 0, True, True, 8, {"o", "qkv_sum"}, 0,
-                               True)}
+                               True),
+            "ahead_kv": (True, 16, "grouped", 1, 2, False, False, 0, 8, 0, False, False, 0, {"o"}, 0, False, True),
+            "own_all_kv": (True, 16, "grouped", 1, 2, False, False, 0, 8, 8, False, False, 8, {"o", "qkv_sum"}, 8,
+                           False, True)}
 # (variant, its baseline): their logits compared (the same bits where the variant changes no arithmetic)
 PAIRS = (("router", "before"), ("ungrouped", "both"), ("gemv", "both"), ("gemv1_2", "both"),
          ("self_route", "gemv1_2"), ("fused_merge", "gemv1_2"), ("self_route_merge", "gemv1_2"),
@@ -114,11 +119,12 @@ PAIRS = (("router", "before"), ("ungrouped", "both"), ("gemv", "both"), ("gemv1_
          ("ungrouped_prefetch", "ungrouped1"), ("one_launch", "ungrouped1"), ("one_launch_prefetch", "ungrouped1"),
          ("ahead_o", "gemv1_2"), ("ahead_o_route", "gemv1_2"), ("ahead_o_sum", "gemv1_2"), ("ahead_all", "gemv1_2"),
          ("own", "gemv1_2"), ("own_down", "gemv1_2"), ("own_all", "gemv1_2"), ("ungrouped_own", "ungrouped1"),
-         ("one_launch_own", "ungrouped1"), ("one_launch_all", "ungrouped1"))
+         ("one_launch_own", "ungrouped1"), ("one_launch_all", "ungrouped1"), ("ahead_kv", "gemv1_2"),
+         ("own_all_kv", "gemv1_2"))
 # what a variant leaves out: no self-routing, no fused merge, no down GEMVs (8 columns), no grouped prefetch, two
 # launches for the ungrouped kernels, no ungrouped prefetch, no dense weights asked for ahead, no program asking
-# for its own rows
-DEFAULTS = (False, False, 0, 8, 0, False, False, 0, {"o"}, 0, False)
+# for its own rows (grouped, ungrouped), no key tile asked for before the attention's wait
+DEFAULTS = (False, False, 0, 8, 0, False, False, 0, {"o"}, 0, False, False)
 
 
 def set_variant(fwd, name: str) -> None:
@@ -129,7 +135,7 @@ def set_variant(fwd, name: str) -> None:
      triton_gemv.COLUMNS, triton_moe.SELF_ROUTE_ONE_TOKEN, triton_paged.FUSED_MERGE, triton_moe.DOWN_GEMV_TOKENS,
      triton_moe.DOWN_GEMV_COLUMNS, triton_moe.PREFETCH_DOWN_TOKENS, triton_moe_decode.ONE_LAUNCH,
      triton_moe_decode.PREFETCH_DOWN, batched.AHEAD_TOKENS, places, triton_moe.PREFETCH_OWN_TOKENS,
-     triton_moe_decode.PREFETCH_OWN) = v
+     triton_moe_decode.PREFETCH_OWN, triton_paged.PREFETCH_KV) = v
     batched.AHEAD = frozenset(places)
     fwd.drop_graphs()  # captured with the last variant's launches
 
@@ -349,7 +355,7 @@ def main() -> None:
     run = functools.partial(fwd.logits, decode_seqs(cfg, 1, args.ctx, 16), views)
     for name in [v for v in ("before", "both", "gemv", "gemv1_2", "self_route_merge", "down_gemv_8", "prefetch_down",
                              "one_launch", "one_launch_prefetch", "ahead_o_sum", "ahead_all", "own", "own_all",
-                             "one_launch_own", "one_launch_all")
+                             "one_launch_own", "one_launch_all", "own_all_kv")
                  if v in variants] \
             if len(variants) > 2 else ():
         set_variant(fwd, name)

@@ -234,3 +234,26 @@ def test_ungrouped_own_prefetch_asks_for_the_whole_tile(name, asks):
     assert sum("CCTL.E.PF2" in x for x in sass) == asks
     if "LINES" in consts:
         assert sum("CCTL.E.PML2" in x for x in sass) == consts["LINES"] // (32 * warps)
+
+
+@pytest.mark.unit
+def test_decode_attention_asks_for_its_first_key_tile_before_the_wait():
+    """``triton_paged.PREFETCH_KV``: before the wait a decode attention program reads only the step's tables (the
+    tile's sequence and first query, the sequence's keys, queries and first row, and its block table's entries:
+    six loads, no store) and asks L2 for its first key tile's K and V rows (64 keys x 2 lines of 128 dims, one
+    line of each a thread); q, written by the kernel before, loads after the wait. Off: nothing before it."""
+    from pushkv.model.kernels import triton_paged
+    from tools.kernel_sass import DECODE_ATTN
+
+    on = compile_sm90(triton_paged._attn_kernel, dict(DECODE_ATTN, PREFETCH_KV=True, LPR=2, LINE=64), True, 4, 2)
+    lines = _lines(on.asm["ptx"])
+    wait = next(i for i, x in enumerate(lines) if "griddepcontrol.wait" in x)
+    early = [x for x in lines[:wait] if MEMORY.match(x)]
+    assert len(early) == 6 and all(re.match(r"^(@%p\d+\s+)?ld\.global\.b32", x) for x in early), early
+    asks = [x for x in lines[:wait] if "prefetch.global.L2 [" in x]
+    assert len(asks) == 2, asks
+    assert sum("CCTL.E.PF2" in x for x in instructions(on.asm["cubin"])) == 2
+    assert any(MEMORY.match(x) for x in lines[wait:])
+    off = _lines(compile_sm90(triton_paged._attn_kernel, DECODE_ATTN, True, 4, 2).asm["ptx"])
+    wait = next(i for i, x in enumerate(off) if "griddepcontrol.wait" in x)
+    assert not any(MEMORY.match(x) or "prefetch" in x for x in off[:wait])

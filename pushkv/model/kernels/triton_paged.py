@@ -12,7 +12,8 @@ block table with an online softmax (FlashAttention-2 style). Decode tiles (one t
 can split the key range over ``num_splits`` programs (flash-decoding), whose partial
 results a second kernel merges: at small batch that is what keeps every SM reading. With
 ``FUSED_MERGE`` the split programs count themselves in on a counter instead, and the last
-of a tile's to finish merges, one launch less; the same arithmetic, the same bits.
+of a tile's to finish merges, one launch less; the same arithmetic, the same bits. With
+``PREFETCH_KV`` a decode program asks L2 for its first key tile before it waits for the kernel before it.
 """
 from __future__ import annotations
 
@@ -26,9 +27,10 @@ try:
 except ModuleNotFoundError as e:  # a CUDA torch build without Triton
     raise missing("triton", "pushkv's CUDA kernels") from e
 
-from pushkv.model.kernels import chain
+from pushkv.model.kernels import chain, prefetch
 from pushkv.model.kernels.chain import wait_prior
 from pushkv.model.kernels.paged import decode_scratch
+from pushkv.model.kernels.prefetch import _l2
 
 LOG2E = 1.4426950408889634
 # Prefill: tiles with the most keys start first, and key tiles wholly before a tile's queries are walked
@@ -40,6 +42,10 @@ FREE_LOOP = True
 # heads after the others have finished costs more than the merge launch's 32 programs, whose launch chaining
 # already hides (experiments/moe_decode_probe.py, variant ``fused_merge``; docs/results/2026-12-04-decode-launches)
 FUSED_MERGE = False
+# Decode: each program asks L2 for its first key tile's K and V lines before it waits for the kernel before it
+# (the q/k norm, RoPE and store), so its first loads after the wait find them there (kernels/prefetch.py); the
+# same bits. Off until experiments/moe_decode_probe.py (variant ``ahead_kv``) has timed it on a GPU
+PREFETCH_KV = False
 
 
 @triton.jit
@@ -129,6 +135,51 @@ def _key_tile(q, cache, bt, start, hi, qpos, head_off, d, dm, m_i, l_i, acc, s_b
 
 
 @triton.jit
+def _tile_keys(tile_seq, tile_q0, seq_lens, q_lens, q_starts, window, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+               NUM_SPLITS: tl.constexpr, HEAVY_FIRST: tl.constexpr):
+    """This program's tile from the step's tables: (its sequence, first query, the sequence's keys, its queries,
+    their first row, the keys [lo, hi) this program walks, the splits that have keys)."""
+    tile = tl.program_id(0)
+    if HEAVY_FIRST:  # a sequence's later tiles see more keys: started first, none is left running alone at the end
+        tile = tl.num_programs(0) - 1 - tile
+    split = tl.program_id(2)
+    seq = tl.load(tile_seq + tile)
+    q0 = tl.load(tile_q0 + tile)
+    ctx = tl.load(seq_lens + seq)
+    qlen = tl.load(q_lens + seq)
+    qrow0 = tl.load(q_starts + seq)
+    last = tl.minimum(q0 + BLOCK_Q, qlen)
+    hi = ctx - qlen + last  # keys [lo, hi) can matter to this tile
+    lo = 0
+    if window > 0:
+        lo = tl.maximum(ctx - qlen + q0 - window + 1, 0)
+    used = 1
+    if NUM_SPLITS > 1:
+        n_tiles = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
+        per_tiles = tl.cdiv(n_tiles, NUM_SPLITS)
+        per = per_tiles * BLOCK_N
+        used = tl.cdiv(n_tiles, tl.maximum(per_tiles, 1))  # splits with keys: the others' partials are empty
+        lo = lo + split * per
+        hi = tl.minimum(hi, lo + per)
+    return seq, q0, ctx, qlen, qrow0, lo, hi, used
+
+
+@triton.jit
+def _ask_key_tile(cache, bt, lo, hi, s_blk, s_plane, s_grp, s_head, s_slot, HG, U, BLOCK_N: tl.constexpr,
+                  LPR: tl.constexpr, LINE: tl.constexpr):
+    """Ask L2 for the key and value rows of keys [lo, min(hi, lo + BLOCK_N)) of this program's KV head (LPR lines
+    of LINE elements a row); past hi, the first key's rows again."""
+    kvh = tl.program_id(1)
+    kpos = lo + tl.arange(0, BLOCK_N)
+    kpos = tl.where(kpos < hi, kpos, lo)
+    blk = tl.load(bt + kpos // U, mask=lo < hi, other=0).to(tl.int64)
+    off = (kvh // HG) * s_grp + (kvh % HG) * s_head + blk * s_blk + (kpos % U) * s_slot
+    lines = tl.arange(0, LPR) * LINE
+    _l2(cache + off[:, None] + lines[None, :])
+    _l2(cache + s_plane + off[:, None] + lines[None, :])
+
+
+@triton.jit
 def _attn_kernel(Q, O, cache, block_table, seq_lens, q_starts, q_lens, tile_seq, tile_q0,
                  Part, PartML, Counter,
                  stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
@@ -137,18 +188,26 @@ def _attn_kernel(Q, O, cache, block_table, seq_lens, q_starts, q_lens, tile_seq,
                  PREC: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                  HEAVY_FIRST: tl.constexpr, FREE_LOOP: tl.constexpr, FUSED_MERGE: tl.constexpr,
-                 PDL: tl.constexpr):
-    wait_prior(PDL)
+                 PDL: tl.constexpr, PREFETCH_KV: tl.constexpr = False, LPR: tl.constexpr = 1,
+                 LINE: tl.constexpr = 64):
+    if PREFETCH_KV:
+        # the step's tables come from the host before the step (no kernel of it writes them), and a prefetch puts
+        # no value in a register (L2 holds the one copy of each line, which the store kernel's writes update): so
+        # the first key tile's lines are asked of L2 before the wait, while the kernel before this one runs
+        seq, q0, ctx, qlen, qrow0, lo, hi, used = _tile_keys(tile_seq, tile_q0, seq_lens, q_lens, q_starts, window,
+                                                             BLOCK_Q, BLOCK_N, NUM_SPLITS, HEAVY_FIRST)
+        _ask_key_tile(cache, block_table + seq.to(tl.int64) * stride_bt, lo, hi, s_blk, s_plane, s_grp, s_head,
+                      s_slot, HG, U, BLOCK_N, LPR, LINE)
+        wait_prior(PDL)
+    else:
+        wait_prior(PDL)
+        seq, q0, ctx, qlen, qrow0, lo, hi, used = _tile_keys(tile_seq, tile_q0, seq_lens, q_lens, q_starts, window,
+                                                             BLOCK_Q, BLOCK_N, NUM_SPLITS, HEAVY_FIRST)
     tile = tl.program_id(0)
-    if HEAVY_FIRST:  # a sequence's later tiles see more keys: started first, none is left running alone at the end
+    if HEAVY_FIRST:
         tile = tl.num_programs(0) - 1 - tile
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    seq = tl.load(tile_seq + tile)
-    q0 = tl.load(tile_q0 + tile)
-    ctx = tl.load(seq_lens + seq)
-    qlen = tl.load(q_lens + seq)
-    qrow0 = tl.load(q_starts + seq)
 
     r = tl.arange(0, BLOCK_M)
     tq = r // G
@@ -160,19 +219,6 @@ def _attn_kernel(Q, O, cache, block_table, seq_lens, q_starts, q_lens, tile_seq,
     dm = d < D
     q = tl.load(Q + (qrow0 + q0 + tq)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & dm[None, :], other=0.0)
-
-    last = tl.minimum(q0 + BLOCK_Q, qlen)
-    hi = ctx - qlen + last  # keys [lo, hi) can matter to this tile
-    lo = 0
-    if window > 0:
-        lo = tl.maximum(ctx - qlen + q0 - window + 1, 0)
-    if NUM_SPLITS > 1:
-        n_tiles = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
-        per_tiles = tl.cdiv(n_tiles, NUM_SPLITS)
-        per = per_tiles * BLOCK_N
-        used = tl.cdiv(n_tiles, tl.maximum(per_tiles, 1))  # splits with keys: the others' partials are empty
-        lo = lo + split * per
-        hi = tl.minimum(hi, lo + per)
 
     head_off = (kvh // HG) * s_grp + (kvh % HG) * s_head
     bt = block_table + seq.to(tl.int64) * stride_bt
@@ -298,6 +344,10 @@ def attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, s
         block_n = 32
     if config is not None:  # (block_n, warps, stages), for tuning
         block_n, warps, stages = config
+    ahead: dict = {}
+    if PREFETCH_KV and block_q == 1 and prefetch.enabled(q):
+        lpr, line = prefetch.row_lines(D, cache.element_size())
+        ahead = {"PREFETCH_KV": True, "LPR": lpr, "LINE": line}
     _attn_kernel[(n_tiles, kvh, num_splits)](
         q, out, cache, block_table, seq_lens, q_starts, q_lens, tile_seq, tile_q0, part, part_ml, counters,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
@@ -306,7 +356,7 @@ def attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, s
         PREC="ieee" if q.dtype == torch.float32 else "tf32", G=G, D=D, BLOCK_D=block_d, BLOCK_Q=block_q,
         BLOCK_M=block_m, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, HEAVY_FIRST=HEAVY_FIRST, FREE_LOOP=FREE_LOOP, FUSED_MERGE=fused, num_warps=warps,
-        num_stages=stages, **chain.launch(q))
+        num_stages=stages, **ahead, **chain.launch(q))
     if num_splits > 1 and not fused:
         _merge_kernel[(n_tiles, Hq)](part, part_ml, out, q_starts, tile_seq, out.stride(0), out.stride(1), T, Hq,
                                D=D, BLOCK_D=block_d, NUM_SPLITS=num_splits, num_warps=1, **chain.launch(q))
