@@ -53,7 +53,9 @@ runs.
 
     python3 -m experiments.moe_decode_probe --out DIR    (from the checkout's root; a few minutes on an H200)
 
-writes DIR/moe_decode.json and DIR/moe_decode.md. With ``--sweep-tokens 1,2,8,16,64`` it sweeps the grouped
+writes DIR/moe_decode.json and DIR/moe_decode.md; ``--plot DIR/moe_decode.json --out DIR`` then draws
+DIR/moe_decode.png (each batch's variants against the bound, the shipped step marked) where matplotlib is.
+With ``--sweep-tokens 1,2,8,16,64`` it sweeps the grouped
 MoE kernels' decode tiles instead (gate/up and down apart, ``TILE_SWEEP``; each kernel alone over the 48 layers,
 captured in a CUDA graph; output checked against the shipped tile's) and writes DIR/moe_decode_tiles.json.
 """
@@ -298,6 +300,35 @@ def markdown(rep: dict) -> str:
     return "\n".join(out)
 
 
+def plot(rep: dict, path: str) -> None:
+    """Each batch's variants as bars of their step time in multiples of its bytes bound, fastest at the top, the
+    shipped step (``gemv1_2``) marked and the 1.5x goal drawn: from a saved moe_decode.json, so it runs where the
+    results land (matplotlib need not be on the GPU machine)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names, rows = rep["variants"], rep["rows"]
+    fig, axes = plt.subplots(1, len(rows), figsize=(5.2 * len(rows), 0.32 * len(names) + 1.6), squeeze=False)
+    for ax, r in zip(axes[0], rows):
+        ranked = sorted(names, key=lambda n: r[n]["ms"], reverse=True)
+        x = [r[n]["ms"] / r["bound_ms"] for n in ranked]
+        ax.barh(range(len(ranked)), x, color=["tab:orange" if n == "gemv1_2" else "tab:blue" for n in ranked])
+        ax.set_yticks(range(len(ranked)), ranked, fontsize=8)
+        ax.axvline(1.5, color="tab:green", linestyle="--", linewidth=1, label="goal: 1.5x the bound")
+        for i, (n, v) in enumerate(zip(ranked, x)):
+            ax.text(v, i, f" {r[n]['ms']:.2f} ms", va="center", fontsize=7)
+        ax.set_xlim(0, max(x + [1.5]) * 1.25)
+        ax.set_xlabel("decode step / its bytes bound")
+        ax.set_title(f"batch {r['batch']} (bound {r['bound_ms']:.2f} ms; orange: shipped)", fontsize=9)
+        ax.legend(fontsize=7, loc="best")
+    fig.suptitle(f"{rep.get('model', 'qwen3-30b-a3b')} decode step on {rep['gpu']}, context {rep['ctx']}",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="out")
@@ -308,10 +339,16 @@ def main() -> None:
     ap.add_argument("--chain-only", action="store_true", help="only 'before' and 'pdl' (chained launches off and "
                     "on), no profile: what chaining gives a model")
     ap.add_argument("--variants", default="", help="comma-separated names of VARIANTS to time (default: all)")
+    ap.add_argument("--plot", metavar="JSON", help="only draw DIR/moe_decode.png from a saved moe_decode.json "
+                    "(here, after a GPU run)")
     ap.add_argument("--sweep-tokens", default="", help="token counts the grouped decode tiles are swept at "
                     "(alone: no variants, no profile)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    if args.plot:
+        with open(args.plot) as f:
+            plot(json.load(f), os.path.join(args.out, "moe_decode.png"))
+        return
     batches = [int(b) for b in args.batches.split(",")]
     dev = torch.device("cuda")
     bw, rate = copy_bandwidth(dev), matmul_rate(dev)
