@@ -234,7 +234,9 @@ def _gate_up_kernel(H, W, Act, SlotIds, BlockExpert, Logits, Weights, D, n_slots
         l2_rows(W + e * stride_we, own + inter, stride_wn, d, LPR, LINE)
     if PREFETCH:  # this program's share of its expert's down weights, into L2 for the down launch (kernels/prefetch.py)
         l2_share(D + e * stride_de, down_elems, tl.program_id(1), tl.num_programs(1), LINES, LINE)
-    # with the prefetch, the gate/up weights (read once) leave L2 first, so the down weights stay
+    # with the prefetch, the gate/up weights (read once) are to leave L2 first, so the down weights stay. Triton 3.6
+    # drops the hint from the pipelined cp.async loads this kernel's dots get on sm_90 (the down lines, asked for
+    # evict-last, are kept before normal ones anyway); the ungrouped kernels' plain loads keep it
     evict: tl.constexpr = "evict_first" if PREFETCH else ""
     valid = slots < n_slots  # padding rows of the expert's last block carry n_slots
     # a padding row reads token 0's row (its product is never used), so no load needs a row mask
@@ -400,7 +402,7 @@ TILE_DEPTH = 4096
 
 # Steps of up to this many tokens (at most a row block's BM, so an expert has one row block and one set of
 # programs asking for it) have the gate/up programs ask L2 for their experts' down weights, which the down launch
-# reads next (kernels/prefetch.py); the gate/up weights then load evict-first. 0: off, until
+# reads next (kernels/prefetch.py), evict-last. 0: off, until
 # experiments/moe_decode_probe.py (variant ``prefetch_down``) has timed it on a GPU
 PREFETCH_DOWN_TOKENS = 0
 
