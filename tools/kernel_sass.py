@@ -40,7 +40,7 @@ GROUPED_ROUTE = dict(SELF_ROUTE=False, K=1, RENORM=False, EP=1)
 SELF_ROUTE = dict(SELF_ROUTE=True, K=8, RENORM=True, EP=128)
 # the ungrouped decode MoE kernels in one launch (decode_tiles_for's tiles), and the down weights asked of L2 by
 # gate/up (a Qwen3-30B-A3B expert's 2048 x 768 bf16 down weights over its 48 gate/up programs: 512 lines each)
-ONE_LAUNCH = dict(K=8, RENORM=True, EP=128, BN_UP=16, BK_UP=256, BN_DOWN=4, BK_DOWN=256)
+ONE_LAUNCH = dict(K=8, RENORM=True, EP=128, BN_UP=16, BK_UP=256, BN_DOWN=4, BK_DOWN=256, SPIN_NS=200)
 PREFETCH = dict(PREFETCH=True, LINES=512, LINE=64)
 
 

@@ -101,8 +101,9 @@ def _lines(ptx: str) -> list[str]:
 def test_one_launch_down_programs_wait_with_an_acquire_for_a_release_after_every_store():
     """The one-launch MoE decode kernel: a program's work by ticket (one thread's relaxed add, after the wait for the
     kernel before); gate/up's stores, then a barrier, then one thread's release add on the token's counter; down
-    spins on a volatile read, then one acquire read (an atomic add of 0 that Triton makes a load: it once dropped it
-    as unused), a barrier, and only then reads the products; the last program zeroes the counters."""
+    spins on a volatile read with a pause after each, then one acquire read (an atomic add of 0 that Triton makes a
+    load: it once dropped it as unused), a barrier, and only then reads the products; the last program zeroes the
+    counters."""
     from pushkv.model.kernels import triton_moe_decode
     from tools.kernel_sass import ONE_LAUNCH
 
@@ -122,6 +123,9 @@ def test_one_launch_down_programs_wait_with_an_acquire_for_a_release_after_every
     spin = [i for i, x in enumerate(lines) if "ld.volatile.global" in x]
     acquire = [i for i, x in enumerate(lines) if "ld.global.gpu.acquire" in x]
     assert len(spin) == 1 and len(acquire) == 1 and release[0] < spin[0] < acquire[0], (spin, acquire)
+    # a pause between two reads of the counter (SPIN_NS), inside the spin
+    sleeps = [i for i, x in enumerate(lines) if "nanosleep.u32 200" in x]
+    assert len(sleeps) == 1 and spin[0] < sleeps[0] < acquire[0], sleeps
     after = lines[acquire[0] + 1:acquire[0] + 3]  # the acquired count, to every thread
     assert re.match(r"@%p\d+ st\.shared", after[0]) and after[1].startswith("bar.sync"), after
     # after the acquire: a barrier before the products' loads (from L2: .cg)

@@ -68,6 +68,9 @@ PREFETCH_DOWN = False
 # after another); the same bits. Off until the probe (variants ``*_own``) has timed it
 PREFETCH_OWN = False
 
+# a waiting down program's pause between two reads of its counter (ns; PTX nanosleep, so the GPU only)
+SPIN_NS = 200
+
 _COUNTERS: dict[str, torch.Tensor] = {}
 
 
@@ -250,12 +253,22 @@ def _down_kernel(Act, W, Weights, Experts, Out, d, inter, stride_act, stride_we,
 
 
 @triton.jit
+def _pause(x, NS: tl.constexpr):
+    """x, after ``nanosleep`` for about NS ns where NS > 0 (PTX: the GPU only; 0 under the interpreter)."""
+    if NS > 0:
+        x = tl.inline_asm_elementwise(f"nanosleep.u32 {NS}; mov.u32 $0, $1;", "=r,r", [x], dtype=tl.int32,
+                                      is_pure=False, pack=1)
+    return x
+
+
+@triton.jit
 def _one_launch_kernel(H, Logits, W, Act, Weights, Experts, D, Out, Counters, T, E, d, inter, stride_h, stride_l,
                        stride_we, stride_wn, stride_act, stride_de, stride_dn, stride_out, down_elems,
                        K: tl.constexpr, RENORM: tl.constexpr, EP: tl.constexpr, BN_UP: tl.constexpr,
                        BK_UP: tl.constexpr, BN_DOWN: tl.constexpr, BK_DOWN: tl.constexpr, PDL: tl.constexpr,
                        PREFETCH: tl.constexpr = False, LINES: tl.constexpr = 1, LINE: tl.constexpr = 64,
-                       OWN: tl.constexpr = False, LPR_UP: tl.constexpr = 1, LPR_DOWN: tl.constexpr = 1):
+                       OWN: tl.constexpr = False, LPR_UP: tl.constexpr = 1, LPR_DOWN: tl.constexpr = 1,
+                       SPIN_NS: tl.constexpr = 0):
     """``_gate_up_kernel`` and ``_down_kernel`` in one launch: the first T k x up-tiles programs (in the order
     they start) are gate/up's, the rest down's, and a token's down programs wait for its gate/up ones on a
     counter instead of at a kernel boundary. Counters [2 + T] int32, zero: the ticket (the order programs
@@ -281,7 +294,10 @@ def _one_launch_kernel(H, Logits, W, Act, Weights, Experts, D, Out, Counters, T,
         ready = Counters + 2 + t
         seen = 0
         while seen < K * up_tiles:
-            while tl.load(ready, volatile=True) < K * up_tiles:  # a plain read while waiting: no atomic traffic
+            # a plain read while waiting (no atomic traffic), each warp's one request to the line, and on the GPU a
+            # pause between reads: hundreds of waiting warps would otherwise keep the counter's L2 slice busy while
+            # gate/up's weights stream through it
+            while _pause(tl.load(ready, volatile=True), SPIN_NS) < K * up_tiles:
                 pass
             # then one acquire, which makes the gate/up programs' stores visible from here on (its result is used:
             # Triton drops an atomic whose result is not)
@@ -346,7 +362,7 @@ def moe_mlp_decode(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor,
             logits.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0), down.stride(0), down.stride(1),
             out.stride(0), down[0].numel(), K=k, RENORM=renorm, EP=ep, BN_UP=tiles.bn_up, BK_UP=tiles.bk_up,
             BN_DOWN=tiles.bn_down, BK_DOWN=tiles.bk_down, num_warps=tiles.warps, num_stages=tiles.stages,
-            **{**ahead, **own}, **chain.launch(h))
+            SPIN_NS=SPIN_NS if prefetch.enabled(h) else 0, **{**ahead, **own}, **chain.launch(h))
         return out, weights, experts
     _gate_up_kernel[(n, up_tiles)](
         h, logits, gate_up, act, weights, experts, down, E, d, inter, h.stride(0), logits.stride(0),
