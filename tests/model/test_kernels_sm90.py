@@ -152,7 +152,10 @@ def test_prefetch_asks_l2_for_lines_only_when_on(name):
     asks = [x for x in lines if "prefetch.global.L2::evict_last" in x]
     per_thread = consts["LINES"] // (32 * warps)
     assert len(asks) >= per_thread, (len(asks), per_thread)
-    assert sum("CCTL.E.PML2" in x for x in instructions(on.asm["cubin"])) == per_thread
+    sass = instructions(on.asm["cubin"])
+    assert sum("CCTL.E.PML2" in x for x in sass) == per_thread
+    # each predicated on its line lying in the share: none asked twice, none past the data
+    assert all(x.startswith("@") for x in sass if "CCTL.E.PML2" in x)
     assert "prefetch" not in off.asm["ptx"] and not any("CCTL.E.PML2" in x for x in instructions(off.asm["cubin"]))
     if name.startswith("decode"):
         assert any("ld.global.L1::evict_first" in x for x in lines)

@@ -45,15 +45,19 @@ def lines_for(elems: int, shares: int, itemsize: int) -> tuple[int, int]:
 
 
 @triton.jit
-def _l2_evict_last(ptrs):
-    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
+def _l2_evict_last(ptrs, ok):
+    """Ask L2 for the lines at ptrs where ok, to be kept ahead of streamed lines (a predicated prefetch: no line
+    is asked twice, none past the data)."""
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2::evict_last [$1]; } "
+                              "mov.u32 $0, 0;", "=r,l,r", [ptrs, ok.to(tl.int32)], dtype=tl.int32, is_pure=False,
+                              pack=1)
 
 
 @triton.jit
-def _l2(ptrs):
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
+def _l2(ptrs, ok):
+    """Ask L2 for the lines at ptrs where ok, at the normal priority."""
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; } mov.u32 $0, 0;",
+                              "=r,l,r", [ptrs, ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 def row_lines(row_elems: int, itemsize: int) -> tuple[int, int]:
@@ -68,19 +72,20 @@ def l2_rows(Base, rows, stride, row_elems, LPR: tl.constexpr, LINE: tl.constexpr
     """Ask L2 for whole rows of a row-major matrix at ``Base`` (``rows`` a vector of row indices, each of
     ``row_elems`` elements ``stride`` apart), at the normal eviction priority: a program's own tile, asked for all
     at once before its loads go through the pipeline, so that the HBM sees every request of the tile at the start
-    instead of a few stages' worth at a time. Lines past a row's end ask for its last again."""
-    offs = tl.minimum(tl.arange(0, LPR).to(tl.int64) * LINE, row_elems - 1)
-    _l2(Base + rows[:, None].to(tl.int64) * stride + offs[None, :])
+    instead of a few stages' worth at a time. No line past a row's end is asked for."""
+    offs = tl.arange(0, LPR).to(tl.int64) * LINE
+    ok = (offs[None, :] < row_elems) & (rows[:, None] >= 0)
+    _l2(Base + rows[:, None].to(tl.int64) * stride + offs[None, :], ok)
 
 
 @triton.jit
 def l2_share(Base, elems, share, shares, LINES: tl.constexpr, LINE: tl.constexpr):
     """Ask L2 for the ``share``-th of ``shares`` equal parts of the ``elems`` contiguous elements at ``Base``
-    (kept there ahead of streamed lines: evict_last). Lines past the part's end ask for its last one again."""
+    (kept there ahead of streamed lines: evict_last). No line past the part's end is asked for."""
     per = tl.cdiv(elems, shares)
     first = share.to(tl.int64) * per
-    last = tl.minimum(first + per, elems) - 1
-    _l2_evict_last(Base + tl.minimum(first + tl.arange(0, LINES).to(tl.int64) * LINE, last))
+    offs = first + tl.arange(0, LINES).to(tl.int64) * LINE
+    _l2_evict_last(Base + offs, offs < tl.minimum(first + per, elems))
 
 
 @triton.jit

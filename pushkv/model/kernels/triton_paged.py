@@ -165,18 +165,19 @@ def _tile_keys(tile_seq, tile_q0, seq_lens, q_lens, q_starts, window, BLOCK_Q: t
 
 
 @triton.jit
-def _ask_key_tile(cache, bt, lo, hi, s_blk, s_plane, s_grp, s_head, s_slot, HG, U, BLOCK_N: tl.constexpr,
-                  LPR: tl.constexpr, LINE: tl.constexpr):
-    """Ask L2 for the key and value rows of keys [lo, min(hi, lo + BLOCK_N)) of this program's KV head (LPR lines
-    of LINE elements a row); past hi, the first key's rows again."""
+def _ask_key_tile(cache, bt, lo, hi, s_blk, s_plane, s_grp, s_head, s_slot, HG, U, D: tl.constexpr,
+                  BLOCK_N: tl.constexpr, LPR: tl.constexpr, LINE: tl.constexpr):
+    """Ask L2 for the key and value rows (D elements, LPR lines of LINE) of keys [lo, min(hi, lo + BLOCK_N)) of
+    this program's KV head."""
     kvh = tl.program_id(1)
     kpos = lo + tl.arange(0, BLOCK_N)
-    kpos = tl.where(kpos < hi, kpos, lo)
-    blk = tl.load(bt + kpos // U, mask=lo < hi, other=0).to(tl.int64)
+    live = kpos < hi
+    blk = tl.load(bt + kpos // U, mask=live, other=0).to(tl.int64)
     off = (kvh // HG) * s_grp + (kvh % HG) * s_head + blk * s_blk + (kpos % U) * s_slot
     lines = tl.arange(0, LPR) * LINE
-    _l2(cache + off[:, None] + lines[None, :])
-    _l2(cache + s_plane + off[:, None] + lines[None, :])
+    ok = live[:, None] & (lines[None, :] < D)
+    _l2(cache + off[:, None] + lines[None, :], ok)
+    _l2(cache + s_plane + off[:, None] + lines[None, :], ok)
 
 
 @triton.jit
@@ -197,7 +198,7 @@ def _attn_kernel(Q, O, cache, block_table, seq_lens, q_starts, q_lens, tile_seq,
         seq, q0, ctx, qlen, qrow0, lo, hi, used = _tile_keys(tile_seq, tile_q0, seq_lens, q_lens, q_starts, window,
                                                              BLOCK_Q, BLOCK_N, NUM_SPLITS, HEAVY_FIRST)
         _ask_key_tile(cache, block_table + seq.to(tl.int64) * stride_bt, lo, hi, s_blk, s_plane, s_grp, s_head,
-                      s_slot, HG, U, BLOCK_N, LPR, LINE)
+                      s_slot, HG, U, D, BLOCK_N, LPR, LINE)
         wait_prior(PDL)
     else:
         wait_prior(PDL)
