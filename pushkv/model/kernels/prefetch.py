@@ -54,7 +54,7 @@ def _l2_evict_last(ptrs, ok):
 
 
 @triton.jit
-def _l2(ptrs, ok):
+def l2_lines(ptrs, ok):
     """Ask L2 for the lines at ptrs where ok, at the normal priority."""
     tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; } mov.u32 $0, 0;",
                               "=r,l,r", [ptrs, ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
@@ -72,10 +72,11 @@ def l2_rows(Base, rows, stride, row_elems, LPR: tl.constexpr, LINE: tl.constexpr
     """Ask L2 for whole rows of a row-major matrix at ``Base`` (``rows`` a vector of row indices, each of
     ``row_elems`` elements ``stride`` apart), at the normal eviction priority: a program's own tile, asked for all
     at once before its loads go through the pipeline, so that the HBM sees every request of the tile at the start
-    instead of a few stages' worth at a time. No line past a row's end is asked for."""
+    instead of a few stages' worth at a time. No line past a row's end is asked for, nor any of a row index < 0
+    (a tile's rows past the matrix)."""
     offs = tl.arange(0, LPR).to(tl.int64) * LINE
     ok = (offs[None, :] < row_elems) & (rows[:, None] >= 0)
-    _l2(Base + rows[:, None].to(tl.int64) * stride + offs[None, :], ok)
+    l2_lines(Base + tl.maximum(rows, 0)[:, None].to(tl.int64) * stride + offs[None, :], ok)
 
 
 @triton.jit

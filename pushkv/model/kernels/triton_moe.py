@@ -229,9 +229,9 @@ def _gate_up_kernel(H, W, Act, SlotIds, BlockExpert, Logits, Weights, D, n_slots
             return
         slots = tl.load(SlotIds + rows)
     if OWN:  # its own gate and up rows, every line asked of L2 at once (PREFETCH_OWN_TOKENS)
-        own = tl.minimum(tl.program_id(1) * BN + tl.arange(0, BN), inter - 1)
-        l2_rows(W + e * stride_we, own, stride_wn, d, LPR, LINE)
-        l2_rows(W + e * stride_we, own + inter, stride_wn, d, LPR, LINE)
+        own = tl.program_id(1) * BN + tl.arange(0, BN)
+        l2_rows(W + e * stride_we, tl.where(own < inter, own, -1), stride_wn, d, LPR, LINE)
+        l2_rows(W + e * stride_we, tl.where(own < inter, own + inter, -1), stride_wn, d, LPR, LINE)
     if PREFETCH:  # this program's share of its expert's down weights, into L2 for the down launch (kernels/prefetch.py)
         l2_share(D + e * stride_de, down_elems, tl.program_id(1), tl.num_programs(1), LINES, LINE)
     # with the prefetch, the gate/up weights (read once) are to leave L2 first, so the down weights stay. Triton 3.6
@@ -285,8 +285,8 @@ def _down_kernel(Act, W, Weights, Out, SlotIds, BlockExpert, n_slots, d, inter,
     if e < 0:
         return
     if OWN:  # its own rows of the expert's down weights, every line asked of L2 at once (PREFETCH_OWN_TOKENS)
-        l2_rows(W + e * stride_we, tl.minimum(tl.program_id(1) * BN + tl.arange(0, BN), d - 1), stride_wn, inter,
-                LPR, LINE)
+        own = tl.program_id(1) * BN + tl.arange(0, BN)
+        l2_rows(W + e * stride_we, tl.where(own < d, own, -1), stride_wn, inter, LPR, LINE)
     rows = pid_m * BM + tl.arange(0, BM)
     slots = tl.load(SlotIds + rows)
     valid = slots < n_slots

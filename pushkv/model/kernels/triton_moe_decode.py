@@ -170,9 +170,9 @@ def _gate_up_tile(H, Logits, W, Act, Weights, Experts, D, s, c, E, d, inter, str
         tl.store(Weights + s, wt.to(Weights.dtype.element_ty))
         tl.store(Experts + s, e)
     if OWN:  # its own gate and up rows, every line asked of L2 at once (PREFETCH_OWN)
-        own = tl.minimum(c * BN + tl.arange(0, BN), inter - 1)
-        l2_rows(W + e.to(tl.int64) * stride_we, own, stride_wn, d, LPR, LINE)
-        l2_rows(W + e.to(tl.int64) * stride_we, own + inter, stride_wn, d, LPR, LINE)
+        own = c * BN + tl.arange(0, BN)
+        l2_rows(W + e.to(tl.int64) * stride_we, tl.where(own < inter, own, -1), stride_wn, d, LPR, LINE)
+        l2_rows(W + e.to(tl.int64) * stride_we, tl.where(own < inter, own + inter, -1), stride_wn, d, LPR, LINE)
     if PREFETCH:  # for the down projection, which reads it next (kernels/prefetch.py)
         l2_share(D + e.to(tl.int64) * stride_de, down_elems, c, shares, LINES, LINE)
     evict: tl.constexpr = "evict_first" if PREFETCH else ""  # read once: leaves L2 before the down weights
@@ -210,7 +210,7 @@ def _down_tile(Act, W, Weights, Experts, Out, t, c, d, inter, stride_act, stride
     kk = tl.arange(0, BK)
     out = tl.zeros((BN,), dtype=tl.float32)
     if OWN:  # its rows of all k experts asked of L2 at once, not one expert's after the last's (PREFETCH_OWN)
-        own = tl.minimum(cols, d - 1)
+        own = tl.where(cols < d, cols, -1)
         for j in tl.static_range(K):
             e = tl.load(Experts + t * K + j, cache_modifier=".cg").to(tl.int64)
             l2_rows(W + e * stride_we, own, stride_wn, inter, LPR, LINE)
@@ -343,32 +343,28 @@ def moe_mlp_decode(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor,
     act = torch.empty((n, inter), dtype=h.dtype, device=dev)
     out = torch.empty_like(h)
     up_tiles, down_tiles = triton.cdiv(inter, tiles.bn_up), triton.cdiv(d, tiles.bn_down)
-    ahead: dict = {}
-    if PREFETCH_DOWN and prefetch.enabled(h):
-        lines, line = prefetch.lines_for(down[0].numel(), up_tiles, down.element_size())
-        ahead = {"PREFETCH": True, "LINES": lines, "LINE": line}
-    own_up: dict = {}
-    own_down: dict = {}
-    if PREFETCH_OWN and prefetch.enabled(h):
-        lpr_up, line = prefetch.row_lines(d, h.element_size())
-        lpr_down = prefetch.row_lines(inter, h.element_size())[0]
-        own_up, own_down = {"OWN": True, "LPR": lpr_up, "LINE": line}, {"OWN": True, "LPR": lpr_down, "LINE": line}
+    gpu = prefetch.enabled(h)  # the prefetches and the pause are PTX: the GPU only
+    lines, line = prefetch.lines_for(down[0].numel(), up_tiles, down.element_size())
+    lpr_up, lpr_down = prefetch.row_lines(d, h.element_size())[0], prefetch.row_lines(inter, h.element_size())[0]
+    ahead = {"PREFETCH": True, "LINES": lines, "LINE": line} if PREFETCH_DOWN and gpu else {}
+    own = PREFETCH_OWN and gpu
     ep = triton.next_power_of_2(E)
     if ONE_LAUNCH:
-        own = {"OWN": True, "LPR_UP": own_up["LPR"], "LPR_DOWN": own_down["LPR"], "LINE": own_up["LINE"]} \
-            if own_up else {}
+        own_both = {"OWN": True, "LPR_UP": lpr_up, "LPR_DOWN": lpr_down, "LINE": line} if own else {}
         _one_launch_kernel[(n * up_tiles + T * down_tiles,)](
             h, logits, gate_up, act, weights, experts, down, out, counters(dev, T), T, E, d, inter, h.stride(0),
             logits.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0), down.stride(0), down.stride(1),
             out.stride(0), down[0].numel(), K=k, RENORM=renorm, EP=ep, BN_UP=tiles.bn_up, BK_UP=tiles.bk_up,
             BN_DOWN=tiles.bn_down, BK_DOWN=tiles.bk_down, num_warps=tiles.warps, num_stages=tiles.stages,
-            SPIN_NS=SPIN_NS if prefetch.enabled(h) else 0, **{**ahead, **own}, **chain.launch(h))
+            SPIN_NS=SPIN_NS if gpu else 0, **ahead, **own_both, **chain.launch(h))
         return out, weights, experts
+    own_up = {"OWN": True, "LPR": lpr_up, "LINE": line} if own else {}
     _gate_up_kernel[(n, up_tiles)](
         h, logits, gate_up, act, weights, experts, down, E, d, inter, h.stride(0), logits.stride(0),
         gate_up.stride(0), gate_up.stride(1), act.stride(0), down.stride(0), down[0].numel(), K=k, RENORM=renorm,
         EP=ep, BN=tiles.bn_up, BK=tiles.bk_up, num_warps=tiles.warps, num_stages=tiles.stages,
         **{**ahead, **own_up}, **chain.launch(h))
+    own_down = {"OWN": True, "LPR": lpr_down, "LINE": line} if own else {}
     _down_kernel[(T, down_tiles)](
         act, down, weights, experts, out, d, inter, act.stride(0), down.stride(0), down.stride(1), out.stride(0),
         K=k, BN=tiles.bn_down, BK=tiles.bk_down, num_warps=tiles.warps, num_stages=tiles.stages, **own_down,

@@ -30,7 +30,7 @@ except ModuleNotFoundError as e:  # a CUDA torch build without Triton
 from pushkv.model.kernels import chain, prefetch
 from pushkv.model.kernels.chain import wait_prior
 from pushkv.model.kernels.paged import decode_scratch
-from pushkv.model.kernels.prefetch import _l2
+from pushkv.model.kernels.prefetch import l2_lines
 
 LOG2E = 1.4426950408889634
 # Prefill: tiles with the most keys start first, and key tiles wholly before a tile's queries are walked
@@ -137,8 +137,8 @@ def _key_tile(q, cache, bt, start, hi, qpos, head_off, d, dm, m_i, l_i, acc, s_b
 @triton.jit
 def _tile_keys(tile_seq, tile_q0, seq_lens, q_lens, q_starts, window, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
                NUM_SPLITS: tl.constexpr, HEAVY_FIRST: tl.constexpr):
-    """This program's tile from the step's tables: (its sequence, first query, the sequence's keys, its queries,
-    their first row, the keys [lo, hi) this program walks, the splits that have keys)."""
+    """This program's tile from the step's tables: (its tile, its sequence, first query, the sequence's keys, its
+    queries, their first row, the keys [lo, hi) this program walks, the splits that have keys)."""
     tile = tl.program_id(0)
     if HEAVY_FIRST:  # a sequence's later tiles see more keys: started first, none is left running alone at the end
         tile = tl.num_programs(0) - 1 - tile
@@ -161,23 +161,22 @@ def _tile_keys(tile_seq, tile_q0, seq_lens, q_lens, q_starts, window, BLOCK_Q: t
         used = tl.cdiv(n_tiles, tl.maximum(per_tiles, 1))  # splits with keys: the others' partials are empty
         lo = lo + split * per
         hi = tl.minimum(hi, lo + per)
-    return seq, q0, ctx, qlen, qrow0, lo, hi, used
+    return tile, seq, q0, ctx, qlen, qrow0, lo, hi, used
 
 
 @triton.jit
-def _ask_key_tile(cache, bt, lo, hi, s_blk, s_plane, s_grp, s_head, s_slot, HG, U, D: tl.constexpr,
-                  BLOCK_N: tl.constexpr, LPR: tl.constexpr, LINE: tl.constexpr):
+def _ask_key_tile(cache, bt, lo, hi, head_off, s_blk, s_plane, s_slot, U, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                  LPR: tl.constexpr, LINE: tl.constexpr):
     """Ask L2 for the key and value rows (D elements, LPR lines of LINE) of keys [lo, min(hi, lo + BLOCK_N)) of
-    this program's KV head."""
-    kvh = tl.program_id(1)
+    the KV head at ``head_off``."""
     kpos = lo + tl.arange(0, BLOCK_N)
     live = kpos < hi
     blk = tl.load(bt + kpos // U, mask=live, other=0).to(tl.int64)
-    off = (kvh // HG) * s_grp + (kvh % HG) * s_head + blk * s_blk + (kpos % U) * s_slot
+    off = head_off + blk * s_blk + (kpos % U) * s_slot
     lines = tl.arange(0, LPR) * LINE
     ok = live[:, None] & (lines[None, :] < D)
-    _l2(cache + off[:, None] + lines[None, :], ok)
-    _l2(cache + s_plane + off[:, None] + lines[None, :], ok)
+    l2_lines(cache + off[:, None] + lines[None, :], ok)
+    l2_lines(cache + s_plane + off[:, None] + lines[None, :], ok)
 
 
 @triton.jit
@@ -191,24 +190,22 @@ def _attn_kernel(Q, O, cache, block_table, seq_lens, q_starts, q_lens, tile_seq,
                  HEAVY_FIRST: tl.constexpr, FREE_LOOP: tl.constexpr, FUSED_MERGE: tl.constexpr,
                  PDL: tl.constexpr, PREFETCH_KV: tl.constexpr = False, LPR: tl.constexpr = 1,
                  LINE: tl.constexpr = 64):
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    head_off = (kvh // HG) * s_grp + (kvh % HG) * s_head
     if PREFETCH_KV:
         # the step's tables come from the host before the step (no kernel of it writes them), and a prefetch puts
         # no value in a register (L2 holds the one copy of each line, which the store kernel's writes update): so
         # the first key tile's lines are asked of L2 before the wait, while the kernel before this one runs
-        seq, q0, ctx, qlen, qrow0, lo, hi, used = _tile_keys(tile_seq, tile_q0, seq_lens, q_lens, q_starts, window,
-                                                             BLOCK_Q, BLOCK_N, NUM_SPLITS, HEAVY_FIRST)
-        _ask_key_tile(cache, block_table + seq.to(tl.int64) * stride_bt, lo, hi, s_blk, s_plane, s_grp, s_head,
-                      s_slot, HG, U, D, BLOCK_N, LPR, LINE)
+        tile, seq, q0, ctx, qlen, qrow0, lo, hi, used = _tile_keys(tile_seq, tile_q0, seq_lens, q_lens, q_starts,
+                                                                   window, BLOCK_Q, BLOCK_N, NUM_SPLITS, HEAVY_FIRST)
+        _ask_key_tile(cache, block_table + seq.to(tl.int64) * stride_bt, lo, hi, head_off, s_blk, s_plane, s_slot,
+                      U, D, BLOCK_N, LPR, LINE)
         wait_prior(PDL)
     else:
         wait_prior(PDL)
-        seq, q0, ctx, qlen, qrow0, lo, hi, used = _tile_keys(tile_seq, tile_q0, seq_lens, q_lens, q_starts, window,
-                                                             BLOCK_Q, BLOCK_N, NUM_SPLITS, HEAVY_FIRST)
-    tile = tl.program_id(0)
-    if HEAVY_FIRST:
-        tile = tl.num_programs(0) - 1 - tile
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
+        tile, seq, q0, ctx, qlen, qrow0, lo, hi, used = _tile_keys(tile_seq, tile_q0, seq_lens, q_lens, q_starts,
+                                                                   window, BLOCK_Q, BLOCK_N, NUM_SPLITS, HEAVY_FIRST)
 
     r = tl.arange(0, BLOCK_M)
     tq = r // G
@@ -221,7 +218,6 @@ def _attn_kernel(Q, O, cache, block_table, seq_lens, q_starts, q_lens, tile_seq,
     q = tl.load(Q + (qrow0 + q0 + tq)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & dm[None, :], other=0.0)
 
-    head_off = (kvh // HG) * s_grp + (kvh % HG) * s_head
     bt = block_table + seq.to(tl.int64) * stride_bt
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
