@@ -65,6 +65,7 @@ import argparse
 import functools
 import json
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -81,39 +82,65 @@ from tools.roofline import (
     model_counts,
 )
 
-# (chained launches, the router in the norm up to this many tokens, the MoE decode kernels of up to 8 tokens, the
-# qkv and o GEMVs up to this many tokens, their output columns a program)
-VARIANTS = {"before": (False, 0, "grouped", 0, 8), "router": (False, 16, "grouped", 0, 8),
-            "pdl": (True, 0, "grouped", 0, 8), "both": (True, 16, "grouped", 0, 8),
-            "router_128": (True, 128, "grouped", 0, 8), "ungrouped": (True, 16, "ungrouped", 0, 8),
-            "gemv_alone": (False, 16, "grouped", 8, 8), "gemv": (True, 16, "grouped", 8, 8),
-            "gemv_4": (True, 16, "grouped", 8, 4), "gemv_2": (True, 16, "grouped", 8, 2),
-            "gemv1_2": (True, 16, "grouped", 1, 2),
-            "self_route": (True, 16, "grouped", 1, 2, True), "fused_merge": (True, 16, "grouped", 1, 2, False, True),
-            "self_route_merge": (True, 16, "grouped", 1, 2, True, True),
-            "down_gemv_4": (True, 16, "grouped", 1, 2, False, False, 1, 4),
-            "down_gemv_8": (True, 16, "grouped", 1, 2, False, False, 1, 8),
-            "down_gemv_16": (True, 16, "grouped", 1, 2, False, False, 1, 16),
-            "down_gemv2_8": (True, 16, "grouped", 1, 2, False, False, 2, 8),
-            "prefetch_down": (True, 16, "grouped", 1, 2, False, False, 0, 8, 8),
-            "ungrouped1": (True, 16, "ungrouped", 1, 2),
-            "ungrouped_prefetch": (True, 16, "ungrouped", 1, 2, False, False, 0, 8, 0, False, True),
-            "one_launch": (True, 16, "ungrouped", 1, 2, False, False, 0, 8, 0, True),
-            "one_launch_prefetch": (True, 16, "ungrouped", 1, 2, False, False, 0, 8, 0, True, True),
-            "ahead_o": (True, 16, "grouped", 1, 2, False, False, 0, 8, 0, False, False, 8, {"o"}),
-            "ahead_o_route": (True, 16, "grouped", 1, 2, False, False, 0, 8, 0, False, False, 8, {"o", "qkv_route"}),
-            "ahead_o_sum": (True, 16, "grouped", 1, 2, False, False, 0, 8, 0, False, False, 8, {"o", "qkv_sum"}),
-            "ahead_all": (True, 16, "grouped", 1, 2, False, False, 0, 8, 8, False, False, 8, {"o", "qkv_sum"}),
-            "own": (True, 16, "grouped", 1, 2, False, False, 0, 8, 0, False, False, 0, {"o"}, 8),
-            "own_down": (True, 16, "grouped", 1, 2, False, False, 0, 8, 8, False, False, 0, {"o"}, 8),
-            "own_all": (True, 16, "grouped", 1, 2, False, False, 0, 8, 8, False, False, 8, {"o", "qkv_sum"}, 8),
-            "ungrouped_own": (True, 16, "ungrouped", 1, 2, False, False, 0, 8, 0, False, True, 0, {"o"}, 0, True),
-            "one_launch_own": (True, 16, "ungrouped", 1, 2, False, False, 0, 8, 0, True, True, 0, {"o"}, 0, True),
-            "one_launch_all": (True, 16, "ungrouped", 1, 2, False, False, 0, 8, 0, True, True, 8, {"o", "qkv_sum"}, 0,
-                               True),
-            "ahead_kv": (True, 16, "grouped", 1, 2, False, False, 0, 8, 0, False, False, 0, {"o"}, 0, False, True),
-            "own_all_kv": (True, 16, "grouped", 1, 2, False, False, 0, 8, 8, False, False, 8, {"o", "qkv_sum"}, 8,
-                           False, True)}
+
+class Flags(NamedTuple):
+    """A variant's switches: chained launches, the router in the norm up to this many tokens, the MoE decode
+    kernels of up to 8 tokens, the qkv and o GEMVs up to this many tokens and their columns a program; then what a
+    variant leaves out unless it names it."""
+
+    chain: bool
+    router_tokens: int
+    moe_decode: str
+    gemv_tokens: int
+    gemv_columns: int
+    self_route: bool = False  # triton_moe.SELF_ROUTE_ONE_TOKEN
+    fused_merge: bool = False  # triton_paged.FUSED_MERGE
+    down_gemv_tokens: int = 0  # triton_moe.DOWN_GEMV_TOKENS
+    down_gemv_columns: int = 8  # triton_moe.DOWN_GEMV_COLUMNS
+    prefetch_down_tokens: int = 0  # triton_moe.PREFETCH_DOWN_TOKENS
+    one_launch: bool = False  # triton_moe_decode.ONE_LAUNCH
+    prefetch_down: bool = False  # triton_moe_decode.PREFETCH_DOWN
+    ahead_tokens: int = 0  # batched.AHEAD_TOKENS
+    ahead: frozenset = frozenset({"o"})  # batched.AHEAD
+    prefetch_own_tokens: int = 0  # triton_moe.PREFETCH_OWN_TOKENS
+    prefetch_own: bool = False  # triton_moe_decode.PREFETCH_OWN
+    prefetch_kv: bool = False  # triton_paged.PREFETCH_KV
+
+
+SHIPPED = Flags(True, 16, "grouped", 1, 2)
+_UNGROUPED = SHIPPED._replace(moe_decode="ungrouped")
+_OWN_ALL = SHIPPED._replace(prefetch_down_tokens=8, ahead_tokens=8, ahead=frozenset({"o", "qkv_sum"}),
+                            prefetch_own_tokens=8)
+VARIANTS = {"before": Flags(False, 0, "grouped", 0, 8), "router": Flags(False, 16, "grouped", 0, 8),
+            "pdl": Flags(True, 0, "grouped", 0, 8), "both": Flags(True, 16, "grouped", 0, 8),
+            "router_128": Flags(True, 128, "grouped", 0, 8), "ungrouped": Flags(True, 16, "ungrouped", 0, 8),
+            "gemv_alone": Flags(False, 16, "grouped", 8, 8), "gemv": Flags(True, 16, "grouped", 8, 8),
+            "gemv_4": Flags(True, 16, "grouped", 8, 4), "gemv_2": Flags(True, 16, "grouped", 8, 2),
+            "gemv1_2": SHIPPED,
+            "self_route": SHIPPED._replace(self_route=True), "fused_merge": SHIPPED._replace(fused_merge=True),
+            "self_route_merge": SHIPPED._replace(self_route=True, fused_merge=True),
+            "down_gemv_4": SHIPPED._replace(down_gemv_tokens=1, down_gemv_columns=4),
+            "down_gemv_8": SHIPPED._replace(down_gemv_tokens=1, down_gemv_columns=8),
+            "down_gemv_16": SHIPPED._replace(down_gemv_tokens=1, down_gemv_columns=16),
+            "down_gemv2_8": SHIPPED._replace(down_gemv_tokens=2, down_gemv_columns=8),
+            "prefetch_down": SHIPPED._replace(prefetch_down_tokens=8),
+            "ungrouped1": _UNGROUPED,
+            "ungrouped_prefetch": _UNGROUPED._replace(prefetch_down=True),
+            "one_launch": _UNGROUPED._replace(one_launch=True),
+            "one_launch_prefetch": _UNGROUPED._replace(one_launch=True, prefetch_down=True),
+            "ahead_o": SHIPPED._replace(ahead_tokens=8),
+            "ahead_o_route": SHIPPED._replace(ahead_tokens=8, ahead=frozenset({"o", "qkv_route"})),
+            "ahead_o_sum": SHIPPED._replace(ahead_tokens=8, ahead=frozenset({"o", "qkv_sum"})),
+            "ahead_all": SHIPPED._replace(prefetch_down_tokens=8, ahead_tokens=8, ahead=frozenset({"o", "qkv_sum"})),
+            "own": SHIPPED._replace(prefetch_own_tokens=8),
+            "own_down": SHIPPED._replace(prefetch_down_tokens=8, prefetch_own_tokens=8),
+            "own_all": _OWN_ALL,
+            "ungrouped_own": _UNGROUPED._replace(prefetch_down=True, prefetch_own=True),
+            "one_launch_own": _UNGROUPED._replace(one_launch=True, prefetch_down=True, prefetch_own=True),
+            "one_launch_all": _UNGROUPED._replace(one_launch=True, prefetch_down=True, prefetch_own=True,
+                                                  ahead_tokens=8, ahead=frozenset({"o", "qkv_sum"})),
+            "ahead_kv": SHIPPED._replace(prefetch_kv=True),
+            "own_all_kv": _OWN_ALL._replace(prefetch_kv=True)}
 # (variant, its baseline): their logits compared (the same bits where the variant changes no arithmetic)
 PAIRS = (("router", "before"), ("ungrouped", "both"), ("gemv", "both"), ("gemv1_2", "both"),
          ("self_route", "gemv1_2"), ("fused_merge", "gemv1_2"), ("self_route_merge", "gemv1_2"),
@@ -123,22 +150,20 @@ PAIRS = (("router", "before"), ("ungrouped", "both"), ("gemv", "both"), ("gemv1_
          ("own", "gemv1_2"), ("own_down", "gemv1_2"), ("own_all", "gemv1_2"), ("ungrouped_own", "ungrouped1"),
          ("one_launch_own", "ungrouped1"), ("one_launch_all", "ungrouped1"), ("ahead_kv", "gemv1_2"),
          ("own_all_kv", "gemv1_2"))
-# what a variant leaves out: no self-routing, no fused merge, no down GEMVs (8 columns), no grouped prefetch, two
-# launches for the ungrouped kernels, no ungrouped prefetch, no dense weights asked for ahead, no program asking
-# for its own rows (grouped, ungrouped), no key tile asked for before the attention's wait
-DEFAULTS = (False, False, 0, 8, 0, False, False, 0, {"o"}, 0, False, False)
 
 
 def set_variant(fwd, name: str) -> None:
     from pushkv.model.kernels import triton_moe, triton_moe_decode, triton_paged
 
-    v = VARIANTS[name] + DEFAULTS[len(VARIANTS[name]) - 5:]
-    (chain.ON, batched.ROUTER_IN_NORM_TOKENS, os.environ["PUSHKV_MOE_DECODE"], batched.GEMV_TOKENS,
-     triton_gemv.COLUMNS, triton_moe.SELF_ROUTE_ONE_TOKEN, triton_paged.FUSED_MERGE, triton_moe.DOWN_GEMV_TOKENS,
-     triton_moe.DOWN_GEMV_COLUMNS, triton_moe.PREFETCH_DOWN_TOKENS, triton_moe_decode.ONE_LAUNCH,
-     triton_moe_decode.PREFETCH_DOWN, batched.AHEAD_TOKENS, places, triton_moe.PREFETCH_OWN_TOKENS,
-     triton_moe_decode.PREFETCH_OWN, triton_paged.PREFETCH_KV) = v
-    batched.AHEAD = frozenset(places)
+    f = VARIANTS[name]
+    chain.ON, batched.ROUTER_IN_NORM_TOKENS, os.environ["PUSHKV_MOE_DECODE"] = f.chain, f.router_tokens, f.moe_decode
+    batched.GEMV_TOKENS, triton_gemv.COLUMNS = f.gemv_tokens, f.gemv_columns
+    triton_moe.SELF_ROUTE_ONE_TOKEN, triton_paged.FUSED_MERGE = f.self_route, f.fused_merge
+    triton_moe.DOWN_GEMV_TOKENS, triton_moe.DOWN_GEMV_COLUMNS = f.down_gemv_tokens, f.down_gemv_columns
+    triton_moe.PREFETCH_DOWN_TOKENS, triton_moe.PREFETCH_OWN_TOKENS = f.prefetch_down_tokens, f.prefetch_own_tokens
+    triton_moe_decode.ONE_LAUNCH, triton_moe_decode.PREFETCH_DOWN = f.one_launch, f.prefetch_down
+    triton_moe_decode.PREFETCH_OWN, triton_paged.PREFETCH_KV = f.prefetch_own, f.prefetch_kv
+    batched.AHEAD_TOKENS, batched.AHEAD = f.ahead_tokens, f.ahead
     fwd.drop_graphs()  # captured with the last variant's launches
 
 
