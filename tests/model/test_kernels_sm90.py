@@ -20,6 +20,10 @@ KERNELS = kernels()
 MEMORY = re.compile(r"^\s*(@%p\d+\s+)?(ld|st|atom|red|cp\.async)\.(global|shared)")
 
 
+def _lines(ptx: str) -> list[str]:
+    return [x.strip() for x in ptx.splitlines() if x.strip() and not x.strip().startswith(("//", ".loc"))]
+
+
 @pytest.mark.unit
 @pytest.mark.parametrize("name, fn, consts, warps, stages", KERNELS, ids=[k[0] for k in KERNELS])
 def test_chained_kernel_waits_before_touching_memory(name, fn, consts, warps, stages):
@@ -81,7 +85,7 @@ def test_fused_merge_counts_in_after_every_thread_stored():
     from tools.kernel_sass import DECODE_ATTN
 
     ptx = compile_sm90(triton_paged._attn_kernel, dict(DECODE_ATTN, FUSED_MERGE=True), False, 4, 2).asm["ptx"]
-    lines = [x.strip() for x in ptx.splitlines() if x.strip() and not x.strip().startswith(("//", ".loc"))]
+    lines = _lines(ptx)
     add = [i for i, x in enumerate(lines) if "atom.global.gpu.acq_rel.add" in x]
     assert len(add) == 1 and lines[add[0]].startswith("@%p"), add  # one thread's
     partials = [i for i, x in enumerate(lines[:add[0]]) if re.match(r"(@%p\d+\s+)?st\.global", x)]
@@ -91,10 +95,6 @@ def test_fused_merge_counts_in_after_every_thread_stored():
     assert any("atom.global.gpu.relaxed.exch" in x for x in after)
     off = compile_sm90(triton_paged._attn_kernel, DECODE_ATTN, False, 4, 2).asm["ptx"]
     assert "atom." not in off
-
-
-def _lines(ptx: str) -> list[str]:
-    return [x.strip() for x in ptx.splitlines() if x.strip() and not x.strip().startswith(("//", ".loc"))]
 
 
 @pytest.mark.unit
