@@ -151,6 +151,11 @@ PAIRS = (("router", "before"), ("ungrouped", "both"), ("gemv", "both"), ("gemv1_
          ("one_launch_own", "ungrouped1"), ("one_launch_all", "ungrouped1"), ("ahead_kv", "gemv1_2"),
          ("own_all_kv", "gemv1_2"))
 
+# the variants whose batch-1 replay is profiled kernel by kernel, where they are timed
+PROFILED = ("before", "both", "gemv", "gemv1_2", "self_route_merge", "down_gemv_8", "prefetch_down", "one_launch",
+            "one_launch_prefetch", "ahead_o_sum", "ahead_all", "own", "own_all", "one_launch_own", "one_launch_all",
+            "own_all_kv")
+
 
 def set_variant(fwd, name: str) -> None:
     from pushkv.model.kernels import triton_moe, triton_moe_decode, triton_paged
@@ -415,11 +420,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         save(rep, args.out)  # each batch as it is measured: a run cut short keeps what it had
     run = functools.partial(fwd.logits, decode_seqs(cfg, 1, args.ctx, 16), views)
-    for name in [v for v in ("before", "both", "gemv", "gemv1_2", "self_route_merge", "down_gemv_8", "prefetch_down",
-                             "one_launch", "one_launch_prefetch", "ahead_o_sum", "ahead_all", "own", "own_all",
-                             "one_launch_own", "one_launch_all", "own_all_kv")
-                 if v in variants] \
-            if len(variants) > 2 else ():
+    for name in [v for v in PROFILED if v in variants] if len(variants) > 2 else ():
         set_variant(fwd, name)
         rep["profile"][name] = profile_step(run, cfg.num_layers)
     set_variant(fwd, "before")

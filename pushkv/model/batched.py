@@ -49,7 +49,17 @@ GEMV_TOKENS = 1
 # layer's qkv while the residual add sums the experts. The same bits. Off (0) until experiments/moe_decode_probe.py
 # (variants ``ahead_*``) has timed it on a GPU
 AHEAD_TOKENS = 0
+AHEAD_PLACES = frozenset({"o", "qkv_route", "qkv_sum"})  # every place there is; AHEAD names some
 AHEAD: frozenset = frozenset({"o"})
+
+
+def ahead_places(tokens: int, tp_size: int) -> frozenset:
+    """Where a step of ``tokens`` asks L2 for dense weights ahead (``AHEAD``; none past ``AHEAD_TOKENS``, and none
+    under TP: its all-reduce between launches breaks the chain the ahead launch runs beside). A place not among
+    ``AHEAD_PLACES`` is refused: misspelt, it would ask for nothing without a word."""
+    if AHEAD - AHEAD_PLACES:
+        raise ValueError(f"batched.AHEAD names {sorted(AHEAD - AHEAD_PLACES)}: not among {sorted(AHEAD_PLACES)}")
+    return AHEAD if 0 < tokens <= AHEAD_TOKENS and tp_size == 1 else frozenset()
 
 
 class BatchedForward:
@@ -183,8 +193,7 @@ class BatchedForward:
         x = F.embedding(meta.ids, m.w.embed)
         x, h = K.add_rms(x, None, layers[0].input_norm, eps)
         attn = torch.empty(T, p.q_heads, self.hd, device=self.device, dtype=m.dtype)
-        # (not under TP: its all-reduce between launches breaks the chain the ahead launch runs beside)
-        places = AHEAD if 0 < T <= AHEAD_TOKENS and m.tp_size == 1 else frozenset()
+        places = ahead_places(T, m.tp_size)
         for layer, lw in enumerate(layers):
             q = K.qk_norm_rope_store(linear(h, lw.qkv, lw.qkv_bias), p.q_heads, p.kv_heads, self.hd,
                                      lw.q_norm, lw.k_norm, eps, rope[0], rope[1], rope[2], meta.slots,

@@ -119,7 +119,7 @@ def test_gpu_float32_tokens_with_moe_one_launch_or_prefetch_equal_transformers(c
         counted(triton_moe_decode, "_one_launch_kernel")
     elif flags == "ahead":
         monkeypatch.setattr(batched, "AHEAD_TOKENS", 8)
-        monkeypatch.setattr(batched, "AHEAD", frozenset({"o", "qkv_route", "qkv_sum"}))
+        monkeypatch.setattr(batched, "AHEAD", batched.AHEAD_PLACES)
         counted(prefetch, "_ahead_kernel")
     elif flags == "ahead_kv":  # the decode attention asking for its first key tile before its wait
         from pushkv.model.kernels import triton_paged

@@ -1,0 +1,139 @@
+"""experiments/moe_decode_probe.py's bookkeeping, on the CPU: what a GPU run of it decides from.
+
+A variant is a set of module switches, and Python lets a misspelt one be assigned without a word. A
+variant that set ``triton_moe.PREFETCH_OWN_TOKEN`` would then time the shipped step under another
+name. So each switch a variant sets must already exist and take the variant's value; the variant
+called shipped must leave every switch as the code ships it; every variant a list or ``gpu_run.sh``
+names must exist; and the report and the plot must come out of a saved run."""
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+
+pytest.importorskip("triton")
+
+from experiments import moe_decode_probe as probe  # noqa: E402
+from pushkv.model import batched  # noqa: E402
+from pushkv.model.kernels import chain, triton_gemv, triton_moe, triton_moe_decode, triton_paged  # noqa: E402
+
+MODULES = (batched, chain, triton_gemv, triton_moe, triton_moe_decode, triton_paged)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class _Forward:
+    """The part of BatchedForward a variant touches: its captured graphs, dropped."""
+
+    def __init__(self):
+        self.dropped = 0
+
+    def drop_graphs(self):
+        self.dropped += 1
+
+
+def _switches() -> dict[tuple[str, str], object]:
+    """Every upper-case module constant of the decode path, with its value now."""
+    return {(m.__name__, k): v for m in MODULES for k, v in vars(m).items() if k.isupper()}
+
+
+@pytest.fixture
+def restored(monkeypatch):
+    """Every switch (and PUSHKV_MOE_DECODE) put back as it was after the test."""
+    for m in MODULES:
+        for k, v in list(vars(m).items()):
+            if k.isupper():
+                monkeypatch.setattr(m, k, v)
+    monkeypatch.delenv("PUSHKV_MOE_DECODE", raising=False)
+    return _Forward()
+
+
+def _read(f: probe.Flags) -> probe.Flags:
+    """The switches as the modules hold them, read back field by field (the mapping set_variant writes)."""
+    return probe.Flags(chain.ON, batched.ROUTER_IN_NORM_TOKENS, os.environ["PUSHKV_MOE_DECODE"], batched.GEMV_TOKENS,
+                       triton_gemv.COLUMNS, triton_moe.SELF_ROUTE_ONE_TOKEN, triton_paged.FUSED_MERGE,
+                       triton_moe.DOWN_GEMV_TOKENS, triton_moe.DOWN_GEMV_COLUMNS, triton_moe.PREFETCH_DOWN_TOKENS,
+                       triton_moe_decode.ONE_LAUNCH, triton_moe_decode.PREFETCH_DOWN, batched.AHEAD_TOKENS,
+                       batched.AHEAD, triton_moe.PREFETCH_OWN_TOKENS, triton_moe_decode.PREFETCH_OWN,
+                       triton_paged.PREFETCH_KV)
+
+
+def test_every_variant_sets_existing_switches_to_its_values(restored):
+    before = set(_switches())
+    for name, flags in probe.VARIANTS.items():
+        probe.set_variant(restored, name)
+        assert _read(flags) == flags, name
+        assert set(_switches()) == before, f"{name} made a switch that no code reads"
+    assert restored.dropped == len(probe.VARIANTS)  # each re-captures its graphs
+
+
+def test_the_shipped_variant_is_what_the_code_ships(restored):
+    from pushkv import envs
+
+    shipped = _switches()
+    probe.set_variant(restored, "gemv1_2")
+    assert _switches() == shipped
+    assert os.environ["PUSHKV_MOE_DECODE"] == envs.get("PUSHKV_MOE_DECODE", {})
+    assert probe.VARIANTS["gemv1_2"] == probe.SHIPPED
+
+
+def test_every_named_variant_exists():
+    names = set(probe.VARIANTS)
+    assert {n for pair in probe.PAIRS for n in pair} <= names
+    assert set(probe.PROFILED) <= names
+    for name, flags in probe.VARIANTS.items():
+        assert flags.ahead <= batched.AHEAD_PLACES, name
+        assert flags.moe_decode in ("grouped", "ungrouped"), name
+    with open(os.path.join(ROOT, "experiments", "gpu_run.sh")) as f:
+        script = f.read()
+    lists = re.findall(r"--variants (?:\$\{AHEAD_VARIANTS:-)?([\w,]+)", script)
+    assert len(lists) >= 2  # moeahead's and denseahead's
+    for names_given in lists:
+        assert set(names_given.split(",")) <= names, names_given
+
+
+def test_ahead_places_follow_the_switches_and_refuse_a_misspelt_one(restored, monkeypatch):
+    monkeypatch.setattr(batched, "AHEAD_TOKENS", 8)
+    monkeypatch.setattr(batched, "AHEAD", frozenset({"o", "qkv_sum"}))
+    assert batched.ahead_places(1, 1) == {"o", "qkv_sum"}
+    assert batched.ahead_places(8, 1) == {"o", "qkv_sum"}
+    assert batched.ahead_places(9, 1) == frozenset()  # past AHEAD_TOKENS
+    assert batched.ahead_places(1, 2) == frozenset()  # under TP
+    assert batched.ahead_places(0, 1) == frozenset()  # a step of no decode rows
+    monkeypatch.setattr(batched, "AHEAD", frozenset({"o", "qkv_rout"}))
+    with pytest.raises(ValueError, match="qkv_rout"):
+        batched.ahead_places(1, 1)
+
+
+def _saved_run(names: list[str]) -> dict:
+    rows = []
+    for batch, bound in ((1, 1.43), (8, 6.1)):
+        row: dict = {"batch": batch, "bound_ms": bound, "chained_same_bits": True}
+        for i, n in enumerate(names):
+            row[n] = {"ms": bound * (2.0 - 0.01 * i)}
+        for a, b in probe.PAIRS:
+            if a in names and b in names:
+                row[f"{a}_vs_{b}"] = {"max_abs": 0.0, "argmax_agree": 1.0}
+        rows.append(row)
+    profile = {"gemv1_2": {"kernel_us_a_layer": [{"us": 18.6, "kernel": "_gate_up_kernel"}],
+                           "busy_us_a_layer": 60.0, "span_us_a_layer": 61.9}}
+    return {"gpu": "NVIDIA H200", "model": "qwen3-30b-a3b", "copy_GBps": 4291.0, "ctx": 512, "variants": names,
+            "rows": rows, "profile": profile}
+
+
+def test_report_ranks_each_batch_against_the_shipped_step_and_plots(tmp_path):
+    names = ["gemv1_2", "prefetch_down", "one_launch", "ungrouped1", "own_all_kv"]
+    rep = _saved_run(names)
+    text = probe.markdown(rep)
+    # the last named is the fastest in this made-up run, and the shipped step the slowest
+    assert "Batch 1, fastest first (against the shipped gemv1_2, 2.860 ms): own_all_kv 2.803 (-2.0 %)" in text
+    assert text.count("fastest first") == 2
+    assert "| one_launch against ungrouped1 | 0, 100% | 0, 100% |" in text
+    assert "Batch-1 graph replay, gemv1_2: 61.9 us a layer" in text
+    pytest.importorskip("matplotlib")
+    saved = tmp_path / "moe_decode.json"
+    saved.write_text(json.dumps(rep))
+    probe.plot(json.loads(saved.read_text()), str(tmp_path / "moe_decode.png"))
+    png = (tmp_path / "moe_decode.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
