@@ -126,13 +126,14 @@ s.print_callees('_post_write|_prefill_done|on_ExpectKV|_poll_notifs')" 2>&1 | gr
             timeout 540 python3 -m experiments.moe_decode_probe --out "$OUT" 2>&1 | tail -40 ;;
     moeaheadtests) # one launch and the L2 prefetches (the MoE down weights, the dense weights ahead; all off until
             # timed): their GPU tests (the bits of the two launches, replayed 50 times; float32 tokens against
-            # transformers with each on)
+            # transformers with each on; the L2 set-aside read back)
             timeout 500 python3 -m pytest -q -p no:cacheprovider tests/model/test_moe_kernel.py \
-              tests/model/test_gpu_graphs.py -k "one_launch or prefetch or gpu_decode_kernels or gpu_kernels_equal" \
+              tests/model/test_gpu_graphs.py tests/supervisor/test_kv_sizing.py \
+              -k "one_launch or prefetch or gpu_decode_kernels or gpu_kernels_equal or l2_set_aside" \
               -rfE 2>&1 | tee "$OUT/moe_ahead_tests.txt" | tail -4 ;;
     moeahead) # the probe's variants of them against the shipped step at batches 1 and 8
             timeout 540 python3 -m experiments.moe_decode_probe --out "$OUT" --batches ${AHEAD_BATCHES:-1,8} --reps ${REPS:-30} \
-              --variants ${AHEAD_VARIANTS:-gemv1_2,prefetch_down,ungrouped1,ungrouped_prefetch,one_launch,one_launch_prefetch,ahead_o,ahead_o_route,ahead_o_sum,ahead_all,own,own_down,own_all,ungrouped_own,one_launch_own,one_launch_all,ahead_kv,own_all_kv} \
+              --variants ${AHEAD_VARIANTS:-gemv1_2,prefetch_down,prefetch_down_l2,ungrouped1,one_launch,one_launch_prefetch,ahead_o,ahead_o_route,ahead_o_sum,ahead_all,own,own_down,own_all,own_all_l2,one_launch_own,one_launch_all,one_launch_all_l2,ahead_kv,own_all_kv} \
               2>&1 | tail -40 ;;
     denseahead) # the dense weights asked of L2 ahead (batched.AHEAD) on a dense model: qwen3-8b's o is 33 MB
             timeout 540 python3 -m experiments.moe_decode_probe --model qwen3-8b --out "$OUT/dense" --batches 1,8 \

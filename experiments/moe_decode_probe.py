@@ -39,7 +39,11 @@ Variants (each re-captures the graphs):
   (``triton_moe_decode.PREFETCH_OWN``; a down program its rows of all k experts at once); ``one_launch_own``: the
   same in one launch; ``one_launch_all``: that with the o and next qkv weights ahead;
 - ``ahead_kv``: ``gemv1_2`` with each decode attention program asking L2 for its first key tile before it waits
-  (``triton_paged.PREFETCH_KV``); ``own_all_kv``: ``own_all`` with that.
+  (``triton_paged.PREFETCH_KV``); ``own_all_kv``: ``own_all`` with that;
+- ``prefetch_down_l2``, ``own_all_l2``, ``one_launch_all_l2``: those with the device's most L2 set aside for
+  evict-last lines (``cuda_driver.persisting_l2``). CUDA gives persisting lines their priority within that
+  set-aside, which starts at 0; these variants tell whether the evict-last asks (the down weights, the weights
+  ahead) need it to outlast the expert weights streaming past before they are read.
 
 ``--variants both,gemv1_2`` times only those.
 
@@ -69,6 +73,7 @@ from typing import NamedTuple
 
 import torch
 
+from pushkv import cuda_driver
 from pushkv.model import batched
 from pushkv.model.kernels import chain, triton_gemv
 from tools.roofline import (
@@ -105,6 +110,7 @@ class Flags(NamedTuple):
     prefetch_own_tokens: int = 0  # triton_moe.PREFETCH_OWN_TOKENS
     prefetch_own: bool = False  # triton_moe_decode.PREFETCH_OWN
     prefetch_kv: bool = False  # triton_paged.PREFETCH_KV
+    l2_set_aside: bool = False  # the device's most L2 set aside for evict-last lines (cuda_driver.persisting_l2)
 
 
 SHIPPED = Flags(True, 16, "grouped", 1, 2)
@@ -140,7 +146,12 @@ VARIANTS = {"before": Flags(False, 0, "grouped", 0, 8), "router": Flags(False, 1
             "one_launch_all": _UNGROUPED._replace(one_launch=True, prefetch_down=True, prefetch_own=True,
                                                   ahead_tokens=8, ahead=frozenset({"o", "qkv_sum"})),
             "ahead_kv": SHIPPED._replace(prefetch_kv=True),
-            "own_all_kv": _OWN_ALL._replace(prefetch_kv=True)}
+            "own_all_kv": _OWN_ALL._replace(prefetch_kv=True),
+            "prefetch_down_l2": SHIPPED._replace(prefetch_down_tokens=8, l2_set_aside=True),
+            "own_all_l2": _OWN_ALL._replace(l2_set_aside=True),
+            "one_launch_all_l2": _UNGROUPED._replace(one_launch=True, prefetch_down=True, prefetch_own=True,
+                                                     ahead_tokens=8, ahead=frozenset({"o", "qkv_sum"}),
+                                                     l2_set_aside=True)}
 # (variant, its baseline): their logits compared (the same bits where the variant changes no arithmetic)
 PAIRS = (("router", "before"), ("ungrouped", "both"), ("gemv", "both"), ("gemv1_2", "both"),
          ("self_route", "gemv1_2"), ("fused_merge", "gemv1_2"), ("self_route_merge", "gemv1_2"),
@@ -149,15 +160,17 @@ PAIRS = (("router", "before"), ("ungrouped", "both"), ("gemv", "both"), ("gemv1_
          ("ahead_o", "gemv1_2"), ("ahead_o_route", "gemv1_2"), ("ahead_o_sum", "gemv1_2"), ("ahead_all", "gemv1_2"),
          ("own", "gemv1_2"), ("own_down", "gemv1_2"), ("own_all", "gemv1_2"), ("ungrouped_own", "ungrouped1"),
          ("one_launch_own", "ungrouped1"), ("one_launch_all", "ungrouped1"), ("ahead_kv", "gemv1_2"),
-         ("own_all_kv", "gemv1_2"))
+         ("own_all_kv", "gemv1_2"), ("prefetch_down_l2", "prefetch_down"), ("own_all_l2", "own_all"),
+         ("one_launch_all_l2", "one_launch_all"))
 
 # the variants whose batch-1 replay is profiled kernel by kernel, where they are timed
 PROFILED = ("before", "both", "gemv", "gemv1_2", "self_route_merge", "down_gemv_8", "prefetch_down", "one_launch",
             "one_launch_prefetch", "ahead_o_sum", "ahead_all", "own", "own_all", "one_launch_own", "one_launch_all",
-            "own_all_kv")
+            "own_all_kv", "own_all_l2")
 
 
-def set_variant(fwd, name: str) -> None:
+def set_variant(fwd, name: str) -> int:
+    """Switch the decode path to variant ``name``; returns the L2 set-aside for evict-last lines now (bytes)."""
     from pushkv.model.kernels import triton_moe, triton_moe_decode, triton_paged
 
     f = VARIANTS[name]
@@ -170,6 +183,10 @@ def set_variant(fwd, name: str) -> None:
     triton_moe_decode.PREFETCH_OWN, triton_paged.PREFETCH_KV = f.prefetch_own, f.prefetch_kv
     batched.AHEAD_TOKENS, batched.AHEAD = f.ahead_tokens, f.ahead
     fwd.drop_graphs()  # captured with the last variant's launches
+    if not torch.cuda.is_available():
+        return 0
+    # without a set-aside (the default: 0) the GPU keeps lines asked for evict-last as normal ones
+    return cuda_driver.persisting_l2(1 << 40 if f.l2_set_aside else 0)[0]
 
 
 def profile_step(run, layers: int, reps: int = 20) -> dict:
@@ -403,8 +420,10 @@ def main() -> None:
         row: dict = {"batch": B, "bound_ms": decode_bound(c, B, args.ctx, bw, rate, read) * 1e3}
         logits = {}
         for name in variants:
-            set_variant(fwd, name)
+            set_aside = set_variant(fwd, name)
             row[name] = {"ms": _time(run, args.reps) * 1e3}
+            if set_aside:
+                row[name]["l2_set_aside_MiB"] = round(set_aside / 2**20, 1)
             logits[name] = run().float()
         # chaining changes no arithmetic: the same bits; the router's own dot orders its sums otherwise than
         # cuBLAS, and the ungrouped kernels theirs, so those are compared as close (random weights' logits are

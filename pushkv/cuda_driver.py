@@ -1,6 +1,8 @@
 """The CUDA driver asked directly through ctypes (``libcuda.so.1``), without torch: how many GPUs
 this process sees, and a GPU's free and total memory. The supervisor plans and checks with these
-before any child starts, in milliseconds, and stays free of torch's seconds-long import.
+before any child starts, in milliseconds, and stays free of torch's seconds-long import. Also the
+L2 set-aside of the context current on the calling thread (``persisting_l2``), which torch does not
+expose.
 
 ``CUDA_VISIBLE_DEVICES`` applies, as it does to torch: ordinal N is the Nth visible GPU.
 """
@@ -10,6 +12,8 @@ import ctypes
 
 CUDA_SUCCESS = 0
 CUDA_ERROR_NO_DEVICE = 100
+CU_LIMIT_PERSISTING_L2_CACHE_SIZE = 0x06
+CU_DEVICE_ATTRIBUTE_MAX_PERSISTING_L2_CACHE_SIZE = 108
 
 
 class DriverError(RuntimeError):
@@ -67,3 +71,26 @@ def memory_info(ordinal: int) -> tuple[int, int]:
     finally:
         cuda.cuDevicePrimaryCtxRelease_v2(dev)
     return free.value, total.value
+
+
+def persisting_l2(nbytes: int | None = None) -> tuple[int, int]:
+    """The L2 set-aside for persisting (evict-last) lines of the context current on this thread (torch's, once it
+    has started CUDA there): with ``nbytes``, set it first, clamped to the device's most. Returns (the set-aside
+    now, the device's most), in bytes. CUDA gives persisting lines their priority within the set-aside, which
+    starts at 0. DriverError where no context is current."""
+    cuda = _driver()
+    ctx = ctypes.c_void_p(0)
+    _call("cuCtxGetCurrent", cuda.cuCtxGetCurrent(ctypes.byref(ctx)))
+    if not ctx.value:
+        raise DriverError("no CUDA context is current on this thread (start CUDA there first, e.g. torch.cuda.init())")
+    dev, most = ctypes.c_int(0), ctypes.c_int(0)
+    _call("cuCtxGetDevice", cuda.cuCtxGetDevice(ctypes.byref(dev)))
+    _call("cuDeviceGetAttribute(MAX_PERSISTING_L2_CACHE_SIZE)",
+          cuda.cuDeviceGetAttribute(ctypes.byref(most), CU_DEVICE_ATTRIBUTE_MAX_PERSISTING_L2_CACHE_SIZE, dev))
+    if nbytes is not None:
+        _call("cuCtxSetLimit(PERSISTING_L2_CACHE_SIZE)",
+              cuda.cuCtxSetLimit(CU_LIMIT_PERSISTING_L2_CACHE_SIZE, ctypes.c_size_t(max(0, min(nbytes, most.value)))))
+    now = ctypes.c_size_t(0)
+    _call("cuCtxGetLimit(PERSISTING_L2_CACHE_SIZE)",
+          cuda.cuCtxGetLimit(ctypes.byref(now), CU_LIMIT_PERSISTING_L2_CACHE_SIZE))
+    return now.value, most.value

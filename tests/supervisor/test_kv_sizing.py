@@ -188,3 +188,27 @@ def test_the_driver_query_without_a_gpu_says_why():
         assert why
         with pytest.raises(DriverError):
             memory_info(0)
+
+
+def test_the_l2_set_aside_is_set_clamped_and_read_back_where_a_gpu_is():
+    """cuda_driver.persisting_l2 (experiments/moe_decode_probe.py's ``*_l2`` variants): on a GPU, within torch's
+    context, the set-aside asked for is what the driver reads back, a larger one is clamped to the device's most,
+    and 0 puts it back; without a GPU it says why."""
+    from pushkv.cuda_driver import DriverError, device_count, persisting_l2
+
+    if not device_count()[0]:
+        with pytest.raises(DriverError):
+            persisting_l2(1 << 20)
+        return
+    import torch
+
+    torch.cuda.init()
+    torch.zeros(1, device="cuda")  # torch's context current on this thread
+    before, most = persisting_l2()
+    try:
+        assert most > 0
+        assert persisting_l2(4 << 20)[0] == 4 << 20
+        assert persisting_l2(1 << 40) == (most, most)
+        assert persisting_l2(0)[0] == 0
+    finally:
+        persisting_l2(before)

@@ -38,41 +38,63 @@ def _switches() -> dict[tuple[str, str], object]:
     return {(m.__name__, k): v for m in MODULES for k, v in vars(m).items() if k.isupper()}
 
 
+class _Driver:
+    """cuda_driver.persisting_l2 on a made-up device whose most is 30 MiB: the set-aside each call asked for."""
+
+    MOST = 30 << 20
+
+    def __init__(self):
+        self.now = 0
+
+    def persisting_l2(self, nbytes=None):
+        if nbytes is not None:
+            self.now = max(0, min(nbytes, self.MOST))
+        return self.now, self.MOST
+
+
 @pytest.fixture
 def restored(monkeypatch):
-    """Every switch (and PUSHKV_MOE_DECODE) put back as it was after the test."""
+    """Every switch (and PUSHKV_MOE_DECODE) put back as it was after the test; a GPU's driver made up."""
     for m in MODULES:
         for k, v in list(vars(m).items()):
             if k.isupper():
                 monkeypatch.setattr(m, k, v)
     monkeypatch.delenv("PUSHKV_MOE_DECODE", raising=False)
-    return _Forward()
+    driver = _Driver()
+    monkeypatch.setattr(probe.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(probe.cuda_driver, "persisting_l2", driver.persisting_l2)
+    fwd = _Forward()
+    fwd.driver = driver
+    return fwd
 
 
-def _read(f: probe.Flags) -> probe.Flags:
-    """The switches as the modules hold them, read back field by field (the mapping set_variant writes)."""
+def _read(driver: _Driver) -> probe.Flags:
+    """The switches as the modules and the device hold them, read back field by field (the mapping set_variant
+    writes)."""
     return probe.Flags(chain.ON, batched.ROUTER_IN_NORM_TOKENS, os.environ["PUSHKV_MOE_DECODE"], batched.GEMV_TOKENS,
                        triton_gemv.COLUMNS, triton_moe.SELF_ROUTE_ONE_TOKEN, triton_paged.FUSED_MERGE,
                        triton_moe.DOWN_GEMV_TOKENS, triton_moe.DOWN_GEMV_COLUMNS, triton_moe.PREFETCH_DOWN_TOKENS,
                        triton_moe_decode.ONE_LAUNCH, triton_moe_decode.PREFETCH_DOWN, batched.AHEAD_TOKENS,
                        batched.AHEAD, triton_moe.PREFETCH_OWN_TOKENS, triton_moe_decode.PREFETCH_OWN,
-                       triton_paged.PREFETCH_KV)
+                       triton_paged.PREFETCH_KV, driver.now == driver.MOST)
 
 
 def test_every_variant_sets_existing_switches_to_its_values(restored):
     before = set(_switches())
     for name, flags in probe.VARIANTS.items():
-        probe.set_variant(restored, name)
-        assert _read(flags) == flags, name
+        set_aside = probe.set_variant(restored, name)
+        assert _read(restored.driver) == flags, name
+        assert set_aside == (_Driver.MOST if flags.l2_set_aside else 0), name  # and none left by the last
         assert set(_switches()) == before, f"{name} made a switch that no code reads"
     assert restored.dropped == len(probe.VARIANTS)  # each re-captures its graphs
+    assert probe.VARIANTS[name].l2_set_aside and probe.set_variant(restored, "gemv1_2") == 0  # taken back
 
 
 def test_the_shipped_variant_is_what_the_code_ships(restored):
     from pushkv import envs
 
     shipped = _switches()
-    probe.set_variant(restored, "gemv1_2")
+    assert probe.set_variant(restored, "gemv1_2") == 0  # no L2 set aside, as a worker leaves it
     assert _switches() == shipped
     assert os.environ["PUSHKV_MOE_DECODE"] == envs.get("PUSHKV_MOE_DECODE", {})
     assert probe.VARIANTS["gemv1_2"] == probe.SHIPPED
