@@ -129,7 +129,7 @@ s.print_callees('_post_write|_prefill_done|on_ExpectKV|_poll_notifs')" 2>&1 | gr
             # transformers with each on; the L2 set-aside read back)
             timeout 500 python3 -m pytest -q -p no:cacheprovider tests/model/test_moe_kernel.py \
               tests/model/test_gpu_graphs.py tests/supervisor/test_kv_sizing.py \
-              -k "one_launch or prefetch or gpu_decode_kernels or gpu_kernels_equal or l2_set_aside" \
+              -k "one_launch or prefetch or gpu_decode_kernels or gpu_kernels_equal or l2_set_aside or enforce_eager" \
               -rfE 2>&1 | tee "$OUT/moe_ahead_tests.txt" | tail -4 ;;
     moeahead) # the probe's variants of them against the shipped step at batches 1 and 8
             timeout 540 python3 -m experiments.moe_decode_probe --out "$OUT" --batches ${AHEAD_BATCHES:-1,8} --reps ${REPS:-30} \

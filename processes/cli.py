@@ -20,7 +20,7 @@ from typing import Optional
 import msgspec
 from setproctitle import setproctitle
 
-from pushkv import envs, up_help
+from pushkv import envs, up_help, vllm_serve
 from pushkv.config import PRESETS, TRACE_AUTO, DeploymentConfig
 from pushkv.config_flags import GEOMETRY, deprecations, user_config, weights_note
 from pushkv.cuda_driver import memory_info
@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
     mod = up.add_argument_group("model", "what is served, as vLLM takes it")
+    mod.add_argument("model_tag", nargs="?", metavar="MODEL",
+                     help="the model, as `vllm serve MODEL` takes it: the same as --model (default: --model's)")
     mod.add_argument("--model", metavar="PATH|ORG/NAME|SHAPE",
                      help="a local Hugging Face checkpoint directory, or a Hugging Face repo id (resolved through "
                           "huggingface_hub: from the local cache when HF_HUB_OFFLINE=1), as vLLM takes it; with "
@@ -233,6 +235,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="lease TTL (default 5): a host that dies or is cut off leaves the registry, and its "
                           "requests fail, within this (plus TTL/3)")
 
+    vll = up.add_argument_group(
+        "vllm serve", "vLLM's spellings: the same setting (same), taken where the value is what pushkv does (when), "
+        "taken and said to have no effect (no effect), or refused by name with what to do instead (refused); "
+        "--config also takes vLLM's YAML file of these flags")
+    vllm_serve.add_flags(vll)
+
     sup = up.add_argument_group("supervision", "start stages, restarts and stop")
     sup.add_argument("--on-child-exit", choices=ON_CHILD_EXIT, default="restart")
     sup.add_argument("--max-restarts", type=int, default=5, help="per child, within --restart-window")
@@ -279,6 +287,8 @@ def cmd_up(args: argparse.Namespace, child_argv: Optional[ArgvHook] = None) -> i
     except (OSError, ValueError, msgspec.ValidationError) as e:
         print(f"pushkv up: bad configuration: {e}", file=sys.stderr)
         return 2
+    for line in vllm_serve.apply(vars(args), cfg.prefill.max_batch_tokens)[1]:  # taken, and of no effect here
+        print(f"pushkv up: {line}", file=sys.stderr)
     if cfg.metrics_auth and not args.api_key:
         print("pushkv up: --metrics-auth puts /metrics behind the API key: give --api-key (or "
               f"${API_KEY_ENV}) too", file=sys.stderr)
@@ -358,7 +368,19 @@ def cmd_stop(args: argparse.Namespace) -> int:
 def main(argv: Optional[list[str]] = None, *, child_argv: Optional[ArgvHook] = None) -> int:
     """``pushkv up|status|stop`` (the console script ``pushkv`` is tools/cli.py, which hands these here).
     ``child_argv`` lets tests run fake children."""
-    args = build_parser().parse_args(argv)
+    raw = list(sys.argv[1:] if argv is None else argv)
+    try:
+        raw = vllm_serve.expand_config(raw)  # vLLM's --config YAML: its flags, the command line's winning
+    except (OSError, ValueError) as e:
+        print(f"pushkv up: bad configuration: {e}", file=sys.stderr)
+        return 2
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(raw)
+    if unknown:
+        hint = (" (pushkv up takes vllm serve's common flags under their names, each the same setting, taken, or "
+                "refused with what to do instead: the 'vllm serve' group of pushkv up --help)"
+                if args.cmd == "up" else "")
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     if args.cmd == "up":
         return cmd_up(args, child_argv)
     if args.cmd == "status":

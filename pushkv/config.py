@@ -142,6 +142,7 @@ class ModelConfig(msgspec.Struct, frozen=True):
     # "auto": the batched engine (one packed forward per step, Triton paged attention,
     # CUDA graphs) on CUDA, the per-sequence engine on the CPU; "batched" | "per-seq" force one
     engine: Engine = "auto"
+    cuda_graphs: bool = True  # the batched engine replays decode steps as CUDA graphs (False: --enforce-eager)
     random_init: RandomInit = "cpu"  # random weights drawn on "cpu" (fp32, then cast) or "device"
     # every id that ends a turn: config.json's eos_token_id (an int or a list) and
     # generation_config.json's; eos_token_id above is the first of them

@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import msgspec
 
+from pushkv import vllm_serve
 from pushkv.config import (
     PRESETS,
     TRACE_AUTO,
@@ -62,8 +63,16 @@ def _preset_named(name: Optional[str]) -> bool:
     return bool(name) and name in PRESETS and not os.path.isdir(str(name))
 
 
+def model_name(flags: Mapping[str, Any]) -> Optional[str]:
+    """--model, or ``pushkv up MODEL`` as ``vllm serve MODEL`` takes it; the two must agree."""
+    name, tag = flags.get("model"), flags.get("model_tag")
+    if name and tag and name != tag:
+        raise ValueError(f"the model is given twice: {tag!r} and --model {name!r}")
+    return name or tag
+
+
 def _model(flags: Mapping[str, Any], base: ModelConfig) -> ModelConfig:
-    name, dummy = flags.get("model"), flags.get("load_format") == "dummy"
+    name, dummy = model_name(flags), flags.get("load_format") == "dummy"
     geometry = {k: flags.get(k) for k in GEOMETRY}
     if geometry["dtype"] == "auto":  # vLLM's --dtype auto: the checkpoint's (a preset's own)
         geometry["dtype"] = None
@@ -71,7 +80,7 @@ def _model(flags: Mapping[str, Any], base: ModelConfig) -> ModelConfig:
     if name and not path and not _preset_named(name):
         from pushkv.model.hub import resolve
 
-        path = resolve(name, flags.get("revision"))
+        path = resolve(name, flags.get("revision"), cache_dir=flags.get("download_dir"))
     elif flags.get("revision"):
         raise ValueError(f"--revision {flags['revision']!r} needs --model to name a Hugging Face repo id")
     if path:  # the checkpoint's config.json is the geometry; flags may still override
@@ -81,6 +90,13 @@ def _model(flags: Mapping[str, Any], base: ModelConfig) -> ModelConfig:
         if name and not flags.get("checkpoint") and not os.path.isdir(name):  # a repo id: its name, not the cache's
             given.setdefault("name", name)
         model = model_config_from_hf(path, flags.get("generation_config") or "auto", **given)
+        quantization = flags.get("vllm_quantization")
+        if quantization and quantization.lower() == "fp8":
+            from pushkv.model.checkpoint import fp8_blocks_in
+
+            if not fp8_blocks_in(path):
+                raise ValueError(f"--quantization {quantization}: {name} is not a block-scaled fp8 checkpoint, and "
+                                 "quantizing one at load is not built (serve an fp8 release, or leave the flag out)")
         if dummy:  # vLLM's dummy load: the checkpoint's shape and tokenizer, random weights
             model = msgspec.structs.replace(model, checkpoint=None, tokenizer=model.checkpoint)
     else:
@@ -91,7 +107,8 @@ def _model(flags: Mapping[str, Any], base: ModelConfig) -> ModelConfig:
         model = msgspec.structs.replace(model, tokenizer=resolve(flags["tokenizer"], None, TOKENIZER_FILES))
     invariant = flags.get("batch_invariant")
     return _replace(model, engine=flags.get("engine"), random_init=flags.get("random_init"),
-                    deterministic=None if invariant is None else invariant == "on")
+                    deterministic=None if invariant is None else invariant == "on",
+                    cuda_graphs=False if flags.get("enforce_eager") else None)
 
 
 def deprecations(flags: Mapping[str, Any]) -> list[str]:
@@ -102,7 +119,7 @@ def deprecations(flags: Mapping[str, Any]) -> list[str]:
     if flags.get("tp") is not None:
         out.append(f"--tp is deprecated: use -tp/--tensor-parallel-size {flags['tp']} (every side; "
                    "--prefill-tp/--decode-tp override it)")
-    name = flags.get("model")
+    name = flags.get("model") or flags.get("model_tag")
     if flags.get("load_format") != "dummy" and not flags.get("checkpoint") and not flags.get("config") \
             and (_preset_named(name) or not name):
         shape = name or PRESETS["small"].name
@@ -167,14 +184,17 @@ def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = 
     """The user's config from ``pushkv up``'s parsed flags (``vars(args)``; a flag missing or None
     was not given): the ``--config`` file's, or the defaults, with every given flag on top.
     ``gpus`` counts this host's GPUs (the device's default)."""
+    sets, _ = vllm_serve.apply(flags, InstanceConfig(role="prefill").max_batch_tokens)  # vllm serve's spellings
+    flags = {**flags, **sets}
     f = flags.get
     path, secret, names = f("config"), f("secret_file"), f("served_model_name")
     cfg = load_config_file(path) if path else DeploymentConfig()
     device = f("device") or default_device(flags, gpus)
     model = _model(flags, cfg.model)
-    if not names and f("model") and not _preset_named(f("model")):
+    given_name = model_name(flags)
+    if not names and given_name and not _preset_named(given_name):
         # vLLM's default: the --model string as given; the directory's name and path still answer
-        names = [f("model"), model.name, *([model.checkpoint] if model.checkpoint else [])]
+        names = [given_name, model.name, *([model.checkpoint] if model.checkpoint else [])]
     max_len = f("max_model_len")
     if max_len is not None and not 1 <= max_len <= model.max_position:
         raise ValueError(f"--max-model-len {max_len} must be in [1, {model.max_position}] "

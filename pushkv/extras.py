@@ -7,7 +7,6 @@ EXTRA_OF = {
     "triton": "gpu",                    # the CUDA kernels (pushkv/model/kernels/triton_*.py)
     "matplotlib": "bench",              # pushkv plot, sweep, roofline, stream-bench, link-bench: figures
     "tqdm": "bench",                    # pushkv bench, sweep, link-bench: progress
-    "yaml": "deploy",                   # pushkv check-deploy
     "kubernetes_validate": "deploy",    # pushkv check-deploy
     "vllm": "vllm",                     # pushkv.vllm, the vLLM connector
     "transformers": "vllm",             # pushkv.vllm's tiny test model

@@ -82,7 +82,7 @@ class BatchedForward:
         self.staging = Staging()
         self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.cuda else 1
         if use_graphs is None:  # MoE too: its CUDA kernels never wait for the host (kernels/triton_moe.py)
-            use_graphs = self.cuda and model.tp_size == 1 and envs.PUSHKV_CUDA_GRAPHS
+            use_graphs = self.cuda and model.tp_size == 1 and cfg.cuda_graphs and envs.PUSHKV_CUDA_GRAPHS
         self.use_graphs = use_graphs
         self.fused = self.cuda and envs.PUSHKV_FUSED and not (self.hd & (self.hd - 1))
         if self.cuda and any(lw.router is not None for lw in model.w.layers):

@@ -23,9 +23,10 @@ def is_repo_id(name: str) -> bool:
     return bool(_REPO_ID.fullmatch(name)) and not os.path.exists(name) and ".." not in name
 
 
-def resolve(name: str, revision: Optional[str] = None, files: Optional[list[str]] = None) -> str:
-    """The local directory of ``name``: the directory itself, or the Hub repo's snapshot.
-    ValueError naming what was looked for when it is neither."""
+def resolve(name: str, revision: Optional[str] = None, files: Optional[list[str]] = None,
+            cache_dir: Optional[str] = None) -> str:
+    """The local directory of ``name``: the directory itself, or the Hub repo's snapshot (in ``cache_dir``, vLLM's
+    --download-dir, else huggingface_hub's cache). ValueError naming what was looked for when it is neither."""
     if os.path.isdir(name):
         if revision:
             raise ValueError(f"--revision {revision!r} applies to a Hugging Face repo id, not the local "
@@ -40,7 +41,8 @@ def resolve(name: str, revision: Optional[str] = None, files: Optional[list[str]
         raise ValueError(f"--model {name!r} is a Hugging Face repo id: install huggingface_hub") from None
     offline = envs.HF_HUB_OFFLINE.lower() in ("1", "true", "yes", "on")  # as huggingface_hub reads it
     try:
-        return snapshot_download(repo_id=name, revision=revision, allow_patterns=files or SERVE_FILES)
+        return snapshot_download(repo_id=name, revision=revision, allow_patterns=files or SERVE_FILES,
+                                 cache_dir=cache_dir)
     except LocalEntryNotFoundError as e:
         where = "not in the local Hugging Face cache (HF_HUB_OFFLINE=1)" if offline else "not reachable"
         raise ValueError(f"--model {name!r}{f' revision {revision!r}' if revision else ''}: {where}: {e}") from None

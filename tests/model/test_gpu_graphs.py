@@ -154,3 +154,20 @@ def _graphs_equal_transformers_and_eager(case, tmp_path):
           f"({sum(equal)} of {len(equal)} prompts); {'equal' if same else 'NOT EQUAL'} to graphs off "
           f"(alone and 3 together)")
     assert all(equal) and same
+
+
+def test_gpu_enforce_eager_replays_no_graph_and_gives_the_graphs_tokens(tmp_path):
+    """vLLM's --enforce-eager (``ModelConfig.cuda_graphs`` False, pushkv/vllm_serve.py): the decode steps run their
+    kernels with no graph captured, and the tokens are the graphs' (float32)."""
+    import msgspec
+
+    path = save_hf_checkpoint(str(tmp_path), "qwen3", seed=3)
+    cfg = model_config_from_hf(path, engine="batched")
+    ids = hf_reference(path, PROMPTS[:1])[0][0]
+    got = {}
+    for graphs in (True, False):
+        model = build_model(msgspec.structs.replace(cfg, cuda_graphs=graphs), device="cuda")
+        assert model.batched.use_graphs is graphs
+        got[graphs] = paged_generate(model, _pool(model, BLOCKS), ids, NEW, tuple(range(BLOCKS)))
+        assert bool(model.batched.graphs) is graphs
+    assert got[False] == got[True]

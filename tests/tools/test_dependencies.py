@@ -106,9 +106,9 @@ def test_each_optional_module_is_in_its_extra_and_not_in_the_base(module):
 
 
 def test_the_missing_error_names_the_extra_to_install():
-    e = extras.missing("yaml", "pushkv check-deploy")
-    assert isinstance(e, ModuleNotFoundError) and e.name == "yaml"
-    assert str(e) == ("pushkv check-deploy needs yaml, which pushkv's 'deploy' extra installs: "
+    e = extras.missing("kubernetes_validate", "pushkv check-deploy")
+    assert isinstance(e, ModuleNotFoundError) and e.name == "kubernetes_validate"
+    assert str(e) == ("pushkv check-deploy needs kubernetes_validate, which pushkv's 'deploy' extra installs: "
                       "pip install 'pushkv[deploy]'")
 
 

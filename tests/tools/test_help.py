@@ -76,18 +76,21 @@ def test_top_level_help_lists_deployment_commands_first_then_every_tool_in_one_g
 
 
 UP_GROUPS = ["deployment", "model", "parallelism", "memory", "transfer", "routing", "security", "hosts",
-             "supervision"]
+             "vllm serve", "supervision"]
 
 
 def test_up_flags_are_grouped_by_topic_in_order():
     up = up_parser()
-    groups = {g.title: [a.option_strings[-1] for a in g._group_actions] for g in up._action_groups}
+    groups = {g.title: [a.option_strings[-1] if a.option_strings else a.dest for a in g._group_actions]
+              for g in up._action_groups}
     assert groups["options"] == ["--help"]  # every flag of up sits in a topic
     assert [t for t in groups if t in UP_GROUPS] == UP_GROUPS
     assert {"--gpu-memory-utilization", "--num-blocks", "--block-size"} <= set(groups["memory"])
     assert {"--tensor-parallel-size", "--device", "--prefill-instances"} <= set(groups["parallelism"])
     assert {"--push-stream", "--link-window", "--kv-verify"} <= set(groups["transfer"])
     assert {"--startup-timeout", "--load-timeout"} <= set(groups["supervision"])
+    assert {"model_tag", "--model"} <= set(groups["model"])  # vllm serve MODEL's positional beside --model
+    assert {"--max-num-batched-tokens", "--enforce-eager", "--enable-lora"} <= set(groups["vllm serve"])
     text = up.format_help()
     assert [text.index(f"\n{t}:") for t in UP_GROUPS] == sorted(text.index(f"\n{t}:") for t in UP_GROUPS)
 

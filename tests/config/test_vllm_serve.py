@@ -1,0 +1,176 @@
+"""``vllm serve``'s command line as ``pushkv up`` takes it (pushkv/vllm_serve.py): the model as the first argument,
+vLLM's names for pushkv's settings giving the config pushkv's own spelling gives, a value pushkv does not run
+refused by name, a feature it does not build refused with what to do instead, a knob it has no counterpart of
+taken and said, vLLM's YAML config file, and the docs' table generated from the code."""
+from __future__ import annotations
+
+import os
+import re
+
+import msgspec
+import pytest
+
+from processes import cli
+from pushkv import vllm_serve
+from pushkv.config_flags import user_config
+from pushkv.supervisor.plan import plan_deployment
+from pushkv.vllm_serve import FLAGS, NO_EFFECT, ON_OFF, REFUSED, SAME, SWITCH, WHEN
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+NO_GPU = lambda: (0, "no GPU in this test")  # noqa: E731
+
+
+def config(*argv: str):
+    args = cli.build_parser().parse_args(["up", *argv])
+    return user_config(vars(args), NO_GPU)
+
+
+def argv_of(f, value=None) -> list[str]:
+    """The command line that gives flag ``f`` (with ``value``, or a value of its type)."""
+    if f.value == SWITCH:
+        return [f.name]
+    if f.value == ON_OFF:
+        return [f.name]
+    return [f.name, str(value if value is not None else (1 if f.value in (int, float) else "x"))]
+
+
+def test_vllm_spellings_give_the_config_pushkvs_own_give():
+    theirs = config("tiny", "--load-format", "dummy", "--max-num-batched-tokens", "2048",
+                    "--num-gpu-blocks-override", "100", "--no-enable-prefix-caching", "--enable-chunked-prefill",
+                    "-pp", "1", "-dp", "1", "--kv-cache-dtype", "auto", "--distributed-executor-backend", "mp",
+                    "--trust-remote-code", "--disable-log-stats")
+    ours = config("--model", "tiny", "--load-format", "dummy", "--max-batch-tokens", "2048", "--num-blocks", "100",
+                  "--no-prefix-cache", "--prefill-chunk", "2048")
+    assert theirs == ours
+    assert (ours.prefill.max_batch_tokens, ours.decode.num_blocks, ours.prefill.prefix_cache,
+            ours.prefill.prefill_chunk) == (2048, 100, False, 2048)
+
+
+def test_chunked_prefill_takes_the_step_size_and_can_be_turned_off():
+    default_tokens = config("tiny", "--load-format", "dummy").prefill.max_batch_tokens
+    assert config("tiny", "--load-format", "dummy", "--enable-chunked-prefill").prefill.prefill_chunk == default_tokens
+    assert config("tiny", "--load-format", "dummy", "--max-batch-tokens", "512",
+                  "--enable-chunked-prefill").prefill.prefill_chunk == 512
+    assert config("tiny", "--load-format", "dummy", "--no-enable-chunked-prefill").prefill.prefill_chunk == 0
+    assert config("tiny", "--load-format", "dummy", "--enable-prefix-caching").prefill.prefix_cache is True
+
+
+def test_enforce_eager_reaches_what_every_worker_reads():
+    """The planned config is what each worker process reads (its config file); the batched engine replays no
+    graph when the model says so (on a GPU: tests/model/test_gpu_graphs.py)."""
+    assert config("tiny", "--load-format", "dummy").model.cuda_graphs is True
+    planned = plan_deployment(config("tiny", "--load-format", "dummy", "--enforce-eager"))
+    assert planned.model.cuda_graphs is False
+    assert msgspec.json.decode(msgspec.json.encode(planned), type=type(planned)).model.cuda_graphs is False
+
+
+def test_the_model_as_the_first_argument_is_the_model():
+    assert config("tiny", "--load-format", "dummy").model == config("--model", "tiny", "--load-format", "dummy").model
+    with pytest.raises(ValueError, match="given twice: 'tiny' and --model 'small'"):
+        config("tiny", "--model", "small", "--load-format", "dummy")
+
+
+@pytest.mark.parametrize("f", [f for f in FLAGS if f.kind == REFUSED], ids=lambda f: f.name)
+def test_each_feature_not_built_is_refused_by_name_saying_what_instead(f):
+    with pytest.raises(ValueError) as e:
+        config("tiny", "--load-format", "dummy", *argv_of(f))
+    assert str(e.value).startswith(f.name) and f.says in str(e.value)
+
+
+# (flag, a value pushkv runs, a value it does not)
+WHEN_VALUES = {"--pipeline-parallel-size": (1, 2), "--data-parallel-size": (1, 4), "--api-server-count": (1, 2),
+               "--kv-cache-dtype": ("auto", "fp8_e4m3"), "--quantization": ("none", "awq"),
+               "--distributed-executor-backend": ("mp", "ray"), "--tokenizer-mode": ("auto", "mistral"),
+               "--scheduling-policy": ("fcfs", "priority"), "--max-logprobs": (20, 50),
+               "--cpu-offload-gb": (0, 8.5)}
+
+
+@pytest.mark.parametrize("f", [f for f in FLAGS if f.kind == WHEN and f.value != SWITCH], ids=lambda f: f.name)
+def test_a_value_pushkv_runs_is_taken_and_another_refused_naming_it(f):
+    good, bad = WHEN_VALUES[f.name]
+    config("tiny", "--load-format", "dummy", *argv_of(f, good))
+    with pytest.raises(ValueError) as e:
+        config("tiny", "--load-format", "dummy", *argv_of(f, bad))
+    assert str(e.value).startswith(f"{f.name} {bad} is not supported")
+
+
+def test_every_flag_taken_when_is_in_the_values_table():
+    assert {f.name for f in FLAGS if f.kind == WHEN and f.value != SWITCH} == set(WHEN_VALUES)
+
+
+def test_each_knob_without_a_counterpart_is_taken_and_said():
+    for f in FLAGS:
+        if f.kind != NO_EFFECT:
+            continue
+        argv = ["tiny", "--load-format", "dummy", *argv_of(f)]
+        args = vars(cli.build_parser().parse_args(["up", *argv]))
+        assert config(*argv) == config("tiny", "--load-format", "dummy"), f.name
+        assert vllm_serve.apply(args, 8192)[1] == [f"{vllm_serve._spelt(f, args[f.dest])} has no effect: {f.says}"]
+
+
+def test_a_vllm_spelling_that_disagrees_with_pushkvs_is_refused():
+    with pytest.raises(ValueError, match="--max-num-batched-tokens 100 disagrees with --max-batch-tokens 200"):
+        config("tiny", "--load-format", "dummy", "--max-num-batched-tokens", "100", "--max-batch-tokens", "200")
+    with pytest.raises(ValueError, match="--enable-prefix-caching disagrees with --no-prefix-cache"):
+        config("tiny", "--load-format", "dummy", "--enable-prefix-caching", "--no-prefix-cache")
+    # agreeing is fine
+    assert config("tiny", "--load-format", "dummy", "--max-num-batched-tokens", "100",
+                  "--max-batch-tokens", "100").prefill.max_batch_tokens == 100
+
+
+def test_quantization_fp8_is_taken_only_on_an_fp8_checkpoint(tmp_path):
+    pytest.importorskip("transformers")
+    from tests.model.test_fp8_checkpoint import quantize_checkpoint
+    from tests.model.test_hf_reference import save_hf_checkpoint
+
+    plain = save_hf_checkpoint(str(tmp_path / "plain"), "llama")
+    with pytest.raises(ValueError, match="is not a block-scaled fp8 checkpoint"):
+        config(plain, "--quantization", "fp8")
+    fp8 = save_hf_checkpoint(str(tmp_path / "fp8"), "llama")
+    assert quantize_checkpoint(fp8, (16, 32))
+    assert config(fp8, "-q", "fp8").model.checkpoint == fp8
+    assert config(fp8).model == config(fp8, "-q", "fp8").model
+
+
+def test_a_vllm_config_yaml_gives_its_flags_and_the_command_line_wins(tmp_path, capsys):
+    path = tmp_path / "serve.yaml"
+    path.write_text("model: tiny\nload-format: dummy\nmax_num_batched_tokens: 1024\nenable-prefix-caching: false\n"
+                    "tensor-parallel-size: 1\nserved-model-name: [a, b]\ntrust-remote-code: true\n")
+    argv = vllm_serve.expand_config(["up", "--config", str(path), "--max-num-batched-tokens", "2048"])
+    assert argv[0] == "up" and argv[-2:] == ["--max-num-batched-tokens", "2048"]
+    cfg = user_config(vars(cli.build_parser().parse_args(argv)), NO_GPU)
+    assert (cfg.model.name, cfg.prefill.max_batch_tokens, cfg.prefill.prefix_cache, cfg.served_model_name) == \
+        ("tiny", 2048, False, ("a", "b"))
+    # pushkv's own --config (JSON or TOML) is left as it is
+    assert vllm_serve.expand_config(["up", "--config=c.toml"]) == ["up", "--config=c.toml"]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    assert cli.main(["up", "--config", str(bad)]) == 2
+    assert "not YAML" in capsys.readouterr().err
+
+
+def test_an_unknown_flag_points_at_the_vllm_group(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["up", "tiny", "--load-format", "dummy", "--no-such-vllm-flag", "3"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --no-such-vllm-flag 3" in err and "'vllm serve' group" in err
+
+
+def test_every_same_flag_names_a_setting_that_exists():
+    up = {a.dest for a in next(a for a in cli.build_parser()._actions if hasattr(a, "choices") and a.choices)
+          .choices["up"]._actions}
+    for f in FLAGS:
+        if f.kind == SAME:
+            assert f.sets in up | {"enforce_eager", "download_dir"}, f.name
+
+
+TABLE = re.compile(r"<!-- vllm serve table: python -m pushkv.vllm_serve -->\n(.*?)<!-- end of vllm serve table -->\n",
+                   re.S)
+
+
+def test_the_docs_table_is_the_generated_one():
+    with open(os.path.join(ROOT, "docs", "running.md")) as f:
+        m = TABLE.search(f.read())
+    assert m, "docs/running.md lost its vllm serve table markers"
+    assert m.group(1) == vllm_serve.markdown_table(), "regenerate docs/running.md's table: python -m pushkv.vllm_serve"
