@@ -206,9 +206,9 @@ def apply(flags: Mapping[str, Any], max_batch_tokens: int) -> tuple[dict[str, An
             continue
         if f.sets == "no_prefix_cache":
             value: Any = not v
-        elif f.sets == "prefill_chunk":
-            value = (flags.get("max_batch_tokens") or flags.get("vllm_max_num_batched_tokens")
-                     or max_batch_tokens) if v else 0
+        elif f.sets == "prefill_chunk":  # on: pushkv's own chunk where given, else a step's tokens
+            value = (flags.get("prefill_chunk") or flags.get("max_batch_tokens")
+                     or flags.get("vllm_max_num_batched_tokens") or max_batch_tokens) if v else 0
         else:
             value = v
         own = flags.get(f.sets)

@@ -52,6 +52,10 @@ def test_chunked_prefill_takes_the_step_size_and_can_be_turned_off():
     assert config("tiny", "--load-format", "dummy", "--max-batch-tokens", "512",
                   "--enable-chunked-prefill").prefill.prefill_chunk == 512
     assert config("tiny", "--load-format", "dummy", "--no-enable-chunked-prefill").prefill.prefill_chunk == 0
+    assert config("tiny", "--load-format", "dummy", "--prefill-chunk", "256",
+                  "--enable-chunked-prefill").prefill.prefill_chunk == 256  # pushkv's own chunk stands
+    with pytest.raises(ValueError, match="--no-enable-chunked-prefill disagrees with --prefill-chunk 256"):
+        config("tiny", "--load-format", "dummy", "--prefill-chunk", "256", "--no-enable-chunked-prefill")
     assert config("tiny", "--load-format", "dummy", "--enable-prefix-caching").prefill.prefix_cache is True
 
 
