@@ -23,6 +23,7 @@ import msgspec
 from pushkv.kinds import (
     Direction,
     Engine,
+    GroupScore,
     HostRole,
     KVVerify,
     LinkOrder,
@@ -32,6 +33,7 @@ from pushkv.kinds import (
     RandomInit,
     Role,
     RopeType,
+    RouterScoring,
     Staging,
     StreamSent,
     Switch,
@@ -113,6 +115,23 @@ class RopeScaling(msgspec.Struct, frozen=True):
         check_choices(self)
 
 
+class MoeRouting(msgspec.Struct, frozen=True):
+    """How an MoE router chooses (the default: Qwen3-MoE's and Mixtral's softmax top-k). DeepSeek's: the scores by
+    softmax (V2) or sigmoid (V3); ``groups`` groups of experts, of which the ``topk_groups`` best (by their best
+    score, or their two best summed) are chosen from; a correction bias added to the scores for the choice only
+    (``bias``, V3); the chosen weights times ``scale``."""
+
+    scoring: RouterScoring = "softmax"
+    groups: int = 1
+    topk_groups: int = 1
+    group_score: GroupScore = "max"
+    bias: bool = False  # the router's e_score_correction_bias
+    scale: float = 1.0  # routed_scaling_factor
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+
+
 class ModelConfig(msgspec.Struct, frozen=True):
     name: str = "small"
     num_layers: int = 4
@@ -158,6 +177,15 @@ class ModelConfig(msgspec.Struct, frozen=True):
     num_experts: int = 0
     experts_per_token: int = 0
     norm_topk_prob: bool = True  # the chosen experts' router weights renormalised to sum to 1
+    routing: MoeRouting = MoeRouting()
+    shared_intermediate_size: int = 0  # an MoE layer's always-on shared expert of this width (DeepSeek); 0: none
+    dense_layers: int = 0  # the first N layers of an MoE model have a dense MLP (DeepSeek's first_k_dense_replace)
+    dense_intermediate_size: int = 0  # ... of this width
+    q_lora_rank: int = 0  # MLA queries through a down-projection, an RMSNorm and an up-projection (DeepSeek-V2/V3)
+    attn_scale: float = 0.0  # the attention's softmax scale; 0: 1 / sqrt(the query width)
+    # the checkpoint rotates RoPE dims in adjacent pairs (0, 1), (2, 3)... (DeepSeek): its rotated rows are permuted
+    # at load into halves, the pairs RoPE rotates here, on queries and keys alike (their dot products unchanged)
+    rope_interleave: bool = False
     # local directory of the tokenizer (--tokenizer, or the checkpoint's with --load-format dummy);
     # None: the checkpoint's own, or pushkv's byte tokenizer without one
     tokenizer: Optional[str] = None

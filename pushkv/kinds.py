@@ -28,3 +28,5 @@ LinkOrder = Literal["arrival", "shortest", "deadline"]  # which queued WRITE goe
 Staging = Literal["auto", "transport", "pushkv"]  # who stages a GPU pool's KV through host memory (writer/staging.py)
 # RoPE frequency schemes built (pushkv/model/rope.py)
 RopeType = Literal["default", "linear", "dynamic", "llama3", "yarn"]
+RouterScoring = Literal["softmax", "sigmoid"]  # how an MoE router turns its logits into expert scores
+GroupScore = Literal["max", "top2"]  # a group of experts' score, where the router picks groups first

@@ -52,10 +52,12 @@ class Family:
     qkv_bias: bool  # bias on q/k/v, none on o (Qwen2)
     windows: Callable[[dict, int], tuple[int, ...]]  # the layers that use the sliding window
     moe: Optional[MoeParts] = None
+    mla: bool = False  # DeepSeek's multi-head latent attention (pushkv.model.mla), its MoE read by deepseek_of
 
 
 QWEN3_MOE = MoeParts("mlp", "gate_proj", "up_proj", "down_proj", "moe_intermediate_size", "norm_topk_prob")
 MIXTRAL = MoeParts("block_sparse_moe", "w1", "w3", "w2", "intermediate_size", None)
+DEEPSEEK = MoeParts("mlp", "gate_proj", "up_proj", "down_proj", "moe_intermediate_size", "norm_topk_prob")
 
 ARCHITECTURES: dict[str, Family] = {
     "LlamaForCausalLM": Family(qk_norm=False, qkv_bias=False, windows=_no_window),
@@ -64,7 +66,11 @@ ARCHITECTURES: dict[str, Family] = {
     "Qwen3ForCausalLM": Family(qk_norm=True, qkv_bias=False, windows=_qwen_windows),
     "Qwen3MoeForCausalLM": Family(qk_norm=True, qkv_bias=False, windows=_qwen_windows, moe=QWEN3_MOE),
     "MixtralForCausalLM": Family(qk_norm=False, qkv_bias=False, windows=_every_layer, moe=MIXTRAL),
+    "DeepseekV2ForCausalLM": Family(qk_norm=False, qkv_bias=False, windows=_no_window, moe=DEEPSEEK, mla=True),
+    "DeepseekV3ForCausalLM": Family(qk_norm=False, qkv_bias=False, windows=_no_window, moe=DEEPSEEK, mla=True),
 }
+# DeepSeek's routings as their configs name them: (scoring_func, topk_method) -> how pushkv routes (MoeRouting)
+DEEPSEEK_ROUTINGS = {("softmax", "greedy"), ("softmax", "group_limited_greedy"), ("sigmoid", "noaux_tc")}
 
 # config.json keys that, set, name an attention or model variant no family here builds
 VARIANTS = {
@@ -109,6 +115,8 @@ def check_supported(hf: dict, arch: str, family: Family) -> None:
             raise ValueError(f"{key}: {hf[key]!r} ({what}) is not built for {arch}")
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act: {hf['hidden_act']!r} is not supported (only 'silu')")
+    if family.mla:
+        _check_deepseek(hf, arch)
     if family.moe is not None:
         if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
             raise ValueError(f"decoder_sparse_step {hf.get('decoder_sparse_step', 1)} / mlp_only_layers "
@@ -117,6 +125,39 @@ def check_supported(hf: dict, arch: str, family: Family) -> None:
             raise ValueError(f"num_experts_per_tok: {hf.get('num_experts_per_tok')!r} must be >= 1")
 
 
+def deepseek_routing(hf: dict, arch: str) -> tuple[str, str]:
+    """(scoring_func, topk_method) of a DeepSeek config: V2's default softmax and greedy, V3's sigmoid and noaux_tc
+    (transformers' DeepSeek-V3 routes so whatever its config names)."""
+    if arch == "DeepseekV3ForCausalLM":
+        return "sigmoid", "noaux_tc"
+    return hf.get("scoring_func") or "softmax", hf.get("topk_method") or "greedy"
+
+
+def _check_deepseek(hf: dict, arch: str) -> None:
+    routing = deepseek_routing(hf, arch)
+    if arch == "DeepseekV3ForCausalLM" and (hf.get("scoring_func") or "sigmoid", hf.get("topk_method") or
+                                            "noaux_tc") != routing:
+        raise ValueError(f"scoring_func {hf.get('scoring_func')!r} / topk_method {hf.get('topk_method')!r}: "
+                         f"{arch} routes by sigmoid and noaux_tc only")
+    if routing not in DEEPSEEK_ROUTINGS:
+        raise ValueError(f"scoring_func {routing[0]!r} with topk_method {routing[1]!r} is not supported "
+                         f"(supported: {sorted(DEEPSEEK_ROUTINGS)})")
+    if int(hf.get("moe_layer_freq", 1)) != 1:
+        raise ValueError(f"moe_layer_freq: {hf['moe_layer_freq']!r}: only every layer past first_k_dense_replace "
+                         "an MoE layer (1) is built")
+    nope, v = hf.get("qk_nope_head_dim"), hf.get("v_head_dim")
+    if not nope or v != nope:
+        raise ValueError(f"v_head_dim {v!r} with qk_nope_head_dim {nope!r}: only equal widths are built")
+    if not hf.get("kv_lora_rank") or not hf.get("qk_rope_head_dim"):
+        raise ValueError(f"kv_lora_rank {hf.get('kv_lora_rank')!r} / qk_rope_head_dim {hf.get('qk_rope_head_dim')!r} "
+                         "must both be set")
+    groups, experts = int(hf.get("n_group") or 1), num_experts_of(hf)
+    if routing[1] != "greedy" and (experts % groups or not 1 <= int(hf.get("topk_group") or 1) <= groups):
+        raise ValueError(f"n_group {groups} / topk_group {hf.get('topk_group')!r} do not divide "
+                         f"{experts} experts into groups to choose from")
+
+
 def num_experts_of(hf: dict) -> int:
-    """transformers 5 writes ``num_local_experts``; Qwen3-MoE's own configs ``num_experts``."""
-    return int(hf.get("num_local_experts") or hf.get("num_experts") or 0)
+    """transformers 5 writes ``num_local_experts``; Qwen3-MoE's own configs ``num_experts``, DeepSeek's
+    ``n_routed_experts``."""
+    return int(hf.get("num_local_experts") or hf.get("num_experts") or hf.get("n_routed_experts") or 0)

@@ -14,8 +14,8 @@ from typing import Any, Optional
 import torch
 from safetensors import safe_open
 
-from pushkv.config import ModelConfig, SamplingDefaults
-from pushkv.model.arch import check_supported, family_of, num_experts_of
+from pushkv.config import ModelConfig, MoeRouting, SamplingDefaults
+from pushkv.model.arch import check_supported, deepseek_routing, family_of, num_experts_of
 from pushkv.model.fp8 import SCALE_SUFFIX, dequantize, fp8_blocks_of, scale_span
 from pushkv.model.rope import max_position_of, rope_of
 
@@ -158,8 +158,35 @@ def model_config_from_hf(path: str, generation_config: str = "auto", **overrides
         experts_per_token=int(hf["num_experts_per_tok"]) if moe else 0,
         norm_topk_prob=bool(hf.get(moe.norm_topk_key, False)) if moe and moe.norm_topk_key else True,
     )
+    if family.mla:
+        fields.update(deepseek_fields(hf, arch, rope_scaling))
     fields.update(overrides)
     return ModelConfig(**fields)
+
+
+def deepseek_fields(hf: dict, arch: str, rope_scaling) -> dict:
+    """A DeepSeek-V2/V3 config's fields beyond the shared ones: MLA (its latent, RoPE and query widths, the query
+    LoRA, the softmax scale with YaRN's mscale), and its MoE (the routing, the shared experts, the dense first
+    layers)."""
+    nope, rope = int(hf["qk_nope_head_dim"]), int(hf["qk_rope_head_dim"])
+    scoring, method = deepseek_routing(hf, arch)
+    scale = (nope + rope) ** -0.5
+    raw = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    factor, all_dim = float(raw.get("factor") or 1.0), raw.get("mscale_all_dim")
+    if rope_scaling.rope_type != "default" and all_dim and factor > 1:  # YaRN's mscale, squared, on the softmax
+        scale *= (0.1 * float(all_dim) * math.log(factor) + 1.0) ** 2
+    groups = 1 if method == "greedy" else int(hf.get("n_group") or 1)
+    routing = MoeRouting(scoring="sigmoid" if scoring == "sigmoid" else "softmax", groups=groups,
+                         topk_groups=int(hf.get("topk_group") or 1) if groups > 1 else 1,
+                         group_score="top2" if method == "noaux_tc" else "max", bias=method == "noaux_tc",
+                         scale=float(hf.get("routed_scaling_factor") or 1.0))
+    return dict(
+        head_dim=nope, num_kv_heads=1, kv_lora_rank=int(hf["kv_lora_rank"]), qk_rope_dim=rope,
+        q_lora_rank=int(hf.get("q_lora_rank") or 0), attn_scale=scale,
+        rope_interleave=arch == "DeepseekV2ForCausalLM" or bool(hf.get("rope_interleave", True)), routing=routing,
+        shared_intermediate_size=int(hf.get("n_shared_experts") or 0) * int(hf["moe_intermediate_size"]),
+        dense_layers=int(hf.get("first_k_dense_replace") or 0), dense_intermediate_size=int(hf["intermediate_size"]),
+    )
 
 
 def fp8_blocks_in(path: str) -> Optional[tuple[int, int]]:

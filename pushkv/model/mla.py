@@ -13,7 +13,13 @@ same input after the all-reduce, the same weights) and caches the same latent.
 That is the KV transfer's view of MLA: one head replicated on every rank.
 
 Weights use DeepSeek-V2's Hugging Face names (``q_proj``, ``kv_a_proj_with_mqa``,
-``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``), no query LoRA.
+``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``; with a query LoRA, V3's and V2's, ``q_a_proj``,
+``q_a_layernorm``, ``q_b_proj``). A DeepSeek checkpoint's RoPE pairs adjacent dims: its rotated rows are
+permuted at load (``mla_weights``), so RoPE here rotates halves as everywhere else; the softmax scale
+is the config's (YaRN's mscale squared on 1/sqrt(query width)). Its MoE layers route as DeepSeek does
+(``moe.route_grouped``: softmax or sigmoid scores, groups of experts, a correction bias for the choice,
+a scaling factor) and add the shared experts; its first ``dense_layers`` are dense. These run in torch
+ops, on the CPU and the GPU alike (the per-sequence engine: the batched one does not run MLA).
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ import torch.nn.functional as F
 
 from pushkv.config import ModelConfig
 from pushkv.model.mla_weights import MLALayerWeights
+from pushkv.model.moe import route_grouped, routed_experts
 from pushkv.model.shard import ShardPlan
 from pushkv.model.transformer import Model, rms_norm, rotate_half
 from pushkv.model.weights import RankWeights
@@ -29,17 +36,33 @@ from pushkv.model.weights import RankWeights
 
 class MLAModel(Model):
     def __init__(self, cfg: ModelConfig, plan: ShardPlan, weights: RankWeights, device: str = "cpu", group=None):
-        if cfg.checkpoint:
-            raise ValueError("MLA-style presets use random weights; checkpoints are not supported")
+        if cfg.checkpoint and not cfg.architecture.startswith("Deepseek"):
+            raise ValueError("MLA-style presets use random weights; checkpoints are DeepSeek-V2/V3's")
         super().__init__(cfg, plan, weights, device, group)
         self.rope_dim = cfg.qk_rope_dim
+        self.attn_scale = cfg.attn_scale or None
+
+    def mlp_delta(self, lw, h: torch.Tensor, summed: bool = True, logits=None) -> torch.Tensor:
+        """A DeepSeek MoE layer: the routed experts (``moe.route_grouped``) plus the shared experts, in torch ops
+        on every device; a dense layer as any model's."""
+        if lw.router is None:
+            return super().mlp_delta(lw, h)
+        cfg = self.cfg
+        weights, experts = route_grouped(h, lw.router, cfg.experts_per_token, cfg.norm_topk_prob, cfg.routing,
+                                         lw.router_bias)
+        out = routed_experts(h, weights, experts, lw.gate_up, lw.down)
+        if lw.shared_gate_up is not None:
+            gate, up = F.linear(h, lw.shared_gate_up).chunk(2, dim=-1)
+            out = out + F.linear(F.silu(gate) * up, lw.shared_down)
+        return self._all_reduce(out)
 
     def latent(self, lw: MLALayerWeights, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
         """Pre-norm, queries [N, q_heads, hd + rd] and the cached latent rows [N, r + rd]."""
         cfg, eps = self.cfg, self.cfg.rms_eps
         hd, rd, r = cfg.head_dim, cfg.qk_rope_dim, cfg.kv_lora_rank
         h = rms_norm(x, lw.input_norm, eps)
-        q_nope, q_rope = F.linear(h, lw.q).view(-1, self.plan.q_heads, hd + rd).split([hd, rd], -1)
+        qh = h if lw.q_a is None or lw.q_a_norm is None else rms_norm(F.linear(h, lw.q_a), lw.q_a_norm, eps)
+        q_nope, q_rope = F.linear(qh, lw.q).view(-1, self.plan.q_heads, hd + rd).split([hd, rd], -1)
         c, k_rope = F.linear(h, lw.kv_a).split([r, rd], -1)
         cos, sin = rope
         q_rope = q_rope * cos[:, None] + rotate_half(q_rope) * sin[:, None]

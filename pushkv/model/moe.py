@@ -9,8 +9,12 @@ runs one matmul per projection over its whole group, not one per token.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
+
+from pushkv.config import MoeRouting
 
 
 def route(h: torch.Tensor, router: torch.Tensor, k: int, renorm: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -21,6 +25,33 @@ def route(h: torch.Tensor, router: torch.Tensor, k: int, renorm: bool) -> tuple[
     if renorm:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(h.dtype), experts
+
+
+def route_grouped(h: torch.Tensor, router: torch.Tensor, k: int, renorm: bool, routing: MoeRouting,
+                  bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's routing, as transformers' DeepSeek-V2 and V3 routers run it (in float32): scores by softmax or
+    sigmoid; with ``routing.groups`` > 1, only the ``topk_groups`` groups of experts with the best group score (its
+    best expert's, or its two best summed) are chosen from; the choice ranks the scores plus ``bias`` (V3's
+    correction bias), the weights are the scores without it, renormalised where ``renorm``, times
+    ``routing.scale``. -> weights [T, k] in h's dtype and expert ids [T, k]."""
+    logits = F.linear(h.float(), router.float())
+    scores = logits.softmax(dim=-1) if routing.scoring == "softmax" else logits.sigmoid()
+    choice = scores if bias is None else scores + bias.float()
+    if routing.groups > 1:
+        T, E = choice.shape
+        grouped = choice.view(T, routing.groups, E // routing.groups)
+        best = (grouped.max(dim=-1).values if routing.group_score == "max"
+                else grouped.topk(2, dim=-1).values.sum(dim=-1))
+        keep = torch.zeros_like(best, dtype=torch.bool).scatter_(1, best.topk(routing.topk_groups, dim=-1).indices,
+                                                                  True)
+        # V2 masks the other groups' softmax scores to 0, V3 its biased sigmoid scores to -inf
+        choice = choice.masked_fill(~keep.repeat_interleave(E // routing.groups, dim=1),
+                                    0.0 if routing.scoring == "softmax" else float("-inf"))
+    experts = choice.topk(k, dim=-1).indices
+    weights = scores.gather(1, experts)
+    if renorm:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return (weights * routing.scale).to(h.dtype), experts
 
 
 def moe_mlp(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,

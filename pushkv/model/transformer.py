@@ -75,6 +75,7 @@ class Model:
         self.window_layers = frozenset(cfg.window_layers) if cfg.sliding_window > 0 else frozenset()
         self.rope_dim = cfg.head_dim  # dims RoPE rotates (MLA: the decoupled part only)
         self._cos = self._sin = torch.empty(0)
+        self.attn_scale: Optional[float] = None  # the softmax scale; None: 1/sqrt(the query width)
         self.batched: Optional[BatchedForward] = None  # one packed pass per step, attention in place
 
     def enable_batched(self, max_num_seqs: int = 64, use_graphs=None) -> None:
@@ -346,6 +347,6 @@ class Model:
         keys, vals = keys[None], vals[None]
         outs = [F.scaled_dot_product_attention(
             q[:, :, c.q0:c.q1], keys[:, :, c.k0:c.k1], vals[:, :, c.k0:c.k1], attn_mask=c.mask,
-            is_causal=c.causal, enable_gqa=q.shape[1] != keys.shape[1]) for c in chunks]
+            is_causal=c.causal, enable_gqa=q.shape[1] != keys.shape[1], scale=self.attn_scale) for c in chunks]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         return out[0].transpose(0, 1).reshape(num_new, -1)

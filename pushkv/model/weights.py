@@ -50,24 +50,33 @@ def hf_names(cfg: ModelConfig, attn_names=None) -> list[tuple[str, tuple[int, ..
                     (p + "self_attn.k_proj.bias", (cfg.num_kv_heads * hd,)),
                     (p + "self_attn.v_proj.bias", (cfg.num_kv_heads * hd,))]
         out.append((p + "post_attention_layernorm.weight", (d,)))
-        out += _mlp_names(cfg, p)
+        out += _mlp_names(cfg, p, i)
     out.append(("model.norm.weight", (d,)))
     if not cfg.tie_embeddings:
         out.append(("lm_head.weight", (cfg.vocab_size, d)))
     return out
 
 
-def _mlp_names(cfg: ModelConfig, p: str) -> list[tuple[str, tuple[int, ...]]]:
-    """A layer's SwiGLU, or its router and experts (each a SwiGLU of intermediate_size)."""
+def _swiglu_names(x: str, i: int, d: int, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
+    return [(x + names[0] + ".weight", (i, d)), (x + names[1] + ".weight", (i, d)), (x + names[2] + ".weight", (d, i))]
+
+
+def _mlp_names(cfg: ModelConfig, p: str, layer: int) -> list[tuple[str, tuple[int, ...]]]:
+    """A layer's SwiGLU, or its router and experts (each a SwiGLU of intermediate_size); DeepSeek's first
+    ``dense_layers`` a SwiGLU of dense_intermediate_size, its router's correction bias and its shared experts."""
     d, i = cfg.hidden_size, cfg.intermediate_size
     if not cfg.is_moe:
-        return [(p + "mlp.gate_proj.weight", (i, d)), (p + "mlp.up_proj.weight", (i, d)),
-                (p + "mlp.down_proj.weight", (d, i))]
+        return _swiglu_names(p + "mlp.", i, d)
+    if layer < cfg.dense_layers:
+        return _swiglu_names(p + "mlp.", cfg.dense_intermediate_size, d)
     m = moe_parts(cfg.architecture)
     out: list[tuple[str, tuple[int, ...]]] = [(f"{p}{m.block}.gate.weight", (cfg.num_experts, d))]
+    if cfg.routing.bias:
+        out.append((f"{p}{m.block}.gate.e_score_correction_bias", (cfg.num_experts,)))
     for e in range(cfg.num_experts):
-        x = f"{p}{m.block}.experts.{e}."
-        out += [(x + m.gate + ".weight", (i, d)), (x + m.up + ".weight", (i, d)), (x + m.down + ".weight", (d, i))]
+        out += _swiglu_names(f"{p}{m.block}.experts.{e}.", i, d, (m.gate, m.up, m.down))
+    if cfg.shared_intermediate_size:
+        out += _swiglu_names(f"{p}{m.block}.shared_experts.", cfg.shared_intermediate_size, d)
     return out
 
 
@@ -211,12 +220,22 @@ def taker(cfg: ModelConfig, src: WeightSource, device: str, progress: Optional[C
 
 def mlp_slices(take, p: str, i_rows: tuple[int, int]) -> dict:
     """Post-attention norm and this rank's SwiGLU columns/rows of layer prefix ``p``."""
-    return dict(
-        post_norm=take(p + "post_attention_layernorm.weight"),
-        gate_up=torch.cat([take(p + "mlp.gate_proj.weight", 0, *i_rows),
-                           take(p + "mlp.up_proj.weight", 0, *i_rows)]),
-        down=take(p + "mlp.down_proj.weight", 1, *i_rows),
-    )
+    gate_up, down = swiglu_slices(take, p + "mlp.", i_rows)
+    return dict(post_norm=take(p + "post_attention_layernorm.weight"), gate_up=gate_up, down=down)
+
+
+def swiglu_slices(take, x: str, i_rows: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's gate and up rows (stacked) and down columns of the SwiGLU at prefix ``x``."""
+    return (torch.cat([take(x + "gate_proj.weight", 0, *i_rows), take(x + "up_proj.weight", 0, *i_rows)]),
+            take(x + "down_proj.weight", 1, *i_rows))
+
+
+def tp_columns(width: int, plan: ShardPlan, what: str) -> tuple[int, int]:
+    """This rank's share [start, end) of ``width`` intermediate columns (ValueError if they do not split evenly)."""
+    if width % plan.tp_size:
+        raise ValueError(f"{what}={width} is not divisible by tp_size={plan.tp_size}")
+    n = width // plan.tp_size
+    return plan.tp_rank * n, plan.tp_rank * n + n
 
 
 def moe_slices(cfg: ModelConfig, take, p: str, i_rows: tuple[int, int]) -> dict:

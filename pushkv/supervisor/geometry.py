@@ -43,8 +43,8 @@ def check_model(model: ModelConfig) -> None:
     rope = model.qk_rope_dim if model.is_mla else model.head_dim
     if rope % 2:
         raise ValueError(f"RoPE dims ({rope}) must be even")
-    if model.is_mla and model.checkpoint:
-        raise ValueError("MLA-style models run on random weights; --checkpoint is not supported with them")
+    if model.is_mla and model.checkpoint and not model.architecture.startswith("Deepseek"):
+        raise ValueError("MLA-style models run on random weights, or from a DeepSeek-V2/V3 checkpoint")
 
 
 def check_instance(model: ModelConfig, inst: InstanceConfig) -> None:

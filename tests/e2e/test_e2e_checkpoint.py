@@ -74,3 +74,25 @@ def test_fp8_moe_push_tp2_to_1_equals_transformers(tmp_path):
             assert body["usage"]["prompt_tokens"] == len(ids), prompt
             assert body["choices"][0]["token_ids"] == new, prompt
         wait_pools_free(dep)
+
+
+def test_deepseek_v3_push_tp2_to_1_equals_transformers(tmp_path):
+    """A DeepSeek-V3 checkpoint (multi-head latent attention with a query LoRA, grouped sigmoid routing with its
+    correction bias, a shared expert, a dense first layer) served in push mode, P on two TP ranks (each its heads,
+    the latent whole) and D on one: the latent rows move as MLA's one replicated head, and the tokens are
+    transformers'."""
+    from tests.model.test_deepseek import MLA
+    from tests.model.test_hf_reference import NEW_TOKENS, PROMPTS, hf_reference, save_hf_checkpoint
+
+    ckpt = save_hf_checkpoint(str(tmp_path / "ckpt"), "deepseek_v3", seed=7, **dict(MLA, q_lora_rank=24, n_group=2,
+                                                                                    topk_group=1))
+    want = hf_reference(ckpt, PROMPTS)
+    (tmp_path / "dep").mkdir()
+    with deployment(tmp_path / "dep", "--mode", "push", "--model", ckpt, "--prefill-tp", "2", "--decode-tp", "1",
+                    "--num-blocks", "64") as dep:
+        for prompt, (ids, new) in zip(PROMPTS, want):
+            body = dep.complete(prompt, NEW_TOKENS)
+            assert body["usage"]["prompt_tokens"] == len(ids), prompt
+            assert body["choices"][0]["token_ids"] == new, prompt
+            assert body["pushkv"]["path"] == "push" and body["pushkv"]["kv"]["prefill"]["bytes"] > 0
+        wait_pools_free(dep)

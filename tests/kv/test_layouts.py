@@ -110,7 +110,7 @@ REFUSED = [
     (dep(sliding_window=8, window_layers=(9,)), "window_layers [9] outside num_layers=4"),
     (dep(head_dim=15), "RoPE dims (15) must be even"),
     (dep(dtype="int8"), "dtype 'int8' unsupported"),
-    (dep("mla", checkpoint="/x"), "checkpoint is not supported"),
+    (dep("mla", checkpoint="/x"), "MLA-style models run on random weights, or from a DeepSeek-V2/V3 checkpoint"),
 ]
 
 

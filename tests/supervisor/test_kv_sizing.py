@@ -12,7 +12,7 @@ import sys
 import msgspec
 import pytest
 
-from pushkv.config import PRESETS, DeploymentConfig, InstanceConfig, ModelConfig
+from pushkv.config import PRESETS, DeploymentConfig, InstanceConfig, ModelConfig, MoeRouting
 from pushkv.config_flags import user_config
 from pushkv.model.build import param_names
 from pushkv.model.footprint import weight_bytes
@@ -29,10 +29,17 @@ def counted(model: ModelConfig) -> int:
     return sum(math.prod(shape) for _, shape in param_names(model)) * model.dtype_bytes
 
 
+DEEPSEEK_V3_LIKE = msgspec.structs.replace(  # a query LoRA, experts with a correction bias, shared experts, a dense layer
+    PRESETS["mla"], architecture="DeepseekV3ForCausalLM", q_lora_rank=48, num_experts=8, experts_per_token=2,
+    intermediate_size=64, routing=MoeRouting("sigmoid", 2, 1, "top2", True, 2.5), shared_intermediate_size=128,
+    dense_layers=1, dense_intermediate_size=512)
+
+
 @pytest.mark.parametrize("model", [
     PRESETS["tiny"], PRESETS["small"], PRESETS["qwen3-8b"], PRESETS["qwen3-30b-a3b"],
     msgspec.structs.replace(PRESETS["small"], qkv_bias=True, qk_norm=False, tie_embeddings=True),
-], ids=["tiny", "small", "qwen3-8b", "qwen3-30b-a3b", "qwen2-like"])
+    PRESETS["mla"], DEEPSEEK_V3_LIKE,
+], ids=["tiny", "small", "qwen3-8b", "qwen3-30b-a3b", "qwen2-like", "mla", "deepseek-v3-like"])
 def test_one_rank_weights_are_every_parameter_the_loader_names(model):
     assert weight_bytes(model, 1) == counted(model)
 
