@@ -32,7 +32,7 @@ def test_hub_id_moe_push_tp2_to_1_equals_transformers(tmp_path, monkeypatch):
     """`pushkv up --model ORG/NAME` from an offline Hub cache: a Qwen3-MoE checkpoint served in push
     mode, P on two TP ranks (each expert's columns split) and D on one, gives transformers' tokens."""
     from tests.config.test_model_flags import REPO
-    from tests.model.test_hf_reference import NEW_TOKENS, PROMPTS, hf_reference, save_hf_checkpoint
+    from tests.model.test_hf_reference import PROMPTS, hf_reference, save_hf_checkpoint
 
     src = save_hf_checkpoint(str(tmp_path / "src"), "qwen3_moe", seed=4, num_local_experts=4,
                              num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
@@ -44,14 +44,7 @@ def test_hub_id_moe_push_tp2_to_1_equals_transformers(tmp_path, monkeypatch):
     (repo / "refs" / "main").write_text(commit)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    (tmp_path / "dep").mkdir()
-    with deployment(tmp_path / "dep", "--mode", "push", "--model", REPO, "--prefill-tp", "2", "--decode-tp", "1",
-                    "--num-blocks", "64") as dep:
-        for prompt, (ids, new) in zip(PROMPTS, want):
-            body = dep.complete(prompt, NEW_TOKENS, model=REPO)
-            assert body["usage"]["prompt_tokens"] == len(ids), prompt
-            assert body["choices"][0]["token_ids"] == new, prompt
-        wait_pools_free(dep)
+    push_tp2_to_1_gives(tmp_path, REPO, want, model=REPO)
 
 
 def test_fp8_moe_push_tp2_to_1_equals_transformers(tmp_path):
@@ -60,20 +53,13 @@ def test_fp8_moe_push_tp2_to_1_equals_transformers(tmp_path):
     rows by 32 columns, so each P rank's half of every expert's down projection starts mid-block."""
     pytest.importorskip("accelerate")
     from tests.model.test_fp8_checkpoint import quantize_checkpoint
-    from tests.model.test_hf_reference import NEW_TOKENS, PROMPTS, hf_reference, save_hf_checkpoint
+    from tests.model.test_hf_reference import PROMPTS, hf_reference, save_hf_checkpoint
 
     ckpt = save_hf_checkpoint(str(tmp_path / "ckpt"), "qwen3_moe", seed=6, num_local_experts=4,
                               num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
     assert quantize_checkpoint(ckpt, (16, 32)) > 0
     want = hf_reference(ckpt, PROMPTS)
-    (tmp_path / "dep").mkdir()
-    with deployment(tmp_path / "dep", "--mode", "push", "--model", ckpt, "--prefill-tp", "2", "--decode-tp", "1",
-                    "--num-blocks", "64") as dep:
-        for prompt, (ids, new) in zip(PROMPTS, want):
-            body = dep.complete(prompt, NEW_TOKENS)
-            assert body["usage"]["prompt_tokens"] == len(ids), prompt
-            assert body["choices"][0]["token_ids"] == new, prompt
-        wait_pools_free(dep)
+    push_tp2_to_1_gives(tmp_path, ckpt, want)
 
 
 def test_deepseek_v3_push_tp2_to_1_equals_transformers(tmp_path):
@@ -82,17 +68,25 @@ def test_deepseek_v3_push_tp2_to_1_equals_transformers(tmp_path):
     the latent whole) and D on one: the latent rows move as MLA's one replicated head, and the tokens are
     transformers'."""
     from tests.model.test_deepseek import MLA
-    from tests.model.test_hf_reference import NEW_TOKENS, PROMPTS, hf_reference, save_hf_checkpoint
+    from tests.model.test_hf_reference import PROMPTS, hf_reference, save_hf_checkpoint
 
     ckpt = save_hf_checkpoint(str(tmp_path / "ckpt"), "deepseek_v3", seed=7, **dict(MLA, q_lora_rank=24, n_group=2,
                                                                                     topk_group=1))
     want = hf_reference(ckpt, PROMPTS)
+    push_tp2_to_1_gives(tmp_path, ckpt, want)
+
+
+def push_tp2_to_1_gives(tmp_path, served: str, want, **complete) -> None:
+    """``--model served`` in push mode, P on two TP ranks and D on one: each prompt's token count and greedy tokens
+    are ``want``'s (transformers'), its KV moved by push, and every block is free after."""
+    from tests.model.test_hf_reference import NEW_TOKENS, PROMPTS
+
     (tmp_path / "dep").mkdir()
-    with deployment(tmp_path / "dep", "--mode", "push", "--model", ckpt, "--prefill-tp", "2", "--decode-tp", "1",
+    with deployment(tmp_path / "dep", "--mode", "push", "--model", served, "--prefill-tp", "2", "--decode-tp", "1",
                     "--num-blocks", "64") as dep:
         for prompt, (ids, new) in zip(PROMPTS, want):
-            body = dep.complete(prompt, NEW_TOKENS)
+            body = dep.complete(prompt, NEW_TOKENS, **complete)
             assert body["usage"]["prompt_tokens"] == len(ids), prompt
             assert body["choices"][0]["token_ids"] == new, prompt
-            assert body["pushkv"]["path"] == "push" and body["pushkv"]["kv"]["prefill"]["bytes"] > 0
+            assert body["pushkv"]["path"] == "push" and body["pushkv"]["kv"]["prefill"]["bytes"] > 0, prompt
         wait_pools_free(dep)
