@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Protocol
+from typing import Optional, Protocol
 
 from pushkv.config import ModelConfig
 
@@ -65,6 +65,10 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=True).ids
+
+    def id_to_token(self, i: int) -> Optional[str]:
+        """The id's string in the vocabulary (transformers' convert_ids_to_tokens)."""
+        return self._tok.id_to_token(i)
 
     def decode(self, ids) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)

@@ -21,14 +21,14 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
-from pushkv import envs, limits, security
+from pushkv import __version__, envs, limits, security
 from pushkv import messages as m
 from pushkv.config import DeploymentConfig, Role
 from pushkv.discovery.base import Watcher
 from pushkv.discovery.local import LocalWatcher
 from pushkv.discovery.records import InstanceDown, InstanceRecord, InstanceUp
 from pushkv.framing import Drops, Shape, arecv_bounded
-from pushkv.router import api, auth, edge, generate, output, text
+from pushkv.router import api, auth, edge, generate, output, text, tokenize
 from pushkv.router import chat as chat_mod
 from pushkv.router.balance import Balancer
 from pushkv.router.flow import RequestRun
@@ -101,6 +101,12 @@ class Router:
         app.router.add_get("/health", self.handle_health)
         app.router.add_get("/metrics", self.handle_metrics)
         app.router.add_post("/v1/abort/{request_id}", self.handle_abort)
+        # vLLM's server's own: tokenize and detokenize as the router does, its version, and SageMaker's ping
+        app.router.add_post("/tokenize", self.handle_tokenize)
+        app.router.add_post("/detokenize", self.handle_detokenize)
+        app.router.add_get("/version", self.handle_version)
+        app.router.add_get("/ping", self.handle_ping)
+        app.router.add_post("/ping", self.handle_ping)
         return app
 
     @property
@@ -345,6 +351,11 @@ class Router:
     def _parser(self, chat: bool) -> Callable[[dict], api.CompletionParams]:
         if not chat:
             return functools.partial(api.parse_completion, tok=self.tokenizer, limits=self.limits)
+        return functools.partial(chat_mod.parse_chat, tok=self.tokenizer, limits=self.limits,
+                                 template=self._template())
+
+    def _template(self) -> chat_mod.ChatTemplate:
+        """The deployment's chat template, loaded on first use."""
         if self.chat_template is None:
             try:
                 # the tokenizer's directory holds the template (--tokenizer, or --load-format dummy)
@@ -352,8 +363,31 @@ class Router:
                                                             self.cfg.chat_template)
             except (OSError, ValueError) as e:
                 raise api.ApiError(500, f"no usable chat template: {e}", "server_error") from None
-        return functools.partial(chat_mod.parse_chat, tok=self.tokenizer, limits=self.limits,
-                                 template=self.chat_template)
+        return self.chat_template
+
+    async def handle_tokenize(self, request: web.Request) -> web.Response:
+        return await self._answer(request, lambda body: tokenize.tokenize(body, self.tokenizer, self.limits,
+                                                                           self._template))
+
+    async def handle_detokenize(self, request: web.Request) -> web.Response:
+        return await self._answer(request, lambda body: tokenize.detokenize(body, self.tokenizer, self.limits))
+
+    async def _answer(self, request: web.Request, answer: Callable[[dict], dict]) -> web.Response:
+        """A JSON body's answer, computed here (nothing reaches an instance); its model checked as a request's."""
+        try:
+            body = api.parse_json(await edge.read_body(request, self.cfg.router_body_timeout_s))
+            api.check_model(body, self.served)
+            return web.json_response(answer(body))
+        except api.ApiError as e:
+            return web.json_response(e.body(), status=e.status)
+
+    async def handle_version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": __version__})
+
+    async def handle_ping(self, request: web.Request) -> web.Response:
+        """SageMaker's health check, as vLLM answers it: 200 while the router can serve, else 503."""
+        ok = bool(self.links) and not self.stopping
+        return web.Response(status=200 if ok else 503)
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         arrival = time.monotonic()

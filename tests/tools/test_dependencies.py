@@ -123,3 +123,10 @@ def test_a_tool_without_its_extra_says_which_to_install(tmp_path, monkeypatch, c
     assert cli.main(["plot", str(tmp_path), "--out", str(tmp_path / "p.png")]) == 2
     assert capsys.readouterr().err.strip() == ("pushkv plot needs matplotlib, which pushkv's 'bench' extra "
                                                "installs: pip install 'pushkv[bench]'")
+
+
+def test_the_version_the_server_reports_is_the_packages():
+    import pushkv
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        assert tomllib.load(f)["project"]["version"] == pushkv.__version__
