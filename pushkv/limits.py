@@ -28,7 +28,8 @@ LOGIT_BIAS_ABS = 100.0  # |bias|, as OpenAI documents
 MAX_STOPS = 16  # stop strings (OpenAI: 4): every output text is searched for each
 MAX_STOP_CHARS = 256  # characters in one stop string: a stop is a delimiter, not a passage
 MAX_STOP_TOKEN_IDS = 256  # stop_token_ids, before the model's EOS ids are added: suppressed per step until min_tokens
-MAX_PROMPTS = 1  # completions' prompt list: a batch of one (send one request per prompt)
+MAX_PROMPTS = 64  # completions' prompt list: a batch, each prompt its own choices
+MAX_CHOICES = 256  # a request's prompts x n: each choice is its own prefill and decode
 MAX_TOOLS = 128  # chat's tools, OpenAI's bound: each is rendered into the prompt
 MAX_TEMPERATURE = 100.0
 MIN_TEMPERATURE = 1e-5  # a temperature above 0 and below this is greedy (vLLM's _SAMPLING_EPS): 1/T overflows
@@ -55,8 +56,9 @@ BOUNDS = (
           "the output is searched for each"),
     Bound("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS}, each in the vocabulary",
           "suppressed every step until min_tokens"),
-    Bound("prompt (completions)", f"one prompt (a list of at most {MAX_PROMPTS}); prompt + max_tokens "
-          "within max_model_len", "batches are not served"),
+    Bound("prompt (completions)", f"a prompt, or a batch of at most {MAX_PROMPTS}, prompts x n at most "
+          f"{MAX_CHOICES} choices; each prompt + max_tokens within max_model_len",
+          "each choice is its own prefill and decode"),
     Bound("tools (chat)", f"at most {MAX_TOOLS}", "OpenAI's bound; each is rendered into the prompt"),
     Bound("temperature", f"0-{MAX_TEMPERATURE:g}; below {MIN_TEMPERATURE:g} is greedy",
           "1/T overflows the logits"),

@@ -88,6 +88,17 @@ class CompletionParams:
     prompt_text: str = ""  # for echo
     include_usage: bool = False  # stream_options.include_usage
     chat: bool = False
+    # completions' prompt as a batch of several: each prompt (ids, text) with its own n choices, choice
+    # p * n + c being prompt p's c-th; empty: the one prompt above
+    batch: list[tuple[list[int], str]] = field(default_factory=list)
+
+    def prompts(self) -> list[tuple[list[int], str]]:
+        """Every prompt (ids, text for echo), in the order of their choices."""
+        return self.batch or [(self.prompt_token_ids, self.prompt_text)]
+
+    @property
+    def choices(self) -> int:
+        return len(self.prompts()) * self.n
 
 
 # ---------------------------------------------------------------------------
@@ -167,22 +178,25 @@ def encode_text(tok: text.Tokenizer, s: str, param: str) -> list[int]:
         raise bad(param, f"{param} is not valid text: {e}") from None
 
 
-def _prompt_ids(prompt: Any, tok: text.Tokenizer) -> tuple[list[int], str]:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
+def _prompts(prompt: Any, tok: text.Tokenizer) -> list[tuple[list[int], str]]:
+    """A completion's prompt: text or token ids, or a batch (a list) of those: each prompt's (ids, text)."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > L.MAX_PROMPTS:
+            raise bad("prompt", f"at most {L.MAX_PROMPTS} prompts in a batch, got {len(prompt)}")
+        return [_prompt_ids(p, tok, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    return [_prompt_ids(prompt, tok, "prompt")]
+
+
+def _prompt_ids(prompt: Any, tok: text.Tokenizer, param: str) -> tuple[list[int], str]:
     text_ = ""
     if isinstance(prompt, str):
-        if not prompt:
-            raise bad("prompt", "prompt is empty")
-        ids, text_ = encode_text(tok, prompt, "prompt"), prompt
+        ids, text_ = (encode_text(tok, prompt, param) if prompt else []), prompt
     elif _token_list(prompt):
         ids = list(prompt)
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise bad("prompt", "batched prompts are not supported; send one prompt per request")
     else:
-        raise bad("prompt", "prompt must be a string, a list of token ids, or a list holding one of those")
+        raise bad(param, f"{param} must be a string, a list of token ids, or a list of those")
     if not ids:
-        raise bad("prompt", "prompt is empty")
+        raise bad(param, f"{param} is empty")
     return ids, text_
 
 
@@ -217,18 +231,24 @@ def check_prompt_ids(ids: list[int], limits: Limits, param: str = "prompt") -> N
 def parse_completion(body: dict, tok: text.Tokenizer, limits: Limits) -> CompletionParams:
     if "prompt" not in body:
         raise bad("prompt", "missing field 'prompt'")
-    ids, prompt_text = _prompt_ids(body["prompt"], tok)
-    check_prompt_ids(ids, limits)
+    prompts = _prompts(body["prompt"], tok)
+    for i, (ids, _) in enumerate(prompts):
+        check_prompt_ids(ids, limits, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
     if body.get("suffix") not in (None, ""):
         raise bad("suffix", "suffix is not supported")
     echo = get_bool(body, "echo")
     logprobs = get_int(body, "logprobs", None, 0, L.MAX_LOGPROBS)
     if echo and logprobs is not None:
         raise bad("echo", "echo with logprobs is not supported (prompt logprobs are not computed)")
-    params = parse_generation(body, ids, limits, DEFAULT_MAX_TOKENS, -1 if logprobs is None else logprobs)
+    longest = max((ids for ids, _ in prompts), key=len)  # max_tokens must fit beside every prompt
+    params = parse_generation(body, longest, limits, DEFAULT_MAX_TOKENS, -1 if logprobs is None else logprobs)
+    if len(prompts) * params.n > L.MAX_CHOICES:
+        raise bad("n", f"{len(prompts)} prompts x n {params.n} is more than {L.MAX_CHOICES} choices")
+    if echo:  # the prompt's text: as given, or its ids decoded
+        prompts = [(ids, text_ if text_ else tok.decode(ids)) for ids, text_ in prompts]
+    params.prompt_token_ids, params.prompt_text = prompts[0]
+    params.batch = prompts if len(prompts) > 1 else []
     params.echo = echo
-    if echo:
-        params.prompt_text = prompt_text if prompt_text else tok.decode(ids)
     return params
 
 

@@ -103,7 +103,8 @@ class Generation:
         self.request_id = self.render.request_id(runs[0].transfer_id.split("-")[0])
         self.model = model
         self.created = output.now_s()
-        self.outs = [output.ChoiceOutput(i, tok, params.stop, params.sampling.min_tokens) for i in range(params.n)]
+        self.outs = [output.ChoiceOutput(i, tok, params.stop, params.sampling.min_tokens)
+                     for i in range(params.choices)]
 
     # -- bookkeeping -------------------------------------------------------
     def _apply(self, i: int, ev, fan: Fanout) -> Optional[output.Delta]:
@@ -118,10 +119,18 @@ class Generation:
         return None
 
     def _usage(self) -> dict:
-        cached = self.runs[0].ledger.cached
+        """Every prompt's tokens once (its n choices share it, as vLLM counts), every choice's output."""
+        prompts, n = self.params.prompts(), self.params.n
+        cached = [self._cached(self.runs[p * n]) for p in range(len(prompts))]
+        return output.usage(sum(len(ids) for ids, _ in prompts), sum(len(o.token_ids) for o in self.outs),
+                            None if None in cached else sum(c for c in cached if c is not None))
+
+    @staticmethod
+    def _cached(run: RequestRun) -> Optional[int]:
+        """The prompt tokens the instance that prefilled the run took from its prefix cache, where known."""
+        cached = run.ledger.cached
         leg = "prefill" if "prefill" in cached else next(iter(cached), "")
-        return output.usage(len(self.params.prompt_token_ids), sum(len(o.token_ids) for o in self.outs),
-                            cached.get(leg) if leg else None)
+        return cached.get(leg) if leg else None
 
     def _extension(self) -> dict:
         led = self.runs[0].ledger
@@ -180,7 +189,7 @@ class Generation:
         await resp.prepare(request)
         fan = Fanout(self.runs)
         try:
-            started = [False] * self.params.n
+            started = [False] * self.params.choices
             failed = False
             async for i, ev in fan.events():
                 if isinstance(ev, Failed):

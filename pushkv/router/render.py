@@ -62,8 +62,9 @@ class CompletionRenderer(Renderer):
 
     def __init__(self, tok: Tokenizer, params: CompletionParams):
         super().__init__(tok, params)
-        self.prefix = params.prompt_text if params.echo else ""
-        self.offsets = [len(self.prefix)] * params.n  # text_offset runs on across a choice's deltas
+        # echo: each choice's prompt text (a batch's prompt p for choices p * n ... p * n + n - 1)
+        self.prefixes = [text_ if params.echo else "" for _, text_ in params.prompts() for _ in range(params.n)]
+        self.offsets = [len(p) for p in self.prefixes]  # text_offset runs on across a choice's deltas
 
     def _logprobs(self, i: int, delta: Delta) -> dict:
         lp = completion_logprobs(self.tok, delta.token_ids, delta.logprobs, self.offsets[i])
@@ -72,16 +73,17 @@ class CompletionRenderer(Renderer):
 
     def choice(self, out: ChoiceOutput) -> dict:
         lp = self.logprobs(out.index, Delta(out.text, out.token_ids, out.logprobs))
-        return completion_choice(out.index, self.prefix + out.text, out.token_ids, out.finish_reason, lp)
+        return completion_choice(out.index, self.prefixes[out.index] + out.text, out.token_ids, out.finish_reason,
+                                 lp)
 
     def opening(self, i: int) -> Optional[dict]:
-        return completion_choice(i, self.prefix, [], None) if self.params.echo else None
+        return completion_choice(i, self.prefixes[i], [], None) if self.params.echo else None
 
     def chunk_choice(self, i: int, delta: Delta) -> dict:
         return completion_choice(i, delta.text, delta.token_ids, delta.finish_reason, self.logprobs(i, delta))
 
     def usage_in_last_chunk(self) -> bool:
-        return self.params.n == 1  # pushkv's habit: one choice's last chunk carries usage
+        return self.params.choices == 1  # pushkv's habit: one choice's last chunk carries usage
 
 
 class ChatRenderer(Renderer):

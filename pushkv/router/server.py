@@ -399,7 +399,7 @@ class Router:
         except api.ApiError as e:
             self.metrics.requests.labels(outcome="rejected").inc()
             return web.json_response(e.body(), status=e.status)
-        refused = admission(len(self.runs), params.n, self.cfg.router_max_in_flight)
+        refused = admission(len(self.runs), params.choices, self.cfg.router_max_in_flight)
         if refused:
             self.metrics.requests.labels(outcome="rejected").inc()
             resp = generate.refusal(429, refused)
@@ -407,7 +407,7 @@ class Router:
             return resp
         runs = self._open(params, arrival)
         log.debug("request transfer_id=%s prompt=%d max_tokens=%d n=%d stream=%s chat=%s",
-                  runs[0].transfer_id, len(params.prompt_token_ids), params.max_tokens, params.n, params.stream,
+                  runs[0].transfer_id, len(params.prompt_token_ids), params.max_tokens, params.choices, params.stream,
                   chat)
         try:
             return await generate.serve(request, params, runs, self.tokenizer, self.served)
@@ -415,20 +415,21 @@ class Router:
             self._close(runs)
 
     def _open(self, params: api.CompletionParams, arrival: float) -> list[RequestRun]:
-        """One run per choice, each its own transfer id and sampling stream, in flight from now."""
+        """One run per choice (a batch's prompt p's c-th: choice p * n + c), each its own transfer id and sampling
+        stream, in flight from now."""
         base = uuid.uuid4().hex
         runs = []
-        for i in range(params.n):
-            tid = base if params.n == 1 else f"{base}-{i}"
+        for i in range(params.choices):
+            ids = params.prompts()[i // params.n][0]
+            tid = base if params.choices == 1 else f"{base}-{i}"
             sampling = msgspec.structs.replace(params.sampling, seed=derive_seed(params.sampling.seed, i))
             run = RequestRun(self.cfg, self.balancer if self.local_link is None else None, tid,
-                             params.prompt_token_ids, params.max_tokens, params.stop_token_ids, arrival,
+                             ids, params.max_tokens, params.stop_token_ids, arrival,
                              self.metrics, sampling, local_link=self.local_link)
             self.runs[tid] = run
             runs.append(run)
             if self.tracer is not None:
-                self.tracer.event("http_request", tid,
-                                  f"prompt={len(params.prompt_token_ids)} max_tokens={params.max_tokens}")
+                self.tracer.event("http_request", tid, f"prompt={len(ids)} max_tokens={params.max_tokens}")
         self._handlers_idle.clear()
         self.metrics.in_flight.inc()
         return runs

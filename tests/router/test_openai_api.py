@@ -166,6 +166,28 @@ def test_min_tokens_bias_and_n(deps, mode):
     wait_pools_free(dep)
 
 
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_batch_of_prompts_gives_each_prompts_own_choices(deps, mode):
+    """The openai client's prompt as a list: prompt p's n choices are choices p * n ... (vLLM's order), each the
+    tokens that prompt gives alone; usage counts each prompt once; streamed, the same choices by index."""
+    dep = deps[mode]
+    prompts = ["abc", "The quick brown fox", [5, 17, 42]]
+    alone = [completion(dep, p, max_tokens=5)[1] for p in prompts]
+    r = client(dep).completions.create(model="tiny", prompt=prompts, max_tokens=5, n=2, echo=True)
+    assert [c.index for c in r.choices] == list(range(6))
+    assert [c.token_ids for c in r.choices] == [ids for ids in alone for _ in range(2)]  # greedy: n alike
+    assert r.choices[2].text == "The quick brown fox" + as_text(alone[1])  # echo: each choice's own prompt
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (3 + 19 + 3, 6 * 5)
+    chunks = list(client(dep).completions.create(model="tiny", prompt=prompts, max_tokens=5, stream=True,
+                                                 stream_options={"include_usage": True}))
+    streamed: dict[int, list[int]] = {}
+    for c in chunks:
+        for ch in c.choices:
+            streamed.setdefault(ch.index, []).extend(ch.token_ids)
+    assert streamed == dict(enumerate(alone)) and chunks[-1].usage.prompt_tokens == 25
+    wait_pools_free(dep)
+
+
 def test_bad_fields_are_400_naming_the_field(deps):
     c = client(deps["push"])
     for kw, field in [({"temperature": -1}, "temperature"), ({"top_p": 1.5}, "top_p"),

@@ -82,9 +82,18 @@ def test_tiny_temperatures_are_greedy():
     assert completion(temperature=L.MIN_TEMPERATURE).sampling.temperature == L.MIN_TEMPERATURE
 
 
-def test_batched_prompts_are_refused_naming_prompt():
-    refused({"prompt": ["a", "b"]}, "prompt", "batched prompts")
-    assert completion(prompt=["ab"]).prompt_token_ids == [97, 98]  # a batch of one
+def test_a_batch_of_prompts_is_each_prompt_with_its_choices_and_bounded():
+    one = completion(prompt=["ab"])
+    assert (one.prompt_token_ids, one.batch, one.choices) == ([97, 98], [], 1)  # a batch of one is one prompt
+    batch = completion(prompt=["ab", [5, 6, 7], "c"], n=2, echo=True)
+    assert batch.prompts() == [([97, 98], "ab"), ([5, 6, 7], "\x05\x06\x07"), ([99], "c")] and batch.choices == 6
+    refused({"prompt": ["a"] * (L.MAX_PROMPTS + 1)}, "prompt", f"at most {L.MAX_PROMPTS} prompts")
+    refused({"prompt": ["a"] * L.MAX_PROMPTS, "n": 5}, "n", f"more than {L.MAX_CHOICES} choices")
+    refused({"prompt": ["a", ""]}, "prompt[1]", "prompt[1] is empty")
+    refused({"prompt": ["a", [1, 999]]}, "prompt[1]", "token id 999 outside the vocabulary")
+    refused({"prompt": ["a", ["b"]]}, "prompt[1]", "must be a string, a list of token ids")
+    # max_tokens must fit beside the longest prompt
+    refused({"prompt": ["a", [1] * (LIMITS.max_model_len - 1)], "max_tokens": 2}, "max_tokens", "exceeds")
 
 
 def test_api_doc_table_says_what_the_code_does():
