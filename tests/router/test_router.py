@@ -189,7 +189,7 @@ BAD_BODIES = [
     ("prompt mixed list", {"prompt": [1, "a"]}),
     ("empty string", {"prompt": ""}),
     ("empty token list", {"prompt": []}),
-    ("batch of two", {"prompt": ["a", "b"]}),
+    ("batch with an empty prompt", {"prompt": ["a", ""]}),
     ("token id above vocab", {"prompt": [1, 320]}),
     ("negative token id", {"prompt": [-1]}),
     ("bool token id", {"prompt": [True]}),
