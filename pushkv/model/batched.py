@@ -77,14 +77,17 @@ class BatchedForward:
         # on an H200 (experiments/moe_prefill_probe.py)
         rows = 64 if model.dtype == torch.float32 else (256 if self.group >= 8 else 128)
         self.block_q = max(1, rows // self.group)
-        self.cos, self.sin = cos_sin(cfg.rope_theta, self.hd, cfg.rope_scaling, cfg.max_position,
+        self.rope_dim = model.rope_dim  # the head's width, or MLA's decoupled RoPE dims
+        self.cos, self.sin = cos_sin(cfg.rope_theta, self.rope_dim, cfg.rope_scaling, cfg.max_position,
                                      self.device, model.dtype)
         self.staging = Staging()
         self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.cuda else 1
         if use_graphs is None:  # MoE too: its CUDA kernels never wait for the host (kernels/triton_moe.py)
-            use_graphs = self.cuda and model.tp_size == 1 and cfg.cuda_graphs and envs.PUSHKV_CUDA_GRAPHS
+            # (not MLA: its attention reads each sequence's length on the host)
+            use_graphs = (self.cuda and model.tp_size == 1 and cfg.cuda_graphs and envs.PUSHKV_CUDA_GRAPHS
+                          and not cfg.is_mla)
         self.use_graphs = use_graphs
-        self.fused = self.cuda and envs.PUSHKV_FUSED and not (self.hd & (self.hd - 1))
+        self.fused = self.cuda and envs.PUSHKV_FUSED and not (self.hd & (self.hd - 1)) and not cfg.is_mla
         if self.cuda and any(lw.router is not None for lw in model.w.layers):
             from pushkv.model.kernels import triton_moe_decode
 
@@ -117,7 +120,7 @@ class BatchedForward:
         cos = self.cos.index_select(0, meta.positions)
         sin = self.sin.index_select(0, meta.positions)
         for row, start, n, length in spans:
-            cos[row:row + n], sin[row:row + n] = cos_sin_rows(cfg.rope_theta, self.hd, cfg.rope_scaling, start,
+            cos[row:row + n], sin[row:row + n] = cos_sin_rows(cfg.rope_theta, self.rope_dim, cfg.rope_scaling, start,
                                                               start + n, length, self.device, self.m.dtype)
         rows = torch.arange(cos.shape[0], device=self.device, dtype=meta.positions.dtype)
         return cos, sin, rows
@@ -139,7 +142,7 @@ class BatchedForward:
                 scratch=None, out_logits: Optional[torch.Tensor] = None, on_layer=None,
                 rope: Optional[tuple] = None) -> torch.Tensor:
         """rope: (cos, sin, index) where the step's rows are not the table's at their positions."""
-        run = self._layers_fused if self.fused else self._layers_torch
+        run = self._layers_mla if self.m.cfg.is_mla else self._layers_fused if self.fused else self._layers_torch
         if scratch is None and splits > 1 and meta.decode_tiles.shape[0]:
             p = self.m.plan  # one scratch for every layer: its merge counters are zeroed once a step, not a layer
             scratch = paged.decode_scratch(splits, meta.ids.shape[0], p.q_heads, p.kv_heads, self.hd, self.device)
@@ -177,6 +180,41 @@ class BatchedForward:
                 on_layer(layer)
             paged.attention(q, pools[layer], meta, m.layer_window(layer), attn, splits, scratch)
             x = m.attn_out(lw, x, attn.view(T, -1))
+            x = m.mlp(lw, x)
+        return rms_norm(x, m.w.final_norm, eps)
+
+    def _layers_mla(self, meta, pools, splits, scratch, on_layer, rope) -> torch.Tensor:
+        """Every layer of an MLA model (pushkv.model.mla) with torch ops, on the CPU and CUDA alike: the step's
+        projections and MLP batched, each sequence's attention over its latent rows gathered from the pool."""
+        m, eps = self.m, self.m.cfg.rms_eps
+        T = meta.ids.shape[0]
+        x = F.embedding(meta.ids, m.w.embed)
+        cos, sin = rope[0].index_select(0, rope[2]), rope[1].index_select(0, rope[2])
+        keep = meta.slots >= 0
+        u = pools[0].shape[-2]
+        blk, slot = meta.slots[keep] // u, meta.slots[keep] % u
+        for layer, lw in enumerate(m.w.layers):
+            q, lat = m.latent(lw, x, (cos, sin))
+            pools[layer][blk, 0, 0, slot] = lat[keep]
+            if on_layer is not None:
+                on_layer(layer)
+            attn = torch.zeros(T, m.plan.q_heads * m.cfg.head_dim, device=self.device, dtype=m.dtype)
+            for i in range(meta.seq_lens.shape[0]):
+                ctx, n, r0 = int(meta.seq_lens[i]), int(meta.q_lens[i]), int(meta.q_starts[i])
+                if n == 0 or ctx == 0:
+                    continue
+                blocks = meta.block_table[i, :-(-ctx // u)].long()
+                rows = pools[layer][blocks, 0, 0].reshape(-1, lat.shape[-1])[:ctx]
+                keys, vals = m._expand(lw, rows)
+                qpos = torch.arange(ctx - n, ctx, device=self.device)[:, None]
+                mask = torch.arange(ctx, device=self.device)[None, :] <= qpos
+                window = m.layer_window(layer)
+                if window:
+                    mask &= torch.arange(ctx, device=self.device)[None, :] > qpos - window
+                o = F.scaled_dot_product_attention(q[r0:r0 + n].transpose(0, 1)[None], keys[None], vals[None],
+                                                   attn_mask=mask, scale=m.attn_scale)
+                attn[r0:r0 + n] = o[0].transpose(0, 1).reshape(n, -1)
+            x = m.attn_out(lw, x, attn)
             x = m.mlp(lw, x)
         return rms_norm(x, m.w.final_norm, eps)
 

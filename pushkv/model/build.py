@@ -75,8 +75,8 @@ def build_model(cfg: ModelConfig, tp_rank: int = 0, tp_size: int = 1, device: st
              cfg.name, tp_rank, tp_size, cfg.num_layers, plan.q_heads, plan.kv_heads, plan.kv_start,
              " (MLA latent, replicated)" if cfg.is_mla else "")
     model = (MLAModel if cfg.is_mla else Model)(cfg, plan, weights, device, group)
+    # MLA: the batched engine's torch path (pushkv.model.batched._layers_mla) when asked for; on CUDA "auto" keeps
+    # the per-sequence engine until a GPU has run the batched one's
     if cfg.engine == "batched" or (cfg.engine == "auto" and model.device.type == "cuda" and not cfg.is_mla):
-        if cfg.is_mla:
-            raise ValueError("the batched engine does not run MLA attention; use engine='per-seq'")
         model.enable_batched(max_num_seqs)
     return model

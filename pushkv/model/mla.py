@@ -19,7 +19,8 @@ permuted at load (``mla_weights``), so RoPE here rotates halves as everywhere el
 is the config's (YaRN's mscale squared on 1/sqrt(query width)). Its MoE layers route as DeepSeek does
 (``moe.route_grouped``: softmax or sigmoid scores, groups of experts, a correction bias for the choice,
 a scaling factor) and add the shared experts; its first ``dense_layers`` are dense. These run in torch
-ops, on the CPU and the GPU alike (the per-sequence engine: the batched one does not run MLA).
+ops, on the CPU and the GPU alike: on the per-sequence engine, or on the batched one's MLA path
+(``batched._layers_mla``: the step's projections batched, each sequence's latent rows gathered for its attention).
 """
 from __future__ import annotations
 

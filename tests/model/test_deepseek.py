@@ -46,9 +46,10 @@ def case(request, tmp_path_factory):
     return request.param, path, routing, hf_reference(path, PROMPTS)
 
 
-def test_float32_greedy_tokens_equal_transformers(case):
+@pytest.mark.parametrize("engine", ["per-seq", "batched"])
+def test_float32_greedy_tokens_equal_transformers(case, engine):
     name, path, routing, want = case
-    cfg = model_config_from_hf(path)
+    cfg = model_config_from_hf(path, engine=engine)
     assert (cfg.is_mla, cfg.head_dim, cfg.qk_rope_dim, cfg.kv_lora_rank, cfg.num_experts, cfg.dense_layers,
             cfg.shared_intermediate_size, cfg.routing, cfg.rope_interleave) == \
         (True, 16, 8, 16, 8, 1, 32, routing, True)
@@ -56,7 +57,7 @@ def test_float32_greedy_tokens_equal_transformers(case):
     if name == "v3-yarn":  # 1/sqrt(24) times (0.1 * 0.707 * ln 4 + 1) squared
         assert cfg.attn_scale == pytest.approx(24 ** -0.5 * (0.1 * 0.707 * 1.3862943611198906 + 1) ** 2)
     model, tok = build_model(cfg), get_tokenizer(cfg)
-    assert type(model).__name__ == "MLAModel" and model.batched is None  # the per-sequence engine
+    assert type(model).__name__ == "MLAModel" and (model.batched is None) == (engine == "per-seq")
     for prompt, (ids, new) in zip(PROMPTS, want):
         assert tok.encode(prompt) == ids
         assert paged_generate(model, new_pool(model, 16, 16), ids, len(new), tuple(range(16))) == new, prompt
@@ -88,17 +89,33 @@ def test_a_v3_config_naming_another_routing_is_refused(tmp_path):
         model_config_from_hf(path)
 
 
-def test_the_batched_engine_says_it_does_not_run_mla(case):
-    _, path, _, _ = case
-    with pytest.raises(ValueError, match="does not run MLA"):
-        build_model(model_config_from_hf(path, engine="batched"))
+def test_the_batched_engine_runs_a_step_of_several_sequences_as_each_alone(case):
+    """The batched engine's MLA path: three prompts prefilled in one step, then decoded together, give each
+    prompt's own tokens (transformers')."""
+    from pushkv.messages import SeqWork
+
+    _, path, _, want = case
+    model = build_model(model_config_from_hf(path, engine="batched"))
+    pool = new_pool(model, 48, 16)
+    tables = [tuple(range(16 * i, 16 * i + 16)) for i in range(len(want))]
+    outs = [[t] for t in model.execute([SeqWork(i, tuple(ids), 0, tables[i]) for i, (ids, _) in enumerate(want)],
+                                       pool)]
+    for step in range(1, len(want[0][1])):
+        seqs = [SeqWork(i, (o[-1],), len(ids) + step - 1, tables[i]) for i, ((ids, _), o) in enumerate(zip(want, outs))]
+        for o, t in zip(outs, model.execute(seqs, pool)):
+            o.append(t)
+    assert outs == [new for _, new in want]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_float32_greedy_tokens_equal_transformers(case):
-    """On a GPU: the same, through torch's CUDA ops (the per-sequence engine; the batched one does not run MLA)."""
+@pytest.mark.parametrize("engine", ["auto", "batched"])
+def test_gpu_float32_greedy_tokens_equal_transformers(case, engine):
+    """On a GPU: the same, through torch's CUDA ops, on the per-sequence engine (what "auto" runs MLA on) and the
+    batched one (its MLA path: torch ops, no CUDA graphs)."""
     _, path, _, want = case
-    model = build_model(model_config_from_hf(path), device="cuda")
+    model = build_model(model_config_from_hf(path, engine=engine), device="cuda")
+    assert (model.batched is None) == (engine == "auto")
+    assert model.batched is None or not model.batched.use_graphs
     for ids, new in want:
         pool = new_pool(model, 16, 16).cuda()
         assert paged_generate(model, pool, ids, len(new), tuple(range(16))) == new
