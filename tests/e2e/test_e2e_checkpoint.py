@@ -62,28 +62,29 @@ def test_fp8_moe_push_tp2_to_1_equals_transformers(tmp_path):
     push_tp2_to_1_gives(tmp_path, ckpt, want)
 
 
-def test_deepseek_v3_push_tp2_to_1_equals_transformers(tmp_path):
+@pytest.mark.parametrize("engine", ["auto", "batched"])
+def test_deepseek_v3_push_tp2_to_1_equals_transformers(tmp_path, engine):
     """A DeepSeek-V3 checkpoint (multi-head latent attention with a query LoRA, grouped sigmoid routing with its
     correction bias, a shared expert, a dense first layer) served in push mode, P on two TP ranks (each its heads,
     the latent whole) and D on one: the latent rows move as MLA's one replicated head, and the tokens are
-    transformers'."""
+    transformers', on the per-sequence engine and on the batched one."""
     from tests.model.test_deepseek import MLA
     from tests.model.test_hf_reference import PROMPTS, hf_reference, save_hf_checkpoint
 
     ckpt = save_hf_checkpoint(str(tmp_path / "ckpt"), "deepseek_v3", seed=7, **dict(MLA, q_lora_rank=24, n_group=2,
                                                                                     topk_group=1))
     want = hf_reference(ckpt, PROMPTS)
-    push_tp2_to_1_gives(tmp_path, ckpt, want)
+    push_tp2_to_1_gives(tmp_path, ckpt, want, up=("--engine", engine))
 
 
-def push_tp2_to_1_gives(tmp_path, served: str, want, **complete) -> None:
+def push_tp2_to_1_gives(tmp_path, served: str, want, up: tuple[str, ...] = (), **complete) -> None:
     """``--model served`` in push mode, P on two TP ranks and D on one: each prompt's token count and greedy tokens
     are ``want``'s (transformers'), its KV moved by push, and every block is free after."""
     from tests.model.test_hf_reference import NEW_TOKENS, PROMPTS
 
     (tmp_path / "dep").mkdir()
     with deployment(tmp_path / "dep", "--mode", "push", "--model", served, "--prefill-tp", "2", "--decode-tp", "1",
-                    "--num-blocks", "64") as dep:
+                    "--num-blocks", "64", *up) as dep:
         for prompt, (ids, new) in zip(PROMPTS, want):
             body = dep.complete(prompt, NEW_TOKENS, **complete)
             assert body["usage"]["prompt_tokens"] == len(ids), prompt
