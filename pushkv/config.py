@@ -179,6 +179,7 @@ class ModelConfig(msgspec.Struct, frozen=True):
     norm_topk_prob: bool = True  # the chosen experts' router weights renormalised to sum to 1
     routing: MoeRouting = MoeRouting()
     shared_intermediate_size: int = 0  # an MoE layer's always-on shared expert of this width (DeepSeek); 0: none
+    shared_gate: bool = False  # ... its output scaled by a sigmoid of the layer's input (Qwen2-MoE)
     dense_layers: int = 0  # the first N layers of an MoE model have a dense MLP (DeepSeek's first_k_dense_replace)
     dense_intermediate_size: int = 0  # ... of this width
     q_lora_rank: int = 0  # MLA queries through a down-projection, an RMSNorm and an up-projection (DeepSeek-V2/V3)

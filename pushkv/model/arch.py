@@ -24,6 +24,8 @@ class MoeParts:
     down: str
     inter_key: str  # config key of one expert's intermediate size
     norm_topk_key: Optional[str]  # config key of renormalising the chosen weights; None: always
+    shared: str = ""  # the shared expert's (always on, beside the routed ones) prefix in the block; "": none
+    shared_gate: str = ""  # its gate's name (a sigmoid of h times it scales its output: Qwen2-MoE); "": ungated
 
 
 def _no_window(hf: dict, num_layers: int) -> tuple[int, ...]:
@@ -57,7 +59,10 @@ class Family:
 
 QWEN3_MOE = MoeParts("mlp", "gate_proj", "up_proj", "down_proj", "moe_intermediate_size", "norm_topk_prob")
 MIXTRAL = MoeParts("block_sparse_moe", "w1", "w3", "w2", "intermediate_size", None)
-DEEPSEEK = MoeParts("mlp", "gate_proj", "up_proj", "down_proj", "moe_intermediate_size", "norm_topk_prob")
+DEEPSEEK = MoeParts("mlp", "gate_proj", "up_proj", "down_proj", "moe_intermediate_size", "norm_topk_prob",
+                    shared="shared_experts")
+QWEN2_MOE = MoeParts("mlp", "gate_proj", "up_proj", "down_proj", "moe_intermediate_size", "norm_topk_prob",
+                     shared="shared_expert", shared_gate="shared_expert_gate")
 
 ARCHITECTURES: dict[str, Family] = {
     "LlamaForCausalLM": Family(qk_norm=False, qkv_bias=False, windows=_no_window),
@@ -65,6 +70,7 @@ ARCHITECTURES: dict[str, Family] = {
     "Qwen2ForCausalLM": Family(qk_norm=False, qkv_bias=True, windows=_qwen_windows),
     "Qwen3ForCausalLM": Family(qk_norm=True, qkv_bias=False, windows=_qwen_windows),
     "Qwen3MoeForCausalLM": Family(qk_norm=True, qkv_bias=False, windows=_qwen_windows, moe=QWEN3_MOE),
+    "Qwen2MoeForCausalLM": Family(qk_norm=False, qkv_bias=True, windows=_qwen_windows, moe=QWEN2_MOE),
     "MixtralForCausalLM": Family(qk_norm=False, qkv_bias=False, windows=_every_layer, moe=MIXTRAL),
     "DeepseekV2ForCausalLM": Family(qk_norm=False, qkv_bias=False, windows=_no_window, moe=DEEPSEEK, mla=True),
     "DeepseekV3ForCausalLM": Family(qk_norm=False, qkv_bias=False, windows=_no_window, moe=DEEPSEEK, mla=True),
@@ -81,7 +87,7 @@ VARIANTS = {
     "attention_chunk_size": "chunked local attention",
     "query_pre_attn_scalar": "a query scale other than 1/sqrt(head_dim)",
     "no_rope_layers": "layers without RoPE",
-    "shared_expert_intermediate_size": "shared experts",
+    "shared_expert_intermediate_size": "a shared expert",
 }
 
 
@@ -111,6 +117,8 @@ def check_supported(hf: dict, arch: str, family: Family) -> None:
         raise ValueError(f"compression_config: quant_method {method!r} is not supported: pushkv loads float32, "
                          "bfloat16 and float16 weights, and block-scaled fp8 (quantization_config)")
     for key, what in VARIANTS.items():
+        if key == "shared_expert_intermediate_size" and family.moe is not None and family.moe.shared_gate:
+            continue  # Qwen2-MoE's gated shared expert: built
         if hf.get(key):
             raise ValueError(f"{key}: {hf[key]!r} ({what}) is not built for {arch}")
     if hf.get("hidden_act", "silu") != "silu":

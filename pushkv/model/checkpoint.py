@@ -160,6 +160,9 @@ def model_config_from_hf(path: str, generation_config: str = "auto", **overrides
     )
     if family.mla:
         fields.update(deepseek_fields(hf, arch, rope_scaling))
+    elif moe is not None and moe.shared_gate:  # Qwen2-MoE: one gated shared expert; its q/k/v bias as configured
+        fields.update(shared_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0), shared_gate=True,
+                      qkv_bias=bool(hf.get("qkv_bias", True)))
     fields.update(overrides)
     return ModelConfig(**fields)
 

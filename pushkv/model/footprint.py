@@ -26,6 +26,7 @@ def weight_bytes(model: ModelConfig, tp: int) -> int:
     if model.is_moe:
         mlp = model.num_experts * (mlp + d)  # every expert's columns, and the router's row each
         mlp += model.num_experts * model.routing.bias + 3 * d * (model.shared_intermediate_size // tp)
+        mlp += d * model.shared_gate  # Qwen2-MoE's shared expert's gate, whole on every rank
     dense = model.dense_layers * 3 * d * (model.dense_intermediate_size // tp)  # DeepSeek's first layers
     layers = (model.num_layers - model.dense_layers) * (2 * d + attn + mlp) + model.dense_layers * (2 * d + attn)
     whole = model.vocab_size * d * (1 if model.tie_embeddings else 2) + d

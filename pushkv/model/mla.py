@@ -52,10 +52,7 @@ class MLAModel(Model):
         weights, experts = route_grouped(h, lw.router, cfg.experts_per_token, cfg.norm_topk_prob, cfg.routing,
                                          lw.router_bias)
         out = routed_experts(h, weights, experts, lw.gate_up, lw.down)
-        if lw.shared_gate_up is not None:
-            gate, up = F.linear(h, lw.shared_gate_up).chunk(2, dim=-1)
-            out = out + F.linear(F.silu(gate) * up, lw.shared_down)
-        return self._all_reduce(out)
+        return self._all_reduce(out + self.shared_expert(lw, h) if lw.shared_gate_up is not None else out)
 
     def latent(self, lw: MLALayerWeights, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
         """Pre-norm, queries [N, q_heads, hd + rd] and the cached latent rows [N, r + rd]."""

@@ -12,7 +12,7 @@ import torch
 
 from pushkv.config import ModelConfig
 from pushkv.model.shard import ShardPlan
-from pushkv.model.weights import RankWeights, moe_slices, swiglu_slices, tp_columns, with_embeddings
+from pushkv.model.weights import RankWeights, moe_slices, shared_slices, swiglu_slices, tp_columns, with_embeddings
 
 __all__ = ["MLALayerWeights", "load_rank_mla", "mla_names"]
 
@@ -49,6 +49,7 @@ class MLALayerWeights:
     router_bias: Optional[torch.Tensor] = None  # [experts]: added to the scores for the choice only (DeepSeek-V3)
     shared_gate_up: Optional[torch.Tensor] = None  # [2 * shared_local, d]: the shared experts, one SwiGLU
     shared_down: Optional[torch.Tensor] = None  # [d, shared_local], row-sharded (partial sums)
+    shared_gate: Optional[torch.Tensor] = None  # unused: DeepSeek's shared experts are ungated
 
 
 def _halves(t: torch.Tensor, width: int, rd: int) -> torch.Tensor:
@@ -98,7 +99,4 @@ def _mlp(cfg: ModelConfig, plan: ShardPlan, take, p: str, layer: int) -> dict:
     out = moe_slices(cfg, take, p, tp_columns(cfg.intermediate_size, plan, "moe_intermediate_size"))
     if cfg.routing.bias:
         out["router_bias"] = take(p + "mlp.gate.e_score_correction_bias").float()
-    if cfg.shared_intermediate_size:
-        out["shared_gate_up"], out["shared_down"] = swiglu_slices(
-            take, p + "mlp.shared_experts.", tp_columns(cfg.shared_intermediate_size, plan, "shared experts' width"))
-    return out
+    return out | shared_slices(cfg, plan, take, p)

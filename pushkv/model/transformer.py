@@ -181,18 +181,29 @@ class Model:
         ``logits``: an MoE layer's router logits of h on the GPU, made with the norm
         (``triton_fused.add_rms_router``)."""
         if lw.router is not None:
+            shared = getattr(lw, "shared_gate_up", None) is not None
             if h.is_cuda:  # the Triton kernels, no host sync (kernels/triton_moe.py)
                 from pushkv.model.kernels import triton_moe
 
                 out = triton_moe.moe_mlp(h, lw.router, lw.gate_up, lw.down, self.cfg.experts_per_token,
-                                         self.cfg.norm_topk_prob, summed=summed or self.tp_size > 1,
+                                         self.cfg.norm_topk_prob, summed=summed or self.tp_size > 1 or shared,
                                          logits=logits)
             else:
                 out = moe_mlp(h, lw.router, lw.gate_up, lw.down, self.cfg.experts_per_token,
                               self.cfg.norm_topk_prob)
-            return self._all_reduce(out)
+            return self._all_reduce(out + self.shared_expert(lw, h) if shared else out)
         gate, up = F.linear(h, lw.gate_up).chunk(2, dim=-1)
         return self._all_reduce(F.linear(F.silu(gate) * up, lw.down))
+
+    @staticmethod
+    def shared_expert(lw, h: torch.Tensor) -> torch.Tensor:
+        """An MoE layer's shared expert: a SwiGLU every token goes through (this rank's columns: a partial sum
+        under TP), scaled by the sigmoid of its gate where it has one (Qwen2-MoE; the same factor on every rank)."""
+        gate, up = F.linear(h, lw.shared_gate_up).chunk(2, dim=-1)
+        out = F.linear(F.silu(gate) * up, lw.shared_down)
+        if lw.shared_gate is not None:
+            out = torch.sigmoid(F.linear(h, lw.shared_gate)) * out
+        return out
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm + lm_head, float32 logits."""

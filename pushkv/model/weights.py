@@ -76,7 +76,9 @@ def _mlp_names(cfg: ModelConfig, p: str, layer: int) -> list[tuple[str, tuple[in
     for e in range(cfg.num_experts):
         out += _swiglu_names(f"{p}{m.block}.experts.{e}.", i, d, (m.gate, m.up, m.down))
     if cfg.shared_intermediate_size:
-        out += _swiglu_names(f"{p}{m.block}.shared_experts.", cfg.shared_intermediate_size, d)
+        out += _swiglu_names(f"{p}{m.block}.{m.shared}.", cfg.shared_intermediate_size, d)
+        if cfg.shared_gate:
+            out.append((f"{p}{m.block}.{m.shared_gate}.weight", (1, d)))
     return out
 
 
@@ -161,6 +163,9 @@ class LayerWeights:
     down: torch.Tensor  # [d, inter_local], row-sharded (partial sums); MoE: [experts, d, inter_local]
     qkv_bias: Optional[torch.Tensor] = None  # [(q_heads + 2 kv_heads) * head_dim] (Qwen2)
     router: Optional[torch.Tensor] = None  # [experts, d], replicated: a MoE layer's expert scores
+    shared_gate_up: Optional[torch.Tensor] = None  # [2 * shared_local, d]: an MoE layer's shared expert
+    shared_down: Optional[torch.Tensor] = None  # [d, shared_local], row-sharded (partial sums)
+    shared_gate: Optional[torch.Tensor] = None  # [1, d], replicated: its sigmoid gate (Qwen2-MoE)
 
 
 @dataclass
@@ -197,7 +202,8 @@ def load_rank(cfg: ModelConfig, plan: ShardPlan, src: WeightSource, device: str 
             o=take(a + "o_proj.weight", 1, *q_rows),
             qkv_bias=torch.cat([take(a + "q_proj.bias", 0, *q_rows), take(a + "k_proj.bias", 0, *kv_rows),
                                 take(a + "v_proj.bias", 0, *kv_rows)]) if cfg.qkv_bias else None,
-            **(moe_slices(cfg, take, p, i_rows) if cfg.is_moe else mlp_slices(take, p, i_rows)),
+            **(moe_slices(cfg, take, p, i_rows) | shared_slices(cfg, plan, take, p) if cfg.is_moe
+               else mlp_slices(take, p, i_rows)),
         ))
     return with_embeddings(cfg, take, layers)
 
@@ -250,6 +256,18 @@ def moe_slices(cfg: ModelConfig, take, p: str, i_rows: tuple[int, int]) -> dict:
                                         take(e + m.up + ".weight", 0, *i_rows)]) for e in x]),
         down=torch.stack([take(e + m.down + ".weight", 1, *i_rows) for e in x]),
     )
+
+
+def shared_slices(cfg: ModelConfig, plan: ShardPlan, take, p: str) -> dict:
+    """An MoE layer's shared expert (DeepSeek's, Qwen2-MoE's): its SwiGLU sliced as a dense MLP's, and its gate
+    whole; none where the model has none."""
+    if not cfg.shared_intermediate_size:
+        return {}
+    m = moe_parts(cfg.architecture)
+    gate_up, down = swiglu_slices(take, f"{p}{m.block}.{m.shared}.",
+                                  tp_columns(cfg.shared_intermediate_size, plan, "the shared expert's width"))
+    return dict(shared_gate_up=gate_up, shared_down=down,
+                shared_gate=take(f"{p}{m.block}.{m.shared_gate}.weight") if cfg.shared_gate else None)
 
 
 def with_embeddings(cfg: ModelConfig, take, layers) -> "RankWeights":

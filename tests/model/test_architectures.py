@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from pushkv.config import RopeScaling
+from pushkv.config import MoeRouting, RopeScaling
 from pushkv.model import build_model, get_tokenizer
 from pushkv.model.checkpoint import model_config_from_hf
 from pushkv.model.moe import moe_mlp, route
@@ -44,6 +44,11 @@ CASES = {
     "qwen3_moe-unnormed": ("qwen3_moe", dict(MOE, moe_intermediate_size=32, norm_topk_prob=False),
                            dict(norm_topk_prob=False)),
     "mixtral": ("mixtral", dict(MOE), dict(num_experts=4, experts_per_token=2, intermediate_size=128)),
+    # Qwen1.5-MoE / Qwen2-57B-A14B: q/k/v bias, a shared expert its sigmoid gate scales, unnormalised routing
+    "qwen2_moe": ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                    shared_expert_intermediate_size=48, norm_topk_prob=False),
+                  dict(architecture="Qwen2MoeForCausalLM", num_experts=4, experts_per_token=2, intermediate_size=32,
+                       qkv_bias=True, shared_intermediate_size=48, shared_gate=True, norm_topk_prob=False)),
 }
 
 
@@ -249,6 +254,39 @@ REAL = {
                        "moe_intermediate_size": 32, "norm_topk_prob": True, "decoder_sparse_step": 1,
                        "mlp_only_layers": [], "use_sliding_window": False, "sliding_window": None},
                       dict(num_experts=16, experts_per_token=4, intermediate_size=32, qk_norm=True)),
+    "Qwen1.5-MoE-A2.7B": ({"architectures": ["Qwen2MoeForCausalLM"], "decoder_sparse_step": 1, "num_experts": 8,
+                           "num_experts_per_tok": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64,
+                           "norm_topk_prob": False, "use_sliding_window": False, "sliding_window": 32768,
+                           "max_window_layers": 21, "router_aux_loss_coef": 0.001, "rope_theta": 1e6},
+                          dict(num_experts=8, experts_per_token=4, intermediate_size=32, shared_intermediate_size=64,
+                               shared_gate=True, qkv_bias=True, norm_topk_prob=False, window_layers=())),
+    "DeepSeek-V2-Lite": ({"architectures": ["DeepseekV2ForCausalLM"], "first_k_dense_replace": 1, "kv_lora_rank": 16,
+                          "moe_intermediate_size": 32, "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 8,
+                          "n_shared_experts": 2, "norm_topk_prob": False, "num_experts_per_tok": 6,
+                          "num_key_value_heads": 4, "q_lora_rank": None, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+                          "v_head_dim": 16, "rope_theta": 10000, "routed_scaling_factor": 1.0,
+                          "scoring_func": "softmax", "topk_group": 1, "topk_method": "greedy",
+                          "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707,
+                                           "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096,
+                                           "type": "yarn"}, "max_position_embeddings": 163840},
+                         dict(kv_lora_rank=16, qk_rope_dim=8, head_dim=16, q_lora_rank=0, num_experts=8,
+                              experts_per_token=6, shared_intermediate_size=64, dense_layers=1,
+                              dense_intermediate_size=128, routing=MoeRouting(), norm_topk_prob=False,
+                              attn_scale=pytest.approx(24 ** -0.5 * (0.1 * 0.707 * math.log(40) + 1) ** 2),
+                              max_position=163840)),
+    "DeepSeek-V3": ({"architectures": ["DeepseekV3ForCausalLM"], "first_k_dense_replace": 3, "kv_lora_rank": 16,
+                     "moe_intermediate_size": 32, "n_group": 2, "n_routed_experts": 8, "n_shared_experts": 1,
+                     "norm_topk_prob": True, "num_experts_per_tok": 2, "num_nextn_predict_layers": 1,
+                     "num_key_value_heads": 4, "q_lora_rank": 24, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+                     "v_head_dim": 16, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "topk_group": 1,
+                     "topk_method": "noaux_tc",
+                     "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                                      "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096, "type": "yarn"},
+                     "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                             "weight_block_size": [128, 128]}},
+                    dict(q_lora_rank=24, dense_layers=3, shared_intermediate_size=32, norm_topk_prob=True,
+                         routing=MoeRouting("sigmoid", 2, 1, "top2", True, 2.5), rope_interleave=True,
+                         attn_scale=pytest.approx(24 ** -0.5 * (0.1 * math.log(40) + 1) ** 2))),
 }
 
 

@@ -46,6 +46,7 @@ HF_CLASSES = {  # the families of pushkv.model.arch, as transformers builds them
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+    "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
     "deepseek_v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM),
     "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
 }

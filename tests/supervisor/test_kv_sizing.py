@@ -39,7 +39,9 @@ DEEPSEEK_V3_LIKE = msgspec.structs.replace(  # a query LoRA, experts with a corr
     PRESETS["tiny"], PRESETS["small"], PRESETS["qwen3-8b"], PRESETS["qwen3-30b-a3b"],
     msgspec.structs.replace(PRESETS["small"], qkv_bias=True, qk_norm=False, tie_embeddings=True),
     PRESETS["mla"], DEEPSEEK_V3_LIKE,
-], ids=["tiny", "small", "qwen3-8b", "qwen3-30b-a3b", "qwen2-like", "mla", "deepseek-v3-like"])
+    msgspec.structs.replace(PRESETS["qwen3-30b-a3b"], architecture="Qwen2MoeForCausalLM", qk_norm=False,
+                            qkv_bias=True, shared_intermediate_size=4096, shared_gate=True),
+], ids=["tiny", "small", "qwen3-8b", "qwen3-30b-a3b", "qwen2-like", "mla", "deepseek-v3-like", "qwen2-moe-like"])
 def test_one_rank_weights_are_every_parameter_the_loader_names(model):
     assert weight_bytes(model, 1) == counted(model)
 
