@@ -26,16 +26,23 @@ import torch
 def checkpoint(name: str, seed: int) -> str:
     """A case of tests/model/test_architectures.py written by transformers; ``NAME-fp8``: the same, its projections
     then quantized to block-scaled fp8 (16 x 32 blocks) as the FP8 releases are (tests/model/test_fp8_checkpoint.py)."""
-    from tests.model.test_architectures import CASES
     from tests.model.test_fp8_checkpoint import quantize_checkpoint
     from tests.model.test_hf_reference import save_hf_checkpoint
 
     base = name.removesuffix("-fp8")
-    family, extra, _ = CASES[base]
+    family, extra, _ = cases()[base]
     path = save_hf_checkpoint(tempfile.mkdtemp(prefix=name), family, seed=seed, **extra)
     if name != base:
         quantize_checkpoint(path, (16, 32))
     return path
+
+
+def cases() -> dict:
+    """Every case of tests/model/test_architectures.py, and tests/model/test_deepseek.py's as ``deepseek-NAME``."""
+    from tests.model.test_architectures import CASES
+    from tests.model.test_deepseek import CASES as DEEPSEEK
+
+    return {**CASES, **{f"deepseek-{k}": v for k, v in DEEPSEEK.items()}}
 
 
 def engine_vs_transformers(cases: list[str]) -> list[dict]:
@@ -60,7 +67,8 @@ def engine_vs_transformers(cases: list[str]) -> list[dict]:
             stop = got.index(3) + 1 if 3 in got else len(got)
             ok += got[:stop] == new
         rows.append({"case": name, "architecture": cfg.architecture, "prompts_equal": ok, "prompts": len(want),
-                     "graphs": bool(model.batched.use_graphs), "fused": bool(model.batched.fused)})
+                     "graphs": bool(model.batched.use_graphs), "fused": bool(model.batched.fused),
+                     "mla": cfg.is_mla})
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -90,13 +98,13 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--cases", nargs="*", default=None,
-                    help="default: every case of the CPU test, and llama3-fp8 and qwen3_moe-fp8")
-    ap.add_argument("--push", nargs="*", default=["qwen2", "qwen3_moe", "qwen3_moe-fp8"])
+                    help="default: every case of the CPU tests (DeepSeek's as deepseek-NAME), and llama3-fp8 and "
+                         "qwen3_moe-fp8")
+    ap.add_argument("--push", nargs="*", default=["qwen2", "qwen3_moe", "qwen3_moe-fp8", "qwen2_moe", "deepseek-v3"])
     args = ap.parse_args()
-    from tests.model.test_architectures import CASES
 
     out = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
-    out["engine_float32"] = engine_vs_transformers(args.cases or sorted(CASES) + ["llama3-fp8", "qwen3_moe-fp8"])
+    out["engine_float32"] = engine_vs_transformers(args.cases or sorted(cases()) + ["llama3-fp8", "qwen3_moe-fp8"])
     out["push_bfloat16"] = push_vs_local(args.push)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "models_gpu.json"), "w") as f:
