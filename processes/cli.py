@@ -33,6 +33,7 @@ from pushkv.kinds import (
     PullRead,
     PushStream,
     RandomInit,
+    ReasoningParser,
     Staging,
     Switch,
 )
@@ -103,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the chat template /v1/chat/completions renders messages with, as vLLM takes it: a "
                           "Jinja file's path or the template itself (default: the checkpoint's chat_template.jinja "
                           "or tokenizer_config.json's, else one 'role: content' line per message)")
+    mod.add_argument("--reasoning-parser", choices=tuple(r for r in typing.get_args(ReasoningParser) if r),
+                     help="chat choices give the model's thinking (<think> ... </think>) as reasoning_content, apart "
+                          "from content, as vLLM's: deepseek_r1 (reasoning up to </think>, opened in the prompt or "
+                          "not: DeepSeek-R1, QwQ, Qwen3 Thinking-2507), qwen3 (reasoning where the output opens "
+                          "<think>: Qwen3's hybrid models) (default: none, all content)")
     mod.add_argument("--checkpoint", metavar="DIR", help="deprecated: --model DIR")
     for name in GEOMETRY:
         mod.add_argument("--" + name.replace("_", "-"), type=str if name == "dtype" else int,

@@ -31,6 +31,7 @@ from pushkv.kinds import (
     PullRead,
     PushStream,
     RandomInit,
+    ReasoningParser,
     Role,
     RopeType,
     RouterScoring,
@@ -495,6 +496,9 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
     # the chat template's text (pushkv up --chat-template FILE|TEMPLATE, read at launch); "" = the
     # checkpoint's (or the plain one)
     chat_template: str = ""
+    # a chat choice's reasoning (<think> ... </think>) as reasoning_content, apart from its content, as vLLM's
+    # --reasoning-parser (pushkv/router/reasoning.py); "": the output is all content
+    reasoning_parser: ReasoningParser = ""
     # what the transfers do, decided by the planner (plan_deployment); None until then
     transfer: Optional[TransferPlan] = None
 

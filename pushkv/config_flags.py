@@ -216,6 +216,7 @@ def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = 
         router_max_connections=f("max_connections"),
         push_pin_fraction=f("push_pin_fraction"), gpu_memory_utilization=f("gpu_memory_utilization"),
         chat_template=chat_template_text(template) if (template := f("chat_template")) else None,
+        reasoning_parser=f("reasoning_parser"),
         writer_warm=f("writer_warm"), writer_post_thread=f("writer_post_thread"),
         link_window=f("link_window"), link_window_mib=f("link_window_mib"), link_order=f("link_order"),
         staging=f("staging"), staging_mib=f("staging_mib"),

@@ -124,7 +124,6 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--enable-auto-tool-choice",), REFUSED, "tool calls are not parsed out of the output: they come back as "
          "text (tools are rendered into the prompt by the chat template)", SWITCH),
     Flag(("--tool-call-parser",), REFUSED, "tool calls are not parsed out of the output: they come back as text"),
-    Flag(("--reasoning-parser",), REFUSED, "reasoning is not split out: it comes back in the content"),
     Flag(("--structured-outputs-config",), REFUSED, "structured output (JSON schema, regex, grammar) is not built"),
     Flag(("--guided-decoding-backend",), REFUSED, "structured output (JSON schema, regex, grammar) is not built"),
     Flag(("--limit-mm-per-prompt",), REFUSED, "pushkv serves text only"),

@@ -208,7 +208,8 @@ def parse_template_kwargs(body: dict) -> dict:
     return kw
 
 
-def parse_chat(body: dict, tok: text.Tokenizer, limits: api.Limits, template: ChatTemplate) -> api.CompletionParams:
+def parse_chat(body: dict, tok: text.Tokenizer, limits: api.Limits, template: ChatTemplate,
+               reasoning_parser: str = "") -> api.CompletionParams:
     if body.get("chat_template") is not None:
         raise api.bad("chat_template", "a request's own chat template is not accepted: the deployment's is used "
                                        "(pushkv up --chat-template sets it)")
@@ -239,4 +240,5 @@ def parse_chat(body: dict, tok: text.Tokenizer, limits: api.Limits, template: Ch
     params = api.parse_generation(body, ids, limits, None, (top or 0) if want else -1,
                                   max_tokens_field="max_completion_tokens")
     params.chat = True
+    params.reasoning_parser = reasoning_parser
     return params

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import ClassVar, Optional, Sequence
 
 from pushkv.messages import TokenLogprob
+from pushkv.router import reasoning
 from pushkv.router.api import CompletionParams
 from pushkv.router.output import ChoiceOutput, Delta
 from pushkv.router.text import Tokenizer
@@ -89,18 +90,34 @@ class CompletionRenderer(Renderer):
 class ChatRenderer(Renderer):
     id_prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
+    def __init__(self, tok: Tokenizer, params: CompletionParams):
+        super().__init__(tok, params)
+        parser = params.reasoning_parser  # each choice's thinking apart (router/reasoning.py)
+        self.splitters = [reasoning.Splitter(parser) for _ in range(params.choices)] if parser else []
+
     def _logprobs(self, i: int, delta: Delta) -> dict:
         return chat_logprobs(self.tok, delta.token_ids, delta.logprobs)
 
     def choice(self, out: ChoiceOutput) -> dict:
         lp = self.logprobs(out.index, Delta(out.text, out.token_ids, out.logprobs))
-        return chat_choice(out.index, out.text, out.finish_reason, lp)
+        if not self.splitters:
+            return chat_choice(out.index, out.text, out.finish_reason, lp)
+        thought, content = reasoning.split(out.text, self.params.reasoning_parser)
+        body = chat_choice(out.index, content, out.finish_reason, lp)
+        body["message"]["reasoning_content"] = thought
+        return body
 
     def opening(self, i: int) -> Optional[dict]:
         return chat_chunk_choice(i, {"role": "assistant", "content": ""}, None)
 
     def chunk_choice(self, i: int, delta: Delta) -> dict:
-        d = {"content": delta.text} if delta.text or not delta.finish_reason else {}
+        if self.splitters:  # the text held back as a possible tag goes out with the choice's last delta
+            thought, text = self.splitters[i].feed(delta.text, final=bool(delta.finish_reason))
+            d = {"reasoning_content": thought} if thought else {}
+            if text or not (thought or delta.finish_reason):
+                d["content"] = text
+        else:
+            d = {"content": delta.text} if delta.text or not delta.finish_reason else {}
         return chat_chunk_choice(i, d, delta.finish_reason, self.logprobs(i, delta))
 
 
@@ -151,7 +168,8 @@ def completion_choice(index: int, text_: str, token_ids: list[int], finish_reaso
             "token_ids": token_ids}
 
 
-def chat_choice(index: int, content: str, finish_reason: Optional[str], logprobs: Optional[dict] = None) -> dict:
+def chat_choice(index: int, content: Optional[str], finish_reason: Optional[str],
+                logprobs: Optional[dict] = None) -> dict:
     return {"index": index, "message": {"role": "assistant", "content": content}, "logprobs": logprobs,
             "finish_reason": finish_reason}
 

@@ -80,7 +80,8 @@ def test_every_closed_field_is_typed():
     """The fields compared against fixed strings across the code are Literals (so mypy's
     strict_equality checks each comparison)."""
     assert set(choices(DeploymentConfig)) == {"mode", "pull_read", "push_stream", "kv_verify", "writer_warm",
-                                              "writer_post_thread", "host_role", "link_order", "staging"}
+                                              "writer_post_thread", "host_role", "link_order", "staging",
+                                              "reasoning_parser"}
     assert set(choices(InstanceConfig)) == {"role"}
     assert set(choices(ModelConfig)) == {"engine", "random_init"}
     assert set(choices(m.Generate)) == {"leg"}

@@ -1,0 +1,82 @@
+"""``--reasoning-parser`` (pushkv/router/reasoning.py): a chat choice's thinking as ``reasoning_content`` apart from
+its ``content``, as vLLM's deepseek_r1 and qwen3 parsers give it, whole and streamed alike however the text is cut
+into deltas, through the router."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from pushkv.router import reasoning
+from tests.router.test_chat_fields import MESSAGES
+from tests.router.test_router import local_script, read_sse, run
+from tests.support.router_fakes import Harness, make_cfg
+
+pytestmark = pytest.mark.timeout(30)
+
+# text -> (deepseek_r1's, qwen3's) (reasoning_content, content)
+CASES = {
+    "<think>\nplan</think>\n\nanswer": (("\nplan", "\n\nanswer"), ("\nplan", "\n\nanswer")),
+    "plan</think>answer": (("plan", "answer"), (None, "plan</think>answer")),  # opened in the prompt
+    "just an answer": (("just an answer", None), (None, "just an answer")),
+    "<think>cut short by max_tokens": (("cut short by max_tokens", None), ("cut short by max_tokens", None)),
+    "<think></think>answer": ((None, "answer"), (None, "answer")),
+    "<thinking>x": (("<thinking>x", None), (None, "<thinking>x")),  # not the tag
+    "<thi": (("<thi", None), (None, "<thi")),
+    "a</think>b</think>c": (("a", "b</think>c"), (None, "a</think>b</think>c")),
+    "": ((None, None), (None, None)),
+}
+
+
+@pytest.mark.parametrize("text", sorted(CASES))
+@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
+def test_a_whole_output_splits_as_vllms_parsers_split_it(text, parser):
+    assert reasoning.split(text, parser) == CASES[text][parser == "qwen3"]
+
+
+@pytest.mark.parametrize("text", sorted(CASES))
+@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
+def test_streamed_in_any_pieces_the_deltas_join_to_the_whole_split(text, parser):
+    want = tuple(x or "" for x in reasoning.split(text, parser))
+    for cuts in itertools.combinations(range(1, len(text)), min(2, max(len(text) - 1, 0))):
+        bounds = [0, *cuts, len(text)]
+        pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])] or [""]
+        s = reasoning.Splitter(parser)
+        got = [s.feed(p, final=i == len(pieces) - 1) for i, p in enumerate(pieces)]
+        assert ("".join(r for r, _ in got), "".join(c for _, c in got)) == want, pieces
+
+
+def test_an_unknown_parser_is_refused():
+    with pytest.raises(ValueError, match="'granite' is not one of"):
+        reasoning.Splitter("granite")
+
+
+def test_through_the_router_unary_and_streamed(tmp_path):
+    out = list(b"<think>ab</think>hi")
+    chunks = [out[:3], out[3:9], out[9:15], out[15:]]  # cut inside both tags
+
+    async def body():
+        cfg = make_cfg(tmp_path, "local", reasoning_parser="deepseek_r1")
+        async with Harness(cfg, {"local": local_script(chunks, "stop")}) as h:
+            r = await h.http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 32})
+            assert r.status == 200, await r.text()
+            msg = (await r.json())["choices"][0]["message"]
+            assert (msg["reasoning_content"], msg["content"]) == ("ab", "hi")
+            r = await h.http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 32,
+                                                                 "stream": True})
+            deltas = [e["choices"][0]["delta"] for e in (await read_sse(r)) if e != "[DONE]" and e["choices"]]
+            assert "".join(d.get("reasoning_content", "") for d in deltas) == "ab"
+            assert "".join(d.get("content", "") for d in deltas) == "hi"
+            # completions are not chat: their text is whole
+            r = await h.http.post("/v1/completions", json={"prompt": "x", "max_tokens": 32})
+            assert (await r.json())["choices"][0]["text"] == "<think>ab</think>hi"
+    run(body())
+
+
+def test_the_flag_sets_the_deployments_parser():
+    from processes import cli
+    from pushkv.config_flags import user_config
+
+    args = cli.build_parser().parse_args(["up", "tiny", "--load-format", "dummy", "--reasoning-parser", "qwen3"])
+    assert user_config(vars(args), lambda: (0, "")).reasoning_parser == "qwen3"
+    assert user_config(vars(cli.build_parser().parse_args(["up"])), lambda: (0, "")).reasoning_parser == ""
