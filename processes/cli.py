@@ -36,6 +36,7 @@ from pushkv.kinds import (
     ReasoningParser,
     Staging,
     Switch,
+    ToolCallParser,
 )
 from pushkv.security import API_KEY_ENV, load_secret
 from pushkv.supervisor import deployments, registry
@@ -109,6 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
                           "from content, as vLLM's: deepseek_r1 (reasoning up to </think>, opened in the prompt or "
                           "not: DeepSeek-R1, QwQ, Qwen3 Thinking-2507), qwen3 (reasoning where the output opens "
                           "<think>: Qwen3's hybrid models) (default: none, all content)")
+    mod.add_argument("--tool-call-parser", choices=tuple(r for r in typing.get_args(ToolCallParser) if r),
+                     help="a chat request with tools gets the calls its choices write as tool_calls (finish_reason "
+                          "tool_calls), as vLLM's: hermes (<tool_call>{...}</tool_call>: Qwen2.5, Qwen3, Hermes) "
+                          "(default: none, calls come back as text)")
+    mod.add_argument("--enable-auto-tool-choice", action="store_true",
+                     help="vLLM's switch beside --tool-call-parser: tool_choice auto parses calls (needs it)")
     mod.add_argument("--checkpoint", metavar="DIR", help="deprecated: --model DIR")
     for name in GEOMETRY:
         mod.add_argument("--" + name.replace("_", "-"), type=str if name == "dtype" else int,

@@ -38,6 +38,7 @@ from pushkv.kinds import (
     Staging,
     StreamSent,
     Switch,
+    ToolCallParser,
 )
 from pushkv.messages import PrefillSource
 
@@ -499,6 +500,9 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
     # a chat choice's reasoning (<think> ... </think>) as reasoning_content, apart from its content, as vLLM's
     # --reasoning-parser (pushkv/router/reasoning.py); "": the output is all content
     reasoning_parser: ReasoningParser = ""
+    # a chat request with tools gets the calls its choices write as tool_calls, as vLLM's --enable-auto-tool-choice
+    # --tool-call-parser (pushkv/router/tool_calls.py); "": they come back as text
+    tool_call_parser: ToolCallParser = ""
     # what the transfers do, decided by the planner (plan_deployment); None until then
     transfer: Optional[TransferPlan] = None
 

@@ -156,6 +156,14 @@ def chat_template_text(given: str) -> str:
     return source
 
 
+def tool_parser(flags: Mapping[str, Any]) -> Optional[str]:
+    """--tool-call-parser, as vLLM takes it beside --enable-auto-tool-choice (which alone is refused)."""
+    parser = flags.get("tool_call_parser")
+    if flags.get("enable_auto_tool_choice") and not parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes) to parse the calls")
+    return parser
+
+
 def default_device(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]]) -> Optional[str]:
     """vLLM's device default: CUDA where the driver shows a GPU, else the CPU; None when a flag or
     a --config file says where (theirs stands)."""
@@ -216,7 +224,7 @@ def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = 
         router_max_connections=f("max_connections"),
         push_pin_fraction=f("push_pin_fraction"), gpu_memory_utilization=f("gpu_memory_utilization"),
         chat_template=chat_template_text(template) if (template := f("chat_template")) else None,
-        reasoning_parser=f("reasoning_parser"),
+        reasoning_parser=f("reasoning_parser"), tool_call_parser=tool_parser(flags),
         writer_warm=f("writer_warm"), writer_post_thread=f("writer_post_thread"),
         link_window=f("link_window"), link_window_mib=f("link_window_mib"), link_order=f("link_order"),
         staging=f("staging"), staging_mib=f("staging_mib"),

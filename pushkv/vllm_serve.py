@@ -121,9 +121,6 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--kv-events-config",), REFUSED, "the router places requests on the prefix blocks it tracks itself"),
     Flag(("--enable-expert-parallel",), REFUSED, "expert parallelism is not built: -tp splits every expert's "
          "intermediate columns", SWITCH),
-    Flag(("--enable-auto-tool-choice",), REFUSED, "tool calls are not parsed out of the output: they come back as "
-         "text (tools are rendered into the prompt by the chat template)", SWITCH),
-    Flag(("--tool-call-parser",), REFUSED, "tool calls are not parsed out of the output: they come back as text"),
     Flag(("--structured-outputs-config",), REFUSED, "structured output (JSON schema, regex, grammar) is not built"),
     Flag(("--guided-decoding-backend",), REFUSED, "structured output (JSON schema, regex, grammar) is not built"),
     Flag(("--limit-mm-per-prompt",), REFUSED, "pushkv serves text only"),

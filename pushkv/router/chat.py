@@ -209,7 +209,7 @@ def parse_template_kwargs(body: dict) -> dict:
 
 
 def parse_chat(body: dict, tok: text.Tokenizer, limits: api.Limits, template: ChatTemplate,
-               reasoning_parser: str = "") -> api.CompletionParams:
+               reasoning_parser: str = "", tool_call_parser: str = "") -> api.CompletionParams:
     if body.get("chat_template") is not None:
         raise api.bad("chat_template", "a request's own chat template is not accepted: the deployment's is used "
                                        "(pushkv up --chat-template sets it)")
@@ -232,7 +232,8 @@ def parse_chat(body: dict, tok: text.Tokenizer, limits: api.Limits, template: Ch
         raise api.bad("messages", "the rendered prompt is empty")
     api.check_prompt_ids(ids, limits, "messages")
     if body.get("tools") and body.get("tool_choice") not in (None, "none", "auto"):
-        raise api.bad("tool_choice", "tool calls are not supported")
+        raise api.bad("tool_choice", f"tool_choice {body.get('tool_choice')!r} is not supported: only none and auto "
+                                     "(forcing a call would constrain the output to its schema)")
     want = api.get_bool(body, "logprobs")
     top = api.get_int(body, "top_logprobs", None, 0, L.MAX_LOGPROBS)
     if top is not None and top > 0 and not want:
@@ -241,4 +242,6 @@ def parse_chat(body: dict, tok: text.Tokenizer, limits: api.Limits, template: Ch
                                   max_tokens_field="max_completion_tokens")
     params.chat = True
     params.reasoning_parser = reasoning_parser
+    # tool_choice auto (the default with tools): the deployment's parser takes the calls out of the output
+    params.tool_call_parser = tool_call_parser if tools and body.get("tool_choice") in (None, "auto") else ""
     return params

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import ClassVar, Optional, Sequence
 
 from pushkv.messages import TokenLogprob
-from pushkv.router import reasoning
+from pushkv.router import reasoning, tool_calls
 from pushkv.router.api import CompletionParams
 from pushkv.router.output import ChoiceOutput, Delta
 from pushkv.router.text import Tokenizer
@@ -94,31 +94,48 @@ class ChatRenderer(Renderer):
         super().__init__(tok, params)
         parser = params.reasoning_parser  # each choice's thinking apart (router/reasoning.py)
         self.splitters = [reasoning.Splitter(parser) for _ in range(params.choices)] if parser else []
+        # the tool calls each choice's content writes (router/tool_calls.py)
+        self.tools = [tool_calls.Streamer() for _ in range(params.choices)] if params.tool_call_parser else []
 
     def _logprobs(self, i: int, delta: Delta) -> dict:
         return chat_logprobs(self.tok, delta.token_ids, delta.logprobs)
 
     def choice(self, out: ChoiceOutput) -> dict:
         lp = self.logprobs(out.index, Delta(out.text, out.token_ids, out.logprobs))
-        if not self.splitters:
-            return chat_choice(out.index, out.text, out.finish_reason, lp)
-        thought, content = reasoning.split(out.text, self.params.reasoning_parser)
-        body = chat_choice(out.index, content, out.finish_reason, lp)
-        body["message"]["reasoning_content"] = thought
+        thought, content = (reasoning.split(out.text, self.params.reasoning_parser) if self.splitters
+                            else (None, out.text))
+        calls: list[dict] = []
+        if self.tools:
+            content, calls = tool_calls.parse(content or "")
+        body = chat_choice(out.index, content, _finish(out.finish_reason, bool(calls)), lp)
+        if self.splitters:
+            body["message"]["reasoning_content"] = thought
+        if self.tools:
+            body["message"]["tool_calls"] = calls
         return body
 
     def opening(self, i: int) -> Optional[dict]:
         return chat_chunk_choice(i, {"role": "assistant", "content": ""}, None)
 
     def chunk_choice(self, i: int, delta: Delta) -> dict:
-        if self.splitters:  # the text held back as a possible tag goes out with the choice's last delta
-            thought, text = self.splitters[i].feed(delta.text, final=bool(delta.finish_reason))
-            d = {"reasoning_content": thought} if thought else {}
-            if text or not (thought or delta.finish_reason):
-                d["content"] = text
-        else:
-            d = {"content": delta.text} if delta.text or not delta.finish_reason else {}
-        return chat_chunk_choice(i, d, delta.finish_reason, self.logprobs(i, delta))
+        # text held back as a possible tag goes out with the choice's last delta
+        final = bool(delta.finish_reason)
+        thought, text = self.splitters[i].feed(delta.text, final) if self.splitters else ("", delta.text)
+        calls: list[dict] = []
+        if self.tools:
+            text, calls = self.tools[i].feed(text, final)
+        d: dict = {"reasoning_content": thought} if thought else {}
+        if text or not (thought or calls or final):
+            d["content"] = text
+        if calls:
+            d["tool_calls"] = calls
+        called = bool(self.tools) and self.tools[i].calls > 0
+        return chat_chunk_choice(i, d, _finish(delta.finish_reason, called), self.logprobs(i, delta))
+
+
+def _finish(reason: Optional[str], called: bool) -> Optional[str]:
+    """A choice that called tools and stopped by itself ends with ``tool_calls``, as vLLM's and OpenAI's do."""
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 def for_endpoint(tok: Tokenizer, params: CompletionParams) -> Renderer:

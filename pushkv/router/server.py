@@ -352,7 +352,8 @@ class Router:
         if not chat:
             return functools.partial(api.parse_completion, tok=self.tokenizer, limits=self.limits)
         return functools.partial(chat_mod.parse_chat, tok=self.tokenizer, limits=self.limits,
-                                 template=self._template(), reasoning_parser=self.cfg.reasoning_parser)
+                                 template=self._template(), reasoning_parser=self.cfg.reasoning_parser,
+                                 tool_call_parser=self.cfg.tool_call_parser)
 
     def _template(self) -> chat_mod.ChatTemplate:
         """The deployment's chat template, loaded on first use."""

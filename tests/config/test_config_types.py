@@ -81,7 +81,7 @@ def test_every_closed_field_is_typed():
     strict_equality checks each comparison)."""
     assert set(choices(DeploymentConfig)) == {"mode", "pull_read", "push_stream", "kv_verify", "writer_warm",
                                               "writer_post_thread", "host_role", "link_order", "staging",
-                                              "reasoning_parser"}
+                                              "reasoning_parser", "tool_call_parser"}
     assert set(choices(InstanceConfig)) == {"role"}
     assert set(choices(ModelConfig)) == {"engine", "random_init"}
     assert set(choices(m.Generate)) == {"leg"}

@@ -102,8 +102,10 @@ def test_a_closed_flag_offers_exactly_its_kind():
 
     kinds = {**choices(DeploymentConfig), **choices(ModelConfig)}
     kinds["role"] = tuple(r for r in kinds.pop("host_role") if r)  # --role sets host_role; "": without it
-    kinds["reasoning_parser"] = tuple(r for r in kinds["reasoning_parser"] if r)  # "": without the flag
+    for name in ("reasoning_parser", "tool_call_parser"):
+        kinds[name] = tuple(r for r in kinds[name] if r)  # "": without the flag
     offered = {a.dest: tuple(a.choices) for a in up_parser()._actions if a.dest in kinds}
     assert offered == {dest: kinds[dest] for dest in offered}
     assert set(offered) == {"mode", "pull_read", "push_stream", "kv_verify", "writer_warm", "writer_post_thread",
-                            "role", "link_order", "staging", "engine", "random_init", "reasoning_parser"}
+                            "role", "link_order", "staging", "engine", "random_init", "reasoning_parser",
+                            "tool_call_parser"}

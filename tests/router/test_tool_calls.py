@@ -1,0 +1,112 @@
+"""``--tool-call-parser hermes`` (pushkv/router/tool_calls.py): the calls a chat choice writes
+(``<tool_call>{...}</tool_call>``) come back as OpenAI ``tool_calls``, ``finish_reason`` ``tool_calls``, the text
+around them as content; whole and streamed alike however the text is cut; through the router, with the reasoning
+parser too, and only for a request with tools and tool_choice auto."""
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from pushkv.router import tool_calls
+from tests.router.test_chat_fields import MESSAGES
+from tests.router.test_router import local_script, read_sse, run
+from tests.support.router_fakes import Harness, make_cfg
+
+pytestmark = pytest.mark.timeout(30)
+
+CALL_F = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}\n</tool_call>'
+CALL_G = '<tool_call>{"name": "g", "arguments": "{}"}</tool_call>'
+# text -> (content, [(name, arguments)])
+CASES = {
+    "no call here": ("no call here", []),
+    "Let me look.\n" + CALL_F: ("Let me look.\n", [("get_weather", '{"city": "Paris", "unit": "°C"}')]),
+    CALL_F + "\n" + CALL_G: (None, [("get_weather", '{"city": "Paris", "unit": "°C"}'), ("g", "{}")]),
+    "<tool_call>not json</tool_call> after": ("<tool_call>not json</tool_call> after", []),
+    CALL_G + " and more": ("and more", [("g", "{}")]),
+    '<tool_call>{"name": "cut", "arguments": {"a": 1}}': (None, [("cut", '{"a": 1}')]),  # cut at max_tokens
+    "<tool_ca": ("<tool_ca", []),
+    "": (None, []),
+}
+
+
+def _named(calls):
+    return [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+
+
+@pytest.mark.parametrize("text", sorted(CASES))
+def test_a_whole_content_gives_its_calls(text):
+    content, calls = tool_calls.parse(text)
+    assert (content, _named(calls)) == CASES[text]
+    assert all(c["type"] == "function" and c["id"].startswith("chatcmpl-tool-") and "index" not in c
+               for c in calls)
+    assert len({c["id"] for c in calls}) == len(calls)
+
+
+@pytest.mark.parametrize("text", sorted(CASES))
+def test_streamed_in_any_pieces_the_deltas_give_the_whole(text):
+    want_content, want_calls = CASES[text]
+    step = max(1, len(text) // 12)  # cut points every few characters, two at a time
+    for cuts in itertools.combinations(range(1, len(text), step), min(2, max(len(text) - 1, 0))):
+        bounds = [0, *cuts, len(text)]
+        pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])] or [""]
+        s = tool_calls.Streamer()
+        got = [s.feed(p, final=i == len(pieces) - 1) for i, p in enumerate(pieces)]
+        content = "".join(c for c, _ in got)
+        calls = [c for _, cs in got for c in cs]
+        assert (content or None, _named(calls)) == (want_content, want_calls), pieces
+        assert [c["index"] for c in calls] == list(range(len(calls)))
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+
+def test_through_the_router_with_the_reasoning_parser(tmp_path):
+    out = list(("<think>sunny?</think>Checking.\n" + CALL_F).encode())
+    chunks = [out[i:i + 7] for i in range(0, len(out), 7)]  # cut through every tag
+
+    async def body():
+        cfg = make_cfg(tmp_path, "local", reasoning_parser="deepseek_r1", tool_call_parser="hermes")
+        async with Harness(cfg, {"local": local_script(chunks, "stop")}) as h:
+            req = {"messages": MESSAGES, "max_tokens": 200, "tools": TOOLS}
+            r = await h.http.post("/v1/chat/completions", json=req)
+            assert r.status == 200, await r.text()
+            choice = (await r.json())["choices"][0]
+            msg = choice["message"]
+            assert choice["finish_reason"] == "tool_calls"
+            assert (msg["reasoning_content"], msg["content"]) == ("sunny?", "Checking.\n")
+            assert _named(msg["tool_calls"]) == [("get_weather", '{"city": "Paris", "unit": "°C"}')]
+            assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris", "unit": "°C"}
+            r = await h.http.post("/v1/chat/completions", json=dict(req, stream=True))
+            events = [e for e in await read_sse(r) if e != "[DONE]" and e["choices"]]
+            deltas = [e["choices"][0]["delta"] for e in events]
+            assert "".join(d.get("reasoning_content", "") for d in deltas) == "sunny?"
+            assert "".join(d.get("content", "") for d in deltas) == "Checking.\n"
+            streamed = [c for d in deltas for c in d.get("tool_calls", [])]
+            assert _named(streamed) == _named(msg["tool_calls"]) and streamed[0]["index"] == 0
+            assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+            # no tools, or tool_choice none: the calls stay text
+            for other in ({"messages": MESSAGES, "max_tokens": 200},
+                          {"messages": MESSAGES, "max_tokens": 200, "tools": TOOLS, "tool_choice": "none"}):
+                r = await h.http.post("/v1/chat/completions", json=other)
+                choice = (await r.json())["choices"][0]
+                assert "tool_calls" not in choice["message"] and CALL_F in choice["message"]["content"]
+                assert choice["finish_reason"] == "stop"
+            r = await h.http.post("/v1/chat/completions", json=dict(req, tool_choice="required"))
+            assert r.status == 400 and (await r.json())["error"]["param"] == "tool_choice"
+    run(body())
+
+
+def test_enable_auto_tool_choice_needs_a_parser():
+    from processes import cli
+    from pushkv.config_flags import user_config
+
+    def cfg(*argv):
+        return user_config(vars(cli.build_parser().parse_args(["up", "tiny", "--load-format", "dummy", *argv])),
+                           lambda: (0, ""))
+
+    assert cfg("--enable-auto-tool-choice", "--tool-call-parser", "hermes").tool_call_parser == "hermes"
+    assert cfg("--tool-call-parser", "hermes").tool_call_parser == "hermes"
+    with pytest.raises(ValueError, match="needs --tool-call-parser"):
+        cfg("--enable-auto-tool-choice")
