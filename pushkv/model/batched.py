@@ -205,6 +205,9 @@ class BatchedForward:
                     continue
                 blocks = meta.block_table[i, :-(-ctx // u)].long()
                 rows = pools[layer][blocks, 0, 0].reshape(-1, lat.shape[-1])[:ctx]
+                if n == 1 and not m.layer_window(layer):  # a decode row: attend over the latent itself
+                    attn[r0] = self._mla_absorbed(lw, q[r0], rows)
+                    continue
                 keys, vals = m._expand(lw, rows)
                 qpos = torch.arange(ctx - n, ctx, device=self.device)[:, None]
                 mask = torch.arange(ctx, device=self.device)[None, :] <= qpos
@@ -217,6 +220,21 @@ class BatchedForward:
             x = m.attn_out(lw, x, attn)
             x = m.mlp(lw, x)
         return rms_norm(x, m.w.final_norm, eps)
+
+    def _mla_absorbed(self, lw, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """One decode row's MLA attention without expanding the latent: each head's no-RoPE query taken through its
+        key up-projection into the latent's space, scored against the cached rows [S, r + rd] as they are, the
+        weighted latent taken through the value up-projection. The same sums as expanding every past row per head
+        (``MLAModel._expand``), in another order, and S x r x heads x 2 x hd multiplies fewer. q [heads, hd + rd]
+        -> [heads * hd]."""
+        cfg, qh = self.m.cfg, self.m.plan.q_heads
+        hd, rd, r = cfg.head_dim, cfg.qk_rope_dim, cfg.kv_lora_rank
+        q_nope, q_rope = q.split([hd, rd], -1)
+        q_lat = torch.einsum("hd,hdr->hr", q_nope, lw.k_up.view(qh, hd, r))
+        q_abs = torch.cat((q_lat, q_rope), -1)[None, :, None]  # [1, heads, 1, r + rd]
+        o_lat = F.scaled_dot_product_attention(q_abs, rows[None, None], rows[None, None, :, :r], enable_gqa=True,
+                                               scale=self.m.attn_scale or (hd + rd) ** -0.5)
+        return torch.einsum("hr,hdr->hd", o_lat[0, :, 0], lw.v_up.view(qh, hd, r)).reshape(-1)
 
     def _layers_fused(self, meta, pools, splits, scratch, on_layer, rope) -> torch.Tensor:
         """Every layer with the fused Triton kernels: ~9 launches a layer."""

@@ -135,3 +135,21 @@ def test_a_block_scaled_fp8_v3_checkpoint_gives_transformers_tokens(tmp_path):
     model = build_model(model_config_from_hf(path))
     for ids, new in want:
         assert paged_generate(model, new_pool(model, 16, 16), ids, len(new), tuple(range(16))) == new
+
+
+def test_a_decode_rows_absorbed_attention_equals_the_expanded_one(case):
+    """The batched engine's decode row attends over the latent rows as they are (``_mla_absorbed``); expanding
+    every row into each head's keys and values first (``MLAModel._expand``, what a prefill does) gives the same
+    output to float32 rounding."""
+    import torch.nn.functional as F
+
+    _, path, _, _ = case
+    model = build_model(model_config_from_hf(path, engine="batched"))
+    cfg, lw = model.cfg, model.w.layers[1]
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(model.plan.q_heads, cfg.head_dim + cfg.qk_rope_dim, generator=g)
+    rows = torch.randn(37, cfg.kv_lora_rank + cfg.qk_rope_dim, generator=g)
+    keys, vals = model._expand(lw, rows)
+    want = F.scaled_dot_product_attention(q[None, :, None], keys[None], vals[None], scale=model.attn_scale)
+    got = model.batched._mla_absorbed(lw, q, rows)
+    torch.testing.assert_close(got, want[0, :, 0].reshape(-1), atol=2e-5, rtol=1e-5)
