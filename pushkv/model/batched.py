@@ -231,10 +231,11 @@ class BatchedForward:
         hd, rd, r = cfg.head_dim, cfg.qk_rope_dim, cfg.kv_lora_rank
         q_nope, q_rope = q.split([hd, rd], -1)
         q_lat = torch.einsum("hd,hdr->hr", q_nope, lw.k_up.view(qh, hd, r))
-        q_abs = torch.cat((q_lat, q_rope), -1)[None, :, None]  # [1, heads, 1, r + rd]
-        o_lat = F.scaled_dot_product_attention(q_abs, rows[None, None], rows[None, None, :, :r], enable_gqa=True,
-                                               scale=self.m.attn_scale or (hd + rd) ** -0.5)
-        return torch.einsum("hr,hdr->hd", o_lat[0, :, 0], lw.v_up.view(qh, hd, r)).reshape(-1)
+        q_abs = torch.cat((q_lat, q_rope), -1)  # [heads, r + rd]
+        # (matmuls, not SDPA: SDPA's one shared key head broadcast over the heads ran 70x slower on the CPU)
+        scores = (q_abs @ rows.T).float() * (self.m.attn_scale or (hd + rd) ** -0.5)
+        o_lat = scores.softmax(-1).to(rows.dtype) @ rows[:, :r]  # [heads, r]
+        return torch.einsum("hr,hdr->hd", o_lat, lw.v_up.view(qh, hd, r)).reshape(-1)
 
     def _layers_fused(self, meta, pools, splits, scratch, on_layer, rope) -> torch.Tensor:
         """Every layer with the fused Triton kernels: ~9 launches a layer."""
