@@ -160,7 +160,7 @@ def tool_parser(flags: Mapping[str, Any]) -> Optional[str]:
     """--tool-call-parser, as vLLM takes it beside --enable-auto-tool-choice (which alone is refused)."""
     parser = flags.get("tool_call_parser")
     if flags.get("enable_auto_tool_choice") and not parser:
-        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes) to parse the calls")
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json) to parse the calls")
     return parser
 
 

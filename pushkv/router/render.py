@@ -95,7 +95,8 @@ class ChatRenderer(Renderer):
         parser = params.reasoning_parser  # each choice's thinking apart (router/reasoning.py)
         self.splitters = [reasoning.Splitter(parser) for _ in range(params.choices)] if parser else []
         # the tool calls each choice's content writes (router/tool_calls.py)
-        self.tools = [tool_calls.Streamer() for _ in range(params.choices)] if params.tool_call_parser else []
+        self.tools = ([tool_calls.streamer(params.tool_call_parser) for _ in range(params.choices)]
+                      if params.tool_call_parser else [])
 
     def _logprobs(self, i: int, delta: Delta) -> dict:
         return chat_logprobs(self.tok, delta.token_ids, delta.logprobs)
@@ -106,7 +107,7 @@ class ChatRenderer(Renderer):
                             else (None, out.text))
         calls: list[dict] = []
         if self.tools:
-            content, calls = tool_calls.parse(content or "")
+            content, calls = tool_calls.parse(content or "", self.params.tool_call_parser)
         body = chat_choice(out.index, content, _finish(out.finish_reason, bool(calls)), lp)
         if self.splitters:
             body["message"]["reasoning_content"] = thought

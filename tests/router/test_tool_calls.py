@@ -59,6 +59,36 @@ def test_streamed_in_any_pieces_the_deltas_give_the_whole(text):
         assert [c["index"] for c in calls] == list(range(len(calls)))
 
 
+# llama3_json: text -> (content, [(name, arguments)])
+LLAMA3 = {
+    '{"name": "get_weather", "parameters": {"city": "Paris"}}': (None, [("get_weather", '{"city": "Paris"}')]),
+    ' {"name": "f", "parameters": {}}; {"name": "g", "arguments": {"x": [1, 2]}}':
+        (None, [("f", "{}"), ("g", '{"x": [1, 2]}')]),
+    'The weather is {"mild"}.': ('The weather is {"mild"}.', []),
+    '{"answer": 42}': ('{"answer": 42}', []),  # JSON, but no function's name: content
+    '{"name": "cut", "parameters": {"city": "Par': ('{"name": "cut", "parameters": {"city": "Par', []),
+    "": (None, []),
+}
+
+
+@pytest.mark.parametrize("text", sorted(LLAMA3))
+def test_llama3_json_whole_and_streamed(text):
+    want = LLAMA3[text]
+    content, calls = tool_calls.parse(text, "llama3_json")
+    assert (content, _named(calls)) == want
+    for cut in range(0, len(text) + 1, max(1, len(text) // 9)):
+        s = tool_calls.streamer("llama3_json")
+        got = [s.feed(text[:cut]), s.feed(text[cut:], final=True)]
+        assert ("".join(c for c, _ in got) or None, _named([c for _, cs in got for c in cs])) == want, cut
+        if not text.lstrip().startswith("{"):  # plain content streams as it comes
+            assert got[0][0] == text[:cut]
+
+
+def test_an_unknown_tool_parser_is_refused():
+    with pytest.raises(ValueError, match="'mistral' is not one of"):
+        tool_calls.streamer("mistral")
+
+
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 
 
@@ -108,5 +138,6 @@ def test_enable_auto_tool_choice_needs_a_parser():
 
     assert cfg("--enable-auto-tool-choice", "--tool-call-parser", "hermes").tool_call_parser == "hermes"
     assert cfg("--tool-call-parser", "hermes").tool_call_parser == "hermes"
+    assert cfg("--tool-call-parser", "llama3_json").tool_call_parser == "llama3_json"
     with pytest.raises(ValueError, match="needs --tool-call-parser"):
         cfg("--enable-auto-tool-choice")
