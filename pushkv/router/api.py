@@ -234,6 +234,12 @@ def parse_completion(body: dict, tok: text.Tokenizer, limits: Limits) -> Complet
     if "prompt" not in body:
         raise bad("prompt", "missing field 'prompt'")
     prompts = _prompts(body["prompt"], tok)
+    if not get_bool(body, "add_special_tokens", True):  # vLLM's: the text's prompts without the tokenizer's BOS
+        added = text.encode(tok, "")
+        prompts = [(ids[len(added):] if text_ and added and ids[:len(added)] == added else ids, text_)
+                   for ids, text_ in prompts]
+        if any(not ids for ids, _ in prompts):
+            raise bad("prompt", "prompt is empty without its special tokens")
     for i, (ids, _) in enumerate(prompts):
         check_prompt_ids(ids, limits, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
     if body.get("suffix") not in (None, ""):
@@ -274,6 +280,23 @@ def refuse_structured_output(body: dict) -> None:
     for name in GUIDED_FIELDS:
         if body.get(name) not in (None, False, "", [], {}):
             raise bad(name, f"{name} is not supported: pushkv does not constrain output to a grammar")
+    for name, (fine, why) in VLLM_UNBUILT.items():
+        if name in body and body[name] not in fine:
+            raise bad(name, f"{name} {body[name]!r} is not supported: {why}")
+
+
+# vLLM's own request fields that would change the answer and are not built: each with the values that change
+# nothing (what vLLM does without it), and why not
+VLLM_UNBUILT: dict[str, tuple[tuple, str]] = {
+    "prompt_logprobs": ((None,), "prompt logprobs are not computed"),
+    "allowed_token_ids": ((None, []), "the vocabulary is not restricted per request (logit_bias can)"),
+    "bad_words": ((None, []), "words are not banned per request (logit_bias can ban their tokens)"),
+    "truncate_prompt_tokens": ((None,), "prompts are not truncated: one too long is refused"),
+    "include_stop_str_in_output": ((None, False), "the stop string is never returned"),
+    "skip_special_tokens": ((None, True), "special tokens are always left out of the text"),
+    "spaces_between_special_tokens": ((None, True), "the text is the tokenizer's decode"),
+    "length_penalty": ((None, 1, 1.0), "beam search is not built"),
+}
 
 
 def parse_generation(body: dict, ids: list[int], limits: Limits, default_max: Optional[int],

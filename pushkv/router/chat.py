@@ -224,9 +224,9 @@ def parse_chat(body: dict, tok: text.Tokenizer, limits: api.Limits, template: Ch
         **extra)
     ids = api.encode_text(tok, prompt, "messages")
     # The template writes the special tokens itself (Llama's writes "<s>"): drop what the
-    # tokenizer's post-processor adds in front, as vLLM's chat does (add_special_tokens=False)
+    # tokenizer's post-processor adds in front, as vLLM's chat does (its add_special_tokens, false by default)
     added = text.encode(tok, "")
-    if added and ids[:len(added)] == added:
+    if added and ids[:len(added)] == added and not api.get_bool(body, "add_special_tokens", False):
         ids = ids[len(added):]
     if not ids:
         raise api.bad("messages", "the rendered prompt is empty")

@@ -1,0 +1,52 @@
+"""vLLM's own request fields: ``add_special_tokens`` taken (completions true by default, chat false, as vLLM's),
+and every field that would change the answer and is not built refused naming it, never silently ignored."""
+from __future__ import annotations
+
+import pytest
+
+from pushkv.model.tokenizer import HFTokenizer
+from pushkv.router import api, chat
+from tests.model.test_hf_reference import _tokenizer
+from tests.router.test_chat_fields import MESSAGES, QWEN3_LIKE
+
+LIMITS = api.Limits(vocab_size=300, max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tok"))
+    _tokenizer(path)  # a Llama-style tokenizer: <s> (id 2) put in front of every text
+    return HFTokenizer(f"{path}/tokenizer.json", bos_token_id=2)
+
+
+def test_add_special_tokens_as_vllm_takes_it(tok):
+    text = "hello world"
+    with_bos = api.parse_completion({"prompt": text}, tok, LIMITS).prompt_token_ids
+    bare = api.parse_completion({"prompt": text, "add_special_tokens": False}, tok, LIMITS).prompt_token_ids
+    assert with_bos[0] == 2 and bare == with_bos[1:]
+    # token ids are taken as given either way
+    assert api.parse_completion({"prompt": [2, 5], "add_special_tokens": False}, tok, LIMITS).prompt_token_ids == [2, 5]
+    template = chat.ChatTemplate(QWEN3_LIKE)
+    plain = chat.parse_chat({"messages": MESSAGES}, tok, LIMITS, template).prompt_token_ids
+    special = chat.parse_chat({"messages": MESSAGES, "add_special_tokens": True}, tok, LIMITS,
+                              template).prompt_token_ids
+    assert special == [2, *plain]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("prompt_logprobs", 1), ("prompt_logprobs", 0), ("allowed_token_ids", [5, 6]), ("bad_words", ["x"]),
+    ("truncate_prompt_tokens", 8), ("include_stop_str_in_output", True), ("skip_special_tokens", False),
+    ("spaces_between_special_tokens", False), ("length_penalty", 0.5),
+])
+def test_a_vllm_field_that_would_change_the_answer_is_refused(tok, field, value):
+    for parse in (lambda b: api.parse_completion({"prompt": "hi", **b}, tok, LIMITS),
+                  lambda b: chat.parse_chat({"messages": MESSAGES, **b}, tok, LIMITS, chat.ChatTemplate(QWEN3_LIKE))):
+        with pytest.raises(api.ApiError) as e:
+            parse({field: value})
+        assert (e.value.status, e.value.param) == (400, field) and "is not supported" in e.value.message
+
+
+@pytest.mark.parametrize("field", sorted(api.VLLM_UNBUILT))
+def test_the_values_that_change_nothing_are_taken(tok, field):
+    for value in api.VLLM_UNBUILT[field][0]:
+        api.parse_completion({"prompt": "hi", field: value}, tok, LIMITS)
