@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from pushkv.router.text import tag_start
+
 START, END = "<think>", "</think>"
 PARSERS = {"deepseek_r1": True, "qwen3": False}  # name -> whether the reasoning needs no opening tag
 
@@ -42,7 +44,7 @@ class Splitter:
         if self.phase == "reasoning":
             at = self.held.find(END)
             if at < 0:
-                keep = 0 if final else _tag_prefix(self.held, END)
+                keep = 0 if final else tag_start(self.held, END)
                 reasoning, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
                 return reasoning, ""
             reasoning, self.held, self.phase = self.held[:at], self.held[at + len(END):], "content"
@@ -54,11 +56,3 @@ def split(text: str, parser: str) -> tuple[Optional[str], Optional[str]]:
     """A whole output's (reasoning_content, content), each None where empty."""
     reasoning, content = Splitter(parser).feed(text, final=True)
     return reasoning or None, content or None
-
-
-def _tag_prefix(text: str, tag: str) -> int:
-    """The length of the longest end of ``text`` that begins ``tag`` (and may become it with more text)."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0

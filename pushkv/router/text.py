@@ -82,3 +82,12 @@ class IncrementalDecoder:
             return ""
         self.prefix, self.read = self.read, len(self.ids)
         return full[len(before):]
+
+
+def tag_start(text: str, tag: str) -> int:
+    """The length of the longest end of ``text`` that begins ``tag`` (and may become it with more text): what a
+    stream holds back while it waits to see whether a tag comes."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0

@@ -19,6 +19,8 @@ import json
 import uuid
 from typing import Optional
 
+from pushkv.router.text import tag_start
+
 START, END = "<tool_call>", "</tool_call>"
 PARSERS = ("hermes", "llama3_json")
 
@@ -120,7 +122,7 @@ class Streamer:
             if not self.in_call:
                 at = self.held.find(START)
                 if at < 0:
-                    keep = 0 if final else _tag_prefix(self.held, START)
+                    keep = 0 if final else tag_start(self.held, START)
                     content += self.held[:len(self.held) - keep]
                     self.held = self.held[len(self.held) - keep:]
                     return content, calls
@@ -140,11 +142,3 @@ class Streamer:
             self.in_call = False
             if end < 0:
                 return content, calls
-
-
-def _tag_prefix(text: str, tag: str) -> int:
-    """The length of the longest end of ``text`` that begins ``tag``."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
