@@ -88,9 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     mod.add_argument("--revision", help="--model repo id: the branch, tag or commit (default: main)")
     mod.add_argument("--tokenizer", metavar="PATH|ORG/NAME",
                      help="the tokenizer's directory or repo id (default: --model's)")
-    mod.add_argument("--load-format", choices=("auto", "dummy"),
-                     help="auto: --model's weights; dummy: random weights (of --model's shape and tokenizer), "
-                          "said at startup")
+    mod.add_argument("--load-format", choices=("auto", "safetensors", "dummy"),
+                     help="auto (or safetensors: what auto reads): --model's weights; dummy: random weights (of "
+                          "--model's shape and tokenizer), said at startup")
     mod.add_argument("--max-model-len", type=int, metavar="N",
                      help="longest prompt + output a request may have (default: the model's max_position_embeddings)")
     mod.add_argument("--served-model-name", nargs="+", metavar="NAME",

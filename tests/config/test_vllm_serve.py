@@ -128,6 +128,7 @@ def test_quantization_fp8_is_taken_only_on_an_fp8_checkpoint(tmp_path):
     from tests.model.test_hf_reference import save_hf_checkpoint
 
     plain = save_hf_checkpoint(str(tmp_path / "plain"), "llama")
+    assert config(plain, "--load-format", "safetensors").model == config(plain).model  # what auto reads
     with pytest.raises(ValueError, match="is not a block-scaled fp8 checkpoint"):
         config(plain, "--quantization", "fp8")
     fp8 = save_hf_checkpoint(str(tmp_path / "fp8"), "llama")
