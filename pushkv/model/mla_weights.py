@@ -98,5 +98,6 @@ def _mlp(cfg: ModelConfig, plan: ShardPlan, take, p: str, layer: int) -> dict:
         return dict(post_norm=take(p + "post_attention_layernorm.weight"), gate_up=gate_up, down=down)
     out = moe_slices(cfg, take, p, tp_columns(cfg.intermediate_size, plan, "moe_intermediate_size"))
     if cfg.routing.bias:
-        out["router_bias"] = take(p + "mlp.gate.e_score_correction_bias").float()
+        # float32, as DeepSeek keeps it: a small bias that decides near ties, which bf16 would round away
+        out["router_bias"] = take(p + "mlp.gate.e_score_correction_bias", as_dtype=torch.float32)
     return out | shared_slices(cfg, plan, take, p)

@@ -213,10 +213,11 @@ def taker(cfg: ModelConfig, src: WeightSource, device: str, progress: Optional[C
     is told the bytes of each slice taken."""
     dtype = TORCH_DTYPES[cfg.dtype]
 
-    def take(name, dim=0, start=0, end=None):
+    def take(name, dim=0, start=0, end=None, as_dtype=None):
+        """``as_dtype``: this one kept in that dtype, not the model's."""
         if not src.has(name):
             raise KeyError(f"weight {name!r} missing from the checkpoint")
-        t = src.get(name, dim, start, end).to(device=device, dtype=dtype).contiguous()
+        t = src.get(name, dim, start, end).to(device=device, dtype=as_dtype or dtype).contiguous()
         if progress is not None:
             progress(t.numel() * t.element_size())
         return t

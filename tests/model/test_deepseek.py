@@ -153,3 +153,15 @@ def test_a_decode_rows_absorbed_attention_equals_the_expanded_one(case):
     want = F.scaled_dot_product_attention(q[None, :, None], keys[None], vals[None], scale=model.attn_scale)
     got = model.batched._mla_absorbed(lw, q, rows)
     torch.testing.assert_close(got, want[0, :, 0].reshape(-1), atol=2e-5, rtol=1e-5)
+
+
+def test_a_bf16_model_keeps_v3s_correction_bias_in_float32(case):
+    """The bias decides near ties between experts; bf16 would round it (DeepSeek and vLLM keep it in float32)."""
+    name, path, _, _ = case
+    model = build_model(model_config_from_hf(path, dtype="bfloat16"))
+    moe = [lw for lw in model.w.layers if lw.router is not None]
+    assert moe and all(lw.gate_up.dtype == torch.bfloat16 for lw in moe)
+    if name.startswith("v3"):
+        assert all(lw.router_bias.dtype == torch.float32 for lw in moe)
+    else:
+        assert all(lw.router_bias is None for lw in moe)
