@@ -44,14 +44,19 @@ class MLAModel(Model):
         self.attn_scale = cfg.attn_scale or None
 
     def mlp_delta(self, lw, h: torch.Tensor, summed: bool = True, logits=None) -> torch.Tensor:
-        """A DeepSeek MoE layer: the routed experts (``moe.route_grouped``) plus the shared experts, in torch ops
-        on every device; a dense layer as any model's."""
+        """A DeepSeek MoE layer: the routed experts (``moe.route_grouped``; on CUDA through the grouped Triton
+        kernels, ``triton_moe.moe_routed``) plus the shared experts; a dense layer as any model's."""
         if lw.router is None:
             return super().mlp_delta(lw, h)
         cfg = self.cfg
         weights, experts = route_grouped(h, lw.router, cfg.experts_per_token, cfg.norm_topk_prob, cfg.routing,
                                          lw.router_bias)
-        out = routed_experts(h, weights, experts, lw.gate_up, lw.down)
+        if h.is_cuda:  # the grouped Triton kernels, for this routing (no host sync)
+            from pushkv.model.kernels import triton_moe
+
+            out = triton_moe.moe_routed(h, weights, experts, lw.gate_up, lw.down)
+        else:
+            out = routed_experts(h, weights, experts, lw.gate_up, lw.down)
         return self._all_reduce(out + self.shared_expert(lw, h) if lw.shared_gate_up is not None else out)
 
     def latent(self, lw: MLALayerWeights, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):

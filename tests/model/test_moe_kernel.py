@@ -469,3 +469,39 @@ def test_gpu_down_projection_as_gemvs_equals_the_grouped_kernel():
     cases = DOWN_GEMV_CASES + [c[:6] + ("bfloat16",) for c in DOWN_GEMV_CASES]
     for case, r in zip(cases, _run("cuda", cases, DOWN_GEMV_SCRIPT)):
         _check_down_gemv(case, r)
+
+
+ROUTED_SCRIPT = r"""
+import json, sys, torch
+from pushkv.config import MoeRouting
+from pushkv.model.moe import route_grouped, routed_experts
+from pushkv.model.kernels import triton_moe
+""" + DRAW + r"""
+dev = sys.argv[1]
+out = []
+for T, E, k, d, i in json.loads(sys.argv[2]):
+    h, router, gate_up, down = draw(T, E, d, i, "float32", T * 11 + E, dev)
+    bias = torch.randn(E, generator=torch.Generator().manual_seed(E)).to(dev) * 0.1
+    w, ex = route_grouped(h, router, k, True, MoeRouting("sigmoid", 2, 1, "top2", True, 2.5), bias)
+    ref = routed_experts(h, w, ex, gate_up, down).float().cpu()
+    got = triton_moe.moe_routed(h, w, ex, gate_up, down).float().cpu()
+    out.append({"err": float((ref - got).abs().max()), "scale": float(ref.abs().max())})
+print(json.dumps(out))
+"""
+ROUTED_CASES = [(1, 8, 2, 32, 48), (9, 8, 3, 40, 24), (40, 16, 4, 64, 32)]
+
+
+def _check_routed(results) -> None:
+    for case, r in zip(ROUTED_CASES, results):
+        assert r["scale"] > 0 and r["err"] <= 1e-4 * r["scale"], (case, r)
+
+
+def test_kernels_for_a_routing_already_made_equal_the_reference_under_the_interpreter():
+    """DeepSeek's routing (``moe.route_grouped``: grouped sigmoid with a correction bias, scaled) through the
+    grouped kernels (``triton_moe.moe_routed``, what an MLA model's MoE runs on CUDA) equals the torch reference."""
+    _check_routed(_run("cpu", ROUTED_CASES, ROUTED_SCRIPT))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_kernels_for_a_routing_already_made_equal_the_reference():
+    _check_routed(_run("cuda", ROUTED_CASES, ROUTED_SCRIPT))

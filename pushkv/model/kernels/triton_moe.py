@@ -698,3 +698,22 @@ def moe_mlp(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: 
         per_slot = down_per_slot(act, down, weights, slot_ids, block_expert, n, tl_, own)
     per_token = per_slot.view(T, k, d)
     return per_token.sum(dim=1) if summed else per_token
+
+
+def moe_routed(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
+               down: torch.Tensor) -> torch.Tensor:
+    """The grouped kernels for a routing already made (DeepSeek's, ``moe.route_grouped``): h [T, d] (normed),
+    weights and experts [T, k] -> [T, d], as ``moe.routed_experts``. The slots are grouped in torch
+    (``group_slots``: nothing waits for the host), then gate/up and down as ``moe_mlp``'s."""
+    T, d = h.shape
+    k = experts.shape[1]
+    chosen = tiles_for(T)
+    # (the ungrouped decode kernels route themselves: the grouped ones here)
+    grouped = chosen if isinstance(chosen, Tiles) else tiles_for(DECODE_TOKENS + 1)
+    assert isinstance(grouped, Tiles)
+    tl_ = fit_tiles(grouped, h.element_size())
+    h = h.contiguous()
+    slot_ids, block_expert = group_slots(experts, gate_up.shape[0], tl_.bm)
+    w = weights.to(h.dtype).contiguous().view(-1)
+    act = gate_up_product(h, gate_up.contiguous(), slot_ids, block_expert, k, tl_)
+    return down_per_slot(act, down.contiguous(), w, slot_ids, block_expert, T * k, tl_).view(T, k, d).sum(dim=1)
