@@ -138,8 +138,10 @@ s.print_callees('_post_write|_prefill_done|on_ExpectKV|_poll_notifs')" 2>&1 | gr
     denseahead) # the dense weights asked of L2 ahead (batched.AHEAD) on a dense model: qwen3-8b's o is 33 MB
             timeout 540 python3 -m experiments.moe_decode_probe --model qwen3-8b --out "$OUT/dense" --batches 1,8 \
               --reps ${REPS:-30} --variants gemv1_2,ahead_o,ahead_o_sum,ahead_kv 2>&1 | tail -25 ;;
-    deepseektests) # DeepSeek-V2/V3 checkpoints' float32 tokens against transformers on the GPU (torch ops, per-seq)
-            timeout 300 python3 -m pytest -q -p no:cacheprovider tests/model/test_deepseek.py -k gpu -rfE 2>&1 \
+    deepseektests) # DeepSeek-V2/V3 checkpoints' float32 tokens against transformers on the GPU (both engines), and
+            # the grouped kernels for DeepSeek's routing against the torch reference
+            timeout 400 python3 -m pytest -q -p no:cacheprovider tests/model/test_deepseek.py \
+              tests/model/test_moe_kernel.py -k "gpu and (float32 or routing_already)" -rfE 2>&1 \
               | tee "$OUT/deepseek_tests.txt" | tail -4 ;;
     attntune) timeout 300 python3 -m experiments.attn_tune 2>&1 | tee "$OUT/attn_tune.txt" ;;
     kvverifyfaults) # the fault cases end to end with the pools in GPU memory (push-layer and pull, tiny models)
