@@ -1,6 +1,6 @@
 """One MLA decode row's attention, side by side: every cached latent row expanded into each head's keys and values
 (``MLAModel._expand``, then SDPA: what the per-sequence engine does for every row) against the batched engine's
-absorbed form (``BatchedForward._mla_absorbed``: the query into the latent's space, the rows as they are), on one
+absorbed form (``mla.absorbed_attention``: the query into the latent's space, the rows as they are), on one
 layer of DeepSeek-V2-Lite's shape (16 heads of 128 + 64 RoPE dims, a latent of 512) at several contexts.
 
     python3 -m experiments.mla_decode_bench [--device cuda] [--contexts 512 4096 16384] [--out FILE]
@@ -18,8 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from pushkv.config import ModelConfig
-from pushkv.model.batched import BatchedForward
-from pushkv.model.mla import MLAModel
+from pushkv.model.mla import MLAModel, absorbed_attention
 
 V2_LITE = ModelConfig(name="deepseek-v2-lite-layer", num_heads=16, num_kv_heads=1, head_dim=128, kv_lora_rank=512,
                       qk_rope_dim=64, qk_norm=False)
@@ -53,7 +52,6 @@ def main() -> None:
     lw = SimpleNamespace(k_up=(torch.randn(qh * hd, r, generator=g) / r ** 0.5).to(dev),
                          v_up=(torch.randn(qh * hd, r, generator=g) / r ** 0.5).to(dev))
     model = SimpleNamespace(cfg=cfg, plan=SimpleNamespace(q_heads=qh), attn_scale=None)
-    fwd = SimpleNamespace(m=model)
     q = torch.randn(qh, hd + rd, generator=g).to(dev)
     rows_all = torch.randn(max(args.contexts), r + rd, generator=g).to(dev)
     out = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
@@ -66,7 +64,7 @@ def main() -> None:
             return F.scaled_dot_product_attention(q[None, :, None], keys[None], vals[None])[0, :, 0].reshape(-1)
 
         def absorbed(rows=rows):
-            return BatchedForward._mla_absorbed(fwd, lw, q, rows)
+            return absorbed_attention(lw, q, rows, cfg, qh)
 
         e, a = timed(expanded, args.reps, dev.type == "cuda"), timed(absorbed, args.reps, dev.type == "cuda")
         diff = float((expanded() - absorbed()).abs().max())

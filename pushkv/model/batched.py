@@ -199,15 +199,15 @@ class BatchedForward:
             if on_layer is not None:
                 on_layer(layer)
             attn = torch.zeros(T, m.plan.q_heads * m.cfg.head_dim, device=self.device, dtype=m.dtype)
+            decode = meta.decode_tiles.shape[0] > 0 and not m.layer_window(layer)
+            if decode:  # the step's decode rows together, each over its latent rows as they are
+                self._mla_decode_rows(lw, q, pools[layer], meta, attn)
             for i in range(meta.seq_lens.shape[0]):
                 ctx, n, r0 = int(meta.seq_lens[i]), int(meta.q_lens[i]), int(meta.q_starts[i])
-                if n == 0 or ctx == 0:
+                if n == 0 or ctx == 0 or (n == 1 and decode):
                     continue
                 blocks = meta.block_table[i, :-(-ctx // u)].long()
                 rows = pools[layer][blocks, 0, 0].reshape(-1, lat.shape[-1])[:ctx]
-                if n == 1 and not m.layer_window(layer):  # a decode row: attend over the latent itself
-                    attn[r0] = self._mla_absorbed(lw, q[r0], rows)
-                    continue
                 keys, vals = m._expand(lw, rows)
                 qpos = torch.arange(ctx - n, ctx, device=self.device)[:, None]
                 mask = torch.arange(ctx, device=self.device)[None, :] <= qpos
@@ -221,21 +221,26 @@ class BatchedForward:
             x = m.mlp(lw, x)
         return rms_norm(x, m.w.final_norm, eps)
 
-    def _mla_absorbed(self, lw, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """One decode row's MLA attention without expanding the latent: each head's no-RoPE query taken through its
-        key up-projection into the latent's space, scored against the cached rows [S, r + rd] as they are, the
-        weighted latent taken through the value up-projection. The same sums as expanding every past row per head
-        (``MLAModel._expand``), in another order, and S x r x heads x 2 x hd multiplies fewer. q [heads, hd + rd]
-        -> [heads * hd]."""
+    def _mla_decode_rows(self, lw, q: torch.Tensor, pool: torch.Tensor, meta, attn: torch.Tensor) -> None:
+        """Every decode row of the step at once (``meta.decode_tiles``: the sequences of one token), as
+        ``mla.absorbed_attention`` computes one: the query taken into the latent's space, each sequence's latent rows
+        gathered through its block table (padded to the table's width, the keys past its length masked), the
+        weighted latent taken through the value up-projection; no loop and no wait for the host, and S x r x heads
+        x 2 x hd multiplies fewer a row than expanding the latent. Writes ``attn``'s rows."""
         cfg, qh = self.m.cfg, self.m.plan.q_heads
         hd, rd, r = cfg.head_dim, cfg.qk_rope_dim, cfg.kv_lora_rank
-        q_nope, q_rope = q.split([hd, rd], -1)
-        q_lat = torch.einsum("hd,hdr->hr", q_nope, lw.k_up.view(qh, hd, r))
-        q_abs = torch.cat((q_lat, q_rope), -1)  # [heads, r + rd]
-        # (matmuls, not SDPA: SDPA's one shared key head broadcast over the heads ran 70x slower on the CPU)
-        scores = (q_abs @ rows.T).float() * (self.m.attn_scale or (hd + rd) ** -0.5)
-        o_lat = scores.softmax(-1).to(rows.dtype) @ rows[:, :r]  # [heads, r]
-        return torch.einsum("hr,hdr->hd", o_lat, lw.v_up.view(qh, hd, r)).reshape(-1)
+        seqs = meta.decode_tiles.long()
+        rows_at = meta.q_starts.long()[seqs]
+        table = meta.block_table.long()[seqs]  # [B, W]
+        lat = pool[table, 0, 0].reshape(table.shape[0], -1, r + rd)  # [B, W * block, r + rd]
+        keys = torch.arange(lat.shape[1], device=lat.device)[None, :] < meta.seq_lens.long()[seqs][:, None]
+        lat = lat.masked_fill(~keys[..., None], 0)  # slots past a sequence's length: never written, maybe NaN
+        q_nope, q_rope = q[rows_at].split([hd, rd], -1)
+        q_abs = torch.cat((torch.einsum("bhd,hdr->bhr", q_nope, lw.k_up.view(qh, hd, r)), q_rope), -1)
+        scores = torch.einsum("bhc,bsc->bhs", q_abs, lat).float() * (self.m.attn_scale or (hd + rd) ** -0.5)
+        p = scores.masked_fill(~keys[:, None, :], float("-inf")).softmax(-1).to(lat.dtype)
+        o_lat = torch.einsum("bhs,bsr->bhr", p, lat[..., :r])
+        attn[rows_at] = torch.einsum("bhr,hdr->bhd", o_lat, lw.v_up.view(qh, hd, r)).reshape(seqs.shape[0], -1)
 
     def _layers_fused(self, meta, pools, splits, scratch, on_layer, rope) -> torch.Tensor:
         """Every layer with the fused Triton kernels: ~9 launches a layer."""

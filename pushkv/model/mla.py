@@ -94,3 +94,19 @@ class MLAModel(Model):
         keys = torch.cat((k_nope, k_rope[:, None].expand(n, qh, rd)), -1)
         vals = F.linear(c, lw.v_up).view(n, qh, hd)
         return keys.transpose(0, 1), vals.transpose(0, 1)
+
+
+def absorbed_attention(lw: MLALayerWeights, q: torch.Tensor, rows: torch.Tensor, cfg: ModelConfig, heads: int,
+                       scale: float | None = None) -> torch.Tensor:
+    """One decode row's attention without expanding the latent (the batched engine's, ``_mla_decode_rows``, for
+    one row: its reference): each head's no-RoPE query taken through its key up-projection into the latent's
+    space, scored against the cached rows [S, r + rd] as they are, the weighted latent taken through the value
+    up-projection. The same sums as expanding every row per head (``MLAModel._expand``), in another order.
+    q [heads, hd + rd] -> [heads * hd]."""
+    hd, rd, r = cfg.head_dim, cfg.qk_rope_dim, cfg.kv_lora_rank
+    q_nope, q_rope = q.split([hd, rd], -1)
+    q_abs = torch.cat((torch.einsum("hd,hdr->hr", q_nope, lw.k_up.view(heads, hd, r)), q_rope), -1)
+    # (matmuls, not SDPA: SDPA's one shared key head broadcast over the heads ran 70x slower on the CPU)
+    scores = (q_abs @ rows.T).float() * (scale or (hd + rd) ** -0.5)
+    o_lat = scores.softmax(-1).to(rows.dtype) @ rows[:, :r]
+    return torch.einsum("hr,hdr->hd", o_lat, lw.v_up.view(heads, hd, r)).reshape(-1)

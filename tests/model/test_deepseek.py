@@ -138,21 +138,42 @@ def test_a_block_scaled_fp8_v3_checkpoint_gives_transformers_tokens(tmp_path):
 
 
 def test_a_decode_rows_absorbed_attention_equals_the_expanded_one(case):
-    """The batched engine's decode row attends over the latent rows as they are (``_mla_absorbed``); expanding
-    every row into each head's keys and values first (``MLAModel._expand``, what a prefill does) gives the same
-    output to float32 rounding."""
+    """One decode row over the latent rows as they are (``mla.absorbed_attention``) equals expanding every row
+    into each head's keys and values first (``MLAModel._expand``, what a prefill does) to float32 rounding; and the
+    batched engine's decode rows of a step, done together through their block tables (``_mla_decode_rows``), equal
+    it row by row, with the slots past each sequence's length NaN."""
     import torch.nn.functional as F
+
+    from pushkv.messages import SeqWork
+    from pushkv.model.mla import absorbed_attention
+    from pushkv.model.step import StepTensors, plan_step
 
     _, path, _, _ = case
     model = build_model(model_config_from_hf(path, engine="batched"))
-    cfg, lw = model.cfg, model.w.layers[1]
+    cfg, lw, heads = model.cfg, model.w.layers[1], model.plan.q_heads
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(model.plan.q_heads, cfg.head_dim + cfg.qk_rope_dim, generator=g)
+    q = torch.randn(3, heads, cfg.head_dim + cfg.qk_rope_dim, generator=g)
     rows = torch.randn(37, cfg.kv_lora_rank + cfg.qk_rope_dim, generator=g)
     keys, vals = model._expand(lw, rows)
-    want = F.scaled_dot_product_attention(q[None, :, None], keys[None], vals[None], scale=model.attn_scale)
-    got = model.batched._mla_absorbed(lw, q, rows)
-    torch.testing.assert_close(got, want[0, :, 0].reshape(-1), atol=2e-5, rtol=1e-5)
+    want = F.scaled_dot_product_attention(q[0][None, :, None], keys[None], vals[None], scale=model.attn_scale)
+    one = absorbed_attention(lw, q[0], rows, cfg, heads, model.attn_scale)
+    torch.testing.assert_close(one, want[0, :, 0].reshape(-1), atol=2e-5, rtol=1e-5)
+    # three sequences of 37, 5 and 20 keys, decoding a row each, their blocks out of order in a NaN pool
+    pool = new_pool(model, 16, 8)[:, 1]  # layer 1's view: [blocks, 1, 1, 8, r + rd]
+    tables = [(9, 2, 14, 0, 5), (7,), (3, 11, 6)]
+    lens = (37, 5, 20)
+    g2 = torch.Generator().manual_seed(1)
+    for table, n in zip(tables, lens):
+        for p in range(n):
+            pool[table[p // 8], 0, 0, p % 8] = torch.randn(rows.shape[1], generator=g2)
+    plan = plan_step([SeqWork(i, (0,), n - 1, t) for i, (t, n) in enumerate(zip(tables, lens))], 8, 1)
+    meta = StepTensors.upload(plan, torch.device("cpu"))
+    attn = torch.zeros(3, heads * cfg.head_dim)
+    model.batched._mla_decode_rows(lw, q, pool, meta, attn)
+    for i, (table, n) in enumerate(zip(tables, lens)):
+        seq_rows = torch.cat([pool[b, 0, 0] for b in table])[:n]
+        torch.testing.assert_close(attn[i], absorbed_attention(lw, q[i], seq_rows, cfg, heads, model.attn_scale),
+                                   atol=2e-5, rtol=1e-5)
 
 
 def test_a_bf16_model_keeps_v3s_correction_bias_in_float32(case):
