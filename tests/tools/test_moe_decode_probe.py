@@ -159,3 +159,13 @@ def test_report_ranks_each_batch_against_the_shipped_step_and_plots(tmp_path):
     probe.plot(json.loads(saved.read_text()), str(tmp_path / "moe_decode.png"))
     png = (tmp_path / "moe_decode.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_a_refused_set_aside_is_said_and_the_run_goes_on(restored, monkeypatch, capsys):
+    def refuse(nbytes=None):
+        raise probe.cuda_driver.DriverError("cuCtxSetLimit(PERSISTING_L2_CACHE_SIZE) error 1")
+
+    monkeypatch.setattr(probe.cuda_driver, "persisting_l2", refuse)
+    assert probe.set_variant(restored, "own_all_l2") == -1
+    assert "own_all_l2: the L2 set-aside was refused" in capsys.readouterr().out
+    assert probe.set_variant(restored, "gemv1_2") == 0
