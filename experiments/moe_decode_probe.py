@@ -425,10 +425,15 @@ def main() -> None:
         logits = {}
         for name in variants:
             set_aside = set_variant(fwd, name)
-            row[name] = {"ms": _time(run, args.reps) * 1e3}
+            try:
+                row[name] = {"ms": _time(run, args.reps) * 1e3}
+                logits[name] = run().float()
+            except Exception as e:  # said and recorded: one variant's fault does not lose the others'
+                print(f"{name} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                row[name] = {"ms": float("nan"), "error": f"{type(e).__name__}: {str(e)[:300]}"}
+                continue
             if set_aside:
                 row[name]["l2_set_aside_MiB"] = round(set_aside / 2**20, 1) if set_aside > 0 else "refused"
-            logits[name] = run().float()
         # chaining changes no arithmetic: the same bits; the router's own dot orders its sums otherwise than
         # cuBLAS, and the ungrouped kernels theirs, so those are compared as close (random weights' logits are
         # nearly flat, so a greedy token may differ without a fault)

@@ -356,7 +356,7 @@ def moe_mlp_decode(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor,
             logits.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0), down.stride(0), down.stride(1),
             out.stride(0), down[0].numel(), K=k, RENORM=renorm, EP=ep, BN_UP=tiles.bn_up, BK_UP=tiles.bk_up,
             BN_DOWN=tiles.bn_down, BK_DOWN=tiles.bk_down, num_warps=tiles.warps, num_stages=tiles.stages,
-            SPIN_NS=SPIN_NS if gpu else 0, **ahead, **own_both, **chain.launch(h))
+            SPIN_NS=SPIN_NS if gpu else 0, **{**ahead, **own_both}, **chain.launch(h))
         return out, weights, experts
     own_up = {"OWN": True, "LPR": lpr_up, "LINE": line} if own else {}
     _gate_up_kernel[(n, up_tiles)](
