@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from pushkv import envs
 from pushkv.messages import SeqWork
 from pushkv.model.kernels import paged
+from pushkv.model.masks import causal_mask
 from pushkv.model.norms import rms_norm, rotate_half
 from pushkv.model.rope import cos_sin, cos_sin_rows, dynamic_spans, seq_spans
 from pushkv.model.step import Staging, StepPlan, StepTensors, plan_step
@@ -209,11 +210,7 @@ class BatchedForward:
                 blocks = meta.block_table[i, :-(-ctx // u)].long()
                 rows = pools[layer][blocks, 0, 0].reshape(-1, lat.shape[-1])[:ctx]
                 keys, vals = m._expand(lw, rows)
-                qpos = torch.arange(ctx - n, ctx, device=self.device)[:, None]
-                mask = torch.arange(ctx, device=self.device)[None, :] <= qpos
-                window = m.layer_window(layer)
-                if window:
-                    mask &= torch.arange(ctx, device=self.device)[None, :] > qpos - window
+                mask = causal_mask(ctx, n, m.layer_window(layer), self.device)
                 o = F.scaled_dot_product_attention(q[r0:r0 + n].transpose(0, 1)[None], keys[None], vals[None],
                                                    attn_mask=mask, scale=m.attn_scale)
                 attn[r0:r0 + n] = o[0].transpose(0, 1).reshape(n, -1)

@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from pushkv.model.masks import visible
 from pushkv.model.rope import inv_freq
 from pushkv.model.transformer import Model, rms_norm
 
@@ -36,9 +37,7 @@ def _attention(q, keys, vals, qpos: torch.Tensor, window: int) -> torch.Tensor:
     vals = vals.repeat_interleave(group, dim=1)
     scores = torch.einsum("thd,shd->hts", q.float(), keys.float()) / math.sqrt(q.shape[-1])
     kpos = torch.arange(keys.shape[0])[None, :]
-    allowed = kpos <= qpos[:, None]
-    if window:
-        allowed &= kpos > qpos[:, None] - window
+    allowed = visible(qpos[:, None], kpos, window)
     scores = scores.masked_fill(~allowed[None], float("-inf"))
     out = torch.einsum("hts,shd->thd", scores.softmax(-1), vals.float())
     return out.to(q.dtype).reshape(q.shape[0], -1)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from pushkv.config import ModelConfig
 from pushkv.kv.layout import blocks_for, layout_for
 from pushkv.messages import KVLayoutDesc, SeqWork
+from pushkv.model.masks import visible
 from pushkv.model.moe import moe_mlp
 from pushkv.model.norms import rms_norm, rotate_half
 from pushkv.model.rope import cos_sin, cos_sin_rows, dynamic_spans, seq_spans
@@ -275,10 +276,7 @@ class Model:
             k0 = max(lo, start + q0 - window + 1) if window else lo
             qpos = torch.arange(start + q0, start + q1, device=self.device)[:, None]
             kpos = torch.arange(k0, start + q1, device=self.device)[None, :]
-            mask = kpos <= qpos
-            if window:
-                mask &= kpos > qpos - window
-            chunks.append(_Chunk(q0, q1, k0 - lo, start + q1 - lo, mask, False))
+            chunks.append(_Chunk(q0, q1, k0 - lo, start + q1 - lo, visible(qpos, kpos, window), False))
         return lo, chunks
 
     def _forward(self, seqs: list[SeqWork], pool: list[torch.Tensor], on_layer=None) -> torch.Tensor:

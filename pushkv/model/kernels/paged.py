@@ -11,6 +11,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from pushkv.model.masks import causal_mask
+
 
 def store_kv_ref(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
     keep = slots >= 0
@@ -45,13 +47,8 @@ def attention_ref(q, cache, block_table, seq_lens, q_starts, q_lens, window: int
         kvh = kb.shape[1]
         keys = kb.permute(1, 0, 2, 3).reshape(kvh, nb * u, D)[:, :ctx]
         vals = vb.permute(1, 0, 2, 3).reshape(kvh, nb * u, D)[:, :ctx]
-        qpos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
-        kpos = torch.arange(ctx, device=q.device)[None, :]
-        mask = kpos <= qpos
-        if window:
-            mask &= kpos > qpos - window
         qi = q[r0:r0 + n].transpose(0, 1)[None]
-        o = F.scaled_dot_product_attention(qi, keys[None], vals[None], attn_mask=mask,
+        o = F.scaled_dot_product_attention(qi, keys[None], vals[None], attn_mask=causal_mask(ctx, n, window, q.device),
                                            enable_gqa=Hq != keys.shape[0], scale=1 / math.sqrt(D))
         out[r0:r0 + n] = o[0].transpose(0, 1)
     return out
