@@ -192,11 +192,15 @@ def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = 
     """The user's config from ``pushkv up``'s parsed flags (``vars(args)``; a flag missing or None
     was not given): the ``--config`` file's, or the defaults, with every given flag on top.
     ``gpus`` counts this host's GPUs (the device's default)."""
-    sets, _ = vllm_serve.apply(flags, InstanceConfig(role="prefill").max_batch_tokens)  # vllm serve's spellings
+    path = flags.get("config")
+    cfg = load_config_file(path) if path else DeploymentConfig()
+    # vllm serve's spellings; --enable-chunked-prefill's chunk, where no flag says, is a step's tokens on the
+    # instance that prefills, as the config file (or the default) sets them
+    prefills = cfg.local if (flags.get("mode") or cfg.mode) == "local" else cfg.prefill
+    sets, _ = vllm_serve.apply(flags, prefills.max_batch_tokens)
     flags = {**flags, **sets}
     f = flags.get
-    path, secret, names = f("config"), f("secret_file"), f("served_model_name")
-    cfg = load_config_file(path) if path else DeploymentConfig()
+    secret, names = f("secret_file"), f("served_model_name")
     device = f("device") or default_device(flags, gpus)
     model = _model(flags, cfg.model)
     given_name = model_name(flags)

@@ -179,3 +179,14 @@ def test_the_docs_table_is_the_generated_one():
         m = TABLE.search(f.read())
     assert m, "docs/running.md lost its vllm serve table markers"
     assert m.group(1) == vllm_serve.markdown_table(), "regenerate docs/running.md's table: python -m pushkv.vllm_serve"
+
+
+def test_chunked_prefill_takes_a_config_files_step_size(tmp_path):
+    """--enable-chunked-prefill without a size: the chunk is a step's tokens on the instance that prefills, as the
+    --config file sets them (the prefill instance in P/D, the local one in local mode), not the default's."""
+    path = tmp_path / "deploy.json"
+    path.write_text('{"model": "tiny", "prefill": {"max_batch_tokens": 768}, "local": {"max_batch_tokens": 384}}')
+    pd = config("--config", str(path), "--enable-chunked-prefill")
+    assert (pd.prefill.max_batch_tokens, pd.prefill.prefill_chunk) == (768, 768)
+    local = config("--config", str(path), "--mode", "local", "--enable-chunked-prefill")
+    assert (local.local.max_batch_tokens, local.local.prefill_chunk) == (384, 384)
