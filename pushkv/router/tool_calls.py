@@ -10,44 +10,82 @@ gives them, each becoming an OpenAI ``tool_calls`` entry (``arguments`` a JSON s
   separated by ``;`` (Llama 3's ``<|python_tag|>`` is a special token the text leaves out). Output that does not
   begin with ``{``, or does not parse as calls, is content. Streamed, output that begins with ``{`` is held back
   and goes out with the last delta, as calls or as content.
+- ``mistral`` (Mistral, Mixtral, Ministral, Devstral, Magistral): ``[TOOL_CALLS]`` and then, in the older form,
+  a JSON list ``[{"name": ..., "arguments": {...}}, ...]``, or in the newer one (Mistral's v11 tokenizers on)
+  ``name[ARGS]{...}`` (``name{...}`` where ``[ARGS]`` is left out), one ``[TOOL_CALLS]`` to a call. The text
+  before and after the calls is content (vLLM drops what follows them), and so is a call that does not parse, its
+  ``[TOOL_CALLS]`` kept. Each call's id is 9 letters and digits: Mistral's templates refuse any other in the
+  conversation that follows. ``[TOOL_CALLS]`` and ``[ARGS]`` are special tokens, which pushkv's text leaves out
+  (vLLM keeps them for this parser), so a call in either form that begins the output, or follows another call, is
+  read as if its ``[TOOL_CALLS]`` were there; unmarked, a listed call needs its ``arguments`` object, so that a
+  JSON answer listing things with names stays content. Streamed, content goes out as it comes, text that may
+  still begin ``[TOOL_CALLS]`` (or, where a call may begin unmarked, a call) is held back, and each call goes out
+  whole as its JSON ends (a list's calls together).
+- ``pythonic`` (Llama 3.2, Llama 4, ToolACE): an output that is a Python list of calls, ``[get_weather(city=
+  "Paris"), f(x=1)]``, read with :mod:`ast` (never run): each call a plain name with keyword arguments whose
+  values are literals JSON can hold (strings, numbers, booleans, None, lists, tuples, dicts with string keys).
+  Anything else, a call with a variable, an expression or a positional argument among them, is content, all of
+  it. Streamed, output that begins ``[name(`` is held back and goes out with the last delta, as calls or as
+  content; output that cannot begin so streams as content.
 
 Pure: text in, content and calls out.
 """
 from __future__ import annotations
 
+import ast
 import json
+import math
+import random
+import re
+import string
 import uuid
-from typing import Optional
+from typing import Any, Literal, Optional, Protocol
 
 from pushkv.router.text import tag_start
 
 START, END = "<tool_call>", "</tool_call>"
-PARSERS = ("hermes", "llama3_json")
+PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+
+
+class CallStreamer(Protocol):
+    """One choice's content, fed as it comes: each piece's (content delta, calls completed, each with its
+    ``index``); ``final``: nothing follows, so nothing is held back."""
+
+    calls: int  # the calls made so far
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]: ...
 
 
 def _call(body: str) -> Optional[dict]:
     """One call's JSON as an OpenAI tool call, or None if it is not a function's name and arguments."""
     try:
         obj = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: JSON nested past the decoder's depth
         return None
     return _call_of(obj)
 
 
-def _call_of(obj) -> Optional[dict]:
+def _call_of(obj, call_id: str = "") -> Optional[dict]:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
-            "function": {"name": obj["name"], "arguments": args if isinstance(args, str)
+    return _tool_call(obj["name"], obj.get("arguments", obj.get("parameters", {})), call_id)
+
+
+def _tool_call(name: str, args: Any, call_id: str = "") -> dict:
+    """An OpenAI tool call (``arguments`` a JSON string; one given as a string stays as it is); its id as vLLM's
+    (``chatcmpl-tool-`` and a uuid) unless given."""
+    return {"id": call_id or f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+            "function": {"name": name, "arguments": args if isinstance(args, str)
                          else json.dumps(args, ensure_ascii=False)}}
 
 
-def streamer(parser: str) -> "Streamer | Llama3JsonStreamer":
+def streamer(parser: str) -> CallStreamer:
     """A choice's streamer for ``parser`` (one of PARSERS)."""
-    if parser not in PARSERS:
+    kinds: dict[str, type[CallStreamer]] = {"hermes": Streamer, "llama3_json": Llama3JsonStreamer,
+                                            "mistral": MistralStreamer, "pythonic": PythonicStreamer}
+    if parser not in kinds:
         raise ValueError(f"tool call parser {parser!r} is not one of {PARSERS}")
-    return Streamer() if parser == "hermes" else Llama3JsonStreamer()
+    return kinds[parser]()
 
 
 def parse(text: str, parser: str = "hermes") -> tuple[Optional[str], list[dict]]:
@@ -91,7 +129,7 @@ def _json_calls(text: str) -> Optional[list[dict]]:
             return calls or None
         try:
             obj, at = decoder.raw_decode(text, at)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         call = _call_of(obj)
         if call is None:
@@ -142,3 +180,235 @@ class Streamer:
             self.in_call = False
             if end < 0:
                 return content, calls
+
+
+MARKER, ARGS = "[TOOL_CALLS]", "[ARGS]"
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
+_UNMARKED = re.compile(r"\[\s*\{|[A-Za-z_][A-Za-z0-9_.-]*(?:\[ARGS\])?\{")  # a call that left its marker out
+_OPEN_LIST = re.compile(r"\[\s*")
+_ALPHANUMERIC = string.ascii_letters + string.digits
+
+
+def _mistral_id() -> str:
+    """Mistral's tool call id: 9 letters and digits (mistral_common refuses any other)."""
+    return "".join(random.choices(_ALPHANUMERIC, k=9))
+
+
+class MistralStreamer:
+    """``mistral``: content up to ``[TOOL_CALLS]``, then each call whole as its JSON ends; a call may leave its
+    marker out at the output's start and right after another call (pushkv's text has no special tokens)."""
+
+    def __init__(self):
+        self.held = ""
+        # slot: a call may begin here unmarked (the output's start, right after a call); text: content, up to a
+        # marker; call: a call's text, after its marker (marked) or not
+        self.mode: Literal["slot", "text", "call"] = "slot"
+        self.marked = False
+        self.after_call = False  # white space here separates calls
+        self.scan = _JsonScan()  # the call's JSON, scanned as it comes
+        self.calls = 0
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
+        self.held += text
+        content = ""
+        calls: list[dict] = []
+        while True:
+            if self.mode == "slot":
+                if self.after_call:
+                    self.held = self.held.lstrip()
+                unmarked = _unmarked_call(self.held, final)
+                if unmarked is None:
+                    return content, calls
+                if unmarked:
+                    self._begin_call(self.held.lstrip(), marked=False)
+                else:
+                    self.mode = "text"
+                self.after_call = False
+            if self.mode == "text":
+                at = self.held.find(MARKER)
+                if at < 0:
+                    keep = 0 if final else tag_start(self.held, MARKER)
+                    content += self.held[:len(self.held) - keep]
+                    self.held = self.held[len(self.held) - keep:]
+                    return content, calls
+                content += self.held[:at]
+                self._begin_call(self.held[at + len(MARKER):], marked=True)
+            made, end = _mistral_calls(self.held, self.marked, final, self.scan)
+            if made == []:  # more text may still make it a call
+                return content, calls
+            if made is None:  # not a call after all: its text is content
+                content += MARKER if self.marked else ""
+                self.mode = "text"
+                continue
+            calls += [dict(c, index=self.calls + i) for i, c in enumerate(made)]
+            self.calls += len(made)
+            self.held, self.mode, self.after_call = self.held[end:], "slot", True
+
+    def _begin_call(self, text: str, marked: bool) -> None:
+        self.held, self.marked, self.scan, self.mode = text, marked, _JsonScan(), "call"
+
+
+def _unmarked_call(text: str, final: bool) -> Optional[bool]:
+    """Whether a call begins ``text`` without its ``[TOOL_CALLS]``; None while more text may still tell."""
+    body = text.lstrip()
+    if _UNMARKED.match(body):
+        return True
+    if final:
+        return False
+    name = _NAME.match(body)
+    maybe = (not body or MARKER.startswith(body) or _OPEN_LIST.fullmatch(body) is not None
+             or (name is not None and ARGS.startswith(body[name.end():])))
+    return None if maybe else False
+
+
+def _mistral_calls(text: str, marked: bool, final: bool, scan: _JsonScan) -> tuple[Optional[list[dict]], int]:
+    """The calls that begin ``text`` (one call's text, after its marker or unmarked) and where they end: ([], 0)
+    while more text may still make them, (None, 0) where they are not calls. ``scan``: the call's JSON as scanned
+    so far (``text`` is what it was, and more)."""
+    wait: tuple[Optional[list[dict]], int] = (None, 0) if final else ([], 0)
+    body = text.lstrip()
+    at = len(text) - len(body)
+    if not body:
+        return wait
+    if body[0] == "[":  # the older form: a JSON list of calls
+        value, end = _json_at(text, at, final, scan)
+        if value is _MORE:
+            return wait
+        listed = [_listed_call(v, marked) for v in value] if isinstance(value, list) else []
+        made = [c for c in listed if c is not None]
+        return (made, end) if made and len(made) == len(listed) else (None, 0)
+    name = _NAME.match(text, at)  # the newer form: name[ARGS]{...}
+    if name is None:
+        return None, 0
+    at = name.end()
+    if text.startswith(ARGS, at):
+        at += len(ARGS)
+    elif ARGS.startswith(text[at:]):
+        return wait
+    if at == len(text):
+        return wait
+    if text[at] != "{":
+        return None, 0
+    value, end = _json_at(text, at, final, scan)
+    return wait if value is _MORE else ([_tool_call(name.group(), value, _mistral_id())], end)
+
+
+_MORE = object()  # a JSON value not yet whole
+
+
+def _json_at(text: str, at: int, final: bool, scan: _JsonScan) -> tuple[Any, int]:
+    """The JSON value at ``text[at]`` and where it ends, or (_MORE, 0) where it is not whole (nor ever will be,
+    where ``final``). Before the end, decoded only once ``scan`` finds its brackets closed."""
+    if not final and not scan.closed(text, at):
+        return _MORE, 0
+    try:
+        return json.JSONDecoder().raw_decode(text, at)
+    except (ValueError, RecursionError):
+        scan.bad = True  # closed and still not JSON: it never will be
+        return _MORE, 0
+
+
+class _JsonScan:
+    """Whether a JSON value's brackets have closed, found as its text comes (brackets counted outside strings), so
+    that a long call is read once rather than decoded again at each piece."""
+
+    def __init__(self):
+        self.at = -1  # how far the text was scanned; -1: not begun
+        self.depth = 0
+        self.in_string = self.escaped = self.bad = False
+        self.ended = False
+
+    def closed(self, text: str, start: int) -> bool:
+        """Whether the value at ``text[start]`` (``text`` being what it was at the last call, and more) closed."""
+        if self.bad:
+            return False
+        if self.at < 0:
+            self.at = start
+        while not self.ended and self.at < len(text):
+            ch = text[self.at]
+            self.at += 1
+            if self.in_string:
+                self.in_string = self.escaped or ch != '"'
+                self.escaped = not self.escaped and ch == "\\"
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "[{":
+                self.depth += 1
+            elif ch in "]}":
+                self.depth -= 1
+                self.ended = self.depth <= 0
+        return self.ended
+
+
+def _listed_call(obj: Any, marked: bool) -> Optional[dict]:
+    """One call of the older form's list; unmarked, it needs its ``arguments`` object (a JSON answer listing
+    things with names is not calls)."""
+    if not marked and not (isinstance(obj, dict) and isinstance(obj.get("arguments"), dict)):
+        return None
+    return _call_of(obj, _mistral_id())
+
+
+_PY_CALLS = re.compile(r"\s*\[\s*[A-Za-z_]\w*\s*\(")  # how a pythonic output of calls begins
+_PY_MAYBE = re.compile(r"\s*(?:\[\s*(?:[A-Za-z_]\w*\s*)?)?")  # what may still begin so
+
+
+class PythonicStreamer:
+    """``pythonic``: output that begins ``[name(`` is held to its end and read as a Python list of calls there."""
+
+    def __init__(self):
+        self.held = ""
+        self.listed: Optional[bool] = None  # whether the output begins as a list of calls; None: not known yet
+        self.calls = 0
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
+        self.held += text
+        if self.listed is None:
+            if _PY_MAYBE.fullmatch(self.held) and not final:
+                return "", []
+            self.listed = _PY_CALLS.match(self.held) is not None
+        if self.listed and not final:
+            return "", []
+        calls = _pythonic_calls(self.held) if self.listed else None
+        held, self.held = self.held, ""
+        if calls is None:
+            return held, []
+        self.calls = len(calls)
+        return "", [dict(c, index=i) for i, c in enumerate(calls)]
+
+
+def _pythonic_calls(text: str) -> Optional[list[dict]]:
+    """A Python list of calls with literal keyword arguments, as OpenAI tool calls; None where the text is anything
+    else. Parsed, never run."""
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    if not isinstance(tree.body, ast.List) or not tree.body.elts:
+        return None
+    calls = []
+    for node in tree.body.elts:
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args
+                and all(kw.arg is not None for kw in node.keywords)):  # kw.arg None: **spread
+            return None
+        try:
+            args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+            if not _json_literal(args):
+                return None
+            calls.append(_tool_call(node.func.id, args))
+        except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+            return None  # not a literal (a name, a call, an expression), or nested past the recursion limit
+    return calls
+
+
+def _json_literal(value: Any) -> bool:
+    """Whether a Python literal is one JSON holds as it is: no sets, bytes, complex numbers, inf or NaN, and only
+    string keys."""
+    if value is None or isinstance(value, (str, bool, int)):
+        return True
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, (list, tuple)):
+        return all(_json_literal(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _json_literal(v) for k, v in value.items())
+    return False

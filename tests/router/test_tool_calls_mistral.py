@@ -1,0 +1,119 @@
+"""``--tool-call-parser mistral`` (pushkv/router/tool_calls.py): the calls a Mistral model writes after
+``[TOOL_CALLS]``, in the older form (a JSON list of calls) and the newer one (``name[ARGS]{...}``), come back as
+OpenAI ``tool_calls`` with Mistral's 9-character ids, the text before them as content; whole and streamed alike
+however the text is cut into 3 deltas; unmarked at the output's start (pushkv's text has no special tokens);
+anything that is not a call stays content; through the router with the reasoning parser."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pushkv.router import tool_calls
+from tests.router.test_chat_fields import MESSAGES
+from tests.router.test_router import local_script, read_sse, run
+from tests.router.test_tool_calls import TOOLS, _named, streamed, three_pieces
+from tests.support.router_fakes import Harness, make_cfg
+
+pytestmark = pytest.mark.timeout(30)
+
+WEATHER = ("get_weather", '{"city": "Paris", "unit": "°C"}')
+NESTED = ("plan", '{"trip": {"stops": [{"city": "Lyon", "days": 2}, {"city": "Nice", "days": null}]}}')
+# text -> (content, [(name, arguments)])
+CASES = {
+    "no call here": ("no call here", []),
+    # the older form (v3 tokenizers: Mistral 7B v0.3, Mixtral 8x22B, Nemo, Small 24B 2501)
+    '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}]': (None, [WEATHER]),
+    '[TOOL_CALLS][{"name": "plan", "arguments": {"trip": {"stops": [{"city": "Lyon", "days": 2}, '
+    '{"city": "Nice", "days": null}]}}}, {"name": "g", "arguments": {}}]': (None, [NESTED, ("g", "{}")]),
+    'Let me look.\n[TOOL_CALLS][{"arguments": {"a": 1}, "name": "f"}]': ("Let me look.\n", [("f", '{"a": 1}')]),
+    '[TOOL_CALLS][{"name": "f"}]': (None, [("f", "{}")]),
+    # the newer form (v11 on: Small 3.1+, Devstral, Magistral), with [ARGS] and without
+    'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "°C"}': ("Checking.", [WEATHER]),
+    '[TOOL_CALLS]plan[ARGS]{"trip": {"stops": [{"city": "Lyon", "days": 2}, {"city": "Nice", "days": null}]}}'
+    '[TOOL_CALLS]g[ARGS]{}': (None, [NESTED, ("g", "{}")]),
+    '[TOOL_CALLS]add{"a": 3.5, "b": 4}': (None, [("add", '{"a": 3.5, "b": 4}')]),
+    '[TOOL_CALLS]f[ARGS]{"x": "}]"} and then some': ("and then some", [("f", '{"x": "}]"}')]),
+    # unmarked: the special tokens left out of the text
+    'get_weather{"city": "Paris", "unit": "°C"}g{}': (None, [WEATHER, ("g", "{}")]),
+    ' [{"name": "f", "arguments": {"x": [1, 2]}}]': (None, [("f", '{"x": [1, 2]}')]),
+    # not calls: content, all of it
+    '[{"name": "Ann", "age": 3}]': ('[{"name": "Ann", "age": 3}]', []),  # unmarked and no arguments: an answer
+    "[TOOL_CALLS]I am not sure": ("[TOOL_CALLS]I am not sure", []),
+    '[TOOL_CALLS][{"name": 5}]': ('[TOOL_CALLS][{"name": 5}]', []),
+    '[TOOL_CALLS]f[ARGS]{"a": 1': ('[TOOL_CALLS]f[ARGS]{"a": 1', []),  # cut at max_tokens
+    'Sure. [TOOL_CALLS]f[ARGS]{bad}[TOOL_CALLS]g[ARGS]{"x": 1}': ("Sure. [TOOL_CALLS]f[ARGS]{bad}", [("g", '{"x": 1}')]),
+    "Paris{ is not JSON }": ("Paris{ is not JSON }", []),
+    "[link](https://example.com) and [TOOL": ("[link](https://example.com) and [TOOL", []),
+    "   ": ("   ", []),
+    "": (None, []),
+}
+
+
+@pytest.mark.parametrize("text", sorted(CASES))
+def test_a_whole_content_gives_its_calls(text):
+    content, calls = tool_calls.parse(text, "mistral")
+    assert (content, _named(calls)) == CASES[text]
+    assert all(c["type"] == "function" and len(c["id"]) == 9 and c["id"].isalnum() and "index" not in c
+               for c in calls)
+    assert len({c["id"] for c in calls}) == len(calls)
+
+
+@pytest.mark.parametrize("text", sorted(CASES))
+def test_streamed_in_any_3_deltas_the_deltas_give_the_whole(text):
+    for pieces in three_pieces(text):
+        assert streamed("mistral", pieces)[0] == CASES[text], pieces
+
+
+def test_content_streams_as_it_comes_and_each_call_goes_out_as_its_json_ends():
+    s = tool_calls.streamer("mistral")
+    assert s.feed("Checking the ") == ("Checking the ", [])
+    assert s.feed("weather.[TOOL_") == ("weather.", [])  # may begin [TOOL_CALLS]: held
+    assert s.feed('CALLS]get_weather[ARGS]{"city": "Pa') == ("", [])
+    content, calls = s.feed('ris"}[TOOL_CALLS]g[ARGS]{"x"')
+    assert content == "" and _named(calls) == [("get_weather", '{"city": "Paris"}')] and calls[0]["index"] == 0
+    content, calls = s.feed(": 1}", final=True)
+    assert content == "" and _named(calls) == [("g", '{"x": 1}')] and calls[0]["index"] == 1
+    # unmarked at the start: a word is held only until it cannot be a call's name
+    s = tool_calls.streamer("mistral")
+    assert s.feed("Hello") == ("", []) and s.feed(" there") == ("Hello there", [])
+    s = tool_calls.streamer("mistral")
+    assert s.feed("get_weather") == ("", [])
+    assert _named(s.feed('{"city": "Paris"}')[1]) == [("get_weather", '{"city": "Paris"}')]
+
+
+@pytest.mark.parametrize("output, content", [
+    ('Checking.\n[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "°C"}', "Checking.\n"),
+    ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}]', None),
+])
+def test_through_the_router_with_the_reasoning_parser(tmp_path, output, content):
+    out = list(("<think>sunny?</think>" + output).encode())
+    chunks = [out[i:i + 5] for i in range(0, len(out), 5)]  # cut through every tag
+
+    async def body():
+        cfg = make_cfg(tmp_path, "local", reasoning_parser="deepseek_r1", tool_call_parser="mistral")
+        async with Harness(cfg, {"local": local_script(chunks, "stop")}) as h:
+            req = {"messages": MESSAGES, "max_tokens": 200, "tools": TOOLS}
+            r = await h.http.post("/v1/chat/completions", json=req)
+            assert r.status == 200, await r.text()
+            choice = (await r.json())["choices"][0]
+            msg = choice["message"]
+            assert choice["finish_reason"] == "tool_calls"
+            assert (msg["reasoning_content"], msg["content"]) == ("sunny?", content)
+            assert _named(msg["tool_calls"]) == [WEATHER]
+            assert len(msg["tool_calls"][0]["id"]) == 9 and msg["tool_calls"][0]["id"].isalnum()
+            assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris", "unit": "°C"}
+            r = await h.http.post("/v1/chat/completions", json=dict(req, stream=True))
+            events = [e for e in await read_sse(r) if e != "[DONE]" and e["choices"]]
+            deltas = [e["choices"][0]["delta"] for e in events]
+            assert "".join(d.get("reasoning_content", "") for d in deltas) == "sunny?"
+            assert "".join(d.get("content", "") for d in deltas) == (content or "")
+            streamed_calls = [c for d in deltas for c in d.get("tool_calls", [])]
+            assert _named(streamed_calls) == [WEATHER] and streamed_calls[0]["index"] == 0
+            assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+            # tool_choice none: the call stays text
+            r = await h.http.post("/v1/chat/completions", json=dict(req, tool_choice="none"))
+            choice = (await r.json())["choices"][0]
+            assert "tool_calls" not in choice["message"] and output in choice["message"]["content"]
+            assert choice["finish_reason"] == "stop"
+    run(body())
