@@ -113,8 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     mod.add_argument("--tool-call-parser", choices=tuple(r for r in typing.get_args(ToolCallParser) if r),
                      help="a chat request with tools gets the calls its choices write as tool_calls (finish_reason "
                           "tool_calls), as vLLM's: hermes (<tool_call>{...}</tool_call>: Qwen2.5, Qwen3, Hermes), "
-                          "llama3_json (output that is JSON calls: Llama 3.1-3.3) (default: none, calls come back "
-                          "as text)")
+                          "llama3_json (output that is JSON calls: Llama 3.1-3.3), mistral ([TOOL_CALLS] then a JSON "
+                          "list or name[ARGS]{...}: Mistral, Mixtral, Devstral), pythonic (output that is a Python "
+                          "list of calls: Llama 3.2, Llama 4) (default: none, calls come back as text)")
     mod.add_argument("--enable-auto-tool-choice", action="store_true",
                      help="vLLM's switch beside --tool-call-parser: tool_choice auto parses calls (needs it)")
     mod.add_argument("--checkpoint", metavar="DIR", help="deprecated: --model DIR")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, get_args
 
 import msgspec
 
@@ -27,6 +27,7 @@ from pushkv.config import (
     preset,
 )
 from pushkv.cuda_driver import device_count
+from pushkv.kinds import ToolCallParser
 
 # the flags that override a preset's (or a checkpoint's) geometry, each named as its ModelConfig field
 GEOMETRY = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
@@ -160,7 +161,8 @@ def tool_parser(flags: Mapping[str, Any]) -> Optional[str]:
     """--tool-call-parser, as vLLM takes it beside --enable-auto-tool-choice (which alone is refused)."""
     parser = flags.get("tool_call_parser")
     if flags.get("enable_auto_tool_choice") and not parser:
-        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json) to parse the calls")
+        named = ", ".join(p for p in get_args(ToolCallParser) if p)
+        raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser ({named}) to parse the calls")
     return parser
 
 
