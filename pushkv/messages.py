@@ -107,6 +107,9 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True, gc=False):
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
     logprobs: int = -1  # -1: none; 0: the sampled token's; k: also the k most likely
     min_tokens: int = 0  # stop ids are suppressed until this many tokens are out
+    # the prompt's own log-probabilities, computed where the prompt is (P, or the instance that prefills
+    # it): -1: none; 0: each prompt token's; k: also the k most likely at each position
+    prompt_logprobs: int = -1
 
 
 class TokenLogprob(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -115,6 +118,23 @@ class TokenLogprob(msgspec.Struct, array_like=True, frozen=True, gc=False):
     logprob: float
     top_ids: tuple[int, ...] = ()
     top_logprobs: tuple[float, ...] = ()
+
+
+class PromptLogprobs(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """log p(prompt token i | the tokens before it) for the ``count`` positions from ``start`` on
+    (the first prompt token has none: ``start`` >= 1), from the raw distribution in float32, with
+    the token's rank (how many ids are at least as likely, itself included: vLLM's) and the ``top``
+    most likely ids at each position. Packed little-endian, as ``KVChecksums`` is: a long prompt's
+    every position is ``2 + 2 * top`` numbers, which as bytes cost a copy on each hop, not
+    Python objects (``pushkv/prompt_logprobs.py`` reads and joins them)."""
+
+    start: int
+    count: int
+    top: int
+    logprobs: bytes = b""  # '<f4' per position
+    ranks: bytes = b""  # '<i4' per position
+    top_ids: bytes = b""  # '<i4' per position x top, most likely first
+    top_logprobs: bytes = b""  # '<f4' per position x top
 
 
 class SeqWork(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -133,6 +153,12 @@ class SeqWork(msgspec.Struct, array_like=True, frozen=True, gc=False):
     # dynamic RoPE: the sequence length whose frequencies these tokens take (a prompt's chunk: the
     # whole prompt's, as transformers' one prefill takes them); 0: start_pos + len(token_ids)
     rope_len: int = 0
+    # a prompt's chunk whose request asked prompt logprobs: the top N to give at each position it
+    # scores (each scores the token after it); -1: none, the default, and no cost
+    score_prompt: int = -1
+    # the prompt's token after this chunk, which its last position scores; -1: the chunk ends the
+    # prompt (its last position's logits give the first output token instead)
+    next_prompt_token: int = -1
 
 
 class KVTransferStats(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -199,6 +225,9 @@ class TokensGenerated(Msg, frozen=True):
     decode_seqs: int = 0
     decode_context: int = 0
     decode_prefill_tokens: int = 0
+    # the instance that prefilled the prompt, with its first token, when the request asked
+    # (local, D prefilling it; P's own TokensGenerated in push and pull)
+    prompt_logprobs: Optional[PromptLogprobs] = None
 
 
 class PrefillFinished(Msg, frozen=True):
@@ -279,6 +308,8 @@ class StepDone(Msg, frozen=True):
     logprobs: tuple[Optional[TokenLogprob], ...] = ()  # aligned with sampled when any seq asked
     # one per seq with a checksum asked, in order: this rank's heads of the KV it stored
     checksums: tuple[KVChecksums, ...] = ()
+    # one per seq with score_prompt >= 0, in order (rank 0's: every rank computes the same logits)
+    prompt_logprobs: tuple[PromptLogprobs, ...] = ()
 
 
 class StepFailed(Msg, frozen=True):

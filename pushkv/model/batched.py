@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from pushkv import envs
 from pushkv.messages import SeqWork
+from pushkv.model import scoring
 from pushkv.model.kernels import paged
 from pushkv.model.masks import causal_mask
 from pushkv.model.norms import rms_norm, rotate_half
@@ -103,16 +104,27 @@ class BatchedForward:
 
     # ------------------------------------------------------------------ public
     def logits(self, seqs: Sequence[SeqWork], pools: list[torch.Tensor], on_layer=None) -> torch.Tensor:
+        return self.step(seqs, pools, on_layer)[0]
+
+    def step(self, seqs: Sequence[SeqWork], pools: list[torch.Tensor], on_layer=None,
+             score: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The sampled seqs' logits, and with ``score`` the final-normed hidden rows their prompt
+        chunks score (``scoring.rows``; None without)."""
         u = pools[0].shape[-2]
         plan = plan_step(seqs, u, self.block_q)
         spans = dynamic_spans(self.m.cfg.rope_scaling, seq_spans(seqs))
+        kept = scoring.rows(seqs) if score else []
         # a decode step's rows are all the table's (dynamic RoPE too), so graphs replay it
         if self.use_graphs and plan.is_decode and plan.num_seqs <= self.max_num_seqs and on_layer is None \
-                and not spans:
-            return self._replay(plan, pools)
+                and not spans and not kept:
+            return self._replay(plan, pools), None
         meta = StepTensors.upload(plan, self.device, self.staging)
         rope = self._rope_rows(meta, spans) if spans else None
-        return self.forward(meta, pools, self.decode_splits(plan.num_seqs), on_layer=on_layer, rope=rope)
+        splits = self.decode_splits(plan.num_seqs)
+        if not kept:
+            return self.forward(meta, pools, splits, on_layer=on_layer, rope=rope), None
+        h = self.hidden(meta, pools, splits, on_layer=on_layer, rope=rope)
+        return self.head(meta, h), h.index_select(0, torch.tensor(kept, device=self.device))
 
     def _rope_rows(self, meta: StepTensors, spans) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(cos, sin, index) of a step with rows that dynamic RoPE rotates for their prompt's
@@ -143,11 +155,19 @@ class BatchedForward:
                 scratch=None, out_logits: Optional[torch.Tensor] = None, on_layer=None,
                 rope: Optional[tuple] = None) -> torch.Tensor:
         """rope: (cos, sin, index) where the step's rows are not the table's at their positions."""
+        return self.head(meta, self.hidden(meta, pools, splits, scratch, on_layer, rope), out_logits)
+
+    def hidden(self, meta: StepTensors, pools: list[torch.Tensor], splits: int, scratch=None, on_layer=None,
+               rope: Optional[tuple] = None) -> torch.Tensor:
+        """Every layer over the step: the final-normed hidden rows, one per token."""
         run = self._layers_mla if self.m.cfg.is_mla else self._layers_fused if self.fused else self._layers_torch
         if scratch is None and splits > 1 and meta.decode_tiles.shape[0]:
             p = self.m.plan  # one scratch for every layer: its merge counters are zeroed once a step, not a layer
             scratch = paged.decode_scratch(splits, meta.ids.shape[0], p.q_heads, p.kv_heads, self.hd, self.device)
-        h = run(meta, pools, splits, scratch, on_layer, rope or (self.cos, self.sin, meta.positions))
+        return run(meta, pools, splits, scratch, on_layer, rope or (self.cos, self.sin, meta.positions))
+
+    def head(self, meta: StepTensors, h: torch.Tensor, out_logits: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """float32 logits of the sampled rows of ``h``."""
         T = meta.ids.shape[0]
         rows = h.index_select(0, meta.sample_rows.long()) if meta.sample_rows.shape[0] != T else h
         logits = F.linear(rows, self.m.w.lm_head).float()

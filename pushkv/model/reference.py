@@ -43,7 +43,9 @@ def _attention(q, keys, vals, qpos: torch.Tensor, window: int) -> torch.Tensor:
     return out.to(q.dtype).reshape(q.shape[0], -1)
 
 
-def _step(model: Model, cache: list[list[torch.Tensor]], ids: list[int], start: int) -> torch.Tensor:
+def _step(model: Model, cache: list[list[torch.Tensor]], ids: list[int], start: int, every: bool = False
+          ) -> torch.Tensor:
+    """The last new position's logits (``every``: each new position's, [len(ids), vocab])."""
     cfg, eps = model.cfg, model.cfg.rms_eps
     p = model.plan
     positions = torch.arange(start, start + len(ids))
@@ -64,7 +66,16 @@ def _step(model: Model, cache: list[list[torch.Tensor]], ids: list[int], start: 
         attn = _attention(q, cache[layer][0], cache[layer][1], positions, model.layer_window(layer))
         x = model.attn_out(lw, x, attn)
         x = model.mlp(lw, x)
-    return model.head(x[-1:])[0]
+    return model.head(x) if every else model.head(x[-1:])[0]
+
+
+@torch.inference_mode()
+def prompt_logits(model: Model, prompt_ids: list[int]) -> torch.Tensor:
+    """float32 logits at every position of the prompt, [len(prompt_ids), vocab]: row i is the
+    model's distribution of token i + 1."""
+    cfg, p = model.cfg, model.plan
+    empty = torch.empty(0, p.kv_heads, cfg.head_dim, dtype=model.dtype)
+    return _step(model, [[empty, empty] for _ in range(cfg.num_layers)], list(prompt_ids), 0, every=True)
 
 
 @torch.inference_mode()

@@ -34,7 +34,7 @@ from typing import Optional, Sequence
 import torch
 
 from pushkv import envs
-from pushkv.messages import SamplingParams, SeqWork, TokenLogprob
+from pushkv.messages import PromptLogprobs, SamplingParams, SeqWork, TokenLogprob
 from pushkv.seeds import uniform
 
 GREEDY = SamplingParams()
@@ -47,6 +47,7 @@ KERNEL_ROWS = {"kernel": 0, "sorted": 0}  # rows the GPU sampler drew, and those
 class Sampled:
     tokens: list[int]
     logprobs: tuple[Optional[TokenLogprob], ...] = ()  # aligned with tokens when any seq asked
+    prompt: tuple[PromptLogprobs, ...] = ()  # one per seq that scored its prompt chunk (model/scoring.py)
 
 
 def _up(values, dev: torch.device, dtype=None) -> torch.Tensor:

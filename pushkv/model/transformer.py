@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from pushkv.config import ModelConfig
 from pushkv.kv.layout import blocks_for, layout_for
 from pushkv.messages import KVLayoutDesc, SeqWork
+from pushkv.model import scoring
 from pushkv.model.masks import visible
 from pushkv.model.moe import moe_mlp
 from pushkv.model.norms import rms_norm, rotate_half
@@ -100,27 +101,43 @@ class Model:
 
     @torch.inference_mode()
     def execute_sampled(self, seqs: Sequence[SeqWork], pool: torch.Tensor, on_layer=None) -> Sampled:
-        """``execute``, with the log-probabilities the seqs asked for. ``on_layer(layer)`` runs
-        once each layer has stored the step's new K/V (queued on the device's stream)."""
-        return sample(self.logits(seqs, pool, on_layer), [s for s in seqs if s.sample])
+        """``execute``, with the log-probabilities the seqs asked for (the prompt's too, for a
+        chunk with ``score_prompt``: ``Sampled.prompt``). ``on_layer(layer)`` runs once each layer
+        has stored the step's new K/V (queued on the device's stream)."""
+        # every rank computes the same full-vocabulary logits; rank 0's answer is the one read
+        plan = scoring.plan(seqs) if self.tp_rank == 0 else scoring.ScorePlan()
+        logits, hidden = self.forward_step(seqs, pool, on_layer, score=bool(plan.rows))
+        out = sample(logits, [s for s in seqs if s.sample])
+        if plan.seqs:
+            out.prompt = scoring.score(hidden, self.lm_logits, plan)
+        return out
 
     @torch.inference_mode()
     def logits(self, seqs: Sequence[SeqWork], pool: torch.Tensor, on_layer=None) -> torch.Tensor:
         """float32 [num sampled seqs, vocab] logits of each sampled seq's last position."""
+        return self.forward_step(seqs, pool, on_layer)[0]
+
+    @torch.inference_mode()
+    def forward_step(self, seqs: Sequence[SeqWork], pool: torch.Tensor, on_layer=None,
+                     score: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``logits``, and with ``score`` the final-normed hidden rows the seqs' prompt chunks
+        score (``scoring.rows``, in order; None without)."""
         pools = self._layer_pools(pool)
         if not seqs:
-            return torch.empty(0, self.cfg.vocab_size)
+            return torch.empty(0, self.cfg.vocab_size), None
         for s in seqs:
             self._check_seq(s, pools[0].shape[-2])
-        run = self.batched.logits if self.batched is not None else self._forward
+        run = self.batched.step if self.batched is not None else self._forward
         if not self.cfg.deterministic:
-            return run(list(seqs), pools, on_layer)
+            return run(list(seqs), pools, on_layer, score)
         # Each seq alone: its matmul shapes, hence its bytes, never depend on the batch. A layer
         # holds the whole step's K/V once the last seq's pass has stored it.
         last = len(seqs) - 1
-        parts = [p for p in (run([s], pools, on_layer if i == last else None) for i, s in enumerate(seqs))
-                 if p.shape[0]]
-        return torch.cat(parts) if parts else torch.empty(0, self.cfg.vocab_size)
+        outs = [run([s], pools, on_layer if i == last else None, score) for i, s in enumerate(seqs)]
+        parts = [lg for lg, _ in outs if lg.shape[0]]
+        kept = [h for _, h in outs if h is not None and h.shape[0]]
+        return (torch.cat(parts) if parts else torch.empty(0, self.cfg.vocab_size),
+                torch.cat(kept) if kept else None)
 
     # -------------------------------------------------------- building blocks
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,7 +225,11 @@ class Model:
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm + lm_head, float32 logits."""
-        return F.linear(rms_norm(x, self.w.final_norm, self.cfg.rms_eps), self.w.lm_head).float()
+        return self.lm_logits(rms_norm(x, self.w.final_norm, self.cfg.rms_eps))
+
+    def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """float32 logits of final-normed hidden rows (the sampler's, and the prompt's scores)."""
+        return F.linear(h, self.w.lm_head).float()
 
     def layer_window(self, layer: int) -> int:
         return self.cfg.sliding_window if layer in self.window_layers else 0
@@ -279,7 +300,8 @@ class Model:
             chunks.append(_Chunk(q0, q1, k0 - lo, start + q1 - lo, visible(qpos, kpos, window), False))
         return lo, chunks
 
-    def _forward(self, seqs: list[SeqWork], pool: list[torch.Tensor], on_layer=None) -> torch.Tensor:
+    def _forward(self, seqs: list[SeqWork], pool: list[torch.Tensor], on_layer=None,
+                 score: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         bs = pool[0].shape[-2]
         ids: list[int] = []
         pos: list[int] = []
@@ -306,9 +328,11 @@ class Model:
                 on_layer(layer)
             x = self.attn_out(lw, x, outs[0] if len(outs) == 1 else torch.cat(outs))
             x = self.mlp(lw, x)
+        kept = scoring.rows(seqs) if score else []
+        hidden = rms_norm(x[torch.tensor(kept, device=dev)], self.w.final_norm, self.cfg.rms_eps) if kept else None
         if not last_rows:
-            return torch.empty(0, self.cfg.vocab_size)
-        return self.head(x[torch.tensor(last_rows, device=dev)])
+            return torch.empty(0, self.cfg.vocab_size), hidden
+        return self.head(x[torch.tensor(last_rows, device=dev)]), hidden
 
     def _attention(self, lw, x, rope, kv_pool, plans, kind, w_block, w_slot, bs) -> list[torch.Tensor]:
         """One layer's attention, per seq [num_new, q_heads * hd]; stores the new K/V.

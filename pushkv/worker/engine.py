@@ -122,7 +122,7 @@ class Worker(Actor):
             log.exception("%s: KV checksums of step %d failed", self.name, msg.step_id)
             sums = ()
         self.send(self.sched, m.StepDone(msg.step_id, tuple(out.tokens), time.perf_counter() - t0, out.logprobs,
-                                         sums))
+                                         sums, out.prompt))
 
     def _step_stored(self) -> None:
         import torch
