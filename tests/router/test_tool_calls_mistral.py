@@ -42,7 +42,8 @@ CASES = {
     "[TOOL_CALLS]I am not sure": ("[TOOL_CALLS]I am not sure", []),
     '[TOOL_CALLS][{"name": 5}]': ('[TOOL_CALLS][{"name": 5}]', []),
     '[TOOL_CALLS]f[ARGS]{"a": 1': ('[TOOL_CALLS]f[ARGS]{"a": 1', []),  # cut at max_tokens
-    'Sure. [TOOL_CALLS]f[ARGS]{bad}[TOOL_CALLS]g[ARGS]{"x": 1}': ("Sure. [TOOL_CALLS]f[ARGS]{bad}", [("g", '{"x": 1}')]),
+    'Sure. [TOOL_CALLS]f[ARGS]{bad}[TOOL_CALLS]g[ARGS]{"x": 1}':
+        ("Sure. [TOOL_CALLS]f[ARGS]{bad}", [("g", '{"x": 1}')]),
     "Paris{ is not JSON }": ("Paris{ is not JSON }", []),
     "[link](https://example.com) and [TOOL": ("[link](https://example.com) and [TOOL", []),
     "   ": ("   ", []),
