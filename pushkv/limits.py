@@ -153,24 +153,46 @@ def step_bytes(cfg: DeploymentConfig, inst: InstanceConfig) -> int:
     return inst.max_num_seqs * len(m.encode(seq)) + 64
 
 
+def _prompt_logprobs(positions: int) -> m.PromptLogprobs:
+    """Prompt logprobs of ``positions`` scored positions at the widest (``MAX_LOGPROBS`` each)."""
+    n, k = positions, MAX_LOGPROBS
+    return m.PromptLogprobs((1 << 63) - 1, n, k, bytes(4 * n), bytes(4 * n), bytes(4 * n * k), bytes(4 * n * k))
+
+
 def step_done_bytes(cfg: DeploymentConfig, inst: InstanceConfig) -> int:
     """An upper bound on one ``StepDone`` of ``inst``: a token and the widest logprobs per
-    sequence, and (--kv-verify, P) the checksums of every prompt whose last chunk the step
-    stored, which together hold at most the pool's tokens."""
+    sequence, (--kv-verify, P) the checksums of every prompt whose last chunk the step
+    stored, which together hold at most the pool's tokens, and the prompt logprobs of every
+    position the step computed, at most the pool's tokens too (a prompt's blocks are all held)."""
     top = cfg.model.vocab_size - 1
     lp = m.TokenLogprob(-1e30, (top,) * MAX_LOGPROBS, (-1e30,) * MAX_LOGPROBS)
     done = m.StepDone((1 << 63) - 1, (top,) * inst.max_num_seqs, 1e9 + 0.1, (lp,) * inst.max_num_seqs)
     n = min(max_len(cfg), inst.num_blocks * inst.block_size)
     sums = _largest_checksums(cfg, n) if inst.role == "prefill" else None
     prompts = min(inst.max_num_seqs, -(-inst.num_blocks * inst.block_size // max(1, n)))
-    return len(m.encode(done)) + (prompts * len(m.encode(sums)) if sums is not None else 0)
+    scored = min(inst.max_num_seqs * max_len(cfg), inst.num_blocks * inst.block_size or max_len(cfg))
+    scores = len(m.encode(_prompt_logprobs(scored))) + inst.max_num_seqs * len(m.encode(_prompt_logprobs(0)))
+    return len(m.encode(done)) + (prompts * len(m.encode(sums)) if sums is not None else 0) + scores
+
+
+def tokens_bytes(cfg: DeploymentConfig) -> int:
+    """An upper bound on one ``TokensGenerated``: a finished one with every field, its prompt's
+    logprobs at the widest included."""
+    top = cfg.model.vocab_size - 1
+    lp = m.TokenLogprob(-1e30, (top,) * MAX_LOGPROBS, (-1e30,) * MAX_LOGPROBS)
+    stages = tuple(("s" * ID_CHARS, 1e9 + 0.1) for _ in range(64))
+    msg = m.TokensGenerated("t" * ID_CHARS, (1 << 63) - 1, (top,), True, "length", max_len(cfg), stages,
+                            m.KVTransferStats(1 << 62, 1 << 62, 1e9, "pull", 1e9, 1 << 62, 1 << 62, "s" * ID_CHARS),
+                            (lp,), max_len(cfg), 1 << 62, 1 << 62, 1 << 62, 1 << 62,
+                            _prompt_logprobs(max_len(cfg)))
+    return len(m.encode(msg))
 
 
 def msg_cap_bytes(cfg: DeploymentConfig) -> int:
     """The cap of every socket of this deployment that is neither a scheduler's front nor a
     control socket: past the largest legal message on any channel (a step to a worker and its
-    answer, a transfer's block ids and checksums, a trace event that carries either), with the
-    margin."""
-    largest = max([len(m.encode(largest_generate(cfg)))] + [step_bytes(cfg, i) for i in _instances(cfg)]
-                  + [step_done_bytes(cfg, i) for i in _instances(cfg)])
+    answer, a transfer's block ids and checksums, a prompt's logprobs to the router, a trace
+    event that carries any of them), with the margin."""
+    largest = max([len(m.encode(largest_generate(cfg))), tokens_bytes(cfg)]
+                  + [step_bytes(cfg, i) for i in _instances(cfg)] + [step_done_bytes(cfg, i) for i in _instances(cfg)])
     return max(CONTROL_MSG_BYTES, MARGIN * largest + (64 << 10))

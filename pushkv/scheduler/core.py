@@ -41,6 +41,7 @@ from pushkv.config import DeploymentConfig, InstanceConfig, Role
 from pushkv.dispatch import handler_for
 from pushkv.kinds import FinishReason
 from pushkv.kv import checksum
+from pushkv.prompt_logprobs import join as join_prompt_logprobs
 from pushkv.protocol.prefix_cache import PrefixCache
 from pushkv.scheduler.metrics import InstanceMetrics, Snapshot
 from pushkv.scheduler.outbox import Effect, Peer, Send, Trace
@@ -378,8 +379,13 @@ class SchedulerCore:
             self._send(to, stats)
 
     # -- prefix cache ---------------------------------------------------------------------
+    def _may_hit(self, r: Request) -> bool:
+        """May ``r`` take its prompt's prefix from the cache? Not where prompt logprobs are computed
+        for it: positions whose KV came from the cache have no logits (vLLM skips the hit too)."""
+        return self.alloc.enabled and self._reuses_prefix(r) and r.score_prompt < 0
+
     def _prefix_hits(self, r: Request) -> list[int]:
-        if not self.alloc.enabled or not self._reuses_prefix(r):
+        if not self._may_hit(r):
             return []
         return prefix_hits(self.alloc, r, self.inst.block_size, self._hit_unit())
 
@@ -387,7 +393,9 @@ class SchedulerCore:
         r.cached = hit_blocks * self.inst.block_size
         r.prefilled = r.cached
         r.indexed = hit_blocks
-        if not self.alloc.enabled or not self._reuses_prefix(r):
+        if self.alloc.enabled and r.score_prompt >= 0:
+            self.counters["prefix_skipped_prompt_logprobs"] += 1
+        if not self._may_hit(r):
             return
         self.counters["prefix_queries"] += 1
         self.counters["prefix_query_tokens"] += len(r.prompt)
@@ -466,8 +474,14 @@ class SchedulerCore:
             assert isinstance(done, m.StepDone)
             sampled = iter(done.sampled)  # one token per sampled seq, in batch order
             logprobs = iter(done.logprobs or ())
+            scores = iter(done.prompt_logprobs)  # one per seq that scored its prompt chunk
             for r, w in batch:
                 r.in_step = False
+                if w.score_prompt >= 0 and not self._took_scores(r, next(scores, None)):
+                    if w.sample:
+                        next(sampled)
+                        next(logprobs, None)
+                    continue
                 if w.sample:
                     self._after_step(r, w, next(sampled), next(logprobs, None))
                 else:
@@ -490,6 +504,34 @@ class SchedulerCore:
             if r.checksums is None:
                 self.counters["kv_checksums_missing"] += 1
 
+    def _took_scores(self, r: Request, part: Optional[m.PromptLogprobs]) -> bool:
+        """A scored chunk's prompt logprobs, kept until the prompt's end; False: the step gave none
+        for it, and the request failed (its answer would lack them)."""
+        if part is None and not r.aborted:
+            self.counters["prompt_logprobs_missing"] += 1
+            self._fail(r, "the forward step returned no prompt logprobs for it")
+            return False
+        if part is not None:
+            r.prompt_parts.append(part)
+        return True
+
+    def _joined_scores(self, r: Request) -> bool:
+        """The prompt is in: its chunks' prompt logprobs as one (``r.prompt_logprobs``); False: they
+        do not follow one another, and the request failed."""
+        try:
+            r.prompt_logprobs = join_prompt_logprobs(r.prompt_parts)
+        except ValueError as e:
+            self.counters["prompt_logprobs_missing"] += 1
+            self._fail(r, f"prompt logprobs of the forward steps do not fit the prompt: {e}")
+            return False
+        r.prompt_parts = []
+        if r.prompt_logprobs.count != len(r.prompt) - 1:
+            self.counters["prompt_logprobs_missing"] += 1
+            self._fail(r, f"prompt logprobs cover {r.prompt_logprobs.count} of the prompt's {len(r.prompt) - 1} "
+                          "scored positions")
+            return False
+        return True
+
     def _after_step(self, r: Request, w: m.SeqWork, tok: Optional[int],
                     lp: Optional[m.TokenLogprob] = None) -> None:
         if r.aborted:
@@ -503,6 +545,8 @@ class SchedulerCore:
                 self._chunk_done(r)
                 return
             self._stamp(r, "prefill_end")
+            if r.score_prompt >= 0 and not self._joined_scores(r):
+                return
             self._prefilled(r, tok, lp)  # type: ignore[arg-type]  # the last chunk always samples
         else:
             self._emit(r, tok, lp)  # type: ignore[arg-type]  # a decode step always samples
@@ -536,17 +580,20 @@ class SchedulerCore:
             r.last_token_at = self.now
         reason = r.finished()
         lps = (lp,) if lp is not None else ()
+        # where the prompt was computed here, its logprobs go with the first token
+        prompt = r.prompt_logprobs if len(r.output) == 1 else None
         if reason:
             self._stamp(r, "finished")
             self.counters["requests_completed"] += 1
             self._observe_finish(r, reason)
+            steps, seqs, ctx, pre = r.decode_work
             self._reply(r, m.TokensGenerated(r.transfer_id, r.generation, (tok,), True, reason, len(r.prompt),
                                              r.sorted_timeline(), r.kv_stats(), lps, r.cached,
-                                             *r.decode_work))
+                                             steps, seqs, ctx, pre, prompt))
             self._release(r)
         else:
             r.state = State.RUNNING
-            self._reply(r, m.TokensGenerated(r.transfer_id, r.generation, (tok,), logprobs=lps))
+            self._reply(r, m.TokensGenerated(r.transfer_id, r.generation, (tok,), logprobs=lps, prompt_logprobs=prompt))
 
     # -- from the writers --------------------------------------------------------------------
     def on_KVSent(self, msg: m.KVSent, frm: Peer) -> None:

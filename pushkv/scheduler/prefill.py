@@ -67,8 +67,11 @@ class PrefillScheduler(SchedulerCore):
         r.state = State.SENDING
         r.output = [tok]
         self._first_token(r)
-        if lp is not None:  # the first token's logprob is P's to give: D never sees these logits
-            self._reply(r, m.TokensGenerated(r.transfer_id, r.generation, (tok,), logprobs=(lp,)))
+        if lp is not None or r.prompt_logprobs is not None:
+            # the first token's logprob and the prompt's are P's to give: D never sees these logits
+            lps = (lp,) if lp is not None else ()
+            self._reply(r, m.TokensGenerated(r.transfer_id, r.generation, (tok,), logprobs=lps,
+                                             prompt_logprobs=r.prompt_logprobs))
         if self._holds(r):
             lease = self.cfg.timeouts.lease_s
             if r.late:

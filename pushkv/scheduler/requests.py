@@ -79,6 +79,9 @@ class Request:
     checksums: Optional[m.KVChecksums] = None  # --kv-verify: P's sums of the KV (P: computed; D: to check)
     verified: dict[int, m.KVVerified] = field(default_factory=dict)  # D: worker rank -> its verdict
     first_out: bool = False  # D, --kv-verify: P's first token went out before the verdict (it gates the first step)
+    # prompt logprobs, where the prompt is computed here: each chunk's as its step answered, then joined
+    prompt_parts: list[m.PromptLogprobs] = field(default_factory=list)
+    prompt_logprobs: Optional[m.PromptLogprobs] = None
 
     @property
     def key(self) -> tuple[str, int]:
@@ -87,6 +90,15 @@ class Request:
     def blocks_needed(self, block_size: int) -> int:
         """All blocks the request will ever need, reserved at admission (no preemption)."""
         return blocks_needed(self.leg, len(self.prompt), self.max_tokens, block_size)
+
+    @property
+    def score_prompt(self) -> int:
+        """The top N of the prompt logprobs this instance computes for the request (-1: none): asked,
+        and the prompt is computed here (P, a local instance, a D that prefills it itself)."""
+        p = self.sampling
+        if p is None or p.prompt_logprobs < 0 or (self.leg == "decode" and not self.prefill_here):
+            return -1
+        return p.prompt_logprobs
 
     @property
     def num_tokens(self) -> int:
@@ -155,7 +167,8 @@ def build_batch(prefills: list[Request], running: list[Request], max_num_seqs: i
     taken even if it alone exceeds the token budget. With chunking, a prompt runs
     from where its last chunk ended, at most ``prefill_chunk`` tokens a step and no
     more than the budget left after the decodes (at least one token, so a prompt always
-    moves); only its last chunk samples.
+    moves); only its last chunk samples. A prompt that asked prompt logprobs has each chunk
+    scored (``SeqWork.score_prompt``), with the prompt's token after the chunk where there is one.
     """
     batch: list[tuple[Request, m.SeqWork]] = []
     tokens = 0
@@ -178,6 +191,8 @@ def build_batch(prefills: list[Request], running: list[Request], max_num_seqs: i
         admitted += 1
         last = start + n == len(r.prompt)
         fields = r.sample_fields() if last else {"sample": False, "rope_len": len(r.prompt)}
+        if r.score_prompt >= 0:
+            fields.update(score_prompt=r.score_prompt, next_prompt_token=-1 if last else r.prompt[start + n])
         batch.append((r, m.SeqWork(r.seq_id, r.prompt[start:start + n], start, tuple(r.blocks), **fields)))
         tokens += n
     return batch

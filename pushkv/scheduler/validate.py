@@ -43,6 +43,8 @@ def check_sampling(p: m.SamplingParams, vocab: int, max_len: int) -> Optional[st
             return f"sampling.{name} must be in [-{L.MAX_PENALTY:g}, {L.MAX_PENALTY:g}], got {v}"
     if not -1 <= p.logprobs <= min(L.MAX_LOGPROBS, vocab):
         return f"sampling.logprobs must be in [-1, {min(L.MAX_LOGPROBS, vocab)}], got {p.logprobs}"
+    if not -1 <= p.prompt_logprobs <= min(L.MAX_LOGPROBS, vocab):
+        return f"sampling.prompt_logprobs must be in [-1, {min(L.MAX_LOGPROBS, vocab)}], got {p.prompt_logprobs}"
     if not 0 <= p.min_tokens <= max_len:  # the request's, not this leg's (P's leg has max_tokens 1)
         return f"sampling.min_tokens must be in [0, {max_len}], got {p.min_tokens}"
     bias = p.logit_bias

@@ -143,3 +143,25 @@ def test_a_step_done_with_every_checksum_fits_the_cap(model, stream, groups):
     done = m.StepDone(1, (cfg.model.vocab_size - 1,) * inst.max_num_seqs, 1.0, checksums=(one,) * inst.max_num_seqs)
     assert 2 * len(m.encode(done)) <= L.msg_cap_bytes(cfg)
     assert len(m.encode(done)) <= L.step_done_bytes(cfg, inst) + inst.max_num_seqs * 64  # 64 B: a struct's own
+
+
+@pytest.mark.parametrize("model", ["tiny", "small", "qwen3-8b"])
+def test_prompt_logprobs_at_their_widest_stay_within_half_the_cap(model):
+    """A prompt of max_model_len tokens scored with the most alternatives, to the router with its
+    first token; and a step that scores a whole pool of prompt positions, to its scheduler."""
+    cfg = DeploymentConfig(model=preset(model))
+    top, k = cfg.model.vocab_size - 1, L.MAX_LOGPROBS
+
+    def scored(start: int, n: int) -> m.PromptLogprobs:
+        return m.PromptLogprobs(start, n, k, bytes(4 * n), bytes(4 * n), bytes(4 * n * k), bytes(4 * n * k))
+
+    n = L.max_len(cfg) - 1
+    lp = m.TokenLogprob(-1.5, (top,) * k, (-2.5,) * k)
+    first = m.TokensGenerated("f" * 35, 0, (top,), True, "length", n + 1, (("local.finished", time.time()),) * 30,
+                              None, (lp,), n, 1, 1, n, n, prompt_logprobs=scored(1, n))
+    assert 2 * len(m.encode(first)) <= L.msg_cap_bytes(cfg) and len(m.encode(first)) <= L.tokens_bytes(cfg)
+    inst = cfg.prefill
+    share = inst.num_blocks * inst.block_size // inst.max_num_seqs
+    done = m.StepDone(1, (top,) * inst.max_num_seqs, 1.0,
+                      prompt_logprobs=tuple(scored(1 + i * share, share) for i in range(inst.max_num_seqs)))
+    assert 2 * len(m.encode(done)) <= L.msg_cap_bytes(cfg) and len(m.encode(done)) <= L.step_done_bytes(cfg, inst)

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pushkv import messages as m
+from pushkv.model import scoring
 from pushkv.model.sampling import sample
 from tests.scheduler.test_scheduler_roles import P_SRC, ROUTER, all_free, deliver, make
 from tests.scheduler.test_scheduler_validate import VOCAB, logits_of
@@ -55,6 +56,7 @@ SAMPLING = {  # field: (valid, wild)
                    .map(tuple), wild_bias),
     "logprobs": (st.integers(-1, 5), wild_int),
     "min_tokens": (st.integers(0, 1), wild_int),
+    "prompt_logprobs": (st.integers(-1, 3), wild_int),
 }
 GENERATE = {
     "generation": (st.integers(0, 2), st.integers(-1, 2)),
@@ -114,7 +116,12 @@ def strict_step(s, wire) -> None:
         assert all(0 <= b < s.alloc.num_blocks for b in w.block_table), w
     seqs = [w for w in step.seqs if w.sample]
     out = sample(torch.stack([logits_of(w) for w in seqs]), seqs) if seqs else None
-    answer = m.StepDone(step.step_id, tuple(out.tokens) if out else (), logprobs=out.logprobs if out else ())
+    plan = scoring.plan(step.seqs)  # the prompt chunks that asked: scored from rows of the same logits
+    assert all(0 <= t < VOCAB and 0 <= k <= 20 for t in plan.targets for _, _, k in plan.seqs), plan
+    rows = torch.stack([logits_of(m.SeqWork(0, (t,), i, ())) for i, t in enumerate(plan.targets)]) \
+        if plan.targets else None
+    answer = m.StepDone(step.step_id, tuple(out.tokens) if out else (), logprobs=out.logprobs if out else (),
+                        prompt_logprobs=scoring.score(rows, lambda h: h, plan))
     for ch in s.workers:
         deliver(s, ch, answer)
 

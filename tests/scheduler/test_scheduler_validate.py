@@ -101,6 +101,8 @@ BAD = [
     ("logprobs 21", gen("x", S(logprobs=21)), "sampling.logprobs"),
     ("logprobs huge", gen("x", S(logprobs=1 << 40)), "sampling.logprobs"),
     ("logprobs -2", gen("x", S(logprobs=-2)), "sampling.logprobs"),
+    ("prompt_logprobs 21", gen("x", S(prompt_logprobs=21)), "sampling.prompt_logprobs"),
+    ("prompt_logprobs -2", gen("x", S(prompt_logprobs=-2)), "sampling.prompt_logprobs"),
     ("min_tokens > max_len", gen("x", S(min_tokens=1 << 40)), "sampling.min_tokens"),
     ("min_tokens -1", gen("x", S(min_tokens=-1)), "sampling.min_tokens"),
     ("prompt id -1", gen("x", None, (1, -1)), "token id -1"),
@@ -116,7 +118,7 @@ def test_check_generate_names_the_field(name, msg, needle):
 
 def test_the_edges_are_accepted():
     ok = S(temperature=L.MIN_TEMPERATURE, top_p=1.0, top_k=0, min_p=1.0, presence_penalty=-2.0,
-           frequency_penalty=2.0, logprobs=L.MAX_LOGPROBS, min_tokens=6,
+           frequency_penalty=2.0, logprobs=L.MAX_LOGPROBS, min_tokens=6, prompt_logprobs=L.MAX_LOGPROBS,
            logit_bias=tuple((i, 100.0 if i % 2 else -100.0) for i in range(VOCAB)))
     assert check_generate(gen("x", ok, stop_token_ids=(0, VOCAB - 1)), VOCAB, 1024, 300) is None
 
