@@ -16,6 +16,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, TypeVar, overload
 
+import msgspec
+
 from pushkv import limits as L
 from pushkv.config import SamplingDefaults
 from pushkv.messages import SamplingParams
@@ -86,6 +88,9 @@ class CompletionParams:
     n: int = 1
     echo: bool = False
     prompt_text: str = ""  # for echo
+    # echo with max_tokens 0 (OpenAI's and vLLM's): the prompt alone is the answer; one token is drawn to end
+    # the prefill, counted in usage as vLLM counts it, and not shown
+    echo_only: bool = False
     include_usage: bool = False  # stream_options.include_usage
     chat: bool = False
     reasoning_parser: str = ""  # chat: its choices' reasoning apart (router/reasoning.py; the deployment's)
@@ -246,10 +251,16 @@ def parse_completion(body: dict, tok: text.Tokenizer, limits: Limits) -> Complet
         raise bad("suffix", "suffix is not supported")
     echo = get_bool(body, "echo")
     logprobs = get_int(body, "logprobs", None, 0, L.MAX_LOGPROBS)
-    if echo and logprobs is not None:
-        raise bad("echo", "echo with logprobs is not supported (prompt logprobs are not computed)")
+    echo_only = echo and _is_int(body.get("max_tokens")) and body["max_tokens"] == 0
+    if echo_only:  # vLLM's: one token ends the prefill; the answer is the prompt alone
+        body = {**body, "max_tokens": 1}
     longest = max((ids for ids, _ in prompts), key=len)  # max_tokens must fit beside every prompt
     params = parse_generation(body, longest, limits, DEFAULT_MAX_TOKENS, -1 if logprobs is None else logprobs)
+    # echo with logprobs scores the prompt with as many alternatives, unless prompt_logprobs says (vLLM's)
+    asked = parse_prompt_logprobs(body, params.stream)
+    if asked is None and echo and logprobs is not None:
+        asked = logprobs
+    params.sampling = msgspec.structs.replace(params.sampling, prompt_logprobs=-1 if asked is None else asked)
     if len(prompts) * params.n > L.MAX_CHOICES:
         raise bad("n", f"{len(prompts)} prompts x n {params.n} is more than {L.MAX_CHOICES} choices")
     if echo:  # the prompt's text: as given, or its ids decoded
@@ -257,7 +268,19 @@ def parse_completion(body: dict, tok: text.Tokenizer, limits: Limits) -> Complet
     params.prompt_token_ids, params.prompt_text = prompts[0]
     params.batch = prompts if len(prompts) > 1 else []
     params.echo = echo
+    params.echo_only = echo_only
     return params
+
+
+def parse_prompt_logprobs(body: dict, stream: bool) -> Optional[int]:
+    """vLLM's ``prompt_logprobs``: how many alternatives each prompt position gives (0: the prompt
+    token's alone), or None. As vLLM, refused with ``stream`` (a stream has nowhere to put them),
+    unless 0."""
+    n = get_int(body, "prompt_logprobs", None, 0, L.MAX_LOGPROBS)
+    if n is not None and n > 0 and stream:
+        raise bad("prompt_logprobs", "prompt_logprobs are not available with stream=true (vLLM's rule); "
+                                     "echo with logprobs streams the prompt's")
+    return n
 
 
 # vLLM's own fields that constrain the output to a grammar (its structured outputs)
@@ -288,7 +311,6 @@ def refuse_structured_output(body: dict) -> None:
 # vLLM's own request fields that would change the answer and are not built: each with the values that change
 # nothing (what vLLM does without it), and why not
 VLLM_UNBUILT: dict[str, tuple[tuple, str]] = {
-    "prompt_logprobs": ((None,), "prompt logprobs are not computed"),
     "allowed_token_ids": ((None, []), "the vocabulary is not restricted per request (logit_bias can)"),
     "bad_words": ((None, []), "words are not banned per request (logit_bias can ban their tokens)"),
     "truncate_prompt_tokens": ((None,), "prompts are not truncated: one too long is refused"),

@@ -56,6 +56,9 @@ class RequestRun(Protocol):
     def hash_cache(self) -> dict[int, list[int]]: ...  # block size -> the prompt's chained block hashes
 
     @property
+    def reuses_prefix(self) -> bool: ...  # False: asked prompt logprobs, so it is computed whole wherever it runs
+
+    @property
     def decode_tokens(self) -> int: ...
 
     def deliver(self, leg: Source, msg: Any) -> None: ...
@@ -153,8 +156,10 @@ class Balancer:
 
     # -- placing requests ------------------------------------------------------------------
     def _hits(self, run: "RequestRun") -> dict[str, int]:
-        """Per live instance: the prompt tokens it would take from its cache, as the index guesses."""
-        if not self.prefix_cache or not len(self.index):
+        """Per live instance: the prompt tokens it would take from its cache, as the index guesses. None
+        for a request that asked prompt logprobs: the instance that prefills it takes no hit (its
+        positions would have no logits), so placement prices it whole everywhere."""
+        if not self.prefix_cache or not len(self.index) or not run.reuses_prefix:
             return {}
         p_sizes = {l.block_size for l in self.loads.values() if l.role == "prefill" and l.up} or {1}
         out = {}

@@ -26,6 +26,8 @@ import os
 from datetime import datetime
 from typing import Any, Optional
 
+import msgspec
+
 from pushkv import limits as L
 from pushkv.router import api, text
 
@@ -240,6 +242,9 @@ def parse_chat(body: dict, tok: text.Tokenizer, limits: api.Limits, template: Ch
         raise api.bad("top_logprobs", "top_logprobs needs logprobs: true")
     params = api.parse_generation(body, ids, limits, None, (top or 0) if want else -1,
                                   max_tokens_field="max_completion_tokens")
+    prompt_logprobs = api.parse_prompt_logprobs(body, params.stream)
+    if prompt_logprobs is not None:
+        params.sampling = msgspec.structs.replace(params.sampling, prompt_logprobs=prompt_logprobs)
     params.chat = True
     params.reasoning_parser = reasoning_parser
     # tool_choice auto (the default with tools): the deployment's parser takes the calls out of the output

@@ -73,6 +73,12 @@ class RequestRun:
         return self.req.decode_tokens
 
     @property
+    def reuses_prefix(self) -> bool:
+        """A request that asked prompt logprobs is computed whole: no prefix-cache hit is assumed for it."""
+        s = self.req.spec.sampling
+        return s is None or s.prompt_logprobs < 0
+
+    @property
     def output_ids(self) -> list[int]:
         return self.req.ledger.output_ids
 

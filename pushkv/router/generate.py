@@ -103,14 +103,14 @@ class Generation:
         self.request_id = self.render.request_id(runs[0].transfer_id.split("-")[0])
         self.model = model
         self.created = output.now_s()
-        self.outs = [output.ChoiceOutput(i, tok, params.stop, params.sampling.min_tokens)
+        self.outs = [output.ChoiceOutput(i, tok, params.stop, params.sampling.min_tokens, hide=params.echo_only)
                      for i in range(params.choices)]
 
     # -- bookkeeping -------------------------------------------------------
     def _apply(self, i: int, ev, fan: Fanout) -> Optional[output.Delta]:
         out = self.outs[i]
         if isinstance(ev, Tokens):
-            delta = out.add(ev.token_ids, ev.logprobs)
+            delta = out.add(ev.token_ids, ev.logprobs, ev.prompt_logprobs)
             if delta.finish_reason:  # a stop string: this choice is complete now
                 fan.stop(i, "stop string matched")
             return delta
@@ -122,7 +122,7 @@ class Generation:
         """Every prompt's tokens once (its n choices share it, as vLLM counts), every choice's output."""
         prompts, n = self.params.prompts(), self.params.n
         cached = [self._cached(self.runs[p * n]) for p in range(len(prompts))]
-        return output.usage(sum(len(ids) for ids, _ in prompts), sum(len(o.token_ids) for o in self.outs),
+        return output.usage(sum(len(ids) for ids, _ in prompts), sum(o.completion_tokens for o in self.outs),
                             None if None in cached else sum(c for c in cached if c is not None))
 
     @staticmethod
@@ -168,8 +168,9 @@ class Generation:
         if not all(o.done for o in self.outs):
             raise RuntimeError("request run ended without an outcome")
         choices = [self.render.choice(o) for o in self.outs]
-        return web.json_response(self.render.body(self.request_id, self.created, self.model, choices, False,
-                                                  self._usage(), self._extension()))
+        body = self.render.body(self.request_id, self.created, self.model, choices, False, self._usage(),
+                                self._extension())
+        return web.json_response({**body, **self.render.response_fields(self.outs)})
 
     # -- streaming ----------------------------------------------------------------
     def _chunk(self, choice: Optional[dict], usage_: Optional[dict] = None, ext: Optional[dict] = None) -> bytes:
@@ -200,7 +201,7 @@ class Generation:
                 if delta is not None and (delta.text or delta.token_ids or delta.finish_reason):
                     if not started[i]:  # with the first output, as vLLM: a client's TTFT stays true
                         started[i] = True
-                        opening = self.render.opening(i)
+                        opening = self.render.opening(self.outs[i])
                         if opening is not None:
                             await resp.write(self._chunk(opening))
                     await resp.write(self._stream_delta(i, delta))

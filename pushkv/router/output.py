@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from pushkv.messages import TokenLogprob
+from pushkv.messages import PromptLogprobs, TokenLogprob
 from pushkv.router import text
 
 
@@ -93,10 +93,13 @@ class ChoiceOutput:
     tok: text.Tokenizer
     stops: tuple[str, ...] = ()
     min_tokens: int = 0  # stop strings are not looked for before this many tokens
+    hide: bool = False  # echo with max_tokens 0: the tokens drawn are counted (``hidden``), never shown
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: Optional[str] = None
+    prompt_logprobs: Optional[PromptLogprobs] = None  # the prompt's, when the request asked (with the first tokens)
+    hidden: int = 0
 
     def __post_init__(self):
         self._detok = text.IncrementalDecoder(self.tok)
@@ -106,8 +109,19 @@ class ChoiceOutput:
     def done(self) -> bool:
         return self.finish_reason is not None
 
-    def add(self, ids: Sequence[int], lps: Sequence[TokenLogprob] = ()) -> Delta:
+    @property
+    def completion_tokens(self) -> int:
+        """The tokens drawn for the choice, shown or not (usage counts both, as vLLM's does)."""
+        return len(self.token_ids) + self.hidden
+
+    def add(self, ids: Sequence[int], lps: Sequence[TokenLogprob] = (),
+            prompt: Optional[PromptLogprobs] = None) -> Delta:
+        if prompt is not None:
+            self.prompt_logprobs = prompt
         if self.done:
+            return Delta("", [], [])
+        if self.hide:
+            self.hidden += len(ids)
             return Delta("", [], [])
         armed = len(self.token_ids) + len(ids) >= self.min_tokens
         out, hit = self._stops.feed(self._detok.push(ids), final=False, armed=armed)

@@ -1,13 +1,15 @@
 """One renderer per endpoint: the OpenAI shapes of ``/v1/completions`` and ``/v1/chat/completions``
 (pure, no I/O). ``generate.Generation`` drives a choice's text through ``output.ChoiceOutput`` and hands
 each piece to its endpoint's renderer; what differs between the two endpoints (the response's object
-and id, the logprob shape, echo, the opening chunk, where usage goes) lives here and nowhere else.
+and id, the logprob shape, echo, the opening chunk, where usage goes, where vLLM's prompt logprobs go)
+lives here and nowhere else.
 """
 from __future__ import annotations
 
 from typing import ClassVar, Optional, Sequence
 
-from pushkv.messages import TokenLogprob
+from pushkv.messages import PromptLogprobs, TokenLogprob
+from pushkv.prompt_logprobs import Position, positions
 from pushkv.router import reasoning, tool_calls
 from pushkv.router.api import CompletionParams
 from pushkv.router.output import ChoiceOutput, Delta
@@ -46,8 +48,13 @@ class Renderer:
         """A whole choice of a unary response."""
         raise NotImplementedError
 
-    def opening(self, i: int) -> Optional[dict]:
-        """The choice of the chunk that opens choice i's stream, if the endpoint has one."""
+    def response_fields(self, outs: Sequence[ChoiceOutput]) -> dict:
+        """What a unary response adds beside its choices (chat: vLLM's ``prompt_logprobs``)."""
+        return {}
+
+    def opening(self, out: ChoiceOutput) -> Optional[dict]:
+        """The choice of the chunk that opens a choice's stream, if the endpoint has one (with its
+        first output: the prompt's logprobs have come by then)."""
         raise NotImplementedError
 
     def chunk_choice(self, i: int, delta: Delta) -> dict:
@@ -72,13 +79,30 @@ class CompletionRenderer(Renderer):
         self.offsets[i] += sum(len(s) for s in lp["tokens"])
         return lp
 
+    def _prompt(self, out: ChoiceOutput) -> list[int]:
+        return self.params.prompts()[out.index // self.params.n][0]
+
+    def _echoed(self, out: ChoiceOutput) -> Optional[dict]:
+        """The prompt's part of an echoed choice's logprobs (its first token's null, as OpenAI's)."""
+        if not (self.params.echo and self.want_logprobs):
+            return None
+        return completion_prompt_logprobs(self.tok, self._prompt(out), out.prompt_logprobs)
+
     def choice(self, out: ChoiceOutput) -> dict:
         lp = self.logprobs(out.index, Delta(out.text, out.token_ids, out.logprobs))
-        return completion_choice(out.index, self.prefixes[out.index] + out.text, out.token_ids, out.finish_reason,
+        echoed = self._echoed(out)
+        if echoed is not None and lp is not None:  # the prompt's tokens, then the output's
+            lp = {k: echoed[k] + lp[k] for k in lp}
+        body = completion_choice(out.index, self.prefixes[out.index] + out.text, out.token_ids, out.finish_reason,
                                  lp)
+        if self.params.sampling.prompt_logprobs >= 0:  # vLLM's, whenever they were computed
+            body["prompt_logprobs"] = vllm_prompt_logprobs(self.tok, self._prompt(out), out.prompt_logprobs)
+        return body
 
-    def opening(self, i: int) -> Optional[dict]:
-        return completion_choice(i, self.prefixes[i], [], None) if self.params.echo else None
+    def opening(self, out: ChoiceOutput) -> Optional[dict]:
+        if not self.params.echo:
+            return None
+        return completion_choice(out.index, self.prefixes[out.index], [], None, self._echoed(out))
 
     def chunk_choice(self, i: int, delta: Delta) -> dict:
         return completion_choice(i, delta.text, delta.token_ids, delta.finish_reason, self.logprobs(i, delta))
@@ -115,8 +139,14 @@ class ChatRenderer(Renderer):
             body["message"]["tool_calls"] = calls
         return body
 
-    def opening(self, i: int) -> Optional[dict]:
-        return chat_chunk_choice(i, {"role": "assistant", "content": ""}, None)
+    def response_fields(self, outs: Sequence[ChoiceOutput]) -> dict:
+        if self.params.sampling.prompt_logprobs < 0:
+            return {}
+        ids, prompt = self.params.prompt_token_ids, outs[0].prompt_logprobs  # every choice's prompt: one list
+        return {"prompt_logprobs": vllm_prompt_logprobs(self.tok, ids, prompt)}
+
+    def opening(self, out: ChoiceOutput) -> Optional[dict]:
+        return chat_chunk_choice(out.index, {"role": "assistant", "content": ""}, None)
 
     def chunk_choice(self, i: int, delta: Delta) -> dict:
         # text held back as a possible tag goes out with the choice's last delta
@@ -161,6 +191,55 @@ def completion_logprobs(tok: Tokenizer, ids: Sequence[int], lps: Sequence[TokenL
     tops = [{tok.decode([t]): _lp(v) for t, v in zip(lp.top_ids, lp.top_logprobs)} for lp in lps]
     return {"tokens": tokens, "token_logprobs": [_lp(lp.logprob) for lp in lps],
             "top_logprobs": tops, "text_offset": offsets}
+
+
+def _scored(ids: Sequence[int], plp: Optional[PromptLogprobs]) -> list[Optional[tuple[int, Position]]]:
+    """Per prompt token: (its id, its scored position), or None where nothing scored it (the first)."""
+    if plp is None:  # the router refuses a choice without them before it renders (request.py)
+        raise ValueError("prompt logprobs asked for and missing")
+    got = positions(plp)
+    if plp.start + len(got) != len(ids):
+        raise ValueError(f"prompt logprobs cover {plp.start} + {len(got)} positions of a {len(ids)}-token prompt")
+    return [None] * plp.start + list(zip(ids[plp.start:], got))
+
+
+def completion_prompt_logprobs(tok: Tokenizer, ids: Sequence[int], plp: Optional[PromptLogprobs]) -> dict:
+    """An echoed prompt's part of /v1/completions' logprobs, as OpenAI's legacy completions and vLLM give
+    it: each prompt token, its logprob (the first's null) and a top entry of the token and the N most
+    likely (the first's null); text offsets from the prompt's start."""
+    tokens = [tok.decode([i]) for i in ids]
+    offsets, at = [], 0
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    lps: list[Optional[float]] = []
+    tops: list[Optional[dict]] = []
+    for entry in _scored(ids, plp):
+        if entry is None:
+            lps.append(None)
+            tops.append(None)
+            continue
+        tid, p = entry
+        lps.append(_lp(p.logprob))
+        tops.append({tok.decode([t]): _lp(v) for t, v in [(tid, p.logprob), *zip(p.top_ids, p.top_logprobs)]})
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def vllm_prompt_logprobs(tok: Tokenizer, ids: Sequence[int], plp: Optional[PromptLogprobs]) -> list[Optional[dict]]:
+    """vLLM's ``prompt_logprobs``: per prompt token (the first: null) a map of token id (as a string)
+    to ``{logprob, rank, decoded_token}``: the prompt's token with its rank, then the N most likely
+    with ranks 1..N (the prompt's token among them keeps its place and takes theirs, as vLLM's dict does)."""
+    out: list[Optional[dict]] = []
+    for entry in _scored(ids, plp):
+        if entry is None:
+            out.append(None)
+            continue
+        tid, p = entry
+        d = {str(tid): {"logprob": _lp(p.logprob), "rank": p.rank, "decoded_token": tok.decode([tid])}}
+        for rank, (t, v) in enumerate(zip(p.top_ids, p.top_logprobs), 1):
+            d[str(t)] = {"logprob": _lp(v), "rank": rank, "decoded_token": tok.decode([t])}
+        out.append(d)
+    return out
 
 
 def chat_logprobs(tok: Tokenizer, ids: Sequence[int], lps: Sequence[TokenLogprob]) -> dict:

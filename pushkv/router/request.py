@@ -172,11 +172,12 @@ class Request:
         self.ledger = Ledger(arrival=arrival, prompt_tokens=len(spec.prompt), path=spec.mode,
                              late=spec.mode == "pull")
         self.ledger.timeline["router.arrival"] = arrival + spec.wall_offset if arrival_wall is None else arrival_wall
-        # the machine's own working state, not facts: the one deadline, and (disaggregated) P drew
-        # the first token, so its logprob comes from P; D's first TokensGenerated waits in ``held``
-        # for it when the request asked for logprobs
+        # the machine's own working state, not facts: the one deadline, and (disaggregated) P's own
+        # report: P drew the first token and computed the prompt, so the first token's logprob and the
+        # prompt's come from P; D's first TokensGenerated waits in ``held`` for it when the request
+        # asked for either
         self.deadline = math.inf
-        self.first_logprob: Optional[m.TokenLogprob] = None
+        self.p_report: Optional[m.TokensGenerated] = None
         self.held: list[m.TokensGenerated] = []
 
     # -- what others read --------------------------------------------------------
@@ -393,37 +394,60 @@ class Request:
         return (s is not None and s.logprobs >= 0 and "prefill" in self.ledger.sent
                 and self.ledger.emitted == 0 and bool(msg.token_ids) and len(msg.logprobs) < len(msg.token_ids))
 
+    def _needs_p_prompt(self, msg: m.TokensGenerated) -> bool:
+        """D's first tokens of a request that asked prompt logprobs: P computed the prompt, they are P's."""
+        s = self.spec.sampling
+        return (s is not None and s.prompt_logprobs >= 0 and "prefill" in self.ledger.sent
+                and self.ledger.emitted == 0 and bool(msg.token_ids))
+
+    def _waits_for_p(self, msg: m.TokensGenerated) -> bool:
+        return self.p_report is None and (self._needs_first_logprob(msg) or self._needs_p_prompt(msg))
+
+    def _on_p_report(self, msg: m.TokensGenerated, now: float, leg: Source) -> list[Action]:
+        """P's own sampled token: D re-emits it; we keep what only P computed (its logprob, the
+        prompt's logprobs) and let D's tokens that waited for it go, in order."""
+        self._merge(leg, msg.timeline)
+        if self.p_report is not None or not (msg.logprobs or msg.prompt_logprobs is not None):
+            return []
+        self.p_report = msg
+        held, self.held = self.held, []
+        out: list[Action] = []
+        for h in held:
+            out += self.on(h, now, self.token_leg)
+        return out
+
     def _on_tokens(self, msg: m.TokensGenerated, now: float, leg: Source) -> list[Action]:
         led = self.ledger
-        if leg != self.token_leg:  # P's own sampled token: D re-emits it, we keep its logprob
-            self._merge(leg, msg.timeline)
-            if not (msg.logprobs and self.first_logprob is None):
-                return []
-            self.first_logprob = msg.logprobs[0]
-            held, self.held = self.held, []
-            out: list[Action] = []
-            for h in held:  # D's tokens that waited for it, in order
-                out += self.on(h, now, self.token_leg)
-            return out
+        if leg != self.token_leg:
+            return self._on_p_report(msg, now, leg)
         if led.done:  # a duplicate of D's last message
             log.warning("tokens after the last from %s transfer_id=%s", leg, self.transfer_id)
             return []
-        if self.held or (self._needs_first_logprob(msg) and self.first_logprob is None):
+        if self.held or self._waits_for_p(msg):
             self.held.append(msg)  # in order, behind the first token
             return []
-        out = []
+        out: list[Action] = []
         if not led.kv_seen and self.spec.mode != "local":  # D's first token: its KV is here
             led.kv_seen = True
             out.append(KVArrived())
+        prompt = msg.prompt_logprobs
+        if self._needs_p_prompt(msg):
+            assert self.p_report is not None
+            prompt = self.p_report.prompt_logprobs
         if self._needs_first_logprob(msg):
-            assert self.first_logprob is not None
-            msg = msgspec.structs.replace(msg, logprobs=(self.first_logprob,) + msg.logprobs)
+            assert self.p_report is not None
+            if not self.p_report.logprobs:
+                return out + self._fail(502, "the prefill instance sent no logprob for the first token")
+            msg = msgspec.structs.replace(msg, logprobs=self.p_report.logprobs[:1] + msg.logprobs)
+        s = self.spec.sampling
+        if s is not None and s.prompt_logprobs >= 0 and led.emitted == 0 and msg.token_ids and prompt is None:
+            return out + self._fail(502, "the instance that prefilled the prompt sent no prompt logprobs")
         led.output_ids.extend(msg.token_ids)
         if msg.token_ids:
             if led.first_token is None:
                 self._mark("router.first_token", now)
             led.add_tokens(now, len(msg.token_ids))
-            out.append(Tokens(tuple(msg.token_ids), tuple(msg.logprobs)))
+            out.append(Tokens(tuple(msg.token_ids), tuple(msg.logprobs), prompt))
         if msg.finished:
             out += self._last_tokens(msg, now, leg)
         return out

@@ -106,6 +106,7 @@ class Send:
 class Tokens:
     token_ids: tuple[int, ...]
     logprobs: tuple[m.TokenLogprob, ...] = ()  # one per token id when the request asked
+    prompt_logprobs: Optional[m.PromptLogprobs] = None  # with the first tokens, when the request asked
 
 
 @dataclass(frozen=True)

@@ -143,7 +143,7 @@ def test_the_samples_are_every_input():
 
 
 def snapshot(req: R.Request) -> tuple:
-    return req.phase, copy.deepcopy(req.ledger), req.deadline, list(req.held), req.first_logprob
+    return req.phase, copy.deepcopy(req.ledger), req.deadline, list(req.held), req.p_report
 
 
 @pytest.mark.parametrize("phase, msg, leg", ILLEGAL,

@@ -140,6 +140,7 @@ class Run:
         self.prompt = (1,) * prompt
         self.max_tokens = max_tokens
         self.got: list = []
+        self.reuses_prefix = True
 
     @property
     def decode_tokens(self):

@@ -34,7 +34,7 @@ def test_add_special_tokens_as_vllm_takes_it(tok):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("prompt_logprobs", 1), ("prompt_logprobs", 0), ("allowed_token_ids", [5, 6]), ("bad_words", ["x"]),
+    ("allowed_token_ids", [5, 6]), ("bad_words", ["x"]),
     ("truncate_prompt_tokens", 8), ("include_stop_str_in_output", True), ("skip_special_tokens", False),
     ("spaces_between_special_tokens", False), ("length_penalty", 0.5),
 ])
