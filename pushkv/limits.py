@@ -49,6 +49,8 @@ BOUNDS = (
     Bound("n", f"1-{MAX_N}", "each choice is its own prefill and decode"),
     Bound("best_of", f"1-{MAX_BEST_OF}, equal to n", "nothing ranks candidates"),
     Bound("logprobs (completions), top_logprobs (chat)", f"0-{MAX_LOGPROBS}", "OpenAI's and vLLM's bound"),
+    Bound("prompt_logprobs (vLLM's; echo with logprobs scores the prompt with as many)", f"0-{MAX_LOGPROBS}",
+          "vLLM's max_logprobs; every prompt position gives that many"),
     Bound("logit_bias", f"at most {MAX_LOGIT_BIAS} entries; keys canonical token ids (\"7\", not \"07\", "
           f"\" 7\", \"+7\", \"7.0\"); values -{LOGIT_BIAS_ABS:g} to {LOGIT_BIAS_ABS:g}",
           "one scatter per entry per step, in every step's message"),

@@ -85,8 +85,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--distributed-executor-backend",), WHEN, "mp: every rank is a process of its own", str, _of("mp", "uni")),
     Flag(("--tokenizer-mode",), WHEN, "auto: the checkpoint's tokenizer.json", str, _of("auto", "hf")),
     Flag(("--scheduling-policy",), WHEN, "fcfs: requests are served in the order they arrive", str, _of("fcfs")),
-    Flag(("--max-logprobs",), WHEN, "20: pushkv's bound on logprobs and top_logprobs (pushkv/limits.py)", int,
-         lambda v: int(v) == 20),
+    Flag(("--max-logprobs",), WHEN, "20: pushkv's bound on logprobs, top_logprobs and prompt_logprobs "
+         "(pushkv/limits.py)", int, lambda v: int(v) == 20),
     Flag(("--cpu-offload-gb",), WHEN, "0: weights stay on the device", float, _zero),
     Flag(("--trust-remote-code",), WHEN, "taken: pushkv runs no code from a checkpoint; an architecture outside its "
          "registry is refused by name", SWITCH, lambda v: True),
