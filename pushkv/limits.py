@@ -107,7 +107,7 @@ def _worst_sampling(cfg: DeploymentConfig) -> m.SamplingParams:
     bias = tuple((top - i, -LOGIT_BIAS_ABS - 0.1) for i in range(MAX_LOGIT_BIAS))  # a float64 each
     return m.SamplingParams(temperature=0.1, top_p=0.1, top_k=top, min_p=0.1, seed=(1 << 64) - 1,
                             presence_penalty=-0.1, frequency_penalty=-0.1, logit_bias=bias,
-                            logprobs=MAX_LOGPROBS, min_tokens=max_len(cfg))
+                            logprobs=MAX_LOGPROBS, min_tokens=max_len(cfg), prompt_logprobs=MAX_LOGPROBS)
 
 
 def largest_generate(cfg: DeploymentConfig) -> m.Generate:

@@ -26,7 +26,8 @@ def router_generate_at_every_bound(cfg: DeploymentConfig) -> m.Generate:
     vocab, n = cfg.model.vocab_size, L.max_len(cfg)
     body = {"prompt": [vocab - 1] * (n - 1), "max_tokens": 1, "temperature": 0.5, "top_p": 0.5, "top_k": vocab,
             "min_p": 0.5, "seed": (1 << 64) - 1, "presence_penalty": -2, "frequency_penalty": -2,
-            "logprobs": L.MAX_LOGPROBS, "stop_token_ids": list(range(vocab - L.MAX_STOP_TOKEN_IDS, vocab)),
+            "logprobs": L.MAX_LOGPROBS, "prompt_logprobs": L.MAX_LOGPROBS,
+            "stop_token_ids": list(range(vocab - L.MAX_STOP_TOKEN_IDS, vocab)),
             "logit_bias": {str(vocab - 1 - i): -99.5 for i in range(min(vocab, L.MAX_LOGIT_BIAS))}}
     p = api.parse_completion(body, text.ByteTokenizer(), api.Limits(vocab, n, eos_token_ids=(0,)))
     src = cfg.prefill.source()
