@@ -15,7 +15,7 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def decode(self, ids) -> str: ...
+    def decode(self, ids, skip_special_tokens: bool = True) -> str: ...
 
 
 class ByteTokenizer:
@@ -32,7 +32,7 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def decode(self, ids) -> str:
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
 
@@ -70,8 +70,8 @@ class HFTokenizer:
         """The id's string in the vocabulary (transformers' convert_ids_to_tokens)."""
         return self._tok.id_to_token(i)
 
-    def decode(self, ids) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
 
 def get_tokenizer(cfg: ModelConfig) -> Tokenizer:

@@ -29,7 +29,7 @@ from typing import Any, Optional
 import msgspec
 
 from pushkv import limits as L
-from pushkv.router import api, text
+from pushkv.router import api, text, tool_calls
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 PLAIN_TEMPLATE = (
@@ -249,4 +249,6 @@ def parse_chat(body: dict, tok: text.Tokenizer, limits: api.Limits, template: Ch
     params.reasoning_parser = reasoning_parser
     # tool_choice auto (the default with tools): the deployment's parser takes the calls out of the output
     params.tool_call_parser = tool_call_parser if tools and body.get("tool_choice") in (None, "auto") else ""
+    if params.tool_call_parser in tool_calls.KEEPS_SPECIAL_TOKENS:  # its markers are special tokens, as vLLM keeps
+        params.skip_special_tokens = False
     return params

@@ -103,7 +103,8 @@ class Generation:
         self.request_id = self.render.request_id(runs[0].transfer_id.split("-")[0])
         self.model = model
         self.created = output.now_s()
-        self.outs = [output.ChoiceOutput(i, tok, params.stop, params.sampling.min_tokens, hide=params.echo_only)
+        self.outs = [output.ChoiceOutput(i, tok, params.stop, params.sampling.min_tokens, hide=params.echo_only,
+                                         stop_ids=params.stop_token_ids, skip_special=params.skip_special_tokens)
                      for i in range(params.choices)]
 
     # -- bookkeeping -------------------------------------------------------

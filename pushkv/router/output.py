@@ -94,6 +94,9 @@ class ChoiceOutput:
     stops: tuple[str, ...] = ()
     min_tokens: int = 0  # stop strings are not looked for before this many tokens
     hide: bool = False  # echo with max_tokens 0: the tokens drawn are counted (``hidden``), never shown
+    # the ids that end the choice (EOS, stop_token_ids): in token_ids, never in the text, as vLLM's
+    stop_ids: tuple[int, ...] = ()
+    skip_special: bool = True  # vLLM's skip_special_tokens: special tokens left out of the text
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -102,7 +105,7 @@ class ChoiceOutput:
     hidden: int = 0
 
     def __post_init__(self):
-        self._detok = text.IncrementalDecoder(self.tok)
+        self._detok = text.IncrementalDecoder(self.tok, self.skip_special)
         self._stops = StopStrings(self.stops)
 
     @property
@@ -124,7 +127,9 @@ class ChoiceOutput:
             self.hidden += len(ids)
             return Delta("", [], [])
         armed = len(self.token_ids) + len(ids) >= self.min_tokens
-        out, hit = self._stops.feed(self._detok.push(ids), final=False, armed=armed)
+        # a stop id comes only last (the sampler bans them before min_tokens), and its text is not the answer's
+        shown = [i for i in ids if i not in self.stop_ids] if self.stop_ids else ids
+        out, hit = self._stops.feed(self._detok.push(shown), final=False, armed=armed)
         return self._delta(out, ids, lps, "stop" if hit else None)
 
     def finish(self, reason: str) -> Delta:

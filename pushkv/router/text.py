@@ -19,7 +19,7 @@ REPLACEMENT = "\ufffd"  # what a decoder yields for an incomplete UTF-8 tail
 class Tokenizer(Protocol):
     def encode(self, text: str) -> Any: ...
 
-    def decode(self, ids: Sequence[int]) -> str: ...
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
 
 class ByteTokenizer:
@@ -32,7 +32,7 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
 
@@ -58,10 +58,13 @@ class IncrementalDecoder:
     Keeps two offsets into the ids: ``prefix`` (start of the window decoded
     for context) and ``read`` (end of what has been emitted). A delta that
     ends in an incomplete character is held back until the next ids arrive.
+    ``skip_special``: special tokens left out of the text (vLLM's
+    ``skip_special_tokens``, true by default).
     """
 
-    def __init__(self, tok: Tokenizer):
+    def __init__(self, tok: Tokenizer, skip_special: bool = True):
         self.tok = tok
+        self.skip_special = skip_special
         self.ids: list[int] = []
         self.prefix = 0
         self.read = 0
@@ -76,12 +79,17 @@ class IncrementalDecoder:
     def _delta(self, final: bool) -> str:
         if self.read >= len(self.ids):
             return ""
-        before = self.tok.decode(self.ids[self.prefix:self.read])
-        full = self.tok.decode(self.ids[self.prefix:])
+        before = self._decode(self.ids[self.prefix:self.read])
+        full = self._decode(self.ids[self.prefix:])
         if len(full) <= len(before) or (full.endswith(REPLACEMENT) and not final):
             return ""
         self.prefix, self.read = self.read, len(self.ids)
         return full[len(before):]
+
+    def _decode(self, ids: list[int]) -> str:
+        if self.skip_special:
+            return self.tok.decode(ids)  # every tokenizer's default; a test's may take no keyword
+        return self.tok.decode(ids, skip_special_tokens=False)
 
 
 def tag_start(text: str, tag: str) -> int:

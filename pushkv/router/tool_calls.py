@@ -15,12 +15,13 @@ gives them, each becoming an OpenAI ``tool_calls`` entry (``arguments`` a JSON s
   ``name[ARGS]{...}`` (``name{...}`` where ``[ARGS]`` is left out), one ``[TOOL_CALLS]`` to a call. The text
   before and after the calls is content (vLLM drops what follows them), and so is a call that does not parse, its
   ``[TOOL_CALLS]`` kept. Each call's id is 9 letters and digits: Mistral's templates refuse any other in the
-  conversation that follows. ``[TOOL_CALLS]`` and ``[ARGS]`` are special tokens, which pushkv's text leaves out
-  (vLLM keeps them for this parser), so a call in either form that begins the output, or follows another call, is
-  read as if its ``[TOOL_CALLS]`` were there; unmarked, a listed call needs its ``arguments`` object, so that a
-  JSON answer listing things with names stays content. Streamed, content goes out as it comes, text that may
-  still begin ``[TOOL_CALLS]`` (or, where a call may begin unmarked, a call) is held back, and each call goes out
-  whole as its JSON ends (a list's calls together).
+  conversation that follows. ``[TOOL_CALLS]`` and ``[ARGS]`` are special tokens: a request this parser reads keeps
+  special tokens in its text (``KEEPS_SPECIAL_TOKENS``, as vLLM does), and a call in either form that begins the
+  output, or follows another call, is also read unmarked, as if its ``[TOOL_CALLS]`` were there;
+  unmarked, a listed call needs its ``arguments`` object, so that a JSON answer listing things with names stays
+  content. Streamed, content goes out as it comes, text that may still begin ``[TOOL_CALLS]`` (or, where a call
+  may begin unmarked, a call) is held back, and each call goes out whole as its JSON ends (a list's calls
+  together).
 - ``pythonic`` (Llama 3.2, Llama 4, ToolACE): an output that is a Python list of calls, ``[get_weather(city=
   "Paris"), f(x=1)]``, read with :mod:`ast` (never run): each call a plain name with keyword arguments whose
   values are literals JSON can hold (strings, numbers, booleans, None, lists, tuples, dicts with string keys).
@@ -183,6 +184,9 @@ class Streamer:
 
 
 MARKER, ARGS = "[TOOL_CALLS]", "[ARGS]"
+# the parsers whose markers are special tokens: a request they read keeps special tokens in its text (vLLM's
+# skip_special_tokens false), the ids that end it aside
+KEEPS_SPECIAL_TOKENS = ("mistral",)
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
 _UNMARKED = re.compile(r"\[\s*\{|[A-Za-z_][A-Za-z0-9_.-]*(?:\[ARGS\])?\{")  # a call that left its marker out
 _OPEN_LIST = re.compile(r"\[\s*")

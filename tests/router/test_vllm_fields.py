@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pushkv.model.tokenizer import HFTokenizer
-from pushkv.router import api, chat
+from pushkv.router import api, chat, output, tool_calls
 from tests.model.test_hf_reference import _tokenizer
 from tests.router.test_chat_fields import MESSAGES, QWEN3_LIKE
 
@@ -35,7 +35,7 @@ def test_add_special_tokens_as_vllm_takes_it(tok):
 
 @pytest.mark.parametrize("field, value", [
     ("allowed_token_ids", [5, 6]), ("bad_words", ["x"]),
-    ("truncate_prompt_tokens", 8), ("include_stop_str_in_output", True), ("skip_special_tokens", False),
+    ("truncate_prompt_tokens", 8), ("include_stop_str_in_output", True),
     ("spaces_between_special_tokens", False), ("length_penalty", 0.5),
 ])
 def test_a_vllm_field_that_would_change_the_answer_is_refused(tok, field, value):
@@ -50,3 +50,34 @@ def test_a_vllm_field_that_would_change_the_answer_is_refused(tok, field, value)
 def test_the_values_that_change_nothing_are_taken(tok, field):
     for value in api.VLLM_UNBUILT[field][0]:
         api.parse_completion({"prompt": "hi", field: value}, tok, LIMITS)
+
+
+def test_skip_special_tokens_false_keeps_them_in_the_text_and_the_stop_id_out(tok):
+    """vLLM's skip_special_tokens: false keeps special tokens in the text; the id that ended the choice (EOS here)
+    is in its token ids and never in its text, either way."""
+    ids = tok.encode("hello world")
+    eos = 3  # </s>
+    assert ids[0] == 2 and 2 not in ids[1:]  # <s>, special
+    for body, want in (({}, "hello world"), ({"skip_special_tokens": False}, "<s>hello world"),
+                       ({"skip_special_tokens": True}, "hello world")):
+        params = api.parse_completion({"prompt": "x", "stop_token_ids": [eos], **body}, tok, LIMITS)
+        out = output.ChoiceOutput(0, tok, stop_ids=params.stop_token_ids, skip_special=params.skip_special_tokens)
+        streamed = "".join(out.add([i]).text for i in [*ids, eos]) + out.finish("stop").text
+        assert (streamed, out.text, out.token_ids) == (want, want, [*ids, eos])
+    with pytest.raises(api.ApiError) as e:
+        api.parse_completion({"prompt": "x", "skip_special_tokens": "no"}, tok, LIMITS)
+    assert (e.value.status, e.value.param) == (400, "skip_special_tokens")
+
+
+@pytest.mark.parametrize("parser, keeps", [("mistral", True), ("hermes", False), ("pythonic", False)])
+def test_a_parser_whose_markers_are_special_tokens_keeps_them_in_the_text(tok, parser, keeps):
+    """Mistral's [TOOL_CALLS] is a special token: a chat request its parser reads keeps special tokens, as vLLM's
+    mistral parser does; with tool_choice none (no parser) the text is as usual."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    body = {"messages": MESSAGES, "tools": tools}
+    template = chat.ChatTemplate(QWEN3_LIKE)
+    params = chat.parse_chat(body, tok, LIMITS, template, tool_call_parser=parser)
+    assert (params.tool_call_parser, params.skip_special_tokens) == (parser, not keeps)
+    assert (parser in tool_calls.KEEPS_SPECIAL_TOKENS) == keeps
+    plain = chat.parse_chat({**body, "tool_choice": "none"}, tok, LIMITS, template, tool_call_parser=parser)
+    assert (plain.tool_call_parser, plain.skip_special_tokens) == ("", True)
