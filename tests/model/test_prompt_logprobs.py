@@ -185,3 +185,18 @@ def test_prompt_logprobs_equal_transformers_float32(tmp_path):
         model = build_model(model_config_from_hf(path, engine=engine))
         got, _ = _scored(model, ids, 3, 5, tuple(range(8)), new_pool(model, 9, 16))
         _close(got, want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_gpu_batched_engine_scores_the_prompt_as_torch_does(deterministic):
+    """On CUDA (the batched engine's kernels; a step that scores is run eager, not replayed): the chunked prompt's
+    logprobs equal log_softmax of the dense reference's logits, computed on the CPU from the same weights."""
+    cfg = preset("small", deterministic=deterministic)  # float32
+    model = build_model(cfg, device="cuda")
+    model.enable_batched(max_num_seqs=8)
+    prompt = prompt_of(45, seed=3)
+    table = tuple(range(8))
+    got, _ = _scored(model, prompt, 5, 16, table, new_pool(model, 9, 8).cuda())
+    cpu = build_model(cfg)
+    _close(got, _want(cpu, prompt, 5))
