@@ -188,7 +188,9 @@ def completion_logprobs(tok: Tokenizer, ids: Sequence[int], lps: Sequence[TokenL
     for s in tokens:
         offsets.append(offset)
         offset += len(s)
-    tops = [{tok.decode([t]): _lp(v) for t, v in zip(lp.top_ids, lp.top_logprobs)} for lp in lps]
+    # the sampled token's own entry first, then the N most likely (N + 1 at most, as OpenAI's and vLLM's)
+    tops = [{s: _lp(lp.logprob), **{tok.decode([t]): _lp(v) for t, v in zip(lp.top_ids, lp.top_logprobs)}}
+            for s, lp in zip(tokens, lps)]
     return {"tokens": tokens, "token_logprobs": [_lp(lp.logprob) for lp in lps],
             "top_logprobs": tops, "text_offset": offsets}
 

@@ -116,10 +116,14 @@ def test_logprob_shapes():
     from pushkv.messages import TokenLogprob
 
     tok = text.ByteTokenizer()
-    lps = [TokenLogprob(-0.5, (104, 105), (-0.5, -1.0)), TokenLogprob(float("-inf"), (), ())]
-    c = render.completion_logprobs(tok, [104, 105], lps, offset=3)
-    assert c == {"tokens": ["h", "i"], "token_logprobs": [-0.5, render.FLOOR_LOGPROB],
-                 "top_logprobs": [{"h": -0.5, "i": -1.0}, {}], "text_offset": [3, 4]}
+    lps = [TokenLogprob(-0.5, (104, 105), (-0.5, -1.0)), TokenLogprob(float("-inf"), (), ()),
+           TokenLogprob(-2.0, (104, 105), (-0.5, -1.0))]
+    c = render.completion_logprobs(tok, [104, 105, 106], lps, offset=3)
+    # completions: the sampled token's own entry first, then the top N (N + 1 at most, as OpenAI's and vLLM's)
+    assert c == {"tokens": ["h", "i", "j"], "token_logprobs": [-0.5, render.FLOOR_LOGPROB, -2.0],
+                 "top_logprobs": [{"h": -0.5, "i": -1.0}, {"i": render.FLOOR_LOGPROB},
+                                  {"j": -2.0, "h": -0.5, "i": -1.0}], "text_offset": [3, 4, 5]}
+    assert list(c["top_logprobs"][2]) == ["j", "h", "i"]
     ch = render.chat_logprobs(tok, [104], lps[:1])["content"][0]
     assert ch["token"] == "h" and ch["bytes"] == [104] and [t["token"] for t in ch["top_logprobs"]] == ["h", "i"]
     json.dumps(c, allow_nan=False)
