@@ -146,6 +146,9 @@ s.print_callees('_post_write|_prefill_done|on_ExpectKV|_poll_notifs')" 2>&1 | gr
     scoregpu) # prompt logprobs scored on CUDA by the batched engine, against the dense reference on the CPU
             timeout 200 python3 -m pytest -q -p no:cacheprovider tests/model/test_prompt_logprobs.py -k gpu -rfE 2>&1 \
               | tee "$OUT/prompt_logprobs_tests.txt" | tail -4 ;;
+    mlagpu) # one MLA decode row's attention on the GPU: expanded (the per-sequence engine) against absorbed (batched)
+            timeout 200 python3 -m experiments.mla_decode_bench --device cuda --contexts 512 4096 16384 \
+              --out "$OUT/mla_decode_gpu.json" 2>&1 | tee "$OUT/mla_decode_gpu.txt" | tail -6 ;;
     attntune) timeout 300 python3 -m experiments.attn_tune 2>&1 | tee "$OUT/attn_tune.txt" ;;
     kvverifyfaults) # the fault cases end to end with the pools in GPU memory (push-layer and pull, tiny models)
               timeout 500 python3 -m pytest -q -p no:cacheprovider -rs tests/e2e/test_kv_verify.py -k cuda \
