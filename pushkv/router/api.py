@@ -96,6 +96,7 @@ class CompletionParams:
     reasoning_parser: str = ""  # chat: its choices' reasoning apart (router/reasoning.py; the deployment's)
     tool_call_parser: str = ""  # chat with tools, tool_choice auto: calls out of the content (router/tool_calls.py)
     skip_special_tokens: bool = True  # vLLM's: special tokens left out of the output's text
+    include_stop_str_in_output: bool = False  # vLLM's: the text ends with the stop string (or stop id's text)
     # completions' prompt as a batch of several: each prompt (ids, text) with its own n choices, choice
     # p * n + c being prompt p's c-th; empty: the one prompt above
     batch: list[tuple[list[int], str]] = field(default_factory=list)
@@ -315,7 +316,6 @@ VLLM_UNBUILT: dict[str, tuple[tuple, str]] = {
     "allowed_token_ids": ((None, []), "the vocabulary is not restricted per request (logit_bias can)"),
     "bad_words": ((None, []), "words are not banned per request (logit_bias can ban their tokens)"),
     "truncate_prompt_tokens": ((None,), "prompts are not truncated: one too long is refused"),
-    "include_stop_str_in_output": ((None, False), "the stop string is never returned"),
     "spaces_between_special_tokens": ((None, True), "the text is the tokenizer's decode"),
     "length_penalty": ((None, 1, 1.0), "beam search is not built"),
 }
@@ -388,6 +388,7 @@ def parse_generation(body: dict, ids: list[int], limits: Limits, default_max: Op
         model=model if isinstance(model, str) else "", sampling=sampling,
         stop=tuple(dict.fromkeys(stop)), n=n, include_usage=include_usage,
         skip_special_tokens=get_bool(body, "skip_special_tokens", True),
+        include_stop_str_in_output=get_bool(body, "include_stop_str_in_output"),
     )
 
 

@@ -48,10 +48,12 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: Optional[in
 
 
 class StopStrings:
-    """Finds the first stop string in the text as it grows; holds back a possible start of one."""
+    """Finds the first stop string in the text as it grows; holds back a possible start of one. The text ends
+    before it, or with it where ``include`` (vLLM's ``include_stop_str_in_output``)."""
 
-    def __init__(self, stops: Sequence[str]):
+    def __init__(self, stops: Sequence[str], include: bool = False):
         self.stops = tuple(stops)
+        self.include = include
         self.pending = ""
 
     def feed(self, new: str, final: bool, armed: bool = True) -> tuple[str, bool]:
@@ -62,10 +64,11 @@ class StopStrings:
         if not armed:
             self.pending = ""
             return buf, False
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
-        if hits:
+        hits = [(i, -len(s)) for i, s in ((buf.find(s), s) for s in self.stops) if i >= 0]
+        if hits:  # the first to begin (the longest of those beginning there)
             self.pending = ""
-            return buf[:min(hits)], True
+            at, minus_len = min(hits)
+            return buf[:at - minus_len if self.include else at], True
         if final or not self.stops:
             self.pending = ""
             return buf, False
@@ -94,8 +97,10 @@ class ChoiceOutput:
     stops: tuple[str, ...] = ()
     min_tokens: int = 0  # stop strings are not looked for before this many tokens
     hide: bool = False  # echo with max_tokens 0: the tokens drawn are counted (``hidden``), never shown
-    # the ids that end the choice (EOS, stop_token_ids): in token_ids, never in the text, as vLLM's
+    # the ids that end the choice (EOS, stop_token_ids): in token_ids, and in the text only with include_stop, as
+    # vLLM's
     stop_ids: tuple[int, ...] = ()
+    include_stop: bool = False  # vLLM's include_stop_str_in_output: the stop string (or id's text) ends the text
     skip_special: bool = True  # vLLM's skip_special_tokens: special tokens left out of the text
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
@@ -106,7 +111,7 @@ class ChoiceOutput:
 
     def __post_init__(self):
         self._detok = text.IncrementalDecoder(self.tok, self.skip_special)
-        self._stops = StopStrings(self.stops)
+        self._stops = StopStrings(self.stops, self.include_stop)
 
     @property
     def done(self) -> bool:
@@ -128,7 +133,7 @@ class ChoiceOutput:
             return Delta("", [], [])
         armed = len(self.token_ids) + len(ids) >= self.min_tokens
         # a stop id comes only last (the sampler bans them before min_tokens), and its text is not the answer's
-        shown = [i for i in ids if i not in self.stop_ids] if self.stop_ids else ids
+        shown = [i for i in ids if i not in self.stop_ids] if self.stop_ids and not self.include_stop else ids
         out, hit = self._stops.feed(self._detok.push(shown), final=False, armed=armed)
         return self._delta(out, ids, lps, "stop" if hit else None)
 

@@ -35,7 +35,7 @@ def test_add_special_tokens_as_vllm_takes_it(tok):
 
 @pytest.mark.parametrize("field, value", [
     ("allowed_token_ids", [5, 6]), ("bad_words", ["x"]),
-    ("truncate_prompt_tokens", 8), ("include_stop_str_in_output", True),
+    ("truncate_prompt_tokens", 8),
     ("spaces_between_special_tokens", False), ("length_penalty", 0.5),
 ])
 def test_a_vllm_field_that_would_change_the_answer_is_refused(tok, field, value):
@@ -81,3 +81,30 @@ def test_a_parser_whose_markers_are_special_tokens_keeps_them_in_the_text(tok, p
     assert (parser in tool_calls.KEEPS_SPECIAL_TOKENS) == keeps
     plain = chat.parse_chat({**body, "tool_choice": "none"}, tok, LIMITS, template, tool_call_parser=parser)
     assert (plain.tool_call_parser, plain.skip_special_tokens) == ("", True)
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_include_stop_str_in_output_ends_the_text_with_the_stop(tok, include):
+    """vLLM's include_stop_str_in_output: the text ends with the stop string that ended it (the first to begin,
+    the longest of those beginning there), or with the stop id's text (special tokens kept, here); without it,
+    before them. Streamed piece by piece or whole, the same text."""
+    body = {"prompt": "x", "stop": ["o w", "zz"], "include_stop_str_in_output": include}
+    params = api.parse_completion(body, tok, LIMITS)
+    assert params.include_stop_str_in_output is include
+    ids = tok.encode("hello world")[1:]
+    out = output.ChoiceOutput(0, tok, params.stop, stop_ids=params.stop_token_ids,
+                              include_stop=params.include_stop_str_in_output)
+    text = "".join(out.add([i]).text for i in ids)
+    assert (text, out.finish_reason) == (("hello w" if include else "hell"), "stop")
+    # two beginning at one place in the text at hand: the longest
+    assert output.StopStrings(["o", "o w", "l"], include).feed("hello world", final=True) == (
+        "hel" if include else "he", True)
+    assert output.StopStrings(["o", "o w"], include).feed("hello world", final=True) == (
+        "hello w" if include else "hell", True)
+    eos = 3  # </s>, kept in the text with skip_special_tokens false
+    by_id = api.parse_completion({"prompt": "x", "stop_token_ids": [eos], "skip_special_tokens": False,
+                                  "include_stop_str_in_output": include}, tok, LIMITS)
+    out = output.ChoiceOutput(0, tok, stop_ids=by_id.stop_token_ids, skip_special=False,
+                              include_stop=by_id.include_stop_str_in_output)
+    text = "".join(out.add([i]).text for i in [*ids, eos]) + out.finish("stop").text
+    assert text == ("hello world</s>" if include else "hello world")
