@@ -231,6 +231,17 @@ def parse_request(raw: bytes, served: tuple[str, ...],
     return params
 
 
+def truncate_prompt(ids: list[int], body: dict, limits: Limits) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: k >= 1 keeps a prompt's last k tokens, -1 its last ``max_model_len``;
+    absent, the prompt as it is (one too long is refused)."""
+    k = get_int(body, "truncate_prompt_tokens", None, -1, limits.max_model_len)
+    if k is None:
+        return ids
+    if k == 0:
+        raise bad("truncate_prompt_tokens", "truncate_prompt_tokens must be -1 (max_model_len) or at least 1, got 0")
+    return ids[-(limits.max_model_len if k == -1 else k):]
+
+
 def check_prompt_ids(ids: list[int], limits: Limits, param: str = "prompt") -> None:
     bad_ids = [i for i in ids if not 0 <= i < limits.vocab_size]
     if bad_ids:
@@ -247,6 +258,9 @@ def parse_completion(body: dict, tok: text.Tokenizer, limits: Limits) -> Complet
                    for ids, text_ in prompts]
         if any(not ids for ids, _ in prompts):
             raise bad("prompt", "prompt is empty without its special tokens")
+    # vLLM's truncate_prompt_tokens: each prompt's last k tokens (echo shows what was kept)
+    prompts = [(kept, text_ if len(kept) == len(ids) else "") for ids, text_ in prompts
+               for kept in (truncate_prompt(ids, body, limits),)]
     for i, (ids, _) in enumerate(prompts):
         check_prompt_ids(ids, limits, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
     if body.get("suffix") not in (None, ""):
@@ -315,7 +329,6 @@ def refuse_structured_output(body: dict) -> None:
 VLLM_UNBUILT: dict[str, tuple[tuple, str]] = {
     "allowed_token_ids": ((None, []), "the vocabulary is not restricted per request (logit_bias can)"),
     "bad_words": ((None, []), "words are not banned per request (logit_bias can ban their tokens)"),
-    "truncate_prompt_tokens": ((None,), "prompts are not truncated: one too long is refused"),
     "spaces_between_special_tokens": ((None, True), "the text is the tokenizer's decode"),
     "length_penalty": ((None, 1, 1.0), "beam search is not built"),
 }

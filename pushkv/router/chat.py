@@ -232,6 +232,7 @@ def parse_chat(body: dict, tok: text.Tokenizer, limits: api.Limits, template: Ch
         ids = ids[len(added):]
     if not ids:
         raise api.bad("messages", "the rendered prompt is empty")
+    ids = api.truncate_prompt(ids, body, limits)
     api.check_prompt_ids(ids, limits, "messages")
     if body.get("tools") and body.get("tool_choice") not in (None, "none", "auto"):
         raise api.bad("tool_choice", f"tool_choice {body.get('tool_choice')!r} is not supported: only none and auto "

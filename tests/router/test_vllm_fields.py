@@ -35,7 +35,6 @@ def test_add_special_tokens_as_vllm_takes_it(tok):
 
 @pytest.mark.parametrize("field, value", [
     ("allowed_token_ids", [5, 6]), ("bad_words", ["x"]),
-    ("truncate_prompt_tokens", 8),
     ("spaces_between_special_tokens", False), ("length_penalty", 0.5),
 ])
 def test_a_vllm_field_that_would_change_the_answer_is_refused(tok, field, value):
@@ -108,3 +107,29 @@ def test_include_stop_str_in_output_ends_the_text_with_the_stop(tok, include):
                               include_stop=by_id.include_stop_str_in_output)
     text = "".join(out.add([i]).text for i in [*ids, eos]) + out.finish("stop").text
     assert text == ("hello world</s>" if include else "hello world")
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(tok):
+    """vLLM's truncate_prompt_tokens: k keeps the last k tokens of each prompt (chat: of the rendered prompt), -1
+    the last max_model_len; echo shows the prompt that was kept; 0 and below -1 are a 400 naming the field."""
+    ids = tok.encode("hello world, the quick brown fox")
+    assert len(ids) > 4
+    p = api.parse_completion({"prompt": "hello world, the quick brown fox", "truncate_prompt_tokens": 4,
+                              "echo": True, "max_tokens": 1}, tok, LIMITS)
+    assert p.prompt_token_ids == ids[-4:] and p.prompt_text == tok.decode(ids[-4:])
+    batch = api.parse_completion({"prompt": [[5, 6, 7], [8, 9]], "truncate_prompt_tokens": 2}, tok, LIMITS)
+    assert [i for i, _ in batch.prompts()] == [[6, 7], [8, 9]]
+    small = api.Limits(vocab_size=300, max_model_len=3)
+    # -1: the last max_model_len (which leaves no room for an output: refused then, as a prompt that long is)
+    assert api.truncate_prompt([5, 6, 7, 8, 9], {"truncate_prompt_tokens": -1}, small) == [7, 8, 9]
+    template = chat.ChatTemplate(QWEN3_LIKE)
+    whole = chat.parse_chat({"messages": MESSAGES}, tok, LIMITS, template).prompt_token_ids
+    assert chat.parse_chat({"messages": MESSAGES, "truncate_prompt_tokens": 5}, tok, LIMITS,
+                           template).prompt_token_ids == whole[-5:]
+    for bad_k in (0, -2, "3"):
+        with pytest.raises(api.ApiError) as e:
+            api.parse_completion({"prompt": [5, 6], "truncate_prompt_tokens": bad_k}, tok, LIMITS)
+        assert (e.value.status, e.value.param) == (400, "truncate_prompt_tokens")
+    with pytest.raises(api.ApiError) as e:  # more than max_model_len
+        api.parse_completion({"prompt": [5, 6], "truncate_prompt_tokens": 4}, tok, small)
+    assert e.value.param == "truncate_prompt_tokens"
