@@ -98,40 +98,66 @@ def test_an_unknown_tool_parser_is_refused():
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 
 
-def test_through_the_router_with_the_reasoning_parser(tmp_path):
-    out = list(("<think>sunny?</think>Checking.\n" + CALL_F).encode())
-    chunks = [out[i:i + 7] for i in range(0, len(out), 7)]  # cut through every tag
+def through_router(tmp_path, parser: str, output: str, cut: int) -> dict:
+    """A chat with TOOLS whose model writes ``<think>sunny?</think>`` + ``output`` (in byte pieces of ``cut``, through
+    every tag), served by a local fake through the router with ``--reasoning-parser deepseek_r1`` and this tool
+    parser: ``whole`` (the choice), ``deltas`` and ``last`` (the streamed choice's deltas and its last chunk's
+    choice), ``none`` (tool_choice none), ``no_tools`` (the same messages without tools) and ``required`` (the
+    response to tool_choice required)."""
+    out = list(("<think>sunny?</think>" + output).encode())
+    chunks = [out[i:i + cut] for i in range(0, len(out), cut)]
+    got: dict = {}
 
     async def body():
-        cfg = make_cfg(tmp_path, "local", reasoning_parser="deepseek_r1", tool_call_parser="hermes")
+        cfg = make_cfg(tmp_path, "local", reasoning_parser="deepseek_r1", tool_call_parser=parser)
         async with Harness(cfg, {"local": local_script(chunks, "stop")}) as h:
             req = {"messages": MESSAGES, "max_tokens": 200, "tools": TOOLS}
             r = await h.http.post("/v1/chat/completions", json=req)
             assert r.status == 200, await r.text()
-            choice = (await r.json())["choices"][0]
-            msg = choice["message"]
-            assert choice["finish_reason"] == "tool_calls"
-            assert (msg["reasoning_content"], msg["content"]) == ("sunny?", "Checking.\n")
-            assert _named(msg["tool_calls"]) == [("get_weather", '{"city": "Paris", "unit": "°C"}')]
-            assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris", "unit": "°C"}
+            got["whole"] = (await r.json())["choices"][0]
             r = await h.http.post("/v1/chat/completions", json=dict(req, stream=True))
             events = [e for e in await read_sse(r) if e != "[DONE]" and e["choices"]]
-            deltas = [e["choices"][0]["delta"] for e in events]
-            assert "".join(d.get("reasoning_content", "") for d in deltas) == "sunny?"
-            assert "".join(d.get("content", "") for d in deltas) == "Checking.\n"
-            streamed = [c for d in deltas for c in d.get("tool_calls", [])]
-            assert _named(streamed) == _named(msg["tool_calls"]) and streamed[0]["index"] == 0
-            assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
-            # no tools, or tool_choice none: the calls stay text
-            for other in ({"messages": MESSAGES, "max_tokens": 200},
-                          {"messages": MESSAGES, "max_tokens": 200, "tools": TOOLS, "tool_choice": "none"}):
+            got["deltas"] = [e["choices"][0]["delta"] for e in events]
+            got["last"] = events[-1]["choices"][0]
+            for name, other in (("none", dict(req, tool_choice="none")),
+                                ("no_tools", {"messages": MESSAGES, "max_tokens": 200})):
                 r = await h.http.post("/v1/chat/completions", json=other)
-                choice = (await r.json())["choices"][0]
-                assert "tool_calls" not in choice["message"] and CALL_F in choice["message"]["content"]
-                assert choice["finish_reason"] == "stop"
+                got[name] = (await r.json())["choices"][0]
             r = await h.http.post("/v1/chat/completions", json=dict(req, tool_choice="required"))
-            assert r.status == 400 and (await r.json())["error"]["param"] == "tool_choice"
+            got["required"] = (r.status, (await r.json())["error"]["param"])
     run(body())
+    return got
+
+
+def streamed_parts(deltas: list[dict]) -> tuple[str, str, list[dict]]:
+    """A stream's reasoning, content and tool calls, joined."""
+    return ("".join(d.get("reasoning_content", "") for d in deltas), "".join(d.get("content", "") for d in deltas),
+            [c for d in deltas for c in d.get("tool_calls", [])])
+
+
+def assert_calls_through_router(got: dict, output: str, content, calls: list) -> None:
+    """What every parser gives through the router: the calls apart from the content and the reasoning, whole and
+    streamed alike, finish_reason tool_calls; without tools or with tool_choice none, the output as text;
+    tool_choice required refused naming the field."""
+    msg = got["whole"]["message"]
+    assert got["whole"]["finish_reason"] == "tool_calls"
+    assert (msg["reasoning_content"], msg["content"]) == ("sunny?", content)
+    assert _named(msg["tool_calls"]) == calls
+    reasoning, text, streamed_calls = streamed_parts(got["deltas"])
+    assert (reasoning, text) == ("sunny?", content or "")
+    assert _named(streamed_calls) == calls and [c["index"] for c in streamed_calls] == list(range(len(calls)))
+    assert got["last"]["finish_reason"] == "tool_calls"
+    for name in ("none", "no_tools"):
+        assert "tool_calls" not in got[name]["message"] and output in got[name]["message"]["content"]
+        assert got[name]["finish_reason"] == "stop"
+    assert got["required"] == (400, "tool_choice")
+
+
+def test_through_the_router_with_the_reasoning_parser(tmp_path):
+    got = through_router(tmp_path, "hermes", "Checking.\n" + CALL_F, 7)
+    assert_calls_through_router(got, CALL_F, "Checking.\n", [("get_weather", '{"city": "Paris", "unit": "°C"}')])
+    assert json.loads(got["whole"]["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris",
+                                                                                             "unit": "°C"}
 
 
 def test_enable_auto_tool_choice_needs_a_parser():

@@ -10,10 +10,7 @@ import json
 import pytest
 
 from pushkv.router import tool_calls
-from tests.router.test_chat_fields import MESSAGES
-from tests.router.test_router import local_script, read_sse, run
-from tests.router.test_tool_calls import TOOLS, _named, streamed, three_pieces
-from tests.support.router_fakes import Harness, make_cfg
+from tests.router.test_tool_calls import _named, assert_calls_through_router, streamed, three_pieces, through_router
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -88,33 +85,8 @@ def test_content_streams_as_it_comes_and_each_call_goes_out_as_its_json_ends():
     ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}]', None),
 ])
 def test_through_the_router_with_the_reasoning_parser(tmp_path, output, content):
-    out = list(("<think>sunny?</think>" + output).encode())
-    chunks = [out[i:i + 5] for i in range(0, len(out), 5)]  # cut through every tag
-
-    async def body():
-        cfg = make_cfg(tmp_path, "local", reasoning_parser="deepseek_r1", tool_call_parser="mistral")
-        async with Harness(cfg, {"local": local_script(chunks, "stop")}) as h:
-            req = {"messages": MESSAGES, "max_tokens": 200, "tools": TOOLS}
-            r = await h.http.post("/v1/chat/completions", json=req)
-            assert r.status == 200, await r.text()
-            choice = (await r.json())["choices"][0]
-            msg = choice["message"]
-            assert choice["finish_reason"] == "tool_calls"
-            assert (msg["reasoning_content"], msg["content"]) == ("sunny?", content)
-            assert _named(msg["tool_calls"]) == [WEATHER]
-            assert len(msg["tool_calls"][0]["id"]) == 9 and msg["tool_calls"][0]["id"].isalnum()
-            assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris", "unit": "°C"}
-            r = await h.http.post("/v1/chat/completions", json=dict(req, stream=True))
-            events = [e for e in await read_sse(r) if e != "[DONE]" and e["choices"]]
-            deltas = [e["choices"][0]["delta"] for e in events]
-            assert "".join(d.get("reasoning_content", "") for d in deltas) == "sunny?"
-            assert "".join(d.get("content", "") for d in deltas) == (content or "")
-            streamed_calls = [c for d in deltas for c in d.get("tool_calls", [])]
-            assert _named(streamed_calls) == [WEATHER] and streamed_calls[0]["index"] == 0
-            assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
-            # tool_choice none: the call stays text
-            r = await h.http.post("/v1/chat/completions", json=dict(req, tool_choice="none"))
-            choice = (await r.json())["choices"][0]
-            assert "tool_calls" not in choice["message"] and output in choice["message"]["content"]
-            assert choice["finish_reason"] == "stop"
-    run(body())
+    got = through_router(tmp_path, "mistral", output, 5)
+    assert_calls_through_router(got, output, content, [WEATHER])
+    call = got["whole"]["message"]["tool_calls"][0]
+    assert len(call["id"]) == 9 and call["id"].isalnum()  # Mistral's ids
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "unit": "°C"}

@@ -9,10 +9,7 @@ import json
 import pytest
 
 from pushkv.router import tool_calls
-from tests.router.test_chat_fields import MESSAGES
-from tests.router.test_router import local_script, read_sse, run
-from tests.router.test_tool_calls import TOOLS, _named, streamed, three_pieces
-from tests.support.router_fakes import Harness, make_cfg
+from tests.router.test_tool_calls import _named, assert_calls_through_router, streamed, three_pieces, through_router
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -81,27 +78,4 @@ def test_text_that_may_still_begin_a_list_of_calls_is_held_only_that_long():
 
 def test_through_the_router_with_the_reasoning_parser(tmp_path):
     output = '\n\n[get_weather(city="Paris", unit="°C")]'
-    out = list(("<think>sunny?</think>" + output).encode())
-    chunks = [out[i:i + 5] for i in range(0, len(out), 5)]
-
-    async def body():
-        cfg = make_cfg(tmp_path, "local", reasoning_parser="deepseek_r1", tool_call_parser="pythonic")
-        async with Harness(cfg, {"local": local_script(chunks, "stop")}) as h:
-            req = {"messages": MESSAGES, "max_tokens": 200, "tools": TOOLS}
-            r = await h.http.post("/v1/chat/completions", json=req)
-            assert r.status == 200, await r.text()
-            choice = (await r.json())["choices"][0]
-            assert choice["finish_reason"] == "tool_calls"
-            assert (choice["message"]["reasoning_content"], choice["message"]["content"]) == ("sunny?", None)
-            assert _named(choice["message"]["tool_calls"]) == [WEATHER]
-            r = await h.http.post("/v1/chat/completions", json=dict(req, stream=True))
-            events = [e for e in await read_sse(r) if e != "[DONE]" and e["choices"]]
-            deltas = [e["choices"][0]["delta"] for e in events]
-            assert "".join(d.get("content", "") for d in deltas) == ""
-            assert _named([c for d in deltas for c in d.get("tool_calls", [])]) == [WEATHER]
-            assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
-            r = await h.http.post("/v1/chat/completions", json=dict(req, tool_choice="none"))
-            choice = (await r.json())["choices"][0]
-            assert "tool_calls" not in choice["message"] and choice["message"]["content"] == output
-            assert choice["finish_reason"] == "stop"
-    run(body())
+    assert_calls_through_router(through_router(tmp_path, "pythonic", output, 5), output, None, [WEATHER])
