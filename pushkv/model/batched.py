@@ -31,6 +31,9 @@ from pushkv.model.step import Staging, StepPlan, StepTensors, plan_step
 log = logging.getLogger(__name__)
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+# MLA's decode steps in CUDA graphs too: its latent rows stored by a kernel that reads the slots on the device, the
+# decode rows' attention with no host read (``_mla_decode_rows``)
+MLA_GRAPHS = True
 
 # An MoE layer's router logits made in the post-attention norm's launch (``add_rms_router``) for steps of up
 # to this many tokens (a graph bucket bound, so a step routes alike replayed or eager), where each token's
@@ -85,9 +88,8 @@ class BatchedForward:
         self.staging = Staging()
         self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.cuda else 1
         if use_graphs is None:  # MoE too: its CUDA kernels never wait for the host (kernels/triton_moe.py)
-            # (not MLA: its attention reads each sequence's length on the host)
             use_graphs = (self.cuda and model.tp_size == 1 and cfg.cuda_graphs and envs.PUSHKV_CUDA_GRAPHS
-                          and not cfg.is_mla)
+                          and (MLA_GRAPHS or not cfg.is_mla))
         self.use_graphs = use_graphs
         self.fused = self.cuda and envs.PUSHKV_FUSED and not (self.hd & (self.hd - 1)) and not cfg.is_mla
         if self.cuda and any(lw.router is not None for lw in model.w.layers):
@@ -211,19 +213,18 @@ class BatchedForward:
         T = meta.ids.shape[0]
         x = F.embedding(meta.ids, m.w.embed)
         cos, sin = rope[0].index_select(0, rope[2]), rope[1].index_select(0, rope[2])
-        keep = meta.slots >= 0
         u = pools[0].shape[-2]
-        blk, slot = meta.slots[keep] // u, meta.slots[keep] % u
         for layer, lw in enumerate(m.w.layers):
             q, lat = m.latent(lw, x, (cos, sin))
-            pools[layer][blk, 0, 0, slot] = lat[keep]
+            paged.store_latent(pools[layer], lat, meta.slots)
             if on_layer is not None:
                 on_layer(layer)
             attn = torch.zeros(T, m.plan.q_heads * m.cfg.head_dim, device=self.device, dtype=m.dtype)
             decode = meta.decode_tiles.shape[0] > 0 and not m.layer_window(layer)
             if decode:  # the step's decode rows together, each over its latent rows as they are
                 self._mla_decode_rows(lw, q, pools[layer], meta, attn)
-            for i in range(meta.seq_lens.shape[0]):
+            # the other rows a sequence at a time, reading its lengths on the host: a decode step (a graph's) has none
+            for i in range(meta.seq_lens.shape[0] if meta.prefill_tiles.shape[0] or not decode else 0):
                 ctx, n, r0 = int(meta.seq_lens[i]), int(meta.q_lens[i]), int(meta.q_starts[i])
                 if n == 0 or ctx == 0 or (n == 1 and decode):
                     continue
@@ -256,6 +257,7 @@ class BatchedForward:
         q_abs = torch.cat((torch.einsum("bhd,hdr->bhr", q_nope, lw.k_up.view(qh, hd, r)), q_rope), -1)
         scores = torch.einsum("bhc,bsc->bhs", q_abs, lat).float() * (self.m.attn_scale or (hd + rd) ** -0.5)
         p = scores.masked_fill(~keys[:, None, :], float("-inf")).softmax(-1).to(lat.dtype)
+        p = torch.where(keys.any(-1)[:, None, None], p, 0)  # a graph's padding row has no keys: 0, not NaN
         o_lat = torch.einsum("bhs,bsr->bhr", p, lat[..., :r])
         attn[rows_at] = torch.einsum("bhr,hdr->bhd", o_lat, lw.v_up.view(qh, hd, r)).reshape(seqs.shape[0], -1)
 

@@ -10,6 +10,9 @@ greedy tokens then differed from transformers' on 1-2 of 3 prompts, docs/results
 """
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 import torch
 
 from pushkv.config import preset
@@ -28,8 +31,8 @@ class _PinnedGraph(_DecodeGraph):
         self.fwd.forward(self.meta, self.pools, self.splits, self.scratch, self.logits)
 
 
-def _model(graphs: bool, max_num_seqs: int = 8):
-    model = build_model(preset("tiny"))  # float32
+def _model(graphs: bool, max_num_seqs: int = 8, name: str = "tiny"):
+    model = build_model(preset(name))  # float32
     model.enable_batched(max_num_seqs=max_num_seqs, use_graphs=graphs)
     model.batched.graph_type = _PinnedGraph
     return model
@@ -42,10 +45,16 @@ def _prefilled(model, pool, n: int, seed: int = 0):
     return [SeqWork(i, (t,), len(s.token_ids), s.block_table) for i, (s, t) in enumerate(zip(seqs, first))]
 
 
-def test_a_graph_never_replays_on_the_pools_of_another_step():
+# every engine path a graph captures: the fused kernels' (tiny) and MLA's (its latent rows stored by slot on the
+# device, its decode rows' attention with no host read)
+PATHS = pytest.mark.parametrize("name", ["tiny", "mla"])
+
+
+@PATHS
+def test_a_graph_never_replays_on_the_pools_of_another_step(name):
     """The experiment's shape: one pool per prompt, graphs on. Before the fix the second prompt's
     decode steps ran on the first prompt's pool."""
-    on, off = _model(True), _model(False)
+    on, off = _model(True, name=name), _model(False, name=name)
     prompts = [prompt_of(n, seed=n) for n in (5, 11, 23)]
     got = [paged_generate(on, new_pool(on, 8, 8), p, 8, tuple(range(8))) for p in prompts]
     want = [paged_generate(off, new_pool(off, 8, 8), p, 8, tuple(range(8))) for p in prompts]
@@ -65,10 +74,11 @@ def test_one_decode_step_on_a_second_pool_equals_eager():
     assert torch.equal(other.isnan(), eager_pool.isnan()), "the step's K/V went to another pool"
 
 
-def test_padded_rows_store_nothing_and_leave_real_rows_alone():
+@PATHS
+def test_padded_rows_store_nothing_and_leave_real_rows_alone(name):
     """Three sequences in the bucket of four, after a replay of four: the fourth row of the last
     replay is padding again (no keys, slot -1), and the three real rows equal eager ones."""
-    on, off = _model(True), _model(False)
+    on, off = _model(True, name=name), _model(False, name=name)
     pool = new_pool(on, 64, 8)
     step = _prefilled(on, pool, 4)
     on.batched.logits(step, on._layer_pools(pool))  # four real rows in the bucket of 4
@@ -103,3 +113,35 @@ def test_buckets_captures_and_split_counts_agree():
     other = model._layer_pools(new_pool(model, 8, 8))
     fwd.capture(other)
     assert sorted(fwd.graphs) == fwd.buckets and all(g.pools == other for g in fwd.graphs.values())
+
+
+def test_an_mla_decode_step_reads_nothing_on_the_host():
+    """What lets a CUDA graph capture MLA's decode step: the step runs with its lengths and slots unreadable from
+    the host (a read of one raises here), and gives the eager step's logits; graphs are on for MLA by default."""
+    from pushkv.model import batched
+
+    model = _model(False, name="mla")
+    pool = new_pool(model, 64, 8)
+    step = _prefilled(model, pool, 3)
+    want = model.batched.logits(step, model._layer_pools(pool.clone()))
+
+    class Unreadable(torch.Tensor):
+        def __int__(self):
+            raise AssertionError("a host read of the step's metadata")
+
+        __bool__ = __index__ = __int__
+
+        def item(self):
+            raise AssertionError("a host read of the step's metadata")
+
+        def tolist(self):
+            raise AssertionError("a host read of the step's metadata")
+
+    fwd = model.batched
+    plan = batched.plan_step(step, 8, fwd.block_q)
+    meta = batched.StepTensors.upload(plan, fwd.device, fwd.staging)
+    meta = dataclasses.replace(meta, **{f: getattr(meta, f).as_subclass(Unreadable)
+                                        for f in ("seq_lens", "q_lens", "q_starts", "slots", "block_table")})
+    got = fwd.forward(meta, model._layer_pools(pool), fwd.decode_splits(plan.num_seqs))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert batched.MLA_GRAPHS

@@ -108,17 +108,18 @@ def test_the_batched_engine_runs_a_step_of_several_sequences_as_each_alone(case)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("engine", ["auto", "batched"])
+@pytest.mark.parametrize("engine", ["per-seq", "auto"])
 def test_gpu_float32_greedy_tokens_equal_transformers(case, engine):
-    """On a GPU: the same, through torch's CUDA ops, on the per-sequence engine (what "auto" runs MLA on) and the
-    batched one (its MLA path: torch ops, no CUDA graphs)."""
+    """On a GPU: the same, through torch's CUDA ops, on the per-sequence engine and on what "auto" runs MLA on
+    there, the batched one (its MLA path, its decode steps replayed from CUDA graphs)."""
     _, path, _, want = case
     model = build_model(model_config_from_hf(path, engine=engine), device="cuda")
-    assert (model.batched is None) == (engine == "auto")
-    assert model.batched is None or not model.batched.use_graphs
+    assert (model.batched is None) == (engine == "per-seq")
+    assert model.batched is None or model.batched.use_graphs
     for ids, new in want:
         pool = new_pool(model, 16, 16).cuda()
         assert paged_generate(model, pool, ids, len(new), tuple(range(16))) == new
+    assert model.batched is None or model.batched.graphs, "no decode step was replayed from a graph"
 
 
 def test_a_block_scaled_fp8_v3_checkpoint_gives_transformers_tokens(tmp_path):

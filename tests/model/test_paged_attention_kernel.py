@@ -174,3 +174,35 @@ def test_fused_merge_gives_the_two_launch_bits_under_the_interpreter():
 def test_gpu_fused_merge_gives_the_two_launch_bits():
     """The same on the GPU, bf16 and float32, and in a CUDA graph replayed twice."""
     _fused_merge({"device": "cuda", "dtypes": ["bfloat16", "float32"], "d": 128, "tol": 2e-4, "cases": FUSED_CASES})
+
+
+LATENT_SCRIPT = r"""
+import sys, torch
+from pushkv.model.kernels import triton_paged
+dev = sys.argv[1]
+torch.manual_seed(0)
+D, U = 72, 8  # MLA's latent of r + rd (not a power of two)
+cache = torch.full((6, 1, 1, U, D), float("nan"), device=dev)
+lat = torch.randn(5, D, device=dev)
+slots = torch.tensor([3, -1, 17, 40, -1], dtype=torch.int32, device=dev)  # -1: a graph's padding, not stored
+triton_paged.store_latent(cache, lat, slots)
+flat = cache.view(-1, D)
+for t, s in enumerate(slots.tolist()):
+    if s >= 0:
+        assert torch.equal(flat[s], lat[t]), s
+assert int((~flat.isnan().all(-1)).sum()) == 3  # nothing else written
+print("ok")
+"""
+
+
+@pytest.mark.unit
+def test_the_latent_store_writes_each_row_at_its_slot_and_skips_padding():
+    """MLA's latent rows by the store kernel (one plane): each row at its flat slot, a slot < 0 not stored; under
+    Triton's interpreter here, the kernel itself on a GPU."""
+    env = {**os.environ}
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev == "cpu":
+        env["TRITON_INTERPRET"] = "1"
+    r = subprocess.run([sys.executable, "-c", LATENT_SCRIPT, dev], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]

@@ -73,6 +73,19 @@ def store_kv(cache, k, v, slots) -> None:
         store_kv_ref(cache, k, v, slots)
 
 
+def store_latent(cache, lat, slots) -> None:
+    """MLA's latent rows [T, D] into cache [blocks, 1, 1, U, D] at flat slots (< 0: skip); on CUDA one kernel that
+    reads the slots on the device, so a decode graph captures it."""
+    if cache.is_cuda:
+        from pushkv.model.kernels import triton_paged
+
+        triton_paged.store_latent(cache, lat, slots)
+        return
+    keep = slots >= 0
+    u = cache.shape[-2]
+    cache[slots[keep] // u, 0, 0, slots[keep] % u] = lat[keep]
+
+
 def attention(q, cache, meta, window: int = 0, out=None, decode_splits: int = 1, scratch=None):
     """Attention of every sequence of a step (meta: pushkv.model.step.StepTensors)."""
     if not cache.is_cuda:

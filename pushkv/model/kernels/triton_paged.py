@@ -53,7 +53,7 @@ PREFETCH_KV = True
 @triton.jit
 def _store_kv_kernel(K, V, cache, slots, stride_kt, stride_kh, stride_vt, stride_vh,
                      s_blk, s_plane, s_grp, s_head, s_slot, HG, U,
-                     D: tl.constexpr, BLOCK_D: tl.constexpr):
+                     D: tl.constexpr, BLOCK_D: tl.constexpr, PLANES: tl.constexpr = 2):
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slots + t).to(tl.int64)
@@ -64,9 +64,10 @@ def _store_kv_kernel(K, V, cache, slots, stride_kt, stride_kh, stride_vt, stride
         s = slot % U
         off = blk * s_blk + (h // HG) * s_grp + (h % HG) * s_head + s * s_slot + d
         k = tl.load(K + t * stride_kt + h * stride_kh + d, mask=dm)
-        v = tl.load(V + t * stride_vt + h * stride_vh + d, mask=dm)
         tl.store(cache + off, k, mask=dm)
-        tl.store(cache + s_plane + off, v, mask=dm)
+        if PLANES == 2:
+            v = tl.load(V + t * stride_vt + h * stride_vh + d, mask=dm)
+            tl.store(cache + s_plane + off, v, mask=dm)
 
 
 def store_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
@@ -78,6 +79,17 @@ def store_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch
     _store_kv_kernel[(T, H)](k, v, cache, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                              blk, plane, grp, head, slot, hg, u,
                              D=D, BLOCK_D=triton.next_power_of_2(D), num_warps=1)
+
+
+def store_latent(cache: torch.Tensor, lat: torch.Tensor, slots: torch.Tensor) -> None:
+    """MLA's latent rows lat [T, D] into its one plane, cache [blocks, 1, 1, U, D], at flat slots (< 0: skip)."""
+    blk, plane, grp, head, slot, hg, u = _cache_strides(cache)
+    T, D = lat.shape
+    if T == 0:
+        return
+    _store_kv_kernel[(T, 1)](lat, lat, cache, slots, lat.stride(0), 0, lat.stride(0), 0,
+                             blk, plane, grp, head, slot, hg, u,
+                             D=D, BLOCK_D=triton.next_power_of_2(D), PLANES=1, num_warps=1)
 
 
 def _cache_strides(cache: torch.Tensor):
