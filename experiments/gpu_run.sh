@@ -149,6 +149,12 @@ s.print_callees('_post_write|_prefill_done|on_ExpectKV|_poll_notifs')" 2>&1 | gr
     mlagpu) # one MLA decode row's attention on the GPU: expanded (the per-sequence engine) against absorbed (batched)
             timeout 200 python3 -m experiments.mla_decode_bench --device cuda --contexts 512 4096 16384 \
               --out "$OUT/mla_decode_gpu.json" 2>&1 | tee "$OUT/mla_decode_gpu.txt" | tail -6 ;;
+    mlagraphs) # MLA's decode steps in CUDA graphs (batched.MLA_GRAPHS, off until this passes): DeepSeek's float32
+            # tokens against transformers replayed from graphs, the latent store kernel, the graph bookkeeping
+            timeout 400 python3 -c "import sys, pytest; import pushkv.model.batched as b; b.MLA_GRAPHS = True; \
+sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-rfE', 'tests/model/test_deepseek.py', \
+'tests/model/test_paged_attention_kernel.py', 'tests/model/test_decode_graphs.py', '-k', 'gpu_float32 or latent or graph']))" \
+              2>&1 | tee "$OUT/mla_graphs_tests.txt" | tail -4 ;;
     attntune) timeout 300 python3 -m experiments.attn_tune 2>&1 | tee "$OUT/attn_tune.txt" ;;
     kvverifyfaults) # the fault cases end to end with the pools in GPU memory (push-layer and pull, tiny models)
               timeout 500 python3 -m pytest -q -p no:cacheprovider -rs tests/e2e/test_kv_verify.py -k cuda \

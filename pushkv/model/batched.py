@@ -32,8 +32,9 @@ log = logging.getLogger(__name__)
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # MLA's decode steps in CUDA graphs too: its latent rows stored by a kernel that reads the slots on the device, the
-# decode rows' attention with no host read (``_mla_decode_rows``)
-MLA_GRAPHS = True
+# decode rows' attention with no host read (``_mla_decode_rows``). Off until a GPU has replayed them
+# (experiments/gpu_run.sh mlagraphs: DeepSeek's float32 tokens against transformers with it on)
+MLA_GRAPHS = False
 
 # An MoE layer's router logits made in the post-attention norm's launch (``add_rms_router``) for steps of up
 # to this many tokens (a graph bucket bound, so a step routes alike replayed or eager), where each token's

@@ -117,7 +117,7 @@ def test_buckets_captures_and_split_counts_agree():
 
 def test_an_mla_decode_step_reads_nothing_on_the_host():
     """What lets a CUDA graph capture MLA's decode step: the step runs with its lengths and slots unreadable from
-    the host (a read of one raises here), and gives the eager step's logits; graphs are on for MLA by default."""
+    the host (a read of one raises here), and gives the eager step's logits."""
     from pushkv.model import batched
 
     model = _model(False, name="mla")
@@ -144,4 +144,3 @@ def test_an_mla_decode_step_reads_nothing_on_the_host():
                                         for f in ("seq_lens", "q_lens", "q_starts", "slots", "block_table")})
     got = fwd.forward(meta, model._layer_pools(pool), fwd.decode_splits(plan.num_seqs))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    assert batched.MLA_GRAPHS
