@@ -16,12 +16,9 @@ gives them, each becoming an OpenAI ``tool_calls`` entry (``arguments`` a JSON s
   before and after the calls is content (vLLM drops what follows them), and so is a call that does not parse, its
   ``[TOOL_CALLS]`` kept. Each call's id is 9 letters and digits: Mistral's templates refuse any other in the
   conversation that follows. ``[TOOL_CALLS]`` and ``[ARGS]`` are special tokens: a request this parser reads keeps
-  special tokens in its text (``KEEPS_SPECIAL_TOKENS``, as vLLM does), and a call in either form that begins the
-  output, or follows another call, is also read unmarked, as if its ``[TOOL_CALLS]`` were there;
-  unmarked, a listed call needs its ``arguments`` object, so that a JSON answer listing things with names stays
-  content. Streamed, content goes out as it comes, text that may still begin ``[TOOL_CALLS]`` (or, where a call
-  may begin unmarked, a call) is held back, and each call goes out whole as its JSON ends (a list's calls
-  together).
+  special tokens in its text (``KEEPS_SPECIAL_TOKENS``, as vLLM does), and output without ``[TOOL_CALLS]`` is
+  content, as vLLM's. Streamed, content goes out as it comes, text that may still begin ``[TOOL_CALLS]`` is held
+  back, and each call goes out whole as its JSON ends (a list's calls together).
 - ``pythonic`` (Llama 3.2, Llama 4, ToolACE): an output that is a Python list of calls, ``[get_weather(city=
   "Paris"), f(x=1)]``, read with :mod:`ast` (never run): each call a plain name with keyword arguments whose
   values are literals JSON can hold (strings, numbers, booleans, None, lists, tuples, dicts with string keys).
@@ -188,8 +185,6 @@ MARKER, ARGS = "[TOOL_CALLS]", "[ARGS]"
 # skip_special_tokens false), the ids that end it aside
 KEEPS_SPECIAL_TOKENS = ("mistral",)
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
-_UNMARKED = re.compile(r"\[\s*\{|[A-Za-z_][A-Za-z0-9_.-]*(?:\[ARGS\])?\{")  # a call that left its marker out
-_OPEN_LIST = re.compile(r"\[\s*")
 _ALPHANUMERIC = string.ascii_letters + string.digits
 
 
@@ -199,16 +194,13 @@ def _mistral_id() -> str:
 
 
 class MistralStreamer:
-    """``mistral``: content up to ``[TOOL_CALLS]``, then each call whole as its JSON ends; a call may leave its
-    marker out at the output's start and right after another call (pushkv's text has no special tokens)."""
+    """``mistral``: content up to ``[TOOL_CALLS]``, then each call whole as its JSON ends."""
 
     def __init__(self):
         self.held = ""
-        # slot: a call may begin here unmarked (the output's start, right after a call); text: content, up to a
-        # marker; call: a call's text, after its marker (marked) or not
-        self.mode: Literal["slot", "text", "call"] = "slot"
-        self.marked = False
-        self.after_call = False  # white space here separates calls
+        # slot: right after a call, where white space is no content; text: content, up to a marker; call: a call's
+        # text, after its marker
+        self.mode: Literal["slot", "text", "call"] = "text"
         self.scan = _JsonScan()  # the call's JSON, scanned as it comes
         self.calls = 0
 
@@ -218,16 +210,10 @@ class MistralStreamer:
         calls: list[dict] = []
         while True:
             if self.mode == "slot":
-                if self.after_call:
-                    self.held = self.held.lstrip()
-                unmarked = _unmarked_call(self.held, final)
-                if unmarked is None:
+                self.held = self.held.lstrip()
+                if not self.held and not final:
                     return content, calls
-                if unmarked:
-                    self._begin_call(self.held.lstrip(), marked=False)
-                else:
-                    self.mode = "text"
-                self.after_call = False
+                self.mode = "text"
             if self.mode == "text":
                 at = self.held.find(MARKER)
                 if at < 0:
@@ -236,37 +222,21 @@ class MistralStreamer:
                     self.held = self.held[len(self.held) - keep:]
                     return content, calls
                 content += self.held[:at]
-                self._begin_call(self.held[at + len(MARKER):], marked=True)
-            made, end = _mistral_calls(self.held, self.marked, final, self.scan)
+                self.held, self.scan, self.mode = self.held[at + len(MARKER):], _JsonScan(), "call"
+            made, end = _mistral_calls(self.held, final, self.scan)
             if made == []:  # more text may still make it a call
                 return content, calls
             if made is None:  # not a call after all: its text is content
-                content += MARKER if self.marked else ""
+                content += MARKER
                 self.mode = "text"
                 continue
             calls += [dict(c, index=self.calls + i) for i, c in enumerate(made)]
             self.calls += len(made)
-            self.held, self.mode, self.after_call = self.held[end:], "slot", True
-
-    def _begin_call(self, text: str, marked: bool) -> None:
-        self.held, self.marked, self.scan, self.mode = text, marked, _JsonScan(), "call"
+            self.held, self.mode = self.held[end:], "slot"
 
 
-def _unmarked_call(text: str, final: bool) -> Optional[bool]:
-    """Whether a call begins ``text`` without its ``[TOOL_CALLS]``; None while more text may still tell."""
-    body = text.lstrip()
-    if _UNMARKED.match(body):
-        return True
-    if final:
-        return False
-    name = _NAME.match(body)
-    maybe = (not body or MARKER.startswith(body) or _OPEN_LIST.fullmatch(body) is not None
-             or (name is not None and ARGS.startswith(body[name.end():])))
-    return None if maybe else False
-
-
-def _mistral_calls(text: str, marked: bool, final: bool, scan: _JsonScan) -> tuple[Optional[list[dict]], int]:
-    """The calls that begin ``text`` (one call's text, after its marker or unmarked) and where they end: ([], 0)
+def _mistral_calls(text: str, final: bool, scan: _JsonScan) -> tuple[Optional[list[dict]], int]:
+    """The calls that begin ``text`` (one call's text, after its marker) and where they end: ([], 0)
     while more text may still make them, (None, 0) where they are not calls. ``scan``: the call's JSON as scanned
     so far (``text`` is what it was, and more)."""
     wait: tuple[Optional[list[dict]], int] = (None, 0) if final else ([], 0)
@@ -278,7 +248,7 @@ def _mistral_calls(text: str, marked: bool, final: bool, scan: _JsonScan) -> tup
         value, end = _json_at(text, at, final, scan)
         if value is _MORE:
             return wait
-        listed = [_listed_call(v, marked) for v in value] if isinstance(value, list) else []
+        listed = [_call_of(v, _mistral_id()) for v in value] if isinstance(value, list) else []
         made = [c for c in listed if c is not None]
         return (made, end) if made and len(made) == len(listed) else (None, 0)
     name = _NAME.match(text, at)  # the newer form: name[ARGS]{...}
@@ -342,14 +312,6 @@ class _JsonScan:
                 self.depth -= 1
                 self.ended = self.depth <= 0
         return self.ended
-
-
-def _listed_call(obj: Any, marked: bool) -> Optional[dict]:
-    """One call of the older form's list; unmarked, it needs its ``arguments`` object (a JSON answer listing
-    things with names is not calls)."""
-    if not marked and not (isinstance(obj, dict) and isinstance(obj.get("arguments"), dict)):
-        return None
-    return _call_of(obj, _mistral_id())
 
 
 _PY_CALLS = re.compile(r"\s*\[\s*[A-Za-z_]\w*\s*\(")  # how a pythonic output of calls begins

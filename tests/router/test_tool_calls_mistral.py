@@ -1,8 +1,9 @@
 """``--tool-call-parser mistral`` (pushkv/router/tool_calls.py): the calls a Mistral model writes after
 ``[TOOL_CALLS]``, in the older form (a JSON list of calls) and the newer one (``name[ARGS]{...}``), come back as
 OpenAI ``tool_calls`` with Mistral's 9-character ids, the text before them as content; whole and streamed alike
-however the text is cut into 3 deltas; unmarked at the output's start (pushkv's text has no special tokens);
-anything that is not a call stays content; through the router with the reasoning parser."""
+however the text is cut into 3 deltas; output without ``[TOOL_CALLS]`` is content, as vLLM's (the router keeps
+special tokens in the text for this parser); anything that is not a call stays content; through the router with
+the reasoning parser."""
 from __future__ import annotations
 
 import json
@@ -31,11 +32,12 @@ CASES = {
     '[TOOL_CALLS]g[ARGS]{}': (None, [NESTED, ("g", "{}")]),
     '[TOOL_CALLS]add{"a": 3.5, "b": 4}': (None, [("add", '{"a": 3.5, "b": 4}')]),
     '[TOOL_CALLS]f[ARGS]{"x": "}]"} and then some': ("and then some", [("f", '{"x": "}]"}')]),
-    # unmarked: the special tokens left out of the text
-    'get_weather{"city": "Paris", "unit": "°C"}g{}': (None, [WEATHER, ("g", "{}")]),
-    ' [{"name": "f", "arguments": {"x": [1, 2]}}]': (None, [("f", '{"x": [1, 2]}')]),
-    # not calls: content, all of it
-    '[{"name": "Ann", "age": 3}]': ('[{"name": "Ann", "age": 3}]', []),  # unmarked and no arguments: an answer
+    # white space between calls is no content
+    '[TOOL_CALLS]f[ARGS]{}\n [TOOL_CALLS]g[ARGS]{"x": 1}': (None, [("f", "{}"), ("g", '{"x": 1}')]),
+    # not calls: content, all of it (without the marker, as vLLM's)
+    'get_weather{"city": "Paris", "unit": "°C"}': ('get_weather{"city": "Paris", "unit": "°C"}', []),
+    ' [{"name": "f", "arguments": {"x": [1, 2]}}]': (' [{"name": "f", "arguments": {"x": [1, 2]}}]', []),
+    '[{"name": "Ann", "age": 3}]': ('[{"name": "Ann", "age": 3}]', []),
     "[TOOL_CALLS]I am not sure": ("[TOOL_CALLS]I am not sure", []),
     '[TOOL_CALLS][{"name": 5}]': ('[TOOL_CALLS][{"name": 5}]', []),
     '[TOOL_CALLS]f[ARGS]{"a": 1': ('[TOOL_CALLS]f[ARGS]{"a": 1', []),  # cut at max_tokens
@@ -72,12 +74,9 @@ def test_content_streams_as_it_comes_and_each_call_goes_out_as_its_json_ends():
     assert content == "" and _named(calls) == [("get_weather", '{"city": "Paris"}')] and calls[0]["index"] == 0
     content, calls = s.feed(": 1}", final=True)
     assert content == "" and _named(calls) == [("g", '{"x": 1}')] and calls[0]["index"] == 1
-    # unmarked at the start: a word is held only until it cannot be a call's name
+    # without a marker nothing is held: a word, or a JSON list, goes out as it comes
     s = tool_calls.streamer("mistral")
-    assert s.feed("Hello") == ("", []) and s.feed(" there") == ("Hello there", [])
-    s = tool_calls.streamer("mistral")
-    assert s.feed("get_weather") == ("", [])
-    assert _named(s.feed('{"city": "Paris"}')[1]) == [("get_weather", '{"city": "Paris"}')]
+    assert s.feed("Hello") == ("Hello", []) and s.feed(' [{"name": "f"') == (' [{"name": "f"', [])
 
 
 @pytest.mark.parametrize("output, content", [
