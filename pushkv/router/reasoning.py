@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from pushkv.router.text import tag_start
+from pushkv.router.text import until_tag
 
 START, END = "<think>", "</think>"
 PARSERS = {"deepseek_r1": True, "qwen3": False}  # name -> whether the reasoning needs no opening tag
@@ -42,12 +42,10 @@ class Splitter:
             else:
                 self.phase = "reasoning" if self.implicit else "content"
         if self.phase == "reasoning":
-            at = self.held.find(END)
-            if at < 0:
-                keep = 0 if final else tag_start(self.held, END)
-                reasoning, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+            reasoning, self.held, ended = until_tag(self.held, END, final)
+            if not ended:
                 return reasoning, ""
-            reasoning, self.held, self.phase = self.held[:at], self.held[at + len(END):], "content"
+            self.phase = "content"
         content, self.held = self.held, ""
         return reasoning, content
 

@@ -92,6 +92,16 @@ class IncrementalDecoder:
         return self.tok.decode(ids, skip_special_tokens=False)
 
 
+def until_tag(held: str, tag: str, final: bool) -> tuple[str, str, bool]:
+    """A stream's held text against ``tag``: (the text before it, what follows it, True) where it has come; else
+    (what can no longer begin it, the end that still may, held back unless ``final``, False)."""
+    at = held.find(tag)
+    if at >= 0:
+        return held[:at], held[at + len(tag):], True
+    cut = len(held) - (0 if final else tag_start(held, tag))
+    return held[:cut], held[cut:], False
+
+
 def tag_start(text: str, tag: str) -> int:
     """The length of the longest end of ``text`` that begins ``tag`` (and may become it with more text): what a
     stream holds back while it waits to see whether a tag comes."""

@@ -39,7 +39,7 @@ import string
 import uuid
 from typing import Any, Literal, Optional, Protocol
 
-from pushkv.router.text import tag_start
+from pushkv.router.text import until_tag
 
 START, END = "<tool_call>", "</tool_call>"
 PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
@@ -156,14 +156,10 @@ class Streamer:
                     return content, calls
                 self.after_call = False
             if not self.in_call:
-                at = self.held.find(START)
-                if at < 0:
-                    keep = 0 if final else tag_start(self.held, START)
-                    content += self.held[:len(self.held) - keep]
-                    self.held = self.held[len(self.held) - keep:]
+                before, self.held, self.in_call = until_tag(self.held, START, final)
+                content += before
+                if not self.in_call:
                     return content, calls
-                content += self.held[:at]
-                self.held, self.in_call = self.held[at + len(START):], True
             end = self.held.find(END)
             if end < 0 and not final:
                 return content, calls  # the call goes out whole
@@ -215,14 +211,11 @@ class MistralStreamer:
                     return content, calls
                 self.mode = "text"
             if self.mode == "text":
-                at = self.held.find(MARKER)
-                if at < 0:
-                    keep = 0 if final else tag_start(self.held, MARKER)
-                    content += self.held[:len(self.held) - keep]
-                    self.held = self.held[len(self.held) - keep:]
+                before, self.held, marked = until_tag(self.held, MARKER, final)
+                content += before
+                if not marked:
                     return content, calls
-                content += self.held[:at]
-                self.held, self.scan, self.mode = self.held[at + len(MARKER):], _JsonScan(), "call"
+                self.scan, self.mode = _JsonScan(), "call"
             made, end = _mistral_calls(self.held, final, self.scan)
             if made == []:  # more text may still make it a call
                 return content, calls
