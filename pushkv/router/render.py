@@ -184,15 +184,25 @@ def completion_logprobs(tok: Tokenizer, ids: Sequence[int], lps: Sequence[TokenL
                         offset: int = 0) -> dict:
     """``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` of /v1/completions."""
     tokens = [tok.decode([i]) for i in ids]
-    offsets = []
-    for s in tokens:
-        offsets.append(offset)
-        offset += len(s)
-    # the sampled token's own entry first, then the N most likely (N + 1 at most, as OpenAI's and vLLM's)
-    tops = [{s: _lp(lp.logprob), **{tok.decode([t]): _lp(v) for t, v in zip(lp.top_ids, lp.top_logprobs)}}
-            for s, lp in zip(tokens, lps)]
+    tops = [_top_entry(tok, i, lp.logprob, lp.top_ids, lp.top_logprobs) for i, lp in zip(ids, lps)]
     return {"tokens": tokens, "token_logprobs": [_lp(lp.logprob) for lp in lps],
-            "top_logprobs": tops, "text_offset": offsets}
+            "top_logprobs": tops, "text_offset": _offsets(tokens, offset)}
+
+
+def _top_entry(tok: Tokenizer, tid: int, logprob: float, top_ids: Sequence[int], top_logprobs: Sequence[float]
+               ) -> dict:
+    """A completions top_logprobs entry: the token's own first, then the N most likely (N + 1 at most, as OpenAI's
+    and vLLM's; token strings that collide keep one)."""
+    return {tok.decode([t]): _lp(v) for t, v in [(tid, logprob), *zip(top_ids, top_logprobs)]}
+
+
+def _offsets(tokens: Sequence[str], start: int) -> list[int]:
+    """Each token's text offset, the first at ``start``."""
+    out = []
+    for s in tokens:
+        out.append(start)
+        start += len(s)
+    return out
 
 
 def _scored(ids: Sequence[int], plp: Optional[PromptLogprobs]) -> list[Optional[tuple[int, Position]]]:
@@ -210,10 +220,6 @@ def completion_prompt_logprobs(tok: Tokenizer, ids: Sequence[int], plp: Optional
     it: each prompt token, its logprob (the first's null) and a top entry of the token and the N most
     likely (the first's null); text offsets from the prompt's start."""
     tokens = [tok.decode([i]) for i in ids]
-    offsets, at = [], 0
-    for t in tokens:
-        offsets.append(at)
-        at += len(t)
     lps: list[Optional[float]] = []
     tops: list[Optional[dict]] = []
     for entry in _scored(ids, plp):
@@ -223,8 +229,8 @@ def completion_prompt_logprobs(tok: Tokenizer, ids: Sequence[int], plp: Optional
             continue
         tid, p = entry
         lps.append(_lp(p.logprob))
-        tops.append({tok.decode([t]): _lp(v) for t, v in [(tid, p.logprob), *zip(p.top_ids, p.top_logprobs)]})
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+        tops.append(_top_entry(tok, tid, p.logprob, p.top_ids, p.top_logprobs))
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": _offsets(tokens, 0)}
 
 
 def vllm_prompt_logprobs(tok: Tokenizer, ids: Sequence[int], plp: Optional[PromptLogprobs]) -> list[Optional[dict]]:
