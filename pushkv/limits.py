@@ -155,6 +155,12 @@ def step_bytes(cfg: DeploymentConfig, inst: InstanceConfig) -> int:
     return inst.max_num_seqs * len(m.encode(seq)) + 64
 
 
+def _widest_logprob(cfg: DeploymentConfig) -> m.TokenLogprob:
+    """A sampled token's logprob at the widest: ``MAX_LOGPROBS`` alternatives, the largest ids."""
+    top = cfg.model.vocab_size - 1
+    return m.TokenLogprob(-1e30, (top,) * MAX_LOGPROBS, (-1e30,) * MAX_LOGPROBS)
+
+
 def _prompt_logprobs(positions: int) -> m.PromptLogprobs:
     """Prompt logprobs of ``positions`` scored positions at the widest (``MAX_LOGPROBS`` each)."""
     n, k = positions, MAX_LOGPROBS
@@ -167,7 +173,7 @@ def step_done_bytes(cfg: DeploymentConfig, inst: InstanceConfig) -> int:
     stored, which together hold at most the pool's tokens, and the prompt logprobs of every
     position the step computed, at most the pool's tokens too (a prompt's blocks are all held)."""
     top = cfg.model.vocab_size - 1
-    lp = m.TokenLogprob(-1e30, (top,) * MAX_LOGPROBS, (-1e30,) * MAX_LOGPROBS)
+    lp = _widest_logprob(cfg)
     done = m.StepDone((1 << 63) - 1, (top,) * inst.max_num_seqs, 1e9 + 0.1, (lp,) * inst.max_num_seqs)
     n = min(max_len(cfg), inst.num_blocks * inst.block_size)
     sums = _largest_checksums(cfg, n) if inst.role == "prefill" else None
@@ -181,7 +187,7 @@ def tokens_bytes(cfg: DeploymentConfig) -> int:
     """An upper bound on one ``TokensGenerated``: a finished one with every field, its prompt's
     logprobs at the widest included."""
     top = cfg.model.vocab_size - 1
-    lp = m.TokenLogprob(-1e30, (top,) * MAX_LOGPROBS, (-1e30,) * MAX_LOGPROBS)
+    lp = _widest_logprob(cfg)
     stages = tuple(("s" * ID_CHARS, 1e9 + 0.1) for _ in range(64))
     msg = m.TokensGenerated("t" * ID_CHARS, (1 << 63) - 1, (top,), True, "length", max_len(cfg), stages,
                             m.KVTransferStats(1 << 62, 1 << 62, 1e9, "pull", 1e9, 1 << 62, 1 << 62, "s" * ID_CHARS),
