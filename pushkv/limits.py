@@ -25,6 +25,9 @@ MAX_BEST_OF = MAX_N  # and best_of must equal n: nothing ranks candidates
 MAX_LOGPROBS = 20  # completions' logprobs, chat's top_logprobs: OpenAI's and vLLM's (max_logprobs) 20
 MAX_LOGIT_BIAS = 1024  # logit_bias entries: a forced choice or a banned word list fits; each is a scatter per step
 LOGIT_BIAS_ABS = 100.0  # |bias|, as OpenAI documents
+MAX_ALLOWED_TOKEN_IDS = 1024  # vLLM's allowed_token_ids: a choice among labels fits; they ride in every step's message
+MAX_BAD_WORDS = 64  # vLLM's bad_words: each is matched against the output's end every step
+MAX_BAD_WORD_TOKENS = 16  # tokens of one bad word as the tokenizer writes it: a word or a phrase, not a passage
 MAX_STOPS = 16  # stop strings (OpenAI: 4): every output text is searched for each
 MAX_STOP_CHARS = 256  # characters in one stop string: a stop is a delimiter, not a passage
 MAX_STOP_TOKEN_IDS = 256  # stop_token_ids, before the model's EOS ids are added: suppressed per step until min_tokens
@@ -54,6 +57,10 @@ BOUNDS = (
     Bound("logit_bias", f"at most {MAX_LOGIT_BIAS} entries; keys canonical token ids (\"7\", not \"07\", "
           f"\" 7\", \"+7\", \"7.0\"); values -{LOGIT_BIAS_ABS:g} to {LOGIT_BIAS_ABS:g}",
           "one scatter per entry per step, in every step's message"),
+    Bound("allowed_token_ids (vLLM's)", f"1-{MAX_ALLOWED_TOKEN_IDS} ids, each in the vocabulary",
+          "they ride in every step's message"),
+    Bound("bad_words (vLLM's)", f"at most {MAX_BAD_WORDS} words of 1-{MAX_BAD_WORD_TOKENS} tokens each",
+          "each is matched against the output's end every step"),
     Bound("stop", f"at most {MAX_STOPS} strings of 1-{MAX_STOP_CHARS} characters",
           "the output is searched for each"),
     Bound("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS}, each in the vocabulary",
@@ -76,6 +83,12 @@ def max_len(cfg: DeploymentConfig) -> int:
 def stop_ids_bound(cfg: DeploymentConfig) -> int:
     """Stop ids a ``Generate`` may carry: the request's plus the model's EOS ids."""
     return MAX_STOP_TOKEN_IDS + len(cfg.model.all_eos_ids)
+
+
+def suppress_bound(cfg: DeploymentConfig) -> int:
+    """Ids a step may suppress for one sequence: its stop ids (before min_tokens) and one per bad word's two
+    spellings (with and without a leading space)."""
+    return stop_ids_bound(cfg) + 2 * MAX_BAD_WORDS
 
 
 def http_body_bytes(cfg: DeploymentConfig) -> int:
@@ -107,7 +120,9 @@ def _worst_sampling(cfg: DeploymentConfig) -> m.SamplingParams:
     bias = tuple((top - i, -LOGIT_BIAS_ABS - 0.1) for i in range(MAX_LOGIT_BIAS))  # a float64 each
     return m.SamplingParams(temperature=0.1, top_p=0.1, top_k=top, min_p=0.1, seed=(1 << 64) - 1,
                             presence_penalty=-0.1, frequency_penalty=-0.1, logit_bias=bias,
-                            logprobs=MAX_LOGPROBS, min_tokens=max_len(cfg), prompt_logprobs=MAX_LOGPROBS)
+                            logprobs=MAX_LOGPROBS, min_tokens=max_len(cfg), prompt_logprobs=MAX_LOGPROBS,
+                            allowed_token_ids=(top,) * MAX_ALLOWED_TOKEN_IDS,
+                            bad_words=((top,) * MAX_BAD_WORD_TOKENS,) * (2 * MAX_BAD_WORDS))
 
 
 def largest_generate(cfg: DeploymentConfig) -> m.Generate:
@@ -151,7 +166,7 @@ def step_bytes(cfg: DeploymentConfig, inst: InstanceConfig) -> int:
     prompt to run, a whole output history and a full block table."""
     n, top = max_len(cfg), cfg.model.vocab_size - 1
     seq = m.SeqWork((1 << 63) - 1, (top,) * n, n, (inst.num_blocks,) * -(-n // inst.block_size), True,
-                    _worst_sampling(cfg), n, (top,) * n, (top,) * stop_ids_bound(cfg))
+                    _worst_sampling(cfg), n, (top,) * n, (top,) * suppress_bound(cfg))
     return inst.max_num_seqs * len(m.encode(seq)) + 64
 
 

@@ -110,6 +110,11 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True, gc=False):
     # the prompt's own log-probabilities, computed where the prompt is (P, or the instance that prefills
     # it): -1: none; 0: each prompt token's; k: also the k most likely at each position
     prompt_logprobs: int = -1
+    # vLLM's allowed_token_ids: only these ids may be drawn (every other logit -inf); empty: no restriction
+    allowed_token_ids: tuple[int, ...] = ()
+    # vLLM's bad_words as token id sequences (each word as the router's tokenizer writes it, with and without
+    # a leading space): a word's last id is banned where the output so far ends with the ids before it
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
 
 class TokenLogprob(msgspec.Struct, array_like=True, frozen=True, gc=False):

@@ -15,8 +15,9 @@ tensor math, batched over the seqs that need it, and no row's result depends
 on another row:
 
 - edits, sparse (only the ids named or generated): + logit_bias, - presence /
-  frequency penalty over the output so far (``SeqWork.history``), suppressed
-  ids (stop ids before ``min_tokens``) to -inf;
+  frequency penalty over the output so far (``SeqWork.history``), every id
+  outside ``allowed_token_ids`` (where a request names them) to -inf, then
+  suppressed ids (stop ids before ``min_tokens``, bad words' next ids) to -inf;
 - temperature 0: argmax;
 - otherwise / temperature, then top_k -> min_p -> top_p on the top ``WINDOW``
   (or top_k) candidates, sorted by ``topk``; a row whose kept set may reach past
@@ -104,7 +105,8 @@ def _params(s: SeqWork) -> SamplingParams:
 
 
 def _edited(p: SamplingParams, s: SeqWork) -> bool:
-    return bool(p.logit_bias or s.suppress or (s.history and (p.presence_penalty or p.frequency_penalty)))
+    return bool(p.logit_bias or p.allowed_token_ids or s.suppress
+                or (s.history and (p.presence_penalty or p.frequency_penalty)))
 
 
 @dataclass
@@ -266,6 +268,8 @@ def _edit(x: torch.Tensor, params: list[SamplingParams], seqs: Sequence[SeqWork]
     delta: list[float] = []
     banned: list[int] = []
     pen_rows: list[int] = []
+    only_rows: list[int] = []  # rows restricted to their allowed_token_ids
+    only: list[int] = []  # those rows' allowed ids, flat
     for j, (p, s) in enumerate(zip(params, seqs)):
         if not _edited(p, s):
             continue
@@ -275,6 +279,9 @@ def _edit(x: torch.Tensor, params: list[SamplingParams], seqs: Sequence[SeqWork]
             delta.append(bias)
         if s.history and (p.presence_penalty or p.frequency_penalty):
             pen_rows.append(j)
+        if p.allowed_token_ids:
+            only_rows.append(j)
+            only.extend(base + t for t in p.allowed_token_ids)
         banned.extend(base + t for t in s.suppress)
     flat = x.view(-1)
     if where:
@@ -282,6 +289,11 @@ def _edit(x: torch.Tensor, params: list[SamplingParams], seqs: Sequence[SeqWork]
     if pen_rows:
         flat.index_add_(0, *_penalties([seqs[j].history for j in pen_rows], pen_rows,
                                        [params[j] for j in pen_rows], vocab, x))
+    if only_rows:  # the allowed ids keep their (edited) logits; the rest of those rows go to -inf
+        at = _up(only, dev)
+        kept = flat[at]
+        x.index_fill_(0, _up(only_rows, dev), float("-inf"))
+        flat.index_copy_(0, at, kept)
     if banned:
         flat.index_fill_(0, _up(banned, dev), float("-inf"))
 

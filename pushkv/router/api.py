@@ -187,6 +187,18 @@ def encode_text(tok: text.Tokenizer, s: str, param: str) -> list[int]:
         raise bad(param, f"{param} is not valid text: {e}") from None
 
 
+def strip_added(tok: text.Tokenizer, ids: list[int]) -> list[int]:
+    """A text's ids without what the tokenizer's post-processor put in front (a Llama tokenizer's ``<s>``): vLLM's
+    ``add_special_tokens`` false."""
+    added = text.encode(tok, "")
+    return ids[len(added):] if added and ids[:len(added)] == added else ids
+
+
+def encode_bare(tok: text.Tokenizer, s: str, param: str) -> list[int]:
+    """``s`` as the tokenizer writes it with ``add_special_tokens`` false."""
+    return strip_added(tok, encode_text(tok, s, param))
+
+
 def _prompts(prompt: Any, tok: text.Tokenizer) -> list[tuple[list[int], str]]:
     """A completion's prompt: text or token ids, or a batch (a list) of those: each prompt's (ids, text)."""
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
@@ -253,9 +265,7 @@ def parse_completion(body: dict, tok: text.Tokenizer, limits: Limits) -> Complet
         raise bad("prompt", "missing field 'prompt'")
     prompts = _prompts(body["prompt"], tok)
     if not get_bool(body, "add_special_tokens", True):  # vLLM's: the text's prompts without the tokenizer's BOS
-        added = text.encode(tok, "")
-        prompts = [(ids[len(added):] if text_ and added and ids[:len(added)] == added else ids, text_)
-                   for ids, text_ in prompts]
+        prompts = [(strip_added(tok, ids) if text_ else ids, text_) for ids, text_ in prompts]
         if any(not ids for ids, _ in prompts):
             raise bad("prompt", "prompt is empty without its special tokens")
     # vLLM's truncate_prompt_tokens: each prompt's last k tokens (echo shows what was kept)
@@ -271,7 +281,7 @@ def parse_completion(body: dict, tok: text.Tokenizer, limits: Limits) -> Complet
     if echo_only:  # vLLM's: one token ends the prefill; the answer is the prompt alone
         body = {**body, "max_tokens": 1}
     longest = max((ids for ids, _ in prompts), key=len)  # max_tokens must fit beside every prompt
-    params = parse_generation(body, longest, limits, DEFAULT_MAX_TOKENS, -1 if logprobs is None else logprobs)
+    params = parse_generation(body, longest, tok, limits, DEFAULT_MAX_TOKENS, -1 if logprobs is None else logprobs)
     # echo with logprobs scores the prompt with as many alternatives, unless prompt_logprobs says (vLLM's)
     asked = parse_prompt_logprobs(body, params.stream)
     if asked is None and echo and logprobs is not None:
@@ -327,16 +337,14 @@ def refuse_structured_output(body: dict) -> None:
 # vLLM's own request fields that would change the answer and are not built: each with the values that change
 # nothing (what vLLM does without it), and why not
 VLLM_UNBUILT: dict[str, tuple[tuple, str]] = {
-    "allowed_token_ids": ((None, []), "the vocabulary is not restricted per request (logit_bias can)"),
-    "bad_words": ((None, []), "words are not banned per request (logit_bias can ban their tokens)"),
     "spaces_between_special_tokens": ((None, True), "the text is the tokenizer's decode"),
     "length_penalty": ((None, 1, 1.0), "beam search is not built"),
 }
 
 
-def parse_generation(body: dict, ids: list[int], limits: Limits, default_max: Optional[int],
+def parse_generation(body: dict, ids: list[int], tok: text.Tokenizer, limits: Limits, default_max: Optional[int],
                      logprobs: int, max_tokens_field: str = "max_tokens") -> CompletionParams:
-    """The fields completions and chat share, for a prompt already tokenized."""
+    """The fields completions and chat share, for a prompt already tokenized (``tok`` writes ``bad_words``)."""
     room = limits.max_model_len - len(ids)
     if body.get(max_tokens_field) is None:
         max_tokens_field = "max_tokens"  # chat: the older name
@@ -394,7 +402,8 @@ def parse_generation(body: dict, ids: list[int], limits: Limits, default_max: Op
     if long is not None:
         raise bad("stop", f"a stop string may have at most {L.MAX_STOP_CHARS} characters, got {len(long)}")
 
-    sampling = parse_sampling(body, limits, logprobs, max_tokens)
+    sampling = parse_sampling(body, tok, limits, logprobs, max_tokens)
+    refuse_nothing_to_draw(sampling, stops)
     model = body.get("model")
     return CompletionParams(
         prompt_token_ids=ids, max_tokens=max_tokens, stream=stream, stop_token_ids=tuple(stops),
@@ -405,7 +414,7 @@ def parse_generation(body: dict, ids: list[int], limits: Limits, default_max: Op
     )
 
 
-def parse_sampling(body: dict, limits: Limits, logprobs: int, max_tokens: int) -> SamplingParams:
+def parse_sampling(body: dict, tok: text.Tokenizer, limits: Limits, logprobs: int, max_tokens: int) -> SamplingParams:
     d = limits.defaults  # the checkpoint's, where it has them; pushkv's absent temperature is greedy
     temperature = get_num(body, "temperature", _or(d.temperature, 0.0), 0.0, L.MAX_TEMPERATURE)
     if temperature < L.MIN_TEMPERATURE:
@@ -424,8 +433,59 @@ def parse_sampling(body: dict, limits: Limits, logprobs: int, max_tokens: int) -
     return SamplingParams(
         temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed & ((1 << 64) - 1),
         presence_penalty=presence, frequency_penalty=frequency, logit_bias=tuple(sorted(pairs)),
-        logprobs=logprobs, min_tokens=min_tokens,
+        logprobs=logprobs, min_tokens=min_tokens, allowed_token_ids=parse_allowed_token_ids(body, limits),
+        bad_words=parse_bad_words(body, tok, limits),
     )
+
+
+def parse_allowed_token_ids(body: dict, limits: Limits) -> tuple[int, ...]:
+    """vLLM's ``allowed_token_ids``: the only ids the request may draw (none given: every id)."""
+    ids = body.get("allowed_token_ids")
+    if ids is None:
+        return ()
+    if not _token_list(ids) or not ids:
+        raise bad("allowed_token_ids", "allowed_token_ids must be a non-empty list of token ids")
+    if len(ids) > L.MAX_ALLOWED_TOKEN_IDS:
+        raise bad("allowed_token_ids", f"at most {L.MAX_ALLOWED_TOKEN_IDS} allowed_token_ids, got {len(ids)}")
+    check_prompt_ids(ids, limits, "allowed_token_ids")
+    return tuple(sorted(set(ids)))
+
+
+def parse_bad_words(body: dict, tok: text.Tokenizer, limits: Limits) -> tuple[tuple[int, ...], ...]:
+    """vLLM's ``bad_words``, each written as the tokenizer writes it at the start of a text and after a space (the
+    second only where it is another first token and as many tokens, as vLLM takes it); a word's last token is
+    then never drawn where the output so far ends with the tokens before it."""
+    words = body.get("bad_words")
+    if words is None or words == []:
+        return ()
+    if not isinstance(words, list) or not all(isinstance(w, str) and w.strip() for w in words):
+        raise bad("bad_words", "bad_words must be a list of non-blank strings")
+    if len(words) > L.MAX_BAD_WORDS:
+        raise bad("bad_words", f"at most {L.MAX_BAD_WORDS} bad_words, got {len(words)}")
+    out: list[tuple[int, ...]] = []
+    for w in words:
+        bare = tuple(encode_bare(tok, w.lstrip(), "bad_words"))
+        spaced = tuple(encode_bare(tok, " " + w.lstrip(), "bad_words"))
+        for ids in (bare, spaced) if spaced[:1] != bare[:1] and len(spaced) == len(bare) else (bare,):
+            if len(ids) > L.MAX_BAD_WORD_TOKENS:
+                raise bad("bad_words", f"a bad word may have at most {L.MAX_BAD_WORD_TOKENS} tokens, {w!r} has "
+                                       f"{len(ids)}")
+            check_prompt_ids(list(ids), limits, "bad_words")
+            out.append(ids)
+    return tuple(dict.fromkeys(out))
+
+
+def refuse_nothing_to_draw(p: SamplingParams, stops: list[int]) -> None:
+    """A request whose allowed_token_ids leave no token to draw from its first step is a 400, naming the field
+    that takes the last of them."""
+    if not p.allowed_token_ids:
+        return
+    allowed = set(p.allowed_token_ids)
+    if allowed <= {w[0] for w in p.bad_words if len(w) == 1}:
+        raise bad("bad_words", "bad_words ban every one of allowed_token_ids: no token could be drawn")
+    if p.min_tokens and allowed <= set(stops):
+        raise bad("min_tokens", "every one of allowed_token_ids is a stop token (an EOS id or stop_token_ids), "
+                                "which min_tokens holds off: no token could be drawn")
 
 
 _T = TypeVar("_T")

@@ -241,7 +241,7 @@ def parse_chat(body: dict, tok: text.Tokenizer, limits: api.Limits, template: Ch
     top = api.get_int(body, "top_logprobs", None, 0, L.MAX_LOGPROBS)
     if top is not None and top > 0 and not want:
         raise api.bad("top_logprobs", "top_logprobs needs logprobs: true")
-    params = api.parse_generation(body, ids, limits, None, (top or 0) if want else -1,
+    params = api.parse_generation(body, ids, tok, limits, None, (top or 0) if want else -1,
                                   max_tokens_field="max_completion_tokens")
     prompt_logprobs = api.parse_prompt_logprobs(body, params.stream)
     if prompt_logprobs is not None:

@@ -35,9 +35,8 @@ def tokenize(body: dict, tok: text.Tokenizer, limits: api.Limits,
             tools=tools or None, **parse_template_kwargs(body))
         special, param = api.get_bool(body, "add_special_tokens", False), "messages"
     ids = api.encode_text(tok, source, param) if source else []
-    added = text.encode(tok, "")  # what the tokenizer's post-processor puts in front (a Llama tokenizer's <s>)
-    if not special and added and ids[:len(added)] == added:
-        ids = ids[len(added):]
+    if not special:
+        ids = api.strip_added(tok, ids)
     return {"count": len(ids), "max_model_len": limits.max_model_len, "tokens": ids,
             "token_strs": token_strs(tok, ids) if api.get_bool(body, "return_token_strs") else None}
 

@@ -111,8 +111,14 @@ class Request:
         if p is None:
             return {}
         history = tuple(self.output) if (p.presence_penalty or p.frequency_penalty) else ()
-        suppress = tuple(sorted(self.stop_ids)) if len(self.output) < p.min_tokens else ()
-        return {"sampling": p, "output_index": len(self.output), "history": history, "suppress": suppress}
+        stops = self.stop_ids if len(self.output) < p.min_tokens else frozenset()
+        suppress = stops | bad_word_bans(p.bad_words, self.output) if p.bad_words else stops
+        if p.allowed_token_ids and suppress.issuperset(p.allowed_token_ids):
+            # a step always has a token to draw: bans that would leave no allowed id are lifted for it (the
+            # router refuses the requests where that is so from the start; only a multi-id word gets here)
+            suppress = stops if not stops.issuperset(p.allowed_token_ids) else frozenset()
+        return {"sampling": p, "output_index": len(self.output), "history": history,
+                "suppress": tuple(sorted(suppress))}
 
     def note_answer(self, msg: m.Msg, rank: int) -> None:
         """Writer rank ``rank`` answered the transfer: keep its answer (a failure is never
@@ -149,6 +155,14 @@ class Request:
         if len(self.output) >= self.max_tokens:
             return "length"
         return None
+
+
+def bad_word_bans(words: tuple[tuple[int, ...], ...], output: list[int]) -> frozenset:
+    """vLLM's bad_words: the ids that would complete one of ``words`` after ``output``, the tokens generated so
+    far: each word's last id, where the output ends with the ids before it (a one-id word's, always)."""
+    n = len(output)
+    return frozenset(w[-1] for w in words
+                     if len(w) - 1 <= n and (len(w) == 1 or output[n - len(w) + 1:] == list(w[:-1])))
 
 
 def blocks_needed(leg: str, prompt_len: int, max_tokens: int, block_size: int) -> int:

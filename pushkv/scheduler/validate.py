@@ -58,6 +58,18 @@ def check_sampling(p: m.SamplingParams, vocab: int, max_len: int) -> Optional[st
     off = next((v for _, v in bias if not _in(v, -L.LOGIT_BIAS_ABS, L.LOGIT_BIAS_ABS)), None)
     if off is not None:
         return f"sampling.logit_bias value {off} outside [-{L.LOGIT_BIAS_ABS:g}, {L.LOGIT_BIAS_ABS:g}]"
+    if len(p.allowed_token_ids) > L.MAX_ALLOWED_TOKEN_IDS:
+        return f"sampling.allowed_token_ids has {len(p.allowed_token_ids)} ids; at most {L.MAX_ALLOWED_TOKEN_IDS}"
+    bad = _ids_outside(p.allowed_token_ids, vocab)
+    if bad is not None:
+        return f"sampling.allowed_token_ids token id {bad} outside the vocabulary [0, {vocab})"
+    if len(p.bad_words) > 2 * L.MAX_BAD_WORDS:  # each word in two spellings at most
+        return f"sampling.bad_words has {len(p.bad_words)} token sequences; at most {2 * L.MAX_BAD_WORDS}"
+    if any(not 1 <= len(w) <= L.MAX_BAD_WORD_TOKENS for w in p.bad_words):
+        return f"sampling.bad_words: each must have 1-{L.MAX_BAD_WORD_TOKENS} token ids"
+    bad = _ids_outside((t for w in p.bad_words for t in w), vocab)
+    if bad is not None:
+        return f"sampling.bad_words token id {bad} outside the vocabulary [0, {vocab})"
     return None
 
 

@@ -25,12 +25,45 @@ PROMPTS = {
 COMMON = ("--model", "small", "--num-blocks", "512")
 
 
+LETTERS = list(range(ord("a"), ord("z") + 1))  # allowed_token_ids: the byte tokenizer's lower-case letters
+
+
+def _constrained(dep, **kw) -> list[int]:
+    return dep.complete(PROMPTS["text"], MAX_TOKENS, allowed_token_ids=LETTERS, **kw)["choices"][0]["token_ids"]
+
+
+def constrained_requests(letters: list[int]) -> dict[str, dict]:
+    """vLLM's allowed_token_ids and bad_words, given the letters a greedy request restricted to a-z drew: its first
+    letter banned as a word (P draws the first token, so P must honour it) and its third and fourth as a two-letter
+    word (D bans the fourth only after the third: the output so far decides)."""
+    g = "".join(chr(t) for t in letters)
+    return {"sampled": {"temperature": 0.9, "seed": 11}, "one-letter-word": {"bad_words": [g[0]]},
+            "two-letter-word": {"bad_words": [g[2:4]]}}
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     with deployment(tmp_path_factory.mktemp("local"), "--mode", "local", *COMMON) as dep:
         ref = {name: dep.tokens(p, MAX_TOKENS) for name, p in PROMPTS.items()}
+        ref["letters"] = _constrained(dep)
+        ref.update({name: _constrained(dep, **kw) for name, kw in constrained_requests(ref["letters"]).items()})
         wait_pools_free(dep)
     return ref
+
+
+def test_allowed_token_ids_and_bad_words_hold_and_equal_local(push, reference):
+    g = reference["letters"]
+    assert len(g) == MAX_TOKENS and set(g) <= set(LETTERS)
+    one, two = reference["one-letter-word"], reference["two-letter-word"]
+    assert set(one) <= set(LETTERS) and g[0] not in one  # a one-token word never comes
+    first = next(i for i in range(1, 4) if (g[i - 1], g[i]) == (g[2], g[3]))  # where g first has the word
+    assert two[:first] == g[:first] and two[first] != g[first]  # its first letter came; its second did not follow
+    assert all((a, b) != (g[2], g[3]) for a, b in zip(two, two[1:]))
+    assert set(reference["sampled"]) <= set(LETTERS)
+    assert _constrained(push) == g
+    for name, kw in constrained_requests(g).items():
+        assert _constrained(push, **kw) == reference[name], name
+    wait_pools_free(push)
 
 
 MODES = {

@@ -119,6 +119,29 @@ def test_logit_bias_suppress_and_penalties():
     assert sample(x, [seq(pres, history=(second,))]).tokens == [best]  # only what was generated
 
 
+def test_allowed_token_ids_keep_only_their_own_logits():
+    two = logits(2, seed=18)
+    x = two[:1]
+    allowed = (3, 11, 40)
+    top = int(x[0].argmax())
+    assert top not in allowed
+    best = max(allowed, key=lambda t: float(x[0, t]))
+    only = SamplingParams(allowed_token_ids=allowed)
+    assert sample(two, [seq(only), seq()]).tokens == [best, int(two[1].argmax())]  # the other row untouched
+    # edits apply before the restriction: a bias moves the choice within the set, never out of it
+    low = min(allowed, key=lambda t: float(x[0, t]))
+    biased = SamplingParams(allowed_token_ids=allowed, logit_bias=((low, 100.0), (top, 100.0)))
+    assert sample(x, [seq(biased)]).tokens == [low]
+    # suppression (stop ids before min_tokens, a bad word's next token) still applies inside the set
+    assert sample(x, [seq(only, suppress=(best,))]).tokens[0] in set(allowed) - {best}
+    drawn = {sample(x, [seq(SamplingParams(temperature=5.0, seed=s, allowed_token_ids=allowed))]).tokens[0]
+             for s in range(200)}
+    assert drawn == set(allowed)
+    # the logprobs stay the raw distribution's, as vLLM reports them
+    lp = sample(x, [seq(SamplingParams(allowed_token_ids=allowed, logprobs=1))]).logprobs[0]
+    assert abs(lp.logprob - float(torch.log_softmax(x[0], -1)[best])) < 1e-5
+
+
 def test_logprobs_are_the_raw_distribution():
     x = logits(3, seed=17)
     ps = [SamplingParams(logprobs=0), SamplingParams(), SamplingParams(temperature=1.0, seed=2, logprobs=3)]

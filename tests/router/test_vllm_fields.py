@@ -1,10 +1,12 @@
 """vLLM's own request fields: ``add_special_tokens`` taken (completions true by default, chat false, as vLLM's),
-and every field that would change the answer and is not built refused naming it, never silently ignored."""
+``allowed_token_ids`` and ``bad_words`` taken as vLLM takes them, and every field that would change the answer and is
+not built refused naming it, never silently ignored."""
 from __future__ import annotations
 
 import pytest
 
 from pushkv.model.tokenizer import HFTokenizer
+from pushkv import limits as L
 from pushkv.router import api, chat, output, tool_calls
 from tests.model.test_hf_reference import _tokenizer
 from tests.router.test_chat_fields import MESSAGES, QWEN3_LIKE
@@ -33,10 +35,7 @@ def test_add_special_tokens_as_vllm_takes_it(tok):
     assert special == [2, *plain]
 
 
-@pytest.mark.parametrize("field, value", [
-    ("allowed_token_ids", [5, 6]), ("bad_words", ["x"]),
-    ("spaces_between_special_tokens", False), ("length_penalty", 0.5),
-])
+@pytest.mark.parametrize("field, value", [("spaces_between_special_tokens", False), ("length_penalty", 0.5)])
 def test_a_vllm_field_that_would_change_the_answer_is_refused(tok, field, value):
     for parse in (lambda b: api.parse_completion({"prompt": "hi", **b}, tok, LIMITS),
                   lambda b: chat.parse_chat({"messages": MESSAGES, **b}, tok, LIMITS, chat.ChatTemplate(QWEN3_LIKE))):
@@ -133,3 +132,55 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(tok):
     with pytest.raises(api.ApiError) as e:  # more than max_model_len
         api.parse_completion({"prompt": [5, 6], "truncate_prompt_tokens": 4}, tok, small)
     assert e.value.param == "truncate_prompt_tokens"
+
+
+def _both(tok, body: dict):
+    """``body``'s sampling parameters as completions and as chat take them (the same)."""
+    a = api.parse_completion({"prompt": "hi", **body}, tok, LIMITS).sampling
+    b = chat.parse_chat({"messages": MESSAGES, **body}, tok, LIMITS, chat.ChatTemplate(QWEN3_LIKE)).sampling
+    assert a == b
+    return a
+
+
+def test_allowed_token_ids_are_taken_sorted_once_each(tok):
+    assert _both(tok, {"allowed_token_ids": [9, 4, 9, 0]}).allowed_token_ids == (0, 4, 9)
+    assert _both(tok, {}).allowed_token_ids == ()
+
+
+def test_bad_words_are_written_as_vllm_writes_them(tok):
+    """Each word as the tokenizer writes it at a text's start and, where that is another first token and as many
+    tokens, after a space ("the lazy": both; "fox" and "hello" take another length after a space: the bare one
+    only). A leading space is the word's own, dropped as vLLM drops it; a word given twice is one."""
+    bare, spaced = api.encode_bare(tok, "the lazy", "x"), api.encode_bare(tok, " the lazy", "x")
+    assert len(bare) == len(spaced) == 2 and bare[0] != spaced[0] and bare[1] == spaced[1]
+    fox = api.encode_bare(tok, "fox", "x")
+    assert len(api.encode_bare(tok, " fox", "x")) != len(fox)
+    got = _both(tok, {"bad_words": ["the lazy", "fox", " fox", "hello"]}).bad_words
+    assert got == (tuple(bare), tuple(spaced), tuple(fox), tuple(api.encode_bare(tok, "hello", "x")))
+    assert 2 not in {t for w in got for t in w}  # never the tokenizer's <s>
+
+
+@pytest.mark.parametrize("body, field, needle", [
+    ({"allowed_token_ids": []}, "allowed_token_ids", "non-empty list"),
+    ({"allowed_token_ids": [1, "2"]}, "allowed_token_ids", "non-empty list"),
+    ({"allowed_token_ids": [300]}, "allowed_token_ids", "token id 300 outside"),
+    ({"allowed_token_ids": list(range(L.MAX_ALLOWED_TOKEN_IDS + 1))}, "allowed_token_ids",
+     f"at most {L.MAX_ALLOWED_TOKEN_IDS}"),
+    ({"bad_words": "fox"}, "bad_words", "list of non-blank strings"),
+    ({"bad_words": ["fox", "  "]}, "bad_words", "list of non-blank strings"),
+    ({"bad_words": ["fox"] * (L.MAX_BAD_WORDS + 1)}, "bad_words", f"at most {L.MAX_BAD_WORDS} bad_words"),
+    ({"bad_words": ["z" * 3 * L.MAX_BAD_WORD_TOKENS]}, "bad_words", f"at most {L.MAX_BAD_WORD_TOKENS} tokens"),
+    ({"allowed_token_ids": [3, 4], "bad_words": ["hello", "fox"], "_ban": [3, 4]}, "bad_words",
+     "ban every one of allowed_token_ids"),
+    ({"allowed_token_ids": [5, 6], "stop_token_ids": [5, 6], "min_tokens": 1}, "min_tokens", "is a stop token"),
+], ids=["allowed-empty", "allowed-type", "allowed-outside", "allowed-many", "bad-type", "bad-blank", "bad-many",
+        "bad-long", "nothing-left-bad", "nothing-left-stops"])
+def test_allowed_token_ids_and_bad_words_past_a_bound_are_400_naming_the_field(tok, body, field, needle):
+    body = dict(body)
+    if body.pop("_ban", None):  # the allowed ids: exactly the one-token bad words' tokens
+        words = [w for w in ("hello", "the", "fox", "dog", "o", "x") if len(api.encode_bare(tok, w, "x")) == 1][:2]
+        body["bad_words"] = words
+        body["allowed_token_ids"] = [api.encode_bare(tok, w, "x")[0] for w in words]
+    with pytest.raises(api.ApiError) as e:
+        api.parse_completion({"prompt": "hi", **body}, tok, LIMITS)
+    assert (e.value.status, e.value.param) == (400, field) and needle in e.value.message, e.value.message

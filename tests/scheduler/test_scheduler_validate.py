@@ -105,6 +105,14 @@ BAD = [
     ("prompt_logprobs -2", gen("x", S(prompt_logprobs=-2)), "sampling.prompt_logprobs"),
     ("min_tokens > max_len", gen("x", S(min_tokens=1 << 40)), "sampling.min_tokens"),
     ("min_tokens -1", gen("x", S(min_tokens=-1)), "sampling.min_tokens"),
+    ("allowed id -1", gen("x", S(allowed_token_ids=(3, -1))), "allowed_token_ids token id -1"),
+    ("allowed id = vocab", gen("x", S(allowed_token_ids=(VOCAB,))), f"allowed_token_ids token id {VOCAB}"),
+    ("allowed too many", gen("x", S(allowed_token_ids=tuple(i % VOCAB for i in range(L.MAX_ALLOWED_TOKEN_IDS + 1)))),
+     "sampling.allowed_token_ids has"),
+    ("bad word id -1", gen("x", S(bad_words=((4, -1),))), "bad_words token id -1"),
+    ("bad word empty", gen("x", S(bad_words=((),))), "sampling.bad_words: each"),
+    ("bad word long", gen("x", S(bad_words=((4,) * (L.MAX_BAD_WORD_TOKENS + 1),))), "sampling.bad_words: each"),
+    ("bad words too many", gen("x", S(bad_words=((4,),) * (2 * L.MAX_BAD_WORDS + 1))), "sampling.bad_words has"),
     ("prompt id -1", gen("x", None, (1, -1)), "token id -1"),
     ("max_tokens 0", gen("x", None, max_tokens=0), "max_tokens"),
 ]
@@ -119,7 +127,8 @@ def test_check_generate_names_the_field(name, msg, needle):
 def test_the_edges_are_accepted():
     ok = S(temperature=L.MIN_TEMPERATURE, top_p=1.0, top_k=0, min_p=1.0, presence_penalty=-2.0,
            frequency_penalty=2.0, logprobs=L.MAX_LOGPROBS, min_tokens=6, prompt_logprobs=L.MAX_LOGPROBS,
-           logit_bias=tuple((i, 100.0 if i % 2 else -100.0) for i in range(VOCAB)))
+           logit_bias=tuple((i, 100.0 if i % 2 else -100.0) for i in range(VOCAB)),
+           allowed_token_ids=(0, VOCAB - 1), bad_words=((0,) * L.MAX_BAD_WORD_TOKENS, (VOCAB - 1,)))
     assert check_generate(gen("x", ok, stop_token_ids=(0, VOCAB - 1)), VOCAB, 1024, 300) is None
 
 

@@ -23,6 +23,7 @@ MIXES = [
     SamplingParams(temperature=0.5, top_k=1),
     SamplingParams(temperature=0.7, top_k=100),  # its top 100 crowded into one segment: the whole row sorted
     SamplingParams(temperature=0.0, logprobs=20),  # greedy with the most top logprobs the API allows
+    SamplingParams(temperature=1.0, allowed_token_ids=(3, 50, 100, 4000)),  # the rest of the row -inf
 ]
 
 
