@@ -49,6 +49,7 @@ class HFTokenizer:
         from tokenizers import Tokenizer as _Tok
 
         self._tok = _Tok.from_file(path)
+        self._added: Optional[dict[int, str]] = None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.bos_token_id = bos_token_id if bos_token_id >= 0 else self._special(
             ("<|begin_of_text|>", "<s>", "<bos>"))
@@ -65,6 +66,14 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=True).ids
+
+    @property
+    def added_ids(self) -> dict[int, str]:
+        """The tokenizer's added tokens (its specials among them), id -> text: what vLLM's
+        ``spaces_between_special_tokens`` false writes back to back."""
+        if self._added is None:
+            self._added = {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()}
+        return self._added
 
     def id_to_token(self, i: int) -> Optional[str]:
         """The id's string in the vocabulary (transformers' convert_ids_to_tokens)."""

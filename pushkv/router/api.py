@@ -96,6 +96,8 @@ class CompletionParams:
     reasoning_parser: str = ""  # chat: its choices' reasoning apart (router/reasoning.py; the deployment's)
     tool_call_parser: str = ""  # chat with tools, tool_choice auto: calls out of the content (router/tool_calls.py)
     skip_special_tokens: bool = True  # vLLM's: special tokens left out of the output's text
+    # vLLM's: false (with special tokens kept) writes an added token right after another with nothing between
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False  # vLLM's: the text ends with the stop string (or stop id's text)
     # completions' prompt as a batch of several: each prompt (ids, text) with its own n choices, choice
     # p * n + c being prompt p's c-th; empty: the one prompt above
@@ -337,7 +339,6 @@ def refuse_structured_output(body: dict) -> None:
 # vLLM's own request fields that would change the answer and are not built: each with the values that change
 # nothing (what vLLM does without it), and why not
 VLLM_UNBUILT: dict[str, tuple[tuple, str]] = {
-    "spaces_between_special_tokens": ((None, True), "the text is the tokenizer's decode"),
     "length_penalty": ((None, 1, 1.0), "beam search is not built"),
 }
 
@@ -410,6 +411,7 @@ def parse_generation(body: dict, ids: list[int], tok: text.Tokenizer, limits: Li
         model=model if isinstance(model, str) else "", sampling=sampling,
         stop=tuple(dict.fromkeys(stop)), n=n, include_usage=include_usage,
         skip_special_tokens=get_bool(body, "skip_special_tokens", True),
+        spaces_between_special_tokens=get_bool(body, "spaces_between_special_tokens", True),
         include_stop_str_in_output=get_bool(body, "include_stop_str_in_output"),
     )
 

@@ -105,7 +105,8 @@ class Generation:
         self.created = output.now_s()
         self.outs = [output.ChoiceOutput(i, tok, params.stop, params.sampling.min_tokens, hide=params.echo_only,
                                          stop_ids=params.stop_token_ids, skip_special=params.skip_special_tokens,
-                                         include_stop=params.include_stop_str_in_output)
+                                         include_stop=params.include_stop_str_in_output,
+                                         spaces_between_special=params.spaces_between_special_tokens)
                      for i in range(params.choices)]
 
     # -- bookkeeping -------------------------------------------------------

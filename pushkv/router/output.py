@@ -102,6 +102,7 @@ class ChoiceOutput:
     stop_ids: tuple[int, ...] = ()
     include_stop: bool = False  # vLLM's include_stop_str_in_output: the stop string (or id's text) ends the text
     skip_special: bool = True  # vLLM's skip_special_tokens: special tokens left out of the text
+    spaces_between_special: bool = True  # vLLM's spaces_between_special_tokens (text.IncrementalDecoder)
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -110,7 +111,7 @@ class ChoiceOutput:
     hidden: int = 0
 
     def __post_init__(self):
-        self._detok = text.IncrementalDecoder(self.tok, self.skip_special)
+        self._detok = text.IncrementalDecoder(self.tok, self.skip_special, self.spaces_between_special)
         self._stops = StopStrings(self.stops, self.include_stop)
 
     @property

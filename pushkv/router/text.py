@@ -59,12 +59,17 @@ class IncrementalDecoder:
     for context) and ``read`` (end of what has been emitted). A delta that
     ends in an incomplete character is held back until the next ids arrive.
     ``skip_special``: special tokens left out of the text (vLLM's
-    ``skip_special_tokens``, true by default).
+    ``skip_special_tokens``, true by default). ``spaces_between_special``
+    false (vLLM's ``spaces_between_special_tokens``; with special tokens kept):
+    an added token right after another is written as its own text, with no
+    space a decoder (WordPiece's) would put between them.
     """
 
-    def __init__(self, tok: Tokenizer, skip_special: bool = True):
+    def __init__(self, tok: Tokenizer, skip_special: bool = True, spaces_between_special: bool = True):
         self.tok = tok
         self.skip_special = skip_special
+        added = getattr(tok, "added_ids", None) if not (skip_special or spaces_between_special) else None
+        self.back_to_back: dict[int, str] = added or {}
         self.ids: list[int] = []
         self.prefix = 0
         self.read = 0
@@ -89,7 +94,17 @@ class IncrementalDecoder:
     def _decode(self, ids: list[int]) -> str:
         if self.skip_special:
             return self.tok.decode(ids)  # every tokenizer's default; a test's may take no keyword
+        if self.back_to_back:
+            return joined_added(self.tok, ids, self.back_to_back)
         return self.tok.decode(ids, skip_special_tokens=False)
+
+
+def joined_added(tok: Tokenizer, ids: list[int], added: dict[int, str]) -> str:
+    """``ids`` decoded with special tokens kept, with nothing between an added token and the added token before it:
+    cut between each such pair, each run decoded as the tokenizer decodes it (a run then begins with an added
+    token's own text), the runs put back to back."""
+    cuts = [0] + [i for i in range(1, len(ids)) if ids[i] in added and ids[i - 1] in added] + [len(ids)]
+    return "".join(tok.decode(ids[a:b], skip_special_tokens=False) for a, b in zip(cuts, cuts[1:]))
 
 
 def until_tag(held: str, tag: str, final: bool) -> tuple[str, str, bool]:

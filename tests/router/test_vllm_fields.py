@@ -3,6 +3,8 @@
 not built refused naming it, never silently ignored."""
 from __future__ import annotations
 
+import types
+
 import pytest
 
 from pushkv.model.tokenizer import HFTokenizer
@@ -35,7 +37,7 @@ def test_add_special_tokens_as_vllm_takes_it(tok):
     assert special == [2, *plain]
 
 
-@pytest.mark.parametrize("field, value", [("spaces_between_special_tokens", False), ("length_penalty", 0.5)])
+@pytest.mark.parametrize("field, value", [("length_penalty", 0.5)])
 def test_a_vllm_field_that_would_change_the_answer_is_refused(tok, field, value):
     for parse in (lambda b: api.parse_completion({"prompt": "hi", **b}, tok, LIMITS),
                   lambda b: chat.parse_chat({"messages": MESSAGES, **b}, tok, LIMITS, chat.ChatTemplate(QWEN3_LIKE))):
@@ -65,6 +67,53 @@ def test_skip_special_tokens_false_keeps_them_in_the_text_and_the_stop_id_out(to
     with pytest.raises(api.ApiError) as e:
         api.parse_completion({"prompt": "x", "skip_special_tokens": "no"}, tok, LIMITS)
     assert (e.value.status, e.value.param) == (400, "skip_special_tokens")
+
+
+@pytest.fixture(scope="module")
+def wordpiece(tmp_path_factory):
+    """A tokenizer whose decoder puts a space between tokens (WordPiece's), with two added tokens <a> and <b>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    t = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    t.pre_tokenizer, t.decoder = pre_tokenizers.Whitespace(), decoders.WordPiece()
+    t.train_from_iterator(["hello world the fox"] * 10,
+                          trainers.WordPieceTrainer(vocab_size=120, special_tokens=["[UNK]", "<a>", "<b>"]))
+    path = str(tmp_path_factory.mktemp("wordpiece") / "tokenizer.json")
+    t.save(path)
+    return HFTokenizer(path)
+
+
+@pytest.mark.parametrize("body, want", [
+    ({}, "hello world the fox"),  # special tokens skipped: the field changes nothing
+    ({"skip_special_tokens": False}, "hello <a> <b> world <a> the <a> <b> <a> fox"),
+    ({"skip_special_tokens": False, "spaces_between_special_tokens": True}, "hello <a> <b> world <a> the <a> <b> <a> fox"),
+    ({"skip_special_tokens": False, "spaces_between_special_tokens": False}, "hello <a><b> world <a> the <a><b><a> fox"),
+], ids=["skipped", "kept", "kept-spaces", "kept-no-spaces"])
+def test_spaces_between_special_tokens_false_writes_added_tokens_back_to_back(wordpiece, body, want):
+    """vLLM's spaces_between_special_tokens: false, with special tokens kept, writes an added token right after
+    another with nothing between them; the rest of the text is the tokenizer's, streamed token by token or whole."""
+    ids = wordpiece.encode("hello <a><b> world <a> the <a> <b><a> fox")
+    assert {1, 2} <= set(ids)
+    params = api.parse_completion({"prompt": "x", **body}, wordpiece, api.Limits(vocab_size=120, max_model_len=64))
+    assert params.spaces_between_special_tokens == body.get("spaces_between_special_tokens", True)
+    out = output.ChoiceOutput(0, wordpiece, skip_special=params.skip_special_tokens,
+                              spaces_between_special=params.spaces_between_special_tokens)
+    streamed = "".join(out.add([i]).text for i in ids) + out.finish("length").text
+    assert (streamed, out.text) == (want, want)
+    whole = output.ChoiceOutput(0, wordpiece, skip_special=params.skip_special_tokens,
+                                spaces_between_special=params.spaces_between_special_tokens)
+    assert whole.add(ids).text + whole.finish("length").text == want
+
+
+def test_the_request_field_reaches_each_choices_text(wordpiece):
+    from pushkv.router.generate import Generation
+
+    params = api.parse_completion({"prompt": "x", "n": 2, "skip_special_tokens": False,
+                                   "spaces_between_special_tokens": False}, wordpiece,
+                                  api.Limits(vocab_size=120, max_model_len=64))
+    run = types.SimpleNamespace(transfer_id="r1-0")  # Generation reads only the id of its first run here
+    outs = Generation(params, [run, run], wordpiece, "m").outs
+    assert len(outs) == 2 and all(not o.spaces_between_special and not o.skip_special for o in outs)
 
 
 @pytest.mark.parametrize("parser, keeps", [("mistral", True), ("hermes", False), ("pythonic", False)])
