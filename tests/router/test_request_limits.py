@@ -101,3 +101,19 @@ def test_api_doc_table_says_what_the_code_does():
         readme = f.read()
     for b in L.BOUNDS:
         assert f"| {b.field} | {b.bound} |" in readme, b
+
+
+def _size(n: int) -> str:
+    return f"{round(n / 1e3)} KB" if n < 1e6 else f"{n / 1e6:.1f} MB"
+
+
+def test_api_doc_message_caps_are_the_ones_the_code_computes():
+    """docs/api.md gives each preset's two caps (at its defaults); they move whenever a bound or a message grows."""
+    from pushkv.config import PRESETS, DeploymentConfig
+
+    with open(os.path.join(ROOT, "docs", "api.md")) as f:
+        doc = " ".join(f.read().split())
+    for name in ("tiny", "small", "qwen3-8b"):
+        cfg = DeploymentConfig(model=PRESETS[name])
+        assert f"{_size(L.generate_cap_bytes(cfg))} for `{name}`" in doc, (name, _size(L.generate_cap_bytes(cfg)))
+        assert f"{_size(L.msg_cap_bytes(cfg))} for `{name}`" in doc, (name, _size(L.msg_cap_bytes(cfg)))
