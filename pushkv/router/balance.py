@@ -156,10 +156,10 @@ class Balancer:
 
     # -- placing requests ------------------------------------------------------------------
     def _hits(self, run: "RequestRun") -> dict[str, int]:
-        """Per live instance: the prompt tokens it would take from its cache, as the index guesses. None
-        for a request that asked prompt logprobs: the instance that prefills it takes no hit (its
-        positions would have no logits), so placement prices it whole everywhere."""
-        if not self.prefix_cache or not len(self.index) or not run.reuses_prefix:
+        """Per live instance: the prompt tokens it would take from its cache, as the index guesses. For a
+        request that asked prompt logprobs the instance that prefills it takes no hit (its positions would have
+        no logits: ``Ask.whole``), but a D's hit still spares the transfer that much of the prompt."""
+        if not self.prefix_cache or not len(self.index):
             return {}
         p_sizes = {l.block_size for l in self.loads.values() if l.role == "prefill" and l.up} or {1}
         out = {}
@@ -173,7 +173,7 @@ class Balancer:
         return out
 
     def ask(self, run: "RequestRun") -> P.Ask:
-        return P.Ask(len(run.prompt), self._hits(run), self.cost.costs, self.conditional)
+        return P.Ask(len(run.prompt), self._hits(run), self.cost.costs, self.conditional, whole=not run.reuses_prefix)
 
     def request(self, run: "RequestRun") -> Optional[P.Verdict]:
         """Place a new request now (its verdict), or queue it (None); Refused past the bound."""
@@ -197,18 +197,19 @@ class Balancer:
     def _commit(self, run: "RequestRun", v: P.Verdict, ask: Optional[P.Ask] = None) -> None:
         h = self.held.setdefault(run.transfer_id, Held())
         hits = ask.hits if ask is not None else {}
+        computed = {} if ask is not None and ask.whole else hits  # what spares the prefilling instance compute
         if self.metrics is not None:
             self.metrics.paths.labels(path=v.kind).inc()
         if v.kind == P.DECODE_LOCAL:
             h.local = True
-            h.predicted = hits.get(v.decode, 0)
+            h.predicted = computed.get(v.decode, 0)
             self._commit_decode(h, v.decode, run.decode_tokens, pin=False)
             d = self.loads[v.decode]
             h.local_tokens = len(run.prompt) - h.predicted
             d.queued_tokens += h.local_tokens
             return
         p = self.loads[v.prefill]
-        h.predicted = hits.get(v.prefill, 0)
+        h.predicted = computed.get(v.prefill, 0)
         if v.decode:
             h.predicted_decode = hits.get(v.decode, 0)
         h.prefill, h.prefill_tokens = v.prefill, len(run.prompt)

@@ -94,6 +94,13 @@ class Ask:
     hits: dict = field(default_factory=dict)  # engine id -> prompt tokens it probably holds (usable hits)
     costs: Costs = Costs()
     conditional: bool = False  # may D prefill it itself (conditional disaggregation)?
+    # asked prompt logprobs: whichever instance prefills it computes it whole (no hit saves compute there), while a
+    # D that holds a prefix still takes it, so that much of the prompt need not move
+    whole: bool = False
+
+    def compute_hit(self, load: "Load") -> int:
+        """The prompt tokens ``load`` would not compute again, were it to prefill the request."""
+        return 0 if self.whole else min(self.hits.get(load.engine_id, 0), self.prompt_tokens)
 
 
 NO_ASK = Ask()
@@ -101,7 +108,7 @@ NO_ASK = Ask()
 
 def prefill_wait_ms(load: Load, ask: Ask) -> float:
     """When ``load`` would finish this prompt's prefill: its queue, then what of the prompt it lacks."""
-    hit = min(ask.hits.get(load.engine_id, 0), ask.prompt_tokens)
+    hit = ask.compute_hit(load)
     c = ask.costs
     return c.prefill_ms_per_token * load.queued_tokens + c.prefill_ms(ask.prompt_tokens - hit, hit)
 
@@ -161,7 +168,8 @@ def path_costs(p: Load, d: Load, ask: Ask, p_block_size: int) -> PathCosts:
     moved = blocks_for(n - d_hit, p_block_size)
     split = prefill_wait_ms(p, ask) + c.handoff_ms(moved)
     running = d.legs  # sequences D holds: decoding now, or about to
-    d_prefill = c.local_prefill_ms(n - d_hit, d_hit)
+    d_computes = ask.compute_hit(d)
+    d_prefill = c.local_prefill_ms(n - d_computes, d_computes)
     step = c.step_ms(running, n) if running else 0.0
     local = c.local_ms_per_token * d.queued_tokens + step + d_prefill
     return PathCosts(split, local, running * d_prefill)

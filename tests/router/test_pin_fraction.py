@@ -52,6 +52,7 @@ class _Run:
     def __init__(self, tid, tokens):
         self.transfer_id, self.prompt, self.max_tokens = tid, (1,) * (tokens - 16), 16
         self.got: list = []
+        self.reuses_prefix = True
 
     @property
     def decode_tokens(self):

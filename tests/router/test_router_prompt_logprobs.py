@@ -9,6 +9,7 @@ import pytest
 
 from pushkv import messages as m
 from pushkv.router import api, chat, render
+from pushkv.router import policy as P
 from pushkv.router import request as R
 from pushkv.router.balance import Balancer
 from pushkv.router.output import ChoiceOutput
@@ -235,7 +236,24 @@ def test_placement_assumes_no_cached_prefix_for_them():
     assert b.ask(again).hits.get("p0", 0) > 0
     scored = ChatRun("t3", range(100))
     scored.reuses_prefix = False
-    assert b.ask(scored).hits == {}
+    ask = b.ask(scored)
+    assert ask.whole and ask.hits == b.ask(again).hits  # what each instance holds is still known ...
+    p0 = b.loads["p0"]
+    assert ask.compute_hit(p0) == 0 < b.ask(again).compute_hit(p0)  # ... but P computes the prompt whole
+    assert P.prefill_wait_ms(p0, ask) > P.prefill_wait_ms(p0, b.ask(again))
+
+
+def test_a_d_that_holds_a_prefix_still_spares_the_transfer_but_not_its_own_prefill():
+    """Prompt logprobs: a D holding 64 of the prompt's 100 tokens takes them in push (only the rest moves), so
+    the split path is priced with the smaller handoff; were D to prefill the request itself, it would compute
+    all 100 tokens."""
+    p0, d0 = P.Load("p0", "prefill", num_blocks=100), P.Load("d0", "decode", num_blocks=100, block_size=16)
+    plain, whole = P.Ask(100, {"d0": 64}), P.Ask(100, {"d0": 64}, whole=True)
+    none = P.Ask(100, {})
+    assert P.decode_cost_ms(d0, 120, whole) == P.decode_cost_ms(d0, 120, plain) < P.decode_cost_ms(d0, 120, none)
+    a, b, c = (P.path_costs(p0, d0, x, 16) for x in (plain, whole, none))
+    assert b.split_ms == a.split_ms < c.split_ms  # the handoff of what D lacks
+    assert b.local_ms == c.local_ms > a.local_ms  # D's own prefill: whole
 
 
 def test_a_run_says_whether_it_reuses_a_prefix():
