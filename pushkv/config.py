@@ -97,6 +97,7 @@ class SamplingDefaults(msgspec.Struct, frozen=True):
     top_k: Optional[int] = None
     min_p: Optional[float] = None
     max_tokens: Optional[int] = None  # max_new_tokens
+    repetition_penalty: Optional[float] = None
 
 
 class RopeScaling(msgspec.Struct, frozen=True):

@@ -37,6 +37,7 @@ MAX_TOOLS = 128  # chat's tools, OpenAI's bound: each is rendered into the promp
 MAX_TEMPERATURE = 100.0
 MIN_TEMPERATURE = 1e-5  # a temperature above 0 and below this is greedy (vLLM's _SAMPLING_EPS): 1/T overflows
 MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty|, as OpenAI
+MAX_REPETITION_PENALTY = 100.0  # vLLM's repetition_penalty, in (0, this]: checkpoints ship 1.0-1.3
 HTTP_BODY_MIN_BYTES = 1 << 20  # aiohttp's default client_max_size
 HTTP_BODY_BYTES_PER_TOKEN = 64  # a prompt of max_model_len tokens in JSON: ids or escaped text, with room
 
@@ -69,6 +70,8 @@ BOUNDS = (
           f"{MAX_CHOICES} choices; each prompt + max_tokens within max_model_len",
           "each choice is its own prefill and decode"),
     Bound("tools (chat)", f"at most {MAX_TOOLS}", "OpenAI's bound; each is rendered into the prompt"),
+    Bound("repetition_penalty (vLLM's)", f"above 0, at most {MAX_REPETITION_PENALTY:g}",
+          "a logit divided or multiplied by it stays finite"),
     Bound("temperature", f"0-{MAX_TEMPERATURE:g}; below {MIN_TEMPERATURE:g} is greedy",
           "1/T overflows the logits"),
     Bound("request body", f"max({HTTP_BODY_MIN_BYTES >> 20} MiB, {HTTP_BODY_BYTES_PER_TOKEN} B x max_model_len)",
@@ -122,7 +125,8 @@ def _worst_sampling(cfg: DeploymentConfig) -> m.SamplingParams:
                             presence_penalty=-0.1, frequency_penalty=-0.1, logit_bias=bias,
                             logprobs=MAX_LOGPROBS, min_tokens=max_len(cfg), prompt_logprobs=MAX_LOGPROBS,
                             allowed_token_ids=(top,) * MAX_ALLOWED_TOKEN_IDS,
-                            bad_words=((top,) * MAX_BAD_WORD_TOKENS,) * (2 * MAX_BAD_WORDS))
+                            bad_words=((top,) * MAX_BAD_WORD_TOKENS,) * (2 * MAX_BAD_WORDS),
+                            repetition_penalty=MAX_REPETITION_PENALTY - 0.1)
 
 
 def largest_generate(cfg: DeploymentConfig) -> m.Generate:
@@ -166,7 +170,7 @@ def step_bytes(cfg: DeploymentConfig, inst: InstanceConfig) -> int:
     prompt to run, a whole output history and a full block table."""
     n, top = max_len(cfg), cfg.model.vocab_size - 1
     seq = m.SeqWork((1 << 63) - 1, (top,) * n, n, (inst.num_blocks,) * -(-n // inst.block_size), True,
-                    _worst_sampling(cfg), n, (top,) * n, (top,) * suppress_bound(cfg))
+                    _worst_sampling(cfg), n, (top,) * n, (top,) * min(n, top + 1), (top,) * suppress_bound(cfg))
     return inst.max_num_seqs * len(m.encode(seq)) + 64
 
 

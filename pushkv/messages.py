@@ -115,6 +115,9 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True, gc=False):
     # vLLM's bad_words as token id sequences (each word as the router's tokenizer writes it, with and without
     # a leading space): a word's last id is banned where the output so far ends with the ids before it
     bad_words: tuple[tuple[int, ...], ...] = ()
+    # vLLM's (and transformers'): each id of the prompt and the output so far has its logit divided by this where
+    # positive and multiplied where not, before the presence and frequency penalties; 1: off
+    repetition_penalty: float = 1.0
 
 
 class TokenLogprob(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -153,6 +156,7 @@ class SeqWork(msgspec.Struct, array_like=True, frozen=True, gc=False):
     sampling: Optional[SamplingParams] = None  # None: greedy
     output_index: int = 0  # which output token this step samples (0 = the first)
     history: tuple[int, ...] = ()  # output so far, when a penalty needs it
+    seen: tuple[int, ...] = ()  # repetition_penalty: the distinct ids of the prompt and the output so far, sorted
     suppress: tuple[int, ...] = ()  # ids that may not be sampled now (stop ids before min_tokens)
     checksum: Literal["", "sample", "full"] = ""  # P, the prompt's last chunk: answer the KV's checksums (--kv-verify)
     # dynamic RoPE: the sequence length whose frequencies these tokens take (a prompt's chunk: the

@@ -6,7 +6,6 @@ its own rows/columns out of the files.
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 from typing import Any, Optional
@@ -15,11 +14,10 @@ import torch
 from safetensors import safe_open
 
 from pushkv.config import ModelConfig, MoeRouting, SamplingDefaults
+from pushkv.limits import MAX_REPETITION_PENALTY
 from pushkv.model.arch import check_supported, deepseek_routing, family_of, num_experts_of
 from pushkv.model.fp8 import SCALE_SUFFIX, dequantize, fp8_blocks_of, scale_span
 from pushkv.model.rope import max_position_of, rope_of
-
-log = logging.getLogger(__name__)
 
 HF_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 GEOMETRY = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
@@ -71,14 +69,15 @@ def eos_ids_of(hf: dict, gen: dict, vocab_size: int, path: str = "") -> tuple[in
     return tuple(dict.fromkeys(ids))
 
 
-# generation_config.json field: (SamplingDefaults field, type, range check, range text); what
-# pushkv can sample with (vLLM takes the same, and repetition_penalty, which pushkv does not have)
+# generation_config.json field: (SamplingDefaults field, type, range check, range text): what vLLM takes from it
 DEFAULT_FIELDS = {
     "temperature": ("temperature", float, lambda v: 0 <= v <= 100, "[0, 100]"),
     "top_p": ("top_p", float, lambda v: 0 < v <= 1, "(0, 1]"),
     "top_k": ("top_k", int, lambda v: v >= -1, ">= -1 (-1, 0: off)"),
     "min_p": ("min_p", float, lambda v: 0 <= v <= 1, "[0, 1]"),
     "max_new_tokens": ("max_tokens", int, lambda v: v >= 1, ">= 1"),
+    "repetition_penalty": ("repetition_penalty", float, lambda v: 0 < v <= MAX_REPETITION_PENALTY,
+                           f"(0, {MAX_REPETITION_PENALTY:g}]"),
 }
 
 
@@ -98,12 +97,10 @@ def sampling_defaults_of(gen: dict, path: str = "") -> SamplingDefaults:
         out[name] = typ(v)
     if out.get("top_k") in (-1, 0):
         out.pop("top_k")
-    if gen.get("do_sample") is False:
-        out = {k: v for k, v in out.items() if k == "max_tokens"}
-    rp = gen.get("repetition_penalty")
-    if isinstance(rp, (int, float)) and rp != 1:
-        log.warning("%s: repetition_penalty %s is not applied (pushkv has presence/frequency_penalty only)",
-                    where, rp)
+    if gen.get("do_sample") is False:  # greedy; transformers' greedy still applies a repetition penalty
+        out = {k: v for k, v in out.items() if k in ("max_tokens", "repetition_penalty")}
+    if out.get("repetition_penalty") == 1.0:
+        out.pop("repetition_penalty")
     return SamplingDefaults(**out)
 
 

@@ -14,7 +14,8 @@ in any batch. It drives inverse-CDF sampling over the filtered distribution
 tensor math, batched over the seqs that need it, and no row's result depends
 on another row:
 
-- edits, sparse (only the ids named or generated): + logit_bias, - presence /
+- edits, sparse (only the ids named or generated): + logit_bias, the
+  repetition penalty over the prompt and output so far (``SeqWork.seen``), - presence /
   frequency penalty over the output so far (``SeqWork.history``), every id
   outside ``allowed_token_ids`` (where a request names them) to -inf, then
   suppressed ids (stop ids before ``min_tokens``, bad words' next ids) to -inf;
@@ -106,7 +107,8 @@ def _params(s: SeqWork) -> SamplingParams:
 
 def _edited(p: SamplingParams, s: SeqWork) -> bool:
     return bool(p.logit_bias or p.allowed_token_ids or s.suppress
-                or (s.history and (p.presence_penalty or p.frequency_penalty)))
+                or (s.history and (p.presence_penalty or p.frequency_penalty))
+                or (s.seen and p.repetition_penalty != 1.0))
 
 
 @dataclass
@@ -269,6 +271,8 @@ def _edit(x: torch.Tensor, params: list[SamplingParams], seqs: Sequence[SeqWork]
     banned: list[int] = []
     pen_rows: list[int] = []
     only_rows: list[int] = []  # rows restricted to their allowed_token_ids
+    seen: list[int] = []  # repetition_penalty: the ids of the prompt and output so far, flat
+    seen_by: list[float] = []  # ... and each one's penalty
     only: list[int] = []  # those rows' allowed ids, flat
     for j, (p, s) in enumerate(zip(params, seqs)):
         if not _edited(p, s):
@@ -279,6 +283,9 @@ def _edit(x: torch.Tensor, params: list[SamplingParams], seqs: Sequence[SeqWork]
             delta.append(bias)
         if s.history and (p.presence_penalty or p.frequency_penalty):
             pen_rows.append(j)
+        if s.seen and p.repetition_penalty != 1.0:
+            seen.extend(base + t for t in s.seen)
+            seen_by.extend([p.repetition_penalty] * len(s.seen))
         if p.allowed_token_ids:
             only_rows.append(j)
             only.extend(base + t for t in p.allowed_token_ids)
@@ -286,6 +293,10 @@ def _edit(x: torch.Tensor, params: list[SamplingParams], seqs: Sequence[SeqWork]
     flat = x.view(-1)
     if where:
         flat.index_add_(0, _up(where, dev), _up(delta, dev, x.dtype))
+    if seen:  # vLLM's and transformers' repetition penalty: a positive logit divided by it, any other multiplied
+        at, by = _up(seen, dev), _up(seen_by, dev, x.dtype)
+        v = flat[at]
+        flat.index_copy_(0, at, torch.where(v > 0, v / by, v * by))
     if pen_rows:
         flat.index_add_(0, *_penalties([seqs[j].history for j in pen_rows], pen_rows,
                                        [params[j] for j in pen_rows], vocab, x))

@@ -374,8 +374,6 @@ def parse_generation(body: dict, ids: list[int], tok: text.Tokenizer, limits: Li
         raise bad("best_of", "best_of other than n is not supported")
     if get_bool(body, "use_beam_search"):
         raise bad("use_beam_search", "beam search is not supported")
-    if get_num(body, "repetition_penalty", 1.0, 0.0, 1e9, lo_open=True) != 1.0:
-        raise bad("repetition_penalty", "repetition_penalty is not supported (use presence/frequency_penalty)")
 
     stop_ids = body.get("stop_token_ids") or []
     if not _token_list(stop_ids):
@@ -427,6 +425,8 @@ def parse_sampling(body: dict, tok: text.Tokenizer, limits: Limits, logprobs: in
     min_p = get_num(body, "min_p", _or(d.min_p, 0.0), 0.0, 1.0)
     presence = get_num(body, "presence_penalty", 0.0, -L.MAX_PENALTY, L.MAX_PENALTY)
     frequency = get_num(body, "frequency_penalty", 0.0, -L.MAX_PENALTY, L.MAX_PENALTY)
+    repetition = get_num(body, "repetition_penalty", _or(d.repetition_penalty, 1.0), 0.0, L.MAX_REPETITION_PENALTY,
+                         lo_open=True)
     min_tokens = get_int(body, "min_tokens", 0, 0, max_tokens)
     seed = get_int(body, "seed", None)
     if seed is None:  # the request's own stream; P and D both see it (greedy needs none)
@@ -436,7 +436,7 @@ def parse_sampling(body: dict, tok: text.Tokenizer, limits: Limits, logprobs: in
         temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed & ((1 << 64) - 1),
         presence_penalty=presence, frequency_penalty=frequency, logit_bias=tuple(sorted(pairs)),
         logprobs=logprobs, min_tokens=min_tokens, allowed_token_ids=parse_allowed_token_ids(body, limits),
-        bad_words=parse_bad_words(body, tok, limits),
+        bad_words=parse_bad_words(body, tok, limits), repetition_penalty=repetition,
     )
 
 

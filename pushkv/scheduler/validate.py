@@ -58,6 +58,8 @@ def check_sampling(p: m.SamplingParams, vocab: int, max_len: int) -> Optional[st
     off = next((v for _, v in bias if not _in(v, -L.LOGIT_BIAS_ABS, L.LOGIT_BIAS_ABS)), None)
     if off is not None:
         return f"sampling.logit_bias value {off} outside [-{L.LOGIT_BIAS_ABS:g}, {L.LOGIT_BIAS_ABS:g}]"
+    if not _in(p.repetition_penalty, 0.0, L.MAX_REPETITION_PENALTY, lo_open=True):
+        return f"sampling.repetition_penalty must be in (0, {L.MAX_REPETITION_PENALTY:g}], got {p.repetition_penalty}"
     if len(p.allowed_token_ids) > L.MAX_ALLOWED_TOKEN_IDS:
         return f"sampling.allowed_token_ids has {len(p.allowed_token_ids)} ids; at most {L.MAX_ALLOWED_TOKEN_IDS}"
     bad = _ids_outside(p.allowed_token_ids, vocab)

@@ -41,17 +41,27 @@ def constrained_requests(letters: list[int]) -> dict[str, dict]:
             "two-letter-word": {"bad_words": [g[2:4]]}}
 
 
+# a prompt whose greedy output repeats its tokens, which a repetition penalty then avoids (P weighs the prompt's ids,
+# D the prompt's and the output's so far)
+REPEATED = PROMPTS["one-token"]
+
+
+def _repeated(dep) -> list[int]:
+    return dep.complete(REPEATED, MAX_TOKENS, repetition_penalty=20.0)["choices"][0]["token_ids"]
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     with deployment(tmp_path_factory.mktemp("local"), "--mode", "local", *COMMON) as dep:
         ref = {name: dep.tokens(p, MAX_TOKENS) for name, p in PROMPTS.items()}
         ref["letters"] = _constrained(dep)
         ref.update({name: _constrained(dep, **kw) for name, kw in constrained_requests(ref["letters"]).items()})
+        ref["repetition"] = _repeated(dep)
         wait_pools_free(dep)
     return ref
 
 
-def test_allowed_token_ids_and_bad_words_hold_and_equal_local(push, reference):
+def test_allowed_token_ids_bad_words_and_repetition_penalty_hold_and_equal_local(push, reference):
     g = reference["letters"]
     assert len(g) == MAX_TOKENS and set(g) <= set(LETTERS)
     one, two = reference["one-letter-word"], reference["two-letter-word"]
@@ -60,6 +70,9 @@ def test_allowed_token_ids_and_bad_words_hold_and_equal_local(push, reference):
     assert two[:first] == g[:first] and two[first] != g[first]  # its first letter came; its second did not follow
     assert all((a, b) != (g[2], g[3]) for a, b in zip(two, two[1:]))
     assert set(reference["sampled"]) <= set(LETTERS)
+    plain, penalised = reference["one-token"], reference["repetition"]
+    assert len(set(plain)) < len(plain) and len(set(penalised)) > len(set(plain))
+    assert _repeated(push) == penalised
     assert _constrained(push) == g
     for name, kw in constrained_requests(g).items():
         assert _constrained(push, **kw) == reference[name], name

@@ -4,7 +4,6 @@ by the router: unset fields take the checkpoint's value, a request's own value w
 from __future__ import annotations
 
 import json
-import logging
 
 import pytest
 
@@ -63,10 +62,20 @@ def test_defaults_out_of_range_are_refused_naming_the_field(gen, needle):
         sampling_defaults_of(gen)
 
 
-def test_repetition_penalty_is_not_applied_and_says_so(caplog):
-    with caplog.at_level(logging.WARNING):
-        assert sampling_defaults_of({"repetition_penalty": 1.05, "temperature": 0.7}).temperature == 0.7
-    assert "repetition_penalty 1.05 is not applied" in caplog.text
+def test_repetition_penalty_is_a_default_too_and_greedy_keeps_it():
+    """Qwen2.5-Instruct ships repetition_penalty 1.05: vLLM applies it to a request that leaves it unset, and
+    transformers' greedy (do_sample false) applies it too."""
+    assert sampling_defaults_of({"repetition_penalty": 1.05, "temperature": 0.7, "top_p": 0.8, "top_k": 20}) == \
+        SamplingDefaults(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05)
+    assert sampling_defaults_of({"repetition_penalty": 1.1, "temperature": 0.7, "do_sample": False}) == \
+        SamplingDefaults(repetition_penalty=1.1)
+    assert sampling_defaults_of({"repetition_penalty": 1.0}) == SamplingDefaults()
+    limits = api.Limits(vocab_size=300, max_model_len=64, defaults=SamplingDefaults(repetition_penalty=1.05))
+    assert api.parse_completion({"prompt": "hi"}, TOK, limits).sampling.repetition_penalty == 1.05
+    assert api.parse_completion({"prompt": "hi", "repetition_penalty": 1.3}, TOK, limits).sampling.repetition_penalty \
+        == 1.3
+    with pytest.raises(ValueError, match="repetition_penalty must be"):
+        sampling_defaults_of({"repetition_penalty": 0})
 
 
 def ckpt(tmp_path, config_eos, gen):

@@ -72,10 +72,11 @@ def _dequantized(path: str) -> dict:
         weight_block_size=tuple(quant["weight_block_size"]), dequantize=True)}
 
 
-def hf_reference(path: str, prompts) -> list[tuple[list[int], list[int]]]:
+def hf_reference(path: str, prompts, **generate_kw) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, greedy new tokens) from transformers itself, a fresh model per prompt: dynamic
     RoPE's module keeps the frequencies of the longest sequence it has run and applies them to a
-    later, shorter one that still passes max_position_embeddings."""
+    later, shorter one that still passes max_position_embeddings. ``generate_kw``: more of ``generate``'s
+    arguments (a repetition penalty)."""
     tok = transformers.AutoTokenizer.from_pretrained(path)
     out = []
     for p in prompts:
@@ -84,7 +85,7 @@ def hf_reference(path: str, prompts) -> list[tuple[list[int], list[int]]]:
         ids = tok(p).input_ids
         with torch.no_grad():
             gen = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                 eos_token_id=GEOMETRY["eos_token_id"], pad_token_id=0)
+                                 eos_token_id=GEOMETRY["eos_token_id"], pad_token_id=0, **generate_kw)
         out.append((ids, gen[0, len(ids):].tolist()))
     return out
 
@@ -120,14 +121,23 @@ def test_prompt_ids_and_greedy_tokens_equal_transformers(tmp_path, llama, arch):
         assert got[:stop] == new, prompt
 
 
+REPETITION_PENALTY = 1.8
+
+
 def test_served_text_prompt_counts_bos_and_equals_transformers(tmp_path, llama):
-    """Through the router (text in, ids and usage out) on P/D push."""
+    """Through the router (text in, ids and usage out) on P/D push; and with a repetition penalty, as transformers'
+    greedy applies it over the prompt and the tokens so far (P draws the first token over the prompt's ids, D the
+    rest over both)."""
     path, want = llama
+    penalised = hf_reference(path, PROMPTS, repetition_penalty=REPETITION_PENALTY)
+    assert [new for _, new in penalised] != [new for _, new in want]  # the penalty changes what is drawn
     with deployment(tmp_path, "--mode", "push", "--checkpoint", path, "--num-blocks", "64") as dep:
-        for prompt, (ids, new) in zip(PROMPTS, want):
+        for prompt, (ids, new), (_, pen) in zip(PROMPTS, want, penalised):
             body = dep.complete(prompt, NEW_TOKENS)
             assert body["usage"]["prompt_tokens"] == len(ids), prompt
             assert body["choices"][0]["token_ids"] == new, prompt
+            body = dep.complete(prompt, NEW_TOKENS, repetition_penalty=REPETITION_PENALTY)
+            assert body["choices"][0]["token_ids"] == pen, prompt
 
 
 @pytest.mark.parametrize("rope, needle", [

@@ -11,8 +11,8 @@ from pushkv.seeds import derive_seed, uniform
 V = 50
 
 
-def seq(p=None, index=0, history=(), suppress=()):
-    return SeqWork(0, (1,), 0, (0,), sampling=p, output_index=index, history=history, suppress=suppress)
+def seq(p=None, index=0, history=(), suppress=(), seen=()):
+    return SeqWork(0, (1,), 0, (0,), sampling=p, output_index=index, history=history, suppress=suppress, seen=seen)
 
 
 def logits(rows=1, seed=0):
@@ -140,6 +140,32 @@ def test_allowed_token_ids_keep_only_their_own_logits():
     # the logprobs stay the raw distribution's, as vLLM reports them
     lp = sample(x, [seq(SamplingParams(allowed_token_ids=allowed, logprobs=1))]).logprobs[0]
     assert abs(lp.logprob - float(torch.log_softmax(x[0], -1)[best])) < 1e-5
+
+
+def test_repetition_penalty_divides_positive_logits_and_multiplies_the_rest_of_the_seen_ids():
+    """transformers' and vLLM's: over the prompt's and output's distinct ids, after logit_bias and before the
+    presence / frequency penalties and the temperature; the draw follows the edited row, the logprobs stay raw."""
+    x = logits(1, seed=21)
+    seen = tuple(sorted({int(i) for i in x[0].topk(2).indices} | {int(x[0].argmin())}))
+    p = 1.7
+    want = x[0].clone()
+    at = torch.tensor(seen)
+    want[at] = torch.where(want[at] > 0, want[at] / p, want[at] * p)
+    assert sample(x, [seq(SamplingParams(repetition_penalty=p), seen=seen)]).tokens == [int(want.argmax())]
+    assert int(want.argmax()) != int(x[0].argmax())  # the penalty moved the choice
+    # after the bias: a biased seen id is penalised with its bias
+    top = int(x[0].argmax())
+    biased = SamplingParams(repetition_penalty=p, logit_bias=((top, 10.0),))
+    assert sample(x, [seq(biased, seen=seen)]).tokens == [top if (x[0, top] + 10) / p > want.max() else
+                                                         int(want.argmax())]
+    # the same draw as the edited row's, seeded, and nothing without seen ids (off: 1.0)
+    for s in range(20):
+        hot = SamplingParams(temperature=0.8, seed=s, repetition_penalty=p)
+        assert sample(x, [seq(hot, index=3, seen=seen)]).tokens == sample(want[None].clone(), [
+            seq(SamplingParams(temperature=0.8, seed=s), index=3)]).tokens
+    assert sample(x, [seq(SamplingParams(repetition_penalty=p))]).tokens == [top]
+    lp = sample(x, [seq(SamplingParams(repetition_penalty=p, logprobs=0), seen=seen)]).logprobs[0]
+    assert abs(lp.logprob - float(torch.log_softmax(x[0], -1)[int(want.argmax())])) < 1e-5
 
 
 def test_logprobs_are_the_raw_distribution():

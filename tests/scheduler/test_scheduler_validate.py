@@ -105,6 +105,9 @@ BAD = [
     ("prompt_logprobs -2", gen("x", S(prompt_logprobs=-2)), "sampling.prompt_logprobs"),
     ("min_tokens > max_len", gen("x", S(min_tokens=1 << 40)), "sampling.min_tokens"),
     ("min_tokens -1", gen("x", S(min_tokens=-1)), "sampling.min_tokens"),
+    ("repetition 0", gen("x", S(repetition_penalty=0.0)), "sampling.repetition_penalty"),
+    ("repetition nan", gen("x", S(repetition_penalty=math.nan)), "sampling.repetition_penalty"),
+    ("repetition huge", gen("x", S(repetition_penalty=1e9)), "sampling.repetition_penalty"),
     ("allowed id -1", gen("x", S(allowed_token_ids=(3, -1))), "allowed_token_ids token id -1"),
     ("allowed id = vocab", gen("x", S(allowed_token_ids=(VOCAB,))), f"allowed_token_ids token id {VOCAB}"),
     ("allowed too many", gen("x", S(allowed_token_ids=tuple(i % VOCAB for i in range(L.MAX_ALLOWED_TOKEN_IDS + 1)))),
@@ -128,7 +131,7 @@ def test_the_edges_are_accepted():
     ok = S(temperature=L.MIN_TEMPERATURE, top_p=1.0, top_k=0, min_p=1.0, presence_penalty=-2.0,
            frequency_penalty=2.0, logprobs=L.MAX_LOGPROBS, min_tokens=6, prompt_logprobs=L.MAX_LOGPROBS,
            logit_bias=tuple((i, 100.0 if i % 2 else -100.0) for i in range(VOCAB)),
-           allowed_token_ids=(0, VOCAB - 1), bad_words=((0,) * L.MAX_BAD_WORD_TOKENS, (VOCAB - 1,)))
+           allowed_token_ids=(0, VOCAB - 1), repetition_penalty=L.MAX_REPETITION_PENALTY, bad_words=((0,) * L.MAX_BAD_WORD_TOKENS, (VOCAB - 1,)))
     assert check_generate(gen("x", ok, stop_token_ids=(0, VOCAB - 1)), VOCAB, 1024, 300) is None
 
 

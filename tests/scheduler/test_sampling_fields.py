@@ -1,5 +1,5 @@
-"""vLLM's bad_words and allowed_token_ids in the scheduler: what it bans at each step (pure), and a request through
-a scheduler and the real sampler that never completes a banned word."""
+"""vLLM's bad_words, allowed_token_ids and repetition_penalty in the scheduler: what it bans or sends at each step
+(pure), and a request through a scheduler and the real sampler that never completes a banned word."""
 from __future__ import annotations
 
 import pytest
@@ -61,3 +61,13 @@ def test_a_scheduled_request_never_completes_a_bad_word_and_keeps_to_its_allowed
     assert word != free and all((x, y) != (a, b) for x, y in zip(word, word[1:]))
     assert free[0] not in one and one != free
     assert set(only) <= {17, 18, 19}
+
+
+def test_repetition_penalty_sends_the_prompts_and_outputs_distinct_ids():
+    r = Request("t", 0, "local", (7, 3, 7, 5), 8, b"r", sampling=S(repetition_penalty=1.2))
+    assert r.sample_fields()["seen"] == (3, 5, 7)
+    r.output += [9, 3, 1]
+    assert r.sample_fields()["seen"] == (1, 3, 5, 7, 9)
+    r.output.append(9)
+    assert r.sample_fields()["seen"] == (1, 3, 5, 7, 9)
+    assert req(S()).sample_fields()["seen"] == ()  # off: nothing sent
