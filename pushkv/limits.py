@@ -170,7 +170,7 @@ def step_bytes(cfg: DeploymentConfig, inst: InstanceConfig) -> int:
     prompt to run, a whole output history and a full block table."""
     n, top = max_len(cfg), cfg.model.vocab_size - 1
     seq = m.SeqWork((1 << 63) - 1, (top,) * n, n, (inst.num_blocks,) * -(-n // inst.block_size), True,
-                    _worst_sampling(cfg), n, (top,) * n, (top,) * min(n, top + 1), (top,) * suppress_bound(cfg))
+                    _worst_sampling(cfg), n, (top,) * n, bytes(4 * min(n, top + 1)), (top,) * suppress_bound(cfg))
     return inst.max_num_seqs * len(m.encode(seq)) + 64
 
 

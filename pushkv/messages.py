@@ -156,7 +156,9 @@ class SeqWork(msgspec.Struct, array_like=True, frozen=True, gc=False):
     sampling: Optional[SamplingParams] = None  # None: greedy
     output_index: int = 0  # which output token this step samples (0 = the first)
     history: tuple[int, ...] = ()  # output so far, when a penalty needs it
-    seen: tuple[int, ...] = ()  # repetition_penalty: the distinct ids of the prompt and the output so far, sorted
+    # repetition_penalty: the distinct ids of the prompt and of the output so far, packed '<i4' (a long prompt's
+    # thousands of ids go as one copy, not as Python ints to build and read each step)
+    seen: bytes = b""
     suppress: tuple[int, ...] = ()  # ids that may not be sampled now (stop ids before min_tokens)
     checksum: Literal["", "sample", "full"] = ""  # P, the prompt's last chunk: answer the KV's checksums (--kv-verify)
     # dynamic RoPE: the sequence length whose frequencies these tokens take (a prompt's chunk: the

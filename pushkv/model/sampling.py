@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from pushkv import envs
@@ -271,8 +272,8 @@ def _edit(x: torch.Tensor, params: list[SamplingParams], seqs: Sequence[SeqWork]
     banned: list[int] = []
     pen_rows: list[int] = []
     only_rows: list[int] = []  # rows restricted to their allowed_token_ids
-    seen: list[int] = []  # repetition_penalty: the ids of the prompt and output so far, flat
-    seen_by: list[float] = []  # ... and each one's penalty
+    seen: list = []  # repetition_penalty: each row's ids of the prompt and output so far (int32, little-endian)
+    seen_at: list[tuple[int, float]] = []  # ... and that row's (first flat id, penalty)
     only: list[int] = []  # those rows' allowed ids, flat
     for j, (p, s) in enumerate(zip(params, seqs)):
         if not _edited(p, s):
@@ -284,8 +285,8 @@ def _edit(x: torch.Tensor, params: list[SamplingParams], seqs: Sequence[SeqWork]
         if s.history and (p.presence_penalty or p.frequency_penalty):
             pen_rows.append(j)
         if s.seen and p.repetition_penalty != 1.0:
-            seen.extend(base + t for t in s.seen)
-            seen_by.extend([p.repetition_penalty] * len(s.seen))
+            seen.append(np.frombuffer(s.seen, dtype="<i4"))
+            seen_at.append((base, p.repetition_penalty))
         if p.allowed_token_ids:
             only_rows.append(j)
             only.extend(base + t for t in p.allowed_token_ids)
@@ -294,7 +295,10 @@ def _edit(x: torch.Tensor, params: list[SamplingParams], seqs: Sequence[SeqWork]
     if where:
         flat.index_add_(0, _up(where, dev), _up(delta, dev, x.dtype))
     if seen:  # vLLM's and transformers' repetition penalty: a positive logit divided by it, any other multiplied
-        at, by = _up(seen, dev), _up(seen_by, dev, x.dtype)
+        counts = _up([len(a) for a in seen], dev)
+        rows = _up(seen_at, dev, torch.float64)  # each row's base id and penalty; ids < 2^53 are exact
+        at = torch.from_numpy(np.concatenate(seen)).to(dev).long() + rows[:, 0].long().repeat_interleave(counts)
+        by = rows[:, 1].to(x.dtype).repeat_interleave(counts)
         v = flat[at]
         flat.index_copy_(0, at, torch.where(v > 0, v / by, v * by))
     if pen_rows:

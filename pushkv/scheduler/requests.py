@@ -4,8 +4,9 @@ No sockets, no clock reads: the scheduler core passes ``now`` in.
 """
 from __future__ import annotations
 
-import bisect
 import enum
+import sys
+from array import array
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -83,8 +84,8 @@ class Request:
     # prompt logprobs, where the prompt is computed here: each chunk's as its step answered, then joined
     prompt_parts: list[m.PromptLogprobs] = field(default_factory=list)
     prompt_logprobs: Optional[m.PromptLogprobs] = None
-    # repetition_penalty's ids of the prompt and output, kept as the output grows (seen_ids)
-    _seen: Optional[list[int]] = field(default=None, repr=False)
+    # repetition_penalty's distinct ids of the prompt and output, packed, kept as the output grows (seen_ids)
+    _seen: Optional[array] = field(default=None, repr=False)
     _seen_set: set = field(default_factory=set, repr=False)
     _seen_out: int = 0
 
@@ -116,7 +117,7 @@ class Request:
         if p is None:
             return {}
         history = tuple(self.output) if (p.presence_penalty or p.frequency_penalty) else ()
-        seen = self.seen_ids() if p.repetition_penalty != 1.0 else ()
+        seen = self.seen_ids() if p.repetition_penalty != 1.0 else b""
         stops = self.stop_ids if len(self.output) < p.min_tokens else frozenset()
         suppress = stops | bad_word_bans(p.bad_words, self.output) if p.bad_words else stops
         if p.allowed_token_ids and suppress.issuperset(p.allowed_token_ids):
@@ -126,18 +127,22 @@ class Request:
         return {"sampling": p, "output_index": len(self.output), "history": history, "seen": seen,
                 "suppress": tuple(sorted(suppress))}
 
-    def seen_ids(self) -> tuple[int, ...]:
-        """The distinct ids of the prompt and the output so far, sorted (repetition_penalty's): the prompt's
-        sorted once, each new output id put in its place."""
+    def seen_ids(self) -> bytes:
+        """The distinct ids of the prompt and of the output so far (repetition_penalty's), packed little-endian
+        int32 (``SeqWork.seen``): the prompt's, sorted, once; then each output id as it first comes."""
         if self._seen is None:
-            self._seen = sorted(set(self.prompt))
-            self._seen_set = set(self._seen)
+            self._seen_set = set(self.prompt)
+            self._seen = array("i", sorted(self._seen_set))
         for t in self.output[self._seen_out:]:
             if t not in self._seen_set:
                 self._seen_set.add(t)
-                bisect.insort(self._seen, t)
+                self._seen.append(t)
         self._seen_out = len(self.output)
-        return tuple(self._seen)
+        if sys.byteorder != "little":
+            swapped = array("i", self._seen)
+            swapped.byteswap()
+            return swapped.tobytes()
+        return self._seen.tobytes()
 
     def note_answer(self, msg: m.Msg, rank: int) -> None:
         """Writer rank ``rank`` answered the transfer: keep its answer (a failure is never

@@ -1,6 +1,7 @@
 """pushkv.model.sampling: pure, batched, defined by the request (seed, output index)."""
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 
@@ -12,7 +13,8 @@ V = 50
 
 
 def seq(p=None, index=0, history=(), suppress=(), seen=()):
-    return SeqWork(0, (1,), 0, (0,), sampling=p, output_index=index, history=history, suppress=suppress, seen=seen)
+    packed = np.asarray(seen, dtype="<i4").tobytes()  # SeqWork.seen: the scheduler packs the ids
+    return SeqWork(0, (1,), 0, (0,), sampling=p, output_index=index, history=history, suppress=suppress, seen=packed)
 
 
 def logits(rows=1, seed=0):

@@ -2,6 +2,7 @@
 (pure), and a request through a scheduler and the real sampler that never completes a banned word."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from pushkv import messages as m
@@ -63,11 +64,16 @@ def test_a_scheduled_request_never_completes_a_bad_word_and_keeps_to_its_allowed
     assert set(only) <= {17, 18, 19}
 
 
+def _ids(packed: bytes) -> list[int]:
+    return np.frombuffer(packed, dtype="<i4").tolist()
+
+
 def test_repetition_penalty_sends_the_prompts_and_outputs_distinct_ids():
+    """Packed: the prompt's distinct ids sorted, then each output id as it first comes."""
     r = Request("t", 0, "local", (7, 3, 7, 5), 8, b"r", sampling=S(repetition_penalty=1.2))
-    assert r.sample_fields()["seen"] == (3, 5, 7)
+    assert _ids(r.sample_fields()["seen"]) == [3, 5, 7]
     r.output += [9, 3, 1]
-    assert r.sample_fields()["seen"] == (1, 3, 5, 7, 9)
+    assert _ids(r.sample_fields()["seen"]) == [3, 5, 7, 9, 1]
     r.output.append(9)
-    assert r.sample_fields()["seen"] == (1, 3, 5, 7, 9)
-    assert req(S()).sample_fields()["seen"] == ()  # off: nothing sent
+    assert _ids(r.sample_fields()["seen"]) == [3, 5, 7, 9, 1]
+    assert req(S()).sample_fields()["seen"] == b""  # off: nothing sent
