@@ -207,6 +207,8 @@ class Generate(Msg, frozen=True):
     # decode leg with no source: D prefills the prompt itself, as a local instance (conditional
     # disaggregation: nothing moves)
     prefill_here: bool = False
+    # vLLM's cache_salt: the prompt's cached blocks are shared only with requests of the same salt
+    cache_salt: str = ""
 
 
 class Abort(Msg, frozen=True):

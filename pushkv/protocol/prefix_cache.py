@@ -35,6 +35,14 @@ from pushkv.protocol.allocator import BlockAllocator
 ROOT_HASH = 0  # the "previous block" of a prompt's first block
 
 
+def root_of(cache_salt: str = "") -> int:
+    """The "previous block" a prompt's chain starts from: ROOT_HASH, or for vLLM's ``cache_salt`` a hash of it,
+    so that only requests that give the same salt share cached blocks (a tenant's prefixes stay its own)."""
+    if not cache_salt:
+        return ROOT_HASH
+    return int.from_bytes(hashlib.sha256(b"pushkv cache_salt\0" + cache_salt.encode()).digest()[:8], "little")
+
+
 def block_hashes(tokens: Sequence[int], block_size: int, parent: int = ROOT_HASH, start: int = 0) -> list[int]:
     """Chained hashes of the full blocks of ``tokens[start:]`` (``start`` block-aligned), the
     first chained to ``parent``: the hash of the block before ``start`` (ROOT_HASH at 0)."""

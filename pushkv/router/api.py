@@ -99,6 +99,7 @@ class CompletionParams:
     # vLLM's: false (with special tokens kept) writes an added token right after another with nothing between
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False  # vLLM's: the text ends with the stop string (or stop id's text)
+    cache_salt: str = ""  # vLLM's: cached prefixes shared only among requests of the same salt
     # completions' prompt as a batch of several: each prompt (ids, text) with its own n choices, choice
     # p * n + c being prompt p's c-th; empty: the one prompt above
     batch: list[tuple[list[int], str]] = field(default_factory=list)
@@ -411,6 +412,7 @@ def parse_generation(body: dict, ids: list[int], tok: text.Tokenizer, limits: Li
         skip_special_tokens=get_bool(body, "skip_special_tokens", True),
         spaces_between_special_tokens=get_bool(body, "spaces_between_special_tokens", True),
         include_stop_str_in_output=get_bool(body, "include_stop_str_in_output"),
+        cache_salt=parse_cache_salt(body),
     )
 
 
@@ -438,6 +440,19 @@ def parse_sampling(body: dict, tok: text.Tokenizer, limits: Limits, logprobs: in
         logprobs=logprobs, min_tokens=min_tokens, allowed_token_ids=parse_allowed_token_ids(body, limits),
         bad_words=parse_bad_words(body, tok, limits), repetition_penalty=repetition,
     )
+
+
+def parse_cache_salt(body: dict) -> str:
+    """vLLM's ``cache_salt``: a non-empty string; a request's prompt blocks are cached and found only among requests
+    that give the same one."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        return ""
+    if not isinstance(salt, str) or not salt:
+        raise bad("cache_salt", "cache_salt must be a non-empty string")
+    if len(salt) > L.MAX_CACHE_SALT_CHARS:
+        raise bad("cache_salt", f"cache_salt may have at most {L.MAX_CACHE_SALT_CHARS} characters, got {len(salt)}")
+    return salt
 
 
 def parse_allowed_token_ids(body: dict, limits: Limits) -> tuple[int, ...]:

@@ -35,7 +35,7 @@ class RequestRun:
     def __init__(self, cfg: DeploymentConfig, balancer: Optional[Balancer], transfer_id: str,
                  prompt_token_ids: list[int], max_tokens: int, stop_token_ids: tuple[int, ...], arrival: float,
                  metrics: RouterMetrics, sampling: Optional[m.SamplingParams] = None,
-                 local_link: Optional[SchedulerLink] = None):
+                 local_link: Optional[SchedulerLink] = None, cache_salt: str = ""):
         self.balancer = balancer
         self.local_link = local_link
         self.metrics = metrics
@@ -44,7 +44,7 @@ class RequestRun:
             mode=cfg.mode, transfer_id=transfer_id, prompt=tuple(prompt_token_ids), max_tokens=max_tokens,
             stop=stop_token_ids, request_s=cfg.timeouts.request_s,
             sampling=sampling if sampling != m.SamplingParams() else None,
-            local_engine=cfg.local.engine_id or "local", wall_offset=wall - time.monotonic(),
+            local_engine=cfg.local.engine_id or "local", wall_offset=wall - time.monotonic(), cache_salt=cache_salt,
         )
         self.req = R.Request(spec, arrival, arrival_wall=wall)
         self.hash_cache: dict[int, list[int]] = {}  # the balancer's: block size -> the prompt's block hashes
@@ -71,6 +71,10 @@ class RequestRun:
     @property
     def decode_tokens(self) -> int:
         return self.req.decode_tokens
+
+    @property
+    def cache_salt(self) -> str:
+        return self.req.spec.cache_salt
 
     @property
     def reuses_prefix(self) -> bool:

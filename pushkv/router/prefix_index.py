@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Sequence
 
-from pushkv.protocol.prefix_cache import block_hashes
+from pushkv.protocol.prefix_cache import block_hashes, root_of
 
 CAPACITY = 1 << 18  # hashes remembered (x ~200 bytes each: ~50 MB at most)
 
@@ -64,11 +64,12 @@ class PrefixIndex:
             del self._where[h]
 
 
-def hashes(tokens: Sequence[int], block_size: int, cache: dict[int, list[int]]) -> list[int]:
-    """The chain of ``tokens`` at ``block_size``, memoised in ``cache`` (one request's)."""
+def hashes(tokens: Sequence[int], block_size: int, cache: dict[int, list[int]], cache_salt: str = "") -> list[int]:
+    """The chain of ``tokens`` at ``block_size`` from the root of the request's ``cache_salt`` (as its schedulers
+    chain it), memoised in ``cache`` (one request's)."""
     got = cache.get(block_size)
     if got is None:
-        got = cache[block_size] = block_hashes(tokens, block_size)
+        got = cache[block_size] = block_hashes(tokens, block_size, root_of(cache_salt))
     return got
 
 

@@ -161,6 +161,7 @@ class Spec:
     sampling: Optional[m.SamplingParams] = None  # None: plain greedy, fewer bytes per step
     local_engine: str = "local"  # local mode: the instance's engine id
     wall_offset: float = 0.0  # wall clock minus monotonic clock
+    cache_salt: str = ""  # vLLM's: its cached prefixes are shared only with the same salt's
 
 
 class Request:
@@ -243,7 +244,7 @@ class Request:
         return m.Generate(
             transfer_id=s.transfer_id, generation=GENERATION, leg=leg, prompt_token_ids=s.prompt,
             max_tokens=max_tokens, stop_token_ids=s.stop, arrival=self.ledger.timeline["router.arrival"],
-            sampling=s.sampling, **kw,
+            sampling=s.sampling, cache_salt=s.cache_salt, **kw,
         )
 
     def _send(self, leg: Role, engine_id: str, msg: m.Generate, now: float) -> Send:

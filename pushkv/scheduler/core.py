@@ -289,7 +289,7 @@ class SchedulerCore:
             self._abort(old, f"superseded by generation {msg.generation}", notify=True)
         r = Request(msg.transfer_id, msg.generation, msg.leg, msg.prompt_token_ids, msg.max_tokens, frm.identity,
                     frozenset(msg.stop_token_ids), msg.source, msg.pull, seq_id=self.next_seq,
-                    sampling=msg.sampling, late=msg.late, prefill_here=msg.prefill_here)
+                    sampling=msg.sampling, late=msg.late, prefill_here=msg.prefill_here, cache_salt=msg.cache_salt)
         self.next_seq += 1
         if msg.arrival:
             r.timeline["arrival"] = msg.arrival

@@ -84,6 +84,7 @@ class Request:
     # prompt logprobs, where the prompt is computed here: each chunk's as its step answered, then joined
     prompt_parts: list[m.PromptLogprobs] = field(default_factory=list)
     prompt_logprobs: Optional[m.PromptLogprobs] = None
+    cache_salt: str = ""  # vLLM's: its prompt's block hashes chain from this salt's root (prefix.py)
     # repetition_penalty's distinct ids of the prompt and output, packed, kept as the output grows (seen_ids)
     _seen: Optional[array] = field(default=None, repr=False)
     _seen_set: set = field(default_factory=set, repr=False)

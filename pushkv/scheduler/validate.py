@@ -88,6 +88,8 @@ def check_generate(msg: m.Generate, vocab: int, max_len: int, max_stop_ids: int)
     if len(msg.prompt_token_ids) + msg.max_tokens > max_len:
         return (f"prompt ({len(msg.prompt_token_ids)}) + max_tokens ({msg.max_tokens}) exceeds max model "
                 f"length {max_len}")
+    if len(msg.cache_salt) > L.MAX_CACHE_SALT_CHARS:
+        return f"cache_salt has {len(msg.cache_salt)} characters; at most {L.MAX_CACHE_SALT_CHARS}"
     if len(msg.stop_token_ids) > max_stop_ids:
         return f"stop_token_ids has {len(msg.stop_token_ids)} ids; at most {max_stop_ids}"
     bad = _ids_outside(msg.stop_token_ids, vocab)

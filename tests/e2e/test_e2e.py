@@ -192,3 +192,21 @@ def test_another_uid_gets_no_handshake(push):
     ours = probe({p_ep: asks[p_ep]}, as_other_uid=False)
     got = m.DEC_HANDSHAKE.decode(bytes.fromhex(ours[p_ep]["answer"]))
     assert isinstance(got, m.Hello) and got.agent_metadata, got
+
+
+def test_a_cache_salt_shares_cached_prefixes_only_with_its_own(push):
+    """vLLM's cache_salt: P finds a prompt's cached blocks again under the same salt, never under another one, and
+    the tokens are the same either way."""
+    prompt = [(i * 7 + 3) % 256 for i in range(5 * BLOCK)]
+
+    def hits() -> int:
+        return push.stats("prefill").counters.get("prefix_hit_tokens", 0)
+
+    def run(salt: str) -> list[int]:
+        return push.complete(prompt, 4, cache_salt=salt)["choices"][0]["token_ids"]
+
+    first = run("tenant-a")
+    before = hits()
+    assert run("tenant-b") == first and hits() == before
+    assert run("tenant-a") == first and hits() >= before + 4 * BLOCK
+    wait_pools_free(push)

@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from pushkv.protocol.prefix_cache import ROOT_HASH, PrefixCache, block_hashes
+from pushkv.protocol.prefix_cache import ROOT_HASH, PrefixCache, block_hashes, root_of
 
 BS = 4
 
@@ -25,6 +25,15 @@ def test_chain_names_the_whole_prefix():
     assert block_hashes(list(range(8)), 8) != a[:1]  # another block size, other names
     assert a == block_hashes(tuple(range(12)), BS)  # stable, tuple or list
     assert ROOT_HASH == 0
+
+
+def test_a_cache_salt_roots_a_chain_of_its_own():
+    """vLLM's cache_salt: no salt is the shared root; each salt roots another chain, so every block differs."""
+    assert root_of("") == root_of() == ROOT_HASH
+    roots = {root_of(x) for x in ("a", "b", "tenant-1", "\u00e9")}
+    assert len(roots) == 4 and ROOT_HASH not in roots and root_of("a") == root_of("a")
+    plain, salted = block_hashes(list(range(12)), BS), block_hashes(list(range(12)), BS, root_of("a"))
+    assert all(x != y for x, y in zip(plain, salted)) and len(salted) == 3
 
 
 @pytest.mark.parametrize("bs,start", [(0, 0), (-1, 0), (4, 2)])

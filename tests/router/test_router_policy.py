@@ -385,6 +385,7 @@ class ChatRun(Run):
         super().__init__(tid, 0, max_tokens)
         self.prompt = tuple(prompt)
         self.output_ids, self.done, self.cached, self.timeline, self.hash_cache = [], False, {}, {}, {}
+        self.cache_salt = ""
 
 
 def test_balancer_indexes_where_it_sent_what_and_places_by_it():
@@ -408,6 +409,22 @@ def test_balancer_indexes_where_it_sent_what_and_places_by_it():
     assert b.held["t2"].predicted == 96 and b.held["t2"].predicted_decode == 112
     b.down(v.decode)
     assert v.decode not in b.ask(turn2).hits  # back, it holds nothing
+
+
+@pytest.mark.parametrize("salt, again, found", [("", "", True), ("a", "a", True), ("a", "b", False), ("a", "", False)])
+def test_balancer_finds_a_cached_prefix_only_under_the_same_cache_salt(salt, again, found):
+    """vLLM's cache_salt: the index names a salted prompt's blocks by the salt's chain, as its schedulers do, so
+    placement credits a hit only to a request of the same salt."""
+    b = Balancer("push", 1.0, 4, prefix_cache=True, conditional=False)
+    b.add(rec("p0", "prefill"), lambda r: object())
+    b.add(rec("d0", "decode", 200), lambda r: object())
+    first = ChatRun("t1", range(100))
+    first.cache_salt = salt
+    b.request(first)
+    b.prefill_done(first)
+    second = ChatRun("t2", range(100))
+    second.cache_salt = again
+    assert (b.ask(second).hits.get("p0", 0) == 96) == found
 
 
 def test_balancer_decode_local_accounts_on_d_only_and_learns():

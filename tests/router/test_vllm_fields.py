@@ -233,3 +233,14 @@ def test_allowed_token_ids_and_bad_words_past_a_bound_are_400_naming_the_field(t
     with pytest.raises(api.ApiError) as e:
         api.parse_completion({"prompt": "hi", **body}, tok, LIMITS)
     assert (e.value.status, e.value.param) == (400, field) and needle in e.value.message, e.value.message
+
+
+def test_cache_salt_is_taken_as_a_non_empty_string(tok):
+    for parse in (lambda b: api.parse_completion({"prompt": "hi", **b}, tok, LIMITS),
+                  lambda b: chat.parse_chat({"messages": MESSAGES, **b}, tok, LIMITS, chat.ChatTemplate(QWEN3_LIKE))):
+        assert parse({"cache_salt": "tenant-7"}).cache_salt == "tenant-7" and parse({}).cache_salt == ""
+        for bad_salt, needle in (("", "non-empty string"), (7, "non-empty string"),
+                                 ("x" * (L.MAX_CACHE_SALT_CHARS + 1), f"at most {L.MAX_CACHE_SALT_CHARS}")):
+            with pytest.raises(api.ApiError) as e:
+                parse({"cache_salt": bad_salt})
+            assert (e.value.status, e.value.param) == (400, "cache_salt") and needle in e.value.message

@@ -8,7 +8,7 @@ import pytest
 
 from pushkv import messages as m
 from pushkv.config import DeploymentConfig, InstanceConfig
-from pushkv.protocol.prefix_cache import block_hashes
+from pushkv.protocol.prefix_cache import block_hashes, root_of
 from pushkv.scheduler.requests import State
 from tests.scheduler.test_scheduler_roles import P_SRC, ROUTER, deliver, wired
 
@@ -76,6 +76,22 @@ def test_local_second_request_computes_only_its_uncached_suffix(name, first, sec
     assert w.token_ids == second[w.start_pos:] and w.sample
     assert s.counters["prefix_queries"] == 2
     assert s.counters["prefix_hits"] == (1 if want[1] else 0)
+    assert idle(s)
+
+
+@pytest.mark.parametrize("first, second, hit", [("", "", 32), ("tenant-a", "tenant-a", 32), ("tenant-a", "tenant-b", 0),
+                                                ("tenant-a", "", 0), ("", "tenant-a", 0)])
+def test_a_cache_salt_shares_cached_blocks_only_with_the_same_salt(first, second, hit):
+    """vLLM's cache_salt: the same prompt finds the first request's blocks only when both give the same salt
+    (none being a salt of its own)."""
+    s, wire = make()
+    generate(s, "a", prompt(40), cache_salt=first)
+    run_all(s, wire)
+    generate(s, "b", prompt(40), cache_salt=second)
+    assert s.by_tid["b"].hashes[:2] == block_hashes(prompt(40), BS, root_of(second))[:2]
+    (w,) = run_step(s, wire)
+    assert (w.start_pos, s.counters["prefix_hit_tokens"]) == (hit, hit)
+    run_all(s, wire)
     assert idle(s)
 
 
