@@ -100,6 +100,7 @@ class CompletionParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False  # vLLM's: the text ends with the stop string (or stop id's text)
     cache_salt: str = ""  # vLLM's: cached prefixes shared only among requests of the same salt
+    return_tokens_as_token_ids: bool = False  # vLLM's: a logprob's token written "token_id:N" (render.TokenIds)
     # completions' prompt as a batch of several: each prompt (ids, text) with its own n choices, choice
     # p * n + c being prompt p's c-th; empty: the one prompt above
     batch: list[tuple[list[int], str]] = field(default_factory=list)
@@ -341,6 +342,8 @@ def refuse_structured_output(body: dict) -> None:
 # nothing (what vLLM does without it), and why not
 VLLM_UNBUILT: dict[str, tuple[tuple, str]] = {
     "length_penalty": ((None, 1, 1.0), "beam search is not built"),
+    "priority": ((None, 0), "priority scheduling is not built: requests are served first come, first served (vLLM "
+                            "refuses a priority too unless --scheduling-policy priority)"),
 }
 
 
@@ -413,6 +416,7 @@ def parse_generation(body: dict, ids: list[int], tok: text.Tokenizer, limits: Li
         spaces_between_special_tokens=get_bool(body, "spaces_between_special_tokens", True),
         include_stop_str_in_output=get_bool(body, "include_stop_str_in_output"),
         cache_salt=parse_cache_salt(body),
+        return_tokens_as_token_ids=get_bool(body, "return_tokens_as_token_ids"),
     )
 
 

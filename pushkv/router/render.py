@@ -6,7 +6,7 @@ lives here and nowhere else.
 """
 from __future__ import annotations
 
-from typing import ClassVar, Optional, Sequence
+from typing import ClassVar, Optional, Protocol, Sequence
 
 from pushkv.messages import PromptLogprobs, TokenLogprob
 from pushkv.prompt_logprobs import Position, positions
@@ -16,6 +16,21 @@ from pushkv.router.output import ChoiceOutput, Delta
 from pushkv.router.text import Tokenizer
 
 FLOOR_LOGPROB = -9999.0  # JSON has no -inf
+
+
+class Decoder(Protocol):
+    """What writes a logprob's token: a tokenizer, or ``TokenIds``."""
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+
+class TokenIds:
+    """vLLM's ``return_tokens_as_token_ids``: a logprob's token is written ``token_id:N`` (what a client maps back
+    to an id whatever the bytes decode to), offsets and bytes following that text; the logprobs' shapes take it
+    where they take a tokenizer."""
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return "".join(f"token_id:{i}" for i in ids)
 
 
 class Renderer:
@@ -29,6 +44,8 @@ class Renderer:
         self.tok = tok
         self.params = params
         self.want_logprobs = params.sampling.logprobs >= 0
+        # what writes a logprob's token (the prompt logprobs of vLLM's own shape keep the decoded text, as vLLM's)
+        self.token_text: Decoder = TokenIds() if params.return_tokens_as_token_ids else tok
 
     def request_id(self, transfer_id: str) -> str:
         return f"{self.id_prefix}-{transfer_id}"
@@ -75,7 +92,7 @@ class CompletionRenderer(Renderer):
         self.offsets = [len(p) for p in self.prefixes]  # text_offset runs on across a choice's deltas
 
     def _logprobs(self, i: int, delta: Delta) -> dict:
-        lp = completion_logprobs(self.tok, delta.token_ids, delta.logprobs, self.offsets[i])
+        lp = completion_logprobs(self.token_text, delta.token_ids, delta.logprobs, self.offsets[i])
         self.offsets[i] += sum(len(s) for s in lp["tokens"])
         return lp
 
@@ -86,7 +103,7 @@ class CompletionRenderer(Renderer):
         """The prompt's part of an echoed choice's logprobs (its first token's null, as OpenAI's)."""
         if not (self.params.echo and self.want_logprobs):
             return None
-        return completion_prompt_logprobs(self.tok, self._prompt(out), out.prompt_logprobs)
+        return completion_prompt_logprobs(self.token_text, self._prompt(out), out.prompt_logprobs)
 
     def choice(self, out: ChoiceOutput) -> dict:
         lp = self.logprobs(out.index, Delta(out.text, out.token_ids, out.logprobs))
@@ -123,7 +140,7 @@ class ChatRenderer(Renderer):
                       if params.tool_call_parser else [])
 
     def _logprobs(self, i: int, delta: Delta) -> dict:
-        return chat_logprobs(self.tok, delta.token_ids, delta.logprobs)
+        return chat_logprobs(self.token_text, delta.token_ids, delta.logprobs)
 
     def choice(self, out: ChoiceOutput) -> dict:
         lp = self.logprobs(out.index, Delta(out.text, out.token_ids, out.logprobs))
@@ -180,7 +197,7 @@ def _lp(x: float) -> float:
     return x if x > FLOOR_LOGPROB else FLOOR_LOGPROB
 
 
-def completion_logprobs(tok: Tokenizer, ids: Sequence[int], lps: Sequence[TokenLogprob],
+def completion_logprobs(tok: Decoder, ids: Sequence[int], lps: Sequence[TokenLogprob],
                         offset: int = 0) -> dict:
     """``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` of /v1/completions."""
     tokens = [tok.decode([i]) for i in ids]
@@ -189,7 +206,7 @@ def completion_logprobs(tok: Tokenizer, ids: Sequence[int], lps: Sequence[TokenL
             "top_logprobs": tops, "text_offset": _offsets(tokens, offset)}
 
 
-def _top_entry(tok: Tokenizer, tid: int, logprob: float, top_ids: Sequence[int], top_logprobs: Sequence[float]
+def _top_entry(tok: Decoder, tid: int, logprob: float, top_ids: Sequence[int], top_logprobs: Sequence[float]
                ) -> dict:
     """A completions top_logprobs entry: the token's own first, then the N most likely (N + 1 at most, as OpenAI's
     and vLLM's; token strings that collide keep one)."""
@@ -215,7 +232,7 @@ def _scored(ids: Sequence[int], plp: Optional[PromptLogprobs]) -> list[Optional[
     return [None] * plp.start + list(zip(ids[plp.start:], got))
 
 
-def completion_prompt_logprobs(tok: Tokenizer, ids: Sequence[int], plp: Optional[PromptLogprobs]) -> dict:
+def completion_prompt_logprobs(tok: Decoder, ids: Sequence[int], plp: Optional[PromptLogprobs]) -> dict:
     """An echoed prompt's part of /v1/completions' logprobs, as OpenAI's legacy completions and vLLM give
     it: each prompt token, its logprob (the first's null) and a top entry of the token and the N most
     likely (the first's null); text offsets from the prompt's start."""
@@ -250,7 +267,7 @@ def vllm_prompt_logprobs(tok: Tokenizer, ids: Sequence[int], plp: Optional[Promp
     return out
 
 
-def chat_logprobs(tok: Tokenizer, ids: Sequence[int], lps: Sequence[TokenLogprob]) -> dict:
+def chat_logprobs(tok: Decoder, ids: Sequence[int], lps: Sequence[TokenLogprob]) -> dict:
     """``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}`` of /v1/chat/completions."""
     def entry(t: int, v: float) -> dict:
         s = tok.decode([t])

@@ -129,6 +129,38 @@ def test_logprob_shapes():
     json.dumps(c, allow_nan=False)
 
 
+@pytest.mark.parametrize("chat_", [False, True])
+def test_return_tokens_as_token_ids_writes_each_logprob_token_as_its_id(chat_):
+    """vLLM's return_tokens_as_token_ids: every logprob token (the sampled one and its alternatives) is written
+    "token_id:N", completions' text offsets and chat's bytes following that text; the choice's text is unchanged."""
+    from pushkv.messages import TokenLogprob
+
+    tok = text.ByteTokenizer()
+    limits = api.Limits(vocab_size=258, max_model_len=64)
+    body = {"logprobs": True, "top_logprobs": 1} if chat_ else {"logprobs": 1}
+    body["return_tokens_as_token_ids"] = True
+    params = (chat.parse_chat({"messages": [{"role": "user", "content": "x"}], **body}, tok, limits,
+                                  chat.ChatTemplate("{{ messages[0]['content'] }}")) if chat_
+              else api.parse_completion({"prompt": "x", **body}, tok, limits))
+    r = render.for_endpoint(tok, params)
+    out = output.ChoiceOutput(0, tok)
+    out.add([104, 105], [TokenLogprob(-0.5, (105,), (-0.7,)), TokenLogprob(-1.0, (104,), (-0.2,))])
+    out.finish("length")
+    c = r.choice(out)
+    if chat_:
+        assert c["message"]["content"] == "hi"
+        (first, second) = c["logprobs"]["content"]
+        assert first["token"] == "token_id:104" and first["bytes"] == list(b"token_id:104")
+        assert [t["token"] for t in first["top_logprobs"]] == ["token_id:105"]
+        assert second["token"] == "token_id:105"
+    else:
+        lp = c["logprobs"]
+        assert c["text"] == "hi" and lp["tokens"] == ["token_id:104", "token_id:105"]
+        assert lp["top_logprobs"] == [{"token_id:104": -0.5, "token_id:105": -0.7},
+                                      {"token_id:105": -1.0, "token_id:104": -0.2}]
+        assert lp["text_offset"] == [0, len("token_id:104")]
+
+
 LLAMA3_LIKE = (
     "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tools') }}{% endif %}"
     "<|start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|end|>{% endfor %}"
