@@ -57,6 +57,10 @@ SAMPLING = {  # field: (valid, wild)
     "logprobs": (st.integers(-1, 5), wild_int),
     "min_tokens": (st.integers(0, 1), wild_int),
     "prompt_logprobs": (st.integers(-1, 3), wild_int),
+    "allowed_token_ids": (st.lists(vocab_id, max_size=4, unique=True).map(tuple), wild_ids),
+    "bad_words": (st.lists(st.lists(vocab_id, min_size=1, max_size=3).map(tuple), max_size=3).map(tuple),
+                  st.lists(wild_ids, max_size=3).map(tuple)),
+    "repetition_penalty": (st.sampled_from([1.0, 1.05, 1.5]), wild_float),
 }
 GENERATE = {
     "generation": (st.integers(0, 2), st.integers(-1, 2)),
@@ -65,6 +69,7 @@ GENERATE = {
     "stop_token_ids": (st.lists(vocab_id, max_size=3).map(tuple), wild_ids),
     "pull": (st.none(), st.builds(m.PullParams, st.just(P_SRC), wild_ids, wild_int, ids, wild_float)),
     "late": (st.booleans(), st.booleans()),
+    "cache_salt": (st.sampled_from(["", "a", "b"]), st.text(max_size=3) | st.just("x" * 300)),
 }
 
 
