@@ -155,6 +155,15 @@ s.print_callees('_post_write|_prefill_done|on_ExpectKV|_poll_notifs')" 2>&1 | gr
 sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-rfE', 'tests/model/test_deepseek.py', \
 'tests/model/test_paged_attention_kernel.py', 'tests/model/test_decode_graphs.py', '-k', 'gpu_float32 or latent or graph']))" \
               2>&1 | tee "$OUT/mla_graphs_tests.txt" | tail -4 ;;
+    mlatriton) # MLA's decode attention as one Triton kernel (batched.MLA_TRITON, off until this passes and is faster):
+            # the kernel against the torch ops (bf16 and float32, V2-Lite's and V3's heads), DeepSeek's float32 tokens
+            # against transformers with it on, then its time against the torch ops' at batches 1-32, contexts to 16k
+            timeout 400 python3 -c "import sys, pytest; import pushkv.model.batched as b; b.MLA_TRITON = True; \
+sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-rfE', 'tests/model/test_mla_decode_kernel.py', \
+'tests/model/test_deepseek.py', '-k', 'gpu']))" 2>&1 | tee "$OUT/mla_triton_tests.txt" | tail -4
+            timeout 300 python3 -m experiments.mla_kernel_bench --out "$OUT/mla_kernel.json" 2>&1 \
+              | tee "$OUT/mla_kernel.txt" | tail -10
+            python3 -m experiments.mla_kernel_bench --plot "$OUT/mla_kernel.json" --out "$OUT/mla_kernel.png" || true ;;
     attntune) timeout 300 python3 -m experiments.attn_tune 2>&1 | tee "$OUT/attn_tune.txt" ;;
     kvverifyfaults) # the fault cases end to end with the pools in GPU memory (push-layer and pull, tiny models)
               timeout 500 python3 -m pytest -q -p no:cacheprovider -rs tests/e2e/test_kv_verify.py -k cuda \

@@ -35,6 +35,11 @@ GRAPH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # decode rows' attention with no host read (``_mla_decode_rows``). Off until a GPU has replayed them
 # (experiments/gpu_run.sh mlagraphs: DeepSeek's float32 tokens against transformers with it on)
 MLA_GRAPHS = False
+# MLA's decode attention on CUDA as one Triton kernel that reads the latent rows in place (kernels/triton_mla.py),
+# its keys split over MLA_SPLITS programs a row; off (the torch ops, which gather every row's latent rows padded to
+# the table's width) until a GPU has timed it (experiments/gpu_run.sh mlagpu) and checked DeepSeek's tokens with it
+MLA_TRITON = False
+MLA_SPLITS = 4
 
 # An MoE layer's router logits made in the post-attention norm's launch (``add_rms_router``) for steps of up
 # to this many tokens (a graph bucket bound, so a step routes alike replayed or eager), where each token's
@@ -242,25 +247,25 @@ class BatchedForward:
 
     def _mla_decode_rows(self, lw, q: torch.Tensor, pool: torch.Tensor, meta, attn: torch.Tensor) -> None:
         """Every decode row of the step at once (``meta.decode_tiles``: the sequences of one token), as
-        ``mla.absorbed_attention`` computes one: the query taken into the latent's space, each sequence's latent rows
-        gathered through its block table (padded to the table's width, the keys past its length masked), the
-        weighted latent taken through the value up-projection; no loop and no wait for the host, and S x r x heads
-        x 2 x hd multiplies fewer a row than expanding the latent. Writes ``attn``'s rows."""
+        ``mla.absorbed_attention`` computes one: the query taken into the latent's space, attention over each
+        sequence's latent rows as they are (``paged.mla_decode_ref``, or on CUDA with ``MLA_TRITON`` the
+        ``triton_mla`` kernel, which reads them in place), the weighted latent taken through the value
+        up-projection; no loop and no wait for the host, and S x r x heads x 2 x hd multiplies fewer a row than
+        expanding the latent. Writes ``attn``'s rows."""
         cfg, qh = self.m.cfg, self.m.plan.q_heads
         hd, rd, r = cfg.head_dim, cfg.qk_rope_dim, cfg.kv_lora_rank
-        seqs = meta.decode_tiles.long()
-        rows_at = meta.q_starts.long()[seqs]
-        table = meta.block_table.long()[seqs]  # [B, W]
-        lat = pool[table, 0, 0].reshape(table.shape[0], -1, r + rd)  # [B, W * block, r + rd]
-        keys = torch.arange(lat.shape[1], device=lat.device)[None, :] < meta.seq_lens.long()[seqs][:, None]
-        lat = lat.masked_fill(~keys[..., None], 0)  # slots past a sequence's length: never written, maybe NaN
+        rows_at = meta.q_starts.long()[meta.decode_tiles.long()]
         q_nope, q_rope = q[rows_at].split([hd, rd], -1)
         q_abs = torch.cat((torch.einsum("bhd,hdr->bhr", q_nope, lw.k_up.view(qh, hd, r)), q_rope), -1)
-        scores = torch.einsum("bhc,bsc->bhs", q_abs, lat).float() * (self.m.attn_scale or (hd + rd) ** -0.5)
-        p = scores.masked_fill(~keys[:, None, :], float("-inf")).softmax(-1).to(lat.dtype)
-        p = torch.where(keys.any(-1)[:, None, None], p, 0)  # a graph's padding row has no keys: 0, not NaN
-        o_lat = torch.einsum("bhs,bsr->bhr", p, lat[..., :r])
-        attn[rows_at] = torch.einsum("bhr,hdr->bhd", o_lat, lw.v_up.view(qh, hd, r)).reshape(seqs.shape[0], -1)
+        scale = self.m.attn_scale or (hd + rd) ** -0.5
+        if self.cuda and MLA_TRITON and paged.mla_kernel_fits(r, rd):
+            from pushkv.model.kernels import triton_mla
+
+            o_lat = triton_mla.mla_decode(q_abs, pool, meta.block_table, meta.seq_lens, meta.decode_tiles, r, scale,
+                                          MLA_SPLITS)
+        else:
+            o_lat = paged.mla_decode_ref(q_abs, pool, meta.block_table, meta.seq_lens, meta.decode_tiles, r, scale)
+        attn[rows_at] = torch.einsum("bhr,hdr->bhd", o_lat, lw.v_up.view(qh, hd, r)).reshape(rows_at.shape[0], -1)
 
     def _layers_fused(self, meta, pools, splits, scratch, on_layer, rope) -> torch.Tensor:
         """Every layer with the fused Triton kernels: ~9 launches a layer."""

@@ -101,3 +101,26 @@ def attention(q, cache, meta, window: int = 0, out=None, decode_splits: int = 1,
         triton_paged.attention(q, cache, meta.block_table, meta.seq_lens, meta.q_starts, meta.q_lens,
                                meta.prefill_tiles, meta.prefill_q0, meta.block_q, 1, window, out)
     return out
+
+
+def mla_kernel_fits(rank: int, rope_dim: int) -> bool:
+    """Whether ``triton_mla.mla_decode`` takes these shapes: the latent and its RoPE part each a power of two, the
+    latent at least 16 wide (DeepSeek's 512 and 64)."""
+    return rank >= 16 and rope_dim >= 1 and not rank & (rank - 1) and not rope_dim & (rope_dim - 1)
+
+
+def mla_decode_ref(q_abs: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                   tile_seq: torch.Tensor, rank: int, scale: float) -> torch.Tensor:
+    """MLA's absorbed decode attention in torch ops (``triton_mla.mla_decode``'s contract): decode row t's heads
+    q_abs [B, H, rank + rope] over its sequence's (tile_seq[t]) latent rows, each row's gathered through its block
+    table (padded to the table's width, masked past its length) -> [B, H, rank]; no loop, no host read."""
+    seqs = tile_seq.long()
+    table = block_table.long()[seqs]
+    width = cache.shape[-1]
+    lat = cache[table, 0, 0].reshape(table.shape[0], -1, width)  # [B, W * U, width]
+    keys = torch.arange(lat.shape[1], device=lat.device)[None, :] < seq_lens.long()[seqs][:, None]
+    lat = lat.masked_fill(~keys[..., None], 0)  # slots past a sequence's length: never written, maybe NaN
+    scores = torch.einsum("bhc,bsc->bhs", q_abs, lat).float() * scale
+    p = scores.masked_fill(~keys[:, None, :], float("-inf")).softmax(-1).to(lat.dtype)
+    p = torch.where(keys.any(-1)[:, None, None], p, 0)  # a graph's padding row has no keys: 0, not NaN
+    return torch.einsum("bhs,bsr->bhr", p, lat[..., :rank])
