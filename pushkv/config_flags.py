@@ -106,6 +106,11 @@ def _model(flags: Mapping[str, Any], base: ModelConfig) -> ModelConfig:
         from pushkv.model.hub import TOKENIZER_FILES, resolve
 
         model = msgspec.structs.replace(model, tokenizer=resolve(flags["tokenizer"], None, TOKENIZER_FILES))
+    if flags.get("override_generation_config"):
+        from pushkv.model.generation import overridden_defaults
+
+        model = msgspec.structs.replace(model, sampling_defaults=overridden_defaults(
+            model.sampling_defaults, flags["override_generation_config"]))
     invariant = flags.get("batch_invariant")
     return _replace(model, engine=flags.get("engine"), random_init=flags.get("random_init"),
                     deterministic=None if invariant is None else invariant == "on",

@@ -128,8 +128,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--hf-overrides",), REFUSED, "the checkpoint's config.json is read as it is: edit a copy of it"),
     Flag(("--rope-scaling",), REFUSED, "the checkpoint's config.json is read as it is: edit a copy of it"),
     Flag(("--rope-theta",), REFUSED, "the checkpoint's config.json is read as it is: edit a copy of it"),
-    Flag(("--override-generation-config",), REFUSED, "edit a copy of generation_config.json, or "
-         "--generation-config none for pushkv's defaults"),
+    Flag(("--override-generation-config",), SAME, "a JSON object of generation_config.json's sampling fields "
+         "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), over the checkpoint's with "
+         "--generation-config auto, alone with none; a request's own values still win",
+         sets="override_generation_config"),
     Flag(("--tokenizer-revision",), REFUSED, "--tokenizer takes a directory or repo id at its default revision"),
     Flag(("--code-revision",), REFUSED, "pushkv runs no code from a checkpoint"),
     Flag(("--disable-sliding-window",), REFUSED, "the checkpoint's sliding window is always applied", SWITCH),

@@ -14,9 +14,9 @@ import torch
 from safetensors import safe_open
 
 from pushkv.config import ModelConfig, MoeRouting, SamplingDefaults
-from pushkv.limits import MAX_REPETITION_PENALTY
 from pushkv.model.arch import check_supported, deepseek_routing, family_of, num_experts_of
 from pushkv.model.fp8 import SCALE_SUFFIX, dequantize, fp8_blocks_of, scale_span
+from pushkv.model.generation import sampling_defaults_of
 from pushkv.model.rope import max_position_of, rope_of
 
 HF_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
@@ -67,41 +67,6 @@ def eos_ids_of(hf: dict, gen: dict, vocab_size: int, path: str = "") -> tuple[in
     if outside:
         raise ValueError(f"{path}: EOS token id {outside[0]} outside the vocabulary [0, {vocab_size})")
     return tuple(dict.fromkeys(ids))
-
-
-# generation_config.json field: (SamplingDefaults field, type, range check, range text): what vLLM takes from it
-DEFAULT_FIELDS = {
-    "temperature": ("temperature", float, lambda v: 0 <= v <= 100, "[0, 100]"),
-    "top_p": ("top_p", float, lambda v: 0 < v <= 1, "(0, 1]"),
-    "top_k": ("top_k", int, lambda v: v >= -1, ">= -1 (-1, 0: off)"),
-    "min_p": ("min_p", float, lambda v: 0 <= v <= 1, "[0, 1]"),
-    "max_new_tokens": ("max_tokens", int, lambda v: v >= 1, ">= 1"),
-    "repetition_penalty": ("repetition_penalty", float, lambda v: 0 < v <= MAX_REPETITION_PENALTY,
-                           f"(0, {MAX_REPETITION_PENALTY:g}]"),
-}
-
-
-def sampling_defaults_of(gen: dict, path: str = "") -> SamplingDefaults:
-    """The sampling defaults a checkpoint's generation_config.json sets. ``do_sample: false``
-    means greedy (as transformers' generate), whatever temperature or top_p it also names."""
-    where = f"{path}/generation_config.json"
-    out: dict = {}
-    for key, (name, typ, ok, text) in DEFAULT_FIELDS.items():
-        v = gen.get(key)
-        if v is None:
-            continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or (typ is int and not isinstance(v, int)):
-            raise ValueError(f"{where}: {key} must be {'an integer' if typ is int else 'a number'}, got {v!r}")
-        if (isinstance(v, float) and not math.isfinite(v)) or not ok(v):
-            raise ValueError(f"{where}: {key} must be {text}, got {v} (or serve with --generation-config none)")
-        out[name] = typ(v)
-    if out.get("top_k") in (-1, 0):
-        out.pop("top_k")
-    if gen.get("do_sample") is False:  # greedy; transformers' greedy still applies a repetition penalty
-        out = {k: v for k, v in out.items() if k in ("max_tokens", "repetition_penalty")}
-    if out.get("repetition_penalty") == 1.0:
-        out.pop("repetition_penalty")
-    return SamplingDefaults(**out)
 
 
 def model_config_from_hf(path: str, generation_config: str = "auto", **overrides) -> ModelConfig:

@@ -104,6 +104,31 @@ def test_checkpoint_and_flag(tmp_path):
     assert preset("small").all_eos_ids == ()  # random weights: never stop on EOS
 
 
+def test_override_generation_config_over_the_checkpoints_or_alone(tmp_path):
+    """vLLM's --override-generation-config: its fields replace the checkpoint's (auto) or stand alone (none), a
+    preset takes it too, and top_k -1 turns a default top_k off; a field it does not set, or a bad value, is refused
+    at launch naming it."""
+    path = ckpt(tmp_path, 3, {"temperature": 0.6, "top_k": 20, "repetition_penalty": 1.05})
+    over = '{"temperature": 0.3, "repetition_penalty": 1.2}'
+    for flags, want in [
+        ([], SamplingDefaults(temperature=0.3, top_k=20, repetition_penalty=1.2)),
+        (["--generation-config", "none"], SamplingDefaults(temperature=0.3, repetition_penalty=1.2)),
+    ]:
+        args = cli.build_parser().parse_args(["up", "--model", path, "--override-generation-config", over, *flags])
+        assert cli.config_from_args(args).model.sampling_defaults == want
+    args = cli.build_parser().parse_args(["up", "--model", path, "--override-generation-config", '{"top_k": -1}'])
+    assert cli.config_from_args(args).model.sampling_defaults == SamplingDefaults(temperature=0.6, top_k=0,
+                                                                                 repetition_penalty=1.05)
+    args = cli.build_parser().parse_args(["up", "--model", "tiny", "--load-format", "dummy",
+                                          "--override-generation-config", '{"max_new_tokens": 7}'])
+    assert cli.config_from_args(args).model.sampling_defaults == SamplingDefaults(max_tokens=7)
+    for bad, needle in [('{"seed": 1}', "seed is not a sampling field"), ("[1]", "a JSON object"),
+                        ("{temperature: 1}", "not JSON"), ('{"top_p": 0}', "top_p must be")]:
+        args = cli.build_parser().parse_args(["up", "--model", path, "--override-generation-config", bad])
+        with pytest.raises(ValueError, match=needle):
+            cli.config_from_args(args)
+
+
 def test_router_stops_on_every_eos_id_and_fills_unset_fields_from_the_checkpoint():
     d = SamplingDefaults(temperature=0.6, top_p=0.95, top_k=20, min_p=0.05, max_tokens=9)
     limits = api.Limits(vocab_size=320, max_model_len=256, eos_token_ids=(257, 300, 301), defaults=d)

@@ -1,0 +1,67 @@
+"""A checkpoint's default sampling: generation_config.json's fields as vLLM takes them (``--generation-config auto``),
+and vLLM's ``--override-generation-config`` over them. Pure: no torch, so the launcher reads them for a preset too."""
+from __future__ import annotations
+
+import json
+import math
+
+import msgspec
+
+from pushkv.config import SamplingDefaults
+from pushkv.limits import MAX_REPETITION_PENALTY
+
+# generation_config.json field: (SamplingDefaults field, type, range check, range text): what vLLM takes from it
+DEFAULT_FIELDS = {
+    "temperature": ("temperature", float, lambda v: 0 <= v <= 100, "[0, 100]"),
+    "top_p": ("top_p", float, lambda v: 0 < v <= 1, "(0, 1]"),
+    "top_k": ("top_k", int, lambda v: v >= -1, ">= -1 (-1, 0: off)"),
+    "min_p": ("min_p", float, lambda v: 0 <= v <= 1, "[0, 1]"),
+    "max_new_tokens": ("max_tokens", int, lambda v: v >= 1, ">= 1"),
+    "repetition_penalty": ("repetition_penalty", float, lambda v: 0 < v <= MAX_REPETITION_PENALTY,
+                           f"(0, {MAX_REPETITION_PENALTY:g}]"),
+}
+
+
+def sampling_defaults_of(gen: dict, path: str = "", where: str = "") -> SamplingDefaults:
+    """The sampling defaults a checkpoint's generation_config.json sets. ``do_sample: false``
+    means greedy (as transformers' generate), whatever temperature or top_p it also names."""
+    where = where or f"{path}/generation_config.json"
+    out: dict = {}
+    for key, (name, typ, ok, text) in DEFAULT_FIELDS.items():
+        v = gen.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (typ is int and not isinstance(v, int)):
+            raise ValueError(f"{where}: {key} must be {'an integer' if typ is int else 'a number'}, got {v!r}")
+        if (isinstance(v, float) and not math.isfinite(v)) or not ok(v):
+            raise ValueError(f"{where}: {key} must be {text}, got {v} (or serve with --generation-config none)")
+        out[name] = typ(v)
+    if out.get("top_k") in (-1, 0):
+        out.pop("top_k")
+    if gen.get("do_sample") is False:  # greedy; transformers' greedy still applies a repetition penalty
+        out = {k: v for k, v in out.items() if k in ("max_tokens", "repetition_penalty")}
+    if out.get("repetition_penalty") == 1.0:
+        out.pop("repetition_penalty")
+    return SamplingDefaults(**out)
+
+
+def overridden_defaults(base: SamplingDefaults, override: str) -> SamplingDefaults:
+    """vLLM's ``--override-generation-config``: a JSON object of generation_config.json's sampling fields, each
+    replacing ``base``'s (the checkpoint's, or none); ``top_k`` -1 or 0 turns a default top_k off. A field vLLM does
+    not take from generation_config.json, or a value out of range, is refused naming it."""
+    where = "--override-generation-config"
+    try:
+        given = json.loads(override)
+    except ValueError as e:
+        raise ValueError(f"{where}: not JSON: {e}") from None
+    if not isinstance(given, dict):
+        raise ValueError(f"{where}: a JSON object of sampling fields, not {type(given).__name__}")
+    unknown = sorted(set(given) - set(DEFAULT_FIELDS))
+    if unknown:
+        raise ValueError(f"{where}: {', '.join(unknown)} is not a sampling field it sets (it takes "
+                         f"{', '.join(DEFAULT_FIELDS)})")
+    named = {k: v for k, v in given.items() if v is not None}
+    fields = msgspec.structs.asdict(sampling_defaults_of(named, where=where))
+    if given.get("top_k") in (-1, 0):
+        fields["top_k"] = 0  # off, whatever the checkpoint says
+    return msgspec.structs.replace(base, **{k: v for k, v in fields.items() if v is not None})
