@@ -173,6 +173,9 @@ class ModelConfig(msgspec.Struct, frozen=True):
     # the checkpoint's architecture (config.json "architectures", a key of pushkv/model/arch.py's
     # registry); "" = pushkv's own random model, named as Qwen3 (Qwen3MoE with experts)
     architecture: str = ""
+    # vLLM's --hf-overrides (and --rope-scaling, --rope-theta): a JSON object of config.json fields read over the
+    # checkpoint's, here so that every process reading the checkpoint's config reads the same (checkpoint.py)
+    hf_overrides: str = ""
     qkv_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     rope_scaling: RopeScaling = RopeScaling()
     # mixture of experts (num_experts > 0): every layer's MLP is num_experts SwiGLU experts of

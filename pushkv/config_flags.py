@@ -72,6 +72,31 @@ def model_name(flags: Mapping[str, Any]) -> Optional[str]:
     return name or tag
 
 
+def hf_overrides(flags: Mapping[str, Any]) -> str:
+    """vLLM's --hf-overrides with --rope-scaling and --rope-theta folded in, as one JSON object ("": none)."""
+    out: dict = {}
+    if flags.get("hf_overrides"):
+        try:
+            out = json.loads(flags["hf_overrides"])
+        except ValueError as e:
+            raise ValueError(f"--hf-overrides: not JSON: {e}") from None
+        if not isinstance(out, dict):
+            raise ValueError(f"--hf-overrides: a JSON object of config.json fields, not {type(out).__name__}")
+    for flag, key in (("rope_scaling", "rope_scaling"), ("rope_theta", "rope_theta")):
+        v = flags.get(flag)
+        if v is None:
+            continue
+        if flag == "rope_scaling":
+            try:
+                v = json.loads(v)
+            except ValueError as e:
+                raise ValueError(f"--rope-scaling: not JSON: {e}") from None
+        if key in out and out[key] != v:
+            raise ValueError(f"--{flag.replace('_', '-')} disagrees with --hf-overrides' {key}")
+        out[key] = v
+    return json.dumps(out) if out else ""
+
+
 def _model(flags: Mapping[str, Any], base: ModelConfig) -> ModelConfig:
     name, dummy = model_name(flags), flags.get("load_format") == "dummy"
     geometry = {k: flags.get(k) for k in GEOMETRY}
@@ -90,7 +115,7 @@ def _model(flags: Mapping[str, Any], base: ModelConfig) -> ModelConfig:
         given = {k: v for k, v in geometry.items() if v is not None}
         if name and not flags.get("checkpoint") and not os.path.isdir(name):  # a repo id: its name, not the cache's
             given.setdefault("name", name)
-        model = model_config_from_hf(path, flags.get("generation_config") or "auto", **given)
+        model = model_config_from_hf(path, flags.get("generation_config") or "auto", hf_overrides(flags), **given)
         quantization = flags.get("vllm_quantization")
         if quantization and quantization.lower() == "fp8":
             from pushkv.model.checkpoint import fp8_blocks_in
@@ -101,6 +126,9 @@ def _model(flags: Mapping[str, Any], base: ModelConfig) -> ModelConfig:
         if dummy:  # vLLM's dummy load: the checkpoint's shape and tokenizer, random weights
             model = msgspec.structs.replace(model, checkpoint=None, tokenizer=model.checkpoint)
     else:
+        if hf_overrides(flags):
+            raise ValueError("--hf-overrides, --rope-scaling and --rope-theta read over a checkpoint's config.json: "
+                             "give --model a checkpoint (a preset's shape is set by its flags)")
         model = _replace(preset(name) if name else base, **geometry)
     if flags.get("tokenizer"):
         from pushkv.model.hub import TOKENIZER_FILES, resolve

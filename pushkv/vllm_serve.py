@@ -125,9 +125,13 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--guided-decoding-backend",), REFUSED, "structured output (JSON schema, regex, grammar) is not built"),
     Flag(("--limit-mm-per-prompt",), REFUSED, "pushkv serves text only"),
     Flag(("--mm-processor-kwargs",), REFUSED, "pushkv serves text only"),
-    Flag(("--hf-overrides",), REFUSED, "the checkpoint's config.json is read as it is: edit a copy of it"),
-    Flag(("--rope-scaling",), REFUSED, "the checkpoint's config.json is read as it is: edit a copy of it"),
-    Flag(("--rope-theta",), REFUSED, "the checkpoint's config.json is read as it is: edit a copy of it"),
+    Flag(("--hf-overrides",), SAME, "a JSON object of config.json fields read over the checkpoint's (Qwen2.5's "
+         "YaRN: '{\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0, "
+         "\"original_max_position_embeddings\": 32768}}'); not quantization_config", sets="hf_overrides"),
+    Flag(("--rope-scaling",), SAME, "config.json's rope_scaling, as --hf-overrides '{\"rope_scaling\": ...}' sets it",
+         sets="rope_scaling"),
+    Flag(("--rope-theta",), SAME, "config.json's rope_theta, as --hf-overrides '{\"rope_theta\": ...}' sets it", float,
+         sets="rope_theta"),
     Flag(("--override-generation-config",), SAME, "a JSON object of generation_config.json's sampling fields "
          "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), over the checkpoint's with "
          "--generation-config auto, alone with none; a request's own values still win",

@@ -33,6 +33,41 @@ def _read_config(path: str) -> dict:
         return json.load(f)
 
 
+def with_overrides(hf: dict, overrides: str) -> dict:
+    """config.json's fields with vLLM's ``--hf-overrides`` (a JSON object) over them, each replacing the field of
+    its name. RoPE's are read in either form transformers writes: ``rope_theta`` replaces the base in
+    ``rope_parameters`` too, and ``rope_scaling`` takes the place of a ``rope_parameters`` scaling (the base kept),
+    so the override is what is served. ``quantization_config`` is refused: the weights are read as they were
+    written."""
+    if not overrides:
+        return hf
+    where = "--hf-overrides"
+    try:
+        given = json.loads(overrides)
+    except ValueError as e:
+        raise ValueError(f"{where}: not JSON: {e}") from None
+    if not isinstance(given, dict):
+        raise ValueError(f"{where}: a JSON object of config.json fields, not {type(given).__name__}")
+    if "quantization_config" in given:
+        raise ValueError(f"{where}: quantization_config cannot be overridden: the weights are read as written")
+    out = {**hf, **given}
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and ("rope_theta" in given or "rope_scaling" in given) and "rope_parameters" \
+            not in given:
+        nested = params if not params or not all(isinstance(v, dict) for v in params.values()) else None
+        if nested is None:
+            raise ValueError(f"{where}: this config's RoPE is set per layer type (rope_parameters): override "
+                             "rope_parameters itself")
+        theta = given.get("rope_theta", nested.get("rope_theta"))
+        out["rope_parameters"] = {**({} if "rope_scaling" in given else nested),
+                                  **(given.get("rope_scaling") or {}),
+                                  **({"rope_theta": theta} if theta is not None else {})}
+        out.pop("rope_scaling", None)
+        if "rope_type" not in out["rope_parameters"] and "type" not in out["rope_parameters"]:
+            out["rope_parameters"]["rope_type"] = "default"
+    return out
+
+
 GENERATION_CONFIG = ("auto", "none")  # --generation-config: the file's sampling defaults, or pushkv's
 
 
@@ -69,14 +104,16 @@ def eos_ids_of(hf: dict, gen: dict, vocab_size: int, path: str = "") -> tuple[in
     return tuple(dict.fromkeys(ids))
 
 
-def model_config_from_hf(path: str, generation_config: str = "auto", **overrides) -> ModelConfig:
+def model_config_from_hf(path: str, generation_config: str = "auto", hf_overrides: str = "",
+                         **overrides) -> ModelConfig:
     """ModelConfig of a local HF checkpoint directory; overrides replace any field
     (e.g. dtype="float32" to run a bf16 checkpoint in float32). Its EOS ids come from
     config.json and generation_config.json; its sampling defaults from the second, unless
-    ``generation_config`` is "none" (vLLM's ``--generation-config``)."""
+    ``generation_config`` is "none" (vLLM's ``--generation-config``). ``hf_overrides``: vLLM's
+    ``--hf-overrides``, config.json's fields read over the file's (``with_overrides``)."""
     if generation_config not in GENERATION_CONFIG:
         raise ValueError(f"generation_config must be one of {GENERATION_CONFIG}, got {generation_config!r}")
-    hf = _read_config(path)
+    hf = with_overrides(_read_config(path), hf_overrides)
     gen = _read_generation_config(path)
     try:
         arch, family = family_of(hf)
@@ -114,6 +151,7 @@ def model_config_from_hf(path: str, generation_config: str = "auto", **overrides
         eos_token_ids=eos,
         sampling_defaults=sampling_defaults_of(gen, path) if generation_config == "auto" else SamplingDefaults(),
         architecture=arch,
+        hf_overrides=hf_overrides,
         qkv_bias=family.qkv_bias,
         rope_scaling=rope_scaling,
         num_experts=num_experts_of(hf) if moe else 0,
@@ -215,7 +253,7 @@ def checkpoint_source(cfg: ModelConfig) -> SafetensorsSource:
     """The weights of cfg.checkpoint, after checking cfg's geometry matches it."""
     if cfg.checkpoint is None:
         raise ValueError("the model config names no checkpoint")
-    hf = model_config_from_hf(cfg.checkpoint)
+    hf = model_config_from_hf(cfg.checkpoint, hf_overrides=cfg.hf_overrides)
     bad = [f"{k}: config {getattr(cfg, k)} vs checkpoint {getattr(hf, k)}"
            for k in GEOMETRY if getattr(cfg, k) != getattr(hf, k)]
     if bad:

@@ -107,10 +107,15 @@ def rope_of(hf: dict) -> tuple[float, RopeScaling]:
 
 
 def max_position_of(hf: dict, rs: RopeScaling) -> int:
-    """The longest sequence the model serves: ``max_position_embeddings``, stretched by the factor
-    for dynamic NTK (whose point is to run past it; vLLM derives its max_model_len the same way)."""
+    """The longest sequence the model serves, as vLLM derives its max_model_len: ``max_position_embeddings``,
+    stretched by the factor of a linear or dynamic scaling, and for YaRN the pretraining context times the factor
+    (Qwen2.5's 32k with YaRN 4: 128k); llama3's scaling is already in max_position_embeddings."""
     n = int(hf.get("max_position_embeddings", 32768))
-    return int(n * rs.factor) if rs.rope_type == "dynamic" else n
+    if rs.rope_type in ("linear", "dynamic"):
+        return int(n * rs.factor)
+    if rs.rope_type == "yarn":
+        return int((rs.original_max_position or n) * rs.factor)
+    return n
 
 
 def _mscale(factor: float, scale: float = 1.0) -> float:

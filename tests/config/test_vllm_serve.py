@@ -167,7 +167,8 @@ def test_every_same_flag_names_a_setting_that_exists():
           .choices["up"]._actions}
     for f in FLAGS:
         if f.kind == SAME:
-            assert f.sets in up | {"enforce_eager", "download_dir", "override_generation_config"}, f.name
+            assert f.sets in up | {"enforce_eager", "download_dir", "override_generation_config", "hf_overrides",
+                                   "rope_scaling", "rope_theta"}, f.name
 
 
 TABLE = re.compile(r"<!-- vllm serve table: python -m pushkv.vllm_serve -->\n(.*?)<!-- end of vllm serve table -->\n",
@@ -190,3 +191,43 @@ def test_chunked_prefill_takes_a_config_files_step_size(tmp_path):
     assert (pd.prefill.max_batch_tokens, pd.prefill.prefill_chunk) == (768, 768)
     local = config("--config", str(path), "--mode", "local", "--enable-chunked-prefill")
     assert (local.local.max_batch_tokens, local.local.prefill_chunk) == (384, 384)
+
+
+@pytest.fixture(scope="module")
+def qwen25(tmp_path_factory):
+    """A small Qwen2 checkpoint in transformers 4's form (top-level rope_theta), as Qwen2.5's repos carry it."""
+    import json
+
+    from tests.model.test_hf_reference import GEOMETRY
+
+    path = tmp_path_factory.mktemp("qwen25")
+    hf = {**GEOMETRY, "architectures": ["Qwen2ForCausalLM"], "rope_theta": 1e6, "max_position_embeddings": 32768,
+          "hidden_act": "silu", "use_sliding_window": False, "torch_dtype": "bfloat16"}
+    (path / "config.json").write_text(json.dumps(hf))
+    return str(path)
+
+
+YARN = '{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}'
+
+
+def test_hf_overrides_and_the_rope_flags_read_over_the_checkpoints_config(qwen25):
+    """Qwen2.5's long context as its model card has vLLM serve it: YaRN laid over config.json, and 128k tokens."""
+    m = config("--model", qwen25, "--load-format", "dummy", "--hf-overrides", YARN, "--max-model-len", "131072").model
+    assert (m.rope_scaling.rope_type, m.rope_scaling.factor, m.max_position) == ("yarn", 4.0, 131072)
+    assert m.hf_overrides and m.rope_theta == 1e6
+    same = config("--model", qwen25, "--load-format", "dummy", "--rope-scaling",
+                  '{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}').model
+    assert same.rope_scaling == m.rope_scaling
+    assert config("--model", qwen25, "--load-format", "dummy", "--rope-theta", "5e5").model.rope_theta == 5e5
+    plain = config("--model", qwen25, "--load-format", "dummy").model
+    assert plain.max_position == 32768 and plain.hf_overrides == ""
+    for argv, needle in [
+        (("--max-model-len", "131072"), "must be in [1, 32768]"),
+        (("--hf-overrides", '{"quantization_config": {}}'), "quantization_config cannot be overridden"),
+        (("--hf-overrides", "[1]"), "a JSON object"),
+        (("--hf-overrides", '{"rope_theta": 1e4}', "--rope-theta", "5e5"), "disagrees"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            config("--model", qwen25, "--load-format", "dummy", *argv)
+    with pytest.raises(ValueError, match="give --model a checkpoint"):
+        config("--model", "tiny", "--load-format", "dummy", "--rope-theta", "5e5")

@@ -298,3 +298,21 @@ def test_published_config_forms_are_read(tmp_path, name):
     cfg = model_config_from_hf(str(tmp_path))
     assert cfg.architecture == hf["architectures"][0]
     assert {k: getattr(cfg, k) for k in want} == want
+
+
+def test_hf_overrides_replace_fields_and_reach_rope_in_either_form():
+    from pushkv.model.checkpoint import with_overrides
+
+    v4 = {"rope_theta": 1e6, "rope_scaling": None, "num_hidden_layers": 2}
+    assert with_overrides(v4, "") is v4
+    assert with_overrides(v4, '{"rope_theta": 5e5, "sliding_window": 8}') == {**v4, "rope_theta": 5e5,
+                                                                              "sliding_window": 8}
+    v5 = {"rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}}
+    assert rope_of(with_overrides(v5, '{"rope_theta": 5e5}'))[0] == 5e5
+    theta, rs = rope_of(with_overrides(v5, '{"rope_scaling": {"type": "linear", "factor": 2.0}}'))
+    assert (theta, rs.rope_type, rs.factor) == (1e6, "linear", 2.0)  # the base kept, the scaling the override's
+    per_type = {"rope_parameters": {"full_attention": {"rope_theta": 1e6}, "sliding_attention": {"rope_theta": 1e4}}}
+    with pytest.raises(ValueError, match="per layer type"):
+        with_overrides(per_type, '{"rope_theta": 5e5}')
+    with pytest.raises(ValueError, match="not JSON"):
+        with_overrides(v4, "{rope_theta: 1}")

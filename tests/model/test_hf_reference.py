@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 
+import msgspec
 import pytest
 import torch
 import transformers
@@ -168,3 +169,35 @@ def test_top_level_rope_theta_still_read(llama, tmp_path):
     hf["rope_theta"] = 123456.0
     (tmp_path / "config.json").write_text(json.dumps(hf))
     assert model_config_from_hf(str(tmp_path)).rope_theta == 123456.0
+
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
+
+
+def test_hf_overrides_serve_what_transformers_serves_with_the_edited_config(tmp_path, llama):
+    """vLLM's --hf-overrides: pushkv reading the checkpoint with YaRN laid over its config.json gives the tokens
+    transformers gives from a copy of the checkpoint whose config.json says so; the model's length becomes the
+    pretraining context times the factor, as vLLM derives it; every process reads the same (the worker's
+    geometry check passes through the overrides)."""
+    import shutil
+
+    path, _ = llama
+    edited = str(tmp_path / "edited")
+    shutil.copytree(path, edited)
+    with open(os.path.join(edited, "config.json")) as f:
+        hf = json.load(f)
+    hf["rope_parameters"] = {**hf["rope_parameters"], **YARN}
+    with open(os.path.join(edited, "config.json"), "w") as f:
+        json.dump(hf, f)
+    want = hf_reference(edited, PROMPTS)
+    cfg = model_config_from_hf(path, hf_overrides=json.dumps({"rope_scaling": YARN}))
+    assert cfg.rope_scaling.rope_type == "yarn" and cfg.rope_theta == ROPE_THETA and cfg.max_position == 512
+    assert cfg == msgspec.structs.replace(model_config_from_hf(edited), checkpoint=cfg.checkpoint, name=cfg.name,
+                                          hf_overrides=cfg.hf_overrides)
+    model, tok = build_model(cfg), get_tokenizer(cfg)
+    for prompt, (ids, new) in zip(PROMPTS, want):
+        got = paged_generate(model, new_pool(model, 8, 16), ids, NEW_TOKENS, tuple(range(8)))
+        stop = got.index(3) + 1 if 3 in got else len(got)
+        assert got[:stop] == new, prompt
+    plain = hf_reference(path, PROMPTS[1:2])
+    assert plain[0][1] != want[1][1]  # YaRN changed what is drawn: the override was not ignored
