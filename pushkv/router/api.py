@@ -92,6 +92,8 @@ class CompletionParams:
     # the prefill, counted in usage as vLLM counts it, and not shown
     echo_only: bool = False
     include_usage: bool = False  # stream_options.include_usage
+    # vLLM's stream_options.continuous_usage_stats (with include_usage): each chunk's usage, its choice's so far
+    continuous_usage: bool = False
     chat: bool = False
     reasoning_parser: str = ""  # chat: its choices' reasoning apart (router/reasoning.py; the deployment's)
     tool_call_parser: str = ""  # chat with tools, tool_choice auto: calls out of the content (router/tool_calls.py)
@@ -370,6 +372,7 @@ def parse_generation(body: dict, ids: list[int], tok: text.Tokenizer, limits: Li
     if opts is not None and not isinstance(opts, dict):
         raise bad("stream_options", "stream_options must be an object")
     include_usage = get_bool(opts or {}, "include_usage") if opts else False
+    continuous_usage = include_usage and get_bool(opts or {}, "continuous_usage_stats")
 
     refuse_structured_output(body)
     n = get_int(body, "n", 1, 1, L.MAX_N)
@@ -411,7 +414,7 @@ def parse_generation(body: dict, ids: list[int], tok: text.Tokenizer, limits: Li
     return CompletionParams(
         prompt_token_ids=ids, max_tokens=max_tokens, stream=stream, stop_token_ids=tuple(stops),
         model=model if isinstance(model, str) else "", sampling=sampling,
-        stop=tuple(dict.fromkeys(stop)), n=n, include_usage=include_usage,
+        stop=tuple(dict.fromkeys(stop)), n=n, include_usage=include_usage, continuous_usage=continuous_usage,
         skip_special_tokens=get_bool(body, "skip_special_tokens", True),
         spaces_between_special_tokens=get_bool(body, "spaces_between_special_tokens", True),
         include_stop_str_in_output=get_bool(body, "include_stop_str_in_output"),

@@ -180,11 +180,17 @@ class Generation:
         return output.sse(self.render.body(self.request_id, self.created, self.model, [choice] if choice else [],
                                            True, usage_, ext))
 
+    def _choice_usage(self, i: int) -> Optional[dict]:
+        """vLLM's continuous_usage_stats: choice i's prompt and its output so far, in each of its chunks."""
+        if not self.params.continuous_usage:
+            return None
+        return output.usage(len(self.params.prompts()[i // self.params.n][0]), self.outs[i].completion_tokens)
+
     def _stream_delta(self, i: int, delta: output.Delta) -> bytes:
         choice = self.render.chunk_choice(i, delta)
         if delta.finish_reason and self.render.usage_in_last_chunk():
             return self._chunk(choice, self._usage(), self._extension())
-        return self._chunk(choice)
+        return self._chunk(choice, self._choice_usage(i))
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={
@@ -206,7 +212,7 @@ class Generation:
                         started[i] = True
                         opening = self.render.opening(self.outs[i])
                         if opening is not None:
-                            await resp.write(self._chunk(opening))
+                            await resp.write(self._chunk(opening, self._choice_usage(i)))
                     await resp.write(self._stream_delta(i, delta))
             if not failed and self.params.include_usage:
                 await resp.write(self._chunk({}, self._usage()))

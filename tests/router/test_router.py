@@ -527,6 +527,31 @@ def test_chat_stream_shape_n2_and_usage(tmp_path):
     run(body())
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_continuous_usage_stats_put_each_choices_usage_so_far_in_every_chunk(tmp_path, chat):
+    """vLLM's stream_options.continuous_usage_stats: with include_usage, each chunk carries its choice's prompt
+    and output tokens so far, growing as the tokens come; the request's total still ends the stream."""
+    async def body():
+        cfg = make_cfg(tmp_path, "local")
+        async with Harness(cfg, {"local": local_script([[104], [105], [33]])}) as h:
+            req = {"max_tokens": 3, "n": 2, "stream": True, "temperature": 1, "seed": 5,
+                   "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+            path = "/v1/chat/completions" if chat else "/v1/completions"
+            req.update({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})
+            ev = await read_sse(await h.http.post(path, json=req))
+            assert ev[-1] == "[DONE]" and ev[-2]["choices"] == [] and ev[-2]["usage"]["completion_tokens"] == 6
+            prompt = ev[-2]["usage"]["prompt_tokens"]  # each choice has the one prompt
+            for i in (0, 1):
+                mine = [e for e in ev[:-2] if e["choices"][0]["index"] == i]
+                seen = [e["usage"]["completion_tokens"] for e in mine]
+                assert seen == sorted(seen) and seen[-1] == 3 and len(mine) >= 3
+                assert all(e["usage"]["prompt_tokens"] == prompt and e["usage"]["total_tokens"] ==
+                           prompt + e["usage"]["completion_tokens"] for e in mine)
+            plain = await read_sse(await h.http.post(path, json={**req, "stream_options": {"include_usage": True}}))
+            assert all("usage" not in e or e["usage"] is None for e in plain[:-2])
+    run(body())
+
+
 def test_chat_stream_opens_with_the_first_token(tmp_path):
     """The role chunk goes out with the first output, not before prefill: a client's TTFT is true."""
     first = threading.Event()
