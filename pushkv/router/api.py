@@ -95,6 +95,7 @@ class CompletionParams:
     # vLLM's stream_options.continuous_usage_stats (with include_usage): each chunk's usage, its choice's so far
     continuous_usage: bool = False
     chat: bool = False
+    echo_text: str = ""  # chat's echo (vLLM's): the final assistant message's text, opening each choice's content
     reasoning_parser: str = ""  # chat: its choices' reasoning apart (router/reasoning.py; the deployment's)
     tool_call_parser: str = ""  # chat with tools, tool_choice auto: calls out of the content (router/tool_calls.py)
     skip_special_tokens: bool = True  # vLLM's: special tokens left out of the output's text

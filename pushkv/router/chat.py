@@ -72,16 +72,35 @@ class ChatTemplate:
     def for_tools(self, tools: bool) -> "ChatTemplate":
         return self.tool_use if tools and self.tool_use is not None else self
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False,
+               **extra) -> str:
+        """The messages as the template writes them; ``continue_final_message`` (vLLM's and transformers'): the
+        last message left open, the text cut right after its content, so the model goes on with it."""
         import jinja2
 
+        if continue_final_message and add_generation_prompt:
+            raise api.bad("continue_final_message", "continue_final_message and add_generation_prompt cannot both be "
+                                                    "true (set add_generation_prompt false)")
         try:
-            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        bos_token=self.bos_token, eos_token=self.eos_token, **extra)
+            out = self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                       bos_token=self.bos_token, eos_token=self.eos_token, **extra)
         except TemplateError as e:
             raise api.bad("messages", f"the chat template refused the messages: {e}") from None
         except jinja2.TemplateError as e:
             raise api.bad("messages", f"the chat template failed on the messages: {e}") from None
+        return open_final(out, messages[-1]["content"]) if continue_final_message else out
+
+
+def open_final(rendered: str, final: str) -> str:
+    """The rendered chat cut right after the final message's content, as transformers' continue_final_message cuts
+    it: at its last occurrence, the content's trailing spaces kept where the template kept them."""
+    core = final.strip()
+    if not core or core not in rendered:
+        raise api.bad("continue_final_message", "continue_final_message needs a final message whose text the "
+                                                "chat template writes")
+    at = rendered.rindex(core)
+    kept = final.lstrip()
+    return rendered[:at + len(kept)] if rendered[at:at + len(kept)] == kept else rendered[:at + len(core)]
 
 
 def load_template(checkpoint: str, given: str = "") -> ChatTemplate:
@@ -210,26 +229,29 @@ def parse_template_kwargs(body: dict) -> dict:
     return kw
 
 
+def render_request(template: ChatTemplate, body: dict, messages: list[dict], tools: list[dict]) -> str:
+    """A chat request's prompt text: its messages through the deployment's template (the tool-use one with tools),
+    with its add_generation_prompt (default true), continue_final_message and chat_template_kwargs."""
+    # as transformers' apply_chat_template: tools=None when there are none (templates test `if tools`)
+    return template.for_tools(bool(tools)).render(
+        messages, add_generation_prompt=api.get_bool(body, "add_generation_prompt", True),
+        continue_final_message=api.get_bool(body, "continue_final_message"), tools=tools or None,
+        **parse_template_kwargs(body))
+
+
 def parse_chat(body: dict, tok: text.Tokenizer, limits: api.Limits, template: ChatTemplate,
                reasoning_parser: str = "", tool_call_parser: str = "") -> api.CompletionParams:
     if body.get("chat_template") is not None:
         raise api.bad("chat_template", "a request's own chat template is not accepted: the deployment's is used "
                                        "(pushkv up --chat-template sets it)")
-    if api.get_bool(body, "continue_final_message"):
-        raise api.bad("continue_final_message", "continue_final_message is not supported")
     tools = parse_tools(body)
     messages = parse_messages(body)
-    extra = parse_template_kwargs(body)
-    # as transformers' apply_chat_template: tools=None when there are none (templates test `if tools`)
-    prompt = template.for_tools(bool(tools)).render(
-        messages, add_generation_prompt=api.get_bool(body, "add_generation_prompt", True), tools=tools or None,
-        **extra)
+    prompt = render_request(template, body, messages, tools)
     ids = api.encode_text(tok, prompt, "messages")
     # The template writes the special tokens itself (Llama's writes "<s>"): drop what the
     # tokenizer's post-processor adds in front, as vLLM's chat does (its add_special_tokens, false by default)
-    added = text.encode(tok, "")
-    if added and ids[:len(added)] == added and not api.get_bool(body, "add_special_tokens", False):
-        ids = ids[len(added):]
+    if not api.get_bool(body, "add_special_tokens", False):
+        ids = api.strip_added(tok, ids)
     if not ids:
         raise api.bad("messages", "the rendered prompt is empty")
     ids = api.truncate_prompt(ids, body, limits)
@@ -247,6 +269,9 @@ def parse_chat(body: dict, tok: text.Tokenizer, limits: api.Limits, template: Ch
     if prompt_logprobs is not None:
         params.sampling = msgspec.structs.replace(params.sampling, prompt_logprobs=prompt_logprobs)
     params.chat = True
+    # vLLM's echo: the last message, where it is the assistant's (the one continued), opens each choice's content
+    last = messages[-1]
+    params.echo_text = last["content"] if api.get_bool(body, "echo") and last["role"] == "assistant" else ""
     params.reasoning_parser = reasoning_parser
     # tool_choice auto (the default with tools): the deployment's parser takes the calls out of the output
     params.tool_call_parser = tool_call_parser if tools and body.get("tool_choice") in (None, "auto") else ""

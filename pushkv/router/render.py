@@ -149,6 +149,8 @@ class ChatRenderer(Renderer):
         calls: list[dict] = []
         if self.tools:
             content, calls = tool_calls.parse(content or "", self.params.tool_call_parser)
+        if self.params.echo_text:  # vLLM's echo: the continued message first
+            content = self.params.echo_text + (content or "")
         body = chat_choice(out.index, content, _finish(out.finish_reason, bool(calls)), lp)
         if self.splitters:
             body["message"]["reasoning_content"] = thought
@@ -163,7 +165,8 @@ class ChatRenderer(Renderer):
         return {"prompt_logprobs": vllm_prompt_logprobs(self.tok, ids, prompt)}
 
     def opening(self, out: ChoiceOutput) -> Optional[dict]:
-        return chat_chunk_choice(out.index, {"role": "assistant", "content": ""}, None)
+        # vLLM's echo: the continued message's text opens the stream, with the role
+        return chat_chunk_choice(out.index, {"role": "assistant", "content": self.params.echo_text}, None)
 
     def chunk_choice(self, i: int, delta: Delta) -> dict:
         # text held back as a possible tag goes out with the choice's last delta

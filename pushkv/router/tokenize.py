@@ -3,7 +3,7 @@ template the deployment serves with, so that a client counts tokens as the route
 
 ``/tokenize`` takes a ``prompt`` (text; ``add_special_tokens`` true by default, as a completion's prompt is
 encoded) or chat ``messages`` (rendered by the deployment's template with ``add_generation_prompt``,
-``chat_template_kwargs`` and ``tools``, as a chat request is; ``add_special_tokens`` false by default: the
+``continue_final_message``, ``chat_template_kwargs`` and ``tools``, as a chat request is; ``add_special_tokens`` false by default: the
 template writes them) and answers ``{"count", "max_model_len", "tokens", "token_strs"}``; ``return_token_strs``
 gives each token's string in the vocabulary. ``/detokenize`` takes ``tokens`` and answers ``{"prompt"}``.
 Errors are ``api.ApiError`` (400 naming the field), as every other endpoint's.
@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from pushkv.router import api, text
-from pushkv.router.chat import ChatTemplate, parse_messages, parse_template_kwargs, parse_tools
+from pushkv.router.chat import ChatTemplate, parse_messages, parse_tools, render_request
 
 
 def tokenize(body: dict, tok: text.Tokenizer, limits: api.Limits,
@@ -29,10 +29,7 @@ def tokenize(body: dict, tok: text.Tokenizer, limits: api.Limits,
         special = api.get_bool(body, "add_special_tokens", True)
         source, param = prompt, "prompt"
     else:
-        tools = parse_tools(body)
-        source = template().for_tools(bool(tools)).render(
-            parse_messages(body), add_generation_prompt=api.get_bool(body, "add_generation_prompt", True),
-            tools=tools or None, **parse_template_kwargs(body))
+        source = render_request(template(), body, parse_messages(body), parse_tools(body))
         special, param = api.get_bool(body, "add_special_tokens", False), "messages"
     ids = api.encode_text(tok, source, param) if source else []
     if not special:

@@ -54,7 +54,7 @@ def test_template_kwargs_render_as_transformers_renders_them(hf_tok, kwargs, gen
     ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs", "may not set 'tools'"),
     ({"add_generation_prompt": "yes"}, "add_generation_prompt", "must be a boolean"),
     ({"chat_template": "{{ messages }}"}, "chat_template", "--chat-template"),
-    ({"continue_final_message": True}, "continue_final_message", "not supported"),
+    ({"continue_final_message": True}, "continue_final_message", "cannot both be true"),
     ({"response_format": {"type": "json_object"}}, "response_format", "'json_object' is not supported"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format",
      "'json_schema' is not supported"),
@@ -67,6 +67,43 @@ def test_what_would_change_the_answer_and_is_not_built_is_refused(body, param, s
     with pytest.raises(api.ApiError) as e:
         prompt(body)
     assert (e.value.status, e.value.param) == (400, param) and says in str(e.value)
+
+
+PREFIX = [*MESSAGES, {"role": "assistant", "content": "The answer is"}]
+
+
+@pytest.mark.parametrize("final", ["The answer is", "The answer is ", "  The answer"])
+def test_continue_final_message_renders_as_transformers_renders_it(hf_tok, final):
+    """vLLM's and transformers' continue_final_message: the final (assistant) message left open, the prompt cut
+    right after its text, so the model goes on with it (a trailing space kept only where the template keeps it)."""
+    msgs = [*MESSAGES, {"role": "assistant", "content": final}]
+    want = hf_tok.apply_chat_template(msgs, chat_template=QWEN3_LIKE, tokenize=False, add_generation_prompt=False,
+                                      continue_final_message=True)
+    p = chat.parse_chat({"messages": msgs, "continue_final_message": True, "add_generation_prompt": False},
+                        text.ByteTokenizer(), LIMITS, chat.ChatTemplate(QWEN3_LIKE))
+    assert bytes(p.prompt_token_ids).decode() == want and want.rstrip().endswith(final.strip())
+    with pytest.raises(api.ApiError, match="whose text the chat template writes"):
+        chat.parse_chat({"messages": msgs, "continue_final_message": True, "add_generation_prompt": False},
+                        text.ByteTokenizer(), LIMITS, chat.ChatTemplate("{% for m in messages %}{{ m.role }}{% endfor %}"))
+
+
+def test_echo_opens_each_choice_with_the_continued_message():
+    """vLLM's chat echo: the final message, where it is the assistant's, opens each choice's content (whole, and the
+    stream's first chunk); with a user's last message there is nothing to echo."""
+    from pushkv.router import output, render
+
+    body = {"messages": PREFIX, "continue_final_message": True, "add_generation_prompt": False, "echo": True}
+    p = chat.parse_chat(body, text.ByteTokenizer(), LIMITS, chat.ChatTemplate(QWEN3_LIKE))
+    assert p.echo_text == "The answer is"
+    r = render.for_endpoint(text.ByteTokenizer(), p)
+    out = output.ChoiceOutput(0, text.ByteTokenizer())
+    out.add(list(b" 42"))
+    out.finish("length")
+    assert r.choice(out)["message"]["content"] == "The answer is 42"
+    assert r.opening(out)["delta"] == {"role": "assistant", "content": "The answer is"}
+    plain = chat.parse_chat({"messages": MESSAGES, "echo": True}, text.ByteTokenizer(), LIMITS,
+                            chat.ChatTemplate(QWEN3_LIKE))
+    assert plain.echo_text == ""
 
 
 def test_response_format_text_is_what_runs_anyway():
