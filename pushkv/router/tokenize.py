@@ -3,10 +3,10 @@ template the deployment serves with, so that a client counts tokens as the route
 
 ``/tokenize`` takes a ``prompt`` (text; ``add_special_tokens`` true by default, as a completion's prompt is
 encoded) or chat ``messages`` (rendered by the deployment's template with ``add_generation_prompt``,
-``continue_final_message``, ``chat_template_kwargs`` and ``tools``, as a chat request is; ``add_special_tokens`` false by default: the
-template writes them) and answers ``{"count", "max_model_len", "tokens", "token_strs"}``; ``return_token_strs``
-gives each token's string in the vocabulary. ``/detokenize`` takes ``tokens`` and answers ``{"prompt"}``.
-Errors are ``api.ApiError`` (400 naming the field), as every other endpoint's.
+``continue_final_message``, ``chat_template_kwargs`` and ``tools``, as a chat request is; ``add_special_tokens``
+false by default: the template writes them) and answers ``{"count", "max_model_len", "tokens", "token_strs"}``;
+``return_token_strs`` gives each token's string in the vocabulary. ``/detokenize`` takes ``tokens`` and answers
+``{"prompt"}``. Errors are ``api.ApiError`` (400 naming the field), as every other endpoint's.
 """
 from __future__ import annotations
 
