@@ -47,6 +47,20 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @functools.cache
+def json_object(text: str, flag: str, what: str) -> dict:
+    """A flag's value that must be a JSON object (vLLM's --hf-overrides and the like): the object, or ValueError
+    naming the flag and saying ``what`` it holds."""
+    import json
+
+    try:
+        got = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{flag}: not JSON: {e}") from None
+    if not isinstance(got, dict):
+        raise ValueError(f"{flag}: a JSON object of {what}, not {type(got).__name__}")
+    return got
+
+
 def choices(cls: type) -> dict[str, tuple[Any, ...]]:
     """``cls``'s fields of a Literal type -> the values each allows."""
     out: dict[str, tuple[Any, ...]] = {}

@@ -24,6 +24,7 @@ from pushkv.config import (
     InstanceConfig,
     ModelConfig,
     config_from_builtins,
+    json_object,
     preset,
 )
 from pushkv.cuda_driver import device_count
@@ -74,14 +75,8 @@ def model_name(flags: Mapping[str, Any]) -> Optional[str]:
 
 def hf_overrides(flags: Mapping[str, Any]) -> str:
     """vLLM's --hf-overrides with --rope-scaling and --rope-theta folded in, as one JSON object ("": none)."""
-    out: dict = {}
-    if flags.get("hf_overrides"):
-        try:
-            out = json.loads(flags["hf_overrides"])
-        except ValueError as e:
-            raise ValueError(f"--hf-overrides: not JSON: {e}") from None
-        if not isinstance(out, dict):
-            raise ValueError(f"--hf-overrides: a JSON object of config.json fields, not {type(out).__name__}")
+    out = json_object(flags["hf_overrides"], "--hf-overrides", "config.json fields") if flags.get("hf_overrides") \
+        else {}
     for flag, key in (("rope_scaling", "rope_scaling"), ("rope_theta", "rope_theta")):
         v = flags.get(flag)
         if v is None:

@@ -13,7 +13,7 @@ from typing import Any, Optional
 import torch
 from safetensors import safe_open
 
-from pushkv.config import ModelConfig, MoeRouting, SamplingDefaults
+from pushkv.config import ModelConfig, MoeRouting, SamplingDefaults, json_object
 from pushkv.model.arch import check_supported, deepseek_routing, family_of, num_experts_of
 from pushkv.model.fp8 import SCALE_SUFFIX, dequantize, fp8_blocks_of, scale_span
 from pushkv.model.generation import sampling_defaults_of
@@ -42,12 +42,7 @@ def with_overrides(hf: dict, overrides: str) -> dict:
     if not overrides:
         return hf
     where = "--hf-overrides"
-    try:
-        given = json.loads(overrides)
-    except ValueError as e:
-        raise ValueError(f"{where}: not JSON: {e}") from None
-    if not isinstance(given, dict):
-        raise ValueError(f"{where}: a JSON object of config.json fields, not {type(given).__name__}")
+    given = json_object(overrides, where, "config.json fields")
     if "quantization_config" in given:
         raise ValueError(f"{where}: quantization_config cannot be overridden: the weights are read as written")
     out = {**hf, **given}

@@ -2,12 +2,11 @@
 and vLLM's ``--override-generation-config`` over them. Pure: no torch, so the launcher reads them for a preset too."""
 from __future__ import annotations
 
-import json
 import math
 
 import msgspec
 
-from pushkv.config import SamplingDefaults
+from pushkv.config import SamplingDefaults, json_object
 from pushkv.limits import MAX_REPETITION_PENALTY
 
 # generation_config.json field: (SamplingDefaults field, type, range check, range text): what vLLM takes from it
@@ -50,12 +49,7 @@ def overridden_defaults(base: SamplingDefaults, override: str) -> SamplingDefaul
     replacing ``base``'s (the checkpoint's, or none); ``top_k`` -1 or 0 turns a default top_k off. A field vLLM does
     not take from generation_config.json, or a value out of range, is refused naming it."""
     where = "--override-generation-config"
-    try:
-        given = json.loads(override)
-    except ValueError as e:
-        raise ValueError(f"{where}: not JSON: {e}") from None
-    if not isinstance(given, dict):
-        raise ValueError(f"{where}: a JSON object of sampling fields, not {type(given).__name__}")
+    given = json_object(override, where, "sampling fields")
     unknown = sorted(set(given) - set(DEFAULT_FIELDS))
     if unknown:
         raise ValueError(f"{where}: {', '.join(unknown)} is not a sampling field it sets (it takes "

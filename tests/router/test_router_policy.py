@@ -411,10 +411,8 @@ def test_balancer_indexes_where_it_sent_what_and_places_by_it():
     assert v.decode not in b.ask(turn2).hits  # back, it holds nothing
 
 
-@pytest.mark.parametrize("salt, again, found", [("", "", True), ("a", "a", True), ("a", "b", False), ("a", "", False)])
-def test_balancer_finds_a_cached_prefix_only_under_the_same_cache_salt(salt, again, found):
-    """vLLM's cache_salt: the index names a salted prompt's blocks by the salt's chain, as its schedulers do, so
-    placement credits a hit only to a request of the same salt."""
+def primed(salt: str = "") -> Balancer:
+    """A push balancer with one P and one D whose P has prefilled a 100-token prompt (with ``salt``)."""
     b = Balancer("push", 1.0, 4, prefix_cache=True, conditional=False)
     b.add(rec("p0", "prefill"), lambda r: object())
     b.add(rec("d0", "decode", 200), lambda r: object())
@@ -422,6 +420,14 @@ def test_balancer_finds_a_cached_prefix_only_under_the_same_cache_salt(salt, aga
     first.cache_salt = salt
     b.request(first)
     b.prefill_done(first)
+    return b
+
+
+@pytest.mark.parametrize("salt, again, found", [("", "", True), ("a", "a", True), ("a", "b", False), ("a", "", False)])
+def test_balancer_finds_a_cached_prefix_only_under_the_same_cache_salt(salt, again, found):
+    """vLLM's cache_salt: the index names a salted prompt's blocks by the salt's chain, as its schedulers do, so
+    placement credits a hit only to a request of the same salt."""
+    b = primed(salt)
     second = ChatRun("t2", range(100))
     second.cache_salt = again
     assert (b.ask(second).hits.get("p0", 0) == 96) == found

@@ -11,11 +11,10 @@ from pushkv import messages as m
 from pushkv.router import api, chat, render
 from pushkv.router import policy as P
 from pushkv.router import request as R
-from pushkv.router.balance import Balancer
 from pushkv.router.output import ChoiceOutput
 from pushkv.router.text import ByteTokenizer
 from tests.model.test_prompt_logprobs import _packed
-from tests.router.test_router_policy import ChatRun, rec
+from tests.router.test_router_policy import ChatRun, primed
 from tests.router.test_router_request import PULL, START_PULL, START_PUSH, T0, pf, placed, show
 
 TOK = ByteTokenizer()
@@ -224,13 +223,7 @@ def test_first_tokens_without_them_fail_the_request():
 
 # ----------------------------------------------------------------------------------- placement
 def test_placement_assumes_no_cached_prefix_for_them():
-    b = Balancer("push", 1.0, 4, prefix_cache=True, conditional=False)
-    b.add(rec("p0", "prefill"), lambda r: object())
-    b.add(rec("d0", "decode", 200), lambda r: object())
-    first = ChatRun("t1", range(100))
-    first.reuses_prefix = True
-    b.request(first)
-    b.prefill_done(first)
+    b = primed()
     again = ChatRun("t2", range(100))
     again.reuses_prefix = True
     assert b.ask(again).hits.get("p0", 0) > 0
