@@ -8,6 +8,7 @@ EXTRA_OF = {
     "matplotlib": "bench",              # pushkv plot, sweep, roofline, stream-bench, link-bench: figures
     "tqdm": "bench",                    # pushkv bench, sweep, link-bench: progress
     "kubernetes_validate": "deploy",    # pushkv check-deploy
+    "xgrammar": "structured",           # structured output's grammars (router/structured.py, scheduler/grammar.py)
     "vllm": "vllm",                     # pushkv.vllm, the vLLM connector
     "transformers": "vllm",             # pushkv.vllm's tiny test model
     "psutil": "vllm",                   # pushkv vllm-bench: the servers' CPU seconds (vLLM depends on it)

@@ -28,6 +28,7 @@ LOGIT_BIAS_ABS = 100.0  # |bias|, as OpenAI documents
 MAX_ALLOWED_TOKEN_IDS = 1024  # vLLM's allowed_token_ids: a choice among labels fits; they ride in every step's message
 MAX_BAD_WORDS = 64  # vLLM's bad_words: each is matched against the output's end every step
 MAX_BAD_WORD_TOKENS = 16  # tokens of one bad word as the tokenizer writes it: a word or a phrase, not a passage
+MAX_STRUCTURED_CHARS = 64 << 10  # a structured output's schema, regex, choices or grammar: every Generate carries it
 MAX_CACHE_SALT_CHARS = 256  # vLLM's cache_salt: a tenant's name or key, in every Generate
 MAX_STOPS = 16  # stop strings (OpenAI: 4): every output text is searched for each
 MAX_STOP_CHARS = 256  # characters in one stop string: a stop is a delimiter, not a passage
@@ -63,6 +64,8 @@ BOUNDS = (
           "they ride in every step's message"),
     Bound("bad_words (vLLM's)", f"at most {MAX_BAD_WORDS} words of 1-{MAX_BAD_WORD_TOKENS} tokens each",
           "each is matched against the output's end every step"),
+    Bound("structured output (response_format, structured_outputs, guided_*)",
+          f"one grammar of at most {MAX_STRUCTURED_CHARS} characters", "each scheduler compiles it"),
     Bound("cache_salt (vLLM's)", f"a string of 1-{MAX_CACHE_SALT_CHARS} characters", "it rides in every Generate"),
     Bound("stop", f"at most {MAX_STOPS} strings of 1-{MAX_STOP_CHARS} characters",
           "the output is searched for each"),
@@ -143,7 +146,8 @@ def largest_generate(cfg: DeploymentConfig) -> m.Generate:
     source = m.PrefillSource("e" * ID_CHARS, tp, ("t" * ENDPOINT_CHARS,) * tp)
     pull = m.PullParams(source, (num_blocks,) * -(-n // block), n, top, 1e9 + 0.1, _largest_checksums(cfg, n))
     return m.Generate("t" * ID_CHARS, (1 << 63) - 1, "prefill", (top,) * n, n, (top,) * stop_ids_bound(cfg),
-                      source, pull, 1e9 + 0.1, _worst_sampling(cfg), True, True, "\U0010ffff" * MAX_CACHE_SALT_CHARS)
+                      source, pull, 1e9 + 0.1, _worst_sampling(cfg), True, True, "\U0010ffff" * MAX_CACHE_SALT_CHARS,
+                      m.Structured("json_object", "\U0010ffff" * MAX_STRUCTURED_CHARS))
 
 
 def _checksum_groups(cfg: DeploymentConfig) -> int:

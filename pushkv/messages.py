@@ -170,6 +170,9 @@ class SeqWork(msgspec.Struct, array_like=True, frozen=True, gc=False):
     # the prompt's token after this chunk, which its last position scores; -1: the chunk ends the
     # prompt (its last position's logits give the first output token instead)
     next_prompt_token: int = -1
+    # structured output: the tokens this step may draw, bit t of little-endian int32 word t // 32 (xgrammar's
+    # bitmask); b"": no mask
+    token_mask: bytes = b""
 
 
 class KVTransferStats(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -185,6 +188,15 @@ class KVTransferStats(msgspec.Struct, array_like=True, frozen=True, gc=False):
     reserved_blocks: int = 0
     parts: int = 0  # streaming push: WRITEs posted while P still computed (before the last one)
     stream: str = ""  # streaming push: "layer" or "chunk"; "fallback: <why>"; "" when not streamed
+
+
+class Structured(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """Structured output (vLLM's structured_outputs, OpenAI's response_format): the output is held to a grammar,
+    each step's tokens masked to those that keep it valid (pushkv/structured.py), on P and on D alike."""
+
+    kind: Literal["json", "json_object", "regex", "choice", "grammar"]
+    spec: str = ""  # json: the schema (JSON text); regex; choice: a JSON list of strings; grammar: EBNF
+    any_whitespace: bool = True  # JSON: any whitespace between tokens (vLLM's default; false: compact)
 
 
 # ---------------------------------------------------------------------------
@@ -209,6 +221,7 @@ class Generate(Msg, frozen=True):
     prefill_here: bool = False
     # vLLM's cache_salt: the prompt's cached blocks are shared only with requests of the same salt
     cache_salt: str = ""
+    structured: Optional[Structured] = None  # the output held to a grammar
 
 
 class Abort(Msg, frozen=True):

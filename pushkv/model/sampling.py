@@ -107,7 +107,7 @@ def _params(s: SeqWork) -> SamplingParams:
 
 
 def _edited(p: SamplingParams, s: SeqWork) -> bool:
-    return bool(p.logit_bias or p.allowed_token_ids or s.suppress
+    return bool(p.logit_bias or p.allowed_token_ids or s.suppress or s.token_mask
                 or (s.history and (p.presence_penalty or p.frequency_penalty))
                 or (s.seen and p.repetition_penalty != 1.0))
 
@@ -272,6 +272,7 @@ def _edit(x: torch.Tensor, params: list[SamplingParams], seqs: Sequence[SeqWork]
     banned: list[int] = []
     pen_rows: list[int] = []
     only_rows: list[int] = []  # rows restricted to their allowed_token_ids
+    masks: list = []  # structured output: (row, its packed mask of the tokens it may draw)
     seen: list = []  # repetition_penalty: each row's ids of the prompt and output so far (int32, little-endian)
     seen_at: list[tuple[int, float]] = []  # ... and that row's (first flat id, penalty)
     only: list[int] = []  # those rows' allowed ids, flat
@@ -287,6 +288,8 @@ def _edit(x: torch.Tensor, params: list[SamplingParams], seqs: Sequence[SeqWork]
         if s.seen and p.repetition_penalty != 1.0:
             seen.append(np.frombuffer(s.seen, dtype="<i4"))
             seen_at.append((base, p.repetition_penalty))
+        if s.token_mask:
+            masks.append((j, s.token_mask))
         if p.allowed_token_ids:
             only_rows.append(j)
             only.extend(base + t for t in p.allowed_token_ids)
@@ -309,6 +312,12 @@ def _edit(x: torch.Tensor, params: list[SamplingParams], seqs: Sequence[SeqWork]
         kept = flat[at]
         x.index_fill_(0, _up(only_rows, dev), float("-inf"))
         flat.index_copy_(0, at, kept)
+    if masks:  # structured output: the tokens the grammar does not allow now go to -inf
+        rows = _up([j for j, _ in masks], dev)
+        words = torch.from_numpy(np.stack([np.frombuffer(b, dtype="<i4") for _, b in masks])).to(dev)
+        bits = (words[:, :, None] >> torch.arange(32, device=dev, dtype=words.dtype)) & 1
+        keep = bits.reshape(len(masks), -1)[:, :vocab].bool()
+        x[rows] = x[rows].masked_fill(~keep, float("-inf"))
     if banned:
         flat.index_fill_(0, _up(banned, dev), float("-inf"))
 

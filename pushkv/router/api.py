@@ -20,7 +20,7 @@ import msgspec
 
 from pushkv import limits as L
 from pushkv.config import SamplingDefaults
-from pushkv.messages import SamplingParams
+from pushkv.messages import SamplingParams, Structured
 from pushkv.router import text
 
 DEFAULT_MAX_TOKENS = 16  # completions, as OpenAI; chat defaults to what fits
@@ -103,6 +103,7 @@ class CompletionParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False  # vLLM's: the text ends with the stop string (or stop id's text)
     cache_salt: str = ""  # vLLM's: cached prefixes shared only among requests of the same salt
+    structured: Optional[Structured] = None  # the output held to a grammar (router/structured.py)
     return_tokens_as_token_ids: bool = False  # vLLM's: a logprob's token written "token_id:N" (render.TokenIds)
     # completions' prompt as a batch of several: each prompt (ids, text) with its own n choices, choice
     # p * n + c being prompt p's c-th; empty: the one prompt above
@@ -316,26 +317,9 @@ def parse_prompt_logprobs(body: dict, stream: bool) -> Optional[int]:
     return n
 
 
-# vLLM's own fields that constrain the output to a grammar (its structured outputs)
-GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_whitespace_pattern",
-                 "guided_decoding_backend", "structured_outputs")
-
-
-def refuse_structured_output(body: dict) -> None:
-    """Structured output is not built: ``response_format`` other than ``{"type": "text"}``, and
-    vLLM's ``guided_*`` fields, are a 400 naming the field, never output that ignores them."""
-    fmt = body.get("response_format")
-    if fmt is not None:
-        kind = fmt.get("type") if isinstance(fmt, dict) else None
-        if not isinstance(fmt, dict) or not isinstance(kind, str):
-            raise bad("response_format", "response_format must be an object with a string 'type'")
-        if kind != "text":
-            raise bad("response_format", f"response_format {kind!r} is not supported: pushkv does not constrain "
-                                         "output to a JSON schema or grammar; leave response_format out (or "
-                                         "{\"type\": \"text\"}) and ask for JSON in the prompt")
-    for name in GUIDED_FIELDS:
-        if body.get(name) not in (None, False, "", [], {}):
-            raise bad(name, f"{name} is not supported: pushkv does not constrain output to a grammar")
+def refuse_unbuilt(body: dict) -> None:
+    """vLLM's fields that would change the answer and are not built: a 400 naming the field, never output that
+    ignores them."""
     for name, (fine, why) in VLLM_UNBUILT.items():
         if name in body and body[name] not in fine:
             raise bad(name, f"{name} {body[name]!r} is not supported: {why}")
@@ -375,7 +359,10 @@ def parse_generation(body: dict, ids: list[int], tok: text.Tokenizer, limits: Li
     include_usage = get_bool(opts or {}, "include_usage") if opts else False
     continuous_usage = include_usage and get_bool(opts or {}, "continuous_usage_stats")
 
-    refuse_structured_output(body)
+    refuse_unbuilt(body)
+    from pushkv.router import structured  # (it raises this module's errors: imported here, not at the top)
+
+    grammar = structured.parse(body)
     n = get_int(body, "n", 1, 1, L.MAX_N)
     best_of = get_int(body, "best_of", None, 1, L.MAX_BEST_OF)
     if best_of is not None and best_of != n:
@@ -419,7 +406,7 @@ def parse_generation(body: dict, ids: list[int], tok: text.Tokenizer, limits: Li
         skip_special_tokens=get_bool(body, "skip_special_tokens", True),
         spaces_between_special_tokens=get_bool(body, "spaces_between_special_tokens", True),
         include_stop_str_in_output=get_bool(body, "include_stop_str_in_output"),
-        cache_salt=parse_cache_salt(body),
+        cache_salt=parse_cache_salt(body), structured=grammar,
         return_tokens_as_token_ids=get_bool(body, "return_tokens_as_token_ids"),
     )
 

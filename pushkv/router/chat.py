@@ -269,6 +269,10 @@ def parse_chat(body: dict, tok: text.Tokenizer, limits: api.Limits, template: Ch
     if prompt_logprobs is not None:
         params.sampling = msgspec.structs.replace(params.sampling, prompt_logprobs=prompt_logprobs)
     params.chat = True
+    if params.structured is not None and reasoning_parser:
+        raise api.bad("response_format", f"structured output with --reasoning-parser {reasoning_parser} is not "
+                                         "built (the grammar would hold the reasoning too): serve without the parser, "
+                                         "or leave it out")
     # vLLM's echo: the last message, where it is the assistant's (the one continued), opens each choice's content
     last = messages[-1]
     params.echo_text = last["content"] if api.get_bool(body, "echo") and last["role"] == "assistant" else ""

@@ -35,7 +35,8 @@ class RequestRun:
     def __init__(self, cfg: DeploymentConfig, balancer: Optional[Balancer], transfer_id: str,
                  prompt_token_ids: list[int], max_tokens: int, stop_token_ids: tuple[int, ...], arrival: float,
                  metrics: RouterMetrics, sampling: Optional[m.SamplingParams] = None,
-                 local_link: Optional[SchedulerLink] = None, cache_salt: str = ""):
+                 local_link: Optional[SchedulerLink] = None, cache_salt: str = "",
+                 structured: Optional[m.Structured] = None):
         self.balancer = balancer
         self.local_link = local_link
         self.metrics = metrics
@@ -45,6 +46,7 @@ class RequestRun:
             stop=stop_token_ids, request_s=cfg.timeouts.request_s,
             sampling=sampling if sampling != m.SamplingParams() else None,
             local_engine=cfg.local.engine_id or "local", wall_offset=wall - time.monotonic(), cache_salt=cache_salt,
+            structured=structured,
         )
         self.req = R.Request(spec, arrival, arrival_wall=wall)
         self.hash_cache: dict[int, list[int]] = {}  # the balancer's: block size -> the prompt's block hashes

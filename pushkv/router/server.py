@@ -426,7 +426,8 @@ class Router:
             sampling = msgspec.structs.replace(params.sampling, seed=derive_seed(params.sampling.seed, i))
             run = RequestRun(self.cfg, self.balancer if self.local_link is None else None, tid,
                              ids, params.max_tokens, params.stop_token_ids, arrival,
-                             self.metrics, sampling, local_link=self.local_link, cache_salt=params.cache_salt)
+                             self.metrics, sampling, local_link=self.local_link, cache_salt=params.cache_salt,
+                             structured=params.structured)
             self.runs[tid] = run
             runs.append(run)
             if self.tracer is not None:

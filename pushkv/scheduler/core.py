@@ -43,6 +43,7 @@ from pushkv.kinds import FinishReason
 from pushkv.kv import checksum
 from pushkv.prompt_logprobs import join as join_prompt_logprobs
 from pushkv.protocol.prefix_cache import PrefixCache
+from pushkv.scheduler.grammar import Grammars
 from pushkv.scheduler.metrics import InstanceMetrics, Snapshot
 from pushkv.scheduler.outbox import Effect, Peer, Send, Trace
 from pushkv.scheduler.prefix import index_blocks, prefix_hits
@@ -90,6 +91,7 @@ class SchedulerCore:
         self.step_answers: dict[int, StepAnswer] = {}
         self.max_len = cfg.max_model_len or cfg.model.max_position
         self.vocab = cfg.model.vocab_size
+        self.grammars = Grammars(cfg.model)  # structured output's compiled grammars (made at the first that asks)
         self.max_stop_ids = limits.stop_ids_bound(cfg)
         self.newest: OrderedDict[str, int] = OrderedDict()  # newest accepted generation per transfer id
         self.router_epoch = 0  # the newest router's (RouterEpoch); 0: none announced yet
@@ -279,6 +281,12 @@ class SchedulerCore:
 
     def on_Generate(self, msg: m.Generate, frm: Peer) -> None:
         err = self._refusal(msg)
+        grammar = None
+        if err is None and msg.structured is not None:  # the grammar compiled for this model's tokenizer
+            try:
+                grammar = self.grammars.matcher(msg.structured)
+            except Exception as e:  # xgrammar missing here, or a spec the router did not check (a direct sender)
+                err = (f"structured output: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500], 400)
         if err is not None:
             self.counters["rejected"] += 1
             self._send(frm, m.RequestFailed(msg.transfer_id, msg.generation, *err))
@@ -289,7 +297,8 @@ class SchedulerCore:
             self._abort(old, f"superseded by generation {msg.generation}", notify=True)
         r = Request(msg.transfer_id, msg.generation, msg.leg, msg.prompt_token_ids, msg.max_tokens, frm.identity,
                     frozenset(msg.stop_token_ids), msg.source, msg.pull, seq_id=self.next_seq,
-                    sampling=msg.sampling, late=msg.late, prefill_here=msg.prefill_here, cache_salt=msg.cache_salt)
+                    sampling=msg.sampling, late=msg.late, prefill_here=msg.prefill_here, cache_salt=msg.cache_salt,
+                    grammar=grammar)
         self.next_seq += 1
         if msg.arrival:
             r.timeline["arrival"] = msg.arrival

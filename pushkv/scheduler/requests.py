@@ -8,7 +8,7 @@ import enum
 import sys
 from array import array
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from pushkv import messages as m
 from pushkv.config import Role
@@ -85,6 +85,7 @@ class Request:
     prompt_parts: list[m.PromptLogprobs] = field(default_factory=list)
     prompt_logprobs: Optional[m.PromptLogprobs] = None
     cache_salt: str = ""  # vLLM's: its prompt's block hashes chain from this salt's root (prefix.py)
+    grammar: Any = None  # structured output: its grammar.Matcher, following the output
     # repetition_penalty's distinct ids of the prompt and output, packed, kept as the output grows (seen_ids)
     _seen: Optional[array] = field(default=None, repr=False)
     _seen_set: set = field(default_factory=set, repr=False)
@@ -115,8 +116,8 @@ class Request:
     def sample_fields(self) -> dict:
         """What the worker needs to draw output token len(output): SeqWork's sampling fields."""
         p = self.sampling
-        if p is None:
-            return {}
+        if p is None:  # greedy; structured output still masks the draw
+            return {"token_mask": self.grammar.mask(self.output)} if self.grammar is not None else {}
         history = tuple(self.output) if (p.presence_penalty or p.frequency_penalty) else ()
         seen = self.seen_ids() if p.repetition_penalty != 1.0 else b""
         stops = self.stop_ids if len(self.output) < p.min_tokens else frozenset()
@@ -125,8 +126,14 @@ class Request:
             # a step always has a token to draw: bans that would leave no allowed id are lifted for it (the
             # router refuses the requests where that is so from the start; only a multi-id word gets here)
             suppress = stops if not stops.issuperset(p.allowed_token_ids) else frozenset()
+        mask = self.grammar.mask(self.output) if self.grammar is not None else b""
+        if mask and suppress:  # the grammar's tokens left to draw are never all taken away (min_tokens, bad words)
+            from pushkv.scheduler.grammar import allowed_ids
+
+            if suppress.issuperset(allowed_ids(mask, 1 << 31) or ()):
+                suppress = frozenset()
         return {"sampling": p, "output_index": len(self.output), "history": history, "seen": seen,
-                "suppress": tuple(sorted(suppress))}
+                "suppress": tuple(sorted(suppress)), "token_mask": mask}
 
     def seen_ids(self) -> bytes:
         """The distinct ids of the prompt and of the output so far (repetition_penalty's), packed little-endian
@@ -177,6 +184,10 @@ class Request:
     def finished(self) -> Optional[FinishReason]:
         if self.output and self.output[-1] in self.stop_ids:
             return "stop"
+        if self.grammar is not None:  # structured output: the grammar is complete (it took its stop token)
+            self.grammar.advance(self.output)
+            if self.grammar.terminated:
+                return "stop"
         if len(self.output) >= self.max_tokens:
             return "length"
         return None

@@ -88,6 +88,8 @@ def check_generate(msg: m.Generate, vocab: int, max_len: int, max_stop_ids: int)
     if len(msg.prompt_token_ids) + msg.max_tokens > max_len:
         return (f"prompt ({len(msg.prompt_token_ids)}) + max_tokens ({msg.max_tokens}) exceeds max model "
                 f"length {max_len}")
+    if msg.structured is not None and len(msg.structured.spec) > L.MAX_STRUCTURED_CHARS:
+        return f"structured output of {len(msg.structured.spec)} characters; at most {L.MAX_STRUCTURED_CHARS}"
     if len(msg.cache_salt) > L.MAX_CACHE_SALT_CHARS:
         return f"cache_salt has {len(msg.cache_salt)} characters; at most {L.MAX_CACHE_SALT_CHARS}"
     if len(msg.stop_token_ids) > max_stop_ids:

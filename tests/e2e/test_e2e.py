@@ -1,8 +1,10 @@
 """The whole deployment over loopback and real NIXL: supervisor, router, and
 P and D each with scheduler, worker and writer. Greedy tokens through P/D must
 equal local mode's, token for token."""
+import json
 import os
 import random
+import re
 import time
 
 import pytest
@@ -50,6 +52,24 @@ def _repeated(dep) -> list[int]:
     return dep.complete(REPEATED, MAX_TOKENS, repetition_penalty=20.0)["choices"][0]["token_ids"]
 
 
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                             "maximum": 99}},
+          "required": ["ok", "n"], "additionalProperties": False}
+STRUCTURED = {  # name: (the request's field, what its text must be)
+    "choice": ({"guided_choice": ["yes", "no", "maybe so"]}, lambda t: t in ("yes", "no", "maybe so")),
+    "regex": ({"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}}, lambda t: re.fullmatch("[0-9]{3}-[a-z]{2}", t)),
+    # compact JSON: a random model would write whitespace forever otherwise
+    "json": ({"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}},
+             lambda t: set(json.loads(t)) == {"ok", "n"}),
+}
+
+
+def _structured(dep, name: str) -> dict:
+    body, _ = STRUCTURED[name]
+    choice = dep.complete(PROMPTS["text"], 40, **body)["choices"][0]
+    return {"text": choice["text"], "tokens": choice["token_ids"], "finish": choice["finish_reason"]}
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     with deployment(tmp_path_factory.mktemp("local"), "--mode", "local", *COMMON) as dep:
@@ -57,6 +77,7 @@ def reference(tmp_path_factory):
         ref["letters"] = _constrained(dep)
         ref.update({name: _constrained(dep, **kw) for name, kw in constrained_requests(ref["letters"]).items()})
         ref["repetition"] = _repeated(dep)
+        ref["structured"] = {name: _structured(dep, name) for name in STRUCTURED}
         wait_pools_free(dep)
     return ref
 
@@ -209,4 +230,14 @@ def test_a_cache_salt_shares_cached_prefixes_only_with_its_own(push):
     before = hits()
     assert run("tenant-b") == first and hits() == before
     assert run("tenant-a") == first and hits() >= before + 4 * BLOCK
+    wait_pools_free(push)
+
+
+@pytest.mark.parametrize("name", list(STRUCTURED))
+def test_structured_output_holds_on_p_and_d_and_equals_local(push, reference, name):
+    """The output held to a grammar: P draws the first token under the grammar's mask, D the rest after taking P's
+    token into it; the text is valid, the choice ends with the grammar ("stop"), token for token as local."""
+    want = reference["structured"][name]
+    assert want["finish"] == "stop" and STRUCTURED[name][1](want["text"]), want
+    assert _structured(push, name) == want
     wait_pools_free(push)

@@ -1,7 +1,7 @@
 """No request field silently ignored: ``chat_template_kwargs`` (Qwen3's ``enable_thinking``) and
-``add_generation_prompt`` reach the chat template, ``--chat-template`` replaces the checkpoint's, and
-structured output (``response_format`` other than text, vLLM's ``guided_*``) is a 400 naming the
-field, in OpenAI's error shape, before anything is computed."""
+``add_generation_prompt`` reach the chat template, ``--chat-template`` replaces the checkpoint's, and structured
+output (``response_format``, vLLM's ``structured_outputs`` and ``guided_*``) is taken from whichever field names it,
+a malformed one a 400 naming the field, in OpenAI's error shape, before anything is computed."""
 from __future__ import annotations
 
 import pytest
@@ -55,13 +55,18 @@ def test_template_kwargs_render_as_transformers_renders_them(hf_tok, kwargs, gen
     ({"add_generation_prompt": "yes"}, "add_generation_prompt", "must be a boolean"),
     ({"chat_template": "{{ messages }}"}, "chat_template", "--chat-template"),
     ({"continue_final_message": True}, "continue_final_message", "cannot both be true"),
-    ({"response_format": {"type": "json_object"}}, "response_format", "'json_object' is not supported"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format",
-     "'json_schema' is not supported"),
+    ({"response_format": {"type": "yaml"}}, "response_format", "'yaml' is not supported"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format",
+     "needs a json_schema object with a schema"),
     ({"response_format": "json"}, "response_format", "must be an object"),
-    ({"guided_json": {"type": "object"}}, "guided_json", "not supported"),
-    ({"guided_choice": ["a", "b"]}, "guided_choice", "not supported"),
-    ({"structured_outputs": {"regex": "a+"}}, "structured_outputs", "not supported"),
+    ({"guided_regex": "("}, "guided_regex", "does not compile"),
+    ({"guided_json": "{not json"}, "guided_json", "not JSON"),
+    ({"guided_choice": []}, "guided_choice", "non-empty list"),
+    ({"guided_json": {"type": "object"}, "guided_choice": ["a"]}, "guided_choice", "both ask for structured output"),
+    ({"structured_outputs": {}}, "structured_outputs", "exactly one of"),
+    ({"structured_outputs": {"regex": "a+", "choice": ["a"]}}, "structured_outputs", "exactly one of"),
+    ({"guided_decoding_backend": "outlines", "guided_regex": "a"}, "guided_decoding_backend", "xgrammar"),
+    ({"guided_whitespace_pattern": " *"}, "guided_whitespace_pattern", "not supported"),
 ])
 def test_what_would_change_the_answer_and_is_not_built_is_refused(body, param, says):
     with pytest.raises(api.ApiError) as e:
@@ -106,6 +111,31 @@ def test_echo_opens_each_choice_with_the_continued_message():
     assert plain.echo_text == ""
 
 
+@pytest.mark.parametrize("body, want", [
+    ({"response_format": {"type": "json_object"}}, m.Structured("json_object")),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
+     m.Structured("json", '{"type": "object"}')),
+    ({"guided_json": '{"type": "integer"}'}, m.Structured("json", '{"type": "integer"}')),
+    ({"guided_regex": "[a-c]+"}, m.Structured("regex", "[a-c]+")),
+    ({"guided_choice": ["a", "b", "a"], "guided_decoding_backend": "xgrammar"}, m.Structured("choice", '["a", "b"]')),
+    ({"guided_grammar": 'root ::= "x"'}, m.Structured("grammar", 'root ::= "x"')),
+    ({"structured_outputs": {"json": {"type": "object"}, "disable_any_whitespace": True}},
+     m.Structured("json", '{"type": "object"}', any_whitespace=False)),
+    ({"structured_outputs": {"json_object": True}}, m.Structured("json_object")),
+    ({"response_format": {"type": "text"}}, None),
+], ids=["json_object", "json_schema", "guided_json", "regex", "choice", "grammar", "outputs_json", "outputs_object",
+        "text"])
+def test_structured_output_is_taken_from_each_field_that_names_it(body, want):
+    pytest.importorskip("xgrammar")
+    p = chat.parse_chat({"messages": MESSAGES, **body}, text.ByteTokenizer(), LIMITS, chat.ChatTemplate(QWEN3_LIKE))
+    assert p.structured == want
+    assert api.parse_completion({"prompt": "hi", **body}, text.ByteTokenizer(), LIMITS).structured == want
+    if want is not None:
+        with pytest.raises(api.ApiError, match="--reasoning-parser"):
+            chat.parse_chat({"messages": MESSAGES, **body}, text.ByteTokenizer(), LIMITS,
+                            chat.ChatTemplate(QWEN3_LIKE), reasoning_parser="qwen3")
+
+
 def test_response_format_text_is_what_runs_anyway():
     assert prompt({"response_format": {"type": "text"}}) == prompt({})
 
@@ -133,9 +163,9 @@ def test_through_the_router_kwargs_reach_the_deployments_template_and_a_format_i
             assert bytes(g.prompt_token_ids).decode() == prompt({"chat_template_kwargs": {"enable_thinking": False}})
             assert "<think>" in bytes(g.prompt_token_ids).decode()
             for path, req in (("/v1/chat/completions", {"messages": MESSAGES}), ("/v1/completions", {"prompt": "x"})):
-                r = await h.http.post(path, json={**req, "response_format": {"type": "json_object"}})
+                r = await h.http.post(path, json={**req, "response_format": {"type": "yaml"}})
                 err = (await r.json())["error"]
                 assert r.status == 400 and err["param"] == "response_format" and err["type"] == "invalid_request_error"
-                assert "'json_object' is not supported" in err["message"]
+                assert "'yaml' is not supported" in err["message"]
             assert len(h.log.received("local", m.Generate)) == 1  # the refused ones sent nothing
     run(body())

@@ -1,0 +1,122 @@
+"""Structured output, as vLLM and OpenAI take it: a request's one grammar, from whichever field names it.
+
+- OpenAI's ``response_format``: ``{"type": "json_object"}`` (any JSON object) or ``{"type": "json_schema",
+  "json_schema": {"schema": ...}}``; ``{"type": "text"}`` is no grammar;
+- vLLM's ``structured_outputs``: an object of one of ``json`` (a schema, object or JSON text), ``regex``, ``choice``
+  (a list of strings), ``grammar`` (EBNF, xgrammar's), ``json_object`` (true), with ``disable_any_whitespace``;
+- vLLM's older ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar`` (``guided_decoding_backend``
+  "xgrammar" or "auto" taken, any other refused).
+
+The grammar is checked here (xgrammar compiles it without a tokenizer), so a bad schema, regex or grammar is a 400
+naming the field before anything runs; the schedulers hold each request's output to it (scheduler/grammar.py).
+Pure but for that check; xgrammar is imported only when a request asks.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+from pushkv import limits as L
+from pushkv.extras import missing
+from pushkv.grammars import grammar_of
+from pushkv.messages import Structured
+from pushkv.router.api import bad
+
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+OUTPUTS = ("json", "regex", "choice", "grammar", "json_object")  # structured_outputs' grammar fields
+BACKENDS = (None, "", "auto", "xgrammar")
+
+
+def parse(body: dict) -> Optional[Structured]:
+    """The request's grammar, or None; a 400 naming the field for a malformed one, for two at once, and for one
+    that xgrammar cannot compile."""
+    found: list[tuple[str, Structured]] = []
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if not isinstance(fmt, dict) or not isinstance(kind, str):
+            raise bad("response_format", "response_format must be an object with a string 'type'")
+        if kind == "json_object":
+            found.append(("response_format", Structured("json_object")))
+        elif kind == "json_schema":
+            js = fmt.get("json_schema")
+            if not isinstance(js, dict) or "schema" not in js:
+                raise bad("response_format", "response_format json_schema needs a json_schema object with a schema")
+            found.append(("response_format", Structured("json", _schema(js["schema"], "response_format"))))
+        elif kind != "text":
+            raise bad("response_format", f"response_format {kind!r} is not supported (json_object, json_schema, "
+                                         "text)")
+    for name, kind in GUIDED.items():
+        if body.get(name) is not None:
+            found.append((name, _guided(kind, body[name], name)))
+    outputs = body.get("structured_outputs")
+    if outputs is not None:
+        found.append(("structured_outputs", _outputs(outputs)))
+    backend = body.get("guided_decoding_backend")
+    if backend not in BACKENDS:
+        raise bad("guided_decoding_backend", f"guided_decoding_backend {backend!r} is not supported: pushkv holds "
+                                             "output to a grammar with xgrammar (auto, xgrammar)")
+    if body.get("guided_whitespace_pattern") not in (None, ""):
+        raise bad("guided_whitespace_pattern", "guided_whitespace_pattern is not supported (structured_outputs' "
+                                               "disable_any_whitespace writes compact JSON)")
+    if not found:
+        return None
+    if len(found) > 1:
+        raise bad(found[1][0], f"{found[0][0]} and {found[1][0]} both ask for structured output: give one")
+    field, spec = found[0]
+    if len(spec.spec) > L.MAX_STRUCTURED_CHARS:
+        raise bad(field, f"a grammar of at most {L.MAX_STRUCTURED_CHARS} characters, got {len(spec.spec)}")
+    check(spec, field)
+    return spec
+
+
+def _schema(schema: Any, field: str) -> str:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise bad(field, f"the JSON schema is not JSON: {e}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise bad(field, "a JSON schema must be an object")
+    return json.dumps(schema)
+
+
+def _guided(kind: str, value: Any, field: str) -> Structured:
+    if kind == "json":
+        return Structured("json", _schema(value, field))
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise bad(field, "choice must be a non-empty list of non-empty strings")
+        return Structured("choice", json.dumps(list(dict.fromkeys(value))))
+    if not isinstance(value, str) or not value:
+        raise bad(field, f"{field} must be a non-empty string")
+    return Structured(kind, value)  # type: ignore[arg-type]
+
+
+def _outputs(outputs: Any) -> Structured:
+    field = "structured_outputs"
+    if not isinstance(outputs, dict):
+        raise bad(field, "structured_outputs must be an object")
+    named = [k for k in OUTPUTS if outputs.get(k) not in (None, False)]
+    if len(named) != 1:
+        raise bad(field, f"structured_outputs needs exactly one of {', '.join(OUTPUTS)}, got "
+                         f"{', '.join(named) or 'none'}")
+    for k in ("whitespace_pattern", "structural_tag"):
+        if outputs.get(k) not in (None, ""):
+            raise bad(field, f"structured_outputs.{k} is not supported")
+    kind = named[0]
+    spec = Structured("json_object") if kind == "json_object" else _guided(kind, outputs[kind], f"{field}.{kind}")
+    if outputs.get("disable_any_whitespace"):
+        spec = Structured(spec.kind, spec.spec, any_whitespace=False)
+    return spec
+
+
+def check(spec: Structured, field: str) -> None:
+    """A 400 naming ``field`` when xgrammar cannot compile the spec (or is not installed)."""
+    try:
+        grammar_of(spec)
+    except ImportError:
+        raise bad(field, str(missing("xgrammar", "structured output"))) from None
+    except (RuntimeError, ValueError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise bad(field, f"the {spec.kind} does not compile: {msg[-300:]}") from None

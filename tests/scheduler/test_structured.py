@@ -1,0 +1,76 @@
+"""Structured output in a scheduler (pushkv/scheduler/grammar.py) with the real sampler on logits that ignore the
+grammar: every step's draw is masked to the grammar's tokens, the request ends when the grammar is complete, and
+P's first token, drawn under the mask on P, is taken by D's grammar before D's first step."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from pushkv import messages as m
+from pushkv.config import preset
+from pushkv.scheduler.grammar import Grammars, allowed_ids
+from tests.scheduler.test_scheduler_roles import make
+from tests.scheduler.test_scheduler_validate import gen, serve
+
+pytest.importorskip("xgrammar")
+
+S = m.SamplingParams
+EOS = 257
+CHOICES = ["yes", "no", "maybe so"]
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                             "maximum": 9}},
+          "required": ["ok", "n"], "additionalProperties": False}
+
+
+def text(tokens: list) -> str:
+    return bytes(t for t in tokens if t < 256).decode()
+
+
+@pytest.mark.parametrize("spec, check", [
+    (m.Structured("choice", json.dumps(CHOICES)), lambda s: s in CHOICES),
+    (m.Structured("regex", "[0-9]{3}-[a-z]{2}"), lambda s: re.fullmatch("[0-9]{3}-[a-z]{2}", s)),
+    (m.Structured("json", json.dumps(SCHEMA), any_whitespace=False),
+     lambda s: set(json.loads(s)) == {"ok", "n"} and json.loads(s)["n"] in range(10)),
+], ids=["choice", "regex", "json"])
+@pytest.mark.parametrize("sampling", [None, S(temperature=1.0, seed=3)], ids=["greedy", "sampled"])
+def test_a_structured_request_draws_only_what_its_grammar_allows_and_ends_with_it(spec, check, sampling):
+    s, wire = make("local", mode="local", tp=1, num_blocks=64)
+    got = serve(s, wire, [gen("g", sampling, max_tokens=40, structured=spec), gen("free", sampling, max_tokens=6)])
+    out = got["g"]
+    assert out[-1] == EOS and check(text(out)), text(out)  # complete, then its stop token: finished "stop"
+    assert len(got["free"]) == 6  # a request beside it is not held to the grammar
+
+
+def test_a_matcher_follows_the_output_and_masks_the_next_draw():
+    g = Grammars(preset("small"))
+    mt = g.matcher(m.Structured("choice", json.dumps(CHOICES)))
+    assert allowed_ids(mt.mask([]), 320) == sorted(b"ynm")
+    assert allowed_ids(mt.mask(list(b"may")), 320) == [ord("b")]
+    assert allowed_ids(mt.mask(list(b"maybe so")), 320) == [EOS] and not mt.terminated
+    mt.advance(list(b"maybe so") + [EOS])
+    assert mt.terminated
+    again = g.matcher(m.Structured("choice", json.dumps(CHOICES)))  # compiled once, a fresh state each
+    assert again is not mt and allowed_ids(again.mask([]), 320) == sorted(b"ynm")
+    bad = g.matcher(m.Structured("regex", "a+"))
+    bad.advance([ord("b")])
+    assert bad.terminated and bad.broken  # a token the grammar never allowed ends it, never hangs it
+
+
+def test_d_takes_ps_first_token_into_the_grammar():
+    """D's grammar starts from P's first token (KVReceived.first_token): its first mask continues it."""
+    from pushkv.scheduler.requests import Request
+
+    spec = m.Structured("choice", json.dumps(CHOICES))
+    r = Request("t", 0, "decode", (1, 2), 8, b"r", sampling=S(), grammar=Grammars(preset("small")).matcher(spec))
+    r.output = [ord("m")]
+    assert allowed_ids(r.sample_fields()["token_mask"], 320) == [ord("a")]
+
+
+def test_a_bad_spec_from_a_direct_sender_is_refused_alone():
+    s, wire = make("local", mode="local", tp=1, num_blocks=64)
+    got = serve(s, wire, [gen("bad", None, structured=m.Structured("regex", "(")), gen("ok", None, max_tokens=3)])
+    (failed,) = got["bad"]
+    assert isinstance(failed, m.RequestFailed) and failed.status == 400 and "structured output" in failed.reason
+    assert len(got["ok"]) == 3
