@@ -29,7 +29,7 @@ from typing import Any, Optional
 import msgspec
 
 from pushkv import limits as L
-from pushkv.router import api, text, tool_calls
+from pushkv.router import api, structured, text, tool_calls
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 PLAIN_TEMPLATE = (
@@ -229,6 +229,29 @@ def parse_template_kwargs(body: dict) -> dict:
     return kw
 
 
+def forced_choice(body: dict, tools: list[dict]) -> Optional[tuple[str, dict]]:
+    """A tool_choice that forces calls (vLLM's and OpenAI's ``required``, or ``{"type": "function", "function":
+    {"name": ...}}``): the choice's parser and the schema that holds the output; None for none and auto."""
+    choice = body.get("tool_choice")
+    if choice in (None, "none", "auto"):
+        return None
+    if not tools:
+        raise api.bad("tool_choice", "tool_choice needs tools")
+    names = [(t.get("function") or {}).get("name") for t in tools]
+    if not all(isinstance(n, str) and n for n in names):
+        raise api.bad("tool_choice", "a forced tool_choice needs every tool to be a function with a name")
+    if choice == "required":
+        return tool_calls.REQUIRED, tool_calls.forced_schema(tools)
+    fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str):
+        raise api.bad("tool_choice", "tool_choice must be none, auto, required or {\"type\": \"function\", "
+                                     "\"function\": {\"name\": ...}}")
+    if name not in names:
+        raise api.bad("tool_choice", f"tool_choice names {name!r}, which is not one of the tools")
+    return tool_calls.NAMED + name, tool_calls.forced_schema(tools, name)
+
+
 def render_request(template: ChatTemplate, body: dict, messages: list[dict], tools: list[dict]) -> str:
     """A chat request's prompt text: its messages through the deployment's template (the tool-use one with tools),
     with its add_generation_prompt (default true), continue_final_message and chat_template_kwargs."""
@@ -256,9 +279,7 @@ def parse_chat(body: dict, tok: text.Tokenizer, limits: api.Limits, template: Ch
         raise api.bad("messages", "the rendered prompt is empty")
     ids = api.truncate_prompt(ids, body, limits)
     api.check_prompt_ids(ids, limits, "messages")
-    if body.get("tools") and body.get("tool_choice") not in (None, "none", "auto"):
-        raise api.bad("tool_choice", f"tool_choice {body.get('tool_choice')!r} is not supported: only none and auto "
-                                     "(forcing a call would constrain the output to its schema)")
+    forced = forced_choice(body, tools)
     want = api.get_bool(body, "logprobs")
     top = api.get_int(body, "top_logprobs", None, 0, L.MAX_LOGPROBS)
     if top is not None and top > 0 and not want:
@@ -269,16 +290,25 @@ def parse_chat(body: dict, tok: text.Tokenizer, limits: api.Limits, template: Ch
     if prompt_logprobs is not None:
         params.sampling = msgspec.structs.replace(params.sampling, prompt_logprobs=prompt_logprobs)
     params.chat = True
-    if params.structured is not None and reasoning_parser:
-        raise api.bad("response_format", f"structured output with --reasoning-parser {reasoning_parser} is not "
-                                         "built (the grammar would hold the reasoning too): serve without the parser, "
-                                         "or leave it out")
     # vLLM's echo: the last message, where it is the assistant's (the one continued), opens each choice's content
     last = messages[-1]
     params.echo_text = last["content"] if api.get_bool(body, "echo") and last["role"] == "assistant" else ""
     params.reasoning_parser = reasoning_parser
     # tool_choice auto (the default with tools): the deployment's parser takes the calls out of the output
     params.tool_call_parser = tool_call_parser if tools and body.get("tool_choice") in (None, "auto") else ""
+    if forced is not None:  # required or a named function: the output held to the calls' schema, then made calls
+        if params.structured is not None:
+            raise api.bad("tool_choice", "a forced tool_choice holds the output to the calls' schema: it cannot be "
+                                         "given with response_format or structured_outputs")
+        parser, schema = forced
+        # compact JSON (structured_outputs' disable_any_whitespace): a call's arguments need no layout, and a weak
+        # model held to a schema can otherwise fill max_tokens with white space
+        params.structured = structured.parse({"structured_outputs": {"json": schema, "disable_any_whitespace": True}})
+        params.tool_call_parser = parser
+    if params.structured is not None and reasoning_parser:
+        field = "tool_choice" if forced else structured.field_of(body)
+        raise api.bad(field, f"structured output with --reasoning-parser {reasoning_parser} is not built (the grammar "
+                             "would hold the reasoning too): serve without the parser, or leave it out")
     if params.tool_call_parser in tool_calls.KEEPS_SPECIAL_TOKENS:  # its markers are special tokens, as vLLM keeps
         params.skip_special_tokens = False
     return params

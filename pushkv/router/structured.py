@@ -70,6 +70,12 @@ def parse(body: dict) -> Optional[Structured]:
     return spec
 
 
+def field_of(body: dict) -> str:
+    """The field a request's structured output came from (the first given)."""
+    return next((f for f in ("response_format", "structured_outputs", *GUIDED) if body.get(f) is not None),
+                "response_format")
+
+
 def _schema(schema: Any, field: str) -> str:
     if isinstance(schema, str):
         try:

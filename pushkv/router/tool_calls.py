@@ -77,8 +77,55 @@ def _tool_call(name: str, args: Any, call_id: str = "") -> dict:
                          else json.dumps(args, ensure_ascii=False)}}
 
 
+REQUIRED, NAMED = "required", "function:"  # tool_choice required, or a named function (NAMED + its name)
+
+
+def forced_schema(tools: list[dict], name: str = "") -> dict:
+    """The JSON schema a forced tool choice holds the output to (vLLM's): a named function's parameters, or for
+    ``required`` a non-empty list of ``{"name", "parameters"}``, each one of the tools'."""
+    def params(t: dict) -> Any:
+        return (t.get("function") or {}).get("parameters") or {"type": "object"}
+
+    if name:
+        return next(params(t) for t in tools if (t.get("function") or {}).get("name") == name)
+    return {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [
+        {"properties": {"name": {"type": "string", "enum": [(t.get("function") or {}).get("name")]},
+                        "parameters": params(t)}, "required": ["name", "parameters"]} for t in tools]}}
+
+
+class ForcedStreamer:
+    """tool_choice ``required`` or a named function: the output is the calls' JSON (the grammar holds it to
+    ``forced_schema``), held to its end and made calls there: a named function's arguments, or ``required``'s
+    list of names and parameters. Output that is not that (cut off at max_tokens) is content."""
+
+    def __init__(self, name: str = ""):
+        self.name = name
+        self.held = ""
+        self.calls = 0
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
+        self.held += text
+        if not final:
+            return "", []
+        try:
+            got = json.loads(self.held)
+        except (ValueError, RecursionError):
+            return self.held, []
+        if self.name:
+            calls = [_tool_call(self.name, self.held)] if isinstance(got, dict) else []
+        else:
+            calls = [_tool_call(c["name"], c["parameters"]) for c in got if isinstance(c, dict)
+                     and isinstance(c.get("name"), str) and "parameters" in c] if isinstance(got, list) else []
+        if not calls:
+            return self.held, []
+        self.calls = len(calls)
+        return "", [dict(c, index=i) for i, c in enumerate(calls)]
+
+
 def streamer(parser: str) -> CallStreamer:
-    """A choice's streamer for ``parser`` (one of PARSERS)."""
+    """A choice's streamer for ``parser`` (one of PARSERS, or a forced choice: REQUIRED, NAMED + a name)."""
+    if parser == REQUIRED or parser.startswith(NAMED):
+        return ForcedStreamer(parser[len(NAMED):] if parser.startswith(NAMED) else "")
     kinds: dict[str, type[CallStreamer]] = {"hermes": Streamer, "llama3_json": Llama3JsonStreamer,
                                             "mistral": MistralStreamer, "pythonic": PythonicStreamer}
     if parser not in kinds:

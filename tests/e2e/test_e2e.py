@@ -70,6 +70,26 @@ def _structured(dep, name: str) -> dict:
     return {"text": choice["text"], "tokens": choice["token_ids"], "finish": choice["finish_reason"]}
 
 
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}, "required": ["city"],
+    "additionalProperties": False}}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "properties": {"tz": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["tz"],
+             "additionalProperties": False}}}]
+CHOICES = {"named": {"type": "function", "function": {"name": "get_time"}}, "required": "required"}
+
+
+def _forced(dep, name: str) -> dict:
+    status, body = dep.post("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "What time is it in Paris?"}], "max_tokens": 60, "tools": TOOLS,
+        "tool_choice": CHOICES[name]})
+    assert status == 200, body
+    choice = body["choices"][0]
+    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+             for c in choice["message"].get("tool_calls") or []]
+    return {"calls": calls, "finish": choice["finish_reason"]}
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     with deployment(tmp_path_factory.mktemp("local"), "--mode", "local", *COMMON) as dep:
@@ -78,6 +98,7 @@ def reference(tmp_path_factory):
         ref.update({name: _constrained(dep, **kw) for name, kw in constrained_requests(ref["letters"]).items()})
         ref["repetition"] = _repeated(dep)
         ref["structured"] = {name: _structured(dep, name) for name in STRUCTURED}
+        ref["forced"] = {name: _forced(dep, name) for name in CHOICES}
         wait_pools_free(dep)
     return ref
 
@@ -240,4 +261,20 @@ def test_structured_output_holds_on_p_and_d_and_equals_local(push, reference, na
     want = reference["structured"][name]
     assert want["finish"] == "stop" and STRUCTURED[name][1](want["text"]), want
     assert _structured(push, name) == want
+    wait_pools_free(push)
+
+
+@pytest.mark.parametrize("name", list(CHOICES))
+def test_a_forced_tool_choice_gives_valid_calls_equal_to_local(push, reference, name):
+    """tool_choice required or a named function: valid calls of the tools (the output held to their schema on P
+    and D), finish_reason tool_calls, as local gives them."""
+    want = reference["forced"][name]
+    assert want["finish"] == "tool_calls" and want["calls"], want
+    valid = {"get_weather": ("city", {"Paris", "Rome"}), "get_time": ("tz", {"UTC", "CET"})}
+    for fn, args in want["calls"]:
+        key, values = valid[fn]
+        assert set(args) == {key} and args[key] in values
+    if name == "named":
+        assert [fn for fn, _ in want["calls"]] == ["get_time"]
+    assert _forced(push, name) == want
     wait_pools_free(push)

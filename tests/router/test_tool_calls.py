@@ -176,3 +176,43 @@ def test_enable_auto_tool_choice_needs_a_parser():
         cfg("--enable-auto-tool-choice")
     with pytest.raises(SystemExit):  # argparse: not one of the choices
         cfg("--enable-auto-tool-choice", "--tool-call-parser", "xlam")
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}, "required": ["city"],
+    "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time"}}  # no parameters: any object
+
+
+def test_a_forced_tool_choice_holds_the_output_to_the_calls_and_makes_them_calls():
+    """tool_choice required or a named function (vLLM's, OpenAI's): the output held to the calls' JSON schema
+    (structured output), then made calls: a named function's arguments as written, required's list of names and
+    parameters; output that is not that (cut off) stays content."""
+    pytest.importorskip("xgrammar")
+    from pushkv.router import api, chat, text
+
+    limits = api.Limits(vocab_size=320, max_model_len=4096)
+    msgs = [{"role": "user", "content": "weather?"}]
+    p = chat.parse_chat({"messages": msgs, "tools": [WEATHER, CLOCK], "tool_choice": {
+        "type": "function", "function": {"name": "get_weather"}}}, text.ByteTokenizer(), limits, chat.load_template(""))
+    assert p.tool_call_parser == "function:get_weather" and p.structured.kind == "json"
+    assert json.loads(p.structured.spec) == WEATHER["function"]["parameters"] and not p.structured.any_whitespace
+    content, calls = tool_calls.parse('{"city": "Rome"}', p.tool_call_parser)
+    assert content is None and [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        ("get_weather", '{"city": "Rome"}')]
+    r = chat.parse_chat({"messages": msgs, "tools": [WEATHER, CLOCK], "tool_choice": "required"},
+                        text.ByteTokenizer(), limits, chat.load_template(""))
+    assert r.tool_call_parser == "required"
+    out = '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "Paris"}}]'
+    content, calls = tool_calls.parse(out, "required")
+    assert content is None and [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_time", {}), ("get_weather", {"city": "Paris"})]
+    assert tool_calls.parse('[{"name": "get_ti', "required") == ('[{"name": "get_ti', [])  # cut off: content
+    for body, needle in [({"tool_choice": "required"}, "needs tools"),
+                         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+                          "not one of the tools"),
+                         ({"tools": [WEATHER], "tool_choice": "sometimes"}, "must be none, auto, required"),
+                         ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"}, "cannot be given with")]:
+        with pytest.raises(api.ApiError, match=needle) as e:
+            chat.parse_chat({"messages": msgs, **body}, text.ByteTokenizer(), limits, chat.load_template(""))
+        assert e.value.param == "tool_choice"
