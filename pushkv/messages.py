@@ -197,6 +197,9 @@ class Structured(msgspec.Struct, array_like=True, frozen=True, gc=False):
     kind: Literal["json", "json_object", "regex", "choice", "grammar"]
     spec: str = ""  # json: the schema (JSON text); regex; choice: a JSON list of strings; grammar: EBNF
     any_whitespace: bool = True  # JSON: any whitespace between tokens (vLLM's default; false: compact)
+    # with a reasoning parser: the ids that end the reasoning ("</think>"); the grammar holds what follows them,
+    # from the start where the prompt already has them (Qwen3 with enable_thinking false), as vLLM's
+    after: tuple[int, ...] = ()
 
 
 # ---------------------------------------------------------------------------

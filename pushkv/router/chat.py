@@ -29,7 +29,7 @@ from typing import Any, Optional
 import msgspec
 
 from pushkv import limits as L
-from pushkv.router import api, structured, text, tool_calls
+from pushkv.router import api, reasoning, structured, text, tool_calls
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 PLAIN_TEMPLATE = (
@@ -305,10 +305,9 @@ def parse_chat(body: dict, tok: text.Tokenizer, limits: api.Limits, template: Ch
         # model held to a schema can otherwise fill max_tokens with white space
         params.structured = structured.parse({"structured_outputs": {"json": schema, "disable_any_whitespace": True}})
         params.tool_call_parser = parser
-    if params.structured is not None and reasoning_parser:
-        field = "tool_choice" if forced else structured.field_of(body)
-        raise api.bad(field, f"structured output with --reasoning-parser {reasoning_parser} is not built (the grammar "
-                             "would hold the reasoning too): serve without the parser, or leave it out")
+    if params.structured is not None and reasoning_parser:  # the grammar holds the answer after the reasoning
+        params.structured = msgspec.structs.replace(params.structured,
+                                                    after=tuple(api.encode_bare(tok, reasoning.END, "messages")))
     if params.tool_call_parser in tool_calls.KEEPS_SPECIAL_TOKENS:  # its markers are special tokens, as vLLM keeps
         params.skip_special_tokens = False
     return params

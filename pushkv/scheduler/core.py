@@ -284,7 +284,7 @@ class SchedulerCore:
         grammar = None
         if err is None and msg.structured is not None:  # the grammar compiled for this model's tokenizer
             try:
-                grammar = self.grammars.matcher(msg.structured)
+                grammar = self.grammars.matcher(msg.structured, msg.prompt_token_ids)
             except Exception as e:  # xgrammar missing here, or a spec the router did not check (a direct sender)
                 err = (f"structured output: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500], 400)
         if err is not None:

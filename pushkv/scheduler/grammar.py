@@ -63,7 +63,7 @@ class Grammars:
         self._compiler: Any = None
         self._compiled: OrderedDict = OrderedDict()
 
-    def matcher(self, spec: Structured) -> "Matcher":
+    def matcher(self, spec: Structured, prompt: Sequence[int] = ()) -> "Matcher":
         import xgrammar as xgr
 
         if self._compiler is None:
@@ -76,21 +76,40 @@ class Grammars:
                 self._compiled.popitem(last=False)
         else:
             self._compiled.move_to_end(spec)
-        return Matcher(xgr.GrammarMatcher(compiled), self.cfg.vocab_size)
+        return Matcher(xgr.GrammarMatcher(compiled), self.cfg.vocab_size, spec.after,
+                       not spec.after or bool(_holds(prompt, spec.after)))
+
+
+def _holds(seq: Sequence[int], part: Sequence[int], start: int = 0) -> int:
+    """Where ``part`` ends in ``seq`` at its first occurrence from ``start`` (0: nowhere)."""
+    n = len(part)
+    for i in range(max(start, 0), len(seq) - n + 1):
+        if list(seq[i:i + n]) == list(part):
+            return i + n
+    return 0
 
 
 class Matcher:
-    """One request's grammar state, following its output."""
+    """One request's grammar state, following its output; with a reasoning parser, from the tokens that end the
+    reasoning on (``after``), or from the start where the prompt had them."""
 
-    def __init__(self, matcher: Any, vocab: int):
+    def __init__(self, matcher: Any, vocab: int, after: Sequence[int] = (), active: bool = True):
         import xgrammar as xgr
 
         self.m = matcher
         self.bitmask = xgr.allocate_token_bitmask(1, vocab)
-        self.accepted = 0  # output tokens the grammar has taken
+        self.after = tuple(after)
+        self.start = 0 if active else -1  # the output index the grammar holds from; -1: still reasoning
+        self.accepted = 0  # output tokens the grammar has taken (from start)
         self.broken = False  # a token the grammar did not allow came (it never should: every draw was masked)
 
     def advance(self, output: Sequence[int]) -> None:
+        if self.start < 0:  # reasoning: look for its end among the new tokens (and the few before them)
+            end = _holds(output, self.after, self.accepted - len(self.after) + 1)
+            self.accepted = len(output)
+            if not end:
+                return
+            self.start = self.accepted = end
         for t in output[self.accepted:]:
             if not self.broken and not self.m.accept_token(t):
                 self.broken = True
@@ -99,11 +118,14 @@ class Matcher:
     @property
     def terminated(self) -> bool:
         """The grammar is complete and took its end (a stop token), or can take nothing more."""
-        return self.broken or self.m.is_terminated()
+        return self.start >= 0 and (self.broken or self.m.is_terminated())
 
     def mask(self, output: Sequence[int]) -> bytes:
-        """The tokens the next draw may take, after ``output``: xgrammar's bitmask, packed."""
+        """The tokens the next draw may take, after ``output``: xgrammar's bitmask, packed (b"": any, while the
+        model still reasons)."""
         self.advance(output)
+        if self.start < 0:
+            return b""
         self.m.fill_next_token_bitmask(self.bitmask)
         return self.bitmask.numpy().astype("<i4").tobytes()
 

@@ -278,3 +278,25 @@ def test_a_forced_tool_choice_gives_valid_calls_equal_to_local(push, reference, 
         assert [fn for fn, _ in want["calls"]] == ["get_time"]
     assert _forced(push, name) == want
     wait_pools_free(push)
+
+
+NO_THINKING = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+               "assistant: <think>\n\n</think>\n\n")  # as Qwen3's template writes it with enable_thinking false
+
+
+def test_structured_output_with_a_reasoning_parser_holds_the_answer(tmp_path_factory):
+    """With --reasoning-parser the grammar holds what follows the reasoning: here the template already ended it in
+    the prompt, so the whole answer is held, content and not reasoning, in push as in local."""
+    got = {}
+    for mode in ("local", "push"):
+        with deployment(tmp_path_factory.mktemp(f"think-{mode}"), "--mode", mode, *COMMON, "--reasoning-parser",
+                        "qwen3", "--chat-template", NO_THINKING) as dep:
+            status, body = dep.post("/v1/chat/completions", {
+                "messages": [{"role": "user", "content": "Is it?"}], "max_tokens": 20,
+                "guided_choice": ["yes", "no", "maybe so"]})
+            assert status == 200, body
+            got[mode] = body["choices"][0]
+            wait_pools_free(dep)
+    msg = got["local"]["message"]
+    assert msg["content"] in ("yes", "no", "maybe so") and not msg.get("reasoning_content")
+    assert got["local"]["finish_reason"] == "stop" and got["push"] == got["local"]

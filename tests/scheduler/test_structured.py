@@ -74,3 +74,24 @@ def test_a_bad_spec_from_a_direct_sender_is_refused_alone():
     (failed,) = got["bad"]
     assert isinstance(failed, m.RequestFailed) and failed.status == 400 and "structured output" in failed.reason
     assert len(got["ok"]) == 3
+
+
+def test_with_a_reasoning_parser_the_grammar_holds_what_follows_the_reasoning():
+    """The grammar holds the output from the tokens that end the reasoning on (vLLM's): nothing masked while the
+    model reasons, then the grammar; from the start where the prompt already ended it (Qwen3's enable_thinking
+    false writes an empty think block)."""
+    from pushkv.scheduler.requests import Request
+
+    end = tuple(b"</think>")
+    spec = m.Structured("choice", json.dumps(CHOICES), after=end)
+    g = Grammars(preset("small"))
+    r = Request("t", 0, "local", (1, 2), 40, b"r", sampling=S(), grammar=g.matcher(spec, (1, 2)))
+    r.output = list(b"hmm, let me see </thi")
+    assert r.sample_fields()["token_mask"] == b"" and r.finished() is None  # still reasoning: free
+    r.output += list(b"nk>")
+    assert allowed_ids(r.sample_fields()["token_mask"], 320) == sorted(b"ynm")
+    r.output += list(b"no") + [EOS]
+    assert r.finished() == "stop"
+    prompt = (5,) + end + (10,)
+    q = Request("t", 0, "local", prompt, 40, b"r", sampling=S(), grammar=g.matcher(spec, prompt))
+    assert allowed_ids(q.sample_fields()["token_mask"], 320) == sorted(b"ynm")  # held from the start
