@@ -28,6 +28,7 @@ LOGIT_BIAS_ABS = 100.0  # |bias|, as OpenAI documents
 MAX_ALLOWED_TOKEN_IDS = 1024  # vLLM's allowed_token_ids: a choice among labels fits; they ride in every step's message
 MAX_BAD_WORDS = 64  # vLLM's bad_words: each is matched against the output's end every step
 MAX_BAD_WORD_TOKENS = 16  # tokens of one bad word as the tokenizer writes it: a word or a phrase, not a passage
+MAX_REASONING_END_IDS = 64  # structured output with a reasoning parser: the ids of its end tag ("</think>")
 MAX_STRUCTURED_CHARS = 64 << 10  # a structured output's schema, regex, choices or grammar: every Generate carries it
 MAX_CACHE_SALT_CHARS = 256  # vLLM's cache_salt: a tenant's name or key, in every Generate
 MAX_STOPS = 16  # stop strings (OpenAI: 4): every output text is searched for each
@@ -147,7 +148,7 @@ def largest_generate(cfg: DeploymentConfig) -> m.Generate:
     pull = m.PullParams(source, (num_blocks,) * -(-n // block), n, top, 1e9 + 0.1, _largest_checksums(cfg, n))
     return m.Generate("t" * ID_CHARS, (1 << 63) - 1, "prefill", (top,) * n, n, (top,) * stop_ids_bound(cfg),
                       source, pull, 1e9 + 0.1, _worst_sampling(cfg), True, True, "\U0010ffff" * MAX_CACHE_SALT_CHARS,
-                      m.Structured("json_object", "\U0010ffff" * MAX_STRUCTURED_CHARS))
+                      m.Structured("json_object", "\U0010ffff" * MAX_STRUCTURED_CHARS, after=(top,) * MAX_REASONING_END_IDS))
 
 
 def _checksum_groups(cfg: DeploymentConfig) -> int:

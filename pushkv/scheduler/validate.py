@@ -90,9 +90,9 @@ def check_generate(msg: m.Generate, vocab: int, max_len: int, max_stop_ids: int)
                 f"length {max_len}")
     if msg.structured is not None and len(msg.structured.spec) > L.MAX_STRUCTURED_CHARS:
         return f"structured output of {len(msg.structured.spec)} characters; at most {L.MAX_STRUCTURED_CHARS}"
-    if msg.structured is not None and (len(msg.structured.after) > 64
+    if msg.structured is not None and (len(msg.structured.after) > L.MAX_REASONING_END_IDS
                                        or _ids_outside(msg.structured.after, vocab) is not None):
-        return "structured.after: at most 64 token ids, each in the vocabulary"
+        return f"structured.after: at most {L.MAX_REASONING_END_IDS} token ids, each in the vocabulary"
     if len(msg.cache_salt) > L.MAX_CACHE_SALT_CHARS:
         return f"cache_salt has {len(msg.cache_salt)} characters; at most {L.MAX_CACHE_SALT_CHARS}"
     if len(msg.stop_token_ids) > max_stop_ids:
