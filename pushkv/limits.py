@@ -148,7 +148,8 @@ def largest_generate(cfg: DeploymentConfig) -> m.Generate:
     pull = m.PullParams(source, (num_blocks,) * -(-n // block), n, top, 1e9 + 0.1, _largest_checksums(cfg, n))
     return m.Generate("t" * ID_CHARS, (1 << 63) - 1, "prefill", (top,) * n, n, (top,) * stop_ids_bound(cfg),
                       source, pull, 1e9 + 0.1, _worst_sampling(cfg), True, True, "\U0010ffff" * MAX_CACHE_SALT_CHARS,
-                      m.Structured("json_object", "\U0010ffff" * MAX_STRUCTURED_CHARS, after=(top,) * MAX_REASONING_END_IDS))
+                      m.Structured("json_object", "\U0010ffff" * MAX_STRUCTURED_CHARS,
+                                   after=(top,) * MAX_REASONING_END_IDS))
 
 
 def _checksum_groups(cfg: DeploymentConfig) -> int:
