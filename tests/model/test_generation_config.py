@@ -7,10 +7,10 @@ import json
 
 import pytest
 
+from processes import cli
 from pushkv.config import SamplingDefaults, preset
 from pushkv.model.checkpoint import eos_ids_of, model_config_from_hf, sampling_defaults_of
 from pushkv.router import api, text
-from processes import cli
 from tests.model.test_model import write_checkpoint
 
 TOK = text.ByteTokenizer()

@@ -15,8 +15,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 from pushkv.model import build_model, get_tokenizer
 from pushkv.model.checkpoint import model_config_from_hf
-from tests.support.deploy import deployment
 from tests.model.test_model import new_pool, paged_generate
+from tests.support.deploy import deployment
 
 PROMPTS = ["hello", "the quick brown fox jumps over the lazy dog", "hello world, the lazy fox"]
 NEW_TOKENS = 8
@@ -194,7 +194,7 @@ def test_hf_overrides_serve_what_transformers_serves_with_the_edited_config(tmp_
     assert cfg.rope_scaling.rope_type == "yarn" and cfg.rope_theta == ROPE_THETA and cfg.max_position == 512
     assert cfg == msgspec.structs.replace(model_config_from_hf(edited), checkpoint=cfg.checkpoint, name=cfg.name,
                                           hf_overrides=cfg.hf_overrides)
-    model, tok = build_model(cfg), get_tokenizer(cfg)
+    model = build_model(cfg)
     for prompt, (ids, new) in zip(PROMPTS, want):
         got = paged_generate(model, new_pool(model, 8, 16), ids, NEW_TOKENS, tuple(range(8)))
         stop = got.index(3) + 1 if 3 in got else len(got)

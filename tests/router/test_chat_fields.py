@@ -90,7 +90,8 @@ def test_continue_final_message_renders_as_transformers_renders_it(hf_tok, final
     assert bytes(p.prompt_token_ids).decode() == want and want.rstrip().endswith(final.strip())
     with pytest.raises(api.ApiError, match="whose text the chat template writes"):
         chat.parse_chat({"messages": msgs, "continue_final_message": True, "add_generation_prompt": False},
-                        text.ByteTokenizer(), LIMITS, chat.ChatTemplate("{% for m in messages %}{{ m.role }}{% endfor %}"))
+                        text.ByteTokenizer(), LIMITS,
+                        chat.ChatTemplate("{% for m in messages %}{{ m.role }}{% endfor %}"))
 
 
 def test_echo_opens_each_choice_with_the_continued_message():

@@ -16,9 +16,8 @@ import zmq
 
 from pushkv import messages as m
 from pushkv.config import Timeouts, encode_config
-
-from tests.support.router_fakes import WAIT_S, Harness, make_cfg, stage, tokens
 from tests.support import ROOT
+from tests.support.router_fakes import WAIT_S, Harness, make_cfg, stage, tokens
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from pushkv import messages as m
 from pushkv.router import tool_calls
 from tests.router.test_chat_fields import MESSAGES
 from tests.router.test_router import local_script, read_sse, run
@@ -103,7 +104,7 @@ def through_router(tmp_path, parser: str, output: str, cut: int) -> dict:
     every tag), served by a local fake through the router with ``--reasoning-parser deepseek_r1`` and this tool
     parser: ``whole`` (the choice), ``deltas`` and ``last`` (the streamed choice's deltas and its last chunk's
     choice), ``none`` (tool_choice none), ``no_tools`` (the same messages without tools) and ``required`` (the
-    response to tool_choice required)."""
+    status of tool_choice required, and the grammar its Generate carried)."""
     out = list(("<think>sunny?</think>" + output).encode())
     chunks = [out[i:i + cut] for i in range(0, len(out), cut)]
     got: dict = {}
@@ -124,7 +125,8 @@ def through_router(tmp_path, parser: str, output: str, cut: int) -> dict:
                 r = await h.http.post("/v1/chat/completions", json=other)
                 got[name] = (await r.json())["choices"][0]
             r = await h.http.post("/v1/chat/completions", json=dict(req, tool_choice="required"))
-            got["required"] = (r.status, (await r.json())["error"]["param"])
+            spec = h.log.received("local", m.Generate)[-1].structured
+            got["required"] = (r.status, spec.kind, spec.after)
     run(body())
     return got
 
@@ -138,7 +140,7 @@ def streamed_parts(deltas: list[dict]) -> tuple[str, str, list[dict]]:
 def assert_calls_through_router(got: dict, output: str, content, calls: list) -> None:
     """What every parser gives through the router: the calls apart from the content and the reasoning, whole and
     streamed alike, finish_reason tool_calls; without tools or with tool_choice none, the output as text;
-    tool_choice required refused naming the field."""
+    tool_choice required held to the calls' schema after the reasoning (the fake instance ignores the mask)."""
     msg = got["whole"]["message"]
     assert got["whole"]["finish_reason"] == "tool_calls"
     assert (msg["reasoning_content"], msg["content"]) == ("sunny?", content)
@@ -150,7 +152,7 @@ def assert_calls_through_router(got: dict, output: str, content, calls: list) ->
     for name in ("none", "no_tools"):
         assert "tool_calls" not in got[name]["message"] and output in got[name]["message"]["content"]
         assert got[name]["finish_reason"] == "stop"
-    assert got["required"] == (400, "tool_choice")
+    assert got["required"] == (200, "json", tuple(b"</think>"))
 
 
 def test_through_the_router_with_the_reasoning_parser(tmp_path):
@@ -212,7 +214,8 @@ def test_a_forced_tool_choice_holds_the_output_to_the_calls_and_makes_them_calls
                          ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
                           "not one of the tools"),
                          ({"tools": [WEATHER], "tool_choice": "sometimes"}, "must be none, auto, required"),
-                         ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"}, "cannot be given with")]:
+                         ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"},
+                          "cannot be given with")]:
         with pytest.raises(api.ApiError, match=needle) as e:
             chat.parse_chat({"messages": msgs, **body}, text.ByteTokenizer(), limits, chat.load_template(""))
         assert e.value.param == "tool_choice"

@@ -7,8 +7,8 @@ import types
 
 import pytest
 
-from pushkv.model.tokenizer import HFTokenizer
 from pushkv import limits as L
+from pushkv.model.tokenizer import HFTokenizer
 from pushkv.router import api, chat, output, tool_calls
 from tests.model.test_hf_reference import _tokenizer
 from tests.router.test_chat_fields import MESSAGES, QWEN3_LIKE
@@ -86,8 +86,10 @@ def wordpiece(tmp_path_factory):
 @pytest.mark.parametrize("body, want", [
     ({}, "hello world the fox"),  # special tokens skipped: the field changes nothing
     ({"skip_special_tokens": False}, "hello <a> <b> world <a> the <a> <b> <a> fox"),
-    ({"skip_special_tokens": False, "spaces_between_special_tokens": True}, "hello <a> <b> world <a> the <a> <b> <a> fox"),
-    ({"skip_special_tokens": False, "spaces_between_special_tokens": False}, "hello <a><b> world <a> the <a><b><a> fox"),
+    ({"skip_special_tokens": False, "spaces_between_special_tokens": True},
+     "hello <a> <b> world <a> the <a> <b> <a> fox"),
+    ({"skip_special_tokens": False, "spaces_between_special_tokens": False},
+     "hello <a><b> world <a> the <a><b><a> fox"),
 ], ids=["skipped", "kept", "kept-spaces", "kept-no-spaces"])
 def test_spaces_between_special_tokens_false_writes_added_tokens_back_to_back(wordpiece, body, want):
     """vLLM's spaces_between_special_tokens: false, with special tokens kept, writes an added token right after
