@@ -164,6 +164,10 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-rfE', 'tests/model/test_
             timeout 300 python3 -m experiments.mla_kernel_bench --out "$OUT/mla_kernel.json" 2>&1 \
               | tee "$OUT/mla_kernel.txt" | tail -10
             python3 -m experiments.mla_kernel_bench --plot "$OUT/mla_kernel.json" --out "$OUT/mla_kernel.png" || true ;;
+    samplegpu) # the sampler's edits on CUDA (allowed ids, repetition penalty, a structured-output mask, suppression)
+            # and the Triton sampler against the torch path at Qwen3's vocabulary
+            timeout 300 python3 -m pytest -q -p no:cacheprovider -rfE tests/model/test_sampling.py \
+              tests/model/test_sampling_kernel.py 2>&1 | tee "$OUT/sample_gpu.txt" | tail -4 ;;
     attntune) timeout 300 python3 -m experiments.attn_tune 2>&1 | tee "$OUT/attn_tune.txt" ;;
     kvverifyfaults) # the fault cases end to end with the pools in GPU memory (push-layer and pull, tiny models)
               timeout 500 python3 -m pytest -q -p no:cacheprovider -rs tests/e2e/test_kv_verify.py -k cuda \

@@ -206,3 +206,29 @@ def test_window_filter_equals_whole_sort(spread):
     assert full == whole.tolist()
     if spread == 0.5:
         assert spill  # a flat distribution's nucleus is wider than the window
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_edits_on_cuda_draw_what_the_cpu_draws():
+    """allowed_token_ids, repetition_penalty, a structured-output mask and suppression, greedy and seeded, at
+    Qwen3's vocabulary: the GPU sampler (the Triton kernel after the edits) draws the CPU's tokens."""
+    vocab = 151936
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, vocab, generator=g) * 3
+    words = (vocab + 31) // 32
+    mask = np.zeros(words, dtype="<i4")
+    for t in (17, 4000, 151000, 99):
+        mask[t // 32] |= np.int32(1 << (t % 32)) if t % 32 < 31 else np.int32(-(1 << 31))
+    seen = tuple(int(i) for i in x[1].topk(50).indices)
+    rows = [
+        seq(SamplingParams(allowed_token_ids=(3, 77, 150000))),
+        seq(SamplingParams(repetition_penalty=1.3), seen=seen),
+        SeqWork(0, (1,), 0, (0,), token_mask=mask.tobytes()),
+        seq(SamplingParams(temperature=0.9, seed=7, allowed_token_ids=(3, 77, 150000))),
+        seq(SamplingParams(temperature=0.8, seed=9, repetition_penalty=1.2), index=4, seen=seen),
+        SeqWork(0, (1,), 0, (0,), sampling=SamplingParams(temperature=1.0, seed=3), token_mask=mask.tobytes(),
+                suppress=(17,)),
+    ]
+    cpu, gpu = sample(x, rows).tokens, sample(x.cuda(), rows).tokens
+    assert cpu == gpu
+    assert cpu[0] in (3, 77, 150000) and cpu[2] in (17, 4000, 151000, 99) and cpu[5] in (4000, 151000, 99)
