@@ -133,7 +133,8 @@ def mla_decode(q_abs: torch.Tensor, cache: torch.Tensor, block_table: torch.Tens
         q_abs.stride(0), q_abs.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         cache.stride(0), cache.stride(3), cache.shape[3], B, H, scale * LOG2E,
         R=rank, RD=rd, BLOCK_H=block_h, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        PREC="ieee" if q_abs.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2, **chain.launch(q_abs))
+        PREC="ieee" if q_abs.dtype == torch.float32 else "tf32", num_warps=8 if block_h * rank >= 16384 else 4,
+        num_stages=2, **chain.launch(q_abs))
     if num_splits > 1:
         rows = torch.arange(B, device=q_abs.device, dtype=torch.int32)  # the merge's rows: tile t at row t
         _merge_kernel[(B, H)](p, pml, out, rows, rows, out.stride(0), out.stride(1), B, H, D=rank, BLOCK_D=rank,
