@@ -32,14 +32,17 @@ log = logging.getLogger(__name__)
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # MLA's decode steps in CUDA graphs too: its latent rows stored by a kernel that reads the slots on the device, the
-# decode rows' attention with no host read (``_mla_decode_rows``). Off until a GPU has replayed them
-# (experiments/gpu_run.sh mlagraphs: DeepSeek's float32 tokens against transformers with it on)
-MLA_GRAPHS = False
+# decode rows' attention with no host read (``_mla_decode_rows``). On: DeepSeek's float32 tokens equal
+# transformers' replayed from graphs on an H100 (experiments/gpu_run.sh mlagraphs;
+# docs/results/2026-12-05-mla-kernel-gpu)
+MLA_GRAPHS = True
 # MLA's decode attention on CUDA as one Triton kernel that reads the latent rows in place (kernels/triton_mla.py),
-# its keys split over MLA_SPLITS programs a row; off (the torch ops, which gather every row's latent rows padded to
-# the table's width) until a GPU has timed it (experiments/gpu_run.sh mlagpu) and checked DeepSeek's tokens with it
-MLA_TRITON = False
-MLA_SPLITS = 4
+# its keys split over MLA_SPLITS programs a row, instead of the torch ops that gather every row's latent rows padded to
+# the table's width. On: on an H100, 2.1x-12x the torch ops' speed at batches 1-32 and contexts 512-16k with 8
+# splits, and DeepSeek's float32 tokens equal transformers' with it and the graphs (experiments/gpu_run.sh mlatriton;
+# docs/results/2026-12-05-mla-kernel-gpu)
+MLA_TRITON = True
+MLA_SPLITS = 8
 
 # An MoE layer's router logits made in the post-attention norm's launch (``add_rms_router``) for steps of up
 # to this many tokens (a graph bucket bound, so a step routes alike replayed or eager), where each token's
