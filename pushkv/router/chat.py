@@ -237,7 +237,7 @@ def forced_choice(body: dict, tools: list[dict]) -> Optional[tuple[str, dict]]:
         return None
     if not tools:
         raise api.bad("tool_choice", "tool_choice needs tools")
-    names = [(t.get("function") or {}).get("name") for t in tools]
+    names = [tool_calls.function_of(t).get("name") for t in tools]
     if not all(isinstance(n, str) and n for n in names):
         raise api.bad("tool_choice", "a forced tool_choice needs every tool to be a function with a name")
     if choice == "required":

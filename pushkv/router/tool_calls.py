@@ -80,16 +80,21 @@ def _tool_call(name: str, args: Any, call_id: str = "") -> dict:
 REQUIRED, NAMED = "required", "function:"  # tool_choice required, or a named function (NAMED + its name)
 
 
+def function_of(tool: dict) -> dict:
+    """A request's tool's ``function`` object ({} where it has none)."""
+    return tool.get("function") or {}
+
+
 def forced_schema(tools: list[dict], name: str = "") -> dict:
     """The JSON schema a forced tool choice holds the output to (vLLM's): a named function's parameters, or for
     ``required`` a non-empty list of ``{"name", "parameters"}``, each one of the tools'."""
     def params(t: dict) -> Any:
-        return (t.get("function") or {}).get("parameters") or {"type": "object"}
+        return function_of(t).get("parameters") or {"type": "object"}
 
     if name:
-        return next(params(t) for t in tools if (t.get("function") or {}).get("name") == name)
+        return next(params(t) for t in tools if function_of(t).get("name") == name)
     return {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [
-        {"properties": {"name": {"type": "string", "enum": [(t.get("function") or {}).get("name")]},
+        {"properties": {"name": {"type": "string", "enum": [function_of(t).get("name")]},
                         "parameters": params(t)}, "required": ["name", "parameters"]} for t in tools]}}
 
 
