@@ -82,10 +82,7 @@ def hf_overrides(flags: Mapping[str, Any]) -> str:
         if v is None:
             continue
         if flag == "rope_scaling":
-            try:
-                v = json.loads(v)
-            except ValueError as e:
-                raise ValueError(f"--rope-scaling: not JSON: {e}") from None
+            v = json_object(v, "--rope-scaling", "RoPE scaling fields")
         if key in out and out[key] != v:
             raise ValueError(f"--{flag.replace('_', '-')} disagrees with --hf-overrides' {key}")
         out[key] = v
