@@ -135,6 +135,11 @@ s.print_callees('_post_write|_prefill_done|on_ExpectKV|_poll_notifs')" 2>&1 | gr
             timeout 540 python3 -m experiments.moe_decode_probe --out "$OUT" --batches ${AHEAD_BATCHES:-1,8} --reps ${REPS:-30} \
               --variants ${AHEAD_VARIANTS:-gemv1_2,prefetch_down,prefetch_down_l2,ungrouped1,one_launch,one_launch_prefetch,ahead_o,ahead_o_route,ahead_o_sum,ahead_all,own,own_down,own_all,own_all_l2,one_launch_own,one_launch_all,one_launch_all_l2,ahead_kv,own_all_kv} \
               2>&1 | tail -40 ;;
+    layerfloor) # a mock of Qwen3-30B-A3B's batch-1 step (its bytes and dependent phases) chained and as persistent
+            # kernels with grid barriers (experiments/layer_floor.py), then the shipped step in the same run
+            timeout 420 python3 -m experiments.layer_floor --out "$OUT/layer_floor" ${FLOOR_ARGS:-} 2>&1 | tail -30
+            timeout 300 python3 -m experiments.moe_decode_probe --out "$OUT/shipped" --batches 1 --reps 30 \
+              --variants gemv1_2 2>&1 | tail -8 ;;
     denseahead) # the dense weights asked of L2 ahead (batched.AHEAD) on a dense model: qwen3-8b's o is 33 MB
             timeout 540 python3 -m experiments.moe_decode_probe --model qwen3-8b --out "$OUT/dense" --batches 1,8 \
               --reps ${REPS:-30} --variants gemv1_2,ahead_o,ahead_o_sum,ahead_kv 2>&1 | tail -25 ;;
