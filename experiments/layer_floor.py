@@ -224,15 +224,19 @@ def layer_kernel(Wqkv, Wkv, Wo, Wr, Wgu, Wd, Part, Counter, in_row, layer0, nlay
 class Mock:
     """The step's buffers on one device: each layer's weights, the LM head, the partials and the counters."""
 
-    def __init__(self, dev: torch.device, layers: int, programs: int):
+    def __init__(self, dev: torch.device, layers: int, programs: int, scale: float = 1.0):
         g = torch.Generator(device=dev).manual_seed(0)
 
         def weights(elems: int, n: int = layers) -> torch.Tensor:
             return (torch.rand((n, elems), generator=g, device=dev, dtype=torch.float32) - 0.5).to(torch.bfloat16)
 
         self.layers, self.programs = layers, programs
-        self.w = {p.name: weights(p.elems) for p in STREAMS}
-        self.lm = weights(LM_HEAD, 1)
+        # each stream's blocks: the real bytes, or (scale 0) one block, where only the chain's latency is left
+        self.nb = {p.name: max(1, round(scale * p.elems / BLOCK)) for p in STREAMS}
+        self.nb["lm_head"] = max(1, round(scale * LM_HEAD / BLOCK))
+        self.scale = scale
+        self.w = {p.name: weights(self.nb[p.name] * BLOCK) for p in STREAMS}
+        self.lm = weights(self.nb["lm_head"] * BLOCK, 1)
         self.tiny = torch.zeros(BLOCK, dtype=torch.bfloat16, device=dev)
         self.part = torch.zeros(((layers + 1) * ROWS, NP), dtype=torch.float32, device=dev)
         self.counter = torch.zeros(layers, dtype=torch.int32, device=dev)
@@ -257,7 +261,7 @@ def run_chained(mock: Mock, pre: bool) -> None:
                 continue  # gate/up reads the router's total, as the persistent kernel does
             routed = p.name == "gate_up"
             if p.elems:
-                w, nb, grid = mock.w[p.name][layer], p.elems // BLOCK, n
+                w, nb, grid = mock.w[p.name][layer], mock.nb[p.name], n
             else:  # a small kernel of one program that reads the total and passes it on
                 w, nb, grid = mock.tiny, 0, 1
             phase_kernel[(grid,)](w, nb, mock.part, base + 6 if routed else prev_row, n if routed else nprev, row,
@@ -268,7 +272,7 @@ def run_chained(mock: Mock, pre: bool) -> None:
 
 
 def lm_head(mock: Mock, prev_row: int, nprev: int, pre: bool, pdl: dict) -> None:
-    phase_kernel[(mock.programs,)](mock.lm[0], LM_HEAD // BLOCK, mock.part, prev_row, nprev, mock.layers * ROWS, 0,
+    phase_kernel[(mock.programs,)](mock.lm[0], mock.nb["lm_head"], mock.part, prev_row, nprev, mock.layers * ROWS, 0,
                                    BLOCK=BLOCK, NP=NP, PRE=pre, ROUTED=False, PASS=False, num_warps=4, **pdl)
 
 
@@ -279,7 +283,7 @@ def run_persistent(mock: Mock, pre: bool, per_launch: int) -> None:
     mock.part.zero_()
     mock.counter.zero_()
     prev_row, nprev = ROWS * mock.layers + 1, 1
-    nb = {p.name: p.elems // BLOCK for p in STREAMS}
+    nb = mock.nb
     for i, layer0 in enumerate(range(0, mock.layers, per_launch)):
         w = mock.w
         layer_kernel[(mock.programs,)](w["qkv"], w["attention"], w["o"], w["router"], w["gate_up"], w["down"],
@@ -325,6 +329,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--per-sm", default="1,2", help="programs an SM, comma-separated")
     ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--scales", default="1,0", help="the streams' bytes times this (0: one block each, the chain's "
+                    "latency alone), comma-separated")
     ap.add_argument("--plot", metavar="JSON", help="only draw DIR/layer_floor.png from a saved layer_floor.json")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -341,22 +347,24 @@ def main() -> int:
     print(f"{torch.cuda.get_device_name(dev)}: {sms} SMs, copy {bw / 1e9:.0f} GB/s; the step's bytes "
           f"{step_bytes(LAYERS) / 1e9:.2f} GB, bound {bound_ms:.3f} ms", flush=True)
     rows = []
-    for per_sm in [int(x) for x in args.per_sm.split(",")]:
-        mock = Mock(dev, LAYERS, sms * per_sm)
-        ref = None
-        for name in args.modes.split(","):
-            times = graph_ms(lambda name=name, mock=mock: MODES[name](mock), args.reps)
-            got = mock.result()
-            ref = got if ref is None else ref
-            same = bool(torch.equal(got, ref))
-            ms = statistics.median(times)
-            rows.append(dict(mode=name, programs=mock.programs, per_sm=per_sm, ms=ms, min_ms=min(times),
-                             x_bound=ms / bound_ms, us_a_layer=(ms - LM_HEAD * 2 / bw * 1e3) * 1e3 / LAYERS,
-                             same_bits=same))
-            print(f"{name:15s} {mock.programs:4d} programs: {ms:.3f} ms ({ms / bound_ms:.2f}x bound) "
-                  f"same bits: {same}", flush=True)
-        mock = None
-        torch.cuda.empty_cache()
+    for scale in [float(x) for x in args.scales.split(",")]:
+        for per_sm in [int(x) for x in args.per_sm.split(",")]:
+            mock = Mock(dev, LAYERS, sms * per_sm, scale)
+            ref = None
+            for name in args.modes.split(","):
+                times = graph_ms(lambda name=name, mock=mock: MODES[name](mock), args.reps)
+                got = mock.result()
+                ref = got if ref is None else ref
+                same = bool(torch.equal(got, ref))
+                ms = statistics.median(times)
+                lm_ms = 2 * mock.nb["lm_head"] * BLOCK / bw * 1e3
+                rows.append(dict(mode=name, scale=scale, programs=mock.programs, per_sm=per_sm, ms=ms,
+                                 min_ms=min(times), x_bound=ms / bound_ms if scale == 1 else None,
+                                 us_a_layer=(ms - lm_ms) * 1e3 / LAYERS, same_bits=same))
+                print(f"scale {scale:g} {name:15s} {mock.programs:4d} programs: {ms:.3f} ms "
+                      f"({rows[-1]['us_a_layer']:.1f} us a layer) same bits: {same}", flush=True)
+            mock = None
+            torch.cuda.empty_cache()
     rep = dict(gpu=torch.cuda.get_device_name(dev), sms=sms, copy_Bps=bw, bound_ms=bound_ms,
                step_bytes=step_bytes(LAYERS), layers=LAYERS, block=BLOCK, rows=rows)
     with open(os.path.join(args.out, "layer_floor.json"), "w") as f:
@@ -370,9 +378,12 @@ def main() -> int:
 
 def markdown(rep: dict) -> str:
     out = [f"{rep['gpu']}, copy {rep['copy_Bps'] / 1e9:.0f} GB/s, bound {rep['bound_ms']:.3f} ms", "",
-           "| mode | programs | step ms | x bound | us a layer | same bits |", "| --- | --- | --- | --- | --- | --- |"]
+           "| bytes | mode | programs | step ms | x bound | us a layer | same bits |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in rep["rows"]:
-        out.append(f"| {r['mode']} | {r['programs']} | {r['ms']:.3f} | {r['x_bound']:.2f} | {r['us_a_layer']:.1f} | "
+        xb = f"{r['x_bound']:.2f}" if r["x_bound"] is not None else "-"
+        out.append(f"| {'the step' if r['scale'] == 1 else 'one block a stream' if r['scale'] == 0 else r['scale']} "
+                   f"| {r['mode']} | {r['programs']} | {r['ms']:.3f} | {xb} | {r['us_a_layer']:.1f} | "
                    f"{r['same_bits']} |")
     return "\n".join(out) + "\n"
 
@@ -383,7 +394,7 @@ def plot(rep: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = rep["rows"]
+    rows = [r for r in rep["rows"] if r["scale"] == 1]
     fig, ax = plt.subplots(figsize=(8, 0.4 * len(rows) + 1.5))
     labels = [f"{r['mode']} ({r['programs']} programs)" for r in rows]
     ax.barh(labels, [r["x_bound"] for r in rows], color="tab:blue")
