@@ -5,10 +5,12 @@ compute into the pool, writers move it.
 Sans-I/O: no socket, no clock, no process. The entry points take the time in
 (``now``, monotonic; ``wall``, for request timelines) and append what is to
 happen to ``outbox`` in order (``outbox.Send`` a message to a ``Peer``,
-``Trace`` an event; a ``Kill`` is only ever added by the shell's fault filter, in tests):
+``Trace`` an event, ``CompileGrammar`` a structured output's grammar off the loop; a
+``Kill`` is only ever added by the shell's fault filter, in tests):
 
 - ``handle(msg, frm, now, wall)``: one decoded message from the router, a worker or a writer rank;
 - ``refuse_undecodable(frm, reason, payload)``: a frame from the router that did not decode;
+- ``compiled(done, now, wall)``: a grammar it asked for (``CompileGrammar``) compiled off the loop, or failed;
 - ``tick(now, wall)``: deadlines;
 - ``shutdown(reason)``: the process stops; every request still here is refused.
 
@@ -31,6 +33,7 @@ What differs by role lives in one subclass each (``PrefillScheduler``,
 """
 from __future__ import annotations
 
+import bisect
 import logging
 from collections import Counter, OrderedDict
 from typing import Any, Callable, Optional, Union
@@ -43,9 +46,9 @@ from pushkv.kinds import FinishReason
 from pushkv.kv import checksum
 from pushkv.prompt_logprobs import join as join_prompt_logprobs
 from pushkv.protocol.prefix_cache import PrefixCache
-from pushkv.scheduler.grammar import Grammars
+from pushkv.scheduler.grammar import GrammarCompiled, Grammars, failure
 from pushkv.scheduler.metrics import InstanceMetrics, Snapshot
-from pushkv.scheduler.outbox import Effect, Peer, Send, Trace
+from pushkv.scheduler.outbox import CompileGrammar, Effect, Peer, Send, Trace
 from pushkv.scheduler.prefix import index_blocks, prefix_hits
 from pushkv.scheduler.requests import Request, State, blocks_needed, build_batch, count_work, failures_of
 from pushkv.scheduler.validate import check_generate, readable_head
@@ -91,7 +94,9 @@ class SchedulerCore:
         self.step_answers: dict[int, StepAnswer] = {}
         self.max_len = cfg.max_model_len or cfg.model.max_position
         self.vocab = cfg.model.vocab_size
-        self.grammars = Grammars(cfg.model)  # structured output's compiled grammars (made at the first that asks)
+        self.grammars = Grammars(cfg.model)  # structured output's compiled grammars
+        # grammars compiling off the loop (asked of the shell once each), and the requests held for each
+        self.compiling: dict[m.Structured, list[Request]] = {}
         self.max_stop_ids = limits.stop_ids_bound(cfg)
         self.newest: OrderedDict[str, int] = OrderedDict()  # newest accepted generation per transfer id
         self.router_epoch = 0  # the newest router's (RouterEpoch); 0: none announced yet
@@ -174,6 +179,29 @@ class SchedulerCore:
                 self._fail(r, f"forward step exceeded {self.cfg.timeouts.step_s:.0f}s (worker dead or hung)", 503)
             self.schedule()
 
+    def compiled(self, done: GrammarCompiled, now: float, wall: float) -> None:
+        """A grammar asked for (``CompileGrammar``) compiled off the loop: the requests held for it queue for
+        blocks in their order of arrival, or fail (400) when it did not compile. Those released meanwhile
+        (aborted, superseded, refused at shutdown) are gone from its list: nothing attaches to them."""
+        self.now, self.wall = now, wall
+        if done.grammar is not None:
+            self.grammars.add(done.spec, done.grammar)
+        for r in self.compiling.pop(done.spec, []):
+            why = done.error
+            if not why:
+                try:
+                    r.grammar = self.grammars.matcher_of(done.spec, done.grammar, r.prompt)
+                except Exception as e:
+                    why = failure(e)
+            if why:
+                self.counters["grammar_failed"] += 1
+                self._fail(r, why, 400)
+                continue
+            r.state = State.WAITING
+            self._stamp(r, "grammar_compiled")
+            bisect.insort(self.waiting, r, key=lambda q: q.seq_id)  # its place by arrival, not by compile
+        self.schedule()
+
     def shutdown(self, reason: str = "") -> None:
         """The process stops: every request still here is refused (503), never silently lost."""
         why = f"scheduler shutting down ({reason})" if reason else "scheduler shutting down"
@@ -183,7 +211,7 @@ class SchedulerCore:
     def publish_metrics(self) -> None:
         """Hand /metrics a snapshot of the queue, the running requests and the pool (the shell
         calls it after each entry point; the scrape runs on another thread)."""
-        waiting = sum(1 for r in self.reqs.values() if r.state in (State.WAITING, State.AWAIT_KV))
+        waiting = sum(1 for r in self.reqs.values() if r.state in (State.GRAMMAR, State.WAITING, State.AWAIT_KV))
         running = sum(1 for r in self.reqs.values() if r.state in (State.PREFILL, State.RUNNING, State.VERIFY))
         total = self.alloc.num_blocks
         usage = (total - self.alloc.num_free) / total if total else 0.0
@@ -258,6 +286,10 @@ class SchedulerCore:
         if r.blocks:
             self.alloc.free(r.blocks)
             r.blocks = []
+        if r.state == State.GRAMMAR and r.structured is not None:  # its compile goes on: it no longer waits for it
+            held = self.compiling.get(r.structured)
+            if held is not None:
+                held[:] = [q for q in held if q is not r]
         r.state = State.DONE
         self.reqs.pop(r.key, None)
         if self.by_tid.get(r.transfer_id) is r:
@@ -282,11 +314,11 @@ class SchedulerCore:
     def on_Generate(self, msg: m.Generate, frm: Peer) -> None:
         err = self._refusal(msg)
         grammar = None
-        if err is None and msg.structured is not None:  # the grammar compiled for this model's tokenizer
+        if err is None and msg.structured is not None:  # compiled here already for this model's tokenizer: at once
             try:
                 grammar = self.grammars.matcher(msg.structured, msg.prompt_token_ids)
-            except Exception as e:  # xgrammar missing here, or a spec the router did not check (a direct sender)
-                err = (f"structured output: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500], 400)
+            except Exception as e:  # a matcher xgrammar could not make of it
+                err = (failure(e), 400)
         if err is not None:
             self.counters["rejected"] += 1
             self._send(frm, m.RequestFailed(msg.transfer_id, msg.generation, *err))
@@ -298,7 +330,7 @@ class SchedulerCore:
         r = Request(msg.transfer_id, msg.generation, msg.leg, msg.prompt_token_ids, msg.max_tokens, frm.identity,
                     frozenset(msg.stop_token_ids), msg.source, msg.pull, seq_id=self.next_seq,
                     sampling=msg.sampling, late=msg.late, prefill_here=msg.prefill_here, cache_salt=msg.cache_salt,
-                    grammar=grammar)
+                    grammar=grammar, structured=msg.structured)
         self.next_seq += 1
         if msg.arrival:
             r.timeline["arrival"] = msg.arrival
@@ -307,9 +339,24 @@ class SchedulerCore:
         self.reqs[r.key] = r
         self.by_tid[r.transfer_id] = r
         self._note_generation(r)
-        self.waiting.append(r)
+        if r.structured is not None and grammar is None:
+            self._hold_for_grammar(r)
+        else:
+            self.waiting.append(r)
         self.counters["requests"] += 1
         self.schedule()
+
+    def _hold_for_grammar(self, r: Request) -> None:
+        """Its grammar is not compiled here: it waits, out of the queue, for the one compile of its spec (asked
+        of the shell by the first request that needs it); every request beside it goes on meanwhile."""
+        assert r.structured is not None
+        r.state = State.GRAMMAR
+        held = self.compiling.get(r.structured)
+        if held is None:
+            held = self.compiling[r.structured] = []
+            self.counters["grammar_compiles"] += 1
+            self.outbox.append(CompileGrammar(r.structured))
+        held.append(r)
 
     def on_Abort(self, msg: m.Abort, frm: Peer) -> None:
         r = self.reqs.get((msg.transfer_id, msg.generation))
@@ -345,7 +392,7 @@ class SchedulerCore:
         self.router_epoch = msg.epoch
         # the queued first, so that freeing blocks admits none of them
         orphans = sorted((r for r in self.reqs.values() if r.identity != frm.identity and not r.aborted),
-                         key=lambda r: r.state != State.WAITING)
+                         key=lambda r: r.state not in (State.GRAMMAR, State.WAITING))
         if orphans or not first:
             log.warning("%s: router epoch %d: aborting %d request(s) of the router before", self.name, msg.epoch,
                         len(orphans))
@@ -381,8 +428,9 @@ class SchedulerCore:
         counters["prefix_evictions"] = self.alloc.evictions
         for rank, wc in self.writer_counters.items():
             counters.update({f"writer.{rank}.{k}": v for k, v in wc.items()})
+        queued = len(self.waiting) + sum(len(held) for held in self.compiling.values())
         stats = m.Stats(self.inst.engine_id, self.role, self.alloc.num_blocks, self.alloc.num_free,
-                        running, len(self.waiting), counters, self.alloc.num_cached)
+                        running, queued, counters, self.alloc.num_cached)
         waiting, self._stats_waiting = self._stats_waiting, []
         for to in waiting:
             self._send(to, stats)

@@ -223,14 +223,14 @@ class DecodeScheduler(SchedulerCore):
     def _renew_leases(self) -> None:
         """Every pull request queued or waiting for its READ: each writer rank that has not
         answered it renews P's lease (a rank done reading has told P so already). Every leg
-        that will register with P and is still queued here: P's wait for that registration
-        starts anew (it runs from our admission)."""
+        that will register with P and is still queued here (or held for its grammar's compile):
+        P's wait for that registration starts anew (it runs from our admission)."""
         for r in self.reqs.values():
             source = r.pull.source if r.pull is not None else r.source
             if source is None or r.aborted:
                 continue
             reading = self.reads and r.pull is not None and r.state == State.AWAIT_KV
-            if r.state != State.WAITING and not reading:
+            if r.state not in (State.GRAMMAR, State.WAITING) and not reading:
                 continue
             renew = m.RenewKV(r.transfer_id, r.generation, source)
             for w in self.writers:

@@ -4,23 +4,30 @@ Every scheduler that draws a request's tokens holds it to its grammar: P for the
 instance) for the rest. A request's ``Matcher`` follows its output (P's first token included, which D received
 with the KV), and gives each step the mask of the tokens that keep the output valid (``SeqWork.token_mask``,
 xgrammar's bitmask: bit t of int32 word t // 32); the worker's sampler sets the others to -inf. The grammar is
-compiled once per scheduler and spec (an LRU of ``CACHED``), over the model's tokenizer: the checkpoint's, or the
-built-in byte tokenizer of the random-weight presets.
+compiled once per scheduler and spec (the core's ``Grammars``, an LRU of ``CACHED``), over the model's tokenizer:
+the checkpoint's, or the built-in byte tokenizer of the random-weight presets.
 
-The compile runs on the scheduler's thread when the request arrives: a JSON schema takes milliseconds to tens of
-milliseconds, the steps of the requests already running wait that long.
+The compile never runs on the scheduler's loop (a JSON schema takes milliseconds to seconds; the tokenizer is
+loaded at the first): a spec already compiled gives its matcher at once, and for any other the core holds the
+request (``State.GRAMMAR``, vLLM's WAITING_FOR_FSM) and asks its shell to compile it (``outbox.CompileGrammar``,
+once per spec however many requests wait for it). The shell's ``CompileThreads`` compiles on daemon threads
+(xgrammar lets go of the GIL meanwhile) and wakes the loop through an eventfd in its poller; the core takes each
+``GrammarCompiled`` (``SchedulerCore.compiled``) and queues the requests held for it, or fails them (400).
 """
 from __future__ import annotations
 
 import os
-from collections import OrderedDict
-from typing import Any, Optional, Sequence
+import queue
+import threading
+from collections import OrderedDict, deque
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 from pushkv.config import ModelConfig
 from pushkv.grammars import grammar_of
 from pushkv.messages import Structured
 
 CACHED = 64  # compiled grammars a scheduler keeps
+COMPILE_THREADS = 2  # a scheduler's compile threads: a large schema does not hold up a small one behind it
 BYTE_EOS = 257  # the built-in byte tokenizer's EOS (pushkv.model.tokenizer.ByteTokenizer)
 
 
@@ -54,30 +61,132 @@ def tokenizer_info(cfg: ModelConfig):
                              stop_token_ids=stops or [BYTE_EOS], add_prefix_space=False)
 
 
+def failure(e: BaseException) -> str:
+    """What a request is told (a 400) when its grammar did not compile, or its matcher could not be made."""
+    return f"structured output: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500]
+
+
 class Grammars:
-    """A scheduler's compiler over its model's tokenizer (made at the first request that asks) and its compiled
-    grammars."""
+    """The core's compiled grammars (an LRU of ``CACHED``) and the matchers made of them; compiles none itself
+    (``XgrammarCompile`` does, on the shell's ``CompileThreads``)."""
+
+    def __init__(self, cfg: ModelConfig):
+        self.vocab = cfg.vocab_size
+        self._compiled: OrderedDict = OrderedDict()
+
+    def matcher(self, spec: Structured, prompt: Sequence[int] = ()) -> Optional["Matcher"]:
+        """A fresh matcher of ``spec``'s grammar when it is compiled here; None when it is not (yet)."""
+        compiled = self._compiled.get(spec)
+        if compiled is None:
+            return None
+        self._compiled.move_to_end(spec)
+        return self.matcher_of(spec, compiled, prompt)
+
+    def add(self, spec: Structured, compiled: Any) -> None:
+        self._compiled[spec] = compiled
+        self._compiled.move_to_end(spec)
+        if len(self._compiled) > CACHED:
+            self._compiled.popitem(last=False)
+
+    def matcher_of(self, spec: Structured, compiled: Any, prompt: Sequence[int] = ()) -> "Matcher":
+        import xgrammar as xgr
+
+        return Matcher(xgr.GrammarMatcher(compiled), self.vocab, spec.after,
+                       not spec.after or bool(_holds(prompt, spec.after)))
+
+
+class XgrammarCompile:
+    """``compile(spec)``: the spec's grammar compiled over the model's tokenizer, by one xgrammar
+    ``GrammarCompiler`` made at the first call (loading the tokenizer) and shared by the compile threads."""
 
     def __init__(self, cfg: ModelConfig):
         self.cfg = cfg
         self._compiler: Any = None
-        self._compiled: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
 
-    def matcher(self, spec: Structured, prompt: Sequence[int] = ()) -> "Matcher":
+    def __call__(self, spec: Structured) -> Any:
         import xgrammar as xgr
 
-        if self._compiler is None:
-            self._compiler = xgr.GrammarCompiler(tokenizer_info(self.cfg), max_threads=1)
-        compiled = self._compiled.get(spec)
-        if compiled is None:
-            compiled = self._compiler.compile_grammar(grammar_of(spec))
-            self._compiled[spec] = compiled
-            if len(self._compiled) > CACHED:
-                self._compiled.popitem(last=False)
-        else:
-            self._compiled.move_to_end(spec)
-        return Matcher(xgr.GrammarMatcher(compiled), self.cfg.vocab_size, spec.after,
-                       not spec.after or bool(_holds(prompt, spec.after)))
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = xgr.GrammarCompiler(tokenizer_info(self.cfg), max_threads=1)
+        return self._compiler.compile_grammar(grammar_of(spec))
+
+
+class GrammarCompiled(NamedTuple):
+    """A compile's end, handed to the core (``SchedulerCore.compiled``)."""
+
+    spec: Structured
+    grammar: Any  # xgrammar's CompiledGrammar; None when it failed
+    error: str = ""  # what the requests that wait for it are told (``failure``), when it failed
+
+
+def compiled_of(compile: Callable[[Structured], Any], spec: Structured) -> GrammarCompiled:
+    """One compile's end: its grammar, or why it failed."""
+    try:
+        return GrammarCompiled(spec, compile(spec))
+    except Exception as e:  # a spec the router did not check (a direct sender), xgrammar missing here
+        return GrammarCompiled(spec, None, failure(e))
+
+
+class CompileThreads:
+    """The scheduler shell's compiles, off its loop: ``submit(spec)`` queues one for the threads (daemons,
+    started at the first); each that ends is kept as a ``GrammarCompiled`` and ``fd`` (an eventfd the loop polls)
+    turns readable; ``take()`` hands over those ended so far. ``close()`` never waits for a compile under way:
+    one that ends after it is dropped."""
+
+    def __init__(self, compile: Callable[[Structured], Any], threads: int = COMPILE_THREADS):
+        self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._compile = compile
+        self._size = threads
+        self._threads: list[threading.Thread] = []
+        self._jobs: "queue.SimpleQueue[Optional[Structured]]" = queue.SimpleQueue()
+        self._done: deque[GrammarCompiled] = deque()
+        self._lock = threading.Lock()  # a thread's result and its wakeup never race close() (fd reuse)
+        self._closed = False
+
+    def submit(self, spec: Structured) -> None:
+        if self._closed:
+            return
+        if not self._threads:
+            for i in range(self._size):
+                t = threading.Thread(target=self._run, name=f"pushkv-grammar-{i}", daemon=True)
+                t.start()
+                self._threads.append(t)
+        self._jobs.put(spec)
+
+    def _run(self) -> None:
+        while True:
+            spec = self._jobs.get()
+            if spec is None:
+                return
+            done = compiled_of(self._compile, spec)
+            with self._lock:
+                if self._closed:
+                    return
+                self._done.append(done)
+                os.eventfd_write(self.fd, 1)
+
+    def take(self) -> list[GrammarCompiled]:
+        with self._lock:
+            if self._closed:
+                return []
+            try:
+                os.eventfd_read(self.fd)
+            except BlockingIOError:
+                pass
+            out = list(self._done)
+            self._done.clear()
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            os.close(self.fd)
+        for _ in self._threads:
+            self._jobs.put(None)  # the idle ones end now, a busy one after its compile
 
 
 def _holds(seq: Sequence[int], part: Sequence[int], start: int = 0) -> int:

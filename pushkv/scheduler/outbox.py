@@ -49,4 +49,11 @@ class Kill(NamedTuple):
     point: str
 
 
-Effect = Union[Send, Trace, Kill]
+class CompileGrammar(NamedTuple):
+    """Compile ``spec``'s grammar off the loop (``grammar.CompileThreads``) and hand its end to the core
+    (``SchedulerCore.compiled``); the requests that asked for it wait meanwhile."""
+
+    spec: m.Structured
+
+
+Effect = Union[Send, Trace, Kill, CompileGrammar]

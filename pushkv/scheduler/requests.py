@@ -17,6 +17,7 @@ from pushkv.kv.layout import blocks_for
 
 
 class State(enum.Enum):
+    GRAMMAR = "grammar"  # structured output: held (not queued) until its grammar's compile ends off the loop
     WAITING = "waiting"  # queued for blocks
     PREFILL = "prefill"  # blocks held, prefill to run
     SENDING = "sending"  # P: KV handed to the writers
@@ -86,6 +87,7 @@ class Request:
     prompt_logprobs: Optional[m.PromptLogprobs] = None
     cache_salt: str = ""  # vLLM's: its prompt's block hashes chain from this salt's root (prefix.py)
     grammar: Any = None  # structured output: its grammar.Matcher, following the output
+    structured: Optional[m.Structured] = None  # structured output: the spec its grammar is compiled from
     # repetition_penalty's distinct ids of the prompt and output, packed, kept as the output grows (seen_ids)
     _seen: Optional[array] = field(default=None, repr=False)
     _seen_set: set = field(default_factory=set, repr=False)

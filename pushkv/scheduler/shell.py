@@ -4,6 +4,10 @@ It binds the router's ROUTER socket and connects one DEALER per worker and write
 decodes what arrives, hands it to the core as ``(message, Peer, now, wall)`` and sends what
 the core put in its outbox, in order. Nothing here decides anything about a request.
 
+A grammar the core asks for (``CompileGrammar``) compiles on ``CompileThreads`` (``scheduler/grammar.py``),
+never on this loop; its eventfd sits in the poller, so the loop wakes as a compile ends and hands it
+to the core (``core.compiled``).
+
 Started with ``faults`` (tests), it passes the outbox through ``FaultFilter`` and hands D's core
 the stalls a test armed; started without, it holds no fault check.
 """
@@ -22,14 +26,16 @@ from pushkv.faults import Faults, kill_self
 from pushkv.scheduler.core import SchedulerCore
 from pushkv.scheduler.decode import DecodeScheduler
 from pushkv.scheduler.fault_filter import FaultFilter
-from pushkv.scheduler.outbox import Effect, Kill, Peer, Send, Trace
+from pushkv.scheduler.grammar import CompileThreads, XgrammarCompile
+from pushkv.scheduler.outbox import CompileGrammar, Effect, Kill, Peer, Send, Trace
 from pushkv.security import API_KEY_ENV
 
 log = logging.getLogger(__name__)
 
 
 class SchedulerShell(Actor):
-    def __init__(self, core: SchedulerCore, faults: Optional[Faults] = None):
+    def __init__(self, core: SchedulerCore, faults: Optional[Faults] = None,
+                 compile: Optional[Callable[[m.Structured], Any]] = None):
         cfg = core.cfg
         super().__init__(core.name, cfg.control_endpoint, cfg.trace_endpoint, cfg.secret_file,
                          limits.msg_cap_bytes(cfg), counters=core.counters)
@@ -39,6 +45,8 @@ class SchedulerShell(Actor):
         self.writer_chs: list[Channel] = []
         self._peer_of: dict[Channel, Peer] = {}  # worker and writer channels: the rank they reach
         self._metrics_server: Any = None
+        # structured output's compiles, off the loop (tests may hand in their own compile)
+        self.compiles = CompileThreads(compile or XgrammarCompile(cfg.model))
         # chosen once: without faults the core's entry and its outbox are the bare ones (no per-message check)
         self.faults = faults
         self._entry: Callable[..., None] = self._into_core
@@ -60,6 +68,7 @@ class SchedulerShell(Actor):
         for peer, ep in zip(self.core.writers, inst.writer_endpoints):
             sock = self.socket(zmq.DEALER, ep, bind=False)
             self.writer_chs.append(self._link(sock, m.DEC_WRITER_TO_SCHED, f"{inst.name}-writer", peer))
+        self.add_fd(self.compiles.fd, self._grammars_compiled)
         self._serve_metrics()
 
     def _serve_metrics(self) -> None:
@@ -89,6 +98,8 @@ class SchedulerShell(Actor):
     def teardown(self) -> None:
         self.core.shutdown(self.stop_reason)
         self._flush()
+        self.remove_fd(self.compiles.fd)
+        self.compiles.close()  # a compile under way is not waited for (its thread is a daemon)
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
@@ -119,6 +130,16 @@ class SchedulerShell(Actor):
             self.core.refuse_undecodable(Peer.router(identity), reason, payload)
             self._flush()
 
+    def _grammars_compiled(self) -> None:
+        for done in self.compiles.take():
+            try:
+                self.core.compiled(done, time.monotonic(), time.time())
+            except Exception:  # as a failing handler: the loop goes on
+                self.counters["handler_error"] += 1
+                log.exception("%s: taking the compiled grammar failed", self.name)
+            finally:
+                self._flush()
+
     def tick(self, now: float) -> None:
         try:
             self.core.tick(now, time.time())
@@ -141,6 +162,8 @@ class SchedulerShell(Actor):
                 self._send_to(effect.to, effect.msg)
             elif isinstance(effect, Trace):
                 self.trace_event(effect.kind, effect.transfer_id)
+            elif isinstance(effect, CompileGrammar):
+                self.compiles.submit(effect.spec)
             elif isinstance(effect, Kill):
                 kill_self()
 

@@ -12,7 +12,7 @@ from pushkv import messages as m
 from pushkv.config import DeploymentConfig, InstanceConfig
 from pushkv.scheduler import scheduler_for
 from pushkv.scheduler.decode import DecodeScheduler
-from pushkv.scheduler.outbox import Peer, Send
+from pushkv.scheduler.outbox import CompileGrammar, Peer, Send
 
 P_SRC = m.PrefillSource("p-engine", 2, ("ipc://p0", "ipc://p1"))
 ROUTER_ID = b"router"
@@ -26,13 +26,27 @@ class Wire:
     def __init__(self, core):
         self.core = core
         self._sent: list[tuple[str, m.Msg]] = []
+        self.compiles: list[m.Structured] = []  # the grammars the core asked its shell to compile (CompileGrammar)
 
     @property
     def sent(self) -> list[tuple[str, m.Msg]]:
         for effect in self.core.take_outbox():
             if isinstance(effect, Send):
                 self._sent.append((str(effect.to), effect.msg))
+            elif isinstance(effect, CompileGrammar):
+                self.compiles.append(effect.spec)
         return self._sent
+
+    def compile_asked(self) -> int:
+        """Compile each grammar the core asked for, here in turn (the shell's threads do it off its loop), and
+        hand each end to the core; how many."""
+        from pushkv.scheduler.grammar import XgrammarCompile, compiled_of
+
+        compile, n = XgrammarCompile(self.core.cfg.model), 0
+        while self.sent is not None and self.compiles:
+            self.core.compiled(compiled_of(compile, self.compiles.pop(0)), self.core.now, self.core.wall)
+            n += 1
+        return n
 
     def take(self, peer_prefix: str = "") -> list[m.Msg]:
         got = [msg for peer, msg in self.sent if peer.startswith(peer_prefix)]

@@ -21,7 +21,7 @@ WAIT_S = 10.0  # for a message that must come
 
 
 class Rig:
-    def __init__(self, tmp_path):
+    def __init__(self, tmp_path, compile=None):
         def ep(name: str) -> str:
             return f"ipc://{tmp_path}/{name}"
 
@@ -31,7 +31,7 @@ class Rig:
         self.socks: list[zmq.Socket] = []
         self.workers = [self._sock(zmq.DEALER, bind=ep(f"w{r}")) for r in range(2)]
         self.writers = [self._sock(zmq.DEALER, bind=ep(f"x{r}")) for r in range(2)]
-        self.shell = SchedulerShell(scheduler_for(DeploymentConfig(mode="push", prefill=inst), inst))
+        self.shell = SchedulerShell(scheduler_for(DeploymentConfig(mode="push", prefill=inst), inst), compile=compile)
         self.shell.setup()
         self.clients = {who: self._sock(zmq.DEALER, connect=ep("sched"), identity=who) for who in (b"a", b"b")}
 
@@ -58,6 +58,7 @@ class Rig:
         return not any(s.poll(0) for s in socks)
 
     def close(self) -> None:
+        self.shell.compiles.close()
         self.shell.close_sockets()
         for s in self.socks:
             s.close(0)

@@ -43,11 +43,15 @@ def run_step(s, wire) -> m.ExecuteStep:
 
 
 def serve(s, wire, gens: list[m.Generate]) -> dict[str, list]:
-    """Send ``gens``, run steps until nothing is left; each transfer id's tokens, or its failure."""
+    """Send ``gens``, run steps until nothing is left, compiling the grammars asked for whenever no step is
+    out; each transfer id's tokens, or its failure."""
     for g in gens:
         deliver(s, ROUTER, g)
-    while any(isinstance(x, m.ExecuteStep) for _, x in wire.sent):
-        run_step(s, wire)
+    while True:
+        if any(isinstance(x, m.ExecuteStep) for _, x in wire.sent):
+            run_step(s, wire)
+        elif not wire.compile_asked():
+            break
     got: dict[str, list] = {}
     for x in wire.take("router"):
         got.setdefault(x.transfer_id, []).extend(x.token_ids if isinstance(x, m.TokensGenerated) else [x])

@@ -10,7 +10,7 @@ import pytest
 
 from pushkv import messages as m
 from pushkv.config import preset
-from pushkv.scheduler.grammar import Grammars, allowed_ids
+from pushkv.scheduler.grammar import Grammars, XgrammarCompile, allowed_ids
 from tests.scheduler.test_scheduler_roles import make
 from tests.scheduler.test_scheduler_validate import gen, serve
 
@@ -26,6 +26,14 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"typ
 
 def text(tokens: list) -> str:
     return bytes(t for t in tokens if t < 256).decode()
+
+
+def compiled(*specs: m.Structured) -> Grammars:
+    """A scheduler's grammars with ``specs`` compiled (as its shell's threads compile them)."""
+    g, compile = Grammars(preset("small")), XgrammarCompile(preset("small"))
+    for spec in specs:
+        g.add(spec, compile(spec))
+    return g
 
 
 @pytest.mark.parametrize("spec, check", [
@@ -44,7 +52,7 @@ def test_a_structured_request_draws_only_what_its_grammar_allows_and_ends_with_i
 
 
 def test_a_matcher_follows_the_output_and_masks_the_next_draw():
-    g = Grammars(preset("small"))
+    g = compiled(m.Structured("choice", json.dumps(CHOICES)), m.Structured("regex", "a+"))
     mt = g.matcher(m.Structured("choice", json.dumps(CHOICES)))
     assert allowed_ids(mt.mask([]), 320) == sorted(b"ynm")
     assert allowed_ids(mt.mask(list(b"may")), 320) == [ord("b")]
@@ -63,7 +71,7 @@ def test_d_takes_ps_first_token_into_the_grammar():
     from pushkv.scheduler.requests import Request
 
     spec = m.Structured("choice", json.dumps(CHOICES))
-    r = Request("t", 0, "decode", (1, 2), 8, b"r", sampling=S(), grammar=Grammars(preset("small")).matcher(spec))
+    r = Request("t", 0, "decode", (1, 2), 8, b"r", sampling=S(), grammar=compiled(spec).matcher(spec))
     r.output = [ord("m")]
     assert allowed_ids(r.sample_fields()["token_mask"], 320) == [ord("a")]
 
@@ -84,7 +92,7 @@ def test_with_a_reasoning_parser_the_grammar_holds_what_follows_the_reasoning():
 
     end = tuple(b"</think>")
     spec = m.Structured("choice", json.dumps(CHOICES), after=end)
-    g = Grammars(preset("small"))
+    g = compiled(spec)
     r = Request("t", 0, "local", (1, 2), 40, b"r", sampling=S(), grammar=g.matcher(spec, (1, 2)))
     r.output = list(b"hmm, let me see </thi")
     assert r.sample_fields()["token_mask"] == b"" and r.finished() is None  # still reasoning: free
