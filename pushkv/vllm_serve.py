@@ -54,6 +54,18 @@ def _zero(v: Any) -> bool:
     return float(v) == 0
 
 
+def _xgrammar_config(v: Any) -> bool:
+    """vLLM's --structured-outputs-config, where it asks for what pushkv does: xgrammar, and nothing else."""
+    import json
+
+    try:
+        cfg = json.loads(v)
+    except ValueError:
+        return False
+    return isinstance(cfg, dict) and set(cfg) <= {"backend"} and str(cfg.get("backend", "auto")) in ("auto",
+                                                                                                      "xgrammar")
+
+
 def _of(*values: str) -> Callable[[Any], bool]:
     return lambda v: str(v).lower() in values
 
@@ -88,6 +100,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--max-logprobs",), WHEN, "20: pushkv's bound on logprobs, top_logprobs and prompt_logprobs "
          "(pushkv/limits.py)", int, lambda v: int(v) == 20),
     Flag(("--cpu-offload-gb",), WHEN, "0: weights stay on the device", float, _zero),
+    Flag(("--guided-decoding-backend",), WHEN, "xgrammar (or auto): structured output is compiled by xgrammar",
+         str, _of("xgrammar", "auto")),
+    Flag(("--structured-outputs-config",), WHEN, "a JSON object whose backend is xgrammar (or auto): structured "
+         "output is compiled by xgrammar; its other fields are not built", str, _xgrammar_config),
     Flag(("--trust-remote-code",), WHEN, "taken: pushkv runs no code from a checkpoint; an architecture outside its "
          "registry is refused by name", SWITCH, lambda v: True),
     # vLLM's knobs that pushkv has no counterpart of: taken, and said
@@ -121,8 +137,6 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--kv-events-config",), REFUSED, "the router places requests on the prefix blocks it tracks itself"),
     Flag(("--enable-expert-parallel",), REFUSED, "expert parallelism is not built: -tp splits every expert's "
          "intermediate columns", SWITCH),
-    Flag(("--structured-outputs-config",), REFUSED, "structured output (JSON schema, regex, grammar) is not built"),
-    Flag(("--guided-decoding-backend",), REFUSED, "structured output (JSON schema, regex, grammar) is not built"),
     Flag(("--limit-mm-per-prompt",), REFUSED, "pushkv serves text only"),
     Flag(("--mm-processor-kwargs",), REFUSED, "pushkv serves text only"),
     Flag(("--hf-overrides",), SAME, "a JSON object of config.json fields read over the checkpoint's (Qwen2.5's "

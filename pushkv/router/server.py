@@ -14,7 +14,8 @@ import os
 import signal
 import time
 import uuid
-from typing import Callable, Optional
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Optional
 
 import msgspec
 import zmq
@@ -46,6 +47,7 @@ SHUTDOWN_GRACE_S = 5.0  # in-flight handlers get this long to send their 503
 PIN_WAIT_SHARE = 0.5
 STATS_TIMEOUT_S = 0.5  # /metrics: how long to wait for each scheduler's Stats
 CLIENT_ABORT_STATUS = 499  # nginx's "client closed request"
+PARSE_THREADS = 4  # requests parsed at once off the event loop (tokenizing and grammars run in native code)
 
 
 class Router:
@@ -62,6 +64,9 @@ class Router:
             defaults=cfg.model.sampling_defaults,
         )
         self.served = cfg.served_names()  # what a request's "model" may name
+        # a request's parse (chat template, tokenizing, a structured-output grammar's check) runs here, not on the
+        # event loop, so a long prompt or a large JSON schema holds no other request's stream
+        self._parse_pool = ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="router-parse")
         # this router's epoch: a restarted router's is newer, and the schedulers abort the legs of
         # the one before (messages.RouterEpoch)
         self.epoch = time.time_ns()
@@ -273,6 +278,7 @@ class Router:
             log.warning("%d request(s) still in flight at shutdown", len(self.runs))
         if self._runner is not None:
             await self._runner.cleanup()  # closes the listening socket
+        self._parse_pool.shutdown(wait=False, cancel_futures=True)
         for task in (self._control_task, self._events_task):
             if task is None:
                 continue
@@ -378,9 +384,13 @@ class Router:
         try:
             body = api.parse_json(await edge.read_body(request, self.cfg.router_body_timeout_s))
             api.check_model(body, self.served)
-            return web.json_response(answer(body))
+            return web.json_response(await self._off_loop(answer, body))
         except api.ApiError as e:
             return web.json_response(e.body(), status=e.status)
+
+    async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args) on the parse threads; its exception raised here."""
+        return await asyncio.get_running_loop().run_in_executor(self._parse_pool, functools.partial(fn, *args))
 
     async def handle_version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": __version__})
@@ -396,7 +406,7 @@ class Router:
             return generate.refusal(503, "router shutting down")
         try:
             body = await edge.read_body(request, self.cfg.router_body_timeout_s)
-            params = api.parse_request(body, self.served, self._parser(chat))
+            params = await self._off_loop(api.parse_request, body, self.served, self._parser(chat))
         except api.ApiError as e:
             self.metrics.requests.labels(outcome="rejected").inc()
             return web.json_response(e.body(), status=e.status)

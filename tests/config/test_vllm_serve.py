@@ -86,7 +86,8 @@ WHEN_VALUES = {"--pipeline-parallel-size": (1, 2), "--data-parallel-size": (1, 4
                "--kv-cache-dtype": ("auto", "fp8_e4m3"), "--quantization": ("none", "awq"),
                "--distributed-executor-backend": ("mp", "ray"), "--tokenizer-mode": ("auto", "mistral"),
                "--scheduling-policy": ("fcfs", "priority"), "--max-logprobs": (20, 50),
-               "--cpu-offload-gb": (0, 8.5)}
+               "--cpu-offload-gb": (0, 8.5), "--guided-decoding-backend": ("xgrammar", "outlines"),
+               "--structured-outputs-config": ('{"backend": "xgrammar"}', '{"backend": "guidance"}')}
 
 
 @pytest.mark.parametrize("f", [f for f in FLAGS if f.kind == WHEN and f.value != SWITCH], ids=lambda f: f.name)
@@ -96,6 +97,18 @@ def test_a_value_pushkv_runs_is_taken_and_another_refused_naming_it(f):
     with pytest.raises(ValueError) as e:
         config("tiny", "--load-format", "dummy", *argv_of(f, bad))
     assert str(e.value).startswith(f"{f.name} {bad} is not supported")
+
+
+@pytest.mark.parametrize("value,taken", [
+    ('{}', True), ('{"backend": "auto"}', True), ('{"backend": "xgrammar"}', True), ('{"backend": "outlines"}', False),
+    ('{"disable_any_whitespace": true}', False), ('not json', False), ('["xgrammar"]', False)])
+def test_structured_outputs_config_is_taken_where_it_asks_for_xgrammar_alone(value, taken):
+    argv = ("tiny", "--load-format", "dummy", "--structured-outputs-config", value)
+    if taken:
+        config(*argv)
+    else:
+        with pytest.raises(ValueError, match="--structured-outputs-config"):
+            config(*argv)
 
 
 def test_every_flag_taken_when_is_in_the_values_table():

@@ -1,0 +1,63 @@
+"""A request's parse (its chat template, tokenizing, a grammar's check) runs on the router's parse threads: while one
+request's tokenizing is held, the router answers other requests, /tokenize and its health check."""
+import asyncio
+import threading
+
+import pytest
+
+from pushkv import messages as m
+from pushkv.router.text import ByteTokenizer
+from tests.support.router_fakes import Harness, make_cfg, stage, tokens
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class HeldTokenizer(ByteTokenizer):
+    """Bytes as tokens; the text "hold" blocks its caller until the test opens ``gate``."""
+
+    def __init__(self):
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def encode(self, text: str) -> list[int]:
+        if text == "hold":
+            self.entered.set()
+            if not self.gate.wait(15):
+                raise RuntimeError("the gate never opened")
+        return super().encode(text)
+
+
+def answer(g):
+    return [(None, tokens(g, [72], True, "length", (stage("scheduled"), stage("finished"))))]
+
+
+def test_a_held_parse_holds_no_other_request(tmp_path):
+    async def body():
+        async with Harness(make_cfg(tmp_path, "local"), {"local": answer}) as h:
+            tok = HeldTokenizer()
+            h.router.tokenizer = tok
+            held = asyncio.ensure_future(h.http.post("/v1/completions",
+                                                     json={"prompt": "hold", "max_tokens": 1, "model": "tiny"}))
+            assert await asyncio.to_thread(tok.entered.wait, 10)
+            other = await h.http.post("/v1/completions", json={"prompt": "Hey", "max_tokens": 1, "model": "tiny"})
+            assert other.status == 200 and (await other.json())["choices"][0]["text"] == "H"
+            counted = await h.http.post("/tokenize", json={"prompt": "abc", "model": "tiny"})
+            assert counted.status == 200 and (await counted.json())["tokens"] == [97, 98, 99]
+            assert (await h.http.get("/health")).status == 200
+            assert not held.done() and len(h.log.received("local", m.Generate)) == 1
+            tok.gate.set()
+            done = await held
+            assert done.status == 200 and (await done.json())["choices"][0]["text"] == "H"
+            assert len(h.log.received("local", m.Generate)) == 2
+
+    asyncio.run(asyncio.wait_for(body(), 25))
+
+
+def test_a_parse_error_raised_on_a_parse_thread_is_the_same_400(tmp_path):
+    async def body():
+        async with Harness(make_cfg(tmp_path, "local"), {"local": answer}) as h:
+            bad = await h.http.post("/v1/completions", json={"prompt": "Hey", "max_tokens": -1, "model": "tiny"})
+            assert bad.status == 400 and "max_tokens" in (await bad.json())["error"]["message"]
+            assert not h.log.received("local", m.Generate)
+
+    asyncio.run(asyncio.wait_for(body(), 25))
