@@ -140,6 +140,12 @@ s.print_callees('_post_write|_prefill_done|on_ExpectKV|_poll_notifs')" 2>&1 | gr
             timeout 420 python3 -m experiments.layer_floor --out "$OUT/layer_floor" ${FLOOR_ARGS:-} 2>&1 | tail -30
             timeout 300 python3 -m experiments.moe_decode_probe --out "$OUT/shipped" --batches 1 --reps 30 \
               --variants gemv1_2 2>&1 | tail -8 ;;
+    moetoken) # a one-token step's MoE MLP in one persistent launch (triton_moe.PERSISTENT_ONE_TOKEN, off until timed):
+            # its GPU tests, the float32 tokens with it on, then the probe against the shipped step
+            timeout 400 python3 -m pytest -q -p no:cacheprovider tests/model/test_moe_token_kernel.py \
+              tests/model/test_gpu_graphs.py -k "token or persistent" -rfE 2>&1 | tee "$OUT/moe_token_tests.txt" | tail -4
+            timeout 400 python3 -m experiments.moe_decode_probe --out "$OUT/moe_token" --batches ${TOKEN_BATCHES:-1,2} \
+              --reps ${REPS:-30} --variants gemv1_2,persistent,persistent_1,persistent_2,persistent_4 2>&1 | tail -25 ;;
     denseahead) # the dense weights asked of L2 ahead (batched.AHEAD) on a dense model: qwen3-8b's o is 33 MB
             timeout 540 python3 -m experiments.moe_decode_probe --model qwen3-8b --out "$OUT/dense" --batches 1,8 \
               --reps ${REPS:-30} --variants gemv1_2,ahead_o,ahead_o_sum,ahead_kv 2>&1 | tail -25 ;;

@@ -111,6 +111,8 @@ class Flags(NamedTuple):
     prefetch_own: bool = False  # triton_moe_decode.PREFETCH_OWN
     prefetch_kv: bool = False  # triton_paged.PREFETCH_KV
     l2_set_aside: bool = False  # the device's most L2 set aside for evict-last lines (cuda_driver.persisting_l2)
+    persistent: bool = False  # triton_moe.PERSISTENT_ONE_TOKEN
+    persistent_per_sm: int = 3  # triton_moe_token.PER_SM
 
 
 # the shipped step (``gemv1_2``); the key-tile prefetch is on since 2026-12-05's run (``ahead_kv``: the same step,
@@ -148,6 +150,10 @@ VARIANTS = {"before": Flags(False, 0, "grouped", 0, 8), "router": Flags(False, 1
             "one_launch_all": _UNGROUPED._replace(one_launch=True, prefetch_down=True, prefetch_own=True,
                                                   ahead_tokens=8, ahead=frozenset({"o", "qkv_sum"})),
             "ahead_kv": SHIPPED._replace(prefetch_kv=True),
+            "persistent": SHIPPED._replace(persistent=True),
+            "persistent_1": SHIPPED._replace(persistent=True, persistent_per_sm=1),
+            "persistent_2": SHIPPED._replace(persistent=True, persistent_per_sm=2),
+            "persistent_4": SHIPPED._replace(persistent=True, persistent_per_sm=4),
             "no_kv": SHIPPED._replace(prefetch_kv=False),
             "own_all_kv": _OWN_ALL._replace(prefetch_kv=True),
             "prefetch_down_l2": SHIPPED._replace(prefetch_down_tokens=8, l2_set_aside=True),
@@ -164,17 +170,18 @@ PAIRS = (("router", "before"), ("ungrouped", "both"), ("gemv", "both"), ("gemv1_
          ("own", "gemv1_2"), ("own_down", "gemv1_2"), ("own_all", "gemv1_2"), ("ungrouped_own", "ungrouped1"),
          ("one_launch_own", "ungrouped1"), ("one_launch_all", "ungrouped1"), ("ahead_kv", "no_kv"),
          ("own_all_kv", "gemv1_2"), ("prefetch_down_l2", "prefetch_down"), ("own_all_l2", "own_all"),
-         ("one_launch_all_l2", "one_launch_all"))
+         ("one_launch_all_l2", "one_launch_all"), ("persistent", "gemv1_2"), ("persistent_1", "persistent"),
+         ("persistent_2", "persistent"), ("persistent_4", "persistent"))
 
 # the variants whose batch-1 replay is profiled kernel by kernel, where they are timed
 PROFILED = ("before", "both", "gemv", "gemv1_2", "self_route_merge", "down_gemv_8", "prefetch_down", "one_launch",
             "one_launch_prefetch", "ahead_o_sum", "ahead_all", "own", "own_all", "one_launch_own", "one_launch_all",
-            "own_all_kv", "own_all_l2")
+            "own_all_kv", "own_all_l2", "persistent")
 
 
 def set_variant(fwd, name: str) -> int:
     """Switch the decode path to variant ``name``; returns the L2 set-aside for evict-last lines now (bytes)."""
-    from pushkv.model.kernels import triton_moe, triton_moe_decode, triton_paged
+    from pushkv.model.kernels import triton_moe, triton_moe_decode, triton_moe_token, triton_paged
 
     f = VARIANTS[name]
     chain.ON, batched.ROUTER_IN_NORM_TOKENS, os.environ["PUSHKV_MOE_DECODE"] = f.chain, f.router_tokens, f.moe_decode
@@ -185,6 +192,8 @@ def set_variant(fwd, name: str) -> int:
     triton_moe_decode.ONE_LAUNCH, triton_moe_decode.PREFETCH_DOWN = f.one_launch, f.prefetch_down
     triton_moe_decode.PREFETCH_OWN, triton_paged.PREFETCH_KV = f.prefetch_own, f.prefetch_kv
     batched.AHEAD_TOKENS, batched.AHEAD = f.ahead_tokens, f.ahead
+    triton_moe.PERSISTENT_ONE_TOKEN, triton_moe_token.PER_SM = f.persistent, f.persistent_per_sm
+    triton_moe_token._GRID.clear()  # sized again at this variant's programs an SM
     fwd.drop_graphs()  # captured with the last variant's launches
     if not torch.cuda.is_available():
         return 0

@@ -102,9 +102,10 @@ class BatchedForward:
         self.use_graphs = use_graphs
         self.fused = self.cuda and envs.PUSHKV_FUSED and not (self.hd & (self.hd - 1)) and not cfg.is_mla
         if self.cuda and any(lw.router is not None for lw in model.w.layers):
-            from pushkv.model.kernels import triton_moe_decode
+            from pushkv.model.kernels import triton_moe_decode, triton_moe_token
 
             triton_moe_decode.counters(self.device)  # made here, never inside a graph capture
+            triton_moe_token.counters(self.device)
         self.max_num_seqs = max_num_seqs
         self.buckets = sorted({b for b in GRAPH_BUCKETS if b < max_num_seqs} | {max_num_seqs})
         self.graphs: dict[int, "_DecodeGraph"] = {}

@@ -88,14 +88,16 @@ def test_gpu_float32_tokens_with_moe_down_gemvs_equal_transformers(case, tmp_pat
 
 
 @pytest.mark.parametrize("case", ["qwen3_moe", "qwen3_moe-unnormed", "mixtral"])
-@pytest.mark.parametrize("flags", ["one_launch", "one_launch_prefetch", "grouped_prefetch", "ahead", "ahead_kv"])
+@pytest.mark.parametrize("flags", ["one_launch", "one_launch_prefetch", "grouped_prefetch", "ahead", "ahead_kv",
+                                   "persistent"])
 def test_gpu_float32_tokens_with_moe_one_launch_or_prefetch_equal_transformers(case, flags, tmp_path, monkeypatch):
     """The MoE decode kernels of up to 8 tokens in one launch (``triton_moe_decode.ONE_LAUNCH``, with
     ``PUSHKV_MOE_DECODE=ungrouped``), also with the down weights asked of L2 by gate/up (``PREFETCH_DOWN``), the
     grouped kernels with that prefetch and each program's own rows asked for first
     (``triton_moe.PREFETCH_DOWN_TOKENS``, ``PREFETCH_OWN_TOKENS``), the dense weights asked of L2 ahead of their
     projections at every place (``batched.AHEAD``), and the decode attention's first key tile asked for before its
-    wait (``triton_paged.PREFETCH_KV``) give transformers' float32 tokens, with graphs and eager; the decode steps
+    wait (``triton_paged.PREFETCH_KV``), and a one-token step's MLP in one persistent launch
+    (``triton_moe.PERSISTENT_ONE_TOKEN``) give transformers' float32 tokens, with graphs and eager; the decode steps
     took the launch counted where there is one."""
     from pushkv.model import batched
     from pushkv.model.kernels import prefetch, triton_moe, triton_moe_decode
@@ -110,6 +112,9 @@ def test_gpu_float32_tokens_with_moe_one_launch_or_prefetch_equal_transformers(c
                 launches.append(grid)
                 return real[grid]
 
+            def __getattr__(self, attr):  # warmup and the rest: the kernel's own
+                return getattr(real, attr)
+
         monkeypatch.setattr(module, name, Counted())
 
     if flags.startswith("one_launch"):
@@ -121,6 +126,11 @@ def test_gpu_float32_tokens_with_moe_one_launch_or_prefetch_equal_transformers(c
         monkeypatch.setattr(batched, "AHEAD_TOKENS", 8)
         monkeypatch.setattr(batched, "AHEAD", batched.AHEAD_PLACES)
         counted(prefetch, "_ahead_kernel")
+    elif flags == "persistent":
+        from pushkv.model.kernels import triton_moe_token
+
+        monkeypatch.setattr(triton_moe, "PERSISTENT_ONE_TOKEN", True)
+        counted(triton_moe_token, "_moe_token_kernel")
     elif flags == "ahead_kv":  # the decode attention asking for its first key tile before its wait
         from pushkv.model.kernels import triton_paged
 

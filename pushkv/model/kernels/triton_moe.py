@@ -413,6 +413,11 @@ PREFETCH_DOWN_TOKENS = 0
 # (variants ``own*``) has timed it on a GPU
 PREFETCH_OWN_TOKENS = 0
 
+# A one-token step's MoE MLP in one persistent launch (``triton_moe_token``: every program routes the token, then
+# gate/up, a grid barrier, down), where it has the router's logits. Off until experiments/moe_decode_probe.py
+# (variant ``persistent``) has timed it on a GPU
+PERSISTENT_ONE_TOKEN = False
+
 # Steps of up to this many tokens route and group in the one-program kernel (a decode step: one
 # launch where torch takes ~15); longer ones in torch, whose launches are spread over the whole GPU
 # (a graph bucket bound, so a step routes alike replayed or eager)
@@ -673,6 +678,12 @@ def moe_mlp(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: 
             raise ValueError(f"DecodeTiles serve at most {DECODE_TOKENS} tokens, not {T}")
         return moe_mlp_decode(h, router.contiguous(), gate_up.contiguous(), down.contiguous(), k, renorm, tl_,
                               logits)[0]
+    if T == 1 and PERSISTENT_ONE_TOKEN and tiles is None:
+        from pushkv.model.kernels.triton_moe_token import moe_token  # (it builds on this module's routing)
+
+        per_slot = moe_token(h, F.linear(h, router) if logits is None else logits.contiguous(),
+                             gate_up.contiguous(), down.contiguous(), k, renorm)
+        return per_slot.sum(dim=1) if summed else per_slot
     tl_ = fit_tiles(tl_, h.element_size())
     route = None
     if T == 1 and SELF_ROUTE_ONE_TOKEN:  # no routing launch: the gate/up kernel routes the token itself
