@@ -42,9 +42,12 @@ for E, k, d, i, renorm, ties, dtype in json.loads(sys.argv[2]):
     summed = triton_moe.moe_mlp(h, router, gate_up, down, k, bool(renorm)).float().cpu()
     triton_moe.PERSISTENT_ONE_TOKEN = False
     grids = [triton_moe_token.moe_token(h, logits, gate_up, down, k, bool(renorm), programs=p) for p in (1, 3, 7)]
+    triton_moe_token.RANK_EXPERTS = 1  # routed by k rounds, as triton_moe routes
+    rounds = triton_moe_token.moe_token(h, logits, gate_up, down, k, bool(renorm))
+    triton_moe_token.RANK_EXPERTS = 128
     out.append({"took": took, "vs_grouped": float((on.float().cpu() - grouped).abs().max()),
                 "vs_ref": float((summed - ref).abs().max()), "scale": float(ref.abs().max()),
-                "grids_same": all(torch.equal(g, on) for g in grids)})
+                "grids_same": all(torch.equal(g, on) for g in grids), "rounds_same": torch.equal(rounds, on)})
 print(json.dumps(out))
 """
 
@@ -56,6 +59,8 @@ def _check(case, r) -> None:
     assert r["vs_grouped"] <= tol and r["vs_ref"] <= 10 * tol, (case, r)
     # a tile's sums are the same whichever program takes it: any grid, the same bits
     assert r["grids_same"], (case, r)
+    # routed by rank, the rounds' experts and weights to the bit
+    assert r["rounds_same"], (case, r)
 
 
 @pytest.mark.unit

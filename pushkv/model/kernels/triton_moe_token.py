@@ -49,24 +49,46 @@ BN_UP = 16  # gate/up columns a tile: Qwen3-30B-A3B's 8 x 768 / 16 = 384 tiles
 BK_UP = 512  # depth a pass of gate/up (2 x 16 x 512 weights: 32 KB of bf16 in flight a program)
 BN_DOWN = 16  # down columns a tile: 8 x 2048 / 16 = 1,024 tiles of 16 x 768
 WARPS = 4
+RANK_EXPERTS = 128  # experts routed by rank (an [E, E] comparison a program) up to this many; by rounds past it
 
 
 @triton.jit
-def _choices(Logits, E, K: tl.constexpr, KP: tl.constexpr, RENORM: tl.constexpr, EP: tl.constexpr):
+def _choices(Logits, E, K: tl.constexpr, KP: tl.constexpr, RENORM: tl.constexpr, EP: tl.constexpr,
+             BY_RANK: tl.constexpr):
     """The token's k choices, as ``triton_moe._route_tokens`` makes and stores them: experts [KP] int32 and
-    weights [KP] float32 (each rounded to the logits' dtype, as the routing's table holds it)."""
+    weights [KP] float32 (each rounded to the logits' dtype, as the routing's table holds it).
+
+    ``BY_RANK`` (up to ``RANK_EXPERTS`` experts): by rank, not by k rounds. Each expert's rank is the count of
+    those ahead of it (a larger probability, or an equal one at a lower index: the rounds' order), one reduction
+    over an [E, E] comparison, and slot j's expert the one of rank j. The rounds take two reductions each, across
+    the program's warps, before any program may load a weight. The weights are the rounds' to the bit: the chosen
+    probabilities summed in rank order."""
     t = tl.arange(0, 1)
     p, e = _probs(Logits, t, 1, E, 0, EP)
-    total = _chosen_total(p, e, K, RENORM, EP)
-    left = p
     j = tl.arange(0, KP)
     experts = tl.zeros((KP,), tl.int32)
     weights = tl.zeros((KP,), tl.float32)
-    for jj in tl.static_range(K):
-        best, pick, left = _take(left, e, EP)
-        experts = tl.where(j == jj, tl.sum(pick, 0), experts)
-        w = (best / total).to(Logits.dtype.element_ty).to(tl.float32)
-        weights = tl.where(j == jj, tl.sum(w, 0), weights)
+    if BY_RANK:
+        pr = tl.reshape(p, (EP,))
+        ahead = (pr[None, :] > pr[:, None]) | ((pr[None, :] == pr[:, None]) & (e[None, :] < e[:, None]))
+        rank = tl.sum(ahead.to(tl.int32), 1)  # [EP]: expert e's place
+        hot = rank[None, :] == j[:, None]  # [KP, EP]: slot j's expert
+        experts = tl.sum(tl.where(hot, e[None, :], 0), 1).to(tl.int32)
+        chosen = tl.sum(tl.where(hot, pr[None, :], 0.0), 1)  # [KP]: slot j's probability
+        total = 1.0
+        if RENORM:
+            total = 0.0
+            for jj in tl.static_range(K):
+                total += _at(chosen, jj, KP)
+        weights = tl.where(j < K, (chosen / total).to(Logits.dtype.element_ty).to(tl.float32), 0.0)
+    else:
+        total = _chosen_total(p, e, K, RENORM, EP)
+        left = p
+        for jj in tl.static_range(K):
+            best, pick, left = _take(left, e, EP)
+            experts = tl.where(j == jj, tl.sum(pick, 0), experts)
+            w = (best / total).to(Logits.dtype.element_ty).to(tl.float32)
+            weights = tl.where(j == jj, tl.sum(w, 0), weights)
     return experts, weights
 
 
@@ -149,13 +171,13 @@ def _grid_barrier(Counters, nprog):
 def _moe_token_kernel(H, Logits, Wgu, Wd, Act, Out, Counters, E, d, inter, stride_ge, stride_gn, stride_de,
                       stride_dn, K: tl.constexpr, KP: tl.constexpr, RENORM: tl.constexpr, EP: tl.constexpr,
                       BN_UP: tl.constexpr, BK_UP: tl.constexpr, BN_DOWN: tl.constexpr, KD: tl.constexpr,
-                      PHASES: tl.constexpr, PDL: tl.constexpr):
+                      BY_RANK: tl.constexpr, PHASES: tl.constexpr, PDL: tl.constexpr):
     """PHASES 3: the whole MLP with a grid barrier between gate/up and down; 1 or 2: one half (the interpreter's
     two launches)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     wait_prior(PDL)
-    experts, weights = _choices(Logits, E, K, KP, RENORM, EP)
+    experts, weights = _choices(Logits, E, K, KP, RENORM, EP, BY_RANK)
     if PHASES % 2 == 1:
         up_tiles = tl.cdiv(inter, BN_UP)
         for t in range(pid, K * up_tiles, nprog):
@@ -224,8 +246,9 @@ def moe_token(h: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down
     kp = triton.next_power_of_2(k)
     args = (h, logits, gate_up, down, act, out, None, E, d, inter, gate_up.stride(0), gate_up.stride(1),
             down.stride(0), down.stride(1))
-    meta = dict(K=k, KP=kp, RENORM=renorm, EP=triton.next_power_of_2(E), BN_UP=BN_UP, BK_UP=BK_UP, BN_DOWN=BN_DOWN,
-                KD=triton.next_power_of_2(inter), num_warps=WARPS)
+    ep = triton.next_power_of_2(E)
+    meta = dict(K=k, KP=kp, RENORM=renorm, EP=ep, BY_RANK=ep <= RANK_EXPERTS, BN_UP=BN_UP, BK_UP=BK_UP,
+                BN_DOWN=BN_DOWN, KD=triton.next_power_of_2(inter), num_warps=WARPS)
     if _interpreted() or h.device.type != "cuda":
         grid = (programs or 4,)
         for phases in (1, 2):  # the interpreter runs programs one after another: no barrier can wait for the rest
