@@ -261,8 +261,10 @@ def moe_token(h: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down
         programs = _GRID.get(key, 0)
     if not programs:  # compiled once for its registers and shared memory, then the grid they allow
         compiled = _moe_token_kernel.warmup(*args[:6], counters(h.device), *args[7:], PHASES=3, grid=(1,),
-                                            PDL=launch["PDL"], **meta)
-        programs = _sms(index) * resident(compiled.n_regs, compiled.metadata.shared, WARPS, index)
+                                            **meta, **launch)
+        compiled._init_handles()  # (Triton 3.6 reads the registers a thread at the binary's load)
+        programs = _sms(index) * resident(getattr(compiled, "n_regs", 0) or 255, compiled.metadata.shared, WARPS,
+                                          index)
         _GRID[key] = programs
     _moe_token_kernel[(programs,)](*args[:6], counters(h.device), *args[7:], PHASES=3, **meta, **launch)
     return out
