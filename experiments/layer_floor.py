@@ -163,7 +163,7 @@ def layer_kernel(Wqkv, Wkv, Wo, Wr, Wgu, Wd, Part, Counter, in_row, layer0, nlay
     nprog = tl.num_programs(0)
     acc = tl.zeros((BLOCK,), tl.float32)
     if PRE:
-        acc = head(Wqkv + layer0.to(tl.int64) * nb_qkv * BLOCK, nb_qkv, pid, nprog, BLOCK)
+        acc = head(Wqkv + layer0 * nb_qkv * BLOCK, nb_qkv, pid, nprog, BLOCK)
     wait_prior(PDL)
     prev_row = in_row
     nprev = in_n
@@ -331,12 +331,16 @@ def main() -> int:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--scales", default="1,0", help="the streams' bytes times this (0: one block each, the chain's "
                     "latency alone), comma-separated")
-    ap.add_argument("--plot", metavar="JSON", help="only draw DIR/layer_floor.png from a saved layer_floor.json")
+    ap.add_argument("--plot", metavar="JSON", nargs="+", help="only draw DIR/layer_floor.png from saved "
+                    "layer_floor.json files (their rows together)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.plot:
-        with open(args.plot) as f:
-            plot(json.load(f), os.path.join(args.out, "layer_floor.png"))
+        reps = []
+        for path in args.plot:
+            with open(path) as f:
+                reps.append(json.load(f))
+        plot(dict(reps[0], rows=[r for rep in reps for r in rep["rows"]]), os.path.join(args.out, "layer_floor.png"))
         return 0
     from tools.roofline import copy_bandwidth
 
@@ -389,19 +393,26 @@ def markdown(rep: dict) -> str:
 
 
 def plot(rep: dict, path: str) -> None:
+    """Each mode's step against its bytes bound over the programs an SM (one line a mode)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = [r for r in rep["rows"] if r["scale"] == 1]
-    fig, ax = plt.subplots(figsize=(8, 0.4 * len(rows) + 1.5))
-    labels = [f"{r['mode']} ({r['programs']} programs)" for r in rows]
-    ax.barh(labels, [r["x_bound"] for r in rows], color="tab:blue")
-    for lim, style in ((1.0, "-"), (1.5, "--")):
-        ax.axvline(lim, color="k", linestyle=style, linewidth=0.8)
-    ax.set_xlabel("step time / bytes bound")
-    ax.set_title(f"a mock Qwen3-30B-A3B batch-1 step's bytes and phases, {rep['gpu']}", fontsize=9)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        pts = sorted((r["per_sm"], r["x_bound"]) for r in rows if r["mode"] == mode)
+        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", linestyle="--" if "chained" in mode else "-",
+                label=mode)
+    ax.axhline(1.5, color="k", linestyle=":", linewidth=0.8)
+    ax.axhline(1.0, color="k", linewidth=0.8)
+    ax.set_xticks(sorted({r["per_sm"] for r in rows}))
+    ax.set_xlabel("programs an SM")
+    ax.set_ylabel("step time / bytes bound")
+    ax.set_ylim(bottom=0.9)
+    ax.legend(fontsize=8)
+    ax.set_title(f"a mock Qwen3-30B-A3B batch-1 step (its bytes, its phases), {rep['gpu']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -239,7 +239,7 @@ def profile_step(run, layers: int, reps: int = 20) -> dict:
 
 # the grouped kernels' decode tiles swept, gate/up and down apart: (output columns, k a step, warps, stages)
 # (the first sweep on an H200 found 64 columns best at every count, so the wider ones were added)
-TILE_SWEEP = [(bn, bk, w, st) for bn in (32, 64, 128, 256) for bk in (64, 128, 256) for w in (2, 4, 8)
+TILE_SWEEP = [(bn, bk, w, st) for bn in (16, 32, 64, 128, 256) for bk in (64, 128, 256) for w in (2, 4, 8)
               for st in (3, 4, 5, 6) if bn * bk * st <= 64 * 256 * 4]
 
 

@@ -414,8 +414,9 @@ PREFETCH_DOWN_TOKENS = 0
 PREFETCH_OWN_TOKENS = 0
 
 # A one-token step's MoE MLP in one persistent launch (``triton_moe_token``: every program routes the token, then
-# gate/up, a grid barrier, down), where it has the router's logits. Off until experiments/moe_decode_probe.py
-# (variant ``persistent``) has timed it on a GPU
+# gate/up, a grid barrier, down), where it has the router's logits. Off: on an H100 it took Qwen3-30B-A3B's batch-1
+# step from 3.38 to 3.66 ms, as its GEMV tiles keep fewer bytes in flight than the grouped kernels' pipelined dots
+# (experiments/moe_decode_probe.py, variant ``persistent``; docs/results/2026-12-05-layer-floor)
 PERSISTENT_ONE_TOKEN = False
 
 # Steps of up to this many tokens route and group in the one-program kernel (a decode step: one
