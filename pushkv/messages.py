@@ -194,8 +194,10 @@ class Structured(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """Structured output (vLLM's structured_outputs, OpenAI's response_format): the output is held to a grammar,
     each step's tokens masked to those that keep it valid (pushkv/structured.py), on P and on D alike."""
 
-    kind: Literal["json", "json_object", "regex", "choice", "grammar"]
-    spec: str = ""  # json: the schema (JSON text); regex; choice: a JSON list of strings; grammar: EBNF
+    kind: Literal["json", "json_object", "regex", "choice", "grammar", "structural_tag"]
+    # json: the schema (JSON text); regex; choice: a JSON list of strings; grammar: EBNF; structural_tag: xgrammar's
+    # structural tag (JSON text: {"format": ...}, or the older {"structures": [...], "triggers": [...]})
+    spec: str = ""
     any_whitespace: bool = True  # JSON: any whitespace between tokens (vLLM's default; false: compact)
     # with a reasoning parser: the ids that end the reasoning ("</think>"); the grammar holds what follows them,
     # from the start where the prompt already has them (Qwen3 with enable_thinking false), as vLLM's

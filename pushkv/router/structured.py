@@ -23,7 +23,7 @@ from pushkv.messages import Structured
 from pushkv.router.api import bad
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
-OUTPUTS = ("json", "regex", "choice", "grammar", "json_object")  # structured_outputs' grammar fields
+OUTPUTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")  # structured_outputs' grammars
 BACKENDS = (None, "", "auto", "xgrammar")
 
 
@@ -43,9 +43,12 @@ def parse(body: dict) -> Optional[Structured]:
             if not isinstance(js, dict) or "schema" not in js:
                 raise bad("response_format", "response_format json_schema needs a json_schema object with a schema")
             found.append(("response_format", Structured("json", _schema(js["schema"], "response_format"))))
+        elif kind == "structural_tag":
+            found.append(("response_format", Structured("structural_tag", _structural_tag(
+                {k: v for k, v in fmt.items() if k != "type"}, "response_format"))))
         elif kind != "text":
             raise bad("response_format", f"response_format {kind!r} is not supported (json_object, json_schema, "
-                                         "text)")
+                                         "structural_tag, text)")
     for name, kind in GUIDED.items():
         if body.get(name) is not None:
             found.append((name, _guided(kind, body[name], name)))
@@ -107,14 +110,40 @@ def _outputs(outputs: Any) -> Structured:
     if len(named) != 1:
         raise bad(field, f"structured_outputs needs exactly one of {', '.join(OUTPUTS)}, got "
                          f"{', '.join(named) or 'none'}")
-    for k in ("whitespace_pattern", "structural_tag"):
-        if outputs.get(k) not in (None, ""):
-            raise bad(field, f"structured_outputs.{k} is not supported")
+    if outputs.get("whitespace_pattern") not in (None, ""):
+        raise bad(field, "structured_outputs.whitespace_pattern is not supported")
     kind = named[0]
+    if kind == "structural_tag":  # vLLM's: the tag as JSON text
+        tag = outputs[kind]
+        if isinstance(tag, str):
+            try:
+                tag = json.loads(tag)
+            except ValueError:
+                raise bad(f"{field}.{kind}", f"{field}.{kind} must be JSON text of a structural tag") from None
+        return Structured("structural_tag", _structural_tag(tag, f"{field}.{kind}"))
     spec = Structured("json_object") if kind == "json_object" else _guided(kind, outputs[kind], f"{field}.{kind}")
     if outputs.get("disable_any_whitespace"):
         spec = Structured(spec.kind, spec.spec, any_whitespace=False)
     return spec
+
+
+def _structural_tag(tag: Any, field: str) -> str:
+    """A structural tag as JSON text: xgrammar's ({"format": ...}) or the older {"structures": [{"begin", "schema",
+    "end"}], "triggers": [...]}, as vLLM takes both; a 400 naming the field for another shape."""
+    if not isinstance(tag, dict):
+        raise bad(field, "a structural tag must be an object")
+    if "structures" in tag:
+        structures, triggers = tag.get("structures"), tag.get("triggers")
+        if not isinstance(structures, list) or not structures or not all(
+                isinstance(s, dict) and isinstance(s.get("begin"), str) and isinstance(s.get("end"), str)
+                and isinstance(s.get("schema"), (dict, bool)) for s in structures):
+            raise bad(field, "structures must be a list of objects with a string begin and end and a schema")
+        if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+            raise bad(field, "triggers must be a list of strings")
+        return json.dumps({"structures": structures, "triggers": triggers})
+    if not isinstance(tag.get("format"), dict):
+        raise bad(field, "a structural tag needs a format object (or structures and triggers)")
+    return json.dumps(tag)
 
 
 def check(spec: Structured, field: str) -> None:

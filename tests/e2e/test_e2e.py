@@ -70,6 +70,41 @@ def _structured(dep, name: str) -> dict:
     return {"text": choice["text"], "tokens": choice["token_ids"], "finish": choice["finish_reason"]}
 
 
+def structural_requests(free: list[int]) -> tuple[int, dict[str, dict]]:
+    """vLLM's structural tags (free text until a trigger, then the tag's begin, schema and end), given the greedy
+    output without one: the trigger is a character that output first draws at index k >= 1, so the output is free
+    to k and then held (on D) to "=", an integer and ";". In the older form (structures and triggers, as
+    response_format) and in xgrammar's (a format, as structured_outputs' JSON text)."""
+    k = next(i for i in range(1, len(free)) if 32 < free[i] < 127 and free[i] not in free[:i]
+             and chr(free[i]) not in "\\\"=;0123456789-")
+    trig = chr(free[k])
+    older = {"response_format": {"type": "structural_tag", "structures": [
+        {"begin": trig + "=", "schema": {"type": "integer"}, "end": ";"}], "triggers": [trig]}}
+    xgr = {"structured_outputs": {"structural_tag": json.dumps({"format": {"type": "triggered_tags", "triggers": [trig],
+           "tags": [{"type": "tag", "begin": trig + "=", "content": {"type": "json_schema",
+                                                                     "json_schema": {"type": "integer"}},
+                     "end": ";"}]}})}}
+    return k, {"older": older, "format": xgr}
+
+
+def _structural(dep, body: dict) -> dict:
+    choice = dep.complete(PROMPTS["text"], MAX_TOKENS, **body)["choices"][0]
+    return {"text": choice["text"], "tokens": choice["token_ids"], "finish": choice["finish_reason"]}
+
+
+def holds_tags(text: str, trig: str) -> bool:
+    """Every trigger in text is followed by "=", an integer and ";" (or the text ends inside one)."""
+    i = 0
+    while (j := text.find(trig, i)) >= 0:
+        m = re.match(r"=(-?[0-9]*)(;|$)", text[j + 1:])
+        if not m:
+            return False
+        if not m.group(2):
+            return True
+        i = j + 1 + m.end()
+    return True
+
+
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}, "required": ["city"],
     "additionalProperties": False}}},
@@ -99,6 +134,8 @@ def reference(tmp_path_factory):
         ref["repetition"] = _repeated(dep)
         ref["structured"] = {name: _structured(dep, name) for name in STRUCTURED}
         ref["forced"] = {name: _forced(dep, name) for name in CHOICES}
+        ref["structural"] = {name: _structural(dep, body)
+                             for name, body in structural_requests(ref["text"])[1].items()}
         wait_pools_free(dep)
     return ref
 
@@ -261,6 +298,20 @@ def test_structured_output_holds_on_p_and_d_and_equals_local(push, reference, na
     want = reference["structured"][name]
     assert want["finish"] == "stop" and STRUCTURED[name][1](want["text"]), want
     assert _structured(push, name) == want
+    wait_pools_free(push)
+
+
+@pytest.mark.parametrize("name", ["older", "format"])
+def test_a_structural_tag_holds_what_follows_its_trigger_and_equals_local(push, reference, name):
+    """A structural tag leaves the output free until its trigger, then holds it to the tag: the greedy output is
+    the free one up to and with the trigger (drawn at k >= 1, by D in push), then "=", an integer and ";", token
+    for token as local."""
+    free = reference["text"]
+    k, requests = structural_requests(free)
+    want = reference["structural"][name]
+    assert want["tokens"][:k + 1] == free[:k + 1] and want["tokens"][k + 1] == ord("="), (free, want)
+    assert holds_tags(want["text"], chr(free[k])), want
+    assert _structural(push, requests[name]) == want
     wait_pools_free(push)
 
 

@@ -4,6 +4,8 @@ output (``response_format``, vLLM's ``structured_outputs`` and ``guided_*``) is 
 a malformed one a 400 naming the field, in OpenAI's error shape, before anything is computed."""
 from __future__ import annotations
 
+import json
+
 import msgspec
 import pytest
 import transformers
@@ -68,6 +70,13 @@ def test_template_kwargs_render_as_transformers_renders_them(hf_tok, kwargs, gen
     ({"structured_outputs": {"regex": "a+", "choice": ["a"]}}, "structured_outputs", "exactly one of"),
     ({"guided_decoding_backend": "outlines", "guided_regex": "a"}, "guided_decoding_backend", "xgrammar"),
     ({"guided_whitespace_pattern": " *"}, "guided_whitespace_pattern", "not supported"),
+    ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs", "not supported"),
+    ({"response_format": {"type": "structural_tag"}}, "response_format", "needs a format object"),
+    ({"response_format": {"type": "structural_tag", "format": {"type": "nonsense"}}}, "response_format",
+     "does not compile"),
+    ({"response_format": {"type": "structural_tag", "structures": [{"begin": "<f>"}], "triggers": ["<f"]}},
+     "response_format", "string begin and end and a schema"),
+    ({"structured_outputs": {"structural_tag": "{"}}, "structured_outputs.structural_tag", "JSON text"),
 ])
 def test_what_would_change_the_answer_and_is_not_built_is_refused(body, param, says):
     with pytest.raises(api.ApiError) as e:
@@ -113,6 +122,12 @@ def test_echo_opens_each_choice_with_the_continued_message():
     assert plain.echo_text == ""
 
 
+OLDER_TAG = {"structures": [{"begin": "<f>", "schema": {"type": "integer"}, "end": "</f>"}], "triggers": ["<f"]}
+TAG = {"format": {"type": "triggered_tags", "triggers": ["<f"], "tags": [
+    {"type": "tag", "begin": "<f>", "content": {"type": "json_schema", "json_schema": {"type": "integer"}},
+     "end": "</f>"}]}}
+
+
 @pytest.mark.parametrize("body, want", [
     ({"response_format": {"type": "json_object"}}, m.Structured("json_object")),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
@@ -125,8 +140,11 @@ def test_echo_opens_each_choice_with_the_continued_message():
      m.Structured("json", '{"type": "object"}', any_whitespace=False)),
     ({"structured_outputs": {"json_object": True}}, m.Structured("json_object")),
     ({"response_format": {"type": "text"}}, None),
+    ({"response_format": {"type": "structural_tag", **OLDER_TAG}},
+     m.Structured("structural_tag", json.dumps(OLDER_TAG))),
+    ({"structured_outputs": {"structural_tag": json.dumps(TAG)}}, m.Structured("structural_tag", json.dumps(TAG))),
 ], ids=["json_object", "json_schema", "guided_json", "regex", "choice", "grammar", "outputs_json", "outputs_object",
-        "text"])
+        "text", "structural_tag_older", "structural_tag"])
 def test_structured_output_is_taken_from_each_field_that_names_it(body, want):
     pytest.importorskip("xgrammar")
     p = chat.parse_chat({"messages": MESSAGES, **body}, text.ByteTokenizer(), LIMITS, chat.ChatTemplate(QWEN3_LIKE))
