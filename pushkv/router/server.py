@@ -112,6 +112,7 @@ class Router:
         app.router.add_get("/version", self.handle_version)
         app.router.add_get("/ping", self.handle_ping)
         app.router.add_post("/ping", self.handle_ping)
+        app.router.add_post("/invocations", self.handle_invocations)
         return app
 
     @property
@@ -353,6 +354,18 @@ class Router:
 
     async def handle_chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=True)
+
+    async def handle_invocations(self, request: web.Request) -> web.StreamResponse:
+        """SageMaker's inference route, as vLLM serves it: a body with messages is a chat completion, one with a
+        prompt a completion (each then read as its own route reads it)."""
+        try:
+            body = api.parse_json(await edge.read_body(request, self.cfg.router_body_timeout_s))
+        except api.ApiError as e:
+            return web.json_response(e.body(), status=e.status)
+        if "messages" not in body and "prompt" not in body:
+            e = api.bad("messages", "/invocations takes a chat completion (messages) or a completion (prompt)")
+            return web.json_response(e.body(), status=e.status)
+        return await self._generate(request, chat="messages" in body)
 
     def _parser(self, chat: bool) -> Callable[[dict], api.CompletionParams]:
         if not chat:

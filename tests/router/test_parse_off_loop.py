@@ -61,3 +61,4 @@ def test_a_parse_error_raised_on_a_parse_thread_is_the_same_400(tmp_path):
             assert not h.log.received("local", m.Generate)
 
     asyncio.run(asyncio.wait_for(body(), 25))
+

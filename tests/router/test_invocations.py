@@ -1,0 +1,40 @@
+"""SageMaker's /invocations, as vLLM serves it: a chat completion or a completion, by what the body holds."""
+import asyncio
+
+import pytest
+
+from pushkv import messages as m
+from tests.support.router_fakes import Harness, make_cfg, stage, tokens
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def answer(g):
+    return [(None, tokens(g, [72], True, "length", (stage("scheduled"), stage("finished"))))]
+
+
+def test_invocations_serves_a_chat_completion_or_a_completion_as_vllm_does(tmp_path):
+    """SageMaker's /invocations: a body with messages is a chat completion, one with a prompt a completion, the
+    answer each route gives; a body with neither is a 400 naming messages."""
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+    async def body():
+        async with Harness(make_cfg(tmp_path, "local", chat_template=template), {"local": answer}) as h:
+            chat = await h.http.post("/invocations", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                            "max_tokens": 1, "model": "tiny"})
+            got = await chat.json()
+            assert chat.status == 200 and got["object"] == "chat.completion", got
+            assert got["choices"][0]["message"]["content"] == "H"
+            plain = await h.http.post("/invocations", json={"prompt": "Hey", "max_tokens": 1, "model": "tiny"})
+            got = await plain.json()
+            assert plain.status == 200 and got["object"] == "text_completion" and got["choices"][0]["text"] == "H"
+            prompts = [list(g.prompt_token_ids) for g in h.log.received("local", m.Generate)]
+            assert prompts == [list(b"Hi"), list(b"Hey")]
+            neither = await h.http.post("/invocations", json={"input": "Hey", "model": "tiny"})
+            err = (await neither.json())["error"]
+            assert neither.status == 400 and err["param"] == "messages" and "prompt" in err["message"]
+            broken = await h.http.post("/invocations", data=b"{not json")
+            assert broken.status == 400 and "malformed JSON" in (await broken.json())["error"]["message"]
+            assert len(h.log.received("local", m.Generate)) == 2
+
+    asyncio.run(asyncio.wait_for(body(), 25))
