@@ -363,8 +363,8 @@ class Router:
         except api.ApiError as e:
             return web.json_response(e.body(), status=e.status)
         if "messages" not in body and "prompt" not in body:
-            e = api.bad("messages", "/invocations takes a chat completion (messages) or a completion (prompt)")
-            return web.json_response(e.body(), status=e.status)
+            refusal = api.bad("messages", "/invocations takes a chat completion (messages) or a completion (prompt)")
+            return web.json_response(refusal.body(), status=refusal.status)
         return await self._generate(request, chat="messages" in body)
 
     def _parser(self, chat: bool) -> Callable[[dict], api.CompletionParams]:

@@ -33,7 +33,6 @@ What differs by role lives in one subclass each (``PrefillScheduler``,
 """
 from __future__ import annotations
 
-import bisect
 import logging
 from collections import Counter, OrderedDict
 from typing import Any, Callable, Optional, Union
@@ -46,11 +45,12 @@ from pushkv.kinds import FinishReason
 from pushkv.kv import checksum
 from pushkv.prompt_logprobs import join as join_prompt_logprobs
 from pushkv.protocol.prefix_cache import PrefixCache
+from pushkv.scheduler import grammar_wait, stats, writer_answers
 from pushkv.scheduler.grammar import GrammarCompiled, Grammars, failure
 from pushkv.scheduler.metrics import InstanceMetrics, Snapshot
-from pushkv.scheduler.outbox import CompileGrammar, Effect, Peer, Send, Trace
+from pushkv.scheduler.outbox import Effect, Peer, Send, Trace
 from pushkv.scheduler.prefix import index_blocks, prefix_hits
-from pushkv.scheduler.requests import Request, State, blocks_needed, build_batch, count_work, failures_of
+from pushkv.scheduler.requests import Request, State, blocks_needed, build_batch, count_work
 from pushkv.scheduler.validate import check_generate, readable_head
 
 log = logging.getLogger(__name__)
@@ -170,7 +170,7 @@ class SchedulerCore:
         """Deadlines: a writer slow to answer GetStats, a step that never ends."""
         self.now, self.wall = now, wall
         if self._stats_waiting and now - self._stats_asked > WRITER_STATS_WAIT_S:
-            self._answer_stats()  # a writer that does not answer must not hold the router's scrape
+            stats.answer(self)  # a writer that does not answer must not hold the router's scrape
         if self.step is not None and now - self.step_started > self.cfg.timeouts.step_s:
             batch, self.step = self.step, None
             self.counters["step_timeout"] += 1
@@ -180,27 +180,8 @@ class SchedulerCore:
             self.schedule()
 
     def compiled(self, done: GrammarCompiled, now: float, wall: float) -> None:
-        """A grammar asked for (``CompileGrammar``) compiled off the loop: the requests held for it queue for
-        blocks in their order of arrival, or fail (400) when it did not compile. Those released meanwhile
-        (aborted, superseded, refused at shutdown) are gone from its list: nothing attaches to them."""
-        self.now, self.wall = now, wall
-        if done.grammar is not None:
-            self.grammars.add(done.spec, done.grammar)
-        for r in self.compiling.pop(done.spec, []):
-            why = done.error
-            if not why:
-                try:
-                    r.grammar = self.grammars.matcher_of(done.spec, done.grammar, r.prompt)
-                except Exception as e:
-                    why = failure(e)
-            if why:
-                self.counters["grammar_failed"] += 1
-                self._fail(r, why, 400)
-                continue
-            r.state = State.WAITING
-            self._stamp(r, "grammar_compiled")
-            bisect.insort(self.waiting, r, key=lambda q: q.seq_id)  # its place by arrival, not by compile
-        self.schedule()
+        """A grammar asked for (``CompileGrammar``) compiled off the loop, or failed (``grammar_wait``)."""
+        grammar_wait.compiled(self, done, now, wall)
 
     def shutdown(self, reason: str = "") -> None:
         """The process stops: every request still here is refused (503), never silently lost."""
@@ -286,10 +267,7 @@ class SchedulerCore:
         if r.blocks:
             self.alloc.free(r.blocks)
             r.blocks = []
-        if r.state == State.GRAMMAR and r.structured is not None:  # its compile goes on: it no longer waits for it
-            held = self.compiling.get(r.structured)
-            if held is not None:
-                held[:] = [q for q in held if q is not r]
+        grammar_wait.unhold(self, r)
         r.state = State.DONE
         self.reqs.pop(r.key, None)
         if self.by_tid.get(r.transfer_id) is r:
@@ -340,23 +318,11 @@ class SchedulerCore:
         self.by_tid[r.transfer_id] = r
         self._note_generation(r)
         if r.structured is not None and grammar is None:
-            self._hold_for_grammar(r)
+            grammar_wait.hold(self, r)
         else:
             self.waiting.append(r)
         self.counters["requests"] += 1
         self.schedule()
-
-    def _hold_for_grammar(self, r: Request) -> None:
-        """Its grammar is not compiled here: it waits, out of the queue, for the one compile of its spec (asked
-        of the shell by the first request that needs it); every request beside it goes on meanwhile."""
-        assert r.structured is not None
-        r.state = State.GRAMMAR
-        held = self.compiling.get(r.structured)
-        if held is None:
-            held = self.compiling[r.structured] = []
-            self.counters["grammar_compiles"] += 1
-            self.outbox.append(CompileGrammar(r.structured))
-        held.append(r)
 
     def on_Abort(self, msg: m.Abort, frm: Peer) -> None:
         r = self.reqs.get((msg.transfer_id, msg.generation))
@@ -408,32 +374,10 @@ class SchedulerCore:
         self._to_writers(msg)
 
     def on_GetStats(self, msg: m.GetStats, frm: Peer) -> None:
-        """Answer with our counters and the writers' (``writer.<rank>.<name>``), asked afresh."""
-        self._stats_waiting.append(frm)
-        if len(self._stats_waiting) == 1:
-            self._stats_asked, self._stats_fresh = self.now, set()
-            self._to_writers(m.GetStats())
-        if not self.writers:
-            self._answer_stats()
+        stats.asked(self, msg, frm)
 
     def on_WriterStats(self, msg: m.WriterStats, frm: Peer) -> None:
-        self.writer_counters[frm.rank] = dict(msg.counters)
-        self._stats_fresh.add(frm.rank)
-        if self._stats_waiting and len(self._stats_fresh) >= len(self.writers):
-            self._answer_stats()
-
-    def _answer_stats(self) -> None:
-        running = sum(1 for r in self.reqs.values() if r.state == State.RUNNING)
-        counters = dict(self.counters)
-        counters["prefix_evictions"] = self.alloc.evictions
-        for rank, wc in self.writer_counters.items():
-            counters.update({f"writer.{rank}.{k}": v for k, v in wc.items()})
-        queued = len(self.waiting) + sum(len(held) for held in self.compiling.values())
-        stats = m.Stats(self.inst.engine_id, self.role, self.alloc.num_blocks, self.alloc.num_free,
-                        running, queued, counters, self.alloc.num_cached)
-        waiting, self._stats_waiting = self._stats_waiting, []
-        for to in waiting:
-            self._send(to, stats)
+        stats.writer_said(self, msg, frm)
 
     # -- prefix cache ---------------------------------------------------------------------
     def _may_hit(self, r: Request) -> bool:
@@ -652,71 +596,12 @@ class SchedulerCore:
             r.state = State.RUNNING
             self._reply(r, m.TokensGenerated(r.transfer_id, r.generation, (tok,), logprobs=lps, prompt_logprobs=prompt))
 
-    # -- from the writers --------------------------------------------------------------------
+    # -- from the writers (scheduler/writer_answers.py) -------------------------------------
     def on_KVSent(self, msg: m.KVSent, frm: Peer) -> None:
-        self._writer_answer(msg, frm)
+        writer_answers.take(self, msg, frm)
 
     def on_KVReceived(self, msg: m.KVReceived, frm: Peer) -> None:
-        self._writer_answer(msg, frm)
+        writer_answers.take(self, msg, frm)
 
     def on_KVFailed(self, msg: m.KVFailed, frm: Peer) -> None:
-        self._writer_answer(msg, frm)
-
-    def _writer_answer(self, msg: WriterAnswer, frm: Peer) -> None:
-        """Collect one terminal answer per writer rank; act once all have answered."""
-        if not isinstance(msg, self.writer_answers):  # another role's answer: it would end a transfer wrongly
-            self.counters["wrong_writer_answer"] += 1
-            log.error("%s: %s from a writer; this role's writers answer %s transfer_id=%s", self.name,
-                      type(msg).__name__, [t.__name__ for t in self.writer_answers], msg.transfer_id)
-            return
-        r = self.reqs.get((msg.transfer_id, msg.generation))
-        if r is None or not (r.state in (State.SENDING, State.AWAIT_KV) or self._pinned_by_writers(r)):
-            self.counters["stale_writer_answer"] += 1
-            return
-        self._note_answer(r, msg, frm.rank)
-        if len(r.answers) < len(self.writers):
-            return
-        answers, r.answers = r.answers, {}
-        if self._pinned_by_writers(r) and r.in_step:  # the chunk computing now still writes the blocks
-            self._stream_over_mid_step(r, answers)  # they are freed when its step ends
-            return
-        self._transfer_over(r, answers)
-        self.schedule()
-
-    def _note_answer(self, r: Request, msg: WriterAnswer, rank: int) -> None:
-        """One writer rank's answer: what it moved, and on failure the other ranks' cancel."""
-        r.note_answer(msg, rank)
-        if isinstance(msg, m.KVFailed) and len(self.writers) > 1:
-            others = m.CancelKV(r.transfer_id, r.generation, msg.reason)
-            for w in self.writers:
-                if w.rank != rank:
-                    self._send(w, others)
-
-    def _stream_over_mid_step(self, r: Request, answers: dict[int, m.Msg]) -> None:
-        """P: a stream ended before its prefill while a chunk computes: no writer reads the
-        blocks now; the request fails at once (unless aborted already) and is freed when the
-        step ends."""
-        r.streamed = False
-        if r.aborted:
-            return
-        failures, lost = failures_of(answers)
-        r.aborted = f"KV stream failed: {failures[0].reason}" if failures else "KV stream ended"
-        status, reason = (503, f"{lost}; retry") if lost else (502, r.aborted)
-        self.counters["requests_failed"] += 1
-        self._reply(r, m.RequestFailed(r.transfer_id, r.generation, reason, status))
-
-    def _transfer_over(self, r: Request, answers: dict[int, m.Msg]) -> None:
-        """Every writer rank answered ``r``'s transfer: free it, fail it, or go on (``_kv_done``)."""
-        failures, lost = failures_of(answers)
-        if self._pinned_by_writers(r):  # a stream ended before its prefill: no writer reads the blocks now
-            r.streamed = False
-            if not failures and not r.aborted:  # writers answer a stream's end only when it failed
-                failures = [m.KVFailed(r.transfer_id, r.generation, "KV stream ended before prefill")]
-        if r.aborted:
-            self._release(r)
-        elif lost:  # the other instance died: answered as the router answers it (503, retry)
-            self._fail(r, f"{lost}; retry", 503)
-        elif failures:
-            self._fail(r, f"KV transfer failed: {failures[0].reason}", 502)
-        else:
-            self._kv_done(r, answers)  # type: ignore[arg-type]  # every answer a success
+        writer_answers.take(self, msg, frm)
