@@ -124,6 +124,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--disable-uvicorn-access-log",), NO_EFFECT, "the router keeps no access log", SWITCH),
     Flag(("--disable-fastapi-docs",), NO_EFFECT, "the router serves no API docs", SWITCH),
     Flag(("--max-log-len",), NO_EFFECT, "pushkv does not log prompts", int),
+    Flag(("--enable-server-load-tracking",), NO_EFFECT, "the router always counts its requests in flight: GET /load",
+         SWITCH),
     Flag(("--enable-prompt-tokens-details",), NO_EFFECT, "usage.prompt_tokens_details.cached_tokens is always given",
          SWITCH),
     # vLLM's features that pushkv does not build

@@ -76,6 +76,7 @@ class Router:
             defaults=cfg.model.sampling_defaults,
         )
         self.served = cfg.served_names()  # what a request's "model" may name
+        self.load = 0  # HTTP generation requests in flight (vLLM's server load, GET /load)
         # a request's parse (chat template, tokenizing, a structured-output grammar's check) runs here, not on the
         # event loop, so a long prompt or a large JSON schema holds no other request's stream
         self._parse_pool = ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="router-parse")
@@ -125,6 +126,7 @@ class Router:
         app.router.add_get("/ping", self.handle_ping)
         app.router.add_post("/ping", self.handle_ping)
         app.router.add_post("/invocations", self.handle_invocations)
+        app.router.add_get("/load", self.handle_load)
         return app
 
     @property
@@ -369,6 +371,11 @@ class Router:
     async def handle_chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=True)
 
+    async def handle_load(self, request: web.Request) -> web.Response:
+        """vLLM's server load: the generation requests this router is serving now (each counted once, whatever its
+        n); vLLM counts them with --enable-server-load-tracking, the router always."""
+        return web.json_response({"server_load": self.load})
+
     async def handle_invocations(self, request: web.Request) -> web.StreamResponse:
         """SageMaker's inference route, as vLLM serves it: a body with messages is a chat completion, one with a
         prompt a completion (each then read as its own route reads it)."""
@@ -471,6 +478,7 @@ class Router:
                 self.tracer.event("http_request", tid, f"prompt={len(ids)} max_tokens={params.max_tokens}")
         self._handlers_idle.clear()
         self.metrics.in_flight.inc()
+        self.load += 1
         return runs
 
     def _close(self, runs: list[RequestRun]) -> None:
@@ -483,6 +491,7 @@ class Router:
             if self.tracer is not None:
                 self.tracer.event("http_done", run.transfer_id, run.ledger.outcome)
         self.metrics.in_flight.dec()
+        self.load -= 1
         if not self.runs:
             self._handlers_idle.set()
 

@@ -38,3 +38,26 @@ def test_invocations_serves_a_chat_completion_or_a_completion_as_vllm_does(tmp_p
             assert len(h.log.received("local", m.Generate)) == 2
 
     asyncio.run(asyncio.wait_for(body(), 25))
+
+
+def test_load_counts_the_generation_requests_in_flight(tmp_path):
+    """vLLM's GET /load: the requests being served now, each once whatever its n, back to 0 when they end."""
+    import threading
+
+    gate = threading.Event()
+
+    def held(g):
+        return [(gate, tokens(g, [72], True, "length", (stage("scheduled"), stage("finished"))))]
+
+    async def body():
+        async with Harness(make_cfg(tmp_path, "local"), {"local": held}) as h:
+            assert await (await h.http.get("/load")).json() == {"server_load": 0}
+            two = asyncio.ensure_future(h.http.post("/v1/completions", json={
+                "prompt": "Hey", "max_tokens": 1, "model": "tiny", "n": 2, "temperature": 1.0}))
+            await h.wait(lambda e: len([x for r, d, x in e if d == "recv" and isinstance(x, m.Generate)]) == 2)
+            assert await (await h.http.get("/load")).json() == {"server_load": 1}
+            gate.set()
+            assert (await two).status == 200
+            assert await (await h.http.get("/load")).json() == {"server_load": 0}
+
+    asyncio.run(asyncio.wait_for(body(), 25))
