@@ -239,6 +239,10 @@ class GetStats(Msg, frozen=True):
     pass
 
 
+class ResetPrefixCache(Msg, frozen=True):
+    """Forget every cached prefix (``POST /reset_prefix_cache``); answered with ``Stats``, as ``GetStats`` is."""
+
+
 class TokensGenerated(Msg, frozen=True):
     transfer_id: str
     generation: int
@@ -317,7 +321,7 @@ class RouterEpoch(Msg, frozen=True):
     epoch: int
 
 
-RouterToScheduler = Union[Generate, Abort, GetStats, PeerLost, RouterEpoch]
+RouterToScheduler = Union[Generate, Abort, GetStats, PeerLost, RouterEpoch, ResetPrefixCache]
 SchedulerToRouter = Union[TokensGenerated, PrefillFinished, RequestFailed, Stats]
 
 

@@ -189,6 +189,21 @@ class PrefixCache:
 
     free = release  # the allocator's name, for callers that only count blocks
 
+    def reset(self) -> int:
+        """Forget every cached prefix (vLLM's reset_prefix_cache): unreferenced cached blocks go back to the
+        allocator, referenced ones stay with their requests, no longer indexed (freed when they release them).
+        The blocks forgotten."""
+        forgotten = len(self._hash_of)
+        back = list(self._lru)
+        for b in back:
+            del self._refs[b]
+        self._lru.clear()
+        self._by_hash.clear()
+        self._hash_of.clear()
+        if back:
+            self.alloc.free(back)
+        return forgotten
+
     def refs(self, block: int) -> int:
         return self._refs.get(block, 0)
 

@@ -3,9 +3,9 @@
 With a key set, every ``/v1/*`` request needs ``Authorization: Bearer <key>`` or gets a
 401 with an OpenAI-style error body (the ``openai`` client raises AuthenticationError);
 ``/metrics`` too with ``--metrics-auth`` (off by default, as vLLM leaves it open for
-scrapers); ``/health`` stays open, for probes. The key reaches the
-router process through its environment (``pushkv up --api-key`` sets it for the
-children), never through the config file in the run dir.
+scrapers), and ``/reset_prefix_cache`` (it changes every user's service); ``/health`` stays
+open, for probes. The key reaches the router process through its environment (``pushkv up
+--api-key`` sets it for the children), never through the config file in the run dir.
 """
 from __future__ import annotations
 
@@ -26,10 +26,11 @@ log = logging.getLogger(__name__)
 
 PROTECTED_PREFIX = "/v1/"
 METRICS_PATH = "/metrics"
+ADMIN_PATHS = ("/reset_prefix_cache",)  # what changes every user's service: behind the key too
 
 
 def protected(path: str, metrics: bool) -> bool:
-    return path.startswith(PROTECTED_PREFIX) or (metrics and path == METRICS_PATH)
+    return path.startswith(PROTECTED_PREFIX) or path in ADMIN_PATHS or (metrics and path == METRICS_PATH)
 
 
 def authorized(path: str, authorization: str, key: str, metrics: bool = False) -> bool:

@@ -116,6 +116,20 @@ class SchedulerLink:
             if fut in self._stats_waiters:
                 self._stats_waiters.remove(fut)
 
+    async def reset_prefix_cache(self, timeout_s: float) -> Optional[m.Stats]:
+        """Ask the scheduler to forget its cached prefixes; its Stats after, None if it does not answer in time.
+        (Any Stats answers: the reset went before, so no request sent after this reaches a cache it had.)"""
+        fut = asyncio.get_running_loop().create_future()
+        self._stats_waiters.append(fut)
+        try:
+            self.send(m.ResetPrefixCache())
+            return await asyncio.wait_for(fut, timeout_s)
+        except (asyncio.TimeoutError, zmq.ZMQError):
+            return None
+        finally:
+            if fut in self._stats_waiters:
+                self._stats_waiters.remove(fut)
+
     def retire(self) -> None:
         """Replaced by a link to a new endpoint: close in the background."""
         asyncio.get_running_loop().create_task(self.close())

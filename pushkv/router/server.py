@@ -35,6 +35,7 @@ from pushkv.router.balance import Balancer
 from pushkv.router.flow import RequestRun
 from pushkv.router.links import SchedulerLink
 from pushkv.router.metrics import RouterMetrics
+from pushkv.router.prefix_index import PrefixIndex
 from pushkv.security import secure_connect
 from pushkv.seeds import derive_seed
 from pushkv.trace import TracePublisher
@@ -127,6 +128,7 @@ class Router:
         app.router.add_post("/ping", self.handle_ping)
         app.router.add_post("/invocations", self.handle_invocations)
         app.router.add_get("/load", self.handle_load)
+        app.router.add_post("/reset_prefix_cache", self.handle_reset_prefix_cache)
         return app
 
     @property
@@ -347,6 +349,21 @@ class Router:
         self.metrics.update_instances({(link.role, link.engine_id): st for link, st in zip(links, stats)})
         data, content_type = self.metrics.render()
         return web.Response(body=data, headers={"Content-Type": content_type})
+
+    async def handle_reset_prefix_cache(self, request: web.Request) -> web.Response:
+        """vLLM's POST /reset_prefix_cache: every instance forgets its cached prefixes (running requests keep their
+        blocks) and the router its map of them; 200 once every scheduler answered, else 503 naming those that did
+        not. Behind --api-key where one is set."""
+        links = list(self.links.values())
+        answers = await asyncio.gather(*(link.reset_prefix_cache(STATS_TIMEOUT_S) for link in links))
+        if self.local_link is None:
+            self.balancer.index = PrefixIndex()
+        silent = [link.engine_id for link, st in zip(links, answers) if st is None]
+        body = {"reset": [{"engine_id": link.engine_id, "role": link.role, "cached_blocks": st.cached_blocks}
+                          for link, st in zip(links, answers) if st is not None]}
+        if silent:
+            return _error(503, f"no answer from {', '.join(silent)}: their caches may be kept", "unavailable")
+        return web.json_response(body)
 
     async def handle_abort(self, request: web.Request) -> web.Response:
         rid = request.match_info["request_id"]

@@ -379,6 +379,12 @@ class SchedulerCore:
     def on_WriterStats(self, msg: m.WriterStats, frm: Peer) -> None:
         stats.writer_said(self, msg, frm)
 
+    def on_ResetPrefixCache(self, msg: m.ResetPrefixCache, frm: Peer) -> None:
+        """Forget every cached prefix (running requests keep their blocks), then answer as GetStats is answered."""
+        self.counters["prefix_resets"] += 1
+        self.counters["prefix_reset_blocks"] += self.alloc.reset()
+        stats.asked(self, m.GetStats(), frm)
+
     # -- prefix cache ---------------------------------------------------------------------
     def _may_hit(self, r: Request) -> bool:
         """May ``r`` take its prompt's prefix from the cache? Not where prompt logprobs are computed

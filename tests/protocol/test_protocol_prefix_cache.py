@@ -141,6 +141,27 @@ def test_bad_release_changes_nothing(bad):
     assert c.refs(ids[0]) == 1 and c.num_free == 2
 
 
+def test_reset_forgets_every_prefix_and_frees_what_no_request_holds():
+    """vLLM's reset_prefix_cache: nothing hits after it; a cached block nobody holds is free at once, one a request
+    holds stays its own (its contents as they were) and comes back free when released."""
+    c = PrefixCache(6)
+    kept = c.acquire([], 2)
+    held = c.acquire([], 2)
+    for b, h in zip(kept + held, (11, 12, 21, 22)):
+        assert c.insert(b, h)
+    c.release(kept)  # cached, evictable
+    assert c.num_cached == 4 and c.num_evictable == 2 and c.num_free == 4
+    assert c.reset() == 4
+    c.check()
+    assert c.match([11, 12]) == [] and c.match([21]) == [] and c.num_cached == 0
+    assert c.num_free == 4 and c.refs(held[0]) == 1  # the held blocks stay with their request
+    c.release(held)
+    c.check()
+    assert c.num_free == 6 and c.num_cached == 0
+    again = c.acquire([], 2)
+    assert c.insert(again[0], 11) and c.match([11]) == [again[0]]  # it caches anew
+
+
 def test_insert_needs_a_holder_and_acquire_a_cached_hit():
     c = PrefixCache(4)
     with pytest.raises(ValueError, match="not held"):

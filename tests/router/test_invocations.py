@@ -1,4 +1,5 @@
-"""SageMaker's /invocations, as vLLM serves it: a chat completion or a completion, by what the body holds."""
+"""vLLM's routes beside the OpenAI ones: SageMaker's /invocations (a chat completion or a completion, by what the body
+holds), /load and /reset_prefix_cache."""
 import asyncio
 
 import pytest
@@ -59,5 +60,22 @@ def test_load_counts_the_generation_requests_in_flight(tmp_path):
             gate.set()
             assert (await two).status == 200
             assert await (await h.http.get("/load")).json() == {"server_load": 0}
+
+    asyncio.run(asyncio.wait_for(body(), 25))
+
+
+def test_reset_prefix_cache_asks_every_scheduler_and_says_who_did_not_answer(tmp_path):
+    """POST /reset_prefix_cache: each scheduler is sent ResetPrefixCache; 200 with each one's cache after it once
+    all answered, 503 naming one that did not (the end to end reset: tests/e2e/test_reset_prefix_cache.py)."""
+    async def body():
+        async with Harness(make_cfg(tmp_path, "local"), {"local": answer}) as h:
+            silent = await h.http.post("/reset_prefix_cache")
+            err = (await silent.json())["error"]
+            assert silent.status == 503 and "local-engine" in err["message"], err
+            h.fakes["local"].stats = m.Stats("local-engine", "local", 100, 100, 0, 0, {}, 0)
+            done = await h.http.post("/reset_prefix_cache")
+            assert done.status == 200
+            assert (await done.json())["reset"] == [{"engine_id": "local-engine", "role": "local", "cached_blocks": 0}]
+            assert len(h.log.received("local", m.ResetPrefixCache)) == 2
 
     asyncio.run(asyncio.wait_for(body(), 25))

@@ -127,6 +127,23 @@ def test_stats_go_to_every_router_that_asked_once_every_writer_answered():
     assert out[0][1].counters["writer.0.kv_bytes"] == 9 and out[0][1].counters["writer.1.kv_bytes"] == 7
 
 
+def test_reset_prefix_cache_forgets_the_cache_and_answers_with_stats():
+    s, _ = make("prefill")
+    blocks = s.alloc.acquire([], 2)
+    for b, h in zip(blocks, (5, 6)):
+        s.alloc.insert(b, h)
+    s.alloc.release(blocks)
+    assert s.alloc.num_cached == 2
+    s.handle(m.ResetPrefixCache(), A, 5.0, 5.0)
+    assert s.alloc.num_cached == 0 and s.alloc.match([5]) == []
+    assert sends(s) == [(X0, m.GetStats()), (X1, m.GetStats())]  # the writers' counters asked, as GetStats asks
+    s.handle(m.WriterStats({}), X0, 5.0, 5.0)
+    s.handle(m.WriterStats({}), X1, 5.0, 5.0)
+    (to, st), = sends(s)
+    assert to == A and st.cached_blocks == 0
+    assert st.counters["prefix_resets"] == 1 and st.counters["prefix_reset_blocks"] == 2
+
+
 def test_stats_are_answered_without_a_silent_writer_once_its_wait_is_over():
     s, _ = make("prefill")
     s.handle(m.GetStats(), A, 5.0, 5.0)

@@ -257,6 +257,9 @@ def test_vllm_connector_settings_carry_the_secret_file():
     ("/health", "", "k1", True),  # probes and scrapers
     ("/metrics", "", "k1", True),
     ("/v1", "", "k1", True),  # not an API path (aiohttp answers 404)
+    ("/reset_prefix_cache", "", "k1", False),  # it changes every user's service
+    ("/reset_prefix_cache", "Bearer k1", "k1", True),
+    ("/reset_prefix_cache", "", "", True),
 ])
 def test_api_key_rule(path, header, key, ok):
     from pushkv.router.auth import authorized

@@ -78,7 +78,7 @@ class FakeScheduler(threading.Thread):
                     self.log.add(self.role, "recv", msg)
                     if isinstance(msg, m.Generate):
                         self.pending += [(ident, gate, reply) for gate, reply in self.script(msg)]
-                    elif isinstance(msg, m.GetStats) and self.stats is not None:
+                    elif isinstance(msg, (m.GetStats, m.ResetPrefixCache)) and self.stats is not None:
                         self.pending.append((ident, None, self.stats))
                 keep = []
                 for ident, gate, reply in self.pending:
