@@ -51,18 +51,6 @@ CLIENT_ABORT_STATUS = 499  # nginx's "client closed request"
 PARSE_THREADS = 4  # requests parsed at once off the event loop (tokenizing and grammars run in native code)
 
 
-def structured_warm() -> bool:
-    """xgrammar loaded and a grammar built once, where it is installed (the structured extra); False where not."""
-    try:
-        from pushkv.grammars import grammar_of
-        from pushkv.messages import Structured
-
-        grammar_of(Structured("regex", "a"))
-        return True
-    except ImportError:
-        return False
-
-
 class Router:
     def __init__(self, cfg: DeploymentConfig, tokenizer: Optional[text.Tokenizer] = None,
                  watcher: Optional[Watcher] = None, api_key: Optional[str] = None):
@@ -153,8 +141,6 @@ class Router:
         self._handlers_idle = asyncio.Event()
         self._handlers_idle.set()
         self.ctx = zmq.asyncio.Context()
-        # xgrammar loads (about 1.5 s) on a parse thread now, not in the first structured-output request's check
-        self._parse_pool.submit(structured_warm)
         # every socket of ours (scheduler links, control, the local watcher's SUB) caps what it
         # accepts at the deployment's largest legal message (pushkv.limits)
         self.ctx.setsockopt(zmq.MAXMSGSIZE, limits.msg_cap_bytes(self.cfg))

@@ -62,23 +62,3 @@ def test_a_parse_error_raised_on_a_parse_thread_is_the_same_400(tmp_path):
 
     asyncio.run(asyncio.wait_for(body(), 25))
 
-
-
-def test_xgrammar_loads_at_start_on_a_parse_thread_where_it_is_installed(monkeypatch):
-    """The router warms xgrammar on its parse threads as it starts, so the first structured-output request's check
-    does not wait about 1.5 s for it; without the structured extra the warm-up says so and nothing fails."""
-    import builtins
-
-    from pushkv.router import server
-
-    pytest.importorskip("xgrammar")
-    assert server.structured_warm() is True
-    real = builtins.__import__
-
-    def no_xgrammar(name, *args, **kwargs):
-        if name.startswith("xgrammar"):
-            raise ImportError("no xgrammar here")
-        return real(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_xgrammar)
-    assert server.structured_warm() is False
