@@ -104,25 +104,23 @@ class SchedulerLink:
 
     async def get_stats(self, timeout_s: float) -> Optional[m.Stats]:
         """Ask the scheduler for its Stats; None if it does not answer in time."""
-        fut = asyncio.get_running_loop().create_future()
-        self._stats_waiters.append(fut)
-        try:
-            if len(self._stats_waiters) == 1:  # one GetStats answers every waiting scrape
-                self.send(m.GetStats())
-            return await asyncio.wait_for(fut, timeout_s)
-        except (asyncio.TimeoutError, zmq.ZMQError):
-            return None
-        finally:
-            if fut in self._stats_waiters:
-                self._stats_waiters.remove(fut)
+        # one GetStats answers every waiting scrape
+        return await self._next_stats(timeout_s, lambda first: m.GetStats() if first else None)
 
     async def reset_prefix_cache(self, timeout_s: float) -> Optional[m.Stats]:
         """Ask the scheduler to forget its cached prefixes; its Stats after, None if it does not answer in time.
         (Any Stats answers: the reset went before, so no request sent after this reaches a cache it had.)"""
+        return await self._next_stats(timeout_s, lambda first: m.ResetPrefixCache())
+
+    async def _next_stats(self, timeout_s: float, ask: Callable[[bool], Optional[m.Msg]]) -> Optional[m.Stats]:
+        """Wait for the scheduler's next Stats, having sent ``ask(first)`` (first: no other waiter before this
+        one; None: send nothing); None if it does not answer in time."""
         fut = asyncio.get_running_loop().create_future()
         self._stats_waiters.append(fut)
         try:
-            self.send(m.ResetPrefixCache())
+            msg = ask(len(self._stats_waiters) == 1)
+            if msg is not None:
+                self.send(msg)
             return await asyncio.wait_for(fut, timeout_s)
         except (asyncio.TimeoutError, zmq.ZMQError):
             return None
