@@ -286,9 +286,13 @@ class BatchedForward:
         attn = torch.empty(T, p.q_heads, self.hd, device=self.device, dtype=m.dtype)
         places = ahead_places(T, m.tp_size)
         for layer, lw in enumerate(layers):
-            q = K.qk_norm_rope_store(linear(h, lw.qkv, lw.qkv_bias), p.q_heads, p.kv_heads, self.hd,
-                                     lw.q_norm, lw.k_norm, eps, rope[0], rope[1], rope[2], meta.slots,
-                                     pools[layer])
+            if linear is triton_gemv.linear:  # one launch for both where triton_gemv.ROPE_EPILOGUE is on
+                q = triton_gemv.qkv_rope(h, lw.qkv, lw.qkv_bias, p.q_heads, p.kv_heads, self.hd, lw.q_norm,
+                                         lw.k_norm, eps, rope[0], rope[1], rope[2], meta.slots, pools[layer])
+            else:
+                q = K.qk_norm_rope_store(linear(h, lw.qkv, lw.qkv_bias), p.q_heads, p.kv_heads, self.hd,
+                                         lw.q_norm, lw.k_norm, eps, rope[0], rope[1], rope[2], meta.slots,
+                                         pools[layer])
             if on_layer is not None:
                 on_layer(layer)
             if "o" in places:

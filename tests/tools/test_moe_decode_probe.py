@@ -17,9 +17,10 @@ pytest.importorskip("triton")
 
 from experiments import moe_decode_probe as probe  # noqa: E402
 from pushkv.model import batched  # noqa: E402
-from pushkv.model.kernels import chain, triton_gemv, triton_moe, triton_moe_decode, triton_moe_token, triton_paged  # noqa: E402
+from pushkv.model.kernels import (chain, triton_fused, triton_gemv, triton_moe, triton_moe_decode,  # noqa: E402
+                                   triton_moe_token, triton_paged)
 
-MODULES = (batched, chain, triton_gemv, triton_moe, triton_moe_decode, triton_moe_token, triton_paged)
+MODULES = (batched, chain, triton_fused, triton_gemv, triton_moe, triton_moe_decode, triton_moe_token, triton_paged)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -77,7 +78,8 @@ def _read(driver: _Driver) -> probe.Flags:
                        triton_moe_decode.ONE_LAUNCH, triton_moe_decode.PREFETCH_DOWN, batched.AHEAD_TOKENS,
                        batched.AHEAD, triton_moe.PREFETCH_OWN_TOKENS, triton_moe_decode.PREFETCH_OWN,
                        triton_paged.PREFETCH_KV, driver.now == driver.MOST, triton_moe.PERSISTENT_ONE_TOKEN,
-                       triton_moe_token.PER_SM)
+                       triton_moe_token.PER_SM, triton_fused.ROUTER_EARLY, triton_moe.RANK_ROUTE_ONE_TOKEN,
+                       triton_paged.MERGE_UNROLLED, triton_paged.EARLY_V, triton_gemv.ROPE_EPILOGUE)
 
 
 def test_every_variant_sets_existing_switches_to_its_values(restored):

@@ -28,6 +28,12 @@ from pushkv.model.kernels.chain import wait_prior
 from pushkv.model.kernels.triton_paged import _cache_strides
 
 
+# ``add_rms_router``'s programs load their router rows before they wait for the kernel before them (the o
+# projection), as the GEMVs load their weights; the same bits. Off until experiments/moe_decode_probe.py (variant
+# ``router_early``) has timed it on a GPU
+ROUTER_EARLY = False
+
+
 @triton.jit
 def _add_norm_row(X, Delta, W, row, n_cols, eps, HAS_DELTA: tl.constexpr, SLOTS: tl.constexpr, BLOCK: tl.constexpr):
     """Row ``row`` of X plus its SLOTS deltas, and that row's RMSNorm times W, both in X's dtype."""
@@ -82,18 +88,22 @@ def add_rms(x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, eps: f
 
 @triton.jit
 def _add_rms_router_kernel(X, Delta, W, Xout, H, R, Logits, n_cols, E, eps, BE: tl.constexpr, BLOCK: tl.constexpr,
-                           PDL: tl.constexpr):
+                           PDL: tl.constexpr, EARLY: tl.constexpr = False):
     # one token's row (every program of the row normalises it; the first stores it) and BE experts' logits
-    wait_prior(PDL)
-    row = tl.program_id(1).to(tl.int64)
     c = tl.arange(0, BLOCK)
     m = c < n_cols
+    e = tl.program_id(0) * BE + tl.arange(0, BE)
+    rows = R + e[:, None].to(tl.int64) * n_cols + c[None, :]
+    if EARLY:  # the router's rows are no kernel's output: loaded while the kernel before this one runs
+        w = tl.load(rows, mask=(e[:, None] < E) & m[None, :], other=0.0)
+    wait_prior(PDL)
+    row = tl.program_id(1).to(tl.int64)
     x, y = _add_norm_row(X, Delta, W, row, n_cols, eps, True, 1, BLOCK)
     if tl.program_id(0) == 0:
         tl.store(Xout + row * n_cols + c, x, mask=m)
         tl.store(H + row * n_cols + c, y, mask=m)
-    e = tl.program_id(0) * BE + tl.arange(0, BE)
-    w = tl.load(R + e[:, None].to(tl.int64) * n_cols + c[None, :], mask=(e[:, None] < E) & m[None, :], other=0.0)
+    if not EARLY:
+        w = tl.load(rows, mask=(e[:, None] < E) & m[None, :], other=0.0)
     logit = tl.sum(w.to(tl.float32) * y.to(tl.float32)[None, :], 1)
     tl.store(Logits + row * E + e, logit.to(Logits.dtype.element_ty), mask=e < E)
 
@@ -118,7 +128,7 @@ def add_rms_router(x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: f
         blk = triton.next_power_of_2(d)
         _add_rms_router_kernel[(triton.cdiv(E, experts_a_program), N)](
             x, delta, w, xo, h, router, logits, d, E, eps, BE=experts_a_program, BLOCK=blk,
-            num_warps=min(16, max(1, blk // 256)), **chain.launch(x))
+            num_warps=min(16, max(1, blk // 256)), EARLY=ROUTER_EARLY, **chain.launch(x))
     return xo, h, logits
 
 
@@ -130,8 +140,16 @@ def _qk_rope_store_kernel(QKV, QN, KN, Cos, Sin, Pos, Slots, Qout, cache, T,
     wait_prior(PDL)
     # one head of TB tokens a program
     t = (tl.program_id(0) * TB + tl.arange(0, TB)).to(tl.int64)
-    live = t < T
-    h = tl.program_id(1)
+    _rope_head(QKV, QN, KN, Cos, Sin, Pos, Slots, Qout, cache, t, t < T, tl.program_id(1), stride_row, stride_cos,
+               s_blk, s_plane, s_grp, s_head, s_slot, HG, U, eps, HQ, HK, D, HAS_NORM)
+
+
+@triton.jit
+def _rope_head(QKV, QN, KN, Cos, Sin, Pos, Slots, Qout, cache, t, live, h, stride_row, stride_cos,
+               s_blk, s_plane, s_grp, s_head, s_slot, HG, U, eps,
+               HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr):
+    """Head h of tokens t (where live) of the fused QKV rows: a q head normed and rotated into Qout, a k head normed,
+    rotated and stored into the cache with its v head."""
     half: tl.constexpr = D // 2
     i = tl.arange(0, half)
     base = QKV + t[:, None] * stride_row + h * D + i[None, :]
