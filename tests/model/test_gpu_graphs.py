@@ -132,7 +132,7 @@ def test_gpu_float32_tokens_with_moe_one_launch_or_prefetch_equal_transformers(c
 
         monkeypatch.setattr(triton_moe, "PERSISTENT_ONE_TOKEN", True)
         counted(triton_moe_token, "_moe_token_kernel")
-    elif flags == "small_all":  # the one-token step's small kernels made shorter (tests/model/test_decode_small_kernels)
+    elif flags == "small_all":  # the shorter small kernels (tests/model/test_decode_small_kernels.py)
         from pushkv.model.kernels import triton_fused, triton_gemv, triton_paged
 
         monkeypatch.setattr(triton_fused, "ROUTER_EARLY", True)

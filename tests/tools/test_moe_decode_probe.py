@@ -17,8 +17,15 @@ pytest.importorskip("triton")
 
 from experiments import moe_decode_probe as probe  # noqa: E402
 from pushkv.model import batched  # noqa: E402
-from pushkv.model.kernels import (chain, triton_fused, triton_gemv, triton_moe, triton_moe_decode,  # noqa: E402
-                                   triton_moe_token, triton_paged)
+from pushkv.model.kernels import (  # noqa: E402
+    chain,
+    triton_fused,
+    triton_gemv,
+    triton_moe,
+    triton_moe_decode,
+    triton_moe_token,
+    triton_paged,
+)
 
 MODULES = (batched, chain, triton_fused, triton_gemv, triton_moe, triton_moe_decode, triton_moe_token, triton_paged)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -27,7 +27,6 @@ from pushkv.model.kernels import chain
 from pushkv.model.kernels.chain import wait_prior
 from pushkv.model.kernels.triton_paged import _cache_strides
 
-
 # ``add_rms_router``'s programs load their router rows before they wait for the kernel before them (the o
 # projection), as the GEMVs load their weights; the same bits. Off until experiments/moe_decode_probe.py (variant
 # ``router_early``) has timed it on a GPU
