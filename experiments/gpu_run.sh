@@ -138,7 +138,7 @@ s.print_callees('_post_write|_prefill_done|on_ExpectKV|_poll_notifs')" 2>&1 | gr
     moesmall) # the one-token step's shorter small kernels: the probe's variants against the shipped step, then their
             # GPU tests (bits against the shipped kernels; Qwen3-MoE's and Mixtral's float32 tokens with all on)
             timeout 420 python3 -m experiments.moe_decode_probe --out "$OUT" --batches ${SMALL_BATCHES:-1,8} --reps ${REPS:-30} \
-              --variants ${SMALL_VARIANTS:-gemv1_2,router_early,rank_route,merge_unrolled,early_v,rope_epilogue,small_all} \
+              --variants ${SMALL_VARIANTS:-gemv1_2,router_early,rank_route,merge_unrolled,early_v,rope_epilogue,route_in_norm,small_all,small_all_norm} \
               2>&1 | tail -30
             timeout 170 python3 -m pytest -q -p no:cacheprovider tests/model/test_decode_small_kernels.py \
               tests/model/test_gpu_graphs.py -k "gpu_shorter or small_all" -rfE 2>&1 | tee "$OUT/small_tests.txt" | tail -4 ;;

@@ -50,7 +50,8 @@ Variants (each re-captures the graphs):
   decode merge's loads unrolled (``triton_paged.MERGE_UNROLLED``); ``early_v``: the decode attention's values
   asked with its keys (``triton_paged.EARLY_V``); ``rope_epilogue``: the one-token qkv GEMV doing each head's
   norm, RoPE and store by its last program, no launch of its own (``triton_gemv.ROPE_EPILOGUE``); ``small_all``:
-  all five.
+  all five; ``route_in_norm``: the one-token routing by rank done by ``add_rms_router``'s last program, no routing
+  launch (``triton_moe.ROUTE_IN_NORM``); ``small_all_norm``: that with the other four.
 
 ``--variants both,gemv1_2`` times only those.
 
@@ -125,6 +126,7 @@ class Flags(NamedTuple):
     merge_unrolled: bool = False  # triton_paged.MERGE_UNROLLED
     early_v: bool = False  # triton_paged.EARLY_V
     rope_epilogue: bool = False  # triton_gemv.ROPE_EPILOGUE
+    route_in_norm: bool = False  # triton_moe.ROUTE_IN_NORM
 
 
 # the shipped step (``gemv1_2``); the key-tile prefetch is on since 2026-12-05's run (``ahead_kv``: the same step,
@@ -172,6 +174,9 @@ VARIANTS = {"before": Flags(False, 0, "grouped", 0, 8), "router": Flags(False, 1
             "rope_epilogue": SHIPPED._replace(rope_epilogue=True),
             "small_all": SHIPPED._replace(router_early=True, rank_route=True, merge_unrolled=True, early_v=True,
                                           rope_epilogue=True),
+            "route_in_norm": SHIPPED._replace(route_in_norm=True),
+            "small_all_norm": SHIPPED._replace(router_early=True, merge_unrolled=True, early_v=True,
+                                               rope_epilogue=True, route_in_norm=True),
             "own_all_kv": _OWN_ALL._replace(prefetch_kv=True),
             "prefetch_down_l2": SHIPPED._replace(prefetch_down_tokens=8, l2_set_aside=True),
             "own_all_l2": _OWN_ALL._replace(l2_set_aside=True),
@@ -190,12 +195,13 @@ PAIRS = (("router", "before"), ("ungrouped", "both"), ("gemv", "both"), ("gemv1_
          ("one_launch_all_l2", "one_launch_all"), ("persistent", "gemv1_2"), ("persistent_1", "persistent"),
          ("persistent_2", "persistent"), ("persistent_4", "persistent"), ("router_early", "gemv1_2"),
          ("rank_route", "gemv1_2"), ("merge_unrolled", "gemv1_2"), ("early_v", "gemv1_2"),
-         ("rope_epilogue", "gemv1_2"), ("small_all", "gemv1_2"))
+         ("rope_epilogue", "gemv1_2"), ("small_all", "gemv1_2"), ("route_in_norm", "gemv1_2"),
+         ("small_all_norm", "gemv1_2"))
 
 # the variants whose batch-1 replay is profiled kernel by kernel, where they are timed
 PROFILED = ("before", "both", "gemv", "gemv1_2", "self_route_merge", "down_gemv_8", "prefetch_down", "one_launch",
             "one_launch_prefetch", "ahead_o_sum", "ahead_all", "own", "own_all", "one_launch_own", "one_launch_all",
-            "own_all_kv", "own_all_l2", "persistent", "small_all")
+            "own_all_kv", "own_all_l2", "persistent", "small_all", "small_all_norm")
 
 
 def set_variant(fwd, name: str) -> int:
@@ -214,6 +220,7 @@ def set_variant(fwd, name: str) -> int:
     triton_moe.PERSISTENT_ONE_TOKEN, triton_moe_token.PER_SM = f.persistent, f.persistent_per_sm
     triton_moe_token._GRID.clear()  # sized again at this variant's programs an SM
     triton_fused.ROUTER_EARLY, triton_moe.RANK_ROUTE_ONE_TOKEN = f.router_early, f.rank_route
+    triton_moe.ROUTE_IN_NORM = f.route_in_norm
     triton_paged.MERGE_UNROLLED, triton_paged.EARLY_V, triton_gemv.ROPE_EPILOGUE = (f.merge_unrolled, f.early_v,
                                                                                     f.rope_epilogue)
     fwd.drop_graphs()  # captured with the last variant's launches

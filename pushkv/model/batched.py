@@ -273,7 +273,7 @@ class BatchedForward:
 
     def _layers_fused(self, meta, pools, splits, scratch, on_layer, rope) -> torch.Tensor:
         """Every layer with the fused Triton kernels: ~9 launches a layer."""
-        from pushkv.model.kernels import prefetch, triton_gemv
+        from pushkv.model.kernels import prefetch, triton_gemv, triton_moe
         from pushkv.model.kernels import triton_fused as K
         from pushkv.model.kernels.triton_moe import FUSED_ROUTE_TOKENS
 
@@ -302,10 +302,15 @@ class BatchedForward:
             nxt_qkv = layers[layer + 1].qkv if layer + 1 < len(layers) else None
             if lw.router is not None and 0 < T <= min(ROUTER_IN_NORM_TOKENS, FUSED_ROUTE_TOKENS):
                 # MoE, a decode step: the router's logits made with the norm, one launch less
-                x, h, logits = K.add_rms_router(x, o, lw.post_norm, eps, lw.router)
+                route = triton_moe.route_in_norm(T, cfg.experts_per_token, cfg.norm_topk_prob, x.element_size())
+                routing = None
+                if route is not None:  # and the routing, in its last program
+                    x, h, logits, routing = K.add_rms_router(x, o, lw.post_norm, eps, lw.router, route=route)
+                else:
+                    x, h, logits = K.add_rms_router(x, o, lw.post_norm, eps, lw.router)
                 if "qkv_route" in places and nxt_qkv is not None:
                     prefetch.ahead(nxt_qkv, self.sms)
-                delta = m.mlp_delta(lw, h, summed=False, logits=logits)
+                delta = m.mlp_delta(lw, h, summed=False, logits=logits, routing=routing)
             elif lw.router is not None:  # MoE: the grouped Triton kernels (kernels/triton_moe.py), whose
                 x, h = K.add_rms(x, o, lw.post_norm, eps)
                 delta = m.mlp_delta(lw, h, summed=False)  # k experts a token add_rms sums

@@ -8,7 +8,9 @@ GPU.
   stores it) against the GEMV and ``qk_norm_rope_store``: q and the whole cache, the counters left zero, twice
   (and on a GPU in a CUDA graph replayed twice);
 - ``triton_paged.MERGE_UNROLLED`` and ``EARLY_V``: the split decode attention against the shipped launches;
-- ``triton_fused.ROUTER_EARLY``: ``add_rms_router`` with its router rows loaded before the wait.
+- ``triton_fused.ROUTER_EARLY``: ``add_rms_router`` with its router rows loaded before the wait;
+- ``triton_moe.ROUTE_IN_NORM``: ``add_rms_router``'s last program routing the token, against its logits routed by
+  ``_route_group_kernel``, twice.
 """
 from __future__ import annotations
 
@@ -138,6 +140,22 @@ for d, E, dtype in args["router"]:
         assert same(a, b), (d, E, dtype)
     checked["router"] = checked.get("router", 0) + 1
 triton_fused.ROUTER_EARLY = False
+
+# 5. the routing made by add_rms_router's last program, twice (the counter left zero)
+for d, E, k, renorm, dtype in args["norm_route"]:
+    dt = getattr(torch, dtype)
+    torch.manual_seed(d + E + k)
+    x, delta = torch.randn(1, d, device=dev).to(dt), torch.randn(1, d, device=dev).to(dt)
+    nw, router = torch.randn(d, device=dev).to(dt), torch.randn(E, d, device=dev).to(dt)
+    xo, h, logits = triton_fused.add_rms_router(x, delta, nw, 1e-6, router)
+    want = triton_moe.group_logits(logits, k, renorm, 16)
+    for _ in range(2):
+        got = triton_fused.add_rms_router(x, delta, nw, 1e-6, router, route=triton_moe.NormRoute(k, renorm, 16))
+        assert all(same(a, b) for a, b in zip(got[:3], (xo, h, logits))), (d, E, k, renorm, dtype)
+        for name, a, b in zip(("weights", "experts", "slot ids", "block experts"), got[3], want):
+            assert same(a, b), (d, E, k, renorm, dtype, name, a, b)
+        assert not triton_fused._COUNTERS[dev].any()
+    checked["norm_route"] = checked.get("norm_route", 0) + 1
 print("ok", json.dumps(checked))
 """
 
@@ -160,8 +178,9 @@ def test_shorter_decode_kernels_give_the_shipped_bits_under_the_interpreter():
                     "route": [[128, 8, True, "float32"], [60, 4, False, "bfloat16"], [8, 2, True, "float32"]],
                     "rope": [[4, 2, 32, 64, True, False, "float32"], [2, 1, 64, 32, False, True, "bfloat16"]],
                     "attn": [[4, 3, "float32"], [1, 16, "float32"]],
-                    "router": [[64, 8, "float32"]]})
-    assert checked == {"route": 9, "rope": 2, "attn": 2, "router": 1}
+                    "router": [[64, 8, "float32"]],
+                    "norm_route": [[64, 16, 4, True, "float32"], [32, 8, 2, False, "bfloat16"]]})
+    assert checked == {"route": 9, "rope": 2, "attn": 2, "router": 1, "norm_route": 2}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -173,6 +192,9 @@ def test_gpu_shorter_decode_kernels_give_the_shipped_bits():
     rope = [[32, 4, 128, 2048, True, False, dt] for dt in ("bfloat16", "float32")] + [
         [28, 4, 128, 1024, False, True, "bfloat16"], [8, 2, 64, 512, True, True, "float32"]]
     attn = [[G, s, dt] for G in (8, 1) for s in (2, 16) for dt in ("bfloat16", "float32")]
+    norm_route = [[2048, 128, 8, True, "bfloat16"], [2048, 128, 8, False, "float32"], [1024, 60, 4, True, "bfloat16"],
+                  [512, 8, 2, True, "float32"]]
     checked = _run({"device": "cuda", "d": 128, "route": route, "rope": rope, "attn": attn,
-                    "router": [[2048, 128, "bfloat16"], [1024, 60, "float32"]]})
-    assert checked == {"route": 3 * len(route), "rope": len(rope), "attn": len(attn), "router": 2}
+                    "router": [[2048, 128, "bfloat16"], [1024, 60, "float32"]], "norm_route": norm_route})
+    assert checked == {"route": 3 * len(route), "rope": len(rope), "attn": len(attn), "router": 2,
+                       "norm_route": len(norm_route)}

@@ -13,6 +13,8 @@ one launch each:
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from pushkv.extras import missing
@@ -25,6 +27,7 @@ except ModuleNotFoundError as e:  # a CUDA torch build without Triton
 
 from pushkv.model.kernels import chain
 from pushkv.model.kernels.chain import wait_prior
+from pushkv.model.kernels.triton_moe import NormRoute, _route_one, routing_tables
 from pushkv.model.kernels.triton_paged import _cache_strides
 
 # ``add_rms_router``'s programs load their router rows before they wait for the kernel before them (the o
@@ -87,7 +90,10 @@ def add_rms(x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, eps: f
 
 @triton.jit
 def _add_rms_router_kernel(X, Delta, W, Xout, H, R, Logits, n_cols, E, eps, BE: tl.constexpr, BLOCK: tl.constexpr,
-                           PDL: tl.constexpr, EARLY: tl.constexpr = False):
+                           PDL: tl.constexpr, EARLY: tl.constexpr = False, ROUTE: tl.constexpr = False,
+                           Counter=None, Weights=None, Experts=None, SlotIds=None, BlockExpert=None, n_rows=0,
+                           max_blocks=0, K: tl.constexpr = 1, RENORM: tl.constexpr = False, BM: tl.constexpr = 16,
+                           EP: tl.constexpr = 1, KP: tl.constexpr = 1, FILL: tl.constexpr = 256):
     # one token's row (every program of the row normalises it; the first stores it) and BE experts' logits
     c = tl.arange(0, BLOCK)
     m = c < n_cols
@@ -105,16 +111,30 @@ def _add_rms_router_kernel(X, Delta, W, Xout, H, R, Logits, n_cols, E, eps, BE: 
         w = tl.load(rows, mask=(e[:, None] < E) & m[None, :], other=0.0)
     logit = tl.sum(w.to(tl.float32) * y.to(tl.float32)[None, :], 1)
     tl.store(Logits + row * E + e, logit.to(Logits.dtype.element_ty), mask=e < E)
+    if ROUTE:  # one token: the last program to store its logits routes it (``triton_moe.route_in_norm``)
+        # every thread's stores issued before the one atomic, whose release publishes them and whose acquire, in the
+        # last program, makes the others' visible to it
+        tl.debug_barrier()
+        arrived = tl.atomic_add(Counter, 1, sem="acq_rel")
+        if arrived == tl.num_programs(0) - 1:
+            tl.atomic_xchg(Counter, 0, sem="relaxed")  # zero for the next launch: the kernel boundary orders it
+            _route_one(Logits, Weights, Experts, SlotIds, BlockExpert, E, n_rows, max_blocks, K, RENORM, BM, EP, KP,
+                       FILL)
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
 def add_rms_router(x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: float, router: torch.Tensor,
-                   experts_a_program: int = 2):
+                   experts_a_program: int = 2, route: Optional[NormRoute] = None):
     """(x + delta, h = rms_norm(x + delta) * w, the router's logits of h) in one launch, for an MoE layer of
     a decode step: x, delta [N, d] contiguous, router [E, d] contiguous -> logits [N, E] in x's dtype, each
     a float32 dot of h (rounded) and the expert's row, rounded once (as ``F.linear`` rounds). One program a
     token and ``experts_a_program`` experts (64 programs of 8 KB at Qwen3-30B-A3B's 128): the router's
     matmul as its own launch took 5.0 us of an ~80 us layer at one token on an H200
-    (docs/results/2026-12-03-moe-decode-launches). Taken where ``batched.ROUTER_IN_NORM_TOKENS`` says."""
+    (docs/results/2026-12-03-moe-decode-launches). Taken where ``batched.ROUTER_IN_NORM_TOKENS`` says.
+    ``route`` (one token, ``triton_moe.route_in_norm``): its last program also routes the token, and a fourth value
+    comes back, the routing tables for ``triton_moe.moe_mlp``'s ``routing``."""
     N, d = x.shape
     E = router.shape[0]
     if delta.shape != x.shape or not delta.is_contiguous() or router.shape[1] != d or not router.is_contiguous():
@@ -123,11 +143,24 @@ def add_rms_router(x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: f
     h = torch.empty_like(x)
     xo = torch.empty_like(x)
     logits = torch.empty((N, E), dtype=x.dtype, device=x.device)
+    routed: dict = {}
+    tables = None
+    if route is not None:
+        if N != 1:
+            raise ValueError(f"add_rms_router routes one token, not {N}")
+        tables, args = routing_tables(logits, route)
+        counter = _COUNTERS.get(x.device)
+        if counter is None:  # zero, and each launch leaves it zero (a device's steps run one at a time)
+            counter = _COUNTERS[x.device] = torch.zeros(1, dtype=torch.int32, device=x.device)
+        routed = dict(ROUTE=True, Counter=counter, Weights=tables[0], Experts=tables[1], SlotIds=tables[2],
+                      BlockExpert=tables[3], **args)
     if N:
         blk = triton.next_power_of_2(d)
         _add_rms_router_kernel[(triton.cdiv(E, experts_a_program), N)](
             x, delta, w, xo, h, router, logits, d, E, eps, BE=experts_a_program, BLOCK=blk,
-            num_warps=min(16, max(1, blk // 256)), EARLY=ROUTER_EARLY, **chain.launch(x))
+            num_warps=min(16, max(1, blk // 256)), EARLY=ROUTER_EARLY, **routed, **chain.launch(x))
+    if route is not None:
+        return xo, h, logits, tables
     return xo, h, logits
 
 
