@@ -44,14 +44,11 @@ Variants (each re-captures the graphs):
   evict-last lines (``cuda_driver.persisting_l2``). CUDA gives persisting lines their priority within that
   set-aside, which starts at 0; these variants tell whether the evict-last asks (the down weights, the weights
   ahead) need it to outlast the expert weights streaming past before they are read;
-- ``router_early``: the shipped step with ``add_rms_router``'s programs loading their router rows before they wait
-  (``triton_fused.ROUTER_EARLY``); ``rank_route``: a one-token step routed and grouped by ``_route_one_kernel``
-  (``triton_moe.RANK_ROUTE_ONE_TOKEN``: the choices by rank, the tables from registers); ``merge_unrolled``: the
-  decode merge's loads unrolled (``triton_paged.MERGE_UNROLLED``); ``early_v``: the decode attention's values
-  asked with its keys (``triton_paged.EARLY_V``); ``rope_epilogue``: the one-token qkv GEMV doing each head's
-  norm, RoPE and store by its last program, no launch of its own (``triton_gemv.ROPE_EPILOGUE``); ``small_all``:
-  all five; ``route_in_norm``: the one-token routing by rank done by ``add_rms_router``'s last program, no routing
-  launch (``triton_moe.ROUTE_IN_NORM``); ``small_all_norm``: that with the other four.
+- ``router_late``: the shipped step with ``add_rms_router``'s programs loading their router rows after they wait
+  (``triton_fused.ROUTER_EARLY`` off, as before 2026-12-05's run); ``consts_early``: the shipped step with the
+  q/k norm and RoPE kernel reading its norm weights, positions, cos/sin rows and slots before its wait, and the
+  decode merge its tables (``triton_fused.CONSTS_EARLY``, ``triton_paged.CONSTS_EARLY``). Four more one-token
+  changes were timed on 2026-12-05 and taken out (docs/results/2026-12-05-small-kernels).
 
 ``--variants both,gemv1_2`` times only those.
 
@@ -122,16 +119,12 @@ class Flags(NamedTuple):
     persistent: bool = False  # triton_moe.PERSISTENT_ONE_TOKEN
     persistent_per_sm: int = 3  # triton_moe_token.PER_SM
     router_early: bool = False  # triton_fused.ROUTER_EARLY
-    rank_route: bool = False  # triton_moe.RANK_ROUTE_ONE_TOKEN
-    merge_unrolled: bool = False  # triton_paged.MERGE_UNROLLED
-    early_v: bool = False  # triton_paged.EARLY_V
-    rope_epilogue: bool = False  # triton_gemv.ROPE_EPILOGUE
-    route_in_norm: bool = False  # triton_moe.ROUTE_IN_NORM
+    consts_early: bool = False  # triton_fused.CONSTS_EARLY and triton_paged.CONSTS_EARLY
 
 
 # the shipped step (``gemv1_2``); the key-tile prefetch is on since 2026-12-05's run (``ahead_kv``: the same step,
 # kept under its name; ``no_kv``: without it)
-SHIPPED = Flags(True, 16, "grouped", 1, 2, prefetch_kv=True)
+SHIPPED = Flags(True, 16, "grouped", 1, 2, prefetch_kv=True, router_early=True)
 _UNGROUPED = SHIPPED._replace(moe_decode="ungrouped")
 _OWN_ALL = SHIPPED._replace(prefetch_down_tokens=8, ahead_tokens=8, ahead=frozenset({"o", "qkv_sum"}),
                             prefetch_own_tokens=8)
@@ -169,14 +162,7 @@ VARIANTS = {"before": Flags(False, 0, "grouped", 0, 8), "router": Flags(False, 1
             "persistent_2": SHIPPED._replace(persistent=True, persistent_per_sm=2),
             "persistent_4": SHIPPED._replace(persistent=True, persistent_per_sm=4),
             "no_kv": SHIPPED._replace(prefetch_kv=False),
-            "router_early": SHIPPED._replace(router_early=True), "rank_route": SHIPPED._replace(rank_route=True),
-            "merge_unrolled": SHIPPED._replace(merge_unrolled=True), "early_v": SHIPPED._replace(early_v=True),
-            "rope_epilogue": SHIPPED._replace(rope_epilogue=True),
-            "small_all": SHIPPED._replace(router_early=True, rank_route=True, merge_unrolled=True, early_v=True,
-                                          rope_epilogue=True),
-            "route_in_norm": SHIPPED._replace(route_in_norm=True),
-            "small_all_norm": SHIPPED._replace(router_early=True, merge_unrolled=True, early_v=True,
-                                               rope_epilogue=True, route_in_norm=True),
+            "router_late": SHIPPED._replace(router_early=False), "consts_early": SHIPPED._replace(consts_early=True),
             "own_all_kv": _OWN_ALL._replace(prefetch_kv=True),
             "prefetch_down_l2": SHIPPED._replace(prefetch_down_tokens=8, l2_set_aside=True),
             "own_all_l2": _OWN_ALL._replace(l2_set_aside=True),
@@ -193,15 +179,13 @@ PAIRS = (("router", "before"), ("ungrouped", "both"), ("gemv", "both"), ("gemv1_
          ("one_launch_own", "ungrouped1"), ("one_launch_all", "ungrouped1"), ("ahead_kv", "no_kv"),
          ("own_all_kv", "gemv1_2"), ("prefetch_down_l2", "prefetch_down"), ("own_all_l2", "own_all"),
          ("one_launch_all_l2", "one_launch_all"), ("persistent", "gemv1_2"), ("persistent_1", "persistent"),
-         ("persistent_2", "persistent"), ("persistent_4", "persistent"), ("router_early", "gemv1_2"),
-         ("rank_route", "gemv1_2"), ("merge_unrolled", "gemv1_2"), ("early_v", "gemv1_2"),
-         ("rope_epilogue", "gemv1_2"), ("small_all", "gemv1_2"), ("route_in_norm", "gemv1_2"),
-         ("small_all_norm", "gemv1_2"))
+         ("persistent_2", "persistent"), ("persistent_4", "persistent"), ("router_late", "gemv1_2"),
+         ("consts_early", "gemv1_2"))
 
 # the variants whose batch-1 replay is profiled kernel by kernel, where they are timed
 PROFILED = ("before", "both", "gemv", "gemv1_2", "self_route_merge", "down_gemv_8", "prefetch_down", "one_launch",
             "one_launch_prefetch", "ahead_o_sum", "ahead_all", "own", "own_all", "one_launch_own", "one_launch_all",
-            "own_all_kv", "own_all_l2", "persistent", "small_all", "small_all_norm")
+            "own_all_kv", "own_all_l2", "persistent", "consts_early")
 
 
 def set_variant(fwd, name: str) -> int:
@@ -219,10 +203,8 @@ def set_variant(fwd, name: str) -> int:
     batched.AHEAD_TOKENS, batched.AHEAD = f.ahead_tokens, f.ahead
     triton_moe.PERSISTENT_ONE_TOKEN, triton_moe_token.PER_SM = f.persistent, f.persistent_per_sm
     triton_moe_token._GRID.clear()  # sized again at this variant's programs an SM
-    triton_fused.ROUTER_EARLY, triton_moe.RANK_ROUTE_ONE_TOKEN = f.router_early, f.rank_route
-    triton_moe.ROUTE_IN_NORM = f.route_in_norm
-    triton_paged.MERGE_UNROLLED, triton_paged.EARLY_V, triton_gemv.ROPE_EPILOGUE = (f.merge_unrolled, f.early_v,
-                                                                                    f.rope_epilogue)
+    triton_fused.ROUTER_EARLY = f.router_early
+    triton_fused.CONSTS_EARLY = triton_paged.CONSTS_EARLY = f.consts_early
     fwd.drop_graphs()  # captured with the last variant's launches
     if not torch.cuda.is_available():
         return 0

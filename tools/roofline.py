@@ -115,11 +115,11 @@ def chosen_experts(model, run) -> list[int]:
     real = model.mlp_delta
     cfg = model.cfg
 
-    def counting(lw, h, *args, **kwargs):
+    def counting(lw, h, summed: bool = True, logits=None):
         if lw.router is not None:
             picked = route(h, lw.router, cfg.experts_per_token, cfg.norm_topk_prob)[1]
             chosen.setdefault(id(lw), set()).update(picked.flatten().tolist())
-        return real(lw, h, *args, **kwargs)
+        return real(lw, h, summed, logits)
 
     model.mlp_delta = counting
     try:

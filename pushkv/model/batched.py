@@ -273,7 +273,7 @@ class BatchedForward:
 
     def _layers_fused(self, meta, pools, splits, scratch, on_layer, rope) -> torch.Tensor:
         """Every layer with the fused Triton kernels: ~9 launches a layer."""
-        from pushkv.model.kernels import prefetch, triton_gemv, triton_moe
+        from pushkv.model.kernels import prefetch, triton_gemv
         from pushkv.model.kernels import triton_fused as K
         from pushkv.model.kernels.triton_moe import FUSED_ROUTE_TOKENS
 
@@ -286,13 +286,9 @@ class BatchedForward:
         attn = torch.empty(T, p.q_heads, self.hd, device=self.device, dtype=m.dtype)
         places = ahead_places(T, m.tp_size)
         for layer, lw in enumerate(layers):
-            if linear is triton_gemv.linear:  # one launch for both where triton_gemv.ROPE_EPILOGUE is on
-                q = triton_gemv.qkv_rope(h, lw.qkv, lw.qkv_bias, p.q_heads, p.kv_heads, self.hd, lw.q_norm,
-                                         lw.k_norm, eps, rope[0], rope[1], rope[2], meta.slots, pools[layer])
-            else:
-                q = K.qk_norm_rope_store(linear(h, lw.qkv, lw.qkv_bias), p.q_heads, p.kv_heads, self.hd,
-                                         lw.q_norm, lw.k_norm, eps, rope[0], rope[1], rope[2], meta.slots,
-                                         pools[layer])
+            q = K.qk_norm_rope_store(linear(h, lw.qkv, lw.qkv_bias), p.q_heads, p.kv_heads, self.hd,
+                                     lw.q_norm, lw.k_norm, eps, rope[0], rope[1], rope[2], meta.slots,
+                                     pools[layer])
             if on_layer is not None:
                 on_layer(layer)
             if "o" in places:
@@ -302,15 +298,10 @@ class BatchedForward:
             nxt_qkv = layers[layer + 1].qkv if layer + 1 < len(layers) else None
             if lw.router is not None and 0 < T <= min(ROUTER_IN_NORM_TOKENS, FUSED_ROUTE_TOKENS):
                 # MoE, a decode step: the router's logits made with the norm, one launch less
-                route = triton_moe.route_in_norm(T, cfg.experts_per_token, cfg.norm_topk_prob, x.element_size())
-                routing = None
-                if route is not None:  # and the routing, in its last program
-                    x, h, logits, routing = K.add_rms_router(x, o, lw.post_norm, eps, lw.router, route=route)
-                else:
-                    x, h, logits = K.add_rms_router(x, o, lw.post_norm, eps, lw.router)
+                x, h, logits = K.add_rms_router(x, o, lw.post_norm, eps, lw.router)
                 if "qkv_route" in places and nxt_qkv is not None:
                     prefetch.ahead(nxt_qkv, self.sms)
-                delta = m.mlp_delta(lw, h, summed=False, logits=logits, routing=routing)
+                delta = m.mlp_delta(lw, h, summed=False, logits=logits)
             elif lw.router is not None:  # MoE: the grouped Triton kernels (kernels/triton_moe.py), whose
                 x, h = K.add_rms(x, o, lw.post_norm, eps)
                 delta = m.mlp_delta(lw, h, summed=False)  # k experts a token add_rms sums

@@ -43,7 +43,7 @@ class MLAModel(Model):
         self.rope_dim = cfg.qk_rope_dim
         self.attn_scale = cfg.attn_scale or None
 
-    def mlp_delta(self, lw, h: torch.Tensor, summed: bool = True, logits=None, routing=None) -> torch.Tensor:
+    def mlp_delta(self, lw, h: torch.Tensor, summed: bool = True, logits=None) -> torch.Tensor:
         """A DeepSeek MoE layer: the routed experts (``moe.route_grouped``; on CUDA through the grouped Triton
         kernels, ``triton_moe.moe_routed``) plus the shared experts; a dense layer as any model's."""
         if lw.router is None:

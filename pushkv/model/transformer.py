@@ -192,12 +192,12 @@ class Model:
         return x + self.mlp_delta(lw, rms_norm(x, lw.post_norm, self.cfg.rms_eps))
 
     def mlp_delta(self, lw: LayerWeights, h: torch.Tensor, summed: bool = True,
-                  logits: Optional[torch.Tensor] = None, routing: Optional[tuple] = None) -> torch.Tensor:
+                  logits: Optional[torch.Tensor] = None) -> torch.Tensor:
         """What the MLP (dense SwiGLU, or the routed experts) adds to the residual; h normed.
         ``summed`` False: an MoE layer on the GPU at TP 1 may give its tokens' k experts unsummed,
         [T, k, d], for ``triton_fused.add_rms`` to sum in the residual add (one launch less).
         ``logits``: an MoE layer's router logits of h on the GPU, made with the norm
-        (``triton_fused.add_rms_router``), and ``routing`` the tables it routed them to where it did."""
+        (``triton_fused.add_rms_router``)."""
         if lw.router is not None:
             shared = getattr(lw, "shared_gate_up", None) is not None
             if h.is_cuda:  # the Triton kernels, no host sync (kernels/triton_moe.py)
@@ -205,7 +205,7 @@ class Model:
 
                 out = triton_moe.moe_mlp(h, lw.router, lw.gate_up, lw.down, self.cfg.experts_per_token,
                                          self.cfg.norm_topk_prob, summed=summed or self.tp_size > 1 or shared,
-                                         logits=logits, routing=routing)
+                                         logits=logits)
             else:
                 out = moe_mlp(h, lw.router, lw.gate_up, lw.down, self.cfg.experts_per_token,
                               self.cfg.norm_topk_prob)

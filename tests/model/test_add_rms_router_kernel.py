@@ -74,11 +74,11 @@ model = build_model(preset("tiny", architecture="Qwen3MoeForCausalLM", num_exper
 model.enable_batched(max_num_seqs=8, use_graphs=False)
 cfg, fwd, real = model.cfg, model.batched, model.mlp_delta
 if dev == "cpu":  # the experts' Triton kernels, as on a GPU (mlp_delta takes torch's on the CPU)
-    def triton_delta(lw, h, summed=True, logits=None, routing=None):
+    def triton_delta(lw, h, summed=True, logits=None):
         if lw.router is None:
             return real(lw, h, summed, logits)
         return triton_moe.moe_mlp(h, lw.router, lw.gate_up, lw.down, cfg.experts_per_token, cfg.norm_topk_prob,
-                                  summed=summed, logits=logits, routing=routing)
+                                  summed=summed, logits=logits)
     model.mlp_delta = triton_delta
     fwd.fused = True
 step, pool = decode_step(model, dev)

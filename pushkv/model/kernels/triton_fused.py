@@ -13,8 +13,6 @@ one launch each:
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from pushkv.extras import missing
@@ -27,13 +25,17 @@ except ModuleNotFoundError as e:  # a CUDA torch build without Triton
 
 from pushkv.model.kernels import chain
 from pushkv.model.kernels.chain import wait_prior
-from pushkv.model.kernels.triton_moe import NormRoute, _route_one, routing_tables
 from pushkv.model.kernels.triton_paged import _cache_strides
 
 # ``add_rms_router``'s programs load their router rows before they wait for the kernel before them (the o
-# projection), as the GEMVs load their weights; the same bits. Off until experiments/moe_decode_probe.py (variant
-# ``router_early``) has timed it on a GPU
-ROUTER_EARLY = False
+# projection), as the GEMVs load their weights; the same bits. On: on an H100 Qwen3-30B-A3B's batch-1 decode step
+# went 3.382 -> 3.356 ms, batch 8 10.625 -> 10.596 (experiments/moe_decode_probe.py, variant ``router_early``;
+# docs/results/2026-12-05-small-kernels)
+ROUTER_EARLY = True
+# ``qk_norm_rope_store``'s programs read the norm weights, positions and cos/sin rows before they wait for the
+# projection (the decode merge its tables likewise: ``triton_paged.CONSTS_EARLY``); the same bits. Off until
+# experiments/moe_decode_probe.py (variant ``consts_early``) has timed it on a GPU
+CONSTS_EARLY = False
 
 
 @triton.jit
@@ -90,10 +92,7 @@ def add_rms(x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, eps: f
 
 @triton.jit
 def _add_rms_router_kernel(X, Delta, W, Xout, H, R, Logits, n_cols, E, eps, BE: tl.constexpr, BLOCK: tl.constexpr,
-                           PDL: tl.constexpr, EARLY: tl.constexpr = False, ROUTE: tl.constexpr = False,
-                           Counter=None, Weights=None, Experts=None, SlotIds=None, BlockExpert=None, n_rows=0,
-                           max_blocks=0, K: tl.constexpr = 1, RENORM: tl.constexpr = False, BM: tl.constexpr = 16,
-                           EP: tl.constexpr = 1, KP: tl.constexpr = 1, FILL: tl.constexpr = 256):
+                           PDL: tl.constexpr, EARLY: tl.constexpr = False):
     # one token's row (every program of the row normalises it; the first stores it) and BE experts' logits
     c = tl.arange(0, BLOCK)
     m = c < n_cols
@@ -111,30 +110,16 @@ def _add_rms_router_kernel(X, Delta, W, Xout, H, R, Logits, n_cols, E, eps, BE: 
         w = tl.load(rows, mask=(e[:, None] < E) & m[None, :], other=0.0)
     logit = tl.sum(w.to(tl.float32) * y.to(tl.float32)[None, :], 1)
     tl.store(Logits + row * E + e, logit.to(Logits.dtype.element_ty), mask=e < E)
-    if ROUTE:  # one token: the last program to store its logits routes it (``triton_moe.route_in_norm``)
-        # every thread's stores issued before the one atomic, whose release publishes them and whose acquire, in the
-        # last program, makes the others' visible to it
-        tl.debug_barrier()
-        arrived = tl.atomic_add(Counter, 1, sem="acq_rel")
-        if arrived == tl.num_programs(0) - 1:
-            tl.atomic_xchg(Counter, 0, sem="relaxed")  # zero for the next launch: the kernel boundary orders it
-            _route_one(Logits, Weights, Experts, SlotIds, BlockExpert, E, n_rows, max_blocks, K, RENORM, BM, EP, KP,
-                       FILL)
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
 def add_rms_router(x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: float, router: torch.Tensor,
-                   experts_a_program: int = 2, route: Optional[NormRoute] = None):
+                   experts_a_program: int = 2):
     """(x + delta, h = rms_norm(x + delta) * w, the router's logits of h) in one launch, for an MoE layer of
     a decode step: x, delta [N, d] contiguous, router [E, d] contiguous -> logits [N, E] in x's dtype, each
     a float32 dot of h (rounded) and the expert's row, rounded once (as ``F.linear`` rounds). One program a
     token and ``experts_a_program`` experts (64 programs of 8 KB at Qwen3-30B-A3B's 128): the router's
     matmul as its own launch took 5.0 us of an ~80 us layer at one token on an H200
-    (docs/results/2026-12-03-moe-decode-launches). Taken where ``batched.ROUTER_IN_NORM_TOKENS`` says.
-    ``route`` (one token, ``triton_moe.route_in_norm``): its last program also routes the token, and a fourth value
-    comes back, the routing tables for ``triton_moe.moe_mlp``'s ``routing``."""
+    (docs/results/2026-12-03-moe-decode-launches). Taken where ``batched.ROUTER_IN_NORM_TOKENS`` says."""
     N, d = x.shape
     E = router.shape[0]
     if delta.shape != x.shape or not delta.is_contiguous() or router.shape[1] != d or not router.is_contiguous():
@@ -143,67 +128,63 @@ def add_rms_router(x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: f
     h = torch.empty_like(x)
     xo = torch.empty_like(x)
     logits = torch.empty((N, E), dtype=x.dtype, device=x.device)
-    routed: dict = {}
-    tables = None
-    if route is not None:
-        if N != 1:
-            raise ValueError(f"add_rms_router routes one token, not {N}")
-        tables, args = routing_tables(logits, route)
-        counter = _COUNTERS.get(x.device)
-        if counter is None:  # zero, and each launch leaves it zero (a device's steps run one at a time)
-            counter = _COUNTERS[x.device] = torch.zeros(1, dtype=torch.int32, device=x.device)
-        routed = dict(ROUTE=True, Counter=counter, Weights=tables[0], Experts=tables[1], SlotIds=tables[2],
-                      BlockExpert=tables[3], **args)
     if N:
         blk = triton.next_power_of_2(d)
         _add_rms_router_kernel[(triton.cdiv(E, experts_a_program), N)](
             x, delta, w, xo, h, router, logits, d, E, eps, BE=experts_a_program, BLOCK=blk,
-            num_warps=min(16, max(1, blk // 256)), EARLY=ROUTER_EARLY, **routed, **chain.launch(x))
-    if route is not None:
-        return xo, h, logits, tables
+            num_warps=min(16, max(1, blk // 256)), EARLY=ROUTER_EARLY, **chain.launch(x))
     return xo, h, logits
 
 
 @triton.jit
-def _qk_rope_store_kernel(QKV, QN, KN, Cos, Sin, Pos, Slots, Qout, cache, T,
-                          stride_row, stride_cos, s_blk, s_plane, s_grp, s_head, s_slot, HG, U, eps,
-                          HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr,
-                          TB: tl.constexpr, PDL: tl.constexpr):
-    wait_prior(PDL)
-    # one head of TB tokens a program
-    t = (tl.program_id(0) * TB + tl.arange(0, TB)).to(tl.int64)
-    _rope_head(QKV, QN, KN, Cos, Sin, Pos, Slots, Qout, cache, t, t < T, tl.program_id(1), stride_row, stride_cos,
-               s_blk, s_plane, s_grp, s_head, s_slot, HG, U, eps, HQ, HK, D, HAS_NORM)
-
-
-@triton.jit
-def _rope_head(QKV, QN, KN, Cos, Sin, Pos, Slots, Qout, cache, t, live, h, stride_row, stride_cos,
-               s_blk, s_plane, s_grp, s_head, s_slot, HG, U, eps,
-               HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr):
-    """Head h of tokens t (where live) of the fused QKV rows: a q head normed and rotated into Qout, a k head normed,
-    rotated and stored into the cache with its v head."""
-    half: tl.constexpr = D // 2
-    i = tl.arange(0, half)
-    base = QKV + t[:, None] * stride_row + h * D + i[None, :]
-    x1 = tl.load(base, mask=live[:, None], other=0.0).to(tl.float32)
-    x2 = tl.load(base + half, mask=live[:, None], other=0.0).to(tl.float32)
-    is_q = h < HQ
+def _rope_consts(QN, KN, Cos, Sin, Pos, Slots, t, live, i, is_q, stride_cos, half: tl.constexpr,
+                 HAS_NORM: tl.constexpr):
+    """A head's norm weights (float32 halves; 0 without a norm), its tokens' cos/sin rows (float32) and slots."""
+    w1 = tl.zeros(i.shape, tl.float32)
+    w2 = tl.zeros(i.shape, tl.float32)
     if HAS_NORM:
-        r = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / D + eps)
         if is_q:
             w1 = tl.load(QN + i).to(tl.float32)
             w2 = tl.load(QN + half + i).to(tl.float32)
         else:
             w1 = tl.load(KN + i).to(tl.float32)
             w2 = tl.load(KN + half + i).to(tl.float32)
+    pos = tl.load(Pos + t, mask=live, other=0).to(tl.int64)
+    c = tl.load(Cos + pos[:, None] * stride_cos + i[None, :]).to(tl.float32)
+    s = tl.load(Sin + pos[:, None] * stride_cos + i[None, :]).to(tl.float32)
+    slot = tl.load(Slots + t, mask=live, other=-1).to(tl.int64)
+    return w1, w2, c, s, slot
+
+
+@triton.jit
+def _qk_rope_store_kernel(QKV, QN, KN, Cos, Sin, Pos, Slots, Qout, cache, T,
+                          stride_row, stride_cos, s_blk, s_plane, s_grp, s_head, s_slot, HG, U, eps,
+                          HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr,
+                          TB: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr = False):
+    # one head of TB tokens a program
+    t = (tl.program_id(0) * TB + tl.arange(0, TB)).to(tl.int64)
+    live = t < T
+    h = tl.program_id(1)
+    half: tl.constexpr = D // 2
+    i = tl.arange(0, half)
+    is_q = h < HQ
+    if EARLY:  # the norm weights, positions and cos/sin rows are no kernel's output: read before the wait
+        w1, w2, c, s, slot = _rope_consts(QN, KN, Cos, Sin, Pos, Slots, t, live, i, is_q, stride_cos, half,
+                                          HAS_NORM)
+    wait_prior(PDL)
+    if not EARLY:
+        w1, w2, c, s, slot = _rope_consts(QN, KN, Cos, Sin, Pos, Slots, t, live, i, is_q, stride_cos, half,
+                                          HAS_NORM)
+    base = QKV + t[:, None] * stride_row + h * D + i[None, :]
+    x1 = tl.load(base, mask=live[:, None], other=0.0).to(tl.float32)
+    x2 = tl.load(base + half, mask=live[:, None], other=0.0).to(tl.float32)
+    if HAS_NORM:
+        r = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / D + eps)
         dt = QKV.dtype.element_ty
         x1 = (x1 * r[:, None]).to(dt).to(tl.float32) * w1[None, :]
         x2 = (x2 * r[:, None]).to(dt).to(tl.float32) * w2[None, :]
         x1 = x1.to(dt).to(tl.float32)
         x2 = x2.to(dt).to(tl.float32)
-    pos = tl.load(Pos + t, mask=live, other=0).to(tl.int64)
-    c = tl.load(Cos + pos[:, None] * stride_cos + i[None, :]).to(tl.float32)
-    s = tl.load(Sin + pos[:, None] * stride_cos + i[None, :]).to(tl.float32)
     o1 = x1 * c - x2 * s
     o2 = x2 * c + x1 * s
     if is_q:
@@ -211,7 +192,6 @@ def _rope_head(QKV, QN, KN, Cos, Sin, Pos, Slots, Qout, cache, t, live, h, strid
         tl.store(qo, o1.to(Qout.dtype.element_ty), mask=live[:, None])
         tl.store(qo + half, o2.to(Qout.dtype.element_ty), mask=live[:, None])
     elif h < HQ + HK:
-        slot = tl.load(Slots + t, mask=live, other=-1).to(tl.int64)
         keep = (slot >= 0)[:, None]
         kh = h - HQ
         row = (slot // U) * s_blk + (kh // HG) * s_grp + (kh % HG) * s_head + (slot % U) * s_slot
@@ -245,7 +225,7 @@ def qk_norm_rope_store(qkv: torch.Tensor, q_heads: int, kv_heads: int, head_dim:
         qkv, q_norm if has_norm else qkv, k_norm if has_norm else qkv, cos, sin, positions, slots, q, cache, T,
         qkv.stride(0), cos.stride(0), blk, plane, grp, head, slot, hg, u, eps,
         HQ=q_heads, HK=kv_heads, D=head_dim, HAS_NORM=has_norm, TB=tb, num_warps=1 if tb == 1 else 4,
-        **chain.launch(qkv))
+        EARLY=CONSTS_EARLY, **chain.launch(qkv))
     return q
 
 

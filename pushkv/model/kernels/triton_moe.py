@@ -158,51 +158,6 @@ def _route_group_kernel(Logits, Weights, Experts, SlotIds, BlockExpert, T, E, st
         tl.store(BlockExpert + b, tl.where(owner < E, owner, -1), mask=b < max_blocks)
 
 
-@triton.jit
-def _route_one_kernel(Logits, Weights, Experts, SlotIds, BlockExpert, E, n_rows, max_blocks,
-                      K: tl.constexpr, RENORM: tl.constexpr, BM: tl.constexpr, EP: tl.constexpr, KP: tl.constexpr,
-                      FILL: tl.constexpr, PDL: tl.constexpr):
-    """``_route_group_kernel``'s tables for a one-token step, from registers: each expert's place in the rounds'
-    order is its rank (the experts with a larger probability, or an equal one and a lower index, before it), so
-    the k choices come from one comparison of every pair, not k rounds of two reductions, and the slot table is
-    written from the ranks, not read back from the experts just stored. The same weights, experts and tables."""
-    wait_prior(PDL)
-    _route_one(Logits, Weights, Experts, SlotIds, BlockExpert, E, n_rows, max_blocks, K, RENORM, BM, EP, KP, FILL)
-
-
-@triton.jit
-def _route_one(Logits, Weights, Experts, SlotIds, BlockExpert, E, n_rows, max_blocks, K: tl.constexpr,
-               RENORM: tl.constexpr, BM: tl.constexpr, EP: tl.constexpr, KP: tl.constexpr, FILL: tl.constexpr):
-    """``_route_one_kernel``'s work, for it and for ``triton_fused.add_rms_router``'s last program."""
-    p2, e = _probs(Logits, tl.arange(0, 1), 1, E, 0, EP)
-    p = tl.sum(p2, 0)  # the one token's row (a sum over one row: exact)
-    ahead = (p[None, :] > p[:, None]) | ((p[None, :] == p[:, None]) & (e[None, :] < e[:, None]))
-    rank = tl.sum(ahead.to(tl.int32), 1)
-    j = tl.arange(0, KP)
-    sel = rank[None, :] == j[:, None]  # [k, E]: choice j's expert
-    best = tl.sum(tl.where(sel, p[None, :], 0.0), 1)  # one term each: exact
-    pick = tl.sum(tl.where(sel, e[None, :], 0), 1)
-    total = 1.0
-    if RENORM:  # the chosen probabilities summed in the rounds' order, as _chosen_total sums them
-        total = 0.0
-        for jj in tl.static_range(K):
-            total += tl.sum(tl.where(j == jj, best, 0.0), 0)
-    tl.store(Weights + j, (best / total).to(Weights.dtype.element_ty), mask=j < K)
-    tl.store(Experts + j, pick, mask=j < K)
-    for r0 in range(0, n_rows, FILL):  # padding everywhere in the slot table, then each choice's row
-        r = r0 + tl.arange(0, FILL)
-        tl.store(SlotIds + r, tl.full((FILL,), K, tl.int32), mask=r < n_rows)
-    tl.debug_barrier()  # the padding stored above is overwritten below, by other threads
-    chosen = rank < K
-    # one token's k experts are distinct: a row block each, in the experts' order
-    block = tl.cumsum(chosen.to(tl.int32), 0) - chosen.to(tl.int32)
-    tl.store(SlotIds + block * BM, rank, mask=chosen)
-    tl.store(BlockExpert + block, e, mask=chosen)
-    for b0 in range(K, max_blocks, FILL):
-        b = b0 + tl.arange(0, FILL)
-        tl.store(BlockExpert + b, tl.full((FILL,), -1, tl.int32), mask=b < max_blocks)
-
-
 @triton.jit(do_not_specialize=["T", "n_rows"])
 def _route_count_kernel(Logits, Weights, Experts, Counts, SlotIds, T, E, stride_l, n_rows,
                         K: tl.constexpr, RENORM: tl.constexpr, EP: tl.constexpr, TT: tl.constexpr,
@@ -464,46 +419,6 @@ PREFETCH_OWN_TOKENS = 0
 # (experiments/moe_decode_probe.py, variant ``persistent``; docs/results/2026-12-05-layer-floor)
 PERSISTENT_ONE_TOKEN = False
 
-# A one-token step's routing and grouping by ``_route_one_kernel``: the choices by rank, the tables written from
-# registers (the same tables). Off until experiments/moe_decode_probe.py (variant ``rank_route``) has timed it on a
-# GPU; RANK_ROUTE_WARPS: its warps (the pairs compared, E x E, spread over them)
-RANK_ROUTE_ONE_TOKEN = False
-RANK_ROUTE_WARPS = 4
-# ... and that routing done by the last program of ``triton_fused.add_rms_router`` (the router's logits), no launch
-# of its own (``route_in_norm``); off until experiments/moe_decode_probe.py (variant ``route_in_norm``) has timed it
-ROUTE_IN_NORM = False
-
-
-class NormRoute(NamedTuple):
-    """What ``add_rms_router`` needs to route a one-token step in its last program: k, whether the chosen weights
-    are renormalised, and the row blocks' rows."""
-
-    k: int
-    renorm: bool
-    bm: int
-
-
-def route_in_norm(tokens: int, k: int, renorm: bool, itemsize: int) -> Optional[NormRoute]:
-    """The routing ``add_rms_router`` makes for a step of ``tokens`` (``ROUTE_IN_NORM``: one token, the grouped
-    kernels' tables; None where ``moe_mlp`` routes some other way)."""
-    if not ROUTE_IN_NORM or tokens != 1 or PERSISTENT_ONE_TOKEN or SELF_ROUTE_ONE_TOKEN:
-        return None
-    tl_ = tiles_for(1)
-    if isinstance(tl_, DecodeTiles):
-        return None
-    return NormRoute(k, renorm, fit_tiles(tl_, itemsize).bm)
-
-
-def routing_tables(logits: torch.Tensor, route: NormRoute):
-    """(weights, experts, slot ids, block expert) for a one-token step's routing by ``route``, unfilled, and the
-    ``_route_one`` launch arguments that fill them."""
-    E = logits.shape[1]
-    weights, experts, slot_ids, block_expert = _routing_buffers(logits, route.k, route.bm)
-    max_blocks = block_expert.numel()
-    return (weights, experts, slot_ids, block_expert), dict(
-        n_rows=max_blocks * route.bm, max_blocks=max_blocks, K=route.k, RENORM=route.renorm, BM=route.bm,
-        EP=triton.next_power_of_2(E), KP=triton.next_power_of_2(route.k), FILL=256)
-
 # Steps of up to this many tokens route and group in the one-program kernel (a decode step: one
 # launch where torch takes ~15); longer ones in torch, whose launches are spread over the whole GPU
 # (a graph bucket bound, so a step routes alike replayed or eager)
@@ -623,11 +538,6 @@ def group_logits(logits: torch.Tensor, k: int, renorm: bool, bm: int, launch: Op
     weights, experts, slot_ids, block_expert = _routing_buffers(logits, k, bm)
     max_blocks = block_expert.numel()
     ep = triton.next_power_of_2(E)
-    if T == 1 and RANK_ROUTE_ONE_TOKEN and launch is None:
-        _route_one_kernel[(1,)](logits, weights, experts, slot_ids, block_expert, E, max_blocks * bm, max_blocks,
-                                K=k, RENORM=renorm, BM=bm, EP=ep, KP=triton.next_power_of_2(k), FILL=256,
-                                num_warps=RANK_ROUTE_WARPS, **chain.launch(logits))
-        return weights, experts, slot_ids, block_expert
     rl = launch or route_launch_for(T, ep)
     _route_group_kernel[(1,)](logits, weights, experts, slot_ids, block_expert, T, E, logits.stride(0),
                               max_blocks * bm, max_blocks, K=k, RENORM=renorm, BM=bm, EP=ep,
@@ -752,15 +662,14 @@ def _precision(x: torch.Tensor) -> str:
 
 def moe_mlp(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
             k: int, renorm: bool, tiles: Union[Tiles, DecodeTiles, None] = None, summed: bool = True,
-            logits: Optional[torch.Tensor] = None, routing: Optional[tuple] = None) -> torch.Tensor:
+            logits: Optional[torch.Tensor] = None) -> torch.Tensor:
     """As ``pushkv.model.moe.moe_mlp``: h [T, d] (normed), router [E, d], gate_up [E, 2 i, d],
     down [E, d, i] -> [T, d]. ``tiles``: the launch's tiles (default: ``tiles_for``); ``DecodeTiles``
     (up to ``DECODE_TOKENS`` tokens) take the ungrouped decode kernels. ``summed`` False: the grouped
     kernels' [T, k, d] (each token's k experts, weighted, not yet summed) for the caller to sum in its
     next launch (``triton_fused.add_rms``); the decode kernels sum in theirs ([T, d] either way). ``logits``:
     the router's logits of h [T, E] where the caller has them (``triton_fused.add_rms_router``, a decode
-    step of up to ``FUSED_ROUTE_TOKENS``), so the router's matmul is not run again; ``routing``: the tables
-    ``add_rms_router`` also made where ``route_in_norm`` said so, so no routing launch runs."""
+    step of up to ``FUSED_ROUTE_TOKENS``), so the router's matmul is not run again."""
     T, d = h.shape
     n = T * k
     tl_ = tiles or tiles_for(T)
@@ -781,8 +690,6 @@ def moe_mlp(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: 
     if T == 1 and SELF_ROUTE_ONE_TOKEN:  # no routing launch: the gate/up kernel routes the token itself
         route = SelfRoute(F.linear(h, router) if logits is None else logits, k, renorm)
         weights, _, slot_ids, block_expert = _routing_buffers(route.logits, k, tl_.bm, blocks=k)
-    elif routing is not None:  # routed by add_rms_router's last program
-        weights, _, slot_ids, block_expert = routing
     # a prefill's many slots across the GPU; a decode step's few in one program (the one-program kernel
     # would walk a prefill's alone)
     elif logits is not None:

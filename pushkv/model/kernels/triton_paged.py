@@ -48,12 +48,10 @@ FUSED_MERGE = False
 # 8.058 at 8 (experiments/moe_decode_probe.py, variant ``ahead_kv`` against ``no_kv``; the float32 tokens of
 # Qwen3-MoE and Mixtral equal transformers' with it, docs/results/2026-12-05-moe-ahead)
 PREFETCH_KV = True
-# Decode: the merge kernel's loads of the splits' partials unrolled, all in flight at once (the same sums in the same
-# order); off until experiments/moe_decode_probe.py (variant ``merge_unrolled``) has timed it on a GPU
-MERGE_UNROLLED = False
-# Decode (one query a tile): each key tile's values loaded with its keys, before the scores, not after the softmax;
-# the same bits. Off until experiments/moe_decode_probe.py (variant ``early_v``) has timed it on a GPU
-EARLY_V = False
+# Decode: the merge kernel reads its tile's row from the step's tables before it waits for the attention; the same
+# bits. Off until experiments/moe_decode_probe.py (variant ``consts_early``, with ``triton_fused.CONSTS_EARLY``) has
+# timed it on a GPU
+CONSTS_EARLY = False
 
 
 @triton.jit
@@ -127,7 +125,7 @@ def _rows(ptrs, kv_ok, dm, MASKED: tl.constexpr, WHOLE_D: tl.constexpr):
 @triton.jit
 def _key_tile(q, cache, bt, start, hi, qpos, head_off, d, dm, m_i, l_i, acc, s_blk, s_plane, s_slot, U,
               sm_scale_log2, window, PREC: tl.constexpr, WHOLE_D: tl.constexpr, BLOCK_N: tl.constexpr,
-              MASKED: tl.constexpr, EARLY_V: tl.constexpr = False):
+              MASKED: tl.constexpr):
     """BLOCK_N keys from ``start`` into a tile's online softmax (m_i, l_i, acc). MASKED: the keys from ``hi`` on
     and past each row's causal (and window) bound are masked; else every key is seen by every row, no mask
     (nor on the head dimension where it is whole)."""
@@ -139,8 +137,6 @@ def _key_tile(q, cache, bt, start, hi, qpos, head_off, d, dm, m_i, l_i, acc, s_b
         blk = tl.load(bt + kpos // U).to(tl.int64)
     off = head_off + blk * s_blk + (kpos % U) * s_slot
     k = _rows(cache + off[:, None] + d[None, :], kv_ok, dm, MASKED, WHOLE_D)
-    if EARLY_V:  # asked with the keys: one wait for both
-        v = _rows(cache + s_plane + off[:, None] + d[None, :], kv_ok, dm, MASKED, WHOLE_D)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * sm_scale_log2
     if MASKED:
         ok = kv_ok[None, :] & (kpos[None, :] <= qpos[:, None])
@@ -151,8 +147,7 @@ def _key_tile(q, cache, bt, start, hi, qpos, head_off, d, dm, m_i, l_i, acc, s_b
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if not EARLY_V:
-        v = _rows(cache + s_plane + off[:, None] + d[None, :], kv_ok, dm, MASKED, WHOLE_D)
+    v = _rows(cache + s_plane + off[:, None] + d[None, :], kv_ok, dm, MASKED, WHOLE_D)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
     return m_new, l_i, acc
 
@@ -212,7 +207,7 @@ def _attn_kernel(Q, O, cache, block_table, seq_lens, q_starts, q_lens, tile_seq,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                  HEAVY_FIRST: tl.constexpr, FREE_LOOP: tl.constexpr, FUSED_MERGE: tl.constexpr,
                  PDL: tl.constexpr, PREFETCH_KV: tl.constexpr = False, LPR: tl.constexpr = 1,
-                 LINE: tl.constexpr = 64, EARLY_V: tl.constexpr = False):
+                 LINE: tl.constexpr = 64):
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     head_off = (kvh // HG) * s_grp + (kvh % HG) * s_head
@@ -251,10 +246,10 @@ def _attn_kernel(Q, O, cache, block_table, seq_lens, q_starts, q_lens, tile_seq,
         free_end = lo + tl.maximum(tl.minimum(ctx - qlen + q0 + 1, hi) - lo, 0) // BLOCK_N * BLOCK_N
     for start in range(lo, free_end, BLOCK_N):
         m_i, l_i, acc = _key_tile(q, cache, bt, start, hi, qpos, head_off, d, dm, m_i, l_i, acc, s_blk, s_plane,
-                                  s_slot, U, sm_scale_log2, window, PREC, BLOCK_D == D, BLOCK_N, False, EARLY_V)
+                                  s_slot, U, sm_scale_log2, window, PREC, BLOCK_D == D, BLOCK_N, False)
     for start in range(free_end, hi, BLOCK_N):
         m_i, l_i, acc = _key_tile(q, cache, bt, start, hi, qpos, head_off, d, dm, m_i, l_i, acc, s_blk, s_plane,
-                                  s_slot, U, sm_scale_log2, window, PREC, BLOCK_D == D, BLOCK_N, True, EARLY_V)
+                                  s_slot, U, sm_scale_log2, window, PREC, BLOCK_D == D, BLOCK_N, True)
 
     rows = qrow0 + q0 + tq
     if NUM_SPLITS == 1:
@@ -285,52 +280,41 @@ def _attn_kernel(Q, O, cache, block_table, seq_lens, q_starts, q_lens, tile_seq,
 
 
 @triton.jit
-def _merge_term(Part, PartML, i, ok, d, dm, m, l, acc, D: tl.constexpr):
-    """Split partial i (the rows' indices in it) added to the merge (l, acc) at the rows' maxima m."""
-    ms = tl.load(PartML + i * 2, mask=ok, other=-1.0e30)
-    ls = tl.load(PartML + i * 2 + 1, mask=ok, other=0.0)
-    w = tl.exp2(ms - m)
-    l += ls * w
-    acc += tl.load(Part + i[:, None] * D + d[None, :], mask=ok[:, None] & dm[None, :], other=0.0) * w[:, None]
-    return l, acc
-
-
-@triton.jit
 def _merge_splits(Part, PartML, idx, split_stride, ok, d, dm, n, D: tl.constexpr, ROWS: tl.constexpr,
-                  BLOCK_D: tl.constexpr, UNROLL: tl.constexpr = False):
+                  BLOCK_D: tl.constexpr):
     """Rows' partials of splits 0 .. n-1 merged, [ROWS, BLOCK_D] fp32: idx are the rows' indices at split 0
-    (split s: + s * split_stride). Both merge paths call it, in the same order, so they give the same bits.
-    ``UNROLL`` (n a constexpr): the splits' loads unrolled, all in flight at once rather than one a pass; the same
-    sums in the same order."""
+    (split s: + s * split_stride). Both merge paths call it, in the same order, so they give the same bits."""
     m = tl.full([ROWS], -1.0e30, tl.float32)
+    for s in range(n):
+        m = tl.maximum(m, tl.load(PartML + (idx + s * split_stride) * 2, mask=ok, other=-1.0e30))
     l = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
-    if UNROLL:
-        for s in tl.static_range(n):
-            m = tl.maximum(m, tl.load(PartML + (idx + s * split_stride) * 2, mask=ok, other=-1.0e30))
-        for s in tl.static_range(n):
-            l, acc = _merge_term(Part, PartML, idx + s * split_stride, ok, d, dm, m, l, acc, D)
-    else:
-        for s in range(n):
-            m = tl.maximum(m, tl.load(PartML + (idx + s * split_stride) * 2, mask=ok, other=-1.0e30))
-        for s in range(n):
-            l, acc = _merge_term(Part, PartML, idx + s * split_stride, ok, d, dm, m, l, acc, D)
+    for s in range(n):
+        i = idx + s * split_stride
+        ms = tl.load(PartML + i * 2, mask=ok, other=-1.0e30)
+        ls = tl.load(PartML + i * 2 + 1, mask=ok, other=0.0)
+        w = tl.exp2(ms - m)
+        l += ls * w
+        acc += tl.load(Part + i[:, None] * D + d[None, :], mask=ok[:, None] & dm[None, :], other=0.0) * w[:, None]
     return acc / tl.where(l > 0, l, 1.0)[:, None]
 
 
 @triton.jit
 def _merge_kernel(Part, PartML, O, q_starts, tile_seq, stride_ot, stride_oh, total_rows, num_q_heads,
                   D: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr,
-                  UNROLL: tl.constexpr = False):
+                  EARLY: tl.constexpr = False):
+    if EARLY:  # the step's tables come from the host before the step: no kernel of it writes them
+        row = tl.load(q_starts + tl.load(tile_seq + tl.program_id(0)))
     wait_prior(PDL)
     # one decode tile (its one query row) x one query head
-    row = tl.load(q_starts + tl.load(tile_seq + tl.program_id(0)))
+    if not EARLY:
+        row = tl.load(q_starts + tl.load(tile_seq + tl.program_id(0)))
     head = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
     dm = d < D
     idx = row * num_q_heads + head + tl.zeros([1], tl.int32)
     out = _merge_splits(Part, PartML, idx, total_rows * num_q_heads, tl.full([1], 1, tl.int1), d, dm, NUM_SPLITS, D, 1,
-                        BLOCK_D, UNROLL)
+                        BLOCK_D)
     tl.store(O + row * stride_ot + head * stride_oh + d[None, :], out.to(O.dtype.element_ty), mask=dm[None, :])
 
 
@@ -391,9 +375,9 @@ def attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, s
         PREC="ieee" if q.dtype == torch.float32 else "tf32", G=G, D=D, BLOCK_D=block_d, BLOCK_Q=block_q,
         BLOCK_M=block_m, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, HEAVY_FIRST=HEAVY_FIRST, FREE_LOOP=FREE_LOOP, FUSED_MERGE=fused, num_warps=warps,
-        num_stages=stages, EARLY_V=EARLY_V and block_q == 1, **ahead, **chain.launch(q))
+        num_stages=stages, **ahead, **chain.launch(q))
     if num_splits > 1 and not fused:
         _merge_kernel[(n_tiles, Hq)](part, part_ml, out, q_starts, tile_seq, out.stride(0), out.stride(1), T, Hq,
-                               D=D, BLOCK_D=block_d, NUM_SPLITS=num_splits, num_warps=1, UNROLL=MERGE_UNROLLED,
+                               D=D, BLOCK_D=block_d, NUM_SPLITS=num_splits, num_warps=1, EARLY=CONSTS_EARLY,
                                **chain.launch(q))
     return out
