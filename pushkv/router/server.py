@@ -381,17 +381,20 @@ class Router:
 
     async def handle_invocations(self, request: web.Request) -> web.StreamResponse:
         """SageMaker's inference route, as vLLM serves it: a body with messages is a chat completion, one with a
-        prompt a completion (each then read as its own route reads it)."""
-        try:
-            body = api.parse_json(await edge.read_body(request, self.cfg.router_body_timeout_s))
-        except api.ApiError as e:
-            return web.json_response(e.body(), status=e.status)
-        if "messages" not in body and "prompt" not in body:
-            refusal = api.bad("messages", "/invocations takes a chat completion (messages) or a completion (prompt)")
-            return web.json_response(refusal.body(), status=refusal.status)
-        return await self._generate(request, chat="messages" in body)
+        prompt a completion (each then read as its own route reads it, on the parse threads like them)."""
+        return await self._generate(request, chat=None)
 
-    def _parser(self, chat: bool) -> Callable[[dict], api.CompletionParams]:
+    def _invocation(self, body: dict) -> api.CompletionParams:
+        """An /invocations body's request: its route chosen by its fields."""
+        if "messages" in body:
+            return self._parser(True)(body)
+        if "prompt" in body:
+            return self._parser(False)(body)
+        raise api.bad("messages", "/invocations takes a chat completion (messages) or a completion (prompt)")
+
+    def _parser(self, chat: Optional[bool]) -> Callable[[dict], api.CompletionParams]:
+        if chat is None:  # /invocations: the body says which
+            return self._invocation
         if not chat:
             return functools.partial(api.parse_completion, tok=self.tokenizer, limits=self.limits)
         return functools.partial(chat_mod.parse_chat, tok=self.tokenizer, limits=self.limits,
@@ -437,7 +440,7 @@ class Router:
         ok = bool(self.links) and not self.stopping
         return web.Response(status=200 if ok else 503)
 
-    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+    async def _generate(self, request: web.Request, chat: Optional[bool]) -> web.StreamResponse:
         arrival = time.monotonic()
         if self.stopping:
             return generate.refusal(503, "router shutting down")

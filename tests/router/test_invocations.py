@@ -14,10 +14,23 @@ def answer(g):
     return [(None, tokens(g, [72], True, "length", (stage("scheduled"), stage("finished"))))]
 
 
-def test_invocations_serves_a_chat_completion_or_a_completion_as_vllm_does(tmp_path):
+def test_invocations_serves_a_chat_completion_or_a_completion_as_vllm_does(tmp_path, monkeypatch):
     """SageMaker's /invocations: a body with messages is a chat completion, one with a prompt a completion, the
-    answer each route gives; a body with neither is a 400 naming messages."""
+    answer each route gives; a body with neither is a 400 naming messages. Each body is read as JSON once, on a
+    parse thread."""
+    import threading
+
+    from pushkv.router import api
+
     template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    parsed = []
+    real_parse = api.parse_json
+
+    def counted(raw):
+        parsed.append(threading.current_thread() is threading.main_thread())
+        return real_parse(raw)
+
+    monkeypatch.setattr(api, "parse_json", counted)
 
     async def body():
         async with Harness(make_cfg(tmp_path, "local", chat_template=template), {"local": answer}) as h:
@@ -37,6 +50,7 @@ def test_invocations_serves_a_chat_completion_or_a_completion_as_vllm_does(tmp_p
             broken = await h.http.post("/invocations", data=b"{not json")
             assert broken.status == 400 and "malformed JSON" in (await broken.json())["error"]["message"]
             assert len(h.log.received("local", m.Generate)) == 2
+            assert parsed == [False] * 4, parsed  # once a body, never on the event loop's thread
 
     asyncio.run(asyncio.wait_for(body(), 25))
 

@@ -31,13 +31,14 @@ def answer(g):
     return [(None, tokens(g, [72], True, "length", (stage("scheduled"), stage("finished"))))]
 
 
-def test_a_held_parse_holds_no_other_request(tmp_path):
+@pytest.mark.parametrize("route", ["/v1/completions", "/invocations"])
+def test_a_held_parse_holds_no_other_request(tmp_path, route):
+    """(/invocations too: its body read, its route chosen and its fields parsed all on a parse thread.)"""
     async def body():
         async with Harness(make_cfg(tmp_path, "local"), {"local": answer}) as h:
             tok = HeldTokenizer()
             h.router.tokenizer = tok
-            held = asyncio.ensure_future(h.http.post("/v1/completions",
-                                                     json={"prompt": "hold", "max_tokens": 1, "model": "tiny"}))
+            held = asyncio.ensure_future(h.http.post(route, json={"prompt": "hold", "max_tokens": 1, "model": "tiny"}))
             assert await asyncio.to_thread(tok.entered.wait, 10)
             other = await h.http.post("/v1/completions", json={"prompt": "Hey", "max_tokens": 1, "model": "tiny"})
             assert other.status == 200 and (await other.json())["choices"][0]["text"] == "H"
