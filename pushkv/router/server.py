@@ -51,6 +51,18 @@ CLIENT_ABORT_STATUS = 499  # nginx's "client closed request"
 PARSE_THREADS = 4  # requests parsed at once off the event loop (tokenizing and grammars run in native code)
 
 
+def structured_warm() -> bool:
+    """xgrammar loaded and a grammar built once, where it is installed (the structured extra); False where not."""
+    try:
+        from pushkv.grammars import grammar_of
+        from pushkv.messages import Structured
+
+        grammar_of(Structured("regex", "a"))
+        return True
+    except ImportError:
+        return False
+
+
 class Router:
     def __init__(self, cfg: DeploymentConfig, tokenizer: Optional[text.Tokenizer] = None,
                  watcher: Optional[Watcher] = None, api_key: Optional[str] = None):
@@ -69,6 +81,7 @@ class Router:
         # a request's parse (chat template, tokenizing, a structured-output grammar's check) runs here, not on the
         # event loop, so a long prompt or a large JSON schema holds no other request's stream
         self._parse_pool = ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="router-parse")
+        self.structured_ready = False  # xgrammar loaded (start)
         # this router's epoch: a restarted router's is newer, and the schedulers abort the legs of
         # the one before (messages.RouterEpoch)
         self.epoch = time.time_ns()
@@ -141,6 +154,9 @@ class Router:
         self._handlers_idle = asyncio.Event()
         self._handlers_idle.set()
         self.ctx = zmq.asyncio.Context()
+        # xgrammar loads (about 1.5 s) on a parse thread while the router starts, and the router is ready once it
+        # has, so that no structured-output request's check waits for it
+        warm = asyncio.get_running_loop().run_in_executor(self._parse_pool, structured_warm)
         # every socket of ours (scheduler links, control, the local watcher's SUB) caps what it
         # accepts at the deployment's largest legal message (pushkv.limits)
         self.ctx.setsockopt(zmq.MAXMSGSIZE, limits.msg_cap_bytes(self.cfg))
@@ -183,6 +199,7 @@ class Router:
                  " (API key required on /v1/*)" if self.api_key else "")
         if self.watcher is not None:
             self._events_task = asyncio.get_running_loop().create_task(self._discovery_loop())
+        self.structured_ready = await warm
         if self.cfg.control_endpoint:
             await self._announce_ready()
 

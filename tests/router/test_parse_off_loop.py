@@ -63,3 +63,26 @@ def test_a_parse_error_raised_on_a_parse_thread_is_the_same_400(tmp_path):
 
     asyncio.run(asyncio.wait_for(body(), 25))
 
+
+
+def test_the_router_has_loaded_xgrammar_once_started(tmp_path, monkeypatch):
+    """xgrammar (about 1.5 s to load) loads on a parse thread while the router starts, so no structured-output
+    request's check waits for it; the router is started (and ready) once it has."""
+    pytest.importorskip("xgrammar")
+    from pushkv.router import server
+
+    threads = []
+    real = server.structured_warm
+
+    def warm():
+        threads.append(threading.current_thread().name)
+        return real()
+
+    monkeypatch.setattr(server, "structured_warm", warm)
+
+    async def body():
+        async with Harness(make_cfg(tmp_path, "local"), {"local": answer}) as h:
+            assert h.router.structured_ready
+            assert len(threads) == 1 and threads[0].startswith("router-parse"), threads
+
+    asyncio.run(asyncio.wait_for(body(), 25))
