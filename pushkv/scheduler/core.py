@@ -42,10 +42,8 @@ from pushkv import messages as m
 from pushkv.config import DeploymentConfig, InstanceConfig, Role
 from pushkv.dispatch import handler_for
 from pushkv.kinds import FinishReason
-from pushkv.kv import checksum
-from pushkv.prompt_logprobs import join as join_prompt_logprobs
 from pushkv.protocol.prefix_cache import PrefixCache
-from pushkv.scheduler import grammar_wait, stats, writer_answers
+from pushkv.scheduler import grammar_wait, stats, step_answers, writer_answers
 from pushkv.scheduler.grammar import GrammarCompiled, Grammars, failure
 from pushkv.scheduler.metrics import InstanceMetrics, Snapshot
 from pushkv.scheduler.outbox import Effect, Peer, Send, Trace
@@ -457,87 +455,10 @@ class SchedulerCore:
 
     # -- from the workers ----------------------------------------------------------------
     def on_StepDone(self, msg: m.StepDone, frm: Peer) -> None:
-        self._step_answer(msg, frm)
+        step_answers.take(self, msg, frm)
 
     def on_StepFailed(self, msg: m.StepFailed, frm: Peer) -> None:
-        self._step_answer(msg, frm)
-
-    def _step_answer(self, msg: StepAnswer, frm: Peer) -> None:
-        if self.step is None or msg.step_id != self.step_id:
-            self.counters["stale_step_answer"] += 1
-            return
-        self.step_answers[frm.rank] = msg
-        if len(self.step_answers) < len(self.workers):
-            return
-        batch, self.step = self.step, None
-        failed = [a for a in self.step_answers.values() if isinstance(a, m.StepFailed)]
-        if failed:
-            for r, _ in batch:
-                r.in_step = False
-                self._fail(r, f"forward step failed: {failed[0].reason}")
-        else:
-            self._take_checksums(batch)
-            done = self.step_answers[0]
-            assert isinstance(done, m.StepDone)
-            sampled = iter(done.sampled)  # one token per sampled seq, in batch order
-            logprobs = iter(done.logprobs or ())
-            scores = iter(done.prompt_logprobs)  # one per seq that scored its prompt chunk
-            for r, w in batch:
-                r.in_step = False
-                if w.score_prompt >= 0 and not self._took_scores(r, next(scores, None)):
-                    if w.sample:
-                        next(sampled)
-                        next(logprobs, None)
-                    continue
-                if w.sample:
-                    self._after_step(r, w, next(sampled), next(logprobs, None))
-                else:
-                    self._after_step(r, w, None, None)
-        self.schedule()
-
-    def _take_checksums(self, batch: Batch) -> None:
-        """--kv-verify: each rank summed its own heads; one struct per request, every head."""
-        asked = [r for r, w in batch if w.checksum]
-        if not asked:
-            return
-        per_rank = [a.checksums if isinstance(a, m.StepDone) and len(a.checksums) == len(asked)
-                    else (None,) * len(asked) for a in self.step_answers.values()]
-        for i, r in enumerate(asked):
-            try:
-                r.checksums = checksum.merge([sums[i] for sums in per_rank])
-            except ValueError as e:
-                log.error("%s: checksums of transfer_id=%s not merged: %s", self.name, r.transfer_id, e)
-                r.checksums = None
-            if r.checksums is None:
-                self.counters["kv_checksums_missing"] += 1
-
-    def _took_scores(self, r: Request, part: Optional[m.PromptLogprobs]) -> bool:
-        """A scored chunk's prompt logprobs, kept until the prompt's end; False: the step gave none
-        for it, and the request failed (its answer would lack them)."""
-        if part is None and not r.aborted:
-            self.counters["prompt_logprobs_missing"] += 1
-            self._fail(r, "the forward step returned no prompt logprobs for it")
-            return False
-        if part is not None:
-            r.prompt_parts.append(part)
-        return True
-
-    def _joined_scores(self, r: Request) -> bool:
-        """The prompt is in: its chunks' prompt logprobs as one (``r.prompt_logprobs``); False: they
-        do not follow one another, and the request failed."""
-        try:
-            r.prompt_logprobs = join_prompt_logprobs(r.prompt_parts)
-        except ValueError as e:
-            self.counters["prompt_logprobs_missing"] += 1
-            self._fail(r, f"prompt logprobs of the forward steps do not fit the prompt: {e}")
-            return False
-        r.prompt_parts = []
-        if r.prompt_logprobs.count != len(r.prompt) - 1:
-            self.counters["prompt_logprobs_missing"] += 1
-            self._fail(r, f"prompt logprobs cover {r.prompt_logprobs.count} of the prompt's {len(r.prompt) - 1} "
-                          "scored positions")
-            return False
-        return True
+        step_answers.take(self, msg, frm)
 
     def _after_step(self, r: Request, w: m.SeqWork, tok: Optional[int],
                     lp: Optional[m.TokenLogprob] = None) -> None:
@@ -552,7 +473,7 @@ class SchedulerCore:
                 self._chunk_done(r)
                 return
             self._stamp(r, "prefill_end")
-            if r.score_prompt >= 0 and not self._joined_scores(r):
+            if r.score_prompt >= 0 and not step_answers.joined_scores(self, r):
                 return
             self._prefilled(r, tok, lp)  # type: ignore[arg-type]  # the last chunk always samples
         else:
