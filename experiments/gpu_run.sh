@@ -138,9 +138,9 @@ s.print_callees('_post_write|_prefill_done|on_ExpectKV|_poll_notifs')" 2>&1 | gr
     moesmall) # the one-token step's small kernels: the probe's variants against the shipped step, then their GPU tests
             # (bits against the shipped kernels; Qwen3-MoE's and Mixtral's float32 tokens with them on)
             timeout 420 python3 -m experiments.moe_decode_probe --out "$OUT" --batches ${SMALL_BATCHES:-1,8} --reps ${REPS:-30} \
-              --variants ${SMALL_VARIANTS:-gemv1_2,router_late,consts_early} 2>&1 | tail -30
+              --variants ${SMALL_VARIANTS:-gemv1_2,router_late} 2>&1 | tail -30
             timeout 170 python3 -m pytest -q -p no:cacheprovider tests/model/test_decode_small_kernels.py \
-              tests/model/test_gpu_graphs.py -k "gpu_early or consts_early" -rfE 2>&1 | tee "$OUT/small_tests.txt" | tail -4 ;;
+              -k gpu_early -rfE 2>&1 | tee "$OUT/small_tests.txt" | tail -4 ;;
     layerfloor) # a mock of Qwen3-30B-A3B's batch-1 step (its bytes and dependent phases) chained and as persistent
             # kernels with grid barriers (experiments/layer_floor.py), then the shipped step in the same run
             timeout 420 python3 -m experiments.layer_floor --out "$OUT/layer_floor" ${FLOOR_ARGS:-} 2>&1 | tail -30

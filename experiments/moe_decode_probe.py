@@ -45,10 +45,8 @@ Variants (each re-captures the graphs):
   set-aside, which starts at 0; these variants tell whether the evict-last asks (the down weights, the weights
   ahead) need it to outlast the expert weights streaming past before they are read;
 - ``router_late``: the shipped step with ``add_rms_router``'s programs loading their router rows after they wait
-  (``triton_fused.ROUTER_EARLY`` off, as before 2026-12-05's run); ``consts_early``: the shipped step with the
-  q/k norm and RoPE kernel reading its norm weights, positions, cos/sin rows and slots before its wait, and the
-  decode merge its tables (``triton_fused.CONSTS_EARLY``, ``triton_paged.CONSTS_EARLY``). Four more one-token
-  changes were timed on 2026-12-05 and taken out (docs/results/2026-12-05-small-kernels).
+  (``triton_fused.ROUTER_EARLY`` off, as before 2026-12-05's run). Six more changes to the one-token step's small
+  kernels were timed on 2026-12-05 and taken out (docs/results/2026-12-05-small-kernels).
 
 ``--variants both,gemv1_2`` times only those.
 
@@ -119,7 +117,6 @@ class Flags(NamedTuple):
     persistent: bool = False  # triton_moe.PERSISTENT_ONE_TOKEN
     persistent_per_sm: int = 3  # triton_moe_token.PER_SM
     router_early: bool = False  # triton_fused.ROUTER_EARLY
-    consts_early: bool = False  # triton_fused.CONSTS_EARLY and triton_paged.CONSTS_EARLY
 
 
 # the shipped step (``gemv1_2``); the key-tile prefetch is on since 2026-12-05's run (``ahead_kv``: the same step,
@@ -162,7 +159,7 @@ VARIANTS = {"before": Flags(False, 0, "grouped", 0, 8), "router": Flags(False, 1
             "persistent_2": SHIPPED._replace(persistent=True, persistent_per_sm=2),
             "persistent_4": SHIPPED._replace(persistent=True, persistent_per_sm=4),
             "no_kv": SHIPPED._replace(prefetch_kv=False),
-            "router_late": SHIPPED._replace(router_early=False), "consts_early": SHIPPED._replace(consts_early=True),
+            "router_late": SHIPPED._replace(router_early=False),
             "own_all_kv": _OWN_ALL._replace(prefetch_kv=True),
             "prefetch_down_l2": SHIPPED._replace(prefetch_down_tokens=8, l2_set_aside=True),
             "own_all_l2": _OWN_ALL._replace(l2_set_aside=True),
@@ -179,13 +176,12 @@ PAIRS = (("router", "before"), ("ungrouped", "both"), ("gemv", "both"), ("gemv1_
          ("one_launch_own", "ungrouped1"), ("one_launch_all", "ungrouped1"), ("ahead_kv", "no_kv"),
          ("own_all_kv", "gemv1_2"), ("prefetch_down_l2", "prefetch_down"), ("own_all_l2", "own_all"),
          ("one_launch_all_l2", "one_launch_all"), ("persistent", "gemv1_2"), ("persistent_1", "persistent"),
-         ("persistent_2", "persistent"), ("persistent_4", "persistent"), ("router_late", "gemv1_2"),
-         ("consts_early", "gemv1_2"))
+         ("persistent_2", "persistent"), ("persistent_4", "persistent"), ("router_late", "gemv1_2"))
 
 # the variants whose batch-1 replay is profiled kernel by kernel, where they are timed
 PROFILED = ("before", "both", "gemv", "gemv1_2", "self_route_merge", "down_gemv_8", "prefetch_down", "one_launch",
             "one_launch_prefetch", "ahead_o_sum", "ahead_all", "own", "own_all", "one_launch_own", "one_launch_all",
-            "own_all_kv", "own_all_l2", "persistent", "consts_early")
+            "own_all_kv", "own_all_l2", "persistent")
 
 
 def set_variant(fwd, name: str) -> int:
@@ -204,7 +200,6 @@ def set_variant(fwd, name: str) -> int:
     triton_moe.PERSISTENT_ONE_TOKEN, triton_moe_token.PER_SM = f.persistent, f.persistent_per_sm
     triton_moe_token._GRID.clear()  # sized again at this variant's programs an SM
     triton_fused.ROUTER_EARLY = f.router_early
-    triton_fused.CONSTS_EARLY = triton_paged.CONSTS_EARLY = f.consts_early
     fwd.drop_graphs()  # captured with the last variant's launches
     if not torch.cuda.is_available():
         return 0

@@ -89,7 +89,7 @@ def test_gpu_float32_tokens_with_moe_down_gemvs_equal_transformers(case, tmp_pat
 
 @pytest.mark.parametrize("case", ["qwen3_moe", "qwen3_moe-unnormed", "mixtral"])
 @pytest.mark.parametrize("flags", ["one_launch", "one_launch_prefetch", "grouped_prefetch", "ahead", "ahead_kv",
-                                   "persistent", "consts_early"])
+                                   "persistent"])
 def test_gpu_float32_tokens_with_moe_one_launch_or_prefetch_equal_transformers(case, flags, tmp_path, monkeypatch):
     """The MoE decode kernels of up to 8 tokens in one launch (``triton_moe_decode.ONE_LAUNCH``, with
     ``PUSHKV_MOE_DECODE=ungrouped``), also with the down weights asked of L2 by gate/up (``PREFETCH_DOWN``), the
@@ -97,9 +97,8 @@ def test_gpu_float32_tokens_with_moe_one_launch_or_prefetch_equal_transformers(c
     (``triton_moe.PREFETCH_DOWN_TOKENS``, ``PREFETCH_OWN_TOKENS``), the dense weights asked of L2 ahead of their
     projections at every place (``batched.AHEAD``), and the decode attention's first key tile asked for before its
     wait (``triton_paged.PREFETCH_KV``), and a one-token step's MLP in one persistent launch
-    (``triton_moe.PERSISTENT_ONE_TOKEN``), and the RoPE kernel and the decode merge reading their constants before
-    their wait (``consts_early``) give transformers' float32 tokens, with graphs and eager; the decode steps took
-    the launch counted where there is one."""
+    (``triton_moe.PERSISTENT_ONE_TOKEN``) give transformers' float32 tokens, with graphs and eager; the decode steps
+    took the launch counted where there is one."""
     from pushkv.model import batched
     from pushkv.model.kernels import prefetch, triton_moe, triton_moe_decode
 
@@ -132,12 +131,6 @@ def test_gpu_float32_tokens_with_moe_one_launch_or_prefetch_equal_transformers(c
 
         monkeypatch.setattr(triton_moe, "PERSISTENT_ONE_TOKEN", True)
         counted(triton_moe_token, "_moe_token_kernel")
-    elif flags == "consts_early":  # the small kernels' early reads (tests/model/test_decode_small_kernels.py)
-        from pushkv.model.kernels import triton_fused, triton_paged
-
-        monkeypatch.setattr(triton_fused, "CONSTS_EARLY", True)
-        monkeypatch.setattr(triton_paged, "CONSTS_EARLY", True)
-        launches.append("not counted")
     elif flags == "ahead_kv":  # the decode attention asking for its first key tile before its wait
         from pushkv.model.kernels import triton_paged
 

@@ -34,7 +34,7 @@ def test_chained_kernel_waits_before_touching_memory(name, fn, consts, warps, st
     assert wait is not None and touch is not None, (wait, touch)
     # a GEMV's weights load first, on purpose: nothing is written, and its input waits (the MoE down projection's
     # also reads the routing's tables, written two launches before); so do the router's rows
-    # (``triton_fused.ROUTER_EARLY``), the RoPE kernel's constants and the merge's tables (``CONSTS_EARLY``)
+    # (``triton_fused.ROUTER_EARLY``)
     if name.startswith("gemv") or name.endswith("_early"):
         early = [line for line in ptx[:wait] if MEMORY.match(line)]
         assert early and all(re.match(r"^\s*(@%p\d+\s+)?ld\.global", line) for line in early), early

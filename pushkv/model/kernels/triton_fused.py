@@ -29,13 +29,9 @@ from pushkv.model.kernels.triton_paged import _cache_strides
 
 # ``add_rms_router``'s programs load their router rows before they wait for the kernel before them (the o
 # projection), as the GEMVs load their weights; the same bits. On: on an H100 Qwen3-30B-A3B's batch-1 decode step
-# went 3.382 -> 3.356 ms, batch 8 10.625 -> 10.596 (experiments/moe_decode_probe.py, variant ``router_early``;
-# docs/results/2026-12-05-small-kernels)
+# went 3.382 -> 3.356 ms, batch 8 10.625 -> 10.596, and off again 3.357 -> 3.375 (experiments/moe_decode_probe.py,
+# variants ``router_early``, ``router_late``; docs/results/2026-12-05-small-kernels)
 ROUTER_EARLY = True
-# ``qk_norm_rope_store``'s programs read the norm weights, positions and cos/sin rows before they wait for the
-# projection (the decode merge its tables likewise: ``triton_paged.CONSTS_EARLY``); the same bits. Off until
-# experiments/moe_decode_probe.py (variant ``consts_early``) has timed it on a GPU
-CONSTS_EARLY = False
 
 
 @triton.jit
@@ -137,54 +133,37 @@ def add_rms_router(x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: f
 
 
 @triton.jit
-def _rope_consts(QN, KN, Cos, Sin, Pos, Slots, t, live, i, is_q, stride_cos, half: tl.constexpr,
-                 HAS_NORM: tl.constexpr):
-    """A head's norm weights (float32 halves; 0 without a norm), its tokens' cos/sin rows (float32) and slots."""
-    w1 = tl.zeros(i.shape, tl.float32)
-    w2 = tl.zeros(i.shape, tl.float32)
-    if HAS_NORM:
-        if is_q:
-            w1 = tl.load(QN + i).to(tl.float32)
-            w2 = tl.load(QN + half + i).to(tl.float32)
-        else:
-            w1 = tl.load(KN + i).to(tl.float32)
-            w2 = tl.load(KN + half + i).to(tl.float32)
-    pos = tl.load(Pos + t, mask=live, other=0).to(tl.int64)
-    c = tl.load(Cos + pos[:, None] * stride_cos + i[None, :]).to(tl.float32)
-    s = tl.load(Sin + pos[:, None] * stride_cos + i[None, :]).to(tl.float32)
-    slot = tl.load(Slots + t, mask=live, other=-1).to(tl.int64)
-    return w1, w2, c, s, slot
-
-
-@triton.jit
 def _qk_rope_store_kernel(QKV, QN, KN, Cos, Sin, Pos, Slots, Qout, cache, T,
                           stride_row, stride_cos, s_blk, s_plane, s_grp, s_head, s_slot, HG, U, eps,
                           HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr,
-                          TB: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr = False):
+                          TB: tl.constexpr, PDL: tl.constexpr):
+    wait_prior(PDL)
     # one head of TB tokens a program
     t = (tl.program_id(0) * TB + tl.arange(0, TB)).to(tl.int64)
     live = t < T
     h = tl.program_id(1)
     half: tl.constexpr = D // 2
     i = tl.arange(0, half)
-    is_q = h < HQ
-    if EARLY:  # the norm weights, positions and cos/sin rows are no kernel's output: read before the wait
-        w1, w2, c, s, slot = _rope_consts(QN, KN, Cos, Sin, Pos, Slots, t, live, i, is_q, stride_cos, half,
-                                          HAS_NORM)
-    wait_prior(PDL)
-    if not EARLY:
-        w1, w2, c, s, slot = _rope_consts(QN, KN, Cos, Sin, Pos, Slots, t, live, i, is_q, stride_cos, half,
-                                          HAS_NORM)
     base = QKV + t[:, None] * stride_row + h * D + i[None, :]
     x1 = tl.load(base, mask=live[:, None], other=0.0).to(tl.float32)
     x2 = tl.load(base + half, mask=live[:, None], other=0.0).to(tl.float32)
+    is_q = h < HQ
     if HAS_NORM:
         r = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / D + eps)
+        if is_q:
+            w1 = tl.load(QN + i).to(tl.float32)
+            w2 = tl.load(QN + half + i).to(tl.float32)
+        else:
+            w1 = tl.load(KN + i).to(tl.float32)
+            w2 = tl.load(KN + half + i).to(tl.float32)
         dt = QKV.dtype.element_ty
         x1 = (x1 * r[:, None]).to(dt).to(tl.float32) * w1[None, :]
         x2 = (x2 * r[:, None]).to(dt).to(tl.float32) * w2[None, :]
         x1 = x1.to(dt).to(tl.float32)
         x2 = x2.to(dt).to(tl.float32)
+    pos = tl.load(Pos + t, mask=live, other=0).to(tl.int64)
+    c = tl.load(Cos + pos[:, None] * stride_cos + i[None, :]).to(tl.float32)
+    s = tl.load(Sin + pos[:, None] * stride_cos + i[None, :]).to(tl.float32)
     o1 = x1 * c - x2 * s
     o2 = x2 * c + x1 * s
     if is_q:
@@ -192,6 +171,7 @@ def _qk_rope_store_kernel(QKV, QN, KN, Cos, Sin, Pos, Slots, Qout, cache, T,
         tl.store(qo, o1.to(Qout.dtype.element_ty), mask=live[:, None])
         tl.store(qo + half, o2.to(Qout.dtype.element_ty), mask=live[:, None])
     elif h < HQ + HK:
+        slot = tl.load(Slots + t, mask=live, other=-1).to(tl.int64)
         keep = (slot >= 0)[:, None]
         kh = h - HQ
         row = (slot // U) * s_blk + (kh // HG) * s_grp + (kh % HG) * s_head + (slot % U) * s_slot
@@ -225,7 +205,7 @@ def qk_norm_rope_store(qkv: torch.Tensor, q_heads: int, kv_heads: int, head_dim:
         qkv, q_norm if has_norm else qkv, k_norm if has_norm else qkv, cos, sin, positions, slots, q, cache, T,
         qkv.stride(0), cos.stride(0), blk, plane, grp, head, slot, hg, u, eps,
         HQ=q_heads, HK=kv_heads, D=head_dim, HAS_NORM=has_norm, TB=tb, num_warps=1 if tb == 1 else 4,
-        EARLY=CONSTS_EARLY, **chain.launch(qkv))
+        **chain.launch(qkv))
     return q
 
 

@@ -48,10 +48,6 @@ FUSED_MERGE = False
 # 8.058 at 8 (experiments/moe_decode_probe.py, variant ``ahead_kv`` against ``no_kv``; the float32 tokens of
 # Qwen3-MoE and Mixtral equal transformers' with it, docs/results/2026-12-05-moe-ahead)
 PREFETCH_KV = True
-# Decode: the merge kernel reads its tile's row from the step's tables before it waits for the attention; the same
-# bits. Off until experiments/moe_decode_probe.py (variant ``consts_early``, with ``triton_fused.CONSTS_EARLY``) has
-# timed it on a GPU
-CONSTS_EARLY = False
 
 
 @triton.jit
@@ -301,14 +297,10 @@ def _merge_splits(Part, PartML, idx, split_stride, ok, d, dm, n, D: tl.constexpr
 
 @triton.jit
 def _merge_kernel(Part, PartML, O, q_starts, tile_seq, stride_ot, stride_oh, total_rows, num_q_heads,
-                  D: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr,
-                  EARLY: tl.constexpr = False):
-    if EARLY:  # the step's tables come from the host before the step: no kernel of it writes them
-        row = tl.load(q_starts + tl.load(tile_seq + tl.program_id(0)))
+                  D: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr):
     wait_prior(PDL)
     # one decode tile (its one query row) x one query head
-    if not EARLY:
-        row = tl.load(q_starts + tl.load(tile_seq + tl.program_id(0)))
+    row = tl.load(q_starts + tl.load(tile_seq + tl.program_id(0)))
     head = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
     dm = d < D
@@ -378,6 +370,5 @@ def attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, s
         num_stages=stages, **ahead, **chain.launch(q))
     if num_splits > 1 and not fused:
         _merge_kernel[(n_tiles, Hq)](part, part_ml, out, q_starts, tile_seq, out.stride(0), out.stride(1), T, Hq,
-                               D=D, BLOCK_D=block_d, NUM_SPLITS=num_splits, num_warps=1, EARLY=CONSTS_EARLY,
-                               **chain.launch(q))
+                               D=D, BLOCK_D=block_d, NUM_SPLITS=num_splits, num_warps=1, **chain.launch(q))
     return out
