@@ -229,6 +229,17 @@ def build_parser() -> argparse.ArgumentParser:
                           "this host can send requests straight to its schedulers and writers); warns at every start")
     sec.add_argument("--api-key", default=envs.PUSHKV_API_KEY or None,
                      help=f"the router answers /v1/* only with 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
+    sec.add_argument("--ssl-keyfile", metavar="FILE",
+                     help="the router serves HTTPS with this private key (PEM) and --ssl-certfile, as vLLM's "
+                          "(default: plain HTTP)")
+    sec.add_argument("--ssl-certfile", metavar="FILE",
+                     help="the router's certificate chain (PEM), with --ssl-keyfile (default: plain HTTP)")
+    sec.add_argument("--ssl-ca-certs", metavar="FILE",
+                     help="CA certificates (PEM) the router checks client certificates against (--ssl-cert-reqs; "
+                          "default: none)")
+    sec.add_argument("--ssl-cert-reqs", type=int, choices=(0, 1, 2), metavar="N",
+                     help="client certificates: 0 not asked (default), 1 checked when given, 2 required, as "
+                          "Python's ssl.CERT_NONE / CERT_OPTIONAL / CERT_REQUIRED and vLLM's flag")
     sec.add_argument("--metrics-auth", action="store_true",
                      help="/metrics (the router's and every instance's) needs the --api-key too; default off: "
                           "open to scrapers, as vLLM's")

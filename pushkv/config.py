@@ -450,6 +450,12 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
     # on a kept-alive one), its body within the next; else the connection is closed / 408
     router_header_timeout_s: float = 10.0
     router_body_timeout_s: float = 30.0
+    # the router serves HTTPS with this key and certificate chain (PEM files; both or neither), and checks client
+    # certificates against ssl_ca_certs as ssl_cert_reqs says (0 none, 1 optional, 2 required: Python's ssl.CERT_*)
+    ssl_keyfile: str = ""
+    ssl_certfile: str = ""
+    ssl_ca_certs: str = ""
+    ssl_cert_reqs: int = 0
     # push: D blocks reserved and still waiting for their KV may take at most this fraction of a
     # D instance's pool; a request past it falls back to late allocation (D allocates after P)
     push_pin_fraction: float = 0.5
@@ -537,6 +543,17 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
         if self.staging == "pushkv" and self.mode != "push":
             raise ValueError(f"DeploymentConfig.staging 'pushkv' stages push's WRITEs; mode {self.mode!r} keeps the "
                              "transport's staging (staging 'auto' or 'transport')")
+        if bool(self.ssl_keyfile) != bool(self.ssl_certfile):
+            raise ValueError("--ssl-keyfile and --ssl-certfile go together: the router's HTTPS needs its key and its "
+                             f"certificate (got keyfile {self.ssl_keyfile!r}, certfile {self.ssl_certfile!r})")
+        if self.ssl_cert_reqs not in (0, 1, 2):
+            raise ValueError(f"--ssl-cert-reqs {self.ssl_cert_reqs} must be 0 (none), 1 (optional) or 2 (required)")
+        if (self.ssl_ca_certs or self.ssl_cert_reqs) and not self.ssl_certfile:
+            raise ValueError("--ssl-ca-certs and --ssl-cert-reqs check client certificates of the router's HTTPS: "
+                             "give --ssl-keyfile and --ssl-certfile too")
+        if self.ssl_cert_reqs and not self.ssl_ca_certs:
+            raise ValueError(f"--ssl-cert-reqs {self.ssl_cert_reqs} checks client certificates against "
+                             "--ssl-ca-certs: give it")
         if not 0.0 <= self.push_pin_fraction <= 1.0:  # NaN fails too
             raise ValueError(f"DeploymentConfig.push_pin_fraction (--push-pin-fraction) is "
                              f"{self.push_pin_fraction}: a fraction of D's pool, in [0, 1] (0: every push "

@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping, Optional, get_args
 
 import msgspec
 
-from pushkv import vllm_serve
+from pushkv import tls, vllm_serve
 from pushkv.config import (
     PRESETS,
     TRACE_AUTO,
@@ -253,6 +253,8 @@ def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = 
         prefill_instances=f("prefill_instances"), decode_instances=f("decode_instances"),
         router_queue=f("router_queue"), router_max_in_flight=f("max_in_flight"),
         router_max_connections=f("max_connections"),
+        ssl_keyfile=_path(f("ssl_keyfile")), ssl_certfile=_path(f("ssl_certfile")),
+        ssl_ca_certs=_path(f("ssl_ca_certs")), ssl_cert_reqs=f("ssl_cert_reqs"),
         push_pin_fraction=f("push_pin_fraction"), gpu_memory_utilization=f("gpu_memory_utilization"),
         chat_template=chat_template_text(template) if (template := f("chat_template")) else None,
         reasoning_parser=f("reasoning_parser"), tool_call_parser=tool_parser(flags),
@@ -271,4 +273,10 @@ def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = 
         local=_replace(cfg.local, tp=tp, block_size=f("block_size"), num_blocks=f("num_blocks"),
                        device=device, **sizes),
     )
+    tls.server_context(cfg)  # a key, certificate or CA file that does not load is refused now, naming it
     return _pool_sizes(cfg, flags)
+
+
+def _path(given: Optional[str]) -> Optional[str]:
+    """A file flag's path made absolute (the processes start elsewhere); None: not given."""
+    return os.path.abspath(given) if given else None

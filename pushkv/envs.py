@@ -44,6 +44,9 @@ _VARS = (
     Var("PUSHKV_SECRET_FILE", str, "", "pushkv.vllm: the CURVE secret file when the connector's extra config "
         "names none"),
     Var("PUSHKV_LOG", str, "INFO", "pushkv.vllm's writer process: log level"),
+    Var("PUSHKV_WARM_GRAMMARS", bool, True, "the router loads xgrammar on a parse thread once it is ready, so the "
+        "first structured-output request's check does not wait ~1.5 s for it; 0: loaded by that first request "
+        "(the tests' deployments, which start many routers on two cores)"),
     # set by the supervisor for each child
     Var("PUSHKV_NAME", str, "", "the process's name (`prefill-writer-0`)", INTERNAL),
     Var("PUSHKV_DEPLOYMENT_ID", str, "", "the deployment the process belongs to", INTERNAL),
@@ -116,6 +119,7 @@ if TYPE_CHECKING:  # what ``envs.NAME`` returns, for mypy (tests/tools/test_envs
     PUSHKV_KDF: str
     PUSHKV_SECRET_FILE: str
     PUSHKV_LOG: str
+    PUSHKV_WARM_GRAMMARS: bool
     PUSHKV_NAME: str
     PUSHKV_DEPLOYMENT_ID: str
     PUSHKV_HOST: str

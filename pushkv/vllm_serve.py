@@ -157,8 +157,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--disable-sliding-window",), REFUSED, "the checkpoint's sliding window is always applied", SWITCH),
     Flag(("--skip-tokenizer-init",), REFUSED, "the router tokenizes every prompt", SWITCH),
     Flag(("--enable-sleep-mode",), REFUSED, "sleep mode is not built", SWITCH),
-    Flag(("--ssl-keyfile",), REFUSED, "the router serves plain HTTP: put a TLS proxy in front"),
-    Flag(("--ssl-certfile",), REFUSED, "the router serves plain HTTP: put a TLS proxy in front"),
+    Flag(("--enable-ssl-refresh",), REFUSED, "the router reads --ssl-keyfile and --ssl-certfile once, at start: "
+         "restart it to take new ones", SWITCH),
     Flag(("--root-path",), REFUSED, "the router serves at /"),
     Flag(("--allowed-origins",), REFUSED, "the router sends no CORS headers: put a proxy in front"),
     Flag(("--uds",), REFUSED, "the router listens on TCP (--host, --port)"),

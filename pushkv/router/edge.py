@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+import ssl
 import time
 from typing import Any, Callable, Optional
 
@@ -104,8 +105,8 @@ class CappedSite(web.TCPSite):
     """aiohttp's TCPSite, whose protocol factory refuses connections past ``cap``."""
 
     def __init__(self, runner: web.BaseRunner, host: str, port: int, cap: int,
-                 on_refused: Callable[[], None], backlog: int = BACKLOG):
-        super().__init__(runner, host, port, backlog=backlog)
+                 on_refused: Callable[[], None], backlog: int = BACKLOG, ssl_context: Optional[ssl.SSLContext] = None):
+        super().__init__(runner, host, port, backlog=backlog, ssl_context=ssl_context)
         self.cap = cap
         self.on_refused = on_refused
         self.live = 0  # connections handed to aiohttp and not yet lost
@@ -128,7 +129,7 @@ class CappedSite(web.TCPSite):
         await web.BaseSite.start(self)  # registers the site with its runner (TCPSite.start's first step)
         self._server = await asyncio.get_running_loop().create_server(
             self._protocol, self._host, self._port, backlog=self._backlog, reuse_address=self._reuse_address,
-            reuse_port=self._reuse_port)
+            reuse_port=self._reuse_port, ssl=self._ssl_context)
         self._bound_port = self._server.sockets[0].getsockname()[1] if self._server.sockets else self._port
 
 

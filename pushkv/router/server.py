@@ -22,7 +22,7 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
-from pushkv import __version__, envs, limits, security
+from pushkv import __version__, envs, limits, security, tls
 from pushkv import messages as m
 from pushkv.config import DeploymentConfig, Role
 from pushkv.discovery.base import Watcher
@@ -81,7 +81,8 @@ class Router:
         # a request's parse (chat template, tokenizing, a structured-output grammar's check) runs here, not on the
         # event loop, so a long prompt or a large JSON schema holds no other request's stream
         self._parse_pool = ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="router-parse")
-        self.structured_ready = False  # xgrammar loaded (start)
+        self.structured_ready = False  # xgrammar loaded (PUSHKV_WARM_GRAMMARS, after start; /health says it)
+        self._warm_task: Optional[asyncio.Task] = None
         # this router's epoch: a restarted router's is newer, and the schedulers abort the legs of
         # the one before (messages.RouterEpoch)
         self.epoch = time.time_ns()
@@ -154,9 +155,6 @@ class Router:
         self._handlers_idle = asyncio.Event()
         self._handlers_idle.set()
         self.ctx = zmq.asyncio.Context()
-        # xgrammar loads (about 1.5 s) on a parse thread while the router starts, and the router is ready once it
-        # has, so that no structured-output request's check waits for it
-        warm = asyncio.get_running_loop().run_in_executor(self._parse_pool, structured_warm)
         # every socket of ours (scheduler links, control, the local watcher's SUB) caps what it
         # accepts at the deployment's largest legal message (pushkv.limits)
         self.ctx.setsockopt(zmq.MAXMSGSIZE, limits.msg_cap_bytes(self.cfg))
@@ -188,20 +186,26 @@ class Router:
         # (the kernel clips it at net.core.somaxconn)
         site = edge.CappedSite(self._runner, self.cfg.host, self.cfg.port, cap,
                                self.metrics.connections_refused.inc,
-                               backlog=max(edge.BACKLOG, self.cfg.router_max_in_flight))
+                               backlog=max(edge.BACKLOG, self.cfg.router_max_in_flight),
+                               ssl_context=tls.server_context(self.cfg))
         await site.start()
         log.info("HTTP edge: open-file limit %d (was %d), at most %d connections, headers within %.0fs, "
                  "a body within %.0fs", fds, fds_before, cap, self.cfg.router_header_timeout_s,
                  self.cfg.router_body_timeout_s)
         port = self._runner.addresses[0][1]
-        self.url = f"http://{self.cfg.host}:{port}"
+        self.url = f"{tls.scheme(self.cfg)}://{self.cfg.host}:{port}"
         log.info("router (%s mode) listening on %s%s", self.cfg.mode, self.url,
                  " (API key required on /v1/*)" if self.api_key else "")
         if self.watcher is not None:
             self._events_task = asyncio.get_running_loop().create_task(self._discovery_loop())
-        self.structured_ready = await warm
         if self.cfg.control_endpoint:
             await self._announce_ready()
+        if envs.PUSHKV_WARM_GRAMMARS:  # xgrammar (about 1.5 s to load) on a parse thread, so that no structured-output
+            # request's check waits for it; a request that comes first waits for it there, as it would have anyway
+            self._warm_task = asyncio.get_running_loop().create_task(self._warm_grammars())
+
+    async def _warm_grammars(self) -> None:
+        self.structured_ready = await self._off_loop(structured_warm)
 
     async def _discovery_loop(self) -> None:
         """Instances come and go through the watcher. One that goes down is chosen no more,
@@ -301,7 +305,7 @@ class Router:
         if self._runner is not None:
             await self._runner.cleanup()  # closes the listening socket
         self._parse_pool.shutdown(wait=False, cancel_futures=True)
-        for task in (self._control_task, self._events_task):
+        for task in (self._control_task, self._events_task, self._warm_task):
             if task is None:
                 continue
             task.cancel()
@@ -342,6 +346,7 @@ class Router:
                                "blocks_pinned": l.pinned, "num_blocks": l.num_blocks}
                               for e, l in sorted(self.balancer.loads.items())],
                 "conditional_disagg": self.cfg.conditional_disagg, "push_pin_fraction": self.cfg.push_pin_fraction,
+                "structured_ready": self.structured_ready,
                 "costs": self.balancer.cost.costs.as_dict() if self.local_link is None else {}}
         return web.json_response(body, status=200 if ok else 503)
 

@@ -65,9 +65,10 @@ def test_a_parse_error_raised_on_a_parse_thread_is_the_same_400(tmp_path):
 
 
 
-def test_the_router_has_loaded_xgrammar_once_started(tmp_path, monkeypatch):
-    """xgrammar (about 1.5 s to load) loads on a parse thread while the router starts, so no structured-output
-    request's check waits for it; the router is started (and ready) once it has."""
+def test_the_router_loads_xgrammar_once_ready(tmp_path, monkeypatch):
+    """xgrammar (about 1.5 s to load) loads on a parse thread once the router is up (``PUSHKV_WARM_GRAMMARS``, on by
+    default), so no structured-output request's check waits for it; /health says when it has. Off, nothing loads it
+    until a request asks."""
     pytest.importorskip("xgrammar")
     from pushkv.router import server
 
@@ -80,9 +81,15 @@ def test_the_router_has_loaded_xgrammar_once_started(tmp_path, monkeypatch):
 
     monkeypatch.setattr(server, "structured_warm", warm)
 
-    async def body():
+    async def body(on: bool):
+        monkeypatch.setenv("PUSHKV_WARM_GRAMMARS", "1" if on else "0")
         async with Harness(make_cfg(tmp_path, "local"), {"local": answer}) as h:
-            assert h.router.structured_ready
-            assert len(threads) == 1 and threads[0].startswith("router-parse"), threads
+            if on:
+                await asyncio.wait_for(h.router._warm_task, 20)
+            health = await (await h.http.get("/health")).json()
+            assert health["structured_ready"] is on and h.router.structured_ready is on
 
-    asyncio.run(asyncio.wait_for(body(), 25))
+    asyncio.run(asyncio.wait_for(body(False), 25))
+    assert threads == []
+    asyncio.run(asyncio.wait_for(body(True), 25))
+    assert len(threads) == 1 and threads[0].startswith("router-parse"), threads
