@@ -11,6 +11,7 @@ $XDG_RUNTIME_DIR/pushkv-deployments or /tmp/pushkv-$UID) and talk to each superv
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -58,6 +59,20 @@ from pushkv.supervisor.table import HEALTH_TIMEOUT_S, RestartPolicy
 # ---------------------------------------------------------------------------
 # argument parsing
 # ---------------------------------------------------------------------------
+def _json_list(flag: str):
+    """An argparse type: a JSON list of strings, as vLLM's CORS flags take them (``'["https://a.example"]'``)."""
+    def parse(text: str) -> tuple[str, ...]:
+        try:
+            got = json.loads(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{flag}: not JSON ({e}): give a list, as '[\"*\"]'") from None
+        if not isinstance(got, list) or not all(isinstance(x, str) for x in got):
+            raise argparse.ArgumentTypeError(f"{flag}: a JSON list of strings, not {text}")
+        return tuple(got)
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pushkv", description="pushkv: disaggregated LLM serving with push KV transfer")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -240,6 +255,16 @@ def build_parser() -> argparse.ArgumentParser:
     sec.add_argument("--ssl-cert-reqs", type=int, choices=(0, 1, 2), metavar="N",
                      help="client certificates: 0 not asked (default), 1 checked when given, 2 required, as "
                           "Python's ssl.CERT_NONE / CERT_OPTIONAL / CERT_REQUIRED and vLLM's flag")
+    sec.add_argument("--allowed-origins", type=_json_list("--allowed-origins"), metavar="JSON",
+                     help='origins a browser page may call the router from, a JSON list (default: ["*"], every one, '
+                          "as vLLM's)")
+    sec.add_argument("--allowed-methods", type=_json_list("--allowed-methods"), metavar="JSON",
+                     help='methods a cross-origin request may use, a JSON list (default: ["*"])')
+    sec.add_argument("--allowed-headers", type=_json_list("--allowed-headers"), metavar="JSON",
+                     help='headers a cross-origin request may send, a JSON list (default: ["*"])')
+    sec.add_argument("--allow-credentials", action="store_true",
+                     help="cross-origin requests may carry credentials (cookies, TLS client certificates; default: "
+                          "not), as vLLM's")
     sec.add_argument("--metrics-auth", action="store_true",
                      help="/metrics (the router's and every instance's) needs the --api-key too; default off: "
                           "open to scrapers, as vLLM's")

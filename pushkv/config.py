@@ -456,6 +456,12 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
     ssl_certfile: str = ""
     ssl_ca_certs: str = ""
     ssl_cert_reqs: int = 0
+    # cross-origin requests, as vLLM's --allowed-origins, --allowed-methods, --allowed-headers, --allow-credentials
+    # and their defaults (router/cors.py): every origin, method and header, no credentials
+    cors_origins: tuple[str, ...] = ("*",)
+    cors_methods: tuple[str, ...] = ("*",)
+    cors_headers: tuple[str, ...] = ("*",)
+    cors_credentials: bool = False
     # push: D blocks reserved and still waiting for their KV may take at most this fraction of a
     # D instance's pool; a request past it falls back to late allocation (D allocates after P)
     push_pin_fraction: float = 0.5

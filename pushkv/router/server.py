@@ -29,7 +29,7 @@ from pushkv.discovery.base import Watcher
 from pushkv.discovery.local import LocalWatcher
 from pushkv.discovery.records import InstanceDown, InstanceRecord, InstanceUp
 from pushkv.framing import Drops, Shape, arecv_bounded
-from pushkv.router import api, auth, edge, generate, output, text, tokenize
+from pushkv.router import api, auth, cors, edge, generate, output, text, tokenize
 from pushkv.router import chat as chat_mod
 from pushkv.router.balance import Balancer
 from pushkv.router.flow import RequestRun
@@ -114,8 +114,13 @@ class Router:
     # -- lifecycle ------------------------------------------------------
     def app(self) -> web.Application:
         refused = self.metrics.auth_refused.inc
-        app = web.Application(middlewares=[_json_errors, auth.middleware(self.api_key, refused, self.cfg.metrics_auth)],
+        c = self.cfg
+        policy = cors.Policy(c.cors_origins, c.cors_methods, c.cors_headers, c.cors_credentials)
+        # a browser's preflight is answered before the API key's check, as vLLM's CORS middleware answers it
+        app = web.Application(middlewares=[cors.middleware(policy), _json_errors,
+                                           auth.middleware(self.api_key, refused, self.cfg.metrics_auth)],
                               client_max_size=limits.http_body_bytes(self.cfg))
+        app.on_response_prepare.append(cors.on_prepare(policy))
         app.router.add_post("/v1/completions", self.handle_completions)
         app.router.add_post("/v1/chat/completions", self.handle_chat)
         app.router.add_get("/v1/models", self.handle_models)
