@@ -239,6 +239,10 @@ def apply(flags: Mapping[str, Any], max_batch_tokens: int) -> tuple[dict[str, An
     return sets, notes
 
 
+# flags that take one JSON list on the command line (vLLM's CORS flags), which a YAML list stands for
+JSON_LISTS = frozenset({"--allowed-origins", "--allowed-methods", "--allowed-headers"})
+
+
 def yaml_argv(path: str) -> list[str]:
     """A vLLM ``--config`` YAML file (each key a ``vllm serve`` flag's name, with or without dashes and in either
     spelling, each value its value; ``model`` too) as the command line it stands for. A flag on the command line
@@ -260,6 +264,10 @@ def yaml_argv(path: str) -> list[str]:
         elif value is False:
             if BY_DEST.get("vllm_" + flag[2:].replace("-", "_"), Flag((), "", "")).value == ON_OFF:
                 argv.append("--no-" + flag[2:])
+        elif isinstance(value, list) and flag in JSON_LISTS:
+            import json
+
+            argv += [flag, json.dumps(value)]
         elif isinstance(value, list):
             argv += [flag, *(str(x) for x in value)]
         elif isinstance(value, dict):

@@ -99,3 +99,15 @@ def test_up_takes_vllms_cors_flags():
     for bad in ("*", '{"a": 1}', "[1]"):
         with pytest.raises(SystemExit):
             ap.parse_args(["up", "--allowed-origins", bad])
+
+
+def test_vllms_yaml_config_gives_the_cors_lists(tmp_path):
+    from processes.cli import build_parser
+    from pushkv import vllm_serve
+    from pushkv.config_flags import user_config
+
+    path = tmp_path / "serve.yaml"
+    path.write_text(f"allowed-origins: [\"{PAGE}\", \"https://b.example\"]\nallow-credentials: true\n")
+    argv = vllm_serve.expand_config(["up", "--mode", "local", "--device", "cpu", "--config", str(path)])
+    cfg = user_config(vars(build_parser().parse_args(argv)))
+    assert cfg.cors_origins == (PAGE, "https://b.example") and cfg.cors_credentials
