@@ -105,6 +105,8 @@ class CompletionParams:
     cache_salt: str = ""  # vLLM's: cached prefixes shared only among requests of the same salt
     structured: Optional[Structured] = None  # the output held to a grammar (router/structured.py)
     return_tokens_as_token_ids: bool = False  # vLLM's: a logprob's token written "token_id:N" (render.TokenIds)
+    # /v1/responses (router/responses.py): the request's settings its response object repeats; None: another route
+    responses: Optional[dict] = None
     # completions' prompt as a batch of several: each prompt (ids, text) with its own n choices, choice
     # p * n + c being prompt p's c-th; empty: the one prompt above
     batch: list[tuple[list[int], str]] = field(default_factory=list)

@@ -17,7 +17,7 @@ from typing import AsyncIterator, Optional
 
 from aiohttp import web
 
-from pushkv.router import api, output, render, text
+from pushkv.router import api, output, render, responses, text
 from pushkv.router.flow import RequestRun
 from pushkv.router.request import Failed, Finished, Tokens
 
@@ -170,6 +170,9 @@ class Generation:
             await fan.close()
         if not all(o.done for o in self.outs):
             raise RuntimeError("request run ended without an outcome")
+        if isinstance(self.render, responses.ResponsesRenderer):
+            return web.json_response(self.render.unary_body(self.request_id, self.created, self.model, self.outs,
+                                                            self._usage(), self._extension()))
         choices = [self.render.choice(o) for o in self.outs]
         body = self.render.body(self.request_id, self.created, self.model, choices, False, self._usage(),
                                 self._extension())
@@ -192,7 +195,41 @@ class Generation:
             return self._chunk(choice, self._usage(), self._extension())
         return self._chunk(choice, self._choice_usage(i))
 
+    async def stream_responses(self, request: web.Request) -> web.StreamResponse:
+        """A /v1/responses stream: OpenAI's typed events (router/responses.py), no [DONE]."""
+        assert isinstance(self.render, responses.ResponsesRenderer)
+        resp = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": self.request_id,
+        })
+        await resp.prepare(request)
+        events = responses.ResponseEvents(self.render, self.request_id, self.created, self.model)
+        fan = Fanout(self.runs)
+        try:
+            for kind, opening in events.start():
+                await resp.write(output.sse_event(kind, opening))
+            async for i, ev in fan.events():
+                if isinstance(ev, Failed):
+                    for kind, body in events.failed(ev.status, ev.reason):
+                        await resp.write(output.sse_event(kind, body))
+                    break
+                delta = self._apply(i, ev, fan)
+                if delta is None:
+                    continue
+                for kind, body in events.delta(delta):
+                    await resp.write(output.sse_event(kind, body))
+                if delta.finish_reason:
+                    for kind, body in events.finish(delta.finish_reason, self._usage(), self._extension()):
+                        await resp.write(output.sse_event(kind, body))
+            await resp.write_eof()
+        except ConnectionError:  # the client closed the stream under us
+            self.client_gone()
+        finally:
+            await fan.close()
+        return resp
+
     async def stream(self, request: web.Request) -> web.StreamResponse:
+        if isinstance(self.render, responses.ResponsesRenderer):
+            return await self.stream_responses(request)
         resp = web.StreamResponse(headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": self.request_id,
         })

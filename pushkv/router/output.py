@@ -37,6 +37,11 @@ def sse(obj: Any) -> bytes:
 SSE_DONE = sse("[DONE]")
 
 
+def sse_event(kind: str, obj: Any) -> bytes:
+    """A typed server-sent event (the Responses API's)."""
+    return f"event: {kind}\ndata: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
+
+
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: Optional[int] = None) -> dict:
     """OpenAI's usage; ``cached_tokens``: the prompt tokens the prefilling instance took from its
     prefix cache (``prompt_tokens_details``, as OpenAI and vLLM report it), when known."""

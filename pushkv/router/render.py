@@ -190,6 +190,10 @@ def _finish(reason: Optional[str], called: bool) -> Optional[str]:
 
 
 def for_endpoint(tok: Tokenizer, params: CompletionParams) -> Renderer:
+    if params.responses is not None:
+        from pushkv.router.responses import ResponsesRenderer  # (it builds on the chat renderer here)
+
+        return ResponsesRenderer(tok, params)
     return (ChatRenderer if params.chat else CompletionRenderer)(tok, params)
 
 

@@ -29,7 +29,7 @@ from pushkv.discovery.base import Watcher
 from pushkv.discovery.local import LocalWatcher
 from pushkv.discovery.records import InstanceDown, InstanceRecord, InstanceUp
 from pushkv.framing import Drops, Shape, arecv_bounded
-from pushkv.router import api, auth, cors, edge, generate, output, text, tokenize
+from pushkv.router import api, auth, cors, edge, generate, output, responses, text, tokenize
 from pushkv.router import chat as chat_mod
 from pushkv.router.balance import Balancer
 from pushkv.router.flow import RequestRun
@@ -123,6 +123,7 @@ class Router:
         app.on_response_prepare.append(cors.on_prepare(policy))
         app.router.add_post("/v1/completions", self.handle_completions)
         app.router.add_post("/v1/chat/completions", self.handle_chat)
+        app.router.add_post("/v1/responses", self.handle_responses)
         app.router.add_get("/v1/models", self.handle_models)
         app.router.add_get("/health", self.handle_health)
         app.router.add_get("/metrics", self.handle_metrics)
@@ -401,6 +402,16 @@ class Router:
     async def handle_chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=True)
 
+    async def handle_responses(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI's Responses API, as vLLM serves it, over the chat path (router/responses.py)."""
+        return await self._generate(request, chat=True, parser=self._response_request)
+
+    def _response_request(self, body: dict) -> api.CompletionParams:
+        """A /v1/responses body's request: its chat request parsed as /v1/chat/completions parses one."""
+        params = self._parser(True)(responses.chat_body(body))
+        params.responses = responses.echo(body)
+        return params
+
     async def handle_load(self, request: web.Request) -> web.Response:
         """vLLM's server load: the generation requests this router is serving now (each counted once, whatever its
         n); vLLM counts them with --enable-server-load-tracking, the router always."""
@@ -467,13 +478,14 @@ class Router:
         ok = bool(self.links) and not self.stopping
         return web.Response(status=200 if ok else 503)
 
-    async def _generate(self, request: web.Request, chat: Optional[bool]) -> web.StreamResponse:
+    async def _generate(self, request: web.Request, chat: Optional[bool],
+                        parser: Optional[Callable[[dict], api.CompletionParams]] = None) -> web.StreamResponse:
         arrival = time.monotonic()
         if self.stopping:
             return generate.refusal(503, "router shutting down")
         try:
             body = await edge.read_body(request, self.cfg.router_body_timeout_s)
-            params = await self._off_loop(api.parse_request, body, self.served, self._parser(chat))
+            params = await self._off_loop(api.parse_request, body, self.served, parser or self._parser(chat))
         except api.ApiError as e:
             self.metrics.requests.labels(outcome="rejected").inc()
             return web.json_response(e.body(), status=e.status)

@@ -239,3 +239,26 @@ def test_checkpoint_chat_template_and_cjk_text(tmp_path):
             whole = hf.decode(unary.token_ids, skip_special_tokens=True)
             assert unary.text == whole
         wait_pools_free(dep)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_responses_api_gives_the_chat_completions_text(deps, mode):
+    """/v1/responses through the official client (which parses every object and event it gets): the greedy text of
+    instructions + input equals the chat completion's of the same two messages, unary and streamed, with the same
+    usage; the stream is OpenAI's typed events in sequence, ending with the whole response."""
+    c = client(deps[mode])
+    chat = c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, temperature=0)
+    want = chat.choices[0].message.content
+    ask = dict(model="tiny", instructions=MESSAGES[0]["content"], input=MESSAGES[1]["content"], max_output_tokens=12,
+               temperature=0)
+    r = c.responses.create(**ask)
+    assert r.output_text == want and r.object == "response"
+    assert r.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+    events = list(c.responses.create(**ask, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"], kinds
+    assert kinds[-1] == f"response.{r.status}" and [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == want
+    assert events[-1].response.output_text == want and events[-1].response.usage.output_tokens == r.usage.output_tokens

@@ -1,0 +1,276 @@
+"""OpenAI's Responses API (``POST /v1/responses``), as vLLM serves it, over the chat path: a request's ``input`` and
+``instructions`` become chat messages, its ``max_output_tokens``, sampling and ``text.format`` the chat request's
+fields, and the answer is a ``response`` object whose ``output`` holds the assistant's message (and its reasoning, with
+``--reasoning-parser``). Streamed, the answer is OpenAI's typed events (``response.created`` ...
+``response.output_text.delta`` ... ``response.completed``), each with its ``sequence_number``.
+
+Not built, and refused by name with a 400: ``tools`` (use ``/v1/chat/completions``), ``previous_response_id`` and
+``conversation`` (nothing is stored: ``store`` is answered false), ``background``, ``prompt`` (stored prompts),
+``include``, and input items other than messages of text."""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from pushkv.router import api, reasoning
+from pushkv.router.output import ChoiceOutput, Delta
+from pushkv.router.render import ChatRenderer
+
+# the chat request's fields a Responses request passes on as they are (vLLM's sampling extras among them)
+SAMPLING = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
+            "frequency_penalty", "logit_bias", "stop", "stream", "user")
+NOT_BUILT = {
+    "tools": "function tools are not built for /v1/responses: use /v1/chat/completions with tools",
+    "previous_response_id": "responses are not stored, so none can be continued: send the whole input",
+    "conversation": "conversations are not stored: send the whole input",
+    "background": "background responses are not built",
+    "prompt": "stored prompts are not built: send the input",
+    "include": "include is not built: the output is the message's text",
+}
+ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def _refuse_unbuilt(body: dict) -> None:
+    for name, why in NOT_BUILT.items():
+        value = body.get(name)
+        if value not in (None, False, [], {}, ""):
+            raise api.bad(name, f"{name}: {why}")
+
+
+def _content(item: dict, i: int) -> str:
+    content = item.get("content")
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise api.bad("input", f"input[{i}].content must be a string or a list of text parts")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise api.bad("input", f"input[{i}].content[{j}]: only text parts ({', '.join(TEXT_PARTS)}) are taken")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = []
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise api.bad("instructions", "instructions must be a string")
+        messages.append({"role": "system", "content": instructions})
+    given = body.get("input")
+    if isinstance(given, str):
+        return messages + [{"role": "user", "content": given}]
+    if not isinstance(given, list) or not given:
+        raise api.bad("input", "input must be a string or a non-empty list of messages")
+    for i, item in enumerate(given):
+        if not isinstance(item, dict) or item.get("type", "message") != "message":
+            kind = item.get("type") if isinstance(item, dict) else type(item).__name__
+            raise api.bad("input", f"input[{i}]: only messages are taken, not {kind}")
+        role = ROLES.get(item.get("role", ""))
+        if role is None:
+            raise api.bad("input", f"input[{i}].role must be one of {sorted(ROLES)}, got {item.get('role')!r}")
+        messages.append({"role": role, "content": _content(item, i)})
+    return messages
+
+
+def _response_format(body: dict) -> Optional[dict]:
+    text = body.get("text")
+    if text is None:
+        return None
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise api.bad("text", "text.format.schema must be a JSON schema object")
+        return {"type": "json_schema", "json_schema": {"name": fmt.get("name", "response"), "schema": fmt["schema"],
+                                                        "strict": fmt.get("strict", False)}}
+    raise api.bad("text", f"text.format.type must be text, json_object or json_schema, got {kind!r}")
+
+
+def chat_body(body: dict) -> dict:
+    """The chat completion request a Responses request stands for; ApiError (400) naming a field not built here."""
+    _refuse_unbuilt(body)
+    out: dict[str, Any] = {k: body[k] for k in SAMPLING if k in body}
+    out["messages"] = _messages(body)
+    if body.get("max_output_tokens") is not None:
+        out["max_tokens"] = body["max_output_tokens"]
+    fmt = _response_format(body)
+    if fmt is not None:
+        out["response_format"] = fmt
+    return out
+
+
+def echo(body: dict) -> dict:
+    """The request's settings a response object repeats."""
+    given = body.get("text")
+    text: dict = given if isinstance(given, dict) else {}
+    return {"instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
+            "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
+            "text": {"format": text.get("format") or {"type": "text"}}, "metadata": body.get("metadata") or {},
+            "user": body.get("user")}
+
+
+def usage(chat_usage: dict) -> dict:
+    """A chat usage as the Responses API writes it."""
+    out = {"input_tokens": chat_usage["prompt_tokens"], "output_tokens": chat_usage["completion_tokens"],
+           "total_tokens": chat_usage["total_tokens"], "output_tokens_details": {"reasoning_tokens": 0}}
+    details = chat_usage.get("prompt_tokens_details")
+    out["input_tokens_details"] = {"cached_tokens": details["cached_tokens"] if details else 0}
+    return out
+
+
+def response(rid: str, created: int, model: str, settings: dict, output: list[dict], status: str,
+             usage_: Optional[dict], incomplete: Optional[str] = None, error: Optional[dict] = None) -> dict:
+    return {"id": rid, "object": "response", "created_at": created, "status": status, "model": model,
+            "output": output, "usage": usage_, "error": error,
+            "incomplete_details": {"reason": incomplete} if incomplete else None, "parallel_tool_calls": False,
+            "tool_choice": "none", "tools": [], "previous_response_id": None, "store": False, "truncation": "disabled",
+            "reasoning": None, **settings}
+
+
+def message_item(rid: str, text: str, status: str = "completed") -> dict:
+    return {"type": "message", "id": f"msg_{rid}", "status": status, "role": "assistant",
+            "content": [output_text(text)] if status == "completed" else []}
+
+
+def reasoning_item(rid: str, text: str) -> dict:
+    return {"type": "reasoning", "id": f"rs_{rid}", "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}], "status": "completed"}
+
+
+def output_text(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": []}
+
+
+def status_of(finish_reason: Optional[str]) -> tuple[str, Optional[str]]:
+    """(status, incomplete reason) of a response whose one choice ended so."""
+    if finish_reason == "length":
+        return "incomplete", "max_output_tokens"
+    return "completed", None
+
+
+class ResponsesRenderer(ChatRenderer):
+    """The chat renderer's text and reasoning, in a response object (unary) or OpenAI's typed events (streamed:
+    ``ResponseEvents``)."""
+
+    id_prefix = "resp"
+    object = "response"
+    chunk_object = "response"
+
+    def __init__(self, tok, params: api.CompletionParams):
+        super().__init__(tok, params)
+        self.settings: dict = params.responses or {}
+
+    def request_id(self, transfer_id: str) -> str:
+        return f"resp_{transfer_id}"
+
+    def unary_body(self, rid: str, created: int, model: str, outs: Sequence[ChoiceOutput], usage_: dict,
+                   extension: dict) -> dict:
+        out = outs[0]
+        thought, content = (reasoning.split(out.text, self.params.reasoning_parser) if self.splitters
+                            else (None, out.text))
+        items = [reasoning_item(rid, thought)] if thought else []
+        items.append(message_item(rid, content or ""))
+        status, incomplete = status_of(out.finish_reason)
+        return {**response(rid, created, model, self.settings, items, status, usage(usage_), incomplete),
+                "pushkv": extension}
+
+
+class ResponseEvents:
+    """One streamed response's typed events, from its choice's deltas: the message item opened with its first text,
+    a reasoning item before it with its first thought (``--reasoning-parser``), each delta an event, and the items
+    and the response closed at the end."""
+
+    def __init__(self, render: ResponsesRenderer, rid: str, created: int, model: str):
+        self.render, self.rid, self.created, self.model = render, rid, created, model
+        self.seq = 0
+        self.items: list[dict] = []  # closed ones, in order
+        self.open: Optional[str] = None  # "reasoning" or "message"
+        self.text = ""
+
+    def _ev(self, kind: str, **fields: Any) -> tuple[str, dict]:
+        ev = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return kind, ev
+
+    def _response(self, status: str, usage_: Optional[dict] = None, incomplete: Optional[str] = None,
+                  error: Optional[dict] = None) -> dict:
+        return response(self.rid, self.created, self.model, self.render.settings, list(self.items), status, usage_,
+                        incomplete, error)
+
+    def start(self) -> list[tuple[str, dict]]:
+        return [self._ev("response.created", response=self._response("in_progress")),
+                self._ev("response.in_progress", response=self._response("in_progress"))]
+
+    def _item_id(self) -> str:
+        return f"{'rs' if self.open == 'reasoning' else 'msg'}_{self.rid}"
+
+    def _close(self) -> list[tuple[str, dict]]:
+        if self.open is None:
+            return []
+        idx, iid, text = len(self.items), self._item_id(), self.text
+        if self.open == "reasoning":
+            item = reasoning_item(self.rid, text)
+            evs = [self._ev("response.reasoning_text.done", item_id=iid, output_index=idx, content_index=0,
+                            text=text)]
+        else:
+            item = message_item(self.rid, text)
+            evs = [self._ev("response.output_text.done", item_id=iid, output_index=idx, content_index=0, text=text,
+                            logprobs=[]),
+                   self._ev("response.content_part.done", item_id=iid, output_index=idx, content_index=0,
+                            part=output_text(text))]
+        evs.append(self._ev("response.output_item.done", output_index=idx, item=item))
+        self.items.append(item)
+        self.open, self.text = None, ""
+        return evs
+
+    def _feed(self, kind: str, text: str) -> list[tuple[str, dict]]:
+        evs: list[tuple[str, dict]] = []
+        if self.open != kind:
+            evs += self._close()
+            self.open = kind
+            idx, iid = len(self.items), self._item_id()
+            if kind == "reasoning":
+                evs.append(self._ev("response.output_item.added", output_index=idx,
+                                    item={"type": "reasoning", "id": iid, "summary": [], "content": [],
+                                          "status": "in_progress"}))
+            else:
+                evs.append(self._ev("response.output_item.added", output_index=idx,
+                                    item=message_item(self.rid, "", "in_progress")))
+                evs.append(self._ev("response.content_part.added", item_id=iid, output_index=idx, content_index=0,
+                                    part=output_text("")))
+        if text:
+            self.text += text
+            kind_ev = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+            extra: dict = {} if kind == "reasoning" else {"logprobs": []}
+            evs.append(self._ev(kind_ev, item_id=self._item_id(), output_index=len(self.items), content_index=0,
+                                delta=text, **extra))
+        return evs
+
+    def delta(self, delta: Delta) -> list[tuple[str, dict]]:
+        r = self.render
+        final = bool(delta.finish_reason)
+        thought, text = r.splitters[0].feed(delta.text, final) if r.splitters else ("", delta.text)
+        evs = self._feed("reasoning", thought) if thought else []
+        if text or (final and self.open != "message" and not any(i["type"] == "message" for i in self.items)):
+            evs += self._feed("message", text)
+        return evs
+
+    def finish(self, finish_reason: Optional[str], usage_: dict, extension: dict) -> list[tuple[str, dict]]:
+        evs = self._close()
+        status, incomplete = status_of(finish_reason)
+        kind = "response.completed" if status == "completed" else "response.incomplete"
+        body = {**self._response(status, usage(usage_), incomplete), "pushkv": extension}
+        return evs + [self._ev(kind, response=body)]
+
+    def failed(self, status: int, reason: str) -> list[tuple[str, dict]]:
+        code = "server_error" if status >= 500 else "invalid_request"
+        return [self._ev("response.failed", response=self._response("failed", error={"code": code,
+                                                                                       "message": reason}))]
