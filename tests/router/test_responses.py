@@ -103,3 +103,32 @@ def test_what_is_not_built_is_refused_by_name(tmp_path, field, value, says):
         assert not h.log.received("local", m.Generate)
 
     run(tmp_path, "stop", fn)
+
+
+def test_reasoning_comes_as_its_own_item_before_the_message(tmp_path):
+    """With --reasoning-parser the thinking is a ``reasoning`` item ahead of the message, whole and streamed."""
+    said = list(b"<think>ab</think>Hi")
+
+    def script(g):
+        return [(None, tokens(g, said[:9], False, "", (stage("scheduled"),))),
+                (None, tokens(g, said[9:], True, "stop", (stage("finished"),)))]
+
+    async def body():
+        cfg = make_cfg(tmp_path, "local", chat_template=TEMPLATE, reasoning_parser="qwen3")
+        async with Harness(cfg, {"local": script}) as h:
+            got = await (await h.http.post("/v1/responses", json={"model": "tiny", "input": "Hey"})).json()
+            assert [i["type"] for i in got["output"]] == ["reasoning", "message"], got["output"]
+            assert got["output"][0]["content"] == [{"type": "reasoning_text", "text": "ab"}]
+            assert got["output"][1]["content"][0]["text"] == "Hi"
+            raw = await (await h.http.post("/v1/responses", json={"model": "tiny", "input": "Hey",
+                                                                   "stream": True})).text()
+            events = [json.loads(blk.split("\n")[1][len("data: "):]) for blk in raw.strip().split("\n\n")]
+            kinds = [e["type"] for e in events]
+            assert kinds.index("response.reasoning_text.done") < kinds.index("response.content_part.added")
+            thought = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+            text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+            assert (thought, text) == ("ab", "Hi")
+            assert [i["type"] for i in events[-1]["response"]["output"]] == ["reasoning", "message"]
+            assert [e["output_index"] for e in events if e["type"] == "response.output_item.done"] == [0, 1]
+
+    asyncio.run(asyncio.wait_for(body(), 25))
