@@ -112,7 +112,8 @@ def echo(body: dict) -> dict:
     given = body.get("text")
     text: dict = given if isinstance(given, dict) else {}
     return {"instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
-            "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
+            # as given; absent, the deployment's default ran (the checkpoint's, else greedy), which null says
+            "temperature": body.get("temperature"), "top_p": body.get("top_p"),
             "text": {"format": text.get("format") or {"type": "text"}}, "metadata": body.get("metadata") or {},
             "user": body.get("user")}
 

@@ -41,6 +41,7 @@ def test_a_response_from_instructions_and_input(tmp_path):
         assert item["content"] == [{"type": "output_text", "text": "Hi", "annotations": []}]
         assert got["usage"]["output_tokens"] == 2 and got["usage"]["total_tokens"] == got["usage"]["input_tokens"] + 2
         assert got["instructions"] == "Be terse." and got["max_output_tokens"] == 2 and got["metadata"] == {"k": "v"}
+        assert got["temperature"] is None  # not given: the deployment's default ran, not OpenAI's 1
         [g] = h.log.received("local", m.Generate)
         assert bytes(g.prompt_token_ids).decode() == "[system]Be terse.[system]Rules.[user]Hey"
         assert g.max_tokens == 2
