@@ -195,13 +195,18 @@ class Generation:
             return self._chunk(choice, self._usage(), self._extension())
         return self._chunk(choice, self._choice_usage(i))
 
-    async def stream_responses(self, request: web.Request) -> web.StreamResponse:
-        """A /v1/responses stream: OpenAI's typed events (router/responses.py), no [DONE]."""
-        assert isinstance(self.render, responses.ResponsesRenderer)
+    async def _event_stream(self, request: web.Request) -> web.StreamResponse:
+        """The response a stream's server-sent events go out on, its headers sent."""
         resp = web.StreamResponse(headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": self.request_id,
         })
         await resp.prepare(request)
+        return resp
+
+    async def stream_responses(self, request: web.Request) -> web.StreamResponse:
+        """A /v1/responses stream: OpenAI's typed events (router/responses.py), no [DONE]."""
+        assert isinstance(self.render, responses.ResponsesRenderer)
+        resp = await self._event_stream(request)
         events = responses.ResponseEvents(self.render, self.request_id, self.created, self.model)
         fan = Fanout(self.runs)
         try:
@@ -230,10 +235,7 @@ class Generation:
     async def stream(self, request: web.Request) -> web.StreamResponse:
         if isinstance(self.render, responses.ResponsesRenderer):
             return await self.stream_responses(request)
-        resp = web.StreamResponse(headers={
-            "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": self.request_id,
-        })
-        await resp.prepare(request)
+        resp = await self._event_stream(request)
         fan = Fanout(self.runs)
         try:
             started = [False] * self.params.choices
