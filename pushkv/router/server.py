@@ -15,7 +15,7 @@ import signal
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Literal, Optional
 
 import msgspec
 import zmq
@@ -48,6 +48,8 @@ SHUTDOWN_GRACE_S = 5.0  # in-flight handlers get this long to send their 503
 PIN_WAIT_SHARE = 0.5
 STATS_TIMEOUT_S = 0.5  # /metrics: how long to wait for each scheduler's Stats
 CLIENT_ABORT_STATUS = 499  # nginx's "client closed request"
+# the generation routes, each read by its own parser (Router._parser)
+Route = Literal["completion", "chat", "invocation", "responses"]
 PARSE_THREADS = 4  # requests parsed at once off the event loop (tokenizing and grammars run in native code)
 
 
@@ -397,18 +399,18 @@ class Router:
         return web.json_response({"object": "list", "data": cards})
 
     async def handle_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, chat=False)
+        return await self._generate(request, "completion")
 
     async def handle_chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, chat=True)
+        return await self._generate(request, "chat")
 
     async def handle_responses(self, request: web.Request) -> web.StreamResponse:
         """OpenAI's Responses API, as vLLM serves it, over the chat path (router/responses.py)."""
-        return await self._generate(request, chat=True, parser=self._response_request)
+        return await self._generate(request, "responses")
 
     def _response_request(self, body: dict) -> api.CompletionParams:
         """A /v1/responses body's request: its chat request parsed as /v1/chat/completions parses one."""
-        params = self._parser(True)(responses.chat_body(body))
+        params = self._parser("chat")(responses.chat_body(body))
         params.responses = responses.echo(body)
         return params
 
@@ -420,20 +422,23 @@ class Router:
     async def handle_invocations(self, request: web.Request) -> web.StreamResponse:
         """SageMaker's inference route, as vLLM serves it: a body with messages is a chat completion, one with a
         prompt a completion (each then read as its own route reads it, on the parse threads like them)."""
-        return await self._generate(request, chat=None)
+        return await self._generate(request, "invocation")
 
     def _invocation(self, body: dict) -> api.CompletionParams:
         """An /invocations body's request: its route chosen by its fields."""
         if "messages" in body:
-            return self._parser(True)(body)
+            return self._parser("chat")(body)
         if "prompt" in body:
-            return self._parser(False)(body)
+            return self._parser("completion")(body)
         raise api.bad("messages", "/invocations takes a chat completion (messages) or a completion (prompt)")
 
-    def _parser(self, chat: Optional[bool]) -> Callable[[dict], api.CompletionParams]:
-        if chat is None:  # /invocations: the body says which
+    def _parser(self, route: Route) -> Callable[[dict], api.CompletionParams]:
+        """What reads a body of ``route`` into its request (on a parse thread)."""
+        if route == "invocation":  # the body says which
             return self._invocation
-        if not chat:
+        if route == "responses":
+            return self._response_request
+        if route == "completion":
             return functools.partial(api.parse_completion, tok=self.tokenizer, limits=self.limits)
         return functools.partial(chat_mod.parse_chat, tok=self.tokenizer, limits=self.limits,
                                  template=self._template(), reasoning_parser=self.cfg.reasoning_parser,
@@ -478,14 +483,13 @@ class Router:
         ok = bool(self.links) and not self.stopping
         return web.Response(status=200 if ok else 503)
 
-    async def _generate(self, request: web.Request, chat: Optional[bool],
-                        parser: Optional[Callable[[dict], api.CompletionParams]] = None) -> web.StreamResponse:
+    async def _generate(self, request: web.Request, route: Route) -> web.StreamResponse:
         arrival = time.monotonic()
         if self.stopping:
             return generate.refusal(503, "router shutting down")
         try:
             body = await edge.read_body(request, self.cfg.router_body_timeout_s)
-            params = await self._off_loop(api.parse_request, body, self.served, parser or self._parser(chat))
+            params = await self._off_loop(api.parse_request, body, self.served, self._parser(route))
         except api.ApiError as e:
             self.metrics.requests.labels(outcome="rejected").inc()
             return web.json_response(e.body(), status=e.status)
@@ -496,9 +500,9 @@ class Router:
             resp.headers["Retry-After"] = str(RETRY_AFTER_S)
             return resp
         runs = self._open(params, arrival)
-        log.debug("request transfer_id=%s prompt=%d max_tokens=%d n=%d stream=%s chat=%s",
+        log.debug("request transfer_id=%s prompt=%d max_tokens=%d n=%d stream=%s route=%s",
                   runs[0].transfer_id, len(params.prompt_token_ids), params.max_tokens, params.choices, params.stream,
-                  chat)
+                  route)
         try:
             return await generate.serve(request, params, runs, self.tokenizer, self.served)
         finally:
