@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from pushkv.router import api, reasoning
+from pushkv.router import api
 from pushkv.router.output import ChoiceOutput, Delta
 from pushkv.router.render import ChatRenderer
 
@@ -175,10 +175,10 @@ class ResponsesRenderer(ChatRenderer):
     def unary_body(self, rid: str, created: int, model: str, outs: Sequence[ChoiceOutput], usage_: dict,
                    extension: dict) -> dict:
         out = outs[0]
-        thought, content = (reasoning.split(out.text, self.params.reasoning_parser) if self.splitters
-                            else (None, out.text))
+        message = self.choice(out)["message"]  # the chat choice's content, and its reasoning apart where parsed
+        thought = message.get("reasoning_content")
         items = [reasoning_item(rid, thought)] if thought else []
-        items.append(message_item(rid, content or ""))
+        items.append(message_item(rid, message["content"] or ""))
         status, incomplete = status_of(out.finish_reason)
         return {**response(rid, created, model, self.settings, items, status, usage(usage_), incomplete),
                 "pushkv": extension}
@@ -256,9 +256,9 @@ class ResponseEvents:
         return evs
 
     def delta(self, delta: Delta) -> list[tuple[str, dict]]:
-        r = self.render
         final = bool(delta.finish_reason)
-        thought, text = r.splitters[0].feed(delta.text, final) if r.splitters else ("", delta.text)
+        d = self.render.chunk_choice(0, delta)["delta"]  # the chat chunk's content, and its reasoning apart
+        thought, text = d.get("reasoning_content", ""), d.get("content", "")
         evs = self._feed("reasoning", thought) if thought else []
         if text or (final and self.open != "message" and not any(i["type"] == "message" for i in self.items)):
             evs += self._feed("message", text)
