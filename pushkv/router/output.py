@@ -39,7 +39,7 @@ SSE_DONE = sse("[DONE]")
 
 def sse_event(kind: str, obj: Any) -> bytes:
     """A typed server-sent event (the Responses API's)."""
-    return f"event: {kind}\ndata: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
+    return f"event: {kind}\n".encode() + sse(obj)
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: Optional[int] = None) -> dict:
