@@ -195,70 +195,62 @@ class Generation:
             return self._chunk(choice, self._usage(), self._extension())
         return self._chunk(choice, self._choice_usage(i))
 
-    async def _event_stream(self, request: web.Request) -> web.StreamResponse:
-        """The response a stream's server-sent events go out on, its headers sent."""
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        """The choices' output as server-sent events: chat and completion chunks, or (/v1/responses) OpenAI's typed
+        events. A client that goes away ends the stream; the runs are closed either way."""
         resp = web.StreamResponse(headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": self.request_id,
         })
         await resp.prepare(request)
+        fan = Fanout(self.runs)
+        try:
+            if isinstance(self.render, responses.ResponsesRenderer):
+                await self._typed_events(resp, fan, self.render)
+            else:
+                await self._chunks(resp, fan)
+            await resp.write_eof()
+        except ConnectionError:  # the client closed the stream under us
+            self.client_gone()
+        finally:
+            await fan.close()
         return resp
 
-    async def stream_responses(self, request: web.Request) -> web.StreamResponse:
+    async def _typed_events(self, resp: web.StreamResponse, fan: Fanout, render: "responses.ResponsesRenderer") -> None:
         """A /v1/responses stream: OpenAI's typed events (router/responses.py), no [DONE]."""
-        assert isinstance(self.render, responses.ResponsesRenderer)
-        resp = await self._event_stream(request)
-        events = responses.ResponseEvents(self.render, self.request_id, self.created, self.model)
-        fan = Fanout(self.runs)
-        try:
-            for kind, opening in events.start():
-                await resp.write(output.sse_event(kind, opening))
-            async for i, ev in fan.events():
-                if isinstance(ev, Failed):
-                    for kind, body in events.failed(ev.status, ev.reason):
-                        await resp.write(output.sse_event(kind, body))
-                    break
-                delta = self._apply(i, ev, fan)
-                if delta is None:
-                    continue
-                for kind, body in events.delta(delta):
+        events = responses.ResponseEvents(render, self.request_id, self.created, self.model)
+        for kind, opening in events.start():
+            await resp.write(output.sse_event(kind, opening))
+        async for i, ev in fan.events():
+            if isinstance(ev, Failed):
+                for kind, body in events.failed(ev.status, ev.reason):
                     await resp.write(output.sse_event(kind, body))
-                if delta.finish_reason:
-                    for kind, body in events.finish(delta.finish_reason, self._usage(), self._extension()):
-                        await resp.write(output.sse_event(kind, body))
-            await resp.write_eof()
-        except ConnectionError:  # the client closed the stream under us
-            self.client_gone()
-        finally:
-            await fan.close()
-        return resp
+                return
+            delta = self._apply(i, ev, fan)
+            if delta is None:
+                continue
+            for kind, body in events.delta(delta):
+                await resp.write(output.sse_event(kind, body))
+            if delta.finish_reason:
+                for kind, body in events.finish(delta.finish_reason, self._usage(), self._extension()):
+                    await resp.write(output.sse_event(kind, body))
 
-    async def stream(self, request: web.Request) -> web.StreamResponse:
-        if isinstance(self.render, responses.ResponsesRenderer):
-            return await self.stream_responses(request)
-        resp = await self._event_stream(request)
-        fan = Fanout(self.runs)
-        try:
-            started = [False] * self.params.choices
-            failed = False
-            async for i, ev in fan.events():
-                if isinstance(ev, Failed):
-                    await resp.write(output.sse(_error_body(ev.status, ev.reason)))
-                    failed = True
-                    break
-                delta = self._apply(i, ev, fan)
-                if delta is not None and (delta.text or delta.token_ids or delta.finish_reason):
-                    if not started[i]:  # with the first output, as vLLM: a client's TTFT stays true
-                        started[i] = True
-                        opening = self.render.opening(self.outs[i])
-                        if opening is not None:
-                            await resp.write(self._chunk(opening, self._choice_usage(i)))
-                    await resp.write(self._stream_delta(i, delta))
-            if not failed and self.params.include_usage:
-                await resp.write(self._chunk({}, self._usage()))
-            await resp.write(output.SSE_DONE)
-            await resp.write_eof()
-        except ConnectionError:  # the client closed the stream under us
-            self.client_gone()
-        finally:
-            await fan.close()
-        return resp
+    async def _chunks(self, resp: web.StreamResponse, fan: Fanout) -> None:
+        """A completion or chat stream: a chunk a delta, usage where asked, then [DONE]."""
+        started = [False] * self.params.choices
+        failed = False
+        async for i, ev in fan.events():
+            if isinstance(ev, Failed):
+                await resp.write(output.sse(_error_body(ev.status, ev.reason)))
+                failed = True
+                break
+            delta = self._apply(i, ev, fan)
+            if delta is not None and (delta.text or delta.token_ids or delta.finish_reason):
+                if not started[i]:  # with the first output, as vLLM: a client's TTFT stays true
+                    started[i] = True
+                    opening = self.render.opening(self.outs[i])
+                    if opening is not None:
+                        await resp.write(self._chunk(opening, self._choice_usage(i)))
+                await resp.write(self._stream_delta(i, delta))
+        if not failed and self.params.include_usage:
+            await resp.write(self._chunk({}, self._usage()))
+        await resp.write(output.SSE_DONE)
