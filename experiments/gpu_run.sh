@@ -141,6 +141,13 @@ s.print_callees('_post_write|_prefill_done|on_ExpectKV|_poll_notifs')" 2>&1 | gr
               --variants ${SMALL_VARIANTS:-gemv1_2,router_late} 2>&1 | tail -30
             timeout 170 python3 -m pytest -q -p no:cacheprovider tests/model/test_decode_small_kernels.py \
               -k gpu_early -rfE 2>&1 | tee "$OUT/small_tests.txt" | tail -4 ;;
+    moeearly) # each kernel letting the next be scheduled before it waits (chain.EARLY_NEXT, off until timed): the
+            # probe's early_* variants against the shipped step, then the float32 tokens with every kernel so
+            timeout 400 python3 -m experiments.moe_decode_probe --out "$OUT" --batches ${EARLY_BATCHES:-1,8} --reps ${REPS:-30} \
+              --variants ${EARLY_VARIANTS:-gemv1_2,early_o,early_qkv,early_o_qkv,early_small,early_small_gemv,early_all} \
+              2>&1 | tail -30
+            timeout 180 python3 -m pytest -q -p no:cacheprovider tests/model/test_gpu_graphs.py -k early_next -rfE 2>&1 \
+              | tee "$OUT/early_tests.txt" | tail -4 ;;
     layerfloor) # a mock of Qwen3-30B-A3B's batch-1 step (its bytes and dependent phases) chained and as persistent
             # kernels with grid barriers (experiments/layer_floor.py), then the shipped step in the same run
             timeout 420 python3 -m experiments.layer_floor --out "$OUT/layer_floor" ${FLOOR_ARGS:-} 2>&1 | tail -30

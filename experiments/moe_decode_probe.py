@@ -47,6 +47,12 @@ Variants (each re-captures the graphs):
 - ``router_late``: the shipped step with ``add_rms_router``'s programs loading their router rows after they wait
   (``triton_fused.ROUTER_EARLY`` off, as before 2026-12-05's run). Six more changes to the one-token step's small
   kernels were timed on 2026-12-05 and taken out (docs/results/2026-12-05-small-kernels).
+- ``early_o``: the shipped step with the decode attention and its merge letting the next kernel be scheduled as
+  their programs start, before they wait (``chain.EARLY_NEXT``), so the o GEMV's programs load their weights while
+  the attention waits and runs, not only during the merge; ``early_qkv``: the layer's first norm so, for the qkv
+  GEMV (its weights then load during the experts' down projection); ``early_o_qkv``: both; ``early_small``: every
+  small kernel so (the norms, RoPE, attention, merge, routing); ``early_small_gemv``: and the GEMVs; ``early_all``:
+  and the experts' kernels.
 
 ``--variants both,gemv1_2`` times only those.
 
@@ -117,12 +123,17 @@ class Flags(NamedTuple):
     persistent: bool = False  # triton_moe.PERSISTENT_ONE_TOKEN
     persistent_per_sm: int = 3  # triton_moe_token.PER_SM
     router_early: bool = False  # triton_fused.ROUTER_EARLY
+    early_next: frozenset = frozenset()  # chain.EARLY_NEXT
 
 
 # the shipped step (``gemv1_2``); the key-tile prefetch is on since 2026-12-05's run (``ahead_kv``: the same step,
 # kept under its name; ``no_kv``: without it)
 SHIPPED = Flags(True, 16, "grouped", 1, 2, prefetch_kv=True, router_early=True)
 _UNGROUPED = SHIPPED._replace(moe_decode="ungrouped")
+# the kernels before the o GEMV (the decode attention and its merge) letting it be scheduled as they start, so its
+# weights load while they wait and run; then every kernel but the GEMVs and the experts' (which hold the SMs longest)
+_EARLY_O = frozenset({"attn", "merge"})
+_EARLY_SMALL = frozenset({"add_rms", "rope", "attn", "merge", "norm_router", "route"})
 _OWN_ALL = SHIPPED._replace(prefetch_down_tokens=8, ahead_tokens=8, ahead=frozenset({"o", "qkv_sum"}),
                             prefetch_own_tokens=8)
 VARIANTS = {"before": Flags(False, 0, "grouped", 0, 8), "router": Flags(False, 16, "grouped", 0, 8),
@@ -160,6 +171,12 @@ VARIANTS = {"before": Flags(False, 0, "grouped", 0, 8), "router": Flags(False, 1
             "persistent_4": SHIPPED._replace(persistent=True, persistent_per_sm=4),
             "no_kv": SHIPPED._replace(prefetch_kv=False),
             "router_late": SHIPPED._replace(router_early=False),
+            "early_o": SHIPPED._replace(early_next=_EARLY_O),
+            "early_qkv": SHIPPED._replace(early_next=frozenset({"add_rms"})),
+            "early_o_qkv": SHIPPED._replace(early_next=_EARLY_O | {"add_rms"}),
+            "early_small": SHIPPED._replace(early_next=_EARLY_SMALL),
+            "early_small_gemv": SHIPPED._replace(early_next=_EARLY_SMALL | {"gemv"}),
+            "early_all": SHIPPED._replace(early_next=chain.NAMES),
             "own_all_kv": _OWN_ALL._replace(prefetch_kv=True),
             "prefetch_down_l2": SHIPPED._replace(prefetch_down_tokens=8, l2_set_aside=True),
             "own_all_l2": _OWN_ALL._replace(l2_set_aside=True),
@@ -176,12 +193,14 @@ PAIRS = (("router", "before"), ("ungrouped", "both"), ("gemv", "both"), ("gemv1_
          ("one_launch_own", "ungrouped1"), ("one_launch_all", "ungrouped1"), ("ahead_kv", "no_kv"),
          ("own_all_kv", "gemv1_2"), ("prefetch_down_l2", "prefetch_down"), ("own_all_l2", "own_all"),
          ("one_launch_all_l2", "one_launch_all"), ("persistent", "gemv1_2"), ("persistent_1", "persistent"),
-         ("persistent_2", "persistent"), ("persistent_4", "persistent"), ("router_late", "gemv1_2"))
+         ("persistent_2", "persistent"), ("persistent_4", "persistent"), ("router_late", "gemv1_2"), ("early_o", "gemv1_2"), ("early_qkv", "gemv1_2"),
+         ("early_o_qkv", "gemv1_2"), ("early_small", "gemv1_2"), ("early_small_gemv", "gemv1_2"),
+         ("early_all", "gemv1_2"))
 
 # the variants whose batch-1 replay is profiled kernel by kernel, where they are timed
 PROFILED = ("before", "both", "gemv", "gemv1_2", "self_route_merge", "down_gemv_8", "prefetch_down", "one_launch",
             "one_launch_prefetch", "ahead_o_sum", "ahead_all", "own", "own_all", "one_launch_own", "one_launch_all",
-            "own_all_kv", "own_all_l2", "persistent")
+            "own_all_kv", "own_all_l2", "persistent", "early_o", "early_small", "early_all")
 
 
 def set_variant(fwd, name: str) -> int:
@@ -200,6 +219,7 @@ def set_variant(fwd, name: str) -> int:
     triton_moe.PERSISTENT_ONE_TOKEN, triton_moe_token.PER_SM = f.persistent, f.persistent_per_sm
     triton_moe_token._GRID.clear()  # sized again at this variant's programs an SM
     triton_fused.ROUTER_EARLY = f.router_early
+    chain.EARLY_NEXT = f.early_next
     fwd.drop_graphs()  # captured with the last variant's launches
     if not torch.cuda.is_available():
         return 0

@@ -111,7 +111,9 @@ def compile_sm90(fn, consts: dict, pdl: bool, warps: int, stages: int, dtype: st
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params)
              if sig[p.name] != "constexpr" and sig[p.name] != "fp32" and p.name not in UNALIGNED}
     opts = dict(num_warps=warps, num_stages=stages, **({"launch_pdl": True} if pdl else {}))
-    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs={**consts, "PDL": pdl}, attrs=attrs),
+    # every constexpr with a default named, as a launch binds it: one left out shifts what the others bind to
+    defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default and p.name not in consts}
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs={**defaults, **consts, "PDL": pdl}, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32), options=opts)
 
 

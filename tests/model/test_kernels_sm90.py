@@ -265,3 +265,40 @@ def test_decode_attention_asks_for_its_first_key_tile_before_the_wait():
     off = _lines(compile_sm90(triton_paged._attn_kernel, DECODE_ATTN, True, 4, 2).asm["ptx"])
     wait = next(i for i, x in enumerate(off) if "griddepcontrol.wait" in x)
     assert not any(MEMORY.match(x) or "prefetch" in x for x in off[:wait])
+
+
+EARLY_NEXT = [k for k in KERNELS if any(p.name == "NEXT_EARLY" for p in k[1].params)]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name, fn, consts, warps, stages", EARLY_NEXT, ids=[k[0] for k in EARLY_NEXT])
+def test_next_early_lets_the_next_kernel_in_before_the_wait(name, fn, consts, warps, stages):
+    """``chain.EARLY_NEXT``: a kernel launched with ``NEXT_EARLY`` lets the next kernel be scheduled
+    (``griddepcontrol.launch_dependents``) before it waits, and touches no memory it waits for before the wait
+    (the same loads before the wait as without it); without it, after the wait."""
+    lines = {}
+    for early in (False, True):
+        lines[early] = _lines(compile_sm90(fn, dict(consts, NEXT_EARLY=early), True, warps, stages).asm["ptx"])
+    for early, ptx in lines.items():
+        wait = next(i for i, x in enumerate(ptx) if "griddepcontrol.wait" in x)
+        launch = [i for i, x in enumerate(ptx) if "griddepcontrol.launch_dependents" in x]
+        assert len(launch) == 1 and (launch[0] < wait) == early, (name, early, wait, launch)
+    before = {e: [x for x in ptx[:next(i for i, x in enumerate(ptx) if "griddepcontrol.wait" in x)]
+                  if MEMORY.match(x)] for e, ptx in lines.items()}
+    assert len(before[True]) == len(before[False]), before
+
+
+@pytest.mark.unit
+def test_every_chained_step_kernel_takes_next_early():
+    """Each name ``chain.launch`` takes is a kernel of the step that declares ``NEXT_EARLY``, and an unknown
+    name is refused (a misspelt one would otherwise time the step unchanged)."""
+    import torch
+
+    from pushkv.model.kernels import chain
+
+    takes = {k[0] for k in EARLY_NEXT}
+    assert {"add_rms", "add_rms_router", "qk_rope_store", "attn_decode", "attn_merge", "route_group", "moe_gate_up",
+            "moe_down", "gemv_o"} <= takes, takes
+    with pytest.raises(ValueError, match="unknown kernel name"):
+        chain.launch(torch.empty(1), "attention")
+    assert chain.launch(torch.empty(1), "attn") == {"PDL": False}  # off the GPU: no PDL, nothing early

@@ -25,6 +25,15 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 ON = True
+# the kernels (by the names their callers give ``launch``) that let the next kernel's programs be scheduled as
+# soon as their own have all started, before they wait, not after: the next kernel's programs then do what they do
+# before their own wait (a GEMV loads its weights, the decode attention asks for its first key tile) while this
+# kernel still waits and runs, not only while it runs. The next kernel still waits for this one to finish (its
+# ``gdc_wait`` waits for the whole grid before it and its writes), so no value changes: only when programs are
+# scheduled. Empty until experiments/moe_decode_probe.py (variants ``early_*``) has timed it on a GPU
+EARLY_NEXT: frozenset[str] = frozenset()
+# the names ``launch`` takes, one a kernel of a step's chain
+NAMES = frozenset({"add_rms", "rope", "attn", "merge", "gemv", "norm_router", "route", "gate_up", "down"})
 
 
 @functools.cache
@@ -37,14 +46,24 @@ def enabled(device: torch.device) -> bool:
             and _capable(device.index if device.index is not None else torch.cuda.current_device()))
 
 
-def launch(t: torch.Tensor) -> dict:
-    """A kernel's launch arguments for a step on t's device: ``PDL`` and, where on, ``launch_pdl``."""
-    return {"PDL": True, "launch_pdl": True} if enabled(t.device) else {"PDL": False}
+def launch(t: torch.Tensor, name: str = "") -> dict:
+    """A kernel's launch arguments for a step on t's device: ``PDL`` and, where on, ``launch_pdl``, and
+    ``NEXT_EARLY`` where ``name`` (one of ``NAMES``; a kernel that takes it) is in ``EARLY_NEXT``."""
+    if name and name not in NAMES:
+        raise ValueError(f"chain.launch: unknown kernel name {name!r} (one of {sorted(NAMES)})")
+    if not enabled(t.device):
+        return {"PDL": False}
+    return {"PDL": True, "launch_pdl": True, **({"NEXT_EARLY": True} if name in EARLY_NEXT else {})}
 
 
 @triton.jit
-def wait_prior(PDL: tl.constexpr):
-    """Wait for the kernel before this one (its writes visible), then let the next one be scheduled."""
+def wait_prior(PDL: tl.constexpr, NEXT_EARLY: tl.constexpr = False):
+    """Wait for the kernel before this one (its writes visible), then let the next one be scheduled; with
+    ``NEXT_EARLY`` let it be scheduled first, then wait."""
     if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+        if NEXT_EARLY:
+            gdc_launch_dependents()
+            gdc_wait()
+        else:
+            gdc_wait()
+            gdc_launch_dependents()

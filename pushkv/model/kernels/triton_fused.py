@@ -55,8 +55,8 @@ def _add_norm_row(X, Delta, W, row, n_cols, eps, HAS_DELTA: tl.constexpr, SLOTS:
 
 @triton.jit
 def _add_rms_kernel(X, Delta, W, Xout, H, n_cols, eps, HAS_DELTA: tl.constexpr, SLOTS: tl.constexpr,
-                    BLOCK: tl.constexpr, PDL: tl.constexpr):
-    wait_prior(PDL)
+                    BLOCK: tl.constexpr, PDL: tl.constexpr, NEXT_EARLY: tl.constexpr = False):
+    wait_prior(PDL, NEXT_EARLY)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     m = c < n_cols
@@ -82,13 +82,14 @@ def add_rms(x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, eps: f
         blk = triton.next_power_of_2(d)
         _add_rms_kernel[(N,)](x, delta if delta is not None else x, w, xo, h, d, eps,
                               HAS_DELTA=delta is not None, SLOTS=slots, BLOCK=blk,
-                              num_warps=min(16, max(1, blk // 256)), **chain.launch(x))
+                              num_warps=min(16, max(1, blk // 256)), **chain.launch(x, "add_rms"))
     return xo, h
 
 
 @triton.jit
 def _add_rms_router_kernel(X, Delta, W, Xout, H, R, Logits, n_cols, E, eps, BE: tl.constexpr, BLOCK: tl.constexpr,
-                           PDL: tl.constexpr, EARLY: tl.constexpr = False):
+                           PDL: tl.constexpr, EARLY: tl.constexpr = False,
+                           NEXT_EARLY: tl.constexpr = False):
     # one token's row (every program of the row normalises it; the first stores it) and BE experts' logits
     c = tl.arange(0, BLOCK)
     m = c < n_cols
@@ -96,7 +97,7 @@ def _add_rms_router_kernel(X, Delta, W, Xout, H, R, Logits, n_cols, E, eps, BE: 
     rows = R + e[:, None].to(tl.int64) * n_cols + c[None, :]
     if EARLY:  # the router's rows are no kernel's output: loaded while the kernel before this one runs
         w = tl.load(rows, mask=(e[:, None] < E) & m[None, :], other=0.0)
-    wait_prior(PDL)
+    wait_prior(PDL, NEXT_EARLY)
     row = tl.program_id(1).to(tl.int64)
     x, y = _add_norm_row(X, Delta, W, row, n_cols, eps, True, 1, BLOCK)
     if tl.program_id(0) == 0:
@@ -128,7 +129,7 @@ def add_rms_router(x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: f
         blk = triton.next_power_of_2(d)
         _add_rms_router_kernel[(triton.cdiv(E, experts_a_program), N)](
             x, delta, w, xo, h, router, logits, d, E, eps, BE=experts_a_program, BLOCK=blk,
-            num_warps=min(16, max(1, blk // 256)), EARLY=ROUTER_EARLY, **chain.launch(x))
+            num_warps=min(16, max(1, blk // 256)), EARLY=ROUTER_EARLY, **chain.launch(x, "norm_router"))
     return xo, h, logits
 
 
@@ -136,8 +137,8 @@ def add_rms_router(x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: f
 def _qk_rope_store_kernel(QKV, QN, KN, Cos, Sin, Pos, Slots, Qout, cache, T,
                           stride_row, stride_cos, s_blk, s_plane, s_grp, s_head, s_slot, HG, U, eps,
                           HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr,
-                          TB: tl.constexpr, PDL: tl.constexpr):
-    wait_prior(PDL)
+                          TB: tl.constexpr, PDL: tl.constexpr, NEXT_EARLY: tl.constexpr = False):
+    wait_prior(PDL, NEXT_EARLY)
     # one head of TB tokens a program
     t = (tl.program_id(0) * TB + tl.arange(0, TB)).to(tl.int64)
     live = t < T
@@ -205,7 +206,7 @@ def qk_norm_rope_store(qkv: torch.Tensor, q_heads: int, kv_heads: int, head_dim:
         qkv, q_norm if has_norm else qkv, k_norm if has_norm else qkv, cos, sin, positions, slots, q, cache, T,
         qkv.stride(0), cos.stride(0), blk, plane, grp, head, slot, hg, u, eps,
         HQ=q_heads, HK=kv_heads, D=head_dim, HAS_NORM=has_norm, TB=tb, num_warps=1 if tb == 1 else 4,
-        **chain.launch(qkv))
+        **chain.launch(qkv, "rope"))
     return q
 
 

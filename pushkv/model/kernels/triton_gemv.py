@@ -43,13 +43,13 @@ COLUMNS = 2
 
 @triton.jit(do_not_specialize=["T"])
 def _gemv_kernel(X, W, B, Y, T, N, stride_x, stride_y, K: tl.constexpr, BN: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 PDL: tl.constexpr):
+                 PDL: tl.constexpr, NEXT_EARLY: tl.constexpr = False):
     cols = tl.program_id(0) * BN + tl.arange(0, BN)
     kk = tl.arange(0, K)
     live = cols < N
     # the weights first: no kernel writes them, so they load while the kernel before this one runs
     w = tl.load(W + cols[:, None].to(tl.int64) * K + kk[None, :], mask=live[:, None], other=0.0)
-    wait_prior(PDL)
+    wait_prior(PDL, NEXT_EARLY)
     if HAS_BIAS:
         bias = tl.load(B + cols, mask=live, other=0.0).to(tl.float32)
     for t in range(T):
@@ -82,5 +82,5 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None
     if T:
         _gemv_kernel[(triton.cdiv(N, bn),)](x, w, bias if bias is not None else w, y, T, N, x.stride(0), y.stride(0),
                                             K=K, BN=bn, HAS_BIAS=bias is not None, num_warps=warps,
-                                            **chain.launch(x))
+                                            **chain.launch(x, "gemv"))
     return y

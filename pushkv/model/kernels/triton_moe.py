@@ -120,8 +120,9 @@ def _one_token_choice(Logits, j, E, K: tl.constexpr, RENORM: tl.constexpr, EP: t
 @triton.jit(do_not_specialize=["T", "n_rows", "max_blocks"])
 def _route_group_kernel(Logits, Weights, Experts, SlotIds, BlockExpert, T, E, stride_l, n_rows, max_blocks,
                         K: tl.constexpr, RENORM: tl.constexpr, BM: tl.constexpr, EP: tl.constexpr,
-                        TT: tl.constexpr, SC: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr):
-    wait_prior(PDL)
+                        TT: tl.constexpr, SC: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr,
+                        NEXT_EARLY: tl.constexpr = False):
+    wait_prior(PDL, NEXT_EARLY)
     n = T * K
     e = tl.arange(0, EP)
     # 1. route, TT tokens at a time
@@ -209,8 +210,8 @@ def _gate_up_kernel(H, W, Act, SlotIds, BlockExpert, Logits, Weights, D, n_slots
                     EVEN: tl.constexpr, ROW_ACT: tl.constexpr, PDL: tl.constexpr, SELF_ROUTE: tl.constexpr,
                     K: tl.constexpr, RENORM: tl.constexpr, EP: tl.constexpr,
                     PREFETCH: tl.constexpr = False, LINES: tl.constexpr = 1, LINE: tl.constexpr = 64,
-                    OWN: tl.constexpr = False, LPR: tl.constexpr = 1):
-    wait_prior(PDL)
+                    OWN: tl.constexpr = False, LPR: tl.constexpr = 1, NEXT_EARLY: tl.constexpr = False):
+    wait_prior(PDL, NEXT_EARLY)
     pid_m = tl.program_id(0)
     rows = pid_m * BM + tl.arange(0, BM)
     if SELF_ROUTE:
@@ -278,8 +279,8 @@ def _down_kernel(Act, W, Weights, Out, SlotIds, BlockExpert, n_slots, d, inter,
                  stride_act, stride_we, stride_wn, stride_out,
                  PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  EVEN: tl.constexpr, ROW_ACT: tl.constexpr, PDL: tl.constexpr, OWN: tl.constexpr = False,
-                 LPR: tl.constexpr = 1, LINE: tl.constexpr = 64):
-    wait_prior(PDL)
+                 LPR: tl.constexpr = 1, LINE: tl.constexpr = 64, NEXT_EARLY: tl.constexpr = False):
+    wait_prior(PDL, NEXT_EARLY)
     pid_m = tl.program_id(0)
     e = tl.load(BlockExpert + pid_m).to(tl.int64)
     if e < 0:
@@ -541,7 +542,8 @@ def group_logits(logits: torch.Tensor, k: int, renorm: bool, bm: int, launch: Op
     rl = launch or route_launch_for(T, ep)
     _route_group_kernel[(1,)](logits, weights, experts, slot_ids, block_expert, T, E, logits.stride(0),
                               max_blocks * bm, max_blocks, K=k, RENORM=renorm, BM=bm, EP=ep,
-                              TT=rl.tt, SC=rl.sc, FILL=1024, num_warps=rl.warps, **chain.launch(logits))
+                              TT=rl.tt, SC=rl.sc, FILL=1024, num_warps=rl.warps,
+                              **chain.launch(logits, "route"))
     return weights, experts, slot_ids, block_expert
 
 
@@ -614,7 +616,8 @@ def gate_up_product(h: torch.Tensor, gate_up: torch.Tensor, slot_ids: torch.Tens
                           0 if down is None else down.stride(0), 0 if down is None else down[0].numel(),
                           PREC=_precision(h), BM=tiles.bm, BN=tiles.bn_up, BK=tiles.bk,
                           EVEN=EVEN_LOADS and d % tiles.bk == 0 and inter % tiles.bn_up == 0, ROW_ACT=ROW_ACT,
-                          num_warps=tiles.warps, num_stages=tiles.stages, **routing, **ahead, **chain.launch(h))
+                          num_warps=tiles.warps, num_stages=tiles.stages, **routing, **ahead,
+                          **chain.launch(h, "gate_up"))
     return act
 
 
@@ -635,7 +638,7 @@ def down_per_slot(act: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, 
                        act.stride(0), down.stride(0), down.stride(1), per_slot.stride(0),
                        PREC=_precision(act), BM=tiles.bm, BN=tiles.bn_down, BK=bk,
                        EVEN=EVEN_LOADS and inter % bk == 0 and d % tiles.bn_down == 0, ROW_ACT=ROW_ACT,
-                       num_warps=warps, num_stages=stages, **ahead, **chain.launch(act))
+                       num_warps=warps, num_stages=stages, **ahead, **chain.launch(act, "down"))
     return per_slot
 
 

@@ -203,7 +203,7 @@ def _attn_kernel(Q, O, cache, block_table, seq_lens, q_starts, q_lens, tile_seq,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                  HEAVY_FIRST: tl.constexpr, FREE_LOOP: tl.constexpr, FUSED_MERGE: tl.constexpr,
                  PDL: tl.constexpr, PREFETCH_KV: tl.constexpr = False, LPR: tl.constexpr = 1,
-                 LINE: tl.constexpr = 64):
+                 LINE: tl.constexpr = 64, NEXT_EARLY: tl.constexpr = False):
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     head_off = (kvh // HG) * s_grp + (kvh % HG) * s_head
@@ -215,9 +215,9 @@ def _attn_kernel(Q, O, cache, block_table, seq_lens, q_starts, q_lens, tile_seq,
                                                                    window, BLOCK_Q, BLOCK_N, NUM_SPLITS, HEAVY_FIRST)
         _ask_key_tile(cache, block_table + seq.to(tl.int64) * stride_bt, lo, hi, head_off, s_blk, s_plane, s_slot,
                       U, D, BLOCK_N, LPR, LINE)
-        wait_prior(PDL)
+        wait_prior(PDL, NEXT_EARLY)
     else:
-        wait_prior(PDL)
+        wait_prior(PDL, NEXT_EARLY)
         tile, seq, q0, ctx, qlen, qrow0, lo, hi, used = _tile_keys(tile_seq, tile_q0, seq_lens, q_lens, q_starts,
                                                                    window, BLOCK_Q, BLOCK_N, NUM_SPLITS, HEAVY_FIRST)
 
@@ -297,8 +297,9 @@ def _merge_splits(Part, PartML, idx, split_stride, ok, d, dm, n, D: tl.constexpr
 
 @triton.jit
 def _merge_kernel(Part, PartML, O, q_starts, tile_seq, stride_ot, stride_oh, total_rows, num_q_heads,
-                  D: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr):
-    wait_prior(PDL)
+                  D: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr,
+                  NEXT_EARLY: tl.constexpr = False):
+    wait_prior(PDL, NEXT_EARLY)
     # one decode tile (its one query row) x one query head
     row = tl.load(q_starts + tl.load(tile_seq + tl.program_id(0)))
     head = tl.program_id(1)
@@ -367,8 +368,9 @@ def attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, s
         PREC="ieee" if q.dtype == torch.float32 else "tf32", G=G, D=D, BLOCK_D=block_d, BLOCK_Q=block_q,
         BLOCK_M=block_m, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, HEAVY_FIRST=HEAVY_FIRST, FREE_LOOP=FREE_LOOP, FUSED_MERGE=fused, num_warps=warps,
-        num_stages=stages, **ahead, **chain.launch(q))
+        num_stages=stages, **ahead, **chain.launch(q, "attn"))
     if num_splits > 1 and not fused:
         _merge_kernel[(n_tiles, Hq)](part, part_ml, out, q_starts, tile_seq, out.stride(0), out.stride(1), T, Hq,
-                               D=D, BLOCK_D=block_d, NUM_SPLITS=num_splits, num_warps=1, **chain.launch(q))
+                               D=D, BLOCK_D=block_d, NUM_SPLITS=num_splits, num_warps=1,
+                               **chain.launch(q, "merge"))
     return out
