@@ -52,7 +52,9 @@ Variants (each re-captures the graphs):
   the attention waits and runs, not only during the merge; ``early_qkv``: the layer's first norm so, for the qkv
   GEMV (its weights then load during the experts' down projection); ``early_o_qkv``: both; ``early_small``: every
   small kernel so (the norms, RoPE, attention, merge, routing); ``early_small_gemv``: and the GEMVs; ``early_all``:
-  and the experts' kernels.
+  and the experts' kernels; ``early_o_rope``, ``early_o_gemv``, ``early_o_route``, ``early_o_moe``: ``early_o`` and
+  the RoPE kernel, the GEMVs, the GEMVs, norm and routing, and those and the experts'. ``early_o`` ships since
+  2026-12-05's run (the same step as ``gemv1_2``, kept under its name); ``early_none``: as before it.
 
 ``--variants both,gemv1_2`` times only those.
 
@@ -126,14 +128,15 @@ class Flags(NamedTuple):
     early_next: frozenset = frozenset()  # chain.EARLY_NEXT
 
 
-# the shipped step (``gemv1_2``); the key-tile prefetch is on since 2026-12-05's run (``ahead_kv``: the same step,
-# kept under its name; ``no_kv``: without it)
-SHIPPED = Flags(True, 16, "grouped", 1, 2, prefetch_kv=True, router_early=True)
-_UNGROUPED = SHIPPED._replace(moe_decode="ungrouped")
 # the kernels before the o GEMV (the decode attention and its merge) letting it be scheduled as they start, so its
-# weights load while they wait and run; then every kernel but the GEMVs and the experts' (which hold the SMs longest)
+# weights load while they wait and run (shipped since 2026-12-05's run); then every kernel but the GEMVs and the
+# experts' (which hold the SMs longest)
 _EARLY_O = frozenset({"attn", "merge"})
 _EARLY_SMALL = frozenset({"add_rms", "rope", "attn", "merge", "norm_router", "route"})
+# the shipped step (``gemv1_2``); the key-tile prefetch is on since 2026-12-05's run (``ahead_kv``: the same step,
+# kept under its name; ``no_kv``: without it)
+SHIPPED = Flags(True, 16, "grouped", 1, 2, prefetch_kv=True, router_early=True, early_next=_EARLY_O)
+_UNGROUPED = SHIPPED._replace(moe_decode="ungrouped")
 _OWN_ALL = SHIPPED._replace(prefetch_down_tokens=8, ahead_tokens=8, ahead=frozenset({"o", "qkv_sum"}),
                             prefetch_own_tokens=8)
 VARIANTS = {"before": Flags(False, 0, "grouped", 0, 8), "router": Flags(False, 16, "grouped", 0, 8),
@@ -172,11 +175,16 @@ VARIANTS = {"before": Flags(False, 0, "grouped", 0, 8), "router": Flags(False, 1
             "no_kv": SHIPPED._replace(prefetch_kv=False),
             "router_late": SHIPPED._replace(router_early=False),
             "early_o": SHIPPED._replace(early_next=_EARLY_O),
+            "early_none": SHIPPED._replace(early_next=frozenset()),
             "early_qkv": SHIPPED._replace(early_next=frozenset({"add_rms"})),
             "early_o_qkv": SHIPPED._replace(early_next=_EARLY_O | {"add_rms"}),
             "early_small": SHIPPED._replace(early_next=_EARLY_SMALL),
             "early_small_gemv": SHIPPED._replace(early_next=_EARLY_SMALL | {"gemv"}),
             "early_all": SHIPPED._replace(early_next=chain.NAMES),
+            "early_o_rope": SHIPPED._replace(early_next=_EARLY_O | {"rope"}),
+            "early_o_gemv": SHIPPED._replace(early_next=_EARLY_O | {"gemv"}),
+            "early_o_route": SHIPPED._replace(early_next=_EARLY_O | {"gemv", "norm_router", "route"}),
+            "early_o_moe": SHIPPED._replace(early_next=_EARLY_O | {"gemv", "norm_router", "route", "gate_up", "down"}),
             "own_all_kv": _OWN_ALL._replace(prefetch_kv=True),
             "prefetch_down_l2": SHIPPED._replace(prefetch_down_tokens=8, l2_set_aside=True),
             "own_all_l2": _OWN_ALL._replace(l2_set_aside=True),
@@ -193,9 +201,10 @@ PAIRS = (("router", "before"), ("ungrouped", "both"), ("gemv", "both"), ("gemv1_
          ("one_launch_own", "ungrouped1"), ("one_launch_all", "ungrouped1"), ("ahead_kv", "no_kv"),
          ("own_all_kv", "gemv1_2"), ("prefetch_down_l2", "prefetch_down"), ("own_all_l2", "own_all"),
          ("one_launch_all_l2", "one_launch_all"), ("persistent", "gemv1_2"), ("persistent_1", "persistent"),
-         ("persistent_2", "persistent"), ("persistent_4", "persistent"), ("router_late", "gemv1_2"), ("early_o", "gemv1_2"), ("early_qkv", "gemv1_2"),
+         ("persistent_2", "persistent"), ("persistent_4", "persistent"), ("router_late", "gemv1_2"), ("early_o", "gemv1_2"), ("early_none", "gemv1_2"), ("early_qkv", "gemv1_2"),
          ("early_o_qkv", "gemv1_2"), ("early_small", "gemv1_2"), ("early_small_gemv", "gemv1_2"),
-         ("early_all", "gemv1_2"))
+         ("early_all", "gemv1_2"), ("early_o_rope", "early_o"), ("early_o_gemv", "early_o"),
+         ("early_o_route", "early_o"), ("early_o_moe", "early_o"))
 
 # the variants whose batch-1 replay is profiled kernel by kernel, where they are timed
 PROFILED = ("before", "both", "gemv", "gemv1_2", "self_route_merge", "down_gemv_8", "prefetch_down", "one_launch",
