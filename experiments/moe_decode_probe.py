@@ -58,9 +58,6 @@ Variants (each re-captures the graphs):
 - ``rope_in_attn``: the shipped step with the decode attention norming and rotating its queries from the qkv
   projection and storing the token's K/V itself, no RoPE-and-store launch (``triton_paged.ROPE_IN_ATTENTION``);
   ``rope_in_attn_none``: that without ``early_o``.
-- ``guess``: the shipped step with a one-token step's gate/up programs guessing their experts from the router's
-  logits before they wait for the routing, and asking L2 for their rows meanwhile (``triton_moe.GUESS_ONE_TOKEN``);
-  ``rope_guess``: with ``rope_in_attn``.
 
 ``--variants both,gemv1_2`` times only those.
 
@@ -133,7 +130,6 @@ class Flags(NamedTuple):
     router_early: bool = False  # triton_fused.ROUTER_EARLY
     early_next: frozenset = frozenset()  # chain.EARLY_NEXT
     rope_in_attention: bool = False  # triton_paged.ROPE_IN_ATTENTION
-    guess: bool = False  # triton_moe.GUESS_ONE_TOKEN
 
 
 # the kernels before the o GEMV (the decode attention and its merge) letting it be scheduled as they start, so its
@@ -186,8 +182,6 @@ VARIANTS = {"before": Flags(False, 0, "grouped", 0, 8), "router": Flags(False, 1
             "early_none": SHIPPED._replace(early_next=frozenset()),
             "rope_in_attn": SHIPPED._replace(rope_in_attention=True),
             "rope_in_attn_none": SHIPPED._replace(rope_in_attention=True, early_next=frozenset()),
-            "guess": SHIPPED._replace(guess=True),
-            "rope_guess": SHIPPED._replace(rope_in_attention=True, guess=True),
             "early_qkv": SHIPPED._replace(early_next=frozenset({"add_rms"})),
             "early_o_qkv": SHIPPED._replace(early_next=_EARLY_O | {"add_rms"}),
             "early_small": SHIPPED._replace(early_next=_EARLY_SMALL),
@@ -217,14 +211,13 @@ PAIRS = (("router", "before"), ("ungrouped", "both"), ("gemv", "both"), ("gemv1_
          ("early_o_qkv", "gemv1_2"), ("early_small", "gemv1_2"), ("early_small_gemv", "gemv1_2"),
          ("early_all", "gemv1_2"), ("early_o_rope", "early_o"), ("early_o_gemv", "early_o"),
          ("early_o_route", "early_o"), ("early_o_moe", "early_o"),
-         ("rope_in_attn", "gemv1_2"), ("rope_in_attn_none", "early_none"), ("guess", "gemv1_2"),
-         ("rope_guess", "rope_in_attn"))
+         ("rope_in_attn", "gemv1_2"), ("rope_in_attn_none", "early_none"))
 
 # the variants whose batch-1 replay is profiled kernel by kernel, where they are timed
 PROFILED = ("before", "both", "gemv", "gemv1_2", "self_route_merge", "down_gemv_8", "prefetch_down", "one_launch",
             "one_launch_prefetch", "ahead_o_sum", "ahead_all", "own", "own_all", "one_launch_own", "one_launch_all",
             "own_all_kv", "own_all_l2", "persistent", "early_o", "early_small", "early_all",
-            "rope_in_attn", "guess", "rope_guess")
+            "rope_in_attn")
 
 
 def set_variant(fwd, name: str) -> int:
@@ -245,7 +238,6 @@ def set_variant(fwd, name: str) -> int:
     triton_fused.ROUTER_EARLY = f.router_early
     chain.EARLY_NEXT = f.early_next
     triton_paged.ROPE_IN_ATTENTION = f.rope_in_attention
-    triton_moe.GUESS_ONE_TOKEN = f.guess
     fwd.drop_graphs()  # captured with the last variant's launches
     if not torch.cuda.is_available():
         return 0

@@ -115,21 +115,6 @@ def _one_token_choice(Logits, j, E, K: tl.constexpr, RENORM: tl.constexpr, EP: t
     return tl.sum(expert, 0), tl.sum(weight, 0)
 
 
-@triton.jit
-def _guess_block_expert(Logits, j, E, K: tl.constexpr, EP: tl.constexpr):
-    """A one-token step's row block j's expert as the grouping will give it: the j-th lowest of the k experts
-    the token chooses (the grouping lays the blocks out by expert), from its E logits. Only for a prefetch: the
-    kernel still reads the block's expert from the grouping's table."""
-    p, e = _probs(Logits, tl.arange(0, 1), 1, E, 0, EP)
-    left = p
-    chosen = tl.zeros((1, EP), tl.int32)
-    for _ in tl.static_range(K):
-        _best, pick, left = _take(left, e, EP)
-        chosen = tl.where(e[None, :] == pick[:, None], 1, chosen)
-    rank = tl.cumsum(chosen, 1) - 1
-    return tl.sum(tl.sum(tl.where((chosen == 1) & (rank == j), e[None, :], 0), 1), 0)
-
-
 # Counts that change with the batch are not specialised on (Triton compiles a variant per count that
 # is 1 or a multiple of 16): one compile serves every decode batch.
 @triton.jit(do_not_specialize=["T", "n_rows", "max_blocks"])
@@ -225,16 +210,7 @@ def _gate_up_kernel(H, W, Act, SlotIds, BlockExpert, Logits, Weights, D, n_slots
                     EVEN: tl.constexpr, ROW_ACT: tl.constexpr, PDL: tl.constexpr, SELF_ROUTE: tl.constexpr,
                     K: tl.constexpr, RENORM: tl.constexpr, EP: tl.constexpr,
                     PREFETCH: tl.constexpr = False, LINES: tl.constexpr = 1, LINE: tl.constexpr = 64,
-                    OWN: tl.constexpr = False, LPR: tl.constexpr = 1, NEXT_EARLY: tl.constexpr = False,
-                    GUESS: tl.constexpr = False):
-    if GUESS:
-        # a one-token step routed by the launch before this one, which has waited for the router's logits: from
-        # them, this block's expert is guessed and the program's own rows are asked of L2 while the routing runs
-        # (the HBM idles then). The rows it multiplies come from the routing's table, after the wait, as ever
-        guess = _guess_block_expert(Logits, tl.program_id(0), E, K, EP).to(tl.int64)
-        mine = tl.program_id(1) * BN + tl.arange(0, BN)
-        l2_rows(W + guess * stride_we, tl.where(mine < inter, mine, -1), stride_wn, d, LPR, LINE)
-        l2_rows(W + guess * stride_we, tl.where(mine < inter, mine + inter, -1), stride_wn, d, LPR, LINE)
+                    OWN: tl.constexpr = False, LPR: tl.constexpr = 1, NEXT_EARLY: tl.constexpr = False):
     wait_prior(PDL, NEXT_EARLY)
     pid_m = tl.program_id(0)
     rows = pid_m * BM + tl.arange(0, BM)
@@ -437,12 +413,6 @@ PREFETCH_DOWN_TOKENS = 0
 # before the HBM at the start (kernels/prefetch.py). The same bits. 0: off, until experiments/moe_decode_probe.py
 # (variants ``own*``) has timed it on a GPU
 PREFETCH_OWN_TOKENS = 0
-# A one-token step's gate/up programs guess their blocks' experts from the router's logits before they wait for the
-# routing launch (``_guess_block_expert``) and ask L2 for their own rows then, while the routing runs and the HBM
-# idles; they multiply the rows the routing's table names, after the wait, so a wrong guess costs bytes, never
-# values (the same bits). GPU only (a prefetch is PTX). Off until experiments/moe_decode_probe.py (variant
-# ``guess``) has timed it on a GPU
-GUESS_ONE_TOKEN = False
 
 # A one-token step's MoE MLP in one persistent launch (``triton_moe_token``: every program routes the token, then
 # gate/up, a grid barrier, down), where it has the router's logits. Off: on an H100 it took Qwen3-30B-A3B's batch-1
@@ -613,16 +583,14 @@ class SelfRoute(NamedTuple):
 def gate_up_product(h: torch.Tensor, gate_up: torch.Tensor, slot_ids: torch.Tensor, block_expert: torch.Tensor,
                     k: int, tiles: Tiles, route: Optional[SelfRoute] = None,
                     weights: Optional[torch.Tensor] = None, down: Optional[torch.Tensor] = None,
-                    own: bool = False, guess: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    own: bool = False) -> torch.Tensor:
     """``silu(gate) * up`` of each slot's token row through its expert, [rows, i]: in the slot table's row
     order (``ROW_ACT``: padding rows too), else in slot order. One launch (``_gate_up_kernel``). ``route``:
     a one-token step's routing, made by the kernel (row block j the token's j-th choice), which writes the
     slot table, the blocks' experts and ``weights`` as the grouping would have (k row blocks of tiles.bm).
     ``down`` [E, d, i] (contiguous): the programs of each row block also ask L2 for its expert's down weights,
     a share each (``PREFETCH_DOWN_TOKENS``). ``own``: each program asks L2 for its own weight rows first
-    (``PREFETCH_OWN_TOKENS``). ``guess``: a one-token step's router logits [1, E], made by the launch before the
-    routing's: each program guesses its block's expert from them and asks L2 for its rows before it waits
-    (``GUESS_ONE_TOKEN``)."""
+    (``PREFETCH_OWN_TOKENS``)."""
     T, d = h.shape
     inter = gate_up.shape[1] // 2
     n = T * k
@@ -642,11 +610,6 @@ def gate_up_product(h: torch.Tensor, gate_up: torch.Tensor, slot_ids: torch.Tens
     if own and prefetch.enabled(h):
         lpr, line = prefetch.row_lines(d, gate_up.element_size())
         ahead.update(OWN=True, LPR=lpr, LINE=line)
-    if guess is not None and route is None and T == 1 and prefetch.enabled(h):
-        lpr, line = prefetch.row_lines(d, gate_up.element_size())
-        E, logits = guess.shape[1], guess
-        routing.update(K=k, EP=triton.next_power_of_2(E))
-        ahead.update(GUESS=True, LPR=lpr, LINE=line)
     _gate_up_kernel[grid](h, gate_up, act, slot_ids, block_expert, logits, h if weights is None else weights,
                           h if down is None else down, n, d, inter, k, E,
                           h.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
@@ -741,9 +704,8 @@ def moe_mlp(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: 
         weights, _, slot_ids, block_expert = grouping(h, router, k, renorm, tl_.bm)
     down = down.contiguous()
     own = T <= PREFETCH_OWN_TOKENS
-    guess = logits if T == 1 and GUESS_ONE_TOKEN and route is None else None
     act = gate_up_product(h, gate_up.contiguous(), slot_ids, block_expert, k, tl_, route, weights,
-                          down if T <= PREFETCH_DOWN_TOKENS else None, own, guess)
+                          down if T <= PREFETCH_DOWN_TOKENS else None, own)
     # the down GEMVs read the tables before they wait: only a routing launch's, never those gate/up writes
     if route is None and T <= DOWN_GEMV_TOKENS and down.shape[2] <= TILE_DEPTH:
         per_slot = down_gemv(act, down, weights, slot_ids, block_expert, n, tl_.bm)
