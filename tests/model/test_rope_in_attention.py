@@ -1,9 +1,7 @@
 """``triton_paged.ROPE_IN_ATTENTION``: a decode step's attention norming and rotating its queries from the qkv
 projection and storing the token's own K/V itself gives what the RoPE-and-store kernel and the attention after it
-give: the attention's output and every cache element, bit for bit under Triton's interpreter on the CPU
-(TRITON_INTERPRET=1, in a child process). On a GPU the q/k norm's sum of squares runs over the threads in another
-order in each kernel, so there: V bit for bit, every element the step does not write untouched, and the output and
-keys equal to rounding (bf16 and float32), with and without the q/k norm, a sliding
+give, bit for bit: the attention's output and every cache element. Under Triton's interpreter on the CPU
+(TRITON_INTERPRET=1, in a child process) and on a GPU (bf16 and float32), with and without the q/k norm, a sliding
 window, one to sixteen splits (most of them without keys), GQA 8 and 1, a pool cut into head groups (6-d), and a
 graph's padding row (no keys, slot -1: nothing stored)."""
 from __future__ import annotations
@@ -26,7 +24,7 @@ from pushkv.model.step import StepTensors, plan_step
 args = json.loads(%r)
 dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 d, u, kvh = args["d"], 16, 2
-checked, worst = 0, 0.0
+checked = 0
 
 
 def same(a, b):
@@ -71,22 +69,9 @@ for dtype in args["dtypes"]:
                                meta.q_lens, meta.decode_tiles, meta.decode_q0, 1, splits, window, one, scratch[:2],
                                rope=rope)
         case = (dtype, G, window, splits, norm, groups)
-        written = torch.zeros(80 * u, dtype=torch.bool, device=dev)
-        written[slots[slots >= 0].long()] = True
-        flat = lambda c: c.movedim(-2, 1).reshape(80, u, -1).reshape(80 * u, -1)  # noqa: E731 [slot, planes x heads x d]
-        assert same(flat(c_one)[~written], flat(cache)[~written]), case  # nothing else written
-        assert not same(flat(c_two)[written], flat(cache)[written]), case  # the new keys and values were stored
-        half = flat(c_one).shape[1] // 2  # the V plane's columns
-        assert same(flat(c_one)[written][:, half:], flat(c_two)[written][:, half:]), case
-        if args["exact"]:
-            assert same(one[:-1], two[:-1]), case
-            assert same(c_one, c_two), case
-        else:
-            tol = 3e-2 if dtype == "bfloat16" else 2e-5
-            err = float((one[:-1].float() - two[:-1].float()).abs().max())
-            kerr = float((flat(c_one)[written].float() - flat(c_two)[written].float()).abs().max())
-            assert err <= tol and kerr <= tol, (case, err, kerr)
-            worst = max(worst, err, kerr)
+        assert same(one[:-1], two[:-1]), (case, float((one[:-1].float() - two[:-1].float()).abs().max()))
+        assert same(c_one, c_two), case
+        assert not same(c_two, cache), case  # the new keys were stored
         checked += 1
 # a q that is not the qkv projection's view is refused
 try:
@@ -95,7 +80,7 @@ try:
     raise AssertionError("a q that is no view of qkv was taken")
 except ValueError:
     pass
-print("ok", checked, worst)
+print("ok", checked)
 """
 
 
@@ -108,7 +93,7 @@ def _run(args: dict) -> int:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU runs the kernels themselves (the test below)")
 def test_rope_in_attention_gives_the_two_launch_bits_under_the_interpreter():
     cases = [(4, 0, 3, True, 1), (1, 37, 16, False, 1), (4, 0, 1, True, 2)]
-    assert _run({"d": 32, "dtypes": ["float32"], "cases": cases, "exact": True}) == 3
+    assert _run({"d": 32, "dtypes": ["float32"], "cases": cases}) == 3
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -116,4 +101,4 @@ def test_gpu_rope_in_attention_gives_the_two_launch_bits():
     """The same at head_dim 128, bf16 and float32, over more cases."""
     cases = [(G, window, splits, norm, groups) for G in (8, 1) for window in (0, 37) for splits in (1, 3, 16)
              for norm in (True, False) for groups in (1, 2)]
-    assert _run({"d": 128, "dtypes": ["bfloat16", "float32"], "cases": cases, "exact": False}) == 2 * len(cases)
+    assert _run({"d": 128, "dtypes": ["bfloat16", "float32"], "cases": cases}) == 2 * len(cases)

@@ -53,8 +53,7 @@ FUSED_MERGE = False
 PREFETCH_KV = True
 # Decode: the attention norms and rotates its queries itself from the qkv projection, and the program whose keys
 # hold the token's own stores its K/V, so no RoPE-and-store launch runs between the projection and the attention
-# (``RopeIn``; the operations of ``triton_fused.qk_norm_rope_store``, ``triton_rope.norm_rope``, though a q/k norm's
-# sum of squares runs over the threads in another order on a GPU: equal to rounding, not bit for bit). Off until
+# (``RopeIn``; the same arithmetic as ``triton_fused.qk_norm_rope_store``, ``triton_rope.norm_rope``). Off until
 # experiments/moe_decode_probe.py (variant ``rope_in_attn``) has timed it on a GPU
 ROPE_IN_ATTENTION = False
 
@@ -443,7 +442,7 @@ def attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, s
     tables: tuple = (q, q, q, q, q, q, 0, 0.0)  # unused without rope
     if rope is not None:
         if block_q != 1 or block_d != D or D % 2 or rope.qkv.shape[1] != (Hq + 2 * rope.kv_heads) * D \
-                or q.data_ptr() != rope.qkv.data_ptr() or q.stride()[1:] != (D, 1) or rope.qkv.stride(1) != 1:
+                or q.data_ptr() != rope.qkv.data_ptr() or q.stride() != (rope.qkv.stride(0), D, 1):
             raise ValueError(f"RoPE in the attention: decode tiles of a power-of-two head_dim, q a view of qkv "
                              f"{tuple(rope.qkv.shape)}; got block_q {block_q}, q {tuple(q.shape)} {q.stride()}")
         has_norm = rope.q_norm is not None
@@ -455,8 +454,7 @@ def attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, s
         ahead.update(PREFETCH_KV=True, LPR=lpr, LINE=line)
     _attn_kernel[(n_tiles, kvh, num_splits)](
         q, out, cache, block_table, seq_lens, q_starts, q_lens, tile_seq, tile_q0, part, part_ml, counters,
-        *tables[:6], q.stride(0) if rope is None else rope.qkv.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        block_table.stride(0),
+        *tables[:6], q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         blk, plane, grp, head, slot, hg, u,
         T, Hq, LOG2E / (D ** 0.5), window, tables[6], tables[7],
         PREC="ieee" if q.dtype == torch.float32 else "tf32", G=G, D=D, BLOCK_D=block_d, BLOCK_Q=block_q,

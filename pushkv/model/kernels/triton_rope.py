@@ -1,8 +1,7 @@
 """A head's q/k RMS norm (Qwen3) and rotate-half RoPE on halves of its rows, as one Triton function that the
 RoPE-and-store kernel (``triton_fused.qk_norm_rope_store``) and the decode attention that does the same itself
-(``triton_paged``, ``ROPE_IN_ATTENTION``) both call: the same operations, rounded where the reference rounds. The
-norm's sum of squares is a reduction over the threads that hold the row, whose order follows the kernel's layout, so
-on a GPU the two kernels agree to rounding where there is a norm (bit for bit under the interpreter)."""
+(``triton_paged``, ``ROPE_IN_ATTENTION``) both call, so the two give the same bits: the same operations in the same
+order, rounded where the reference rounds."""
 from __future__ import annotations
 
 from pushkv.extras import missing
