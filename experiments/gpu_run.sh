@@ -148,12 +148,6 @@ s.print_callees('_post_write|_prefill_done|on_ExpectKV|_poll_notifs')" 2>&1 | gr
               2>&1 | tail -30
             timeout 180 python3 -m pytest -q -p no:cacheprovider tests/model/test_gpu_graphs.py -k early_next -rfE 2>&1 \
               | tee "$OUT/early_tests.txt" | tail -4 ;;
-    moerope) # the decode attention doing the q/k norm, RoPE and K/V store itself (triton_paged.ROPE_IN_ATTENTION, off
-            # until timed): its bits against the two launches, the float32 tokens with it, then the probe
-            timeout 200 python3 -m pytest -q -p no:cacheprovider tests/model/test_rope_in_attention.py \
-              tests/model/test_gpu_graphs.py -k "rope_in_attention or rope_in_attn" -rfE 2>&1 | tee "$OUT/rope_tests.txt" | tail -4
-            timeout 380 python3 -m experiments.moe_decode_probe --out "$OUT" --batches ${ROPE_BATCHES:-1,8} --reps ${REPS:-60} \
-              --variants ${ROPE_VARIANTS:-gemv1_2,rope_in_attn,early_none,rope_in_attn_none} 2>&1 | tail -30 ;;
     layerfloor) # a mock of Qwen3-30B-A3B's batch-1 step (its bytes and dependent phases) chained and as persistent
             # kernels with grid barriers (experiments/layer_floor.py), then the shipped step in the same run
             timeout 420 python3 -m experiments.layer_floor --out "$OUT/layer_floor" ${FLOOR_ARGS:-} 2>&1 | tail -30

@@ -55,9 +55,6 @@ Variants (each re-captures the graphs):
   and the experts' kernels; ``early_o_rope``, ``early_o_gemv``, ``early_o_route``, ``early_o_moe``: ``early_o`` and
   the RoPE kernel, the GEMVs, the GEMVs, norm and routing, and those and the experts'. ``early_o`` ships since
   2026-12-05's run (the same step as ``gemv1_2``, kept under its name); ``early_none``: as before it.
-- ``rope_in_attn``: the shipped step with the decode attention norming and rotating its queries from the qkv
-  projection and storing the token's K/V itself, no RoPE-and-store launch (``triton_paged.ROPE_IN_ATTENTION``);
-  ``rope_in_attn_none``: that without ``early_o``.
 
 ``--variants both,gemv1_2`` times only those.
 
@@ -129,7 +126,6 @@ class Flags(NamedTuple):
     persistent_per_sm: int = 3  # triton_moe_token.PER_SM
     router_early: bool = False  # triton_fused.ROUTER_EARLY
     early_next: frozenset = frozenset()  # chain.EARLY_NEXT
-    rope_in_attention: bool = False  # triton_paged.ROPE_IN_ATTENTION
 
 
 # the kernels before the o GEMV (the decode attention and its merge) letting it be scheduled as they start, so its
@@ -180,8 +176,6 @@ VARIANTS = {"before": Flags(False, 0, "grouped", 0, 8), "router": Flags(False, 1
             "router_late": SHIPPED._replace(router_early=False),
             "early_o": SHIPPED._replace(early_next=_EARLY_O),
             "early_none": SHIPPED._replace(early_next=frozenset()),
-            "rope_in_attn": SHIPPED._replace(rope_in_attention=True),
-            "rope_in_attn_none": SHIPPED._replace(rope_in_attention=True, early_next=frozenset()),
             "early_qkv": SHIPPED._replace(early_next=frozenset({"add_rms"})),
             "early_o_qkv": SHIPPED._replace(early_next=_EARLY_O | {"add_rms"}),
             "early_small": SHIPPED._replace(early_next=_EARLY_SMALL),
@@ -210,14 +204,12 @@ PAIRS = (("router", "before"), ("ungrouped", "both"), ("gemv", "both"), ("gemv1_
          ("persistent_2", "persistent"), ("persistent_4", "persistent"), ("router_late", "gemv1_2"), ("early_o", "gemv1_2"), ("early_none", "gemv1_2"), ("early_qkv", "gemv1_2"),
          ("early_o_qkv", "gemv1_2"), ("early_small", "gemv1_2"), ("early_small_gemv", "gemv1_2"),
          ("early_all", "gemv1_2"), ("early_o_rope", "early_o"), ("early_o_gemv", "early_o"),
-         ("early_o_route", "early_o"), ("early_o_moe", "early_o"),
-         ("rope_in_attn", "gemv1_2"), ("rope_in_attn_none", "early_none"))
+         ("early_o_route", "early_o"), ("early_o_moe", "early_o"))
 
 # the variants whose batch-1 replay is profiled kernel by kernel, where they are timed
 PROFILED = ("before", "both", "gemv", "gemv1_2", "self_route_merge", "down_gemv_8", "prefetch_down", "one_launch",
             "one_launch_prefetch", "ahead_o_sum", "ahead_all", "own", "own_all", "one_launch_own", "one_launch_all",
-            "own_all_kv", "own_all_l2", "persistent", "early_o", "early_small", "early_all",
-            "rope_in_attn")
+            "own_all_kv", "own_all_l2", "persistent", "early_o", "early_small", "early_all")
 
 
 def set_variant(fwd, name: str) -> int:
@@ -237,7 +229,6 @@ def set_variant(fwd, name: str) -> int:
     triton_moe_token._GRID.clear()  # sized again at this variant's programs an SM
     triton_fused.ROUTER_EARLY = f.router_early
     chain.EARLY_NEXT = f.early_next
-    triton_paged.ROPE_IN_ATTENTION = f.rope_in_attention
     fwd.drop_graphs()  # captured with the last variant's launches
     if not torch.cuda.is_available():
         return 0

@@ -57,7 +57,6 @@ def kernels() -> list[tuple[str, object, dict, int, int]]:
         ("qk_rope_store", triton_fused._qk_rope_store_kernel, dict(HQ=32, HK=4, D=128, HAS_NORM=True, TB=1), 1, 3),
         ("silu_mul", triton_fused._silu_mul_kernel, dict(BLOCK=1024), 4, 3),
         ("attn_decode", triton_paged._attn_kernel, DECODE_ATTN, 4, 2),
-        ("attn_decode_rope", triton_paged._attn_kernel, dict(DECODE_ATTN, ROPE=True, HQ=32, HK=4, HAS_NORM=True), 4, 2),
         ("attn_decode_fused_merge", triton_paged._attn_kernel, dict(DECODE_ATTN, FUSED_MERGE=True), 4, 2),
         ("attn_prefill", triton_paged._attn_kernel, PREFILL_ATTN, 8, 3),
         ("attn_fp32", triton_paged._attn_kernel, dict(DECODE_ATTN, PREC="ieee", BLOCK_N=32), 4, 2),

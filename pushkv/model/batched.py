@@ -273,7 +273,7 @@ class BatchedForward:
 
     def _layers_fused(self, meta, pools, splits, scratch, on_layer, rope) -> torch.Tensor:
         """Every layer with the fused Triton kernels: ~9 launches a layer."""
-        from pushkv.model.kernels import prefetch, triton_gemv, triton_paged
+        from pushkv.model.kernels import prefetch, triton_gemv
         from pushkv.model.kernels import triton_fused as K
         from pushkv.model.kernels.triton_moe import FUSED_ROUTE_TOKENS
 
@@ -285,26 +285,15 @@ class BatchedForward:
         x, h = K.add_rms(x, None, layers[0].input_norm, eps)
         attn = torch.empty(T, p.q_heads, self.hd, device=self.device, dtype=m.dtype)
         places = ahead_places(T, m.tp_size)
-        # a step of decode tiles only: the attention norms and rotates q and stores the new K/V itself
-        rope_in = (triton_paged.ROPE_IN_ATTENTION and 0 < T == meta.decode_tiles.shape[0]
-                   and not meta.prefill_tiles.shape[0])
         for layer, lw in enumerate(layers):
-            qkv = linear(h, lw.qkv, lw.qkv_bias)
-            into = None
-            if rope_in:
-                q = qkv[:, :p.q_heads * self.hd].view(T, p.q_heads, self.hd)
-                into = triton_paged.RopeIn(qkv, p.kv_heads, lw.q_norm, lw.k_norm, eps, rope[0], rope[1], rope[2],
-                                           meta.slots)
-            else:
-                q = K.qk_norm_rope_store(qkv, p.q_heads, p.kv_heads, self.hd, lw.q_norm, lw.k_norm, eps, rope[0],
-                                         rope[1], rope[2], meta.slots, pools[layer])
-                if on_layer is not None:
-                    on_layer(layer)
+            q = K.qk_norm_rope_store(linear(h, lw.qkv, lw.qkv_bias), p.q_heads, p.kv_heads, self.hd,
+                                     lw.q_norm, lw.k_norm, eps, rope[0], rope[1], rope[2], meta.slots,
+                                     pools[layer])
+            if on_layer is not None:
+                on_layer(layer)
             if "o" in places:
                 prefetch.ahead(lw.o, self.sms)
-            paged.attention(q, pools[layer], meta, m.layer_window(layer), attn, splits, scratch, rope=into)
-            if into is not None and on_layer is not None:  # the layer's K/V stored by the attention
-                on_layer(layer)
+            paged.attention(q, pools[layer], meta, m.layer_window(layer), attn, splits, scratch)
             o = m._all_reduce(linear(attn.view(T, -1), lw.o))
             nxt_qkv = layers[layer + 1].qkv if layer + 1 < len(layers) else None
             if lw.router is not None and 0 < T <= min(ROUTER_IN_NORM_TOKENS, FUSED_ROUTE_TOKENS):

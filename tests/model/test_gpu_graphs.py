@@ -89,7 +89,7 @@ def test_gpu_float32_tokens_with_moe_down_gemvs_equal_transformers(case, tmp_pat
 
 @pytest.mark.parametrize("case", ["qwen3_moe", "qwen3_moe-unnormed", "mixtral"])
 @pytest.mark.parametrize("flags", ["one_launch", "one_launch_prefetch", "grouped_prefetch", "ahead", "ahead_kv",
-                                   "persistent", "early_next", "rope_in_attn"])
+                                   "persistent", "early_next"])
 def test_gpu_float32_tokens_with_moe_one_launch_or_prefetch_equal_transformers(case, flags, tmp_path, monkeypatch):
     """The MoE decode kernels of up to 8 tokens in one launch (``triton_moe_decode.ONE_LAUNCH``, with
     ``PUSHKV_MOE_DECODE=ungrouped``), also with the down weights asked of L2 by gate/up (``PREFETCH_DOWN``), the
@@ -98,8 +98,7 @@ def test_gpu_float32_tokens_with_moe_one_launch_or_prefetch_equal_transformers(c
     projections at every place (``batched.AHEAD``), and the decode attention's first key tile asked for before its
     wait (``triton_paged.PREFETCH_KV``), and a one-token step's MLP in one persistent launch
     (``triton_moe.PERSISTENT_ONE_TOKEN``), and every kernel letting the next one be scheduled before it waits
-    (``chain.EARLY_NEXT``), and the decode attention doing the q/k norm, RoPE and K/V store itself
-    (``triton_paged.ROPE_IN_ATTENTION``) give transformers' float32 tokens, with graphs and eager; the decode steps took the
+    (``chain.EARLY_NEXT``) give transformers' float32 tokens, with graphs and eager; the decode steps took the
     launch counted where there is one."""
     from pushkv.model import batched
     from pushkv.model.kernels import prefetch, triton_moe, triton_moe_decode
@@ -138,18 +137,6 @@ def test_gpu_float32_tokens_with_moe_one_launch_or_prefetch_equal_transformers(c
 
         monkeypatch.setattr(triton_paged, "PREFETCH_KV", True)
         launches.append("not counted")
-    elif flags == "rope_in_attn":  # the decode attention doing the q/k norm, RoPE and K/V store itself
-        from pushkv.model.kernels import triton_paged
-
-        monkeypatch.setattr(triton_paged, "ROPE_IN_ATTENTION", True)
-        attend = triton_paged.attention
-
-        def rope_counted(*args, **kwargs):
-            if kwargs.get("rope") is not None:
-                launches.append("rope in the attention")
-            return attend(*args, **kwargs)
-
-        monkeypatch.setattr(triton_paged, "attention", rope_counted)
     elif flags == "early_next":  # every kernel of the step letting the next be scheduled before it waits
         from pushkv.model.kernels import chain
 

@@ -86,22 +86,17 @@ def store_latent(cache, lat, slots) -> None:
     cache[slots[keep] // u, 0, 0, slots[keep] % u] = lat[keep]
 
 
-def attention(q, cache, meta, window: int = 0, out=None, decode_splits: int = 1, scratch=None, rope=None):
-    """Attention of every sequence of a step (meta: pushkv.model.step.StepTensors). ``rope``: a decode step's
-    ``triton_paged.RopeIn`` (the attention norms and rotates q and stores the new K/V itself; CUDA only)."""
-    if rope is not None and not cache.is_cuda:
-        raise ValueError("RoPE in the attention is a CUDA kernel's: the CPU's attention takes q normed and rotated")
+def attention(q, cache, meta, window: int = 0, out=None, decode_splits: int = 1, scratch=None):
+    """Attention of every sequence of a step (meta: pushkv.model.step.StepTensors)."""
     if not cache.is_cuda:
         return attention_ref(q, cache, meta.block_table, meta.seq_lens, meta.q_starts, meta.q_lens,
                              window, out)
     from pushkv.model.kernels import triton_paged
 
     out = torch.empty_like(q) if out is None else out
-    if rope is not None and meta.prefill_tiles.shape[0]:
-        raise ValueError("RoPE in the attention serves a step of decode tiles only")
     if meta.decode_tiles.shape[0]:
         triton_paged.attention(q, cache, meta.block_table, meta.seq_lens, meta.q_starts, meta.q_lens,
-                               meta.decode_tiles, meta.decode_q0, 1, decode_splits, window, out, scratch, rope=rope)
+                               meta.decode_tiles, meta.decode_q0, 1, decode_splits, window, out, scratch)
     if meta.prefill_tiles.shape[0]:
         triton_paged.attention(q, cache, meta.block_table, meta.seq_lens, meta.q_starts, meta.q_lens,
                                meta.prefill_tiles, meta.prefill_q0, meta.block_q, 1, window, out)

@@ -26,7 +26,6 @@ except ModuleNotFoundError as e:  # a CUDA torch build without Triton
 from pushkv.model.kernels import chain
 from pushkv.model.kernels.chain import wait_prior
 from pushkv.model.kernels.triton_paged import _cache_strides
-from pushkv.model.kernels.triton_rope import norm_rope
 
 # ``add_rms_router``'s programs load their router rows before they wait for the kernel before them (the o
 # projection), as the GEMVs load their weights; the same bits. On: on an H100 Qwen3-30B-A3B's batch-1 decode step
@@ -150,19 +149,24 @@ def _qk_rope_store_kernel(QKV, QN, KN, Cos, Sin, Pos, Slots, Qout, cache, T,
     x1 = tl.load(base, mask=live[:, None], other=0.0).to(tl.float32)
     x2 = tl.load(base + half, mask=live[:, None], other=0.0).to(tl.float32)
     is_q = h < HQ
-    w1 = i.to(tl.float32)  # no norm: unused
-    w2 = w1
     if HAS_NORM:
+        r = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / D + eps)
         if is_q:
             w1 = tl.load(QN + i).to(tl.float32)
             w2 = tl.load(QN + half + i).to(tl.float32)
         else:
             w1 = tl.load(KN + i).to(tl.float32)
             w2 = tl.load(KN + half + i).to(tl.float32)
+        dt = QKV.dtype.element_ty
+        x1 = (x1 * r[:, None]).to(dt).to(tl.float32) * w1[None, :]
+        x2 = (x2 * r[:, None]).to(dt).to(tl.float32) * w2[None, :]
+        x1 = x1.to(dt).to(tl.float32)
+        x2 = x2.to(dt).to(tl.float32)
     pos = tl.load(Pos + t, mask=live, other=0).to(tl.int64)
     c = tl.load(Cos + pos[:, None] * stride_cos + i[None, :]).to(tl.float32)
     s = tl.load(Sin + pos[:, None] * stride_cos + i[None, :]).to(tl.float32)
-    o1, o2 = norm_rope(x1, x2, w1, w2, c, s, eps, QKV, HAS_NORM, D)
+    o1 = x1 * c - x2 * s
+    o2 = x2 * c + x1 * s
     if is_q:
         qo = Qout + (t[:, None] * HQ + h) * D + i[None, :]
         tl.store(qo, o1.to(Qout.dtype.element_ty), mask=live[:, None])

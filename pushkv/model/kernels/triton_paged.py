@@ -17,8 +17,6 @@ of a tile's to finish merges, one launch less; the same arithmetic, the same bit
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
-
 import torch
 
 from pushkv.extras import missing
@@ -33,7 +31,6 @@ from pushkv.model.kernels import chain, prefetch
 from pushkv.model.kernels.chain import wait_prior
 from pushkv.model.kernels.paged import decode_scratch
 from pushkv.model.kernels.prefetch import l2_lines
-from pushkv.model.kernels.triton_rope import norm_rope
 
 LOG2E = 1.4426950408889634
 # Prefill: tiles with the most keys start first, and key tiles wholly before a tile's queries are walked
@@ -51,27 +48,6 @@ FUSED_MERGE = False
 # 8.058 at 8 (experiments/moe_decode_probe.py, variant ``ahead_kv`` against ``no_kv``; the float32 tokens of
 # Qwen3-MoE and Mixtral equal transformers' with it, docs/results/2026-12-05-moe-ahead)
 PREFETCH_KV = True
-# Decode: the attention norms and rotates its queries itself from the qkv projection, and the program whose keys
-# hold the token's own stores its K/V, so no RoPE-and-store launch runs between the projection and the attention
-# (``RopeIn``; the same arithmetic as ``triton_fused.qk_norm_rope_store``, ``triton_rope.norm_rope``). Off until
-# experiments/moe_decode_probe.py (variant ``rope_in_attn``) has timed it on a GPU
-ROPE_IN_ATTENTION = False
-
-
-class RopeIn(NamedTuple):
-    """A decode step's attention doing the q/k norm, RoPE and K/V store itself (``ROPE_IN_ATTENTION``): the qkv
-    projection [T, (Hq + 2 Hk) D] whose first Hq D columns the attention's ``q`` views, the KV heads Hk, the q/k
-    norm weights (None: no norm) and eps, the cos/sin tables [positions, >= D/2], each row's position and slot."""
-
-    qkv: torch.Tensor
-    kv_heads: int
-    q_norm: Optional[torch.Tensor]
-    k_norm: Optional[torch.Tensor]
-    eps: float
-    cos: torch.Tensor
-    sin: torch.Tensor
-    positions: torch.Tensor
-    slots: torch.Tensor
 
 
 @triton.jit
@@ -218,67 +194,16 @@ def _ask_key_tile(cache, bt, lo, hi, head_off, s_blk, s_plane, s_slot, U, D: tl.
 
 
 @triton.jit
-def _rope_q_store_kv(QKV, QN, KN, Cos, Sin, Pos, Slots, cache, row, head, kvh, row_ok, ctx, lo, hi, head_off,
-                     stride_row, stride_cos, s_blk, s_plane, s_slot, U, eps, HQ: tl.constexpr, HK: tl.constexpr,
-                     D: tl.constexpr, HAS_NORM: tl.constexpr):
-    """A decode program's query rows [R, D] (its query heads of the one token, whose row of the step is ``row``;
-    rows past ``row_ok`` zero) from the qkv projection's row,
-    normed and rotated as ``triton_fused.qk_norm_rope_store`` does them, in QKV's dtype; and where the program's
-    keys [lo, hi) hold the token's own (position ctx - 1), its KV head's K (normed, rotated) and V stored at the
-    token's slot first (none below 0), seen by the program's loads after (a barrier orders the threads)."""
-    half: tl.constexpr = D // 2
-    i = tl.arange(0, half)
-    dt = QKV.dtype.element_ty
-    row = row.to(tl.int64)
-    base = QKV + row * stride_row + head[:, None] * D + i[None, :]
-    x1 = tl.load(base, mask=row_ok[:, None], other=0.0).to(tl.float32)
-    x2 = tl.load(base + half, mask=row_ok[:, None], other=0.0).to(tl.float32)
-    w1 = i.to(tl.float32)  # no norm: unused
-    w2 = w1
-    if HAS_NORM:
-        w1 = tl.load(QN + i).to(tl.float32)
-        w2 = tl.load(QN + half + i).to(tl.float32)
-    pos = tl.load(Pos + row + 0 * head, mask=row_ok, other=0).to(tl.int64)
-    c = tl.load(Cos + pos[:, None] * stride_cos + i[None, :]).to(tl.float32)
-    s = tl.load(Sin + pos[:, None] * stride_cos + i[None, :]).to(tl.float32)
-    o1, o2 = norm_rope(x1, x2, w1, w2, c, s, eps, QKV, HAS_NORM, D)
-    # [R, D/2] twice -> [R, D]: the first half's columns, then the second's
-    q = tl.reshape(tl.permute(tl.join(o1.to(dt), o2.to(dt)), (0, 2, 1)), (o1.shape[0], D))
-    if (ctx - 1 >= lo) & (ctx - 1 < hi):  # the token's own key is in this program's range: it stores K/V
-        slot = tl.load(Slots + row).to(tl.int64)
-        kb = QKV + row * stride_row + (HQ + kvh) * D + i[None, :]
-        k1 = tl.load(kb).to(tl.float32)
-        k2 = tl.load(kb + half).to(tl.float32)
-        if HAS_NORM:
-            w1 = tl.load(KN + i).to(tl.float32)
-            w2 = tl.load(KN + half + i).to(tl.float32)
-        kp = tl.load(Pos + row).to(tl.int64)
-        kc = tl.load(Cos + kp * stride_cos + i[None, :]).to(tl.float32)
-        ks = tl.load(Sin + kp * stride_cos + i[None, :]).to(tl.float32)
-        k1, k2 = norm_rope(k1, k2, w1, w2, kc, ks, eps, QKV, HAS_NORM, D)
-        if slot >= 0:
-            off = head_off + (slot // U) * s_blk + (slot % U) * s_slot + i[None, :]
-            tl.store(cache + off, k1.to(cache.dtype.element_ty))
-            tl.store(cache + off + half, k2.to(cache.dtype.element_ty))
-            vb = QKV + row * stride_row + (HQ + HK + kvh) * D + i[None, :]
-            tl.store(cache + s_plane + off, tl.load(vb))
-            tl.store(cache + s_plane + off + half, tl.load(vb + half))
-    tl.debug_barrier()  # every thread's stores before any thread's key loads
-    return q
-
-
-@triton.jit
 def _attn_kernel(Q, O, cache, block_table, seq_lens, q_starts, q_lens, tile_seq, tile_q0,
-                 Part, PartML, Counter, QN, KN, Cos, Sin, Pos, Slots,
+                 Part, PartML, Counter,
                  stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                  s_blk, s_plane, s_grp, s_head, s_slot, HG, U,
-                 total_rows, num_q_heads, sm_scale_log2, window, stride_cos, eps,
+                 total_rows, num_q_heads, sm_scale_log2, window,
                  PREC: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                  HEAVY_FIRST: tl.constexpr, FREE_LOOP: tl.constexpr, FUSED_MERGE: tl.constexpr,
                  PDL: tl.constexpr, PREFETCH_KV: tl.constexpr = False, LPR: tl.constexpr = 1,
-                 LINE: tl.constexpr = 64, NEXT_EARLY: tl.constexpr = False, ROPE: tl.constexpr = False,
-                 HQ: tl.constexpr = 1, HK: tl.constexpr = 1, HAS_NORM: tl.constexpr = False):
+                 LINE: tl.constexpr = 64, NEXT_EARLY: tl.constexpr = False):
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     head_off = (kvh // HG) * s_grp + (kvh % HG) * s_head
@@ -304,14 +229,10 @@ def _attn_kernel(Q, O, cache, block_table, seq_lens, q_starts, q_lens, tile_seq,
     head = kvh * G + g
     d = tl.arange(0, BLOCK_D)
     dm = d < D
-    bt = block_table + seq.to(tl.int64) * stride_bt
-    if ROPE:  # q is the qkv projection's: normed and rotated here, and this split stores the token's own K/V
-        q = _rope_q_store_kv(Q, QN, KN, Cos, Sin, Pos, Slots, cache, qrow0 + q0, head, kvh, row_ok, ctx, lo, hi,
-                             head_off, stride_qt, stride_cos, s_blk, s_plane, s_slot, U, eps, HQ, HK, D, HAS_NORM)
-    else:
-        q = tl.load(Q + (qrow0 + q0 + tq)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                    mask=row_ok[:, None] & dm[None, :], other=0.0)
+    q = tl.load(Q + (qrow0 + q0 + tq)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & dm[None, :], other=0.0)
 
+    bt = block_table + seq.to(tl.int64) * stride_bt
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -394,7 +315,7 @@ def attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, s
               q_starts: torch.Tensor, q_lens: torch.Tensor, tile_seq: torch.Tensor, tile_q0: torch.Tensor,
               block_q: int, num_splits: int = 1, window: int = 0, out: torch.Tensor | None = None,
               scratch: tuple[torch.Tensor, ...] | None = None,
-              config: tuple[int, int, int] | None = None, rope: RopeIn | None = None) -> torch.Tensor:
+              config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Causal attention of q [T, Hq, D] over each sequence's keys in the pool.
 
     Per sequence i: its queries are rows q_starts[i] .. + q_lens[i] of q, at positions
@@ -403,10 +324,7 @@ def attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, s
     programs: block_q queries of one sequence each. Returns out [T, Hq, D].
 
     scratch (decode splits): ``paged.decode_scratch``'s (partials, (m, l), counters), counters zero (the
-    kernel leaves them so); a (partials, (m, l)) pair merges in a second launch.
-
-    rope (decode tiles): q is ``rope.qkv``'s view, not yet normed nor rotated, and the step's new K/V not yet
-    stored: the kernel does both (``ROPE_IN_ATTENTION``)."""
+    kernel leaves them so); a (partials, (m, l)) pair merges in a second launch."""
     T, Hq, D = q.shape
     blk, plane, grp, head, slot, hg, u = _cache_strides(cache)
     kvh = hg * (cache.shape[2] if cache.dim() == 6 else 1)
@@ -439,24 +357,14 @@ def attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, s
     if config is not None:  # (block_n, warps, stages), for tuning
         block_n, warps, stages = config
     ahead: dict = {}
-    tables: tuple = (q, q, q, q, q, q, 0, 0.0)  # unused without rope
-    if rope is not None:
-        if block_q != 1 or block_d != D or D % 2 or rope.qkv.shape[1] != (Hq + 2 * rope.kv_heads) * D \
-                or q.data_ptr() != rope.qkv.data_ptr() or q.stride() != (rope.qkv.stride(0), D, 1):
-            raise ValueError(f"RoPE in the attention: decode tiles of a power-of-two head_dim, q a view of qkv "
-                             f"{tuple(rope.qkv.shape)}; got block_q {block_q}, q {tuple(q.shape)} {q.stride()}")
-        has_norm = rope.q_norm is not None
-        tables = (rope.q_norm if has_norm else q, rope.k_norm if has_norm else q, rope.cos, rope.sin,
-                  rope.positions, rope.slots, rope.cos.stride(0), rope.eps)
-        ahead.update(ROPE=True, HQ=Hq, HK=rope.kv_heads, HAS_NORM=has_norm)
     if PREFETCH_KV and block_q == 1 and prefetch.enabled(q):
         lpr, line = prefetch.row_lines(D, cache.element_size())
-        ahead.update(PREFETCH_KV=True, LPR=lpr, LINE=line)
+        ahead = {"PREFETCH_KV": True, "LPR": lpr, "LINE": line}
     _attn_kernel[(n_tiles, kvh, num_splits)](
         q, out, cache, block_table, seq_lens, q_starts, q_lens, tile_seq, tile_q0, part, part_ml, counters,
-        *tables[:6], q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         blk, plane, grp, head, slot, hg, u,
-        T, Hq, LOG2E / (D ** 0.5), window, tables[6], tables[7],
+        T, Hq, LOG2E / (D ** 0.5), window,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", G=G, D=D, BLOCK_D=block_d, BLOCK_Q=block_q,
         BLOCK_M=block_m, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, HEAVY_FIRST=HEAVY_FIRST, FREE_LOOP=FREE_LOOP, FUSED_MERGE=fused, num_warps=warps,
