@@ -54,7 +54,9 @@ Variants (each re-captures the graphs):
   small kernel so (the norms, RoPE, attention, merge, routing); ``early_small_gemv``: and the GEMVs; ``early_all``:
   and the experts' kernels; ``early_o_rope``, ``early_o_gemv``, ``early_o_route``, ``early_o_moe``: ``early_o`` and
   the RoPE kernel, the GEMVs, the GEMVs, norm and routing, and those and the experts'. ``early_o`` ships since
-  2026-12-05's run (the same step as ``gemv1_2``, kept under its name); ``early_none``: as before it.
+  2026-12-05's run (the same step as ``gemv1_2``, kept under its name); ``early_none``: as before it. Two more were
+  timed on 2026-12-05 and taken out (docs/results/2026-12-05-rope-guess): the attention doing RoPE and the K/V
+  store itself, and gate/up guessing its experts ahead of the routing.
 
 ``--variants both,gemv1_2`` times only those.
 
