@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     dep.add_argument("--mode", choices=typing.get_args(Mode))
     dep.add_argument("--host")
     dep.add_argument("--port", type=int)
+    dep.add_argument("--uds", metavar="PATH",
+                     help="the router listens on this Unix domain socket instead of --host/--port, as vLLM's --uds: "
+                          "plain HTTP, the file made 0660 and removed at stop (default: TCP)")
     dep.add_argument("--metrics-port", type=int, metavar="PORT",
                      help="each P / D instance serves /metrics (vLLM's vllm:* names) on its own port: the first "
                           "on PORT, the next ones on the ports after it; 0 (default) = a free port each, shown "

@@ -412,6 +412,9 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
     push_stream_groups: int = 10
     host: str = "127.0.0.1"
     port: int = 8000
+    # the router listens on this Unix domain socket instead of host:port (vLLM's --uds; pushkv/uds.py): plain HTTP,
+    # the file made 0660 and removed when the router stops
+    uds: str = ""
     # each P / D instance's /metrics: the first instance planned gets this port, the next ones the
     # ports after it (P's instances, then D's); 0 = a free port each (shown by `pushkv status`)
     metrics_port: int = 0
@@ -549,6 +552,12 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
         if self.staging == "pushkv" and self.mode != "push":
             raise ValueError(f"DeploymentConfig.staging 'pushkv' stages push's WRITEs; mode {self.mode!r} keeps the "
                              "transport's staging (staging 'auto' or 'transport')")
+        if self.uds and self.ssl_certfile:
+            raise ValueError(f"--uds {self.uds} serves plain HTTP to this host's processes: HTTPS (--ssl-certfile) is "
+                             "for the router on TCP; give one or the other")
+        if self.uds and self.host_role not in ("", "router"):
+            raise ValueError(f"--uds {self.uds}: only the host that runs the router (--role router, or one host) "
+                             f"listens on it, not --role {self.host_role}")
         if bool(self.ssl_keyfile) != bool(self.ssl_certfile):
             raise ValueError("--ssl-keyfile and --ssl-certfile go together: the router's HTTPS needs its key and its "
                              f"certificate (got keyfile {self.ssl_keyfile!r}, certfile {self.ssl_certfile!r})")

@@ -22,7 +22,7 @@ from typing import Iterator, Optional
 import zmq
 
 from pushkv import messages as m
-from pushkv import security
+from pushkv import security, uds
 from pushkv.config import DeploymentConfig, Role, decode_config
 from pushkv.security import secure_connect
 from pushkv.supervisor.plan import free_tcp_port
@@ -45,11 +45,11 @@ class Deployment:
         the headers (40-200 ms), which the router's arrival stamp (taken at the headers) counted
         into a long prompt's TTFT."""
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        u = urllib.parse.urlsplit(self.url)
-        conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port, timeout=timeout)
+        conn = self.connection(timeout)
         try:
             conn.connect()
-            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if conn.sock.family != socket.AF_UNIX:
+                conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.request("POST", path, body=data, headers={"content-type": "application/json"})
             r = conn.getresponse()
             raw = r.read() or b"{}"
@@ -66,9 +66,21 @@ class Deployment:
             raise RuntimeError(f"HTTP {status}: {body}")
         return body
 
+    def connection(self, timeout: float = 300.0) -> http.client.HTTPConnection:
+        """A connection to the router: TCP, or its Unix socket where it listens on one (``--uds``)."""
+        path = uds.path_of(self.url)
+        if path is not None:
+            return uds.UnixHTTPConnection(path, timeout=timeout)
+        u = urllib.parse.urlsplit(self.url)
+        return http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port, timeout=timeout)
+
     def health(self) -> dict:
-        with urllib.request.urlopen(self.url + "/health", timeout=10) as r:
-            return json.loads(r.read())
+        conn = self.connection(10)
+        try:
+            conn.request("GET", "/health")
+            return json.loads(conn.getresponse().read())
+        finally:
+            conn.close()
 
     def tokens(self, prompt, max_tokens: int) -> list[int]:
         return self.complete(prompt, max_tokens)["choices"][0]["token_ids"]

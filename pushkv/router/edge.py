@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import resource
 import ssl
 import time
@@ -25,6 +26,7 @@ from typing import Any, Callable, Optional
 
 from aiohttp import web
 
+from pushkv import uds
 from pushkv.router import api
 
 log = logging.getLogger(__name__)
@@ -102,11 +104,16 @@ class _Counted(asyncio.Protocol):
 
 
 class CappedSite(web.TCPSite):
-    """aiohttp's TCPSite, whose protocol factory refuses connections past ``cap``."""
+    """aiohttp's TCPSite, whose protocol factory refuses connections past ``cap``; with ``path``, on that Unix
+    domain socket instead of host:port (``uds``: a stale socket file replaced, a live one refused, the file made
+    ``uds.PERMS`` and removed at stop)."""
 
     def __init__(self, runner: web.BaseRunner, host: str, port: int, cap: int,
-                 on_refused: Callable[[], None], backlog: int = BACKLOG, ssl_context: Optional[ssl.SSLContext] = None):
+                 on_refused: Callable[[], None], backlog: int = BACKLOG, ssl_context: Optional[ssl.SSLContext] = None,
+                 path: str = ""):
         super().__init__(runner, host, port, backlog=backlog, ssl_context=ssl_context)
+        self.path = path
+        self._inode = 0
         self.cap = cap
         self.on_refused = on_refused
         self.live = 0  # connections handed to aiohttp and not yet lost
@@ -127,10 +134,22 @@ class CappedSite(web.TCPSite):
 
     async def start(self) -> None:
         await web.BaseSite.start(self)  # registers the site with its runner (TCPSite.start's first step)
-        self._server = await asyncio.get_running_loop().create_server(
+        loop = asyncio.get_running_loop()
+        if self.path:
+            uds.claim(self.path)
+            self._server = await loop.create_unix_server(self._protocol, self.path, backlog=self._backlog)
+            os.chmod(self.path, uds.PERMS)
+            self._inode = os.lstat(self.path).st_ino
+            return
+        self._server = await loop.create_server(
             self._protocol, self._host, self._port, backlog=self._backlog, reuse_address=self._reuse_address,
             reuse_port=self._reuse_port, ssl=self._ssl_context)
         self._bound_port = self._server.sockets[0].getsockname()[1] if self._server.sockets else self._port
+
+    async def stop(self) -> None:
+        await super().stop()
+        if self.path and self._inode:
+            uds.release(self.path, self._inode)
 
 
 class OncePerInterval(logging.Filter):

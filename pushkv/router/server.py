@@ -22,7 +22,7 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
-from pushkv import __version__, envs, limits, security, tls
+from pushkv import __version__, envs, limits, security, tls, uds
 from pushkv import messages as m
 from pushkv.config import DeploymentConfig, Role
 from pushkv.discovery.base import Watcher
@@ -195,13 +195,15 @@ class Router:
         site = edge.CappedSite(self._runner, self.cfg.host, self.cfg.port, cap,
                                self.metrics.connections_refused.inc,
                                backlog=max(edge.BACKLOG, self.cfg.router_max_in_flight),
-                               ssl_context=tls.server_context(self.cfg))
+                               ssl_context=tls.server_context(self.cfg), path=self.cfg.uds)
         await site.start()
         log.info("HTTP edge: open-file limit %d (was %d), at most %d connections, headers within %.0fs, "
                  "a body within %.0fs", fds, fds_before, cap, self.cfg.router_header_timeout_s,
                  self.cfg.router_body_timeout_s)
-        port = self._runner.addresses[0][1]
-        self.url = f"{tls.scheme(self.cfg)}://{self.cfg.host}:{port}"
+        if self.cfg.uds:
+            self.url = uds.url(self.cfg.uds)
+        else:
+            self.url = f"{tls.scheme(self.cfg)}://{self.cfg.host}:{self._runner.addresses[0][1]}"
         log.info("router (%s mode) listening on %s%s", self.cfg.mode, self.url,
                  " (API key required on /v1/*)" if self.api_key else "")
         if self.watcher is not None:

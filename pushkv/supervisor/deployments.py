@@ -4,6 +4,7 @@ directory and talks to each supervisor's control socket. ``processes/cli.py`` pa
 """
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -162,11 +163,21 @@ def router_health(url: str) -> dict:
     import ssl
     import urllib.request
 
+    from pushkv import uds
+
     ctx = ssl._create_unverified_context() if url.startswith("https:") else None
     try:
-        with urllib.request.urlopen(url + "/health", timeout=ASK_TIMEOUT_S, context=ctx) as r:
-            body = json.loads(r.read())
-    except (OSError, ValueError):
+        if (path := uds.path_of(url)) is not None:  # a router on a Unix socket (--uds)
+            conn = uds.UnixHTTPConnection(path, timeout=ASK_TIMEOUT_S)
+            try:
+                conn.request("GET", "/health")
+                body = json.loads(conn.getresponse().read())
+            finally:
+                conn.close()
+        else:
+            with urllib.request.urlopen(url + "/health", timeout=ASK_TIMEOUT_S, context=ctx) as r:
+                body = json.loads(r.read())
+    except (OSError, ValueError, http.client.HTTPException):
         return {}
     return body if isinstance(body, dict) else {}
 
