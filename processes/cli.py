@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     dep.add_argument("--mode", choices=typing.get_args(Mode))
     dep.add_argument("--host")
     dep.add_argument("--port", type=int)
+    dep.add_argument("--root-path", metavar="PREFIX",
+                     help="a proxy serves the API under this prefix, as vLLM's --root-path: every route is served "
+                          "under it as well as bare, the API key guarding both (default: none)")
     dep.add_argument("--uds", metavar="PATH",
                      help="the router listens on this Unix domain socket instead of --host/--port, as vLLM's --uds: "
                           "plain HTTP, the file made 0660 and removed at stop (default: TCP)")

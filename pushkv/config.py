@@ -415,6 +415,9 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
     # the router listens on this Unix domain socket instead of host:port (vLLM's --uds; pushkv/uds.py): plain HTTP,
     # the file made 0660 and removed when the router stops
     uds: str = ""
+    # the prefix a proxy serves the router's API under (vLLM's --root-path): every route is served under it as well
+    # as bare, and the API key guards both
+    root_path: str = ""
     # each P / D instance's /metrics: the first instance planned gets this port, the next ones the
     # ports after it (P's instances, then D's); 0 = a free port each (shown by `pushkv status`)
     metrics_port: int = 0
@@ -552,6 +555,10 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
         if self.staging == "pushkv" and self.mode != "push":
             raise ValueError(f"DeploymentConfig.staging 'pushkv' stages push's WRITEs; mode {self.mode!r} keeps the "
                              "transport's staging (staging 'auto' or 'transport')")
+        if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")
+                               or any(ch in self.root_path for ch in "?#{} \t\n")):
+            raise ValueError(f"--root-path {self.root_path!r}: a URL path that starts with '/' and does not end with "
+                             "one, without ?, #, braces or spaces (e.g. /api)")
         if self.uds and self.ssl_certfile:
             raise ValueError(f"--uds {self.uds} serves plain HTTP to this host's processes: HTTPS (--ssl-certfile) is "
                              "for the router on TCP; give one or the other")

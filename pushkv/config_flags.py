@@ -247,7 +247,7 @@ def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = 
         push_stream_groups=f("push_stream_groups"), kv_verify=f("kv_verify"),
         # a host of several (--role) serves on its advertised address unless --host says otherwise
         host=f("host") or (f("role") and f("advertise")), port=f("port"), metrics_port=f("metrics_port"),
-        uds=_path(f("uds")),
+        uds=_path(f("uds")), root_path=f("root_path"),
         host_role=f("role"), registry=f("registry"), advertise=f("advertise"), registry_ttl_s=f("registry_ttl"),
         log_level=f("log_level"), model=model, max_model_len=f("max_model_len"),
         secret_file=os.path.abspath(secret) if secret else None,

@@ -41,13 +41,26 @@ def authorized(path: str, authorization: str, key: str, metrics: bool = False) -
     return bearer_ok(authorization, key)
 
 
-def middleware(key: str, on_refused: Callable[[], None], metrics: bool = False):
+def unrooted(path: str, root: str) -> str:
+    """``path`` as the API names it: with the router's ``--root-path`` ``root`` taken off its front where it is
+    there (``/api/v1/models`` -> ``/v1/models``), so that a route served under the root is protected as its
+    bare twin is."""
+    if root and (path == root or path.startswith(root + "/")):
+        return path[len(root):] or "/"
+    return path
+
+
+def middleware(key: str, on_refused: Callable[[], None], metrics: bool = False, root: str = ""):
     refused = 0
 
     @web.middleware
     async def check_api_key(request: web.Request, handler) -> web.StreamResponse:
         nonlocal refused
-        if authorized(request.path, request.headers.get("Authorization", ""), key, metrics):
+        given = request.headers.get("Authorization", "")
+        # the path as given and as the API names it under the root: guarded if either is (a root of /v1 must not
+        # open /v1/completions)
+        if authorized(request.path, given, key, metrics) and authorized(unrooted(request.path, root), given, key,
+                                                                            metrics):
             return await handler(request)
         on_refused()
         refused += 1

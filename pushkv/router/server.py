@@ -120,25 +120,32 @@ class Router:
         policy = cors.Policy(c.cors_origins, c.cors_methods, c.cors_headers, c.cors_credentials)
         # a browser's preflight is answered before the API key's check, as vLLM's CORS middleware answers it
         app = web.Application(middlewares=[cors.middleware(policy), _json_errors,
-                                           auth.middleware(self.api_key, refused, self.cfg.metrics_auth)],
+                                           auth.middleware(self.api_key, refused, self.cfg.metrics_auth, c.root_path)],
                               client_max_size=limits.http_body_bytes(self.cfg))
         app.on_response_prepare.append(cors.on_prepare(policy))
-        app.router.add_post("/v1/completions", self.handle_completions)
-        app.router.add_post("/v1/chat/completions", self.handle_chat)
-        app.router.add_post("/v1/responses", self.handle_responses)
-        app.router.add_get("/v1/models", self.handle_models)
-        app.router.add_get("/health", self.handle_health)
-        app.router.add_get("/metrics", self.handle_metrics)
-        app.router.add_post("/v1/abort/{request_id}", self.handle_abort)
-        # vLLM's server's own: tokenize and detokenize as the router does, its version, and SageMaker's ping
-        app.router.add_post("/tokenize", self.handle_tokenize)
-        app.router.add_post("/detokenize", self.handle_detokenize)
-        app.router.add_get("/version", self.handle_version)
-        app.router.add_get("/ping", self.handle_ping)
-        app.router.add_post("/ping", self.handle_ping)
-        app.router.add_post("/invocations", self.handle_invocations)
-        app.router.add_get("/load", self.handle_load)
-        app.router.add_post("/reset_prefix_cache", self.handle_reset_prefix_cache)
+        routes = [
+            ("POST", "/v1/completions", self.handle_completions),
+            ("POST", "/v1/chat/completions", self.handle_chat),
+            ("POST", "/v1/responses", self.handle_responses),
+            ("GET", "/v1/models", self.handle_models),
+            ("GET", "/health", self.handle_health),
+            ("GET", "/metrics", self.handle_metrics),
+            ("POST", "/v1/abort/{request_id}", self.handle_abort),
+            # vLLM's server's own: tokenize and detokenize as the router does, its version, and SageMaker's ping
+            ("POST", "/tokenize", self.handle_tokenize),
+            ("POST", "/detokenize", self.handle_detokenize),
+            ("GET", "/version", self.handle_version),
+            ("GET", "/ping", self.handle_ping),
+            ("POST", "/ping", self.handle_ping),
+            ("POST", "/invocations", self.handle_invocations),
+            ("GET", "/load", self.handle_load),
+            ("POST", "/reset_prefix_cache", self.handle_reset_prefix_cache),
+        ]
+        # behind a proxy that serves the API under a prefix (vLLM's --root-path): each route also under it, for a
+        # proxy that passes the prefix on, as vLLM's server takes both
+        for root in ("", c.root_path) if c.root_path else ("",):
+            for method, path, handler in routes:
+                app.router.add_route(method, root + path, handler)
         return app
 
     @property
