@@ -132,15 +132,19 @@ def compiled_of(compile: Callable[[Structured], Any], spec: Structured) -> Gramm
 class CompileThreads:
     """The scheduler shell's compiles, off its loop: ``submit(spec)`` queues one for the threads (daemons,
     started at the first); each that ends is kept as a ``GrammarCompiled`` and ``fd`` (an eventfd the loop polls)
-    turns readable; ``take()`` hands over those ended so far. ``close()`` never waits for a compile under way:
-    one that ends after it is dropped."""
+    turns readable; ``take()`` hands over those ended so far; ``cancel(spec)`` drops the last compile of ``spec``
+    queued and not yet started (one under way ends as ever). ``close()`` never waits for a compile under way: one
+    that ends after it is dropped."""
 
     def __init__(self, compile: Callable[[Structured], Any], threads: int = COMPILE_THREADS):
         self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._compile = compile
         self._size = threads
         self._threads: list[threading.Thread] = []
-        self._jobs: "queue.SimpleQueue[Optional[Structured]]" = queue.SimpleQueue()
+        self._jobs: "queue.SimpleQueue[Optional[tuple[int, Structured]]]" = queue.SimpleQueue()
+        self._queued: dict[Structured, list[int]] = {}  # each spec's jobs queued and not started, by number
+        self._cancelled: set[int] = set()
+        self._next = 0
         self._done: deque[GrammarCompiled] = deque()
         self._lock = threading.Lock()  # a thread's result and its wakeup never race close() (fd reuse)
         self._closed = False
@@ -153,13 +157,38 @@ class CompileThreads:
                 t = threading.Thread(target=self._run, name=f"pushkv-grammar-{i}", daemon=True)
                 t.start()
                 self._threads.append(t)
-        self._jobs.put(spec)
+        with self._lock:
+            self._next += 1
+            job = self._next
+            self._queued.setdefault(spec, []).append(job)
+        self._jobs.put((job, spec))
+
+    def cancel(self, spec: Structured) -> bool:
+        """Drop ``spec``'s last queued compile that has not started; whether there was one."""
+        with self._lock:
+            jobs = self._queued.get(spec)
+            if not jobs:
+                return False
+            self._cancelled.add(jobs.pop())
+            if not jobs:
+                del self._queued[spec]
+            return True
 
     def _run(self) -> None:
         while True:
-            spec = self._jobs.get()
-            if spec is None:
+            item = self._jobs.get()
+            if item is None:
                 return
+            job, spec = item
+            with self._lock:
+                jobs = self._queued.get(spec, [])
+                if job in jobs:
+                    jobs.remove(job)
+                    if not jobs:
+                        del self._queued[spec]
+                if job in self._cancelled:
+                    self._cancelled.discard(job)
+                    continue
             done = compiled_of(self._compile, spec)
             with self._lock:
                 if self._closed:

@@ -1,6 +1,7 @@
 """The scheduler core's requests held for their structured output's grammar: a request whose spec is not compiled
 here waits out of the queue (``State.GRAMMAR``, no blocks) for the one compile of its spec, asked of the shell
 (``CompileGrammar``, compiled on its threads); when it ends (``compiled``) they queue by arrival, or fail (400).
+When the last of them leaves first, the compile is no longer asked for (``CancelCompile``).
 The core's ``compiled`` entry point, ``on_Generate`` and ``_release`` call these; pure, as the core is."""
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import bisect
 from typing import TYPE_CHECKING
 
 from pushkv.scheduler.grammar import GrammarCompiled, failure
-from pushkv.scheduler.outbox import CompileGrammar
+from pushkv.scheduler.outbox import CancelCompile, CompileGrammar
 from pushkv.scheduler.requests import Request, State
 
 if TYPE_CHECKING:  # (the core calls these; its module imports this one)
@@ -53,8 +54,14 @@ def hold(core: "SchedulerCore", r: Request) -> None:
 
 
 def unhold(core: "SchedulerCore", r: Request) -> None:
-    """``r`` leaves (released while it waits for its grammar): the compile goes on, it no longer waits for it."""
+    """``r`` leaves (released while it waits for its grammar) and no longer waits for the compile. Where it was the
+    last, the compile is no longer asked for: a request of the spec later asks again, and the shell drops the
+    compile if it has not started (``CancelCompile``; one under way ends, and its grammar is kept)."""
     if r.state == State.GRAMMAR and r.structured is not None:
         held = core.compiling.get(r.structured)
         if held is not None:
             held[:] = [q for q in held if q is not r]
+            if not held:
+                del core.compiling[r.structured]
+                core.counters["grammar_compiles_cancelled"] += 1
+                core.outbox.append(CancelCompile(r.structured))

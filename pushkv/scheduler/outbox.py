@@ -56,4 +56,11 @@ class CompileGrammar(NamedTuple):
     spec: m.Structured
 
 
-Effect = Union[Send, Trace, Kill, CompileGrammar]
+class CancelCompile(NamedTuple):
+    """The last request waiting for ``spec``'s compile has gone: a compile of it still queued on the threads is
+    dropped (one under way ends, and its grammar is kept for the next request of the spec)."""
+
+    spec: m.Structured
+
+
+Effect = Union[Send, Trace, Kill, CompileGrammar, CancelCompile]

@@ -6,7 +6,8 @@ the core put in its outbox, in order. Nothing here decides anything about a requ
 
 A grammar the core asks for (``CompileGrammar``) compiles on ``CompileThreads`` (``scheduler/grammar.py``),
 never on this loop; its eventfd sits in the poller, so the loop wakes as a compile ends and hands it
-to the core (``core.compiled``).
+to the core (``core.compiled``). One the core no longer asks for (``CancelCompile``: its last request left) is
+dropped if it has not started.
 
 Started with ``faults`` (tests), it passes the outbox through ``FaultFilter`` and hands D's core
 the stalls a test armed; started without, it holds no fault check.
@@ -27,7 +28,7 @@ from pushkv.scheduler.core import SchedulerCore
 from pushkv.scheduler.decode import DecodeScheduler
 from pushkv.scheduler.fault_filter import FaultFilter
 from pushkv.scheduler.grammar import CompileThreads, XgrammarCompile
-from pushkv.scheduler.outbox import CompileGrammar, Effect, Kill, Peer, Send, Trace
+from pushkv.scheduler.outbox import CancelCompile, CompileGrammar, Effect, Kill, Peer, Send, Trace
 from pushkv.security import API_KEY_ENV
 
 log = logging.getLogger(__name__)
@@ -164,6 +165,8 @@ class SchedulerShell(Actor):
                 self.trace_event(effect.kind, effect.transfer_id)
             elif isinstance(effect, CompileGrammar):
                 self.compiles.submit(effect.spec)
+            elif isinstance(effect, CancelCompile):
+                self.compiles.cancel(effect.spec)
             elif isinstance(effect, Kill):
                 kill_self()
 

@@ -115,14 +115,31 @@ def test_a_failed_compile_fails_each_request_held_for_it_with_the_400_a_synchron
     assert s.counters["grammar_failed"] == 2 and all_free(s)
 
 
-def test_an_abort_while_compiling_frees_the_request_and_the_compile_ending_later_attaches_to_nothing():
+def test_an_abort_of_the_last_request_waiting_cancels_its_compile_and_a_later_request_asks_again():
     s, wire = local()
     deliver(s, ROUTER, gen("g", None, structured=CHOICE))
+    deliver(s, ROUTER, gen("h", None, structured=CHOICE))
     deliver(s, ROUTER, m.Abort("g", 0, "client gone"))
+    assert wire.take() == [] and wire.cancelled == [] and s.compiling[CHOICE] == [s.reqs[("h", 0)]]  # h waits
+    deliver(s, ROUTER, m.Abort("h", 0, "client gone"))
     assert wire.take() == [] and all_free(s)  # an Abort is not answered; nothing of it is left
-    assert s.compiling == {CHOICE: []}  # the compile goes on: a request of its spec now would wait for it
+    assert s.compiling == {} and wire.cancelled == [CHOICE] and wire.compiles == []  # nobody waits: dropped
+    assert s.counters["grammar_compiles_cancelled"] == 1
+    deliver(s, ROUTER, gen("again", None, max_tokens=4, structured=CHOICE))  # asks for it again
+    assert wire.take() == [] and wire.compiles == [CHOICE] and s.counters["grammar_compiles"] == 2
     compile_ends(s, wire, CHOICE)
-    assert wire.take() == [] and all_free(s) and s.compiling == {}
+    got = serve(s, wire, [])
+    assert text(got["again"]) in CHOICES and all_free(s)
+
+
+def test_a_compile_under_way_when_cancelled_ends_into_the_cache_and_attaches_to_nothing():
+    s, wire = local()
+    deliver(s, ROUTER, gen("g", None, structured=CHOICE))
+    wire.sent  # noqa: B018  # the shell takes the compile: under way, it cannot be dropped
+    deliver(s, ROUTER, m.Abort("g", 0, "client gone"))
+    assert wire.take() == [] and s.compiling == {} and wire.cancelled == [CHOICE]
+    s.compiled(compiled_of(XgrammarCompile(s.cfg.model), CHOICE), s.now, s.wall)  # it ends anyway
+    assert wire.take() == [] and all_free(s)
     deliver(s, ROUTER, gen("again", None, max_tokens=4, structured=CHOICE))  # compiled here now: no wait
     assert step_seqs(wire) == [s.reqs[("again", 0)].seq_id] and wire.compiles == []
     got = serve(s, wire, [])
@@ -226,6 +243,33 @@ def test_compile_threads_hand_over_each_compile_as_it_ends_through_their_eventfd
         assert readable(pool.fd, WAIT_S)
         (ok,) = pool.take()
         assert ok.spec == CHOICE and ok.grammar is not None and ok.error == ""
+    finally:
+        pool.close()
+
+
+def test_a_cancelled_compile_that_has_not_started_never_runs_and_one_under_way_ends():
+    held = HeldCompile()
+    pool = CompileThreads(held, threads=1)
+    try:
+        pool.submit(CHOICE)
+        assert held.started.get(timeout=WAIT_S) == CHOICE  # under way on the one thread
+        pool.submit(DIGITS)
+        pool.submit(BAD)
+        assert pool.cancel(DIGITS)  # queued behind it: dropped
+        assert not pool.cancel(CHOICE)  # under way: it ends as ever
+        assert not pool.cancel(DIGITS)  # nothing of it left
+        held.gate(CHOICE).set()
+        held.gate(BAD).set()
+        assert held.started.get(timeout=WAIT_S) == BAD  # the next to start is BAD: DIGITS never ran
+        ended = []
+        while len(ended) < 2:
+            assert readable(pool.fd, WAIT_S)
+            ended += pool.take()
+        assert [e.spec for e in ended] == [CHOICE, BAD] and held.started.empty()
+        pool.submit(DIGITS)  # asked again later: compiled
+        held.gate(DIGITS).set()
+        assert held.started.get(timeout=WAIT_S) == DIGITS
+        assert readable(pool.fd, WAIT_S) and [e.spec for e in pool.take()] == [DIGITS]
     finally:
         pool.close()
 

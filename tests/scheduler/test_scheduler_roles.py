@@ -12,7 +12,7 @@ from pushkv import messages as m
 from pushkv.config import DeploymentConfig, InstanceConfig
 from pushkv.scheduler import scheduler_for
 from pushkv.scheduler.decode import DecodeScheduler
-from pushkv.scheduler.outbox import CompileGrammar, Peer, Send
+from pushkv.scheduler.outbox import CancelCompile, CompileGrammar, Peer, Send
 
 P_SRC = m.PrefillSource("p-engine", 2, ("ipc://p0", "ipc://p1"))
 ROUTER_ID = b"router"
@@ -27,6 +27,7 @@ class Wire:
         self.core = core
         self._sent: list[tuple[str, m.Msg]] = []
         self.compiles: list[m.Structured] = []  # the grammars the core asked its shell to compile (CompileGrammar)
+        self.cancelled: list[m.Structured] = []  # and those it no longer asks for (CancelCompile)
 
     @property
     def sent(self) -> list[tuple[str, m.Msg]]:
@@ -35,6 +36,11 @@ class Wire:
                 self._sent.append((str(effect.to), effect.msg))
             elif isinstance(effect, CompileGrammar):
                 self.compiles.append(effect.spec)
+            elif isinstance(effect, CancelCompile):  # a queued compile dropped, as the shell's threads drop it
+                self.cancelled.append(effect.spec)
+                self.compiles.reverse()
+                self.compiles.remove(effect.spec)
+                self.compiles.reverse()
         return self._sent
 
     def compile_asked(self) -> int:
