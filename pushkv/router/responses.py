@@ -4,9 +4,16 @@ fields, and the answer is a ``response`` object whose ``output`` holds the assis
 ``--reasoning-parser``). Streamed, the answer is OpenAI's typed events (``response.created`` ...
 ``response.output_text.delta`` ... ``response.completed``), each with its ``sequence_number``.
 
-Not built, and refused by name with a 400: ``tools`` (use ``/v1/chat/completions``), ``previous_response_id`` and
-``conversation`` (nothing is stored: ``store`` is answered false), ``background``, ``prompt`` (stored prompts),
-``include``, and input items other than messages of text."""
+Function tools as the chat path serves them (``--enable-auto-tool-choice --tool-call-parser``, or a forced
+``tool_choice``): the request's ``tools`` (``{"type": "function", "name", "parameters"}``) and ``tool_choice`` become
+the chat request's, the model's calls come out as ``function_call`` items (streamed: ``response.output_item.added``,
+``response.function_call_arguments.delta`` and ``.done``), and a conversation goes on with ``function_call`` and
+``function_call_output`` input items (an assistant message's tool calls and a tool message).
+
+Not built, and refused by name with a 400: tools other than functions (web search, file search, MCP, ...),
+``previous_response_id`` and ``conversation`` (nothing is stored: ``store`` is answered false), ``background``,
+``prompt`` (stored prompts), ``include``, and input items other than messages of text and function calls and their
+outputs."""
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence
@@ -19,7 +26,6 @@ from pushkv.router.render import ChatRenderer
 SAMPLING = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
             "frequency_penalty", "logit_bias", "stop", "stream", "user")
 NOT_BUILT = {
-    "tools": "function tools are not built for /v1/responses: use /v1/chat/completions with tools",
     "previous_response_id": "responses are not stored, so none can be continued: send the whole input",
     "conversation": "conversations are not stored: send the whole input",
     "background": "background responses are not built",
@@ -51,6 +57,44 @@ def _content(item: dict, i: int) -> str:
     return "".join(texts)
 
 
+def _tools(body: dict) -> list[dict]:
+    """The request's function tools as the chat request's; 400 naming a tool that is no function."""
+    given = body.get("tools")
+    if given in (None, []):
+        return []
+    if not isinstance(given, list):
+        raise api.bad("tools", "tools must be a list")
+    out = []
+    for i, t in enumerate(given):
+        kind = t.get("type") if isinstance(t, dict) else type(t).__name__
+        if kind != "function":
+            raise api.bad("tools", f"tools[{i}].type {kind!r}: only function tools are built")
+        if not isinstance(t.get("name"), str) or not t["name"]:
+            raise api.bad("tools", f"tools[{i}].name must be a non-empty string")
+        fn = {"name": t["name"], **{k: t[k] for k in ("description", "parameters", "strict") if t.get(k) is not None}}
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _tool_choice(body: dict) -> Any:
+    """The request's tool_choice as the chat request's (a named function: ``{"type": "function", "name"}``)."""
+    choice = body.get("tool_choice")
+    if choice is None or isinstance(choice, str):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise api.bad("tool_choice", 'tool_choice must be none, auto, required or {"type": "function", "name": ...}')
+
+
+def _call_item(item: dict, i: int) -> dict:
+    """A ``function_call`` input item: the call as the chat messages' tool_calls carry it."""
+    for k in ("call_id", "name", "arguments"):
+        if not isinstance(item.get(k), str):
+            raise api.bad("input", f"input[{i}].{k} must be a string (a function_call item)")
+    return {"id": item["call_id"], "type": "function",
+            "function": {"name": item["name"], "arguments": item["arguments"]}}
+
+
 def _messages(body: dict) -> list[dict]:
     messages = []
     instructions = body.get("instructions")
@@ -64,9 +108,24 @@ def _messages(body: dict) -> list[dict]:
     if not isinstance(given, list) or not given:
         raise api.bad("input", "input must be a string or a non-empty list of messages")
     for i, item in enumerate(given):
-        if not isinstance(item, dict) or item.get("type", "message") != "message":
-            kind = item.get("type") if isinstance(item, dict) else type(item).__name__
-            raise api.bad("input", f"input[{i}]: only messages are taken, not {kind}")
+        kind = item.get("type", "message") if isinstance(item, dict) else type(item).__name__
+        if kind == "function_call":  # the model's call: one assistant message carries a run of them
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                last["tool_calls"].append(_call_item(item, i))
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [_call_item(item, i)]})
+            continue
+        if kind == "function_call_output":  # what the call returned
+            if not isinstance(item.get("call_id"), str):
+                raise api.bad("input", f"input[{i}].call_id must be a string (a function_call_output item)")
+            out = item.get("output")
+            messages.append({"role": "tool", "tool_call_id": item["call_id"],
+                             "content": out if isinstance(out, str) else _content({"content": out}, i)})
+            continue
+        if kind != "message":
+            raise api.bad("input", f"input[{i}]: only messages, function_call and function_call_output items are "
+                                   f"taken, not {kind}")
         role = ROLES.get(item.get("role", ""))
         if role is None:
             raise api.bad("input", f"input[{i}].role must be one of {sorted(ROLES)}, got {item.get('role')!r}")
@@ -99,6 +158,11 @@ def chat_body(body: dict) -> dict:
     _refuse_unbuilt(body)
     out: dict[str, Any] = {k: body[k] for k in SAMPLING if k in body}
     out["messages"] = _messages(body)
+    tools = _tools(body)
+    if tools:
+        out["tools"] = tools
+    if body.get("tool_choice") is not None:
+        out["tool_choice"] = _tool_choice(body)
     if body.get("max_output_tokens") is not None:
         out["max_tokens"] = body["max_output_tokens"]
     fmt = _response_format(body)
@@ -115,7 +179,9 @@ def echo(body: dict) -> dict:
             # as given; absent, the deployment's default ran (the checkpoint's, else greedy), which null says
             "temperature": body.get("temperature"), "top_p": body.get("top_p"),
             "text": {"format": text.get("format") or {"type": "text"}}, "metadata": body.get("metadata") or {},
-            "user": body.get("user")}
+            "user": body.get("user"), "tools": body.get("tools") or [],
+            "tool_choice": body.get("tool_choice") or ("auto" if body.get("tools") else "none"),
+            "parallel_tool_calls": body.get("parallel_tool_calls", True)}
 
 
 def usage(chat_usage: dict) -> dict:
@@ -123,7 +189,9 @@ def usage(chat_usage: dict) -> dict:
     out = {"input_tokens": chat_usage["prompt_tokens"], "output_tokens": chat_usage["completion_tokens"],
            "total_tokens": chat_usage["total_tokens"], "output_tokens_details": {"reasoning_tokens": 0}}
     details = chat_usage.get("prompt_tokens_details")
-    out["input_tokens_details"] = {"cached_tokens": details["cached_tokens"] if details else 0}
+    # (cache_write_tokens: what the openai package's types ask for; nothing is written to a cache but the prefix's)
+    out["input_tokens_details"] = {"cached_tokens": details["cached_tokens"] if details else 0,
+                                   "cache_write_tokens": 0}
     return out
 
 
@@ -131,7 +199,7 @@ def response(rid: str, created: int, model: str, settings: dict, output: list[di
              usage_: Optional[dict], incomplete: Optional[str] = None, error: Optional[dict] = None) -> dict:
     return {"id": rid, "object": "response", "created_at": created, "status": status, "model": model,
             "output": output, "usage": usage_, "error": error,
-            "incomplete_details": {"reason": incomplete} if incomplete else None, "parallel_tool_calls": False,
+            "incomplete_details": {"reason": incomplete} if incomplete else None, "parallel_tool_calls": True,
             "tool_choice": "none", "tools": [], "previous_response_id": None, "store": False, "truncation": "disabled",
             "reasoning": None, **settings}
 
@@ -144,6 +212,14 @@ def message_item(rid: str, text: str, status: str = "completed") -> dict:
 def reasoning_item(rid: str, text: str) -> dict:
     return {"type": "reasoning", "id": f"rs_{rid}", "summary": [],
             "content": [{"type": "reasoning_text", "text": text}], "status": "completed"}
+
+
+def call_item(rid: str, n: int, call: dict, status: str = "completed") -> dict:
+    """The model's n-th call of a response (a chat tool call) as a ``function_call`` output item."""
+    fn = call.get("function") or {}
+    return {"type": "function_call", "id": f"fc_{rid}_{n}", "call_id": call.get("id") or f"call_{rid}_{n}",
+            "name": fn.get("name", ""), "arguments": fn.get("arguments", "") if status == "completed" else "",
+            "status": status}
 
 
 def output_text(text: str) -> dict:
@@ -178,7 +254,10 @@ class ResponsesRenderer(ChatRenderer):
         message = self.choice(out)["message"]  # the chat choice's content, and its reasoning apart where parsed
         thought = message.get("reasoning_content")
         items = [reasoning_item(rid, thought)] if thought else []
-        items.append(message_item(rid, message["content"] or ""))
+        calls = message.get("tool_calls") or []
+        if message["content"] or not calls:
+            items.append(message_item(rid, message["content"] or ""))
+        items += [call_item(rid, n, c) for n, c in enumerate(calls)]
         status, incomplete = status_of(out.finish_reason)
         return {**response(rid, created, model, self.settings, items, status, usage(usage_), incomplete),
                 "pushkv": extension}
@@ -195,6 +274,7 @@ class ResponseEvents:
         self.items: list[dict] = []  # closed ones, in order
         self.open: Optional[str] = None  # "reasoning" or "message"
         self.text = ""
+        self.calls = 0
 
     def _ev(self, kind: str, **fields: Any) -> tuple[str, dict]:
         ev = {"type": kind, "sequence_number": self.seq, **fields}
@@ -255,13 +335,31 @@ class ResponseEvents:
                                 delta=text, **extra))
         return evs
 
+    def _call(self, call: dict) -> list[tuple[str, dict]]:
+        """A call the model made (the chat stream gives each whole): its item added, its arguments, and done."""
+        evs = self._close()
+        idx, item = len(self.items), call_item(self.rid, self.calls, call)
+        self.calls += 1
+        evs.append(self._ev("response.output_item.added", output_index=idx,
+                            item=call_item(self.rid, self.calls - 1, call, "in_progress")))
+        evs.append(self._ev("response.function_call_arguments.delta", item_id=item["id"], output_index=idx,
+                            delta=item["arguments"]))
+        evs.append(self._ev("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
+                            arguments=item["arguments"]))
+        evs.append(self._ev("response.output_item.done", output_index=idx, item=item))
+        self.items.append(item)
+        return evs
+
     def delta(self, delta: Delta) -> list[tuple[str, dict]]:
         final = bool(delta.finish_reason)
-        d = self.render.chunk_choice(0, delta)["delta"]  # the chat chunk's content, and its reasoning apart
+        d = self.render.chunk_choice(0, delta)["delta"]  # the chat chunk's content, its reasoning and calls apart
         thought, text = d.get("reasoning_content", ""), d.get("content", "")
         evs = self._feed("reasoning", thought) if thought else []
-        if text or (final and self.open != "message" and not any(i["type"] == "message" for i in self.items)):
+        if text or (final and self.open != "message" and not self.calls
+                    and not any(i["type"] == "message" for i in self.items)):
             evs += self._feed("message", text)
+        for call in d.get("tool_calls", ()):
+            evs += self._call(call)
         return evs
 
     def finish(self, finish_reason: Optional[str], usage_: dict, extension: dict) -> list[tuple[str, dict]]:

@@ -86,11 +86,14 @@ def test_a_json_schema_format_holds_the_output(tmp_path):
 
 
 @pytest.mark.parametrize("field, value, says", [
-    ("tools", [{"type": "function", "name": "f", "parameters": {}}], "/v1/chat/completions"),
+    ("tools", [{"type": "web_search_preview"}], "only function tools"),
+    ("tools", [{"type": "function", "parameters": {}}], "name must be"),
+    ("tool_choice", {"type": "function", "function": {"name": "f"}}, "tool_choice must be"),
     ("previous_response_id", "resp_1", "not stored"),
     ("background", True, "not built"),
     ("include", ["message.output_text.logprobs"], "not built"),
-    ("input", [{"type": "function_call_output", "call_id": "c", "output": "x"}], "only messages"),
+    ("input", [{"type": "web_search_call", "id": "w"}], "only messages, function_call"),
+    ("input", [{"type": "function_call", "name": "f", "arguments": "{}"}], "call_id must be a string"),
     ("input", [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}], "only text parts"),
     ("input", [], "non-empty"),
     ("text", {"format": {"type": "grammar"}}, "json_schema"),
@@ -133,3 +136,87 @@ def test_reasoning_comes_as_its_own_item_before_the_message(tmp_path):
             assert [e["output_index"] for e in events if e["type"] == "response.output_item.done"] == [0, 1]
 
     asyncio.run(asyncio.wait_for(body(), 25))
+
+
+TOOL_TEMPLATE = (
+    "{% if tools %}[tools]{% for t in tools %}{{ t.function.name }};{% endfor %}{% endif %}"
+    "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] or '' }}"
+    "{% for c in m.tool_calls or [] %}<call {{ c.id }}>{{ c.function.name }}{{ c.function.arguments | tojson }}</call>{% endfor %}"
+    "{% if m.tool_call_id %}<for {{ m.tool_call_id }}>{% endif %}{% endfor %}")
+WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+CALLS = 'Looking.<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+
+
+def _tools_run(tmp_path, said: str, fn):
+    out = list(said.encode())
+
+    def script(g):
+        return [(None, tokens(g, out[:20], False, "", (stage("scheduled"),))),
+                (None, tokens(g, out[20:], True, "stop", (stage("finished"),)))]
+
+    async def body():
+        cfg = make_cfg(tmp_path, "local", chat_template=TOOL_TEMPLATE, tool_call_parser="hermes")
+        async with Harness(cfg, {"local": script}) as h:
+            await fn(h)
+    asyncio.run(asyncio.wait_for(body(), 25))
+
+
+def test_function_tools_give_function_call_items_whole_and_streamed(tmp_path):
+    """The model's hermes call comes out as a ``function_call`` item after its text, and OpenAI's types take the
+    response and every streamed event (the ``openai`` package's own models)."""
+    openai_types = pytest.importorskip("openai.types.responses")
+    from pydantic import TypeAdapter
+
+    async def fn(h):
+        req = {"model": "tiny", "input": "Weather in Oslo?", "tools": [WEATHER]}
+        got = await (await h.http.post("/v1/responses", json=req)).json()
+        [g] = h.log.received("local", m.Generate)
+        assert bytes(g.prompt_token_ids).decode() == "[tools]get_weather;[user]Weather in Oslo?"
+        assert [i["type"] for i in got["output"]] == ["message", "function_call"], got["output"]
+        call = got["output"][1]
+        assert (call["name"], json.loads(call["arguments"]), call["status"]) == ("get_weather", {"city": "Oslo"},
+                                                                                 "completed")
+        assert call["call_id"] and got["output"][0]["content"][0]["text"] == "Looking."
+        assert got["tools"] == [WEATHER] and got["tool_choice"] == "auto" and got["status"] == "completed"
+        openai_types.Response.model_validate({k: v for k, v in got.items() if k != "pushkv"})
+        raw = await (await h.http.post("/v1/responses", json=dict(req, stream=True))).text()
+        events = [json.loads(blk.split("\n")[1][len("data: "):]) for blk in raw.strip().split("\n\n")]
+        adapter = TypeAdapter(openai_types.ResponseStreamEvent)
+        for e in events:
+            adapter.validate_python(e)
+        kinds = [e["type"] for e in events]
+        at = kinds.index("response.function_call_arguments.delta")
+        assert kinds[at - 1:at + 3] == ["response.output_item.added", "response.function_call_arguments.delta",
+                                        "response.function_call_arguments.done", "response.output_item.done"]
+        assert kinds.index("response.output_text.done") < at  # the text's item closed before the call's opened
+        done = events[at + 1]
+        assert json.loads(done["arguments"]) == {"city": "Oslo"} and done["output_index"] == 1
+        final = events[-1]["response"]
+        assert final["output"][1]["call_id"] and [i["type"] for i in final["output"]] == ["message", "function_call"]
+
+    _tools_run(tmp_path, CALLS, fn)
+
+
+def test_a_conversation_goes_on_with_the_call_and_its_output_and_a_named_choice_forces_it(tmp_path):
+    async def fn(h):
+        req = {"model": "tiny", "tools": [WEATHER], "input": [
+            {"role": "user", "content": "Weather in Oslo?"},
+            {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
+            {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": '{"city": "Bergen"}'},
+            {"type": "function_call_output", "call_id": "c1", "output": "4 C"},
+            {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "9 C"}]}]}
+        r = await h.http.post("/v1/responses", json=req)
+        assert r.status == 200, await r.text()
+        [g] = h.log.received("local", m.Generate)
+        assert bytes(g.prompt_token_ids).decode() == (
+            '[tools]get_weather;[user]Weather in Oslo?[assistant]<call c1>get_weather{"city": "Oslo"}</call>'
+            '<call c2>get_weather{"city": "Bergen"}</call>[tool]4 C<for c1>[tool]9 C<for c2>')
+        # a named function: the output held to its arguments' schema (the fake ignores the mask)
+        forced = dict(req, input="Weather?", tool_choice={"type": "function", "name": "get_weather"})
+        got = await (await h.http.post("/v1/responses", json=forced)).json()
+        spec = h.log.received("local", m.Generate)[-1].structured
+        assert spec is not None and spec.kind == "json", spec
+        assert got["tool_choice"] == {"type": "function", "name": "get_weather"}
+
+    _tools_run(tmp_path, '{"city": "Oslo"}', fn)
