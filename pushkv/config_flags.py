@@ -278,7 +278,7 @@ def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = 
     )
     tls.server_context(cfg)  # a key, certificate or CA file that does not load is refused now, naming it
     if cfg.uds:
-        uds.check_path(cfg.uds)  # a path too long, in no directory, or on a file that is no socket: refused now
+        uds.check_free(cfg.uds)  # too long, in no directory, on a file that is no socket or a live one: refused now
     return _pool_sizes(cfg, flags)
 
 

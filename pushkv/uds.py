@@ -49,21 +49,31 @@ def check_path(path: str) -> None:
                          "path")
 
 
-def claim(path: str) -> None:
-    """Before binding: a socket file left by a router that is gone is removed; one that a live process accepts on
-    is refused (binding over it would take another deployment's clients)."""
-    check_path(path)
-    if not os.path.lexists(path):
-        return
+def _live(path: str) -> bool:
+    """Whether a process accepts on the socket file at ``path``."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         s.connect(path)
     except (ConnectionRefusedError, FileNotFoundError):
-        os.unlink(path)  # stale: nothing accepts on it
-        return
+        return False
     finally:
         s.close()
-    raise ValueError(f"--uds {path}: another process is serving on that socket")
+    return True
+
+
+def check_free(path: str) -> None:
+    """``check_path``, and no live process on the socket: what ``pushkv up`` checks before anything starts."""
+    check_path(path)
+    if os.path.lexists(path) and _live(path):
+        raise ValueError(f"--uds {path}: another process is serving on that socket")
+
+
+def claim(path: str) -> None:
+    """Before binding: a socket file left by a router that is gone is removed; one that a live process accepts on
+    is refused (binding over it would take another deployment's clients)."""
+    check_free(path)
+    if os.path.lexists(path):
+        os.unlink(path)  # stale: nothing accepts on it
 
 
 def release(path: str, inode: int) -> None:
