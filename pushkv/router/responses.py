@@ -96,7 +96,7 @@ def _call_item(item: dict, i: int) -> dict:
 
 
 def _messages(body: dict) -> list[dict]:
-    messages = []
+    messages: list[dict[str, Any]] = []
     instructions = body.get("instructions")
     if instructions is not None:
         if not isinstance(instructions, str):
