@@ -10,10 +10,14 @@ the chat request's, the model's calls come out as ``function_call`` items (strea
 ``response.function_call_arguments.delta`` and ``.done``), and a conversation goes on with ``function_call`` and
 ``function_call_output`` input items (an assistant message's tool calls and a tool message).
 
+``include: ["message.output_text.logprobs"]`` (or ``top_logprobs`` > 0) gives the output text's logprobs, each token's
+with its ``top_logprobs`` alternatives, as chat's ``logprobs`` (with ``--reasoning-parser`` they are the whole
+output's, the reasoning's tokens too, as the chat choice's are).
+
 Not built, and refused by name with a 400: tools other than functions (web search, file search, MCP, ...),
 ``previous_response_id`` and ``conversation`` (nothing is stored: ``store`` is answered false), ``background``,
-``prompt`` (stored prompts), ``include``, and input items other than messages of text and function calls and their
-outputs."""
+``prompt`` (stored prompts), ``include`` of anything but the logprobs, and input items other than messages of text
+and function calls and their outputs."""
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence
@@ -30,8 +34,8 @@ NOT_BUILT = {
     "conversation": "conversations are not stored: send the whole input",
     "background": "background responses are not built",
     "prompt": "stored prompts are not built: send the input",
-    "include": "include is not built: the output is the message's text",
 }
+LOGPROBS = "message.output_text.logprobs"  # the one ``include`` built
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -55,6 +59,23 @@ def _content(item: dict, i: int) -> str:
             raise api.bad("input", f"input[{i}].content[{j}]: only text parts ({', '.join(TEXT_PARTS)}) are taken")
         texts.append(part["text"])
     return "".join(texts)
+
+
+def _logprobs(body: dict) -> Optional[int]:
+    """The top logprobs a token the request asks for (0: the chosen token's only), or None: no logprobs."""
+    include = body.get("include")
+    if include is not None:
+        if not isinstance(include, list) or not all(isinstance(x, str) for x in include):
+            raise api.bad("include", "include must be a list of strings")
+        for x in include:
+            if x != LOGPROBS:
+                raise api.bad("include", f"include {x!r} is not built: only {LOGPROBS!r}")
+    top = body.get("top_logprobs")
+    if top is not None and (not isinstance(top, int) or isinstance(top, bool)):
+        raise api.bad("top_logprobs", "top_logprobs must be an integer")
+    if include or (top or 0) > 0:
+        return top or 0
+    return None
 
 
 def _tools(body: dict) -> list[dict]:
@@ -163,6 +184,9 @@ def chat_body(body: dict) -> dict:
         out["tools"] = tools
     if body.get("tool_choice") is not None:
         out["tool_choice"] = _tool_choice(body)
+    top = _logprobs(body)
+    if top is not None:
+        out["logprobs"], out["top_logprobs"] = True, top
     if body.get("max_output_tokens") is not None:
         out["max_tokens"] = body["max_output_tokens"]
     fmt = _response_format(body)
@@ -179,7 +203,7 @@ def echo(body: dict) -> dict:
             # as given; absent, the deployment's default ran (the checkpoint's, else greedy), which null says
             "temperature": body.get("temperature"), "top_p": body.get("top_p"),
             "text": {"format": text.get("format") or {"type": "text"}}, "metadata": body.get("metadata") or {},
-            "user": body.get("user"), "tools": body.get("tools") or [],
+            "user": body.get("user"), "tools": body.get("tools") or [], "top_logprobs": body.get("top_logprobs"),
             "tool_choice": body.get("tool_choice") or ("auto" if body.get("tools") else "none"),
             "parallel_tool_calls": body.get("parallel_tool_calls", True)}
 
@@ -204,9 +228,9 @@ def response(rid: str, created: int, model: str, settings: dict, output: list[di
             "reasoning": None, **settings}
 
 
-def message_item(rid: str, text: str, status: str = "completed") -> dict:
+def message_item(rid: str, text: str, status: str = "completed", logprobs: Optional[list] = None) -> dict:
     return {"type": "message", "id": f"msg_{rid}", "status": status, "role": "assistant",
-            "content": [output_text(text)] if status == "completed" else []}
+            "content": [output_text(text, logprobs)] if status == "completed" else []}
 
 
 def reasoning_item(rid: str, text: str) -> dict:
@@ -222,8 +246,8 @@ def call_item(rid: str, n: int, call: dict, status: str = "completed") -> dict:
             "status": status}
 
 
-def output_text(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": []}
+def output_text(text: str, logprobs: Optional[list] = None) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], **({"logprobs": logprobs} if logprobs else {})}
 
 
 def status_of(finish_reason: Optional[str]) -> tuple[str, Optional[str]]:
@@ -251,12 +275,14 @@ class ResponsesRenderer(ChatRenderer):
     def unary_body(self, rid: str, created: int, model: str, outs: Sequence[ChoiceOutput], usage_: dict,
                    extension: dict) -> dict:
         out = outs[0]
-        message = self.choice(out)["message"]  # the chat choice's content, and its reasoning apart where parsed
+        choice = self.choice(out)
+        message = choice["message"]  # the chat choice's content, and its reasoning apart where parsed
+        logprobs = (choice.get("logprobs") or {}).get("content")
         thought = message.get("reasoning_content")
         items = [reasoning_item(rid, thought)] if thought else []
         calls = message.get("tool_calls") or []
         if message["content"] or not calls:
-            items.append(message_item(rid, message["content"] or ""))
+            items.append(message_item(rid, message["content"] or "", logprobs=logprobs))
         items += [call_item(rid, n, c) for n, c in enumerate(calls)]
         status, incomplete = status_of(out.finish_reason)
         return {**response(rid, created, model, self.settings, items, status, usage(usage_), incomplete),
@@ -275,6 +301,8 @@ class ResponseEvents:
         self.open: Optional[str] = None  # "reasoning" or "message"
         self.text = ""
         self.calls = 0
+        self.logprobs: list[dict] = []  # the open message's, so far
+        self.pending: list[dict] = []  # tokens' logprobs whose text has not gone out yet
 
     def _ev(self, kind: str, **fields: Any) -> tuple[str, dict]:
         ev = {"type": kind, "sequence_number": self.seq, **fields}
@@ -302,11 +330,12 @@ class ResponseEvents:
             evs = [self._ev("response.reasoning_text.done", item_id=iid, output_index=idx, content_index=0,
                             text=text)]
         else:
-            item = message_item(self.rid, text)
+            lps, self.logprobs, self.pending = self.logprobs + self.pending, [], []
+            item = message_item(self.rid, text, logprobs=lps)
             evs = [self._ev("response.output_text.done", item_id=iid, output_index=idx, content_index=0, text=text,
-                            logprobs=[]),
+                            logprobs=lps),
                    self._ev("response.content_part.done", item_id=iid, output_index=idx, content_index=0,
-                            part=output_text(text))]
+                            part=output_text(text, lps))]
         evs.append(self._ev("response.output_item.done", output_index=idx, item=item))
         self.items.append(item)
         self.open, self.text = None, ""
@@ -330,7 +359,10 @@ class ResponseEvents:
         if text:
             self.text += text
             kind_ev = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-            extra: dict = {} if kind == "reasoning" else {"logprobs": []}
+            extra: dict = {}
+            if kind == "message":  # the logprobs of the tokens whose text this is (and of any held back before it)
+                extra["logprobs"], self.pending = self.pending, []
+                self.logprobs += extra["logprobs"]
             evs.append(self._ev(kind_ev, item_id=self._item_id(), output_index=len(self.items), content_index=0,
                                 delta=text, **extra))
         return evs
@@ -352,7 +384,9 @@ class ResponseEvents:
 
     def delta(self, delta: Delta) -> list[tuple[str, dict]]:
         final = bool(delta.finish_reason)
-        d = self.render.chunk_choice(0, delta)["delta"]  # the chat chunk's content, its reasoning and calls apart
+        chunk = self.render.chunk_choice(0, delta)
+        d = chunk["delta"]  # the chat chunk's content, its reasoning and calls apart
+        self.pending += (chunk.get("logprobs") or {}).get("content") or []
         thought, text = d.get("reasoning_content", ""), d.get("content", "")
         evs = self._feed("reasoning", thought) if thought else []
         if text or (final and self.open != "message" and not self.calls

@@ -4,6 +4,8 @@ stream, and the fields not built refused by name."""
 import asyncio
 import json
 
+import msgspec
+
 import pytest
 
 from pushkv import messages as m
@@ -91,7 +93,8 @@ def test_a_json_schema_format_holds_the_output(tmp_path):
     ("tool_choice", {"type": "function", "function": {"name": "f"}}, "tool_choice must be"),
     ("previous_response_id", "resp_1", "not stored"),
     ("background", True, "not built"),
-    ("include", ["message.output_text.logprobs"], "not built"),
+    ("include", ["reasoning.encrypted_content"], "not built"),
+    ("top_logprobs", "3", "must be an integer"),
     ("input", [{"type": "web_search_call", "id": "w"}], "only messages, function_call"),
     ("input", [{"type": "function_call", "name": "f", "arguments": "{}"}], "call_id must be a string"),
     ("input", [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}], "only text parts"),
@@ -220,3 +223,44 @@ def test_a_conversation_goes_on_with_the_call_and_its_output_and_a_named_choice_
         assert got["tool_choice"] == {"type": "function", "name": "get_weather"}
 
     _tools_run(tmp_path, '{"city": "Oslo"}', fn)
+
+
+def test_the_output_texts_logprobs_whole_and_streamed_when_included(tmp_path):
+    """``include: ["message.output_text.logprobs"]`` with ``top_logprobs``: each token's logprob and alternatives on
+    the output text, whole and on the streamed deltas and the done event, in the openai package's own types."""
+    openai_types = pytest.importorskip("openai.types.responses")
+    from pydantic import TypeAdapter
+
+    lp = [m.TokenLogprob(-0.25, (72, 73), (-0.25, -2.0)), m.TokenLogprob(-0.5, (105, 106), (-0.5, -1.5))]
+
+    def script(g):
+        first = tokens(g, [72], False, "", (stage("scheduled"),))
+        last = tokens(g, [105], True, "stop", (stage("finished"),))
+        return [(None, msgspec.structs.replace(first, logprobs=tuple(lp[:1]))),
+                (None, msgspec.structs.replace(last, logprobs=tuple(lp[1:])))]
+
+    async def body():
+        async with Harness(make_cfg(tmp_path, "local", chat_template=TEMPLATE), {"local": script}) as h:
+            req = {"model": "tiny", "input": "Hey", "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+            got = await (await h.http.post("/v1/responses", json=req)).json()
+            [g] = h.log.received("local", m.Generate)
+            assert g.sampling is not None and g.sampling.logprobs == 2
+            part = got["output"][0]["content"][0]
+            assert [(x["token"], x["logprob"]) for x in part["logprobs"]] == [("H", -0.25), ("i", -0.5)]
+            assert [t["token"] for t in part["logprobs"][0]["top_logprobs"]] == ["H", "I"]
+            assert got["top_logprobs"] == 2
+            openai_types.Response.model_validate({k: v for k, v in got.items() if k != "pushkv"})
+            raw = await (await h.http.post("/v1/responses", json=dict(req, stream=True))).text()
+            events = [json.loads(blk.split("\n")[1][len("data: "):]) for blk in raw.strip().split("\n\n")]
+            adapter = TypeAdapter(openai_types.ResponseStreamEvent)
+            for e in events:
+                adapter.validate_python(e)
+            deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+            assert [[x["token"] for x in e["logprobs"]] for e in deltas] == [["H"], ["i"]]
+            done = next(e for e in events if e["type"] == "response.output_text.done")
+            assert [x["logprob"] for x in done["logprobs"]] == [-0.25, -0.5]
+            # not asked: none
+            plain = await (await h.http.post("/v1/responses", json={"model": "tiny", "input": "Hey"})).json()
+            assert "logprobs" not in plain["output"][0]["content"][0]
+
+    asyncio.run(asyncio.wait_for(body(), 25))
