@@ -47,6 +47,8 @@ _VARS = (
     Var("PUSHKV_WARM_GRAMMARS", bool, True, "the router loads xgrammar on a parse thread once it is ready, so the "
         "first structured-output request's check does not wait ~1.5 s for it; 0: loaded by that first request "
         "(the tests' deployments, which start many routers on two cores)"),
+    Var("PUSHKV_RESPONSES_STORE", int, 1024, "the router keeps this many /v1/responses answers (the latest, within "
+        "64 MiB) for previous_response_id and GET /v1/responses/ID, as OpenAI's store; 0: none kept"),
     # set by the supervisor for each child
     Var("PUSHKV_NAME", str, "", "the process's name (`prefill-writer-0`)", INTERNAL),
     Var("PUSHKV_DEPLOYMENT_ID", str, "", "the deployment the process belongs to", INTERNAL),
@@ -120,6 +122,7 @@ if TYPE_CHECKING:  # what ``envs.NAME`` returns, for mypy (tests/tools/test_envs
     PUSHKV_SECRET_FILE: str
     PUSHKV_LOG: str
     PUSHKV_WARM_GRAMMARS: bool
+    PUSHKV_RESPONSES_STORE: int
     PUSHKV_NAME: str
     PUSHKV_DEPLOYMENT_ID: str
     PUSHKV_HOST: str

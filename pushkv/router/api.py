@@ -107,6 +107,8 @@ class CompletionParams:
     return_tokens_as_token_ids: bool = False  # vLLM's: a logprob's token written "token_id:N" (render.TokenIds)
     # /v1/responses (router/responses.py): the request's settings its response object repeats; None: another route
     responses: Optional[dict] = None
+    # /v1/responses with store: called with the finished response object, to keep it (responses.Store)
+    keep_response: Optional[Callable[[dict], None]] = None
     # completions' prompt as a batch of several: each prompt (ids, text) with its own n choices, choice
     # p * n + c being prompt p's c-th; empty: the one prompt above
     batch: list[tuple[list[int], str]] = field(default_factory=list)

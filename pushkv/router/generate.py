@@ -171,8 +171,11 @@ class Generation:
         if not all(o.done for o in self.outs):
             raise RuntimeError("request run ended without an outcome")
         if isinstance(self.render, responses.ResponsesRenderer):
-            return web.json_response(self.render.unary_body(self.request_id, self.created, self.model, self.outs,
-                                                            self._usage(), self._extension()))
+            answer = self.render.unary_body(self.request_id, self.created, self.model, self.outs, self._usage(),
+                                            self._extension())
+            if self.params.keep_response is not None:  # stored (responses.Store): without pushkv's extension
+                self.params.keep_response({k: v for k, v in answer.items() if k != "pushkv"})
+            return web.json_response(answer)
         choices = [self.render.choice(o) for o in self.outs]
         body = self.render.body(self.request_id, self.created, self.model, choices, False, self._usage(),
                                 self._extension())
@@ -232,6 +235,8 @@ class Generation:
                 await resp.write(output.sse_event(kind, body))
             if delta.finish_reason:
                 for kind, body in events.finish(delta.finish_reason, self._usage(), self._extension()):
+                    if kind in ("response.completed", "response.incomplete") and self.params.keep_response:
+                        self.params.keep_response({k: v for k, v in body["response"].items() if k != "pushkv"})
                     await resp.write(output.sse_event(kind, body))
 
     async def _chunks(self, resp: web.StreamResponse, fan: Fanout) -> None:

@@ -14,12 +14,20 @@ the chat request's, the model's calls come out as ``function_call`` items (strea
 with its ``top_logprobs`` alternatives, as chat's ``logprobs`` (with ``--reasoning-parser`` they are the whole
 output's, the reasoning's tokens too, as the chat choice's are).
 
+Stored responses, as OpenAI's ``store`` (``Store``): the router keeps the latest ``PUSHKV_RESPONSES_STORE`` (1,024,
+within 64 MiB; in its memory, so a router restart forgets them) finished responses of requests that did not say
+``store: false``, with the conversation that led to each. ``previous_response_id`` continues one: its conversation and
+output come before the new input (its ``instructions`` do not, as OpenAI's). ``GET /v1/responses/ID`` answers a kept
+one and ``DELETE`` forgets it; an unknown id is a 404.
+
 Not built, and refused by name with a 400: tools other than functions (web search, file search, MCP, ...),
-``previous_response_id`` and ``conversation`` (nothing is stored: ``store`` is answered false), ``background``,
-``prompt`` (stored prompts), ``include`` of anything but the logprobs, and input items other than messages of text
-and function calls and their outputs."""
+``conversation`` (conversation objects), ``background``, ``prompt`` (stored prompts), ``include`` of anything but the
+logprobs, and input items other than messages of text and function calls and their outputs."""
 from __future__ import annotations
 
+import json
+import threading
+from collections import OrderedDict
 from typing import Any, Optional, Sequence
 
 from pushkv.router import api
@@ -30,8 +38,7 @@ from pushkv.router.render import ChatRenderer
 SAMPLING = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
             "frequency_penalty", "logit_bias", "stop", "stream", "user")
 NOT_BUILT = {
-    "previous_response_id": "responses are not stored, so none can be continued: send the whole input",
-    "conversation": "conversations are not stored: send the whole input",
+    "conversation": "conversation objects are not built: send the input, or previous_response_id",
     "background": "background responses are not built",
     "prompt": "stored prompts are not built: send the input",
 }
@@ -116,16 +123,82 @@ def _call_item(item: dict, i: int) -> dict:
             "function": {"name": item["name"], "arguments": item["arguments"]}}
 
 
-def _messages(body: dict) -> list[dict]:
-    messages: list[dict[str, Any]] = []
+class Store:
+    """The finished responses kept for ``previous_response_id`` and ``GET /v1/responses/ID``: the latest ``limit``
+    within ``max_bytes`` (their JSON), each with the chat messages that led to it; the oldest go first. Shared by
+    the parse threads (which read it) and the event loop (which keeps): a lock."""
+
+    def __init__(self, limit: int, max_bytes: int = 64 << 20):
+        self.limit, self.max_bytes = limit, max_bytes
+        self._kept: OrderedDict[str, tuple[dict, list[dict], int]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def keep(self, response_: dict, conversation: list[dict]) -> None:
+        """A finished response and the conversation (its input's messages, instructions left out) it answered."""
+        size = len(json.dumps(response_)) + len(json.dumps(conversation))
+        if not self.limit or size > self.max_bytes:
+            return
+        with self._lock:
+            old = self._kept.pop(response_["id"], None)
+            self._bytes -= old[2] if old else 0
+            self._kept[response_["id"]] = (response_, conversation, size)
+            self._bytes += size
+            while len(self._kept) > self.limit or self._bytes > self.max_bytes:
+                self._bytes -= self._kept.popitem(last=False)[1][2]
+
+    def get(self, rid: str) -> Optional[dict]:
+        with self._lock:
+            got = self._kept.get(rid)
+        return got[0] if got else None
+
+    def delete(self, rid: str) -> bool:
+        with self._lock:
+            got = self._kept.pop(rid, None)
+            self._bytes -= got[2] if got else 0
+        return got is not None
+
+    def conversation(self, rid: str) -> list[dict]:
+        """The chat messages that continue response ``rid``: its conversation, then its output (the message's text
+        and the calls it made; its reasoning is left out, as chat templates leave it); 404 where it is not kept."""
+        with self._lock:
+            got = self._kept.get(rid)
+        if got is None:
+            raise api.ApiError(404, f"previous_response_id {rid!r}: no such response is kept (they are kept in the "
+                                    "router's memory, the latest ones; store: false keeps none)",
+                               param="previous_response_id")
+        response_, before, _ = got
+        out = list(before)
+        calls = []
+        for item in response_.get("output", ()):
+            if item.get("type") == "message":
+                out.append({"role": "assistant", "content": "".join(p.get("text", "") for p in item["content"])})
+            elif item.get("type") == "function_call":
+                calls.append({"id": item["call_id"], "type": "function",
+                              "function": {"name": item["name"], "arguments": item["arguments"]}})
+        if calls:
+            if out and out[-1]["role"] == "assistant" and "tool_calls" not in out[-1]:
+                out[-1] = {**out[-1], "tool_calls": calls}
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": calls})
+        return out
+
+
+def _instructions(body: dict) -> list[dict]:
     instructions = body.get("instructions")
-    if instructions is not None:
-        if not isinstance(instructions, str):
-            raise api.bad("instructions", "instructions must be a string")
-        messages.append({"role": "system", "content": instructions})
+    if instructions is None:
+        return []
+    if not isinstance(instructions, str):
+        raise api.bad("instructions", "instructions must be a string")
+    return [{"role": "system", "content": instructions}]
+
+
+def _messages(body: dict) -> list[dict]:
+    """The input's messages (the instructions apart)."""
+    messages: list[dict[str, Any]] = []
     given = body.get("input")
     if isinstance(given, str):
-        return messages + [{"role": "user", "content": given}]
+        return [{"role": "user", "content": given}]
     if not isinstance(given, list) or not given:
         raise api.bad("input", "input must be a string or a non-empty list of messages")
     for i, item in enumerate(given):
@@ -174,11 +247,28 @@ def _response_format(body: dict) -> Optional[dict]:
     raise api.bad("text", f"text.format.type must be text, json_object or json_schema, got {kind!r}")
 
 
-def chat_body(body: dict) -> dict:
-    """The chat completion request a Responses request stands for; ApiError (400) naming a field not built here."""
+def conversation(body: dict, store: Optional[Store] = None) -> list[dict]:
+    """The messages a request answers, its instructions left out: those of its ``previous_response_id`` (from
+    ``store``), then its input's."""
+    prev = body.get("previous_response_id")
+    if prev is None:
+        return _messages(body)
+    if not isinstance(prev, str):
+        raise api.bad("previous_response_id", "previous_response_id must be a string")
+    if store is None:
+        raise api.ApiError(404, f"previous_response_id {prev!r}: this router keeps no responses "
+                                "(PUSHKV_RESPONSES_STORE=0)", param="previous_response_id")
+    return store.conversation(prev) + _messages(body)
+
+
+def chat_body(body: dict, store: Optional[Store] = None, conv: Optional[list[dict]] = None) -> dict:
+    """The chat completion request a Responses request stands for (``conv``: its ``conversation``, where the caller
+    has it); ApiError (400) naming a field not built here."""
     _refuse_unbuilt(body)
+    if body.get("store") is not None and not isinstance(body["store"], bool):
+        raise api.bad("store", "store must be true or false")
     out: dict[str, Any] = {k: body[k] for k in SAMPLING if k in body}
-    out["messages"] = _messages(body)
+    out["messages"] = _instructions(body) + (conversation(body, store) if conv is None else conv)
     tools = _tools(body)
     if tools:
         out["tools"] = tools
@@ -205,7 +295,8 @@ def echo(body: dict) -> dict:
             "text": {"format": text.get("format") or {"type": "text"}}, "metadata": body.get("metadata") or {},
             "user": body.get("user"), "tools": body.get("tools") or [], "top_logprobs": body.get("top_logprobs"),
             "tool_choice": body.get("tool_choice") or ("auto" if body.get("tools") else "none"),
-            "parallel_tool_calls": body.get("parallel_tool_calls", True)}
+            "parallel_tool_calls": body.get("parallel_tool_calls", True),
+            "previous_response_id": body.get("previous_response_id"), "store": False}
 
 
 def usage(chat_usage: dict) -> dict:

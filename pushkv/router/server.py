@@ -80,6 +80,9 @@ class Router:
         )
         self.served = cfg.served_names()  # what a request's "model" may name
         self.load = 0  # HTTP generation requests in flight (vLLM's server load, GET /load)
+        # /v1/responses answers kept for previous_response_id and GET /v1/responses/ID (router/responses.py)
+        kept = envs.PUSHKV_RESPONSES_STORE
+        self.responses_store: Optional[responses.Store] = responses.Store(kept) if kept > 0 else None
         # a request's parse (chat template, tokenizing, a structured-output grammar's check) runs here, not on the
         # event loop, so a long prompt or a large JSON schema holds no other request's stream
         self._parse_pool = ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="router-parse")
@@ -127,6 +130,8 @@ class Router:
             ("POST", "/v1/completions", self.handle_completions),
             ("POST", "/v1/chat/completions", self.handle_chat),
             ("POST", "/v1/responses", self.handle_responses),
+            ("GET", "/v1/responses/{response_id}", self.handle_response_get),
+            ("DELETE", "/v1/responses/{response_id}", self.handle_response_delete),
             ("GET", "/v1/models", self.handle_models),
             ("GET", "/health", self.handle_health),
             ("GET", "/metrics", self.handle_metrics),
@@ -418,10 +423,31 @@ class Router:
         return await self._generate(request, "responses")
 
     def _response_request(self, body: dict) -> api.CompletionParams:
-        """A /v1/responses body's request: its chat request parsed as /v1/chat/completions parses one."""
-        params = self._parser("chat")(responses.chat_body(body))
-        params.responses = responses.echo(body)
+        """A /v1/responses body's request: its chat request parsed as /v1/chat/completions parses one; kept when it
+        ends where the router keeps responses and the request did not say ``store: false``."""
+        store = self.responses_store
+        conv = responses.conversation(body, store)
+        params = self._parser("chat")(responses.chat_body(body, store, conv))
+        keep = store is not None and body.get("store") is not False
+        params.responses = {**responses.echo(body), "store": keep}
+        if keep:
+            params.keep_response = functools.partial(store.keep, conversation=conv)
         return params
+
+    async def handle_response_get(self, request: web.Request) -> web.Response:
+        """A kept response (``responses.Store``), or 404."""
+        rid = request.match_info["response_id"]
+        got = self.responses_store.get(rid) if self.responses_store is not None else None
+        if got is None:
+            return _error(404, f"no response {rid!r} is kept", "invalid_request_error")
+        return web.json_response(got)
+
+    async def handle_response_delete(self, request: web.Request) -> web.Response:
+        """A kept response forgotten, or 404."""
+        rid = request.match_info["response_id"]
+        if self.responses_store is None or not self.responses_store.delete(rid):
+            return _error(404, f"no response {rid!r} is kept", "invalid_request_error")
+        return web.json_response({"id": rid, "object": "response", "deleted": True})
 
     async def handle_load(self, request: web.Request) -> web.Response:
         """vLLM's server load: the generation requests this router is serving now (each counted once, whatever its

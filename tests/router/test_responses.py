@@ -37,7 +37,7 @@ def test_a_response_from_instructions_and_input(tmp_path):
                       {"type": "message", "role": "user", "content": "Hey"}], "metadata": {"k": "v"}})
         got = await r.json()
         assert r.status == 200 and got["object"] == "response" and got["id"].startswith("resp_")
-        assert got["status"] == "completed" and got["incomplete_details"] is None and got["store"] is False
+        assert got["status"] == "completed" and got["incomplete_details"] is None and got["store"] is True
         [item] = got["output"]
         assert item["type"] == "message" and item["role"] == "assistant"
         assert item["content"] == [{"type": "output_text", "text": "Hi", "annotations": []}]
@@ -91,7 +91,7 @@ def test_a_json_schema_format_holds_the_output(tmp_path):
     ("tools", [{"type": "web_search_preview"}], "only function tools"),
     ("tools", [{"type": "function", "parameters": {}}], "name must be"),
     ("tool_choice", {"type": "function", "function": {"name": "f"}}, "tool_choice must be"),
-    ("previous_response_id", "resp_1", "not stored"),
+    ("store", "yes", "true or false"),
     ("background", True, "not built"),
     ("include", ["reasoning.encrypted_content"], "not built"),
     ("top_logprobs", "3", "must be an integer"),
@@ -264,3 +264,80 @@ def test_the_output_texts_logprobs_whole_and_streamed_when_included(tmp_path):
             assert "logprobs" not in plain["output"][0]["content"][0]
 
     asyncio.run(asyncio.wait_for(body(), 25))
+
+
+def test_responses_are_kept_continued_fetched_and_deleted(tmp_path):
+    """OpenAI's store: a finished response is kept (unary and streamed), ``GET /v1/responses/ID`` answers it,
+    ``previous_response_id`` puts its conversation and output before the new input (its instructions not), ``DELETE``
+    forgets it, and an unknown id, or ``store: false``'s, is a 404."""
+    async def fn(h):
+        first = await (await h.http.post("/v1/responses", json={
+            "model": "tiny", "instructions": "Be terse.", "input": "Hey"})).json()
+        assert first["store"] is True
+        got = await h.http.get(f"/v1/responses/{first['id']}")
+        assert got.status == 200 and await got.json() == {k: v for k, v in first.items() if k != "pushkv"}
+        r = await h.http.post("/v1/responses", json={"model": "tiny", "input": "More", "instructions": "Again.",
+                                                     "previous_response_id": first["id"], "stream": True})
+        raw = await r.text()
+        final = json.loads(raw.strip().split("\n\n")[-1].split("\n")[1][len("data: "):])["response"]
+        assert final["previous_response_id"] == first["id"] and final["store"] is True
+        g = h.log.received("local", m.Generate)[-1]
+        assert bytes(g.prompt_token_ids).decode() == "[system]Again.[user]Hey[assistant]Hi[user]More"
+        # the streamed one was kept too, and continues in turn
+        assert (await h.http.get(f"/v1/responses/{final['id']}")).status == 200
+        await h.http.post("/v1/responses", json={"model": "tiny", "input": "Last", "previous_response_id": final["id"]})
+        g = h.log.received("local", m.Generate)[-1]
+        assert bytes(g.prompt_token_ids).decode() == "[user]Hey[assistant]Hi[user]More[assistant]Hi[user]Last"
+        gone = await h.http.delete(f"/v1/responses/{first['id']}")
+        assert gone.status == 200 and (await gone.json())["deleted"] is True
+        for path in (f"/v1/responses/{first['id']}", "/v1/responses/resp_nope"):
+            assert (await h.http.get(path)).status == 404
+        assert (await h.http.delete(f"/v1/responses/{first['id']}")).status == 404
+        r = await h.http.post("/v1/responses", json={"model": "tiny", "input": "x", "previous_response_id": first["id"]})
+        err = (await r.json())["error"]
+        assert r.status == 404 and err["param"] == "previous_response_id", err
+        unkept = await (await h.http.post("/v1/responses", json={"model": "tiny", "input": "x",
+                                                                 "store": False})).json()
+        assert unkept["store"] is False and (await h.http.get(f"/v1/responses/{unkept['id']}")).status == 404
+
+    run(tmp_path, "stop", fn)
+
+
+def test_a_router_that_keeps_none_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("PUSHKV_RESPONSES_STORE", "0")
+
+    async def fn(h):
+        got = await (await h.http.post("/v1/responses", json={"model": "tiny", "input": "Hey"})).json()
+        assert got["store"] is False and (await h.http.get(f"/v1/responses/{got['id']}")).status == 404
+        r = await h.http.post("/v1/responses", json={"model": "tiny", "input": "x", "previous_response_id": got["id"]})
+        assert r.status == 404 and "keeps no responses" in (await r.json())["error"]["message"]
+
+    run(tmp_path, "stop", fn)
+
+
+def test_the_store_keeps_the_latest_within_its_bounds_and_turns_calls_back_into_messages():
+    from pushkv.router import api
+    from pushkv.router.responses import Store
+
+    def resp(rid, text="", calls=()):
+        out = [{"type": "message", "content": [{"type": "output_text", "text": text}]}] if text else []
+        out += [{"type": "function_call", "call_id": c, "name": "f", "arguments": "{}"} for c in calls]
+        return {"id": rid, "output": out}
+
+    store = Store(2)
+    for i in range(3):
+        store.keep(resp(f"r{i}", "t"), [{"role": "user", "content": str(i)}])
+    assert store.get("r0") is None and store.get("r2") is not None  # the oldest went first
+    store.keep(resp("r3", "", ("c1", "c2")), [{"role": "user", "content": "q"}])
+    assert store.conversation("r3") == [{"role": "user", "content": "q"}, {"role": "assistant", "content": None,
+        "tool_calls": [{"id": c, "type": "function", "function": {"name": "f", "arguments": "{}"}} for c in ("c1", "c2")]}]
+    store.keep(resp("r4", "Let me see.", ("c3",)), [])
+    [said] = store.conversation("r4")
+    assert said["content"] == "Let me see." and [c["id"] for c in said["tool_calls"]] == ["c3"]
+    small = Store(100, max_bytes=400)
+    for i in range(5):
+        small.keep(resp(f"s{i}", "x" * 50), [])
+    assert small.get("s0") is None and small.get("s4") is not None and small._bytes <= 400
+    with pytest.raises(api.ApiError) as e:
+        small.conversation("s0")
+    assert e.value.status == 404
