@@ -5,8 +5,8 @@ compute into the pool, writers move it.
 Sans-I/O: no socket, no clock, no process. The entry points take the time in
 (``now``, monotonic; ``wall``, for request timelines) and append what is to
 happen to ``outbox`` in order (``outbox.Send`` a message to a ``Peer``,
-``Trace`` an event, ``CompileGrammar`` a structured output's grammar off the loop; a
-``Kill`` is only ever added by the shell's fault filter, in tests):
+``Trace`` an event, ``CompileGrammar`` a structured output's grammar off the loop and ``CancelCompile`` one no
+request waits for any more; a ``Kill`` is only ever added by the shell's fault filter, in tests):
 
 - ``handle(msg, frm, now, wall)``: one decoded message from the router, a worker or a writer rank;
 - ``refuse_undecodable(frm, reason, payload)``: a frame from the router that did not decode;
@@ -43,11 +43,11 @@ from pushkv.config import DeploymentConfig, InstanceConfig, Role
 from pushkv.dispatch import handler_for
 from pushkv.kinds import FinishReason
 from pushkv.protocol.prefix_cache import PrefixCache
-from pushkv.scheduler import grammar_wait, stats, step_answers, writer_answers
+from pushkv.scheduler import grammar_wait, prefix, stats, step_answers, writer_answers
 from pushkv.scheduler.grammar import GrammarCompiled, Grammars, failure
 from pushkv.scheduler.metrics import InstanceMetrics, Snapshot
 from pushkv.scheduler.outbox import Effect, Peer, Send, Trace
-from pushkv.scheduler.prefix import index_blocks, prefix_hits
+from pushkv.scheduler.prefix import index_blocks
 from pushkv.scheduler.requests import Request, State, blocks_needed, build_batch, count_work
 from pushkv.scheduler.validate import check_generate, readable_head
 
@@ -383,31 +383,7 @@ class SchedulerCore:
         self.counters["prefix_reset_blocks"] += self.alloc.reset()
         stats.asked(self, m.GetStats(), frm)
 
-    # -- prefix cache ---------------------------------------------------------------------
-    def _may_hit(self, r: Request) -> bool:
-        """May ``r`` take its prompt's prefix from the cache? Not where prompt logprobs are computed
-        for it: positions whose KV came from the cache have no logits (vLLM skips the hit too)."""
-        return self.alloc.enabled and self._reuses_prefix(r) and r.score_prompt < 0
-
-    def _prefix_hits(self, r: Request) -> list[int]:
-        if not self._may_hit(r):
-            return []
-        return prefix_hits(self.alloc, r, self.inst.block_size, self._hit_unit())
-
-    def _count_hits(self, r: Request, hit_blocks: int) -> None:
-        r.cached = hit_blocks * self.inst.block_size
-        r.prefilled = r.cached
-        r.indexed = hit_blocks
-        if self.alloc.enabled and r.score_prompt >= 0:
-            self.counters["prefix_skipped_prompt_logprobs"] += 1
-        if not self._may_hit(r):
-            return
-        self.counters["prefix_queries"] += 1
-        self.counters["prefix_query_tokens"] += len(r.prompt)
-        if hit_blocks:
-            self.counters["prefix_hits"] += 1
-            self.counters["prefix_hit_tokens"] += r.cached
-
+    # -- prefix cache (scheduler/prefix.py) ---------------------------------------------------
     def _index_blocks(self, r: Request, upto: int) -> None:
         if self.alloc.enabled and self._indexes(r):
             index_blocks(self.alloc, r, upto, self.inst.block_size)
@@ -421,14 +397,14 @@ class SchedulerCore:
     def _admit(self) -> None:
         while self.waiting and not self._engine_blocked():
             r = self.waiting[0]
-            hits = self._prefix_hits(r)
+            hits = prefix.hits_for(self, r)
             blocks = self.alloc.acquire(hits, r.blocks_needed(self.inst.block_size))
             if blocks is None:
                 return  # FIFO: wait for blocks to free
             self.waiting.pop(0)
             r.blocks = blocks
             self.metrics.queued(self.now - r.queued_at)
-            self._count_hits(r, len(hits))
+            prefix.took_hits(self, r, len(hits))
             self._stamp(r, f"{self.role}_alloc")
             self._admitted(r)
 

@@ -1,10 +1,45 @@
 """The scheduler's side of the prefix cache (pure): which cached blocks a prompt takes at
 admission, and which of a request's blocks are offered to the cache once their KV is complete.
-Whether a role uses the cache at all is the scheduler's hooks' to say."""
+Whether a role uses the cache at all is the scheduler's hooks' to say (``_reuses_prefix``, ``_hit_unit``,
+``_indexes``); the core's admission calls ``hits_for`` and ``took_hits``."""
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from pushkv.protocol.prefix_cache import PrefixCache, block_hashes, root_of
 from pushkv.scheduler.requests import Request
+
+if TYPE_CHECKING:  # (the core calls these; its module imports this one)
+    from pushkv.scheduler.core import SchedulerCore
+
+
+def may_hit(core: "SchedulerCore", r: Request) -> bool:
+    """May ``r`` take its prompt's prefix from the cache? Not where prompt logprobs are computed
+    for it: positions whose KV came from the cache have no logits (vLLM skips the hit too)."""
+    return core.alloc.enabled and core._reuses_prefix(r) and r.score_prompt < 0
+
+
+def hits_for(core: "SchedulerCore", r: Request) -> list[int]:
+    """The cached blocks ``r`` would take at admission (none where it may not hit)."""
+    if not may_hit(core, r):
+        return []
+    return prefix_hits(core.alloc, r, core.inst.block_size, core._hit_unit())
+
+
+def took_hits(core: "SchedulerCore", r: Request, hit_blocks: int) -> None:
+    """``r`` was admitted with ``hit_blocks`` cached blocks: its computed and indexed marks, and the counters."""
+    r.cached = hit_blocks * core.inst.block_size
+    r.prefilled = r.cached
+    r.indexed = hit_blocks
+    if core.alloc.enabled and r.score_prompt >= 0:
+        core.counters["prefix_skipped_prompt_logprobs"] += 1
+    if not may_hit(core, r):
+        return
+    core.counters["prefix_queries"] += 1
+    core.counters["prefix_query_tokens"] += len(r.prompt)
+    if hit_blocks:
+        core.counters["prefix_hits"] += 1
+        core.counters["prefix_hit_tokens"] += r.cached
 
 
 def prefix_hits(alloc: PrefixCache, r: Request, block_size: int, unit: int) -> list[int]:
