@@ -168,20 +168,20 @@ class Store:
                                     "router's memory, the latest ones; store: false keeps none)",
                                param="previous_response_id")
         response_, before, _ = got
-        out = list(before)
+        said: Optional[str] = None  # the output message's text, where there is one
         calls = []
         for item in response_.get("output", ()):
             if item.get("type") == "message":
-                out.append({"role": "assistant", "content": "".join(p.get("text", "") for p in item["content"])})
+                said = (said or "") + "".join(p.get("text", "") for p in item["content"])
             elif item.get("type") == "function_call":
                 calls.append({"id": item["call_id"], "type": "function",
                               "function": {"name": item["name"], "arguments": item["arguments"]}})
-        if calls:
-            if out and out[-1]["role"] == "assistant" and "tool_calls" not in out[-1]:
-                out[-1] = {**out[-1], "tool_calls": calls}
-            else:
-                out.append({"role": "assistant", "content": None, "tool_calls": calls})
-        return out
+        if said is None and not calls:
+            return list(before)
+        answer: dict[str, Any] = {"role": "assistant", "content": said}
+        if calls:  # the text and the calls of one turn: one assistant message, as chat gives them
+            answer["tool_calls"] = calls
+        return [*before, answer]
 
 
 def _instructions(body: dict) -> list[dict]:

@@ -334,6 +334,10 @@ def test_the_store_keeps_the_latest_within_its_bounds_and_turns_calls_back_into_
     store.keep(resp("r4", "Let me see.", ("c3",)), [])
     [said] = store.conversation("r4")
     assert said["content"] == "Let me see." and [c["id"] for c in said["tool_calls"]] == ["c3"]
+    # an input that ended with the assistant's own message keeps it: the calls are the new turn's
+    store.keep(resp("r5", "", ("c4",)), [{"role": "assistant", "content": "Earlier."}])
+    earlier, turn = store.conversation("r5")
+    assert earlier == {"role": "assistant", "content": "Earlier."} and turn["content"] is None
     small = Store(100, max_bytes=400)
     for i in range(5):
         small.keep(resp(f"s{i}", "x" * 50), [])
