@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     mod.add_argument("--revision", help="--model repo id: the branch, tag or commit (default: main)")
     mod.add_argument("--tokenizer", metavar="PATH|ORG/NAME",
                      help="the tokenizer's directory or repo id (default: --model's)")
+    mod.add_argument("--tokenizer-revision", metavar="REV",
+                     help="the tokenizer's repo id (--tokenizer, else --model's): the branch, tag or commit, as "
+                          "vLLM's (default: main)")
     mod.add_argument("--load-format", choices=("auto", "safetensors", "dummy"),
                      help="auto (or safetensors: what auto reads): --model's weights; dummy: random weights (of "
                           "--model's shape and tokenizer), said at startup")

@@ -122,10 +122,17 @@ def _model(flags: Mapping[str, Any], base: ModelConfig) -> ModelConfig:
             raise ValueError("--hf-overrides, --rope-scaling and --rope-theta read over a checkpoint's config.json: "
                              "give --model a checkpoint (a preset's shape is set by its flags)")
         model = _replace(preset(name) if name else base, **geometry)
-    if flags.get("tokenizer"):
+    if flags.get("tokenizer") or flags.get("tokenizer_revision"):
         from pushkv.model.hub import TOKENIZER_FILES, resolve
 
-        model = msgspec.structs.replace(model, tokenizer=resolve(flags["tokenizer"], None, TOKENIZER_FILES))
+        # vLLM's: the tokenizer (default: --model's) at --tokenizer-revision, else at its default revision
+        source = flags.get("tokenizer") or name
+        if not source or (not flags.get("tokenizer") and (path is None or _preset_named(source))):
+            raise ValueError(f"--tokenizer-revision {flags['tokenizer_revision']!r} needs --tokenizer or --model to "
+                             "name a Hugging Face repo id")
+        model = msgspec.structs.replace(model, tokenizer=resolve(
+            source, flags.get("tokenizer_revision"), TOKENIZER_FILES, cache_dir=flags.get("download_dir"),
+            flags=("--tokenizer", "--tokenizer-revision")))
     if flags.get("override_generation_config"):
         from pushkv.model.generation import overridden_defaults
 

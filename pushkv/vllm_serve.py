@@ -152,7 +152,6 @@ FLAGS: tuple[Flag, ...] = (
          "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), over the checkpoint's with "
          "--generation-config auto, alone with none; a request's own values still win",
          sets="override_generation_config"),
-    Flag(("--tokenizer-revision",), REFUSED, "--tokenizer takes a directory or repo id at its default revision"),
     Flag(("--code-revision",), REFUSED, "pushkv runs no code from a checkpoint"),
     Flag(("--disable-sliding-window",), REFUSED, "the checkpoint's sliding window is always applied", SWITCH),
     Flag(("--skip-tokenizer-init",), REFUSED, "the router tokenizes every prompt", SWITCH),

@@ -24,27 +24,29 @@ def is_repo_id(name: str) -> bool:
 
 
 def resolve(name: str, revision: Optional[str] = None, files: Optional[list[str]] = None,
-            cache_dir: Optional[str] = None) -> str:
+            cache_dir: Optional[str] = None, flags: tuple[str, str] = ("--model", "--revision")) -> str:
     """The local directory of ``name``: the directory itself, or the Hub repo's snapshot (in ``cache_dir``, vLLM's
-    --download-dir, else huggingface_hub's cache). ValueError naming what was looked for when it is neither."""
+    --download-dir, else huggingface_hub's cache). ValueError naming what was looked for when it is neither, and
+    the flags (``flags``: the name's and the revision's) that asked."""
+    what, rev_flag = flags
     if os.path.isdir(name):
         if revision:
-            raise ValueError(f"--revision {revision!r} applies to a Hugging Face repo id, not the local "
+            raise ValueError(f"{rev_flag} {revision!r} applies to a Hugging Face repo id, not the local "
                              f"directory {name!r}")
         return os.path.abspath(name)
     if not is_repo_id(name):
-        raise ValueError(f"--model {name!r}: no such directory, and not a Hugging Face repo id (org/name)")
+        raise ValueError(f"{what} {name!r}: no such directory, and not a Hugging Face repo id (org/name)")
     try:
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
     except ImportError:  # transformers and tokenizers bring it; a bare install may not
-        raise ValueError(f"--model {name!r} is a Hugging Face repo id: install huggingface_hub") from None
+        raise ValueError(f"{what} {name!r} is a Hugging Face repo id: install huggingface_hub") from None
     offline = envs.HF_HUB_OFFLINE.lower() in ("1", "true", "yes", "on")  # as huggingface_hub reads it
     try:
         return snapshot_download(repo_id=name, revision=revision, allow_patterns=files or SERVE_FILES,
                                  cache_dir=cache_dir)
     except LocalEntryNotFoundError as e:
         where = "not in the local Hugging Face cache (HF_HUB_OFFLINE=1)" if offline else "not reachable"
-        raise ValueError(f"--model {name!r}{f' revision {revision!r}' if revision else ''}: {where}: {e}") from None
+        raise ValueError(f"{what} {name!r}{f' revision {revision!r}' if revision else ''}: {where}: {e}") from None
     except (HfHubHTTPError, OSError) as e:
-        raise ValueError(f"--model {name!r}{f' revision {revision!r}' if revision else ''}: {e}") from None
+        raise ValueError(f"{what} {name!r}{f' revision {revision!r}' if revision else ''}: {e}") from None

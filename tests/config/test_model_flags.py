@@ -126,3 +126,19 @@ def test_tokenizer_flag(ckpt, hub):
     assert config("--model", "tiny", "--load-format", "dummy", "--tokenizer", REPO).model.tokenizer \
         .startswith(str(hub / "snapshots"))
     assert config("--model", "tiny", "--load-format", "dummy", "--tokenizer", ckpt).model.tokenizer == ckpt
+
+
+def test_tokenizer_revision_flag(ckpt, hub):
+    """vLLM's --tokenizer-revision: the tokenizer's repo (--tokenizer, else --model's) at that revision."""
+    v2 = str(hub / "snapshots" / hashlib.sha1(b"v2").hexdigest())
+    main = str(hub / "snapshots" / hashlib.sha1(b"main").hexdigest())
+    got = config("--model", "tiny", "--load-format", "dummy", "--tokenizer", REPO, "--tokenizer-revision", "v2")
+    assert got.model.tokenizer == v2
+    both = config("--model", REPO, "--tokenizer-revision", "v2").model  # the weights at main, the tokenizer at v2
+    assert both.checkpoint == main and both.tokenizer == v2
+    with pytest.raises(ValueError, match="--tokenizer-revision 'v2' applies to a Hugging Face repo id"):
+        config("--model", ckpt, "--tokenizer-revision", "v2")
+    with pytest.raises(ValueError, match="--tokenizer-revision 'v2' needs --tokenizer or --model"):
+        config("--model", "tiny", "--load-format", "dummy", "--tokenizer-revision", "v2")
+    with pytest.raises(ValueError, match="--tokenizer 'org/nope' revision 'v2': not in the local"):
+        config("--model", "tiny", "--load-format", "dummy", "--tokenizer", "org/nope", "--tokenizer-revision", "v2")
