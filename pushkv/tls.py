@@ -7,6 +7,7 @@ from __future__ import annotations
 import ssl
 from typing import Optional
 
+from pushkv import uds
 from pushkv.config import DeploymentConfig
 
 
@@ -33,3 +34,8 @@ def server_context(cfg: DeploymentConfig) -> Optional[ssl.SSLContext]:
 def scheme(cfg: DeploymentConfig) -> str:
     """The router's URL scheme."""
     return "https" if cfg.ssl_certfile else "http"
+
+
+def router_url(cfg: DeploymentConfig, port: int) -> str:
+    """The router's URL: its Unix socket's (``--uds``, ``pushkv/uds.py``), else ``scheme://host:port``."""
+    return uds.url(cfg.uds) if cfg.uds else f"{scheme(cfg)}://{cfg.host}:{port}"

@@ -173,8 +173,8 @@ class Generation:
         if isinstance(self.render, responses.ResponsesRenderer):
             answer = self.render.unary_body(self.request_id, self.created, self.model, self.outs, self._usage(),
                                             self._extension())
-            if self.params.keep_response is not None:  # stored (responses.Store): without pushkv's extension
-                self.params.keep_response({k: v for k, v in answer.items() if k != "pushkv"})
+            if self.params.keep_response is not None:  # stored (responses.Store)
+                self.params.keep_response(answer)
             return web.json_response(answer)
         choices = [self.render.choice(o) for o in self.outs]
         body = self.render.body(self.request_id, self.created, self.model, choices, False, self._usage(),
@@ -236,7 +236,7 @@ class Generation:
             if delta.finish_reason:
                 for kind, body in events.finish(delta.finish_reason, self._usage(), self._extension()):
                     if kind in ("response.completed", "response.incomplete") and self.params.keep_response:
-                        self.params.keep_response({k: v for k, v in body["response"].items() if k != "pushkv"})
+                        self.params.keep_response(body["response"])
                     await resp.write(output.sse_event(kind, body))
 
     async def _chunks(self, resp: web.StreamResponse, fan: Fanout) -> None:

@@ -114,13 +114,18 @@ def _tool_choice(body: dict) -> Any:
     raise api.bad("tool_choice", 'tool_choice must be none, auto, required or {"type": "function", "name": ...}')
 
 
+def _chat_call(item: dict) -> dict:
+    """A ``function_call`` item (input or output) as the chat messages' tool_calls carry a call."""
+    return {"id": item["call_id"], "type": "function",
+            "function": {"name": item["name"], "arguments": item["arguments"]}}
+
+
 def _call_item(item: dict, i: int) -> dict:
-    """A ``function_call`` input item: the call as the chat messages' tool_calls carry it."""
+    """A ``function_call`` input item, checked: the call as the chat messages' tool_calls carry it."""
     for k in ("call_id", "name", "arguments"):
         if not isinstance(item.get(k), str):
             raise api.bad("input", f"input[{i}].{k} must be a string (a function_call item)")
-    return {"id": item["call_id"], "type": "function",
-            "function": {"name": item["name"], "arguments": item["arguments"]}}
+    return _chat_call(item)
 
 
 class Store:
@@ -135,7 +140,9 @@ class Store:
         self._lock = threading.Lock()
 
     def keep(self, response_: dict, conversation: list[dict]) -> None:
-        """A finished response and the conversation (its input's messages, instructions left out) it answered."""
+        """A finished response and the conversation (its input's messages, instructions left out) it answered; kept
+        without pushkv's own extension, as ``GET /v1/responses/ID`` answers it."""
+        response_ = {k: v for k, v in response_.items() if k != "pushkv"}
         size = len(json.dumps(response_)) + len(json.dumps(conversation))
         if not self.limit or size > self.max_bytes:
             return
@@ -174,8 +181,7 @@ class Store:
             if item.get("type") == "message":
                 said = (said or "") + "".join(p.get("text", "") for p in item["content"])
             elif item.get("type") == "function_call":
-                calls.append({"id": item["call_id"], "type": "function",
-                              "function": {"name": item["name"], "arguments": item["arguments"]}})
+                calls.append(_chat_call(item))
         if said is None and not calls:
             return list(before)
         answer: dict[str, Any] = {"role": "assistant", "content": said}

@@ -22,7 +22,7 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
-from pushkv import __version__, envs, limits, security, tls, uds
+from pushkv import __version__, envs, limits, security, tls
 from pushkv import messages as m
 from pushkv.config import DeploymentConfig, Role
 from pushkv.discovery.base import Watcher
@@ -212,10 +212,7 @@ class Router:
         log.info("HTTP edge: open-file limit %d (was %d), at most %d connections, headers within %.0fs, "
                  "a body within %.0fs", fds, fds_before, cap, self.cfg.router_header_timeout_s,
                  self.cfg.router_body_timeout_s)
-        if self.cfg.uds:
-            self.url = uds.url(self.cfg.uds)
-        else:
-            self.url = f"{tls.scheme(self.cfg)}://{self.cfg.host}:{self._runner.addresses[0][1]}"
+        self.url = tls.router_url(self.cfg, 0 if self.cfg.uds else self._runner.addresses[0][1])
         log.info("router (%s mode) listening on %s%s", self.cfg.mode, self.url,
                  " (API key required on /v1/*)" if self.api_key else "")
         if self.watcher is not None:

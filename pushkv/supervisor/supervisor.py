@@ -22,7 +22,7 @@ from typing import Callable, Optional, Sequence, TextIO
 
 import zmq
 
-from pushkv import limits, tls, uds
+from pushkv import limits, tls
 from pushkv import messages as m
 from pushkv.actor import Actor
 from pushkv.config import DeploymentConfig, encode_config
@@ -122,8 +122,7 @@ class Supervisor(Actor):
         self.write_registry = write_registry
         self.out = out
         # a P or D host of several runs no router: its record and status name none
-        self.router_url = ((uds.url(cfg.uds) if cfg.uds else f"{tls.scheme(cfg)}://{cfg.host}:{cfg.port}")
-                           if cfg.host_role in ("", "router") else "")
+        self.router_url = tls.router_url(cfg, cfg.port) if cfg.host_role in ("", "router") else ""
         self.phase = "new"  # new | starting | running | stopping | stopped
         self.exit_code = 0
         self.failure = ""
