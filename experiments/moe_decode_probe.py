@@ -254,11 +254,19 @@ def profile_step(run, layers: int, reps: int = 20) -> dict:
         torch.cuda.synchronize()
     by: dict[str, float] = {}
     spans = []
+    ends = []
     for ev in prof.events():
         if ev.device_type.name == "CUDA":
             by[ev.name[:80]] = by.get(ev.name[:80], 0.0) + ev.device_time_total
             spans.append((ev.time_range.start, ev.time_range.end))
+            ends.append((ev.time_range.end, ev.name[:80]))
     spans.sort()
+    ends.sort()
+    # what each kernel adds to the step: its end less the end before it (a chained step's kernels end in order,
+    # each after the one it waits for), summed by kernel; the replays' own gaps go to the first kernel of each
+    adds: dict[str, float] = {}
+    for (e0, _), (e1, name) in zip(ends, ends[1:]):
+        adds[name] = adds.get(name, 0.0) + (e1 - e0)
     busy, end = 0.0, None
     for s, e in spans:  # the union of kernel intervals
         if end is None or s > end:
@@ -270,7 +278,9 @@ def profile_step(run, layers: int, reps: int = 20) -> dict:
     span = spans[-1][1] - spans[0][0] if spans else 0.0
     per = reps * layers
     kernels = sorted(((v / per, k) for k, v in by.items()), reverse=True)
+    added = sorted(((v / per, k) for k, v in adds.items()), reverse=True)
     return {"kernel_us_a_layer": [{"us": round(u, 2), "kernel": k} for u, k in kernels[:16]],
+            "added_us_a_layer": [{"us": round(u, 2), "kernel": k} for u, k in added[:16]],
             "busy_us_a_layer": round(busy / per, 2), "span_us_a_layer": round(span / per, 2)}
 
 
@@ -397,6 +407,10 @@ def markdown(rep: dict) -> str:
                 "", "| us a layer | kernel |", "| --- | --- |"]
         out += [f"| {k['us']} | `{k['kernel']}` |" for k in p["kernel_us_a_layer"]]
         out.append("")
+        if p.get("added_us_a_layer"):  # the chain's time by kernel: each one's end less the end before it
+            out += ["| us a layer added to the step (its end less the end before it) | kernel |", "| --- | --- |"]
+            out += [f"| {k['us']} | `{k['kernel']}` |" for k in p["added_us_a_layer"]]
+            out.append("")
     return "\n".join(out)
 
 

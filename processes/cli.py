@@ -86,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     dep.add_argument("--root-path", metavar="PREFIX",
                      help="a proxy serves the API under this prefix, as vLLM's --root-path: every route is served "
                           "under it as well as bare, the API key guarding both (default: none)")
+    dep.add_argument("--otlp-traces-endpoint", metavar="URL",
+                     help="each finished request's spans (vLLM's llm_request and its attributes, pushkv's phases "
+                          "as children) go to this OpenTelemetry collector, as vLLM's flag: over "
+                          "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, grpc or http/protobuf; needs pushkv[otlp] "
+                          "(default: none)")
     dep.add_argument("--uds", metavar="PATH",
                      help="the router listens on this Unix domain socket instead of --host/--port, as vLLM's --uds: "
                           "plain HTTP, the file made 0660 and removed at stop (default: TCP)")

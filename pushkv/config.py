@@ -418,6 +418,9 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
     # the prefix a proxy serves the router's API under (vLLM's --root-path): every route is served under it as well
     # as bare, and the API key guards both
     root_path: str = ""
+    # each finished request's spans go to this OpenTelemetry collector (vLLM's --otlp-traces-endpoint; pushkv/otlp.py,
+    # router/otlp_spans.py), over OTEL_EXPORTER_OTLP_TRACES_PROTOCOL (grpc, the default, or http/protobuf)
+    otlp_traces_endpoint: str = ""
     # each P / D instance's /metrics: the first instance planned gets this port, the next ones the
     # ports after it (P's instances, then D's); 0 = a free port each (shown by `pushkv status`)
     metrics_port: int = 0

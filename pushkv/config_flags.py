@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping, Optional, get_args
 
 import msgspec
 
-from pushkv import tls, uds, vllm_serve
+from pushkv import otlp, tls, uds, vllm_serve
 from pushkv.config import (
     PRESETS,
     TRACE_AUTO,
@@ -254,7 +254,7 @@ def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = 
         push_stream_groups=f("push_stream_groups"), kv_verify=f("kv_verify"),
         # a host of several (--role) serves on its advertised address unless --host says otherwise
         host=f("host") or (f("role") and f("advertise")), port=f("port"), metrics_port=f("metrics_port"),
-        uds=_path(f("uds")), root_path=f("root_path"),
+        uds=_path(f("uds")), root_path=f("root_path"), otlp_traces_endpoint=f("otlp_traces_endpoint"),
         host_role=f("role"), registry=f("registry"), advertise=f("advertise"), registry_ttl_s=f("registry_ttl"),
         log_level=f("log_level"), model=model, max_model_len=f("max_model_len"),
         secret_file=os.path.abspath(secret) if secret else None,
@@ -283,6 +283,7 @@ def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = 
         local=_replace(cfg.local, tp=tp, block_size=f("block_size"), num_blocks=f("num_blocks"),
                        device=device, **sizes),
     )
+    otlp.check(cfg.otlp_traces_endpoint, os.environ)  # the exporter missing, or an unknown protocol: refused now
     tls.server_context(cfg)  # a key, certificate or CA file that does not load is refused now, naming it
     if cfg.uds:
         uds.check_free(cfg.uds)  # too long, in no directory, on a file that is no socket or a live one: refused now

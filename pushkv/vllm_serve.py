@@ -158,7 +158,6 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--enable-sleep-mode",), REFUSED, "sleep mode is not built", SWITCH),
     Flag(("--enable-ssl-refresh",), REFUSED, "the router reads --ssl-keyfile and --ssl-certfile once, at start: "
          "restart it to take new ones", SWITCH),
-    Flag(("--otlp-traces-endpoint",), REFUSED, "pushkv's traces are its own (--trace, pushkv tap)"),
     Flag(("--headless",), REFUSED, "pushkv up --role prefill|decode runs a host without the router", SWITCH),
 )
 BY_DEST = {f.dest: f for f in FLAGS}

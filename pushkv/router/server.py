@@ -22,14 +22,14 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
-from pushkv import __version__, envs, limits, security, tls
+from pushkv import __version__, envs, limits, otlp, security, tls
 from pushkv import messages as m
 from pushkv.config import DeploymentConfig, Role
 from pushkv.discovery.base import Watcher
 from pushkv.discovery.local import LocalWatcher
 from pushkv.discovery.records import InstanceDown, InstanceRecord, InstanceUp
 from pushkv.framing import Drops, Shape, arecv_bounded
-from pushkv.router import api, auth, cors, edge, generate, output, responses, text, tokenize
+from pushkv.router import api, auth, cors, edge, generate, otlp_spans, output, responses, text, tokenize
 from pushkv.router import chat as chat_mod
 from pushkv.router.balance import Balancer
 from pushkv.router.flow import RequestRun
@@ -102,6 +102,7 @@ class Router:
         self.ctx: Optional[zmq.asyncio.Context] = None
         self.local_link: Optional[SchedulerLink] = None
         self.tracer: Optional[TracePublisher] = None
+        self.otlp: Optional[otlp.Exporter] = None  # --otlp-traces-endpoint
         self.runs: dict[str, RequestRun] = {}
         self.stopping = False
         self.url = ""
@@ -180,6 +181,8 @@ class Router:
         self.ctx.setsockopt(zmq.MAXMSGSIZE, limits.msg_cap_bytes(self.cfg))
         if self.cfg.trace_endpoint:
             self.tracer = TracePublisher("router", self.cfg.trace_endpoint, security=self.security)
+        if self.cfg.otlp_traces_endpoint:
+            self.otlp = otlp.Exporter(self.cfg.otlp_traces_endpoint, self.served[0] if self.served else "pushkv")
         if self.cfg.mode == "local":
             endpoint = self.cfg.local.sched_endpoint
             if not endpoint:
@@ -340,6 +343,8 @@ class Router:
             self._control.close(0)
         if self.tracer is not None:
             self.tracer.close()
+        if self.otlp is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.otlp.close)
         self.ctx.term()
         self._stopped.set()
         log.info("router stopped")
@@ -539,6 +544,20 @@ class Router:
             return await generate.serve(request, params, runs, self.tokenizer, self.served)
         finally:
             self._close(runs)
+            if self.otlp is not None:
+                self._export(request, params, runs)
+
+    def _export(self, request: web.Request, params: api.CompletionParams, runs: list[RequestRun]) -> None:
+        """Each choice's spans to the OTLP collector (the SDK batches them on its own thread)."""
+        assert self.otlp is not None
+        now = time.monotonic()
+        for run in runs:
+            facts = otlp_spans.Facts(run.transfer_id, params.model or self.served[0], params.sampling,
+                                     params.max_tokens, params.n)
+            try:
+                self.otlp.emit(otlp_spans.request_spans(run.ledger, facts, now), request.headers)
+            except Exception:  # a span the SDK refused never fails the request it describes
+                log.exception("OTLP export of transfer_id=%s", run.transfer_id)
 
     def _open(self, params: api.CompletionParams, arrival: float) -> list[RequestRun]:
         """One run per choice (a batch's prompt p's c-th: choice p * n + c), each its own transfer id and sampling
