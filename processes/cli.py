@@ -91,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "as children) go to this OpenTelemetry collector, as vLLM's flag: over "
                           "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, grpc or http/protobuf; needs pushkv[otlp] "
                           "(default: none)")
+    dep.add_argument("--kv-events-config", metavar="JSON",
+                     help="each P / D instance publishes its prefix cache's KV events as vLLM's flag does "
+                          "('{\"enable_kv_cache_events\": true}': ZeroMQ PUB on tcp://*:5557, each next instance "
+                          "on the port after; docs/running.md) (default: none)")
     dep.add_argument("--uds", metavar="PATH",
                      help="the router listens on this Unix domain socket instead of --host/--port, as vLLM's --uds: "
                           "plain HTTP, the file made 0660 and removed at stop (default: TCP)")

@@ -102,6 +102,11 @@ class Actor:
         if self._extra_fds.pop(fd, None) is not None:
             self.poller.unregister(fd)
 
+    def add_socket(self, sock: zmq.Socket, on_ready: Callable[[], None]) -> None:
+        """A socket read by its owner, not as a channel of messages (the KV events' replay): ``on_ready`` when it
+        has something; ``remove_fd(sock)`` takes it out."""
+        self.add_fd(sock, on_ready)  # type: ignore[arg-type]  # the poller takes a socket where it takes an fd
+
     def socket(self, kind: int, endpoint: str, bind: bool, max_msg_bytes: int = 0) -> zmq.Socket:
         """Every socket of every actor is made here: linger 0, a message-size cap (``max_msg_bytes``,
         else the actor's), CURVE on a network endpoint."""

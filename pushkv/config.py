@@ -41,6 +41,7 @@ from pushkv.kinds import (
     ToolCallParser,
 )
 from pushkv.messages import PrefillSource
+from pushkv.protocol.kv_events import KVEventsConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -421,6 +422,9 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
     # each finished request's spans go to this OpenTelemetry collector (vLLM's --otlp-traces-endpoint; pushkv/otlp.py,
     # router/otlp_spans.py), over OTEL_EXPORTER_OTLP_TRACES_PROTOCOL (grpc, the default, or http/protobuf)
     otlp_traces_endpoint: str = ""
+    # each instance publishes its prefix cache's events as vLLM's --kv-events-config does (protocol/kv_events.py,
+    # scheduler/kv_events_pub.py): off by default
+    kv_events: KVEventsConfig = KVEventsConfig()
     # each P / D instance's /metrics: the first instance planned gets this port, the next ones the
     # ports after it (P's instances, then D's); 0 = a free port each (shown by `pushkv status`)
     metrics_port: int = 0

@@ -29,6 +29,7 @@ from pushkv.config import (
 )
 from pushkv.cuda_driver import device_count
 from pushkv.kinds import ToolCallParser
+from pushkv.protocol import kv_events
 
 # the flags that override a preset's (or a checkpoint's) geometry, each named as its ModelConfig field
 GEOMETRY = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
@@ -255,6 +256,7 @@ def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = 
         # a host of several (--role) serves on its advertised address unless --host says otherwise
         host=f("host") or (f("role") and f("advertise")), port=f("port"), metrics_port=f("metrics_port"),
         uds=_path(f("uds")), root_path=f("root_path"), otlp_traces_endpoint=f("otlp_traces_endpoint"),
+        kv_events=kv_events.parse_config(events) if (events := f("kv_events_config")) else None,
         host_role=f("role"), registry=f("registry"), advertise=f("advertise"), registry_ttl_s=f("registry_ttl"),
         log_level=f("log_level"), model=model, max_model_len=f("max_model_len"),
         secret_file=os.path.abspath(secret) if secret else None,

@@ -136,7 +136,6 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--speculative-config",), REFUSED, "speculative decoding is not built"),
     Flag(("--kv-transfer-config",), REFUSED, "pushkv up runs P and D itself and moves the KV between them: --mode "
          "push|pull chooses how (vLLM instances take pushkv's transfer through its PushKVConnector)"),
-    Flag(("--kv-events-config",), REFUSED, "the router places requests on the prefix blocks it tracks itself"),
     Flag(("--enable-expert-parallel",), REFUSED, "expert parallelism is not built: -tp splits every expert's "
          "intermediate columns", SWITCH),
     Flag(("--limit-mm-per-prompt",), REFUSED, "pushkv serves text only"),

@@ -80,6 +80,9 @@ class PrefixCache:
         self._hash_of: dict[int, int] = {}  # cached block -> its hash
         self._lru: OrderedDict[int, None] = OrderedDict()  # unreferenced cached blocks, oldest first
         self.evictions = 0
+        # what the index did, for KV events (protocol/kv_events.py): None (the default) keeps nothing; a list gets
+        # ("stored", hash, parent, tokens, salt), ("removed", hash) and ("cleared",) until its owner takes them
+        self.journal: Optional[list[tuple]] = None
 
     # -- sizes ---------------------------------------------------------------------------
     @property
@@ -144,22 +147,36 @@ class PrefixCache:
 
     def _evict_one(self) -> None:
         b, _ = self._lru.popitem(last=False)
-        del self._by_hash[self._hash_of.pop(b)]
+        h = self._hash_of.pop(b)
+        del self._by_hash[h]
         del self._refs[b]
         self.alloc.free([b])
         self.evictions += 1
+        if self.journal is not None:
+            self.journal.append(("removed", h))
 
-    def insert(self, block: int, h: int) -> bool:
+    def insert(self, block: int, h: int, parent: Optional[int] = None, tokens: Sequence[int] = (),
+               salt: str = "") -> bool:
         """Index ``block`` (referenced, its KV complete) under hash ``h``. False (nothing changes)
         when the cache is off, the block is indexed already, or another block holds ``h``
-        (two requests computed the same prefix at once: the first one indexed stays)."""
+        (two requests computed the same prefix at once: the first one indexed stays). ``parent``
+        (the block before it: None for a prompt's first), ``tokens`` and ``salt`` go to the journal."""
         if self._refs.get(block, 0) < 1:
             raise ValueError(f"insert: block {block} is not held by any request")
         if not self.enabled or block in self._hash_of or h in self._by_hash:
             return False
         self._by_hash[h] = block
         self._hash_of[block] = h
+        if self.journal is not None:
+            self.journal.append(("stored", h, parent, tuple(tokens), salt))
         return True
+
+    def take_journal(self) -> list[tuple]:
+        """What the index did since the last take (empty where no journal is kept)."""
+        if not self.journal:
+            return []
+        out, self.journal = self.journal, []
+        return out
 
     def release(self, blocks: Iterable[int]) -> None:
         """Drop one reference from each block. A block nobody references any more stays cached
@@ -202,6 +219,8 @@ class PrefixCache:
         self._hash_of.clear()
         if back:
             self.alloc.free(back)
+        if self.journal is not None:
+            self.journal.append(("cleared",))
         return forgotten
 
     def refs(self, block: int) -> int:

@@ -28,6 +28,7 @@ from pushkv.scheduler.core import SchedulerCore
 from pushkv.scheduler.decode import DecodeScheduler
 from pushkv.scheduler.fault_filter import FaultFilter
 from pushkv.scheduler.grammar import CompileThreads, XgrammarCompile
+from pushkv.scheduler.kv_events_pub import Publisher as KVEventsPublisher
 from pushkv.scheduler.outbox import CancelCompile, CompileGrammar, Effect, Kill, Peer, Send, Trace
 from pushkv.security import API_KEY_ENV
 
@@ -46,6 +47,7 @@ class SchedulerShell(Actor):
         self.writer_chs: list[Channel] = []
         self._peer_of: dict[Channel, Peer] = {}  # worker and writer channels: the rank they reach
         self._metrics_server: Any = None
+        self.kv_events: Optional[KVEventsPublisher] = None  # --kv-events-config
         # structured output's compiles, off the loop (tests may hand in their own compile)
         self.compiles = CompileThreads(compile or XgrammarCompile(cfg.model))
         # chosen once: without faults the core's entry and its outbox are the bare ones (no per-message check)
@@ -71,6 +73,13 @@ class SchedulerShell(Actor):
             self.writer_chs.append(self._link(sock, m.DEC_WRITER_TO_SCHED, f"{inst.name}-writer", peer))
         self.add_fd(self.compiles.fd, self._grammars_compiled)
         self._serve_metrics()
+        if self.core.cfg.kv_events.on:
+            if self.core.alloc.enabled:
+                self.core.alloc.journal = []
+                self.kv_events = KVEventsPublisher(self, self.core.cfg, inst)
+            else:
+                log.info("%s: --kv-events-config asks for KV events, but this instance caches no prefix: none",
+                         self.name)
 
     def _serve_metrics(self) -> None:
         """/metrics for the scrapers that read each model server (llm-d, Prometheus), on prometheus_client's
@@ -99,6 +108,10 @@ class SchedulerShell(Actor):
     def teardown(self) -> None:
         self.core.shutdown(self.stop_reason)
         self._flush()
+        if self.kv_events is not None:
+            if self.kv_events.replay is not None:
+                self.remove_fd(self.kv_events.replay)  # type: ignore[arg-type]
+            self.kv_events.close()
         self.remove_fd(self.compiles.fd)
         self.compiles.close()  # a compile under way is not waited for (its thread is a daemon)
         if self._metrics_server is not None:
@@ -158,6 +171,8 @@ class SchedulerShell(Actor):
     # -- out of the core ------------------------------------------------------------------
     def _flush(self) -> None:
         self.core.publish_metrics()
+        if self.kv_events is not None:
+            self.kv_events.publish(self.core.alloc.take_journal())
         for effect in self._take_effects():
             if isinstance(effect, Send):
                 self._send_to(effect.to, effect.msg)

@@ -15,6 +15,7 @@ import msgspec
 
 from pushkv.config import TRACE_AUTO, DeploymentConfig, InstanceConfig, ipc, new_deployment_id
 from pushkv.kv.layout import plan_transfer
+from pushkv.protocol import kv_events
 from pushkv.supervisor.geometry import check_deployment
 
 RUN_ROOT = "/tmp"
@@ -233,6 +234,14 @@ def fixed_ports(cfg: DeploymentConfig) -> list[tuple[str, int]]:
             (cfg.prefill_instances if cfg.host_role in ("", "prefill") else 0)
             + (cfg.decode_instances if cfg.host_role in ("", "decode") else 0))
         out += [("--metrics-port", cfg.metrics_port + i) for i in range(n)]
+    ev = cfg.kv_events
+    if ev.on and cfg.host_role != "router":  # each instance's KV-event sockets, where bound on TCP
+        n = 1 if cfg.mode == "local" else (
+            (cfg.prefill_instances if cfg.host_role in ("", "prefill") else 0)
+            + (cfg.decode_instances if cfg.host_role in ("", "decode") else 0))
+        for ep in (ev.endpoint, ev.replay_endpoint):
+            if ep and ep.startswith("tcp://") and kv_events.binds(ep):
+                out += [("--kv-events-config", int(ep.rsplit(":", 1)[1]) + i) for i in range(n)]
     return out
 
 

@@ -37,7 +37,8 @@ def port_problems(cfg: DeploymentConfig) -> list[str]:
     """Every port the user fixed that something on this host holds already."""
     out = []
     for flag, port in fixed_ports(cfg):
-        host = cfg.host if flag == "--port" else cfg.metrics_host()
+        # the KV events bind every interface (tcp://*:PORT) or the one they name
+        host = {"--port": cfg.host, "--kv-events-config": "0.0.0.0"}.get(flag) or cfg.metrics_host()
         err = _bind_error(host, port)
         if err:
             out.append(f"{flag} {port}: {host}:{port} is taken ({err}); give {flag} a free port, or stop what "

@@ -1,0 +1,86 @@
+"""KV cache events as vLLM publishes them (protocol/kv_events.py, pure): the prefix cache's journal, the events it
+becomes, the wire as vLLM's own types decode it, the setting's refusals and each instance's endpoint."""
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from pushkv.protocol import kv_events as K
+from pushkv.protocol.prefix_cache import PrefixCache, block_hashes, root_of
+
+pytestmark = pytest.mark.unit
+
+
+def test_the_journal_records_what_the_index_did_and_nothing_when_not_asked():
+    pc = PrefixCache(4)
+    a = pc.allocate(2)
+    assert a is not None and pc.insert(a[0], 11) and pc.take_journal() == []  # no journal: nothing kept
+    pc.journal = []
+    assert pc.insert(a[1], 12, parent=11, tokens=(5, 6), salt="")
+    assert not pc.insert(a[1], 12, parent=11, tokens=(5, 6))  # indexed already: no event either
+    pc.release(a)
+    b = pc.allocate(4)  # two free, two cached: both evicted, the table's last block first
+    assert b is not None
+    pc.reset()
+    assert pc.take_journal() == [("stored", 12, 11, (5, 6), ""), ("removed", 12), ("removed", 11), ("cleared",)]
+    assert pc.take_journal() == []
+
+
+def test_chained_blocks_are_one_stored_event_and_removals_one_removed_event():
+    j = [("stored", 1, None, (1, 2), ""), ("stored", 2, 1, (3, 4), ""), ("stored", 9, 7, (8, 8), ""),
+         ("removed", 5), ("removed", 6), ("cleared",), ("stored", 3, None, (0, 0), "tenant")]
+    ev = K.events_of(j, 2, K.MEDIUM_GPU)
+    assert ev[0] == K.BlockStored([1, 2], None, [1, 2, 3, 4], 2, None, "GPU", None, None, 0)
+    assert ev[1] == K.BlockStored([9], 7, [8, 8], 2, None, "GPU", None, None, 0)  # 7 is not 2: a run of its own
+    assert ev[2] == K.BlockRemoved([5, 6], "GPU", 0)
+    assert ev[3] == K.AllBlocksCleared()
+    assert ev[4].extra_keys == [("tenant",)] and ev[4].parent_block_hash is None  # a salted prompt's first block
+    with pytest.raises(ValueError, match="unknown journal entry"):
+        K.events_of([("moved", 1)], 2, "GPU")
+
+
+def test_the_wire_is_vllms_as_its_own_types_decode_it():
+    vllm_events = pytest.importorskip("vllm.distributed.kv_events")
+    toks = list(range(100, 132))
+    hashes = block_hashes(toks, 16)
+    payload = K.encode(1234.5, [K.BlockStored(hashes, None, toks, 16, None, "CPU", None, None, 0),
+                                K.BlockRemoved([hashes[1]], "CPU", 0), K.AllBlocksCleared()])
+    batch = msgspec.msgpack.Decoder(vllm_events.KVEventBatch).decode(payload)
+    assert batch.ts == 1234.5 and batch.data_parallel_rank is None
+    stored, removed, cleared = batch.events
+    assert isinstance(stored, vllm_events.BlockStored) and stored.block_hashes == hashes
+    assert (stored.parent_block_hash, stored.token_ids, stored.block_size) == (None, toks, 16)
+    assert (stored.medium, stored.lora_id, stored.lora_name, stored.group_idx) == ("CPU", None, None, 0)
+    assert isinstance(removed, vllm_events.BlockRemoved) and removed.block_hashes == [hashes[1]]
+    assert isinstance(cleared, vllm_events.AllBlocksCleared)
+    # and ours reads vLLM's
+    back = K.DECODER.decode(msgspec.msgpack.encode(batch))
+    assert back.events[0].block_hashes == hashes and isinstance(back.events[2], K.AllBlocksCleared)
+
+
+def test_the_setting_takes_vllms_fields_and_refuses_the_rest_by_name():
+    on = K.parse_config('{"enable_kv_cache_events": true}')
+    assert on.on and on.endpoint == "tcp://*:5557" and on.replay_endpoint is None and on.buffer_steps == 10_000
+    assert not K.parse_config('{"enable_kv_cache_events": true, "publisher": "null"}').on
+    assert not K.parse_config("{}").on
+    for bad, says in (('{"enable_kv_cache_events": true, "publisher": "kafka"}', "publisher"),
+                      ('{"enable_events": true}', "enable_events"), ("not json", "--kv-events-config"),
+                      ('{"endpoint": "http://x:1"}', "endpoint"), ('{"endpoint": "tcp://*"}', "port"),
+                      ('{"replay_endpoint": "x"}', "replay_endpoint"), ('{"hwm": 0}', "hwm")):
+        with pytest.raises(ValueError, match=says):
+            K.parse_config(bad)
+
+
+def test_each_instance_publishes_on_its_own_endpoint():
+    assert K.endpoint_for("tcp://*:5557", 0) == "tcp://*:5557"
+    assert K.endpoint_for("tcp://*:5557", 2) == "tcp://*:5559"
+    assert K.endpoint_for("ipc:///tmp/ev", 1) == "ipc:///tmp/ev_1"
+    assert K.endpoint_for(None, 3) is None
+    assert K.binds("tcp://*:5557") and K.binds("ipc:///tmp/x") and not K.binds("tcp://10.0.0.2:5557")
+
+
+def test_a_salted_prompt_chains_from_its_salt_yet_reports_no_parent():
+    # the first block's hash is chained to root_of(salt); its event says None and carries the salt as an extra key
+    h = block_hashes([1] * 16, 16, root_of("t"))
+    ev = K.events_of([("stored", h[0], None, tuple([1] * 16), "t")], 16, "CPU")[0]
+    assert ev.block_hashes == h and ev.parent_block_hash is None and ev.extra_keys == [("t",)]
