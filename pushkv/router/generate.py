@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Awaitable, Callable, Optional
 
 from aiohttp import web
 
@@ -39,18 +39,26 @@ async def serve(request: web.Request, params: api.CompletionParams, runs: list[R
     ``served``: the names the model is served under (a request that names none gets the first)."""
     gen = Generation(params, runs, tok, params.model or served[0])
     try:
-        for run in runs:  # placement first, so a refusal is a plain HTTP error even for a stream
-            refused = run.start()
-            if refused is not None:
-                for r in runs:  # the refusal ends every choice, the ones placed already too
-                    r.close(outcome=refused.outcome)
-                return refusal(refused.status, refused.reason)
+        refused = start_all(runs)  # placement first, so a refusal is a plain HTTP error even for a stream
+        if refused is not None:
+            return refused
         if params.stream:
             return await gen.stream(request)
         return await gen.unary()
     except asyncio.CancelledError:  # aiohttp cancels the handler when the client goes
         gen.client_gone()
         raise
+
+
+def start_all(runs: list[RequestRun]) -> Optional[web.Response]:
+    """Place every choice's run; where one is refused, every choice ends with it and the refusal is the answer."""
+    for run in runs:
+        refused = run.start()
+        if refused is not None:
+            for r in runs:  # the refusal ends every choice, the ones placed already too
+                r.close(outcome=refused.outcome)
+            return refusal(refused.status, refused.reason)
+    return None
 
 
 class Fanout:
@@ -208,7 +216,7 @@ class Generation:
         fan = Fanout(self.runs)
         try:
             if isinstance(self.render, responses.ResponsesRenderer):
-                await self._typed_events(resp, fan, self.render)
+                await self.typed_events(lambda kind, body: resp.write(output.sse_event(kind, body)), fan)
             else:
                 await self._chunks(resp, fan)
             await resp.write_eof()
@@ -218,26 +226,53 @@ class Generation:
             await fan.close()
         return resp
 
-    async def _typed_events(self, resp: web.StreamResponse, fan: Fanout, render: "responses.ResponsesRenderer") -> None:
-        """A /v1/responses stream: OpenAI's typed events (router/responses.py), no [DONE]."""
-        events = responses.ResponseEvents(render, self.request_id, self.created, self.model)
+    async def typed_events(self, write: Callable[[str, dict], Awaitable[object]], fan: Fanout) -> None:
+        """A /v1/responses stream: OpenAI's typed events (router/responses.py), each handed to ``write`` (the SSE
+        stream, or a background response's log); no [DONE]. The last response, completed or failed, is kept where
+        the request keeps it."""
+        assert isinstance(self.render, responses.ResponsesRenderer)
+        events = responses.ResponseEvents(self.render, self.request_id, self.created, self.model)
         for kind, opening in events.start():
-            await resp.write(output.sse_event(kind, opening))
+            await write(kind, opening)
         async for i, ev in fan.events():
             if isinstance(ev, Failed):
                 for kind, body in events.failed(ev.status, ev.reason):
-                    await resp.write(output.sse_event(kind, body))
+                    if self.params.keep_response and (self.params.responses or {}).get("background"):
+                        self.params.keep_response(body["response"])
+                    await write(kind, body)
                 return
             delta = self._apply(i, ev, fan)
             if delta is None:
                 continue
             for kind, body in events.delta(delta):
-                await resp.write(output.sse_event(kind, body))
+                await write(kind, body)
             if delta.finish_reason:
                 for kind, body in events.finish(delta.finish_reason, self._usage(), self._extension()):
                     if kind in ("response.completed", "response.incomplete") and self.params.keep_response:
                         self.params.keep_response(body["response"])
-                    await resp.write(output.sse_event(kind, body))
+                    await write(kind, body)
+
+    async def background_answer(self) -> dict:
+        """A background /v1/responses request's final response, kept where the request keeps it: as ``unary``'s,
+        or ``failed`` with the reason where a choice failed."""
+        assert isinstance(self.render, responses.ResponsesRenderer)
+        fan = Fanout(self.runs)
+        try:
+            async for i, ev in fan.events():
+                if isinstance(ev, Failed):
+                    code = "server_error" if ev.status >= 500 else "invalid_request"
+                    answer = responses.response(self.request_id, self.created, self.model, self.render.settings, [],
+                                                "failed", None, error={"code": code, "message": ev.reason})
+                    break
+                self._apply(i, ev, fan)
+            else:
+                answer = self.render.unary_body(self.request_id, self.created, self.model, self.outs, self._usage(),
+                                                self._extension())
+        finally:
+            await fan.close()
+        if self.params.keep_response is not None:
+            self.params.keep_response(answer)
+        return answer
 
     async def _chunks(self, resp: web.StreamResponse, fan: Fanout) -> None:
         """A completion or chat stream: a chunk a delta, usage where asked, then [DONE]."""

@@ -20,11 +20,19 @@ within 64 MiB; in its memory, so a router restart forgets them) finished respons
 output come before the new input (its ``instructions`` do not, as OpenAI's). ``GET /v1/responses/ID`` answers a kept
 one and ``DELETE`` forgets it; an unknown id is a 404.
 
+Background responses, as OpenAI's and vLLM's ``background: true`` (kept, so never with ``store: false``): the answer is
+the response at once, ``queued``, while it generates on; ``GET /v1/responses/ID`` shows it ``in_progress``, then as it
+ended, and ``POST /v1/responses/ID/cancel`` stops it (``cancelled``, its blocks freed on every instance). Asked with
+``stream: true`` its typed events stream as they are made and are kept (``BackgroundLog``): ``GET
+/v1/responses/ID?stream=true&starting_after=N`` streams them again from the one after ``N``, and on as they come, so a
+client that lost its stream takes it up where it broke.
+
 Not built, and refused by name with a 400: tools other than functions (web search, file search, MCP, ...),
-``conversation`` (conversation objects), ``background``, ``prompt`` (stored prompts), ``include`` of anything but the
+``conversation`` (conversation objects), ``prompt`` (stored prompts), ``include`` of anything but the
 logprobs, and input items other than messages of text and function calls and their outputs."""
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from collections import OrderedDict
@@ -39,7 +47,6 @@ SAMPLING = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "repetiti
             "frequency_penalty", "logit_bias", "stop", "stream", "user")
 NOT_BUILT = {
     "conversation": "conversation objects are not built: send the input, or previous_response_id",
-    "background": "background responses are not built",
     "prompt": "stored prompts are not built: send the input",
 }
 LOGPROBS = "message.output_text.logprobs"  # the one ``include`` built
@@ -164,6 +171,16 @@ class Store:
             got = self._kept.pop(rid, None)
             self._bytes -= got[2] if got else 0
         return got is not None
+
+    def restatus(self, rid: str, status: str) -> Optional[dict]:
+        """A kept response, its status now ``status`` (a background one as it runs or is cancelled)."""
+        with self._lock:
+            got = self._kept.get(rid)
+            if got is None:
+                return None
+            changed = {**got[0], "status": status}
+            self._kept[rid] = (changed, got[1], got[2])
+        return changed
 
     def conversation(self, rid: str) -> list[dict]:
         """The chat messages that continue response ``rid``: its conversation, then its output (the message's text
@@ -302,7 +319,8 @@ def echo(body: dict) -> dict:
             "user": body.get("user"), "tools": body.get("tools") or [], "top_logprobs": body.get("top_logprobs"),
             "tool_choice": body.get("tool_choice") or ("auto" if body.get("tools") else "none"),
             "parallel_tool_calls": body.get("parallel_tool_calls", True),
-            "previous_response_id": body.get("previous_response_id"), "store": False}
+            "previous_response_id": body.get("previous_response_id"), "store": False,
+            "background": bool(body.get("background"))}
 
 
 def usage(chat_usage: dict) -> dict:
@@ -504,3 +522,34 @@ class ResponseEvents:
         code = "server_error" if status >= 500 else "invalid_request"
         return [self._ev("response.failed", response=self._response("failed", error={"code": code,
                                                                                        "message": reason}))]
+
+
+class BackgroundLog:
+    """A streamed background response's typed events, kept as they are made, so that ``GET
+    /v1/responses/ID?stream=true&starting_after=N`` streams them again from the one after ``N`` and follows the rest.
+    Its events are the stream's own (each ``sequence_number`` its index here)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict]] = []
+        self.ended = False
+        self._more = asyncio.Event()
+
+    def add(self, kind: str, body: dict) -> None:
+        self.events.append((kind, body))
+        self._more.set()
+
+    def end(self) -> None:
+        self.ended = True
+        self._more.set()
+
+    async def follow(self, after: int = -1):
+        """The events after sequence number ``after``, then each as it comes, until the response ends."""
+        i = after + 1
+        while True:
+            while i < len(self.events):
+                yield self.events[i]
+                i += 1
+            if self.ended:
+                return
+            self._more.clear()
+            await self._more.wait()

@@ -14,8 +14,9 @@ import os
 import signal
 import time
 import uuid
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Callable, Literal, Mapping, Optional
 
 import msgspec
 import zmq
@@ -83,6 +84,10 @@ class Router:
         # /v1/responses answers kept for previous_response_id and GET /v1/responses/ID (router/responses.py)
         kept = envs.PUSHKV_RESPONSES_STORE
         self.responses_store: Optional[responses.Store] = responses.Store(kept) if kept > 0 else None
+        # background responses generating now (their tasks), and the event logs of the streamed ones (the latest
+        # PUSHKV_RESPONSES_STORE, for GET ?stream=true; router/responses.py)
+        self.background: dict[str, asyncio.Task] = {}
+        self.background_logs: "OrderedDict[str, responses.BackgroundLog]" = OrderedDict()
         # a request's parse (chat template, tokenizing, a structured-output grammar's check) runs here, not on the
         # event loop, so a long prompt or a large JSON schema holds no other request's stream
         self._parse_pool = ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="router-parse")
@@ -133,6 +138,7 @@ class Router:
             ("POST", "/v1/responses", self.handle_responses),
             ("GET", "/v1/responses/{response_id}", self.handle_response_get),
             ("DELETE", "/v1/responses/{response_id}", self.handle_response_delete),
+            ("POST", "/v1/responses/{response_id}/cancel", self.handle_response_cancel),
             ("GET", "/v1/models", self.handle_models),
             ("GET", "/health", self.handle_health),
             ("GET", "/metrics", self.handle_metrics),
@@ -324,6 +330,8 @@ class Router:
             await asyncio.wait_for(self._handlers_idle.wait(), SHUTDOWN_GRACE_S)
         except asyncio.TimeoutError:
             log.warning("%d request(s) still in flight at shutdown", len(self.runs))
+        if self.background:  # their choices failed above: each ends, keeping its response failed
+            await asyncio.wait(list(self.background.values()), timeout=SHUTDOWN_GRACE_S)
         if self._runner is not None:
             await self._runner.cleanup()  # closes the listening socket
         self._parse_pool.shutdown(wait=False, cancel_futures=True)
@@ -431,18 +439,63 @@ class Router:
         conv = responses.conversation(body, store)
         params = self._parser("chat")(responses.chat_body(body, store, conv))
         keep = store is not None and body.get("store") is not False
+        if body.get("background") and not keep:
+            raise api.bad("background", "background: a background response is kept to be fetched, so it needs store "
+                                        "(not store: false, and a router that keeps responses: PUSHKV_RESPONSES_STORE)")
         params.responses = {**responses.echo(body), "store": keep}
         if keep:
             params.keep_response = functools.partial(store.keep, conversation=conv)
         return params
 
-    async def handle_response_get(self, request: web.Request) -> web.Response:
-        """A kept response (``responses.Store``), or 404."""
+    async def handle_response_get(self, request: web.Request) -> web.StreamResponse:
+        """A kept response (``responses.Store``), or 404; with ``stream=true`` a streamed background response's
+        events again, from the one after ``starting_after`` on."""
         rid = request.match_info["response_id"]
         got = self.responses_store.get(rid) if self.responses_store is not None else None
         if got is None:
             return _error(404, f"no response {rid!r} is kept", "invalid_request_error")
-        return web.json_response(got)
+        if request.query.get("stream", "false").lower() != "true":
+            return web.json_response(got)
+        events = self.background_logs.get(rid)
+        if events is None:
+            return _error(400, f"stream: response {rid!r} was not made with background and stream, so it has no "
+                               "events kept to stream again", "invalid_request_error")
+        try:
+            after = int(request.query.get("starting_after", "-1"))
+        except ValueError:
+            return _error(400, "starting_after: a sequence number (an integer)", "invalid_request_error")
+        return await self._stream_log(request, events, after)
+
+    async def _stream_log(self, request: web.Request, events: responses.BackgroundLog,
+                          after: int) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        try:
+            async for kind, body in events.follow(after):
+                await resp.write(output.sse_event(kind, body))
+            await resp.write_eof()
+        except ConnectionError:  # the client went: the response generates on (it is a background one)
+            pass
+        return resp
+
+    async def handle_response_cancel(self, request: web.Request) -> web.Response:
+        """A background response still generating stopped (``cancelled``; its choices aborted and their blocks
+        freed); a kept one that is not generating is a 400, an unknown one a 404."""
+        rid = request.match_info["response_id"]
+        got = self.responses_store.get(rid) if self.responses_store is not None else None
+        if got is None:
+            return _error(404, f"no response {rid!r} is kept", "invalid_request_error")
+        task = self.background.get(rid)
+        if task is None:
+            return _error(400, f"response {rid!r} is {got['status']}: only a background response still generating "
+                               "is cancelled", "invalid_request_error")
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        assert self.responses_store is not None
+        return web.json_response(self.responses_store.get(rid) or got)
 
     async def handle_response_delete(self, request: web.Request) -> web.Response:
         """A kept response forgotten, or 404."""
@@ -540,14 +593,73 @@ class Router:
         log.debug("request transfer_id=%s prompt=%d max_tokens=%d n=%d stream=%s route=%s",
                   runs[0].transfer_id, len(params.prompt_token_ids), params.max_tokens, params.choices, params.stream,
                   route)
+        if params.responses and params.responses.get("background"):
+            return await self._background(request, params, runs)
         try:
             return await generate.serve(request, params, runs, self.tokenizer, self.served)
         finally:
-            self._close(runs)
-            if self.otlp is not None:
-                self._export(request, params, runs)
+            self._end(request.headers, params, runs)
 
-    def _export(self, request: web.Request, params: api.CompletionParams, runs: list[RequestRun]) -> None:
+    def _end(self, headers: Mapping[str, str], params: api.CompletionParams, runs: list[RequestRun]) -> None:
+        self._close(runs)
+        if self.otlp is not None:
+            self._export(headers, params, runs)
+
+    async def _background(self, request: web.Request, params: api.CompletionParams,
+                          runs: list[RequestRun]) -> web.StreamResponse:
+        """A background response: placed now (a refusal is the answer, as for any request), then generated by a task
+        of its own; the answer is the response, queued, or (streamed) its events as they come."""
+        headers = dict(request.headers)
+        refused = generate.start_all(runs)
+        if refused is not None:
+            self._end(headers, params, runs)
+            return refused
+        gen = generate.Generation(params, runs, self.tokenizer, params.model or self.served[0])
+        assert isinstance(gen.render, responses.ResponsesRenderer) and params.keep_response is not None
+        rid = gen.request_id
+        queued = responses.response(rid, gen.created, gen.model, gen.render.settings, [], "queued", None)
+        params.keep_response(queued)
+        events = responses.BackgroundLog() if params.stream else None
+        if events is not None:
+            self.background_logs[rid] = events
+            while len(self.background_logs) > max(1, envs.PUSHKV_RESPONSES_STORE):
+                self.background_logs.popitem(last=False)
+        task = asyncio.create_task(self._generate_in_background(gen, headers, events), name=f"background-{rid}")
+        self.background[rid] = task
+        task.add_done_callback(lambda _: self.background.pop(rid, None))
+        if events is not None:
+            return await self._stream_log(request, events, -1)
+        return web.json_response(queued)
+
+    async def _generate_in_background(self, gen: generate.Generation, headers: Mapping[str, str],
+                                      events: Optional[responses.BackgroundLog]) -> None:
+        store, rid = self.responses_store, gen.request_id
+        assert store is not None
+        try:
+            store.restatus(rid, "in_progress")
+            if events is not None:
+                async def add(kind: str, body: dict) -> None:
+                    events.add(kind, body)
+
+                fan = generate.Fanout(gen.runs)
+                try:
+                    await gen.typed_events(add, fan)
+                finally:
+                    await fan.close()
+            else:
+                await gen.background_answer()
+        except asyncio.CancelledError:  # POST /v1/responses/ID/cancel
+            store.restatus(rid, "cancelled")
+            raise
+        except Exception:
+            log.exception("background response %s", rid)
+            store.restatus(rid, "failed")
+        finally:
+            if events is not None:
+                events.end()
+            self._end(headers, gen.params, gen.runs)
+
+    def _export(self, headers: Mapping[str, str], params: api.CompletionParams, runs: list[RequestRun]) -> None:
         """Each choice's spans to the OTLP collector (the SDK batches them on its own thread)."""
         assert self.otlp is not None
         now = time.monotonic()
@@ -555,7 +667,7 @@ class Router:
             facts = otlp_spans.Facts(run.transfer_id, params.model or self.served[0], params.sampling,
                                      params.max_tokens, params.n)
             try:
-                self.otlp.emit(otlp_spans.request_spans(run.ledger, facts, now), request.headers)
+                self.otlp.emit(otlp_spans.request_spans(run.ledger, facts, now), headers)
             except Exception:  # a span the SDK refused never fails the request it describes
                 log.exception("OTLP export of transfer_id=%s", run.transfer_id)
 

@@ -3,6 +3,7 @@
 stream, and the fields not built refused by name."""
 import asyncio
 import json
+import threading
 
 import msgspec
 
@@ -92,7 +93,6 @@ def test_a_json_schema_format_holds_the_output(tmp_path):
     ("tools", [{"type": "function", "parameters": {}}], "name must be"),
     ("tool_choice", {"type": "function", "function": {"name": "f"}}, "tool_choice must be"),
     ("store", "yes", "true or false"),
-    ("background", True, "not built"),
     ("include", ["reasoning.encrypted_content"], "not built"),
     ("top_logprobs", "3", "must be an integer"),
     ("input", [{"type": "web_search_call", "id": "w"}], "only messages, function_call"),
@@ -345,3 +345,118 @@ def test_the_store_keeps_the_latest_within_its_bounds_and_turns_calls_back_into_
     with pytest.raises(api.ApiError) as e:
         small.conversation("s0")
     assert e.value.status == 404
+
+
+def _gated(go: "threading.Event"):
+    """The first token at once, the second and the end only once ``go`` is set."""
+    def script(g):
+        return [(None, tokens(g, [72])), (go, tokens(g, [105], True, "stop", (stage("scheduled"), stage("finished"))))]
+    return script
+
+
+def _run_gated(tmp_path, go, fn):
+    async def body():
+        async with Harness(make_cfg(tmp_path, "local", chat_template=TEMPLATE), {"local": _gated(go)}) as h:
+            await fn(h)
+    asyncio.run(asyncio.wait_for(body(), 25))
+
+
+async def _until(h, rid: str, status: str) -> dict:
+    """The kept response once it has ``status`` (the background task gets there on its own)."""
+    while True:
+        got = await (await h.http.get(f"/v1/responses/{rid}")).json()
+        if got["status"] == status:
+            return got
+        await asyncio.sleep(0.01)
+
+
+def test_a_background_response_answers_queued_then_generates_on_to_completed(tmp_path):
+    """OpenAI's and vLLM's background: the POST answers at once, queued; the response generates on, in progress,
+    while its client is gone, and is kept completed with the same output as a plain request's."""
+    openai_types = pytest.importorskip("openai.types.responses")
+    go = threading.Event()
+
+    async def fn(h):
+        r = await h.http.post("/v1/responses", json={"model": "tiny", "input": "Hey", "background": True})
+        queued = await r.json()
+        assert r.status == 200 and queued["status"] == "queued" and queued["background"] is True
+        assert queued["output"] == [] and queued["usage"] is None and queued["store"] is True
+        openai_types.Response.model_validate(queued)
+        running = await _until(h, queued["id"], "in_progress")
+        assert running["output"] == []
+        go.set()
+        done = await _until(h, queued["id"], "completed")
+        openai_types.Response.model_validate(done)
+        assert done["output"][0]["content"][0]["text"] == "Hi" and done["usage"]["output_tokens"] == 2
+        assert done["background"] is True and "pushkv" not in done
+        r = await h.http.post(f"/v1/responses/{queued['id']}/cancel")  # it has ended: nothing to cancel
+        assert r.status == 400 and "completed" in (await r.json())["error"]["message"]
+        # background needs the response kept
+        r = await h.http.post("/v1/responses", json={"model": "tiny", "input": "Hey", "background": True,
+                                                     "store": False})
+        err = (await r.json())["error"]
+        assert r.status == 400 and err["param"] == "background" and "store" in err["message"]
+
+    _run_gated(tmp_path, go, fn)
+
+
+def test_a_background_response_is_cancelled_its_choice_aborted_and_its_blocks_freed(tmp_path):
+    go = threading.Event()  # unset while the background response runs: it waits for its last token until cancelled
+
+    async def fn(h):
+        rid = (await (await h.http.post("/v1/responses", json={"model": "tiny", "input": "Hey",
+                                                               "background": True})).json())["id"]
+        await _until(h, rid, "in_progress")
+        r = await h.http.post(f"/v1/responses/{rid}/cancel")
+        got = await r.json()
+        assert r.status == 200 and got["status"] == "cancelled" and got["id"] == rid
+        [g] = h.log.received("local", m.Generate)
+        while not h.log.received("local", m.Abort):  # the instance is told: it frees the choice's blocks
+            await asyncio.sleep(0.01)
+        assert h.log.received("local", m.Abort)[0].transfer_id == g.transfer_id
+        assert (await (await h.http.get(f"/v1/responses/{rid}")).json())["status"] == "cancelled"
+        r = await h.http.post(f"/v1/responses/{rid}/cancel")
+        assert r.status == 400 and "cancelled" in (await r.json())["error"]["message"]
+        assert (await h.http.post("/v1/responses/resp_nope/cancel")).status == 404
+        go.set()  # a plain request ends
+        plain = await (await h.http.post("/v1/responses", json={"model": "tiny", "input": "Hey",
+                                                                "max_output_tokens": 1})).json()
+        r = await h.http.post(f"/v1/responses/{plain['id']}/cancel")  # not a background one
+        assert r.status == 400
+
+    _run_gated(tmp_path, go, fn)
+
+
+def _events(raw: str) -> list[dict]:
+    return [json.loads(block.split("\n")[1][len("data: "):]) for block in raw.strip().split("\n\n")]
+
+
+def test_a_streamed_background_responses_events_stream_again_from_any_point(tmp_path):
+    """background with stream: the events stream as they are made and are kept; ``GET ?stream=true&starting_after=N``
+    streams them again from the one after N, the same events, while and after it generates."""
+    go = threading.Event()
+
+    async def fn(h):
+        r = await h.http.post("/v1/responses", json={"model": "tiny", "input": "Hey", "background": True,
+                                                     "stream": True})
+        first = await r.content.readuntil(b"\n\n")  # response.created: the response is under way
+        created = json.loads(first.decode().split("\n")[1][len("data: "):])
+        rid = created["response"]["id"]
+        # a second client takes the stream up from the start while the first still reads it
+        again = await h.http.get(f"/v1/responses/{rid}?stream=true&starting_after=-1")
+        go.set()
+        whole = _events(first.decode() + (await r.text()))
+        assert [e["sequence_number"] for e in whole] == list(range(len(whole)))
+        assert whole[0]["type"] == "response.created" and whole[-1]["type"] == "response.completed"
+        assert _events(await again.text()) == whole
+        tail = await h.http.get(f"/v1/responses/{rid}?stream=true&starting_after=2")
+        assert _events(await tail.text()) == whole[3:]
+        kept = await (await h.http.get(f"/v1/responses/{rid}")).json()
+        assert kept["status"] == "completed" and kept["output"][0]["content"][0]["text"] == "Hi"
+        plain = await (await h.http.post("/v1/responses", json={"model": "tiny", "input": "Hey"})).json()
+        r = await h.http.get(f"/v1/responses/{plain['id']}?stream=true")
+        assert r.status == 400 and "background" in (await r.json())["error"]["message"]
+        r = await h.http.get(f"/v1/responses/{rid}?stream=true&starting_after=x")
+        assert r.status == 400
+
+    _run_gated(tmp_path, go, fn)
