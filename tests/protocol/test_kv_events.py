@@ -84,3 +84,26 @@ def test_a_salted_prompt_chains_from_its_salt_yet_reports_no_parent():
     h = block_hashes([1] * 16, 16, root_of("t"))
     ev = K.events_of([("stored", h[0], None, tuple([1] * 16), "t")], 16, "CPU")[0]
     assert ev.block_hashes == h and ev.parent_block_hash is None and ev.extra_keys == [("t",)]
+
+
+def test_each_instance_of_a_host_takes_the_port_after_the_one_before_it():
+    """P's instances first, then D's, as --metrics-port counts them; a host of one role counts its own from 0."""
+    import msgspec as ms
+
+    from pushkv.config import DeploymentConfig
+    from pushkv.scheduler.kv_events_pub import endpoints
+    from pushkv.supervisor.plan import fixed_ports
+
+    ev = K.parse_config('{"enable_kv_cache_events": true, "endpoint": "tcp://*:6000", '
+                        '"replay_endpoint": "tcp://*:7000"}')
+    cfg = DeploymentConfig(mode="push", prefill_instances=2, decode_instances=2, kv_events=ev)
+    p1 = ms.structs.replace(cfg.prefill, index=1)
+    d0, d1 = cfg.decode, ms.structs.replace(cfg.decode, index=1)
+    got = [endpoints(cfg, i) for i in (cfg.prefill, p1, d0, d1)]
+    assert got == [(f"tcp://*:{6000 + k}", f"tcp://*:{7000 + k}") for k in range(4)]
+    flags = [(f, p) for f, p in fixed_ports(cfg) if f == "--kv-events-config"]
+    assert sorted(p for _, p in flags) == [6000, 6001, 6002, 6003, 7000, 7001, 7002, 7003]
+    d_host = ms.structs.replace(cfg, host_role="decode")
+    assert endpoints(d_host, d1) == ("tcp://*:6001", "tcp://*:7001")
+    local = DeploymentConfig(mode="local", kv_events=ev)
+    assert endpoints(local, local.local) == ("tcp://*:6000", "tcp://*:7000")
