@@ -425,6 +425,9 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
     # each instance publishes its prefix cache's events as vLLM's --kv-events-config does (protocol/kv_events.py,
     # scheduler/kv_events_pub.py): off by default
     kv_events: KVEventsConfig = KVEventsConfig()
+    # vLLM's --skip-tokenizer-init: the router loads no tokenizer; prompts come as token ids, outputs are token ids
+    # with empty text (stop strings, chat, structured output and the parsers refused by name)
+    skip_tokenizer_init: bool = False
     # each P / D instance's /metrics: the first instance planned gets this port, the next ones the
     # ports after it (P's instances, then D's); 0 = a free port each (shown by `pushkv status`)
     metrics_port: int = 0
@@ -572,6 +575,13 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
         if self.uds and self.host_role not in ("", "router"):
             raise ValueError(f"--uds {self.uds}: only the host that runs the router (--role router, or one host) "
                              f"listens on it, not --role {self.host_role}")
+        if self.skip_tokenizer_init:
+            for flag, given in (("--reasoning-parser", self.reasoning_parser), ("--tool-call-parser",
+                                                                               self.tool_call_parser),
+                                ("--chat-template", self.chat_template)):
+                if given:
+                    raise ValueError(f"--skip-tokenizer-init with {flag}: {flag} reads the output's text (or writes "
+                                     "the prompt's), which a router without a tokenizer has none of")
         if bool(self.ssl_keyfile) != bool(self.ssl_certfile):
             raise ValueError("--ssl-keyfile and --ssl-certfile go together: the router's HTTPS needs its key and its "
                              f"certificate (got keyfile {self.ssl_keyfile!r}, certfile {self.ssl_certfile!r})")

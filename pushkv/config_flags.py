@@ -257,6 +257,7 @@ def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = 
         host=f("host") or (f("role") and f("advertise")), port=f("port"), metrics_port=f("metrics_port"),
         uds=_path(f("uds")), root_path=f("root_path"), otlp_traces_endpoint=f("otlp_traces_endpoint"),
         kv_events=kv_events.parse_config(events) if (events := f("kv_events_config")) else None,
+        skip_tokenizer_init=True if f("skip_tokenizer_init") else None,
         host_role=f("role"), registry=f("registry"), advertise=f("advertise"), registry_ttl_s=f("registry_ttl"),
         log_level=f("log_level"), model=model, max_model_len=f("max_model_len"),
         secret_file=os.path.abspath(secret) if secret else None,

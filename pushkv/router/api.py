@@ -22,6 +22,7 @@ from pushkv import limits as L
 from pushkv.config import SamplingDefaults
 from pushkv.messages import SamplingParams, Structured
 from pushkv.router import text
+from pushkv.router.text import Untokenizable
 
 DEFAULT_MAX_TOKENS = 16  # completions, as OpenAI; chat defaults to what fits
 CANONICAL_ID = re.compile(r"0|[1-9][0-9]{0,9}")  # a logit_bias key: "7", never "07", " 7", "+7", "7.0"
@@ -250,9 +251,21 @@ def parse_request(raw: bytes, served: tuple[str, ...],
                   parse: Callable[[dict], CompletionParams]) -> CompletionParams:
     """A request body, whole: JSON, then its fields (``parse``: completions or chat), then its model."""
     body = parse_json(raw)
-    params = parse(body)
+    try:
+        params = parse(body)
+    except Untokenizable as e:  # --skip-tokenizer-init: text where only token ids are taken
+        raise bad("prompt" if "prompt" in body else "messages" if "messages" in body else "input", str(e)) from None
     check_model(body, served)
     return params
+
+
+def check_untokenized(params: CompletionParams) -> None:
+    """``--skip-tokenizer-init``, as vLLM's: what needs the output's text is refused, by name (its text is empty)."""
+    if params.stop:
+        raise bad("stop", "stop strings need the output's text, which --skip-tokenizer-init does not make: use "
+                          "stop_token_ids")
+    if params.structured is not None:
+        raise bad("response_format", "structured output needs the tokenizer, which --skip-tokenizer-init skips")
 
 
 def truncate_prompt(ids: list[int], body: dict, limits: Limits) -> list[int]:

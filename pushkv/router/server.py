@@ -72,7 +72,9 @@ class Router:
         self.cfg = cfg
         self.watcher = watcher  # where P and D instances come from (default: the planned config)
         self.api_key = envs.PUSHKV_API_KEY if api_key is None else api_key
-        self.tokenizer = tokenizer if tokenizer is not None else text.load_tokenizer(cfg.model)
+        if tokenizer is None:  # --skip-tokenizer-init: none loaded (prompts come as token ids, outputs have no text)
+            tokenizer = text.NoTokenizer() if cfg.skip_tokenizer_init else text.load_tokenizer(cfg.model)
+        self.tokenizer = tokenizer
         self.limits = api.Limits(
             vocab_size=cfg.model.vocab_size,
             max_model_len=cfg.max_model_len or cfg.model.max_position,
@@ -516,6 +518,8 @@ class Router:
 
     def _invocation(self, body: dict) -> api.CompletionParams:
         """An /invocations body's request: its route chosen by its fields."""
+        if "messages" in body and self.cfg.skip_tokenizer_init:
+            return _untemplated("messages", body)
         if "messages" in body:
             return self._parser("chat")(body)
         if "prompt" in body:
@@ -524,6 +528,8 @@ class Router:
 
     def _parser(self, route: Route) -> Callable[[dict], api.CompletionParams]:
         """What reads a body of ``route`` into its request (on a parse thread)."""
+        if self.cfg.skip_tokenizer_init and route in ("chat", "responses"):
+            return functools.partial(_untemplated, "messages" if route == "chat" else "input")
         if route == "invocation":  # the body says which
             return self._invocation
         if route == "responses":
@@ -554,6 +560,9 @@ class Router:
 
     async def _answer(self, request: web.Request, answer: Callable[[dict], dict]) -> web.Response:
         """A JSON body's answer, computed here (nothing reaches an instance); its model checked as a request's."""
+        if self.cfg.skip_tokenizer_init:
+            return _error(400, f"{request.path}: the router has no tokenizer (--skip-tokenizer-init)",
+                          "invalid_request_error")
         try:
             body = api.parse_json(await edge.read_body(request, self.cfg.router_body_timeout_s))
             api.check_model(body, self.served)
@@ -580,6 +589,8 @@ class Router:
         try:
             body = await edge.read_body(request, self.cfg.router_body_timeout_s)
             params = await self._off_loop(api.parse_request, body, self.served, self._parser(route))
+            if self.cfg.skip_tokenizer_init:
+                api.check_untokenized(params)
         except api.ApiError as e:
             self.metrics.requests.labels(outcome="rejected").inc()
             return web.json_response(e.body(), status=e.status)
@@ -706,6 +717,12 @@ class Router:
         self.load -= 1
         if not self.runs:
             self._handlers_idle.set()
+
+
+def _untemplated(field: str, body: dict) -> api.CompletionParams:
+    """A chat (or responses) request where the router has no tokenizer: refused by name."""
+    raise api.bad(field, "chat needs the tokenizer and its chat template, which --skip-tokenizer-init skips: send "
+                         "/v1/completions a prompt of token ids")
 
 
 RETRY_AFTER_S = 1  # what a 429 past the in-flight bound tells the client to wait: choices end in about this

@@ -36,6 +36,21 @@ class ByteTokenizer:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
 
+class NoTokenizer:
+    """``--skip-tokenizer-init``, as vLLM's: the router loads no tokenizer, so prompts come as token ids and the
+    output is its token ids, its text empty. Text to encode is refused (``Untokenizable``, a 400 naming the field)."""
+
+    def encode(self, text: str) -> list[int]:
+        raise Untokenizable("the router has no tokenizer (--skip-tokenizer-init): send the prompt as token ids")
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return ""
+
+
+class Untokenizable(ValueError):
+    """Text where ``--skip-tokenizer-init`` takes only token ids."""
+
+
 def load_tokenizer(model_cfg) -> Tokenizer:
     """The model's tokenizer, or the byte fallback when that module is absent."""
     try:

@@ -120,7 +120,7 @@ class Harness:
         self.log = OrderLog()
         self.fakes = {role: FakeScheduler(role, cfg.instance(role).sched_endpoint, self.log, script)
                       for role, script in scripts.items()}
-        self.router = Router(cfg, tokenizer=ByteTokenizer())
+        self.router = Router(cfg, tokenizer=None if cfg.skip_tokenizer_init else ByteTokenizer())
         self.http: aiohttp.ClientSession = None
 
     async def __aenter__(self):
