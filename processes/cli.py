@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="each P / D instance publishes its prefix cache's KV events as vLLM's flag does "
                           "('{\"enable_kv_cache_events\": true}': ZeroMQ PUB on tcp://*:5557, each next instance "
                           "on the port after; docs/running.md) (default: none)")
+    dep.add_argument("--disable-sliding-window", action="store_true", default=None,
+                     help="as vLLM's: every layer attends to the whole context, capped at the model's sliding "
+                          "window (default: the checkpoint's window applied)")
     dep.add_argument("--skip-tokenizer-init", action="store_true", default=None,
                      help="the router loads no tokenizer, as vLLM's flag: prompts come as token ids and each "
                           "choice's output is its token_ids, its text empty (default: the model's tokenizer)")

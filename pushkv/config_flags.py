@@ -246,6 +246,15 @@ def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = 
     if max_len is not None and not 1 <= max_len <= model.max_position:
         raise ValueError(f"--max-model-len {max_len} must be in [1, {model.max_position}] "
                          f"(the model's max_position_embeddings)")
+    if f("disable_sliding_window") and model.sliding_window:
+        # vLLM's: every layer attends to the whole context, which is capped at the window (within it, the window's
+        # attention and the whole context's are the same)
+        window = model.sliding_window
+        if max_len is not None and max_len > window:
+            raise ValueError(f"--max-model-len {max_len} with --disable-sliding-window: the context is capped at the "
+                             f"sliding window, {window} tokens")
+        max_len = max_len or window
+        model = msgspec.structs.replace(model, sliding_window=0, window_layers=())
     tp = f("tensor_parallel_size") or f("tp")  # --tp: the deprecated spelling
     sizes = dict(max_num_seqs=f("max_num_seqs"), max_batch_tokens=f("max_batch_tokens"),
                  prefill_chunk=f("prefill_chunk"), prefix_cache=False if f("no_prefix_cache") else None)
@@ -259,7 +268,7 @@ def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = 
         kv_events=kv_events.parse_config(events) if (events := f("kv_events_config")) else None,
         skip_tokenizer_init=True if f("skip_tokenizer_init") else None,
         host_role=f("role"), registry=f("registry"), advertise=f("advertise"), registry_ttl_s=f("registry_ttl"),
-        log_level=f("log_level"), model=model, max_model_len=f("max_model_len"),
+        log_level=f("log_level"), model=model, max_model_len=max_len,
         secret_file=os.path.abspath(secret) if secret else None,
         prefill_instances=f("prefill_instances"), decode_instances=f("decode_instances"),
         router_queue=f("router_queue"), router_max_in_flight=f("max_in_flight"),

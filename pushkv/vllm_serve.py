@@ -152,7 +152,6 @@ FLAGS: tuple[Flag, ...] = (
          "--generation-config auto, alone with none; a request's own values still win",
          sets="override_generation_config"),
     Flag(("--code-revision",), REFUSED, "pushkv runs no code from a checkpoint"),
-    Flag(("--disable-sliding-window",), REFUSED, "the checkpoint's sliding window is always applied", SWITCH),
     Flag(("--enable-sleep-mode",), REFUSED, "sleep mode is not built", SWITCH),
     Flag(("--enable-ssl-refresh",), REFUSED, "the router reads --ssl-keyfile and --ssl-certfile once, at start: "
          "restart it to take new ones", SWITCH),
