@@ -117,6 +117,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--swap-space",), NO_EFFECT, "nothing is swapped to host memory: a request that does not fit waits",
          float),
     Flag(("--disable-log-stats",), NO_EFFECT, "pushkv logs no periodic stats; /metrics has them", SWITCH),
+    Flag(("--collect-detailed-traces",), NO_EFFECT, "--otlp-traces-endpoint's spans always carry each request's "
+         "phases (queue, prefill, kv_transfer, decode) as children"),
     Flag(("--disable-log-requests",), NO_EFFECT, "pushkv does not log requests", SWITCH),
     Flag(("--enable-log-requests",), NO_EFFECT, "pushkv does not log requests; --trace records every message",
          SWITCH),
