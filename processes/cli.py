@@ -279,6 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     sec.add_argument("--ssl-cert-reqs", type=int, choices=(0, 1, 2), metavar="N",
                      help="client certificates: 0 not asked (default), 1 checked when given, 2 required, as "
                           "Python's ssl.CERT_NONE / CERT_OPTIONAL / CERT_REQUIRED and vLLM's flag")
+    sec.add_argument("--enable-ssl-refresh", action="store_true", default=None,
+                     help="as vLLM's: the router takes the key, certificate and CA files again when they change "
+                          "on disk, for the connections after (default: read once, at start)")
     sec.add_argument("--allowed-origins", type=_json_list("--allowed-origins"), metavar="JSON",
                      help='origins a browser page may call the router from, a JSON list (default: ["*"], every one, '
                           "as vLLM's)")

@@ -472,6 +472,9 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
     ssl_certfile: str = ""
     ssl_ca_certs: str = ""
     ssl_cert_reqs: int = 0
+    # vLLM's --enable-ssl-refresh: the router takes the key, certificate and CA files again when they change on disk
+    # (a certificate rotated in place), for the connections after (pushkv/tls.py, Refresher)
+    ssl_refresh: bool = False
     # cross-origin requests, as vLLM's --allowed-origins, --allowed-methods, --allowed-headers, --allow-credentials
     # and their defaults (router/cors.py): every origin, method and header, no credentials
     cors_origins: tuple[str, ...] = ("*",)
@@ -585,6 +588,9 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
         if bool(self.ssl_keyfile) != bool(self.ssl_certfile):
             raise ValueError("--ssl-keyfile and --ssl-certfile go together: the router's HTTPS needs its key and its "
                              f"certificate (got keyfile {self.ssl_keyfile!r}, certfile {self.ssl_certfile!r})")
+        if self.ssl_refresh and not self.ssl_certfile:
+            raise ValueError("--enable-ssl-refresh takes the certificate files again as they change: it needs "
+                             "--ssl-keyfile and --ssl-certfile")
         if self.ssl_cert_reqs not in (0, 1, 2):
             raise ValueError(f"--ssl-cert-reqs {self.ssl_cert_reqs} must be 0 (none), 1 (optional) or 2 (required)")
         if (self.ssl_ca_certs or self.ssl_cert_reqs) and not self.ssl_certfile:

@@ -275,6 +275,7 @@ def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = 
         router_max_connections=f("max_connections"),
         ssl_keyfile=_path(f("ssl_keyfile")), ssl_certfile=_path(f("ssl_certfile")),
         ssl_ca_certs=_path(f("ssl_ca_certs")), ssl_cert_reqs=f("ssl_cert_reqs"),
+        ssl_refresh=True if f("enable_ssl_refresh") else None,
         cors_origins=f("allowed_origins"), cors_methods=f("allowed_methods"), cors_headers=f("allowed_headers"),
         cors_credentials=True if f("allow_credentials") else None,
         push_pin_fraction=f("push_pin_fraction"), gpu_memory_utilization=f("gpu_memory_utilization"),

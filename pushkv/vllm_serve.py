@@ -155,8 +155,6 @@ FLAGS: tuple[Flag, ...] = (
          sets="override_generation_config"),
     Flag(("--code-revision",), REFUSED, "pushkv runs no code from a checkpoint"),
     Flag(("--enable-sleep-mode",), REFUSED, "sleep mode is not built", SWITCH),
-    Flag(("--enable-ssl-refresh",), REFUSED, "the router reads --ssl-keyfile and --ssl-certfile once, at start: "
-         "restart it to take new ones", SWITCH),
     Flag(("--headless",), REFUSED, "pushkv up --role prefill|decode runs a host without the router", SWITCH),
 )
 BY_DEST = {f.dest: f for f in FLAGS}

@@ -95,6 +95,7 @@ class Router:
         self._parse_pool = ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="router-parse")
         self.structured_ready = False  # xgrammar loaded (PUSHKV_WARM_GRAMMARS, after start; /health says it)
         self._warm_task: Optional[asyncio.Task] = None
+        self._refresh_task: Optional[asyncio.Task] = None  # --enable-ssl-refresh
         # this router's epoch: a restarted router's is newer, and the schedulers abort the legs of
         # the one before (messages.RouterEpoch)
         self.epoch = time.time_ns()
@@ -218,8 +219,11 @@ class Router:
         site = edge.CappedSite(self._runner, self.cfg.host, self.cfg.port, cap,
                                self.metrics.connections_refused.inc,
                                backlog=max(edge.BACKLOG, self.cfg.router_max_in_flight),
-                               ssl_context=tls.server_context(self.cfg), path=self.cfg.uds)
+                               ssl_context=(ssl_ctx := tls.server_context(self.cfg)), path=self.cfg.uds)
         await site.start()
+        if self.cfg.ssl_refresh and ssl_ctx is not None:
+            self._refresh_task = asyncio.get_running_loop().create_task(self._refresh_tls(tls.Refresher(self.cfg,
+                                                                                                      ssl_ctx)))
         log.info("HTTP edge: open-file limit %d (was %d), at most %d connections, headers within %.0fs, "
                  "a body within %.0fs", fds, fds_before, cap, self.cfg.router_header_timeout_s,
                  self.cfg.router_body_timeout_s)
@@ -316,6 +320,13 @@ class Router:
         if self._stop_requested is not None:
             self._stop_requested.set()
 
+    async def _refresh_tls(self, refresher: tls.Refresher) -> None:
+        """--enable-ssl-refresh: the certificate files looked at every ``tls.REFRESH_S``, taken again as they
+        change (a few stat calls a second; the load itself only on a change)."""
+        while True:
+            await asyncio.sleep(tls.REFRESH_S)
+            refresher.check()
+
     async def run_until_stopped(self) -> None:
         await self._stop_requested.wait()
         await self.stop()
@@ -337,7 +348,7 @@ class Router:
         if self._runner is not None:
             await self._runner.cleanup()  # closes the listening socket
         self._parse_pool.shutdown(wait=False, cancel_futures=True)
-        for task in (self._control_task, self._events_task, self._warm_task):
+        for task in (self._control_task, self._events_task, self._warm_task, self._refresh_task):
             if task is None:
                 continue
             task.cancel()

@@ -1,13 +1,16 @@
 """The router on HTTPS, with vLLM's flags: ``--ssl-keyfile`` and ``--ssl-certfile`` serve it, ``--ssl-ca-certs`` with
 ``--ssl-cert-reqs 2`` requires a client certificate signed by those CAs; and files that do not load are refused before
-anything starts, naming the flag. Certificates are made for the test by the ``openssl`` command."""
+anything starts, naming the flag; ``--enable-ssl-refresh`` serves a rotated certificate to the connections after. Certificates
+are made for the test by the ``openssl`` command."""
 from __future__ import annotations
 
 import http.client
 import json
 import os
+import shutil
 import ssl
 import subprocess
+import time
 
 import pytest
 
@@ -110,3 +113,70 @@ def test_tls_files_that_do_not_load_are_refused_by_name(certs, tmp_path):
     cfg = user_config({"mode": "local", "device": "cpu", "ssl_keyfile": os.path.relpath(certs["server.key"]),
                        "ssl_certfile": certs["server.pem"]})
     assert cfg.ssl_keyfile == certs["server.key"]  # made absolute: the processes start elsewhere
+
+
+def _served_serial(port: int, ctx: ssl.SSLContext) -> int:
+    """The serial number of the certificate a new connection is served."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as raw:
+        with ctx.wrap_socket(raw, server_hostname="localhost") as tls_sock:
+            der = tls_sock.getpeercert(binary_form=True)
+    out = subprocess.run(["openssl", "x509", "-inform", "DER", "-noout", "-serial"], input=der, capture_output=True,
+                         check=True, timeout=60)
+    return int(out.stdout.decode().strip().split("=")[1], 16)
+
+
+def _serial(pem: str) -> int:
+    out = subprocess.run(["openssl", "x509", "-in", pem, "-noout", "-serial"], capture_output=True, text=True,
+                         check=True, timeout=60)
+    return int(out.stdout.strip().split("=")[1], 16)
+
+
+def test_a_rotated_certificate_is_served_to_new_connections_with_ssl_refresh(certs, tmp_path):
+    """vLLM's --enable-ssl-refresh: the key and certificate replaced on disk (as cert-manager rotates them) are served
+    to the connections after, with no restart; a half-written pair (a certificate without its key) is not taken, and
+    the router serves on with the pair before."""
+    live = {n: str(tmp_path / n) for n in ("live.key", "live.pem")}
+    shutil.copy(certs["server.key"], live["live.key"])
+    shutil.copy(certs["server.pem"], live["live.pem"])
+    # the rotated pair: a new key and certificate for localhost, signed by the same CA
+    new = {n: str(tmp_path / n) for n in ("new.key", "new.csr", "new.pem")}
+    _openssl("req", "-new", "-newkey", "rsa:2048", "-nodes", "-keyout", new["new.key"], "-out", new["new.csr"],
+             "-subj", "/CN=localhost")
+    _openssl("x509", "-req", "-in", new["new.csr"], "-CA", certs["ca.pem"], "-CAkey", certs["ca.key"],
+             "-CAcreateserial", "-out", new["new.pem"], "-days", "2", "-extfile", certs["ext.cnf"])
+    first, rotated = _serial(certs["server.pem"]), _serial(new["new.pem"])
+    assert first != rotated
+    with launched("--mode", "local", "--num-blocks", "128", "--ssl-keyfile", live["live.key"], "--ssl-certfile",
+                  live["live.pem"], "--enable-ssl-refresh", log_path=str(tmp_path / "up.log")) as d:
+        ctx = _client(certs)
+        assert _served_serial(d.port, ctx) == first
+        # mid-rotation: the new certificate written before its key; it does not load, the old pair serves on
+        tmp = live["live.pem"] + ".tmp"
+        shutil.copy(new["new.pem"], tmp)
+        os.replace(tmp, live["live.pem"])
+        log = tmp_path / "up.log"
+        deadline = time.monotonic() + 30
+        while "do not load" not in log.read_text():
+            assert time.monotonic() < deadline, "the router never looked at the changed files"
+            time.sleep(0.05)
+        assert _served_serial(d.port, ctx) == first and _complete(d.port, ctx)[0] == 200
+        # then its key: the pair loads, and new connections get it
+        shutil.copy(new["new.key"], tmp)
+        os.replace(tmp, live["live.key"])
+        deadline = time.monotonic() + 30
+        while _served_serial(d.port, ctx) != rotated:
+            assert time.monotonic() < deadline, "the rotated certificate was never served"
+            time.sleep(0.05)
+        status, body = _complete(d.port, ctx)
+        assert status == 200 and len(body["choices"][0]["token_ids"]) == 3, body
+        d.wait_pools_free()
+
+
+@pytest.mark.unit
+def test_ssl_refresh_needs_the_certificate_files():
+    from pushkv.config_flags import user_config
+
+    with pytest.raises(ValueError, match="--enable-ssl-refresh"):
+        user_config({"mode": "local", "device": "cpu", "enable_ssl_refresh": True})
