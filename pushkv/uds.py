@@ -97,3 +97,9 @@ class UnixHTTPConnection(http.client.HTTPConnection):
         s.settimeout(self.timeout)
         s.connect(self.socket_path)
         self.sock = s
+
+
+def run_dir_socket(run_dir: str) -> str:
+    """The router's own socket in the deployment's run dir (0700), for this host's tools (``pushkv status``); "" without
+    a run dir."""
+    return os.path.join(run_dir, "router.sock") if run_dir else ""

@@ -8,6 +8,7 @@ sockets).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
@@ -23,7 +24,7 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
-from pushkv import __version__, envs, limits, otlp, security, tls
+from pushkv import __version__, envs, limits, otlp, security, tls, uds
 from pushkv import messages as m
 from pushkv.config import DeploymentConfig, Role
 from pushkv.discovery.base import Watcher
@@ -96,6 +97,7 @@ class Router:
         self.structured_ready = False  # xgrammar loaded (PUSHKV_WARM_GRAMMARS, after start; /health says it)
         self._warm_task: Optional[asyncio.Task] = None
         self._refresh_task: Optional[asyncio.Task] = None  # --enable-ssl-refresh
+        self._local_site: Optional[web.UnixSite] = None  # router.sock in the run dir
         # this router's epoch: a restarted router's is newer, and the schedulers abort the legs of
         # the one before (messages.RouterEpoch)
         self.epoch = time.time_ns()
@@ -221,6 +223,7 @@ class Router:
                                backlog=max(edge.BACKLOG, self.cfg.router_max_in_flight),
                                ssl_context=(ssl_ctx := tls.server_context(self.cfg)), path=self.cfg.uds)
         await site.start()
+        await self._serve_run_dir()
         if self.cfg.ssl_refresh and ssl_ctx is not None:
             self._refresh_task = asyncio.get_running_loop().create_task(self._refresh_tls(tls.Refresher(self.cfg,
                                                                                                       ssl_ctx)))
@@ -320,6 +323,19 @@ class Router:
         if self._stop_requested is not None:
             self._stop_requested.set()
 
+    async def _serve_run_dir(self) -> None:
+        """The same routes, plain HTTP, on ``router.sock`` in the run dir (0700: this user's processes only), for
+        this host's own tools: ``pushkv status`` reads the router's health there whatever the public edge asks
+        (HTTPS with client certificates, a Unix socket of its own, a root path). The API key still guards /v1/*."""
+        path = uds.run_dir_socket(self.cfg.run_dir)
+        if not path or len(path.encode()) > uds.MAX_PATH_BYTES:
+            return
+        if os.path.exists(path):
+            os.unlink(path)  # a router of this run dir that died: the run dir is this deployment's alone
+        self._local_site = web.UnixSite(self._runner, path)
+        await self._local_site.start()
+        os.chmod(path, 0o600)
+
     async def _refresh_tls(self, refresher: tls.Refresher) -> None:
         """--enable-ssl-refresh: the certificate files looked at every ``tls.REFRESH_S``, taken again as they
         change (a few stat calls a second; the load itself only on a change)."""
@@ -346,7 +362,10 @@ class Router:
         if self.background:  # their choices failed above: each ends, keeping its response failed
             await asyncio.wait(list(self.background.values()), timeout=SHUTDOWN_GRACE_S)
         if self._runner is not None:
-            await self._runner.cleanup()  # closes the listening socket
+            await self._runner.cleanup()  # closes the listening sockets
+        if self._local_site is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(uds.run_dir_socket(self.cfg.run_dir))
         self._parse_pool.shutdown(wait=False, cancel_futures=True)
         for task in (self._control_task, self._events_task, self._warm_task, self._refresh_task):
             if task is None:

@@ -103,7 +103,8 @@ def status_report(records: list[registry.DeploymentRecord]) -> tuple[list[dict],
                 reply = c.ask(rec.control_endpoint, "status", timeout_s=ASK_TIMEOUT_S)
                 entry["state"] = reply.info.get("phase", "?") if reply.status == c.OK else "error"
                 entry["processes"] = [msgspec.structs.asdict(p) for p in reply.processes]
-                health = router_health(rec.router_url)
+                # the run dir's socket only where the run dir is pushkv's own (a planted record points nowhere)
+                health = router_health(rec.router_url, "" if registry.run_dir_problem(rec) else rec.run_dir)
                 entry["instances"] = instance_rows(reply.info.get("instances", "[]"), reply.processes,
                                                    router_view(health))
                 if health.get("costs"):
@@ -156,18 +157,24 @@ def format_costs(c: dict) -> str:
             f"({c['local_samples']})")
 
 
-def router_health(url: str) -> dict:
-    """The router's /health body; {} if unreachable. Over HTTPS (--ssl-certfile) the certificate is not checked: this
-    reads this host's own deployment's public /health, which a self-signed certificate serves as well, and sends
-    nothing."""
+def router_health(url: str, run_dir: str = "") -> dict:
+    """The router's /health body; {} if unreachable. Read through its socket in the run dir where there is one (this
+    host's own router: plain HTTP whatever its public edge asks, client certificates included), else at ``url``. Over
+    HTTPS the certificate is not checked: this reads this host's own deployment's public /health, which a self-signed
+    certificate serves as well, and sends nothing."""
     import ssl
     import urllib.request
 
     from pushkv import uds
 
     ctx = ssl._create_unverified_context() if url.startswith("https:") else None
+    local = uds.run_dir_socket(run_dir)
     try:
-        if (path := uds.path_of(url)) is not None:  # a router on a Unix socket (--uds)
+        if local and os.path.exists(local):
+            path: Optional[str] = local
+        else:
+            path = uds.path_of(url)
+        if path is not None:  # the run dir's socket, or a router on a Unix socket (--uds)
             conn = uds.UnixHTTPConnection(path, timeout=ASK_TIMEOUT_S)
             try:
                 conn.request("GET", "/health")

@@ -10,6 +10,7 @@ import os
 import shutil
 import ssl
 import subprocess
+import sys
 import time
 
 import pytest
@@ -81,14 +82,21 @@ def test_the_router_serves_https_with_vllms_flags(certs, tmp_path):
 
 
 def test_a_client_certificate_is_required_where_asked(certs, tmp_path):
-    with launched("--mode", "local", "--num-blocks", "256", "--ssl-keyfile", certs["server.key"], "--ssl-certfile",
+    reg = str(tmp_path / "registry")
+    with launched("--mode", "push", "--num-blocks", "256", "--ssl-keyfile", certs["server.key"], "--ssl-certfile",
                   certs["server.pem"], "--ssl-ca-certs", certs["ca.pem"], "--ssl-cert-reqs", "2",
-                  log_path=str(tmp_path / "up.log")) as d:
+                  log_path=str(tmp_path / "up.log"), registry=reg) as d:
         status, body = _complete(d.port, _client(certs, "client"))
         assert status == 200 and len(body["choices"][0]["token_ids"]) == 3, body
         for ctx in (_client(certs), _client(certs, "rogue")):  # none, and one signed by nobody it trusts
             with pytest.raises((ssl.SSLError, ConnectionError)):
                 _complete(d.port, ctx)
+        # pushkv status, which has no client certificate, reads the router's view through the run dir's socket
+        out = subprocess.run([sys.executable, "-m", "processes.cli", "status", "--json"], capture_output=True,
+                             text=True, timeout=60, env=dict(os.environ, PUSHKV_REGISTRY_DIR=reg))
+        report = json.loads(out.stdout)
+        assert report[0]["state"] == "running" and report[0]["instances"], report
+        assert all("blocks_committed" in row for row in report[0]["instances"]), report[0]["instances"]
         d.wait_pools_free()
 
 
