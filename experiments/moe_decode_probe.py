@@ -128,6 +128,7 @@ class Flags(NamedTuple):
     persistent_per_sm: int = 3  # triton_moe_token.PER_SM
     router_early: bool = False  # triton_fused.ROUTER_EARLY
     early_next: frozenset = frozenset()  # chain.EARLY_NEXT
+    route_one: bool = False  # triton_moe.ROUTE_ONE_TOKEN
 
 
 # the kernels before the o GEMV (the decode attention and its merge) letting it be scheduled as they start, so its
@@ -187,6 +188,8 @@ VARIANTS = {"before": Flags(False, 0, "grouped", 0, 8), "router": Flags(False, 1
             "early_o_gemv": SHIPPED._replace(early_next=_EARLY_O | {"gemv"}),
             "early_o_route": SHIPPED._replace(early_next=_EARLY_O | {"gemv", "norm_router", "route"}),
             "early_o_moe": SHIPPED._replace(early_next=_EARLY_O | {"gemv", "norm_router", "route", "gate_up", "down"}),
+            # a one-token step's routing in registers (triton_moe.ROUTE_ONE_TOKEN): the same tables and bits
+            "route_one": SHIPPED._replace(route_one=True),
             "own_all_kv": _OWN_ALL._replace(prefetch_kv=True),
             "prefetch_down_l2": SHIPPED._replace(prefetch_down_tokens=8, l2_set_aside=True),
             "own_all_l2": _OWN_ALL._replace(l2_set_aside=True),
@@ -203,15 +206,16 @@ PAIRS = (("router", "before"), ("ungrouped", "both"), ("gemv", "both"), ("gemv1_
          ("one_launch_own", "ungrouped1"), ("one_launch_all", "ungrouped1"), ("ahead_kv", "no_kv"),
          ("own_all_kv", "gemv1_2"), ("prefetch_down_l2", "prefetch_down"), ("own_all_l2", "own_all"),
          ("one_launch_all_l2", "one_launch_all"), ("persistent", "gemv1_2"), ("persistent_1", "persistent"),
-         ("persistent_2", "persistent"), ("persistent_4", "persistent"), ("router_late", "gemv1_2"), ("early_o", "gemv1_2"), ("early_none", "gemv1_2"), ("early_qkv", "gemv1_2"),
+         ("persistent_2", "persistent"), ("persistent_4", "persistent"), ("router_late", "gemv1_2"),
+         ("early_o", "gemv1_2"), ("early_none", "gemv1_2"), ("early_qkv", "gemv1_2"),
          ("early_o_qkv", "gemv1_2"), ("early_small", "gemv1_2"), ("early_small_gemv", "gemv1_2"),
          ("early_all", "gemv1_2"), ("early_o_rope", "early_o"), ("early_o_gemv", "early_o"),
-         ("early_o_route", "early_o"), ("early_o_moe", "early_o"))
+         ("early_o_route", "early_o"), ("early_o_moe", "early_o"), ("route_one", "gemv1_2"))
 
 # the variants whose batch-1 replay is profiled kernel by kernel, where they are timed
 PROFILED = ("before", "both", "gemv", "gemv1_2", "self_route_merge", "down_gemv_8", "prefetch_down", "one_launch",
             "one_launch_prefetch", "ahead_o_sum", "ahead_all", "own", "own_all", "one_launch_own", "one_launch_all",
-            "own_all_kv", "own_all_l2", "persistent", "early_o", "early_small", "early_all")
+            "own_all_kv", "own_all_l2", "persistent", "early_o", "early_small", "early_all", "route_one")
 
 
 def set_variant(fwd, name: str) -> int:
@@ -231,6 +235,7 @@ def set_variant(fwd, name: str) -> int:
     triton_moe_token._GRID.clear()  # sized again at this variant's programs an SM
     triton_fused.ROUTER_EARLY = f.router_early
     chain.EARLY_NEXT = f.early_next
+    triton_moe.ROUTE_ONE_TOKEN = f.route_one
     fwd.drop_graphs()  # captured with the last variant's launches
     if not torch.cuda.is_available():
         return 0

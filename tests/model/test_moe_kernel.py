@@ -505,3 +505,48 @@ def test_kernels_for_a_routing_already_made_equal_the_reference_under_the_interp
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_kernels_for_a_routing_already_made_equal_the_reference():
     _check_routed(_run("cuda", ROUTED_CASES, ROUTED_SCRIPT))
+
+
+# (experts, k, renorm, dtype, ties): Qwen3-MoE's 128 experts and k = 8, Mixtral's 8 and 2, E off a power of two
+ROUTE_ONE_CASES = [(128, 8, "renorm", "bfloat16", ""), (128, 8, "", "float32", "ties"), (8, 2, "renorm", "float32", ""),
+                   (12, 8, "renorm", "float16", "ties"), (60, 4, "", "bfloat16", "")]
+
+ROUTE_ONE_SCRIPT = r"""
+import json, sys, torch
+from pushkv.model.kernels import triton_moe
+dev = sys.argv[1]
+out = []
+for n, (E, k, renorm, dtype, ties) in enumerate(json.loads(sys.argv[2])):
+    g = torch.Generator().manual_seed(n)
+    logits = torch.randn(1, E, generator=g)
+    if ties:
+        logits[0, 1::2] = logits[0, 0:E - E % 2:2]
+    logits = logits.to(dev, getattr(torch, dtype))
+    triton_moe.ROUTE_ONE_TOKEN = False
+    general = triton_moe.group_logits(logits, k, bool(renorm), 16)
+    triton_moe.ROUTE_ONE_TOKEN = True
+    one = triton_moe.group_logits(logits, k, bool(renorm), 16)
+    out.append({"same": [bool(torch.equal(a, b)) for a, b in zip(general, one)],
+                "has_ties": bool(logits[0, 0] == logits[0, 1]) if ties else None})
+print(json.dumps(out))
+"""
+
+
+def _check_route_one(case, r) -> None:
+    # weights, experts, the slot table and each block's expert: the general kernel's, to the bit
+    assert r["same"] == [True] * 4 and r["has_ties"] in (None, True), (case, r)
+
+
+@pytest.mark.unit
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU runs the kernels themselves (below)")
+def test_one_tokens_routing_in_registers_gives_the_general_kernels_tables_under_the_interpreter():
+    """``ROUTE_ONE_TOKEN``: a one-token step's routing and grouping in registers (``_route_one_kernel``) gives the
+    general kernel's weights, experts, slot table and block experts bit for bit, ties and renormalisation included."""
+    for case, r in zip(ROUTE_ONE_CASES, _run("cpu", ROUTE_ONE_CASES, ROUTE_ONE_SCRIPT)):
+        _check_route_one(case, r)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_one_tokens_routing_in_registers_gives_the_general_kernels_tables():
+    for case, r in zip(ROUTE_ONE_CASES, _run("cuda", ROUTE_ONE_CASES, ROUTE_ONE_SCRIPT)):
+        _check_route_one(case, r)

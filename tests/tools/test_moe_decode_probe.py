@@ -85,7 +85,8 @@ def _read(driver: _Driver) -> probe.Flags:
                        triton_moe_decode.ONE_LAUNCH, triton_moe_decode.PREFETCH_DOWN, batched.AHEAD_TOKENS,
                        batched.AHEAD, triton_moe.PREFETCH_OWN_TOKENS, triton_moe_decode.PREFETCH_OWN,
                        triton_paged.PREFETCH_KV, driver.now == driver.MOST, triton_moe.PERSISTENT_ONE_TOKEN,
-                       triton_moe_token.PER_SM, triton_fused.ROUTER_EARLY, chain.EARLY_NEXT)
+                       triton_moe_token.PER_SM, triton_fused.ROUTER_EARLY, chain.EARLY_NEXT,
+                       triton_moe.ROUTE_ONE_TOKEN)
 
 
 def test_every_variant_sets_existing_switches_to_its_values(restored):

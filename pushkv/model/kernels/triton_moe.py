@@ -159,6 +159,39 @@ def _route_group_kernel(Logits, Weights, Experts, SlotIds, BlockExpert, T, E, st
         tl.store(BlockExpert + b, tl.where(owner < E, owner, -1), mask=b < max_blocks)
 
 
+@triton.jit
+def _route_one_kernel(Logits, Weights, Experts, SlotIds, BlockExpert, E, n_rows, max_blocks,
+                      K: tl.constexpr, KP: tl.constexpr, RENORM: tl.constexpr, BM: tl.constexpr, EP: tl.constexpr,
+                      RP: tl.constexpr, BP: tl.constexpr, PDL: tl.constexpr, NEXT_EARLY: tl.constexpr = False):
+    """``_route_group_kernel``'s tables for one token (a decode step of one sequence), in registers: the k rounds
+    once (their sum is the renormalisation's, in the same order), each choice's block its rank among the choices
+    (one slot an expert: the grouping sorts the experts), every other row padding. The same bits and tables."""
+    wait_prior(PDL, NEXT_EARLY)
+    p, e = _probs(Logits, tl.arange(0, 1), 1, E, 0, EP)
+    j = tl.arange(0, KP)
+    picks = tl.full((KP,), EP, tl.int32)  # past K: an expert id above every real one, so it ranks after them
+    bests = tl.zeros((KP,), tl.float32)
+    total = tl.zeros((1,), tl.float32)
+    left = p
+    for jj in tl.static_range(K):
+        best, pick, left = _take(left, e, EP)
+        picks = tl.where(j == jj, pick, picks)
+        bests = tl.where(j == jj, best, bests)
+        total += best
+    if not RENORM:
+        total = tl.full((1,), 1.0, tl.float32)
+    real = j < K
+    tl.store(Weights + j, (bests / total).to(Weights.dtype.element_ty), mask=real)
+    tl.store(Experts + j, picks, mask=real)
+    rank = tl.sum((picks[None, :] < picks[:, None]).to(tl.int32), 1)  # blocks go by expert id
+    r = tl.arange(0, RP)
+    slot = tl.sum(tl.where((rank[None, :] * BM == r[:, None]) & real[None, :], j[None, :] + 1, 0), 1) - 1
+    tl.store(SlotIds + r, tl.where(slot >= 0, slot, K), mask=r < n_rows)
+    b = tl.arange(0, BP)
+    owner = tl.sum(tl.where((rank[None, :] == b[:, None]) & real[None, :], picks[None, :] + 1, 0), 1) - 1
+    tl.store(BlockExpert + b, owner, mask=b < max_blocks)
+
+
 @triton.jit(do_not_specialize=["T", "n_rows"])
 def _route_count_kernel(Logits, Weights, Experts, Counts, SlotIds, T, E, stride_l, n_rows,
                         K: tl.constexpr, RENORM: tl.constexpr, EP: tl.constexpr, TT: tl.constexpr,
@@ -420,6 +453,11 @@ PREFETCH_OWN_TOKENS = 0
 # (experiments/moe_decode_probe.py, variant ``persistent``; docs/results/2026-12-05-layer-floor)
 PERSISTENT_ONE_TOKEN = False
 
+# A one-token step's routing and grouping in registers (``_route_one_kernel``: the k rounds once, each choice's block
+# its rank), not through the general kernel's fill, counts and scans. The same tables and bits. Off until
+# experiments/moe_decode_probe.py (variant ``route_one``) has timed it on a GPU
+ROUTE_ONE_TOKEN = False
+
 # Steps of up to this many tokens route and group in the one-program kernel (a decode step: one
 # launch where torch takes ~15); longer ones in torch, whose launches are spread over the whole GPU
 # (a graph bucket bound, so a step routes alike replayed or eager)
@@ -539,6 +577,12 @@ def group_logits(logits: torch.Tensor, k: int, renorm: bool, bm: int, launch: Op
     weights, experts, slot_ids, block_expert = _routing_buffers(logits, k, bm)
     max_blocks = block_expert.numel()
     ep = triton.next_power_of_2(E)
+    if T == 1 and ROUTE_ONE_TOKEN and launch is None:
+        _route_one_kernel[(1,)](logits, weights, experts, slot_ids, block_expert, E, max_blocks * bm, max_blocks,
+                                K=k, KP=triton.next_power_of_2(k), RENORM=renorm, BM=bm, EP=ep,
+                                RP=triton.next_power_of_2(max_blocks * bm), BP=triton.next_power_of_2(max_blocks),
+                                num_warps=1, **chain.launch(logits, "route"))
+        return weights, experts, slot_ids, block_expert
     rl = launch or route_launch_for(T, ep)
     _route_group_kernel[(1,)](logits, weights, experts, slot_ids, block_expert, T, E, logits.stride(0),
                               max_blocks * bm, max_blocks, K=k, RENORM=renorm, BM=bm, EP=ep,
