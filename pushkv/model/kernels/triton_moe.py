@@ -184,12 +184,14 @@ def _route_one_kernel(Logits, Weights, Experts, SlotIds, BlockExpert, E, n_rows,
     tl.store(Weights + j, (bests / total).to(Weights.dtype.element_ty), mask=real)
     tl.store(Experts + j, picks, mask=real)
     rank = tl.sum((picks[None, :] < picks[:, None]).to(tl.int32), 1)  # blocks go by expert id
+    # padding everywhere first, then each choice into its block's first row (and its expert into the block)
     r = tl.arange(0, RP)
-    slot = tl.sum(tl.where((rank[None, :] * BM == r[:, None]) & real[None, :], j[None, :] + 1, 0), 1) - 1
-    tl.store(SlotIds + r, tl.where(slot >= 0, slot, K), mask=r < n_rows)
+    tl.store(SlotIds + r, tl.full((RP,), K, tl.int32), mask=r < n_rows)
     b = tl.arange(0, BP)
-    owner = tl.sum(tl.where((rank[None, :] == b[:, None]) & real[None, :], picks[None, :] + 1, 0), 1) - 1
-    tl.store(BlockExpert + b, owner, mask=b < max_blocks)
+    tl.store(BlockExpert + b, tl.full((BP,), -1, tl.int32), mask=b < max_blocks)
+    tl.debug_barrier()  # the padding, stored by other threads, lands before the choices over it
+    tl.store(SlotIds + rank * BM, j, mask=real)
+    tl.store(BlockExpert + rank, picks, mask=real)
 
 
 @triton.jit(do_not_specialize=["T", "n_rows"])
