@@ -164,17 +164,24 @@ def _route_one_kernel(Logits, Weights, Experts, SlotIds, BlockExpert, E, n_rows,
                       K: tl.constexpr, KP: tl.constexpr, RENORM: tl.constexpr, BM: tl.constexpr, EP: tl.constexpr,
                       RP: tl.constexpr, BP: tl.constexpr, PDL: tl.constexpr, NEXT_EARLY: tl.constexpr = False):
     """``_route_group_kernel``'s tables for one token (a decode step of one sequence), in registers: the k rounds
-    once (their sum is the renormalisation's, in the same order), each choice's block its rank among the choices
-    (one slot an expert: the grouping sorts the experts), every other row padding. The same bits and tables."""
+    once (their sum is the renormalisation's, in the same order), one reduction a round (a packed key), each choice's
+    block its rank among the choices (one slot an expert: the grouping sorts the experts), every other row padding.
+    The same bits and tables."""
     wait_prior(PDL, NEXT_EARLY)
     p, e = _probs(Logits, tl.arange(0, 1), 1, E, 0, EP)
     j = tl.arange(0, KP)
     picks = tl.full((KP,), EP, tl.int32)  # past K: an expert id above every real one, so it ranks after them
     bests = tl.zeros((KP,), tl.float32)
     total = tl.zeros((1,), tl.float32)
-    left = p
+    # each round one reduction, not two: a probability (>= 0, so its bits order as it does) above the expert's
+    # place from the top, so the largest key is the largest probability and, on a tie, the lowest expert; a
+    # chosen expert's key goes to -1, below every other
+    left = (p.to(tl.int32, bitcast=True).to(tl.int64) << 16) | (EP - 1 - e[None, :]).to(tl.int64)
     for jj in tl.static_range(K):
-        best, pick, left = _take(left, e, EP)
+        key = tl.max(left, 1)
+        pick = (EP - 1 - (key & 0xFFFF)).to(tl.int32)
+        best = (key >> 16).to(tl.int32).to(tl.float32, bitcast=True)
+        left = tl.where(e[None, :] == pick[:, None], -1, left)
         picks = tl.where(j == jj, pick, picks)
         bests = tl.where(j == jj, best, bests)
         total += best
