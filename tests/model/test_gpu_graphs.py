@@ -89,7 +89,7 @@ def test_gpu_float32_tokens_with_moe_down_gemvs_equal_transformers(case, tmp_pat
 
 @pytest.mark.parametrize("case", ["qwen3_moe", "qwen3_moe-unnormed", "mixtral"])
 @pytest.mark.parametrize("flags", ["one_launch", "one_launch_prefetch", "grouped_prefetch", "ahead", "ahead_kv",
-                                   "persistent", "early_next"])
+                                   "persistent", "early_next", "route_one"])
 def test_gpu_float32_tokens_with_moe_one_launch_or_prefetch_equal_transformers(case, flags, tmp_path, monkeypatch):
     """The MoE decode kernels of up to 8 tokens in one launch (``triton_moe_decode.ONE_LAUNCH``, with
     ``PUSHKV_MOE_DECODE=ungrouped``), also with the down weights asked of L2 by gate/up (``PREFETCH_DOWN``), the
@@ -97,8 +97,9 @@ def test_gpu_float32_tokens_with_moe_one_launch_or_prefetch_equal_transformers(c
     (``triton_moe.PREFETCH_DOWN_TOKENS``, ``PREFETCH_OWN_TOKENS``), the dense weights asked of L2 ahead of their
     projections at every place (``batched.AHEAD``), and the decode attention's first key tile asked for before its
     wait (``triton_paged.PREFETCH_KV``), and a one-token step's MLP in one persistent launch
-    (``triton_moe.PERSISTENT_ONE_TOKEN``), and every kernel letting the next one be scheduled before it waits
-    (``chain.EARLY_NEXT``) give transformers' float32 tokens, with graphs and eager; the decode steps took the
+    (``triton_moe.PERSISTENT_ONE_TOKEN``), every kernel letting the next one be scheduled before it waits
+    (``chain.EARLY_NEXT``), and a one-token step's routing in registers (``triton_moe.ROUTE_ONE_TOKEN``) give
+    transformers' float32 tokens, with graphs and eager; the decode steps took the
     launch counted where there is one."""
     from pushkv.model import batched
     from pushkv.model.kernels import prefetch, triton_moe, triton_moe_decode
@@ -142,6 +143,9 @@ def test_gpu_float32_tokens_with_moe_one_launch_or_prefetch_equal_transformers(c
 
         monkeypatch.setattr(chain, "EARLY_NEXT", chain.NAMES)
         launches.append("not counted")
+    elif flags == "route_one":  # a one-token step's routing in registers
+        monkeypatch.setattr(triton_moe, "ROUTE_ONE_TOKEN", True)
+        counted(triton_moe, "_route_one_kernel")
     else:  # the grouped kernels asking for the down weights and for their own rows
         monkeypatch.setattr(triton_moe, "PREFETCH_DOWN_TOKENS", 8)
         monkeypatch.setattr(triton_moe, "PREFETCH_OWN_TOKENS", 8)
