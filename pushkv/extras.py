@@ -12,6 +12,7 @@ EXTRA_OF = {
     "vllm": "vllm",                     # pushkv.vllm, the vLLM connector
     "transformers": "vllm",             # pushkv.vllm's tiny test model
     "psutil": "vllm",                   # pushkv vllm-bench: the servers' CPU seconds (vLLM depends on it)
+    "opentelemetry": "otlp",            # --otlp-traces-endpoint: the SDK and its OTLP exporters (pushkv/otlp.py)
 }
 
 

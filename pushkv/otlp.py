@@ -15,6 +15,8 @@ import os
 import threading
 from typing import TYPE_CHECKING, Mapping, Optional
 
+from pushkv.extras import missing
+
 if TYPE_CHECKING:
     from pushkv.router.otlp_spans import Span
 
@@ -50,9 +52,8 @@ def check(endpoint: str, env: Mapping[str, str]) -> None:
     try:
         __import__("opentelemetry.sdk.trace")
         __import__(module)
-    except ImportError as e:
-        raise ValueError(f"--otlp-traces-endpoint needs the OpenTelemetry SDK and its OTLP {p} exporter, which are "
-                         f"not installed ({e}): pip install 'pushkv[otlp]'") from None
+    except ImportError:
+        raise ValueError(f"--otlp-traces-endpoint: {missing('opentelemetry', f'the OTLP {p} export')}") from None
 
 
 class Exporter:

@@ -118,5 +118,5 @@ def test_the_flag_is_refused_by_name_for_an_unknown_protocol_a_bad_endpoint_or_n
         return real(name, *a, **kw)
 
     monkeypatch.setattr(builtins, "__import__", no_sdk)
-    with pytest.raises(ValueError, match=r"--otlp-traces-endpoint needs .*pip install 'pushkv\[otlp\]'"):
+    with pytest.raises(ValueError, match=r"--otlp-traces-endpoint: .* needs opentelemetry.*pip install 'pushkv\[otlp\]'"):
         otlp.check("http://collector:4317", {})
