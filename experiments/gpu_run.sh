@@ -152,10 +152,10 @@ s.print_callees('_post_write|_prefill_done|on_ExpectKV|_poll_notifs')" 2>&1 | gr
             # what each kernel adds to the step)
             timeout 400 python3 -m experiments.moe_decode_probe --out "$OUT" --batches ${PROBE_BATCHES:-1,8} \
               --reps ${REPS:-30} --variants ${PROBE_VARIANTS:-gemv1_2,early_none,early_all} 2>&1 | tail -40 ;;
-    routeone) # a one-token step's routing in registers (triton_moe.ROUTE_ONE_TOKEN, off until timed): the probe with
+    routeone) # a one-token step's routing in registers (triton_moe.ROUTE_ONE_TOKEN, on since 2026-12-06): the probe with
             # the batch-1 profiles (what each kernel adds), then its GPU tests (the tables to the bit, float32 tokens)
             timeout 330 python3 -m experiments.moe_decode_probe --out "$OUT" --batches ${PROBE_BATCHES:-1,8} \
-              --reps ${REPS:-30} --variants ${PROBE_VARIANTS:-gemv1_2,route_one,early_none} 2>&1 | tail -30
+              --reps ${REPS:-30} --variants ${PROBE_VARIANTS:-gemv1_2,route_general,early_none} 2>&1 | tail -30
             timeout 200 python3 -m pytest -q -p no:cacheprovider tests/model/test_moe_kernel.py \
               tests/model/test_gpu_graphs.py -k "routing_in_registers or route_one" -rfE 2>&1 \
               | tee "$OUT/route_one_tests.txt" | tail -4 ;;

@@ -138,7 +138,8 @@ _EARLY_O = frozenset({"attn", "merge"})
 _EARLY_SMALL = frozenset({"add_rms", "rope", "attn", "merge", "norm_router", "route"})
 # the shipped step (``gemv1_2``); the key-tile prefetch is on since 2026-12-05's run (``ahead_kv``: the same step,
 # kept under its name; ``no_kv``: without it)
-SHIPPED = Flags(True, 16, "grouped", 1, 2, prefetch_kv=True, router_early=True, early_next=_EARLY_O)
+SHIPPED = Flags(True, 16, "grouped", 1, 2, prefetch_kv=True, router_early=True, early_next=_EARLY_O,
+                route_one=True)
 _UNGROUPED = SHIPPED._replace(moe_decode="ungrouped")
 _OWN_ALL = SHIPPED._replace(prefetch_down_tokens=8, ahead_tokens=8, ahead=frozenset({"o", "qkv_sum"}),
                             prefetch_own_tokens=8)
@@ -188,8 +189,10 @@ VARIANTS = {"before": Flags(False, 0, "grouped", 0, 8), "router": Flags(False, 1
             "early_o_gemv": SHIPPED._replace(early_next=_EARLY_O | {"gemv"}),
             "early_o_route": SHIPPED._replace(early_next=_EARLY_O | {"gemv", "norm_router", "route"}),
             "early_o_moe": SHIPPED._replace(early_next=_EARLY_O | {"gemv", "norm_router", "route", "gate_up", "down"}),
-            # a one-token step's routing in registers (triton_moe.ROUTE_ONE_TOKEN): the same tables and bits
+            # a one-token step's routing in registers (triton_moe.ROUTE_ONE_TOKEN, shipped since 2026-12-06's run):
+            # the same tables and bits; route_general: the general kernel, as before
             "route_one": SHIPPED._replace(route_one=True),
+            "route_general": SHIPPED._replace(route_one=False),
             "own_all_kv": _OWN_ALL._replace(prefetch_kv=True),
             "prefetch_down_l2": SHIPPED._replace(prefetch_down_tokens=8, l2_set_aside=True),
             "own_all_l2": _OWN_ALL._replace(l2_set_aside=True),
@@ -210,12 +213,13 @@ PAIRS = (("router", "before"), ("ungrouped", "both"), ("gemv", "both"), ("gemv1_
          ("early_o", "gemv1_2"), ("early_none", "gemv1_2"), ("early_qkv", "gemv1_2"),
          ("early_o_qkv", "gemv1_2"), ("early_small", "gemv1_2"), ("early_small_gemv", "gemv1_2"),
          ("early_all", "gemv1_2"), ("early_o_rope", "early_o"), ("early_o_gemv", "early_o"),
-         ("early_o_route", "early_o"), ("early_o_moe", "early_o"), ("route_one", "gemv1_2"))
+         ("early_o_route", "early_o"), ("early_o_moe", "early_o"), ("route_general", "gemv1_2"))
 
 # the variants whose batch-1 replay is profiled kernel by kernel, where they are timed
 PROFILED = ("before", "both", "gemv", "gemv1_2", "self_route_merge", "down_gemv_8", "prefetch_down", "one_launch",
             "one_launch_prefetch", "ahead_o_sum", "ahead_all", "own", "own_all", "one_launch_own", "one_launch_all",
-            "own_all_kv", "own_all_l2", "persistent", "early_o", "early_small", "early_all", "route_one")
+            "own_all_kv", "own_all_l2", "persistent", "early_o", "early_small", "early_all", "route_one",
+            "route_general")
 
 
 def set_variant(fwd, name: str) -> int:
