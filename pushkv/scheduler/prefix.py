@@ -58,15 +58,15 @@ def index_blocks(alloc: PrefixCache, r: Request, upto: int, block_size: int) -> 
     full = min(upto // bs, len(r.blocks))
     if full <= r.indexed:
         return
-    if len(r.hashes) < full:
+    if len(r.hashes) < full or alloc.journal is not None:  # the tokens of the blocks, where they are read
         seq = r.prompt if full * bs <= len(r.prompt) else tuple(r.prompt) + tuple(r.output)
+    if len(r.hashes) < full:
         parent = r.hashes[-1] if r.hashes else root_of(r.cache_salt)
         r.hashes.extend(block_hashes(seq[:full * bs], bs, parent, start=len(r.hashes) * bs))
     if alloc.journal is None:
         for i in range(r.indexed, full):
             alloc.insert(r.blocks[i], r.hashes[i])
     else:  # KV events: each block's parent, tokens and (a prompt's first) salt too
-        seq = r.prompt if full * bs <= len(r.prompt) else tuple(r.prompt) + tuple(r.output)
         for i in range(r.indexed, full):
             alloc.insert(r.blocks[i], r.hashes[i], r.hashes[i - 1] if i else None, seq[i * bs:(i + 1) * bs],
                          r.cache_salt if i == 0 else "")

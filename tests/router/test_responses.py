@@ -23,11 +23,16 @@ def answer(finish):
     return script
 
 
-def run(tmp_path, finish, fn):
+def _serve(tmp_path, script, fn):
+    """fn(harness) against a local fake answering with ``script``."""
     async def body():
-        async with Harness(make_cfg(tmp_path, "local", chat_template=TEMPLATE), {"local": answer(finish)}) as h:
+        async with Harness(make_cfg(tmp_path, "local", chat_template=TEMPLATE), {"local": script}) as h:
             await fn(h)
     asyncio.run(asyncio.wait_for(body(), 25))
+
+
+def run(tmp_path, finish, fn):
+    _serve(tmp_path, answer(finish), fn)
 
 
 def test_a_response_from_instructions_and_input(tmp_path):
@@ -355,10 +360,7 @@ def _gated(go: "threading.Event"):
 
 
 def _run_gated(tmp_path, go, fn):
-    async def body():
-        async with Harness(make_cfg(tmp_path, "local", chat_template=TEMPLATE), {"local": _gated(go)}) as h:
-            await fn(h)
-    asyncio.run(asyncio.wait_for(body(), 25))
+    _serve(tmp_path, _gated(go), fn)
 
 
 async def _until(h, rid: str, status: str) -> dict:
