@@ -150,6 +150,31 @@ class MoeRouting(msgspec.Struct, frozen=True):
         check_choices(self)
 
 
+class LoraModule(msgspec.Struct, frozen=True):
+    """One LoRA adapter a deployment serves (vLLM's --lora-modules NAME=PATH): a request whose ``model`` is ``name``
+    runs through it. ``path``: its PEFT directory (a Hub id resolved to one at launch)."""
+
+    name: str
+    path: str
+    base_model_name: str = ""  # the served model it adapts (vLLM's JSON form); "": the first served name
+
+
+class LoraConfig(msgspec.Struct, frozen=True):
+    """vLLM's --enable-lora and its settings (pushkv/model/lora.py): every adapter is loaded on every rank of every
+    instance at start; a step holds sequences of at most ``max_loras`` adapters."""
+
+    enabled: bool = False
+    modules: tuple[LoraModule, ...] = ()
+    max_loras: int = 1
+    max_rank: int = 16
+
+    def slot(self, name: str) -> int:
+        """The adapter's slot (1, 2... in the order given); 0 for none (""); -1 for a name not served."""
+        if not name:
+            return 0
+        return next((i for i, m in enumerate(self.modules, 1) if m.name == name), -1)
+
+
 class ModelConfig(msgspec.Struct, frozen=True):
     name: str = "small"
     num_layers: int = 4
@@ -211,6 +236,7 @@ class ModelConfig(msgspec.Struct, frozen=True):
     # local directory of the tokenizer (--tokenizer, or the checkpoint's with --load-format dummy);
     # None: the checkpoint's own, or pushkv's byte tokenizer without one
     tokenizer: Optional[str] = None
+    lora: LoraConfig = LoraConfig()  # LoRA adapters served beside the weights (vLLM's --enable-lora)
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -308,8 +334,10 @@ def model_fingerprint(model: ModelConfig) -> str:
 
     keep = {f: getattr(model, f) for f in model.__struct_fields__
             if f not in ("checkpoint", "engine", "random_init", "deterministic", "max_position", "eos_token_id",
-                         "tokenizer")}
+                         "tokenizer", "lora")}
     keep["checkpoint"] = os.path.basename(os.path.normpath(model.checkpoint)) if model.checkpoint else ""
+    if model.lora.modules:  # an adapter's name must mean the same weights to both sides of a transfer
+        keep["lora"] = [(m.name, os.path.basename(os.path.normpath(m.path))) for m in model.lora.modules]
     return hashlib.sha256(msgspec.json.encode(keep)).hexdigest()[:16]
 
 

@@ -173,6 +173,7 @@ class SeqWork(msgspec.Struct, array_like=True, frozen=True, gc=False):
     # structured output: the tokens this step may draw, bit t of little-endian int32 word t // 32 (xgrammar's
     # bitmask); b"": no mask
     token_mask: bytes = b""
+    lora: int = 0  # the LoRA adapter's slot this sequence runs through (config.LoraConfig.slot); 0: none
 
 
 class KVTransferStats(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -227,6 +228,7 @@ class Generate(Msg, frozen=True):
     # vLLM's cache_salt: the prompt's cached blocks are shared only with requests of the same salt
     cache_salt: str = ""
     structured: Optional[Structured] = None  # the output held to a grammar
+    lora: str = ""  # the LoRA adapter the request names as its model (vLLM's --lora-modules); "": the base model
 
 
 class Abort(Msg, frozen=True):

@@ -128,7 +128,7 @@ class BatchedForward:
         kept = scoring.rows(seqs) if score else []
         # a decode step's rows are all the table's (dynamic RoPE too), so graphs replay it
         if self.use_graphs and plan.is_decode and plan.num_seqs <= self.max_num_seqs and on_layer is None \
-                and not spans and not kept:
+                and not spans and not kept and self.m.lora_step is None:
             return self._replay(plan, pools), None
         meta = StepTensors.upload(plan, self.device, self.staging)
         rope = self._rope_rows(meta, spans) if spans else None
@@ -199,7 +199,8 @@ class BatchedForward:
         attn = torch.empty(T, p.q_heads, hd, device=self.device, dtype=m.dtype)
         for layer, lw in enumerate(m.w.layers):
             h = rms_norm(x, lw.input_norm, eps)
-            q, k, v = F.linear(h, lw.qkv, lw.qkv_bias).split([p.q_heads * hd, p.kv_heads * hd, p.kv_heads * hd], dim=-1)
+            qkv = m.adapted(lw, "qkv", F.linear(h, lw.qkv, lw.qkv_bias), h)
+            q, k, v = qkv.split([p.q_heads * hd, p.kv_heads * hd, p.kv_heads * hd], dim=-1)
             q = q.view(T, p.q_heads, hd)
             k = k.view(T, p.kv_heads, hd)
             v = v.view(T, p.kv_heads, hd)
@@ -286,7 +287,7 @@ class BatchedForward:
         attn = torch.empty(T, p.q_heads, self.hd, device=self.device, dtype=m.dtype)
         places = ahead_places(T, m.tp_size)
         for layer, lw in enumerate(layers):
-            q = K.qk_norm_rope_store(linear(h, lw.qkv, lw.qkv_bias), p.q_heads, p.kv_heads, self.hd,
+            q = K.qk_norm_rope_store(m.adapted(lw, "qkv", linear(h, lw.qkv, lw.qkv_bias), h), p.q_heads, p.kv_heads, self.hd,
                                      lw.q_norm, lw.k_norm, eps, rope[0], rope[1], rope[2], meta.slots,
                                      pools[layer])
             if on_layer is not None:
@@ -294,7 +295,7 @@ class BatchedForward:
             if "o" in places:
                 prefetch.ahead(lw.o, self.sms)
             paged.attention(q, pools[layer], meta, m.layer_window(layer), attn, splits, scratch)
-            o = m._all_reduce(linear(attn.view(T, -1), lw.o))
+            o = m._all_reduce(m.adapted(lw, "o", linear(attn.view(T, -1), lw.o), attn.view(T, -1)))
             nxt_qkv = layers[layer + 1].qkv if layer + 1 < len(layers) else None
             if lw.router is not None and 0 < T <= min(ROUTER_IN_NORM_TOKENS, FUSED_ROUTE_TOKENS):
                 # MoE, a decode step: the router's logits made with the norm, one launch less
@@ -307,7 +308,8 @@ class BatchedForward:
                 delta = m.mlp_delta(lw, h, summed=False)  # k experts a token add_rms sums
             else:
                 x, h = K.add_rms(x, o, lw.post_norm, eps)
-                delta = m._all_reduce(F.linear(K.silu_mul(F.linear(h, lw.gate_up)), lw.down))
+                act = K.silu_mul(m.adapted(lw, "gate_up", F.linear(h, lw.gate_up), h))
+                delta = m._all_reduce(m.adapted(lw, "down", F.linear(act, lw.down), act))
             if "qkv_sum" in places and nxt_qkv is not None:
                 prefetch.ahead(nxt_qkv, self.sms)
             nxt = layers[layer + 1].input_norm if layer + 1 < len(layers) else m.w.final_norm

@@ -75,6 +75,11 @@ def build_model(cfg: ModelConfig, tp_rank: int = 0, tp_size: int = 1, device: st
              cfg.name, tp_rank, tp_size, cfg.num_layers, plan.q_heads, plan.kv_heads, plan.kv_start,
              " (MLA latent, replicated)" if cfg.is_mla else "")
     model = (MLAModel if cfg.is_mla else Model)(cfg, plan, weights, device, group)
+    if cfg.lora.modules:
+        from pushkv.model.lora import load_adapters
+
+        model.loras = load_adapters(cfg, plan, device)
+        log.info("LoRA adapters %s loaded (max rank %d)", [m.name for m in cfg.lora.modules], cfg.lora.max_rank)
     # on CUDA "auto" is the batched engine, MLA's torch path (pushkv.model.batched._layers_mla) included: on an H200
     # its absorbed decode attention took 0.20 ms a row against the per-sequence engine's 3.35 at a context of 16k
     # (docs/results/2026-12-05-deepseek-gpu)

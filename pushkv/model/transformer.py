@@ -20,6 +20,7 @@ from pushkv.config import ModelConfig
 from pushkv.kv.layout import blocks_for, layout_for
 from pushkv.messages import KVLayoutDesc, SeqWork
 from pushkv.model import scoring
+from pushkv.model.lora import LayerLora, LoraStep
 from pushkv.model.masks import visible
 from pushkv.model.moe import moe_mlp
 from pushkv.model.norms import rms_norm, rotate_half
@@ -79,6 +80,8 @@ class Model:
         self._cos = self._sin = torch.empty(0)
         self.attn_scale: Optional[float] = None  # the softmax scale; None: 1/sqrt(the query width)
         self.batched: Optional[BatchedForward] = None  # one packed pass per step, attention in place
+        self.loras: dict[int, list[LayerLora]] = {}  # LoRA adapters by slot (pushkv.model.lora)
+        self.lora_step: Optional[LoraStep] = None  # the running step's adapters, while it runs
 
     def enable_batched(self, max_num_seqs: int = 64, use_graphs=None) -> None:
         """Run steps through pushkv.model.batched (the GPU path; on CPU, for tests)."""
@@ -127,7 +130,15 @@ class Model:
             return torch.empty(0, self.cfg.vocab_size), None
         for s in seqs:
             self._check_seq(s, pools[0].shape[-2])
-        run = self.batched.step if self.batched is not None else self._forward
+        forward = self.batched.step if self.batched is not None else self._forward
+
+        def run(part: list[SeqWork], *args):
+            self.lora_step = LoraStep.of(self.loras, part, self.device)
+            try:
+                return forward(part, *args)
+            finally:
+                self.lora_step = None
+
         if not self.cfg.deterministic:
             return run(list(seqs), pools, on_layer, score)
         # Each seq alone: its matmul shapes, hence its bytes, never depend on the batch. A layer
@@ -169,7 +180,7 @@ class Model:
         q [N, q_heads, hd], k and v [N, kv_heads, hd]."""
         p, hd, eps = self.plan, self.cfg.head_dim, self.cfg.rms_eps
         h = rms_norm(x, lw.input_norm, eps)
-        qkv = F.linear(h, lw.qkv, lw.qkv_bias)
+        qkv = self.adapted(lw, "qkv", F.linear(h, lw.qkv, lw.qkv_bias), h)
         q, k, v = qkv.split([p.q_heads * hd, p.kv_heads * hd, p.kv_heads * hd], dim=-1)
         q = q.view(-1, p.q_heads, hd)
         k = k.view(-1, p.kv_heads, hd)
@@ -185,7 +196,11 @@ class Model:
 
     def attn_out(self, lw: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Residual after o_proj; attn [N, q_heads * hd]."""
-        return x + self._all_reduce(F.linear(attn, lw.o))
+        return x + self._all_reduce(self.adapted(lw, "o", F.linear(attn, lw.o), attn))
+
+    def adapted(self, lw: LayerWeights, kind: str, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``y``, the projection ``kind`` of ``x``, with the running step's LoRA deltas added (pushkv.model.lora)."""
+        return y if self.lora_step is None else self.lora_step.add(lw.index, kind, y, x)
 
     def mlp(self, lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         """Residual after the SwiGLU MLP."""
@@ -210,8 +225,9 @@ class Model:
                 out = moe_mlp(h, lw.router, lw.gate_up, lw.down, self.cfg.experts_per_token,
                               self.cfg.norm_topk_prob)
             return self._all_reduce(out + self.shared_expert(lw, h) if shared else out)
-        gate, up = F.linear(h, lw.gate_up).chunk(2, dim=-1)
-        return self._all_reduce(F.linear(F.silu(gate) * up, lw.down))
+        gate, up = self.adapted(lw, "gate_up", F.linear(h, lw.gate_up), h).chunk(2, dim=-1)
+        act = F.silu(gate) * up
+        return self._all_reduce(self.adapted(lw, "down", F.linear(act, lw.down), act))
 
     @staticmethod
     def shared_expert(lw, h: torch.Tensor) -> torch.Tensor:

@@ -166,6 +166,7 @@ class LayerWeights:
     shared_gate_up: Optional[torch.Tensor] = None  # [2 * shared_local, d]: an MoE layer's shared expert
     shared_down: Optional[torch.Tensor] = None  # [d, shared_local], row-sharded (partial sums)
     shared_gate: Optional[torch.Tensor] = None  # [1, d], replicated: its sigmoid gate (Qwen2-MoE)
+    index: int = 0  # the layer's place in the model (a LoRA adapter's tensors are found by it)
 
 
 @dataclass
@@ -193,6 +194,7 @@ def load_rank(cfg: ModelConfig, plan: ShardPlan, src: WeightSource, device: str 
         p = f"model.layers.{i}."
         a = p + "self_attn."
         layers.append(LayerWeights(
+            index=i,
             input_norm=take(p + "input_layernorm.weight"),
             qkv=torch.cat([take(a + "q_proj.weight", 0, *q_rows),
                            take(a + "k_proj.weight", 0, *kv_rows),
