@@ -157,6 +157,17 @@ def build_parser() -> argparse.ArgumentParser:
                           "list of calls: Llama 3.2, Llama 4) (default: none, calls come back as text)")
     mod.add_argument("--enable-auto-tool-choice", action="store_true",
                      help="vLLM's switch beside --tool-call-parser: tool_choice auto parses calls (needs it)")
+    mod.add_argument("--enable-lora", action="store_true", default=None,
+                     help="serve LoRA adapters beside the model, as vLLM's: a request whose model names one runs "
+                          "through it (default: off)")
+    mod.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
+                     help="the adapters, as vLLM's: NAME=PATH (a PEFT directory or a Hugging Face repo id) or a "
+                          "JSON object {\"name\", \"path\", \"base_model_name\"}; each is listed by /v1/models "
+                          "(default: none)")
+    mod.add_argument("--max-loras", type=int, metavar="N",
+                     help="adapters a step's sequences may run through at most, as vLLM's (default: 1)")
+    mod.add_argument("--max-lora-rank", type=int, metavar="R",
+                     help="an adapter of a larger rank is refused, as vLLM's (default: 16)")
     mod.add_argument("--checkpoint", metavar="DIR", help="deprecated: --model DIR")
     for name in GEOMETRY:
         mod.add_argument("--" + name.replace("_", "-"), type=str if name == "dtype" else int,

@@ -22,6 +22,8 @@ from pushkv.config import (
     TRACE_AUTO,
     DeploymentConfig,
     InstanceConfig,
+    LoraConfig,
+    LoraModule,
     ModelConfig,
     config_from_builtins,
     json_object,
@@ -242,6 +244,7 @@ def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = 
     if not names and given_name and not _preset_named(given_name):
         # vLLM's default: the --model string as given; the directory's name and path still answer
         names = [given_name, model.name, *([model.checkpoint] if model.checkpoint else [])]
+    model = msgspec.structs.replace(model, lora=lora_config(flags, model, names or [model.name]))
     max_len = f("max_model_len")
     if max_len is not None and not 1 <= max_len <= model.max_position:
         raise ValueError(f"--max-model-len {max_len} must be in [1, {model.max_position}] "
@@ -301,6 +304,58 @@ def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = 
     if cfg.uds:
         uds.check_free(cfg.uds)  # too long, in no directory, on a file that is no socket or a live one: refused now
     return _pool_sizes(cfg, flags)
+
+
+def lora_modules(given: list[str]) -> list[LoraModule]:
+    """vLLM's --lora-modules: each NAME=PATH, or a JSON object with name, path and (optionally) base_model_name."""
+    out = []
+    for item in given:
+        if item.lstrip().startswith("{"):
+            obj = json_object(item, "--lora-modules", "name, path and base_model_name")
+            unknown = set(obj) - {"name", "path", "base_model_name"}
+            if unknown or not all(isinstance(obj.get(k), str) and obj.get(k) for k in ("name", "path")):
+                raise ValueError(f"--lora-modules {item}: a JSON object of name, path (strings) and base_model_name"
+                                 + (f", not {sorted(unknown)}" if unknown else ""))
+            out.append(LoraModule(obj["name"], obj["path"], str(obj.get("base_model_name") or "")))
+            continue
+        name, eq, path = item.partition("=")
+        if not eq or not name or not path:
+            raise ValueError(f"--lora-modules {item!r}: NAME=PATH, or a JSON object with name and path")
+        out.append(LoraModule(name, path))
+    return out
+
+
+def lora_config(flags: Mapping[str, Any], model: ModelConfig, served: list[str]) -> LoraConfig:
+    """vLLM's --enable-lora, --lora-modules, --max-loras and --max-lora-rank as a LoraConfig, each adapter's path
+    resolved (a Hub id through huggingface_hub) and its files checked against the model now (lora_files.py)."""
+    f = flags.get
+    given = f("lora_modules") or []
+    enabled = bool(f("enable_lora"))
+    if not enabled:
+        for flag in ("lora_modules", "max_loras", "max_lora_rank"):
+            if f(flag) is not None:
+                raise ValueError(f"--{flag.replace('_', '-')} needs --enable-lora")
+        return LoraConfig()
+    given_loras, given_rank = f("max_loras"), f("max_lora_rank")
+    max_loras = 1 if given_loras is None else int(given_loras)
+    max_rank = 16 if given_rank is None else int(given_rank)
+    if max_loras < 1 or max_rank < 1:
+        raise ValueError(f"--max-loras {max_loras} and --max-lora-rank {max_rank} are positive")
+    from pushkv.model.hub import resolve
+    from pushkv.model.lora_files import CONFIG_FILE, WEIGHTS_FILE, read_adapter
+
+    modules: list[LoraModule] = []
+    for mod in lora_modules(given):
+        if mod.name in served or any(mod.name == other.name for other in modules):
+            raise ValueError(f"--lora-modules {mod.name}: the name is given twice, or is the served model's")
+        if mod.base_model_name and mod.base_model_name not in served:
+            raise ValueError(f"--lora-modules {mod.name}: base_model_name {mod.base_model_name!r} is not served "
+                             f"(served: {served})")
+        path = resolve(mod.path, files=[CONFIG_FILE, WEIGHTS_FILE], cache_dir=f("download_dir"),
+                       flags=("--lora-modules", "--revision"))
+        read_adapter(mod.name, path, model, max_rank)
+        modules.append(msgspec.structs.replace(mod, path=path))
+    return LoraConfig(True, tuple(modules), max_loras, max_rank)
 
 
 def _path(given: Optional[str]) -> Optional[str]:

@@ -9,7 +9,7 @@ Each flag here is of one kind (docs/running.md, "From vllm serve", is :func:`mar
   auto``); another value is refused, naming it;
 - **no effect**: vLLM's logging and engine-tuning knobs (``--disable-log-stats``, ``--compilation-config``): taken,
   and one line at startup says that pushkv has no such knob;
-- **refused**: a vLLM feature pushkv does not build (``--enable-lora``, ``--speculative-config``): refused by name,
+- **refused**: a vLLM feature pushkv does not build (``--speculative-config``): refused by name,
   with what to do instead.
 
 ``vllm serve MODEL``'s positional model and a ``--config`` YAML file of vLLM's flags (its keys the flags' names)
@@ -99,6 +99,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--scheduling-policy",), WHEN, "fcfs: requests are served in the order they arrive", str, _of("fcfs")),
     Flag(("--max-logprobs",), WHEN, "20: pushkv's bound on logprobs, top_logprobs and prompt_logprobs "
          "(pushkv/limits.py)", int, lambda v: int(v) == 20),
+    Flag(("--lora-dtype",), WHEN, "auto: LoRA adapters run in the model's dtype", str, _of("auto")),
     Flag(("--cpu-offload-gb",), WHEN, "0: weights stay on the device", float, _zero),
     Flag(("--guided-decoding-backend",), WHEN, "xgrammar (or auto): structured output is compiled by xgrammar",
          str, _of("xgrammar", "auto")),
@@ -116,6 +117,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--max-parallel-loading-workers",), NO_EFFECT, "each rank loads its own slices", int),
     Flag(("--swap-space",), NO_EFFECT, "nothing is swapped to host memory: a request that does not fit waits",
          float),
+    Flag(("--max-cpu-loras",), NO_EFFECT, "every --lora-modules adapter is held on every rank from the start", int),
+    Flag(("--fully-sharded-loras",), NO_EFFECT, "each TP rank holds its share of every adapter (the rows of B a "
+         "column-parallel projection gives it, the columns of A a row-parallel one takes)", SWITCH),
     Flag(("--disable-log-stats",), NO_EFFECT, "pushkv logs no periodic stats; /metrics has them", SWITCH),
     Flag(("--collect-detailed-traces",), NO_EFFECT, "--otlp-traces-endpoint's spans always carry each request's "
          "phases (queue, prefill, kv_transfer, decode) as children"),
@@ -131,10 +135,6 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--enable-prompt-tokens-details",), NO_EFFECT, "usage.prompt_tokens_details.cached_tokens is always given",
          SWITCH),
     # vLLM's features that pushkv does not build
-    Flag(("--enable-lora",), REFUSED, "LoRA adapters are not built: serve a merged checkpoint", SWITCH),
-    Flag(("--lora-modules",), REFUSED, "LoRA adapters are not built: serve a merged checkpoint"),
-    Flag(("--max-loras",), REFUSED, "LoRA adapters are not built", int),
-    Flag(("--max-lora-rank",), REFUSED, "LoRA adapters are not built", int),
     Flag(("--speculative-config",), REFUSED, "speculative decoding is not built"),
     Flag(("--kv-transfer-config",), REFUSED, "pushkv up runs P and D itself and moves the KV between them: --mode "
          "push|pull chooses how (vLLM instances take pushkv's transfer through its PushKVConnector)"),

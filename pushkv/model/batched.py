@@ -287,9 +287,9 @@ class BatchedForward:
         attn = torch.empty(T, p.q_heads, self.hd, device=self.device, dtype=m.dtype)
         places = ahead_places(T, m.tp_size)
         for layer, lw in enumerate(layers):
-            q = K.qk_norm_rope_store(m.adapted(lw, "qkv", linear(h, lw.qkv, lw.qkv_bias), h), p.q_heads, p.kv_heads, self.hd,
-                                     lw.q_norm, lw.k_norm, eps, rope[0], rope[1], rope[2], meta.slots,
-                                     pools[layer])
+            qkv = m.adapted(lw, "qkv", linear(h, lw.qkv, lw.qkv_bias), h)
+            q = K.qk_norm_rope_store(qkv, p.q_heads, p.kv_heads, self.hd, lw.q_norm, lw.k_norm, eps, rope[0], rope[1],
+                                     rope[2], meta.slots, pools[layer])
             if on_layer is not None:
                 on_layer(layer)
             if "o" in places:

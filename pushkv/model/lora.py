@@ -62,8 +62,8 @@ def load_adapter(info: AdapterInfo, cfg: ModelConfig, plan: ShardPlan, device: s
                 a, b = get(layer, module, "A"), get(layer, module, "B")
                 if a is not None and b is not None:
                     lw[kind] = (a[:, cols[0]:cols[1]], b * info.scale)
-            for kind, (a, b) in lw.items():
-                lw[kind] = (a.to(device=device, dtype=dtype).contiguous(), b.to(device=device, dtype=dtype).contiguous())
+            for kind, pair in lw.items():
+                lw[kind] = tuple(t.to(device=device, dtype=dtype).contiguous() for t in pair)  # type: ignore[assignment]
     return layers
 
 

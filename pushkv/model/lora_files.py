@@ -1,11 +1,12 @@
 """A LoRA adapter's files, as PEFT saves them and vLLM's ``--lora-modules`` takes them, read and checked against
 the model before any process starts. Pure: JSON and the safetensors header, no torch (the launcher runs it).
 
-An adapter directory holds ``adapter_config.json`` (``peft_type`` LORA, ``r``, ``lora_alpha``, ``use_rslora``...) and
-``adapter_model.safetensors``, whose tensors are named ``base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight``
-([r, in]) and ``...lora_B.weight`` ([out, r]). pushkv serves adapters on the attention's q, k, v and o projections
-and a dense MLP's gate, up and down; whatever else an adapter holds (an MoE layer's experts or router, the
-embeddings, the LM head, ``modules_to_save``, DoRA's magnitudes, biases, per-module ranks) is refused by name.
+An adapter directory holds ``adapter_config.json`` (``peft_type`` LORA, ``r``, ``lora_alpha``, ``use_rslora``...)
+and ``adapter_model.safetensors``, whose tensors are named
+``base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight`` ([r, in]) and ``...lora_B.weight`` ([out, r]).
+pushkv serves adapters on the attention's q, k, v and o projections and a dense MLP's gate, up and down; whatever
+else an adapter holds (an MoE layer's experts or router, the embeddings, the LM head, ``modules_to_save``, DoRA's
+magnitudes, biases, per-module ranks) is refused by name.
 """
 from __future__ import annotations
 
@@ -149,9 +150,9 @@ def read_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int) -> Adapt
     if not tensors:
         raise ValueError(f"LoRA adapter {name!r}: {file} holds no LoRA tensor")
     for layer, module, ab in list(tensors):
-        other = "B" if ab == "A" else "A"
-        if (layer, module, other) not in tensors:
-            raise ValueError(f"LoRA adapter {name!r}: layer {layer}'s {module} has lora_{ab} without lora_{other}")
+        pair = "B" if ab == "A" else "A"
+        if (layer, module, pair) not in tensors:
+            raise ValueError(f"LoRA adapter {name!r}: layer {layer}'s {module} has lora_{ab} without lora_{pair}")
     return AdapterInfo(name, path, r, scale, tensors)
 
 

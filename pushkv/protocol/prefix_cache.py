@@ -35,12 +35,17 @@ from pushkv.protocol.allocator import BlockAllocator
 ROOT_HASH = 0  # the "previous block" of a prompt's first block
 
 
-def root_of(cache_salt: str = "") -> int:
+def root_of(cache_salt: str = "", lora: str = "") -> int:
     """The "previous block" a prompt's chain starts from: ROOT_HASH, or for vLLM's ``cache_salt`` a hash of it,
-    so that only requests that give the same salt share cached blocks (a tenant's prefixes stay its own)."""
-    if not cache_salt:
+    so that only requests that give the same salt share cached blocks (a tenant's prefixes stay its own); a request
+    through a LoRA adapter chains from a hash of the adapter's name (and its salt): its K and V are the adapter's."""
+    if not cache_salt and not lora:
         return ROOT_HASH
-    return int.from_bytes(hashlib.sha256(b"pushkv cache_salt\0" + cache_salt.encode()).digest()[:8], "little")
+    if not lora:
+        return int.from_bytes(hashlib.sha256(b"pushkv cache_salt\0" + cache_salt.encode()).digest()[:8], "little")
+    name = lora.encode()
+    return int.from_bytes(hashlib.sha256(b"pushkv lora\0" + len(name).to_bytes(4, "little") + name
+                                         + cache_salt.encode()).digest()[:8], "little")
 
 
 def block_hashes(tokens: Sequence[int], block_size: int, parent: int = ROOT_HASH, start: int = 0) -> list[int]:

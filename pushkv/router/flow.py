@@ -36,7 +36,7 @@ class RequestRun:
                  prompt_token_ids: list[int], max_tokens: int, stop_token_ids: tuple[int, ...], arrival: float,
                  metrics: RouterMetrics, sampling: Optional[m.SamplingParams] = None,
                  local_link: Optional[SchedulerLink] = None, cache_salt: str = "",
-                 structured: Optional[m.Structured] = None):
+                 structured: Optional[m.Structured] = None, lora: str = ""):
         self.balancer = balancer
         self.local_link = local_link
         self.metrics = metrics
@@ -46,7 +46,7 @@ class RequestRun:
             stop=stop_token_ids, request_s=cfg.timeouts.request_s,
             sampling=sampling if sampling != m.SamplingParams() else None,
             local_engine=cfg.local.engine_id or "local", wall_offset=wall - time.monotonic(), cache_salt=cache_salt,
-            structured=structured,
+            structured=structured, lora=lora,
         )
         self.req = R.Request(spec, arrival, arrival_wall=wall)
         self.hash_cache: dict[int, list[int]] = {}  # the balancer's: block size -> the prompt's block hashes
@@ -77,6 +77,10 @@ class RequestRun:
     @property
     def cache_salt(self) -> str:
         return self.req.spec.cache_salt
+
+    @property
+    def lora(self) -> str:
+        return self.req.spec.lora
 
     @property
     def reuses_prefix(self) -> bool:

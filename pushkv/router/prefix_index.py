@@ -64,12 +64,13 @@ class PrefixIndex:
             del self._where[h]
 
 
-def hashes(tokens: Sequence[int], block_size: int, cache: dict[int, list[int]], cache_salt: str = "") -> list[int]:
+def hashes(tokens: Sequence[int], block_size: int, cache: dict[int, list[int]], cache_salt: str = "",
+           lora: str = "") -> list[int]:
     """The chain of ``tokens`` at ``block_size`` from the root of the request's ``cache_salt`` (as its schedulers
     chain it), memoised in ``cache`` (one request's)."""
     got = cache.get(block_size)
     if got is None:
-        got = cache[block_size] = block_hashes(tokens, block_size, root_of(cache_salt))
+        got = cache[block_size] = block_hashes(tokens, block_size, root_of(cache_salt, lora))
     return got
 
 

@@ -162,6 +162,7 @@ class Spec:
     local_engine: str = "local"  # local mode: the instance's engine id
     wall_offset: float = 0.0  # wall clock minus monotonic clock
     cache_salt: str = ""  # vLLM's: its cached prefixes are shared only with the same salt's
+    lora: str = ""  # the LoRA adapter its model names ("": the base model)
     structured: Optional[m.Structured] = None  # its output held to this grammar, on every leg that draws
 
 
@@ -245,7 +246,7 @@ class Request:
         return m.Generate(
             transfer_id=s.transfer_id, generation=GENERATION, leg=leg, prompt_token_ids=s.prompt,
             max_tokens=max_tokens, stop_token_ids=s.stop, arrival=self.ledger.timeline["router.arrival"],
-            sampling=s.sampling, cache_salt=s.cache_salt, structured=s.structured, **kw,
+            sampling=s.sampling, cache_salt=s.cache_salt, structured=s.structured, lora=s.lora, **kw,
         )
 
     def _send(self, leg: Role, engine_id: str, msg: m.Generate, now: float) -> Send:

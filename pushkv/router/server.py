@@ -82,7 +82,9 @@ class Router:
             eos_token_ids=cfg.model.all_eos_ids,
             defaults=cfg.model.sampling_defaults,
         )
-        self.served = cfg.served_names()  # what a request's "model" may name
+        # what a request's "model" may name: the model's names, then each LoRA adapter's (vLLM's --lora-modules)
+        self.loras = tuple(mod.name for mod in cfg.model.lora.modules)
+        self.served = cfg.served_names() + self.loras
         self.load = 0  # HTTP generation requests in flight (vLLM's server load, GET /load)
         # /v1/responses answers kept for previous_response_id and GET /v1/responses/ID (router/responses.py)
         kept = envs.PUSHKV_RESPONSES_STORE
@@ -452,7 +454,15 @@ class Router:
         cards = [{"id": name, "object": "model", "created": int(self.started_wall), "owned_by": "pushkv",
                   "root": self.cfg.model.checkpoint or self.cfg.model.name, "max_model_len": self.limits.max_model_len}
                  for name in names]
+        for mod in self.cfg.model.lora.modules:  # as vLLM lists an adapter: its path, and the model it adapts
+            cards.append({"id": mod.name, "object": "model", "created": int(self.started_wall), "owned_by": "pushkv",
+                          "root": mod.path, "parent": mod.base_model_name or names[0],
+                          "max_model_len": self.limits.max_model_len})
         return web.json_response({"object": "list", "data": cards})
+
+    def lora_of(self, model: str) -> str:
+        """The LoRA adapter a request's ``model`` names ("": the base model)."""
+        return model if model in self.loras else ""
 
     async def handle_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "completion")
@@ -724,7 +734,7 @@ class Router:
             run = RequestRun(self.cfg, self.balancer if self.local_link is None else None, tid,
                              ids, params.max_tokens, params.stop_token_ids, arrival,
                              self.metrics, sampling, local_link=self.local_link, cache_salt=params.cache_salt,
-                             structured=params.structured)
+                             structured=params.structured, lora=self.lora_of(params.model))
             self.runs[tid] = run
             runs.append(run)
             if self.tracer is not None:

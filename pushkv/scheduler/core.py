@@ -92,6 +92,7 @@ class SchedulerCore:
         self.step_answers: dict[int, StepAnswer] = {}
         self.max_len = cfg.max_model_len or cfg.model.max_position
         self.vocab = cfg.model.vocab_size
+        self.lora = cfg.model.lora  # the adapters this instance's workers hold, by slot
         self.grammars = Grammars(cfg.model)  # structured output's compiled grammars
         # grammars compiling off the loop (asked of the shell once each), and the requests held for each
         self.compiling: dict[m.Structured, list[Request]] = {}
@@ -217,6 +218,9 @@ class SchedulerCore:
         why = check_generate(msg, self.vocab, self.max_len, self.max_stop_ids)  # every value a step acts on
         if why is not None:
             return why, 400
+        if self.lora.slot(msg.lora) < 0:
+            return (f"LoRA adapter {msg.lora!r} is not served here (adapters: "
+                    f"{[mod.name for mod in self.lora.modules]})", 404)
         err = self._check_leg(msg)
         if err is not None:
             return err
@@ -306,7 +310,7 @@ class SchedulerCore:
         r = Request(msg.transfer_id, msg.generation, msg.leg, msg.prompt_token_ids, msg.max_tokens, frm.identity,
                     frozenset(msg.stop_token_ids), msg.source, msg.pull, seq_id=self.next_seq,
                     sampling=msg.sampling, late=msg.late, prefill_here=msg.prefill_here, cache_salt=msg.cache_salt,
-                    grammar=grammar, structured=msg.structured)
+                    grammar=grammar, structured=msg.structured, lora=msg.lora, lora_slot=self.lora.slot(msg.lora))
         self.next_seq += 1
         if msg.arrival:
             r.timeline["arrival"] = msg.arrival
@@ -416,7 +420,7 @@ class SchedulerCore:
         if not prefills and not running:
             return
         batch = build_batch(prefills, running, self.inst.max_num_seqs, self.inst.max_batch_tokens,
-                            self.inst.prefill_chunk)
+                            self.inst.prefill_chunk, self.lora.max_loras if self.lora.modules else 0)
         batch = [(r, self._step_work(r, w)) for r, w in batch]
         self.step_id += 1
         self.step = batch

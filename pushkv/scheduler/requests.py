@@ -86,6 +86,8 @@ class Request:
     prompt_parts: list[m.PromptLogprobs] = field(default_factory=list)
     prompt_logprobs: Optional[m.PromptLogprobs] = None
     cache_salt: str = ""  # vLLM's: its prompt's block hashes chain from this salt's root (prefix.py)
+    lora: str = ""  # the LoRA adapter it runs through ("": the base model); its hashes chain from the name's root
+    lora_slot: int = 0  # ... the workers' slot of it (SeqWork.lora)
     grammar: Any = None  # structured output: its grammar.Matcher, following the output
     structured: Optional[m.Structured] = None  # structured output: the spec its grammar is compiled from
     # repetition_penalty's distinct ids of the prompt and output, packed, kept as the output grows (seen_ids)
@@ -211,7 +213,7 @@ def blocks_needed(leg: str, prompt_len: int, max_tokens: int, block_size: int) -
 
 
 def build_batch(prefills: list[Request], running: list[Request], max_num_seqs: int,
-                max_batch_tokens: int, prefill_chunk: int = 0) -> list[tuple[Request, m.SeqWork]]:
+                max_batch_tokens: int, prefill_chunk: int = 0, max_loras: int = 0) -> list[tuple[Request, m.SeqWork]]:
     """One continuous-batching step: every running decode, then prefills that fit.
 
     Decodes go first so that admitting prompts never stalls generation. Without
@@ -221,17 +223,38 @@ def build_batch(prefills: list[Request], running: list[Request], max_num_seqs: i
     more than the budget left after the decodes (at least one token, so a prompt always
     moves); only its last chunk samples. A prompt that asked prompt logprobs has each chunk
     scored (``SeqWork.score_prompt``), with the prompt's token after the chunk where there is one.
+    With ``max_loras`` (vLLM's --max-loras), a step holds sequences of at most that many LoRA adapters (the base
+    model's not counted): a request of another adapter waits for a later step, and where the running requests name
+    more adapters than that, the ones that have waited longest for a token go first, so none starves.
     """
     batch: list[tuple[Request, m.SeqWork]] = []
     tokens = 0
-    for r in running[:max_num_seqs]:
+    loras: set[int] = set()
+
+    def fits(r: Request) -> bool:
+        if r.lora_slot and max_loras > 0 and r.lora_slot not in loras:
+            if len(loras) >= max_loras:
+                return False
+            loras.add(r.lora_slot)
+        return True
+
+    if max_loras > 0 and len({r.lora_slot for r in running if r.lora_slot}) > max_loras:
+        running = sorted(running, key=lambda r: r.last_token_at)
+    for r in running:
+        if len(batch) >= max_num_seqs:
+            break
+        if not fits(r):
+            continue
         pos = len(r.prompt) + len(r.output) - 1
-        batch.append((r, m.SeqWork(r.seq_id, (r.output[-1],), pos, tuple(r.blocks), **r.sample_fields())))
+        batch.append((r, m.SeqWork(r.seq_id, (r.output[-1],), pos, tuple(r.blocks), **r.sample_fields(),
+                                   lora=r.lora_slot)))
         tokens += 1
     admitted = 0
     for r in prefills:
         if len(batch) >= max_num_seqs:
             break
+        if r.lora_slot and max_loras > 0 and r.lora_slot not in loras and len(loras) >= max_loras:
+            continue
         start = r.prefilled
         n = len(r.prompt) - start
         if prefill_chunk > 0:
@@ -245,7 +268,9 @@ def build_batch(prefills: list[Request], running: list[Request], max_num_seqs: i
         fields = r.sample_fields() if last else {"sample": False, "rope_len": len(r.prompt)}
         if r.score_prompt >= 0:
             fields.update(score_prompt=r.score_prompt, next_prompt_token=-1 if last else r.prompt[start + n])
-        batch.append((r, m.SeqWork(r.seq_id, r.prompt[start:start + n], start, tuple(r.blocks), **fields)))
+        fits(r)
+        batch.append((r, m.SeqWork(r.seq_id, r.prompt[start:start + n], start, tuple(r.blocks), **fields,
+                                   lora=r.lora_slot)))
         tokens += n
     return batch
 

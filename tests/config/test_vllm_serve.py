@@ -84,6 +84,7 @@ def test_each_feature_not_built_is_refused_by_name_saying_what_instead(f):
 # (flag, a value pushkv runs, a value it does not)
 WHEN_VALUES = {"--pipeline-parallel-size": (1, 2), "--data-parallel-size": (1, 4), "--api-server-count": (1, 2),
                "--kv-cache-dtype": ("auto", "fp8_e4m3"), "--quantization": ("none", "awq"),
+               "--lora-dtype": ("auto", "float16"),
                "--distributed-executor-backend": ("mp", "ray"), "--tokenizer-mode": ("auto", "mistral"),
                "--scheduling-policy": ("fcfs", "priority"), "--max-logprobs": (20, 50),
                "--cpu-offload-gb": (0, 8.5), "--guided-decoding-backend": ("xgrammar", "outlines"),

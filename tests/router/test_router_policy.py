@@ -386,6 +386,7 @@ class ChatRun(Run):
         self.prompt = tuple(prompt)
         self.output_ids, self.done, self.cached, self.timeline, self.hash_cache = [], False, {}, {}, {}
         self.cache_salt = ""
+        self.lora = ""
 
 
 def test_balancer_indexes_where_it_sent_what_and_places_by_it():

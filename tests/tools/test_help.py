@@ -90,7 +90,8 @@ def test_up_flags_are_grouped_by_topic_in_order():
     assert {"--push-stream", "--link-window", "--kv-verify"} <= set(groups["transfer"])
     assert {"--startup-timeout", "--load-timeout"} <= set(groups["supervision"])
     assert {"model_tag", "--model"} <= set(groups["model"])  # vllm serve MODEL's positional beside --model
-    assert {"--max-num-batched-tokens", "--enforce-eager", "--enable-lora"} <= set(groups["vllm serve"])
+    assert {"--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank"} <= set(groups["model"])
+    assert {"--max-num-batched-tokens", "--enforce-eager", "--speculative-config"} <= set(groups["vllm serve"])
     text = up.format_help()
     assert [text.index(f"\n{t}:") for t in UP_GROUPS] == sorted(text.index(f"\n{t}:") for t in UP_GROUPS)
 

@@ -1,0 +1,67 @@
+"""vLLM's LoRA flags as ``pushkv up`` takes them: NAME=PATH and the JSON form, each adapter's files checked against
+the model before anything starts, and what is not served refused by name."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pushkv.config import LoraModule
+from pushkv.config_flags import lora_modules
+from pushkv.model import build_model
+from pushkv.model.lora_files import read_adapter
+from tests.config.test_vllm_serve import config
+from tests.model.test_hf_reference import save_hf_checkpoint
+from tests.support.lora_adapters import ADAPTERS, save_adapter
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora_flags")
+    base = save_hf_checkpoint(str(root / "base"), "llama", seed=1)
+    return base, save_adapter(base, str(root / "qv"), **ADAPTERS["qv"])
+
+
+def test_both_spellings_of_an_adapter():
+    assert lora_modules(["a=/x/y", '{"name": "b", "path": "/z", "base_model_name": "m"}']) == [
+        LoraModule("a", "/x/y"), LoraModule("b", "/z", "m")]
+    for bad in ("a", "=/x", "a=", '{"name": "b"}', '{"name": "b", "path": "/z", "rank": 4}'):
+        with pytest.raises(ValueError, match="--lora-modules"):
+            lora_modules([bad])
+
+
+def test_adapters_are_read_and_checked_at_launch(llama, tmp_path):
+    base, qv = llama
+    cfg = config("--model", base, "--served-model-name", "m", "--enable-lora", "--lora-modules", f"qv={qv}",
+                 json.dumps({"name": "qv2", "path": qv, "base_model_name": "m"}), "--max-loras", "2")
+    lora = cfg.model.lora
+    assert lora.enabled and lora.max_loras == 2 and lora.max_rank == 16
+    assert [(mod.name, mod.path) for mod in lora.modules] == [("qv", qv), ("qv2", qv)]
+    assert lora.slot("qv2") == 2 and lora.slot("") == 0 and lora.slot("other") == -1
+    # the same check a worker makes as it loads them
+    assert read_adapter("qv", qv, cfg.model, lora.max_rank).rank == ADAPTERS["qv"]["r"]
+    assert set(build_model(cfg.model).loras) == {1, 2}
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--lora-modules", "qv=QV"], "--lora-modules needs --enable-lora"),
+    (["--max-loras", "2"], "--max-loras needs --enable-lora"),
+    (["--enable-lora", "--lora-modules", "m=QV"], "the name is given twice, or is the served model's"),
+    (["--enable-lora", "--lora-modules", "a=QV", "a=QV"], "the name is given twice"),
+    (["--enable-lora", "--lora-modules", '{"name": "a", "path": "QV", "base_model_name": "x"}'],
+     "base_model_name 'x' is not served"),
+    (["--enable-lora", "--lora-modules", "a=/no/such/dir"], "no such directory, and not a Hugging Face repo id"),
+    (["--enable-lora", "--max-lora-rank", "2", "--lora-modules", "a=QV"], "r 4 is past --max-lora-rank 2"),
+    (["--enable-lora", "--max-loras", "0"], "are positive"),
+])
+def test_refused_before_anything_starts(llama, argv, says):
+    base, qv = llama
+    with pytest.raises(ValueError, match=says):
+        config("--model", base, "--served-model-name", "m", *[a.replace("QV", qv) for a in argv])
+
+
+def test_an_adapter_of_another_shape_is_refused(llama, tmp_path):
+    base, qv = llama
+    other = save_hf_checkpoint(str(tmp_path / "wide"), "llama", seed=1, hidden_size=96)
+    with pytest.raises(ValueError, match=r"where this model and r 4 make \[4, 96\]"):
+        config("--model", other, "--enable-lora", "--lora-modules", f"qv={qv}")

@@ -1,0 +1,67 @@
+"""LoRA adapters served through P/D push, as vLLM serves them (``--enable-lora --lora-modules NAME=PATH``): P at TP 2
+and D at TP 1 give PEFT's float32 greedy tokens for each adapter and for the base model, requests of different
+adapters at once under ``--max-loras 1`` included; /v1/models lists the adapters as vLLM does; an adapter's prompt
+never takes the base model's cached blocks; a model that is not served is a 404; a bad adapter is refused before
+anything starts."""
+from __future__ import annotations
+
+import json
+import threading
+import urllib.request
+
+import pytest
+
+from tests.model.test_hf_reference import save_hf_checkpoint
+from tests.support.deploy import deployment
+from tests.support.lora_adapters import ADAPTERS, NEW_TOKENS, peft_reference, save_adapter
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
+
+# 40 tokens: two full blocks of 16 the prefix cache indexes
+PROMPT = [2] + [(7 * i) % 250 + 4 for i in range(39)]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora_e2e")
+    base = save_hf_checkpoint(str(root / "base"), "llama", seed=5)
+    paths = {n: save_adapter(base, str(root / n), seed=10 + i, **f) for i, (n, f) in enumerate(ADAPTERS.items())}
+    want = {n: peft_reference(base, paths.get(n), [PROMPT])[0] for n in [None, *ADAPTERS]}
+    return base, paths, want
+
+
+def test_push_serves_each_adapter_as_peft_does(tmp_path, llama):
+    base, paths, want = llama
+    modules = [f"{n}={p}" for n, p in paths.items()]
+    with deployment(tmp_path, "--mode", "push", "--model", base, "--served-model-name", "base", "--num-blocks", "64",
+                    "--prefill-tp", "2", "--decode-tp", "1", "--enable-lora", "--lora-modules", *modules,
+                    "--max-loras", "1") as dep:
+        with urllib.request.urlopen(dep.url + "/v1/models", timeout=30) as r:
+            models = json.loads(r.read())
+        cards = {c["id"]: c for c in models["data"]}
+        assert set(cards) == {"base", *ADAPTERS}
+        assert {n: (cards[n]["root"], cards[n]["parent"]) for n in ADAPTERS} == {n: (p, "base")
+                                                                                 for n, p in paths.items()}
+        # the base model first: its prompt blocks are cached; the adapters' prompts must not take them
+        first = dep.complete(PROMPT, NEW_TOKENS, model="base")
+        assert first["choices"][0]["token_ids"] == want[None]
+        assert want["all"] != want[None] and want["qv"] != want[None]  # each adapter changes the tokens
+        got: dict = {}
+
+        def ask(name):
+            got[name] = dep.complete(PROMPT, NEW_TOKENS, model=name)
+
+        threads = [threading.Thread(target=ask, args=(n,)) for n in ADAPTERS]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        for n in ADAPTERS:
+            assert got[n]["choices"][0]["token_ids"] == want[n], n
+            assert got[n]["model"] == n
+            assert got[n]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, n
+        again = dep.complete(PROMPT, NEW_TOKENS, model="all")  # its own cached blocks are found
+        assert again["choices"][0]["token_ids"] == want["all"]
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+        status, body = dep.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "model": "nope"})
+        assert status == 404 and body["error"]["code"] == "model_not_found"
