@@ -115,6 +115,9 @@ s.print_callees('_post_write|_prefill_done|on_ExpectKV|_poll_notifs')" 2>&1 | gr
            timeout 280 python3 -m tools.transfer_report --writers-only --warm-matrix ${XFER_DEV:---device cuda:0 --decode-device cuda:1} \
              --sizes-mib 0.25 1 16 64 256 --reps 7 --gap-ms 20 --out "$OUT/xferwarm.json" 2>&1 \
              | grep -E "^warm|^\(devices|Error|error:" | tee "$OUT/xferwarm.txt" ;;
+    loragpu) # LoRA adapters on the GPU: float32 tokens against PEFT's (fused engine, graphs, GEMVs), bf16 push = local
+            timeout 400 python3 -m pytest -q -p no:cacheprovider tests/model/test_lora_gpu.py -rfE 2>&1 \
+              | tee "$OUT/lora_gpu.txt" | tail -6 ;;
     gpue2e) timeout 400 python3 -m pytest -q -p no:cacheprovider tests/e2e/test_gpu_e2e.py 2>&1 | tee "$OUT/gpue2e.txt" | tail -5 ;;
     moetests) # the MoE decode path's GPU tests (the router in the norm, the GEMVs, the kernels, graphs): 250-340 s
             timeout 420 python3 -m pytest -q -p no:cacheprovider tests/model/test_add_rms_router_kernel.py \

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fill .whl/ with the wheels experiments/gpu_run.sh installs on the GPU machine, whose image
 # has torch (CUDA 13), aiohttp, prometheus-client, tokenizers, safetensors and numpy on
-# Python 3.12 but no nixl, pyzmq, msgspec or setproctitle, and no network.
+# Python 3.12 but no nixl, pyzmq, msgspec, setproctitle or peft, and no network.
 # Run here (where pip reaches an index); ~60 MB, nixl-cu13 most of it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,6 +15,8 @@ for p in "${PLATFORMS[@]}"; do args+=(--platform "$p"); done
 "$PY" -m pip download -q "${args[@]}" \
   "nixl==${NIXL_VERSION:-1.5.1}" "nixl-cu13==${NIXL_VERSION:-1.5.1}" \
   "pyzmq==27.3.0" "msgspec==0.23.0" "setproctitle==1.3.8"
+# the LoRA GPU tests' reference (tests/model/test_lora_gpu.py): PEFT and what it needs beyond the image's transformers
+"$PY" -m pip download -q --no-deps -d .whl "peft==0.21.2" "accelerate==1.16.0"
 # the device tree travels capped at 64 MiB: keep of nixl-cu13 (58.8 MB) only what pushkv loads (its module,
 # its libraries and UCX plugins: ~29 MB), not nixl_ep (expert-parallel builds per torch version), headers, examples
 "$PY" - <<'PYEOF'
