@@ -1,0 +1,103 @@
+"""LoRA in the scheduler, by plain calls: a request's adapter becomes its sequences' slot, an adapter not served is
+refused before anything is held, a step holds at most --max-loras adapters and none starves, and a prompt's cached
+blocks are shared only through the same adapter (and salt)."""
+from __future__ import annotations
+
+import pytest
+
+from pushkv import messages as m
+from pushkv.config import DeploymentConfig, InstanceConfig, LoraConfig, LoraModule, preset
+from pushkv.protocol.prefix_cache import ROOT_HASH, root_of
+from pushkv.scheduler.requests import Request, State, build_batch
+from tests.scheduler.test_scheduler_prefix import generate, idle, prompt, run_all, run_step
+from tests.scheduler.test_scheduler_roles import wired
+
+LORA = LoraConfig(True, (LoraModule("a", "/adapters/a"), LoraModule("b", "/adapters/b")), max_loras=1)
+
+
+def make(max_loras=1, num_blocks=16):
+    inst = InstanceConfig(role="local", engine_id="local-engine", num_blocks=num_blocks,
+                          worker_endpoints=("w0",), writer_endpoints=("x0",))
+    model = preset("tiny", lora=LoraConfig(True, LORA.modules, max_loras=max_loras))
+    return wired(DeploymentConfig(mode="local", model=model, local=inst), inst)
+
+
+def test_an_adapter_not_served_is_refused_and_holds_nothing():
+    s, wire = make()
+    generate(s, "x", prompt(20), lora="c")
+    (fail,) = [msg for _, msg in wire.sent if isinstance(msg, m.RequestFailed)]
+    assert fail.status == 404 and "LoRA adapter 'c' is not served here (adapters: ['a', 'b'])" in fail.reason
+    assert idle(s) and not wire.take("worker")
+
+
+def _steps(s, wire) -> list:
+    steps = []
+    while wire.sent and any(isinstance(x, m.ExecuteStep) for _, x in wire.sent):
+        steps.append(run_step(s, wire))
+    return steps
+
+
+def test_each_request_runs_through_its_adapters_slot():
+    s, wire = make(max_loras=2)
+    for tid, name in (("x", ""), ("y", "a"), ("z", "b")):
+        generate(s, tid, prompt(20, first=len(tid)), lora=name, max_tokens=2)
+    slots = {s.by_tid[tid].seq_id: slot for tid, slot in (("x", 0), ("y", 1), ("z", 2))}
+    steps = _steps(s, wire)
+    assert all(w.lora == slots[w.seq_id] for step in steps for w in step)
+    assert sorted(w.seq_id for step in steps for w in step) == sorted(2 * list(slots))  # a prefill and a decode each
+    assert idle(s)
+
+
+def test_a_step_holds_at_most_max_loras_adapters_and_each_request_ends():
+    """--max-loras 1: b's prompt waits while a's request runs; the base model's requests are never held back."""
+    s, wire = make(max_loras=1)
+    generate(s, "a1", prompt(20), lora="a", max_tokens=3)
+    generate(s, "b1", prompt(20, 5), lora="b", max_tokens=3)
+    generate(s, "base", prompt(20, 9), max_tokens=3)
+    steps = _steps(s, wire)
+    assert all(len({w.lora for w in step if w.lora}) <= 1 for step in steps)
+    first_b = next(i for i, step in enumerate(steps) if any(w.lora == 2 for w in step))
+    last_a = max(i for i, step in enumerate(steps) if any(w.lora == 1 for w in step))
+    assert first_b > last_a  # b waited for a's request to end
+    assert any(w.lora == 0 for w in steps[1]) and any(w.lora == 1 for w in steps[1])  # the base ran beside a
+    done = {msg.transfer_id for _, msg in wire.sent if isinstance(msg, m.TokensGenerated) and msg.finished}
+    assert done == {"a1", "b1", "base"} and idle(s)
+
+
+def _running(tid: str, slot: int, last: float) -> Request:
+    r = Request(tid, 0, "decode", (1, 2, 3), 8, b"r", seq_id=len(tid), state=State.RUNNING, blocks=[0],
+                output=[4], lora=str(slot), lora_slot=slot)
+    r.last_token_at = last
+    return r
+
+
+def test_running_requests_of_more_adapters_than_a_step_holds_take_turns():
+    """D's requests arrive with their KV, whatever adapters they run through: when they name more than --max-loras,
+    the ones that have waited longest for a token go first, so each adapter's turn comes."""
+    running = [_running("a", 1, 5.0), _running("b", 2, 1.0), _running("c", 0, 9.0), _running("d", 1, 2.0)]
+    batch = build_batch([], running, 8, 64, max_loras=1)
+    assert [(r.transfer_id, w.lora) for r, w in batch] == [("b", 2), ("c", 0)]
+    running[1].last_token_at = 10.0  # b has had its token: a's turn
+    assert [r.transfer_id for r, _ in build_batch([], running, 8, 64, max_loras=1)] == ["d", "a", "c"]
+    assert len(build_batch([], running, 8, 64, max_loras=2)) == 4
+
+
+@pytest.mark.parametrize("first, second, hit", [
+    (("", "a"), ("", "a"), 32), (("", ""), ("", "a"), 0), (("", "a"), ("", "b"), 0), (("", "a"), ("", ""), 0),
+    (("t", "a"), ("t", "a"), 32), (("t", "a"), ("", "a"), 0),
+])
+def test_cached_blocks_are_shared_only_through_the_same_adapter_and_salt(first, second, hit):
+    s, wire = make()
+    generate(s, "one", prompt(40), cache_salt=first[0], lora=first[1])
+    run_all(s, wire)
+    generate(s, "two", prompt(40), cache_salt=second[0], lora=second[1])
+    (w,) = run_step(s, wire)
+    assert (w.start_pos, s.counters["prefix_hit_tokens"]) == (hit, hit)
+    run_all(s, wire)
+    assert idle(s)
+
+
+def test_an_adapters_root_is_its_own_and_no_salt_spells_it():
+    roots = {root_of(), root_of("a"), root_of("", "a"), root_of("", "b"), root_of("t", "a"), root_of("a", "t")}
+    assert len(roots) == 6 and ROOT_HASH in roots
+    assert root_of("\0lora\0a") not in roots  # a salt spelling an adapter's name is a salt
