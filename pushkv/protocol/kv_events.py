@@ -125,7 +125,8 @@ def binds(endpoint: str) -> bool:
 
 
 # what a prefix cache did (PrefixCache.journal): ("stored", hash, parent hash (None for a prompt's first block), the
-# block's tokens, the request's cache_salt on a first block, else "") when a block is indexed, ("removed", hash) when
+# block's tokens, the request's cache_salt on a first block, else "", the request's LoRA adapter as (slot, name), or
+# None) when a block is indexed, ("removed", hash) when
 # one is evicted, ("cleared",) when all are forgotten
 Entry = tuple
 
@@ -137,15 +138,17 @@ def events_of(journal: list[Entry], block_size: int, medium: str) -> list[Event]
     for e in journal:
         last = out[-1] if out else None
         if e[0] == "stored":
-            _, h, parent, tokens, salt = e
+            _, h, parent, tokens, salt, lora = e
             extra = (salt,) if salt else None
-            if isinstance(last, BlockStored) and last.block_hashes[-1] == parent and not salt:
+            lora_id, lora_name = lora if lora else (None, None)
+            if isinstance(last, BlockStored) and last.block_hashes[-1] == parent and not salt \
+                    and last.lora_id == lora_id:
                 last.block_hashes.append(h)
                 last.token_ids.extend(tokens)
                 if last.extra_keys is not None:
                     last.extra_keys.append(None)
                 continue
-            out.append(BlockStored([h], parent, list(tokens), block_size, None, medium, None,
+            out.append(BlockStored([h], parent, list(tokens), block_size, lora_id, medium, lora_name,
                                    [extra] if extra else None, 0))
         elif e[0] == "removed":
             if isinstance(last, BlockRemoved):

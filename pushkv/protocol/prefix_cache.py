@@ -86,7 +86,7 @@ class PrefixCache:
         self._lru: OrderedDict[int, None] = OrderedDict()  # unreferenced cached blocks, oldest first
         self.evictions = 0
         # what the index did, for KV events (protocol/kv_events.py): None (the default) keeps nothing; a list gets
-        # ("stored", hash, parent, tokens, salt), ("removed", hash) and ("cleared",) until its owner takes them
+        # ("stored", hash, parent, tokens, salt, lora), ("removed", hash) and ("cleared",) until its owner takes them
         self.journal: Optional[list[tuple]] = None
 
     # -- sizes ---------------------------------------------------------------------------
@@ -161,11 +161,12 @@ class PrefixCache:
             self.journal.append(("removed", h))
 
     def insert(self, block: int, h: int, parent: Optional[int] = None, tokens: Sequence[int] = (),
-               salt: str = "") -> bool:
+               salt: str = "", lora: Optional[tuple[int, str]] = None) -> bool:
         """Index ``block`` (referenced, its KV complete) under hash ``h``. False (nothing changes)
         when the cache is off, the block is indexed already, or another block holds ``h``
         (two requests computed the same prefix at once: the first one indexed stays). ``parent``
-        (the block before it: None for a prompt's first), ``tokens`` and ``salt`` go to the journal."""
+        (the block before it: None for a prompt's first), ``tokens``, ``salt`` and ``lora`` (the request's adapter's
+        slot and name) go to the journal."""
         if self._refs.get(block, 0) < 1:
             raise ValueError(f"insert: block {block} is not held by any request")
         if not self.enabled or block in self._hash_of or h in self._by_hash:
@@ -173,7 +174,7 @@ class PrefixCache:
         self._by_hash[h] = block
         self._hash_of[block] = h
         if self.journal is not None:
-            self.journal.append(("stored", h, parent, tuple(tokens), salt))
+            self.journal.append(("stored", h, parent, tuple(tokens), salt, lora))
         return True
 
     def take_journal(self) -> list[tuple]:

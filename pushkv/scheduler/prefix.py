@@ -69,5 +69,5 @@ def index_blocks(alloc: PrefixCache, r: Request, upto: int, block_size: int) -> 
     else:  # KV events: each block's parent, tokens and (a prompt's first) salt too
         for i in range(r.indexed, full):
             alloc.insert(r.blocks[i], r.hashes[i], r.hashes[i - 1] if i else None, seq[i * bs:(i + 1) * bs],
-                         r.cache_salt if i == 0 else "")
+                         r.cache_salt if i == 0 else "", (r.lora_slot, r.lora) if r.lora else None)
     r.indexed = full

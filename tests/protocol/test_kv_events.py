@@ -22,19 +22,22 @@ def test_the_journal_records_what_the_index_did_and_nothing_when_not_asked():
     b = pc.allocate(4)  # two free, two cached: both evicted, the table's last block first
     assert b is not None
     pc.reset()
-    assert pc.take_journal() == [("stored", 12, 11, (5, 6), ""), ("removed", 12), ("removed", 11), ("cleared",)]
+    assert pc.take_journal() == [("stored", 12, 11, (5, 6), "", None), ("removed", 12), ("removed", 11), ("cleared",)]
     assert pc.take_journal() == []
 
 
 def test_chained_blocks_are_one_stored_event_and_removals_one_removed_event():
-    j = [("stored", 1, None, (1, 2), ""), ("stored", 2, 1, (3, 4), ""), ("stored", 9, 7, (8, 8), ""),
-         ("removed", 5), ("removed", 6), ("cleared",), ("stored", 3, None, (0, 0), "tenant")]
+    j = [("stored", 1, None, (1, 2), "", None), ("stored", 2, 1, (3, 4), "", None), ("stored", 9, 7, (8, 8), "", None),
+         ("removed", 5), ("removed", 6), ("cleared",), ("stored", 3, None, (0, 0), "tenant", None),
+         ("stored", 4, 3, (0, 1), "", (2, "sql")), ("stored", 5, 4, (0, 2), "", (2, "sql"))]
     ev = K.events_of(j, 2, K.MEDIUM_GPU)
     assert ev[0] == K.BlockStored([1, 2], None, [1, 2, 3, 4], 2, None, "GPU", None, None, 0)
     assert ev[1] == K.BlockStored([9], 7, [8, 8], 2, None, "GPU", None, None, 0)  # 7 is not 2: a run of its own
     assert ev[2] == K.BlockRemoved([5, 6], "GPU", 0)
     assert ev[3] == K.AllBlocksCleared()
     assert ev[4].extra_keys == [("tenant",)] and ev[4].parent_block_hash is None  # a salted prompt's first block
+    # a LoRA adapter's blocks, as vLLM reports them: its id and name, a run of their own after the base model's
+    assert ev[5] == K.BlockStored([4, 5], 3, [0, 1, 0, 2], 2, 2, "GPU", "sql", None, 0)
     with pytest.raises(ValueError, match="unknown journal entry"):
         K.events_of([("moved", 1)], 2, "GPU")
 
@@ -82,7 +85,7 @@ def test_each_instance_publishes_on_its_own_endpoint():
 def test_a_salted_prompt_chains_from_its_salt_yet_reports_no_parent():
     # the first block's hash is chained to root_of(salt); its event says None and carries the salt as an extra key
     h = block_hashes([1] * 16, 16, root_of("t"))
-    ev = K.events_of([("stored", h[0], None, tuple([1] * 16), "t")], 16, "CPU")[0]
+    ev = K.events_of([("stored", h[0], None, tuple([1] * 16), "t", None)], 16, "CPU")[0]
     assert ev.block_hashes == h and ev.parent_block_hash is None and ev.extra_keys == [("t",)]
 
 
