@@ -84,6 +84,8 @@ _VARS = (
         "extra config names none; empty: 127.0.0.1", FOREIGN),
     Var("VLLM_NIXL_SIDE_CHANNEL_PORT", int, 0, "pushkv.vllm: the writers' handshake port when the extra config "
         "names none; 0: 5600", FOREIGN),
+    Var("VLLM_ALLOW_RUNTIME_LORA_UPDATING", bool, False, "the router serves vLLM's `/v1/load_lora_adapter` and "
+        "`/v1/unload_lora_adapter` (with `--enable-lora`); off: those paths are 404, as vLLM's", FOREIGN),
 )
 VARS: dict[str, Var] = {v.name: v for v in _VARS}
 
@@ -141,6 +143,7 @@ if TYPE_CHECKING:  # what ``envs.NAME`` returns, for mypy (tests/tools/test_envs
     XDG_RUNTIME_DIR: str
     VLLM_NIXL_SIDE_CHANNEL_HOST: str
     VLLM_NIXL_SIDE_CHANNEL_PORT: int
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING: bool
 
 
 def __getattr__(name: str) -> Any:

@@ -323,8 +323,37 @@ class RouterEpoch(Msg, frozen=True):
     epoch: int
 
 
-RouterToScheduler = Union[Generate, Abort, GetStats, PeerLost, RouterEpoch, ResetPrefixCache]
-SchedulerToRouter = Union[TokensGenerated, PrefillFinished, RequestFailed, Stats]
+class LoadLora(Msg, frozen=True):
+    """Serve one more LoRA adapter from now on (vLLM's ``POST /v1/load_lora_adapter``): the router asks each
+    scheduler, which gives it a slot and asks each worker rank to load it there. ``replace``: a served adapter of
+    that name takes these weights (vLLM's ``load_inplace``); its requests running keep the old ones."""
+
+    name: str
+    path: str  # its PEFT directory, on the instance's host
+    slot: int = 0  # scheduler -> worker: the slot it goes in
+    replace: bool = False
+
+
+class UnloadLora(Msg, frozen=True):
+    """Stop serving a LoRA adapter (vLLM's ``POST /v1/unload_lora_adapter``): new requests naming it are refused,
+    its requests running end as they would; a worker frees the slot once none holds it (scheduler -> worker)."""
+
+    name: str
+    slot: int = 0  # scheduler -> worker
+
+
+class LoraChanged(Msg, frozen=True):
+    """The answer to ``LoadLora`` / ``UnloadLora``: a worker rank's for its slot, a scheduler's once every rank
+    answered, with the adapters it serves after it. ``error`` "": done."""
+
+    name: str
+    error: str = ""
+    slot: int = 0
+    adapters: tuple[str, ...] = ()
+
+
+RouterToScheduler = Union[Generate, Abort, GetStats, PeerLost, RouterEpoch, ResetPrefixCache, LoadLora, UnloadLora]
+SchedulerToRouter = Union[TokensGenerated, PrefillFinished, RequestFailed, Stats, LoraChanged]
 
 
 # ---------------------------------------------------------------------------
@@ -374,8 +403,8 @@ class KVVerified(Msg, frozen=True):
     compute_s: float = 0.0
 
 
-SchedulerToWorker = Union[ExecuteStep, VerifyKV]
-WorkerToScheduler = Union[StepDone, StepFailed, KVVerified]
+SchedulerToWorker = Union[ExecuteStep, VerifyKV, LoadLora, UnloadLora]
+WorkerToScheduler = Union[StepDone, StepFailed, KVVerified, LoraChanged]
 
 
 class LayersStored(Msg, frozen=True):

@@ -33,6 +33,7 @@ class SchedulerLink:
         self.peer = f"{name or role}-scheduler"  # in traces
         self.tracer = tracer
         self._stats_waiters: list[asyncio.Future] = []
+        self._lora_waiters: dict[str, list[asyncio.Future]] = {}  # adapter name -> the router's LoadLora/UnloadLora
         self.endpoint = endpoint
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -90,6 +91,13 @@ class SchedulerLink:
             self._metrics.sched_messages.labels(role=self.role, kind=type(msg).__name__).inc()
             if self.tracer is not None:
                 self.tracer.msg("recv", self.peer, msg, payload)
+            if isinstance(msg, m.LoraChanged):
+                waiting = self._lora_waiters.get(msg.name)
+                if waiting:
+                    fut = waiting.pop(0)
+                    if not fut.done():
+                        fut.set_result(msg)
+                continue
             if isinstance(msg, m.Stats):
                 self.last_stats = msg
                 waiters, self._stats_waiters = self._stats_waiters, []
@@ -111,6 +119,23 @@ class SchedulerLink:
         """Ask the scheduler to forget its cached prefixes; its Stats after, None if it does not answer in time.
         (Any Stats answers: the reset went before, so no request sent after this reaches a cache it had.)"""
         return await self._next_stats(timeout_s, lambda first: m.ResetPrefixCache())
+
+    async def change_lora(self, msg: "m.LoadLora | m.UnloadLora", timeout_s: float) -> Optional[m.LoraChanged]:
+        """Ask the scheduler to load or unload a LoRA adapter; its answer, None if it does not answer in time.
+        (The router asks one change of a name at a time: router/loras.py.)"""
+        fut = asyncio.get_running_loop().create_future()
+        waiting = self._lora_waiters.setdefault(msg.name, [])
+        waiting.append(fut)
+        try:
+            self.send(msg)
+            return await asyncio.wait_for(fut, timeout_s)
+        except (asyncio.TimeoutError, zmq.ZMQError):
+            return None
+        finally:
+            if fut in waiting:
+                waiting.remove(fut)
+            if not waiting:
+                self._lora_waiters.pop(msg.name, None)
 
     async def _next_stats(self, timeout_s: float, ask: Callable[[bool], Optional[m.Msg]]) -> Optional[m.Stats]:
         """Wait for the scheduler's next Stats, having sent ``ask(first)`` (first: no other waiter before this

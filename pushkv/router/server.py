@@ -36,6 +36,7 @@ from pushkv.router import chat as chat_mod
 from pushkv.router.balance import Balancer
 from pushkv.router.flow import RequestRun
 from pushkv.router.links import SchedulerLink
+from pushkv.router.loras import Loras
 from pushkv.router.metrics import RouterMetrics
 from pushkv.router.prefix_index import PrefixIndex
 from pushkv.security import secure_connect
@@ -83,8 +84,8 @@ class Router:
             defaults=cfg.model.sampling_defaults,
         )
         # what a request's "model" may name: the model's names, then each LoRA adapter's (vLLM's --lora-modules)
-        self.loras = tuple(mod.name for mod in cfg.model.lora.modules)
-        self.served = cfg.served_names() + self.loras
+        self.loras = Loras(cfg, self._served_changed)  # LoRA adapters: the launch's, and those loaded since
+        self.served = cfg.served_names() + self.loras.names
         self.load = 0  # HTTP generation requests in flight (vLLM's server load, GET /load)
         # /v1/responses answers kept for previous_response_id and GET /v1/responses/ID (router/responses.py)
         kept = envs.PUSHKV_RESPONSES_STORE
@@ -160,6 +161,9 @@ class Router:
             ("GET", "/load", self.handle_load),
             ("POST", "/reset_prefix_cache", self.handle_reset_prefix_cache),
         ]
+        if envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING:  # as vLLM's: these paths are served only when asked for
+            routes += [("POST", "/v1/load_lora_adapter", self.handle_load_lora),
+                       ("POST", "/v1/unload_lora_adapter", self.handle_unload_lora)]
         # behind a proxy that serves the API under a prefix (vLLM's --root-path): each route also under it, for a
         # proxy that passes the prefix on, as vLLM's server takes both
         for root in ("", c.root_path) if c.root_path else ("",):
@@ -454,15 +458,32 @@ class Router:
         cards = [{"id": name, "object": "model", "created": int(self.started_wall), "owned_by": "pushkv",
                   "root": self.cfg.model.checkpoint or self.cfg.model.name, "max_model_len": self.limits.max_model_len}
                  for name in names]
-        for mod in self.cfg.model.lora.modules:  # as vLLM lists an adapter: its path, and the model it adapts
-            cards.append({"id": mod.name, "object": "model", "created": int(self.started_wall), "owned_by": "pushkv",
-                          "root": mod.path, "parent": mod.base_model_name or names[0],
-                          "max_model_len": self.limits.max_model_len})
+        cards += self.loras.cards(int(self.started_wall), self.limits.max_model_len, names[0])
         return web.json_response({"object": "list", "data": cards})
 
-    def lora_of(self, model: str) -> str:
-        """The LoRA adapter a request's ``model`` names ("": the base model)."""
-        return model if model in self.loras else ""
+    def _served_changed(self) -> None:
+        self.served = self.cfg.served_names() + self.loras.names
+
+    async def handle_load_lora(self, request: web.Request) -> web.Response:
+        """vLLM's POST /v1/load_lora_adapter {"lora_name", "lora_path", "load_inplace"} (router/loras.py)."""
+        body = await self._json_body(request)
+        if isinstance(body, web.Response):
+            return body
+        return await self.loras.load(body, self.served, list(self.links.values()), self._off_loop)
+
+    async def handle_unload_lora(self, request: web.Request) -> web.Response:
+        """vLLM's POST /v1/unload_lora_adapter {"lora_name"} (router/loras.py)."""
+        body = await self._json_body(request)
+        if isinstance(body, web.Response):
+            return body
+        return await self.loras.unload(body, list(self.links.values()))
+
+    @staticmethod
+    async def _json_body(request: web.Request):
+        try:
+            return api.parse_json(await request.read())
+        except api.ApiError as e:
+            return web.json_response(e.body(), status=e.status)
 
     async def handle_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "completion")
@@ -734,7 +755,7 @@ class Router:
             run = RequestRun(self.cfg, self.balancer if self.local_link is None else None, tid,
                              ids, params.max_tokens, params.stop_token_ids, arrival,
                              self.metrics, sampling, local_link=self.local_link, cache_salt=params.cache_salt,
-                             structured=params.structured, lora=self.lora_of(params.model))
+                             structured=params.structured, lora=self.loras.of(params.model))
             self.runs[tid] = run
             runs.append(run)
             if self.tracer is not None:

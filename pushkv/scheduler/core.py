@@ -43,8 +43,9 @@ from pushkv.config import DeploymentConfig, InstanceConfig, Role
 from pushkv.dispatch import handler_for
 from pushkv.kinds import FinishReason
 from pushkv.protocol.prefix_cache import PrefixCache
-from pushkv.scheduler import grammar_wait, prefix, stats, step_answers, writer_answers
+from pushkv.scheduler import grammar_wait, lora_table, prefix, stats, step_answers, writer_answers
 from pushkv.scheduler.grammar import GrammarCompiled, Grammars, failure
+from pushkv.scheduler.lora_table import LoraTable
 from pushkv.scheduler.metrics import InstanceMetrics, Snapshot
 from pushkv.scheduler.outbox import Effect, Peer, Send, Trace
 from pushkv.scheduler.prefix import index_blocks
@@ -92,7 +93,7 @@ class SchedulerCore:
         self.step_answers: dict[int, StepAnswer] = {}
         self.max_len = cfg.max_model_len or cfg.model.max_position
         self.vocab = cfg.model.vocab_size
-        self.lora = cfg.model.lora  # the adapters this instance's workers hold, by slot
+        self.lora = LoraTable(cfg.model.lora)  # the LoRA adapters this instance serves, by name and slot
         self.grammars = Grammars(cfg.model)  # structured output's compiled grammars
         # grammars compiling off the loop (asked of the shell once each), and the requests held for each
         self.compiling: dict[m.Structured, list[Request]] = {}
@@ -219,8 +220,7 @@ class SchedulerCore:
         if why is not None:
             return why, 400
         if self.lora.slot(msg.lora) < 0:
-            return (f"LoRA adapter {msg.lora!r} is not served here (adapters: "
-                    f"{[mod.name for mod in self.lora.modules]})", 404)
+            return f"LoRA adapter {msg.lora!r} is not served here (adapters: {list(self.lora.names)})", 404
         err = self._check_leg(msg)
         if err is not None:
             return err
@@ -277,6 +277,7 @@ class SchedulerCore:
         if r in self.waiting:
             self.waiting.remove(r)
         self._forget(r)
+        lora_table.sweep(self)
 
     def _fail(self, r: Request, reason: str, status: int = 500) -> None:
         self.counters["requests_failed"] += 1
@@ -381,6 +382,15 @@ class SchedulerCore:
     def on_WriterStats(self, msg: m.WriterStats, frm: Peer) -> None:
         stats.writer_said(self, msg, frm)
 
+    def on_LoadLora(self, msg: m.LoadLora, frm: Peer) -> None:
+        lora_table.load(self, msg, frm)
+
+    def on_UnloadLora(self, msg: m.UnloadLora, frm: Peer) -> None:
+        lora_table.unload(self, msg, frm)
+
+    def on_LoraChanged(self, msg: m.LoraChanged, frm: Peer) -> None:
+        lora_table.answered(self, msg, frm)
+
     def on_ResetPrefixCache(self, msg: m.ResetPrefixCache, frm: Peer) -> None:
         """Forget every cached prefix (running requests keep their blocks), then answer as GetStats is answered."""
         self.counters["prefix_resets"] += 1
@@ -420,7 +430,7 @@ class SchedulerCore:
         if not prefills and not running:
             return
         batch = build_batch(prefills, running, self.inst.max_num_seqs, self.inst.max_batch_tokens,
-                            self.inst.prefill_chunk, self.lora.max_loras if self.lora.modules else 0)
+                            self.inst.prefill_chunk, self.lora.batch_bound)
         batch = [(r, self._step_work(r, w)) for r, w in batch]
         self.step_id += 1
         self.step = batch

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pushkv.protocol.prefix_cache import PrefixCache, block_hashes, root_of
+from pushkv.scheduler.lora_table import prefix_key
 from pushkv.scheduler.requests import Request
 
 if TYPE_CHECKING:  # (the core calls these; its module imports this one)
@@ -47,7 +48,7 @@ def prefix_hits(alloc: PrefixCache, r: Request, block_size: int, unit: int) -> l
     The last prompt token is always computed (its logits give the first token), so a block
     holding it is never a hit: a step then writes only into blocks the request owns alone."""
     if not r.hashes:
-        r.hashes = block_hashes(r.prompt, block_size, root_of(r.cache_salt, r.lora))
+        r.hashes = block_hashes(r.prompt, block_size, root_of(r.cache_salt, prefix_key(r.lora, r.lora_slot)))
     hits = alloc.match(r.hashes[:(len(r.prompt) - 1) // block_size])
     return hits[:len(hits) * block_size // unit * unit // block_size]
 
@@ -61,7 +62,7 @@ def index_blocks(alloc: PrefixCache, r: Request, upto: int, block_size: int) -> 
     if len(r.hashes) < full or alloc.journal is not None:  # the tokens of the blocks, where they are read
         seq = r.prompt if full * bs <= len(r.prompt) else tuple(r.prompt) + tuple(r.output)
     if len(r.hashes) < full:
-        parent = r.hashes[-1] if r.hashes else root_of(r.cache_salt, r.lora)
+        parent = r.hashes[-1] if r.hashes else root_of(r.cache_salt, prefix_key(r.lora, r.lora_slot))
         r.hashes.extend(block_hashes(seq[:full * bs], bs, parent, start=len(r.hashes) * bs))
     if alloc.journal is None:
         for i in range(r.indexed, full):

@@ -170,6 +170,26 @@ class Worker(Actor):
             log.error("%s: %s transfer_id=%s", self.name, reason, msg.transfer_id)
         self.send(self.sched, m.KVVerified(msg.transfer_id, msg.generation, reason, checked, time.perf_counter() - t0))
 
+    def on_LoadLora(self, msg: m.LoadLora) -> None:
+        """A LoRA adapter loaded at runtime into its slot (between steps: this loop runs one message at a time)."""
+        from pushkv.model.lora import load_adapter
+        from pushkv.model.lora_files import read_adapter
+
+        try:
+            info = read_adapter(msg.name, msg.path, self.cfg.model, self.cfg.model.lora.max_rank)
+            self.model.loras[msg.slot] = load_adapter(info, self.cfg.model, self.model.plan, self.device)
+        except Exception as e:  # a bad adapter fails its load, not the worker
+            log.exception("%s: LoRA adapter %s did not load", self.name, msg.name)
+            self.send(self.sched, m.LoraChanged(msg.name, f"{type(e).__name__}: {e}", msg.slot))
+            return
+        log.info("%s: LoRA adapter %s loaded in slot %d", self.name, msg.name, msg.slot)
+        self.send(self.sched, m.LoraChanged(msg.name, "", msg.slot))
+
+    def on_UnloadLora(self, msg: m.UnloadLora) -> None:
+        self.model.loras.pop(msg.slot, None)
+        log.info("%s: LoRA adapter %s unloaded from slot %d", self.name, msg.name, msg.slot)
+        self.send(self.sched, m.LoraChanged(msg.name, "", msg.slot))
+
     def _physical(self, seqs):
         """Block tables name logical blocks; the pool is cut into sub-blocks (layout.py)."""
         if L.subs_per_block(self.layout) == 1:

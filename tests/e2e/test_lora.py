@@ -1,12 +1,13 @@
-"""LoRA adapters served through P/D push, as vLLM serves them (``--enable-lora --lora-modules NAME=PATH``): P at TP 2
-and D at TP 1 give PEFT's float32 greedy tokens for each adapter and for the base model, requests of different
-adapters at once under ``--max-loras 1`` included; /v1/models lists the adapters as vLLM does; an adapter's prompt
-never takes the base model's cached blocks; a model that is not served is a 404; a bad adapter is refused before
-anything starts."""
+"""LoRA adapters served through P/D push, as vLLM serves them (``--enable-lora --lora-modules NAME=PATH``, and
+``/v1/load_lora_adapter`` at runtime): P at TP 2 and D at TP 1 give PEFT's float32 greedy tokens for each adapter
+and for the base model, requests of different adapters at once under ``--max-loras 1`` included; /v1/models lists
+the adapters as vLLM does; an adapter's prompt never takes the base model's cached blocks; a model that is not
+served is a 404; an adapter unloaded is no longer served."""
 from __future__ import annotations
 
 import json
 import threading
+import urllib.error
 import urllib.request
 
 import pytest
@@ -30,12 +31,28 @@ def llama(tmp_path_factory):
     return base, paths, want
 
 
-def test_push_serves_each_adapter_as_peft_does(tmp_path, llama):
+def _text(dep, path: str, body: dict) -> tuple[int, str]:
+    req = urllib.request.Request(dep.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_push_serves_each_adapter_as_peft_does(tmp_path, llama, monkeypatch):
     base, paths, want = llama
-    modules = [f"{n}={p}" for n, p in paths.items()]
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "true")
     with deployment(tmp_path, "--mode", "push", "--model", base, "--served-model-name", "base", "--num-blocks", "64",
-                    "--prefill-tp", "2", "--decode-tp", "1", "--enable-lora", "--lora-modules", *modules,
+                    "--prefill-tp", "2", "--decode-tp", "1", "--enable-lora", "--lora-modules", f"all={paths['all']}",
                     "--max-loras", "1") as dep:
+        # the second adapter loaded at runtime, on every rank of P and D
+        assert _text(dep, "/v1/load_lora_adapter", {"lora_name": "qv", "lora_path": paths["qv"]}) == (
+            200, "Success: LoRA adapter 'qv' added successfully.")
+        status, said = _text(dep, "/v1/load_lora_adapter", {"lora_name": "qv", "lora_path": paths["qv"]})
+        assert status == 400 and "has already been loaded" in said
+        status, said = _text(dep, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(tmp_path / "none")})
+        assert status == 400 and "no such directory" in said
         with urllib.request.urlopen(dep.url + "/v1/models", timeout=30) as r:
             models = json.loads(r.read())
         cards = {c["id"]: c for c in models["data"]}
@@ -65,3 +82,13 @@ def test_push_serves_each_adapter_as_peft_does(tmp_path, llama):
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
         status, body = dep.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "model": "nope"})
         assert status == 404 and body["error"]["code"] == "model_not_found"
+        assert _text(dep, "/v1/unload_lora_adapter", {"lora_name": "qv"}) == (
+            200, "Success: LoRA adapter 'qv' removed successfully.")
+        status, body = dep.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "model": "qv"})
+        assert status == 404 and body["error"]["code"] == "model_not_found"
+        assert _text(dep, "/v1/unload_lora_adapter", {"lora_name": "qv"})[0] == 404
+        # loaded again, in a new slot: its own tokens, none of its old cached blocks
+        assert _text(dep, "/v1/load_lora_adapter", {"lora_name": "qv", "lora_path": paths["qv"]})[0] == 200
+        again = dep.complete(PROMPT, NEW_TOKENS, model="qv")
+        assert again["choices"][0]["token_ids"] == want["qv"]
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0

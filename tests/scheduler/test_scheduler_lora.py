@@ -8,9 +8,10 @@ import pytest
 from pushkv import messages as m
 from pushkv.config import DeploymentConfig, InstanceConfig, LoraConfig, LoraModule, preset
 from pushkv.protocol.prefix_cache import ROOT_HASH, root_of
+from pushkv.scheduler.outbox import Peer
 from pushkv.scheduler.requests import Request, State, build_batch
 from tests.scheduler.test_scheduler_prefix import generate, idle, prompt, run_all, run_step
-from tests.scheduler.test_scheduler_roles import wired
+from tests.scheduler.test_scheduler_roles import ROUTER, deliver, wired
 
 LORA = LoraConfig(True, (LoraModule("a", "/adapters/a"), LoraModule("b", "/adapters/b")), max_loras=1)
 
@@ -101,3 +102,95 @@ def test_an_adapters_root_is_its_own_and_no_salt_spells_it():
     roots = {root_of(), root_of("a"), root_of("", "a"), root_of("", "b"), root_of("t", "a"), root_of("a", "t")}
     assert len(roots) == 6 and ROOT_HASH in roots
     assert root_of("\0lora\0a") not in roots  # a salt spelling an adapter's name is a salt
+
+
+def make_tp(tp=2, **kw):
+    inst = InstanceConfig(role="local", engine_id="local-engine", num_blocks=16, tp=tp,
+                          worker_endpoints=tuple(f"w{r}" for r in range(tp)),
+                          writer_endpoints=tuple(f"x{r}" for r in range(tp)))
+    return wired(DeploymentConfig(mode="local", model=preset("tiny", lora=LoraConfig(True, LORA.modules, **kw)),
+                                  local=inst), inst)
+
+
+def _answer_workers(s, wire, error=""):
+    """Each worker rank answers the LoadLora / UnloadLora it was sent (rank 1 with ``error``)."""
+    asked = [(peer, msg) for peer, msg in wire.sent if peer.startswith("worker")]
+    wire.take("worker")
+    for peer, msg in asked:
+        rank = int(peer.split("-")[1])
+        deliver(s, Peer("worker", rank), m.LoraChanged(msg.name, error if rank == 1 else "", msg.slot))
+    return [msg for _, msg in asked]
+
+
+def _router_said(wire) -> list:
+    return [msg for msg in wire.take("router") if isinstance(msg, m.LoraChanged)]
+
+
+def test_an_adapter_loaded_at_runtime_takes_the_next_slot_once_every_rank_has_it():
+    s, wire = make_tp()
+    deliver(s, ROUTER, m.LoadLora("c", "/adapters/c"))
+    asked = _answer_workers(s, wire)
+    assert asked == [m.LoadLora("c", "/adapters/c", 3)] * 2  # one to each rank, the slot after the launch's
+    (said,) = _router_said(wire)
+    assert (said.error, said.slot, said.adapters) == ("", 3, ("a", "b", "c"))
+    generate(s, "x", prompt(20), lora="c")
+    assert [w.lora for w in run_step(s, wire)] == [3]
+    run_all(s, wire)
+    deliver(s, ROUTER, m.LoadLora("c", "/adapters/c"))  # twice: refused, nothing asked of the workers
+    (said,) = _router_said(wire)
+    assert "has already been loaded" in said.error and not wire.take("worker")
+
+
+def test_a_load_one_rank_fails_is_undone_on_every_rank():
+    s, wire = make_tp()
+    deliver(s, ROUTER, m.LoadLora("c", "/adapters/c"))
+    _answer_workers(s, wire, error="OSError: no such file")
+    assert wire.take("worker") == [m.UnloadLora("c", 3)] * 2
+    (said,) = _router_said(wire)
+    assert said.error == "rank 1: OSError: no such file" and said.adapters == ("a", "b")
+    generate(s, "x", prompt(20), lora="c")
+    assert any(isinstance(msg, m.RequestFailed) and msg.status == 404 for msg in wire.take("router"))
+
+
+def test_an_unloaded_adapter_is_refused_at_once_and_freed_once_its_requests_end():
+    s, wire = make_tp()
+    generate(s, "x", prompt(20), lora="a", max_tokens=3)
+    run_step(s, wire)  # its prefill: it holds slot 1
+    deliver(s, ROUTER, m.UnloadLora("a"))
+    (said,) = _router_said(wire)
+    assert (said.error, said.adapters) == ("", ("b",))
+    assert not [msg for p, msg in wire.sent if isinstance(msg, m.UnloadLora)]  # x still holds its slot
+    generate(s, "y", prompt(20, 3), lora="a")
+    assert any(isinstance(msg, m.RequestFailed) and msg.status == 404 for msg in wire.take("router"))
+    seqs = run_all(s, wire)  # x runs to its end through slot 1 still
+    assert seqs and all(w.lora == 1 for w in seqs)
+    assert [msg for p, msg in wire.sent if isinstance(msg, m.UnloadLora)] == [m.UnloadLora("a", 1)] * 2
+    deliver(s, ROUTER, m.UnloadLora("a"))
+    (said,) = _router_said(wire)
+    assert "cannot be found" in said.error
+
+
+def test_a_replaced_adapter_takes_a_new_slot_and_a_prefix_chain_of_its_own():
+    s, wire = make_tp()
+    generate(s, "x", prompt(40), lora="a")
+    run_all(s, wire)
+    deliver(s, ROUTER, m.LoadLora("a", "/adapters/a2", replace=True))
+    _answer_workers(s, wire)
+    (said,) = _router_said(wire)
+    assert (said.error, said.slot) == ("", 3)
+    assert [msg for p, msg in wire.sent if isinstance(msg, m.UnloadLora)] == [m.UnloadLora("a", 1)] * 2
+    wire.take("worker")
+    generate(s, "y", prompt(40), lora="a")
+    (w,) = run_step(s, wire)
+    assert (w.lora, w.start_pos) == (3, 0)  # the old weights' cached blocks are not its
+    run_all(s, wire)
+    assert idle(s)
+
+
+def test_lora_off_refuses_a_load():
+    inst = InstanceConfig(role="local", engine_id="e", num_blocks=16, worker_endpoints=("w0",),
+                          writer_endpoints=("x0",))
+    s, wire = wired(DeploymentConfig(mode="local", model=preset("tiny"), local=inst), inst)
+    deliver(s, ROUTER, m.LoadLora("c", "/adapters/c"))
+    (said,) = _router_said(wire)
+    assert "start it with --enable-lora" in said.error and not wire.take("worker")

@@ -1,0 +1,125 @@
+"""The LoRA adapters the router serves by name: the launch's (``--lora-modules``) and those loaded since through vLLM's
+``POST /v1/load_lora_adapter`` and ``POST /v1/unload_lora_adapter`` (served only with
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` set, as vLLM's, and ``--enable-lora``).
+
+A load is checked here first (the path resolved, the adapter's files read against the model: ``lora_files``), then
+asked of every instance's scheduler (``LoadLora``), which has each worker rank load it; the name is served once every
+instance answered that it holds it. An instance that fails or does not answer fails the load, and the instances that
+took it drop it again. An unload takes the name away from every instance at once; requests already running through
+it finish.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Callable, Optional
+
+from aiohttp import web
+
+from pushkv import messages as m
+from pushkv.config import DeploymentConfig, LoraModule
+from pushkv.router import api
+
+log = logging.getLogger(__name__)
+
+LORA_TIMEOUT_S = 120.0  # how long each instance may take to load an adapter on every rank
+
+
+def check_adapter(cfg: DeploymentConfig, name: str, path: str) -> str:
+    """The adapter's local directory, its files checked against the model (ValueError naming what is wrong)."""
+    from pushkv.model.hub import resolve
+    from pushkv.model.lora_files import CONFIG_FILE, WEIGHTS_FILE, read_adapter
+
+    local = resolve(path, files=[CONFIG_FILE, WEIGHTS_FILE], flags=("lora_path", "revision"))
+    read_adapter(name, local, cfg.model, cfg.model.lora.max_rank)
+    return local
+
+
+class Loras:
+    def __init__(self, cfg: DeploymentConfig, on_change: Callable[[], None]):
+        self.cfg = cfg
+        self.modules: dict[str, LoraModule] = {mod.name: mod for mod in cfg.model.lora.modules}
+        self.on_change = on_change  # the served names changed
+        self._lock: Optional[asyncio.Lock] = None  # one load or unload at a time (made on the loop)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.modules)
+
+    def of(self, model: str) -> str:
+        """The adapter a request's ``model`` names ("": the base model)."""
+        return model if model in self.modules else ""
+
+    def cards(self, created: int, max_model_len: int, base: str) -> list[dict]:
+        """/v1/models' entries, as vLLM lists an adapter: its path, and the model it adapts."""
+        return [{"id": mod.name, "object": "model", "created": created, "owned_by": "pushkv", "root": mod.path,
+                 "parent": mod.base_model_name or base, "max_model_len": max_model_len}
+                for mod in self.modules.values()]
+
+    def _refusal(self, name: str, served: tuple[str, ...], replace: bool) -> str:
+        if not self.cfg.model.lora.enabled:
+            return "LoRA is off: start pushkv up with --enable-lora"
+        if name in served and name not in self.modules:
+            return f"{name!r} is the served model's name"
+        if name in self.modules and not replace:
+            return f"The lora adapter '{name}' has already been loaded."
+        return ""
+
+    async def load(self, body: dict, served: tuple[str, ...], links: list, off_loop) -> web.Response:
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not (isinstance(name, str) and name and isinstance(path, str) and path):
+            return _error(400, "Both 'lora_name' and 'lora_path' must be provided.")
+        replace = bool(body.get("load_inplace"))
+        async with self._locked():
+            why = self._refusal(name, served, replace)
+            if why:
+                return _error(400, why)
+            try:
+                local = await off_loop(check_adapter, self.cfg, name, path)
+            except ValueError as e:
+                return _error(400, str(e))
+            answers = await _ask(links, m.LoadLora(name, local, replace=replace))
+            failed = _failures(links, answers)
+            if failed:
+                if not replace:  # the instances that took it drop it again
+                    await _ask([lk for lk, a in zip(links, answers) if a is not None and not a.error],
+                               m.UnloadLora(name))
+                return _error(400 if all(a is not None for a in answers) else 503,
+                              f"LoRA adapter {name!r} did not load: {failed}")
+            self.modules[name] = LoraModule(name, local)
+            self.on_change()
+        log.info("LoRA adapter %s loaded from %s on %d instances", name, local, len(links))
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload(self, body: dict, links: list) -> web.Response:
+        name = body.get("lora_name")
+        if not isinstance(name, str) or not name:
+            return _error(400, "'lora_name' must be provided.")
+        async with self._locked():
+            if name not in self.modules:
+                return _error(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
+            del self.modules[name]  # no new request names it from now
+            self.on_change()
+            answers = await _ask(links, m.UnloadLora(name))
+        silent = [lk.engine_id for lk, a in zip(links, answers) if a is None]
+        if silent:
+            log.warning("LoRA adapter %s: no answer to its unload from %s", name, silent)
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
+    def _locked(self) -> asyncio.Lock:
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        return self._lock
+
+
+async def _ask(links: list, msg: Any) -> list[Optional[m.LoraChanged]]:
+    return list(await asyncio.gather(*(lk.change_lora(msg, LORA_TIMEOUT_S) for lk in links)))
+
+
+def _failures(links: list, answers: list[Optional[m.LoraChanged]]) -> str:
+    return "; ".join(f"{lk.engine_id}: {'no answer' if a is None else a.error}"
+                     for lk, a in zip(links, answers) if a is None or a.error)
+
+
+def _error(status: int, message: str, type_: str = "BadRequestError") -> web.Response:
+    return web.json_response(api.error_body(message, type_, status), status=status)

@@ -1,0 +1,120 @@
+"""The LoRA adapters one instance serves, by name and slot, as they change at runtime (vLLM's
+``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``). Pure: the core's ``on_LoadLora``, ``on_UnloadLora`` and
+``on_LoraChanged`` call ``load``, ``unload`` and ``answered``, and ``_release`` calls ``sweep``.
+
+A slot is a place in the workers' adapter table (``SeqWork.lora``); the launch's adapters take 1, 2... in the order
+of ``--lora-modules``, each adapter loaded later the next one, never reused. A load is served once every worker rank
+has the adapter in its slot; a replaced or unloaded adapter's slot is retired: new requests no longer reach it, and
+the workers free it once no request holds it. A prompt's cached blocks chain from its adapter's name and slot
+(``prefix_key``), so the blocks of replaced weights are never taken for the new ones.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pushkv import messages as m
+from pushkv.config import LoraConfig
+from pushkv.scheduler.outbox import Peer
+
+if TYPE_CHECKING:  # (the core calls these; its module imports this one)
+    from pushkv.scheduler.core import SchedulerCore
+
+
+@dataclass
+class _Loading:
+    name: str
+    asker: Peer
+    replace: bool
+    errors: dict[int, str] = field(default_factory=dict)  # worker rank -> "" (loaded) or why not
+
+
+class LoraTable:
+    def __init__(self, cfg: LoraConfig):
+        self.enabled = cfg.enabled
+        self.max_loras = cfg.max_loras
+        self.slots = {mod.name: i for i, mod in enumerate(cfg.modules, 1)}
+        self.next_slot = len(cfg.modules) + 1
+        self.loading: dict[int, _Loading] = {}
+        self.retired: dict[int, str] = {}
+
+    def slot(self, name: str) -> int:
+        """The slot of the adapter a request names: 0 for none (""), -1 for one not served."""
+        return self.slots.get(name, -1) if name else 0
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.slots)
+
+    @property
+    def batch_bound(self) -> int:
+        """--max-loras for build_batch; 0: no adapters, no bound."""
+        return self.max_loras if self.enabled else 0
+
+
+def prefix_key(name: str, slot: int) -> str:
+    """What a request's prompt chain is rooted on besides its salt: its adapter's name and slot ("": none)."""
+    return f"{slot}:{name}" if name else ""
+
+
+def load(core: "SchedulerCore", msg: m.LoadLora, frm: Peer) -> None:
+    t = core.lora
+    why = ("LoRA is off on this instance: start it with --enable-lora" if not t.enabled
+           else f"the LoRA adapter {msg.name!r} is being loaded" if any(l.name == msg.name for l in t.loading.values())
+           else f"the LoRA adapter {msg.name!r} has already been loaded" if msg.name in t.slots and not msg.replace
+           else "")
+    if why:
+        core._send(frm, m.LoraChanged(msg.name, why, adapters=t.names))
+        return
+    slot, t.next_slot = t.next_slot, t.next_slot + 1
+    t.loading[slot] = _Loading(msg.name, frm, msg.replace)
+    core._to_workers(m.LoadLora(msg.name, msg.path, slot))
+
+
+def unload(core: "SchedulerCore", msg: m.UnloadLora, frm: Peer) -> None:
+    t = core.lora
+    if msg.name not in t.slots:
+        core._send(frm, m.LoraChanged(msg.name, f"the LoRA adapter {msg.name!r} cannot be found", adapters=t.names))
+        return
+    _retire(core, t.slots.pop(msg.name), msg.name)
+    core._send(frm, m.LoraChanged(msg.name, adapters=t.names))
+
+
+def answered(core: "SchedulerCore", msg: m.LoraChanged, frm: Peer) -> None:
+    """A worker rank's answer: a load is decided once every rank answered (an unload's answers need none)."""
+    t = core.lora
+    pending = t.loading.get(msg.slot)
+    if pending is None:
+        return
+    pending.errors[frm.rank] = msg.error
+    if len(pending.errors) < len(core.workers):
+        return
+    del t.loading[msg.slot]
+    failed = sorted((rank, why) for rank, why in pending.errors.items() if why)
+    if failed:
+        core._to_workers(m.UnloadLora(pending.name, msg.slot))
+        core._send(pending.asker, m.LoraChanged(pending.name, "; ".join(f"rank {r}: {w}" for r, w in failed),
+                                                adapters=t.names))
+        return
+    old = t.slots.get(pending.name)
+    t.slots[pending.name] = msg.slot
+    core.counters["lora_loaded"] += 1
+    if old is not None:
+        _retire(core, old, pending.name)
+    core._send(pending.asker, m.LoraChanged(pending.name, slot=msg.slot, adapters=t.names))
+
+
+def _retire(core: "SchedulerCore", slot: int, name: str) -> None:
+    core.lora.retired[slot] = name
+    sweep(core)
+
+
+def sweep(core: "SchedulerCore") -> None:
+    """Free on the workers each retired slot that no request holds any more."""
+    t = core.lora
+    if not t.retired:
+        return
+    held = {r.lora_slot for r in core.reqs.values()}
+    for slot in [s for s in t.retired if s not in held]:
+        core._to_workers(m.UnloadLora(t.retired.pop(slot), slot))
+        core.counters["lora_unloaded"] += 1
