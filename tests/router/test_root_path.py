@@ -39,6 +39,12 @@ def test_routes_answer_under_the_root_and_bare_with_the_key_guarding_both(tmp_pa
                                                                       "content-type": "application/json"})
         with urllib.request.urlopen(req, timeout=60) as r:
             assert len(json.loads(r.read())["choices"][0]["token_ids"]) == 4
+        # vLLM's runtime LoRA paths are not served without VLLM_ALLOW_RUNTIME_LORA_UPDATING (tests/e2e/test_lora.py)
+        req = urllib.request.Request(d.url + "/v1/load_lora_adapter", data=b'{"lora_name": "a", "lora_path": "/a"}',
+                                     headers={"Authorization": "Bearer k3y", "content-type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=30)
+        assert e.value.code == 404
         d.wait_pools_free()
 
 
