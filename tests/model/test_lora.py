@@ -40,15 +40,10 @@ def _model(base: str, paths: dict, engine: str, **over):
     return build_model(msgspec.structs.replace(cfg, lora=lora))
 
 
-@pytest.mark.parametrize("engine", ["per-seq", "batched"])
-def test_each_adapter_and_the_base_in_one_step_give_pefts_tokens(llama, engine):
-    """Every (prompt, adapter) pair as its own sequence, all prefilled in one step and decoded together: each gives
-    PEFT's tokens for its adapter (and the base model's where it names none)."""
-    base, paths, want = llama
-    model = _model(base, paths, engine)
-    pairs = [(ids, slot) for slot in range(len(NAMES)) for ids in PROMPTS]
-    blocks = 2  # 16-token blocks: a prompt and its new tokens fit in two
-    pool = new_pool(model, blocks * len(pairs), 16)
+def run_pairs(model, pairs: list[tuple[list[int], int]], pool) -> list[list[int]]:
+    """Each (prompt, slot) as its own sequence, all prefilled in one step and decoded together: each one's greedy
+    new tokens (16-token blocks in ``pool``: a prompt and its new tokens fit in two a sequence)."""
+    blocks = 2
     tables = [tuple(range(i * blocks, i * blocks + blocks)) for i in range(len(pairs))]
     out = [[t] for t in model.execute([SeqWork(i, tuple(ids), 0, tables[i], lora=slot)
                                        for i, (ids, slot) in enumerate(pairs)], pool)]
@@ -57,7 +52,17 @@ def test_each_adapter_and_the_base_in_one_step_give_pefts_tokens(llama, engine):
                 for i, (ids, slot) in enumerate(pairs)]
         for o, t in zip(out, model.execute(step, pool)):
             o.append(t)
-    for (ids, slot), got in zip(pairs, out):
+    return out
+
+
+@pytest.mark.parametrize("engine", ["per-seq", "batched"])
+def test_each_adapter_and_the_base_in_one_step_give_pefts_tokens(llama, engine):
+    """Every (prompt, adapter) pair as its own sequence in one step: each gives PEFT's tokens for its adapter (and
+    the base model's where it names none)."""
+    base, paths, want = llama
+    model = _model(base, paths, engine)
+    pairs = [(ids, slot) for slot in range(len(NAMES)) for ids in PROMPTS]
+    for (ids, slot), got in zip(pairs, run_pairs(model, pairs, new_pool(model, 2 * len(pairs), 16))):
         assert got == want[NAMES[slot]][PROMPTS.index(ids)], (NAMES[slot], ids)
     assert want["all"] != want[None] and want["qv"] != want[None]  # each adapter changes the tokens
 

@@ -11,11 +11,10 @@ import pytest
 import torch
 
 from pushkv.config import LoraConfig, LoraModule
-from pushkv.messages import SeqWork
 from pushkv.model import build_model
 from pushkv.model.checkpoint import model_config_from_hf
 from tests.model.test_hf_reference import save_hf_checkpoint
-from tests.model.test_lora import NAMES, PROMPTS
+from tests.model.test_lora import NAMES, PROMPTS, run_pairs
 from tests.support.deploy import deployment
 from tests.support.lora_adapters import ADAPTERS, NEW_TOKENS, peft_reference, save_adapter
 
@@ -34,15 +33,7 @@ def _run(model, pairs: list[tuple[list[int], int]]) -> list[list[int]]:
     lay = model.kv_layout(BLOCKS * len(pairs), U)
     pool = torch.full((BLOCKS * len(pairs), lay.num_layers, lay.kv_planes, lay.kv_heads, U, lay.head_dim),
                       float("nan"), dtype=model.dtype, device="cuda")
-    tables = [tuple(range(i * BLOCKS, i * BLOCKS + BLOCKS)) for i in range(len(pairs))]
-    out = [[t] for t in model.execute([SeqWork(i, tuple(ids), 0, tables[i], lora=slot)
-                                       for i, (ids, slot) in enumerate(pairs)], pool)]
-    while len(out[0]) < NEW_TOKENS:
-        step = [SeqWork(i, (out[i][-1],), len(ids) + len(out[i]) - 1, tables[i], lora=slot)
-                for i, (ids, slot) in enumerate(pairs)]
-        for o, t in zip(out, model.execute(step, pool)):
-            o.append(t)
-    return out
+    return run_pairs(model, pairs, pool)
 
 
 def test_gpu_float32_adapters_in_one_step_and_the_base_from_graphs_equal_peft(llama):
