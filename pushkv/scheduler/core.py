@@ -198,7 +198,7 @@ class SchedulerCore:
         usage = (total - self.alloc.num_free) / total if total else 0.0
         counters = dict(self.counters)
         counters["prefix_evictions"] = self.alloc.evictions
-        self.metrics.publish(Snapshot(waiting, running, usage, total, counters))
+        self.metrics.publish(Snapshot(waiting, running, usage, total, counters, lora_table.snapshot(self)))
 
     def take_outbox(self) -> list[Effect]:
         """What the calls so far asked for, in order; the outbox is empty after."""

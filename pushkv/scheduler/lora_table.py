@@ -11,11 +11,13 @@ the workers free it once no request holds it. A prompt's cached blocks chain fro
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from pushkv import messages as m
 from pushkv.config import LoraConfig
+from pushkv.scheduler.metrics import LoraSnapshot
 from pushkv.scheduler.outbox import Peer
+from pushkv.scheduler.requests import State
 
 if TYPE_CHECKING:  # (the core calls these; its module imports this one)
     from pushkv.scheduler.core import SchedulerCore
@@ -50,6 +52,20 @@ class LoraTable:
     def batch_bound(self) -> int:
         """--max-loras for build_batch; 0: no adapters, no bound."""
         return self.max_loras if self.enabled else 0
+
+
+def snapshot(core: "SchedulerCore") -> Optional[LoraSnapshot]:
+    """What /metrics says of the adapters (vLLM's vllm:lora_requests_info), None with LoRA off: the adapters of the
+    requests running and of those waiting, each once, in the order their requests came."""
+    t = core.lora
+    if not t.enabled:
+        return None
+    running: dict[str, None] = {}
+    waiting: dict[str, None] = {}
+    for r in core.reqs.values():
+        if r.lora:
+            (running if r.state in (State.PREFILL, State.RUNNING, State.VERIFY) else waiting)[r.lora] = None
+    return LoraSnapshot(t.max_loras, ",".join(running), ",".join(waiting), core.wall)
 
 
 def prefix_key(name: str, slot: int) -> str:

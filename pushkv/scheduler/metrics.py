@@ -16,7 +16,7 @@ snapshot and never iterates the core's live structures.
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, NamedTuple, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -50,9 +50,20 @@ class Snapshot:
     """The gauges' values and the core's counters at the end of the last entry point."""
 
     def __init__(self, waiting: int = 0, running: int = 0, usage: float = 0.0, num_blocks: int = 0,
-                 counters: Mapping[str, int] | None = None):
+                 counters: Mapping[str, int] | None = None, lora: Optional["LoraSnapshot"] = None):
         self.waiting, self.running, self.usage, self.num_blocks = waiting, running, usage, num_blocks
         self.counters = dict(counters or {})
+        self.lora = lora  # with --enable-lora
+
+
+class LoraSnapshot(NamedTuple):
+    """vLLM's ``vllm:lora_requests_info``: the adapters of the requests running and waiting (comma-separated, as
+    vLLM's and the Gateway API Inference Extension's LoRA affinity read them), --max-loras, and when."""
+
+    max_lora: int
+    running: str
+    waiting: str
+    wall: float
 
 
 class InstanceMetrics(Collector):
@@ -130,6 +141,11 @@ class InstanceMetrics(Collector):
         info.add_metric([name, self.engine_id, self.role], 1)
         yield info
         yield gauge("pushkv_instance_kv_blocks", "KV blocks in this instance's pool", s.num_blocks)
+        if s.lora is not None:
+            lora = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                                     labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+            lora.add_metric([str(s.lora.max_lora), s.lora.running, s.lora.waiting], s.lora.wall)
+            yield lora
         for key, doc in OWN_COUNTERS.items():
             c = CounterMetricFamily(f"pushkv_instance_{key}", doc, labels=["model_name"])
             c.add_metric([name], s.counters.get(key, 0))

@@ -194,3 +194,28 @@ def test_lora_off_refuses_a_load():
     deliver(s, ROUTER, m.LoadLora("c", "/adapters/c"))
     (said,) = _router_said(wire)
     assert "start it with --enable-lora" in said.error and not wire.take("worker")
+
+
+def test_metrics_say_which_adapters_run_and_wait_as_vllms_lora_requests_info():
+    """The gauge the Gateway API Inference Extension's LoRA affinity reads: comma-separated adapters of the running
+    and the waiting requests, --max-loras, the time; only with --enable-lora."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def info(core) -> list:
+        core.publish_metrics()
+        text = generate_latest(core.metrics.registry).decode()
+        return [(s.labels, s.value) for fam in text_string_to_metric_families(text) for s in fam.samples
+                if s.name == "vllm:lora_requests_info"]
+
+    s, wire = make(max_loras=1, num_blocks=4)
+    generate(s, "a1", prompt(20), lora="a", max_tokens=30)  # all four blocks
+    generate(s, "b1", prompt(20, 5), lora="b", max_tokens=30)  # waits for blocks
+    s.wall = 1234.5
+    ((labels, when),) = info(s)
+    assert labels == {"max_lora": "1", "running_lora_adapters": "a", "waiting_lora_adapters": "b"}
+    assert when == 1234.5
+    inst = InstanceConfig(role="local", engine_id="e", num_blocks=4, worker_endpoints=("w0",),
+                          writer_endpoints=("x0",))
+    plain, _ = wired(DeploymentConfig(mode="local", model=preset("tiny"), local=inst), inst)
+    assert info(plain) == []
