@@ -1,0 +1,116 @@
+"""What a LoRA adapter costs a step on the GPU, measured side by side in one run: decode steps of a preset shape
+(random weights on the device) with every sequence through a rank-R adapter on all seven projections, half of them
+through it, and none (eagerly, and replayed from the CUDA graph a step without an adapter takes), and a prefill
+with and without it.
+
+    python3 -m experiments.lora_bench --model qwen3-8b --rank 16 --batches 1 8 32 --out DIR
+
+Prints one line per batch (ms, and each against the base model's eager and graph steps) and writes DIR/lora.json.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import tempfile
+
+import msgspec
+import torch
+
+from pushkv.config import LoraConfig, LoraModule, preset
+from pushkv.messages import SeqWork
+from pushkv.model.build import build_model
+from pushkv.model.lora_files import mlp_width
+from tools.roofline import _time, decode_seqs, model_counts
+
+MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_adapter(cfg, path: str, rank: int) -> str:
+    """A random rank-``rank`` PEFT adapter of ``cfg``'s every projection at ``path``."""
+    from safetensors.torch import save_file
+
+    d, hd, inter = cfg.hidden_size, cfg.head_dim, mlp_width(cfg)
+    shapes = {"q_proj": (d, cfg.num_heads * hd), "k_proj": (d, cfg.num_kv_heads * hd),
+              "v_proj": (d, cfg.num_kv_heads * hd), "o_proj": (cfg.num_heads * hd, d),
+              "gate_proj": (d, inter), "up_proj": (d, inter), "down_proj": (inter, d)}
+    gen = torch.Generator().manual_seed(0)
+    tensors = {}
+    for layer in range(cfg.num_layers):
+        for mod in MODULES if not cfg.is_moe else MODULES[:4]:
+            block = "self_attn" if mod in MODULES[:4] else "mlp"
+            fan_in, fan_out = shapes[mod]
+            key = f"base_model.model.model.layers.{layer}.{block}.{mod}"
+            tensors[key + ".lora_A.weight"] = (torch.randn(rank, fan_in, generator=gen) * 0.01).bfloat16()
+            tensors[key + ".lora_B.weight"] = (torch.randn(fan_out, rank, generator=gen) * 0.01).bfloat16()
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "bias": "none"}, f)
+    return path
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen3-8b")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--prefill", type=int, default=2048)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda")
+    cfg = preset(args.model)
+    path = write_adapter(cfg, tempfile.mkdtemp(prefix="lora-bench-"), args.rank)
+    cfg = msgspec.structs.replace(cfg, lora=LoraConfig(True, (LoraModule("a", path),), max_loras=1,
+                                                       max_rank=args.rank))
+    model = build_model(cfg, device="cuda", max_num_seqs=max(args.batches))
+    u = 16
+    lay = model.kv_layout(1, u)
+    per_block = u * model_counts(model)["kv_bytes_per_token"]
+    nblocks = int(torch.cuda.mem_get_info(dev)[0] * 0.5) // per_block
+    pool = torch.empty(nblocks, lay.num_layers, 2, lay.kv_heads, u, lay.head_dim, dtype=model.dtype, device=dev)
+    pool.normal_()
+    views = model._layer_pools(pool)
+    fwd = model.batched
+    print(f"{torch.cuda.get_device_name(dev)}, {args.model}, adapter rank {args.rank} on "
+          f"{'q/k/v/o' if cfg.is_moe else 'q/k/v/o/gate/up/down'}, context {args.context}; warm-up "
+          f"{fwd.warmup(views):.1f}s, graphs {fwd.capture(views):.1f}s", flush=True)
+
+    def step(seqs):
+        return model.logits(seqs, views)
+
+    rows = []
+    print(f"{'batch':>5} {'base graph':>10} {'base eager':>10} {'half lora':>10} {'all lora':>9} "
+          f"{'all/eager':>9} {'all/graph':>9}")
+    for B in args.batches:
+        base = decode_seqs(cfg, B, args.context, u)
+        half = [msgspec.structs.replace(s, lora=1 if i % 2 else 0) for i, s in enumerate(base)]
+        every = [msgspec.structs.replace(s, lora=1) for s in base]
+        fwd.use_graphs = True
+        graph = _time(functools.partial(step, base), args.reps)
+        fwd.use_graphs = False
+        eager = _time(functools.partial(step, base), args.reps)
+        fwd.use_graphs = True  # (an adapter's step runs eagerly whatever this says)
+        mixed = _time(functools.partial(step, half), args.reps)
+        full = _time(functools.partial(step, every), args.reps)
+        rows.append(dict(batch=B, graph_s=graph, eager_s=eager, half_s=mixed, all_s=full))
+        print(f"{B:>5} {graph * 1e3:>10.2f} {eager * 1e3:>10.2f} {mixed * 1e3:>10.2f} {full * 1e3:>9.2f} "
+              f"{full / eager:>9.2f} {full / graph:>9.2f}", flush=True)
+    nb = -(-args.prefill // u)
+    one = SeqWork(0, tuple(range(args.prefill)), 0, tuple(range(nb)))
+    pre = _time(functools.partial(step, [one]), 3, warm=1)
+    pre_lora = _time(functools.partial(step, [msgspec.structs.replace(one, lora=1)]), 3, warm=1)
+    print(f"prefill of {args.prefill}: {pre * 1e3:.1f} ms, through the adapter {pre_lora * 1e3:.1f} ms "
+          f"({pre_lora / pre:.2f}x)", flush=True)
+    with open(os.path.join(args.out, "lora.json"), "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(dev), model=args.model, rank=args.rank,
+                       context=args.context, decode=rows, prefill=dict(tokens=args.prefill, base_s=pre,
+                                                                          lora_s=pre_lora)), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
