@@ -56,6 +56,7 @@ def test_gpu_bf16_push_through_an_adapter_equals_local(llama, tmp_path):
     base, paths, _ = llama
     got = {}
     for mode in ("local", "push"):
+        (tmp_path / mode).mkdir()
         with deployment(tmp_path / mode, "--mode", mode, "--model", base, "--device", "cuda", "--dtype", "bfloat16",
                         "--num-blocks", "256", "--enable-lora", "--lora-modules", f"all={paths['all']}") as dep:
             got[mode] = [dep.complete(p, NEW_TOKENS, **({"model": name} if name else {}))["choices"][0]["token_ids"]

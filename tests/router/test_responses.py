@@ -409,6 +409,8 @@ def test_a_background_response_is_cancelled_its_choice_aborted_and_its_blocks_fr
         rid = (await (await h.http.post("/v1/responses", json={"model": "tiny", "input": "Hey",
                                                                "background": True})).json())["id"]
         await _until(h, rid, "in_progress")
+        while not h.log.received("local", m.Generate):  # in progress from its task's start: its Generate is out next
+            await asyncio.sleep(0.01)
         r = await h.http.post(f"/v1/responses/{rid}/cancel")
         got = await r.json()
         assert r.status == 200 and got["status"] == "cancelled" and got["id"] == rid
