@@ -23,6 +23,7 @@ from pushkv import envs
 from pushkv.messages import SeqWork
 from pushkv.model import scoring
 from pushkv.model.kernels import paged
+from pushkv.model.lora import LoraStep
 from pushkv.model.masks import causal_mask
 from pushkv.model.norms import rms_norm, rotate_half
 from pushkv.model.rope import cos_sin, cos_sin_rows, dynamic_spans, seq_spans
@@ -109,6 +110,9 @@ class BatchedForward:
         self.max_num_seqs = max_num_seqs
         self.buckets = sorted({b for b in GRAPH_BUCKETS if b < max_num_seqs} | {max_num_seqs})
         self.graphs: dict[int, "_DecodeGraph"] = {}
+        # decode steps with a LoRA adapter in them: graphs of their own (the rows' slots an input), captured on first
+        # use, so a step of the base model alone never pays the adapters' matmuls
+        self.lora_graphs: dict[int, "_DecodeGraph"] = {}
         self.graph_type: type[_DecodeGraph] = _DecodeGraph  # tests stand in a CPU replay
         self.graph_pool: Optional[Any] = None  # torch.cuda.graph_pool_handle(), shared by the graphs
         self.graph_width = 0
@@ -128,7 +132,7 @@ class BatchedForward:
         kept = scoring.rows(seqs) if score else []
         # a decode step's rows are all the table's (dynamic RoPE too), so graphs replay it
         if self.use_graphs and plan.is_decode and plan.num_seqs <= self.max_num_seqs and on_layer is None \
-                and not spans and not kept and self.m.lora_step is None:
+                and not spans and not kept:
             return self._replay(plan, pools), None
         meta = StepTensors.upload(plan, self.device, self.staging)
         rope = self._rope_rows(meta, spans) if spans else None
@@ -320,9 +324,11 @@ class BatchedForward:
     def _replay(self, plan: StepPlan, pools: list[torch.Tensor]) -> torch.Tensor:
         bucket = self.bucket(plan.num_seqs)
         self._graphs_for(pools, plan.block_table.shape[1])
-        g = self.graphs.get(bucket)
+        lora = self.m.lora_step is not None
+        graphs = self.lora_graphs if lora else self.graphs
+        g = graphs.get(bucket)
         if g is None:
-            g = self.graphs[bucket] = self.graph_type(self, bucket, self.graph_width, pools)
+            g = graphs[bucket] = self.graph_type(self, bucket, self.graph_width, pools, lora)
         return g.run(plan)
 
     def warmup(self, pools: list[torch.Tensor], num_tokens: int = 512) -> float:
@@ -367,11 +373,12 @@ class BatchedForward:
 
     def drop_graphs(self) -> None:
         """Drop the captured graphs; the next decode step captures its bucket's again."""
-        if self.graphs:  # no replay of them may still run, and their memory pool goes with them:
+        if self.graphs or self.lora_graphs:  # no replay of them may still run, and their memory pool goes with them:
             if torch.device(self.device).type == "cuda":  # capturing into a pool whose graphs were
                 torch.cuda.synchronize(self.device)  # all released trips the caching allocator's
             self.graph_pool = None  # use_count assert (seen on an H200)
         self.graphs.clear()
+        self.lora_graphs.clear()
 
     def _graphs_for(self, pools: list[torch.Tensor], width: int) -> None:
         """Drop the graphs that cannot run a step on these pools with tables this wide.
@@ -394,9 +401,10 @@ def pools_key(pools: Sequence[torch.Tensor]) -> tuple:
 
 class _DecodeGraph:
     """One captured decode step of exactly `size` sequences (shorter batches pad with
-    sequences of no keys whose K/V are not stored)."""
+    sequences of no keys whose K/V are not stored); with ``lora``, through the adapters each row's slot names
+    (``meta.lora``, a graph input; pushkv.model.lora)."""
 
-    def __init__(self, fwd: BatchedForward, size: int, width: int, pools: list[torch.Tensor]):
+    def __init__(self, fwd: BatchedForward, size: int, width: int, pools: list[torch.Tensor], lora: bool = False):
         dev, self.fwd, self.size = fwd.device, fwd, size
         ar = torch.arange(size, dtype=torch.int32, device=dev)
         zeros = torch.zeros(size, dtype=torch.int32, device=dev)
@@ -405,14 +413,28 @@ class _DecodeGraph:
             seq_lens=zeros.clone(), q_starts=ar.clone(), q_lens=torch.ones_like(zeros),
             decode_tiles=ar.clone(), decode_q0=zeros.clone(),
             prefill_tiles=zeros[:0], prefill_q0=zeros[:0], sample_rows=ar.clone(),
-            block_table=torch.zeros(size, width, dtype=torch.int32, device=dev), block_q=fwd.block_q)
+            block_table=torch.zeros(size, width, dtype=torch.int32, device=dev), block_q=fwd.block_q,
+            lora=zeros.clone())
+        bank = fwd.m.lora_bank
+        self.lora_step = LoraStep(bank, self.meta.lora) if lora and bank is not None else None
         self.splits = fwd.decode_splits(size)
         p = fwd.m.plan
         self.scratch = paged.decode_scratch(self.splits, size, p.q_heads, p.kv_heads, fwd.hd, dev)
         self.logits = torch.empty(size, fwd.m.cfg.vocab_size, device=dev, dtype=torch.float32)
         self.staging = Staging()  # the step's arrays, pinned, one copy per replay
-        self.staging.take(size * (4 + width))
+        self.staging.take(size * (5 + width))
         self._capture(pools)
+
+    def _forward(self, pools: list[torch.Tensor]) -> None:
+        """The step on the static buffers, through the graph's own LoraStep (the rows' slots in ``meta.lora``)."""
+        m = self.fwd.m
+        outer, m.lora_step = m.lora_step, self.lora_step
+        if self.lora_step is not None:  # its masks made again from meta.lora: in the capture too, so the graph
+            self.lora_step.fresh()  # makes them each replay, never keeping a warm-up's
+        try:
+            self.fwd.forward(self.meta, pools, self.splits, self.scratch, self.logits)
+        finally:
+            m.lora_step = outer
 
     def _capture(self, pools: list[torch.Tensor]) -> None:
         """Record the step on the pools: the graph keeps their addresses, not the tensors."""
@@ -421,32 +443,33 @@ class _DecodeGraph:
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):  # warm up (Triton compiles, cuBLAS picks) off the capture
             for _ in range(2):
-                fwd.forward(self.meta, pools, self.splits, self.scratch, self.logits)
+                self._forward(pools)
         torch.cuda.current_stream(dev).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         if fwd.graph_pool is None:
             fwd.graph_pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(self.graph, pool=fwd.graph_pool):
-            fwd.forward(self.meta, pools, self.splits, self.scratch, self.logits)
+            self._forward(pools)
 
     def _launch(self) -> None:
         self.graph.replay()
 
     def run(self, plan: StepPlan) -> torch.Tensor:
         B, S, W = plan.num_seqs, self.size, plan.block_table.shape[1]
-        host = self.staging.take(4 * S + S * W)
+        host = self.staging.take(5 * S + S * W)
         h = host.numpy()
-        # one pinned buffer: ids, positions, slots, seq_lens (padded to S), then the table rows
-        h[:4 * S].fill(0)
+        # one pinned buffer: ids, positions, slots, seq_lens, LoRA slots (padded to S), then the table rows
+        h[:5 * S].fill(0)
         h[2 * S:3 * S].fill(-1)
         h[0:B] = plan.ids
         h[S:S + B] = plan.positions
         h[2 * S:2 * S + B] = plan.slots
         h[3 * S:3 * S + B] = plan.seq_lens
-        tab = h[4 * S:4 * S + S * W].reshape(S, W)
+        h[4 * S:4 * S + B] = plan.lora
+        tab = h[5 * S:5 * S + S * W].reshape(S, W)
         tab[:B] = plan.block_table
         tab[B:] = 0
-        dev = host[:4 * S + S * W].to(self.fwd.device, non_blocking=True)
+        dev = host[:5 * S + S * W].to(self.fwd.device, non_blocking=True)
         if self.fwd.cuda:
             self.staging.copied()
         mt = self.meta
@@ -454,6 +477,7 @@ class _DecodeGraph:
         mt.positions.copy_(dev[S:2 * S])
         mt.slots.copy_(dev[2 * S:3 * S])
         mt.seq_lens.copy_(dev[3 * S:4 * S])
-        mt.block_table[:, :W].copy_(dev[4 * S:].view(S, W))
+        mt.lora.copy_(dev[4 * S:5 * S])
+        mt.block_table[:, :W].copy_(dev[5 * S:].view(S, W))
         self._launch()
         return self.logits[:B].clone()  # the next replay overwrites the static buffer

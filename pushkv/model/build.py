@@ -78,7 +78,7 @@ def build_model(cfg: ModelConfig, tp_rank: int = 0, tp_size: int = 1, device: st
     if cfg.lora.modules:
         from pushkv.model.lora import load_adapters
 
-        model.loras = load_adapters(cfg, plan, device)
+        model.lora_bank = load_adapters(cfg, plan, device)
         log.info("LoRA adapters %s loaded (max rank %d)", [m.name for m in cfg.lora.modules], cfg.lora.max_rank)
     # on CUDA "auto" is the batched engine, MLA's torch path (pushkv.model.batched._layers_mla) included: on an H200
     # its absorbed decode attention took 0.20 ms a row against the per-sequence engine's 3.35 at a context of 16k

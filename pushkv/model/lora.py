@@ -7,9 +7,10 @@ A stacks the three A's and whose B is block-diagonal over the rank's q, k and v 
 projection's all-reduce adds up with the base's. An adapter is a slot (1, 2...: the order of ``--lora-modules``),
 the same on every instance, and a step's ``SeqWork.lora`` names the slot of each sequence (0: the base model).
 
-One step's rows per adapter are a ``LoraStep``; each adapted projection adds ``(x A^T) B^T`` to the rows of each
-adapter that adapts it, after the base projection, in the step's dtype (PEFT's unmerged computation). A decode step
-with an adapter in it runs eagerly, not from a CUDA graph.
+The adapters sit stacked by slot in a ``LoraBank``; a step's ``LoraStep`` holds each row's slot, and each adapted
+projection adds ``(x A^T) B^T`` of the row's own adapter after the base projection, in the step's dtype (PEFT's
+unmerged computation), as two matmuls over every slot with the other slots' columns masked off: no gather and no
+host read, so decode steps through adapters replay CUDA graphs of their own (``batched.BatchedForward``).
 """
 from __future__ import annotations
 
@@ -27,13 +28,13 @@ from pushkv.model.shard import ShardPlan
 LayerLora = dict[str, tuple[torch.Tensor, torch.Tensor]]  # "qkv" | "o" | "gate_up" | "down" -> (A, B)
 
 
-def load_adapters(cfg: ModelConfig, plan: ShardPlan, device: str) -> dict[int, list[LayerLora]]:
-    """Every adapter of ``cfg.lora`` for this rank, by slot."""
-    out = {}
+def load_adapters(cfg: ModelConfig, plan: ShardPlan, device: str) -> "LoraBank":
+    """Every adapter of ``cfg.lora`` for this rank, in slots 1, 2... of a bank."""
+    bank = LoraBank(cfg.num_layers, cfg.lora.max_rank, device, TORCH_DTYPES[cfg.dtype])
     for slot, mod in enumerate(cfg.lora.modules, 1):
         info = read_adapter(mod.name, mod.path, cfg, cfg.lora.max_rank)
-        out[slot] = load_adapter(info, cfg, plan, device)
-    return out
+        bank.put(slot, load_adapter(info, cfg, plan, device))
+    return bank
 
 
 def load_adapter(info: AdapterInfo, cfg: ModelConfig, plan: ShardPlan, device: str) -> list[LayerLora]:
@@ -86,41 +87,113 @@ def _column_parallel(get, layer: int, parts, scale: float) -> Optional[tuple[tor
     return a_all, b_all
 
 
-class LoraStep:
-    """One step's rows of each adapter in it (``SeqWork.lora``), packed as the step packs its sequences' tokens."""
+# the columns of one slot in a kind's stacked pair, in ranks: q, k and v each up to --max-lora-rank (gate and up too)
+KIND_PARTS = {"qkv": 3, "gate_up": 2, "o": 1, "down": 1}
 
-    def __init__(self, adapters: dict[int, list[LayerLora]], seqs: Sequence[SeqWork], device: torch.device):
-        rows: dict[int, list[int]] = {}
-        at = 0
-        for s in seqs:
-            n = len(s.token_ids)
-            if s.lora:
-                rows.setdefault(s.lora, []).extend(range(at, at + n))
-            at += n
-        self.parts = [(adapters[slot], None if len(r) == at else torch.tensor(r, device=device))
-                      for slot, r in rows.items()]
+
+class LoraBank:
+    """Every adapter of this rank stacked by slot, per (layer, kind): A [capacity * W, in] and B [out, capacity * W],
+    W the kind's columns at --max-lora-rank, slot s in columns [(s - 1) W, s W) (zero past the adapter's own rank,
+    and where no adapter is loaded). A step multiplies its rows by every slot's A, keeps each row's own slot's columns
+    and multiplies by B: two matmuls a projection whatever adapters the step mixes, with no gather and no host
+    read, so a decode step through adapters replays a CUDA graph (its rows' slots an input of the graph). Loading into
+    a slot writes in place; ``put`` says when it had to reallocate (more slots, or a kind no adapter had), which the
+    graphs captured before cannot see."""
+
+    def __init__(self, num_layers: int, max_rank: int, device, dtype):
+        self.max_rank, self.device, self.dtype = max_rank, torch.device(device), dtype
+        self.layers: list[LayerLora] = [{} for _ in range(num_layers)]
+        self.capacity = 0
+        self.loaded: set[int] = set()
+
+    def width(self, kind: str) -> int:
+        return KIND_PARTS[kind] * self.max_rank
+
+    def pair(self, layer: int, kind: str) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        return self.layers[layer].get(kind)
+
+    def put(self, slot: int, adapter: list[LayerLora]) -> bool:
+        """``adapter`` (load_adapter's pairs) into ``slot``; True where a tensor was reallocated."""
+        grew = slot > self.capacity
+        if grew:
+            self._resize(max(slot, 2 * self.capacity))
+        self._zero(slot)
+        for layer, pairs in enumerate(adapter):
+            for kind, (a, b) in pairs.items():
+                if kind not in self.layers[layer]:
+                    n = self.capacity * self.width(kind)
+                    self.layers[layer][kind] = (torch.zeros(n, a.shape[1], device=self.device, dtype=self.dtype),
+                                                torch.zeros(b.shape[0], n, device=self.device, dtype=self.dtype))
+                    grew = True
+                big_a, big_b = self.layers[layer][kind]
+                c0 = (slot - 1) * self.width(kind)
+                big_a[c0:c0 + a.shape[0]].copy_(a)
+                big_b[:, c0:c0 + a.shape[0]].copy_(b)
+        self.loaded.add(slot)
+        return grew
+
+    def clear(self, slot: int) -> None:
+        if slot in self.loaded:
+            self._zero(slot)
+            self.loaded.discard(slot)
+
+    def _zero(self, slot: int) -> None:
+        for pairs in self.layers:
+            for kind, (a, b) in pairs.items():
+                c0 = (slot - 1) * self.width(kind)
+                a[c0:c0 + self.width(kind)].zero_()
+                b[:, c0:c0 + self.width(kind)].zero_()
+
+    def _resize(self, capacity: int) -> None:
+        for pairs in self.layers:
+            for kind, (a, b) in list(pairs.items()):
+                n = capacity * self.width(kind)
+                big_a = torch.zeros(n, a.shape[1], device=self.device, dtype=self.dtype)
+                big_b = torch.zeros(b.shape[0], n, device=self.device, dtype=self.dtype)
+                big_a[:a.shape[0]].copy_(a)
+                big_b[:, :b.shape[1]].copy_(b)
+                pairs[kind] = (big_a, big_b)
+        self.capacity = capacity
+
+
+class LoraStep:
+    """One step's adapters: each row's slot (0: the base model), on the device. ``add`` keeps each row's own slot's
+    columns of ``x`` A^T (a mask made once a step per kind) and adds them times B^T to the base projection."""
+
+    def __init__(self, bank: LoraBank, slots: torch.Tensor):
+        self.bank, self.slots = bank, slots
+        self._masks: dict[str, torch.Tensor] = {}
 
     @staticmethod
-    def of(adapters: dict[int, list[LayerLora]], seqs: Sequence[SeqWork],
-           device: torch.device) -> Optional["LoraStep"]:
-        """The step's adapters, or None where none of its sequences has one (ValueError for a slot not loaded)."""
-        slots = {s.lora for s in seqs if s.lora}
-        if not slots:
+    def of(bank: Optional[LoraBank], seqs: Sequence[SeqWork], device: torch.device) -> Optional["LoraStep"]:
+        """The step's rows' slots, packed as the step packs its sequences' tokens, or None where none of its
+        sequences has an adapter (ValueError for a slot not loaded)."""
+        used = {s.lora for s in seqs if s.lora}
+        if not used:
             return None
-        unknown = slots - set(adapters)
-        if unknown:
-            raise ValueError(f"LoRA slots {sorted(unknown)} are not loaded here (loaded: {sorted(adapters)})")
-        return LoraStep(adapters, seqs, device)
+        unknown = used - (bank.loaded if bank is not None else set())
+        if unknown or bank is None:
+            raise ValueError(f"LoRA slots {sorted(unknown)} are not loaded here "
+                             f"(loaded: {sorted(bank.loaded) if bank is not None else []})")
+        rows = [s.lora for s in seqs for _ in range(len(s.token_ids))]
+        return LoraStep(bank, torch.tensor(rows, dtype=torch.int32, device=device))
+
+    def fresh(self) -> None:
+        """Forget the masks: the next step makes them from ``slots`` again (a graph's step: its slots are new)."""
+        self._masks.clear()
+
+    def mask(self, kind: str, dtype: torch.dtype) -> torch.Tensor:
+        got = self._masks.get(kind)
+        if got is None:
+            w = self.bank.width(kind)
+            col = torch.arange(self.bank.capacity * w, device=self.slots.device, dtype=torch.int32) // w + 1
+            got = self._masks[kind] = (self.slots[:, None] == col[None, :]).to(dtype)
+        return got
 
     def add(self, layer: int, kind: str, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """``y`` (the base projection of ``x``, [T, out]) with each adapter's delta added to its rows, in place."""
-        for layers, rows in self.parts:
-            pair = layers[layer].get(kind)
-            if pair is None:
-                continue
-            a, b = pair
-            if rows is None:
-                y.addmm_(x.mm(a.t()), b.t())
-            else:
-                y.index_add_(0, rows, x.index_select(0, rows).mm(a.t()).mm(b.t()))
-        return y
+        """``y`` (the base projection of ``x``, [T, out]) with each row's adapter's delta added, in place."""
+        pair = self.bank.pair(layer, kind)
+        if pair is None:
+            return y
+        a, b = pair
+        return y.addmm_(x.mm(a.t()).mul_(self.mask(kind, x.dtype)), b.t())

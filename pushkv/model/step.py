@@ -18,7 +18,7 @@ import torch
 from pushkv.messages import SeqWork
 
 _FIELDS = ("ids", "positions", "slots", "seq_lens", "q_starts", "q_lens", "decode_tiles", "decode_q0",
-           "prefill_tiles", "prefill_q0", "sample_rows")
+           "prefill_tiles", "prefill_q0", "sample_rows", "lora")
 
 
 @dataclass
@@ -36,6 +36,7 @@ class StepPlan:
     prefill_q0: np.ndarray
     sample_rows: np.ndarray  # int32: rows whose logits are returned
     block_q: int
+    lora: np.ndarray  # int32 [T]: each row's LoRA slot (0: none)
 
     @property
     def num_tokens(self) -> int:
@@ -61,6 +62,7 @@ def plan_step(seqs: Sequence[SeqWork], block_size: int, block_q: int, width: int
         np.cumsum(lens[:-1], out=q_starts[1:])
     T = int(lens.sum())
     ids = np.empty(T, np.int32)
+    lora = np.zeros(T, np.int32)
     positions = np.empty(T, np.int32)
     slots = np.empty(T, np.int32)
     need = [-(-(st + n) // block_size) for st, n in zip(starts.tolist(), lens.tolist())]
@@ -72,6 +74,7 @@ def plan_step(seqs: Sequence[SeqWork], block_size: int, block_q: int, width: int
         bt = np.asarray(s.block_table[:need[i]], np.int32)
         table[i, :bt.shape[0]] = bt
         ids[r0:r0 + n] = s.token_ids
+        lora[r0:r0 + n] = s.lora
         pos = np.arange(st, st + n, dtype=np.int32)
         positions[r0:r0 + n] = pos
         slots[r0:r0 + n] = bt[pos // block_size] * block_size + pos % block_size
@@ -86,7 +89,7 @@ def plan_step(seqs: Sequence[SeqWork], block_size: int, block_q: int, width: int
             pre_q0.append(q0)
     return StepPlan(ids, positions, slots, table, starts + lens, q_starts, lens, dec,
                     np.zeros(dec.shape[0], np.int32), np.asarray(pre_seq, np.int32),
-                    np.asarray(pre_q0, np.int32), np.asarray(sample, np.int32), block_q)
+                    np.asarray(pre_q0, np.int32), np.asarray(sample, np.int32), block_q, lora)
 
 
 @dataclass
@@ -106,6 +109,7 @@ class StepTensors:
     sample_rows: torch.Tensor
     block_table: torch.Tensor
     block_q: int
+    lora: torch.Tensor  # int32 [T]: each row's LoRA slot
 
     @staticmethod
     def upload(plan: StepPlan, device: torch.device, staging: Optional["Staging"] = None) -> "StepTensors":

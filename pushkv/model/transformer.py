@@ -20,7 +20,7 @@ from pushkv.config import ModelConfig
 from pushkv.kv.layout import blocks_for, layout_for
 from pushkv.messages import KVLayoutDesc, SeqWork
 from pushkv.model import scoring
-from pushkv.model.lora import LayerLora, LoraStep
+from pushkv.model.lora import LoraBank, LoraStep
 from pushkv.model.masks import visible
 from pushkv.model.moe import moe_mlp
 from pushkv.model.norms import rms_norm, rotate_half
@@ -80,7 +80,7 @@ class Model:
         self._cos = self._sin = torch.empty(0)
         self.attn_scale: Optional[float] = None  # the softmax scale; None: 1/sqrt(the query width)
         self.batched: Optional[BatchedForward] = None  # one packed pass per step, attention in place
-        self.loras: dict[int, list[LayerLora]] = {}  # LoRA adapters by slot (pushkv.model.lora)
+        self.lora_bank: Optional[LoraBank] = None  # LoRA adapters by slot (pushkv.model.lora)
         self.lora_step: Optional[LoraStep] = None  # the running step's adapters, while it runs
 
     def enable_batched(self, max_num_seqs: int = 64, use_graphs=None) -> None:
@@ -133,7 +133,7 @@ class Model:
         forward = self.batched.step if self.batched is not None else self._forward
 
         def run(part: list[SeqWork], *args):
-            self.lora_step = LoraStep.of(self.loras, part, self.device)
+            self.lora_step = LoraStep.of(self.lora_bank, part, self.device)
             try:
                 return forward(part, *args)
             finally:

@@ -172,12 +172,17 @@ class Worker(Actor):
 
     def on_LoadLora(self, msg: m.LoadLora) -> None:
         """A LoRA adapter loaded at runtime into its slot (between steps: this loop runs one message at a time)."""
-        from pushkv.model.lora import load_adapter
+        from pushkv.model.lora import LoraBank, load_adapter
         from pushkv.model.lora_files import read_adapter
 
         try:
             info = read_adapter(msg.name, msg.path, self.cfg.model, self.cfg.model.lora.max_rank)
-            self.model.loras[msg.slot] = load_adapter(info, self.cfg.model, self.model.plan, self.device)
+            pairs = load_adapter(info, self.cfg.model, self.model.plan, self.device)
+            if self.model.lora_bank is None:
+                self.model.lora_bank = LoraBank(self.cfg.model.num_layers, self.cfg.model.lora.max_rank, self.device,
+                                                self.model.dtype)
+            if self.model.lora_bank.put(msg.slot, pairs) and self.model.batched is not None:
+                self.model.batched.drop_graphs()  # captured on the bank's old tensors: captured again on use
         except Exception as e:  # a bad adapter fails its load, not the worker
             log.exception("%s: LoRA adapter %s did not load", self.name, msg.name)
             self.send(self.sched, m.LoraChanged(msg.name, f"{type(e).__name__}: {e}", msg.slot))
@@ -186,7 +191,8 @@ class Worker(Actor):
         self.send(self.sched, m.LoraChanged(msg.name, "", msg.slot))
 
     def on_UnloadLora(self, msg: m.UnloadLora) -> None:
-        self.model.loras.pop(msg.slot, None)
+        if self.model.lora_bank is not None:
+            self.model.lora_bank.clear(msg.slot)
         log.info("%s: LoRA adapter %s unloaded from slot %d", self.name, msg.name, msg.slot)
         self.send(self.sched, m.LoraChanged(msg.name, "", msg.slot))
 

@@ -40,7 +40,7 @@ def test_adapters_are_read_and_checked_at_launch(llama, tmp_path):
     assert lora.slot("qv2") == 2 and lora.slot("") == 0 and lora.slot("other") == -1
     # the same check a worker makes as it loads them
     assert read_adapter("qv", qv, cfg.model, lora.max_rank).rank == ADAPTERS["qv"]["r"]
-    assert set(build_model(cfg.model).loras) == {1, 2}
+    assert build_model(cfg.model).lora_bank.loaded == {1, 2}
 
 
 @pytest.mark.parametrize("argv, says", [

@@ -28,7 +28,7 @@ class _PinnedGraph(_DecodeGraph):
         self.captures = 1
 
     def _launch(self):
-        self.fwd.forward(self.meta, self.pools, self.splits, self.scratch, self.logits)
+        self._forward(self.pools)
 
 
 def _model(graphs: bool, max_num_seqs: int = 8, name: str = "tiny"):

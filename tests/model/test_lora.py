@@ -67,21 +67,30 @@ def test_each_adapter_and_the_base_in_one_step_give_pefts_tokens(llama, engine):
     assert want["all"] != want[None] and want["qv"] != want[None]  # each adapter changes the tokens
 
 
-def test_an_adapter_on_one_row_of_many_adds_to_that_row_alone():
-    """LoraStep's rows: the second sequence's rows get x A^T B^T, the others nothing."""
-    a, b = torch.randn(2, 4), torch.randn(3, 2)
-    layers = [{"o": (a, b)}]
-    seqs = [SeqWork(0, (1, 2), 0, (0,)), SeqWork(1, (3, 4, 5), 2, (0,), lora=1), SeqWork(2, (6,), 0, (0,))]
-    step = LoraStep.of({1: layers}, seqs, torch.device("cpu"))
-    x, y = torch.randn(6, 4), torch.randn(6, 3)
+def test_each_row_takes_its_own_slots_delta_from_the_bank():
+    """LoraStep over a bank of two slots: the rows of slot 2 get x A2^T B2^T, those of slot 1 slot 1's, the base
+    model's rows nothing; a slot cleared is zero, and loading past the bank's capacity reallocates (and says so)."""
+    from pushkv.model.lora import LoraBank
+
+    bank = LoraBank(1, 4, "cpu", torch.float32)
+    a1, b1, a2, b2 = torch.randn(2, 8), torch.randn(3, 2), torch.randn(4, 8), torch.randn(3, 4)
+    assert bank.put(1, [{"o": (a1, b1)}]) and bank.capacity == 1
+    assert bank.put(2, [{"o": (a2, b2)}]) and bank.capacity == 2  # grew
+    assert not bank.put(1, [{"o": (a1, b1)}])  # in place
+    seqs = [SeqWork(0, (1, 2), 0, (0,)), SeqWork(1, (3, 4, 5), 2, (0,), lora=2), SeqWork(2, (6,), 0, (0,), lora=1)]
+    step = LoraStep.of(bank, seqs, torch.device("cpu"))
+    x, y = torch.randn(6, 8), torch.randn(6, 3)
     got = step.add(0, "o", y.clone(), x)
     want = y.clone()
-    want[2:5] += x[2:5] @ a.T @ b.T
+    want[2:5] += x[2:5] @ a2.T @ b2.T
+    want[5:] += x[5:] @ a1.T @ b1.T
     torch.testing.assert_close(got, want)
-    assert step.add(0, "qkv", y.clone(), x).equal(y)  # a projection it does not adapt
-    assert LoraStep.of({1: layers}, seqs[:1], torch.device("cpu")) is None
+    assert step.add(0, "qkv", y.clone(), x).equal(y)  # a projection no adapter adapts
+    assert LoraStep.of(bank, seqs[:1], torch.device("cpu")) is None
+    bank.clear(2)
     with pytest.raises(ValueError, match=r"LoRA slots \[2\] are not loaded"):
-        LoraStep.of({1: layers}, [SeqWork(0, (1,), 0, (0,), lora=2)], torch.device("cpu"))
+        LoraStep.of(bank, seqs, torch.device("cpu"))
+    assert not bank.layers[0]["o"][0][4:].any() and not bank.layers[0]["o"][1][:, 4:].any()
 
 
 def test_moe_model_serves_attention_adapters(tmp_path):
@@ -139,3 +148,32 @@ def test_missing_and_foreign_files_are_refused(llama, tmp_path):
     info = read_adapter("qv", paths["qv"], cfg, 16)
     assert info.rank == 4 and info.scale == pytest.approx(8 / 2)  # rsLoRA: alpha / sqrt(r)
     assert info.modules == {"q_proj", "v_proj"}
+
+
+@pytest.mark.parametrize("together", [True, False])
+def test_decode_steps_through_adapters_replay_graphs_of_their_own(llama, together):
+    """With the graphs on (their CPU stand-in, which replays on the static buffers it recorded: the rows' slots
+    among them): the mixed step's decode steps replay a LoRA graph and give PEFT's tokens, a step of the base model
+    alone replays the plain graph; an adapter loaded past the bank's capacity drops the graphs captured on it.
+    ``together`` False: the batch-invariant engine runs each sequence alone, so one graph replays every adapter in
+    turn (its masks made from each replay's slots, never kept from an earlier one)."""
+    from pushkv.model.lora import load_adapter
+    from tests.model.test_decode_graphs import _PinnedGraph
+
+    base, paths, want = llama
+    model = _model(base, paths, "batched", deterministic=not together)
+    model.enable_batched(max_num_seqs=8, use_graphs=True)
+    model.batched.graph_type = _PinnedGraph
+    pairs = [(ids, slot) for slot in range(len(NAMES)) for ids in PROMPTS]
+    for (ids, slot), got in zip(pairs, run_pairs(model, pairs, new_pool(model, 2 * len(pairs), 16))):
+        assert got == want[NAMES[slot]][PROMPTS.index(ids)], (NAMES[slot], ids)
+    assert set(model.batched.lora_graphs) == ({8} if together else {1})  # 6 sequences: the bucket of 8
+    assert not model.batched.graphs or not together  # (alone, the base model's sequences replay the plain graph)
+    base_only = [(ids, 0) for ids in PROMPTS]
+    assert run_pairs(model, base_only, new_pool(model, 4, 16)) == want[None]
+    assert set(model.batched.graphs) == ({2} if together else {1})
+    info = read_adapter("qv", paths["qv"], model.cfg, 16)
+    assert model.lora_bank.put(3, load_adapter(info, model.cfg, model.plan, "cpu"))  # past capacity 2: grew
+    model.batched.drop_graphs()  # as the worker does when put says so
+    again = [(PROMPTS[0], 3), (PROMPTS[1], 2)]
+    assert run_pairs(model, again, new_pool(model, 4, 16)) == [want["qv"][0], want["qv"][1]]
