@@ -1,7 +1,6 @@
 """What a LoRA adapter costs a step on the GPU, measured side by side in one run: decode steps of a preset shape
 (random weights on the device) with every sequence through a rank-R adapter on all seven projections, half of them
-through it, and none (eagerly, and replayed from the CUDA graph a step without an adapter takes), and a prefill
-with and without it.
+through it, and none, each replayed from its CUDA graph and run eagerly, and a prefill with and without it.
 
     python3 -m experiments.lora_bench --model qwen3-8b --rank 16 --batches 1 8 32 --out DIR
 
@@ -83,22 +82,24 @@ def main(argv=None) -> int:
         return model.logits(seqs, views)
 
     rows = []
-    print(f"{'batch':>5} {'base graph':>10} {'base eager':>10} {'half lora':>10} {'all lora':>9} "
-          f"{'all/eager':>9} {'all/graph':>9}")
+    print(f"{'batch':>5} {'base graph':>10} {'base eager':>10} {'half graph':>10} {'all graph':>9} "
+          f"{'all eager':>9} {'all/base (graphs)':>17} {'all/base (eager)':>16}")
     for B in args.batches:
         base = decode_seqs(cfg, B, args.context, u)
         half = [msgspec.structs.replace(s, lora=1 if i % 2 else 0) for i, s in enumerate(base)]
         every = [msgspec.structs.replace(s, lora=1) for s in base]
         fwd.use_graphs = True
         graph = _time(functools.partial(step, base), args.reps)
-        fwd.use_graphs = False
-        eager = _time(functools.partial(step, base), args.reps)
-        fwd.use_graphs = True  # (an adapter's step runs eagerly whatever this says)
         mixed = _time(functools.partial(step, half), args.reps)
         full = _time(functools.partial(step, every), args.reps)
-        rows.append(dict(batch=B, graph_s=graph, eager_s=eager, half_s=mixed, all_s=full))
+        fwd.use_graphs = False
+        eager = _time(functools.partial(step, base), args.reps)
+        full_eager = _time(functools.partial(step, every), args.reps)
+        fwd.use_graphs = True
+        rows.append(dict(batch=B, graph_s=graph, eager_s=eager, half_graph_s=mixed, all_graph_s=full,
+                         all_eager_s=full_eager))
         print(f"{B:>5} {graph * 1e3:>10.2f} {eager * 1e3:>10.2f} {mixed * 1e3:>10.2f} {full * 1e3:>9.2f} "
-              f"{full / eager:>9.2f} {full / graph:>9.2f}", flush=True)
+              f"{full_eager * 1e3:>9.2f} {full / graph:>17.2f} {full_eager / eager:>16.2f}", flush=True)
     nb = -(-args.prefill // u)
     one = SeqWork(0, tuple(range(args.prefill)), 0, tuple(range(nb)))
     pre = _time(functools.partial(step, [one]), 3, warm=1)
