@@ -460,7 +460,8 @@ def _check_down_gemv(case, r) -> None:
 def test_down_projection_as_gemvs_equals_the_grouped_kernel_under_the_interpreter():
     """``DOWN_GEMV_TOKENS``: the down projections of a few tokens as GEMVs whose weights load before the wait;
     1, 4 and 8 columns a program, the products in the slot table's rows or in slot order."""
-    for case, r in zip(DOWN_GEMV_CASES, _run("cpu", DOWN_GEMV_CASES, DOWN_GEMV_SCRIPT)):
+    cases = DOWN_GEMV_CASES[2:]  # (off by default: the interpreter's seconds go to two shapes, both routings; the GPU
+    for case, r in zip(cases, _run("cpu", cases, DOWN_GEMV_SCRIPT)):  # test below runs every shape, both dtypes)
         _check_down_gemv(case, r)
 
 

@@ -166,7 +166,8 @@ def _fused_merge(args: dict) -> None:
 def test_fused_merge_gives_the_two_launch_bits_under_the_interpreter():
     """Decode splits merged by the last split program equal the merge kernel's bit for bit, leave the counters
     zero (a second call on the same scratch merges again), and keys in one tile leave most splits empty."""
-    cases = [(8, 0, 2), (8, 37, 3), (8, 0, 16), (1, 37, 16), (1, 0, 3)]  # the interpreter's seconds: a few
+    # the interpreter's seconds: a few (FUSED_MERGE is off by default; the GPU test below runs every case)
+    cases = [(8, 37, 3), (8, 0, 16), (1, 37, 16)]
     _fused_merge({"device": "cpu", "dtypes": ["float32"], "d": 32, "tol": 2e-5, "cases": cases})
 
 
