@@ -478,10 +478,10 @@ class Router:
             return body
         return await self.loras.unload(body, list(self.links.values()))
 
-    @staticmethod
-    async def _json_body(request: web.Request):
+    async def _json_body(self, request: web.Request):
+        """The request's JSON object, read within the body timeout as every other body is; else the error's answer."""
         try:
-            return api.parse_json(await request.read())
+            return api.parse_json(await edge.read_body(request, self.cfg.router_body_timeout_s))
         except api.ApiError as e:
             return web.json_response(e.body(), status=e.status)
 
