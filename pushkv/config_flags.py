@@ -341,8 +341,7 @@ def lora_config(flags: Mapping[str, Any], model: ModelConfig, served: list[str])
     max_rank = 16 if given_rank is None else int(given_rank)
     if max_loras < 1 or max_rank < 1:
         raise ValueError(f"--max-loras {max_loras} and --max-lora-rank {max_rank} are positive")
-    from pushkv.model.hub import resolve
-    from pushkv.model.lora_files import CONFIG_FILE, WEIGHTS_FILE, read_adapter
+    from pushkv.model.lora_files import resolve_adapter
 
     modules: list[LoraModule] = []
     for mod in lora_modules(given):
@@ -351,9 +350,7 @@ def lora_config(flags: Mapping[str, Any], model: ModelConfig, served: list[str])
         if mod.base_model_name and mod.base_model_name not in served:
             raise ValueError(f"--lora-modules {mod.name}: base_model_name {mod.base_model_name!r} is not served "
                              f"(served: {served})")
-        path = resolve(mod.path, files=[CONFIG_FILE, WEIGHTS_FILE], cache_dir=f("download_dir"),
-                       flags=("--lora-modules", "--revision"))
-        read_adapter(mod.name, path, model, max_rank)
+        path = resolve_adapter(mod.name, mod.path, model, max_rank, f("download_dir"))
         modules.append(msgspec.structs.replace(mod, path=path))
     return LoraConfig(True, tuple(modules), max_loras, max_rank)
 

@@ -75,7 +75,7 @@ def build_model(cfg: ModelConfig, tp_rank: int = 0, tp_size: int = 1, device: st
              cfg.name, tp_rank, tp_size, cfg.num_layers, plan.q_heads, plan.kv_heads, plan.kv_start,
              " (MLA latent, replicated)" if cfg.is_mla else "")
     model = (MLAModel if cfg.is_mla else Model)(cfg, plan, weights, device, group)
-    if cfg.lora.modules:
+    if cfg.lora.enabled:  # (a bank even without adapters yet: a runtime load puts its adapter in it)
         from pushkv.model.lora import load_adapters
 
         model.lora_bank = load_adapters(cfg, plan, device)

@@ -171,10 +171,9 @@ class LoraStep:
         used = {s.lora for s in seqs if s.lora}
         if not used:
             return None
-        unknown = used - (bank.loaded if bank is not None else set())
-        if unknown or bank is None:
-            raise ValueError(f"LoRA slots {sorted(unknown)} are not loaded here "
-                             f"(loaded: {sorted(bank.loaded) if bank is not None else []})")
+        if bank is None or used - bank.loaded:
+            loaded = bank.loaded if bank is not None else set()
+            raise ValueError(f"LoRA slots {sorted(used - loaded)} are not loaded here (loaded: {sorted(loaded)})")
         rows = [s.lora for s in seqs for _ in range(len(s.token_ids))]
         return LoraStep(bank, torch.tensor(rows, dtype=torch.int32, device=device))
 

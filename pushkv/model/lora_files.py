@@ -16,6 +16,7 @@ import os
 import re
 import struct
 from dataclasses import dataclass
+from typing import Optional
 
 from pushkv.config import ModelConfig
 
@@ -154,6 +155,17 @@ def read_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int) -> Adapt
         if (layer, module, pair) not in tensors:
             raise ValueError(f"LoRA adapter {name!r}: layer {layer}'s {module} has lora_{ab} without lora_{pair}")
     return AdapterInfo(name, path, r, scale, tensors)
+
+
+def resolve_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int, cache_dir: Optional[str] = None,
+                    flag: str = "--lora-modules") -> str:
+    """The adapter's local directory (a Hub id resolved as --model's is, its adapter files only), checked against the
+    model (``read_adapter``); ValueError naming ``flag`` and what is wrong."""
+    from pushkv.model.hub import resolve
+
+    local = resolve(path, files=[CONFIG_FILE, WEIGHTS_FILE], cache_dir=cache_dir, flags=(flag, "--revision"))
+    read_adapter(name, local, cfg, max_rank)
+    return local
 
 
 def _place(name: str, key: str, cfg: ModelConfig) -> tuple[int, str, str]:

@@ -18,21 +18,12 @@ from aiohttp import web
 
 from pushkv import messages as m
 from pushkv.config import DeploymentConfig, LoraModule
+from pushkv.model.lora_files import resolve_adapter
 from pushkv.router import api
 
 log = logging.getLogger(__name__)
 
 LORA_TIMEOUT_S = 120.0  # how long each instance may take to load an adapter on every rank
-
-
-def check_adapter(cfg: DeploymentConfig, name: str, path: str) -> str:
-    """The adapter's local directory, its files checked against the model (ValueError naming what is wrong)."""
-    from pushkv.model.hub import resolve
-    from pushkv.model.lora_files import CONFIG_FILE, WEIGHTS_FILE, read_adapter
-
-    local = resolve(path, files=[CONFIG_FILE, WEIGHTS_FILE], flags=("lora_path", "revision"))
-    read_adapter(name, local, cfg.model, cfg.model.lora.max_rank)
-    return local
 
 
 class Loras:
@@ -75,7 +66,8 @@ class Loras:
             if why:
                 return _error(400, why)
             try:
-                local = await off_loop(check_adapter, self.cfg, name, path)
+                local = await off_loop(resolve_adapter, name, path, self.cfg.model, self.cfg.model.lora.max_rank, None,
+                                       "lora_path")
             except ValueError as e:
                 return _error(400, str(e))
             answers = await _ask(links, m.LoadLora(name, local, replace=replace))

@@ -172,15 +172,14 @@ class Worker(Actor):
 
     def on_LoadLora(self, msg: m.LoadLora) -> None:
         """A LoRA adapter loaded at runtime into its slot (between steps: this loop runs one message at a time)."""
-        from pushkv.model.lora import LoraBank, load_adapter
+        from pushkv.model.lora import load_adapter
         from pushkv.model.lora_files import read_adapter
 
         try:
             info = read_adapter(msg.name, msg.path, self.cfg.model, self.cfg.model.lora.max_rank)
-            pairs = load_adapter(info, self.cfg.model, self.model.plan, self.device)
             if self.model.lora_bank is None:
-                self.model.lora_bank = LoraBank(self.cfg.model.num_layers, self.cfg.model.lora.max_rank, self.device,
-                                                self.model.dtype)
+                raise ValueError("LoRA is off on this instance: start it with --enable-lora")
+            pairs = load_adapter(info, self.cfg.model, self.model.plan, self.device)
             if self.model.lora_bank.put(msg.slot, pairs) and self.model.batched is not None:
                 self.model.batched.drop_graphs()  # captured on the bank's old tensors: captured again on use
         except Exception as e:  # a bad adapter fails its load, not the worker
