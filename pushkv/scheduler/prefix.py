@@ -43,12 +43,17 @@ def took_hits(core: "SchedulerCore", r: Request, hit_blocks: int) -> None:
         core.counters["prefix_hit_tokens"] += r.cached
 
 
+def _root(r: Request) -> int:
+    """Where the request's chain of block hashes starts: its salt's root, its adapter's name and slot in it."""
+    return root_of(r.cache_salt, prefix_key(r.lora, r.lora_slot))
+
+
 def prefix_hits(alloc: PrefixCache, r: Request, block_size: int, unit: int) -> list[int]:
     """Cached blocks of the prompt's longest cached prefix, a whole number of ``unit`` tokens.
     The last prompt token is always computed (its logits give the first token), so a block
     holding it is never a hit: a step then writes only into blocks the request owns alone."""
     if not r.hashes:
-        r.hashes = block_hashes(r.prompt, block_size, root_of(r.cache_salt, prefix_key(r.lora, r.lora_slot)))
+        r.hashes = block_hashes(r.prompt, block_size, _root(r))
     hits = alloc.match(r.hashes[:(len(r.prompt) - 1) // block_size])
     return hits[:len(hits) * block_size // unit * unit // block_size]
 
@@ -62,7 +67,7 @@ def index_blocks(alloc: PrefixCache, r: Request, upto: int, block_size: int) -> 
     if len(r.hashes) < full or alloc.journal is not None:  # the tokens of the blocks, where they are read
         seq = r.prompt if full * bs <= len(r.prompt) else tuple(r.prompt) + tuple(r.output)
     if len(r.hashes) < full:
-        parent = r.hashes[-1] if r.hashes else root_of(r.cache_salt, prefix_key(r.lora, r.lora_slot))
+        parent = r.hashes[-1] if r.hashes else _root(r)
         r.hashes.extend(block_hashes(seq[:full * bs], bs, parent, start=len(r.hashes) * bs))
     if alloc.journal is None:
         for i in range(r.indexed, full):
