@@ -158,6 +158,9 @@ s.print_callees('_post_write|_prefill_done|on_ExpectKV|_poll_notifs')" 2>&1 | gr
             # what each kernel adds to the step)
             timeout 400 python3 -m experiments.moe_decode_probe --out "$OUT" --batches ${PROBE_BATCHES:-1,8} \
               --reps ${REPS:-30} --variants ${PROBE_VARIANTS:-gemv1_2,early_none,early_all} 2>&1 | tail -40 ;;
+    moetiles) # the grouped MoE kernels' decode tiles swept on this card (experiments/moe_decode_probe.py --sweep-tokens)
+            timeout 560 python3 -m experiments.moe_decode_probe --out "$OUT" --batches 1 --reps ${REPS:-20} \
+              --sweep-tokens ${SWEEP_TOKENS:-1} --then-time 2>&1 | grep -v "failed:" | tail -40 ;;
     routeone) # a one-token step's routing in registers (triton_moe.ROUTE_ONE_TOKEN, on since 2026-12-06): the probe with
             # the batch-1 profiles (what each kernel adds), then its GPU tests (the tables to the bit, float32 tokens)
             timeout 330 python3 -m experiments.moe_decode_probe --out "$OUT" --batches ${PROBE_BATCHES:-1,8} \

@@ -129,6 +129,7 @@ class Flags(NamedTuple):
     router_early: bool = False  # triton_fused.ROUTER_EARLY
     early_next: frozenset = frozenset()  # chain.EARLY_NEXT
     route_one: bool = False  # triton_moe.ROUTE_ONE_TOKEN
+    one_token_tiles: object = None  # triton_moe.ONE_TOKEN_TILES (a Tiles)
 
 
 # the kernels before the o GEMV (the decode attention and its merge) letting it be scheduled as they start, so its
@@ -240,6 +241,7 @@ def set_variant(fwd, name: str) -> int:
     triton_fused.ROUTER_EARLY = f.router_early
     chain.EARLY_NEXT = f.early_next
     triton_moe.ROUTE_ONE_TOKEN = f.route_one
+    triton_moe.ONE_TOKEN_TILES = f.one_token_tiles
     fwd.drop_graphs()  # captured with the last variant's launches
     if not torch.cuda.is_available():
         return 0
@@ -297,6 +299,24 @@ def profile_step(run, layers: int, reps: int = 20) -> dict:
 # (the first sweep on an H200 found 64 columns best at every count, so the wider ones were added)
 TILE_SWEEP = [(bn, bk, w, st) for bn in (16, 32, 64, 128, 256) for bk in (64, 128, 256) for w in (2, 4, 8)
               for st in (3, 4, 5, 6) if bn * bk * st <= 64 * 256 * 4]
+
+
+def swept_variants(rows: list[dict]) -> dict[str, Flags]:
+    """The shipped step with the one-token tiles this card's sweep found best (``swept_1``: gate/up's and down's;
+    ``swept_up``, ``swept_down``: one of them, the other as shipped), for ``--then-time``."""
+    from pushkv.model.kernels import triton_moe
+
+    shipped = triton_moe.tiles_for(1)
+    best = {kern: min((r for r in rows if r["tokens"] == 1 and r["kernel"] == kern), key=lambda r: r["us"])["tile"]
+            for kern in ("gate_up", "down")}
+    (bn_up, bk, w, st), (bn_down, bk_d, w_d, st_d) = best["gate_up"], best["down"]
+    up = shipped._replace(bn_up=bn_up, bk=bk, warps=w, stages=st, bk_down=shipped.bk_down or shipped.bk,
+                          down_warps=shipped.down_warps or shipped.warps,
+                          down_stages=shipped.down_stages or shipped.stages)
+    both = up._replace(bn_down=bn_down, bk_down=bk_d, down_warps=w_d, down_stages=st_d)
+    down = shipped._replace(bn_down=bn_down, bk_down=bk_d, down_warps=w_d, down_stages=st_d)
+    return {"swept_1": SHIPPED._replace(one_token_tiles=both), "swept_up": SHIPPED._replace(one_token_tiles=up),
+            "swept_down": SHIPPED._replace(one_token_tiles=down)}
 
 
 def graph_us(fn, reps: int) -> float:
@@ -466,6 +486,8 @@ def main() -> None:
                     "(here, after a GPU run)")
     ap.add_argument("--sweep-tokens", default="", help="token counts the grouped decode tiles are swept at "
                     "(alone: no variants, no profile)")
+    ap.add_argument("--then-time", action="store_true", help="after a sweep that includes 1 token, time the shipped "
+                    "step against it with the sweep's best one-token tiles (variants swept_1, swept_up, swept_down)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.plot:
@@ -482,7 +504,10 @@ def main() -> None:
         rows = sweep_tiles(model, [int(t) for t in args.sweep_tokens.split(",")], args.reps)
         with open(os.path.join(args.out, "moe_decode_tiles.json"), "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "copy_GBps": bw / 1e9, "rows": rows}, f, indent=1)
-        return
+        if not args.then_time:
+            return
+        VARIANTS.update(swept_variants(rows))
+        args.variants = args.variants or "gemv1_2,swept_1,swept_up,swept_down"
     fwd.warmup(views)
     variants = (args.variants.split(",") if args.variants else ["before", "pdl"] if args.chain_only
                 else list(VARIANTS))
@@ -511,7 +536,7 @@ def main() -> None:
         # nearly flat, so a greedy token may differ without a fault)
         row["chained_same_bits"] = all(torch.equal(logits[a], logits[b]) for a, b in (
             ("pdl", "before"), ("both", "router"), ("gemv", "gemv_alone")) if a in logits and b in logits)
-        for a, b in PAIRS:
+        for a, b in PAIRS + tuple((v, "gemv1_2") for v in VARIANTS if v.startswith("swept")):
             if a not in logits or b not in logits:
                 continue
             row[f"{a}_vs_{b}"] = {"max_abs": float((logits[a] - logits[b]).abs().max()),
@@ -520,7 +545,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         save(rep, args.out)  # each batch as it is measured: a run cut short keeps what it had
     run = functools.partial(fwd.logits, decode_seqs(cfg, 1, args.ctx, 16), views)
-    for name in [v for v in PROFILED if v in variants] if len(variants) > 2 else ():
+    for name in [v for v in PROFILED + ("swept_1",) if v in variants] if len(variants) > 2 else ():
         set_variant(fwd, name)
         rep["profile"][name] = profile_step(run, cfg.num_layers)
     set_variant(fwd, "before")

@@ -179,3 +179,31 @@ def test_a_refused_set_aside_is_said_and_the_run_goes_on(restored, monkeypatch, 
     assert probe.set_variant(restored, "own_all_l2") == -1
     assert "own_all_l2: the L2 set-aside was refused" in capsys.readouterr().out
     assert probe.set_variant(restored, "gemv1_2") == 0
+
+
+def test_the_swept_variants_take_the_sweeps_best_one_token_tiles_and_leave_the_rest_as_shipped():
+    rows = [{"tokens": 1, "kernel": "gate_up", "tile": [32, 128, 4, 4], "us": 17.0},
+            {"tokens": 1, "kernel": "gate_up", "tile": [64, 128, 4, 5], "us": 18.0},
+            {"tokens": 1, "kernel": "down", "tile": [128, 64, 8, 3], "us": 9.0},
+            {"tokens": 1, "kernel": "down", "tile": [64, 128, 2, 3], "us": 9.5},
+            {"tokens": 8, "kernel": "down", "tile": [16, 64, 2, 3], "us": 1.0}]  # another count: not taken
+    shipped = triton_moe.tiles_for(1)
+    v = probe.swept_variants(rows)
+    both, up, down = (v[n].one_token_tiles for n in ("swept_1", "swept_up", "swept_down"))
+    assert (both.bm, both.bn_up, both.bk, both.warps, both.stages) == (shipped.bm, 32, 128, 4, 4)
+    assert (both.bn_down, both.bk_down, both.down_warps, both.down_stages) == (128, 64, 8, 3)
+    assert (up.bn_up, up.bn_down, up.bk_down, up.down_warps) == (32, shipped.bn_down, shipped.bk_down,
+                                                                   shipped.down_warps)
+    assert (down.bn_up, down.bk, down.bn_down) == (shipped.bn_up, shipped.bk, 128)
+    # a variant sets the switch, and the shipped variant leaves it unset
+    before = triton_moe.ONE_TOKEN_TILES
+    try:
+        probe.VARIANTS.update(v)
+        probe.set_variant(_Forward(), "swept_1")
+        assert triton_moe.tiles_for(1) == both and triton_moe.tiles_for(2) == triton_moe.tiles_for(8)
+        probe.set_variant(_Forward(), "gemv1_2")
+        assert triton_moe.tiles_for(1) == shipped
+    finally:
+        for n in v:
+            probe.VARIANTS.pop(n)
+        triton_moe.ONE_TOKEN_TILES = before

@@ -490,6 +490,11 @@ class Tiles(NamedTuple):
     down_stages: int = 0
 
 
+# a one-token step's tiles where they are not those of the steps up to 8 tokens (None: the same); the decode probe
+# sets it to time a card's own sweep against them (experiments/moe_decode_probe.py --sweep-tokens 1 --then-time)
+ONE_TOKEN_TILES: Optional[Tiles] = None
+
+
 def tiles_for(tokens: int) -> Union[Tiles, DecodeTiles]:
     """A decode step's tiles up to ``DECODE_TOKENS``: the grouped kernels' (measured on an H200), or
     with ``PUSHKV_MOE_DECODE=ungrouped`` ``DecodeTiles`` (the three-launch GEMV kernels: on an H200 equal
@@ -503,6 +508,8 @@ def tiles_for(tokens: int) -> Union[Tiles, DecodeTiles]:
     # alone over the 48 layers through a CUDA graph) on an H200, summed over the counts each serves; the tiles
     # change no bits. One token: gate/up 16.7 us a layer against 22.3 with (32, 128, 4, 3); 64 tokens: 185.1
     # against 200.9, down 97.6 against 103.3 (docs/results/2026-12-04-moe-decode)
+    if tokens == 1 and ONE_TOKEN_TILES is not None:
+        return ONE_TOKEN_TILES
     if tokens <= 8:
         return Tiles(16, 64, 64, 128, 4, 5, 128, 2, 3)
     if tokens <= 128:
