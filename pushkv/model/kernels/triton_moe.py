@@ -510,6 +510,11 @@ def tiles_for(tokens: int) -> Union[Tiles, DecodeTiles]:
     # against 200.9, down 97.6 against 103.3 (docs/results/2026-12-04-moe-decode)
     if tokens == 1 and ONE_TOKEN_TILES is not None:
         return ONE_TOKEN_TILES
+    # one token: the down tile of depth 256 on 4 warps, the best of the one-token sweep on an H100 (10.68 us a layer
+    # against 10.75 for the next, 11.29 as below) and within 0.1 % of the best on an H200 (8.97 against 8.96); the
+    # step 3.210 -> 3.165 ms on the H100, the same bits (docs/results/2026-12-06-moe-tiles-h100)
+    if tokens == 1:
+        return Tiles(16, 64, 64, 128, 4, 5, 256, 4, 3)
     if tokens <= 8:
         return Tiles(16, 64, 64, 128, 4, 5, 128, 2, 3)
     if tokens <= 128:
