@@ -22,6 +22,7 @@ import torch
 from pushkv.config import ModelConfig
 from pushkv.dtypes import TORCH_DTYPES
 from pushkv.messages import SeqWork
+from pushkv.model.footprint import lora_slots
 from pushkv.model.lora_files import WEIGHTS_FILE, AdapterInfo, read_adapter
 from pushkv.model.shard import ShardPlan
 
@@ -30,7 +31,7 @@ LayerLora = dict[str, tuple[torch.Tensor, torch.Tensor]]  # "qkv" | "o" | "gate_
 
 def load_adapters(cfg: ModelConfig, plan: ShardPlan, device: str) -> "LoraBank":
     """Every adapter of ``cfg.lora`` for this rank, in slots 1, 2... of a bank."""
-    bank = LoraBank(cfg.num_layers, cfg.lora.max_rank, device, TORCH_DTYPES[cfg.dtype])
+    bank = LoraBank(cfg.num_layers, cfg.lora.max_rank, device, TORCH_DTYPES[cfg.dtype], lora_slots(cfg))
     for slot, mod in enumerate(cfg.lora.modules, 1):
         info = read_adapter(mod.name, mod.path, cfg, cfg.lora.max_rank)
         bank.put(slot, load_adapter(info, cfg, plan, device))
@@ -100,10 +101,10 @@ class LoraBank:
     a slot writes in place; ``put`` says when it had to reallocate (more slots, or a kind no adapter had), which the
     graphs captured before cannot see."""
 
-    def __init__(self, num_layers: int, max_rank: int, device, dtype):
+    def __init__(self, num_layers: int, max_rank: int, device, dtype, capacity: int = 0):
         self.max_rank, self.device, self.dtype = max_rank, torch.device(device), dtype
         self.layers: list[LayerLora] = [{} for _ in range(num_layers)]
-        self.capacity = 0
+        self.capacity = capacity  # slots each kind's pair is made with (footprint.lora_slots: what sizing counted)
         self.loaded: set[int] = set()
 
     def width(self, kind: str) -> int:

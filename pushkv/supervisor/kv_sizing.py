@@ -28,7 +28,7 @@ import msgspec
 from pushkv.config import DeploymentConfig, InstanceConfig, ModelConfig, rank_device
 from pushkv.cuda_driver import DriverError
 from pushkv.kv.layout import block_bytes, layout_for
-from pushkv.model.footprint import weight_bytes
+from pushkv.model.footprint import lora_bank_bytes, lora_slots, weight_bytes
 
 GIB = 1 << 30
 CONTEXT_BYTES = 768 << 20  # one process's CUDA context, kernels and allocator slack (a rank runs two)
@@ -45,7 +45,8 @@ def activation_bytes(model: ModelConfig, inst: InstanceConfig) -> int:
     d, hd, tp = model.hidden_size, model.head_dim, inst.tp
     q, kv = model.num_heads // tp, max(1, model.num_kv_heads // tp)
     mlp = 3 * model.intermediate_size // tp * max(1, model.experts_per_token)
-    per_token = (4 * d + (q + 2 * kv) * hd + mlp) * model.dtype_bytes
+    lora = lora_slots(model) * 3 * model.lora.max_rank * 2  # x A^T over every slot, and its masked copy
+    per_token = (4 * d + (q + 2 * kv) * hd + mlp + lora) * model.dtype_bytes
     return inst.max_batch_tokens * per_token + LOGIT_COPIES * inst.max_num_seqs * model.vocab_size * 4
 
 
@@ -115,15 +116,19 @@ def size_pools(cfg: DeploymentConfig, memory: MemoryInfo) -> Sizing:
         for r in range(inst.tp):
             gpu = gpu_of(inst, r)
             weights, act = weight_bytes(cfg.model, inst.tp), activation_bytes(cfg.model, inst)
+            weights += lora_bank_bytes(cfg.model, inst.tp)  # the LoRA adapters' slots, at --max-lora-rank
             kv = share[gpu] - weights - act - PROCESSES_PER_RANK * CONTEXT_BYTES
             if kv < rank_block_bytes(cfg.model, inst, r):
+                lora = lora_bank_bytes(cfg.model, inst.tp)
+                lora_note = (f" (of which {_gib(lora)} the LoRA bank: --max-loras or the adapters given, at "
+                             f"--max-lora-rank {cfg.model.lora.max_rank})" if lora else "")
                 spread = f", on cuda:{gpu} with {sharing[gpu] - 1} other rank(s)" if sharing[gpu] > 1 else ""
                 problems.append(
                     f"{inst.name}: the model does not fit: rank {r}'s share of cuda:{gpu} is {_gib(share[gpu])} "
-                    f"(--gpu-memory-utilization {util}{spread}), and its weights take {_gib(weights)}, activations "
-                    f"{_gib(act)} and CUDA contexts {_gib(PROCESSES_PER_RANK * CONTEXT_BYTES)}, leaving none for "
-                    f"KV; raise -tp, give each instance its own GPUs, lower --max-batch-tokens, or raise "
-                    "--gpu-memory-utilization")
+                    f"(--gpu-memory-utilization {util}{spread}), and its weights take {_gib(weights)}{lora_note}, "
+                    f"activations {_gib(act)} and CUDA contexts {_gib(PROCESSES_PER_RANK * CONTEXT_BYTES)}, "
+                    "leaving none for KV; raise -tp, give each instance its own GPUs, lower --max-batch-tokens, or "
+                    "raise --gpu-memory-utilization")
                 break
             blocks.append(kv // rank_block_bytes(cfg.model, inst, r))
         else:

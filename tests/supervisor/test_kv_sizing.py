@@ -12,10 +12,10 @@ import sys
 import msgspec
 import pytest
 
-from pushkv.config import PRESETS, DeploymentConfig, InstanceConfig, ModelConfig, MoeRouting
+from pushkv.config import PRESETS, DeploymentConfig, InstanceConfig, LoraConfig, LoraModule, ModelConfig, MoeRouting
 from pushkv.config_flags import user_config
 from pushkv.model.build import param_names
-from pushkv.model.footprint import weight_bytes
+from pushkv.model.footprint import lora_bank_bytes, lora_slots, weight_bytes
 from pushkv.supervisor.kv_sizing import (CONTEXT_BYTES, GIB, PROCESSES_PER_RANK, activation_bytes, pool_note,
                                          rank_block_bytes, size_pools)
 from pushkv.supervisor.plan import plan_deployment
@@ -221,3 +221,49 @@ def test_the_l2_set_aside_is_set_clamped_and_read_back_where_a_gpu_is():
         assert persisting_l2(0)[0] == 0
     finally:
         persisting_l2(before)
+
+
+def _with_lora(model: ModelConfig, adapters: int, max_loras: int = 1, rank: int = 16) -> ModelConfig:
+    mods = tuple(LoraModule(f"a{i}", f"/adapters/a{i}") for i in range(adapters))
+    return msgspec.structs.replace(model, lora=LoraConfig(True, mods, max_loras, rank))
+
+
+@pytest.mark.parametrize("name,tp", [("small", 1), ("small", 2), ("qwen3-30b-a3b", 2), ("tiny", 1)])
+def test_the_lora_bank_counted_is_what_a_bank_of_full_rank_adapters_on_every_projection_takes(name, tp):
+    torch = pytest.importorskip("torch")
+    from pushkv.model.lora import KIND_PARTS, LoraBank
+    from pushkv.model.shard import shard_plan
+
+    model = _with_lora(msgspec.structs.replace(PRESETS[name], dtype="float16"), adapters=2, max_loras=3, rank=8)
+    assert lora_slots(model) == 3  # --max-loras above the adapters given
+    plan = shard_plan(model, 0, tp)
+    d, hd, r = model.hidden_size, model.head_dim, model.lora.max_rank
+    width = model.dense_intermediate_size if model.is_moe else model.intermediate_size
+    shapes = {"qkv": ((plan.q_heads + 2 * plan.kv_heads) * hd, d), "o": (d, plan.q_heads * hd),
+              "gate_up": (2 * width // tp, d), "down": (d, width // tp)}
+    bank = LoraBank(model.num_layers, r, "cpu", torch.float16, lora_slots(model))
+    moe_layer = model.is_moe
+    adapter = [{kind: (torch.ones(KIND_PARTS[kind] * r, n_in), torch.ones(n_out, KIND_PARTS[kind] * r))
+                for kind, (n_out, n_in) in shapes.items() if not (moe_layer and kind in ("gate_up", "down"))}
+               for _ in range(model.num_layers)]
+    for slot in (1, 2, 3):
+        assert not bank.put(slot, adapter) or slot == 1  # made at its slots once: no slot reallocates
+    held = sum(t.numel() * t.element_size() for pairs in bank.layers for pair in pairs.values() for t in pair)
+    assert lora_bank_bytes(model, tp) == held > 0
+    assert lora_bank_bytes(PRESETS[name], tp) == 0 and lora_slots(PRESETS[name]) == 0  # LoRA off: nothing
+
+
+def test_the_lora_bank_takes_its_share_from_the_kv_pool_and_is_named_when_the_model_does_not_fit():
+    plain = size_pools(deployment(), GPUs())
+    cfg = deployment()
+    cfg = msgspec.structs.replace(cfg, model=_with_lora(cfg.model, adapters=4, max_loras=2, rank=64))
+    sized = size_pools(cfg, GPUs())
+    bank = lora_bank_bytes(cfg.model, 1)
+    assert bank > 4 * 450 * 2**20  # four rank-64 adapters of an 8B model on every projection: ~0.5 GiB each
+    block = rank_block_bytes(cfg.model, sized.cfg.decode, 0)
+    lost = plain.cfg.decode.num_blocks - sized.cfg.decode.num_blocks
+    assert bank // block <= lost <= (bank + activation_bytes(cfg.model, sized.cfg.decode)) // block + 1
+    tight = msgspec.structs.replace(deployment("qwen3-32b", d="cuda:0"), model=_with_lora(PRESETS["qwen3-32b"], 8,
+                                                                                            rank=64))
+    refused = size_pools(tight, GPUs(free=48 * GIB, total=48 * GIB))
+    assert refused.problems and "the LoRA bank" in refused.problems[0] and "--max-lora-rank 64" in refused.problems[0]
