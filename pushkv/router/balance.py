@@ -118,13 +118,16 @@ class Balancer:
         self.queue: deque["RequestRun"] = deque()  # not started: no D could hold them
         self.decode_queue: deque["RequestRun"] = deque()  # late: prefill done, waiting for a D
         self.picks = 0  # sequence of choices: ties go to the instance chosen least recently
+        self.joining: dict[str, int] = {}  # linked, not chosen yet (add(joining=True) until ready): its join's number
+        self.joins = 0
 
     # -- the instance set ------------------------------------------------------------
     def add(self, rec: InstanceRecord, make_link: Callable[[InstanceRecord], "SchedulerLink"],
-            fresh: bool = False) -> None:
+            fresh: bool = False, joining: bool = False) -> None:
         """An instance is up (new, or back after InstanceDown); ``fresh``: a new link even at the
         same endpoint (a host back from a cut: the old TCP connection may still hold unsent bytes
-        for a process that is gone, and would lose what we send next)."""
+        for a process that is gone, and would lose what we send next); ``joining``: linked but not
+        chosen until ``ready`` (it is told first what changed since the launch: router/loras.py)."""
         load = self.loads.get(rec.engine_id)
         if load is None or fresh or self.records[rec.engine_id].sched_endpoint != rec.sched_endpoint:
             old = self.links.pop(rec.engine_id, None)
@@ -134,13 +137,32 @@ class Balancer:
         if load is None:  # a known one keeps its accounting: runs still holding it release into it
             order = sum(1 for l in self.loads.values() if l.role == rec.role)
             load = self.loads[rec.engine_id] = P.Load(rec.engine_id, rec.role, order=order)
-        load.num_blocks, load.block_size, load.up = rec.num_blocks, rec.block_size, True
+        load.num_blocks, load.block_size, load.up = rec.num_blocks, rec.block_size, not joining
         self.records[rec.engine_id] = rec
+        if joining:
+            self.joins += 1
+            self.joining[rec.engine_id] = self.joins
+            log.info("%s instance %s joining (%d blocks)", rec.role, rec.engine_id, rec.num_blocks)
+            return
+        self.joining.pop(rec.engine_id, None)
         log.info("%s instance %s up (%d blocks)", rec.role, rec.engine_id, rec.num_blocks)
         self.drain()
 
+    def ready(self, engine_id: str, join: int) -> bool:
+        """The instance that joined as ``join`` (``joining``'s number) is chosen from now (False: it went down, or
+        joined again, meanwhile)."""
+        if self.joining.get(engine_id) != join:
+            return False
+        del self.joining[engine_id]
+        load = self.loads[engine_id]
+        load.up = True
+        log.info("%s instance %s up (%d blocks)", load.role, engine_id, load.num_blocks)
+        self.drain()
+        return True
+
     def down(self, engine_id: str) -> Optional[P.Load]:
         load = self.loads.get(engine_id)
+        self.joining.pop(engine_id, None)
         if load is not None:
             load.up = False
             self.index.forget(engine_id)  # back, it starts with an empty cache

@@ -6,7 +6,9 @@ A load is checked here first (the path resolved, the adapter's files read agains
 asked of every instance's scheduler (``LoadLora``), which has each worker rank load it; the name is served once every
 instance answered that it holds it. An instance that fails or does not answer fails the load, and the instances that
 took it drop it again. An unload takes the name away from every instance at once; requests already running through
-it finish.
+it finish. Only the instances up are asked; one that joins later (restarted by its supervisor, or a new one through
+the registry) starts with the launch's adapters, so before it is chosen it is told what changed since (``bring_in``:
+the adapters loaded or replaced since loaded on it, those unloaded since dropped).
 """
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ class Loras:
     def __init__(self, cfg: DeploymentConfig, on_change: Callable[[], None]):
         self.cfg = cfg
         self.modules: dict[str, LoraModule] = {mod.name: mod for mod in cfg.model.lora.modules}
+        self.launch = frozenset(self.modules)  # the names every instance starts with
+        self.since: set[str] = set()  # served names loaded (or replaced) at runtime: not the launch's weights
         self.on_change = on_change  # the served names changed
         self._lock: Optional[asyncio.Lock] = None  # one load or unload at a time (made on the loop)
 
@@ -79,6 +83,7 @@ class Loras:
                 return _error(400 if all(a is not None for a in answers) else 503,
                               f"LoRA adapter {name!r} did not load: {failed}")
             self.modules[name] = LoraModule(name, local)
+            self.since.add(name)
             self.on_change()
         log.info("LoRA adapter %s loaded from %s on %d instances", name, local, len(links))
         return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
@@ -91,12 +96,33 @@ class Loras:
             if name not in self.modules:
                 return _error(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
             del self.modules[name]  # no new request names it from now
+            self.since.discard(name)
             self.on_change()
             answers = await _ask(links, m.UnloadLora(name))
         silent = [lk.engine_id for lk, a in zip(links, answers) if a is None]
         if silent:
             log.warning("LoRA adapter %s: no answer to its unload from %s", name, silent)
         return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
+    def catch_up(self) -> list[Any]:
+        """What an instance that joins now must be told to serve what is served now: it starts with the launch's
+        adapters, so each loaded or replaced since is loaded on it (in place of the launch's weights of that name),
+        and each of the launch's unloaded since is dropped."""
+        msgs: list[Any] = [m.LoadLora(name, self.modules[name].path, replace=True) for name in sorted(self.since)]
+        return msgs + [m.UnloadLora(name) for name in sorted(self.launch - set(self.modules))]
+
+    async def bring_in(self, engine_id: str, link, ready: Callable[[], None]) -> str:
+        """Tell a joining instance ``catch_up``'s changes, then call ``ready`` (it is chosen from then), under the
+        lock of loads and unloads, so none is missed in between; on a load it did not take, the reason, and
+        ``ready`` is not called (its requests through that adapter would fail)."""
+        async with self._locked():
+            for msg in self.catch_up():
+                (answer,) = await _ask([link], msg)
+                if isinstance(msg, m.LoadLora) and (answer is None or answer.error):
+                    return f"LoRA adapter {msg.name!r} did not load: {'no answer' if answer is None else answer.error}"
+            log.info("instance %s took the LoRA adapters loaded since the launch", engine_id)
+            ready()
+        return ""
 
     def _locked(self) -> asyncio.Lock:
         if self._lock is None:

@@ -85,6 +85,7 @@ class Router:
         )
         # what a request's "model" may name: the model's names, then each LoRA adapter's (vLLM's --lora-modules)
         self.loras = Loras(cfg, self._served_changed)  # LoRA adapters: the launch's, and those loaded since
+        self._joins: set[asyncio.Task] = set()  # instances joining, taking the LoRA changes since the launch
         self.served = cfg.served_names() + self.loras.names
         self.load = 0  # HTTP generation requests in flight (vLLM's server load, GET /load)
         # /v1/responses answers kept for previous_response_id and GET /v1/responses/ID (router/responses.py)
@@ -259,7 +260,11 @@ class Router:
                     known = self.balancer.loads.get(ev.record.engine_id)
                     came_back = known is not None and not known.up  # read before add() marks it up
                     if known is None or not known.up:
-                        self.balancer.add(ev.record, self._make_link, fresh=bool(self.cfg.registry))
+                        catch_up = bool(self.loras.catch_up())  # LoRA adapters loaded or unloaded since the launch
+                        self.balancer.add(ev.record, self._make_link, fresh=bool(self.cfg.registry),
+                                          joining=catch_up)
+                        if catch_up:
+                            self._bring_in(ev.record.engine_id)
                     if came_back and self.cfg.registry:
                         # back in the registry = restarted (its host drops its work when its lease
                         # lapses): peers forget the old incarnation and handshake afresh
@@ -270,6 +275,19 @@ class Router:
             raise
         except Exception:
             log.exception("discovery watcher failed")
+
+    def _bring_in(self, engine_id: str) -> None:
+        """A joining instance takes the LoRA changes since the launch, then is chosen (router/loras.py)."""
+        join, link = self.balancer.joining[engine_id], self.balancer.links[engine_id]
+
+        async def bring() -> None:
+            why = await self.loras.bring_in(engine_id, link, lambda: self.balancer.ready(engine_id, join))
+            if why:
+                log.error("instance %s is not chosen until it joins again: %s", engine_id, why)
+
+        task = asyncio.get_running_loop().create_task(bring())
+        self._joins.add(task)
+        task.add_done_callback(self._joins.discard)
 
     def _instance_down(self, ev: InstanceDown) -> None:
         if self.balancer.down(ev.engine_id) is None:
@@ -469,14 +487,21 @@ class Router:
         body = await self._json_body(request)
         if isinstance(body, web.Response):
             return body
-        return await self.loras.load(body, self.served, list(self.links.values()), self._off_loop)
+        return await self.loras.load(body, self.served, self._live_links(), self._off_loop)
 
     async def handle_unload_lora(self, request: web.Request) -> web.Response:
         """vLLM's POST /v1/unload_lora_adapter {"lora_name"} (router/loras.py)."""
         body = await self._json_body(request)
         if isinstance(body, web.Response):
             return body
-        return await self.loras.unload(body, list(self.links.values()))
+        return await self.loras.unload(body, self._live_links())
+
+    def _live_links(self) -> list[SchedulerLink]:
+        """The links of the instances up now (one down, or joining, takes the changes as it joins); local mode's
+        one instance."""
+        if self.local_link is not None:
+            return [self.local_link]
+        return [lk for eid, lk in self.links.items() if self.balancer.loads[eid].up]
 
     async def _json_body(self, request: web.Request):
         """The request's JSON object, read within the body timeout as every other body is; else the error's answer."""

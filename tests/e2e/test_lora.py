@@ -2,16 +2,21 @@
 ``/v1/load_lora_adapter`` at runtime): P at TP 2 and D at TP 1 give PEFT's float32 greedy tokens for each adapter
 and for the base model, requests of different adapters at once under ``--max-loras 1`` included; /v1/models lists
 the adapters as vLLM does; an adapter's prompt never takes the base model's cached blocks; a model that is not
-served is a 404; an adapter unloaded is no longer served."""
+served is a 404; an adapter unloaded is no longer served; an instance restarted after a runtime load serves that
+adapter too."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import urllib.error
 import urllib.request
 
 import pytest
 
+from pushkv.supervisor.commands import ask as ask_supervisor
+from tests.faults.test_faults import Events, wait_serving
 from tests.model.test_hf_reference import save_hf_checkpoint
 from tests.support.deploy import deployment
 from tests.support.lora_adapters import ADAPTERS, NEW_TOKENS, peft_reference, save_adapter
@@ -80,6 +85,19 @@ def test_push_serves_each_adapter_as_peft_does(tmp_path, llama, monkeypatch):
         again = dep.complete(PROMPT, NEW_TOKENS, model="all")  # its own cached blocks are found
         assert again["choices"][0]["token_ids"] == want["all"]
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+        # D's worker dies; its supervisor restarts the instance, which starts with the launch's adapter only: the
+        # router has it load the one loaded since before it is chosen again
+        ev = Events(dep.cfg.events_endpoint)
+        try:
+            status = ask_supervisor(dep.cfg.control_endpoint, "status")
+            pid = next(p.pid for p in status.processes if p.name == "decode-worker-0")
+            os.kill(pid, signal.SIGKILL)
+            ev.wait(lambda e: e.kind == "instance" and e.name == "decode.instance" and e.event == "ready", 120)
+        finally:
+            ev.close()
+        wait_serving(dep)
+        for n in ADAPTERS:
+            assert dep.complete(PROMPT, NEW_TOKENS, model=n)["choices"][0]["token_ids"] == want[n], n
         status, body = dep.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "model": "nope"})
         assert status == 404 and body["error"]["code"] == "model_not_found"
         assert _text(dep, "/v1/unload_lora_adapter", {"lora_name": "qv"}) == (
