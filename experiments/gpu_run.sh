@@ -116,7 +116,7 @@ s.print_callees('_post_write|_prefill_done|on_ExpectKV|_poll_notifs')" 2>&1 | gr
              --sizes-mib 0.25 1 16 64 256 --reps 7 --gap-ms 20 --out "$OUT/xferwarm.json" 2>&1 \
              | grep -E "^warm|^\(devices|Error|error:" | tee "$OUT/xferwarm.txt" ;;
     loragpu) # LoRA adapters on the GPU: float32 tokens against PEFT's (fused engine, graphs, GEMVs), bf16 push = local
-            timeout 400 python3 -m pytest -q -p no:cacheprovider tests/model/test_lora_gpu.py -rfE 2>&1 \
+            timeout 400 python3 -m pytest -q -p no:cacheprovider tests/model/test_lora_gpu.py tests/model/test_lora_kernel.py -rfE 2>&1 \
               | tee "$OUT/lora_gpu.txt" | tail -6 ;;
     lorabench) # what a LoRA adapter costs a decode step and a prefill (experiments/lora_bench.py)
             timeout 300 python3 -m experiments.lora_bench --model ${LORA_MODEL:-qwen3-8b} --rank ${LORA_RANK:-16} \

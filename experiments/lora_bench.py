@@ -1,6 +1,8 @@
 """What a LoRA adapter costs a step on the GPU, measured side by side in one run: decode steps of a preset shape
 (random weights on the device) with every sequence through a rank-R adapter on all seven projections, half of them
-through it, and none, each replayed from its CUDA graph and run eagerly, and a prefill with and without it.
+through it, and none, each replayed from its CUDA graph and run eagerly, and a prefill with and without it; then the
+adapted steps again with their deltas in torch's three launches a projection instead of the two Triton kernels
+(``lora.KERNELS`` off: kernels/triton_lora.py), side by side.
 
     python3 -m experiments.lora_bench --model qwen3-8b --rank 16 --batches 1 8 32 --out DIR
 
@@ -19,6 +21,7 @@ import torch
 
 from pushkv.config import LoraConfig, LoraModule, preset
 from pushkv.messages import SeqWork
+from pushkv.model import lora
 from pushkv.model.build import build_model
 from pushkv.model.lora_files import mlp_width
 from tools.roofline import _time, decode_seqs, model_counts
@@ -100,6 +103,16 @@ def main(argv=None) -> int:
                          all_eager_s=full_eager))
         print(f"{B:>5} {graph * 1e3:>10.2f} {eager * 1e3:>10.2f} {mixed * 1e3:>10.2f} {full * 1e3:>9.2f} "
               f"{full_eager * 1e3:>9.2f} {full / graph:>17.2f} {full_eager / eager:>16.2f}", flush=True)
+    lora.KERNELS = False  # the deltas in torch's form: graphs captured again with it
+    fwd.drop_graphs()
+    print(f"{'batch':>5} {'all graph, torch form':>21} {'all graph, kernels':>18} {'torch / kernels':>15}")
+    for row in rows:
+        every = [msgspec.structs.replace(s, lora=1) for s in decode_seqs(cfg, row["batch"], args.context, u)]
+        row["all_graph_torch_s"] = _time(functools.partial(step, every), args.reps)
+        print(f"{row['batch']:>5} {row['all_graph_torch_s'] * 1e3:>21.2f} {row['all_graph_s'] * 1e3:>18.2f} "
+              f"{row['all_graph_torch_s'] / row['all_graph_s']:>15.2f}", flush=True)
+    lora.KERNELS = None
+    fwd.drop_graphs()
     nb = -(-args.prefill // u)
     one = SeqWork(0, tuple(range(args.prefill)), 0, tuple(range(nb)))
     pre = _time(functools.partial(step, [one]), 3, warm=1)

@@ -157,6 +157,17 @@ class LoraBank:
         self.capacity = capacity
 
 
+# a step of a few rows adds its deltas through the two-launch Triton form (kernels/triton_lora.py): None, on CUDA;
+# True or False, everywhere or nowhere (the tests under Triton's interpreter; experiments/lora_bench.py's variants)
+KERNELS: Optional[bool] = None
+
+
+def _kernel_tokens() -> int:
+    from pushkv.model.kernels import triton_lora
+
+    return triton_lora.TOKENS
+
+
 class LoraStep:
     """One step's adapters: each row's slot (0: the base model), on the device. ``add`` keeps each row's own slot's
     columns of ``x`` A^T (a mask made once a step per kind) and adds them times B^T to the base projection."""
@@ -164,6 +175,7 @@ class LoraStep:
     def __init__(self, bank: LoraBank, slots: torch.Tensor):
         self.bank, self.slots = bank, slots
         self._masks: dict[str, torch.Tensor] = {}
+        self.kernels = slots.is_cuda if KERNELS is None else KERNELS
 
     @staticmethod
     def of(bank: Optional[LoraBank], seqs: Sequence[SeqWork], device: torch.device) -> Optional["LoraStep"]:
@@ -196,4 +208,8 @@ class LoraStep:
         if pair is None:
             return y
         a, b = pair
+        if self.kernels and x.shape[0] <= _kernel_tokens() and x.stride(1) == 1 and y.stride(1) == 1:
+            from pushkv.model.kernels import triton_lora
+
+            return triton_lora.add_delta(y, x, a, b, self.slots, self.bank.width(kind))
         return y.addmm_(x.mm(a.t()).mul_(self.mask(kind, x.dtype)), b.t())
