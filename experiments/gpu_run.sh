@@ -120,7 +120,7 @@ s.print_callees('_post_write|_prefill_done|on_ExpectKV|_poll_notifs')" 2>&1 | gr
               | tee "$OUT/lora_gpu.txt" | tail -6 ;;
     lorabench) # what a LoRA adapter costs a decode step and a prefill (experiments/lora_bench.py)
             timeout 300 python3 -m experiments.lora_bench --model ${LORA_MODEL:-qwen3-8b} --rank ${LORA_RANK:-16} \
-              --out "$OUT" 2>&1 | grep -v "^20" | tee "$OUT/lora_bench.txt" | tail -12 ;;
+              --out "$OUT" ${LORA_ARGS:-} 2>&1 | grep -v "^20" | tee "$OUT/lora_bench.txt" | tail -70 ;;
     gpue2e) timeout 400 python3 -m pytest -q -p no:cacheprovider tests/e2e/test_gpu_e2e.py 2>&1 | tee "$OUT/gpue2e.txt" | tail -5 ;;
     moetests) # the MoE decode path's GPU tests (the router in the norm, the GEMVs, the kernels, graphs): 250-340 s
             timeout 420 python3 -m pytest -q -p no:cacheprovider tests/model/test_add_rms_router_kernel.py \

@@ -62,6 +62,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default=".")
+    ap.add_argument("--profile", action="store_true", help="then a batch-1 adapted graph replay's kernels, base and "
+                    "adapted (what each kernel adds a layer), and the delta kernels' tiles swept at batches 1 and 8")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     cfg = preset(args.model)
@@ -113,6 +115,8 @@ def main(argv=None) -> int:
               f"{row['all_graph_torch_s'] / row['all_graph_s']:>15.2f}", flush=True)
     lora.KERNELS = None
     fwd.drop_graphs()
+    if args.profile:
+        profile(cfg, step, fwd, rows, u, args)
     nb = -(-args.prefill // u)
     one = SeqWork(0, tuple(range(args.prefill)), 0, tuple(range(nb)))
     pre = _time(functools.partial(step, [one]), 3, warm=1)
@@ -124,6 +128,35 @@ def main(argv=None) -> int:
                        context=args.context, decode=rows, prefill=dict(tokens=args.prefill, base_s=pre,
                                                                           lora_s=pre_lora)), f, indent=1)
     return 0
+
+
+def profile(cfg, step, fwd, rows, u, args) -> None:
+    """The batch-1 step's kernels through the base and the adapted graphs (what each adds a layer: its end less the
+    end before it), then the delta kernels' tiles swept (kernels/triton_lora.py's PROGRAMS and BO)."""
+    from experiments.moe_decode_probe import profile_step
+    from pushkv.model.kernels import triton_lora
+
+    one = decode_seqs(cfg, 1, args.context, u)
+    for name, seqs in (("base", one), ("adapted", [msgspec.structs.replace(s, lora=1) for s in one])):
+        prof = profile_step(functools.partial(step, seqs), cfg.num_layers)
+        print(f"batch 1, {name}: span {prof['span_us_a_layer']} us a layer, kernels busy {prof['busy_us_a_layer']}")
+        for k in prof["added_us_a_layer"][:14]:
+            print(f"  {k['us']:>7.2f} us  {k['kernel']}")
+        rows.append({"profile": name, **prof})
+    shipped = triton_lora.PROGRAMS, triton_lora.BO, triton_lora.BN
+    for programs in (16, 64, 128, 256):
+        for bo in (32, 64, 128):
+            for bn in (16, 32):
+                triton_lora.PROGRAMS, triton_lora.BO, triton_lora.BN = programs, bo, bn
+                fwd.drop_graphs()
+                got = {B: _time(functools.partial(step, [msgspec.structs.replace(s, lora=1) for s in
+                                                         decode_seqs(cfg, B, args.context, u)]), args.reps)
+                       for B in (1, 8)}
+                rows.append({"programs": programs, "bo": bo, "bn": bn, **{f"b{B}_s": t for B, t in got.items()}})
+                print(f"PROGRAMS {programs:>3} BO {bo:>3} BN {bn:>2}: batch 1 {got[1] * 1e3:.2f} ms, "
+                      f"batch 8 {got[8] * 1e3:.2f} ms", flush=True)
+    triton_lora.PROGRAMS, triton_lora.BO, triton_lora.BN = shipped
+    fwd.drop_graphs()
 
 
 if __name__ == "__main__":
