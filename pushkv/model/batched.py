@@ -135,6 +135,8 @@ class BatchedForward:
                 and not spans and not kept:
             return self._replay(plan, pools), None
         meta = StepTensors.upload(plan, self.device, self.staging)
+        if self.m.lora_step is not None:  # the rows' slots came with the step's one upload
+            self.m.lora_step.take(meta.lora)
         rope = self._rope_rows(meta, spans) if spans else None
         splits = self.decode_splits(plan.num_seqs)
         if not kept:

@@ -172,10 +172,26 @@ class LoraStep:
     """One step's adapters: each row's slot (0: the base model), on the device. ``add`` keeps each row's own slot's
     columns of ``x`` A^T (a mask made once a step per kind) and adds them times B^T to the base projection."""
 
-    def __init__(self, bank: LoraBank, slots: torch.Tensor):
-        self.bank, self.slots = bank, slots
+    def __init__(self, bank: LoraBank, slots: Optional[torch.Tensor] = None, rows: Sequence[int] = (),
+                 device: Optional[torch.device] = None):
+        self.bank = bank
+        self._slots, self._rows = slots, rows  # the rows' slots on the device, or made from ``rows`` when first used
+        self.device = slots.device if slots is not None else torch.device(device or "cpu")
         self._masks: dict[str, torch.Tensor] = {}
-        self.kernels = slots.is_cuda if KERNELS is None else KERNELS
+        self.kernels = self.device.type == "cuda" if KERNELS is None else KERNELS
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """Each row's slot on the device: a graph's input, the batched step's upload (``take``), or copied from the
+        rows when first used (the per-sequence engine). Never made where unused: a step that replays a graph reads
+        its own, and a copy from pageable memory would hold the host until the GPU had finished the step before."""
+        if self._slots is None:
+            self._slots = torch.tensor(self._rows, dtype=torch.int32, device=self.device)
+        return self._slots
+
+    def take(self, slots: torch.Tensor) -> None:
+        """The rows' slots, already on the device (the batched step's one upload of its plan)."""
+        self._slots = slots
 
     @staticmethod
     def of(bank: Optional[LoraBank], seqs: Sequence[SeqWork], device: torch.device) -> Optional["LoraStep"]:
@@ -188,7 +204,7 @@ class LoraStep:
             loaded = bank.loaded if bank is not None else set()
             raise ValueError(f"LoRA slots {sorted(used - loaded)} are not loaded here (loaded: {sorted(loaded)})")
         rows = [s.lora for s in seqs for _ in range(len(s.token_ids))]
-        return LoraStep(bank, torch.tensor(rows, dtype=torch.int32, device=device))
+        return LoraStep(bank, rows=rows, device=device)
 
     def fresh(self) -> None:
         """Forget the masks: the next step makes them from ``slots`` again (a graph's step: its slots are new)."""
