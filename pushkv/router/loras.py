@@ -111,17 +111,21 @@ class Loras:
         msgs: list[Any] = [m.LoadLora(name, self.modules[name].path, replace=True) for name in sorted(self.since)]
         return msgs + [m.UnloadLora(name) for name in sorted(self.launch - set(self.modules))]
 
-    async def bring_in(self, engine_id: str, link, ready: Callable[[], None]) -> str:
+    async def bring_in(self, engine_id: str, link, ready: Callable[[], bool], joining: Callable[[], bool]) -> str:
         """Tell a joining instance ``catch_up``'s changes, then call ``ready`` (it is chosen from then), under the
         lock of loads and unloads, so none is missed in between; on a load it did not take, the reason, and
-        ``ready`` is not called (its requests through that adapter would fail)."""
+        ``ready`` is not called (its requests through that adapter would fail). ``joining`` is asked before each
+        change: False (it went down, or joined again, meanwhile) ends this join at once, so a dead instance holds
+        the lock no longer than the one change already asked of it."""
         async with self._locked():
             for msg in self.catch_up():
+                if not joining():
+                    return ""
                 (answer,) = await _ask([link], msg)
                 if isinstance(msg, m.LoadLora) and (answer is None or answer.error):
                     return f"LoRA adapter {msg.name!r} did not load: {'no answer' if answer is None else answer.error}"
-            log.info("instance %s took the LoRA adapters loaded since the launch", engine_id)
-            ready()
+            if ready():
+                log.info("instance %s took the LoRA adapters loaded since the launch", engine_id)
         return ""
 
     def _locked(self) -> asyncio.Lock:

@@ -281,7 +281,8 @@ class Router:
         join, link = self.balancer.joining[engine_id], self.balancer.links[engine_id]
 
         async def bring() -> None:
-            why = await self.loras.bring_in(engine_id, link, lambda: self.balancer.ready(engine_id, join))
+            why = await self.loras.bring_in(engine_id, link, lambda: self.balancer.ready(engine_id, join),
+                                            lambda: self.balancer.joining.get(engine_id) == join)
             if why:
                 log.error("instance %s is not chosen until it joins again: %s", engine_id, why)
 

@@ -87,7 +87,8 @@ def test_a_joining_instance_is_chosen_only_once_it_took_every_change(monkeypatch
     with pytest.raises(Refused, match="no live decode instance"):  # linked, not chosen: as if it were down
         b.request(Run("t0"))
     link = Link("d0")
-    assert asyncio.run(lo.bring_in("d0", link, lambda: b.ready("d0", b.joining["d0"]))) == ""
+    join = b.joining["d0"]
+    assert asyncio.run(lo.bring_in("d0", link, lambda: b.ready("d0", join), lambda: b.joining.get("d0") == join)) == ""
     assert link.asked == [m.LoadLora("x", "/new/x", replace=True)]
     assert b.live("decode") == ["d0"] and b.request(Run("t1")).decode == "d0"
 
@@ -98,7 +99,8 @@ def test_an_instance_that_does_not_take_a_load_is_not_chosen(monkeypatch):
     for link, why in ((Link("d0", fail={"x"}), "LoRA adapter 'x' did not load: cannot load x"),
                       (Link("d0", silent=True), "LoRA adapter 'x' did not load: no answer")):
         b = _joining_balancer()
-        said = asyncio.run(lo.bring_in("d0", link, lambda: b.ready("d0", b.joining["d0"])))
+        join = b.joining["d0"]
+        said = asyncio.run(lo.bring_in("d0", link, lambda: b.ready("d0", join), lambda: b.joining.get("d0") == join))
         assert said == why and b.live("decode") == []
         assert [msg.name for msg in link.asked] == ["x"]  # it stopped at the first
 
@@ -113,3 +115,20 @@ def test_a_join_that_went_down_or_joined_again_meanwhile_is_not_made_up():
     assert b.ready("d0", b.joining["d0"]) and b.live("decode") == ["d0"]
     b.add(rec("d1", "decode", 20), lambda r: object())  # no change to catch up: up at once
     assert b.live("decode") == ["d0", "d1"] and not b.joining
+
+
+def test_a_join_that_goes_down_midway_asks_nothing_more_and_is_not_made_up(monkeypatch):
+    lo = _loras("a")
+    _changed(lo, monkeypatch, load=("x", "y"))
+    b = _joining_balancer()
+    join = b.joining["d0"]
+
+    class DiesAfterOne(Link):
+        async def change_lora(self, msg, timeout_s):
+            answer = await super().change_lora(msg, timeout_s)
+            b.down("d0")  # its supervisor reports it down while it loads the first
+            return answer
+
+    link = DiesAfterOne("d0")
+    assert asyncio.run(lo.bring_in("d0", link, lambda: b.ready("d0", join), lambda: b.joining.get("d0") == join)) == ""
+    assert [msg.name for msg in link.asked] == ["x"] and b.live("decode") == []
