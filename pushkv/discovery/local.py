@@ -36,22 +36,26 @@ def record_of(cfg: DeploymentConfig, inst: InstanceConfig, supervisor_pid: int =
     )
 
 
-def planned_records(cfg: DeploymentConfig) -> list[InstanceRecord]:
+def planned_records(cfg: DeploymentConfig, local: bool = False) -> list[InstanceRecord]:
+    """P's and D's records; in local mode none, or with ``local`` its one instance's."""
     if cfg.mode == "local":
-        return []
+        return [record_of(cfg, cfg.local)] if local else []
     return [record_of(cfg, i) for role in ENGINE_ROLES for i in cfg.role_instances(role)]
 
 
 class InstanceTracker:
     """Pure: lifecycle events in, discovery events out (tested with plain calls)."""
 
-    def __init__(self, cfg: DeploymentConfig):
+    def __init__(self, cfg: DeploymentConfig, local: bool = False):
         self.cfg = cfg
-        self.records = {r.engine_id: r for r in planned_records(cfg)}
+        self.local = local  # local mode: track its one instance too (the router's LoRA catch-up after a restart)
+        self.records = {r.engine_id: r for r in planned_records(cfg, local)}
         self.dead: dict[str, set[str]] = {}  # engine id -> its processes that exited, while down
 
     def engine_of(self, ev: m.LifecycleEvent) -> Optional[str]:
-        if ev.role not in ENGINE_ROLES or self.cfg.mode == "local":
+        if self.cfg.mode == "local":  # its one instance, where tracked
+            return self.cfg.local.engine_id if self.local and ev.role == "local" and ev.instance == 0 else None
+        if ev.role not in ENGINE_ROLES:
             return None
         insts = self.cfg.role_instances(ev.role)
         return insts[ev.instance].engine_id if ev.instance < len(insts) else None
@@ -82,10 +86,11 @@ class InstanceTracker:
 class LocalWatcher:
     """``Watcher`` over the planned config and the supervisor's event stream."""
 
-    def __init__(self, cfg: DeploymentConfig, ctx: Optional[zmq.asyncio.Context] = None, security=None):
+    def __init__(self, cfg: DeploymentConfig, ctx: Optional[zmq.asyncio.Context] = None, security=None,
+                 local: bool = False):
         self.cfg = cfg
         self.security = security  # pushkv.security.Security, or None: CURVE if the events endpoint is tcp://
-        self.tracker = InstanceTracker(cfg)
+        self.tracker = InstanceTracker(cfg, local)
         self.ctx = ctx or zmq.asyncio.Context.instance()
         self._sub: Optional[zmq.asyncio.Socket] = None
 

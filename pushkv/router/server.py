@@ -208,6 +208,9 @@ class Router:
             self.local_link = SchedulerLink(self.ctx, "local", endpoint, self._route, self.metrics, self.tracer,
                                             engine_id=self.cfg.local.engine_id, security=self.security)
             self.local_link.start(self.epoch)
+            if self.cfg.model.lora.enabled and self.cfg.events_endpoint and self.watcher is None:
+                # the local instance back after a restart takes the LoRA changes since the launch
+                self.watcher = LocalWatcher(self.cfg, self.ctx, self.security, local=True)
         else:
             if self.watcher is None:
                 self.watcher = LocalWatcher(self.cfg, self.ctx, self.security)
@@ -256,7 +259,10 @@ class Router:
         and the requests with a leg on it fail at once (instead of at their timeout)."""
         try:
             async for ev in self.watcher.events():
-                if isinstance(ev, InstanceUp):
+                if isinstance(ev, InstanceUp) and self.local_link is not None:  # local mode: no balancer
+                    if self.loras.catch_up():
+                        self._bring_in(ev.record.engine_id)
+                elif isinstance(ev, InstanceUp):
                     known = self.balancer.loads.get(ev.record.engine_id)
                     came_back = known is not None and not known.up  # read before add() marks it up
                     if known is None or not known.up:
@@ -277,14 +283,25 @@ class Router:
             log.exception("discovery watcher failed")
 
     def _bring_in(self, engine_id: str) -> None:
-        """A joining instance takes the LoRA changes since the launch, then is chosen (router/loras.py)."""
-        join, link = self.balancer.joining[engine_id], self.balancer.links[engine_id]
+        """A joining instance takes the LoRA changes since the launch, then is chosen (router/loras.py). In local mode
+        (no balancer) the one instance, back after a restart: a request naming one of the changes before it has taken
+        them is refused by the instance as not served (404)."""
+        if self.local_link is not None:
+            link, ready, joining = self.local_link, (lambda: True), (lambda: True)
+        else:
+            join, link = self.balancer.joining[engine_id], self.balancer.links[engine_id]
+
+            def ready() -> bool:
+                return self.balancer.ready(engine_id, join)
+
+            def joining() -> bool:
+                return self.balancer.joining.get(engine_id) == join
 
         async def bring() -> None:
-            why = await self.loras.bring_in(engine_id, link, lambda: self.balancer.ready(engine_id, join),
-                                            lambda: self.balancer.joining.get(engine_id) == join)
+            why = await self.loras.bring_in(engine_id, link, ready, joining)
             if why:
-                log.error("instance %s is not chosen until it joins again: %s", engine_id, why)
+                log.error("instance %s did not take the LoRA changes since the launch (not chosen until it joins "
+                          "again; in local mode its requests through them are refused): %s", engine_id, why)
 
         task = asyncio.get_running_loop().create_task(bring())
         self._joins.add(task)
@@ -392,7 +409,7 @@ class Router:
             with contextlib.suppress(OSError):
                 os.unlink(uds.run_dir_socket(self.cfg.run_dir))
         self._parse_pool.shutdown(wait=False, cancel_futures=True)
-        for task in (self._control_task, self._events_task, self._warm_task, self._refresh_task):
+        for task in (self._control_task, self._events_task, self._warm_task, self._refresh_task, *self._joins):
             if task is None:
                 continue
             task.cancel()

@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -43,6 +44,40 @@ def _text(dep, path: str, body: dict) -> tuple[int, str]:
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
+
+
+def _restart(dep, role: str) -> None:
+    """Kill ``role``'s worker; return once its supervisor has restarted the instance."""
+    ev = Events(dep.cfg.events_endpoint)
+    try:
+        status = ask_supervisor(dep.cfg.control_endpoint, "status")
+        os.kill(next(p.pid for p in status.processes if p.name == f"{role}-worker-0"), signal.SIGKILL)
+        ev.wait(lambda e: e.kind == "instance" and e.name == f"{role}.instance" and e.event == "ready", 120)
+    finally:
+        ev.close()
+
+
+def test_local_mode_restarted_takes_the_adapters_loaded_at_runtime(tmp_path, llama, monkeypatch):
+    """Local mode (one instance, no balancer): its instance, restarted after a fault, serves an adapter loaded at
+    runtime again, and no longer one unloaded at runtime."""
+    base, paths, want = llama
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "true")
+    with deployment(tmp_path, "--mode", "local", "--model", base, "--served-model-name", "base", "--num-blocks", "64",
+                    "--enable-lora", "--lora-modules", f"all={paths['all']}") as dep:
+        assert _text(dep, "/v1/load_lora_adapter", {"lora_name": "qv", "lora_path": paths["qv"]})[0] == 200
+        assert _text(dep, "/v1/unload_lora_adapter", {"lora_name": "all"})[0] == 200
+        _restart(dep, "local")
+        end = time.monotonic() + 60
+        while True:  # the router has the restarted instance load it as soon as it hears it is back
+            status, body = dep.post("/v1/completions", {"prompt": PROMPT, "max_tokens": NEW_TOKENS, "model": "qv",
+                                                        "temperature": 0})
+            if status == 200 or time.monotonic() > end:
+                break
+            time.sleep(0.1)  # polling a remote state: the catch-up's load on the worker
+        assert status == 200, body
+        assert body["choices"][0]["token_ids"] == want["qv"]
+        status, body = dep.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "model": "all"})
+        assert status == 404 and body["error"]["code"] == "model_not_found"
 
 
 def test_push_serves_each_adapter_as_peft_does(tmp_path, llama, monkeypatch):
@@ -87,14 +122,7 @@ def test_push_serves_each_adapter_as_peft_does(tmp_path, llama, monkeypatch):
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
         # D's worker dies; its supervisor restarts the instance, which starts with the launch's adapter only: the
         # router has it load the one loaded since before it is chosen again
-        ev = Events(dep.cfg.events_endpoint)
-        try:
-            status = ask_supervisor(dep.cfg.control_endpoint, "status")
-            pid = next(p.pid for p in status.processes if p.name == "decode-worker-0")
-            os.kill(pid, signal.SIGKILL)
-            ev.wait(lambda e: e.kind == "instance" and e.name == "decode.instance" and e.event == "ready", 120)
-        finally:
-            ev.close()
+        _restart(dep, "decode")
         wait_serving(dep)
         for n in ADAPTERS:
             assert dep.complete(PROMPT, NEW_TOKENS, model=n)["choices"][0]["token_ids"] == want[n], n

@@ -453,3 +453,19 @@ def test_balancer_decode_local_accounts_on_d_only_and_learns():
     c = b.cost.costs
     assert c.prefill_samples == 0 and c.step_samples == 1 and c.handoff_samples == 0  # D's prefill: P's price
     assert b.ask(ChatRun("y", range(64))).hits == {"d0": 48}  # D keeps prompt + answer: 63 of 64 are whole blocks
+
+
+def test_tracker_of_local_mode_follows_its_one_instance_only_where_asked(tmp_path):
+    """Local mode's router tracks its instance only to give it back the LoRA changes after a restart."""
+    ports = iter(range(20000, 21000))
+    cfg = plan_deployment(DeploymentConfig(mode="local", deployment_id="dep", run_dir=str(tmp_path / "r")),
+                          pick_port=lambda: next(ports))
+    assert InstanceTracker(cfg).records == {}
+    assert InstanceTracker(cfg).on_event(ev("local-worker-0", "exit", "local", 0, "worker")) is None
+    t = InstanceTracker(cfg, local=True)
+    assert list(t.records) == ["local-dep"]
+    assert t.on_event(ev("local-worker-0", "exit", "local", 0, "worker")) == InstanceDown(
+        "local-dep", "local", "local-worker-0 died (SIGKILL)")
+    assert t.on_event(ev("prefill-worker-0", "exit", "prefill", 0, "worker")) is None  # no such role here
+    up = t.on_event(ev("local.instance", "ready", "local", 0, "instance"))
+    assert isinstance(up, InstanceUp) and up.record.engine_id == "local-dep"
