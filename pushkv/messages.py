@@ -343,8 +343,9 @@ class UnloadLora(Msg, frozen=True):
 
 
 class LoraChanged(Msg, frozen=True):
-    """The answer to ``LoadLora`` / ``UnloadLora``: a worker rank's for its slot, a scheduler's once every rank
-    answered, with the adapters it serves after it. ``error`` "": done."""
+    """A worker rank's answer to ``LoadLora`` (for its slot; an unload it does not answer), and a scheduler's to
+    ``LoadLora`` (once every rank answered) or ``UnloadLora``, with the adapters it serves after it. ``error`` "":
+    done."""
 
     name: str
     error: str = ""

@@ -311,7 +311,8 @@ class SchedulerCore:
         r = Request(msg.transfer_id, msg.generation, msg.leg, msg.prompt_token_ids, msg.max_tokens, frm.identity,
                     frozenset(msg.stop_token_ids), msg.source, msg.pull, seq_id=self.next_seq,
                     sampling=msg.sampling, late=msg.late, prefill_here=msg.prefill_here, cache_salt=msg.cache_salt,
-                    grammar=grammar, structured=msg.structured, lora=msg.lora, lora_slot=self.lora.slot(msg.lora))
+                    grammar=grammar, structured=msg.structured, lora=msg.lora, lora_slot=self.lora.slot(msg.lora),
+                    lora_id=self.lora.lora_id(msg.lora))
         self.next_seq += 1
         if msg.arrival:
             r.timeline["arrival"] = msg.arrival

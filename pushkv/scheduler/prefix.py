@@ -44,8 +44,8 @@ def took_hits(core: "SchedulerCore", r: Request, hit_blocks: int) -> None:
 
 
 def _root(r: Request) -> int:
-    """Where the request's chain of block hashes starts: its salt's root, its adapter's name and slot in it."""
-    return root_of(r.cache_salt, prefix_key(r.lora, r.lora_slot))
+    """Where the request's chain of block hashes starts: its salt's root, its adapter's name and weights' id in it."""
+    return root_of(r.cache_salt, prefix_key(r.lora, r.lora_id))
 
 
 def prefix_hits(alloc: PrefixCache, r: Request, block_size: int, unit: int) -> list[int]:
@@ -75,5 +75,5 @@ def index_blocks(alloc: PrefixCache, r: Request, upto: int, block_size: int) -> 
     else:  # KV events: each block's parent, tokens and (a prompt's first) salt too
         for i in range(r.indexed, full):
             alloc.insert(r.blocks[i], r.hashes[i], r.hashes[i - 1] if i else None, seq[i * bs:(i + 1) * bs],
-                         r.cache_salt if i == 0 else "", (r.lora_slot, r.lora) if r.lora else None)
+                         r.cache_salt if i == 0 else "", (r.lora_id, r.lora) if r.lora else None)
     r.indexed = full

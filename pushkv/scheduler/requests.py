@@ -88,6 +88,7 @@ class Request:
     cache_salt: str = ""  # vLLM's: its prompt's block hashes chain from this salt's root (prefix.py)
     lora: str = ""  # the LoRA adapter it runs through ("": the base model); its hashes chain from the name's root
     lora_slot: int = 0  # ... the workers' slot of it (SeqWork.lora)
+    lora_id: int = 0  # ... the id of its weights when it came (lora_table: its chain's root, KV events' lora_id)
     grammar: Any = None  # structured output: its grammar.Matcher, following the output
     structured: Optional[m.Structured] = None  # structured output: the spec its grammar is compiled from
     # repetition_penalty's distinct ids of the prompt and output, packed, kept as the output grows (seen_ids)

@@ -190,10 +190,11 @@ class Worker(Actor):
         self.send(self.sched, m.LoraChanged(msg.name, "", msg.slot))
 
     def on_UnloadLora(self, msg: m.UnloadLora) -> None:
+        """A retired slot freed (no answer: the scheduler needs none, and may give the slot to a load next, whose
+        answer alone it waits for)."""
         if self.model.lora_bank is not None:
             self.model.lora_bank.clear(msg.slot)
         log.info("%s: LoRA adapter %s unloaded from slot %d", self.name, msg.name, msg.slot)
-        self.send(self.sched, m.LoraChanged(msg.name, "", msg.slot))
 
     def _physical(self, seqs):
         """Block tables name logical blocks; the pool is cut into sub-blocks (layout.py)."""

@@ -113,12 +113,14 @@ def make_tp(tp=2, **kw):
 
 
 def _answer_workers(s, wire, error=""):
-    """Each worker rank answers the LoadLora / UnloadLora it was sent (rank 1 with ``error``)."""
+    """Each worker rank answers the LoadLora it was sent (rank 1 with ``error``), as a worker does (an unload it
+    does not answer)."""
     asked = [(peer, msg) for peer, msg in wire.sent if peer.startswith("worker")]
     wire.take("worker")
     for peer, msg in asked:
         rank = int(peer.split("-")[1])
-        deliver(s, Peer("worker", rank), m.LoraChanged(msg.name, error if rank == 1 else "", msg.slot))
+        if isinstance(msg, m.LoadLora):
+            deliver(s, Peer("worker", rank), m.LoraChanged(msg.name, error if rank == 1 else "", msg.slot))
     return [msg for _, msg in asked]
 
 
@@ -183,6 +185,37 @@ def test_a_replaced_adapter_takes_a_new_slot_and_a_prefix_chain_of_its_own():
     generate(s, "y", prompt(40), lora="a")
     (w,) = run_step(s, wire)
     assert (w.lora, w.start_pos) == (3, 0)  # the old weights' cached blocks are not its
+    run_all(s, wire)
+    assert idle(s)
+
+
+def test_slots_freed_are_taken_again_and_each_load_roots_a_chain_of_its_own():
+    """Loads, replacements and unloads over and over keep the workers' bank as wide as the adapters held at once: a
+    load takes the lowest slot the workers freed. Each load's weights take an id of their own, so new weights in a
+    slot the old ones had never take the old ones' cached blocks; KV events name that id."""
+    s, wire = make_tp()
+    for turn in range(4):  # "a" replaced in place again and again: slots 3, 1, 3, 1 (each freed as it retires)
+        deliver(s, ROUTER, m.LoadLora("a", f"/adapters/a{turn}", replace=True))
+        asked = _answer_workers(s, wire)
+        (said,) = _router_said(wire)
+        assert said.error == "" and said.slot == (3 if turn % 2 == 0 else 1), (turn, said)
+        assert asked == [m.LoadLora("a", f"/adapters/a{turn}", said.slot, replace=False)] * 2
+        assert s.lora.lora_id("a") == 3 + turn  # never used again, slot or not
+        freed = wire.take("worker")  # the old weights' slot, freed at once (no request holds it)
+        assert freed == [m.UnloadLora("a", 1 if turn % 2 == 0 else 3)] * 2
+        generate(s, f"x{turn}", prompt(40), lora="a")
+        (w,) = run_step(s, wire)
+        assert (w.lora, w.start_pos) == (said.slot, 0)  # the last weights' cached blocks (same slot) are not its
+        run_all(s, wire)
+    assert s.lora.next_slot == 4  # never past the launch's two and one more
+    deliver(s, ROUTER, m.UnloadLora("b"))
+    wire.take("worker")
+    deliver(s, ROUTER, m.LoadLora("c", "/adapters/c"))
+    asked = _answer_workers(s, wire)
+    assert asked == [m.LoadLora("c", "/adapters/c", 2)] * 2  # b's slot, freed
+    generate(s, "y", prompt(40), lora="c")
+    (w,) = run_step(s, wire)
+    assert (w.lora, w.start_pos) == (2, 0)
     run_all(s, wire)
     assert idle(s)
 
