@@ -57,6 +57,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen3-8b")
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--adapters", type=int, default=1, help="adapters the bank holds (copies of the one written); "
+                    "the steps run through the first")
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--prefill", type=int, default=2048)
@@ -68,8 +70,8 @@ def main(argv=None) -> int:
     dev = torch.device("cuda")
     cfg = preset(args.model)
     path = write_adapter(cfg, tempfile.mkdtemp(prefix="lora-bench-"), args.rank)
-    cfg = msgspec.structs.replace(cfg, lora=LoraConfig(True, (LoraModule("a", path),), max_loras=1,
-                                                       max_rank=args.rank))
+    mods = tuple(LoraModule(f"a{i}", path) for i in range(args.adapters))
+    cfg = msgspec.structs.replace(cfg, lora=LoraConfig(True, mods, max_loras=1, max_rank=args.rank))
     model = build_model(cfg, device="cuda", max_num_seqs=max(args.batches))
     u = 16
     lay = model.kv_layout(1, u)
@@ -79,7 +81,7 @@ def main(argv=None) -> int:
     pool.normal_()
     views = model._layer_pools(pool)
     fwd = model.batched
-    print(f"{torch.cuda.get_device_name(dev)}, {args.model}, adapter rank {args.rank} on "
+    print(f"{torch.cuda.get_device_name(dev)}, {args.model}, {args.adapters} adapter(s) of rank {args.rank} on "
           f"{'q/k/v/o' if cfg.is_moe else 'q/k/v/o/gate/up/down'}, context {args.context}; warm-up "
           f"{fwd.warmup(views):.1f}s, graphs {fwd.capture(views):.1f}s", flush=True)
 
@@ -123,8 +125,8 @@ def main(argv=None) -> int:
     pre_lora = _time(functools.partial(step, [msgspec.structs.replace(one, lora=1)]), 3, warm=1)
     print(f"prefill of {args.prefill}: {pre * 1e3:.1f} ms, through the adapter {pre_lora * 1e3:.1f} ms "
           f"({pre_lora / pre:.2f}x)", flush=True)
-    with open(os.path.join(args.out, "lora.json"), "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name(dev), model=args.model, rank=args.rank,
+    with open(os.path.join(args.out, "lora.json" if args.adapters == 1 else f"lora_{args.adapters}.json"), "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(dev), model=args.model, rank=args.rank, adapters=args.adapters,
                        context=args.context, decode=rows, prefill=dict(tokens=args.prefill, base_s=pre,
                                                                           lora_s=pre_lora)), f, indent=1)
     return 0

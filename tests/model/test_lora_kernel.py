@@ -63,6 +63,37 @@ for dt in (torch.float32, torch.bfloat16):
                                                                                    float(torch_err.mean()))
         base_rows = slots == 0
         assert torch.equal(got[base_rows], y0[base_rows]), "a base row took a delta"
+# a bank of 6 or 12 slots whose step uses two (and the base model): the partials of the other slots' columns are never
+# written by the shrink nor read by the expand (every buffer the kernels get starts as NaN here, so a read of one
+# would show), and the result is torch's form
+for dt, width, n_slots in ((torch.float32, 8, 6), (torch.bfloat16, 4, 12)):  # two slots to a chunk, and four
+    T, K, O, N = 5, 256, 48, n_slots * width
+    x = torch.randn(T, K, device=dev).to(dt)
+    a = (torch.randn(N, K, device=dev) / K ** 0.5).to(dt)
+    b = torch.randn(O, N, device=dev).to(dt)
+    slots = torch.tensor([2, 0, 5, 2, 0], device=dev, dtype=torch.int32)
+    y0 = torch.randn(T, O, device=dev).to(dt)
+    real_empty = torch.empty
+    torch.empty = lambda *s, **k: real_empty(*s, **k).fill_(float("nan"))
+    try:
+        got = triton_lora.add_delta(y0.clone(), x, a, b, slots, width)
+        part = torch.empty((1, 16, N), dtype=torch.float32, device=dev)
+        triton_lora._shrink_kernel[(triton_lora.triton.cdiv(N, triton_lora.BN), 1)](
+            x, a, slots, part, T, K, N, width, x.stride(0), K, BT=16, BN=triton_lora.BN, BK=triton_lora.BK,
+            IEEE=dt == torch.float32)
+    finally:
+        torch.empty = real_empty
+    assert not got.isnan().any()
+    torch.testing.assert_close(got.double(), exact(y0, x, a, b, slots, width), atol=0.1 if dt != torch.float32 else 2e-5,
+                               rtol=2 ** -6 if dt != torch.float32 else 2e-5)
+    owner = torch.arange(N, device=dev) // width + 1  # each column's slot
+    chunk_used = torch.zeros(N, dtype=torch.bool, device=dev)  # the shrink's programs: BN columns each
+    for c0 in range(0, N, triton_lora.BN):
+        chunk_used[c0:c0 + triton_lora.BN] = bool(((owner[c0:c0 + triton_lora.BN, None] == slots[None, :])).any())
+    written = ~part[0, :T].isnan().all(0)
+    assert torch.equal(written, chunk_used), (written, chunk_used)
+    assert not chunk_used.all()  # some chunk was skipped
+
 assert triton_lora.splits_for(1, 4096, 48) == 16 and triton_lora.splits_for(64, 4096, 48) == 4
 assert triton_lora.splits_for(1, 64, 48) == 1  # K of less than two chunks: no split
 

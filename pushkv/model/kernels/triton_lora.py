@@ -7,9 +7,13 @@ base model's, 12 small launches a layer (docs/results/2026-12-06-lora-gpu). Here
 
 - ``_shrink_kernel``: ``x A^T`` split over the bank's columns and over K, each program a float32 partial of its
   columns for every row (the split gives a few columns of a wide K enough programs to read A at the HBM's rate);
+  a program whose columns belong to slots no row of the step uses reads and writes nothing;
 - ``_expand_kernel``: each program sums the partials in a fixed order, rounds them to the step's dtype (as torch's
   ``x.mm(A.t())`` rounds), keeps each row's own slot's columns, and adds ``u B^T`` to its tile of ``y`` in float32,
-  rounded once (as ``addmm_`` with beta 1 does).
+  rounded once (as ``addmm_`` with beta 1 does), skipping each chunk of columns no row keeps.
+
+So a step reads A and B of the slots its rows use, not of every adapter the bank holds: a deployment serving many
+adapters pays for those a step runs (at most ``--max-loras``), where torch's form multiplies by every slot.
 
 The dots take their tiles in float32 (TF32 on the tensor cores, which holds a 16-bit model's values exactly; IEEE
 float32 for a float32 model): the same arithmetic as the torch form up to the order of each float32 sum, so the two
@@ -37,26 +41,32 @@ PARTIAL_ROWS = 256  # split x rows of partials each expand program sums at most 
 
 
 @triton.jit(do_not_specialize=["T"])
-def _shrink_kernel(X, A, P, T, K, N, stride_x, KS, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+def _shrink_kernel(X, A, Slots, P, T, K, N, W, stride_x, KS, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                    IEEE: tl.constexpr):
-    # P[s, t, n] = sum over this split's K of X[t, k] A[n, k]
+    # P[s, t, n] = sum over this split's K of X[t, k] A[n, k], for the columns of the slots the step's rows use (the
+    # others are left unwritten: the expand masks them off)
     cols = tl.program_id(0) * BN + tl.arange(0, BN)
     split = tl.program_id(1)
     rows = tl.arange(0, BT)
-    acc = tl.zeros((BT, BN), dtype=tl.float32)
-    for k0 in range(split * KS, tl.minimum(split * KS + KS, K), BK):
-        kk = k0 + tl.arange(0, BK)
-        kin = kk < tl.minimum(split * KS + KS, K)
-        x = tl.load(X + rows[:, None] * stride_x + kk[None, :], mask=(rows[:, None] < T) & kin[None, :], other=0.0)
-        a = tl.load(A + cols[None, :].to(tl.int64) * K + kk[:, None], mask=(cols[None, :] < N) & kin[:, None],
-                    other=0.0)
-        x, a = x.to(tl.float32), a.to(tl.float32)  # a 16-bit value is exact in TF32
-        if IEEE:
-            acc = tl.dot(x, a, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, a, acc)
-    out = P + split * BT * N + rows[:, None] * N + cols[None, :]
-    tl.store(out, acc, mask=(rows[:, None] < T) & (cols[None, :] < N))
+    row_slot = tl.load(Slots + rows, mask=rows < T, other=0)
+    first, last = (tl.program_id(0) * BN) // W + 1, (tl.program_id(0) * BN + BN - 1) // W + 1
+    used = tl.sum(((row_slot >= first) & (row_slot <= last)).to(tl.int32), 0)
+    if used > 0:
+        acc = tl.zeros((BT, BN), dtype=tl.float32)
+        for k0 in range(split * KS, tl.minimum(split * KS + KS, K), BK):
+            kk = k0 + tl.arange(0, BK)
+            kin = kk < tl.minimum(split * KS + KS, K)
+            x = tl.load(X + rows[:, None] * stride_x + kk[None, :], mask=(rows[:, None] < T) & kin[None, :],
+                        other=0.0)
+            a = tl.load(A + cols[None, :].to(tl.int64) * K + kk[:, None], mask=(cols[None, :] < N) & kin[:, None],
+                        other=0.0)
+            x, a = x.to(tl.float32), a.to(tl.float32)  # a 16-bit value is exact in TF32
+            if IEEE:
+                acc = tl.dot(x, a, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, a, acc)
+        out = P + split * BT * N + rows[:, None] * N + cols[None, :]
+        tl.store(out, acc, mask=(rows[:, None] < T) & (cols[None, :] < N))
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -70,18 +80,18 @@ def _expand_kernel(P, Slots, B, Y, T, N, O, W, stride_y, SPLITS: tl.constexpr, B
     acc = tl.zeros((BT, BO), dtype=tl.float32)
     for n0 in range(0, N, BN):
         nn = n0 + tl.arange(0, BN)
-        m = live[:, None] & (nn[None, :] < N)
-        u = tl.zeros((BT, BN), dtype=tl.float32)
-        for s in range(SPLITS):
-            u += tl.load(P + s * BT * N + rows[:, None] * N + nn[None, :], mask=m, other=0.0)
-        keep = slot[:, None] == nn[None, :] // W + 1
-        u = tl.where(keep, u, 0.0).to(Y.dtype.element_ty).to(tl.float32)
-        b = tl.load(B + outs[None, :].to(tl.int64) * N + nn[:, None], mask=(outs[None, :] < O) & (nn[:, None] < N),
-                    other=0.0).to(tl.float32)
-        if IEEE:
-            acc = tl.dot(u, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(u, b, acc)
+        keep = live[:, None] & (nn[None, :] < N) & (slot[:, None] == nn[None, :] // W + 1)
+        if tl.sum(keep.to(tl.int32)) > 0:  # a chunk of slots no row uses: neither its partials nor its B are read
+            u = tl.zeros((BT, BN), dtype=tl.float32)
+            for s in range(SPLITS):
+                u += tl.load(P + s * BT * N + rows[:, None] * N + nn[None, :], mask=keep, other=0.0)
+            u = u.to(Y.dtype.element_ty).to(tl.float32)
+            b = tl.load(B + outs[None, :].to(tl.int64) * N + nn[:, None],
+                        mask=(outs[None, :] < O) & (nn[:, None] < N), other=0.0).to(tl.float32)
+            if IEEE:
+                acc = tl.dot(u, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(u, b, acc)
     m = live[:, None] & (outs[None, :] < O)
     at = Y + rows[:, None] * stride_y + outs[None, :]
     y = tl.load(at, mask=m, other=0.0)
@@ -110,8 +120,8 @@ def add_delta(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     splits = triton.cdiv(K, ks)
     partial = torch.empty((splits, bt, N), dtype=torch.float32, device=x.device)
     ieee = x.dtype == torch.float32  # a float32 model's dots in float32, not TF32
-    _shrink_kernel[(triton.cdiv(N, BN), splits)](x, a, partial, T, K, N, x.stride(0), ks, BT=bt, BN=BN, BK=BK,
-                                                 IEEE=ieee, num_warps=4)
+    _shrink_kernel[(triton.cdiv(N, BN), splits)](x, a, slots, partial, T, K, N, width, x.stride(0), ks, BT=bt, BN=BN,
+                                                 BK=BK, IEEE=ieee, num_warps=4)
     _expand_kernel[(triton.cdiv(O, BO),)](partial, slots, b, y, T, N, O, width, y.stride(0), SPLITS=splits, BT=bt,
                                           BN=BN, BO=BO, IEEE=ieee, num_warps=4)
     return y
