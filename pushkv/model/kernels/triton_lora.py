@@ -99,8 +99,10 @@ def _expand_kernel(P, Slots, B, Y, T, N, O, W, stride_y, SPLITS: tl.constexpr, B
 
 
 def splits_for(t: int, k: int, n: int) -> int:
-    """How many parts the shrink's K is split in: enough for ``PROGRAMS`` programs over ``n`` bank columns, each
-    part at least a chunk of K, and at most ``PARTIAL_ROWS`` split x rows for each expand program to sum."""
+    """How many parts the shrink's K is split in: enough for ``PROGRAMS`` programs over ``n`` columns (one slot's:
+    those of the slots no row uses do nothing, so a bank of many adapters must not thin out the split of the one a
+    step runs), each part at least a chunk of K, and at most ``PARTIAL_ROWS`` split x rows for each expand program
+    to sum."""
     rows = max(16, triton.next_power_of_2(t))
     return max(1, min(PROGRAMS // triton.cdiv(n, BN), k // BK, PARTIAL_ROWS // rows))
 
@@ -115,7 +117,7 @@ def add_delta(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     if not T:
         return y
     bt = max(16, triton.next_power_of_2(T))
-    splits = splits_for(T, K, N)
+    splits = splits_for(T, K, width)
     ks = triton.cdiv(triton.cdiv(K, splits), BK) * BK
     splits = triton.cdiv(K, ks)
     partial = torch.empty((splits, bt, N), dtype=torch.float32, device=x.device)
