@@ -66,7 +66,9 @@ for dt in (torch.float32, torch.bfloat16):
 # a bank of 6 or 12 slots whose step uses two (and the base model): the partials of the other slots' columns are never
 # written by the shrink nor read by the expand (every buffer the kernels get starts as NaN here, so a read of one
 # would show), and the result is torch's form
-for dt, width, n_slots in ((torch.float32, 8, 6), (torch.bfloat16, 4, 12)):  # two slots to a chunk, and four
+# (two slots to a chunk, four, and a bank past the 61 slots whose use the expand keeps as bits: it then reads every
+# chunk's B, and only the rows' own partials still)
+for dt, width, n_slots in ((torch.float32, 8, 6), (torch.bfloat16, 4, 12), (torch.float32, 1, 70)):
     T, K, O, N = 5, 256, 48, n_slots * width
     x = torch.randn(T, K, device=dev).to(dt)
     a = (torch.randn(N, K, device=dev) / K ** 0.5).to(dt)

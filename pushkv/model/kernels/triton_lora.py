@@ -69,19 +69,32 @@ def _shrink_kernel(X, A, Slots, P, T, K, N, W, stride_x, KS, BT: tl.constexpr, B
         tl.store(out, acc, mask=(rows[:, None] < T) & (cols[None, :] < N))
 
 
+@triton.jit
+def _or(a, b):
+    return a | b
+
+
 @triton.jit(do_not_specialize=["T"])
 def _expand_kernel(P, Slots, B, Y, T, N, O, W, stride_y, SPLITS: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
-                   BO: tl.constexpr, IEEE: tl.constexpr):
+                   BO: tl.constexpr, IEEE: tl.constexpr, BITS: tl.constexpr):
     # Y[t, o] += sum over n of round(sum_s P[s, t, n]) * (slot[t] == n // W + 1) * B[o, n]
     outs = tl.program_id(0) * BO + tl.arange(0, BO)
     rows = tl.arange(0, BT)
     live = rows < T
     slot = tl.load(Slots + rows, mask=live, other=0)
     acc = tl.zeros((BT, BO), dtype=tl.float32)
+    # the slots the rows use, a bit each (BITS: a bank of at most 61 slots), so each chunk's test is scalar work, not
+    # a reduction over the rows
+    used = tl.reduce(tl.where(live, tl.full((BT,), 1, tl.int64) << slot.to(tl.int64), 0), 0, _or)
     for n0 in range(0, N, BN):
         nn = n0 + tl.arange(0, BN)
         keep = live[:, None] & (nn[None, :] < N) & (slot[:, None] == nn[None, :] // W + 1)
-        if tl.sum(keep.to(tl.int32)) > 0:  # a chunk of slots no row uses: neither its partials nor its B are read
+        first, last = n0 // W + 1, (n0 + BN - 1) // W + 1
+        if BITS:
+            wanted = (used & ((tl.full((), 2, tl.int64) << last) - (tl.full((), 1, tl.int64) << first))) != 0
+        else:
+            wanted = tl.full((), 1, tl.int1)
+        if wanted:  # a chunk of slots no row uses: neither its partials nor its B are read
             u = tl.zeros((BT, BN), dtype=tl.float32)
             for s in range(SPLITS):
                 u += tl.load(P + s * BT * N + rows[:, None] * N + nn[None, :], mask=keep, other=0.0)
@@ -125,5 +138,5 @@ def add_delta(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     _shrink_kernel[(triton.cdiv(N, BN), splits)](x, a, slots, partial, T, K, N, width, x.stride(0), ks, BT=bt, BN=BN,
                                                  BK=BK, IEEE=ieee, num_warps=4)
     _expand_kernel[(triton.cdiv(O, BO),)](partial, slots, b, y, T, N, O, width, y.stride(0), SPLITS=splits, BT=bt,
-                                          BN=BN, BO=BO, IEEE=ieee, num_warps=4)
+                                          BN=BN, BO=BO, IEEE=ieee, BITS=triton.cdiv(N, width) <= 61, num_warps=4)
     return y
