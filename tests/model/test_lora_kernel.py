@@ -130,3 +130,32 @@ print("ok", dev, len(calls))
 @pytest.mark.unit
 def test_the_kernels_delta_equals_torchs_and_gives_pefts_tokens():
     run_kernel_script(SCRIPT, timeout_s=600)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("bt", [16, 64])
+def test_the_kernels_compile_for_an_h100(dtype, bt):
+    """Both kernels compiled for sm_90 by Triton's own compiler and its bundled ptxas, on the CPU (no GPU): what the
+    interpreter above does not check. The expand with the rows' slots kept as bits and without."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from pushkv.model.kernels import triton_lora as tl_
+
+    ieee = dtype == "fp32"
+    ints = ("T", "K", "N", "W", "O", "stride_x", "stride_y", "KS")
+    ptrs = {"X": dtype, "A": dtype, "B": dtype, "Y": dtype, "Slots": "i32", "P": "fp32"}
+
+    def compile_one(fn, consts):
+        sig = {p.name: "constexpr" if p.is_constexpr else "i32" if p.name in ints else f"*{ptrs[p.name]}"
+               for p in fn.params}
+        return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=4, num_stages=3))
+
+    shrink = compile_one(tl_._shrink_kernel, dict(BT=bt, BN=tl_.BN, BK=tl_.BK, IEEE=ieee))
+    assert shrink.asm["cubin"]
+    for bits in (True, False):
+        expand = compile_one(tl_._expand_kernel, dict(SPLITS=4, BT=bt, BN=tl_.BN, BO=tl_.BO, IEEE=ieee, BITS=bits))
+        assert expand.asm["cubin"]
