@@ -210,11 +210,17 @@ class LoraStep:
         """Forget the masks: the next step makes them from ``slots`` again (a graph's step: its slots are new)."""
         self._masks.clear()
 
+    def span(self) -> tuple[int, int]:
+        """The slots the step's rows use, as a range [first, last] of the bank's (where the step's rows are known on
+        the host: a step that runs eagerly); else every slot. Torch's form multiplies by those slots' columns only."""
+        used = [r for r in self._rows if r]
+        return (min(used), max(used)) if used else (1, self.bank.capacity)
+
     def mask(self, kind: str, dtype: torch.dtype) -> torch.Tensor:
         got = self._masks.get(kind)
         if got is None:
-            w = self.bank.width(kind)
-            col = torch.arange(self.bank.capacity * w, device=self.slots.device, dtype=torch.int32) // w + 1
+            w, (first, last) = self.bank.width(kind), self.span()
+            col = torch.arange((first - 1) * w, last * w, device=self.slots.device, dtype=torch.int32) // w + 1
             got = self._masks[kind] = (self.slots[:, None] == col[None, :]).to(dtype)
         return got
 
@@ -228,4 +234,6 @@ class LoraStep:
             from pushkv.model.kernels import triton_lora
 
             return triton_lora.add_delta(y, x, a, b, self.slots, self.bank.width(kind))
+        w, (first, last) = self.bank.width(kind), self.span()
+        a, b = a[(first - 1) * w:last * w], b[:, (first - 1) * w:last * w]  # views: the used slots' columns
         return y.addmm_(x.mm(a.t()).mul_(self.mask(kind, x.dtype)), b.t())

@@ -69,7 +69,8 @@ def test_each_adapter_and_the_base_in_one_step_give_pefts_tokens(llama, engine):
 
 def test_each_row_takes_its_own_slots_delta_from_the_bank():
     """LoraStep over a bank of two slots: the rows of slot 2 get x A2^T B2^T, those of slot 1 slot 1's, the base
-    model's rows nothing; a slot cleared is zero, and loading past the bank's capacity reallocates (and says so)."""
+    model's rows nothing (and a step of slot 2 alone takes its columns only); a slot cleared is zero, and loading
+    past the bank's capacity reallocates (and says so)."""
     from pushkv.model.lora import LoraBank
 
     bank = LoraBank(1, 4, "cpu", torch.float32)
@@ -86,6 +87,16 @@ def test_each_row_takes_its_own_slots_delta_from_the_bank():
     want[5:] += x[5:] @ a1.T @ b1.T
     torch.testing.assert_close(got, want)
     assert step.add(0, "qkv", y.clone(), x).equal(y)  # a projection no adapter adapts
+    # a step whose rows use slot 2 alone multiplies by its columns only (a range of the bank), the same delta
+    only = LoraStep.of(bank, [seqs[0], seqs[1]], torch.device("cpu"))
+    assert only.span() == (2, 2) and only.mask("o", torch.float32).shape == (6 - 1, 4)
+    got = only.add(0, "o", y[:5].clone(), x[:5])
+    want = y[:5].clone()
+    want[2:5] += x[2:5] @ a2.T @ b2.T
+    torch.testing.assert_close(got, want)
+    graph_like = LoraStep(bank, step.slots)  # slots on the device, no rows on the host (a graph's): every slot
+    assert graph_like.span() == (1, 2)
+    torch.testing.assert_close(graph_like.add(0, "o", y.clone(), x), step.add(0, "o", y.clone(), x))
     assert LoraStep.of(bank, seqs[:1], torch.device("cpu")) is None
     bank.clear(2)
     with pytest.raises(ValueError, match=r"LoRA slots \[2\] are not loaded"):
