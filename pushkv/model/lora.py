@@ -176,6 +176,8 @@ class LoraStep:
                  device: Optional[torch.device] = None):
         self.bank = bank
         self._slots, self._rows = slots, rows  # the rows' slots on the device, or made from ``rows`` when first used
+        used = [r for r in rows if r]  # the slots the rows use, from the lowest to the highest (None: not known here)
+        self._span = (min(used), max(used)) if used else None
         self.device = slots.device if slots is not None else torch.device(device or "cpu")
         self._masks: dict[str, torch.Tensor] = {}
         self.kernels = self.device.type == "cuda" if KERNELS is None else KERNELS
@@ -213,8 +215,7 @@ class LoraStep:
     def span(self) -> tuple[int, int]:
         """The slots the step's rows use, as a range [first, last] of the bank's (where the step's rows are known on
         the host: a step that runs eagerly); else every slot. Torch's form multiplies by those slots' columns only."""
-        used = [r for r in self._rows if r]
-        return (min(used), max(used)) if used else (1, self.bank.capacity)
+        return self._span or (1, self.bank.capacity)
 
     def mask(self, kind: str, dtype: torch.dtype) -> torch.Tensor:
         got = self._masks.get(kind)

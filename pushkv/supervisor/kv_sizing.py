@@ -116,10 +116,10 @@ def size_pools(cfg: DeploymentConfig, memory: MemoryInfo) -> Sizing:
         for r in range(inst.tp):
             gpu = gpu_of(inst, r)
             weights, act = weight_bytes(cfg.model, inst.tp), activation_bytes(cfg.model, inst)
-            weights += lora_bank_bytes(cfg.model, inst.tp)  # the LoRA adapters' slots, at --max-lora-rank
+            lora = lora_bank_bytes(cfg.model, inst.tp)  # the LoRA adapters' slots, at --max-lora-rank
+            weights += lora
             kv = share[gpu] - weights - act - PROCESSES_PER_RANK * CONTEXT_BYTES
             if kv < rank_block_bytes(cfg.model, inst, r):
-                lora = lora_bank_bytes(cfg.model, inst.tp)
                 lora_note = (f" (of which {_gib(lora)} the LoRA bank: --max-loras or the adapters given, at "
                              f"--max-lora-rank {cfg.model.lora.max_rank})" if lora else "")
                 spread = f", on cuda:{gpu} with {sharing[gpu] - 1} other rank(s)" if sharing[gpu] > 1 else ""
