@@ -92,6 +92,16 @@ class Failed:
 
 
 @dataclass(frozen=True)
+class Withdraw:
+    """The transfer of (transfer_id, generation) ends, its outcome still to come: its WRITEs not
+    yet on the link never go (each then reports failed), one already on it lands or fails."""
+
+    transfer_id: str
+    generation: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class Received:
     """D: every producer's WRITE landed; the request can decode."""
 
@@ -109,4 +119,4 @@ class Count:
     name: str
 
 
-Action = PostWrite | FreeBlocks | NotifyFailure | Completed | Failed | Received | Count
+Action = PostWrite | FreeBlocks | NotifyFailure | Completed | Failed | Withdraw | Received | Count

@@ -17,6 +17,14 @@ States of one (transfer id, generation)::
                        until on_write_done / on_write_failed      deadline transfer_s (then
                                                                   counted write_stuck, kept)
 
+The scheduler's cancel (``answer``) of a transfer whose last WRITE was asked for
+**withdraws** it (:class:`Withdraw`): that WRITE, queued behind others on the link or
+already on it, decides the outcome when it ends. One that never went (the writer takes it
+out of its link queue) or failed fails the transfer and tells D; one that landed carried D's
+notification, so D has the KV whole and the transfer completed. (Failed at the cancel,
+P answered KVFailed while D, its notification on the way, answered KVReceived.) D's cancel
+and a dead peer's fail the transfer at once: D has decided already.
+
 Streaming push (``stream_unit`` > 0 tokens): while P still computes, each ended
 prefill chunk reports its progress (``on_prefill_progress``: the prompt's first n
 tokens are in the blocks). In WAIT_PREFILL, once every registration is there, the
@@ -80,12 +88,13 @@ from pushkv.protocol.actions import (
     NotifyFailure,
     PostWrite,
     ProtocolError,
+    Withdraw,
 )
 from pushkv.protocol.tp import consumers_for, is_producer
 
 __all__ = [
     "PARTS_AHEAD", "PushRendezvous", "State", "ProtocolError", "Action", "PostWrite", "FreeBlocks",
-    "NotifyFailure", "Completed", "Failed", "Count",
+    "NotifyFailure", "Completed", "Failed", "Withdraw", "Count",
 ]
 
 REMEMBER_FINISHED = 4096  # (transfer id, generation) outcomes kept for late halves
@@ -129,6 +138,7 @@ class _Transfer:
     failure: str = ""  # why a WRITE failed while others were still in flight
     last_posted: bool = False  # the WRITE with D's notification was asked for
     ended: str = ""  # why the transfer was abandoned
+    withdrawn: bool = False  # DRAINING after the scheduler's cancel: the last WRITE decides the outcome
     wait_s: float = 0.0  # WAIT_REGISTRATION: the wait armed last (prefill's, or a renewal's)
 
     def registrations(self) -> tuple[Register, ...]:
@@ -297,7 +307,7 @@ class PushRendezvous:
         if e is not None and kind == "live" and not (e.has_prefill or e.streamed):
             return empty + self._dispatch(e, "cancel", now, reason=reason)
         if e is not None:  # live or draining: a drain answers when the WRITEs are done
-            return self._dispatch(e, "cancel", now, reason=reason)
+            return self._dispatch(e, "cancel", now, reason=reason, answer=answer)
         if kind == "new":  # neither half seen: remember, so both die on arrival
             out = self._supersede(transfer_id, generation, now)
             self._finish(transfer_id, generation, ok=False, had_prefill=False)
@@ -526,20 +536,27 @@ class PushRendezvous:
         reason = e.failure
         del self._draining[(e.transfer_id, e.generation)]
         e.deadline = None
-        out: list[Action] = [FreeBlocks(e.transfer_id, e.generation, e.block_ids,
-                                        reason or "write finished after failure")]
+        after = "written" if e.withdrawn else "write finished after failure"
+        out: list[Action] = [FreeBlocks(e.transfer_id, e.generation, e.block_ids, reason or after)]
+        if e.withdrawn:  # the last WRITE's end is the outcome: landed, it told D
+            self._finish(e.transfer_id, e.generation, not reason, e.has_prefill)
+            out.append(Failed(e.transfer_id, e.generation, reason) if reason else
+                       Completed(e.transfer_id, e.generation, e.order))
         # a WRITE failed, or only parts (which carry no notification) were posted: no
         # completion notification reaches D, so tell it
         if reason or not e.last_posted:
             out.append(NotifyFailure(e.transfer_id, e.generation, e.registrations(), reason or e.ended))
         return out
 
-    def _cancel_waiting(self, e, now, reason) -> list[Action]:
+    def _cancel_waiting(self, e, now, reason, answer=False) -> list[Action]:
         if e.inflight:  # streamed parts may still read the blocks
             return self._abandon(e, now, reason) + [Count("cancelled")]
         return self._teardown(e, reason) + [Count("cancelled")]
 
-    def _cancel_writing(self, e, now, reason) -> list[Action]:
+    def _cancel_writing(self, e, now, reason, answer=False) -> list[Action]:
+        if answer and e.last_posted:  # the scheduler's: the last WRITE decides (module docstring)
+            out = self._abandon(e, now, reason, withdraw=True)
+            return out + [Count("withdrawn")]
         return self._abandon(e, now, reason) + [Count("cancelled")]
 
     def _expire_waiting(self, e, now) -> list[Action]:
@@ -585,16 +602,18 @@ class PushRendezvous:
         out.append(Failed(e.transfer_id, e.generation, reason))
         return out
 
-    def _abandon(self, e: _Transfer, now: float, reason: str) -> list[Action]:
-        """Fail a posted transfer but keep its blocks pinned until the WRITE reports.
+    def _abandon(self, e: _Transfer, now: float, reason: str, withdraw: bool = False) -> list[Action]:
+        """Fail a posted transfer but keep its blocks pinned until the WRITE reports (``withdraw``:
+        its outcome is that WRITE's, told when it ends).
 
         D is not told yet: it would reuse blocks the WRITE may still land in (see _drained)."""
         self._retire(e, ok=False)
         e.ended = e.ended or reason
         e.state = State.DRAINING
+        e.withdrawn = withdraw
         self._draining[(e.transfer_id, e.generation)] = e
         self._arm(e, now + self.transfer_s)
-        return [Failed(e.transfer_id, e.generation, reason)]
+        return [(Withdraw if withdraw else Failed)(e.transfer_id, e.generation, reason)]
 
     def _supersede(self, tid: str, gen: int, now: float) -> list[Action]:
         """A newer generation arrived: end the live older one (reissued request)."""

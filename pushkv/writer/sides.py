@@ -241,7 +241,7 @@ class PrefillSide:
                 out.append(Report(a, self.transfers.pop((a.transfer_id, a.generation), PrefillTransfer())))
             elif isinstance(a, A.Count):
                 out.append(a)
-        out += [Drop((a.transfer_id, a.generation), a.reason) for a in actions if isinstance(a, A.Failed)]
+        out += [Drop((a.transfer_id, a.generation), a.reason) for a in actions if isinstance(a, (A.Failed, A.Withdraw))]
         return out
 
     def _refused(self, key: Key, e: A.ProtocolError) -> Refused:

@@ -5,7 +5,7 @@ import pytest
 
 from pushkv.messages import Register
 from pushkv.protocol.rendezvous import (
-    Completed, Count, Failed, FreeBlocks, NotifyFailure, PostWrite, ProtocolError, PushRendezvous,
+    Completed, Count, Failed, FreeBlocks, NotifyFailure, PostWrite, ProtocolError, PushRendezvous, Withdraw,
 )
 
 WAIT, XFER = 10.0, 5.0
@@ -33,6 +33,8 @@ def short(a):
         return f"completed {a.transfer_id}{a.generation} {a.order}"
     if isinstance(a, Failed):
         return f"failed {a.transfer_id}{a.generation}"
+    if isinstance(a, Withdraw):
+        return f"withdraw {a.transfer_id}{a.generation}"
     if isinstance(a, Count):
         return f"count:{a.name}"
     raise AssertionError(a)
@@ -223,13 +225,38 @@ SCENARIOS = [
         # no blocks held here, but the scheduler (layer stream: blocks handed over by marks) waits for an answer
         (("cancel", "t", 1, 1.0), ["free t1 (none held)", "notify t1 [0]", "failed t1", "count:cancelled"], None),
     ]),
-    ("cancel_writing_defers_free", {}, [
+    ("d_cancel_writing_defers_free", {}, [
         (("prefill", "t", 1, 0.0), [], "wait_registration"),
         (("reg", "t", 1, 0, 1, 0.0), ["post t1 [0]"], "writing"),
         # D is not told while the WRITE may still land in its blocks; the WRITE's own
         # completion notification tells it
-        (("cancel", "t", 1, 1.0), ["failed t1", "count:cancelled"], "draining"),
+        (("dcancel", "t", 1, 1.0), ["failed t1", "count:cancelled"], "draining"),
         (("done", "t", 1, 2.0), ["free t1"], None),
+    ]),
+    # the scheduler's cancel finds the last WRITE asked for: it may be on the link already, and
+    # then D gets its notification and the KV whole; the WRITE's end is the outcome
+    ("cancel_writing_withdraws_then_the_write_landed", {}, [
+        (("prefill", "t", 1, 0.0), [], "wait_registration"),
+        (("reg", "t", 1, 0, 1, 0.0), ["post t1 [0]"], "writing"),
+        (("cancel", "t", 1, 1.0), ["withdraw t1", "count:withdrawn"], "draining"),
+        (("cancel", "t", 1, 1.5), ["count:cancel_ignored"], "draining"),  # answered once, at the end
+        (("done", "t", 1, 2.0), ["free t1", "completed t1 prefill_first"], None),
+        (("reg", "t", 1, 0, 1, 2.5), ["count:late_registration"], None),  # it succeeded: nothing to tell
+    ]),
+    ("cancel_writing_withdraws_then_the_write_never_went", {}, [
+        (("reg", "t", 1, 0, 1, 0.0), [], "wait_prefill"),
+        (("prefill", "t", 1, 0.0), ["post t1 [0]"], "writing"),
+        (("cancel", "t", 1, 1.0), ["withdraw t1", "count:withdrawn"], "draining"),
+        # the writer took it out of its link queue: it fails, and only now is D told
+        (("wfail", "t", 1, 1.1), ["free t1", "failed t1", "notify t1 [0]"], None),
+        (("reg", "t", 1, 0, 1, 2.5), ["notify t1 [0]", "count:late_registration"], None),
+    ]),
+    ("cancel_writing_withdrawn_write_stuck", {}, [
+        (("prefill", "t", 1, 0.0), [], "wait_registration"),
+        (("reg", "t", 1, 0, 1, 0.0), ["post t1 [0]"], "writing"),
+        (("cancel", "t", 1, 1.0), ["withdraw t1", "count:withdrawn"], "draining"),
+        (("expire", 1.0 + XFER), ["count:write_stuck"], "draining"),  # still pinned, no outcome yet
+        (("wfail", "t", 1, 100.0), ["free t1", "failed t1", "notify t1 [0]"], None),
     ]),
     ("d_cancels_a_held_registration", {}, [
         (("reg", "t", 1, 0, 1, 0.0), [], "wait_prefill"),
@@ -368,6 +395,7 @@ def test_random_walk_frees_every_prefill_exactly_once(seed):
     reported = set()
     freed: dict = {}
     outcomes: dict = {}
+    completed, told = set(), set()  # P's success; D told of a failure
 
     def absorb(actions):
         for a in actions:
@@ -382,8 +410,11 @@ def test_random_walk_frees_every_prefill_exactly_once(seed):
                 freed[key] = freed.get(key, 0) + 1
             elif isinstance(a, (Completed, Failed)):
                 outcomes[key] = outcomes.get(key, 0) + 1
+                if isinstance(a, Completed):
+                    completed.add(key)
             elif isinstance(a, NotifyFailure):  # D reuses its blocks when told
                 assert key not in in_flight, f"D told to give up while a WRITE may land {key}"
+                told.add(key)
 
     d_tp = 1 + seed % 2
     for _ in range(80):
@@ -413,4 +444,5 @@ def test_random_walk_frees_every_prefill_exactly_once(seed):
     absorb(m.expire(now + 1e6))
     assert freed == {k: 1 for k in given}
     assert all(v == 1 for v in outcomes.values())
+    assert not completed & told, "P completed a transfer D was told had failed"
     assert m.held_blocks() == [] and len(m) == 0 and m.next_deadline() is None
