@@ -82,7 +82,7 @@ for dt, width, n_slots in ((torch.float32, 8, 6), (torch.bfloat16, 4, 12), (torc
         part = torch.empty((1, 16, N), dtype=torch.float32, device=dev)
         triton_lora._shrink_kernel[(triton_lora.triton.cdiv(N, triton_lora.BN), 1)](
             x, a, slots, part, T, K, N, width, x.stride(0), K, BT=16, BN=triton_lora.BN, BK=triton_lora.BK,
-            IEEE=dt == torch.float32)
+            IEEE=dt == torch.float32, SKIP=True)
     finally:
         torch.empty = real_empty
     assert not got.isnan().any()
@@ -137,7 +137,8 @@ def test_the_kernels_delta_equals_torchs_and_gives_pefts_tokens():
 @pytest.mark.parametrize("bt", [16, 64])
 def test_the_kernels_compile_for_an_h100(dtype, bt):
     """Both kernels compiled for sm_90 by Triton's own compiler and its bundled ptxas, on the CPU (no GPU): what the
-    interpreter above does not check. The expand with the rows' slots kept as bits and without."""
+    interpreter above does not check. Each skipping the slots no row uses and not; the expand with the rows' slots
+    kept as bits and without."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -154,8 +155,10 @@ def test_the_kernels_compile_for_an_h100(dtype, bt):
         return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=4, num_stages=3))
 
-    shrink = compile_one(tl_._shrink_kernel, dict(BT=bt, BN=tl_.BN, BK=tl_.BK, IEEE=ieee))
-    assert shrink.asm["cubin"]
-    for bits in (True, False):
-        expand = compile_one(tl_._expand_kernel, dict(SPLITS=4, BT=bt, BN=tl_.BN, BO=tl_.BO, IEEE=ieee, BITS=bits))
+    for skip in (True, False):  # a bank of many slots (those no row uses skipped), and of one
+        shrink = compile_one(tl_._shrink_kernel, dict(BT=bt, BN=tl_.BN, BK=tl_.BK, IEEE=ieee, SKIP=skip))
+        assert shrink.asm["cubin"]
+    for skip, bits in ((True, True), (True, False), (False, False)):
+        expand = compile_one(tl_._expand_kernel, dict(SPLITS=4, BT=bt, BN=tl_.BN, BO=tl_.BO, IEEE=ieee, SKIP=skip,
+                                                      BITS=bits))
         assert expand.asm["cubin"]
