@@ -146,14 +146,20 @@ class LoraBank:
                 b[:, c0:c0 + self.width(kind)].zero_()
 
     def _resize(self, capacity: int) -> None:
+        """Every pair at ``capacity`` slots, all or none: the new tensors are all made before any replaces its old
+        one, so running out of memory midway (the load fails) leaves the bank, and the graphs captured on it, as
+        they were."""
+        grown = []
         for pairs in self.layers:
-            for kind, (a, b) in list(pairs.items()):
+            for kind, (a, b) in pairs.items():
                 n = capacity * self.width(kind)
-                big_a = torch.zeros(n, a.shape[1], device=self.device, dtype=self.dtype)
-                big_b = torch.zeros(b.shape[0], n, device=self.device, dtype=self.dtype)
-                big_a[:a.shape[0]].copy_(a)
-                big_b[:, :b.shape[1]].copy_(b)
-                pairs[kind] = (big_a, big_b)
+                grown.append((pairs, kind, torch.zeros(n, a.shape[1], device=self.device, dtype=self.dtype),
+                              torch.zeros(b.shape[0], n, device=self.device, dtype=self.dtype)))
+        for pairs, kind, big_a, big_b in grown:
+            a, b = pairs[kind]
+            big_a[:a.shape[0]].copy_(a)
+            big_b[:, :b.shape[1]].copy_(b)
+            pairs[kind] = (big_a, big_b)
         self.capacity = capacity
 
 

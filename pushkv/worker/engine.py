@@ -184,6 +184,9 @@ class Worker(Actor):
                 self.model.batched.drop_graphs()  # captured on the bank's old tensors: captured again on use
         except Exception as e:  # a bad adapter fails its load, not the worker
             log.exception("%s: LoRA adapter %s did not load", self.name, msg.name)
+            if self.model.lora_bank is not None and self.model.batched is not None:
+                # a load that failed midway may have given a layer a kind no graph captured reads: captured again
+                self.model.batched.drop_graphs()
             self.send(self.sched, m.LoraChanged(msg.name, f"{type(e).__name__}: {e}", msg.slot))
             return
         log.info("%s: LoRA adapter %s loaded in slot %d", self.name, msg.name, msg.slot)

@@ -67,6 +67,29 @@ def test_each_adapter_and_the_base_in_one_step_give_pefts_tokens(llama, engine):
     assert want["all"] != want[None] and want["qv"] != want[None]  # each adapter changes the tokens
 
 
+def test_a_bank_that_runs_out_of_memory_growing_stays_as_it_was(monkeypatch):
+    """Growing the bank makes every new tensor before any replaces its old one: an allocation that fails midway
+    (the GPU out of memory) fails the load and leaves every pair, and so the graphs captured on them, as they were."""
+    from pushkv.model import lora as lora_mod
+
+    bank = lora_mod.LoraBank(2, 4, "cpu", torch.float32)
+    bank.put(1, [{"o": (torch.randn(2, 8), torch.randn(3, 2))}, {"o": (torch.randn(4, 8), torch.randn(3, 4))}])
+    before = [dict(p) for p in bank.layers]
+    real, made = torch.zeros, []
+
+    def zeros(*a, **k):
+        if len(made) == 3:  # the second layer's B
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        made.append(a)
+        return real(*a, **k)
+
+    monkeypatch.setattr(lora_mod.torch, "zeros", zeros)
+    with pytest.raises(torch.OutOfMemoryError):
+        bank.put(2, [{"o": (torch.randn(2, 8), torch.randn(3, 2))}, {}])
+    assert bank.capacity == 1 and len(made) == 3
+    assert all(p[k] is before[i][k] for i, p in enumerate(bank.layers) for k in p)  # the same tensors, not grown
+
+
 def test_each_row_takes_its_own_slots_delta_from_the_bank():
     """LoraStep over a bank of two slots: the rows of slot 2 get x A2^T B2^T, those of slot 1 slot 1's, the base
     model's rows nothing (and a step of slot 2 alone takes its columns only); a slot cleared is zero, and loading
