@@ -161,6 +161,14 @@ s.print_callees('_post_write|_prefill_done|on_ExpectKV|_poll_notifs')" 2>&1 | gr
     moetiles) # the grouped MoE kernels' decode tiles swept on this card (experiments/moe_decode_probe.py --sweep-tokens)
             timeout 560 python3 -m experiments.moe_decode_probe --out "$OUT" --batches 1 --reps ${REPS:-20} \
               --sweep-tokens ${SWEEP_TOKENS:-1} --then-time 2>&1 | grep -v "failed:" | tail -40 ;;
+    moerows) # a one-token step's experts as whole-row GEMVs (triton_moe.ROWS_ONE_TOKEN, DOWN_ROWS_ONE_TOKEN): the probe
+            # with the batch-1 profiles, then the GPU tests (each product against the grouped kernels', float32 tokens)
+            timeout 300 python3 -m experiments.moe_decode_probe --out "$OUT" --batches ${PROBE_BATCHES:-1,8} \
+              --reps ${REPS:-30} --variants ${PROBE_VARIANTS:-gemv1_2,rows_up,rows_down,rows_both,rows_both_4} 2>&1 \
+              | tail -34
+            timeout 200 python3 -m pytest -q -p no:cacheprovider tests/model/test_moe_kernel.py tests/model/test_gpu_graphs.py \
+              -k "whole_row or (graphs_equal_transformers and (moe or mixtral))" -rfE 2>&1 \
+              | tee "$OUT/rows_tests.txt" | tail -4 ;;
     routeone) # a one-token step's routing in registers (triton_moe.ROUTE_ONE_TOKEN, on since 2026-12-06): the probe with
             # the batch-1 profiles (what each kernel adds), then its GPU tests (the tables to the bit, float32 tokens)
             timeout 330 python3 -m experiments.moe_decode_probe --out "$OUT" --batches ${PROBE_BATCHES:-1,8} \

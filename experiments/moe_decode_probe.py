@@ -130,6 +130,10 @@ class Flags(NamedTuple):
     early_next: frozenset = frozenset()  # chain.EARLY_NEXT
     route_one: bool = False  # triton_moe.ROUTE_ONE_TOKEN
     one_token_tiles: object = None  # triton_moe.ONE_TOKEN_TILES (a Tiles)
+    rows_up: bool = False  # triton_moe.ROWS_ONE_TOKEN
+    rows_down: bool = False  # triton_moe.DOWN_ROWS_ONE_TOKEN
+    rows: int = 1  # triton_moe.ROWS
+    rows_warps: int = 4  # triton_moe.ROWS_WARPS
 
 
 # the kernels before the o GEMV (the decode attention and its merge) letting it be scheduled as they start, so its
@@ -194,6 +198,12 @@ VARIANTS = {"before": Flags(False, 0, "grouped", 0, 8), "router": Flags(False, 1
             # the same tables and bits; route_general: the general kernel, as before
             "route_one": SHIPPED._replace(route_one=True),
             "route_general": SHIPPED._replace(route_one=False),
+            # a one-token step's gate/up, down or both as whole-row GEMVs (triton_moe.ROWS_ONE_TOKEN,
+            # DOWN_ROWS_ONE_TOKEN), 1 row a program on 4 warps or 4 on 8
+            "rows_up": SHIPPED._replace(rows_up=True),
+            "rows_down": SHIPPED._replace(rows_down=True),
+            "rows_both": SHIPPED._replace(rows_up=True, rows_down=True),
+            "rows_both_4": SHIPPED._replace(rows_up=True, rows_down=True, rows=4, rows_warps=8),
             "own_all_kv": _OWN_ALL._replace(prefetch_kv=True),
             "prefetch_down_l2": SHIPPED._replace(prefetch_down_tokens=8, l2_set_aside=True),
             "own_all_l2": _OWN_ALL._replace(l2_set_aside=True),
@@ -214,13 +224,14 @@ PAIRS = (("router", "before"), ("ungrouped", "both"), ("gemv", "both"), ("gemv1_
          ("early_o", "gemv1_2"), ("early_none", "gemv1_2"), ("early_qkv", "gemv1_2"),
          ("early_o_qkv", "gemv1_2"), ("early_small", "gemv1_2"), ("early_small_gemv", "gemv1_2"),
          ("early_all", "gemv1_2"), ("early_o_rope", "early_o"), ("early_o_gemv", "early_o"),
-         ("early_o_route", "early_o"), ("early_o_moe", "early_o"), ("route_general", "gemv1_2"))
+         ("early_o_route", "early_o"), ("early_o_moe", "early_o"), ("route_general", "gemv1_2"),
+         ("rows_up", "gemv1_2"), ("rows_down", "gemv1_2"), ("rows_both", "gemv1_2"), ("rows_both_4", "rows_both"))
 
 # the variants whose batch-1 replay is profiled kernel by kernel, where they are timed
 PROFILED = ("before", "both", "gemv", "gemv1_2", "self_route_merge", "down_gemv_8", "prefetch_down", "one_launch",
             "one_launch_prefetch", "ahead_o_sum", "ahead_all", "own", "own_all", "one_launch_own", "one_launch_all",
             "own_all_kv", "own_all_l2", "persistent", "early_o", "early_small", "early_all", "route_one",
-            "route_general")
+            "route_general", "rows_both")
 
 
 def set_variant(fwd, name: str) -> int:
@@ -242,6 +253,8 @@ def set_variant(fwd, name: str) -> int:
     chain.EARLY_NEXT = f.early_next
     triton_moe.ROUTE_ONE_TOKEN = f.route_one
     triton_moe.ONE_TOKEN_TILES = f.one_token_tiles
+    triton_moe.ROWS_ONE_TOKEN, triton_moe.DOWN_ROWS_ONE_TOKEN = f.rows_up, f.rows_down
+    triton_moe.ROWS, triton_moe.ROWS_WARPS = f.rows, f.rows_warps
     fwd.drop_graphs()  # captured with the last variant's launches
     if not torch.cuda.is_available():
         return 0

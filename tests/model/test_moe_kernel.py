@@ -472,6 +472,72 @@ def test_gpu_down_projection_as_gemvs_equals_the_grouped_kernel():
         _check_down_gemv(case, r)
 
 
+ROWS_CASES = [(1, 8, 2, 32, 48, "renorm", "float32"), (1, 12, 8, 40, 24, "", "float32"),
+              (1, 16, 4, 64, 96, "renorm", "float16")]
+
+ROWS_SCRIPT = r"""
+import json, sys, torch
+from pushkv.model.moe import moe_mlp
+from pushkv.model.kernels import triton_moe
+""" + DRAW + r"""
+dev = sys.argv[1]
+out = []
+calls = {"up": 0, "down": 0}
+real_up, real_down = triton_moe._gate_up_rows_kernel, triton_moe._down_rows_kernel
+class Counted:
+    def __init__(self, kind, real):
+        self.kind, self.real = kind, real
+    def __getitem__(self, grid):
+        calls[self.kind] += 1
+        return self.real[grid]
+triton_moe._gate_up_rows_kernel, triton_moe._down_rows_kernel = Counted("up", real_up), Counted("down", real_down)
+for T, E, k, d, i, renorm, dtype in json.loads(sys.argv[2]):
+    h, router, gate_up, down = draw(T, E, d, i, dtype, T * 17 + E + k, dev)
+    ref = moe_mlp(h, router, gate_up, down, k, bool(renorm)).float().cpu()
+    grouped = triton_moe.moe_mlp(h, router, gate_up, down, k, bool(renorm), summed=False).float().cpu()
+    runs = []
+    for rows in (1, 4, 8):
+        for up, dn in ((True, False), (False, True), (True, True)):
+            triton_moe.ROWS, triton_moe.ROWS_ONE_TOKEN, triton_moe.DOWN_ROWS_ONE_TOKEN = rows, up, dn
+            before = dict(calls)
+            got = triton_moe.moe_mlp(h, router, gate_up, down, k, bool(renorm), summed=False).float().cpu()
+            summed = triton_moe.moe_mlp(h, router, gate_up, down, k, bool(renorm)).float().cpu()
+            runs.append({"rows": rows, "up": up, "down": dn,
+                         "took": [calls["up"] - before["up"], calls["down"] - before["down"]],
+                         "vs_grouped": float((got - grouped).abs().max()), "vs_ref": float((got.sum(1) - ref).abs().max()),
+                         "summed": float((summed - got.sum(1)).abs().max())})
+    triton_moe.ROWS, triton_moe.ROWS_ONE_TOKEN, triton_moe.DOWN_ROWS_ONE_TOKEN = 1, False, False
+    out.append({"runs": runs, "scale": float(ref.abs().max())})
+print(json.dumps(out))
+"""
+
+
+def _check_rows(case, r) -> None:
+    tol = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 2e-2}[case[-1]] * max(1.0, r["scale"])
+    for run in r["runs"]:
+        # each kernel taken twice (the products per slot, then summed) where switched on, and not where off
+        assert run["took"] == [2 * run["up"], 2 * run["down"]], (case, run)
+        # each slot's product as the grouped kernels give it, to the rounding of another order of sums
+        assert run["vs_grouped"] <= tol and run["vs_ref"] <= 10 * tol and run["summed"] == 0.0, (case, run)
+
+
+@pytest.mark.unit
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU runs the kernels themselves (below)")
+def test_one_tokens_experts_as_whole_row_gemvs_equal_the_grouped_kernels_under_the_interpreter():
+    """``ROWS_ONE_TOKEN`` and ``DOWN_ROWS_ONE_TOKEN``: a one-token step's gate/up and down products as GEMVs of 1, 4
+    and 8 whole rows a program, each alone and both, against the grouped kernels and the torch reference: shapes
+    whose rows are no power of two (masked), the expert count past the choices, renormalised or not."""
+    for case, r in zip(ROWS_CASES[:2], _run("cpu", ROWS_CASES[:2], ROWS_SCRIPT)):
+        _check_rows(case, r)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_one_tokens_experts_as_whole_row_gemvs_equal_the_grouped_kernels():
+    cases = ROWS_CASES + [c[:6] + ("bfloat16",) for c in ROWS_CASES]
+    for case, r in zip(cases, _run("cuda", cases, ROWS_SCRIPT)):
+        _check_rows(case, r)
+
+
 ROUTED_SCRIPT = r"""
 import json, sys, torch
 from pushkv.config import MoeRouting

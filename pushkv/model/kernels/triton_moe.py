@@ -356,6 +356,52 @@ def _down_kernel(Act, W, Weights, Out, SlotIds, BlockExpert, n_slots, d, inter,
              mask=valid[:, None] & (cols[None, :] < d))
 
 
+@triton.jit
+def _gate_up_rows_kernel(H, W, Act, BlockExpert, d, inter, stride_we, stride_wn, stride_act, BM: tl.constexpr,
+                         KP: tl.constexpr, R: tl.constexpr, PDL: tl.constexpr, NEXT_EARLY: tl.constexpr = False):
+    """A one-token step's ``silu(gate) * up`` as whole-row GEMVs: program (j, c) reads gate rows c R .. c R + R - 1 of
+    row block j's expert and the same up rows, each a run of d contiguous weights, and writes block j's first row of
+    the product (``ROW_ACT``'s place: the down kernel reads it there; one token, one slot a block)."""
+    wait_prior(PDL, NEXT_EARLY)
+    j = tl.program_id(0)
+    e = tl.load(BlockExpert + j).to(tl.int64)
+    if e >= 0:  # (blocks past the last expert's hold none)
+        rows = tl.program_id(1) * R + tl.arange(0, R)
+        kk = tl.arange(0, KP)
+        m = (rows[:, None] < inter) & (kk[None, :] < d)
+        base = W + e * stride_we
+        wg = tl.load(base + rows[:, None].to(tl.int64) * stride_wn + kk[None, :], mask=m, other=0.0)
+        wu = tl.load(base + (rows[:, None] + inter).to(tl.int64) * stride_wn + kk[None, :], mask=m, other=0.0)
+        x = tl.load(H + kk, mask=kk < d, other=0.0).to(tl.float32)
+        # each projection a float32 sum over the whole row, rounded to the model dtype, as the grouped kernel's
+        g = tl.sum(wg.to(tl.float32) * x[None, :], 1).to(Act.dtype.element_ty).to(tl.float32)
+        u = tl.sum(wu.to(tl.float32) * x[None, :], 1).to(Act.dtype.element_ty).to(tl.float32)
+        act = (g * tl.sigmoid(g)).to(Act.dtype.element_ty).to(tl.float32) * u
+        tl.store(Act + (j * BM).to(tl.int64) * stride_act + rows, act.to(Act.dtype.element_ty), mask=rows < inter)
+
+
+@triton.jit
+def _down_rows_kernel(Act, W, Weights, Out, SlotIds, BlockExpert, n_slots, d, inter, stride_act, stride_we,
+                      stride_wn, stride_out, BM: tl.constexpr, KP: tl.constexpr, R: tl.constexpr, PDL: tl.constexpr,
+                      NEXT_EARLY: tl.constexpr = False):
+    """A one-token step's down projections as whole-row GEMVs: program (j, c) reads rows c R .. c R + R - 1 of row
+    block j's expert (each a run of ``inter`` contiguous weights) against block j's product row, rounds, weighs and
+    stores its slot's columns (one token: a block's one slot is its first row)."""
+    wait_prior(PDL, NEXT_EARLY)
+    j = tl.program_id(0)
+    e = tl.load(BlockExpert + j).to(tl.int64)
+    slot = tl.load(SlotIds + j * BM)
+    if (e >= 0) & (slot < n_slots):
+        cols = tl.program_id(1) * R + tl.arange(0, R)
+        kk = tl.arange(0, KP)
+        w = tl.load(W + e * stride_we + cols[:, None].to(tl.int64) * stride_wn + kk[None, :],
+                    mask=(cols[:, None] < d) & (kk[None, :] < inter), other=0.0)
+        a = tl.load(Act + (j * BM).to(tl.int64) * stride_act + kk, mask=kk < inter, other=0.0).to(tl.float32)
+        y = tl.sum(w.to(tl.float32) * a[None, :], 1).to(Out.dtype.element_ty).to(tl.float32)
+        wt = tl.load(Weights + slot).to(tl.float32)
+        tl.store(Out + slot.to(tl.int64) * stride_out + cols, (y * wt).to(Out.dtype.element_ty), mask=cols < d)
+
+
 @triton.jit(do_not_specialize=["n_slots"])
 def _down_gemv_kernel(Act, W, Weights, Out, SlotIds, BlockExpert, n_slots, d, stride_act, stride_we, stride_wn,
                       stride_out, K: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -461,6 +507,16 @@ PREFETCH_OWN_TOKENS = 0
 # step from 3.38 to 3.66 ms, as its GEMV tiles keep fewer bytes in flight than the grouped kernels' pipelined dots
 # (experiments/moe_decode_probe.py, variant ``persistent``; docs/results/2026-12-05-layer-floor)
 PERSISTENT_ONE_TOKEN = False
+
+# A one-token step's gate/up (``ROWS_ONE_TOKEN``) and down (``DOWN_ROWS_ONE_TOKEN``) products as whole-row GEMVs
+# (``_gate_up_rows_kernel``, ``_down_rows_kernel``), ``ROWS`` rows a program, where the grouped kernels read tiles of
+# a few hundred bytes of each of many rows. Alone on an H100, gate/up over 8 of 128 experts read 2.79 TB/s that way
+# against the grouped kernel's 2.38 (18.0 against 21.2 us a layer; experiments/expert_stream_probe.py). They sum in
+# another order than the grouped kernels (rounding, not bits)
+ROWS_ONE_TOKEN = True
+DOWN_ROWS_ONE_TOKEN = True
+ROWS = 1
+ROWS_WARPS = 4
 
 # A one-token step's routing and grouping in registers (``_route_one_kernel``: the k rounds once, one reduction a
 # round, each choice's block its rank), not through the general kernel's fill, counts and scans. The same tables and
@@ -709,6 +765,30 @@ def down_per_slot(act: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, 
     return per_slot
 
 
+def gate_up_rows(h: torch.Tensor, gate_up: torch.Tensor, block_expert: torch.Tensor, bm: int) -> torch.Tensor:
+    """``gate_up_product`` of a one-token step by ``_gate_up_rows_kernel``: [blocks bm, i], row block j's first row
+    the token's product through block j's expert (the other rows unwritten: the down kernels never store them)."""
+    d, inter = h.shape[1], gate_up.shape[1] // 2
+    blocks = block_expert.numel()
+    act = torch.empty((blocks * bm, inter), dtype=h.dtype, device=h.device)
+    _gate_up_rows_kernel[(blocks, triton.cdiv(inter, ROWS))](
+        h, gate_up, act, block_expert, d, inter, gate_up.stride(0), gate_up.stride(1), act.stride(0), BM=bm,
+        KP=triton.next_power_of_2(d), R=ROWS, num_warps=ROWS_WARPS, **chain.launch(h, "gate_up"))
+    return act
+
+
+def down_rows(act: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, slot_ids: torch.Tensor,
+              block_expert: torch.Tensor, n: int, bm: int) -> torch.Tensor:
+    """``down_per_slot`` of a one-token step by ``_down_rows_kernel``: [n, d] in slot order."""
+    d, inter = down.shape[1], down.shape[2]
+    per_slot = torch.empty((n, d), dtype=act.dtype, device=act.device)
+    _down_rows_kernel[(block_expert.numel(), triton.cdiv(d, ROWS))](
+        act, down, weights, per_slot, slot_ids, block_expert, n, d, inter, act.stride(0), down.stride(0),
+        down.stride(1), per_slot.stride(0), BM=bm, KP=triton.next_power_of_2(inter), R=ROWS, num_warps=ROWS_WARPS,
+        **chain.launch(act, "down"))
+    return per_slot
+
+
 def down_gemv(act: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, slot_ids: torch.Tensor,
               block_expert: torch.Tensor, n: int, bm: int) -> torch.Tensor:
     """``down_per_slot`` by ``_down_gemv_kernel``: [n, d], each slot's product through its expert's down
@@ -771,10 +851,16 @@ def moe_mlp(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: 
         weights, _, slot_ids, block_expert = grouping(h, router, k, renorm, tl_.bm)
     down = down.contiguous()
     own = T <= PREFETCH_OWN_TOKENS
-    act = gate_up_product(h, gate_up.contiguous(), slot_ids, block_expert, k, tl_, route, weights,
-                          down if T <= PREFETCH_DOWN_TOKENS else None, own)
+    rows = T == 1 and route is None and ROW_ACT
+    if rows and ROWS_ONE_TOKEN:
+        act = gate_up_rows(h, gate_up.contiguous(), block_expert, tl_.bm)
+    else:
+        act = gate_up_product(h, gate_up.contiguous(), slot_ids, block_expert, k, tl_, route, weights,
+                              down if T <= PREFETCH_DOWN_TOKENS else None, own)
+    if rows and DOWN_ROWS_ONE_TOKEN:
+        per_slot = down_rows(act, down, weights, slot_ids, block_expert, n, tl_.bm)
     # the down GEMVs read the tables before they wait: only a routing launch's, never those gate/up writes
-    if route is None and T <= DOWN_GEMV_TOKENS and down.shape[2] <= TILE_DEPTH:
+    elif route is None and T <= DOWN_GEMV_TOKENS and down.shape[2] <= TILE_DEPTH:
         per_slot = down_gemv(act, down, weights, slot_ids, block_expert, n, tl_.bm)
     else:
         per_slot = down_per_slot(act, down, weights, slot_ids, block_expert, n, tl_, own)
