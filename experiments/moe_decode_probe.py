@@ -134,6 +134,8 @@ class Flags(NamedTuple):
     rows_down: bool = False  # triton_moe.DOWN_ROWS_ONE_TOKEN
     rows: int = 1  # triton_moe.ROWS
     rows_warps: int = 4  # triton_moe.ROWS_WARPS
+    down_rows: int = 8  # triton_moe.DOWN_ROWS
+    down_rows_warps: int = 4  # triton_moe.DOWN_ROWS_WARPS
 
 
 # the kernels before the o GEMV (the decode attention and its merge) letting it be scheduled as they start, so its
@@ -199,11 +201,16 @@ VARIANTS = {"before": Flags(False, 0, "grouped", 0, 8), "router": Flags(False, 1
             "route_one": SHIPPED._replace(route_one=True),
             "route_general": SHIPPED._replace(route_one=False),
             # a one-token step's gate/up, down or both as whole-row GEMVs (triton_moe.ROWS_ONE_TOKEN,
-            # DOWN_ROWS_ONE_TOKEN), 1 row a program on 4 warps or 4 on 8
+            # DOWN_ROWS_ONE_TOKEN): gate/up 1 row (of each) a program on 4 warps (rows_both_4: 4 on 8), down 8 rows on
+            # 4 warps, or rows_down_R_W: R rows on W warps
             "rows_up": SHIPPED._replace(rows_up=True),
             "rows_down": SHIPPED._replace(rows_down=True),
             "rows_both": SHIPPED._replace(rows_up=True, rows_down=True),
-            "rows_both_4": SHIPPED._replace(rows_up=True, rows_down=True, rows=4, rows_warps=8),
+            "rows_both_4": SHIPPED._replace(rows_up=True, rows_down=True, rows=4, rows_warps=8, down_rows=4,
+                                            down_rows_warps=8),
+            **{f"rows_down_{r}_{w}": SHIPPED._replace(rows_up=True, rows_down=True, down_rows=r, down_rows_warps=w)
+               for r, w in ((4, 4), (16, 4), (16, 8), (32, 8))},
+            "grouped_up": SHIPPED._replace(rows_up=False),
             "own_all_kv": _OWN_ALL._replace(prefetch_kv=True),
             "prefetch_down_l2": SHIPPED._replace(prefetch_down_tokens=8, l2_set_aside=True),
             "own_all_l2": _OWN_ALL._replace(l2_set_aside=True),
@@ -225,7 +232,9 @@ PAIRS = (("router", "before"), ("ungrouped", "both"), ("gemv", "both"), ("gemv1_
          ("early_o_qkv", "gemv1_2"), ("early_small", "gemv1_2"), ("early_small_gemv", "gemv1_2"),
          ("early_all", "gemv1_2"), ("early_o_rope", "early_o"), ("early_o_gemv", "early_o"),
          ("early_o_route", "early_o"), ("early_o_moe", "early_o"), ("route_general", "gemv1_2"),
-         ("rows_up", "gemv1_2"), ("rows_down", "gemv1_2"), ("rows_both", "gemv1_2"), ("rows_both_4", "rows_both"))
+         ("rows_up", "grouped_up"), ("rows_down", "grouped_up"), ("rows_both", "rows_up"), ("rows_both_4", "rows_both"),
+         ("rows_down_4_4", "rows_both"), ("rows_down_16_4", "rows_both"), ("rows_down_16_8", "rows_both"),
+         ("rows_down_32_8", "rows_both"), ("grouped_up", "gemv1_2"))
 
 # the variants whose batch-1 replay is profiled kernel by kernel, where they are timed
 PROFILED = ("before", "both", "gemv", "gemv1_2", "self_route_merge", "down_gemv_8", "prefetch_down", "one_launch",
@@ -255,6 +264,7 @@ def set_variant(fwd, name: str) -> int:
     triton_moe.ONE_TOKEN_TILES = f.one_token_tiles
     triton_moe.ROWS_ONE_TOKEN, triton_moe.DOWN_ROWS_ONE_TOKEN = f.rows_up, f.rows_down
     triton_moe.ROWS, triton_moe.ROWS_WARPS = f.rows, f.rows_warps
+    triton_moe.DOWN_ROWS, triton_moe.DOWN_ROWS_WARPS = f.down_rows, f.down_rows_warps
     fwd.drop_graphs()  # captured with the last variant's launches
     if not torch.cuda.is_available():
         return 0

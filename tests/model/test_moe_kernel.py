@@ -498,7 +498,8 @@ for T, E, k, d, i, renorm, dtype in json.loads(sys.argv[2]):
     runs = []
     for rows in (1, 4, 8):
         for up, dn in ((True, False), (False, True), (True, True)):
-            triton_moe.ROWS, triton_moe.ROWS_ONE_TOKEN, triton_moe.DOWN_ROWS_ONE_TOKEN = rows, up, dn
+            triton_moe.ROWS, triton_moe.DOWN_ROWS = rows, 2 * rows
+            triton_moe.ROWS_ONE_TOKEN, triton_moe.DOWN_ROWS_ONE_TOKEN = up, dn
             before = dict(calls)
             got = triton_moe.moe_mlp(h, router, gate_up, down, k, bool(renorm), summed=False).float().cpu()
             summed = triton_moe.moe_mlp(h, router, gate_up, down, k, bool(renorm)).float().cpu()
@@ -506,7 +507,7 @@ for T, E, k, d, i, renorm, dtype in json.loads(sys.argv[2]):
                          "took": [calls["up"] - before["up"], calls["down"] - before["down"]],
                          "vs_grouped": float((got - grouped).abs().max()), "vs_ref": float((got.sum(1) - ref).abs().max()),
                          "summed": float((summed - got.sum(1)).abs().max())})
-    triton_moe.ROWS, triton_moe.ROWS_ONE_TOKEN, triton_moe.DOWN_ROWS_ONE_TOKEN = 1, False, False
+    triton_moe.ROWS, triton_moe.DOWN_ROWS, triton_moe.ROWS_ONE_TOKEN, triton_moe.DOWN_ROWS_ONE_TOKEN = 1, 8, False, False
     out.append({"runs": runs, "scale": float(ref.abs().max())})
 print(json.dumps(out))
 """
@@ -518,14 +519,15 @@ def _check_rows(case, r) -> None:
         # each kernel taken twice (the products per slot, then summed) where switched on, and not where off
         assert run["took"] == [2 * run["up"], 2 * run["down"]], (case, run)
         # each slot's product as the grouped kernels give it, to the rounding of another order of sums
-        assert run["vs_grouped"] <= tol and run["vs_ref"] <= 10 * tol and run["summed"] == 0.0, (case, run)
+        # (and summed as the caller sums them; the test sums on the CPU, a GPU in its own order)
+        assert run["vs_grouped"] <= tol and run["vs_ref"] <= 10 * tol and run["summed"] <= tol, (case, run)
 
 
 @pytest.mark.unit
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU runs the kernels themselves (below)")
 def test_one_tokens_experts_as_whole_row_gemvs_equal_the_grouped_kernels_under_the_interpreter():
     """``ROWS_ONE_TOKEN`` and ``DOWN_ROWS_ONE_TOKEN``: a one-token step's gate/up and down products as GEMVs of 1, 4
-    and 8 whole rows a program, each alone and both, against the grouped kernels and the torch reference: shapes
+    and 8 whole rows a program (down 2, 8 and 16), each alone and both, against the grouped kernels and the torch reference: shapes
     whose rows are no power of two (masked), the expert count past the choices, renormalised or not."""
     for case, r in zip(ROWS_CASES[:2], _run("cpu", ROWS_CASES[:2], ROWS_SCRIPT)):
         _check_rows(case, r)

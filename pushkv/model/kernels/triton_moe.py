@@ -514,9 +514,9 @@ PERSISTENT_ONE_TOKEN = False
 # against the grouped kernel's 2.38 (18.0 against 21.2 us a layer; experiments/expert_stream_probe.py). They sum in
 # another order than the grouped kernels (rounding, not bits)
 ROWS_ONE_TOKEN = True
-DOWN_ROWS_ONE_TOKEN = True
-ROWS = 1
-ROWS_WARPS = 4
+DOWN_ROWS_ONE_TOKEN = False
+ROWS, ROWS_WARPS = 1, 4  # gate/up: rows (of each of gate and up) a program, warps
+DOWN_ROWS, DOWN_ROWS_WARPS = 8, 4  # down: rows a program, warps
 
 # A one-token step's routing and grouping in registers (``_route_one_kernel``: the k rounds once, one reduction a
 # round, each choice's block its rank), not through the general kernel's fill, counts and scans. The same tables and
@@ -782,9 +782,10 @@ def down_rows(act: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, slot
     """``down_per_slot`` of a one-token step by ``_down_rows_kernel``: [n, d] in slot order."""
     d, inter = down.shape[1], down.shape[2]
     per_slot = torch.empty((n, d), dtype=act.dtype, device=act.device)
-    _down_rows_kernel[(block_expert.numel(), triton.cdiv(d, ROWS))](
+    _down_rows_kernel[(block_expert.numel(), triton.cdiv(d, DOWN_ROWS))](
         act, down, weights, per_slot, slot_ids, block_expert, n, d, inter, act.stride(0), down.stride(0),
-        down.stride(1), per_slot.stride(0), BM=bm, KP=triton.next_power_of_2(inter), R=ROWS, num_warps=ROWS_WARPS,
+        down.stride(1), per_slot.stride(0), BM=bm, KP=triton.next_power_of_2(inter), R=DOWN_ROWS,
+        num_warps=DOWN_ROWS_WARPS,
         **chain.launch(act, "down"))
     return per_slot
 
