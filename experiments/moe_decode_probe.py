@@ -146,7 +146,7 @@ _EARLY_SMALL = frozenset({"add_rms", "rope", "attn", "merge", "norm_router", "ro
 # the shipped step (``gemv1_2``); the key-tile prefetch is on since 2026-12-05's run (``ahead_kv``: the same step,
 # kept under its name; ``no_kv``: without it)
 SHIPPED = Flags(True, 16, "grouped", 1, 2, prefetch_kv=True, router_early=True, early_next=_EARLY_O,
-                route_one=True)
+                route_one=True, rows_up=True, rows_down=True, down_rows=4)
 _UNGROUPED = SHIPPED._replace(moe_decode="ungrouped")
 _OWN_ALL = SHIPPED._replace(prefetch_down_tokens=8, ahead_tokens=8, ahead=frozenset({"o", "qkv_sum"}),
                             prefetch_own_tokens=8)
@@ -203,14 +203,18 @@ VARIANTS = {"before": Flags(False, 0, "grouped", 0, 8), "router": Flags(False, 1
             # a one-token step's gate/up, down or both as whole-row GEMVs (triton_moe.ROWS_ONE_TOKEN,
             # DOWN_ROWS_ONE_TOKEN): gate/up 1 row (of each) a program on 4 warps (rows_both_4: 4 on 8), down 8 rows on
             # 4 warps, or rows_down_R_W: R rows on W warps
-            "rows_up": SHIPPED._replace(rows_up=True),
-            "rows_down": SHIPPED._replace(rows_down=True),
-            "rows_both": SHIPPED._replace(rows_up=True, rows_down=True),
+            "rows_up": SHIPPED._replace(rows_down=False),
+            "rows_down": SHIPPED._replace(rows_up=False),
+            "rows_both": SHIPPED._replace(down_rows=8),
+            "rows_up_w2": SHIPPED._replace(rows_warps=2),
+            "rows_up_2": SHIPPED._replace(rows=2),
             "rows_both_4": SHIPPED._replace(rows_up=True, rows_down=True, rows=4, rows_warps=8, down_rows=4,
                                             down_rows_warps=8),
             **{f"rows_down_{r}_{w}": SHIPPED._replace(rows_up=True, rows_down=True, down_rows=r, down_rows_warps=w)
-               for r, w in ((4, 4), (16, 4), (16, 8), (32, 8))},
+               for r, w in ((2, 4), (4, 4), (16, 4), (16, 8), (32, 8))},
             "grouped_up": SHIPPED._replace(rows_up=False),
+            # the grouped kernels for gate/up and down at one token, as shipped before 2026-12-06's rows
+            "grouped": SHIPPED._replace(rows_up=False, rows_down=False),
             "own_all_kv": _OWN_ALL._replace(prefetch_kv=True),
             "prefetch_down_l2": SHIPPED._replace(prefetch_down_tokens=8, l2_set_aside=True),
             "own_all_l2": _OWN_ALL._replace(l2_set_aside=True),
@@ -234,7 +238,8 @@ PAIRS = (("router", "before"), ("ungrouped", "both"), ("gemv", "both"), ("gemv1_
          ("early_o_route", "early_o"), ("early_o_moe", "early_o"), ("route_general", "gemv1_2"),
          ("rows_up", "grouped_up"), ("rows_down", "grouped_up"), ("rows_both", "rows_up"), ("rows_both_4", "rows_both"),
          ("rows_down_4_4", "rows_both"), ("rows_down_16_4", "rows_both"), ("rows_down_16_8", "rows_both"),
-         ("rows_down_32_8", "rows_both"), ("grouped_up", "gemv1_2"))
+         ("rows_down_32_8", "rows_both"), ("grouped_up", "gemv1_2"), ("grouped", "gemv1_2"),
+         ("rows_up_w2", "gemv1_2"), ("rows_up_2", "gemv1_2"), ("rows_down_2_4", "gemv1_2"))
 
 # the variants whose batch-1 replay is profiled kernel by kernel, where they are timed
 PROFILED = ("before", "both", "gemv", "gemv1_2", "self_route_merge", "down_gemv_8", "prefetch_down", "one_launch",

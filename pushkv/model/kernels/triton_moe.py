@@ -514,9 +514,9 @@ PERSISTENT_ONE_TOKEN = False
 # against the grouped kernel's 2.38 (18.0 against 21.2 us a layer; experiments/expert_stream_probe.py). They sum in
 # another order than the grouped kernels (rounding, not bits)
 ROWS_ONE_TOKEN = True
-DOWN_ROWS_ONE_TOKEN = False
+DOWN_ROWS_ONE_TOKEN = True
 ROWS, ROWS_WARPS = 1, 4  # gate/up: rows (of each of gate and up) a program, warps
-DOWN_ROWS, DOWN_ROWS_WARPS = 8, 4  # down: rows a program, warps
+DOWN_ROWS, DOWN_ROWS_WARPS = 4, 4  # down: rows a program, warps
 
 # A one-token step's routing and grouping in registers (``_route_one_kernel``: the k rounds once, one reduction a
 # round, each choice's block its rank), not through the general kernel's fill, counts and scans. The same tables and
