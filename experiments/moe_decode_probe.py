@@ -146,7 +146,7 @@ _EARLY_SMALL = frozenset({"add_rms", "rope", "attn", "merge", "norm_router", "ro
 # the shipped step (``gemv1_2``); the key-tile prefetch is on since 2026-12-05's run (``ahead_kv``: the same step,
 # kept under its name; ``no_kv``: without it)
 SHIPPED = Flags(True, 16, "grouped", 1, 2, prefetch_kv=True, router_early=True, early_next=_EARLY_O,
-                route_one=True, rows_up=True, rows_down=True, down_rows=4)
+                route_one=True, rows_up=True, rows_down=True, rows_warps=2, down_rows=4)
 _UNGROUPED = SHIPPED._replace(moe_decode="ungrouped")
 _OWN_ALL = SHIPPED._replace(prefetch_down_tokens=8, ahead_tokens=8, ahead=frozenset({"o", "qkv_sum"}),
                             prefetch_own_tokens=8)
@@ -206,7 +206,7 @@ VARIANTS = {"before": Flags(False, 0, "grouped", 0, 8), "router": Flags(False, 1
             "rows_up": SHIPPED._replace(rows_down=False),
             "rows_down": SHIPPED._replace(rows_up=False),
             "rows_both": SHIPPED._replace(down_rows=8),
-            "rows_up_w2": SHIPPED._replace(rows_warps=2),
+            "rows_up_w4": SHIPPED._replace(rows_warps=4),
             "rows_up_2": SHIPPED._replace(rows=2),
             "rows_both_4": SHIPPED._replace(rows_up=True, rows_down=True, rows=4, rows_warps=8, down_rows=4,
                                             down_rows_warps=8),
@@ -239,7 +239,7 @@ PAIRS = (("router", "before"), ("ungrouped", "both"), ("gemv", "both"), ("gemv1_
          ("rows_up", "grouped_up"), ("rows_down", "grouped_up"), ("rows_both", "rows_up"), ("rows_both_4", "rows_both"),
          ("rows_down_4_4", "rows_both"), ("rows_down_16_4", "rows_both"), ("rows_down_16_8", "rows_both"),
          ("rows_down_32_8", "rows_both"), ("grouped_up", "gemv1_2"), ("grouped", "gemv1_2"),
-         ("rows_up_w2", "gemv1_2"), ("rows_up_2", "gemv1_2"), ("rows_down_2_4", "gemv1_2"))
+         ("rows_up_w4", "gemv1_2"), ("rows_up_2", "gemv1_2"), ("rows_down_2_4", "gemv1_2"))
 
 # the variants whose batch-1 replay is profiled kernel by kernel, where they are timed
 PROFILED = ("before", "both", "gemv", "gemv1_2", "self_route_merge", "down_gemv_8", "prefetch_down", "one_launch",

@@ -515,7 +515,7 @@ PERSISTENT_ONE_TOKEN = False
 # another order than the grouped kernels (rounding, not bits)
 ROWS_ONE_TOKEN = True
 DOWN_ROWS_ONE_TOKEN = True
-ROWS, ROWS_WARPS = 1, 4  # gate/up: rows (of each of gate and up) a program, warps
+ROWS, ROWS_WARPS = 1, 2  # gate/up: rows (of each of gate and up) a program, warps
 DOWN_ROWS, DOWN_ROWS_WARPS = 4, 4  # down: rows a program, warps
 
 # A one-token step's routing and grouping in registers (``_route_one_kernel``: the k rounds once, one reduction a
