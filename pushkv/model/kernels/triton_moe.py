@@ -509,10 +509,13 @@ PREFETCH_OWN_TOKENS = 0
 PERSISTENT_ONE_TOKEN = False
 
 # A one-token step's gate/up (``ROWS_ONE_TOKEN``) and down (``DOWN_ROWS_ONE_TOKEN``) products as whole-row GEMVs
-# (``_gate_up_rows_kernel``, ``_down_rows_kernel``), ``ROWS`` rows a program, where the grouped kernels read tiles of
-# a few hundred bytes of each of many rows. Alone on an H100, gate/up over 8 of 128 experts read 2.79 TB/s that way
-# against the grouped kernel's 2.38 (18.0 against 21.2 us a layer; experiments/expert_stream_probe.py). They sum in
-# another order than the grouped kernels (rounding, not bits)
+# (``_gate_up_rows_kernel``, ``_down_rows_kernel``), a few whole rows a program, where the grouped kernels read tiles
+# of a few hundred bytes of each of many rows. Alone on an H100, gate/up over 8 of 128 experts read 2.79 TB/s that
+# way against the grouped kernel's 2.38 (18.0 against 21.2 us a layer; experiments/expert_stream_probe.py), and
+# Qwen3-30B-A3B's batch-1 step went 3.22 -> 3.02 ms (1.59x -> 1.49x its bytes bound; experiments/moe_decode_probe.py,
+# variant ``grouped``; docs/results/2026-12-06-moe-rows-h100). Down at one row a program (1.5 KB) was twice as slow
+# as the grouped kernel; at 4 as fast or a little faster. They sum in another order than the grouped kernels
+# (rounding, not bits). Two tokens keep the grouped kernels: those that share an expert would read its rows twice
 ROWS_ONE_TOKEN = True
 DOWN_ROWS_ONE_TOKEN = True
 ROWS, ROWS_WARPS = 1, 2  # gate/up: rows (of each of gate and up) a program, warps
