@@ -472,8 +472,10 @@ def test_gpu_down_projection_as_gemvs_equals_the_grouped_kernel():
         _check_down_gemv(case, r)
 
 
+# one token, and a few (ROWS_TOKENS: a block's rows read once for its slots; tokens that share an expert at 4 of 6)
 ROWS_CASES = [(1, 8, 2, 32, 48, "renorm", "float32"), (1, 12, 8, 40, 24, "", "float32"),
-              (1, 16, 4, 64, 96, "renorm", "float16")]
+              (1, 16, 4, 64, 96, "renorm", "float16"), (3, 6, 4, 40, 24, "", "float32"),
+              (5, 4, 2, 32, 48, "renorm", "float32"), (2, 16, 8, 64, 96, "", "float16")]
 
 ROWS_SCRIPT = r"""
 import json, sys, torch
@@ -493,6 +495,7 @@ class Counted:
 triton_moe._gate_up_rows_kernel, triton_moe._down_rows_kernel = Counted("up", real_up), Counted("down", real_down)
 for T, E, k, d, i, renorm, dtype in json.loads(sys.argv[2]):
     h, router, gate_up, down = draw(T, E, d, i, dtype, T * 17 + E + k, dev)
+    triton_moe.ROWS_TOKENS = 8
     ref = moe_mlp(h, router, gate_up, down, k, bool(renorm)).float().cpu()
     grouped = triton_moe.moe_mlp(h, router, gate_up, down, k, bool(renorm), summed=False).float().cpu()
     runs = []
@@ -527,9 +530,11 @@ def _check_rows(case, r) -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU runs the kernels themselves (below)")
 def test_one_tokens_experts_as_whole_row_gemvs_equal_the_grouped_kernels_under_the_interpreter():
     """``ROWS_ONE_TOKEN`` and ``DOWN_ROWS_ONE_TOKEN``: a one-token step's gate/up and down products as GEMVs of 1, 4
-    and 8 whole rows a program (down 2, 8 and 16), each alone and both, against the grouped kernels and the torch reference: shapes
+    and 8 whole rows a program (down 2, 8 and 16), each alone and both, and a few tokens' (``ROWS_TOKENS``: each
+    block's rows read once for every slot of it), against the grouped kernels and the torch reference: shapes
     whose rows are no power of two (masked), the expert count past the choices, renormalised or not."""
-    for case, r in zip(ROWS_CASES[:2], _run("cpu", ROWS_CASES[:2], ROWS_SCRIPT)):
+    cases = ROWS_CASES[:2] + ROWS_CASES[3:5]
+    for case, r in zip(cases, _run("cpu", cases, ROWS_SCRIPT)):
         _check_rows(case, r)
 
 

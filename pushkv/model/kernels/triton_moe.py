@@ -356,12 +356,14 @@ def _down_kernel(Act, W, Weights, Out, SlotIds, BlockExpert, n_slots, d, inter,
              mask=valid[:, None] & (cols[None, :] < d))
 
 
-@triton.jit
-def _gate_up_rows_kernel(H, W, Act, BlockExpert, d, inter, stride_we, stride_wn, stride_act, BM: tl.constexpr,
-                         KP: tl.constexpr, R: tl.constexpr, PDL: tl.constexpr, NEXT_EARLY: tl.constexpr = False):
-    """A one-token step's ``silu(gate) * up`` as whole-row GEMVs: program (j, c) reads gate rows c R .. c R + R - 1 of
-    row block j's expert and the same up rows, each a run of d contiguous weights, and writes block j's first row of
-    the product (``ROW_ACT``'s place: the down kernel reads it there; one token, one slot a block)."""
+@triton.jit(do_not_specialize=["n_slots"])
+def _gate_up_rows_kernel(H, W, Act, SlotIds, BlockExpert, n_slots, d, inter, k_top, stride_h, stride_we, stride_wn,
+                         stride_act, BM: tl.constexpr, KP: tl.constexpr, R: tl.constexpr, ONE: tl.constexpr,
+                         PDL: tl.constexpr, NEXT_EARLY: tl.constexpr = False):
+    """A few tokens' ``silu(gate) * up`` as whole-row GEMVs: program (j, c) reads gate rows c R .. c R + R - 1 of row
+    block j's expert and the same up rows, each a run of d contiguous weights, once, and for each slot of the block
+    (its slots first, padding after) writes that row of the product (``ROW_ACT``'s place, where the down kernels
+    read it). ``ONE``: a one-token step, one slot a block, at its first row (the slot table is not read)."""
     wait_prior(PDL, NEXT_EARLY)
     j = tl.program_id(0)
     e = tl.load(BlockExpert + j).to(tl.int64)
@@ -370,36 +372,58 @@ def _gate_up_rows_kernel(H, W, Act, BlockExpert, d, inter, stride_we, stride_wn,
         kk = tl.arange(0, KP)
         m = (rows[:, None] < inter) & (kk[None, :] < d)
         base = W + e * stride_we
-        wg = tl.load(base + rows[:, None].to(tl.int64) * stride_wn + kk[None, :], mask=m, other=0.0)
-        wu = tl.load(base + (rows[:, None] + inter).to(tl.int64) * stride_wn + kk[None, :], mask=m, other=0.0)
-        x = tl.load(H + kk, mask=kk < d, other=0.0).to(tl.float32)
-        # each projection a float32 sum over the whole row, rounded to the model dtype, as the grouped kernel's
-        g = tl.sum(wg.to(tl.float32) * x[None, :], 1).to(Act.dtype.element_ty).to(tl.float32)
-        u = tl.sum(wu.to(tl.float32) * x[None, :], 1).to(Act.dtype.element_ty).to(tl.float32)
-        act = (g * tl.sigmoid(g)).to(Act.dtype.element_ty).to(tl.float32) * u
-        tl.store(Act + (j * BM).to(tl.int64) * stride_act + rows, act.to(Act.dtype.element_ty), mask=rows < inter)
+        wg = tl.load(base + rows[:, None].to(tl.int64) * stride_wn + kk[None, :], mask=m, other=0.0).to(tl.float32)
+        wu = tl.load(base + (rows[:, None] + inter).to(tl.int64) * stride_wn + kk[None, :], mask=m,
+                     other=0.0).to(tl.float32)
+        if ONE:
+            count = 1
+        else:
+            slots = tl.load(SlotIds + j * BM + tl.arange(0, BM))
+            count = tl.sum((slots < n_slots).to(tl.int32), 0)
+        for i in range(count):
+            tok = 0
+            if not ONE:
+                tok = tl.sum(tl.where(tl.arange(0, BM) == i, slots, 0), 0) // k_top
+            x = tl.load(H + tok * stride_h + kk, mask=kk < d, other=0.0).to(tl.float32)
+            # each projection a float32 sum over the whole row, rounded to the model dtype, as the grouped kernel's
+            g = tl.sum(wg * x[None, :], 1).to(Act.dtype.element_ty).to(tl.float32)
+            u = tl.sum(wu * x[None, :], 1).to(Act.dtype.element_ty).to(tl.float32)
+            act = (g * tl.sigmoid(g)).to(Act.dtype.element_ty).to(tl.float32) * u
+            tl.store(Act + (j * BM + i).to(tl.int64) * stride_act + rows, act.to(Act.dtype.element_ty),
+                     mask=rows < inter)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_slots"])
 def _down_rows_kernel(Act, W, Weights, Out, SlotIds, BlockExpert, n_slots, d, inter, stride_act, stride_we,
-                      stride_wn, stride_out, BM: tl.constexpr, KP: tl.constexpr, R: tl.constexpr, PDL: tl.constexpr,
-                      NEXT_EARLY: tl.constexpr = False):
-    """A one-token step's down projections as whole-row GEMVs: program (j, c) reads rows c R .. c R + R - 1 of row
-    block j's expert (each a run of ``inter`` contiguous weights) against block j's product row, rounds, weighs and
-    stores its slot's columns (one token: a block's one slot is its first row)."""
+                      stride_wn, stride_out, BM: tl.constexpr, KP: tl.constexpr, R: tl.constexpr, ONE: tl.constexpr,
+                      PDL: tl.constexpr, NEXT_EARLY: tl.constexpr = False):
+    """A few tokens' down projections as whole-row GEMVs: program (j, c) reads rows c R .. c R + R - 1 of row block
+    j's expert (each a run of ``inter`` contiguous weights) once, and for each slot of the block multiplies them by
+    its product row, rounds, weighs and stores the slot's columns. ``ONE``: a one-token step, a block's one slot at
+    its first row."""
     wait_prior(PDL, NEXT_EARLY)
     j = tl.program_id(0)
     e = tl.load(BlockExpert + j).to(tl.int64)
-    slot = tl.load(SlotIds + j * BM)
-    if (e >= 0) & (slot < n_slots):
+    if ONE:
+        first = tl.load(SlotIds + j * BM)
+        count = (first < n_slots).to(tl.int32)
+    else:
+        slots = tl.load(SlotIds + j * BM + tl.arange(0, BM))
+        count = tl.sum((slots < n_slots).to(tl.int32), 0)
+    if (e >= 0) & (count > 0):
         cols = tl.program_id(1) * R + tl.arange(0, R)
         kk = tl.arange(0, KP)
         w = tl.load(W + e * stride_we + cols[:, None].to(tl.int64) * stride_wn + kk[None, :],
-                    mask=(cols[:, None] < d) & (kk[None, :] < inter), other=0.0)
-        a = tl.load(Act + (j * BM).to(tl.int64) * stride_act + kk, mask=kk < inter, other=0.0).to(tl.float32)
-        y = tl.sum(w.to(tl.float32) * a[None, :], 1).to(Out.dtype.element_ty).to(tl.float32)
-        wt = tl.load(Weights + slot).to(tl.float32)
-        tl.store(Out + slot.to(tl.int64) * stride_out + cols, (y * wt).to(Out.dtype.element_ty), mask=cols < d)
+                    mask=(cols[:, None] < d) & (kk[None, :] < inter), other=0.0).to(tl.float32)
+        for i in range(count):
+            if ONE:
+                slot = first
+            else:
+                slot = tl.sum(tl.where(tl.arange(0, BM) == i, slots, 0), 0)
+            a = tl.load(Act + (j * BM + i).to(tl.int64) * stride_act + kk, mask=kk < inter, other=0.0).to(tl.float32)
+            y = tl.sum(w * a[None, :], 1).to(Out.dtype.element_ty).to(tl.float32)
+            wt = tl.load(Weights + slot).to(tl.float32)
+            tl.store(Out + slot.to(tl.int64) * stride_out + cols, (y * wt).to(Out.dtype.element_ty), mask=cols < d)
 
 
 @triton.jit(do_not_specialize=["n_slots"])
@@ -520,6 +544,9 @@ ROWS_ONE_TOKEN = True
 DOWN_ROWS_ONE_TOKEN = True
 ROWS, ROWS_WARPS = 1, 2  # gate/up: rows (of each of gate and up) a program, warps
 DOWN_ROWS, DOWN_ROWS_WARPS = 4, 4  # down: rows a program, warps
+# steps of up to this many tokens take them (a graph bucket bound): each program reads its rows once for every slot
+# of its block. Above 1 not yet timed on a GPU (two tokens' step was 1.56-1.58x its bound with the grouped kernels)
+ROWS_TOKENS = 1
 
 # A one-token step's routing and grouping in registers (``_route_one_kernel``: the k rounds once, one reduction a
 # round, each choice's block its rank), not through the general kernel's fill, counts and scans. The same tables and
@@ -768,26 +795,30 @@ def down_per_slot(act: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, 
     return per_slot
 
 
-def gate_up_rows(h: torch.Tensor, gate_up: torch.Tensor, block_expert: torch.Tensor, bm: int) -> torch.Tensor:
-    """``gate_up_product`` of a one-token step by ``_gate_up_rows_kernel``: [blocks bm, i], row block j's first row
-    the token's product through block j's expert (the other rows unwritten: the down kernels never store them)."""
-    d, inter = h.shape[1], gate_up.shape[1] // 2
+def gate_up_rows(h: torch.Tensor, gate_up: torch.Tensor, slot_ids: torch.Tensor, block_expert: torch.Tensor, k: int,
+                 bm: int) -> torch.Tensor:
+    """``gate_up_product`` of a step of a few tokens by ``_gate_up_rows_kernel``: [blocks bm, i] in the slot table's
+    row order (``ROW_ACT``), each block's slots' rows written (the padding's not: the down kernels never store them)."""
+    T, d = h.shape
+    inter = gate_up.shape[1] // 2
     blocks = block_expert.numel()
     act = torch.empty((blocks * bm, inter), dtype=h.dtype, device=h.device)
     _gate_up_rows_kernel[(blocks, triton.cdiv(inter, ROWS))](
-        h, gate_up, act, block_expert, d, inter, gate_up.stride(0), gate_up.stride(1), act.stride(0), BM=bm,
-        KP=triton.next_power_of_2(d), R=ROWS, num_warps=ROWS_WARPS, **chain.launch(h, "gate_up"))
+        h, gate_up, act, slot_ids, block_expert, T * k, d, inter, k, h.stride(0), gate_up.stride(0), gate_up.stride(1),
+        act.stride(0), BM=bm, KP=triton.next_power_of_2(d), R=ROWS, ONE=T == 1, num_warps=ROWS_WARPS,
+        **chain.launch(h, "gate_up"))
     return act
 
 
 def down_rows(act: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, slot_ids: torch.Tensor,
-              block_expert: torch.Tensor, n: int, bm: int) -> torch.Tensor:
-    """``down_per_slot`` of a one-token step by ``_down_rows_kernel``: [n, d] in slot order."""
+              block_expert: torch.Tensor, n: int, bm: int, one: bool) -> torch.Tensor:
+    """``down_per_slot`` of a step of a few tokens by ``_down_rows_kernel``: [n, d] in slot order (``one``: a
+    one-token step's)."""
     d, inter = down.shape[1], down.shape[2]
     per_slot = torch.empty((n, d), dtype=act.dtype, device=act.device)
     _down_rows_kernel[(block_expert.numel(), triton.cdiv(d, DOWN_ROWS))](
         act, down, weights, per_slot, slot_ids, block_expert, n, d, inter, act.stride(0), down.stride(0),
-        down.stride(1), per_slot.stride(0), BM=bm, KP=triton.next_power_of_2(inter), R=DOWN_ROWS,
+        down.stride(1), per_slot.stride(0), BM=bm, KP=triton.next_power_of_2(inter), R=DOWN_ROWS, ONE=one,
         num_warps=DOWN_ROWS_WARPS,
         **chain.launch(act, "down"))
     return per_slot
@@ -855,14 +886,14 @@ def moe_mlp(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: 
         weights, _, slot_ids, block_expert = grouping(h, router, k, renorm, tl_.bm)
     down = down.contiguous()
     own = T <= PREFETCH_OWN_TOKENS
-    rows = T == 1 and route is None and ROW_ACT
+    rows = T <= ROWS_TOKENS and route is None and ROW_ACT
     if rows and ROWS_ONE_TOKEN:
-        act = gate_up_rows(h, gate_up.contiguous(), block_expert, tl_.bm)
+        act = gate_up_rows(h, gate_up.contiguous(), slot_ids, block_expert, k, tl_.bm)
     else:
         act = gate_up_product(h, gate_up.contiguous(), slot_ids, block_expert, k, tl_, route, weights,
                               down if T <= PREFETCH_DOWN_TOKENS else None, own)
     if rows and DOWN_ROWS_ONE_TOKEN:
-        per_slot = down_rows(act, down, weights, slot_ids, block_expert, n, tl_.bm)
+        per_slot = down_rows(act, down, weights, slot_ids, block_expert, n, tl_.bm, T == 1)
     # the down GEMVs read the tables before they wait: only a routing launch's, never those gate/up writes
     elif route is None and T <= DOWN_GEMV_TOKENS and down.shape[2] <= TILE_DEPTH:
         per_slot = down_gemv(act, down, weights, slot_ids, block_expert, n, tl_.bm)
