@@ -136,6 +136,7 @@ class Flags(NamedTuple):
     rows_warps: int = 4  # triton_moe.ROWS_WARPS
     down_rows: int = 8  # triton_moe.DOWN_ROWS
     down_rows_warps: int = 4  # triton_moe.DOWN_ROWS_WARPS
+    rows_tokens: int = 1  # triton_moe.ROWS_TOKENS
 
 
 # the kernels before the o GEMV (the decode attention and its merge) letting it be scheduled as they start, so its
@@ -215,6 +216,8 @@ VARIANTS = {"before": Flags(False, 0, "grouped", 0, 8), "router": Flags(False, 1
             "grouped_up": SHIPPED._replace(rows_up=False),
             # the grouped kernels for gate/up and down at one token, as shipped before 2026-12-06's rows
             "grouped": SHIPPED._replace(rows_up=False, rows_down=False),
+            # the whole-row kernels for steps of up to N tokens (triton_moe.ROWS_TOKENS), each block's rows read once
+            **{f"rows_few_{n}": SHIPPED._replace(rows_tokens=n) for n in (2, 4, 8)},
             "own_all_kv": _OWN_ALL._replace(prefetch_kv=True),
             "prefetch_down_l2": SHIPPED._replace(prefetch_down_tokens=8, l2_set_aside=True),
             "own_all_l2": _OWN_ALL._replace(l2_set_aside=True),
@@ -239,7 +242,8 @@ PAIRS = (("router", "before"), ("ungrouped", "both"), ("gemv", "both"), ("gemv1_
          ("rows_up", "grouped_up"), ("rows_down", "grouped_up"), ("rows_both", "rows_up"), ("rows_both_4", "rows_both"),
          ("rows_down_4_4", "rows_both"), ("rows_down_16_4", "rows_both"), ("rows_down_16_8", "rows_both"),
          ("rows_down_32_8", "rows_both"), ("grouped_up", "gemv1_2"), ("grouped", "gemv1_2"),
-         ("rows_up_w4", "gemv1_2"), ("rows_up_2", "gemv1_2"), ("rows_down_2_4", "gemv1_2"))
+         ("rows_up_w4", "gemv1_2"), ("rows_up_2", "gemv1_2"), ("rows_down_2_4", "gemv1_2"), ("rows_few_2", "gemv1_2"),
+         ("rows_few_4", "gemv1_2"), ("rows_few_8", "gemv1_2"))
 
 # the variants whose batch-1 replay is profiled kernel by kernel, where they are timed
 PROFILED = ("before", "both", "gemv", "gemv1_2", "self_route_merge", "down_gemv_8", "prefetch_down", "one_launch",
@@ -270,6 +274,7 @@ def set_variant(fwd, name: str) -> int:
     triton_moe.ROWS_ONE_TOKEN, triton_moe.DOWN_ROWS_ONE_TOKEN = f.rows_up, f.rows_down
     triton_moe.ROWS, triton_moe.ROWS_WARPS = f.rows, f.rows_warps
     triton_moe.DOWN_ROWS, triton_moe.DOWN_ROWS_WARPS = f.down_rows, f.down_rows_warps
+    triton_moe.ROWS_TOKENS = f.rows_tokens
     fwd.drop_graphs()  # captured with the last variant's launches
     if not torch.cuda.is_available():
         return 0
