@@ -86,7 +86,9 @@ def _read(driver: _Driver) -> probe.Flags:
                        batched.AHEAD, triton_moe.PREFETCH_OWN_TOKENS, triton_moe_decode.PREFETCH_OWN,
                        triton_paged.PREFETCH_KV, driver.now == driver.MOST, triton_moe.PERSISTENT_ONE_TOKEN,
                        triton_moe_token.PER_SM, triton_fused.ROUTER_EARLY, chain.EARLY_NEXT,
-                       triton_moe.ROUTE_ONE_TOKEN)
+                       triton_moe.ROUTE_ONE_TOKEN, triton_moe.ONE_TOKEN_TILES, triton_moe.ROWS_ONE_TOKEN,
+                       triton_moe.DOWN_ROWS_ONE_TOKEN, triton_moe.ROWS, triton_moe.ROWS_WARPS, triton_moe.DOWN_ROWS,
+                       triton_moe.DOWN_ROWS_WARPS, triton_moe.ROWS_TOKENS)
 
 
 def test_every_variant_sets_existing_switches_to_its_values(restored):
