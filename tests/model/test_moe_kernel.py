@@ -354,6 +354,8 @@ from pushkv.model.kernels import triton_moe
 """ + DRAW + r"""
 dev = sys.argv[1]
 out = []
+# the routing in gate/up serves the grouped kernels: those, routed apart, are what it must equal to the bit
+triton_moe.ROWS_ONE_TOKEN = triton_moe.DOWN_ROWS_ONE_TOKEN = False
 for E, k, d, i, renorm, ties, dtype in json.loads(sys.argv[2]):
     h, router, gate_up, down = draw(1, E, d, i, dtype, E * 5 + k, dev, ties)
     logits = F.linear(h, router)
@@ -428,6 +430,7 @@ class Counted:
         calls.append(grid)
         return real[grid]
 triton_moe._down_gemv_kernel = Counted()
+triton_moe.ROWS_ONE_TOKEN = triton_moe.DOWN_ROWS_ONE_TOKEN = False  # (the whole-row kernels come before the GEMVs)
 for T, E, k, d, i, renorm, dtype in json.loads(sys.argv[2]):
     h, router, gate_up, down = draw(T, E, d, i, dtype, T * 13 + E + k, dev)
     ref = moe_mlp(h, router, gate_up, down, k, bool(renorm)).float().cpu()

@@ -886,7 +886,7 @@ def moe_mlp(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: 
         weights, _, slot_ids, block_expert = grouping(h, router, k, renorm, tl_.bm)
     down = down.contiguous()
     own = T <= PREFETCH_OWN_TOKENS
-    rows = T <= ROWS_TOKENS and route is None and ROW_ACT
+    rows = T <= ROWS_TOKENS and route is None and ROW_ACT and tiles is None  # (tiles given: the grouped kernels')
     if rows and ROWS_ONE_TOKEN:
         act = gate_up_rows(h, gate_up.contiguous(), slot_ids, block_expert, k, tl_.bm)
     else:
