@@ -56,27 +56,8 @@ def _read_kernel(W, Experts, Out, stride_e, share, P: tl.constexpr, BLOCK: tl.co
     tl.store(Out + p, tl.sum(tl.sum(acc, 1), 0))
 
 
-def graph_us(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            g.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / reps)
-    return best
-
-
 def main(argv=None) -> int:
+    from experiments.moe_decode_probe import graph_us
     from pushkv.model.kernels import triton_moe
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
