@@ -57,6 +57,11 @@ Variants (each re-captures the graphs):
   2026-12-05's run (the same step as ``gemv1_2``, kept under its name); ``early_none``: as before it. Two more were
   timed on 2026-12-05 and taken out (docs/results/2026-12-05-rope-guess): the attention doing RoPE and the K/V
   store itself, and gate/up guessing its experts ahead of the routing.
+- ``grouped``: the shipped step with a one-token step's experts through the grouped kernels, as before 2026-12-06's
+  whole-row GEMVs (``triton_moe.ROWS_ONE_TOKEN``, ``DOWN_ROWS_ONE_TOKEN``, shipped since: gate/up one row of each a
+  program on 2 warps, down 4 rows on 4); ``rows_up``, ``rows_down``: one of the two only; ``rows_up_w4``,
+  ``rows_up_2``, ``rows_both``, ``rows_both_4``, ``rows_down_R_W``: other rows and warps; ``rows_few_N``: the
+  whole-row kernels for steps of up to N tokens (``triton_moe.ROWS_TOKENS``).
 
 ``--variants both,gemv1_2`` times only those.
 
