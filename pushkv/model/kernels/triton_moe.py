@@ -383,7 +383,7 @@ def _gate_up_rows_kernel(H, W, Act, SlotIds, BlockExpert, n_slots, d, inter, k_t
         for i in range(count):
             tok = 0
             if not ONE:
-                tok = tl.sum(tl.where(tl.arange(0, BM) == i, slots, 0), 0) // k_top
+                tok = _nth(slots, i, BM) // k_top
             x = tl.load(H + tok * stride_h + kk, mask=kk < d, other=0.0).to(tl.float32)
             # each projection a float32 sum over the whole row, rounded to the model dtype, as the grouped kernel's
             g = tl.sum(wg * x[None, :], 1).to(Act.dtype.element_ty).to(tl.float32)
@@ -393,61 +393,53 @@ def _gate_up_rows_kernel(H, W, Act, SlotIds, BlockExpert, n_slots, d, inter, k_t
                      mask=rows < inter)
 
 
-@triton.jit(do_not_specialize=["n_slots"])
-def _down_rows_kernel(Act, W, Weights, Out, SlotIds, BlockExpert, n_slots, d, inter, stride_act, stride_we,
-                      stride_wn, stride_out, BM: tl.constexpr, KP: tl.constexpr, R: tl.constexpr, ONE: tl.constexpr,
-                      PDL: tl.constexpr, NEXT_EARLY: tl.constexpr = False):
-    """A few tokens' down projections as whole-row GEMVs: program (j, c) reads rows c R .. c R + R - 1 of row block
-    j's expert (each a run of ``inter`` contiguous weights) once, and for each slot of the block multiplies them by
-    its product row, rounds, weighs and stores the slot's columns. ``ONE``: a one-token step, a block's one slot at
-    its first row."""
-    wait_prior(PDL, NEXT_EARLY)
-    j = tl.program_id(0)
-    e = tl.load(BlockExpert + j).to(tl.int64)
-    if ONE:
-        first = tl.load(SlotIds + j * BM)
-        count = (first < n_slots).to(tl.int32)
-    else:
-        slots = tl.load(SlotIds + j * BM + tl.arange(0, BM))
-        count = tl.sum((slots < n_slots).to(tl.int32), 0)
-    if (e >= 0) & (count > 0):
-        cols = tl.program_id(1) * R + tl.arange(0, R)
-        kk = tl.arange(0, KP)
-        w = tl.load(W + e * stride_we + cols[:, None].to(tl.int64) * stride_wn + kk[None, :],
-                    mask=(cols[:, None] < d) & (kk[None, :] < inter), other=0.0).to(tl.float32)
-        for i in range(count):
-            if ONE:
-                slot = first
-            else:
-                slot = tl.sum(tl.where(tl.arange(0, BM) == i, slots, 0), 0)
-            a = tl.load(Act + (j * BM + i).to(tl.int64) * stride_act + kk, mask=kk < inter, other=0.0).to(tl.float32)
-            y = tl.sum(w * a[None, :], 1).to(Out.dtype.element_ty).to(tl.float32)
-            wt = tl.load(Weights + slot).to(tl.float32)
-            tl.store(Out + slot.to(tl.int64) * stride_out + cols, (y * wt).to(Out.dtype.element_ty), mask=cols < d)
+@triton.jit
+def _nth(slots, i, BM: tl.constexpr):
+    """Row ``i`` of a block's slot ids (a scalar out of the block's vector)."""
+    return tl.sum(tl.where(tl.arange(0, BM) == i, slots, 0), 0)
 
 
 @triton.jit(do_not_specialize=["n_slots"])
 def _down_gemv_kernel(Act, W, Weights, Out, SlotIds, BlockExpert, n_slots, d, stride_act, stride_we, stride_wn,
                       stride_out, K: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                      ROW_ACT: tl.constexpr, PDL: tl.constexpr):
-    """``_down_kernel``'s products as GEMVs, a row block's BN output columns a program, for a step of a token
-    or two. The grouping's tables come from the routing launch, which finished before gate/up began, so this
-    kernel may read them, and its expert's weights, before it waits for gate/up's products: chained, the
-    weights stream in while gate/up runs."""
+                      ROW_ACT: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr = True, ONE: tl.constexpr = False,
+                      NEXT_EARLY: tl.constexpr = False):
+    """``_down_kernel``'s products as GEMVs, a row block's BN output columns a program (each a whole row of K weights,
+    read once for every slot of the block), for a step of a few tokens. ``EARLY`` (``DOWN_GEMV_TOKENS``): the
+    grouping's tables come from the routing launch, which finished before gate/up began, so this kernel may read them,
+    and its expert's weights, before it waits for gate/up's products: chained, the weights stream in while gate/up
+    runs. Else (``DOWN_ROWS_ONE_TOKEN``) it reads nothing before it waits. ``ONE``: a one-token step, a block's one
+    slot at its first row."""
     pid_m = tl.program_id(0)
-    e = tl.load(BlockExpert + pid_m).to(tl.int64)
-    rows = pid_m * BM + tl.arange(0, BM)
-    slots = tl.load(SlotIds + rows)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     kk = tl.arange(0, KP)
-    live = (cols < d) & (e >= 0)
-    w = tl.load(W + tl.maximum(e, 0) * stride_we + cols[:, None].to(tl.int64) * stride_wn + kk[None, :],
-                mask=live[:, None] & (kk[None, :] < K), other=0.0)
-    wait_prior(PDL)
-    if e >= 0:
-        # a block's slots come first, its padding (n_slots) after
-        for r in range(tl.sum((slots < n_slots).to(tl.int32), 0)):
-            slot = tl.sum(tl.where(tl.arange(0, BM) == r, slots, 0), 0).to(tl.int64)
+    wmask = (cols[:, None] < d) & (kk[None, :] < K)
+    if EARLY:
+        e = tl.load(BlockExpert + pid_m).to(tl.int64)
+        slots = tl.load(SlotIds + pid_m * BM + tl.arange(0, BM))
+        w = tl.load(W + tl.maximum(e, 0) * stride_we + cols[:, None].to(tl.int64) * stride_wn + kk[None, :],
+                    mask=wmask & (e >= 0), other=0.0)
+        wait_prior(PDL, NEXT_EARLY)
+    else:
+        wait_prior(PDL, NEXT_EARLY)
+        e = tl.load(BlockExpert + pid_m).to(tl.int64)
+    # a block's slots come first, its padding (n_slots) after
+    if ONE:
+        first = tl.load(SlotIds + pid_m * BM)
+        count = (first < n_slots).to(tl.int32)
+    else:
+        if not EARLY:
+            slots = tl.load(SlotIds + pid_m * BM + tl.arange(0, BM))
+        count = tl.sum((slots < n_slots).to(tl.int32), 0)
+    if (e >= 0) & (count > 0):
+        if not EARLY:
+            w = tl.load(W + e * stride_we + cols[:, None].to(tl.int64) * stride_wn + kk[None, :], mask=wmask,
+                        other=0.0)
+        for r in range(count):
+            if ONE:
+                slot = first.to(tl.int64)
+            else:
+                slot = _nth(slots, r, BM).to(tl.int64)
             a_row = (pid_m * BM + r).to(tl.int64) if ROW_ACT else slot
             a = tl.load(Act + a_row * stride_act + kk, mask=kk < K, other=0.0).to(tl.float32)
             y = tl.sum(w.to(tl.float32) * a[None, :], 1)
@@ -533,13 +525,14 @@ PREFETCH_OWN_TOKENS = 0
 PERSISTENT_ONE_TOKEN = False
 
 # A one-token step's gate/up (``ROWS_ONE_TOKEN``) and down (``DOWN_ROWS_ONE_TOKEN``) products as whole-row GEMVs
-# (``_gate_up_rows_kernel``, ``_down_rows_kernel``), a few whole rows a program, where the grouped kernels read tiles
-# of a few hundred bytes of each of many rows. Alone on an H100, gate/up over 8 of 128 experts read 2.79 TB/s that
-# way against the grouped kernel's 2.38 (18.0 against 21.2 us a layer; experiments/expert_stream_probe.py), and
-# Qwen3-30B-A3B's batch-1 step went 3.22 -> 3.02 ms (1.59x -> 1.49x its bytes bound; experiments/moe_decode_probe.py,
-# variant ``grouped``; docs/results/2026-12-06-moe-rows-h100). Down at one row a program (1.5 KB) was twice as slow
-# as the grouped kernel; at 4 as fast or a little faster. They sum in another order than the grouped kernels
-# (rounding, not bits). Two tokens keep the grouped kernels: those that share an expert would read its rows twice
+# (``_gate_up_rows_kernel``; ``_down_gemv_kernel`` reading nothing before its wait), a few whole rows a program, where
+# the grouped kernels read tiles of a few hundred bytes of each of many rows. Alone on an H100, gate/up over 8 of
+# 128 experts read 2.79 TB/s that way against the grouped kernel's 2.38 (18.0 against 21.2 us a layer;
+# experiments/expert_stream_probe.py), and Qwen3-30B-A3B's batch-1 step went 3.22 -> 3.02 ms (1.59x -> 1.49x its
+# bytes bound; experiments/moe_decode_probe.py, variant ``grouped``; docs/results/2026-12-06-moe-rows-h100). Down at
+# one row a program (1.5 KB) was twice as slow as the grouped kernel; at 4 as fast or a little faster. They sum in
+# another order than the grouped kernels (rounding, not bits). Steps of more tokens keep the grouped kernels, up to
+# ``ROWS_TOKENS`` (below)
 ROWS_ONE_TOKEN = True
 DOWN_ROWS_ONE_TOKEN = True
 ROWS, ROWS_WARPS = 1, 2  # gate/up: rows (of each of gate and up) a program, warps
@@ -812,15 +805,14 @@ def gate_up_rows(h: torch.Tensor, gate_up: torch.Tensor, slot_ids: torch.Tensor,
 
 def down_rows(act: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, slot_ids: torch.Tensor,
               block_expert: torch.Tensor, n: int, bm: int, one: bool) -> torch.Tensor:
-    """``down_per_slot`` of a step of a few tokens by ``_down_rows_kernel``: [n, d] in slot order (``one``: a
-    one-token step's)."""
+    """``down_per_slot`` of a step of a few tokens by ``_down_gemv_kernel`` reading nothing before it waits
+    (``DOWN_ROWS`` whole rows a program): [n, d] in slot order (``one``: a one-token step's)."""
     d, inter = down.shape[1], down.shape[2]
     per_slot = torch.empty((n, d), dtype=act.dtype, device=act.device)
-    _down_rows_kernel[(block_expert.numel(), triton.cdiv(d, DOWN_ROWS))](
-        act, down, weights, per_slot, slot_ids, block_expert, n, d, inter, act.stride(0), down.stride(0),
-        down.stride(1), per_slot.stride(0), BM=bm, KP=triton.next_power_of_2(inter), R=DOWN_ROWS, ONE=one,
-        num_warps=DOWN_ROWS_WARPS,
-        **chain.launch(act, "down"))
+    _down_gemv_kernel[(block_expert.numel(), triton.cdiv(d, DOWN_ROWS))](
+        act, down, weights, per_slot, slot_ids, block_expert, n, d, act.stride(0), down.stride(0), down.stride(1),
+        per_slot.stride(0), K=inter, KP=triton.next_power_of_2(inter), BM=bm, BN=DOWN_ROWS, ROW_ACT=True, EARLY=False,
+        ONE=one, num_warps=DOWN_ROWS_WARPS, **chain.launch(act, "down"))
     return per_slot
 
 
