@@ -5,8 +5,9 @@ intermediate 768, bf16, random weights).
 
 - ``grouped``: ``triton_moe.gate_up_product`` with the one-token tile it ships (``tiles_for(1)``): ``tl.dot`` tiles
   of ``bn`` gate and ``bn`` up rows by a ``bk`` chunk of K, pipelined over stages;
-- ``rows_R``: each program ``R`` gate rows and their ``R`` up rows, whole (K at once), as the dense GEMVs
-  (``kernels/triton_gemv.py``) read theirs: every load a run of whole 4 KB rows;
+- ``rows_R``: ``triton_moe.gate_up_rows`` (shipped since this probe's first run): each program ``R`` gate rows and
+  their ``R`` up rows, whole (K at once), as the dense GEMVs (``kernels/triton_gemv.py``) read theirs: every load a
+  run of whole 4 KB rows;
 - ``read_P``: no product, a read of the same bytes only: each expert's gate/up block (6.3 MB, contiguous) in ``P``
   contiguous shares, what the HBM gives this access at best.
 
@@ -24,23 +25,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-
-
-@triton.jit
-def _rows_kernel(H, W, Experts, Act, stride_e, inter, K: tl.constexpr, R: tl.constexpr):
-    # program (j, c): the token's j-th expert, gate rows c R .. c R + R - 1 and the same up rows, whole
-    j = tl.program_id(0)
-    e = tl.load(Experts + j).to(tl.int64)
-    rows = tl.program_id(1) * R + tl.arange(0, R)
-    kk = tl.arange(0, K)
-    base = W + e * stride_e
-    wg = tl.load(base + rows[:, None].to(tl.int64) * K + kk[None, :])
-    wu = tl.load(base + (rows[:, None] + inter).to(tl.int64) * K + kk[None, :])
-    x = tl.load(H + kk).to(tl.float32)
-    g = tl.sum(wg.to(tl.float32) * x[None, :], 1).to(Act.dtype.element_ty).to(tl.float32)
-    u = tl.sum(wu.to(tl.float32) * x[None, :], 1).to(Act.dtype.element_ty).to(tl.float32)
-    act = (g * tl.sigmoid(g)).to(Act.dtype.element_ty).to(tl.float32) * u
-    tl.store(Act + j * inter + rows, act.to(Act.dtype.element_ty))
 
 
 @triton.jit
@@ -86,18 +70,14 @@ def main(argv=None) -> int:
     def grouped():
         return [triton_moe.gate_up_product(hs[i], ws[i], routed[i][2], routed[i][3], k, tiles) for i in range(L)]
 
-    want = []
-    for i, act in enumerate(grouped()):  # the grouped kernel's product in choice order (block b: expert be[b])
-        be = routed[i][3].tolist()
-        want.append(torch.stack([act[be.index(e) * tiles.bm] for e in experts[i].tolist()]).float())
+    # the product's rows both forms write: each block's first (one token, one slot a block)
+    firsts = [(rt[3] >= 0).nonzero().flatten() * tiles.bm for rt in routed]
+    want = [act[f].float() for act, f in zip(grouped(), firsts)]
     forms = {"grouped": grouped}
-    acts = [torch.empty(k, inter, dtype=torch.bfloat16, device=dev) for _ in range(L)]
     for R, warps in ((1, 4), (2, 4), (2, 8), (4, 8), (8, 8), (16, 8)):
         def rows(R=R, warps=warps):
-            for i in range(L):
-                _rows_kernel[(k, inter // R)](hs[i], ws[i], experts[i], acts[i], ws[i].stride(0), inter, K=d, R=R,
-                                              num_warps=warps)
-            return acts
+            triton_moe.ROWS, triton_moe.ROWS_WARPS = R, warps
+            return [triton_moe.gate_up_rows(hs[i], ws[i], routed[i][2], routed[i][3], k, tiles.bm) for i in range(L)]
         forms[f"rows_{R}_w{warps}"] = rows
     outs = torch.empty(k * 1024, dtype=torch.float32, device=dev)
     per = 2 * inter * d
@@ -117,7 +97,7 @@ def main(argv=None) -> int:
         err = None
         if label.startswith("rows"):
             got = fn()
-            err = max(float((got[i].float() - want[i]).abs().max()) for i in range(L))
+            err = max(float((got[i][firsts[i]].float() - want[i]).abs().max()) for i in range(L))
         rows.append(dict(form=label, us=round(us, 2), GBps=round(nbytes / us / 1e3, 1),
                          of_copy=round(nbytes / us / 1e3 / copy_rate, 3), max_diff=err))
         print(f"{label:>24} {us:8.2f} us a layer {nbytes / us / 1e3:8.1f} GB/s ({nbytes / us / 1e3 / copy_rate:.1%} "

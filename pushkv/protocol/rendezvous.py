@@ -555,8 +555,7 @@ class PushRendezvous:
 
     def _cancel_writing(self, e, now, reason, answer=False) -> list[Action]:
         if answer and e.last_posted:  # the scheduler's: the last WRITE decides (module docstring)
-            out = self._abandon(e, now, reason, withdraw=True)
-            return out + [Count("withdrawn")]
+            return self._abandon(e, now, reason, withdraw=True) + [Count("withdrawn")]
         return self._abandon(e, now, reason) + [Count("cancelled")]
 
     def _expire_waiting(self, e, now) -> list[Action]:
