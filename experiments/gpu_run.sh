@@ -164,8 +164,9 @@ s.print_callees('_post_write|_prefill_done|on_ExpectKV|_poll_notifs')" 2>&1 | gr
     moerows) # a one-token step's experts as whole-row GEMVs (triton_moe.ROWS_ONE_TOKEN, DOWN_ROWS_ONE_TOKEN): the probe
             # with the batch-1 profiles, then the GPU tests (each product against the grouped kernels', float32 tokens);
             # a few tokens' (ROWS_TOKENS): PROBE_BATCHES=1,2,4,8 PROBE_VARIANTS=gemv1_2,rows_few_2,rows_few_4,rows_few_8
-            timeout 300 python3 -m experiments.moe_decode_probe --out "$OUT" --batches ${PROBE_BATCHES:-1,8} \
-              --reps ${REPS:-30} --variants ${PROBE_VARIANTS:-gemv1_2,rows_up,rows_down,rows_both,rows_both_4} 2>&1 \
+            timeout ${PROBE_TIMEOUT:-300} python3 -m experiments.moe_decode_probe --out "$OUT" --batches ${PROBE_BATCHES:-1,8} \
+              --reps ${REPS:-30} --variants ${PROBE_VARIANTS:-gemv1_2,rows_up,rows_down,rows_both,rows_both_4} \
+              --profile-batch ${PROFILE_BATCH:-1} 2>&1 \
               | tail -34
             timeout 200 python3 -m pytest -q -p no:cacheprovider tests/model/test_moe_kernel.py tests/model/test_gpu_graphs.py \
               -k "whole_row or (graphs_equal_transformers and (moe or mixtral))" -rfE 2>&1 \

@@ -61,7 +61,8 @@ Variants (each re-captures the graphs):
   whole-row GEMVs (``triton_moe.ROWS_ONE_TOKEN``, ``DOWN_ROWS_ONE_TOKEN``, shipped since: gate/up one row of each a
   program on 2 warps, down 4 rows on 4); ``rows_up``, ``rows_down``: one of the two only; ``rows_up_w4``,
   ``rows_up_2``, ``rows_both``, ``rows_both_4``, ``rows_down_R_W``: other rows and warps; ``rows_few_N``: the
-  whole-row kernels for steps of up to N tokens (``triton_moe.ROWS_TOKENS``).
+  whole-row kernels for steps of up to N tokens (``triton_moe.ROWS_TOKENS``); ``rows_few_2_up``: gate/up's for two
+  tokens, down by the GEMVs that read their weights before they wait.
 
 ``--variants both,gemv1_2`` times only those.
 
@@ -70,8 +71,8 @@ the weights and K/V a step reads, the experts counted as chosen, at the copy rat
 run); the chained variants' logits against the unchained ones' (the same bits: chaining changes no
 arithmetic), and the router's own dot against cuBLAS's and the ungrouped kernels against the grouped (close,
 and how often the greedy token agrees; the GEMVs against cuBLAS likewise). Then a profile of a batch-1 graph
-replay, before, with both and with the chained GEMVs: each kernel's GPU time a layer, and the time no kernel
-runs.
+replay (``--profile-batch``), before, with both and with the chained GEMVs: each kernel's GPU time a layer, and the
+time no kernel runs.
 
     python3 -m experiments.moe_decode_probe --out DIR    (from the checkout's root; a few minutes on an H200)
 
@@ -223,6 +224,8 @@ VARIANTS = {"before": Flags(False, 0, "grouped", 0, 8), "router": Flags(False, 1
             "grouped": SHIPPED._replace(rows_up=False, rows_down=False),
             # the whole-row kernels for steps of up to N tokens (triton_moe.ROWS_TOKENS), each block's rows read once
             **{f"rows_few_{n}": SHIPPED._replace(rows_tokens=n) for n in (2, 4, 8)},
+            # gate/up's rows for two tokens, their down by the GEMVs that read their weights before they wait
+            "rows_few_2_up": SHIPPED._replace(rows_tokens=2, rows_down=False),
             "own_all_kv": _OWN_ALL._replace(prefetch_kv=True),
             "prefetch_down_l2": SHIPPED._replace(prefetch_down_tokens=8, l2_set_aside=True),
             "own_all_l2": _OWN_ALL._replace(l2_set_aside=True),
@@ -248,13 +251,13 @@ PAIRS = (("router", "before"), ("ungrouped", "both"), ("gemv", "both"), ("gemv1_
          ("rows_down_4_4", "rows_both"), ("rows_down_16_4", "rows_both"), ("rows_down_16_8", "rows_both"),
          ("rows_down_32_8", "rows_both"), ("grouped_up", "gemv1_2"), ("grouped", "gemv1_2"),
          ("rows_up_w4", "gemv1_2"), ("rows_up_2", "gemv1_2"), ("rows_down_2_4", "gemv1_2"), ("rows_few_2", "gemv1_2"),
-         ("rows_few_4", "gemv1_2"), ("rows_few_8", "gemv1_2"))
+         ("rows_few_4", "gemv1_2"), ("rows_few_8", "gemv1_2"), ("rows_few_2_up", "gemv1_2"))
 
 # the variants whose batch-1 replay is profiled kernel by kernel, where they are timed
 PROFILED = ("before", "both", "gemv", "gemv1_2", "self_route_merge", "down_gemv_8", "prefetch_down", "one_launch",
             "one_launch_prefetch", "ahead_o_sum", "ahead_all", "own", "own_all", "one_launch_own", "one_launch_all",
             "own_all_kv", "own_all_l2", "persistent", "early_o", "early_small", "early_all", "route_one",
-            "route_general", "rows_both")
+            "route_general", "rows_both", "grouped", "rows_few_2", "rows_few_2_up")
 
 
 def set_variant(fwd, name: str) -> int:
@@ -469,8 +472,8 @@ def markdown(rep: dict) -> str:
                 f"{n} {r[n]['ms']:.3f} ({(r[n]['ms'] / ship - 1) * 100:+.1f} %)" for n in ranked)]
     out.append("")
     for name, p in rep["profile"].items():
-        out += [f"Batch-1 graph replay, {name}: {p['span_us_a_layer']} us a layer, kernels busy "
-                f"{p['busy_us_a_layer']} us",
+        out += [f"Batch-{rep.get('profile_batch', 1)} graph replay, {name}: {p['span_us_a_layer']} us a layer, "
+                f"kernels busy {p['busy_us_a_layer']} us",
                 "", "| us a layer | kernel |", "| --- | --- |"]
         out += [f"| {k['us']} | `{k['kernel']}` |" for k in p["kernel_us_a_layer"]]
         out.append("")
@@ -519,6 +522,7 @@ def main() -> None:
     ap.add_argument("--model", default="qwen3-30b-a3b", help="a preset (a dense one: --chain-only)")
     ap.add_argument("--chain-only", action="store_true", help="only 'before' and 'pdl' (chained launches off and "
                     "on), no profile: what chaining gives a model")
+    ap.add_argument("--profile-batch", type=int, default=1, help="the batch whose graph replay is profiled")
     ap.add_argument("--variants", default="", help="comma-separated names of VARIANTS to time (default: all)")
     ap.add_argument("--plot", metavar="JSON", help="only draw DIR/moe_decode.png from a saved moe_decode.json "
                     "(here, after a GPU run)")
@@ -582,7 +586,8 @@ def main() -> None:
         rep["rows"].append(row)
         print(json.dumps(row), flush=True)
         save(rep, args.out)  # each batch as it is measured: a run cut short keeps what it had
-    run = functools.partial(fwd.logits, decode_seqs(cfg, 1, args.ctx, 16), views)
+    run = functools.partial(fwd.logits, decode_seqs(cfg, args.profile_batch, args.ctx, 16), views)
+    rep["profile_batch"] = args.profile_batch
     for name in [v for v in PROFILED + ("swept_1",) if v in variants] if len(variants) > 2 else ():
         set_variant(fwd, name)
         rep["profile"][name] = profile_step(run, cfg.num_layers)

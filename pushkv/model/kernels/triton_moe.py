@@ -358,12 +358,13 @@ def _down_kernel(Act, W, Weights, Out, SlotIds, BlockExpert, n_slots, d, inter,
 
 @triton.jit(do_not_specialize=["n_slots"])
 def _gate_up_rows_kernel(H, W, Act, SlotIds, BlockExpert, n_slots, d, inter, k_top, stride_h, stride_we, stride_wn,
-                         stride_act, BM: tl.constexpr, KP: tl.constexpr, R: tl.constexpr, ONE: tl.constexpr,
+                         stride_act, BM: tl.constexpr, KP: tl.constexpr, R: tl.constexpr, TM: tl.constexpr,
                          PDL: tl.constexpr, NEXT_EARLY: tl.constexpr = False):
     """A few tokens' ``silu(gate) * up`` as whole-row GEMVs: program (j, c) reads gate rows c R .. c R + R - 1 of row
     block j's expert and the same up rows, each a run of d contiguous weights, once, and for each slot of the block
     (its slots first, padding after) writes that row of the product (``ROW_ACT``'s place, where the down kernels
-    read it). ``ONE``: a one-token step, one slot a block, at its first row (the slot table is not read)."""
+    read it). ``TM``: the most slots a block holds (the step's tokens: each picks an expert once), unrolled, so every
+    token's row is asked for at once; 1, a one-token step, one slot a block at its first row (no slot table read)."""
     wait_prior(PDL, NEXT_EARLY)
     j = tl.program_id(0)
     e = tl.load(BlockExpert + j).to(tl.int64)
@@ -375,22 +376,22 @@ def _gate_up_rows_kernel(H, W, Act, SlotIds, BlockExpert, n_slots, d, inter, k_t
         wg = tl.load(base + rows[:, None].to(tl.int64) * stride_wn + kk[None, :], mask=m, other=0.0).to(tl.float32)
         wu = tl.load(base + (rows[:, None] + inter).to(tl.int64) * stride_wn + kk[None, :], mask=m,
                      other=0.0).to(tl.float32)
-        if ONE:
-            count = 1
-        else:
+        if TM > 1:
             slots = tl.load(SlotIds + j * BM + tl.arange(0, BM))
-            count = tl.sum((slots < n_slots).to(tl.int32), 0)
-        for i in range(count):
+        for i in tl.static_range(TM):
             tok = 0
-            if not ONE:
-                tok = _nth(slots, i, BM) // k_top
+            live = True
+            if TM > 1:
+                slot = _nth(slots, i, BM)
+                live = slot < n_slots
+                tok = tl.where(live, slot // k_top, 0)
             x = tl.load(H + tok * stride_h + kk, mask=kk < d, other=0.0).to(tl.float32)
             # each projection a float32 sum over the whole row, rounded to the model dtype, as the grouped kernel's
             g = tl.sum(wg * x[None, :], 1).to(Act.dtype.element_ty).to(tl.float32)
             u = tl.sum(wu * x[None, :], 1).to(Act.dtype.element_ty).to(tl.float32)
             act = (g * tl.sigmoid(g)).to(Act.dtype.element_ty).to(tl.float32) * u
             tl.store(Act + (j * BM + i).to(tl.int64) * stride_act + rows, act.to(Act.dtype.element_ty),
-                     mask=rows < inter)
+                     mask=(rows < inter) & live)
 
 
 @triton.jit
@@ -402,14 +403,15 @@ def _nth(slots, i, BM: tl.constexpr):
 @triton.jit(do_not_specialize=["n_slots"])
 def _down_gemv_kernel(Act, W, Weights, Out, SlotIds, BlockExpert, n_slots, d, stride_act, stride_we, stride_wn,
                       stride_out, K: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                      ROW_ACT: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr = True, ONE: tl.constexpr = False,
+                      ROW_ACT: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr = True, TM: tl.constexpr = 0,
                       NEXT_EARLY: tl.constexpr = False):
     """``_down_kernel``'s products as GEMVs, a row block's BN output columns a program (each a whole row of K weights,
     read once for every slot of the block), for a step of a few tokens. ``EARLY`` (``DOWN_GEMV_TOKENS``): the
     grouping's tables come from the routing launch, which finished before gate/up began, so this kernel may read them,
     and its expert's weights, before it waits for gate/up's products: chained, the weights stream in while gate/up
-    runs. Else (``DOWN_ROWS_ONE_TOKEN``) it reads nothing before it waits. ``ONE``: a one-token step, a block's one
-    slot at its first row."""
+    runs; the block's slots in a loop. Else (``DOWN_ROWS_ONE_TOKEN``, ``ROWS_TOKENS``) it reads nothing before it
+    waits, and ``TM`` is the most slots a block holds, unrolled (1: a one-token step, a block's one slot at its first
+    row)."""
     pid_m = tl.program_id(0)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     kk = tl.arange(0, KP)
@@ -420,33 +422,44 @@ def _down_gemv_kernel(Act, W, Weights, Out, SlotIds, BlockExpert, n_slots, d, st
         w = tl.load(W + tl.maximum(e, 0) * stride_we + cols[:, None].to(tl.int64) * stride_wn + kk[None, :],
                     mask=wmask & (e >= 0), other=0.0)
         wait_prior(PDL, NEXT_EARLY)
+        if e >= 0:
+            # a block's slots come first, its padding (n_slots) after
+            for r in range(tl.sum((slots < n_slots).to(tl.int32), 0)):
+                slot = _nth(slots, r, BM).to(tl.int64)
+                _down_row(Act, Weights, Out, w, slot, (pid_m * BM + r).to(tl.int64) if ROW_ACT else slot, cols, kk,
+                          d, K, stride_act, stride_out, True)
     else:
         wait_prior(PDL, NEXT_EARLY)
         e = tl.load(BlockExpert + pid_m).to(tl.int64)
-    # a block's slots come first, its padding (n_slots) after
-    if ONE:
-        first = tl.load(SlotIds + pid_m * BM)
-        count = (first < n_slots).to(tl.int32)
-    else:
-        if not EARLY:
+        if TM == 1:
+            first = tl.load(SlotIds + pid_m * BM)
+            todo = (e >= 0) & (first < n_slots)
+        else:
             slots = tl.load(SlotIds + pid_m * BM + tl.arange(0, BM))
-        count = tl.sum((slots < n_slots).to(tl.int32), 0)
-    if (e >= 0) & (count > 0):
-        if not EARLY:
+            todo = e >= 0
+        if todo:
             w = tl.load(W + e * stride_we + cols[:, None].to(tl.int64) * stride_wn + kk[None, :], mask=wmask,
                         other=0.0)
-        for r in range(count):
-            if ONE:
-                slot = first.to(tl.int64)
-            else:
-                slot = _nth(slots, r, BM).to(tl.int64)
-            a_row = (pid_m * BM + r).to(tl.int64) if ROW_ACT else slot
-            a = tl.load(Act + a_row * stride_act + kk, mask=kk < K, other=0.0).to(tl.float32)
-            y = tl.sum(w.to(tl.float32) * a[None, :], 1)
-            wt = tl.load(Weights + slot).to(tl.float32)
-            # rounded as _down_kernel rounds: the projection, then its product with the weight
-            y = y.to(Out.dtype.element_ty).to(tl.float32) * wt
-            tl.store(Out + slot * stride_out + cols, y.to(Out.dtype.element_ty), mask=cols < d)
+            for r in tl.static_range(TM):
+                if TM == 1:
+                    slot = first.to(tl.int64)
+                else:
+                    slot = _nth(slots, r, BM).to(tl.int64)
+                # (ROW_ACT: gate_up_rows writes a block's slots' products at its rows)
+                _down_row(Act, Weights, Out, w, slot, (pid_m * BM + r).to(tl.int64), cols, kk, d, K, stride_act,
+                          stride_out, slot < n_slots)
+
+
+@triton.jit
+def _down_row(Act, Weights, Out, w, slot, a_row, cols, kk, d, K: tl.constexpr, stride_act, stride_out, live):
+    """One slot's down projection by a program's rows ``w``: its product row ``a_row`` against them, rounded as
+    ``_down_kernel`` rounds (the projection, then its product with the slot's weight), stored at its slot's columns
+    (``live``: a slot, not padding)."""
+    a = tl.load(Act + a_row * stride_act + kk, mask=(kk < K) & live, other=0.0).to(tl.float32)
+    y = tl.sum(w.to(tl.float32) * a[None, :], 1)
+    wt = tl.load(Weights + slot, mask=live, other=0.0).to(tl.float32)
+    y = y.to(Out.dtype.element_ty).to(tl.float32) * wt
+    tl.store(Out + slot * stride_out + cols, y.to(Out.dtype.element_ty), mask=(cols < d) & live)
 
 
 def group_slots(experts: torch.Tensor, num_experts: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -798,21 +811,22 @@ def gate_up_rows(h: torch.Tensor, gate_up: torch.Tensor, slot_ids: torch.Tensor,
     act = torch.empty((blocks * bm, inter), dtype=h.dtype, device=h.device)
     _gate_up_rows_kernel[(blocks, triton.cdiv(inter, ROWS))](
         h, gate_up, act, slot_ids, block_expert, T * k, d, inter, k, h.stride(0), gate_up.stride(0), gate_up.stride(1),
-        act.stride(0), BM=bm, KP=triton.next_power_of_2(d), R=ROWS, ONE=T == 1, num_warps=ROWS_WARPS,
+        act.stride(0), BM=bm, KP=triton.next_power_of_2(d), R=ROWS, TM=min(T, bm), num_warps=ROWS_WARPS,
         **chain.launch(h, "gate_up"))
     return act
 
 
 def down_rows(act: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, slot_ids: torch.Tensor,
-              block_expert: torch.Tensor, n: int, bm: int, one: bool) -> torch.Tensor:
+              block_expert: torch.Tensor, n: int, bm: int, tokens: int) -> torch.Tensor:
     """``down_per_slot`` of a step of a few tokens by ``_down_gemv_kernel`` reading nothing before it waits
-    (``DOWN_ROWS`` whole rows a program): [n, d] in slot order (``one``: a one-token step's)."""
+    (``DOWN_ROWS`` whole rows a program): [n, d] in slot order (``tokens``: the step's, the most slots a block
+    holds)."""
     d, inter = down.shape[1], down.shape[2]
     per_slot = torch.empty((n, d), dtype=act.dtype, device=act.device)
     _down_gemv_kernel[(block_expert.numel(), triton.cdiv(d, DOWN_ROWS))](
         act, down, weights, per_slot, slot_ids, block_expert, n, d, act.stride(0), down.stride(0), down.stride(1),
         per_slot.stride(0), K=inter, KP=triton.next_power_of_2(inter), BM=bm, BN=DOWN_ROWS, ROW_ACT=True, EARLY=False,
-        ONE=one, num_warps=DOWN_ROWS_WARPS, **chain.launch(act, "down"))
+        TM=min(tokens, bm), num_warps=DOWN_ROWS_WARPS, **chain.launch(act, "down"))
     return per_slot
 
 
@@ -885,7 +899,7 @@ def moe_mlp(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: 
         act = gate_up_product(h, gate_up.contiguous(), slot_ids, block_expert, k, tl_, route, weights,
                               down if T <= PREFETCH_DOWN_TOKENS else None, own)
     if rows and DOWN_ROWS_ONE_TOKEN:
-        per_slot = down_rows(act, down, weights, slot_ids, block_expert, n, tl_.bm, T == 1)
+        per_slot = down_rows(act, down, weights, slot_ids, block_expert, n, tl_.bm, T)
     # the down GEMVs read the tables before they wait: only a routing launch's, never those gate/up writes
     elif route is None and T <= DOWN_GEMV_TOKENS and down.shape[2] <= TILE_DEPTH:
         per_slot = down_gemv(act, down, weights, slot_ids, block_expert, n, tl_.bm)
