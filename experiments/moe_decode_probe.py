@@ -61,8 +61,9 @@ Variants (each re-captures the graphs):
   whole-row GEMVs (``triton_moe.ROWS_ONE_TOKEN``, ``DOWN_ROWS_ONE_TOKEN``, shipped since: gate/up one row of each a
   program on 2 warps, down 4 rows on 4); ``rows_up``, ``rows_down``: one of the two only; ``rows_up_w4``,
   ``rows_up_2``, ``rows_both``, ``rows_both_4``, ``rows_down_R_W``: other rows and warps; ``rows_few_N``: the
-  whole-row kernels for steps of up to N tokens (``triton_moe.ROWS_TOKENS``); ``rows_few_2_up``: gate/up's for two
-  tokens, down by the GEMVs that read their weights before they wait.
+  whole-row kernels for steps of up to N tokens (``triton_moe.ROWS_TOKENS``: 2 ships since 2026-12-06's run, the
+  same step as ``gemv1_2``; ``rows_few_1``: as before); ``rows_few_2_up``: gate/up's for two tokens, down by the
+  GEMVs that read their weights before they wait.
 
 ``--variants both,gemv1_2`` times only those.
 
@@ -153,7 +154,7 @@ _EARLY_SMALL = frozenset({"add_rms", "rope", "attn", "merge", "norm_router", "ro
 # the shipped step (``gemv1_2``); the key-tile prefetch is on since 2026-12-05's run (``ahead_kv``: the same step,
 # kept under its name; ``no_kv``: without it)
 SHIPPED = Flags(True, 16, "grouped", 1, 2, prefetch_kv=True, router_early=True, early_next=_EARLY_O,
-                route_one=True, rows_up=True, rows_down=True, rows_warps=2, down_rows=4)
+                route_one=True, rows_up=True, rows_down=True, rows_warps=2, down_rows=4, rows_tokens=2)
 _UNGROUPED = SHIPPED._replace(moe_decode="ungrouped")
 _OWN_ALL = SHIPPED._replace(prefetch_down_tokens=8, ahead_tokens=8, ahead=frozenset({"o", "qkv_sum"}),
                             prefetch_own_tokens=8)
@@ -222,8 +223,9 @@ VARIANTS = {"before": Flags(False, 0, "grouped", 0, 8), "router": Flags(False, 1
             "grouped_up": SHIPPED._replace(rows_up=False),
             # the grouped kernels for gate/up and down at one token, as shipped before 2026-12-06's rows
             "grouped": SHIPPED._replace(rows_up=False, rows_down=False),
-            # the whole-row kernels for steps of up to N tokens (triton_moe.ROWS_TOKENS), each block's rows read once
-            **{f"rows_few_{n}": SHIPPED._replace(rows_tokens=n) for n in (2, 4, 8)},
+            # the whole-row kernels for steps of up to N tokens (triton_moe.ROWS_TOKENS, 2 shipped since 2026-12-06's
+            # run; rows_few_1: as before it), each block's rows read once
+            **{f"rows_few_{n}": SHIPPED._replace(rows_tokens=n) for n in (1, 2, 4, 8)},
             # gate/up's rows for two tokens, their down by the GEMVs that read their weights before they wait
             "rows_few_2_up": SHIPPED._replace(rows_tokens=2, rows_down=False),
             "own_all_kv": _OWN_ALL._replace(prefetch_kv=True),
@@ -250,14 +252,14 @@ PAIRS = (("router", "before"), ("ungrouped", "both"), ("gemv", "both"), ("gemv1_
          ("rows_up", "grouped_up"), ("rows_down", "grouped_up"), ("rows_both", "rows_up"), ("rows_both_4", "rows_both"),
          ("rows_down_4_4", "rows_both"), ("rows_down_16_4", "rows_both"), ("rows_down_16_8", "rows_both"),
          ("rows_down_32_8", "rows_both"), ("grouped_up", "gemv1_2"), ("grouped", "gemv1_2"),
-         ("rows_up_w4", "gemv1_2"), ("rows_up_2", "gemv1_2"), ("rows_down_2_4", "gemv1_2"), ("rows_few_2", "gemv1_2"),
-         ("rows_few_4", "gemv1_2"), ("rows_few_8", "gemv1_2"), ("rows_few_2_up", "gemv1_2"))
+         ("rows_up_w4", "gemv1_2"), ("rows_up_2", "gemv1_2"), ("rows_down_2_4", "gemv1_2"), ("rows_few_1", "gemv1_2"),
+         ("rows_few_2", "gemv1_2"), ("rows_few_4", "gemv1_2"), ("rows_few_8", "gemv1_2"), ("rows_few_2_up", "gemv1_2"))
 
 # the variants whose batch-1 replay is profiled kernel by kernel, where they are timed
 PROFILED = ("before", "both", "gemv", "gemv1_2", "self_route_merge", "down_gemv_8", "prefetch_down", "one_launch",
             "one_launch_prefetch", "ahead_o_sum", "ahead_all", "own", "own_all", "one_launch_own", "one_launch_all",
             "own_all_kv", "own_all_l2", "persistent", "early_o", "early_small", "early_all", "route_one",
-            "route_general", "rows_both", "grouped", "rows_few_2", "rows_few_2_up")
+            "route_general", "rows_both", "grouped", "rows_few_1", "rows_few_2_up")
 
 
 def set_variant(fwd, name: str) -> int:

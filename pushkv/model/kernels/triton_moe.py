@@ -551,8 +551,9 @@ DOWN_ROWS_ONE_TOKEN = True
 ROWS, ROWS_WARPS = 1, 2  # gate/up: rows (of each of gate and up) a program, warps
 DOWN_ROWS, DOWN_ROWS_WARPS = 4, 4  # down: rows a program, warps
 # steps of up to this many tokens take them (a graph bucket bound): each program reads its rows once for every slot
-# of its block. Above 1 not yet timed on a GPU (two tokens' step was 1.56-1.58x its bound with the grouped kernels)
-ROWS_TOKENS = 1
+# of its block (the slots unrolled). On an H100 a two-token step went 5.02 -> 4.92 ms (1.57x -> 1.54x its bound;
+# variant ``rows_few_1``: docs/results/2026-12-06-moe-rows-h100); at four tokens rows and tiles were as fast
+ROWS_TOKENS = 2
 
 # A one-token step's routing and grouping in registers (``_route_one_kernel``: the k rounds once, one reduction a
 # round, each choice's block its rank), not through the general kernel's fill, counts and scans. The same tables and
