@@ -63,7 +63,7 @@ Variants (each re-captures the graphs):
   ``rows_up_2``, ``rows_both``, ``rows_both_4``, ``rows_down_R_W``: other rows and warps; ``rows_few_N``: the
   whole-row kernels for steps of up to N tokens (``triton_moe.ROWS_TOKENS``: 2 ships since 2026-12-06's run, the
   same step as ``gemv1_2``; ``rows_few_1``: as before); ``rows_few_2_up``: gate/up's for two tokens, down by the
-  GEMVs that read their weights before they wait.
+  grouped kernel.
 
 ``--variants both,gemv1_2`` times only those.
 
@@ -226,7 +226,7 @@ VARIANTS = {"before": Flags(False, 0, "grouped", 0, 8), "router": Flags(False, 1
             # the whole-row kernels for steps of up to N tokens (triton_moe.ROWS_TOKENS, 2 shipped since 2026-12-06's
             # run; rows_few_1: as before it), each block's rows read once
             **{f"rows_few_{n}": SHIPPED._replace(rows_tokens=n) for n in (1, 2, 4, 8)},
-            # gate/up's rows for two tokens, their down by the GEMVs that read their weights before they wait
+            # gate/up's rows for two tokens, their down by the grouped kernel
             "rows_few_2_up": SHIPPED._replace(rows_tokens=2, rows_down=False),
             "own_all_kv": _OWN_ALL._replace(prefetch_kv=True),
             "prefetch_down_l2": SHIPPED._replace(prefetch_down_tokens=8, l2_set_aside=True),
