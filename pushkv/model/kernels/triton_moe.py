@@ -441,13 +441,15 @@ def _down_gemv_kernel(Act, W, Weights, Out, SlotIds, BlockExpert, n_slots, d, st
             w = tl.load(W + e * stride_we + cols[:, None].to(tl.int64) * stride_wn + kk[None, :], mask=wmask,
                         other=0.0)
             for r in tl.static_range(TM):
-                if TM == 1:
+                if TM == 1:  # (its one slot, known live)
                     slot = first.to(tl.int64)
+                    live = True
                 else:
                     slot = _nth(slots, r, BM).to(tl.int64)
+                    live = slot < n_slots
                 # (ROW_ACT: gate_up_rows writes a block's slots' products at its rows)
                 _down_row(Act, Weights, Out, w, slot, (pid_m * BM + r).to(tl.int64), cols, kk, d, K, stride_act,
-                          stride_out, slot < n_slots)
+                          stride_out, live)
 
 
 @triton.jit
