@@ -161,9 +161,10 @@ s.print_callees('_post_write|_prefill_done|on_ExpectKV|_poll_notifs')" 2>&1 | gr
     moetiles) # the grouped MoE kernels' decode tiles swept on this card (experiments/moe_decode_probe.py --sweep-tokens)
             timeout 560 python3 -m experiments.moe_decode_probe --out "$OUT" --batches 1 --reps ${REPS:-20} \
               --sweep-tokens ${SWEEP_TOKENS:-1} --then-time 2>&1 | grep -v "failed:" | tail -40 ;;
-    moerows) # a one-token step's experts as whole-row GEMVs (triton_moe.ROWS_ONE_TOKEN, DOWN_ROWS_ONE_TOKEN): the probe
-            # with the batch-1 profiles, then the GPU tests (each product against the grouped kernels', float32 tokens);
-            # a few tokens' (ROWS_TOKENS): PROBE_BATCHES=1,2,4,8 PROBE_VARIANTS=gemv1_2,rows_few_2,rows_few_4,rows_few_8
+    moerows) # a step's experts as whole-row GEMVs (triton_moe.ROWS_ONE_TOKEN, DOWN_ROWS_ONE_TOKEN, up to ROWS_TOKENS):
+            # the probe with a batch's profiles (PROFILE_BATCH, 1), then the GPU tests (each product against the grouped
+            # kernels', float32 tokens); two tokens': PROBE_BATCHES=1,2,4 PROFILE_BATCH=2
+            # PROBE_VARIANTS=gemv1_2,grouped,rows_few_1,rows_few_2_up,rows_few_4
             timeout ${PROBE_TIMEOUT:-300} python3 -m experiments.moe_decode_probe --out "$OUT" --batches ${PROBE_BATCHES:-1,8} \
               --reps ${REPS:-30} --variants ${PROBE_VARIANTS:-gemv1_2,rows_up,rows_down,rows_both,rows_both_4} \
               --profile-batch ${PROFILE_BATCH:-1} 2>&1 \

@@ -57,9 +57,9 @@ Variants (each re-captures the graphs):
   2026-12-05's run (the same step as ``gemv1_2``, kept under its name); ``early_none``: as before it. Two more were
   timed on 2026-12-05 and taken out (docs/results/2026-12-05-rope-guess): the attention doing RoPE and the K/V
   store itself, and gate/up guessing its experts ahead of the routing.
-- ``grouped``: the shipped step with a one-token step's experts through the grouped kernels, as before 2026-12-06's
-  whole-row GEMVs (``triton_moe.ROWS_ONE_TOKEN``, ``DOWN_ROWS_ONE_TOKEN``, shipped since: gate/up one row of each a
-  program on 2 warps, down 4 rows on 4); ``rows_up``, ``rows_down``: one of the two only; ``rows_up_w4``,
+- ``grouped``: the shipped step with a one- or two-token step's experts through the grouped kernels, as before
+  2026-12-06's whole-row GEMVs (``triton_moe.ROWS_ONE_TOKEN``, ``DOWN_ROWS_ONE_TOKEN``, shipped since: gate/up one
+  row of each a program on 2 warps, down 4 rows on 4); ``rows_up``, ``rows_down``: one of the two only; ``rows_up_w4``,
   ``rows_up_2``, ``rows_both``, ``rows_both_4``, ``rows_down_R_W``: other rows and warps; ``rows_few_N``: the
   whole-row kernels for steps of up to N tokens (``triton_moe.ROWS_TOKENS``: 2 ships since 2026-12-06's run, the
   same step as ``gemv1_2``; ``rows_few_1``: as before); ``rows_few_2_up``: gate/up's for two tokens, down by the
@@ -255,7 +255,7 @@ PAIRS = (("router", "before"), ("ungrouped", "both"), ("gemv", "both"), ("gemv1_
          ("rows_up_w4", "gemv1_2"), ("rows_up_2", "gemv1_2"), ("rows_down_2_4", "gemv1_2"), ("rows_few_1", "gemv1_2"),
          ("rows_few_2", "gemv1_2"), ("rows_few_4", "gemv1_2"), ("rows_few_8", "gemv1_2"), ("rows_few_2_up", "gemv1_2"))
 
-# the variants whose batch-1 replay is profiled kernel by kernel, where they are timed
+# the variants whose replay (--profile-batch, 1) is profiled kernel by kernel, where they are timed
 PROFILED = ("before", "both", "gemv", "gemv1_2", "self_route_merge", "down_gemv_8", "prefetch_down", "one_launch",
             "one_launch_prefetch", "ahead_o_sum", "ahead_all", "own", "own_all", "one_launch_own", "one_launch_all",
             "own_all_kv", "own_all_l2", "persistent", "early_o", "early_small", "early_all", "route_one",

@@ -546,8 +546,8 @@ PERSISTENT_ONE_TOKEN = False
 # experiments/expert_stream_probe.py), and Qwen3-30B-A3B's batch-1 step went 3.22 -> 3.02 ms (1.59x -> 1.49x its
 # bytes bound; experiments/moe_decode_probe.py, variant ``grouped``; docs/results/2026-12-06-moe-rows-h100). Down at
 # one row a program (1.5 KB) was twice as slow as the grouped kernel; at 4 as fast or a little faster. They sum in
-# another order than the grouped kernels (rounding, not bits). Steps of more tokens keep the grouped kernels, up to
-# ``ROWS_TOKENS`` (below)
+# another order than the grouped kernels (rounding, not bits). The switches serve steps of up to ``ROWS_TOKENS``
+# tokens (below); longer steps keep the grouped kernels
 ROWS_ONE_TOKEN = True
 DOWN_ROWS_ONE_TOKEN = True
 ROWS, ROWS_WARPS = 1, 2  # gate/up: rows (of each of gate and up) a program, warps
