@@ -64,6 +64,8 @@ Variants (each re-captures the graphs):
   whole-row kernels for steps of up to N tokens (``triton_moe.ROWS_TOKENS``: 2 ships since 2026-12-06's run, the
   same step as ``gemv1_2``; ``rows_few_1``: as before); ``rows_few_2_up``: gate/up's for two tokens, down by the
   grouped kernel.
+- ``gemv_tok_N``: the shipped step with the qkv and o projections of steps of up to N tokens as the GEMVs that load
+  their weights before they wait (``batched.GEMV_TOKENS``, 1 shipped), not cuBLAS.
 
 ``--variants both,gemv1_2`` times only those.
 
@@ -226,6 +228,9 @@ VARIANTS = {"before": Flags(False, 0, "grouped", 0, 8), "router": Flags(False, 1
             # the whole-row kernels for steps of up to N tokens (triton_moe.ROWS_TOKENS, 2 shipped since 2026-12-06's
             # run; rows_few_1: as before it), each block's rows read once
             **{f"rows_few_{n}": SHIPPED._replace(rows_tokens=n) for n in (1, 2, 4, 8)},
+            # the qkv and o projections as GEMVs (kernels/triton_gemv.py) for steps of up to N tokens, not cuBLAS
+            # (batched.GEMV_TOKENS, 1 shipped)
+            **{f"gemv_tok_{n}": SHIPPED._replace(gemv_tokens=n) for n in (2, 4, 8)},
             # gate/up's rows for two tokens, their down by the grouped kernel
             "rows_few_2_up": SHIPPED._replace(rows_tokens=2, rows_down=False),
             "own_all_kv": _OWN_ALL._replace(prefetch_kv=True),
@@ -253,13 +258,15 @@ PAIRS = (("router", "before"), ("ungrouped", "both"), ("gemv", "both"), ("gemv1_
          ("rows_down_4_4", "rows_both"), ("rows_down_16_4", "rows_both"), ("rows_down_16_8", "rows_both"),
          ("rows_down_32_8", "rows_both"), ("grouped_up", "gemv1_2"), ("grouped", "gemv1_2"),
          ("rows_up_w4", "gemv1_2"), ("rows_up_2", "gemv1_2"), ("rows_down_2_4", "gemv1_2"), ("rows_few_1", "gemv1_2"),
-         ("rows_few_2", "gemv1_2"), ("rows_few_4", "gemv1_2"), ("rows_few_8", "gemv1_2"), ("rows_few_2_up", "gemv1_2"))
+         ("rows_few_2", "gemv1_2"), ("rows_few_4", "gemv1_2"), ("rows_few_8", "gemv1_2"), ("rows_few_2_up", "gemv1_2"),
+         ("gemv_tok_2", "gemv1_2"), ("gemv_tok_4", "gemv1_2"), ("gemv_tok_8", "gemv1_2"))
 
 # the variants whose replay (--profile-batch, 1) is profiled kernel by kernel, where they are timed
 PROFILED = ("before", "both", "gemv", "gemv1_2", "self_route_merge", "down_gemv_8", "prefetch_down", "one_launch",
             "one_launch_prefetch", "ahead_o_sum", "ahead_all", "own", "own_all", "one_launch_own", "one_launch_all",
             "own_all_kv", "own_all_l2", "persistent", "early_o", "early_small", "early_all", "route_one",
-            "route_general", "rows_both", "grouped", "rows_few_1", "rows_few_2_up")
+            "route_general", "rows_both", "grouped", "rows_few_1", "rows_few_2_up", "gemv_tok_2",
+            "gemv_tok_4", "gemv_tok_8")
 
 
 def set_variant(fwd, name: str) -> int:

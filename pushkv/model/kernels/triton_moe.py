@@ -363,8 +363,10 @@ def _gate_up_rows_kernel(H, W, Act, SlotIds, BlockExpert, n_slots, d, inter, k_t
     """A few tokens' ``silu(gate) * up`` as whole-row GEMVs: program (j, c) reads gate rows c R .. c R + R - 1 of row
     block j's expert and the same up rows, each a run of d contiguous weights, once, and for each slot of the block
     (its slots first, padding after) writes that row of the product (``ROW_ACT``'s place, where the down kernels
-    read it). ``TM``: the most slots a block holds (the step's tokens: each picks an expert once), unrolled, so every
-    token's row is asked for at once; 1, a one-token step, one slot a block at its first row (no slot table read)."""
+    read it). ``TM``: the step's tokens, clipped to the block's rows; 1, a one-token step: one slot a block, at its
+    first row, straight-line (no slot table read); more: a loop over the block's live slots (an unrolled loop of
+    ``TM`` masked slots was 3.5 % slower at two tokens and 38 % at four on an H100:
+    docs/results/2026-12-06-moe-gemv-h100)."""
     wait_prior(PDL, NEXT_EARLY)
     j = tl.program_id(0)
     e = tl.load(BlockExpert + j).to(tl.int64)
@@ -376,22 +378,25 @@ def _gate_up_rows_kernel(H, W, Act, SlotIds, BlockExpert, n_slots, d, inter, k_t
         wg = tl.load(base + rows[:, None].to(tl.int64) * stride_wn + kk[None, :], mask=m, other=0.0).to(tl.float32)
         wu = tl.load(base + (rows[:, None] + inter).to(tl.int64) * stride_wn + kk[None, :], mask=m,
                      other=0.0).to(tl.float32)
-        if TM > 1:
+        if TM == 1:
+            _gate_up_row(H, Act, wg, wu, 0, j * BM, rows, kk, d, inter, stride_h, stride_act)
+        else:
             slots = tl.load(SlotIds + j * BM + tl.arange(0, BM))
-        for i in tl.static_range(TM):
-            tok = 0
-            live = True
-            if TM > 1:
-                slot = _nth(slots, i, BM)
-                live = slot < n_slots
-                tok = tl.where(live, slot // k_top, 0)
-            x = tl.load(H + tok * stride_h + kk, mask=kk < d, other=0.0).to(tl.float32)
-            # each projection a float32 sum over the whole row, rounded to the model dtype, as the grouped kernel's
-            g = tl.sum(wg * x[None, :], 1).to(Act.dtype.element_ty).to(tl.float32)
-            u = tl.sum(wu * x[None, :], 1).to(Act.dtype.element_ty).to(tl.float32)
-            act = (g * tl.sigmoid(g)).to(Act.dtype.element_ty).to(tl.float32) * u
-            tl.store(Act + (j * BM + i).to(tl.int64) * stride_act + rows, act.to(Act.dtype.element_ty),
-                     mask=(rows < inter) & live)
+            for i in range(tl.sum((slots < n_slots).to(tl.int32), 0)):  # (a block's slots first, padding after)
+                _gate_up_row(H, Act, wg, wu, _nth(slots, i, BM) // k_top, j * BM + i, rows, kk, d, inter, stride_h,
+                             stride_act)
+
+
+@triton.jit
+def _gate_up_row(H, Act, wg, wu, tok, a_row, rows, kk, d, inter, stride_h, stride_act):
+    """One slot's ``silu(gate) * up`` by a program's gate rows ``wg`` and up rows ``wu`` (float32): token ``tok``'s
+    hidden state against them, stored at product row ``a_row``."""
+    x = tl.load(H + tok * stride_h + kk, mask=kk < d, other=0.0).to(tl.float32)
+    # each projection a float32 sum over the whole row, rounded to the model dtype, as the grouped kernel's
+    g = tl.sum(wg * x[None, :], 1).to(Act.dtype.element_ty).to(tl.float32)
+    u = tl.sum(wu * x[None, :], 1).to(Act.dtype.element_ty).to(tl.float32)
+    act = (g * tl.sigmoid(g)).to(Act.dtype.element_ty).to(tl.float32) * u
+    tl.store(Act + tl.cast(a_row, tl.int64) * stride_act + rows, act.to(Act.dtype.element_ty), mask=rows < inter)
 
 
 @triton.jit
@@ -410,8 +415,8 @@ def _down_gemv_kernel(Act, W, Weights, Out, SlotIds, BlockExpert, n_slots, d, st
     grouping's tables come from the routing launch, which finished before gate/up began, so this kernel may read them,
     and its expert's weights, before it waits for gate/up's products: chained, the weights stream in while gate/up
     runs; the block's slots in a loop. Else (``DOWN_ROWS_ONE_TOKEN``, ``ROWS_TOKENS``) it reads nothing before it
-    waits, and ``TM`` is the most slots a block holds, unrolled (1: a one-token step, a block's one slot at its first
-    row)."""
+    waits, and ``TM`` is the step's tokens clipped to the block's rows (1: a one-token step, a block's one slot at its
+    first row, straight-line; more: a loop over the block's live slots, as ``_gate_up_rows_kernel``)."""
     pid_m = tl.program_id(0)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     kk = tl.arange(0, KP)
@@ -433,23 +438,19 @@ def _down_gemv_kernel(Act, W, Weights, Out, SlotIds, BlockExpert, n_slots, d, st
         e = tl.load(BlockExpert + pid_m).to(tl.int64)
         if TM == 1:
             first = tl.load(SlotIds + pid_m * BM)
-            todo = (e >= 0) & (first < n_slots)
-        else:
+            if (e >= 0) & (first < n_slots):
+                w = tl.load(W + e * stride_we + cols[:, None].to(tl.int64) * stride_wn + kk[None, :], mask=wmask,
+                            other=0.0)
+                # (ROW_ACT: gate_up_rows writes a block's slots' products at its rows; its one slot, known live)
+                _down_row(Act, Weights, Out, w, first.to(tl.int64), (pid_m * BM).to(tl.int64), cols, kk, d, K,
+                          stride_act, stride_out, True)
+        elif e >= 0:
             slots = tl.load(SlotIds + pid_m * BM + tl.arange(0, BM))
-            todo = e >= 0
-        if todo:
             w = tl.load(W + e * stride_we + cols[:, None].to(tl.int64) * stride_wn + kk[None, :], mask=wmask,
                         other=0.0)
-            for r in tl.static_range(TM):
-                if TM == 1:  # (its one slot, known live)
-                    slot = first.to(tl.int64)
-                    live = True
-                else:
-                    slot = _nth(slots, r, BM).to(tl.int64)
-                    live = slot < n_slots
-                # (ROW_ACT: gate_up_rows writes a block's slots' products at its rows)
-                _down_row(Act, Weights, Out, w, slot, (pid_m * BM + r).to(tl.int64), cols, kk, d, K, stride_act,
-                          stride_out, live)
+            for r in range(tl.sum((slots < n_slots).to(tl.int32), 0)):
+                _down_row(Act, Weights, Out, w, _nth(slots, r, BM).to(tl.int64), (pid_m * BM + r).to(tl.int64), cols,
+                          kk, d, K, stride_act, stride_out, True)
 
 
 @triton.jit
