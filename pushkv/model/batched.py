@@ -55,8 +55,10 @@ ROUTER_IN_NORM_TOKENS = 16
 # The qkv and o projections of steps of up to this many tokens as GEMVs that load their weights before they wait
 # for the kernel before them (``kernels/triton_gemv.py``; cuBLAS else). A graph bucket bound. On an H200, at 2
 # columns a program, they took Qwen3-30B-A3B's chained decode step of one sequence from 3.12 ms to 2.91, but that
-# of eight from 8.08 to 9.09 (experiments/moe_decode_probe.py, docs/results/2026-12-04-moe-decode): so one token
-GEMV_TOKENS = 1
+# of eight from 8.08 to 9.09 (experiments/moe_decode_probe.py, docs/results/2026-12-04-moe-decode). On an H100 at
+# two tokens they took it from 4.90 to 4.72 ms (1.54x -> 1.48x its bytes bound), gave nothing at four (7.27 against
+# 7.21) and lost 7 % at eight (variants ``gemv_tok_N``, docs/results/2026-12-06-moe-gemv-h100): so up to two
+GEMV_TOKENS = 2
 
 # Steps of up to AHEAD_TOKENS tokens ask L2 for a layer's dense weights ahead of their projection, in a launch of
 # their own (``kernels/prefetch.ahead``), at the places named: "o": the o projection's while the attention runs;

@@ -614,6 +614,68 @@ def _check_route_one(case, r) -> None:
     assert r["same"] == [True] * 4 and r["has_ties"] in (None, True), (case, r)
 
 
+# (tokens, E, k, renorm, dtype, how the tokens' logits relate: "same" (every token the first's: all share their
+# experts), "ties", or independent)
+ROUTE_FEW_CASES = [(2, 128, 8, "renorm", "bfloat16", ""), (2, 128, 8, "", "float32", "same"),
+                   (3, 12, 8, "renorm", "float16", "ties"), (4, 60, 4, "", "bfloat16", "same"),
+                   (8, 128, 8, "renorm", "bfloat16", ""), (5, 8, 2, "renorm", "float32", "")]
+
+ROUTE_FEW_SCRIPT = r"""
+import json, sys, torch
+from pushkv.model.kernels import triton_moe
+dev = sys.argv[1]
+out = []
+for n, (T, E, k, renorm, dtype, how) in enumerate(json.loads(sys.argv[2])):
+    g = torch.Generator().manual_seed(n)
+    logits = torch.randn(T, E, generator=g)
+    if how == "same":
+        logits[1:] = logits[0]
+        logits[T - 1, 0] += 3.0  # (the last token's top choice its own)
+    if how == "ties":
+        logits[:, 1::2] = logits[:, 0:E - E % 2:2]
+    logits = logits.to(dev, getattr(torch, dtype))
+    triton_moe.ROUTE_FEW_TOKENS = 0
+    general = triton_moe.group_logits(logits, k, bool(renorm), 16)
+    triton_moe.ROUTE_FEW_TOKENS = 8
+    calls = []
+    kernel = triton_moe._route_few_kernel
+    class Counted:
+        def __getitem__(self, grid):
+            calls.append(grid)
+            return kernel[grid]
+    triton_moe._route_few_kernel = Counted()
+    few = triton_moe.group_logits(logits, k, bool(renorm), 16)
+    triton_moe._route_few_kernel = kernel
+    shared = len(set(general[1].tolist())) < T * k
+    out.append({"same": [bool(torch.equal(a, b)) for a, b in zip(general, few)], "launched": len(calls),
+                "shared": shared})
+print(json.dumps(out))
+"""
+
+
+def _check_route_few(case, r) -> None:
+    # the few-token kernel ran, and its weights, experts, slot table and block experts are the general kernel's
+    assert r["launched"] == 1 and r["same"] == [True] * 4, (case, r)
+    if case[5] == "same":
+        assert r["shared"], (case, r)  # (tokens choosing the same experts: rows after the first in a block)
+
+
+@pytest.mark.unit
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU runs the kernels themselves (below)")
+def test_a_few_tokens_routing_in_registers_gives_the_general_kernels_tables_under_the_interpreter():
+    """``ROUTE_FEW_TOKENS``: 2 to 8 tokens routed and grouped in one program (``_route_few_kernel``) give the general
+    kernel's weights, experts, slot table and block experts bit for bit: tokens sharing experts, ties, renormalising
+    or not, padded token and choice counts."""
+    for case, r in zip(ROUTE_FEW_CASES, _run("cpu", ROUTE_FEW_CASES, ROUTE_FEW_SCRIPT)):
+        _check_route_few(case, r)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_a_few_tokens_routing_in_registers_gives_the_general_kernels_tables():
+    for case, r in zip(ROUTE_FEW_CASES, _run("cuda", ROUTE_FEW_CASES, ROUTE_FEW_SCRIPT)):
+        _check_route_few(case, r)
+
+
 @pytest.mark.unit
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU runs the kernels themselves (below)")
 def test_one_tokens_routing_in_registers_gives_the_general_kernels_tables_under_the_interpreter():

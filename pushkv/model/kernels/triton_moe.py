@@ -201,6 +201,55 @@ def _route_one_kernel(Logits, Weights, Experts, SlotIds, BlockExpert, E, n_rows,
     tl.store(BlockExpert + rank, picks, mask=real)
 
 
+@triton.jit(do_not_specialize=["T", "n_rows", "max_blocks"])
+def _route_few_kernel(Logits, Weights, Experts, SlotIds, BlockExpert, T, E, stride_l, n_rows, max_blocks,
+                      K: tl.constexpr, KP: tl.constexpr, RENORM: tl.constexpr, BM: tl.constexpr, EP: tl.constexpr,
+                      TP: tl.constexpr, RP: tl.constexpr, BP: tl.constexpr, PDL: tl.constexpr,
+                      NEXT_EARLY: tl.constexpr = False):
+    """``_route_group_kernel``'s tables for a few tokens (T <= TP, and at most BM: each expert they choose fills
+    one block), in registers, as ``_route_one_kernel`` routes one: the k rounds once per token, one reduction a round;
+    then each choice (slot ``t K + j``) goes to its expert's block, the rank of that expert among the distinct
+    experts chosen, at the row of its rank among the earlier slots of the same expert. The same bits and tables."""
+    wait_prior(PDL, NEXT_EARLY)
+    t = tl.arange(0, TP)
+    p, e = _probs(Logits, t, T, E, stride_l, EP)
+    j = tl.arange(0, KP)
+    picks = tl.full((TP, KP), EP, tl.int32)
+    bests = tl.zeros((TP, KP), tl.float32)
+    total = tl.zeros((TP,), tl.float32)
+    left = (p.to(tl.int32, bitcast=True).to(tl.int64) << 16) | (EP - 1 - e[None, :]).to(tl.int64)
+    for jj in tl.static_range(K):
+        key = tl.max(left, 1)
+        pick = (EP - 1 - (key & 0xFFFF)).to(tl.int32)
+        best = (key >> 16).to(tl.int32).to(tl.float32, bitcast=True)
+        left = tl.where(e[None, :] == pick[:, None], -1, left)
+        picks = tl.where(j[None, :] == jj, pick[:, None], picks)
+        bests = tl.where(j[None, :] == jj, best[:, None], bests)
+        total += best
+    if not RENORM:
+        total = tl.full((TP,), 1.0, tl.float32)
+    real = (t[:, None] < T) & (j[None, :] < K)
+    slot = t[:, None] * K + j[None, :]
+    tl.store(Weights + slot, (bests / total[:, None]).to(Weights.dtype.element_ty), mask=real)
+    tl.store(Experts + slot, picks, mask=real)
+    # the choices in slot order, flat: a choice past T or K picks EP, above every real expert, and ranks after them
+    fp = tl.reshape(tl.where(real, picks, EP), (TP * KP,))
+    fs = tl.reshape(slot, (TP * KP,))
+    f = tl.arange(0, TP * KP)
+    same = (fp[:, None] == fp[None, :]) & (fp[:, None] < EP)
+    earlier = tl.sum((same & (f[None, :] < f[:, None])).to(tl.int32), 1)  # of the same expert, before it
+    first = (earlier == 0) & (fp < EP)  # the first choice of its expert
+    block = tl.sum(((fp[None, :] < fp[:, None]) & first[None, :]).to(tl.int32), 1)  # blocks go by expert id
+    r = tl.arange(0, RP)
+    tl.store(SlotIds + r, tl.full((RP,), 0, tl.int32) + T * K, mask=r < n_rows)
+    b = tl.arange(0, BP)
+    tl.store(BlockExpert + b, tl.full((BP,), -1, tl.int32), mask=b < max_blocks)
+    tl.debug_barrier()  # the padding, stored by other threads, lands before the choices over it
+    live = fp < EP
+    tl.store(SlotIds + block * BM + earlier, fs, mask=live)
+    tl.store(BlockExpert + block, fp, mask=live & first)
+
+
 @triton.jit(do_not_specialize=["T", "n_rows"])
 def _route_count_kernel(Logits, Weights, Experts, Counts, SlotIds, T, E, stride_l, n_rows,
                         K: tl.constexpr, RENORM: tl.constexpr, EP: tl.constexpr, TT: tl.constexpr,
@@ -564,6 +613,12 @@ ROWS_TOKENS = 2
 # 1.59x its bytes bound): the routing adds 2.25 us a layer to the chain against 3.49 (experiments/moe_decode_probe.py,
 # variant ``route_general``; docs/results/2026-12-06-route-one)
 ROUTE_ONE_TOKEN = True
+# Steps of 2 up to this many tokens (a graph bucket bound, and at most the decode tiles' row block) route the same
+# way in one program (``_route_few_kernel``), on ROUTE_FEW_WARPS warps. The same tables and bits. 0: off until
+# experiments/moe_decode_probe.py (variants ``route_few_N``) has timed it; at two tokens the general kernel added
+# 7.3 us a layer to an H100's chain against 2.25 for the one-token kernel at one
+ROUTE_FEW_TOKENS = 0
+ROUTE_FEW_WARPS = 1
 
 # Steps of up to this many tokens route and group in the one-program kernel (a decode step: one
 # launch where torch takes ~15); longer ones in torch, whose launches are spread over the whole GPU
@@ -701,6 +756,13 @@ def group_logits(logits: torch.Tensor, k: int, renorm: bool, bm: int, launch: Op
                                 K=k, KP=triton.next_power_of_2(k), RENORM=renorm, BM=bm, EP=ep,
                                 RP=triton.next_power_of_2(max_blocks * bm), BP=triton.next_power_of_2(max_blocks),
                                 num_warps=1, **chain.launch(logits, "route"))
+        return weights, experts, slot_ids, block_expert
+    if 1 < T <= min(ROUTE_FEW_TOKENS, bm) and launch is None:
+        _route_few_kernel[(1,)](logits, weights, experts, slot_ids, block_expert, T, E, logits.stride(0),
+                                max_blocks * bm, max_blocks, K=k, KP=triton.next_power_of_2(k), RENORM=renorm, BM=bm,
+                                EP=ep, TP=triton.next_power_of_2(T), RP=triton.next_power_of_2(max_blocks * bm),
+                                BP=triton.next_power_of_2(max_blocks), num_warps=ROUTE_FEW_WARPS,
+                                **chain.launch(logits, "route"))
         return weights, experts, slot_ids, block_expert
     rl = launch or route_launch_for(T, ep)
     _route_group_kernel[(1,)](logits, weights, experts, slot_ids, block_expert, T, E, logits.stride(0),
