@@ -88,7 +88,8 @@ def _read(driver: _Driver) -> probe.Flags:
                        triton_moe_token.PER_SM, triton_fused.ROUTER_EARLY, chain.EARLY_NEXT,
                        triton_moe.ROUTE_ONE_TOKEN, triton_moe.ONE_TOKEN_TILES, triton_moe.ROWS_ONE_TOKEN,
                        triton_moe.DOWN_ROWS_ONE_TOKEN, triton_moe.ROWS, triton_moe.ROWS_WARPS, triton_moe.DOWN_ROWS,
-                       triton_moe.DOWN_ROWS_WARPS, triton_moe.ROWS_TOKENS)
+                       triton_moe.DOWN_ROWS_WARPS, triton_moe.ROWS_TOKENS, triton_moe.ROUTE_FEW_TOKENS,
+                       triton_moe.ROUTE_FEW_WARPS)
 
 
 def test_every_variant_sets_existing_switches_to_its_values(restored):
