@@ -68,7 +68,8 @@ Variants (each re-captures the graphs):
   their weights before they wait (``batched.GEMV_TOKENS``: 2 ships since 2026-12-06's run, the same step as
   ``gemv1_2``; ``gemv_tok_1``: as before), not cuBLAS.
 - ``route_few_N``: steps of 2 up to N tokens routed and grouped in one program's registers
-  (``triton_moe.ROUTE_FEW_TOKENS``), on one warp; ``route_few_N_W`` on W warps. The same tables and bits.
+  (``triton_moe.ROUTE_FEW_TOKENS``: 8 ships since 2026-12-06's run, on 1 warp up to 4 tokens and 4 above), on one
+  warp; ``route_few_N_W`` on W warps; ``route_few_0``: the general kernel, as before. The same tables and bits.
 
 ``--variants both,gemv1_2`` times only those.
 
@@ -150,7 +151,7 @@ class Flags(NamedTuple):
     down_rows_warps: int = 4  # triton_moe.DOWN_ROWS_WARPS
     rows_tokens: int = 1  # triton_moe.ROWS_TOKENS
     route_few: int = 0  # triton_moe.ROUTE_FEW_TOKENS
-    route_few_warps: int = 1  # triton_moe.ROUTE_FEW_WARPS
+    route_few_warps: tuple = (1, 4)  # triton_moe.ROUTE_FEW_WARPS
 
 
 # the kernels before the o GEMV (the decode attention and its merge) letting it be scheduled as they start, so its
@@ -161,7 +162,8 @@ _EARLY_SMALL = frozenset({"add_rms", "rope", "attn", "merge", "norm_router", "ro
 # the shipped step (``gemv1_2``); the key-tile prefetch is on since 2026-12-05's run (``ahead_kv``: the same step,
 # kept under its name; ``no_kv``: without it)
 SHIPPED = Flags(True, 16, "grouped", 2, 2, prefetch_kv=True, router_early=True, early_next=_EARLY_O,
-                route_one=True, rows_up=True, rows_down=True, rows_warps=2, down_rows=4, rows_tokens=2)
+                route_one=True, rows_up=True, rows_down=True, rows_warps=2, down_rows=4, rows_tokens=2,
+                route_few=8)
 _UNGROUPED = SHIPPED._replace(moe_decode="ungrouped")
 _OWN_ALL = SHIPPED._replace(prefetch_down_tokens=8, ahead_tokens=8, ahead=frozenset({"o", "qkv_sum"}),
                             prefetch_own_tokens=8)
@@ -236,10 +238,12 @@ VARIANTS = {"before": Flags(False, 0, "grouped", 0, 8), "router": Flags(False, 1
             # the qkv and o projections as GEMVs (kernels/triton_gemv.py) for steps of up to N tokens, not cuBLAS
             # (batched.GEMV_TOKENS, 1 shipped)
             **{f"gemv_tok_{n}": SHIPPED._replace(gemv_tokens=n) for n in (1, 2, 4, 8)},
-            # steps of 2 up to N tokens routed in one program's registers (triton_moe.ROUTE_FEW_TOKENS), on 1 warp
-            # (route_few_N_W: on W); the same tables and bits
-            **{f"route_few_{n}": SHIPPED._replace(route_few=n) for n in (2, 4, 8)},
-            **{f"route_few_{n}_{w}": SHIPPED._replace(route_few=n, route_few_warps=w) for n in (4, 8) for w in (2, 4)},
+            # steps of 2 up to N tokens routed in one program's registers (triton_moe.ROUTE_FEW_TOKENS, 8 shipped since
+            # 2026-12-06's run: 1 warp up to 4 tokens, 4 above), on 1 warp (route_few_N_W: on W); the same tables and
+            # bits; route_few_0: the general kernel, as before
+            **{f"route_few_{n}": SHIPPED._replace(route_few=n, route_few_warps=(1, 1)) for n in (0, 2, 4, 8)},
+            **{f"route_few_{n}_{w}": SHIPPED._replace(route_few=n, route_few_warps=(w, w)) for n in (4, 8)
+               for w in (2, 4)},
             # gate/up's rows for two tokens, their down by the grouped kernel
             "rows_few_2_up": SHIPPED._replace(rows_tokens=2, rows_down=False),
             "own_all_kv": _OWN_ALL._replace(prefetch_kv=True),
@@ -269,7 +273,7 @@ PAIRS = (("router", "before"), ("ungrouped", "both"), ("gemv", "both"), ("gemv1_
          ("rows_up_w4", "gemv1_2"), ("rows_up_2", "gemv1_2"), ("rows_down_2_4", "gemv1_2"), ("rows_few_1", "gemv1_2"),
          ("rows_few_2", "gemv1_2"), ("rows_few_4", "gemv1_2"), ("rows_few_8", "gemv1_2"), ("rows_few_2_up", "gemv1_2"),
          ("gemv_tok_1", "gemv1_2"), ("gemv_tok_2", "gemv1_2"), ("gemv_tok_4", "gemv1_2"), ("gemv_tok_8", "gemv1_2"),
-         *((f"route_few_{n}", "gemv1_2") for n in (2, 4, 8)),
+         *((f"route_few_{n}", "gemv1_2") for n in (0, 2, 4, 8)),
          *((f"route_few_{n}_{w}", f"route_few_{n}") for n in (4, 8) for w in (2, 4)))
 
 # the variants whose replay (--profile-batch, 1) is profiled kernel by kernel, where they are timed
@@ -277,7 +281,7 @@ PROFILED = ("before", "both", "gemv", "gemv1_2", "self_route_merge", "down_gemv_
             "one_launch_prefetch", "ahead_o_sum", "ahead_all", "own", "own_all", "one_launch_own", "one_launch_all",
             "own_all_kv", "own_all_l2", "persistent", "early_o", "early_small", "early_all", "route_one",
             "route_general", "rows_both", "grouped", "rows_few_1", "rows_few_2_up", "gemv_tok_1",
-            "gemv_tok_2", "gemv_tok_4", "gemv_tok_8", "route_few_2", "route_few_4", "route_few_8")
+            "gemv_tok_2", "gemv_tok_4", "gemv_tok_8", "route_few_0", "route_few_2", "route_few_4", "route_few_8")
 
 
 def set_variant(fwd, name: str) -> int:

@@ -65,7 +65,7 @@ def kernels() -> list[tuple[str, object, dict, int, int]]:
          1, 3),
         ("route_one", triton_moe._route_one_kernel, dict(K=8, KP=8, RENORM=True, BM=16, EP=128, RP=256, BP=16), 1, 3),
         ("route_few", triton_moe._route_few_kernel,
-         dict(K=8, KP=8, RENORM=True, BM=16, EP=128, TP=2, RP=512, BP=32), triton_moe.ROUTE_FEW_WARPS, 3),
+         dict(K=8, KP=8, RENORM=True, BM=16, EP=128, TP=2, RP=512, BP=32), triton_moe.ROUTE_FEW_WARPS[0], 3),
         ("moe_gate_up", triton_moe._gate_up_kernel, dict(GROUPED, **GROUPED_ROUTE, BM=dt.bm, BN=dt.bn_up, BK=dt.bk),
          dt.warps, dt.stages),
         ("moe_gate_up_self_route", triton_moe._gate_up_kernel,

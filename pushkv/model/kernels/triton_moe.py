@@ -614,11 +614,13 @@ ROWS_TOKENS = 2
 # variant ``route_general``; docs/results/2026-12-06-route-one)
 ROUTE_ONE_TOKEN = True
 # Steps of 2 up to this many tokens (a graph bucket bound, and at most the decode tiles' row block) route the same
-# way in one program (``_route_few_kernel``), on ROUTE_FEW_WARPS warps. The same tables and bits. 0: off until
-# experiments/moe_decode_probe.py (variants ``route_few_N``) has timed it; at two tokens the general kernel added
-# 7.3 us a layer to an H100's chain against 2.25 for the one-token kernel at one
-ROUTE_FEW_TOKENS = 0
-ROUTE_FEW_WARPS = 1
+# way in one program (``_route_few_kernel``), on ROUTE_FEW_WARPS[0] warps up to 4 tokens and [1] above. The same
+# tables and bits. At two tokens the general kernel added 7.3 us a layer to an H100's chain. On an H100,
+# Qwen3-30B-A3B's step (experiments/moe_decode_probe.py, variants ``route_few_N[_W]``;
+# docs/results/2026-12-06-moe-gemv-h100): batch 2 4.77 -> 4.53 ms (1.50x -> 1.42x its bytes bound), batch 4 7.17
+# -> 6.98, batch 8 10.72 -> 10.48 on 4 warps (11.10 on one)
+ROUTE_FEW_TOKENS = 8
+ROUTE_FEW_WARPS = (1, 4)
 
 # Steps of up to this many tokens route and group in the one-program kernel (a decode step: one
 # launch where torch takes ~15); longer ones in torch, whose launches are spread over the whole GPU
@@ -761,7 +763,7 @@ def group_logits(logits: torch.Tensor, k: int, renorm: bool, bm: int, launch: Op
         _route_few_kernel[(1,)](logits, weights, experts, slot_ids, block_expert, T, E, logits.stride(0),
                                 max_blocks * bm, max_blocks, K=k, KP=triton.next_power_of_2(k), RENORM=renorm, BM=bm,
                                 EP=ep, TP=triton.next_power_of_2(T), RP=triton.next_power_of_2(max_blocks * bm),
-                                BP=triton.next_power_of_2(max_blocks), num_warps=ROUTE_FEW_WARPS,
+                                BP=triton.next_power_of_2(max_blocks), num_warps=ROUTE_FEW_WARPS[T > 4],
                                 **chain.launch(logits, "route"))
         return weights, experts, slot_ids, block_expert
     rl = launch or route_launch_for(T, ep)
