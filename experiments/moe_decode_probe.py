@@ -70,6 +70,8 @@ Variants (each re-captures the graphs):
 - ``route_few_N``: steps of 2 up to N tokens routed and grouped in one program's registers
   (``triton_moe.ROUTE_FEW_TOKENS``: 8 ships since 2026-12-06's run, on 1 warp up to 4 tokens and 4 above), on one
   warp; ``route_few_N_W`` on W warps; ``route_few_0``: the general kernel, as before. The same tables and bits.
+- ``seven_copies``: the shipped step with a replay's step arrays copied in as before 2026-12-06 (the host arrays to
+  the device, then each of five vectors and the table into the graph apart: seven launches, not two).
 
 ``--variants both,gemv1_2`` times only those.
 
@@ -152,6 +154,7 @@ class Flags(NamedTuple):
     rows_tokens: int = 1  # triton_moe.ROWS_TOKENS
     route_few: int = 0  # triton_moe.ROUTE_FEW_TOKENS
     route_few_warps: tuple = (1, 4)  # triton_moe.ROUTE_FEW_WARPS
+    input_copies: int = 2  # a replay's copies of its step arrays: 2 (batched._DecodeGraph.run) or 7 (as before)
 
 
 # the kernels before the o GEMV (the decode attention and its merge) letting it be scheduled as they start, so its
@@ -244,6 +247,8 @@ VARIANTS = {"before": Flags(False, 0, "grouped", 0, 8), "router": Flags(False, 1
             **{f"route_few_{n}": SHIPPED._replace(route_few=n, route_few_warps=(1, 1)) for n in (0, 2, 4, 8)},
             **{f"route_few_{n}_{w}": SHIPPED._replace(route_few=n, route_few_warps=(w, w)) for n in (4, 8)
                for w in (2, 4)},
+            # a replay's step arrays copied in seven launches, as before 2026-12-06's two
+            "seven_copies": SHIPPED._replace(input_copies=7),
             # gate/up's rows for two tokens, their down by the grouped kernel
             "rows_few_2_up": SHIPPED._replace(rows_tokens=2, rows_down=False),
             "own_all_kv": _OWN_ALL._replace(prefetch_kv=True),
@@ -274,7 +279,7 @@ PAIRS = (("router", "before"), ("ungrouped", "both"), ("gemv", "both"), ("gemv1_
          ("rows_few_2", "gemv1_2"), ("rows_few_4", "gemv1_2"), ("rows_few_8", "gemv1_2"), ("rows_few_2_up", "gemv1_2"),
          ("gemv_tok_1", "gemv1_2"), ("gemv_tok_2", "gemv1_2"), ("gemv_tok_4", "gemv1_2"), ("gemv_tok_8", "gemv1_2"),
          *((f"route_few_{n}", "gemv1_2") for n in (0, 2, 4, 8)),
-         *((f"route_few_{n}_{w}", f"route_few_{n}") for n in (4, 8) for w in (2, 4)))
+         *((f"route_few_{n}_{w}", f"route_few_{n}") for n in (4, 8) for w in (2, 4)), ("seven_copies", "gemv1_2"))
 
 # the variants whose replay (--profile-batch, 1) is profiled kernel by kernel, where they are timed
 PROFILED = ("before", "both", "gemv", "gemv1_2", "self_route_merge", "down_gemv_8", "prefetch_down", "one_launch",
@@ -282,6 +287,35 @@ PROFILED = ("before", "both", "gemv", "gemv1_2", "self_route_merge", "down_gemv_
             "own_all_kv", "own_all_l2", "persistent", "early_o", "early_small", "early_all", "route_one",
             "route_general", "rows_both", "grouped", "rows_few_1", "rows_few_2_up", "gemv_tok_1",
             "gemv_tok_2", "gemv_tok_4", "gemv_tok_8", "route_few_0", "route_few_2", "route_few_4", "route_few_8")
+
+
+TWO_COPIES_RUN = batched._DecodeGraph.run
+
+
+def _seven_copies_run(self, plan):
+    """``batched._DecodeGraph.run`` before 2026-12-06's change (variant ``seven_copies``): the host arrays copied to
+    the device, then each of the graph's five step vectors and its table copied in apart."""
+    B, S, W = plan.num_seqs, self.size, plan.block_table.shape[1]
+    h = self.staging.take(5 * S + S * W)
+    a = h.numpy()
+    a[:5 * S].fill(0)
+    a[2 * S:3 * S].fill(-1)
+    for i, v in enumerate((plan.ids, plan.positions, plan.slots, plan.seq_lens, plan.lora)):
+        a[i * S:i * S + B] = v
+    tab = a[5 * S:5 * S + S * W].reshape(S, W)
+    tab[:B], tab[B:] = plan.block_table, 0
+    dev = h[:5 * S + S * W].to(self.fwd.device, non_blocking=True)
+    if self.fwd.cuda:
+        self.staging.copied()
+    mt = self.meta
+    for i, v in enumerate((mt.ids, mt.positions, mt.slots, mt.seq_lens, mt.lora)):
+        v.copy_(dev[i * S:(i + 1) * S])
+    mt.block_table[:, :W].copy_(dev[5 * S:].view(S, W))
+    self._launch()
+    return self.logits[:B].clone()
+
+
+SEVEN_COPIES_RUN = _seven_copies_run
 
 
 def set_variant(fwd, name: str) -> int:
@@ -308,6 +342,7 @@ def set_variant(fwd, name: str) -> int:
     triton_moe.DOWN_ROWS, triton_moe.DOWN_ROWS_WARPS = f.down_rows, f.down_rows_warps
     triton_moe.ROWS_TOKENS = f.rows_tokens
     triton_moe.ROUTE_FEW_TOKENS, triton_moe.ROUTE_FEW_WARPS = f.route_few, f.route_few_warps
+    batched._DecodeGraph.run = SEVEN_COPIES_RUN if f.input_copies == 7 else TWO_COPIES_RUN
     fwd.drop_graphs()  # captured with the last variant's launches
     if not torch.cuda.is_available():
         return 0

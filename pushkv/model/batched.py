@@ -412,13 +412,18 @@ class _DecodeGraph:
         dev, self.fwd, self.size = fwd.device, fwd, size
         ar = torch.arange(size, dtype=torch.int32, device=dev)
         zeros = torch.zeros(size, dtype=torch.int32, device=dev)
+        # where a replay's one copy lands: ids, positions, slots, seq_lens and LoRA slots (the graph's own inputs,
+        # views of it), then the table rows at the step's width, which one more copy spreads into the graph's table
+        self.inputs = torch.zeros(size * (5 + width), dtype=torch.int32, device=dev)
+        ids, positions, slots, seq_lens, lora_slots = self.inputs[:5 * size].view(5, size)
+        slots.fill_(-1)
         self.meta = StepTensors(
-            ids=zeros.clone(), positions=zeros.clone(), slots=torch.full_like(zeros, -1),
-            seq_lens=zeros.clone(), q_starts=ar.clone(), q_lens=torch.ones_like(zeros),
+            ids=ids, positions=positions, slots=slots,
+            seq_lens=seq_lens, q_starts=ar.clone(), q_lens=torch.ones_like(zeros),
             decode_tiles=ar.clone(), decode_q0=zeros.clone(),
             prefill_tiles=zeros[:0], prefill_q0=zeros[:0], sample_rows=ar.clone(),
             block_table=torch.zeros(size, width, dtype=torch.int32, device=dev), block_q=fwd.block_q,
-            lora=zeros.clone())
+            lora=lora_slots)
         bank = fwd.m.lora_bank
         self.lora_step = LoraStep(bank, self.meta.lora) if lora and bank is not None else None
         self.splits = fwd.decode_splits(size)
@@ -473,15 +478,12 @@ class _DecodeGraph:
         tab = h[5 * S:5 * S + S * W].reshape(S, W)
         tab[:B] = plan.block_table
         tab[B:] = 0
-        dev = host[:5 * S + S * W].to(self.fwd.device, non_blocking=True)
+        # two copies, not seven: the host arrays straight into the graph's inputs, then the table rows into its
+        # table (each copy a launch the GPU waits on between replays)
+        n = 5 * S + S * W
+        self.inputs[:n].copy_(host[:n], non_blocking=True)
         if self.fwd.cuda:
             self.staging.copied()
-        mt = self.meta
-        mt.ids.copy_(dev[0:S])
-        mt.positions.copy_(dev[S:2 * S])
-        mt.slots.copy_(dev[2 * S:3 * S])
-        mt.seq_lens.copy_(dev[3 * S:4 * S])
-        mt.lora.copy_(dev[4 * S:5 * S])
-        mt.block_table[:, :W].copy_(dev[5 * S:].view(S, W))
+        self.meta.block_table[:, :W].copy_(self.inputs[5 * S:n].view(S, W))
         self._launch()
         return self.logits[:B].clone()  # the next replay overwrites the static buffer

@@ -89,7 +89,7 @@ def _read(driver: _Driver) -> probe.Flags:
                        triton_moe.ROUTE_ONE_TOKEN, triton_moe.ONE_TOKEN_TILES, triton_moe.ROWS_ONE_TOKEN,
                        triton_moe.DOWN_ROWS_ONE_TOKEN, triton_moe.ROWS, triton_moe.ROWS_WARPS, triton_moe.DOWN_ROWS,
                        triton_moe.DOWN_ROWS_WARPS, triton_moe.ROWS_TOKENS, triton_moe.ROUTE_FEW_TOKENS,
-                       triton_moe.ROUTE_FEW_WARPS)
+                       triton_moe.ROUTE_FEW_WARPS, 7 if batched._DecodeGraph.run is probe.SEVEN_COPIES_RUN else 2)
 
 
 def test_every_variant_sets_existing_switches_to_its_values(restored):
