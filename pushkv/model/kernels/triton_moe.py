@@ -603,8 +603,9 @@ DOWN_ROWS_ONE_TOKEN = True
 ROWS, ROWS_WARPS = 1, 2  # gate/up: rows (of each of gate and up) a program, warps
 DOWN_ROWS, DOWN_ROWS_WARPS = 4, 4  # down: rows a program, warps
 # steps of up to this many tokens take them (a graph bucket bound): each program reads its rows once for every slot
-# of its block (the slots unrolled). On an H100 a two-token step went 5.02 -> 4.92 ms (1.57x -> 1.54x its bound;
-# variant ``rows_few_1``: docs/results/2026-12-06-moe-rows-h100); at four tokens rows and tiles were as fast
+# of its block (a loop over its live slots). On an H100 a two-token step went 5.02 -> 4.92 ms (1.57x -> 1.54x its
+# bound; variant ``rows_few_1``: docs/results/2026-12-06-moe-rows-h100; 4.99 -> 4.90 again in
+# docs/results/2026-12-06-moe-gemv-h100); at four tokens rows and tiles were as fast
 ROWS_TOKENS = 2
 
 # A one-token step's routing and grouping in registers (``_route_one_kernel``: the k rounds once, one reduction a
