@@ -117,6 +117,32 @@ def _one_token_choice(Logits, j, E, K: tl.constexpr, RENORM: tl.constexpr, EP: t
 
 # Counts that change with the batch are not specialised on (Triton compiles a variant per count that
 # is 1 or a multiple of 16): one compile serves every decode batch.
+@triton.jit
+def _k_rounds(p, e, j, K: tl.constexpr, RENORM: tl.constexpr, EP: tl.constexpr):
+    """Each row's k choices from its probabilities ``p`` [rows, EP] over experts ``e``, as ``_route_tokens`` chooses
+    them: (experts [rows, KP], probabilities [rows, KP], what each weight is divided by [rows]); past K an expert id
+    above every real one (so it ranks after them). Each round one reduction, not two: a probability (>= 0, so its
+    bits order as it does) above the expert's place from the top, so the largest key is the largest probability and,
+    on a tie, the lowest expert; a chosen expert's key goes to -1, below every other."""
+    R: tl.constexpr = p.shape[0]
+    KP: tl.constexpr = j.shape[0]
+    picks = tl.full((R, KP), EP, tl.int32)
+    bests = tl.zeros((R, KP), tl.float32)
+    total = tl.zeros((R,), tl.float32)
+    left = (p.to(tl.int32, bitcast=True).to(tl.int64) << 16) | (EP - 1 - e[None, :]).to(tl.int64)
+    for jj in tl.static_range(K):
+        key = tl.max(left, 1)
+        pick = (EP - 1 - (key & 0xFFFF)).to(tl.int32)
+        best = (key >> 16).to(tl.int32).to(tl.float32, bitcast=True)
+        left = tl.where(e[None, :] == pick[:, None], -1, left)
+        picks = tl.where(j[None, :] == jj, pick[:, None], picks)
+        bests = tl.where(j[None, :] == jj, best[:, None], bests)
+        total += best
+    if not RENORM:
+        total = tl.full((R,), 1.0, tl.float32)
+    return picks, bests, total
+
+
 @triton.jit(do_not_specialize=["T", "n_rows", "max_blocks"])
 def _route_group_kernel(Logits, Weights, Experts, SlotIds, BlockExpert, T, E, stride_l, n_rows, max_blocks,
                         K: tl.constexpr, RENORM: tl.constexpr, BM: tl.constexpr, EP: tl.constexpr,
@@ -170,23 +196,9 @@ def _route_one_kernel(Logits, Weights, Experts, SlotIds, BlockExpert, E, n_rows,
     wait_prior(PDL, NEXT_EARLY)
     p, e = _probs(Logits, tl.arange(0, 1), 1, E, 0, EP)
     j = tl.arange(0, KP)
-    picks = tl.full((KP,), EP, tl.int32)  # past K: an expert id above every real one, so it ranks after them
-    bests = tl.zeros((KP,), tl.float32)
-    total = tl.zeros((1,), tl.float32)
-    # each round one reduction, not two: a probability (>= 0, so its bits order as it does) above the expert's
-    # place from the top, so the largest key is the largest probability and, on a tie, the lowest expert; a
-    # chosen expert's key goes to -1, below every other
-    left = (p.to(tl.int32, bitcast=True).to(tl.int64) << 16) | (EP - 1 - e[None, :]).to(tl.int64)
-    for jj in tl.static_range(K):
-        key = tl.max(left, 1)
-        pick = (EP - 1 - (key & 0xFFFF)).to(tl.int32)
-        best = (key >> 16).to(tl.int32).to(tl.float32, bitcast=True)
-        left = tl.where(e[None, :] == pick[:, None], -1, left)
-        picks = tl.where(j == jj, pick, picks)
-        bests = tl.where(j == jj, best, bests)
-        total += best
-    if not RENORM:
-        total = tl.full((1,), 1.0, tl.float32)
+    picks, bests, total = _k_rounds(p, e, j, K, RENORM, EP)
+    picks = tl.reshape(picks, (KP,))
+    bests = tl.reshape(bests, (KP,))
     real = j < K
     tl.store(Weights + j, (bests / total).to(Weights.dtype.element_ty), mask=real)
     tl.store(Experts + j, picks, mask=real)
@@ -214,20 +226,7 @@ def _route_few_kernel(Logits, Weights, Experts, SlotIds, BlockExpert, T, E, stri
     t = tl.arange(0, TP)
     p, e = _probs(Logits, t, T, E, stride_l, EP)
     j = tl.arange(0, KP)
-    picks = tl.full((TP, KP), EP, tl.int32)
-    bests = tl.zeros((TP, KP), tl.float32)
-    total = tl.zeros((TP,), tl.float32)
-    left = (p.to(tl.int32, bitcast=True).to(tl.int64) << 16) | (EP - 1 - e[None, :]).to(tl.int64)
-    for jj in tl.static_range(K):
-        key = tl.max(left, 1)
-        pick = (EP - 1 - (key & 0xFFFF)).to(tl.int32)
-        best = (key >> 16).to(tl.int32).to(tl.float32, bitcast=True)
-        left = tl.where(e[None, :] == pick[:, None], -1, left)
-        picks = tl.where(j[None, :] == jj, pick[:, None], picks)
-        bests = tl.where(j[None, :] == jj, best[:, None], bests)
-        total += best
-    if not RENORM:
-        total = tl.full((TP,), 1.0, tl.float32)
+    picks, bests, total = _k_rounds(p, e, j, K, RENORM, EP)
     real = (t[:, None] < T) & (j[None, :] < K)
     slot = t[:, None] * K + j[None, :]
     tl.store(Weights + slot, (bests / total[:, None]).to(Weights.dtype.element_ty), mask=real)
