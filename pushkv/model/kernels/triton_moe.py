@@ -115,8 +115,6 @@ def _one_token_choice(Logits, j, E, K: tl.constexpr, RENORM: tl.constexpr, EP: t
     return tl.sum(expert, 0), tl.sum(weight, 0)
 
 
-# Counts that change with the batch are not specialised on (Triton compiles a variant per count that
-# is 1 or a multiple of 16): one compile serves every decode batch.
 @triton.jit
 def _k_rounds(p, e, j, K: tl.constexpr, RENORM: tl.constexpr, EP: tl.constexpr):
     """Each row's k choices from its probabilities ``p`` [rows, EP] over experts ``e``, as ``_route_tokens`` chooses
@@ -143,6 +141,8 @@ def _k_rounds(p, e, j, K: tl.constexpr, RENORM: tl.constexpr, EP: tl.constexpr):
     return picks, bests, total
 
 
+# Counts that change with the batch are not specialised on (Triton compiles a variant per count that
+# is 1 or a multiple of 16): one compile serves every decode batch.
 @triton.jit(do_not_specialize=["T", "n_rows", "max_blocks"])
 def _route_group_kernel(Logits, Weights, Experts, SlotIds, BlockExpert, T, E, stride_l, n_rows, max_blocks,
                         K: tl.constexpr, RENORM: tl.constexpr, BM: tl.constexpr, EP: tl.constexpr,
@@ -413,7 +413,7 @@ def _gate_up_rows_kernel(H, W, Act, SlotIds, BlockExpert, n_slots, d, inter, k_t
     (its slots first, padding after) writes that row of the product (``ROW_ACT``'s place, where the down kernels
     read it). ``TM``: the step's tokens, clipped to the block's rows; 1, a one-token step: one slot a block, at its
     first row, straight-line (no slot table read); more: a loop over the block's live slots (an unrolled loop of
-    ``TM`` masked slots was 3.5 % slower at two tokens and 38 % at four on an H100:
+    ``TM`` masked slots was 3.7 % slower at two tokens and 38 % at four on an H100:
     docs/results/2026-12-06-moe-gemv-h100)."""
     wait_prior(PDL, NEXT_EARLY)
     j = tl.program_id(0)
