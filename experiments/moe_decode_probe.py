@@ -296,15 +296,7 @@ def _seven_copies_run(self, plan):
     """``batched._DecodeGraph.run`` before 2026-12-06's change (variant ``seven_copies``): the host arrays copied to
     the device, then each of the graph's five step vectors and its table copied in apart."""
     B, S, W = plan.num_seqs, self.size, plan.block_table.shape[1]
-    h = self.staging.take(5 * S + S * W)
-    a = h.numpy()
-    a[:5 * S].fill(0)
-    a[2 * S:3 * S].fill(-1)
-    for i, v in enumerate((plan.ids, plan.positions, plan.slots, plan.seq_lens, plan.lora)):
-        a[i * S:i * S + B] = v
-    tab = a[5 * S:5 * S + S * W].reshape(S, W)
-    tab[:B], tab[B:] = plan.block_table, 0
-    dev = h[:5 * S + S * W].to(self.fwd.device, non_blocking=True)
+    dev = self.staged(plan).to(self.fwd.device, non_blocking=True)
     if self.fwd.cuda:
         self.staging.copied()
     mt = self.meta

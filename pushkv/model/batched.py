@@ -463,11 +463,12 @@ class _DecodeGraph:
     def _launch(self) -> None:
         self.graph.replay()
 
-    def run(self, plan: StepPlan) -> torch.Tensor:
+    def staged(self, plan: StepPlan) -> torch.Tensor:
+        """The step's arrays in the pinned staging buffer: ids, positions, slots, seq_lens, LoRA slots (padded to
+        the graph's size), then the table rows at the step's width; the filled part."""
         B, S, W = plan.num_seqs, self.size, plan.block_table.shape[1]
         host = self.staging.take(5 * S + S * W)
         h = host.numpy()
-        # one pinned buffer: ids, positions, slots, seq_lens, LoRA slots (padded to S), then the table rows
         h[:5 * S].fill(0)
         h[2 * S:3 * S].fill(-1)
         h[0:B] = plan.ids
@@ -478,10 +479,15 @@ class _DecodeGraph:
         tab = h[5 * S:5 * S + S * W].reshape(S, W)
         tab[:B] = plan.block_table
         tab[B:] = 0
+        return host[:5 * S + S * W]
+
+    def run(self, plan: StepPlan) -> torch.Tensor:
+        B, S, W = plan.num_seqs, self.size, plan.block_table.shape[1]
+        host = self.staged(plan)
         # two copies, not seven: the host arrays straight into the graph's inputs, then the table rows into its
         # table (each copy a launch the GPU waits on between replays)
-        n = 5 * S + S * W
-        self.inputs[:n].copy_(host[:n], non_blocking=True)
+        n = host.numel()
+        self.inputs[:n].copy_(host, non_blocking=True)
         if self.fwd.cuda:
             self.staging.copied()
         self.meta.block_table[:, :W].copy_(self.inputs[5 * S:n].view(S, W))
