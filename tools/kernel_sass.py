@@ -91,11 +91,11 @@ def kernels() -> list[tuple[str, object, dict, int, int]]:
         ("gemv_qkv_bias", triton_gemv._gemv_kernel, dict(K=2048, BN=8, HAS_BIAS=True), 8, 1),
         ("gemv_moe_down", triton_moe._down_gemv_kernel,
          dict(K=768, KP=1024, BM=dt.bm, BN=triton_moe.DOWN_GEMV_COLUMNS, ROW_ACT=True), 8, 1),
-        *[(f"moe_gate_up_rows{'' if tm == 1 else '_few'}", triton_moe._gate_up_rows_kernel,
-           dict(BM=dt.bm, KP=2048, R=triton_moe.ROWS, TM=tm), triton_moe.ROWS_WARPS, 1) for tm in (1, 2)],
-        *[(f"moe_down_rows{'' if tm == 1 else '_few'}", triton_moe._down_gemv_kernel,
-           dict(K=768, KP=1024, BM=dt.bm, BN=triton_moe.DOWN_ROWS, ROW_ACT=True, EARLY=False, TM=tm),
-           triton_moe.DOWN_ROWS_WARPS, 1) for tm in (1, 2)],
+        *[(f"moe_gate_up_rows{'' if one else '_few'}", triton_moe._gate_up_rows_kernel,
+           dict(BM=dt.bm, KP=2048, R=triton_moe.ROWS, ONE=one), triton_moe.ROWS_WARPS, 1) for one in (True, False)],
+        *[(f"moe_down_rows{'' if one else '_few'}", triton_moe._down_gemv_kernel,
+           dict(K=768, KP=1024, BM=dt.bm, BN=triton_moe.DOWN_ROWS, ROW_ACT=True, EARLY=False, ONE=one),
+           triton_moe.DOWN_ROWS_WARPS, 1) for one in (True, False)],
     ]
 
 

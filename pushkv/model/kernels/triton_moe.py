@@ -406,14 +406,14 @@ def _down_kernel(Act, W, Weights, Out, SlotIds, BlockExpert, n_slots, d, inter,
 
 @triton.jit(do_not_specialize=["n_slots"])
 def _gate_up_rows_kernel(H, W, Act, SlotIds, BlockExpert, n_slots, d, inter, k_top, stride_h, stride_we, stride_wn,
-                         stride_act, BM: tl.constexpr, KP: tl.constexpr, R: tl.constexpr, TM: tl.constexpr,
+                         stride_act, BM: tl.constexpr, KP: tl.constexpr, R: tl.constexpr, ONE: tl.constexpr,
                          PDL: tl.constexpr, NEXT_EARLY: tl.constexpr = False):
     """A few tokens' ``silu(gate) * up`` as whole-row GEMVs: program (j, c) reads gate rows c R .. c R + R - 1 of row
     block j's expert and the same up rows, each a run of d contiguous weights, once, and for each slot of the block
     (its slots first, padding after) writes that row of the product (``ROW_ACT``'s place, where the down kernels
-    read it). ``TM``: the step's tokens, clipped to the block's rows; 1, a one-token step: one slot a block, at its
-    first row, straight-line (no slot table read); more: a loop over the block's live slots (an unrolled loop of
-    ``TM`` masked slots was 3.7 % slower at two tokens and 38 % at four on an H100:
+    read it). ``ONE``, a one-token step: one slot a block, at its first row, straight-line (no slot table read);
+    else a loop over the block's live slots (an unrolled loop over as many masked slots as the step has tokens was
+    3.7 % slower at two tokens and 38 % at four on an H100:
     docs/results/2026-12-06-moe-gemv-h100)."""
     wait_prior(PDL, NEXT_EARLY)
     j = tl.program_id(0)
@@ -426,7 +426,7 @@ def _gate_up_rows_kernel(H, W, Act, SlotIds, BlockExpert, n_slots, d, inter, k_t
         wg = tl.load(base + rows[:, None].to(tl.int64) * stride_wn + kk[None, :], mask=m, other=0.0).to(tl.float32)
         wu = tl.load(base + (rows[:, None] + inter).to(tl.int64) * stride_wn + kk[None, :], mask=m,
                      other=0.0).to(tl.float32)
-        if TM == 1:
+        if ONE:
             _gate_up_row(H, Act, wg, wu, 0, j * BM, rows, kk, d, inter, stride_h, stride_act)
         else:
             slots = tl.load(SlotIds + j * BM + tl.arange(0, BM))
@@ -456,15 +456,15 @@ def _nth(slots, i, BM: tl.constexpr):
 @triton.jit(do_not_specialize=["n_slots"])
 def _down_gemv_kernel(Act, W, Weights, Out, SlotIds, BlockExpert, n_slots, d, stride_act, stride_we, stride_wn,
                       stride_out, K: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                      ROW_ACT: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr = True, TM: tl.constexpr = 0,
+                      ROW_ACT: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr = True, ONE: tl.constexpr = False,
                       NEXT_EARLY: tl.constexpr = False):
     """``_down_kernel``'s products as GEMVs, a row block's BN output columns a program (each a whole row of K weights,
     read once for every slot of the block), for a step of a few tokens. ``EARLY`` (``DOWN_GEMV_TOKENS``): the
     grouping's tables come from the routing launch, which finished before gate/up began, so this kernel may read them,
     and its expert's weights, before it waits for gate/up's products: chained, the weights stream in while gate/up
     runs; the block's slots in a loop. Else (``DOWN_ROWS_ONE_TOKEN``, ``ROWS_TOKENS``) it reads nothing before it
-    waits, and ``TM`` is the step's tokens clipped to the block's rows (1: a one-token step, a block's one slot at its
-    first row, straight-line; more: a loop over the block's live slots, as ``_gate_up_rows_kernel``)."""
+    waits: ``ONE``, a one-token step, a block's one slot at its first row, straight-line; else a loop over the
+    block's live slots, as ``_gate_up_rows_kernel``."""
     pid_m = tl.program_id(0)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     kk = tl.arange(0, KP)
@@ -484,7 +484,7 @@ def _down_gemv_kernel(Act, W, Weights, Out, SlotIds, BlockExpert, n_slots, d, st
     else:
         wait_prior(PDL, NEXT_EARLY)
         e = tl.load(BlockExpert + pid_m).to(tl.int64)
-        if TM == 1:
+        if ONE:
             first = tl.load(SlotIds + pid_m * BM)
             if (e >= 0) & (first < n_slots):
                 w = tl.load(W + e * stride_we + cols[:, None].to(tl.int64) * stride_wn + kk[None, :], mask=wmask,
@@ -879,7 +879,7 @@ def gate_up_rows(h: torch.Tensor, gate_up: torch.Tensor, slot_ids: torch.Tensor,
     act = torch.empty((blocks * bm, inter), dtype=h.dtype, device=h.device)
     _gate_up_rows_kernel[(blocks, triton.cdiv(inter, ROWS))](
         h, gate_up, act, slot_ids, block_expert, T * k, d, inter, k, h.stride(0), gate_up.stride(0), gate_up.stride(1),
-        act.stride(0), BM=bm, KP=triton.next_power_of_2(d), R=ROWS, TM=min(T, bm), num_warps=ROWS_WARPS,
+        act.stride(0), BM=bm, KP=triton.next_power_of_2(d), R=ROWS, ONE=T == 1, num_warps=ROWS_WARPS,
         **chain.launch(h, "gate_up"))
     return act
 
@@ -887,14 +887,14 @@ def gate_up_rows(h: torch.Tensor, gate_up: torch.Tensor, slot_ids: torch.Tensor,
 def down_rows(act: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, slot_ids: torch.Tensor,
               block_expert: torch.Tensor, n: int, bm: int, tokens: int) -> torch.Tensor:
     """``down_per_slot`` of a step of a few tokens by ``_down_gemv_kernel`` reading nothing before it waits
-    (``DOWN_ROWS`` whole rows a program): [n, d] in slot order (``tokens``: the step's, the most slots a block
-    holds)."""
+    (``DOWN_ROWS`` whole rows a program): [n, d] in slot order (``tokens``: the step's; one takes the kernel's
+    straight-line form)."""
     d, inter = down.shape[1], down.shape[2]
     per_slot = torch.empty((n, d), dtype=act.dtype, device=act.device)
     _down_gemv_kernel[(block_expert.numel(), triton.cdiv(d, DOWN_ROWS))](
         act, down, weights, per_slot, slot_ids, block_expert, n, d, act.stride(0), down.stride(0), down.stride(1),
         per_slot.stride(0), K=inter, KP=triton.next_power_of_2(inter), BM=bm, BN=DOWN_ROWS, ROW_ACT=True, EARLY=False,
-        TM=min(tokens, bm), num_warps=DOWN_ROWS_WARPS, **chain.launch(act, "down"))
+        ONE=tokens == 1, num_warps=DOWN_ROWS_WARPS, **chain.launch(act, "down"))
     return per_slot
 
 
