@@ -258,6 +258,9 @@ VARIANTS = {"before": Flags(False, 0, "grouped", 0, 8), "router": Flags(False, 1
             **{f"sum_down_{r}": SHIPPED._replace(residual_in_down=True, down_sum_rows=r) for r in (1, 2, 4, 8)},
             **{f"sum_down_{r}_{w}": SHIPPED._replace(residual_in_down=True, down_sum_rows=r, down_sum_warps=w)
                for r, w in ((2, 2), (4, 8), (8, 8))},
+            # the same, the down launch letting the next qkv GEMV in before it waits (its weights load meanwhile)
+            **{f"sum_down_{r}_early": SHIPPED._replace(residual_in_down=True, down_sum_rows=r,
+                                                      early_next=_EARLY_O | {"down"}) for r in (2, 4)},
             # gate/up's rows for two tokens, their down by the grouped kernel
             "rows_few_2_up": SHIPPED._replace(rows_tokens=2, rows_down=False),
             "own_all_kv": _OWN_ALL._replace(prefetch_kv=True),
@@ -290,7 +293,8 @@ PAIRS = (("router", "before"), ("ungrouped", "both"), ("gemv", "both"), ("gemv1_
          *((f"route_few_{n}", "gemv1_2") for n in (0, 2, 4, 8)),
          *((f"route_few_{n}_{w}", f"route_few_{n}") for n in (4, 8) for w in (2, 4)), ("seven_copies", "gemv1_2"),
          *((f"sum_down_{r}", "gemv1_2") for r in (1, 2, 4, 8)),
-         *((f"sum_down_{r}_{w}", "gemv1_2") for r, w in ((2, 2), (4, 8), (8, 8))))
+         *((f"sum_down_{r}_{w}", "gemv1_2") for r, w in ((2, 2), (4, 8), (8, 8))),
+         *((f"sum_down_{r}_early", f"sum_down_{r}") for r in (2, 4)))
 
 # the variants whose replay (--profile-batch, 1) is profiled kernel by kernel, where they are timed
 PROFILED = ("before", "both", "gemv", "gemv1_2", "self_route_merge", "down_gemv_8", "prefetch_down", "one_launch",
