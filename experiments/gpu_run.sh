@@ -172,19 +172,6 @@ s.print_callees('_post_write|_prefill_done|on_ExpectKV|_poll_notifs')" 2>&1 | gr
             timeout 200 python3 -m pytest -q -p no:cacheprovider tests/model/test_moe_kernel.py tests/model/test_gpu_graphs.py \
               -k "whole_row or (graphs_equal_transformers and (moe or mixtral))" -rfE 2>&1 \
               | tee "$OUT/rows_tests.txt" | tail -4 ;;
-    sumdown) # a one-token step's experts summed into the residual by their down launch, the next norm in the qkv GEMV
-            # (batched.RESIDUAL_IN_DOWN, off until timed): the probe with the batch-1 profiles, the GPU tests, then
-            # pushkv roofline with it on (ROOFLINE_ARGS; roofline_on.*)
-            timeout ${PROBE_TIMEOUT:-240} python3 -m experiments.moe_decode_probe --out "$OUT" --batches ${PROBE_BATCHES:-1,2} \
-              --reps ${REPS:-30} --variants ${PROBE_VARIANTS:-gemv1_2,sum_down_1,sum_down_2,sum_down_4,sum_down_8} 2>&1 \
-              | tail -30
-            timeout 200 python3 -m pytest -q -p no:cacheprovider tests/model/test_residual_in_down.py \
-              tests/model/test_gpu_graphs.py -k "residual or whole_row or (graphs_equal_transformers and (moe or mixtral))" \
-              -rfE 2>&1 | tee "$OUT/sum_tests.txt" | tail -4
-            timeout 300 python3 -c "import sys, runpy; from pushkv.model import batched; batched.RESIDUAL_IN_DOWN = True
-sys.argv = ['roofline'] + sys.argv[1:]; runpy.run_module('tools.roofline', run_name='__main__')" \
-              --model "${MODEL:-qwen3-30b-a3b}" ${ROOFLINE_ARGS:-} --out "$OUT/roofline_on.json" 2>&1 \
-              | tee "$OUT/roofline_on.txt" | tail -20 ;;
     routeone) # a one-token step's routing in registers (triton_moe.ROUTE_ONE_TOKEN, on since 2026-12-06): the probe with
             # the batch-1 profiles (what each kernel adds), then its GPU tests (the tables to the bit, float32 tokens)
             timeout 330 python3 -m experiments.moe_decode_probe --out "$OUT" --batches ${PROBE_BATCHES:-1,8} \

@@ -155,9 +155,6 @@ class Flags(NamedTuple):
     route_few: int = 0  # triton_moe.ROUTE_FEW_TOKENS
     route_few_warps: tuple = (1, 4)  # triton_moe.ROUTE_FEW_WARPS
     input_copies: int = 2  # a replay's copies of its step arrays: 2 (batched._DecodeGraph.run) or 7 (as before)
-    residual_in_down: bool = False  # batched.RESIDUAL_IN_DOWN
-    down_sum_rows: int = 4  # triton_moe.DOWN_SUM_ROWS
-    down_sum_warps: int = 4  # triton_moe.DOWN_SUM_WARPS
 
 
 # the kernels before the o GEMV (the decode attention and its merge) letting it be scheduled as they start, so its
@@ -252,15 +249,6 @@ VARIANTS = {"before": Flags(False, 0, "grouped", 0, 8), "router": Flags(False, 1
                for w in (2, 4)},
             # a replay's step arrays copied in seven launches, as before 2026-12-06's two
             "seven_copies": SHIPPED._replace(input_copies=7),
-            # a one-token step's experts summed into the residual by their down launch (R rows of each expert a
-            # program; sum_down_R_W: on W warps) and the next qkv GEMV norming it (batched.RESIDUAL_IN_DOWN): no
-            # add_rms launch a layer
-            **{f"sum_down_{r}": SHIPPED._replace(residual_in_down=True, down_sum_rows=r) for r in (1, 2, 4, 8)},
-            **{f"sum_down_{r}_{w}": SHIPPED._replace(residual_in_down=True, down_sum_rows=r, down_sum_warps=w)
-               for r, w in ((2, 2), (4, 8), (8, 8))},
-            # the same, the down launch letting the next qkv GEMV in before it waits (its weights load meanwhile)
-            **{f"sum_down_{r}_early": SHIPPED._replace(residual_in_down=True, down_sum_rows=r,
-                                                      early_next=_EARLY_O | {"down"}) for r in (2, 4)},
             # gate/up's rows for two tokens, their down by the grouped kernel
             "rows_few_2_up": SHIPPED._replace(rows_tokens=2, rows_down=False),
             "own_all_kv": _OWN_ALL._replace(prefetch_kv=True),
@@ -291,18 +279,14 @@ PAIRS = (("router", "before"), ("ungrouped", "both"), ("gemv", "both"), ("gemv1_
          ("rows_few_2", "gemv1_2"), ("rows_few_4", "gemv1_2"), ("rows_few_8", "gemv1_2"), ("rows_few_2_up", "gemv1_2"),
          ("gemv_tok_1", "gemv1_2"), ("gemv_tok_2", "gemv1_2"), ("gemv_tok_4", "gemv1_2"), ("gemv_tok_8", "gemv1_2"),
          *((f"route_few_{n}", "gemv1_2") for n in (0, 2, 4, 8)),
-         *((f"route_few_{n}_{w}", f"route_few_{n}") for n in (4, 8) for w in (2, 4)), ("seven_copies", "gemv1_2"),
-         *((f"sum_down_{r}", "gemv1_2") for r in (1, 2, 4, 8)),
-         *((f"sum_down_{r}_{w}", "gemv1_2") for r, w in ((2, 2), (4, 8), (8, 8))),
-         *((f"sum_down_{r}_early", f"sum_down_{r}") for r in (2, 4)))
+         *((f"route_few_{n}_{w}", f"route_few_{n}") for n in (4, 8) for w in (2, 4)), ("seven_copies", "gemv1_2"))
 
 # the variants whose replay (--profile-batch, 1) is profiled kernel by kernel, where they are timed
 PROFILED = ("before", "both", "gemv", "gemv1_2", "self_route_merge", "down_gemv_8", "prefetch_down", "one_launch",
             "one_launch_prefetch", "ahead_o_sum", "ahead_all", "own", "own_all", "one_launch_own", "one_launch_all",
             "own_all_kv", "own_all_l2", "persistent", "early_o", "early_small", "early_all", "route_one",
             "route_general", "rows_both", "grouped", "rows_few_1", "rows_few_2_up", "gemv_tok_1",
-            "gemv_tok_2", "gemv_tok_4", "gemv_tok_8", "route_few_0", "route_few_2", "route_few_4", "route_few_8",
-            "sum_down_1", "sum_down_2", "sum_down_4", "sum_down_8")
+            "gemv_tok_2", "gemv_tok_4", "gemv_tok_8", "route_few_0", "route_few_2", "route_few_4", "route_few_8")
 
 
 TWO_COPIES_RUN = batched._DecodeGraph.run
@@ -351,8 +335,6 @@ def set_variant(fwd, name: str) -> int:
     triton_moe.ROWS_TOKENS = f.rows_tokens
     triton_moe.ROUTE_FEW_TOKENS, triton_moe.ROUTE_FEW_WARPS = f.route_few, f.route_few_warps
     batched._DecodeGraph.run = SEVEN_COPIES_RUN if f.input_copies == 7 else TWO_COPIES_RUN
-    batched.RESIDUAL_IN_DOWN = f.residual_in_down
-    triton_moe.DOWN_SUM_ROWS, triton_moe.DOWN_SUM_WARPS = f.down_sum_rows, f.down_sum_warps
     fwd.drop_graphs()  # captured with the last variant's launches
     if not torch.cuda.is_available():
         return 0

@@ -60,13 +60,6 @@ ROUTER_IN_NORM_TOKENS = 16
 # 7.21) and lost 7 % at eight (variants ``gemv_tok_N``, docs/results/2026-12-06-moe-gemv-h100): so up to two
 GEMV_TOKENS = 2
 
-# A one-token step's MoE layers add their experts to the residual in the down projections' launch and the next
-# layer's qkv GEMV norms that residual itself (``triton_moe.down_rows_sum``, ``triton_gemv.linear_normed``): no
-# ``add_rms`` launch between a layer's experts and the next layer's qkv, nor before the first layer's. Taken at TP 1
-# with no LoRA adapter in the step and where the GEMV serves the qkv projection. Off until
-# experiments/moe_decode_probe.py (variants ``sum_down_R``) has timed it on a GPU
-RESIDUAL_IN_DOWN = False
-
 # Steps of up to AHEAD_TOKENS tokens ask L2 for a layer's dense weights ahead of their projection, in a launch of
 # their own (``kernels/prefetch.ahead``), at the places named: "o": the o projection's while the attention runs;
 # "qkv_route": the next layer's qkv while an MoE layer routes (the last layer asks for none); "qkv_sum": the next
@@ -289,7 +282,7 @@ class BatchedForward:
 
     def _layers_fused(self, meta, pools, splits, scratch, on_layer, rope) -> torch.Tensor:
         """Every layer with the fused Triton kernels: ~9 launches a layer."""
-        from pushkv.model.kernels import prefetch, triton_gemv, triton_moe
+        from pushkv.model.kernels import prefetch, triton_gemv
         from pushkv.model.kernels import triton_fused as K
         from pushkv.model.kernels.triton_moe import FUSED_ROUTE_TOKENS
 
@@ -298,16 +291,11 @@ class BatchedForward:
         T = meta.ids.shape[0]
         linear = triton_gemv.linear if 0 < T <= GEMV_TOKENS else F.linear  # the qkv and o projections
         x = F.embedding(meta.ids, m.w.embed)
-        # h None: the residual x waits for its norm, which the next qkv GEMV makes (RESIDUAL_IN_DOWN)
-        fold = self._residual_in_down(T)
-        h = None if fold else K.add_rms(x, None, layers[0].input_norm, eps)[1]
+        x, h = K.add_rms(x, None, layers[0].input_norm, eps)
         attn = torch.empty(T, p.q_heads, self.hd, device=self.device, dtype=m.dtype)
         places = ahead_places(T, m.tp_size)
         for layer, lw in enumerate(layers):
-            if h is None:
-                qkv = triton_gemv.linear_normed(x, lw.input_norm, eps, lw.qkv, lw.qkv_bias)
-            else:
-                qkv = m.adapted(lw, "qkv", linear(h, lw.qkv, lw.qkv_bias), h)
+            qkv = m.adapted(lw, "qkv", linear(h, lw.qkv, lw.qkv_bias), h)
             q = K.qk_norm_rope_store(qkv, p.q_heads, p.kv_heads, self.hd, lw.q_norm, lw.k_norm, eps, rope[0], rope[1],
                                      rope[2], meta.slots, pools[layer])
             if on_layer is not None:
@@ -322,11 +310,6 @@ class BatchedForward:
                 x, h, logits = K.add_rms_router(x, o, lw.post_norm, eps, lw.router)
                 if "qkv_route" in places and nxt_qkv is not None:
                     prefetch.ahead(nxt_qkv, self.sms)
-                if fold and getattr(lw, "shared_gate_up", None) is None:
-                    # the experts summed into the residual by their down launch; the next qkv GEMV norms it
-                    x, h = triton_moe.moe_mlp(h, lw.router, lw.gate_up, lw.down, cfg.experts_per_token,
-                                              cfg.norm_topk_prob, logits=logits, residual=x), None
-                    continue
                 delta = m.mlp_delta(lw, h, summed=False, logits=logits)
             elif lw.router is not None:  # MoE: the grouped Triton kernels (kernels/triton_moe.py), whose
                 x, h = K.add_rms(x, o, lw.post_norm, eps)
@@ -339,19 +322,7 @@ class BatchedForward:
                 prefetch.ahead(nxt_qkv, self.sms)
             nxt = layers[layer + 1].input_norm if layer + 1 < len(layers) else m.w.final_norm
             x, h = K.add_rms(x, delta, nxt, eps)
-        return K.add_rms(x, None, m.w.final_norm, eps)[1] if h is None else h
-
-    def _residual_in_down(self, T: int) -> bool:
-        """Whether a step of T tokens takes ``RESIDUAL_IN_DOWN``'s fold: one token, an MoE model at TP 1 with no
-        LoRA adapter in the step, its qkv projection a GEMV."""
-        from pushkv.model.kernels import triton_gemv, triton_moe
-
-        m = self.m
-        if not (RESIDUAL_IN_DOWN and T == 1 and T <= GEMV_TOKENS and m.tp_size == 1 and m.lora_step is None
-                and triton_moe.sums_into_residual(T)):
-            return False
-        lw = m.w.layers[0]
-        return lw.qkv.is_contiguous() and triton_gemv.tile_for(lw.qkv.shape[0], lw.qkv.shape[1]) is not None
+        return h
 
     # ------------------------------------------------------------- CUDA graphs
     def _replay(self, plan: StepPlan, pools: list[torch.Tensor]) -> torch.Tensor:

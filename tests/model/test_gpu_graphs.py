@@ -89,7 +89,7 @@ def test_gpu_float32_tokens_with_moe_down_gemvs_equal_transformers(case, tmp_pat
 
 @pytest.mark.parametrize("case", ["qwen3_moe", "qwen3_moe-unnormed", "mixtral"])
 @pytest.mark.parametrize("flags", ["one_launch", "one_launch_prefetch", "grouped_prefetch", "ahead", "ahead_kv",
-                                   "persistent", "early_next", "route_one", "route_few", "residual_in_down"])
+                                   "persistent", "early_next", "route_one", "route_few"])
 def test_gpu_float32_tokens_with_moe_one_launch_or_prefetch_equal_transformers(case, flags, tmp_path, monkeypatch):
     """The MoE decode kernels of up to 8 tokens in one launch (``triton_moe_decode.ONE_LAUNCH``, with
     ``PUSHKV_MOE_DECODE=ungrouped``), also with the down weights asked of L2 by gate/up (``PREFETCH_DOWN``), the
@@ -99,8 +99,7 @@ def test_gpu_float32_tokens_with_moe_one_launch_or_prefetch_equal_transformers(c
     wait (``triton_paged.PREFETCH_KV``), and a one-token step's MLP in one persistent launch
     (``triton_moe.PERSISTENT_ONE_TOKEN``), every kernel letting the next one be scheduled before it waits
     (``chain.EARLY_NEXT``), and a one-token step's routing in registers (``triton_moe.ROUTE_ONE_TOKEN``) or a few
-    tokens' (``ROUTE_FEW_TOKENS``, the prompts together), and a one-token step's experts summed into the residual by
-    their down launch with the next norm in the qkv GEMV (``batched.RESIDUAL_IN_DOWN``) give
+    tokens' (``ROUTE_FEW_TOKENS``, the prompts together) give
     transformers' float32 tokens, with graphs and eager; the decode steps took the
     launch counted where there is one."""
     from pushkv.model import batched
@@ -151,9 +150,6 @@ def test_gpu_float32_tokens_with_moe_one_launch_or_prefetch_equal_transformers(c
     elif flags == "route_few":  # a few tokens' routing in registers (the prompts decoding together)
         monkeypatch.setattr(triton_moe, "ROUTE_FEW_TOKENS", 8)
         counted(triton_moe, "_route_few_kernel")
-    elif flags == "residual_in_down":  # a one-token step's experts summed into the residual, the norm in the GEMV
-        monkeypatch.setattr(batched, "RESIDUAL_IN_DOWN", True)
-        counted(triton_moe, "_down_sum_kernel")
     else:  # the grouped kernels asking for the down weights and for their own rows
         monkeypatch.setattr(triton_moe, "PREFETCH_DOWN_TOKENS", 8)
         monkeypatch.setattr(triton_moe, "PREFETCH_OWN_TOKENS", 8)

@@ -30,7 +30,6 @@ except ModuleNotFoundError as e:  # a CUDA torch build without Triton
 
 from pushkv.model.kernels import chain
 from pushkv.model.kernels.chain import wait_prior
-from pushkv.model.kernels.triton_fused import _add_norm_row, add_rms
 
 # weight elements a program holds (its BN x K tile), spread over 8 warps: at most 128 a thread (64 registers
 # of bf16 pairs), which compiles without spills for sm_90 (python3 -m tools.kernel_sass)
@@ -44,9 +43,7 @@ COLUMNS = 2
 
 @triton.jit(do_not_specialize=["T"])
 def _gemv_kernel(X, W, B, Y, T, N, stride_x, stride_y, K: tl.constexpr, BN: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 PDL: tl.constexpr, NEXT_EARLY: tl.constexpr = False, NW=None, eps=0.0, NORM: tl.constexpr = False):
-    """``NORM``: X holds residual rows (contiguous), each normed here (times ``NW``) as ``triton_fused.add_rms``
-    norms a row, the same code, before its dot: the norm's launch folded into every program of this one."""
+                 PDL: tl.constexpr, NEXT_EARLY: tl.constexpr = False):
     cols = tl.program_id(0) * BN + tl.arange(0, BN)
     kk = tl.arange(0, K)
     live = cols < N
@@ -56,10 +53,7 @@ def _gemv_kernel(X, W, B, Y, T, N, stride_x, stride_y, K: tl.constexpr, BN: tl.c
     if HAS_BIAS:
         bias = tl.load(B + cols, mask=live, other=0.0).to(tl.float32)
     for t in range(T):
-        if NORM:
-            x = _add_norm_row(X, X, NW, t, K, eps, False, 1, K)[1].to(tl.float32)
-        else:
-            x = tl.load(X + t * stride_x + kk).to(tl.float32)
+        x = tl.load(X + t * stride_x + kk).to(tl.float32)
         y = tl.sum(w.to(tl.float32) * x[None, :], 1)
         if HAS_BIAS:
             y += bias
@@ -89,23 +83,4 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None
         _gemv_kernel[(triton.cdiv(N, bn),)](x, w, bias if bias is not None else w, y, T, N, x.stride(0), y.stride(0),
                                             K=K, BN=bn, HAS_BIAS=bias is not None, num_warps=warps,
                                             **chain.launch(x, "gemv"))
-    return y
-
-
-def linear_normed(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w: torch.Tensor,
-                  bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``linear(rms_norm(x) * norm_w, w, bias)`` for residual rows x [T, K], the norm (``triton_fused.add_rms``'s,
-    the same code) in every program of the GEMV, not a launch of its own; ``add_rms`` then ``linear`` where the
-    GEMV does not serve w."""
-    T, K = x.shape
-    N = w.shape[0]
-    tile = tile_for(N, K)
-    if tile is None or not w.is_contiguous() or not x.is_contiguous():
-        return linear(add_rms(x, None, norm_w, eps)[1], w, bias)
-    bn, warps = tile
-    y = torch.empty((T, N), dtype=x.dtype, device=x.device)
-    if T:
-        _gemv_kernel[(triton.cdiv(N, bn),)](x, w, bias if bias is not None else w, y, T, N, x.stride(0), y.stride(0),
-                                            K=K, BN=bn, HAS_BIAS=bias is not None, NW=norm_w, eps=eps, NORM=True,
-                                            num_warps=warps, **chain.launch(x, "gemv"))
     return y

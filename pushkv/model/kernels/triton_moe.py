@@ -513,40 +513,6 @@ def _down_row(Act, Weights, Out, w, slot, a_row, cols, kk, d, K: tl.constexpr, s
     tl.store(Out + slot * stride_out + cols, y.to(Out.dtype.element_ty), mask=(cols < d) & live)
 
 
-@triton.jit
-def _down_sum_kernel(Act, W, Weights, X, Xout, SlotIds, BlockExpert, n_slots, d, stride_act, stride_we, stride_wn,
-                     K: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, KTOP: tl.constexpr,
-                     KTP: tl.constexpr, PDL: tl.constexpr, NEXT_EARLY: tl.constexpr = False):
-    """A one-token step's down projections and its residual add in one launch (``RESIDUAL_IN_DOWN``): program c
-    reads down rows c BN .. c BN + BN - 1 of each of the token's KTOP experts in one load (row blocks 0 .. KTOP - 1:
-    one slot a block at its first row, as the routing places a token's distinct experts), rounds each slot's product
-    as ``_down_row`` does, sums them in slot order in float32, rounds once and adds them to the residual ``X``,
-    storing ``Xout``: what ``down_rows`` then ``triton_fused.add_rms``'s sum gave, without the sum's launch."""
-    wait_prior(PDL, NEXT_EARLY)
-    cols = tl.program_id(0) * BN + tl.arange(0, BN)
-    kk = tl.arange(0, KP)
-    j = tl.arange(0, KTP)
-    e = tl.load(BlockExpert + j, mask=j < KTOP, other=-1).to(tl.int64)
-    slot = tl.load(SlotIds + j * BM, mask=j < KTOP, other=n_slots)
-    live = (e >= 0) & (slot < n_slots)
-    # every expert's rows asked for at once: [KTP, BN, KP]
-    w = tl.load(W + tl.maximum(e, 0)[:, None, None] * stride_we + cols[None, :, None].to(tl.int64) * stride_wn
-                + kk[None, None, :],
-                mask=live[:, None, None] & (cols[None, :, None] < d) & (kk[None, None, :] < K), other=0.0)
-    a = tl.load(Act + (j * BM)[:, None].to(tl.int64) * stride_act + kk[None, :], mask=live[:, None] & (kk[None, :] < K),
-                other=0.0).to(tl.float32)
-    y = tl.sum(w.to(tl.float32) * a[:, None, :], 2)  # [KTP, BN]
-    wt = tl.load(Weights + slot, mask=live, other=0.0).to(tl.float32)
-    y = (y.to(Xout.dtype.element_ty).to(tl.float32) * wt[:, None]).to(Xout.dtype.element_ty).to(tl.float32)
-    # the slots' sum in slot order (as add_rms sums a token's k rows), then the residual add, each rounded once
-    total = tl.zeros([BN], dtype=tl.float32)
-    for s in tl.static_range(KTOP):
-        total += tl.sum(tl.where((slot[:, None] == s) & live[:, None], y, 0.0), 0)
-    x = tl.load(X + cols, mask=cols < d, other=0.0)
-    x = (x.to(tl.float32) + total.to(x.dtype).to(tl.float32)).to(x.dtype)
-    tl.store(Xout + cols, x, mask=cols < d)
-
-
 def group_slots(experts: torch.Tensor, num_experts: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
     """experts [T, k] -> (slot ids [B * bm], block expert [B]): the token-slots (``t * k + j``)
     sorted by expert, each expert's run padded to whole blocks of ``bm`` rows (padding rows hold
@@ -640,13 +606,6 @@ DOWN_ROWS, DOWN_ROWS_WARPS = 4, 4  # down: rows a program, warps
 # bound; variant ``rows_few_1``: docs/results/2026-12-06-moe-rows-h100; 4.99 -> 4.90 again in
 # docs/results/2026-12-06-moe-gemv-h100); at four tokens rows and tiles were as fast
 ROWS_TOKENS = 2
-
-# A one-token step's down projections and the residual add in one launch (``_down_sum_kernel``: each program
-# reads its rows of all the token's experts and sums them into the residual), and the next layer's norm in its
-# qkv GEMV (``triton_gemv.linear_normed``): no ``add_rms`` launch between the experts and the next layer
-# (``batched.RESIDUAL_IN_DOWN``, off until timed on a GPU; experiments/moe_decode_probe.py, variants ``sum_down_R``).
-# Down rows a program and warps
-DOWN_SUM_ROWS, DOWN_SUM_WARPS = 4, 4
 
 # A one-token step's routing and grouping in registers (``_route_one_kernel``: the k rounds once, one reduction a
 # round, each choice's block its rank), not through the general kernel's fill, counts and scans. The same tables and
@@ -939,22 +898,6 @@ def down_rows(act: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, slot
     return per_slot
 
 
-def down_rows_sum(act: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, slot_ids: torch.Tensor,
-                  block_expert: torch.Tensor, k: int, bm: int, residual: torch.Tensor) -> torch.Tensor:
-    """A one-token step's ``residual + down_rows(...).sum(0)`` by ``_down_sum_kernel`` (``DOWN_SUM_ROWS`` rows of
-    each of the token's k experts a program): [1, d], rounded as ``down_rows`` then ``triton_fused.add_rms``'s sum
-    round."""
-    d, inter = down.shape[1], down.shape[2]
-    if residual.shape != (1, d) or not residual.is_contiguous():
-        raise ValueError(f"down_rows_sum: residual {tuple(residual.shape)} is not a contiguous [1, {d}]")
-    out = torch.empty_like(residual)
-    _down_sum_kernel[(triton.cdiv(d, DOWN_SUM_ROWS),)](
-        act, down, weights, residual, out, slot_ids, block_expert, k, d, act.stride(0), down.stride(0),
-        down.stride(1), K=inter, KP=triton.next_power_of_2(inter), BM=bm, BN=DOWN_SUM_ROWS, KTOP=k,
-        KTP=triton.next_power_of_2(k), num_warps=DOWN_SUM_WARPS, **chain.launch(act, "down"))
-    return out
-
-
 def down_gemv(act: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, slot_ids: torch.Tensor,
               block_expert: torch.Tensor, n: int, bm: int) -> torch.Tensor:
     """``down_per_slot`` by ``_down_gemv_kernel``: [n, d], each slot's product through its expert's down
@@ -976,27 +919,17 @@ def _precision(x: torch.Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
-def sums_into_residual(tokens: int) -> bool:
-    """Whether ``moe_mlp`` takes a ``residual`` for a step of ``tokens`` (no tiles given): one token through the
-    whole-row kernels, routed by its own launch."""
-    return (tokens == 1 and ROWS_ONE_TOKEN and DOWN_ROWS_ONE_TOKEN and ROWS_TOKENS >= 1 and ROW_ACT
-            and not SELF_ROUTE_ONE_TOKEN and not PERSISTENT_ONE_TOKEN)
-
-
 def moe_mlp(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
             k: int, renorm: bool, tiles: Union[Tiles, DecodeTiles, None] = None, summed: bool = True,
-            logits: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+            logits: Optional[torch.Tensor] = None) -> torch.Tensor:
     """As ``pushkv.model.moe.moe_mlp``: h [T, d] (normed), router [E, d], gate_up [E, 2 i, d],
     down [E, d, i] -> [T, d]. ``tiles``: the launch's tiles (default: ``tiles_for``); ``DecodeTiles``
     (up to ``DECODE_TOKENS`` tokens) take the ungrouped decode kernels. ``summed`` False: the grouped
     kernels' [T, k, d] (each token's k experts, weighted, not yet summed) for the caller to sum in its
     next launch (``triton_fused.add_rms``); the decode kernels sum in theirs ([T, d] either way). ``logits``:
     the router's logits of h [T, E] where the caller has them (``triton_fused.add_rms_router``, a decode
-    step of up to ``FUSED_ROUTE_TOKENS``), so the router's matmul is not run again. ``residual`` [1, d] (where
-    ``sums_into_residual(T)``): ``residual`` plus the experts' sum, by ``down_rows_sum`` (one launch less)."""
+    step of up to ``FUSED_ROUTE_TOKENS``), so the router's matmul is not run again."""
     T, d = h.shape
-    if residual is not None and (tiles is not None or not sums_into_residual(T)):
-        raise ValueError(f"moe_mlp: a residual is taken for one token through the whole-row kernels, not {T}")
     n = T * k
     tl_ = tiles or tiles_for(T)
     h = h.contiguous()
@@ -1033,8 +966,6 @@ def moe_mlp(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: 
     else:
         act = gate_up_product(h, gate_up.contiguous(), slot_ids, block_expert, k, tl_, route, weights,
                               down if T <= PREFETCH_DOWN_TOKENS else None, own)
-    if residual is not None:
-        return down_rows_sum(act, down, weights, slot_ids, block_expert, k, tl_.bm, residual)
     if rows and DOWN_ROWS_ONE_TOKEN:
         per_slot = down_rows(act, down, weights, slot_ids, block_expert, n, tl_.bm, T)
     # the down GEMVs read the tables before they wait: only a routing launch's, never those gate/up writes
