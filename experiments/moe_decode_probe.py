@@ -154,7 +154,9 @@ class Flags(NamedTuple):
     rows_tokens: int = 1  # triton_moe.ROWS_TOKENS
     route_few: int = 0  # triton_moe.ROUTE_FEW_TOKENS
     route_few_warps: tuple = (1, 4)  # triton_moe.ROUTE_FEW_WARPS
-    input_copies: int = 2  # a replay's copies of its step arrays: 2 (batched._DecodeGraph.run) or 7 (as before)
+    # a replay's copies of its step arrays: 1 (batched.ONE_COPY_ENTRIES, the table staged at the graph's width),
+    # 2 (the table rows at the step's width, then spread into the graph's table) or 7 (as before 2026-12-06)
+    input_copies: int = 1
 
 
 # the kernels before the o GEMV (the decode attention and its merge) letting it be scheduled as they start, so its
@@ -247,8 +249,8 @@ VARIANTS = {"before": Flags(False, 0, "grouped", 0, 8), "router": Flags(False, 1
             **{f"route_few_{n}": SHIPPED._replace(route_few=n, route_few_warps=(1, 1)) for n in (0, 2, 4, 8)},
             **{f"route_few_{n}_{w}": SHIPPED._replace(route_few=n, route_few_warps=(w, w)) for n in (4, 8)
                for w in (2, 4)},
-            # a replay's step arrays copied in seven launches, as before 2026-12-06's two
-            "seven_copies": SHIPPED._replace(input_copies=7),
+            # a replay's step arrays copied in seven launches, as before 2026-12-06's two; in two, as before one
+            "seven_copies": SHIPPED._replace(input_copies=7), "two_copies": SHIPPED._replace(input_copies=2),
             # gate/up's rows for two tokens, their down by the grouped kernel
             "rows_few_2_up": SHIPPED._replace(rows_tokens=2, rows_down=False),
             "own_all_kv": _OWN_ALL._replace(prefetch_kv=True),
@@ -279,17 +281,19 @@ PAIRS = (("router", "before"), ("ungrouped", "both"), ("gemv", "both"), ("gemv1_
          ("rows_few_2", "gemv1_2"), ("rows_few_4", "gemv1_2"), ("rows_few_8", "gemv1_2"), ("rows_few_2_up", "gemv1_2"),
          ("gemv_tok_1", "gemv1_2"), ("gemv_tok_2", "gemv1_2"), ("gemv_tok_4", "gemv1_2"), ("gemv_tok_8", "gemv1_2"),
          *((f"route_few_{n}", "gemv1_2") for n in (0, 2, 4, 8)),
-         *((f"route_few_{n}_{w}", f"route_few_{n}") for n in (4, 8) for w in (2, 4)), ("seven_copies", "gemv1_2"))
+         *((f"route_few_{n}_{w}", f"route_few_{n}") for n in (4, 8) for w in (2, 4)), ("seven_copies", "gemv1_2"),
+         ("two_copies", "gemv1_2"))
 
 # the variants whose replay (--profile-batch, 1) is profiled kernel by kernel, where they are timed
 PROFILED = ("before", "both", "gemv", "gemv1_2", "self_route_merge", "down_gemv_8", "prefetch_down", "one_launch",
             "one_launch_prefetch", "ahead_o_sum", "ahead_all", "own", "own_all", "one_launch_own", "one_launch_all",
             "own_all_kv", "own_all_l2", "persistent", "early_o", "early_small", "early_all", "route_one",
             "route_general", "rows_both", "grouped", "rows_few_1", "rows_few_2_up", "gemv_tok_1",
-            "gemv_tok_2", "gemv_tok_4", "gemv_tok_8", "route_few_0", "route_few_2", "route_few_4", "route_few_8")
+            "gemv_tok_2", "gemv_tok_4", "gemv_tok_8", "route_few_0", "route_few_2", "route_few_4", "route_few_8",
+            "two_copies")
 
 
-TWO_COPIES_RUN = batched._DecodeGraph.run
+SHIPPED_RUN, ONE_COPY_ENTRIES = batched._DecodeGraph.run, batched.ONE_COPY_ENTRIES
 
 
 def _seven_copies_run(self, plan):
@@ -334,7 +338,8 @@ def set_variant(fwd, name: str) -> int:
     triton_moe.DOWN_ROWS, triton_moe.DOWN_ROWS_WARPS = f.down_rows, f.down_rows_warps
     triton_moe.ROWS_TOKENS = f.rows_tokens
     triton_moe.ROUTE_FEW_TOKENS, triton_moe.ROUTE_FEW_WARPS = f.route_few, f.route_few_warps
-    batched._DecodeGraph.run = SEVEN_COPIES_RUN if f.input_copies == 7 else TWO_COPIES_RUN
+    batched._DecodeGraph.run = SEVEN_COPIES_RUN if f.input_copies == 7 else SHIPPED_RUN
+    batched.ONE_COPY_ENTRIES = ONE_COPY_ENTRIES if f.input_copies == 1 else 0
     fwd.drop_graphs()  # captured with the last variant's launches
     if not torch.cuda.is_available():
         return 0

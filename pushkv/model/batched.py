@@ -398,6 +398,15 @@ class BatchedForward:
             self.graph_width = max(width, -(-self.m.cfg.max_position // pools[0].shape[-2]))
 
 
+# A decode graph whose table holds at most this many entries (its size x its width) lands a replay's step arrays in
+# one copy: the table rows are staged on the host at the graph's own width, so the copy lands them in the graph's
+# table (only each row's first step-width entries are written; the kernels read no entry past a sequence's blocks).
+# Larger graphs stage the rows at the step's width and one more copy spreads them into the table (a 64-sequence
+# graph's full table would be 655 KB of host copy a step at Qwen3-30B-A3B's 2,560 blocks a row). 16,384: a 64 KB
+# copy at most (graphs of up to 6 sequences there, 16 at 1,024 blocks a row). 0: never
+ONE_COPY_ENTRIES = 16384
+
+
 def pools_key(pools: Sequence[torch.Tensor]) -> tuple:
     """What a captured step holds of the pools: each layer view's address, shape, strides and dtype."""
     return tuple((t.data_ptr(), t.shape, t.stride(), t.dtype) for t in pools)
@@ -412,17 +421,21 @@ class _DecodeGraph:
         dev, self.fwd, self.size = fwd.device, fwd, size
         ar = torch.arange(size, dtype=torch.int32, device=dev)
         zeros = torch.zeros(size, dtype=torch.int32, device=dev)
-        # where a replay's one copy lands: ids, positions, slots, seq_lens and LoRA slots (the graph's own inputs,
-        # views of it), then the table rows at the step's width, which one more copy spreads into the graph's table
+        # where a replay's copy lands: ids, positions, slots, seq_lens and LoRA slots (the graph's own inputs, views
+        # of it), then the table rows: at the graph's width, its table itself (``one_copy``), else at the step's
+        # width, which one more copy spreads into the graph's table
         self.inputs = torch.zeros(size * (5 + width), dtype=torch.int32, device=dev)
         ids, positions, slots, seq_lens, lora_slots = self.inputs[:5 * size].view(5, size)
         slots.fill_(-1)
+        self.width, self.one_copy = width, size * width <= ONE_COPY_ENTRIES
+        table = self.inputs[5 * size:].view(size, width) if self.one_copy else \
+            torch.zeros(size, width, dtype=torch.int32, device=dev)
         self.meta = StepTensors(
             ids=ids, positions=positions, slots=slots,
             seq_lens=seq_lens, q_starts=ar.clone(), q_lens=torch.ones_like(zeros),
             decode_tiles=ar.clone(), decode_q0=zeros.clone(),
             prefill_tiles=zeros[:0], prefill_q0=zeros[:0], sample_rows=ar.clone(),
-            block_table=torch.zeros(size, width, dtype=torch.int32, device=dev), block_q=fwd.block_q,
+            block_table=table, block_q=fwd.block_q,
             lora=lora_slots)
         bank = fwd.m.lora_bank
         self.lora_step = LoraStep(bank, self.meta.lora) if lora and bank is not None else None
@@ -465,9 +478,11 @@ class _DecodeGraph:
 
     def staged(self, plan: StepPlan) -> torch.Tensor:
         """The step's arrays in the pinned staging buffer: ids, positions, slots, seq_lens, LoRA slots (padded to
-        the graph's size), then the table rows at the step's width; the filled part."""
+        the graph's size), then the table rows: at the graph's width where ``one_copy`` (each row's first W entries
+        written, the rest as they were: no kernel reads them), else at the step's width; the part to copy."""
         B, S, W = plan.num_seqs, self.size, plan.block_table.shape[1]
-        host = self.staging.take(5 * S + S * W)
+        row = self.width if self.one_copy else W
+        host = self.staging.take(5 * S + S * row)
         h = host.numpy()
         h[:5 * S].fill(0)
         h[2 * S:3 * S].fill(-1)
@@ -476,20 +491,21 @@ class _DecodeGraph:
         h[2 * S:2 * S + B] = plan.slots
         h[3 * S:3 * S + B] = plan.seq_lens
         h[4 * S:4 * S + B] = plan.lora
-        tab = h[5 * S:5 * S + S * W].reshape(S, W)
-        tab[:B] = plan.block_table
-        tab[B:] = 0
-        return host[:5 * S + S * W]
+        tab = h[5 * S:5 * S + S * row].reshape(S, row)
+        tab[:B, :W] = plan.block_table
+        tab[B:, :W] = 0
+        return host[:5 * S + (S - 1) * row + W]  # (to the last row's W-th entry)
 
     def run(self, plan: StepPlan) -> torch.Tensor:
         B, S, W = plan.num_seqs, self.size, plan.block_table.shape[1]
         host = self.staged(plan)
-        # two copies, not seven: the host arrays straight into the graph's inputs, then the table rows into its
-        # table (each copy a launch the GPU waits on between replays)
+        # one copy where the table is small (``one_copy``), else two: the host arrays straight into the graph's
+        # inputs, then the table rows into its table (each copy a launch the GPU waits on between replays)
         n = host.numel()
         self.inputs[:n].copy_(host, non_blocking=True)
         if self.fwd.cuda:
             self.staging.copied()
-        self.meta.block_table[:, :W].copy_(self.inputs[5 * S:n].view(S, W))
+        if not self.one_copy:
+            self.meta.block_table[:, :W].copy_(self.inputs[5 * S:5 * S + S * W].view(S, W))
         self._launch()
         return self.logits[:B].clone()  # the next replay overwrites the static buffer

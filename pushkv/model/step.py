@@ -157,6 +157,8 @@ class Staging:
         if self.event is not None:
             self.event.synchronize()
         if self.buf.numel() < n:
-            self.buf = torch.empty(max(n, 2 * self.buf.numel(), 4096), dtype=torch.int32,
+            # (zeros: a decode graph's one copy lands the entries past each row's width too, which no kernel reads,
+            # but they are then block ids, never garbage)
+            self.buf = torch.zeros(max(n, 2 * self.buf.numel(), 4096), dtype=torch.int32,
                                    pin_memory=torch.cuda.is_available())
         return self.buf

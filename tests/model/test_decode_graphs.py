@@ -144,3 +144,34 @@ def test_an_mla_decode_step_reads_nothing_on_the_host():
                                         for f in ("seq_lens", "q_lens", "q_starts", "slots", "block_table")})
     got = fwd.forward(meta, model._layer_pools(pool), fwd.decode_splits(plan.num_seqs))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("one_copy", [True, False])
+def test_a_replay_lands_its_table_in_one_copy_or_two_and_reads_only_its_rows_blocks(one_copy, monkeypatch):
+    """``batched.ONE_COPY_ENTRIES``: a small graph's table is a view of the buffer its replay's one copy lands in
+    (the rows staged at the graph's width), a larger one's its own, filled by a second copy. Either way a step of
+    wide tables (three sequences of 6 blocks) and then one of narrow tables (three others of 1 block, the columns
+    past it still holding the first step's blocks) give the eager step's logits and store their K/V where eager
+    does, and the graph's rows start with the step's tables."""
+    from pushkv.model import batched
+
+    monkeypatch.setattr(batched, "ONE_COPY_ENTRIES", batched.ONE_COPY_ENTRIES if one_copy else 0)
+    on, off = _model(True), _model(False)
+    pool = new_pool(on, 64, 8)
+    seqs = [SeqWork(i, tuple(prompt_of(40 if i < 3 else 5, seed=i)), 0, tuple(range(8 * i, 8 * i + 8)))
+            for i in range(6)]
+    first = on.execute(seqs, pool)
+    decode = [SeqWork(s.seq_id, (t,), len(s.token_ids), s.block_table) for s, t in zip(seqs, first)]
+    for step in (decode[:3], decode[3:]):
+        eager_pool = pool.clone()
+        got = on.batched.logits(step, on._layer_pools(pool))
+        want = off.batched.logits(step, off._layer_pools(eager_pool))
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert torch.equal(pool.isnan(), eager_pool.isnan())
+        g = on.batched.graphs[4]
+        table, plan = g.meta.block_table, batched.plan_step(step, 8, on.batched.block_q)
+        assert g.one_copy == one_copy and table.shape == (4, g.width)
+        assert (table.untyped_storage().data_ptr() == g.inputs.untyped_storage().data_ptr()) == one_copy
+        W = plan.block_table.shape[1]
+        assert table[:3, :W].tolist() == plan.block_table.tolist() and table[3, :W].tolist() == [0] * W
+    assert W == 1 and table[:3, 1:6].tolist() == [list(range(8 * i + 1, 8 * i + 6)) for i in range(3)]
