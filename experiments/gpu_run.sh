@@ -158,6 +158,14 @@ s.print_callees('_post_write|_prefill_done|on_ExpectKV|_poll_notifs')" 2>&1 | gr
             # what each kernel adds to the step)
             timeout 400 python3 -m experiments.moe_decode_probe --out "$OUT" --batches ${PROBE_BATCHES:-1,8} \
               --reps ${REPS:-30} --variants ${PROBE_VARIANTS:-gemv1_2,early_none,early_all} 2>&1 | tail -40 ;;
+    moeprefill) # the prefill probe (experiments/moe_prefill_probe.py): attention's configs, the grouped kernels' tiles
+            # swept at SWEEP_TOKENS (4096), one MoE layer and the whole model's prefill at 4k with its profile
+            timeout 420 python3 -m experiments.moe_prefill_probe --out "$OUT/prefill" --tokens 4096 \
+              --sweep-tokens ${SWEEP_TOKENS:-4096} --model-tokens 4096 2>&1 | grep -v "failed:" | tail -60 ;;
+    graphtests) # the decode graphs' GPU tests and the float32 tokens of every architecture through graphs
+            timeout 200 python3 -m pytest -q -p no:cacheprovider tests/model/test_decode_graphs.py \
+              tests/model/test_gpu_graphs.py -k "not lora and (graphs or one_copy)" -rfE 2>&1 \
+              | tee "$OUT/graph_tests.txt" | tail -4 ;;
     moetiles) # the grouped MoE kernels' decode tiles swept on this card (experiments/moe_decode_probe.py --sweep-tokens)
             timeout 560 python3 -m experiments.moe_decode_probe --out "$OUT" --batches 1 --reps ${REPS:-20} \
               --sweep-tokens ${SWEEP_TOKENS:-1} --then-time 2>&1 | grep -v "failed:" | tail -40 ;;
