@@ -164,7 +164,7 @@ s.print_callees('_post_write|_prefill_done|on_ExpectKV|_poll_notifs')" 2>&1 | gr
               --sweep-tokens ${SWEEP_TOKENS:-4096} --model-tokens 4096 2>&1 | grep -v "failed:" | tail -60 ;;
     graphtests) # the decode graphs' GPU tests and the float32 tokens of every architecture through graphs
             timeout 200 python3 -m pytest -q -p no:cacheprovider tests/model/test_decode_graphs.py \
-              tests/model/test_gpu_graphs.py -k "not lora and (graphs or one_copy)" -rfE 2>&1 \
+              tests/model/test_gpu_graphs.py -k "graphs_equal_transformers_and_eager or one_copy" -rfE 2>&1 \
               | tee "$OUT/graph_tests.txt" | tail -4 ;;
     moetiles) # the grouped MoE kernels' decode tiles swept on this card (experiments/moe_decode_probe.py --sweep-tokens)
             timeout 560 python3 -m experiments.moe_decode_probe --out "$OUT" --batches 1 --reps ${REPS:-20} \
