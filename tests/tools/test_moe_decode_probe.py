@@ -89,7 +89,15 @@ def _read(driver: _Driver) -> probe.Flags:
                        triton_moe.ROUTE_ONE_TOKEN, triton_moe.ONE_TOKEN_TILES, triton_moe.ROWS_ONE_TOKEN,
                        triton_moe.DOWN_ROWS_ONE_TOKEN, triton_moe.ROWS, triton_moe.ROWS_WARPS, triton_moe.DOWN_ROWS,
                        triton_moe.DOWN_ROWS_WARPS, triton_moe.ROWS_TOKENS, triton_moe.ROUTE_FEW_TOKENS,
-                       triton_moe.ROUTE_FEW_WARPS, 7 if batched._DecodeGraph.run is probe.SEVEN_COPIES_RUN else 2)
+                       triton_moe.ROUTE_FEW_WARPS, _copies())
+
+
+def _copies() -> int:
+    """A replay's copies of its step arrays as the switches stand: 7 (the probe's old run), 1 (the table staged at
+    a small graph's width) or 2."""
+    if batched._DecodeGraph.run is probe.SEVEN_COPIES_RUN:
+        return 7
+    return 1 if batched.ONE_COPY_ENTRIES == probe.ONE_COPY_ENTRIES > 0 else 2
 
 
 def test_every_variant_sets_existing_switches_to_its_values(restored):
