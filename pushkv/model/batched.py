@@ -402,9 +402,12 @@ class BatchedForward:
 # one copy: the table rows are staged on the host at the graph's own width, so the copy lands them in the graph's
 # table (only each row's first step-width entries are written; the kernels read no entry past a sequence's blocks).
 # Larger graphs stage the rows at the step's width and one more copy spreads them into the table (a 64-sequence
-# graph's full table would be 655 KB of host copy a step at Qwen3-30B-A3B's 2,560 blocks a row). 16,384: a 64 KB
-# copy at most (graphs of up to 6 sequences there, 16 at 1,024 blocks a row). 0: never
-ONE_COPY_ENTRIES = 16384
+# graph's full table would be 655 KB of host copy a step at Qwen3-30B-A3B's 2,560 blocks a row). On an H100,
+# Qwen3-30B-A3B's step (context 512; experiments/moe_decode_probe.py, variant ``two_copies``;
+# docs/results/2026-12-06-one-copy-h100): batch 1 2.986 -> 2.969 ms (1.47x its bytes bound), batch 2 4.456 ->
+# 4.451, the same bits; batch 4 (a 40 KB copy) 6.892 with two copies against 6.908 with one. 8,192: a 32 KB copy
+# at most (graphs of 1 and 2 sequences at 2,560 blocks a row, up to 8 at 1,024). 0: never
+ONE_COPY_ENTRIES = 8192
 
 
 def pools_key(pools: Sequence[torch.Tensor]) -> tuple:
