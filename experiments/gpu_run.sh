@@ -159,9 +159,13 @@ s.print_callees('_post_write|_prefill_done|on_ExpectKV|_poll_notifs')" 2>&1 | gr
             timeout 400 python3 -m experiments.moe_decode_probe --out "$OUT" --batches ${PROBE_BATCHES:-1,8} \
               --reps ${REPS:-30} --variants ${PROBE_VARIANTS:-gemv1_2,early_none,early_all} 2>&1 | tail -40 ;;
     moeprefill) # the prefill probe (experiments/moe_prefill_probe.py): attention's configs, the grouped kernels' tiles
-            # swept at SWEEP_TOKENS (4096), one MoE layer and the whole model's prefill at 4k with its profile
+            # swept at SWEEP_TOKENS (4096; SWEEP_TOKENS= none), one MoE layer and the whole model's prefill at 4k with
+            # its profile, each also with the down launch's column tiles first (triton_moe.DOWN_COLS_FIRST_SLOTS), and
+            # that launch's GPU test (the same bits)
             timeout 420 python3 -m experiments.moe_prefill_probe --out "$OUT/prefill" --tokens 4096 \
-              --sweep-tokens ${SWEEP_TOKENS:-4096} --model-tokens 4096 2>&1 | grep -v "failed:" | tail -60 ;;
+              --sweep-tokens "${SWEEP_TOKENS-4096}" --model-tokens 4096 2>&1 | grep -v "failed:" | tail -60
+            timeout 120 python3 -m pytest -q -p no:cacheprovider tests/model/test_moe_kernel.py -k column_tiles -rfE 2>&1 \
+              | tee "$OUT/prefill/cols_first_tests.txt" | tail -3 ;;
     graphtests) # the decode graphs' GPU tests and the float32 tokens of every architecture through graphs
             timeout 200 python3 -m pytest -q -p no:cacheprovider tests/model/test_decode_graphs.py \
               tests/model/test_gpu_graphs.py -k "graphs_equal_transformers_and_eager or one_copy" -rfE 2>&1 \

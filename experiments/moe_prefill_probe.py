@@ -10,10 +10,11 @@ grouped kernels' options and tiles give, and the whole model's prefill against t
    at each of --tokens: the routing and grouping (``route_group_wide``, and torch's sort-based grouping beside
    it), gate/up, down and the sum of a token's slots, each timed alone by CUDA events; the layer as it was before
    (torch's grouping, the product in slot order, masked loads, the tiles before the sweep) and as shipped;
-   against the layer's FLOPs at the rate one 8k bf16 matmul reaches in the same run;
+   against the layer's FLOPs at the rate one 8k bf16 matmul reaches in the same run; and the down stage and the
+   layer with the down launch's column tiles first (``triton_moe.DOWN_COLS_FIRST_SLOTS``), their bits checked;
 4. **model**: the ``qwen3-30b-a3b`` preset's prefill of one sequence (as ``pushkv roofline`` times it) at
    --model-tokens: the tree before (``tree``), the MoE changes alone (attention, its query rows a tile and the
-   q/k norm-RoPE-store as before), and as shipped; and a profile
+   q/k norm-RoPE-store as before), as shipped, and with the down launch's column tiles first; and a profile
    of the first length's prefill as shipped: kernels by GPU time.
 
     python3 -m experiments.moe_prefill_probe --out DIR    (from the checkout's root; ~4 min on an H200)
@@ -23,6 +24,7 @@ writes DIR/moe_prefill.json (every figure) and DIR/moe_prefill.md (the tables).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -190,6 +192,17 @@ def sweep(h, layer, peak: float) -> tuple[dict, list]:
     return best, recs
 
 
+@contextlib.contextmanager
+def cols_first():
+    """``triton_moe.DOWN_COLS_FIRST_SLOTS`` on (every grouped down launch) for the block, then as shipped."""
+    shipped = triton_moe.DOWN_COLS_FIRST_SLOTS
+    triton_moe.DOWN_COLS_FIRST_SLOTS = 1
+    try:
+        yield
+    finally:
+        triton_moe.DOWN_COLS_FIRST_SLOTS = shipped
+
+
 def layer_ms(h, layer, tiles=None) -> float:
     router, gate_up, down = layer
     return ms(lambda: triton_moe.moe_mlp(h, router, gate_up, down, K, True, tiles, summed=False))
@@ -230,6 +243,9 @@ def bench_model(args, peak: float) -> dict:
             t = _time(run, 3, warm=1)
             row[name] = {"ms": round(t * 1e3, 2), "of_matmul": round(fl / t / peak, 3)}
         tree(False, fwd=fwd)
+        with cols_first():
+            t = _time(run, 3, warm=1)
+        row["cols_first"] = {"ms": round(t * 1e3, 2), "of_matmul": round(fl / t / peak, 3)}
         out["rows"].append(row)
         print(json.dumps(row), flush=True)
     L = lengths[0]
@@ -251,21 +267,24 @@ def bench_model(args, peak: float) -> dict:
 def markdown(rep: dict) -> str:
     lines = [f"matmul rate {rep['matmul_tflops']:.0f} TFLOP/s (8k bf16), {rep['gpu']}", "",
              "| tokens | FLOPs bound | route+group | (torch's) | gate/up | down | sum | padded rows | layer before | "
-             "layer shipped | max rel. err |", "| --- " * 11 + "|"]
+             "layer shipped | max rel. err | down, cols first | layer, cols first | same bits |", "| --- " * 14 + "|"]
     for r in rep["layer"]:
-        s = r["stages"]
+        s, cf = r["stages"], r.get("cols_first", {})
         lines.append(f"| {r['tokens']} | {r['bound_ms']:.3f} | {s['route_group']:.3f} | {s['torch_route_group']:.3f} | "
                      f"{s['gate_up']:.3f} | {s['down']:.3f} | {s['sum']:.3f} | {s['rows_padded_pct']} % | "
-                     f"{r['before']:.3f} | {r['shipped']:.3f} | {r['max_rel_err']:.4f} |")
+                     f"{r['before']:.3f} | {r['shipped']:.3f} | {r['max_rel_err']:.4f} | {cf.get('down', 0):.3f} | "
+                     f"{cf.get('layer', 0):.3f} | {cf.get('same_bits', '')} |")
     lines += ["", "| attention block_q | config | heavy first | free loop | ms | TFLOP/s | of matmul |",
               "| --- " * 7 + "|"]
     lines += [f"| {a['block_q']} | {a['config'] or 'default'} | {a['heavy_first']} | {a['free_loop']} | {a['ms']} | "
               f"{a['tflops']} | {a['of_matmul']:.0%} |" for a in rep["attention"]]
     if rep.get("model"):
-        lines += ["", "| prefill tokens | before ms (of matmul) | MoE changes only | shipped |", "| --- " * 4 + "|"]
+        lines += ["", "| prefill tokens | before ms (of matmul) | MoE changes only | shipped | down cols first |",
+                  "| --- " * 5 + "|"]
         for r in rep["model"]["rows"]:
-            lines.append(f"| {r['tokens']} | " + " | ".join(f"{r[k]['ms']} ({r[k]['of_matmul']:.0%})"
-                                                             for k in ("before", "moe_only", "shipped")) + " |")
+            lines.append(f"| {r['tokens']} | " + " | ".join(f"{r[k]['ms']} ({r[k]['of_matmul']:.0%})" if k in r else ""
+                                                             for k in ("before", "moe_only", "shipped", "cols_first"))
+                         + " |")
         lines += ["", "kernels of the first length's prefill, shipped (ms, count):"]
         lines += [f"- {p['ms']:.3f} x{p['count']} {p['kernel']}" for p in rep["model"]["profile"]]
     return "\n".join(lines) + "\n"
@@ -299,13 +318,20 @@ def main() -> None:
         h = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
         router, gate_up, down = layer
         ref = moe_mlp(h, router, gate_up, down, K, True).float()
-        got = triton_moe.moe_mlp(h, router, gate_up, down, K, True).float()
+        got = triton_moe.moe_mlp(h, router, gate_up, down, K, True)
         row = {"tokens": T, "bound_ms": flops_ms(T, peak), "stages": stages(h, layer, triton_moe.tiles_for(T)),
-               "max_rel_err": float((ref - got).abs().max() / ref.abs().max())}
+               "max_rel_err": float((ref - got.float()).abs().max() / ref.abs().max())}
         for name, before in (("before", True), ("shipped", False)):
             tree(before)
             row[name] = layer_ms(h, layer)
         tree(False)
+        # the down launch with its column tiles first (triton_moe.DOWN_COLS_FIRST_SLOTS): the down stage alone and
+        # the layer, and the same bits
+        with cols_first():
+            row["cols_first"] = {"down": stages(h, layer, triton_moe.tiles_for(T))["down"],
+                                 "layer": layer_ms(h, layer),
+                                 "same_bits": bool(torch.equal(triton_moe.moe_mlp(h, router, gate_up, down, K, True),
+                                                               got.to(h.dtype)))}
         rep["layer"].append(row)
         print(json.dumps(row), flush=True)
     if not args.no_model:

@@ -72,6 +72,8 @@ def kernels() -> list[tuple[str, object, dict, int, int]]:
          dict(GROUPED, **SELF_ROUTE, BM=dt.bm, BN=dt.bn_up, BK=dt.bk), dt.warps, dt.stages),
         ("moe_down", triton_moe._down_kernel, dict(GROUPED, BM=dt.bm, BN=dt.bn_down, BK=dt.bk_down or dt.bk),
          dt.down_warps or dt.warps, dt.down_stages or dt.stages),
+        ("moe_down_prefill_cols_first", triton_moe._down_kernel,
+         dict(GROUPED, BM=128, BN=256, BK=64, COLS_FIRST=True), 8, 4),
         ("decode_router", triton_moe_decode._router_kernel, dict(BE=2, BK=256), 4, 3),
         ("decode_gate_up", triton_moe_decode._gate_up_kernel, dict(K=8, RENORM=True, EP=128, BN=16, BK=256), 4, 3),
         ("decode_down", triton_moe_decode._down_kernel, dict(K=8, BN=4, BK=256), 4, 3),

@@ -689,3 +689,40 @@ def test_one_tokens_routing_in_registers_gives_the_general_kernels_tables_under_
 def test_gpu_one_tokens_routing_in_registers_gives_the_general_kernels_tables():
     for case, r in zip(ROUTE_ONE_CASES, _run("cuda", ROUTE_ONE_CASES, ROUTE_ONE_SCRIPT)):
         _check_route_one(case, r)
+
+
+COLS_FIRST_SCRIPT = r"""
+import json, sys, torch
+from pushkv.model.kernels import triton_moe
+""" + DRAW + r"""
+dev = sys.argv[1]
+out = []
+for T, E, k, d, i, dtype in json.loads(sys.argv[2]):
+    h, router, gate_up, down = draw(T, E, d, i, dtype, T * 5 + E, dev)
+    runs = {}
+    for slots in (0, 1, T * k + 1):  # off, on, and a bound past this launch's slots (off)
+        triton_moe.DOWN_COLS_FIRST_SLOTS = slots
+        runs[slots] = triton_moe.moe_mlp(h, router, gate_up, down, k, True, triton_moe.Tiles(16, 32, 16, 32), summed=False)
+    out.append({"on_same": bool(torch.equal(runs[0], runs[1])), "past_same": bool(torch.equal(runs[0], runs[T * k + 1])),
+                "nonzero": bool(runs[1].abs().sum() > 0)})
+print(json.dumps(out))
+"""
+# (tokens, experts, k, hidden, intermediate, dtype): hidden no multiple of the 16-column tile (masked), and a block
+# table with blocks past the last expert (which return at once in either order)
+COLS_FIRST_CASES = [(9, 4, 2, 40, 32, "float32"), (20, 6, 3, 64, 48, "float16")]
+
+
+@pytest.mark.unit
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU runs the kernels themselves (below)")
+def test_down_launch_with_its_column_tiles_first_gives_the_same_bits_under_the_interpreter():
+    """``DOWN_COLS_FIRST_SLOTS``: the grouped down launch with the column tiles as the grid's first axis computes each
+    tile as before (the same bits), from the bound's slot count on."""
+    for case, r in zip(COLS_FIRST_CASES, _run("cpu", COLS_FIRST_CASES, COLS_FIRST_SCRIPT)):
+        assert r == {"on_same": True, "past_same": True, "nonzero": True}, (case, r)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_down_launch_with_its_column_tiles_first_gives_the_same_bits():
+    cases = COLS_FIRST_CASES + [(4096, 128, 8, 2048, 768, "bfloat16")]
+    for case, r in zip(cases, _run("cuda", cases, COLS_FIRST_SCRIPT)):
+        assert r == {"on_same": True, "past_same": True, "nonzero": True}, (case, r)

@@ -369,14 +369,18 @@ def _down_kernel(Act, W, Weights, Out, SlotIds, BlockExpert, n_slots, d, inter,
                  stride_act, stride_we, stride_wn, stride_out,
                  PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  EVEN: tl.constexpr, ROW_ACT: tl.constexpr, PDL: tl.constexpr, OWN: tl.constexpr = False,
-                 LPR: tl.constexpr = 1, LINE: tl.constexpr = 64, NEXT_EARLY: tl.constexpr = False):
+                 LPR: tl.constexpr = 1, LINE: tl.constexpr = 64, NEXT_EARLY: tl.constexpr = False,
+                 COLS_FIRST: tl.constexpr = False):
     wait_prior(PDL, NEXT_EARLY)
-    pid_m = tl.program_id(0)
+    # the grid (row blocks, column tiles), or with COLS_FIRST (column tiles, row blocks): a block's tiles launched
+    # one after another (DOWN_COLS_FIRST_SLOTS)
+    pid_m = tl.program_id(1) if COLS_FIRST else tl.program_id(0)
+    pid_n = tl.program_id(0) if COLS_FIRST else tl.program_id(1)
     e = tl.load(BlockExpert + pid_m).to(tl.int64)
     if e < 0:
         return
     if OWN:  # its own rows of the expert's down weights, every line asked of L2 at once (PREFETCH_OWN_TOKENS)
-        own = tl.program_id(1) * BN + tl.arange(0, BN)
+        own = pid_n * BN + tl.arange(0, BN)
         l2_rows(W + e * stride_we, tl.where(own < d, own, -1), stride_wn, inter, LPR, LINE)
     rows = pid_m * BM + tl.arange(0, BM)
     slots = tl.load(SlotIds + rows)
@@ -384,7 +388,7 @@ def _down_kernel(Act, W, Weights, Out, SlotIds, BlockExpert, n_slots, d, inter,
     s64 = slots.to(tl.int64)
     # the product's rows: the block's own (ROW_ACT), or its slots' (a padding row reads slot 0's)
     a_rows = rows.to(tl.int64) if ROW_ACT else tl.where(valid, s64, 0)
-    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    cols = pid_n * BN + tl.arange(0, BN)
     kk = tl.arange(0, BK)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     w_base = W + e * stride_we
@@ -628,6 +632,15 @@ ROUTE_FEW_WARPS = (1, 4)
 FUSED_ROUTE_TOKENS = 128
 
 
+# A grouped down launch of at least this many slots takes its column tiles as the grid's first axis (``COLS_FIRST``):
+# a row block's tiles run one after another, so its product rows are read from HBM once and from L2 by the rest,
+# where with the row blocks first every column tile's pass reads all of them again (a 4k prefill's product is 50 MB
+# a layer at Qwen3-30B-A3B's shape, read by 8 tiles of 256 columns: 400 MB beside the experts' 403 MB). The same
+# tiles and bits, only their order. An H100's down projection took 16.3 ms of a 4k prefill against an H200's 12.6
+# (docs/results/2026-12-06-one-copy-h100). Off (0) until experiments/moe_prefill_probe.py has timed it on a GPU
+DOWN_COLS_FIRST_SLOTS = 0
+
+
 class Tiles(NamedTuple):
     """A launch's tile: rows per expert block; gate/up columns; down columns; depth; warps; stages; and
     the down kernel's own depth, warps and stages where they differ (0: the same as gate/up's)."""
@@ -861,11 +874,13 @@ def down_per_slot(act: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, 
         lpr, line = prefetch.row_lines(inter, down.element_size())
         ahead = {"OWN": True, "LPR": lpr, "LINE": line}
     grid = (block_expert.numel(), triton.cdiv(d, tiles.bn_down))
-    _down_kernel[grid](act, down, weights, per_slot, slot_ids, block_expert, n, d, inter,
-                       act.stride(0), down.stride(0), down.stride(1), per_slot.stride(0),
-                       PREC=_precision(act), BM=tiles.bm, BN=tiles.bn_down, BK=bk,
-                       EVEN=EVEN_LOADS and inter % bk == 0 and d % tiles.bn_down == 0, ROW_ACT=ROW_ACT,
-                       num_warps=warps, num_stages=stages, **ahead, **chain.launch(act, "down"))
+    cols_first = 0 < DOWN_COLS_FIRST_SLOTS <= n and grid[0] < 65536  # (a grid's second axis is at most 65,535)
+    _down_kernel[grid[::-1] if cols_first else grid](
+        act, down, weights, per_slot, slot_ids, block_expert, n, d, inter,
+        act.stride(0), down.stride(0), down.stride(1), per_slot.stride(0),
+        PREC=_precision(act), BM=tiles.bm, BN=tiles.bn_down, BK=bk,
+        EVEN=EVEN_LOADS and inter % bk == 0 and d % tiles.bn_down == 0, ROW_ACT=ROW_ACT,
+        num_warps=warps, num_stages=stages, COLS_FIRST=cols_first, **ahead, **chain.launch(act, "down"))
     return per_slot
 
 
