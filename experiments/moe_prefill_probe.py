@@ -11,10 +11,10 @@ grouped kernels' options and tiles give, and the whole model's prefill against t
    it), gate/up, down and the sum of a token's slots, each timed alone by CUDA events; the layer as it was before
    (torch's grouping, the product in slot order, masked loads, the tiles before the sweep) and as shipped;
    against the layer's FLOPs at the rate one 8k bf16 matmul reaches in the same run; and the down stage and the
-   layer with the down launch's column tiles first (``triton_moe.DOWN_COLS_FIRST_SLOTS``), their bits checked;
+   layer with the down launch's row blocks first (as before ``triton_moe.DOWN_COLS_FIRST_SLOTS``), bits checked;
 4. **model**: the ``qwen3-30b-a3b`` preset's prefill of one sequence (as ``pushkv roofline`` times it) at
    --model-tokens: the tree before (``tree``), the MoE changes alone (attention, its query rows a tile and the
-   q/k norm-RoPE-store as before), as shipped, and with the down launch's column tiles first; and a profile
+   q/k norm-RoPE-store as before), as shipped, and with the down launch's row blocks first; and a profile
    of the first length's prefill as shipped: kernels by GPU time.
 
     python3 -m experiments.moe_prefill_probe --out DIR    (from the checkout's root; ~4 min on an H200)
@@ -78,13 +78,15 @@ def old_tiles(tokens: int):
 
 SHIPPED_TILES, SHIPPED_GROUPING = triton_moe.tiles_for, triton_moe.route_group_wide
 SHIPPED_ROPE = triton_fused.qk_norm_rope_store
+SHIPPED_COLS_FIRST = triton_moe.DOWN_COLS_FIRST_SLOTS
 
 
 def tree(before: bool, attention_before: bool = False, fwd=None) -> None:
     """The kernels as they were before this probe's changes (True), or as shipped: the MoE layer's grouping,
-    options and tiles; attention's order, loop and (given the model's ``fwd``) query rows a tile; the q/k
-    norm-RoPE-store's one token a program."""
+    options, tiles and down launch order; attention's order, loop and (given the model's ``fwd``) query rows a tile;
+    the q/k norm-RoPE-store's one token a program."""
     options(not before, not before)
+    triton_moe.DOWN_COLS_FIRST_SLOTS = 0 if before else SHIPPED_COLS_FIRST
     triton_moe.tiles_for = old_tiles if before else SHIPPED_TILES
     triton_moe.route_group_wide = torch_grouping if before else SHIPPED_GROUPING
     old_attention = before or attention_before
@@ -108,12 +110,12 @@ def stages(h, layer, tiles: Tiles) -> dict:
     def down_stage():
         return triton_moe.down_per_slot(act, down, weights, slot_ids, block_expert, T * K, tiles)
 
-    with cols_first():  # the down launch with its column tiles first (triton_moe.DOWN_COLS_FIRST_SLOTS)
-        down_cols_first = ms(down_stage)
+    with rows_first():  # the down launch with its row blocks first (as before triton_moe.DOWN_COLS_FIRST_SLOTS)
+        down_rows_first = ms(down_stage)
     return {"route_group": ms(lambda: triton_moe.route_group_wide(h, router, K, True, tiles.bm)),
             "torch_route_group": ms(lambda: torch_grouping(h, router, K, True, tiles.bm)),
             "gate_up": ms(lambda: triton_moe.gate_up_product(h, gate_up, slot_ids, block_expert, K, tiles)),
-            "down": ms(down_stage), "down_cols_first": down_cols_first,
+            "down": ms(down_stage), "down_rows_first": down_rows_first,
             "sum": ms(lambda: per_slot.view(T, K, D).sum(dim=1)),
             "rows_padded_pct": round(100 * (blocks_used * tiles.bm - used_rows) / used_rows, 1)}
 
@@ -199,10 +201,11 @@ def sweep(h, layer, peak: float) -> tuple[dict, list]:
 
 
 @contextlib.contextmanager
-def cols_first():
-    """``triton_moe.DOWN_COLS_FIRST_SLOTS`` on (every grouped down launch) for the block, then as shipped."""
+def rows_first():
+    """``triton_moe.DOWN_COLS_FIRST_SLOTS`` off (every grouped down launch's row blocks first) for the block, then as
+    shipped."""
     shipped = triton_moe.DOWN_COLS_FIRST_SLOTS
-    triton_moe.DOWN_COLS_FIRST_SLOTS = 1
+    triton_moe.DOWN_COLS_FIRST_SLOTS = 0
     try:
         yield
     finally:
@@ -249,9 +252,9 @@ def bench_model(args, peak: float) -> dict:
             t = _time(run, 3, warm=1)
             row[name] = {"ms": round(t * 1e3, 2), "of_matmul": round(fl / t / peak, 3)}
         tree(False, fwd=fwd)
-        with cols_first():
+        with rows_first():
             t = _time(run, 3, warm=1)
-        row["cols_first"] = {"ms": round(t * 1e3, 2), "of_matmul": round(fl / t / peak, 3)}
+        row["rows_first"] = {"ms": round(t * 1e3, 2), "of_matmul": round(fl / t / peak, 3)}
         out["rows"].append(row)
         print(json.dumps(row), flush=True)
     L = lengths[0]
@@ -273,23 +276,23 @@ def bench_model(args, peak: float) -> dict:
 def markdown(rep: dict) -> str:
     lines = [f"matmul rate {rep['matmul_tflops']:.0f} TFLOP/s (8k bf16), {rep['gpu']}", "",
              "| tokens | FLOPs bound | route+group | (torch's) | gate/up | down | sum | padded rows | layer before | "
-             "layer shipped | max rel. err | down, cols first | layer, cols first | same bits |", "| --- " * 14 + "|"]
+             "layer shipped | max rel. err | down, rows first | layer, rows first | same bits |", "| --- " * 14 + "|"]
     for r in rep["layer"]:
-        s, cf = r["stages"], r.get("cols_first", {})
+        s, cf = r["stages"], r.get("rows_first", {})
         lines.append(f"| {r['tokens']} | {r['bound_ms']:.3f} | {s['route_group']:.3f} | {s['torch_route_group']:.3f} | "
                      f"{s['gate_up']:.3f} | {s['down']:.3f} | {s['sum']:.3f} | {s['rows_padded_pct']} % | "
                      f"{r['before']:.3f} | {r['shipped']:.3f} | {r['max_rel_err']:.4f} | "
-                     f"{s.get('down_cols_first', 0):.3f} | {cf.get('layer', 0):.3f} | {cf.get('same_bits', '')} |")
+                     f"{s.get('down_rows_first', 0):.3f} | {cf.get('layer', 0):.3f} | {cf.get('same_bits', '')} |")
     lines += ["", "| attention block_q | config | heavy first | free loop | ms | TFLOP/s | of matmul |",
               "| --- " * 7 + "|"]
     lines += [f"| {a['block_q']} | {a['config'] or 'default'} | {a['heavy_first']} | {a['free_loop']} | {a['ms']} | "
               f"{a['tflops']} | {a['of_matmul']:.0%} |" for a in rep["attention"]]
     if rep.get("model"):
-        lines += ["", "| prefill tokens | before ms (of matmul) | MoE changes only | shipped | down cols first |",
+        lines += ["", "| prefill tokens | before ms (of matmul) | MoE changes only | shipped | down rows first |",
                   "| --- " * 5 + "|"]
         for r in rep["model"]["rows"]:
             lines.append(f"| {r['tokens']} | " + " | ".join(f"{r[k]['ms']} ({r[k]['of_matmul']:.0%})" if k in r else ""
-                                                             for k in ("before", "moe_only", "shipped", "cols_first"))
+                                                             for k in ("before", "moe_only", "shipped", "rows_first"))
                          + " |")
         lines += ["", "kernels of the first length's prefill, shipped (ms, count):"]
         lines += [f"- {p['ms']:.3f} x{p['count']} {p['kernel']}" for p in rep["model"]["profile"]]
@@ -331,10 +334,10 @@ def main() -> None:
             tree(before)
             row[name] = layer_ms(h, layer)
         tree(False)
-        # the layer with the down launch's column tiles first (triton_moe.DOWN_COLS_FIRST_SLOTS; the down stage alone
-        # is in the stages), and the same bits
-        with cols_first():
-            row["cols_first"] = {"layer": layer_ms(h, layer),
+        # the layer with the down launch's row blocks first (as before triton_moe.DOWN_COLS_FIRST_SLOTS; the down
+        # stage alone is in the stages), and the same bits
+        with rows_first():
+            row["rows_first"] = {"layer": layer_ms(h, layer),
                                  "same_bits": bool(torch.equal(triton_moe.moe_mlp(h, router, gate_up, down, K, True),
                                                                got))}
         rep["layer"].append(row)

@@ -637,8 +637,11 @@ FUSED_ROUTE_TOKENS = 128
 # where with the row blocks first every column tile's pass reads all of them again (a 4k prefill's product is 50 MB
 # a layer at Qwen3-30B-A3B's shape, read by 8 tiles of 256 columns: 400 MB beside the experts' 403 MB). The same
 # tiles and bits, only their order. An H100's down projection took 16.3 ms of a 4k prefill against an H200's 12.6
-# (docs/results/2026-12-06-one-copy-h100). Off (0) until experiments/moe_prefill_probe.py has timed it on a GPU
-DOWN_COLS_FIRST_SLOTS = 0
+# (docs/results/2026-12-06-one-copy-h100). On an H100 the down stage at 4k went 0.380 -> 0.257 ms a layer and the
+# whole prefill, A/B in one process, 75.6 -> 72.3 ms at 4k, 26.0 -> 24.8 at 1k, 450 -> 443 at 16k, the same bits;
+# from 4,096 slots (512 tokens) on, as fast as from 1, so decode graphs (at most 512 slots) launch as before
+# (docs/results/2026-12-06-down-cols-first-h100)
+DOWN_COLS_FIRST_SLOTS = 4096
 
 
 class Tiles(NamedTuple):
