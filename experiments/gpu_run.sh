@@ -160,7 +160,7 @@ s.print_callees('_post_write|_prefill_done|on_ExpectKV|_poll_notifs')" 2>&1 | gr
               --reps ${REPS:-30} --variants ${PROBE_VARIANTS:-gemv1_2,early_none,early_all} 2>&1 | tail -40 ;;
     moeprefill) # the prefill probe (experiments/moe_prefill_probe.py): attention's configs, the grouped kernels' tiles
             # swept at SWEEP_TOKENS (4096; SWEEP_TOKENS= none), one MoE layer and the whole model's prefill at 4k with
-            # its profile, each also with the down launch's column tiles first (triton_moe.DOWN_COLS_FIRST_SLOTS), and
+            # its profile, each also with the down launch's row blocks first (before triton_moe.DOWN_COLS_FIRST_SLOTS), and
             # that launch's GPU test (the same bits)
             timeout 420 python3 -m experiments.moe_prefill_probe --out "$OUT/prefill" --tokens 4096 \
               --sweep-tokens "${SWEEP_TOKENS-4096}" --model-tokens 4096 2>&1 | grep -v "failed:" | tail -60

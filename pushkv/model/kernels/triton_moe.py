@@ -639,8 +639,8 @@ FUSED_ROUTE_TOKENS = 128
 # tiles and bits, only their order. An H100's down projection took 16.3 ms of a 4k prefill against an H200's 12.6
 # (docs/results/2026-12-06-one-copy-h100). On an H100 the down stage at 4k went 0.380 -> 0.257 ms a layer and the
 # whole prefill, A/B in one process, 75.6 -> 72.3 ms at 4k, 26.0 -> 24.8 at 1k, 450 -> 443 at 16k, the same bits;
-# from 4,096 slots (512 tokens) on, as fast as from 1, so decode graphs (at most 512 slots) launch as before
-# (docs/results/2026-12-06-down-cols-first-h100)
+# from 4,096 slots (512 tokens) on, as fast as from 1, so decode steps of fewer than 512 sequences (every decode graph
+# at the default --max-num-seqs) launch as before (docs/results/2026-12-06-down-cols-first-h100)
 DOWN_COLS_FIRST_SLOTS = 4096
 
 
