@@ -166,8 +166,14 @@ s.print_callees('_post_write|_prefill_done|on_ExpectKV|_poll_notifs')" 2>&1 | gr
               --sweep-tokens "${SWEEP_TOKENS-4096}" --model-tokens 4096 2>&1 | grep -v "failed:" | tail -60
             timeout 120 python3 -m pytest -q -p no:cacheprovider tests/model/test_moe_kernel.py -k column_tiles -rfE 2>&1 \
               | tee "$OUT/prefill/cols_first_tests.txt" | tail -3 ;;
-    downab) # the MoE prefill's down launch order A/B in one process (experiments/down_order_ab.py)
-            timeout 300 python3 -m experiments.down_order_ab 2>&1 | tee "$OUT/down_order_ab.txt" | tail -12 ;;
+    tmatests) # the grouped MoE kernels' weights through tensor descriptors (triton_moe.TMA_SLOTS): the same bits
+            timeout 200 python3 -m pytest -q -p no:cacheprovider tests/model/test_moe_kernel.py -k descriptors -rfE 2>&1 \
+              | tee "$OUT/tma_tests.txt" | tail -4 ;;
+    prefillab) # a triton_moe switch A/B over the whole MoE prefill in one process (experiments/prefill_ab.py): AB_SWITCH
+            # (default the down launch order), AB_VALUES, AB_TOKENS
+            timeout 400 python3 -m experiments.prefill_ab --switch "${AB_SWITCH:-DOWN_COLS_FIRST_SLOTS}" \
+              --values ${AB_VALUES:-0 1 shipped} --tokens ${AB_TOKENS:-1024 4096 16384} 2>&1 \
+              | tee "$OUT/prefill_ab_${AB_SWITCH:-DOWN_COLS_FIRST_SLOTS}.txt" | tail -16 ;;
     graphtests) # the decode graphs' GPU tests and the float32 tokens of every architecture through graphs
             timeout 200 python3 -m pytest -q -p no:cacheprovider tests/model/test_decode_graphs.py \
               tests/model/test_gpu_graphs.py -k "graphs_equal_transformers_and_eager or one_copy" -rfE 2>&1 \

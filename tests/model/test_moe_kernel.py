@@ -726,3 +726,48 @@ def test_gpu_down_launch_with_its_column_tiles_first_gives_the_same_bits():
     cases = COLS_FIRST_CASES + [(4096, 128, 8, 2048, 768, "bfloat16")]
     for case, r in zip(cases, _run("cuda", cases, COLS_FIRST_SCRIPT)):
         assert r == {"on_same": True, "past_same": True, "nonzero": True}, (case, r)
+
+
+TMA_SCRIPT = r"""
+import json, sys, torch
+from pushkv.model.kernels import triton_moe
+""" + DRAW + r"""
+dev = sys.argv[1]
+boxes = []
+made = triton_moe._box
+triton_moe._box = lambda t, r, c: boxes.append((tuple(t.shape), r, c)) or made(t, r, c)
+out = []
+for T, E, k, d, i, dtype, tiles in json.loads(sys.argv[2]):
+    h, router, gate_up, down = draw(T, E, d, i, dtype, T * 3 + E, dev)
+    tiles = triton_moe.Tiles(*tiles) if tiles else None
+    runs, took = {}, {}
+    for slots in (0, 1, T * k + 1):  # off, on, and a bound past this launch's slots (off)
+        triton_moe.TMA_SLOTS = slots
+        boxes.clear()
+        runs[slots] = triton_moe.moe_mlp(h, router, gate_up, down, k, True, tiles, summed=False)
+        took[slots] = len(boxes)
+    out.append({"on_same": bool(torch.equal(runs[0], runs[1])), "past_same": bool(torch.equal(runs[0], runs[T * k + 1])),
+                "nonzero": bool(runs[1].abs().sum() > 0), "boxes": [took[0], took[1], took[T * k + 1]]})
+print(json.dumps(out))
+"""
+# (tokens, experts, k, hidden, intermediate, dtype, tiles or [] for tiles_for's): whole tiles (the descriptors serve
+# no other), a block table with blocks past the last expert, 4- and 2-byte types
+TMA_CASES = [(9, 4, 2, 64, 64, "float32", [16, 32, 16, 32]), (20, 6, 3, 64, 96, "float16", [16, 32, 32, 32])]
+
+
+@pytest.mark.unit
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU runs the kernels themselves (below)")
+def test_weights_loaded_through_tensor_descriptors_give_the_same_bits_under_the_interpreter():
+    """``TMA_SLOTS``: the grouped launches loading their weights (and down its product rows) through descriptors
+    compute each tile as the pointer loads do (the same bits), take three descriptors (gate/up's weights, down's
+    product and weights) from the bound's slot count on, and none below it."""
+    for case, r in zip(TMA_CASES, _run("cpu", TMA_CASES, TMA_SCRIPT)):
+        assert r == {"on_same": True, "past_same": True, "nonzero": True, "boxes": [0, 3, 0]}, (case, r)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_weights_loaded_through_tensor_descriptors_give_the_same_bits():
+    # the interpreter's cases in their 2-byte types, and Qwen3-30B-A3B's 4k prefill layer at tiles_for's tiles
+    cases = [c[:5] + ("bfloat16", c[6]) for c in TMA_CASES] + [(4096, 128, 8, 2048, 768, "bfloat16", [])]
+    for case, r in zip(cases, _run("cuda", cases, TMA_SCRIPT)):
+        assert r == {"on_same": True, "past_same": True, "nonzero": True, "boxes": [0, 3, 0]}, (case, r)

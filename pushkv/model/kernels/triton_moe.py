@@ -300,7 +300,8 @@ def _gate_up_kernel(H, W, Act, SlotIds, BlockExpert, Logits, Weights, D, n_slots
                     EVEN: tl.constexpr, ROW_ACT: tl.constexpr, PDL: tl.constexpr, SELF_ROUTE: tl.constexpr,
                     K: tl.constexpr, RENORM: tl.constexpr, EP: tl.constexpr,
                     PREFETCH: tl.constexpr = False, LINES: tl.constexpr = 1, LINE: tl.constexpr = 64,
-                    OWN: tl.constexpr = False, LPR: tl.constexpr = 1, NEXT_EARLY: tl.constexpr = False):
+                    OWN: tl.constexpr = False, LPR: tl.constexpr = 1, NEXT_EARLY: tl.constexpr = False,
+                    Wd=None, TMA: tl.constexpr = False):
     wait_prior(PDL, NEXT_EARLY)
     pid_m = tl.program_id(0)
     rows = pid_m * BM + tl.arange(0, BM)
@@ -337,9 +338,15 @@ def _gate_up_kernel(H, W, Act, SlotIds, BlockExpert, Logits, Weights, D, n_slots
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
     w_base = W + e * stride_we
+    # TMA (TMA_SLOTS): the expert's gate rows and up rows as [BN, BK] boxes of the [E 2 i, d] view (EVEN only)
+    gate_row = (e * (2 * inter)).to(tl.int32) + tl.program_id(1) * BN
     for k0 in range(0, d, BK):
         k = k0 + kk
-        if EVEN:  # d a multiple of BK and inter of BN: no mask, so the loads vectorise
+        if TMA:
+            a = tl.load(H + tok[:, None] * stride_h + k[None, :])
+            wg = tl.trans(Wd.load([gate_row, k0]))
+            wu = tl.trans(Wd.load([gate_row + inter, k0]))
+        elif EVEN:  # d a multiple of BK and inter of BN: no mask, so the loads vectorise
             a = tl.load(H + tok[:, None] * stride_h + k[None, :])
             wg = tl.load(w_base + cols[None, :] * stride_wn + k[:, None], eviction_policy=evict)
             wu = tl.load(w_base + (cols[None, :] + inter) * stride_wn + k[:, None], eviction_policy=evict)
@@ -370,7 +377,7 @@ def _down_kernel(Act, W, Weights, Out, SlotIds, BlockExpert, n_slots, d, inter,
                  PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  EVEN: tl.constexpr, ROW_ACT: tl.constexpr, PDL: tl.constexpr, OWN: tl.constexpr = False,
                  LPR: tl.constexpr = 1, LINE: tl.constexpr = 64, NEXT_EARLY: tl.constexpr = False,
-                 COLS_FIRST: tl.constexpr = False):
+                 COLS_FIRST: tl.constexpr = False, Ad=None, Wd=None, TMA: tl.constexpr = False):
     wait_prior(PDL, NEXT_EARLY)
     # the grid (row blocks, column tiles), or with COLS_FIRST (column tiles, row blocks): a block's tiles launched
     # one after another (DOWN_COLS_FIRST_SLOTS)
@@ -392,9 +399,15 @@ def _down_kernel(Act, W, Weights, Out, SlotIds, BlockExpert, n_slots, d, inter,
     kk = tl.arange(0, BK)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     w_base = W + e * stride_we
+    # TMA (TMA_SLOTS): the block's product rows as a [BM, BK] box, the expert's down rows as [BN, BK] boxes of the
+    # [E d, i] view (EVEN and ROW_ACT only)
+    down_row = (e * d).to(tl.int32) + pid_n * BN
     for k0 in range(0, inter, BK):
         k = k0 + kk
-        if EVEN:  # inter a multiple of BK and d of BN
+        if TMA:
+            a = Ad.load([pid_m * BM, k0])
+            w = tl.trans(Wd.load([down_row, k0]))
+        elif EVEN:  # inter a multiple of BK and d of BN
             a = tl.load(Act + a_rows[:, None] * stride_act + k[None, :])
             w = tl.load(w_base + cols[None, :] * stride_wn + k[:, None])
         else:
@@ -643,6 +656,30 @@ FUSED_ROUTE_TOKENS = 128
 # at the default --max-num-seqs) launch as before (docs/results/2026-12-06-down-cols-first-h100)
 DOWN_COLS_FIRST_SLOTS = 4096
 
+# Launches of at least this many slots load their experts' weights (and the down launch its product rows) through
+# Hopper's tensor memory accelerator: a host-made descriptor a weight stack, each tile one bulk copy into shared
+# memory in place of a program's address arithmetic and cp.async loads; the gathered token rows of gate/up stay
+# pointer loads (Hopper's TMA has no row gather). Whole tiles only (EVEN_LOADS), the same sums in the same order.
+# 0: off, until experiments/prefill_ab.py has timed it on a GPU
+TMA_SLOTS = 0
+
+
+def _tma_ok(depth: int, *ts: torch.Tensor) -> bool:
+    """Tensors a descriptor may cover in boxes ``depth`` deep: on a GPU of compute capability 9 or more (or the CPU,
+    under Triton's interpreter), rows contiguous, base and row stride 16-byte aligned, a box's row at most 128 bytes
+    (one swizzle span: 2-byte types at the prefill's depth 64)."""
+    return all(t.stride(-1) == 1 and depth * t.element_size() <= 128 and t.data_ptr() % 16 == 0
+               and t.stride(-2) * t.element_size() % 16 == 0
+               and (t.device.type == "cpu" or torch.cuda.get_device_capability(t.device)[0] >= 9) for t in ts)
+
+
+def _box(t: torch.Tensor, rows: int, cols: int):
+    """A descriptor of t as a 2-D [all but the last dim, last dim] view, in boxes of [rows, cols]."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    flat = t.view(-1, t.shape[-1])
+    return TensorDescriptor(flat, shape=list(flat.shape), strides=list(flat.stride()), block_shape=[rows, cols])
+
 
 class Tiles(NamedTuple):
     """A launch's tile: rows per expert block; gate/up columns; down columns; depth; warps; stages; and
@@ -853,13 +890,16 @@ def gate_up_product(h: torch.Tensor, gate_up: torch.Tensor, slot_ids: torch.Tens
     if own and prefetch.enabled(h):
         lpr, line = prefetch.row_lines(d, gate_up.element_size())
         ahead.update(OWN=True, LPR=lpr, LINE=line)
+    even = EVEN_LOADS and d % tiles.bk == 0 and inter % tiles.bn_up == 0
+    if even and 0 < TMA_SLOTS <= n and route is None and gate_up.is_contiguous() and _tma_ok(tiles.bk, gate_up):
+        ahead.update(Wd=_box(gate_up, tiles.bn_up, tiles.bk), TMA=True)
     _gate_up_kernel[grid](h, gate_up, act, slot_ids, block_expert, logits, h if weights is None else weights,
                           h if down is None else down, n, d, inter, k, E,
                           h.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
                           0 if down is None else down.stride(0), 0 if down is None else down[0].numel(),
                           PREC=_precision(h), BM=tiles.bm, BN=tiles.bn_up, BK=tiles.bk,
-                          EVEN=EVEN_LOADS and d % tiles.bk == 0 and inter % tiles.bn_up == 0, ROW_ACT=ROW_ACT,
-                          num_warps=tiles.warps, num_stages=tiles.stages, **routing, **ahead,
+                          EVEN=even, ROW_ACT=ROW_ACT, num_warps=tiles.warps, num_stages=tiles.stages,
+                          **routing, **ahead,
                           **chain.launch(h, "gate_up"))
     return act
 
@@ -878,12 +918,16 @@ def down_per_slot(act: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, 
         ahead = {"OWN": True, "LPR": lpr, "LINE": line}
     grid = (block_expert.numel(), triton.cdiv(d, tiles.bn_down))
     cols_first = 0 < DOWN_COLS_FIRST_SLOTS <= n and grid[0] < 65536  # (a grid's second axis is at most 65,535)
+    even = EVEN_LOADS and inter % bk == 0 and d % tiles.bn_down == 0
+    if (even and ROW_ACT and 0 < TMA_SLOTS <= n and down.is_contiguous() and act.is_contiguous()
+            and _tma_ok(bk, down, act)):
+        ahead.update(Ad=_box(act, tiles.bm, bk), Wd=_box(down, tiles.bn_down, bk), TMA=True)
     _down_kernel[grid[::-1] if cols_first else grid](
         act, down, weights, per_slot, slot_ids, block_expert, n, d, inter,
         act.stride(0), down.stride(0), down.stride(1), per_slot.stride(0),
         PREC=_precision(act), BM=tiles.bm, BN=tiles.bn_down, BK=bk,
-        EVEN=EVEN_LOADS and inter % bk == 0 and d % tiles.bn_down == 0, ROW_ACT=ROW_ACT,
-        num_warps=warps, num_stages=stages, COLS_FIRST=cols_first, **ahead, **chain.launch(act, "down"))
+        EVEN=even, ROW_ACT=ROW_ACT, num_warps=warps, num_stages=stages, COLS_FIRST=cols_first, **ahead,
+        **chain.launch(act, "down"))
     return per_slot
 
 
