@@ -167,7 +167,7 @@ s.print_callees('_post_write|_prefill_done|on_ExpectKV|_poll_notifs')" 2>&1 | gr
             timeout 120 python3 -m pytest -q -p no:cacheprovider tests/model/test_moe_kernel.py -k column_tiles -rfE 2>&1 \
               | tee "$OUT/prefill/cols_first_tests.txt" | tail -3 ;;
     tmatests) # the grouped MoE kernels' weights through tensor descriptors (triton_moe.TMA_SLOTS): the same bits
-            timeout 200 python3 -m pytest -q -p no:cacheprovider tests/model/test_moe_kernel.py -k descriptors -rfE 2>&1 \
+            timeout 200 python3 -m pytest -q -p no:cacheprovider tests/model/test_moe_kernel.py -k "descriptors or column_tiles" -rfE 2>&1 \
               | tee "$OUT/tma_tests.txt" | tail -4 ;;
     prefillab) # a triton_moe switch A/B over the whole MoE prefill in one process (experiments/prefill_ab.py): AB_SWITCH
             # (default the down launch order), AB_VALUES, AB_TOKENS

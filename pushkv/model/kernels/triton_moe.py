@@ -301,9 +301,13 @@ def _gate_up_kernel(H, W, Act, SlotIds, BlockExpert, Logits, Weights, D, n_slots
                     K: tl.constexpr, RENORM: tl.constexpr, EP: tl.constexpr,
                     PREFETCH: tl.constexpr = False, LINES: tl.constexpr = 1, LINE: tl.constexpr = 64,
                     OWN: tl.constexpr = False, LPR: tl.constexpr = 1, NEXT_EARLY: tl.constexpr = False,
-                    Wd=None, TMA: tl.constexpr = False):
+                    Wd=None, TMA: tl.constexpr = False, COLS_FIRST: tl.constexpr = False):
     wait_prior(PDL, NEXT_EARLY)
-    pid_m = tl.program_id(0)
+    # the grid (row blocks, column tiles), or with COLS_FIRST (column tiles, row blocks): a block's tiles launched
+    # one after another, its gathered token rows read from HBM once (GATE_UP_COLS_FIRST_SLOTS)
+    pid_m = tl.program_id(1) if COLS_FIRST else tl.program_id(0)
+    pid_n = tl.program_id(0) if COLS_FIRST else tl.program_id(1)
+    n_tiles = tl.num_programs(0) if COLS_FIRST else tl.num_programs(1)
     rows = pid_m * BM + tl.arange(0, BM)
     if SELF_ROUTE:
         # a one-token step: row block j is the token's j-th choice, routed here from its logits, its first row
@@ -311,7 +315,7 @@ def _gate_up_kernel(H, W, Act, SlotIds, BlockExpert, Logits, Weights, D, n_slots
         choice, wt = _one_token_choice(Logits, pid_m, E, K, RENORM, EP)
         e = choice.to(tl.int64)
         slots = tl.where(tl.arange(0, BM) == 0, pid_m, n_slots)
-        if tl.program_id(1) == 0:
+        if pid_n == 0:
             tl.store(SlotIds + rows, slots)
             tl.store(BlockExpert + pid_m, choice)
             tl.store(Weights + pid_m, wt.to(Weights.dtype.element_ty))
@@ -321,11 +325,11 @@ def _gate_up_kernel(H, W, Act, SlotIds, BlockExpert, Logits, Weights, D, n_slots
             return
         slots = tl.load(SlotIds + rows)
     if OWN:  # its own gate and up rows, every line asked of L2 at once (PREFETCH_OWN_TOKENS)
-        own = tl.program_id(1) * BN + tl.arange(0, BN)
+        own = pid_n * BN + tl.arange(0, BN)
         l2_rows(W + e * stride_we, tl.where(own < inter, own, -1), stride_wn, d, LPR, LINE)
         l2_rows(W + e * stride_we, tl.where(own < inter, own + inter, -1), stride_wn, d, LPR, LINE)
     if PREFETCH:  # this program's share of its expert's down weights, into L2 for the down launch (kernels/prefetch.py)
-        l2_share(D + e * stride_de, down_elems, tl.program_id(1), tl.num_programs(1), LINES, LINE)
+        l2_share(D + e * stride_de, down_elems, pid_n, n_tiles, LINES, LINE)
     # with the prefetch, the gate/up weights (read once) are to leave L2 first, so the down weights stay. Triton 3.6
     # drops the hint from the pipelined cp.async loads this kernel's dots get on sm_90 (the down lines, asked for
     # evict-last, are kept before normal ones anyway); the ungrouped kernels' plain loads keep it
@@ -333,13 +337,13 @@ def _gate_up_kernel(H, W, Act, SlotIds, BlockExpert, Logits, Weights, D, n_slots
     valid = slots < n_slots  # padding rows of the expert's last block carry n_slots
     # a padding row reads token 0's row (its product is never used), so no load needs a row mask
     tok = tl.where(valid, slots // k_top, 0).to(tl.int64)
-    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    cols = pid_n * BN + tl.arange(0, BN)
     kk = tl.arange(0, BK)
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
     w_base = W + e * stride_we
     # TMA (TMA_SLOTS): the expert's gate rows and up rows as [BN, BK] boxes of the [E 2 i, d] view (EVEN only)
-    gate_row = (e * (2 * inter)).to(tl.int32) + tl.program_id(1) * BN
+    gate_row = (e * (2 * inter)).to(tl.int32) + pid_n * BN
     for k0 in range(0, d, BK):
         k = k0 + kk
         if TMA:
@@ -663,6 +667,11 @@ DOWN_COLS_FIRST_SLOTS = 4096
 # 0: off, until experiments/prefill_ab.py has timed it on a GPU
 TMA_SLOTS = 0
 
+# The prefill's gate/up launch with its column tiles first, as DOWN_COLS_FIRST_SLOTS's down: a row block's tiles side
+# by side, so its gathered token rows are read from HBM once where the prompt's hidden rows outgrow L2 (64 MB at 16k
+# tokens of hidden 2048). The same bits. 0: off, until experiments/prefill_ab.py has timed it on a GPU
+GATE_UP_COLS_FIRST_SLOTS = 0
+
 
 def _tma_ok(depth: int, *ts: torch.Tensor) -> bool:
     """Tensors a descriptor may cover in boxes ``depth`` deep: on a GPU of compute capability 9 or more (or the CPU,
@@ -893,14 +902,16 @@ def gate_up_product(h: torch.Tensor, gate_up: torch.Tensor, slot_ids: torch.Tens
     even = EVEN_LOADS and d % tiles.bk == 0 and inter % tiles.bn_up == 0
     if even and 0 < TMA_SLOTS <= n and route is None and gate_up.is_contiguous() and _tma_ok(tiles.bk, gate_up):
         ahead.update(Wd=_box(gate_up, tiles.bn_up, tiles.bk), TMA=True)
-    _gate_up_kernel[grid](h, gate_up, act, slot_ids, block_expert, logits, h if weights is None else weights,
-                          h if down is None else down, n, d, inter, k, E,
-                          h.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
-                          0 if down is None else down.stride(0), 0 if down is None else down[0].numel(),
-                          PREC=_precision(h), BM=tiles.bm, BN=tiles.bn_up, BK=tiles.bk,
-                          EVEN=even, ROW_ACT=ROW_ACT, num_warps=tiles.warps, num_stages=tiles.stages,
-                          **routing, **ahead,
-                          **chain.launch(h, "gate_up"))
+    # (a grid's second axis is at most 65,535)
+    cols_first = 0 < GATE_UP_COLS_FIRST_SLOTS <= n and route is None and grid[0] < 65536
+    _gate_up_kernel[grid[::-1] if cols_first else grid](
+        h, gate_up, act, slot_ids, block_expert, logits, h if weights is None else weights,
+        h if down is None else down, n, d, inter, k, E,
+        h.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
+        0 if down is None else down.stride(0), 0 if down is None else down[0].numel(),
+        PREC=_precision(h), BM=tiles.bm, BN=tiles.bn_up, BK=tiles.bk, EVEN=even, ROW_ACT=ROW_ACT,
+        num_warps=tiles.warps, num_stages=tiles.stages, COLS_FIRST=cols_first, **routing, **ahead,
+        **chain.launch(h, "gate_up"))
     return act
 
 
