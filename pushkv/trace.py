@@ -19,6 +19,7 @@ PUSHKV_VLLM_TIMING=1 (``python -m tools.vllm_timing LOG...`` reads them back).
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import time
@@ -51,7 +52,15 @@ def stamps_on() -> bool:
 def stamp(event: str, transfer_id: str) -> None:
     """One per-transfer timestamp on stderr (the vLLM server's log) when stamps are on."""
     if stamps_on():
-        print(f"{STAMP_PREFIX}{event} {transfer_id} {time.time():.6f}", file=sys.stderr, flush=True)
+        line = f"{STAMP_PREFIX}{event} {transfer_id} {time.time():.6f}\n"
+        # one write call with its newline: the server's worker and writer share the log, and print's text and
+        # newline, written apart, let another process's stamp in between (two stamps on one line)
+        sys.stderr.flush()
+        try:
+            os.write(sys.stderr.fileno(), line.encode())
+        except (AttributeError, OSError, ValueError):  # a stderr with no descriptor (captured)
+            sys.stderr.write(line)
+            sys.stderr.flush()
 
 
 class TracePublisher:

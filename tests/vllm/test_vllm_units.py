@@ -482,3 +482,36 @@ def test_marks_keep_their_order_with_a_preemption_behind_them():
         got += gpu.ready()
     assert got == [(marked, ""), (pre, "")]
     gpu.close()
+
+
+def test_a_step_during_a_writer_restart_waits_for_the_socket_instead_of_spinning():
+    """While a restart holds the event socket (up to the new writer's start), a step waits ``idle_wait_ms`` for it,
+    where it used to return at once: vLLM steps back to back while requests wait on a transfer, and on a small
+    machine that loop took the cores the new writer started on. Without a restart a busy step does not wait."""
+    import threading
+
+    ws, StepMeta = _worker()
+    waits: list[float] = []
+
+    class Held:  # the restart's hold on the socket
+        def acquire(self, timeout: float = -1) -> bool:
+            waits.append(timeout)
+            return False
+
+    ws._lock = Held()
+    ws.bind(StepMeta(idle=False))
+    assert ws.transfer_results() == (set(), set(), set())
+    done, restarted = threading.Event(), threading.Event()
+    ws._start_writer = lambda: (restarted.set(), done.wait(30))
+    ws._lock = threading.Lock()
+    t = threading.Thread(target=ws._restart)
+    t.start()
+    assert restarted.wait(30) and ws._restarting.is_set()
+    lock, ws._lock = ws._lock, Held()
+    ws.bind(StepMeta(idle=False))
+    assert ws.transfer_results() == (set(), set(), set())
+    ws._lock = lock
+    done.set()
+    t.join(30)
+    assert not ws._restarting.is_set() and ws.restarts == 1
+    assert waits == [0, ws.s.idle_wait_ms / 1e3] and waits[1] > 0
