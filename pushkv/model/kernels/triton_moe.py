@@ -663,14 +663,19 @@ DOWN_COLS_FIRST_SLOTS = 4096
 # Launches of at least this many slots load their experts' weights (and the down launch its product rows) through
 # Hopper's tensor memory accelerator: a host-made descriptor a weight stack, each tile one bulk copy into shared
 # memory in place of a program's address arithmetic and cp.async loads; the gathered token rows of gate/up stay
-# pointer loads (Hopper's TMA has no row gather). Whole tiles only (EVEN_LOADS), the same sums in the same order.
-# 0: off, until experiments/prefill_ab.py has timed it on a GPU
-TMA_SLOTS = 0
+# pointer loads (Hopper's TMA has no row gather). Whole tiles only (EVEN_LOADS), the same sums in the same order (the
+# same logits). Whole qwen3-30b-a3b prefills on an H100, A/B in one process (experiments/prefill_ab.py): 8k tokens
+# 167.6 -> 165.3 ms (-1.4 %), 16k 447.6 -> 442.9 (-1.1 %); 4k within its noise (-0.2 to -0.4 %), and 1k 13 % slower
+# (25.1 -> 28.3 ms, at its own tiles; not profiled), so from 65,536 slots (8k tokens) on
+# (docs/results/2026-12-07-moe-prefill-tma-h100)
+TMA_SLOTS = 65536
 
 # The prefill's gate/up launch with its column tiles first, as DOWN_COLS_FIRST_SLOTS's down: a row block's tiles side
 # by side, so its gathered token rows are read from HBM once where the prompt's hidden rows outgrow L2 (64 MB at 16k
-# tokens of hidden 2048). The same bits. 0: off, until experiments/prefill_ab.py has timed it on a GPU
-GATE_UP_COLS_FIRST_SLOTS = 0
+# tokens of hidden 2048). The same bits. On an H100 (experiments/prefill_ab.py): 16k tokens 447.0 -> 442.4 ms (-1.0 %,
+# with TMA_SLOTS on; -1.1 % without), 8k the same (+0.1 %), 4k 1.8 % slower (where the rows fit L2; not profiled), so
+# from 131,072 slots (16k tokens) on (docs/results/2026-12-07-moe-prefill-tma-h100)
+GATE_UP_COLS_FIRST_SLOTS = 131072
 
 
 def _tma_ok(depth: int, *ts: torch.Tensor) -> bool:
