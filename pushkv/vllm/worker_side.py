@@ -82,7 +82,6 @@ class WorkerSide:
         self._t0 = 0.0  # when the writer was started
         self.restarts = 0
         self._lock = threading.Lock()  # the event socket: the worker thread, or a restart
-        self._restarting = threading.Event()  # a restart holds the lock (and waits for the new writer)
         self._pending_lock = threading.Lock()  # the pending maps, short holds only
         # (reason, the sends, receives and streams that writer had), filled by the supervising thread
         self._deaths: list[tuple[str, dict, dict, dict]] = []
@@ -245,13 +244,9 @@ class WorkerSide:
                 self._stopping.wait(1.0)
 
     def _restart(self) -> None:
-        self._restarting.set()
-        try:
-            with self._lock:  # the worker thread must not read the event socket meanwhile
-                self.restarts += 1
-                self._start_writer()
-        finally:
-            self._restarting.clear()
+        with self._lock:  # the worker thread must not read the event socket meanwhile
+            self.restarts += 1
+            self._start_writer()
 
     def shutdown(self) -> None:
         self._stopping.set()
@@ -337,10 +332,10 @@ class WorkerSide:
 
     def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         sent, recvd, failed = set(), set(), set()
-        # while a restart holds the socket, each step waits idle_wait_ms for it: vLLM steps at once while requests
-        # wait on a transfer, and stepping unthrottled through a restart would take the cores the new writer boots on
-        if not self._lock.acquire(timeout=self.s.idle_wait_ms / 1e3
-                                  if self._idle_wait or self._restarting.is_set() else 0):
+        # the lock is only ever held here by a restart (preempted() runs on this thread): a step waits idle_wait_ms
+        # for it, as vLLM steps at once while requests wait on a transfer, and stepping unthrottled through a restart
+        # would take the cores the new writer boots on; a free lock is taken at once
+        if not self._lock.acquire(timeout=self.s.idle_wait_ms / 1e3):
             return sent, recvd, failed  # a restart holds the socket: next step
         try:
             for msg in self._early:

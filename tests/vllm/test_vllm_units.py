@@ -487,31 +487,43 @@ def test_marks_keep_their_order_with_a_preemption_behind_them():
 def test_a_step_during_a_writer_restart_waits_for_the_socket_instead_of_spinning():
     """While a restart holds the event socket (up to the new writer's start), a step waits ``idle_wait_ms`` for it,
     where it used to return at once: vLLM steps back to back while requests wait on a transfer, and on a small
-    machine that loop took the cores the new writer started on. Without a restart a busy step does not wait."""
+    machine that loop took the cores the new writer started on. Without a restart a busy step takes the socket at
+    once."""
     import threading
 
     ws, StepMeta = _worker()
-    waits: list[float] = []
+    waits: list[tuple[float, bool]] = []
 
-    class Held:  # the restart's hold on the socket
+    class Recorded:  # the worker's lock, each acquire's timeout and outcome kept
+        def __init__(self):
+            self.lock = threading.Lock()
+
         def acquire(self, timeout: float = -1) -> bool:
-            waits.append(timeout)
-            return False
+            got = self.lock.acquire(timeout=timeout)
+            waits.append((timeout, got))
+            return got
 
-    ws._lock = Held()
+        def release(self):
+            self.lock.release()
+
+        def __enter__(self):
+            self.lock.acquire()
+
+        def __exit__(self, *exc):
+            self.lock.release()
+
+    ws._lock = Recorded()
     ws.bind(StepMeta(idle=False))
     assert ws.transfer_results() == (set(), set(), set())
+    assert waits == [(ws.s.idle_wait_ms / 1e3, True)]  # free: taken at once
     done, restarted = threading.Event(), threading.Event()
     ws._start_writer = lambda: (restarted.set(), done.wait(30))
-    ws._lock = threading.Lock()
     t = threading.Thread(target=ws._restart)
     t.start()
-    assert restarted.wait(30) and ws._restarting.is_set()
-    lock, ws._lock = ws._lock, Held()
+    assert restarted.wait(30)
     ws.bind(StepMeta(idle=False))
     assert ws.transfer_results() == (set(), set(), set())
-    ws._lock = lock
     done.set()
     t.join(30)
-    assert not ws._restarting.is_set() and ws.restarts == 1
-    assert waits == [0, ws.s.idle_wait_ms / 1e3] and waits[1] > 0
+    assert ws.restarts == 1
+    assert waits[1] == (ws.s.idle_wait_ms / 1e3, False) and waits[1][0] > 0  # held by the restart: waited, then left
