@@ -174,6 +174,10 @@ s.print_callees('_post_write|_prefill_done|on_ExpectKV|_poll_notifs')" 2>&1 | gr
             timeout 400 python3 -m experiments.prefill_ab --switch "${AB_SWITCH:-DOWN_COLS_FIRST_SLOTS}" \
               --values ${AB_VALUES:-0 1 shipped} --tokens ${AB_TOKENS:-1024 4096 16384} 2>&1 \
               | tee "$OUT/prefill_ab_${AB_SWITCH:-DOWN_COLS_FIRST_SLOTS}.txt" | tail -16 ;;
+    attnsdpa) # a fresh prefill's attention: the paged Triton kernel against torch's fused backends (cuDNN, flash,
+            # efficient; GQA given or keys repeated) on the same keys (experiments/attn_sdpa_probe.py)
+            timeout 200 python3 -m experiments.attn_sdpa_probe --tokens ${SDPA_TOKENS:-1024 4096 16384} \
+              --out "$OUT/attn_sdpa.json" 2>&1 | tee "$OUT/attn_sdpa.txt" | tail -24 ;;
     graphtests) # the decode graphs' GPU tests and the float32 tokens of every architecture through graphs
             timeout 200 python3 -m pytest -q -p no:cacheprovider tests/model/test_decode_graphs.py \
               tests/model/test_gpu_graphs.py -k "graphs_equal_transformers_and_eager or one_copy" -rfE 2>&1 \
