@@ -66,6 +66,14 @@ GEMV_TOKENS = 2
 # layer's qkv while the residual add sums the experts. The same bits. Off (0) until experiments/moe_decode_probe.py
 # (variants ``ahead_*``) has timed it on a GPU
 AHEAD_TOKENS = 0
+
+# A step whose sequences are all whole prompts (every key new: ``StepTensors.whole``) of at least this many tokens
+# each runs its attention through torch's fused attention (``paged.fresh_attention``: cuDNN's first, where torch
+# has it) on the new keys as the RoPE launch leaves them, rather than the paged kernel reading them back from the
+# pool; bf16 and fp16 only, and a layer whose sliding window is shorter than a prompt keeps the paged kernel. The
+# K/V still go to the pool (the push streams them from there). 0: never (off until timed:
+# experiments/attn_sdpa_probe.py, and experiments/prefill_ab.py --switch batched.SDPA_PROMPT_TOKENS)
+SDPA_PROMPT_TOKENS = 0
 AHEAD_PLACES = frozenset({"o", "qkv_route", "qkv_sum"})  # every place there is; AHEAD names some
 AHEAD: frozenset = frozenset({"o"})
 
@@ -294,16 +302,23 @@ class BatchedForward:
         x, h = K.add_rms(x, None, layers[0].input_norm, eps)
         attn = torch.empty(T, p.q_heads, self.hd, device=self.device, dtype=m.dtype)
         places = ahead_places(T, m.tp_size)
+        whole = self._whole_prompts(meta, pools[0])
+        longest = max((n for _, n in whole), default=0)
         for layer, lw in enumerate(layers):
             qkv = m.adapted(lw, "qkv", linear(h, lw.qkv, lw.qkv_bias), h)
-            q = K.qk_norm_rope_store(qkv, p.q_heads, p.kv_heads, self.hd, lw.q_norm, lw.k_norm, eps, rope[0], rope[1],
-                                     rope[2], meta.slots, pools[layer])
+            fresh = bool(whole) and (not m.layer_window(layer) or m.layer_window(layer) >= longest)
+            qk = K.qk_norm_rope_store(qkv, p.q_heads, p.kv_heads, self.hd, lw.q_norm, lw.k_norm, eps, rope[0],
+                                      rope[1], rope[2], meta.slots, pools[layer], keys_out=fresh)
             if on_layer is not None:
                 on_layer(layer)
             if "o" in places:
                 prefetch.ahead(lw.o, self.sms)
-            paged.attention(q, pools[layer], meta, m.layer_window(layer), attn, splits, scratch)
-            o = m._all_reduce(m.adapted(lw, "o", linear(attn.view(T, -1), lw.o), attn.view(T, -1)))
+            if fresh:  # the values as the projection made them
+                v = qkv[:, (p.q_heads + p.kv_heads) * self.hd:].view(T, p.kv_heads, self.hd)
+                a = paged.fresh_attention(qk[0], qk[1], v, whole, attn)
+            else:
+                a = paged.attention(qk, pools[layer], meta, m.layer_window(layer), attn, splits, scratch)
+            o = m._all_reduce(m.adapted(lw, "o", linear(a.view(T, -1), lw.o), a.view(T, -1)))
             nxt_qkv = layers[layer + 1].qkv if layer + 1 < len(layers) else None
             if lw.router is not None and 0 < T <= min(ROUTER_IN_NORM_TOKENS, FUSED_ROUTE_TOKENS):
                 # MoE, a decode step: the router's logits made with the norm, one launch less
@@ -323,6 +338,15 @@ class BatchedForward:
             nxt = layers[layer + 1].input_norm if layer + 1 < len(layers) else m.w.final_norm
             x, h = K.add_rms(x, delta, nxt, eps)
         return h
+
+    def _whole_prompts(self, meta: StepTensors, pool: torch.Tensor) -> tuple[tuple[int, int], ...]:
+        """The step's prompts (``meta.whole``) where its attention goes through ``paged.fresh_attention``
+        (``SDPA_PROMPT_TOKENS``), else empty: the fused attentions take bf16 and fp16, and the pool must hold the
+        keys as the step made them."""
+        if not SDPA_PROMPT_TOKENS or not meta.whole or self.m.attn_scale is not None \
+                or self.m.dtype not in (torch.bfloat16, torch.float16) or pool.dtype != self.m.dtype:
+            return ()
+        return meta.whole if min(n for _, n in meta.whole) >= SDPA_PROMPT_TOKENS else ()
 
     # ------------------------------------------------------------- CUDA graphs
     def _replay(self, plan: StepPlan, pools: list[torch.Tensor]) -> torch.Tensor:

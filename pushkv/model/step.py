@@ -110,6 +110,9 @@ class StepTensors:
     block_table: torch.Tensor
     block_q: int
     lora: torch.Tensor  # int32 [T]: each row's LoRA slot
+    # on the host: (first row, length) of each sequence where every sequence of the step takes all its keys anew
+    # (a whole prompt, or a chunked prompt's first chunk), in sequence order; else empty
+    whole: tuple[tuple[int, int], ...] = ()
 
     @staticmethod
     def upload(plan: StepPlan, device: torch.device, staging: Optional["Staging"] = None) -> "StepTensors":
@@ -131,10 +134,19 @@ class StepTensors:
             dev = pinned
         views = [dev[a:a + n] for a, n in zip(starts.tolist(), sizes)]
         table = views.pop().view(plan.block_table.shape)
-        return StepTensors(**dict(zip(_FIELDS, views)), block_table=table, block_q=plan.block_q)
+        return StepTensors(**dict(zip(_FIELDS, views)), block_table=table, block_q=plan.block_q,
+                           whole=whole_prompts(plan))
 
 
 ALIGN_INT32 = 4  # 16 bytes
+
+
+def whole_prompts(plan: StepPlan) -> tuple[tuple[int, int], ...]:
+    """(first row, length) of each of the plan's sequences where each one's keys are all new this step (no key
+    before its first new token); empty where any sequence has earlier keys or no new token."""
+    if not plan.num_seqs or not np.array_equal(plan.q_lens, plan.seq_lens) or not plan.q_lens.all():
+        return ()
+    return tuple(zip(plan.q_starts.tolist(), plan.q_lens.tolist()))
 
 
 class Staging:

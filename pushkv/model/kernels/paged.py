@@ -6,6 +6,7 @@ The reference gathers each sequence's keys, which the kernels never do.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -101,6 +102,45 @@ def attention(q, cache, meta, window: int = 0, out=None, decode_splits: int = 1,
         triton_paged.attention(q, cache, meta.block_table, meta.seq_lens, meta.q_starts, meta.q_lens,
                                meta.prefill_tiles, meta.prefill_q0, meta.block_q, 1, window, out)
     return out
+
+
+# The fused attention ``fresh_attention`` asks torch for first (``torch.nn.attention.SDPBackend``'s names, lower
+# case), then flash, memory-efficient and math as torch finds them fit; FRESH_REPEAT: each key head repeated for
+# its query heads (a copy) rather than the groups given to the backend (``enable_gqa``)
+FRESH_BACKEND = "cudnn_attention"
+FRESH_REPEAT = False
+
+
+def fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, whole: tuple[tuple[int, int], ...],
+                    out: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Causal attention of whole prompts over their own keys, as they are, through torch's fused attention (no
+    pool read): q [T, Hq, D], k and v [T, Hk, D] (token-major, any row strides); ``whole`` the (first row, length)
+    of each prompt (``StepTensors.whole``). Returns ``out`` with the prompts' rows written, or for one prompt the
+    backend's own output where it is token-major already (no copy)."""
+    hq, hk = q.shape[1], k.shape[1]
+    if FRESH_REPEAT and hq != hk:
+        k, v = k.repeat_interleave(hq // hk, 1), v.repeat_interleave(hq // hk, 1)
+    with _backends(q):
+        for r0, n in whole:
+            o = F.scaled_dot_product_attention(
+                q[r0:r0 + n].transpose(0, 1)[None], k[r0:r0 + n].transpose(0, 1)[None],
+                v[r0:r0 + n].transpose(0, 1)[None], is_causal=True, enable_gqa=hq != k.shape[1],
+                scale=scale)[0].transpose(0, 1)
+            if len(whole) == 1 and o.is_contiguous() and o.shape == out.shape:
+                return o
+            out[r0:r0 + n] = o
+    return out
+
+
+def _backends(q: torch.Tensor):
+    """The context that puts ``FRESH_BACKEND`` first among torch's fused attentions (CUDA only)."""
+    if not q.is_cuda:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    order = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    first = getattr(SDPBackend, FRESH_BACKEND.upper())
+    return sdpa_kernel([first] + [b for b in order if b != first], set_priority=True)
 
 
 def mla_kernel_fits(rank: int, rope_dim: int) -> bool:
