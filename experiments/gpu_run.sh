@@ -170,10 +170,10 @@ s.print_callees('_post_write|_prefill_done|on_ExpectKV|_poll_notifs')" 2>&1 | gr
             timeout 200 python3 -m pytest -q -p no:cacheprovider tests/model/test_moe_kernel.py -k "descriptors or column_tiles" -rfE 2>&1 \
               | tee "$OUT/tma_tests.txt" | tail -4 ;;
     prefillab) # a triton_moe switch A/B over the whole MoE prefill in one process (experiments/prefill_ab.py): AB_SWITCH
-            # (default the down launch order), AB_VALUES, AB_TOKENS
+            # (default the down launch order), AB_VALUES, AB_TOKENS, AB_SET (settings held throughout), AB_TAG (the file name's tail)
             timeout 400 python3 -m experiments.prefill_ab --switch "${AB_SWITCH:-DOWN_COLS_FIRST_SLOTS}" \
-              --values ${AB_VALUES:-0 1 shipped} --tokens ${AB_TOKENS:-1024 4096 16384} 2>&1 \
-              | tee "$OUT/prefill_ab_${AB_SWITCH:-DOWN_COLS_FIRST_SLOTS}.txt" | tail -16 ;;
+              --values ${AB_VALUES:-0 1 shipped} --tokens ${AB_TOKENS:-1024 4096 16384} --set ${AB_SET:-} 2>&1 \
+              | tee "$OUT/prefill_ab_${AB_SWITCH:-DOWN_COLS_FIRST_SLOTS}${AB_TAG:+_$AB_TAG}.txt" | tail -16 ;;
     attnsdpa) # a fresh prefill's attention: the paged Triton kernel against torch's fused backends (cuDNN, flash,
             # efficient; GQA given or keys repeated) on the same keys (experiments/attn_sdpa_probe.py)
             timeout 200 python3 -m experiments.attn_sdpa_probe --tokens ${SDPA_TOKENS:-1024 4096 16384} \

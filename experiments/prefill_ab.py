@@ -7,7 +7,7 @@ with the first's: the same bits (what a switch of the kernels' order must keep),
 whether the greedy token agrees (a switch of the arithmetic, as another attention kernel).
 
     python3 -m experiments.prefill_ab [--switch DOWN_COLS_FIRST_SLOTS] [--values 0 1 shipped]
-        [--tokens 1024 4096 16384] [--rounds 3]    (one GPU, ~40 s on an H100)
+        [--tokens 1024 4096 16384] [--rounds 3] [--set SWITCH=VALUE ...]    (one GPU, ~40 s on an H100)
 
 ``shipped`` stands for the switch's value as shipped; a value that is not an integer is taken as a string. Prints
 one line a round and length: each value's ms and share of the matmul rate one 8k bf16 matmul reaches.
@@ -31,10 +31,15 @@ def main() -> None:
     ap.add_argument("--values", nargs="+", default=["0", "1", "shipped"])
     ap.add_argument("--tokens", nargs="+", type=int, default=[1024, 4096, 16384])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--set", nargs="*", default=[], metavar="SWITCH=VALUE",
+                    help="settings held for the whole run, named as --switch names one")
     args = ap.parse_args()
+    for held in args.set:
+        key, value = held.split("=", 1)
+        setattr(*_owner(key), _value(value))
     owner, name = _owner(args.switch)
     shipped = getattr(owner, name)
-    values = [shipped if v == "shipped" else int(v) if v.lstrip("-").isdigit() else v for v in args.values]
+    values = [shipped if v == "shipped" else _value(v) for v in args.values]
     values.append(values[0])
     _, model, views, _ = roofline.load("qwen3-30b-a3b", 1)
     counts, fwd = roofline.model_counts(model), model.batched
@@ -64,6 +69,10 @@ def main() -> None:
                 print(L, rnd, " | ".join(cells), flush=True)
     finally:
         setattr(owner, name, shipped)
+
+
+def _value(v: str):
+    return int(v) if v.lstrip("-").isdigit() else v
 
 
 def _owner(switch: str):
