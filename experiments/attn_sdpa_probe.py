@@ -3,7 +3,8 @@ same new keys, at Qwen3-30B-A3B's shape (32 query heads on 4 KV heads, head 128,
 table). Each backend alone (``torch.nn.attention.sdpa_kernel``), with the query heads' groups given to it
 (``enable_gqa``) and with the keys repeated per query head (the repeat timed with it); the keys and queries laid
 out as the engine holds them (token-major: ``[T, heads, D]`` seen through a transpose). Every output is checked
-against the Triton kernel's (max |difference|); a backend that refuses the shapes says why.
+against the Triton kernel's (max |difference|); a backend that refuses the shapes says why. Then each backend's
+first call at lengths it has not seen, against its second (a plan built per shape shows there).
 
     python3 -m experiments.attn_sdpa_probe [--tokens 1024 4096 16384] [--out FILE.json]   (one GPU, ~30 s)
 """
@@ -71,6 +72,34 @@ def one_length(L: int, peak: float) -> list[dict]:
     return rows
 
 
+def first_calls(L: int) -> list[dict]:
+    """Wall ms of each backend's first call at lengths it has not seen (L + 1 .. L + 3; a backend that builds a
+    plan per shape, as cuDNN's, pays it here, and a server sees a new length with most prompts), against a second
+    call at the same length."""
+    import time
+
+    rows = []
+    for name, b in BACKENDS.items():
+        for n in (L + 1, L + 2, L + 3):
+            q = torch.randn(n, KVH * G, HD, dtype=torch.bfloat16, device="cuda")
+            k = torch.randn(n, KVH, HD, dtype=torch.bfloat16, device="cuda")
+            times = []
+            try:
+                for _ in range(2):
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    sdpa(q, k, k, b, False)
+                    torch.cuda.synchronize()
+                    times.append(time.perf_counter() - t0)
+            except Exception as e:
+                rows.append({"tokens": n, "case": f"{name} gqa first call", "error": type(e).__name__})
+                break
+            rows.append({"tokens": n, "case": f"{name} gqa first call", "first_ms": round(times[0] * 1e3, 2),
+                         "second_ms": round(times[1] * 1e3, 3)})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", nargs="+", type=int, default=[1024, 4096, 16384])
@@ -80,6 +109,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}: "
           f"bf16 matmul {peak / 1e12:.0f} TFLOP/s", flush=True)
     rows = [r for L in args.tokens for r in one_length(L, peak)]
+    rows += first_calls(4096)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
