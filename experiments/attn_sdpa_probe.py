@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pushkv.messages import SeqWork
-from pushkv.model.kernels import triton_paged
+from pushkv.model.kernels import paged, triton_paged
 from pushkv.model.step import StepTensors, plan_step
 from tools.roofline import _time, matmul_rate
 
@@ -55,7 +55,10 @@ def one_length(L: int, peak: float) -> list[dict]:
                                 meta.q_lens, meta.prefill_tiles, meta.prefill_q0, meta.block_q)
     want = shipped().float()
     rows = []
-    cases = [("triton (shipped)", shipped)] + [
+    R = paged.fresh_rows(((0, L),))
+    pad = [torch.cat([x, x.new_zeros(R - L, *x.shape[1:])]) for x in (q, k, v)]
+    fresh = functools.partial(paged.fresh_attention, *pad, ((0, L),), torch.empty_like(q))
+    cases = [("triton (shipped)", shipped), (f"fresh_attention ({paged.FRESH_BACKEND}, {R} rows)", fresh)] + [
         (f"{name}{' repeated' if rep else ' gqa'}", functools.partial(sdpa, q, k, v, b, rep))
         for name, b in BACKENDS.items() for rep in (False, True)]
     for name, run in cases:
@@ -97,6 +100,20 @@ def first_calls(L: int) -> list[dict]:
             rows.append({"tokens": n, "case": f"{name} gqa first call", "first_ms": round(times[0] * 1e3, 2),
                          "second_ms": round(times[1] * 1e3, 3)})
             print(json.dumps(rows[-1]), flush=True)
+    for n in (L + 1, L + 2, L + 3):  # fresh_attention pads each to the same multiple: one plan
+        q = torch.randn(n, KVH * G, HD, dtype=torch.bfloat16, device="cuda")
+        R = paged.fresh_rows(((0, n),))
+        q, k = (torch.cat([x, x.new_zeros(R - n, *x.shape[1:])]) for x in (q, q[:, :KVH]))
+        times = []
+        for _ in range(2):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            paged.fresh_attention(q, k, k, ((0, n),), torch.empty_like(q[:n]))
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        rows.append({"tokens": n, "case": f"fresh_attention first call ({R} rows)",
+                     "first_ms": round(times[0] * 1e3, 2), "second_ms": round(times[1] * 1e3, 3)})
+        print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -109,7 +126,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}: "
           f"bf16 matmul {peak / 1e12:.0f} TFLOP/s", flush=True)
     rows = [r for L in args.tokens for r in one_length(L, peak)]
-    rows += first_calls(4096)
+    rows += first_calls(4096) + first_calls(8192)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,

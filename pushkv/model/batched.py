@@ -307,17 +307,17 @@ class BatchedForward:
         for layer, lw in enumerate(layers):
             qkv = m.adapted(lw, "qkv", linear(h, lw.qkv, lw.qkv_bias), h)
             fresh = bool(whole) and (not m.layer_window(layer) or m.layer_window(layer) >= longest)
-            qk = K.qk_norm_rope_store(qkv, p.q_heads, p.kv_heads, self.hd, lw.q_norm, lw.k_norm, eps, rope[0],
-                                      rope[1], rope[2], meta.slots, pools[layer], keys_out=fresh)
+            qkv_out = K.qk_norm_rope_store(qkv, p.q_heads, p.kv_heads, self.hd, lw.q_norm, lw.k_norm, eps, rope[0],
+                                           rope[1], rope[2], meta.slots, pools[layer],
+                                           rows_out=paged.fresh_rows(whole) if fresh else 0)
             if on_layer is not None:
                 on_layer(layer)
             if "o" in places:
                 prefetch.ahead(lw.o, self.sms)
-            if fresh:  # the values as the projection made them
-                v = qkv[:, (p.q_heads + p.kv_heads) * self.hd:].view(T, p.kv_heads, self.hd)
-                a = paged.fresh_attention(qk[0], qk[1], v, whole, attn)
+            if fresh:
+                a = paged.fresh_attention(qkv_out[0], qkv_out[1], qkv_out[2], whole, attn)
             else:
-                a = paged.attention(qk, pools[layer], meta, m.layer_window(layer), attn, splits, scratch)
+                a = paged.attention(qkv_out, pools[layer], meta, m.layer_window(layer), attn, splits, scratch)
             o = m._all_reduce(m.adapted(lw, "o", linear(a.view(T, -1), lw.o), a.view(T, -1)))
             nxt_qkv = layers[layer + 1].qkv if layer + 1 < len(layers) else None
             if lw.router is not None and 0 < T <= min(ROUTER_IN_NORM_TOKENS, FUSED_ROUTE_TOKENS):

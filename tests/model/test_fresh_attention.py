@@ -1,8 +1,8 @@
 """Whole prompts' attention through torch's fused attention (``paged.fresh_attention``, ``batched.SDPA_PROMPT_TOKENS``):
 which steps are whole prompts (``step.whole_prompts``); the attention equals the paged reference for one and two
-prompts, with the query heads' groups given or the keys repeated; the RoPE launch's keys out are the keys it stores;
+prompts, with the query heads' groups given or the keys repeated; the RoPE launch's keys and values out are those it stores, its padding rows zero;
 and a small bf16 model's prompt steps through the fused layer loop give the paged kernel's logits to rounding and the
-same pool bits, the prompts of a step with earlier keys, or shorter than the bound, or past a layer's window going
+same first layer's pool bits, the prompts of a step with earlier keys, or shorter than the bound, or past a layer's window going
 the paged way. The last two on the CPU under Triton's interpreter (a child process); on a GPU the kernels."""
 from __future__ import annotations
 
@@ -33,29 +33,31 @@ def test_whole_prompts_are_steps_whose_every_sequence_takes_all_its_keys_anew():
 @pytest.mark.parametrize("repeat", [False, True])
 def test_fresh_attention_equals_the_paged_reference(monkeypatch, repeat):
     monkeypatch.setattr(paged, "FRESH_REPEAT", repeat)
+    monkeypatch.setattr(paged, "FRESH_PAD", 4)
     torch.manual_seed(0)
     hq, hk, d, u = 8, 2, 16, 4
     seqs = [SeqWork(0, tuple(range(11)), 0, (2, 0, 4)), SeqWork(1, tuple(range(6)), 0, (1, 3))]
     plan = _plan(seqs)
     meta = StepTensors.upload(plan, torch.device("cpu"))
     T = plan.num_tokens
+    # the first prompt's 11 rows are read as 12, the 12th the second prompt's first; the second's 6 as 8, 2 zero
+    rows = paged.fresh_rows(meta.whole)
+    assert rows == 19
     q, k, v = torch.randn(T, hq, d), torch.randn(T, hk, d), torch.randn(T, hk, d)
     cache = torch.full((5, 2, hk, u, d), float("nan"))
     paged.store_kv_ref(cache, k, v, meta.slots.long())
     want = paged.attention_ref(q, cache, meta.block_table, meta.seq_lens, meta.q_starts, meta.q_lens)
+    qp, kp, vp = (torch.cat([x, torch.zeros(rows - T, *x.shape[1:])]) for x in (q, k, v))
     out = torch.full_like(q, float("nan"))
-    got = paged.fresh_attention(q, k, v, meta.whole, out)
+    got = paged.fresh_attention(qp, kp, vp, meta.whole, out)
     assert got is out
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    # one prompt: the backend's own token-major output, no copy into out
-    one = paged.fresh_attention(q[:11], k[:11], v[:11], ((0, 11),), torch.full_like(q[:11], float("nan")))
+    # one prompt: the first rows of the backend's own output, no copy into out
+    one = paged.fresh_attention(qp, kp, vp, ((0, 11),), torch.full_like(q[:11], float("nan")))
+    assert one.shape == (11, hq, d)
     torch.testing.assert_close(one, want[:11], atol=1e-5, rtol=1e-5)
-    # keys seen through a wider buffer (the RoPE launch's [T, Hq + Hk, D]) and values through the qkv rows
-    qk = torch.cat([q, k], 1)
-    qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], 1)
-    strided = paged.fresh_attention(qk[:, :hq], qk[:, hq:], qkv[:, (hq + hk) * d:].view(T, hk, d), meta.whole,
-                                    torch.empty_like(q))
-    torch.testing.assert_close(strided, want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="multiples of 4"):
+        paged.fresh_attention(q, k, v, meta.whole, out)  # the second prompt's rows past the step's
 
 
 SCRIPT = r"""
@@ -67,6 +69,7 @@ from pushkv.model.kernels import paged, triton_fused as K
 from tests.model.test_model import new_pool, prompt_of
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 torch.manual_seed(0)
+paged.FRESH_PAD = 8
 
 # the RoPE launch's keys out: the keys it stores, the queries as without them
 T, Hq, Hk, D, U = 13, 4, 2, 32, 4
@@ -78,9 +81,12 @@ pos = torch.arange(T, device=dev)
 slots = torch.arange(T, device=dev, dtype=torch.int32)
 caches = [torch.zeros(4, 2, Hk, U, D, device=dev, dtype=torch.bfloat16) for _ in range(2)]
 q0 = K.qk_norm_rope_store(qkv, Hq, Hk, D, qn, kn, 1e-6, cos, sin, pos, slots, caches[0])
-q1, k1 = K.qk_norm_rope_store(qkv, Hq, Hk, D, qn, kn, 1e-6, cos, sin, pos, slots, caches[1], keys_out=True)
-assert torch.equal(q0, q1) and torch.equal(caches[0], caches[1])
-assert torch.equal(k1, caches[1][:, 0].permute(0, 2, 1, 3).reshape(-1, Hk, D)[:T])
+q1, k1, v1 = K.qk_norm_rope_store(qkv, Hq, Hk, D, qn, kn, 1e-6, cos, sin, pos, slots, caches[1], rows_out=16)
+assert q1.shape == (16, Hq, D) and k1.shape == v1.shape == (16, Hk, D)
+assert torch.equal(q0, q1[:T]) and torch.equal(caches[0], caches[1])
+assert torch.equal(k1[:T], caches[1][:, 0].permute(0, 2, 1, 3).reshape(-1, Hk, D)[:T])
+assert torch.equal(v1[:T], caches[1][:, 1].permute(0, 2, 1, 3).reshape(-1, Hk, D)[:T])
+assert not q1[T:].any() and not k1[T:].any() and not v1[T:].any()
 
 # a small bf16 model's prompt steps: the fused attention on against off
 cfg = preset("tiny", dtype="bfloat16", sliding_window=12, window_layers=(1,))
@@ -114,7 +120,8 @@ for step, bound, uses in ((prompts, 8, 1), (prompts, 11, 0), (later, 4, 0), ([pr
     (off, pool_off), (on, pool_on) = out[0], out[bound]
     torch.testing.assert_close(on, off, atol=3e-2, rtol=3e-2)
     assert torch.equal(on.argmax(-1), off.argmax(-1))
-    assert torch.equal(pool_on.nan_to_num(7.0), pool_off.nan_to_num(7.0)), "the pool differs"
+    # the first layer's keys and values come before any attention (a later layer's from rounded rows)
+    assert torch.equal(pool_on[:, 0].nan_to_num(7.0), pool_off[:, 0].nan_to_num(7.0)), "the pool differs"
     if uses:
         assert calls[-1] == tuple((s, len(w.token_ids)) for s, w in zip((0, 21), step)) or len(step) == 1
 print("ok", dev, len(calls))

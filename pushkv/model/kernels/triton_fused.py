@@ -134,11 +134,11 @@ def add_rms_router(x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: f
 
 
 @triton.jit
-def _qk_rope_store_kernel(QKV, QN, KN, Cos, Sin, Pos, Slots, Qout, cache, T,
+def _qk_rope_store_kernel(QKV, QN, KN, Cos, Sin, Pos, Slots, Qout, Kout, Vout, cache, T,
                           stride_row, stride_cos, s_blk, s_plane, s_grp, s_head, s_slot, HG, U, eps,
                           HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr,
                           TB: tl.constexpr, PDL: tl.constexpr, NEXT_EARLY: tl.constexpr = False,
-                          K_OUT: tl.constexpr = False):
+                          KV_OUT: tl.constexpr = False):
     wait_prior(PDL, NEXT_EARLY)
     # one head of TB tokens a program
     t = (tl.program_id(0) * TB + tl.arange(0, TB)).to(tl.int64)
@@ -168,11 +168,11 @@ def _qk_rope_store_kernel(QKV, QN, KN, Cos, Sin, Pos, Slots, Qout, cache, T,
     s = tl.load(Sin + pos[:, None] * stride_cos + i[None, :]).to(tl.float32)
     o1 = x1 * c - x2 * s
     o2 = x2 * c + x1 * s
-    if is_q or K_OUT:  # K_OUT: Qout holds the keys' heads after the queries' (HQ + HK a row)
-        qo = Qout + (t[:, None] * (HQ + HK if K_OUT else HQ) + h) * D + i[None, :]
+    if is_q:
+        qo = Qout + (t[:, None] * HQ + h) * D + i[None, :]
         tl.store(qo, o1.to(Qout.dtype.element_ty), mask=live[:, None])
         tl.store(qo + half, o2.to(Qout.dtype.element_ty), mask=live[:, None])
-    if not is_q:
+    else:
         slot = tl.load(Slots + t, mask=live, other=-1).to(tl.int64)
         keep = (slot >= 0)[:, None]
         kh = h - HQ
@@ -183,36 +183,48 @@ def _qk_rope_store_kernel(QKV, QN, KN, Cos, Sin, Pos, Slots, Qout, cache, T,
         vb = QKV + t[:, None] * stride_row + (HQ + HK + kh) * D + i[None, :]
         tl.store(cache + s_plane + off, tl.load(vb, mask=keep, other=0.0), mask=keep)
         tl.store(cache + s_plane + off + half, tl.load(vb + half, mask=keep, other=0.0), mask=keep)
+        if KV_OUT:  # the keys and values as stored, token-major [T, HK, D] each
+            ko = (t[:, None] * HK + kh) * D + i[None, :]
+            tl.store(Kout + ko, o1.to(cache.dtype.element_ty), mask=live[:, None])
+            tl.store(Kout + ko + half, o2.to(cache.dtype.element_ty), mask=live[:, None])
+            tl.store(Vout + ko, tl.load(vb, mask=live[:, None], other=0.0), mask=live[:, None])
+            tl.store(Vout + ko + half, tl.load(vb + half, mask=live[:, None], other=0.0), mask=live[:, None])
 
 
 def qk_norm_rope_store(qkv: torch.Tensor, q_heads: int, kv_heads: int, head_dim: int,
                        q_norm, k_norm, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                        positions: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor,
-                       tokens_a_program: int = 0, keys_out: bool = False):
+                       tokens_a_program: int = 0, rows_out: int = 0):
     """qkv [T, (Hq + 2 Hk) * D] -> q [T, Hq, D] (normed, rotated); K (normed, rotated) and V
     stored into cache at slots. cos/sin [positions, D] tables. ``tokens_a_program``: one head of that
     many tokens a program (0: one below 64 tokens, where a decode step's few rows want every program
     it can get, 8 from 64 up, where a prefill's one-warp programs of one row each cost more to
     schedule than their bytes: 4.35 ms of a 4k prefill of Qwen3-30B-A3B on an H200).
 
-    ``keys_out``: returns (q, k), k [T, Hk, D] the rotated keys as stored (both views of one [T, Hq + Hk, D]
-    buffer), for an attention that takes a whole prompt's new keys as they are (``paged.fresh_attention``)."""
+    ``rows_out`` (>= T): returns (q, k, v), each [rows_out, heads, D] and contiguous, k and v the keys and values
+    as stored, the rows past T zero, for an attention that takes a whole prompt's new keys as they are
+    (``paged.fresh_attention``, which pads a prompt's rows to a multiple of ``paged.FRESH_PAD``)."""
     T = qkv.shape[0]
-    buf = torch.empty(T, q_heads + (kv_heads if keys_out else 0), head_dim, device=qkv.device, dtype=qkv.dtype)
-    q = buf[:, :q_heads]
+    n = max(rows_out, T)
+    q = torch.empty(n, q_heads, head_dim, device=qkv.device, dtype=qkv.dtype)
+    kv = torch.empty(2, n, kv_heads, head_dim, device=qkv.device, dtype=cache.dtype) if rows_out else q[:0]
+    if rows_out and n > T:
+        q[T:].zero_()
+        kv[:, T:].zero_()
     if T == 0:
-        return (q, buf[:, q_heads:]) if keys_out else q
+        return (q, kv[0], kv[1]) if rows_out else q
     if head_dim & (head_dim - 1):
         raise ValueError(f"fused RoPE needs a power-of-two head_dim, not {head_dim}")
     blk, plane, grp, head, slot, hg, u = _cache_strides(cache)
     has_norm = q_norm is not None
     tb = tokens_a_program or (1 if T < 64 else 8)
     _qk_rope_store_kernel[(triton.cdiv(T, tb), q_heads + kv_heads)](
-        qkv, q_norm if has_norm else qkv, k_norm if has_norm else qkv, cos, sin, positions, slots, buf, cache, T,
+        qkv, q_norm if has_norm else qkv, k_norm if has_norm else qkv, cos, sin, positions, slots, q,
+        kv[0] if rows_out else q, kv[1] if rows_out else q, cache, T,
         qkv.stride(0), cos.stride(0), blk, plane, grp, head, slot, hg, u, eps,
         HQ=q_heads, HK=kv_heads, D=head_dim, HAS_NORM=has_norm, TB=tb, num_warps=1 if tb == 1 else 4,
-        K_OUT=keys_out, **chain.launch(qkv, "rope"))
-    return (q, buf[:, q_heads:]) if keys_out else q
+        KV_OUT=bool(rows_out), **chain.launch(qkv, "rope"))
+    return (q, kv[0], kv[1]) if rows_out else q
 
 
 @triton.jit
