@@ -387,6 +387,23 @@ class BatchedForward:
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
 
+    def warm_fresh(self, max_tokens: int) -> float:
+        """Have torch's fused attention make its plan for every prompt length ``_whole_prompts`` takes up to
+        ``max_tokens`` now (each multiple of ``paged.FRESH_PAD`` from ``SDPA_PROMPT_TOKENS``): cuDNN builds one
+        per length it meets, 60 ms on an H100, which a prompt would wait for mid-serving. Seconds taken (0 where
+        the fused attention is off)."""
+        pad, hd, p = paged.FRESH_PAD, self.hd, self.m.plan
+        if not (SDPA_PROMPT_TOKENS and self.cuda and self.m.dtype in (torch.bfloat16, torch.float16)
+                and self.m.attn_scale is None):
+            return 0.0
+        t0 = time.perf_counter()
+        for rows in range(-(-SDPA_PROMPT_TOKENS // pad) * pad, max_tokens + pad, pad):
+            q = torch.zeros(rows, p.q_heads, hd, device=self.device, dtype=self.m.dtype)
+            kv = torch.zeros(rows, p.kv_heads, hd, device=self.device, dtype=self.m.dtype)
+            paged.fresh_attention(q, kv, kv, ((0, rows),), q)
+        torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
+
     def capture(self, pools: list[torch.Tensor], up_to: Optional[int] = None) -> float:
         """Capture every decode bucket up to max_num_seqs now (at start-up); seconds taken."""
         if not self.use_graphs:

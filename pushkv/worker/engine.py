@@ -68,6 +68,7 @@ class Worker(Actor):
         self.layer_pools = L.layer_views(self.pool.tensor, self.layout)  # per layer, any layout
         if self.model.batched is not None:
             warm = self.model.batched.warmup(self.layer_pools)
+            warm += self.model.batched.warm_fresh(self.inst.max_batch_tokens)
             graphs = self.model.batched.capture(self.layer_pools)
             log.info("%s: batched engine warm in %.1fs, %d decode CUDA graphs captured in %.1fs",
                      self.name, warm, len(self.model.batched.graphs), graphs)

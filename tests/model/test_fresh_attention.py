@@ -97,7 +97,7 @@ fwd.fused = True  # the fused layer loop (the CPU's default is torch's)
 calls = []
 real = paged.fresh_attention
 def counted(*a, **k):
-    calls.append(a[3])
+    calls.append(a[3])  # the prompts' (first row, length)
     return real(*a, **k)
 paged.fresh_attention = counted
 prompts = [SeqWork(0, tuple(prompt_of(21, seed=1)), 0, tuple(range(6))),
@@ -124,6 +124,12 @@ for step, bound, uses in ((prompts, 8, 1), (prompts, 11, 0), (later, 4, 0), ([pr
     assert torch.equal(pool_on[:, 0].nan_to_num(7.0), pool_off[:, 0].nan_to_num(7.0)), "the pool differs"
     if uses:
         assert calls[-1] == tuple((s, len(w.token_ids)) for s, w in zip((0, 21), step)) or len(step) == 1
+# the start-up warm-up: one call a padded length from the bound up to the step's most tokens, on CUDA only
+batched.SDPA_PROMPT_TOKENS = 8
+n = len(calls)
+took = fwd.warm_fresh(30)
+assert [c[0][1] for c in calls[n:]] == ([8, 16, 24, 32] if dev == "cuda" else []), calls[n:]
+assert (took > 0) == (dev == "cuda")
 print("ok", dev, len(calls))
 """
 
