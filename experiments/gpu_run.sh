@@ -178,6 +178,14 @@ s.print_callees('_post_write|_prefill_done|on_ExpectKV|_poll_notifs')" 2>&1 | gr
             # efficient; GQA given or keys repeated) on the same keys (experiments/attn_sdpa_probe.py)
             timeout 200 python3 -m experiments.attn_sdpa_probe --tokens ${SDPA_TOKENS:-1024 4096 16384} \
               --out "$OUT/attn_sdpa.json" 2>&1 | tee "$OUT/attn_sdpa.txt" | tail -24 ;;
+    freshab) # whole prompts through the fused attention (batched.SDPA_PROMPT_TOKENS): its tests on the GPU, the whole
+            # MoE prefill off / on at FRESH_BOUND (default 2048), then the attention alone (experiments/attn_sdpa_probe.py)
+            timeout 150 python3 -m pytest -q -p no:cacheprovider tests/model/test_fresh_attention.py -rfE 2>&1 \
+              | tee "$OUT/fresh_tests.txt" | tail -3
+            timeout 300 python3 -m experiments.prefill_ab --switch batched.SDPA_PROMPT_TOKENS --values 0 "${FRESH_BOUND:-2048}" \
+              --tokens ${AB_TOKENS:-2048 4000 4096 16384} 2>&1 | grep -v "UserWarning\|o = F" | tee "$OUT/fresh_ab.txt" | tail -16
+            timeout 200 python3 -m experiments.attn_sdpa_probe --tokens ${SDPA_TOKENS:-2048 4096 16384} \
+              --out "$OUT/attn_sdpa.json" 2>&1 | grep -v "UserWarning\|o = F" | tee "$OUT/attn_sdpa.txt" | tail -24 ;;
     graphtests) # the decode graphs' GPU tests and the float32 tokens of every architecture through graphs
             timeout 200 python3 -m pytest -q -p no:cacheprovider tests/model/test_decode_graphs.py \
               tests/model/test_gpu_graphs.py -k "graphs_equal_transformers_and_eager or one_copy" -rfE 2>&1 \
