@@ -66,16 +66,17 @@ GEMV_TOKENS = 2
 # layer's qkv while the residual add sums the experts. The same bits. Off (0) until experiments/moe_decode_probe.py
 # (variants ``ahead_*``) has timed it on a GPU
 AHEAD_TOKENS = 0
+AHEAD_PLACES = frozenset({"o", "qkv_route", "qkv_sum"})  # every place there is; AHEAD names some
+AHEAD: frozenset = frozenset({"o"})
 
 # A step whose sequences are all whole prompts (every key new: ``StepTensors.whole``) of at least this many tokens
 # each runs its attention through torch's fused attention (``paged.fresh_attention``: cuDNN's first, where torch
 # has it) on the new keys as the RoPE launch leaves them, rather than the paged kernel reading them back from the
 # pool; bf16 and fp16 only, and a layer whose sliding window is shorter than a prompt keeps the paged kernel. The
-# K/V still go to the pool (the push streams them from there). 0: never (off until timed:
-# experiments/attn_sdpa_probe.py, and experiments/prefill_ab.py --switch batched.SDPA_PROMPT_TOKENS)
+# K/V still go to the pool (the push streams them from there). On an H100, in a first form without the padding
+# (docs/results/2026-12-07-fresh-attention-h100): Qwen3-30B-A3B's whole prefill 16k -16 %, 4k -2 to -4 %, 1k 13-22 %
+# slower. 0: never (off until the padded form is timed: experiments/gpu_run.sh freshab)
 SDPA_PROMPT_TOKENS = 0
-AHEAD_PLACES = frozenset({"o", "qkv_route", "qkv_sum"})  # every place there is; AHEAD names some
-AHEAD: frozenset = frozenset({"o"})
 
 
 def ahead_places(tokens: int, tp_size: int) -> frozenset:
