@@ -305,12 +305,13 @@ class BatchedForward:
         places = ahead_places(T, m.tp_size)
         whole = self._whole_prompts(meta, pools[0])
         longest = max((n for _, n in whole), default=0)
+        fresh_rows = paged.fresh_rows(whole) if whole else 0
         for layer, lw in enumerate(layers):
             qkv = m.adapted(lw, "qkv", linear(h, lw.qkv, lw.qkv_bias), h)
             fresh = bool(whole) and (not m.layer_window(layer) or m.layer_window(layer) >= longest)
             qkv_out = K.qk_norm_rope_store(qkv, p.q_heads, p.kv_heads, self.hd, lw.q_norm, lw.k_norm, eps, rope[0],
                                            rope[1], rope[2], meta.slots, pools[layer],
-                                           rows_out=paged.fresh_rows(whole) if fresh else 0)
+                                           rows_out=fresh_rows if fresh else 0)
             if on_layer is not None:
                 on_layer(layer)
             if "o" in places:
@@ -342,12 +343,16 @@ class BatchedForward:
 
     def _whole_prompts(self, meta: StepTensors, pool: torch.Tensor) -> tuple[tuple[int, int], ...]:
         """The step's prompts (``meta.whole``) where its attention goes through ``paged.fresh_attention``
-        (``SDPA_PROMPT_TOKENS``), else empty: the fused attentions take bf16 and fp16, and the pool must hold the
-        keys as the step made them."""
-        if not SDPA_PROMPT_TOKENS or not meta.whole or self.m.attn_scale is not None \
-                or self.m.dtype not in (torch.bfloat16, torch.float16) or pool.dtype != self.m.dtype:
+        (``SDPA_PROMPT_TOKENS``, ``_fresh_fits``), else empty; the pool must hold the keys as the step made them."""
+        if not self._fresh_fits() or not meta.whole or pool.dtype != self.m.dtype:
             return ()
         return meta.whole if min(n for _, n in meta.whole) >= SDPA_PROMPT_TOKENS else ()
+
+    def _fresh_fits(self) -> bool:
+        """Whether this model's prompts may take the fused attention at all (``SDPA_PROMPT_TOKENS`` on): the fused
+        attentions take bf16 and fp16, and the default softmax scale."""
+        m = self.m
+        return bool(SDPA_PROMPT_TOKENS) and m.attn_scale is None and m.dtype in (torch.bfloat16, torch.float16)
 
     # ------------------------------------------------------------- CUDA graphs
     def _replay(self, plan: StepPlan, pools: list[torch.Tensor]) -> torch.Tensor:
@@ -394,8 +399,7 @@ class BatchedForward:
         per length it meets, 60 ms on an H100, which a prompt would wait for mid-serving. Seconds taken (0 where
         the fused attention is off)."""
         pad, hd, p = paged.FRESH_PAD, self.hd, self.m.plan
-        if not (SDPA_PROMPT_TOKENS and self.cuda and self.m.dtype in (torch.bfloat16, torch.float16)
-                and self.m.attn_scale is None):
+        if not (self.cuda and self._fresh_fits()):
             return 0.0
         t0 = time.perf_counter()
         for rows in range(-(-SDPA_PROMPT_TOKENS // pad) * pad, max_tokens + pad, pad):
