@@ -181,14 +181,16 @@ def _qk_rope_store_kernel(QKV, QN, KN, Cos, Sin, Pos, Slots, Qout, Kout, Vout, c
         tl.store(cache + off, o1.to(cache.dtype.element_ty), mask=keep)
         tl.store(cache + off + half, o2.to(cache.dtype.element_ty), mask=keep)
         vb = QKV + t[:, None] * stride_row + (HQ + HK + kh) * D + i[None, :]
-        tl.store(cache + s_plane + off, tl.load(vb, mask=keep, other=0.0), mask=keep)
-        tl.store(cache + s_plane + off + half, tl.load(vb + half, mask=keep, other=0.0), mask=keep)
+        v1 = tl.load(vb, mask=live[:, None], other=0.0)  # a kept row is a live one
+        v2 = tl.load(vb + half, mask=live[:, None], other=0.0)
+        tl.store(cache + s_plane + off, v1, mask=keep)
+        tl.store(cache + s_plane + off + half, v2, mask=keep)
         if KV_OUT:  # the keys and values as stored, token-major [T, HK, D] each
             ko = (t[:, None] * HK + kh) * D + i[None, :]
             tl.store(Kout + ko, o1.to(cache.dtype.element_ty), mask=live[:, None])
             tl.store(Kout + ko + half, o2.to(cache.dtype.element_ty), mask=live[:, None])
-            tl.store(Vout + ko, tl.load(vb, mask=live[:, None], other=0.0), mask=live[:, None])
-            tl.store(Vout + ko + half, tl.load(vb + half, mask=live[:, None], other=0.0), mask=live[:, None])
+            tl.store(Vout + ko, v1, mask=live[:, None])
+            tl.store(Vout + ko + half, v2, mask=live[:, None])
 
 
 def qk_norm_rope_store(qkv: torch.Tensor, q_heads: int, kv_heads: int, head_dim: int,
