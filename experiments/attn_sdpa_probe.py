@@ -14,6 +14,7 @@ import argparse
 import functools
 import json
 import random
+import time
 import warnings
 
 import torch
@@ -56,10 +57,9 @@ def one_length(L: int, peak: float) -> list[dict]:
                                 meta.q_lens, meta.prefill_tiles, meta.prefill_q0, meta.block_q)
     want = shipped().float()
     rows = []
-    R = paged.fresh_rows(((0, L),))
-    pad = [torch.cat([x, x.new_zeros(R - L, *x.shape[1:])]) for x in (q, k, v)]
-    fresh = functools.partial(paged.fresh_attention, *pad, ((0, L),), torch.empty_like(q))
-    cases = [("triton (shipped)", shipped), (f"fresh_attention ({paged.FRESH_BACKEND}, {R} rows)", fresh)] + [
+    fresh = functools.partial(paged.fresh_attention, *padded(L, q, k, v), ((0, L),), torch.empty_like(q))
+    cases = [("triton (shipped)", shipped),
+             (f"fresh_attention ({paged.FRESH_BACKEND}, {paged.fresh_rows(((0, L),))} rows)", fresh)] + [
         (f"{name}{' repeated' if rep else ' gqa'}", functools.partial(sdpa, q, k, v, b, rep))
         for name, b in BACKENDS.items() for rep in (False, True)]
     for name, run in cases:
@@ -76,46 +76,51 @@ def one_length(L: int, peak: float) -> list[dict]:
     return rows
 
 
+def padded(n: int, *xs: torch.Tensor) -> list[torch.Tensor]:
+    """Each [n, ...] tensor with zero rows to ``paged.fresh_rows`` of one n-token prompt, as the RoPE launch lays
+    them out for ``paged.fresh_attention``."""
+    R = paged.fresh_rows(((0, n),))
+    return [torch.cat([x, x.new_zeros(R - n, *x.shape[1:])]) for x in xs]
+
+
+def two_calls(fn) -> tuple[float, float]:
+    """Wall ms of a first and a second call of ``fn``, the GPU idle before each and waited for after."""
+    times = []
+    for _ in range(2):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times[0], times[1]
+
+
 def first_calls(L: int) -> list[dict]:
     """Wall ms of each backend's first call at lengths it has not seen (L + 1 .. L + 3; a backend that builds a
     plan per shape, as cuDNN's, pays it here, and a server sees a new length with most prompts), against a second
-    call at the same length."""
-    import time
-
+    call at the same length; then ``fresh_attention``'s, which pads those lengths to the same multiple (one plan)."""
     rows = []
-    for name, b in BACKENDS.items():
+    cases = [(f"{name} gqa first call", lambda n, b=b: functools.partial(sdpa, *qkk(n), b, False))
+             for name, b in BACKENDS.items()]
+    cases.append(("fresh_attention first call", lambda n: functools.partial(
+        paged.fresh_attention, *padded(n, *qkk(n)), ((0, n),), qkk(n)[0])))
+    for case, make in cases:
         for n in (L + 1, L + 2, L + 3):
-            q = torch.randn(n, KVH * G, HD, dtype=torch.bfloat16, device="cuda")
-            k = torch.randn(n, KVH, HD, dtype=torch.bfloat16, device="cuda")
-            times = []
             try:
-                for _ in range(2):
-                    torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    sdpa(q, k, k, b, False)
-                    torch.cuda.synchronize()
-                    times.append(time.perf_counter() - t0)
+                first, second = two_calls(make(n))
             except Exception as e:
-                rows.append({"tokens": n, "case": f"{name} gqa first call", "error": type(e).__name__})
+                rows.append({"tokens": n, "case": case, "error": type(e).__name__})
                 break
-            rows.append({"tokens": n, "case": f"{name} gqa first call", "first_ms": round(times[0] * 1e3, 2),
-                         "second_ms": round(times[1] * 1e3, 3)})
+            rows.append({"tokens": n, "case": case, "first_ms": round(first, 2), "second_ms": round(second, 3)})
             print(json.dumps(rows[-1]), flush=True)
-    for n in (L + 1, L + 2, L + 3):  # fresh_attention pads each to the same multiple: one plan
-        q = torch.randn(n, KVH * G, HD, dtype=torch.bfloat16, device="cuda")
-        R = paged.fresh_rows(((0, n),))
-        q, k = (torch.cat([x, x.new_zeros(R - n, *x.shape[1:])]) for x in (q, q[:, :KVH]))
-        times = []
-        for _ in range(2):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            paged.fresh_attention(q, k, k, ((0, n),), torch.empty_like(q[:n]))
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        rows.append({"tokens": n, "case": f"fresh_attention first call ({R} rows)",
-                     "first_ms": round(times[0] * 1e3, 2), "second_ms": round(times[1] * 1e3, 3)})
-        print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def qkk(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random queries, and keys that serve as the values too, of an n-token prompt."""
+    q = torch.randn(n, KVH * G, HD, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(n, KVH, HD, dtype=torch.bfloat16, device="cuda")
+    return q, k, k
 
 
 def main() -> None:
