@@ -198,6 +198,26 @@ def test_push_rendezvous_span_names_the_waiting_half():
     assert "wait for registration" in later
 
 
+def test_streamed_push_order_is_the_writers_and_its_wait_ends_at_the_first_group():
+    """Streamed push: the writer's rendezvous counts the first stored layer group, not the SendKV at the
+    prefill's end. A registration between the two is prefill first (the KVSent says so), and the wait runs
+    from the group (the writer's wall-clock stage on the monotonic clock) to the registration."""
+    group_ms, reg_ms = 2.0, 3.0
+    sent = m.encode(m.KVSent(TID, 0, 4096, 2, 0.001, "prefill_first",
+                             (("stream_progress", 1e9 + group_ms / 1e3), ("layers_stored_0", 1e9 + group_ms / 1e3)), 1))
+    script = [e if e[3] != "KVSent" or e[2] != "send" else (*e, sent) for e in push_script(reg_ms, 5.3)]
+    tl = T.RequestTimeline(TID, events(script))
+    assert tl.info["rendezvous"] == "prefill_first"
+    wait = next(s for s in tl.spans if s.name.startswith("wait for"))
+    assert wait.name == "wait for registration" and wait.lane == "prefill-writer-0"
+    assert (wait.start - 100.0) * 1e3 == pytest.approx(group_ms, abs=1e-3)
+    assert (wait.end - 100.0) * 1e3 == pytest.approx(reg_ms, abs=1e-6)
+    # a chunk's StreamKV is a progress mark too, and without the KVSent's order the times decide
+    chunked = [e for e in push_script(reg_ms, 5.3)] + [(group_ms, "prefill-writer-0", "recv", "StreamKV", "prefill-scheduler")]
+    assert T.RequestTimeline(TID, events(chunked)).info["rendezvous"] == "prefill_first"
+    assert T.RequestTimeline(TID, events(push_script(reg_ms, 5.3))).info["rendezvous"] == "registration_first"
+
+
 @pytest.mark.parametrize("mutate, problem", [
     (lambda s: [e for e in s if e[3] != "write_posted"], "missing span prefill-writer/WRITE"),
     (lambda s: [e if e[3] != "kv_received" or e[1] != "decode-writer-0" else (4.0, *e[1:]) for e in s],
@@ -399,6 +419,8 @@ def test_push_deployment_tapped_spans_complete_and_ordered(tmp_path, monkeypatch
             assert all(st[k] >= 0 for k in ("prefill", "relay", "transfer", "first_decode_step", "ttft"))
             assert st["ttft"] <= st["e2e"]
             assert tl.info["bytes"] == kv_bytes(dep, 100) and tl.info["descriptors"] >= 1
+            # the breakdown's order is the writer's own (streamed, its first layer group may beat the registration)
+            assert tl.info["rendezvous"] == body["pushkv"]["kv"]["prefill"]["rendezvous"]
             assert tl.info["rendezvous"] in ("registration_first", "prefill_first")
 
             # the tool's outputs

@@ -217,12 +217,12 @@ class RequestTimeline:
             span(p, "blocks leased", ev(p, "prefill_end"), mk.get("prefill.recv_kvsent"))
         for w in self.processes("prefill-writer"):
             if self.transport == "WRITE":
-                sendkv = self.at(w, "recv", "SendKV" if self.mode == "push" else "HoldKV")
+                ready = self._prefill_ready(w)
                 reg = self.at(w, "recv", "Register")
-                if sendkv is not None and reg is not None:
-                    name = "wait for prefill" if reg < sendkv else "wait for registration"
-                    order = "registration_first" if reg < sendkv else "prefill_first"
-                    span(w, name, min(reg, sendkv), max(reg, sendkv), order=order)
+                if ready is not None and reg is not None:
+                    order = self._rendezvous(w) or ("registration_first" if reg < ready else "prefill_first")
+                    name = "wait for prefill" if order == "registration_first" else "wait for registration"
+                    span(w, name, min(reg, ready), max(reg, ready), order=order)
                 posted = self.find(w, "event", "write_posted")
                 nb, nd = _parse_size(posted[0].peer) if posted else (0, 0)
                 span(w, "WRITE", ev(w, "write_posted"), ev(w, "write_done"), bytes=nb, descriptors=nd)
@@ -252,6 +252,31 @@ class RequestTimeline:
             span(p, "decode", ev(p, "prefill_end"), ev(p, "finished"))
             span(p, "first decode step", mk.get("local.first_token_sent"), mk.get("local.first_decode_step"))
         return out
+
+    def _kv_sent(self, writer: str) -> Optional[tuple[m.TraceEvent, m.KVSent]]:
+        """The writer's KVSent to its scheduler (its send event and message), if traced."""
+        for e in self.find(writer, "send", "KVSent"):
+            msg = decode_payload(e)
+            if isinstance(msg, m.KVSent):
+                return e, msg
+        return None
+
+    def _rendezvous(self, writer: str) -> str:
+        """Which half the writer's rendezvous saw first, as its KVSent reports it ("" if not traced)."""
+        sent = self._kv_sent(writer)
+        return sent[1].rendezvous if sent and sent[1].rendezvous in ("registration_first", "prefill_first") else ""
+
+    def _prefill_ready(self, writer: str) -> Optional[float]:
+        """When the prefill half reached the writer: its SendKV (HoldKV in pull), or, streaming, the first
+        progress (a chunk's StreamKV or a stored layer group, from the writer's ``stream_progress`` stage on its
+        wall clock, moved to the monotonic one through the KVSent event's pair of stamps)."""
+        times = [t for t in (self.at(writer, "recv", "SendKV" if self.mode == "push" else "HoldKV"),
+                             self.at(writer, "recv", "StreamKV")) if t is not None]
+        sent = self._kv_sent(writer)
+        if sent is not None:
+            e, msg = sent
+            times += [wall - e.t_wall + e.t_mono for stage, wall in msg.timeline if stage == "stream_progress"]
+        return min(times) if times else None
 
     # -- summary -----------------------------------------------------------------
     def _info(self) -> dict:
