@@ -417,9 +417,13 @@ class PrefillWriter(WriterBase):
         except Exception:
             self._give_slots(slots)
             raise
-        if a.last:
-            notif = m.encode(m.WriteDone(a.transfer_id, a.generation, self.rank, a.first_token, sp.nbytes, sp.runs,
-                                         sums))
+        sizes = self._record(key).part_sizes  # what the parts before this WRITE carried to this D rank
+        nbytes, runs = sizes.get(reg.d_rank, (0, 0))
+        if not a.last:
+            sizes[reg.d_rank] = (nbytes + sp.nbytes, runs + sp.runs)
+        if a.last:  # D's count of the transfer is the parts' and this WRITE's
+            notif = m.encode(m.WriteDone(a.transfer_id, a.generation, self.rank, a.first_token, nbytes + sp.nbytes,
+                                         runs + sp.runs, sums))
         elif slots is not None:  # staged: D copies each part in once it landed, which this notification says
             notif = m.encode(m.PartWritten(a.transfer_id, a.generation, self.rank, _token_spans(a)))
         else:

@@ -107,6 +107,9 @@ def test_chunked_and_streamed_tokens_equal_local(name, model, flags, ref_tp, str
                     # last WRITE then takes it all)
                     assert kv["parts"] > 0, (n, kv, tl)
                     early += 1
+            if cfg.mode == "push":  # D counts what P's writers moved into it, the streamed parts with the last WRITE
+                kv = body["pushkv"]["kv"]
+                assert kv["decode"]["bytes"] == kv["prefill"]["bytes"] > 0, (n, kv)
             if "--staging" in flags or "--writer-post-thread" in flags:  # each WRITE's stamps (tools/stream_bench's
                 # breakdown) in its order: asked; staged: its copy into P's area issued and seen done; posted;
                 # from a poster thread: taken, its post call returned, seen ended; done. The last WRITE's number
