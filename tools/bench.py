@@ -279,7 +279,9 @@ def detect_mode(base_url: str) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="pushkv bench", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="pushkv bench", description=__doc__.split("\n\n")[0],
+                                 epilog="--workload chat: the chat workload instead (multi-turn conversations sharing "
+                                        "a system prompt); pushkv bench --workload chat --help gives its options")
     ap.add_argument("--url", default="http://127.0.0.1:8000", help="router base URL")
     ap.add_argument("--mode", help="label in the file name (default: asked from /health)")
     ap.add_argument("--qps", type=float, default=1.0, help="Poisson arrival rate; inf = all at once")

@@ -37,6 +37,15 @@ def test_help_lists_deployment_commands_and_tools(tmp_path):
         assert re.search(rf"^ {{4}}{re.escape(name)}(\s|$)", r.stdout, re.M), name
 
 
+def test_bench_help_names_the_chat_workload_whose_own_help_follows(capsys):
+    with pytest.raises(SystemExit):
+        cli.bench(["--help"])
+    assert "--workload chat" in " ".join(capsys.readouterr().out.split())
+    with pytest.raises(SystemExit):
+        cli.bench(["--workload", "chat", "--help"])
+    assert "--conversations" in capsys.readouterr().out
+
+
 def test_unknown_command_is_refused_naming_the_choices(tmp_path):
     r = _pushkv("nope", cwd=tmp_path)
     assert r.returncode == 2
