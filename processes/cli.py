@@ -73,9 +73,16 @@ def _json_list(flag: str):
     return parse
 
 
+class _BriefErrors(argparse.ArgumentParser):
+    """A command's parser whose error is one line and a pointer to its help, not the usage of its ~100 flags."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n({self.prog} --help: its flags)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pushkv", description="pushkv: disaggregated LLM serving with push KV transfer")
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_BriefErrors)
 
     up = sub.add_parser("up", help="start a deployment and supervise it until stopped")
     dep = up.add_argument_group("deployment")

@@ -46,6 +46,17 @@ def test_bench_help_names_the_chat_workload_whose_own_help_follows(capsys):
     assert "--conversations" in capsys.readouterr().out
 
 
+def test_a_bad_up_flag_is_one_line_and_a_pointer_to_help(capsys):
+    from processes import cli as deployment
+
+    with pytest.raises(SystemExit) as e:
+        deployment.build_parser().parse_args(["up", "--mode", "bogus"])
+    err = capsys.readouterr().err.splitlines()
+    assert e.value.code == 2 and len(err) == 2, err
+    assert err[0].startswith("pushkv up: error: argument --mode: invalid choice") and "push" in err[0], err
+    assert err[1] == "(pushkv up --help: its flags)"
+
+
 def test_unknown_command_is_refused_naming_the_choices(tmp_path):
     r = _pushkv("nope", cwd=tmp_path)
     assert r.returncode == 2

@@ -278,6 +278,10 @@ def test_breakdown_table_and_replay(tmp_path, capsys):
     assert "request 01234567 (push, TTFT 7.90 ms)" in out and "request ffffffff (pull" in out
     write = next(ln for ln in out.splitlines() if " WRITE " in ln).split()
     assert write[0] == "+5.300" and write[2] == "1.700" and write[4] == "prefill-writer-0"
+    # a live --requests 1 lists the first request that finished, not one that ended while it lingered
+    tap_cli.report(evs, tap_cli.parse_args(["--breakdown"]), only=["f" * 32])
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith(("01234567", "ffffffff", "median"))]
+    assert len(rows) == 1 and rows[0].startswith("ffffffff")
 
 
 # ---------------------------------------------------------------------------

@@ -159,7 +159,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def report(events: list[m.TraceEvent], args: argparse.Namespace, out=None) -> None:
+def report(events: list[m.TraceEvent], args: argparse.Namespace, out=None, only: Optional[list[str]] = None) -> None:
+    """The recording, the per-request listing and breakdown; ``only``: the requests to list (``--requests N``'s
+    first N finished: others that finished while the tap lingered for their last events are left out)."""
     out = out or sys.stdout
     if len({e.host for e in events}) > 1:  # several hosts: one clock, one lane per process and host
         events, al = trace_merge.merged(events)
@@ -170,7 +172,8 @@ def report(events: list[m.TraceEvent], args: argparse.Namespace, out=None) -> No
     if args.perfetto:
         T.write_perfetto(events, args.perfetto)
         print(f"wrote {args.perfetto} ({len(events)} events): open in https://ui.perfetto.dev", file=out)
-    tls = [t for t in T.timelines(events) if "router.http_request" in t.marks]
+    tls = [t for t in T.timelines(events) if "router.http_request" in t.marks
+           and (only is None or t.transfer_id in only)]
     if args.spans:
         for t in tls:
             print(T.span_listing(t), file=out)
@@ -215,7 +218,7 @@ def run(args: argparse.Namespace, out=None) -> int:
     signal.signal(signal.SIGTERM, lambda *a: stop.update(flag=True))
     filt = Filter(args.tid, args.process, args.kind)
     events: list[m.TraceEvent] = []
-    done: set[str] = set()
+    done: dict[str, None] = {}  # finished requests, in the order they finished
     t_start = time.monotonic()
     t0: Optional[float] = None
     linger_until: Optional[float] = None
@@ -242,7 +245,7 @@ def run(args: argparse.Namespace, out=None) -> int:
                 if not args.quiet and filt(ev):
                     heapq.heappush(held, (ev.t_mono, len(events), ev))
                 if ev.kind == "http_done" and (not args.tid or filt(ev)):
-                    done.add(ev.transfer_id)
+                    done.setdefault(ev.transfer_id)
             if events:
                 show(events[-1].t_mono - REORDER_S)
             if args.requests and len(done) >= args.requests and linger_until is None:
@@ -253,7 +256,7 @@ def run(args: argparse.Namespace, out=None) -> int:
     if args.record:
         with open(args.record, "wb") as f:
             f.write(msgspec.msgpack.encode(events))
-    report(events, args, out)
+    report(events, args, out, only=list(done)[:args.requests] if args.requests else None)
     return 0
 
 
