@@ -40,6 +40,7 @@ import zmq
 from zmq.utils import z85
 
 from pushkv import envs
+from pushkv.floods import worth_logging
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +59,6 @@ ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP spec (RFC 27)
 ZAP_VERSION = b"1.0"
 ZAP_DOMAIN = b"pushkv"
 GUARD_START_S = 5.0  # the guard thread binds ZAP within this, or secure_bind fails
-LOG_FIRST = 10  # refusals logged one by one; after that every LOG_EVERY-th (a scanner must not flood the log)
-LOG_EVERY = 100
-
-
-def _worth_logging(n: int) -> bool:
-    return n <= LOG_FIRST or n % LOG_EVERY == 0
 
 # what a refused peer counts as: counter suffix, and the log's words
 REFUSALS = {
@@ -318,7 +313,7 @@ class CurveGuard:
         else:
             ok, why = False, b"not an allowed key"
             self._zap_denied += 1
-            if _worth_logging(self._zap_denied):
+            if worth_logging(self._zap_denied):
                 key = z85.encode(frames[6]).decode() if mechanism == b"CURVE" and len(frames) == 7 else "-"
                 log.warning("refused %s peer %s on ZAP domain %s: key %s not allowed (ZAP refusals: %d)",
                             mechanism.decode(errors="replace"), address.decode(errors="replace"),
@@ -339,7 +334,7 @@ class CurveGuard:
         why = _refusal(event, value)
         counters["curve_refused"] += 1
         counters[f"curve_refused_{why}"] += 1
-        if _worth_logging(counters["curve_refused"]):
+        if worth_logging(counters["curve_refused"]):
             log.warning("refused a peer on %s: %s (event 0x%x, value 0x%x; refused so far: %d)",
                         endpoint, REFUSALS[why], event, value, counters["curve_refused"])
         return True

@@ -14,13 +14,9 @@ from typing import Callable
 
 from aiohttp import web
 
+from pushkv.floods import worth_logging
 from pushkv.router import api
-from pushkv.security import (
-    API_KEY_ENV,  # noqa: F401 (re-exported: the router's key variable)
-    LOG_EVERY,
-    LOG_FIRST,
-    bearer_ok,
-)
+from pushkv.security import API_KEY_ENV, bearer_ok  # noqa: F401 (API_KEY_ENV re-exported: the router's key variable)
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +60,7 @@ def middleware(key: str, on_refused: Callable[[], None], metrics: bool = False, 
             return await handler(request)
         on_refused()
         refused += 1
-        if refused <= LOG_FIRST or refused % LOG_EVERY == 0:  # a flood must not flood the log
+        if worth_logging(refused):  # a flood must not flood the log
             log.warning("refused %s %s from %s: missing or wrong API key (refused so far: %d)",
                         request.method, request.path, request.remote, refused)
         body = api.error_body("missing or incorrect API key: send 'Authorization: Bearer <key>'",

@@ -116,9 +116,9 @@ class RequestRun:
     def deliver(self, leg: R.Source, msg: object) -> None:
         self.queue.put_nowait((leg, msg))
 
-    def inject_failure(self, status: int, reason: str) -> None:
-        """The abort endpoint, shutdown, an instance down."""
-        self.queue.put_nowait((R.ROUTER, R.Cancel(status, reason)))
+    def inject_failure(self, status: int, reason: str, outcome: Outcome) -> None:
+        """The abort endpoint, shutdown, an instance down (``outcome``: what /metrics counts it as)."""
+        self.queue.put_nowait((R.ROUTER, R.Cancel(status, reason, outcome)))
 
     # -- feeding the machine and carrying out what it says --------------------------
     def _feed(self, msg: object, leg: R.Source = R.ROUTER) -> list[R.Event]:

@@ -38,12 +38,14 @@ from __future__ import annotations
 import enum
 import logging
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Literal, Optional
 
 import msgspec
 
 from pushkv import messages as m
+from pushkv.floods import worth_logging
 from pushkv.kinds import Mode, Role
 from pushkv.router import policy as P
 from pushkv.router.ledger import Ledger, Outcome
@@ -76,6 +78,7 @@ from pushkv.router.request_msgs import (  # re-exported: the machine's callers n
 )
 
 log = logging.getLogger(__name__)
+REFUSED: Counter[int] = Counter()  # refusals by HTTP status, in this router process (what its log lines count)
 
 __all__ = ["Start", "Placed", "Queued", "DecodePlaced", "DecodeQueued", "Rejected", "SendFailed", "Cancel",
            "Tick", "Stopped", "Close", "Send", "Tokens", "Finished", "Failed", "Place", "PlaceDecode",
@@ -317,7 +320,10 @@ class Request:
         return [Failed(status, reason, outcome), Disarm()]
 
     def _on_rejected(self, msg: Rejected, now: float, leg: Source) -> list[Action]:
-        log.info("refused transfer_id=%s status=%d: %s", self.transfer_id, msg.status, msg.reason)
+        REFUSED[msg.status] += 1  # a client retrying hard while an instance restarts must not flood the log
+        if worth_logging(REFUSED[msg.status]):
+            log.info("refused transfer_id=%s status=%d: %s (refused with %d so far: %d)", self.transfer_id,
+                     msg.status, msg.reason, msg.status, REFUSED[msg.status])
         return self._fail(msg.status, msg.reason, "rejected")
 
     def _on_send_failed(self, msg: SendFailed, now: float, leg: Source) -> list[Action]:
@@ -338,7 +344,7 @@ class Request:
         if self.phase is Phase.FINISHING:
             return self._finish()
         log.info("cancelled transfer_id=%s status=%d: %s", self.transfer_id, msg.status, msg.reason)
-        return self._fail(msg.status, msg.reason, "shutdown" if msg.status == 503 else "aborted")
+        return self._fail(msg.status, msg.reason, msg.outcome)
 
     def _on_tick(self, msg: Tick, now: float, leg: Source) -> list[Action]:
         if now < self.deadline:

@@ -65,10 +65,12 @@ class SendFailed:
 
 @dataclass(frozen=True)
 class Cancel:
-    """From outside the request: the abort endpoint (499), shutdown or an instance down (503)."""
+    """From outside the request: the abort endpoint (499, "aborted"), the router's shutdown (503, "shutdown") or
+    an instance that held one of its legs down (503, "failed": the outcome /metrics counts)."""
 
     status: int
     reason: str
+    outcome: Outcome = "aborted"
 
 
 @dataclass(frozen=True)

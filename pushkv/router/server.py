@@ -316,7 +316,7 @@ class Router:
                   role, ev.engine_id, ev.reason, len(hit))
         self.metrics.instance_down(role, ev.engine_id, ev.reason, len(hit))
         for run in hit:
-            run.inject_failure(503, f"{role} instance failed: {ev.reason}; retry")
+            run.inject_failure(503, f"{role} instance failed: {ev.reason}; retry", "failed")
         if self.cfg.registry:  # across hosts no supervisor tells the survivors: we do
             self._tell_peers(ev.engine_id, role, ev.reason)
 
@@ -396,7 +396,7 @@ class Router:
         self.stopping = True
         log.info("router stopping: %d request(s) in flight", len(self.runs))
         for run in list(self.runs.values()):
-            run.inject_failure(503, "router shutting down")
+            run.inject_failure(503, "router shutting down", "shutdown")
         try:
             await asyncio.wait_for(self._handlers_idle.wait(), SHUTDOWN_GRACE_S)
         except asyncio.TimeoutError:
@@ -486,7 +486,7 @@ class Router:
         if not hit:
             return _error(404, f"no in-flight request {rid!r}", "not_found")
         for run in hit:
-            run.inject_failure(CLIENT_ABORT_STATUS, "aborted via /v1/abort")
+            run.inject_failure(CLIENT_ABORT_STATUS, "aborted via /v1/abort", "aborted")
         return web.json_response({"id": rid, "aborted": True})
 
     async def handle_models(self, request: web.Request) -> web.Response:

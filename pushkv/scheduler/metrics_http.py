@@ -14,7 +14,8 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
-from pushkv.security import LOG_EVERY, LOG_FIRST, bearer_ok
+from pushkv.floods import worth_logging
+from pushkv.security import bearer_ok
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ def guarded(app: Callable, key: str) -> Callable:
         if bearer_ok(environ.get("HTTP_AUTHORIZATION", ""), key):
             return app(environ, start_response)
         refused += 1
-        if refused <= LOG_FIRST or refused % LOG_EVERY == 0:
+        if worth_logging(refused):
             log.warning("refused /metrics from %s: missing or wrong API key (refused so far: %d)",
                         environ.get("REMOTE_ADDR", "?"), refused)
         start_response("401 Unauthorized", [("Content-Type", "text/plain"), ("WWW-Authenticate", "Bearer"),

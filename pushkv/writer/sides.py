@@ -69,7 +69,7 @@ class PrefillTransfer:
     num_descs: int = 0
     write_s: float = 0.0  # post to completion (the last WRITE)
     parts: int = 0  # streamed part WRITEs posted
-    # streamed: per D rank, the bytes and descriptors its part WRITEs carry (the last WRITE's WriteDone tells D the whole)
+    # streamed: per D rank, the bytes and descriptors of its part WRITEs (the last WRITE's WriteDone gives D the sum)
     part_sizes: dict[int, tuple[int, int]] = field(default_factory=dict)
     stages: dict[str, float] = field(default_factory=dict)  # writer-side timeline (wall time)
     first_queued: float = 0.0  # monotonic: its first WRITE's turn in a link queue (orders "arrival", "deadline")

@@ -18,6 +18,7 @@ import os
 import signal
 import threading
 import time
+import urllib.request
 
 import pytest
 
@@ -63,6 +64,15 @@ def kill_once_a_part_is_posted(dep, victim: str, p0: dict, killed: list) -> None
     killed.append(victim)
 
 
+def router_outcomes(dep) -> dict[str, float]:
+    """The router's finished requests by outcome (pushkv_router_requests_total)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(dep.url + "/metrics", timeout=10).read().decode()
+    return {s.labels["outcome"]: s.value for fam in text_string_to_metric_families(text)
+            if fam.name == "pushkv_router_requests" for s in fam.samples if s.name.endswith("_total")}
+
+
 @pytest.mark.parametrize("victim, point", [
     ("decode-writer-0", "part_posted"),  # D's writer killed (by the test) once P posted a part into it
     ("prefill-writer-0", "post_part"),  # P's writer dies about to post a part (fault point)
@@ -71,6 +81,7 @@ def test_process_killed_mid_stream(dep, victim, point):
     wait_serving(dep)
     st0 = wait_pools_free(dep)
     p0 = writer_counters(dep)
+    outcomes0 = router_outcomes(dep)
     ev = Events(dep.cfg.events_endpoint)
     killed: list[str] = []
     if point == "part_posted":
@@ -105,6 +116,10 @@ def test_process_killed_mid_stream(dep, victim, point):
             # the part into the dead pool failed (or the death notice came first): the stream ended failed
             assert p1.get("transfers_failed", 0) > p0.get("transfers_failed", 0), p1
             assert p1.get("transfer_stuck", 0) == p0.get("transfer_stuck", 0), p1
+        # /metrics counts it as failed, not as the router's own shutdown
+        outcomes = router_outcomes(dep)
+        assert outcomes.get("failed", 0) > outcomes0.get("failed", 0), outcomes
+        assert outcomes.get("shutdown", 0) == outcomes0.get("shutdown", 0), outcomes
         print(f"{victim}:{point}: {outcome}: {detail[:80]!r} after {took:.2f}s; pools free")
     finally:
         ev.close()

@@ -102,7 +102,7 @@ LEGAL = [
     (Ph.NEW, "push", R.Tick(), RT, T0 + 99, Ph.NEW),  # nothing armed before Start
 ]
 for _p in (Ph.NEW, Ph.PLACING, Ph.QUEUED, Ph.RUNNING, Ph.DECODE_PLACING, Ph.DECODE_QUEUED, Ph.FINISHING):
-    LEGAL += [(_p, MODE[_p], R.Cancel(503, "router shutting down"), RT, T0, Ph.DONE),
+    LEGAL += [(_p, MODE[_p], R.Cancel(503, "router shutting down", "shutdown"), RT, T0, Ph.DONE),
               (_p, MODE[_p], R.Close(), RT, T0, Ph.CLOSED)]
     if _p is not Ph.NEW:
         LEGAL += [(_p, MODE[_p], R.Tick(), RT, T0 + 0.5, _p),

@@ -142,8 +142,12 @@ CASES = {
          [("failed", 499, "aborted via /v1/abort", "aborted"), ("disarm",)]),
     ]),
     "shutdown": ("push", -1, START_PUSH + [
-        (R.Cancel(503, "router shutting down"), "router", T0 + 1,
+        (R.Cancel(503, "router shutting down", "shutdown"), "router", T0 + 1,
          [("failed", 503, "router shutting down", "shutdown"), ("disarm",)]),
+    ]),
+    "an instance holding a leg down": ("push", -1, START_PUSH + [
+        (R.Cancel(503, "decode instance failed: decode-worker-0 died; retry", "failed"), "router", T0 + 1,
+         [("failed", 503, "decode instance failed: decode-worker-0 died; retry", "failed"), ("disarm",)]),
     ]),
     "the deadline, waiting at the balancer": ("push", -1, [
         (R.Start(), "router", T0, [("arm", T0 + 10), ("place",)]),
@@ -286,3 +290,21 @@ def test_start_twice_is_an_error_naming_the_phase():
     req.on(R.Start(), T0)
     with pytest.raises(ValueError, match="Start in phase placing"):
         req.on(R.Start(), T0)
+
+
+def test_refusals_are_logged_first_one_by_one_then_one_in_a_hundred(monkeypatch, caplog):
+    """A client retrying hard while an instance restarts gets a 503 each time: the log keeps the first ten, then
+    every hundredth, each with the count so far."""
+    monkeypatch.setattr(R, "REFUSED", type(R.REFUSED)())
+    with caplog.at_level("INFO", logger=R.__name__):
+        for _ in range(250):
+            req = new("push")
+            req.on(R.Start(), T0)
+            assert req.on(R.Rejected(503, "no live decode instance"), T0)[0] == R.Failed(
+                503, "no live decode instance", "rejected")
+        req = new("push")
+        req.on(R.Start(), T0)
+        req.on(R.Rejected(429, "queue full"), T0)  # another status counts apart
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("refused")]
+    assert len(lines) == 10 + 2 + 1, lines
+    assert lines[-2].endswith("(refused with 503 so far: 200)") and lines[-1].endswith("(refused with 429 so far: 1)")
