@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib
 
 import torch
 
 from pushkv.messages import SeqWork
-from pushkv.model.kernels import triton_moe
 from tools import roofline
 
 
@@ -36,10 +34,10 @@ def main() -> None:
     args = ap.parse_args()
     for held in args.set:
         key, value = held.split("=", 1)
-        setattr(*_owner(key), _value(value))
-    owner, name = _owner(args.switch)
+        setattr(*roofline.model_setting(key), roofline.setting_value(value))
+    owner, name = roofline.model_setting(args.switch)
     shipped = getattr(owner, name)
-    values = [shipped if v == "shipped" else _value(v) for v in args.values]
+    values = [shipped if v == "shipped" else roofline.setting_value(v) for v in args.values]
     values.append(values[0])
     _, model, views, _ = roofline.load("qwen3-30b-a3b", 1)
     counts, fwd = roofline.model_counts(model), model.batched
@@ -69,18 +67,6 @@ def main() -> None:
                 print(L, rnd, " | ".join(cells), flush=True)
     finally:
         setattr(owner, name, shipped)
-
-
-def _value(v: str):
-    return int(v) if v.lstrip("-").isdigit() else v
-
-
-def _owner(switch: str):
-    """(module, attribute) a switch names: ``NAME`` of triton_moe, or ``module.NAME`` under pushkv.model."""
-    if "." not in switch:
-        return triton_moe, switch
-    mod, name = switch.rsplit(".", 1)
-    return importlib.import_module(f"pushkv.model.{mod}"), name
 
 
 if __name__ == "__main__":

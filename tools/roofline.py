@@ -12,13 +12,17 @@ have at those rates:
   step's own tokens, one eager step), and each token's FLOPs through its k experts;
 - prefill of L tokens: achieved TFLOP/s (matmuls, a token's k experts for a mixture of
   experts, and causal attention) against the measured matmul rate.
-Decode runs through the CUDA graphs the worker uses, and eager for comparison.
+Decode runs through the CUDA graphs the worker uses, and eager for comparison; the fused attention's plans
+for whole prompts are built first, as the worker does at start-up. ``--set batched.SDPA_PROMPT_TOKENS=0`` holds a
+setting of a ``pushkv.model`` module (``module.NAME``; a bare NAME is triton_moe's) for the run: the shipped
+tree beside one setting changed.
 Cells whose KV does not fit the free memory are skipped (said so, not hidden).
 """
 from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import json
 import sys
 import time
@@ -29,6 +33,21 @@ from pushkv.config import preset
 from pushkv.messages import SeqWork
 from pushkv.model.build import build_model
 from pushkv.model.moe import route
+
+
+def model_setting(name: str):
+    """(module, attribute) a setting names: ``NAME`` of ``pushkv.model.kernels.triton_moe``, or ``module.NAME``
+    under ``pushkv.model`` (``batched.SDPA_PROMPT_TOKENS``, ``kernels.paged.FRESH_BACKEND``)."""
+    mod, _, attr = name.rpartition(".")
+    owner = importlib.import_module(f"pushkv.model.{mod or 'kernels.triton_moe'}")
+    if not hasattr(owner, attr):
+        raise SystemExit(f"pushkv roofline: {owner.__name__} has no setting {attr}")
+    return owner, attr
+
+
+def setting_value(v: str):
+    """An integer where the text is one, else the text."""
+    return int(v) if v.lstrip("-").isdigit() else v
 
 
 def copy_bandwidth(dev, nbytes=4 << 30, reps=10) -> float:
@@ -194,10 +213,16 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="JSON results")
     ap.add_argument("--plot", metavar="JSON", help="only plot a saved JSON (to --png) and exit")
     ap.add_argument("--png", default="roofline.png")
+    ap.add_argument("--set", nargs="*", default=[], metavar="SETTING=VALUE",
+                    help="a pushkv.model module's setting held for the run (batched.SDPA_PROMPT_TOKENS=0)")
     args = ap.parse_args(argv)
     if args.plot:
         plot(args.plot, args.png)
         return 0
+    for held in args.set:
+        key, value = held.split("=", 1)
+        setattr(*model_setting(key), setting_value(value))
+        print(f"held: {key} = {value}", flush=True)
     dev = torch.device("cuda")
     bw, rate = copy_bandwidth(dev), matmul_rate(dev)
     print(f"{torch.cuda.get_device_name(dev)}: copy {bw / 1e9:.0f} GB/s (read+write), "
@@ -207,7 +232,8 @@ def main(argv=None) -> int:
     u = args.block_size
     fwd = model.batched
     print(f"pool: {nblocks} blocks of {u} tokens ({nblocks * u * c['kv_bytes_per_token'] / 2**30:.0f} GiB); "
-          f"warm-up {fwd.warmup(views):.1f}s, graphs {fwd.capture(views):.1f}s for {sorted(fwd.graphs)}", flush=True)
+          f"warm-up {fwd.warmup(views):.1f}s, graphs {fwd.capture(views):.1f}s for {sorted(fwd.graphs)}, "
+          f"fused attention's plans {fwd.warm_fresh(max(args.prefills, default=0)):.1f}s", flush=True)
     rows = []
     print(f"\n{'decode':>8} {'batch':>5} {'ctx':>6} {'graph ms':>9} {'eager ms':>9} {'bound ms':>9} "
           f"{'x bound':>8} {'GB/s':>6}")
@@ -235,7 +261,8 @@ def main(argv=None) -> int:
         if nb > nblocks:
             continue
         seqs = [SeqWork(0, tuple(range(L)), 0, tuple(range(nb)))]
-        t = _time(functools.partial(fwd.logits, seqs, views), max(2, args.reps // 3), warm=1)
+        # ten timed prefills at least: with three, one slow prefill (87 ms among 73s at 4k on an H100) moved the mean
+        t = _time(functools.partial(fwd.logits, seqs, views), max(10, args.reps // 3), warm=1)
         fl = prefill_flops(c, L)
         rows.append(dict(kind="prefill", tokens=L, s=t, flops=fl, matmul_rate=rate))
         print(f"{'':>8} {L:>6} {t * 1e3:>9.1f} {fl / t / 1e12:>8.0f} {fl / t / rate:>9.0%}", flush=True)

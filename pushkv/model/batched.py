@@ -73,10 +73,12 @@ AHEAD: frozenset = frozenset({"o"})
 # each runs its attention through torch's fused attention (``paged.fresh_attention``: cuDNN's first, where torch
 # has it) on the new keys as the RoPE launch leaves them, rather than the paged kernel reading them back from the
 # pool; bf16 and fp16 only, and a layer whose sliding window is shorter than a prompt keeps the paged kernel. The
-# K/V still go to the pool (the push streams them from there). On an H100, in a first form without the padding
-# (docs/results/2026-12-07-fresh-attention-h100): Qwen3-30B-A3B's whole prefill 16k -16 %, 4k -2 to -4 %, 1k 13-22 %
-# slower. 0: never (off until the padded form is timed: experiments/gpu_run.sh freshab)
-SDPA_PROMPT_TOKENS = 0
+# K/V still go to the pool (the push streams them from there). On an H100 (docs/results/2026-12-07-fresh-attention-h100,
+# padded/): Qwen3-30B-A3B's whole prefill in one process, off / on, 16k 440 -> 371 ms (-16 %), 4k 73.3 -> 70.1 (-4 %),
+# 2k 39.7-41.6 -> 37.5-38.8; in `pushkv roofline` 4k 73.0 -> 68.4-69.0 ms (50 -> 53 % of the matmul rate), 3k 56.9
+# -> 54.0. At 1k the paged kernel was faster (the first, unpadded form: 13-22 % slower), hence the bound. The worker
+# builds cuDNN's plan for each padded length at start-up (``warm_fresh``: 2.4-2.8 s up to 8,192 tokens). 0: never
+SDPA_PROMPT_TOKENS = 2048
 
 
 def ahead_places(tokens: int, tp_size: int) -> frozenset:

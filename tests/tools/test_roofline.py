@@ -96,3 +96,16 @@ def test_chosen_experts_are_counted_on_a_real_step(moe):
     assert len(apart) == L and all(K <= n <= E for n in apart) and max(apart) > K
     assert "mlp_delta" not in vars(moe) and torch.equal(run(), before)  # the count left the model as it was
     assert R.decode_bytes(R.model_counts(moe), 6, 5, sum(apart)) < R.decode_bytes(R.model_counts(moe), 6, 5, L * E)
+
+
+def test_a_held_setting_names_a_model_modules_attribute_and_refuses_one_it_lacks():
+    from pushkv.model import batched
+    from pushkv.model.kernels import paged, triton_moe
+
+    assert R.model_setting("batched.SDPA_PROMPT_TOKENS") == (batched, "SDPA_PROMPT_TOKENS")
+    assert R.model_setting("kernels.paged.FRESH_BACKEND") == (paged, "FRESH_BACKEND")
+    assert R.model_setting("DOWN_COLS_FIRST_SLOTS") == (triton_moe, "DOWN_COLS_FIRST_SLOTS")
+    with pytest.raises(SystemExit, match="pushkv.model.batched has no setting SDPA_TOKENS"):
+        R.model_setting("batched.SDPA_TOKENS")
+    assert (R.setting_value("0"), R.setting_value("-1"), R.setting_value("cudnn_attention")) == (0, -1,
+                                                                                              "cudnn_attention")
