@@ -1,7 +1,8 @@
 """pushkv stages: one line per bench result file: TTFT/TPOT medians and the
-median of each stage (ms from the previous stage), to read a sweep stage by stage."""
+median of each transfer stage (KEYS, ms from the previous stage), to read a sweep stage by stage."""
 from __future__ import annotations
 
+import argparse
 import glob
 import json
 import os
@@ -13,8 +14,14 @@ KEYS = ("prefill.prefill_end", "prefill.registration_received", "prefill.write_p
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    for d in argv or ["results"]:
+    ap = argparse.ArgumentParser(prog="pushkv stages", description=__doc__.split("\n\n")[0])
+    ap.add_argument("dirs", nargs="*", default=["results"], metavar="DIR",
+                    help="result directories of pushkv bench / sweep (default: results)")
+    args = ap.parse_args(argv)
+    for d in args.dirs:
+        if not os.path.isdir(d):
+            print(f"pushkv stages: {d}: no such directory", file=sys.stderr)
+            return 2
         for f in sorted(glob.glob(os.path.join(d, "*.json"))):
             r = json.load(open(f))
             if "median_ttft_ms" not in r:

@@ -72,6 +72,16 @@ def test_a_tool_runs_as_a_subcommand_outside_the_checkout(tmp_path):
     assert r.stdout.strip() == "push_qps1_in16_out2_iter0.json: ttft 12.5 tpot 2.2 | prefill_end=7.0"
 
 
+def test_stages_refuses_a_directory_that_is_not_there(tmp_path, capsys):
+    from tools import stages
+
+    assert stages.main([str(tmp_path / "nope")]) == 2
+    assert capsys.readouterr().err.strip() == f"pushkv stages: {tmp_path / 'nope'}: no such directory"
+    with pytest.raises(SystemExit):
+        stages.main(["--help"])
+    assert "usage: pushkv stages" in capsys.readouterr().out
+
+
 def test_status_goes_to_the_deployment_commands(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PUSHKV_REGISTRY_DIR"] = str(tmp_path / "reg")
