@@ -82,7 +82,8 @@ class RequestResult:
 
 
 async def send_request(session, url: str, prompt: list[int], output_len: int, model: str = "") -> RequestResult:
-    body = {"prompt": prompt, "max_tokens": output_len, "stream": True, "temperature": 0, "ignore_eos": True}
+    body = {"prompt": prompt, "max_tokens": output_len, "stream": True, "temperature": 0, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}  # the token count in the chunk after the last, as vLLM sends it
     if model:  # the server checks a model it is given against the names it serves
         body["model"] = model
     res = RequestResult(prompt_len=len(prompt))

@@ -83,6 +83,9 @@ class CompletionParams:
     max_tokens: int
     stream: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    # the request's own stop_token_ids but EOS's (all of them with ignore_eos): the one that ends a choice is its
+    # stop_reason, as vLLM's (an EOS id's is None)
+    stop_reason_ids: tuple[int, ...] = ()
     model: str = ""
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()  # stop strings: output ends before the first one, which is not returned
@@ -418,6 +421,7 @@ def parse_generation(body: dict, ids: list[int], tok: text.Tokenizer, limits: Li
     model = body.get("model")
     return CompletionParams(
         prompt_token_ids=ids, max_tokens=max_tokens, stream=stream, stop_token_ids=tuple(stops),
+        stop_reason_ids=tuple(i for i in dict.fromkeys(stop_ids) if ignore_eos or i not in limits.eos_token_ids),
         model=model if isinstance(model, str) else "", sampling=sampling,
         stop=tuple(dict.fromkeys(stop)), n=n, include_usage=include_usage, continuous_usage=continuous_usage,
         skip_special_tokens=get_bool(body, "skip_special_tokens", True),

@@ -114,6 +114,7 @@ class Generation:
         self.outs = [output.ChoiceOutput(i, tok, params.stop, params.sampling.min_tokens, hide=params.echo_only,
                                          stop_ids=params.stop_token_ids, skip_special=params.skip_special_tokens,
                                          include_stop=params.include_stop_str_in_output,
+                                         reason_ids=params.stop_reason_ids,
                                          spaces_between_special=params.spaces_between_special_tokens)
                      for i in range(params.choices)]
 
@@ -201,10 +202,11 @@ class Generation:
         return output.usage(len(self.params.prompts()[i // self.params.n][0]), self.outs[i].completion_tokens)
 
     def _stream_delta(self, i: int, delta: output.Delta) -> bytes:
+        """A delta's chunk; usage only as vLLM's (continuous_usage_stats), the request's total going in the
+        chunk after the last (include_usage)."""
         choice = self.render.chunk_choice(i, delta)
-        if delta.finish_reason and self.render.usage_in_last_chunk():
-            return self._chunk(choice, self._usage(), self._extension())
-        return self._chunk(choice, self._choice_usage(i))
+        ext = self._extension() if delta.finish_reason and self.render.extension_in_last_chunk() else None
+        return self._chunk(choice, self._choice_usage(i), ext)
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
         """The choices' output as server-sent events: chat and completion chunks, or (/v1/responses) OpenAI's typed

@@ -12,10 +12,12 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 from pushkv.messages import PromptLogprobs, TokenLogprob
 from pushkv.router import text
+
+StopReason = Union[int, str, None]  # vLLM's stop_reason: a stop token id, a stop string, or None
 
 
 def transfer_id_of(request_id: str) -> str:
@@ -61,22 +63,22 @@ class StopStrings:
         self.include = include
         self.pending = ""
 
-    def feed(self, new: str, final: bool, armed: bool = True) -> tuple[str, bool]:
-        """(text safe to release, whether a stop string matched: nothing after it is released).
+    def feed(self, new: str, final: bool, armed: bool = True) -> tuple[str, Optional[str]]:
+        """(text safe to release, the stop string that matched, if one did: nothing after it is released).
 
         Not ``armed`` (before ``min_tokens``): everything is released unchecked."""
         buf = self.pending + new
         if not armed:
             self.pending = ""
-            return buf, False
-        hits = [(i, -len(s)) for i, s in ((buf.find(s), s) for s in self.stops) if i >= 0]
+            return buf, None
+        hits = [(i, -len(s), s) for i, s in ((buf.find(s), s) for s in self.stops) if i >= 0]
         if hits:  # the first to begin (the longest of those beginning there)
             self.pending = ""
-            at, minus_len = min(hits)
-            return buf[:at - minus_len if self.include else at], True
+            at, minus_len, hit = min(hits)
+            return buf[:at - minus_len if self.include else at], hit
         if final or not self.stops:
             self.pending = ""
-            return buf, False
+            return buf, None
         hold = 0
         for s in self.stops:  # longest tail of buf that begins some stop string
             for n in range(min(len(s) - 1, len(buf)), hold, -1):
@@ -84,7 +86,7 @@ class StopStrings:
                     hold = n
                     break
         self.pending = buf[len(buf) - hold:] if hold else ""
-        return buf[:len(buf) - hold], False
+        return buf[:len(buf) - hold], None
 
 
 @dataclass
@@ -93,6 +95,7 @@ class Delta:
     token_ids: list[int]
     logprobs: list[TokenLogprob]
     finish_reason: Optional[str] = None
+    stop_reason: StopReason = None  # vLLM's, with the finish_reason (ChoiceOutput.stop_reason)
 
 
 @dataclass
@@ -106,12 +109,17 @@ class ChoiceOutput:
     # vLLM's
     stop_ids: tuple[int, ...] = ()
     include_stop: bool = False  # vLLM's include_stop_str_in_output: the stop string (or id's text) ends the text
+    # the request's own stop_token_ids (not EOS): the one that ended the choice is its stop_reason, as vLLM's
+    reason_ids: tuple[int, ...] = ()
     skip_special: bool = True  # vLLM's skip_special_tokens: special tokens left out of the text
     spaces_between_special: bool = True  # vLLM's spaces_between_special_tokens (text.IncrementalDecoder)
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: Optional[str] = None
+    # vLLM's stop_reason: the stop string that matched, or the stop_token_ids entry that ended the choice; None
+    # where it ended on EOS, length or otherwise
+    stop_reason: StopReason = None
     prompt_logprobs: Optional[PromptLogprobs] = None  # the prompt's, when the request asked (with the first tokens)
     hidden: int = 0
 
@@ -141,17 +149,21 @@ class ChoiceOutput:
         # a stop id comes only last (the sampler bans them before min_tokens), and its text is not the answer's
         shown = [i for i in ids if i not in self.stop_ids] if self.stop_ids and not self.include_stop else ids
         out, hit = self._stops.feed(self._detok.push(shown), final=False, armed=armed)
-        return self._delta(out, ids, lps, "stop" if hit else None)
+        return self._delta(out, ids, lps, "stop" if hit is not None else None, hit)
 
     def finish(self, reason: str) -> Delta:
         if self.done:
             return Delta("", [], [], None)
         out, hit = self._stops.feed(self._detok.flush(), final=True)
-        return self._delta(out, (), (), "stop" if hit else reason)
+        if hit is not None:
+            return self._delta(out, (), (), "stop", hit)
+        last = self.token_ids[-1] if self.token_ids else None
+        return self._delta(out, (), (), reason, last if reason == "stop" and last in self.reason_ids else None)
 
-    def _delta(self, out: str, ids, lps, reason: Optional[str]) -> Delta:
+    def _delta(self, out: str, ids, lps, reason: Optional[str], stop_reason: StopReason = None) -> Delta:
         self.text += out
         self.token_ids.extend(ids)
         self.logprobs.extend(lps)
         self.finish_reason = reason
-        return Delta(out, list(ids), list(lps), reason)
+        self.stop_reason = stop_reason
+        return Delta(out, list(ids), list(lps), reason, stop_reason)

@@ -12,7 +12,7 @@ from pushkv.messages import PromptLogprobs, TokenLogprob
 from pushkv.prompt_logprobs import Position, positions
 from pushkv.router import reasoning, tool_calls
 from pushkv.router.api import CompletionParams
-from pushkv.router.output import ChoiceOutput, Delta
+from pushkv.router.output import ChoiceOutput, Delta, StopReason
 from pushkv.router.text import Tokenizer
 
 FLOOR_LOGPROB = -9999.0  # JSON has no -inf
@@ -77,8 +77,9 @@ class Renderer:
     def chunk_choice(self, i: int, delta: Delta) -> dict:
         raise NotImplementedError
 
-    def usage_in_last_chunk(self) -> bool:
-        """Whether the chunk that ends the choice carries usage and pushkv's extension."""
+    def extension_in_last_chunk(self) -> bool:
+        """Whether the chunk that ends the choice carries pushkv's extension (usage goes where vLLM's goes:
+        ``generate.Generation._stream_delta``)."""
         return False
 
 
@@ -111,7 +112,7 @@ class CompletionRenderer(Renderer):
         if echoed is not None and lp is not None:  # the prompt's tokens, then the output's
             lp = {k: echoed[k] + lp[k] for k in lp}
         body = completion_choice(out.index, self.prefixes[out.index] + out.text, out.token_ids, out.finish_reason,
-                                 lp)
+                                 lp, out.stop_reason)
         if self.params.sampling.prompt_logprobs >= 0:  # vLLM's, whenever they were computed
             body["prompt_logprobs"] = vllm_prompt_logprobs(self.tok, self._prompt(out), out.prompt_logprobs)
         return body
@@ -122,10 +123,11 @@ class CompletionRenderer(Renderer):
         return completion_choice(out.index, self.prefixes[out.index], [], None, self._echoed(out))
 
     def chunk_choice(self, i: int, delta: Delta) -> dict:
-        return completion_choice(i, delta.text, delta.token_ids, delta.finish_reason, self.logprobs(i, delta))
+        return completion_choice(i, delta.text, delta.token_ids, delta.finish_reason, self.logprobs(i, delta),
+                                 delta.stop_reason)
 
-    def usage_in_last_chunk(self) -> bool:
-        return self.params.choices == 1  # pushkv's habit: one choice's last chunk carries usage
+    def extension_in_last_chunk(self) -> bool:
+        return self.params.choices == 1  # pushkv's habit: one choice's last chunk carries the extension
 
 
 class ChatRenderer(Renderer):
@@ -292,9 +294,10 @@ def chat_logprobs(tok: Decoder, ids: Sequence[int], lps: Sequence[TokenLogprob])
 # Response bodies
 # ---------------------------------------------------------------------------
 def completion_choice(index: int, text_: str, token_ids: list[int], finish_reason: Optional[str],
-                      logprobs: Optional[dict] = None) -> dict:
+                      logprobs: Optional[dict] = None, stop_reason: StopReason = None) -> dict:
+    """A completion choice (whole or a chunk's); ``stop_reason`` vLLM's (``output.ChoiceOutput.stop_reason``)."""
     return {"index": index, "text": text_, "logprobs": logprobs, "finish_reason": finish_reason,
-            "token_ids": token_ids}
+            "stop_reason": stop_reason, "token_ids": token_ids}
 
 
 def chat_choice(index: int, content: Optional[str], finish_reason: Optional[str],

@@ -57,7 +57,7 @@ def test_local_unary_shape(tmp_path):
             assert gen.prompt_token_ids == tuple(b"Hey")
             assert out["object"] == "text_completion" and out["id"] == f"cmpl-{gen.transfer_id}"
             assert out["choices"] == [{"index": 0, "text": "Hi!", "token_ids": [72, 105, 33], "finish_reason": "stop",
-                                       "logprobs": None}]
+                                       "stop_reason": None, "logprobs": None}]
             assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
                                     "prompt_tokens_details": {"cached_tokens": 0}}
             ext = out["pushkv"]
@@ -172,11 +172,62 @@ def test_streaming_shape_and_split_utf8(tmp_path):
             assert [c["choices"][0]["token_ids"] for c in chunks] == [[104], [195], [169], [33]]
             assert all(c["choices"][0]["finish_reason"] is None for c in chunks)
             assert [c["choices"][0]["text"] for c in chunks] == ["h", "", "é", "!"]
-            assert final["choices"][0]["finish_reason"] == "length"
-            assert final["usage"] == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6,
-                                      "prompt_tokens_details": {"cached_tokens": 0}}
+            assert final["choices"][0]["finish_reason"] == "length" and final["choices"][0]["stop_reason"] is None
+            assert "usage" not in final  # no stream_options: no usage at all, as vLLM's
             assert "router.first_token" in final["pushkv"]["timeline"]
             assert len({c["id"] for c in ev[:-1]}) == 1
+    run(body())
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_stream_usage_only_in_the_chunk_after_the_last(tmp_path, chat, include_usage):
+    """vLLM's (serving_completion's completion_stream_generator, as its chat one): usage comes once, in an extra
+    chunk of no choices after the last, and only with stream_options.include_usage; pushkv's extension stays on a
+    one-choice completion's finish chunk."""
+    async def body():
+        cfg = make_cfg(tmp_path, "local")
+        async with Harness(cfg, {"local": local_script([[104], [105], [33]])}) as h:
+            req: dict = {"max_tokens": 3, "stream": True}
+            if include_usage:
+                req["stream_options"] = {"include_usage": True}
+            path = "/v1/chat/completions" if chat else "/v1/completions"
+            req.update({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})
+            ev = await read_sse(await h.http.post(path, json=req))
+            assert ev[-1] == "[DONE]"
+            with_usage = [e for e in ev[:-1] if e.get("usage") is not None]
+            if include_usage:
+                assert with_usage == [ev[-2]] and ev[-2]["choices"] == []
+                assert ev[-2]["usage"]["completion_tokens"] == 3
+            else:
+                assert with_usage == [] and ev[-2]["choices"]
+            finish = [e for e in ev[:-1] if e["choices"] and e["choices"][0]["finish_reason"]]
+            assert len(finish) == 1 and finish[0]["choices"][0]["finish_reason"] == "length"
+            assert ("pushkv" in finish[0]) is not chat
+    run(body())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_stop_reason_is_the_stop_token_id(tmp_path, stream):
+    """vLLM's stop_reason: the stop_token_ids entry that ended the choice; None where it ended otherwise (an id not
+    asked for: EOS, here) or on length."""
+    stopped, capped = local_script([[104], [7]], "stop"), local_script([[104], [105]])
+
+    async def body():
+        cfg = make_cfg(tmp_path, "local")
+        async with Harness(cfg, {"local": lambda g: capped(g) if g.max_tokens == 2 else stopped(g)}) as h:
+            got = []
+            for extra in ({"stop_token_ids": [9, 7]}, {}, {"stop_token_ids": [7], "max_tokens": 2}):
+                r = await h.http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "stream": stream,
+                                                               **extra})
+                if stream:
+                    ev = await read_sse(r)
+                    assert all(e["choices"][0]["stop_reason"] is None for e in ev[:-2])
+                    c = ev[-2]["choices"][0]
+                else:
+                    c = (await r.json())["choices"][0]
+                got.append((c["finish_reason"], c["stop_reason"]))
+            assert got == [("stop", 7), ("stop", None), ("length", None)]
     run(body())
 
 
@@ -493,11 +544,12 @@ def test_stop_string_ends_the_request_and_aborts_its_legs(tmp_path, stream):
             if stream:
                 ev = await read_sse(r)
                 text = "".join(e["choices"][0]["text"] for e in ev[:-1])
-                reason = ev[-2]["choices"][0]["finish_reason"]
+                last = ev[-2]["choices"][0]
             else:
-                out = await r.json()
-                text, reason = out["choices"][0]["text"], out["choices"][0]["finish_reason"]
-            assert (text, reason) == ("hi ", "stop")
+                last = (await r.json())["choices"][0]
+                text = last["text"]
+            # vLLM's stop_reason: the stop string that matched
+            assert (text, last["finish_reason"], last["stop_reason"]) == ("hi ", "stop", "end")
             await h.wait_abort("decode")
             never.set()
     run(body())

@@ -89,22 +89,22 @@ def test_stop_string_inside_cjk_spanning_tokens(kind):
 
 
 STOP_CASES = [
-    # (stops, pieces, released per piece (final on the last), stopped)
-    (("END",), ["abc", "E", "N", "D", "x"], ["abc", "", "", "", ""], True),
-    (("END",), ["abE", "Nx"], ["ab", "ENx"], False),
-    (("END", "NDX"), ["aEN", "DX"], ["a", ""], True),
-    (("\n\n",), ["a\n", "b\n", "\n"], ["a", "\nb", ""], True),
-    ((), ["a", "b"], ["a", "b"], False),
-    (("xy",), ["ax"], ["ax"], False),  # final: a held prefix is released
+    # (stops, pieces, released per piece (final on the last), the stop string that matched)
+    (("END",), ["abc", "E", "N", "D", "x"], ["abc", "", "", "", ""], "END"),
+    (("END",), ["abE", "Nx"], ["ab", "ENx"], None),
+    (("END", "NDX"), ["aEN", "DX"], ["a", ""], "END"),
+    (("\n\n",), ["a\n", "b\n", "\n"], ["a", "\nb", ""], "\n\n"),
+    ((), ["a", "b"], ["a", "b"], None),
+    (("xy",), ["ax"], ["ax"], None),  # final: a held prefix is released
 ]
 
 
 @pytest.mark.parametrize("stops, pieces, released, stopped", STOP_CASES)
 def test_stop_strings(stops, pieces, released, stopped):
     st = output.StopStrings(stops)
-    got, hit = [], False
+    got, hit = [], None
     for n, p in enumerate(pieces):
-        if hit:
+        if hit is not None:
             got.append("")
             continue
         out, hit = st.feed(p, final=n == len(pieces) - 1)

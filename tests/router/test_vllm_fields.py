@@ -147,9 +147,9 @@ def test_include_stop_str_in_output_ends_the_text_with_the_stop(tok, include):
     assert (text, out.finish_reason) == (("hello w" if include else "hell"), "stop")
     # two beginning at one place in the text at hand: the longest
     assert output.StopStrings(["o", "o w", "l"], include).feed("hello world", final=True) == (
-        "hel" if include else "he", True)
+        "hel" if include else "he", "l")
     assert output.StopStrings(["o", "o w"], include).feed("hello world", final=True) == (
-        "hello w" if include else "hell", True)
+        "hello w" if include else "hell", "o w")
     eos = 3  # </s>, kept in the text with skip_special_tokens false
     by_id = api.parse_completion({"prompt": "x", "stop_token_ids": [eos], "skip_special_tokens": False,
                                   "include_stop_str_in_output": include}, tok, LIMITS)
@@ -157,6 +157,25 @@ def test_include_stop_str_in_output_ends_the_text_with_the_stop(tok, include):
                               include_stop=by_id.include_stop_str_in_output)
     text = "".join(out.add([i]).text for i in [*ids, eos]) + out.finish("stop").text
     assert text == ("hello world</s>" if include else "hello world")
+
+
+def test_stop_reason_names_the_stop_string_or_the_requests_own_stop_id(tok):
+    """vLLM's stop_reason (its check_stop and detokenizer): the stop string that matched, the stop_token_ids entry
+    that ended the choice, None on EOS (an EOS id the request lists too, unless it ignores EOS) or length."""
+    eos = 3
+    limits = api.Limits(vocab_size=300, max_model_len=512, eos_token_ids=(eos,))
+    ids = tok.encode("hello world")[1:]
+    for body, last, want in [({"stop_token_ids": [eos, 9]}, 9, 9), ({"stop_token_ids": [eos, 9]}, eos, None),
+                             ({"stop_token_ids": [eos], "ignore_eos": True}, eos, eos), ({}, eos, None)]:
+        params = api.parse_completion({"prompt": "x", **body}, tok, limits)
+        out = output.ChoiceOutput(0, tok, stop_ids=params.stop_token_ids, reason_ids=params.stop_reason_ids)
+        out.add([*ids, last])
+        assert (out.finish("stop").stop_reason, out.stop_reason) == (want, want), body
+    capped = output.ChoiceOutput(0, tok, stop_ids=(9,), reason_ids=(9,))
+    capped.add(ids)
+    assert capped.finish("length").stop_reason is None
+    out = output.ChoiceOutput(0, tok, ("o w", "zz"))
+    assert out.add(ids).stop_reason == "o w" and (out.finish_reason, out.stop_reason) == ("stop", "o w")
 
 
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(tok):
