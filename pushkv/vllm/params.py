@@ -20,7 +20,11 @@ Hello (NIXL metadata, KV base address); across hosts (``handshake_host`` set)
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
+import stat
+import time
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping, Optional
 
@@ -30,6 +34,8 @@ from pushkv.messages import PrefillSource
 KEY = "pushkv"
 SOURCE_KEY = "pushkv_source"
 DEFAULT_HANDSHAKE_PORT = 5600  # vLLM's VLLM_NIXL_SIDE_CHANNEL_PORT default
+# a socket file this old that no process listens on is a dead run's (zmq binds and listens in one call)
+DEAD_SOCKET_S = 10.0
 # Who allocates a GPU KV cache: "writer" (the writer allocates it and registers its own allocation
 # with NIXL; vLLM's tensors are views of it, opened by CUDA IPC) or "vllm" (vLLM allocates it and
 # the writer registers the CUDA IPC import, which NIXL/UCX moves at ~0.5 GiB/s: a fallback)
@@ -121,6 +127,48 @@ def socket_dir(environ: Optional[Mapping[str, str]] = None) -> str:
     if st.st_uid != os.getuid() or st.st_mode & 0o077:
         raise PermissionError(f"{d}: the connector's socket directory must be this user's and 0700")
     return d
+
+
+def remove_socket_files(*endpoints: str) -> None:
+    """Remove the files of ``ipc://`` endpoints we bound: zmq (4.3.5) leaves an ipc socket's file
+    when it closes the socket, and a killed process removes nothing."""
+    for ep in endpoints:
+        if ep.startswith("ipc://"):
+            with contextlib.suppress(OSError):
+                os.unlink(ep[len("ipc://"):])
+
+
+def remove_dead_sockets(d: str) -> list[str]:
+    """Remove the socket files in the connector's directory ``d`` that no process listens on
+    any more, and say which: an instance that vLLM stopped by its default shutdown (which
+    SIGKILLs the engine's process tree at once, ``--shutdown-timeout 0``) removed none of its
+    own. A file a live process listens on is left, and so is one younger than DEAD_SOCKET_S."""
+    removed = []
+    for name in os.listdir(d):
+        path = os.path.join(d, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if not stat.S_ISSOCK(st.st_mode) or time.time() - st.st_mtime < DEAD_SOCKET_S or _listened(path):
+            continue
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+            removed.append(name)
+    return removed
+
+
+def _listened(path: str) -> bool:
+    """Whether a process listens on the unix socket file ``path`` (refused: none does)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.setblocking(False)
+        try:
+            s.connect(path)
+        except ConnectionRefusedError:
+            return False
+        except OSError:  # its backlog full (alive), or what cannot be told: left alone
+            return True
+    return True
 
 
 def settings(engine_id: str, tp: int, extra: Optional[dict[str, Any]],

@@ -151,6 +151,9 @@ class WorkerSide:
         cache, mark stored layers, cancel what a dead writer left); once."""
         if self.events is not None:
             return
+        dead = P.remove_dead_sockets(P.socket_dir())  # what runs that were killed left there
+        if dead:
+            log.info("pushkv: removed %d socket files of stopped instances from %s", len(dead), P.socket_dir())
         self.events = self.ctx.socket(zmq.PULL)
         self.events.setsockopt(zmq.LINGER, 0)
         self.events.setsockopt(zmq.MAXMSGSIZE, limits.CONTROL_MSG_BYTES)
@@ -259,10 +262,14 @@ class WorkerSide:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        opened = self.events is not None
         for sock in (self.events, self.cmd):
             if sock is not None:
                 sock.close(0)
         self.events = self.cmd = None
+        if opened:  # our event socket's file, and the writer's if it was killed above (it removes its own)
+            P.remove_socket_files(self.event_endpoint, self.s.cmd_endpoint(self.rank),
+                                  self.s.handshake_endpoint(self.rank))
 
     # -- per step ------------------------------------------------------------------------
     def save_layer(self, layer_name: str) -> None:

@@ -33,13 +33,14 @@ from pushkv.transport.nixl_agent import NixlAgent
 from pushkv.vllm import stream, writer_alloc, writer_args
 from pushkv.vllm import wire as w
 from pushkv.vllm.memory import open_for_writer
+from pushkv.vllm.params import remove_socket_files
 from pushkv.vllm.receive import Receiver
 from pushkv.vllm.regions import KVMemory, cached_problem
 from pushkv.writer import memory as mem
 from pushkv.writer import sides
 from pushkv.writer.peers import Peer
 from pushkv.writer.posting import InFlight
-from pushkv.writer.shell import WriterShell, unlink_ipc
+from pushkv.writer.shell import WriterShell
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +100,7 @@ class VllmWriter(WriterShell):
         super().teardown()
         self.marks.close()
         self.events.close(0)
-        unlink_ipc(self.args.cmd_endpoint, self.args.handshake_endpoint)
+        remove_socket_files(self.args.cmd_endpoint, self.args.handshake_endpoint)
 
     def _emit(self, msg: m.Msg) -> None:
         self.events.send(m.encode(msg))

@@ -23,6 +23,7 @@ import zmq
 from pushkv import limits
 from pushkv import messages as m
 from pushkv.vllm import wire as w
+from pushkv.vllm.params import remove_socket_files
 from pushkv.vllm.writer_args import WriterArgs
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,9 @@ def allocate_and_wait(args: WriterArgs, ctx: Optional[zmq.Context] = None,
         log.info("vllm writer: %.1f MiB of KV cache allocated on cuda:%d for the worker (pid %d)",
                  args.alloc_bytes / 2**20, args.alloc_device, args.parent_pid)
         desc = wait_description(cmd, args.parent_pid, wait_s)
+    except BaseException:  # this process ends here: its command socket's file with it
+        remove_socket_files(args.cmd_endpoint)
+        raise
     finally:
         cmd.close(0)
         events.close()

@@ -171,14 +171,3 @@ class WriterShell(Actor):
             self.posting.release_all()
             self.warmup.release_beats()
             self.nixl.deregister()
-
-
-def unlink_ipc(*endpoints: str) -> None:
-    """Remove the files of ``ipc://`` endpoints we bound: zmq unlinks one only if its io thread
-    gets to it before the process ends."""
-    for ep in endpoints:
-        if ep.startswith("ipc://"):
-            try:
-                os.unlink(ep[len("ipc://"):])
-            except OSError:
-                pass

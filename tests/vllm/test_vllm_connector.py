@@ -12,6 +12,7 @@ import zmq  # noqa: E402
 
 from pushkv import messages as m  # noqa: E402
 from pushkv.vllm import wire as w  # noqa: E402
+from pushkv.vllm.params import remove_socket_files  # noqa: E402
 from tools.vllm_tiny_model import write_tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -57,12 +58,13 @@ def writer_cmd():
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.RCVTIMEO, 5000)
         s.bind(endpoint)
-        socks.append(s)
+        socks.append((s, endpoint))
         return lambda: w.DEC_TO_WRITER.decode(s.recv())
 
     yield bind
-    for s in socks:
+    for s, endpoint in socks:
         s.close(0)
+        remove_socket_files(endpoint)  # (zmq leaves the file of a socket it closes)
 
 
 def test_factory_loads_the_connector_class(model_dir):

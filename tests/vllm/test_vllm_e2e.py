@@ -33,6 +33,9 @@ pytestmark = pytest.mark.timeout(600)
 LENGTHS = [1, 7, 31, 32, 33, 130, 257, 600, 1000, 1500]
 MAX_TOKENS = 12
 BASE_PORT = 18700 + (os.getpid() % 50) * 10  # apart from other test runs on the machine
+# vLLM's default (0) SIGKILLs the engine's processes at the stop, the connector's included; given
+# the time, the connector removes its socket files (those of a killed run go at the next start)
+STOP = ("--shutdown-timeout", "10")
 
 
 def prompts():
@@ -85,8 +88,10 @@ def deployment(tmp_path_factory):
     model = write_tiny_llama(str(d / "tiny-llama"))
     logs = str(d)
     ref = vllm_server("ref", model, BASE_PORT, 0, logs)
-    p = vllm_server("P", model, BASE_PORT + 1, 0, logs, role="prefill", handshake_port=BASE_PORT + 5)
-    dec = vllm_server("D", model, BASE_PORT + 2, 1, logs, role="decode", handshake_port=BASE_PORT + 6)
+    p = vllm_server("P", model, BASE_PORT + 1, 0, logs, role="prefill", handshake_port=BASE_PORT + 5,
+                    extra_args=STOP)
+    dec = vllm_server("D", model, BASE_PORT + 2, 1, logs, role="decode", handshake_port=BASE_PORT + 6,
+                      extra_args=STOP)
     shm = _segments()
     with servers(ref, p, dec):
         with servers(proxy_server([p.url], [dec.url], BASE_PORT + 3, logs)) as (px,):
@@ -99,6 +104,7 @@ def deployment(tmp_path_factory):
             if _is_writer(cl := " ".join(q.info["cmdline"] or [])) and any(e in cl for e in ours)]
     assert not left, f"writers left running: {left}"
     assert not _segments() - shm, f"shared memory left behind: {sorted(_segments() - shm)}"
+    assert not _socket_files(ours), f"socket files left behind: {_socket_files(ours)}"
 
 
 def test_lone_request_on_idle_instances(deployment):
@@ -195,6 +201,13 @@ def test_chat_and_models_through_the_proxy_equal_one_instance(deployment):
 def _segments() -> set[str]:
     """Python's and vLLM's shared memory and semaphores in /dev/shm (``multiprocessing``'s names)."""
     return {n for n in os.listdir("/dev/shm") if n.startswith(("psm_", "sem.mp-"))}
+
+
+def _socket_files(engines) -> list[str]:
+    """The connector's ipc socket files of these engine ids (its commands, events, handshakes)."""
+    from pushkv.vllm.params import socket_dir
+
+    return sorted(n for n in os.listdir(socket_dir()) if n.startswith(tuple(f"{e}-" for e in engines)))
 
 
 def _is_writer(cmdline: str) -> bool:
@@ -301,8 +314,10 @@ def streamed(deployment, tmp_path_factory):
     os.mkdir(faults_dir)
     cfg, env = {"stream_groups": STREAM_GROUPS}, {"PUSHKV_VLLM_TIMING": "1", "PUSHKV_FAULTS_DIR": faults_dir}
     model, logs = deployment["model"], str(d)
-    p = vllm_server("Ps", model, BASE_PORT + 7, 0, logs, role="prefill", connector_config=cfg, env=env)
-    dec = vllm_server("Ds", model, BASE_PORT + 8, 1, logs, role="decode", connector_config=cfg, env=env)
+    p = vllm_server("Ps", model, BASE_PORT + 7, 0, logs, role="prefill", connector_config=cfg, env=env,
+                    extra_args=STOP)
+    dec = vllm_server("Ds", model, BASE_PORT + 8, 1, logs, role="decode", connector_config=cfg, env=env,
+                      extra_args=STOP)
     shm = _segments()
     with servers(p, dec):
         with servers(proxy_server([p.url], [dec.url], BASE_PORT + 9, logs)) as (px,):
@@ -315,6 +330,7 @@ def streamed(deployment, tmp_path_factory):
             if _is_writer(cl := " ".join(q.info["cmdline"] or [])) and any(e in cl for e in ours)]
     assert not left, f"writers left running: {left}"
     assert not _segments() - shm, f"shared memory left behind: {sorted(_segments() - shm)}"
+    assert not _socket_files(ours), f"socket files left behind: {_socket_files(ours)}"
 
 
 def _stamps(log_path: str, tid: str) -> dict[str, list[float]]:

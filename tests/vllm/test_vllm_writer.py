@@ -6,6 +6,7 @@ other request)."""
 import mmap
 import os
 import queue
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -45,6 +46,7 @@ class Writers:
         self.dir = tempfile.mkdtemp(prefix="pkvw-")
         self.ctx = zmq.Context.instance()
         self.procs, self.socks, self.maps, self.fds = [], [], [], []
+        self.bound: list[str] = []  # the socket files the writers bind (each removes its own at its end)
 
     def endpoint(self, name: str) -> str:
         return f"ipc://{self.dir}/{name}"
@@ -62,13 +64,15 @@ class Writers:
         self.maps.append(mm)
         events = self._sock(zmq.PULL)
         ev = self.endpoint(f"{engine}-{rank}-ev")
+        hs = handshake or self.handshake(engine, rank)
         events.bind(ev)
         cmd = [sys.executable, "-m", "pushkv.vllm.writer", "--role", role, "--engine-id", engine,
                "--rank", str(rank), "--tp", str(tp), "--fd", str(fd),
                "--memory", msgspec.msgpack.encode(kv).hex(), "--model-id", "tiny",
                "--cmd-endpoint", self.endpoint(f"{engine}-{rank}-cmd"), "--event-endpoint", ev,
-               "--handshake-endpoint", handshake or self.handshake(engine, rank), "--parent-pid", str(os.getpid()),
+               "--handshake-endpoint", hs, "--parent-pid", str(os.getpid()),
                "--registration-wait-s", "20", "--transfer-s", "20", "--secret-file", secret_file, *extra]
+        self.bound += [e[len("ipc://"):] for e in (self.endpoint(f"{engine}-{rank}-cmd"), hs) if e.startswith("ipc://")]
         env = dict(os.environ, PUSHKV_VLLM_TIMING="1") if stamps is not None else None
         proc = subprocess.Popen(cmd, pass_fds=(fd,), stdin=subprocess.DEVNULL, env=env,
                                 stderr=subprocess.PIPE if stamps is not None else None, text=True)
@@ -105,6 +109,9 @@ class Writers:
             mm.close()
         for fd in self.fds:
             os.close(fd)
+        left = [b for b in self.bound if os.path.exists(b)]
+        shutil.rmtree(self.dir, ignore_errors=True)  # (zmq may be removing those meanwhile)
+        assert not left, f"the writers left socket files behind: {left}"
 
 
 @pytest.fixture
