@@ -217,10 +217,13 @@ class RequestTimeline:
             span(p, "blocks leased", ev(p, "prefill_end"), mk.get("prefill.recv_kvsent"))
         for w in self.processes("prefill-writer"):
             if self.transport == "WRITE":
-                ready = self._prefill_ready(w)
+                sent = self._kv_sent(w)
+                ready = self._prefill_ready(w, sent)
                 reg = self.at(w, "recv", "Register")
                 if ready is not None and reg is not None:
-                    order = self._rendezvous(w) or ("registration_first" if reg < ready else "prefill_first")
+                    said = sent[1].rendezvous if sent else ""  # the writer's own order, where its KVSent is traced
+                    order = said if said in ("registration_first", "prefill_first") else (
+                        "registration_first" if reg < ready else "prefill_first")
                     name = "wait for prefill" if order == "registration_first" else "wait for registration"
                     span(w, name, min(reg, ready), max(reg, ready), order=order)
                 posted = self.find(w, "event", "write_posted")
@@ -261,18 +264,12 @@ class RequestTimeline:
                 return e, msg
         return None
 
-    def _rendezvous(self, writer: str) -> str:
-        """Which half the writer's rendezvous saw first, as its KVSent reports it ("" if not traced)."""
-        sent = self._kv_sent(writer)
-        return sent[1].rendezvous if sent and sent[1].rendezvous in ("registration_first", "prefill_first") else ""
-
-    def _prefill_ready(self, writer: str) -> Optional[float]:
+    def _prefill_ready(self, writer: str, sent: Optional[tuple[m.TraceEvent, m.KVSent]]) -> Optional[float]:
         """When the prefill half reached the writer: its SendKV (HoldKV in pull), or, streaming, the first
         progress (a chunk's StreamKV or a stored layer group, from the writer's ``stream_progress`` stage on its
-        wall clock, moved to the monotonic one through the KVSent event's pair of stamps)."""
+        wall clock, moved to the monotonic one through the ``sent`` KVSent event's pair of stamps)."""
         times = [t for t in (self.at(writer, "recv", "SendKV" if self.mode == "push" else "HoldKV"),
                              self.at(writer, "recv", "StreamKV")) if t is not None]
-        sent = self._kv_sent(writer)
         if sent is not None:
             e, msg = sent
             times += [wall - e.t_wall + e.t_mono for stage, wall in msg.timeline if stage == "stream_progress"]
