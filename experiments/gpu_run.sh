@@ -264,6 +264,10 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-rfE', 'tests/model/test_
               timeout 540 python3 -m experiments.kv_verify_bench --device cuda --model qwen3-8b --length 8192 ${KV_VERIFY_BENCH:---ttft} \
               --up-args "--model qwen3-8b --device cuda:0 --num-blocks 8192 --max-batch-tokens 16384" \
               --out "$OUT/kv_verify.json" 2>&1 | tail -12 | tee -a "$OUT/kv_verify.txt" ;;
+    freshplans) # the fused attention's start-up plans up to FRESH_MAX tokens under today's padding and a geometric
+            # one, whether torch's cache keeps them, and the attention at lengths padded each way
+            timeout 500 python3 -m experiments.fresh_plans_probe --max-tokens ${FRESH_MAX:-65536} \
+              --out "$OUT/fresh_plans.json" 2>&1 | grep -v "UserWarning\|o = F" | tee "$OUT/fresh_plans.txt" | tail -20 ;;
     *) echo "unknown step $step" ;;
   esac
 done
