@@ -3,7 +3,8 @@ prompt length it meets, and pushkv pads a prompt's rows so that lengths share pl
 Qwen3-30B-A3B's attention shape (32 query heads on 4 KV heads, head 128, bf16):
 
 1. makes the plan of every padded length from ``batched.SDPA_PROMPT_TOKENS`` up to ``--max-tokens`` under a
-   padding rule, timing the whole and printing progress;
+   padding rule, timing the whole and printing progress (run each rule in its own process: every geometric
+   length is a multiple of 128, so after ``fixed`` its plans are all made);
 2. calls again at lengths spread over that range: a call that builds its plan again (tens of ms, not a few)
    shows that torch's plan cache did not keep it;
 3. times the attention at prompt lengths padded each way (``--pads``), so that what a coarser padding costs in
@@ -28,17 +29,11 @@ QH, KVH, HD = 32, 4, 128
 
 
 def fixed(n: int) -> int:
-    """Today's padding: a multiple of 128 rows."""
+    """The padding before ``paged.fresh_padded``: a multiple of 128 rows."""
     return -(-n // 128) * 128
 
 
-def geometric(n: int) -> int:
-    """Sixteen steps per doubling, never under 128 rows: at most 1/16 more rows, far fewer plans past 4k."""
-    step = max(128, (1 << max(n - 1, 1).bit_length()) // 32)
-    return -(-n // step) * step
-
-
-PADS = {"fixed": fixed, "geometric": geometric}
+PADS = {"fixed": fixed, "geometric": paged.fresh_padded}  # geometric: the shipped padding
 
 
 def call(rows: int) -> float:

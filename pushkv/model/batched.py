@@ -77,7 +77,8 @@ AHEAD: frozenset = frozenset({"o"})
 # padded/): Qwen3-30B-A3B's whole prefill in one process, off / on, 16k 440 -> 371 ms (-16 %), 4k 73.3 -> 70.1 (-4 %),
 # 2k 39.7-41.6 -> 37.5-38.8; in `pushkv roofline` 4k 73.0 -> 68.4-69.0 ms (50 -> 53 % of the matmul rate), 3k 56.9
 # -> 54.0. At 1k the paged kernel was faster (the first, unpadded form: 13-22 % slower), hence the bound. The worker
-# builds cuDNN's plan for each padded length at start-up (``warm_fresh``: 2.4-2.8 s up to 8,192 tokens). 0: never
+# builds cuDNN's plan for each padded length at start-up (``warm_fresh``: 2.4-2.8 s up to 8,192 tokens with lengths
+# padded to multiples of 128; 3.9 s up to 65,536 as ``paged.fresh_padded`` pads them now). 0: never
 SDPA_PROMPT_TOKENS = 2048
 
 
@@ -397,14 +398,14 @@ class BatchedForward:
 
     def warm_fresh(self, max_tokens: int) -> float:
         """Have torch's fused attention make its plan for every prompt length ``_whole_prompts`` takes up to
-        ``max_tokens`` now (each multiple of ``paged.FRESH_PAD`` from ``SDPA_PROMPT_TOKENS``): cuDNN builds one
+        ``max_tokens`` now (``paged.fresh_lengths`` from ``SDPA_PROMPT_TOKENS``): cuDNN builds one
         per length it meets, 60 ms on an H100, which a prompt would wait for mid-serving. Seconds taken (0 where
         the fused attention is off)."""
-        pad, hd, p = paged.FRESH_PAD, self.hd, self.m.plan
+        hd, p = self.hd, self.m.plan
         if not (self.cuda and self._fresh_fits()):
             return 0.0
         t0 = time.perf_counter()
-        for rows in range(-(-SDPA_PROMPT_TOKENS // pad) * pad, max_tokens + pad, pad):
+        for rows in paged.fresh_lengths(SDPA_PROMPT_TOKENS, max_tokens):
             q = torch.zeros(rows, p.q_heads, hd, device=self.device, dtype=self.m.dtype)
             kv = torch.zeros(rows, p.kv_heads, hd, device=self.device, dtype=self.m.dtype)
             paged.fresh_attention(q, kv, kv, ((0, rows),), q)

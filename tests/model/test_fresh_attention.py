@@ -30,6 +30,19 @@ def test_whole_prompts_are_steps_whose_every_sequence_takes_all_its_keys_anew():
     assert whole_prompts(_plan([SeqWork(0, (5,), 0, (0,))])) == ((0, 1),)  # a one-token prompt is one too
 
 
+def test_prompt_rows_pad_to_sixteen_lengths_a_doubling_past_4k():
+    """Multiples of 128 up to 4,096 rows, then 1/16 of the octave: few cuDNN plans, few extra rows."""
+    assert [paged.fresh_padded(n) for n in (1, 128, 129, 2049, 4096, 4097, 8193, 33000, 65536)] == [
+        128, 128, 256, 2176, 4096, 4352, 8704, 34816, 65536]
+    lengths = paged.fresh_lengths(2048, 65536)
+    assert len(lengths) == 81 and lengths[:2] == [2048, 2176] and lengths[-1] == 65536
+    assert lengths == sorted({paged.fresh_padded(n) for n in range(2048, 65537)})
+    assert all(n <= paged.fresh_padded(n) <= n * 17 / 16 and paged.fresh_padded(n) % 128 == 0
+               for n in range(2048, 70000, 7))
+    assert paged.fresh_lengths(2048, 8192)[-1] == 8192 and len(paged.fresh_lengths(2048, 8192)) == 33
+    assert paged.fresh_lengths(2048, 2100) == [2048, 2176]  # up to the padded length of the most tokens
+
+
 @pytest.mark.parametrize("repeat", [False, True])
 def test_fresh_attention_equals_the_paged_reference(monkeypatch, repeat):
     monkeypatch.setattr(paged, "FRESH_REPEAT", repeat)
@@ -56,7 +69,7 @@ def test_fresh_attention_equals_the_paged_reference(monkeypatch, repeat):
     one = paged.fresh_attention(qp, kp, vp, ((0, 11),), torch.full_like(q[:11], float("nan")))
     assert one.shape == (11, hq, d)
     torch.testing.assert_close(one, want[:11], atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="multiples of 4"):
+    with pytest.raises(ValueError, match="which read 19 padded"):
         paged.fresh_attention(q, k, v, meta.whole, out)  # the second prompt's rows past the step's
 
 

@@ -105,20 +105,40 @@ def attention(q, cache, meta, window: int = 0, out=None, decode_splits: int = 1,
 
 
 # The fused attention ``fresh_attention`` asks torch for first (``torch.nn.attention.SDPBackend``'s names, lower
-# case), then flash, memory-efficient and math as torch finds them fit. FRESH_PAD: each prompt's rows are taken in a
-# multiple of this many (the rows after a prompt's are the next prompt's or zero, keys no query of the prompt sees
-# under the causal mask, and their outputs are dropped): cuDNN builds a plan for each length it meets (60 ms on an
-# H100, torch 2.11, cuDNN 9.19) and ran a 4,097-row prompt in 0.49 ms against 0.27 ms for 4,096
-# (experiments/attn_sdpa_probe.py). FRESH_REPEAT: each key head repeated for its query heads (a copy) rather than
-# the groups given to the backend (``enable_gqa``)
+# case), then flash, memory-efficient and math as torch finds them fit. FRESH_PAD, FRESH_STEPS: each prompt's rows
+# are read padded (``fresh_padded``) to a multiple of FRESH_PAD, or past 4,096 rows (with 128 and 16) of 1/16 of
+# its power-of-two octave, FRESH_STEPS lengths per doubling (the rows after a prompt's are the next prompt's or
+# zero, keys no query of the prompt sees under the causal mask, and their outputs are dropped). cuDNN builds a plan
+# for each length it meets (60 ms on an H100, torch 2.11, cuDNN 9.19) and ran a 4,097-row prompt in 0.49 ms
+# against 0.27 ms for 4,096 (experiments/attn_sdpa_probe.py); the worker makes them all at start-up, 81 up to 65,536
+# tokens in 3.9 s where multiples of 128 alone took 497 plans and 32.4 s, the attention as fast within noise at
+# 2k-60k tokens (experiments/fresh_plans_probe.py). FRESH_REPEAT: each key head repeated for its query heads (a
+# copy) rather than the groups given to the backend (``enable_gqa``)
 FRESH_BACKEND = "cudnn_attention"
 FRESH_PAD = 128
+FRESH_STEPS = 16
 FRESH_REPEAT = False
 
 
+def fresh_padded(n: int) -> int:
+    """The rows ``fresh_attention`` reads for an n-token prompt: n rounded up to a multiple of FRESH_PAD, or of
+    1/FRESH_STEPS of the octave n falls in (``(2**(k-1), 2**k]``) where that is coarser."""
+    step = max(FRESH_PAD, (1 << max(n - 1, 1).bit_length()) // (2 * FRESH_STEPS))
+    return -(-n // step) * step
+
+
+def fresh_lengths(lo: int, hi: int) -> list[int]:
+    """Every padded length (``fresh_padded``) of the prompts of lo to hi tokens, in order: one cuDNN plan each."""
+    out, n = [], fresh_padded(max(lo, 1))
+    while n <= fresh_padded(hi):
+        out.append(n)
+        n = fresh_padded(n + 1)
+    return out
+
+
 def fresh_rows(whole: tuple[tuple[int, int], ...]) -> int:
-    """Rows ``fresh_attention`` reads for these prompts (each prompt's rows padded to a multiple of FRESH_PAD)."""
-    return max(r0 + -(-n // FRESH_PAD) * FRESH_PAD for r0, n in whole)
+    """Rows ``fresh_attention`` reads for these prompts (each prompt's rows padded: ``fresh_padded``)."""
+    return max(r0 + fresh_padded(n) for r0, n in whole)
 
 
 def fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, whole: tuple[tuple[int, int], ...],
@@ -129,12 +149,13 @@ def fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, whole: tu
     with the prompts' rows written, or for one prompt the first rows of the backend's own output (no copy)."""
     hq, hk = q.shape[1], k.shape[1]
     if q.shape[0] < fresh_rows(whole):
-        raise ValueError(f"fresh_attention: {q.shape[0]} rows for prompts {whole} in multiples of {FRESH_PAD}")
+        raise ValueError(f"fresh_attention: {q.shape[0]} rows for prompts {whole}, "
+                         f"which read {fresh_rows(whole)} padded")
     if FRESH_REPEAT and hq != hk:
         k, v = k.repeat_interleave(hq // hk, 1), v.repeat_interleave(hq // hk, 1)
     with _backends(q):
         for r0, n in whole:
-            rows = slice(r0, r0 + -(-n // FRESH_PAD) * FRESH_PAD)
+            rows = slice(r0, r0 + fresh_padded(n))
             o = F.scaled_dot_product_attention(
                 q[rows].transpose(0, 1)[None], k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None],
                 is_causal=True, enable_gqa=hq != k.shape[1], scale=scale)[0].transpose(0, 1)[:n]

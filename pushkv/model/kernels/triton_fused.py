@@ -205,7 +205,7 @@ def qk_norm_rope_store(qkv: torch.Tensor, q_heads: int, kv_heads: int, head_dim:
 
     ``rows_out`` (>= T): returns (q, k, v), each [rows_out, heads, D] and contiguous, k and v the keys and values
     as stored, the rows past T zero, for an attention that takes a whole prompt's new keys as they are
-    (``paged.fresh_attention``, which pads a prompt's rows to a multiple of ``paged.FRESH_PAD``)."""
+    (``paged.fresh_attention``, which pads a prompt's rows: ``paged.fresh_padded``)."""
     T = qkv.shape[0]
     n = max(rows_out, T)
     q = torch.empty(n, q_heads, head_dim, device=qkv.device, dtype=qkv.dtype)
