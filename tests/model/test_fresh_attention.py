@@ -71,6 +71,11 @@ def test_fresh_attention_equals_the_paged_reference(monkeypatch, repeat):
     torch.testing.assert_close(one, want[:11], atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="which read 19 padded"):
         paged.fresh_attention(q, k, v, meta.whole, out)  # the second prompt's rows past the step's
+    # one length a doubling: the first prompt's 11 rows read as 16, five of them the second prompt's
+    monkeypatch.setattr(paged, "FRESH_STEPS", 1)
+    assert paged.fresh_padded(11) == 16 and paged.fresh_rows(meta.whole) == 19
+    got = paged.fresh_attention(qp, kp, vp, meta.whole, torch.full_like(q, float("nan")))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 SCRIPT = r"""
