@@ -56,6 +56,7 @@ class HFTokenizer:
         eos = self._special(("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>",
                              "<|endoftext|>", "<eos>"))
         self.eos_token_id = eos_token_id if eos_token_id >= 0 else eos
+        self.config_eos_id = -1  # tokenizer_config.json's eos_token (transformers' tokenizer.eos_token_id)
 
     def _special(self, names) -> int:
         for n in names:
@@ -96,4 +97,18 @@ def get_tokenizer(cfg: ModelConfig) -> Tokenizer:
         with open(cfg_path) as f:
             b = json.load(f).get("bos_token_id")
         bos = b if isinstance(b, int) else -1
-    return HFTokenizer(path, cfg.eos_token_id, bos)
+    tok = HFTokenizer(path, cfg.eos_token_id, bos)
+    tok.config_eos_id = _config_eos_id(tok, where)
+    return tok
+
+
+def _config_eos_id(tok: HFTokenizer, where: str) -> int:
+    """The id of tokenizer_config.json's ``eos_token`` (a string or an added token's dict), or -1."""
+    path = os.path.join(where, "tokenizer_config.json")
+    if not os.path.exists(path):
+        return -1
+    with open(path) as f:
+        v = json.load(f).get("eos_token")
+    v = v.get("content") if isinstance(v, dict) else v
+    i = tok._tok.token_to_id(v) if isinstance(v, str) else None
+    return -1 if i is None else i

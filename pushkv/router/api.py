@@ -73,6 +73,14 @@ class Limits:
     max_model_len: int
     eos_token_ids: tuple[int, ...] = ()  # every id that ends a turn (none: never stop on EOS)
     defaults: SamplingDefaults = SamplingDefaults()  # the checkpoint's, for fields a request leaves unset
+    # the tokenizer's own EOS (tokenizer_config.json's eos_token; -1: the first of eos_token_ids): a choice it ends
+    # has no stop_reason, where one ended by the checkpoint's other EOS ids names it, as vLLM's (check_stop tells
+    # the request's eos_token_id apart from the stop_token_ids that generation_config's EOS ids join)
+    main_eos_id: int = -1
+
+    @property
+    def main_eos(self) -> int:
+        return self.main_eos_id if self.main_eos_id >= 0 else next(iter(self.eos_token_ids), -1)
 
 
 @dataclass
@@ -83,8 +91,8 @@ class CompletionParams:
     max_tokens: int
     stream: bool = False
     stop_token_ids: tuple[int, ...] = ()
-    # the request's own stop_token_ids but EOS's (all of them with ignore_eos): the one that ends a choice is its
-    # stop_reason, as vLLM's (an EOS id's is None)
+    # the stop ids but the tokenizer's own EOS (``Limits.main_eos``; all of them with ignore_eos, which leaves the
+    # checkpoint's EOS ids out): the one that ends a choice is its stop_reason, as vLLM's
     stop_reason_ids: tuple[int, ...] = ()
     model: str = ""
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -421,7 +429,7 @@ def parse_generation(body: dict, ids: list[int], tok: text.Tokenizer, limits: Li
     model = body.get("model")
     return CompletionParams(
         prompt_token_ids=ids, max_tokens=max_tokens, stream=stream, stop_token_ids=tuple(stops),
-        stop_reason_ids=tuple(i for i in dict.fromkeys(stop_ids) if ignore_eos or i not in limits.eos_token_ids),
+        stop_reason_ids=tuple(i for i in stops if ignore_eos or i != limits.main_eos),
         model=model if isinstance(model, str) else "", sampling=sampling,
         stop=tuple(dict.fromkeys(stop)), n=n, include_usage=include_usage, continuous_usage=continuous_usage,
         skip_special_tokens=get_bool(body, "skip_special_tokens", True),

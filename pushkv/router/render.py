@@ -153,7 +153,7 @@ class ChatRenderer(Renderer):
             content, calls = tool_calls.parse(content or "", self.params.tool_call_parser)
         if self.params.echo_text:  # vLLM's echo: the continued message first
             content = self.params.echo_text + (content or "")
-        body = chat_choice(out.index, content, _finish(out.finish_reason, bool(calls)), lp)
+        body = chat_choice(out.index, content, _finish(out.finish_reason, bool(calls)), lp, out.stop_reason)
         if self.splitters:
             body["message"]["reasoning_content"] = thought
         if self.tools:
@@ -183,7 +183,8 @@ class ChatRenderer(Renderer):
         if calls:
             d["tool_calls"] = calls
         called = bool(self.tools) and self.tools[i].calls > 0
-        return chat_chunk_choice(i, d, _finish(delta.finish_reason, called), self.logprobs(i, delta))
+        return chat_chunk_choice(i, d, _finish(delta.finish_reason, called), self.logprobs(i, delta),
+                                 delta.stop_reason)
 
 
 def _finish(reason: Optional[str], called: bool) -> Optional[str]:
@@ -301,13 +302,16 @@ def completion_choice(index: int, text_: str, token_ids: list[int], finish_reaso
 
 
 def chat_choice(index: int, content: Optional[str], finish_reason: Optional[str],
-                logprobs: Optional[dict] = None) -> dict:
+                logprobs: Optional[dict] = None, stop_reason: StopReason = None) -> dict:
+    """A chat choice; ``stop_reason`` vLLM's, as in ``completion_choice``."""
     return {"index": index, "message": {"role": "assistant", "content": content}, "logprobs": logprobs,
-            "finish_reason": finish_reason}
+            "finish_reason": finish_reason, "stop_reason": stop_reason}
 
 
-def chat_chunk_choice(index: int, delta: dict, finish_reason: Optional[str], logprobs: Optional[dict] = None) -> dict:
-    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+def chat_chunk_choice(index: int, delta: dict, finish_reason: Optional[str], logprobs: Optional[dict] = None,
+                      stop_reason: StopReason = None) -> dict:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": stop_reason}
 
 
 def body(request_id: str, created: int, model: str, obj: str, choices: list[dict],

@@ -82,6 +82,7 @@ class Router:
             max_model_len=cfg.max_model_len or cfg.model.max_position,
             eos_token_ids=cfg.model.all_eos_ids,
             defaults=cfg.model.sampling_defaults,
+            main_eos_id=getattr(tokenizer, "config_eos_id", -1),
         )
         # what a request's "model" may name: the model's names, then each LoRA adapter's (vLLM's --lora-modules)
         self.loras = Loras(cfg, self._served_changed)  # LoRA adapters: the launch's, and those loaded since

@@ -144,3 +144,16 @@ def test_router_stops_on_every_eos_id_and_fills_unset_fields_from_the_checkpoint
     assert own.max_tokens == 30  # a request's own value wins
     plain = api.parse_completion({"prompt": "hi"}, TOK, api.Limits(320, 256))
     assert plain.sampling.temperature == 0 and plain.max_tokens == 16 and plain.stop_token_ids == ()
+
+
+@pytest.mark.parametrize("eos_token, want", [("</s>", 3), ({"content": "<s>", "special": True}, 2), (None, -1),
+                                             ("<none of these>", -1)])
+def test_the_tokenizers_own_eos_comes_from_tokenizer_config(tmp_path, eos_token, want):
+    """tokenizer_config.json's eos_token (a string or an added token's dict) is the id whose stop names no
+    stop_reason (``api.Limits.main_eos_id``); without one the router takes the first of the checkpoint's EOS ids."""
+    from pushkv.model.tokenizer import get_tokenizer
+
+    write_checkpoint(str(tmp_path), preset("tiny", seed=1, vocab_size=300), "LlamaForCausalLM", False)
+    if eos_token is not None:
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos_token}))
+    assert get_tokenizer(model_config_from_hf(str(tmp_path))).config_eos_id == want

@@ -207,10 +207,11 @@ def test_stream_usage_only_in_the_chunk_after_the_last(tmp_path, chat, include_u
     run(body())
 
 
+@pytest.mark.parametrize("chat", [False, True])
 @pytest.mark.parametrize("stream", [False, True])
-def test_completion_stop_reason_is_the_stop_token_id(tmp_path, stream):
-    """vLLM's stop_reason: the stop_token_ids entry that ended the choice; None where it ended otherwise (an id not
-    asked for: EOS, here) or on length."""
+def test_completion_stop_reason_is_the_stop_token_id(tmp_path, stream, chat):
+    """vLLM's stop_reason, in completion and chat choices: the stop_token_ids entry that ended the choice; None
+    where it ended otherwise (an id not asked for: EOS, here) or on length."""
     stopped, capped = local_script([[104], [7]], "stop"), local_script([[104], [105]])
 
     async def body():
@@ -218,8 +219,9 @@ def test_completion_stop_reason_is_the_stop_token_id(tmp_path, stream):
         async with Harness(cfg, {"local": lambda g: capped(g) if g.max_tokens == 2 else stopped(g)}) as h:
             got = []
             for extra in ({"stop_token_ids": [9, 7]}, {}, {"stop_token_ids": [7], "max_tokens": 2}):
-                r = await h.http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "stream": stream,
-                                                               **extra})
+                ask = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
+                r = await h.http.post("/v1/chat/completions" if chat else "/v1/completions",
+                                      json={**ask, "max_tokens": 4, "stream": stream, **extra})
                 if stream:
                     ev = await read_sse(r)
                     assert all(e["choices"][0]["stop_reason"] is None for e in ev[:-2])

@@ -161,7 +161,8 @@ def test_include_stop_str_in_output_ends_the_text_with_the_stop(tok, include):
 
 def test_stop_reason_names_the_stop_string_or_the_requests_own_stop_id(tok):
     """vLLM's stop_reason (its check_stop and detokenizer): the stop string that matched, the stop_token_ids entry
-    that ended the choice, None on EOS (an EOS id the request lists too, unless it ignores EOS) or length."""
+    or other EOS id that ended the choice, None on the tokenizer's EOS (one the request lists too, unless it ignores
+    EOS) or length."""
     eos = 3
     limits = api.Limits(vocab_size=300, max_model_len=512, eos_token_ids=(eos,))
     ids = tok.encode("hello world")[1:]
@@ -171,6 +172,14 @@ def test_stop_reason_names_the_stop_string_or_the_requests_own_stop_id(tok):
         out = output.ChoiceOutput(0, tok, stop_ids=params.stop_token_ids, reason_ids=params.stop_reason_ids)
         out.add([*ids, last])
         assert (out.finish("stop").stop_reason, out.stop_reason) == (want, want), body
+    # a checkpoint with several EOS ids (a Llama 3 instruct's three): the tokenizer's own ends with no stop_reason,
+    # the others name themselves, as in vLLM, where generation_config's EOS ids join the stop_token_ids
+    for main, last, want in [(-1, 3, None), (-1, 5, 5), (5, 5, None), (5, 3, 3)]:
+        several = api.Limits(vocab_size=300, max_model_len=512, eos_token_ids=(3, 5), main_eos_id=main)
+        params = api.parse_completion({"prompt": "x"}, tok, several)
+        out = output.ChoiceOutput(0, tok, stop_ids=params.stop_token_ids, reason_ids=params.stop_reason_ids)
+        out.add([*ids, last])
+        assert out.finish("stop").stop_reason == want, (main, last)
     capped = output.ChoiceOutput(0, tok, stop_ids=(9,), reason_ids=(9,))
     capped.add(ids)
     assert capped.finish("length").stop_reason is None
