@@ -363,9 +363,16 @@ VLLM_UNBUILT: dict[str, tuple[tuple, str]] = {
 
 
 def parse_generation(body: dict, ids: list[int], tok: text.Tokenizer, limits: Limits, default_max: Optional[int],
-                     logprobs: int, max_tokens_field: str = "max_tokens") -> CompletionParams:
-    """The fields completions and chat share, for a prompt already tokenized (``tok`` writes ``bad_words``)."""
+                     logprobs: int, max_tokens_field: str = "max_tokens", prompt_field: str = "prompt"
+                     ) -> CompletionParams:
+    """The fields completions and chat share, for a prompt already tokenized (``tok`` writes ``bad_words``). A
+    prompt or max_tokens past the model's length is refused in vLLM's words, which clients match ("maximum context
+    length is N tokens") to shorten the conversation."""
     room = limits.max_model_len - len(ids)
+    if room < 1:
+        raise bad(prompt_field, f"This model's maximum context length is {limits.max_model_len} tokens. However, "
+                                f"your request has {len(ids)} input tokens. Please reduce the length of the input "
+                                f"{'messages' if prompt_field == 'messages' else 'prompt'}.")
     if body.get(max_tokens_field) is None:
         max_tokens_field = "max_tokens"  # chat: the older name
     max_tokens = get_int(body, max_tokens_field, None)
@@ -375,10 +382,11 @@ def parse_generation(body: dict, ids: list[int], tok: text.Tokenizer, limits: Li
             max_tokens = min(max_tokens, limits.defaults.max_tokens)
     if max_tokens < 1:
         raise bad(max_tokens_field, f"{max_tokens_field} must be at least 1, got {max_tokens}")
-    if room < 1 or max_tokens > room:
+    if max_tokens > room:
         raise bad(max_tokens_field,
-                  f"prompt ({len(ids)} tokens) + {max_tokens_field} ({max_tokens}) exceeds the maximum "
-                  f"model length {limits.max_model_len}")
+                  f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum "
+                  f"context length is {limits.max_model_len} tokens and your request has {len(ids)} input tokens "
+                  f"({max_tokens} > {limits.max_model_len} - {len(ids)}).")
 
     stream = get_bool(body, "stream")
     opts = body.get("stream_options")

@@ -285,7 +285,7 @@ def parse_chat(body: dict, tok: text.Tokenizer, limits: api.Limits, template: Ch
     if top is not None and top > 0 and not want:
         raise api.bad("top_logprobs", "top_logprobs needs logprobs: true")
     params = api.parse_generation(body, ids, tok, limits, None, (top or 0) if want else -1,
-                                  max_tokens_field="max_completion_tokens")
+                                  max_tokens_field="max_completion_tokens", prompt_field="messages")
     prompt_logprobs = api.parse_prompt_logprobs(body, params.stream)
     if prompt_logprobs is not None:
         params.sampling = msgspec.structs.replace(params.sampling, prompt_logprobs=prompt_logprobs)
