@@ -294,8 +294,13 @@ def parse_chat(body: dict, tok: text.Tokenizer, limits: api.Limits, template: Ch
     last = messages[-1]
     params.echo_text = last["content"] if api.get_bool(body, "echo") and last["role"] == "assistant" else ""
     params.reasoning_parser = reasoning_parser
-    # tool_choice auto (the default with tools): the deployment's parser takes the calls out of the output
-    params.tool_call_parser = tool_call_parser if tools and body.get("tool_choice") in (None, "auto") else ""
+    # tool_choice auto (the default with tools): the deployment's parser takes the calls out of the output; without
+    # one, refused as vLLM refuses it (clients probe tool support by it), rather than calls left in the text
+    auto = bool(tools) and body.get("tool_choice") in (None, "auto")
+    if auto and not tool_call_parser:
+        raise api.bad("tool_choice", '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                                     'to be set (or send tool_choice "none" to have the template see the tools)')
+    params.tool_call_parser = tool_call_parser if auto else ""
     if forced is not None:  # required or a named function: the output held to the calls' schema, then made calls
         if params.structured is not None:
             raise api.bad("tool_choice", "a forced tool_choice holds the output to the calls' schema: it cannot be "

@@ -81,9 +81,19 @@ def test_a_named_tool_use_template_is_taken_when_tools_are_given(tmp_path, hf_to
 def test_parse_chat_renders_tools_into_the_prompt():
     tok = text.ByteTokenizer()
     limits = api.Limits(vocab_size=320, max_model_len=4096)
-    body = {"messages": OPENAI_MESSAGES, "tools": TOOLS, "tool_choice": "auto"}
+    body = {"messages": OPENAI_MESSAGES, "tools": TOOLS, "tool_choice": "none"}
     p = chat.parse_chat(body, tok, limits, chat.ChatTemplate(TEMPLATE))
     assert bytes(p.prompt_token_ids).decode() == render(chat.ChatTemplate(TEMPLATE), body)
+    assert p.tool_call_parser == ""
+    auto = {**body, "tool_choice": "auto"}
+    assert chat.parse_chat(auto, tok, limits, chat.ChatTemplate(TEMPLATE), tool_call_parser="hermes").prompt_token_ids \
+        == p.prompt_token_ids
+    # auto, named or the default with tools, needs the deployment's parser: refused as vLLM refuses it
+    for ask in (auto, {"messages": OPENAI_MESSAGES, "tools": TOOLS}):
+        with pytest.raises(api.ApiError) as e:
+            chat.parse_chat(ask, tok, limits, chat.ChatTemplate(TEMPLATE))
+        assert (e.value.status, e.value.param) == (400, "tool_choice")
+        assert '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser' in e.value.message
 
 
 @pytest.mark.parametrize("msg, param", [
