@@ -170,10 +170,13 @@ def get_int(body: dict, name: str, default: None, lo: Optional[int] = None,
 def get_int(body: dict, name: str, default: Optional[int], lo: Optional[int] = None,
             hi: Optional[int] = None) -> Optional[int]:
     """``body[name]`` as an integer within [lo, hi], else ``default`` when absent (an int default:
-    an int back)."""
+    an int back). A float with nothing after the point is taken as its integer, as vLLM's pydantic takes it
+    (a client's ``max_tokens = budget / 2`` sends 2048.0)."""
     v = body.get(name)
     if v is None:
         return default
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
     if not _is_int(v):
         raise bad(name, f"{name} must be an integer")
     if (lo is not None and v < lo) or (hi is not None and v > hi):
@@ -281,13 +284,18 @@ def check_untokenized(params: CompletionParams) -> None:
 
 def truncate_prompt(ids: list[int], body: dict, limits: Limits) -> list[int]:
     """vLLM's ``truncate_prompt_tokens``: k >= 1 keeps a prompt's last k tokens, -1 its last ``max_model_len``;
-    absent, the prompt as it is (one too long is refused)."""
+    absent, the prompt as it is (one too long is refused). vLLM's ``truncation_side`` ``right`` keeps the first
+    ones instead (``left``, the default, the last)."""
+    side = body.get("truncation_side")
+    if side not in (None, "left", "right"):
+        raise bad("truncation_side", f"truncation_side must be 'left' or 'right', got {side!r}")
     k = get_int(body, "truncate_prompt_tokens", None, -1, limits.max_model_len)
     if k is None:
         return ids
     if k == 0:
         raise bad("truncate_prompt_tokens", "truncate_prompt_tokens must be -1 (max_model_len) or at least 1, got 0")
-    return ids[-(limits.max_model_len if k == -1 else k):]
+    keep = limits.max_model_len if k == -1 else k
+    return ids[:keep] if side == "right" else ids[-keep:]
 
 
 def check_prompt_ids(ids: list[int], limits: Limits, param: str = "prompt") -> None:
@@ -359,6 +367,9 @@ VLLM_UNBUILT: dict[str, tuple[tuple, str]] = {
     "length_penalty": ((None, 1, 1.0), "beam search is not built"),
     "priority": ((None, 0), "priority scheduling is not built: requests are served first come, first served (vLLM "
                             "refuses a priority too unless --scheduling-policy priority)"),
+    "logprob_token_ids": ((None, []), "logprobs of chosen token ids are not built (logprobs / top_logprobs give the "
+                                      "sampled token's and the most likely ones')"),
+    "thinking_token_budget": ((None,), "a thinking budget is not built (max_tokens bounds the whole output)"),
 }
 
 

@@ -185,9 +185,10 @@ def parse_messages(body: dict) -> list[dict]:
         if not isinstance(msg, dict):
             raise api.bad(f"messages[{i}]", "each message must be an object")
         role = msg.get("role")
-        if role not in ROLES:
-            raise api.bad(f"messages[{i}].role", f"role must be one of {list(ROLES)}, got {role!r}")
-        parsed = {"role": role, "content": _content(msg, i)}
+        if not isinstance(role, str) or not role:  # vLLM's custom roles too (Llama 3.1's ipython): the template's
+            raise api.bad(f"messages[{i}].role", f"role must be a non-empty string such as one of {list(ROLES)}, "
+                                                 f"got {role!r}")
+        parsed: dict[str, Any] = {"role": role, "content": _content(msg, i)}
         for key in ("name", "tool_call_id"):  # who spoke; which call a tool message answers
             if msg.get(key) is not None:
                 if not isinstance(msg[key], str):
@@ -216,17 +217,21 @@ RESERVED_KWARGS = ("messages", "tools", "add_generation_prompt", "bos_token", "e
 
 
 def parse_template_kwargs(body: dict) -> dict:
-    """vLLM's ``chat_template_kwargs``: an object of extra variables for the template."""
+    """vLLM's ``chat_template_kwargs``: an object of extra variables for the template; and vLLM's ``documents``
+    (a list of objects, for retrieval templates), given to the template as ``documents``."""
+    docs = body.get("documents")
+    if docs is not None and not (isinstance(docs, list) and all(isinstance(d, dict) for d in docs)):
+        raise api.bad("documents", "documents must be a list of objects")
     kw = body.get("chat_template_kwargs")
     if kw is None:
-        return {}
+        return {} if docs is None else {"documents": docs}
     if not isinstance(kw, dict):
         raise api.bad("chat_template_kwargs", "chat_template_kwargs must be an object")
     taken = [k for k in kw if k in RESERVED_KWARGS]
     if taken:
         raise api.bad("chat_template_kwargs", f"chat_template_kwargs may not set {taken[0]!r} (the request's own "
                                               "fields give it)")
-    return kw
+    return kw if docs is None else {"documents": docs, **kw}
 
 
 def forced_choice(body: dict, tools: list[dict]) -> Optional[tuple[str, dict]]:

@@ -197,7 +197,7 @@ def test_bad_fields_are_400_naming_the_field(deps):
             c.completions.create(model="tiny", prompt="x", max_tokens=2, **kw)
         assert e.value.body["param"] == field and field in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:
-        c.chat.completions.create(model="tiny", messages=[{"role": "robot", "content": "x"}])
+        c.chat.completions.create(model="tiny", messages=[{"role": "", "content": "x"}])
     assert e.value.body["param"] == "messages[0].role"
     # unknown fields are ignored
     r = c.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"no_such_field": {"a": 1}})

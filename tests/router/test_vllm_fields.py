@@ -274,3 +274,31 @@ def test_cache_salt_is_taken_as_a_non_empty_string(tok):
             with pytest.raises(api.ApiError) as e:
                 parse({"cache_salt": bad_salt})
             assert (e.value.status, e.value.param) == (400, "cache_salt") and needle in e.value.message
+
+
+def test_newer_vllm_fields_are_served_or_refused_never_ignored(tok):
+    """truncation_side right keeps a prompt's first tokens; documents reach the template; a custom role (Llama
+    3.1's ipython) goes to the template as it is; an integral float is an integer (pydantic's lax mode, as vLLM's);
+    logprob_token_ids and thinking_token_budget, which would change the answer, are refused by name."""
+    ids = [5, 6, 7, 8, 9]
+    assert api.parse_completion({"prompt": ids, "truncate_prompt_tokens": 3}, tok, LIMITS).prompt_token_ids == ids[2:]
+    right = {"prompt": ids, "truncate_prompt_tokens": 3, "truncation_side": "right"}
+    assert api.parse_completion(right, tok, LIMITS).prompt_token_ids == ids[:3]
+    template = chat.ChatTemplate("{% for d in documents %}[{{ d['title'] }}]{% endfor %}"
+                                 "{% for m in messages %}{{ m['role'] }}:{{ m['content'] }};{% endfor %}")
+    body = {"messages": [{"role": "ipython", "content": "42"}], "documents": [{"title": "a"}, {"title": "b"}]}
+    got = chat.parse_chat(body, tok, LIMITS, template).prompt_token_ids
+    assert tok.decode(got) == "[a][b]ipython:42;"
+    assert api.parse_completion({"prompt": "x", "max_tokens": 7.0}, tok, LIMITS).max_tokens == 7
+    for body, param in [({"prompt": "x", "max_tokens": 7.5}, "max_tokens"),
+                        ({"prompt": ids, "truncate_prompt_tokens": 3, "truncation_side": "middle"}, "truncation_side"),
+                        ({"prompt": "x", "logprob_token_ids": [5, 6]}, "logprob_token_ids"),
+                        ({"prompt": "x", "thinking_token_budget": 100}, "thinking_token_budget")]:
+        with pytest.raises(api.ApiError) as e:
+            api.parse_completion(body, tok, LIMITS)
+        assert (e.value.status, e.value.param) == (400, param), e.value.message
+    for msgs, docs, param in [([{"role": "", "content": "x"}], None, "messages[0].role"),
+                              ([{"role": "user", "content": "x"}], [{"title": "a"}, "b"], "documents")]:
+        with pytest.raises(api.ApiError) as e:
+            chat.parse_chat({"messages": msgs, "documents": docs}, tok, LIMITS, template)
+        assert (e.value.status, e.value.param) == (400, param), e.value.message
