@@ -255,7 +255,8 @@ class TokensGenerated(Msg, frozen=True):
     timeline: tuple[tuple[str, float], ...] = ()  # (stage, wall time) on finish
     kv: Optional[KVTransferStats] = None  # D, on finish: the transfer D measured (pull: its READ)
     logprobs: tuple[TokenLogprob, ...] = ()  # when asked: one per token id (D omits P's first token's)
-    cached_tokens: int = 0  # on finish: prompt tokens this instance took from its prefix cache
+    cached_tokens: int = 0  # on finish, and with a local instance's first token: prompt tokens this instance took
+    # from its prefix cache
     # on finish, summed over the steps that decoded it (the router's cost model): steps, sequences
     # decoded in them, their context tokens, and prompt tokens other requests prefilled in them
     decode_steps: int = 0

@@ -452,6 +452,8 @@ class Request:
         if s is not None and s.prompt_logprobs >= 0 and led.emitted == 0 and msg.token_ids and prompt is None:
             return out + self._fail(502, "the instance that prefilled the prompt sent no prompt logprobs")
         led.output_ids.extend(msg.token_ids)
+        if self.spec.mode == "local" and msg.token_ids and len(led.output_ids) == len(msg.token_ids):
+            led.cached.setdefault(leg, msg.cached_tokens)  # the first's cache hits: a stop string may end it first
         if msg.token_ids:
             if led.first_token is None:
                 self._mark("router.first_token", now)

@@ -512,7 +512,9 @@ class SchedulerCore:
             self._release(r)
         else:
             r.state = State.RUNNING
-            self._reply(r, m.TokensGenerated(r.transfer_id, r.generation, (tok,), logprobs=lps, prompt_logprobs=prompt))
+            # the first token says the prefix-cache hits too: a choice a stop string ends here gets no finish
+            self._reply(r, m.TokensGenerated(r.transfer_id, r.generation, (tok,), logprobs=lps, prompt_logprobs=prompt,
+                                             cached_tokens=r.cached if len(r.output) == 1 else 0))
 
     # -- from the writers (scheduler/writer_answers.py) -------------------------------------
     def on_KVSent(self, msg: m.KVSent, frm: Peer) -> None:

@@ -527,6 +527,27 @@ def test_push_first_logprob_comes_from_prefill_even_when_late(tmp_path):
     run(body())
 
 
+def test_a_local_choice_a_stop_string_ends_still_counts_its_cached_prompt_tokens(tmp_path):
+    """The first token tells the prefix-cache hits (usage.prompt_tokens_details), as the finish does: a stop string
+    ends the choice before any finish arrives."""
+    never = threading.Event()
+
+    def script(g):
+        first = msgspec.structs.replace(tokens(g, [104]), cached_tokens=16)
+        return [(None, first)] + [(None, tokens(g, [i])) for i in b"i end"] + [(never, tokens(g, [33], True))]
+
+    async def body():
+        cfg = make_cfg(tmp_path, "local")
+        async with Harness(cfg, {"local": script}) as h:
+            r = await h.http.post("/v1/completions", json={"prompt": [1] * 20, "max_tokens": 9, "stop": ["end"]})
+            out = await r.json()
+            assert (out["choices"][0]["text"], out["choices"][0]["finish_reason"]) == ("hi ", "stop")
+            assert out["usage"]["prompt_tokens_details"] == {"cached_tokens": 16}, out["usage"]
+            await h.wait_abort("local")
+            never.set()
+    run(body())
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_stop_string_ends_the_request_and_aborts_its_legs(tmp_path, stream):
     """"end" arrives over three tokens; text stops before it and D's leg is aborted at once."""

@@ -79,6 +79,21 @@ def test_local_second_request_computes_only_its_uncached_suffix(name, first, sec
     assert idle(s)
 
 
+def test_local_first_token_tells_the_prefix_hits_before_the_finish():
+    """A choice a stop string ends at the router never gets its finish: its usage's cached tokens come with the
+    first token (the later ones say 0)."""
+    s, wire = make()
+    generate(s, "a", prompt(40))
+    run_all(s, wire)
+    generate(s, "b", prompt(40), max_tokens=3)
+    run_step(s, wire)
+    run_step(s, wire)
+    got = [x for _, x in wire.sent if isinstance(x, m.TokensGenerated) and x.transfer_id == "b"]
+    assert [(x.finished, x.cached_tokens) for x in got] == [(False, 32), (False, 0)]
+    run_all(s, wire)
+    assert idle(s)
+
+
 @pytest.mark.parametrize("first, second, hit", [("", "", 32), ("tenant-a", "tenant-a", 32), ("tenant-a", "tenant-b", 0),
                                                 ("tenant-a", "", 0), ("", "tenant-a", 0)])
 def test_a_cache_salt_shares_cached_blocks_only_with_the_same_salt(first, second, hit):
