@@ -117,6 +117,8 @@ class CompletionParams:
     cache_salt: str = ""  # vLLM's: cached prefixes shared only among requests of the same salt
     structured: Optional[Structured] = None  # the output held to a grammar (router/structured.py)
     return_tokens_as_token_ids: bool = False  # vLLM's: a logprob's token written "token_id:N" (render.TokenIds)
+    # vLLM's return_token_ids: the prompt's ids (and chat's output ids, which completions always carry) returned
+    return_token_ids: bool = False
     # /v1/responses (router/responses.py): the request's settings its response object repeats; None: another route
     responses: Optional[dict] = None
     # /v1/responses with store: called with the finished response object, to keep it (responses.Store)
@@ -456,6 +458,7 @@ def parse_generation(body: dict, ids: list[int], tok: text.Tokenizer, limits: Li
         include_stop_str_in_output=get_bool(body, "include_stop_str_in_output"),
         cache_salt=parse_cache_salt(body), structured=grammar,
         return_tokens_as_token_ids=get_bool(body, "return_tokens_as_token_ids"),
+        return_token_ids=get_bool(body, "return_token_ids"),
     )
 
 

@@ -191,9 +191,11 @@ class Generation:
         return web.json_response({**body, **self.render.response_fields(self.outs)})
 
     # -- streaming ----------------------------------------------------------------
-    def _chunk(self, choice: Optional[dict], usage_: Optional[dict] = None, ext: Optional[dict] = None) -> bytes:
-        return output.sse(self.render.body(self.request_id, self.created, self.model, [choice] if choice else [],
-                                           True, usage_, ext))
+    def _chunk(self, choice: Optional[dict], usage_: Optional[dict] = None, ext: Optional[dict] = None,
+               fields: Optional[dict] = None) -> bytes:
+        body = self.render.body(self.request_id, self.created, self.model, [choice] if choice else [], True, usage_,
+                                ext)
+        return output.sse({**body, **fields} if fields else body)
 
     def _choice_usage(self, i: int) -> Optional[dict]:
         """vLLM's continuous_usage_stats: choice i's prompt and its output so far, in each of its chunks."""
@@ -291,7 +293,8 @@ class Generation:
                     started[i] = True
                     opening = self.render.opening(self.outs[i])
                     if opening is not None:
-                        await resp.write(self._chunk(opening, self._choice_usage(i)))
+                        await resp.write(self._chunk(opening, self._choice_usage(i), None,
+                                                     self.render.opening_fields()))
                 await resp.write(self._stream_delta(i, delta))
         if not failed and self.params.include_usage:
             await resp.write(self._chunk({}, self._usage()))

@@ -69,6 +69,10 @@ class Renderer:
         """What a unary response adds beside its choices (chat: vLLM's ``prompt_logprobs``)."""
         return {}
 
+    def opening_fields(self) -> dict:
+        """What a stream's opening chunk adds beside its choice (chat: vLLM's ``prompt_token_ids``)."""
+        return {}
+
     def opening(self, out: ChoiceOutput) -> Optional[dict]:
         """The choice of the chunk that opens a choice's stream, if the endpoint has one (with its
         first output: the prompt's logprobs have come by then)."""
@@ -91,6 +95,7 @@ class CompletionRenderer(Renderer):
         # echo: each choice's prompt text (a batch's prompt p for choices p * n ... p * n + n - 1)
         self.prefixes = [text_ if params.echo else "" for _, text_ in params.prompts() for _ in range(params.n)]
         self.offsets = [len(p) for p in self.prefixes]  # text_offset runs on across a choice's deltas
+        self.opened: set[int] = set()  # choices whose first chunk went (vLLM's prompt_token_ids ride on it)
 
     def _logprobs(self, i: int, delta: Delta) -> dict:
         lp = completion_logprobs(self.token_text, delta.token_ids, delta.logprobs, self.offsets[i])
@@ -113,6 +118,8 @@ class CompletionRenderer(Renderer):
             lp = {k: echoed[k] + lp[k] for k in lp}
         body = completion_choice(out.index, self.prefixes[out.index] + out.text, out.token_ids, out.finish_reason,
                                  lp, out.stop_reason)
+        if self.params.return_token_ids:
+            body["prompt_token_ids"] = self._prompt(out)
         if self.params.sampling.prompt_logprobs >= 0:  # vLLM's, whenever they were computed
             body["prompt_logprobs"] = vllm_prompt_logprobs(self.tok, self._prompt(out), out.prompt_logprobs)
         return body
@@ -120,11 +127,19 @@ class CompletionRenderer(Renderer):
     def opening(self, out: ChoiceOutput) -> Optional[dict]:
         if not self.params.echo:
             return None
-        return completion_choice(out.index, self.prefixes[out.index], [], None, self._echoed(out))
+        return self._first(out.index, completion_choice(out.index, self.prefixes[out.index], [], None,
+                                                        self._echoed(out)))
 
     def chunk_choice(self, i: int, delta: Delta) -> dict:
-        return completion_choice(i, delta.text, delta.token_ids, delta.finish_reason, self.logprobs(i, delta),
-                                 delta.stop_reason)
+        return self._first(i, completion_choice(i, delta.text, delta.token_ids, delta.finish_reason,
+                                                self.logprobs(i, delta), delta.stop_reason))
+
+    def _first(self, i: int, choice: dict) -> dict:
+        """vLLM's return_token_ids: a choice's first chunk carries its prompt's ids."""
+        if self.params.return_token_ids and i not in self.opened:
+            choice["prompt_token_ids"] = self.params.prompts()[i // self.params.n][0]
+        self.opened.add(i)
+        return choice
 
     def extension_in_last_chunk(self) -> bool:
         return self.params.choices == 1  # pushkv's habit: one choice's last chunk carries the extension
@@ -154,6 +169,8 @@ class ChatRenderer(Renderer):
         if self.params.echo_text:  # vLLM's echo: the continued message first
             content = self.params.echo_text + (content or "")
         body = chat_choice(out.index, content, _finish(out.finish_reason, bool(calls)), lp, out.stop_reason)
+        if self.params.return_token_ids:  # vLLM's: the choice's output ids
+            body["token_ids"] = out.token_ids
         if self.splitters:
             body["message"]["reasoning_content"] = thought
         if self.tools:
@@ -161,10 +178,14 @@ class ChatRenderer(Renderer):
         return body
 
     def response_fields(self, outs: Sequence[ChoiceOutput]) -> dict:
-        if self.params.sampling.prompt_logprobs < 0:
-            return {}
-        ids, prompt = self.params.prompt_token_ids, outs[0].prompt_logprobs  # every choice's prompt: one list
-        return {"prompt_logprobs": vllm_prompt_logprobs(self.tok, ids, prompt)}
+        out = self.opening_fields()
+        if self.params.sampling.prompt_logprobs >= 0:
+            ids, prompt = self.params.prompt_token_ids, outs[0].prompt_logprobs  # every choice's prompt: one list
+            out["prompt_logprobs"] = vllm_prompt_logprobs(self.tok, ids, prompt)
+        return out
+
+    def opening_fields(self) -> dict:
+        return {"prompt_token_ids": self.params.prompt_token_ids} if self.params.return_token_ids else {}
 
     def opening(self, out: ChoiceOutput) -> Optional[dict]:
         # vLLM's echo: the continued message's text opens the stream, with the role
@@ -183,8 +204,11 @@ class ChatRenderer(Renderer):
         if calls:
             d["tool_calls"] = calls
         called = bool(self.tools) and self.tools[i].calls > 0
-        return chat_chunk_choice(i, d, _finish(delta.finish_reason, called), self.logprobs(i, delta),
-                                 delta.stop_reason)
+        choice = chat_chunk_choice(i, d, _finish(delta.finish_reason, called), self.logprobs(i, delta),
+                                   delta.stop_reason)
+        if self.params.return_token_ids:  # vLLM's: the delta's output ids
+            choice["token_ids"] = list(delta.token_ids)
+        return choice
 
 
 def _finish(reason: Optional[str], called: bool) -> Optional[str]:

@@ -233,6 +233,42 @@ def test_completion_stop_reason_is_the_stop_token_id(tmp_path, stream, chat):
     run(body())
 
 
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("stream", [False, True])
+def test_return_token_ids_gives_the_prompts_and_the_outputs_ids(tmp_path, stream, chat):
+    """vLLM's return_token_ids: completion choices add their prompt's ids (in a stream, the choice's first chunk);
+    chat adds the prompt's ids to the response (a stream's opening chunk) and each choice's (chunk's) output ids."""
+    sent: list = []  # the prompt each instance was given
+
+    def script(g):
+        sent.append(list(g.prompt_token_ids))
+        return local_script([[104], [105]])(g)
+
+    async def body():
+        cfg = make_cfg(tmp_path, "local")
+        async with Harness(cfg, {"local": script}) as h:
+            ask = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": [5, 6, 7]}
+            r = await h.http.post("/v1/chat/completions" if chat else "/v1/completions",
+                                  json={**ask, "max_tokens": 2, "stream": stream, "return_token_ids": True})
+            if not stream:
+                out = await r.json()
+                c = out["choices"][0]
+                prompt = out["prompt_token_ids"] if chat else c["prompt_token_ids"]
+                assert c["token_ids"] == [104, 105]
+            else:
+                ev = [e for e in await read_sse(r) if e != "[DONE]"]
+                got = [e.get("prompt_token_ids", e["choices"][0].get("prompt_token_ids")) for e in ev]
+                assert all(p is None for p in got[1:]), got  # the first chunk only
+                prompt = got[0]
+                assert sum((e["choices"][0].get("token_ids", []) for e in ev), []) == [104, 105]
+            assert prompt == sent[0] and (chat or prompt == [5, 6, 7])
+            plain = await h.http.post("/v1/chat/completions" if chat else "/v1/completions",
+                                      json={**ask, "max_tokens": 2})
+            c = (await plain.json())["choices"][0]
+            assert "prompt_token_ids" not in c and ("token_ids" in c) is not chat
+    run(body())
+
+
 BAD_BODIES = [
     ("malformed json", b"{not json"),
     ("not an object", [1, 2]),
