@@ -31,6 +31,7 @@ MAX_BAD_WORD_TOKENS = 16  # tokens of one bad word as the tokenizer writes it: a
 MAX_REASONING_END_IDS = 64  # structured output with a reasoning parser: the ids of its end tag ("</think>")
 MAX_STRUCTURED_CHARS = 64 << 10  # a structured output's schema, regex, choices or grammar: every Generate carries it
 MAX_CACHE_SALT_CHARS = 256  # vLLM's cache_salt: a tenant's name or key, in every Generate
+MAX_CLIENT_ID_CHARS = 256  # a client's request id (X-Request-Id, vLLM's request_id): logged and kept per request
 MAX_STOPS = 16  # stop strings (OpenAI: 4): every output text is searched for each
 MAX_STOP_CHARS = 256  # characters in one stop string: a stop is a delimiter, not a passage
 MAX_STOP_TOKEN_IDS = 256  # stop_token_ids, before the model's EOS ids are added: suppressed per step until min_tokens
@@ -68,6 +69,8 @@ BOUNDS = (
     Bound("structured output (response_format, structured_outputs, guided_*)",
           f"one grammar of at most {MAX_STRUCTURED_CHARS} characters", "each scheduler compiles it"),
     Bound("cache_salt (vLLM's)", f"a string of 1-{MAX_CACHE_SALT_CHARS} characters", "it rides in every Generate"),
+    Bound("X-Request-Id header, request_id (vLLM's)", f"1-{MAX_CLIENT_ID_CHARS} printable ASCII characters, no "
+          "spaces", "it is logged and names the response"),
     Bound("stop", f"at most {MAX_STOPS} strings of 1-{MAX_STOP_CHARS} characters",
           "the output is searched for each"),
     Bound("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS}, each in the vocabulary",

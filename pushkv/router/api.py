@@ -119,6 +119,9 @@ class CompletionParams:
     return_tokens_as_token_ids: bool = False  # vLLM's: a logprob's token written "token_id:N" (render.TokenIds)
     # vLLM's return_token_ids: the prompt's ids (and chat's output ids, which completions always carry) returned
     return_token_ids: bool = False
+    # the client's own id for the request (vLLM's X-Request-Id header, else its request_id field): the response's id
+    # is the endpoint's prefix and it (cmpl-ID, chatcmpl-ID), and /v1/abort takes it; "": pushkv's own
+    client_id: str = ""
     # /v1/responses (router/responses.py): the request's settings its response object repeats; None: another route
     responses: Optional[dict] = None
     # /v1/responses with store: called with the finished response object, to keep it (responses.Store)
@@ -300,6 +303,17 @@ def truncate_prompt(ids: list[int], body: dict, limits: Limits) -> list[int]:
     return ids[:keep] if side == "right" else ids[-keep:]
 
 
+def client_id(v: Any, param: str) -> str:
+    """A client's request id (vLLM's ``X-Request-Id`` header or ``request_id`` field): printable ASCII without spaces,
+    at most ``L.MAX_CLIENT_ID_CHARS``; absent, ""."""
+    if v is None:
+        return ""
+    if not (isinstance(v, str) and 0 < len(v) <= L.MAX_CLIENT_ID_CHARS and v.isascii() and v.isprintable()
+            and " " not in v):
+        raise bad(param, f"{param} must be 1 to {L.MAX_CLIENT_ID_CHARS} printable ASCII characters without spaces")
+    return v
+
+
 def check_prompt_ids(ids: list[int], limits: Limits, param: str = "prompt") -> None:
     bad_ids = [i for i in ids if not 0 <= i < limits.vocab_size]
     if bad_ids:
@@ -459,6 +473,7 @@ def parse_generation(body: dict, ids: list[int], tok: text.Tokenizer, limits: Li
         cache_salt=parse_cache_salt(body), structured=grammar,
         return_tokens_as_token_ids=get_bool(body, "return_tokens_as_token_ids"),
         return_token_ids=get_bool(body, "return_token_ids"),
+        client_id=client_id(body.get("request_id"), "request_id"),
     )
 
 

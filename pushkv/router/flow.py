@@ -50,6 +50,7 @@ class RequestRun:
         )
         self.req = R.Request(spec, arrival, arrival_wall=wall)
         self.hash_cache: dict[int, list[int]] = {}  # the balancer's: block size -> the prompt's block hashes
+        self.client_id = ""  # the client's own id for the request (X-Request-Id), which /v1/abort takes too
         self.queue: asyncio.Queue[tuple[R.Source, object]] = asyncio.Queue()
         self.links: dict[str, SchedulerLink] = {}  # leg -> the link its Generate went out on
         self.deadline = math.inf  # what the request armed

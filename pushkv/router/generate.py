@@ -42,9 +42,10 @@ async def serve(request: web.Request, params: api.CompletionParams, runs: list[R
         refused = start_all(runs)  # placement first, so a refusal is a plain HTTP error even for a stream
         if refused is not None:
             return refused
-        if params.stream:
-            return await gen.stream(request)
-        return await gen.unary()
+        resp = await (gen.stream(request) if params.stream else gen.unary())
+        if not params.stream:  # (a stream's went with its head)
+            resp.headers["X-Request-Id"] = gen.header_id(request)
+        return resp
     except asyncio.CancelledError:  # aiohttp cancels the handler when the client goes
         gen.client_gone()
         raise
@@ -108,7 +109,9 @@ class Generation:
         self.params = params
         self.runs = runs
         self.render = render.for_endpoint(tok, params)
-        self.request_id = self.render.request_id(runs[0].transfer_id.split("-")[0])
+        # the client's id where it gave one (not for /v1/responses, whose ids name kept responses)
+        own = params.client_id if params.responses is None else ""
+        self.request_id = self.render.request_id(own or runs[0].transfer_id.split("-")[0])
         self.model = model
         self.created = output.now_s()
         self.outs = [output.ChoiceOutput(i, tok, params.stop, params.sampling.min_tokens, hide=params.echo_only,
@@ -162,6 +165,11 @@ class Generation:
                          for leg, k in led.kv.items()}
         return ext
 
+    def header_id(self, request: web.Request) -> str:
+        """The response's X-Request-Id: the client's as it sent it (vLLM's --enable-request-id-headers), else the
+        response's id."""
+        return request.headers.get("X-Request-Id") or self.request_id
+
     def client_gone(self) -> None:
         """Logged only: closing the runs (the server's, whatever ended the request) ends each choice
         still open as aborted."""
@@ -214,7 +222,7 @@ class Generation:
         """The choices' output as server-sent events: chat and completion chunks, or (/v1/responses) OpenAI's typed
         events. A client that goes away ends the stream; the runs are closed either way."""
         resp = web.StreamResponse(headers={
-            "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": self.request_id,
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": self.header_id(request),
         })
         await resp.prepare(request)
         fan = Fanout(self.runs)

@@ -482,8 +482,8 @@ class Router:
 
     async def handle_abort(self, request: web.Request) -> web.Response:
         rid = request.match_info["request_id"]
-        tid = output.transfer_id_of(rid)
-        hit = [run for t, run in self.runs.items() if t == tid or t.startswith(tid + "-")]
+        tid = output.transfer_id_of(rid)  # the response's id, the transfer id, or the client's own
+        hit = [run for t, run in self.runs.items() if t == tid or t.startswith(tid + "-") or run.client_id == tid]
         if not hit:
             return _error(404, f"no in-flight request {rid!r}", "not_found")
         for run in hit:
@@ -696,6 +696,9 @@ class Router:
             params = await self._off_loop(api.parse_request, body, self.served, self._parser(route))
             if self.cfg.skip_tokenizer_init:
                 api.check_untokenized(params)
+            header = request.headers.get("X-Request-Id")  # over the body's request_id, as vLLM's
+            if header is not None:
+                params.client_id = api.client_id(header, "X-Request-Id")
         except api.ApiError as e:
             self.metrics.requests.labels(outcome="rejected").inc()
             return web.json_response(e.body(), status=e.status)
@@ -706,9 +709,9 @@ class Router:
             resp.headers["Retry-After"] = str(RETRY_AFTER_S)
             return resp
         runs = self._open(params, arrival)
-        log.debug("request transfer_id=%s prompt=%d max_tokens=%d n=%d stream=%s route=%s",
-                  runs[0].transfer_id, len(params.prompt_token_ids), params.max_tokens, params.choices, params.stream,
-                  route)
+        log.debug("request transfer_id=%s client_id=%s prompt=%d max_tokens=%d n=%d stream=%s route=%s",
+                  runs[0].transfer_id, params.client_id or "-", len(params.prompt_token_ids), params.max_tokens,
+                  params.choices, params.stream, route)
         if params.responses and params.responses.get("background"):
             return await self._background(request, params, runs)
         try:
@@ -800,10 +803,12 @@ class Router:
                              ids, params.max_tokens, params.stop_token_ids, arrival,
                              self.metrics, sampling, local_link=self.local_link, cache_salt=params.cache_salt,
                              structured=params.structured, lora=self.loras.of(params.model))
+            run.client_id = params.client_id
             self.runs[tid] = run
             runs.append(run)
             if self.tracer is not None:
-                self.tracer.event("http_request", tid, f"prompt={len(ids)} max_tokens={params.max_tokens}")
+                own = f" client_id={params.client_id}" if params.client_id else ""
+                self.tracer.event("http_request", tid, f"prompt={len(ids)} max_tokens={params.max_tokens}{own}")
         self._handlers_idle.clear()
         self.metrics.in_flight.inc()
         self.load += 1

@@ -447,6 +447,37 @@ def test_abort_endpoint(tmp_path):
     run(body())
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_the_clients_request_id_names_the_response_and_aborts_it(tmp_path, chat):
+    """vLLM's X-Request-Id (over the body's request_id): the response's id is the endpoint's prefix and it, the
+    response's header echoes it, /v1/abort takes it; a malformed one is a 400 naming the header."""
+    async def body():
+        cfg = make_cfg(tmp_path, "local")
+        async with Harness(cfg, {"local": lambda g: [(None, tokens(g, [65]))] if g.max_tokens == 8
+                                 else local_script([[65], [66]])(g)}) as h:
+            path = "/v1/chat/completions" if chat else "/v1/completions"
+            ask = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": [1]}
+            prefix = "chatcmpl" if chat else "cmpl"
+            r = await h.http.post(path, json={**ask, "max_tokens": 2, "request_id": "body-1"},
+                                  headers={"X-Request-Id": "gw-7f3a"})
+            assert (await r.json())["id"] == f"{prefix}-gw-7f3a" and r.headers["X-Request-Id"] == "gw-7f3a"
+            r = await h.http.post(path, json={**ask, "max_tokens": 2, "request_id": "body-1"})
+            assert (await r.json())["id"] == f"{prefix}-body-1" and r.headers["X-Request-Id"] == f"{prefix}-body-1"
+            r = await h.http.post(path, json={**ask, "max_tokens": 2})
+            own = (await r.json())["id"]
+            assert r.headers["X-Request-Id"] == own and len(own) == len(prefix) + 33  # pushkv's: a uuid
+            r = await h.http.post(path, json={**ask, "max_tokens": 8, "stream": True}, headers={"X-Request-Id": "s-1"})
+            assert r.headers["X-Request-Id"] == "s-1"
+            await r.content.readline()
+            assert (await h.http.post("/v1/abort/s-1")).status == 200
+            ev = await read_sse(r)
+            assert ev[-1] == "[DONE]" and ev[-2]["error"]["code"] == 499
+            await h.wait_abort("local")
+            bad = await h.http.post(path, json={**ask, "max_tokens": 2}, headers={"X-Request-Id": "a b"})
+            assert bad.status == 400 and (await bad.json())["error"]["param"] == "X-Request-Id"
+    run(body())
+
+
 def test_metrics_exposes_counters(tmp_path):
     async def body():
         cfg = make_cfg(tmp_path, "local")
