@@ -91,6 +91,9 @@ class SchedulerCore:
         self.step: Optional[Batch] = None
         self.step_started = 0.0
         self.step_answers: dict[int, StepAnswer] = {}
+        # the blocks of steps that timed out, by step id, with the ranks that answered since: freed once every rank
+        # has (a hung worker that wakes still runs the step and writes into them; D's WRITEs could land there first)
+        self.late_steps: dict[int, tuple[list[int], set[int]]] = {}
         self.max_len = cfg.max_model_len or cfg.model.max_position
         self.vocab = cfg.model.vocab_size
         self.lora = LoraTable(cfg.model.lora)  # the LoRA adapters this instance serves, by name and slot
@@ -174,10 +177,31 @@ class SchedulerCore:
         if self.step is not None and now - self.step_started > self.cfg.timeouts.step_s:
             batch, self.step = self.step, None
             self.counters["step_timeout"] += 1
-            for r, _ in batch:
+            held: list[int] = []
+            for r, _ in batch:  # each fails now; its blocks wait for the step's late answers (``late_step_answer``)
                 r.in_step = False
+                held += r.blocks
+                r.blocks = []
                 self._fail(r, f"forward step exceeded {self.cfg.timeouts.step_s:.0f}s (worker dead or hung)", 503)
+            if held:
+                self.late_steps[self.step_id] = (held, set())
+                self.counters["late_step_blocks_held"] += len(held)
             self.schedule()
+
+    def late_step_answer(self, step_id: int, rank: int) -> bool:
+        """A rank's answer to a step that timed out (``tick``): once every rank has answered, no worker can touch
+        its blocks any more and they are freed. False: no such step is held (a stale answer)."""
+        held = self.late_steps.get(step_id)
+        if held is None:
+            return False
+        blocks, ranks = held
+        ranks.add(rank)
+        if len(ranks) == len(self.workers):
+            del self.late_steps[step_id]
+            self.alloc.free(blocks)
+            self.counters["late_step_blocks_freed"] += len(blocks)
+            self.schedule()
+        return True
 
     def compiled(self, done: GrammarCompiled, now: float, wall: float) -> None:
         """A grammar asked for (``CompileGrammar``) compiled off the loop, or failed (``grammar_wait``)."""
@@ -339,11 +363,11 @@ class SchedulerCore:
     def _abort(self, r: Request, reason: str, notify: bool) -> None:
         if notify:
             self._reply(r, m.RequestFailed(r.transfer_id, r.generation, reason, 499))
-        if r.in_step or r.state in (State.SENDING, State.AWAIT_KV) or self._pinned_by_writers(r):
-            # blocks stay ours until the step ends / every writer confirms nothing
-            # can still read or write them
+        if r.in_step or r.state in (State.SENDING, State.AWAIT_KV, State.VERIFY) or self._pinned_by_writers(r):
+            # blocks stay ours until the step ends / every writer confirms nothing can still read or write them /
+            # every worker has checked them (D, --kv-verify: ``on_KVVerified`` frees them)
             r.aborted = reason
-            if not r.in_step or self._pinned_by_writers(r):
+            if (not r.in_step and r.state != State.VERIFY) or self._pinned_by_writers(r):
                 self._to_writers(m.CancelKV(r.transfer_id, r.generation, reason))
             return
         self._release(r)

@@ -174,6 +174,7 @@ class DecodeScheduler(SchedulerCore):
                 self.counters["kv_verify_nothing_moved"] += 1
                 return False
         r.state = State.VERIFY
+        r.verify_at = self.now
         r.checksums = exp if why is None else None
         r.verified = {}
         self._stamp(r, "kv_verify_start")
@@ -185,11 +186,16 @@ class DecodeScheduler(SchedulerCore):
 
     def on_KVVerified(self, msg: m.KVVerified, frm: Peer) -> None:
         r = self.reqs.get((msg.transfer_id, msg.generation))
-        if r is None or r.state != State.VERIFY:  # aborted meanwhile: its blocks are free already
+        if r is None or r.state != State.VERIFY:  # its instance restarted meanwhile (the request is not ours)
             self.counters["stale_verify_answer"] += 1
             return
         r.verified[frm.rank] = msg
         if len(r.verified) < len(self.workers):
+            return
+        if r.aborted:  # aborted, or past its deadline, while the workers read its blocks: they are done with them
+            self.counters["verify_answer_after_abort"] += 1
+            self._release(r)
+            self.schedule()
             return
         bad = [a.reason for a in r.verified.values() if a.reason]
         self.counters["kv_verify_sums"] += sum(a.checked for a in r.verified.values())
@@ -206,6 +212,19 @@ class DecodeScheduler(SchedulerCore):
                 self._emit(r, r.output.pop())
         self.schedule()
 
+    def _verify_deadlines(self, now: float) -> None:
+        """A KV check the workers have not answered within a step's deadline fails its request (503), as a step
+        that never ends does; its blocks stay until the workers answer (``on_KVVerified``)."""
+        step_s = self.cfg.timeouts.step_s
+        for r in [r for r in self.reqs.values() if r.state == State.VERIFY and not r.aborted]:
+            if now - r.verify_at > step_s:
+                why = f"KV verification exceeded {step_s:.0f}s (worker dead or hung)"
+                self.counters["kv_verify_timeout"] += 1
+                self.counters["requests_failed"] += 1
+                log.warning("%s: request failed: %s transfer_id=%s", self.name, why, r.transfer_id)
+                r.aborted = why
+                self._reply(r, m.RequestFailed(r.transfer_id, r.generation, why, 503))
+
     def _verify_failed(self, r: Request, reason: str) -> None:
         self.counters["kv_verify_failed"] += 1
         self._fail(r, f"KV verification failed: {reason}", 502)
@@ -213,6 +232,7 @@ class DecodeScheduler(SchedulerCore):
     # -- pull: P's lease lives while we still mean to read -----------------------------
     def tick(self, now: float, wall: float) -> None:
         super().tick(now, wall)
+        self._verify_deadlines(now)
         if self.stalled_until and now >= self.stalled_until:
             self.stalled_until = 0.0
             self.schedule()

@@ -81,6 +81,7 @@ class Request:
     indexed: int = 0  # leading blocks offered to the prefix cache so far
     checksums: Optional[m.KVChecksums] = None  # --kv-verify: P's sums of the KV (P: computed; D: to check)
     verified: dict[int, m.KVVerified] = field(default_factory=dict)  # D: worker rank -> its verdict
+    verify_at: float = 0.0  # D, --kv-verify: monotonic time the workers were asked (its deadline runs from it)
     first_out: bool = False  # D, --kv-verify: P's first token went out before the verdict (it gates the first step)
     # prompt logprobs, where the prompt is computed here: each chunk's as its step answered, then joined
     prompt_parts: list[m.PromptLogprobs] = field(default_factory=list)

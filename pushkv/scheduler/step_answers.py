@@ -23,7 +23,8 @@ def take(core: "SchedulerCore", msg: "StepAnswer", frm: Peer) -> None:
     """One worker rank's answer to the step; once every rank has answered, each request of the step goes on (or
     fails with the step), and the core schedules the next."""
     if core.step is None or msg.step_id != core.step_id:
-        core.counters["stale_step_answer"] += 1
+        if not core.late_step_answer(msg.step_id, frm.rank):
+            core.counters["stale_step_answer"] += 1
         return
     core.step_answers[frm.rank] = msg
     if len(core.step_answers) < len(core.workers):

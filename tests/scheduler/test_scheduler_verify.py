@@ -119,15 +119,44 @@ def test_decode_mismatch_fails_the_request_and_frees_its_blocks():
     assert all_free(s)
 
 
-def test_decode_abort_while_verifying_frees_at_once_and_ignores_late_verdicts():
+def test_decode_abort_while_verifying_holds_the_blocks_until_every_worker_has_checked_them():
+    """The workers still read the blocks: freed at the abort, they could take another request's WRITE first, and the
+    check would report a mismatch that is not there (seen: a client leaving during the check)."""
     s, wire = verifying("decode")
     _arrived(s, wire, checksums=sums())
     assert [type(x) for x in wire.take("router")] == [m.TokensGenerated]
+    assert [type(x) for x in wire.take("worker")] == [m.VerifyKV, m.VerifyKV]
+    free = s.alloc.num_free
     deliver(s, ROUTER, m.Abort("t1", 0))
-    assert all_free(s)
+    assert s.alloc.num_free == free and not all_free(s) and wire.take("writer") == []
+    deliver(s, s.workers[0], m.KVVerified("t1", 0, "", 3))
+    assert s.alloc.num_free == free
+    deliver(s, s.workers[1], m.KVVerified("t1", 0, "", 3))
+    assert all_free(s) and wire.take("router") == [] and wire.take("worker") == []
+    assert s.counters["verify_answer_after_abort"] == 1 and s.counters["kv_verified"] == 0
+    deliver(s, s.workers[0], m.KVVerified("t1", 0, "", 3))  # a duplicate: the request is gone
+    assert s.counters["stale_verify_answer"] == 1
+
+
+def test_decode_verification_past_the_step_deadline_fails_and_frees_when_the_workers_answer():
+    """A hung worker never answers the check: the request fails (503) after a step's deadline, as a step would; its
+    blocks wait for the workers."""
+    s, wire = verifying("decode")
+    _arrived(s, wire, checksums=sums())
+    wire.take("router")
+    wire.take("worker")
+    free = s.alloc.num_free
+    s.tick(s.now + s.cfg.timeouts.step_s / 2, 0.0)
+    assert wire.take("router") == []
+    s.tick(s.now + s.cfg.timeouts.step_s + 1, 0.0)
+    (failed,) = wire.take("router")
+    assert isinstance(failed, m.RequestFailed) and failed.status == 503 and "KV verification exceeded" in failed.reason
+    s.tick(s.now + 1, 0.0)  # failed once
+    assert wire.take("router") == [] and s.counters["kv_verify_timeout"] == 1 and s.alloc.num_free == free
+    deliver(s, ROUTER, m.Abort("t1", 0))  # the router ends its legs
     for ch in s.workers:
         deliver(s, ch, m.KVVerified("t1", 0, "", 3))
-    assert wire.take("router") == [] and s.counters["stale_verify_answer"] == 2
+    assert all_free(s) and wire.take("router") == [] and wire.take("worker") == []
 
 
 def test_decode_pull_takes_the_relayed_checksums():
