@@ -55,9 +55,9 @@ class Worker(Actor):
         if self.inst.tp > 1:
             import torch.distributed as dist
 
-            backend = "gloo" if self.device == "cpu" else "nccl"
-            dist.init_process_group(backend, init_method=self.inst.dist_init, rank=self.rank,
-                                    world_size=self.inst.tp)
+            from pushkv.worker.tp_group import init_group
+
+            init_group("gloo" if self.device == "cpu" else "nccl", self.inst.dist_init, self.rank, self.inst.tp)
             group = dist.group.WORLD
         self.model = build_model(self.cfg.model, self.rank, self.inst.tp, self.device, group,
                                  max_num_seqs=self.inst.max_num_seqs, label=self.name)
