@@ -201,7 +201,7 @@ class RequestRun:
             return None
         if isinstance(a.msg, m.Abort):
             self.metrics.aborts_sent.labels(role=a.leg).inc()
-            log.info("abort %s leg transfer_id=%s: %s", a.leg, self.transfer_id, a.msg.reason)
+            log.debug("abort %s leg transfer_id=%s: %s", a.leg, self.transfer_id, a.msg.reason)  # (counted above)
         return None
 
     # -- the handler's side ---------------------------------------------------------------

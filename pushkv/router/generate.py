@@ -17,11 +17,13 @@ from typing import AsyncIterator, Awaitable, Callable, Optional
 
 from aiohttp import web
 
+from pushkv.floods import Kinds
 from pushkv.router import api, output, render, responses, text
 from pushkv.router.flow import RequestRun
 from pushkv.router.request import Failed, Finished, Tokens
 
 log = logging.getLogger(__name__)
+GONE = Kinds()  # clients that went away mid-request: logged as floods.py says (a load test's cancels repeat them)
 
 
 def _error_body(status: int, reason: str) -> dict:
@@ -173,7 +175,9 @@ class Generation:
     def client_gone(self) -> None:
         """Logged only: closing the runs (the server's, whatever ended the request) ends each choice
         still open as aborted."""
-        log.info("client went away transfer_id=%s", self.runs[0].transfer_id.split("-")[0])
+        n = GONE.seen("gone")
+        if n:
+            log.info("client went away transfer_id=%s (%d so far)", self.runs[0].transfer_id.split("-")[0], n)
 
     # -- unary ------------------------------------------------------------------
     async def unary(self) -> web.Response:

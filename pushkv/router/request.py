@@ -45,7 +45,7 @@ from typing import Callable, ClassVar, Literal, Optional
 import msgspec
 
 from pushkv import messages as m
-from pushkv.floods import worth_logging
+from pushkv.floods import Kinds, worth_logging
 from pushkv.kinds import Mode, Role
 from pushkv.router import policy as P
 from pushkv.router.ledger import Ledger, Outcome
@@ -79,6 +79,7 @@ from pushkv.router.request_msgs import (  # re-exported: the machine's callers n
 
 log = logging.getLogger(__name__)
 REFUSED: Counter[int] = Counter()  # refusals by HTTP status, in this router process (what its log lines count)
+LINES = Kinds()  # the other per-request lines a burst repeats (late allocations, failed legs): floods.py
 
 __all__ = ["Start", "Placed", "Queued", "DecodePlaced", "DecodeQueued", "Rejected", "SendFailed", "Cancel",
            "Tick", "Stopped", "Close", "Send", "Tokens", "Finished", "Failed", "Place", "PlaceDecode",
@@ -185,6 +186,7 @@ class Request:
         self.deadline = math.inf
         self.p_report: Optional[m.TokensGenerated] = None
         self.held: list[m.TokensGenerated] = []
+        self.cancelled = ""  # why the router cancelled it (the abort endpoint, a stop, an instance down)
 
     # -- what others read --------------------------------------------------------
     @property
@@ -289,7 +291,9 @@ class Request:
             if self.spec.mode == "push":
                 led.path = "late"
                 self._mark("router.late_allocation", now)
-                log.info("late allocation transfer_id=%s: %s", self.transfer_id, v.reason)
+                n = LINES.seen("late")
+                if n:
+                    log.info("late allocation transfer_id=%s: %s (%d so far)", self.transfer_id, v.reason, n)
             return [self._send("prefill", p, self._generate("prefill", 1, late=self.spec.mode == "push"), now)]
         # both legs leave together: D reserves and registers while P computes
         return [self._send("prefill", p, self._generate("prefill", 1), now),
@@ -337,13 +341,20 @@ class Request:
         if self.phase is Phase.FINISHING:  # the client already has every token
             log.warning("leg %s failed after completion transfer_id=%s: %s", leg, self.transfer_id, msg.reason)
             return self._finish()
-        log.info("leg %s failed transfer_id=%s status=%d: %s", leg, self.transfer_id, msg.status, msg.reason)
+        n = LINES.seen(("failed", leg, msg.status))  # an instance's death fails every request it had at once
+        if n:
+            log.info("leg %s failed transfer_id=%s status=%d: %s (%s legs failed with %d so far: %d)", leg,
+                     self.transfer_id, msg.status, msg.reason, leg, msg.status, n)
         return self._fail(msg.status, f"{leg}: {msg.reason}")
 
     def _on_cancel(self, msg: Cancel, now: float, leg: Source) -> list[Action]:
         if self.phase is Phase.FINISHING:
             return self._finish()
-        log.info("cancelled transfer_id=%s status=%d: %s", self.transfer_id, msg.status, msg.reason)
+        n = LINES.seen(("cancelled", msg.outcome))  # a router stop or an instance's death cancels them all
+        if n:
+            log.info("cancelled transfer_id=%s status=%d: %s (%d %s so far)", self.transfer_id, msg.status,
+                     msg.reason, n, msg.outcome)
+        self.cancelled = msg.reason
         return self._fail(msg.status, msg.reason, msg.outcome)
 
     def _on_tick(self, msg: Tick, now: float, leg: Source) -> list[Action]:
@@ -364,8 +375,9 @@ class Request:
         led = self.ledger
         if not led.outcome:  # it had not ended: the client went away, or a sibling choice ended it
             led.outcome = msg.outcome
-        reason = msg.reason or ("request complete" if led.outcome == "ok"  # only P (push) can still be open
-                                else "client disconnected" if led.outcome == "aborted" else f"request {led.outcome}")
+        reason = msg.reason or self.cancelled or (
+            "request complete" if led.outcome == "ok"  # only P (push) can still be open
+            else "client disconnected" if led.outcome == "aborted" else f"request {led.outcome}")
         self.phase = Phase.CLOSED  # the client is gone or has its answer: nothing is emitted any more
         out: list[Action] = [Disarm()]
         if self.spec.mode != "local":

@@ -20,12 +20,18 @@ from pushkv.model import sampling
 from pushkv.worker.marks import LayerMarks
 
 log = logging.getLogger(__name__)
-
+PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")  # gloo's and NCCL's words
 
 
 def worker_name(inst: InstanceConfig, rank: int) -> str:
     """The process's name (its fault points' files are named by it)."""
     return f"{inst.name}-worker-{rank}"
+
+
+def peer_rank_gone(e: BaseException) -> bool:
+    """Whether a step's collective failed because another rank of the group died (its socket closed)."""
+    return isinstance(e, RuntimeError) and any(w in str(e) for w in PEER_GONE)
+
 
 class Worker(Actor):
     def __init__(self, cfg: DeploymentConfig, inst: InstanceConfig, rank: int, faults: Optional[Faults] = None):
@@ -106,7 +112,11 @@ class Worker(Actor):
             on_layer = self.marks.hook(msg.step_id, msg.stream) if self.marks is not None and msg.stream else None
             out = self.model.execute_sampled(self._physical(msg.seqs), self.layer_pools, on_layer)
         except Exception as e:
-            log.exception("%s: step %d failed", self.name, msg.step_id)
+            if peer_rank_gone(e):  # an expected fault (the supervisor restarts the instance): one line, no trace
+                log.error("%s: step %d failed: a peer TP rank is gone (%s)", self.name, msg.step_id,
+                          str(e).splitlines()[0][:200])
+            else:
+                log.exception("%s: step %d failed", self.name, msg.step_id)
             self.send(self.sched, m.StepFailed(msg.step_id, f"{type(e).__name__}: {e}"))
             return
         # By StepDone every K/V of a P step must be in the pool: the WRITE (or the staging copy)

@@ -1,10 +1,11 @@
 """A TP instance's torch.distributed store listens on the planned address only (loopback on one host): torch's own
 TCPStore bound every interface, so any host could read and write the group's keys. Two real ranks (gloo) meet
 through it and all-reduce; while they do, the kernel's table of listening sockets shows the store's port bound to
-127.0.0.1 alone."""
+127.0.0.1 alone. Then rank 1 dies, and rank 0's next all-reduce fails as a peer's death (``peer_rank_gone``)."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 
 import pytest
 
@@ -25,7 +26,17 @@ def _rank(dist_init: str, rank: int, out) -> None:
         out.put(("listening", _listening(int(dist_init.rsplit(":", 1)[1]))))
     dist.barrier()
     out.put((rank, float(x)))
-    dist.destroy_process_group()
+    if rank == 1:  # dies as a SIGKILLed rank does: no goodbye (its answer flushed first)
+        out.close()
+        out.join_thread()
+        os._exit(0)
+    try:  # rank 0's next collective meets a dead peer
+        dist.all_reduce(x)
+        out.put(("peer_gone", None))
+    except Exception as e:
+        from pushkv.worker.engine import peer_rank_gone
+
+        out.put(("peer_gone", peer_rank_gone(e)))
 
 
 def _listening(port: int) -> list[str]:
@@ -49,7 +60,7 @@ def test_the_tp_store_listens_on_loopback_only_and_the_ranks_meet_through_it():
     for p in procs:
         p.start()
     try:
-        got = dict(out.get(timeout=90) for _ in range(3))
+        got = dict(out.get(timeout=90) for _ in range(4))
     finally:
         for p in procs:
             p.join(timeout=30)
@@ -58,6 +69,8 @@ def test_the_tp_store_listens_on_loopback_only_and_the_ranks_meet_through_it():
                 p.join()
     assert got[0] == got[1] == 3.0
     assert got["listening"] == ["0100007F"], got["listening"]  # 127.0.0.1, and no other address
+    # a step's collective that meets a dead rank is told apart (one log line, no traceback: worker/engine.py)
+    assert got["peer_gone"] is True
 
 
 def test_a_malformed_init_address_is_refused_by_name():
