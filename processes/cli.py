@@ -373,7 +373,23 @@ def config_from_args(args: argparse.Namespace) -> DeploymentConfig:
 # ---------------------------------------------------------------------------
 # subcommands
 # ---------------------------------------------------------------------------
+def insecure_warning(role: str, address: str) -> str:
+    return (f"pushkv up: WARNING --insecure: {role} host without --secret-file: its ZMQ sockets on {address} take "
+            "plain, unauthenticated peers")
+
+
+def warn_insecure_first(args: argparse.Namespace) -> bool:
+    """``--insecure`` said from the flags alone, before any check can fail (so a start refused later
+    still said it); True when said. A ``--config`` file may name the role or a secret: then the
+    warning waits for the planned config."""
+    if not getattr(args, "insecure", False) or not args.role or args.secret_file or getattr(args, "config", None):
+        return False
+    print(insecure_warning(args.role, args.advertise or args.host or "127.0.0.1"), file=sys.stderr, flush=True)
+    return True
+
+
 def cmd_up(args: argparse.Namespace, child_argv: Optional[ArgvHook] = None) -> int:
+    warned = warn_insecure_first(args)
     for line in deprecations(vars(args)):
         print(f"pushkv up: {line}", file=sys.stderr)
     try:
@@ -394,9 +410,8 @@ def cmd_up(args: argparse.Namespace, child_argv: Optional[ArgvHook] = None) -> i
               "the same --secret-file (make one: openssl rand -hex 32), or --insecure to run without one",
               file=sys.stderr)
         return 2
-    if cfg.host_role and not cfg.secret_file:  # --insecure: said at every start, before anything can fail
-        print(f"pushkv up: WARNING --insecure: {cfg.host_role} host without --secret-file: its ZMQ sockets on "
-              f"{cfg.advertise or cfg.host} take plain, unauthenticated peers", file=sys.stderr)
+    if cfg.host_role and not cfg.secret_file and not warned:  # --insecure with the role or secret in --config
+        print(insecure_warning(cfg.host_role, cfg.advertise or cfg.host), file=sys.stderr)
     # a taken port, a missing GPU, a model that does not fit, NIXL that does not import: before any
     # child (children a caller brings, child_argv, are not pushkv's writers: they need no NIXL)
     sized: list[Sizing] = []

@@ -32,7 +32,7 @@ class Var:
 _VARS = (
     # operator
     Var("PUSHKV_API_KEY", str, "", "the router's HTTP API key: requests must carry `Authorization: Bearer KEY`; "
-        "empty: no key asked"),
+        "empty: no key asked. `pushkv bench`, `chat-bench` and `sweep` send it (before `OPENAI_API_KEY`)"),
     Var("PUSHKV_REGISTRY_DIR", str, "", "where `pushkv up` records deployments (`pushkv status`, taps find "
         "them there); empty: a directory of the user's own"),
     Var("PUSHKV_THREADS", int, 1, "torch CPU threads per worker"),
@@ -84,6 +84,8 @@ _VARS = (
         "extra config names none; empty: 127.0.0.1", FOREIGN),
     Var("VLLM_NIXL_SIDE_CHANNEL_PORT", int, 0, "pushkv.vllm: the writers' handshake port when the extra config "
         "names none; 0: 5600", FOREIGN),
+    Var("OPENAI_API_KEY", str, "", "`pushkv bench`, `chat-bench` and `sweep`: the API key they send "
+        "(`Authorization: Bearer KEY`) where `PUSHKV_API_KEY` is unset, as `vllm bench serve` sends it", FOREIGN),
     Var("VLLM_ALLOW_RUNTIME_LORA_UPDATING", bool, False, "the router serves vLLM's `/v1/load_lora_adapter` and "
         "`/v1/unload_lora_adapter` (with `--enable-lora`); off: those paths are 404, as vLLM's", FOREIGN),
 )
@@ -143,6 +145,7 @@ if TYPE_CHECKING:  # what ``envs.NAME`` returns, for mypy (tests/tools/test_envs
     XDG_RUNTIME_DIR: str
     VLLM_NIXL_SIDE_CHANNEL_HOST: str
     VLLM_NIXL_SIDE_CHANNEL_PORT: int
+    OPENAI_API_KEY: str
     VLLM_ALLOW_RUNTIME_LORA_UPDATING: bool
 
 

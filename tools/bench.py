@@ -4,7 +4,9 @@ Poisson arrivals at ``--qps``, random-token prompts of ``--input-len``,
 ``--output-len`` tokens each (EOS ignored). Records per request TTFT, TPOT,
 ITLs, end-to-end latency and the router's ``pushkv.timeline``, and writes one
 JSON per run, named ``<mode>_qps<q>_in<in>_out<out>_iter<i>.json``, with
-``vllm bench serve`` field names plus a ``stages`` breakdown.
+``vllm bench serve`` field names plus a ``stages`` breakdown. A router started with
+``--api-key`` gets the key from ``PUSHKV_API_KEY``, else ``OPENAI_API_KEY`` (as ``vllm bench
+serve`` sends it). Exit status 1 when any request failed.
 """
 from __future__ import annotations
 
@@ -19,9 +21,11 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Optional
+from typing import Mapping, Optional
 
 import numpy as np
+
+from pushkv import envs
 
 RESULT_RE = re.compile(r"^(?P<mode>.+)_qps(?P<qps>[^_]+)_in(?P<inp>\d+)_out(?P<out>\d+)_iter(?P<it>\d+)\.json$")
 DEFAULT_VOCAB = 256  # byte ids: valid for every preset, never BOS/EOS
@@ -58,6 +62,17 @@ def next_iter(result_dir: str, mode: str, qps: float, input_len: int, output_len
 # ---------------------------------------------------------------------------
 # one request
 # ---------------------------------------------------------------------------
+KEY_VARS = ("PUSHKV_API_KEY", "OPENAI_API_KEY")  # the first one set is sent
+
+
+def auth_headers(environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """``Authorization: Bearer KEY`` for a router started with ``--api-key``: the key from
+    ``PUSHKV_API_KEY`` (where ``pushkv up`` takes its own from), else ``OPENAI_API_KEY`` (what
+    ``vllm bench serve`` sends); neither set: no header."""
+    key = next((k for k in (envs.get(name, environ) for name in KEY_VARS) if k), "")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 @dataclass
 class RequestResult:
     success: bool = False
@@ -241,7 +256,8 @@ async def run_load(base_url: str, prompts: list[list[int]], gaps: list[float], o
 
     url = base_url.rstrip("/") + "/v1/completions"
     timeout = aiohttp.ClientTimeout(total=timeout_s)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout,
+                                     headers=auth_headers()) as session:
         for p in warmup:
             r = await send_request(session, url, p, output_len, model)
             if not r.success:
@@ -282,7 +298,11 @@ def detect_mode(base_url: str) -> str:
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="pushkv bench", description=__doc__.split("\n\n")[0],
                                  epilog="--workload chat: the chat workload instead (multi-turn conversations sharing "
-                                        "a system prompt); pushkv bench --workload chat --help gives its options")
+                                        "a system prompt); pushkv bench --workload chat --help gives its options. "
+                                        "A router started with --api-key: the key is sent as 'Authorization: Bearer "
+                                        "KEY' from $PUSHKV_API_KEY, else $OPENAI_API_KEY (as vllm bench serve). "
+                                        "Exit status: 0 when every request completed, 1 when any failed (the "
+                                        "summary is printed and the result file written either way)")
     ap.add_argument("--url", default="http://127.0.0.1:8000", help="router base URL")
     ap.add_argument("--mode", help="label in the file name (default: asked from /health)")
     ap.add_argument("--qps", type=float, default=1.0, help="Poisson arrival rate; inf = all at once")
@@ -347,7 +367,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     path, summary = run(args)
     print_summary(path, summary)
-    return 0 if summary["completed"] else 1
+    if summary["failed"] or not summary["completed"]:
+        print(f"pushkv bench: {summary['failed']} of {summary['failed'] + summary['completed']} requests failed "
+              f"(saved in {path} all the same): exit status 1", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@ Printed per turn: TTFT and TPOT p50/p99 (from the router's timeline and the answ
 time), how much of the prompts was a prefix already sent ("reusable"), how much the server
 says it took from its cache ("cached", ``usage.prompt_tokens_details.cached_tokens`` when it
 reports it), and which path each request took (the legs and instances in ``pushkv``).
+
+A router started with ``--api-key`` gets the key from ``PUSHKV_API_KEY``, else ``OPENAI_API_KEY``
+(tools/bench.py's ``auth_headers``). Exit status 1 when any turn failed.
 """
 from __future__ import annotations
 
@@ -26,6 +29,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
+
+from tools.bench import auth_headers
 
 DEFAULT_VOCAB = 256
 
@@ -195,7 +200,7 @@ async def run_chat(base_url: str, convs: list[Conversation], system: list[int], 
     sent: list[list[int]] = []
     t0 = time.perf_counter()
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    async with aiohttp.ClientSession(timeout=timeout, headers=auth_headers()) as session:
         tasks = [asyncio.create_task(_conversation(session, url, i, c, system, output_len, model, t0, sent, out))
                  for i, c in enumerate(convs)]
         total = sum(len(c.user_turns) for c in convs)
@@ -208,7 +213,10 @@ async def run_chat(base_url: str, convs: list[Conversation], system: list[int], 
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="pushkv bench --workload chat", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="pushkv bench --workload chat", description=__doc__.split("\n\n")[0],
+                                 epilog="A router started with --api-key: the key is sent as 'Authorization: Bearer "
+                                        "KEY' from $PUSHKV_API_KEY, else $OPENAI_API_KEY (as vllm bench serve). "
+                                        "Exit status: 0 when every turn completed, 1 when any failed")
     ap.add_argument("--base-url", default="http://127.0.0.1:8000")
     ap.add_argument("--conversations", type=int, default=16)
     ap.add_argument("--rate", type=float, default=1.0, help="conversations started per second (Poisson)")

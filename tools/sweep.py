@@ -4,7 +4,11 @@ For each mode it starts ``pushkv up --mode ... --port P`` as a subprocess
 (tools.launch), waits until it prints READY, runs ``pushkv bench`` for every (QPS,
 input length) cell, then stops the deployment with SIGINT. The default grid
 is small enough for a 2-core CPU box in well under 15 minutes; ``--full``
-is the 1k-16k x 1/2/4/8 QPS grid.
+is the 1k-16k x 1/2/4/8 QPS grid. Mode "push" is push with ``--push-stream off``
+(one WRITE when prefill ends); the streamed modes (push-layer, push-chunk) run only
+when ``--modes`` names them. With ``PUSHKV_API_KEY`` set, the deployments it starts
+ask for that key and its bench runs send it. Exit status 1 when a deployment did not
+start or any request failed.
 """
 from __future__ import annotations
 
@@ -55,9 +59,16 @@ def grid(args) -> list[tuple[str, float, int]]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="pushkv sweep", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--full", action="store_true", help="1k-16k inputs x 1/2/4/8 QPS, all modes")
-    ap.add_argument("--modes", nargs="+", choices=sorted(MODES))
+    ap = argparse.ArgumentParser(prog="pushkv sweep", description=__doc__.split("\n\n")[0],
+                                 epilog="A deployment with an API key: set PUSHKV_API_KEY (its pushkv up takes it as "
+                                        "--api-key, and the bench sends it; OPENAI_API_KEY is sent where it is unset). "
+                                        "Exit status: 1 when a deployment did not start or any request failed")
+    small = f"{' and '.join(map(str, SMALL['inputs']))} tokens x {'/'.join(map(bench.fmt_qps, SMALL['qps']))} QPS"
+    ap.add_argument("--full", action="store_true",
+                    help=f"the 1k-16k inputs x 1/2/4/8 QPS grid over modes {', '.join(FULL['modes'])} (the default "
+                         f"grid: {small} over {', '.join(SMALL['modes'])}); 'push' is --push-stream off")
+    ap.add_argument("--modes", nargs="+", choices=sorted(MODES),
+                    help="these modes instead (push-layer: what pushkv up --mode push runs)")
     ap.add_argument("--qps", nargs="+", type=float)
     ap.add_argument("--inputs", nargs="+", type=int, help="input lengths")
     ap.add_argument("--num-prompts", type=int)

@@ -79,6 +79,15 @@ def stage_late(stage: int, timeout_s: float, waiting: Sequence[str]) -> str:
             f"if it is only slow, give it longer with {flag} SECONDS (its log shows how far it got)")
 
 
+def ready_what(cfg: DeploymentConfig, router_url: str) -> str:
+    """What the ready line names: the router's URL where this host runs the router (one host, or
+    ``--role router``); a P or D host of several runs none, so its role, address and instances."""
+    if cfg.host_role in ("", "router"):
+        return router_url
+    insts = ", ".join(f"{i.name} ({i.engine_id})" for i in cfg.instances())
+    return f"{cfg.host_role} host {cfg.advertise}, no router here: instances {insts}"
+
+
 ArgvHook = Callable[[ProcessSpec], Sequence[str]]
 
 
@@ -218,8 +227,9 @@ class Supervisor(Actor):
     def _now_running(self, now: float) -> None:
         self.phase = "running"
         self._next_ping = now + self.ping_interval_s
-        log.info("deployment %s ready: %s", self.cfg.deployment_id, self.router_url)
-        self._publish("deployment", "ready", detail=self.router_url)
+        what = ready_what(self.cfg, self.router_url)
+        log.info("deployment %s ready: %s", self.cfg.deployment_id, what)
+        self._publish("deployment", "ready", detail=what)
         for inst in self.cfg.instances():
             if self.host_registry is not None:
                 self.host_registry.announce(inst.name)
