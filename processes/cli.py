@@ -437,12 +437,19 @@ def cmd_up(args: argparse.Namespace, child_argv: Optional[ArgvHook] = None) -> i
     cfg = sizing.cfg
     deployments.sweep_residue()
     announcer = None
-    if cfg.host_role in ("prefill", "decode"):  # this host's instances go into the registry
-        from pushkv.discovery.etcd import EtcdAnnouncer, EtcdError
+    if cfg.host_role in ("prefill", "decode", "router"):  # the registry, tried as this host will use it
+        from pushkv.discovery.etcd import EtcdAnnouncer, EtcdError, SyncGateway, check_readable, target_of
 
         try:
-            announcer = EtcdAnnouncer(cfg.registry, ttl_s=cfg.registry_ttl_s, rejoin=False)
-            announcer.connect()  # bad credentials or no etcd: fail now, before anything starts
+            if cfg.host_role == "router":  # it reads the instances: with what credentials and grants it has
+                gw = SyncGateway(target_of(cfg.registry))
+                try:
+                    check_readable(gw, gw.t)
+                finally:
+                    gw.drop()
+            else:  # this host's instances go into it
+                announcer = EtcdAnnouncer(cfg.registry, ttl_s=cfg.registry_ttl_s, rejoin=False)
+                announcer.connect()  # bad credentials, grants or no etcd: fail now, before anything starts
         except (EtcdError, ValueError) as e:
             print(f"pushkv up: registry {cfg.registry.split('@')[-1]}: {e}", file=sys.stderr)
             return 2

@@ -86,10 +86,16 @@ class EtcdAnnouncer:
 
     # -- the interface ------------------------------------------------------------------
     def connect(self) -> None:
-        """Authenticate and take a lease now: raises EtcdAuthError for bad credentials and
-        EtcdUnavailable when etcd cannot be reached, so a misconfigured host fails at start."""
+        """Authenticate, take a lease and try what the host will do with it now: raises EtcdAuthError for bad
+        credentials, no user where etcd asks for one, or a user not granted the prefix (a probe key under it is
+        written and deleted, the instances read), and EtcdUnavailable when etcd cannot be reached, so a
+        misconfigured host fails at start, before any process does."""
         self.gw.authenticate()
         self._grant(time.monotonic())
+        probe = b64(f"{self.target.prefix}/probe/{self.lease_id:x}")
+        self.gw.call("kv/put", {"key": probe, "value": b64("ok"), "lease": str(self.lease_id)})
+        self.gw.call("kv/deleterange", {"key": probe})
+        check_readable(self.gw, self.target)
 
     def announce(self, record: InstanceRecord) -> None:
         name = (record.role, record.engine_id)
@@ -210,6 +216,14 @@ class EtcdAnnouncer:
             log.warning("etcd %s unreachable: %s (retrying from %ss, backing off to %.2fs)",
                         self.target.redacted(), e, self.retry_s, retry_delay_s(99, self.retry_s, self.ttl_s))
         self.next_contact = now + retry_delay_s(self.failures, self.retry_s, self.ttl_s)
+
+
+def check_readable(gw: SyncGateway, target: EtcdTarget) -> None:
+    """Read the registry's instances as a router will (``kv/range``, one key): raises as ``EtcdAnnouncer.connect``
+    does where the credentials or the grants do not allow it."""
+    gw.authenticate()
+    head = instances_prefix(target.prefix)
+    gw.call("kv/range", {"key": b64(head), "range_end": range_end(head), "limit": 1})
 
 
 def retry_delay_s(failures: int, retry_s: float, ttl_s: float) -> float:

@@ -870,10 +870,15 @@ async def serve(cfg: DeploymentConfig) -> None:
     """Run a router until SIGINT/SIGTERM or the supervisor's Shutdown."""
     watcher = None
     if cfg.registry:  # several hosts: the instances are whatever etcd holds
-        from pushkv.discovery.etcd import EtcdWatcher
+        from pushkv.discovery.etcd import EtcdError, EtcdWatcher
 
         watcher = EtcdWatcher(cfg.registry)
-        await watcher.start()  # bad credentials or no etcd: the router fails at start-up
+        try:
+            await watcher.start()  # bad credentials or no etcd: the router fails at start-up, in one line
+        except EtcdError as e:
+            await watcher.close()
+            log.error("router: registry %s: %s", watcher.target.redacted(), e)
+            raise SystemExit(1) from None
     router = Router(cfg, watcher=watcher)
     await router.start()
     loop = asyncio.get_running_loop()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import subprocess
 import sys
@@ -10,8 +11,8 @@ import time
 import pytest
 
 from pushkv.discovery import etcd_keys as K
-from pushkv.discovery.etcd import (EtcdAnnouncer, EtcdAuthError, EtcdUnavailable, EtcdWatcher,
-                                   retry_delay_s)
+from pushkv.discovery.etcd import (EtcdAnnouncer, EtcdAuthError, EtcdUnavailable, EtcdWatcher, SyncGateway,
+                                   check_readable, retry_delay_s, target_of)
 from pushkv.discovery.records import InstanceDown, InstanceRecord, InstanceUp, encode_record
 from tests.support.etcd_server import etcd_server, free_port, make_tls
 from tests.support import ROOT
@@ -364,10 +365,13 @@ def test_auth(etcd):
                                "permission denied")):
             bad = EtcdAnnouncer(url)
             with pytest.raises(EtcdAuthError, match=fragment) as e:
-                bad.connect()
-                bad.announce(rec("x"))
+                bad.connect()  # at connect, before any process starts: the grants are tried too
             assert "refused" in str(e.value) and "wrong" not in str(e.value)
             bad.close()
+            gw = SyncGateway(target_of(url))
+            with pytest.raises(EtcdAuthError, match=fragment):
+                check_readable(gw, gw.t)  # a router host's check
+            gw.drop()
             w = EtcdWatcher(url)
             with pytest.raises(EtcdAuthError, match=fragment):
                 await w.start()
@@ -404,3 +408,22 @@ def test_tls(tmp_path):
             await w.close()
 
     run(body())
+
+
+@pytest.mark.timeout(90)
+def test_pushkv_up_refuses_credentials_and_grants_before_anything_starts(etcd, tmp_path):
+    """`pushkv up --role ...` tries the registry as the host will use it: no user where etcd asks for one, or a
+    user without the prefix, stops a P/D host at once (status 2, one line, no process started); so does a router
+    host whose credentials cannot read the instances."""
+    etcd.enable_auth("rootpw", "pushkv", "s3cret", "/pushkv")
+    cases = [("decode", etcd.url(), "user name is empty"),
+             ("prefill", etcd.url(user="pushkv", password="s3cret", prefix="/other"), "permission denied"),
+             ("router", etcd.url(user="pushkv", password="wrong"), "authentication failed"),
+             ("router", etcd.url(prefix="/pushkv"), "user name is empty")]
+    for role, url, fragment in cases:
+        argv = [sys.executable, "-m", "processes.cli", "up", "--role", role, "--registry", url, "--insecure",
+                "--advertise", "127.0.0.1", "--model", "small", "--load-format", "dummy"]
+        env = {**os.environ, "PUSHKV_REGISTRY_DIR": str(tmp_path / "reg")}
+        got = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        assert got.returncode == 2 and fragment in got.stderr, (role, got.returncode, got.stderr[-2000:])
+        assert "Traceback" not in got.stderr and "READY" not in got.stdout, got.stderr[-2000:]
