@@ -20,7 +20,7 @@ import zmq.asyncio
 
 from pushkv import messages as m
 from pushkv.config import DeploymentConfig, InstanceConfig, Role
-from pushkv.discovery.records import DiscoveryEvent, InstanceDown, InstanceRecord, InstanceUp
+from pushkv.discovery.records import DiscoveryEvent, InstanceDown, InstanceHealth, InstanceRecord, InstanceUp
 from pushkv.framing import Drops, Shape, arecv_bounded
 from pushkv.security import secure_connect
 
@@ -51,6 +51,7 @@ class InstanceTracker:
         self.local = local  # local mode: track its one instance too (the router's LoRA catch-up after a restart)
         self.records = {r.engine_id: r for r in planned_records(cfg, local)}
         self.dead: dict[str, set[str]] = {}  # engine id -> its processes that exited, while down
+        self.sick: dict[str, set[str]] = {}  # engine id -> its processes that stopped answering pings (hung)
 
     def engine_of(self, ev: m.LifecycleEvent) -> Optional[str]:
         if self.cfg.mode == "local":  # its one instance, where tracked
@@ -67,8 +68,13 @@ class InstanceTracker:
         if ev.kind == "instance":
             if ev.event == "ready" and engine in self.dead:
                 del self.dead[engine]
+                self.sick.pop(engine, None)  # a new incarnation: whatever hung went with the old one
                 return InstanceUp(self.records[engine])
             return None
+        if ev.event in ("unhealthy", "healthy", "exit"):
+            health = self._health(engine, ev)
+            if health is not None:
+                return health
         if ev.event == "exit":
             first = engine not in self.dead
             self.dead.setdefault(engine, set()).add(ev.name)
@@ -80,6 +86,24 @@ class InstanceTracker:
             if not self.dead[engine]:  # every process that exited is back (a single-process restart)
                 del self.dead[engine]
                 return InstanceUp(self.records[engine])
+        return None
+
+
+    def _health(self, engine: str, ev: m.LifecycleEvent) -> Optional[InstanceHealth]:
+        """An instance turns unhealthy with its first process that stops answering pings, and healthy again once
+        every such process answers (or exits: its death is news of its own)."""
+        sick = self.sick.setdefault(engine, set())
+        was = bool(sick)
+        if ev.event == "unhealthy":
+            sick.add(ev.name)
+        else:
+            sick.discard(ev.name)
+        if not sick:
+            del self.sick[engine]
+        if ev.event == "unhealthy" and not was:
+            return InstanceHealth(engine, ev.role, False, f"{ev.name} has not answered its supervisor's pings")
+        if ev.event == "healthy" and was and not sick:
+            return InstanceHealth(engine, ev.role, True, f"{ev.name} answers again")
         return None
 
 

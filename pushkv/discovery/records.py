@@ -33,7 +33,17 @@ class InstanceDown(msgspec.Struct, frozen=True):
     reason: str  # "lease expired", "withdrawn", "deleted", "process exited: ...", ...
 
 
-DiscoveryEvent = Union[InstanceUp, InstanceDown]
+class InstanceHealth(msgspec.Struct, frozen=True):
+    """One of the instance's processes stopped answering its supervisor's pings (``healthy`` false: hung, not
+    dead), or every such process answers again."""
+
+    engine_id: str
+    role: str
+    healthy: bool
+    reason: str
+
+
+DiscoveryEvent = Union[InstanceUp, InstanceDown, InstanceHealth]
 
 encode_record = msgspec.json.Encoder().encode
 decode_record = msgspec.json.Decoder(InstanceRecord).decode

@@ -138,6 +138,7 @@ class Balancer:
             order = sum(1 for l in self.loads.values() if l.role == rec.role)
             load = self.loads[rec.engine_id] = P.Load(rec.engine_id, rec.role, order=order)
         load.num_blocks, load.block_size, load.up = rec.num_blocks, rec.block_size, not joining
+        load.healthy = True  # a new incarnation
         self.records[rec.engine_id] = rec
         if joining:
             self.joins += 1
@@ -159,6 +160,16 @@ class Balancer:
         log.info("%s instance %s up (%d blocks)", load.role, engine_id, load.num_blocks)
         self.drain()
         return True
+
+    def health(self, engine_id: str, healthy: bool) -> Optional[P.Load]:
+        """A process of the instance stopped answering its supervisor (it is chosen last), or answers again."""
+        load = self.loads.get(engine_id)
+        if load is not None and load.healthy != healthy:
+            load.healthy = healthy
+            if healthy:
+                self.drain()
+            return load
+        return None
 
     def down(self, engine_id: str) -> Optional[P.Load]:
         load = self.loads.get(engine_id)

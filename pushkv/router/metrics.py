@@ -282,6 +282,9 @@ class BalanceCollector:
         labels = ["role", "engine"]
         fams = {
             "up": GaugeMetricFamily("pushkv_router_instance_up", "Instance chosen by the router (live)", labels=labels),
+            "healthy": GaugeMetricFamily(
+                "pushkv_router_instance_healthy", "Every process of the instance answers its supervisor's pings "
+                "(0: one is hung, and the instance is chosen only where no other is)", labels=labels),
             "legs": GaugeMetricFamily("pushkv_router_instance_legs", "Legs in flight on the instance", labels=labels),
             "queued_tokens": GaugeMetricFamily(
                 "pushkv_router_instance_queued_prefill_tokens", "P: prompt tokens sent, prefill not finished",
@@ -303,6 +306,7 @@ class BalanceCollector:
             for engine, load in sorted(b.loads.items()):
                 lv = [load.role, engine]
                 fams["up"].add_metric(lv, 1.0 if load.up else 0.0)
+                fams["healthy"].add_metric(lv, 1.0 if load.healthy else 0.0)
                 fams["legs"].add_metric(lv, load.legs)
                 if load.role == "prefill":
                     fams["queued_tokens"].add_metric(lv, load.queued_tokens)

@@ -57,6 +57,7 @@ class Load:
     block_size: int = 16
     order: int = 0  # tie-break: the instance's index
     up: bool = True
+    healthy: bool = True  # its processes answer their supervisor's pings (one host): a hung one is chosen last
     queued_tokens: int = 0  # prompt tokens of legs sent whose prefill has not finished (D: its own prefills)
     legs: int = 0  # legs sent and not ended
     committed: int = 0  # D: blocks of legs sent and not ended (the D holds or will hold them)
@@ -83,7 +84,10 @@ def blocks_for(tokens: int, block_size: int) -> int:
 
 
 def live(loads: Iterable[Load], role: Role) -> list[Load]:
-    return [l for l in loads if l.role == role and l.up]
+    """The role's instances that are up; the healthy ones only, where any is (a hung worker's instance takes no
+    new request while another can, and is still chosen where it is the only one)."""
+    up = [l for l in loads if l.role == role and l.up]
+    return [l for l in up if l.healthy] or up
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from pushkv import messages as m
 from pushkv.config import DeploymentConfig, Role
 from pushkv.discovery.base import Watcher
 from pushkv.discovery.local import LocalWatcher
-from pushkv.discovery.records import InstanceDown, InstanceRecord, InstanceUp
+from pushkv.discovery.records import InstanceDown, InstanceHealth, InstanceRecord, InstanceUp
 from pushkv.framing import Drops, Shape, arecv_bounded
 from pushkv.router import api, auth, cors, edge, generate, otlp_spans, output, responses, text, tokenize
 from pushkv.router import chat as chat_mod
@@ -278,6 +278,11 @@ class Router:
                         self._tell_peers(ev.record.engine_id, ev.record.role, "rejoined (a new incarnation)")
                 elif isinstance(ev, InstanceDown):
                     self._instance_down(ev)
+                elif isinstance(ev, InstanceHealth) and self.local_link is None:
+                    if self.balancer.health(ev.engine_id, ev.healthy) is not None:
+                        (log.info if ev.healthy else log.warning)(
+                            "%s instance %s %s: %s", ev.role, ev.engine_id,
+                            "healthy again" if ev.healthy else "unhealthy, chosen only where no other is", ev.reason)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -448,7 +453,7 @@ class Router:
         body = {"status": "ok" if ok else "unavailable", "mode": self.cfg.mode,
                 "pull_read": self.cfg.pull_read, "in_flight": len(self.runs),
                 "queued": self.balancer.waiting,
-                "instances": [{"engine_id": e, "role": l.role, "up": l.up, "legs": l.legs,
+                "instances": [{"engine_id": e, "role": l.role, "up": l.up, "healthy": l.healthy, "legs": l.legs,
                                "queued_prefill_tokens": l.queued_tokens, "blocks_committed": l.committed,
                                "blocks_pinned": l.pinned, "num_blocks": l.num_blocks}
                               for e, l in sorted(self.balancer.loads.items())],

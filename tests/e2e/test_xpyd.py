@@ -278,3 +278,39 @@ def test_prefill_instance_dying_fails_only_its_request(xpyd, reference):
         ev.close()
         if os.path.exists(armed):
             os.unlink(armed)
+
+
+def test_a_hung_decode_instance_is_passed_over_until_it_answers_again(xpyd, reference):
+    """decode1's worker stops (SIGSTOP): once its supervisor reports it unhealthy, the router's /health says so and
+    new requests go to decode; SIGCONT, and decode1 is healthy and chosen again."""
+    wait_serving(xpyd)
+    ev = Events(xpyd.cfg.events_endpoint)
+    d0, d1 = (i.engine_id for i in xpyd.cfg.decodes)
+    victim = "decode1-worker-0"
+    pid = next(p.pid for p in ask(xpyd.cfg.control_endpoint, "status").processes if p.name == victim)
+
+    def healthy(engine: str, want: bool) -> None:
+        deadline = time.monotonic() + 10
+        while deployments.router_view(xpyd.url)[engine].get("healthy") is not want:
+            assert time.monotonic() < deadline, f"the router never saw {engine} healthy={want}"
+            time.sleep(0.02)  # polling a remote state
+
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        ev.wait(lambda e: e.name == victim and e.event == "unhealthy", 60)
+        healthy(d1, False)
+        fresh = random.Random(6)
+        bodies = [xpyd.complete([fresh.randrange(256) for _ in range(32)], 4) for _ in range(4)]
+        assert {b["pushkv"]["instances"]["decode"] for b in bodies} == {d0}
+        assert xpyd.tokens(PROMPTS["text"], MAX_TOKENS) == reference["text"]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    try:
+        ev.wait(lambda e: e.name == victim and e.event == "healthy", 60)
+        healthy(d1, True)
+        fresh = random.Random(7)
+        bodies = [xpyd.complete([fresh.randrange(256) for _ in range(32)], 4) for _ in range(4)]
+        assert {b["pushkv"]["instances"]["decode"] for b in bodies} == {d0, d1}
+        wait_pools_free(xpyd)
+    finally:
+        ev.close()

@@ -7,7 +7,7 @@ import pytest
 from pushkv import messages as m
 from pushkv.config import DeploymentConfig, InstanceConfig
 from pushkv.discovery.local import InstanceTracker
-from pushkv.discovery.records import InstanceDown, InstanceRecord, InstanceUp
+from pushkv.discovery.records import InstanceDown, InstanceHealth, InstanceRecord, InstanceUp
 from pushkv.router import policy as P
 from pushkv.router.balance import Balancer, Refused
 from pushkv.router.request import DecodePlaced, Placed
@@ -293,6 +293,42 @@ def test_tracker_down_once_then_up(tmp_path):
     # a single process restarted (pushkv restart): up again once it is ready
     assert isinstance(t.on_event(ev("prefill-worker-0", "exit", "prefill", 0, "worker")), InstanceDown)
     assert isinstance(t.on_event(ev("prefill-worker-0", "ready", "prefill", 0, "worker")), InstanceUp)
+
+
+def test_tracker_tells_an_instance_with_a_hung_process_and_its_recovery(tmp_path):
+    """A process that stops answering pings makes its instance unhealthy once; healthy again when every such process
+    answers, or with a new incarnation."""
+    cfg = planned(tmp_path, prefill_instances=2, decode_instances=2)
+    t = InstanceTracker(cfg)
+    sick = t.on_event(ev("decode1-worker-0", "unhealthy", "decode", 1, "worker"))
+    assert isinstance(sick, InstanceHealth) and (sick.engine_id, sick.healthy) == ("decode1-dep", False)
+    assert t.on_event(ev("decode1-scheduler", "unhealthy", "decode", 1)) is None  # already told
+    assert t.on_event(ev("decode1-worker-0", "healthy", "decode", 1, "worker")) is None  # the scheduler still hangs
+    well = t.on_event(ev("decode1-scheduler", "healthy", "decode", 1))
+    assert isinstance(well, InstanceHealth) and well.healthy and well.engine_id == "decode1-dep"
+    assert t.on_event(ev("decode1-worker-0", "healthy", "decode", 1, "worker")) is None  # nothing to tell
+    assert t.on_event(ev("decode-worker-0", "unhealthy", "decode", 0, "worker")).healthy is False
+    assert isinstance(t.on_event(ev("decode-worker-0", "exit", "decode", 0, "worker")), InstanceDown)
+    assert isinstance(t.on_event(ev("decode.instance", "ready", "decode", 0, "instance")), InstanceUp)
+    assert "decode-dep" not in t.sick
+
+
+def test_a_hung_instance_is_chosen_only_where_no_other_is():
+    loads = [dc("d0"), dc("d1", order=1)]
+    loads[0].healthy = False
+    assert [l.engine_id for l in P.live(loads, "decode")] == ["d1"]
+    loads[1].healthy = False
+    assert [l.engine_id for l in P.live(loads, "decode")] == ["d0", "d1"]  # better a slow answer than none
+    b = balancer()
+    assert b.health("d0", False) is not None and b.health("d0", False) is None  # told once
+    seen = set()
+    for i in range(4):
+        r = Run(f"h{i}")
+        seen.add(b.request(r).decode)
+        b.release(r)
+    assert seen == {"d1"}
+    b.health("d0", True)
+    assert b.loads["d0"].healthy
 
 
 def test_ties_rotate_over_instances():
