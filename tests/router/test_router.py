@@ -269,6 +269,26 @@ def test_return_token_ids_gives_the_prompts_and_the_outputs_ids(tmp_path, stream
     run(body())
 
 
+def test_a_batchs_prompts_sample_as_requests_of_their_own(tmp_path):
+    """vLLM's: each prompt of a completions batch is its own request, so choice c of every prompt samples from the
+    same seeded stream, and two equal prompts with one seed draw the same tokens."""
+    seeds: dict[tuple, int] = {}
+
+    def script(g):
+        seeds[(tuple(g.prompt_token_ids), len(seeds))] = g.sampling.seed
+        return local_script([[104]])(g)
+
+    async def body():
+        cfg = make_cfg(tmp_path, "local")
+        async with Harness(cfg, {"local": script}) as h:
+            r = await h.http.post("/v1/completions", json={"prompt": [[5, 6], [5, 6], [7]], "n": 2, "max_tokens": 1,
+                                                           "temperature": 1.0, "seed": 3})
+            assert r.status == 200
+    run(body())
+    got = sorted(seeds.values())
+    assert len(seeds) == 6 and len(set(got)) == 2 and got.count(got[0]) == 3  # choice 0 and choice 1, per prompt
+
+
 BAD_BODIES = [
     ("malformed json", b"{not json"),
     ("not an object", [1, 2]),
