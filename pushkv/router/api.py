@@ -119,6 +119,7 @@ class CompletionParams:
     return_tokens_as_token_ids: bool = False  # vLLM's: a logprob's token written "token_id:N" (render.TokenIds)
     # vLLM's return_token_ids: the prompt's ids (and chat's output ids, which completions always carry) returned
     return_token_ids: bool = False
+    seeded: bool = False  # the request gave its own seed (else the router drew one for it)
     # the client's own id for the request (vLLM's X-Request-Id header, else its request_id field): the response's id
     # is the endpoint's prefix and it (cmpl-ID, chatcmpl-ID), and /v1/abort takes it; "": pushkv's own
     client_id: str = ""
@@ -473,6 +474,7 @@ def parse_generation(body: dict, ids: list[int], tok: text.Tokenizer, limits: Li
         cache_salt=parse_cache_salt(body), structured=grammar,
         return_tokens_as_token_ids=get_bool(body, "return_tokens_as_token_ids"),
         return_token_ids=get_bool(body, "return_token_ids"),
+        seeded=body.get("seed") is not None,
         client_id=client_id(body.get("request_id"), "request_id"),
     )
 

@@ -803,9 +803,10 @@ class Router:
         for i in range(params.choices):
             ids = params.prompts()[i // params.n][0]
             tid = base if params.choices == 1 else f"{base}-{i}"
-            # choice c of each prompt samples from stream c: a batch's prompts are requests of their own, as vLLM's,
-            # so two equal prompts with one seed draw the same tokens
-            sampling = msgspec.structs.replace(params.sampling, seed=derive_seed(params.sampling.seed, i % params.n))
+            # a batch's prompts are requests of their own, as vLLM's: with the client's seed, choice c of each prompt
+            # samples from stream c (two equal prompts draw the same tokens); with the router's, each its own
+            stream = i % params.n if params.seeded else i
+            sampling = msgspec.structs.replace(params.sampling, seed=derive_seed(params.sampling.seed, stream))
             run = RequestRun(self.cfg, self.balancer if self.local_link is None else None, tid,
                              ids, params.max_tokens, params.stop_token_ids, arrival,
                              self.metrics, sampling, local_link=self.local_link, cache_salt=params.cache_salt,

@@ -282,6 +282,10 @@ def test_a_batchs_prompts_sample_as_requests_of_their_own(tmp_path):
         cfg = make_cfg(tmp_path, "local")
         async with Harness(cfg, {"local": script}) as h:
             r = await h.http.post("/v1/completions", json={"prompt": [[5, 6], [5, 6], [7]], "n": 2, "max_tokens": 1,
+                                                           "temperature": 1.0})
+            assert r.status == 200 and len(set(seeds.values())) == 6  # unseeded: each choice its own stream
+            seeds.clear()
+            r = await h.http.post("/v1/completions", json={"prompt": [[5, 6], [5, 6], [7]], "n": 2, "max_tokens": 1,
                                                            "temperature": 1.0, "seed": 3})
             assert r.status == 200
     run(body())
