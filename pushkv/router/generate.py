@@ -209,11 +209,13 @@ class Generation:
                                 ext)
         return output.sse({**body, **fields} if fields else body)
 
-    def _choice_usage(self, i: int) -> Optional[dict]:
-        """vLLM's continuous_usage_stats: choice i's prompt and its output so far, in each of its chunks."""
+    def _choice_usage(self, i: int, opening: bool = False) -> Optional[dict]:
+        """vLLM's continuous_usage_stats: choice i's prompt and its output so far, in each of its chunks (its
+        opening chunk, the role or the echo, before any output: 0)."""
         if not self.params.continuous_usage:
             return None
-        return output.usage(len(self.params.prompts()[i // self.params.n][0]), self.outs[i].completion_tokens)
+        return output.usage(len(self.params.prompts()[i // self.params.n][0]),
+                            0 if opening else self.outs[i].completion_tokens)
 
     def _stream_delta(self, i: int, delta: output.Delta) -> bytes:
         """A delta's chunk; usage only as vLLM's (continuous_usage_stats), the request's total going in the
@@ -305,7 +307,7 @@ class Generation:
                     started[i] = True
                     opening = self.render.opening(self.outs[i])
                     if opening is not None:
-                        await resp.write(self._chunk(opening, self._choice_usage(i), None,
+                        await resp.write(self._chunk(opening, self._choice_usage(i, opening=True), None,
                                                      self.render.opening_fields()))
                 await resp.write(self._stream_delta(i, delta))
         if not failed and self.params.include_usage:

@@ -497,10 +497,13 @@ class Router:
 
     async def handle_models(self, request: web.Request) -> web.Response:
         names = self.cfg.served_model_name or (self.cfg.model.name,)
-        cards = [{"id": name, "object": "model", "created": int(self.started_wall), "owned_by": "pushkv",
-                  "root": self.cfg.model.checkpoint or self.cfg.model.name, "max_model_len": self.limits.max_model_len}
-                 for name in names]
-        cards += self.loras.cards(int(self.started_wall), self.limits.max_model_len, names[0])
+        created = int(self.started_wall)
+        cards = [{"id": name, "object": "model", "created": created, "owned_by": "pushkv",
+                  "root": self.cfg.model.checkpoint or self.cfg.model.name, "parent": None,
+                  "max_model_len": self.limits.max_model_len} for name in names]
+        cards += self.loras.cards(created, self.limits.max_model_len, names[0])
+        for card in cards:  # vLLM's ModelCard carries one ModelPermission, as OpenAI's did
+            card["permission"] = [model_permission(card["id"], created)]
         return web.json_response({"object": "list", "data": cards})
 
     def _served_changed(self) -> None:
@@ -835,6 +838,14 @@ class Router:
         self.load -= 1
         if not self.runs:
             self._handlers_idle.set()
+
+
+def model_permission(model: str, created: int) -> dict:
+    """vLLM's ModelPermission for a /v1/models card, its defaults as vLLM writes them."""
+    return {"id": f"modelperm-{uuid.uuid5(uuid.NAMESPACE_URL, model).hex}", "object": "model_permission",
+            "created": created, "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
+            "group": None, "is_blocking": False}
 
 
 def _untemplated(field: str, body: dict) -> api.CompletionParams:

@@ -81,6 +81,9 @@ def test_the_model_field_is_checked_against_the_served_names(tmp_path, served, o
         async with Harness(cfg, {"local": local_script([[72]], "stop")}) as h:
             listed = await (await h.http.get("/v1/models")).json()
             assert [c["id"] for c in listed["data"]] == ok
+            for card in listed["data"]:  # vLLM's ModelCard: parent, and one ModelPermission
+                assert card["parent"] is None and [p["object"] for p in card["permission"]] == ["model_permission"]
+                assert card["permission"][0]["allow_sampling"] is True and card["permission"][0]["organization"] == "*"
             for name in unknown:
                 for path, extra in (("/v1/completions", {"prompt": "Hey"}),
                                     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hey"}]})):
@@ -710,6 +713,8 @@ def test_continuous_usage_stats_put_each_choices_usage_so_far_in_every_chunk(tmp
                 mine = [e for e in ev[:-2] if e["choices"][0]["index"] == i]
                 seen = [e["usage"]["completion_tokens"] for e in mine]
                 assert seen == sorted(seen) and seen[-1] == 3 and len(mine) >= 3
+                if chat:  # the role chunk, before any output, as vLLM's: 0
+                    assert mine[0]["choices"][0]["delta"].get("role") == "assistant" and seen[0] == 0
                 assert all(e["usage"]["prompt_tokens"] == prompt and e["usage"]["total_tokens"] ==
                            prompt + e["usage"]["completion_tokens"] for e in mine)
             plain = await read_sse(await h.http.post(path, json={**req, "stream_options": {"include_usage": True}}))
