@@ -289,28 +289,25 @@ def test_a_hung_decode_instance_is_passed_over_until_it_answers_again(xpyd, refe
     victim = "decode1-worker-0"
     pid = next(p.pid for p in ask(xpyd.cfg.control_endpoint, "status").processes if p.name == victim)
 
-    def healthy(engine: str, want: bool) -> None:
+    def chosen_after(event: str, healthy: bool, seed: int) -> set[str]:
+        """Once the supervisor said so and the router shows it: the D instances four fresh prompts went to."""
+        ev.wait(lambda e: e.name == victim and e.event == event, 60)
         deadline = time.monotonic() + 10
-        while deployments.router_view(xpyd.url)[engine].get("healthy") is not want:
-            assert time.monotonic() < deadline, f"the router never saw {engine} healthy={want}"
+        while deployments.router_view(xpyd.url)[d1].get("healthy") is not healthy:
+            assert time.monotonic() < deadline, f"the router never saw {d1} healthy={healthy}"
             time.sleep(0.02)  # polling a remote state
+        fresh = random.Random(seed)
+        return {xpyd.complete([fresh.randrange(256) for _ in range(32)], 4)["pushkv"]["instances"]["decode"]
+                for _ in range(4)}
 
     os.kill(pid, signal.SIGSTOP)
     try:
-        ev.wait(lambda e: e.name == victim and e.event == "unhealthy", 60)
-        healthy(d1, False)
-        fresh = random.Random(6)
-        bodies = [xpyd.complete([fresh.randrange(256) for _ in range(32)], 4) for _ in range(4)]
-        assert {b["pushkv"]["instances"]["decode"] for b in bodies} == {d0}
+        assert chosen_after("unhealthy", False, 6) == {d0}
         assert xpyd.tokens(PROMPTS["text"], MAX_TOKENS) == reference["text"]
     finally:
         os.kill(pid, signal.SIGCONT)
     try:
-        ev.wait(lambda e: e.name == victim and e.event == "healthy", 60)
-        healthy(d1, True)
-        fresh = random.Random(7)
-        bodies = [xpyd.complete([fresh.randrange(256) for _ in range(32)], 4) for _ in range(4)]
-        assert {b["pushkv"]["instances"]["decode"] for b in bodies} == {d0, d1}
+        assert chosen_after("healthy", True, 7) == {d0, d1}
         wait_pools_free(xpyd)
     finally:
         ev.close()
