@@ -433,8 +433,17 @@ class SchedulerCore:
         if self.step is None and not self._engine_blocked():
             self._launch_step()
 
+    def _running_full(self) -> bool:
+        """vLLM's max_num_seqs bounds the requests running, not only a step's sequences: where as many compute here
+        already (a prompt or its decode; P's sent ones and D's that wait for their KV do not), one more waits in the
+        queue, and its queue time runs on. D admits on, since its early registration is what push is."""
+        if self.role == "decode":
+            return False
+        running = sum(1 for r in self.reqs.values() if r.state in (State.PREFILL, State.RUNNING, State.VERIFY))
+        return running >= self.inst.max_num_seqs
+
     def _admit(self) -> None:
-        while self.waiting and not self._engine_blocked():
+        while self.waiting and not self._engine_blocked() and not self._running_full():
             r = self.waiting[0]
             hits = prefix.hits_for(self, r)
             blocks = self.alloc.acquire(hits, r.blocks_needed(self.inst.block_size))

@@ -1,0 +1,38 @@
+"""vLLM's max_num_seqs bounds the requests running on an instance, not only a step's sequences: past it a request
+waits in the queue (its queue time running on, the waiting gauge counting it) and is admitted as one ends. D admits
+on (its early registration is push), and so do the requests P has sent."""
+from __future__ import annotations
+
+import msgspec
+
+from pushkv import messages as m
+from tests.scheduler.test_scheduler_prefix import generate, idle, make, prompt, run_all, run_step
+from tests.scheduler.test_scheduler_roles import P_SRC, ROUTER, deliver, wired
+
+
+def capped(role: str, mode: str, max_num_seqs: int):
+    s, _ = make(role=role, mode=mode, num_blocks=64)
+    return wired(s.cfg, msgspec.structs.replace(s.inst, max_num_seqs=max_num_seqs))
+
+
+def test_local_runs_at_most_max_num_seqs_and_admits_the_next_as_one_ends():
+    s, wire = capped("local", "local", 2)
+    for i in range(4):
+        generate(s, f"t{i}", prompt(10, i), max_tokens=1 + 2 * (i == 1))  # t1 decodes longest
+    assert [r.transfer_id for r in s.waiting] == ["t2", "t3"]
+    s.now += 5.0  # t2's queue time: from its arrival to its admission
+    run_step(s, wire)  # t0 ends with its first token, t1 decodes on: t2 comes in
+    assert [r.transfer_id for r in s.waiting] == ["t3"]
+    waited = {x.labels.get("le"): x.value for x in s.metrics.queue.collect()[0].samples if x.name.endswith("_sum")}
+    assert waited[None] == 5.0  # t0 and t1 at once, t2 after 5 s
+    s.publish_metrics()
+    assert (s.metrics.snap.running, s.metrics.snap.waiting) == (2, 1)  # vllm:num_requests_running / _waiting
+    run_all(s, wire)
+    assert idle(s) and s.counters["requests_completed"] == 4
+
+
+def test_decode_admits_past_max_num_seqs_while_it_waits_for_kv():
+    s, _ = capped("decode", "push", 1)
+    for i in range(3):
+        deliver(s, ROUTER, m.Generate(f"d{i}", 0, "decode", prompt(10, i), 4, source=P_SRC))
+    assert not s.waiting and len(s.reqs) == 3  # every one registered with P at once
