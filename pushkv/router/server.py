@@ -498,7 +498,7 @@ class Router:
     async def handle_models(self, request: web.Request) -> web.Response:
         names = self.cfg.served_model_name or (self.cfg.model.name,)
         created = int(self.started_wall)
-        cards = [{"id": name, "object": "model", "created": created, "owned_by": "pushkv",
+        cards: list[dict[str, Any]] = [{"id": name, "object": "model", "created": created, "owned_by": "pushkv",
                   "root": self.cfg.model.checkpoint or self.cfg.model.name, "parent": None,
                   "max_model_len": self.limits.max_model_len} for name in names]
         cards += self.loras.cards(created, self.limits.max_model_len, names[0])

@@ -46,7 +46,7 @@ from pushkv.protocol.prefix_cache import PrefixCache
 from pushkv.scheduler import grammar_wait, lora_table, prefix, stats, step_answers, writer_answers
 from pushkv.scheduler.grammar import GrammarCompiled, Grammars, failure
 from pushkv.scheduler.lora_table import LoraTable
-from pushkv.scheduler.metrics import InstanceMetrics, Snapshot
+from pushkv.scheduler.metrics import Finish, InstanceMetrics, Snapshot
 from pushkv.scheduler.outbox import Effect, Peer, Send, Trace
 from pushkv.scheduler.prefix import index_blocks
 from pushkv.scheduler.requests import Request, State, blocks_needed, build_batch, count_work
@@ -108,7 +108,8 @@ class SchedulerCore:
         self._stats_fresh: set[int] = set()
         self._stats_asked = 0.0
         # /metrics under vLLM's names (the shell serves them): labelled with the first served name
-        self.metrics = InstanceMetrics((cfg.served_names() or (cfg.model.name,))[0], inst.engine_id, self.role)
+        self.metrics = InstanceMetrics((cfg.served_names() or (cfg.model.name,))[0], inst.engine_id, self.role,
+                                       cfg.max_model_len or cfg.model.max_position)
 
     # -- role hooks -----------------------------------------------------------------
     def _check_leg(self, msg: m.Generate) -> Optional[tuple[str, int]]:
@@ -452,6 +453,7 @@ class SchedulerCore:
             self.waiting.pop(0)
             r.blocks = blocks
             self.metrics.queued(self.now - r.queued_at)
+            r.admitted_at = self.now
             prefix.took_hits(self, r, len(hits))
             self._stamp(r, f"{self.role}_alloc")
             self._admitted(r)
@@ -471,6 +473,7 @@ class SchedulerCore:
         self.step_answers = {}
         self.step_started = self.now
         count_work(batch)
+        self.metrics.step(sum(len(w.token_ids) for _, w in batch))
         for r, w in batch:
             r.in_step = True
             if w.start_pos == r.cached and r.state == State.PREFILL:
@@ -510,8 +513,8 @@ class SchedulerCore:
 
     def _first_token(self, r: Request) -> None:
         """This instance produced ``r``'s first token (P: its prefill's; D: the one it sends first)."""
-        r.last_token_at = self.now
-        self.metrics.first_token(len(r.prompt), self.now - r.queued_at)
+        r.last_token_at = r.first_at = self.now
+        self.metrics.first_token(len(r.prompt), self.now - r.queued_at, r.cached)
 
     def _first_sent(self, r: Request) -> None:
         """``r``'s first token goes to the client now: stamped and measured (D sends P's early
@@ -520,7 +523,9 @@ class SchedulerCore:
         self._first_token(r)
 
     def _observe_finish(self, r: Request, reason: FinishReason) -> None:
-        self.metrics.finished(reason, len(r.prompt), len(r.output), self.now - r.queued_at)
+        admitted, first = r.admitted_at or r.queued_at, r.first_at or self.now
+        self.metrics.finished(Finish(reason, len(r.prompt), len(r.output), r.max_tokens, self.now - r.queued_at,
+                                     first - admitted, self.now - first))
 
     def _emit(self, r: Request, tok: int, lp: Optional[m.TokenLogprob] = None) -> None:
         r.output.append(tok)

@@ -29,7 +29,33 @@ TPOT_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                   40.0, 80.0)
 REQUEST_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                      240.0, 480.0, 960.0, 1920.0, 7680.0)
-TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")  # vLLM's, each series there from the start
+
+
+def token_buckets(max_model_len: int) -> tuple[int, ...]:
+    """vLLM's request-token buckets: 1, 2, 5, 10, 20, 50, ... up to the model's length."""
+    out: list[int] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_model_len:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
+
+
+class Finish(NamedTuple):
+    """One request's end here, as the histograms take it (seconds on this instance's clock)."""
+
+    reason: str
+    prompt_len: int
+    generated: int
+    max_tokens: int
+    e2e_s: float  # arrival here -> the end
+    prefill_s: float  # blocks allocated -> this instance's first token (D: the KV's wait with it)
+    decode_s: float  # first token -> the end
 
 # the core's counters exposed as pushkv_instance_<name>_total (the rest stay in the router's GetStats view)
 OWN_COUNTERS = {
@@ -67,7 +93,7 @@ class LoraSnapshot(NamedTuple):
 
 
 class InstanceMetrics(Collector):
-    def __init__(self, model_name: str, engine_id: str, role: str):
+    def __init__(self, model_name: str, engine_id: str, role: str, max_model_len: int = 100_000):
         self.registry = CollectorRegistry(auto_describe=True)
         self.labels = {"model_name": model_name}
         self.engine_id, self.role = engine_id, role
@@ -86,25 +112,50 @@ class InstanceMetrics(Collector):
                         REQUEST_BUCKETS_S)
         self.queue = hist("vllm:request_queue_time_seconds", "Arrival here to blocks allocated",
                           REQUEST_BUCKETS_S)
-        self.prompt_hist = hist("vllm:request_prompt_tokens", "Prompt tokens of finished requests", TOKEN_BUCKETS)
+        tokens = token_buckets(max_model_len)
+        self.prompt_hist = hist("vllm:request_prompt_tokens", "Prompt tokens of finished requests", tokens)
         self.gen_hist = hist("vllm:request_generation_tokens", "Tokens this instance produced per finished request",
-                             TOKEN_BUCKETS)
+                             tokens)
+        self.request_tpot = hist("vllm:request_time_per_output_token_seconds",
+                                 "Per request: its output tokens' mean interval here (first to last)", TPOT_BUCKETS_S)
+        self.inference = hist("vllm:request_inference_time_seconds", "Blocks allocated to the request's end here",
+                              REQUEST_BUCKETS_S)
+        self.prefill = hist("vllm:request_prefill_time_seconds",
+                            "Blocks allocated to this instance's first token (D: the KV's wait with it)",
+                            REQUEST_BUCKETS_S)
+        self.decode = hist("vllm:request_decode_time_seconds", "This instance's first token to the request's end",
+                           REQUEST_BUCKETS_S)
+        self.max_gen = hist("vllm:request_max_num_generation_tokens", "max_tokens of finished requests", tokens)
+        self.params_max_tokens = hist("vllm:request_params_max_tokens", "max_tokens of finished requests", tokens)
+        self.params_n = hist("vllm:request_params_n", "n of finished requests (pushkv runs each choice as its own)",
+                             PARAMS_N_BUCKETS)
+        self.iteration = hist("vllm:iteration_tokens_total", "Tokens per forward step", ITERATION_TOKENS_BUCKETS)
+        self.prompt_cached = Counter("vllm:prompt_tokens_cached", "Prompt tokens taken from the prefix cache by "
+                                     "requests that reached their first token here", names, registry=r
+                                     ).labels(model_name)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of requests that reached their first "
                                      "token here", names, registry=r).labels(model_name)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens this instance produced", names,
                                          registry=r).labels(model_name)
         self.success = Counter("vllm:request_success", "Requests finished here", names + ["finished_reason"],
                                registry=r)
+        for reason in FINISH_REASONS:  # each at 0 from the start, as vLLM's (a rate over it is defined at once)
+            self.success.labels(model_name, reason)
         r.register(self)
 
     # -- from the core (pure: values in, observations out) ------------------------------
     def queued(self, waited_s: float) -> None:
         self.queue.observe(waited_s)
 
-    def first_token(self, prompt_len: int, ttft_s: float) -> None:
+    def first_token(self, prompt_len: int, ttft_s: float, cached: int = 0) -> None:
         self.ttft.observe(ttft_s)
         self.prompt_tokens.inc(prompt_len)
+        self.prompt_cached.inc(cached)
         self.generation_tokens.inc()
+
+    def step(self, tokens: int) -> None:
+        """A forward step launched with this many tokens."""
+        self.iteration.observe(tokens)
 
     def token(self, since_last_s: float) -> None:
         """A token after the first."""
@@ -112,11 +163,19 @@ class InstanceMetrics(Collector):
         self.itl.observe(since_last_s)
         self.generation_tokens.inc()
 
-    def finished(self, reason: str, prompt_len: int, generated: int, e2e_s: float) -> None:
-        self.success.labels(self.labels["model_name"], reason).inc()
-        self.prompt_hist.observe(prompt_len)
-        self.gen_hist.observe(generated)
-        self.e2e.observe(e2e_s)
+    def finished(self, f: Finish) -> None:
+        self.success.labels(self.labels["model_name"], f.reason).inc()
+        self.prompt_hist.observe(f.prompt_len)
+        self.gen_hist.observe(f.generated)
+        self.e2e.observe(f.e2e_s)
+        self.inference.observe(f.prefill_s + f.decode_s)
+        self.prefill.observe(f.prefill_s)
+        self.decode.observe(f.decode_s)
+        if f.generated > 1:
+            self.request_tpot.observe(f.decode_s / (f.generated - 1))
+        self.max_gen.observe(f.max_tokens)
+        self.params_max_tokens.observe(f.max_tokens)
+        self.params_n.observe(1)
 
     def publish(self, snap: Snapshot) -> None:
         self.snap = snap  # one reference swap: the scrape's thread sees the old one or this one

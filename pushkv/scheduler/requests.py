@@ -73,6 +73,8 @@ class Request:
     reserved_at: float = 0.0  # D: monotonic time its blocks were reserved
     queued_at: float = 0.0  # monotonic time it arrived here (the instance's metrics measure from it)
     last_token_at: float = 0.0  # monotonic time this instance produced its latest token; 0 = none yet
+    admitted_at: float = 0.0  # monotonic time its blocks were allocated here; 0 = not yet
+    first_at: float = 0.0  # monotonic time of this instance's first token for it; 0 = none yet
     reserved_block_s: float = 0.0  # D: blocks x seconds from reservation until the KV arrived
     prefilled: int = 0  # prompt tokens whose KV is in the pool (chunked prefill: grows chunk by chunk)
     streamed: bool = False  # P, streaming push: a chunk's blocks went to the writers before prefill ended

@@ -69,6 +69,23 @@ def test_local_request_counts_and_usage(prompt_len, max_tokens):
     assert value(got, "vllm:e2e_request_latency_seconds_sum") == pytest.approx(0.5 + 0.25 * (max_tokens - 1))
     assert value(got, "vllm:request_generation_tokens_sum") == max_tokens
     assert value(got, "pushkv_instance_requests_total") == 1
+    # vLLM 0.32's per-request phases and parameters (its Grafana dashboard's panels read these)
+    decode_s = 0.25 * (max_tokens - 1)
+    assert value(got, "vllm:request_prefill_time_seconds_sum") == pytest.approx(0.5)  # admitted at 10.0
+    assert value(got, "vllm:request_decode_time_seconds_sum") == pytest.approx(decode_s)
+    assert value(got, "vllm:request_inference_time_seconds_sum") == pytest.approx(0.5 + decode_s)
+    assert value(got, "vllm:request_time_per_output_token_seconds_count") == (max_tokens > 1)
+    if max_tokens > 1:  # the request's mean interval, one observation a request
+        assert value(got, "vllm:request_time_per_output_token_seconds_sum") == pytest.approx(0.25)
+    assert value(got, "vllm:request_params_max_tokens_sum") == max_tokens
+    assert value(got, "vllm:request_max_num_generation_tokens_sum") == max_tokens
+    assert value(got, "vllm:request_params_n_sum") == 1
+    assert value(got, "vllm:iteration_tokens_total_sum") == prompt_len + max_tokens - 1  # the prompt, then one a step
+    assert value(got, "vllm:prompt_tokens_cached_total") == 0
+    for reason in ("stop", "abort", "error", "repetition"):  # every reason's series from the start, as vLLM's
+        assert value(got, "vllm:request_success_total", finished_reason=reason) == 0
+    buckets = sorted(float(dict(k[1])["le"]) for k in got if k[0] == "vllm:request_prompt_tokens_bucket")
+    assert buckets[:4] == [1, 2, 5, 10] and buckets[-2] <= core.cfg.model.max_position < buckets[-2] * 2.5
 
 
 def test_a_request_that_does_not_fit_waits():
