@@ -76,7 +76,7 @@ BOUNDS = (
     Bound("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS}, each in the vocabulary",
           "suppressed every step until min_tokens"),
     Bound("prompt (completions)", f"a prompt, or a batch of at most {MAX_PROMPTS}, prompts x n at most "
-          f"{MAX_CHOICES} choices; each prompt + max_tokens within max_model_len",
+          f"{MAX_CHOICES} choices; each prompt under max_model_len, max_tokens cut to the room left (vLLM 0.32's)",
           "each choice is its own prefill and decode"),
     Bound("tools (chat)", f"at most {MAX_TOOLS}", "OpenAI's bound; each is rendered into the prompt"),
     Bound("repetition_penalty (vLLM's)", f"above 0, at most {MAX_REPETITION_PENALTY:g}",

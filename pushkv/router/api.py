@@ -394,12 +394,16 @@ def parse_generation(body: dict, ids: list[int], tok: text.Tokenizer, limits: Li
                      logprobs: int, max_tokens_field: str = "max_tokens", prompt_field: str = "prompt"
                      ) -> CompletionParams:
     """The fields completions and chat share, for a prompt already tokenized (``tok`` writes ``bad_words``). A
-    prompt or max_tokens past the model's length is refused in vLLM's words, which clients match ("maximum context
-    length is N tokens") to shorten the conversation."""
+    prompt that leaves no room for an output token is refused in vLLM's words, which clients match ("maximum context
+    length is N tokens") to shorten the conversation; a max_tokens past the room left is cut to it, as vLLM 0.32's
+    ``get_max_tokens`` cuts it."""
     room = limits.max_model_len - len(ids)
     if room < 1:
+        why = ("which exceeds this limit even without any output tokens" if room < 0
+               else "which leaves no room for an output token")
         raise bad(prompt_field, f"This model's maximum context length is {limits.max_model_len} tokens. However, "
-                                f"your request has {len(ids)} input tokens. Please reduce the length of the input "
+                                f"your prompt contains {len(ids)} input tokens, {why}. "
+                                f"Please reduce the length of the input "
                                 f"{'messages' if prompt_field == 'messages' else 'prompt'}.")
     if body.get(max_tokens_field) is None:
         max_tokens_field = "max_tokens"  # chat: the older name
@@ -410,11 +414,7 @@ def parse_generation(body: dict, ids: list[int], tok: text.Tokenizer, limits: Li
             max_tokens = min(max_tokens, limits.defaults.max_tokens)
     if max_tokens < 1:
         raise bad(max_tokens_field, f"{max_tokens_field} must be at least 1, got {max_tokens}")
-    if max_tokens > room:
-        raise bad(max_tokens_field,
-                  f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum "
-                  f"context length is {limits.max_model_len} tokens and your request has {len(ids)} input tokens "
-                  f"({max_tokens} > {limits.max_model_len} - {len(ids)}).")
+    max_tokens = min(max_tokens, room)
 
     stream = get_bool(body, "stream")
     opts = body.get("stream_options")

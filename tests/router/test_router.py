@@ -308,9 +308,8 @@ BAD_BODIES = [
     ("token id above vocab", {"prompt": [1, 320]}),
     ("negative token id", {"prompt": [-1]}),
     ("bool token id", {"prompt": [True]}),
-    ("too long", {"prompt": [1] * 60, "max_tokens": 5}),
+    ("too long", {"prompt": [1] * 64, "max_tokens": 5}),  # no room left (a max_tokens past the room is cut to it)
     ("max_tokens zero", {"prompt": "hi", "max_tokens": 0}),
-    ("max_tokens over limit", {"prompt": "hi", "max_tokens": 10_000}),
     ("max_tokens string", {"prompt": "hi", "max_tokens": "4"}),
     ("temperature negative", {"prompt": "hi", "temperature": -0.5}),
     ("temperature string", {"prompt": "hi", "temperature": "hot"}),
