@@ -98,6 +98,9 @@ def _model(flags: Mapping[str, Any], base: ModelConfig) -> ModelConfig:
     if geometry["dtype"] == "auto":  # vLLM's --dtype auto: the checkpoint's (a preset's own)
         geometry["dtype"] = None
     path = flags.get("checkpoint")  # deprecated spelling of --model DIR
+    if path and name and os.path.abspath(str(name)) != os.path.abspath(str(path)):
+        raise ValueError(f"--model {name} and --checkpoint {path} name two models: give --model {path} alone (the "
+                         "checkpoint's config.json is its shape)")
     if name and not path and not _preset_named(name):
         from pushkv.model.hub import resolve
 

@@ -120,6 +120,10 @@ def test_old_spellings_get_one_line_each(flags, lines):
 def test_checkpoint_flag_still_works_and_says_so(ckpt):
     assert config("--checkpoint", ckpt).model == config("--model", ckpt).model
     assert deprecations(parse("--checkpoint", ckpt)) == [f"--checkpoint is deprecated: use --model {ckpt}"]
+    assert config("--model", ckpt, "--checkpoint", ckpt).model == config("--model", ckpt).model
+    # a preset beside it named another model, whose shape was dropped without a word (an MLA preset over Llama)
+    with pytest.raises(ValueError, match="name two models"):
+        config("--model", "mla", "--checkpoint", ckpt)
 
 
 def test_tokenizer_flag(ckpt, hub):
