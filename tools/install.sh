@@ -36,7 +36,9 @@ case "$TORCH" in
     fi ;;
   cuda)
     "${PIP[@]}" install -q ${PUSHKV_TORCH_INDEX:+--index-url "$PUSHKV_TORCH_INDEX"} "torch==$VER" ;;
-  keep) ;;
+  keep) .venv/bin/python -c "import torch" 2>/dev/null || {
+          echo "PUSHKV_TORCH=keep: .venv has no torch to keep (install one into it, or use PUSHKV_TORCH=cpu|cuda)" >&2
+          exit 2; } ;;
   *) echo "PUSHKV_TORCH must be cpu, cuda or keep (got '$TORCH')" >&2; exit 2 ;;
 esac
 "${PIP[@]}" install -q -e ".[test,bench]"
