@@ -256,9 +256,10 @@ def _prompt_ids(prompt: Any, tok: text.Tokenizer, param: str) -> tuple[list[int]
 
 def check_model(body: dict, served: tuple[str, ...]) -> None:
     """A request's ``model`` must be a name this deployment serves (404 ``model_not_found``, as
-    OpenAI answers); a request without one is served."""
+    OpenAI answers); a request without one, or with an empty one, is served by the base model (vLLM's
+    ``_is_model_supported`` takes "" so)."""
     model = body.get("model")
-    if model is None:
+    if model is None or model == "":
         return
     if not isinstance(model, str):
         raise bad("model", "model must be a string")
