@@ -137,8 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     mod.add_argument("--load-format", choices=("auto", "safetensors", "dummy"),
                      help="auto (or safetensors: what auto reads): --model's weights; dummy: random weights (of "
                           "--model's shape and tokenizer), said at startup")
-    mod.add_argument("--max-model-len", type=int, metavar="N",
-                     help="longest prompt + output a request may have (default: the model's max_position_embeddings)")
+    mod.add_argument("--max-model-len", type=vllm_serve.human_int_or_auto, metavar="N",
+                     help="longest prompt + output a request may have, as vLLM takes it (2k = 2000, 2K = 2048; "
+                          "auto or -1, the default: the model's max_position_embeddings)")
     mod.add_argument("--served-model-name", nargs="+", metavar="NAME",
                      help="the names a request's model field may give, listed by /v1/models (default: the "
                           "--model string, the checkpoint directory's name and its path; a shape: its name); "
@@ -178,7 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     mod.add_argument("--checkpoint", metavar="DIR", help="deprecated: --model DIR")
     for name in GEOMETRY:
         mod.add_argument("--" + name.replace("_", "-"), type=str if name == "dtype" else int,
-                         help="auto (default): the checkpoint's; float32|bfloat16|float16" if name == "dtype" else None)
+                         help="auto (default): the checkpoint's; float32|bfloat16|float16 (vLLM's float and half too)"
+                         if name == "dtype" else None)
     mod.add_argument("--engine", choices=typing.get_args(Engine),
                      help="auto: batched (Triton paged attention, CUDA graphs) on CUDA, per-seq on CPU")
     mod.add_argument("--batch-invariant", choices=("on", "off"),
@@ -211,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--prefill-block-size", type=int)
     mem.add_argument("--decode-block-size", type=int)
     mem.add_argument("--max-num-seqs", type=int, help="sequences per step, every instance")
-    mem.add_argument("--max-batch-tokens", type=int, help="tokens per step, every instance")
+    mem.add_argument("--max-batch-tokens", type=vllm_serve.human_int, help="tokens per step, every instance")
     mem.add_argument("--prefill-chunk", type=int,
                      help="prefill a longer prompt in chunks of at most this many tokens a step, mixed with decodes "
                           "(0: never)")

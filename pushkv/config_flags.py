@@ -97,6 +97,8 @@ def _model(flags: Mapping[str, Any], base: ModelConfig) -> ModelConfig:
     geometry = {k: flags.get(k) for k in GEOMETRY}
     if geometry["dtype"] == "auto":  # vLLM's --dtype auto: the checkpoint's (a preset's own)
         geometry["dtype"] = None
+    if geometry["dtype"] in ("half", "float"):  # vLLM's names for them
+        geometry["dtype"] = {"half": "float16", "float": "float32"}[geometry["dtype"]]
     path = flags.get("checkpoint")  # deprecated spelling of --model DIR
     if path and name and os.path.abspath(str(name)) != os.path.abspath(str(path)):
         raise ValueError(f"--model {name} and --checkpoint {path} name two models: give --model {path} alone (the "

@@ -46,6 +46,30 @@ class Flag:
         return self.names[-1]
 
 
+HUMAN = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def human_int(v: str) -> int:
+    """vLLM's human-readable integers (``human_readable_int``): 2048, 2k (2,000), 2K (2,048), 25.6k; m, g, M, G."""
+    text = str(v).strip()
+    unit = HUMAN.get(text[-1:], 0)
+    try:
+        if not unit:
+            return int(text)
+        n = float(text[:-1]) * unit
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{v!r} is neither an integer nor one with a unit (2k = 2000, 2K = 2048)"
+                                         ) from None
+    if not n.is_integer():
+        raise argparse.ArgumentTypeError(f"{v!r} is not a whole number of tokens")
+    return int(n)
+
+
+def human_int_or_auto(v: str) -> Optional[int]:
+    """vLLM's ``--max-model-len``: a human-readable integer, or auto (or -1): the model's own length."""
+    return None if str(v).strip().lower() in ("auto", "-1") else human_int(v)
+
+
 def _one(v: Any) -> bool:
     return int(v) == 1
 
@@ -72,7 +96,7 @@ def _of(*values: str) -> Callable[[Any], bool]:
 
 FLAGS: tuple[Flag, ...] = (
     # the same setting under vLLM's name
-    Flag(("--max-num-batched-tokens",), SAME, "tokens a step may hold: --max-batch-tokens", int,
+    Flag(("--max-num-batched-tokens",), SAME, "tokens a step may hold: --max-batch-tokens", human_int,
          sets="max_batch_tokens"),
     Flag(("--num-gpu-blocks-override",), SAME, "KV blocks in each rank's pool: --num-blocks", int, sets="num_blocks"),
     Flag(("--enable-prefix-caching",), SAME, "full prompt blocks cached by a hash of their tokens (on unless "
@@ -134,6 +158,11 @@ FLAGS: tuple[Flag, ...] = (
          SWITCH),
     Flag(("--enable-prompt-tokens-details",), NO_EFFECT, "usage.prompt_tokens_details.cached_tokens is always given",
          SWITCH),
+    Flag(("--enable-request-id-headers",), NO_EFFECT, "every response carries X-Request-Id (the client's own where "
+         "it sent one)", SWITCH),
+    Flag(("--disable-frontend-multiprocessing",), NO_EFFECT, "the router is a process of its own, beside the "
+         "engines", SWITCH),
+    Flag(("--response-role",), WHEN, "assistant: chat answers as the assistant", str, _of("assistant")),
     # vLLM's features that pushkv does not build
     Flag(("--speculative-config",), REFUSED, "speculative decoding is not built"),
     Flag(("--kv-transfer-config",), REFUSED, "pushkv up runs P and D itself and moves the KV between them: --mode "

@@ -146,3 +146,17 @@ def test_tokenizer_revision_flag(ckpt, hub):
         config("--model", "tiny", "--load-format", "dummy", "--tokenizer-revision", "v2")
     with pytest.raises(ValueError, match="--tokenizer 'org/nope' revision 'v2': not in the local"):
         config("--model", "tiny", "--load-format", "dummy", "--tokenizer", "org/nope", "--tokenizer-revision", "v2")
+
+
+def test_vllm_spellings_of_lengths_and_dtypes():
+    """vLLM's human-readable integers (2k = 2000, 2K = 2048), --max-model-len auto (the model's own), and its dtype
+    names half and float; a malformed length is an argparse error, not a traceback."""
+    assert config("--model", "tiny", "--load-format", "dummy", "--max-model-len", "2k").max_model_len == 2000
+    assert config("--model", "tiny", "--load-format", "dummy", "--max-model-len", "1K").max_model_len == 1024
+    assert config("--model", "tiny", "--load-format", "dummy", "--max-model-len", "auto").max_model_len in (0, None)
+    got = config("--model", "tiny", "--load-format", "dummy", "--max-num-batched-tokens", "2K")
+    assert got.prefill.max_batch_tokens == 2048
+    assert config("--model", "tiny", "--load-format", "dummy", "--dtype", "half").model.dtype == "float16"
+    assert config("--model", "tiny", "--load-format", "dummy", "--dtype", "float").model.dtype == "float32"
+    with pytest.raises(SystemExit):
+        parse("--model", "tiny", "--max-model-len", "4x")

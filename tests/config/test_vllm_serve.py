@@ -88,7 +88,8 @@ WHEN_VALUES = {"--pipeline-parallel-size": (1, 2), "--data-parallel-size": (1, 4
                "--distributed-executor-backend": ("mp", "ray"), "--tokenizer-mode": ("auto", "mistral"),
                "--scheduling-policy": ("fcfs", "priority"), "--max-logprobs": (20, 50),
                "--cpu-offload-gb": (0, 8.5), "--guided-decoding-backend": ("xgrammar", "outlines"),
-               "--structured-outputs-config": ('{"backend": "xgrammar"}', '{"backend": "guidance"}')}
+               "--structured-outputs-config": ('{"backend": "xgrammar"}', '{"backend": "guidance"}'),
+               "--response-role": ("assistant", "bot")}
 
 
 @pytest.mark.parametrize("f", [f for f in FLAGS if f.kind == WHEN and f.value != SWITCH], ids=lambda f: f.name)
