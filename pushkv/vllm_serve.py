@@ -20,6 +20,7 @@ its value. A flag pushkv also spells its own way must not disagree with it.
 from __future__ import annotations
 
 import argparse
+import decimal
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
@@ -56,11 +57,11 @@ def human_int(v: str) -> int:
     try:
         if not unit:
             return int(text)
-        n = float(text[:-1]) * unit
-    except ValueError:
+        n = decimal.Decimal(text[:-1]) * unit  # (a float's 16.1 * 1000 is not whole)
+    except (ValueError, decimal.InvalidOperation):
         raise argparse.ArgumentTypeError(f"{v!r} is neither an integer nor one with a unit (2k = 2000, 2K = 2048)"
                                          ) from None
-    if not n.is_integer():
+    if n != n.to_integral_value():
         raise argparse.ArgumentTypeError(f"{v!r} is not a whole number of tokens")
     return int(n)
 

@@ -342,8 +342,10 @@ def parse_completion(body: dict, tok: text.Tokenizer, limits: Limits) -> Complet
     echo_only = echo and _is_int(body.get("max_tokens")) and body["max_tokens"] == 0
     if echo_only:  # vLLM's: one token ends the prefill; the answer is the prompt alone
         body = {**body, "max_tokens": 1}
-    longest = max((ids for ids, _ in prompts), key=len)  # max_tokens must fit beside every prompt
-    params = parse_generation(body, longest, tok, limits, DEFAULT_MAX_TOKENS, -1 if logprobs is None else logprobs)
+    longest = max((ids for ids, _ in prompts), key=len)  # every prompt must leave room for a token
+    shortest = min((ids for ids, _ in prompts), key=len)  # max_tokens is cut per prompt (the router's runs)
+    params = parse_generation(body, longest, tok, limits, DEFAULT_MAX_TOKENS, -1 if logprobs is None else logprobs,
+                              room_of=shortest)
     # echo with logprobs scores the prompt with as many alternatives, unless prompt_logprobs says (vLLM's)
     asked = parse_prompt_logprobs(body, params.stream)
     if asked is None and echo and logprobs is not None:
@@ -392,8 +394,8 @@ VLLM_UNBUILT: dict[str, tuple[tuple, str]] = {
 
 
 def parse_generation(body: dict, ids: list[int], tok: text.Tokenizer, limits: Limits, default_max: Optional[int],
-                     logprobs: int, max_tokens_field: str = "max_tokens", prompt_field: str = "prompt"
-                     ) -> CompletionParams:
+                     logprobs: int, max_tokens_field: str = "max_tokens", prompt_field: str = "prompt",
+                     room_of: Optional[list[int]] = None) -> CompletionParams:
     """The fields completions and chat share, for a prompt already tokenized (``tok`` writes ``bad_words``). A
     prompt that leaves no room for an output token is refused in vLLM's words, which clients match ("maximum context
     length is N tokens") to shorten the conversation; a max_tokens past the room left is cut to it, as vLLM 0.32's
@@ -415,7 +417,8 @@ def parse_generation(body: dict, ids: list[int], tok: text.Tokenizer, limits: Li
             max_tokens = min(max_tokens, limits.defaults.max_tokens)
     if max_tokens < 1:
         raise bad(max_tokens_field, f"{max_tokens_field} must be at least 1, got {max_tokens}")
-    max_tokens = min(max_tokens, room)
+    # (a batch: cut to its shortest prompt's room here, and to each prompt's own where the router opens its runs)
+    max_tokens = min(max_tokens, limits.max_model_len - len(ids if room_of is None else room_of))
 
     stream = get_bool(body, "stream")
     opts = body.get("stream_options")

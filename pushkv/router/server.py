@@ -487,8 +487,9 @@ class Router:
 
     async def handle_abort(self, request: web.Request) -> web.Response:
         rid = request.match_info["request_id"]
-        tid = output.transfer_id_of(rid)  # the response's id, the transfer id, or the client's own
-        hit = [run for t, run in self.runs.items() if t == tid or t.startswith(tid + "-") or run.client_id == tid]
+        tid = output.transfer_id_of(rid)  # the response's id, the transfer id, or the client's own (as it sent it,
+        hit = [run for t, run in self.runs.items()  # or the response's): never "", which a request without one has
+               if tid and (t == tid or t.startswith(tid + "-")) or run.client_id and run.client_id in (rid, tid)]
         if not hit:
             return _error(404, f"no in-flight request {rid!r}", "not_found")
         for run in hit:
@@ -809,9 +810,12 @@ class Router:
             # a batch's prompts are requests of their own, as vLLM's: with the client's seed, choice c of each prompt
             # samples from stream c (two equal prompts draw the same tokens); with the router's, each its own
             stream = i % params.n if params.seeded else i
-            sampling = msgspec.structs.replace(params.sampling, seed=derive_seed(params.sampling.seed, stream))
+            # max_tokens past this prompt's room is cut to it, per prompt, as vLLM's get_max_tokens cuts it
+            max_tokens = min(params.max_tokens, self.limits.max_model_len - len(ids))
+            sampling = msgspec.structs.replace(params.sampling, seed=derive_seed(params.sampling.seed, stream),
+                                               min_tokens=min(params.sampling.min_tokens, max_tokens))
             run = RequestRun(self.cfg, self.balancer if self.local_link is None else None, tid,
-                             ids, params.max_tokens, params.stop_token_ids, arrival,
+                             ids, max_tokens, params.stop_token_ids, arrival,
                              self.metrics, sampling, local_link=self.local_link, cache_salt=params.cache_salt,
                              structured=params.structured, lora=self.loras.of(params.model))
             run.client_id = params.client_id
@@ -819,7 +823,7 @@ class Router:
             runs.append(run)
             if self.tracer is not None:
                 own = f" client_id={params.client_id}" if params.client_id else ""
-                self.tracer.event("http_request", tid, f"prompt={len(ids)} max_tokens={params.max_tokens}{own}")
+                self.tracer.event("http_request", tid, f"prompt={len(ids)} max_tokens={max_tokens}{own}")
         self._handlers_idle.clear()
         self.metrics.in_flight.inc()
         self.load += 1

@@ -184,8 +184,11 @@ class SchedulerCore:
                 held += r.blocks
                 r.blocks = []
                 self._fail(r, f"forward step exceeded {self.cfg.timeouts.step_s:.0f}s (worker dead or hung)", 503)
-            if held:
-                self.late_steps[self.step_id] = (held, set())
+            answered = set(self.step_answers)  # ranks that answered in time will not answer again
+            if held and len(answered) == len(self.workers):
+                self.alloc.free(held)  # (no rank can still touch them)
+            elif held:
+                self.late_steps[self.step_id] = (held, answered)
                 self.counters["late_step_blocks_held"] += len(held)
             self.schedule()
 

@@ -12,7 +12,6 @@ from urllib.parse import urlsplit
 
 LOOPBACKS = ("127.0.0.1", "localhost", "::1")
 STORE_TIMEOUT = datetime.timedelta(seconds=300)  # torch's own default: a rank waits this long for the others
-_serving: list[socket.socket] = []  # rank 0's bound socket, open while its store serves on it
 
 
 def store_address(dist_init: str) -> tuple[str, int]:
@@ -35,10 +34,9 @@ def group_store(dist_init: str, rank: int, world_size: int) -> Any:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     sock.listen(128)
-    store = dist.TCPStore(host, port, world_size, True, STORE_TIMEOUT, wait_for_workers=False,
-                          master_listen_fd=sock.fileno())
-    _serving.append(sock)
-    return store
+    # the store owns the socket from here (it closes it when it is destroyed): handed over, not shared
+    return dist.TCPStore(host, port, world_size, True, STORE_TIMEOUT, wait_for_workers=False,
+                         master_listen_fd=sock.detach())
 
 
 def init_group(backend: str, dist_init: str, rank: int, world_size: int) -> None:

@@ -160,3 +160,6 @@ def test_vllm_spellings_of_lengths_and_dtypes():
     assert config("--model", "tiny", "--load-format", "dummy", "--dtype", "float").model.dtype == "float32"
     with pytest.raises(SystemExit):
         parse("--model", "tiny", "--max-model-len", "4x")
+    from pushkv.vllm_serve import human_int
+
+    assert [human_int(v) for v in ("16.1k", "4.1m", "25.6k", "0.5K")] == [16100, 4100000, 25600, 512]  # exact

@@ -93,8 +93,9 @@ def test_a_batch_of_prompts_is_each_prompt_with_its_choices_and_bounded():
     refused({"prompt": ["a", [1, 999]]}, "prompt[1]", "token id 999 outside the vocabulary")
     refused({"prompt": ["a", ["b"]]}, "prompt[1]", "must be a string, a list of token ids")
     # max_tokens must fit beside the longest prompt
-    n = LIMITS.max_model_len  # max_tokens past the longest prompt's room is cut to it, as vLLM 0.32's
-    assert completion(prompt=["a", [1] * (n - 3)], max_tokens=50).max_tokens == 3
+    n = LIMITS.max_model_len  # max_tokens past the room is cut to it, per prompt where the router opens its runs
+    assert completion(prompt=["a", [1] * (n - 3)], max_tokens=50).max_tokens == 50  # (the short prompt's room)
+    assert completion(prompt=[[1] * (n - 3)], max_tokens=50).max_tokens == 3
 
 
 def test_a_prompt_past_the_model_length_is_refused_in_vllms_words():

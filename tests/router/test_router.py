@@ -296,6 +296,25 @@ def test_a_batchs_prompts_sample_as_requests_of_their_own(tmp_path):
     assert len(seeds) == 6 and len(set(got)) == 2 and got.count(got[0]) == 3  # choice 0 and choice 1, per prompt
 
 
+def test_a_batchs_max_tokens_is_cut_to_each_prompts_own_room(tmp_path):
+    """vLLM's get_max_tokens per prompt: a short prompt of a batch keeps the max_tokens asked for where a long one
+    beside it is cut to its room (both had been cut to the long one's)."""
+    asked: dict[int, tuple[int, int]] = {}
+
+    def script(g):
+        asked[len(g.prompt_token_ids)] = (g.max_tokens, g.sampling.min_tokens)
+        return local_script([[104]])(g)
+
+    async def body():
+        cfg = make_cfg(tmp_path, "local", max_model_len=64)
+        async with Harness(cfg, {"local": script}) as h:
+            r = await h.http.post("/v1/completions", json={"prompt": [[1, 2], [1] * 59], "max_tokens": 30,
+                                                           "min_tokens": 10})
+            assert r.status == 200
+    run(body())
+    assert asked == {2: (30, 10), 59: (5, 5)}
+
+
 BAD_BODIES = [
     ("malformed json", b"{not json"),
     ("not an object", [1, 2]),
@@ -501,6 +520,18 @@ def test_the_clients_request_id_names_the_response_and_aborts_it(tmp_path, chat)
             await h.wait_abort("local")
             bad = await h.http.post(path, json={**ask, "max_tokens": 2}, headers={"X-Request-Id": "a b"})
             assert bad.status == 400 and (await bad.json())["error"]["param"] == "X-Request-Id"
+            # an id of the endpoint's own shape is taken as sent; a bare prefix names no request (it had named every
+            # request that gave no id of its own)
+            r = await h.http.post(path, json={**ask, "max_tokens": 8, "stream": True},
+                                  headers={"X-Request-Id": f"{prefix}-abc"})
+            plain = await h.http.post(path, json={**ask, "max_tokens": 8, "stream": True})
+            await r.content.readline()
+            plain_id = json.loads((await plain.content.readline())[len(b"data: "):])["id"]
+            assert (await h.http.post(f"/v1/abort/{prefix}-")).status == 404
+            assert (await h.http.post(f"/v1/abort/{prefix}-abc")).status == 200
+            assert (await read_sse(r))[-2]["error"]["code"] == 499
+            assert (await h.http.post(f"/v1/abort/{plain_id}")).status == 200  # still running after the bare prefix
+            assert (await read_sse(plain))[-2]["error"]["code"] == 499
     run(body())
 
 

@@ -36,3 +36,16 @@ def test_decode_admits_past_max_num_seqs_while_it_waits_for_kv():
     for i in range(3):
         deliver(s, ROUTER, m.Generate(f"d{i}", 0, "decode", prompt(10, i), 4, source=P_SRC))
     assert not s.waiting and len(s.reqs) == 3  # every one registered with P at once
+
+
+def test_a_timed_out_step_whose_one_rank_answered_in_time_frees_when_the_other_answers():
+    """TP 2, rank 1 hangs: the request fails at the step's deadline; rank 0 had answered already and will not again,
+    so the blocks are freed once rank 1 answers (they had waited for two late answers, for ever)."""
+    s, wire = make(tp=2, num_blocks=64)
+    generate(s, "t0", prompt(20), max_tokens=3)
+    (step,) = [x for x in wire.take("worker") if isinstance(x, m.ExecuteStep)][:1]
+    deliver(s, s.workers[0], m.StepDone(step.step_id, (42,)))
+    s.tick(s.now + s.cfg.timeouts.step_s + 1, 0.0)
+    assert not s.reqs and s.alloc.num_free < s.alloc.num_blocks  # failed, its blocks held for rank 1
+    deliver(s, s.workers[1], m.StepDone(step.step_id, (42,)))
+    assert idle(s) and not s.late_steps and s.counters["late_step_blocks_freed"] > 0
