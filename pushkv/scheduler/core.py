@@ -184,11 +184,8 @@ class SchedulerCore:
                 held += r.blocks
                 r.blocks = []
                 self._fail(r, f"forward step exceeded {self.cfg.timeouts.step_s:.0f}s (worker dead or hung)", 503)
-            answered = set(self.step_answers)  # ranks that answered in time will not answer again
-            if held and len(answered) == len(self.workers):
-                self.alloc.free(held)  # (no rank can still touch them)
-            elif held:
-                self.late_steps[self.step_id] = (held, answered)
+            if held:  # (some rank has not answered: a step every rank answered ended in step_answers.take)
+                self.late_steps[self.step_id] = (held, set(self.step_answers))  # those that did will not again
                 self.counters["late_step_blocks_held"] += len(held)
             self.schedule()
 
@@ -221,7 +218,7 @@ class SchedulerCore:
         """Hand /metrics a snapshot of the queue, the running requests and the pool (the shell
         calls it after each entry point; the scrape runs on another thread)."""
         waiting = sum(1 for r in self.reqs.values() if r.state in (State.GRAMMAR, State.WAITING, State.AWAIT_KV))
-        running = sum(1 for r in self.reqs.values() if r.state in (State.PREFILL, State.RUNNING, State.VERIFY))
+        running = self._running()
         total = self.alloc.num_blocks
         usage = (total - self.alloc.num_free) / total if total else 0.0
         counters = dict(self.counters)
@@ -308,10 +305,15 @@ class SchedulerCore:
         lora_table.sweep(self)
 
     def _fail(self, r: Request, reason: str, status: int = 500) -> None:
+        self._failed(r, reason, status)
+        self._release(r)
+
+    def _failed(self, r: Request, reason: str, status: int) -> None:
+        """The request failed: counted, logged and told; its blocks are the caller's to free (now, or once no
+        worker can still touch them)."""
         self.counters["requests_failed"] += 1
         log.warning("%s: request failed: %s transfer_id=%s", self.name, reason, r.transfer_id)
         self._reply(r, m.RequestFailed(r.transfer_id, r.generation, reason, status))
-        self._release(r)
 
     # -- from the router --------------------------------------------------------------
     def _note_generation(self, r: Request) -> None:
@@ -441,10 +443,11 @@ class SchedulerCore:
         """vLLM's max_num_seqs bounds the requests running, not only a step's sequences: where as many compute here
         already (a prompt or its decode; P's sent ones and D's that wait for their KV do not), one more waits in the
         queue, and its queue time runs on. D admits on, since its early registration is what push is."""
-        if self.role == "decode":
-            return False
-        running = sum(1 for r in self.reqs.values() if r.state in (State.PREFILL, State.RUNNING, State.VERIFY))
-        return running >= self.inst.max_num_seqs
+        return self.role != "decode" and self._running() >= self.inst.max_num_seqs
+
+    def _running(self) -> int:
+        """Requests that compute here: a prompt, its decode, or (D) its KV's check (vllm:num_requests_running)."""
+        return sum(1 for r in self.reqs.values() if r.state in (State.PREFILL, State.RUNNING, State.VERIFY))
 
     def _admit(self) -> None:
         while self.waiting and not self._engine_blocked() and not self._running_full():

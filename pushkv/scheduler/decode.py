@@ -220,10 +220,8 @@ class DecodeScheduler(SchedulerCore):
             if now - r.verify_at > step_s:
                 why = f"KV verification exceeded {step_s:.0f}s (worker dead or hung)"
                 self.counters["kv_verify_timeout"] += 1
-                self.counters["requests_failed"] += 1
-                log.warning("%s: request failed: %s transfer_id=%s", self.name, why, r.transfer_id)
                 r.aborted = why
-                self._reply(r, m.RequestFailed(r.transfer_id, r.generation, why, 503))
+                self._failed(r, why, 503)
 
     def _verify_failed(self, r: Request, reason: str) -> None:
         self.counters["kv_verify_failed"] += 1
