@@ -220,8 +220,7 @@ class EtcdAnnouncer:
 
 def check_readable(gw: SyncGateway, target: EtcdTarget) -> None:
     """Read the registry's instances as a router will (``kv/range``, one key): raises as ``EtcdAnnouncer.connect``
-    does where the credentials or the grants do not allow it."""
-    gw.authenticate()
+    does where the credentials or the grants do not allow it (the gateway authenticates first, where it has not)."""
     head = instances_prefix(target.prefix)
     gw.call("kv/range", {"key": b64(head), "range_end": range_end(head), "limit": 1})
 

@@ -88,7 +88,6 @@ class InstanceTracker:
                 return InstanceUp(self.records[engine])
         return None
 
-
     def _health(self, engine: str, ev: m.LifecycleEvent) -> Optional[InstanceHealth]:
         """An instance turns unhealthy with its first process that stops answering pings, and healthy again once
         every such process answers (or exits: its death is news of its own)."""

@@ -109,7 +109,7 @@ class ChoiceOutput:
     # vLLM's
     stop_ids: tuple[int, ...] = ()
     include_stop: bool = False  # vLLM's include_stop_str_in_output: the stop string (or id's text) ends the text
-    # the request's own stop_token_ids (not EOS): the one that ended the choice is its stop_reason, as vLLM's
+    # the stop ids whose stop names itself, as vLLM's (``CompletionParams.stop_reason_ids``: not the tokenizer's EOS)
     reason_ids: tuple[int, ...] = ()
     skip_special: bool = True  # vLLM's skip_special_tokens: special tokens left out of the text
     spaces_between_special: bool = True  # vLLM's spaces_between_special_tokens (text.IncrementalDecoder)
@@ -117,8 +117,8 @@ class ChoiceOutput:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: Optional[str] = None
-    # vLLM's stop_reason: the stop string that matched, or the stop_token_ids entry that ended the choice; None
-    # where it ended on EOS, length or otherwise
+    # vLLM's stop_reason: the stop string that matched, or the ``reason_ids`` entry that ended the choice; None
+    # where it ended on the tokenizer's EOS, length or otherwise
     stop_reason: StopReason = None
     prompt_logprobs: Optional[PromptLogprobs] = None  # the prompt's, when the request asked (with the first tokens)
     hidden: int = 0

@@ -38,14 +38,13 @@ from __future__ import annotations
 import enum
 import logging
 import math
-from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Literal, Optional
 
 import msgspec
 
 from pushkv import messages as m
-from pushkv.floods import Kinds, worth_logging
+from pushkv.floods import Kinds
 from pushkv.kinds import Mode, Role
 from pushkv.router import policy as P
 from pushkv.router.ledger import Ledger, Outcome
@@ -78,8 +77,9 @@ from pushkv.router.request_msgs import (  # re-exported: the machine's callers n
 )
 
 log = logging.getLogger(__name__)
-REFUSED: Counter[int] = Counter()  # refusals by HTTP status, in this router process (what its log lines count)
-LINES = Kinds()  # the other per-request lines a burst repeats (late allocations, failed legs): floods.py
+# the per-request lines a burst repeats (refusals by status, late allocations, failed legs), in this router process:
+# written as floods.py says, each with its count
+LINES = Kinds()
 
 __all__ = ["Start", "Placed", "Queued", "DecodePlaced", "DecodeQueued", "Rejected", "SendFailed", "Cancel",
            "Tick", "Stopped", "Close", "Send", "Tokens", "Finished", "Failed", "Place", "PlaceDecode",
@@ -324,10 +324,10 @@ class Request:
         return [Failed(status, reason, outcome), Disarm()]
 
     def _on_rejected(self, msg: Rejected, now: float, leg: Source) -> list[Action]:
-        REFUSED[msg.status] += 1  # a client retrying hard while an instance restarts must not flood the log
-        if worth_logging(REFUSED[msg.status]):
+        n = LINES.seen(("refused", msg.status))  # a client retrying hard while an instance restarts
+        if n:
             log.info("refused transfer_id=%s status=%d: %s (refused with %d so far: %d)", self.transfer_id,
-                     msg.status, msg.reason, msg.status, REFUSED[msg.status])
+                     msg.status, msg.reason, msg.status, n)
         return self._fail(msg.status, msg.reason, "rejected")
 
     def _on_send_failed(self, msg: SendFailed, now: float, leg: Source) -> list[Action]:

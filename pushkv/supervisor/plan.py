@@ -163,6 +163,10 @@ def plan_deployment(
     for inst in (cfg.prefill, cfg.decode, cfg.local):
         if inst.prefill_chunk < 0:
             raise ValueError(f"prefill chunk must be >= 0 tokens, got {inst.prefill_chunk}")
+        for name in ("max_num_seqs", "max_batch_tokens"):  # vLLM refuses 0 so: it would start and never run a request
+            if getattr(inst, name) < 1:
+                raise ValueError(f"{inst.role} instance: {name} (--{name.replace('_', '-')}) must be >= 1, "
+                                 f"got {getattr(inst, name)}")
     if cfg.timeouts.lease_max_s < cfg.timeouts.lease_s:
         raise ValueError(f"lease_max_s ({cfg.timeouts.lease_max_s}) must be >= lease_s ({cfg.timeouts.lease_s})")
     if cfg.router_queue < 0:

@@ -295,7 +295,7 @@ def test_start_twice_is_an_error_naming_the_phase():
 def test_refusals_are_logged_first_one_by_one_then_one_in_a_hundred(monkeypatch, caplog):
     """A client retrying hard while an instance restarts gets a 503 each time: the log keeps the first ten, then
     every hundredth, each with the count so far."""
-    monkeypatch.setattr(R, "REFUSED", type(R.REFUSED)())
+    monkeypatch.setattr(R, "LINES", type(R.LINES)())
     with caplog.at_level("INFO", logger=R.__name__):
         for _ in range(250):
             req = new("push")
