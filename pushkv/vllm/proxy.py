@@ -39,6 +39,10 @@ ENDPOINTS = {"/v1/completions": "prompt", "/v1/chat/completions": "messages"}
 ANSWER_ONLY = ("stream", "stream_options", "n", "best_of", "min_tokens", "logprobs", "top_logprobs", "echo",
                "max_completion_tokens")
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 502: "bad_gateway", 503: "service_unavailable"}
+# how the proxy's HTTP server runs: a client that hangs up cancels its handler, which closes the legs'
+# connections, and vLLM aborts a request whose connection closed (aiohttp >= 3.9 cancels no handler by
+# default: D went on decoding a gone client's request to its max_tokens)
+SERVE: dict[str, Any] = {"handler_cancellation": True}
 
 
 class Instance:
@@ -184,6 +188,9 @@ class Proxy:
             self.counters["failed"] += 1
             p_task.cancel()
             return self._error(502, f"decode {d.url} unreachable: {e}")
+        except asyncio.CancelledError:  # the client hung up: P's leg goes too (vLLM aborts it, if still running)
+            p_task.cancel()
+            raise
         finally:
             p.inflight -= 1
             d.inflight -= 1
@@ -351,7 +358,7 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s pushkv vllm-proxy %(levelname)s %(message)s")
     proxy = Proxy(args.prefill, args.decode)
     web.run_app(proxy.app(args.protocol), host=args.host, port=args.port, print=lambda *_: print(
-        f"pushkv vllm-proxy on http://{args.host}:{args.port} READY", flush=True))
+        f"pushkv vllm-proxy on http://{args.host}:{args.port} READY", flush=True), **SERVE)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,80 @@
+"""``pushkv vllm-proxy`` over loopback against fake P and D instances (aiohttp servers that
+answer as vLLM does, no vLLM needed): what reaches the instances when a client hangs up."""
+import asyncio
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from pushkv.vllm.proxy import SERVE, Proxy
+
+pytestmark = pytest.mark.timeout(60)
+
+SOURCE = {"engine_id": "p", "tp": 1, "handshake": ["ipc:///x"]}
+WAIT_S = 10.0
+
+
+async def serve(app: web.Application, **kw) -> tuple[web.AppRunner, str]:
+    """``app`` on a free loopback port, its server made with ``kw`` (aiohttp's TestServer would
+    force handler_cancellation on, the setting under test)."""
+    runner = web.AppRunner(app, shutdown_timeout=1.0, **kw)  # a handler left waiting ends at cleanup
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    return runner, f"http://{host}:{port}"
+
+
+class Instance:
+    """A fake vLLM instance: answers /v1/models and P's probe; a leg's request waits until its
+    connection closes (vLLM aborts such a request), and says so."""
+
+    def __init__(self):
+        self.leg_arrived = asyncio.Event()
+        self.leg_ended = asyncio.Event()
+        self.app = web.Application()
+        self.app.router.add_get("/v1/models", self.models)
+        self.app.router.add_post("/v1/completions", self.completions)
+        self.runner: web.AppRunner
+
+    async def start(self) -> str:
+        self.runner, url = await serve(self.app, handler_cancellation=True)  # as vLLM notices a hang-up
+        return url
+
+    async def models(self, req):
+        return web.json_response({"data": [{"id": "m"}]})
+
+    async def completions(self, req):
+        body = await req.json()
+        if (body.get("kv_transfer_params") or {}).get("pushkv_probe"):
+            return web.json_response({"choices": [{"text": ""}], "kv_transfer_params": {"pushkv_source": SOURCE}})
+        self.leg_arrived.set()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            self.leg_ended.set()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_hangs_up_ends_both_legs(stream):
+    """The client closes its connection while P and D are still at work: both legs' connections
+    close, so vLLM aborts them (before, a non-streamed request, or a streamed one before its
+    first chunk, ran on D to its max_tokens)."""
+
+    async def run():
+        p, d = Instance(), Instance()
+        proxy = Proxy([await p.start()], [await d.start()])
+        front, url = await serve(proxy.app(), **SERVE)
+        try:
+            async with aiohttp.ClientSession() as client:
+                body = {"prompt": "hello", "max_tokens": 1000, "stream": stream}
+                call = asyncio.create_task(client.post(url + "/v1/completions", json=body))
+                await asyncio.wait_for(asyncio.gather(p.leg_arrived.wait(), d.leg_arrived.wait()), WAIT_S)
+                call.cancel()  # the client hangs up
+                await asyncio.gather(call, return_exceptions=True)
+                await asyncio.wait_for(asyncio.gather(d.leg_ended.wait(), p.leg_ended.wait()), WAIT_S)
+        finally:
+            for r in (front, p.runner, d.runner):
+                await r.cleanup()
+
+    asyncio.run(run())
