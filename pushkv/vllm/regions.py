@@ -54,8 +54,26 @@ class KVMemory(msgspec.Struct, array_like=True, frozen=True, gc=False):
     def same_pages(self, other: "KVMemory") -> bool:
         """P and D must agree on layer count and page size (a block's page
         is copied whole: same block size, heads, head size, dtype and TP slice)."""
-        return [(lr.page_bytes, _shape(lr)) for lr in self.layers] == \
-            [(lr.page_bytes, _shape(lr)) for lr in other.layers]
+        return not self.pages_difference(other)
+
+    def pages_difference(self, other: "KVMemory") -> str:
+        """What makes ``other``'s pages unlike this side's, both values named ("" if alike): the
+        first of layer count, block size, the model's KV heads, page bytes and page axes."""
+        if len(self.layers) != len(other.layers):
+            return f"{len(self.layers)} KV layers here, {len(other.layers)} there (not the same model)"
+        if self.block_tokens and other.block_tokens and self.block_tokens != other.block_tokens:
+            return (f"block size {self.block_tokens} tokens here, {other.block_tokens} there (P and D need the "
+                    "same --block-size)")
+        if self.total_kv_heads and other.total_kv_heads and self.total_kv_heads != other.total_kv_heads:
+            return f"{self.total_kv_heads} KV heads here, {other.total_kv_heads} there (not the same model)"
+        for i, (mine, theirs) in enumerate(zip(self.layers, other.layers)):
+            if mine.page_bytes != theirs.page_bytes:
+                return (f"layer {i}'s page is {mine.page_bytes} bytes here, {theirs.page_bytes} there (block size, "
+                        "head size, dtype (--dtype, --kv-cache-dtype) or TP size differ)")
+            if _shape(mine) != _shape(theirs):
+                return (f"layer {i}'s page axes are {_shape(mine)} here, {_shape(theirs)} there (another "
+                        "attention backend's layout)")
+        return ""
 
     def same_heads(self, other: "KVMemory") -> bool:
         """P and D of different TP sizes must agree on the model's heads and on every
@@ -67,8 +85,9 @@ class KVMemory(msgspec.Struct, array_like=True, frozen=True, gc=False):
     def pairing_problem(self, tp: int, other: "KVMemory", other_tp: int, other_name: str) -> str:
         """Why this rank (of ``tp``) cannot move KV with ``other`` (a rank of ``other_tp``); "" if it can."""
         if tp == other_tp:
-            if not self.same_pages(other):
-                return f"peer {other_name} KV pages differ (block size, heads, dtype, layout or layers)"
+            why = self.pages_difference(other)
+            if why:
+                return f"peer {other_name}'s KV pages differ from this instance's: {why}"
         elif not self.same_heads(other):
             return (f"peer {other_name} has tp={other_tp}, this instance tp={tp}, and their KV heads cannot be "
                     f"paired: {other.total_kv_heads} against {self.total_kv_heads} heads (a different TP size "
