@@ -235,6 +235,10 @@ class Abort(Msg, frozen=True):
     transfer_id: str
     generation: int
     reason: str = "aborted by client"
+    # the request is complete at the router and this token leg ends with that reason (a stop string the router
+    # matched: "stop"), counted as vLLM counts a stop string its frontend matched. "": an abort (the client gone,
+    # /v1/abort, the deadline, a failure elsewhere), which vLLM counts nowhere
+    finish: FinishReason = ""
 
 
 class GetStats(Msg, frozen=True):

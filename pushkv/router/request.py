@@ -45,7 +45,7 @@ import msgspec
 
 from pushkv import messages as m
 from pushkv.floods import Kinds
-from pushkv.kinds import Mode, Role
+from pushkv.kinds import FinishReason, Mode, Role
 from pushkv.router import policy as P
 from pushkv.router.ledger import Ledger, Outcome
 from pushkv.router.request_msgs import (  # re-exported: the machine's callers name them R.<Input>
@@ -92,6 +92,13 @@ __all__ = ["Start", "Placed", "Queued", "DecodePlaced", "DecodeQueued", "Rejecte
 GENERATION = 0
 PREFILL_REPORT_GRACE_S = 1.0  # push: D done, wait this long for P's timeline
 ROUTER: Literal["router"] = "router"  # the leg of inputs the router makes itself
+
+
+def _leg_finish(leg: Role, outcome: str) -> FinishReason:
+    """How an open leg of a request that ends now ends on its instance (``Abort.finish``): where the client has its
+    answer, an open token leg was ended by a stop string ("stop": its last token would have closed it otherwise);
+    otherwise it was aborted (""). P's instance knows itself whether its leg's one token was out."""
+    return "stop" if outcome == "ok" and leg != "prefill" else ""
 
 
 def _sent_leg(leg: Source) -> Role:
@@ -386,7 +393,8 @@ class Request:
         if led.late and led.pull is not None and not led.kv_seen:
             legs |= {"prefill"}  # P answered its leg, but still holds the KV no D took: free it now
         for open_leg in sorted(legs):
-            out.append(Send(open_leg, led.engines[open_leg], m.Abort(self.transfer_id, GENERATION, reason)))
+            out.append(Send(open_leg, led.engines[open_leg],
+                            m.Abort(self.transfer_id, GENERATION, reason, _leg_finish(open_leg, led.outcome))))
         return out
 
     # -- what the legs report ------------------------------------------------------------------------

@@ -41,12 +41,11 @@ from pushkv import limits
 from pushkv import messages as m
 from pushkv.config import DeploymentConfig, InstanceConfig, Role
 from pushkv.dispatch import handler_for
-from pushkv.kinds import FinishReason
 from pushkv.protocol.prefix_cache import PrefixCache
 from pushkv.scheduler import grammar_wait, lora_table, prefix, stats, step_answers, writer_answers
 from pushkv.scheduler.grammar import GrammarCompiled, Grammars, failure
 from pushkv.scheduler.lora_table import LoraTable
-from pushkv.scheduler.metrics import Finish, InstanceMetrics, Snapshot
+from pushkv.scheduler.metrics import EndReason, Finish, InstanceMetrics, Snapshot
 from pushkv.scheduler.outbox import Effect, Peer, Send, Trace
 from pushkv.scheduler.prefix import index_blocks
 from pushkv.scheduler.requests import Request, State, blocks_needed, build_batch, count_work
@@ -312,6 +311,7 @@ class SchedulerCore:
         """The request failed: counted, logged and told; its blocks are the caller's to free (now, or once no
         worker can still touch them)."""
         self.counters["requests_failed"] += 1
+        self._observe_finish(r, "error")  # as vLLM's engine ends a request it fails (a KV load's failure)
         log.warning("%s: request failed: %s transfer_id=%s", self.name, reason, r.transfer_id)
         self._reply(r, m.RequestFailed(r.transfer_id, r.generation, reason, status))
 
@@ -364,6 +364,10 @@ class SchedulerCore:
             self.counters["abort_unknown"] += 1
             return
         self.counters["aborted"] += 1
+        if msg.finish:  # complete at the router (a stop string): its end is counted as vLLM's frontend counts it
+            self._observe_finish(r, msg.finish)
+        elif self.role == "prefill" and r.output:  # P's one token is out: vLLM's P (max_tokens=1) has ended
+            self._observe_finish(r, "length")
         self._abort(r, msg.reason, notify=False)
 
     def _abort(self, r: Request, reason: str, notify: bool) -> None:
@@ -528,7 +532,11 @@ class SchedulerCore:
         self._stamp(r, "first_token")
         self._first_token(r)
 
-    def _observe_finish(self, r: Request, reason: FinishReason) -> None:
+    def _observe_finish(self, r: Request, reason: EndReason) -> None:
+        """``r``'s end here, in vllm:request_success_total and the per-request histograms: once per request."""
+        if r.counted:
+            return
+        r.counted = True
         admitted, first = r.admitted_at or r.queued_at, r.first_at or self.now
         self.metrics.finished(Finish(reason, len(r.prompt), len(r.output), r.max_tokens, self.now - r.queued_at,
                                      first - admitted, self.now - first))

@@ -16,7 +16,7 @@ snapshot and never iterates the core's live structures.
 """
 from __future__ import annotations
 
-from typing import Mapping, NamedTuple, Optional
+from typing import Literal, Mapping, NamedTuple, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -31,7 +31,12 @@ REQUEST_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 3
                      240.0, 480.0, 960.0, 1920.0, 7680.0)
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
-FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")  # vLLM's, each series there from the start
+# vLLM's FinishReason, each series there from the start. pushkv counts "stop" and "length" (every way a leg ends
+# complete), and "error" (a request this instance failed after admitting it, as vLLM's engine ends a KV load failure
+# or a grammar's failure): vLLM's frontend drops a client's abort without counting it (the "abort" series stays at 0
+# there: vllm-project/vllm#31503), and the router's aborts are counted nowhere here either
+EndReason = Literal["stop", "length", "abort", "error", "repetition"]
+FINISH_REASONS: tuple[EndReason, ...] = ("stop", "length", "abort", "error", "repetition")
 
 
 def token_buckets(max_model_len: int) -> tuple[int, ...]:
@@ -49,7 +54,7 @@ def token_buckets(max_model_len: int) -> tuple[int, ...]:
 class Finish(NamedTuple):
     """One request's end here, as the histograms take it (seconds on this instance's clock)."""
 
-    reason: str
+    reason: EndReason
     prompt_len: int
     generated: int
     max_tokens: int

@@ -75,6 +75,7 @@ class Request:
     last_token_at: float = 0.0  # monotonic time this instance produced its latest token; 0 = none yet
     admitted_at: float = 0.0  # monotonic time its blocks were allocated here; 0 = not yet
     first_at: float = 0.0  # monotonic time of this instance's first token for it; 0 = none yet
+    counted: bool = False  # its end is in vllm:request_success_total (once: P's pull leg ends before its KV leaves)
     reserved_block_s: float = 0.0  # D: blocks x seconds from reservation until the KV arrived
     prefilled: int = 0  # prompt tokens whose KV is in the pool (chunked prefill: grows chunk by chunk)
     streamed: bool = False  # P, streaming push: a chunk's blocks went to the writers before prefill ended

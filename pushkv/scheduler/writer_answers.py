@@ -59,6 +59,7 @@ def _stream_over_mid_step(core: "SchedulerCore", r: Request, answers: dict[int, 
     r.aborted = f"KV stream failed: {failures[0].reason}" if failures else "KV stream ended"
     status, reason = (503, f"{lost}; retry") if lost else (502, r.aborted)
     core.counters["requests_failed"] += 1
+    core._observe_finish(r, "error")
     core._reply(r, m.RequestFailed(r.transfer_id, r.generation, reason, status))
 
 

@@ -63,3 +63,43 @@ def test_each_instance_serves_vllm_metrics(tmp_path):
     assert after["decode"][("vllm:time_per_output_token_seconds_count", label)] == n * (MAX_TOKENS - 1)
     assert after["prefill"][("pushkv_instance_kv_transfers_total", label)] == n
     assert after["decode"][("pushkv_instance_kv_waits_total", label)] == n
+
+
+def _a_stop_string(text: str) -> str:
+    """A character of ``text`` past its first two that appears nowhere before it: a stop string that ends a greedy
+    rerun of the same request there, mid-output."""
+    for i in range(2, len(text)):
+        if text[i].isalnum() and text[i] not in text[:i]:
+            return text[i]
+    raise AssertionError(f"no stop string in {text!r}")
+
+
+def test_how_a_request_ended_is_counted_on_each_instance(tmp_path):
+    """As vLLM's instances count them: a stop string the router matches ends D's leg "stop" (vLLM's frontend matches
+    them), P's leg "length" (its one token); a client that goes away mid-stream is counted on no instance's D (vLLM's
+    frontend drops an abort uncounted), while P's leg, whose token was out, is "length"."""
+    with deployment(tmp_path, "--mode", "push", "--model", "small", "--num-blocks", "64") as dep:
+        urls = {i.role: f"http://{dep.cfg.metrics_host()}:{i.metrics_port}/metrics" for i in dep.cfg.instances()}
+        first = dep.complete("hello there", 12, temperature=0)["choices"][0]
+        assert first["finish_reason"] == "length"
+        stopped = dep.complete("hello there", 12, temperature=0, stop=[_a_stop_string(first["text"])])["choices"][0]
+        assert stopped["finish_reason"] == "stop"
+        conn = dep.connection(60)  # a stream read to its first token, then dropped
+        conn.request("POST", "/v1/completions", body=json.dumps(
+            {"prompt": "hello there", "max_tokens": 900, "temperature": 0, "stream": True,
+             "ignore_eos": True}).encode(), headers={"content-type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.readline().startswith(b"data: ")
+        conn.close()
+        wait_pools_free(dep)
+        got = {role: scrape(u) for role, u in urls.items()}
+    label = (("model_name", "small"),)
+
+    def ends(role: str) -> dict[str, float]:
+        return {r: got[role][("vllm:request_success_total", (("finished_reason", r),) + label)]
+                for r in ("stop", "length", "abort", "error", "repetition")}
+
+    assert ends("decode") == {"stop": 1, "length": 1, "abort": 0, "error": 0, "repetition": 0}
+    assert ends("prefill") == {"stop": 0, "length": 3, "abort": 0, "error": 0, "repetition": 0}
+    assert got["decode"][("vllm:e2e_request_latency_seconds_count", label)] == 2
+    assert got["decode"][("pushkv_instance_aborted_total", label)] == 2  # the stop string's and the dropped stream's

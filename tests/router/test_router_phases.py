@@ -230,3 +230,22 @@ def test_per_request_lines_are_written_as_floods_says():
     written = [n for n in (lines.seen("late") for _ in range(250)) if n]
     assert written == list(range(1, 11)) + [100, 200]
     assert lines.seen(("failed", "decode", 503)) == 1  # each kind counts on its own
+
+
+@pytest.mark.parametrize("mode, before, finish", [
+    # a stop string: the client has its answer; the token leg ends "stop" there, as vLLM counts a stop string its
+    # frontend matched (P's instance knows whether its one token was out)
+    ("push", [(R.Stopped(), RT)], {"decode": "stop", "prefill": ""}),
+    ("local", [(toks([7]), "local"), (R.Stopped(), RT)], {"local": "stop"}),
+    ("push", [(toks([7], True), "decode"), (R.Tick(), RT)], {"prefill": ""}),  # D done, P not reported
+    # the client went away, a failure, the deadline: aborts, which vLLM counts nowhere
+    ("push", [], {"decode": "", "prefill": ""}),
+    ("push", [(fail(), "decode")], {"prefill": ""}),
+    ("local", [(R.Tick(), RT)], {"local": ""}),
+])
+def test_an_open_leg_hears_whether_the_request_was_complete(mode, before, finish):
+    req = reach(mode, Ph.RUNNING)
+    for msg, leg in before:
+        req.on(msg, T0 + 20 if isinstance(msg, R.Tick) else T0, leg)
+    out = req.on(R.Close(), T0 + 20, RT)
+    assert {a.leg: a.msg.finish for a in out if isinstance(a, R.Send) and isinstance(a.msg, m.Abort)} == finish

@@ -11,6 +11,7 @@ from pushkv.config import DeploymentConfig, InstanceConfig
 from pushkv.scheduler import scheduler_for
 from pushkv.scheduler.outbox import Peer, Send
 from pushkv.scheduler.requests import blocks_needed
+from tests.scheduler.test_scheduler_roles import P_SRC, make, step_done
 
 ROUTER = Peer.router(b"router")
 WORKER = Peer("worker", 0)
@@ -100,3 +101,101 @@ def test_a_request_that_does_not_fit_waits():
     got = scrape(core)
     assert value(got, "pushkv_instance_rejected_total") == 1
     assert value(got, "vllm:num_requests_waiting") == 1
+
+
+REASONS = ("stop", "length", "abort", "error", "repetition")
+
+
+def ended(core) -> dict[str, float]:
+    """vllm:request_success_total by finished_reason, and how many requests the per-request histograms took."""
+    got = scrape(core)
+    out = {r: value(got, "vllm:request_success_total", finished_reason=r) for r in REASONS}
+    out["e2e"] = value(got, "vllm:e2e_request_latency_seconds_count")
+    return out
+
+
+def role_core(role: str, mode: str = "push"):
+    return make(role, mode=mode, tp=1)
+
+
+def run_local(core, how: str) -> None:
+    """A local request of 3 tokens, ended ``how``."""
+    core.handle(m.Generate("t", 0, "local", (1, 2, 3), 3), ROUTER, 1.0, 1.0)
+    step(core, 1.5)  # its first token
+    if how in ("stop string", "client gone"):  # aborted mid-step: freed when the step answers
+        # a stop string the router matched completes the choice; a disconnect, /v1/abort or the router's deadline
+        # aborts it, which vLLM counts nowhere
+        finish = "stop" if how == "stop string" else ""
+        core.handle(m.Abort("t", 0, how, finish=finish), ROUTER, 1.6, 1.6)
+        step(core, 1.7)
+    elif how == "step failed":
+        sent = [e.msg for e in core.take_outbox() if isinstance(e, Send) and isinstance(e.msg, m.ExecuteStep)]
+        core.handle(m.StepFailed(sent[0].step_id, "CUDA error"), WORKER, 1.6, 1.6)
+    elif how == "step timed out":
+        core.tick(1.5 + core.cfg.timeouts.step_s + 1, 100.0)
+    else:
+        step(core, 1.6)
+        step(core, 1.7)
+
+
+@pytest.mark.parametrize("how, reason", [
+    ("to max_tokens", "length"),
+    ("stop string", "stop"),  # vLLM's frontend matches stop strings and counts them "stop": so do instances
+    ("client gone", None),
+    ("step failed", "error"),  # vLLM's engine counts a request it fails "error" (a KV load's failure)
+    ("step timed out", "error"),
+])
+def test_a_local_request_is_counted_once_by_how_it_ended(how, reason):
+    core = local_core()
+    run_local(core, how)
+    want = {r: int(r == reason) for r in REASONS}
+    want["e2e"] = int(reason is not None)
+    assert ended(core) == want
+    assert not core.reqs
+
+
+def test_a_prefill_leg_is_counted_once_though_its_kv_fails_after():
+    """Pull: P's leg ends ("length", its one token) when it holds the KV for D; a READ that fails after, or the lease
+    running out, fails the transfer but not the leg a second time (vLLM's P counts its max_tokens=1 request once)."""
+    s, wire = role_core("prefill", "pull")
+    s.handle(m.Generate("t", 0, "prefill", (1, 2, 3), 1), ROUTER, 1.0, 1.0)
+    step_done(s, wire, (42,))
+    assert ended(s)["length"] == 1
+    s.handle(m.KVFailed("t", 0, "lease expired"), s.writers[0], 2.0, 2.0)
+    assert ended(s) == {"stop": 0, "length": 1, "abort": 0, "error": 0, "repetition": 0, "e2e": 1}
+
+
+def test_a_push_prefill_leg_whose_write_fails_is_an_error():
+    s, wire = role_core("prefill")
+    s.handle(m.Generate("t", 0, "prefill", (1, 2, 3), 1), ROUTER, 1.0, 1.0)
+    step_done(s, wire, (42,))
+    s.handle(m.KVFailed("t", 0, "UCX error"), s.writers[0], 2.0, 2.0)
+    assert ended(s)["error"] == 1 and ended(s)["length"] == 0
+
+
+@pytest.mark.parametrize("reason", ["request complete", "client disconnected"])
+def test_a_decode_leg_whose_kv_fails_is_an_error_and_an_aborted_p_leg_with_its_token_out_ends_as_length(reason):
+    """D's KV that never lands fails D's leg ("error", as vLLM's D counts a KV load failure); P's leg aborted once its
+    one token is out (the request complete, or the client gone after it) has ended as vLLM's P ends it, "length",
+    once, whatever its writers answer after."""
+    d, _ = role_core("decode")
+    d.handle(m.Generate("t", 0, "decode", (1, 2, 3), 4, source=P_SRC), ROUTER, 1.0, 1.0)
+    d.handle(m.KVFailed("t", 0, "peer died"), d.writers[0], 2.0, 2.0)
+    assert ended(d)["error"] == 1
+    p, wire = role_core("prefill")
+    p.handle(m.Generate("t", 0, "prefill", (1, 2, 3), 1), ROUTER, 1.0, 1.0)
+    step_done(p, wire, (42,))
+    p.handle(m.Abort("t", 0, reason), ROUTER, 2.0, 2.0)
+    p.handle(m.KVSent("t", 0), p.writers[0], 2.1, 2.1)
+    assert ended(p) == {"stop": 0, "length": 1, "abort": 0, "error": 0, "repetition": 0, "e2e": 1}
+    assert not p.reqs
+
+
+def test_a_prefill_leg_aborted_before_its_token_is_not_counted():
+    s, wire = role_core("prefill")
+    s.handle(m.Generate("t", 0, "prefill", (1, 2, 3), 1), ROUTER, 1.0, 1.0)
+    s.handle(m.Abort("t", 0, "client disconnected"), ROUTER, 1.1, 1.1)
+    step_done(s, wire, (42,))  # (its streamed layers wait for the writers' answers to the cancel)
+    s.handle(m.KVFailed("t", 0, "cancelled"), s.writers[0], 1.2, 1.2)
+    assert ended(s) == {"stop": 0, "length": 0, "abort": 0, "error": 0, "repetition": 0, "e2e": 0}
+    assert not s.reqs
