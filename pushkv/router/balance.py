@@ -87,7 +87,7 @@ class Held:
     """What one request holds in the router's accounting."""
 
     prefill: str = ""
-    prefill_tokens: int = 0  # still counted in P's queued_tokens
+    prefill_tokens: int = 0  # still counted in P's queued_tokens (the prompt less P's predicted hit)
     decode: str = ""
     decode_blocks: int = 0  # counted in D's committed
     pinned: int = 0  # counted in D's pinned (push: reserved early, KV not here yet)
@@ -251,7 +251,9 @@ class Balancer:
         h.predicted = computed.get(v.prefill, 0)
         if v.decode:
             h.predicted_decode = hits.get(v.decode, 0)
-        h.prefill, h.prefill_tokens = v.prefill, len(run.prompt)
+        # P's queue is what P will compute: its cached prefix costs no step time (as D's own prefills count, and
+        # the planner's P); the whole prompt made a P that held a busy prefix look as loaded as one computing it all
+        h.prefill, h.prefill_tokens = v.prefill, len(run.prompt) - h.predicted
         p.queued_tokens += h.prefill_tokens
         p.legs += 1
         self.picks += 1

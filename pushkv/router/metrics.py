@@ -287,7 +287,8 @@ class BalanceCollector:
                 "(0: one is hung, and the instance is chosen only where no other is)", labels=labels),
             "legs": GaugeMetricFamily("pushkv_router_instance_legs", "Legs in flight on the instance", labels=labels),
             "queued_tokens": GaugeMetricFamily(
-                "pushkv_router_instance_queued_prefill_tokens", "P: prompt tokens sent, prefill not finished",
+                "pushkv_router_instance_queued_prefill_tokens",
+                "P: prompt tokens sent and still to compute (each prompt less its expected cached prefix)",
                 labels=labels),
             "committed": GaugeMetricFamily(
                 "pushkv_router_instance_blocks_committed", "D: blocks of the legs sent to it", labels=labels),

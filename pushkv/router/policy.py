@@ -58,7 +58,7 @@ class Load:
     order: int = 0  # tie-break: the instance's index
     up: bool = True
     healthy: bool = True  # its processes answer their supervisor's pings (one host): a hung one is chosen last
-    queued_tokens: int = 0  # prompt tokens of legs sent whose prefill has not finished (D: its own prefills)
+    queued_tokens: int = 0  # prompt tokens to compute of legs sent whose prefill has not finished (D: its own prefills)
     legs: int = 0  # legs sent and not ended
     committed: int = 0  # D: blocks of legs sent and not ended (the D holds or will hold them)
     pinned: int = 0  # D: blocks reserved early (push) whose KV has not arrived yet

@@ -448,6 +448,26 @@ def test_balancer_indexes_where_it_sent_what_and_places_by_it():
     assert v.decode not in b.ask(turn2).hits  # back, it holds nothing
 
 
+def test_a_burst_on_a_cached_prefix_stays_on_the_p_that_holds_it():
+    """P's queue counts what P will compute: a P holding a long prefix, with requests queued that each compute only
+    a short suffix of it, still finishes the next one first. Counting whole prompts sent the second request of a
+    burst to the other P, which computed the whole prefix again."""
+    b = Balancer("push", 1.0, 16, prefix_cache=True, conditional=False)
+    for i in range(2):
+        b.add(rec(f"p{i}", "prefill"), lambda r: object())
+        b.add(rec(f"d{i}", "decode", 2000), lambda r: object())
+    system = list(range(1500))
+    first = ChatRun("warm", system + [1, 2, 3], max_tokens=4)
+    holder = b.request(first).prefill
+    b.prefill_done(first)
+    burst = [ChatRun(f"b{i}", system + [3000 + i] * 30, max_tokens=4) for i in range(4)]
+    assert [b.request(r).prefill for r in burst] == [holder] * 4
+    assert b.loads[holder].queued_tokens == 4 * (1530 - 1488)  # the suffixes (93 whole blocks of 16 are cached)
+    for r in burst:
+        b.prefill_done(r)
+    assert b.loads[holder].queued_tokens == 0
+
+
 def primed(salt: str = "") -> Balancer:
     """A push balancer with one P and one D whose P has prefilled a 100-token prompt (with ``salt``)."""
     b = Balancer("push", 1.0, 4, prefix_cache=True, conditional=False)
