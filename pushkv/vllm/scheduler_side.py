@@ -130,12 +130,13 @@ class SchedulerSide:
             return False, source if request.kv_transfer_params else None
         if leg.role == "decode":
             if rid in self.waiting_recv:  # ended (aborted) before the KV arrived: P may still WRITE
-                self._tell(w.CancelBlocks(rid, leg.transfer_id, "decode request ended before its KV arrived"))
+                self._tell(w.CancelBlocks(rid, leg.transfer_id, "decode request ended before its KV arrived", "decode"))
                 return True, None  # freed when the writer reports it (finished_recving)
             return False, {"pushkv_transfer_id": leg.transfer_id, "pushkv_loaded_tokens": loaded}
         ok = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
         if not ok or not block_ids:
-            self._tell(w.CancelBlocks(rid, leg.transfer_id, f"prefill request ended: {request.status.name}"))
+            self._tell(w.CancelBlocks(rid, leg.transfer_id, f"prefill request ended: {request.status.name}",
+                                      "prefill"))
             return False, source
         self.pending_send[rid] = leg.transfer_id
         self._new_sends[rid] = leg.transfer_id

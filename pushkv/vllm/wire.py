@@ -9,7 +9,7 @@ vLLM's request id beside the transfer id.
 """
 from __future__ import annotations
 
-from typing import Union
+from typing import Literal, Union
 
 import msgspec
 
@@ -57,9 +57,13 @@ class ExpectBlocks(Msg, frozen=True):
 
 
 class CancelBlocks(Msg, frozen=True):
+    """The request's transfer ends: its ``leg`` side ("prefill": WRITE nothing, "decode": expect
+    nothing) lets go of it. "": the writer's role's side; a ``kv_both`` instance's writer has both."""
+
     req_id: str
     transfer_id: str
     reason: str = "cancelled"
+    leg: Literal["", "prefill", "decode"] = ""
 
 
 class LayersStored(Msg, frozen=True):

@@ -416,7 +416,7 @@ class WorkerSide:
         for rid, tid in streams.items():
             if rid not in sends:
                 why = f"{reason} while streaming"
-                self.cmd.send(m.encode(w.CancelBlocks(rid, tid, why)))
+                self.cmd.send(m.encode(w.CancelBlocks(rid, tid, why, "prefill")))
                 if rid in self.pending_sends:  # handed over since the death was seen: free now
                     self._released.append(w.BlocksSent(rid, tid, False, why))
                 else:
@@ -427,7 +427,7 @@ class WorkerSide:
             if self._report(rid):
                 sent.add(rid)
             # a SendBlocks still queued for the next writer must not WRITE these freed blocks
-            self.cmd.send(m.encode(w.CancelBlocks(rid, tid, reason)))
+            self.cmd.send(m.encode(w.CancelBlocks(rid, tid, reason, "prefill")))
         for rid, (tid, blocks) in recvs.items():
             log.error("pushkv: KV for request %s (transfer %s) failed: %s", rid, tid, reason)
             if self._report(rid):

@@ -169,7 +169,7 @@ class VllmWriter(WriterShell):
 
     def on_CancelBlocks(self, msg: w.CancelBlocks) -> None:
         now = time.monotonic()
-        if self.role == "prefill":
+        if (msg.leg or self.role) == "prefill":  # (a kv_both instance's writer: by the request's leg)
             self._apply_p(self.side.cancel((msg.transfer_id, 0), msg.reason, now), now)
         else:
             self.d.cancel(msg)

@@ -100,8 +100,8 @@ def test_decode_registers_at_allocation_and_prefill_sends_at_finish(model_dir, w
     assert d.get_num_new_matched_tokens(req, 0) == (len(prompt), True)  # all of it, loaded async
     d.update_state_after_alloc(req, blocks([7, 8, 9]), len(prompt))
     msg = recv_d()  # sent at allocation, before any step
-    assert msg == w.ExpectBlocks("d-1", "T1", (7, 8, 9), len(prompt), m.PrefillSource("P-test", 1, tuple(src["handshake"])),
-                                 msg.deadline_s)
+    assert msg == w.ExpectBlocks("d-1", "T1", (7, 8, 9), len(prompt),
+                                 m.PrefillSource("P-test", 1, tuple(src["handshake"])), msg.deadline_s)
     assert d.get_num_new_matched_tokens(req, 0) == (0, False)  # never twice
     meta = d.build_connector_meta(type("SO", (), {"total_num_scheduled_tokens": 0})())
     assert meta.step.recvs == {"d-1": ("T1", [7, 8, 9])} and meta.step.idle
@@ -135,10 +135,37 @@ def test_decode_registers_at_allocation_and_prefill_sends_at_finish(model_dir, w
     p.get_num_new_matched_tokens(aborted, 0)
     aborted.status = RequestStatus.FINISHED_ABORTED
     assert p.request_finished(aborted, [6])[0] is False  # nothing to send: D is told to give up
-    assert recv_p() == w.CancelBlocks("p-2", "T2", "prefill request ended: FINISHED_ABORTED")
+    assert recv_p() == w.CancelBlocks("p-2", "T2", "prefill request ended: FINISHED_ABORTED", "prefill")
     for c in (d, p):
         c.shutdown()
 
+
+
+def test_a_kv_both_instance_cancels_each_leg_on_its_own_side(model_dir, writer_cmd):
+    """kv_both: one writer serves both legs, so each cancel names its leg (the writer took a decode
+    leg's cancel for a prefill one, and D's blocks stayed held until P's registration deadline)."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.request import RequestStatus
+
+    src = {"engine_id": "B-other", "tp": 1, "handshake": ["ipc:///nowhere"]}
+    b = KVConnectorFactory.create_connector(make_config(model_dir, "kv_both", "B-test"), KVConnectorRole.SCHEDULER,
+                                            None)
+    recv = writer_cmd(b.settings.cmd_endpoint(0))
+    prompt = list(range(2, 40))
+    dreq = request("d-1", prompt, {"pushkv": {"role": "decode", "transfer_id": "T1", "source": src}})
+    assert b.get_num_new_matched_tokens(dreq, 0) == (len(prompt), True)
+    b.update_state_after_alloc(dreq, blocks([7, 8, 9]), len(prompt))
+    assert isinstance(recv(), w.ExpectBlocks)
+    dreq.status = RequestStatus.FINISHED_ABORTED  # the client went away before the KV arrived
+    assert b.request_finished(dreq, [7, 8, 9]) == (True, None)  # held until the writer lets go
+    assert recv() == w.CancelBlocks("d-1", "T1", "decode request ended before its KV arrived", "decode")
+    preq = request("p-1", prompt, {"pushkv": {"role": "prefill", "transfer_id": "T2"}}, max_tokens=1)
+    b.get_num_new_matched_tokens(preq, 0)
+    preq.status = RequestStatus.FINISHED_ABORTED
+    assert b.request_finished(preq, [3])[0] is False
+    assert recv() == w.CancelBlocks("p-1", "T2", "prefill request ended: FINISHED_ABORTED", "prefill")
+    b.shutdown()
 
 def test_bad_params_serve_the_request_without_transfer(model_dir, writer_cmd):
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory

@@ -357,7 +357,7 @@ def test_a_writer_dying_mid_stream_cancels_the_stream_and_frees_its_blocks_at_ha
     ws._deaths.append(("pushkv writer (pid 1) died with status -9", {}, {}, dict(ws.streaming)))
     assert ws.transfer_results() == (set(), set(), set())  # the request still runs: its blocks are vLLM's
     why = "pushkv writer (pid 1) died with status -9 while streaming"
-    assert ws.cmd.msgs == [w.CancelBlocks("r1", "T1", why)]  # at the new writer: no wait for a registration
+    assert ws.cmd.msgs == [w.CancelBlocks("r1", "T1", why, "prefill")]  # at the new writer: no wait for a registration
     ws.bind(StepMeta(sends={"r1": "T1"}))
     assert ws.transfer_results()[0] == {"r1"}  # free, whether or not the new writer got SendBlocks
     ws._early.append(w.BlocksSent("r1", "T1", False, why))  # the new writer's answer, if it got SendBlocks

@@ -246,18 +246,21 @@ def test_a_silent_prefill_writer_delays_no_other_request(writers):
     assert time.monotonic() - t0 >= HANDSHAKE_TIMEOUT_S * 0.9
 
 
-def test_a_cancelled_receive_is_held_until_its_prefill_writer_answers(writers):
+@pytest.mark.parametrize("d_role", ["decode", "prefill"])  # prefill: a kv_both instance's writer
+def test_a_cancelled_receive_is_held_until_its_prefill_writer_answers(writers, d_role):
     """D cancels a registered transfer: it tells P to stop and holds the blocks (quarantine) until
-    P's answer says no WRITE can land, then fails them, well before the transfer deadline (20 s)."""
+    P's answer says no WRITE can land, then fails them, well before the transfer deadline (20 s).
+    A kv_both instance's writer (role prefill) does so too (it took D's cancel for a P transfer,
+    and D's blocks stayed held until P's registration deadline)."""
     p_cmd, p_ev, _ = writers.start("prefill", "P", 0, 1)
-    d_cmd, d_ev, _ = writers.start("decode", "D", 0, 1)
+    d_cmd, d_ev, _ = writers.start(d_role, "D", 0, 1)
     src = m.PrefillSource("P", 1, (writers.handshake("P", 0),))
     d_cmd.send(m.encode(w.ExpectBlocks("d-0", "T0", (1,), BLOCK_SIZE, src, 20.0)))  # the handshake, done once
     p_cmd.send(m.encode(w.SendBlocks("p-0", "T0", (2,), BLOCK_SIZE)))
     assert isinstance(event(d_ev), w.BlocksReceived) and isinstance(event(p_ev), w.BlocksSent)
     t0 = time.monotonic()
     d_cmd.send(m.encode(w.ExpectBlocks("d-1", "T1", (3,), BLOCK_SIZE, src, 20.0)))  # registers at once
-    d_cmd.send(m.encode(w.CancelBlocks("d-1", "T1", "client went away")))
+    d_cmd.send(m.encode(w.CancelBlocks("d-1", "T1", "client went away", "decode")))
     got = event(d_ev, 15.0)
     assert got == w.BlocksFailed("d-1", "T1", "client went away"), got
     assert time.monotonic() - t0 < 10.0, "released at the deadline, not by P's answer"
