@@ -10,7 +10,8 @@ socket, ``(topic, sequence number as 8 big-endian bytes, msgpack payload)``, the
 
 - ``BlockStored``: a run of consecutive full blocks of one request, now cached: their hashes, the hash of the block
   before the first (None for a prompt's first block), their token ids, the block size, ``medium``, and per block
-  the extra keys of its hash (a prompt's first block under a ``cache_salt`` carries the salt);
+  the extra keys of its hash (vLLM's: every block of a LoRA adapter's request carries the adapter's name, and a
+  prompt's first block under a ``cache_salt`` the salt after it);
 - ``BlockRemoved``: blocks evicted, by hash;
 - ``AllBlocksCleared``: every cached block forgotten (``/reset_prefix_cache``).
 
@@ -131,6 +132,13 @@ def binds(endpoint: str) -> bool:
 Entry = tuple
 
 
+def block_extra_keys(lora_name: Optional[str], salt: str) -> Optional[tuple[Any, ...]]:
+    """One block's ``extra_keys`` as vLLM publishes them (``to_event_extra_keys``): its LoRA adapter's name on every
+    block of an adapter's request, then the ``cache_salt`` on a prompt's first block; None where there is neither."""
+    keys = ((lora_name,) if lora_name else ()) + ((salt,) if salt else ())
+    return keys or None
+
+
 def events_of(journal: list[Entry], block_size: int, medium: str) -> list[Event]:
     """The journal as vLLM's events, in order: consecutive stored blocks that chain (each the parent of the next)
     in one ``BlockStored``, consecutive removals in one ``BlockRemoved``."""
@@ -139,14 +147,14 @@ def events_of(journal: list[Entry], block_size: int, medium: str) -> list[Event]
         last = out[-1] if out else None
         if e[0] == "stored":
             _, h, parent, tokens, salt, lora = e
-            extra = (salt,) if salt else None
             lora_id, lora_name = lora if lora else (None, None)
+            extra = block_extra_keys(lora_name, salt)
             if isinstance(last, BlockStored) and last.block_hashes[-1] == parent and not salt \
-                    and last.lora_id == lora_id:
+                    and last.lora_id == lora_id and last.lora_name == lora_name:
                 last.block_hashes.append(h)
                 last.token_ids.extend(tokens)
                 if last.extra_keys is not None:
-                    last.extra_keys.append(None)
+                    last.extra_keys.append(extra)
                 continue
             out.append(BlockStored([h], parent, list(tokens), block_size, lora_id, medium, lora_name,
                                    [extra] if extra else None, 0))

@@ -36,8 +36,9 @@ def test_chained_blocks_are_one_stored_event_and_removals_one_removed_event():
     assert ev[2] == K.BlockRemoved([5, 6], "GPU", 0)
     assert ev[3] == K.AllBlocksCleared()
     assert ev[4].extra_keys == [("tenant",)] and ev[4].parent_block_hash is None  # a salted prompt's first block
-    # a LoRA adapter's blocks, as vLLM reports them: its id and name, a run of their own after the base model's
-    assert ev[5] == K.BlockStored([4, 5], 3, [0, 1, 0, 2], 2, 2, "GPU", "sql", None, 0)
+    # a LoRA adapter's blocks, as vLLM reports them: its id and name, the name as every block's extra key, a run of
+    # their own after the base model's
+    assert ev[5] == K.BlockStored([4, 5], 3, [0, 1, 0, 2], 2, 2, "GPU", "sql", [("sql",), ("sql",)], 0)
     with pytest.raises(ValueError, match="unknown journal entry"):
         K.events_of([("moved", 1)], 2, "GPU")
 
@@ -80,6 +81,22 @@ def test_each_instance_publishes_on_its_own_endpoint():
     assert K.endpoint_for("ipc:///tmp/ev", 1) == "ipc:///tmp/ev_1"
     assert K.endpoint_for(None, 3) is None
     assert K.binds("tcp://*:5557") and K.binds("ipc:///tmp/x") and not K.binds("tcp://10.0.0.2:5557")
+
+
+@pytest.mark.parametrize("salt, lora", [("t", (2, "sql")), ("", (2, "sql")), ("t", None), ("", None)])
+def test_extra_keys_are_the_ones_vllm_publishes_for_the_same_request(salt, lora):
+    """vLLM names a LoRA adapter on every block of its request and the cache salt on the first (a consumer that keys
+    blocks by their tokens and extra keys told an adapter's blocks from the base model's by them): three blocks of a
+    prompt give vLLM's own per-block extra keys."""
+    from types import SimpleNamespace
+    utils = pytest.importorskip("vllm.v1.core.kv_cache_utils")
+    lr = SimpleNamespace(lora_name=lora[1], lora_path="/adapters/sql", adapter_id=lora[0]) if lora else None
+    req = SimpleNamespace(mm_features=[], lora_request=lr, cache_salt=salt, prompt_embeds=None)
+    want = utils.to_event_extra_keys([utils.generate_block_hash_extra_keys(req, s, s + 2, 0)[0] for s in (0, 2, 4)])
+    j = [("stored", 1, None, (1, 2), salt, lora), ("stored", 2, 1, (3, 4), "", lora),
+         ("stored", 3, 2, (5, 6), "", lora)]
+    got = [k for ev in K.events_of(j, 2, K.MEDIUM_CPU) for k in (ev.extra_keys or [None] * len(ev.block_hashes))]
+    assert got == (want or [None] * 3)
 
 
 def test_a_salted_prompt_chains_from_its_salt_yet_reports_no_parent():
