@@ -288,8 +288,9 @@ class Proxy:
 
     async def _failed(self, status: int, data: bytes, p_task, tid: str) -> web.Response:
         """D answered an error. vLLM 0.32 answers a failed KV load (kv_load_failure_policy
-        'fail') with a bare 500; the connector logs the cause on D under the transfer id."""
-        p_err = await p_task
+        'fail') with a bare 500; the connector logs the cause on D under the transfer id. D refusing
+        the request itself ends P's leg: if still computing, vLLM aborts it and its blocks free now
+        (P's finished prefill would hold them until D's registration, which never comes, times out)."""
         try:
             err = json.loads(data).get("error")
             msg = (err or {}).get("message") or data[:300].decode(errors="replace")
@@ -298,8 +299,10 @@ class Proxy:
         if 400 <= status < 500 and isinstance(err, dict) and err.get("message"):
             # the client's request is at fault (vLLM validated it: a bad field, too long a prompt),
             # not the transfer: D's own message says what to fix, in OpenAI's shape
+            p_task.cancel()
             param = err.get("param")
             return self._error(status, str(err["message"]), param=param if isinstance(param, str) else None)
+        p_err = await p_task
         why = f"prefill failed: {p_err}" if p_err else "KV transfer failed"
         return self._error(status, f"{why} (transfer_id={tid}); decode answered {status}: {msg}")
 

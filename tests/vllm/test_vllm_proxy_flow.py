@@ -27,9 +27,11 @@ async def serve(app: web.Application, **kw) -> tuple[web.AppRunner, str]:
 
 class Instance:
     """A fake vLLM instance: answers /v1/models and P's probe; a leg's request waits until its
-    connection closes (vLLM aborts such a request), and says so."""
+    connection closes (vLLM aborts such a request), and says so; or, given ``refuse_after``, is
+    refused as vLLM refuses a bad request once that event is set."""
 
-    def __init__(self):
+    def __init__(self, refuse_after: "asyncio.Event | None" = None):
+        self.refuse_after = refuse_after
         self.leg_arrived = asyncio.Event()
         self.leg_ended = asyncio.Event()
         self.app = web.Application()
@@ -49,6 +51,10 @@ class Instance:
         if (body.get("kv_transfer_params") or {}).get("pushkv_probe"):
             return web.json_response({"choices": [{"text": ""}], "kv_transfer_params": {"pushkv_source": SOURCE}})
         self.leg_arrived.set()
+        if self.refuse_after is not None:
+            await self.refuse_after.wait()
+            error = {"message": "prompt too long", "type": "invalid_request_error", "param": "input_tokens"}
+            return web.json_response({"error": dict(error, code=400)}, status=400)
         try:
             await asyncio.Event().wait()
         finally:
@@ -73,6 +79,29 @@ def test_a_client_that_hangs_up_ends_both_legs(stream):
                 call.cancel()  # the client hangs up
                 await asyncio.gather(call, return_exceptions=True)
                 await asyncio.wait_for(asyncio.gather(d.leg_ended.wait(), p.leg_ended.wait()), WAIT_S)
+        finally:
+            for r in (front, p.runner, d.runner):
+                await r.cleanup()
+
+    asyncio.run(run())
+
+
+def test_d_refusing_the_request_ends_ps_leg():
+    """D refuses the request itself (a 400, as vLLM answers a prompt longer than its
+    --max-model-len): the client gets D's words and P's leg is ended (before, P finished its
+    prefill and held the blocks until D's registration, which never came, timed out)."""
+
+    async def run():
+        p = Instance()
+        d = Instance(refuse_after=p.leg_arrived)  # (P's leg at work when D refuses)
+        proxy = Proxy([await p.start()], [await d.start()])
+        front, url = await serve(proxy.app(), **SERVE)
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=WAIT_S)) as client:
+                async with client.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}) as r:
+                    assert r.status == 400
+                    assert (await r.json())["error"]["message"] == "prompt too long"
+                await asyncio.wait_for(p.leg_ended.wait(), WAIT_S)
         finally:
             for r in (front, p.runner, d.runner):
                 await r.cleanup()
