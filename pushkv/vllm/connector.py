@@ -12,8 +12,9 @@ Extra config (all optional): ``handshake_host`` / ``handshake_port`` (peers on
 other hosts: rank r's writer listens on tcp://host:port + r under CURVE, which
 needs ``secret_file`` or PUSHKV_SECRET_FILE; defaults: VLLM_NIXL_SIDE_CHANNEL_HOST /
 _PORT; no host: one host, an ipc:// socket in a 0700 directory),
-``registration_wait_s``, ``transfer_s``, ``idle_wait_ms``. What a router sends
-per request is in ``params.py``.
+``registration_wait_s``, ``transfer_s``, ``idle_wait_ms``, ``stream_groups``, ``cuda_memory``
+(the README says what each does); any other key is refused (``params.EXTRA_KEYS``). What a
+router sends per request is in ``params.py``.
 """
 from __future__ import annotations
 

@@ -177,17 +177,46 @@ def settings(engine_id: str, tp: int, extra: Optional[dict[str, Any]],
     A tcp handshake (a ``handshake_host``, for peers on other hosts) without a secret is
     refused: anyone who reaches the port would get the Hello, loopback included."""
     extra = extra or {}
+    unknown = sorted(set(extra) - set(EXTRA_KEYS))
+    if unknown:
+        raise ValueError(f"pushkv's connector: unknown key(s) {unknown} in kv_connector_extra_config "
+                         f"(it takes {list(EXTRA_KEYS)})")
     host = str(extra.get("handshake_host") or envs.get("VLLM_NIXL_SIDE_CHANNEL_HOST", env) or "")
-    port = int(extra.get("handshake_port") or envs.get("VLLM_NIXL_SIDE_CHANNEL_PORT", env) or DEFAULT_HANDSHAKE_PORT)
+    port = _number("handshake_port", extra.get("handshake_port") or envs.get("VLLM_NIXL_SIDE_CHANNEL_PORT", env)
+                   or DEFAULT_HANDSHAKE_PORT, int, 1, 65536 - tp)
     secret_file = str(extra.get("secret_file") or envs.get("PUSHKV_SECRET_FILE", env) or "")
     if host and not secret_file:
         raise ValueError(f"pushkv's connector: a handshake on tcp://{host} (handshake_host or "
                          "VLLM_NIXL_SIDE_CHANNEL_HOST) needs a secret for CURVE: set secret_file in "
                          "kv_connector_extra_config or PUSHKV_SECRET_FILE (one host: leave the host unset, "
                          "the handshake is then an ipc:// socket only this user can reach)")
-    return Settings(engine_id, tp, host, port, float(extra.get("registration_wait_s", 30.0)),
-                    float(extra.get("transfer_s", 30.0)), float(extra.get("idle_wait_ms", 10.0)), secret_file,
-                    int(extra.get("stream_groups", 0)), parse_cuda_memory(extra.get("cuda_memory", "writer")))
+    return Settings(engine_id, tp, host, port,
+                    _number("registration_wait_s", extra.get("registration_wait_s", 30.0), float, 1e-3),
+                    _number("transfer_s", extra.get("transfer_s", 30.0), float, 1e-3),
+                    _number("idle_wait_ms", extra.get("idle_wait_ms", 10.0), float, 0.0), secret_file,
+                    _number("stream_groups", extra.get("stream_groups", 0), int, 0),
+                    parse_cuda_memory(extra.get("cuda_memory", "writer")))
+
+
+# kv_connector_extra_config's keys (the connector's README lists them); any other is refused, so
+# that a misspelt one ("stream_group") is not dropped without a word
+EXTRA_KEYS = ("handshake_host", "handshake_port", "secret_file", "registration_wait_s", "transfer_s", "idle_wait_ms",
+              "stream_groups", "cuda_memory")
+
+
+def _number(key: str, value: Any, kind: type, low: float, high: float = float("inf")):
+    """kv_connector_extra_config's ``key`` as ``kind`` in [low, high], or refused naming the key."""
+    try:
+        if isinstance(value, bool) or (kind is int and isinstance(value, float) and not value.is_integer()):
+            raise ValueError
+        n = kind(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"pushkv's connector: {key} must be {'an integer' if kind is int else 'a number'}, "
+                         f"got {value!r}") from None
+    if not low <= n <= high:
+        bound = f"from {low:g} to {high:g}" if high != float("inf") else f"at least {low:g}"
+        raise ValueError(f"pushkv's connector: {key} must be {bound}, got {value!r}")
+    return n
 
 
 def parse_cuda_memory(value: Any) -> CudaMemory:
