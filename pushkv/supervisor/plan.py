@@ -178,6 +178,8 @@ def plan_deployment(
     cfg = msgspec.structs.replace(cfg, transfer=plan_transfer(cfg))
     check_deployment(cfg)  # P/D geometry: refuse before any process starts
     cfg = _fixed_metrics_ports(cfg)
+    if clash := port_clash(cfg):
+        raise ValueError(clash)
     dep_id = cfg.deployment_id or new_deployment_id()
     run_dir = cfg.run_dir or os.path.join(run_root, f"pushkv-{dep_id}")
     ports = _unique_ports(pick_port, (cfg.port, *(port for _, port in fixed_ports(cfg))))
@@ -226,27 +228,48 @@ def _fixed_metrics_ports(cfg: DeploymentConfig) -> DeploymentConfig:
                                    decode=msgspec.structs.replace(cfg.decode, metrics_port=d_port))
 
 
+def _port_ranges(cfg: DeploymentConfig) -> list[tuple[str, str, int, int]]:
+    """(flag, what it sets, first port, how many) of each TCP port range the user fixed that this host will bind:
+    the router's --port, the instances' --metrics-port range, and their KV-event sockets where bound on TCP (each
+    instance the port after the one before it)."""
+    out: list[tuple[str, str, int, int]] = []
+    if cfg.host_role in ("", "router"):
+        out.append(("--port", "--port", cfg.port, 1))
+    n = 1 if cfg.mode == "local" else (
+        (cfg.prefill_instances if cfg.host_role in ("", "prefill") else 0)
+        + (cfg.decode_instances if cfg.host_role in ("", "decode") else 0))
+    if cfg.metrics_port and cfg.host_role != "router":
+        out.append(("--metrics-port", "--metrics-port", cfg.metrics_port, n))
+    ev = cfg.kv_events
+    if ev.on and cfg.host_role != "router":
+        for name, ep in (("endpoint", ev.endpoint), ("replay_endpoint", ev.replay_endpoint)):
+            if ep and ep.startswith("tcp://") and kv_events.binds(ep):
+                out.append(("--kv-events-config", f"--kv-events-config {name}", int(ep.rsplit(":", 1)[1]), n))
+    return out
+
+
 def fixed_ports(cfg: DeploymentConfig) -> list[tuple[str, int]]:
     """The TCP ports the user fixed that this host will bind, with the flag that sets each:
-    the router's --port and the instances' --metrics-port range. Free ports the planner picks
-    are not here (it only picks free ones)."""
-    out: list[tuple[str, int]] = []
-    if cfg.host_role in ("", "router"):
-        out.append(("--port", cfg.port))
-    if cfg.metrics_port and cfg.host_role != "router":
-        n = 1 if cfg.mode == "local" else (
-            (cfg.prefill_instances if cfg.host_role in ("", "prefill") else 0)
-            + (cfg.decode_instances if cfg.host_role in ("", "decode") else 0))
-        out += [("--metrics-port", cfg.metrics_port + i) for i in range(n)]
-    ev = cfg.kv_events
-    if ev.on and cfg.host_role != "router":  # each instance's KV-event sockets, where bound on TCP
-        n = 1 if cfg.mode == "local" else (
-            (cfg.prefill_instances if cfg.host_role in ("", "prefill") else 0)
-            + (cfg.decode_instances if cfg.host_role in ("", "decode") else 0))
-        for ep in (ev.endpoint, ev.replay_endpoint):
-            if ep and ep.startswith("tcp://") and kv_events.binds(ep):
-                out += [("--kv-events-config", int(ep.rsplit(":", 1)[1]) + i) for i in range(n)]
-    return out
+    the router's --port, the instances' --metrics-port range and their KV-event sockets. Free ports the planner
+    picks are not here (it only picks free ones)."""
+    return [(flag, first + i) for flag, _, first, n in _port_ranges(cfg) for i in range(n)]
+
+
+def port_clash(cfg: DeploymentConfig) -> str:
+    """Why two of the port ranges the user fixed share a port ("" where none do): with several instances each takes
+    the port after the one before it, so a KV-event endpoint and its replay endpoint one apart (5557 and 5558) meet
+    at the second instance, whose scheduler then fails to bind only once every model has loaded."""
+    ranges = _port_ranges(cfg)
+    for i, (_, what, first, n) in enumerate(ranges):
+        for _, other, first2, n2 in ranges[:i]:
+            both = range(max(first, first2), min(first + n, first2 + n2))
+            if both:
+                def span(a: int, k: int) -> str:
+                    return f"port {a}" if k == 1 else f"ports {a}..{a + k - 1}"
+                return (f"{what} takes {span(first, n)} and {other} {span(first2, n2)} on this host "
+                        f"(one port per instance, each the one after the one before); both want {both[0]}: "
+                        f"give them ranges that do not meet")
+    return ""
 
 
 def _plan_host(cfg: DeploymentConfig, dep_id: str, run_dir: str, ports: Iterator[int]) -> dict:

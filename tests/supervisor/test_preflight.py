@@ -152,3 +152,40 @@ def test_the_pools_sizing_runs_once_ports_and_gpus_pass_and_does_not_wait_for_ni
     assert pf.preflight(ok, then=sizing) == ["prefill: the model does not fit"] and calls == [1]
     taken = DeploymentConfig(mode="local", port=taken_port)
     assert pf.preflight(taken, then=sizing)[0].startswith(f"--port {taken_port}") and calls == [1]
+
+
+EV = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:%d", "replay_endpoint": "tcp://*:%d"}'
+
+
+@pytest.mark.parametrize("kw,events,clash", [
+    # vLLM's endpoint and a replay endpoint the port after: the second instance (here D) publishes on the replay's
+    (dict(mode="push"), (5557, 5558), "--kv-events-config replay_endpoint takes ports 5558..5559 and "
+                                      "--kv-events-config endpoint ports 5557..5558 on this host"),
+    (dict(mode="local"), (5557, 5558), ""),  # one instance: one port each
+    (dict(mode="push", prefill_instances=2, decode_instances=2), (5557, 5600), ""),  # running.md's example
+    (dict(mode="push", prefill_instances=3), (5557, 5560), "both want 5560"),
+    (dict(mode="push", metrics_port=9100, port=9101), None, "--metrics-port takes ports 9100..9101 and --port"),
+    (dict(mode="push", metrics_port=5559), (5557, 5600), ""),  # side by side
+    (dict(mode="push", metrics_port=5558), (5557, 5600), "--kv-events-config endpoint takes ports 5557..5558 and "
+                                                         "--metrics-port ports 5558..5559 on this host"),
+    (dict(mode="push", host_role="router", registry="etcd://h:1", port=5557), (5557, 5558), ""),  # binds neither
+])
+def test_fixed_port_ranges_that_meet_are_refused_before_anything_starts(kw, events, clash):
+    from pushkv.protocol import kv_events
+    from pushkv.supervisor.plan import plan_deployment, port_clash
+
+    cfg = DeploymentConfig(**kw, kv_events=kv_events.parse_config(EV % events) if events else
+                           DeploymentConfig().kv_events)
+    got = port_clash(cfg)
+    assert (clash in got) if clash else got == "", got
+    if clash:
+        with pytest.raises(ValueError, match="give them ranges that do not meet"):
+            plan_deployment(cfg, run_root="/nonexistent")
+
+
+def test_kv_event_ports_that_meet_stop_pushkv_up_before_any_process(tmp_path):
+    base = free_tcp_port()
+    rc, err = up(tmp_path, "--mode", "push", "--port", str(free_tcp_port()), "--kv-events-config",
+                 EV % (base, base + 1))
+    assert rc == 2, err
+    assert f"both want {base + 1}" in err and "READY" not in err and not (tmp_path / "registry").exists()
