@@ -21,7 +21,7 @@ from typing import Optional
 import msgspec
 from setproctitle import setproctitle
 
-from pushkv import envs, up_help, vllm_serve
+from pushkv import envs, log_config, up_help, vllm_serve
 from pushkv.config import PRESETS, TRACE_AUTO, DeploymentConfig
 from pushkv.config_flags import GEOMETRY, deprecations, user_config, weights_note
 from pushkv.cuda_driver import memory_info
@@ -119,6 +119,16 @@ def build_parser() -> argparse.ArgumentParser:
                      help="every process mirrors what it sends and receives; taps (pushkv tap) attach at "
                           "ENDPOINT (default: an ipc socket in the run dir, found through the registry)")
     dep.add_argument("--log-level", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    dep.add_argument("--log-config-file", metavar="FILE",
+                     help="a JSON logging.config.dictConfig object every process applies in place of pushkv's own "
+                          "format and --log-level, as vLLM's flag (VLLM_LOGGING_CONFIG_PATH) (default: none)")
+    dep.add_argument("--enable-force-include-usage", action="store_true", default=None,
+                     help="every stream carries usage (each chunk's, and the total after the last), as vLLM's flag: "
+                          "as if each request asked stream_options include_usage and continuous_usage_stats "
+                          "(default: off, as the request asks)")
+    dep.add_argument("--return-tokens-as-token-ids", action="store_true", default=None,
+                     help="logprobs write each token as 'token_id:N', as vLLM's flag; a request's own "
+                          "return_tokens_as_token_ids wins (default: off, as the request asks)")
 
 
     mod = up.add_argument_group("model", "what is served, as vLLM takes it")
@@ -144,10 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the names a request's model field may give, listed by /v1/models (default: the "
                           "--model string, the checkpoint directory's name and its path; a shape: its name); "
                           "another: 404")
-    mod.add_argument("--generation-config", choices=("auto", "none"), default="auto",
-                     help="auto: a request's unset temperature, top_p, top_k, min_p and max_tokens come from "
-                          "the checkpoint's generation_config.json when it has one (as vLLM); none: pushkv's "
-                          "defaults (greedy). Its EOS ids are stopped on either way")
+    mod.add_argument("--generation-config", metavar="auto|vllm|DIR", default="auto",
+                     help="auto: a request's unset temperature, top_p, top_k, min_p, repetition_penalty and "
+                          "max_tokens come from the checkpoint's generation_config.json when it has one (as vLLM); "
+                          "vllm (or none): pushkv's defaults (greedy); DIR: from DIR/generation_config.json, its "
+                          "max_new_tokens a bound on every request and its EOS ids stopped on, as vLLM's. The "
+                          "checkpoint's EOS ids are stopped on in every case")
     mod.add_argument("--chat-template", metavar="FILE|TEMPLATE",
                      help="the chat template /v1/chat/completions renders messages with, as vLLM takes it: a "
                           "Jinja file's path or the template itself (default: the checkpoint's chat_template.jinja "
@@ -457,10 +469,17 @@ def cmd_up(args: argparse.Namespace, child_argv: Optional[ArgvHook] = None) -> i
             return 2
     if args.api_key:  # to the router through its environment: never in config.json on disk
         os.environ[API_KEY_ENV] = args.api_key
-    logging.basicConfig(
-        level=getattr(logging, cfg.log_level.upper(), logging.INFO), stream=sys.stderr,
-        format="%(asctime)s %(levelname)s supervisor %(name)s: %(message)s",
-    )
+    if cfg.log_config:  # --log-config-file: here first, so a config dictConfig refuses stops before any child starts
+        try:
+            log_config.apply(cfg.log_config)
+        except ValueError as e:
+            print(f"pushkv up: {e}", file=sys.stderr)
+            return 2
+    else:
+        logging.basicConfig(
+            level=getattr(logging, cfg.log_level.upper(), logging.INFO), stream=sys.stderr,
+            format="%(asctime)s %(levelname)s supervisor %(name)s: %(message)s",
+        )
     setproctitle(f"pushkv supervisor {cfg.deployment_id}")
     sup = Supervisor(
         cfg, child_argv=child_argv, on_child_exit=args.on_child_exit,

@@ -10,6 +10,7 @@ import sys
 import typing
 
 from pushkv import envs
+from pushkv import log_config as log_config_mod
 from pushkv.config import DeploymentConfig, decode_config
 from pushkv.kinds import Role
 
@@ -25,17 +26,21 @@ def parse(kind: str, with_rank: bool = True) -> tuple[argparse.Namespace, Deploy
     with open(args.config, "rb") as f:
         cfg = decode_config(f.read())
     name = (args.role if not args.instance else f"{args.role}{args.instance}") if with_rank else ""
-    setup(f"pushkv {name}-{kind} {args.rank}" if with_rank else f"pushkv {kind}", cfg.log_level)
+    setup(f"pushkv {name}-{kind} {args.rank}" if with_rank else f"pushkv {kind}", cfg.log_level, cfg.log_config)
     return args, cfg
 
 
-def setup(title: str, log_level: str) -> None:
+def setup(title: str, log_level: str, log_config: str = "") -> None:
     """Logging, the stack dump on SIGUSR1 and the process title, the same in every process:
-    ``title`` ("pushkv <what>") names it in ``ps`` and, without "pushkv ", on every log line."""
-    logging.basicConfig(
-        level=getattr(logging, log_level.upper(), logging.INFO), stream=sys.stderr,
-        format=f"%(asctime)s %(levelname)s [{title.split(' ', 1)[1]}] %(name)s: %(message)s",
-    )
+    ``title`` ("pushkv <what>") names it in ``ps`` and, without "pushkv ", on every log line.
+    ``log_config``: --log-config-file's dictConfig, applied instead (pushkv/log_config.py)."""
+    if log_config:
+        log_config_mod.apply(log_config)
+    else:
+        logging.basicConfig(
+            level=getattr(logging, log_level.upper(), logging.INFO), stream=sys.stderr,
+            format=f"%(asctime)s %(levelname)s [{title.split(' ', 1)[1]}] %(name)s: %(message)s",
+        )
     # `kill -USR1 PID` prints every thread's stack to the process's log: where a stuck process is
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     try:

@@ -113,6 +113,9 @@ class SamplingDefaults(msgspec.Struct, frozen=True):
     min_p: Optional[float] = None
     max_tokens: Optional[int] = None  # max_new_tokens
     repetition_penalty: Optional[float] = None
+    # a bound on every request's max_tokens, its own too (vLLM's override_max_tokens): the max_new_tokens of a
+    # --generation-config DIR's file, or of --override-generation-config
+    max_tokens_cap: Optional[int] = None
 
 
 class RopeScaling(msgspec.Struct, frozen=True):
@@ -456,6 +459,14 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
     # vLLM's --skip-tokenizer-init: the router loads no tokenizer; prompts come as token ids, outputs are token ids
     # with empty text (stop strings, chat, structured output and the parsers refused by name)
     skip_tokenizer_init: bool = False
+    # vLLM's --enable-force-include-usage: every stream carries usage, in each chunk and after the last, as if it asked
+    # stream_options {"include_usage": true, "continuous_usage_stats": true} (a unary answer always has it)
+    force_include_usage: bool = False
+    # vLLM's --return-tokens-as-token-ids: a logprob's token is written "token_id:N" unless the request says false
+    return_tokens_as_token_ids: bool = False
+    # vLLM's --log-config-file (VLLM_LOGGING_CONFIG_PATH): a logging.config.dictConfig JSON object, applied by every
+    # process in place of pushkv's own format (processes/common.py); "": pushkv's. The text travels, not the path
+    log_config: str = ""
     # each P / D instance's /metrics: the first instance planned gets this port, the next ones the
     # ports after it (P's instances, then D's); 0 = a free port each (shown by `pushkv status`)
     metrics_port: int = 0

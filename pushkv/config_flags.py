@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping, Optional, get_args
 
 import msgspec
 
+from pushkv import log_config as log_config_mod
 from pushkv import otlp, tls, uds, vllm_serve
 from pushkv.config import (
     PRESETS,
@@ -31,6 +32,7 @@ from pushkv.config import (
 )
 from pushkv.cuda_driver import device_count
 from pushkv.kinds import ToolCallParser
+from pushkv.model import generation
 from pushkv.protocol import kv_events
 
 # the flags that override a preset's (or a checkpoint's) geometry, each named as its ModelConfig field
@@ -141,11 +143,14 @@ def _model(flags: Mapping[str, Any], base: ModelConfig) -> ModelConfig:
         model = msgspec.structs.replace(model, tokenizer=resolve(
             source, flags.get("tokenizer_revision"), TOKENIZER_FILES, cache_dir=flags.get("download_dir"),
             flags=("--tokenizer", "--tokenizer-revision")))
+    source = flags.get("generation_config") or "auto"
+    folder = source not in generation.NAMED
+    if folder and not path:  # a shape: the directory's sampling defaults (its EOS ids are a tokenizer's business)
+        model = msgspec.structs.replace(model, sampling_defaults=generation.folder_defaults(
+            source, generation.folder_config(source)))
     if flags.get("override_generation_config"):
-        from pushkv.model.generation import overridden_defaults
-
-        model = msgspec.structs.replace(model, sampling_defaults=overridden_defaults(
-            model.sampling_defaults, flags["override_generation_config"]))
+        model = msgspec.structs.replace(model, sampling_defaults=generation.overridden_defaults(
+            model.sampling_defaults, flags["override_generation_config"], folder))
     invariant = flags.get("batch_invariant")
     return _replace(model, engine=flags.get("engine"), random_init=flags.get("random_init"),
                     deterministic=None if invariant is None else invariant == "on",
@@ -275,6 +280,9 @@ def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = 
         uds=_path(f("uds")), root_path=f("root_path"), otlp_traces_endpoint=f("otlp_traces_endpoint"),
         kv_events=kv_events.parse_config(events) if (events := f("kv_events_config")) else None,
         skip_tokenizer_init=True if f("skip_tokenizer_init") else None,
+        force_include_usage=True if f("enable_force_include_usage") else None,
+        return_tokens_as_token_ids=True if f("return_tokens_as_token_ids") else None,
+        log_config=log_config_mod.read(path) if (path := f("log_config_file")) else None,
         host_role=f("role"), registry=f("registry"), advertise=f("advertise"), registry_ttl_s=f("registry_ttl"),
         log_level=f("log_level"), model=model, max_model_len=max_len,
         secret_file=os.path.abspath(secret) if secret else None,

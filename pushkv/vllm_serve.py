@@ -181,11 +181,15 @@ FLAGS: tuple[Flag, ...] = (
          sets="rope_theta"),
     Flag(("--override-generation-config",), SAME, "a JSON object of generation_config.json's sampling fields "
          "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), over the checkpoint's with "
-         "--generation-config auto, alone with none; a request's own values still win",
+         "--generation-config auto, a directory's with DIR, alone with vllm; a request's own values still win, but "
+         "max_new_tokens bounds every request's max_tokens, as vLLM's",
          sets="override_generation_config"),
     Flag(("--code-revision",), REFUSED, "pushkv runs no code from a checkpoint"),
     Flag(("--enable-sleep-mode",), REFUSED, "sleep mode is not built", SWITCH),
     Flag(("--headless",), REFUSED, "pushkv up --role prefill|decode runs a host without the router", SWITCH),
+    Flag(("--middleware",), REFUSED, "vLLM adds each import path's ASGI middleware (a class, or an http "
+         "middleware function) to its FastAPI app; pushkv's router is aiohttp, which runs no ASGI middleware: put it "
+         "in an ASGI proxy or the gateway in front of the router"),
 )
 BY_DEST = {f.dest: f for f in FLAGS}
 

@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 
 from pushkv.config import ModelConfig, MoeRouting, SamplingDefaults, json_object
+from pushkv.model import generation
 from pushkv.model.arch import check_supported, deepseek_routing, family_of, num_experts_of
 from pushkv.model.fp8 import SCALE_SUFFIX, dequantize, fp8_blocks_of, scale_span
 from pushkv.model.generation import sampling_defaults_of
@@ -63,9 +64,6 @@ def with_overrides(hf: dict, overrides: str) -> dict:
     return out
 
 
-GENERATION_CONFIG = ("auto", "none")  # --generation-config: the file's sampling defaults, or pushkv's
-
-
 def _read_generation_config(path: str) -> dict:
     gen_path = os.path.join(path, "generation_config.json")
     if not os.path.exists(gen_path):
@@ -104,12 +102,12 @@ def model_config_from_hf(path: str, generation_config: str = "auto", hf_override
     """ModelConfig of a local HF checkpoint directory; overrides replace any field
     (e.g. dtype="float32" to run a bf16 checkpoint in float32). Its EOS ids come from
     config.json and generation_config.json; its sampling defaults from the second, unless
-    ``generation_config`` is "none" (vLLM's ``--generation-config``). ``hf_overrides``: vLLM's
-    ``--hf-overrides``, config.json's fields read over the file's (``with_overrides``)."""
-    if generation_config not in GENERATION_CONFIG:
-        raise ValueError(f"generation_config must be one of {GENERATION_CONFIG}, got {generation_config!r}")
+    ``generation_config`` is "vllm" or "none", or from a directory's generation_config.json that it names, its EOS
+    ids too (vLLM's ``--generation-config``: model/generation.py). ``hf_overrides``: vLLM's ``--hf-overrides``,
+    config.json's fields read over the file's (``with_overrides``)."""
     hf = with_overrides(_read_config(path), hf_overrides)
-    gen = _read_generation_config(path)
+    folder = generation_config not in generation.NAMED
+    gen = generation.folder_config(generation_config) if folder else _read_generation_config(path)
     try:
         arch, family = family_of(hf)
         check_supported(hf, arch, family)
@@ -144,7 +142,9 @@ def model_config_from_hf(path: str, generation_config: str = "auto", hf_override
         sliding_window=int(hf.get("sliding_window") or 0) if windows else 0,
         window_layers=windows,
         eos_token_ids=eos,
-        sampling_defaults=sampling_defaults_of(gen, path) if generation_config == "auto" else SamplingDefaults(),
+        sampling_defaults=(generation.folder_defaults(generation_config, gen) if folder
+                           else sampling_defaults_of(gen, path) if generation.uses_defaults(generation_config)
+                           else SamplingDefaults()),
         architecture=arch,
         hf_overrides=hf_overrides,
         qkv_bias=family.qkv_bias,

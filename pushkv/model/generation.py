@@ -2,12 +2,49 @@
 and vLLM's ``--override-generation-config`` over them. Pure: no torch, so the launcher reads them for a preset too."""
 from __future__ import annotations
 
+import json
 import math
+import os
 
 import msgspec
 
 from pushkv.config import SamplingDefaults, json_object
 from pushkv.limits import MAX_REPETITION_PENALTY
+
+# --generation-config's words: the checkpoint's file, or none of it (vLLM's "vllm"; "none", pushkv's older spelling);
+# anything else names a directory holding a generation_config.json
+NAMED = ("auto", "vllm", "none")
+
+
+def uses_defaults(source: str) -> bool:
+    """Whether --generation-config ``source`` gives sampling defaults (the checkpoint's, or a directory's)."""
+    return source not in ("vllm", "none")
+
+
+def folder_config(source: str) -> dict:
+    """``--generation-config DIR``: DIR's generation_config.json, as vLLM reads it there (its sampling defaults, its
+    max_new_tokens a bound on every request, its EOS ids stopped on); refused, naming it, where DIR has none (vLLM
+    would take nothing from it, and a mistyped path is the likelier cause)."""
+    where = os.path.join(source, "generation_config.json")
+    if not os.path.isfile(where):
+        why = "no such directory" if not os.path.isdir(source) else "it holds no generation_config.json"
+        raise ValueError(f"--generation-config {source}: {why} (auto: the checkpoint's; vllm: none of it; or a "
+                         "directory holding a generation_config.json)")
+    with open(where) as f:
+        try:
+            gen = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"{where}: not JSON: {e}") from None
+    if not isinstance(gen, dict):
+        raise ValueError(f"{where} is not a JSON object")
+    return gen
+
+
+def folder_defaults(source: str, gen: dict) -> SamplingDefaults:
+    """A --generation-config DIR's sampling defaults; its max_new_tokens bounds every request, as vLLM's does."""
+    d = sampling_defaults_of(gen, where=os.path.join(source, "generation_config.json"))
+    return msgspec.structs.replace(d, max_tokens_cap=d.max_tokens)
+
 
 # generation_config.json field: (SamplingDefaults field, type, range check, range text): what vLLM takes from it
 DEFAULT_FIELDS = {
@@ -44,10 +81,12 @@ def sampling_defaults_of(gen: dict, path: str = "", where: str = "") -> Sampling
     return SamplingDefaults(**out)
 
 
-def overridden_defaults(base: SamplingDefaults, override: str) -> SamplingDefaults:
+def overridden_defaults(base: SamplingDefaults, override: str, folder: bool = False) -> SamplingDefaults:
     """vLLM's ``--override-generation-config``: a JSON object of generation_config.json's sampling fields, each
-    replacing ``base``'s (the checkpoint's, or none); ``top_k`` -1 or 0 turns a default top_k off. A field vLLM does
-    not take from generation_config.json, or a value out of range, is refused naming it."""
+    replacing ``base``'s (the checkpoint's, a directory's, or none); ``top_k`` -1 or 0 turns a default top_k off. Its
+    max_new_tokens bounds every request, as vLLM's (``folder``: --generation-config DIR, whose bound is the merged
+    max_new_tokens). A field vLLM does not take from generation_config.json, or a value out of range, is refused
+    naming it."""
     where = "--override-generation-config"
     given = json_object(override, where, "sampling fields")
     unknown = sorted(set(given) - set(DEFAULT_FIELDS))
@@ -58,4 +97,7 @@ def overridden_defaults(base: SamplingDefaults, override: str) -> SamplingDefaul
     fields = msgspec.structs.asdict(sampling_defaults_of(named, where=where))
     if given.get("top_k") in (-1, 0):
         fields["top_k"] = 0  # off, whatever the checkpoint says
-    return msgspec.structs.replace(base, **{k: v for k, v in fields.items() if v is not None})
+    out = msgspec.structs.replace(base, **{k: v for k, v in fields.items() if v is not None})
+    if folder or fields.get("max_tokens") is not None:
+        out = msgspec.structs.replace(out, max_tokens_cap=out.max_tokens)
+    return out

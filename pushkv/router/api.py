@@ -77,6 +77,10 @@ class Limits:
     # has no stop_reason, where one ended by the checkpoint's other EOS ids names it, as vLLM's (check_stop tells
     # the request's eos_token_id apart from the stop_token_ids that generation_config's EOS ids join)
     main_eos_id: int = -1
+    # the server's say over a request's fields, as vLLM's flags: --enable-force-include-usage (a stream's usage, each
+    # chunk's and the total, whatever stream_options asks) and --return-tokens-as-token-ids (the request's own wins)
+    force_usage: bool = False
+    token_ids: bool = False
 
     @property
     def main_eos(self) -> int:
@@ -415,6 +419,8 @@ def parse_generation(body: dict, ids: list[int], tok: text.Tokenizer, limits: Li
         max_tokens = default_max if default_max is not None else room
         if limits.defaults.max_tokens is not None:  # the checkpoint's max_new_tokens
             max_tokens = min(max_tokens, limits.defaults.max_tokens)
+    if limits.defaults.max_tokens_cap is not None:  # a bound on every request's, as vLLM's override_max_tokens
+        max_tokens = min(max_tokens, limits.defaults.max_tokens_cap)
     if max_tokens < 1:
         raise bad(max_tokens_field, f"{max_tokens_field} must be at least 1, got {max_tokens}")
     # (a batch: cut to its shortest prompt's room here, and to each prompt's own where the router opens its runs)
@@ -424,8 +430,8 @@ def parse_generation(body: dict, ids: list[int], tok: text.Tokenizer, limits: Li
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise bad("stream_options", "stream_options must be an object")
-    include_usage = get_bool(opts or {}, "include_usage") if opts else False
-    continuous_usage = include_usage and get_bool(opts or {}, "continuous_usage_stats")
+    include_usage = limits.force_usage or (get_bool(opts or {}, "include_usage") if opts else False)
+    continuous_usage = limits.force_usage or (include_usage and get_bool(opts or {}, "continuous_usage_stats"))
 
     refuse_unbuilt(body)
     from pushkv.router import structured  # (it raises this module's errors: imported here, not at the top)
@@ -476,7 +482,7 @@ def parse_generation(body: dict, ids: list[int], tok: text.Tokenizer, limits: Li
         spaces_between_special_tokens=get_bool(body, "spaces_between_special_tokens", True),
         include_stop_str_in_output=get_bool(body, "include_stop_str_in_output"),
         cache_salt=parse_cache_salt(body), structured=grammar,
-        return_tokens_as_token_ids=get_bool(body, "return_tokens_as_token_ids"),
+        return_tokens_as_token_ids=get_bool(body, "return_tokens_as_token_ids", limits.token_ids),
         return_token_ids=get_bool(body, "return_token_ids"),
         seeded=body.get("seed") is not None,
         client_id=client_id(body.get("request_id"), "request_id"),

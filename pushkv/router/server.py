@@ -83,6 +83,7 @@ class Router:
             eos_token_ids=cfg.model.all_eos_ids,
             defaults=cfg.model.sampling_defaults,
             main_eos_id=getattr(tokenizer, "config_eos_id", -1),
+            force_usage=cfg.force_include_usage, token_ids=cfg.return_tokens_as_token_ids,
         )
         # what a request's "model" may name: the model's names, then each LoRA adapter's (vLLM's --lora-modules)
         self.loras = Loras(cfg, self._served_changed)  # LoRA adapters: the launch's, and those loaded since

@@ -246,3 +246,24 @@ def test_hf_overrides_and_the_rope_flags_read_over_the_checkpoints_config(qwen25
             config("--model", qwen25, "--load-format", "dummy", *argv)
     with pytest.raises(ValueError, match="give --model a checkpoint"):
         config("--model", "tiny", "--load-format", "dummy", "--rope-theta", "5e5")
+
+
+def test_vllm_server_flags_pushkv_runs_reach_the_config(tmp_path):
+    """--enable-force-include-usage, --return-tokens-as-token-ids and --log-config-file, spelt as vLLM's; the log
+    config's text travels in the config (every process of every host applies it), a file that is not a dictConfig
+    object refused before anything starts."""
+    log = tmp_path / "log.json"
+    log.write_text('{"version": 1, "root": {"level": "WARNING"}}')
+    cfg = config("tiny", "--load-format", "dummy", "--enable-force-include-usage", "--return-tokens-as-token-ids",
+                 "--log-config-file", str(log))
+    assert (cfg.force_include_usage, cfg.return_tokens_as_token_ids) == (True, True)
+    assert cfg.log_config == '{"version": 1, "root": {"level": "WARNING"}}'
+    plain = config("tiny", "--load-format", "dummy")
+    assert (plain.force_include_usage, plain.return_tokens_as_token_ids, plain.log_config) == (False, False, "")
+    for text, needle in [(None, "No such file"), ("[1]", "a JSON object"), ("{x", "not JSON"),
+                         ('{"root": {}}', '"version": 1')]:
+        bad = tmp_path / ("missing.json" if text is None else "bad.json")
+        if text is not None:
+            bad.write_text(text)
+        with pytest.raises(ValueError, match=f"--log-config-file {bad}: .*{re.escape(needle)}"):
+            config("tiny", "--load-format", "dummy", "--log-config-file", str(bad))

@@ -99,9 +99,33 @@ def test_checkpoint_and_flag(tmp_path):
                         (["--generation-config", "none"], SamplingDefaults())]:
         args = cli.build_parser().parse_args(["up", "--checkpoint", path, *flags])
         assert cli.config_from_args(args).model.sampling_defaults == want
-    with pytest.raises(SystemExit):
-        cli.build_parser().parse_args(["up", "--generation-config", "vllm"])
+    vllm = model_config_from_hf(path, "vllm")  # vLLM's word for none
+    assert vllm.eos_token_ids == (3, 5, 7) and vllm.sampling_defaults == SamplingDefaults()
     assert preset("small").all_eos_ids == ()  # random weights: never stop on EOS
+
+
+def test_generation_config_from_a_directory_as_vllm_takes_it(tmp_path):
+    """--generation-config DIR: DIR/generation_config.json in place of the checkpoint's: its sampling defaults, its
+    EOS ids, and its max_new_tokens a bound on every request's max_tokens (vLLM's override_max_tokens), a preset's
+    too; a directory without the file is refused naming it."""
+    path = ckpt(tmp_path / "model", [3, 5], {"eos_token_id": [5, 7], "temperature": 0.6, "top_k": 20})
+    folder = tmp_path / "gen"
+    folder.mkdir()
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 9, "temperature": 0.2,
+                                                                "max_new_tokens": 12}))
+    cfg = model_config_from_hf(path, str(folder))
+    assert cfg.all_eos_ids == (3, 5, 9)  # config.json's and the directory's, not the checkpoint's generation config
+    assert cfg.sampling_defaults == SamplingDefaults(temperature=0.2, max_tokens=12, max_tokens_cap=12)
+    for model in ([path], ["tiny", "--load-format", "dummy"]):
+        args = cli.build_parser().parse_args(["up", "--model", *model, "--generation-config", str(folder)])
+        assert cli.config_from_args(args).model.sampling_defaults.max_tokens_cap == 12
+    limits = api.Limits(vocab_size=320, max_model_len=256, defaults=cfg.sampling_defaults)
+    assert api.parse_completion({"prompt": "hi", "max_tokens": 100}, TOK, limits).max_tokens == 12
+    assert api.parse_completion({"prompt": "hi", "max_tokens": 5}, TOK, limits).max_tokens == 5
+    assert api.parse_completion({"prompt": "hi"}, TOK, limits).sampling.temperature == 0.2
+    for bad, needle in [(tmp_path / "nowhere", "no such directory"), (tmp_path, "it holds no generation_config")]:
+        with pytest.raises(ValueError, match=f"--generation-config {bad}: {needle}"):
+            model_config_from_hf(path, str(bad))
 
 
 def test_override_generation_config_over_the_checkpoints_or_alone(tmp_path):
@@ -121,7 +145,8 @@ def test_override_generation_config_over_the_checkpoints_or_alone(tmp_path):
                                                                                  repetition_penalty=1.05)
     args = cli.build_parser().parse_args(["up", "--model", "tiny", "--load-format", "dummy",
                                           "--override-generation-config", '{"max_new_tokens": 7}'])
-    assert cli.config_from_args(args).model.sampling_defaults == SamplingDefaults(max_tokens=7)
+    # its max_new_tokens bounds a request's own max_tokens too, as vLLM's override_max_tokens
+    assert cli.config_from_args(args).model.sampling_defaults == SamplingDefaults(max_tokens=7, max_tokens_cap=7)
     for bad, needle in [('{"seed": 1}', "seed is not a sampling field"), ("[1]", "a JSON object"),
                         ("{temperature: 1}", "not JSON"), ('{"top_p": 0}', "top_p must be")]:
         args = cli.build_parser().parse_args(["up", "--model", path, "--override-generation-config", bad])
