@@ -13,10 +13,15 @@ only tells them what happened, when it happens:
 The per-step metadata only tells the workers what is pending, for their
 bookkeeping (failing it if their writer dies) and for waiting on the writer
 instead of spinning when a step is empty.
+
+A D request with ``n`` > 1 is ``n`` requests in vLLM's scheduler, one per choice, with the same
+params: the first to be allocated loads the prompt's KV from P; the others wait for it and then take
+its blocks from D's prefix cache (one transfer id moves the KV once).
 """
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -30,6 +35,8 @@ from pushkv.vllm import params as P
 from pushkv.vllm import wire as w
 
 log = logging.getLogger(__name__)
+
+SPENT_TIDS = 4096  # D: transfer ids loaded once, remembered for siblings (n > 1) that come later
 
 
 @dataclass
@@ -69,6 +76,10 @@ class SchedulerSide:
         self._new_recvs: dict[str, tuple[str, list[int]]] = {}
         # P, layer streaming: req id -> (its blocks so far, its prompt's length)
         self.stream_blocks: dict[str, tuple[list[int], int]] = {}
+        # D: transfer id -> the request loading it, until vLLM schedules that request (its blocks
+        # are then in D's prefix cache) or it ends; and the transfer ids loaded once (n > 1)
+        self.loading: dict[str, str] = {}
+        self.spent: OrderedDict[str, None] = OrderedDict()
 
     def _tell(self, msg: m.Msg) -> None:
         data = m.encode(msg)
@@ -89,13 +100,18 @@ class SchedulerSide:
         return self.legs[rid]
 
     # -- D ----------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[Optional[int], bool]:
         leg = self.leg(request)
         if leg is not None and leg.role == "decode" and request.request_id not in self.loaded:
             mark("d_arrived", leg.transfer_id)
         if leg is None or leg.role != "decode" or request.request_id in self.waiting_recv:
             return 0, False
         if request.request_id in self.loaded:  # the load is done (or failed): never again
+            return 0, False
+        owner = self.loading.get(leg.transfer_id)
+        if owner is not None and owner != request.request_id:
+            return None, False  # a sibling choice (n > 1) loads this prompt: ask again once it is in D's cache
+        if leg.transfer_id in self.spent:  # a sibling loaded it: D's prefix cache has its blocks
             return 0, False
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
@@ -109,6 +125,10 @@ class SchedulerSide:
         want = -(-n // self.block_size) - first
         block_ids = list(blocks.get_unhashed_block_ids_all_groups()[0])[:want]
         self.loaded.add(request.request_id)
+        self.loading[leg.transfer_id] = request.request_id
+        self.spent[leg.transfer_id] = None
+        while len(self.spent) > SPENT_TIDS:
+            self.spent.popitem(last=False)
         self.loaded_tokens[request.request_id] = num_external_tokens
         self.waiting_recv[request.request_id] = (leg.transfer_id, block_ids)
         self._new_recvs[request.request_id] = (leg.transfer_id, block_ids)
@@ -123,6 +143,8 @@ class SchedulerSide:
         rid = request.request_id
         leg = self.legs.pop(rid, None)
         self.stream_blocks.pop(rid, None)
+        if leg is not None and self.loading.get(leg.transfer_id) == rid:
+            del self.loading[leg.transfer_id]
         self.loaded.discard(rid)
         loaded = self.loaded_tokens.pop(rid, 0)
         source = {P.SOURCE_KEY: P.source_dict(self.s.source())}
@@ -146,8 +168,12 @@ class SchedulerSide:
 
     # -- every step ----------------------------------------------------------------
     def build_meta(self, scheduler_output) -> StepMeta:
+        scheduled = getattr(scheduler_output, "num_scheduled_tokens", {})
+        for tid, rid in list(self.loading.items()):
+            if rid in scheduled:  # its KV is in D's prefix cache now: its siblings may hit it
+                del self.loading[tid]
         if self.marking:
-            for rid in getattr(scheduler_output, "num_scheduled_tokens", {}):
+            for rid in scheduled:
                 tid = self.marking.pop(rid, None)
                 if tid:
                     mark("d_scheduled", tid)

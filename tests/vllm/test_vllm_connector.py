@@ -167,6 +167,54 @@ def test_a_kv_both_instance_cancels_each_leg_on_its_own_side(model_dir, writer_c
     assert recv() == w.CancelBlocks("p-1", "T2", "prefill request ended: FINISHED_ABORTED", "prefill")
     b.shutdown()
 
+
+def test_sibling_choices_load_the_prompt_once(model_dir, writer_cmd):
+    """n > 1: vLLM makes one request per choice with the same params. The first allocated loads the
+    prompt's KV; the others wait (None: ask again) until vLLM schedules it, its blocks then in D's
+    prefix cache, and load nothing (before, each registered the one transfer id again and P
+    refused all but the first: the request failed)."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.request import RequestStatus
+
+    src = {"engine_id": "P-n", "tp": 1, "handshake": ["ipc:///nowhere"]}
+    d = KVConnectorFactory.create_connector(make_config(model_dir, "kv_consumer", "D-n"), KVConnectorRole.SCHEDULER,
+                                            None)
+    recv = writer_cmd(d.settings.cmd_endpoint(0))
+    prompt = list(range(2, 40))
+    params = {"pushkv": {"role": "decode", "transfer_id": "T1", "source": src}}
+    first, second, third = (request(f"{i}_cmpl-1", prompt, params) for i in range(3))
+    assert d.get_num_new_matched_tokens(first, 0) == (len(prompt), True)
+    d.update_state_after_alloc(first, blocks([7, 8, 9]), len(prompt))
+    assert isinstance(recv(), w.ExpectBlocks)
+    step = type("SO", (), {"total_num_scheduled_tokens": 0, "num_scheduled_tokens": {}})
+    for _ in range(2):  # the KV is on its way, then in D's blocks but not yet cached
+        assert d.get_num_new_matched_tokens(second, 0) == (None, False)
+        d.build_connector_meta(step())
+    d.update_connector_output(type("O", (), {"finished_sending": None, "finished_recving": {"0_cmpl-1"}})())
+    assert d.get_num_new_matched_tokens(second, 0) == (None, False)
+    ran = type("SO", (), {"total_num_scheduled_tokens": 1, "num_scheduled_tokens": {"0_cmpl-1": 1}})
+    d.build_connector_meta(ran())  # vLLM cached its blocks as it scheduled it
+    assert d.get_num_new_matched_tokens(second, 32) == (0, False)  # from D's prefix cache
+    assert d.get_num_new_matched_tokens(third, 32) == (0, False)
+    for r in (first, second, third):
+        r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        d.request_finished(r, [])
+    assert d.sched.loading == {} and d.sched.legs == {}
+
+    # the loading choice ends first (aborted): the others wait no more, and load nothing
+    params2 = {"pushkv": {"role": "decode", "transfer_id": "T2", "source": src}}
+    a, b = request("0_cmpl-2", prompt, params2), request("1_cmpl-2", prompt, params2)
+    d.get_num_new_matched_tokens(a, 0)
+    d.update_state_after_alloc(a, blocks([7, 8, 9]), len(prompt))
+    assert isinstance(recv(), w.ExpectBlocks)
+    assert d.get_num_new_matched_tokens(b, 0) == (None, False)
+    a.status = RequestStatus.FINISHED_ABORTED
+    d.request_finished(a, [7, 8, 9])
+    assert isinstance(recv(), w.CancelBlocks)
+    assert d.get_num_new_matched_tokens(b, 0) == (0, False)
+    d.shutdown()
+
 def test_bad_params_serve_the_request_without_transfer(model_dir, writer_cmd):
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
