@@ -214,24 +214,34 @@ def parse_tools(body: dict) -> list[dict]:
 # what the template is given by pushkv itself: chat_template_kwargs may not replace them
 RESERVED_KWARGS = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "raise_exception",
                    "strftime_now")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")  # vLLM 0.32's
 
 
 def parse_template_kwargs(body: dict) -> dict:
-    """vLLM's ``chat_template_kwargs``: an object of extra variables for the template; and vLLM's ``documents``
-    (a list of objects, for retrieval templates), given to the template as ``documents``."""
+    """vLLM's ``chat_template_kwargs``: an object of extra variables for the template; vLLM's ``documents`` (a list
+    of objects, for retrieval templates), given to the template as ``documents``; and ``reasoning_effort``, given to
+    the template as it is (over the kwargs' own), with ``enable_thinking`` false for "none" and true for any other
+    where the kwargs do not say, as vLLM's (a template that opts into thinking, Gemma 4's, thinks then)."""
     docs = body.get("documents")
     if docs is not None and not (isinstance(docs, list) and all(isinstance(d, dict) for d in docs)):
         raise api.bad("documents", "documents must be a list of objects")
+    effort = body.get("reasoning_effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise api.bad("reasoning_effort", f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got "
+                                          f"{effort!r}")
     kw = body.get("chat_template_kwargs")
-    if kw is None:
-        return {} if docs is None else {"documents": docs}
-    if not isinstance(kw, dict):
+    if kw is not None and not isinstance(kw, dict):
         raise api.bad("chat_template_kwargs", "chat_template_kwargs must be an object")
-    taken = [k for k in kw if k in RESERVED_KWARGS]
+    taken = [k for k in kw or () if k in RESERVED_KWARGS]
     if taken:
         raise api.bad("chat_template_kwargs", f"chat_template_kwargs may not set {taken[0]!r} (the request's own "
                                               "fields give it)")
-    return kw if docs is None else {"documents": docs, **kw}
+    out = {} if docs is None else {"documents": docs}
+    out.update(kw or {})
+    if effort is not None:
+        out["reasoning_effort"] = effort
+        out.setdefault("enable_thinking", effort != "none")
+    return out
 
 
 def forced_choice(body: dict, tools: list[dict]) -> Optional[tuple[str, dict]]:

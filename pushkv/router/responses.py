@@ -305,7 +305,20 @@ def chat_body(body: dict, store: Optional[Store] = None, conv: Optional[list[dic
     fmt = _response_format(body)
     if fmt is not None:
         out["response_format"] = fmt
+    effort = _reasoning_effort(body)
+    if effort is not None:
+        out["reasoning_effort"] = effort
     return out
+
+
+def _reasoning_effort(body: dict) -> Optional[str]:
+    """``reasoning.effort``: the chat request's ``reasoning_effort``, as vLLM passes it to the template."""
+    given = body.get("reasoning")
+    if given is None:
+        return None
+    if not isinstance(given, dict):
+        raise api.bad("reasoning", "reasoning must be an object")
+    return given.get("effort")
 
 
 def echo(body: dict) -> dict:
@@ -320,7 +333,7 @@ def echo(body: dict) -> dict:
             "tool_choice": body.get("tool_choice") or ("auto" if body.get("tools") else "none"),
             "parallel_tool_calls": body.get("parallel_tool_calls", True),
             "previous_response_id": body.get("previous_response_id"), "store": False,
-            "background": bool(body.get("background"))}
+            "background": bool(body.get("background")), "reasoning": body.get("reasoning")}
 
 
 def usage(chat_usage: dict) -> dict:

@@ -189,3 +189,48 @@ def test_through_the_router_kwargs_reach_the_deployments_template_and_a_format_i
                 assert "'yaml' is not supported" in err["message"]
             assert len(h.log.received("local", m.Generate)) == 1  # the refused ones sent nothing
     run(body())
+
+
+EFFORT_TEMPLATE = ("{{ messages[0].content }}|effort={{ reasoning_effort | default('unset') }}"
+                   "|thinking={{ enable_thinking | default('unset') }}")
+
+
+@pytest.mark.parametrize("body, want", [
+    ({}, "effort=unset|thinking=unset"),
+    ({"reasoning_effort": "low"}, "effort=low|thinking=True"),
+    ({"reasoning_effort": "none"}, "effort=none|thinking=False"),
+    ({"reasoning_effort": "max"}, "effort=max|thinking=True"),
+    # the kwargs' own enable_thinking stands; the field's effort wins over the kwargs' (vLLM's merge_kwargs)
+    ({"reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}}, "effort=none|thinking=True"),
+    ({"reasoning_effort": "high", "chat_template_kwargs": {"reasoning_effort": "low"}}, "effort=high|thinking=True"),
+    ({"chat_template_kwargs": {"reasoning_effort": "low"}}, "effort=low|thinking=unset"),
+])
+def test_reasoning_effort_goes_to_the_template_as_vllm_passes_it(body, want):
+    """vLLM 0.32's build_chat_params: reasoning_effort is a template variable, and enable_thinking follows it
+    (false for "none") where chat_template_kwargs do not set it; it was taken and ignored here."""
+    assert prompt(body, EFFORT_TEMPLATE) == f"Hi|{want}"
+
+
+@pytest.mark.parametrize("effort", ["extreme", 3, ""])
+def test_a_reasoning_effort_vllm_does_not_take_is_refused(effort):
+    with pytest.raises(api.ApiError) as e:
+        prompt({"reasoning_effort": effort}, EFFORT_TEMPLATE)
+    assert (e.value.status, e.value.param) == (400, "reasoning_effort") and "must be one of none, minimal" in str(
+        e.value)
+
+
+def test_the_responses_reasoning_effort_reaches_the_template(tmp_path):
+    """/v1/responses' reasoning.effort is the chat request's reasoning_effort (vLLM's ResponsesRequest), and the
+    response repeats the request's reasoning."""
+    async def body():
+        cfg = make_cfg(tmp_path, "local", chat_template=EFFORT_TEMPLATE)
+        async with Harness(cfg, {"local": local_script([[33]], "stop")}) as h:
+            r = await h.http.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 2,
+                                                         "reasoning": {"effort": "minimal"}})
+            assert r.status == 200, await r.text()
+            assert (await r.json())["reasoning"] == {"effort": "minimal"}
+            (g,) = h.log.received("local", m.Generate)
+            assert bytes(g.prompt_token_ids).decode().endswith("|effort=minimal|thinking=True")
+            r = await h.http.post("/v1/responses", json={"input": "Hi", "reasoning": "high"})
+            assert r.status == 400 and (await r.json())["error"]["param"] == "reasoning"
+    run(body())
