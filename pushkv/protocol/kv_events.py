@@ -67,7 +67,9 @@ DECODER = msgspec.msgpack.Decoder(KVEventBatch)
 
 
 def encode(ts: float, events: list[Event]) -> bytes:
-    return _ENCODER.encode(KVEventBatch(ts, events))
+    """One batch as vLLM's publisher sends it: its data-parallel rank filled in, 0 for an engine of one rank (each
+    pushkv instance is its own engine, on its own endpoint)."""
+    return _ENCODER.encode(KVEventBatch(ts, events, 0))
 
 
 class KVEventsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

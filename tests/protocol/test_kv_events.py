@@ -50,7 +50,7 @@ def test_the_wire_is_vllms_as_its_own_types_decode_it():
     payload = K.encode(1234.5, [K.BlockStored(hashes, None, toks, 16, None, "CPU", None, None, 0),
                                 K.BlockRemoved([hashes[1]], "CPU", 0), K.AllBlocksCleared()])
     batch = msgspec.msgpack.Decoder(vllm_events.KVEventBatch).decode(payload)
-    assert batch.ts == 1234.5 and batch.data_parallel_rank is None
+    assert batch.ts == 1234.5 and batch.data_parallel_rank == 0  # vLLM's publisher fills in its rank, 0 alone
     stored, removed, cleared = batch.events
     assert isinstance(stored, vllm_events.BlockStored) and stored.block_hashes == hashes
     assert (stored.parent_block_hash, stored.token_ids, stored.block_size) == (None, toks, 16)
