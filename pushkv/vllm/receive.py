@@ -38,6 +38,11 @@ class Receiver:
         """Register with every P rank that produces our heads, once their handshakes are done
         (now, if they are); the loop goes on meanwhile."""
         now = self.shell.last_activity = time.monotonic()
+        other = self.req_of.get(msg.transfer_id)
+        if other is not None:  # refused alone: the request that has it keeps its transfer and its blocks
+            self.emit(w.BlocksFailed(msg.req_id, msg.transfer_id, f"transfer id {msg.transfer_id} is in flight "
+                                     f"for request {other} already (a router must give each D request its own)"))
+            return
         self.req_of[msg.transfer_id] = msg.req_id
         rank = self.shell.rank
         self.shell.peers.when_source_connected(

@@ -267,6 +267,27 @@ def test_a_cancelled_receive_is_held_until_its_prefill_writer_answers(writers, d
     assert not d_ev.poll(500) and not p_ev.poll(0)  # one answer; P never had the blocks
 
 
+def test_a_second_request_with_a_transfer_id_in_flight_is_refused_alone(writers):
+    """D is told to expect a transfer id it already expects for another request: that second
+    request fails at once, and the first keeps its transfer, its answer under its own request id
+    (before, the second took the id's request over: the first's answer came with no request id,
+    so vLLM never freed its blocks)."""
+    p_cmd, p_ev, p_kv = writers.start("prefill", "P", 0, 1)
+    d_cmd, d_ev, d_kv = writers.start("decode", "D", 0, 1)
+    src = m.PrefillSource("P", 1, (writers.handshake("P", 0),))
+    d_cmd.send(m.encode(w.ExpectBlocks("d-1", "T1", (1,), BLOCK_SIZE, src, 20.0)))
+    d_cmd.send(m.encode(w.ExpectBlocks("d-2", "T1", (2,), BLOCK_SIZE, src, 20.0)))
+    got = event(d_ev)
+    assert isinstance(got, w.BlocksFailed) and got.req_id == "d-2" and "in flight for request d-1" in got.reason, got
+    p_kv[:] = 5
+    p_cmd.send(m.encode(w.SendBlocks("p-1", "T1", (3,), BLOCK_SIZE)))
+    got = event(d_ev)
+    assert got == w.BlocksReceived("d-1", "T1", got.nbytes, got.num_descs), got
+    assert isinstance(event(p_ev), w.BlocksSent)
+    page = TOTAL_HEADS * HEAD_BYTES
+    assert (d_kv[page:2 * page] == 5).all() and not (d_kv[2 * page:3 * page] == 5).any()
+
+
 def _hello(engine: str, agent) -> bytes:
     """A Hello a D writer of this test's shape would send (real NIXL metadata)."""
     return m.encode(w.VllmHello(engine, 0, 1, agent.name, agent.metadata(), 0, kv_memory(1), m.WIRE_VERSION, "tiny"))
