@@ -79,7 +79,7 @@ class SchedulerSide:
         # D: transfer id -> the request loading it, until vLLM schedules that request (its blocks
         # are then in D's prefix cache) or it ends; and the transfer ids loaded once (n > 1)
         self.loading: dict[str, str] = {}
-        self.spent: OrderedDict[str, None] = OrderedDict()
+        self.spent: OrderedDict[str, int] = OrderedDict()  # -> the prompt tokens it loaded
 
     def _tell(self, msg: m.Msg) -> None:
         data = m.encode(msg)
@@ -112,6 +112,7 @@ class SchedulerSide:
         if owner is not None and owner != request.request_id:
             return None, False  # a sibling choice (n > 1) loads this prompt: ask again once it is in D's cache
         if leg.transfer_id in self.spent:  # a sibling loaded it: D's prefix cache has its blocks
+            self.loaded_tokens[request.request_id] = self.spent[leg.transfer_id]  # (what the answer says)
             return 0, False
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
@@ -126,7 +127,7 @@ class SchedulerSide:
         block_ids = list(blocks.get_unhashed_block_ids_all_groups()[0])[:want]
         self.loaded.add(request.request_id)
         self.loading[leg.transfer_id] = request.request_id
-        self.spent[leg.transfer_id] = None
+        self.spent[leg.transfer_id] = num_external_tokens
         while len(self.spent) > SPENT_TIDS:
             self.spent.popitem(last=False)
         self.loaded_tokens[request.request_id] = num_external_tokens

@@ -199,7 +199,7 @@ def test_sibling_choices_load_the_prompt_once(model_dir, writer_cmd):
     assert d.get_num_new_matched_tokens(third, 32) == (0, False)
     for r in (first, second, third):
         r.status = RequestStatus.FINISHED_LENGTH_CAPPED
-        d.request_finished(r, [])
+        assert d.request_finished(r, [])[1]["pushkv_loaded_tokens"] == len(prompt)  # whichever answers
     assert d.sched.loading == {} and d.sched.legs == {}
 
     # the loading choice ends first (aborted): the others wait no more, and load nothing
