@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "--model string, the checkpoint directory's name and its path; a shape: its name); "
                           "another: 404")
     mod.add_argument("--generation-config", metavar="auto|vllm|DIR", default="auto",
-                     help="auto: a request's unset temperature, top_p, top_k, min_p, repetition_penalty and "
+                     help="auto: a request's unset temperature, top_p, top_k, min_p, the penalties and "
                           "max_tokens come from the checkpoint's generation_config.json when it has one (as vLLM); "
                           "vllm (or none): pushkv's defaults (greedy); DIR: from DIR/generation_config.json, its "
                           "max_new_tokens a bound on every request and its EOS ids stopped on, as vLLM's. The "

@@ -116,6 +116,8 @@ class SamplingDefaults(msgspec.Struct, frozen=True):
     # a bound on every request's max_tokens, its own too (vLLM's override_max_tokens): the max_new_tokens of a
     # --generation-config DIR's file, or of --override-generation-config
     max_tokens_cap: Optional[int] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
 
 
 class RopeScaling(msgspec.Struct, frozen=True):

@@ -180,7 +180,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--rope-theta",), SAME, "config.json's rope_theta, as --hf-overrides '{\"rope_theta\": ...}' sets it", float,
          sets="rope_theta"),
     Flag(("--override-generation-config",), SAME, "a JSON object of generation_config.json's sampling fields "
-         "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), over the checkpoint's with "
+         "(temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty, max_new_tokens), "
+         "over the checkpoint's with "
          "--generation-config auto, a directory's with DIR, alone with vllm; a request's own values still win, but "
          "max_new_tokens bounds every request's max_tokens, as vLLM's",
          sets="override_generation_config"),

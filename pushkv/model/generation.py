@@ -9,7 +9,7 @@ import os
 import msgspec
 
 from pushkv.config import SamplingDefaults, json_object
-from pushkv.limits import MAX_REPETITION_PENALTY
+from pushkv.limits import MAX_PENALTY, MAX_REPETITION_PENALTY
 
 # --generation-config's words: the checkpoint's file, or none of it (vLLM's "vllm"; "none", pushkv's older spelling);
 # anything else names a directory holding a generation_config.json
@@ -55,7 +55,13 @@ DEFAULT_FIELDS = {
     "max_new_tokens": ("max_tokens", int, lambda v: v >= 1, ">= 1"),
     "repetition_penalty": ("repetition_penalty", float, lambda v: 0 < v <= MAX_REPETITION_PENALTY,
                            f"(0, {MAX_REPETITION_PENALTY:g}]"),
+    "presence_penalty": ("presence_penalty", float, lambda v: -MAX_PENALTY <= v <= MAX_PENALTY,
+                         f"[-{MAX_PENALTY:g}, {MAX_PENALTY:g}]"),
+    "frequency_penalty": ("frequency_penalty", float, lambda v: -MAX_PENALTY <= v <= MAX_PENALTY,
+                          f"[-{MAX_PENALTY:g}, {MAX_PENALTY:g}]"),
 }
+PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")  # applied by greedy draws too
+NEUTRAL = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}  # the penalty none at all
 
 
 def sampling_defaults_of(gen: dict, path: str = "", where: str = "") -> SamplingDefaults:
@@ -75,9 +81,10 @@ def sampling_defaults_of(gen: dict, path: str = "", where: str = "") -> Sampling
     if out.get("top_k") in (-1, 0):
         out.pop("top_k")
     if gen.get("do_sample") is False:  # greedy; transformers' greedy still applies a repetition penalty
-        out = {k: v for k, v in out.items() if k in ("max_tokens", "repetition_penalty")}
-    if out.get("repetition_penalty") == 1.0:
-        out.pop("repetition_penalty")
+        out = {k: v for k, v in out.items() if k == "max_tokens" or k in PENALTIES}
+    for key, neutral in NEUTRAL.items():
+        if out.get(key) == neutral:
+            out.pop(key)
     return SamplingDefaults(**out)
 
 
@@ -97,6 +104,9 @@ def overridden_defaults(base: SamplingDefaults, override: str, folder: bool = Fa
     fields = msgspec.structs.asdict(sampling_defaults_of(named, where=where))
     if given.get("top_k") in (-1, 0):
         fields["top_k"] = 0  # off, whatever the checkpoint says
+    for key, neutral in NEUTRAL.items():  # a penalty given as none at all turns the checkpoint's off
+        if key in named and named[key] == neutral:
+            fields[key] = float(neutral)
     out = msgspec.structs.replace(base, **{k: v for k, v in fields.items() if v is not None})
     if folder or fields.get("max_tokens") is not None:
         out = msgspec.structs.replace(out, max_tokens_cap=out.max_tokens)

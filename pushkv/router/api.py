@@ -498,8 +498,8 @@ def parse_sampling(body: dict, tok: text.Tokenizer, limits: Limits, logprobs: in
     top_k = get_int(body, "top_k", _or(d.top_k, 0), -1)
     top_k = 0 if top_k == -1 else top_k
     min_p = get_num(body, "min_p", _or(d.min_p, 0.0), 0.0, 1.0)
-    presence = get_num(body, "presence_penalty", 0.0, -L.MAX_PENALTY, L.MAX_PENALTY)
-    frequency = get_num(body, "frequency_penalty", 0.0, -L.MAX_PENALTY, L.MAX_PENALTY)
+    presence = get_num(body, "presence_penalty", _or(d.presence_penalty, 0.0), -L.MAX_PENALTY, L.MAX_PENALTY)
+    frequency = get_num(body, "frequency_penalty", _or(d.frequency_penalty, 0.0), -L.MAX_PENALTY, L.MAX_PENALTY)
     repetition = get_num(body, "repetition_penalty", _or(d.repetition_penalty, 1.0), 0.0, L.MAX_REPETITION_PENALTY,
                          lo_open=True)
     min_tokens = get_int(body, "min_tokens", 0, 0, max_tokens)

@@ -182,3 +182,24 @@ def test_the_tokenizers_own_eos_comes_from_tokenizer_config(tmp_path, eos_token,
     if eos_token is not None:
         (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos_token}))
     assert get_tokenizer(model_config_from_hf(str(tmp_path))).config_eos_id == want
+
+
+def test_presence_and_frequency_penalties_are_defaults_too_as_vllm_takes_them(tmp_path):
+    """vLLM's get_diff_sampling_param takes presence_penalty and frequency_penalty from generation_config.json and
+    --override-generation-config (Qwen3's recommended presence_penalty 1.5): a request that leaves them unset gets
+    them; an override of 0 turns the checkpoint's off; out of [-2, 2] is refused at launch."""
+    assert sampling_defaults_of({"presence_penalty": 1.5, "frequency_penalty": 0.0}) == \
+        SamplingDefaults(presence_penalty=1.5)
+    path = ckpt(tmp_path, 3, {"presence_penalty": 1.5, "repetition_penalty": 1.05})
+    args = cli.build_parser().parse_args(["up", "--model", path, "--override-generation-config",
+                                          '{"frequency_penalty": -0.5, "presence_penalty": 0, "repetition_penalty": 1}'])
+    d = cli.config_from_args(args).model.sampling_defaults
+    assert (d.presence_penalty, d.frequency_penalty, d.repetition_penalty) == (0.0, -0.5, 1.0)
+    limits = api.Limits(vocab_size=300, max_model_len=64, defaults=SamplingDefaults(presence_penalty=1.5,
+                                                                                    frequency_penalty=0.25))
+    s = api.parse_completion({"prompt": "hi"}, TOK, limits).sampling
+    assert (s.presence_penalty, s.frequency_penalty) == (1.5, 0.25)
+    own = api.parse_completion({"prompt": "hi", "presence_penalty": 0, "frequency_penalty": 1}, TOK, limits).sampling
+    assert (own.presence_penalty, own.frequency_penalty) == (0, 1)
+    with pytest.raises(ValueError, match=r"presence_penalty must be \[-2, 2\]"):
+        sampling_defaults_of({"presence_penalty": 3})
