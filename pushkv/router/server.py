@@ -480,7 +480,9 @@ class Router:
         if self.local_link is None:
             self.balancer.index = PrefixIndex()
         silent = [link.engine_id for link, st in zip(links, answers) if st is None]
-        body = {"reset": [{"engine_id": link.engine_id, "role": link.role, "cached_blocks": st.cached_blocks}
+        # vLLM 0.32's answer is {"success": bool}; each instance's cache after it comes beside it
+        body = {"success": True,
+                "reset": [{"engine_id": link.engine_id, "role": link.role, "cached_blocks": st.cached_blocks}
                           for link, st in zip(links, answers) if st is not None]}
         if silent:
             return _error(503, f"no answer from {', '.join(silent)}: their caches may be kept", "unavailable")

@@ -79,8 +79,9 @@ def test_load_counts_the_generation_requests_in_flight(tmp_path):
 
 
 def test_reset_prefix_cache_asks_every_scheduler_and_says_who_did_not_answer(tmp_path):
-    """POST /reset_prefix_cache: each scheduler is sent ResetPrefixCache; 200 with each one's cache after it once
-    all answered, 503 naming one that did not (the end to end reset: tests/e2e/test_reset_prefix_cache.py)."""
+    """POST /reset_prefix_cache: each scheduler is sent ResetPrefixCache; 200 with vLLM's {"success": true} and each
+    one's cache after it once all answered, 503 naming one that did not (the end to end reset:
+    tests/e2e/test_reset_prefix_cache.py)."""
     async def body():
         async with Harness(make_cfg(tmp_path, "local"), {"local": answer}) as h:
             silent = await h.http.post("/reset_prefix_cache")
@@ -89,7 +90,9 @@ def test_reset_prefix_cache_asks_every_scheduler_and_says_who_did_not_answer(tmp
             h.fakes["local"].stats = m.Stats("local-engine", "local", 100, 100, 0, 0, {}, 0)
             done = await h.http.post("/reset_prefix_cache")
             assert done.status == 200
-            assert (await done.json())["reset"] == [{"engine_id": "local-engine", "role": "local", "cached_blocks": 0}]
+            got = await done.json()
+            assert got["success"] is True  # vLLM's answer, which a client of vLLM's reads
+            assert got["reset"] == [{"engine_id": "local-engine", "role": "local", "cached_blocks": 0}]
             assert len(h.log.received("local", m.ResetPrefixCache)) == 2
 
     asyncio.run(asyncio.wait_for(body(), 25))
