@@ -16,8 +16,8 @@ from typing import Any, Callable, Mapping, Optional, get_args
 
 import msgspec
 
+from pushkv import envs, otlp, tls, uds, vllm_serve
 from pushkv import log_config as log_config_mod
-from pushkv import otlp, tls, uds, vllm_serve
 from pushkv.config import (
     PRESETS,
     TRACE_AUTO,
@@ -202,6 +202,16 @@ def chat_template_text(given: str) -> str:
     return source
 
 
+def log_config_of(flag: Optional[str]) -> Optional[str]:
+    """--log-config-file's dictConfig text, else VLLM_LOGGING_CONFIG_PATH's (as vLLM's: the flag's default); None:
+    pushkv's own logging."""
+    if flag:
+        return log_config_mod.read(flag)
+    if envs.VLLM_LOGGING_CONFIG_PATH:
+        return log_config_mod.read(envs.VLLM_LOGGING_CONFIG_PATH, "VLLM_LOGGING_CONFIG_PATH")
+    return None
+
+
 def tool_parser(flags: Mapping[str, Any]) -> Optional[str]:
     """--tool-call-parser, as vLLM takes it beside --enable-auto-tool-choice (which alone is refused)."""
     parser = flags.get("tool_call_parser")
@@ -282,7 +292,7 @@ def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = 
         skip_tokenizer_init=True if f("skip_tokenizer_init") else None,
         force_include_usage=True if f("enable_force_include_usage") else None,
         return_tokens_as_token_ids=True if f("return_tokens_as_token_ids") else None,
-        log_config=log_config_mod.read(path) if (path := f("log_config_file")) else None,
+        log_config=log_config_of(f("log_config_file")),
         host_role=f("role"), registry=f("registry"), advertise=f("advertise"), registry_ttl_s=f("registry_ttl"),
         log_level=f("log_level"), model=model, max_model_len=max_len,
         secret_file=os.path.abspath(secret) if secret else None,

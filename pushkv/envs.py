@@ -88,6 +88,8 @@ _VARS = (
         "(`Authorization: Bearer KEY`) where `PUSHKV_API_KEY` is unset, as `vllm bench serve` sends it", FOREIGN),
     Var("VLLM_ALLOW_RUNTIME_LORA_UPDATING", bool, False, "the router serves vLLM's `/v1/load_lora_adapter` and "
         "`/v1/unload_lora_adapter` (with `--enable-lora`); off: those paths are 404, as vLLM's", FOREIGN),
+    Var("VLLM_LOGGING_CONFIG_PATH", str, "", "`pushkv up`: the `--log-config-file` where the flag is not given, as "
+        "vLLM reads it (a dictConfig JSON file every process applies)", FOREIGN),
 )
 VARS: dict[str, Var] = {v.name: v for v in _VARS}
 
@@ -147,6 +149,7 @@ if TYPE_CHECKING:  # what ``envs.NAME`` returns, for mypy (tests/tools/test_envs
     VLLM_NIXL_SIDE_CHANNEL_PORT: int
     OPENAI_API_KEY: str
     VLLM_ALLOW_RUNTIME_LORA_UPDATING: bool
+    VLLM_LOGGING_CONFIG_PATH: str
 
 
 def __getattr__(name: str) -> Any:

@@ -14,22 +14,23 @@ import json
 import logging.config
 
 
-def read(path: str) -> str:
-    """The file's dictConfig object, as JSON text; ValueError naming the file where it is not one."""
+def read(path: str, given: str = "--log-config-file") -> str:
+    """The file's dictConfig object, as JSON text; ValueError naming the file (and ``given``, where it was given)
+    where it is not one."""
     try:
         with open(path, encoding="utf-8") as f:
             raw = f.read()
     except OSError as e:
-        raise ValueError(f"--log-config-file {path}: {e.strerror or e}") from None
+        raise ValueError(f"{given} {path}: {e.strerror or e}") from None
     try:
         config = json.loads(raw)
     except ValueError as e:
-        raise ValueError(f"--log-config-file {path}: not JSON: {e}") from None
+        raise ValueError(f"{given} {path}: not JSON: {e}") from None
     if not isinstance(config, dict):
-        raise ValueError(f"--log-config-file {path}: a JSON object in logging.config.dictConfig's schema, not "
+        raise ValueError(f"{given} {path}: a JSON object in logging.config.dictConfig's schema, not "
                          f"{type(config).__name__}")
     if "version" not in config:
-        raise ValueError(f"--log-config-file {path}: dictConfig needs \"version\": 1")
+        raise ValueError(f"{given} {path}: dictConfig needs \"version\": 1")
     return json.dumps(config)
 
 

@@ -267,3 +267,16 @@ def test_vllm_server_flags_pushkv_runs_reach_the_config(tmp_path):
             bad.write_text(text)
         with pytest.raises(ValueError, match=f"--log-config-file {bad}: .*{re.escape(needle)}"):
             config("tiny", "--load-format", "dummy", "--log-config-file", str(bad))
+
+
+def test_vllm_logging_config_path_is_the_log_config_files_default(tmp_path, monkeypatch):
+    """vLLM reads VLLM_LOGGING_CONFIG_PATH where --log-config-file is not given; the flag wins over it."""
+    env, flag = tmp_path / "env.json", tmp_path / "flag.json"
+    env.write_text('{"version": 1, "root": {"level": "ERROR"}}')
+    flag.write_text('{"version": 1, "root": {"level": "DEBUG"}}')
+    monkeypatch.setenv("VLLM_LOGGING_CONFIG_PATH", str(env))
+    assert config("tiny", "--load-format", "dummy").log_config == env.read_text()
+    assert config("tiny", "--load-format", "dummy", "--log-config-file", str(flag)).log_config == flag.read_text()
+    monkeypatch.setenv("VLLM_LOGGING_CONFIG_PATH", str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="VLLM_LOGGING_CONFIG_PATH .*missing.json: No such file"):
+        config("tiny", "--load-format", "dummy")
