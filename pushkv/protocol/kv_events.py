@@ -112,12 +112,13 @@ def parse_config(text: str) -> KVEventsConfig:
 
 def endpoint_for(endpoint: Optional[str], ordinal: int) -> Optional[str]:
     """Instance ``ordinal``'s endpoint (0: the one given): a tcp port plus the ordinal, an ipc or inproc name with
-    ``_<ordinal>`` after it (vLLM offsets by its data-parallel rank alike)."""
+    ``_<ordinal>`` after it (vLLM offsets by its data-parallel rank alike); tcp port 0 stays 0, as vLLM leaves it:
+    each instance binds a port the system picks (its log line names it)."""
     if not endpoint or ordinal == 0:
         return endpoint
     if endpoint.startswith("tcp://"):
         host, port = endpoint.rsplit(":", 1)
-        return f"{host}:{int(port) + ordinal}"
+        return f"{host}:{int(port) + ordinal}" if int(port) else endpoint
     return f"{endpoint}_{ordinal}"
 
 

@@ -62,6 +62,10 @@ class Publisher:
             self.replay.setsockopt(zmq.LINGER, 0)
             self.replay.bind(replay_ep)
             actor.add_socket(self.replay, self._serve_replay)
+            if replay_ep.endswith(":0"):  # tcp port 0: the port the system picked, for the log and the consumer
+                replay_ep = self.replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        if pub_ep.endswith(":0") and K.binds(pub_ep):
+            pub_ep = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.where = (pub_ep, replay_ep)
         log.info("%s: KV events on %s%s", inst.name, pub_ep, f" (replay on {replay_ep})" if replay_ep else "")
 

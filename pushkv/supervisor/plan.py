@@ -243,8 +243,9 @@ def _port_ranges(cfg: DeploymentConfig) -> list[tuple[str, str, int, int]]:
     ev = cfg.kv_events
     if ev.on and cfg.host_role != "router":
         for name, ep in (("endpoint", ev.endpoint), ("replay_endpoint", ev.replay_endpoint)):
-            if ep and ep.startswith("tcp://") and kv_events.binds(ep):
-                out.append(("--kv-events-config", f"--kv-events-config {name}", int(ep.rsplit(":", 1)[1]), n))
+            port = int(ep.rsplit(":", 1)[1]) if ep and ep.startswith("tcp://") and kv_events.binds(ep) else 0
+            if port:  # (port 0: each instance binds one the system picks)
+                out.append(("--kv-events-config", f"--kv-events-config {name}", port, n))
     return out
 
 

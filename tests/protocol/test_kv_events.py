@@ -80,6 +80,43 @@ def test_each_instance_publishes_on_its_own_endpoint():
     assert K.endpoint_for("tcp://*:5557", 2) == "tcp://*:5559"
     assert K.endpoint_for("ipc:///tmp/ev", 1) == "ipc:///tmp/ev_1"
     assert K.endpoint_for(None, 3) is None
+    assert K.endpoint_for("tcp://*:0", 3) == "tcp://*:0"  # vLLM's: port 0 stays the system's to pick, not port 3
+
+
+def test_port_zero_gives_each_instance_a_port_of_its_own_that_its_log_names(caplog):
+    """tcp://*:0 (vLLM's way to let the system pick): no fixed port to check or clash (it was 0, 1, 2, ... per
+    instance: ports 1 and 2 are privileged, and endpoint and replay 'met' at 0), and each instance's publisher says
+    where it bound."""
+    import logging
+    from types import SimpleNamespace
+
+    import msgspec as ms
+    import zmq
+
+    from pushkv.config import DeploymentConfig
+    from pushkv.scheduler.kv_events_pub import Publisher
+    from pushkv.supervisor.plan import fixed_ports, port_clash
+
+    ev = K.parse_config('{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:0", '
+                        '"replay_endpoint": "tcp://*:0"}')
+    cfg = DeploymentConfig(mode="push", prefill_instances=2, decode_instances=2, kv_events=ev, port=8123)
+    assert fixed_ports(cfg) == [("--port", 8123)] and port_clash(cfg) == ""
+    ev = K.parse_config('{"enable_kv_cache_events": true, "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0"}')
+    cfg = DeploymentConfig(mode="push", prefill_instances=2, kv_events=ev)
+    ctx = zmq.Context()
+    actor = SimpleNamespace(ctx=ctx, add_socket=lambda sock, fn: None)
+    pubs = []
+    try:
+        with caplog.at_level(logging.INFO, logger="pushkv.scheduler.kv_events_pub"):
+            for i in (0, 1):
+                pubs.append(Publisher(actor, cfg, ms.structs.replace(cfg.prefill, index=i)))  # type: ignore[arg-type]
+        ports = {int(ep.rsplit(":", 1)[1]) for p in pubs for ep in p.where}
+        assert len(ports) == 4 and 0 not in ports, [p.where for p in pubs]
+        assert all(f"KV events on {p.where[0]} (replay on {p.where[1]})" in caplog.text for p in pubs)
+    finally:
+        for p in pubs:
+            p.close()
+        ctx.term()
     assert K.binds("tcp://*:5557") and K.binds("ipc:///tmp/x") and not K.binds("tcp://10.0.0.2:5557")
 
 
