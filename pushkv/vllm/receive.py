@@ -72,6 +72,15 @@ class Receiver:
         else:
             self._apply(self.side.cancel((msg.transfer_id, 0), msg.reason, time.monotonic()))
 
+    def forget(self, msg: w.ForgetTransfer) -> None:
+        """vLLM's request ended before it registered: P's ranks of ours free its blocks now (a rank we
+        are not connected to frees them at its registration deadline)."""
+        ranks = producers_for(self.shell.rank, self.tp, msg.source.tp, self.total_kv_heads)
+        for r in ranks:
+            peer = self.shell.peers.get((msg.source.engine_id, r))
+            if peer is not None:
+                self.shell.posting.notify(peer, m.CancelTransfer(msg.transfer_id, 0, msg.reason))
+
     def completion(self, msg: "m.WriteDone | m.WriteFailed", agent: str, now: float) -> None:
         peer = self.shell.peers.by_agent.get(agent)
         self._apply(self.side.completion(msg, (peer.engine_id, peer.rank) if peer else None, now))

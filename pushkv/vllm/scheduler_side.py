@@ -146,6 +146,7 @@ class SchedulerSide:
         self.stream_blocks.pop(rid, None)
         if leg is not None and self.loading.get(leg.transfer_id) == rid:
             del self.loading[leg.transfer_id]
+        was_loaded = rid in self.loaded
         self.loaded.discard(rid)
         loaded = self.loaded_tokens.pop(rid, 0)
         source = {P.SOURCE_KEY: P.source_dict(self.s.source())}
@@ -155,6 +156,10 @@ class SchedulerSide:
             if rid in self.waiting_recv:  # ended (aborted) before the KV arrived: P may still WRITE
                 self._tell(w.CancelBlocks(rid, leg.transfer_id, "decode request ended before its KV arrived", "decode"))
                 return True, None  # freed when the writer reports it (finished_recving)
+            if not was_loaded and leg.transfer_id not in self.spent and leg.source is not None:
+                # ended before its blocks were allocated (and no sibling choice loads it): it never registers
+                self._tell(w.ForgetTransfer(rid, leg.transfer_id, leg.source,
+                                            f"decode request ended before D allocated it: {request.status.name}"))
             return False, {"pushkv_transfer_id": leg.transfer_id, "pushkv_loaded_tokens": loaded}
         ok = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
         if not ok or not block_ids:

@@ -88,7 +88,18 @@ class StreamPreempted(Msg, frozen=True):
     transfer_id: str
 
 
-ConnectorToWriter = Union[SendBlocks, ExpectBlocks, CancelBlocks, LayersStored, StreamPreempted]
+class ForgetTransfer(Msg, frozen=True):
+    """D: the request ended before D allocated its blocks (aborted while queued): it never
+    registers, so P's writers may free the prompt's blocks now rather than at their registration
+    deadline. Told to the P ranks of ``source`` this writer is connected to; answered by none."""
+
+    req_id: str
+    transfer_id: str
+    source: PrefillSource
+    reason: str
+
+
+ConnectorToWriter = Union[SendBlocks, ExpectBlocks, CancelBlocks, LayersStored, StreamPreempted, ForgetTransfer]
 
 
 class DescribeKV(Msg, frozen=True):

@@ -167,6 +167,9 @@ class VllmWriter(WriterShell):
     def on_ExpectBlocks(self, msg: w.ExpectBlocks) -> None:
         self.d.expect(msg)
 
+    def on_ForgetTransfer(self, msg: w.ForgetTransfer) -> None:
+        self.d.forget(msg)
+
     def on_CancelBlocks(self, msg: w.CancelBlocks) -> None:
         now = time.monotonic()
         if (msg.leg or self.role) == "prefill":  # (a kv_both instance's writer: by the request's leg)

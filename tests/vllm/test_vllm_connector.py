@@ -213,6 +213,16 @@ def test_sibling_choices_load_the_prompt_once(model_dir, writer_cmd):
     d.request_finished(a, [7, 8, 9])
     assert isinstance(recv(), w.CancelBlocks)
     assert d.get_num_new_matched_tokens(b, 0) == (0, False)
+    b.status = RequestStatus.FINISHED_ABORTED
+    d.request_finished(b, [])  # its sibling had the transfer: nothing to tell P
+
+    # a request that ends while queued, before D allocated it: P is told it never registers
+    c = request("c-1", prompt, {"pushkv": {"role": "decode", "transfer_id": "T3", "source": src}})
+    d.get_num_new_matched_tokens(c, 0)
+    c.status = RequestStatus.FINISHED_ABORTED
+    assert d.request_finished(c, []) == (False, {"pushkv_transfer_id": "T3", "pushkv_loaded_tokens": 0})
+    assert recv() == w.ForgetTransfer("c-1", "T3", m.PrefillSource("P-n", 1, ("ipc:///nowhere",)),
+                                      "decode request ended before D allocated it: FINISHED_ABORTED")
     d.shutdown()
 
 def test_bad_params_serve_the_request_without_transfer(model_dir, writer_cmd):

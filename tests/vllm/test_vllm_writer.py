@@ -288,6 +288,24 @@ def test_a_second_request_with_a_transfer_id_in_flight_is_refused_alone(writers)
     assert (d_kv[page:2 * page] == 5).all() and not (d_kv[2 * page:3 * page] == 5).any()
 
 
+def test_a_decode_request_that_ends_before_registering_frees_ps_blocks_now(writers):
+    """vLLM's D request ends while queued (its client went away): it never registers, and D's
+    writer tells P so; P frees the prompt's blocks now, not at its registration deadline (20 s)."""
+    p_cmd, p_ev, _ = writers.start("prefill", "P", 0, 1)
+    d_cmd, d_ev, _ = writers.start("decode", "D", 0, 1)
+    src = m.PrefillSource("P", 1, (writers.handshake("P", 0),))
+    d_cmd.send(m.encode(w.ExpectBlocks("d-0", "T0", (1,), BLOCK_SIZE, src, 20.0)))  # the handshake, done once
+    p_cmd.send(m.encode(w.SendBlocks("p-0", "T0", (2,), BLOCK_SIZE)))
+    assert isinstance(event(d_ev), w.BlocksReceived) and isinstance(event(p_ev), w.BlocksSent)
+    t0 = time.monotonic()
+    p_cmd.send(m.encode(w.SendBlocks("p-1", "T1", (3,), BLOCK_SIZE)))
+    d_cmd.send(m.encode(w.ForgetTransfer("d-1", "T1", src, "decode request ended before D allocated it")))
+    got = event(p_ev, 15.0)
+    assert isinstance(got, w.BlocksSent) and got.req_id == "p-1" and not got.ok, got
+    assert time.monotonic() - t0 < 10.0, "freed at the registration deadline, not by D's word"
+    assert not d_ev.poll(500)  # D answers vLLM nothing: it had nothing of this request
+
+
 def _hello(engine: str, agent) -> bytes:
     """A Hello a D writer of this test's shape would send (real NIXL metadata)."""
     return m.encode(w.VllmHello(engine, 0, 1, agent.name, agent.metadata(), 0, kv_memory(1), m.WIRE_VERSION, "tiny"))
