@@ -230,10 +230,10 @@ def _fixed_metrics_ports(cfg: DeploymentConfig) -> DeploymentConfig:
 
 def _port_ranges(cfg: DeploymentConfig) -> list[tuple[str, str, int, int]]:
     """(flag, what it sets, first port, how many) of each TCP port range the user fixed that this host will bind:
-    the router's --port, the instances' --metrics-port range, and their KV-event sockets where bound on TCP (each
-    instance the port after the one before it)."""
+    the router's --port (not with --uds), the instances' --metrics-port range, and their KV-event sockets where bound
+    on TCP (each instance the port after the one before it)."""
     out: list[tuple[str, str, int, int]] = []
-    if cfg.host_role in ("", "router"):
+    if cfg.host_role in ("", "router") and not cfg.uds:  # (with --uds the router binds its socket file, no port)
         out.append(("--port", "--port", cfg.port, 1))
     n = 1 if cfg.mode == "local" else (
         (cfg.prefill_instances if cfg.host_role in ("", "prefill") else 0)

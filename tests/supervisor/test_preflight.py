@@ -66,6 +66,12 @@ def test_taken_metrics_port_names_its_flag(taken_port, mode, offset, flags):
     assert len(got) == 1 and got[0].startswith(f"--metrics-port {taken_port}:"), got
 
 
+def test_a_router_on_a_unix_socket_asks_no_tcp_port(taken_port):
+    """--uds: the router binds its socket file, so --port (8000 unless given) is neither checked nor bound; a port
+    something else holds there refused a deployment that would never have used it."""
+    assert port_problems(DeploymentConfig(mode="local", port=taken_port, uds="/tmp/pushkv-router.sock")) == []
+
+
 def test_free_ports_pass():
     assert port_problems(DeploymentConfig(port=free_tcp_port())) == []
     assert port_problems(DeploymentConfig(port=free_tcp_port(), host_role="prefill", registry="etcd://h:1",
@@ -169,6 +175,7 @@ EV = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:%d", "replay_endpoin
     (dict(mode="push", metrics_port=5558), (5557, 5600), "--kv-events-config endpoint takes ports 5557..5558 and "
                                                          "--metrics-port ports 5558..5559 on this host"),
     (dict(mode="push", host_role="router", registry="etcd://h:1", port=5557), (5557, 5558), ""),  # binds neither
+    (dict(mode="push", uds="/tmp/router.sock", port=9100, metrics_port=9100), None, ""),  # --uds: no TCP port
 ])
 def test_fixed_port_ranges_that_meet_are_refused_before_anything_starts(kw, events, clash):
     from pushkv.protocol import kv_events
