@@ -158,6 +158,14 @@ def remove_dead_sockets(d: str) -> list[str]:
     return removed
 
 
+def endpoints_in_use(*endpoints: str) -> list[str]:
+    """The ``ipc://`` endpoints among these that a live process listens on. zmq binds over such a
+    file without a word (it unlinks it), so a second instance of one engine id would take the
+    first's sockets; the worker refuses to start instead."""
+    return [ep for ep in endpoints if ep.startswith("ipc://") and os.path.exists(ep[len("ipc://"):])
+            and _listened(ep[len("ipc://"):])]
+
+
 def _listened(path: str) -> bool:
     """Whether a process listens on the unix socket file ``path`` (refused: none does)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:

@@ -151,6 +151,11 @@ class WorkerSide:
         cache, mark stored layers, cancel what a dead writer left); once."""
         if self.events is not None:
             return
+        taken = P.endpoints_in_use(self.s.cmd_endpoint(self.rank), self.s.handshake_endpoint(self.rank))
+        if taken:
+            raise RuntimeError(f"pushkv: engine_id {self.s.engine_id!r} rank {self.rank}: another live process "
+                               f"listens on {taken}; each vLLM instance on a host needs its own engine_id in "
+                               "--kv-transfer-config (or none: vLLM then draws one)")
         dead = P.remove_dead_sockets(P.socket_dir())  # what runs that were killed left there
         if dead:
             log.info("pushkv: removed %d socket files of stopped instances from %s", len(dead), P.socket_dir())

@@ -105,3 +105,22 @@ def test_a_starting_worker_removes_dead_socket_files_and_keeps_live_ones(sock_di
         live.stdout.close()
         ws.shutdown()
     assert sorted(os.listdir(sock_dir)) == sorted(["live-0-cmd", "live-0-hs", "young-0-ev-2", "notes"])
+
+
+def test_a_second_instance_of_a_live_engine_id_is_refused(sock_dir):
+    """Two instances given one engine_id: the second worker refuses to start, naming it, and the
+    first's files stay (zmq would have bound over them without a word and taken its writer's
+    commands and handshakes)."""
+    s = P.Settings(f"e{os.getpid()}", 1, "", 0, 1.0, 1.0, 1.0)
+    live = _listener(s.cmd_endpoint(0), s.handshake_endpoint(0))
+    ws = WorkerSide(s, 0, "prefill")
+    try:
+        with pytest.raises(RuntimeError, match=f"engine_id 'e{os.getpid()}' rank 0: another live process listens on"):
+            ws._open_sockets()
+        assert live.poll() is None and ws.events is None
+        assert sorted(os.listdir(sock_dir)) == sorted(f"{s.engine_id}-0-{k}" for k in ("cmd", "hs"))
+    finally:
+        live.kill()
+        live.wait()
+        live.stdout.close()
+        ws.shutdown()
