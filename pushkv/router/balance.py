@@ -286,6 +286,8 @@ class Balancer:
         d = P.pick_decode(self.loads.values(), run.decode_tokens, self.ask(run)) if not self.decode_queue else None
         if d is None:
             self.decode_queue.append(run)
+            if self.metrics is not None:  # it waits at the router for a D that can hold it, as a queued arrival does
+                self.metrics.queued.inc()
             return None
         self._commit_late_decode(run, d.engine_id)
         return d.engine_id

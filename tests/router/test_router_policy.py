@@ -208,11 +208,17 @@ def test_balancer_late_allocation_does_not_reserve_d_until_prefill_is_done():
 
 
 def test_balancer_late_decode_waits_for_room():
+    """A late request's D leg that no D can hold waits at the router, and pushkv_router_queued counts it as it counts
+    a queued arrival (a late request's wait went uncounted: the counter said 0 while the queue held six)."""
+    from pushkv.router.metrics import RouterMetrics
+
     b = balancer(mode="pull", d_blocks=(10,))
+    b.metrics = RouterMetrics()
     a, c = Run("a"), Run("c")
     assert b.request(a).kind == P.LATE and b.request(c).kind == P.LATE
     assert b.request_decode(a) == "d0"
     assert b.request_decode(c) is None and b.waiting == 1
+    assert b.metrics.queued._value.get() == 1
     b.release(a)
     assert c.got == [DecodePlaced("d0")]
 
