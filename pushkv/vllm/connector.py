@@ -62,7 +62,7 @@ class PushKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker = None
         if role == KVConnectorRole.SCHEDULER:
             groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
-            self.sched = SchedulerSide(self.settings, vllm_config.cache_config.block_size, groups)
+            self.sched = SchedulerSide(self.settings, vllm_config.cache_config.block_size, groups, kt.kv_role)
             log.info("pushkv: scheduler side up (engine %s, tp %d, writers' handshake from %s)",
                      kt.engine_id, tp, self.settings.handshake_endpoint(0))
         else:

@@ -33,6 +33,7 @@ from pushkv.messages import PrefillSource
 
 KEY = "pushkv"
 SOURCE_KEY = "pushkv_source"
+ROLE_KEY = "pushkv_kv_role"  # beside it: the instance's kv_role, which a router checks at start
 DEFAULT_HANDSHAKE_PORT = 5600  # vLLM's VLLM_NIXL_SIDE_CHANNEL_PORT default
 # a socket file this old that no process listens on is a dead run's (zmq binds and listens in one call)
 DEAD_SOCKET_S = 10.0
@@ -80,6 +81,20 @@ def parse_source(s: Any) -> PrefillSource:
     if not isinstance(hs, list) or len(hs) != tp or not all(isinstance(e, str) for e in hs):
         raise ParamsError(f"bad source {s!r}: handshake must list one endpoint per P rank")
     return PrefillSource(eid, tp, tuple(hs))
+
+
+# the legs an instance of each kv_role serves: vLLM treats a producer and a consumer apart (a consumer
+# defers freeing blocks an in-flight step may still write, before a load fills them; a producer's
+# preempted request drops a pending hand-off), so a leg on the other role's instance is refused
+LEGS_OF_ROLE = {"kv_producer": ("prefill",), "kv_consumer": ("decode",), "kv_both": ("prefill", "decode")}
+
+
+def leg_refused(leg_role: str, kv_role: str) -> str:
+    """Why an instance of ``kv_role`` does not serve a ``leg_role`` leg ("" if it does)."""
+    if leg_role in LEGS_OF_ROLE.get(kv_role, ("prefill", "decode")):
+        return ""
+    return (f"a {leg_role} leg sent to a {kv_role} instance (it serves {' and '.join(LEGS_OF_ROLE[kv_role])} "
+            "legs): the router has P and D the wrong way round")
 
 
 def source_dict(src: PrefillSource) -> dict[str, Any]:

@@ -66,7 +66,8 @@ class Proxy:
 
     async def start(self, app=None) -> None:
         self.session = aiohttp.ClientSession(timeout=self.timeout)
-        await asyncio.gather(*(self._probe(p) for p in self.prefill))
+        await asyncio.gather(*(self._probe(p, "prefill") for p in self.prefill),
+                             *(self._probe(d, "decode") for d in self.decode))
 
     async def _start_session(self, app=None) -> None:
         self.session = aiohttp.ClientSession(timeout=self.timeout)
@@ -85,8 +86,9 @@ class Proxy:
         if self.session is not None:
             await self.session.close()
 
-    async def _probe(self, p: Instance) -> None:
-        """Learn P's pushkv_source from one tiny request (bounded; P may still be starting)."""
+    async def _probe(self, p: Instance, leg: str = "prefill") -> None:
+        """Learn an instance's pushkv_source from one tiny request (bounded; it may still be starting), and
+        refuse one whose kv_role does not serve ``leg`` (the --prefill and --decode URLs the wrong way round)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + PROBE_TIMEOUT_S
         while True:
@@ -101,12 +103,15 @@ class Proxy:
                 src = (out.get("kv_transfer_params") or {}).get(P.SOURCE_KEY)
                 if src is None:
                     raise RuntimeError(f"{p.url} does not run PushKVConnector (no {P.SOURCE_KEY} in its answer)")
+                why = P.leg_refused(leg, str((out.get("kv_transfer_params") or {}).get(P.ROLE_KEY, "kv_both")))
+                if why:
+                    raise RuntimeError(f"--{leg} {p.url}: {why}")
                 p.source = src
-                log.info("prefill %s: engine %s, writers %s", p.url, src["engine_id"], src["handshake"])
+                log.info("%s %s: engine %s, writers %s", leg, p.url, src["engine_id"], src["handshake"])
                 return
             except (aiohttp.ClientError, KeyError, ValueError) as e:
                 if loop.time() > deadline:
-                    raise RuntimeError(f"prefill {p.url} not reachable: {e}") from e
+                    raise RuntimeError(f"{leg} {p.url} not reachable: {e}") from e
                 await asyncio.sleep(0.5)
 
     def _pick(self, pool: list[Instance]) -> Instance:

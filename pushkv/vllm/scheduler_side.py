@@ -54,9 +54,10 @@ class StepMeta:
 
 
 class SchedulerSide:
-    def __init__(self, settings: P.Settings, block_size: int, num_groups: int):
+    def __init__(self, settings: P.Settings, block_size: int, num_groups: int, kv_role: str = "kv_both"):
         self.s = settings
         self.block_size = block_size
+        self.kv_role = kv_role
         if num_groups != 1:
             raise ValueError(f"pushkv's connector supports one KV cache group, this model has {num_groups}")
         self.ctx: zmq.Context = zmq.Context.instance()
@@ -95,6 +96,11 @@ class SchedulerSide:
                 log.error("pushkv: request %s: %s (served without transfer)", rid, e)
                 leg = None
             if leg is None:
+                return None
+            why = P.leg_refused(leg.role, self.kv_role)
+            if why:
+                log.error("pushkv: request %s: %s (served without transfer) transfer_id=%s", rid, why,
+                          leg.transfer_id)
                 return None
             self.legs[rid] = leg
         return self.legs[rid]
@@ -149,7 +155,7 @@ class SchedulerSide:
         was_loaded = rid in self.loaded
         self.loaded.discard(rid)
         loaded = self.loaded_tokens.pop(rid, 0)
-        source = {P.SOURCE_KEY: P.source_dict(self.s.source())}
+        source = {P.SOURCE_KEY: P.source_dict(self.s.source()), P.ROLE_KEY: self.kv_role}
         if leg is None:
             return False, source if request.kv_transfer_params else None
         if leg.role == "decode":

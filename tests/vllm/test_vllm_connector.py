@@ -168,6 +168,26 @@ def test_a_kv_both_instance_cancels_each_leg_on_its_own_side(model_dir, writer_c
     b.shutdown()
 
 
+
+def test_a_leg_for_the_other_role_is_served_without_transfer(model_dir, writer_cmd):
+    """A decode leg sent to a kv_producer instance (a router with P and D the wrong way round) is
+    served as plain vLLM, with an error logged, and nothing is told to the writer; the answer says
+    the instance's kv_role (the proxy checks it at start)."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.request import RequestStatus
+
+    src = {"engine_id": "X", "tp": 1, "handshake": ["ipc:///nowhere"]}
+    p = KVConnectorFactory.create_connector(make_config(model_dir, "kv_producer", "P-role"), KVConnectorRole.SCHEDULER,
+                                            None)
+    writer_cmd(p.settings.cmd_endpoint(0))
+    req = request("d-1", list(range(2, 40)), {"pushkv": {"role": "decode", "transfer_id": "T1", "source": src}})
+    assert p.get_num_new_matched_tokens(req, 0) == (0, False)
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    delay, out = p.request_finished(req, [1, 2])
+    assert delay is False and out["pushkv_kv_role"] == "kv_producer" and not p.has_pending_push_work()
+    p.shutdown()
+
 def test_sibling_choices_load_the_prompt_once(model_dir, writer_cmd):
     """n > 1: vLLM makes one request per choice with the same params. The first allocated loads the
     prompt's KV; the others wait (None: ask again) until vLLM schedules it, its blocks then in D's

@@ -65,3 +65,15 @@ def test_every_key_the_readme_lists_is_taken():
     assert (s.handshake_endpoint(0), s.registration_wait_s, s.transfer_s, s.idle_wait_ms, s.stream_groups,
             s.cuda_memory) == ("tcp://10.0.0.1:7100", 5.0, 6.5, 0.0, 4, "vllm")
     assert set(extra) == set(P.EXTRA_KEYS)
+
+
+@pytest.mark.parametrize("leg,kv_role,refused", [
+    ("prefill", "kv_producer", False), ("decode", "kv_consumer", False),
+    ("prefill", "kv_both", False), ("decode", "kv_both", False),
+    ("decode", "kv_producer", True), ("prefill", "kv_consumer", True),
+])
+def test_a_leg_on_the_other_roles_instance_is_refused(leg, kv_role, refused):
+    why = P.leg_refused(leg, kv_role)
+    assert bool(why) == refused
+    if refused:
+        assert why.startswith(f"a {leg} leg sent to a {kv_role} instance") and "wrong way round" in why

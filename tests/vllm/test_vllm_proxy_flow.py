@@ -30,8 +30,9 @@ class Instance:
     connection closes (vLLM aborts such a request), and says so; or, given ``refuse_after``, is
     refused as vLLM refuses a bad request once that event is set."""
 
-    def __init__(self, refuse_after: "asyncio.Event | None" = None):
+    def __init__(self, refuse_after: "asyncio.Event | None" = None, kv_role: str = "kv_both"):
         self.refuse_after = refuse_after
+        self.kv_role = kv_role
         self.leg_arrived = asyncio.Event()
         self.leg_ended = asyncio.Event()
         self.app = web.Application()
@@ -49,7 +50,8 @@ class Instance:
     async def completions(self, req):
         body = await req.json()
         if (body.get("kv_transfer_params") or {}).get("pushkv_probe"):
-            return web.json_response({"choices": [{"text": ""}], "kv_transfer_params": {"pushkv_source": SOURCE}})
+            params = {"pushkv_source": SOURCE, "pushkv_kv_role": self.kv_role}
+            return web.json_response({"choices": [{"text": ""}], "kv_transfer_params": params})
         self.leg_arrived.set()
         if self.refuse_after is not None:
             await self.refuse_after.wait()
@@ -104,6 +106,30 @@ def test_d_refusing_the_request_ends_ps_leg():
                 await asyncio.wait_for(p.leg_ended.wait(), WAIT_S)
         finally:
             for r in (front, p.runner, d.runner):
+                await r.cleanup()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("p_role,d_role,says", [
+    ("kv_consumer", "kv_producer", "--prefill http://"),  # the URLs swapped: P's is refused first
+    ("kv_producer", "kv_producer", "--decode http://"),
+])
+def test_instances_the_wrong_way_round_are_refused_at_start(p_role, d_role, says):
+    """The proxy learns each instance's kv_role from its probe answer and refuses to start with a
+    --prefill URL that serves no prefill leg, or a --decode URL no decode leg (before, the legs
+    went there: vLLM does not defer a producer's block frees for loads)."""
+
+    async def run():
+        p, d = Instance(kv_role=p_role), Instance(kv_role=d_role)
+        proxy = Proxy([await p.start()], [await d.start()])
+        try:
+            with pytest.raises(RuntimeError, match="the router has P and D the wrong way round") as e:
+                await serve(proxy.app(), **SERVE)
+            assert says in str(e.value)
+        finally:
+            await proxy.stop()
+            for r in (p.runner, d.runner):
                 await r.cleanup()
 
     asyncio.run(run())
