@@ -14,6 +14,13 @@ cap fails with its own reason (counted ``lease_cap_reached`` too). A renewal
 is peer input: one for a lease that is unknown, finished, of another
 generation or already past its deadline is counted, never raised.
 
+D's ``ReadDone`` and ``CancelTransfer`` may come before the ``hold``: they travel from D's writer
+(a NIXL notification, the handshake link) while the hold comes from P's scheduler on its own
+socket, and D READs as soon as the router relays P's block ids, which P's scheduler sends beside
+the hold. Such an answer for a transfer never held is kept (the last ``REMEMBER_FINISHED``) and
+taken by its hold, which then ends at once; dropped, it left the blocks pinned until the lease
+ran out and the transfer counted failed.
+
 Caution: an expired lease frees blocks a slow D READ may still be reading;
 ``lease_s`` must exceed D's own READ deadline so D gives up first.
 """
@@ -43,6 +50,14 @@ class _Lease:
     capped: bool = False  # a renewal was clipped at held_at + lease_max_s: the deadline is final
 
 
+@dataclass
+class _Early:
+    """D's answers for a transfer not held yet."""
+    readers: set[int] = field(default_factory=set)
+    expected: int = 0
+    cancel: Optional[str] = None  # D cancelled: the reason
+
+
 class Leases:
     def __init__(self, lease_s: float, lease_max_s: Optional[float] = None, remember: int = REMEMBER_FINISHED):
         """``lease_max_s`` (default ``lease_s``: renewals cannot extend a lease) caps every lease,
@@ -55,6 +70,7 @@ class Leases:
         self._live: dict[str, _Lease] = {}
         self._finished: OrderedDict[tuple[str, int], None] = OrderedDict()
         self._remember = remember
+        self._early: OrderedDict[tuple[str, int], _Early] = OrderedDict()
         self._deadlines: Deadlines[str] = Deadlines(self._current_deadline)
 
     def hold(self, transfer_id: str, generation: int, block_ids: Sequence[int], now: float) -> list[Action]:
@@ -68,8 +84,17 @@ class Leases:
         if old is not None:
             out = self._end(old, f"superseded by generation {generation}", ok=False)
             out.append(Count("stale_lease"))
-        self._live[transfer_id] = _Lease(transfer_id, generation, tuple(block_ids), now + self.lease_s, now)
+        e = _Lease(transfer_id, generation, tuple(block_ids), now + self.lease_s, now)
+        self._live[transfer_id] = e
         self._deadlines.arm(transfer_id, now + self.lease_s)
+        early = self._early.pop((transfer_id, generation), None)
+        if early is None:
+            return out
+        if early.cancel is not None:
+            return out + self._end(e, early.cancel, ok=False) + [Count("lease_cancelled_before_hold")]
+        e.readers |= early.readers
+        if len(e.readers) >= early.expected:
+            return out + self._end(e, "read", ok=True) + [Count("lease_read_before_hold")]
         return out
 
     def renew(self, transfer_id: str, generation: int, now: float) -> list[Action]:
@@ -103,7 +128,12 @@ class Leases:
             if (transfer_id, generation) in self._finished:
                 return [Count("late_read_done")]
             old = self._live.get(transfer_id)
-            return [Count("stale_read_done" if old and generation < old.generation else "unknown_read_done")]
+            if old and generation < old.generation:
+                return [Count("stale_read_done")]
+            early = self._early_of(transfer_id, generation)
+            early.readers.add(d_rank)
+            early.expected = readers_expected
+            return [Count("read_done_before_hold")]
         if d_rank in e.readers:
             return [Count("duplicate_read_done")]
         e.readers.add(d_rank)
@@ -121,7 +151,11 @@ class Leases:
     def cancel(self, transfer_id: str, generation: int, reason: str, now: float) -> list[Action]:
         e = self._match(transfer_id, generation)
         if e is None:
-            return [Count("cancel_ignored")]
+            old = self._live.get(transfer_id)
+            if (transfer_id, generation) in self._finished or (old and generation < old.generation):
+                return [Count("cancel_ignored")]
+            self._early_of(transfer_id, generation).cancel = reason  # its hold may be on its way
+            return [Count("cancel_before_hold")]
         return self._end(e, reason, ok=False) + [Count("lease_cancelled")]
 
     def expire(self, now: float) -> list[Action]:
@@ -154,6 +188,14 @@ class Leases:
         if deadline > e.deadline:
             e.deadline = deadline
             self._deadlines.arm(e.transfer_id, deadline)
+
+    def _early_of(self, tid: str, gen: int) -> _Early:
+        early = self._early.get((tid, gen))
+        if early is None:
+            early = self._early[(tid, gen)] = _Early()
+            while len(self._early) > self._remember:
+                self._early.popitem(last=False)
+        return early
 
     def _match(self, tid: str, gen: int) -> Optional[_Lease]:
         e = self._live.get(tid)

@@ -63,10 +63,34 @@ LEASES = [
         (("expire", 30.5), []),
         (("expire", 31.0), ["free t2 [3, 4]", "failed t2", "count:lease_expired"]),
     ]),
-    ("stale_and_unknown_reads", [
+    ("stale_and_early_reads", [
         (("hold", "t", 3, 0.0), []),
         (("read", "t", 2, 0, 1), ["count:stale_read_done"]),
-        (("read", "u", 1, 0, 1), ["count:unknown_read_done"]),
+        (("read", "u", 1, 0, 1), ["count:read_done_before_hold"]),  # kept for u's hold
+    ]),
+    # D READs once the router relays P's block ids, which P's scheduler sends beside the hold: D's
+    # answers may reach P's writer first (dropped, they left the blocks pinned until the lease ran out)
+    ("read_before_hold", [
+        (("read", "t", 1, 0, 1), ["count:read_done_before_hold"]),
+        (("hold", "t", 1, 0.0), ["free t1 [3, 4]", "completed t1 pull", "count:lease_read_before_hold"]),
+        (("read", "t", 1, 0, 1), ["count:late_read_done"]),
+        (("expire", 100.0), []),
+    ]),
+    ("one_of_two_reads_before_hold", [
+        (("read", "t", 1, 1, 2), ["count:read_done_before_hold"]),
+        (("hold", "t", 1, 0.0), []),
+        (("read", "t", 1, 1, 2), ["count:duplicate_read_done"]),
+        (("read", "t", 1, 0, 2), ["free t1 [3, 4]", "completed t1 pull"]),
+    ]),
+    ("read_before_hold_of_another_generation", [
+        (("read", "t", 1, 0, 1), ["count:read_done_before_hold"]),
+        (("hold", "t", 2, 0.0), []),  # generation 1's answer is not generation 2's
+        (("expire", 30.0), ["free t2 [3, 4]", "failed t2", "count:lease_expired"]),
+    ]),
+    ("cancel_before_hold", [
+        (("cancel", "t", 1, 0.0), ["count:cancel_before_hold"]),
+        (("hold", "t", 1, 0.5), ["free t1 [3, 4]", "failed t1", "count:lease_cancelled_before_hold"]),
+        (("cancel", "t", 1, 1.0), ["count:cancel_ignored"]),
     ]),
     ("release", [
         (("hold", "t", 1, 0.0), []),
@@ -89,6 +113,18 @@ def test_leases(name, steps):
         assert [short(a) for a in lease_step(L, ev)] == expected, f"step {i} {ev}"
     L.expire(1e9)
     assert L.held_blocks() == [] and len(L) == 0 and L.next_deadline() is None
+
+
+def test_answers_before_hold_are_bounded():
+    """Answers for transfers never held (their request failed before the hold) are kept for the
+    last ``remember`` transfers only."""
+    L = Leases(30.0, remember=2)
+    for tid in "abc":
+        L.on_read_done(tid, 1, 0, 1)
+    assert [short(x) for x in L.hold("a", 1, (1,), 0.0)] == []  # forgotten: held until read or expiry
+    assert [short(x) for x in L.hold("c", 1, (2,), 0.0)] == ["free c1 [2]", "completed c1 pull",
+                                                             "count:lease_read_before_hold"]
+    assert L.held_blocks() == [1]
 
 
 def test_lease_deadlines_and_illegal_hold():
