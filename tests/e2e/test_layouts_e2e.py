@@ -42,7 +42,7 @@ def test_layout_matrix(combo, references, tmp_path):
     ref = references(*combo.reference)
     model = preset(combo.model)
     pairs = sum(len(producers_for(d, combo.d_tp, combo.p_tp, model.cache_kv_heads)) for d in range(combo.d_tp))
-    cfg = combo.config(NUM_BLOCKS)  # push streams layer groups (4 by default; 2 for hybrid, which cannot)
+    cfg = combo.config(NUM_BLOCKS)  # one WRITE (--push-stream off): one layer group, hybrid's two (full, window)
     groups = len(L.layer_groups(L.instance_layout(cfg, cfg.prefill, 0)))
     heads_layers = sum(L.layout_for(model, combo.d_tp, d, NUM_BLOCKS, combo.d_bs).kv_heads
                        for d in range(combo.d_tp)) * model.num_layers
