@@ -33,6 +33,7 @@ from pushkv.vllm import params as P
 log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 300.0
+CONNECT_S = 30.0
 # what each endpoint's body must carry (the prompt P computes and D decodes from)
 ENDPOINTS = {"/v1/completions": "prompt", "/v1/chat/completions": "messages"}
 # the fields of a P leg that only shape D's answer (P samples one token, streamed to no one)
@@ -53,12 +54,18 @@ class Instance:
 
 
 class Proxy:
-    def __init__(self, prefill: list[str], decode: list[str], request_timeout_s: float = 600.0):
+    def __init__(self, prefill: list[str], decode: list[str], request_timeout_s: Optional[float] = None,
+                 api_key: Optional[str] = None):
         if not prefill or not decode:
             raise ValueError("need at least one --prefill and one --decode URL")
         self.prefill = [Instance(u) for u in prefill]
         self.decode = [Instance(u) for u in decode]
-        self.timeout = aiohttp.ClientTimeout(total=request_timeout_s)
+        # no bound on a whole request by default: a long generation streams for as long as it takes (the
+        # client's own timeout and hang-up end it); reaching an instance is bounded
+        self.timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=CONNECT_S)
+        # the instances' API key (vllm serve --api-key), for the proxy's own probes; a client's requests
+        # carry the client's Authorization, which the instances check
+        self.own_headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.session: Optional[aiohttp.ClientSession] = None
         self.model: Optional[str] = None
         self._rr = itertools.count()
@@ -93,12 +100,13 @@ class Proxy:
         deadline = loop.time() + PROBE_TIMEOUT_S
         while True:
             try:
-                async with self.session.get(p.url + "/v1/models") as r:
+                async with self.session.get(p.url + "/v1/models", headers=self.own_headers) as r:
+                    _refused(leg, p.url, r.status, await r.read())
                     models = await r.json()
                 self.model = self.model or models["data"][0]["id"]
                 body = {"model": self.model, "prompt": [0], "max_tokens": 1,
                         "kv_transfer_params": {"pushkv_probe": True}}
-                async with self.session.post(p.url + "/v1/completions", json=body) as r:
+                async with self.session.post(p.url + "/v1/completions", json=body, headers=self.own_headers) as r:
                     out = await r.json()
                 src = (out.get("kv_transfer_params") or {}).get(P.SOURCE_KEY)
                 if src is None:
@@ -113,6 +121,12 @@ class Proxy:
                 if loop.time() > deadline:
                     raise RuntimeError(f"{leg} {p.url} not reachable: {e}") from e
                 await asyncio.sleep(0.5)
+
+    @staticmethod
+    def _client_headers(req: web.Request) -> dict[str, str]:
+        """What of the client's request the legs carry: its Authorization (instances with --api-key)."""
+        auth = req.headers.get("Authorization")
+        return {"Authorization": auth} if auth else {}
 
     def _pick(self, pool: list[Instance]) -> Instance:
         low = min(i.inflight for i in pool)
@@ -151,9 +165,10 @@ class Proxy:
         p.inflight += 1
         d.inflight += 1
         mark("proxy_arrived", tid)
-        p_task = asyncio.create_task(self._prefill(p, p_body, path))
+        hdr = self._client_headers(req)
+        p_task = asyncio.create_task(self._prefill(p, p_body, path, hdr))
         try:
-            async with self.session.post(d.url + path, json=d_body) as dr:
+            async with self.session.post(d.url + path, json=d_body, headers=hdr) as dr:
                 if dr.status != 200 or not body.get("stream"):
                     data = await dr.read()
                     if dr.status != 200:
@@ -277,10 +292,11 @@ class Proxy:
                 kp = (await r.json())["kv_transfer_params"]
             p.source = {k: kp[k] for k in ("remote_engine_id", "remote_host", "remote_port", "tp_size")}
 
-    async def _prefill(self, p: Instance, body: dict, path: str = "/v1/completions") -> Optional[str]:
+    async def _prefill(self, p: Instance, body: dict, path: str = "/v1/completions",
+                       headers: Optional[dict[str, str]] = None) -> Optional[str]:
         """Run the P leg; None when it went well, else why not. Refreshes P's source."""
         try:
-            async with self.session.post(p.url + path, json=body) as r:
+            async with self.session.post(p.url + path, json=body, headers=headers) as r:
                 data = await r.read()
                 if r.status != 200:
                     return f"prefill {p.url} answered {r.status}: {data[:300]!r}"
@@ -330,7 +346,7 @@ class Proxy:
         """``/v1/models``: what the instances serve, as a D instance lists it."""
         d = self._pick(self.decode)
         try:
-            async with self.session.get(d.url + "/v1/models") as r:
+            async with self.session.get(d.url + "/v1/models", headers=self._client_headers(req)) as r:
                 return web.json_response(await r.json(content_type=None), status=r.status)
         except (aiohttp.ClientError, ValueError) as e:
             return self._error(502, f"decode {d.url} unreachable: {e}")
@@ -353,18 +369,28 @@ class Proxy:
         return app
 
 
+def _refused(leg: str, url: str, status: int, data: bytes) -> None:
+    """An instance that refuses the proxy's probe for want of an API key fails the start now, saying what to give."""
+    if status in (401, 403):
+        raise RuntimeError(f"--{leg} {url} answered {status} ({data[:200].decode(errors='replace')}): it takes an API "
+                           "key (vllm serve --api-key); give vllm-proxy --api-key KEY")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prefill", action="append", required=True, help="a P vLLM URL (repeatable)")
     ap.add_argument("--decode", action="append", required=True, help="a D vLLM URL (repeatable)")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--api-key", default=None,
+                    help="the instances' API key (vllm serve --api-key), for the proxy's own probes; clients "
+                         "send theirs, which both legs carry")
     ap.add_argument("--protocol", choices=("pushkv", "nixl", "nixl-push"), default="pushkv",
                     help="nixl: vLLM's NixlConnector pull protocol (P, then D); nixl-push: its "
                          "NixlPushConnector protocol (both at once); for comparisons")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s pushkv vllm-proxy %(levelname)s %(message)s")
-    proxy = Proxy(args.prefill, args.decode)
+    proxy = Proxy(args.prefill, args.decode, api_key=args.api_key)
     web.run_app(proxy.app(args.protocol), host=args.host, port=args.port, print=lambda *_: print(
         f"pushkv vllm-proxy on http://{args.host}:{args.port} READY", flush=True), **SERVE)
 

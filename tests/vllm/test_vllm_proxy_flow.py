@@ -30,9 +30,13 @@ class Instance:
     connection closes (vLLM aborts such a request), and says so; or, given ``refuse_after``, is
     refused as vLLM refuses a bad request once that event is set."""
 
-    def __init__(self, refuse_after: "asyncio.Event | None" = None, kv_role: str = "kv_both"):
+    def __init__(self, refuse_after: "asyncio.Event | None" = None, kv_role: str = "kv_both", key: str = "",
+                 answer: bool = False):
         self.refuse_after = refuse_after
         self.kv_role = kv_role
+        self.key = key  # vllm serve --api-key: a request without it is a 401
+        self.answer = answer  # a leg is answered at once (else it waits until its connection closes)
+        self.leg_auth: list = []
         self.leg_arrived = asyncio.Event()
         self.leg_ended = asyncio.Event()
         self.app = web.Application()
@@ -44,15 +48,26 @@ class Instance:
         self.runner, url = await serve(self.app, handler_cancellation=True)  # as vLLM notices a hang-up
         return url
 
+    def _unauthorized(self, req):
+        if self.key and req.headers.get("Authorization") != f"Bearer {self.key}":
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return None
+
     async def models(self, req):
-        return web.json_response({"data": [{"id": "m"}]})
+        return self._unauthorized(req) or web.json_response({"data": [{"id": "m"}]})
 
     async def completions(self, req):
+        refused = self._unauthorized(req)
+        if refused is not None:
+            return refused
         body = await req.json()
         if (body.get("kv_transfer_params") or {}).get("pushkv_probe"):
             params = {"pushkv_source": SOURCE, "pushkv_kv_role": self.kv_role}
             return web.json_response({"choices": [{"text": ""}], "kv_transfer_params": params})
         self.leg_arrived.set()
+        self.leg_auth.append(req.headers.get("Authorization"))
+        if self.answer:
+            return web.json_response({"choices": [{"index": 0, "text": "x", "finish_reason": "length"}]})
         if self.refuse_after is not None:
             await self.refuse_after.wait()
             error = {"message": "prompt too long", "type": "invalid_request_error", "param": "input_tokens"}
@@ -133,3 +148,45 @@ def test_instances_the_wrong_way_round_are_refused_at_start(p_role, d_role, says
                 await r.cleanup()
 
     asyncio.run(run())
+
+
+def test_instances_with_an_api_key():
+    """Instances run with vllm serve --api-key: the proxy probes them with its --api-key, and each
+    leg carries the client's Authorization (before, the proxy sent none: every leg was a 401, and its
+    start retried the 401 for 300 s, then said the instance was not reachable: 'data'); without a key
+    its start fails at once, saying to give one."""
+
+    async def run():
+        p, d = Instance(key="k", answer=True), Instance(key="k", answer=True)
+        urls = [await p.start()], [await d.start()]
+        try:
+            proxy = Proxy(*urls, api_key="k")
+            front, url = await serve(proxy.app(), **SERVE)
+            try:
+                async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=WAIT_S)) as client:
+                    async with client.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4},
+                                           headers={"Authorization": "Bearer k"}) as r:
+                        assert r.status == 200, await r.text()
+                    async with client.post(url + "/v1/completions", json={"prompt": "hi"}) as r:
+                        assert r.status == 401  # a client without the key: the instances refuse it
+            finally:
+                await front.cleanup()
+            assert p.leg_auth == ["Bearer k"] and d.leg_auth == ["Bearer k"]  # (the keyless one: refused)
+            keyless = Proxy(*urls)
+            try:
+                with pytest.raises(RuntimeError, match="answered 401 .*give vllm-proxy --api-key KEY"):
+                    await asyncio.wait_for(serve(keyless.app(), **SERVE), WAIT_S)
+            finally:
+                await keyless.stop()
+        finally:
+            for r in (p.runner, d.runner):
+                await r.cleanup()
+
+    asyncio.run(run())
+
+
+def test_a_long_generation_is_not_cut_by_the_proxy():
+    """No bound on a whole request (a long generation streams as long as it takes; before, every
+    request was cut at 600 s): only reaching an instance is bounded."""
+    proxy = Proxy(["http://p"], ["http://d"])
+    assert proxy.timeout.total is None and proxy.timeout.sock_connect
