@@ -72,6 +72,7 @@ class PrefillWriter(WriterBase):
                                                         stream_unit=unit, stream_groups=plan.groups))
         self._parts_posted = 0  # keys of part WRITEs in flight: (tid, gen, n)
         self.leases = Leases(t.lease_s, t.lease_max_s)
+        self.reads = plan.direction == "read"  # D READs from leases (pull); else every transfer is a WRITE
         self.damage = lambda effects: effects  # tests of --kv-verify: KVDamage's filter (damaged_by)
         self._checksums: dict[tuple[str, int], m.KVChecksums] = {}  # until the transfer's blocks are freed
         # one queue per D rank we WRITE into (cfg.link_window; None: every WRITE posts at once)
@@ -258,7 +259,8 @@ class PrefillWriter(WriterBase):
 
     def notif_CancelTransfer(self, msg: m.CancelTransfer, agent: str, now: float) -> None:
         self.apply(self.side.cancel((msg.transfer_id, msg.generation), msg.reason, now), now)
-        self._apply_leases(self.leases.cancel(msg.transfer_id, msg.generation, msg.reason, now), now)
+        if self.reads:  # a cancel not held yet is kept for its hold: only where holds are leases
+            self._apply_leases(self.leases.cancel(msg.transfer_id, msg.generation, msg.reason, now), now)
 
     def notif_ReadDone(self, msg: m.ReadDone, agent: str, now: float) -> None:
         peer = self.peers.by_agent.get(agent)
