@@ -303,7 +303,17 @@ def test_a_decode_request_that_ends_before_registering_frees_ps_blocks_now(write
     got = event(p_ev, 15.0)
     assert isinstance(got, w.BlocksSent) and got.req_id == "p-1" and not got.ok, got
     assert time.monotonic() - t0 < 10.0, "freed at the registration deadline, not by D's word"
-    assert not d_ev.poll(500)  # D answers vLLM nothing: it had nothing of this request
+    # D's word first, P's prefill done after it: P remembers, and answers its SendBlocks at once
+    t0 = time.monotonic()
+    d_cmd.send(m.encode(w.ForgetTransfer("d-2", "T2", src, "decode request ended before D allocated it")))
+    d_cmd.send(m.encode(w.ExpectBlocks("d-3", "T3", (4,), BLOCK_SIZE, src, 20.0)))  # behind it on D's link
+    p_cmd.send(m.encode(w.SendBlocks("p-3", "T3", (5,), BLOCK_SIZE)))
+    assert isinstance(event(d_ev), w.BlocksReceived) and isinstance(event(p_ev), w.BlocksSent)  # P had the word
+    p_cmd.send(m.encode(w.SendBlocks("p-2", "T2", (6,), BLOCK_SIZE)))
+    got = event(p_ev, 15.0)
+    assert isinstance(got, w.BlocksSent) and got.req_id == "p-2" and not got.ok, got
+    assert time.monotonic() - t0 < 10.0, "freed at the registration deadline, not by D's word"
+    assert not d_ev.poll(500)  # D answers vLLM nothing of the requests it had nothing of
 
 
 def _hello(engine: str, agent) -> bytes:
