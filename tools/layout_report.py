@@ -269,6 +269,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--out", default="results/layout_report.json")
     args = ap.parse_args(argv)
     combos = [c for c in MATRIX if not args.only or any(s in c.name for s in args.only)]
+    if not combos:  # a mistyped --only ran nothing and said "ok" (an empty table, exit 0)
+        ap.error(f"--only {' '.join(args.only)} matches no layout; the layouts: "
+                 + ", ".join(repr(c.name) for c in MATRIX))
     num_blocks = max(args.lengths) // 16 + 64
     prompts = {n: prompt(n, seed=n) for n in args.lengths}
     refs: dict = {}
