@@ -124,6 +124,11 @@ class VllmWriter(WriterShell):
     def on_SendBlocks(self, msg: w.SendBlocks) -> None:
         now = self.last_activity = time.monotonic()
         mark("p_send_recvd", msg.transfer_id)
+        other = self.req_of.get(msg.transfer_id)
+        if other is not None and other != msg.req_id:  # refused alone: the request that has it keeps it
+            self._emit(w.BlocksSent(msg.req_id, msg.transfer_id, False, f"transfer id {msg.transfer_id} is in "
+                                    f"flight for request {other} already (a router must give each P request its own)"))
+            return
         self.req_of[msg.transfer_id] = msg.req_id
         self.posting.poll_notifs(now)  # a registration may already wait in NIXL's queue
         self._apply_p(self.side.prefill_done((msg.transfer_id, 0), msg.block_ids, msg.num_tokens, 0, now), now)

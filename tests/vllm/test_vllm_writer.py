@@ -286,6 +286,15 @@ def test_a_second_request_with_a_transfer_id_in_flight_is_refused_alone(writers)
     assert isinstance(event(p_ev), w.BlocksSent)
     page = TOTAL_HEADS * HEAD_BYTES
     assert (d_kv[page:2 * page] == 5).all() and not (d_kv[2 * page:3 * page] == 5).any()
+    # P likewise: a second request's SendBlocks of a transfer id in flight fails alone
+    p_cmd.send(m.encode(w.SendBlocks("p-2", "T2", (4,), BLOCK_SIZE)))
+    p_cmd.send(m.encode(w.SendBlocks("p-3", "T2", (5,), BLOCK_SIZE)))
+    got = event(p_ev)
+    assert got.req_id == "p-3" and not got.ok and "in flight for request p-2" in got.reason, got
+    d_cmd.send(m.encode(w.ExpectBlocks("d-2", "T2", (6,), BLOCK_SIZE, src, 20.0)))
+    assert isinstance(event(d_ev), w.BlocksReceived)
+    got = event(p_ev)
+    assert got.req_id == "p-2" and got.ok, got
 
 
 def test_a_decode_request_that_ends_before_registering_frees_ps_blocks_now(writers):
