@@ -139,3 +139,8 @@ def _dir() -> str:
 def point(process: str, name: str) -> None:
     if _dir():
         Faults(_dir(), process).point(name)
+
+
+def delay(process: str, name: str) -> float:
+    """Seconds ``delay-<process>-<name>`` asks to hold back once (0.0: not armed, or no faults)."""
+    return Faults(_dir(), process).delay(name) if _dir() else 0.0

@@ -84,9 +84,10 @@ class PrefillWriter(WriterBase):
         # notification, registration and completion behind it, for the whole copy)
         self._copying: staging.Copying[_Post] = staging.Copying()
         self._poster_posts: dict[int, tuple[Any, int]] = {}  # id(poster's handle) -> (key, WRITE number): stamps
+        self._held_back: list[tuple[float, m.HoldKV]] = []  # tests (faults' delay "hold"): holds handled late
 
     def has_pending(self) -> bool:
-        return self.side.pending() or sides.pending(self.leases) or bool(self._copying)
+        return self.side.pending() or sides.pending(self.leases) or bool(self._copying) or bool(self._held_back)
 
     def tick(self, now: float) -> None:
         if self._copying:
@@ -186,6 +187,13 @@ class PrefillWriter(WriterBase):
 
     def on_HoldKV(self, msg: m.HoldKV) -> None:
         faults.point(self.name, "lease_held")
+        late_s = faults.delay(self.name, "hold")  # tests: D's answers come first, as they may
+        if late_s:
+            self._held_back.append((time.monotonic() + late_s, msg))
+            return
+        self._hold(msg)
+
+    def _hold(self, msg: m.HoldKV) -> None:
         if msg.write:  # the scheduler says (the deployment's TransferPlan.direction, or a late push)
             self._hold_for_write(msg)
         else:
@@ -661,6 +669,8 @@ class PrefillWriter(WriterBase):
         self.apply(effects, now)
 
     def expire(self, now: float) -> None:
+        while self._held_back and self._held_back[0][0] <= now:
+            self._hold(self._held_back.pop(0)[1])
         self.apply(self.side.expire(now), now)
         self._apply_leases(sides.due(self.leases, now), now)
 
