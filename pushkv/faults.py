@@ -12,8 +12,9 @@ that directory:
 - ``fire-<process>-<P>``: ``fire`` is True once, for a writer or worker to damage the KV it moves
   (flip a byte, post fewer bytes, swap two destinations) so that a test sees ``--kv-verify`` catch it;
 - ``delay-<process>-<P>``: the seconds written there (``delay``), for the process to hold back
-  without blocking its loop (D's scheduler: admit nothing and run no step that long, as a long READ
-  ahead in the queue would).
+  without blocking its loop (D's scheduler, ``admit``: admit nothing and run no step that long, as a
+  long READ ahead in the queue would; P's writer, ``hold``: handle the next ``HoldKV`` that late, so
+  D's ``ReadDone`` comes first).
 
 Each file is removed as it is taken, so a restarted process does not fire again. One is not:
 
