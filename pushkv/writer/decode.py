@@ -523,7 +523,8 @@ class DecodeWriter(WriterBase):
             else:
                 self.posting.notify(peer, m.ReadDone(fl.transfer_id, fl.generation, self.rank))
         if fl.failed:
-            self.send(self.sched, m.KVFailed(fl.transfer_id, fl.generation, fl.failed))
+            lost = self._lost or sides.peer_gone(fl.failed, "prefill")
+            self.send(self.sched, m.KVFailed(fl.transfer_id, fl.generation, fl.failed, lost=lost))
         else:
             self.counters["bytes_read"] += fl.nbytes
             self._read_done(fl, msg, now)

@@ -17,6 +17,7 @@ argument), like the scheduler's core and its outbox:
   transfer: a completion counts only from its producer rank, and a failed transfer is held
   while a rank may still write.
 - :func:`due` and :func:`pending` are the deadline checks of ``tick`` and ``has_pending``.
+- :func:`peer_gone` says whether a transfer's failure is its peer's endpoint gone (``KVFailed.lost``).
 """
 from __future__ import annotations
 
@@ -32,6 +33,13 @@ Outcome = Union[A.Completed, A.Failed]
 Verdict = Literal["counts", "wrong_peer", "quarantined"]  # of a completion at D
 MAX_TRACKED = 4096  # bounded bookkeeping for transfers that never free their blocks
 WAITING = (rv.State.WAIT_PREFILL.value, rv.State.WAIT_REGISTRATION.value)  # a WRITE is coming
+
+
+def peer_gone(failure: str, peer_role: str) -> str:
+    """``KVFailed.lost`` for a transfer that NIXL failed because the peer's endpoint went away (its
+    process died, as a rule before the supervisor's news of it reached us), so that the request is
+    answered as that death is (503, retry) whichever came first; "" for any other failure."""
+    return f"{peer_role} instance unreachable ({failure})" if "REMOTE_DISCONNECT" in failure else ""
 
 
 # -- effects -----------------------------------------------------------------------------
