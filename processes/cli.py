@@ -23,7 +23,7 @@ from setproctitle import setproctitle
 
 from pushkv import envs, log_config, up_help, vllm_serve
 from pushkv.config import PRESETS, TRACE_AUTO, DeploymentConfig
-from pushkv.config_flags import GEOMETRY, deprecations, user_config, weights_note
+from pushkv.config_flags import GEOMETRY, deprecations, unused_by_mode, user_config, weights_note
 from pushkv.cuda_driver import memory_info
 from pushkv.kinds import (
     Engine,
@@ -413,6 +413,8 @@ def cmd_up(args: argparse.Namespace, child_argv: Optional[ArgvHook] = None) -> i
     except (OSError, ValueError, msgspec.ValidationError) as e:
         print(f"pushkv up: bad configuration: {e}", file=sys.stderr)
         return 2
+    for line in unused_by_mode(vars(args), cfg.mode):
+        print(f"pushkv up: {line}", file=sys.stderr)
     for line in vllm_serve.apply(vars(args), cfg.prefill.max_batch_tokens)[1]:  # taken, and of no effect here
         print(f"pushkv up: {line}", file=sys.stderr)
     if cfg.metrics_auth and not args.api_key:

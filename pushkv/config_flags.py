@@ -174,6 +174,23 @@ def deprecations(flags: Mapping[str, Any]) -> list[str]:
     return out
 
 
+# transfer flags that only one mode reads ("" : every mode that moves KV)
+_MODE_FLAGS = {"pull_read": "pull", "push_stream": "push", "push_stream_groups": "push", "kv_verify": "",
+               "link_window": "", "link_window_mib": "", "link_order": "", "writer_post_thread": ""}
+
+
+def unused_by_mode(flags: Mapping[str, Any], mode: str) -> list[str]:
+    """One line per transfer flag given that the deployment's mode never reads (``--mode push --pull-read write``
+    started as push, the flag dropped without a word)."""
+    out = []
+    for key, reads in _MODE_FLAGS.items():
+        if flags.get(key) is None or (mode != "local" and reads in ("", mode)):
+            continue
+        out.append(f"--{key.replace('_', '-')} has no effect with --mode {mode}"
+                   + (f" (only --mode {reads} reads it)" if reads else " (no KV moves between instances)"))
+    return out
+
+
 def weights_note(model: ModelConfig) -> str:
     """What ``pushkv up`` says at startup about where the weights come from."""
     if model.checkpoint:

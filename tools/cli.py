@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import Callable, Optional
 
@@ -120,6 +121,18 @@ def tool(name: str) -> Callable[[list[str]], Optional[int]]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    try:
+        rc = _main(argv)
+        sys.stdout.flush()  # (a pipe's output is buffered: written here, inside the try, not at the interpreter's exit)
+        return rc
+    except BrokenPipeError:
+        # the reader went first (`pushkv status | head`): stop quietly, as a shell tool does, not with a traceback;
+        # stdout goes to /dev/null so the interpreter's own flush at exit does not fail on the pipe again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, a shell's status for a writer whose reader left
+
+
+def _main(argv: Optional[list[str]]) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in TOOLS:
         sys.argv = [f"pushkv {argv[0]}", *argv[1:]]  # argparse names the tool in its usage line

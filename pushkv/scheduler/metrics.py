@@ -70,7 +70,8 @@ OWN_COUNTERS = {
     "aborted": "requests aborted by the router",
     "kv_transfers": "P: KV transfers completed",
     "kv_waits": "D: KV arrivals completed",
-    "kv_bytes": "KV bytes moved by this instance's writers",
+    "kv_bytes": "KV bytes of completed transfers, as this instance's writers count them: where they post (P's "
+                "WRITEs, D's READs) and D's arrivals by push (P's count is 0 where D READs)",
     "kv_descs": "NIXL descriptors posted for those bytes",
     "kv_transfer_us": "microseconds of transfer, posted to done, summed over requests",
     "step_timeout": "forward steps past --step timeout",

@@ -97,3 +97,27 @@ def test_planning_adds_only_planned_fields(flags):
     assert unplanned(planned) == user
     assert set(PLANNED_FIELDS) <= set(DeploymentConfig.__struct_fields__)
     assert all(f in planned.prefill.__struct_fields__ for f in PLANNED_INSTANCE_FIELDS)
+
+
+@pytest.mark.parametrize("flags, mode, said", [
+    ({"pull_read": "write"}, "push", ["--pull-read has no effect with --mode push (only --mode pull reads it)"]),
+    ({"push_stream": "chunk", "push_stream_groups": 2}, "pull",
+     ["--push-stream has no effect with --mode pull (only --mode push reads it)",
+      "--push-stream-groups has no effect with --mode pull (only --mode push reads it)"]),
+    ({"kv_verify": "full", "link_window": 1}, "local",
+     ["--kv-verify has no effect with --mode local (no KV moves between instances)",
+      "--link-window has no effect with --mode local (no KV moves between instances)"]),
+    ({"pull_read": "write", "kv_verify": "full", "link_order": "arrival"}, "pull", []),
+    ({"push_stream": "layer", "writer_post_thread": "on"}, "push", []),
+    ({"pull_read": None, "push_stream": None}, "pull", []),
+])
+def test_a_transfer_flag_the_mode_never_reads_is_said(flags, mode, said):
+    from pushkv.config_flags import unused_by_mode
+    assert unused_by_mode(flags, mode) == said
+
+
+def test_every_mode_flag_is_a_flag_of_up():
+    from pushkv.config_flags import _MODE_FLAGS
+    args = cli.build_parser().parse_args(["up"])
+    assert set(_MODE_FLAGS) <= set(vars(args))
+    assert all(getattr(args, k) is None for k in _MODE_FLAGS)  # not given: nothing said

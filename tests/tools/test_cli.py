@@ -92,3 +92,16 @@ def test_status_goes_to_the_deployment_commands(tmp_path):
 
 def test_demo_console_script_is_installed():
     assert shutil.which("pushkv-demo", path=BIN)
+
+
+
+def test_a_reader_that_leaves_first_gets_no_traceback(monkeypatch):
+    """`pushkv status | head -0`: the reader is gone before the output is written (a pipe's, buffered, at the
+    end); pushkv stops with a shell's SIGPIPE status, not a BrokenPipeError traceback."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # gone before anything is written: every write fails, whatever the timing
+    with open(write_end, "w") as pipe:
+        monkeypatch.setattr(sys, "stdout", pipe)
+        monkeypatch.setattr(cli, "_main", lambda argv: print("deployment 1234abcd ...") or 0)
+        assert cli.main(["status"]) == 141
+        print("after", flush=True)  # stdout now goes nowhere, without an error
