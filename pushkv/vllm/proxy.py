@@ -98,15 +98,20 @@ class Proxy:
         refuse one whose kv_role does not serve ``leg`` (the --prefill and --decode URLs the wrong way round)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + PROBE_TIMEOUT_S
+
+        def left() -> aiohttp.ClientTimeout:  # each probe request within the probe's bound (the session has none)
+            return aiohttp.ClientTimeout(total=max(deadline - loop.time(), 0.1), sock_connect=CONNECT_S)
+
         while True:
             try:
-                async with self.session.get(p.url + "/v1/models", headers=self.own_headers) as r:
+                async with self.session.get(p.url + "/v1/models", headers=self.own_headers, timeout=left()) as r:
                     _refused(leg, p.url, r.status, await r.read())
                     models = await r.json()
                 self.model = self.model or models["data"][0]["id"]
                 body = {"model": self.model, "prompt": [0], "max_tokens": 1,
                         "kv_transfer_params": {"pushkv_probe": True}}
-                async with self.session.post(p.url + "/v1/completions", json=body, headers=self.own_headers) as r:
+                async with self.session.post(p.url + "/v1/completions", json=body, headers=self.own_headers,
+                                             timeout=left()) as r:
                     out = await r.json()
                 src = (out.get("kv_transfer_params") or {}).get(P.SOURCE_KEY)
                 if src is None:
@@ -117,9 +122,10 @@ class Proxy:
                 p.source = src
                 log.info("%s %s: engine %s, writers %s", leg, p.url, src["engine_id"], src["handshake"])
                 return
-            except (aiohttp.ClientError, KeyError, ValueError) as e:
+            except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, ValueError) as e:
                 if loop.time() > deadline:
-                    raise RuntimeError(f"{leg} {p.url} not reachable: {e}") from e
+                    said = str(e) or f"no answer in {PROBE_TIMEOUT_S:g} s"
+                    raise RuntimeError(f"{leg} {p.url} not reachable: {said}") from e
                 await asyncio.sleep(0.5)
 
     @staticmethod

@@ -190,3 +190,33 @@ def test_a_long_generation_is_not_cut_by_the_proxy():
     request was cut at 600 s): only reaching an instance is bounded."""
     proxy = Proxy(["http://p"], ["http://d"])
     assert proxy.timeout.total is None and proxy.timeout.sock_connect
+
+
+def test_an_instance_that_never_answers_its_probe_fails_the_start(monkeypatch):
+    """The session has no total bound, so each probe request is bounded by what is left of the
+    probe's own: an instance that takes the connection and never answers fails the start at the
+    probe's deadline, naming it (before, the start waited for it forever)."""
+    from pushkv.vllm import proxy as proxy_mod
+
+    monkeypatch.setattr(proxy_mod, "PROBE_TIMEOUT_S", 1.0)
+
+    async def hang(req):
+        await asyncio.Event().wait()
+
+    async def run():
+        mute = web.Application()
+        mute.router.add_get("/v1/models", hang)
+        runner, mute_url = await serve(mute, handler_cancellation=True)
+        d = Instance(kv_role="kv_consumer")
+        try:
+            proxy = Proxy([mute_url], [await d.start()])
+            try:
+                with pytest.raises(RuntimeError, match=f"prefill {mute_url} not reachable: no answer in 1 s"):
+                    await asyncio.wait_for(proxy.start(), WAIT_S)
+            finally:
+                await proxy.stop()
+        finally:
+            for r in (runner, d.runner):
+                await r.cleanup()
+
+    asyncio.run(run())
