@@ -117,6 +117,7 @@ class Balancer:
         self.held: dict[str, Held] = {}  # by transfer id
         self.queue: deque["RequestRun"] = deque()  # not started: no D could hold them
         self.decode_queue: deque["RequestRun"] = deque()  # late: prefill done, waiting for a D
+        self.waited: set[str] = set()  # transfer ids counted in pushkv_router_queued: each request once
         self.picks = 0  # sequence of choices: ties go to the instance chosen least recently
         self.joining: dict[str, int] = {}  # linked, not chosen yet (add(joining=True) until ready): its join's number
         self.joins = 0
@@ -226,8 +227,7 @@ class Balancer:
             raise Refused(v.status, v.reason)
         if v.kind == P.WAIT:
             self.queue.append(run)
-            if self.metrics is not None:
-                self.metrics.queued.inc()
+            self._count_wait(run)
             log.debug("queued transfer_id=%s: %s (%d waiting)", run.transfer_id, v.reason, self.waiting)
             return None
         self._commit(run, v, ask)
@@ -286,11 +286,16 @@ class Balancer:
         d = P.pick_decode(self.loads.values(), run.decode_tokens, self.ask(run)) if not self.decode_queue else None
         if d is None:
             self.decode_queue.append(run)
-            if self.metrics is not None:  # it waits at the router for a D that can hold it, as a queued arrival does
-                self.metrics.queued.inc()
+            self._count_wait(run)  # it waits at the router for a D that can hold it, as a queued arrival does
             return None
         self._commit_late_decode(run, d.engine_id)
         return d.engine_id
+
+    def _count_wait(self, run: "RequestRun") -> None:
+        """pushkv_router_queued counts requests: one queued at arrival whose late D leg waits again counts once."""
+        if self.metrics is not None and run.transfer_id not in self.waited:
+            self.metrics.queued.inc()
+        self.waited.add(run.transfer_id)
 
     def _commit_late_decode(self, run: "RequestRun", engine_id: str) -> None:
         h = self.held.setdefault(run.transfer_id, Held())
@@ -348,6 +353,7 @@ class Balancer:
         for q in (self.queue, self.decode_queue):
             if run in q:
                 q.remove(run)
+        self.waited.discard(run.transfer_id)
         h = self.held.pop(run.transfer_id, None)
         if h is not None and getattr(run, "done", False):
             self._learn(run, h)

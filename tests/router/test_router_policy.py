@@ -207,6 +207,29 @@ def test_balancer_late_allocation_does_not_reserve_d_until_prefill_is_done():
     assert isinstance(third.got[0], Placed)
 
 
+def test_balancer_counts_a_request_that_waits_twice_once():
+    """pushkv_router_queued counts requests: one queued at arrival (no D could hold it) and placed late (pull) whose
+    D leg then waits again is one request that waited, counted once (both waits counted it twice)."""
+    from pushkv.router.metrics import RouterMetrics
+
+    b = balancer(mode="pull", d_blocks=(10,))
+    b.metrics = RouterMetrics()
+    a, c, e = Run("a"), Run("c"), Run("e")
+    assert b.request(a).kind == P.LATE and b.request_decode(a) == "d0"  # D full
+    assert b.request(c) is None  # waits at arrival
+    b.release(a)
+    assert isinstance(c.got[0], Placed) and c.got[0].verdict.kind == P.LATE
+    assert b.request(e).kind == P.LATE and b.request_decode(e) == "d0"  # e's prefill ends first: D full again
+    assert b.request_decode(c) is None and b.waiting == 1  # c waits a second time
+    assert b.metrics.queued._value.get() == 1
+    b.release(e)
+    assert c.got[-1] == DecodePlaced("d0")
+    b.release(c)
+    assert not b.waited  # nothing kept of a request gone
+    f = Run("f")
+    assert b.request(f).kind == P.LATE and b.request_decode(f) == "d0"
+
+
 def test_balancer_late_decode_waits_for_room():
     """A late request's D leg that no D can hold waits at the router, and pushkv_router_queued counts it as it counts
     a queued arrival (a late request's wait went uncounted: the counter said 0 while the queue held six)."""
