@@ -148,7 +148,8 @@ class SchedulerSide:
         from vllm.v1.request import RequestStatus
 
         rid = request.request_id
-        leg = self.legs.pop(rid, None)
+        # (read here if the scheduler never asked about it: a request queued behind a full batch, then aborted)
+        leg = self.legs.pop(rid, None) or (self.leg(request) and self.legs.pop(rid, None))
         self.stream_blocks.pop(rid, None)
         if leg is not None and self.loading.get(leg.transfer_id) == rid:
             del self.loading[leg.transfer_id]

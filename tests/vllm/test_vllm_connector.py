@@ -245,6 +245,28 @@ def test_sibling_choices_load_the_prompt_once(model_dir, writer_cmd):
                                       "decode request ended before D allocated it: FINISHED_ABORTED")
     d.shutdown()
 
+def test_a_decode_request_aborted_before_the_scheduler_looked_at_it_tells_p(model_dir, writer_cmd):
+    """A D request queued behind others (vLLM stops walking its waiting queue once the batch is full, so
+    get_num_new_matched_tokens never ran for it) whose client hangs up never registers either: P is told
+    (before, its leg was only read there, so nothing was told and P held the prompt's blocks until
+    registration_wait_s)."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.request import RequestStatus
+
+    src = {"engine_id": "P-q", "tp": 1, "handshake": ["ipc:///nowhere"]}
+    d = KVConnectorFactory.create_connector(make_config(model_dir, "kv_consumer", "D-q"), KVConnectorRole.SCHEDULER,
+                                            None)
+    recv = writer_cmd(d.settings.cmd_endpoint(0))
+    req = request("q-1", list(range(2, 40)), {"pushkv": {"role": "decode", "transfer_id": "TQ", "source": src}})
+    req.status = RequestStatus.FINISHED_ABORTED
+    assert d.request_finished(req, []) == (False, {"pushkv_transfer_id": "TQ", "pushkv_loaded_tokens": 0})
+    assert recv() == w.ForgetTransfer("q-1", "TQ", m.PrefillSource("P-q", 1, ("ipc:///nowhere",)),
+                                      "decode request ended before D allocated it: FINISHED_ABORTED")
+    assert d.sched.legs == {}
+    d.shutdown()
+
+
 def test_bad_params_serve_the_request_without_transfer(model_dir, writer_cmd):
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
