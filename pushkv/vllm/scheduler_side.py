@@ -105,6 +105,15 @@ class SchedulerSide:
             self.legs[rid] = leg
         return self.legs[rid]
 
+    def _unseen_leg(self, request) -> Optional[P.Leg]:
+        """The leg of a request the scheduler never asked about (queued behind a full batch, then aborted); its
+        params' faults were not logged for it, and are not now (it was never served)."""
+        try:
+            leg = P.parse_leg(request.kv_transfer_params)
+        except P.ParamsError:
+            return None
+        return leg if leg is not None and not P.leg_refused(leg.role, self.kv_role) else None
+
     # -- D ----------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[Optional[int], bool]:
         leg = self.leg(request)
@@ -148,8 +157,7 @@ class SchedulerSide:
         from vllm.v1.request import RequestStatus
 
         rid = request.request_id
-        # (read here if the scheduler never asked about it: a request queued behind a full batch, then aborted)
-        leg = self.legs.pop(rid, None) or (self.leg(request) and self.legs.pop(rid, None))
+        leg = self.legs.pop(rid, None) or self._unseen_leg(request)
         self.stream_blocks.pop(rid, None)
         if leg is not None and self.loading.get(leg.transfer_id) == rid:
             del self.loading[leg.transfer_id]
