@@ -54,6 +54,9 @@ from pushkv.scheduler.validate import check_generate, readable_head
 
 log = logging.getLogger(__name__)
 
+# admission of a request while others compute keeps this fraction of the pool free (at least one block) for the
+# running ones to grow into (vLLM's watermark, applied as its v1 scheduler does: to the waiting and the preempted)
+WATERMARK = 0.01
 WRITER_STATS_WAIT_S = 0.25  # GetStats: how long to wait for the writers' counters before answering
 REMEMBER_IDS = 65536  # transfer ids whose newest generation is kept, to refuse duplicates and stale reissues
 
@@ -87,6 +90,11 @@ class SchedulerCore:
         self.by_tid: dict[str, Request] = {}
         self.waiting: list[Request] = []
         self.next_seq = 1
+        self.next_admit = 1  # admission order (Request.admit_seq): the last admitted is preempted first
+        # local instances and D's legs take blocks as their tokens need them and preempt when none is free; P's
+        # legs hold their prompt's from admission and never grow
+        self.grows = self.role != "prefill"
+        self.watermark = max(1, int(WATERMARK * inst.num_blocks)) if self.grows else 0
         self.step_id = 0
         self.step: Optional[Batch] = None
         self.step_started = 0.0
@@ -453,20 +461,72 @@ class SchedulerCore:
         while self.waiting and not self._engine_blocked() and not self._running_full():
             r = self.waiting[0]
             hits = prefix.hits_for(self, r)
-            blocks = self.alloc.acquire(hits, r.blocks_needed(self.inst.block_size))
-            if blocks is None:
+            need = r.blocks_to_admit(self.inst.block_size)
+            # while others compute, leave them room to grow (vLLM's watermark), so a new request is not admitted
+            # only to be preempted at the next block boundary
+            keep = self.watermark if self.watermark and self._running() else 0
+            if not self.alloc.can_acquire(hits, need, keep):
                 return  # FIFO: wait for blocks to free
+            blocks = self.alloc.acquire(hits, need)
+            assert blocks is not None  # can_acquire
             self.waiting.pop(0)
             r.blocks = blocks
+            r.admit_seq, self.next_admit = self.next_admit, self.next_admit + 1
+            prefix.took_hits(self, r, len(hits))
+            if r.preemptions:  # back after a preemption: it computes its prompt and output so far again, here
+                r.state = State.PREFILL
+                self._stamp(r, f"{self.role}_readmitted")
+                continue
             self.metrics.queued(self.now - r.queued_at)
             r.admitted_at = self.now
-            prefix.took_hits(self, r, len(hits))
             self._stamp(r, f"{self.role}_alloc")
             self._admitted(r)
+
+    # -- blocks as tokens need them, and preemption by recompute ---------------------------
+    def _grow(self) -> None:
+        """Before a step: each decoding request whose next token starts a block gets one; where none is free, the
+        last admitted of the requests computing here is preempted (vLLM's v1 scheduler), until the block comes or
+        the request preempted is the one that asked. The oldest admitted ask first."""
+        bs = self.inst.block_size
+        for r in sorted((r for r in self.reqs.values() if r.state == State.RUNNING and not r.in_step),
+                        key=lambda r: r.admit_seq):
+            while r.state == State.RUNNING and (short := r.blocks_short(bs)) > 0:
+                got = self.alloc.allocate(short)
+                if got is not None:
+                    r.blocks += got
+                    break
+                victims = [v for v in self.reqs.values() if self._preemptible(v)]
+                if not victims:  # every other block is held by what cannot give it back yet (a transfer, a step)
+                    break
+                self._preempt(max(victims, key=lambda v: v.admit_seq))
+
+    def _preemptible(self, r: Request) -> bool:
+        """Computing here (prefilling or decoding), between steps, and nothing else may touch its blocks."""
+        return (r.state in (State.PREFILL, State.RUNNING) and bool(r.blocks) and not r.in_step and not r.aborted
+                and not self._pinned_by_writers(r))
+
+    def _preempt(self, r: Request) -> None:
+        """Preemption by recompute: its blocks go back (its full blocks stay in the prefix cache where they were
+        indexed), and it waits at the front of the queue to prefill its prompt and output so far again. Its output,
+        the tokens streamed and its metrics stay: its readmission's last chunk samples output token len(output)."""
+        self.counters["preemptions"] += 1
+        log.info("%s: preempted (no free KV block): %d blocks freed, %d tokens to compute again transfer_id=%s",
+                 self.name, len(r.blocks), len(r.prompt) + len(r.output), r.transfer_id)
+        self.outbox.append(Trace("preempted", r.transfer_id))
+        self.alloc.free(r.blocks)
+        r.blocks = []
+        r.state = State.WAITING
+        r.preemptions += 1
+        r.prefilled = r.indexed = 0
+        r.recompute = r.prompt + tuple(r.output) if r.output else ()
+        r.prompt_parts = []  # (a prefill's chunks' prompt logprobs: they are scored again)
+        self.waiting.insert(0, r)
 
     def _launch_step(self) -> None:
         # an aborted prefill still here waits for its writers (a streamed chunk may be read): compute
         # no more of it
+        if self.grows:
+            self._grow()
         prefills = [r for r in self.reqs.values() if r.state == State.PREFILL and not r.in_step and not r.aborted]
         running = [r for r in self.reqs.values() if r.state == State.RUNNING and not r.in_step]
         if not prefills and not running:
@@ -482,7 +542,7 @@ class SchedulerCore:
         self.metrics.step(sum(len(w.token_ids) for _, w in batch))
         for r, w in batch:
             r.in_step = True
-            if w.start_pos == r.cached and r.state == State.PREFILL:
+            if w.start_pos == r.cached and r.state == State.PREFILL and not r.preemptions:
                 self._stamp(r, "prefill_start")
         self._to_workers(m.ExecuteStep(self.step_id, tuple(w for _, w in batch), self._streaming(batch)))
 
@@ -502,8 +562,12 @@ class SchedulerCore:
         if r.state == State.PREFILL:
             r.prefilled = w.start_pos + len(w.token_ids)
             self._index_blocks(r, r.prefilled)  # the step ended: these blocks' KV is complete
-            if r.prefilled < len(r.prompt):
+            if r.prefilled < len(r.prefill_ids):
                 self._chunk_done(r)
+                return
+            if r.recompute:  # a preempted request's prompt and output are back: its token is a decode's
+                self._stamp(r, "recompute_end")
+                self._emit(r, tok, lp)  # type: ignore[arg-type]  # the last chunk always samples
                 return
             self._stamp(r, "prefill_end")
             if r.score_prompt >= 0 and not step_answers.joined_scores(self, r):

@@ -245,7 +245,7 @@ class DecodeScheduler(SchedulerCore):
         P's wait for that registration starts anew (it runs from our admission)."""
         for r in self.reqs.values():
             source = r.pull.source if r.pull is not None else r.source
-            if source is None or r.aborted:
+            if source is None or r.aborted or r.preemptions:  # (preempted: its KV came; it computes it again here)
                 continue
             reading = self.reads and r.pull is not None and r.state == State.AWAIT_KV
             if r.state not in (State.GRAMMAR, State.WAITING) and not reading:

@@ -98,22 +98,43 @@ class Request:
     _seen: Optional[array] = field(default=None, repr=False)
     _seen_set: set = field(default_factory=set, repr=False)
     _seen_out: int = 0
+    admit_seq: int = 0  # the order of its latest admission here (vLLM's running order: the last is preempted first)
+    preemptions: int = 0  # times its blocks were taken back (it computes its prompt and output again)
+    # after a preemption with output: the tokens to prefill again (prompt + output so far); (): its prompt
+    recompute: tuple[int, ...] = ()
 
     @property
     def key(self) -> tuple[str, int]:
         return (self.transfer_id, self.generation)
 
+    @property
+    def prefill_ids(self) -> tuple[int, ...]:
+        """The tokens its prefill computes: the prompt, or after a preemption the prompt and output so far (its last
+        chunk samples output token ``len(output)``, as a decode step would)."""
+        return self.recompute or self.prompt
+
     def blocks_needed(self, block_size: int) -> int:
-        """All blocks the request will ever need, reserved at admission (no preemption)."""
+        """All blocks the request may ever hold (a pool smaller than that is refused: alone, it always finishes)."""
         return blocks_needed(self.leg, len(self.prompt), self.max_tokens, block_size)
+
+    def blocks_to_admit(self, block_size: int) -> int:
+        """The blocks taken at admission: P's whole prompt; elsewhere the prefill's tokens and the next token's
+        slot (``grows`` adds the rest a block at a time as the output needs them)."""
+        if self.leg == "prefill":
+            return blocks_for(len(self.prompt), block_size)
+        return blocks_for(min(len(self.prefill_ids) + 1, len(self.prompt) + self.max_tokens), block_size)
+
+    def blocks_short(self, block_size: int) -> int:
+        """A decoding request: the blocks it lacks for its next step (which stores output[-1]'s KV)."""
+        return blocks_for(len(self.prompt) + len(self.output), block_size) - len(self.blocks)
 
     @property
     def score_prompt(self) -> int:
         """The top N of the prompt logprobs this instance computes for the request (-1: none): asked,
         and the prompt is computed here (P, a local instance, a D that prefills it itself)."""
         p = self.sampling
-        if p is None or p.prompt_logprobs < 0 or (self.leg == "decode" and not self.prefill_here):
-            return -1
+        if p is None or p.prompt_logprobs < 0 or (self.leg == "decode" and not self.prefill_here) or self.recompute:
+            return -1  # (a recompute's: they went out with the first token)
         return p.prompt_logprobs
 
     @property
@@ -259,8 +280,9 @@ def build_batch(prefills: list[Request], running: list[Request], max_num_seqs: i
             break
         if r.lora_slot and max_loras > 0 and r.lora_slot not in loras and len(loras) >= max_loras:
             continue
+        seq = r.prefill_ids
         start = r.prefilled
-        n = len(r.prompt) - start
+        n = len(seq) - start
         if prefill_chunk > 0:
             n = min(n, prefill_chunk, max(max_batch_tokens - tokens, 0 if admitted else 1))
             if n <= 0:
@@ -268,12 +290,12 @@ def build_batch(prefills: list[Request], running: list[Request], max_num_seqs: i
         elif admitted and tokens + n > max_batch_tokens:
             break
         admitted += 1
-        last = start + n == len(r.prompt)
-        fields = r.sample_fields() if last else {"sample": False, "rope_len": len(r.prompt)}
+        last = start + n == len(seq)
+        fields = r.sample_fields() if last else {"sample": False, "rope_len": len(seq)}
         if r.score_prompt >= 0:
             fields.update(score_prompt=r.score_prompt, next_prompt_token=-1 if last else r.prompt[start + n])
         fits(r)
-        batch.append((r, m.SeqWork(r.seq_id, r.prompt[start:start + n], start, tuple(r.blocks), **fields,
+        batch.append((r, m.SeqWork(r.seq_id, seq[start:start + n], start, tuple(r.blocks), **fields,
                                    lora=r.lora_slot)))
         tokens += n
     return batch
