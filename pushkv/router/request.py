@@ -195,7 +195,7 @@ class Request:
 
     @property
     def decode_tokens(self) -> int:
-        """What D must hold for the whole request (no preemption)."""
+        """The most D may hold for the request (prompt + max_tokens: a larger one than D's pool is refused)."""
         return len(self.spec.prompt) + self.spec.max_tokens
 
     @property
