@@ -43,7 +43,7 @@ from pushkv.config import DeploymentConfig, InstanceConfig, Role
 from pushkv.dispatch import handler_for
 from pushkv.kinds import FinishReason
 from pushkv.protocol.prefix_cache import PrefixCache
-from pushkv.scheduler import grammar_wait, lora_table, prefix, stats, step_answers, writer_answers
+from pushkv.scheduler import grammar_wait, lora_table, preempt, prefix, stats, step_answers, writer_answers
 from pushkv.scheduler.grammar import GrammarCompiled, Grammars, failure
 from pushkv.scheduler.lora_table import LoraTable
 from pushkv.scheduler.metrics import Finish, InstanceMetrics, Snapshot
@@ -443,9 +443,17 @@ class SchedulerCore:
 
     # -- scheduling ---------------------------------------------------------------------
     def schedule(self) -> None:
-        self._admit()
-        if self.step is None and not self._engine_blocked():
+        # as vLLM's v1 scheduler: the running requests get the blocks their next step needs first (preempting where
+        # none is free), and only a pass that preempted none admits from the queue
+        launch = self.step is None and not self._engine_blocked()
+        preempted = launch and self.grows and preempt.grow(self)
+        if not preempted:
+            self._admit()
+        if launch:
             self._launch_step()
+            if preempted and self.step is None:  # nothing left to run: no step's end would admit the queue's head
+                self._admit()
+                self._launch_step()
 
     def _running_full(self) -> bool:
         """vLLM's max_num_seqs bounds the requests running, not only a step's sequences: where as many compute here
@@ -482,51 +490,9 @@ class SchedulerCore:
             self._stamp(r, f"{self.role}_alloc")
             self._admitted(r)
 
-    # -- blocks as tokens need them, and preemption by recompute ---------------------------
-    def _grow(self) -> None:
-        """Before a step: each decoding request whose next token starts a block gets one; where none is free, the
-        last admitted of the requests computing here is preempted (vLLM's v1 scheduler), until the block comes or
-        the request preempted is the one that asked. The oldest admitted ask first."""
-        bs = self.inst.block_size
-        for r in sorted((r for r in self.reqs.values() if r.state == State.RUNNING and not r.in_step),
-                        key=lambda r: r.admit_seq):
-            while r.state == State.RUNNING and (short := r.blocks_short(bs)) > 0:
-                got = self.alloc.allocate(short)
-                if got is not None:
-                    r.blocks += got
-                    break
-                victims = [v for v in self.reqs.values() if self._preemptible(v)]
-                if not victims:  # every other block is held by what cannot give it back yet (a transfer, a step)
-                    break
-                self._preempt(max(victims, key=lambda v: v.admit_seq))
-
-    def _preemptible(self, r: Request) -> bool:
-        """Computing here (prefilling or decoding), between steps, and nothing else may touch its blocks."""
-        return (r.state in (State.PREFILL, State.RUNNING) and bool(r.blocks) and not r.in_step and not r.aborted
-                and not self._pinned_by_writers(r))
-
-    def _preempt(self, r: Request) -> None:
-        """Preemption by recompute: its blocks go back (its full blocks stay in the prefix cache where they were
-        indexed), and it waits at the front of the queue to prefill its prompt and output so far again. Its output,
-        the tokens streamed and its metrics stay: its readmission's last chunk samples output token len(output)."""
-        self.counters["preemptions"] += 1
-        log.info("%s: preempted (no free KV block): %d blocks freed, %d tokens to compute again transfer_id=%s",
-                 self.name, len(r.blocks), len(r.prompt) + len(r.output), r.transfer_id)
-        self.outbox.append(Trace("preempted", r.transfer_id))
-        self.alloc.free(r.blocks)
-        r.blocks = []
-        r.state = State.WAITING
-        r.preemptions += 1
-        r.prefilled = r.indexed = 0
-        r.recompute = r.prompt + tuple(r.output) if r.output else ()
-        r.prompt_parts = []  # (a prefill's chunks' prompt logprobs: they are scored again)
-        self.waiting.insert(0, r)
-
     def _launch_step(self) -> None:
         # an aborted prefill still here waits for its writers (a streamed chunk may be read): compute
         # no more of it
-        if self.grows:
-            self._grow()
         prefills = [r for r in self.reqs.values() if r.state == State.PREFILL and not r.in_step and not r.aborted]
         running = [r for r in self.reqs.values() if r.state == State.RUNNING and not r.in_step]
         if not prefills and not running:
