@@ -1,5 +1,6 @@
-"""The scheduler core shared by every role: admission, block allocation,
-continuous batching, request state, deadlines. Never touches KV bytes: workers
+"""The scheduler core shared by every role: admission, block allocation (blocks
+as tokens need them and preemption by recompute: ``preempt.py``), continuous
+batching, request state, deadlines. Never touches KV bytes: workers
 compute into the pool, writers move it.
 
 Sans-I/O: no socket, no clock, no process. The entry points take the time in

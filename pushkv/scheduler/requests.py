@@ -239,7 +239,8 @@ def blocks_needed(leg: str, prompt_len: int, max_tokens: int, block_size: int) -
 
 def build_batch(prefills: list[Request], running: list[Request], max_num_seqs: int,
                 max_batch_tokens: int, prefill_chunk: int = 0, max_loras: int = 0) -> list[tuple[Request, m.SeqWork]]:
-    """One continuous-batching step: every running decode, then prefills that fit.
+    """One continuous-batching step: every running decode, then prefills that fit (a prefill is of
+    ``Request.prefill_ids``: the prompt, or after a preemption the prompt and output so far).
 
     Decodes go first so that admitting prompts never stalls generation. Without
     chunking (``prefill_chunk`` 0) a prompt runs whole, and at least one prefill is
