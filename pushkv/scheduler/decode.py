@@ -135,7 +135,8 @@ class DecodeScheduler(SchedulerCore):
         """The KV has arrived on every rank: emit P's first token and start decoding."""
         self._stamp(r, "kv_received")
         # push's cost: D blocks held from their reservation until the KV is here
-        r.reserved_block_s = len(r.blocks) * (self.now - r.reserved_at)
+        r.reserved_blocks = len(r.blocks)
+        r.reserved_block_s = r.reserved_blocks * (self.now - r.reserved_at)
         self.counters["reserved_block_ms"] += int(r.reserved_block_s * 1000)
         self.counters["kv_waits"] += 1
         self._count_kv(r)

@@ -76,6 +76,7 @@ class Request:
     admitted_at: float = 0.0  # monotonic time its blocks were allocated here; 0 = not yet
     first_at: float = 0.0  # monotonic time of this instance's first token for it; 0 = none yet
     reserved_block_s: float = 0.0  # D: blocks x seconds from reservation until the KV arrived
+    reserved_blocks: int = 0  # D: the blocks reserved for the KV (its table grows later, as the output needs)
     prefilled: int = 0  # prompt tokens whose KV is in the pool (chunked prefill: grows chunk by chunk)
     streamed: bool = False  # P, streaming push: a chunk's blocks went to the writers before prefill ended
     cached: int = 0  # prompt tokens found in the prefix cache at admission (their KV is not computed again)
@@ -203,7 +204,7 @@ class Request:
         if self.leg == "local" or not kv.nbytes:
             return None
         rendezvous = self.rendezvous or ("pull" if self.pull is not None else "")
-        reserved = len(self.blocks) if self.reserved_block_s else 0
+        reserved = self.reserved_blocks if self.reserved_block_s else 0
         return m.KVTransferStats(kv.nbytes, kv.num_descs, kv.transfer_s, rendezvous, self.reserved_block_s,
                                  reserved, kv.parts, describe(kv.stream))
 
