@@ -16,6 +16,9 @@ MAX_LEN = 160  # 10 blocks of 16 a request, reserved whole before
 SMALL, LARGE = 16, 128  # blocks: a pool of 1.6 such requests; one of all of them at once
 N = 4  # requests at once
 TEXTS = [f"Request {i}: " + "tell me more " * i for i in range(N)]
+# one seeded and penalised, one with logprobs: the readmission's last chunk samples as a decode step would
+SAMPLING = [{}, {"temperature": 0.9, "seed": 11, "presence_penalty": 0.5, "repetition_penalty": 1.2},
+            {"logprobs": True, "top_logprobs": 2}, {}]
 COMMON = ("--model", "small", "--max-model-len", str(MAX_LEN))
 
 
@@ -28,7 +31,8 @@ def run_all(dep) -> list[list[int]]:
     def one(i):
         try:
             status, body = dep.post("/v1/chat/completions", {
-                "messages": [{"role": "user", "content": TEXTS[i]}], "ignore_eos": True, "return_token_ids": True})
+                "messages": [{"role": "user", "content": TEXTS[i]}], "ignore_eos": True, "return_token_ids": True,
+                **SAMPLING[i]})
             assert status == 200, body
             assert body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"] == MAX_LEN, body["usage"]
             out[i] = body["choices"][0]["token_ids"]
