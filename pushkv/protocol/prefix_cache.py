@@ -120,6 +120,12 @@ class PrefixCache:
         return out
 
     # -- a request's blocks -------------------------------------------------------------
+    def can_acquire(self, hits: Sequence[int], n: int, keep: int = 0) -> bool:
+        """Would ``acquire(hits, n)`` succeed and leave at least ``keep`` blocks free or evictable? (Changes
+        nothing: a scheduler's watermark asks before it evicts anything.)"""
+        evictable = len(self._lru) - sum(1 for b in hits if b in self._lru)
+        return n - len(hits) + keep <= self.alloc.num_free + evictable
+
     def acquire(self, hits: Sequence[int], n: int) -> Optional[list[int]]:
         """A request's ``n`` blocks: ``hits`` (cached blocks, from ``match``, in order) first, then
         ``n - len(hits)`` fresh ones, evicting unreferenced cached blocks LRU-first if the

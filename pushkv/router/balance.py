@@ -75,6 +75,12 @@ SchedulerLink = Any  # flow.SchedulerLink: held per instance, handed back to the
 log = logging.getLogger(__name__)
 
 
+def hold_tokens(run: "RequestRun") -> int:
+    """The tokens whose blocks a D leg takes at its admission: the prompt and the first token's slot (D takes the
+    output's blocks as it decodes, and preempts when it runs short). The router's ``committed`` counts these."""
+    return min(len(run.prompt) + 1, run.decode_tokens)
+
+
 class Refused(Exception):
     def __init__(self, status: int, reason: str):
         super().__init__(reason)
@@ -213,7 +219,8 @@ class Balancer:
         return out
 
     def ask(self, run: "RequestRun") -> P.Ask:
-        return P.Ask(len(run.prompt), self._hits(run), self.cost.costs, self.conditional, whole=not run.reuses_prefix)
+        return P.Ask(len(run.prompt), self._hits(run), self.cost.costs, self.conditional, whole=not run.reuses_prefix,
+                     hold_tokens=hold_tokens(run))
 
     def request(self, run: "RequestRun") -> Optional[P.Verdict]:
         """Place a new request now (its verdict), or queue it (None); Refused past the bound."""
@@ -242,7 +249,7 @@ class Balancer:
         if v.kind == P.DECODE_LOCAL:
             h.local = True
             h.predicted = computed.get(v.decode, 0)
-            self._commit_decode(h, v.decode, run.decode_tokens, pin=False)
+            self._commit_decode(h, v.decode, hold_tokens(run), pin=False)
             d = self.loads[v.decode]
             h.local_tokens = len(run.prompt) - h.predicted
             d.queued_tokens += h.local_tokens
@@ -259,7 +266,7 @@ class Balancer:
         self.picks += 1
         p.last_pick = self.picks
         if v.kind == P.PUSH:
-            self._commit_decode(h, v.decode, run.decode_tokens, pin=True)
+            self._commit_decode(h, v.decode, hold_tokens(run), pin=True)
         else:
             h.late = True
             if self.mode == "push" and self.metrics is not None:
@@ -300,7 +307,7 @@ class Balancer:
     def _commit_late_decode(self, run: "RequestRun", engine_id: str) -> None:
         h = self.held.setdefault(run.transfer_id, Held())
         h.predicted_decode = self._hits(run).get(engine_id, 0)
-        self._commit_decode(h, engine_id, run.decode_tokens, pin=False)
+        self._commit_decode(h, engine_id, hold_tokens(run), pin=False)
 
     # -- what a run reports ------------------------------------------------------------------
     def prefill_done(self, run: "RequestRun") -> None:

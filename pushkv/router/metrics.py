@@ -291,7 +291,8 @@ class BalanceCollector:
                 "P: prompt tokens sent and still to compute (each prompt less its expected cached prefix)",
                 labels=labels),
             "committed": GaugeMetricFamily(
-                "pushkv_router_instance_blocks_committed", "D: blocks of the legs sent to it", labels=labels),
+                "pushkv_router_instance_blocks_committed", "D: blocks the legs sent to it take at admission",
+                labels=labels),
             "pinned": GaugeMetricFamily(
                 "pushkv_router_instance_blocks_pinned", "D: blocks reserved early whose KV has not arrived",
                 labels=labels),

@@ -15,11 +15,13 @@ holds or will hold), and asks:
 P is the live prefill instance that would finish the prefill first: its queued
 prefill tokens plus what of this prompt it lacks (``Ask.hits``: the prompt tokens
 the router's prefix index says each instance holds), priced by the cost model. D
-is the live decode instance that can hold the whole request (prompt +
-``max_tokens``: a D never preempts) where it costs least: the handoff of what of
-the prompt D lacks, plus its decode in a batch one larger and the delay it adds to
-D's running sequences (``decode_cost_ms``); then the one with the most free
-blocks left. A D leg is never sent to a D that cannot hold it.
+is the live decode instance that can take the request's blocks at admission now
+(``Ask.hold_tokens``: its prompt and the first token's slot; D takes the output's
+blocks as it decodes and preempts when it runs short, so a D that could never hold
+prompt + ``max_tokens`` alone is the only one refused) where it costs least: the
+handoff of what of the prompt D lacks, plus its decode in a batch one larger and the
+delay it adds to D's running sequences (``decode_cost_ms``); then the one with the
+most free blocks left.
 
 Conditional disaggregation (``choose_path``): with P and D chosen, D prefills the
 request itself when that costs less, in ms of the cost model, than P's prefill
@@ -60,7 +62,7 @@ class Load:
     healthy: bool = True  # its processes answer their supervisor's pings (one host): a hung one is chosen last
     queued_tokens: int = 0  # prompt tokens to compute of legs sent whose prefill has not finished (D: its own prefills)
     legs: int = 0  # legs sent and not ended
-    committed: int = 0  # D: blocks of legs sent and not ended (the D holds or will hold them)
+    committed: int = 0  # D: blocks its legs sent and not ended take at admission (their output's come as D decodes)
     pinned: int = 0  # D: blocks reserved early (push) whose KV has not arrived yet
     last_pick: int = 0  # when it was last chosen (a sequence number): ties go to the least recent
 
@@ -101,6 +103,9 @@ class Ask:
     # asked prompt logprobs: whichever instance prefills it computes it whole (no hit saves compute there), while a
     # D that holds a prefix still takes it, so that much of the prompt need not move
     whole: bool = False
+    # the tokens whose blocks D takes at admission (its prompt and the first token's slot: the output's come as it
+    # decodes); 0: the whole request's (prompt + max_tokens)
+    hold_tokens: int = 0
 
     def compute_hit(self, load: "Load") -> int:
         """The prompt tokens ``load`` would not compute again, were it to prefill the request."""
@@ -124,8 +129,9 @@ def pick_prefill(loads: Iterable[Load], ask: Ask = NO_ASK) -> Optional[Load]:
     return min(ps, key=lambda l: (prefill_wait_ms(l, ask), l.legs, l.last_pick, l.order)) if ps else None
 
 
-def decode_need(load: Load, tokens: int) -> int:
-    return blocks_for(tokens, load.block_size)
+def decode_need(load: Load, tokens: int, ask: Ask = NO_ASK) -> int:
+    """The blocks the request takes on ``load`` at admission (``Ask.hold_tokens``, else all of ``tokens``)."""
+    return blocks_for(min(ask.hold_tokens, tokens) if ask.hold_tokens else tokens, load.block_size)
 
 
 def decode_cost_ms(load: Load, tokens: int, ask: Ask) -> float:
@@ -142,13 +148,13 @@ def decode_cost_ms(load: Load, tokens: int, ask: Ask) -> float:
 
 
 def pick_decode(loads: Iterable[Load], tokens: int, ask: Ask = NO_ASK) -> Optional[Load]:
-    """The live D that can hold ``tokens`` (prompt + max_tokens) now at the lowest
-    ``decode_cost_ms`` (with no hits anywhere: the fewest running), then with the most free
-    blocks left, then the least recently chosen, then index; None when none can."""
-    fits = [l for l in live(loads, "decode") if l.free >= decode_need(l, tokens)]
+    """The live D that can take the request of ``tokens`` (prompt + max_tokens) now (its blocks at admission,
+    ``decode_need``) at the lowest ``decode_cost_ms`` (with no hits anywhere: the fewest running), then with the
+    most free blocks left, then the least recently chosen, then index; None when none can."""
+    fits = [l for l in live(loads, "decode") if l.free >= decode_need(l, tokens, ask)]
     if not fits:
         return None
-    return min(fits, key=lambda l: (decode_cost_ms(l, tokens, ask), -(l.free - decode_need(l, tokens)), l.legs,
+    return min(fits, key=lambda l: (decode_cost_ms(l, tokens, ask), -(l.free - decode_need(l, tokens, ask)), l.legs,
                                     l.last_pick, l.order))
 
 
@@ -212,7 +218,7 @@ def place(loads: list[Load], tokens: int, *, mode: Mode, pin_fraction: float, wa
                               f"{pc.split_ms:.1f} ms on P and the handoff")
     if mode != "push":
         return Verdict(LATE, prefill=p.engine_id, reason="pull")
-    if d.pinned + decode_need(d, tokens) > pin_fraction * d.num_blocks:
+    if d.pinned + decode_need(d, tokens, ask) > pin_fraction * d.num_blocks:
         return Verdict(LATE, prefill=p.engine_id,
                        reason=f"decode short of blocks: {d.pinned} of {d.num_blocks} already wait for KV")
     wait = prefill_wait_ms(p, ask)

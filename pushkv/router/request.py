@@ -86,9 +86,10 @@ __all__ = ["Start", "Placed", "Queued", "DecodePlaced", "DecodeQueued", "Rejecte
            "PrefillDone", "KVArrived", "Release", "Arm", "Disarm", "Event", "Action", "IllegalInput", "Phase",
            "Request", "Spec", "TRANSITIONS", "GENERATION", "PREFILL_REPORT_GRACE_S", "ROUTER", "Source"]
 
-# Every leg this router sends is generation 0: nothing reissues a request today (no preemption,
-# no retry). Schedulers and writers still match the two halves by (transfer id, generation) and
-# let a higher generation supersede a lower one, so a retry would send generation + 1.
+# Every leg this router sends is generation 0: nothing reissues a request today (a preempted request computes
+# again inside its scheduler, under its generation; no retry). Schedulers and writers still match the two halves
+# by (transfer id, generation) and let a higher generation supersede a lower one, so a retry would send
+# generation + 1.
 GENERATION = 0
 PREFILL_REPORT_GRACE_S = 1.0  # push: D done, wait this long for P's timeline
 ROUTER: Literal["router"] = "router"  # the leg of inputs the router makes itself
@@ -202,7 +203,7 @@ class Request:
 
     @property
     def decode_tokens(self) -> int:
-        """What D must hold for the whole request (no preemption)."""
+        """The most D may hold for the request (prompt + max_tokens: a larger one than D's pool is refused)."""
         return len(self.spec.prompt) + self.spec.max_tokens
 
     @property

@@ -1,5 +1,6 @@
-"""The scheduler core shared by every role: admission, block allocation,
-continuous batching, request state, deadlines. Never touches KV bytes: workers
+"""The scheduler core shared by every role: admission, block allocation (blocks
+as tokens need them and preemption by recompute: ``preempt.py``), continuous
+batching, request state, deadlines. Never touches KV bytes: workers
 compute into the pool, writers move it.
 
 Sans-I/O: no socket, no clock, no process. The entry points take the time in
@@ -42,7 +43,7 @@ from pushkv import messages as m
 from pushkv.config import DeploymentConfig, InstanceConfig, Role
 from pushkv.dispatch import handler_for
 from pushkv.protocol.prefix_cache import PrefixCache
-from pushkv.scheduler import grammar_wait, lora_table, prefix, stats, step_answers, writer_answers
+from pushkv.scheduler import grammar_wait, lora_table, preempt, prefix, stats, step_answers, writer_answers
 from pushkv.scheduler.grammar import GrammarCompiled, Grammars, failure
 from pushkv.scheduler.lora_table import LoraTable
 from pushkv.scheduler.metrics import EndReason, Finish, InstanceMetrics, Snapshot
@@ -53,6 +54,9 @@ from pushkv.scheduler.validate import check_generate, readable_head
 
 log = logging.getLogger(__name__)
 
+# admission of a request while others compute keeps this fraction of the pool free (at least one block) for the
+# running ones to grow into (vLLM's watermark, applied as its v1 scheduler does: to the waiting and the preempted)
+WATERMARK = 0.01
 WRITER_STATS_WAIT_S = 0.25  # GetStats: how long to wait for the writers' counters before answering
 REMEMBER_IDS = 65536  # transfer ids whose newest generation is kept, to refuse duplicates and stale reissues
 
@@ -86,6 +90,11 @@ class SchedulerCore:
         self.by_tid: dict[str, Request] = {}
         self.waiting: list[Request] = []
         self.next_seq = 1
+        self.next_admit = 1  # admission order (Request.admit_seq): the last admitted is preempted first
+        # local instances and D's legs take blocks as their tokens need them and preempt when none is free; P's
+        # legs hold their prompt's from admission and never grow
+        self.grows = self.role != "prefill"
+        self.watermark = max(1, int(WATERMARK * inst.num_blocks)) if self.grows else 0
         self.step_id = 0
         self.step: Optional[Batch] = None
         self.step_started = 0.0
@@ -439,9 +448,17 @@ class SchedulerCore:
 
     # -- scheduling ---------------------------------------------------------------------
     def schedule(self) -> None:
-        self._admit()
-        if self.step is None and not self._engine_blocked():
+        # as vLLM's v1 scheduler: the running requests get the blocks their next step needs first (preempting where
+        # none is free), and only a pass that preempted none admits from the queue
+        launch = self.step is None and not self._engine_blocked()
+        preempted = launch and self.grows and preempt.grow(self)
+        if not preempted:
+            self._admit()
+        if launch:
             self._launch_step()
+            if preempted and self.step is None:  # nothing left to run: no step's end would admit the queue's head
+                self._admit()
+                self._launch_step()
 
     def _running_full(self) -> bool:
         """vLLM's max_num_seqs bounds the requests running, not only a step's sequences: where as many compute here
@@ -457,14 +474,24 @@ class SchedulerCore:
         while self.waiting and not self._engine_blocked() and not self._running_full():
             r = self.waiting[0]
             hits = prefix.hits_for(self, r)
-            blocks = self.alloc.acquire(hits, r.blocks_needed(self.inst.block_size))
-            if blocks is None:
+            need = r.blocks_to_admit(self.inst.block_size)
+            # while others compute, leave them room to grow (vLLM's watermark), so a new request is not admitted
+            # only to be preempted at the next block boundary
+            keep = self.watermark if self.watermark and self._running() else 0
+            if not self.alloc.can_acquire(hits, need, keep):
                 return  # FIFO: wait for blocks to free
+            blocks = self.alloc.acquire(hits, need)
+            assert blocks is not None  # can_acquire
             self.waiting.pop(0)
             r.blocks = blocks
+            r.admit_seq, self.next_admit = self.next_admit, self.next_admit + 1
+            prefix.took_hits(self, r, len(hits))
+            if r.preemptions:  # back after a preemption: it computes its prompt and output so far again, here
+                r.state = State.PREFILL
+                self._stamp(r, f"{self.role}_readmitted")
+                continue
             self.metrics.queued(self.now - r.queued_at)
             r.admitted_at = self.now
-            prefix.took_hits(self, r, len(hits))
             self._stamp(r, f"{self.role}_alloc")
             self._admitted(r)
 
@@ -486,7 +513,7 @@ class SchedulerCore:
         self.metrics.step(sum(len(w.token_ids) for _, w in batch))
         for r, w in batch:
             r.in_step = True
-            if w.start_pos == r.cached and r.state == State.PREFILL:
+            if w.start_pos == r.cached and r.state == State.PREFILL and not r.preemptions:
                 self._stamp(r, "prefill_start")
         self._to_workers(m.ExecuteStep(self.step_id, tuple(w for _, w in batch), self._streaming(batch)))
 
@@ -506,8 +533,12 @@ class SchedulerCore:
         if r.state == State.PREFILL:
             r.prefilled = w.start_pos + len(w.token_ids)
             self._index_blocks(r, r.prefilled)  # the step ended: these blocks' KV is complete
-            if r.prefilled < len(r.prompt):
+            if r.prefilled < len(r.prefill_ids):
                 self._chunk_done(r)
+                return
+            if r.recompute:  # a preempted request's prompt and output are back: its token is a decode's
+                self._stamp(r, "recompute_end")
+                self._emit(r, tok, lp)  # type: ignore[arg-type]  # the last chunk always samples
                 return
             self._stamp(r, "prefill_end")
             if r.score_prompt >= 0 and not step_answers.joined_scores(self, r):

@@ -135,7 +135,8 @@ class DecodeScheduler(SchedulerCore):
         """The KV has arrived on every rank: emit P's first token and start decoding."""
         self._stamp(r, "kv_received")
         # push's cost: D blocks held from their reservation until the KV is here
-        r.reserved_block_s = len(r.blocks) * (self.now - r.reserved_at)
+        r.reserved_blocks = len(r.blocks)
+        r.reserved_block_s = r.reserved_blocks * (self.now - r.reserved_at)
         self.counters["reserved_block_ms"] += int(r.reserved_block_s * 1000)
         self.counters["kv_waits"] += 1
         self._count_kv(r)
@@ -245,7 +246,7 @@ class DecodeScheduler(SchedulerCore):
         P's wait for that registration starts anew (it runs from our admission)."""
         for r in self.reqs.values():
             source = r.pull.source if r.pull is not None else r.source
-            if source is None or r.aborted:
+            if source is None or r.aborted or r.preemptions:  # (preempted: its KV came; it computes it again here)
                 continue
             reading = self.reads and r.pull is not None and r.state == State.AWAIT_KV
             if r.state not in (State.GRAMMAR, State.WAITING) and not reading:

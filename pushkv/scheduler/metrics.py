@@ -215,6 +215,11 @@ class InstanceMetrics(Collector):
             c = CounterMetricFamily(f"pushkv_instance_{key}", doc, labels=["model_name"])
             c.add_metric([name], s.counters.get(key, 0))
             yield c
+        preempted = CounterMetricFamily("vllm:num_preemptions", "Requests preempted: their blocks taken back when a "
+                                        "running request needed one, to compute their tokens again later",
+                                        labels=["model_name"])
+        preempted.add_metric([name], s.counters.get("preemptions", 0))
+        yield preempted
         hits = CounterMetricFamily("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
                                    labels=["model_name"])
         hits.add_metric([name], s.counters.get("prefix_hit_tokens", 0))

@@ -28,7 +28,14 @@ def hits_for(core: "SchedulerCore", r: Request) -> list[int]:
 
 
 def took_hits(core: "SchedulerCore", r: Request, hit_blocks: int) -> None:
-    """``r`` was admitted with ``hit_blocks`` cached blocks: its computed and indexed marks, and the counters."""
+    """``r`` was admitted with ``hit_blocks`` cached blocks: its computed and indexed marks, and the counters.
+    A preempted request's readmission counts its hits apart (``recompute_hit_tokens``): its prompt was looked up
+    once, and the cached tokens it reports are its first admission's."""
+    if r.preemptions:
+        r.prefilled = hit_blocks * core.inst.block_size
+        r.indexed = hit_blocks
+        core.counters["recompute_hit_tokens"] += r.prefilled
+        return
     r.cached = hit_blocks * core.inst.block_size
     r.prefilled = r.cached
     r.indexed = hit_blocks
@@ -51,10 +58,12 @@ def _root(r: Request) -> int:
 def prefix_hits(alloc: PrefixCache, r: Request, block_size: int, unit: int) -> list[int]:
     """Cached blocks of the prompt's longest cached prefix, a whole number of ``unit`` tokens.
     The last prompt token is always computed (its logits give the first token), so a block
-    holding it is never a hit: a step then writes only into blocks the request owns alone."""
+    holding it is never a hit: a step then writes only into blocks the request owns alone.
+    After a preemption the prefix is of the prompt and output so far (``prefill_ids``): the hashes of its
+    output's full blocks are there where they were indexed."""
     if not r.hashes:
         r.hashes = block_hashes(r.prompt, block_size, _root(r))
-    hits = alloc.match(r.hashes[:(len(r.prompt) - 1) // block_size])
+    hits = alloc.match(r.hashes[:(len(r.prefill_ids) - 1) // block_size])
     return hits[:len(hits) * block_size // unit * unit // block_size]
 
 

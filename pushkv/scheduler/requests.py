@@ -77,6 +77,7 @@ class Request:
     first_at: float = 0.0  # monotonic time of this instance's first token for it; 0 = none yet
     counted: bool = False  # its end is in vllm:request_success_total (once: P's pull leg ends before its KV leaves)
     reserved_block_s: float = 0.0  # D: blocks x seconds from reservation until the KV arrived
+    reserved_blocks: int = 0  # D: the blocks reserved for the KV (its table grows later, as the output needs)
     prefilled: int = 0  # prompt tokens whose KV is in the pool (chunked prefill: grows chunk by chunk)
     streamed: bool = False  # P, streaming push: a chunk's blocks went to the writers before prefill ended
     cached: int = 0  # prompt tokens found in the prefix cache at admission (their KV is not computed again)
@@ -99,22 +100,43 @@ class Request:
     _seen: Optional[array] = field(default=None, repr=False)
     _seen_set: set = field(default_factory=set, repr=False)
     _seen_out: int = 0
+    admit_seq: int = 0  # the order of its latest admission here (vLLM's running order: the last is preempted first)
+    preemptions: int = 0  # times its blocks were taken back (it computes its prompt and output again)
+    # after a preemption with output: the tokens to prefill again (prompt + output so far); (): its prompt
+    recompute: tuple[int, ...] = ()
 
     @property
     def key(self) -> tuple[str, int]:
         return (self.transfer_id, self.generation)
 
+    @property
+    def prefill_ids(self) -> tuple[int, ...]:
+        """The tokens its prefill computes: the prompt, or after a preemption the prompt and output so far (its last
+        chunk samples output token ``len(output)``, as a decode step would)."""
+        return self.recompute or self.prompt
+
     def blocks_needed(self, block_size: int) -> int:
-        """All blocks the request will ever need, reserved at admission (no preemption)."""
+        """All blocks the request may ever hold (a pool smaller than that is refused: alone, it always finishes)."""
         return blocks_needed(self.leg, len(self.prompt), self.max_tokens, block_size)
+
+    def blocks_to_admit(self, block_size: int) -> int:
+        """The blocks taken at admission: P's whole prompt; elsewhere the prefill's tokens and the next token's
+        slot (``grows`` adds the rest a block at a time as the output needs them)."""
+        if self.leg == "prefill":
+            return blocks_for(len(self.prompt), block_size)
+        return blocks_for(min(len(self.prefill_ids) + 1, len(self.prompt) + self.max_tokens), block_size)
+
+    def blocks_short(self, block_size: int) -> int:
+        """A decoding request: the blocks it lacks for its next step (which stores output[-1]'s KV)."""
+        return blocks_for(len(self.prompt) + len(self.output), block_size) - len(self.blocks)
 
     @property
     def score_prompt(self) -> int:
         """The top N of the prompt logprobs this instance computes for the request (-1: none): asked,
         and the prompt is computed here (P, a local instance, a D that prefills it itself)."""
         p = self.sampling
-        if p is None or p.prompt_logprobs < 0 or (self.leg == "decode" and not self.prefill_here):
-            return -1
+        if p is None or p.prompt_logprobs < 0 or (self.leg == "decode" and not self.prefill_here) or self.recompute:
+            return -1  # (a recompute's: they went out with the first token)
         return p.prompt_logprobs
 
     @property
@@ -183,7 +205,7 @@ class Request:
         if self.leg == "local" or not kv.nbytes:
             return None
         rendezvous = self.rendezvous or ("pull" if self.pull is not None else "")
-        reserved = len(self.blocks) if self.reserved_block_s else 0
+        reserved = self.reserved_blocks if self.reserved_block_s else 0
         return m.KVTransferStats(kv.nbytes, kv.num_descs, kv.transfer_s, rendezvous, self.reserved_block_s,
                                  reserved, kv.parts, describe(kv.stream))
 
@@ -219,7 +241,8 @@ def blocks_needed(leg: str, prompt_len: int, max_tokens: int, block_size: int) -
 
 def build_batch(prefills: list[Request], running: list[Request], max_num_seqs: int,
                 max_batch_tokens: int, prefill_chunk: int = 0, max_loras: int = 0) -> list[tuple[Request, m.SeqWork]]:
-    """One continuous-batching step: every running decode, then prefills that fit.
+    """One continuous-batching step: every running decode, then prefills that fit (a prefill is of
+    ``Request.prefill_ids``: the prompt, or after a preemption the prompt and output so far).
 
     Decodes go first so that admitting prompts never stalls generation. Without
     chunking (``prefill_chunk`` 0) a prompt runs whole, and at least one prefill is
@@ -260,8 +283,9 @@ def build_batch(prefills: list[Request], running: list[Request], max_num_seqs: i
             break
         if r.lora_slot and max_loras > 0 and r.lora_slot not in loras and len(loras) >= max_loras:
             continue
+        seq = r.prefill_ids
         start = r.prefilled
-        n = len(r.prompt) - start
+        n = len(seq) - start
         if prefill_chunk > 0:
             n = min(n, prefill_chunk, max(max_batch_tokens - tokens, 0 if admitted else 1))
             if n <= 0:
@@ -269,12 +293,12 @@ def build_batch(prefills: list[Request], running: list[Request], max_num_seqs: i
         elif admitted and tokens + n > max_batch_tokens:
             break
         admitted += 1
-        last = start + n == len(r.prompt)
-        fields = r.sample_fields() if last else {"sample": False, "rope_len": len(r.prompt)}
+        last = start + n == len(seq)
+        fields = r.sample_fields() if last else {"sample": False, "rope_len": len(seq)}
         if r.score_prompt >= 0:
             fields.update(score_prompt=r.score_prompt, next_prompt_token=-1 if last else r.prompt[start + n])
         fits(r)
-        batch.append((r, m.SeqWork(r.seq_id, r.prompt[start:start + n], start, tuple(r.blocks), **fields,
+        batch.append((r, m.SeqWork(r.seq_id, seq[start:start + n], start, tuple(r.blocks), **fields,
                                    lora=r.lora_slot)))
         tokens += n
     return batch

@@ -247,22 +247,21 @@ def test_abort_while_prefilling(dep, how):
 
 
 def test_abort_queued_at_router_then_while_decoding(dep):
-    """A hog decodes and holds nearly all of D's pool. A second request that no D
-    can hold then waits at the router (nothing sent to P or D). Abort it (POST
-    /v1/abort): the client gets 499 and no instance heard of it. Then disconnect
-    the hog mid-decode: D's blocks go."""
-    hog_max = D_BLOCKS * BLOCK - 200  # prompt 100 + this: ~190 of D's 200 blocks
+    """A hog decodes on D. A second request whose prompt no D can take beside it then waits at the router
+    (nothing sent to P or D). Abort it (POST /v1/abort): the client gets 499 and no instance heard of it. Then
+    disconnect the hog mid-decode: D's blocks go."""
+    hog_max = D_BLOCKS * BLOCK - 200  # prompt 100 + this: up to ~190 of D's 200 blocks, 7 at its admission
     hog = Stream(dep, [rng.randrange(256) for _ in range(100)], hog_max)
     hog.first_token()  # decoding now
-    hog_blocks = blocks(100 + hog_max)
     before = {r: counters(dep, r) for r in dep.roles()}
-    victim = Stream(dep, [rng.randrange(256) for _ in range(400)], 32)  # needs 27 D blocks; 10 are free
+    # 3,100 prompt tokens: 194 D blocks at admission (the prompt and the first token's slot); 193 are not the hog's
+    victim = Stream(dep, [rng.randrange(256) for _ in range(3100)], 32)
     wait_until(lambda: dep.health()["queued"] == 1, what="queued at the router")
     assert dep.stats("prefill").free_blocks == P_BLOCKS and dep.stats("decode").waiting == 0
     t0 = time.monotonic()
     abort(dep, victim.request_id)
     detect_s = freed_after(dep, t0, lambda st: st["prefill"].free_blocks == P_BLOCKS
-                           and st["decode"].waiting == 0 and st["decode"].free_blocks == D_BLOCKS - hog_blocks)
+                           and st["decode"].waiting == 0 and st["decode"].running == 1)  # the hog's, growing
     victim.drain()
     assert victim.error is not None and victim.error["code"] == 499 and not victim.tokens, victim.error
     victim.disconnect()

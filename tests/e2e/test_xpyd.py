@@ -183,22 +183,23 @@ def abort(dep, rid: str) -> None:
 
 
 def test_requests_no_d_can_hold_wait_then_429(xpyd):
-    # two hogs, each needing every block of one D (16 + 1008 tokens = 64 blocks)
+    # two hogs, one on each D (16 + 1008 tokens: every block of one D at most, 2 at admission: the prompt and the
+    # first token's slot, as D takes them), and requests whose 63 blocks at admission neither D can take now
     hogs = [Stream(xpyd.url, [7] * 16, NUM_BLOCKS * 16 - 16) for _ in range(2)]
     for h in hogs:
         h.start()
     for h in hogs:
         assert h.started.wait(60) and h.rid, (h.outcome, h.detail)
-    small = [1, 2, 3]
+    long = [1, 2, 3] * ((NUM_BLOCKS - 2) * 16 // 3) + [1, 2]  # 992 tokens and the first token's slot: 63 blocks
     waiter: dict = {}
     t = threading.Thread(target=lambda: waiter.setdefault("r", xpyd.post(
-        "/v1/completions", {"prompt": small, "max_tokens": 4})))
+        "/v1/completions", {"prompt": long, "max_tokens": 4})))
     t.start()
     deadline = time.monotonic() + 30
     while metrics(xpyd).get("pushkv_router_queue_depth", 0) < 1:  # the waiter is in the router's queue
         assert time.monotonic() < deadline, "request never queued"
         time.sleep(0.05)  # polling a remote gauge
-    status, body = xpyd.post("/v1/completions", {"prompt": small, "max_tokens": 4})
+    status, body = xpyd.post("/v1/completions", {"prompt": long, "max_tokens": 4})
     assert status == 429, body
     assert "queue full" in body["error"]["message"]
     abort(xpyd, hogs[0].rid)  # one D frees: the queued request goes

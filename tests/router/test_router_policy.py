@@ -135,7 +135,8 @@ def test_refusal_reasons_name_the_cause():
 # the balancer's accounting, with stand-in runs and links
 # ---------------------------------------------------------------------------
 class Run:
-    def __init__(self, tid, prompt=32, max_tokens=128):
+    # 160 tokens, all of them the prompt's and the first token's slot: D takes every block of it at admission
+    def __init__(self, tid, prompt=159, max_tokens=1):
         self.transfer_id = tid
         self.prompt = (1,) * prompt
         self.max_tokens = max_tokens
@@ -169,19 +170,34 @@ def test_balancer_spreads_and_accounts():
     runs = [Run(f"t{i}") for i in range(2)]  # 160 tokens: 10 blocks each
     vs = [b.request(r) for r in runs]
     assert {v.prefill for v in vs} == {"p0", "p1"} and {v.decode for v in vs} == {"d0", "d1"}
-    assert b.loads["p0"].queued_tokens == 32 and b.loads["d0"].committed == 10 and b.loads["d0"].pinned == 10
+    assert b.loads["p0"].queued_tokens == 159 and b.loads["d0"].committed == 10 and b.loads["d0"].pinned == 10
     b.prefill_done(runs[0])
     b.kv_arrived(runs[0])
-    assert sum(l.queued_tokens for l in b.loads.values()) == 32
+    assert sum(l.queued_tokens for l in b.loads.values()) == 159
     assert sum(l.pinned for l in b.loads.values()) == 10
     for r in runs:
         b.release(r)
     assert all(l.queued_tokens == l.committed == l.pinned == l.legs == 0 for l in b.loads.values())
 
 
+def test_a_d_leg_commits_the_blocks_d_takes_at_admission_and_is_refused_only_past_the_whole_pool():
+    """D takes a leg's prompt and the first token's slot at admission and the output's blocks as it decodes
+    (preempting when short): a chat without max_tokens (the room left to max_model_len) no longer holds a whole D."""
+    b = balancer(d_blocks=(20,))
+    chats = [Run(f"c{i}", prompt=40, max_tokens=280) for i in range(6)]  # 320 tokens: 20 blocks each, 3 at admission
+    assert all(b.request(r).kind == P.PUSH for r in chats)
+    assert b.loads["d0"].committed == b.loads["d0"].pinned == 18 and b.waiting == 0
+    with pytest.raises(Refused) as e:
+        b.request(Run("huge", prompt=40, max_tokens=281))  # 321 tokens: 21 blocks, more than the whole pool
+    assert e.value.status == 413
+    for r in chats:
+        b.release(r)
+    assert b.loads["d0"].committed == 0
+
+
 def test_balancer_queues_until_room_then_refuses_past_the_bound():
     b = balancer(bound=2)
-    big = [Run(f"b{i}", prompt=32, max_tokens=288) for i in range(2)]  # 20 blocks: a whole D each
+    big = [Run(f"b{i}", prompt=319, max_tokens=1) for i in range(2)]  # 20 blocks: a whole D each
     assert all(b.request(r).kind == P.PUSH for r in big)
     w1, w2, w3 = Run("w1"), Run("w2"), Run("w3")
     assert b.request(w1) is None and b.request(w2) is None

@@ -14,14 +14,15 @@ def gen(s, frm, tid, leg, prompt=(1, 2, 3), max_tokens=50, **kw):
 
 
 def test_decode_aborts_the_old_routers_legs_running_and_queued_and_frees_their_blocks():
-    s, wire = make("decode", num_blocks=8)
+    s, wire = make("decode", num_blocks=9)
     deliver(s, OLD, m.RouterEpoch(100))
-    gen(s, OLD, "run", "decode", prefill_here=True)  # 4 blocks: prefilled and decoding here
-    gen(s, OLD, "kv", "decode", source=P_SRC)  # 4 blocks: registered, waiting for the KV
-    gen(s, OLD, "queued", "decode", prefill_here=True)  # no room: queued
+    long = tuple(range(1, 61))  # 60 tokens and the next one's slot: 4 blocks at admission
+    gen(s, OLD, "run", "decode", prompt=long, max_tokens=3, prefill_here=True)  # prefilled and decoding here
+    gen(s, OLD, "kv", "decode", prompt=long, max_tokens=3, source=P_SRC)  # registered, waiting for the KV
+    gen(s, OLD, "queued", "decode", prompt=long, max_tokens=3, prefill_here=True)  # no room: queued
     step_done(s, wire, (5,))  # "run" prefilled; its next step is in flight
     wire.take("writer")
-    assert len(s.waiting) == 1 and s.alloc.num_free == 0
+    assert len(s.waiting) == 1 and s.alloc.num_free == 1  # (the watermark: one block left for "run" to grow)
     deliver(s, NEW, m.RouterEpoch(200))
     gen(s, NEW, "fresh", "decode", prefill_here=True)
     assert s.counters["router_epoch_aborted"] == 3
