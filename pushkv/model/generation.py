@@ -2,7 +2,6 @@
 and vLLM's ``--override-generation-config`` over them. Pure: no torch, so the launcher reads them for a preset too."""
 from __future__ import annotations
 
-import json
 import math
 import os
 
@@ -31,13 +30,7 @@ def folder_config(source: str) -> dict:
         raise ValueError(f"--generation-config {source}: {why} (auto: the checkpoint's; vllm: none of it; or a "
                          "directory holding a generation_config.json)")
     with open(where) as f:
-        try:
-            gen = json.load(f)
-        except ValueError as e:
-            raise ValueError(f"{where}: not JSON: {e}") from None
-    if not isinstance(gen, dict):
-        raise ValueError(f"{where} is not a JSON object")
-    return gen
+        return dict(json_object(f.read(), where, "generation settings"))  # (a copy: json_object's are cached)
 
 
 def folder_defaults(source: str, gen: dict) -> SamplingDefaults:

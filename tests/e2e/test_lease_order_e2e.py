@@ -11,7 +11,7 @@ import os
 import pytest
 
 from pushkv import faults
-from tests.support.deploy import deployment, wait_pools_free
+from tests.support.deploy import deployment, local_references, wait_pools_free
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -22,8 +22,7 @@ MAX_TOKENS = 6
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    with deployment(tmp_path_factory.mktemp("local"), "--mode", "local", *COMMON) as dep:
-        return dep.tokens(PROMPT, MAX_TOKENS)
+    return local_references(tmp_path_factory, {"one": PROMPT}, MAX_TOKENS, 64)("tiny", 1)["one"]
 
 
 @pytest.fixture(scope="module")
