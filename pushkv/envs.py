@@ -90,6 +90,8 @@ _VARS = (
         "`/v1/unload_lora_adapter` (with `--enable-lora`); off: those paths are 404, as vLLM's", FOREIGN),
     Var("VLLM_LOGGING_CONFIG_PATH", str, "", "`pushkv up`: the `--log-config-file` where the flag is not given, as "
         "vLLM reads it (a dictConfig JSON file every process applies)", FOREIGN),
+    Var("VLLM_API_KEY", str, "", "`pushkv vllm-proxy`: the instances' API key for its probes where `--api-key` is "
+        "not given (the key `vllm serve` reads there)", FOREIGN),
 )
 VARS: dict[str, Var] = {v.name: v for v in _VARS}
 
@@ -150,6 +152,7 @@ if TYPE_CHECKING:  # what ``envs.NAME`` returns, for mypy (tests/tools/test_envs
     OPENAI_API_KEY: str
     VLLM_ALLOW_RUNTIME_LORA_UPDATING: bool
     VLLM_LOGGING_CONFIG_PATH: str
+    VLLM_API_KEY: str
 
 
 def __getattr__(name: str) -> Any:

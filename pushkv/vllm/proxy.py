@@ -27,6 +27,7 @@ from typing import Any, Optional
 import aiohttp
 from aiohttp import web
 
+from pushkv import envs
 from pushkv.trace import stamp as mark
 from pushkv.vllm import params as P
 
@@ -382,6 +383,12 @@ def _refused(leg: str, url: str, status: int, data: bytes) -> None:
                            "key (vllm serve --api-key); give vllm-proxy --api-key KEY")
 
 
+def probe_key(given: Optional[str]) -> Optional[str]:
+    """The instances' key for the proxy's probes: --api-key, else $VLLM_API_KEY (what vllm serve takes where its
+    --api-key is not given, so one environment starts both); None: the instances take no key."""
+    return given or envs.VLLM_API_KEY or None
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prefill", action="append", required=True, help="a P vLLM URL (repeatable)")
@@ -390,13 +397,13 @@ def main(argv=None) -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--api-key", default=None,
                     help="the instances' API key (vllm serve --api-key), for the proxy's own probes; clients "
-                         "send theirs, which both legs carry")
+                         "send theirs, which both legs carry (default: $VLLM_API_KEY, as vllm serve reads it)")
     ap.add_argument("--protocol", choices=("pushkv", "nixl", "nixl-push"), default="pushkv",
                     help="nixl: vLLM's NixlConnector pull protocol (P, then D); nixl-push: its "
                          "NixlPushConnector protocol (both at once); for comparisons")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s pushkv vllm-proxy %(levelname)s %(message)s")
-    proxy = Proxy(args.prefill, args.decode, api_key=args.api_key)
+    proxy = Proxy(args.prefill, args.decode, api_key=probe_key(args.api_key))
     web.run_app(proxy.app(args.protocol), host=args.host, port=args.port, print=lambda *_: print(
         f"pushkv vllm-proxy on http://{args.host}:{args.port} READY", flush=True), **SERVE)
 

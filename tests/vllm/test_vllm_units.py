@@ -527,3 +527,18 @@ def test_a_step_during_a_writer_restart_waits_for_the_socket_instead_of_spinning
     t.join(30)
     assert ws.restarts == 1
     assert waits[1] == (ws.s.idle_wait_ms / 1e3, False) and waits[1][0] > 0  # held by the restart: waited, then left
+
+
+@pytest.mark.parametrize("flag, env, key", [
+    (None, None, None),  # instances without a key
+    (None, "from-env", "from-env"),  # as vllm serve: $VLLM_API_KEY where --api-key is not given
+    ("from-flag", "from-env", "from-flag"),  # the flag wins
+    (None, "", None),
+])
+def test_the_proxy_probes_with_vllm_serves_key(monkeypatch, flag, env, key):
+    from pushkv.vllm.proxy import probe_key
+    if env is None:
+        monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_API_KEY", env)
+    assert probe_key(flag) == key
