@@ -555,7 +555,10 @@ class SchedulerCore:
     def _first_token(self, r: Request) -> None:
         """This instance produced ``r``'s first token (P: its prefill's; D: the one it sends first)."""
         r.last_token_at = r.first_at = self.now
-        self.metrics.first_token(len(r.prompt), self.now - r.queued_at, r.cached)
+        # a D leg computes none of its prompt (unless it prefills it itself): what its prefix cache lacked came by
+        # transfer
+        moved = len(r.prompt) - r.cached if r.leg == "decode" and not r.prefill_here else 0
+        self.metrics.first_token(len(r.prompt), self.now - r.queued_at, r.cached, moved)
 
     def _first_sent(self, r: Request) -> None:
         """``r``'s first token goes to the client now: stamped and measured (D sends P's early

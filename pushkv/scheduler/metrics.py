@@ -37,6 +37,9 @@ PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
 # there: vllm-project/vllm#31503), and the router's aborts are counted nowhere here either
 EndReason = Literal["stop", "length", "abort", "error", "repetition"]
 FINISH_REASONS: tuple[EndReason, ...] = ("stop", "length", "abort", "error", "repetition")
+# vllm:prompt_tokens_by_source's sources, as vLLM 0.32's PromptTokenStats names them: computed here, found in the
+# prefix cache here, moved here by a KV transfer
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
 
 def token_buckets(max_model_len: int) -> tuple[int, ...]:
@@ -136,9 +139,12 @@ class InstanceMetrics(Collector):
         self.params_n = hist("vllm:request_params_n", "n of finished requests (pushkv runs each choice as its own)",
                              PARAMS_N_BUCKETS)
         self.iteration = hist("vllm:iteration_tokens_total", "Tokens per forward step", ITERATION_TOKENS_BUCKETS)
-        self.prompt_cached = Counter("vllm:prompt_tokens_cached", "Prompt tokens taken from the prefix cache by "
-                                     "requests that reached their first token here", names, registry=r
-                                     ).labels(model_name)
+        self.prompt_cached = Counter("vllm:prompt_tokens_cached", "Prompt tokens not computed here (the prefix "
+                                     "cache's, and on D the KV transfer's) of requests that reached their first "
+                                     "token here", names, registry=r).labels(model_name)
+        by_source = Counter("vllm:prompt_tokens_by_source", "Prompt tokens by source", names + ["source"],
+                            registry=r)
+        self.prompt_by_source = {s: by_source.labels(model_name, s) for s in PROMPT_SOURCES}
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of requests that reached their first "
                                      "token here", names, registry=r).labels(model_name)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens this instance produced", names,
@@ -153,10 +159,14 @@ class InstanceMetrics(Collector):
     def queued(self, waited_s: float) -> None:
         self.queue.observe(waited_s)
 
-    def first_token(self, prompt_len: int, ttft_s: float, cached: int = 0) -> None:
+    def first_token(self, prompt_len: int, ttft_s: float, cached: int = 0, transferred: int = 0) -> None:
+        """``cached``: the prompt's tokens found in the prefix cache here; ``transferred``: those whose KV came by
+        transfer (D's legs: all the rest). vLLM counts both as cached, and each by its source."""
         self.ttft.observe(ttft_s)
         self.prompt_tokens.inc(prompt_len)
-        self.prompt_cached.inc(cached)
+        self.prompt_cached.inc(cached + transferred)
+        for source, n in zip(PROMPT_SOURCES, (prompt_len - cached - transferred, cached, transferred)):
+            self.prompt_by_source[source].inc(n)
         self.generation_tokens.inc()
 
     def step(self, tokens: int) -> None:

@@ -199,3 +199,29 @@ def test_a_prefill_leg_aborted_before_its_token_is_not_counted():
     s.handle(m.KVFailed("t", 0, "cancelled"), s.writers[0], 1.2, 1.2)
     assert ended(s) == {"stop": 0, "length": 0, "abort": 0, "error": 0, "repetition": 0, "e2e": 0}
     assert not s.reqs
+
+
+def by_source(core) -> dict[str, float]:
+    got = scrape(core)
+    out = {s: value(got, "vllm:prompt_tokens_by_source_total", source=s)
+           for s in ("local_compute", "local_cache_hit", "external_kv_transfer")}
+    out["cached"] = value(got, "vllm:prompt_tokens_cached_total")
+    return out
+
+
+def test_prompt_tokens_by_source_as_vllm_counts_them():
+    """vLLM 0.32: a prompt's tokens are computed here, found in the prefix cache here, or moved here by a KV transfer
+    (vllm:prompt_tokens_by_source), and vllm:prompt_tokens_cached is the last two (a D's loaded prompt is cached)."""
+    core = local_core()
+    run_local(core, "to max_tokens")
+    assert by_source(core) == {"local_compute": 3, "local_cache_hit": 0, "external_kv_transfer": 0, "cached": 0}
+    p, wire = role_core("prefill")
+    p.handle(m.Generate("t", 0, "prefill", (1, 2, 3), 1), ROUTER, 1.0, 1.0)
+    step_done(p, wire, (42,))
+    assert by_source(p) == {"local_compute": 3, "local_cache_hit": 0, "external_kv_transfer": 0, "cached": 0}
+    d, _ = role_core("decode")
+    d.handle(m.Generate("t", 0, "decode", (1, 2, 3), 4, source=P_SRC), ROUTER, 1.0, 1.0)
+    assert by_source(d)["external_kv_transfer"] == 0  # not before its first token
+    for w in d.writers:
+        d.handle(m.KVReceived("t", 0, 42, nbytes=100, num_descs=1), w, 2.0, 2.0)
+    assert by_source(d) == {"local_compute": 0, "local_cache_hit": 0, "external_kv_transfer": 3, "cached": 3}
