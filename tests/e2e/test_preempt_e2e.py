@@ -2,13 +2,12 @@
 room left to --max-model-len) on a pool of little more than one such request run together, in local mode and in
 push mode, preempting one another (vllm:num_preemptions_total on /metrics), and every request's greedy tokens equal
 those of the same request on a pool that holds them all; every block is free on every instance after."""
-import threading
 import urllib.request
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.deploy import deployment, wait_pools_free
+from tests.support.deploy import deployment, in_threads, wait_pools_free
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -25,27 +24,15 @@ COMMON = ("--model", "small", "--max-model-len", str(MAX_LEN))
 def run_all(dep) -> list[list[int]]:
     """Every chat at once, none with max_tokens (each gets the room left to --max-model-len), EOS ignored so each
     runs to that length: their tokens."""
-    out: list = [None] * N
-    errs: list = []
-
     def one(i):
-        try:
-            status, body = dep.post("/v1/chat/completions", {
-                "messages": [{"role": "user", "content": TEXTS[i]}], "ignore_eos": True, "return_token_ids": True,
-                **SAMPLING[i]})
-            assert status == 200, body
-            assert body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"] == MAX_LEN, body["usage"]
-            out[i] = body["choices"][0]["token_ids"]
-        except Exception as e:  # surfaced below
-            errs.append(e)
+        status, body = dep.post("/v1/chat/completions", {
+            "messages": [{"role": "user", "content": TEXTS[i]}], "ignore_eos": True, "return_token_ids": True,
+            **SAMPLING[i]})
+        assert status == 200, body
+        assert body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"] == MAX_LEN, body["usage"]
+        return body["choices"][0]["token_ids"]
 
-    ts = [threading.Thread(target=one, args=(i,)) for i in range(N)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(500)
-    assert not errs, errs
-    return out
+    return in_threads(one, range(N), 500)
 
 
 def preemptions(dep) -> float:

@@ -12,23 +12,29 @@ from tools.launch import Deployment, launched
 from pushkv.supervisor.lifecycle import shm_leftovers
 
 
-def concurrent(dep: Deployment, prompts, max_tokens: int) -> list[list[int]]:
-    out: list = [None] * len(prompts)
+def in_threads(fn, items, timeout_s: float = 300) -> list:
+    """``fn(item)`` for every item at once, each on its own thread: the results in order; any error raised here."""
+    items = list(items)
+    out: list = [None] * len(items)
     errs: list = []
 
-    def one(i, p):
+    def one(i, item):
         try:
-            out[i] = dep.tokens(p, max_tokens)
+            out[i] = fn(item)
         except Exception as e:  # surfaced below
             errs.append(e)
 
-    ts = [threading.Thread(target=one, args=(i, p)) for i, p in enumerate(prompts)]
+    ts = [threading.Thread(target=one, args=(i, item)) for i, item in enumerate(items)]
     for t in ts:
         t.start()
     for t in ts:
-        t.join(300)
+        t.join(timeout_s)
     assert not errs, errs
     return out
+
+
+def concurrent(dep: Deployment, prompts, max_tokens: int) -> list[list[int]]:
+    return in_threads(lambda p: dep.tokens(p, max_tokens), prompts)
 
 
 def wait_pools_free(dep: Deployment, timeout_s: float = 30.0) -> dict[str, m.Stats]:
