@@ -43,6 +43,9 @@ with launched('--mode', '$mode', '--device', 'cuda', '--model', 'medium', '--num
             --model medium --lengths 4096 16384 --reps 3 --out "$OUT/transfer2.json" 2>&1 | tail -5 | tee "$OUT/transfer2.txt" ;;
     gputests) timeout 900 python3 -m pytest -q -p no:cacheprovider -x tests/model/test_batched.py tests/e2e/test_gpu_e2e.py \
             2>&1 | tee "$OUT/gputests.txt" | tail -15 ;;
+    preemptgpu) # preemption by recompute on the batched engine: completes, frees, and how far tokens agree
+            timeout 400 python3 -m pytest -q -s -p no:cacheprovider tests/e2e/test_gpu_preempt.py 2>&1 | tail -15 \
+              | tee "$OUT/preempt.txt" ;;
     models) timeout 560 python3 -m experiments.models_gpu --out "$OUT" ${MODELS_ARGS:-} 2>&1 | grep -v "Writing model\|Loading weights" \
             | tee "$OUT/models_gpu.txt" ;;
     roofline) timeout 600 python3 -m tools.roofline --model "${MODEL:-qwen3-8b}" ${ROOFLINE_ARGS:-} \
