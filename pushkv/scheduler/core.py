@@ -49,7 +49,7 @@ from pushkv.scheduler.lora_table import LoraTable
 from pushkv.scheduler.metrics import EndReason, Finish, InstanceMetrics, Snapshot
 from pushkv.scheduler.outbox import Effect, Peer, Send, Trace
 from pushkv.scheduler.prefix import index_blocks
-from pushkv.scheduler.requests import Request, State, blocks_needed, build_batch, count_work
+from pushkv.scheduler.requests import Request, State, blocks_needed, build_batch, count_work, decodes_taken
 from pushkv.scheduler.validate import check_generate, readable_head
 
 log = logging.getLogger(__name__)
@@ -495,11 +495,21 @@ class SchedulerCore:
             self._stamp(r, f"{self.role}_alloc")
             self._admitted(r)
 
+    def _decoding(self) -> list[Request]:
+        """The decoding requests between steps, in the order they were admitted here (``Request.admit_seq``: vLLM's
+        running list), the order a step takes them in."""
+        return sorted((r for r in self.reqs.values() if r.state == State.RUNNING and not r.in_step),
+                      key=lambda r: r.admit_seq)
+
+    def step_decodes(self) -> list[Request]:
+        """The decoding requests the next step takes (at most --max-num-seqs, of at most --max-loras adapters)."""
+        return decodes_taken(self._decoding(), self.inst.max_num_seqs, self.lora.batch_bound)[0]
+
     def _launch_step(self) -> None:
         # an aborted prefill still here waits for its writers (a streamed chunk may be read): compute
         # no more of it
         prefills = [r for r in self.reqs.values() if r.state == State.PREFILL and not r.in_step and not r.aborted]
-        running = [r for r in self.reqs.values() if r.state == State.RUNNING and not r.in_step]
+        running = self._decoding()
         if not prefills and not running:
             return
         batch = build_batch(prefills, running, self.inst.max_num_seqs, self.inst.max_batch_tokens,
