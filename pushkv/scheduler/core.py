@@ -90,7 +90,7 @@ class SchedulerCore:
         self.by_tid: dict[str, Request] = {}
         self.waiting: list[Request] = []
         self.next_seq = 1
-        self.next_admit = 1  # admission order (Request.admit_seq): the last admitted is preempted first
+        self.next_admit = 1  # running order (Request.admit_seq): the last to begin running is preempted first
         # local instances and D's legs take blocks as their tokens need them and preempt when none is free; P's
         # legs hold their prompt's from admission and never grow
         self.grows = self.role != "prefill"
@@ -226,7 +226,8 @@ class SchedulerCore:
         """Hand /metrics a snapshot of the queue, the running requests and the pool (the shell
         calls it after each entry point; the scrape runs on another thread)."""
         waiting = sum(1 for r in self.reqs.values() if r.state in (State.GRAMMAR, State.WAITING, State.AWAIT_KV))
-        running = self._running()
+        running = len(self.running_now())
+        waiting += self._running() - running  # (D: KV in, waiting for one of --max-num-seqs to end)
         total = self.alloc.num_blocks
         usage = (total - self.alloc.num_free) / total if total else 0.0
         counters = dict(self.counters)
@@ -463,12 +464,23 @@ class SchedulerCore:
     def _running_full(self) -> bool:
         """vLLM's max_num_seqs bounds the requests running, not only a step's sequences: where as many compute here
         already (a prompt or its decode; P's sent ones and D's that wait for their KV do not), one more waits in the
-        queue, and its queue time runs on. D admits on, since its early registration is what push is."""
+        queue, and its queue time runs on. D admits on, since its early registration is what push is; its steps still
+        take at most that many, in the order their KV landed, and the rest count as waiting (``running_now``)."""
         return self.role != "decode" and self._running() >= self.inst.max_num_seqs
 
     def _running(self) -> int:
-        """Requests that compute here: a prompt, its decode, or (D) its KV's check (vllm:num_requests_running)."""
+        """Requests that compute here: a prompt, its decode, or (D) its KV's check (``running_now``: the ones
+        vllm:num_requests_running counts, at most --max-num-seqs)."""
         return sum(1 for r in self.reqs.values() if r.state in (State.PREFILL, State.RUNNING, State.VERIFY))
+
+    def running_now(self) -> list[Request]:
+        """The requests vllm:num_requests_running counts: those that compute here (``_running``), at most
+        --max-num-seqs, in running order. Only D ever has more (it admits on): the later ones' KV has landed and they
+        wait for a step to take them, as vLLM's D keeps such requests waiting until its running list has room."""
+        computing = [r for r in self.reqs.values() if r.state in (State.PREFILL, State.RUNNING, State.VERIFY)]
+        if len(computing) <= self.inst.max_num_seqs:
+            return computing
+        return sorted(computing, key=lambda r: r.admit_seq)[:self.inst.max_num_seqs]
 
     def _admit(self) -> None:
         while self.waiting and not self._engine_blocked() and not self._running_full():
@@ -484,7 +496,7 @@ class SchedulerCore:
             assert blocks is not None  # can_acquire
             self.waiting.pop(0)
             r.blocks = blocks
-            r.admit_seq, self.next_admit = self.next_admit, self.next_admit + 1
+            self._begins_running(r)
             prefix.took_hits(self, r, len(hits))
             if r.preemptions:  # back after a preemption: it computes its prompt and output so far again, here
                 r.state = State.PREFILL
@@ -495,8 +507,13 @@ class SchedulerCore:
             self._stamp(r, f"{self.role}_alloc")
             self._admitted(r)
 
+    def _begins_running(self, r: Request) -> None:
+        """``r`` joins the requests that run here, last (vLLM's running list): at its admission, or on D when its KV
+        has landed. A step takes the decodes in that order, and the last to join is preempted first."""
+        r.admit_seq, self.next_admit = self.next_admit, self.next_admit + 1
+
     def _decoding(self) -> list[Request]:
-        """The decoding requests between steps, in the order they were admitted here (``Request.admit_seq``: vLLM's
+        """The decoding requests between steps, in the order they began to run here (``Request.admit_seq``: vLLM's
         running list), the order a step takes them in."""
         return sorted((r for r in self.reqs.values() if r.state == State.RUNNING and not r.in_step),
                       key=lambda r: r.admit_seq)

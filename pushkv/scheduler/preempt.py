@@ -3,10 +3,11 @@ legs hold their prompt's blocks from admission and never grow). Pure, as the cor
 ``grow`` before each step, as vLLM's v1 scheduler allocates its running requests' slots before it admits.
 
 A request is admitted with its prefill's blocks and its next token's slot (``Request.blocks_to_admit``). Before a
-step, each decoding request the step takes whose next token starts a block gets one (the oldest admitted first; one
+step, each decoding request the step takes whose next token starts a block gets one (the oldest running first; one
 that --max-num-seqs or --max-loras leaves out of the step gets none, as vLLM allocates only for what it schedules);
-where none is free, the last admitted of the requests computing here is preempted (vLLM's ``running[-1]``), until
-the block comes or the one preempted is the one that asked. Preempted, a request's blocks go back (its full blocks
+where none is free, the last to begin running of the requests computing here is preempted (vLLM's ``running[-1]``;
+``Request.admit_seq``: its admission, or on D its KV's arrival), until the block comes or the one preempted is the
+one that asked. Preempted, a request's blocks go back (its full blocks
 stay in the prefix cache where they were indexed) and it waits at the front of the queue; readmitted, it prefills
 its prompt and output so far (``Request.prefill_ids``, chunked as any prompt, its cached blocks taken), and its last
 chunk samples output token len(output) as a decode step would. What it sent stays sent: no second first token, TTFT
@@ -26,7 +27,7 @@ log = logging.getLogger("pushkv.scheduler.core")
 
 
 def grow(core: "SchedulerCore") -> bool:
-    """Before a step: the blocks each decoding request the step takes needs for its next token (the oldest admitted
+    """Before a step: the blocks each decoding request the step takes needs for its next token (the oldest running
     first), preempting where none is free. Only those the step takes: one that --max-num-seqs or --max-loras leaves
     out (D runs more than --max-num-seqs at once) gets its block when a step takes it, as vLLM allocates only for the
     requests it schedules. A preemption can let a request left out into the step: the step's requests are read again

@@ -100,7 +100,9 @@ class Request:
     _seen: Optional[array] = field(default=None, repr=False)
     _seen_set: set = field(default_factory=set, repr=False)
     _seen_out: int = 0
-    admit_seq: int = 0  # the order of its latest admission here (vLLM's running order: the last is preempted first)
+    # the order it last began to run here (vLLM's running order: a step's decodes go in it, the last is preempted
+    # first): its admission, or on D its KV's arrival
+    admit_seq: int = 0
     preemptions: int = 0  # times its blocks were taken back (it computes its prompt and output again)
     # after a preemption with output: the tokens to prefill again (prompt + output so far); (): its prompt
     recompute: tuple[int, ...] = ()
