@@ -600,7 +600,7 @@ class SchedulerCore:
         r.counted = True
         admitted, first = r.admitted_at or r.queued_at, r.first_at or self.now
         self.metrics.finished(Finish(reason, len(r.prompt), len(r.output), r.max_tokens, self.now - r.queued_at,
-                                     first - admitted, self.now - first))
+                                     first - admitted, self.now - first, r.preemptions))
 
     def _emit(self, r: Request, tok: int, lp: Optional[m.TokenLogprob] = None) -> None:
         r.output.append(tok)

@@ -31,6 +31,8 @@ REQUEST_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 3
                      240.0, 480.0, 960.0, 1920.0, 7680.0)
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
+# vLLM 0.32's (vllm/v1/metrics/buckets.py: REQUEST_NUM_PREEMPTIONS_BUCKETS): 1 holds the never and the once preempted
+NUM_PREEMPTIONS_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
 # vLLM's FinishReason, each series there from the start. pushkv counts "stop" and "length" (every way a leg ends
 # complete), and "error" (a request this instance failed after admitting it, as vLLM's engine ends a KV load failure
 # or a grammar's failure): vLLM's frontend drops a client's abort without counting it (the "abort" series stays at 0
@@ -64,6 +66,7 @@ class Finish(NamedTuple):
     e2e_s: float  # arrival here -> the end
     prefill_s: float  # blocks allocated -> this instance's first token (D: the KV's wait with it)
     decode_s: float  # first token -> the end
+    preemptions: int = 0  # times its blocks were taken back here (Request.preemptions)
 
 # the core's counters exposed as pushkv_instance_<name>_total (the rest stay in the router's GetStats view)
 OWN_COUNTERS = {
@@ -139,6 +142,9 @@ class InstanceMetrics(Collector):
         self.params_n = hist("vllm:request_params_n", "n of finished requests (pushkv runs each choice as its own)",
                              PARAMS_N_BUCKETS)
         self.iteration = hist("vllm:iteration_tokens_total", "Tokens per forward step", ITERATION_TOKENS_BUCKETS)
+        self.num_preemptions = hist("vllm:request_num_preemptions",
+                                    "Histogram of the number of times a request was preempted.",
+                                    NUM_PREEMPTIONS_BUCKETS)
         self.prompt_cached = Counter("vllm:prompt_tokens_cached", "Prompt tokens not computed here (the prefix "
                                      "cache's, and on D the KV transfer's) of requests that reached their first "
                                      "token here", names, registry=r).labels(model_name)
@@ -192,6 +198,7 @@ class InstanceMetrics(Collector):
         self.max_gen.observe(f.max_tokens)
         self.params_max_tokens.observe(f.max_tokens)
         self.params_n.observe(1)
+        self.num_preemptions.observe(f.preemptions)
 
     def publish(self, snap: Snapshot) -> None:
         self.snap = snap  # one reference swap: the scrape's thread sees the old one or this one

@@ -263,3 +263,17 @@ def test_only_the_requests_a_step_takes_get_their_next_block():
         taken.append(["a" if w.seq_id == a.seq_id else "b" for w in seqs])
     assert taken[:3] == [["a"], ["b"], ["a"]] and all(len(t) == 1 for t in taken)
     assert s.counters["preemptions"] == 0 and s.counters["requests_completed"] == 2 and idle(s)
+
+
+def test_each_requests_preemptions_are_observed_at_its_end_as_vllms_histogram():
+    from tests.scheduler.test_scheduler_metrics import scrape
+
+    s, wire, got = two_on_four_blocks()
+    name, label = "vllm:request_num_preemptions", (("model_name", "small"),)
+    assert scrape(s)[(f"{name}_count", label)] == 0  # "b" is preempted, not ended
+    finish(s, wire, got)
+    text = scrape(s)
+    buckets = {le: text[(f"{name}_bucket", (("le", le),) + label)]
+               for le in ("1.0", "2.0", "3.0", "4.0", "5.0", "10.0", "20.0", "+Inf")}
+    assert buckets == dict.fromkeys(buckets, 2)  # "a" never, "b" once: vLLM's first bucket holds both
+    assert (text[(f"{name}_count", label)], text[(f"{name}_sum", label)]) == (2, 1)
