@@ -181,6 +181,7 @@ class SchedulerCore:
     def tick(self, now: float, wall: float) -> None:
         """Deadlines: a writer slow to answer GetStats, a step that never ends."""
         self.now, self.wall = now, wall
+        self.metrics.expire(now)  # ends the router's word on never came
         if self._stats_waiting and now - self._stats_asked > WRITER_STATS_WAIT_S:
             stats.answer(self)  # a writer that does not answer must not hold the router's scrape
         if self.step is not None and now - self.step_started > self.cfg.timeouts.step_s:
@@ -352,7 +353,7 @@ class SchedulerCore:
                     frozenset(msg.stop_token_ids), msg.source, msg.pull, seq_id=self.next_seq,
                     sampling=msg.sampling, late=msg.late, prefill_here=msg.prefill_here, cache_salt=msg.cache_salt,
                     grammar=grammar, structured=msg.structured, lora=msg.lora, lora_slot=self.lora.slot(msg.lora),
-                    lora_id=self.lora.lora_id(msg.lora))
+                    lora_id=self.lora.lora_id(msg.lora), stop_strings=msg.stop_strings)
         self.next_seq += 1
         if msg.arrival:
             r.timeline["arrival"] = msg.arrival
@@ -393,6 +394,12 @@ class SchedulerCore:
         self._release(r)
         self.schedule()
 
+    def on_ChoiceEnded(self, msg: m.ChoiceEnded, frm: Peer) -> None:
+        """How the client's choice ended, for a leg that ended by length while the router searched its text for stop
+        strings (``_observe_finish`` held its end): counted so now."""
+        if not self.metrics.choice_ended((msg.transfer_id, msg.generation), msg.finish):
+            self.counters["choice_end_unknown"] += 1  # (held past its wait, or its instance restarted)
+
     def on_RouterEpoch(self, msg: m.RouterEpoch, frm: Peer) -> None:
         """A router (re)started: the requests any other router sent are orphans (their client's
         connection went with it), so they are aborted and their blocks freed now, not after
@@ -404,6 +411,7 @@ class SchedulerCore:
             return
         first = self.router_epoch == 0
         self.router_epoch = msg.epoch
+        self.metrics.expire(self.now, every=True)  # the router that would have said how they ended is gone
         # the queued first, so that freeing blocks admits none of them
         orphans = sorted((r for r in self.reqs.values() if r.identity != frm.identity and not r.aborted),
                          key=lambda r: r.state not in (State.GRAMMAR, State.WAITING))
@@ -599,8 +607,12 @@ class SchedulerCore:
             return
         r.counted = True
         admitted, first = r.admitted_at or r.queued_at, r.first_at or self.now
-        self.metrics.finished(Finish(reason, len(r.prompt), len(r.output), r.max_tokens, self.now - r.queued_at,
-                                     first - admitted, self.now - first, r.preemptions))
+        f = Finish(reason, len(r.prompt), len(r.output), r.max_tokens, self.now - r.queued_at, first - admitted,
+                   self.now - first, r.preemptions)
+        if reason == "length" and r.stop_strings:  # a stop string may match on its last token: the router says
+            self.metrics.hold(r.key, f, self.now + self.cfg.timeouts.request_s)
+        else:
+            self.metrics.finished(f)
 
     def _emit(self, r: Request, tok: int, lp: Optional[m.TokenLogprob] = None) -> None:
         r.output.append(tok)

@@ -106,6 +106,7 @@ class Request:
     preemptions: int = 0  # times its blocks were taken back (it computes its prompt and output again)
     # after a preemption with output: the tokens to prefill again (prompt + output so far); (): its prompt
     recompute: tuple[int, ...] = ()
+    stop_strings: bool = False  # the router searches its text for stop strings (Generate.stop_strings)
 
     @property
     def key(self) -> tuple[str, int]:
