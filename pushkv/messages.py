@@ -229,6 +229,9 @@ class Generate(Msg, frozen=True):
     cache_salt: str = ""
     structured: Optional[Structured] = None  # the output held to a grammar
     lora: str = ""  # the LoRA adapter the request names as its model (vLLM's --lora-modules); "": the base model
+    # a token leg whose text the router searches for stop strings: should it end by length, its end is counted once
+    # the router says how the client's choice ended (ChoiceEnded: a stop string may match on its last token)
+    stop_strings: bool = False
 
 
 class Abort(Msg, frozen=True):
@@ -239,6 +242,16 @@ class Abort(Msg, frozen=True):
     # matched: "stop"), counted as vLLM counts a stop string its frontend matched. "": an abort (the client gone,
     # /v1/abort, the deadline, a failure elsewhere), which vLLM counts nowhere
     finish: FinishReason = ""
+
+
+class ChoiceEnded(Msg, frozen=True):
+    """How the client's choice ended, for a token leg that ended by length while the router searched its text for
+    stop strings (``Generate.stop_strings``): "stop" where one matched on its last token, which vLLM's frontend counts
+    as stop (its detokenizer's match overrides the engine's length); its instance counts the leg's end so."""
+
+    transfer_id: str
+    generation: int
+    finish: FinishReason
 
 
 class GetStats(Msg, frozen=True):
@@ -358,7 +371,8 @@ class LoraChanged(Msg, frozen=True):
     adapters: tuple[str, ...] = ()
 
 
-RouterToScheduler = Union[Generate, Abort, GetStats, PeerLost, RouterEpoch, ResetPrefixCache, LoadLora, UnloadLora]
+RouterToScheduler = Union[Generate, Abort, GetStats, PeerLost, RouterEpoch, ResetPrefixCache, LoadLora, UnloadLora,
+                          ChoiceEnded]
 SchedulerToRouter = Union[TokensGenerated, PrefillFinished, RequestFailed, Stats, LoraChanged]
 
 

@@ -36,7 +36,7 @@ class RequestRun:
                  prompt_token_ids: list[int], max_tokens: int, stop_token_ids: tuple[int, ...], arrival: float,
                  metrics: RouterMetrics, sampling: Optional[m.SamplingParams] = None,
                  local_link: Optional[SchedulerLink] = None, cache_salt: str = "",
-                 structured: Optional[m.Structured] = None, lora: str = ""):
+                 structured: Optional[m.Structured] = None, lora: str = "", stop_strings: bool = False):
         self.balancer = balancer
         self.local_link = local_link
         self.metrics = metrics
@@ -46,7 +46,7 @@ class RequestRun:
             stop=stop_token_ids, request_s=cfg.timeouts.request_s,
             sampling=sampling if sampling != m.SamplingParams() else None,
             local_engine=cfg.local.engine_id or "local", wall_offset=wall - time.monotonic(), cache_salt=cache_salt,
-            structured=structured, lora=lora,
+            structured=structured, lora=lora, stop_strings=stop_strings,
         )
         self.req = R.Request(spec, arrival, arrival_wall=wall)
         self.hash_cache: dict[int, list[int]] = {}  # the balancer's: block size -> the prompt's block hashes
@@ -197,7 +197,7 @@ class RequestRun:
         except Exception as e:
             if isinstance(a.msg, m.Generate):
                 return R.SendFailed(a.leg, str(e))
-            log.error("abort to %s failed transfer_id=%s: %s", a.leg, self.transfer_id, e)
+            log.error("%s to %s failed transfer_id=%s: %s", type(a.msg).__name__, a.leg, self.transfer_id, e)
             return None
         if isinstance(a.msg, m.Abort):
             self.metrics.aborts_sent.labels(role=a.leg).inc()
@@ -240,6 +240,10 @@ class RequestRun:
         """A stop string ended the choice: it is complete, its legs are aborted."""
         self._feed(R.Stopped())
         self.close(reason)
+
+    def shown(self, finish: str) -> None:
+        """The client was given the choice's end (``finish``): the token leg's instance hears how it ended."""
+        self._feed(R.Shown(finish))
 
     def close(self, reason: str = "", outcome: Outcome = "aborted") -> None:
         """Release the request and abort every leg that was sent and has not ended; if it had not

@@ -132,7 +132,9 @@ class Generation:
                 fan.stop(i, "stop string matched")
             return delta
         if isinstance(ev, Finished):
-            return out.finish(ev.finish_reason)
+            delta = out.finish(ev.finish_reason)
+            self.runs[i].shown(out.finish_reason or ev.finish_reason)  # (its instance counts the end so)
+            return delta
         return None
 
     def _usage(self) -> dict:

@@ -18,9 +18,10 @@ Inputs, one handler each (``Request.HANDLERS``, keyed by type):
   ``DecodePlaced`` / ``DecodeQueued``; ``SendFailed`` when a link refused a ``Generate``.
 - the schedulers' ``TokensGenerated``, ``PrefillFinished``, ``RequestFailed`` (``leg`` says whose).
 - ``Cancel`` (abort endpoint, shutdown, an instance down), ``Tick`` (the armed deadline is due),
-  ``Stopped`` (a stop string ended the choice), ``Close`` (the handler is done: release, abort what is open).
+  ``Stopped`` (a stop string ended the choice), ``Shown`` (the handler gave the client the choice's end), ``Close``
+  (the handler is done: release, abort what is open).
 
-Actions: ``Send`` (a ``Generate`` or an ``Abort`` to a leg's instance), ``Tokens`` / ``Finished`` /
+Actions: ``Send`` (a ``Generate``, an ``Abort`` or a ``ChoiceEnded`` to a leg's instance), ``Tokens`` / ``Finished`` /
 ``Failed`` for the client (exactly one of the last two, once), ``Place`` / ``PlaceDecode`` (ask the
 balancer; its answer comes back as an input), ``PrefillDone`` / ``KVArrived`` / ``Release`` (tell
 it), ``Arm`` / ``Disarm`` (the one deadline).
@@ -69,6 +70,7 @@ from pushkv.router.request_msgs import (  # re-exported: the machine's callers n
     Release,
     Send,
     SendFailed,
+    Shown,
     Source,
     Start,
     Stopped,
@@ -82,7 +84,7 @@ log = logging.getLogger(__name__)
 LINES = Kinds()
 
 __all__ = ["Start", "Placed", "Queued", "DecodePlaced", "DecodeQueued", "Rejected", "SendFailed", "Cancel",
-           "Tick", "Stopped", "Close", "Send", "Tokens", "Finished", "Failed", "Place", "PlaceDecode",
+           "Tick", "Stopped", "Shown", "Close", "Send", "Tokens", "Finished", "Failed", "Place", "PlaceDecode",
            "PrefillDone", "KVArrived", "Release", "Arm", "Disarm", "Event", "Action", "IllegalInput", "Phase",
            "Request", "Spec", "TRANSITIONS", "GENERATION", "PREFILL_REPORT_GRACE_S", "ROUTER", "Source"]
 
@@ -152,7 +154,8 @@ TRANSITIONS: dict[Phase, dict[type, frozenset[Phase]]] = {
     # the client has every token: P's report, P's own token or failure, a stop string, the grace
     Phase.FINISHING: {m.TokensGenerated: _F({Phase.FINISHING}), m.PrefillFinished: _F({Phase.DONE}),
                       m.RequestFailed: _F({Phase.DONE}), Stopped: _F({Phase.DONE})},
-    Phase.DONE: {Close: _F({Phase.CLOSED})},
+    # the client has its end: a stop string on the last token, and the handler giving the end, still tell D
+    Phase.DONE: {Close: _F({Phase.CLOSED}), Stopped: _F({Phase.DONE}), Shown: _F({Phase.DONE})},
     Phase.CLOSED: {},
 }
 for _p in _LIVE:
@@ -176,6 +179,7 @@ class Spec:
     cache_salt: str = ""  # vLLM's: its cached prefixes are shared only with the same salt's
     lora: str = ""  # the LoRA adapter its model names ("": the base model)
     structured: Optional[m.Structured] = None  # its output held to this grammar, on every leg that draws
+    stop_strings: bool = False  # the client's text is searched for stop strings (the token leg's Generate says so)
 
 
 class Request:
@@ -195,6 +199,9 @@ class Request:
         self.p_report: Optional[m.TokensGenerated] = None
         self.held: list[m.TokensGenerated] = []
         self.cancelled = ""  # why the router cancelled it (the abort endpoint, a stop, an instance down)
+        # the token leg ended by length while its text is searched for stop strings: its instance counts that end
+        # once told how the client's choice ended (``_tell_end``)
+        self.end_owed = False
 
     # -- what others read --------------------------------------------------------
     @property
@@ -259,7 +266,8 @@ class Request:
         return m.Generate(
             transfer_id=s.transfer_id, generation=GENERATION, leg=leg, prompt_token_ids=s.prompt,
             max_tokens=max_tokens, stop_token_ids=s.stop, arrival=self.ledger.timeline["router.arrival"],
-            sampling=s.sampling, cache_salt=s.cache_salt, structured=s.structured, lora=s.lora, **kw,
+            sampling=s.sampling, cache_salt=s.cache_salt, structured=s.structured, lora=s.lora,
+            stop_strings=s.stop_strings and leg != "prefill", **kw,
         )
 
     def _send(self, leg: Role, engine_id: str, msg: m.Generate, now: float) -> Send:
@@ -373,11 +381,26 @@ class Request:
         return self._fail(504, f"request exceeded {self.spec.request_s:g} s", "timeout")
 
     def _on_stopped(self, msg: Stopped, now: float, leg: Source) -> list[Action]:
+        if self.phase is Phase.DONE:  # on the last token, which ended the leg by length: vLLM counts it stop
+            return self._tell_end("stop")
         self.ledger.outcome = "ok"
         self.ledger.finish = now
         self._mark("router.finish", now)
         self.phase = Phase.DONE
-        return [Disarm()]
+        return [Disarm()] + self._tell_end("stop")
+
+    def _on_shown(self, msg: Shown, now: float, leg: Source) -> list[Action]:
+        return self._tell_end(msg.finish)
+
+    def _tell_end(self, finish: str) -> list[Action]:
+        """The token leg's instance holds its end by length until told how the client's choice ended (vLLM's
+        frontend counts a stop string matched on the last token as stop): told once, "stop" or "length"."""
+        if not self.end_owed:
+            return []
+        self.end_owed = False
+        tok = self.token_leg
+        said: FinishReason = "stop" if finish == "stop" else "length"
+        return [Send(tok, self.ledger.engines[tok], m.ChoiceEnded(self.transfer_id, GENERATION, said))]
 
     def _on_close(self, msg: Close, now: float, leg: Source) -> list[Action]:
         led = self.ledger
@@ -387,7 +410,7 @@ class Request:
             "request complete" if led.outcome == "ok"  # only P (push) can still be open
             else "client disconnected" if led.outcome == "aborted" else f"request {led.outcome}")
         self.phase = Phase.CLOSED  # the client is gone or has its answer: nothing is emitted any more
-        out: list[Action] = [Disarm()]
+        out: list[Action] = [Disarm()] + self._tell_end("length")  # (the client went before its end was given)
         if self.spec.mode != "local":
             out.append(Release())
         legs = led.sent - led.ended
@@ -495,6 +518,7 @@ class Request:
         led.finish = now
         self._mark("router.finish", now)
         led.finish_reason = msg.finish_reason or "length"
+        self.end_owed = led.finish_reason == "length" and self.spec.stop_strings
         if self.spec.mode != "push" or "prefill" not in led.sent or "prefill" in led.ended:
             return self._finish()
         # push: D finished before P reported; wait briefly for P's timeline
@@ -519,5 +543,6 @@ Request.HANDLERS.update({
     Cancel: Request._on_cancel,
     Tick: Request._on_tick,
     Stopped: Request._on_stopped,
+    Shown: Request._on_shown,
     Close: Request._on_close,
 })

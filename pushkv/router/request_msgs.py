@@ -84,6 +84,14 @@ class Stopped:
 
 
 @dataclass(frozen=True)
+class Shown:
+    """The handler gave the client its choice's end (it applied the choice's ``Finished``): ``finish`` is how the
+    choice ended there ("stop" where a stop string matched only as the text was flushed)."""
+
+    finish: str
+
+
+@dataclass(frozen=True)
 class Close:
     """The handler is done with the request, whatever the reason: release it, abort open legs.
 
@@ -101,7 +109,7 @@ class Close:
 class Send:
     leg: Role
     engine_id: str
-    msg: Union[m.Generate, m.Abort]
+    msg: Union[m.Generate, m.Abort, m.ChoiceEnded]
 
 
 @dataclass(frozen=True)

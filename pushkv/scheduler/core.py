@@ -49,7 +49,7 @@ from pushkv.scheduler.lora_table import LoraTable
 from pushkv.scheduler.metrics import EndReason, Finish, InstanceMetrics, Snapshot
 from pushkv.scheduler.outbox import Effect, Peer, Send, Trace
 from pushkv.scheduler.prefix import index_blocks
-from pushkv.scheduler.requests import Request, State, blocks_needed, build_batch, count_work
+from pushkv.scheduler.requests import Request, State, blocks_needed, build_batch, count_work, decodes_taken
 from pushkv.scheduler.validate import check_generate, readable_head
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ class SchedulerCore:
         self.by_tid: dict[str, Request] = {}
         self.waiting: list[Request] = []
         self.next_seq = 1
-        self.next_admit = 1  # admission order (Request.admit_seq): the last admitted is preempted first
+        self.next_admit = 1  # running order (Request.admit_seq): the last to begin running is preempted first
         # local instances and D's legs take blocks as their tokens need them and preempt when none is free; P's
         # legs hold their prompt's from admission and never grow
         self.grows = self.role != "prefill"
@@ -181,6 +181,7 @@ class SchedulerCore:
     def tick(self, now: float, wall: float) -> None:
         """Deadlines: a writer slow to answer GetStats, a step that never ends."""
         self.now, self.wall = now, wall
+        self.metrics.expire(now)  # ends the router's word on never came
         if self._stats_waiting and now - self._stats_asked > WRITER_STATS_WAIT_S:
             stats.answer(self)  # a writer that does not answer must not hold the router's scrape
         if self.step is not None and now - self.step_started > self.cfg.timeouts.step_s:
@@ -226,7 +227,8 @@ class SchedulerCore:
         """Hand /metrics a snapshot of the queue, the running requests and the pool (the shell
         calls it after each entry point; the scrape runs on another thread)."""
         waiting = sum(1 for r in self.reqs.values() if r.state in (State.GRAMMAR, State.WAITING, State.AWAIT_KV))
-        running = self._running()
+        running = len(self.running_now())
+        waiting += self._running() - running  # (D: KV in, waiting for one of --max-num-seqs to end)
         total = self.alloc.num_blocks
         usage = (total - self.alloc.num_free) / total if total else 0.0
         counters = dict(self.counters)
@@ -351,7 +353,7 @@ class SchedulerCore:
                     frozenset(msg.stop_token_ids), msg.source, msg.pull, seq_id=self.next_seq,
                     sampling=msg.sampling, late=msg.late, prefill_here=msg.prefill_here, cache_salt=msg.cache_salt,
                     grammar=grammar, structured=msg.structured, lora=msg.lora, lora_slot=self.lora.slot(msg.lora),
-                    lora_id=self.lora.lora_id(msg.lora))
+                    lora_id=self.lora.lora_id(msg.lora), stop_strings=msg.stop_strings)
         self.next_seq += 1
         if msg.arrival:
             r.timeline["arrival"] = msg.arrival
@@ -392,6 +394,12 @@ class SchedulerCore:
         self._release(r)
         self.schedule()
 
+    def on_ChoiceEnded(self, msg: m.ChoiceEnded, frm: Peer) -> None:
+        """How the client's choice ended, for a leg that ended by length while the router searched its text for stop
+        strings (``_observe_finish`` held its end): counted so now."""
+        if not self.metrics.choice_ended((msg.transfer_id, msg.generation), msg.finish):
+            self.counters["choice_end_unknown"] += 1  # (held past its wait, or its instance restarted)
+
     def on_RouterEpoch(self, msg: m.RouterEpoch, frm: Peer) -> None:
         """A router (re)started: the requests any other router sent are orphans (their client's
         connection went with it), so they are aborted and their blocks freed now, not after
@@ -403,6 +411,7 @@ class SchedulerCore:
             return
         first = self.router_epoch == 0
         self.router_epoch = msg.epoch
+        self.metrics.expire(self.now, every=True)  # the router that would have said how they ended is gone
         # the queued first, so that freeing blocks admits none of them
         orphans = sorted((r for r in self.reqs.values() if r.identity != frm.identity and not r.aborted),
                          key=lambda r: r.state not in (State.GRAMMAR, State.WAITING))
@@ -463,12 +472,23 @@ class SchedulerCore:
     def _running_full(self) -> bool:
         """vLLM's max_num_seqs bounds the requests running, not only a step's sequences: where as many compute here
         already (a prompt or its decode; P's sent ones and D's that wait for their KV do not), one more waits in the
-        queue, and its queue time runs on. D admits on, since its early registration is what push is."""
+        queue, and its queue time runs on. D admits on, since its early registration is what push is; its steps still
+        take at most that many, in the order their KV landed, and the rest count as waiting (``running_now``)."""
         return self.role != "decode" and self._running() >= self.inst.max_num_seqs
 
     def _running(self) -> int:
-        """Requests that compute here: a prompt, its decode, or (D) its KV's check (vllm:num_requests_running)."""
+        """Requests that compute here: a prompt, its decode, or (D) its KV's check (``running_now``: the ones
+        vllm:num_requests_running counts, at most --max-num-seqs)."""
         return sum(1 for r in self.reqs.values() if r.state in (State.PREFILL, State.RUNNING, State.VERIFY))
+
+    def running_now(self) -> list[Request]:
+        """The requests vllm:num_requests_running counts: those that compute here (``_running``), at most
+        --max-num-seqs, in running order. Only D ever has more (it admits on): the later ones' KV has landed and they
+        wait for a step to take them, as vLLM's D keeps such requests waiting until its running list has room."""
+        computing = [r for r in self.reqs.values() if r.state in (State.PREFILL, State.RUNNING, State.VERIFY)]
+        if len(computing) <= self.inst.max_num_seqs:
+            return computing
+        return sorted(computing, key=lambda r: r.admit_seq)[:self.inst.max_num_seqs]
 
     def _admit(self) -> None:
         while self.waiting and not self._engine_blocked() and not self._running_full():
@@ -484,7 +504,7 @@ class SchedulerCore:
             assert blocks is not None  # can_acquire
             self.waiting.pop(0)
             r.blocks = blocks
-            r.admit_seq, self.next_admit = self.next_admit, self.next_admit + 1
+            self._begins_running(r)
             prefix.took_hits(self, r, len(hits))
             if r.preemptions:  # back after a preemption: it computes its prompt and output so far again, here
                 r.state = State.PREFILL
@@ -495,11 +515,26 @@ class SchedulerCore:
             self._stamp(r, f"{self.role}_alloc")
             self._admitted(r)
 
+    def _begins_running(self, r: Request) -> None:
+        """``r`` joins the requests that run here, last (vLLM's running list): at its admission, or on D when its KV
+        has landed. A step takes the decodes in that order, and the last to join is preempted first."""
+        r.admit_seq, self.next_admit = self.next_admit, self.next_admit + 1
+
+    def _decoding(self) -> list[Request]:
+        """The decoding requests between steps, in the order they began to run here (``Request.admit_seq``: vLLM's
+        running list), the order a step takes them in."""
+        return sorted((r for r in self.reqs.values() if r.state == State.RUNNING and not r.in_step),
+                      key=lambda r: r.admit_seq)
+
+    def step_decodes(self) -> list[Request]:
+        """The decoding requests the next step takes (at most --max-num-seqs, of at most --max-loras adapters)."""
+        return decodes_taken(self._decoding(), self.inst.max_num_seqs, self.lora.batch_bound)[0]
+
     def _launch_step(self) -> None:
         # an aborted prefill still here waits for its writers (a streamed chunk may be read): compute
         # no more of it
         prefills = [r for r in self.reqs.values() if r.state == State.PREFILL and not r.in_step and not r.aborted]
-        running = [r for r in self.reqs.values() if r.state == State.RUNNING and not r.in_step]
+        running = self._decoding()
         if not prefills and not running:
             return
         batch = build_batch(prefills, running, self.inst.max_num_seqs, self.inst.max_batch_tokens,
@@ -572,8 +607,12 @@ class SchedulerCore:
             return
         r.counted = True
         admitted, first = r.admitted_at or r.queued_at, r.first_at or self.now
-        self.metrics.finished(Finish(reason, len(r.prompt), len(r.output), r.max_tokens, self.now - r.queued_at,
-                                     first - admitted, self.now - first))
+        f = Finish(reason, len(r.prompt), len(r.output), r.max_tokens, self.now - r.queued_at, first - admitted,
+                   self.now - first, r.preemptions)
+        if reason == "length" and r.stop_strings:  # a stop string may match on its last token: the router says
+            self.metrics.hold(r.key, f, self.now + self.cfg.timeouts.request_s)
+        else:
+            self.metrics.finished(f)
 
     def _emit(self, r: Request, tok: int, lp: Optional[m.TokenLogprob] = None) -> None:
         r.output.append(tok)

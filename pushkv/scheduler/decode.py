@@ -145,6 +145,9 @@ class DecodeScheduler(SchedulerCore):
         if not 0 <= first < self.vocab:  # from a peer: it would be the next step's input
             self._fail(r, f"KV transfer failed: first token {first} outside the vocabulary [0, {self.vocab})", 502)
             return
+        # it runs from now, after those already decoding: where --max-num-seqs of them do, it waits for one to end
+        # (counted waiting), as vLLM's D keeps a request whose KV came in its queue until its running has room
+        self._begins_running(r)
         if self.cfg.kv_verify != "off" and self._verify(r, answers):
             r.output = [first]
             if r.state == State.VERIFY and r.finished() is None:

@@ -20,7 +20,6 @@ from pushkv import messages as m
 from pushkv.config import LoraConfig
 from pushkv.scheduler.metrics import LoraSnapshot
 from pushkv.scheduler.outbox import Peer
-from pushkv.scheduler.requests import State
 
 if TYPE_CHECKING:  # (the core calls these; its module imports this one)
     from pushkv.scheduler.core import SchedulerCore
@@ -82,9 +81,10 @@ def snapshot(core: "SchedulerCore") -> Optional[LoraSnapshot]:
         return None
     running: dict[str, None] = {}
     waiting: dict[str, None] = {}
+    now = {r.key for r in core.running_now()}  # (vllm:num_requests_running's: D's past --max-num-seqs wait)
     for r in core.reqs.values():
         if r.lora:
-            (running if r.state in (State.PREFILL, State.RUNNING, State.VERIFY) else waiting)[r.lora] = None
+            (running if r.key in now else waiting)[r.lora] = None
     return LoraSnapshot(t.max_loras, ",".join(running), ",".join(waiting), core.wall)
 
 

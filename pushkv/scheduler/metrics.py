@@ -16,7 +16,8 @@ snapshot and never iterates the core's live structures.
 """
 from __future__ import annotations
 
-from typing import Literal, Mapping, NamedTuple, Optional
+from collections import OrderedDict
+from typing import Hashable, Literal, Mapping, NamedTuple, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -31,6 +32,8 @@ REQUEST_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 3
                      240.0, 480.0, 960.0, 1920.0, 7680.0)
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
+# vLLM 0.32's (vllm/v1/metrics/buckets.py: REQUEST_NUM_PREEMPTIONS_BUCKETS): 1 holds the never and the once preempted
+NUM_PREEMPTIONS_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
 # vLLM's FinishReason, each series there from the start. pushkv counts "stop" and "length" (every way a leg ends
 # complete), and "error" (a request this instance failed after admitting it, as vLLM's engine ends a KV load failure
 # or a grammar's failure): vLLM's frontend drops a client's abort without counting it (the "abort" series stays at 0
@@ -40,6 +43,7 @@ FINISH_REASONS: tuple[EndReason, ...] = ("stop", "length", "abort", "error", "re
 # vllm:prompt_tokens_by_source's sources, as vLLM 0.32's PromptTokenStats names them: computed here, found in the
 # prefix cache here, moved here by a KV transfer
 PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+MAX_HELD_ENDS = 65536  # ends waiting for the router's word (Generate.stop_strings); past it the oldest is observed
 
 
 def token_buckets(max_model_len: int) -> tuple[int, ...]:
@@ -64,6 +68,7 @@ class Finish(NamedTuple):
     e2e_s: float  # arrival here -> the end
     prefill_s: float  # blocks allocated -> this instance's first token (D: the KV's wait with it)
     decode_s: float  # first token -> the end
+    preemptions: int = 0  # times its blocks were taken back here (Request.preemptions)
 
 # the core's counters exposed as pushkv_instance_<name>_total (the rest stay in the router's GetStats view)
 OWN_COUNTERS = {
@@ -139,6 +144,9 @@ class InstanceMetrics(Collector):
         self.params_n = hist("vllm:request_params_n", "n of finished requests (pushkv runs each choice as its own)",
                              PARAMS_N_BUCKETS)
         self.iteration = hist("vllm:iteration_tokens_total", "Tokens per forward step", ITERATION_TOKENS_BUCKETS)
+        self.num_preemptions = hist("vllm:request_num_preemptions",
+                                    "Histogram of the number of times a request was preempted.",
+                                    NUM_PREEMPTIONS_BUCKETS)
         self.prompt_cached = Counter("vllm:prompt_tokens_cached", "Prompt tokens not computed here (the prefix "
                                      "cache's, and on D the KV transfer's) of requests that reached their first "
                                      "token here", names, registry=r).labels(model_name)
@@ -153,6 +161,8 @@ class InstanceMetrics(Collector):
                                registry=r)
         for reason in FINISH_REASONS:  # each at 0 from the start, as vLLM's (a rate over it is defined at once)
             self.success.labels(model_name, reason)
+        # request -> its end and until when it waits for the router's word (``hold``), oldest first
+        self.held: OrderedDict[Hashable, tuple[Finish, float]] = OrderedDict()
         r.register(self)
 
     # -- from the core (pure: values in, observations out) ------------------------------
@@ -192,6 +202,34 @@ class InstanceMetrics(Collector):
         self.max_gen.observe(f.max_tokens)
         self.params_max_tokens.observe(f.max_tokens)
         self.params_n.observe(1)
+        self.num_preemptions.observe(f.preemptions)
+
+    # -- ends the router has the last word on (the core's loop only) ------------------------
+    def hold(self, key: Hashable, f: Finish, until: float) -> None:
+        """A token leg ended by length while the router searches its text for stop strings: vLLM's frontend counts
+        a stop string matched on the last token as stop, so ``f`` is observed when the router says how the client's
+        choice ended (``choice_ended``), or as it is once ``until`` has passed (``expire``: the word never came)."""
+        self.held[key] = (f, until)
+        while len(self.held) > MAX_HELD_ENDS:
+            self.finished(self.held.popitem(last=False)[1][0])
+
+    def choice_ended(self, key: Hashable, finish: str) -> bool:
+        """The router's word on a held end: "stop" counts it stop. False: none is held for ``key``."""
+        held = self.held.pop(key, None)
+        if held is None:
+            return False
+        self.finished(held[0]._replace(reason="stop") if finish == "stop" else held[0])
+        return True
+
+    def expire(self, now: float, every: bool = False) -> None:
+        """Observe, as they are, the held ends whose wait has passed (``every``: all of them: the router that would
+        have answered is gone)."""
+        while self.held:
+            key, (f, until) = next(iter(self.held.items()))
+            if not every and until > now:
+                return  # (held in order of their deadlines: each waits as long)
+            del self.held[key]
+            self.finished(f)
 
     def publish(self, snap: Snapshot) -> None:
         self.snap = snap  # one reference swap: the scrape's thread sees the old one or this one

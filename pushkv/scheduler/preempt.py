@@ -3,12 +3,15 @@ legs hold their prompt's blocks from admission and never grow). Pure, as the cor
 ``grow`` before each step, as vLLM's v1 scheduler allocates its running requests' slots before it admits.
 
 A request is admitted with its prefill's blocks and its next token's slot (``Request.blocks_to_admit``). Before a
-step, each decoding request whose next token starts a block gets one (the oldest admitted first); where none is free,
-the last admitted of the requests computing here is preempted (vLLM's ``running[-1]``), until the block comes or the
-one preempted is the one that asked. Preempted, a request's blocks go back (its full blocks stay in the prefix cache
-where they were indexed) and it waits at the front of the queue; readmitted, it prefills its prompt and output so
-far (``Request.prefill_ids``, chunked as any prompt, its cached blocks taken), and its last chunk samples output
-token len(output) as a decode step would. What it sent stays sent: no second first token, TTFT or prompt logprobs."""
+step, each decoding request the step takes whose next token starts a block gets one (the oldest running first; one
+that --max-num-seqs or --max-loras leaves out of the step gets none, as vLLM allocates only for what it schedules);
+where none is free, the last to begin running of the requests computing here is preempted (vLLM's ``running[-1]``;
+``Request.admit_seq``: its admission, or on D its KV's arrival), until the block comes or the one preempted is the
+one that asked. Preempted, a request's blocks go back (its full blocks
+stay in the prefix cache where they were indexed) and it waits at the front of the queue; readmitted, it prefills
+its prompt and output so far (``Request.prefill_ids``, chunked as any prompt, its cached blocks taken), and its last
+chunk samples output token len(output) as a decode step would. What it sent stays sent: no second first token, TTFT
+or prompt logprobs."""
 from __future__ import annotations
 
 import logging
@@ -24,23 +27,32 @@ log = logging.getLogger("pushkv.scheduler.core")
 
 
 def grow(core: "SchedulerCore") -> bool:
-    """Before a step: the blocks each decoding request's next token needs, preempting where none is free. True: a
-    request was preempted (that pass admits none, as vLLM's)."""
+    """Before a step: the blocks each decoding request the step takes needs for its next token (the oldest running
+    first), preempting where none is free. Only those the step takes: one that --max-num-seqs or --max-loras leaves
+    out (D runs more than --max-num-seqs at once) gets its block when a step takes it, as vLLM allocates only for the
+    requests it schedules. A preemption can let a request left out into the step: the step's requests are read again
+    after each. True: a request was preempted (that pass admits none, as vLLM's)."""
     bs = core.inst.block_size
     preempted = False
-    for r in sorted((r for r in core.reqs.values() if r.state == State.RUNNING and not r.in_step),
-                    key=lambda r: r.admit_seq):
-        while r.state == State.RUNNING and (short := r.blocks_short(bs)) > 0:
+    stuck: set[tuple[str, int]] = set()
+    while True:
+        for r in sorted(core.step_decodes(), key=lambda r: r.admit_seq):
+            short = r.blocks_short(bs)
+            if short <= 0 or r.key in stuck:
+                continue
             got = core.alloc.allocate(short)
             if got is not None:
                 r.blocks += got
-                break
+                continue
             victims = [v for v in core.reqs.values() if preemptible(core, v)]
             if not victims:  # every other block is held by what cannot give it back yet (a transfer, a KV check)
-                break
+                stuck.add(r.key)
+                continue
             preempt(core, max(victims, key=lambda v: v.admit_seq))
             preempted = True
-    return preempted
+            break  # the step's requests may differ now: read them again
+        else:
+            return preempted
 
 
 def preemptible(core: "SchedulerCore", r: Request) -> bool:

@@ -100,10 +100,13 @@ class Request:
     _seen: Optional[array] = field(default=None, repr=False)
     _seen_set: set = field(default_factory=set, repr=False)
     _seen_out: int = 0
-    admit_seq: int = 0  # the order of its latest admission here (vLLM's running order: the last is preempted first)
+    # the order it last began to run here (vLLM's running order: a step's decodes go in it, the last is preempted
+    # first): its admission, or on D its KV's arrival
+    admit_seq: int = 0
     preemptions: int = 0  # times its blocks were taken back (it computes its prompt and output again)
     # after a preemption with output: the tokens to prefill again (prompt + output so far); (): its prompt
     recompute: tuple[int, ...] = ()
+    stop_strings: bool = False  # the router searches its text for stop strings (Generate.stop_strings)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -239,6 +242,27 @@ def blocks_needed(leg: str, prompt_len: int, max_tokens: int, block_size: int) -
     return blocks_for(prompt_len + max_tokens, block_size)
 
 
+def decodes_taken(running: list[Request], max_num_seqs: int, max_loras: int = 0) -> tuple[list[Request], set[int]]:
+    """The decoding requests a step takes (``build_batch``'s first part, and the ones ``preempt.grow`` gives their next
+    block: vLLM allocates only for the requests it schedules), in the order given, and the LoRA slots they hold: at
+    most ``max_num_seqs``, and with ``max_loras`` sequences of at most that many adapters (the base model's not
+    counted); where the running requests name more adapters than that, the ones that have waited longest for a token
+    go first, so none starves."""
+    taken: list[Request] = []
+    loras: set[int] = set()
+    if max_loras > 0 and len({r.lora_slot for r in running if r.lora_slot}) > max_loras:
+        running = sorted(running, key=lambda r: r.last_token_at)
+    for r in running:
+        if len(taken) >= max_num_seqs:
+            break
+        if r.lora_slot and max_loras > 0 and r.lora_slot not in loras:
+            if len(loras) >= max_loras:
+                continue
+            loras.add(r.lora_slot)
+        taken.append(r)
+    return taken, loras
+
+
 def build_batch(prefills: list[Request], running: list[Request], max_num_seqs: int,
                 max_batch_tokens: int, prefill_chunk: int = 0, max_loras: int = 0) -> list[tuple[Request, m.SeqWork]]:
     """One continuous-batching step: every running decode, then prefills that fit (a prefill is of
@@ -256,27 +280,12 @@ def build_batch(prefills: list[Request], running: list[Request], max_num_seqs: i
     more adapters than that, the ones that have waited longest for a token go first, so none starves.
     """
     batch: list[tuple[Request, m.SeqWork]] = []
-    tokens = 0
-    loras: set[int] = set()
-
-    def fits(r: Request) -> bool:
-        if r.lora_slot and max_loras > 0 and r.lora_slot not in loras:
-            if len(loras) >= max_loras:
-                return False
-            loras.add(r.lora_slot)
-        return True
-
-    if max_loras > 0 and len({r.lora_slot for r in running if r.lora_slot}) > max_loras:
-        running = sorted(running, key=lambda r: r.last_token_at)
-    for r in running:
-        if len(batch) >= max_num_seqs:
-            break
-        if not fits(r):
-            continue
+    decodes, loras = decodes_taken(running, max_num_seqs, max_loras)
+    for r in decodes:
         pos = len(r.prompt) + len(r.output) - 1
         batch.append((r, m.SeqWork(r.seq_id, (r.output[-1],), pos, tuple(r.blocks), **r.sample_fields(),
                                    lora=r.lora_slot)))
-        tokens += 1
+    tokens = len(batch)
     admitted = 0
     for r in prefills:
         if len(batch) >= max_num_seqs:
@@ -297,7 +306,8 @@ def build_batch(prefills: list[Request], running: list[Request], max_num_seqs: i
         fields = r.sample_fields() if last else {"sample": False, "rope_len": len(seq)}
         if r.score_prompt >= 0:
             fields.update(score_prompt=r.score_prompt, next_prompt_token=-1 if last else r.prompt[start + n])
-        fits(r)
+        if r.lora_slot and max_loras > 0:
+            loras.add(r.lora_slot)
         batch.append((r, m.SeqWork(r.seq_id, seq[start:start + n], start, tuple(r.blocks), **fields,
                                    lora=r.lora_slot)))
         tokens += n

@@ -74,16 +74,29 @@ def _a_stop_string(text: str) -> str:
     raise AssertionError(f"no stop string in {text!r}")
 
 
+def _a_last_token_stop(choice: dict) -> tuple[str, int]:
+    """A stop string of ``choice``'s text (as ``_a_stop_string``) and the max_tokens whose last token completes it
+    (its ``text_offset``s say which token holds it)."""
+    stop = _a_stop_string(choice["text"])
+    i = choice["text"].index(stop)
+    return stop, sum(1 for off in choice["logprobs"]["text_offset"] if off <= i)
+
+
 def test_how_a_request_ended_is_counted_on_each_instance(tmp_path):
     """As vLLM's instances count them: a stop string the router matches ends D's leg "stop" (vLLM's frontend matches
-    them), P's leg "length" (its one token); a client that goes away mid-stream is counted on no instance's D (vLLM's
-    frontend drops an abort uncounted), while P's leg, whose token was out, is "length"."""
+    them), also where it matches on the token that reached max_tokens (D's leg ended by length: the router says how
+    the client's choice ended, ChoiceEnded), P's leg "length" (its one token); a client that goes away mid-stream is
+    counted on no instance's D (vLLM's frontend drops an abort uncounted), while P's leg, whose token was out, is
+    "length"."""
     with deployment(tmp_path, "--mode", "push", "--model", "small", "--num-blocks", "64") as dep:
         urls = {i.role: f"http://{dep.cfg.metrics_host()}:{i.metrics_port}/metrics" for i in dep.cfg.instances()}
-        first = dep.complete("hello there", 12, temperature=0)["choices"][0]
+        first = dep.complete("hello there", 12, temperature=0, logprobs=0)["choices"][0]
         assert first["finish_reason"] == "length"
         stopped = dep.complete("hello there", 12, temperature=0, stop=[_a_stop_string(first["text"])])["choices"][0]
         assert stopped["finish_reason"] == "stop"
+        stop, n = _a_last_token_stop(first)
+        last = dep.complete("hello there", n, temperature=0, stop=[stop])["choices"][0]
+        assert (last["finish_reason"], last["stop_reason"], len(last["token_ids"])) == ("stop", stop, n)
         conn = dep.connection(60)  # a stream read to its first token, then dropped
         conn.request("POST", "/v1/completions", body=json.dumps(
             {"prompt": "hello there", "max_tokens": 900, "temperature": 0, "stream": True,
@@ -99,7 +112,7 @@ def test_how_a_request_ended_is_counted_on_each_instance(tmp_path):
         return {r: got[role][("vllm:request_success_total", (("finished_reason", r),) + label)]
                 for r in ("stop", "length", "abort", "error", "repetition")}
 
-    assert ends("decode") == {"stop": 1, "length": 1, "abort": 0, "error": 0, "repetition": 0}
-    assert ends("prefill") == {"stop": 0, "length": 3, "abort": 0, "error": 0, "repetition": 0}
-    assert got["decode"][("vllm:e2e_request_latency_seconds_count", label)] == 2
+    assert ends("decode") == {"stop": 2, "length": 1, "abort": 0, "error": 0, "repetition": 0}
+    assert ends("prefill") == {"stop": 0, "length": 4, "abort": 0, "error": 0, "repetition": 0}
+    assert got["decode"][("vllm:e2e_request_latency_seconds_count", label)] == 3
     assert got["decode"][("pushkv_instance_aborted_total", label)] == 2  # the stop string's and the dropped stream's

@@ -1,7 +1,7 @@
 """The router request's phase table (router/request.py ``TRANSITIONS``), driven by plain calls: every
 legal transition, each to every phase the table allows it to lead to; every input a live phase does
 not take raises, naming the phase and the input, and leaves the request unchanged (h11's rule); once
-over, inputs are dropped."""
+over, inputs are dropped (in DONE, Stopped and Shown only say how the choice ended to a leg whose end waits for it)."""
 from __future__ import annotations
 
 import copy
@@ -99,6 +99,8 @@ LEGAL = [
     (Ph.FINISHING, "push", fail(), "prefill", T0, Ph.DONE),  # the client has every token: finished
     (Ph.FINISHING, "push", R.Stopped(), RT, T0, Ph.DONE),
     (Ph.DONE, "push", R.Close(), RT, T0, Ph.CLOSED),
+    (Ph.DONE, "push", R.Stopped(), RT, T0, Ph.DONE),  # on the last token: D hears it (ChoiceEnded)
+    (Ph.DONE, "push", R.Shown("length"), RT, T0, Ph.DONE),
     (Ph.NEW, "push", R.Tick(), RT, T0 + 99, Ph.NEW),  # nothing armed before Start
 ]
 for _p in (Ph.NEW, Ph.PLACING, Ph.QUEUED, Ph.RUNNING, Ph.DECODE_PLACING, Ph.DECODE_QUEUED, Ph.FINISHING):
@@ -132,7 +134,7 @@ def test_legal_transition(row):
 SAMPLES = [(R.Start(), RT), (placed(P.PUSH), RT), (R.Queued(), RT), (R.Rejected(429, "full"), RT),
            (R.DecodePlaced("d0"), RT), (R.DecodeQueued(), RT), (R.SendFailed("decode", "gone"), RT),
            (toks([7]), "decode"), (pf(PULL), "prefill"), (fail(), "decode"), (R.Cancel(499, "x"), RT),
-           (R.Tick(), RT), (R.Stopped(), RT), (R.Close(), RT)]
+           (R.Tick(), RT), (R.Stopped(), RT), (R.Shown("length"), RT), (R.Close(), RT)]
 ILLEGAL = [(p, msg, leg) for p in (Ph.NEW, Ph.PLACING, Ph.QUEUED, Ph.RUNNING, Ph.DECODE_PLACING, Ph.DECODE_QUEUED,
                                    Ph.FINISHING)
            for msg, leg in SAMPLES if type(msg) not in R.TRANSITIONS[p]]
@@ -249,3 +251,51 @@ def test_an_open_leg_hears_whether_the_request_was_complete(mode, before, finish
         req.on(msg, T0 + 20 if isinstance(msg, R.Tick) else T0, leg)
     out = req.on(R.Close(), T0 + 20, RT)
     assert {a.leg: a.msg.finish for a in out if isinstance(a, R.Send) and isinstance(a.msg, m.Abort)} == finish
+
+
+def ended_by_length(mode: str, stop_strings: bool = True, reason: str = "length") -> R.Request:
+    """A request whose token leg's last token came, ending it by ``reason``, the client's text searched for stop
+    strings (``stop_strings``)."""
+    spec = R.Spec(mode=mode, transfer_id="t", prompt=(1, 2, 3), max_tokens=4, stop=(), request_s=10.0,
+                  local_engine="l0", stop_strings=stop_strings)
+    req = R.Request(spec, arrival=T0)
+    for msg, leg in REACH[(mode, Ph.RUNNING)]:
+        req.on(msg, T0, leg)
+    leg = req.token_leg
+    req.on(m.TokensGenerated("t", 0, (7,), True, reason), T0, leg)
+    return req
+
+
+def told(out) -> list[tuple[str, str]]:
+    return [(a.leg, a.msg.finish) for a in out if isinstance(a, R.Send) and isinstance(a.msg, m.ChoiceEnded)]
+
+
+@pytest.mark.parametrize("mode, inputs, said", [
+    # a stop string on the last token (the leg ended by length): vLLM's frontend counts it stop
+    ("local", [R.Stopped(), R.Close()], [("local", "stop")]),
+    ("push", [R.Stopped(), R.Close()], [("decode", "stop")]),  # D done, P not reported: FINISHING
+    # the client was given the end: how it ended there (a stop string can match only as the text is flushed)
+    ("local", [R.Shown("length"), R.Close()], [("local", "length")]),
+    ("local", [R.Shown("stop"), R.Stopped(), R.Close()], [("local", "stop")]),
+    # the client went before its end was given: the leg's own reason
+    ("local", [R.Close()], [("local", "length")]),
+])
+def test_a_leg_ended_by_length_hears_once_how_the_clients_choice_ended(mode, inputs, said):
+    req = ended_by_length(mode)
+    assert told([a for msg in inputs for a in req.on(msg, T0, RT)]) == said
+    assert req.ledger.outcome == "ok"
+
+
+@pytest.mark.parametrize("stop_strings, reason", [(False, "length"), (True, "stop")])
+def test_no_word_is_owed_without_stop_strings_or_for_a_leg_that_ended_by_stop(stop_strings, reason):
+    req = ended_by_length("local", stop_strings, reason)
+    assert told(req.on(R.Stopped(), T0, RT) + req.on(R.Close(), T0, RT)) == []
+
+
+def test_only_the_token_leg_is_told_that_stop_strings_are_searched():
+    spec = R.Spec(mode="push", transfer_id="t", prompt=(1, 2, 3), max_tokens=4, stop=(), request_s=10.0,
+                  stop_strings=True)
+    req = R.Request(spec, arrival=T0)
+    req.on(R.Start(), T0, RT)
+    sent = {a.leg: a.msg.stop_strings for a in req.on(placed(P.PUSH), T0, RT) if isinstance(a, R.Send)}
+    assert sent == {"prefill": False, "decode": True}

@@ -278,7 +278,7 @@ def test_a_late_p_holds_the_kv_until_d_streams():
 
 
 def test_every_input_has_one_handler_and_others_are_dropped():
-    inputs = {R.Start, R.Queued, R.DecodeQueued, R.Rejected, R.SendFailed, R.Cancel, R.Tick, R.Stopped, R.Close,
+    inputs = {R.Start, R.Queued, R.DecodeQueued, R.Rejected, R.SendFailed, R.Cancel, R.Tick, R.Stopped, R.Shown, R.Close,
               R.Placed, R.DecodePlaced, m.TokensGenerated, m.PrefillFinished, m.RequestFailed}
     assert set(R.Request.HANDLERS) == inputs
     req = new("push")

@@ -49,3 +49,25 @@ def test_a_timed_out_step_whose_one_rank_answered_in_time_frees_when_the_other_a
     assert not s.reqs and s.alloc.num_free < s.alloc.num_blocks  # failed, its blocks held for rank 1
     deliver(s, s.workers[1], m.StepDone(step.step_id, (42,)))
     assert idle(s) and not s.late_steps and s.counters["late_step_blocks_freed"] > 0
+
+
+def test_decode_steps_at_most_max_num_seqs_in_the_order_the_kv_landed_and_counts_the_rest_waiting():
+    """--max-num-seqs 1 on D: d1's KV lands first and it decodes; d0's lands next and waits (vllm:num_requests_waiting,
+    as vLLM's D keeps a request whose KV came in its queue while its running list is full) until d1 ends: d0 came
+    first, but a request that is decoding is never set aside for one that arrived before it."""
+    s, wire = capped("decode", "push", 1)
+    for i in range(2):
+        deliver(s, ROUTER, m.Generate(f"d{i}", 0, "decode", prompt(10, i), 4, source=P_SRC))
+    for tid in ("d1", "d0"):
+        for w in s.writers:
+            deliver(s, w, m.KVReceived(tid, 0, 42))
+    d0, d1 = s.by_tid["d0"], s.by_tid["d1"]
+    s.publish_metrics()
+    assert (s.metrics.snap.running, s.metrics.snap.waiting) == (1, 1)
+    order = []
+    while s.reqs:
+        order += [tid for w in run_step(s, wire) for tid, r in (("d0", d0), ("d1", d1)) if w.seq_id == r.seq_id]
+        s.publish_metrics()
+        assert s.metrics.snap.running <= 1
+    assert order == ["d1"] * 3 + ["d0"] * 3  # each step one sequence; d1 to its end, then d0
+    assert idle(s) and s.counters["requests_completed"] == 2

@@ -154,6 +154,40 @@ def test_a_local_request_is_counted_once_by_how_it_ended(how, reason):
     assert not core.reqs
 
 
+@pytest.mark.parametrize("word, reason", [("stop", "stop"), ("length", "length"), (None, "length")])
+def test_an_end_by_length_waits_for_the_routers_word_where_it_searches_for_stop_strings(word, reason):
+    """vLLM's frontend counts a stop string its detokenizer matches on the token that reached max_tokens as "stop"
+    (it overrides the engine's length). The router searches the text here: a leg that ends by length while it does
+    (Generate.stop_strings) is counted once the router says how the client's choice ended (ChoiceEnded), or as
+    "length" once the request's deadline has passed without a word."""
+    core = local_core()
+    core.handle(m.Generate("t", 0, "local", (1, 2, 3), 3, stop_strings=True), ROUTER, 1.0, 1.0)
+    for t in (1.5, 1.6, 1.7):
+        step(core, t)
+    assert not core.reqs and ended(core) == {r: 0 for r in REASONS} | {"e2e": 0}  # its blocks are free, its end held
+    if word is None:
+        core.tick(1.7 + core.cfg.timeouts.request_s - 1, 100.0)
+        assert ended(core)["e2e"] == 0
+        core.tick(1.7 + core.cfg.timeouts.request_s + 1, 100.0)
+    else:
+        core.handle(m.ChoiceEnded("t", 0, word), ROUTER, 2.0, 2.0)
+    assert ended(core) == {r: int(r == reason) for r in REASONS} | {"e2e": 1}
+    core.handle(m.ChoiceEnded("t", 0, "stop"), ROUTER, 3.0, 3.0)  # once
+    assert ended(core)["stop"] == int(reason == "stop") and core.counters["choice_end_unknown"] == 1
+
+
+def test_an_end_by_a_stop_id_is_counted_at_once_and_a_new_router_releases_the_held_ones():
+    core = local_core()
+    core.handle(m.Generate("s", 0, "local", (1, 2, 3), 3, stop_token_ids=(7,), stop_strings=True), ROUTER, 1.0, 1.0)
+    step(core, 1.5, tok=7)
+    assert ended(core)["stop"] == 1
+    core.handle(m.Generate("t", 0, "local", (1, 2, 3), 1, stop_strings=True), ROUTER, 2.0, 2.0)
+    step(core, 2.5)
+    assert ended(core)["length"] == 0
+    core.handle(m.RouterEpoch(2), Peer.router(b"router2"), 3.0, 3.0)  # the router that would say is gone
+    assert ended(core)["length"] == 1
+
+
 def test_a_prefill_leg_is_counted_once_though_its_kv_fails_after():
     """Pull: P's leg ends ("length", its one token) when it holds the KV for D; a READ that fails after, or the lease
     running out, fails the transfer but not the leg a second time (vLLM's P counts its max_tokens=1 request once)."""

@@ -227,3 +227,53 @@ def test_a_preempted_decode_leg_computes_again_on_d_and_never_waits_for_p_again(
     assert {k: len(v) for k, v in got.items()} == {"a": 40, "b": 40}
     assert not [x for x in wire.take("writer") if isinstance(x, (m.ExpectKV, m.ReadKV))]
     assert s.counters["preemptions"] >= 1 and idle(s)
+
+
+def lora_decode(num_blocks: int):
+    """D serving adapters a and b with --max-loras 1: the requests of both decode there at once (their KV came), a
+    step takes one adapter's, and the two take turns."""
+    from pushkv.config import DeploymentConfig, InstanceConfig, LoraConfig, LoraModule, preset
+    from tests.scheduler.test_scheduler_roles import wired
+
+    lora = LoraConfig(True, (LoraModule("a", "/adapters/a"), LoraModule("b", "/adapters/b")), max_loras=1)
+    inst = InstanceConfig(role="decode", engine_id="decode-engine", num_blocks=num_blocks, prefix_cache=False,
+                          worker_endpoints=("w0",), writer_endpoints=("x0",))
+    prefill = InstanceConfig(role="prefill", engine_id=P_SRC.engine_id, tp=2, handshake_endpoints=P_SRC.handshake)
+    return wired(DeploymentConfig(mode="push", model=preset("tiny", lora=lora), prefill=prefill, decode=inst), inst)
+
+
+def test_only_the_requests_a_step_takes_get_their_next_block():
+    """vLLM allocates only for the requests it schedules. "a" and "b" (adapters a and b, --max-loras 1) decode in
+    turns on 3 blocks. At "a"'s third step both are past their first block, one block is free, and the step takes
+    "a" alone: "a" gets it, and "b", left out, is not preempted for a block it does not need yet. That step ends
+    "a", whose blocks then serve "b": no request is preempted at all (before, "b" was, at that step)."""
+    s, wire = lora_decode(num_blocks=3)
+    generate(s, "a", prompt(15), leg="decode", max_tokens=3, source=P_SRC, lora="a")
+    generate(s, "b", prompt(15, 100), leg="decode", max_tokens=20, source=P_SRC, lora="b")
+    for tid in ("a", "b"):
+        deliver(s, s.writers[0], m.KVReceived(tid, 0, 42))
+    a, b = s.by_tid["a"], s.by_tid["b"]
+    taken = []
+    while s.reqs:
+        if [r for r, _ in s.step] == [a] and len(a.output) == 2:  # the step that draws a's last token, launched
+            assert len(a.blocks) == 2 and s.alloc.num_free == 0
+            assert len(b.output) == 2 and len(b.blocks) == 1 and b.blocks_short(BS) == 1  # left out, not preempted
+        s.now += 1.0  # (a step's token time: whose turn it is goes by the longest wait)
+        seqs = step(s, wire)
+        taken.append(["a" if w.seq_id == a.seq_id else "b" for w in seqs])
+    assert taken[:3] == [["a"], ["b"], ["a"]] and all(len(t) == 1 for t in taken)
+    assert s.counters["preemptions"] == 0 and s.counters["requests_completed"] == 2 and idle(s)
+
+
+def test_each_requests_preemptions_are_observed_at_its_end_as_vllms_histogram():
+    from tests.scheduler.test_scheduler_metrics import scrape
+
+    s, wire, got = two_on_four_blocks()
+    name, label = "vllm:request_num_preemptions", (("model_name", "small"),)
+    assert scrape(s)[(f"{name}_count", label)] == 0  # "b" is preempted, not ended
+    finish(s, wire, got)
+    text = scrape(s)
+    buckets = {le: text[(f"{name}_bucket", (("le", le),) + label)]
+               for le in ("1.0", "2.0", "3.0", "4.0", "5.0", "10.0", "20.0", "+Inf")}
+    assert buckets == dict.fromkeys(buckets, 2)  # "a" never, "b" once: vLLM's first bucket holds both
+    assert (text[(f"{name}_count", label)], text[(f"{name}_sum", label)]) == (2, 1)
