@@ -3,7 +3,8 @@
 llm-d's endpoint picker, the Gateway API Inference Extension, vLLM's Grafana dashboards and
 autoscalers read ``vllm:num_requests_waiting``, ``vllm:num_requests_running``,
 ``vllm:kv_cache_usage_perc`` and the latency histograms from each model server's ``/metrics``,
-labelled with ``model_name``. Each P and D instance's scheduler serves them (its shell starts
+labelled with ``model_name`` and, as vLLM's, ``engine`` ("0": an instance is one engine). Each P and D
+instance's scheduler serves them (its shell starts
 the HTTP server); pushkv's own per-instance counters (the KV moved, refusals, prefix cache)
 sit beside them under ``pushkv_instance_*``.
 
@@ -43,6 +44,9 @@ FINISH_REASONS: tuple[EndReason, ...] = ("stop", "length", "abort", "error", "re
 # vllm:prompt_tokens_by_source's sources, as vLLM 0.32's PromptTokenStats names them: computed here, found in the
 # prefix cache here, moved here by a KV transfer
 PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+# vLLM's engine label: the index of its data-parallel engine. A pushkv instance is one engine with its own /metrics,
+# as one `vllm serve` without data parallelism, whose only engine is 0
+ENGINE = "0"
 MAX_HELD_ENDS = 65536  # ends waiting for the router's word (Generate.stop_strings); past it the oldest is observed
 
 
@@ -109,13 +113,13 @@ class LoraSnapshot(NamedTuple):
 class InstanceMetrics(Collector):
     def __init__(self, model_name: str, engine_id: str, role: str, max_model_len: int = 100_000):
         self.registry = CollectorRegistry(auto_describe=True)
-        self.labels = {"model_name": model_name}
+        self.labels = {"model_name": model_name, "engine": ENGINE}
         self.engine_id, self.role = engine_id, role
         self.snap = Snapshot()
-        r, names = self.registry, ["model_name"]
+        r, names, one = self.registry, ["model_name", "engine"], (model_name, ENGINE)
 
         def hist(name: str, doc: str, buckets: tuple) -> Histogram:
-            return Histogram(name, doc, names, buckets=buckets, registry=r).labels(model_name)
+            return Histogram(name, doc, names, buckets=buckets, registry=r).labels(*one)
 
         self.ttft = hist("vllm:time_to_first_token_seconds", "Arrival here to this instance's first token",
                          TTFT_BUCKETS_S)
@@ -149,18 +153,18 @@ class InstanceMetrics(Collector):
                                     NUM_PREEMPTIONS_BUCKETS)
         self.prompt_cached = Counter("vllm:prompt_tokens_cached", "Prompt tokens not computed here (the prefix "
                                      "cache's, and on D the KV transfer's) of requests that reached their first "
-                                     "token here", names, registry=r).labels(model_name)
+                                     "token here", names, registry=r).labels(*one)
         by_source = Counter("vllm:prompt_tokens_by_source", "Prompt tokens by source", names + ["source"],
                             registry=r)
-        self.prompt_by_source = {s: by_source.labels(model_name, s) for s in PROMPT_SOURCES}
+        self.prompt_by_source = {s: by_source.labels(*one, s) for s in PROMPT_SOURCES}
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of requests that reached their first "
-                                     "token here", names, registry=r).labels(model_name)
+                                     "token here", names, registry=r).labels(*one)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens this instance produced", names,
-                                         registry=r).labels(model_name)
+                                         registry=r).labels(*one)
         self.success = Counter("vllm:request_success", "Requests finished here", names + ["finished_reason"],
                                registry=r)
         for reason in FINISH_REASONS:  # each at 0 from the start, as vLLM's (a rate over it is defined at once)
-            self.success.labels(model_name, reason)
+            self.success.labels(*one, reason)
         # request -> its end and until when it waits for the router's word (``hold``), oldest first
         self.held: OrderedDict[Hashable, tuple[Finish, float]] = OrderedDict()
         r.register(self)
@@ -190,7 +194,7 @@ class InstanceMetrics(Collector):
         self.generation_tokens.inc()
 
     def finished(self, f: Finish) -> None:
-        self.success.labels(self.labels["model_name"], f.reason).inc()
+        self.success.labels(self.labels["model_name"], ENGINE, f.reason).inc()
         self.prompt_hist.observe(f.prompt_len)
         self.gen_hist.observe(f.generated)
         self.e2e.observe(f.e2e_s)
@@ -242,8 +246,8 @@ class InstanceMetrics(Collector):
         s, name = self.snap, self.labels["model_name"]
 
         def gauge(metric: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(metric, doc, labels=["model_name"])
-            g.add_metric([name], value)
+            g = GaugeMetricFamily(metric, doc, labels=["model_name", "engine"])
+            g.add_metric([name, ENGINE], value)
             return g
 
         yield gauge("vllm:num_requests_waiting", "Requests queued for KV blocks (D: and waiting for the KV)",
@@ -260,19 +264,19 @@ class InstanceMetrics(Collector):
             lora.add_metric([str(s.lora.max_lora), s.lora.running, s.lora.waiting], s.lora.wall)
             yield lora
         for key, doc in OWN_COUNTERS.items():
-            c = CounterMetricFamily(f"pushkv_instance_{key}", doc, labels=["model_name"])
-            c.add_metric([name], s.counters.get(key, 0))
+            c = CounterMetricFamily(f"pushkv_instance_{key}", doc, labels=["model_name", "engine"])
+            c.add_metric([name, ENGINE], s.counters.get(key, 0))
             yield c
         preempted = CounterMetricFamily("vllm:num_preemptions", "Requests preempted: their blocks taken back when a "
                                         "running request needed one, to compute their tokens again later",
-                                        labels=["model_name"])
-        preempted.add_metric([name], s.counters.get("preemptions", 0))
+                                        labels=["model_name", "engine"])
+        preempted.add_metric([name, ENGINE], s.counters.get("preemptions", 0))
         yield preempted
         hits = CounterMetricFamily("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
-                                   labels=["model_name"])
-        hits.add_metric([name], s.counters.get("prefix_hit_tokens", 0))
+                                   labels=["model_name", "engine"])
+        hits.add_metric([name, ENGINE], s.counters.get("prefix_hit_tokens", 0))
         yield hits
         queries = CounterMetricFamily("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                                      labels=["model_name"])
-        queries.add_metric([name], s.counters.get("prefix_query_tokens", 0))
+                                      labels=["model_name", "engine"])
+        queries.add_metric([name, ENGINE], s.counters.get("prefix_query_tokens", 0))
         yield queries

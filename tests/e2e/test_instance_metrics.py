@@ -25,6 +25,11 @@ def scrape(url: str) -> dict[tuple[str, tuple], float]:
             for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
+def with_label(label: tuple, **more) -> tuple:
+    """``label`` and ``more``, sorted as ``scrape``'s keys."""
+    return tuple(sorted(label + tuple(more.items())))
+
+
 def test_each_instance_serves_vllm_metrics(tmp_path):
     with deployment(tmp_path, "--mode", "push", "--model", "small", "--num-blocks", "64") as dep:
         urls = {i.role: f"http://{dep.cfg.metrics_host()}:{i.metrics_port}/metrics" for i in dep.cfg.instances()}
@@ -43,10 +48,10 @@ def test_each_instance_serves_vllm_metrics(tmp_path):
             if s.name == "pushkv_instance_info"}
     assert info == {(dep.cfg.decode.engine_id, "decode")}
     n, prompt_tokens = len(PROMPTS), sum(len(p) for p in PROMPTS)
-    label = (("model_name", "small"),)
+    label = (("engine", "0"), ("model_name", "small"))  # as vLLM labels them
     for role, got in after.items():
         before = idle[role]
-        success = ("vllm:request_success_total", (("finished_reason", "length"),) + label)
+        success = ("vllm:request_success_total", with_label(label, finished_reason="length"))
         assert before.get(success, 0) == 0 and got[success] == n, role
         assert before[("vllm:prompt_tokens_total", label)] == 0
         assert got[("vllm:prompt_tokens_total", label)] == prompt_tokens, role
@@ -106,10 +111,10 @@ def test_how_a_request_ended_is_counted_on_each_instance(tmp_path):
         conn.close()
         wait_pools_free(dep)
         got = {role: scrape(u) for role, u in urls.items()}
-    label = (("model_name", "small"),)
+    label = (("engine", "0"), ("model_name", "small"))  # as vLLM labels them
 
     def ends(role: str) -> dict[str, float]:
-        return {r: got[role][("vllm:request_success_total", (("finished_reason", r),) + label)]
+        return {r: got[role][("vllm:request_success_total", with_label(label, finished_reason=r))]
                 for r in ("stop", "length", "abort", "error", "repetition")}
 
     assert ends("decode") == {"stop": 2, "length": 1, "abort": 0, "error": 0, "repetition": 0}

@@ -26,7 +26,7 @@ def scrape(core) -> dict[tuple[str, tuple], float]:
 
 
 def value(samples, name: str, **labels) -> float:
-    want = tuple(sorted({"model_name": "small", **labels}.items()))
+    want = tuple(sorted({"model_name": "small", "engine": "0", **labels}.items()))
     return samples[(name, want)]
 
 

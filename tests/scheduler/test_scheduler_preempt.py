@@ -269,11 +269,11 @@ def test_each_requests_preemptions_are_observed_at_its_end_as_vllms_histogram():
     from tests.scheduler.test_scheduler_metrics import scrape
 
     s, wire, got = two_on_four_blocks()
-    name, label = "vllm:request_num_preemptions", (("model_name", "small"),)
+    name, label = "vllm:request_num_preemptions", (("engine", "0"), ("model_name", "small"))
     assert scrape(s)[(f"{name}_count", label)] == 0  # "b" is preempted, not ended
     finish(s, wire, got)
     text = scrape(s)
-    buckets = {le: text[(f"{name}_bucket", (("le", le),) + label)]
+    buckets = {le: text[(f"{name}_bucket", (label[0], ("le", le), label[1]))]
                for le in ("1.0", "2.0", "3.0", "4.0", "5.0", "10.0", "20.0", "+Inf")}
     assert buckets == dict.fromkeys(buckets, 2)  # "a" never, "b" once: vLLM's first bucket holds both
     assert (text[(f"{name}_count", label)], text[(f"{name}_sum", label)]) == (2, 1)
