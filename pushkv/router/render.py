@@ -164,16 +164,20 @@ class ChatRenderer(Renderer):
         thought, content = (reasoning.split(out.text, self.params.reasoning_parser) if self.splitters
                             else (None, out.text))
         calls: list[dict] = []
+        parser = self.params.tool_call_parser
         if self.tools:
-            content, calls = tool_calls.parse(content or "", self.params.tool_call_parser)
+            content, calls = tool_calls.parse(content or "", parser)
+            if tool_calls.forced(parser):  # vLLM's forced choice: its output is calls, its content ""
+                content = content or ""
         if self.params.echo_text:  # vLLM's echo: the continued message first
             content = self.params.echo_text + (content or "")
-        body = chat_choice(out.index, content, _finish(out.finish_reason, bool(calls)), lp, out.stop_reason)
+        body = chat_choice(out.index, content, _finish(out.finish_reason, bool(calls) and tool_calls.ends_with_calls(
+            parser)), lp, out.stop_reason)
         if self.params.return_token_ids:  # vLLM's: the choice's output ids
             body["token_ids"] = out.token_ids
         if self.splitters:
             body["message"]["reasoning_content"] = thought
-        if self.tools:
+        if calls:  # vLLM's message leaves tool_calls out where there are none
             body["message"]["tool_calls"] = calls
         return body
 
@@ -203,7 +207,8 @@ class ChatRenderer(Renderer):
             d["content"] = text
         if calls:
             d["tool_calls"] = calls
-        called = bool(self.tools) and self.tools[i].calls > 0
+        called = bool(self.tools) and self.tools[i].calls > 0 and tool_calls.ends_with_calls(
+            self.params.tool_call_parser)
         choice = chat_chunk_choice(i, d, _finish(delta.finish_reason, called), self.logprobs(i, delta),
                                    delta.stop_reason)
         if self.params.return_token_ids:  # vLLM's: the delta's output ids
@@ -212,7 +217,8 @@ class ChatRenderer(Renderer):
 
 
 def _finish(reason: Optional[str], called: bool) -> Optional[str]:
-    """A choice that called tools and stopped by itself ends with ``tool_calls``, as vLLM's and OpenAI's do."""
+    """A choice that called tools and stopped by itself ends with ``tool_calls``, as vLLM's and OpenAI's do (``called``
+    false for a named function's call, which ends with ``stop``)."""
     return "tool_calls" if called and reason == "stop" else reason
 
 

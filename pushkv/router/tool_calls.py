@@ -100,8 +100,10 @@ def forced_schema(tools: list[dict], name: str = "") -> dict:
 
 class ForcedStreamer:
     """tool_choice ``required`` or a named function: the output is the calls' JSON (the grammar holds it to
-    ``forced_schema``), held to its end and made calls there: a named function's arguments, or ``required``'s
-    list of names and parameters. Output that is not that (cut off at max_tokens) is content."""
+    ``forced_schema``), held to its end and made calls there, as vLLM 0.32's parser makes them: a named function's
+    call has the output as its arguments, as written, whole or cut off at max_tokens (the choice's finish_reason
+    ``length`` says which); ``required``'s output is read as its list of names and parameters, and one that is not
+    (cut off) gives no call. Either way the output is no content."""
 
     def __init__(self, name: str = ""):
         self.name = name
@@ -110,26 +112,42 @@ class ForcedStreamer:
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
         self.held += text
-        if not final:
+        if not final or not self.held.strip():
             return "", []
-        try:
-            got = json.loads(self.held)
-        except (ValueError, RecursionError):
-            return self.held, []
         if self.name:
-            calls = [_tool_call(self.name, self.held)] if isinstance(got, dict) else []
+            calls = [_tool_call(self.name, self.held)]
         else:
-            calls = [_tool_call(c["name"], c["parameters"]) for c in got if isinstance(c, dict)
-                     and isinstance(c.get("name"), str) and "parameters" in c] if isinstance(got, list) else []
-        if not calls:
-            return self.held, []
+            calls = _required_calls(self.held)
         self.calls = len(calls)
         return "", [dict(c, index=i) for i, c in enumerate(calls)]
 
 
+def _required_calls(text: str) -> list[dict]:
+    """tool_choice ``required``'s output as calls: a JSON list of ``{"name", "parameters"}``; none where it is not
+    one, every item a call (vLLM reads it whole or not at all)."""
+    try:
+        got = json.loads(text)
+    except (ValueError, RecursionError):
+        return []
+    if not isinstance(got, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in got):
+        return []
+    return [_tool_call(c["name"], c.get("parameters") or {}) for c in got]
+
+
+def ends_with_calls(parser: str) -> bool:
+    """Whether a choice that made calls and stopped by itself ends with ``tool_calls``: auto and ``required`` do,
+    a named function's ends with ``stop``, as OpenAI's and vLLM's."""
+    return not parser.startswith(NAMED)
+
+
+def forced(parser: str) -> bool:
+    """Whether ``parser`` is a forced tool choice's (required, or a named function)."""
+    return parser == REQUIRED or parser.startswith(NAMED)
+
+
 def streamer(parser: str) -> CallStreamer:
     """A choice's streamer for ``parser`` (one of PARSERS, or a forced choice: REQUIRED, NAMED + a name)."""
-    if parser == REQUIRED or parser.startswith(NAMED):
+    if forced(parser):
         return ForcedStreamer(parser[len(NAMED):] if parser.startswith(NAMED) else "")
     kinds: dict[str, type[CallStreamer]] = {"hermes": Streamer, "llama3_json": Llama3JsonStreamer,
                                             "mistral": MistralStreamer, "pythonic": PythonicStreamer}
