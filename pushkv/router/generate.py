@@ -295,21 +295,37 @@ class Generation:
     async def _chunks(self, resp: web.StreamResponse, fan: Fanout) -> None:
         """A completion or chat stream: a chunk a delta, usage where asked, then [DONE]."""
         started = [False] * self.params.choices
+        last: dict[int, output.Delta] = {}  # a choice's last tokens, waiting for its finish_reason
+
+        async def send(i: int, delta: output.Delta) -> None:
+            if not started[i]:  # with the first output, as vLLM: a client's TTFT stays true
+                started[i] = True
+                opening = self.render.opening(self.outs[i])
+                if opening is not None:
+                    await resp.write(self._chunk(opening, self._choice_usage(i, opening=True), None,
+                                                 self.render.opening_fields()))
+            await resp.write(self._stream_delta(i, delta))
+
         failed = False
         async for i, ev in fan.events():
             if isinstance(ev, Failed):
+                for j in sorted(last):
+                    await send(j, last.pop(j))
                 await resp.write(output.sse(_error_body(ev.status, ev.reason)))
                 failed = True
                 break
             delta = self._apply(i, ev, fan)
-            if delta is not None and (delta.text or delta.token_ids or delta.finish_reason):
-                if not started[i]:  # with the first output, as vLLM: a client's TTFT stays true
-                    started[i] = True
-                    opening = self.render.opening(self.outs[i])
-                    if opening is not None:
-                        await resp.write(self._chunk(opening, self._choice_usage(i, opening=True), None,
-                                                     self.render.opening_fields()))
-                await resp.write(self._stream_delta(i, delta))
+            if delta is None:
+                continue
+            if isinstance(ev, Tokens) and ev.last and not delta.finish_reason:
+                last[i] = delta  # its Finished comes next: vLLM's finish_reason rides on the last token's chunk
+                continue
+            if i in last:
+                delta = output.joined(last.pop(i), delta)
+            if delta.text or delta.token_ids or delta.finish_reason:
+                await send(i, delta)
+        for j in sorted(last):  # closed before its Finished came
+            await send(j, last.pop(j))
         if not failed and self.params.include_usage:
             await resp.write(self._chunk({}, self._usage()))
         await resp.write(output.SSE_DONE)

@@ -98,6 +98,12 @@ class Delta:
     stop_reason: StopReason = None  # vLLM's, with the finish_reason (ChoiceOutput.stop_reason)
 
 
+def joined(first: Delta, then: Delta) -> Delta:
+    """Two deltas of a choice as one: ``then``'s end (its finish_reason, stop_reason) after both's output."""
+    return Delta(first.text + then.text, first.token_ids + then.token_ids, first.logprobs + then.logprobs,
+                 then.finish_reason, then.stop_reason)
+
+
 @dataclass
 class ChoiceOutput:
     index: int

@@ -216,7 +216,7 @@ def test_the_shell_drops_a_schedulers_input_out_of_turn_and_raises_on_its_own(tm
     assert run.req.phase is Ph.RUNNING and run.ledger.output_ids == []
     with pytest.raises(R.IllegalInput, match="Placed in phase running"):  # the router's own bug is loud
         run._feed(placed(P.PUSH))
-    assert run._feed(toks([7], True), "local") == [R.Tokens((7,)), R.Finished("stop")]
+    assert run._feed(toks([7], True), "local") == [R.Tokens((7,), last=True), R.Finished("stop")]
     run.close()
     assert run.req.phase is Ph.CLOSED and run.ledger.outcome == "ok"
 
@@ -249,3 +249,18 @@ def test_an_open_leg_hears_whether_the_request_was_complete(mode, before, finish
         req.on(msg, T0 + 20 if isinstance(msg, R.Tick) else T0, leg)
     out = req.on(R.Close(), T0 + 20, RT)
     assert {a.leg: a.msg.finish for a in out if isinstance(a, R.Send) and isinstance(a.msg, m.Abort)} == finish
+
+
+@pytest.mark.parametrize("mode, reported, last", [("local", False, True), ("push", True, True),
+                                                  ("push", False, False)])
+def test_the_last_tokens_say_whether_the_finish_comes_with_them(mode, reported, last):
+    """A run's last tokens are marked last (the stream sends them with the finish_reason, as vLLM's) only where
+    their Finished comes with them: in push, D's last before P's report waits for it, so they go out alone at once
+    rather than held up to PREFILL_REPORT_GRACE_S."""
+    req = reach(mode, Ph.RUNNING)
+    if reported:
+        req.on(pf(), T0, "prefill")
+    out = req.on(toks([7], True), T0, "local" if mode == "local" else "decode")
+    tokens = [a for a in out if isinstance(a, R.Tokens)]
+    assert [t.last for t in tokens] == [last]
+    assert any(isinstance(a, R.Finished) for a in out) is last
