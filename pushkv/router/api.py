@@ -2,7 +2,7 @@
 
 Everything a client can get wrong is found here and raised as ``ApiError``
 with the HTTP status and the field named; the server turns it into
-``{"error": {"message", "type", "param"}}``. Unknown fields are ignored, as
+``{"error": {"message", "type", "param", "code"}}``. Unknown fields are ignored, as
 OpenAI-compatible servers do; known fields that would change the result and
 are not implemented (``suffix``, ``best_of`` > n, beam search, a repetition
 penalty other than 1, structured output: ``response_format`` other than text
@@ -43,10 +43,9 @@ class ApiError(Exception):
 
 
 def error_body(message: str, type_: str, status: int, param: str = "", code: str = "") -> dict:
-    err = {"message": message, "type": type_, "code": code or status}
-    if param:
-        err["param"] = param
-    return {"error": err}
+    """OpenAI's and vLLM's error object: ``param`` is always there, null where no field is to blame (clients read
+    ``error.param`` without a default)."""
+    return {"error": {"message": message, "type": type_, "param": param or None, "code": code or status}}
 
 
 def error_type(status: int) -> str:
@@ -430,6 +429,8 @@ def parse_generation(body: dict, ids: list[int], tok: text.Tokenizer, limits: Li
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise bad("stream_options", "stream_options must be an object")
+    if opts and not stream:  # vLLM's and OpenAI's rule: usage options of a stream that is not one say nothing
+        raise bad("stream_options", "stream_options can only be given with stream true")
     include_usage = limits.force_usage or (get_bool(opts or {}, "include_usage") if opts else False)
     continuous_usage = limits.force_usage or (include_usage and get_bool(opts or {}, "continuous_usage_stats"))
 
