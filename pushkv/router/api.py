@@ -113,6 +113,7 @@ class CompletionParams:
     echo_text: str = ""  # chat's echo (vLLM's): the final assistant message's text, opening each choice's content
     reasoning_parser: str = ""  # chat: its choices' reasoning apart (router/reasoning.py; the deployment's)
     tool_call_parser: str = ""  # chat with tools, tool_choice auto: calls out of the content (router/tool_calls.py)
+    tools: list[dict] = field(default_factory=list)  # chat's tools (qwen3_coder types a call's arguments by them)
     skip_special_tokens: bool = True  # vLLM's: special tokens left out of the output's text
     # vLLM's: false (with special tokens kept) writes an added token right after another with nothing between
     spaces_between_special_tokens: bool = True

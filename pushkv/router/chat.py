@@ -316,6 +316,7 @@ def parse_chat(body: dict, tok: text.Tokenizer, limits: api.Limits, template: Ch
         raise api.bad("tool_choice", '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
                                      'to be set (or send tool_choice "none" to have the template see the tools)')
     params.tool_call_parser = tool_call_parser if auto else ""
+    params.tools = tools
     if forced is not None:  # required or a named function: the output held to the calls' schema, then made calls
         if params.structured is not None:
             raise api.bad("tool_choice", "a forced tool_choice holds the output to the calls' schema: it cannot be "

@@ -153,7 +153,7 @@ class ChatRenderer(Renderer):
         parser = params.reasoning_parser  # each choice's thinking apart (router/reasoning.py)
         self.splitters = [reasoning.Splitter(parser) for _ in range(params.choices)] if parser else []
         # the tool calls each choice's content writes (router/tool_calls.py)
-        self.tools = ([tool_calls.streamer(params.tool_call_parser) for _ in range(params.choices)]
+        self.tools = ([tool_calls.streamer(params.tool_call_parser, params.tools) for _ in range(params.choices)]
                       if params.tool_call_parser else [])
 
     def _logprobs(self, i: int, delta: Delta) -> dict:
@@ -166,7 +166,7 @@ class ChatRenderer(Renderer):
         calls: list[dict] = []
         parser = self.params.tool_call_parser
         if self.tools:
-            content, calls = tool_calls.parse(content or "", parser)
+            content, calls = tool_calls.parse(content or "", parser, self.params.tools)
             if tool_calls.forced(parser):  # vLLM's forced choice: its output is calls, its content ""
                 content = content or ""
         if self.params.echo_text:  # vLLM's echo: the continued message first

@@ -19,6 +19,8 @@ gives them, each becoming an OpenAI ``tool_calls`` entry (``arguments`` a JSON s
   special tokens in its text (``KEEPS_SPECIAL_TOKENS``, as vLLM does), and output without ``[TOOL_CALLS]`` is
   content, as vLLM's. Streamed, content goes out as it comes, text that may still begin ``[TOOL_CALLS]`` is held
   back, and each call goes out whole as its JSON ends (a list's calls together).
+- ``qwen3_coder`` (Qwen3-Coder, Qwen3.5): hermes' tags around XML-ish calls, ``<tool_call><function=NAME>
+  <parameter=KEY>VALUE</parameter>...</function></tool_call>`` (``tool_calls_qwen3.py``), streamed as hermes'.
 - ``pythonic`` (Llama 3.2, Llama 4, ToolACE): an output that is a Python list of calls, ``[get_weather(city=
   "Paris"), f(x=1)]``, read with :mod:`ast` (never run): each call a plain name with keyword arguments whose
   values are literals JSON can hold (strings, numbers, booleans, None, lists, tuples, dicts with string keys).
@@ -37,12 +39,12 @@ import random
 import re
 import string
 import uuid
-from typing import Any, Literal, Optional, Protocol
+from typing import Any, Callable, Literal, Optional, Protocol
 
 from pushkv.router.text import until_tag
 
 START, END = "<tool_call>", "</tool_call>"
-PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder")
 
 
 class CallStreamer(Protocol):
@@ -145,10 +147,15 @@ def forced(parser: str) -> bool:
     return parser == REQUIRED or parser.startswith(NAMED)
 
 
-def streamer(parser: str) -> CallStreamer:
-    """A choice's streamer for ``parser`` (one of PARSERS, or a forced choice: REQUIRED, NAMED + a name)."""
+def streamer(parser: str, tools: Optional[list[dict]] = None) -> CallStreamer:
+    """A choice's streamer for ``parser`` (one of PARSERS, or a forced choice: REQUIRED, NAMED + a name); ``tools``:
+    the request's, whose parameter schemas type qwen3_coder's arguments."""
     if forced(parser):
         return ForcedStreamer(parser[len(NAMED):] if parser.startswith(NAMED) else "")
+    if parser == "qwen3_coder":
+        from pushkv.router import tool_calls_qwen3  # (it builds on this module's Streamer)
+
+        return Streamer(tool_calls_qwen3.reader(tools or []))
     kinds: dict[str, type[CallStreamer]] = {"hermes": Streamer, "llama3_json": Llama3JsonStreamer,
                                             "mistral": MistralStreamer, "pythonic": PythonicStreamer}
     if parser not in kinds:
@@ -156,9 +163,9 @@ def streamer(parser: str) -> CallStreamer:
     return kinds[parser]()
 
 
-def parse(text: str, parser: str = "hermes") -> tuple[Optional[str], list[dict]]:
+def parse(text: str, parser: str = "hermes", tools: Optional[list[dict]] = None) -> tuple[Optional[str], list[dict]]:
     """A whole content's (its text outside the calls, or None where empty; the calls): what a stream of it gives."""
-    content, calls = streamer(parser).feed(text, final=True)
+    content, calls = streamer(parser, tools).feed(text, final=True)
     return content or None, [{k: v for k, v in c.items() if k != "index"} for c in calls]
 
 
@@ -207,9 +214,11 @@ def _json_calls(text: str) -> Optional[list[dict]]:
 
 class Streamer:
     """One choice's content, fed as it comes: each piece's (content delta, calls completed). Text outside the calls
-    is content (white space right after a call aside); a call that does not parse is content too."""
+    is content (white space right after a call aside); a call that does not parse is content too. ``call_of``
+    reads one call's text between the tags (hermes': JSON; qwen3_coder's: ``tool_calls_qwen3.call_of``)."""
 
-    def __init__(self):
+    def __init__(self, call_of: Callable[[str], Optional[dict]] = _call):
+        self.call_of = call_of
         self.held = ""
         self.in_call = False
         self.after_call = False  # white space here separates calls
@@ -234,7 +243,7 @@ class Streamer:
             if end < 0 and not final:
                 return content, calls  # the call goes out whole
             body, self.held = (self.held, "") if end < 0 else (self.held[:end], self.held[end + len(END):])
-            call = _call(body.strip())
+            call = self.call_of(body.strip())
             if call is not None:
                 calls.append(dict(call, index=self.calls))
                 self.calls += 1

@@ -172,9 +172,10 @@ def test_enable_auto_tool_choice_needs_a_parser():
 
     assert cfg("--enable-auto-tool-choice", "--tool-call-parser", "hermes").tool_call_parser == "hermes"
     assert cfg("--tool-call-parser", "hermes").tool_call_parser == "hermes"
-    for parser in ("llama3_json", "mistral", "pythonic"):
+    for parser in ("llama3_json", "mistral", "pythonic", "qwen3_coder"):
         assert cfg("--enable-auto-tool-choice", "--tool-call-parser", parser).tool_call_parser == parser
-    with pytest.raises(ValueError, match=r"needs --tool-call-parser \(hermes, llama3_json, mistral, pythonic\)"):
+    with pytest.raises(ValueError, match=r"needs --tool-call-parser \(hermes, llama3_json, mistral, pythonic, "
+                                         r"qwen3_coder\)"):
         cfg("--enable-auto-tool-choice")
     with pytest.raises(SystemExit):  # argparse: not one of the choices
         cfg("--enable-auto-tool-choice", "--tool-call-parser", "xlam")
