@@ -14,6 +14,9 @@ What a tool-calling template reads is passed to it as transformers'
 message's ``name``, ``tool_call_id`` and ``tool_calls`` (a call's JSON-string
 arguments as an object).
 
+An assistant message's ``reasoning`` (or ``reasoning_content``) reaches the template under both names, as vLLM
+gives it (Qwen3's template writes it back as ``<think>`` for the turns after the last user message).
+
 A request's ``chat_template_kwargs`` (vLLM's: Qwen3's ``enable_thinking``, a template's own switches)
 are passed to the template beside these, and its ``add_generation_prompt`` (default true) as given;
 ``--chat-template`` replaces the checkpoint's template at launch. A request's own ``chat_template``
@@ -174,6 +177,18 @@ def _tool_calls(calls: Any, where: str) -> list[dict]:
     return out
 
 
+def _reasoning(msg: dict, i: int) -> Optional[str]:
+    """An assistant message's earlier thinking: vLLM's ``reasoning``, else the older ``reasoning_content`` (which
+    vLLM renames to it)."""
+    for key in ("reasoning", "reasoning_content"):
+        v = msg.get(key)
+        if v is not None:
+            if not isinstance(v, str):
+                raise api.bad(f"messages[{i}].{key}", f"{key} must be a string")
+            return v
+    return None
+
+
 def parse_messages(body: dict) -> list[dict]:
     msgs = body.get("messages")
     if msgs is None:
@@ -196,6 +211,9 @@ def parse_messages(body: dict) -> list[dict]:
                 parsed[key] = msg[key]
         if msg.get("tool_calls") is not None:
             parsed["tool_calls"] = _tool_calls(msg["tool_calls"], f"messages[{i}].tool_calls")
+        thought = _reasoning(msg, i) if role == "assistant" else None
+        if thought is not None:  # as vLLM gives it (interleaved thinking): under both names templates read
+            parsed["reasoning"] = parsed["reasoning_content"] = thought
         out.append(parsed)
     return out
 

@@ -175,8 +175,8 @@ class ChatRenderer(Renderer):
             parser)), lp, out.stop_reason)
         if self.params.return_token_ids:  # vLLM's: the choice's output ids
             body["token_ids"] = out.token_ids
-        if self.splitters:
-            body["message"]["reasoning_content"] = thought
+        if self.splitters:  # vLLM 0.32's name, and the older one clients written before it read
+            body["message"]["reasoning"] = body["message"]["reasoning_content"] = thought
         if calls:  # vLLM's message leaves tool_calls out where there are none
             body["message"]["tool_calls"] = calls
         return body
@@ -202,7 +202,7 @@ class ChatRenderer(Renderer):
         calls: list[dict] = []
         if self.tools:
             text, calls = self.tools[i].feed(text, final)
-        d: dict = {"reasoning_content": thought} if thought else {}
+        d: dict = {"reasoning": thought, "reasoning_content": thought} if thought else {}
         if text or not (thought or calls or final):
             d["content"] = text
         if calls:

@@ -61,11 +61,13 @@ def test_through_the_router_unary_and_streamed(tmp_path):
             r = await h.http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 32})
             assert r.status == 200, await r.text()
             msg = (await r.json())["choices"][0]["message"]
-            assert (msg["reasoning_content"], msg["content"]) == ("ab", "hi")
+            # vLLM 0.32's name for it, and the older one beside it
+            assert (msg["reasoning"], msg["reasoning_content"], msg["content"]) == ("ab", "ab", "hi")
             r = await h.http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 32,
                                                                  "stream": True})
             deltas = [e["choices"][0]["delta"] for e in (await read_sse(r)) if e != "[DONE]" and e["choices"]]
-            assert "".join(d.get("reasoning_content", "") for d in deltas) == "ab"
+            assert "".join(d.get("reasoning", "") for d in deltas) == "ab"
+            assert all(d.get("reasoning") == d.get("reasoning_content") for d in deltas)
             assert "".join(d.get("content", "") for d in deltas) == "hi"
             # completions are not chat: their text is whole
             r = await h.http.post("/v1/completions", json={"prompt": "x", "max_tokens": 32})
