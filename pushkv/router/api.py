@@ -114,6 +114,7 @@ class CompletionParams:
     reasoning_parser: str = ""  # chat: its choices' reasoning apart (router/reasoning.py; the deployment's)
     tool_call_parser: str = ""  # chat with tools, tool_choice auto: calls out of the content (router/tool_calls.py)
     tools: list[dict] = field(default_factory=list)  # chat's tools (qwen3_coder types a call's arguments by them)
+    parallel_tool_calls: bool = True  # false (OpenAI's, vLLM's): a choice's first call alone is given
     skip_special_tokens: bool = True  # vLLM's: special tokens left out of the output's text
     # vLLM's: false (with special tokens kept) writes an added token right after another with nothing between
     spaces_between_special_tokens: bool = True

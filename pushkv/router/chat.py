@@ -335,6 +335,7 @@ def parse_chat(body: dict, tok: text.Tokenizer, limits: api.Limits, template: Ch
                                      'to be set (or send tool_choice "none" to have the template see the tools)')
     params.tool_call_parser = tool_call_parser if auto else ""
     params.tools = tools
+    params.parallel_tool_calls = api.get_bool(body, "parallel_tool_calls", True)
     if forced is not None:  # required or a named function: the output held to the calls' schema, then made calls
         if params.structured is not None:
             raise api.bad("tool_choice", "a forced tool_choice holds the output to the calls' schema: it cannot be "

@@ -167,6 +167,7 @@ class ChatRenderer(Renderer):
         parser = self.params.tool_call_parser
         if self.tools:
             content, calls = tool_calls.parse(content or "", parser, self.params.tools)
+            calls = calls if self.params.parallel_tool_calls else calls[:1]  # vLLM's: false keeps the first
             if tool_calls.forced(parser):  # vLLM's forced choice: its output is calls, its content ""
                 content = content or ""
         if self.params.echo_text:  # vLLM's echo: the continued message first
@@ -202,6 +203,7 @@ class ChatRenderer(Renderer):
         calls: list[dict] = []
         if self.tools:
             text, calls = self.tools[i].feed(text, final)
+            calls = calls if self.params.parallel_tool_calls else [c for c in calls if c["index"] == 0]
         d: dict = {"reasoning": thought, "reasoning_content": thought} if thought else {}
         if text or not (thought or calls or final):
             d["content"] = text

@@ -297,6 +297,8 @@ def chat_body(body: dict, store: Optional[Store] = None, conv: Optional[list[dic
         out["tools"] = tools
     if body.get("tool_choice") is not None:
         out["tool_choice"] = _tool_choice(body)
+    if body.get("parallel_tool_calls") is not None:
+        out["parallel_tool_calls"] = body["parallel_tool_calls"]
     top = _logprobs(body)
     if top is not None:
         out["logprobs"], out["top_logprobs"] = True, top

@@ -274,3 +274,30 @@ def test_a_choice_without_calls_has_no_tool_calls_key(tmp_path):
     choice = run(body())
     assert choice["message"]["content"] == "just text" and "tool_calls" not in choice["message"]
     assert choice["finish_reason"] == "stop"
+
+
+def test_parallel_tool_calls_false_gives_the_first_call_alone(tmp_path):
+    """OpenAI's and vLLM's parallel_tool_calls false: a choice's first call alone, whole and streamed (pushkv
+    ignored the field and gave every call)."""
+    out = list((CALL_F + "\n" + CALL_G).encode())
+    chunks = [out[i:i + 9] for i in range(0, len(out), 9)]
+
+    async def body():
+        cfg = make_cfg(tmp_path, "local", tool_call_parser="hermes")
+        async with Harness(cfg, {"local": local_script(chunks, "stop")}) as h:
+            got = {}
+            for parallel in (None, False):
+                req = {"messages": MESSAGES, "tools": TOOLS, **({} if parallel is None else
+                                                               {"parallel_tool_calls": parallel})}
+                r = await h.http.post("/v1/chat/completions", json=req)
+                whole = (await r.json())["choices"][0]
+                r = await h.http.post("/v1/chat/completions", json=dict(req, stream=True))
+                events = [e["choices"][0] for e in await read_sse(r) if e != "[DONE]" and e["choices"]]
+                got[parallel] = (whole, streamed_parts([e["delta"] for e in events])[2], events[-1])
+            return got
+    got = run(body())
+    both = [("get_weather", '{"city": "Paris", "unit": "°C"}'), ("g", "{}")]
+    for parallel, calls in ((None, both), (False, both[:1])):
+        whole, streamed_calls, last = got[parallel]
+        assert _named(whole["message"]["tool_calls"]) == calls and _named(streamed_calls) == calls, parallel
+        assert whole["finish_reason"] == last["finish_reason"] == "tool_calls"
