@@ -389,6 +389,10 @@ def refuse_unbuilt(body: dict) -> None:
 # vLLM's own request fields that would change the answer and are not built: each with the values that change
 # nothing (what vLLM does without it), and why not
 VLLM_UNBUILT: dict[str, tuple[tuple, str]] = {
+    "watermarking": ((None, False), "watermarking is not built"),
+    "repetition_detection": ((None,), "repetition detection is not built (stop, stop_token_ids and max_tokens end "
+                                      "the output)"),
+    "prompt_embeds": ((None,), "prompt embeddings are not built: send the prompt as text or token ids"),
     "length_penalty": ((None, 1, 1.0), "beam search is not built"),
     "priority": ((None, 0), "priority scheduling is not built: requests are served first come, first served (vLLM "
                             "refuses a priority too unless --scheduling-policy priority)"),
