@@ -115,6 +115,9 @@ class CompletionParams:
     tool_call_parser: str = ""  # chat with tools, tool_choice auto: calls out of the content (router/tool_calls.py)
     tools: list[dict] = field(default_factory=list)  # chat's tools (qwen3_coder types a call's arguments by them)
     parallel_tool_calls: bool = True  # false (OpenAI's, vLLM's): a choice's first call alone is given
+    # vLLM's include_reasoning false: with a reasoning parser, the reasoning is not returned, nor what would show it
+    # (logprobs, token ids)
+    include_reasoning: bool = True
     skip_special_tokens: bool = True  # vLLM's: special tokens left out of the output's text
     # vLLM's: false (with special tokens kept) writes an added token right after another with nothing between
     spaces_between_special_tokens: bool = True

@@ -327,6 +327,7 @@ def parse_chat(body: dict, tok: text.Tokenizer, limits: api.Limits, template: Ch
     last = messages[-1]
     params.echo_text = last["content"] if api.get_bool(body, "echo") and last["role"] == "assistant" else ""
     params.reasoning_parser = reasoning_parser
+    params.include_reasoning = api.get_bool(body, "include_reasoning", True)
     # tool_choice auto (the default with tools): the deployment's parser takes the calls out of the output; without
     # one, refused as vLLM refuses it (clients probe tool support by it), rather than calls left in the text
     auto = bool(tools) and body.get("tool_choice") in (None, "auto")

@@ -221,6 +221,8 @@ class Generation:
         """A delta's chunk; usage only as vLLM's (continuous_usage_stats), the request's total going in the
         chunk after the last (include_usage)."""
         choice = self.render.chunk_choice(i, delta)
+        if choice is None:  # nothing to show
+            return b""
         ext = self._extension() if delta.finish_reason and self.render.extension_in_last_chunk() else None
         return self._chunk(choice, self._choice_usage(i), ext)
 
@@ -304,7 +306,9 @@ class Generation:
                 if opening is not None:
                     await resp.write(self._chunk(opening, self._choice_usage(i, opening=True), None,
                                                  self.render.opening_fields()))
-            await resp.write(self._stream_delta(i, delta))
+            chunk = self._stream_delta(i, delta)
+            if chunk:
+                await resp.write(chunk)
 
         failed = False
         async for i, ev in fan.events():

@@ -78,7 +78,8 @@ class Renderer:
         first output: the prompt's logprobs have come by then)."""
         raise NotImplementedError
 
-    def chunk_choice(self, i: int, delta: Delta) -> dict:
+    def chunk_choice(self, i: int, delta: Delta) -> Optional[dict]:
+        """A delta's choice; None where it shows nothing (chat's reasoning that include_reasoning hides)."""
         raise NotImplementedError
 
     def extension_in_last_chunk(self) -> bool:
@@ -152,6 +153,9 @@ class ChatRenderer(Renderer):
         super().__init__(tok, params)
         parser = params.reasoning_parser  # each choice's thinking apart (router/reasoning.py)
         self.splitters = [reasoning.Splitter(parser) for _ in range(params.choices)] if parser else []
+        # vLLM's include_reasoning false: the reasoning left out, and the logprobs and ids that would spell it
+        self.hide_reasoning = bool(parser) and not params.include_reasoning
+        self.want_logprobs = self.want_logprobs and not self.hide_reasoning
         # the tool calls each choice's content writes (router/tool_calls.py)
         self.tools = ([tool_calls.streamer(params.tool_call_parser, params.tools) for _ in range(params.choices)]
                       if params.tool_call_parser else [])
@@ -174,10 +178,11 @@ class ChatRenderer(Renderer):
             content = self.params.echo_text + (content or "")
         body = chat_choice(out.index, content, _finish(out.finish_reason, bool(calls) and tool_calls.ends_with_calls(
             parser)), lp, out.stop_reason)
-        if self.params.return_token_ids:  # vLLM's: the choice's output ids
+        if self.params.return_token_ids and not self.hide_reasoning:  # vLLM's: the choice's output ids
             body["token_ids"] = out.token_ids
         if self.splitters:  # vLLM 0.32's name, and the older one clients written before it read
-            body["message"]["reasoning"] = body["message"]["reasoning_content"] = thought
+            body["message"]["reasoning"] = body["message"]["reasoning_content"] = (None if self.hide_reasoning
+                                                                                    else thought)
         if calls:  # vLLM's message leaves tool_calls out where there are none
             body["message"]["tool_calls"] = calls
         return body
@@ -196,7 +201,7 @@ class ChatRenderer(Renderer):
         # vLLM's echo: the continued message's text opens the stream, with the role
         return chat_chunk_choice(out.index, {"role": "assistant", "content": self.params.echo_text}, None)
 
-    def chunk_choice(self, i: int, delta: Delta) -> dict:
+    def chunk_choice(self, i: int, delta: Delta) -> Optional[dict]:
         # text held back as a possible tag goes out with the choice's last delta
         final = bool(delta.finish_reason)
         thought, text = self.splitters[i].feed(delta.text, final) if self.splitters else ("", delta.text)
@@ -204,6 +209,10 @@ class ChatRenderer(Renderer):
         if self.tools:
             text, calls = self.tools[i].feed(text, final)
             calls = calls if self.params.parallel_tool_calls else [c for c in calls if c["index"] == 0]
+        if self.hide_reasoning:
+            if not (text or calls or final):  # reasoning alone: no chunk, as vLLM's
+                return None
+            thought = ""
         d: dict = {"reasoning": thought, "reasoning_content": thought} if thought else {}
         if text or not (thought or calls or final):
             d["content"] = text
@@ -213,7 +222,7 @@ class ChatRenderer(Renderer):
             self.params.tool_call_parser)
         choice = chat_chunk_choice(i, d, _finish(delta.finish_reason, called), self.logprobs(i, delta),
                                    delta.stop_reason)
-        if self.params.return_token_ids:  # vLLM's: the delta's output ids
+        if self.params.return_token_ids and not self.hide_reasoning:  # vLLM's: the delta's output ids
             choice["token_ids"] = list(delta.token_ids)
         return choice
 

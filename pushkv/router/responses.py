@@ -515,6 +515,8 @@ class ResponseEvents:
     def delta(self, delta: Delta) -> list[tuple[str, dict]]:
         final = bool(delta.finish_reason)
         chunk = self.render.chunk_choice(0, delta)
+        if chunk is None:  # (a responses request never hides its reasoning)
+            return []
         d = chunk["delta"]  # the chat chunk's content, its reasoning and calls apart
         self.pending += (chunk.get("logprobs") or {}).get("content") or []
         thought, text = d.get("reasoning_content", ""), d.get("content", "")

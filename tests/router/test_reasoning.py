@@ -82,3 +82,28 @@ def test_the_flag_sets_the_deployments_parser():
     args = cli.build_parser().parse_args(["up", "tiny", "--load-format", "dummy", "--reasoning-parser", "qwen3"])
     assert user_config(vars(args), lambda: (0, "")).reasoning_parser == "qwen3"
     assert user_config(vars(cli.build_parser().parse_args(["up"])), lambda: (0, "")).reasoning_parser == ""
+
+
+def test_include_reasoning_false_leaves_the_reasoning_out(tmp_path):
+    """vLLM's include_reasoning false: no reasoning, whole or streamed (no chunk of reasoning alone), nor the logprobs
+    and token ids that would spell it; pushkv took the field and returned the reasoning."""
+    out = list(b"<think>ab</think>hi")
+    chunks = [out[:3], out[3:9], out[9:15], out[15:]]
+
+    async def body():
+        cfg = make_cfg(tmp_path, "local", reasoning_parser="deepseek_r1")
+        async with Harness(cfg, {"local": local_script(chunks, "stop")}) as h:
+            req = {"messages": MESSAGES, "max_tokens": 32, "include_reasoning": False, "logprobs": True,
+                   "return_token_ids": True}
+            choice = (await (await h.http.post("/v1/chat/completions", json=req)).json())["choices"][0]
+            r = await h.http.post("/v1/chat/completions", json=dict(req, stream=True))
+            return choice, [e["choices"][0] for e in await read_sse(r) if e != "[DONE]" and e["choices"]]
+    choice, streamed = run(body())
+    msg = choice["message"]
+    assert (msg["reasoning"], msg["reasoning_content"], msg["content"]) == (None, None, "hi")
+    assert choice["logprobs"] is None and "token_ids" not in choice
+    deltas = [c["delta"] for c in streamed]
+    assert not any(d.get("reasoning") or d.get("reasoning_content") for d in deltas)
+    assert "".join(d.get("content", "") for d in deltas) == "hi" and streamed[-1]["finish_reason"] == "stop"
+    assert all(c["logprobs"] is None and "token_ids" not in c for c in streamed)
+    assert len(streamed) <= 3  # the role, then the answer's: no chunk for the reasoning alone
