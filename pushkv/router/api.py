@@ -112,6 +112,9 @@ class CompletionParams:
     chat: bool = False
     echo_text: str = ""  # chat's echo (vLLM's): the final assistant message's text, opening each choice's content
     reasoning_parser: str = ""  # chat: its choices' reasoning apart (router/reasoning.py; the deployment's)
+    # chat with a reasoning parser: whether the output may hold reasoning (reasoning.reasons: the request thinks, and
+    # its prompt did not close the reasoning)
+    reasons: bool = True
     tool_call_parser: str = ""  # chat with tools, tool_choice auto: calls out of the content (router/tool_calls.py)
     tools: list[dict] = field(default_factory=list)  # chat's tools (qwen3_coder types a call's arguments by them)
     parallel_tool_calls: bool = True  # false (OpenAI's, vLLM's): a choice's first call alone is given

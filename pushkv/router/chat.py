@@ -327,6 +327,9 @@ def parse_chat(body: dict, tok: text.Tokenizer, limits: api.Limits, template: Ch
     last = messages[-1]
     params.echo_text = last["content"] if api.get_bool(body, "echo") and last["role"] == "assistant" else ""
     params.reasoning_parser = reasoning_parser
+    if reasoning_parser:  # (enable_thinking as vLLM's qwen3 parser reads it)
+        thinking = bool(parse_template_kwargs(body).get("enable_thinking", True))
+        params.reasons = reasoning.reasons(reasoning_parser, thinking, prompt)
     params.include_reasoning = api.get_bool(body, "include_reasoning", True)
     # tool_choice auto (the default with tools): the deployment's parser takes the calls out of the output; without
     # one, refused as vLLM refuses it (clients probe tool support by it), rather than calls left in the text
@@ -346,7 +349,7 @@ def parse_chat(body: dict, tok: text.Tokenizer, limits: api.Limits, template: Ch
         # model held to a schema can otherwise fill max_tokens with white space
         params.structured = structured.parse({"structured_outputs": {"json": schema, "disable_any_whitespace": True}})
         params.tool_call_parser = parser
-    if params.structured is not None and reasoning_parser:  # the grammar holds the answer after the reasoning
+    if params.structured is not None and reasoning_parser and params.reasons:  # the answer after the reasoning
         params.structured = msgspec.structs.replace(params.structured,
                                                     after=tuple(api.encode_bare(tok, reasoning.END, "messages")))
     if params.tool_call_parser in tool_calls.KEEPS_SPECIAL_TOKENS:  # its markers are special tokens, as vLLM keeps

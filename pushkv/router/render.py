@@ -152,7 +152,7 @@ class ChatRenderer(Renderer):
     def __init__(self, tok: Tokenizer, params: CompletionParams):
         super().__init__(tok, params)
         parser = params.reasoning_parser  # each choice's thinking apart (router/reasoning.py)
-        self.splitters = [reasoning.Splitter(parser) for _ in range(params.choices)] if parser else []
+        self.splitters = [reasoning.Splitter(parser, params.reasons) for _ in range(params.choices)] if parser else []
         # vLLM's include_reasoning false: the reasoning left out, and the logprobs and ids that would spell it
         self.hide_reasoning = bool(parser) and not params.include_reasoning
         self.want_logprobs = self.want_logprobs and not self.hide_reasoning
@@ -165,7 +165,8 @@ class ChatRenderer(Renderer):
 
     def choice(self, out: ChoiceOutput) -> dict:
         lp = self.logprobs(out.index, Delta(out.text, out.token_ids, out.logprobs))
-        thought, content = (reasoning.split(out.text, self.params.reasoning_parser) if self.splitters
+        p = self.params
+        thought, content = (reasoning.split(out.text, p.reasoning_parser, p.reasons) if self.splitters
                             else (None, out.text))
         calls: list[dict] = []
         parser = self.params.tool_call_parser

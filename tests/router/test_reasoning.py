@@ -14,36 +14,74 @@ from tests.support.router_fakes import Harness, make_cfg
 
 pytestmark = pytest.mark.timeout(30)
 
-# text -> (deepseek_r1's, qwen3's) (reasoning_content, content)
+# text -> (reasoning_content, content): deepseek_r1's, and qwen3's where the request thinks (vLLM 0.32's, checked
+# against its Qwen3Parser); where the output may not reason (reasoning.reasons false) it is the text, all content
 CASES = {
-    "<think>\nplan</think>\n\nanswer": (("\nplan", "\n\nanswer"), ("\nplan", "\n\nanswer")),
-    "plan</think>answer": (("plan", "answer"), (None, "plan</think>answer")),  # opened in the prompt
-    "just an answer": (("just an answer", None), (None, "just an answer")),
-    "<think>cut short by max_tokens": (("cut short by max_tokens", None), ("cut short by max_tokens", None)),
-    "<think></think>answer": ((None, "answer"), (None, "answer")),
-    "<thinking>x": (("<thinking>x", None), (None, "<thinking>x")),  # not the tag
-    "<thi": (("<thi", None), (None, "<thi")),
-    "a</think>b</think>c": (("a", "b</think>c"), (None, "a</think>b</think>c")),
-    "": ((None, None), (None, None)),
+    "<think>\nplan</think>\n\nanswer": ("\nplan", "\n\nanswer"),
+    "plan</think>answer": ("plan", "answer"),  # opened in the prompt (Thinking-2507's template)
+    "just an answer": ("just an answer", None),
+    "<think>cut short by max_tokens": ("cut short by max_tokens", None),
+    "<think></think>answer": (None, "answer"),
+    "<thinking>x": ("<thinking>x", None),  # not the tag
+    "<thi": ("<thi", None),
+    "a</think>b</think>c": ("a", "b</think>c"),
+    "": (None, None),
 }
+# (parser, whether the output may reason)
+SPLITS = [("deepseek_r1", True), ("deepseek_r1", False), ("qwen3", True), ("qwen3", False)]
+
+
+def want(text: str, parser: str, reasons: bool):
+    return CASES[text] if reasons else (None, text or None)
 
 
 @pytest.mark.parametrize("text", sorted(CASES))
-@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
-def test_a_whole_output_splits_as_vllms_parsers_split_it(text, parser):
-    assert reasoning.split(text, parser) == CASES[text][parser == "qwen3"]
+@pytest.mark.parametrize("parser, reasons", SPLITS)
+def test_a_whole_output_splits_as_vllms_parsers_split_it(text, parser, reasons):
+    assert reasoning.split(text, parser, reasons) == want(text, parser, reasons)
 
 
 @pytest.mark.parametrize("text", sorted(CASES))
-@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
-def test_streamed_in_any_pieces_the_deltas_join_to_the_whole_split(text, parser):
-    want = tuple(x or "" for x in reasoning.split(text, parser))
+@pytest.mark.parametrize("parser, reasons", SPLITS)
+def test_streamed_in_any_pieces_the_deltas_join_to_the_whole_split(text, parser, reasons):
+    whole = tuple(x or "" for x in want(text, parser, reasons))
     for cuts in itertools.combinations(range(1, len(text)), min(2, max(len(text) - 1, 0))):
         bounds = [0, *cuts, len(text)]
         pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])] or [""]
-        s = reasoning.Splitter(parser)
+        s = reasoning.Splitter(parser, reasons)
         got = [s.feed(p, final=i == len(pieces) - 1) for i, p in enumerate(pieces)]
-        assert ("".join(r for r, _ in got), "".join(c for _, c in got)) == want, pieces
+        assert ("".join(r for r, _ in got), "".join(c for _, c in got)) == whole, pieces
+
+
+@pytest.mark.parametrize("parser, body, template, reasons", [
+    ("qwen3", {}, "", True),
+    ("qwen3", {"chat_template_kwargs": {"enable_thinking": False}}, "", False),
+    ("qwen3", {"reasoning_effort": "none"}, "", False),
+    ("qwen3", {"reasoning_effort": "high"}, "", True),
+    ("deepseek_r1", {"chat_template_kwargs": {"enable_thinking": False}}, "", True),  # it reads no such switch
+    # the prompt's last turn closed the reasoning (Qwen3's template with thinking off): all content, either parser
+    ("deepseek_r1", {}, "<|im_start|>assistant\n<think>\n\n</think>\n\n", False),
+    ("qwen3", {}, "<|im_start|>assistant\n<think>\n\n</think>\n\n", False),
+    # an earlier turn's closed reasoning, or one opened in the prompt: the output reasons
+    ("qwen3", {}, "<think>a</think>b<|im_end|>\n<|im_start|>assistant\n", True),
+    ("deepseek_r1", {}, "</think>x<think>\n", True),
+])
+def test_whether_the_output_may_reason_as_vllms_parser_reads_the_request(parser, body, template, reasons):
+    """vLLM 0.32's qwen3 parser: reasoning up to </think> unless the request turns thinking off (enable_thinking
+    false, or reasoning_effort none); pushkv's found reasoning only where the output opened <think>, so a
+    Thinking-2507 model's reasoning (its <think> in the prompt) came back as content. And either parser, where the
+    prompt's last turn already closed the reasoning, as vLLM's is_reasoning_end reads the prompt: all content (a
+    structured output's grammar then holds it from the start)."""
+    from pushkv.router import api, chat, text
+
+    limits = api.Limits(vocab_size=320, max_model_len=4096)
+    t = chat.ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}" + template)
+    p = chat.parse_chat({"messages": MESSAGES, "guided_regex": "a+", **body}, text.ByteTokenizer(), limits, t,
+                        reasoning_parser=parser)
+    assert p.reasons is reasons
+    assert p.structured.after == (tuple(b"</think>") if reasons else ())
+    assert reasoning.split("plan</think>answer", parser, p.reasons) == (("plan", "answer") if reasons else
+                                                                       (None, "plan</think>answer"))
 
 
 def test_an_unknown_parser_is_refused():
