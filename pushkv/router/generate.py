@@ -140,7 +140,8 @@ class Generation:
         prompts, n = self.params.prompts(), self.params.n
         cached = [self._cached(self.runs[p * n]) for p in range(len(prompts))]
         return output.usage(sum(len(ids) for ids, _ in prompts), sum(o.completion_tokens for o in self.outs),
-                            None if None in cached else sum(c for c in cached if c is not None))
+                            None if None in cached else sum(c for c in cached if c is not None),
+                            self.render.usage_details(self.outs))
 
     @staticmethod
     def _cached(run: RequestRun) -> Optional[int]:

@@ -68,6 +68,16 @@ class Splitter:
         return reasoning, content
 
 
+def span(text: str, reasons: bool = True) -> tuple[int, int]:
+    """Where a whole output's reasoning lies in its text, [start, end) (its tags outside), as ``Splitter`` finds it
+    (the parser aside: both read the text alike); (0, 0) where there is none."""
+    if not reasons:
+        return 0, 0
+    start = len(START) if text.startswith(START) else 0
+    end = text.find(END, start)
+    return start, len(text) if end < 0 else end
+
+
 def split(text: str, parser: str, reasons: bool = True) -> tuple[Optional[str], Optional[str]]:
     """A whole output's (reasoning_content, content), each None where empty."""
     reasoning, content = Splitter(parser, reasons).feed(text, final=True)

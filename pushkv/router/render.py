@@ -13,7 +13,7 @@ from pushkv.prompt_logprobs import Position, positions
 from pushkv.router import reasoning, tool_calls
 from pushkv.router.api import CompletionParams
 from pushkv.router.output import ChoiceOutput, Delta, StopReason
-from pushkv.router.text import Tokenizer
+from pushkv.router.text import IncrementalDecoder, Tokenizer
 
 FLOOR_LOGPROB = -9999.0  # JSON has no -inf
 
@@ -68,6 +68,10 @@ class Renderer:
     def response_fields(self, outs: Sequence[ChoiceOutput]) -> dict:
         """What a unary response adds beside its choices (chat: vLLM's ``prompt_logprobs``)."""
         return {}
+
+    def usage_details(self, outs: Sequence[ChoiceOutput]) -> Optional[dict]:
+        """The usage's ``completion_tokens_details``, where the endpoint has them (chat with a reasoning parser)."""
+        return None
 
     def opening_fields(self) -> dict:
         """What a stream's opening chunk adds beside its choice (chat: vLLM's ``prompt_token_ids``)."""
@@ -187,6 +191,23 @@ class ChatRenderer(Renderer):
         if calls:  # vLLM's message leaves tool_calls out where there are none
             body["message"]["tool_calls"] = calls
         return body
+
+    def usage_details(self, outs: Sequence[ChoiceOutput]) -> Optional[dict]:
+        """vLLM's, with a reasoning parser: the output tokens that wrote the choices' reasoning (its tags not), whether
+        it is returned or not."""
+        return {"reasoning_tokens": sum(self._reasoning_tokens(o) for o in outs)} if self.splitters else None
+
+    def _reasoning_tokens(self, out: ChoiceOutput) -> int:
+        """The tokens of ``out`` that begin inside its reasoning's text (a token whose bytes end a character later
+        begins where it stands)."""
+        detok = IncrementalDecoder(self.tok, self.params.skip_special_tokens,
+                                   self.params.spaces_between_special_tokens)
+        starts, written = [], 0
+        for i in out.token_ids:
+            starts.append(written)
+            written += len(detok.push([i]))
+        start, end = reasoning.span(out.text, self.params.reasons)
+        return sum(start <= s < end for s in starts)
 
     def response_fields(self, outs: Sequence[ChoiceOutput]) -> dict:
         out = self.opening_fields()

@@ -341,7 +341,8 @@ def echo(body: dict) -> dict:
 def usage(chat_usage: dict) -> dict:
     """A chat usage as the Responses API writes it."""
     out = {"input_tokens": chat_usage["prompt_tokens"], "output_tokens": chat_usage["completion_tokens"],
-           "total_tokens": chat_usage["total_tokens"], "output_tokens_details": {"reasoning_tokens": 0}}
+           "total_tokens": chat_usage["total_tokens"], "output_tokens_details": {
+               "reasoning_tokens": (chat_usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)}}
     details = chat_usage.get("prompt_tokens_details")
     # (cache_write_tokens: what the openai package's types ask for; nothing is written to a cache but the prefix's)
     out["input_tokens_details"] = {"cached_tokens": details["cached_tokens"] if details else 0,

@@ -145,3 +145,24 @@ def test_include_reasoning_false_leaves_the_reasoning_out(tmp_path):
     assert "".join(d.get("content", "") for d in deltas) == "hi" and streamed[-1]["finish_reason"] == "stop"
     assert all(c["logprobs"] is None and "token_ids" not in c for c in streamed)
     assert len(streamed) <= 3  # the role, then the answer's: no chunk for the reasoning alone
+
+
+@pytest.mark.parametrize("output, want", [("<think>ab</think>hi", 2), ("<think>你好</think>hi", 6), ("no tags", 7),
+                                          ("plan</think>x", 4)])
+def test_usage_counts_the_reasoning_tokens_as_vllm_does(tmp_path, output, want):
+    """vLLM 0.32, with a reasoning parser: usage.completion_tokens_details.reasoning_tokens, the output tokens that
+    wrote reasoning (its tags not; a character's bytes each a token here), unary and in a stream's usage chunk,
+    include_reasoning false or not; pushkv had no such field."""
+    ids = list(output.encode())
+
+    async def body():
+        cfg = make_cfg(tmp_path, "local", reasoning_parser="deepseek_r1")
+        async with Harness(cfg, {"local": local_script([ids[:5], ids[5:]], "stop")}) as h:
+            got = []
+            for extra in ({}, {"include_reasoning": False},
+                          {"stream": True, "stream_options": {"include_usage": True}}):
+                r = await h.http.post("/v1/chat/completions", json={"messages": MESSAGES, "n": 2, **extra})
+                usage = (await read_sse(r))[-2]["usage"] if extra.get("stream") else (await r.json())["usage"]
+                got.append(usage["completion_tokens_details"])
+            return got
+    assert run(body()) == [{"reasoning_tokens": 2 * want}] * 3  # both choices'
