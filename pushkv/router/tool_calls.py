@@ -41,7 +41,7 @@ import string
 import uuid
 from typing import Any, Callable, Literal, Optional, Protocol
 
-from pushkv.router.text import until_tag
+from pushkv.router.text import tag_start, until_tag
 
 START, END = "<tool_call>", "</tool_call>"
 PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder")
@@ -155,7 +155,7 @@ def streamer(parser: str, tools: Optional[list[dict]] = None) -> CallStreamer:
     if parser == "qwen3_coder":
         from pushkv.router import tool_calls_qwen3  # (it builds on this module's Streamer)
 
-        return Streamer(tool_calls_qwen3.reader(tools or []))
+        return Streamer(tool_calls_qwen3.reader(tools or []), tool_calls_qwen3.TAGS)
     kinds: dict[str, type[CallStreamer]] = {"hermes": Streamer, "llama3_json": Llama3JsonStreamer,
                                             "mistral": MistralStreamer, "pythonic": PythonicStreamer}
     if parser not in kinds:
@@ -212,15 +212,21 @@ def _json_calls(text: str) -> Optional[list[dict]]:
         calls.append(call)
 
 
+Tags = tuple[str, str, bool]  # a call's opening and closing tags, and whether its reader is given them too
+
+
 class Streamer:
     """One choice's content, fed as it comes: each piece's (content delta, calls completed). Text outside the calls
     is content (white space right after a call aside); a call that does not parse is content too. ``call_of``
-    reads one call's text between the tags (hermes': JSON; qwen3_coder's: ``tool_calls_qwen3.call_of``)."""
+    reads one call's text between its tags, the first of ``tags`` to open it (hermes': JSON in ``<tool_call>``;
+    qwen3_coder's: ``tool_calls_qwen3``)."""
 
-    def __init__(self, call_of: Callable[[str], Optional[dict]] = _call):
+    def __init__(self, call_of: Callable[[str], Optional[dict]] = _call,
+                 tags: tuple[Tags, ...] = ((START, END, False),)):
         self.call_of = call_of
+        self.tags = tags
         self.held = ""
-        self.in_call = False
+        self.open: Optional[Tags] = None  # the tags of the call being read
         self.after_call = False  # white space here separates calls
         self.calls = 0
 
@@ -234,25 +240,38 @@ class Streamer:
                 if not self.held:
                     return content, calls
                 self.after_call = False
-            if not self.in_call:
-                before, self.held, self.in_call = until_tag(self.held, START, final)
+            if self.open is None:
+                before, self.held, self.open = _until_any(self.held, self.tags, final)
                 content += before
-                if not self.in_call:
+                if self.open is None:
                     return content, calls
-            end = self.held.find(END)
+            opening, closing, whole = self.open
+            end = self.held.find(closing)
             if end < 0 and not final:
                 return content, calls  # the call goes out whole
-            body, self.held = (self.held, "") if end < 0 else (self.held[:end], self.held[end + len(END):])
-            call = self.call_of(body.strip())
+            body, self.held = (self.held, "") if end < 0 else (self.held[:end], self.held[end + len(closing):])
+            tagged = opening + body + ("" if end < 0 else closing)
+            call = self.call_of((tagged if whole else body).strip())
             if call is not None:
                 calls.append(dict(call, index=self.calls))
                 self.calls += 1
                 self.after_call = True
             else:  # not a call after all: its text is content
-                content += START + body + ("" if end < 0 else END)
-            self.in_call = False
+                content += tagged
+            self.open = None
             if end < 0:
                 return content, calls
+
+
+def _until_any(held: str, tags: tuple[Tags, ...], final: bool) -> tuple[str, str, Optional[Tags]]:
+    """``text.until_tag`` for the first of several opening tags to come: (before it, after it, its tags), or (what can
+    no longer begin one, what still may, held back unless ``final``, None)."""
+    found = [(at, t) for t in tags if (at := held.find(t[0])) >= 0]
+    if found:
+        at, t = min(found, key=lambda f: f[0])
+        return held[:at], held[at + len(t[0]):], t
+    cut = len(held) - (0 if final else max(tag_start(held, t[0]) for t in tags))
+    return held[:cut], held[cut:], None
 
 
 MARKER, ARGS = "[TOOL_CALLS]", "[ARGS]"

@@ -15,7 +15,9 @@ A value is the text between its tags, less one newline on each side (the templat
 number, a boolean (``true``/``1``, ``false``/``0``), an object or array as JSON, a string as written; a value that
 fits none of its types is read as JSON where it is (finite) JSON, else kept a string; a parameter the schema does
 not name, or a function not among the tools, keeps its strings. A call cut off by ``max_tokens`` keeps the
-parameters written, its last one as far as it came. Text between the tags that names no function stays content.
+parameters written, its last one as far as it came. Text between the tags that names no function stays content. A
+``<function=...>...</function>`` written without ``<tool_call>`` around it is a call too, as vLLM's grammar takes
+it.
 
 Pure: text in, calls out.
 """
@@ -28,6 +30,8 @@ from typing import Any, Callable, Optional
 
 from pushkv.router.tool_calls import _tool_call, function_of
 
+# what opens and closes a call, and whether the reader is given them: hermes' tags, or a function's alone
+TAGS = (("<tool_call>", "</tool_call>", False), ("<function=", "</function>", True))
 _FUNCTION = re.compile(r"<function=([^>\n]+)>")
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>")
 _CLOSES = ("</parameter>", "<parameter=", "</function>")  # where a value ends (the second and third: unclosed)

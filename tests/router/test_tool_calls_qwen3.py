@@ -48,6 +48,12 @@ CASES = {
     # cut off by max_tokens: the parameters written, the last as far as it came
     "<tool_call>\n<function=get_current_weather>\n<parameter=city>\nDallas\n</parameter>\n<parameter=state>\nT":
         (None, [("get_current_weather", {"city": "Dallas", "state": "T"})]),
+    # a function without <tool_call> around it (vLLM's grammar takes it), after text and before a tagged one
+    "Sure. <function=get_current_weather>\n<parameter=days>\n2\n</parameter>\n</function>\n" + DALLAS:
+        ("Sure. ", [("get_current_weather", {"days": 2}),
+                    ("get_current_weather", {"city": "Dallas", "state": "TX", "unit": "f"})]),
+    "<function=get_current_weather><parameter=city>Ro": (None, [("get_current_weather", {"city": "Ro"})]),
+    "a <function=>b</function>": ("a <function=>b</function>", []),  # no name: text
     # between the tags but no function: content, as hermes' text that is no call
     "<tool_call>\nnot a call\n</tool_call> after": ("<tool_call>\nnot a call\n</tool_call> after", []),
     "": (None, []),
