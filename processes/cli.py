@@ -174,7 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "tool_calls), as vLLM's: hermes (<tool_call>{...}</tool_call>: Qwen2.5, Qwen3, Hermes), "
                           "llama3_json (output that is JSON calls: Llama 3.1-3.3), mistral ([TOOL_CALLS] then a JSON "
                           "list or name[ARGS]{...}: Mistral, Mixtral, Devstral), pythonic (output that is a Python "
-                          "list of calls: Llama 3.2, Llama 4) (default: none, calls come back as text)")
+                          "list of calls: Llama 3.2, Llama 4), qwen3_coder (<tool_call><function=NAME><parameter=K>V"
+                          "</parameter></function></tool_call>: Qwen3-Coder, Qwen3.5) (default: none, calls come "
+                          "back as text)")
     mod.add_argument("--enable-auto-tool-choice", action="store_true",
                      help="vLLM's switch beside --tool-call-parser: tool_choice auto parses calls (needs it)")
     mod.add_argument("--enable-lora", action="store_true", default=None,

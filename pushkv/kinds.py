@@ -30,6 +30,6 @@ Staging = Literal["auto", "transport", "pushkv"]  # who stages a GPU pool's KV t
 RopeType = Literal["default", "linear", "dynamic", "llama3", "yarn"]
 RouterScoring = Literal["softmax", "sigmoid"]  # how an MoE router turns its logits into expert scores
 # tool calls out of a chat choice (router/tool_calls.py); "": none
-ToolCallParser = Literal["", "hermes", "llama3_json", "mistral", "pythonic"]
+ToolCallParser = Literal["", "hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"]
 ReasoningParser = Literal["", "deepseek_r1", "qwen3"]  # a chat choice's thinking apart (router/reasoning.py); "": none
 GroupScore = Literal["max", "top2"]  # a group of experts' score, where the router picks groups first

@@ -2,7 +2,7 @@
 
 Everything a client can get wrong is found here and raised as ``ApiError``
 with the HTTP status and the field named; the server turns it into
-``{"error": {"message", "type", "param"}}``. Unknown fields are ignored, as
+``{"error": {"message", "type", "param", "code"}}``. Unknown fields are ignored, as
 OpenAI-compatible servers do; known fields that would change the result and
 are not implemented (``suffix``, ``best_of`` > n, beam search, a repetition
 penalty other than 1, structured output: ``response_format`` other than text
@@ -43,10 +43,9 @@ class ApiError(Exception):
 
 
 def error_body(message: str, type_: str, status: int, param: str = "", code: str = "") -> dict:
-    err = {"message": message, "type": type_, "code": code or status}
-    if param:
-        err["param"] = param
-    return {"error": err}
+    """OpenAI's and vLLM's error object: ``param`` is always there, null where no field is to blame (clients read
+    ``error.param`` without a default)."""
+    return {"error": {"message": message, "type": type_, "param": param or None, "code": code or status}}
 
 
 def error_type(status: int) -> str:
@@ -113,7 +112,15 @@ class CompletionParams:
     chat: bool = False
     echo_text: str = ""  # chat's echo (vLLM's): the final assistant message's text, opening each choice's content
     reasoning_parser: str = ""  # chat: its choices' reasoning apart (router/reasoning.py; the deployment's)
+    # chat with a reasoning parser: whether the output may hold reasoning (reasoning.reasons: the request thinks, and
+    # its prompt did not close the reasoning)
+    reasons: bool = True
     tool_call_parser: str = ""  # chat with tools, tool_choice auto: calls out of the content (router/tool_calls.py)
+    tools: list[dict] = field(default_factory=list)  # chat's tools (qwen3_coder types a call's arguments by them)
+    parallel_tool_calls: bool = True  # false (OpenAI's, vLLM's): a choice's first call alone is given
+    # vLLM's include_reasoning false: with a reasoning parser, the reasoning is not returned, nor what would show it
+    # (logprobs, token ids)
+    include_reasoning: bool = True
     skip_special_tokens: bool = True  # vLLM's: special tokens left out of the output's text
     # vLLM's: false (with special tokens kept) writes an added token right after another with nothing between
     spaces_between_special_tokens: bool = True
@@ -388,6 +395,10 @@ def refuse_unbuilt(body: dict) -> None:
 # vLLM's own request fields that would change the answer and are not built: each with the values that change
 # nothing (what vLLM does without it), and why not
 VLLM_UNBUILT: dict[str, tuple[tuple, str]] = {
+    "watermarking": ((None, False), "watermarking is not built"),
+    "repetition_detection": ((None,), "repetition detection is not built (stop, stop_token_ids and max_tokens end "
+                                      "the output)"),
+    "prompt_embeds": ((None,), "prompt embeddings are not built: send the prompt as text or token ids"),
     "length_penalty": ((None, 1, 1.0), "beam search is not built"),
     "priority": ((None, 0), "priority scheduling is not built: requests are served first come, first served (vLLM "
                             "refuses a priority too unless --scheduling-policy priority)"),
@@ -430,6 +441,8 @@ def parse_generation(body: dict, ids: list[int], tok: text.Tokenizer, limits: Li
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise bad("stream_options", "stream_options must be an object")
+    if opts and not stream:  # vLLM's and OpenAI's rule: usage options of a stream that is not one say nothing
+        raise bad("stream_options", "stream_options can only be given with stream true")
     include_usage = limits.force_usage or (get_bool(opts or {}, "include_usage") if opts else False)
     continuous_usage = limits.force_usage or (include_usage and get_bool(opts or {}, "continuous_usage_stats"))
 

@@ -14,6 +14,9 @@ What a tool-calling template reads is passed to it as transformers'
 message's ``name``, ``tool_call_id`` and ``tool_calls`` (a call's JSON-string
 arguments as an object).
 
+An assistant message's ``reasoning`` (or ``reasoning_content``) reaches the template under both names, as vLLM
+gives it (Qwen3's template writes it back as ``<think>`` for the turns after the last user message).
+
 A request's ``chat_template_kwargs`` (vLLM's: Qwen3's ``enable_thinking``, a template's own switches)
 are passed to the template beside these, and its ``add_generation_prompt`` (default true) as given;
 ``--chat-template`` replaces the checkpoint's template at launch. A request's own ``chat_template``
@@ -174,6 +177,18 @@ def _tool_calls(calls: Any, where: str) -> list[dict]:
     return out
 
 
+def _reasoning(msg: dict, i: int) -> Optional[str]:
+    """An assistant message's earlier thinking: vLLM's ``reasoning``, else the older ``reasoning_content`` (which
+    vLLM renames to it)."""
+    for key in ("reasoning", "reasoning_content"):
+        v = msg.get(key)
+        if v is not None:
+            if not isinstance(v, str):
+                raise api.bad(f"messages[{i}].{key}", f"{key} must be a string")
+            return v
+    return None
+
+
 def parse_messages(body: dict) -> list[dict]:
     msgs = body.get("messages")
     if msgs is None:
@@ -196,6 +211,9 @@ def parse_messages(body: dict) -> list[dict]:
                 parsed[key] = msg[key]
         if msg.get("tool_calls") is not None:
             parsed["tool_calls"] = _tool_calls(msg["tool_calls"], f"messages[{i}].tool_calls")
+        thought = _reasoning(msg, i) if role == "assistant" else None
+        if thought is not None:  # as vLLM gives it (interleaved thinking): under both names templates read
+            parsed["reasoning"] = parsed["reasoning_content"] = thought
         out.append(parsed)
     return out
 
@@ -309,6 +327,10 @@ def parse_chat(body: dict, tok: text.Tokenizer, limits: api.Limits, template: Ch
     last = messages[-1]
     params.echo_text = last["content"] if api.get_bool(body, "echo") and last["role"] == "assistant" else ""
     params.reasoning_parser = reasoning_parser
+    if reasoning_parser:  # (enable_thinking as vLLM's qwen3 parser reads it)
+        thinking = bool(parse_template_kwargs(body).get("enable_thinking", True))
+        params.reasons = reasoning.reasons(reasoning_parser, thinking, prompt)
+    params.include_reasoning = api.get_bool(body, "include_reasoning", True)
     # tool_choice auto (the default with tools): the deployment's parser takes the calls out of the output; without
     # one, refused as vLLM refuses it (clients probe tool support by it), rather than calls left in the text
     auto = bool(tools) and body.get("tool_choice") in (None, "auto")
@@ -316,6 +338,8 @@ def parse_chat(body: dict, tok: text.Tokenizer, limits: api.Limits, template: Ch
         raise api.bad("tool_choice", '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
                                      'to be set (or send tool_choice "none" to have the template see the tools)')
     params.tool_call_parser = tool_call_parser if auto else ""
+    params.tools = tools
+    params.parallel_tool_calls = api.get_bool(body, "parallel_tool_calls", True)
     if forced is not None:  # required or a named function: the output held to the calls' schema, then made calls
         if params.structured is not None:
             raise api.bad("tool_choice", "a forced tool_choice holds the output to the calls' schema: it cannot be "
@@ -325,7 +349,7 @@ def parse_chat(body: dict, tok: text.Tokenizer, limits: api.Limits, template: Ch
         # model held to a schema can otherwise fill max_tokens with white space
         params.structured = structured.parse({"structured_outputs": {"json": schema, "disable_any_whitespace": True}})
         params.tool_call_parser = parser
-    if params.structured is not None and reasoning_parser:  # the grammar holds the answer after the reasoning
+    if params.structured is not None and reasoning_parser and params.reasons:  # the answer after the reasoning
         params.structured = msgspec.structs.replace(params.structured,
                                                     after=tuple(api.encode_bare(tok, reasoning.END, "messages")))
     if params.tool_call_parser in tool_calls.KEEPS_SPECIAL_TOKENS:  # its markers are special tokens, as vLLM keeps

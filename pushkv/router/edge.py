@@ -35,7 +35,8 @@ FD_RESERVE = 256  # open files kept for the router's own use (ZMQ sockets, logs)
 BACKLOG = 1024  # the accept queue: a burst of connections waits there instead of being dropped
 LOG_INTERVAL_S = 10.0
 NOISY_LOGGERS = ("aiohttp.server", "asyncio")  # per-request tracebacks, failed accepts
-_FULL_BODY = b'{"error": {"message": "too many connections", "type": "service_unavailable", "code": 503}}\n'
+_FULL_BODY = (b'{"error": {"message": "too many connections", "type": "service_unavailable", "param": null, '
+              b'"code": 503}}\n')
 FULL_RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nConnection: close\r\n"
                  b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(_FULL_BODY) + _FULL_BODY)
 

@@ -142,7 +142,8 @@ class Generation:
         prompts, n = self.params.prompts(), self.params.n
         cached = [self._cached(self.runs[p * n]) for p in range(len(prompts))]
         return output.usage(sum(len(ids) for ids, _ in prompts), sum(o.completion_tokens for o in self.outs),
-                            None if None in cached else sum(c for c in cached if c is not None))
+                            None if None in cached else sum(c for c in cached if c is not None),
+                            self.render.usage_details(self.outs))
 
     @staticmethod
     def _cached(run: RequestRun) -> Optional[int]:
@@ -223,6 +224,8 @@ class Generation:
         """A delta's chunk; usage only as vLLM's (continuous_usage_stats), the request's total going in the
         chunk after the last (include_usage)."""
         choice = self.render.chunk_choice(i, delta)
+        if choice is None:  # nothing to show
+            return b""
         ext = self._extension() if delta.finish_reason and self.render.extension_in_last_chunk() else None
         return self._chunk(choice, self._choice_usage(i), ext)
 
@@ -297,21 +300,39 @@ class Generation:
     async def _chunks(self, resp: web.StreamResponse, fan: Fanout) -> None:
         """A completion or chat stream: a chunk a delta, usage where asked, then [DONE]."""
         started = [False] * self.params.choices
+        last: dict[int, output.Delta] = {}  # a choice's last tokens, waiting for its finish_reason
+
+        async def send(i: int, delta: output.Delta) -> None:
+            if not started[i]:  # with the first output, as vLLM: a client's TTFT stays true
+                started[i] = True
+                opening = self.render.opening(self.outs[i])
+                if opening is not None:
+                    await resp.write(self._chunk(opening, self._choice_usage(i, opening=True), None,
+                                                 self.render.opening_fields()))
+            chunk = self._stream_delta(i, delta)
+            if chunk:
+                await resp.write(chunk)
+
         failed = False
         async for i, ev in fan.events():
             if isinstance(ev, Failed):
+                for j in sorted(last):
+                    await send(j, last.pop(j))
                 await resp.write(output.sse(_error_body(ev.status, ev.reason)))
                 failed = True
                 break
             delta = self._apply(i, ev, fan)
-            if delta is not None and (delta.text or delta.token_ids or delta.finish_reason):
-                if not started[i]:  # with the first output, as vLLM: a client's TTFT stays true
-                    started[i] = True
-                    opening = self.render.opening(self.outs[i])
-                    if opening is not None:
-                        await resp.write(self._chunk(opening, self._choice_usage(i, opening=True), None,
-                                                     self.render.opening_fields()))
-                await resp.write(self._stream_delta(i, delta))
+            if delta is None:
+                continue
+            if isinstance(ev, Tokens) and ev.last and not delta.finish_reason:
+                last[i] = delta  # its Finished comes next: vLLM's finish_reason rides on the last token's chunk
+                continue
+            if i in last:
+                delta = output.joined(last.pop(i), delta)
+            if delta.text or delta.token_ids or delta.finish_reason:
+                await send(i, delta)
+        for j in sorted(last):  # closed before its Finished came
+            await send(j, last.pop(j))
         if not failed and self.params.include_usage:
             await resp.write(self._chunk({}, self._usage()))
         await resp.write(output.SSE_DONE)

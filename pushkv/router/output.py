@@ -44,11 +44,15 @@ def sse_event(kind: str, obj: Any) -> bytes:
     return f"event: {kind}\n".encode() + sse(obj)
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: Optional[int] = None) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: Optional[int] = None,
+          completion_details: Optional[dict] = None) -> dict:
     """OpenAI's usage; ``cached_tokens``: the prompt tokens the prefilling instance took from its
-    prefix cache (``prompt_tokens_details``, as OpenAI and vLLM report it), when known."""
+    prefix cache (``prompt_tokens_details``, as OpenAI and vLLM report it), when known; ``completion_details``:
+    ``completion_tokens_details`` (chat's ``reasoning_tokens``, with a reasoning parser)."""
     out: dict[str, object] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
            "total_tokens": prompt_tokens + completion_tokens}
+    if completion_details is not None:
+        out["completion_tokens_details"] = completion_details
     if cached_tokens is not None:
         out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
     return out
@@ -96,6 +100,12 @@ class Delta:
     logprobs: list[TokenLogprob]
     finish_reason: Optional[str] = None
     stop_reason: StopReason = None  # vLLM's, with the finish_reason (ChoiceOutput.stop_reason)
+
+
+def joined(first: Delta, then: Delta) -> Delta:
+    """Two deltas of a choice as one: ``then``'s end (its finish_reason, stop_reason) after both's output."""
+    return Delta(first.text + then.text, first.token_ids + then.token_ids, first.logprobs + then.logprobs,
+                 then.finish_reason, then.stop_reason)
 
 
 @dataclass

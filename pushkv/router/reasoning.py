@@ -4,8 +4,13 @@ whole response and in a stream alike. Pure: text in, (reasoning, content) out.
 
 - ``deepseek_r1`` (DeepSeek-R1, QwQ, Qwen3's Thinking-2507 models, whose templates open the ``<think>`` in the
   prompt): the output is reasoning up to ``</think>``, with or without its own ``<think>`` first;
-- ``qwen3`` (Qwen3's hybrid models, which open it themselves when thinking): reasoning only where the output
-  begins with ``<think>``; otherwise (``enable_thinking`` false) all of it is content.
+- ``qwen3`` (Qwen3's hybrid and Thinking-2507 models), as vLLM 0.32's: where the request thinks (its
+  ``chat_template_kwargs``' ``enable_thinking``, true unless it says false, or ``reasoning_effort`` none), as
+  ``deepseek_r1``; where it does not, all of the output is content, ``<think>`` or not.
+
+Either way, a prompt whose last turn already closed the reasoning (``</think>`` its last tag, as Qwen3's template
+writes ``<think>\n\n</think>`` with thinking off) leaves the output all content, as vLLM's streaming parser finds
+from the prompt (``reasons``).
 
 Output cut before ``</think>`` (``max_tokens``) is all reasoning. A stream holds back only text that may still
 become a tag, so the pieces streamed join to what a whole response gives.
@@ -17,17 +22,30 @@ from typing import Optional
 from pushkv.router.text import until_tag
 
 START, END = "<think>", "</think>"
-PARSERS = {"deepseek_r1": True, "qwen3": False}  # name -> whether the reasoning needs no opening tag
+PARSERS = {"deepseek_r1": False, "qwen3": True}  # name -> whether a request that does not think has no reasoning
+# where a turn begins or ends in a prompt (ChatML's, DeepSeek's): a tag before it is an earlier turn's
+TURN_BOUNDARIES = ("<|im_start|>", "<|im_end|>", "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>")
+
+
+def reasons(parser: str, thinking: bool, prompt: str) -> bool:
+    """Whether a chat's output may hold reasoning: not for qwen3 where the request does not think, nor where the
+    prompt's last turn closed the reasoning (``</think>`` after its last ``<think>`` and turn boundary), as vLLM's
+    ``is_reasoning_end`` reads the prompt."""
+    if PARSERS[parser] and not thinking:
+        return False
+    end = prompt.rfind(END)
+    return end < 0 or end < max(prompt.rfind(t) for t in (START, *TURN_BOUNDARIES))
 
 
 class Splitter:
-    """One choice's text, fed as it comes: each piece's (reasoning, content) deltas."""
+    """One choice's text, fed as it comes: each piece's (reasoning, content) deltas; ``reasons``: whether the output
+    may hold reasoning at all (``reasons()``)."""
 
-    def __init__(self, parser: str):
+    def __init__(self, parser: str, reasons: bool = True):
         if parser not in PARSERS:
             raise ValueError(f"reasoning parser {parser!r} is not one of {sorted(PARSERS)}")
-        self.implicit = PARSERS[parser]
-        self.phase = "open"  # open: not yet known whether the output opens with <think>; reasoning; content
+        # open: not yet known whether the output opens with <think>; reasoning; content
+        self.phase = "open" if reasons else "content"
         self.held = ""
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
@@ -40,7 +58,7 @@ class Splitter:
             elif START.startswith(self.held) and not final:
                 return "", ""  # may still become the opening tag
             else:
-                self.phase = "reasoning" if self.implicit else "content"
+                self.phase = "reasoning"  # opened in the prompt
         if self.phase == "reasoning":
             reasoning, self.held, ended = until_tag(self.held, END, final)
             if not ended:
@@ -50,7 +68,17 @@ class Splitter:
         return reasoning, content
 
 
-def split(text: str, parser: str) -> tuple[Optional[str], Optional[str]]:
+def span(text: str, reasons: bool = True) -> tuple[int, int]:
+    """Where a whole output's reasoning lies in its text, [start, end) (its tags outside), as ``Splitter`` finds it
+    (the parser aside: both read the text alike); (0, 0) where there is none."""
+    if not reasons:
+        return 0, 0
+    start = len(START) if text.startswith(START) else 0
+    end = text.find(END, start)
+    return start, len(text) if end < 0 else end
+
+
+def split(text: str, parser: str, reasons: bool = True) -> tuple[Optional[str], Optional[str]]:
     """A whole output's (reasoning_content, content), each None where empty."""
-    reasoning, content = Splitter(parser).feed(text, final=True)
+    reasoning, content = Splitter(parser, reasons).feed(text, final=True)
     return reasoning or None, content or None

@@ -13,7 +13,7 @@ from pushkv.prompt_logprobs import Position, positions
 from pushkv.router import reasoning, tool_calls
 from pushkv.router.api import CompletionParams
 from pushkv.router.output import ChoiceOutput, Delta, StopReason
-from pushkv.router.text import Tokenizer
+from pushkv.router.text import IncrementalDecoder, Tokenizer
 
 FLOOR_LOGPROB = -9999.0  # JSON has no -inf
 
@@ -69,6 +69,10 @@ class Renderer:
         """What a unary response adds beside its choices (chat: vLLM's ``prompt_logprobs``)."""
         return {}
 
+    def usage_details(self, outs: Sequence[ChoiceOutput]) -> Optional[dict]:
+        """The usage's ``completion_tokens_details``, where the endpoint has them (chat with a reasoning parser)."""
+        return None
+
     def opening_fields(self) -> dict:
         """What a stream's opening chunk adds beside its choice (chat: vLLM's ``prompt_token_ids``)."""
         return {}
@@ -78,7 +82,8 @@ class Renderer:
         first output: the prompt's logprobs have come by then)."""
         raise NotImplementedError
 
-    def chunk_choice(self, i: int, delta: Delta) -> dict:
+    def chunk_choice(self, i: int, delta: Delta) -> Optional[dict]:
+        """A delta's choice; None where it shows nothing (chat's reasoning that include_reasoning hides)."""
         raise NotImplementedError
 
     def extension_in_last_chunk(self) -> bool:
@@ -151,9 +156,12 @@ class ChatRenderer(Renderer):
     def __init__(self, tok: Tokenizer, params: CompletionParams):
         super().__init__(tok, params)
         parser = params.reasoning_parser  # each choice's thinking apart (router/reasoning.py)
-        self.splitters = [reasoning.Splitter(parser) for _ in range(params.choices)] if parser else []
+        self.splitters = [reasoning.Splitter(parser, params.reasons) for _ in range(params.choices)] if parser else []
+        # vLLM's include_reasoning false: the reasoning left out, and the logprobs and ids that would spell it
+        self.hide_reasoning = bool(parser) and not params.include_reasoning
+        self.want_logprobs = self.want_logprobs and not self.hide_reasoning
         # the tool calls each choice's content writes (router/tool_calls.py)
-        self.tools = ([tool_calls.streamer(params.tool_call_parser) for _ in range(params.choices)]
+        self.tools = ([tool_calls.streamer(params.tool_call_parser, params.tools) for _ in range(params.choices)]
                       if params.tool_call_parser else [])
 
     def _logprobs(self, i: int, delta: Delta) -> dict:
@@ -161,21 +169,45 @@ class ChatRenderer(Renderer):
 
     def choice(self, out: ChoiceOutput) -> dict:
         lp = self.logprobs(out.index, Delta(out.text, out.token_ids, out.logprobs))
-        thought, content = (reasoning.split(out.text, self.params.reasoning_parser) if self.splitters
+        p = self.params
+        thought, content = (reasoning.split(out.text, p.reasoning_parser, p.reasons) if self.splitters
                             else (None, out.text))
         calls: list[dict] = []
+        parser = self.params.tool_call_parser
         if self.tools:
-            content, calls = tool_calls.parse(content or "", self.params.tool_call_parser)
+            content, calls = tool_calls.parse(content or "", parser, self.params.tools)
+            calls = calls if self.params.parallel_tool_calls else calls[:1]  # vLLM's: false keeps the first
+            if tool_calls.forced(parser):  # vLLM's forced choice: its output is calls, its content ""
+                content = content or ""
         if self.params.echo_text:  # vLLM's echo: the continued message first
             content = self.params.echo_text + (content or "")
-        body = chat_choice(out.index, content, _finish(out.finish_reason, bool(calls)), lp, out.stop_reason)
-        if self.params.return_token_ids:  # vLLM's: the choice's output ids
+        body = chat_choice(out.index, content, _finish(out.finish_reason, bool(calls) and tool_calls.ends_with_calls(
+            parser)), lp, out.stop_reason)
+        if self.params.return_token_ids and not self.hide_reasoning:  # vLLM's: the choice's output ids
             body["token_ids"] = out.token_ids
-        if self.splitters:
-            body["message"]["reasoning_content"] = thought
-        if self.tools:
+        if self.splitters:  # vLLM 0.32's name, and the older one clients written before it read
+            body["message"]["reasoning"] = body["message"]["reasoning_content"] = (None if self.hide_reasoning
+                                                                                    else thought)
+        if calls:  # vLLM's message leaves tool_calls out where there are none
             body["message"]["tool_calls"] = calls
         return body
+
+    def usage_details(self, outs: Sequence[ChoiceOutput]) -> Optional[dict]:
+        """vLLM's, with a reasoning parser: the output tokens that wrote the choices' reasoning (its tags not), whether
+        it is returned or not."""
+        return {"reasoning_tokens": sum(self._reasoning_tokens(o) for o in outs)} if self.splitters else None
+
+    def _reasoning_tokens(self, out: ChoiceOutput) -> int:
+        """The tokens of ``out`` that begin inside its reasoning's text (a token whose bytes end a character later
+        begins where it stands)."""
+        detok = IncrementalDecoder(self.tok, self.params.skip_special_tokens,
+                                   self.params.spaces_between_special_tokens)
+        starts, written = [], 0
+        for i in out.token_ids:
+            starts.append(written)
+            written += len(detok.push([i]))
+        start, end = reasoning.span(out.text, self.params.reasons)
+        return sum(start <= s < end for s in starts)
 
     def response_fields(self, outs: Sequence[ChoiceOutput]) -> dict:
         out = self.opening_fields()
@@ -191,28 +223,35 @@ class ChatRenderer(Renderer):
         # vLLM's echo: the continued message's text opens the stream, with the role
         return chat_chunk_choice(out.index, {"role": "assistant", "content": self.params.echo_text}, None)
 
-    def chunk_choice(self, i: int, delta: Delta) -> dict:
+    def chunk_choice(self, i: int, delta: Delta) -> Optional[dict]:
         # text held back as a possible tag goes out with the choice's last delta
         final = bool(delta.finish_reason)
         thought, text = self.splitters[i].feed(delta.text, final) if self.splitters else ("", delta.text)
         calls: list[dict] = []
         if self.tools:
             text, calls = self.tools[i].feed(text, final)
-        d: dict = {"reasoning_content": thought} if thought else {}
+            calls = calls if self.params.parallel_tool_calls else [c for c in calls if c["index"] == 0]
+        if self.hide_reasoning:
+            if not (text or calls or final):  # reasoning alone: no chunk, as vLLM's
+                return None
+            thought = ""
+        d: dict = {"reasoning": thought, "reasoning_content": thought} if thought else {}
         if text or not (thought or calls or final):
             d["content"] = text
         if calls:
             d["tool_calls"] = calls
-        called = bool(self.tools) and self.tools[i].calls > 0
+        called = bool(self.tools) and self.tools[i].calls > 0 and tool_calls.ends_with_calls(
+            self.params.tool_call_parser)
         choice = chat_chunk_choice(i, d, _finish(delta.finish_reason, called), self.logprobs(i, delta),
                                    delta.stop_reason)
-        if self.params.return_token_ids:  # vLLM's: the delta's output ids
+        if self.params.return_token_ids and not self.hide_reasoning:  # vLLM's: the delta's output ids
             choice["token_ids"] = list(delta.token_ids)
         return choice
 
 
 def _finish(reason: Optional[str], called: bool) -> Optional[str]:
-    """A choice that called tools and stopped by itself ends with ``tool_calls``, as vLLM's and OpenAI's do."""
+    """A choice that called tools and stopped by itself ends with ``tool_calls``, as vLLM's and OpenAI's do (``called``
+    false for a named function's call, which ends with ``stop``)."""
     return "tool_calls" if called and reason == "stop" else reason
 
 

@@ -502,10 +502,11 @@ class Request:
             if led.first_token is None:
                 self._mark("router.first_token", now)
             led.add_tokens(now, len(msg.token_ids))
-            out.append(Tokens(tuple(msg.token_ids), tuple(msg.logprobs), prompt))
-        if msg.finished:
-            out += self._last_tokens(msg, now, leg)
-        return out
+        ends = self._last_tokens(msg, now, leg) if msg.finished else []
+        if msg.token_ids:  # last: the Finished comes with them (push may wait for P's report: then they go alone)
+            out.append(Tokens(tuple(msg.token_ids), tuple(msg.logprobs), prompt,
+                              last=any(isinstance(a, Finished) for a in ends)))
+        return out + ends
 
     def _last_tokens(self, msg: m.TokensGenerated, now: float, leg: Source) -> list[Action]:
         led = self.ledger

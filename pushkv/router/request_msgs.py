@@ -117,6 +117,9 @@ class Tokens:
     token_ids: tuple[int, ...]
     logprobs: tuple[m.TokenLogprob, ...] = ()  # one per token id when the request asked
     prompt_logprobs: Optional[m.PromptLogprobs] = None  # with the first tokens, when the request asked
+    # the run's last tokens, its Finished right behind them (a stream gives them its finish_reason in one chunk, as
+    # vLLM's); not where the Finished waits (push: D done before P's report), so they are not held for it
+    last: bool = False
 
 
 @dataclass(frozen=True)

@@ -297,6 +297,8 @@ def chat_body(body: dict, store: Optional[Store] = None, conv: Optional[list[dic
         out["tools"] = tools
     if body.get("tool_choice") is not None:
         out["tool_choice"] = _tool_choice(body)
+    if body.get("parallel_tool_calls") is not None:
+        out["parallel_tool_calls"] = body["parallel_tool_calls"]
     top = _logprobs(body)
     if top is not None:
         out["logprobs"], out["top_logprobs"] = True, top
@@ -339,7 +341,8 @@ def echo(body: dict) -> dict:
 def usage(chat_usage: dict) -> dict:
     """A chat usage as the Responses API writes it."""
     out = {"input_tokens": chat_usage["prompt_tokens"], "output_tokens": chat_usage["completion_tokens"],
-           "total_tokens": chat_usage["total_tokens"], "output_tokens_details": {"reasoning_tokens": 0}}
+           "total_tokens": chat_usage["total_tokens"], "output_tokens_details": {
+               "reasoning_tokens": (chat_usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)}}
     details = chat_usage.get("prompt_tokens_details")
     # (cache_write_tokens: what the openai package's types ask for; nothing is written to a cache but the prefix's)
     out["input_tokens_details"] = {"cached_tokens": details["cached_tokens"] if details else 0,
@@ -513,6 +516,8 @@ class ResponseEvents:
     def delta(self, delta: Delta) -> list[tuple[str, dict]]:
         final = bool(delta.finish_reason)
         chunk = self.render.chunk_choice(0, delta)
+        if chunk is None:  # (a responses request never hides its reasoning)
+            return []
         d = chunk["delta"]  # the chat chunk's content, its reasoning and calls apart
         self.pending += (chunk.get("logprobs") or {}).get("content") or []
         thought, text = d.get("reasoning_content", ""), d.get("content", "")

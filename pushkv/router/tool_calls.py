@@ -19,6 +19,8 @@ gives them, each becoming an OpenAI ``tool_calls`` entry (``arguments`` a JSON s
   special tokens in its text (``KEEPS_SPECIAL_TOKENS``, as vLLM does), and output without ``[TOOL_CALLS]`` is
   content, as vLLM's. Streamed, content goes out as it comes, text that may still begin ``[TOOL_CALLS]`` is held
   back, and each call goes out whole as its JSON ends (a list's calls together).
+- ``qwen3_coder`` (Qwen3-Coder, Qwen3.5): hermes' tags around XML-ish calls, ``<tool_call><function=NAME>
+  <parameter=KEY>VALUE</parameter>...</function></tool_call>`` (``tool_calls_qwen3.py``), streamed as hermes'.
 - ``pythonic`` (Llama 3.2, Llama 4, ToolACE): an output that is a Python list of calls, ``[get_weather(city=
   "Paris"), f(x=1)]``, read with :mod:`ast` (never run): each call a plain name with keyword arguments whose
   values are literals JSON can hold (strings, numbers, booleans, None, lists, tuples, dicts with string keys).
@@ -37,12 +39,12 @@ import random
 import re
 import string
 import uuid
-from typing import Any, Literal, Optional, Protocol
+from typing import Any, Callable, Literal, Optional, Protocol
 
-from pushkv.router.text import until_tag
+from pushkv.router.text import tag_start, until_tag
 
 START, END = "<tool_call>", "</tool_call>"
-PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder")
 
 
 class CallStreamer(Protocol):
@@ -100,8 +102,10 @@ def forced_schema(tools: list[dict], name: str = "") -> dict:
 
 class ForcedStreamer:
     """tool_choice ``required`` or a named function: the output is the calls' JSON (the grammar holds it to
-    ``forced_schema``), held to its end and made calls there: a named function's arguments, or ``required``'s
-    list of names and parameters. Output that is not that (cut off at max_tokens) is content."""
+    ``forced_schema``), held to its end and made calls there, as vLLM 0.32's parser makes them: a named function's
+    call has the output as its arguments, as written, whole or cut off at max_tokens (the choice's finish_reason
+    ``length`` says which); ``required``'s output is read as its list of names and parameters, and one that is not
+    (cut off) gives no call. Either way the output is no content."""
 
     def __init__(self, name: str = ""):
         self.name = name
@@ -110,27 +114,48 @@ class ForcedStreamer:
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
         self.held += text
-        if not final:
+        if not final or not self.held.strip():
             return "", []
-        try:
-            got = json.loads(self.held)
-        except (ValueError, RecursionError):
-            return self.held, []
         if self.name:
-            calls = [_tool_call(self.name, self.held)] if isinstance(got, dict) else []
+            calls = [_tool_call(self.name, self.held)]
         else:
-            calls = [_tool_call(c["name"], c["parameters"]) for c in got if isinstance(c, dict)
-                     and isinstance(c.get("name"), str) and "parameters" in c] if isinstance(got, list) else []
-        if not calls:
-            return self.held, []
+            calls = _required_calls(self.held)
         self.calls = len(calls)
         return "", [dict(c, index=i) for i, c in enumerate(calls)]
 
 
-def streamer(parser: str) -> CallStreamer:
-    """A choice's streamer for ``parser`` (one of PARSERS, or a forced choice: REQUIRED, NAMED + a name)."""
-    if parser == REQUIRED or parser.startswith(NAMED):
+def _required_calls(text: str) -> list[dict]:
+    """tool_choice ``required``'s output as calls: a JSON list of ``{"name", "parameters"}``; none where it is not
+    one, every item a call (vLLM reads it whole or not at all)."""
+    try:
+        got = json.loads(text)
+    except (ValueError, RecursionError):
+        return []
+    if not isinstance(got, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in got):
+        return []
+    return [_tool_call(c["name"], c.get("parameters") or {}) for c in got]
+
+
+def ends_with_calls(parser: str) -> bool:
+    """Whether a choice that made calls and stopped by itself ends with ``tool_calls``: auto and ``required`` do,
+    a named function's ends with ``stop``, as OpenAI's and vLLM's."""
+    return not parser.startswith(NAMED)
+
+
+def forced(parser: str) -> bool:
+    """Whether ``parser`` is a forced tool choice's (required, or a named function)."""
+    return parser == REQUIRED or parser.startswith(NAMED)
+
+
+def streamer(parser: str, tools: Optional[list[dict]] = None) -> CallStreamer:
+    """A choice's streamer for ``parser`` (one of PARSERS, or a forced choice: REQUIRED, NAMED + a name); ``tools``:
+    the request's, whose parameter schemas type qwen3_coder's arguments."""
+    if forced(parser):
         return ForcedStreamer(parser[len(NAMED):] if parser.startswith(NAMED) else "")
+    if parser == "qwen3_coder":
+        from pushkv.router import tool_calls_qwen3  # (it builds on this module's Streamer)
+
+        return Streamer(tool_calls_qwen3.reader(tools or []), tool_calls_qwen3.TAGS)
     kinds: dict[str, type[CallStreamer]] = {"hermes": Streamer, "llama3_json": Llama3JsonStreamer,
                                             "mistral": MistralStreamer, "pythonic": PythonicStreamer}
     if parser not in kinds:
@@ -138,9 +163,9 @@ def streamer(parser: str) -> CallStreamer:
     return kinds[parser]()
 
 
-def parse(text: str, parser: str = "hermes") -> tuple[Optional[str], list[dict]]:
+def parse(text: str, parser: str = "hermes", tools: Optional[list[dict]] = None) -> tuple[Optional[str], list[dict]]:
     """A whole content's (its text outside the calls, or None where empty; the calls): what a stream of it gives."""
-    content, calls = streamer(parser).feed(text, final=True)
+    content, calls = streamer(parser, tools).feed(text, final=True)
     return content or None, [{k: v for k, v in c.items() if k != "index"} for c in calls]
 
 
@@ -187,13 +212,21 @@ def _json_calls(text: str) -> Optional[list[dict]]:
         calls.append(call)
 
 
+Tags = tuple[str, str, bool]  # a call's opening and closing tags, and whether its reader is given them too
+
+
 class Streamer:
     """One choice's content, fed as it comes: each piece's (content delta, calls completed). Text outside the calls
-    is content (white space right after a call aside); a call that does not parse is content too."""
+    is content (white space right after a call aside); a call that does not parse is content too. ``call_of``
+    reads one call's text between its tags, the first of ``tags`` to open it (hermes': JSON in ``<tool_call>``;
+    qwen3_coder's: ``tool_calls_qwen3``)."""
 
-    def __init__(self):
+    def __init__(self, call_of: Callable[[str], Optional[dict]] = _call,
+                 tags: tuple[Tags, ...] = ((START, END, False),)):
+        self.call_of = call_of
+        self.tags = tags
         self.held = ""
-        self.in_call = False
+        self.open: Optional[Tags] = None  # the tags of the call being read
         self.after_call = False  # white space here separates calls
         self.calls = 0
 
@@ -207,25 +240,38 @@ class Streamer:
                 if not self.held:
                     return content, calls
                 self.after_call = False
-            if not self.in_call:
-                before, self.held, self.in_call = until_tag(self.held, START, final)
+            if self.open is None:
+                before, self.held, self.open = _until_any(self.held, self.tags, final)
                 content += before
-                if not self.in_call:
+                if self.open is None:
                     return content, calls
-            end = self.held.find(END)
+            opening, closing, whole = self.open
+            end = self.held.find(closing)
             if end < 0 and not final:
                 return content, calls  # the call goes out whole
-            body, self.held = (self.held, "") if end < 0 else (self.held[:end], self.held[end + len(END):])
-            call = _call(body.strip())
+            body, self.held = (self.held, "") if end < 0 else (self.held[:end], self.held[end + len(closing):])
+            tagged = opening + body + ("" if end < 0 else closing)
+            call = self.call_of((tagged if whole else body).strip())
             if call is not None:
                 calls.append(dict(call, index=self.calls))
                 self.calls += 1
                 self.after_call = True
             else:  # not a call after all: its text is content
-                content += START + body + ("" if end < 0 else END)
-            self.in_call = False
+                content += tagged
+            self.open = None
             if end < 0:
                 return content, calls
+
+
+def _until_any(held: str, tags: tuple[Tags, ...], final: bool) -> tuple[str, str, Optional[Tags]]:
+    """``text.until_tag`` for the first of several opening tags to come: (before it, after it, its tags), or (what can
+    no longer begin one, what still may, held back unless ``final``, None)."""
+    found = [(at, t) for t in tags if (at := held.find(t[0])) >= 0]
+    if found:
+        at, t = min(found, key=lambda f: f[0])
+        return held[:at], held[at + len(t[0]):], t
+    cut = len(held) - (0 if final else max(tag_start(held, t[0]) for t in tags))
+    return held[:cut], held[cut:], None
 
 
 MARKER, ARGS = "[TOOL_CALLS]", "[ARGS]"

@@ -338,7 +338,7 @@ class SchedulerCore:
         grammar = None
         if err is None and msg.structured is not None:  # compiled here already for this model's tokenizer: at once
             try:
-                grammar = self.grammars.matcher(msg.structured, msg.prompt_token_ids)
+                grammar = self.grammars.matcher(msg.structured)
             except Exception as e:  # a matcher xgrammar could not make of it
                 err = (failure(e), 400)
         if err is not None:

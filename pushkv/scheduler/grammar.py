@@ -74,13 +74,13 @@ class Grammars:
         self.vocab = cfg.vocab_size
         self._compiled: OrderedDict = OrderedDict()
 
-    def matcher(self, spec: Structured, prompt: Sequence[int] = ()) -> Optional["Matcher"]:
+    def matcher(self, spec: Structured) -> Optional["Matcher"]:
         """A fresh matcher of ``spec``'s grammar when it is compiled here; None when it is not (yet)."""
         compiled = self._compiled.get(spec)
         if compiled is None:
             return None
         self._compiled.move_to_end(spec)
-        return self.matcher_of(spec, compiled, prompt)
+        return self.matcher_of(spec, compiled)
 
     def add(self, spec: Structured, compiled: Any) -> None:
         self._compiled[spec] = compiled
@@ -88,11 +88,13 @@ class Grammars:
         if len(self._compiled) > CACHED:
             self._compiled.popitem(last=False)
 
-    def matcher_of(self, spec: Structured, compiled: Any, prompt: Sequence[int] = ()) -> "Matcher":
+    def matcher_of(self, spec: Structured, compiled: Any) -> "Matcher":
+        """A matcher that holds the output from the start, or with ``spec.after`` from the output's first ``after`` on:
+        the router sends one only where the output reasons (it reads the prompt and the request: a prompt that closed
+        the reasoning gets none), so an earlier turn's end tag in the prompt starts nothing here."""
         import xgrammar as xgr
 
-        return Matcher(xgr.GrammarMatcher(compiled), self.vocab, spec.after,
-                       not spec.after or bool(_holds(prompt, spec.after)))
+        return Matcher(xgr.GrammarMatcher(compiled), self.vocab, spec.after, not spec.after)
 
 
 class XgrammarCompile:
@@ -229,7 +231,7 @@ def _holds(seq: Sequence[int], part: Sequence[int], start: int = 0) -> int:
 
 class Matcher:
     """One request's grammar state, following its output; with a reasoning parser, from the tokens that end the
-    reasoning on (``after``), or from the start where the prompt had them."""
+    reasoning on (``after``)."""
 
     def __init__(self, matcher: Any, vocab: int, after: Sequence[int] = (), active: bool = True):
         import xgrammar as xgr

@@ -27,7 +27,7 @@ def compiled(core: "SchedulerCore", done: GrammarCompiled, now: float, wall: flo
         why = done.error
         if not why:
             try:
-                r.grammar = core.grammars.matcher_of(done.spec, done.grammar, r.prompt)
+                r.grammar = core.grammars.matcher_of(done.spec, done.grammar)
             except Exception as e:
                 why = failure(e)
         if why:

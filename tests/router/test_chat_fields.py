@@ -234,3 +234,25 @@ def test_the_responses_reasoning_effort_reaches_the_template(tmp_path):
             r = await h.http.post("/v1/responses", json={"input": "Hi", "reasoning": "high"})
             assert r.status == 400 and (await r.json())["error"]["param"] == "reasoning"
     run(body())
+
+
+THINKING = "{% for m in messages %}[{{ m.role }}:{{ m.reasoning_content }}|{{ m.reasoning }}]{% endfor %}"
+
+
+@pytest.mark.parametrize("said, want", [
+    ({"reasoning": "r1"}, "[user:|][assistant:r1|r1][user:|]"),  # vLLM 0.32's name
+    ({"reasoning_content": "r2"}, "[user:|][assistant:r2|r2][user:|]"),  # the older one, which vLLM renames
+    ({"reasoning": "new", "reasoning_content": "old"}, "[user:|][assistant:new|new][user:|]"),
+    ({}, "[user:|][assistant:|][user:|]"),
+])
+def test_an_assistant_messages_reasoning_reaches_the_template_as_vllm_gives_it(said, want):
+    """Interleaved thinking (vLLM's): an earlier assistant turn's reasoning reaches the template under both names
+    (Qwen3's writes reasoning_content back as <think>); pushkv dropped it, so the prompt differed from vLLM's."""
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", **said},
+            {"role": "user", "content": "q2", "reasoning": "not an assistant's: not given"}]
+    p = chat.parse_chat({"messages": msgs, "add_generation_prompt": False}, text.ByteTokenizer(), LIMITS,
+                        chat.ChatTemplate(THINKING))
+    assert bytes(p.prompt_token_ids).decode() == want
+    with pytest.raises(api.ApiError) as e:
+        chat.parse_messages({"messages": [{"role": "assistant", "content": "a", "reasoning": 3}]})
+    assert e.value.param == "messages[0].reasoning"

@@ -45,8 +45,11 @@ def refused(body_kw: dict, param: str, needle: str, chat_: bool = False) -> None
     ({"tools": [{"type": "function"}] * (L.MAX_TOOLS + 1)}, "tools", f"at most {L.MAX_TOOLS} tools", True),
     ({"tools": "all of them"}, "tools", "list of objects", True),
     ({"temperature": L.MAX_TEMPERATURE + 1}, "temperature", "must be in", False),
+    # vLLM's and OpenAI's: a stream's options without the stream (pushkv took them and said nothing)
+    ({"stream_options": {"include_usage": True}}, "stream_options", "with stream true", False),
+    ({"stream": False, "stream_options": {"include_usage": True}}, "stream_options", "with stream true", True),
 ], ids=["n", "best_of-bound", "best_of-not-n", "logprobs", "top_logprobs", "logit_bias-entries", "stops",
-        "stop-chars", "stop_token_ids", "tools", "tools-type", "temperature"])
+        "stop-chars", "stop_token_ids", "tools", "tools-type", "temperature", "stream_options", "stream_options-chat"])
 def test_past_a_bound_is_400_naming_the_field(kw, param, needle, chat_):
     refused(kw, param, needle, chat_)
 
@@ -134,3 +137,15 @@ def test_api_doc_message_caps_are_the_ones_the_code_computes():
         cfg = DeploymentConfig(model=PRESETS[name])
         assert f"{_size(L.generate_cap_bytes(cfg))} for `{name}`" in doc, (name, _size(L.generate_cap_bytes(cfg)))
         assert f"{_size(L.msg_cap_bytes(cfg))} for `{name}`" in doc, (name, _size(L.msg_cap_bytes(cfg)))
+
+
+def test_an_error_names_its_param_or_null():
+    """OpenAI's and vLLM's error object always has ``param`` (null where no field is to blame): pushkv left the key
+    out, and a client reading ``error["param"]`` failed."""
+    assert api.ApiError(404, "no such route").body() == {"error": {
+        "message": "no such route", "type": "invalid_request_error", "param": None, "code": 404}}
+    with pytest.raises(api.ApiError) as e:
+        completion(n=0)
+    assert e.value.body()["error"]["param"] == "n"
+    assert completion(stream=True, stream_options={"include_usage": True}).include_usage
+    assert not completion(stream_options=None).include_usage  # null and {} say nothing either way

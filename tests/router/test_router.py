@@ -171,11 +171,12 @@ def test_streaming_shape_and_split_utf8(tmp_path):
             assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
             ev = await read_sse(r)
             assert ev[-1] == "[DONE]"
-            chunks, final = ev[:-2], ev[-2]
+            chunks, final = ev[:-1], ev[-2]
             assert [c["choices"][0]["token_ids"] for c in chunks] == [[104], [195], [169], [33]]
-            assert all(c["choices"][0]["finish_reason"] is None for c in chunks)
+            # vLLM's: the finish_reason on the last token's chunk, no token-less chunk after it
+            assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, None, "length"]
             assert [c["choices"][0]["text"] for c in chunks] == ["h", "", "é", "!"]
-            assert final["choices"][0]["finish_reason"] == "length" and final["choices"][0]["stop_reason"] is None
+            assert final["choices"][0]["stop_reason"] is None
             assert "usage" not in final  # no stream_options: no usage at all, as vLLM's
             assert "router.first_token" in final["pushkv"]["timeline"]
             assert len({c["id"] for c in ev[:-1]}) == 1
@@ -719,8 +720,8 @@ def test_chat_stream_shape_n2_and_usage(tmp_path):
             for i in (0, 1):
                 mine = [e["choices"][0] for e in ev[:-2] if e["choices"][0]["index"] == i]
                 assert mine[0]["delta"] == {"role": "assistant", "content": ""}
-                assert [c["delta"].get("content") for c in mine[1:]] == ["", "你", "!", None]
-                assert mine[-1]["finish_reason"] == "length"
+                assert [c["delta"].get("content") for c in mine[1:]] == ["", "你", "!"]
+                assert [c["finish_reason"] for c in mine[1:]] == [None, None, "length"]  # on the last token's
             assert all(e["object"] == "chat.completion.chunk" and e["id"].startswith("chatcmpl-") for e in ev[:-1])
     run(body())
 
@@ -770,5 +771,6 @@ def test_chat_stream_opens_with_the_first_token(tmp_path):
             first.set()
             ev = await read_sse(r)
             assert ev[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-            assert [e["choices"][0]["delta"].get("content") for e in ev[1:-1]] == ["h", "i", None]
+            assert [e["choices"][0]["delta"].get("content") for e in ev[1:-1]] == ["h", "i"]
+            assert ev[-2]["choices"][0]["finish_reason"] == "length"
     run(body())

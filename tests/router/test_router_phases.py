@@ -218,7 +218,7 @@ def test_the_shell_drops_a_schedulers_input_out_of_turn_and_raises_on_its_own(tm
     assert run.req.phase is Ph.RUNNING and run.ledger.output_ids == []
     with pytest.raises(R.IllegalInput, match="Placed in phase running"):  # the router's own bug is loud
         run._feed(placed(P.PUSH))
-    assert run._feed(toks([7], True), "local") == [R.Tokens((7,)), R.Finished("stop")]
+    assert run._feed(toks([7], True), "local") == [R.Tokens((7,), last=True), R.Finished("stop")]
     run.close()
     assert run.req.phase is Ph.CLOSED and run.ledger.outcome == "ok"
 
@@ -299,3 +299,18 @@ def test_only_the_token_leg_is_told_that_stop_strings_are_searched():
     req.on(R.Start(), T0, RT)
     sent = {a.leg: a.msg.stop_strings for a in req.on(placed(P.PUSH), T0, RT) if isinstance(a, R.Send)}
     assert sent == {"prefill": False, "decode": True}
+
+
+@pytest.mark.parametrize("mode, reported, last", [("local", False, True), ("push", True, True),
+                                                  ("push", False, False)])
+def test_the_last_tokens_say_whether_the_finish_comes_with_them(mode, reported, last):
+    """A run's last tokens are marked last (the stream sends them with the finish_reason, as vLLM's) only where
+    their Finished comes with them: in push, D's last before P's report waits for it, so they go out alone at once
+    rather than held up to PREFILL_REPORT_GRACE_S."""
+    req = reach(mode, Ph.RUNNING)
+    if reported:
+        req.on(pf(), T0, "prefill")
+    out = req.on(toks([7], True), T0, "local" if mode == "local" else "decode")
+    tokens = [a for a in out if isinstance(a, R.Tokens)]
+    assert [t.last for t in tokens] == [last]
+    assert any(isinstance(a, R.Finished) for a in out) is last

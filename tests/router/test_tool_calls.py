@@ -172,9 +172,10 @@ def test_enable_auto_tool_choice_needs_a_parser():
 
     assert cfg("--enable-auto-tool-choice", "--tool-call-parser", "hermes").tool_call_parser == "hermes"
     assert cfg("--tool-call-parser", "hermes").tool_call_parser == "hermes"
-    for parser in ("llama3_json", "mistral", "pythonic"):
+    for parser in ("llama3_json", "mistral", "pythonic", "qwen3_coder"):
         assert cfg("--enable-auto-tool-choice", "--tool-call-parser", parser).tool_call_parser == parser
-    with pytest.raises(ValueError, match=r"needs --tool-call-parser \(hermes, llama3_json, mistral, pythonic\)"):
+    with pytest.raises(ValueError, match=r"needs --tool-call-parser \(hermes, llama3_json, mistral, pythonic, "
+                                         r"qwen3_coder\)"):
         cfg("--enable-auto-tool-choice")
     with pytest.raises(SystemExit):  # argparse: not one of the choices
         cfg("--enable-auto-tool-choice", "--tool-call-parser", "xlam")
@@ -189,7 +190,7 @@ CLOCK = {"type": "function", "function": {"name": "get_time"}}  # no parameters:
 def test_a_forced_tool_choice_holds_the_output_to_the_calls_and_makes_them_calls():
     """tool_choice required or a named function (vLLM's, OpenAI's): the output held to the calls' JSON schema
     (structured output), then made calls: a named function's arguments as written, required's list of names and
-    parameters; output that is not that (cut off) stays content."""
+    parameters; required's output that is not that (cut off) is neither calls nor content, as vLLM's."""
     pytest.importorskip("xgrammar")
     from pushkv.router import api, chat, text
 
@@ -209,7 +210,7 @@ def test_a_forced_tool_choice_holds_the_output_to_the_calls_and_makes_them_calls
     content, calls = tool_calls.parse(out, "required")
     assert content is None and [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
         ("get_time", {}), ("get_weather", {"city": "Paris"})]
-    assert tool_calls.parse('[{"name": "get_ti', "required") == ('[{"name": "get_ti', [])  # cut off: content
+    assert tool_calls.parse('[{"name": "get_ti', "required") == (None, [])  # cut off: no call, no content (vLLM's)
     for body, needle in [({"tool_choice": "required"}, "needs tools"),
                          ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
                           "not one of the tools"),
@@ -219,3 +220,84 @@ def test_a_forced_tool_choice_holds_the_output_to_the_calls_and_makes_them_calls
         with pytest.raises(api.ApiError, match=needle) as e:
             chat.parse_chat({"messages": msgs, **body}, text.ByteTokenizer(), limits, chat.load_template(""))
         assert e.value.param == "tool_choice"
+
+
+def forced_through_router(tmp_path, tool_choice, output: str, reason: str) -> tuple[dict, list[dict]]:
+    """A chat with a forced ``tool_choice`` whose model writes ``output`` (7 bytes a piece), ending ``reason``,
+    through the router: the whole choice, and the streamed choices (each chunk's)."""
+    pytest.importorskip("xgrammar")
+    out = list(output.encode())
+    chunks = [out[i:i + 7] for i in range(0, len(out), 7)]
+
+    async def body():
+        async with Harness(make_cfg(tmp_path, "local"), {"local": local_script(chunks, reason)}) as h:
+            req = {"messages": MESSAGES, "max_tokens": len(out), "tools": [WEATHER, CLOCK], "tool_choice": tool_choice}
+            r = await h.http.post("/v1/chat/completions", json=req)
+            assert r.status == 200, await r.text()
+            whole = (await r.json())["choices"][0]
+            r = await h.http.post("/v1/chat/completions", json=dict(req, stream=True))
+            return whole, [e["choices"][0] for e in await read_sse(r) if e != "[DONE]" and e["choices"]]
+    return run(body())
+
+
+NAMED_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.mark.parametrize("tool_choice,output,reason,finish,calls", [
+    # a named function's call ends with stop, as OpenAI's and vLLM's (auto's and required's with tool_calls)
+    (NAMED_WEATHER, '{"city": "Rome"}', "stop", "stop", [("get_weather", '{"city": "Rome"}')]),
+    # cut off by max_tokens: vLLM 0.32 still makes the call, its arguments as far as they came; length says so
+    (NAMED_WEATHER, '{"city": "Ro', "length", "length", [("get_weather", '{"city": "Ro')]),
+    ("required", '[{"name": "get_time", "parameters": {}}]', "stop", "tool_calls", [("get_time", "{}")]),
+    # required's list cut off is no call, and no content (vLLM's parser reads it whole or not at all)
+    ("required", '[{"name": "get_weather", "parameters": {"ci', "length", "length", []),
+])
+def test_a_forced_tool_choice_answers_as_vllm_whole_and_streamed(tmp_path, tool_choice, output, reason, finish,
+                                                                 calls):
+    """vLLM 0.32's forced tool choice: the message's content "" and its calls (no ``tool_calls`` key where there are
+    none: pushkv gave ``[]`` and the cut JSON as content), finish_reason as vLLM's; the stream's the same."""
+    whole, streamed = forced_through_router(tmp_path, tool_choice, output, reason)
+    assert whole["finish_reason"] == finish and whole["message"]["content"] == ""
+    assert _named(whole["message"].get("tool_calls", [])) == calls and (calls or "tool_calls" not in whole["message"])
+    _, content, streamed_calls = streamed_parts([c["delta"] for c in streamed])
+    assert (content, _named(streamed_calls), streamed[-1]["finish_reason"]) == ("", calls, finish)
+
+
+def test_a_choice_without_calls_has_no_tool_calls_key(tmp_path):
+    """tool_choice auto with a parser, and no call written: the message has no ``tool_calls`` (vLLM's serializer
+    drops an empty list; pushkv answered ``[]``)."""
+    async def body():
+        cfg = make_cfg(tmp_path, "local", tool_call_parser="hermes")
+        async with Harness(cfg, {"local": local_script([list(b"just text")], "stop")}) as h:
+            r = await h.http.post("/v1/chat/completions", json={"messages": MESSAGES, "tools": TOOLS})
+            return (await r.json())["choices"][0]
+    choice = run(body())
+    assert choice["message"]["content"] == "just text" and "tool_calls" not in choice["message"]
+    assert choice["finish_reason"] == "stop"
+
+
+def test_parallel_tool_calls_false_gives_the_first_call_alone(tmp_path):
+    """OpenAI's and vLLM's parallel_tool_calls false: a choice's first call alone, whole and streamed (pushkv
+    ignored the field and gave every call)."""
+    out = list((CALL_F + "\n" + CALL_G).encode())
+    chunks = [out[i:i + 9] for i in range(0, len(out), 9)]
+
+    async def body():
+        cfg = make_cfg(tmp_path, "local", tool_call_parser="hermes")
+        async with Harness(cfg, {"local": local_script(chunks, "stop")}) as h:
+            got = {}
+            for parallel in (None, False):
+                req = {"messages": MESSAGES, "tools": TOOLS, **({} if parallel is None else
+                                                               {"parallel_tool_calls": parallel})}
+                r = await h.http.post("/v1/chat/completions", json=req)
+                whole = (await r.json())["choices"][0]
+                r = await h.http.post("/v1/chat/completions", json=dict(req, stream=True))
+                events = [e["choices"][0] for e in await read_sse(r) if e != "[DONE]" and e["choices"]]
+                got[parallel] = (whole, streamed_parts([e["delta"] for e in events])[2], events[-1])
+            return got
+    got = run(body())
+    both = [("get_weather", '{"city": "Paris", "unit": "°C"}'), ("g", "{}")]
+    for parallel, calls in ((None, both), (False, both[:1])):
+        whole, streamed_calls, last = got[parallel]
+        assert _named(whole["message"]["tool_calls"]) == calls and _named(streamed_calls) == calls, parallel
+        assert whole["finish_reason"] == last["finish_reason"] == "tool_calls"

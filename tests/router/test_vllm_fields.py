@@ -37,7 +37,10 @@ def test_add_special_tokens_as_vllm_takes_it(tok):
     assert special == [2, *plain]
 
 
-@pytest.mark.parametrize("field, value", [("length_penalty", 0.5), ("priority", 1), ("priority", -3)])
+@pytest.mark.parametrize("field, value", [("length_penalty", 0.5), ("priority", 1), ("priority", -3),
+                                          # vLLM 0.32's, which pushkv took and ignored
+                                          ("watermarking", True), ("repetition_detection", {"max_pattern_size": 4}),
+                                          ("prompt_embeds", "AAAA")])
 def test_a_vllm_field_that_would_change_the_answer_is_refused(tok, field, value):
     for parse in (lambda b: api.parse_completion({"prompt": "hi", **b}, tok, LIMITS),
                   lambda b: chat.parse_chat({"messages": MESSAGES, **b}, tok, LIMITS, chat.ChatTemplate(QWEN3_LIKE))):

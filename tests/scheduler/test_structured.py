@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 
+import msgspec
 import pytest
 
 from pushkv import messages as m
@@ -86,20 +87,38 @@ def test_a_bad_spec_from_a_direct_sender_is_refused_alone():
 
 def test_with_a_reasoning_parser_the_grammar_holds_what_follows_the_reasoning():
     """The grammar holds the output from the tokens that end the reasoning on (vLLM's): nothing masked while the
-    model reasons, then the grammar; from the start where the prompt already ended it (Qwen3's enable_thinking
-    false writes an empty think block)."""
+    model reasons, then the grammar, also where the prompt holds those tokens (an earlier turn's reasoning: the
+    router sends no ``after`` where the prompt closed the reasoning, reasoning.reasons); the scheduler started the
+    grammar at once on a prompt holding the end tag anywhere, so a later turn's thinking was held to it."""
     from pushkv.scheduler.requests import Request
 
     end = tuple(b"</think>")
     spec = m.Structured("choice", json.dumps(CHOICES), after=end)
     g = compiled(spec)
-    r = Request("t", 0, "local", (1, 2), 40, b"r", sampling=S(), grammar=g.matcher(spec, (1, 2)))
+    r = Request("t", 0, "local", (1, 2), 40, b"r", sampling=S(), grammar=g.matcher(spec))
     r.output = list(b"hmm, let me see </thi")
     assert r.sample_fields()["token_mask"] == b"" and r.finished() is None  # still reasoning: free
     r.output += list(b"nk>")
     assert allowed_ids(r.sample_fields()["token_mask"], 320) == sorted(b"ynm")
     r.output += list(b"no") + [EOS]
     assert r.finished() == "stop"
-    prompt = (5,) + end + (10,)
-    q = Request("t", 0, "local", prompt, 40, b"r", sampling=S(), grammar=g.matcher(spec, prompt))
+    prompt = (5,) + end + (10,)  # an earlier turn's reasoning
+    q = Request("t", 0, "local", prompt, 40, b"r", sampling=S(), grammar=g.matcher(spec))
+    assert q.sample_fields()["token_mask"] == b""  # this turn's reasoning: free
+    plain = msgspec.structs.replace(spec, after=())  # the router's, where the prompt closed the reasoning
+    q = Request("t", 0, "local", prompt, 40, b"r", sampling=S(), grammar=compiled(plain).matcher(plain))
     assert allowed_ids(q.sample_fields()["token_mask"], 320) == sorted(b"ynm")  # held from the start
+
+
+def test_the_core_starts_no_grammar_on_an_end_tag_in_its_prompt():
+    """Through the core: a request whose ``after`` the prompt holds (an earlier turn's reasoning) still reasons
+    free first; the core started its grammar at once there (the router now decides where the output reasons)."""
+    from tests.scheduler.test_scheduler_roles import ROUTER, deliver
+
+    s, wire = make("local", mode="local", tp=1, num_blocks=64)
+    end = tuple(b"</think>")
+    spec = m.Structured("choice", json.dumps(CHOICES), after=end)
+    deliver(s, ROUTER, gen("t", None, prompt=(5,) + end + (10,), structured=spec))
+    assert wire.compile_asked() == 1
+    (step,) = [x for x in wire.take("worker") if isinstance(x, m.ExecuteStep)]
+    assert [w.token_mask for w in step.seqs] == [b""]
