@@ -370,9 +370,14 @@ class SchedulerCore:
         self.schedule()
 
     def on_Abort(self, msg: m.Abort, frm: Peer) -> None:
-        r = self.reqs.get((msg.transfer_id, msg.generation))
+        key = (msg.transfer_id, msg.generation)
+        # a stop string matched before the last token reached the router, while the leg ended here by length: its
+        # held end is counted as the client's choice ended (the router drops the leg's last message, never says more)
+        held = bool(msg.finish) and self.metrics.choice_ended(key, msg.finish)
+        r = self.reqs.get(key)
         if r is None:
-            self.counters["abort_unknown"] += 1
+            if not held:
+                self.counters["abort_unknown"] += 1
             return
         self.counters["aborted"] += 1
         if msg.finish:  # complete at the router (a stop string): its end is counted as vLLM's frontend counts it

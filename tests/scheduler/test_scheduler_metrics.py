@@ -176,6 +176,22 @@ def test_an_end_by_length_waits_for_the_routers_word_where_it_searches_for_stop_
     assert ended(core)["stop"] == int(reason == "stop") and core.counters["choice_end_unknown"] == 1
 
 
+def test_a_held_end_is_counted_stop_by_the_routers_abort_for_a_stop_string_matched_before_its_last_token():
+    """The router matched a stop string on a token before the last and aborted the leg (Abort finish "stop"), while
+    the leg reached max_tokens here: the router, closed, drops the leg's last message and says nothing more, so its
+    Abort is the word on the held end (vLLM counts it stop: its frontend's match ends the request)."""
+    core = local_core()
+    core.handle(m.Generate("t", 0, "local", (1, 2, 3), 3, stop_strings=True), ROUTER, 1.0, 1.0)
+    for t in (1.5, 1.6, 1.7):
+        step(core, t)
+    assert not core.reqs
+    core.handle(m.Abort("t", 0, "stop string matched", finish="stop"), ROUTER, 2.0, 2.0)
+    assert ended(core) == {r: int(r == "stop") for r in REASONS} | {"e2e": 1}
+    assert core.counters["abort_unknown"] == 0
+    core.tick(1.7 + core.cfg.timeouts.request_s + 1, 100.0)  # counted once
+    assert ended(core)["e2e"] == 1
+
+
 def test_an_end_by_a_stop_id_is_counted_at_once_and_a_new_router_releases_the_held_ones():
     core = local_core()
     core.handle(m.Generate("s", 0, "local", (1, 2, 3), 3, stop_token_ids=(7,), stop_strings=True), ROUTER, 1.0, 1.0)
