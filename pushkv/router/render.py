@@ -206,7 +206,7 @@ class ChatRenderer(Renderer):
         for i in out.token_ids:
             starts.append(written)
             written += len(detok.push([i]))
-        start, end = reasoning.span(out.text, self.params.reasons)
+        start, end = reasoning.span(out.text, self.params.reasoning_parser, self.params.reasons)
         return sum(start <= s < end for s in starts)
 
     def response_fields(self, outs: Sequence[ChoiceOutput]) -> dict:

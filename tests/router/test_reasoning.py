@@ -53,6 +53,33 @@ def test_streamed_in_any_pieces_the_deltas_join_to_the_whole_split(text, parser,
         assert ("".join(r for r, _ in got), "".join(c for _, c in got)) == whole, pieces
 
 
+# qwen3's reasoning also ends where a tool call opens before </think> (its tag the content's first text), as vLLM
+# 0.32's Qwen3Parser ends it there, whole and streamed; deepseek_r1's does not (vLLM's reads the call as reasoning)
+CALL = "<tool_call>\n<function=f>\n</function>\n</tool_call>"
+CALL_CASES = {
+    "plan" + CALL: {"qwen3": ("plan", CALL), "deepseek_r1": ("plan" + CALL, None)},
+    "<think>plan" + CALL + "after": {"qwen3": ("plan", CALL + "after"), "deepseek_r1": ("plan" + CALL + "after", None)},
+    "plan</think>" + CALL: {"qwen3": ("plan", CALL), "deepseek_r1": ("plan", CALL)},
+    "<tool_call>x": {"qwen3": (None, "<tool_call>x"), "deepseek_r1": ("<tool_call>x", None)},
+    "plan<tool_cal": {"qwen3": ("plan<tool_cal", None), "deepseek_r1": ("plan<tool_cal", None)},
+}
+
+
+@pytest.mark.parametrize("text", sorted(CALL_CASES))
+@pytest.mark.parametrize("parser", ["qwen3", "deepseek_r1"])
+def test_qwen3s_reasoning_ends_where_a_tool_call_opens_whole_and_streamed(text, parser):
+    """vLLM 0.32's qwen3 parser takes <tool_call> as the reasoning's implicit end; pushkv's kept the call in the
+    reasoning, so a Qwen3 model that called a tool without closing its thinking made no call."""
+    split = CALL_CASES[text][parser]
+    assert reasoning.split(text, parser) == split
+    for cut in range(len(text) + 1):
+        s = reasoning.Splitter(parser)
+        got = [s.feed(text[:cut]), s.feed(text[cut:], final=True)]
+        assert ("".join(r for r, _ in got), "".join(c for _, c in got)) == tuple(x or "" for x in split), cut
+    start, end = reasoning.span(text, parser)
+    assert text[start:end] == (split[0] or "")
+
+
 @pytest.mark.parametrize("parser, body, template, reasons", [
     ("qwen3", {}, "", True),
     ("qwen3", {"chat_template_kwargs": {"enable_thinking": False}}, "", False),
