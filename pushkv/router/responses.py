@@ -299,6 +299,8 @@ def chat_body(body: dict, store: Optional[Store] = None, conv: Optional[list[dic
         out["tool_choice"] = _tool_choice(body)
     if body.get("parallel_tool_calls") is not None:
         out["parallel_tool_calls"] = body["parallel_tool_calls"]
+    if body.get("include_reasoning") is not None:  # vLLM's: false, the reasoning generated but not returned
+        out["include_reasoning"] = body["include_reasoning"]
     top = _logprobs(body)
     if top is not None:
         out["logprobs"], out["top_logprobs"] = True, top
@@ -516,7 +518,7 @@ class ResponseEvents:
     def delta(self, delta: Delta) -> list[tuple[str, dict]]:
         final = bool(delta.finish_reason)
         chunk = self.render.chunk_choice(0, delta)
-        if chunk is None:  # (a responses request never hides its reasoning)
+        if chunk is None:  # reasoning alone that include_reasoning false hides
             return []
         d = chunk["delta"]  # the chat chunk's content, its reasoning and calls apart
         self.pending += (chunk.get("logprobs") or {}).get("content") or []

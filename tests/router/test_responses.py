@@ -146,6 +146,31 @@ def test_reasoning_comes_as_its_own_item_before_the_message(tmp_path):
     asyncio.run(asyncio.wait_for(body(), 25))
 
 
+def test_include_reasoning_false_leaves_the_reasoning_item_out_whole_and_streamed(tmp_path):
+    """vLLM 0.32's Responses include_reasoning false: the reasoning is still generated but not returned (no reasoning
+    item, no reasoning events), as chat's; pushkv passed the field nowhere and returned the reasoning."""
+    said = list(b"<think>ab</think>Hi")
+
+    def script(g):
+        return [(None, tokens(g, said[:9], False, "", (stage("scheduled"),))),
+                (None, tokens(g, said[9:], True, "stop", (stage("finished"),)))]
+
+    async def body():
+        cfg = make_cfg(tmp_path, "local", chat_template=TEMPLATE, reasoning_parser="qwen3")
+        async with Harness(cfg, {"local": script}) as h:
+            ask = {"model": "tiny", "input": "Hey", "include_reasoning": False}
+            got = await (await h.http.post("/v1/responses", json=ask)).json()
+            assert [i["type"] for i in got["output"]] == ["message"], got["output"]
+            assert got["output"][0]["content"][0]["text"] == "Hi"
+            raw = await (await h.http.post("/v1/responses", json={**ask, "stream": True})).text()
+            events = [json.loads(blk.split("\n")[1][len("data: "):]) for blk in raw.strip().split("\n\n")]
+            assert not [e for e in events if "reasoning" in e["type"]], events
+            assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "Hi"
+            assert [i["type"] for i in events[-1]["response"]["output"]] == ["message"]
+
+    asyncio.run(asyncio.wait_for(body(), 25))
+
+
 TOOL_TEMPLATE = (
     "{% if tools %}[tools]{% for t in tools %}{{ t.function.name }};{% endfor %}{% endif %}"
     "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] or '' }}"
