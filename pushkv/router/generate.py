@@ -218,7 +218,8 @@ class Generation:
         if not self.params.continuous_usage:
             return None
         return output.usage(len(self.params.prompts()[i // self.params.n][0]),
-                            0 if opening else self.outs[i].completion_tokens)
+                            0 if opening else self.outs[i].completion_tokens, None,
+                            self.render.usage_details([] if opening else [self.outs[i]]))
 
     def _stream_delta(self, i: int, delta: output.Delta) -> bytes:
         """A delta's chunk; usage only as vLLM's (continuous_usage_stats), the request's total going in the

@@ -6,6 +6,7 @@ lives here and nowhere else.
 """
 from __future__ import annotations
 
+from bisect import bisect_left
 from typing import ClassVar, Optional, Protocol, Sequence
 
 from pushkv.messages import PromptLogprobs, TokenLogprob
@@ -163,6 +164,11 @@ class ChatRenderer(Renderer):
         # the tool calls each choice's content writes (router/tool_calls.py)
         self.tools = ([tool_calls.streamer(params.tool_call_parser, params.tools) for _ in range(params.choices)]
                       if params.tool_call_parser else [])
+        # each choice's tokens so far, where each begins in its text (``_reasoning_tokens``: counted in every chunk
+        # with continuous usage, so each token is read once)
+        self.token_starts: list[list[int]] = [[] for _ in range(params.choices)]
+        self.written = [0] * params.choices
+        self.decoders: list[Optional[IncrementalDecoder]] = [None] * params.choices
 
     def _logprobs(self, i: int, delta: Delta) -> dict:
         return chat_logprobs(self.token_text, delta.token_ids, delta.logprobs)
@@ -194,20 +200,23 @@ class ChatRenderer(Renderer):
 
     def usage_details(self, outs: Sequence[ChoiceOutput]) -> Optional[dict]:
         """vLLM's, with a reasoning parser: the output tokens that wrote the choices' reasoning (its tags not), whether
-        it is returned or not."""
+        it is returned or not (a stream's continuous usage: one choice's so far; its opening chunk: none, 0)."""
         return {"reasoning_tokens": sum(self._reasoning_tokens(o) for o in outs)} if self.splitters else None
 
     def _reasoning_tokens(self, out: ChoiceOutput) -> int:
         """The tokens of ``out`` that begin inside its reasoning's text (a token whose bytes end a character later
         begins where it stands)."""
-        detok = IncrementalDecoder(self.tok, self.params.skip_special_tokens,
-                                   self.params.spaces_between_special_tokens)
-        starts, written = [], 0
-        for i in out.token_ids:
-            starts.append(written)
-            written += len(detok.push([i]))
+        i = out.index
+        detok = self.decoders[i]
+        if detok is None:
+            detok = self.decoders[i] = IncrementalDecoder(self.tok, self.params.skip_special_tokens,
+                                                          self.params.spaces_between_special_tokens)
+        starts = self.token_starts[i]
+        for t in out.token_ids[len(starts):]:  # (the tokens come since the last count)
+            starts.append(self.written[i])
+            self.written[i] += len(detok.push([t]))
         start, end = reasoning.span(out.text, self.params.reasoning_parser, self.params.reasons)
-        return sum(start <= s < end for s in starts)
+        return bisect_left(starts, end) - bisect_left(starts, start)  # (starts ascend)
 
     def response_fields(self, outs: Sequence[ChoiceOutput]) -> dict:
         out = self.opening_fields()

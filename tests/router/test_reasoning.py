@@ -193,3 +193,22 @@ def test_usage_counts_the_reasoning_tokens_as_vllm_does(tmp_path, output, want):
                 got.append(usage["completion_tokens_details"])
             return got
     assert run(body()) == [{"reasoning_tokens": 2 * want}] * 3  # both choices'
+
+
+def test_continuous_usage_counts_the_reasoning_tokens_so_far_in_each_chunk(tmp_path):
+    """vLLM 0.32's continuous_usage_stats with a reasoning parser: every chunk's usage has
+    completion_tokens_details.reasoning_tokens, the choice's so far (the role's chunk 0); pushkv gave it only in the
+    final usage chunk, so a client reading it per chunk found None."""
+    ids = list(b"<think>abc</think>hi")
+
+    async def body():
+        cfg = make_cfg(tmp_path, "local", reasoning_parser="deepseek_r1")
+        async with Harness(cfg, {"local": local_script([ids[:9], ids[9:12], ids[12:]], "stop")}) as h:
+            r = await h.http.post("/v1/chat/completions", json={
+                "messages": MESSAGES, "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+            return [e["usage"] for e in await read_sse(r) if e != "[DONE]"]
+    usages = run(body())
+    got = [(u["completion_tokens"], u["completion_tokens_details"]["reasoning_tokens"]) for u in usages]
+    assert got[0] == (0, 0) and got[-1] == (len(ids), 3)  # the role's chunk; the final usage
+    assert (9, 2) in got and all(a <= b for a, b in zip(got, got[1:]))  # "<think>ab" so far: 2
