@@ -65,6 +65,12 @@ def _call(body: str) -> Optional[dict]:
     return _call_of(obj)
 
 
+def _hermes_calls(body: str) -> list[dict]:
+    """hermes' ``<tool_call>`` body: its one call, or none where it is not one."""
+    call = _call(body)
+    return [] if call is None else [call]
+
+
 def _call_of(obj, call_id: str = "") -> Optional[dict]:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
@@ -217,13 +223,14 @@ Tags = tuple[str, str, bool]  # a call's opening and closing tags, and whether i
 
 class Streamer:
     """One choice's content, fed as it comes: each piece's (content delta, calls completed). Text outside the calls
-    is content (white space right after a call aside); a call that does not parse is content too. ``call_of``
-    reads one call's text between its tags, the first of ``tags`` to open it (hermes': JSON in ``<tool_call>``;
-    qwen3_coder's: ``tool_calls_qwen3``)."""
+    is content (white space right after a call aside); a call that does not parse is content too. ``calls_of``
+    reads the calls of one tagged text, between the first of ``tags`` to open it and its closing tag (hermes': one
+    call's JSON in ``<tool_call>``; qwen3_coder's: ``tool_calls_qwen3``, which may find several), [] where it holds
+    none."""
 
-    def __init__(self, call_of: Callable[[str], Optional[dict]] = _call,
+    def __init__(self, calls_of: Callable[[str], list[dict]] = _hermes_calls,
                  tags: tuple[Tags, ...] = ((START, END, False),)):
-        self.call_of = call_of
+        self.calls_of = calls_of
         self.tags = tags
         self.held = ""
         self.open: Optional[Tags] = None  # the tags of the call being read
@@ -251,10 +258,11 @@ class Streamer:
                 return content, calls  # the call goes out whole
             body, self.held = (self.held, "") if end < 0 else (self.held[:end], self.held[end + len(closing):])
             tagged = opening + body + ("" if end < 0 else closing)
-            call = self.call_of((tagged if whole else body).strip())
-            if call is not None:
+            found = self.calls_of((tagged if whole else body).strip())
+            for call in found:
                 calls.append(dict(call, index=self.calls))
                 self.calls += 1
+            if found:
                 self.after_call = True
             else:  # not a call after all: its text is content
                 content += tagged

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 from pushkv.router.tool_calls import _tool_call, function_of
 
@@ -39,17 +39,29 @@ _CLOSES = ("</parameter>", "<parameter=", "</function>")  # where a value ends (
 _TYPES = ("null", "integer", "number", "boolean", "object", "array", "string")
 
 
-def reader(tools: list[dict]) -> Callable[[str], Optional[dict]]:
-    """One call's text (between ``<tool_call>`` and ``</tool_call>``) as an OpenAI tool call, its arguments typed by
-    ``tools``' parameter schemas; None where it names no function."""
+def reader(tools: list[dict]) -> Callable[[str], list[dict]]:
+    """A tagged text's calls (between ``<tool_call>`` and ``</tool_call>``, or a ``<function=...>`` alone) as OpenAI
+    tool calls, their arguments typed by ``tools``' parameter schemas; [] where it names no function."""
     schemas = {function_of(t).get("name"): function_of(t).get("parameters") for t in tools}
-    return lambda body: call_of(body, schemas)
+    return lambda body: calls_of(body, schemas)
 
 
-def call_of(body: str, schemas: dict[Any, Any]) -> Optional[dict]:
-    fn = _FUNCTION.search(body)
-    if fn is None:
-        return None
+def calls_of(body: str, schemas: dict[Any, Any]) -> list[dict]:
+    """Each ``<function=...>`` in ``body`` a call, as vLLM's grammar reads them: a function ends at its
+    ``</function>`` (or the text's end), and another may follow in the same ``<tool_call>``, or after a
+    ``<tool_call>`` opened again without the first closed."""
+    calls: list[dict] = []
+    at = 0
+    while (fn := _FUNCTION.search(body, at)) is not None:
+        close = body.find("</function>", fn.end())
+        end = len(body) if close < 0 else close
+        calls.append(call_of(body[:end], fn, schemas))
+        at = end
+    return calls
+
+
+def call_of(body: str, fn: "re.Match[str]", schemas: dict[Any, Any]) -> dict:
+    """The call ``fn`` opens, its parameters those in ``body`` after it (``body`` ends where the function does)."""
     name = fn.group(1).strip()
     schema = schemas.get(name)
     props = schema.get("properties") if isinstance(schema, dict) else None

@@ -54,6 +54,14 @@ CASES = {
                     ("get_current_weather", {"city": "Dallas", "state": "TX", "unit": "f"})]),
     "<function=get_current_weather><parameter=city>Ro": (None, [("get_current_weather", {"city": "Ro"})]),
     "a <function=>b</function>": ("a <function=>b</function>", []),  # no name: text
+    # several functions in one <tool_call>, or a <tool_call> opened again before the first closed: a call each, as
+    # vLLM's grammar reads them (pushkv gave one call, the first's name with the last's parameters)
+    "<tool_call>\n<function=get_current_weather>\n<parameter=days>\n1\n</parameter>\n</function>\n"
+    "<function=other>\n<parameter=n>\n2\n</parameter>\n</function>\n</tool_call>":
+        (None, [("get_current_weather", {"days": 1}), ("other", {"n": "2"})]),
+    "<tool_call>\n<function=get_current_weather>\n<parameter=days>\n1\n</parameter>\n</function>\n"
+    "<tool_call>\n<function=get_current_weather>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>":
+        (None, [("get_current_weather", {"days": 1}), ("get_current_weather", {"days": 2})]),
     # between the tags but no function: content, as hermes' text that is no call
     "<tool_call>\nnot a call\n</tool_call> after": ("<tool_call>\nnot a call\n</tool_call> after", []),
     "": (None, []),
