@@ -127,6 +127,14 @@ def _model(flags: Mapping[str, Any], base: ModelConfig) -> ModelConfig:
                                  "quantizing one at load is not built (serve an fp8 release, or leave the flag out)")
         if dummy:  # vLLM's dummy load: the checkpoint's shape and tokenizer, random weights
             model = msgspec.structs.replace(model, checkpoint=None, tokenizer=model.checkpoint)
+        else:  # weights that are not there are refused now, not in every worker once the pools are up
+            from pushkv.model.checkpoint import weight_map_of
+
+            try:
+                weight_map_of(path)
+            except FileNotFoundError as e:
+                raise ValueError(f"--model {name or path}: {e} (--load-format dummy serves its shape with random "
+                                 "weights)") from None
     else:
         if hf_overrides(flags):
             raise ValueError("--hf-overrides, --rope-scaling and --rope-theta read over a checkpoint's config.json: "

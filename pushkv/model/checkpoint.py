@@ -1,4 +1,4 @@
-"""Local Hugging Face checkpoints in safetensors (the architectures of pushkv.model.arch).
+"""Local Hugging Face checkpoints in safetensors, or pytorch_model.bin (the architectures of pushkv.model.arch).
 
 Tensors are read lazily and sliced on read, so a tensor-parallel rank only pulls
 its own rows/columns out of the files.
@@ -192,29 +192,73 @@ def fp8_blocks_in(path: str) -> Optional[tuple[int, int]]:
     return fp8_blocks_of(_read_config(path)) if os.path.exists(os.path.join(path, "config.json")) else None
 
 
-class SafetensorsSource:
-    """WeightSource over model.safetensors or a sharded model.safetensors.index.json."""
+# the weight files a checkpoint directory may hold, in the order vLLM's ``--load-format auto`` prefers them: an index
+# of shards, or one file; safetensors first, else PyTorch's pickled state dicts
+WEIGHT_FILES = (("model.safetensors.index.json", "model.safetensors"),
+                ("pytorch_model.bin.index.json", "pytorch_model.bin"))
+
+
+def weight_map_of(path: str) -> dict[str, str]:
+    """Tensor name -> the file of ``path`` that holds it: safetensors where there are any, else
+    ``pytorch_model.bin`` (vLLM falls back to it too). FileNotFoundError naming the files looked for."""
+    for index, single in WEIGHT_FILES:
+        if os.path.exists(os.path.join(path, index)):
+            with open(os.path.join(path, index)) as f:
+                return json.load(f)["weight_map"]
+        if os.path.exists(os.path.join(path, single)):
+            if single.endswith(".bin"):
+                return {k: single for k in _bin(os.path.join(path, single))}
+            with safe_open(os.path.join(path, single), framework="pt") as f:
+                return {k: single for k in f.keys()}
+    names = " or ".join(n for pair in WEIGHT_FILES for n in pair)
+    raise FileNotFoundError(f"{path}: no weights: none of {names}")
+
+
+def _bin(file: str) -> dict[str, torch.Tensor]:
+    """A pytorch_model*.bin state dict, mapped rather than read (a rank slices what it keeps), through torch's
+    weights-only unpickler: tensors and plain containers, no code, as vLLM loads it."""
+    return torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+
+
+class _BinSlices:
+    """A tensor of a .bin file behind safetensors' slice interface (get_slice's ``get_shape`` and ``[...]``)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def get_slice(self, name: str) -> "_BinSlice":
+        return _BinSlice(self.tensors[name])
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+
+class _BinSlice:
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+
+    def get_shape(self) -> list[int]:
+        return list(self.t.shape)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self.t[index].clone()  # (a copy: the mapped file's pages are not kept alive by the model)
+
+
+class CheckpointSource:
+    """WeightSource over a checkpoint directory's weight files (``weight_map_of``): safetensors, one or sharded, or
+    pytorch_model.bin, one or sharded."""
 
     def __init__(self, path: str):
-        index = os.path.join(path, "model.safetensors.index.json")
-        single = os.path.join(path, "model.safetensors")
-        if os.path.exists(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-        elif os.path.exists(single):
-            with safe_open(single, framework="pt") as f:
-                weight_map = {k: "model.safetensors" for k in f.keys()}
-        else:
-            raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
         self.path = path
-        self.weight_map = weight_map
+        self.weight_map = weight_map_of(path)
         self._files: dict = {}
         self.fp8_blocks = fp8_blocks_in(path)  # block-scaled fp8 weights, dequantized as each slice is taken
 
     def _file(self, name: str):
         fname = self.weight_map[name]
         if fname not in self._files:
-            self._files[fname] = safe_open(os.path.join(self.path, fname), framework="pt")
+            file = os.path.join(self.path, fname)
+            self._files[fname] = _BinSlices(_bin(file)) if fname.endswith(".bin") else safe_open(file, framework="pt")
         return self._files[fname]
 
     def has(self, name: str) -> bool:
@@ -244,7 +288,7 @@ class SafetensorsSource:
         return t
 
 
-def checkpoint_source(cfg: ModelConfig) -> SafetensorsSource:
+def checkpoint_source(cfg: ModelConfig) -> CheckpointSource:
     """The weights of cfg.checkpoint, after checking cfg's geometry matches it."""
     if cfg.checkpoint is None:
         raise ValueError("the model config names no checkpoint")
@@ -254,4 +298,4 @@ def checkpoint_source(cfg: ModelConfig) -> SafetensorsSource:
     if bad:
         raise ValueError(f"config does not match checkpoint {cfg.checkpoint} "
                          f"(build it with model_config_from_hf): " + "; ".join(bad))
-    return SafetensorsSource(cfg.checkpoint)
+    return CheckpointSource(cfg.checkpoint)

@@ -6,6 +6,7 @@ their one-line deprecations. Table-driven over ``user_config``; no process start
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 
 import pytest
@@ -163,3 +164,77 @@ def test_vllm_spellings_of_lengths_and_dtypes():
     from pushkv.vllm_serve import human_int
 
     assert [human_int(v) for v in ("16.1k", "4.1m", "25.6k", "0.5K")] == [16100, 4100000, 25600, 512]  # exact
+
+
+def _bin_copy(src: str, dst, shards: int) -> None:
+    """``src``'s checkpoint with its weights as pytorch_model.bin (one file, or ``shards`` and their index), as
+    older Hub repos hold them."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors"))
+    tensors = load_file(f"{src}/model.safetensors")
+    if shards == 1:
+        torch.save(tensors, dst / "pytorch_model.bin")
+        return
+    names, weight_map = sorted(tensors), {}
+    for i in range(shards):
+        file = f"pytorch_model-{i + 1:05d}-of-{shards:05d}.bin"
+        part = {n: tensors[n] for n in names[i::shards]}
+        torch.save(part, dst / file)
+        weight_map.update(dict.fromkeys(part, file))
+    (dst / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_a_pytorch_model_bin_checkpoint_loads_as_its_safetensors_would(ckpt, tmp_path, shards):
+    """vLLM's --load-format auto falls back to pytorch_model.bin where a repo has no safetensors; pushkv started the
+    deployment and every worker then failed on "no model.safetensors". Every tensor, and a TP rank's slice of it,
+    is read as from the same weights in safetensors."""
+    from pushkv.model.checkpoint import CheckpointSource
+
+    _bin_copy(ckpt, tmp_path / "bin", shards)
+    model = config("--model", str(tmp_path / "bin")).model
+    got, want = CheckpointSource(model.checkpoint), CheckpointSource(ckpt)
+    assert sorted(got.weight_map) == sorted(want.weight_map)
+    for name in want.weight_map:
+        assert got.get(name).equal(want.get(name)), name
+    q = "model.layers.1.self_attn.q_proj.weight"
+    assert got.get(q, 0, 16, 32).equal(want.get(q, 0, 16, 32)) and got.get(q, 1, 8, 40).equal(want.get(q, 1, 8, 40))
+
+
+def test_a_checkpoint_without_weights_is_refused_before_anything_starts(ckpt, tmp_path):
+    shutil.copytree(ckpt, tmp_path / "bare", ignore=shutil.ignore_patterns("*.safetensors"))
+    with pytest.raises(ValueError, match=r"no weights: none of model\.safetensors\.index\.json or model\.safetensors "
+                                         r"or pytorch_model\.bin\.index\.json or pytorch_model\.bin"):
+        config("--model", str(tmp_path / "bare"))
+    assert config("--model", str(tmp_path / "bare"), "--load-format", "dummy").model.tokenizer == str(tmp_path / "bare")
+
+
+def test_a_hub_repo_without_safetensors_is_fetched_as_pytorch_model_bin(ckpt, tmp_path, monkeypatch):
+    """Online, the snapshot holds only what allow_patterns names: a .bin-only repo's weights are asked for once no
+    safetensors came (not both formats of a repo that has both, which can weigh as much again)."""
+    import fnmatch
+
+    import huggingface_hub
+
+    from pushkv.model import hub
+
+    _bin_copy(ckpt, tmp_path / "bin", 1)
+    asked = []
+
+    def snapshot_download(repo_id, revision, allow_patterns, cache_dir):  # the Hub: the repo's files that match
+        asked.append(allow_patterns)
+        src, dst = (ckpt if repo_id == "acme/st" else tmp_path / "bin"), tmp_path / "snap" / repo_id
+        dst.mkdir(parents=True, exist_ok=True)
+        for f in (p for p in os.listdir(src) if any(fnmatch.fnmatch(p, a) for a in allow_patterns)):
+            shutil.copy(f"{src}/{f}", dst)
+        return str(dst)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    assert config("--model", "acme/st").model.architecture == "Qwen2ForCausalLM" and asked == [hub.SERVE_FILES]
+    asked.clear()
+    assert config("--model", "acme/bin").model.checkpoint == str(tmp_path / "snap" / "acme/bin")
+    assert asked == [hub.SERVE_FILES, hub.BIN_FILES]
