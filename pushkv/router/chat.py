@@ -5,8 +5,9 @@ A checkpoint's template comes from ``chat_template.jinja`` or the
 ``chat_template`` field of ``tokenizer_config.json`` (a string, or a list of
 named templates of which ``default`` is taken), rendered with jinja2 in a
 sandbox as transformers does (``trim_blocks``, ``lstrip_blocks``,
-``raise_exception``). The random presets, and checkpoints without one, get a
-plain template: one ``role: content`` line per message, then ``assistant:``.
+``raise_exception``). The random presets get a plain template: one ``role: content`` line per message, then
+``assistant:``; a checkpoint without one gets none, and a chat request is refused as vLLM refuses it
+(:data:`NO_TEMPLATE`), not rendered through a template the model never saw.
 
 What a tool-calling template reads is passed to it as transformers'
 ``apply_chat_template`` passes it: ``tools`` (None when there are none; the
@@ -32,6 +33,9 @@ from pushkv import limits as L
 from pushkv.router import api, reasoning, structured, text, tool_calls
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+# vLLM's words (its ChatTemplateResolutionError, a 400) for a chat request to a tokenizer that has no template
+NO_TEMPLATE = ("As of transformers v4.44, default chat template is no longer allowed, so you must provide a chat "
+               "template if the tokenizer does not define one.")
 PLAIN_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
@@ -103,9 +107,10 @@ def open_final(rendered: str, final: str) -> str:
     return rendered[:at + len(kept)] if rendered[at:at + len(kept)] == kept else rendered[:at + len(core)]
 
 
-def load_template(checkpoint: str, given: str = "") -> ChatTemplate:
+def load_template(checkpoint: str, given: str = "") -> Optional[ChatTemplate]:
     """``given`` (--chat-template's text) with the checkpoint's special tokens, else the
-    checkpoint's chat template, else the plain one."""
+    checkpoint's chat template; the plain one where there is no checkpoint (a preset), None where the
+    checkpoint has no template."""
     cfg: dict = {}
     path = os.path.join(checkpoint, "tokenizer_config.json") if checkpoint else ""
     if path and os.path.exists(path):
@@ -127,7 +132,7 @@ def load_template(checkpoint: str, given: str = "") -> ChatTemplate:
         named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
         source = named.get("default") or next(iter(named.values()), None)
     if not isinstance(source, str) or not source:
-        return ChatTemplate(PLAIN_TEMPLATE)
+        return None
     specials = (_special(cfg, "bos_token"), _special(cfg, "eos_token"))
     template = ChatTemplate(source, *specials, name=checkpoint)
     if isinstance(named.get("tool_use"), str) and named["tool_use"] != source:

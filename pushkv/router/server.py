@@ -125,6 +125,7 @@ class Router:
         self.started_mono = time.monotonic()
         self.started_wall = time.time()
         self.chat_template: Optional[chat_mod.ChatTemplate] = None  # loaded on the first chat request
+        self._template_read = False  # (a checkpoint with no template is read once too)
         self._runner: Optional[web.AppRunner] = None
         self._control: Optional[zmq.asyncio.Socket] = None
         self._control_task: Optional[asyncio.Task] = None
@@ -658,14 +659,17 @@ class Router:
                                  tool_call_parser=self.cfg.tool_call_parser)
 
     def _template(self) -> chat_mod.ChatTemplate:
-        """The deployment's chat template, loaded on first use."""
-        if self.chat_template is None:
+        """The deployment's chat template, loaded on first use; a 400 as vLLM's where the tokenizer has none."""
+        if not self._template_read:
             try:
                 # the tokenizer's directory holds the template (--tokenizer, or --load-format dummy)
                 self.chat_template = chat_mod.load_template(self.cfg.model.tokenizer or self.cfg.model.checkpoint,
                                                             self.cfg.chat_template)
             except (OSError, ValueError) as e:
                 raise api.ApiError(500, f"no usable chat template: {e}", "server_error") from None
+            self._template_read = True
+        if self.chat_template is None:
+            raise api.ApiError(400, chat_mod.NO_TEMPLATE)
         return self.chat_template
 
     async def handle_tokenize(self, request: web.Request) -> web.Response:
