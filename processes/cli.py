@@ -191,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     mod.add_argument("--checkpoint", metavar="DIR", help="deprecated: --model DIR")
     for name in GEOMETRY:
         mod.add_argument("--" + name.replace("_", "-"), type=str if name == "dtype" else int,
-                         help="auto (default): the checkpoint's; float32|bfloat16|float16 (vLLM's float and half too)"
+                         help="auto (default): the checkpoint's (a float32 one: bfloat16 on a GPU, as vLLM's); "
+                         "float32|bfloat16|float16 (vLLM's float and half too)"
                          if name == "dtype" else None)
     mod.add_argument("--engine", choices=typing.get_args(Engine),
                      help="auto: batched (Triton paged attention, CUDA graphs) on CUDA, per-seq on CPU")

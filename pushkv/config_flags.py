@@ -94,7 +94,8 @@ def hf_overrides(flags: Mapping[str, Any]) -> str:
     return json.dumps(out) if out else ""
 
 
-def _model(flags: Mapping[str, Any], base: ModelConfig) -> ModelConfig:
+def _model(flags: Mapping[str, Any], base: ModelConfig, on_cuda: bool = False) -> ModelConfig:
+    """The model the flags name; ``on_cuda``: an instance runs on a GPU (--dtype auto's choice there)."""
     name, dummy = model_name(flags), flags.get("load_format") == "dummy"
     geometry = {k: flags.get(k) for k in GEOMETRY}
     if geometry["dtype"] == "auto":  # vLLM's --dtype auto: the checkpoint's (a preset's own)
@@ -118,6 +119,10 @@ def _model(flags: Mapping[str, Any], base: ModelConfig) -> ModelConfig:
         if name and not flags.get("checkpoint") and not os.path.isdir(name):  # a repo id: its name, not the cache's
             given.setdefault("name", name)
         model = model_config_from_hf(path, flags.get("generation_config") or "auto", hf_overrides(flags), **given)
+        if on_cuda and "dtype" not in given and model.dtype == "float32":
+            # vLLM's --dtype auto on a GPU: a float32 checkpoint runs in bfloat16 (half the memory and bandwidth);
+            # --dtype float32 keeps it
+            model = msgspec.structs.replace(model, dtype="bfloat16")
         quantization = flags.get("vllm_quantization")
         if quantization and quantization.lower() == "fp8":
             from pushkv.model.checkpoint import fp8_blocks_in
@@ -284,7 +289,10 @@ def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = 
     f = flags.get
     secret, names = f("secret_file"), f("served_model_name")
     device = f("device") or default_device(flags, gpus)
-    model = _model(flags, cfg.model)
+    mode = f("mode") or cfg.mode
+    devices = [device or cfg.local.device] if mode == "local" else [
+        f("prefill_device") or device or cfg.prefill.device, f("decode_device") or device or cfg.decode.device]
+    model = _model(flags, cfg.model, on_cuda=any(d.startswith("cuda") for d in devices))
     given_name = model_name(flags)
     if not names and given_name and not _preset_named(given_name):
         # vLLM's default: the --model string as given; the directory's name and path still answer

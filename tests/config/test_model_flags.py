@@ -238,3 +238,28 @@ def test_a_hub_repo_without_safetensors_is_fetched_as_pytorch_model_bin(ckpt, tm
     asked.clear()
     assert config("--model", "acme/bin").model.checkpoint == str(tmp_path / "snap" / "acme/bin")
     assert asked == [hub.SERVE_FILES, hub.BIN_FILES]
+
+
+@pytest.mark.parametrize("flags, gpus, dtype", [
+    ((), 1, "bfloat16"),  # the default device: the GPU the driver shows
+    (("--dtype", "auto"), 1, "bfloat16"),
+    (("--load-format", "dummy"), 1, "bfloat16"),
+    (("--device", "cpu", "--decode-device", "cuda:0"), 0, "bfloat16"),  # one side on a GPU: both (their KV meets)
+    (("--dtype", "float32"), 1, "float32"),
+    (("--dtype", "float"), 1, "float32"),
+    ((), 0, "float32"),  # the CPU keeps it
+    (("--device", "cpu"), 1, "float32"),
+])
+def test_dtype_auto_runs_a_float32_checkpoint_in_bfloat16_on_a_gpu_as_vllm(ckpt, flags, gpus, dtype):
+    """vLLM's --dtype auto downcasts a float32 checkpoint to bfloat16 on a GPU; pushkv served it in float32 there,
+    twice the weights' and the KV's memory and bandwidth of the same `vllm serve`."""
+    assert user_config(parse("--model", ckpt, *flags), gpus=lambda: (gpus, "")).model.dtype == dtype
+
+
+def test_dtype_auto_keeps_a_half_precision_checkpoints_dtype_on_a_gpu(ckpt, tmp_path):
+    import json
+
+    shutil.copytree(ckpt, tmp_path / "fp16")
+    hf = json.loads((tmp_path / "fp16" / "config.json").read_text())
+    (tmp_path / "fp16" / "config.json").write_text(json.dumps({**hf, "dtype": "float16"}))
+    assert user_config(parse("--model", str(tmp_path / "fp16")), gpus=lambda: (1, "")).model.dtype == "float16"
