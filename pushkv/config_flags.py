@@ -300,8 +300,10 @@ def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = 
     model = msgspec.structs.replace(model, lora=lora_config(flags, model, names or [model.name]))
     max_len = f("max_model_len")
     if max_len is not None and not 1 <= max_len <= model.max_position:
-        raise ValueError(f"--max-model-len {max_len} must be in [1, {model.max_position}] "
-                         f"(the model's max_position_embeddings)")
+        from pushkv.model.rope import max_position_text
+
+        raise ValueError(f"--max-model-len {max_len} must be in [1, {model.max_position}]: the model's longest "
+                         f"sequence ({max_position_text(model.max_position, model.rope_scaling)})")
     if f("disable_sliding_window") and model.sliding_window:
         # vLLM's: every layer attends to the whole context, which is capped at the window (within it, the window's
         # attention and the whole context's are the same)

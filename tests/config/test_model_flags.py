@@ -263,3 +263,24 @@ def test_dtype_auto_keeps_a_half_precision_checkpoints_dtype_on_a_gpu(ckpt, tmp_
     hf = json.loads((tmp_path / "fp16" / "config.json").read_text())
     (tmp_path / "fp16" / "config.json").write_text(json.dumps({**hf, "dtype": "float16"}))
     assert user_config(parse("--model", str(tmp_path / "fp16")), gpus=lambda: (1, "")).model.dtype == "float16"
+
+
+@pytest.mark.parametrize("rope, longest, why", [
+    (None, 512, "max_position_embeddings 512"),
+    ({"rope_type": "linear", "factor": 2.0}, 1024, "max_position_embeddings 512 x its linear RoPE factor 2"),
+    ({"rope_type": "dynamic", "factor": 4.0}, 2048, "max_position_embeddings 512 x its dynamic RoPE factor 4"),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}, 1024,
+     "its YaRN RoPE's original_max_position_embeddings 256 x factor 4"),
+    ({"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 64}, 512, "max_position_embeddings 512"),
+])
+def test_a_max_model_len_past_the_model_names_how_its_length_was_derived(ckpt, rope, longest, why):
+    """A scaled RoPE's length was refused as 'the model's max_position_embeddings', a number config.json does not
+    hold (1024 for a 512 one with linear factor 2): the refusal names the fields it came from."""
+    import json
+
+    flags = ("--hf-overrides", json.dumps({"rope_scaling": rope})) if rope else ()
+    assert config("--model", ckpt, *flags, "--max-model-len", str(longest)).max_model_len == longest
+    with pytest.raises(ValueError) as e:
+        config("--model", ckpt, *flags, "--max-model-len", str(longest + 1))
+    assert str(e.value) == f"--max-model-len {longest + 1} must be in [1, {longest}]: the model's longest sequence " \
+                           f"({why})"
