@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from pushkv.config import ModelConfig, MoeRouting, SamplingDefaults, json_object
 from pushkv.model import generation
-from pushkv.model.arch import check_supported, deepseek_routing, family_of, num_experts_of
+from pushkv.model.arch import Family, check_supported, deepseek_routing, family_of, num_experts_of
 from pushkv.model.fp8 import SCALE_SUFFIX, dequantize, fp8_blocks_of, scale_span
 from pushkv.model.generation import sampling_defaults_of
 from pushkv.model.rope import max_position_of, rope_of
@@ -97,6 +97,23 @@ def eos_ids_of(hf: dict, gen: dict, vocab_size: int, path: str = "") -> tuple[in
     return tuple(dict.fromkeys(ids))
 
 
+def _sizes(hf: dict, family: Family) -> dict:
+    """config.json with the sizes a model cannot be built without checked (a positive integer each, refused by name
+    otherwise), and ``max_position_embeddings`` where it leaves it out the family's transformers default (what
+    transformers and vLLM run with)."""
+    keys = ["num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size",
+            family.moe.inter_key if family.moe else "intermediate_size"]
+    given = {"max_position_embeddings": family.max_positions, **hf}
+    for key in [*keys, "max_position_embeddings"]:
+        v = given.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            fix = (" (the model's longest sequence: --hf-overrides '{\"max_position_embeddings\": N}' gives it)"
+                   if key == "max_position_embeddings" else "")
+            raise ValueError(f"{key} {'missing' if key not in given else json.dumps(v)}: a positive integer is "
+                             f"needed{fix}")
+    return given
+
+
 def model_config_from_hf(path: str, generation_config: str = "auto", hf_overrides: str = "",
                          **overrides) -> ModelConfig:
     """ModelConfig of a local HF checkpoint directory; overrides replace any field
@@ -111,6 +128,7 @@ def model_config_from_hf(path: str, generation_config: str = "auto", hf_override
     try:
         arch, family = family_of(hf)
         check_supported(hf, arch, family)
+        hf = _sizes(hf, family)
         rope_theta, rope_scaling = rope_of(hf)
     except ValueError as e:
         raise ValueError(f"{path}/config.json: {e}") from None

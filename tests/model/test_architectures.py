@@ -185,7 +185,11 @@ BASE = dict(GEOMETRY, architectures=["LlamaForCausalLM"], rope_theta=1e4, hidden
     ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping: 50.0"),
     ({"hidden_act": "gelu"}, "hidden_act: 'gelu'"),
     ({"max_position_embeddings": None, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}},
-     "rope_type 'dynamic' needs max_position_embeddings"),
+     "max_position_embeddings null: a positive integer is needed"),
+    ({"max_position_embeddings": None}, "max_position_embeddings null: a positive integer is needed .the model's "
+                                        "longest sequence: --hf-overrides"),  # was a TypeError's traceback
+    ({"hidden_size": None}, "hidden_size null: a positive integer is needed"),  # was a TypeError's traceback
+    ({"num_hidden_layers": "2"}, 'num_hidden_layers "2": a positive integer is needed'),
     ({"dtype": "float8_e4m3fn"}, "dtype 'float8_e4m3fn' is not supported"),
     ({"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 2,
       "moe_intermediate_size": 32, "decoder_sparse_step": 2}, "dense layers between MoE layers are not built"),
@@ -193,6 +197,19 @@ BASE = dict(GEOMETRY, architectures=["LlamaForCausalLM"], rope_theta=1e4, hidden
 def test_what_is_not_built_is_refused_by_field_and_value(tmp_path, change, needle):
     (tmp_path / "config.json").write_text(json.dumps({**BASE, **change}))
     with pytest.raises(ValueError, match=needle):
+        model_config_from_hf(str(tmp_path))
+
+
+@pytest.mark.parametrize("arch, longest", [("LlamaForCausalLM", 2048), ("MistralForCausalLM", 131072),
+                                           ("Qwen3ForCausalLM", 32768)])
+def test_a_config_without_max_position_embeddings_gets_transformers_default(tmp_path, arch, longest):
+    """Left out, it is what transformers' config class sets, and so what transformers and vLLM run with (pushkv took
+    32768 for every family); a required size left out is refused by name (it was a KeyError's traceback)."""
+    hf = {k: v for k, v in BASE.items() if k != "max_position_embeddings"}
+    (tmp_path / "config.json").write_text(json.dumps({**hf, "architectures": [arch]}))
+    assert model_config_from_hf(str(tmp_path)).max_position == longest
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in BASE.items() if k != "num_hidden_layers"}))
+    with pytest.raises(ValueError, match="config.json: num_hidden_layers missing: a positive integer is needed"):
         model_config_from_hf(str(tmp_path))
 
 
