@@ -658,6 +658,11 @@ class Router:
                                  template=self._template(), reasoning_parser=self.cfg.reasoning_parser,
                                  tool_call_parser=self.cfg.tool_call_parser)
 
+    def _reported(self, model: str) -> str:
+        """The model a response names, as vLLM's: a LoRA adapter's name where the request asked for one, else the
+        first --served-model-name, whichever of the served names (or none) the request gave."""
+        return model if self.loras.of(model) else self.served[0]
+
     def _template(self) -> chat_mod.ChatTemplate:
         """The deployment's chat template, loaded on first use; a 400 as vLLM's where the tokenizer has none."""
         if not self._template_read:
@@ -731,7 +736,7 @@ class Router:
         if params.responses and params.responses.get("background"):
             return await self._background(request, params, runs)
         try:
-            return await generate.serve(request, params, runs, self.tokenizer, self.served)
+            return await generate.serve(request, params, runs, self.tokenizer, self._reported(params.model))
         finally:
             self._end(request.headers, params, runs)
 
@@ -749,7 +754,7 @@ class Router:
         if refused is not None:
             self._end(headers, params, runs)
             return refused
-        gen = generate.Generation(params, runs, self.tokenizer, params.model or self.served[0])
+        gen = generate.Generation(params, runs, self.tokenizer, self._reported(params.model))
         assert isinstance(gen.render, responses.ResponsesRenderer) and params.keep_response is not None
         rid = gen.request_id
         queued = responses.response(rid, gen.created, gen.model, gen.render.settings, [], "queued", None)
@@ -799,7 +804,7 @@ class Router:
         assert self.otlp is not None
         now = time.monotonic()
         for run in runs:
-            facts = otlp_spans.Facts(run.transfer_id, params.model or self.served[0], params.sampling,
+            facts = otlp_spans.Facts(run.transfer_id, self._reported(params.model), params.sampling,
                                      params.max_tokens, params.n)
             try:
                 self.otlp.emit(otlp_spans.request_spans(run.ledger, facts, now), headers)

@@ -75,7 +75,8 @@ def test_local_unary_shape(tmp_path):
 ])
 def test_the_model_field_is_checked_against_the_served_names(tmp_path, served, ok, unknown):
     """As OpenAI: an unknown model is 404 with code model_not_found (before any leg is sent); no
-    model field at all is served; /v1/models lists what is served."""
+    model field at all is served; /v1/models lists what is served. The answer names the first served name, whichever
+    one the request gave, as vLLM's (pushkv named the request's, so the same model answered under two names)."""
     async def body():
         cfg = make_cfg(tmp_path, "local", served_model_name=served)
         async with Harness(cfg, {"local": local_script([[72]], "stop")}) as h:
@@ -95,9 +96,11 @@ def test_the_model_field_is_checked_against_the_served_names(tmp_path, served, o
             assert r.status == 400 and (await r.json())["error"]["param"] == "model"
             assert not h.log.received("local", m.Generate)
             for name in [*ok, None, ""]:  # none, or "" (as vLLM): the base model
-                req = {"prompt": "Hey", "max_tokens": 1, **({"model": name} if name is not None else {})}
-                r = await h.http.post("/v1/completions", json=req)
-                assert r.status == 200 and (await r.json())["model"] == (name or ok[0]), name
+                for path, extra in (("/v1/completions", {"prompt": "Hey"}),
+                                    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hey"}]})):
+                    req = {"max_tokens": 1, **extra, **({"model": name} if name is not None else {})}
+                    r = await h.http.post(path, json=req)
+                    assert r.status == 200 and (await r.json())["model"] == ok[0], (name, path)
     run(body())
 
 
