@@ -222,7 +222,13 @@ def weight_map_of(path: str) -> dict[str, str]:
     for index, single in WEIGHT_FILES:
         if os.path.exists(os.path.join(path, index)):
             with open(os.path.join(path, index)) as f:
-                return json.load(f)["weight_map"]
+                weight_map = json.load(f)["weight_map"]
+            missing = sorted(f for f in set(weight_map.values()) if not os.path.exists(os.path.join(path, f)))
+            if missing:  # (each worker would stop at the first tensor it reads from one, the deployment up)
+                raise FileNotFoundError(f"{path}: {index} names {len(missing)} file(s) that are not there "
+                                        f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): an "
+                                        "interrupted download? Fetch the checkpoint again")
+            return weight_map
         if os.path.exists(os.path.join(path, single)):
             if single.endswith(".bin"):
                 return {k: single for k in _bin(os.path.join(path, single))}

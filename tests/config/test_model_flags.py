@@ -284,3 +284,27 @@ def test_a_max_model_len_past_the_model_names_how_its_length_was_derived(ckpt, r
         config("--model", ckpt, *flags, "--max-model-len", str(longest + 1))
     assert str(e.value) == f"--max-model-len {longest + 1} must be in [1, {longest}]: the model's longest sequence " \
                            f"({why})"
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+def test_a_sharded_checkpoint_missing_a_shard_is_refused_before_anything_starts(ckpt, tmp_path, fmt):
+    """An interrupted download leaves the index and some shards: pushkv started the deployment and every worker then
+    stopped on 'No such file or directory' at the first tensor of a missing shard."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    if fmt == "bin":
+        _bin_copy(ckpt, tmp_path / "ckpt", 3)
+        (tmp_path / "ckpt" / "pytorch_model-00002-of-00003.bin").unlink()
+        index, gone = "pytorch_model.bin.index.json", "pytorch_model-00002-of-00003.bin"
+    else:
+        shutil.copytree(ckpt, tmp_path / "ckpt", ignore=shutil.ignore_patterns("*.safetensors"))
+        tensors = load_file(f"{ckpt}/model.safetensors")
+        weight_map = {n: f"model-0000{i % 2 + 1}-of-00002.safetensors" for i, n in enumerate(sorted(tensors))}
+        save_file({n: t for n, t in tensors.items() if weight_map[n].startswith("model-00001")},
+                  str(tmp_path / "ckpt" / "model-00001-of-00002.safetensors"))
+        (tmp_path / "ckpt" / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+        index, gone = "model.safetensors.index.json", "model-00002-of-00002.safetensors"
+    with pytest.raises(ValueError, match=rf"{index} names 1 file\(s\) that are not there \({gone}\): an interrupted"):
+        config("--model", str(tmp_path / "ckpt"))
