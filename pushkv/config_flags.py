@@ -170,6 +170,20 @@ def _model(flags: Mapping[str, Any], base: ModelConfig, on_cuda: bool = False) -
                     cuda_graphs=False if flags.get("enforce_eager") else None)
 
 
+def check_tokenizer(model: ModelConfig, flag: str) -> None:
+    """The router reads the model's tokenizer from a tokenizer.json (the ``tokenizers`` library's); a directory
+    without one (a SentencePiece tokenizer.model only, or no tokenizer at all) is refused now, where the router would
+    die with a traceback once every worker had loaded its weights."""
+    where = model.tokenizer or model.checkpoint
+    if not where or os.path.exists(os.path.join(where, "tokenizer.json")):
+        return
+    held = ", ".join(f for f in ("tokenizer.model", "vocab.json", "tokenizer_config.json")
+                     if os.path.exists(os.path.join(where, f)))
+    raise ValueError(f"{flag} {where}: no tokenizer.json{f' (it holds {held})' if held else ''}: "
+                     "pushkv reads a fast tokenizer's tokenizer.json; give --tokenizer a directory or repo id that "
+                     "has one (the base model's, for a fine-tune), or --skip-tokenizer-init to take token-id prompts")
+
+
 def deprecations(flags: Mapping[str, Any]) -> list[str]:
     """One line per old spelling the flags use (each still works), saying the new one."""
     out = []
@@ -293,6 +307,8 @@ def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = 
     devices = [device or cfg.local.device] if mode == "local" else [
         f("prefill_device") or device or cfg.prefill.device, f("decode_device") or device or cfg.decode.device]
     model = _model(flags, cfg.model, on_cuda=any(d.startswith("cuda") for d in devices))
+    if not (f("skip_tokenizer_init") or cfg.skip_tokenizer_init):
+        check_tokenizer(model, "--tokenizer" if f("tokenizer") else "--model")
     given_name = model_name(flags)
     if not names and given_name and not _preset_named(given_name):
         # vLLM's default: the --model string as given; the directory's name and path still answer

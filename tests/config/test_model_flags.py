@@ -308,3 +308,19 @@ def test_a_sharded_checkpoint_missing_a_shard_is_refused_before_anything_starts(
         index, gone = "model.safetensors.index.json", "model-00002-of-00002.safetensors"
     with pytest.raises(ValueError, match=rf"{index} names 1 file\(s\) that are not there \({gone}\): an interrupted"):
         config("--model", str(tmp_path / "ckpt"))
+
+
+def test_a_checkpoint_without_tokenizer_json_is_refused_before_anything_starts(ckpt, tmp_path):
+    """A SentencePiece-only repo (tokenizer.model), or weights saved without their tokenizer: the writers and workers
+    started and loaded everything, then the router died with 'FileNotFoundError: ... has no tokenizer.json'."""
+    shutil.copytree(ckpt, tmp_path / "ft", ignore=shutil.ignore_patterns("tokenizer.json"))
+    (tmp_path / "ft" / "tokenizer.model").write_bytes(b"\x0a")
+    ft = str(tmp_path / "ft")
+    for flags in ((), ("--load-format", "dummy")):
+        with pytest.raises(ValueError, match=rf"--model {ft}: no tokenizer.json \(it holds tokenizer.model, "
+                                             r"tokenizer_config.json\): .* give --tokenizer a directory or repo id"):
+            config("--model", ft, *flags)
+    with pytest.raises(ValueError, match=f"--tokenizer {ft}: no tokenizer.json"):
+        config("--model", ckpt, "--tokenizer", ft)
+    assert config("--model", ft, "--tokenizer", ckpt).model.tokenizer == ckpt  # the base model's tokenizer
+    assert config("--model", ft, "--skip-tokenizer-init").skip_tokenizer_init
