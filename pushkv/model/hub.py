@@ -12,11 +12,12 @@ from pushkv import envs
 # what serving reads out of a repo: not its other weight formats (.bin, .pth, .gguf), which can
 # weigh as much again
 SERVE_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
-               "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"]
+               "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+               "additional_chat_templates/*.jinja"]
 # a repo without safetensors: its PyTorch state dicts, as vLLM's --load-format auto falls back to them
 BIN_FILES = ["pytorch_model*.bin", "pytorch_model.bin.index.json"]
 TOKENIZER_FILES = ["config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "chat_template.jinja"]
+                   "chat_template.jinja", "additional_chat_templates/*.jinja"]
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 

@@ -1,9 +1,9 @@
 """``/v1/chat/completions``: messages -> prompt through a chat template (pure, no I/O
 beyond reading the checkpoint's template once at start).
 
-A checkpoint's template comes from ``chat_template.jinja`` or the
-``chat_template`` field of ``tokenizer_config.json`` (a string, or a list of
-named templates of which ``default`` is taken), rendered with jinja2 in a
+A checkpoint's template comes from ``chat_template.jinja`` (and transformers' named templates beside it in
+``additional_chat_templates/``) or the ``chat_template`` field of ``tokenizer_config.json`` (a string, or a list
+of named templates of which ``default`` is taken), rendered with jinja2 in a
 sandbox as transformers does (``trim_blocks``, ``lstrip_blocks``,
 ``raise_exception``). The random presets get a plain template: one ``role: content`` line per message, then
 ``assistant:``; a checkpoint without one gets none, and a chat request is refused as vLLM refuses it
@@ -33,6 +33,7 @@ from pushkv import limits as L
 from pushkv.router import api, reasoning, structured, text, tool_calls
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+ADDITIONAL_TEMPLATES = "additional_chat_templates"  # transformers' directory of named templates (tool_use.jinja)
 # vLLM's words (its ChatTemplateResolutionError, a 400) for a chat request to a tokenizer that has no template
 NO_TEMPLATE = ("As of transformers v4.44, default chat template is no longer allowed, so you must provide a chat "
                "template if the tokenizer does not define one.")
@@ -121,13 +122,22 @@ def load_template(checkpoint: str, given: str = "") -> Optional[ChatTemplate]:
     if not checkpoint:
         return ChatTemplate(PLAIN_TEMPLATE)
     source: Any = None
+    named: dict = {}
     jinja_path = os.path.join(checkpoint, "chat_template.jinja")
     if os.path.exists(jinja_path):
         with open(jinja_path) as f:
             source = f.read()
+    extra = os.path.join(checkpoint, ADDITIONAL_TEMPLATES)
+    if os.path.isdir(extra):  # transformers 5 saves the named templates beside chat_template.jinja (the default)
+        for file in sorted(os.listdir(extra)):
+            if file.endswith(".jinja"):
+                with open(os.path.join(extra, file)) as f:
+                    named[file[:-len(".jinja")]] = f.read()
+        if source is not None:
+            named["default"] = source
+        source = named.get("default") or next(iter(named.values()), None)
     if source is None:
         source = cfg.get("chat_template")
-    named: dict = {}
     if isinstance(source, list):  # [{"name": ..., "template": ...}]
         named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
         source = named.get("default") or next(iter(named.values()), None)
