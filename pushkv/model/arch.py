@@ -58,6 +58,7 @@ class Family:
     # max_position_embeddings where config.json leaves it out: transformers' config class default, which transformers
     # and vLLM (reading transformers' config) then run with
     max_positions: int = 32768
+    rope_theta: float = 10000.0  # the RoPE base where config.json names none: transformers' default_theta
 
 
 QWEN3_MOE = MoeParts("mlp", "gate_proj", "up_proj", "down_proj", "moe_intermediate_size", "norm_topk_prob")
@@ -75,7 +76,7 @@ ARCHITECTURES: dict[str, Family] = {
     "Qwen3MoeForCausalLM": Family(qk_norm=True, qkv_bias=False, windows=_qwen_windows, moe=QWEN3_MOE),
     "Qwen2MoeForCausalLM": Family(qk_norm=False, qkv_bias=True, windows=_qwen_windows, moe=QWEN2_MOE),
     "MixtralForCausalLM": Family(qk_norm=False, qkv_bias=False, windows=_every_layer, moe=MIXTRAL,
-                                 max_positions=4096 * 32),
+                                 max_positions=4096 * 32, rope_theta=1e6),
     "DeepseekV2ForCausalLM": Family(qk_norm=False, qkv_bias=False, windows=_no_window, moe=DEEPSEEK, mla=True,
                                     max_positions=2048),
     "DeepseekV3ForCausalLM": Family(qk_norm=False, qkv_bias=False, windows=_no_window, moe=DEEPSEEK, mla=True,

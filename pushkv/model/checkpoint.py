@@ -97,13 +97,17 @@ def eos_ids_of(hf: dict, gen: dict, vocab_size: int, path: str = "") -> tuple[in
     return tuple(dict.fromkeys(ids))
 
 
-def _sizes(hf: dict, family: Family) -> dict:
+def _checked(hf: dict, family: Family) -> dict:
     """config.json with the sizes a model cannot be built without checked (a positive integer each, refused by name
-    otherwise), and ``max_position_embeddings`` where it leaves it out the family's transformers default (what
-    transformers and vLLM run with)."""
+    otherwise), and where it leaves them out ``max_position_embeddings`` and the RoPE base the family's transformers
+    defaults (what transformers and vLLM run with)."""
     keys = ["num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size",
             family.moe.inter_key if family.moe else "intermediate_size"]
     given = {"max_position_embeddings": family.max_positions, **hf}
+    params = hf.get("rope_parameters")
+    nested = isinstance(params, dict) and any(k == "rope_theta" or isinstance(v, dict) for k, v in params.items())
+    if hf.get("rope_theta") is None and not nested:
+        given["rope_theta"] = family.rope_theta
     for key in [*keys, "max_position_embeddings"]:
         v = given.get(key)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -128,7 +132,7 @@ def model_config_from_hf(path: str, generation_config: str = "auto", hf_override
     try:
         arch, family = family_of(hf)
         check_supported(hf, arch, family)
-        hf = _sizes(hf, family)
+        hf = _checked(hf, family)
         rope_theta, rope_scaling = rope_of(hf)
     except ValueError as e:
         raise ValueError(f"{path}/config.json: {e}") from None

@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from pushkv.config import MoeRouting, RopeScaling
@@ -16,7 +17,7 @@ from pushkv.model import build_model, get_tokenizer
 from pushkv.model.checkpoint import model_config_from_hf
 from pushkv.model.moe import moe_mlp, route
 from pushkv.model.rope import cos_sin, cos_sin_rows, dynamic_spans, inv_freq, rope_of
-from tests.model.test_hf_reference import GEOMETRY, PROMPTS, hf_reference, save_hf_checkpoint
+from tests.model.test_hf_reference import GEOMETRY, HF_CLASSES, PROMPTS, hf_reference, save_hf_checkpoint
 from tests.model.test_model import new_pool, paged_generate
 from tests.support.deploy import deployment
 
@@ -200,15 +201,19 @@ def test_what_is_not_built_is_refused_by_field_and_value(tmp_path, change, needl
         model_config_from_hf(str(tmp_path))
 
 
-@pytest.mark.parametrize("arch, longest", [("LlamaForCausalLM", 2048), ("MistralForCausalLM", 131072),
-                                           ("Qwen3ForCausalLM", 32768)])
-def test_a_config_without_max_position_embeddings_gets_transformers_default(tmp_path, arch, longest):
-    """Left out, it is what transformers' config class sets, and so what transformers and vLLM run with (pushkv took
-    32768 for every family); a required size left out is refused by name (it was a KeyError's traceback)."""
-    hf = {k: v for k, v in BASE.items() if k != "max_position_embeddings"}
-    (tmp_path / "config.json").write_text(json.dumps({**hf, "architectures": [arch]}))
-    assert model_config_from_hf(str(tmp_path)).max_position == longest
-    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in BASE.items() if k != "num_hidden_layers"}))
+@pytest.mark.parametrize("family", sorted(HF_CLASSES))
+def test_a_config_without_max_position_embeddings_or_rope_theta_reads_as_transformers_reads_it(tmp_path, family):
+    """Left out, each is what transformers' config class sets (and so what transformers and vLLM run with): pushkv
+    took 32768 positions and a base of 10000 for every family, where Llama's are 2048 positions, Mistral's 131072,
+    Mixtral's base 1e6. A required size left out is refused by name (it was a KeyError's traceback)."""
+    hf = {k: v for k, v in HF_CLASSES[family][0](**GEOMETRY, num_experts_per_tok=2).to_dict().items()
+          if k not in ("max_position_embeddings", "rope_theta", "rope_parameters", "rope_scaling")}
+    hf["architectures"] = [HF_CLASSES[family][1].__name__]
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    want = transformers.AutoConfig.from_pretrained(str(tmp_path))
+    cfg = model_config_from_hf(str(tmp_path))
+    assert (cfg.max_position, cfg.rope_theta) == (want.max_position_embeddings, want.rope_parameters["rope_theta"])
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in hf.items() if k != "num_hidden_layers"}))
     with pytest.raises(ValueError, match="config.json: num_hidden_layers missing: a positive integer is needed"):
         model_config_from_hf(str(tmp_path))
 
