@@ -107,9 +107,9 @@ def _model(flags: Mapping[str, Any], base: ModelConfig, on_cuda: bool = False) -
         raise ValueError(f"--model {name} and --checkpoint {path} name two models: give --model {path} alone (the "
                          "checkpoint's config.json is its shape)")
     if name and not path and not _preset_named(name):
-        from pushkv.model.hub import resolve
+        from pushkv.model.hub import SHAPE_FILES, resolve
 
-        path = resolve(name, flags.get("revision"), cache_dir=flags.get("download_dir"))
+        path = resolve(name, flags.get("revision"), SHAPE_FILES if dummy else None, cache_dir=flags.get("download_dir"))
     elif flags.get("revision"):
         raise ValueError(f"--revision {flags['revision']!r} needs --model to name a Hugging Face repo id")
     if path:  # the checkpoint's config.json is the geometry; flags may still override

@@ -14,6 +14,8 @@ from pushkv import envs
 SERVE_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
                "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                "additional_chat_templates/*.jinja"]
+# --load-format dummy: the shape, tokenizer and sampling defaults, and no weights (vLLM's dummy loader fetches none)
+SHAPE_FILES = [f for f in SERVE_FILES if f not in ("*.safetensors", "model.safetensors.index.json")]
 # a repo without safetensors: its PyTorch state dicts, as vLLM's --load-format auto falls back to them
 BIN_FILES = ["pytorch_model*.bin", "pytorch_model.bin.index.json"]
 TOKENIZER_FILES = ["config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",

@@ -213,7 +213,7 @@ def test_a_checkpoint_without_weights_is_refused_before_anything_starts(ckpt, tm
     assert config("--model", str(tmp_path / "bare"), "--load-format", "dummy").model.tokenizer == str(tmp_path / "bare")
 
 
-def test_a_hub_repo_without_safetensors_is_fetched_as_pytorch_model_bin(ckpt, tmp_path, monkeypatch):
+def test_a_hub_repo_is_fetched_with_the_files_its_load_reads(ckpt, tmp_path, monkeypatch):
     """Online, the snapshot holds only what allow_patterns names: a .bin-only repo's weights are asked for once no
     safetensors came (not both formats of a repo that has both, which can weigh as much again)."""
     import fnmatch
@@ -238,6 +238,14 @@ def test_a_hub_repo_without_safetensors_is_fetched_as_pytorch_model_bin(ckpt, tm
     asked.clear()
     assert config("--model", "acme/bin").model.checkpoint == str(tmp_path / "snap" / "acme/bin")
     assert asked == [hub.SERVE_FILES, hub.BIN_FILES]
+    # --load-format dummy fetched every safetensors file of the repo (a 235B model's 470 GB) for weights it never
+    # reads; it asks for the shape and tokenizer only, as vLLM's dummy loader
+    asked.clear()
+    shutil.rmtree(tmp_path / "snap")
+    assert config("--model", "acme/st", "--load-format", "dummy").model.tokenizer == str(tmp_path / "snap" / "acme/st")
+    fetched = os.listdir(tmp_path / "snap" / "acme/st")
+    assert asked == [hub.SHAPE_FILES] and "tokenizer.json" in fetched and not any(f.endswith(".safetensors")
+                                                                                 for f in fetched)
 
 
 @pytest.mark.parametrize("flags, gpus, dtype", [
@@ -271,7 +279,8 @@ def test_dtype_auto_keeps_a_half_precision_checkpoints_dtype_on_a_gpu(ckpt, tmp_
     ({"rope_type": "dynamic", "factor": 4.0}, 2048, "max_position_embeddings 512 x its dynamic RoPE factor 4"),
     ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}, 1024,
      "its YaRN RoPE's original_max_position_embeddings 256 x factor 4"),
-    ({"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 64}, 512, "max_position_embeddings 512"),
+    ({"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 64}, 512,
+     "max_position_embeddings 512"),
 ])
 def test_a_max_model_len_past_the_model_names_how_its_length_was_derived(ckpt, rope, longest, why):
     """A scaled RoPE's length was refused as 'the model's max_position_embeddings', a number config.json does not
