@@ -145,8 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the tokenizer's repo id (--tokenizer, else --model's): the branch, tag or commit, as "
                           "vLLM's (default: main)")
     mod.add_argument("--load-format", choices=("auto", "safetensors", "dummy"),
-                     help="auto (or safetensors: what auto reads): --model's weights; dummy: random weights (of "
-                          "--model's shape and tokenizer), said at startup")
+                     help="auto: --model's safetensors, else its pytorch_model.bin; safetensors: those only; "
+                          "dummy: random weights (of --model's shape and tokenizer), said at startup")
     mod.add_argument("--max-model-len", type=vllm_serve.human_int_or_auto, metavar="N",
                      help="longest prompt + output a request may have, as vLLM takes it (2k = 2000, 2K = 2048; "
                           "auto or -1, the default: the model's max_position_embeddings)")

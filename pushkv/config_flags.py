@@ -107,9 +107,10 @@ def _model(flags: Mapping[str, Any], base: ModelConfig, on_cuda: bool = False) -
         raise ValueError(f"--model {name} and --checkpoint {path} name two models: give --model {path} alone (the "
                          "checkpoint's config.json is its shape)")
     if name and not path and not _preset_named(name):
-        from pushkv.model.hub import SHAPE_FILES, resolve
+        from pushkv.model.hub import SERVE_FILES, SHAPE_FILES, resolve
 
-        path = resolve(name, flags.get("revision"), SHAPE_FILES if dummy else None, cache_dir=flags.get("download_dir"))
+        patterns = SHAPE_FILES if dummy else SERVE_FILES if flags.get("load_format") == "safetensors" else None
+        path = resolve(name, flags.get("revision"), patterns, cache_dir=flags.get("download_dir"))
     elif flags.get("revision"):
         raise ValueError(f"--revision {flags['revision']!r} needs --model to name a Hugging Face repo id")
     if path:  # the checkpoint's config.json is the geometry; flags may still override
@@ -136,10 +137,13 @@ def _model(flags: Mapping[str, Any], base: ModelConfig, on_cuda: bool = False) -
             from pushkv.model.checkpoint import weight_map_of
 
             try:
-                weight_map_of(path)
+                files = set(weight_map_of(path).values())
             except FileNotFoundError as e:
                 raise ValueError(f"--model {name or path}: {e} (--load-format dummy serves its shape with random "
                                  "weights)") from None
+            if flags.get("load_format") == "safetensors" and not any(f.endswith(".safetensors") for f in files):
+                raise ValueError(f"--load-format safetensors: --model {name or path} has no safetensors, only "
+                                 f"{min(files)} (--load-format auto reads it, as vLLM's)")
     else:
         if hf_overrides(flags):
             raise ValueError("--hf-overrides, --rope-scaling and --rope-theta read over a checkpoint's config.json: "

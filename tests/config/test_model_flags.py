@@ -203,6 +203,9 @@ def test_a_pytorch_model_bin_checkpoint_loads_as_its_safetensors_would(ckpt, tmp
         assert got.get(name).equal(want.get(name)), name
     q = "model.layers.1.self_attn.q_proj.weight"
     assert got.get(q, 0, 16, 32).equal(want.get(q, 0, 16, 32)) and got.get(q, 1, 8, 40).equal(want.get(q, 1, 8, 40))
+    with pytest.raises(ValueError, match=r"--load-format safetensors: --model .* has no safetensors, only "
+                                         r"pytorch_model.*\.bin \(--load-format auto reads it"):
+        config("--model", str(tmp_path / "bin"), "--load-format", "safetensors")  # as vLLM's: those only
 
 
 def test_a_checkpoint_without_weights_is_refused_before_anything_starts(ckpt, tmp_path):
@@ -238,6 +241,10 @@ def test_a_hub_repo_is_fetched_with_the_files_its_load_reads(ckpt, tmp_path, mon
     asked.clear()
     assert config("--model", "acme/bin").model.checkpoint == str(tmp_path / "snap" / "acme/bin")
     assert asked == [hub.SERVE_FILES, hub.BIN_FILES]
+    asked.clear()
+    with pytest.raises(ValueError, match="no weights"):  # --load-format safetensors asks for those only
+        config("--model", "acme/other-bin", "--load-format", "safetensors")
+    assert asked == [hub.SERVE_FILES]
     # --load-format dummy fetched every safetensors file of the repo (a 235B model's 470 GB) for weights it never
     # reads; it asks for the shape and tokenizer only, as vLLM's dummy loader
     asked.clear()
