@@ -313,11 +313,12 @@ def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = 
     model = _model(flags, cfg.model, on_cuda=any(d.startswith("cuda") for d in devices))
     if not (f("skip_tokenizer_init") or cfg.skip_tokenizer_init):
         check_tokenizer(model, "--tokenizer" if f("tokenizer") else "--model")
-    given_name = model_name(flags)
+    given_name, aliases = model_name(flags), []
     if not names and given_name and not _preset_named(given_name):
-        # vLLM's default: the --model string as given; the directory's name and path still answer
-        names = [given_name, model.name, *([model.checkpoint] if model.checkpoint else [])]
-    model = msgspec.structs.replace(model, lora=lora_config(flags, model, names or [model.name]))
+        # vLLM's default: the --model string as given; the directory's name and path still answer, unlisted
+        names = [given_name]
+        aliases = [n for n in (model.name, model.checkpoint) if n and n != given_name]
+    model = msgspec.structs.replace(model, lora=lora_config(flags, model, [*(names or [model.name]), *aliases]))
     max_len = f("max_model_len")
     if max_len is not None and not 1 <= max_len <= model.max_position:
         from pushkv.model.rope import max_position_text
@@ -368,6 +369,7 @@ def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = 
         conditional_disagg=True if f("conditional_disagg") else None,
         metrics_auth=True if f("metrics_auth") else None,
         served_model_name=tuple(dict.fromkeys(names)) if names else None,
+        model_aliases=tuple(dict.fromkeys(aliases)) if aliases else None,
         trace_endpoint=TRACE_AUTO if trace else None,
         trace_tap_endpoint=trace if trace not in (None, TRACE_AUTO) else None,
         prefill=_replace(cfg.prefill, tp=f("prefill_tp") or tp, block_size=f("prefill_block_size") or f("block_size"),

@@ -63,6 +63,8 @@ def test_model_takes_a_hub_id_from_the_offline_cache(hub):
     cfg = config("--model", REPO)
     assert cfg.model.checkpoint.startswith(str(hub / "snapshots"))
     assert cfg.model.name == REPO and cfg.served_names()[0] == REPO  # vLLM's default served name
+    # the one /v1/models lists; the snapshot's path still answers a request
+    assert cfg.served_model_name == (REPO,) and cfg.model_aliases == (cfg.model.checkpoint,)
     assert cfg.model.num_layers == 2
     assert config("--model", REPO, "--revision", "v2").model.num_layers == 3
     assert config("--model", REPO, "--served-model-name", "mine").served_names() == ("mine",)
