@@ -31,6 +31,7 @@ from pushkv.discovery.base import Watcher
 from pushkv.discovery.local import LocalWatcher
 from pushkv.discovery.records import InstanceDown, InstanceHealth, InstanceRecord, InstanceUp
 from pushkv.framing import Drops, Shape, arecv_bounded
+from pushkv.model import hub
 from pushkv.router import api, auth, cors, edge, generate, otlp_spans, output, responses, text, tokenize
 from pushkv.router import chat as chat_mod
 from pushkv.router.balance import Balancer
@@ -503,8 +504,10 @@ class Router:
     async def handle_models(self, request: web.Request) -> web.Response:
         names = self.cfg.served_model_name or (self.cfg.model.name,)
         created = int(self.started_wall)
+        model = self.cfg.model  # root: the --model string, as vLLM's; a repo id's, not its snapshot in the Hub cache
+        root = model.name if not model.checkpoint or hub.is_repo_id(model.name) else model.checkpoint
         cards: list[dict[str, Any]] = [{"id": name, "object": "model", "created": created, "owned_by": "pushkv",
-                  "root": self.cfg.model.checkpoint or self.cfg.model.name, "parent": None,
+                  "root": root, "parent": None,
                   "max_model_len": self.limits.max_model_len} for name in names]
         cards += self.loras.cards(created, self.limits.max_model_len, names[0])
         for card in cards:  # vLLM's ModelCard carries one ModelPermission, as OpenAI's did

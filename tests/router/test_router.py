@@ -107,6 +107,22 @@ def test_the_model_field_is_checked_against_the_served_names(tmp_path, served, a
     run(body())
 
 
+@pytest.mark.parametrize("name, checkpoint, root", [
+    ("org/m", "/hub/models--org--m/snapshots/0", "org/m"),  # a repo id: the id, not the Hub cache's snapshot
+    ("m", "/models/m", "/models/m"),  # a directory: its path
+    ("tiny", None, "tiny"),  # a random shape
+])
+def test_models_root_is_the_model_as_given_as_vllm(tmp_path, name, checkpoint, root):
+    """vLLM's ModelCard root is its --model string; pushkv gave a repo id's snapshot path in the Hub cache."""
+    async def body():
+        cfg = make_cfg(tmp_path, "local")
+        cfg = msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, name=name, checkpoint=checkpoint))
+        async with Harness(cfg, {"local": local_script([[72]], "stop")}) as h:
+            listed = await (await h.http.get("/v1/models")).json()
+            assert [(c["id"], c["root"]) for c in listed["data"]] == [(name, root)]
+    run(body())
+
+
 def test_push_sends_both_legs_at_once(tmp_path):
     d_got_generate = threading.Event()
 
