@@ -30,6 +30,7 @@ from typing import Any, Optional
 import msgspec
 
 from pushkv import limits as L
+from pushkv.model.tokenizer import special_tokens
 from pushkv.router import api, reasoning, structured, text, tool_calls
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -45,13 +46,6 @@ PLAIN_TEMPLATE = (
 
 class TemplateError(Exception):
     pass
-
-
-def _special(cfg: dict, name: str) -> str:
-    v = cfg.get(name)
-    if isinstance(v, dict):
-        v = v.get("content")
-    return v if isinstance(v, str) else ""
 
 
 class ChatTemplate:
@@ -117,8 +111,10 @@ def load_template(checkpoint: str, given: str = "") -> Optional[ChatTemplate]:
     if path and os.path.exists(path):
         with open(path) as f:
             cfg = json.load(f)
+    named_tokens = special_tokens(checkpoint) if checkpoint else {}
+    specials = (named_tokens.get("bos_token", ""), named_tokens.get("eos_token", ""))
     if given:
-        return ChatTemplate(given, _special(cfg, "bos_token"), _special(cfg, "eos_token"), name="--chat-template")
+        return ChatTemplate(given, *specials, name="--chat-template")
     if not checkpoint:
         return ChatTemplate(PLAIN_TEMPLATE)
     source: Any = None
@@ -143,7 +139,6 @@ def load_template(checkpoint: str, given: str = "") -> Optional[ChatTemplate]:
         source = named.get("default") or next(iter(named.values()), None)
     if not isinstance(source, str) or not source:
         return None
-    specials = (_special(cfg, "bos_token"), _special(cfg, "eos_token"))
     template = ChatTemplate(source, *specials, name=checkpoint)
     if isinstance(named.get("tool_use"), str) and named["tool_use"] != source:
         template.tool_use = ChatTemplate(named["tool_use"], *specials, name=f"{checkpoint} (tool_use)")
