@@ -145,8 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the tokenizer's repo id (--tokenizer, else --model's): the branch, tag or commit, as "
                           "vLLM's (default: main)")
     mod.add_argument("--load-format", choices=("auto", "safetensors", "dummy"),
-                     help="auto (or safetensors: what auto reads): --model's weights; dummy: random weights (of "
-                          "--model's shape and tokenizer), said at startup")
+                     help="auto: --model's safetensors, else its pytorch_model.bin; safetensors: those only; "
+                          "dummy: random weights (of --model's shape and tokenizer), said at startup")
     mod.add_argument("--max-model-len", type=vllm_serve.human_int_or_auto, metavar="N",
                      help="longest prompt + output a request may have, as vLLM takes it (2k = 2000, 2K = 2048; "
                           "auto or -1, the default: the model's max_position_embeddings)")
@@ -193,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     mod.add_argument("--checkpoint", metavar="DIR", help="deprecated: --model DIR")
     for name in GEOMETRY:
         mod.add_argument("--" + name.replace("_", "-"), type=str if name == "dtype" else int,
-                         help="auto (default): the checkpoint's; float32|bfloat16|float16 (vLLM's float and half too)"
+                         help="auto (default): the checkpoint's (a float32 one: bfloat16 on a GPU, as vLLM's); "
+                         "float32|bfloat16|float16 (vLLM's float and half too)"
                          if name == "dtype" else None)
     mod.add_argument("--engine", choices=typing.get_args(Engine),
                      help="auto: batched (Triton paged attention, CUDA graphs) on CUDA, per-seq on CPU")

@@ -570,6 +570,9 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
     # the names a request's "model" may give (vLLM's --served-model-name); none: the model's name
     # (preset or checkpoint directory) and the checkpoint's path. Another name gets 404.
     served_model_name: tuple[str, ...] = ()
+    # more names a request's "model" may give, which /v1/models does not list (it lists the served names, as vLLM's):
+    # without --served-model-name, the checkpoint directory's name and path beside the --model string
+    model_aliases: tuple[str, ...] = ()
     # Verified handoff: P sums the KV it stored per (block, layer group, KV head) in the prefill
     # step; the sums travel with the WRITE's WriteDone (push) or the relay (pull); D's workers
     # recompute them over the landed blocks before the first decode step, and a mismatch fails
@@ -651,7 +654,7 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
 
     def served_names(self) -> tuple[str, ...]:
         if self.served_model_name:
-            return self.served_model_name
+            return tuple(dict.fromkeys(self.served_model_name + self.model_aliases))
         return tuple(dict.fromkeys(n for n in (self.model.name, self.model.checkpoint) if n))
 
     def role_instances(self, role: Role) -> list[InstanceConfig]:

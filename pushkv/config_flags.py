@@ -94,7 +94,8 @@ def hf_overrides(flags: Mapping[str, Any]) -> str:
     return json.dumps(out) if out else ""
 
 
-def _model(flags: Mapping[str, Any], base: ModelConfig) -> ModelConfig:
+def _model(flags: Mapping[str, Any], base: ModelConfig, on_cuda: bool = False) -> ModelConfig:
+    """The model the flags name; ``on_cuda``: an instance runs on a GPU (--dtype auto's choice there)."""
     name, dummy = model_name(flags), flags.get("load_format") == "dummy"
     geometry = {k: flags.get(k) for k in GEOMETRY}
     if geometry["dtype"] == "auto":  # vLLM's --dtype auto: the checkpoint's (a preset's own)
@@ -106,9 +107,10 @@ def _model(flags: Mapping[str, Any], base: ModelConfig) -> ModelConfig:
         raise ValueError(f"--model {name} and --checkpoint {path} name two models: give --model {path} alone (the "
                          "checkpoint's config.json is its shape)")
     if name and not path and not _preset_named(name):
-        from pushkv.model.hub import resolve
+        from pushkv.model.hub import SERVE_FILES, SHAPE_FILES, resolve
 
-        path = resolve(name, flags.get("revision"), cache_dir=flags.get("download_dir"))
+        patterns = SHAPE_FILES if dummy else SERVE_FILES if flags.get("load_format") == "safetensors" else None
+        path = resolve(name, flags.get("revision"), patterns, cache_dir=flags.get("download_dir"))
     elif flags.get("revision"):
         raise ValueError(f"--revision {flags['revision']!r} needs --model to name a Hugging Face repo id")
     if path:  # the checkpoint's config.json is the geometry; flags may still override
@@ -118,6 +120,10 @@ def _model(flags: Mapping[str, Any], base: ModelConfig) -> ModelConfig:
         if name and not flags.get("checkpoint") and not os.path.isdir(name):  # a repo id: its name, not the cache's
             given.setdefault("name", name)
         model = model_config_from_hf(path, flags.get("generation_config") or "auto", hf_overrides(flags), **given)
+        if on_cuda and "dtype" not in given and model.dtype == "float32":
+            # vLLM's --dtype auto on a GPU: a float32 checkpoint runs in bfloat16 (half the memory and bandwidth);
+            # --dtype float32 keeps it
+            model = msgspec.structs.replace(model, dtype="bfloat16")
         quantization = flags.get("vllm_quantization")
         if quantization and quantization.lower() == "fp8":
             from pushkv.model.checkpoint import fp8_blocks_in
@@ -127,6 +133,17 @@ def _model(flags: Mapping[str, Any], base: ModelConfig) -> ModelConfig:
                                  "quantizing one at load is not built (serve an fp8 release, or leave the flag out)")
         if dummy:  # vLLM's dummy load: the checkpoint's shape and tokenizer, random weights
             model = msgspec.structs.replace(model, checkpoint=None, tokenizer=model.checkpoint)
+        else:  # weights that are not there are refused now, not in every worker once the pools are up
+            from pushkv.model.checkpoint import weight_map_of
+
+            try:
+                files = set(weight_map_of(path).values())
+            except FileNotFoundError as e:
+                raise ValueError(f"--model {name or path}: {e} (--load-format dummy serves its shape with random "
+                                 "weights)") from None
+            if flags.get("load_format") == "safetensors" and not any(f.endswith(".safetensors") for f in files):
+                raise ValueError(f"--load-format safetensors: --model {name or path} has no safetensors, only "
+                                 f"{min(files)} (--load-format auto reads it, as vLLM's)")
     else:
         if hf_overrides(flags):
             raise ValueError("--hf-overrides, --rope-scaling and --rope-theta read over a checkpoint's config.json: "
@@ -155,6 +172,20 @@ def _model(flags: Mapping[str, Any], base: ModelConfig) -> ModelConfig:
     return _replace(model, engine=flags.get("engine"), random_init=flags.get("random_init"),
                     deterministic=None if invariant is None else invariant == "on",
                     cuda_graphs=False if flags.get("enforce_eager") else None)
+
+
+def check_tokenizer(model: ModelConfig, flag: str) -> None:
+    """The router reads the model's tokenizer from a tokenizer.json (the ``tokenizers`` library's); a directory
+    without one (a SentencePiece tokenizer.model only, or no tokenizer at all) is refused now, where the router would
+    die with a traceback once every worker had loaded its weights."""
+    where = model.tokenizer or model.checkpoint
+    if not where or os.path.exists(os.path.join(where, "tokenizer.json")):
+        return
+    held = ", ".join(f for f in ("tokenizer.model", "vocab.json", "tokenizer_config.json")
+                     if os.path.exists(os.path.join(where, f)))
+    raise ValueError(f"{flag} {where}: no tokenizer.json{f' (it holds {held})' if held else ''}: "
+                     "pushkv reads a fast tokenizer's tokenizer.json; give --tokenizer a directory or repo id that "
+                     "has one (the base model's, for a fine-tune), or --skip-tokenizer-init to take token-id prompts")
 
 
 def deprecations(flags: Mapping[str, Any]) -> list[str]:
@@ -276,16 +307,24 @@ def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = 
     f = flags.get
     secret, names = f("secret_file"), f("served_model_name")
     device = f("device") or default_device(flags, gpus)
-    model = _model(flags, cfg.model)
-    given_name = model_name(flags)
+    mode = f("mode") or cfg.mode
+    devices = [device or cfg.local.device] if mode == "local" else [
+        f("prefill_device") or device or cfg.prefill.device, f("decode_device") or device or cfg.decode.device]
+    model = _model(flags, cfg.model, on_cuda=any(d.startswith("cuda") for d in devices))
+    if not (f("skip_tokenizer_init") or cfg.skip_tokenizer_init):
+        check_tokenizer(model, "--tokenizer" if f("tokenizer") else "--model")
+    given_name, aliases = model_name(flags), []
     if not names and given_name and not _preset_named(given_name):
-        # vLLM's default: the --model string as given; the directory's name and path still answer
-        names = [given_name, model.name, *([model.checkpoint] if model.checkpoint else [])]
-    model = msgspec.structs.replace(model, lora=lora_config(flags, model, names or [model.name]))
+        # vLLM's default: the --model string as given; the directory's name and path still answer, unlisted
+        names = [given_name]
+        aliases = [n for n in (model.name, model.checkpoint) if n and n != given_name]
+    model = msgspec.structs.replace(model, lora=lora_config(flags, model, [*(names or [model.name]), *aliases]))
     max_len = f("max_model_len")
     if max_len is not None and not 1 <= max_len <= model.max_position:
-        raise ValueError(f"--max-model-len {max_len} must be in [1, {model.max_position}] "
-                         f"(the model's max_position_embeddings)")
+        from pushkv.model.rope import max_position_text
+
+        raise ValueError(f"--max-model-len {max_len} must be in [1, {model.max_position}]: the model's longest "
+                         f"sequence ({max_position_text(model.max_position, model.rope_scaling)})")
     if f("disable_sliding_window") and model.sliding_window:
         # vLLM's: every layer attends to the whole context, which is capped at the window (within it, the window's
         # attention and the whole context's are the same)
@@ -330,6 +369,7 @@ def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = 
         conditional_disagg=True if f("conditional_disagg") else None,
         metrics_auth=True if f("metrics_auth") else None,
         served_model_name=tuple(dict.fromkeys(names)) if names else None,
+        model_aliases=tuple(dict.fromkeys(aliases)) if aliases else None,
         trace_endpoint=TRACE_AUTO if trace else None,
         trace_tap_endpoint=trace if trace not in (None, TRACE_AUTO) else None,
         prefill=_replace(cfg.prefill, tp=f("prefill_tp") or tp, block_size=f("prefill_block_size") or f("block_size"),

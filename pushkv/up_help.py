@@ -60,7 +60,7 @@ def defaults() -> dict[str, Any]:
         "decode_instances": c.decode_instances, "writer_post_thread": c.writer_post_thread,
         "link_window": c.link_window, "link_window_mib": c.link_window_mib, "link_order": c.link_order,
         "staging": c.staging, "staging_mib": "auto: 1/16 of host memory, at most the pool",
-        "writer_warm": c.writer_warm, "served_model_name": "--model's names", "router_queue": c.router_queue,
+        "writer_warm": c.writer_warm, "served_model_name": "the --model string", "router_queue": c.router_queue,
         "max_in_flight": c.router_max_in_flight,
         "max_connections": c.router_max_connections, "push_pin_fraction": c.push_pin_fraction,
         "trace": "off", "secret_file": "none (no CURVE)", "api_key": "none: /v1/* open",

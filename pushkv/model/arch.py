@@ -55,6 +55,10 @@ class Family:
     windows: Callable[[dict, int], tuple[int, ...]]  # the layers that use the sliding window
     moe: Optional[MoeParts] = None
     mla: bool = False  # DeepSeek's multi-head latent attention (pushkv.model.mla), its MoE read by deepseek_of
+    # max_position_embeddings where config.json leaves it out: transformers' config class default, which transformers
+    # and vLLM (reading transformers' config) then run with
+    max_positions: int = 32768
+    rope_theta: float = 10000.0  # the RoPE base where config.json names none: transformers' default_theta
 
 
 QWEN3_MOE = MoeParts("mlp", "gate_proj", "up_proj", "down_proj", "moe_intermediate_size", "norm_topk_prob")
@@ -65,15 +69,18 @@ QWEN2_MOE = MoeParts("mlp", "gate_proj", "up_proj", "down_proj", "moe_intermedia
                      shared="shared_expert", shared_gate="shared_expert_gate")
 
 ARCHITECTURES: dict[str, Family] = {
-    "LlamaForCausalLM": Family(qk_norm=False, qkv_bias=False, windows=_no_window),
-    "MistralForCausalLM": Family(qk_norm=False, qkv_bias=False, windows=_every_layer),
+    "LlamaForCausalLM": Family(qk_norm=False, qkv_bias=False, windows=_no_window, max_positions=2048),
+    "MistralForCausalLM": Family(qk_norm=False, qkv_bias=False, windows=_every_layer, max_positions=4096 * 32),
     "Qwen2ForCausalLM": Family(qk_norm=False, qkv_bias=True, windows=_qwen_windows),
     "Qwen3ForCausalLM": Family(qk_norm=True, qkv_bias=False, windows=_qwen_windows),
     "Qwen3MoeForCausalLM": Family(qk_norm=True, qkv_bias=False, windows=_qwen_windows, moe=QWEN3_MOE),
     "Qwen2MoeForCausalLM": Family(qk_norm=False, qkv_bias=True, windows=_qwen_windows, moe=QWEN2_MOE),
-    "MixtralForCausalLM": Family(qk_norm=False, qkv_bias=False, windows=_every_layer, moe=MIXTRAL),
-    "DeepseekV2ForCausalLM": Family(qk_norm=False, qkv_bias=False, windows=_no_window, moe=DEEPSEEK, mla=True),
-    "DeepseekV3ForCausalLM": Family(qk_norm=False, qkv_bias=False, windows=_no_window, moe=DEEPSEEK, mla=True),
+    "MixtralForCausalLM": Family(qk_norm=False, qkv_bias=False, windows=_every_layer, moe=MIXTRAL,
+                                 max_positions=4096 * 32, rope_theta=1e6),
+    "DeepseekV2ForCausalLM": Family(qk_norm=False, qkv_bias=False, windows=_no_window, moe=DEEPSEEK, mla=True,
+                                    max_positions=2048),
+    "DeepseekV3ForCausalLM": Family(qk_norm=False, qkv_bias=False, windows=_no_window, moe=DEEPSEEK, mla=True,
+                                    max_positions=4096),
 }
 # DeepSeek's routings as their configs name them: (scoring_func, topk_method) -> how pushkv routes (MoeRouting)
 DEEPSEEK_ROUTINGS = {("softmax", "greedy"), ("softmax", "group_limited_greedy"), ("sigmoid", "noaux_tc")}

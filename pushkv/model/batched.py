@@ -372,9 +372,13 @@ class BatchedForward:
         """Compile the prefill and decode kernels (no K/V is stored); seconds taken."""
         t0 = time.perf_counter()
         u = pools[0].shape[-2]
-        n = min(num_tokens, self.m.cfg.max_position - 1)
+        longest = self.m.cfg.max_position
+        n = min(num_tokens, longest - 1)
 
         def seq(i: int, length: int, start: int) -> SeqWork:
+            # within the model's positions (the RoPE table's rows): a model of a few hundred (llama2.c's 256) too
+            length = min(length, longest)
+            start = min(start, longest - length)
             return SeqWork(i, (0,) * length, start, (0,) * (-(-(start + length) // u)))
 
         # Triton specialises integer arguments equal to 1 and divisible by 16: compile every such

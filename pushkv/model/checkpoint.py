@@ -1,4 +1,4 @@
-"""Local Hugging Face checkpoints in safetensors (the architectures of pushkv.model.arch).
+"""Local Hugging Face checkpoints in safetensors, or pytorch_model.bin (the architectures of pushkv.model.arch).
 
 Tensors are read lazily and sliced on read, so a tensor-parallel rank only pulls
 its own rows/columns out of the files.
@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from pushkv.config import ModelConfig, MoeRouting, SamplingDefaults, json_object
 from pushkv.model import generation
-from pushkv.model.arch import check_supported, deepseek_routing, family_of, num_experts_of
+from pushkv.model.arch import Family, check_supported, deepseek_routing, family_of, num_experts_of
 from pushkv.model.fp8 import SCALE_SUFFIX, dequantize, fp8_blocks_of, scale_span
 from pushkv.model.generation import sampling_defaults_of
 from pushkv.model.rope import max_position_of, rope_of
@@ -97,6 +97,27 @@ def eos_ids_of(hf: dict, gen: dict, vocab_size: int, path: str = "") -> tuple[in
     return tuple(dict.fromkeys(ids))
 
 
+def _checked(hf: dict, family: Family) -> dict:
+    """config.json with the sizes a model cannot be built without checked (a positive integer each, refused by name
+    otherwise), and where it leaves them out ``max_position_embeddings`` and the RoPE base the family's transformers
+    defaults (what transformers and vLLM run with)."""
+    keys = ["num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size",
+            family.moe.inter_key if family.moe else "intermediate_size"]
+    given = {"max_position_embeddings": family.max_positions, **hf}
+    params = hf.get("rope_parameters")
+    nested = isinstance(params, dict) and any(k == "rope_theta" or isinstance(v, dict) for k, v in params.items())
+    if hf.get("rope_theta") is None and not nested:
+        given["rope_theta"] = family.rope_theta
+    for key in [*keys, "max_position_embeddings"]:
+        v = given.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            fix = (" (the model's longest sequence: --hf-overrides '{\"max_position_embeddings\": N}' gives it)"
+                   if key == "max_position_embeddings" else "")
+            raise ValueError(f"{key} {'missing' if key not in given else json.dumps(v)}: a positive integer is "
+                             f"needed{fix}")
+    return given
+
+
 def model_config_from_hf(path: str, generation_config: str = "auto", hf_overrides: str = "",
                          **overrides) -> ModelConfig:
     """ModelConfig of a local HF checkpoint directory; overrides replace any field
@@ -111,6 +132,7 @@ def model_config_from_hf(path: str, generation_config: str = "auto", hf_override
     try:
         arch, family = family_of(hf)
         check_supported(hf, arch, family)
+        hf = _checked(hf, family)
         rope_theta, rope_scaling = rope_of(hf)
     except ValueError as e:
         raise ValueError(f"{path}/config.json: {e}") from None
@@ -192,29 +214,79 @@ def fp8_blocks_in(path: str) -> Optional[tuple[int, int]]:
     return fp8_blocks_of(_read_config(path)) if os.path.exists(os.path.join(path, "config.json")) else None
 
 
-class SafetensorsSource:
-    """WeightSource over model.safetensors or a sharded model.safetensors.index.json."""
+# the weight files a checkpoint directory may hold, in the order vLLM's ``--load-format auto`` prefers them: an index
+# of shards, or one file; safetensors first, else PyTorch's pickled state dicts
+WEIGHT_FILES = (("model.safetensors.index.json", "model.safetensors"),
+                ("pytorch_model.bin.index.json", "pytorch_model.bin"))
+
+
+def weight_map_of(path: str) -> dict[str, str]:
+    """Tensor name -> the file of ``path`` that holds it: safetensors where there are any, else
+    ``pytorch_model.bin`` (vLLM falls back to it too). FileNotFoundError naming the files looked for."""
+    for index, single in WEIGHT_FILES:
+        if os.path.exists(os.path.join(path, index)):
+            with open(os.path.join(path, index)) as f:
+                weight_map = json.load(f)["weight_map"]
+            missing = sorted(f for f in set(weight_map.values()) if not os.path.exists(os.path.join(path, f)))
+            if missing:  # (each worker would stop at the first tensor it reads from one, the deployment up)
+                raise FileNotFoundError(f"{path}: {index} names {len(missing)} file(s) that are not there "
+                                        f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): an "
+                                        "interrupted download? Fetch the checkpoint again")
+            return weight_map
+        if os.path.exists(os.path.join(path, single)):
+            if single.endswith(".bin"):
+                return {k: single for k in _bin(os.path.join(path, single))}
+            with safe_open(os.path.join(path, single), framework="pt") as f:
+                return {k: single for k in f.keys()}
+    names = " or ".join(n for pair in WEIGHT_FILES for n in pair)
+    raise FileNotFoundError(f"{path}: no weights: none of {names}")
+
+
+def _bin(file: str) -> dict[str, torch.Tensor]:
+    """A pytorch_model*.bin state dict, mapped rather than read (a rank slices what it keeps), through torch's
+    weights-only unpickler: tensors and plain containers, no code, as vLLM loads it."""
+    return torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+
+
+class _BinSlices:
+    """A tensor of a .bin file behind safetensors' slice interface (get_slice's ``get_shape`` and ``[...]``)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def get_slice(self, name: str) -> "_BinSlice":
+        return _BinSlice(self.tensors[name])
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+
+class _BinSlice:
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+
+    def get_shape(self) -> list[int]:
+        return list(self.t.shape)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self.t[index].clone()  # (a copy: the mapped file's pages are not kept alive by the model)
+
+
+class CheckpointSource:
+    """WeightSource over a checkpoint directory's weight files (``weight_map_of``): safetensors, one or sharded, or
+    pytorch_model.bin, one or sharded."""
 
     def __init__(self, path: str):
-        index = os.path.join(path, "model.safetensors.index.json")
-        single = os.path.join(path, "model.safetensors")
-        if os.path.exists(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-        elif os.path.exists(single):
-            with safe_open(single, framework="pt") as f:
-                weight_map = {k: "model.safetensors" for k in f.keys()}
-        else:
-            raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
         self.path = path
-        self.weight_map = weight_map
+        self.weight_map = weight_map_of(path)
         self._files: dict = {}
         self.fp8_blocks = fp8_blocks_in(path)  # block-scaled fp8 weights, dequantized as each slice is taken
 
     def _file(self, name: str):
         fname = self.weight_map[name]
         if fname not in self._files:
-            self._files[fname] = safe_open(os.path.join(self.path, fname), framework="pt")
+            file = os.path.join(self.path, fname)
+            self._files[fname] = _BinSlices(_bin(file)) if fname.endswith(".bin") else safe_open(file, framework="pt")
         return self._files[fname]
 
     def has(self, name: str) -> bool:
@@ -244,7 +316,7 @@ class SafetensorsSource:
         return t
 
 
-def checkpoint_source(cfg: ModelConfig) -> SafetensorsSource:
+def checkpoint_source(cfg: ModelConfig) -> CheckpointSource:
     """The weights of cfg.checkpoint, after checking cfg's geometry matches it."""
     if cfg.checkpoint is None:
         raise ValueError("the model config names no checkpoint")
@@ -254,4 +326,4 @@ def checkpoint_source(cfg: ModelConfig) -> SafetensorsSource:
     if bad:
         raise ValueError(f"config does not match checkpoint {cfg.checkpoint} "
                          f"(build it with model_config_from_hf): " + "; ".join(bad))
-    return SafetensorsSource(cfg.checkpoint)
+    return CheckpointSource(cfg.checkpoint)

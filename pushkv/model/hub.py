@@ -12,9 +12,14 @@ from pushkv import envs
 # what serving reads out of a repo: not its other weight formats (.bin, .pth, .gguf), which can
 # weigh as much again
 SERVE_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
-               "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"]
+               "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+               "additional_chat_templates/*.jinja"]
+# --load-format dummy: the shape, tokenizer and sampling defaults, and no weights (vLLM's dummy loader fetches none)
+SHAPE_FILES = [f for f in SERVE_FILES if f not in ("*.safetensors", "model.safetensors.index.json")]
+# a repo without safetensors: its PyTorch state dicts, as vLLM's --load-format auto falls back to them
+BIN_FILES = ["pytorch_model*.bin", "pytorch_model.bin.index.json"]
 TOKENIZER_FILES = ["config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "chat_template.jinja"]
+                   "chat_template.jinja", "additional_chat_templates/*.jinja"]
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
@@ -43,8 +48,11 @@ def resolve(name: str, revision: Optional[str] = None, files: Optional[list[str]
         raise ValueError(f"{what} {name!r} is a Hugging Face repo id: install huggingface_hub") from None
     offline = envs.HF_HUB_OFFLINE.lower() in ("1", "true", "yes", "on")  # as huggingface_hub reads it
     try:
-        return snapshot_download(repo_id=name, revision=revision, allow_patterns=files or SERVE_FILES,
+        path = snapshot_download(repo_id=name, revision=revision, allow_patterns=files or SERVE_FILES,
                                  cache_dir=cache_dir)
+        if files is None and not any(f.endswith(".safetensors") for f in os.listdir(path)):
+            path = snapshot_download(repo_id=name, revision=revision, allow_patterns=BIN_FILES, cache_dir=cache_dir)
+        return path
     except LocalEntryNotFoundError as e:
         where = "not in the local Hugging Face cache (HF_HUB_OFFLINE=1)" if offline else "not reachable"
         raise ValueError(f"{what} {name!r}{f' revision {revision!r}' if revision else ''}: {where}: {e}") from None

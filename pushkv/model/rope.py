@@ -118,6 +118,17 @@ def max_position_of(hf: dict, rs: RopeScaling) -> int:
     return n
 
 
+def max_position_text(max_position: int, rs: RopeScaling) -> str:
+    """How :func:`max_position_of` came to ``max_position``, in config.json's words (a refusal names it)."""
+    if rs.rope_type in ("linear", "dynamic"):
+        base = round(max_position / rs.factor)
+        return f"max_position_embeddings {base} x its {rs.rope_type} RoPE factor {rs.factor:g}"
+    if rs.rope_type == "yarn":
+        return (f"its YaRN RoPE's original_max_position_embeddings {round(max_position / rs.factor)} x factor "
+                f"{rs.factor:g}")
+    return f"max_position_embeddings {max_position}"
+
+
 def _mscale(factor: float, scale: float = 1.0) -> float:
     """YaRN's attention temperature: 0.1 ln(s) + 1 for a stretch s > 1 (the paper's sqrt(1/t))."""
     return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0

@@ -102,13 +102,31 @@ def get_tokenizer(cfg: ModelConfig) -> Tokenizer:
     return tok
 
 
+def special_tokens(where: str) -> dict[str, str]:
+    """A tokenizer directory's named special tokens (``bos_token``, ``eos_token``, ...: their text) as transformers
+    reads them: tokenizer_config.json's (a string, or an added token's dict), and where that file is of the older
+    form, without ``added_tokens_decoder``, special_tokens_map.json's over them (transformers merges it so)."""
+    def read(name: str) -> dict:
+        path = os.path.join(where, name)
+        if not os.path.exists(path):
+            return {}
+        with open(path) as f:
+            got = json.load(f)
+        return got if isinstance(got, dict) else {}
+
+    cfg = read("tokenizer_config.json")
+    if "added_tokens_decoder" not in cfg:
+        cfg = {**cfg, **read("special_tokens_map.json")}
+    out = {}
+    for key, v in cfg.items():
+        v = v.get("content") if isinstance(v, dict) else v
+        if key.endswith("_token") and isinstance(v, str):
+            out[key] = v
+    return out
+
+
 def _config_eos_id(tok: HFTokenizer, where: str) -> int:
-    """The id of tokenizer_config.json's ``eos_token`` (a string or an added token's dict), or -1."""
-    path = os.path.join(where, "tokenizer_config.json")
-    if not os.path.exists(path):
-        return -1
-    with open(path) as f:
-        v = json.load(f).get("eos_token")
-    v = v.get("content") if isinstance(v, dict) else v
-    i = tok._tok.token_to_id(v) if isinstance(v, str) else None
+    """The id of the tokenizer's own ``eos_token`` (``special_tokens``), or -1."""
+    v = special_tokens(where).get("eos_token")
+    i = tok._tok.token_to_id(v) if v is not None else None
     return -1 if i is None else i

@@ -1,12 +1,13 @@
 """``/v1/chat/completions``: messages -> prompt through a chat template (pure, no I/O
 beyond reading the checkpoint's template once at start).
 
-A checkpoint's template comes from ``chat_template.jinja`` or the
-``chat_template`` field of ``tokenizer_config.json`` (a string, or a list of
-named templates of which ``default`` is taken), rendered with jinja2 in a
+A checkpoint's template comes from ``chat_template.jinja`` (and transformers' named templates beside it in
+``additional_chat_templates/``) or the ``chat_template`` field of ``tokenizer_config.json`` (a string, or a list
+of named templates of which ``default`` is taken), rendered with jinja2 in a
 sandbox as transformers does (``trim_blocks``, ``lstrip_blocks``,
-``raise_exception``). The random presets, and checkpoints without one, get a
-plain template: one ``role: content`` line per message, then ``assistant:``.
+``raise_exception``). The random presets get a plain template: one ``role: content`` line per message, then
+``assistant:``; a checkpoint without one gets none, and a chat request is refused as vLLM refuses it
+(:data:`NO_TEMPLATE`), not rendered through a template the model never saw.
 
 What a tool-calling template reads is passed to it as transformers'
 ``apply_chat_template`` passes it: ``tools`` (None when there are none; the
@@ -32,9 +33,14 @@ from typing import Any, Optional
 import msgspec
 
 from pushkv import limits as L
+from pushkv.model.tokenizer import special_tokens
 from pushkv.router import api, reasoning, structured, text, tool_calls
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+ADDITIONAL_TEMPLATES = "additional_chat_templates"  # transformers' directory of named templates (tool_use.jinja)
+# vLLM's words (its ChatTemplateResolutionError, a 400) for a chat request to a tokenizer that has no template
+NO_TEMPLATE = ("As of transformers v4.44, default chat template is no longer allowed, so you must provide a chat "
+               "template if the tokenizer does not define one.")
 PLAIN_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
@@ -43,13 +49,6 @@ PLAIN_TEMPLATE = (
 
 class TemplateError(Exception):
     pass
-
-
-def _special(cfg: dict, name: str) -> str:
-    v = cfg.get(name)
-    if isinstance(v, dict):
-        v = v.get("content")
-    return v if isinstance(v, str) else ""
 
 
 class ChatTemplate:
@@ -106,32 +105,43 @@ def open_final(rendered: str, final: str) -> str:
     return rendered[:at + len(kept)] if rendered[at:at + len(kept)] == kept else rendered[:at + len(core)]
 
 
-def load_template(checkpoint: str, given: str = "") -> ChatTemplate:
+def load_template(checkpoint: str, given: str = "") -> Optional[ChatTemplate]:
     """``given`` (--chat-template's text) with the checkpoint's special tokens, else the
-    checkpoint's chat template, else the plain one."""
+    checkpoint's chat template; the plain one where there is no checkpoint (a preset), None where the
+    checkpoint has no template."""
     cfg: dict = {}
     path = os.path.join(checkpoint, "tokenizer_config.json") if checkpoint else ""
     if path and os.path.exists(path):
         with open(path) as f:
             cfg = json.load(f)
+    named_tokens = special_tokens(checkpoint) if checkpoint else {}
+    specials = (named_tokens.get("bos_token", ""), named_tokens.get("eos_token", ""))
     if given:
-        return ChatTemplate(given, _special(cfg, "bos_token"), _special(cfg, "eos_token"), name="--chat-template")
+        return ChatTemplate(given, *specials, name="--chat-template")
     if not checkpoint:
         return ChatTemplate(PLAIN_TEMPLATE)
     source: Any = None
+    named: dict = {}
     jinja_path = os.path.join(checkpoint, "chat_template.jinja")
     if os.path.exists(jinja_path):
         with open(jinja_path) as f:
             source = f.read()
+    extra = os.path.join(checkpoint, ADDITIONAL_TEMPLATES)
+    if os.path.isdir(extra):  # transformers 5 saves the named templates beside chat_template.jinja (the default)
+        for file in sorted(os.listdir(extra)):
+            if file.endswith(".jinja"):
+                with open(os.path.join(extra, file)) as f:
+                    named[file[:-len(".jinja")]] = f.read()
+        if source is not None:
+            named["default"] = source
+        source = named.get("default") or next(iter(named.values()), None)
     if source is None:
         source = cfg.get("chat_template")
-    named: dict = {}
     if isinstance(source, list):  # [{"name": ..., "template": ...}]
         named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
         source = named.get("default") or next(iter(named.values()), None)
     if not isinstance(source, str) or not source:
-        return ChatTemplate(PLAIN_TEMPLATE)
-    specials = (_special(cfg, "bos_token"), _special(cfg, "eos_token"))
+        return None
     template = ChatTemplate(source, *specials, name=checkpoint)
     if isinstance(named.get("tool_use"), str) and named["tool_use"] != source:
         template.tool_use = ChatTemplate(named["tool_use"], *specials, name=f"{checkpoint} (tool_use)")

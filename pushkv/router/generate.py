@@ -36,10 +36,10 @@ def refusal(status: int, reason: str) -> web.Response:
 
 
 async def serve(request: web.Request, params: api.CompletionParams, runs: list[RequestRun], tok: text.Tokenizer,
-                served: tuple[str, ...]) -> web.StreamResponse:
-    """Start every choice's run, then answer; a client that goes away aborts them all.
-    ``served``: the names the model is served under (a request that names none gets the first)."""
-    gen = Generation(params, runs, tok, params.model or served[0])
+                model: str) -> web.StreamResponse:
+    """Start every choice's run, then answer; a client that goes away aborts them all. ``model``: the name the
+    response reports."""
+    gen = Generation(params, runs, tok, model)
     try:
         refused = start_all(runs)  # placement first, so a refusal is a plain HTTP error even for a stream
         if refused is not None:

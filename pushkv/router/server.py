@@ -31,6 +31,7 @@ from pushkv.discovery.base import Watcher
 from pushkv.discovery.local import LocalWatcher
 from pushkv.discovery.records import InstanceDown, InstanceHealth, InstanceRecord, InstanceUp
 from pushkv.framing import Drops, Shape, arecv_bounded
+from pushkv.model import hub
 from pushkv.router import api, auth, cors, edge, generate, otlp_spans, output, responses, text, tokenize
 from pushkv.router import chat as chat_mod
 from pushkv.router.balance import Balancer
@@ -125,6 +126,7 @@ class Router:
         self.started_mono = time.monotonic()
         self.started_wall = time.time()
         self.chat_template: Optional[chat_mod.ChatTemplate] = None  # loaded on the first chat request
+        self._template_read = False  # (a checkpoint with no template is read once too)
         self._runner: Optional[web.AppRunner] = None
         self._control: Optional[zmq.asyncio.Socket] = None
         self._control_task: Optional[asyncio.Task] = None
@@ -502,8 +504,10 @@ class Router:
     async def handle_models(self, request: web.Request) -> web.Response:
         names = self.cfg.served_model_name or (self.cfg.model.name,)
         created = int(self.started_wall)
+        model = self.cfg.model  # root: the --model string, as vLLM's; a repo id's, not its snapshot in the Hub cache
+        root = model.name if not model.checkpoint or hub.is_repo_id(model.name) else model.checkpoint
         cards: list[dict[str, Any]] = [{"id": name, "object": "model", "created": created, "owned_by": "pushkv",
-                  "root": self.cfg.model.checkpoint or self.cfg.model.name, "parent": None,
+                  "root": root, "parent": None,
                   "max_model_len": self.limits.max_model_len} for name in names]
         cards += self.loras.cards(created, self.limits.max_model_len, names[0])
         for card in cards:  # vLLM's ModelCard carries one ModelPermission, as OpenAI's did
@@ -657,15 +661,23 @@ class Router:
                                  template=self._template(), reasoning_parser=self.cfg.reasoning_parser,
                                  tool_call_parser=self.cfg.tool_call_parser)
 
+    def _reported(self, model: str) -> str:
+        """The model a response names, as vLLM's: a LoRA adapter's name where the request asked for one, else the
+        first --served-model-name, whichever of the served names (or none) the request gave."""
+        return model if self.loras.of(model) else self.served[0]
+
     def _template(self) -> chat_mod.ChatTemplate:
-        """The deployment's chat template, loaded on first use."""
-        if self.chat_template is None:
+        """The deployment's chat template, loaded on first use; a 400 as vLLM's where the tokenizer has none."""
+        if not self._template_read:
             try:
                 # the tokenizer's directory holds the template (--tokenizer, or --load-format dummy)
                 self.chat_template = chat_mod.load_template(self.cfg.model.tokenizer or self.cfg.model.checkpoint,
                                                             self.cfg.chat_template)
             except (OSError, ValueError) as e:
                 raise api.ApiError(500, f"no usable chat template: {e}", "server_error") from None
+            self._template_read = True
+        if self.chat_template is None:
+            raise api.ApiError(400, chat_mod.NO_TEMPLATE)
         return self.chat_template
 
     async def handle_tokenize(self, request: web.Request) -> web.Response:
@@ -727,7 +739,7 @@ class Router:
         if params.responses and params.responses.get("background"):
             return await self._background(request, params, runs)
         try:
-            return await generate.serve(request, params, runs, self.tokenizer, self.served)
+            return await generate.serve(request, params, runs, self.tokenizer, self._reported(params.model))
         finally:
             self._end(request.headers, params, runs)
 
@@ -745,7 +757,7 @@ class Router:
         if refused is not None:
             self._end(headers, params, runs)
             return refused
-        gen = generate.Generation(params, runs, self.tokenizer, params.model or self.served[0])
+        gen = generate.Generation(params, runs, self.tokenizer, self._reported(params.model))
         assert isinstance(gen.render, responses.ResponsesRenderer) and params.keep_response is not None
         rid = gen.request_id
         queued = responses.response(rid, gen.created, gen.model, gen.render.settings, [], "queued", None)
@@ -795,7 +807,7 @@ class Router:
         assert self.otlp is not None
         now = time.monotonic()
         for run in runs:
-            facts = otlp_spans.Facts(run.transfer_id, params.model or self.served[0], params.sampling,
+            facts = otlp_spans.Facts(run.transfer_id, self._reported(params.model), params.sampling,
                                      params.max_tokens, params.n)
             try:
                 self.otlp.emit(otlp_spans.request_spans(run.ledger, facts, now), headers)

@@ -6,6 +6,7 @@ their one-line deprecations. Table-driven over ``user_config``; no process start
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 
 import pytest
@@ -62,6 +63,8 @@ def test_model_takes_a_hub_id_from_the_offline_cache(hub):
     cfg = config("--model", REPO)
     assert cfg.model.checkpoint.startswith(str(hub / "snapshots"))
     assert cfg.model.name == REPO and cfg.served_names()[0] == REPO  # vLLM's default served name
+    # the one /v1/models lists; the snapshot's path still answers a request
+    assert cfg.served_model_name == (REPO,) and cfg.model_aliases == (cfg.model.checkpoint,)
     assert cfg.model.num_layers == 2
     assert config("--model", REPO, "--revision", "v2").model.num_layers == 3
     assert config("--model", REPO, "--served-model-name", "mine").served_names() == ("mine",)
@@ -163,3 +166,179 @@ def test_vllm_spellings_of_lengths_and_dtypes():
     from pushkv.vllm_serve import human_int
 
     assert [human_int(v) for v in ("16.1k", "4.1m", "25.6k", "0.5K")] == [16100, 4100000, 25600, 512]  # exact
+
+
+def _bin_copy(src: str, dst, shards: int) -> None:
+    """``src``'s checkpoint with its weights as pytorch_model.bin (one file, or ``shards`` and their index), as
+    older Hub repos hold them."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors"))
+    tensors = load_file(f"{src}/model.safetensors")
+    if shards == 1:
+        torch.save(tensors, dst / "pytorch_model.bin")
+        return
+    names, weight_map = sorted(tensors), {}
+    for i in range(shards):
+        file = f"pytorch_model-{i + 1:05d}-of-{shards:05d}.bin"
+        part = {n: tensors[n] for n in names[i::shards]}
+        torch.save(part, dst / file)
+        weight_map.update(dict.fromkeys(part, file))
+    (dst / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_a_pytorch_model_bin_checkpoint_loads_as_its_safetensors_would(ckpt, tmp_path, shards):
+    """vLLM's --load-format auto falls back to pytorch_model.bin where a repo has no safetensors; pushkv started the
+    deployment and every worker then failed on "no model.safetensors". Every tensor, and a TP rank's slice of it,
+    is read as from the same weights in safetensors."""
+    from pushkv.model.checkpoint import CheckpointSource
+
+    _bin_copy(ckpt, tmp_path / "bin", shards)
+    model = config("--model", str(tmp_path / "bin")).model
+    got, want = CheckpointSource(model.checkpoint), CheckpointSource(ckpt)
+    assert sorted(got.weight_map) == sorted(want.weight_map)
+    for name in want.weight_map:
+        assert got.get(name).equal(want.get(name)), name
+    q = "model.layers.1.self_attn.q_proj.weight"
+    assert got.get(q, 0, 16, 32).equal(want.get(q, 0, 16, 32)) and got.get(q, 1, 8, 40).equal(want.get(q, 1, 8, 40))
+    with pytest.raises(ValueError, match=r"--load-format safetensors: --model .* has no safetensors, only "
+                                         r"pytorch_model.*\.bin \(--load-format auto reads it"):
+        config("--model", str(tmp_path / "bin"), "--load-format", "safetensors")  # as vLLM's: those only
+
+
+def test_a_checkpoint_without_weights_is_refused_before_anything_starts(ckpt, tmp_path):
+    shutil.copytree(ckpt, tmp_path / "bare", ignore=shutil.ignore_patterns("*.safetensors"))
+    with pytest.raises(ValueError, match=r"no weights: none of model\.safetensors\.index\.json or model\.safetensors "
+                                         r"or pytorch_model\.bin\.index\.json or pytorch_model\.bin"):
+        config("--model", str(tmp_path / "bare"))
+    assert config("--model", str(tmp_path / "bare"), "--load-format", "dummy").model.tokenizer == str(tmp_path / "bare")
+
+
+def test_a_hub_repo_is_fetched_with_the_files_its_load_reads(ckpt, tmp_path, monkeypatch):
+    """Online, the snapshot holds only what allow_patterns names: a .bin-only repo's weights are asked for once no
+    safetensors came (not both formats of a repo that has both, which can weigh as much again)."""
+    import fnmatch
+
+    import huggingface_hub
+
+    from pushkv.model import hub
+
+    _bin_copy(ckpt, tmp_path / "bin", 1)
+    asked = []
+
+    def snapshot_download(repo_id, revision, allow_patterns, cache_dir):  # the Hub: the repo's files that match
+        asked.append(allow_patterns)
+        src, dst = (ckpt if repo_id == "acme/st" else tmp_path / "bin"), tmp_path / "snap" / repo_id
+        dst.mkdir(parents=True, exist_ok=True)
+        for f in (p for p in os.listdir(src) if any(fnmatch.fnmatch(p, a) for a in allow_patterns)):
+            shutil.copy(f"{src}/{f}", dst)
+        return str(dst)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    assert config("--model", "acme/st").model.architecture == "Qwen2ForCausalLM" and asked == [hub.SERVE_FILES]
+    asked.clear()
+    assert config("--model", "acme/bin").model.checkpoint == str(tmp_path / "snap" / "acme/bin")
+    assert asked == [hub.SERVE_FILES, hub.BIN_FILES]
+    asked.clear()
+    with pytest.raises(ValueError, match="no weights"):  # --load-format safetensors asks for those only
+        config("--model", "acme/other-bin", "--load-format", "safetensors")
+    assert asked == [hub.SERVE_FILES]
+    # --load-format dummy fetched every safetensors file of the repo (a 235B model's 470 GB) for weights it never
+    # reads; it asks for the shape and tokenizer only, as vLLM's dummy loader
+    asked.clear()
+    shutil.rmtree(tmp_path / "snap")
+    assert config("--model", "acme/st", "--load-format", "dummy").model.tokenizer == str(tmp_path / "snap" / "acme/st")
+    fetched = os.listdir(tmp_path / "snap" / "acme/st")
+    assert asked == [hub.SHAPE_FILES] and "tokenizer.json" in fetched and not any(f.endswith(".safetensors")
+                                                                                 for f in fetched)
+
+
+@pytest.mark.parametrize("flags, gpus, dtype", [
+    ((), 1, "bfloat16"),  # the default device: the GPU the driver shows
+    (("--dtype", "auto"), 1, "bfloat16"),
+    (("--load-format", "dummy"), 1, "bfloat16"),
+    (("--device", "cpu", "--decode-device", "cuda:0"), 0, "bfloat16"),  # one side on a GPU: both (their KV meets)
+    (("--dtype", "float32"), 1, "float32"),
+    (("--dtype", "float"), 1, "float32"),
+    ((), 0, "float32"),  # the CPU keeps it
+    (("--device", "cpu"), 1, "float32"),
+])
+def test_dtype_auto_runs_a_float32_checkpoint_in_bfloat16_on_a_gpu_as_vllm(ckpt, flags, gpus, dtype):
+    """vLLM's --dtype auto downcasts a float32 checkpoint to bfloat16 on a GPU; pushkv served it in float32 there,
+    twice the weights' and the KV's memory and bandwidth of the same `vllm serve`."""
+    assert user_config(parse("--model", ckpt, *flags), gpus=lambda: (gpus, "")).model.dtype == dtype
+
+
+def test_dtype_auto_keeps_a_half_precision_checkpoints_dtype_on_a_gpu(ckpt, tmp_path):
+    import json
+
+    shutil.copytree(ckpt, tmp_path / "fp16")
+    hf = json.loads((tmp_path / "fp16" / "config.json").read_text())
+    (tmp_path / "fp16" / "config.json").write_text(json.dumps({**hf, "dtype": "float16"}))
+    assert user_config(parse("--model", str(tmp_path / "fp16")), gpus=lambda: (1, "")).model.dtype == "float16"
+
+
+@pytest.mark.parametrize("rope, longest, why", [
+    (None, 512, "max_position_embeddings 512"),
+    ({"rope_type": "linear", "factor": 2.0}, 1024, "max_position_embeddings 512 x its linear RoPE factor 2"),
+    ({"rope_type": "dynamic", "factor": 4.0}, 2048, "max_position_embeddings 512 x its dynamic RoPE factor 4"),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}, 1024,
+     "its YaRN RoPE's original_max_position_embeddings 256 x factor 4"),
+    ({"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 64}, 512,
+     "max_position_embeddings 512"),
+])
+def test_a_max_model_len_past_the_model_names_how_its_length_was_derived(ckpt, rope, longest, why):
+    """A scaled RoPE's length was refused as 'the model's max_position_embeddings', a number config.json does not
+    hold (1024 for a 512 one with linear factor 2): the refusal names the fields it came from."""
+    import json
+
+    flags = ("--hf-overrides", json.dumps({"rope_scaling": rope})) if rope else ()
+    assert config("--model", ckpt, *flags, "--max-model-len", str(longest)).max_model_len == longest
+    with pytest.raises(ValueError) as e:
+        config("--model", ckpt, *flags, "--max-model-len", str(longest + 1))
+    assert str(e.value) == f"--max-model-len {longest + 1} must be in [1, {longest}]: the model's longest sequence " \
+                           f"({why})"
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+def test_a_sharded_checkpoint_missing_a_shard_is_refused_before_anything_starts(ckpt, tmp_path, fmt):
+    """An interrupted download leaves the index and some shards: pushkv started the deployment and every worker then
+    stopped on 'No such file or directory' at the first tensor of a missing shard."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    if fmt == "bin":
+        _bin_copy(ckpt, tmp_path / "ckpt", 3)
+        (tmp_path / "ckpt" / "pytorch_model-00002-of-00003.bin").unlink()
+        index, gone = "pytorch_model.bin.index.json", "pytorch_model-00002-of-00003.bin"
+    else:
+        shutil.copytree(ckpt, tmp_path / "ckpt", ignore=shutil.ignore_patterns("*.safetensors"))
+        tensors = load_file(f"{ckpt}/model.safetensors")
+        weight_map = {n: f"model-0000{i % 2 + 1}-of-00002.safetensors" for i, n in enumerate(sorted(tensors))}
+        save_file({n: t for n, t in tensors.items() if weight_map[n].startswith("model-00001")},
+                  str(tmp_path / "ckpt" / "model-00001-of-00002.safetensors"))
+        (tmp_path / "ckpt" / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+        index, gone = "model.safetensors.index.json", "model-00002-of-00002.safetensors"
+    with pytest.raises(ValueError, match=rf"{index} names 1 file\(s\) that are not there \({gone}\): an interrupted"):
+        config("--model", str(tmp_path / "ckpt"))
+
+
+def test_a_checkpoint_without_tokenizer_json_is_refused_before_anything_starts(ckpt, tmp_path):
+    """A SentencePiece-only repo (tokenizer.model), or weights saved without their tokenizer: the writers and workers
+    started and loaded everything, then the router died with 'FileNotFoundError: ... has no tokenizer.json'."""
+    shutil.copytree(ckpt, tmp_path / "ft", ignore=shutil.ignore_patterns("tokenizer.json"))
+    (tmp_path / "ft" / "tokenizer.model").write_bytes(b"\x0a")
+    ft = str(tmp_path / "ft")
+    for flags in ((), ("--load-format", "dummy")):
+        with pytest.raises(ValueError, match=rf"--model {ft}: no tokenizer.json \(it holds tokenizer.model, "
+                                             r"tokenizer_config.json\): .* give --tokenizer a directory or repo id"):
+            config("--model", ft, *flags)
+    with pytest.raises(ValueError, match=f"--tokenizer {ft}: no tokenizer.json"):
+        config("--model", ckpt, "--tokenizer", ft)
+    assert config("--model", ft, "--tokenizer", ckpt).model.tokenizer == ckpt  # the base model's tokenizer
+    assert config("--model", ft, "--skip-tokenizer-init").skip_tokenizer_init

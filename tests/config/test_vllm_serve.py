@@ -213,9 +213,10 @@ def qwen25(tmp_path_factory):
     """A small Qwen2 checkpoint in transformers 4's form (top-level rope_theta), as Qwen2.5's repos carry it."""
     import json
 
-    from tests.model.test_hf_reference import GEOMETRY
+    from tests.model.test_hf_reference import GEOMETRY, _tokenizer
 
     path = tmp_path_factory.mktemp("qwen25")
+    _tokenizer(str(path))
     hf = {**GEOMETRY, "architectures": ["Qwen2ForCausalLM"], "rope_theta": 1e6, "max_position_embeddings": 32768,
           "hidden_act": "silu", "use_sliding_window": False, "torch_dtype": "bfloat16"}
     (path / "config.json").write_text(json.dumps(hf))

@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from pushkv.config import MoeRouting, RopeScaling
@@ -16,7 +17,7 @@ from pushkv.model import build_model, get_tokenizer
 from pushkv.model.checkpoint import model_config_from_hf
 from pushkv.model.moe import moe_mlp, route
 from pushkv.model.rope import cos_sin, cos_sin_rows, dynamic_spans, inv_freq, rope_of
-from tests.model.test_hf_reference import GEOMETRY, PROMPTS, hf_reference, save_hf_checkpoint
+from tests.model.test_hf_reference import GEOMETRY, HF_CLASSES, PROMPTS, hf_reference, save_hf_checkpoint
 from tests.model.test_model import new_pool, paged_generate
 from tests.support.deploy import deployment
 
@@ -185,7 +186,11 @@ BASE = dict(GEOMETRY, architectures=["LlamaForCausalLM"], rope_theta=1e4, hidden
     ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping: 50.0"),
     ({"hidden_act": "gelu"}, "hidden_act: 'gelu'"),
     ({"max_position_embeddings": None, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}},
-     "rope_type 'dynamic' needs max_position_embeddings"),
+     "max_position_embeddings null: a positive integer is needed"),
+    ({"max_position_embeddings": None}, "max_position_embeddings null: a positive integer is needed .the model's "
+                                        "longest sequence: --hf-overrides"),  # was a TypeError's traceback
+    ({"hidden_size": None}, "hidden_size null: a positive integer is needed"),  # was a TypeError's traceback
+    ({"num_hidden_layers": "2"}, 'num_hidden_layers "2": a positive integer is needed'),
     ({"dtype": "float8_e4m3fn"}, "dtype 'float8_e4m3fn' is not supported"),
     ({"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 2,
       "moe_intermediate_size": 32, "decoder_sparse_step": 2}, "dense layers between MoE layers are not built"),
@@ -193,6 +198,23 @@ BASE = dict(GEOMETRY, architectures=["LlamaForCausalLM"], rope_theta=1e4, hidden
 def test_what_is_not_built_is_refused_by_field_and_value(tmp_path, change, needle):
     (tmp_path / "config.json").write_text(json.dumps({**BASE, **change}))
     with pytest.raises(ValueError, match=needle):
+        model_config_from_hf(str(tmp_path))
+
+
+@pytest.mark.parametrize("family", sorted(HF_CLASSES))
+def test_a_config_without_max_position_embeddings_or_rope_theta_reads_as_transformers_reads_it(tmp_path, family):
+    """Left out, each is what transformers' config class sets (and so what transformers and vLLM run with): pushkv
+    took 32768 positions and a base of 10000 for every family, where Llama's are 2048 positions, Mistral's 131072,
+    Mixtral's base 1e6. A required size left out is refused by name (it was a KeyError's traceback)."""
+    hf = {k: v for k, v in HF_CLASSES[family][0](**GEOMETRY, num_experts_per_tok=2).to_dict().items()
+          if k not in ("max_position_embeddings", "rope_theta", "rope_parameters", "rope_scaling")}
+    hf["architectures"] = [HF_CLASSES[family][1].__name__]
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    want = transformers.AutoConfig.from_pretrained(str(tmp_path))
+    cfg = model_config_from_hf(str(tmp_path))
+    assert (cfg.max_position, cfg.rope_theta) == (want.max_position_embeddings, want.rope_parameters["rope_theta"])
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in hf.items() if k != "num_hidden_layers"}))
+    with pytest.raises(ValueError, match="config.json: num_hidden_layers missing: a positive integer is needed"):
         model_config_from_hf(str(tmp_path))
 
 

@@ -55,6 +55,22 @@ def test_batched_generate_matches_dense(prompt_len, block_size, chunk):
     assert paged_generate(model, pool, prompt, 10, table, chunk) == generate_dense(model, prompt, 10)
 
 
+@pytest.mark.parametrize("max_position", [256, 40])
+def test_warmup_keeps_within_a_short_models_positions(max_position):
+    """The warm-up's steps sat at fixed positions up to 300: a model of fewer (llama2.c's stories checkpoints have
+    256) failed every worker's start on the batched engine (the CUDA default) with 'index out of range' in the RoPE
+    table. A whole-context request still generates as the dense reference does after it."""
+    from pushkv.kv.layout import layer_views
+
+    model = batched(max_position=max_position)
+    block_size, blocks = 16, 40
+    pool = new_pool(model, blocks, block_size)
+    assert model.batched.warmup(layer_views(pool, model.kv_layout(blocks, block_size))) >= 0
+    prompt = prompt_of(max_position - 4)
+    pool = new_pool(model, blocks, block_size)
+    assert paged_generate(model, pool, prompt, 4, tuple(range(blocks)), None) == generate_dense(model, prompt, 4)
+
+
 def _mixed_step(model, pool_a, pool_b, block_size):
     """Three sequences at different stages in one step vs each alone."""
     prompts = [prompt_of(n, seed=n) for n in (40, 23, 9)]

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pushkv.model import build_model
-from pushkv.model.checkpoint import SafetensorsSource, model_config_from_hf
+from pushkv.model.checkpoint import CheckpointSource, model_config_from_hf
 from pushkv.model.fp8 import dequantize, fp8_blocks_of, scale_span
 from pushkv.model.tokenizer import get_tokenizer
 from tests.model.test_architectures import CASES, NEW
@@ -122,7 +122,7 @@ def test_the_source_dequantizes_each_tp_slice_and_refuses_fp8_without_scales(tmp
                "b.weight": q.clone()}
     save_file(tensors, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text(json.dumps({"quantization_config": dict(FP8, weight_block_size=[16, 32])}))
-    src = SafetensorsSource(str(tmp_path))
+    src = CheckpointSource(str(tmp_path))
     assert src.fp8_blocks == block
     assert torch.equal(src.get("a.weight"), whole)
     for ranks in (2, 3, 4):  # rows (q/k/v, gate/up) and columns (o, down) as TP ranks take them: 24, 16 or 12
@@ -162,7 +162,7 @@ def test_fp8_weights_are_the_scaled_values_not_the_raw_ones(fp8_case):
     """The loaded weights are the float8 values times their scales (raw float8 values would be ~448 / amax times
     larger), and they differ from the unquantized checkpoint's by e4m3's rounding only."""
     path, _ = fp8_case
-    src = SafetensorsSource(path)
+    src = CheckpointSource(path)
     name = next(n for n in src.weight_map if QUANTIZED.search(n))
     raw = src._file(name).get_tensor(name).float()
     got = src.get(name)

@@ -78,6 +78,28 @@ def test_a_named_tool_use_template_is_taken_when_tools_are_given(tmp_path, hf_to
         assert render(t, body) == want == ("T1:q" if tools else "D:q")
 
 
+def test_the_tool_use_template_transformers_saves_in_its_own_file_is_taken(tmp_path, hf_tok):
+    """transformers 5 saves named templates as chat_template.jinja (the default) and additional_chat_templates/
+    NAME.jinja; pushkv read only the first, so a request with tools rendered through the default template, not the
+    tool_use one transformers and vLLM take."""
+    named = {"default": "D:{{ messages[0].content }}", "tool_use": "T{{ tools | length }}:{{ messages[0].content }}"}
+    hf_tok.chat_template = named
+    hf_tok.save_pretrained(str(tmp_path))
+    assert (tmp_path / "additional_chat_templates" / "tool_use.jinja").exists()
+    t = chat.load_template(str(tmp_path))
+    loaded = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    for tools in (TOOLS, None):
+        body = {"messages": [{"role": "user", "content": "q"}], **({"tools": tools} if tools else {})}
+        want = loaded.apply_chat_template(body["messages"], tools=tools, tokenize=False)
+        assert render(t, body) == want == ("T1:q" if tools else "D:q")
+    from fnmatch import fnmatch
+
+    from pushkv.model.hub import SERVE_FILES, TOKENIZER_FILES
+
+    for files in (SERVE_FILES, TOKENIZER_FILES):  # and a repo id's snapshot fetches it
+        assert any(fnmatch("additional_chat_templates/tool_use.jinja", f) for f in files)
+
+
 def test_parse_chat_renders_tools_into_the_prompt():
     tok = text.ByteTokenizer()
     limits = api.Limits(vocab_size=320, max_model_len=4096)

@@ -69,18 +69,22 @@ def test_local_unary_shape(tmp_path):
     run(body())
 
 
-@pytest.mark.parametrize("served, ok, unknown", [
-    ((), ["tiny"], ["x", "Tiny", "tiny "]),
-    (("qwen/qwen3", "q3"), ["qwen/qwen3", "q3"], ["tiny", "x"]),
+@pytest.mark.parametrize("served, aliases, ok, unknown", [
+    ((), (), ["tiny"], ["x", "Tiny", "tiny "]),
+    (("qwen/qwen3", "q3"), (), ["qwen/qwen3", "q3"], ["tiny", "x"]),
+    # --model ORG/NAME alone: its snapshot path answers too, unlisted (/v1/models listed the cache's path as a model)
+    (("org/m",), ("/hub/models--org--m/snapshots/0",), ["org/m", "/hub/models--org--m/snapshots/0"], ["m", "tiny"]),
 ])
-def test_the_model_field_is_checked_against_the_served_names(tmp_path, served, ok, unknown):
+def test_the_model_field_is_checked_against_the_served_names(tmp_path, served, aliases, ok, unknown):
     """As OpenAI: an unknown model is 404 with code model_not_found (before any leg is sent); no
-    model field at all is served; /v1/models lists what is served."""
+    model field at all is served; /v1/models lists the served names, not the aliases. The answer names the first
+    served name, whichever one the request gave, as vLLM's (pushkv named the request's, so the same model answered
+    under two names)."""
     async def body():
-        cfg = make_cfg(tmp_path, "local", served_model_name=served)
+        cfg = make_cfg(tmp_path, "local", served_model_name=served, model_aliases=aliases)
         async with Harness(cfg, {"local": local_script([[72]], "stop")}) as h:
             listed = await (await h.http.get("/v1/models")).json()
-            assert [c["id"] for c in listed["data"]] == ok
+            assert [c["id"] for c in listed["data"]] == [n for n in ok if n not in aliases]
             for card in listed["data"]:  # vLLM's ModelCard: parent, and one ModelPermission
                 assert card["parent"] is None and [p["object"] for p in card["permission"]] == ["model_permission"]
                 assert card["permission"][0]["allow_sampling"] is True and card["permission"][0]["organization"] == "*"
@@ -95,9 +99,27 @@ def test_the_model_field_is_checked_against_the_served_names(tmp_path, served, o
             assert r.status == 400 and (await r.json())["error"]["param"] == "model"
             assert not h.log.received("local", m.Generate)
             for name in [*ok, None, ""]:  # none, or "" (as vLLM): the base model
-                req = {"prompt": "Hey", "max_tokens": 1, **({"model": name} if name is not None else {})}
-                r = await h.http.post("/v1/completions", json=req)
-                assert r.status == 200 and (await r.json())["model"] == (name or ok[0]), name
+                for path, extra in (("/v1/completions", {"prompt": "Hey"}),
+                                    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hey"}]})):
+                    req = {"max_tokens": 1, **extra, **({"model": name} if name is not None else {})}
+                    r = await h.http.post(path, json=req)
+                    assert r.status == 200 and (await r.json())["model"] == ok[0], (name, path)
+    run(body())
+
+
+@pytest.mark.parametrize("name, checkpoint, root", [
+    ("org/m", "/hub/models--org--m/snapshots/0", "org/m"),  # a repo id: the id, not the Hub cache's snapshot
+    ("m", "/models/m", "/models/m"),  # a directory: its path
+    ("tiny", None, "tiny"),  # a random shape
+])
+def test_models_root_is_the_model_as_given_as_vllm(tmp_path, name, checkpoint, root):
+    """vLLM's ModelCard root is its --model string; pushkv gave a repo id's snapshot path in the Hub cache."""
+    async def body():
+        cfg = make_cfg(tmp_path, "local")
+        cfg = msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, name=name, checkpoint=checkpoint))
+        async with Harness(cfg, {"local": local_script([[72]], "stop")}) as h:
+            listed = await (await h.http.get("/v1/models")).json()
+            assert [(c["id"], c["root"]) for c in listed["data"]] == [(name, root)]
     run(body())
 
 

@@ -2,8 +2,10 @@
 two tokenizer kinds), stop strings, chat templates, request parsing."""
 import json
 
+import msgspec
 import pytest
 
+from pushkv.config import preset
 from pushkv.messages import SamplingParams
 from pushkv.router import api, chat, output, render, text
 
@@ -189,6 +191,32 @@ def test_checkpoint_chat_template(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
     assert chat.load_template(str(tmp_path)).render([]) == "D"
     assert chat.load_template("").render([{"role": "user", "content": "hi"}]) == "user: hi\nassistant:"
+
+
+@pytest.mark.parametrize("decoder", [False, True])
+def test_a_template_reads_special_tokens_as_transformers_merges_them(tmp_path, decoder):
+    """An older tokenizer_config.json (no added_tokens_decoder) leaves its bos_token to special_tokens_map.json, which
+    transformers merges over it: pushkv read tokenizer_config.json alone, so {{ bos_token }} rendered empty and the
+    chat prompt lost its BOS. A newer one's own tokens stand, as transformers takes them."""
+    import transformers
+
+    from pushkv.model.tokenizer import HFTokenizer, get_tokenizer
+    from tests.model.test_hf_reference import _tokenizer
+
+    _tokenizer(str(tmp_path))
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    cfg = {k: v for k, v in cfg.items() if k not in ("bos_token", "eos_token", "added_tokens_decoder")}
+    cfg.update({"bos_token": "<pad>", "chat_template": "{{ bos_token }}[{{ messages[0].content }}]{{ eos_token }}"})
+    if decoder:
+        cfg["added_tokens_decoder"] = {"0": {"content": "<pad>", "special": True}}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps({"bos_token": {"content": "<s>"}, "eos_token": "</s>"}))
+    want = transformers.AutoTokenizer.from_pretrained(str(tmp_path)).apply_chat_template(
+        [{"role": "user", "content": "q"}], tokenize=False)
+    assert chat.load_template(str(tmp_path)).render([{"role": "user", "content": "q"}]) == want
+    assert want == ("<pad>[q]" if decoder else "<s>[q]</s>")
+    tok = get_tokenizer(msgspec.structs.replace(preset("tiny"), tokenizer=str(tmp_path)))
+    assert isinstance(tok, HFTokenizer) and tok.config_eos_id == (-1 if decoder else 3)  # "</s>" is id 3
 
 
 def test_chat_defaults_and_refusals():

@@ -96,3 +96,29 @@ def test_through_the_router_the_counts_are_what_a_request_sends(tmp_path):
                 assert r.status == 200
             assert len(h.log.received("local", m.Generate)) == 1  # only the chat request reached the instance
     run(body())
+
+
+def test_a_checkpoint_without_a_chat_template_refuses_chat_as_vllm(tmp_path):
+    """vLLM answers a chat request to a tokenizer with no template (a base model's) with a 400; pushkv rendered it
+    through its plain ``role: content`` template, a prompt the model never saw, and answered 200. Completions are
+    still served, and --chat-template supplies one; the presets keep the plain template."""
+    import msgspec
+
+    from pushkv.router.chat import NO_TEMPLATE
+
+    _tokenizer(str(tmp_path))  # tokenizer.json and a tokenizer_config.json without chat_template
+
+    async def body(template, want):
+        cfg = make_cfg(tmp_path, "local", chat_template=template)
+        cfg = msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, tokenizer=str(tmp_path)))
+        async with Harness(cfg, {"local": local_script([[33]] * 3, "stop")}) as h:
+            for path, req in (("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1}),
+                              ("/tokenize", {"messages": MESSAGES}), ("/v1/completions", {"prompt": "hi"})):
+                r = await h.http.post(path, json=req)
+                status = 200 if path == "/v1/completions" else want
+                assert r.status == status, (path, await r.text())
+                if status == 400:
+                    assert (await r.json())["error"] == {"message": NO_TEMPLATE, "type": "invalid_request_error",
+                                                         "code": 400}
+    run(body(None, 400))
+    run(body(QWEN3_LIKE, 200))
