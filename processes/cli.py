@@ -362,6 +362,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds the workers' stage has to load the weights and warm the engine (vLLM waits "
                           "600 s for its engine); each worker logs its progress in GiB and seconds")
     sup.add_argument("--stop-timeout", type=float, default=STOP_TIMEOUT_S, metavar="SECONDS")
+    sup.add_argument("--shutdown-timeout", type=float, metavar="SECONDS",
+                     help="as vLLM's: at stop (SIGTERM, SIGINT, pushkv stop) the router refuses new requests (503) "
+                          "and the requests in flight have this long to finish before they end with 503 'router "
+                          "shutting down' and the processes stop; 0 (default): they end at once")
     sup.add_argument("--ping-interval", type=float, default=PING_INTERVAL_S, metavar="SECONDS",
                      help="health pings to every child; also the supervisor heartbeat event")
     st = sub.add_parser("status", help="show running deployments and their processes")
@@ -371,7 +375,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("stop", help="stop a deployment (the only one when no id is given)")
     sp.add_argument("id", nargs="?")
     sp.add_argument("--all", action="store_true", help="stop every running deployment")
-    sp.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS")
+    sp.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS",
+                    help="how long to wait for the supervisor to exit, on top of the deployment's --shutdown-timeout")
     up_help.annotate(up)  # every flag of up: a help line and its default
     return ap
 

@@ -39,6 +39,7 @@ class DeploymentRecord(msgspec.Struct):
     started_wall: float
     trace_endpoint: str = ""
     trace_tap_endpoint: str = ""  # where pushkv tap connects (the supervisor's XPUB)
+    shutdown_timeout_s: float = 0.0  # --shutdown-timeout: how much longer `pushkv stop` waits for the drain
 
 
 def registry_dir(environ: Optional[Mapping[str, str]] = None) -> str:

@@ -172,7 +172,7 @@ class Supervisor(Actor):
                 control_endpoint=self.cfg.control_endpoint, events_endpoint=self.cfg.events_endpoint,
                 router_url=self.router_url, run_dir=self.cfg.run_dir, mode=self.cfg.mode,
                 started_wall=time.time(), trace_endpoint=self.cfg.trace_endpoint,
-                trace_tap_endpoint=self.cfg.trace_tap_endpoint,
+                trace_tap_endpoint=self.cfg.trace_tap_endpoint, shutdown_timeout_s=self.cfg.shutdown_timeout_s,
             ), self.registry_dir)
         log.info("deployment %s (%s mode): %d processes, run dir %s", self.cfg.deployment_id,
                  self.cfg.mode, len(self.specs), self.cfg.run_dir)
@@ -527,21 +527,12 @@ class Supervisor(Actor):
         for name in list(self._pidfds):
             self._unwatch(name)
         live = [r for r in reversed(list(self.table)) if r.name in self.procs and self.procs[r.name].returncode is None]
-        for row in live:  # router first, writers (pool owners) last
-            if row.identity is not None and self._control_router is not None:
-                self._control_router.send_multipart([row.identity, m.encode(m.Shutdown(reason=self.failure or "stop"))])
-            if row.state in (State.STARTED, State.READY):
-                self.table.apply(row.name, Event.STOP)
-        procs = [self.procs[r.name] for r in live]
-        killed = lifecycle.stop_all(procs, self.stop_timeout_s * STOP_GRACE_FRACTION, self.stop_timeout_s)
-        for row in live:
-            code = self.procs[row.name].returncode
-            if row.state is State.STOPPING:
-                self.table.exited(row.name, code)
-            self._publish(row.name, "exit", row, detail=describe_exit(code))
-        if killed:
-            names = [r.name for r in live if self.procs[r.name] in killed]
-            log.error("killed after %.0f s stop deadline: %s", self.stop_timeout_s, ", ".join(names))
+        drain_s = 0.0 if self.failure else self.cfg.shutdown_timeout_s
+        if drain_s > 0:  # --shutdown-timeout: the router drains alone first, the instances serving what it has open
+            routers = [r for r in live if r.spec.kind == "router"]
+            self._stop_rows(routers, drain_s)
+            live = [r for r in live if r not in routers]
+        self._stop_rows(live, 0.0)
         if self._events is not None:
             self._events.close(0)
             self._events = None
@@ -554,6 +545,26 @@ class Supervisor(Actor):
             registry.remove_record(self.cfg.deployment_id, self.registry_dir)
         self.phase = "stopped"
         log.info("deployment %s stopped (exit code %d)", self.cfg.deployment_id, self.exit_code)
+
+    def _stop_rows(self, rows: list[Row], drain_s: float) -> None:
+        """Shutdown to each of ``rows`` (in order: router first, writers, the pool owners, last), SIGTERM after the
+        grace, SIGKILL at the stop deadline; both ``drain_s`` later for a router draining its requests."""
+        for row in rows:
+            if row.identity is not None and self._control_router is not None:
+                self._control_router.send_multipart([row.identity, m.encode(m.Shutdown(reason=self.failure or "stop"))])
+            if row.state in (State.STARTED, State.READY):
+                self.table.apply(row.name, Event.STOP)
+        procs = [self.procs[r.name] for r in rows]
+        killed = lifecycle.stop_all(procs, drain_s + self.stop_timeout_s * STOP_GRACE_FRACTION,
+                                    drain_s + self.stop_timeout_s)
+        for row in rows:
+            code = self.procs[row.name].returncode
+            if row.state is State.STOPPING:
+                self.table.exited(row.name, code)
+            self._publish(row.name, "exit", row, detail=describe_exit(code))
+        if killed:
+            names = [r.name for r in rows if self.procs[r.name] in killed]
+            log.error("killed after %.0f s stop deadline: %s", drain_s + self.stop_timeout_s, ", ".join(names))
 
     # ------------------------------------------------------------------
     def _publish(self, name: str, event: str, row: Optional[Row] = None, detail: str = "") -> None:

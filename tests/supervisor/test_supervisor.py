@@ -589,6 +589,26 @@ def test_stubborn_child_is_killed_at_the_deadline(deployments):
 
 
 @pytest.mark.timeout(60)
+def test_shutdown_timeout_gives_the_router_that_much_longer_and_pushkv_stop_waits_for_it(deployments, monkeypatch,
+                                                                                       capsys):
+    """--shutdown-timeout: the router stops alone first, its deadline that much later (a router that ignores
+    Shutdown and SIGTERM stands in for a long drain), and `pushkv stop` waits that much longer."""
+    d = deployments("--mode", "local", "--stop-timeout", "1", "--shutdown-timeout", "3",
+                    child_args={"router": ["--ignore-term"]})
+    d.wait_ready()
+    st = _track(d)
+    rec = d.record()
+    assert rec.shutdown_timeout_s == 3
+    monkeypatch.setenv("PUSHKV_REGISTRY_DIR", d.reg_dir)
+    t0 = time.monotonic()
+    assert cli.main(["stop", rec.deployment_id, "--timeout", "2"]) == 0
+    assert 3.5 < time.monotonic() - t0 < 15
+    assert d.proc.wait(timeout=10) == 0
+    assert "killed after 4 s stop deadline: router" in d.stderr()
+    _assert_clean(rec, [p.pid for p in st.values()], d.reg_dir)
+
+
+@pytest.mark.timeout(60)
 def test_children_die_with_supervisor_and_stop_cleans_stale(deployments, monkeypatch, capsys):
     d = deployments("--mode", "local")
     d.wait_ready()

@@ -52,9 +52,10 @@ def _port_free(port: int) -> bool:
 
 
 @contextmanager
-def deployment(tmp_path, *flags: str):
+def deployment(tmp_path, *flags: str, session: bool = False):
     dep_id = None
-    with launched(*flags, log_path=str(tmp_path / "up.log"), registry=str(tmp_path / "registry")) as dep:
+    with launched(*flags, log_path=str(tmp_path / "up.log"), registry=str(tmp_path / "registry"),
+                  session=session) as dep:
         dep_id = dep.cfg.deployment_id
         yield dep
     assert shm_leftovers(dep_id) == [], "shared memory leaked"
