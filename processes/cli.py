@@ -39,7 +39,7 @@ from pushkv.kinds import (
     Switch,
     ToolCallParser,
 )
-from pushkv.security import API_KEY_ENV, load_secret
+from pushkv.security import API_KEY_ENV, check_secret_file
 from pushkv.supervisor import deployments, registry
 from pushkv.supervisor.kv_sizing import Sizing, pool_note, size_pools
 from pushkv.supervisor.plan import plan_deployment
@@ -414,7 +414,7 @@ def cmd_up(args: argparse.Namespace, child_argv: Optional[ArgvHook] = None) -> i
     try:
         cfg = plan_deployment(config_from_args(args))
         if cfg.secret_file:
-            load_secret(cfg.secret_file)  # refuse a missing or short secret before anything starts
+            check_secret_file(cfg.secret_file)  # refuse a missing, short or open secret before anything starts
     except (OSError, ValueError, msgspec.ValidationError) as e:
         print(f"pushkv up: bad configuration: {e}", file=sys.stderr)
         return 2

@@ -335,15 +335,30 @@ def test_a_child_gets_only_the_secrets_it_uses(kind, metrics_auth, gets_key):
     assert (API_KEY_ENV in env) is gets_key and env["PATH"] == "/bin" and env["PUSHKV_NAME"] == f"x-{kind}"
 
 
-@pytest.mark.parametrize("content, expect", [(None, "No such file"), (b"short\n", "too short")])
-def test_pushkv_up_refuses_a_bad_secret_before_starting(tmp_path, capsys, content, expect):
+@pytest.mark.parametrize("content, mode, expect", [
+    (None, 0o600, "--secret-file {path}: No such file or directory; make one"),
+    (b"short\n", 0o600, "too short"),
+    (SECRET, 0o644, "--secret-file {path}: mode 0644, so every user of this host may read or write the CURVE secret; "
+                    "chmod 600 {path}"),
+    (SECRET, 0o602, "mode 0602"),
+])
+def test_pushkv_up_refuses_a_bad_secret_before_starting(tmp_path, capsys, content, mode, expect):
     from processes.cli import main
 
     path = tmp_path / "curve.secret"
     if content is not None:
         path.write_bytes(content)
+        path.chmod(mode)
     assert main(["up", "--model", "tiny", "--secret-file", str(path)]) == 2
-    assert expect in capsys.readouterr().err
+    assert expect.format(path=path) in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", [0o600, 0o400, 0o640])
+def test_a_secret_of_the_user_or_its_group_passes(tmp_path, mode):
+    path = tmp_path / "curve.secret"
+    path.write_bytes(SECRET)
+    path.chmod(mode)
+    sec.check_secret_file(str(path))  # raises on a refusal
 
 
 @pytest.mark.parametrize("role", ["router", "prefill", "decode"])
