@@ -59,7 +59,9 @@ def deployment(tmp_path, *flags: str, session: bool = False):
         dep_id = dep.cfg.deployment_id
         yield dep
     assert shm_leftovers(dep_id) == [], "shared memory leaked"
-    left = subprocess.run(["pgrep", "-f", f"pushkv-{dep_id}/"], capture_output=True, text=True).stdout.split()
+    # a child is titled `pushkv <what> <id>` once it runs (processes/common.py), its run dir in argv before
+    left = subprocess.run(["pgrep", "-f", f"pushkv-{dep_id}/|^pushkv .* {dep_id}$"], capture_output=True,
+                          text=True).stdout.split()
     assert left == [], f"processes left behind: {left}"
     assert _port_free(dep.port), "router port still bound"
 
