@@ -197,7 +197,8 @@ def test_table_lifecycle_restart_counts_and_health():
     t.exited("decode-writer-0", -9)
     assert row.identity is None and row.exit_code == -9 and not row.healthy(12.0)
     t.spawned("decode-writer-0", 12, now=20.0, wall=120.0)
-    assert row.restarts == 1 and row.pid == 12 and row.exit_code is None and row.ready is None
+    # the last exit stays for `pushkv status` (its LAST EXIT column): why the process was restarted
+    assert row.restarts == 1 and row.pid == 12 and row.exit_code == -9 and row.ready is None
     assert t.by_pid(12) is row
 
 
@@ -529,7 +530,7 @@ def test_kill9_after_startup_reported_restarted_ready(deployments, monkeypatch, 
     ev = _next_event(sub, "pushkv.decode.writer.ready")
     new = d.status()["decode-writer-0"]
     d.track(new.pid)
-    assert (new.state, new.restarts, new.pid) == ("READY", 1, ev.pid)
+    assert (new.state, new.restarts, new.pid, new.last_exit) == ("READY", 1, ev.pid, "killed by SIGKILL")
     assert f"ERROR supervisor pushkv.supervisor.supervisor: decode-writer-0 (pid {victim}) died: killed by SIGKILL" in d.stderr()
 
     # the restart command: Shutdown/SIGTERM, then spawned again
