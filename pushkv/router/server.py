@@ -825,8 +825,7 @@ class Router:
             run = RequestRun(self.cfg, self.balancer if self.local_link is None else None, tid,
                              ids, max_tokens, params.stop_token_ids, arrival,
                              self.metrics, sampling, local_link=self.local_link, cache_salt=params.cache_salt,
-                             structured=params.structured, lora=self.loras.of(params.model))
-            run.client_id = params.client_id
+                             structured=params.structured, lora=self.loras.of(params.model), client_id=params.client_id)
             self.runs[tid] = run
             runs.append(run)
             if self.tracer is not None:
