@@ -134,6 +134,7 @@ class Supervisor(Actor):
         self.router_url = tls.router_url(cfg, cfg.port) if cfg.host_role in ("", "router") else ""
         self.phase = "new"  # new | starting | running | stopping | stopped
         self.exit_code = 0
+        self.stop_signal = 0  # the signal that stopped us, if one did
         self.failure = ""
         self.procs: dict[str, subprocess.Popen] = {}
         self._pidfds: dict[str, int] = {}
@@ -310,6 +311,18 @@ class Supervisor(Actor):
                  "metrics_url": f"http://{self.cfg.metrics_host()}:{i.metrics_port}/metrics"}
                 for i in self.cfg.instances()]),
         }
+
+    def run(self) -> None:
+        """The actor's loop; a hang-up (the terminal or the ssh session of `pushkv up` gone) stops the deployment as
+        SIGTERM does, cleaning up, where by default it killed the supervisor at once and left the children to die by
+        SIGKILL and their pools, run dir and record behind. Under nohup (SIGHUP ignored) it stays ignored."""
+        if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+            signal.signal(signal.SIGHUP, self._on_signal)
+        super().run()
+
+    def _on_signal(self, signum, frame) -> None:
+        self.stop_signal = signum  # said when the stop begins: a handler only sets flags
+        super()._on_signal(signum, frame)
 
     def request_stop(self, reason: str) -> None:
         log.info("stop requested: %s", reason)
@@ -521,6 +534,8 @@ class Supervisor(Actor):
     def teardown(self) -> None:
         was = self.phase
         self.phase = "stopping"
+        if self.stop_signal:
+            log.info("stop requested: %s", signal.Signals(self.stop_signal).name)
         if self.host_registry is not None:  # out of the registry first: the router stops choosing us
             self.host_registry.close()
         self._publish("deployment", "stopping", detail=self.failure)

@@ -307,12 +307,13 @@ def test_config_flags_override_file(tmp_path):
 class Deployment:
     """``tests/support/fake_up.py`` in a subprocess; its stdout lines arrive on a queue."""
 
-    def __init__(self, reg_dir, *flags, child_args=None):
+    def __init__(self, reg_dir, *flags, child_args=None, ignore_hup=False):
         env = dict(os.environ, PUSHKV_REGISTRY_DIR=str(reg_dir), FAKE_CHILD_ARGS=json.dumps(child_args or {}))
         self.proc = subprocess.Popen(
             [sys.executable, os.path.join(ROOT, "tests", "support", "fake_up.py"), "--port", "18999", "--ping-interval", "0.2",
              "--log-level", "INFO", *flags],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            preexec_fn=(lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if ignore_hup else None,  # nohup's
         )
         self.lines: "queue.Queue[str]" = queue.Queue()
         self.err: list[str] = []
@@ -350,8 +351,8 @@ def deployments(tmp_path):
     made: list[Deployment] = []
     pids: set[int] = set()
 
-    def start(*flags, child_args=None):
-        d = Deployment(tmp_path / "reg", *flags, child_args=child_args)
+    def start(*flags, child_args=None, ignore_hup=False):
+        d = Deployment(tmp_path / "reg", *flags, child_args=child_args, ignore_hup=ignore_hup)
         d.track = pids.add
         made.append(d)
         return d
@@ -424,6 +425,32 @@ def test_startup_all_ready_then_sigterm_cleans_up(deployments):
     if not cuda_device_count()[0]:  # the CPU's pool: --num-blocks' default, said at startup
         assert "KV pool prefill: 2048 blocks x 16 tokens = 32768 tokens of context (1.00 x --max-model-len 32768), " \
                "0.06 GiB per rank on cpu (tp 2; --num-blocks (cpu))" in d.stderr()
+
+
+@pytest.mark.timeout(60)
+def test_a_hang_up_stops_the_deployment_cleanly_unless_nohup_ignores_it(deployments):
+    """The terminal (or ssh session) of `pushkv up` gone: SIGHUP stops it as SIGTERM does, nothing left behind (it
+    killed the supervisor at once: its children died by SIGKILL, their pools, run dir and record stayed). Under
+    nohup the hang-up stays ignored."""
+    d = deployments("--mode", "local")
+    d.wait_ready()
+    st = _track(d)
+    rec = d.record()
+    d.proc.send_signal(signal.SIGHUP)
+    assert d.proc.wait(timeout=20) == 0
+    assert "stop requested: SIGHUP" in d.stderr()
+    _assert_clean(rec, [p.pid for p in st.values()], d.reg_dir)
+
+    d = deployments("--mode", "local", ignore_hup=True)
+    d.wait_ready()
+    st = _track(d)
+    rec = d.record()
+    d.proc.send_signal(signal.SIGHUP)
+    assert c.ask(rec.control_endpoint, "status").status == c.OK  # answered after the hang-up: still running
+    assert d.proc.poll() is None
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(timeout=20) == 0
+    _assert_clean(rec, [p.pid for p in st.values()], d.reg_dir)
 
 
 def _environ(pid: int) -> dict[str, str]:
