@@ -39,7 +39,7 @@ from pushkv.kinds import (
     Switch,
     ToolCallParser,
 )
-from pushkv.security import API_KEY_ENV, check_secret_file
+from pushkv.security import API_KEY_ENV, check_secret_file, is_network
 from pushkv.supervisor import deployments, registry
 from pushkv.supervisor.kv_sizing import Sizing, pool_note, size_pools
 from pushkv.supervisor.plan import plan_deployment
@@ -297,7 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "32)")
     sec.add_argument("--insecure", action="store_true",
                      help="with --role: start without --secret-file (plain ZMQ on the network: anyone who reaches "
-                          "this host can send requests straight to its schedulers and writers); warns at every start")
+                          "this host can send requests straight to its schedulers and writers); with --trace "
+                          "tcp://...: publish the trace plain; warns at every start")
     sec.add_argument("--api-key", default=envs.PUSHKV_API_KEY or None,
                      help=f"the router answers /v1/* only with 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
     sec.add_argument("--ssl-keyfile", metavar="FILE",
@@ -433,6 +434,17 @@ def cmd_up(args: argparse.Namespace, child_argv: Optional[ArgvHook] = None) -> i
         return 2
     if cfg.host_role and not cfg.secret_file and not warned:  # --insecure with the role or secret in --config
         print(insecure_warning(cfg.host_role, cfg.advertise or cfg.host), file=sys.stderr)
+    if cfg.trace_tap_endpoint and is_network(cfg.trace_tap_endpoint) and not cfg.secret_file:
+        # every message mirrored: prompts' token ids, and the writers' Hello, whose NIXL metadata lets a peer READ or
+        # WRITE the pools; on TCP, every user of this host (and on another address, every host) could subscribe
+        if not getattr(args, "insecure", False):
+            print(f"pushkv up: --trace {cfg.trace_tap_endpoint} publishes every message (prompts' token ids, the "
+                  "writers' NIXL metadata) to whoever connects: give --secret-file (then pushkv tap --secret-file "
+                  "attaches), --trace without an endpoint (a socket in the 0700 run dir), or --insecure to publish "
+                  "it plain", file=sys.stderr)
+            return 2
+        print(f"pushkv up: WARNING --insecure: --trace {cfg.trace_tap_endpoint} publishes every message plain, to "
+              "whoever connects", file=sys.stderr)
     # a taken port, a missing GPU, a model that does not fit, NIXL that does not import: before any
     # child (children a caller brings, child_argv, are not pushkv's writers: they need no NIXL)
     sized: list[Sizing] = []

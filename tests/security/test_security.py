@@ -361,6 +361,34 @@ def test_a_secret_of_the_user_or_its_group_passes(tmp_path, mode):
     sec.check_secret_file(str(path))  # raises on a refusal
 
 
+def test_a_tcp_trace_endpoint_needs_the_secret_or_insecure(capsys):
+    """--trace tcp://...: every message mirrored (prompts, the writers' NIXL metadata) to whoever subscribes: refused
+    without --secret-file; --insecure publishes it plain, saying so (refused here later, at the taken port)."""
+    import socket
+
+    from processes.cli import main
+
+    assert main(["up", "--model", "tiny", "--trace", "tcp://127.0.0.1:18556"]) == 2
+    err = capsys.readouterr().err
+    assert "--trace tcp://127.0.0.1:18556 publishes every message" in err and "--secret-file" in err
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        assert main(["up", "--model", "tiny", "--trace", "tcp://127.0.0.1:18556", "--insecure", "--port", port]) == 2
+    err = capsys.readouterr().err
+    assert "WARNING --insecure: --trace tcp://127.0.0.1:18556 publishes every message plain" in err
+    assert f"--port {port}: 127.0.0.1:{port} is taken" in err
+    for trace in (["--trace"], []):  # the run dir's socket, or no trace: nothing to say, refused at the port
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = str(taken.getsockname()[1])
+            assert main(["up", "--model", "tiny", *trace, "--port", port]) == 2
+        err = capsys.readouterr().err
+        assert "publishes every message" not in err and f"--port {port}: 127.0.0.1:{port} is taken" in err
+
+
 @pytest.mark.parametrize("role", ["router", "prefill", "decode"])
 def test_networked_role_refuses_to_start_without_a_secret(capsys, role):
     """A host of a deployment over several hosts binds its schedulers and writers on the network:
