@@ -135,6 +135,8 @@ class Supervisor(Actor):
         self.phase = "new"  # new | starting | running | stopping | stopped
         self.exit_code = 0
         self.stop_signal = 0  # the signal that stopped us, if one did
+        self._stop_asked = False  # by a signal or `pushkv stop`: tick begins the stop
+        self._drain_until = 0.0  # --shutdown-timeout: while the router drains, when the rest stops at the latest
         self.failure = ""
         self.procs: dict[str, subprocess.Popen] = {}
         self._pidfds: dict[str, int] = {}
@@ -321,12 +323,25 @@ class Supervisor(Actor):
         super().run()
 
     def _on_signal(self, signum, frame) -> None:
-        self.stop_signal = signum  # said when the stop begins: a handler only sets flags
-        super()._on_signal(signum, frame)
+        self.stop_signal = signum  # tick begins the stop and says so: a handler only sets flags
 
     def request_stop(self, reason: str) -> None:
         log.info("stop requested: %s", reason)
-        self.stopping = True
+        self._stop_asked = True
+
+    def _begin_stop(self, now: float) -> None:
+        """The stop asked (signal, ``pushkv stop``): with --shutdown-timeout and a live router, the router alone
+        first, which drains its requests while the instances serve them and everything else still runs (this loop
+        answers ``pushkv status`` meanwhile: phase ``draining``); the rest once it has exited or the time is up."""
+        router = self.table["router"] if "router" in self.table.rows else None
+        if (self.phase == "running" and self.cfg.shutdown_timeout_s > 0 and router is not None
+                and router.state in (State.STARTED, State.READY)):
+            self.phase = "draining"
+            self._drain_until = now + self.cfg.shutdown_timeout_s
+            self._stop_child(router, "stop")
+            self._publish("deployment", "draining", detail=f"{self.cfg.shutdown_timeout_s:g} s")
+        else:
+            self.stopping = True
 
     def request_restart(self, name: str, reason: str) -> Optional[str]:
         if self.phase != "running":
@@ -365,6 +380,12 @@ class Supervisor(Actor):
         self.table.exited(name, code)
         self._unhealthy.discard(name)
         how = describe_exit(code)
+        if self.phase == "draining":  # the stop is under way: nothing is restarted; the router gone, the rest stop
+            log.info("%s (pid %d) exited while the router drains: %s", name, pid, how)
+            self._publish(name, "exit", row, detail=how)
+            if row.spec.kind == "router":
+                self.stopping = True
+            return
         if name in self._restart_requested:
             del self._restart_requested[name]
             log.info("%s (pid %d) stopped for restart: %s", name, pid, how)
@@ -484,6 +505,15 @@ class Supervisor(Actor):
     # run phase: deadlines and health
     # ------------------------------------------------------------------
     def tick(self, now: float) -> None:
+        if self.stop_signal and not self._stop_asked:
+            self.request_stop(signal.Signals(self.stop_signal).name)
+        if self.phase == "draining":
+            if now > self._drain_until:
+                self.stopping = True
+            return
+        if self._stop_asked and not self.stopping:
+            self._begin_stop(now)
+            return
         if self.host_registry is not None and self.phase == "starting":
             self._registry_tick(self.host_registry, now)  # keep the lease taken at start-up
         if self.phase == "starting":
@@ -534,20 +564,13 @@ class Supervisor(Actor):
     def teardown(self) -> None:
         was = self.phase
         self.phase = "stopping"
-        if self.stop_signal:
-            log.info("stop requested: %s", signal.Signals(self.stop_signal).name)
         if self.host_registry is not None:  # out of the registry first: the router stops choosing us
             self.host_registry.close()
         self._publish("deployment", "stopping", detail=self.failure)
         for name in list(self._pidfds):
             self._unwatch(name)
         live = [r for r in reversed(list(self.table)) if r.name in self.procs and self.procs[r.name].returncode is None]
-        drain_s = 0.0 if self.failure else self.cfg.shutdown_timeout_s
-        if drain_s > 0:  # --shutdown-timeout: the router drains alone first, the instances serving what it has open
-            routers = [r for r in live if r.spec.kind == "router"]
-            self._stop_rows(routers, drain_s)
-            live = [r for r in live if r not in routers]
-        self._stop_rows(live, 0.0)
+        self._stop_rows(live)
         if self._events is not None:
             self._events.close(0)
             self._events = None
@@ -561,17 +584,16 @@ class Supervisor(Actor):
         self.phase = "stopped"
         log.info("deployment %s stopped (exit code %d)", self.cfg.deployment_id, self.exit_code)
 
-    def _stop_rows(self, rows: list[Row], drain_s: float) -> None:
+    def _stop_rows(self, rows: list[Row]) -> None:
         """Shutdown to each of ``rows`` (in order: router first, writers, the pool owners, last), SIGTERM after the
-        grace, SIGKILL at the stop deadline; both ``drain_s`` later for a router draining its requests."""
+        grace, SIGKILL at the stop deadline."""
         for row in rows:
             if row.identity is not None and self._control_router is not None:
                 self._control_router.send_multipart([row.identity, m.encode(m.Shutdown(reason=self.failure or "stop"))])
             if row.state in (State.STARTED, State.READY):
                 self.table.apply(row.name, Event.STOP)
         procs = [self.procs[r.name] for r in rows]
-        killed = lifecycle.stop_all(procs, drain_s + self.stop_timeout_s * STOP_GRACE_FRACTION,
-                                    drain_s + self.stop_timeout_s)
+        killed = lifecycle.stop_all(procs, self.stop_timeout_s * STOP_GRACE_FRACTION, self.stop_timeout_s)
         for row in rows:
             code = self.procs[row.name].returncode
             if row.state is State.STOPPING:
@@ -579,7 +601,7 @@ class Supervisor(Actor):
             self._publish(row.name, "exit", row, detail=describe_exit(code))
         if killed:
             names = [r.name for r in rows if self.procs[r.name] in killed]
-            log.error("killed after %.0f s stop deadline: %s", drain_s + self.stop_timeout_s, ", ".join(names))
+            log.error("killed after %.0f s stop deadline: %s", self.stop_timeout_s, ", ".join(names))
 
     # ------------------------------------------------------------------
     def _publish(self, name: str, event: str, row: Optional[Row] = None, detail: str = "") -> None:

@@ -617,22 +617,29 @@ def test_stubborn_child_is_killed_at_the_deadline(deployments):
 
 
 @pytest.mark.timeout(60)
-def test_shutdown_timeout_gives_the_router_that_much_longer_and_pushkv_stop_waits_for_it(deployments, monkeypatch,
-                                                                                       capsys):
-    """--shutdown-timeout: the router stops alone first, its deadline that much later (a router that ignores
-    Shutdown and SIGTERM stands in for a long drain), and `pushkv stop` waits that much longer."""
+def test_shutdown_timeout_stops_the_router_alone_first_and_pushkv_stop_waits_for_it(deployments, monkeypatch,
+                                                                                  capsys):
+    """--shutdown-timeout: the router is asked to stop alone and has that long (a router that ignores Shutdown and
+    SIGTERM stands in for a long drain) while the rest runs and `pushkv status` answers (phase draining); then the
+    rest stops as ever, and `pushkv stop` waits that much longer."""
     d = deployments("--mode", "local", "--stop-timeout", "1", "--shutdown-timeout", "3",
                     child_args={"router": ["--ignore-term"]})
     d.wait_ready()
     st = _track(d)
     rec = d.record()
     assert rec.shutdown_timeout_s == 3
-    monkeypatch.setenv("PUSHKV_REGISTRY_DIR", d.reg_dir)
     t0 = time.monotonic()
-    assert cli.main(["stop", rec.deployment_id, "--timeout", "2"]) == 0
+    assert c.ask(rec.control_endpoint, "stop").status == c.OK
+    end = time.monotonic() + 5
+    while (reply := c.ask(rec.control_endpoint, "status")).info["phase"] != "draining":
+        assert time.monotonic() < end, reply.info["phase"]
+    procs = {p.name: p.state for p in reply.processes}
+    assert procs["router"] == "STOPPING" and procs["local-worker-0"] == procs["local-writer-0"] == "READY", procs
+    monkeypatch.setenv("PUSHKV_REGISTRY_DIR", d.reg_dir)
+    assert cli.main(["stop", rec.deployment_id, "--timeout", "3"]) == 0
     assert 3.5 < time.monotonic() - t0 < 15
     assert d.proc.wait(timeout=10) == 0
-    assert "killed after 4 s stop deadline: router" in d.stderr()
+    assert "killed after 1 s stop deadline: router" in d.stderr()
     _assert_clean(rec, [p.pid for p in st.values()], d.reg_dir)
 
 
