@@ -31,7 +31,7 @@ HELP = {
     "decode_block_size": "tokens per KV block on D (wins over --block-size)",
     "on_child_exit": "a child that dies: restart its whole instance, or shut the deployment down",
     "restart_window": "seconds over which --max-restarts counts a child's restarts",
-    "stop_timeout": "seconds children have to exit after SIGTERM before they are killed",
+    "stop_timeout": "seconds children have to exit once asked to stop (SIGTERM at 0.3 of it) before they are killed",
     "log_level": "every process's log level",
 }
 
