@@ -49,14 +49,19 @@ def port_problems(cfg: DeploymentConfig) -> list[str]:
 
 
 def ipc_problems(cfg: DeploymentConfig) -> list[str]:
-    """Every ipc:// KV-event socket this host's instances will bind whose path is taken: ZeroMQ's ipc bind removes
+    """Every ipc:// socket this host binds at a path the user gave (--trace's taps' end, each instance's KV events)
+    whose path is taken: ZeroMQ's ipc bind removes
     what is there first, so a second deployment given the same --kv-events-config took the first one's sockets over
     without a word (its consumers then read the other deployment's events), and a file there that is no socket would
     be deleted. A socket nobody listens on (a crash's leftover) is replaced, as ZeroMQ does."""
+    out = []
+    tap = cfg.trace_tap_endpoint  # --trace ipc://PATH: the supervisor binds the taps' end there
+    if tap.startswith("ipc://") and (why := _ipc_taken(tap[len("ipc://"):])):
+        out.append(f"--trace {tap}: {tap[len('ipc://'):]} {why}; binding it would take it over: give each deployment "
+                   "a path of its own")
     ev = cfg.kv_events
     if not ev.on or cfg.host_role == "router":
-        return []
-    out = []
+        return out
     for name, given in (("endpoint", ev.endpoint), ("replay_endpoint", ev.replay_endpoint)):
         if not given or not given.startswith("ipc://"):
             continue
@@ -82,7 +87,7 @@ def _ipc_taken(path: str) -> str:
             s.connect(path)
         except OSError:
             return ""  # nobody listens: a leftover
-    return "is a socket another process listens on (another deployment's KV events?)"
+    return "is a socket another process listens on (another deployment's?)"
 
 
 def _bind_error(host: str, port: int) -> str:

@@ -210,7 +210,7 @@ def test_an_ipc_kv_events_path_in_use_is_refused(tmp_path):
         assert ipc_problems(cfg(live, mode="local")) == []  # one instance: kv.sock alone, which is free
         (got,) = ipc_problems(cfg(live, mode="push"))
         assert got == (f"--kv-events-config endpoint ipc://{live}: {live}_1 is a socket another process listens on "
-                       "(another deployment's KV events?); binding it would take it over: give each deployment a "
+                       "(another deployment's?); binding it would take it over: give each deployment a "
                        "path of its own")
         assert ipc_problems(cfg(live, mode="push", host_role="router", registry="etcd://h:1")) == []  # binds none
     finally:
@@ -223,6 +223,16 @@ def test_an_ipc_kv_events_path_in_use_is_refused(tmp_path):
     plain = tmp_path / "notes.txt"
     plain.write_text("mine")
     assert "exists and is no socket" in ipc_problems(cfg(str(plain), mode="local"))[0]
+    # --trace ipc://PATH: the taps' end, bound by the supervisor, alike
+    tap = tmp_path / "tap.sock"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(tap))
+        s.listen()
+        traced = DeploymentConfig(mode="local", trace_endpoint=f"ipc://{tmp_path}/t.sock",
+                                  trace_tap_endpoint=f"ipc://{tap}")
+        assert ipc_problems(traced) == [f"--trace ipc://{tap}: {tap} is a socket another process listens on (another "
+                                        "deployment's?); binding it would take it over: give each deployment a "
+                                        "path of its own"]
 
 
 def test_kv_event_ports_that_meet_stop_pushkv_up_before_any_process(tmp_path):
