@@ -132,7 +132,7 @@ class Supervisor(Actor):
         self.out = out
         # a P or D host of several runs no router: its record and status name none
         self.router_url = tls.router_url(cfg, cfg.port) if cfg.host_role in ("", "router") else ""
-        self.phase = "new"  # new | starting | running | stopping | stopped
+        self.phase = "new"  # new | starting | running | draining (--shutdown-timeout) | stopping | stopped
         self.exit_code = 0
         self.stop_signal = 0  # the signal that stopped us, if one did
         self._stop_asked = False  # by a signal or `pushkv stop`: tick begins the stop
@@ -570,7 +570,21 @@ class Supervisor(Actor):
         for name in list(self._pidfds):
             self._unwatch(name)
         live = [r for r in reversed(list(self.table)) if r.name in self.procs and self.procs[r.name].returncode is None]
-        self._stop_rows(live)
+        for row in live:  # router first, writers (pool owners) last
+            if row.identity is not None and self._control_router is not None:
+                self._control_router.send_multipart([row.identity, m.encode(m.Shutdown(reason=self.failure or "stop"))])
+            if row.state in (State.STARTED, State.READY):
+                self.table.apply(row.name, Event.STOP)
+        procs = [self.procs[r.name] for r in live]
+        killed = lifecycle.stop_all(procs, self.stop_timeout_s * STOP_GRACE_FRACTION, self.stop_timeout_s)
+        for row in live:
+            code = self.procs[row.name].returncode
+            if row.state is State.STOPPING:
+                self.table.exited(row.name, code)
+            self._publish(row.name, "exit", row, detail=describe_exit(code))
+        if killed:
+            names = [r.name for r in live if self.procs[r.name] in killed]
+            log.error("killed after %.0f s stop deadline: %s", self.stop_timeout_s, ", ".join(names))
         if self._events is not None:
             self._events.close(0)
             self._events = None
@@ -583,25 +597,6 @@ class Supervisor(Actor):
             registry.remove_record(self.cfg.deployment_id, self.registry_dir)
         self.phase = "stopped"
         log.info("deployment %s stopped (exit code %d)", self.cfg.deployment_id, self.exit_code)
-
-    def _stop_rows(self, rows: list[Row]) -> None:
-        """Shutdown to each of ``rows`` (in order: router first, writers, the pool owners, last), SIGTERM after the
-        grace, SIGKILL at the stop deadline."""
-        for row in rows:
-            if row.identity is not None and self._control_router is not None:
-                self._control_router.send_multipart([row.identity, m.encode(m.Shutdown(reason=self.failure or "stop"))])
-            if row.state in (State.STARTED, State.READY):
-                self.table.apply(row.name, Event.STOP)
-        procs = [self.procs[r.name] for r in rows]
-        killed = lifecycle.stop_all(procs, self.stop_timeout_s * STOP_GRACE_FRACTION, self.stop_timeout_s)
-        for row in rows:
-            code = self.procs[row.name].returncode
-            if row.state is State.STOPPING:
-                self.table.exited(row.name, code)
-            self._publish(row.name, "exit", row, detail=describe_exit(code))
-        if killed:
-            names = [r.name for r in rows if self.procs[r.name] in killed]
-            log.error("killed after %.0f s stop deadline: %s", self.stop_timeout_s, ", ".join(names))
 
     # ------------------------------------------------------------------
     def _publish(self, name: str, event: str, row: Optional[Row] = None, detail: str = "") -> None:
