@@ -423,6 +423,10 @@ def cmd_up(args: argparse.Namespace, child_argv: Optional[ArgvHook] = None) -> i
         print(f"pushkv up: {line}", file=sys.stderr)
     for line in vllm_serve.apply(vars(args), cfg.prefill.max_batch_tokens)[1]:  # taken, and of no effect here
         print(f"pushkv up: {line}", file=sys.stderr)
+    if cfg.shutdown_timeout_s and cfg.host_role in ("prefill", "decode"):
+        print(f"pushkv up: --shutdown-timeout has no effect on a {cfg.host_role} host, which runs no router: at stop "
+              "its instances leave the registry, then stop (the router host's --shutdown-timeout drains what it "
+              "has in flight)", file=sys.stderr)
     if cfg.metrics_auth and not args.api_key:
         print("pushkv up: --metrics-auth puts /metrics behind the API key: give --api-key (or "
               f"${API_KEY_ENV}) too", file=sys.stderr)

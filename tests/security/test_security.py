@@ -389,6 +389,19 @@ def test_a_tcp_trace_endpoint_needs_the_secret_or_insecure(capsys):
         assert "publishes every message" not in err and f"--port {port}: 127.0.0.1:{port} is taken" in err
 
 
+@pytest.mark.parametrize("role, said", [("prefill", True), ("decode", True), ("router", False)])
+def test_shutdown_timeout_on_a_host_without_the_router_is_said_to_do_nothing(capsys, role, said):
+    """--shutdown-timeout drains the router's requests: a P or D host runs none, and says so rather than take it
+    silently (refused here later, for want of a secret, so nothing starts)."""
+    from processes.cli import main
+
+    assert main(["up", "--model", "tiny", "--role", role, "--advertise", "127.0.0.1", "--registry",
+                 "etcd://127.0.0.1:1", "--shutdown-timeout", "30"]) == 2
+    err = capsys.readouterr().err
+    assert (f"--shutdown-timeout has no effect on a {role} host, which runs no router" in err) is said, err
+    assert "--secret-file" in err
+
+
 @pytest.mark.parametrize("role", ["router", "prefill", "decode"])
 def test_networked_role_refuses_to_start_without_a_secret(capsys, role):
     """A host of a deployment over several hosts binds its schedulers and writers on the network:
