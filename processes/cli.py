@@ -39,7 +39,7 @@ from pushkv.kinds import (
     Switch,
     ToolCallParser,
 )
-from pushkv.security import API_KEY_ENV, load_secret
+from pushkv.security import API_KEY_ENV, check_secret_file, is_network
 from pushkv.supervisor import deployments, registry
 from pushkv.supervisor.kv_sizing import Sizing, pool_note, size_pools
 from pushkv.supervisor.plan import plan_deployment
@@ -300,7 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "32)")
     sec.add_argument("--insecure", action="store_true",
                      help="with --role: start without --secret-file (plain ZMQ on the network: anyone who reaches "
-                          "this host can send requests straight to its schedulers and writers); warns at every start")
+                          "this host can send requests straight to its schedulers and writers); with --trace "
+                          "tcp://...: publish the trace plain; warns at every start")
     sec.add_argument("--api-key", default=envs.PUSHKV_API_KEY or None,
                      help=f"the router answers /v1/* only with 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
     sec.add_argument("--ssl-keyfile", metavar="FILE",
@@ -365,6 +366,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds the workers' stage has to load the weights and warm the engine (vLLM waits "
                           "600 s for its engine); each worker logs its progress in GiB and seconds")
     sup.add_argument("--stop-timeout", type=float, default=STOP_TIMEOUT_S, metavar="SECONDS")
+    sup.add_argument("--shutdown-timeout", type=float, metavar="SECONDS",
+                     help="as vLLM's: at stop (SIGTERM, SIGINT, pushkv stop) the router refuses new requests (503) "
+                          "and the requests in flight have this long to finish before they end with 503 'router "
+                          "shutting down' and the processes stop; 0 (default): they end at once")
     sup.add_argument("--ping-interval", type=float, default=PING_INTERVAL_S, metavar="SECONDS",
                      help="health pings to every child; also the supervisor heartbeat event")
     st = sub.add_parser("status", help="show running deployments and their processes")
@@ -374,7 +379,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("stop", help="stop a deployment (the only one when no id is given)")
     sp.add_argument("id", nargs="?")
     sp.add_argument("--all", action="store_true", help="stop every running deployment")
-    sp.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS")
+    sp.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS",
+                    help="how long to wait for the supervisor to exit, on top of the deployment's --shutdown-timeout")
     up_help.annotate(up)  # every flag of up: a help line and its default
     return ap
 
@@ -412,7 +418,7 @@ def cmd_up(args: argparse.Namespace, child_argv: Optional[ArgvHook] = None) -> i
     try:
         cfg = plan_deployment(config_from_args(args))
         if cfg.secret_file:
-            load_secret(cfg.secret_file)  # refuse a missing or short secret before anything starts
+            check_secret_file(cfg.secret_file)  # refuse a missing, short or open secret before anything starts
     except (OSError, ValueError, msgspec.ValidationError) as e:
         print(f"pushkv up: bad configuration: {e}", file=sys.stderr)
         return 2
@@ -420,6 +426,10 @@ def cmd_up(args: argparse.Namespace, child_argv: Optional[ArgvHook] = None) -> i
         print(f"pushkv up: {line}", file=sys.stderr)
     for line in vllm_serve.apply(vars(args), cfg.prefill.max_batch_tokens)[1]:  # taken, and of no effect here
         print(f"pushkv up: {line}", file=sys.stderr)
+    if cfg.shutdown_timeout_s and cfg.host_role in ("prefill", "decode"):
+        print(f"pushkv up: --shutdown-timeout has no effect on a {cfg.host_role} host, which runs no router: at stop "
+              "its instances leave the registry, then stop (the router host's --shutdown-timeout drains what it "
+              "has in flight)", file=sys.stderr)
     if cfg.metrics_auth and not args.api_key:
         print("pushkv up: --metrics-auth puts /metrics behind the API key: give --api-key (or "
               f"${API_KEY_ENV}) too", file=sys.stderr)
@@ -431,6 +441,17 @@ def cmd_up(args: argparse.Namespace, child_argv: Optional[ArgvHook] = None) -> i
         return 2
     if cfg.host_role and not cfg.secret_file and not warned:  # --insecure with the role or secret in --config
         print(insecure_warning(cfg.host_role, cfg.advertise or cfg.host), file=sys.stderr)
+    if cfg.trace_tap_endpoint and is_network(cfg.trace_tap_endpoint) and not cfg.secret_file:
+        # every message mirrored: prompts' token ids, and the writers' Hello, whose NIXL metadata lets a peer READ or
+        # WRITE the pools; on TCP, every user of this host (and on another address, every host) could subscribe
+        if not getattr(args, "insecure", False):
+            print(f"pushkv up: --trace {cfg.trace_tap_endpoint} publishes every message (prompts' token ids, the "
+                  "writers' NIXL metadata) to whoever connects: give --secret-file (then pushkv tap --secret-file "
+                  "attaches), --trace without an endpoint (a socket in the 0700 run dir), or --insecure to publish "
+                  "it plain", file=sys.stderr)
+            return 2
+        print(f"pushkv up: WARNING --insecure: --trace {cfg.trace_tap_endpoint} publishes every message plain, to "
+              "whoever connects", file=sys.stderr)
     # a taken port, a missing GPU, a model that does not fit, NIXL that does not import: before any
     # child (children a caller brings, child_argv, are not pushkv's writers: they need no NIXL)
     sized: list[Sizing] = []

@@ -26,14 +26,21 @@ def parse(kind: str, with_rank: bool = True) -> tuple[argparse.Namespace, Deploy
     with open(args.config, "rb") as f:
         cfg = decode_config(f.read())
     name = (args.role if not args.instance else f"{args.role}{args.instance}") if with_rank else ""
-    setup(f"pushkv {name}-{kind} {args.rank}" if with_rank else f"pushkv {kind}", cfg.log_level, cfg.log_config)
+    setup(f"pushkv {name}-{kind} {args.rank}" if with_rank else f"pushkv {kind}", cfg.log_level, cfg.log_config,
+          cfg.deployment_id)
     return args, cfg
 
 
-def setup(title: str, log_level: str, log_config: str = "") -> None:
+def process_title(title: str, deployment_id: str) -> str:
+    """What ``ps`` shows: ``pushkv prefill-writer 0 <deployment id>``, as the supervisor's ``pushkv supervisor <id>``,
+    so that two deployments on one host tell their processes apart (``pgrep -f 'pushkv prefill-writer 0 ID'``)."""
+    return f"{title} {deployment_id}" if deployment_id else title
+
+
+def setup(title: str, log_level: str, log_config: str = "", deployment_id: str = "") -> None:
     """Logging, the stack dump on SIGUSR1 and the process title, the same in every process:
-    ``title`` ("pushkv <what>") names it in ``ps`` and, without "pushkv ", on every log line.
-    ``log_config``: --log-config-file's dictConfig, applied instead (pushkv/log_config.py)."""
+    ``title`` ("pushkv <what>") names it in ``ps`` (with the deployment's id) and, without "pushkv ", on every log
+    line. ``log_config``: --log-config-file's dictConfig, applied instead (pushkv/log_config.py)."""
     if log_config:
         log_config_mod.apply(log_config)
     else:
@@ -46,7 +53,7 @@ def setup(title: str, log_level: str, log_config: str = "") -> None:
     try:
         import setproctitle
 
-        setproctitle.setproctitle(title)
+        setproctitle.setproctitle(process_title(title, deployment_id))
     except ImportError:
         pass
 

@@ -20,7 +20,7 @@ def main(argv=None) -> None:
         cfg = decode_config(f.read())
     if args.port is not None:
         cfg = msgspec.structs.replace(cfg, port=args.port)
-    setup("pushkv router", cfg.log_level, cfg.log_config)
+    setup("pushkv router", cfg.log_level, cfg.log_config, cfg.deployment_id)
     asyncio.run(serve(cfg))
 
 

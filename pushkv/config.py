@@ -507,6 +507,10 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
     # on a kept-alive one), its body within the next; else the connection is closed / 408
     router_header_timeout_s: float = 10.0
     router_body_timeout_s: float = 30.0
+    # vLLM's --shutdown-timeout: on stop (SIGTERM, SIGINT, pushkv stop) the router refuses new requests (503) and
+    # lets those in flight finish for up to this long before it ends the rest (503 "router shutting down") and
+    # the instances stop; 0 (vLLM's default): they end at once
+    shutdown_timeout_s: float = 0.0
     # the router serves HTTPS with this key and certificate chain (PEM files; both or neither), and checks client
     # certificates against ssl_ca_certs as ssl_cert_reqs says (0 none, 1 optional, 2 required: Python's ssl.CERT_*)
     ssl_keyfile: str = ""
@@ -635,6 +639,9 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
         if self.ssl_refresh and not self.ssl_certfile:
             raise ValueError("--enable-ssl-refresh takes the certificate files again as they change: it needs "
                              "--ssl-keyfile and --ssl-certfile")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError(f"--shutdown-timeout {self.shutdown_timeout_s} must be >= 0 (seconds the requests in "
+                             "flight have to finish at stop; 0: they end at once)")
         if self.ssl_cert_reqs not in (0, 1, 2):
             raise ValueError(f"--ssl-cert-reqs {self.ssl_cert_reqs} must be 0 (none), 1 (optional) or 2 (required)")
         if (self.ssl_ca_certs or self.ssl_cert_reqs) and not self.ssl_certfile:

@@ -354,7 +354,7 @@ def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = 
         secret_file=os.path.abspath(secret) if secret else None,
         prefill_instances=f("prefill_instances"), decode_instances=f("decode_instances"),
         router_queue=f("router_queue"), router_max_in_flight=f("max_in_flight"),
-        router_max_connections=f("max_connections"),
+        router_max_connections=f("max_connections"), shutdown_timeout_s=f("shutdown_timeout"),
         ssl_keyfile=_path(f("ssl_keyfile")), ssl_certfile=_path(f("ssl_certfile")),
         ssl_ca_certs=_path(f("ssl_ca_certs")), ssl_cert_reqs=f("ssl_cert_reqs"),
         ssl_refresh=True if f("enable_ssl_refresh") else None,

@@ -748,7 +748,7 @@ class ProcessInfo(msgspec.Struct, array_like=True, frozen=True, gc=False):
     restarts: int
     healthy: bool
     last_pong_age_s: float  # -1: never
-    last_exit: str  # "running", "exit code 3", "killed by SIGKILL"
+    last_exit: str  # "running" (never exited), "exit code 3", "killed by SIGKILL": the last, restarted since or not
     instance: int = 0  # index of the instance of its role
 
 

@@ -136,6 +136,21 @@ def load_secret(path: str) -> bytes:
     return secret
 
 
+def check_secret_file(path: str) -> None:
+    """``pushkv up``'s check of ``--secret-file`` before anything starts: ValueError naming the flag and the fix
+    for a file that cannot be read, is too short, or that every user of this host may read or write (as ssh refuses
+    such a key: any of them could derive the CURVE keys, or swap the secret). Readable by the group: a warning."""
+    try:
+        load_secret(path)
+        mode = os.stat(path).st_mode & 0o777
+    except OSError as e:
+        raise ValueError(f"--secret-file {path}: {e.strerror}; make one, the same file on every host: "
+                         f"umask 077; openssl rand -hex 32 > {path}") from None
+    if mode & 0o007:
+        raise ValueError(f"--secret-file {path}: mode {mode:04o}, so every user of this host may read or write the "
+                         f"CURVE secret; chmod 600 {path} (and on every host)")
+
+
 def bearer_ok(authorization: str, key: str) -> bool:
     """Whether an HTTP ``Authorization`` header carries ``Bearer <key>`` (constant-time compare)."""
     scheme, _, token = authorization.partition(" ")

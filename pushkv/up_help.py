@@ -31,7 +31,7 @@ HELP = {
     "decode_block_size": "tokens per KV block on D (wins over --block-size)",
     "on_child_exit": "a child that dies: restart its whole instance, or shut the deployment down",
     "restart_window": "seconds over which --max-restarts counts a child's restarts",
-    "stop_timeout": "seconds children have to exit after SIGTERM before they are killed",
+    "stop_timeout": "seconds children have to exit once asked to stop (SIGTERM at 0.3 of it) before they are killed",
     "log_level": "every process's log level",
 }
 
@@ -62,7 +62,8 @@ def defaults() -> dict[str, Any]:
         "staging": c.staging, "staging_mib": "auto: 1/16 of host memory, at most the pool",
         "writer_warm": c.writer_warm, "served_model_name": "the --model string", "router_queue": c.router_queue,
         "max_in_flight": c.router_max_in_flight,
-        "max_connections": c.router_max_connections, "push_pin_fraction": c.push_pin_fraction,
+        "max_connections": c.router_max_connections, "shutdown_timeout": c.shutdown_timeout_s,
+        "push_pin_fraction": c.push_pin_fraction,
         "trace": "off", "secret_file": "none (no CURVE)", "api_key": "none: /v1/* open",
         "metrics_auth": "off: /metrics open",
         "role": "none: the whole deployment here", "registry": "none: one host",

@@ -119,14 +119,16 @@ class Deployment:
 
 @contextmanager
 def launched(*flags: str, log_path: Optional[str] = None, registry: Optional[str] = None,
-             port: Optional[int] = None, start_timeout_s: float = START_TIMEOUT_S) -> Iterator[Deployment]:
-    """`pushkv up FLAGS` until the block exits; then SIGINT and reap."""
+             port: Optional[int] = None, start_timeout_s: float = START_TIMEOUT_S,
+             session: bool = False) -> Iterator[Deployment]:
+    """`pushkv up FLAGS` until the block exits; then SIGINT and reap. ``session``: `pushkv up` leads a session (and
+    process group) of its own, as in a terminal, so that a test can send Ctrl-C's SIGINT to the whole group."""
     port = port or free_tcp_port()
     reg = registry or tempfile.mkdtemp(prefix="pushkv-registry-")
     env = dict(os.environ, PUSHKV_REGISTRY_DIR=reg)
     argv = [sys.executable, "-m", "processes.cli", "up", "--port", str(port), *flags]
     log = open(log_path or os.devnull, "w")
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=session)
     lines: list[str] = []
     ready = threading.Event()
 

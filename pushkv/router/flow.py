@@ -36,7 +36,8 @@ class RequestRun:
                  prompt_token_ids: list[int], max_tokens: int, stop_token_ids: tuple[int, ...], arrival: float,
                  metrics: RouterMetrics, sampling: Optional[m.SamplingParams] = None,
                  local_link: Optional[SchedulerLink] = None, cache_salt: str = "",
-                 structured: Optional[m.Structured] = None, lora: str = "", stop_strings: bool = False):
+                 structured: Optional[m.Structured] = None, lora: str = "", stop_strings: bool = False,
+                 client_id: str = ""):
         self.balancer = balancer
         self.local_link = local_link
         self.metrics = metrics
@@ -46,11 +47,11 @@ class RequestRun:
             stop=stop_token_ids, request_s=cfg.timeouts.request_s,
             sampling=sampling if sampling != m.SamplingParams() else None,
             local_engine=cfg.local.engine_id or "local", wall_offset=wall - time.monotonic(), cache_salt=cache_salt,
-            structured=structured, lora=lora, stop_strings=stop_strings,
+            structured=structured, lora=lora, stop_strings=stop_strings, client_id=client_id,
         )
         self.req = R.Request(spec, arrival, arrival_wall=wall)
         self.hash_cache: dict[int, list[int]] = {}  # the balancer's: block size -> the prompt's block hashes
-        self.client_id = ""  # the client's own id for the request (X-Request-Id), which /v1/abort takes too
+        self.client_id = client_id  # the client's own id for the request (X-Request-Id), which /v1/abort takes too
         self.queue: asyncio.Queue[tuple[R.Source, object]] = asyncio.Queue()
         self.links: dict[str, SchedulerLink] = {}  # leg -> the link its Generate went out on
         self.deadline = math.inf  # what the request armed

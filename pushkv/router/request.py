@@ -180,6 +180,7 @@ class Spec:
     lora: str = ""  # the LoRA adapter its model names ("": the base model)
     structured: Optional[m.Structured] = None  # its output held to this grammar, on every leg that draws
     stop_strings: bool = False  # the client's text is searched for stop strings (the token leg's Generate says so)
+    client_id: str = ""  # the client's own id (X-Request-Id, the body's request_id), on every log line of the request
 
 
 class Request:
@@ -207,6 +208,13 @@ class Request:
     @property
     def transfer_id(self) -> str:
         return self.spec.transfer_id
+
+    @property
+    def ids(self) -> str:
+        """The request's ids as a log line gives them: ``transfer_id=...``, and ``client_id=...`` where the client
+        named it, so that the id a client was answered with (``cmpl-<its id>``) finds the request's lines."""
+        tid = f"transfer_id={self.spec.transfer_id}"
+        return f"{tid} client_id={self.spec.client_id}" if self.spec.client_id else tid
 
     @property
     def decode_tokens(self) -> int:
@@ -238,11 +246,11 @@ class Request:
         or a scheduler's message on a leg never sent, raises ``IllegalInput`` and changes nothing."""
         handler = self.HANDLERS.get(type(msg))
         if handler is None:
-            log.error("unexpected %s from %s transfer_id=%s", type(msg).__name__, leg, self.transfer_id)
+            log.error("unexpected %s from %s %s", type(msg).__name__, leg, self.ids)
             return []
         allowed = TRANSITIONS[self.phase].get(type(msg))
         if self.over and allowed is None:
-            log.debug("%s from %s after the end transfer_id=%s", type(msg).__name__, leg, self.transfer_id)
+            log.debug("%s from %s after the end %s", type(msg).__name__, leg, self.ids)
             return []
         if allowed is None:
             raise IllegalInput(f"{type(msg).__name__} in phase {self.phase.value} transfer_id={self.transfer_id}")
@@ -274,7 +282,7 @@ class Request:
         self.ledger.engines[leg] = engine_id
         self.ledger.sent.add(leg)
         self._mark(f"router.send_{leg}", now)
-        log.debug("send %s leg to %s transfer_id=%s", leg, engine_id, self.transfer_id)
+        log.debug("send %s leg to %s %s", leg, engine_id, self.ids)
         return Send(leg, engine_id, msg)
 
     def _on_start(self, msg: Start, now: float, leg: Source) -> list[Action]:
@@ -300,7 +308,7 @@ class Request:
         p, d = v.prefill or "", v.decode or ""  # the verdict's kind says which it names
         if v.kind == P.DECODE_LOCAL:
             led.path = "decode-local"
-            log.debug("decode-local transfer_id=%s: %s", self.transfer_id, v.reason)
+            log.debug("decode-local %s: %s", self.ids, v.reason)
             return [self._send("decode", d, self._generate("decode", n, prefill_here=True), now)]
         if v.kind == P.LATE:
             led.late = True
@@ -309,7 +317,7 @@ class Request:
                 self._mark("router.late_allocation", now)
                 n = LINES.seen("late")
                 if n:
-                    log.info("late allocation transfer_id=%s: %s (%d so far)", self.transfer_id, v.reason, n)
+                    log.info("late allocation %s: %s (%d so far)", self.ids, v.reason, n)
             return [self._send("prefill", p, self._generate("prefill", 1, late=self.spec.mode == "push"), now)]
         # both legs leave together: D reserves and registers while P computes
         return [self._send("prefill", p, self._generate("prefill", 1), now),
@@ -342,25 +350,25 @@ class Request:
     def _on_rejected(self, msg: Rejected, now: float, leg: Source) -> list[Action]:
         n = LINES.seen(("refused", msg.status))  # a client retrying hard while an instance restarts
         if n:
-            log.info("refused transfer_id=%s status=%d: %s (refused with %d so far: %d)", self.transfer_id,
+            log.info("refused %s status=%d: %s (refused with %d so far: %d)", self.ids,
                      msg.status, msg.reason, msg.status, n)
         return self._fail(msg.status, msg.reason, "rejected")
 
     def _on_send_failed(self, msg: SendFailed, now: float, leg: Source) -> list[Action]:
         self.ledger.sent.difference_update(msg.unsent)
-        log.error("sending %s leg failed transfer_id=%s: %s", msg.leg, self.transfer_id, msg.error)
+        log.error("sending %s leg failed %s: %s", msg.leg, self.ids, msg.error)
         late_decode = msg.leg == "decode" and self.ledger.pull is not None
         return self._fail(503, f"{'decode ' if late_decode else ''}scheduler unreachable: {msg.error}")
 
     def _on_request_failed(self, msg: m.RequestFailed, now: float, leg: Source) -> list[Action]:
         self.ledger.ended.add(_sent_leg(leg))
         if self.phase is Phase.FINISHING:  # the client already has every token
-            log.warning("leg %s failed after completion transfer_id=%s: %s", leg, self.transfer_id, msg.reason)
+            log.warning("leg %s failed after completion %s: %s", leg, self.ids, msg.reason)
             return self._finish()
         n = LINES.seen(("failed", leg, msg.status))  # an instance's death fails every request it had at once
         if n:
-            log.info("leg %s failed transfer_id=%s status=%d: %s (%s legs failed with %d so far: %d)", leg,
-                     self.transfer_id, msg.status, msg.reason, leg, msg.status, n)
+            log.info("leg %s failed %s status=%d: %s (%s legs failed with %d so far: %d)", leg,
+                     self.ids, msg.status, msg.reason, leg, msg.status, n)
         return self._fail(msg.status, f"{leg}: {msg.reason}")
 
     def _on_cancel(self, msg: Cancel, now: float, leg: Source) -> list[Action]:
@@ -368,7 +376,7 @@ class Request:
             return self._finish()
         n = LINES.seen(("cancelled", msg.outcome))  # a router stop or an instance's death cancels them all
         if n:
-            log.info("cancelled transfer_id=%s status=%d: %s (%d %s so far)", self.transfer_id, msg.status,
+            log.info("cancelled %s status=%d: %s (%d %s so far)", self.ids, msg.status,
                      msg.reason, n, msg.outcome)
         self.cancelled = msg.reason
         return self._fail(msg.status, msg.reason, msg.outcome)
@@ -474,7 +482,7 @@ class Request:
         if leg != self.token_leg:
             return self._on_p_report(msg, now, leg)
         if led.done:  # a duplicate of D's last message
-            log.warning("tokens after the last from %s transfer_id=%s", leg, self.transfer_id)
+            log.warning("tokens after the last from %s %s", leg, self.ids)
             return []
         if self.held or self._waits_for_p(msg):
             self.held.append(msg)  # in order, behind the first token

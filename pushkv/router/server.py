@@ -2,8 +2,8 @@
 
 Phases: ``start`` (links, site, Ready to the supervisor) -> serve until a
 stop is requested (signal, ``Shutdown``) -> ``stop`` (refuse new requests,
-fail in-flight ones with 503, abort their legs, free the port, close
-sockets).
+let in-flight ones finish for up to ``--shutdown-timeout``, fail the rest with
+503, abort their legs, free the port, close sockets).
 """
 from __future__ import annotations
 
@@ -402,7 +402,12 @@ class Router:
         if self.stopping:
             await self._stopped.wait()
             return
-        self.stopping = True
+        self.stopping = True  # from here new requests get 503 and /health 503: a balancer takes us out
+        if self.cfg.shutdown_timeout_s > 0 and self.runs:  # --shutdown-timeout: vLLM's drain
+            log.info("router draining: %d request(s) in flight have up to %.0f s to finish (--shutdown-timeout)",
+                     len(self.runs), self.cfg.shutdown_timeout_s)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._handlers_idle.wait(), self.cfg.shutdown_timeout_s)
         log.info("router stopping: %d request(s) in flight", len(self.runs))
         for run in list(self.runs.values()):
             run.inject_failure(503, "router shutting down", "shutdown")
@@ -833,8 +838,7 @@ class Router:
                              ids, max_tokens, params.stop_token_ids, arrival,
                              self.metrics, sampling, local_link=self.local_link, cache_salt=params.cache_salt,
                              structured=params.structured, lora=self.loras.of(params.model),
-                             stop_strings=bool(params.stop))
-            run.client_id = params.client_id
+                             stop_strings=bool(params.stop), client_id=params.client_id)
             self.runs[tid] = run
             runs.append(run)
             if self.tracer is not None:

@@ -240,6 +240,7 @@ def _stop_one(rec: registry.DeploymentRecord, timeout_s: float) -> bool:
         print(f"{rec.deployment_id}: control socket silent; sending SIGTERM to {rec.pid}", file=sys.stderr)
         os.kill(rec.pid, signal.SIGTERM)
     t0 = time.monotonic()
+    timeout_s += rec.shutdown_timeout_s  # the router's drain comes first
     if lifecycle.wait_pid_exit(rec.pid, timeout_s):
         print(f"{rec.deployment_id}: stopped in {time.monotonic() - t0:.1f}s")
         return True

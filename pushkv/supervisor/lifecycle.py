@@ -66,11 +66,14 @@ def child_env(name: str, deployment_id: str, base: Optional[dict] = None, kind: 
 
 
 def spawn(argv: Sequence[str], env: dict[str, str]) -> subprocess.Popen:
-    """Start a child; its stdout goes to our stderr so our stdout stays parseable."""
+    """Start a child; its stdout goes to our stderr so our stdout stays parseable. It gets a process group of its
+    own: a terminal's Ctrl-C (SIGINT to the foreground group) reaches only the supervisor, which stops the children
+    in order (the router first, draining for --shutdown-timeout), instead of every child stopping on its own at once
+    (a scheduler gone before the router, its requests ending 'scheduler shutting down')."""
     parent = os.getpid()
     return subprocess.Popen(
         list(argv), env=env, stdin=subprocess.DEVNULL, stdout=sys.stderr.fileno(),
-        close_fds=True, preexec_fn=lambda: _die_with_parent(parent),
+        close_fds=True, preexec_fn=lambda: _die_with_parent(parent), process_group=0,
     )
 
 

@@ -228,6 +228,13 @@ def _fixed_metrics_ports(cfg: DeploymentConfig) -> DeploymentConfig:
                                    decode=msgspec.structs.replace(cfg.decode, metrics_port=d_port))
 
 
+def instances_here(cfg: DeploymentConfig) -> int:
+    """How many P / D / local instances this host runs (each takes the next port, or the next ``_N`` ipc name)."""
+    return 1 if cfg.mode == "local" else (
+        (cfg.prefill_instances if cfg.host_role in ("", "prefill") else 0)
+        + (cfg.decode_instances if cfg.host_role in ("", "decode") else 0))
+
+
 def _port_ranges(cfg: DeploymentConfig) -> list[tuple[str, str, int, int]]:
     """(flag, what it sets, first port, how many) of each TCP port range the user fixed that this host will bind:
     the router's --port (not with --uds), the instances' --metrics-port range, and their KV-event sockets where bound
@@ -235,9 +242,7 @@ def _port_ranges(cfg: DeploymentConfig) -> list[tuple[str, str, int, int]]:
     out: list[tuple[str, str, int, int]] = []
     if cfg.host_role in ("", "router") and not cfg.uds:  # (with --uds the router binds its socket file, no port)
         out.append(("--port", "--port", cfg.port, 1))
-    n = 1 if cfg.mode == "local" else (
-        (cfg.prefill_instances if cfg.host_role in ("", "prefill") else 0)
-        + (cfg.decode_instances if cfg.host_role in ("", "decode") else 0))
+    n = instances_here(cfg)
     if cfg.metrics_port and cfg.host_role != "router":
         out.append(("--metrics-port", "--metrics-port", cfg.metrics_port, n))
     ev = cfg.kv_events

@@ -20,6 +20,7 @@ import hashlib
 import importlib.util
 import os
 import socket
+import stat
 import subprocess
 import sys
 from typing import Callable, Optional
@@ -27,7 +28,8 @@ from typing import Callable, Optional
 from pushkv import envs
 from pushkv.config import DeploymentConfig, InstanceConfig
 from pushkv.cuda_driver import device_count as cuda_device_count
-from pushkv.supervisor.plan import fixed_ports
+from pushkv.protocol import kv_events
+from pushkv.supervisor.plan import fixed_ports, instances_here
 
 NIXL_IMPORT = "nixl._api"  # what pushkv.transport.nixl_agent imports
 NIXL_TIMEOUT_S = 120.0  # a cold torch import on a loaded host; only a hung import waits this long
@@ -44,6 +46,48 @@ def port_problems(cfg: DeploymentConfig) -> list[str]:
             out.append(f"{flag} {port}: {host}:{port} is taken ({err}); give {flag} a free port, or stop what "
                        f"listens there (ss -ltnp 'sport = :{port}' shows it)")
     return out
+
+
+def ipc_problems(cfg: DeploymentConfig) -> list[str]:
+    """Every ipc:// socket this host binds at a path the user gave (--trace's taps' end, each instance's KV events)
+    whose path is taken: ZeroMQ's ipc bind removes
+    what is there first, so a second deployment given the same --kv-events-config took the first one's sockets over
+    without a word (its consumers then read the other deployment's events), and a file there that is no socket would
+    be deleted. A socket nobody listens on (a crash's leftover) is replaced, as ZeroMQ does."""
+    out = []
+    tap = cfg.trace_tap_endpoint  # --trace ipc://PATH: the supervisor binds the taps' end there
+    if tap.startswith("ipc://") and (why := _ipc_taken(tap[len("ipc://"):])):
+        out.append(f"--trace {tap}: {tap[len('ipc://'):]} {why}; binding it would take it over: give each deployment "
+                   "a path of its own")
+    ev = cfg.kv_events
+    if not ev.on or cfg.host_role == "router":
+        return out
+    for name, given in (("endpoint", ev.endpoint), ("replay_endpoint", ev.replay_endpoint)):
+        if not given or not given.startswith("ipc://"):
+            continue
+        for i in range(instances_here(cfg)):
+            path = (kv_events.endpoint_for(given, i) or given)[len("ipc://"):]
+            why = _ipc_taken(path)
+            if why:
+                out.append(f"--kv-events-config {name} {given}: {path} {why}; binding it would take it over: give "
+                           "each deployment a path of its own")
+    return out
+
+
+def _ipc_taken(path: str) -> str:
+    """Why a ZeroMQ ipc bind at ``path`` would take something over ("" where nothing is there, or a dead socket)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ""
+    if not stat.S_ISSOCK(st.st_mode):
+        return "exists and is no socket"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        try:
+            s.connect(path)
+        except OSError:
+            return ""  # nobody listens: a leftover
+    return "is a socket another process listens on (another deployment's?)"
 
 
 def _bind_error(host: str, port: int) -> str:
@@ -155,7 +199,7 @@ def preflight(cfg: DeploymentConfig, writers: bool = True,
     known_good = mark is not None and os.path.exists(mark)
     nixl = start_nixl_check() if writers and cfg.host_role != "router" and not known_good else None
     try:
-        problems = port_problems(cfg) + gpu_problems(cfg)
+        problems = port_problems(cfg) + ipc_problems(cfg) + gpu_problems(cfg)
         if not problems and then is not None:
             problems = then()
     except BaseException:

@@ -39,16 +39,35 @@ class DeploymentRecord(msgspec.Struct):
     started_wall: float
     trace_endpoint: str = ""
     trace_tap_endpoint: str = ""  # where pushkv tap connects (the supervisor's XPUB)
+    shutdown_timeout_s: float = 0.0  # --shutdown-timeout: how much longer `pushkv stop` waits for the drain
+
+
+TMP_ROOT = "/tmp"  # where a user without a runtime directory keeps the registry (tests point it elsewhere)
 
 
 def registry_dir(environ: Optional[Mapping[str, str]] = None) -> str:
+    """Where ``pushkv up`` records its deployment: $PUSHKV_REGISTRY_DIR, else under $XDG_RUNTIME_DIR, else /tmp's."""
     chosen: str = envs.get("PUSHKV_REGISTRY_DIR", environ)
     if chosen:
         return chosen
     runtime: str = envs.get("XDG_RUNTIME_DIR", environ)
     if runtime and os.path.isdir(runtime):
         return os.path.join(runtime, "pushkv-deployments")
-    return f"/tmp/pushkv-{os.getuid()}"
+    return _tmp_dir()
+
+
+def _tmp_dir() -> str:
+    return os.path.join(TMP_ROOT, f"pushkv-{os.getuid()}")
+
+
+def reading_dirs(environ: Optional[Mapping[str, str]] = None) -> list[str]:
+    """Where ``pushkv status|stop|tap`` look for records: the registry directory, and without PUSHKV_REGISTRY_DIR
+    also /tmp's when that is not it: a deployment started without XDG_RUNTIME_DIR (a systemd service, cron, sudo)
+    records there, and a login shell of the same user, which has one, must still find it."""
+    first = registry_dir(environ)
+    if envs.get("PUSHKV_REGISTRY_DIR", environ) or first == _tmp_dir():
+        return [first]
+    return [first, _tmp_dir()]
 
 
 def private_dir_problem(path: str) -> str:
@@ -121,14 +140,34 @@ def write_record(rec: DeploymentRecord, directory: Optional[str] = None) -> str:
 
 
 def remove_record(deployment_id: str, directory: Optional[str] = None) -> None:
-    try:
-        os.unlink(record_path(deployment_id, directory))
-    except FileNotFoundError:
-        pass
+    """Remove the record wherever it was read from (``reading_dirs``; only from a directory that is safely ours)."""
+    for d in [directory] if directory else reading_dirs():
+        if d != (directory or registry_dir()) and private_dir_problem(d):
+            continue
+        try:
+            os.unlink(record_path(deployment_id, d))
+        except FileNotFoundError:
+            pass
 
 
 def list_records(directory: Optional[str] = None) -> list[DeploymentRecord]:
-    """The records in the registry directory (none if it is absent); RegistryError if it is not ours."""
+    """The records in ``directory``, else in every directory of ``reading_dirs`` (none where one is absent);
+    RegistryError if the registry directory is not ours. /tmp's, read besides, is skipped when it is not ours: it is
+    refused as ever where it is the one pushkv up writes."""
+    if directory:
+        return _records_in(directory)
+    dirs = reading_dirs()
+    out = _records_in(dirs[0])
+    seen = {r.deployment_id for r in out}
+    for d in dirs[1:]:
+        if os.path.lexists(d) and private_dir_problem(d):
+            log.warning("registry directory %s: %s; its records are not read", d, private_dir_problem(d))
+            continue
+        out += [r for r in _records_in(d) if r.deployment_id not in seen]
+    return out
+
+
+def _records_in(directory: str) -> list[DeploymentRecord]:
     d = checked_dir(directory)
     if not os.path.lexists(d):
         return []

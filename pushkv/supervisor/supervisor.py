@@ -132,8 +132,11 @@ class Supervisor(Actor):
         self.out = out
         # a P or D host of several runs no router: its record and status name none
         self.router_url = tls.router_url(cfg, cfg.port) if cfg.host_role in ("", "router") else ""
-        self.phase = "new"  # new | starting | running | stopping | stopped
+        self.phase = "new"  # new | starting | running | draining (--shutdown-timeout) | stopping | stopped
         self.exit_code = 0
+        self.stop_signal = 0  # the signal that stopped us, if one did
+        self._stop_asked = False  # by a signal or `pushkv stop`: tick begins the stop
+        self._drain_until = 0.0  # --shutdown-timeout: while the router drains, when the rest stops at the latest
         self.failure = ""
         self.procs: dict[str, subprocess.Popen] = {}
         self._pidfds: dict[str, int] = {}
@@ -172,7 +175,7 @@ class Supervisor(Actor):
                 control_endpoint=self.cfg.control_endpoint, events_endpoint=self.cfg.events_endpoint,
                 router_url=self.router_url, run_dir=self.cfg.run_dir, mode=self.cfg.mode,
                 started_wall=time.time(), trace_endpoint=self.cfg.trace_endpoint,
-                trace_tap_endpoint=self.cfg.trace_tap_endpoint,
+                trace_tap_endpoint=self.cfg.trace_tap_endpoint, shutdown_timeout_s=self.cfg.shutdown_timeout_s,
             ), self.registry_dir)
         log.info("deployment %s (%s mode): %d processes, run dir %s", self.cfg.deployment_id,
                  self.cfg.mode, len(self.specs), self.cfg.run_dir)
@@ -311,9 +314,34 @@ class Supervisor(Actor):
                 for i in self.cfg.instances()]),
         }
 
+    def run(self) -> None:
+        """The actor's loop; a hang-up (the terminal or the ssh session of `pushkv up` gone) stops the deployment as
+        SIGTERM does, cleaning up, where by default it killed the supervisor at once and left the children to die by
+        SIGKILL and their pools, run dir and record behind. Under nohup (SIGHUP ignored) it stays ignored."""
+        if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+            signal.signal(signal.SIGHUP, self._on_signal)
+        super().run()
+
+    def _on_signal(self, signum, frame) -> None:
+        self.stop_signal = signum  # tick begins the stop and says so: a handler only sets flags
+
     def request_stop(self, reason: str) -> None:
         log.info("stop requested: %s", reason)
-        self.stopping = True
+        self._stop_asked = True
+
+    def _begin_stop(self, now: float) -> None:
+        """The stop asked (signal, ``pushkv stop``): with --shutdown-timeout and a live router, the router alone
+        first, which drains its requests while the instances serve them and everything else still runs (this loop
+        answers ``pushkv status`` meanwhile: phase ``draining``); the rest once it has exited or the time is up."""
+        router = self.table["router"] if "router" in self.table.rows else None
+        if (self.phase == "running" and self.cfg.shutdown_timeout_s > 0 and router is not None
+                and router.state in (State.STARTED, State.READY)):
+            self.phase = "draining"
+            self._drain_until = now + self.cfg.shutdown_timeout_s
+            self._stop_child(router, "stop")
+            self._publish("deployment", "draining", detail=f"{self.cfg.shutdown_timeout_s:g} s")
+        else:
+            self.stopping = True
 
     def request_restart(self, name: str, reason: str) -> Optional[str]:
         if self.phase != "running":
@@ -352,6 +380,12 @@ class Supervisor(Actor):
         self.table.exited(name, code)
         self._unhealthy.discard(name)
         how = describe_exit(code)
+        if self.phase == "draining":  # the stop is under way: nothing is restarted; the router gone, the rest stop
+            log.info("%s (pid %d) exited while the router drains: %s", name, pid, how)
+            self._publish(name, "exit", row, detail=how)
+            if row.spec.kind == "router":
+                self.stopping = True
+            return
         if name in self._restart_requested:
             del self._restart_requested[name]
             log.info("%s (pid %d) stopped for restart: %s", name, pid, how)
@@ -471,6 +505,15 @@ class Supervisor(Actor):
     # run phase: deadlines and health
     # ------------------------------------------------------------------
     def tick(self, now: float) -> None:
+        if self.stop_signal and not self._stop_asked:
+            self.request_stop(signal.Signals(self.stop_signal).name)
+        if self.phase == "draining":
+            if now > self._drain_until:
+                self.stopping = True
+            return
+        if self._stop_asked and not self.stopping:
+            self._begin_stop(now)
+            return
         if self.host_registry is not None and self.phase == "starting":
             self._registry_tick(self.host_registry, now)  # keep the lease taken at start-up
         if self.phase == "starting":

@@ -61,7 +61,7 @@ class Row:
     restarts: int = 0
     restart_times: deque = field(default_factory=deque)  # monotonic
     last_pong: float = 0.0
-    exit_code: Optional[int] = None  # last exit: >=0 code, <0 -signal
+    exit_code: Optional[int] = None  # last exit: >=0 code, <0 -signal; kept across a restart (status says why)
     identity: Optional[bytes] = None  # control socket identity of the live process
     ready: Optional[m.Ready] = None  # what the live process said when it got ready
 
@@ -109,7 +109,7 @@ class ProcessTable:
         restart = row.state is State.EXITED
         self.apply(name, Event.SPAWNED)
         row.pid, row.started_at, row.started_wall = pid, now, wall
-        row.identity, row.exit_code, row.last_pong, row.ready_at, row.ready = None, None, 0.0, 0.0, None
+        row.identity, row.last_pong, row.ready_at, row.ready = None, 0.0, 0.0, None
         if restart:
             row.restarts += 1
             row.restart_times.append(now)

@@ -244,6 +244,22 @@ def test_idle_processes_do_not_spin(push):
     assert all(u / wall < 0.10 for u in used.values()), used
 
 
+def test_process_titles_name_the_deployment(push):
+    """`ps` tells two deployments' processes apart, as docs/tracing.md's `pgrep -f 'pushkv prefill-writer 0 ID'`
+    finds one: every child's title is `pushkv <what> <deployment id>`, as the supervisor's."""
+    from pushkv.supervisor.commands import ask
+
+    dep = push.cfg.deployment_id
+    titles = {}
+    for p in ask(push.cfg.control_endpoint, "status").processes:
+        with open(f"/proc/{p.pid}/cmdline", "rb") as f:
+            titles[p.name] = f.read().replace(b"\0", b" ").decode().strip()
+    assert titles["prefill-writer-0"] == f"pushkv prefill-writer 0 {dep}"
+    assert titles["decode-scheduler"] == f"pushkv decode-scheduler 0 {dep}"
+    assert titles["router"] == f"pushkv router {dep}"
+    assert all(t.startswith("pushkv ") and t.endswith(f" {dep}") for t in titles.values()), titles
+
+
 @pytest.mark.skipif(not nobody_runs_python(), reason="needs root, setpriv, and this python usable by uid 65534")
 def test_another_uid_gets_no_handshake(push):
     """A default deployment on one host: another local uid cannot reach a writer's handshake, so it

@@ -292,6 +292,22 @@ def test_start_twice_is_an_error_naming_the_phase():
         req.on(R.Start(), T0)
 
 
+@pytest.mark.parametrize("client_id, names", [("", "transfer_id=t status=503"),
+                                               ("myreq-1", "transfer_id=t client_id=myreq-1 status=503")])
+def test_a_failure_line_names_the_clients_id(monkeypatch, caplog, client_id, names):
+    """The client was answered `cmpl-myreq-1` for X-Request-Id myreq-1: that id finds the line of its failure."""
+    monkeypatch.setattr(R, "LINES", type(R.LINES)())
+    spec = R.Spec(mode="push", transfer_id="t", prompt=(1, 2, 3), max_tokens=4, stop=(9,), request_s=10.0,
+                  client_id=client_id)
+    req = R.Request(spec, arrival=T0)
+    for msg, leg, now, _ in START_PUSH:
+        req.on(msg, now, leg)
+    with caplog.at_level("INFO", logger=R.__name__):
+        req.on(fail("decode-worker-0 died", 503), T0, "decode")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"leg decode failed {names}: decode-worker-0 died (decode legs failed with 503 so far: 1)"]
+
+
 def test_refusals_are_logged_first_one_by_one_then_one_in_a_hundred(monkeypatch, caplog):
     """A client retrying hard while an instance restarts gets a 503 each time: the log keeps the first ten, then
     every hundredth, each with the count so far."""

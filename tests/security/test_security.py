@@ -335,15 +335,71 @@ def test_a_child_gets_only_the_secrets_it_uses(kind, metrics_auth, gets_key):
     assert (API_KEY_ENV in env) is gets_key and env["PATH"] == "/bin" and env["PUSHKV_NAME"] == f"x-{kind}"
 
 
-@pytest.mark.parametrize("content, expect", [(None, "No such file"), (b"short\n", "too short")])
-def test_pushkv_up_refuses_a_bad_secret_before_starting(tmp_path, capsys, content, expect):
+@pytest.mark.parametrize("content, mode, expect", [
+    (None, 0o600, "--secret-file {path}: No such file or directory; make one"),
+    (b"short\n", 0o600, "too short"),
+    (SECRET, 0o644, "--secret-file {path}: mode 0644, so every user of this host may read or write the CURVE secret; "
+                    "chmod 600 {path}"),
+    (SECRET, 0o602, "mode 0602"),
+])
+def test_pushkv_up_refuses_a_bad_secret_before_starting(tmp_path, capsys, content, mode, expect):
     from processes.cli import main
 
     path = tmp_path / "curve.secret"
     if content is not None:
         path.write_bytes(content)
+        path.chmod(mode)
     assert main(["up", "--model", "tiny", "--secret-file", str(path)]) == 2
-    assert expect in capsys.readouterr().err
+    assert expect.format(path=path) in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", [0o600, 0o400, 0o640])
+def test_a_secret_of_the_user_or_its_group_passes(tmp_path, mode):
+    path = tmp_path / "curve.secret"
+    path.write_bytes(SECRET)
+    path.chmod(mode)
+    sec.check_secret_file(str(path))  # raises on a refusal
+
+
+def test_a_tcp_trace_endpoint_needs_the_secret_or_insecure(capsys):
+    """--trace tcp://...: every message mirrored (prompts, the writers' NIXL metadata) to whoever subscribes: refused
+    without --secret-file; --insecure publishes it plain, saying so (refused here later, at the taken port)."""
+    import socket
+
+    from processes.cli import main
+
+    assert main(["up", "--model", "tiny", "--trace", "tcp://127.0.0.1:18556"]) == 2
+    err = capsys.readouterr().err
+    assert "--trace tcp://127.0.0.1:18556 publishes every message" in err and "--secret-file" in err
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        assert main(["up", "--model", "tiny", "--trace", "tcp://127.0.0.1:18556", "--insecure", "--port", port]) == 2
+    err = capsys.readouterr().err
+    assert "WARNING --insecure: --trace tcp://127.0.0.1:18556 publishes every message plain" in err
+    assert f"--port {port}: 127.0.0.1:{port} is taken" in err
+    for trace in (["--trace"], []):  # the run dir's socket, or no trace: nothing to say, refused at the port
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = str(taken.getsockname()[1])
+            assert main(["up", "--model", "tiny", *trace, "--port", port]) == 2
+        err = capsys.readouterr().err
+        assert "publishes every message" not in err and f"--port {port}: 127.0.0.1:{port} is taken" in err
+
+
+@pytest.mark.parametrize("role, said", [("prefill", True), ("decode", True), ("router", False)])
+def test_shutdown_timeout_on_a_host_without_the_router_is_said_to_do_nothing(capsys, role, said):
+    """--shutdown-timeout drains the router's requests: a P or D host runs none, and says so rather than take it
+    silently (refused here later, for want of a secret, so nothing starts)."""
+    from processes.cli import main
+
+    assert main(["up", "--model", "tiny", "--role", role, "--advertise", "127.0.0.1", "--registry",
+                 "etcd://127.0.0.1:1", "--shutdown-timeout", "30"]) == 2
+    err = capsys.readouterr().err
+    assert (f"--shutdown-timeout has no effect on a {role} host, which runs no router" in err) is said, err
+    assert "--secret-file" in err
 
 
 @pytest.mark.parametrize("role", ["router", "prefill", "decode"])

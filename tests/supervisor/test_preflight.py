@@ -190,6 +190,51 @@ def test_fixed_port_ranges_that_meet_are_refused_before_anything_starts(kw, even
             plan_deployment(cfg, run_root="/nonexistent")
 
 
+def test_an_ipc_kv_events_path_in_use_is_refused(tmp_path):
+    """A second deployment given the first's ipc:// KV-events path took its sockets over silently (ZeroMQ's ipc bind
+    removes the file first): a live socket there, or a file that is no socket, is refused; a leftover is not."""
+    import zmq
+
+    from pushkv.protocol import kv_events
+    from pushkv.supervisor.preflight import ipc_problems
+
+    def cfg(path: str, **kw) -> DeploymentConfig:
+        return DeploymentConfig(**kw, kv_events=kv_events.parse_config(
+            '{"enable_kv_cache_events": true, "endpoint": "ipc://%s"}' % path))
+
+    live = str(tmp_path / "kv.sock")
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.bind(f"ipc://{live}_1")  # another deployment's second instance (here D's)
+    try:
+        assert ipc_problems(cfg(live, mode="local")) == []  # one instance: kv.sock alone, which is free
+        (got,) = ipc_problems(cfg(live, mode="push"))
+        assert got == (f"--kv-events-config endpoint ipc://{live}: {live}_1 is a socket another process listens on "
+                       "(another deployment's?); binding it would take it over: give each deployment a "
+                       "path of its own")
+        assert ipc_problems(cfg(live, mode="push", host_role="router", registry="etcd://h:1")) == []  # binds none
+    finally:
+        pub.close(0)
+        ctx.term()
+    left = tmp_path / "left.sock"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(left))  # bound, never listening: what a killed publisher leaves
+    assert ipc_problems(cfg(str(left), mode="local")) == []
+    plain = tmp_path / "notes.txt"
+    plain.write_text("mine")
+    assert "exists and is no socket" in ipc_problems(cfg(str(plain), mode="local"))[0]
+    # --trace ipc://PATH: the taps' end, bound by the supervisor, alike
+    tap = tmp_path / "tap.sock"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(tap))
+        s.listen()
+        traced = DeploymentConfig(mode="local", trace_endpoint=f"ipc://{tmp_path}/t.sock",
+                                  trace_tap_endpoint=f"ipc://{tap}")
+        assert ipc_problems(traced) == [f"--trace ipc://{tap}: {tap} is a socket another process listens on (another "
+                                        "deployment's?); binding it would take it over: give each deployment a "
+                                        "path of its own"]
+
+
 def test_kv_event_ports_that_meet_stop_pushkv_up_before_any_process(tmp_path):
     base = free_tcp_port()
     rc, err = up(tmp_path, "--mode", "push", "--port", str(free_tcp_port()), "--kv-events-config",

@@ -82,6 +82,7 @@ def test_insecure_is_said_before_a_bad_flag_value_is_refused(capsys):
 def test_no_insecure_warning_with_a_secret_or_without_a_role(tmp_path, capsys):
     secret = tmp_path / "curve.secret"
     secret.write_text("x" * 32)
+    secret.chmod(0o600)
     # refused later (no --advertise), but CURVE would be on: nothing to warn of
     assert cli.main(["up", "--model", "tiny", "--role", "prefill", "--insecure", "--secret-file", str(secret),
                      "--registry", REG]) == 2

@@ -24,6 +24,33 @@ def test_registry_dir_is_private(tmp_path):
     assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
 
 
+def test_status_finds_a_deployment_recorded_without_a_runtime_dir(tmp_path, monkeypatch, capsys):
+    """pushkv up as a systemd service (no XDG_RUNTIME_DIR) records under /tmp; the same user's login shell (which has
+    one) ran pushkv status and stop against its runtime dir and said 'no running pushkv deployments'. Both are read
+    now; /tmp's, when not safely ours, is skipped with a warning (and never fails the other)."""
+    from pushkv.supervisor import deployments, registry
+
+    monkeypatch.delenv("PUSHKV_REGISTRY_DIR", raising=False)
+    monkeypatch.setattr(registry, "TMP_ROOT", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    (tmp_path / "xdg").mkdir()
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "xdg"))
+    service = tmp_path / "tmp" / f"pushkv-{os.getuid()}"
+    write_record(DeploymentRecord("svc00001", 2 ** 22 + 1, "ipc://c", "ipc://e", "http://x",
+                                  str(tmp_path / "pushkv-svc00001"), "push", 0.0), str(service))
+    write_record(DeploymentRecord("shell001", 2 ** 22 + 2, "ipc://c", "ipc://e", "http://y",
+                                  str(tmp_path / "pushkv-shell001"), "push", 0.0))  # the runtime dir's
+    assert registry.reading_dirs() == [registry_dir(), str(service)]
+    assert sorted(r.deployment_id for r in registry.list_records()) == ["shell001", "svc00001"]
+    assert deployments.status("svc00001") == 1  # found, and its supervisor (a pid never ours) is gone: stale
+    out = capsys.readouterr().out
+    assert "deployment svc00001  mode=push  http://x" in out and "stale" in out, out
+    assert deployments.stop("svc00001") == 0  # the stale record is removed where it was
+    assert not (service / "svc00001.json").exists()
+    os.chmod(service, 0o755)  # open to others: not read, the runtime dir's still are
+    assert [r.deployment_id for r in registry.list_records()] == ["shell001"]
+
+
 # --- a registry no one else can plant ------------------------------------------------------------
 NOBODY = 65534
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a directory another uid owns")

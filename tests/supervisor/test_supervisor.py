@@ -197,7 +197,8 @@ def test_table_lifecycle_restart_counts_and_health():
     t.exited("decode-writer-0", -9)
     assert row.identity is None and row.exit_code == -9 and not row.healthy(12.0)
     t.spawned("decode-writer-0", 12, now=20.0, wall=120.0)
-    assert row.restarts == 1 and row.pid == 12 and row.exit_code is None and row.ready is None
+    # the last exit stays for `pushkv status` (its LAST EXIT column): why the process was restarted
+    assert row.restarts == 1 and row.pid == 12 and row.exit_code == -9 and row.ready is None
     assert t.by_pid(12) is row
 
 
@@ -306,12 +307,13 @@ def test_config_flags_override_file(tmp_path):
 class Deployment:
     """``tests/support/fake_up.py`` in a subprocess; its stdout lines arrive on a queue."""
 
-    def __init__(self, reg_dir, *flags, child_args=None):
+    def __init__(self, reg_dir, *flags, child_args=None, ignore_hup=False):
         env = dict(os.environ, PUSHKV_REGISTRY_DIR=str(reg_dir), FAKE_CHILD_ARGS=json.dumps(child_args or {}))
         self.proc = subprocess.Popen(
             [sys.executable, os.path.join(ROOT, "tests", "support", "fake_up.py"), "--port", "18999", "--ping-interval", "0.2",
              "--log-level", "INFO", *flags],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            preexec_fn=(lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if ignore_hup else None,  # nohup's
         )
         self.lines: "queue.Queue[str]" = queue.Queue()
         self.err: list[str] = []
@@ -349,8 +351,8 @@ def deployments(tmp_path):
     made: list[Deployment] = []
     pids: set[int] = set()
 
-    def start(*flags, child_args=None):
-        d = Deployment(tmp_path / "reg", *flags, child_args=child_args)
+    def start(*flags, child_args=None, ignore_hup=False):
+        d = Deployment(tmp_path / "reg", *flags, child_args=child_args, ignore_hup=ignore_hup)
         d.track = pids.add
         made.append(d)
         return d
@@ -423,6 +425,32 @@ def test_startup_all_ready_then_sigterm_cleans_up(deployments):
     if not cuda_device_count()[0]:  # the CPU's pool: --num-blocks' default, said at startup
         assert "KV pool prefill: 2048 blocks x 16 tokens = 32768 tokens of context (1.00 x --max-model-len 32768), " \
                "0.06 GiB per rank on cpu (tp 2; --num-blocks (cpu))" in d.stderr()
+
+
+@pytest.mark.timeout(60)
+def test_a_hang_up_stops_the_deployment_cleanly_unless_nohup_ignores_it(deployments):
+    """The terminal (or ssh session) of `pushkv up` gone: SIGHUP stops it as SIGTERM does, nothing left behind (it
+    killed the supervisor at once: its children died by SIGKILL, their pools, run dir and record stayed). Under
+    nohup the hang-up stays ignored."""
+    d = deployments("--mode", "local")
+    d.wait_ready()
+    st = _track(d)
+    rec = d.record()
+    d.proc.send_signal(signal.SIGHUP)
+    assert d.proc.wait(timeout=20) == 0
+    assert "stop requested: SIGHUP" in d.stderr()
+    _assert_clean(rec, [p.pid for p in st.values()], d.reg_dir)
+
+    d = deployments("--mode", "local", ignore_hup=True)
+    d.wait_ready()
+    st = _track(d)
+    rec = d.record()
+    d.proc.send_signal(signal.SIGHUP)
+    assert c.ask(rec.control_endpoint, "status").status == c.OK  # answered after the hang-up: still running
+    assert d.proc.poll() is None
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(timeout=20) == 0
+    _assert_clean(rec, [p.pid for p in st.values()], d.reg_dir)
 
 
 def _environ(pid: int) -> dict[str, str]:
@@ -529,7 +557,7 @@ def test_kill9_after_startup_reported_restarted_ready(deployments, monkeypatch, 
     ev = _next_event(sub, "pushkv.decode.writer.ready")
     new = d.status()["decode-writer-0"]
     d.track(new.pid)
-    assert (new.state, new.restarts, new.pid) == ("READY", 1, ev.pid)
+    assert (new.state, new.restarts, new.pid, new.last_exit) == ("READY", 1, ev.pid, "killed by SIGKILL")
     assert f"ERROR supervisor pushkv.supervisor.supervisor: decode-writer-0 (pid {victim}) died: killed by SIGKILL" in d.stderr()
 
     # the restart command: Shutdown/SIGTERM, then spawned again
@@ -585,6 +613,33 @@ def test_stubborn_child_is_killed_at_the_deadline(deployments):
     assert d.proc.wait(timeout=20) == 0
     assert 1.5 < time.monotonic() - t0 < 10
     assert "killed after 2 s stop deadline: local-worker-0" in d.stderr()
+    _assert_clean(rec, [p.pid for p in st.values()], d.reg_dir)
+
+
+@pytest.mark.timeout(60)
+def test_shutdown_timeout_stops_the_router_alone_first_and_pushkv_stop_waits_for_it(deployments, monkeypatch,
+                                                                                  capsys):
+    """--shutdown-timeout: the router is asked to stop alone and has that long (a router that ignores Shutdown and
+    SIGTERM stands in for a long drain) while the rest runs and `pushkv status` answers (phase draining); then the
+    rest stops as ever, and `pushkv stop` waits that much longer."""
+    d = deployments("--mode", "local", "--stop-timeout", "1", "--shutdown-timeout", "3",
+                    child_args={"router": ["--ignore-term"]})
+    d.wait_ready()
+    st = _track(d)
+    rec = d.record()
+    assert rec.shutdown_timeout_s == 3
+    t0 = time.monotonic()
+    assert c.ask(rec.control_endpoint, "stop").status == c.OK
+    end = time.monotonic() + 5
+    while (reply := c.ask(rec.control_endpoint, "status")).info["phase"] != "draining":
+        assert time.monotonic() < end, reply.info["phase"]
+    procs = {p.name: p.state for p in reply.processes}
+    assert procs["router"] == "STOPPING" and procs["local-worker-0"] == procs["local-writer-0"] == "READY", procs
+    monkeypatch.setenv("PUSHKV_REGISTRY_DIR", d.reg_dir)
+    assert cli.main(["stop", rec.deployment_id, "--timeout", "3"]) == 0
+    assert 3.5 < time.monotonic() - t0 < 15
+    assert d.proc.wait(timeout=10) == 0
+    assert "killed after 1 s stop deadline: router" in d.stderr()
     _assert_clean(rec, [p.pid for p in st.values()], d.reg_dir)
 
 

@@ -52,13 +52,16 @@ def _port_free(port: int) -> bool:
 
 
 @contextmanager
-def deployment(tmp_path, *flags: str):
+def deployment(tmp_path, *flags: str, session: bool = False):
     dep_id = None
-    with launched(*flags, log_path=str(tmp_path / "up.log"), registry=str(tmp_path / "registry")) as dep:
+    with launched(*flags, log_path=str(tmp_path / "up.log"), registry=str(tmp_path / "registry"),
+                  session=session) as dep:
         dep_id = dep.cfg.deployment_id
         yield dep
     assert shm_leftovers(dep_id) == [], "shared memory leaked"
-    left = subprocess.run(["pgrep", "-f", f"pushkv-{dep_id}/"], capture_output=True, text=True).stdout.split()
+    # a child is titled `pushkv <what> <id>` once it runs (processes/common.py), its run dir in argv before
+    left = subprocess.run(["pgrep", "-f", f"pushkv-{dep_id}/|^pushkv .* {dep_id}$"], capture_output=True,
+                          text=True).stdout.split()
     assert left == [], f"processes left behind: {left}"
     assert _port_free(dep.port), "router port still bound"
 

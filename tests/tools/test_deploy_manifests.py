@@ -79,6 +79,9 @@ def test_hosts_command_line(role):
     assert "--api-key" not in args and not any("ETCD_PASSWORD" in a for a in args)
     if role == "router":
         assert env["PUSHKV_API_KEY"]["secretKeyRef"] == {"name": "pushkv-secrets", "key": "api-key"}
+        # a rolling update drains: the kubelet waits for the drain and the processes' stop (--stop-timeout 10 s)
+        assert float(flag("--shutdown-timeout")) > 0
+        assert spec["terminationGracePeriodSeconds"] >= float(flag("--shutdown-timeout")) + 10
     else:
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
         assert flag("--metrics-port") == "8001"

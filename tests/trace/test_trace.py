@@ -288,6 +288,40 @@ def test_breakdown_table_and_replay(tmp_path, capsys):
 # publisher -> forwarder -> taps
 # ---------------------------------------------------------------------------
 @pytest.mark.timeout(30)
+def test_a_tap_found_through_the_registry_ends_when_its_deployment_stops(tmp_path):
+    """`pushkv tap` (live until Ctrl-C) waited for good once the deployment had stopped, saying nothing: now it
+    says so and ends, writing what it was asked to (its breakdown here)."""
+    from pushkv.supervisor import registry
+
+    reg = tmp_path / "reg"
+    reg.mkdir(mode=0o700)
+    sup = subprocess.Popen([sys.executable, "-c", "import setproctitle, sys; setproctitle.setproctitle("
+                            "'pushkv supervisor dead0001'); print('titled', flush=True); sys.stdin.read()"],
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert sup.stdout.readline().strip() == "titled"
+        registry.write_record(registry.DeploymentRecord(
+            "dead0001", sup.pid, "ipc://c", "ipc://e", "http://x", str(tmp_path / "run"), "push", 0.0,
+            trace_tap_endpoint=f"ipc://{tmp_path}/tap.sock"), str(reg))
+        tap = subprocess.Popen([sys.executable, "-m", "tools.cli", "tap", "-q", "--breakdown"], text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                               env=dict(os.environ, PUSHKV_REGISTRY_DIR=str(reg)))
+        try:
+            assert tap.wait(timeout=3) is None, tap.communicate()  # the deployment runs: the tap keeps listening
+        except subprocess.TimeoutExpired:
+            pass
+    finally:
+        sup.stdin.close()
+        sup.wait(timeout=30)
+    try:
+        out, err = tap.communicate(timeout=15)
+    finally:
+        tap.kill()
+    assert tap.returncode == 0, err
+    assert "pushkv tap: deployment dead0001 stopped" in err and "no request seen" in out
+
+
 def test_forwarder_fans_out_and_publishers_never_block(tmp_path):
     pub_ep, tap_ep = f"ipc://{tmp_path}/trace.sock", f"ipc://{tmp_path}/tap.sock"
     ctx = zmq.Context()

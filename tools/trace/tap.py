@@ -29,13 +29,14 @@ import zmq
 
 from pushkv import messages as m
 from pushkv import security
-from pushkv.supervisor import registry
+from pushkv.supervisor import deployments, registry
 from tools.trace import merge as trace_merge
 from tools.trace import timeline as T
 
 RCVHWM = 1_000_000
 REORDER_S = 0.05  # the live log holds events this long to print them in time order across processes
 LINGER_S = 0.5  # after the last wanted request finished: late events (P's lease release) still come
+ALIVE_CHECK_S = 1.0  # a deployment found through the registry: how often the tap looks whether it still runs
 
 
 class TapError(Exception):
@@ -198,6 +199,7 @@ def run(args: argparse.Namespace, out=None) -> int:
                     print(format_event(ev, t0), file=out)
         report(events, args, out)
         return 0
+    rec: Optional[registry.DeploymentRecord] = None  # found through the registry: the tap ends when it stops
     try:
         if args.bind:
             endpoint, bind = args.bind, True
@@ -220,6 +222,7 @@ def run(args: argparse.Namespace, out=None) -> int:
     events: list[m.TraceEvent] = []
     done: dict[str, None] = {}  # finished requests, in the order they finished
     t_start = time.monotonic()
+    next_alive_check = t_start + ALIVE_CHECK_S
     t0: Optional[float] = None
     linger_until: Optional[float] = None
     held: list[tuple[float, int, m.TraceEvent]] = []  # live log reorder buffer
@@ -236,6 +239,11 @@ def run(args: argparse.Namespace, out=None) -> int:
                 break
             if linger_until is not None and now >= linger_until:
                 break
+            if rec is not None and linger_until is None and now >= next_alive_check:
+                next_alive_check = now + ALIVE_CHECK_S
+                if not deployments.supervisor_alive(rec):  # nothing more will come: what is queued here, then end
+                    print(f"pushkv tap: deployment {rec.deployment_id} stopped", file=sys.stderr, flush=True)
+                    linger_until = now + LINGER_S
             for ev in tap.poll(50):
                 events.append(ev)
                 if t0 is None:
