@@ -4,9 +4,9 @@ mode; each completes at its full length, every block is free after, and its gree
 same request's on a pool that holds them all.
 
 A readmitted request computes its prompt and output so far as one prefill, where the tokens it had decoded were
-computed one decode step at a time: in float32 with the batch-invariant mode on, those KV bytes come from other
-kernels (a prefill's matmuls and attention, not a decode's), so the test asserts the first tokens and prints how
-far each request agrees."""
+computed one decode step at a time. In float32 with the batch-invariant mode on, every request's tokens equal the
+large pool's, all 472, 442, 412 and 382 of them (an H100, 2026-12-07: 5 preemptions in local mode and 5 in push),
+which the test asserts; it prints how far each request agrees, so a failure says where they part."""
 from __future__ import annotations
 
 import pytest
@@ -56,4 +56,4 @@ def test_gpu_preemption_completes_frees_and_agrees():
             agree.append(next((k for k, (a, b) in enumerate(zip(g, w)) if a != b), len(w)))
         print(f"{mode}: {preempted:.0f} preemptions; tokens equal to the large pool's, per request: "
               f"{agree} of {[len(w) for w in want]}")
-        assert min(agree) >= 1, (mode, agree)  # the first token, from the prompt's own prefill in both
+        assert got == want, (mode, agree)
