@@ -93,6 +93,7 @@ class Held:
     """What one request holds in the router's accounting."""
 
     prefill: str = ""
+    prefill_leg: bool = False  # counted in P's legs: until D has the KV (P's part done), or the end
     prefill_tokens: int = 0  # still counted in P's queued_tokens (the prompt less P's predicted hit)
     decode: str = ""
     decode_blocks: int = 0  # counted in D's committed
@@ -263,6 +264,7 @@ class Balancer:
         h.prefill, h.prefill_tokens = v.prefill, len(run.prompt) - h.predicted
         p.queued_tokens += h.prefill_tokens
         p.legs += 1
+        h.prefill_leg = True
         self.picks += 1
         p.last_pick = self.picks
         if v.kind == P.PUSH:
@@ -324,6 +326,9 @@ class Balancer:
         h = self.held.get(run.transfer_id)
         if h is None:
             return
+        if h.prefill_leg:  # P's part is done (its KV is in D): it no longer counts in P's legs in flight
+            self.loads[h.prefill].legs -= 1
+            h.prefill_leg = False
         if h.decode:
             h.batch_at_first = self.loads[h.decode].legs
         if h.local_tokens:
@@ -368,7 +373,7 @@ class Balancer:
             if h.prefill:
                 p = self.loads[h.prefill]
                 p.queued_tokens -= h.prefill_tokens
-                p.legs -= 1
+                p.legs -= h.prefill_leg
             if h.decode:
                 d = self.loads[h.decode]
                 d.queued_tokens -= h.local_tokens

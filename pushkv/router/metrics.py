@@ -285,7 +285,8 @@ class BalanceCollector:
             "healthy": GaugeMetricFamily(
                 "pushkv_router_instance_healthy", "Every process of the instance answers its supervisor's pings "
                 "(0: one is hung, and the instance is chosen only where no other is)", labels=labels),
-            "legs": GaugeMetricFamily("pushkv_router_instance_legs", "Legs in flight on the instance", labels=labels),
+            "legs": GaugeMetricFamily("pushkv_router_instance_legs",
+                                      "Legs in flight on the instance (P's until D has the KV)", labels=labels),
             "queued_tokens": GaugeMetricFamily(
                 "pushkv_router_instance_queued_prefill_tokens",
                 "P: prompt tokens sent and still to compute (each prompt less its expected cached prefix)",

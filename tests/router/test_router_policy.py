@@ -180,6 +180,22 @@ def test_balancer_spreads_and_accounts():
     assert all(l.queued_tokens == l.committed == l.pinned == l.legs == 0 for l in b.loads.values())
 
 
+def test_ps_leg_ends_when_d_has_the_kv_so_a_request_decoding_on_d_does_not_count_as_ps():
+    """P's legs in flight (pushkv status, pushkv_router_instance_legs, the tie-break between P equally loaded) end
+    when D has the KV: a P whose requests all decode on D is as free as one that served none."""
+    b = balancer()
+    first, second = Run("t0"), Run("t1")
+    p = b.request(first).prefill
+    b.prefill_done(first)
+    b.kv_arrived(first)  # first decodes on D: P's part is over
+    assert b.loads[p].legs == 0 and b.loads[b.held["t0"].decode].legs == 1
+    b.release(first)
+    assert all(l.legs == 0 for l in b.loads.values())
+    b.request(second)  # a leg whose KV never came (failed, aborted) ends at the release
+    b.release(second)
+    assert all(l.legs == 0 for l in b.loads.values())
+
+
 def test_a_d_leg_commits_the_blocks_d_takes_at_admission_and_is_refused_only_past_the_whole_pool():
     """D takes a leg's prompt and the first token's slot at admission and the output's blocks as it decodes
     (preempting when short): a chat without max_tokens (the room left to max_model_len) no longer holds a whole D."""

@@ -119,6 +119,6 @@ def test_a_checkpoint_without_a_chat_template_refuses_chat_as_vllm(tmp_path):
                 assert r.status == status, (path, await r.text())
                 if status == 400:
                     assert (await r.json())["error"] == {"message": NO_TEMPLATE, "type": "invalid_request_error",
-                                                         "code": 400}
+                                                         "param": None, "code": 400}
     run(body(None, 400))
     run(body(QWEN3_LIKE, 200))
