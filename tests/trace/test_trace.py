@@ -444,6 +444,7 @@ def test_push_deployment_tapped_spans_complete_and_ordered(tmp_path, monkeypatch
                     proc.kill()
                     proc.wait()
             assert proc.returncode == 0, err
+            assert raw.stat().st_mode & 0o077 == 0  # the record holds the prompts' token ids: its owner's alone
 
             tl = col.request(tid)
             assert tl.mode == "push" and T.problems(tl) == []
@@ -566,3 +567,13 @@ def test_a_last_write_d_has_before_its_post_call_returns_counts_no_negative_tran
     assert st["transfer"] == 0.0
     assert st["relay"] * 1e3 == pytest.approx(7.6 - 5.0)
     assert all(v >= 0 for v in st.values()), st
+
+
+def test_a_record_is_its_owners_alone_even_over_a_wider_file(tmp_path):
+    from tools.trace.tap import write_private
+
+    path = tmp_path / "old.msgpack"
+    path.write_bytes(b"old")
+    path.chmod(0o644)
+    write_private(str(path), b"new")
+    assert path.read_bytes() == b"new" and path.stat().st_mode & 0o777 == 0o600

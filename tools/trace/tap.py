@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import heapq
+import os
 import signal
 import sys
 import time
@@ -154,7 +155,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--perfetto", metavar="FILE", help="write a Chrome/Perfetto trace JSON at the end")
     ap.add_argument("--breakdown", action="store_true", help="print the per-request stage breakdown at the end")
     ap.add_argument("--spans", action="store_true", help="print each request's spans (the Perfetto tracks) as text")
-    ap.add_argument("--record", metavar="FILE", help="save the raw events (msgpack) for --replay")
+    ap.add_argument("--record", metavar="FILE", help="save the raw events (msgpack) for --replay, readable by its "
+                    "owner alone (mode 0600: it holds the prompts' token ids)")
     ap.add_argument("--duration", type=float, default=0.0, metavar="SECONDS", help="stop after this long")
     ap.add_argument("--requests", type=int, default=0, metavar="N", help="stop after N requests finished")
     return ap.parse_args(argv)
@@ -262,10 +264,18 @@ def run(args: argparse.Namespace, out=None) -> int:
         if tap.undecodable:
             print(f"pushkv tap: {tap.undecodable} undecodable frame(s)", file=sys.stderr)
     if args.record:
-        with open(args.record, "wb") as f:
-            f.write(msgspec.msgpack.encode(events))
+        write_private(args.record, msgspec.msgpack.encode(events))
     report(events, args, out, only=list(done)[:args.requests] if args.requests else None)
     return 0
+
+
+def write_private(path: str, data: bytes) -> None:
+    """``data`` into ``path``, readable by its owner alone (a record holds the mirrored messages: prompts' token
+    ids), also where the file was there before with a wider mode."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
 
 
 def main(argv=None) -> int:
