@@ -219,6 +219,18 @@ def test_a_checkpoint_without_weights_is_refused_before_anything_starts(ckpt, tm
     assert config("--model", str(tmp_path / "bare"), "--load-format", "dummy").model.tokenizer == str(tmp_path / "bare")
 
 
+def test_a_router_host_needs_the_checkpoints_config_and_tokenizer_not_its_weights(ckpt, tmp_path):
+    """A router host (--role router) reads config.json, the tokenizer and the chat template, and loads no weights:
+    the weights check refused one whose --model directory holds no weights ("no weights: none of ..."), which
+    started before it came in; its P and D hosts are still refused without them."""
+    shutil.copytree(ckpt, tmp_path / "bare", ignore=shutil.ignore_patterns("*.safetensors"))
+    hosts = ("--registry", "etcd://127.0.0.1:2379", "--advertise", "127.0.0.1")
+    cfg = config("--model", str(tmp_path / "bare"), "--role", "router", *hosts)
+    assert cfg.model.checkpoint == str(tmp_path / "bare") and cfg.host_role == "router"
+    with pytest.raises(ValueError, match="no weights"):
+        config("--model", str(tmp_path / "bare"), "--role", "prefill", *hosts)
+
+
 def test_a_hub_repo_is_fetched_with_the_files_its_load_reads(ckpt, tmp_path, monkeypatch):
     """Online, the snapshot holds only what allow_patterns names: a .bin-only repo's weights are asked for once no
     safetensors came (not both formats of a repo that has both, which can weigh as much again)."""
