@@ -296,8 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
     sec = up.add_argument_group("security")
     sec.add_argument("--secret-file", metavar="FILE",
                      help="shared secret every host holds; every ZMQ socket on a tcp:// endpoint then uses CURVE "
-                          "with keys derived from it, and peers without it are refused (make one: openssl rand -hex "
-                          "32)")
+                          "with keys derived from it, and peers without it are refused (make one, mode 0600: "
+                          "umask 077; openssl rand -hex 32 > FILE)")
     sec.add_argument("--insecure", action="store_true",
                      help="with --role: start without --secret-file (plain ZMQ on the network: anyone who reaches "
                           "this host can send requests straight to its schedulers and writers); with --trace "
@@ -436,7 +436,8 @@ def cmd_up(args: argparse.Namespace, child_argv: Optional[ArgvHook] = None) -> i
         return 2
     if cfg.host_role and not cfg.secret_file and not getattr(args, "insecure", False):
         print(f"pushkv up: --role {cfg.host_role} binds its schedulers and writers on the network; give every host "
-              "the same --secret-file (make one: openssl rand -hex 32), or --insecure to run without one",
+              "the same --secret-file (make one, mode 0600: umask 077; openssl rand -hex 32 > FILE), or --insecure "
+              "to run without one",
               file=sys.stderr)
         return 2
     if cfg.host_role and not cfg.secret_file and not warned:  # --insecure with the role or secret in --config

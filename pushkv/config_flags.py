@@ -94,8 +94,9 @@ def hf_overrides(flags: Mapping[str, Any]) -> str:
     return json.dumps(out) if out else ""
 
 
-def _model(flags: Mapping[str, Any], base: ModelConfig, on_cuda: bool = False) -> ModelConfig:
-    """The model the flags name; ``on_cuda``: an instance runs on a GPU (--dtype auto's choice there)."""
+def _model(flags: Mapping[str, Any], base: ModelConfig, on_cuda: bool = False, weights: bool = True) -> ModelConfig:
+    """The model the flags name; ``on_cuda``: an instance runs on a GPU (--dtype auto's choice there); ``weights``:
+    this host loads them (not a router host, which reads the config and the tokenizer only)."""
     name, dummy = model_name(flags), flags.get("load_format") == "dummy"
     geometry = {k: flags.get(k) for k in GEOMETRY}
     if geometry["dtype"] == "auto":  # vLLM's --dtype auto: the checkpoint's (a preset's own)
@@ -133,7 +134,7 @@ def _model(flags: Mapping[str, Any], base: ModelConfig, on_cuda: bool = False) -
                                  "quantizing one at load is not built (serve an fp8 release, or leave the flag out)")
         if dummy:  # vLLM's dummy load: the checkpoint's shape and tokenizer, random weights
             model = msgspec.structs.replace(model, checkpoint=None, tokenizer=model.checkpoint)
-        else:  # weights that are not there are refused now, not in every worker once the pools are up
+        elif weights:  # weights that are not there are refused now, not in every worker once the pools are up
             from pushkv.model.checkpoint import weight_map_of
 
             try:
@@ -310,7 +311,8 @@ def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = 
     mode = f("mode") or cfg.mode
     devices = [device or cfg.local.device] if mode == "local" else [
         f("prefill_device") or device or cfg.prefill.device, f("decode_device") or device or cfg.decode.device]
-    model = _model(flags, cfg.model, on_cuda=any(d.startswith("cuda") for d in devices))
+    model = _model(flags, cfg.model, on_cuda=any(d.startswith("cuda") for d in devices),
+                   weights=(f("role") or cfg.host_role) != "router")
     if not (f("skip_tokenizer_init") or cfg.skip_tokenizer_init):
         check_tokenizer(model, "--tokenizer" if f("tokenizer") else "--model")
     given_name, aliases = model_name(flags), []

@@ -127,7 +127,7 @@ def load_secret(path: str) -> bytes:
         secret = f.read().strip()
     if len(secret) < MIN_SECRET_BYTES:
         raise ValueError(f"{path}: CURVE secret too short ({len(secret)} bytes, need at least "
-                         f"{MIN_SECRET_BYTES}; make one with `openssl rand -hex 32`)")
+                         f"{MIN_SECRET_BYTES}; make one: umask 077; openssl rand -hex 32 > {path})")
     try:
         if os.stat(path).st_mode & 0o077:
             log.warning("%s: the CURVE secret is readable by group or others", path)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import zipfile
 from typing import Any, Optional
 
 import torch
@@ -243,9 +244,11 @@ def weight_map_of(path: str) -> dict[str, str]:
 
 
 def _bin(file: str) -> dict[str, torch.Tensor]:
-    """A pytorch_model*.bin state dict, mapped rather than read (a rank slices what it keeps), through torch's
-    weights-only unpickler: tensors and plain containers, no code, as vLLM loads it."""
-    return torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+    """A pytorch_model*.bin state dict through torch's weights-only unpickler (tensors and plain containers, no code,
+    as vLLM loads it): mapped rather than read (a rank slices what it keeps) where it is of torch.save's zip format;
+    one of the legacy format (torch before 1.6, or ``_use_new_zipfile_serialization=False``), which torch cannot map,
+    read whole, as vLLM reads every .bin."""
+    return torch.load(file, map_location="cpu", mmap=zipfile.is_zipfile(file), weights_only=True)
 
 
 class _BinSlices:

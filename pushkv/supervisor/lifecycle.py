@@ -37,6 +37,10 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(127)
     if os.getppid() != parent_pid:  # parent died before prctl took effect
         os._exit(127)
+    # in a process group of its own the child is a background job of our terminal: where it has TOSTOP set (`stty
+    # tostop`) its first log line would stop it (SIGTTOU) and the deployment with it; ignored, the write goes through
+    # (the disposition outlives exec, and Python leaves it)
+    signal.signal(signal.SIGTTOU, signal.SIG_IGN)
 
 
 # the environment variables that hold a secret, and which kinds of child read each: a child gets

@@ -43,6 +43,7 @@ class DeploymentRecord(msgspec.Struct):
 
 
 TMP_ROOT = "/tmp"  # where a user without a runtime directory keeps the registry (tests point it elsewhere)
+RUN_USER_ROOT = "/run/user"  # where systemd-logind makes a login's XDG_RUNTIME_DIR, /run/user/$UID (tests: elsewhere)
 
 
 def registry_dir(environ: Optional[Mapping[str, str]] = None) -> str:
@@ -61,12 +62,16 @@ def _tmp_dir() -> str:
 
 
 def reading_dirs(environ: Optional[Mapping[str, str]] = None) -> list[str]:
-    """Where ``pushkv status|stop|tap`` look for records: the registry directory, and without PUSHKV_REGISTRY_DIR
-    also /tmp's when that is not it: a deployment started without XDG_RUNTIME_DIR (a systemd service, cron, sudo)
-    records there, and a login shell of the same user, which has one, must still find it."""
+    """Where ``pushkv status|stop|tap`` look for records: the registry directory, and without PUSHKV_REGISTRY_DIR the
+    other place the same user's deployments record: a deployment started without XDG_RUNTIME_DIR (a systemd service,
+    cron, sudo) records under /tmp, which a login shell (which has one) must still find; and one started from a login
+    shell records under its runtime dir, /run/user/$UID, which a command without one (cron's ``pushkv stop``) must
+    find too."""
     first = registry_dir(environ)
-    if envs.get("PUSHKV_REGISTRY_DIR", environ) or first == _tmp_dir():
+    if envs.get("PUSHKV_REGISTRY_DIR", environ):
         return [first]
+    if first == _tmp_dir():
+        return [first, os.path.join(RUN_USER_ROOT, str(os.getuid()), "pushkv-deployments")]
     return [first, _tmp_dir()]
 
 

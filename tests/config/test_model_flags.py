@@ -168,9 +168,9 @@ def test_vllm_spellings_of_lengths_and_dtypes():
     assert [human_int(v) for v in ("16.1k", "4.1m", "25.6k", "0.5K")] == [16100, 4100000, 25600, 512]  # exact
 
 
-def _bin_copy(src: str, dst, shards: int) -> None:
+def _bin_copy(src: str, dst, shards: int, legacy: bool = False) -> None:
     """``src``'s checkpoint with its weights as pytorch_model.bin (one file, or ``shards`` and their index), as
-    older Hub repos hold them."""
+    older Hub repos hold them; ``legacy``: in torch.save's format before 1.6 (no zip, which torch cannot map)."""
     import json
 
     import torch
@@ -179,25 +179,26 @@ def _bin_copy(src: str, dst, shards: int) -> None:
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors"))
     tensors = load_file(f"{src}/model.safetensors")
     if shards == 1:
-        torch.save(tensors, dst / "pytorch_model.bin")
+        torch.save(tensors, dst / "pytorch_model.bin", _use_new_zipfile_serialization=not legacy)
         return
     names, weight_map = sorted(tensors), {}
     for i in range(shards):
         file = f"pytorch_model-{i + 1:05d}-of-{shards:05d}.bin"
         part = {n: tensors[n] for n in names[i::shards]}
-        torch.save(part, dst / file)
+        torch.save(part, dst / file, _use_new_zipfile_serialization=not legacy)
         weight_map.update(dict.fromkeys(part, file))
     (dst / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
-@pytest.mark.parametrize("shards", [1, 3])
-def test_a_pytorch_model_bin_checkpoint_loads_as_its_safetensors_would(ckpt, tmp_path, shards):
+@pytest.mark.parametrize("shards, legacy", [(1, False), (3, False), (1, True), (3, True)])
+def test_a_pytorch_model_bin_checkpoint_loads_as_its_safetensors_would(ckpt, tmp_path, shards, legacy):
     """vLLM's --load-format auto falls back to pytorch_model.bin where a repo has no safetensors; pushkv started the
     deployment and every worker then failed on "no model.safetensors". Every tensor, and a TP rank's slice of it,
-    is read as from the same weights in safetensors."""
+    is read as from the same weights in safetensors; from a .bin of torch.save's legacy format too, which vLLM reads
+    and torch cannot map (`pushkv up` ended in a traceback, "mmap can only be used with files saved with ...")."""
     from pushkv.model.checkpoint import CheckpointSource
 
-    _bin_copy(ckpt, tmp_path / "bin", shards)
+    _bin_copy(ckpt, tmp_path / "bin", shards, legacy)
     model = config("--model", str(tmp_path / "bin")).model
     got, want = CheckpointSource(model.checkpoint), CheckpointSource(ckpt)
     assert sorted(got.weight_map) == sorted(want.weight_map)
@@ -216,6 +217,18 @@ def test_a_checkpoint_without_weights_is_refused_before_anything_starts(ckpt, tm
                                          r"or pytorch_model\.bin\.index\.json or pytorch_model\.bin"):
         config("--model", str(tmp_path / "bare"))
     assert config("--model", str(tmp_path / "bare"), "--load-format", "dummy").model.tokenizer == str(tmp_path / "bare")
+
+
+def test_a_router_host_needs_the_checkpoints_config_and_tokenizer_not_its_weights(ckpt, tmp_path):
+    """A router host (--role router) reads config.json, the tokenizer and the chat template, and loads no weights:
+    the weights check refused one whose --model directory holds no weights ("no weights: none of ..."), which
+    started before it came in; its P and D hosts are still refused without them."""
+    shutil.copytree(ckpt, tmp_path / "bare", ignore=shutil.ignore_patterns("*.safetensors"))
+    hosts = ("--registry", "etcd://127.0.0.1:2379", "--advertise", "127.0.0.1")
+    cfg = config("--model", str(tmp_path / "bare"), "--role", "router", *hosts)
+    assert cfg.model.checkpoint == str(tmp_path / "bare") and cfg.host_role == "router"
+    with pytest.raises(ValueError, match="no weights"):
+        config("--model", str(tmp_path / "bare"), "--role", "prefill", *hosts)
 
 
 def test_a_hub_repo_is_fetched_with_the_files_its_load_reads(ckpt, tmp_path, monkeypatch):

@@ -80,11 +80,11 @@ def test_deepseek_v3_push_tp2_to_1_equals_transformers(tmp_path, engine):
 def push_tp2_to_1_gives(tmp_path, served: str, want, up: tuple[str, ...] = (), **complete) -> None:
     """``--model served`` in push mode, P on two TP ranks and D on one: each prompt's token count and greedy tokens
     are ``want``'s (transformers'), its KV moved by push, and every block is free after."""
-    from tests.model.test_hf_reference import NEW_TOKENS, PROMPTS
+    from tests.model.test_hf_reference import FLOAT32, NEW_TOKENS, PROMPTS
 
     (tmp_path / "dep").mkdir()
     with deployment(tmp_path / "dep", "--mode", "push", "--model", served, "--prefill-tp", "2", "--decode-tp", "1",
-                    "--num-blocks", "64", *up) as dep:
+                    "--num-blocks", "64", *FLOAT32, *up) as dep:
         for prompt, (ids, new) in zip(PROMPTS, want):
             body = dep.complete(prompt, NEW_TOKENS, **complete)
             assert body["usage"]["prompt_tokens"] == len(ids), prompt

@@ -18,7 +18,7 @@ import pytest
 
 from pushkv.supervisor.commands import ask as ask_supervisor
 from tests.faults.test_faults import Events, wait_serving
-from tests.model.test_hf_reference import save_hf_checkpoint
+from tests.model.test_hf_reference import FLOAT32, save_hf_checkpoint
 from tests.support.deploy import deployment
 from tests.support.lora_adapters import ADAPTERS, NEW_TOKENS, peft_reference, save_adapter
 
@@ -63,7 +63,7 @@ def test_local_mode_restarted_takes_the_adapters_loaded_at_runtime(tmp_path, lla
     base, paths, want = llama
     monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "true")
     with deployment(tmp_path, "--mode", "local", "--model", base, "--served-model-name", "base", "--num-blocks", "64",
-                    "--enable-lora", "--lora-modules", f"all={paths['all']}") as dep:
+                    "--enable-lora", "--lora-modules", f"all={paths['all']}", *FLOAT32) as dep:
         assert _text(dep, "/v1/load_lora_adapter", {"lora_name": "qv", "lora_path": paths["qv"]})[0] == 200
         assert _text(dep, "/v1/unload_lora_adapter", {"lora_name": "all"})[0] == 200
         _restart(dep, "local")
@@ -85,7 +85,7 @@ def test_push_serves_each_adapter_as_peft_does(tmp_path, llama, monkeypatch):
     monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "true")
     with deployment(tmp_path, "--mode", "push", "--model", base, "--served-model-name", "base", "--num-blocks", "64",
                     "--prefill-tp", "2", "--decode-tp", "1", "--enable-lora", "--lora-modules", f"all={paths['all']}",
-                    "--max-loras", "1") as dep:
+                    "--max-loras", "1", *FLOAT32) as dep:
         # the second adapter loaded at runtime, on every rank of P and D
         assert _text(dep, "/v1/load_lora_adapter", {"lora_name": "qv", "lora_path": paths["qv"]}) == (
             200, "Success: LoRA adapter 'qv' added successfully.")

@@ -17,7 +17,7 @@ from pushkv.model import build_model, get_tokenizer
 from pushkv.model.checkpoint import model_config_from_hf
 from pushkv.model.moe import moe_mlp, route
 from pushkv.model.rope import cos_sin, cos_sin_rows, dynamic_spans, inv_freq, rope_of
-from tests.model.test_hf_reference import GEOMETRY, HF_CLASSES, PROMPTS, hf_reference, save_hf_checkpoint
+from tests.model.test_hf_reference import FLOAT32, GEOMETRY, HF_CLASSES, PROMPTS, hf_reference, save_hf_checkpoint
 from tests.model.test_model import new_pool, paged_generate
 from tests.support.deploy import deployment
 
@@ -161,7 +161,7 @@ def test_dynamic_rope_served_equals_transformers(tmp_path, dynamic_ckpt, flags):
     """Served: local with the scheduler chunking the prompts, and P/D push, where the prompt's KV is
     made on P (rotated for the prompt's length) and decoded past it on D."""
     path, want = dynamic_ckpt
-    with deployment(tmp_path, *flags, "--model", path, "--num-blocks", "32") as dep:
+    with deployment(tmp_path, *flags, "--model", path, "--num-blocks", "32", *FLOAT32) as dep:
         for ids, new in want:
             assert dep.tokens(ids, NEW) == new, ids
 

@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from tests.support.deploy import deployment, wait_pools_free
-from tests.model.test_hf_reference import PROMPTS, save_hf_checkpoint
+from tests.model.test_hf_reference import FLOAT32, PROMPTS, save_hf_checkpoint
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -88,7 +88,7 @@ def test_generation_stops_where_transformers_stops(tmp_path, arch, mode):
     assert want[0][-1] == eos[1] and want[1][-1] == eos[2]  # on the 2nd and 3rd id of the list
     d = tmp_path / "dep"
     d.mkdir()
-    with deployment(d, "--mode", mode, "--checkpoint", path, "--num-blocks", "64") as dep:
+    with deployment(d, "--mode", mode, "--checkpoint", path, "--num-blocks", "64", *FLOAT32) as dep:
         for prompt, ids, w in zip(PROMPTS, prompt_ids, want):
             body = dep.complete(prompt, NEW, temperature=0)  # the checkpoint says 0.6: the request wins
             choice = body["choices"][0]

@@ -20,6 +20,9 @@ from tests.support.deploy import deployment
 
 PROMPTS = ["hello", "the quick brown fox jumps over the lazy dog", "hello world, the lazy fox"]
 NEW_TOKENS = 8
+# a deployment compared with transformers' float32 tokens names the dtype: --dtype auto runs a float32 checkpoint in
+# bfloat16 where the instances are on a GPU (as vLLM's), and its tokens part from float32's within a few
+FLOAT32 = ("--dtype", "float32")
 ROPE_THETA = 50000.0  # not the 10000 a reader falls back to: a wrong read changes every token
 GEOMETRY = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
@@ -132,7 +135,8 @@ def test_served_text_prompt_counts_bos_and_equals_transformers(tmp_path, llama):
     path, want = llama
     penalised = hf_reference(path, PROMPTS, repetition_penalty=REPETITION_PENALTY)
     assert [new for _, new in penalised] != [new for _, new in want]  # the penalty changes what is drawn
-    with deployment(tmp_path, "--mode", "push", "--checkpoint", path, "--num-blocks", "64") as dep:
+    with deployment(tmp_path, "--mode", "push", "--checkpoint", path, "--num-blocks", "64",
+                    *FLOAT32) as dep:
         for prompt, (ids, new), (_, pen) in zip(PROMPTS, want, penalised):
             body = dep.complete(prompt, NEW_TOKENS)
             assert body["usage"]["prompt_tokens"] == len(ids), prompt

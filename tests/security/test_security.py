@@ -412,6 +412,9 @@ def test_networked_role_refuses_to_start_without_a_secret(capsys, role):
                  "--registry", "etcd://127.0.0.1:1"]) == 2
     err = capsys.readouterr().err
     assert "--secret-file" in err and "--insecure" in err
+    # the file it says to make is one `pushkv up` takes: 0600 (a plain `openssl rand -hex 32 > FILE` made it 0644
+    # under the usual umask 022, which the next start refused: "mode 0644, so every user of this host may read ...")
+    assert "umask 077; openssl rand -hex 32 > FILE" in err
 
 
 def test_insecure_role_gets_past_the_secret_check(capsys):

@@ -51,6 +51,34 @@ def test_status_finds_a_deployment_recorded_without_a_runtime_dir(tmp_path, monk
     assert [r.deployment_id for r in registry.list_records()] == ["shell001"]
 
 
+def test_a_command_without_a_runtime_dir_finds_a_login_shells_deployment(tmp_path, monkeypatch, capsys):
+    """`pushkv up` from a login shell records under its XDG_RUNTIME_DIR (/run/user/$UID); `pushkv status` or `stop`
+    run where there is none (cron, sudo, a service) looked under /tmp only and said 'no running pushkv deployments'.
+    The runtime dir logind makes is read too; when not safely ours, it is skipped with a warning."""
+    from pushkv.supervisor import deployments, registry
+
+    monkeypatch.delenv("PUSHKV_REGISTRY_DIR", raising=False)
+    monkeypatch.setattr(registry, "TMP_ROOT", str(tmp_path / "tmp"))
+    monkeypatch.setattr(registry, "RUN_USER_ROOT", str(tmp_path / "run" / "user"))
+    (tmp_path / "tmp").mkdir()
+    runtime = tmp_path / "run" / "user" / str(os.getuid())
+    runtime.mkdir(parents=True, mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))  # the login shell's `pushkv up`
+    write_record(DeploymentRecord("shell002", 2 ** 22 + 3, "ipc://c", "ipc://e", "http://z",
+                                  str(tmp_path / "pushkv-shell002"), "push", 0.0))
+    monkeypatch.delenv("XDG_RUNTIME_DIR")  # cron's `pushkv status`, `pushkv stop`
+    assert [r.deployment_id for r in registry.list_records()] == ["shell002"]
+    assert registry.reading_dirs() == [registry_dir(), str(runtime / "pushkv-deployments")]
+    assert deployments.status("shell002") == 1  # found; its supervisor (a pid never ours) is gone: stale
+    assert "deployment shell002  mode=push  http://z" in capsys.readouterr().out
+    assert deployments.stop("shell002") == 0  # the stale record is removed where it was
+    assert not (runtime / "pushkv-deployments" / "shell002.json").exists()
+    write_record(DeploymentRecord("shell003", 2 ** 22 + 4, "ipc://c", "ipc://e", "http://z",
+                                  str(tmp_path / "pushkv-shell003"), "push", 0.0), str(runtime / "pushkv-deployments"))
+    os.chmod(runtime / "pushkv-deployments", 0o755)  # open to others: not read
+    assert registry.list_records() == []
+
+
 # --- a registry no one else can plant ------------------------------------------------------------
 NOBODY = 65534
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a directory another uid owns")

@@ -446,10 +446,13 @@ def test_a_hang_up_stops_the_deployment_cleanly_unless_nohup_ignores_it(deployme
     st = _track(d)
     rec = d.record()
     d.proc.send_signal(signal.SIGHUP)
-    assert c.ask(rec.control_endpoint, "status").status == c.OK  # answered after the hang-up: still running
+    for _ in range(3):  # each answer is a turn of the loop, whose tick would have begun the stop a hang-up asks for
+        reply = c.ask(rec.control_endpoint, "status")
+        assert reply.status == c.OK and reply.info["phase"] == "running", reply.info
     assert d.proc.poll() is None
     d.proc.send_signal(signal.SIGTERM)
     assert d.proc.wait(timeout=20) == 0
+    assert "stop requested: SIGTERM" in d.stderr() and "SIGHUP" not in d.stderr()
     _assert_clean(rec, [p.pid for p in st.values()], d.reg_dir)
 
 
