@@ -116,6 +116,9 @@ def _checked(hf: dict, family: Family) -> dict:
                    if key == "max_position_embeddings" else "")
             raise ValueError(f"{key} {'missing' if key not in given else json.dumps(v)}: a positive integer is "
                              f"needed{fix}")
+    eps = given.get("rms_norm_eps", 1e-6)
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 < eps < 1:
+        raise ValueError(f"rms_norm_eps {json.dumps(eps)}: a number between 0 and 1 is needed")
     return given
 
 

@@ -191,6 +191,7 @@ BASE = dict(GEOMETRY, architectures=["LlamaForCausalLM"], rope_theta=1e4, hidden
                                         "longest sequence: --hf-overrides"),  # was a TypeError's traceback
     ({"hidden_size": None}, "hidden_size null: a positive integer is needed"),  # was a TypeError's traceback
     ({"num_hidden_layers": "2"}, 'num_hidden_layers "2": a positive integer is needed'),
+    ({"rms_norm_eps": None}, "rms_norm_eps null: a number between 0 and 1 is needed"),  # was a TypeError's traceback
     ({"dtype": "float8_e4m3fn"}, "dtype 'float8_e4m3fn' is not supported"),
     ({"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 2,
       "moe_intermediate_size": 32, "decoder_sparse_step": 2}, "dense layers between MoE layers are not built"),
