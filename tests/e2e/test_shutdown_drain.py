@@ -1,6 +1,7 @@
 """Stopping with vLLM's ``--shutdown-timeout`` as a terminal's Ctrl-C stops it (SIGINT to the whole foreground
 process group, children included): the router refuses new requests and /health says 503 at once, the request in
-flight streams to its last token (its instances stop only after it), and `pushkv up` exits 0."""
+flight streams to its last token and a background response ends (their instances stop only after them), and
+`pushkv up` exits 0."""
 import http.client
 import json
 import os
@@ -38,6 +39,10 @@ def test_ctrl_c_with_shutdown_timeout_lets_the_requests_in_flight_finish(tmp_pat
         r = conn.getresponse()
         first = r.readline()
         assert r.status == 200 and first.startswith(b"data: "), first  # in flight: its first token is out
+        # a background response (no handler waits on it) that outlasts the stream: the drain waits for it too
+        status, queued = dep.post("/v1/responses", {"input": "Hello", "max_output_tokens": MAX_TOKENS + 400,
+                                                    "background": True})  # random weights: no EOS
+        assert status == 200 and queued["status"] in ("queued", "in_progress"), queued
         os.killpg(dep.proc.pid, signal.SIGINT)  # Ctrl-C
         end = time.monotonic() + 20
         while _health_status(dep.url) != 503:  # draining: a balancer takes the router out
@@ -54,4 +59,5 @@ def test_ctrl_c_with_shutdown_timeout_lets_the_requests_in_flight_finish(tmp_pat
         assert events[-1]["choices"][0]["finish_reason"] == "length"
         assert dep.proc.wait(60) == 0
     log = (tmp_path / "up.log").read_text()
-    assert "router draining: 1 request(s) in flight have up to 60 s to finish (--shutdown-timeout)" in log
+    assert "router draining: 2 request(s) in flight have up to 60 s to finish (--shutdown-timeout)" in log
+    assert "router stopping: 0 request(s) in flight" in log  # the background response ended before the stop
