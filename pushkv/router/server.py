@@ -133,7 +133,8 @@ class Router:
         self._events_task: Optional[asyncio.Task] = None
         self._stop_requested: Optional[asyncio.Event] = None
         self._stopped: Optional[asyncio.Event] = None
-        self._handlers_idle: Optional[asyncio.Event] = None
+        self._handlers_idle: Optional[asyncio.Event] = None  # no run open and no request's body being read or parsed
+        self._reading = 0  # requests whose body is being read or parsed (not runs yet): the stop waits for them too
 
     # -- lifecycle ------------------------------------------------------
     def app(self) -> web.Application:
@@ -403,7 +404,7 @@ class Router:
             await self._stopped.wait()
             return
         self.stopping = True  # from here new requests get 503 and /health 503: a balancer takes us out
-        if self.cfg.shutdown_timeout_s > 0 and self.runs:  # --shutdown-timeout: vLLM's drain
+        if self.cfg.shutdown_timeout_s > 0 and (self.runs or self._reading):  # --shutdown-timeout: vLLM's drain
             log.info("router draining: %d request(s) in flight have up to %.0f s to finish (--shutdown-timeout)",
                      len(self.runs), self.cfg.shutdown_timeout_s)
             with contextlib.suppress(asyncio.TimeoutError):
@@ -720,6 +721,10 @@ class Router:
         arrival = time.monotonic()
         if self.stopping:
             return generate.refusal(503, "router shutting down")
+        # counted until it is a run (or refused): the stop waits for it, since once aiohttp's shutdown has begun it
+        # reads no more of a connection's bytes, and a body still on its way would never come
+        self._reading += 1
+        self._handlers_idle.clear()
         try:
             body = await edge.read_body(request, self.cfg.router_body_timeout_s)
             params = await self._off_loop(api.parse_request, body, self.served, self._parser(route))
@@ -731,6 +736,11 @@ class Router:
         except api.ApiError as e:
             self.metrics.requests.labels(outcome="rejected").inc()
             return web.json_response(e.body(), status=e.status)
+        finally:
+            self._reading -= 1
+            self._maybe_idle()
+        if self.stopping:  # the stop began while its body was read or parsed: a new request, refused as one
+            return generate.refusal(503, "router shutting down")
         refused = admission(len(self.runs), params.choices, self.cfg.router_max_in_flight)
         if refused:
             self.metrics.requests.labels(outcome="rejected").inc()
@@ -860,7 +870,10 @@ class Router:
                 self.tracer.event("http_done", run.transfer_id, run.ledger.outcome)
         self.metrics.in_flight.dec()
         self.load -= 1
-        if not self.runs:
+        self._maybe_idle()
+
+    def _maybe_idle(self) -> None:
+        if not self.runs and not self._reading:
             self._handlers_idle.set()
 
 
