@@ -122,6 +122,7 @@ class Router:
         self.otlp: Optional[otlp.Exporter] = None  # --otlp-traces-endpoint
         self.runs: dict[str, RequestRun] = {}
         self.stopping = False
+        self.drain_s = cfg.shutdown_timeout_s  # --shutdown-timeout: how long the stop lets requests in flight finish
         self.url = ""
         self.started_mono = time.monotonic()
         self.started_wall = time.time()
@@ -133,7 +134,8 @@ class Router:
         self._events_task: Optional[asyncio.Task] = None
         self._stop_requested: Optional[asyncio.Event] = None
         self._stopped: Optional[asyncio.Event] = None
-        self._handlers_idle: Optional[asyncio.Event] = None
+        self._handlers_idle: Optional[asyncio.Event] = None  # no run open and no request's body being read or parsed
+        self._reading = 0  # requests whose body is being read or parsed (not runs yet): the stop waits for them too
 
     # -- lifecycle ------------------------------------------------------
     def app(self) -> web.Application:
@@ -361,13 +363,22 @@ class Router:
                 log.error("undecodable control frame: %s", e)
                 continue
             if isinstance(msg, m.Shutdown):
-                log.info("shutdown requested by supervisor (%s)", msg.reason)
-                self.request_stop()
+                self.shutdown_asked(msg.reason)
             elif isinstance(msg, m.Ping):
                 pong = m.Pong(name="router", pid=os.getpid(), uptime_s=time.monotonic() - self.started_mono)
                 await self._control.send(m.encode(pong))
             else:
                 log.error("unexpected control message %s", type(msg).__name__)
+
+    def shutdown_asked(self, reason: str) -> None:
+        """The supervisor's ``Shutdown``. A restart (``pushkv`` control's ``restart router``) drains nothing: the
+        supervisor kills a child it restarts at --stop-timeout, which a drain of --shutdown-timeout would outlast,
+        and the streams in flight would then end with no answer at all; they end with 503 at once instead, as without
+        the flag. The deployment's stop drains."""
+        log.info("shutdown requested by supervisor (%s)", reason)
+        if reason == "restart":
+            self.drain_s = 0.0
+        self.request_stop()
 
     def request_stop(self) -> None:
         """Signal-safe: only sets a flag that ``run_until_stopped`` acts on."""
@@ -403,11 +414,11 @@ class Router:
             await self._stopped.wait()
             return
         self.stopping = True  # from here new requests get 503 and /health 503: a balancer takes us out
-        if self.cfg.shutdown_timeout_s > 0 and self.runs:  # --shutdown-timeout: vLLM's drain
+        if self.drain_s > 0 and (self.runs or self._reading):  # --shutdown-timeout: vLLM's drain
             log.info("router draining: %d request(s) in flight have up to %.0f s to finish (--shutdown-timeout)",
-                     len(self.runs), self.cfg.shutdown_timeout_s)
+                     len(self.runs), self.drain_s)
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._handlers_idle.wait(), self.cfg.shutdown_timeout_s)
+                await asyncio.wait_for(self._handlers_idle.wait(), self.drain_s)
         log.info("router stopping: %d request(s) in flight", len(self.runs))
         for run in list(self.runs.values()):
             run.inject_failure(503, "router shutting down", "shutdown")
@@ -720,6 +731,10 @@ class Router:
         arrival = time.monotonic()
         if self.stopping:
             return generate.refusal(503, "router shutting down")
+        # counted until it is a run (or refused): the stop waits for it, since once aiohttp's shutdown has begun it
+        # reads no more of a connection's bytes, and a body still on its way would never come
+        self._reading += 1
+        self._handlers_idle.clear()
         try:
             body = await edge.read_body(request, self.cfg.router_body_timeout_s)
             params = await self._off_loop(api.parse_request, body, self.served, self._parser(route))
@@ -731,6 +746,11 @@ class Router:
         except api.ApiError as e:
             self.metrics.requests.labels(outcome="rejected").inc()
             return web.json_response(e.body(), status=e.status)
+        finally:
+            self._reading -= 1
+            self._maybe_idle()
+        if self.stopping:  # the stop began while its body was read or parsed: a new request, refused as one
+            return generate.refusal(503, "router shutting down")
         refused = admission(len(self.runs), params.choices, self.cfg.router_max_in_flight)
         if refused:
             self.metrics.requests.labels(outcome="rejected").inc()
@@ -860,7 +880,10 @@ class Router:
                 self.tracer.event("http_done", run.transfer_id, run.ledger.outcome)
         self.metrics.in_flight.dec()
         self.load -= 1
-        if not self.runs:
+        self._maybe_idle()
+
+    def _maybe_idle(self) -> None:
+        if not self.runs and not self._reading:
             self._handlers_idle.set()
 
 

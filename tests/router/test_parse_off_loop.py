@@ -1,11 +1,14 @@
 """A request's parse (its chat template, tokenizing, a grammar's check) runs on the router's parse threads: while one
 request's tokenizing is held, the router answers other requests, /tokenize and its health check."""
 import asyncio
+import json
 import threading
+import urllib.parse
 
 import pytest
 
 from pushkv import messages as m
+from pushkv.router import edge
 from pushkv.router.text import ByteTokenizer
 from tests.support.router_fakes import Harness, make_cfg, stage, tokens
 
@@ -93,3 +96,52 @@ def test_the_router_loads_xgrammar_once_ready(tmp_path, monkeypatch):
     assert threads == []
     asyncio.run(asyncio.wait_for(body(True), 25))
     assert len(threads) == 1 and threads[0].startswith("router-parse"), threads
+
+
+
+@pytest.mark.parametrize("held,drain_s", [("body", 0.0), ("body", 5.0), ("parse", 5.0)])
+def test_a_request_whose_body_or_parse_spans_the_stop_gets_503_and_never_reaches_an_instance(tmp_path, monkeypatch,
+                                                                                           held, drain_s):
+    """The stop begins while a request's body is on its way (or its parse runs): it is no run yet, and before, the
+    stop neither waited for it nor failed it. aiohttp's shutdown then read no more of its connection, so the body never
+    came, and the client got a closed connection with no answer after the router's grace (5 s); a parse that ended
+    went on to send its Generate to instances that may be stopping. Now the stop waits for it, and it is refused."""
+    reading = threading.Event()
+    read_body = edge.read_body
+
+    async def read_held(request, timeout_s):
+        reading.set()
+        return await read_body(request, timeout_s)
+
+    monkeypatch.setattr(edge, "read_body", read_held)
+
+    async def body():
+        async with Harness(make_cfg(tmp_path, "local", shutdown_timeout_s=drain_s), {"local": answer}) as h:
+            tok = HeldTokenizer()
+            h.router.tokenizer = tok
+            text = "hold" if held == "parse" else "Hey"
+            req = json.dumps({"prompt": text, "max_tokens": 1, "model": "tiny"}).encode()
+            u = urllib.parse.urlsplit(h.router.url)
+            reader, writer = await asyncio.open_connection(u.hostname, u.port)
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(req) + (req if held == "parse" else req[:5]))
+            await writer.drain()
+            if held == "parse":
+                assert await asyncio.to_thread(tok.entered.wait, 10)
+            else:
+                assert await asyncio.to_thread(reading.wait, 10)  # its handler reads the body
+            stop = asyncio.ensure_future(h.router.stop())
+            while not h.router.stopping:
+                await asyncio.sleep(0)
+            if held == "parse":
+                tok.gate.set()
+            else:
+                writer.write(req[5:])
+                await writer.drain()
+            answer_ = await asyncio.wait_for(reader.read(), 3)
+            writer.close()
+            assert answer_.startswith(b"HTTP/1.1 503") and b"router shutting down" in answer_, answer_[:200]
+            assert not h.log.received("local", m.Generate)
+            await asyncio.wait_for(stop, 10)
+
+    asyncio.run(asyncio.wait_for(body(), 25))

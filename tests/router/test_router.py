@@ -601,6 +601,29 @@ def test_stop_fails_inflight_with_503_and_frees_port(tmp_path):
     run(body())
 
 
+
+def test_a_restart_drains_nothing_under_shutdown_timeout(tmp_path):
+    """A router the supervisor restarts (``restart router``) is killed at --stop-timeout (10 s by default); under
+    --shutdown-timeout 60 it drained, was killed mid-drain, and its streams in flight ended with neither an error event
+    nor [DONE]. A restart now fails them with 503 at once, as without the flag (the deployment's stop still drains:
+    tests/e2e/test_shutdown_drain.py)."""
+    async def body():
+        h = Harness(make_cfg(tmp_path, "local", shutdown_timeout_s=60.0), {"local": None})
+        await h.__aenter__()
+        try:
+            req = asyncio.create_task(h.http.post("/v1/completions", json={"prompt": [1], "max_tokens": 8}))
+            await h.wait(lambda e: any(r == "local" and d == "recv" and isinstance(x, m.Generate) for r, d, x in e))
+            h.router.shutdown_asked("restart")
+            stop = asyncio.create_task(h.router.stop())
+            r = await asyncio.wait_for(req, 5)
+            assert r.status == 503 and (await r.json())["error"]["message"] == "router shutting down"
+            await asyncio.wait_for(stop, 10)
+            await h.wait_abort("local")
+        finally:
+            await h.__aexit__(None, None, None)
+    run(body())
+
+
 # ---------------------------------------------------------------------------
 # The process entry: readiness, Ping/Pong, Shutdown, SIGTERM
 # ---------------------------------------------------------------------------
