@@ -117,8 +117,15 @@ def test_what_is_not_built_is_refused_by_name(tmp_path, field, value, says):
     run(tmp_path, "stop", fn)
 
 
-def test_reasoning_comes_as_its_own_item_before_the_message(tmp_path):
-    """With --reasoning-parser the thinking is a ``reasoning`` item ahead of the message, whole and streamed."""
+async def _thought_and_said(h, ask: dict) -> tuple[dict, list[dict]]:
+    """The whole answer to ``ask`` and its streamed events."""
+    got = await (await h.http.post("/v1/responses", json=ask)).json()
+    raw = await (await h.http.post("/v1/responses", json={**ask, "stream": True})).text()
+    return got, [json.loads(blk.split("\n")[1][len("data: "):]) for blk in raw.strip().split("\n\n")]
+
+
+def _reasoning_run(tmp_path, fn):
+    """``fn(h)`` on a local deployment with the qwen3 reasoning parser whose model says ``<think>ab</think>Hi``."""
     said = list(b"<think>ab</think>Hi")
 
     def script(g):
@@ -128,47 +135,41 @@ def test_reasoning_comes_as_its_own_item_before_the_message(tmp_path):
     async def body():
         cfg = make_cfg(tmp_path, "local", chat_template=TEMPLATE, reasoning_parser="qwen3")
         async with Harness(cfg, {"local": script}) as h:
-            got = await (await h.http.post("/v1/responses", json={"model": "tiny", "input": "Hey"})).json()
-            assert [i["type"] for i in got["output"]] == ["reasoning", "message"], got["output"]
-            assert got["output"][0]["content"] == [{"type": "reasoning_text", "text": "ab"}]
-            assert got["output"][1]["content"][0]["text"] == "Hi"
-            raw = await (await h.http.post("/v1/responses", json={"model": "tiny", "input": "Hey",
-                                                                   "stream": True})).text()
-            events = [json.loads(blk.split("\n")[1][len("data: "):]) for blk in raw.strip().split("\n\n")]
-            kinds = [e["type"] for e in events]
-            assert kinds.index("response.reasoning_text.done") < kinds.index("response.content_part.added")
-            thought = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
-            text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
-            assert (thought, text) == ("ab", "Hi")
-            assert [i["type"] for i in events[-1]["response"]["output"]] == ["reasoning", "message"]
-            assert [e["output_index"] for e in events if e["type"] == "response.output_item.done"] == [0, 1]
+            await fn(h)
 
     asyncio.run(asyncio.wait_for(body(), 25))
+
+
+def test_reasoning_comes_as_its_own_item_before_the_message(tmp_path):
+    """With --reasoning-parser the thinking is a ``reasoning`` item ahead of the message, whole and streamed."""
+    async def fn(h):
+        got, events = await _thought_and_said(h, {"model": "tiny", "input": "Hey"})
+        assert [i["type"] for i in got["output"]] == ["reasoning", "message"], got["output"]
+        assert got["output"][0]["content"] == [{"type": "reasoning_text", "text": "ab"}]
+        assert got["output"][1]["content"][0]["text"] == "Hi"
+        kinds = [e["type"] for e in events]
+        assert kinds.index("response.reasoning_text.done") < kinds.index("response.content_part.added")
+        thought = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+        text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+        assert (thought, text) == ("ab", "Hi")
+        assert [i["type"] for i in events[-1]["response"]["output"]] == ["reasoning", "message"]
+        assert [e["output_index"] for e in events if e["type"] == "response.output_item.done"] == [0, 1]
+
+    _reasoning_run(tmp_path, fn)
 
 
 def test_include_reasoning_false_leaves_the_reasoning_item_out_whole_and_streamed(tmp_path):
     """vLLM 0.32's Responses include_reasoning false: the reasoning is still generated but not returned (no reasoning
     item, no reasoning events), as chat's; pushkv passed the field nowhere and returned the reasoning."""
-    said = list(b"<think>ab</think>Hi")
+    async def fn(h):
+        got, events = await _thought_and_said(h, {"model": "tiny", "input": "Hey", "include_reasoning": False})
+        assert [i["type"] for i in got["output"]] == ["message"], got["output"]
+        assert got["output"][0]["content"][0]["text"] == "Hi"
+        assert not [e for e in events if "reasoning" in e["type"]], events
+        assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "Hi"
+        assert [i["type"] for i in events[-1]["response"]["output"]] == ["message"]
 
-    def script(g):
-        return [(None, tokens(g, said[:9], False, "", (stage("scheduled"),))),
-                (None, tokens(g, said[9:], True, "stop", (stage("finished"),)))]
-
-    async def body():
-        cfg = make_cfg(tmp_path, "local", chat_template=TEMPLATE, reasoning_parser="qwen3")
-        async with Harness(cfg, {"local": script}) as h:
-            ask = {"model": "tiny", "input": "Hey", "include_reasoning": False}
-            got = await (await h.http.post("/v1/responses", json=ask)).json()
-            assert [i["type"] for i in got["output"]] == ["message"], got["output"]
-            assert got["output"][0]["content"][0]["text"] == "Hi"
-            raw = await (await h.http.post("/v1/responses", json={**ask, "stream": True})).text()
-            events = [json.loads(blk.split("\n")[1][len("data: "):]) for blk in raw.strip().split("\n\n")]
-            assert not [e for e in events if "reasoning" in e["type"]], events
-            assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "Hi"
-            assert [i["type"] for i in events[-1]["response"]["output"]] == ["message"]
-
-    asyncio.run(asyncio.wait_for(body(), 25))
+    _reasoning_run(tmp_path, fn)
 
 
 TOOL_TEMPLATE = (
