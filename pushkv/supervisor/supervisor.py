@@ -135,6 +135,8 @@ class Supervisor(Actor):
         self.phase = "new"  # new | starting | running | draining (--shutdown-timeout) | stopping | stopped
         self.exit_code = 0
         self.stop_signal = 0  # the signal that stopped us, if one did
+        self._signals = 0  # stop signals received: a second one during the drain cuts it short
+        self._signals_at_drain = 0
         self._stop_asked = False  # by a signal or `pushkv stop`: tick begins the stop
         self._drain_until = 0.0  # --shutdown-timeout: while the router drains, when the rest stops at the latest
         self.failure = ""
@@ -324,6 +326,7 @@ class Supervisor(Actor):
 
     def _on_signal(self, signum, frame) -> None:
         self.stop_signal = signum  # tick begins the stop and says so: a handler only sets flags
+        self._signals += 1
 
     def request_stop(self, reason: str) -> None:
         log.info("stop requested: %s", reason)
@@ -338,6 +341,7 @@ class Supervisor(Actor):
                 and router.state in (State.STARTED, State.READY)):
             self.phase = "draining"
             self._drain_until = now + self.cfg.shutdown_timeout_s
+            self._signals_at_drain = self._signals
             self._stop_child(router, "stop")
             self._publish("deployment", "draining", detail=f"{self.cfg.shutdown_timeout_s:g} s")
         else:
@@ -508,6 +512,10 @@ class Supervisor(Actor):
         if self.stop_signal and not self._stop_asked:
             self.request_stop(signal.Signals(self.stop_signal).name)
         if self.phase == "draining":
+            if self._signals > self._signals_at_drain:  # a second Ctrl-C: stop now, as uvicorn's second SIGINT
+                log.info("%s again while the router drains: stopping now", signal.Signals(self.stop_signal).name)
+                self._signals_at_drain = self._signals
+                self.stopping = True
             if now > self._drain_until:
                 self.stopping = True
             return

@@ -647,6 +647,27 @@ def test_shutdown_timeout_stops_the_router_alone_first_and_pushkv_stop_waits_for
 
 
 @pytest.mark.timeout(60)
+def test_a_second_ctrl_c_cuts_the_drain_short(deployments):
+    """Under --shutdown-timeout a first Ctrl-C drains; a second stops now (as uvicorn's, under vllm serve), not at the
+    end of the drain (a router that ignores Shutdown and SIGTERM stands in for a long one)."""
+    d = deployments("--mode", "local", "--stop-timeout", "1", "--shutdown-timeout", "60",
+                    child_args={"router": ["--ignore-term"]})
+    d.wait_ready()
+    st = _track(d)
+    rec = d.record()
+    d.proc.send_signal(signal.SIGINT)
+    end = time.monotonic() + 5
+    while (reply := c.ask(rec.control_endpoint, "status")).info["phase"] != "draining":
+        assert time.monotonic() < end, reply.info["phase"]
+    t0 = time.monotonic()
+    d.proc.send_signal(signal.SIGINT)
+    assert d.proc.wait(timeout=20) == 0
+    assert time.monotonic() - t0 < 15  # the stop's own deadline, not the drain's 60 s
+    assert "SIGINT again while the router drains: stopping now" in d.stderr()
+    _assert_clean(rec, [p.pid for p in st.values()], d.reg_dir)
+
+
+@pytest.mark.timeout(60)
 def test_children_die_with_supervisor_and_stop_cleans_stale(deployments, monkeypatch, capsys):
     d = deployments("--mode", "local")
     d.wait_ready()
