@@ -40,6 +40,7 @@ class DeploymentRecord(msgspec.Struct):
     trace_endpoint: str = ""
     trace_tap_endpoint: str = ""  # where pushkv tap connects (the supervisor's XPUB)
     shutdown_timeout_s: float = 0.0  # --shutdown-timeout: how much longer `pushkv stop` waits for the drain
+    trace_tap_secured: bool = False  # the taps' end is a CURVE server: pushkv tap needs the deployment's secret
 
 
 TMP_ROOT = "/tmp"  # where a user without a runtime directory keeps the registry (tests point it elsewhere)

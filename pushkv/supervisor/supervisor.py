@@ -27,6 +27,7 @@ from pushkv import messages as m
 from pushkv.actor import Actor
 from pushkv.config import DeploymentConfig, encode_config
 from pushkv.kv.handle import POOL_ENV, handle_to_env
+from pushkv.security import is_network
 from pushkv.supervisor import commands as c
 from pushkv.supervisor import lifecycle, registry
 from pushkv.supervisor.host_registry import HostRegistry
@@ -178,6 +179,7 @@ class Supervisor(Actor):
                 router_url=self.router_url, run_dir=self.cfg.run_dir, mode=self.cfg.mode,
                 started_wall=time.time(), trace_endpoint=self.cfg.trace_endpoint,
                 trace_tap_endpoint=self.cfg.trace_tap_endpoint, shutdown_timeout_s=self.cfg.shutdown_timeout_s,
+                trace_tap_secured=bool(self.security is not None and is_network(self.cfg.trace_tap_endpoint)),
             ), self.registry_dir)
         log.info("deployment %s (%s mode): %d processes, run dir %s", self.cfg.deployment_id,
                  self.cfg.mode, len(self.specs), self.cfg.run_dir)

@@ -647,6 +647,23 @@ def test_shutdown_timeout_stops_the_router_alone_first_and_pushkv_stop_waits_for
 
 
 @pytest.mark.timeout(60)
+def test_the_record_says_whether_the_taps_end_is_under_curve(deployments, tmp_path):
+    """`pushkv tap` reads it to ask for the secret (CURVE refuses a client without it and says nothing)."""
+    from pushkv.supervisor.plan import free_tcp_port
+
+    secret = tmp_path / "secret"
+    secret.write_text("ab" * 32)
+    secret.chmod(0o600)
+    for flags, secured in ((["--trace", f"tcp://127.0.0.1:{free_tcp_port('127.0.0.1')}", "--secret-file",
+                             str(secret)], True), (["--trace"], False)):
+        d = deployments("--mode", "local", *flags)
+        d.wait_ready()
+        assert d.record().trace_tap_secured is secured, flags
+        d.proc.send_signal(signal.SIGINT)
+        assert d.proc.wait(timeout=30) == 0
+
+
+@pytest.mark.timeout(60)
 def test_a_second_ctrl_c_cuts_the_drain_short(deployments):
     """Under --shutdown-timeout a first Ctrl-C drains; a second stops now (as uvicorn's, under vllm serve), not at the
     end of the drain (a router that ignores Shutdown and SIGTERM stands in for a long one)."""

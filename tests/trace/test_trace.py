@@ -577,3 +577,28 @@ def test_a_record_is_its_owners_alone_even_over_a_wider_file(tmp_path):
     path.chmod(0o644)
     write_private(str(path), b"new")
     assert path.read_bytes() == b"new" and path.stat().st_mode & 0o777 == 0o600
+
+
+def test_a_tap_asks_for_the_secret_where_the_taps_end_is_under_curve(tmp_path):
+    """Without --secret-file, CURVE refuses the tap's handshake without a word, and the tap waited for good: the
+    record says the end is secured, and the tap says what to give."""
+    from pushkv.supervisor import registry
+
+    reg = tmp_path / "reg"
+    reg.mkdir(mode=0o700)
+    sup = subprocess.Popen([sys.executable, "-c", "import setproctitle, sys; setproctitle.setproctitle("
+                            "'pushkv supervisor curve001'); print('titled', flush=True); sys.stdin.read()"],
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert sup.stdout.readline().strip() == "titled"
+        registry.write_record(registry.DeploymentRecord(
+            "curve001", sup.pid, "ipc://c", "ipc://e", "http://x", str(tmp_path / "run"), "push", 0.0,
+            trace_tap_endpoint="tcp://127.0.0.1:1", trace_tap_secured=True), str(reg))
+        tap = subprocess.run([sys.executable, "-m", "tools.cli", "tap", "-q"], text=True, capture_output=True,
+                             cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                             env=dict(os.environ, PUSHKV_REGISTRY_DIR=str(reg)), timeout=30)
+    finally:
+        sup.stdin.close()
+        sup.wait(timeout=30)
+    assert tap.returncode == 1, tap.stderr
+    assert "tap end tcp://127.0.0.1:1 is under CURVE: give --secret-file FILE" in tap.stderr

@@ -213,6 +213,9 @@ def run(args: argparse.Namespace, out=None) -> int:
         else:
             endpoint, rec = find_endpoint(args.id)
             bind = False
+            if rec.trace_tap_secured and not args.secret_file:  # CURVE would refuse us without a word
+                raise TapError(f"deployment {rec.deployment_id}'s tap end {endpoint} is under CURVE: give "
+                               "--secret-file FILE, the deployment's secret")
             print(f"tapping deployment {rec.deployment_id} ({rec.mode}) at {endpoint}", file=sys.stderr)
     except TapError as e:
         print(f"pushkv tap: {e}", file=sys.stderr)
