@@ -3,6 +3,7 @@ by table), and real deployments tapped end to end (push and pull), with the
 router's /metrics and `pushkv status` checked on the same deployment."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -287,33 +288,45 @@ def test_breakdown_table_and_replay(tmp_path, capsys):
 # ---------------------------------------------------------------------------
 # publisher -> forwarder -> taps
 # ---------------------------------------------------------------------------
-@pytest.mark.timeout(30)
-def test_a_tap_found_through_the_registry_ends_when_its_deployment_stops(tmp_path):
-    """`pushkv tap` (live until Ctrl-C) waited for good once the deployment had stopped, saying nothing: now it
-    says so and ends, writing what it was asked to (its breakdown here)."""
+@contextlib.contextmanager
+def recorded_supervisor(tmp_path, dep_id: str, **fields):
+    """A registry (yielded) holding one deployment's record, ``fields`` in it, whose supervisor is a live process
+    titled as one (so `pushkv tap` finds it running) until the block ends."""
     from pushkv.supervisor import registry
 
     reg = tmp_path / "reg"
     reg.mkdir(mode=0o700)
     sup = subprocess.Popen([sys.executable, "-c", "import setproctitle, sys; setproctitle.setproctitle("
-                            "'pushkv supervisor dead0001'); print('titled', flush=True); sys.stdin.read()"],
+                            f"'pushkv supervisor {dep_id}'); print('titled', flush=True); sys.stdin.read()"],
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert sup.stdout.readline().strip() == "titled"
         registry.write_record(registry.DeploymentRecord(
-            "dead0001", sup.pid, "ipc://c", "ipc://e", "http://x", str(tmp_path / "run"), "push", 0.0,
-            trace_tap_endpoint=f"ipc://{tmp_path}/tap.sock"), str(reg))
-        tap = subprocess.Popen([sys.executable, "-m", "tools.cli", "tap", "-q", "--breakdown"], text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                               env=dict(os.environ, PUSHKV_REGISTRY_DIR=str(reg)))
+            dep_id, sup.pid, "ipc://c", "ipc://e", "http://x", str(tmp_path / "run"), "push", 0.0, **fields), str(reg))
+        yield reg
+    finally:
+        sup.stdin.close()
+        sup.wait(timeout=30)
+
+
+def tap_command(reg, *args: str) -> dict:
+    """`pushkv tap ARGS` from the checkout, reading the registry ``reg``: subprocess's args, cwd and env."""
+    return {"args": [sys.executable, "-m", "tools.cli", "tap", *args],
+            "cwd": os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+            "env": dict(os.environ, PUSHKV_REGISTRY_DIR=str(reg))}
+
+
+@pytest.mark.timeout(30)
+def test_a_tap_found_through_the_registry_ends_when_its_deployment_stops(tmp_path):
+    """`pushkv tap` (live until Ctrl-C) waited for good once the deployment had stopped, saying nothing: now it
+    says so and ends, writing what it was asked to (its breakdown here)."""
+    with recorded_supervisor(tmp_path, "dead0001", trace_tap_endpoint=f"ipc://{tmp_path}/tap.sock") as reg:
+        tap = subprocess.Popen(**tap_command(reg, "-q", "--breakdown"), text=True, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
         try:
             assert tap.wait(timeout=3) is None, tap.communicate()  # the deployment runs: the tap keeps listening
         except subprocess.TimeoutExpired:
             pass
-    finally:
-        sup.stdin.close()
-        sup.wait(timeout=30)
     try:
         out, err = tap.communicate(timeout=15)
     finally:
@@ -582,23 +595,8 @@ def test_a_record_is_its_owners_alone_even_over_a_wider_file(tmp_path):
 def test_a_tap_asks_for_the_secret_where_the_taps_end_is_under_curve(tmp_path):
     """Without --secret-file, CURVE refuses the tap's handshake without a word, and the tap waited for good: the
     record says the end is secured, and the tap says what to give."""
-    from pushkv.supervisor import registry
-
-    reg = tmp_path / "reg"
-    reg.mkdir(mode=0o700)
-    sup = subprocess.Popen([sys.executable, "-c", "import setproctitle, sys; setproctitle.setproctitle("
-                            "'pushkv supervisor curve001'); print('titled', flush=True); sys.stdin.read()"],
-                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert sup.stdout.readline().strip() == "titled"
-        registry.write_record(registry.DeploymentRecord(
-            "curve001", sup.pid, "ipc://c", "ipc://e", "http://x", str(tmp_path / "run"), "push", 0.0,
-            trace_tap_endpoint="tcp://127.0.0.1:1", trace_tap_secured=True), str(reg))
-        tap = subprocess.run([sys.executable, "-m", "tools.cli", "tap", "-q"], text=True, capture_output=True,
-                             cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                             env=dict(os.environ, PUSHKV_REGISTRY_DIR=str(reg)), timeout=30)
-    finally:
-        sup.stdin.close()
-        sup.wait(timeout=30)
+    with recorded_supervisor(tmp_path, "curve001", trace_tap_endpoint="tcp://127.0.0.1:1",
+                             trace_tap_secured=True) as reg:
+        tap = subprocess.run(**tap_command(reg, "-q"), text=True, capture_output=True, timeout=30)
     assert tap.returncode == 1, tap.stderr
     assert "tap end tcp://127.0.0.1:1 is under CURVE: give --secret-file FILE" in tap.stderr
