@@ -51,7 +51,6 @@ class RequestRun:
         )
         self.req = R.Request(spec, arrival, arrival_wall=wall)
         self.hash_cache: dict[int, list[int]] = {}  # the balancer's: block size -> the prompt's block hashes
-        self.client_id = client_id  # the client's own id for the request (X-Request-Id), which /v1/abort takes too
         self.queue: asyncio.Queue[tuple[R.Source, object]] = asyncio.Queue()
         self.links: dict[str, SchedulerLink] = {}  # leg -> the link its Generate went out on
         self.deadline = math.inf  # what the request armed
@@ -60,6 +59,11 @@ class RequestRun:
     ACTIONS: ClassVar[dict[type, Callable[..., Optional[object]]]] = {}  # action type -> how it is done
 
     # -- what the balancer and the HTTP side read (balance.RequestRun) ---------------------------
+    @property
+    def client_id(self) -> str:
+        """The client's own id for the request (X-Request-Id), which /v1/abort takes too: the spec's."""
+        return self.req.spec.client_id
+
     @property
     def transfer_id(self) -> str:
         return self.req.transfer_id
