@@ -306,10 +306,9 @@ class Generation:
         async def send(i: int, delta: output.Delta) -> None:
             if not started[i]:  # with the first output, as vLLM: a client's TTFT stays true
                 started[i] = True
-                opening = self.render.opening(self.outs[i])
-                if opening is not None:
+                for n, opening in enumerate(self.render.openings(self.outs[i])):  # (vLLM's prompt ids: the first's)
                     await resp.write(self._chunk(opening, self._choice_usage(i, opening=True), None,
-                                                 self.render.opening_fields()))
+                                                 None if n else self.render.opening_fields()))
             chunk = self._stream_delta(i, delta)
             if chunk:
                 await resp.write(chunk)

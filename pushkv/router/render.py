@@ -78,9 +78,9 @@ class Renderer:
         """What a stream's opening chunk adds beside its choice (chat: vLLM's ``prompt_token_ids``)."""
         return {}
 
-    def opening(self, out: ChoiceOutput) -> Optional[dict]:
-        """The choice of the chunk that opens a choice's stream, if the endpoint has one (with its
-        first output: the prompt's logprobs have come by then)."""
+    def openings(self, out: ChoiceOutput) -> list[dict]:
+        """The choices of the chunks that open a choice's stream, before its first output's (called with that output:
+        the prompt's logprobs have come by then)."""
         raise NotImplementedError
 
     def chunk_choice(self, i: int, delta: Delta) -> Optional[dict]:
@@ -102,6 +102,8 @@ class CompletionRenderer(Renderer):
         self.prefixes = [text_ if params.echo else "" for _, text_ in params.prompts() for _ in range(params.n)]
         self.offsets = [len(p) for p in self.prefixes]  # text_offset runs on across a choice's deltas
         self.opened: set[int] = set()  # choices whose first chunk went (vLLM's prompt_token_ids ride on it)
+        # echo: a choice's prompt (its text, its logprobs where asked), waiting for the choice's first output's chunk
+        self.echoes: dict[int, tuple[str, Optional[dict]]] = {}
 
     def _logprobs(self, i: int, delta: Delta) -> dict:
         lp = completion_logprobs(self.token_text, delta.token_ids, delta.logprobs, self.offsets[i])
@@ -130,15 +132,20 @@ class CompletionRenderer(Renderer):
             body["prompt_logprobs"] = vllm_prompt_logprobs(self.tok, self._prompt(out), out.prompt_logprobs)
         return body
 
-    def opening(self, out: ChoiceOutput) -> Optional[dict]:
-        if not self.params.echo:
-            return None
-        return self._first(out.index, completion_choice(out.index, self.prefixes[out.index], [], None,
-                                                        self._echoed(out)))
+    def openings(self, out: ChoiceOutput) -> list[dict]:
+        """None: an echoed prompt goes out in the chunk of the choice's first output, its text before the output's
+        and its tokens' logprobs before the output's, as vLLM's stream sends it (never a chunk of its own)."""
+        if self.params.echo:
+            self.echoes[out.index] = (self.prefixes[out.index], self._echoed(out))
+        return []
 
     def chunk_choice(self, i: int, delta: Delta) -> dict:
-        return self._first(i, completion_choice(i, delta.text, delta.token_ids, delta.finish_reason,
-                                                self.logprobs(i, delta), delta.stop_reason))
+        lp = self.logprobs(i, delta)
+        prompt, echoed = self.echoes.pop(i, ("", None))
+        if echoed is not None and lp is not None:  # the prompt's tokens, then the output's
+            lp = {k: echoed[k] + lp[k] for k in lp}
+        return self._first(i, completion_choice(i, prompt + delta.text, delta.token_ids, delta.finish_reason, lp,
+                                                delta.stop_reason))
 
     def _first(self, i: int, choice: dict) -> dict:
         """vLLM's return_token_ids: a choice's first chunk carries its prompt's ids."""
@@ -228,9 +235,11 @@ class ChatRenderer(Renderer):
     def opening_fields(self) -> dict:
         return {"prompt_token_ids": self.params.prompt_token_ids} if self.params.return_token_ids else {}
 
-    def opening(self, out: ChoiceOutput) -> Optional[dict]:
-        # vLLM's echo: the continued message's text opens the stream, with the role
-        return chat_chunk_choice(out.index, {"role": "assistant", "content": self.params.echo_text}, None)
+    def openings(self, out: ChoiceOutput) -> list[dict]:
+        """vLLM's: the role (content ""), then with echo the continued message's text in a chunk of its own."""
+        role = chat_chunk_choice(out.index, {"role": "assistant", "content": ""}, None)
+        echo = self.params.echo_text
+        return [role, chat_chunk_choice(out.index, {"content": echo}, None)] if echo else [role]
 
     def chunk_choice(self, i: int, delta: Delta) -> Optional[dict]:
         # text held back as a possible tag goes out with the choice's last delta
@@ -244,8 +253,13 @@ class ChatRenderer(Renderer):
             if not (text or calls or final):  # reasoning alone: no chunk, as vLLM's
                 return None
             thought = ""
+        # a tool call parser that holds the text back (a call not yet whole, a forced call's JSON not yet named) says
+        # nothing: no chunk, as vLLM's, unless its tokens' logprobs or ids must go out (then an empty delta)
+        held = bool(self.tools) and not (text or calls or thought or final)
+        if held and not (self.want_logprobs or (self.params.return_token_ids and not self.hide_reasoning)):
+            return None
         d: dict = {"reasoning": thought, "reasoning_content": thought} if thought else {}
-        if text or not (thought or calls or final):
+        if text or not (thought or calls or final or held):
             d["content"] = text
         if calls:
             d["tool_calls"] = calls

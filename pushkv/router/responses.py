@@ -431,7 +431,8 @@ class ResponseEvents:
         self.render, self.rid, self.created, self.model = render, rid, created, model
         self.seq = 0
         self.items: list[dict] = []  # closed ones, in order
-        self.open: Optional[str] = None  # "reasoning" or "message"
+        self.open: Optional[str] = None  # "reasoning", "message" or "call"
+        self.call: dict = {}  # the open call's item
         self.text = ""
         self.calls = 0
         self.logprobs: list[dict] = []  # the open message's, so far
@@ -458,7 +459,11 @@ class ResponseEvents:
         if self.open is None:
             return []
         idx, iid, text = len(self.items), self._item_id(), self.text
-        if self.open == "reasoning":
+        if self.open == "call":  # its arguments are whole now
+            item = dict(self.call, arguments=text, status="completed")
+            evs = [self._ev("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
+                            arguments=text)]
+        elif self.open == "reasoning":
             item = reasoning_item(self.rid, text)
             evs = [self._ev("response.reasoning_text.done", item_id=iid, output_index=idx, content_index=0,
                             text=text)]
@@ -501,18 +506,21 @@ class ResponseEvents:
         return evs
 
     def _call(self, call: dict) -> list[tuple[str, dict]]:
-        """A call the model made (the chat stream gives each whole): its item added, its arguments, and done."""
-        evs = self._close()
-        idx, item = len(self.items), call_item(self.rid, self.calls, call)
-        self.calls += 1
-        evs.append(self._ev("response.output_item.added", output_index=idx,
-                            item=call_item(self.rid, self.calls - 1, call, "in_progress")))
-        evs.append(self._ev("response.function_call_arguments.delta", item_id=item["id"], output_index=idx,
-                            delta=item["arguments"]))
-        evs.append(self._ev("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
-                            arguments=item["arguments"]))
-        evs.append(self._ev("response.output_item.done", output_index=idx, item=item))
-        self.items.append(item)
+        """A piece of a call the model made, as the chat stream gives it: a call's first (its ``id``) adds its item,
+        each piece's arguments are a delta, and the call is done when the next item opens or the response ends (the
+        chat stream gives a forced tool choice's call in pieces, a parser's whole)."""
+        evs: list[tuple[str, dict]] = []
+        if "id" in call:
+            evs += self._close()
+            self.open, self.text = "call", ""
+            self.call = call_item(self.rid, self.calls, call, "in_progress")
+            self.calls += 1
+            evs.append(self._ev("response.output_item.added", output_index=len(self.items), item=self.call))
+        args = (call.get("function") or {}).get("arguments") or ""
+        if args and self.open == "call":
+            self.text += args
+            evs.append(self._ev("response.function_call_arguments.delta", item_id=self.call["id"],
+                                output_index=len(self.items), delta=args))
         return evs
 
     def delta(self, delta: Delta) -> list[tuple[str, dict]]:

@@ -104,8 +104,9 @@ def test_continue_final_message_renders_as_transformers_renders_it(hf_tok, final
 
 
 def test_echo_opens_each_choice_with_the_continued_message():
-    """vLLM's chat echo: the final message, where it is the assistant's, opens each choice's content (whole, and the
-    stream's first chunk); with a user's last message there is nothing to echo."""
+    """vLLM's chat echo: the final message, where it is the assistant's, opens each choice's content (whole; streamed,
+    in a chunk of its own after the role's, as vLLM's: pushkv sent it in the role's); with a user's last message there
+    is nothing to echo, the role's chunk alone."""
     from pushkv.router import output, render
 
     body = {"messages": PREFIX, "continue_final_message": True, "add_generation_prompt": False, "echo": True}
@@ -116,10 +117,13 @@ def test_echo_opens_each_choice_with_the_continued_message():
     out.add(list(b" 42"))
     out.finish("length")
     assert r.choice(out)["message"]["content"] == "The answer is 42"
-    assert r.opening(out)["delta"] == {"role": "assistant", "content": "The answer is"}
+    assert [c["delta"] for c in r.openings(out)] == [{"role": "assistant", "content": ""},
+                                                     {"content": "The answer is"}]
     plain = chat.parse_chat({"messages": MESSAGES, "echo": True}, text.ByteTokenizer(), LIMITS,
                             chat.ChatTemplate(QWEN3_LIKE))
     assert plain.echo_text == ""
+    assert [c["delta"] for c in render.for_endpoint(text.ByteTokenizer(), plain).openings(out)] == [
+        {"role": "assistant", "content": ""}]
 
 
 OLDER_TAG = {"structures": [{"begin": "<f>", "schema": {"type": "integer"}, "end": "</f>"}], "triggers": ["<f"]}

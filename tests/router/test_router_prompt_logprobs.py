@@ -11,7 +11,7 @@ from pushkv import messages as m
 from pushkv.router import api, chat, render
 from pushkv.router import policy as P
 from pushkv.router import request as R
-from pushkv.router.output import ChoiceOutput
+from pushkv.router.output import ChoiceOutput, Delta
 from pushkv.router.text import ByteTokenizer
 from tests.model.test_prompt_logprobs import _packed
 from tests.router.test_router_policy import ChatRun, primed
@@ -128,11 +128,18 @@ def test_echo_only_answers_the_prompt_alone():
     assert out.completion_tokens == 1  # drawn and counted, as vLLM counts it; not shown
 
 
-def test_a_stream_opens_with_the_echoed_prompt_and_its_logprobs():
-    params, out, r = _choice({"echo": True, "logprobs": 1, "stream": True}, [65], [m.TokenLogprob(-0.75)])
-    opening = r.opening(out)
-    assert opening["text"] == "hi!" and opening["logprobs"] == render.completion_prompt_logprobs(TOK, IDS, PLP)
-    assert "prompt_logprobs" not in opening
+def test_a_stream_sends_the_echoed_prompt_with_the_first_output():
+    """vLLM's stream: an echoed prompt goes out in the chunk of the choice's first tokens, its text and its tokens'
+    logprobs first (text offsets from the prompt's start), never a chunk of its own (pushkv sent one, token-less)."""
+    lp = m.TokenLogprob(-0.75, (65,), (-0.75,))
+    params, out, r = _choice({"echo": True, "logprobs": 1, "stream": True}, [65], [lp])
+    assert r.openings(out) == []
+    first = r.chunk_choice(0, Delta("A", [65], [lp]))
+    assert (first["text"], first["token_ids"]) == ("hi!A", [65]) and "prompt_logprobs" not in first
+    assert first["logprobs"]["tokens"] == ["h", "i", "!", "A"] and first["logprobs"]["text_offset"] == [0, 1, 2, 3]
+    assert first["logprobs"]["token_logprobs"] == [None, -1.25, -9999.0, -0.75]
+    then = r.chunk_choice(0, Delta("B", [66], [m.TokenLogprob(-0.5, (66,), (-0.5,))]))
+    assert then["text"] == "B" and then["logprobs"]["tokens"] == ["B"] and then["logprobs"]["text_offset"] == [4]
 
 
 def test_requests_without_them_render_as_before():
@@ -140,7 +147,8 @@ def test_requests_without_them_render_as_before():
     c = r.choice(out)
     assert "prompt_logprobs" not in c and c["logprobs"]["tokens"] == ["A"]
     params, out, r = _choice({"echo": True, "stream": True}, [65])
-    assert r.opening(out) == render.completion_choice(0, "hi!", [], None)
+    assert r.openings(out) == [] and r.chunk_choice(0, Delta("A", [65], [])) == render.completion_choice(
+        0, "hi!A", [65], None)
 
 
 def test_chat_puts_them_on_the_response():

@@ -243,24 +243,55 @@ def forced_through_router(tmp_path, tool_choice, output: str, reason: str) -> tu
 NAMED_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
 
 
-@pytest.mark.parametrize("tool_choice,output,reason,finish,calls", [
+def joined_calls(pieces: list[dict]) -> list[tuple[str, str]]:
+    """A stream's tool call pieces joined per call, as an OpenAI client joins them: the first piece of a call (its
+    ``id``) gives its name, every piece adds to its arguments."""
+    calls: dict[int, list[str]] = {}
+    for c in pieces:
+        if "id" in c:
+            assert c["index"] not in calls and c["type"] == "function", c
+            calls[c["index"]] = [c["function"]["name"], ""]
+        calls[c["index"]][1] += c["function"]["arguments"]
+    return [tuple(calls[i]) for i in sorted(calls)]  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("tool_choice,output,reason,finish,calls,streamed_calls", [
     # a named function's call ends with stop, as OpenAI's and vLLM's (auto's and required's with tool_calls)
-    (NAMED_WEATHER, '{"city": "Rome"}', "stop", "stop", [("get_weather", '{"city": "Rome"}')]),
+    (NAMED_WEATHER, '{"city": "Rome"}', "stop", "stop", [("get_weather", '{"city": "Rome"}')], None),
     # cut off by max_tokens: vLLM 0.32 still makes the call, its arguments as far as they came; length says so
-    (NAMED_WEATHER, '{"city": "Ro', "length", "length", [("get_weather", '{"city": "Ro')]),
-    ("required", '[{"name": "get_time", "parameters": {}}]', "stop", "tool_calls", [("get_time", "{}")]),
-    # required's list cut off is no call, and no content (vLLM's parser reads it whole or not at all)
-    ("required", '[{"name": "get_weather", "parameters": {"ci', "length", "length", []),
+    (NAMED_WEATHER, '{"city": "Ro', "length", "length", [("get_weather", '{"city": "Ro')], None),
+    ("required", '[{"name": "get_time", "parameters": {}}]', "stop", "tool_calls", [("get_time", "{}")], None),
+    # required's parameters streamed as written; a whole response re-writes them (json.dumps), as vLLM's
+    ("required", '[{"name":"get_weather","parameters":{"city":"Rome"}},{"name":"get_time","parameters":{}}]', "stop",
+     "tool_calls", [("get_weather", '{"city": "Rome"}'), ("get_time", "{}")],
+     [("get_weather", '{"city":"Rome"}'), ("get_time", "{}")]),
+    # required's list cut off is no call, and no content (vLLM's parser reads it whole or not at all); its stream has
+    # given the call it had opened, as vLLM's stream has
+    ("required", '[{"name": "get_weather", "parameters": {"ci', "length", "length", [],
+     [("get_weather", '{"ci')]),
 ])
 def test_a_forced_tool_choice_answers_as_vllm_whole_and_streamed(tmp_path, tool_choice, output, reason, finish,
-                                                                 calls):
+                                                                 calls, streamed_calls):
     """vLLM 0.32's forced tool choice: the message's content "" and its calls (no ``tool_calls`` key where there are
-    none: pushkv gave ``[]`` and the cut JSON as content), finish_reason as vLLM's; the stream's the same."""
+    none: pushkv gave ``[]`` and the cut JSON as content), finish_reason as vLLM's. Streamed, as vLLM streams it: the
+    call opens with its id, type and name and its arguments come in pieces as they are written (pushkv gave each call
+    whole at the end), no content."""
     whole, streamed = forced_through_router(tmp_path, tool_choice, output, reason)
     assert whole["finish_reason"] == finish and whole["message"]["content"] == ""
     assert _named(whole["message"].get("tool_calls", [])) == calls and (calls or "tool_calls" not in whole["message"])
-    _, content, streamed_calls = streamed_parts([c["delta"] for c in streamed])
-    assert (content, _named(streamed_calls), streamed[-1]["finish_reason"]) == ("", calls, finish)
+    deltas = [c["delta"] for c in streamed]
+    assert deltas[0] == {"role": "assistant", "content": ""} and all("content" not in d for d in deltas[1:])
+    pieces = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert joined_calls(pieces) == (calls if streamed_calls is None else streamed_calls)
+    assert streamed[-1]["finish_reason"] == finish and all(c["finish_reason"] is None for c in streamed[:-1])
+    # in pieces (the model writes 7 bytes a piece), each after the call's first with its arguments' next text alone
+    # (required's: vLLM's "name" null)
+    longest = max((len(a) for _, a in joined_calls(pieces)), default=0)
+    assert len([c for c in pieces if c["function"]["arguments"]]) > len(joined_calls(pieces)) or longest <= 7
+    for c in pieces:
+        if "id" not in c:
+            assert c == {"index": c["index"], "function": dict({"name": None} if tool_choice == "required" else {},
+                                                               arguments=c["function"]["arguments"])}, c
 
 
 def test_a_choice_without_calls_has_no_tool_calls_key(tmp_path):
