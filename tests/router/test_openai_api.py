@@ -6,6 +6,8 @@ The random-weight preset answers with random bytes, so what is compared is
 exact equality across modes and between streaming and not, and the text's
 relation to the token ids (the byte tokenizer: text = the ids' UTF-8 decode).
 """
+import json
+
 import pytest
 
 from tests.support.deploy import deployment, wait_pools_free
@@ -262,3 +264,97 @@ def test_responses_api_gives_the_chat_completions_text(deps, mode):
     assert kinds[-1] == f"response.{r.status}" and [e.sequence_number for e in events] == list(range(len(events)))
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == want
     assert events[-1].response.output_text == want and events[-1].response.usage.output_tokens == r.usage.output_tokens
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}, "required": ["city"],
+    "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+def streamed_calls(chunks) -> dict[int, list[dict]]:
+    """Each choice's tool calls, joined from a stream's pieces as an OpenAI client joins them, each with how many
+    pieces carried its arguments; every piece after a call's first carries arguments alone."""
+    out: dict[int, list[dict]] = {}
+    for ch in chunks:
+        for c in ch.choices:
+            assert c.delta.content in (None, "") or c.delta.role, c  # the role's chunk alone has content ""
+            for t in c.delta.tool_calls or []:
+                calls = out.setdefault(c.index, [])
+                if t.id is not None:
+                    assert t.index == len(calls) and t.type == "function" and t.function.name, t
+                    calls.append({"name": t.function.name, "arguments": "", "pieces": 0})
+                else:
+                    assert t.type is None and t.function.name is None, t
+                calls[t.index]["arguments"] += t.function.arguments
+                calls[t.index]["pieces"] += bool(t.function.arguments)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["local", "push"])
+def test_a_forced_named_tool_call_streams_its_arguments_as_they_come(deps, mode):
+    """tool_choice naming a function, streamed as vLLM streams it (pushkv sent each call whole at the end): each
+    choice's call opens with its id, type and name, its arguments follow a token at a time and join to the whole
+    response's, n > 1 each choice its own; cut by max_tokens, the call is still there (finish_reason length); the
+    usage chunk last, as the whole response's usage."""
+    c = client(deps[mode])
+    ask = dict(model="tiny", messages=MESSAGES, tools=[WEATHER, CLOCK], n=2, temperature=0.9, seed=11,
+               tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    for max_tokens, finish in ((40, "stop"), (6, "length")):
+        whole = c.chat.completions.create(**ask, max_tokens=max_tokens)
+        chunks = list(c.chat.completions.create(**ask, max_tokens=max_tokens, stream=True,
+                                                stream_options={"include_usage": True}))
+        got = streamed_calls(chunks)
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+        for choice in whole.choices:
+            (call,) = choice.message.tool_calls
+            assert (choice.finish_reason, choice.message.content) == (finish, "")
+            assert got[choice.index] == [{"name": "get_weather", "arguments": call.function.arguments,
+                                          "pieces": got[choice.index][0]["pieces"]}]
+            assert got[choice.index][0]["pieces"] > 2, got  # a token at a time (the tiny model's are bytes)
+            if finish == "stop":
+                assert json.loads(call.function.arguments) in ({"city": "Paris"}, {"city": "Rome"})
+            last = [ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].index == choice.index][-1]
+            assert last.finish_reason == finish
+
+
+def test_required_tool_calls_stream_as_they_come(deps):
+    """tool_choice required, streamed as vLLM streams it: each call opens once its name is written, its parameters
+    follow as written (compact: the grammar writes no white space), and they are JSON-equal to the whole
+    response's (which re-writes them); finish_reason tool_calls."""
+    c = client(deps["local"])
+    ask = dict(model="tiny", messages=MESSAGES, tools=[WEATHER, CLOCK], tool_choice="required", temperature=0.9,
+               seed=5, max_tokens=400)
+    whole = c.chat.completions.create(**ask).choices[0]
+    got = streamed_calls(c.chat.completions.create(**ask, stream=True))[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.tool_calls
+    assert [(g["name"], json.loads(g["arguments"])) for g in got] == [
+        (t.function.name, json.loads(t.function.arguments)) for t in whole.message.tool_calls]
+    assert all(g["pieces"] > 2 for g in got), got
+
+
+def test_echo_streams_the_prompt_with_the_first_tokens(deps):
+    """/v1/completions echo streamed as vLLM streams it: the prompt's text (and its tokens' logprobs) in the chunk of
+    the choice's first tokens, never a token-less chunk of its own; joined, the whole response. Chat's echo: the
+    continued message in a chunk of its own after the role's."""
+    c = client(deps["local"])
+    prompt = PROMPTS[0]
+    ask = dict(model="tiny", prompt=prompt, max_tokens=4, echo=True, logprobs=1, n=2, seed=3, temperature=0.9)
+    whole = c.completions.create(**ask)
+    chunks = [ch for ch in c.completions.create(**ask, stream=True) if ch.choices]
+    for choice in whole.choices:
+        mine = [ch.choices[0] for ch in chunks if ch.choices[0].index == choice.index]
+        assert all(m.token_ids for m in mine), mine  # each chunk its tokens: none the prompt's alone
+        assert mine[0].text.startswith(prompt)  # with its first tokens (token_ids above)
+        assert "".join(m.text for m in mine) == choice.text
+        lps = [x for m in mine for x in m.logprobs.token_logprobs]
+        assert lps == pytest.approx(choice.logprobs.token_logprobs, abs=1e-5) and lps[0] is None
+        assert [x for m in mine for x in m.logprobs.text_offset] == choice.logprobs.text_offset
+    prefix = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is"}]
+    chat_chunks = list(c.chat.completions.create(model="tiny", messages=prefix, max_tokens=3, stream=True,
+                                                 extra_body={"echo": True, "continue_final_message": True,
+                                                             "add_generation_prompt": False}))
+    deltas = [(ch.choices[0].delta.role, ch.choices[0].delta.content) for ch in chat_chunks[:2]]
+    assert deltas == [("assistant", ""), (None, "The answer is")]

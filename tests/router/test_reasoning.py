@@ -111,6 +111,25 @@ def test_whether_the_output_may_reason_as_vllms_parser_reads_the_request(parser,
                                                                        (None, "plan</think>answer"))
 
 
+@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
+def test_include_reasoning_false_still_holds_the_grammar_to_the_answer_after_the_reasoning(parser):
+    """include_reasoning false hides the reasoning and does not stop the model from writing it: the grammar still
+    waits for </think> (the reasoning is generated, then left out), as with include_reasoning true. vLLM 0.32
+    differs here, and pushkv does not follow it: its ``resolve_reasoning_ended`` takes include_reasoning
+    false as "the reasoning has ended" and holds the output to the grammar from the first token, so a model that
+    reasons anyway (its template opened <think>) writes the JSON inside its reasoning, which the parser then reads
+    as reasoning and hides: the answer's content comes back empty (vllm-project/vllm#54078, open, proposes what
+    pushkv does)."""
+    from pushkv.router import api, chat, text
+
+    limits = api.Limits(vocab_size=320, max_model_len=4096)
+    t = chat.ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}")
+    for include in (True, False):
+        p = chat.parse_chat({"messages": MESSAGES, "guided_regex": "a+", "include_reasoning": include},
+                            text.ByteTokenizer(), limits, t, reasoning_parser=parser)
+        assert p.reasons and p.structured.after == tuple(b"</think>") and p.include_reasoning is include
+
+
 def test_an_unknown_parser_is_refused():
     with pytest.raises(ValueError, match="'granite' is not one of"):
         reasoning.Splitter("granite")
