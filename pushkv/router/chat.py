@@ -284,7 +284,11 @@ def forced_choice(body: dict, tools: list[dict]) -> Optional[tuple[str, dict]]:
     if not all(isinstance(n, str) and n for n in names):
         raise api.bad("tool_choice", "a forced tool_choice needs every tool to be a function with a name")
     if choice == "required":
-        return tool_calls.REQUIRED, tool_calls.forced_schema(tools)
+        try:
+            schema = tool_calls.forced_schema(tools, parallel=api.get_bool(body, "parallel_tool_calls", True))
+        except ValueError as e:
+            raise api.bad("tools", str(e)) from None
+        return tool_calls.REQUIRED, schema
     fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str):

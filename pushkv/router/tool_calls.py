@@ -93,17 +93,37 @@ def function_of(tool: dict) -> dict:
     return tool.get("function") or {}
 
 
-def forced_schema(tools: list[dict], name: str = "") -> dict:
-    """The JSON schema a forced tool choice holds the output to (vLLM's): a named function's parameters, or for
-    ``required`` a non-empty list of ``{"name", "parameters"}``, each one of the tools'."""
+def forced_schema(tools: list[dict], name: str = "", parallel: bool = True) -> dict:
+    """The JSON schema a forced tool choice holds the output to, as vLLM 0.32 builds it: a named function's parameters,
+    or for ``required`` a non-empty list of ``{"name", "parameters"}``, each one of the tools', at most one where
+    ``parallel`` is false (vLLM's ``maxItems`` 1 for parallel_tool_calls false), and every tool's ``$defs`` lifted to
+    the list's own (where its ``$ref``s, ``#/$defs/...``, point: a pydantic model's parameters). ValueError where
+    two tools define one name differently, as vLLM refuses it."""
     def params(t: dict) -> Any:
-        return function_of(t).get("parameters") or {"type": "object"}
+        return function_of(t).get("parameters") or {"type": "object", "properties": {}}
 
     if name:
         return next(params(t) for t in tools if function_of(t).get("name") == name)
-    return {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [
-        {"properties": {"name": {"type": "string", "enum": [function_of(t).get("name")]},
-                        "parameters": params(t)}, "required": ["name", "parameters"]} for t in tools]}}
+    defs: dict[str, Any] = {}
+    items = []
+    for t in tools:
+        p = params(t)
+        if isinstance(p, dict) and "$defs" in p:
+            p = dict(p)
+            own = p.pop("$defs")
+            if not isinstance(own, dict):
+                raise ValueError(f"the $defs of tool {function_of(t).get('name')!r} must be an object")
+            for key, value in own.items():
+                if defs.setdefault(key, value) != value:
+                    raise ValueError(f"tool definition {key!r} has several schemas among the tools' $defs")
+        items.append({"properties": {"name": {"type": "string", "enum": [function_of(t).get("name")]},
+                                     "parameters": p}, "required": ["name", "parameters"]})
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items}}
+    if not parallel:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return schema
 
 
 class ForcedStreamer:

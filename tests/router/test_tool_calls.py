@@ -222,6 +222,40 @@ def test_a_forced_tool_choice_holds_the_output_to_the_calls_and_makes_them_calls
         assert e.value.param == "tool_choice"
 
 
+PLACE = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+BOOK = {"type": "function", "function": {"name": "book", "parameters": {  # a pydantic model's parameters: $defs
+    "type": "object", "properties": {"where": {"$ref": "#/$defs/Place"}}, "required": ["where"],
+    "$defs": {"Place": PLACE}}}}
+
+
+def test_required_builds_vllms_schema_with_the_tools_defs_and_parallel_tool_calls():
+    """tool_choice required's schema as vLLM 0.32 builds it: each tool's $defs lifted to the list's own, where its
+    $refs point (pushkv left them inside the parameters, where "#/$defs/..." finds nothing: the request was a 400
+    saying the JSON does not compile), two tools defining one name differently a 400 naming tools; and
+    parallel_tool_calls false holds it to one call (maxItems 1), rather than cutting the others off after."""
+    pytest.importorskip("xgrammar")
+    from pushkv.router import api, chat, text
+
+    limits = api.Limits(vocab_size=320, max_model_len=4096)
+    msgs = [{"role": "user", "content": "book?"}]
+
+    def schema(**body):
+        return json.loads(chat.parse_chat({"messages": msgs, "tool_choice": "required", **body}, text.ByteTokenizer(),
+                                          limits, chat.load_template("")).structured.spec)
+
+    got = schema(tools=[BOOK, CLOCK])
+    assert got["$defs"] == {"Place": PLACE} and "maxItems" not in got and got["minItems"] == 1
+    assert got["items"]["anyOf"][0]["properties"]["parameters"] == {
+        "type": "object", "properties": {"where": {"$ref": "#/$defs/Place"}}, "required": ["where"]}
+    assert BOOK["function"]["parameters"]["$defs"] == {"Place": PLACE}  # the request's own tool left as it was
+    assert schema(tools=[BOOK, CLOCK], parallel_tool_calls=False)["maxItems"] == 1
+    other = {"type": "function", "function": {"name": "other", "parameters": {"type": "object", "$defs": {
+        "Place": {"type": "string"}}}}}
+    with pytest.raises(api.ApiError, match="'Place' has several schemas") as e:
+        schema(tools=[BOOK, other])
+    assert e.value.param == "tools"
+
+
 def forced_through_router(tmp_path, tool_choice, output: str, reason: str) -> tuple[dict, list[dict]]:
     """A chat with a forced ``tool_choice`` whose model writes ``output`` (7 bytes a piece), ending ``reason``,
     through the router: the whole choice, and the streamed choices (each chunk's)."""
