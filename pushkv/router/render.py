@@ -246,7 +246,8 @@ class ChatRenderer(Renderer):
         final = bool(delta.finish_reason)
         thought, text = self.splitters[i].feed(delta.text, final) if self.splitters else ("", delta.text)
         calls: list[dict] = []
-        if self.tools:
+        # the calls are read from the content, once the reasoning ended (vLLM's: a forced call opens with the answer)
+        if self.tools and (text or final or not self.splitters or self.splitters[i].phase == "content"):
             text, calls = self.tools[i].feed(text, final)
             calls = calls if self.params.parallel_tool_calls else [c for c in calls if c["index"] == 0]
         if self.hide_reasoning:

@@ -256,15 +256,15 @@ def test_required_builds_vllms_schema_with_the_tools_defs_and_parallel_tool_call
     assert e.value.param == "tools"
 
 
-def forced_through_router(tmp_path, tool_choice, output: str, reason: str) -> tuple[dict, list[dict]]:
+def forced_through_router(tmp_path, tool_choice, output: str, reason: str, **cfg) -> tuple[dict, list[dict]]:
     """A chat with a forced ``tool_choice`` whose model writes ``output`` (7 bytes a piece), ending ``reason``,
-    through the router: the whole choice, and the streamed choices (each chunk's)."""
+    through the router (its flags ``cfg``): the whole choice, and the streamed choices (each chunk's)."""
     pytest.importorskip("xgrammar")
     out = list(output.encode())
     chunks = [out[i:i + 7] for i in range(0, len(out), 7)]
 
     async def body():
-        async with Harness(make_cfg(tmp_path, "local"), {"local": local_script(chunks, reason)}) as h:
+        async with Harness(make_cfg(tmp_path, "local", **cfg), {"local": local_script(chunks, reason)}) as h:
             req = {"messages": MESSAGES, "max_tokens": len(out), "tools": [WEATHER, CLOCK], "tool_choice": tool_choice}
             r = await h.http.post("/v1/chat/completions", json=req)
             assert r.status == 200, await r.text()
@@ -326,6 +326,21 @@ def test_a_forced_tool_choice_answers_as_vllm_whole_and_streamed(tmp_path, tool_
         if "id" not in c:
             assert c == {"index": c["index"], "function": dict({"name": None} if tool_choice == "required" else {},
                                                                arguments=c["function"]["arguments"])}, c
+
+
+def test_a_forced_call_opens_with_the_answer_after_the_reasoning(tmp_path):
+    """With a reasoning parser, a forced named call opens with the answer, after the reasoning, as vLLM's reads the
+    calls only once the reasoning ended (pushkv opened it, arguments "", in the reasoning's first chunk)."""
+    whole, streamed = forced_through_router(tmp_path, NAMED_WEATHER, '<think>where to?</think>{"city": "Rome"}',
+                                            "stop", reasoning_parser="deepseek_r1")
+    assert whole["message"]["reasoning"] == "where to?" and _named(whole["message"]["tool_calls"]) == [
+        ("get_weather", '{"city": "Rome"}')]
+    deltas = [c["delta"] for c in streamed]
+    called = [i for i, d in enumerate(deltas) if d.get("tool_calls")]
+    thought = [i for i, d in enumerate(deltas) if d.get("reasoning")]
+    assert thought and called and thought[-1] <= called[0], deltas
+    assert "".join(d.get("reasoning", "") for d in deltas) == "where to?"
+    assert joined_calls([c for d in deltas for c in d.get("tool_calls", [])]) == [("get_weather", '{"city": "Rome"}')]
 
 
 def test_a_choice_without_calls_has_no_tool_calls_key(tmp_path):
