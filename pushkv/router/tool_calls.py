@@ -48,10 +48,11 @@ PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder")
 
 
 class CallStreamer(Protocol):
-    """One choice's content, fed as it comes: each piece's (content delta, calls completed, each with its
-    ``index``); ``final``: nothing follows, so nothing is held back."""
+    """One choice's content, fed as it comes: each piece's (content delta, calls, each with its ``index``: a parser's
+    whole as each is completed, a forced tool choice's in pieces, a call's first with its ``id``);
+    ``final``: nothing follows, so nothing is held back."""
 
-    calls: int  # the calls made so far
+    calls: int  # the calls made (opened) so far
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]: ...
 
