@@ -100,6 +100,27 @@ def test_sweep_grid_defaults():
     assert sweep.MODES["pull-inline"] == ["--mode", "pull", "--pull-read", "inline"]
 
 
+def test_no_sweep_run_resends_an_earlier_runs_prompts():
+    """A mode's runs share one deployment and its prefix cache: a run whose prompts (or their first block) an earlier
+    run sent measures cache hits (the sweep's QPS 2 cells moved one block of KV, their TTFT a tenth of QPS 1's). Each
+    run gets prompts of its own, the same for every mode."""
+    args = sweep.parse_args(["--iters", "2"])
+    seen: dict[tuple, tuple] = {}
+    for mode, qps, inp in sweep.grid(args):
+        for it in range(args.iters):
+            b = sweep.bench_args(args, mode, "http://x", qps, inp, it)
+            if mode != args.modes[0]:
+                continue
+            prompts = (bench.make_prompts(b.num_prompts, b.input_len, b.vocab_size, b.seed)
+                       + bench.make_prompts(b.warmup, b.input_len, b.vocab_size, b.seed + 1000))
+            for p in prompts:
+                first_block = tuple(p[:16])
+                assert first_block not in seen, f"qps {qps} in {inp} iter {it} resends {seen[first_block]}'s prompt"
+                seen[first_block] = (qps, inp, it)
+    assert sweep.bench_args(args, "push", "u", 2.0, 1024, 1).seed == sweep.bench_args(
+        args, "pull-inline", "u", 2.0, 1024, 1).seed
+
+
 def test_bench_against_router(tmp_path):
     def script(g):
         n = g.max_tokens
