@@ -286,13 +286,24 @@ async def run_load(base_url: str, prompts: list[list[int]], gaps: list[float], o
     return list(results), duration
 
 
+def mode_label(health: dict) -> str:
+    """The result files' label of the deployment whose ``/health`` this is, in `pushkv sweep`'s names: pull by its
+    read (``pull-inline``, ...), push by its streaming, since `pushkv up --mode push` streams per layer group
+    (``push-layer``, ``push-chunk``) and the sweep's ``push`` is push with ``--push-stream off`` (its baseline)."""
+    mode = health.get("mode", "unknown")
+    if mode == "pull":
+        return f"pull-{health.get('pull_read', 'background')}"
+    if mode == "push":
+        stream = health.get("push_stream", "off")  # (absent: a router from before /health said it)
+        return "push" if stream == "off" else f"push-{stream}"
+    return mode
+
+
 def detect_mode(base_url: str) -> str:
     import urllib.request
 
     with urllib.request.urlopen(base_url.rstrip("/") + "/health", timeout=10) as r:
-        h = json.loads(r.read())
-    mode = h.get("mode", "unknown")
-    return f"pull-{h.get('pull_read', 'background')}" if mode == "pull" else mode
+        return mode_label(json.loads(r.read()))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -304,7 +315,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                         "Exit status: 0 when every request completed, 1 when any failed (the "
                                         "summary is printed and the result file written either way)")
     ap.add_argument("--url", default="http://127.0.0.1:8000", help="router base URL")
-    ap.add_argument("--mode", help="label in the file name (default: asked from /health)")
+    ap.add_argument("--mode", help="label in the file name (default: asked from /health, as the sweep names modes: "
+                                   "push-layer, push-chunk, push for --push-stream off, pull-inline, ...)")
     ap.add_argument("--qps", type=float, default=1.0, help="Poisson arrival rate; inf = all at once")
     ap.add_argument("--num-prompts", type=int, default=20)
     ap.add_argument("--input-len", type=int, default=256)

@@ -470,7 +470,7 @@ class Router:
     async def handle_health(self, request: web.Request) -> web.Response:
         ok = bool(self.links) and not self.stopping
         body = {"status": "ok" if ok else "unavailable", "mode": self.cfg.mode,
-                "pull_read": self.cfg.pull_read, "in_flight": len(self.runs),
+                "pull_read": self.cfg.pull_read, "push_stream": self.cfg.push_stream, "in_flight": len(self.runs),
                 "queued": self.balancer.waiting,
                 "instances": [{"engine_id": e, "role": l.role, "up": l.up, "healthy": l.healthy, "legs": l.legs,
                                "queued_prefill_tokens": l.queued_tokens, "blocks_committed": l.committed,

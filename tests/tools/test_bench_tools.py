@@ -142,6 +142,20 @@ def test_bench_against_router(tmp_path):
     assert s["completed"] == 3 and "local.finished" in s["stages"]
 
 
+@pytest.mark.parametrize("stream,label", [("layer", "push-layer"), ("chunk", "push-chunk"), ("off", "push")])
+def test_bench_labels_a_push_deployment_by_its_streaming(tmp_path, stream, label):
+    """`pushkv up --mode push` streams per layer group; its runs were labelled "push", the label the sweep, `pushkv
+    plot`'s baseline and the result pages give push with --push-stream off, so a streamed run was read as the
+    unstreamed baseline. The router's /health says the streaming, and the label follows it."""
+    async def body():
+        async with Harness(make_cfg(tmp_path, "push", push_stream=stream), {"prefill": None, "decode": None}) as h:
+            return await asyncio.to_thread(bench.detect_mode, h.router.url)
+
+    assert asyncio.run(asyncio.wait_for(body(), 30)) == label
+    assert bench.mode_label({"mode": "pull", "pull_read": "inline"}) == "pull-inline"
+    assert bench.mode_label({"mode": "local"}) == "local"
+
+
 def test_busy_devices_need_cuda():
     """The writers-only bench's --busy keeps GPUs computing: on the CPU it refuses, clearly."""
     from tools import transfer_report
