@@ -169,3 +169,34 @@ def test_busy_devices_need_cuda():
     with pytest.raises(SystemExit) as e:
         transfer_report.main(["--writers-only", "--busy", "--device", "cpu"])
     assert e.value.code == 2
+
+
+def test_transfer_report_prints_no_negative_fixed_cost():
+    """A WRITE's time that does not grow with its bytes (here the 16k row's slow rep) put the line's intercept below
+    0: the report printed "fixed cost ... -1586 us". It says the cost is not resolved instead."""
+    from tools.transfer_report import fixed_cost_line
+
+    mib = 2**20
+    noisy = [{"kv_bytes": 4 * mib, "write_ms": 0.62}, {"kv_bytes": 16 * mib, "write_ms": 0.61},
+             {"kv_bytes": 64 * mib, "write_ms": 13.83}]
+    line = fixed_cost_line(noisy)
+    assert "not resolved" in line and "fixed cost (intercept" not in line
+    linear = [{"kv_bytes": n * mib, "write_ms": 0.05 + n * mib / 4e9 * 1e3} for n in (4, 16, 64)]
+    assert fixed_cost_line(linear).startswith("fixed cost (intercept of WRITE time vs bytes over these lengths): 50 us")
+    assert "slope 4.00 GB/s" in fixed_cost_line(linear)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(180)
+def test_transfer_report_times_one_write_per_request(tmp_path, capsys):
+    """`pushkv transfer-report` times "the WRITE" against a plain copy of its bytes, but started `pushkv up --mode
+    push`, which streams per layer group: its "WRITE ms" summed parts posted during the prefill (5 to 8 per request,
+    the last one's time on the wire). It now starts push with --push-stream off: one WRITE, one descriptor here."""
+    from tools import transfer_report
+
+    out = tmp_path / "tr.json"
+    assert transfer_report.main(["--model", "tiny", "--lengths", "64", "256", "--reps", "1", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["prompt_tokens"] for r in rows] == [64, 256]
+    assert all(r["kv_bytes"] > 0 and r["descs"] == 1 for r in rows), rows
+    assert "--push-stream off" in capsys.readouterr().out
