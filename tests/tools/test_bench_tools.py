@@ -92,6 +92,17 @@ def test_plot_and_ratio_table(tmp_path, capsys):
     assert "pull-background" in table and "2.000" in table and "1.200" in table
 
 
+def test_plot_says_when_the_baseline_has_no_runs(tmp_path, capsys):
+    """A sweep of --modes push-layer pull-inline has no "push" runs: the ratio table came out empty, without a word."""
+    write_result(tmp_path, "push-layer", 1, 256, ttft=100.0, tpot=10.0)
+    write_result(tmp_path, "pull-inline", 1, 256, ttft=150.0, tpot=12.0)
+    assert plot.main([str(tmp_path), "--out", str(tmp_path / "f.png")]) == 0
+    err = capsys.readouterr().err
+    assert "no 'push' runs" in err and "pull-inline, push-layer" in err
+    assert plot.main([str(tmp_path), "--out", str(tmp_path / "f.png"), "--baseline", "push-layer"]) == 0
+    assert "1.500" in capsys.readouterr().out
+
+
 def test_sweep_grid_defaults():
     small = sweep.parse_args([])
     assert len(sweep.grid(small)) == 16 and small.num_prompts <= 10  # 4 modes x 2 QPS x 2 inputs
