@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 
 import pytest
 
@@ -165,6 +166,39 @@ def test_bench_labels_a_push_deployment_by_its_streaming(tmp_path, stream, label
     assert asyncio.run(asyncio.wait_for(body(), 30)) == label
     assert bench.mode_label({"mode": "pull", "pull_read": "inline"}) == "pull-inline"
     assert bench.mode_label({"mode": "local"}) == "local"
+
+
+def test_a_bench_run_again_or_at_another_length_sends_prompts_no_earlier_run_began_with(tmp_path):
+    """`pushkv bench` twice against one deployment sent the same prompts (seed 0 both times), and a run at 1024
+    tokens after one at 256 sent prompts beginning with the shorter run's (one stream of draws): the deployment's
+    prefix cache answered them (a 256-token push: one block of KV moved). A run's seed is now its --iter unless
+    given, and each prompt length draws from its own stream."""
+    def script(g):
+        return [(None, tokens(g, [65 + i], i == g.max_tokens - 1, "length" if i == g.max_tokens - 1 else "",
+                              (stage("finished"),) if i == g.max_tokens - 1 else ())) for i in range(g.max_tokens)]
+
+    async def body():
+        async with Harness(make_cfg(tmp_path, "local"), {"local": script}) as h:
+            out = []
+            for inp in (16, 16, 64):
+                a = bench.parse_args(["--url", h.router.url, "--mode", "local", "--qps", "inf", "--num-prompts", "3",
+                                      "--input-len", str(inp), "--output-len", "2", "--warmup", "1", "--result-dir",
+                                      str(tmp_path / "r"), "--no-progress"])
+                out.append(await asyncio.to_thread(bench.run, a))
+            return out
+
+    runs = asyncio.run(asyncio.wait_for(body(), 60))
+    assert [os.path.basename(p) for p, _ in runs] == [
+        "local_qpsinf_in16_out2_iter0.json", "local_qpsinf_in16_out2_iter1.json",
+        "local_qpsinf_in64_out2_iter0.json"]
+    assert all(s["completed"] == 3 for _, s in runs) and [s["seed"] for _, s in runs] == [0, 1, 0]
+    firsts: set[tuple] = set()
+    for _, s in runs:
+        sent = bench.make_prompts(3, s["input_len"], bench.DEFAULT_VOCAB, s["seed"]) + bench.make_prompts(
+            1, s["input_len"], bench.DEFAULT_VOCAB, s["seed"] + 1000)
+        starts = {tuple(p[:16]) for p in sent}
+        assert not starts & firsts
+        firsts |= starts
 
 
 def test_busy_devices_need_cuda():
