@@ -245,3 +245,11 @@ def test_transfer_report_times_one_write_per_request(tmp_path, capsys):
     assert [r["prompt_tokens"] for r in rows] == [64, 256]
     assert all(r["kv_bytes"] > 0 and r["descs"] == 1 for r in rows), rows
     assert "--push-stream off" in capsys.readouterr().out
+
+
+def test_writers_only_prints_no_negative_intercept_as_a_cost():
+    """`transfer-report --writers-only` printed "fixed cost: ... intercept of post->done vs bytes -573 us"."""
+    from tools.transfer_writers import intercept_text
+
+    assert intercept_text(120.4) == "120 us"
+    assert intercept_text(-573.0).startswith("not resolved") and "-573 us" in intercept_text(-573.0)
