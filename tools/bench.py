@@ -238,7 +238,9 @@ def aggregate(results: list[RequestResult], duration: float, meta: dict) -> dict
 # a run
 # ---------------------------------------------------------------------------
 def make_prompts(n: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
+    """``n`` random prompts; a stream of their own per (seed, length): drawn from one stream, a run's first prompt
+    began with a shorter run's (its prefix in the deployment's prefix cache)."""
+    rng = np.random.default_rng([seed, input_len])
     return [rng.integers(0, vocab, size=input_len).tolist() for _ in range(n)]
 
 
@@ -286,13 +288,24 @@ async def run_load(base_url: str, prompts: list[list[int]], gaps: list[float], o
     return list(results), duration
 
 
+def mode_label(health: dict) -> str:
+    """The result files' label of the deployment whose ``/health`` this is, in `pushkv sweep`'s names: pull by its
+    read (``pull-inline``, ...), push by its streaming, since `pushkv up --mode push` streams per layer group
+    (``push-layer``, ``push-chunk``) and the sweep's ``push`` is push with ``--push-stream off`` (its baseline)."""
+    mode = health.get("mode", "unknown")
+    if mode == "pull":
+        return f"pull-{health.get('pull_read', 'background')}"
+    if mode == "push":
+        stream = health.get("push_stream", "off")  # (absent: a router from before /health said it)
+        return "push" if stream == "off" else f"push-{stream}"
+    return mode
+
+
 def detect_mode(base_url: str) -> str:
     import urllib.request
 
     with urllib.request.urlopen(base_url.rstrip("/") + "/health", timeout=10) as r:
-        h = json.loads(r.read())
-    mode = h.get("mode", "unknown")
-    return f"pull-{h.get('pull_read', 'background')}" if mode == "pull" else mode
+        return mode_label(json.loads(r.read()))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -304,13 +317,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                                         "Exit status: 0 when every request completed, 1 when any failed (the "
                                         "summary is printed and the result file written either way)")
     ap.add_argument("--url", default="http://127.0.0.1:8000", help="router base URL")
-    ap.add_argument("--mode", help="label in the file name (default: asked from /health)")
+    ap.add_argument("--mode", help="label in the file name (default: asked from /health, as the sweep names modes: "
+                                   "push-layer, push-chunk, push for --push-stream off, pull-inline, ...)")
     ap.add_argument("--qps", type=float, default=1.0, help="Poisson arrival rate; inf = all at once")
     ap.add_argument("--num-prompts", type=int, default=20)
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--warmup", type=int, default=2, help="sequential requests first, not recorded")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=None,
+                    help="prompts and arrivals (default: the run's --iter, so that a run again against the same "
+                         "deployment sends prompts its prefix cache does not hold)")
     ap.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB, help="prompt ids drawn from [0, this)")
     ap.add_argument("--model", default="")
     ap.add_argument("--result-dir", default="results")
@@ -321,22 +337,23 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> tuple[str, dict]:
     mode = args.mode or detect_mode(args.url)
-    prompts = make_prompts(args.num_prompts, args.input_len, args.vocab_size, args.seed)
-    warmup = make_prompts(args.warmup, args.input_len, args.vocab_size, args.seed + 1000)
-    gaps = arrival_gaps(args.num_prompts, args.qps, args.seed)
+    it = args.iter if args.iter is not None else next_iter(
+        args.result_dir, mode, args.qps, args.input_len, args.output_len)
+    seed = args.seed if args.seed is not None else it
+    prompts = make_prompts(args.num_prompts, args.input_len, args.vocab_size, seed)
+    warmup = make_prompts(args.warmup, args.input_len, args.vocab_size, seed + 1000)
+    gaps = arrival_gaps(args.num_prompts, args.qps, seed)
     results, duration = asyncio.run(run_load(args.url, prompts, gaps, args.output_len, warmup,
                                              args.model, not args.no_progress))
     meta = {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "pushkv", "mode": mode,
         "base_url": args.url, "model_id": args.model, "num_prompts": args.num_prompts,
         "request_rate": args.qps if not math.isinf(args.qps) else "inf",
-        "input_len": args.input_len, "output_len": args.output_len, "seed": args.seed,
+        "input_len": args.input_len, "output_len": args.output_len, "seed": seed,
         "warmup": args.warmup,
     }
     summary = aggregate(results, duration, meta)
     os.makedirs(args.result_dir, exist_ok=True)
-    it = args.iter if args.iter is not None else next_iter(
-        args.result_dir, mode, args.qps, args.input_len, args.output_len)
     path = os.path.join(args.result_dir, result_name(mode, args.qps, args.input_len, args.output_len, it))
     with open(path, "w") as f:
         json.dump(summary, f, indent=1)

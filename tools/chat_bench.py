@@ -142,6 +142,18 @@ def request_path(ext: dict) -> str:
     return "+".join(legs) or "?"
 
 
+def turn_times(timeline: dict[str, float], wall_s: float, n: int) -> tuple[float, Optional[float]]:
+    """TTFT and TPOT of one answered turn (a whole, unstreamed answer): both on the router's clock where its timeline
+    has them (arrival, first token, finish), so that TPOT is not the client's wall time, with the HTTP round trip
+    and the answer's serialisation in it, less a TTFT the router measured; else the client's wall time."""
+    start, first, end = (timeline.get(k) for k in ("router.arrival", "router.first_token", "router.finish"))
+    ttft = first - start if start is not None and first is not None else wall_s
+    if n < 2:
+        return ttft, None
+    last = end - start if start is not None and end is not None and first is not None else wall_s
+    return ttft, (last - ttft) / (n - 1)
+
+
 # --------------------------------------------------------------------------- running it
 async def _turn(session, url: str, conv: int, turn: int, prompt: list[int], reusable: int, output_len: int,
                 model: str) -> TurnResult:
@@ -163,10 +175,8 @@ async def _turn(session, url: str, conv: int, turn: int, prompt: list[int], reus
     ch = data["choices"][0]
     res.output = list(ch.get("token_ids") or [])
     ext = data.get("pushkv") or {}
-    tl = ext.get("timeline") or {}
-    res.ttft_s = (tl["router.first_token"] - tl["router.arrival"]) if "router.first_token" in tl else wall
     n = len(res.output)
-    res.tpot_s = (wall - res.ttft_s) / (n - 1) if n > 1 else None
+    res.ttft_s, res.tpot_s = turn_times(ext.get("timeline") or {}, wall, n)
     details = (data.get("usage") or {}).get("prompt_tokens_details") or {}
     res.cached = details.get("cached_tokens")
     res.path = request_path(ext)

@@ -286,6 +286,14 @@ def rate_seed(rate: str, args) -> int:
     return args.seed + 1_000_003 * (args.rates.index(rate) if rate in args.rates else 0)
 
 
+def load_seed(rate: str, length: int, it: int, args) -> int:
+    """The prompts' seed of the loaded run at ``length`` in round ``it``: each its own. With the rounds' seeds alone,
+    the runs at two --load-lengths drew their prompts from one stream, a longer prompt beginning with a shorter
+    run's prompts, which the deployment's prefix cache then held (a 1024-token prompt half cached after 512's)."""
+    index = args.load_lengths.index(length) if length in args.load_lengths else 0
+    return rate_seed(rate, args) + 500_000 + 1000 * index + it  # apart from the lone prompts' (+ length)
+
+
 def lone_prompts(length: int, rate: str, args) -> list[list[int]]:
     return bench.make_prompts(args.reps, length, bench.DEFAULT_VOCAB, rate_seed(rate, args) + length)
 
@@ -333,15 +341,21 @@ def lone_summary(url: str, mode: str, rate: str, length: int, got, duration_s: f
     return s
 
 
+def loaded_args(url: str, mode: str, rate: str, length: int, args, out_dir: str, it: int = 0,
+                qps: Optional[float] = None):
+    """`pushkv bench`'s arguments for one loaded run."""
+    qps = args.qps if qps is None else qps
+    return bench.parse_args(["--url", url, "--mode", mode, "--qps", str(qps), "--num-prompts",
+                             str(args.num_prompts), "--input-len", str(length), "--output-len", str(args.output_len),
+                             "--warmup", "0", "--seed", str(load_seed(rate, length, it, args)), "--result-dir",
+                             out_dir, "--iter", str(it), "--no-progress"])
+
+
 def loaded(url: str, mode: str, rate: str, length: int, args, out_dir: str, it: int = 0,
            qps: Optional[float] = None) -> dict:
     """One loaded run (round ``it``: its own arrivals and prompts; at ``qps``, else ``--qps``), with
     ``cpu_ms``: the CPU each role's processes spent during the run, per completed request."""
-    qps = args.qps if qps is None else qps
-    b = bench.parse_args(["--url", url, "--mode", mode, "--qps", str(qps), "--num-prompts",
-                          str(args.num_prompts), "--input-len", str(length), "--output-len", str(args.output_len),
-                          "--warmup", "0", "--seed", str(rate_seed(rate, args) + it), "--result-dir", out_dir,
-                          "--iter", str(it), "--no-progress"])
+    b = loaded_args(url, mode, rate, length, args, out_dir, it, qps)
     before = cpu_ns(url)
     path, s = bench.run(b)
     spent = cpu_delta_ms(before, cpu_ns(url))

@@ -112,6 +112,11 @@ def main(argv=None) -> int:
     out = args.out or os.path.join(args.result_dir, "ttft_tpot.png")
     plot(cells, out)
     print(f"wrote {out}")
+    modes = sorted({k[0] for k in cells})
+    if args.baseline not in modes:  # an empty table said nothing of why
+        print(f"no ratios: no '{args.baseline}' runs in {args.result_dir} to divide by; --baseline one of "
+              f"{', '.join(modes)}", file=sys.stderr)
+        return 0
     print(format_table(ratio_rows(cells, args.baseline), args.baseline))
     return 0
 

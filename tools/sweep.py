@@ -58,6 +58,14 @@ def grid(args) -> list[tuple[str, float, int]]:
     return [(m, q, i) for m in args.modes for q in args.qps for i in args.inputs]
 
 
+def cell_seed(args, qps: float, input_len: int, it: int) -> int:
+    """The prompts' seed of one (QPS, input, iteration) run: its own for every run of a mode, so that no run sends
+    prompts an earlier run of the same deployment sent (its prefix cache would hold them: a TTFT without prefill and
+    a transfer of one block), and the same for every mode, so that the modes see the same prompts cell by cell."""
+    cells = [(q, i) for q in args.qps for i in args.inputs]
+    return args.seed + cells.index((qps, input_len)) * args.iters + it
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="pushkv sweep", description=__doc__.split("\n\n")[0],
                                  epilog="A deployment with an API key: set PUSHKV_API_KEY (its pushkv up takes it as "
@@ -112,6 +120,17 @@ def main(argv=None) -> int:
     return 1 if failures else 0
 
 
+def bench_args(args, mode: str, url: str, qps: float, inp: int, it: int) -> argparse.Namespace:
+    """`pushkv bench`'s arguments for one run of the grid."""
+    return bench.parse_args([
+        "--url", url, "--mode", mode, "--qps", str(qps),
+        "--num-prompts", str(args.num_prompts), "--input-len", str(inp),
+        "--output-len", str(args.output_len), "--warmup", str(args.warmup),
+        "--seed", str(cell_seed(args, qps, inp, it)), "--result-dir", args.result_dir,
+        "--iter", str(it), "--no-progress",
+    ])
+
+
 def _run_mode(args, mode: str, url: str, cells, bar) -> int:
     """Every (QPS, input) cell of one mode against one running deployment; failed requests."""
     from tqdm import tqdm
@@ -120,13 +139,7 @@ def _run_mode(args, mode: str, url: str, cells, bar) -> int:
     for _, qps, inp in [c for c in cells if c[0] == mode]:
         for it in range(args.iters):
             bar.set_postfix_str(f"{mode} qps={bench.fmt_qps(qps)} in={inp} iter={it}")
-            b = bench.parse_args([
-                "--url", url, "--mode", mode, "--qps", str(qps),
-                "--num-prompts", str(args.num_prompts), "--input-len", str(inp),
-                "--output-len", str(args.output_len), "--warmup", str(args.warmup),
-                "--seed", str(args.seed + it), "--result-dir", args.result_dir,
-                "--iter", str(it), "--no-progress",
-            ])
+            b = bench_args(args, mode, url, qps, inp, it)
             path, s = bench.run(b)
             failures += s["failed"]
             blk = f"  D block-s med {s['median_reserved_block_s']:.3f}" if "median_reserved_block_s" in s else ""

@@ -34,6 +34,20 @@ def one(dep, n: int, rng: random.Random) -> dict:
     }
 
 
+def fixed_cost_line(rows: list[dict]) -> str:
+    """The WRITE's fixed cost and rate, from the line through its times against bytes. A negative intercept is no
+    cost: the times did not grow with the bytes over these lengths (one slow rep, a streamed push's parts), and it
+    is said so rather than printed as a cost."""
+    from tools.transfer_writers import fit_line
+
+    a, b = fit_line([r["kv_bytes"] for r in rows], [r["write_ms"] / 1e3 for r in rows])
+    rate = f"{1 / b / 1e9:.2f} GB/s" if b > 0 else "none (time does not grow with bytes)"
+    if a < 0:
+        return (f"fixed cost: not resolved at these lengths (the line through WRITE time vs bytes meets 0 bytes at "
+                f"{a * 1e6:.0f} us, below their noise; --writers-only times a one-block transfer); slope {rate}")
+    return f"fixed cost (intercept of WRITE time vs bytes over these lengths): {a * 1e6:.0f} us; slope {rate}"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="pushkv transfer-report", description=__doc__)
     ap.add_argument("--model", default="small")
@@ -41,6 +55,10 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--out", default="results/transfer_report.json")
+    ap.add_argument("--push-stream", choices=("off", "layer", "chunk"), default="off",
+                    help="the deployment's push streaming (default off: each request's KV in one WRITE when its "
+                         "prefill ends, the transfer this report times; layer: `pushkv up --mode push`'s default, "
+                         "whose parts leave during the prefill and are summed)")
     ap.add_argument("--device", default="cpu", help="cpu | cuda: pools and models on this device")
     ap.add_argument("--decode-device", default=None, help="D on another GPU (e.g. cuda:1)")
     ap.add_argument("--writers-only", action="store_true",
@@ -94,10 +112,11 @@ def main(argv=None) -> int:
     blocks = max(args.lengths) // args.block_size + 64
     rng = random.Random(0)
     rows = []
-    print(f"starting a push deployment ({args.model}, block size {args.block_size}, {blocks} blocks) ...", flush=True)
+    print(f"starting a push deployment (--push-stream {args.push_stream}, {args.model}, block size "
+          f"{args.block_size}, {blocks} blocks) ...", flush=True)
     extra = ["--device", args.device] + (["--decode-device", args.decode_device] if args.decode_device else [])
-    with launched("--mode", "push", "--model", args.model, "--load-format", "dummy", "--num-blocks", str(blocks),
-                  "--block-size", str(args.block_size), *extra) as dep:
+    with launched("--mode", "push", "--push-stream", args.push_stream, "--model", args.model, "--load-format",
+                  "dummy", "--num-blocks", str(blocks), "--block-size", str(args.block_size), *extra) as dep:
         dep.complete([1, 2, 3], 2)  # warm-up: first handshake, allocator, lazy init
         for n in args.lengths:
             runs = [one(dep, n, rng) for _ in range(args.reps)]
@@ -116,13 +135,10 @@ def main(argv=None) -> int:
               f"{r['prefill_end_to_kv_ms']:>12.2f} {r['share_of_ttft'] * 100:>5.1f}%")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"model": args.model, "block_size": args.block_size, "rows": rows}, f, indent=1)
+        json.dump({"model": args.model, "block_size": args.block_size, "push_stream": args.push_stream, "rows": rows},
+                  f, indent=1)
     if len(rows) > 1:
-        from tools.transfer_writers import fit_line
-
-        a, b = fit_line([r["kv_bytes"] for r in rows], [r["write_ms"] / 1e3 for r in rows])
-        print(f"fixed cost (intercept of WRITE time vs bytes over these lengths): {a * 1e6:.0f} us; "
-              f"slope {1 / b / 1e9 if b > 0 else float('nan'):.2f} GB/s")
+        print(fixed_cost_line(rows))
     print(f"\n(medians of {args.reps}; written to {args.out})")
     return 0
 

@@ -182,6 +182,12 @@ def measure(model: str, block_size: int, sizes_mib: list[float], reps: int, devi
     return {"block_bytes": lay_bytes, "rows": rows, "warm_spins": p_stats.get("warm_spins", 0)}
 
 
+def intercept_text(us: float) -> str:
+    """A line's intercept as a fixed cost: below 0 it is none, the times not growing with the bytes over these sizes
+    (the one-block row is the cost then)."""
+    return f"{us:.0f} us" if us >= 0 else f"not resolved (the line meets 0 bytes at {us:.0f} us)"
+
+
 def fixed_costs(rows: list[dict]) -> dict:
     """The fixed cost of a transfer: the one-block row, and the intercepts of time against bytes."""
     a, b = fit_line([r["nbytes"] for r in rows], [r["secs"] for r in rows])
@@ -220,8 +226,8 @@ def report(model: str, block_size: int, sizes_mib: list[float], reps: int, devic
     one = rows[0]
     print(f"fixed cost: one-block post (map + descriptors + post, on P's writer) {one['post'] * 1e6:.0f} us; "
           f"one-block post->done {one['secs'] * 1e6:.0f} us (send->received {one['e2e'] * 1e6:.0f} us); "
-          f"intercept of post->done vs bytes {res['fixed_intercept_us']:.0f} us "
-          f"(send->received {res['fixed_e2e_intercept_us']:.0f} us); slope {res['slope_gbps']:.2f} GB/s; "
+          f"intercept of post->done vs bytes {intercept_text(res['fixed_intercept_us'])} "
+          f"(send->received {intercept_text(res['fixed_e2e_intercept_us'])}); slope {res['slope_gbps']:.2f} GB/s; "
           f"P's warm spins {res['warm_spins']}")
     print(f"one-block post's parts: indices + NIXL post {one['posted'] * 1e6:.0f} us, then the wake hint to D "
           f"{one['wake'] * 1e6:.0f} us")

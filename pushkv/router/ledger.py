@@ -8,7 +8,7 @@ from every leg) which the response's ``pushkv`` extension and the stage histogra
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal, Mapping, Optional
 
 from pushkv import messages as m
 from pushkv.kinds import FinishReason, Role
@@ -67,3 +67,17 @@ class Ledger:
         if self.first_token is None:
             self.first_token = t
         self.token_times.append((t, n))
+
+
+def posted_kv(kv: Mapping[str, m.KVTransferStats], path: str,
+              pull_read: str = "") -> tuple[Optional[m.KVTransferStats], bool]:
+    """A request's KV transfer as the router reports it (its /metrics, its OTLP span): the stats of the leg that
+    posted it (P's WRITE in push, the early allocation's or the late one's; D's READ in pull), else any leg's (the
+    bytes and descriptors it counted); and whether their ``transfer_s`` times the transfer. Not in pull with
+    ``--pull-read write``: P posts that WRITE after its leg has ended, and D, which only counted what landed,
+    reports 0 s."""
+    poster = "prefill" if path in ("push", "late") else "decode"
+    measured = kv.get(poster)
+    if measured is None:
+        return next(iter(kv.values()), None), False
+    return measured, not (path == "pull" and pull_read == "write")

@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pushkv import messages as m
 from pushkv.config import Mode, Role
-from pushkv.router.ledger import Ledger
+from pushkv.router.ledger import Ledger, posted_kv
 
 # Seconds; spans sub-ms ITLs on GPU to minute-long TTFTs of 16k prompts on CPU.
 LATENCY_BUCKETS_S = (
@@ -34,7 +34,7 @@ RENDEZVOUS_ORDERS = ("registration_first", "prefill_first")
 
 
 class RouterMetrics:
-    def __init__(self, mode: Mode | Literal[""] = ""):
+    def __init__(self, mode: Mode | Literal[""] = "", pull_read: str = ""):
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -71,7 +71,7 @@ class RouterMetrics:
             registry=r)
         self.info = Gauge("pushkv_router_info", "Router deployment", ["mode"], registry=r)
         self.info.labels(mode=mode).set(1)
-        self.mode = mode
+        self.mode, self.pull_read = mode, pull_read
         self.kv_bytes = Histogram(
             "pushkv_kv_transfer_bytes", "KV bytes moved P->D per request", buckets=BYTES_BUCKETS, registry=r)
         self.kv_seconds = Histogram(
@@ -139,7 +139,7 @@ class RouterMetrics:
         timeline, kv = rec.timeline, rec.kv
         self.requests.labels(outcome=rec.outcome or "ok").inc()
         if kv:
-            self.observe_transfer(kv)
+            self.observe_transfer(kv, rec.path)
         if rec.prompt_tokens:
             self.prompt_tokens.observe(rec.prompt_tokens)
         n = rec.completion_tokens
@@ -162,13 +162,13 @@ class RouterMetrics:
                 if stage != "router.arrival":
                     self.stage.labels(stage=stage).observe(max(0.0, t - t0))
 
-    def observe_transfer(self, kv: dict[str, m.KVTransferStats]) -> None:
-        """One request's transfer, as measured by the leg that posted it (push: P, pull: D)."""
-        t = kv.get("prefill") if self.mode == "push" else kv.get("decode")
-        t = t or next(iter(kv.values()))
+    def observe_transfer(self, kv: dict[str, m.KVTransferStats], path: str) -> None:
+        """One request's transfer, as measured by the leg that posted it (push: P, pull: D; ledger.posted_kv)."""
+        t, timed = posted_kv(kv, path, self.pull_read)
+        assert t is not None
         self.kv_bytes.observe(t.nbytes)
         self.kv_descs.observe(t.num_descs)
-        if t.nbytes > 0:  # a transfer that ended in the pass that posted it measures 0.0 s
+        if timed and t.nbytes > 0:  # a transfer that ended in the pass that posted it measures 0.0 s
             self.kv_seconds.observe(t.transfer_s)
         if t.rendezvous in RENDEZVOUS_ORDERS:
             self.rendezvous.labels(order=t.rendezvous).inc()

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from pushkv import messages as m
-from pushkv.router.ledger import Ledger
+from pushkv.router.ledger import Ledger, posted_kv
 
 Value = Union[str, int, float, bool]
 
@@ -52,6 +52,7 @@ class Facts:
     sampling: m.SamplingParams
     max_tokens: int
     n: int  # the choices of the HTTP request this one is a choice of
+    pull_read: str = ""  # the deployment's --pull-read (pull-write's WRITE is timed by no leg's report)
 
 
 @dataclass(frozen=True)
@@ -121,10 +122,11 @@ def request_spans(ledger: Ledger, facts: Facts, end_monotonic: float) -> list[Sp
         attrs[LATENCY_TTFT] = ledger.first_token - ledger.arrival
     if ledger.outcome == "ok" and ledger.finish is not None:
         attrs[LATENCY_E2E] = ledger.finish - ledger.arrival
-    kv = ledger.kv.get("prefill" if ledger.path == "push" else "decode") or next(iter(ledger.kv.values()), None)
+    kv, timed = posted_kv(ledger.kv, ledger.path, facts.pull_read)
     if kv is not None:
-        attrs.update({"pushkv.kv.bytes": kv.nbytes, "pushkv.kv.descriptors": kv.num_descs,
-                      "pushkv.kv.transfer_seconds": kv.transfer_s})
+        attrs.update({"pushkv.kv.bytes": kv.nbytes, "pushkv.kv.descriptors": kv.num_descs})
+        if timed:
+            attrs["pushkv.kv.transfer_seconds"] = kv.transfer_s
         if kv.rendezvous:
             attrs["pushkv.kv.rendezvous"] = kv.rendezvous
     found = phases(ledger)

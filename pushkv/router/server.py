@@ -108,7 +108,7 @@ class Router:
         # this router's epoch: a restarted router's is newer, and the schedulers abort the legs of
         # the one before (messages.RouterEpoch)
         self.epoch = time.time_ns()
-        self.metrics = RouterMetrics(cfg.mode)
+        self.metrics = RouterMetrics(cfg.mode, cfg.pull_read)
         self.security = security.load(cfg.secret_file)  # CURVE to tcp:// schedulers
         caching = any(i.prefix_cache for i in cfg.role_instances("prefill") + cfg.role_instances("decode"))
         t = cfg.timeouts  # a pinned D waits this long for the WRITE, and P for its own prefill
@@ -470,7 +470,7 @@ class Router:
     async def handle_health(self, request: web.Request) -> web.Response:
         ok = bool(self.links) and not self.stopping
         body = {"status": "ok" if ok else "unavailable", "mode": self.cfg.mode,
-                "pull_read": self.cfg.pull_read, "in_flight": len(self.runs),
+                "pull_read": self.cfg.pull_read, "push_stream": self.cfg.push_stream, "in_flight": len(self.runs),
                 "queued": self.balancer.waiting,
                 "instances": [{"engine_id": e, "role": l.role, "up": l.up, "healthy": l.healthy, "legs": l.legs,
                                "queued_prefill_tokens": l.queued_tokens, "blocks_committed": l.committed,
@@ -833,7 +833,7 @@ class Router:
         now = time.monotonic()
         for run in runs:
             facts = otlp_spans.Facts(run.transfer_id, self._reported(params.model), params.sampling,
-                                     params.max_tokens, params.n)
+                                     params.max_tokens, params.n, self.cfg.pull_read)
             try:
                 self.otlp.emit(otlp_spans.request_spans(run.ledger, facts, now), headers)
             except Exception:  # a span the SDK refused never fails the request it describes

@@ -143,7 +143,8 @@ class InstanceMetrics(Collector):
                             REQUEST_BUCKETS_S)
         self.decode = hist("vllm:request_decode_time_seconds", "This instance's first token to the request's end",
                            REQUEST_BUCKETS_S)
-        self.max_gen = hist("vllm:request_max_num_generation_tokens", "max_tokens of finished requests", tokens)
+        self.max_gen = hist("vllm:request_max_num_generation_tokens", "Tokens generated per finished request (vLLM: "
+                            "the most of a request's n choices; each choice is a request here)", tokens)
         self.params_max_tokens = hist("vllm:request_params_max_tokens", "max_tokens of finished requests", tokens)
         self.params_n = hist("vllm:request_params_n", "n of finished requests (pushkv runs each choice as its own)",
                              PARAMS_N_BUCKETS)
@@ -201,9 +202,11 @@ class InstanceMetrics(Collector):
         self.inference.observe(f.prefill_s + f.decode_s)
         self.prefill.observe(f.prefill_s)
         self.decode.observe(f.decode_s)
-        if f.generated > 1:
-            self.request_tpot.observe(f.decode_s / (f.generated - 1))
-        self.max_gen.observe(f.max_tokens)
+        # one a request, 0 for a request of one token (P's legs), as vLLM's (its mean_time_per_output_token)
+        self.request_tpot.observe(f.decode_s / (f.generated - 1) if f.generated > 1 else 0.0)
+        # the tokens it generated, not its max_tokens: vLLM's is the most any of a request's n choices generated,
+        # and each choice is a request of its own here
+        self.max_gen.observe(f.generated)
         self.params_max_tokens.observe(f.max_tokens)
         self.params_n.observe(1)
         self.num_preemptions.observe(f.preemptions)

@@ -37,6 +37,29 @@ def stats(role: str, free: int, counters: dict[str, int]) -> m.Stats:
     return m.Stats(f"{role}-engine", role, 100, free, 1, 2, counters)
 
 
+def test_pull_write_observes_bytes_and_no_transfer_time(tmp_path):
+    """With --pull-read write P posts the WRITE after its leg has ended; D's report counts what landed, with 0 s.
+    pushkv_kv_transfer_seconds observed that 0 for every such request; it now observes nothing there."""
+    def p_script(g):
+        pull = m.PullParams(m.PrefillSource("prefill-engine", 1, ("tcp://x",)), (1,), 1, 5, 0.0)
+        return [(None, m.PrefillFinished(g.transfer_id, g.generation, 5, pull, (stage("prefill_end"),)))]
+
+    def d_script(g):
+        d_kv = m.KVTransferStats(8192, 1, 0.0, "pull")
+        fin = m.TokensGenerated(g.transfer_id, g.generation, (6,), True, "length", 1, (stage("finished"),), d_kv)
+        return [(None, tokens(g, [5])), (None, fin)]
+
+    async def body():
+        async with Harness(make_cfg(tmp_path, "pull", pull_read="write"), {"prefill": p_script, "decode": d_script}) as h:
+            r = await h.http.post("/v1/completions", json={"prompt": [1], "max_tokens": 2})
+            assert r.status == 200
+            return samples(await (await h.http.get("/metrics")).text())
+
+    got = asyncio.run(asyncio.wait_for(body(), 30))
+    assert got["pushkv_kv_transfer_bytes_count"] == 1 and got["pushkv_kv_transfer_bytes_sum"] == 8192
+    assert got["pushkv_kv_transfer_seconds_count"] == 0
+
+
 @pytest.mark.parametrize("mode, p_kv, d_kv, want", [
     # push: P's WRITE counts (D's view has no time); pull: D's READ
     ("push", m.KVTransferStats(65536, 3, 0.002, "prefill_first"), m.KVTransferStats(65536, 3, 0.0),

@@ -74,6 +74,23 @@ def test_a_push_request_is_vllms_span_with_pushkvs_phases_as_children():
     assert (kids["decode"].start, kids["decode"].end) == (WALL + 0.014, WALL + 0.050)
 
 
+def test_the_kv_attributes_are_the_posting_legs_and_no_leg_times_pull_writes_write():
+    """A push request whose D allocated after P (path "late") took D's stats, which time nothing (0 s): P posted
+    the WRITE. A pull deployment with --pull-read write has P post it after its leg ended, and D's 0 s was reported
+    as its time; the attribute is left out there, never guessed."""
+    late = _push_ledger()
+    late.path, late.late = "late", True
+    a = S.request_spans(late, _facts(), end_monotonic=100.060)[0].attributes
+    assert (a["pushkv.kv.transfer_seconds"], a["pushkv.kv.rendezvous"]) == (0.004, "registration_first")
+    pull = _push_ledger()
+    pull.path, pull.kv = "pull", {"decode": m.KVTransferStats(57344, 1, 0.0, "pull")}
+    a = S.request_spans(pull, _facts(pull_read="write"), end_monotonic=100.060)[0].attributes
+    assert (a["pushkv.kv.bytes"], a["pushkv.kv.descriptors"]) == (57344, 1) and "pushkv.kv.transfer_seconds" not in a
+    pull.kv = {"decode": m.KVTransferStats(57344, 1, 0.003, "pull")}
+    a = S.request_spans(pull, _facts(pull_read="inline"), end_monotonic=100.060)[0].attributes
+    assert a["pushkv.kv.transfer_seconds"] == 0.003  # D's READ
+
+
 def test_a_local_request_has_no_transfer_and_its_decode_starts_at_its_first_token():
     led = Ledger(arrival=5.0, prompt_tokens=3, path="local")
     led.timeline = {"router.arrival": WALL, "local.local_queued": WALL + 0.001, "local.prefill_start": WALL + 0.002,

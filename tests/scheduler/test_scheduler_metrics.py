@@ -75,9 +75,10 @@ def test_local_request_counts_and_usage(prompt_len, max_tokens):
     assert value(got, "vllm:request_prefill_time_seconds_sum") == pytest.approx(0.5)  # admitted at 10.0
     assert value(got, "vllm:request_decode_time_seconds_sum") == pytest.approx(decode_s)
     assert value(got, "vllm:request_inference_time_seconds_sum") == pytest.approx(0.5 + decode_s)
-    assert value(got, "vllm:request_time_per_output_token_seconds_count") == (max_tokens > 1)
-    if max_tokens > 1:  # the request's mean interval, one observation a request
-        assert value(got, "vllm:request_time_per_output_token_seconds_sum") == pytest.approx(0.25)
+    # the request's mean interval, one observation a request: 0 for a request of one token, as vLLM's (P's legs
+    # are all such: vLLM's P observes each, and a dashboard's sum / count divides by them)
+    assert value(got, "vllm:request_time_per_output_token_seconds_count") == 1
+    assert value(got, "vllm:request_time_per_output_token_seconds_sum") == pytest.approx(0.25 if max_tokens > 1 else 0)
     assert value(got, "vllm:request_params_max_tokens_sum") == max_tokens
     assert value(got, "vllm:request_max_num_generation_tokens_sum") == max_tokens
     assert value(got, "vllm:request_params_n_sum") == 1
@@ -152,6 +153,18 @@ def test_a_local_request_is_counted_once_by_how_it_ended(how, reason):
     want["e2e"] = int(reason is not None)
     assert ended(core) == want
     assert not core.reqs
+
+
+def test_max_num_generation_tokens_is_what_the_request_generated_not_its_max_tokens():
+    """vLLM's vllm:request_max_num_generation_tokens is the most tokens any of a request's n choices generated
+    (ParentRequest.observe_finished_request); it observed max_tokens here, so a request stopped early read as long as
+    it was allowed to be."""
+    core = local_core()
+    run_local(core, "stop string")  # max_tokens 3, stopped after its first tokens
+    got = scrape(core)
+    generated = value(got, "vllm:request_generation_tokens_sum")
+    assert 0 < generated < 3 and value(got, "vllm:request_params_max_tokens_sum") == 3
+    assert value(got, "vllm:request_max_num_generation_tokens_sum") == generated
 
 
 @pytest.mark.parametrize("word, reason", [("stop", "stop"), ("length", "length"), (None, "length")])

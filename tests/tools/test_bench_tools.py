@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 
 import pytest
 
@@ -92,12 +93,44 @@ def test_plot_and_ratio_table(tmp_path, capsys):
     assert "pull-background" in table and "2.000" in table and "1.200" in table
 
 
+def test_plot_says_when_the_baseline_has_no_runs(tmp_path, capsys):
+    """A sweep of --modes push-layer pull-inline has no "push" runs: the ratio table came out empty, without a word."""
+    write_result(tmp_path, "push-layer", 1, 256, ttft=100.0, tpot=10.0)
+    write_result(tmp_path, "pull-inline", 1, 256, ttft=150.0, tpot=12.0)
+    assert plot.main([str(tmp_path), "--out", str(tmp_path / "f.png")]) == 0
+    err = capsys.readouterr().err
+    assert "no 'push' runs" in err and "pull-inline, push-layer" in err
+    assert plot.main([str(tmp_path), "--out", str(tmp_path / "f.png"), "--baseline", "push-layer"]) == 0
+    assert "1.500" in capsys.readouterr().out
+
+
 def test_sweep_grid_defaults():
     small = sweep.parse_args([])
     assert len(sweep.grid(small)) == 16 and small.num_prompts <= 10  # 4 modes x 2 QPS x 2 inputs
     full = sweep.parse_args(["--full"])
     assert full.inputs[0] == 1024 and full.inputs[-1] == 16384 and full.qps == [1.0, 2.0, 4.0, 8.0]
     assert sweep.MODES["pull-inline"] == ["--mode", "pull", "--pull-read", "inline"]
+
+
+def test_no_sweep_run_resends_an_earlier_runs_prompts():
+    """A mode's runs share one deployment and its prefix cache: a run whose prompts (or their first block) an earlier
+    run sent measures cache hits (the sweep's QPS 2 cells moved one block of KV, their TTFT a tenth of QPS 1's). Each
+    run gets prompts of its own, the same for every mode."""
+    args = sweep.parse_args(["--iters", "2"])
+    seen: dict[tuple, tuple] = {}
+    for mode, qps, inp in sweep.grid(args):
+        for it in range(args.iters):
+            b = sweep.bench_args(args, mode, "http://x", qps, inp, it)
+            if mode != args.modes[0]:
+                continue
+            prompts = (bench.make_prompts(b.num_prompts, b.input_len, b.vocab_size, b.seed)
+                       + bench.make_prompts(b.warmup, b.input_len, b.vocab_size, b.seed + 1000))
+            for p in prompts:
+                first_block = tuple(p[:16])
+                assert first_block not in seen, f"qps {qps} in {inp} iter {it} resends {seen[first_block]}'s prompt"
+                seen[first_block] = (qps, inp, it)
+    assert sweep.bench_args(args, "push", "u", 2.0, 1024, 1).seed == sweep.bench_args(
+        args, "pull-inline", "u", 2.0, 1024, 1).seed
 
 
 def test_bench_against_router(tmp_path):
@@ -121,6 +154,53 @@ def test_bench_against_router(tmp_path):
     assert s["completed"] == 3 and "local.finished" in s["stages"]
 
 
+@pytest.mark.parametrize("stream,label", [("layer", "push-layer"), ("chunk", "push-chunk"), ("off", "push")])
+def test_bench_labels_a_push_deployment_by_its_streaming(tmp_path, stream, label):
+    """`pushkv up --mode push` streams per layer group; its runs were labelled "push", the label the sweep, `pushkv
+    plot`'s baseline and the result pages give push with --push-stream off, so a streamed run was read as the
+    unstreamed baseline. The router's /health says the streaming, and the label follows it."""
+    async def body():
+        async with Harness(make_cfg(tmp_path, "push", push_stream=stream), {"prefill": None, "decode": None}) as h:
+            return await asyncio.to_thread(bench.detect_mode, h.router.url)
+
+    assert asyncio.run(asyncio.wait_for(body(), 30)) == label
+    assert bench.mode_label({"mode": "pull", "pull_read": "inline"}) == "pull-inline"
+    assert bench.mode_label({"mode": "local"}) == "local"
+
+
+def test_a_bench_run_again_or_at_another_length_sends_prompts_no_earlier_run_began_with(tmp_path):
+    """`pushkv bench` twice against one deployment sent the same prompts (seed 0 both times), and a run at 1024
+    tokens after one at 256 sent prompts beginning with the shorter run's (one stream of draws): the deployment's
+    prefix cache answered them (a 256-token push: one block of KV moved). A run's seed is now its --iter unless
+    given, and each prompt length draws from its own stream."""
+    def script(g):
+        return [(None, tokens(g, [65 + i], i == g.max_tokens - 1, "length" if i == g.max_tokens - 1 else "",
+                              (stage("finished"),) if i == g.max_tokens - 1 else ())) for i in range(g.max_tokens)]
+
+    async def body():
+        async with Harness(make_cfg(tmp_path, "local"), {"local": script}) as h:
+            out = []
+            for inp in (16, 16, 64):
+                a = bench.parse_args(["--url", h.router.url, "--mode", "local", "--qps", "inf", "--num-prompts", "3",
+                                      "--input-len", str(inp), "--output-len", "2", "--warmup", "1", "--result-dir",
+                                      str(tmp_path / "r"), "--no-progress"])
+                out.append(await asyncio.to_thread(bench.run, a))
+            return out
+
+    runs = asyncio.run(asyncio.wait_for(body(), 60))
+    assert [os.path.basename(p) for p, _ in runs] == [
+        "local_qpsinf_in16_out2_iter0.json", "local_qpsinf_in16_out2_iter1.json",
+        "local_qpsinf_in64_out2_iter0.json"]
+    assert all(s["completed"] == 3 for _, s in runs) and [s["seed"] for _, s in runs] == [0, 1, 0]
+    firsts: set[tuple] = set()
+    for _, s in runs:
+        sent = bench.make_prompts(3, s["input_len"], bench.DEFAULT_VOCAB, s["seed"]) + bench.make_prompts(
+            1, s["input_len"], bench.DEFAULT_VOCAB, s["seed"] + 1000)
+        starts = {tuple(p[:16]) for p in sent}
+        assert not starts & firsts
+        firsts |= starts
+
+
 def test_busy_devices_need_cuda():
     """The writers-only bench's --busy keeps GPUs computing: on the CPU it refuses, clearly."""
     from tools import transfer_report
@@ -134,3 +214,42 @@ def test_busy_devices_need_cuda():
     with pytest.raises(SystemExit) as e:
         transfer_report.main(["--writers-only", "--busy", "--device", "cpu"])
     assert e.value.code == 2
+
+
+def test_transfer_report_prints_no_negative_fixed_cost():
+    """A WRITE's time that does not grow with its bytes (here the 16k row's slow rep) put the line's intercept below
+    0: the report printed "fixed cost ... -1586 us". It says the cost is not resolved instead."""
+    from tools.transfer_report import fixed_cost_line
+
+    mib = 2**20
+    noisy = [{"kv_bytes": 4 * mib, "write_ms": 0.62}, {"kv_bytes": 16 * mib, "write_ms": 0.61},
+             {"kv_bytes": 64 * mib, "write_ms": 13.83}]
+    line = fixed_cost_line(noisy)
+    assert "not resolved" in line and "fixed cost (intercept" not in line
+    linear = [{"kv_bytes": n * mib, "write_ms": 0.05 + n * mib / 4e9 * 1e3} for n in (4, 16, 64)]
+    assert fixed_cost_line(linear).startswith("fixed cost (intercept of WRITE time vs bytes over these lengths): 50 us")
+    assert "slope 4.00 GB/s" in fixed_cost_line(linear)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(180)
+def test_transfer_report_times_one_write_per_request(tmp_path, capsys):
+    """`pushkv transfer-report` times "the WRITE" against a plain copy of its bytes, but started `pushkv up --mode
+    push`, which streams per layer group: its "WRITE ms" summed parts posted during the prefill (5 to 8 per request,
+    the last one's time on the wire). It now starts push with --push-stream off: one WRITE, one descriptor here."""
+    from tools import transfer_report
+
+    out = tmp_path / "tr.json"
+    assert transfer_report.main(["--model", "tiny", "--lengths", "64", "256", "--reps", "1", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["prompt_tokens"] for r in rows] == [64, 256]
+    assert all(r["kv_bytes"] > 0 and r["descs"] == 1 for r in rows), rows
+    assert "--push-stream off" in capsys.readouterr().out
+
+
+def test_writers_only_prints_no_negative_intercept_as_a_cost():
+    """`transfer-report --writers-only` printed "fixed cost: ... intercept of post->done vs bytes -573 us"."""
+    from tools.transfer_writers import intercept_text
+
+    assert intercept_text(120.4) == "120 us"
+    assert intercept_text(-573.0).startswith("not resolved") and "-573 us" in intercept_text(-573.0)

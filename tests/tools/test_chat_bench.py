@@ -73,3 +73,12 @@ def test_a_chat_run_against_a_deployment(tmp_path):
     assert sum(r.reusable < 48 for r in results if r.turn == 1) == 1
     rows = {row["turn"]: row for row in cb.summarize(results)}
     assert rows[">=2"]["failed"] == 0 and rows[">=2"]["reusable"] > 0.8
+
+
+def test_a_turns_tpot_is_on_the_routers_clock_as_its_ttft():
+    """TTFT came from the router's timeline and TPOT from the client's wall time less that TTFT, so the HTTP round
+    trip and the answer's serialisation (here 40 ms) were spread over the tokens as if decoding."""
+    tl = {"router.arrival": 100.0, "router.first_token": 100.05, "router.finish": 100.25}
+    ttft, tpot = cb.turn_times(tl, wall_s=0.29, n=5)
+    assert ttft == pytest.approx(0.05) and tpot == pytest.approx(0.05)
+    assert cb.turn_times({}, wall_s=0.29, n=1) == (0.29, None)  # no timeline: the client's wall time

@@ -207,3 +207,24 @@ def test_the_link_probe_s_sizes_scale_with_the_cap():
     assert lb.probe_sizes(25e9) == [119 * 2**20, 477 * 2**20]  # 40 and 160 ms at 25 Gbit/s
     assert lb.probe_sizes(1e8) == [2**20, 2 * 2**20]  # at least 1 MiB
     assert lb.probe_sizes(1e9, [0.5, 8.0]) == [2**19, 8 * 2**20]  # as given
+
+
+def test_no_run_sends_a_prompt_whose_start_an_earlier_run_sent():
+    """One deployment per mode serves every rate, length and round: the loaded runs at two --load-lengths drew from
+    one seed per round, so the 1024-token prompts began with the 512-token run's, half of each in the prefix cache."""
+    args = lb.parse_args(["--rates", "1gbit", "none", "--lengths", "512", "1024", "--load-lengths", "512", "1024",
+                          "--load-rounds", "2", "--num-prompts", "6", "--reps", "3"])
+    seen: dict[tuple, str] = {}
+
+    def check(prompts, what):
+        for p in prompts:
+            assert tuple(p[:16]) not in seen, f"{what} resends {seen[tuple(p[:16])]}'s prompt"
+            seen[tuple(p[:16])] = what
+
+    for rate in args.rates:
+        for n in args.lengths:
+            check(lb.lone_prompts(n, rate, args), f"lone {rate} {n}")
+        for it in range(args.load_rounds):
+            for n in args.load_lengths:
+                b = lb.loaded_args("http://x", "push", rate, n, args, "out", it)
+                check(bench.make_prompts(b.num_prompts, b.input_len, b.vocab_size, b.seed), f"load {rate} {n} {it}")

@@ -571,6 +571,46 @@ def test_pull_deployment_tapped_spans_complete_and_ordered(tmp_path):
         assert not any(k.startswith("pushkv_kv_rendezvous_total") for k in got)
 
 
+def decode_local_script():
+    """A push deployment with --conditional-disagg whose router had D prefill the prompt itself (path decode-local):
+    no P process sees the request. As a tap recorded it."""
+    tokens = m.encode(m.TokensGenerated(TID, 0, (222,)))
+    return [
+        (0.0, "router", "event", "http_request", "prompt=34 max_tokens=3"),
+        (3.8, "router", "send", "Generate", "decode-scheduler"),
+        (13.9, "decode-scheduler", "recv", "Generate", "router"),
+        (14.2, "decode-scheduler", "event", "decode_queued", ""),
+        (14.21, "decode-scheduler", "event", "decode_alloc", ""),
+        (14.22, "decode-scheduler", "event", "prefill_start", ""),
+        (106.5, "decode-scheduler", "event", "prefill_end", ""),
+        (106.55, "decode-scheduler", "event", "first_token", ""),
+        (106.56, "decode-scheduler", "send", "TokensGenerated", "router", tokens),
+        (107.1, "router", "recv", "TokensGenerated", "decode-scheduler", tokens),
+        (132.3, "decode-scheduler", "send", "TokensGenerated", "router", tokens),
+        (132.9, "router", "recv", "TokensGenerated", "decode-scheduler", tokens),
+        (160.3, "decode-scheduler", "event", "finished", ""),
+        (160.4, "decode-scheduler", "send", "TokensGenerated", "router", tokens),
+        (160.9, "router", "recv", "TokensGenerated", "decode-scheduler", tokens),
+        (164.7, "router", "event", "http_done", "ok"),
+    ]
+
+
+def test_a_request_d_prefilled_itself_has_its_spans_and_stages():
+    """A decode-local request was taken for a push one: no queue, prefill or decode span, every breakdown column
+    "-" but TTFT and e2e, and "incomplete (still running when the tap stopped?)" for a request that had ended."""
+    tl = T.RequestTimeline(TID, events(decode_local_script()))
+    assert tl.variant == "decode-local" and tl.complete and T.problems(tl) == []
+    spans = {(s.lane, s.name) for s in tl.spans}
+    assert {("decode-scheduler", "queued"), ("decode-scheduler", "prefill"), ("decode-scheduler", "decode"),
+            ("decode-scheduler", "first decode step")} <= spans
+    st = tl.stages()
+    assert st["queue"] == pytest.approx(0.01422) and st["prefill"] == pytest.approx(0.09228)
+    assert st["first_decode_step"] == pytest.approx(0.132_3 - 0.106_56) and st["ttft"] == pytest.approx(0.1071)
+    assert "relay" not in st and "transfer" not in st
+    table = T.breakdown_table([tl])
+    assert "decode-local" in table and "incomplete" not in table
+
+
 def test_a_last_write_d_has_before_its_post_call_returns_counts_no_negative_transfer():
     """write_posted is stamped when the post call returns: a layer-streamed push's last WRITE is
     small, and D may have it first. The transfer stage is then 0, never negative, and the relay

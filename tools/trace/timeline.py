@@ -125,13 +125,18 @@ class RequestTimeline:
         procs = {e.process for e in self.events}
         if any(p.startswith("local-") for p in procs):
             self.mode = "local"
+        elif (not any(p.startswith("prefill-") for p in procs)
+              and any(e.kind == "prefill_start" and e.process.startswith("decode-") for e in self.events)):
+            self.mode = "decode-local"  # --conditional-disagg: D prefilled the prompt itself, nothing moved
         elif any(e.kind in ("read_posted", "HoldKV", "ReadKV") for e in self.events):
             self.mode = "pull"
         else:
             self.mode = "push"
         self.token_leg = "local" if self.mode == "local" else "decode"
+        # the leg that computed the prompt: one instance alone (local, decode-local), or P
+        self.computing = self.token_leg if self.mode in ("local", "decode-local") else "prefill"
         # how the KV moved: P WRITEs in push and in pull with --pull-read write, D READs otherwise
-        self.transport = ("" if self.mode == "local" else
+        self.transport = ("" if self.computing != "prefill" else
                           "WRITE" if any(e.kind == "write_posted" for e in self.events) or self.mode == "push"
                           else "READ")
         self.variant = "pull-write" if self.mode == "pull" and self.transport == "WRITE" else self.mode
@@ -207,7 +212,7 @@ class RequestTimeline:
         span("router", "TTFT", ev("router", "http_request"), mk.get("router.first_token"))
         if self.mode == "pull":
             span("router", "relay", mk.get("router.prefill_finished"), mk.get("router.send_decode"))
-        first = "local" if self.mode == "local" else "prefill"
+        first = self.computing
         p = f"{first}-scheduler"
         span(p, "queued", ev(p, f"{first}_queued"), ev(p, "prefill_start"))
         span(p, "prefill", ev(p, "prefill_start"), ev(p, "prefill_end"))
@@ -235,7 +240,7 @@ class RequestTimeline:
                          descriptors=sum(d for _, d in parts), count=len(parts))
             else:
                 span(w, "lease", self.at(w, "recv", "HoldKV"), self.at(w, "recv", "ReadDone", last=True))
-        if self.mode != "local":
+        if first == "prefill":
             d = "decode-scheduler"
             span(d, "queued", ev(d, "decode_queued"), ev(d, "decode_alloc"))
             start = ev(d, "registration_sent") if self.mode == "push" else ev(d, "read_posted")
@@ -253,7 +258,7 @@ class RequestTimeline:
                     span(w, "READ", ev(w, "read_posted"), ev(w, "read_done"), bytes=nb, descriptors=nd)
         else:
             span(p, "decode", ev(p, "prefill_end"), ev(p, "finished"))
-            span(p, "first decode step", mk.get("local.first_token_sent"), mk.get("local.first_decode_step"))
+            span(p, "first decode step", mk.get(f"{first}.first_token_sent"), mk.get(f"{first}.first_decode_step"))
         return out
 
     def _kv_sent(self, writer: str) -> Optional[tuple[m.TraceEvent, m.KVSent]]:
@@ -300,13 +305,13 @@ class RequestTimeline:
             return "prefill.kv_sent" in mk
         if self.mode == "pull":
             return "prefill.recv_kvsent" in mk
-        return True
+        return True  # local, decode-local: the one leg's end is the router's
 
     def stages(self) -> dict[str, float]:
         """Seconds per stage: queue, prefill compute, relay (prefill end -> transfer
         posted), transfer (posted -> D has the KV), first decode step; TTFT, e2e."""
         mk = self.marks
-        first = "local" if self.mode == "local" else "prefill"
+        first = self.computing
         t_req = mk.get("router.http_request")
         posted = mk.get("prefill-writer.write_posted" if self.transport == "WRITE" else "decode-writer.read_posted")
         have = mk.get("decode.kv_received")
@@ -319,7 +324,7 @@ class RequestTimeline:
             "prefill": (mk.get(f"{first}.prefill_start"), mk.get(f"{first}.prefill_end")),
             "relay": (mk.get(f"{first}.prefill_end"), posted),
             "transfer": (posted, have),
-            "first_decode_step": ((have if self.mode != "local" else mk.get("local.first_token_sent")),
+            "first_decode_step": ((have if first == "prefill" else mk.get(f"{first}.first_token_sent")),
                                   mk.get(f"{self.token_leg}.first_decode_step")),
             "ttft": (t_req, mk.get("router.first_token")),
             "e2e": (t_req, mk.get("router.http_done")),
@@ -352,6 +357,8 @@ EXPECTED_SPANS = {
                    ("decode-writer", "KV wait")},
     "local": {("router", "request"), ("router", "TTFT"), ("local-scheduler", "queued"),
               ("local-scheduler", "prefill"), ("local-scheduler", "decode")},
+    "decode-local": {("router", "request"), ("router", "TTFT"), ("decode-scheduler", "queued"),
+                     ("decode-scheduler", "prefill"), ("decode-scheduler", "decode")},
 }
 # each chain must be non-decreasing in time
 ORDER = {
@@ -394,6 +401,11 @@ ORDER = {
         ["router.http_request", "local.local_queued", "local.prefill_start", "local.prefill_end",
          "local.first_token_sent", "router.first_token", "router.http_done"],
         ["local.first_token_sent", "local.first_decode_step", "router.http_done"],
+    ],
+    "decode-local": [
+        ["router.http_request", "router.send_decode", "decode.decode_queued", "decode.prefill_start",
+         "decode.prefill_end", "decode.first_token_sent", "router.first_token", "router.http_done"],
+        ["decode.first_token_sent", "decode.first_decode_step", "router.http_done"],
     ],
 }
 
@@ -441,7 +453,7 @@ BREAKDOWN_COLS = ("queue", "prefill", "relay", "transfer", "first_decode_step", 
 def breakdown_table(tls: list[RequestTimeline]) -> str:
     """Per-request stage breakdown in ms, and the median row."""
     stages = ("queue", "prefill", "relay", "transfer", "1st step", "TTFT", "e2e")
-    head = f"{'request':<10} {'mode':<10} " + " ".join(f"{c:>10}" for c in stages)
+    head = f"{'request':<10} {'mode':<12} " + " ".join(f"{c:>10}" for c in stages)
     head += "  rendezvous           bytes   descs"
     lines = [head]
     cols: dict[str, list[float]] = defaultdict(list)
@@ -451,12 +463,12 @@ def breakdown_table(tls: list[RequestTimeline]) -> str:
             if c in st:
                 cols[c].append(st[c])
         cells = " ".join(f"{st[c] * 1e3:10.2f}" if c in st else f"{'-':>10}" for c in BREAKDOWN_COLS)
-        lines.append(f"{t.transfer_id[:8]:<10} {t.variant:<10} {cells}  {t.info.get('rendezvous', '-'):<18} "
+        lines.append(f"{t.transfer_id[:8]:<10} {t.variant:<12} {cells}  {t.info.get('rendezvous', '-'):<18} "
                      f"{t.info.get('bytes', 0):>8} {t.info.get('descriptors', 0):>7}")
     if len(tls) > 1:
         cells = " ".join(f"{statistics.median(cols[c]) * 1e3:10.2f}" if cols[c] else f"{'-':>10}"
                          for c in BREAKDOWN_COLS)
-        lines.append(f"{'median':<10} {'':<10} {cells}")
+        lines.append(f"{'median':<10} {'':<12} {cells}")
     return "\n".join(lines)
 
 
