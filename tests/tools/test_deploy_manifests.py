@@ -87,11 +87,14 @@ def test_hosts_command_line(role):
     else:
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
         assert flag("--metrics-port") == "8001"
-        for probe in ("startupProbe", "livenessProbe"):
+        # /metrics (the scheduler) is down while the supervisor restarts the instance, weights reloaded, and pushkv
+        # status still exits 0: ready is /metrics, alive is the supervisor's answer (the other way round the kubelet
+        # killed the pod in the middle of that restart past 60 s, and counted it ready while its instance was down)
+        for probe in ("startupProbe", "readinessProbe"):
             assert c[probe]["httpGet"] == {"path": "/metrics", "port": "metrics"}
         # the startup probe waits out --load-timeout (1200 s) before liveness may restart the pod
         assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] >= 1200
-        assert c["readinessProbe"]["exec"]["command"] == ["pushkv", "status"]
+        assert c["livenessProbe"]["exec"]["command"] == ["pushkv", "status"]
         assert dep["spec"]["template"]["metadata"]["labels"]["pushkv.io/model-server"] == "true"
 
 
@@ -192,8 +195,8 @@ BREAKS = [
                                             lambda d: _add_args(d, "--api-key", "$(PUSHKV_API_KEY)")),
      "puts Secret 'pushkv-secrets' key 'api-key' on its command line"),
     ("probe port", _mutate("decode.yaml", "Deployment", "pushkv-decode",
-                           lambda d: _c(d)["livenessProbe"]["httpGet"].update(port="metric")),
-     "livenessProbe port 'metric' is not one of its container ports"),
+                           lambda d: _c(d)["readinessProbe"]["httpGet"].update(port="metric")),
+     "readinessProbe port 'metric' is not one of its container ports"),
     ("no liveness probe", _mutate("prefill.yaml", "Deployment", "pushkv-prefill", lambda d: _c(d).pop("livenessProbe")),
      "no livenessProbe"),
     ("missing claim", _mutate("prefill.yaml", "Deployment", "pushkv-prefill",
