@@ -109,6 +109,10 @@ class Router:
         # this router's epoch: a restarted router's is newer, and the schedulers abort the legs of
         # the one before (messages.RouterEpoch)
         self.epoch = time.time_ns()
+        # where this router serves: its restart serves there too; a router elsewhere (a second replica, a rolling
+        # update's new pod) is another router, whose epoch must not abort our requests
+        # (--advertise first: a router pod binds 0.0.0.0, as every other replica does)
+        self.place = cfg.uds or f"{cfg.advertise or cfg.host}:{cfg.port}"
         self.metrics = RouterMetrics(cfg.mode)
         self.security = security.load(cfg.secret_file)  # CURVE to tcp:// schedulers
         caching = any(i.prefix_cache for i in cfg.role_instances("prefill") + cfg.role_instances("decode"))
@@ -192,7 +196,7 @@ class Router:
         name = next((i.name for i in self.cfg.role_instances(rec.role) if i.engine_id == rec.engine_id), rec.role)
         link = SchedulerLink(self.ctx, rec.role, rec.sched_endpoint, self._route, self.metrics, self.tracer,
                              engine_id=rec.engine_id, name=name, security=self.security)
-        link.start(self.epoch)
+        link.start(self.epoch, self.place)
         return link
 
     async def start(self) -> None:
@@ -214,7 +218,7 @@ class Router:
                 raise ValueError("local instance has no sched_endpoint")
             self.local_link = SchedulerLink(self.ctx, "local", endpoint, self._route, self.metrics, self.tracer,
                                             engine_id=self.cfg.local.engine_id, security=self.security)
-            self.local_link.start(self.epoch)
+            self.local_link.start(self.epoch, self.place)
             if self.cfg.model.lora.enabled and self.cfg.events_endpoint and self.watcher is None:
                 # the local instance back after a restart takes the LoRA changes since the launch
                 self.watcher = LocalWatcher(self.cfg, self.ctx, self.security, local=True)
