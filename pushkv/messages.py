@@ -334,11 +334,14 @@ class PeerLost(Msg, frozen=True):
 
 class RouterEpoch(Msg, frozen=True):
     """The router's first message on each scheduler link: its epoch, the wall clock's ns at its
-    start. A scheduler that hears a newer epoch aborts every request another router sent (the
-    router before a restart: nobody will read those tokens) and frees their blocks; an older
-    epoch is counted and ignored."""
+    start, and ``router``, where it serves (its address and port, or socket path). A scheduler that
+    hears a newer epoch from a router at that place aborts every request another connection of that
+    place sent (the router before a restart: nobody will read those tokens) and frees their blocks;
+    a router elsewhere (a second replica, a rolling update's new pod beside the old one, which is
+    still draining) is left alone; an older epoch is counted and ignored."""
 
     epoch: int
+    router: str = ""
 
 
 class LoadLora(Msg, frozen=True):

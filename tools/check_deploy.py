@@ -18,6 +18,10 @@ and exits 1 if there is one:
 - every pushkv container has readiness and liveness probes, and every probe's port is one of its
   container's ports; every PersistentVolumeClaim a pod mounts is in ``deploy/``; ``HF_HOME`` lies
   on a mounted volume;
+- every file a pushkv container reads from a Secret volume is readable by the user it runs as (the image's
+  ``USER`` unless the pod says otherwise: kubelet writes Secret files as root, so a non-root user reads one
+  only through the others' bits or the pod's ``fsGroup``), and the CURVE secret (``--secret-file``) is not
+  readable by every user, which ``pushkv up`` refuses;
 - every ServiceMonitor (Prometheus Operator) selects a Service here and scrapes a port it names;
 - deploy/Dockerfile builds on a CUDA base with the CUDA torch;
 - kustomization.yaml lists every manifest but the Secret template and the operator's kinds
@@ -289,9 +293,73 @@ def dockerfile_problems(deploy_dir: str) -> list[str]:
     return out
 
 
+def image_user(deploy_dir: str) -> int:
+    """The uid deploy/Dockerfile's last ``USER`` runs the image as (0 without one; a name other than root: 65534)."""
+    path = os.path.join(deploy_dir, "Dockerfile")
+    uid = 0
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                words = line.split()
+                if len(words) >= 2 and words[0].upper() == "USER":
+                    name = words[1].split(":")[0]
+                    uid = int(name) if name.isdigit() else (0 if name == "root" else 65534)
+    return uid
+
+
+def _is_pushkv_image(image: str) -> bool:
+    return image.rsplit("/", 1)[-1].split(":")[0] == "pushkv"
+
+
+def secret_access_problems(docs: list[tuple[str, Doc]], image_uid: int) -> list[str]:
+    """Each Secret file a pushkv container mounts, as kubelet writes it (owner root; with the pod's fsGroup, that
+    group and mode | 0440): readable by the container's user, and the one ``--secret-file`` names not open to
+    every user (``pushkv up`` refuses that)."""
+    out: list[str] = []
+    for fname, doc in docs:
+        spec = _pod_spec(doc)
+        if spec is None:
+            continue
+        pod_sc = spec.get("securityContext") or {}
+        volumes = {v["name"]: v for v in spec.get("volumes") or []}
+        for c in _containers(spec):
+            if not _is_pushkv_image(str(c.get("image", ""))):
+                continue
+            cw = f"{_where(fname, doc)} container {c.get('name')}"
+            sc = c.get("securityContext") or {}
+            uid = sc.get("runAsUser", pod_sc.get("runAsUser", image_uid))
+            gid = sc.get("runAsGroup", pod_sc.get("runAsGroup"))
+            fs_group = pod_sc.get("fsGroup")
+            groups = {g for g in (gid, fs_group, *(pod_sc.get("supplementalGroups") or [])) if g is not None}
+            args = [str(w) for w in c.get("args") or []]
+            secret_file = args[args.index("--secret-file") + 1] if "--secret-file" in args[:-1] else None
+            for m in c.get("volumeMounts") or []:
+                vol = (volumes.get(m["name"]) or {}).get("secret")
+                if vol is None:
+                    continue
+                default = vol.get("defaultMode", 0o644)
+                items = vol.get("items") or [{"key": None, "path": None}]
+                for item in items:
+                    mode = item.get("mode", default)
+                    group = 0
+                    if fs_group is not None:
+                        mode, group = mode | 0o440, fs_group
+                    path = os.path.join(m["mountPath"], item.get("path") or "*")
+                    readable = uid == 0 or mode & 0o004 or (mode & 0o040 and group in groups)
+                    if not readable:
+                        out.append(f"{cw}: runs as uid {uid}, which cannot read {path} (Secret "
+                                   f"{vol.get('secretName')!r}, mode {mode:04o}, owned by root): give the pod "
+                                   "securityContext.fsGroup (kubelet then makes the file that group's, mode | 0440)")
+                    if secret_file is not None and path == secret_file and mode & 0o007:
+                        out.append(f"{cw}: --secret-file {path} has mode {mode:04o} (every user may read it): "
+                                   "pushkv up refuses it; give the Secret volume defaultMode 0400 or 0440")
+    return out
+
+
 def check(deploy_dir: str, schemas: bool = True) -> list[str]:
     docs, out = load(deploy_dir)
     out += structural_problems(docs)
+    out += secret_access_problems(docs, image_user(deploy_dir))
     out += kustomization_problems(deploy_dir)
     out += dockerfile_problems(deploy_dir)
     if schemas:

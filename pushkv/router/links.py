@@ -45,13 +45,13 @@ class SchedulerLink:
         self._task: Optional[asyncio.Task] = None
         self.last_stats: Optional[m.Stats] = None
 
-    def start(self, epoch: int = 0) -> None:
-        """Receive from now on; first tell the scheduler our epoch (``messages.RouterEpoch``), so
-        that it aborts what a router before us left running."""
+    def start(self, epoch: int = 0, place: str = "") -> None:
+        """Receive from now on; first tell the scheduler our epoch and where we serve (``messages.RouterEpoch``),
+        so that it aborts what a router before us at this place left running."""
         self._task = asyncio.get_running_loop().create_task(self._recv_loop(), name=f"recv-{self.role}")
         if epoch:
             try:
-                self.send(m.RouterEpoch(epoch))
+                self.send(m.RouterEpoch(epoch, place))
             except zmq.ZMQError as e:  # unlikely (a fresh queue): the old router's legs then end at their bounds
                 log.error("router epoch not sent to %s scheduler: %s", self.role, e)
 

@@ -51,6 +51,7 @@ SHUTDOWN_GRACE_S = 5.0  # in-flight handlers get this long to send their 503
 # (the rest is the cost model's margin of error)
 PIN_WAIT_SHARE = 0.5
 STATS_TIMEOUT_S = 0.5  # /metrics: how long to wait for each scheduler's Stats
+JOIN_ANSWER_S = 5.0  # an instance found in the registry answers its first GetStats within this, or the log says so
 CLIENT_ABORT_STATUS = 499  # nginx's "client closed request"
 # the generation routes, each read by its own parser (Router._parser)
 Route = Literal["completion", "chat", "invocation", "responses"]
@@ -108,6 +109,10 @@ class Router:
         # this router's epoch: a restarted router's is newer, and the schedulers abort the legs of
         # the one before (messages.RouterEpoch)
         self.epoch = time.time_ns()
+        # where this router serves: its restart serves there too; a router elsewhere (a second replica, a rolling
+        # update's new pod) is another router, whose epoch must not abort our requests
+        # (--advertise first: a router pod binds 0.0.0.0, as every other replica does)
+        self.place = cfg.uds or f"{cfg.advertise or cfg.host}:{cfg.port}"
         self.metrics = RouterMetrics(cfg.mode, cfg.pull_read)
         self.security = security.load(cfg.secret_file)  # CURVE to tcp:// schedulers
         caching = any(i.prefix_cache for i in cfg.role_instances("prefill") + cfg.role_instances("decode"))
@@ -191,7 +196,7 @@ class Router:
         name = next((i.name for i in self.cfg.role_instances(rec.role) if i.engine_id == rec.engine_id), rec.role)
         link = SchedulerLink(self.ctx, rec.role, rec.sched_endpoint, self._route, self.metrics, self.tracer,
                              engine_id=rec.engine_id, name=name, security=self.security)
-        link.start(self.epoch)
+        link.start(self.epoch, self.place)
         return link
 
     async def start(self) -> None:
@@ -213,7 +218,7 @@ class Router:
                 raise ValueError("local instance has no sched_endpoint")
             self.local_link = SchedulerLink(self.ctx, "local", endpoint, self._route, self.metrics, self.tracer,
                                             engine_id=self.cfg.local.engine_id, security=self.security)
-            self.local_link.start(self.epoch)
+            self.local_link.start(self.epoch, self.place)
             if self.cfg.model.lora.enabled and self.cfg.events_endpoint and self.watcher is None:
                 # the local instance back after a restart takes the LoRA changes since the launch
                 self.watcher = LocalWatcher(self.cfg, self.ctx, self.security, local=True)
@@ -273,10 +278,14 @@ class Router:
                     came_back = known is not None and not known.up  # read before add() marks it up
                     if known is None or not known.up:
                         catch_up = bool(self.loras.catch_up())  # LoRA adapters loaded or unloaded since the launch
+                        # another host's: chosen once its scheduler answers over the link (a host with another
+                        # --secret-file refuses our CURVE handshake without a word, and every request placed on
+                        # it would wait out its transfer's bounds)
+                        answer_first = bool(self.cfg.registry)
                         self.balancer.add(ev.record, self._make_link, fresh=bool(self.cfg.registry),
-                                          joining=catch_up)
-                        if catch_up:
-                            self._bring_in(ev.record.engine_id)
+                                          joining=catch_up or answer_first)
+                        if catch_up or answer_first:
+                            self._bring_in(ev.record.engine_id, answer_first)
                     if came_back and self.cfg.registry:
                         # back in the registry = restarted (its host drops its work when its lease
                         # lapses): peers forget the old incarnation and handshake afresh
@@ -293,10 +302,11 @@ class Router:
         except Exception:
             log.exception("discovery watcher failed")
 
-    def _bring_in(self, engine_id: str) -> None:
+    def _bring_in(self, engine_id: str, answer_first: bool = False) -> None:
         """A joining instance takes the LoRA changes since the launch, then is chosen (router/loras.py). In local mode
         (no balancer) the one instance, back after a restart: a request naming one of the changes before it has taken
-        them is refused by the instance as not served (404)."""
+        them is refused by the instance as not served (404). ``answer_first``: not before its scheduler has answered
+        a GetStats over the link (``_answers``)."""
         if self.local_link is not None:
             link, ready, joining = self.local_link, (lambda: True), (lambda: True)
         else:
@@ -309,6 +319,8 @@ class Router:
                 return self.balancer.joining.get(engine_id) == join
 
         async def bring() -> None:
+            if answer_first and not await self._answers(engine_id, link, joining):
+                return
             why = await self.loras.bring_in(engine_id, link, ready, joining)
             if why:
                 log.error("instance %s did not take the LoRA changes since the launch (not chosen until it joins "
@@ -317,6 +329,31 @@ class Router:
         task = asyncio.get_running_loop().create_task(bring())
         self._joins.add(task)
         task.add_done_callback(self._joins.discard)
+
+    async def _answers(self, engine_id: str, link, joining: Callable[[], bool]) -> bool:
+        """Whether the joining instance's scheduler answers a GetStats over ``link`` before it leaves the join (False:
+        it went down, or joined again). One that does not answer within JOIN_ANSWER_S is named in the log once, and
+        asked again until it answers: a host that holds another --secret-file (its scheduler logs and counts each
+        refusal as curve_refused), or whose address does not reach back from here, is never chosen."""
+        loop = asyncio.get_running_loop()
+        said = False
+        while joining():
+            t0 = loop.time()
+            if await link.get_stats(JOIN_ANSWER_S) is not None:
+                if said:
+                    log.info("instance %s answers now", engine_id)
+                return True
+            if not joining():
+                break
+            if not said:
+                rec = self.balancer.records.get(engine_id)
+                log.error("%s instance %s does not answer on %s within %.0f s: not chosen until it does (a host with "
+                          "another --secret-file refuses our CURVE handshake: its log counts curve_refused; or its "
+                          "address does not reach back from here)", link.role, engine_id,
+                          rec.sched_endpoint if rec is not None else "?", JOIN_ANSWER_S)
+                said = True
+            await asyncio.sleep(max(0.0, JOIN_ANSWER_S - (loop.time() - t0)))  # a full send queue fails at once
+        return False
 
     def _instance_down(self, ev: InstanceDown) -> None:
         if self.balancer.down(ev.engine_id) is None:

@@ -110,7 +110,8 @@ class SchedulerCore:
         self.compiling: dict[m.Structured, list[Request]] = {}
         self.max_stop_ids = limits.stop_ids_bound(cfg)
         self.newest: OrderedDict[str, int] = OrderedDict()  # newest accepted generation per transfer id
-        self.router_epoch = 0  # the newest router's (RouterEpoch); 0: none announced yet
+        self.router_epochs: dict[str, int] = {}  # the newest epoch of each router place (RouterEpoch.router)
+        self.router_places: dict[bytes, str] = {}  # each router connection's place, as its RouterEpoch said
         self.writer_counters: dict[int, dict[str, int]] = {}  # last WriterStats per rank
         self._stats_waiting: list[Peer] = []  # routers waiting for a Stats
         self._stats_fresh: set[int] = set()
@@ -406,19 +407,25 @@ class SchedulerCore:
             self.counters["choice_end_unknown"] += 1  # (held past its wait, or its instance restarted)
 
     def on_RouterEpoch(self, msg: m.RouterEpoch, frm: Peer) -> None:
-        """A router (re)started: the requests any other router sent are orphans (their client's
-        connection went with it), so they are aborted and their blocks freed now, not after
-        decoding to max_tokens. An older epoch than ours is a router that was replaced."""
-        if msg.epoch <= self.router_epoch:
-            if msg.epoch < self.router_epoch:
+        """A router (re)started at its place: the requests any other connection of that place sent (or one that
+        never said its place) are orphans (their client's connection went with the router before), so they are
+        aborted and their blocks freed now, not after decoding to max_tokens. A router at another place is another
+        router, alive (a second replica, or a rolling update's old pod, draining): its requests are left alone. An
+        older epoch than the place's is a router that was replaced."""
+        place = msg.router
+        self.router_places[frm.identity] = place
+        known = self.router_epochs.get(place, 0)
+        if msg.epoch <= known:
+            if msg.epoch < known:
                 self.counters["router_epoch_stale"] += 1
-                log.warning("%s: router epoch %d is older than %d: ignored", self.name, msg.epoch, self.router_epoch)
+                log.warning("%s: router epoch %d is older than %d: ignored", self.name, msg.epoch, known)
             return
-        first = self.router_epoch == 0
-        self.router_epoch = msg.epoch
+        first = known == 0
+        self.router_epochs[place] = msg.epoch
         self.metrics.expire(self.now, every=True)  # the router that would have said how they ended is gone
         # the queued first, so that freeing blocks admits none of them
-        orphans = sorted((r for r in self.reqs.values() if r.identity != frm.identity and not r.aborted),
+        orphans = sorted((r for r in self.reqs.values() if r.identity != frm.identity and not r.aborted
+                          and self.router_places.get(r.identity, place) == place),
                          key=lambda r: r.state not in (State.GRAMMAR, State.WAITING))
         if orphans or not first:
             log.warning("%s: router epoch %d: aborting %d request(s) of the router before", self.name, msg.epoch,

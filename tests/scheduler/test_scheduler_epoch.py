@@ -62,3 +62,21 @@ def test_an_older_or_the_same_epoch_changes_nothing():
     deliver(s, NEW, m.RouterEpoch(200))  # the same router again
     assert s.counters["router_epoch_stale"] == 1 and s.counters["router_epoch_aborted"] == 0
     assert [r.transfer_id for r in s.reqs.values()] == ["t"]
+
+
+def test_a_router_elsewhere_leaves_the_other_routers_requests_alone():
+    """A second router (another replica, or a rolling update's new pod while the old one drains) announces its epoch
+    from another place: the first router's requests run on; a restart at the first's place still aborts them."""
+    s, wire = make("decode", num_blocks=16)
+    a, b, a_again = Peer.router(b"router-a"), Peer.router(b"router-b"), Peer.router(b"router-a2")
+    deliver(s, a, m.RouterEpoch(100, "10.0.0.9:8000"))
+    gen(s, a, "a1", "decode", prefill_here=True)
+    deliver(s, b, m.RouterEpoch(200, "10.0.0.10:8000"))  # before: a1 aborted, nobody told, its client waited
+    gen(s, b, "b1", "decode", prefill_here=True)
+    assert s.counters["router_epoch_aborted"] == 0
+    assert {r.transfer_id for r in s.reqs.values() if not r.aborted} == {"a1", "b1"}
+    deliver(s, a_again, m.RouterEpoch(300, "10.0.0.9:8000"))  # router a restarted: its orphan goes, b's stays
+    assert s.counters["router_epoch_aborted"] == 1
+    assert {r.transfer_id for r in s.reqs.values() if not r.aborted} == {"b1"}
+    deliver(s, a, m.RouterEpoch(100, "10.0.0.9:8000"))  # a's old connection heard late
+    assert s.counters["router_epoch_stale"] == 1

@@ -67,7 +67,9 @@ def test_hosts_command_line(role):
     mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
     vol = next(v for v in spec["volumes"] if v["name"] == mounts["/etc/pushkv"])
     assert vol["secret"]["items"] == [{"key": "curve.secret", "path": "curve.secret"}]
-    assert vol["secret"]["defaultMode"] == 0o400
+    # kubelet writes a Secret's files as root; the image's user (uid 10001) reads them as the pod's fsGroup
+    assert vol["secret"]["defaultMode"] == 0o440
+    assert spec["securityContext"]["fsGroup"] == spec["securityContext"]["runAsUser"] == cd.image_user(DEPLOY) == 10001
     # the model: the ConfigMap's repo id, resolved offline from the Hub cache on the models volume
     assert (flag("--model"), flag("--revision")) == ("$(PUSHKV_MODEL)", "$(PUSHKV_REVISION)")
     assert env["PUSHKV_MODEL"] == {"configMapKeyRef": {"name": "pushkv-config", "key": "model"}}
@@ -85,11 +87,14 @@ def test_hosts_command_line(role):
     else:
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
         assert flag("--metrics-port") == "8001"
-        for probe in ("startupProbe", "livenessProbe"):
+        # /metrics (the scheduler) is down while the supervisor restarts the instance, weights reloaded, and pushkv
+        # status still exits 0: ready is /metrics, alive is the supervisor's answer (the other way round the kubelet
+        # killed the pod in the middle of that restart past 60 s, and counted it ready while its instance was down)
+        for probe in ("startupProbe", "readinessProbe"):
             assert c[probe]["httpGet"] == {"path": "/metrics", "port": "metrics"}
         # the startup probe waits out --load-timeout (1200 s) before liveness may restart the pod
         assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] >= 1200
-        assert c["readinessProbe"]["exec"]["command"] == ["pushkv", "status"]
+        assert c["livenessProbe"]["exec"]["command"] == ["pushkv", "status"]
         assert dep["spec"]["template"]["metadata"]["labels"]["pushkv.io/model-server"] == "true"
 
 
@@ -190,8 +195,8 @@ BREAKS = [
                                             lambda d: _add_args(d, "--api-key", "$(PUSHKV_API_KEY)")),
      "puts Secret 'pushkv-secrets' key 'api-key' on its command line"),
     ("probe port", _mutate("decode.yaml", "Deployment", "pushkv-decode",
-                           lambda d: _c(d)["livenessProbe"]["httpGet"].update(port="metric")),
-     "livenessProbe port 'metric' is not one of its container ports"),
+                           lambda d: _c(d)["readinessProbe"]["httpGet"].update(port="metric")),
+     "readinessProbe port 'metric' is not one of its container ports"),
     ("no liveness probe", _mutate("prefill.yaml", "Deployment", "pushkv-prefill", lambda d: _c(d).pop("livenessProbe")),
      "no livenessProbe"),
     ("missing claim", _mutate("prefill.yaml", "Deployment", "pushkv-prefill",
@@ -233,6 +238,34 @@ def test_schema_checks_catch(what, mutate):
     pytest.importorskip("kubernetes_validate")
     docs = [(f, d) for f, d in mutate(copy.deepcopy(_docs())) if d["kind"] in ("Deployment", "StatefulSet")]
     assert cd.schema_problems(docs) != [], what
+
+
+def test_the_image_user_reads_every_secret_file():
+    assert cd.secret_access_problems(_docs(), cd.image_user(DEPLOY)) == []
+
+
+ACCESS_BREAKS = [
+    # the manifests before the fix: uid 10001 and root's 0400 files, no fsGroup (pushkv up: Permission denied)
+    ("no fsGroup", _mutate("prefill.yaml", "Deployment", "pushkv-prefill", lambda d: _pod(d).pop("securityContext")),
+     "runs as uid 10001, which cannot read /etc/pushkv/curve.secret"),
+    ("fsGroup, mode 0400 kept", _mutate("decode.yaml", "Deployment", "pushkv-decode",
+                                        lambda d: _volume(d, "etcd-password")["secret"].update(defaultMode=0o400)), None),
+    ("secret open to all", _mutate("router.yaml", "Deployment", "pushkv-router",
+                                   lambda d: _volume(d, "curve")["secret"].update(defaultMode=0o444)),
+     "--secret-file /etc/pushkv/curve.secret has mode 0444 (every user may read it): pushkv up refuses it"),
+    ("root in the container", _mutate("prefill.yaml", "Deployment", "pushkv-prefill",
+                                      lambda d: _pod(d).update(securityContext={"runAsUser": 0})), None),
+]
+
+
+@pytest.mark.parametrize("what, mutate, expect", ACCESS_BREAKS, ids=[b[0] for b in ACCESS_BREAKS])
+def test_secret_access_checks_catch(what, mutate, expect):
+    """kubelet's rule: a Secret file is root's; with fsGroup it is that group's, mode | 0440."""
+    problems = cd.secret_access_problems(mutate(copy.deepcopy(_docs())), 10001)
+    if expect is None:
+        assert problems == [], what
+    else:
+        assert any(expect in p for p in problems), (what, problems)
 
 
 def test_a_broken_file_fails_the_whole_check(tmp_path):
