@@ -162,6 +162,7 @@ class LoraModule(msgspec.Struct, frozen=True):
     name: str
     path: str
     base_model_name: str = ""  # the served model it adapts (vLLM's JSON form); "": the first served name
+    given: str = ""  # the path as given (a Hub id, a relative path): /v1/models' root, as vLLM's; "": ``path``
 
 
 class LoraConfig(msgspec.Struct, frozen=True):

@@ -389,12 +389,16 @@ def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = 
 
 
 def lora_modules(given: list[str]) -> list[LoraModule]:
-    """vLLM's --lora-modules: each NAME=PATH, or a JSON object with name, path and (optionally) base_model_name."""
+    """vLLM's --lora-modules: each NAME=PATH, or a JSON object with name, path and (optionally) base_model_name and
+    is_3d_lora_weight (vLLM's MoE expert layout: taken, the experts' adapters being refused by lora_files anyway); an
+    empty item is skipped, as vLLM's LoRAParserAction skips it."""
     out = []
     for item in given:
+        if not item:
+            continue
         if item.lstrip().startswith("{"):
             obj = json_object(item, "--lora-modules", "name, path and base_model_name")
-            unknown = set(obj) - {"name", "path", "base_model_name"}
+            unknown = set(obj) - {"name", "path", "base_model_name", "is_3d_lora_weight"}
             if unknown or not all(isinstance(obj.get(k), str) and obj.get(k) for k in ("name", "path")):
                 raise ValueError(f"--lora-modules {item}: a JSON object of name, path (strings) and base_model_name"
                                  + (f", not {sorted(unknown)}" if unknown else ""))
@@ -423,6 +427,9 @@ def lora_config(flags: Mapping[str, Any], model: ModelConfig, served: list[str])
     max_rank = 16 if given_rank is None else int(given_rank)
     if max_loras < 1 or max_rank < 1:
         raise ValueError(f"--max-loras {max_loras} and --max-lora-rank {max_rank} are positive")
+    cpu_loras = f("vllm_max_cpu_loras")  # no effect here, but vLLM's LoRAConfig refuses it below --max-loras
+    if cpu_loras is not None and int(cpu_loras) < max_loras:
+        raise ValueError(f"--max-cpu-loras ({cpu_loras}) must be >= --max-loras ({max_loras}), as vLLM's")
     from pushkv.model.lora_files import resolve_adapter
 
     modules: list[LoraModule] = []
@@ -433,7 +440,7 @@ def lora_config(flags: Mapping[str, Any], model: ModelConfig, served: list[str])
             raise ValueError(f"--lora-modules {mod.name}: base_model_name {mod.base_model_name!r} is not served "
                              f"(served: {served})")
         path = resolve_adapter(mod.name, mod.path, model, max_rank, f("download_dir"))
-        modules.append(msgspec.structs.replace(mod, path=path))
+        modules.append(msgspec.structs.replace(mod, path=path, given=mod.path))
     return LoraConfig(True, tuple(modules), max_loras, max_rank)
 
 

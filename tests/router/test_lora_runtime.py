@@ -1,0 +1,141 @@
+"""vLLM's runtime LoRA paths as the router serves them (``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``):
+an unload stops new requests at once but has the instances drop the adapter only once the requests naming it have
+ended (a pull-mode request's D leg, or a queued one's legs, leave after the unload); a load of the name meanwhile
+replaces its weights; a request whose adapter is unloaded while its body is parsed is a 404, never the base model's;
+a missing adapter is vLLM's 404, and vLLM's own words for a name loaded twice or a base model's name."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import msgspec
+
+from pushkv import messages as m
+from pushkv.config import LoraConfig, LoraModule
+from pushkv.router import loras as loras_mod
+from tests.router.test_lora_joining import Link, _direct, _loras
+from tests.support.router_fakes import Harness, make_cfg, stage, tokens
+
+
+async def _settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_an_unloaded_adapter_is_dropped_only_once_its_requests_end():
+    lo = _loras("a")
+    up = [Link("d0")]
+    busy = {"a"}
+
+    async def run():
+        said = await lo.unload({"lora_name": "a"}, lambda: up, lambda name: name in busy)
+        assert said.status == 200 and said.text == "Success: LoRA adapter 'a' removed successfully."
+        assert lo.names == ()  # no new request names it from now
+        await _settle()
+        lo.request_ended()  # another request ended; one through "a" still runs
+        await _settle()
+        assert up[0].asked == []
+        busy.clear()
+        lo.request_ended()
+        await asyncio.wait_for(asyncio.gather(*lo.unloading.values()), 5)
+        assert up[0].asked == [m.UnloadLora("a")] and not lo.unloading
+
+    asyncio.run(run())
+
+
+def test_a_load_of_a_name_whose_drop_waits_replaces_its_weights(monkeypatch):
+    monkeypatch.setattr(loras_mod, "resolve_adapter", lambda name, path, *a: path)
+    lo = _loras("a")
+    up = [Link("d0")]
+    busy = {"a"}
+
+    async def run():
+        assert (await lo.unload({"lora_name": "a"}, lambda: up, lambda name: name in busy)).status == 200
+        said = await lo.load({"lora_name": "a", "lora_path": "/v2/a"}, ("base",), up, _direct)
+        assert said.status == 200, said.text
+        # the instances hold it still (its requests run): the new weights replace it there
+        assert up[0].asked == [m.LoadLora("a", "/v2/a", replace=True)] and lo.names == ("a",)
+        busy.clear()
+        lo.request_ended()
+        await _settle()
+        assert up[0].asked == [m.LoadLora("a", "/v2/a", replace=True)] and not lo.unloading
+
+    asyncio.run(run())
+
+
+def test_runtime_loads_answer_as_vllms(tmp_path):
+    lo = _loras("a")
+    up = [Link("d0")]
+
+    async def ask(body):
+        said = await lo.load(body, ("base", "a"), up, _direct)
+        return said.status, json.loads(said.text)["error"]
+
+    (tmp_path / "empty").mkdir()
+    for path in ("/no/such/adapter", str(tmp_path / "empty")):  # vLLM's LoRAAdapterNotFoundError
+        status, error = asyncio.run(ask({"lora_name": "x", "lora_path": path}))
+        assert status == 404 and error["type"] == "NotFoundError", error
+        assert error["message"].startswith(f"Loading lora x failed: No adapter found for {path} (")
+    status, error = asyncio.run(ask({"lora_name": "a", "lora_path": "/adapters/a"}))
+    assert status == 400 and error["message"] == ("The lora adapter 'a' has already been loaded. If you want to load "
+                                                  "the adapter in place, set 'load_inplace' to True.")
+    status, error = asyncio.run(ask({"lora_name": "base", "lora_path": "/adapters/a"}))
+    assert status == 400 and error["message"] == "The lora adapter 'base' conflicts with a served base model."
+    assert up[0].asked == []
+
+
+def _lora_cfg(tmp_path):
+    cfg = make_cfg(tmp_path, "local")
+    lora = LoraConfig(True, (LoraModule("a", "/adapters/a"),), 1, 16)
+    return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, lora=lora))
+
+
+def test_the_router_drops_an_unloaded_adapter_after_its_last_request(tmp_path, monkeypatch):
+    """Through the router: a request through "a" runs while "a" is unloaded; the instance is told to drop it only
+    once that request has ended."""
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "true")
+    gate = __import__("threading").Event()
+
+    def held(g):
+        return [(gate, tokens(g, [72], True, "length", (stage("scheduled"), stage("finished"))))]
+
+    async def body():
+        async with Harness(_lora_cfg(tmp_path), {"local": held}) as h:
+            running = asyncio.ensure_future(h.http.post("/v1/completions", json={
+                "prompt": "Hey", "max_tokens": 1, "model": "a"}))
+            await h.wait(lambda e: any(isinstance(x, m.Generate) for _, _, x in e))
+            assert h.log.received("local", m.Generate)[0].lora == "a"
+            said = await h.http.post("/v1/unload_lora_adapter", json={"lora_name": "a"})
+            assert said.status == 200
+            late = await h.http.post("/v1/completions", json={"prompt": "Hey", "max_tokens": 1, "model": "a"})
+            assert late.status == 404  # no new request names it
+            await asyncio.sleep(0.2)
+            assert not h.log.received("local", m.UnloadLora)  # its request still runs through it
+            gate.set()
+            assert (await running).status == 200
+            await h.wait(lambda e: any(isinstance(x, m.UnloadLora) for _, _, x in e))
+            assert h.log.received("local", m.UnloadLora) == [m.UnloadLora("a")]
+
+    asyncio.run(asyncio.wait_for(body(), 25))
+
+
+def test_a_request_whose_adapter_is_unloaded_while_it_is_parsed_is_a_404(tmp_path):
+    """Its body named a served adapter; the adapter went while the body was parsed (off the loop): a 404, as for
+    any model not served, not a run of the base model under the adapter's name."""
+    async def body():
+        async with Harness(_lora_cfg(tmp_path), {"local": lambda g: [(None, tokens(g, [72], True, "length"))]}) as h:
+            router = h.router
+            off_loop = router._off_loop
+
+            async def parse_then_unload(fn, *args):
+                out = await off_loop(fn, *args)
+                del router.loras.modules["a"]  # the unload's first step, as it lands between the two
+                router.loras.on_change()
+                return out
+
+            router._off_loop = parse_then_unload
+            r = await h.http.post("/v1/completions", json={"prompt": "Hey", "max_tokens": 1, "model": "a"})
+            assert r.status == 404 and (await r.json())["error"]["code"] == "model_not_found"
+            assert not h.log.received("local", m.Generate)
+
+    asyncio.run(asyncio.wait_for(body(), 25))
