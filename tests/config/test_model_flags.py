@@ -295,6 +295,31 @@ def test_dtype_auto_keeps_a_half_precision_checkpoints_dtype_on_a_gpu(ckpt, tmp_
     assert user_config(parse("--model", str(tmp_path / "fp16")), gpus=lambda: (1, "")).model.dtype == "float16"
 
 
+@pytest.mark.parametrize("checkpoint, capability, dtype", [
+    ("bfloat16", (7, 5), "float16"),  # Turing has no bfloat16: vLLM's first dtype there
+    ("float32", (7, 0), "float16"),
+    ("float16", (7, 5), "float16"),
+    ("bfloat16", (8, 0), "bfloat16"),
+    ("float32", (8, 6), "bfloat16"),
+    ("bfloat16", (5, 2), "float32"),  # Maxwell: float32 alone
+    ("bfloat16", None, "bfloat16"),  # not known: taken as Ampere's
+])
+def test_dtype_auto_takes_the_gpus_dtypes_as_vllm(ckpt, tmp_path, checkpoint, capability, dtype):
+    """vLLM's --dtype auto (``_resolve_auto_dtype``) runs a bfloat16 checkpoint in float16 on a GPU before Ampere
+    (compute capability < 8.0), which has no bfloat16; pushkv kept bfloat16 there."""
+    import json
+
+    shutil.copytree(ckpt, tmp_path / "m")
+    hf = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**hf, "dtype": checkpoint}))
+    got = user_config(parse("--model", str(tmp_path / "m")), gpus=lambda: (1, ""), capability=lambda: capability)
+    assert got.model.dtype == dtype
+    assert user_config(parse("--model", str(tmp_path / "m"), "--dtype", "float32"), gpus=lambda: (1, ""),
+                       capability=lambda: capability).model.dtype == "float32"  # given: kept
+    assert user_config(parse("--model", str(tmp_path / "m")), gpus=lambda: (0, ""),
+                       capability=lambda: capability).model.dtype == checkpoint  # the CPU keeps the checkpoint's
+
+
 @pytest.mark.parametrize("rope, longest, why", [
     (None, 512, "max_position_embeddings 512"),
     ({"rope_type": "linear", "factor": 2.0}, 1024, "max_position_embeddings 512 x its linear RoPE factor 2"),
