@@ -345,6 +345,14 @@ def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = 
 
         raise ValueError(f"--max-model-len {max_len} must be in [1, {model.max_position}]: the model's longest "
                          f"sequence ({max_position_text(model.max_position, model.rope_scaling)})")
+    derived = model.derived_max_len  # vLLM 0.32's, below the YaRN length: longer only with its env var
+    if derived and max_len is not None and max_len > derived and not envs.VLLM_ALLOW_LONG_MAX_MODEL_LEN:
+        from pushkv.model.rope import max_position_text
+
+        raise ValueError(f"--max-model-len {max_len} is greater than the derived max_model_len "
+                         f"(max_position_embeddings={derived} in the model's config.json, which vLLM does not stretch "
+                         f"by YaRN's factor); as vLLM's, set the env var VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 to serve up "
+                         f"to {model.max_position} ({max_position_text(model.max_position, model.rope_scaling)})")
     if f("disable_sliding_window") and model.sliding_window:
         # vLLM's: every layer attends to the whole context, which is capped at the window (within it, the window's
         # attention and the whole context's are the same)
@@ -354,6 +362,8 @@ def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = 
                              f"sliding window, {window} tokens")
         max_len = max_len or window
         model = msgspec.structs.replace(model, sliding_window=0, window_layers=())
+    if max_len is None and not cfg.max_model_len and model.derived_max_len:
+        max_len = model.derived_max_len  # vLLM's default: the derived length, not the YaRN-stretched one
     tp = f("tensor_parallel_size") or f("tp")  # --tp: the deprecated spelling
     sizes = dict(max_num_seqs=f("max_num_seqs"), max_batch_tokens=f("max_batch_tokens"),
                  prefill_chunk=f("prefill_chunk"), prefix_cache=False if f("no_prefix_cache") else None)

@@ -92,7 +92,7 @@ def test_push_serves_each_adapter_as_peft_does(tmp_path, llama, monkeypatch):
         status, said = _text(dep, "/v1/load_lora_adapter", {"lora_name": "qv", "lora_path": paths["qv"]})
         assert status == 400 and "has already been loaded" in said
         status, said = _text(dep, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(tmp_path / "none")})
-        assert status == 400 and "no such directory" in said
+        assert status == 404 and "No adapter found for" in said and "no such directory" in said  # vLLM's 404
         with urllib.request.urlopen(dep.url + "/v1/models", timeout=30) as r:
             models = json.loads(r.read())
         cards = {c["id"]: c for c in models["data"]}
