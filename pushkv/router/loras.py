@@ -90,11 +90,16 @@ class Loras:
             answers = await _ask(links, m.LoadLora(name, local, replace=replace or held))
             failed = _failures(links, answers)
             if failed:
+                took = [lk for lk, a in zip(links, answers) if a is not None and not a.error]
+                old = self.modules.get(name)
                 if held:  # still unloaded: dropped once its requests end
                     self.unloading[name] = asyncio.ensure_future(self._drop(name, *self._drop_args))
-                elif not replace:  # the instances that took it drop it again
-                    await _ask([lk for lk, a in zip(links, answers) if a is not None and not a.error],
-                               m.UnloadLora(name))
+                elif old is None:  # a name not served (load_inplace or not): the instances that took it drop it
+                    await _ask(took, m.UnloadLora(name))
+                else:  # a replacement: the instances that took it go back to the weights still served
+                    undone = _failures(took, await _ask(took, m.LoadLora(name, old.path, replace=True)))
+                    if undone:
+                        log.warning("LoRA adapter %s: its weights from %s not restored on %s", name, old.path, undone)
                 return _error(400 if all(a is not None for a in answers) else 503,
                               f"LoRA adapter {name!r} did not load: {failed}")
             self.modules[name] = LoraModule(name, local, given=path)

@@ -139,3 +139,24 @@ def test_a_request_whose_adapter_is_unloaded_while_it_is_parsed_is_a_404(tmp_pat
             assert not h.log.received("local", m.Generate)
 
     asyncio.run(asyncio.wait_for(body(), 25))
+
+
+def test_a_load_that_fails_somewhere_leaves_every_instance_as_it_was(monkeypatch):
+    """A load_inplace of a name not served that one instance refuses: the others drop it again (they kept it, so a
+    later load of the name failed there as 'already loaded'); a replacement one refuses: the others go back to the
+    weights still served."""
+    monkeypatch.setattr(loras_mod, "resolve_adapter", lambda name, path, *a: path)
+    lo = _loras("a")
+
+    async def run():
+        for name in ("x", "a"):
+            took, refused = Link("d0"), Link("d1", fail={name})
+            body = {"lora_name": name, "lora_path": f"/v2/{name}", "load_inplace": True}
+            said = await lo.load(body, ("base",), [took, refused], _direct)
+            assert said.status == 400 and f"d1: cannot load {name}" in said.text
+            back = m.UnloadLora("x") if name == "x" else m.LoadLora("a", "/adapters/a", replace=True)
+            assert took.asked == [m.LoadLora(name, f"/v2/{name}", replace=True), back], name
+            assert refused.asked == [m.LoadLora(name, f"/v2/{name}", replace=True)]
+        assert lo.names == ("a",) and lo.modules["a"].path == "/adapters/a"
+
+    asyncio.run(run())
