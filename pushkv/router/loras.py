@@ -41,6 +41,7 @@ class Loras:
         self._lock: Optional[asyncio.Lock] = None  # one load or unload at a time (made on the loop)
         self.unloading: dict[str, asyncio.Task] = {}  # names unloaded whose requests still run: the drop waits
         self._ended: Optional[asyncio.Event] = None  # set as a request ends: the drops waiting look again
+        self.loads: dict[str, int] = {}  # name -> its runtime loads (replacements included), for ``root``
         self._drop_args: tuple = ()  # the last unload's (links, in_use), for a drop a failed load hands back
 
     @property
@@ -50,6 +51,13 @@ class Loras:
     def of(self, model: str) -> str:
         """The adapter a request's ``model`` names ("": the base model)."""
         return model if model in self.modules else ""
+
+    def root(self, name: str) -> str:
+        """What the router's prefix index roots a request's chain on for adapter ``name``: its name, and how many
+        times it was loaded since the launch (as the schedulers root theirs on the weights' id), so the blocks of
+        weights replaced or unloaded are not predicted for the new ones."""
+        n = self.loads.get(name, 0)
+        return f"{n}:{name}" if name and n else name
 
     def cards(self, created: int, max_model_len: int, base: str) -> list[dict]:
         """/v1/models' entries, as vLLM lists an adapter: its path, and the model it adapts."""
@@ -103,6 +111,7 @@ class Loras:
                 return _error(400 if all(a is not None for a in answers) else 503,
                               f"LoRA adapter {name!r} did not load: {failed}")
             self.modules[name] = LoraModule(name, local, given=path)
+            self.loads[name] = self.loads.get(name, 0) + 1
             self.since.add(name)
             self.on_change()
         log.info("LoRA adapter %s loaded from %s on %d instances", name, local, len(links))

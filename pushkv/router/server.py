@@ -854,6 +854,7 @@ class Router:
         stream, in flight from now."""
         base = uuid.uuid4().hex
         runs = []
+        lora = self.loras.of(params.model)
         for i in range(params.choices):
             ids = params.prompts()[i // params.n][0]
             tid = base if params.choices == 1 else f"{base}-{i}"
@@ -867,7 +868,7 @@ class Router:
             run = RequestRun(self.cfg, self.balancer if self.local_link is None else None, tid,
                              ids, max_tokens, params.stop_token_ids, arrival,
                              self.metrics, sampling, local_link=self.local_link, cache_salt=params.cache_salt,
-                             structured=params.structured, lora=self.loras.of(params.model),
+                             structured=params.structured, lora=lora, lora_root=self.loras.root(lora),
                              stop_strings=bool(params.stop), client_id=params.client_id)
             self.runs[tid] = run
             runs.append(run)

@@ -160,3 +160,32 @@ def test_a_load_that_fails_somewhere_leaves_every_instance_as_it_was(monkeypatch
         assert lo.names == ("a",) and lo.modules["a"].path == "/adapters/a"
 
     asyncio.run(run())
+
+
+def test_the_routers_prefix_index_does_not_predict_replaced_weights_blocks(monkeypatch):
+    """The schedulers root an adapter's cached blocks on its weights' id, so after a replacement (or an unload and a
+    load) its prompts find none of the old blocks; the router's index rooted them on the name alone and went on
+    predicting hits (and placing by them) that never came."""
+    from pushkv.router.balance import Balancer
+    from tests.router.test_router_policy import ChatRun, rec
+
+    monkeypatch.setattr(loras_mod, "resolve_adapter", lambda name, path, *a: path)
+    lo = _loras("a")
+    b = Balancer("push", 1.0, 4, prefix_cache=True, conditional=False)
+    b.add(rec("p0", "prefill"), lambda r: object())
+    b.add(rec("d0", "decode", 200), lambda r: object())
+
+    def run(tid):
+        r = ChatRun(tid, range(100))
+        r.lora, r.lora_root = "a", lo.root("a")
+        return r
+
+    first = run("t1")
+    b.request(first)
+    b.prefill_done(first)
+    assert b.ask(run("t2")).hits["p0"] == 96  # the same weights: its blocks are there
+    assert lo.root("a") == "a" and lo.root("") == ""
+    said = asyncio.run(lo.load({"lora_name": "a", "lora_path": "/v2/a", "load_inplace": True}, ("base",),
+                               [Link("d0")], _direct))
+    assert said.status == 200
+    assert "p0" not in b.ask(run("t3")).hits  # new weights: none of the old blocks
