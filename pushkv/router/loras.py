@@ -36,7 +36,8 @@ class Loras:
         self.cfg = cfg
         self.modules: dict[str, LoraModule] = {mod.name: mod for mod in cfg.model.lora.modules}
         self.launch = frozenset(self.modules)  # the names every instance starts with
-        self.since: set[str] = set()  # served names loaded (or replaced) at runtime: not the launch's weights
+        self.since: set[str] = set()  # names held loaded (or replaced) at runtime: not the launch's weights
+        self.dropping: dict[str, LoraModule] = {}  # unloaded, not yet dropped (its requests run): the instances hold it
         self.on_change = on_change  # the served names changed
         self._lock: Optional[asyncio.Lock] = None  # one load or unload at a time (made on the loop)
         self.unloading: dict[str, asyncio.Task] = {}  # names unloaded whose requests still run: the drop waits
@@ -95,12 +96,14 @@ class Loras:
             held = name in self.unloading  # unloaded, its requests still running: the instances hold it yet
             if held:
                 self.unloading.pop(name).cancel()
+                was = self.dropping.pop(name)
             answers = await _ask(links, m.LoadLora(name, local, replace=replace or held))
             failed = _failures(links, answers)
             if failed:
                 took = [lk for lk, a in zip(links, answers) if a is not None and not a.error]
                 old = self.modules.get(name)
                 if held:  # still unloaded: dropped once its requests end
+                    self.dropping[name] = was
                     self.unloading[name] = asyncio.ensure_future(self._drop(name, *self._drop_args))
                 elif old is None:  # a name not served (load_inplace or not): the instances that took it drop it
                     await _ask(took, m.UnloadLora(name))
@@ -126,8 +129,7 @@ class Loras:
         async with self._locked():
             if name not in self.modules:
                 return _error(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
-            del self.modules[name]  # no new request names it from now
-            self.since.discard(name)
+            self.dropping[name] = self.modules.pop(name)  # no new request names it from now
             self.on_change()
             self._drop_args = (links, in_use)
             self.unloading[name] = asyncio.ensure_future(self._drop(name, links, in_use))
@@ -151,6 +153,8 @@ class Loras:
             if self.unloading.get(name) is not asyncio.current_task():
                 return  # a load of the name took it over meanwhile
             del self.unloading[name]
+            del self.dropping[name]
+            self.since.discard(name)
             up = links()
             answers = await _ask(up, m.UnloadLora(name))
         silent = [lk.engine_id for lk, a in zip(up, answers) if a is None]
@@ -164,11 +168,13 @@ class Loras:
         self.unloading.clear()
 
     def catch_up(self) -> list[Any]:
-        """What an instance that joins now must be told to serve what is served now: it starts with the launch's
+        """What an instance that joins now must be told to hold what the others hold now: it starts with the launch's
         adapters, so each loaded or replaced since is loaded on it (in place of the launch's weights of that name),
-        and each of the launch's unloaded since is dropped."""
-        msgs: list[Any] = [m.LoadLora(name, self.modules[name].path, replace=True) for name in sorted(self.since)]
-        return msgs + [m.UnloadLora(name) for name in sorted(self.launch - set(self.modules))]
+        and each of the launch's unloaded since is dropped; one unloaded whose requests still run is held until the
+        instances up drop it, the joined one with them (a request of it may still be placed there)."""
+        held = {**self.dropping, **self.modules}
+        msgs: list[Any] = [m.LoadLora(name, held[name].path, replace=True) for name in sorted(self.since)]
+        return msgs + [m.UnloadLora(name) for name in sorted(self.launch - set(held))]
 
     async def bring_in(self, engine_id: str, link, ready: Callable[[], bool], joining: Callable[[], bool]) -> str:
         """Tell a joining instance ``catch_up``'s changes, then call ``ready`` (it is chosen from then), under the

@@ -189,3 +189,30 @@ def test_the_routers_prefix_index_does_not_predict_replaced_weights_blocks(monke
                                [Link("d0")], _direct))
     assert said.status == 200
     assert "p0" not in b.ask(run("t3")).hits  # new weights: none of the old blocks
+
+
+def test_an_instance_that_joins_while_an_unloaded_adapters_requests_run_holds_it_till_they_end(monkeypatch):
+    """An instance that joins (restarted, or new through the registry) while an unloaded adapter's requests still
+    run holds it as the others do, and drops it with them: a pull-mode D leg of such a request may be placed there.
+    It was told to drop a launch adapter at once, and never loaded one loaded at runtime (a 404 for that leg)."""
+    from tests.router.test_lora_joining import _changed
+
+    lo = _loras("a")
+    _changed(lo, monkeypatch, load=("x",))
+    up = [Link("d0")]
+    busy = {"a", "x"}
+
+    async def run():
+        for name in ("a", "x"):
+            assert (await lo.unload({"lora_name": name}, lambda: up, lambda n: n in busy)).status == 200
+        assert lo.names == () and lo.catch_up() == [m.LoadLora("x", "/new/x", replace=True)]
+        joined = Link("d1")
+        up.append(joined)  # it took the catch-up and is up
+        busy.clear()
+        lo.request_ended()
+        await asyncio.wait_for(asyncio.gather(*lo.unloading.values()), 5)
+        assert sorted(msg.name for msg in joined.asked) == ["a", "x"]  # dropped with the others
+        assert all(isinstance(msg, m.UnloadLora) for msg in joined.asked)
+        assert lo.catch_up() == [m.UnloadLora("a")]
+
+    asyncio.run(run())
