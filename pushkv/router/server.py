@@ -842,7 +842,8 @@ class Router:
         assert self.otlp is not None
         now = time.monotonic()
         for run in runs:
-            facts = otlp_spans.Facts(run.transfer_id, self._reported(params.model), params.sampling,
+            # the model the request ran through: its adapter, unloaded meanwhile or not (then no longer served)
+            facts = otlp_spans.Facts(run.transfer_id, run.lora or self._reported(params.model), params.sampling,
                                      params.max_tokens, params.n)
             try:
                 self.otlp.emit(otlp_spans.request_spans(run.ledger, facts, now), headers)

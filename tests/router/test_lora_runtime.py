@@ -90,6 +90,16 @@ def _lora_cfg(tmp_path):
     return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, lora=lora))
 
 
+class Spans(list):
+    """A stand-in OTLP exporter: the spans of each request, as the router emits them."""
+
+    def emit(self, request_spans, headers):
+        self.append(request_spans)
+
+    def close(self):
+        pass
+
+
 def test_the_router_drops_an_unloaded_adapter_after_its_last_request(tmp_path, monkeypatch):
     """Through the router: a request through "a" runs while "a" is unloaded; the instance is told to drop it only
     once that request has ended."""
@@ -99,8 +109,11 @@ def test_the_router_drops_an_unloaded_adapter_after_its_last_request(tmp_path, m
     def held(g):
         return [(gate, tokens(g, [72], True, "length", (stage("scheduled"), stage("finished"))))]
 
+    spans = Spans()
+
     async def body():
         async with Harness(_lora_cfg(tmp_path), {"local": held}) as h:
+            h.router.otlp = spans
             running = asyncio.ensure_future(h.http.post("/v1/completions", json={
                 "prompt": "Hey", "max_tokens": 1, "model": "a"}))
             await h.wait(lambda e: any(isinstance(x, m.Generate) for _, _, x in e))
@@ -115,6 +128,8 @@ def test_the_router_drops_an_unloaded_adapter_after_its_last_request(tmp_path, m
             assert (await running).status == 200
             await h.wait(lambda e: any(isinstance(x, m.UnloadLora) for _, _, x in e))
             assert h.log.received("local", m.UnloadLora) == [m.UnloadLora("a")]
+            # its OTLP span names the adapter it ran through, though no longer served (it named the base model)
+            assert [s[0].attributes["gen_ai.response.model"] for s in spans] == ["a"]
 
     asyncio.run(asyncio.wait_for(body(), 25))
 
