@@ -56,9 +56,9 @@ class Loras:
     def root(self, name: str) -> str:
         """What the router's prefix index roots a request's chain on for adapter ``name``: its name, and how many
         times it was loaded since the launch (as the schedulers root theirs on the weights' id), so the blocks of
-        weights replaced or unloaded are not predicted for the new ones."""
-        n = self.loads.get(name, 0)
-        return f"{n}:{name}" if name and n else name
+        weights replaced or unloaded are not predicted for the new ones (the count first: unambiguous whatever the
+        name holds)."""
+        return f"{self.loads.get(name, 0)}:{name}" if name else ""
 
     def cards(self, created: int, max_model_len: int, base: str) -> list[dict]:
         """/v1/models' entries, as vLLM lists an adapter: its path, and the model it adapts."""

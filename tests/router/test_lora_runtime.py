@@ -199,11 +199,12 @@ def test_the_routers_prefix_index_does_not_predict_replaced_weights_blocks(monke
     b.request(first)
     b.prefill_done(first)
     assert b.ask(run("t2")).hits["p0"] == 96  # the same weights: its blocks are there
-    assert lo.root("a") == "a" and lo.root("") == ""
+    assert lo.root("a") == "0:a" and lo.root("") == ""
     said = asyncio.run(lo.load({"lora_name": "a", "lora_path": "/v2/a", "load_inplace": True}, ("base",),
                                [Link("d0")], _direct))
     assert said.status == 200
     assert "p0" not in b.ask(run("t3")).hits  # new weights: none of the old blocks
+    assert lo.root("a") == "1:a" != _loras("1:a").root("1:a")  # whatever the names, one root each
 
 
 def test_an_instance_that_joins_while_an_unloaded_adapters_requests_run_holds_it_till_they_end(monkeypatch):
