@@ -442,16 +442,20 @@ def cmd_up(args: argparse.Namespace, child_argv: Optional[ArgvHook] = None) -> i
         return 2
     if cfg.host_role and not cfg.secret_file and not warned:  # --insecure with the role or secret in --config
         print(insecure_warning(cfg.host_role, cfg.advertise or cfg.host), file=sys.stderr)
-    if cfg.trace_tap_endpoint and is_network(cfg.trace_tap_endpoint) and not cfg.secret_file:
-        # every message mirrored: prompts' token ids, and the writers' Hello, whose NIXL metadata lets a peer READ or
-        # WRITE the pools; on TCP, every user of this host (and on another address, every host) could subscribe
+    # every message mirrored: prompts' token ids, and the writers' Hello, whose NIXL metadata lets a peer READ or
+    # WRITE the pools; on TCP, every user of this host (and on another address, every host) could subscribe to the
+    # taps' end, or publish into (and read the traffic to) the processes' end; either may come from --trace or from
+    # a --config file (trace_tap_endpoint, trace_endpoint)
+    for spelt, endpoint in (("--trace", cfg.trace_tap_endpoint), ("trace_endpoint", cfg.trace_endpoint)):
+        if not endpoint or not is_network(endpoint) or cfg.secret_file:
+            continue
         if not getattr(args, "insecure", False):
-            print(f"pushkv up: --trace {cfg.trace_tap_endpoint} publishes every message (prompts' token ids, the "
+            print(f"pushkv up: {spelt} {endpoint} publishes every message (prompts' token ids, the "
                   "writers' NIXL metadata) to whoever connects: give --secret-file (then pushkv tap --secret-file "
                   "attaches), --trace without an endpoint (a socket in the 0700 run dir), or --insecure to publish "
                   "it plain", file=sys.stderr)
             return 2
-        print(f"pushkv up: WARNING --insecure: --trace {cfg.trace_tap_endpoint} publishes every message plain, to "
+        print(f"pushkv up: WARNING --insecure: {spelt} {endpoint} publishes every message plain, to "
               "whoever connects", file=sys.stderr)
     # a taken port, a missing GPU, a model that does not fit, NIXL that does not import: before any
     # child (children a caller brings, child_argv, are not pushkv's writers: they need no NIXL)

@@ -162,6 +162,7 @@ class LoraModule(msgspec.Struct, frozen=True):
     name: str
     path: str
     base_model_name: str = ""  # the served model it adapts (vLLM's JSON form); "": the first served name
+    given: str = ""  # the path as given (a Hub id, a relative path): /v1/models' root, as vLLM's; "": ``path``
 
 
 class LoraConfig(msgspec.Struct, frozen=True):
@@ -190,6 +191,9 @@ class ModelConfig(msgspec.Struct, frozen=True):
     intermediate_size: int = 768
     vocab_size: int = 320  # 256 bytes + specials, padded
     max_position: int = 32768
+    # vLLM 0.32's derived max_model_len where it is below max_position: YaRN's max_position_embeddings, which vLLM no
+    # longer stretches by the factor (a longer --max-model-len needs VLLM_ALLOW_LONG_MAX_MODEL_LEN=1); 0: max_position
+    derived_max_len: int = 0
     rope_theta: float = 10000.0
     rms_eps: float = 1e-6
     dtype: str = "float32"  # a key of DTYPE_BYTES (supervisor/geometry.py refuses another)
@@ -339,7 +343,7 @@ def model_fingerprint(model: ModelConfig) -> str:
 
     keep = {f: getattr(model, f) for f in model.__struct_fields__
             if f not in ("checkpoint", "engine", "random_init", "deterministic", "max_position", "eos_token_id",
-                         "tokenizer", "lora")}
+                         "tokenizer", "lora", "derived_max_len")}
     keep["checkpoint"] = os.path.basename(os.path.normpath(model.checkpoint)) if model.checkpoint else ""
     if model.lora.modules:  # an adapter's name must mean the same weights to both sides of a transfer
         keep["lora"] = [(m.name, os.path.basename(os.path.normpath(m.path))) for m in model.lora.modules]

@@ -30,6 +30,7 @@ from pushkv.config import (
     json_object,
     preset,
 )
+from pushkv.cuda_driver import capability as gpu_capability
 from pushkv.cuda_driver import device_count
 from pushkv.kinds import ToolCallParser
 from pushkv.model import generation
@@ -94,9 +95,23 @@ def hf_overrides(flags: Mapping[str, Any]) -> str:
     return json.dumps(out) if out else ""
 
 
-def _model(flags: Mapping[str, Any], base: ModelConfig, on_cuda: bool = False, weights: bool = True) -> ModelConfig:
-    """The model the flags name; ``on_cuda``: an instance runs on a GPU (--dtype auto's choice there); ``weights``:
-    this host loads them (not a router host, which reads the config and the tokenizer only)."""
+def auto_dtype(checkpoint: str, capability: Optional[tuple[int, int]]) -> str:
+    """vLLM's --dtype auto on a GPU of ``capability`` (``_resolve_auto_dtype``: the platform's dtypes, bfloat16 from
+    compute capability 8.0, float16 from 6.0): a float32 checkpoint runs in the first the GPU has, a checkpoint in
+    one the GPU has keeps it, another (bfloat16 before Ampere) takes the first. ``capability`` None: not known,
+    taken as Ampere's or later."""
+    major, minor = capability or (8, 0)
+    supported = (["bfloat16"] if (major, minor) >= (8, 0) else []) + (["float16"] if major >= 6 else []) + ["float32"]
+    if checkpoint == "float32":
+        return supported[0]
+    return checkpoint if checkpoint in supported else supported[0]
+
+
+def _model(flags: Mapping[str, Any], base: ModelConfig, on_cuda: bool = False, weights: bool = True,
+           capability: Optional[tuple[int, int]] = None) -> ModelConfig:
+    """The model the flags name; ``on_cuda``: an instance runs on a GPU (--dtype auto's choice there, by its
+    ``capability``: ``auto_dtype``); ``weights``: this host loads them (not a router host, which reads the config
+    and the tokenizer only)."""
     name, dummy = model_name(flags), flags.get("load_format") == "dummy"
     geometry = {k: flags.get(k) for k in GEOMETRY}
     if geometry["dtype"] == "auto":  # vLLM's --dtype auto: the checkpoint's (a preset's own)
@@ -121,10 +136,10 @@ def _model(flags: Mapping[str, Any], base: ModelConfig, on_cuda: bool = False, w
         if name and not flags.get("checkpoint") and not os.path.isdir(name):  # a repo id: its name, not the cache's
             given.setdefault("name", name)
         model = model_config_from_hf(path, flags.get("generation_config") or "auto", hf_overrides(flags), **given)
-        if on_cuda and "dtype" not in given and model.dtype == "float32":
-            # vLLM's --dtype auto on a GPU: a float32 checkpoint runs in bfloat16 (half the memory and bandwidth);
-            # --dtype float32 keeps it
-            model = msgspec.structs.replace(model, dtype="bfloat16")
+        if on_cuda and "dtype" not in given:
+            # vLLM's --dtype auto on a GPU: a float32 checkpoint runs in bfloat16 (half the memory and bandwidth),
+            # in float16 before Ampere, as a bfloat16 checkpoint does there; --dtype float32 keeps it
+            model = msgspec.structs.replace(model, dtype=auto_dtype(model.dtype, capability))
         quantization = flags.get("vllm_quantization")
         if quantization and quantization.lower() == "fp8":
             from pushkv.model.checkpoint import fp8_blocks_in
@@ -294,10 +309,12 @@ def _pool_sizes(cfg: DeploymentConfig, flags: Mapping[str, Any]) -> DeploymentCo
                             for role, i in insts.items()})
 
 
-def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = device_count) -> DeploymentConfig:
+def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = device_count,
+                capability: Callable[[], Optional[tuple[int, int]]] = gpu_capability) -> DeploymentConfig:
     """The user's config from ``pushkv up``'s parsed flags (``vars(args)``; a flag missing or None
     was not given): the ``--config`` file's, or the defaults, with every given flag on top.
-    ``gpus`` counts this host's GPUs (the device's default)."""
+    ``gpus`` counts this host's GPUs (the device's default); ``capability`` is the first one's compute capability
+    (--dtype auto's choice, as vLLM's: None where unknown)."""
     path = flags.get("config")
     cfg = load_config_file(path) if path else DeploymentConfig()
     # vllm serve's spellings; --enable-chunked-prefill's chunk, where no flag says, is a step's tokens on the
@@ -311,8 +328,9 @@ def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = 
     mode = f("mode") or cfg.mode
     devices = [device or cfg.local.device] if mode == "local" else [
         f("prefill_device") or device or cfg.prefill.device, f("decode_device") or device or cfg.decode.device]
-    model = _model(flags, cfg.model, on_cuda=any(d.startswith("cuda") for d in devices),
-                   weights=(f("role") or cfg.host_role) != "router")
+    on_cuda = any(d.startswith("cuda") for d in devices)
+    model = _model(flags, cfg.model, on_cuda=on_cuda, weights=(f("role") or cfg.host_role) != "router",
+                   capability=capability() if on_cuda else None)
     if not (f("skip_tokenizer_init") or cfg.skip_tokenizer_init):
         check_tokenizer(model, "--tokenizer" if f("tokenizer") else "--model")
     given_name, aliases = model_name(flags), []
@@ -327,6 +345,14 @@ def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = 
 
         raise ValueError(f"--max-model-len {max_len} must be in [1, {model.max_position}]: the model's longest "
                          f"sequence ({max_position_text(model.max_position, model.rope_scaling)})")
+    derived = model.derived_max_len  # vLLM 0.32's, below the YaRN length: longer only with its env var
+    if derived and max_len is not None and max_len > derived and not envs.VLLM_ALLOW_LONG_MAX_MODEL_LEN:
+        from pushkv.model.rope import max_position_text
+
+        raise ValueError(f"--max-model-len {max_len} is greater than the derived max_model_len "
+                         f"(max_position_embeddings={derived} in the model's config.json, which vLLM does not stretch "
+                         f"by YaRN's factor); as vLLM's, set the env var VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 to serve up "
+                         f"to {model.max_position} ({max_position_text(model.max_position, model.rope_scaling)})")
     if f("disable_sliding_window") and model.sliding_window:
         # vLLM's: every layer attends to the whole context, which is capped at the window (within it, the window's
         # attention and the whole context's are the same)
@@ -336,6 +362,8 @@ def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = 
                              f"sliding window, {window} tokens")
         max_len = max_len or window
         model = msgspec.structs.replace(model, sliding_window=0, window_layers=())
+    if max_len is None and not cfg.max_model_len and model.derived_max_len:
+        max_len = model.derived_max_len  # vLLM's default: the derived length, not the YaRN-stretched one
     tp = f("tensor_parallel_size") or f("tp")  # --tp: the deprecated spelling
     sizes = dict(max_num_seqs=f("max_num_seqs"), max_batch_tokens=f("max_batch_tokens"),
                  prefill_chunk=f("prefill_chunk"), prefix_cache=False if f("no_prefix_cache") else None)
@@ -389,12 +417,16 @@ def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = 
 
 
 def lora_modules(given: list[str]) -> list[LoraModule]:
-    """vLLM's --lora-modules: each NAME=PATH, or a JSON object with name, path and (optionally) base_model_name."""
+    """vLLM's --lora-modules: each NAME=PATH, or a JSON object with name, path and (optionally) base_model_name and
+    is_3d_lora_weight (vLLM's MoE expert layout: taken, the experts' adapters being refused by lora_files anyway); an
+    empty item is skipped, as vLLM's LoRAParserAction skips it."""
     out = []
     for item in given:
+        if not item:
+            continue
         if item.lstrip().startswith("{"):
             obj = json_object(item, "--lora-modules", "name, path and base_model_name")
-            unknown = set(obj) - {"name", "path", "base_model_name"}
+            unknown = set(obj) - {"name", "path", "base_model_name", "is_3d_lora_weight"}
             if unknown or not all(isinstance(obj.get(k), str) and obj.get(k) for k in ("name", "path")):
                 raise ValueError(f"--lora-modules {item}: a JSON object of name, path (strings) and base_model_name"
                                  + (f", not {sorted(unknown)}" if unknown else ""))
@@ -423,6 +455,9 @@ def lora_config(flags: Mapping[str, Any], model: ModelConfig, served: list[str])
     max_rank = 16 if given_rank is None else int(given_rank)
     if max_loras < 1 or max_rank < 1:
         raise ValueError(f"--max-loras {max_loras} and --max-lora-rank {max_rank} are positive")
+    cpu_loras = f("vllm_max_cpu_loras")  # no effect here, but vLLM's LoRAConfig refuses it below --max-loras
+    if cpu_loras is not None and int(cpu_loras) < max_loras:
+        raise ValueError(f"--max-cpu-loras ({cpu_loras}) must be >= --max-loras ({max_loras}), as vLLM's")
     from pushkv.model.lora_files import resolve_adapter
 
     modules: list[LoraModule] = []
@@ -433,7 +468,7 @@ def lora_config(flags: Mapping[str, Any], model: ModelConfig, served: list[str])
             raise ValueError(f"--lora-modules {mod.name}: base_model_name {mod.base_model_name!r} is not served "
                              f"(served: {served})")
         path = resolve_adapter(mod.name, mod.path, model, max_rank, f("download_dir"))
-        modules.append(msgspec.structs.replace(mod, path=path))
+        modules.append(msgspec.structs.replace(mod, path=path, given=mod.path))
     return LoraConfig(True, tuple(modules), max_loras, max_rank)
 
 

@@ -1,5 +1,5 @@
 """The CUDA driver asked directly through ctypes (``libcuda.so.1``), without torch: how many GPUs
-this process sees, and a GPU's free and total memory. The supervisor plans and checks with these
+this process sees, a GPU's compute capability, and its free and total memory. The supervisor plans and checks with these
 before any child starts, in milliseconds, and stays free of torch's seconds-long import. Also the
 L2 set-aside of the context current on the calling thread (``persisting_l2``), which torch does not
 expose.
@@ -9,11 +9,14 @@ expose.
 from __future__ import annotations
 
 import ctypes
+from typing import Optional
 
 CUDA_SUCCESS = 0
 CUDA_ERROR_NO_DEVICE = 100
 CU_LIMIT_PERSISTING_L2_CACHE_SIZE = 0x06
 CU_DEVICE_ATTRIBUTE_MAX_PERSISTING_L2_CACHE_SIZE = 108
+CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75
+CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76
 
 
 class DriverError(RuntimeError):
@@ -48,6 +51,23 @@ def device_count() -> tuple[int, str]:
     if rc != CUDA_SUCCESS:
         return 0, f"the driver does not count its GPUs (cuDeviceGetCount error {rc})"
     return count.value, ""
+
+
+def capability(ordinal: int = 0) -> Optional[tuple[int, int]]:
+    """Visible GPU ``ordinal``'s compute capability (major, minor), as ``torch.cuda.get_device_capability`` gives
+    it; None where the driver shows no such GPU."""
+    try:
+        cuda = _driver()
+        dev = ctypes.c_int(0)
+        _call(f"cuDeviceGet({ordinal})", cuda.cuDeviceGet(ctypes.byref(dev), ctypes.c_int(ordinal)))
+        got = []
+        for attr in (CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR):
+            v = ctypes.c_int(0)
+            _call("cuDeviceGetAttribute", cuda.cuDeviceGetAttribute(ctypes.byref(v), ctypes.c_int(attr), dev))
+            got.append(v.value)
+    except DriverError:
+        return None
+    return got[0], got[1]
 
 
 def memory_info(ordinal: int) -> tuple[int, int]:

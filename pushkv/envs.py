@@ -88,6 +88,9 @@ _VARS = (
         "(`Authorization: Bearer KEY`) where `PUSHKV_API_KEY` is unset, as `vllm bench serve` sends it", FOREIGN),
     Var("VLLM_ALLOW_RUNTIME_LORA_UPDATING", bool, False, "the router serves vLLM's `/v1/load_lora_adapter` and "
         "`/v1/unload_lora_adapter` (with `--enable-lora`); off: those paths are 404, as vLLM's", FOREIGN),
+    Var("VLLM_ALLOW_LONG_MAX_MODEL_LEN", bool, False, "`pushkv up`: a `--max-model-len` past the derived length "
+        "of a YaRN checkpoint (its `max_position_embeddings`, as vLLM 0.32 derives it) is taken, up to the YaRN length "
+        "(`original_max_position_embeddings` x factor); off: refused, as vLLM's", FOREIGN),
     Var("VLLM_LOGGING_CONFIG_PATH", str, "", "`pushkv up`: the `--log-config-file` where the flag is not given, as "
         "vLLM reads it (a dictConfig JSON file every process applies)", FOREIGN),
     Var("VLLM_API_KEY", str, "", "`pushkv vllm-proxy`: the instances' API key for its probes where `--api-key` is "
@@ -151,6 +154,7 @@ if TYPE_CHECKING:  # what ``envs.NAME`` returns, for mypy (tests/tools/test_envs
     VLLM_NIXL_SIDE_CHANNEL_PORT: int
     OPENAI_API_KEY: str
     VLLM_ALLOW_RUNTIME_LORA_UPDATING: bool
+    VLLM_ALLOW_LONG_MAX_MODEL_LEN: bool
     VLLM_LOGGING_CONFIG_PATH: str
     VLLM_API_KEY: str
 

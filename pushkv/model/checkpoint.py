@@ -19,7 +19,7 @@ from pushkv.model import generation
 from pushkv.model.arch import Family, check_supported, deepseek_routing, family_of, num_experts_of
 from pushkv.model.fp8 import SCALE_SUFFIX, dequantize, fp8_blocks_of, scale_span
 from pushkv.model.generation import sampling_defaults_of
-from pushkv.model.rope import max_position_of, rope_of
+from pushkv.model.rope import derived_max_len_of, max_position_of, rope_of
 
 HF_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 GEOMETRY = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
@@ -158,6 +158,7 @@ def model_config_from_hf(path: str, generation_config: str = "auto", hf_override
         intermediate_size=hf[moe.inter_key] if moe else hf["intermediate_size"],
         vocab_size=hf["vocab_size"],
         max_position=max_position_of(hf, rope_scaling),
+        derived_max_len=derived_max_len_of(hf, rope_scaling),
         rope_theta=rope_theta,
         rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
         dtype=HF_DTYPES[dtype],

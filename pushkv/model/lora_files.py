@@ -29,6 +29,11 @@ _KEY = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp
 _HEADER_MAX = 64 << 20  # a safetensors header past this is no adapter's
 
 
+class AdapterNotFound(ValueError):
+    """No adapter at the path: no such directory or Hub repo, or no adapter_config.json in it (vLLM's
+    LoRAAdapterNotFoundError, a 404 from /v1/load_lora_adapter)."""
+
+
 @dataclass(frozen=True)
 class AdapterInfo:
     """What serving needs of one adapter: where it is, its rank and scale, and its tensors' names by
@@ -83,7 +88,8 @@ def _config(path: str, name: str) -> dict:
         with open(file) as f:
             conf = json.load(f)
     except FileNotFoundError:
-        raise ValueError(f"LoRA adapter {name!r}: {path} has no {CONFIG_FILE} (a PEFT adapter directory)") from None
+        raise AdapterNotFound(f"LoRA adapter {name!r}: {path} has no {CONFIG_FILE} (a PEFT adapter "
+                              "directory)") from None
     except ValueError as e:
         raise ValueError(f"LoRA adapter {name!r}: {file} is not JSON: {e}") from None
     if not isinstance(conf, dict):
@@ -160,10 +166,14 @@ def read_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int) -> Adapt
 def resolve_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int, cache_dir: Optional[str] = None,
                     flag: str = "--lora-modules") -> str:
     """The adapter's local directory (a Hub id resolved as --model's is, its adapter files only), checked against the
-    model (``read_adapter``); ValueError naming ``flag`` and what is wrong."""
+    model (``read_adapter``); ValueError naming ``flag`` and what is wrong (AdapterNotFound where no adapter is
+    there)."""
     from pushkv.model.hub import resolve
 
-    local = resolve(path, files=[CONFIG_FILE, WEIGHTS_FILE], cache_dir=cache_dir, flags=(flag, "--revision"))
+    try:
+        local = resolve(path, files=[CONFIG_FILE, WEIGHTS_FILE], cache_dir=cache_dir, flags=(flag, "--revision"))
+    except ValueError as e:
+        raise AdapterNotFound(str(e)) from None
     read_adapter(name, local, cfg, max_rank)
     return local
 

@@ -118,6 +118,17 @@ def max_position_of(hf: dict, rs: RopeScaling) -> int:
     return n
 
 
+def derived_max_len_of(hf: dict, rs: RopeScaling) -> int:
+    """vLLM 0.32's derived max_model_len where it is below :func:`max_position_of`'s (0 where they agree): under
+    YaRN, ``max_position_embeddings`` as it stands, which vLLM takes as already stretched (as transformers'
+    ``_compute_yarn_parameters`` does) and so does not multiply by the factor; a longer --max-model-len it refuses
+    unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1."""
+    if rs.rope_type != "yarn":
+        return 0
+    n = int(hf.get("max_position_embeddings", 32768))
+    return n if n < max_position_of(hf, rs) else 0
+
+
 def max_position_text(max_position: int, rs: RopeScaling) -> str:
     """How :func:`max_position_of` came to ``max_position``, in config.json's words (a refusal names it)."""
     if rs.rope_type in ("linear", "dynamic"):

@@ -59,7 +59,10 @@ class RequestRun(Protocol):
     def cache_salt(self) -> str: ...  # vLLM's: the root its prompt's chain starts from ("": the shared one)
 
     @property
-    def lora(self) -> str: ...  # its LoRA adapter, which its chain's root names too ("": the base model)
+    def lora(self) -> str: ...  # its LoRA adapter ("": the base model)
+
+    @property
+    def lora_root(self) -> str: ...  # what its chain's root names of its adapter: the name and which load of it
 
     @property
     def reuses_prefix(self) -> bool: ...  # False: asked prompt logprobs, so it is computed whole wherever it runs
@@ -214,7 +217,8 @@ class Balancer:
             if not l.up or not l.block_size:
                 continue
             unit = l.block_size if l.role == "prefill" else math.lcm(l.block_size, *p_sizes)
-            blocks = self.index.overlap(e, hashes(run.prompt, l.block_size, run.hash_cache, run.cache_salt, run.lora))
+            blocks = self.index.overlap(e, hashes(run.prompt, l.block_size, run.hash_cache, run.cache_salt,
+                                                  run.lora_root))
             if blocks:
                 out[e] = usable_hit_tokens(blocks, len(run.prompt), l.block_size, unit)
         return out
@@ -319,7 +323,8 @@ class Balancer:
             h.prefill_tokens = 0
         if h is not None and h.prefill and self.prefix_cache:  # P indexed the prompt's blocks as they were computed
             p = self.loads[h.prefill]
-            self.index.record(h.prefill, hashes(run.prompt, p.block_size, run.hash_cache, run.cache_salt, run.lora))
+            self.index.record(h.prefill, hashes(run.prompt, p.block_size, run.hash_cache, run.cache_salt,
+                                                run.lora_root))
 
     def kv_arrived(self, run: "RequestRun") -> None:
         """D's first token: its KV is there (or D computed it)."""
@@ -358,7 +363,7 @@ class Balancer:
         if self.prefix_cache and h.decode and run.output_ids:
             d = self.loads[h.decode]  # D keeps prompt + answer (the last token's KV was never computed)
             seq = tuple(run.prompt) + tuple(run.output_ids[:-1])
-            self.index.record(h.decode, hashes(seq, d.block_size, {}, run.cache_salt, run.lora))
+            self.index.record(h.decode, hashes(seq, d.block_size, {}, run.cache_salt, run.lora_root))
 
     def release(self, run: "RequestRun") -> None:
         """The run is over: give back everything it holds, and let waiting runs go."""

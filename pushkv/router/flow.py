@@ -37,7 +37,7 @@ class RequestRun:
                  metrics: RouterMetrics, sampling: Optional[m.SamplingParams] = None,
                  local_link: Optional[SchedulerLink] = None, cache_salt: str = "",
                  structured: Optional[m.Structured] = None, lora: str = "", stop_strings: bool = False,
-                 client_id: str = ""):
+                 client_id: str = "", lora_root: str = ""):
         self.balancer = balancer
         self.local_link = local_link
         self.metrics = metrics
@@ -50,6 +50,7 @@ class RequestRun:
             structured=structured, lora=lora, stop_strings=stop_strings, client_id=client_id,
         )
         self.req = R.Request(spec, arrival, arrival_wall=wall)
+        self.lora_root = lora_root or lora  # the prefix index's root for its adapter (router/loras.py: Loras.root)
         self.hash_cache: dict[int, list[int]] = {}  # the balancer's: block size -> the prompt's block hashes
         self.queue: asyncio.Queue[tuple[R.Source, object]] = asyncio.Queue()
         self.links: dict[str, SchedulerLink] = {}  # leg -> the link its Generate went out on

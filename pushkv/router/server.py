@@ -471,6 +471,7 @@ class Router:
             with contextlib.suppress(OSError):
                 os.unlink(uds.run_dir_socket(self.cfg.run_dir))
         self._parse_pool.shutdown(wait=False, cancel_futures=True)
+        self.loras.close()  # unloads still waiting for their requests: the instances stop too
         for task in (self._control_task, self._events_task, self._warm_task, self._refresh_task, *self._joins):
             if task is None:
                 continue
@@ -582,7 +583,11 @@ class Router:
         body = await self._json_body(request)
         if isinstance(body, web.Response):
             return body
-        return await self.loras.unload(body, self._live_links())
+        return await self.loras.unload(body, self._live_links, self._names_adapter)
+
+    def _names_adapter(self, name: str) -> bool:
+        """Whether a request in flight runs through the adapter ``name`` (its unload waits for them)."""
+        return any(run.lora == name for run in self.runs.values())
 
     def _live_links(self) -> list[SchedulerLink]:
         """The links of the instances up now (one down, or joining, takes the changes as it joins); local mode's
@@ -788,6 +793,11 @@ class Router:
             self._maybe_idle()
         if self.stopping:  # the stop began while its body was read or parsed: a new request, refused as one
             return generate.refusal(503, "router shutting down")
+        try:  # its LoRA adapter unloaded while its body was parsed: not served (not the base model in its place)
+            api.check_model({"model": params.model}, self.served)
+        except api.ApiError as e:
+            self.metrics.requests.labels(outcome="rejected").inc()
+            return web.json_response(e.body(), status=e.status)
         refused = admission(len(self.runs), params.choices, self.cfg.router_max_in_flight)
         if refused:
             self.metrics.requests.labels(outcome="rejected").inc()
@@ -869,7 +879,8 @@ class Router:
         assert self.otlp is not None
         now = time.monotonic()
         for run in runs:
-            facts = otlp_spans.Facts(run.transfer_id, self._reported(params.model), params.sampling,
+            # the model the request ran through: its adapter, unloaded meanwhile or not (then no longer served)
+            facts = otlp_spans.Facts(run.transfer_id, run.lora or self._reported(params.model), params.sampling,
                                      params.max_tokens, params.n, self.cfg.pull_read)
             try:
                 self.otlp.emit(otlp_spans.request_spans(run.ledger, facts, now), headers)
@@ -881,6 +892,7 @@ class Router:
         stream, in flight from now."""
         base = uuid.uuid4().hex
         runs = []
+        lora = self.loras.of(params.model)
         for i in range(params.choices):
             ids = params.prompts()[i // params.n][0]
             tid = base if params.choices == 1 else f"{base}-{i}"
@@ -894,7 +906,7 @@ class Router:
             run = RequestRun(self.cfg, self.balancer if self.local_link is None else None, tid,
                              ids, max_tokens, params.stop_token_ids, arrival,
                              self.metrics, sampling, local_link=self.local_link, cache_salt=params.cache_salt,
-                             structured=params.structured, lora=self.loras.of(params.model),
+                             structured=params.structured, lora=lora, lora_root=self.loras.root(lora),
                              stop_strings=bool(params.stop), client_id=params.client_id)
             self.runs[tid] = run
             runs.append(run)
@@ -917,6 +929,7 @@ class Router:
                 self.tracer.event("http_done", run.transfer_id, run.ledger.outcome)
         self.metrics.in_flight.dec()
         self.load -= 1
+        self.loras.request_ended()
         self._maybe_idle()
 
     def _maybe_idle(self) -> None:

@@ -25,6 +25,8 @@ def llama(tmp_path_factory):
 def test_both_spellings_of_an_adapter():
     assert lora_modules(["a=/x/y", '{"name": "b", "path": "/z", "base_model_name": "m"}']) == [
         LoraModule("a", "/x/y"), LoraModule("b", "/z", "m")]
+    # vLLM's LoRAModulePath has is_3d_lora_weight too, and its parser skips an empty item
+    assert lora_modules(["", '{"name": "b", "path": "/z", "is_3d_lora_weight": false}']) == [LoraModule("b", "/z")]
     for bad in ("a", "=/x", "a=", '{"name": "b"}', '{"name": "b", "path": "/z", "rank": 4}'):
         with pytest.raises(ValueError, match="--lora-modules"):
             lora_modules([bad])
@@ -53,6 +55,8 @@ def test_adapters_are_read_and_checked_at_launch(llama, tmp_path):
     (["--enable-lora", "--lora-modules", "a=/no/such/dir"], "no such directory, and not a Hugging Face repo id"),
     (["--enable-lora", "--max-lora-rank", "2", "--lora-modules", "a=QV"], "r 4 is past --max-lora-rank 2"),
     (["--enable-lora", "--max-loras", "0"], "are positive"),
+    (["--enable-lora", "--max-loras", "2", "--max-cpu-loras", "1"],
+     r"--max-cpu-loras \(1\) must be >= --max-loras \(2\)"),
 ])
 def test_refused_before_anything_starts(llama, argv, says):
     base, qv = llama
@@ -65,3 +69,19 @@ def test_an_adapter_of_another_shape_is_refused(llama, tmp_path):
     other = save_hf_checkpoint(str(tmp_path / "wide"), "llama", seed=1, hidden_size=96)
     with pytest.raises(ValueError, match=r"where this model and r 4 make \[4, 96\]"):
         config("--model", other, "--enable-lora", "--lora-modules", f"qv={qv}")
+
+
+def test_the_models_list_gives_each_adapters_path_as_given(llama, monkeypatch):
+    """/v1/models' root is the path as --lora-modules gave it (vLLM's LoRARequest.path), not where it was resolved
+    to (a Hub id's snapshot in the cache, a relative path made absolute)."""
+    import os
+
+    from pushkv.router.loras import Loras
+
+    base, qv = llama
+    monkeypatch.chdir(os.path.dirname(qv))
+    cfg = config("--model", base, "--served-model-name", "m", "--enable-lora", "--lora-modules", "qv=qv")
+    (mod,) = cfg.model.lora.modules
+    assert mod.path == qv and mod.given == "qv"  # the workers read the resolved directory
+    card = Loras(cfg, lambda: None).cards(0, 128, "m")[0]
+    assert (card["id"], card["root"], card["parent"]) == ("qv", "qv", "m")

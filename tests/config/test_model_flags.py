@@ -295,6 +295,31 @@ def test_dtype_auto_keeps_a_half_precision_checkpoints_dtype_on_a_gpu(ckpt, tmp_
     assert user_config(parse("--model", str(tmp_path / "fp16")), gpus=lambda: (1, "")).model.dtype == "float16"
 
 
+@pytest.mark.parametrize("checkpoint, capability, dtype", [
+    ("bfloat16", (7, 5), "float16"),  # Turing has no bfloat16: vLLM's first dtype there
+    ("float32", (7, 0), "float16"),
+    ("float16", (7, 5), "float16"),
+    ("bfloat16", (8, 0), "bfloat16"),
+    ("float32", (8, 6), "bfloat16"),
+    ("bfloat16", (5, 2), "float32"),  # Maxwell: float32 alone
+    ("bfloat16", None, "bfloat16"),  # not known: taken as Ampere's
+])
+def test_dtype_auto_takes_the_gpus_dtypes_as_vllm(ckpt, tmp_path, checkpoint, capability, dtype):
+    """vLLM's --dtype auto (``_resolve_auto_dtype``) runs a bfloat16 checkpoint in float16 on a GPU before Ampere
+    (compute capability < 8.0), which has no bfloat16; pushkv kept bfloat16 there."""
+    import json
+
+    shutil.copytree(ckpt, tmp_path / "m")
+    hf = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**hf, "dtype": checkpoint}))
+    got = user_config(parse("--model", str(tmp_path / "m")), gpus=lambda: (1, ""), capability=lambda: capability)
+    assert got.model.dtype == dtype
+    assert user_config(parse("--model", str(tmp_path / "m"), "--dtype", "float32"), gpus=lambda: (1, ""),
+                       capability=lambda: capability).model.dtype == "float32"  # given: kept
+    assert user_config(parse("--model", str(tmp_path / "m")), gpus=lambda: (0, ""),
+                       capability=lambda: capability).model.dtype == checkpoint  # the CPU keeps the checkpoint's
+
+
 @pytest.mark.parametrize("rope, longest, why", [
     (None, 512, "max_position_embeddings 512"),
     ({"rope_type": "linear", "factor": 2.0}, 1024, "max_position_embeddings 512 x its linear RoPE factor 2"),
@@ -304,10 +329,13 @@ def test_dtype_auto_keeps_a_half_precision_checkpoints_dtype_on_a_gpu(ckpt, tmp_
     ({"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 64}, 512,
      "max_position_embeddings 512"),
 ])
-def test_a_max_model_len_past_the_model_names_how_its_length_was_derived(ckpt, rope, longest, why):
+def test_a_max_model_len_past_the_model_names_how_its_length_was_derived(ckpt, rope, longest, why, monkeypatch):
     """A scaled RoPE's length was refused as 'the model's max_position_embeddings', a number config.json does not
-    hold (1024 for a 512 one with linear factor 2): the refusal names the fields it came from."""
+    hold (1024 for a 512 one with linear factor 2): the refusal names the fields it came from (YaRN's past its
+    derived length with VLLM_ALLOW_LONG_MAX_MODEL_LEN=1, as vLLM 0.32 takes it)."""
     import json
+
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
 
     flags = ("--hf-overrides", json.dumps({"rope_scaling": rope})) if rope else ()
     assert config("--model", ckpt, *flags, "--max-model-len", str(longest)).max_model_len == longest
@@ -315,6 +343,36 @@ def test_a_max_model_len_past_the_model_names_how_its_length_was_derived(ckpt, r
         config("--model", ckpt, *flags, "--max-model-len", str(longest + 1))
     assert str(e.value) == f"--max-model-len {longest + 1} must be in [1, {longest}]: the model's longest sequence " \
                            f"({why})"
+
+
+def test_yarn_serves_the_derived_length_and_a_longer_one_needs_vllms_env_var(ckpt, monkeypatch):
+    """vLLM 0.32 derives a YaRN checkpoint's max_model_len as its max_position_embeddings (not stretched by the
+    factor) and refuses a longer --max-model-len unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1; pushkv served the stretched
+    length by default and took any --max-model-len up to it."""
+    import json
+
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    yarn = ("--hf-overrides", json.dumps({"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                            "original_max_position_embeddings": 256}}))
+    cfg = config("--model", ckpt, *yarn)  # max_position_embeddings 512; YaRN's reach 256 x 4
+    assert (cfg.model.max_position, cfg.model.derived_max_len, cfg.max_model_len) == (1024, 512, 512)
+    assert config("--model", ckpt, *yarn, "--max-model-len", "512").max_model_len == 512
+    with pytest.raises(ValueError) as e:
+        config("--model", ckpt, *yarn, "--max-model-len", "1024")
+    assert str(e.value) == ("--max-model-len 1024 is greater than the derived max_model_len "
+                            "(max_position_embeddings=512 in the model's config.json, which vLLM does not stretch by "
+                            "YaRN's factor); as vLLM's, set the env var VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 to serve up to "
+                            "1024 (its YaRN RoPE's "
+                            "original_max_position_embeddings 256 x factor 4)")
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    assert config("--model", ckpt, *yarn, "--max-model-len", "1024").max_model_len == 1024
+    assert config("--model", ckpt, *yarn).max_model_len == 512  # the default stays the derived length
+    # where the two agree (max_position_embeddings already the YaRN length, as DeepSeek's): nothing changes
+    same = ("--hf-overrides", json.dumps({"rope_scaling": {"rope_type": "yarn", "factor": 2.0,
+                                                            "original_max_position_embeddings": 256}}))
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN")
+    cfg = config("--model", ckpt, *same, "--max-model-len", "512")
+    assert (cfg.model.max_position, cfg.model.derived_max_len, cfg.max_model_len) == (512, 0, 512)
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "bin"])

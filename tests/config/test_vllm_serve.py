@@ -226,8 +226,10 @@ def qwen25(tmp_path_factory):
 YARN = '{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}'
 
 
-def test_hf_overrides_and_the_rope_flags_read_over_the_checkpoints_config(qwen25):
-    """Qwen2.5's long context as its model card has vLLM serve it: YaRN laid over config.json, and 128k tokens."""
+def test_hf_overrides_and_the_rope_flags_read_over_the_checkpoints_config(qwen25, monkeypatch):
+    """Qwen2.5's long context as its model card has vLLM serve it: YaRN laid over config.json, and 128k tokens (with
+    vLLM 0.32's VLLM_ALLOW_LONG_MAX_MODEL_LEN=1, as it needs)."""
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
     m = config("--model", qwen25, "--load-format", "dummy", "--hf-overrides", YARN, "--max-model-len", "131072").model
     assert (m.rope_scaling.rope_type, m.rope_scaling.factor, m.max_position) == ("yarn", 4.0, 131072)
     assert m.hf_overrides and m.rope_theta == 1e6

@@ -92,7 +92,7 @@ def test_push_serves_each_adapter_as_peft_does(tmp_path, llama, monkeypatch):
         status, said = _text(dep, "/v1/load_lora_adapter", {"lora_name": "qv", "lora_path": paths["qv"]})
         assert status == 400 and "has already been loaded" in said
         status, said = _text(dep, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(tmp_path / "none")})
-        assert status == 400 and "no such directory" in said
+        assert status == 404 and "No adapter found for" in said and "no such directory" in said  # vLLM's 404
         with urllib.request.urlopen(dep.url + "/v1/models", timeout=30) as r:
             models = json.loads(r.read())
         cards = {c["id"]: c for c in models["data"]}
@@ -138,3 +138,23 @@ def test_push_serves_each_adapter_as_peft_does(tmp_path, llama, monkeypatch):
         again = dep.complete(PROMPT, NEW_TOKENS, model="qv")
         assert again["choices"][0]["token_ids"] == want["qv"]
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_pull_serves_each_adapter_as_peft_does(tmp_path, llama):
+    """Pull mode (D reads P's KV once P is done), the adapters given in both of vLLM's spellings: each adapter's
+    tokens are PEFT's, its prompt never takes another adapter's cached blocks, and /v1/models names each path as
+    given."""
+    base, paths, want = llama
+    qv = json.dumps({"name": "qv", "path": paths["qv"], "base_model_name": "base"})
+    with deployment(tmp_path, "--mode", "pull", "--model", base, "--served-model-name", "base", "--num-blocks", "64",
+                    "--enable-lora", "--lora-modules", f"all={paths['all']}", qv, "--max-loras", "2",
+                    *FLOAT32) as dep:
+        with urllib.request.urlopen(dep.url + "/v1/models", timeout=30) as r:
+            cards = {c["id"]: c for c in json.loads(r.read())["data"]}
+        assert {n: (cards[n]["root"], cards[n]["parent"]) for n in ADAPTERS} == {n: (p, "base")
+                                                                                 for n, p in paths.items()}
+        for n in ("all", "qv", None, "all"):
+            got = dep.complete(PROMPT, NEW_TOKENS, model=n or "base")
+            assert got["choices"][0]["token_ids"] == want[n], n
+        # the second "all" found its own blocks; "qv" and the base model found none of the first "all"'s
+        assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 32

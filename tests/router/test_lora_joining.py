@@ -49,7 +49,8 @@ def _changed(lo: Loras, monkeypatch, *, load=(), replace=(), unload=()):
             body = {"lora_name": n, "lora_path": f"/new/{n}", "load_inplace": True}
             assert (await lo.load(body, ("base",), up, _direct)).status == 200
         for n in unload:
-            assert (await lo.unload({"lora_name": n}, up)).status == 200
+            assert (await lo.unload({"lora_name": n}, lambda: up, lambda name: False)).status == 200
+            await asyncio.gather(*lo.unloading.values())  # no request names it: dropped at once
 
     asyncio.run(run())
 

@@ -483,7 +483,7 @@ class ChatRun(Run):
         self.prompt = tuple(prompt)
         self.output_ids, self.done, self.cached, self.timeline, self.hash_cache = [], False, {}, {}, {}
         self.cache_salt = ""
-        self.lora = ""
+        self.lora = self.lora_root = ""
 
 
 def test_balancer_indexes_where_it_sent_what_and_places_by_it():

@@ -389,6 +389,29 @@ def test_a_tcp_trace_endpoint_needs_the_secret_or_insecure(capsys):
         assert "publishes every message" not in err and f"--port {port}: 127.0.0.1:{port} is taken" in err
 
 
+@pytest.mark.parametrize("field", ["trace_endpoint", "trace_tap_endpoint"])
+def test_a_tcp_trace_endpoint_from_a_config_file_needs_the_secret_too(tmp_path, capsys, field):
+    """The same check wherever the endpoint comes from: a --config file's trace_endpoint (where every process
+    publishes its messages) on tcp was taken without --secret-file, its traffic plain on the network."""
+    import json
+    import socket
+
+    from processes.cli import main
+
+    path = tmp_path / "deploy.json"
+    path.write_text(json.dumps({"model": "tiny", field: "tcp://127.0.0.1:18557"}))
+    with socket.socket() as taken:  # where the check is missing, refused at the port instead: nothing starts
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        assert main(["up", "--config", str(path), "--port", port]) == 2
+        err = capsys.readouterr().err
+        assert "tcp://127.0.0.1:18557 publishes every message" in err and "--secret-file" in err, err
+        assert main(["up", "--config", str(path), "--port", port, "--insecure"]) == 2
+        err = capsys.readouterr().err
+        assert "WARNING --insecure:" in err and "tcp://127.0.0.1:18557 publishes every message plain" in err, err
+
+
 @pytest.mark.parametrize("role, said", [("prefill", True), ("decode", True), ("router", False)])
 def test_shutdown_timeout_on_a_host_without_the_router_is_said_to_do_nothing(capsys, role, said):
     """--shutdown-timeout drains the router's requests: a P or D host runs none, and says so rather than take it

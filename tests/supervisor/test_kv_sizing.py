@@ -199,6 +199,18 @@ def test_the_driver_query_without_a_gpu_says_why():
             memory_info(0)
 
 
+def test_the_compute_capability_is_torchs_where_a_gpu_is():
+    """cuda_driver.capability (--dtype auto's choice, as vLLM's): torch's answer on a GPU, None without one."""
+    from pushkv.cuda_driver import capability, device_count
+
+    if not device_count()[0]:
+        assert capability() is None
+        return
+    import torch
+
+    assert capability() == tuple(torch.cuda.get_device_capability(0))
+
+
 def test_the_l2_set_aside_is_set_clamped_and_read_back_where_a_gpu_is():
     """cuda_driver.persisting_l2 (experiments/moe_decode_probe.py's ``*_l2`` variants): on a GPU, within torch's
     context, the set-aside asked for is what the driver reads back, a larger one is clamped to the device's most,
