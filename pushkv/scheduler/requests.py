@@ -129,9 +129,11 @@ class Request:
             return blocks_for(len(self.prompt), block_size)
         return blocks_for(min(len(self.prefill_ids) + 1, len(self.prompt) + self.max_tokens), block_size)
 
-    def blocks_short(self, block_size: int) -> int:
-        """A decoding request: the blocks it lacks for its next step (which stores output[-1]'s KV)."""
-        return blocks_for(len(self.prompt) + len(self.output), block_size) - len(self.blocks)
+    def blocks_short(self, block_size: int, n: int = 1) -> int:
+        """The blocks it lacks for a step that computes ``n`` of its tokens: a decode stores output[-1]'s KV, a
+        prefill chunk the ``n`` tokens after ``prefilled`` (vLLM's ``allocate_slots`` for the tokens it schedules)."""
+        end = self.prefilled + n if self.state == State.PREFILL else len(self.prompt) + len(self.output)
+        return blocks_for(end, block_size) - len(self.blocks)
 
     @property
     def score_prompt(self) -> int:
@@ -265,15 +267,14 @@ def decodes_taken(running: list[Request], max_num_seqs: int, max_loras: int = 0,
     return taken, loras
 
 
-def chunk_tokens(r: Request, budget_left: int, prefill_chunk: int, alone: bool) -> int:
-    """The tokens of ``r``'s prefill a step takes with ``budget_left`` of its token budget left: from where its last
-    chunk ended, at most ``prefill_chunk`` (0: the rest whole) and the budget left (0: none, it waits, as vLLM's
+def chunk_tokens(left: int, budget_left: int, prefill_chunk: int, alone: bool) -> int:
+    """The tokens of a prefill with ``left`` tokens to compute that a step takes with ``budget_left`` of its token
+    budget left: at most ``prefill_chunk`` (0: the rest whole) and the budget left (0: none, it waits, as vLLM's
     ``token_budget``). Unchunked, the rest runs whole only where it fits the budget left, or ``alone`` (nothing else in
     the step: a prompt longer than the whole budget still runs; vLLM refuses that configuration)."""
-    n = len(r.prefill_ids) - r.prefilled
     if prefill_chunk > 0:
-        return max(0, min(n, prefill_chunk, budget_left))
-    return n if n <= budget_left or alone else 0
+        return max(0, min(left, prefill_chunk, budget_left))
+    return left if left <= budget_left or alone else 0
 
 
 def plan_step(prefills: list[Request], running: list[Request], max_num_seqs: int, max_batch_tokens: int,
@@ -291,7 +292,7 @@ def plan_step(prefills: list[Request], running: list[Request], max_num_seqs: int
             break
         if r.lora_slot and max_loras > 0 and r.lora_slot not in loras and len(loras) >= max_loras:
             continue
-        n = chunk_tokens(r, max_batch_tokens - tokens, prefill_chunk, not plan)
+        n = chunk_tokens(len(r.prefill_ids) - r.prefilled, max_batch_tokens - tokens, prefill_chunk, not plan)
         if n <= 0:
             break
         if r.lora_slot and max_loras > 0:
