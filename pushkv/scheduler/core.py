@@ -593,6 +593,9 @@ class SchedulerCore:
         plan = [(r, n) for r, n in self.step_plan() if r.blocks_short(bs, n) <= 0]
         if not plan:
             return
+        prompts = sum(1 for r, _ in plan if r.state == State.PREFILL)  # (the most prompts one step computed)
+        if prompts > self.counters["prefills_in_step_max"]:
+            self.counters["prefills_in_step_max"] = prompts
         batch = [(r, self._step_work(r, w)) for r, w in works_of(plan)]
         self.step_id += 1
         self.step = batch
