@@ -79,7 +79,8 @@ def main(argv: list[str]) -> None:
     ttft = s["vllm:time_to_first_token_seconds_sum"] - base["vllm:time_to_first_token_seconds_sum"]
     count = s["vllm:time_to_first_token_seconds_count"] - base["vllm:time_to_first_token_seconds_count"]
     print(json.dumps({"mode": mode, "num_blocks": nblocks, "prompts": n, "prompt_len": length, "chunk": chunk,
-                      "budget": budget or 8192, "max_tokens": max_tokens, "wall_s": round(wall, 2), "max_running": max(running),
+                      "budget": budget or 8192, "max_tokens": max_tokens, "wall_s": round(wall, 2),
+                      "max_running": max(running),
                       "mean_running": round(sum(running) / len(running), 2),
                       "mean_ttft_ms": round(1000 * ttft / count, 1) if count else None,
                       "preemptions": st[role].counters.get("preemptions", 0),

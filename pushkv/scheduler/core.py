@@ -42,6 +42,7 @@ from pushkv import limits
 from pushkv import messages as m
 from pushkv.config import DeploymentConfig, InstanceConfig, Role
 from pushkv.dispatch import handler_for
+from pushkv.kv.layout import blocks_for
 from pushkv.protocol.prefix_cache import PrefixCache
 from pushkv.scheduler import grammar_wait, lora_table, preempt, prefix, stats, step_answers, writer_answers
 from pushkv.scheduler.grammar import GrammarCompiled, Grammars, failure
@@ -49,7 +50,6 @@ from pushkv.scheduler.lora_table import LoraTable
 from pushkv.scheduler.metrics import EndReason, Finish, InstanceMetrics, Snapshot
 from pushkv.scheduler.outbox import Effect, Peer, Send, Trace
 from pushkv.scheduler.prefix import index_blocks
-from pushkv.kv.layout import blocks_for
 from pushkv.scheduler.requests import Request, State, blocks_needed, chunk_tokens, count_work, plan_step, works_of
 from pushkv.scheduler.validate import check_generate, readable_head
 

@@ -158,8 +158,8 @@ def test_each_chunk_takes_the_blocks_of_its_tokens(name, n, chunk, cached, table
 @pytest.mark.parametrize("role", ["local", "prefill", "decode"])
 def test_a_prompt_short_of_blocks_mid_prefill_preempts_the_last_running_and_both_finish(role):
     """Two 96-token prompts (6 blocks each) on 9 blocks, chunks of 16: both are admitted (each's whole prompt and the
-    watermark fit what is free), and as their chunks grow the pool runs out: the last admitted, mid-prefill, is preempted (its
-    blocks back, to the queue's front), the first finishes, then it does. Every block is free after."""
+    watermark fit what is free), and as their chunks grow the pool runs out: the last admitted, mid-prefill, is
+    preempted (its blocks back, to the queue's front), the first finishes, then it does. Every block is free after."""
     s, wire = make(role=role, mode="local" if role == "local" else "pull", num_blocks=9)
     kind = role
     gen(s, "a", 96, kind)
