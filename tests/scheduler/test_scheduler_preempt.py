@@ -1,9 +1,10 @@
 """Blocks as tokens need them, and preemption by recompute (local instances and D's legs), driven by plain calls
-(the harness of tests/scheduler/test_scheduler_prefix.py): a request is admitted with its prefill's blocks and the
-next token's slot, gets a block before the step whose token starts one, and when none is free the last admitted of
+(the harness of tests/scheduler/test_scheduler_prefix.py): a request is admitted with its prefill's blocks (those of
+the tokens its first step computes: tests/scheduler/test_scheduler_chunk_alloc.py), gets a block before the step whose
+token starts one, and when none is free the last admitted of
 the requests computing here gives its blocks back and waits at the front of the queue; readmitted, it prefills its
 prompt and output so far, its last chunk sampling the next output token as a decode step would, and nothing it
-already sent is sent again. P's legs hold their prompt's blocks from admission, as before."""
+already sent is sent again. P's streamed push legs hold their prompt's blocks from admission, as before."""
 from __future__ import annotations
 
 import pytest
