@@ -42,6 +42,7 @@ from pushkv import limits
 from pushkv import messages as m
 from pushkv.config import DeploymentConfig, InstanceConfig, Role
 from pushkv.dispatch import handler_for
+from pushkv.kv.layout import blocks_for
 from pushkv.protocol.prefix_cache import PrefixCache
 from pushkv.scheduler import grammar_wait, lora_table, preempt, prefix, stats, step_answers, writer_answers
 from pushkv.scheduler.grammar import GrammarCompiled, Grammars, failure
@@ -49,7 +50,7 @@ from pushkv.scheduler.lora_table import LoraTable
 from pushkv.scheduler.metrics import EndReason, Finish, InstanceMetrics, Snapshot
 from pushkv.scheduler.outbox import Effect, Peer, Send, Trace
 from pushkv.scheduler.prefix import index_blocks
-from pushkv.scheduler.requests import Request, State, blocks_needed, build_batch, count_work, decodes_taken
+from pushkv.scheduler.requests import Request, State, blocks_needed, chunk_tokens, count_work, plan_step, works_of
 from pushkv.scheduler.validate import check_generate, readable_head
 
 log = logging.getLogger(__name__)
@@ -92,9 +93,9 @@ class SchedulerCore:
         self.next_seq = 1
         self.next_admit = 1  # running order (Request.admit_seq): the last to begin running is preempted first
         # local instances and D's legs take blocks as their tokens need them and preempt when none is free; P's
-        # legs hold their prompt's from admission and never grow
+        # legs sample one token and never decode (a prompt computed chunk by chunk grows: ``_chunkwise``)
         self.grows = self.role != "prefill"
-        self.watermark = max(1, int(WATERMARK * inst.num_blocks)) if self.grows else 0
+        self.watermark = max(1, int(WATERMARK * inst.num_blocks))
         self.step_id = 0
         self.step: Optional[Batch] = None
         self.step_started = 0.0
@@ -162,6 +163,13 @@ class SchedulerCore:
 
     def _indexes(self, r: Request) -> bool:
         """May the request's blocks be offered to the prefix cache once their KV is complete?"""
+        return True
+
+    def _chunkwise(self, r: Request) -> bool:
+        """Does ``r`` take its prefill's blocks chunk by chunk, as each step computes them (vLLM's ``allocate_slots``
+        for the tokens scheduled), preempted by recompute where none is free? Else it takes them all at admission: D's
+        legs whose KV moves (registered or read whole at admission), P's streamed push (the writers hold its blocks
+        from its first chunk, so they could not be given back)."""
         return True
 
     # -- entry points -------------------------------------------------------------------
@@ -471,14 +479,16 @@ class SchedulerCore:
     def schedule(self) -> None:
         # as vLLM's v1 scheduler: the running requests get the blocks their next step needs first (preempting where
         # none is free), and only a pass that preempted none admits from the queue
+        # (a prompt computed chunk by chunk is admitted only into a step being built: its first chunk's blocks and
+        # share of the token budget are that step's, as vLLM admits from waiting only while its token budget lasts)
         launch = self.step is None and not self._engine_blocked()
-        preempted = launch and self.grows and preempt.grow(self)
+        preempted = launch and preempt.grow(self)
         if not preempted:
-            self._admit()
+            self._admit(launch)
         if launch:
             self._launch_step()
             if preempted and self.step is None:  # nothing left to run: no step's end would admit the queue's head
-                self._admit()
+                self._admit(True)
                 self._launch_step()
 
     def _running_full(self) -> bool:
@@ -502,19 +512,47 @@ class SchedulerCore:
             return computing
         return sorted(computing, key=lambda r: r.admit_seq)[:self.inst.max_num_seqs]
 
-    def _admit(self) -> None:
-        while self.waiting and not self._engine_blocked() and not self._running_full():
-            r = self.waiting[0]
+    def _admit(self, launch: bool) -> None:
+        """Admit from the queue's head (FIFO) what the blocks allow. A prompt computed chunk by chunk
+        (``_chunkwise``) only while a step is being built (``launch``) and its token budget and --max-num-seqs have
+        room after the running ones (``step_plan``), as vLLM's: its whole prefill must fit the blocks free
+        (``scheduler_reserve_full_isl``, vLLM's default) and the watermark, but it takes only its first chunk's
+        (``preempt.grow`` gives it the rest as its chunks run). Any other leg takes its blocks whole at once."""
+        plan = self.step_plan() if launch else []
+        budget = self.inst.max_batch_tokens - sum(n for _, n in plan)
+        seqs = len(plan)
+        loras = {r.lora_slot for r, _ in plan if r.lora_slot}
+        bs = self.inst.block_size
+        i = 0
+        while i < len(self.waiting) and not self._engine_blocked() and not self._running_full():
+            r = self.waiting[i]
             hits = prefix.hits_for(self, r)
-            need = r.blocks_to_admit(self.inst.block_size)
+            chunkwise = self._chunkwise(r)
             # while others compute, leave them room to grow (vLLM's watermark), so a new request is not admitted
             # only to be preempted at the next block boundary
-            keep = self.watermark if self.watermark and self._running() else 0
-            if not self.alloc.can_acquire(hits, need, keep):
-                return  # FIFO: wait for blocks to free
-            blocks = self.alloc.acquire(hits, need)
+            keep = self.watermark if (self.grows or chunkwise) and self._running() else 0
+            if chunkwise:
+                if not launch or seqs >= self.inst.max_num_seqs or budget <= 0:
+                    return  # FIFO: it waits for the next step's room
+                bound = self.lora.batch_bound
+                if r.lora_slot and bound > 0 and r.lora_slot not in loras and len(loras) >= bound:
+                    i += 1  # its adapter would be one too many in this step: the next may go (vLLM skips it too)
+                    continue
+                n = chunk_tokens(len(r.prefill_ids) - len(hits) * bs, budget, self.inst.prefill_chunk, not seqs)
+                if n <= 0 or not self.alloc.can_acquire(hits, blocks_for(len(r.prefill_ids), bs), keep):
+                    return  # FIFO: wait for the budget, or for blocks to free
+                blocks = self.alloc.acquire(hits, blocks_for(len(hits) * bs + n, bs))
+                budget -= n
+                seqs += 1
+                if r.lora_slot:
+                    loras.add(r.lora_slot)
+            else:
+                need = r.blocks_to_admit(bs)
+                if not self.alloc.can_acquire(hits, need, keep):
+                    return  # FIFO: wait for blocks to free
+                blocks = self.alloc.acquire(hits, need)
             assert blocks is not None  # can_acquire
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             r.blocks = blocks
             self._begins_running(r)
             prefix.took_hits(self, r, len(hits))
@@ -538,20 +576,34 @@ class SchedulerCore:
         return sorted((r for r in self.reqs.values() if r.state == State.RUNNING and not r.in_step),
                       key=lambda r: r.admit_seq)
 
+    def _prefilling(self) -> list[Request]:
+        """The prompts to compute between steps, in the order they began to run here (vLLM's running list). An
+        aborted prefill still here waits for its writers (a streamed chunk may be read): compute no more of it."""
+        return sorted((r for r in self.reqs.values() if r.state == State.PREFILL and not r.in_step and not r.aborted),
+                      key=lambda r: r.admit_seq)
+
+    def step_plan(self) -> list[tuple[Request, int]]:
+        """What the next step computes of the running requests, as (request, tokens): the decodes first, then the
+        prompts' chunks, within --max-num-seqs, --max-batch-tokens (every token counts) and --max-loras."""
+        return plan_step(self._prefilling(), self._decoding(), self.inst.max_num_seqs, self.inst.max_batch_tokens,
+                         self.inst.prefill_chunk, self.lora.batch_bound)
+
     def step_decodes(self) -> list[Request]:
-        """The decoding requests the next step takes (at most --max-num-seqs, of at most --max-loras adapters)."""
-        return decodes_taken(self._decoding(), self.inst.max_num_seqs, self.lora.batch_bound)[0]
+        """The decoding requests the next step takes (at most --max-num-seqs and --max-batch-tokens, of at most
+        --max-loras adapters)."""
+        return [r for r, _ in self.step_plan() if r.state == State.RUNNING]
 
     def _launch_step(self) -> None:
-        # an aborted prefill still here waits for its writers (a streamed chunk may be read): compute
-        # no more of it
-        prefills = [r for r in self.reqs.values() if r.state == State.PREFILL and not r.in_step and not r.aborted]
-        running = self._decoding()
-        if not prefills and not running:
+        bs = self.inst.block_size
+        # each has the blocks its tokens need (``preempt.grow``, admission): one that could get none (every other
+        # block held by what cannot give it back yet) waits for a later step
+        plan = [(r, n) for r, n in self.step_plan() if r.blocks_short(bs, n) <= 0]
+        if not plan:
             return
-        batch = build_batch(prefills, running, self.inst.max_num_seqs, self.inst.max_batch_tokens,
-                            self.inst.prefill_chunk, self.lora.batch_bound)
-        batch = [(r, self._step_work(r, w)) for r, w in batch]
+        prompts = sum(1 for r, _ in plan if r.state == State.PREFILL)  # (the most prompts one step computed)
+        if prompts > self.counters["prefills_in_step_max"]:
+            self.counters["prefills_in_step_max"] = prompts
+        batch = [(r, self._step_work(r, w)) for r, w in works_of(plan)]
         self.step_id += 1
         self.step = batch
         self.step_answers = {}

@@ -97,6 +97,12 @@ class DecodeScheduler(SchedulerCore):
         that carries D's notification is never empty."""
         return math.lcm(self.inst.block_size, self.cfg.prefill.block_size)
 
+    def _chunkwise(self, r: Request) -> bool:
+        """Only a prompt computed here takes its blocks chunk by chunk: a leg that prefills here, or one readmitted
+        after a preemption. A leg whose KV moves takes its prompt's at admission: push registers them with P then
+        (that early registration is push: P WRITEs each block as it is computed), pull READs into them."""
+        return r.prefill_here or r.preemptions > 0
+
     def _indexes(self, r: Request) -> bool:
         """The arrived prompt is cached for a later turn, unless window layers moved only the
         window's blocks (the rest of those layers' rows never came)."""

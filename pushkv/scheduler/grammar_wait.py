@@ -36,8 +36,16 @@ def compiled(core: "SchedulerCore", done: GrammarCompiled, now: float, wall: flo
             continue
         r.state = State.WAITING
         core._stamp(r, "grammar_compiled")
-        bisect.insort(core.waiting, r, key=lambda q: q.seq_id)  # its place by arrival, not by compile
+        enqueue(core.waiting, r)
     core.schedule()
+
+
+def enqueue(waiting: list[Request], r: Request) -> None:
+    """``r``'s place in the queue once its grammar compiled: by arrival, not by compile, but behind the preempted
+    requests at the queue's front (vLLM puts a preempted request back at the front of waiting, where a request held
+    for its grammar, in the queue at its arrival's place, stays behind it)."""
+    fresh = next((i for i, q in enumerate(waiting) if not q.preemptions), len(waiting))
+    bisect.insort(waiting, r, lo=fresh, key=lambda q: q.seq_id)
 
 
 def hold(core: "SchedulerCore", r: Request) -> None:

@@ -1,10 +1,13 @@
-"""The scheduler core's blocks as tokens need them, and preemption by recompute (local instances and D's legs; P's
-legs hold their prompt's blocks from admission and never grow). Pure, as the core is; its ``schedule`` calls
+"""The scheduler core's blocks as tokens need them, and preemption by recompute (local instances, D's legs, and a
+prompt P computes chunk by chunk: ``SchedulerCore._chunkwise``). Pure, as the core is; its ``schedule`` calls
 ``grow`` before each step, as vLLM's v1 scheduler allocates its running requests' slots before it admits.
 
-A request is admitted with its prefill's blocks and its next token's slot (``Request.blocks_to_admit``). Before a
-step, each decoding request the step takes whose next token starts a block gets one (the oldest running first; one
-that --max-num-seqs or --max-loras leaves out of the step gets none, as vLLM allocates only for what it schedules);
+A prompt computed chunk by chunk is admitted into a step being built with its first chunk's blocks (its whole prefill
+must fit the blocks free, vLLM's ``scheduler_reserve_full_isl``); any other leg with all its prefill's blocks and its
+next token's slot (``Request.blocks_to_admit``). Before a step, each request the step takes gets the blocks its
+tokens need: a prompt's next chunk, a decode's next token where it starts a block (the oldest running first; one
+that --max-num-seqs, --max-batch-tokens or --max-loras leaves out of the step gets none, as vLLM allocates only for
+what it schedules);
 where none is free, the last to begin running of the requests computing here is preempted (vLLM's ``running[-1]``;
 ``Request.admit_seq``: its admission, or on D its KV's arrival), until the block comes or the one preempted is the
 one that asked. Preempted, a request's blocks go back (its full blocks
@@ -27,17 +30,18 @@ log = logging.getLogger("pushkv.scheduler.core")
 
 
 def grow(core: "SchedulerCore") -> bool:
-    """Before a step: the blocks each decoding request the step takes needs for its next token (the oldest running
-    first), preempting where none is free. Only those the step takes: one that --max-num-seqs or --max-loras leaves
-    out (D runs more than --max-num-seqs at once) gets its block when a step takes it, as vLLM allocates only for the
-    requests it schedules. A preemption can let a request left out into the step: the step's requests are read again
-    after each. True: a request was preempted (that pass admits none, as vLLM's)."""
+    """Before a step: the blocks each request the step takes needs for its tokens (``SchedulerCore.step_plan``: a
+    decode's next token, a prompt's next chunk), the oldest running first, preempting where none is free. Only those
+    the step takes: one that --max-num-seqs, --max-batch-tokens or --max-loras leaves out (D runs more than
+    --max-num-seqs at once) gets its blocks when a step takes it, as vLLM allocates only for the requests it
+    schedules. A preemption can let a request left out into the step: the step's requests are read again after each.
+    True: a request was preempted (that pass admits none, as vLLM's)."""
     bs = core.inst.block_size
     preempted = False
     stuck: set[tuple[str, int]] = set()
     while True:
-        for r in sorted(core.step_decodes(), key=lambda r: r.admit_seq):
-            short = r.blocks_short(bs)
+        for r, n in sorted(core.step_plan(), key=lambda rn: rn[0].admit_seq):
+            short = r.blocks_short(bs, n)
             if short <= 0 or r.key in stuck:
                 continue
             got = core.alloc.allocate(short)

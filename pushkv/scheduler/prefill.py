@@ -28,6 +28,14 @@ class PrefillScheduler(SchedulerCore):
     def _admitted(self, r: Request) -> None:
         r.state = State.PREFILL
 
+    def _chunkwise(self, r: Request) -> bool:
+        """A prompt nothing streams before its prefill ends (pull, or a late request: the KV is held once computed;
+        push with --push-stream off: one WRITE at prefill end) takes its blocks chunk by chunk, as vLLM's P, and may be
+        preempted by recompute until it ends. A streamed push (--push-stream chunk or layer) takes its whole prompt's
+        at admission, as before: from its first streamed chunk or layer group the writers may be reading its blocks
+        into D's, so it could never give them back, and its pool admitted past what it can finish would stall."""
+        return self.transfer.stream == "off" or self._holds(r)
+
     def _step_work(self, r: Request, w: m.SeqWork) -> m.SeqWork:
         """--kv-verify: the step that stores the prompt's last tokens also sums the KV, so the
         checksums are ready with the first token (and travel with the WRITE or the relay)."""

@@ -129,9 +129,11 @@ class Request:
             return blocks_for(len(self.prompt), block_size)
         return blocks_for(min(len(self.prefill_ids) + 1, len(self.prompt) + self.max_tokens), block_size)
 
-    def blocks_short(self, block_size: int) -> int:
-        """A decoding request: the blocks it lacks for its next step (which stores output[-1]'s KV)."""
-        return blocks_for(len(self.prompt) + len(self.output), block_size) - len(self.blocks)
+    def blocks_short(self, block_size: int, n: int = 1) -> int:
+        """The blocks it lacks for a step that computes ``n`` of its tokens: a decode stores output[-1]'s KV, a
+        prefill chunk the ``n`` tokens after ``prefilled`` (vLLM's ``allocate_slots`` for the tokens it schedules)."""
+        end = self.prefilled + n if self.state == State.PREFILL else len(self.prompt) + len(self.output)
+        return blocks_for(end, block_size) - len(self.blocks)
 
     @property
     def score_prompt(self) -> int:
@@ -242,18 +244,20 @@ def blocks_needed(leg: str, prompt_len: int, max_tokens: int, block_size: int) -
     return blocks_for(prompt_len + max_tokens, block_size)
 
 
-def decodes_taken(running: list[Request], max_num_seqs: int, max_loras: int = 0) -> tuple[list[Request], set[int]]:
-    """The decoding requests a step takes (``build_batch``'s first part, and the ones ``preempt.grow`` gives their next
+def decodes_taken(running: list[Request], max_num_seqs: int, max_loras: int = 0,
+                  max_tokens: int = sys.maxsize) -> tuple[list[Request], set[int]]:
+    """The decoding requests a step takes (``plan_step``'s first part, and the ones ``preempt.grow`` gives their next
     block: vLLM allocates only for the requests it schedules), in the order given, and the LoRA slots they hold: at
     most ``max_num_seqs``, and with ``max_loras`` sequences of at most that many adapters (the base model's not
     counted); where the running requests name more adapters than that, the ones that have waited longest for a token
-    go first, so none starves."""
+    go first, so none starves. Each is one token of the step's ``max_tokens`` (--max-batch-tokens, vLLM's
+    --max-num-batched-tokens: its token budget counts the running decodes first)."""
     taken: list[Request] = []
     loras: set[int] = set()
     if max_loras > 0 and len({r.lora_slot for r in running if r.lora_slot}) > max_loras:
         running = sorted(running, key=lambda r: r.last_token_at)
     for r in running:
-        if len(taken) >= max_num_seqs:
+        if len(taken) >= min(max_num_seqs, max_tokens):
             break
         if r.lora_slot and max_loras > 0 and r.lora_slot not in loras:
             if len(loras) >= max_loras:
@@ -263,54 +267,76 @@ def decodes_taken(running: list[Request], max_num_seqs: int, max_loras: int = 0)
     return taken, loras
 
 
+def chunk_tokens(left: int, budget_left: int, prefill_chunk: int, alone: bool) -> int:
+    """The tokens of a prefill with ``left`` tokens to compute that a step takes with ``budget_left`` of its token
+    budget left: at most ``prefill_chunk`` (0: the rest whole) and the budget left (0: none, it waits, as vLLM's
+    ``token_budget``). Unchunked, the rest runs whole only where it fits the budget left, or ``alone`` (nothing else in
+    the step: a prompt longer than the whole budget still runs; vLLM refuses that configuration)."""
+    if prefill_chunk > 0:
+        return max(0, min(left, prefill_chunk, budget_left))
+    return left if left <= budget_left or alone else 0
+
+
+def plan_step(prefills: list[Request], running: list[Request], max_num_seqs: int, max_batch_tokens: int,
+              prefill_chunk: int = 0, max_loras: int = 0) -> list[tuple[Request, int]]:
+    """What one continuous-batching step computes, as (request, tokens): the running decodes first, one token each,
+    then the prefills in the order given (running order) while the token budget lasts (``chunk_tokens``). Every
+    token counts against ``max_batch_tokens``, the decodes' too (vLLM's token budget): decodes past it wait for a
+    later step, and a prefill gets only what they left (none where they took it all). ``build_batch`` makes the
+    workers' SeqWorks of it; ``preempt.grow`` gives each the blocks its tokens need first."""
+    decodes, loras = decodes_taken(running, max_num_seqs, max_loras, max_batch_tokens)
+    plan: list[tuple[Request, int]] = [(r, 1) for r in decodes]
+    tokens = len(plan)
+    for r in prefills:
+        if len(plan) >= max_num_seqs or tokens >= max_batch_tokens:
+            break
+        if r.lora_slot and max_loras > 0 and r.lora_slot not in loras and len(loras) >= max_loras:
+            continue
+        n = chunk_tokens(len(r.prefill_ids) - r.prefilled, max_batch_tokens - tokens, prefill_chunk, not plan)
+        if n <= 0:
+            break
+        if r.lora_slot and max_loras > 0:
+            loras.add(r.lora_slot)
+        plan.append((r, n))
+        tokens += n
+    return plan
+
+
 def build_batch(prefills: list[Request], running: list[Request], max_num_seqs: int,
                 max_batch_tokens: int, prefill_chunk: int = 0, max_loras: int = 0) -> list[tuple[Request, m.SeqWork]]:
-    """One continuous-batching step: every running decode, then prefills that fit (a prefill is of
-    ``Request.prefill_ids``: the prompt, or after a preemption the prompt and output so far).
+    """One continuous-batching step (``plan_step``): every running decode the budget takes, then prefills that fit
+    (a prefill is of ``Request.prefill_ids``: the prompt, or after a preemption the prompt and output so far).
 
-    Decodes go first so that admitting prompts never stalls generation. Without
-    chunking (``prefill_chunk`` 0) a prompt runs whole, and at least one prefill is
-    taken even if it alone exceeds the token budget. With chunking, a prompt runs
-    from where its last chunk ended, at most ``prefill_chunk`` tokens a step and no
-    more than the budget left after the decodes (at least one token, so a prompt always
-    moves); only its last chunk samples. A prompt that asked prompt logprobs has each chunk
-    scored (``SeqWork.score_prompt``), with the prompt's token after the chunk where there is one.
+    Decodes go first so that admitting prompts never stalls generation; they count against the token budget, as
+    vLLM's. Without chunking (``prefill_chunk`` 0) a prompt runs whole, where it fits the budget the decodes left
+    (or alone in the step, even past the budget). With chunking, a prompt runs from where its last chunk ended, at
+    most ``prefill_chunk`` tokens a step and no more than the budget left after the decodes; only its last chunk
+    samples. A prompt that asked prompt logprobs has each chunk scored (``SeqWork.score_prompt``), with the prompt's
+    token after the chunk where there is one.
     With ``max_loras`` (vLLM's --max-loras), a step holds sequences of at most that many LoRA adapters (the base
     model's not counted): a request of another adapter waits for a later step, and where the running requests name
     more adapters than that, the ones that have waited longest for a token go first, so none starves.
     """
+    return works_of(plan_step(prefills, running, max_num_seqs, max_batch_tokens, prefill_chunk, max_loras))
+
+
+def works_of(plan: list[tuple[Request, int]]) -> list[tuple[Request, m.SeqWork]]:
+    """The workers' SeqWork of each (request, tokens) of a ``plan_step``."""
     batch: list[tuple[Request, m.SeqWork]] = []
-    decodes, loras = decodes_taken(running, max_num_seqs, max_loras)
-    for r in decodes:
-        pos = len(r.prompt) + len(r.output) - 1
-        batch.append((r, m.SeqWork(r.seq_id, (r.output[-1],), pos, tuple(r.blocks), **r.sample_fields(),
-                                   lora=r.lora_slot)))
-    tokens = len(batch)
-    admitted = 0
-    for r in prefills:
-        if len(batch) >= max_num_seqs:
-            break
-        if r.lora_slot and max_loras > 0 and r.lora_slot not in loras and len(loras) >= max_loras:
+    for r, n in plan:
+        lora = r.lora_slot
+        if r.state == State.RUNNING:  # a decode: output[-1]'s KV, sampling output token len(output)
+            pos = len(r.prompt) + len(r.output) - 1
+            batch.append((r, m.SeqWork(r.seq_id, (r.output[-1],), pos, tuple(r.blocks), **r.sample_fields(),
+                                       lora=lora)))
             continue
         seq = r.prefill_ids
         start = r.prefilled
-        n = len(seq) - start
-        if prefill_chunk > 0:
-            n = min(n, prefill_chunk, max(max_batch_tokens - tokens, 0 if admitted else 1))
-            if n <= 0:
-                break
-        elif admitted and tokens + n > max_batch_tokens:
-            break
-        admitted += 1
         last = start + n == len(seq)
         fields = r.sample_fields() if last else {"sample": False, "rope_len": len(seq)}
         if r.score_prompt >= 0:
             fields.update(score_prompt=r.score_prompt, next_prompt_token=-1 if last else r.prompt[start + n])
-        if r.lora_slot and max_loras > 0:
-            loras.add(r.lora_slot)
-        batch.append((r, m.SeqWork(r.seq_id, seq[start:start + n], start, tuple(r.blocks), **fields,
-                                   lora=r.lora_slot)))
-        tokens += n
+        batch.append((r, m.SeqWork(r.seq_id, seq[start:start + n], start, tuple(r.blocks), **fields, lora=lora)))
     return batch
 
 

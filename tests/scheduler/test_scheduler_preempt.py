@@ -1,9 +1,10 @@
 """Blocks as tokens need them, and preemption by recompute (local instances and D's legs), driven by plain calls
-(the harness of tests/scheduler/test_scheduler_prefix.py): a request is admitted with its prefill's blocks and the
-next token's slot, gets a block before the step whose token starts one, and when none is free the last admitted of
+(the harness of tests/scheduler/test_scheduler_prefix.py): a request is admitted with its prefill's blocks (those of
+the tokens its first step computes: tests/scheduler/test_scheduler_chunk_alloc.py), gets a block before the step whose
+token starts one, and when none is free the last admitted of
 the requests computing here gives its blocks back and waits at the front of the queue; readmitted, it prefills its
 prompt and output so far, its last chunk sampling the next output token as a decode step would, and nothing it
-already sent is sent again. P's legs hold their prompt's blocks from admission, as before."""
+already sent is sent again. P's streamed push legs hold their prompt's blocks from admission, as before."""
 from __future__ import annotations
 
 import pytest
@@ -85,8 +86,11 @@ def two_on_four_blocks(**kw):
     s, wire = make(num_blocks=4, cache=kw.pop("cache", False), **kw)
     generate(s, "a", prompt(15), max_tokens=40)
     generate(s, "b", prompt(15, 100), max_tokens=40)
-    assert not s.waiting
     got: dict[str, list[int]] = {}
+    assert [r.transfer_id for r in s.waiting] == ["b"]  # it came during a's step: admitted as the next is built
+    step(s, wire)
+    assert not s.waiting
+    got = streamed(wire)
     while not s.counters["preemptions"]:
         step(s, wire)
         for tid, toks in streamed(wire).items():
@@ -119,7 +123,9 @@ def test_readmitted_it_prefills_prompt_and_output_and_samples_the_next_token():
             got.setdefault(tid, []).extend(toks)
     (w,) = [w for w in step(s, wire, token=7) if w.seq_id == b.seq_id]
     assert w.token_ids == prompt(15, 100) + out and w.start_pos == 0 and w.sample
-    assert len(w.block_table) == blocks_for(len(w.token_ids) + 1, BS)  # (greedy: no output_index needed)
+    # the blocks of the tokens it computes, as vLLM's allocate_slots (the next token's come before the step that needs
+    # them; greedy: no output_index needed)
+    assert len(w.block_table) == blocks_for(len(w.token_ids), BS)
     assert w.score_prompt == -1
     (tg,) = [x for x in wire.take("router") if x.transfer_id == "b"]
     assert tg.token_ids == (7,) and tg.prompt_logprobs is None and tg.cached_tokens == 0  # a decode's token

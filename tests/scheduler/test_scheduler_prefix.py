@@ -129,7 +129,8 @@ def test_shared_blocks_are_held_by_every_request_that_hit_them():
     generate(s, "a", prompt(40), max_tokens=3)
     run_step(s, wire)  # a's prefill: its 2 full blocks are indexed now
     a = s.by_tid["a"]
-    generate(s, "b", prompt(40), max_tokens=3)
+    generate(s, "b", prompt(40), max_tokens=3)  # during a's first decode: admitted as the next step is built
+    run_step(s, wire)
     b = s.by_tid["b"]
     assert b.blocks[:2] == a.blocks[:2] and b.blocks[2] != a.blocks[2]
     assert [s.alloc.refs(x) for x in a.blocks[:3]] == [2, 2, 1]
@@ -142,16 +143,17 @@ def test_shared_blocks_are_held_by_every_request_that_hit_them():
 
 
 def test_a_block_is_indexed_only_once_its_step_ended():
-    """A request admitted while the step that computes a prefix runs does not hit it."""
+    """A block is indexed (and hit) only once the step that computed it ended; a request that comes while that step
+    runs is admitted as the next step is built (vLLM's scheduler admits between steps), and hits it then."""
     s, wire = make(chunk=16)
     generate(s, "a", prompt(40))
     steps = wire.take("worker")  # a's first chunk is computing
-    generate(s, "b", prompt(40))  # admitted now: nothing indexed yet
-    assert s.by_tid["b"].cached == 0
+    assert s.alloc.num_cached == 0
+    generate(s, "b", prompt(40))
+    assert s.by_tid["b"].state == State.WAITING and s.by_tid["b"].cached == 0
     for ch in s.workers:
         deliver(s, ch, m.StepDone(steps[0].step_id, ()))
-    generate(s, "c", prompt(40))  # a's first block is in now
-    assert s.by_tid["c"].cached == 16
+    assert s.alloc.num_cached == 1 and s.by_tid["b"].cached == 16  # a's first block is in now
     run_all(s, wire)
     assert idle(s)
 
