@@ -213,33 +213,21 @@ class CallScan:
         self.expect = "after"
 
 
-class _Pieces:
+class CallPieces:
     """One call as a stream gives it: opened (``id``, ``type``, ``name``, the arguments so far) once its name is read,
-    then each new piece of its arguments."""
+    then each new piece of its arguments (those that extend what was sent)."""
 
     def __init__(self, index: int):
         self.index = index
-        self.scan = CallScan()
-        self.text = ""  # the call's JSON as written, as far as the scan took it
         self.opened = False
         self.sent = ""  # its arguments sent so far
 
-    def feed(self, text: str) -> list[dict]:
-        """The pieces ``text`` adds; the scan takes it up to where the object closed (or went bad)."""
-        for i, ch in enumerate(text):
-            if not self.scan.feed(ch):
-                text = text[:i]
-                break
-        self.text += text
-        args = self.scan.args.out if self.scan.args is not None else ""
-        if not self.opened:
-            if self.scan.name is None or self.scan.bad:
-                return []
-            self.opened, self.sent = True, args
-            return [dict(_tool_call(self.scan.name, args), index=self.index)]
-        return self._more(args)
+    def open(self, name: str, args: str) -> list[dict]:
+        self.opened, self.sent = True, args
+        return [dict(_tool_call(name, args), index=self.index)]
 
-    def _more(self, args: str) -> list[dict]:
+    def more(self, args: str) -> list[dict]:
+        """The piece that ``args`` (the arguments as far as they are known) adds to those sent."""
         if len(args) <= len(self.sent) or not args.startswith(self.sent):
             return []
         piece, self.sent = args[len(self.sent):], args
@@ -253,10 +241,31 @@ class _Pieces:
         if not self.opened:
             self.opened, self.sent = True, whole["function"]["arguments"]
             return [dict(whole, index=self.index)]
-        return self._more(whole["function"]["arguments"])
+        return self.more(whole["function"]["arguments"])
 
 
-def _merged(pieces: list[dict]) -> list[dict]:
+class _Pieces(CallPieces):
+    """A call written as JSON, read with ``CallScan``."""
+
+    def __init__(self, index: int):
+        super().__init__(index)
+        self.scan = CallScan()
+        self.text = ""  # the call's JSON as written, as far as the scan took it
+
+    def feed(self, text: str) -> list[dict]:
+        """The pieces ``text`` adds; the scan takes it up to where the object closed (or went bad)."""
+        for i, ch in enumerate(text):
+            if not self.scan.feed(ch):
+                text = text[:i]
+                break
+        self.text += text
+        args = self.scan.args.out if self.scan.args is not None else ""
+        if not self.opened:
+            return [] if self.scan.name is None or self.scan.bad else self.open(self.scan.name, args)
+        return self.more(args)
+
+
+def merged(pieces: list[dict]) -> list[dict]:
     """One entry a call in a delta: a call's pieces that came in one feed joined (its opening's arguments too)."""
     out: list[dict] = []
     for p in pieces:
@@ -283,7 +292,7 @@ class HermesStreamer:
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
         content, pieces = self._feed(text, final)
-        return content, _merged(pieces)
+        return content, merged(pieces)
 
     def _feed(self, text: str, final: bool) -> tuple[str, list[dict]]:
         self.held += text
@@ -334,7 +343,7 @@ class Llama3JsonStreamer:
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
         content, pieces = self._feed(text, final)
-        return content, _merged(pieces)
+        return content, merged(pieces)
 
     def _feed(self, text: str, final: bool) -> tuple[str, list[dict]]:
         self.text += text

@@ -20,7 +20,8 @@ gives them, each becoming an OpenAI ``tool_calls`` entry (``arguments`` a JSON s
   content, as vLLM's. Streamed, content goes out as it comes, text that may still begin ``[TOOL_CALLS]`` is held
   back, and each call goes out whole as its JSON ends (a list's calls together).
 - ``qwen3_coder`` (Qwen3-Coder, Qwen3.5): hermes' tags around XML-ish calls, ``<tool_call><function=NAME>
-  <parameter=KEY>VALUE</parameter>...</function></tool_call>`` (``tool_calls_qwen3.py``), streamed as hermes'.
+  <parameter=KEY>VALUE</parameter>...</function></tool_call>`` (``tool_calls_qwen3.py``), each call streamed in pieces
+  as it is written.
 - ``pythonic`` (Llama 3.2, Llama 4, ToolACE): an output that is a Python list of calls, ``[get_weather(city=
   "Paris"), f(x=1)]``, read with :mod:`ast` (never run): each call a plain name with keyword arguments whose
   values are literals JSON can hold (strings, numbers, booleans, None, lists, tuples, dicts with string keys).
@@ -312,12 +313,16 @@ def forced(parser: str) -> bool:
 
 def streamer(parser: str, tools: Optional[list[dict]] = None) -> CallStreamer:
     """A choice's streamer for ``parser`` (one of PARSERS, or a forced choice: REQUIRED, NAMED + a name); ``tools``:
-    the request's, whose parameter schemas type qwen3_coder's arguments. hermes' and llama3_json's calls come in
-    pieces as they are written (``tool_call_pieces``), the other parsers' each whole."""
+    the request's, whose parameter schemas type qwen3_coder's arguments. hermes', llama3_json's and qwen3_coder's calls
+    come in pieces as they are written (``tool_call_pieces``, ``tool_calls_qwen3``), the other parsers' each whole."""
     if parser in ("hermes", "llama3_json"):
         from pushkv.router import tool_call_pieces  # (it builds on this module's readers)
 
         return (tool_call_pieces.HermesStreamer if parser == "hermes" else tool_call_pieces.Llama3JsonStreamer)()
+    if parser == "qwen3_coder":
+        from pushkv.router import tool_calls_qwen3
+
+        return tool_calls_qwen3.Qwen3CoderStreamer(tools or [])
     return _whole_streamer(parser, tools)
 
 

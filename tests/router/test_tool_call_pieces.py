@@ -1,7 +1,8 @@
-"""tool_choice auto's calls streamed in pieces (pushkv/router/tool_call_pieces.py), as vLLM 0.32's hermes and
-llama3_json parsers stream them: a call opens with its id, type and name, then its arguments come as they are written;
-however the model's text is cut into deltas, the pieces join to the whole response's calls (arguments as json.dumps
-writes them, whatever layout the model wrote) and the content to its content."""
+"""tool_choice auto's calls streamed in pieces (pushkv/router/tool_call_pieces.py, tool_calls_qwen3.py), as vLLM
+0.32's hermes, llama3_json and qwen3_coder parsers stream them: a call opens with its id, type and name, then its
+arguments come as they are written; however the model's text is cut into deltas, the pieces join to the whole
+response's calls (arguments as json.dumps writes them, whatever layout the model wrote) and the content to its
+content."""
 from __future__ import annotations
 
 import itertools
@@ -11,6 +12,7 @@ import pytest
 
 from pushkv.router import tool_calls
 from pushkv.router.tool_call_pieces import Rewriter
+from tests.router.test_tool_calls_qwen3 import DALLAS, TOOLS, TYPED
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -78,6 +80,18 @@ LLAMA3 = [
 ]
 
 
+# qwen3_coder's, its arguments typed by TOOLS' schemas
+QWEN3 = [
+    "Let me check.\n" + DALLAS,
+    TYPED + "\n" + DALLAS,
+    '<tool_call>\n<function=get_current_weather>\n<parameter=city>\nNew\n"York"\n\n</parameter>\n'
+    "<parameter=days>\n3\n</parameter>\n</function>\n<function=other>\n<parameter=n>\n7\n</parameter>\n</function>\n"
+    "</tool_call>",
+    "<function=get_current_weather><parameter=city>Ro",  # cut off: the parameters as far as they came
+    "<tool_call>\nnot a call\n</tool_call> after",
+]
+
+
 def cuts(text: str):
     """Ways of cutting ``text`` into deltas: a character each, every cut in two, and a spread of cuts in three (empty
     pieces too: a stream's last delta often is)."""
@@ -92,7 +106,7 @@ def cuts(text: str):
 def stream(parser: str, pieces: list[str]) -> tuple[str, list[dict], list[list[dict]]]:
     """A stream of ``pieces``: its content, its calls joined as an OpenAI client joins them, and each delta's
     call pieces; each call piece's shape checked as vLLM's (the opening: id, type, name; then arguments alone)."""
-    s = tool_calls.streamer(parser)
+    s = tool_calls.streamer(parser, TOOLS)
     content, joined, deltas = "", {}, []
     for i, piece in enumerate(pieces):
         text, calls = s.feed(piece, final=i == len(pieces) - 1)
@@ -113,11 +127,12 @@ def stream(parser: str, pieces: list[str]) -> tuple[str, list[dict], list[list[d
 
 
 def whole(parser: str, text: str) -> tuple[str, list[dict]]:
-    content, calls = tool_calls.parse(text, parser)
+    content, calls = tool_calls.parse(text, parser, TOOLS)
     return content or "", [dict(name=c["function"]["name"], arguments=c["function"]["arguments"]) for c in calls]
 
 
-@pytest.mark.parametrize("parser,text", [("hermes", t) for t in HERMES] + [("llama3_json", t) for t in LLAMA3])
+@pytest.mark.parametrize("parser,text", [("hermes", t) for t in HERMES] + [("llama3_json", t) for t in LLAMA3]
+                         + [("qwen3_coder", t) for t in QWEN3])
 def test_any_pieces_join_to_the_whole_response(parser, text):
     want = whole(parser, text)
     for pieces in cuts(text):
@@ -125,15 +140,16 @@ def test_any_pieces_join_to_the_whole_response(parser, text):
         assert (content, calls) == want, pieces
 
 
-@pytest.mark.parametrize("parser,text", [("hermes", HERMES[0]), ("llama3_json", LLAMA3[0])])
-def test_a_call_opens_with_its_name_before_its_arguments_are_written(parser, text):
+@pytest.mark.parametrize("parser,text,opened_by", [("hermes", HERMES[0], '"'), ("llama3_json", LLAMA3[0], '"'),
+                                                   ("qwen3_coder", QWEN3[0], ">")])
+def test_a_call_opens_with_its_name_before_its_arguments_are_written(parser, text, opened_by):
     """A token at a time, the call opens as soon as its name is read, and its arguments follow in many pieces
-    (pushkv gave each call whole once its JSON ended)."""
+    (pushkv gave each call whole once its JSON, or its closing tag, ended)."""
     _, calls, deltas = stream(parser, list(text) + [""])
     name = calls[0]["name"]
-    opened = next(i for i, d in enumerate(deltas) if d)
-    assert text.index(name) + len(name) + 1 >= opened  # the character that closed the name's string
-    assert deltas[opened][0]["function"]["arguments"] == ""
+    opened = next(i for i, d in enumerate(deltas) if d and d[0].get("id"))
+    assert text[opened] == opened_by and text[opened - len(name):opened] == name  # what closed the name
+    assert deltas[opened][0]["function"]["arguments"] in ("", "{")
     assert len([d for d in deltas if d]) > 10
 
 
