@@ -12,6 +12,8 @@ cut between pieces it goes out once whole.
 - ``HermesStreamer``: content up to ``<tool_call>`` (text that may still begin it held back), each call's JSON read
   as it comes until ``</tool_call>`` (or the output's end).
 - ``Llama3JsonStreamer``: output that begins with ``{`` is calls, one JSON object each, separated by ``;``.
+- ``tool_calls_mistral.MistralStreamer`` builds on these: content up to ``[TOOL_CALLS]``, then ``name[ARGS]{...}`` or
+  a JSON list of calls, each call with Mistral's 9-character id.
 
 A call is opened once its name is read; if its JSON then breaks (cut off, or not JSON after all), the stream has
 given it, as vLLM's stream has, while a whole response gives the text as content (``tool_calls.parse``). Text that
@@ -217,14 +219,15 @@ class CallPieces:
     """One call as a stream gives it: opened (``id``, ``type``, ``name``, the arguments so far) once its name is read,
     then each new piece of its arguments (those that extend what was sent)."""
 
-    def __init__(self, index: int):
+    def __init__(self, index: int, call_id: str = ""):
         self.index = index
+        self.call_id = call_id  # "": vLLM's kind
         self.opened = False
         self.sent = ""  # its arguments sent so far
 
     def open(self, name: str, args: str) -> list[dict]:
         self.opened, self.sent = True, args
-        return [dict(_tool_call(name, args), index=self.index)]
+        return [dict(_tool_call(name, args, self.call_id), index=self.index)]
 
     def more(self, args: str) -> list[dict]:
         """The piece that ``args`` (the arguments as far as they are known) adds to those sent."""
@@ -240,15 +243,15 @@ class CallPieces:
             return []
         if not self.opened:
             self.opened, self.sent = True, whole["function"]["arguments"]
-            return [dict(whole, index=self.index)]
+            return [dict(whole, id=self.call_id or whole["id"], index=self.index)]
         return self.more(whole["function"]["arguments"])
 
 
-class _Pieces(CallPieces):
+class JsonCall(CallPieces):
     """A call written as JSON, read with ``CallScan``."""
 
-    def __init__(self, index: int):
-        super().__init__(index)
+    def __init__(self, index: int, call_id: str = ""):
+        super().__init__(index, call_id)
         self.scan = CallScan()
         self.text = ""  # the call's JSON as written, as far as the scan took it
 
@@ -286,7 +289,7 @@ class HermesStreamer:
     def __init__(self):
         self.held = ""
         self.mode = "text"  # text, call (inside the tags), after (right after a call)
-        self.call = _Pieces(0)
+        self.call = JsonCall(0)
         self.body = ""  # the open call's text between its tags so far
         self.calls = 0  # the calls opened so far
 
@@ -309,7 +312,7 @@ class HermesStreamer:
                 content += before
                 if not tagged:
                     return content, pieces
-                self.mode, self.call, self.body = "call", _Pieces(self.calls), ""
+                self.mode, self.call, self.body = "call", JsonCall(self.calls), ""
             end = self.held.find(END)
             upto = end if end >= 0 else len(self.held) - (0 if final else tag_start(self.held, END))
             self.body += self.held[:upto]
@@ -337,7 +340,7 @@ class Llama3JsonStreamer:
         self.text = ""
         self.at = 0  # how far the text was read
         self.json: Optional[bool] = None  # whether the output is calls; None: not known yet
-        self.call: Optional[_Pieces] = None
+        self.call: Optional[JsonCall] = None
         self.start = 0  # where the open call's object began
         self.calls = 0
 
@@ -361,7 +364,7 @@ class Llama3JsonStreamer:
                 if self.text[self.at].isspace() or self.text[self.at] == ";":
                     self.at += 1
                     continue
-                self.call, self.start = _Pieces(self.calls), self.at
+                self.call, self.start = JsonCall(self.calls), self.at
             call = self.call
             taken = len(call.text)
             pieces += call.feed(self.text[self.at:])

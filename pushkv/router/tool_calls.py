@@ -18,7 +18,7 @@ gives them, each becoming an OpenAI ``tool_calls`` entry (``arguments`` a JSON s
   conversation that follows. ``[TOOL_CALLS]`` and ``[ARGS]`` are special tokens: a request this parser reads keeps
   special tokens in its text (``KEEPS_SPECIAL_TOKENS``, as vLLM does), and output without ``[TOOL_CALLS]`` is
   content, as vLLM's. Streamed, content goes out as it comes, text that may still begin ``[TOOL_CALLS]`` is held
-  back, and each call goes out whole as its JSON ends (a list's calls together).
+  back, and each call in pieces as it is written (``tool_call_pieces``).
 - ``qwen3_coder`` (Qwen3-Coder, Qwen3.5): hermes' tags around XML-ish calls, ``<tool_call><function=NAME>
   <parameter=KEY>VALUE</parameter>...</function></tool_call>`` (``tool_calls_qwen3.py``), each call streamed in pieces
   as it is written.
@@ -50,8 +50,8 @@ PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder")
 
 class CallStreamer(Protocol):
     """One choice's content, fed as it comes: each piece's (content delta, calls, each with its ``index``: hermes',
-    llama3_json's and a forced tool choice's in pieces, the other parsers' whole as each is completed, a call's first
-    with its ``id``);
+    llama3_json's, qwen3_coder's, mistral's and a forced tool choice's in pieces, pythonic's whole as each is
+    completed, a call's first with its ``id``);
     ``final``: nothing follows, so nothing is held back."""
 
     calls: int  # the calls made (opened) so far
@@ -313,12 +313,17 @@ def forced(parser: str) -> bool:
 
 def streamer(parser: str, tools: Optional[list[dict]] = None) -> CallStreamer:
     """A choice's streamer for ``parser`` (one of PARSERS, or a forced choice: REQUIRED, NAMED + a name); ``tools``:
-    the request's, whose parameter schemas type qwen3_coder's arguments. hermes', llama3_json's and qwen3_coder's calls
-    come in pieces as they are written (``tool_call_pieces``, ``tool_calls_qwen3``), the other parsers' each whole."""
+    the request's, whose parameter schemas type qwen3_coder's arguments. hermes', llama3_json's, mistral's and
+    qwen3_coder's calls come in pieces as they are written (``tool_call_pieces``, ``tool_calls_qwen3``,
+    ``tool_calls_mistral``), pythonic's each whole."""
     if parser in ("hermes", "llama3_json"):
         from pushkv.router import tool_call_pieces  # (it builds on this module's readers)
 
         return (tool_call_pieces.HermesStreamer if parser == "hermes" else tool_call_pieces.Llama3JsonStreamer)()
+    if parser == "mistral":
+        from pushkv.router import tool_calls_mistral
+
+        return tool_calls_mistral.MistralStreamer()
     if parser == "qwen3_coder":
         from pushkv.router import tool_calls_qwen3
 
@@ -470,7 +475,8 @@ def _mistral_id() -> str:
 
 
 class MistralStreamer:
-    """``mistral``: content up to ``[TOOL_CALLS]``, then each call whole as its JSON ends."""
+    """``mistral``: content up to ``[TOOL_CALLS]``, then each call whole as its JSON ends (what a whole response reads
+    the content with; a stream's calls come in pieces: ``tool_calls_mistral.MistralStreamer``)."""
 
     def __init__(self):
         self.held = ""

@@ -1,8 +1,8 @@
-"""tool_choice auto's calls streamed in pieces (pushkv/router/tool_call_pieces.py, tool_calls_qwen3.py), as vLLM
-0.32's hermes, llama3_json and qwen3_coder parsers stream them: a call opens with its id, type and name, then its
-arguments come as they are written; however the model's text is cut into deltas, the pieces join to the whole
-response's calls (arguments as json.dumps writes them, whatever layout the model wrote) and the content to its
-content."""
+"""tool_choice auto's calls streamed in pieces (pushkv/router/tool_call_pieces.py, tool_calls_qwen3.py,
+tool_calls_mistral.py), as vLLM 0.32's hermes, llama3_json, qwen3_coder and mistral parsers stream them: a call opens
+with its id, type and name, then its arguments come as they are written; however the model's text is cut into
+deltas, the pieces join to the whole response's calls (arguments as json.dumps writes them, whatever layout the
+model wrote) and the content to its content."""
 from __future__ import annotations
 
 import itertools
@@ -92,6 +92,14 @@ QWEN3 = [
 ]
 
 
+# mistral's, both forms
+MISTRAL = [
+    'Checking.[TOOL_CALLS]get_weather[ARGS]' + VALUES[1] + '[TOOL_CALLS]g{"x": [1, {"y": null}]}',
+    '[TOOL_CALLS] [{"name": "get_weather", "arguments": ' + VALUES[3] + '}, {"arguments": {}, "name": "g"}] after',
+    '[TOOL_CALLS][{"name": "Ann", "age": 3}]',  # no call: content, the marker kept
+]
+
+
 def cuts(text: str):
     """Ways of cutting ``text`` into deltas: a character each, every cut in two, and a spread of cuts in three (empty
     pieces too: a stream's last delta often is)."""
@@ -115,7 +123,9 @@ def stream(parser: str, pieces: list[str]) -> tuple[str, list[dict], list[list[d
         assert len({c["index"] for c in calls}) == len(calls), calls  # one entry a call in a delta
         for c in calls:
             if "id" in c:
-                assert c["index"] == len(joined) and c["type"] == "function" and c["id"].startswith("chatcmpl-tool-")
+                assert c["index"] == len(joined) and c["type"] == "function"
+                assert (len(c["id"]) == 9 and c["id"].isalnum()) if parser == "mistral" else c["id"].startswith(
+                    "chatcmpl-tool-")  # Mistral's templates want 9 letters and digits
                 assert set(c["function"]) == {"name", "arguments"}
                 joined[c["index"]] = dict(name=c["function"]["name"], arguments="")
             else:
@@ -132,7 +142,7 @@ def whole(parser: str, text: str) -> tuple[str, list[dict]]:
 
 
 @pytest.mark.parametrize("parser,text", [("hermes", t) for t in HERMES] + [("llama3_json", t) for t in LLAMA3]
-                         + [("qwen3_coder", t) for t in QWEN3])
+                         + [("qwen3_coder", t) for t in QWEN3] + [("mistral", t) for t in MISTRAL])
 def test_any_pieces_join_to_the_whole_response(parser, text):
     want = whole(parser, text)
     for pieces in cuts(text):
@@ -141,7 +151,7 @@ def test_any_pieces_join_to_the_whole_response(parser, text):
 
 
 @pytest.mark.parametrize("parser,text,opened_by", [("hermes", HERMES[0], '"'), ("llama3_json", LLAMA3[0], '"'),
-                                                   ("qwen3_coder", QWEN3[0], ">")])
+                                                   ("qwen3_coder", QWEN3[0], ">"), ("mistral", MISTRAL[1], '"')])
 def test_a_call_opens_with_its_name_before_its_arguments_are_written(parser, text, opened_by):
     """A token at a time, the call opens as soon as its name is read, and its arguments follow in many pieces
     (pushkv gave each call whole once its JSON, or its closing tag, ended)."""
