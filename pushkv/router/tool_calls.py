@@ -5,11 +5,11 @@ gives them, each becoming an OpenAI ``tool_calls`` entry (``arguments`` a JSON s
 - ``hermes`` (Qwen2.5, Qwen3, Hermes): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, one or more;
   the text outside them stays ``content``, and a call that is not JSON naming a function stays in it as text.
   Streamed, content goes out as it comes, text that may still begin ``<tool_call>`` is held back, and each call
-  goes out whole as its closing tag arrives (a call cut off by ``max_tokens`` with the last delta).
+  in pieces as it is written (``tool_call_pieces``).
 - ``llama3_json`` (Llama 3.1-3.3): an output that is JSON, ``{"name": ..., "parameters": {...}}``, one or more
   separated by ``;`` (Llama 3's ``<|python_tag|>`` is a special token the text leaves out). Output that does not
-  begin with ``{``, or does not parse as calls, is content. Streamed, output that begins with ``{`` is held back
-  and goes out with the last delta, as calls or as content.
+  begin with ``{``, or does not parse as calls, is content. Streamed, each call in pieces as it is written
+  (``tool_call_pieces``); output that opens no call goes out as content where that is known.
 - ``mistral`` (Mistral, Mixtral, Ministral, Devstral, Magistral): ``[TOOL_CALLS]`` and then, in the older form,
   a JSON list ``[{"name": ..., "arguments": {...}}, ...]``, or in the newer one (Mistral's v11 tokenizers on)
   ``name[ARGS]{...}`` (``name{...}`` where ``[ARGS]`` is left out), one ``[TOOL_CALLS]`` to a call. The text
@@ -18,9 +18,10 @@ gives them, each becoming an OpenAI ``tool_calls`` entry (``arguments`` a JSON s
   conversation that follows. ``[TOOL_CALLS]`` and ``[ARGS]`` are special tokens: a request this parser reads keeps
   special tokens in its text (``KEEPS_SPECIAL_TOKENS``, as vLLM does), and output without ``[TOOL_CALLS]`` is
   content, as vLLM's. Streamed, content goes out as it comes, text that may still begin ``[TOOL_CALLS]`` is held
-  back, and each call goes out whole as its JSON ends (a list's calls together).
+  back, and each call in pieces as it is written (``tool_call_pieces``).
 - ``qwen3_coder`` (Qwen3-Coder, Qwen3.5): hermes' tags around XML-ish calls, ``<tool_call><function=NAME>
-  <parameter=KEY>VALUE</parameter>...</function></tool_call>`` (``tool_calls_qwen3.py``), streamed as hermes'.
+  <parameter=KEY>VALUE</parameter>...</function></tool_call>`` (``tool_calls_qwen3.py``), each call streamed in pieces
+  as it is written.
 - ``pythonic`` (Llama 3.2, Llama 4, ToolACE): an output that is a Python list of calls, ``[get_weather(city=
   "Paris"), f(x=1)]``, read with :mod:`ast` (never run): each call a plain name with keyword arguments whose
   values are literals JSON can hold (strings, numbers, booleans, None, lists, tuples, dicts with string keys).
@@ -48,8 +49,9 @@ PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder")
 
 
 class CallStreamer(Protocol):
-    """One choice's content, fed as it comes: each piece's (content delta, calls, each with its ``index``: a parser's
-    whole as each is completed, a forced tool choice's in pieces, a call's first with its ``id``);
+    """One choice's content, fed as it comes: each piece's (content delta, calls, each with its ``index``: hermes',
+    llama3_json's, qwen3_coder's, mistral's and a forced tool choice's in pieces, pythonic's whole as each is
+    completed, a call's first with its ``id``);
     ``final``: nothing follows, so nothing is held back."""
 
     calls: int  # the calls made (opened) so far
@@ -311,7 +313,26 @@ def forced(parser: str) -> bool:
 
 def streamer(parser: str, tools: Optional[list[dict]] = None) -> CallStreamer:
     """A choice's streamer for ``parser`` (one of PARSERS, or a forced choice: REQUIRED, NAMED + a name); ``tools``:
-    the request's, whose parameter schemas type qwen3_coder's arguments."""
+    the request's, whose parameter schemas type qwen3_coder's arguments. hermes', llama3_json's, mistral's and
+    qwen3_coder's calls come in pieces as they are written (``tool_call_pieces``, ``tool_calls_qwen3``,
+    ``tool_calls_mistral``), pythonic's each whole."""
+    if parser in ("hermes", "llama3_json"):
+        from pushkv.router import tool_call_pieces  # (it builds on this module's readers)
+
+        return (tool_call_pieces.HermesStreamer if parser == "hermes" else tool_call_pieces.Llama3JsonStreamer)()
+    if parser == "mistral":
+        from pushkv.router import tool_calls_mistral
+
+        return tool_calls_mistral.MistralStreamer()
+    if parser == "qwen3_coder":
+        from pushkv.router import tool_calls_qwen3
+
+        return tool_calls_qwen3.Qwen3CoderStreamer(tools or [])
+    return _whole_streamer(parser, tools)
+
+
+def _whole_streamer(parser: str, tools: Optional[list[dict]] = None) -> CallStreamer:
+    """A streamer that gives each call whole (what ``parse`` reads a whole content with)."""
     if forced(parser):
         return ForcedStreamer(parser[len(NAMED):] if parser.startswith(NAMED) else "")
     if parser == "qwen3_coder":
@@ -329,7 +350,7 @@ def parse(text: str, parser: str = "hermes", tools: Optional[list[dict]] = None)
     """A whole content's (its text outside the calls, or None where empty; the calls): what a stream of it gives."""
     if forced(parser):  # (its stream's deltas are the call's pieces; a whole response reads the output whole)
         return None, forced_calls(text, parser)
-    content, calls = streamer(parser, tools).feed(text, final=True)
+    content, calls = _whole_streamer(parser, tools).feed(text, final=True)
     return content or None, [{k: v for k, v in c.items() if k != "index"} for c in calls]
 
 
@@ -454,7 +475,8 @@ def _mistral_id() -> str:
 
 
 class MistralStreamer:
-    """``mistral``: content up to ``[TOOL_CALLS]``, then each call whole as its JSON ends."""
+    """``mistral``: content up to ``[TOOL_CALLS]``, then each call whole as its JSON ends (what a whole response reads
+    the content with; a stream's calls come in pieces: ``tool_calls_mistral.MistralStreamer``)."""
 
     def __init__(self):
         self.held = ""

@@ -1,6 +1,6 @@
 """``--tool-call-parser qwen3_coder`` (Qwen3-Coder, Qwen3.5): the calls a choice writes in Qwen3-Coder's XML-ish
-format, inside hermes' ``<tool_call>`` tags (``tool_calls.Streamer`` finds those and streams each call whole as its
-closing tag arrives)::
+format, inside hermes' ``<tool_call>`` tags (a whole response's read by ``tool_calls.Streamer``; a stream's by
+``Qwen3CoderStreamer``, each call in pieces as it is written)::
 
     <tool_call>
     <function=get_weather>
@@ -19,15 +19,17 @@ parameters written, its last one as far as it came. Text between the tags that n
 ``<function=...>...</function>`` written without ``<tool_call>`` around it is a call too, as vLLM's grammar takes
 it.
 
-Pure: text in, calls out.
+Pure: text in, calls (or their pieces) out.
 """
 from __future__ import annotations
 
 import json
 import math
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
+from pushkv.router.text import tag_start
+from pushkv.router.tool_call_pieces import CallPieces, merged
 from pushkv.router.tool_calls import _tool_call, function_of
 
 # what opens and closes a call, and whether the reader is given them: hermes' tags, or a function's alone
@@ -173,3 +175,116 @@ def _finite(v: Any) -> bool:
     if isinstance(v, dict):
         return all(_finite(x) for x in v.values())
     return True
+
+
+def _string_only(prop: Any) -> bool:
+    """Whether a parameter's value is given as its text whatever it is (``typed`` tries no other type first)."""
+    if not isinstance(prop, dict):
+        return True
+    return {_ALIASES.get(t.strip().lower(), t.strip().lower()) for t in types_of(prop)} == {"string"}
+
+
+def args_so_far(body: str, fn: "re.Match[str]", schemas: dict[Any, Any], closed: bool) -> str:
+    """The arguments of the call ``fn`` opens, as far as ``body`` (which ends where the function does, or where the
+    text does) tells them for good, written as json.dumps writes the whole call's: each parameter whose value has
+    ended, then a value still coming as its text where it stays a string whatever follows (vLLM's stream holds a
+    value that typing may still change), less what may yet be its closing tag or the newline the template writes;
+    whole (with its ``}``) where the function ``closed``."""
+    schema = schemas.get(fn.group(1).strip())
+    props = schema.get("properties") if isinstance(schema, dict) else None
+    items: list[str] = []
+    at = fn.end()
+    while (p := _PARAMETER.search(body, at)) is not None:
+        ends = [i for i in (body.find(c, p.end()) for c in _CLOSES) if i >= 0]
+        key = p.group(1).strip()
+        prop = props.get(key) if isinstance(props, dict) else None
+        if not ends and not closed:  # its value still comes
+            if _string_only(prop):
+                value = body[p.end():]
+                value = value[1:] if value.startswith("\n") else value
+                value = value[:len(value) - max(tag_start(value, c) for c in _CLOSES)]
+                value = value[:-1] if value.endswith("\n") else value
+                items.append(json.dumps(key, ensure_ascii=False) + ": " + json.dumps(value, ensure_ascii=False)[:-1])
+            break
+        end = min(ends) if ends else len(body)
+        value = _unwrap(body[p.end():end])
+        got = typed(value, prop) if isinstance(prop, dict) else value
+        items.append(json.dumps(key, ensure_ascii=False) + ": " + json.dumps(got, ensure_ascii=False))
+        at = end
+    return "{" + ", ".join(items) + ("}" if closed else "")
+
+
+class Qwen3CoderStreamer:
+    """``qwen3_coder`` streamed as vLLM 0.32 streams it: content up to a call's tags (text that may still begin one
+    held back); each ``<function=NAME>`` opens a call once its ``>`` is written, and its arguments follow as
+    ``args_so_far`` tells them, so the pieces join to the whole response's (json.dumps of the typed parameters). A
+    tagged text that names no function is content, as whole; white space right after a call is none."""
+
+    def __init__(self, tools: list[dict]):
+        self.schemas = {function_of(t).get("name"): function_of(t).get("parameters") for t in tools}
+        self.held = ""
+        self.open: Optional[tuple[str, str, bool]] = None  # the tags of the text being read
+        self.body = ""  # its text so far, between its tags
+        self.pieces: list[CallPieces] = []  # its calls
+        self.after = False
+        self.calls = 0  # the calls opened so far
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
+        content, pieces = self._feed(text, final)
+        return content, merged(pieces)
+
+    def _feed(self, text: str, final: bool) -> tuple[str, list[dict]]:
+        from pushkv.router.tool_calls import _until_any
+
+        self.held += text
+        content = ""
+        pieces: list[dict] = []
+        while True:
+            if self.after:
+                self.held = self.held.lstrip()
+                if not self.held:
+                    return content, pieces
+                self.after = False
+            if self.open is None:
+                before, self.held, self.open = _until_any(self.held, TAGS, final)
+                content += before
+                if self.open is None:
+                    return content, pieces
+                self.body, self.pieces = "", []
+            opening, closing, whole = self.open
+            end = self.held.find(closing)
+            upto = end if end >= 0 else len(self.held) - (0 if final else tag_start(self.held, closing))
+            self.body += self.held[:upto]
+            self.held = self.held[upto:]
+            pieces += self._progress((opening if whole else "") + self.body)
+            if end < 0 and not final:
+                return content, pieces
+            self.held = self.held[len(closing):] if end >= 0 else ""
+            tagged = opening + self.body + (closing if end >= 0 else "")
+            found = calls_of((tagged if whole else self.body).strip(), self.schemas)
+            for i, call in enumerate(found):
+                if i == len(self.pieces):
+                    self.pieces.append(CallPieces(self.calls))
+                    self.calls += 1
+                pieces += self.pieces[i].finish(call)
+            if not found:  # not a call after all: its text is content
+                content += tagged
+            self.open, self.after = None, bool(found)
+            if end < 0:
+                return content, pieces
+
+    def _progress(self, body: str) -> list[dict]:
+        """The pieces the text so far adds to each of its functions (as ``calls_of`` finds them)."""
+        out: list[dict] = []
+        at = i = 0
+        while (fn := _FUNCTION.search(body, at)) is not None:
+            close = body.find("</function>", fn.end())
+            end = len(body) if close < 0 else close
+            if i == len(self.pieces):
+                self.pieces.append(CallPieces(self.calls))
+                self.calls += 1
+            call = self.pieces[i]
+            args = args_so_far(body[:end], fn, self.schemas, close >= 0)
+            out += call.more(args) if call.opened else call.open(fn.group(1).strip(), args)
+            at, i = end, i + 1
+        return out

@@ -358,3 +358,32 @@ def test_echo_streams_the_prompt_with_the_first_tokens(deps):
                                                              "add_generation_prompt": False}))
     deltas = [(ch.choices[0].delta.role, ch.choices[0].delta.content) for ch in chat_chunks[:2]]
     assert deltas == [("assistant", ""), (None, "The answer is")]
+
+
+def test_an_auto_tool_call_streams_its_arguments_as_they_come(tmp_path):
+    """tool_choice auto with --tool-call-parser hermes, streamed as vLLM 0.32 streams it (pushkv sent each call whole
+    once its closing tag came): the content before the call as it comes, then the call opens with its id, type and
+    name and its arguments follow a token at a time, joining to the whole response's (json.dumps' layout, whatever
+    spacing the model wrote); finish_reason tool_calls. The tiny model is held to a hermes call by a regex."""
+    regex = (r'Checking\.\n<tool_call>\n\{"name": ?"get_weather", ?"arguments": ?\{"city": ?"(Paris|Rome)", ?'
+             r'"days": ?[1-9]\}\}\n</tool_call>')
+    with deployment(tmp_path, *MODES["local"], *COMMON, "--tool-call-parser", "hermes") as dep:
+        c = client(dep)
+        ask = dict(model="tiny", messages=MESSAGES, tools=[WEATHER, CLOCK], n=2, temperature=0.9, seed=3,
+                   max_tokens=200, extra_body={"structured_outputs": {"regex": regex}})
+        whole = c.chat.completions.create(**ask)
+        chunks = list(c.chat.completions.create(**ask, stream=True))
+        wait_pools_free(dep)
+    got = streamed_calls([ch for ch in chunks if not (ch.choices and ch.choices[0].delta.content)])
+    for choice in whole.choices:
+        (call,) = choice.message.tool_calls
+        assert (choice.finish_reason, choice.message.content) == ("tool_calls", "Checking.\n")
+        assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+        mine = [ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].index == choice.index]
+        assert "".join(m.delta.content or "" for m in mine) == "Checking.\n"
+        assert got[choice.index] == [{"name": "get_weather", "arguments": call.function.arguments,
+                                      "pieces": got[choice.index][0]["pieces"]}]
+        assert got[choice.index][0]["pieces"] > 10, got  # a token at a time (the tiny model's are bytes)
+        opening = next(t for m in mine for t in m.delta.tool_calls or [] if t.id is not None)
+        assert opening.function.arguments == ""  # opened with its name, before its arguments were written
+        assert mine[-1].finish_reason == "tool_calls" and all(m.finish_reason is None for m in mine[:-1])
