@@ -281,7 +281,19 @@ def merged(pieces: list[dict]) -> list[dict]:
     return out
 
 
-class HermesStreamer:
+class PieceStreamer:
+    """A parser's stream: ``feed`` gives the content and the calls' pieces of a delta, each call's pieces of one
+    delta joined into one entry (``merged``); a streamer reads its text in ``_feed``."""
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
+        content, pieces = self._feed(text, final)
+        return content, merged(pieces)
+
+    def _feed(self, text: str, final: bool) -> tuple[str, list[dict]]:
+        raise NotImplementedError
+
+
+class HermesStreamer(PieceStreamer):
     """``hermes``: content up to ``<tool_call>``, then the call's pieces as its JSON is written, up to ``</tool_call>``
     (or the output's end); a tagged text that opens no call and is none is content, as whole; white space right
     after a call is none."""
@@ -292,10 +304,6 @@ class HermesStreamer:
         self.call = JsonCall(0)
         self.body = ""  # the open call's text between its tags so far
         self.calls = 0  # the calls opened so far
-
-    def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
-        content, pieces = self._feed(text, final)
-        return content, merged(pieces)
 
     def _feed(self, text: str, final: bool) -> tuple[str, list[dict]]:
         self.held += text
@@ -331,7 +339,7 @@ class HermesStreamer:
                 return content, pieces
 
 
-class Llama3JsonStreamer:
+class Llama3JsonStreamer(PieceStreamer):
     """``llama3_json``: output that begins with ``{`` is calls, each JSON object's pieces as it is written, the
     objects separated by ``;`` and white space. Where the output ends, or an object closes, without a call opened,
     it is content from there on (all of it where no call opened, as whole)."""
@@ -343,10 +351,6 @@ class Llama3JsonStreamer:
         self.call: Optional[JsonCall] = None
         self.start = 0  # where the open call's object began
         self.calls = 0
-
-    def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
-        content, pieces = self._feed(text, final)
-        return content, merged(pieces)
 
     def _feed(self, text: str, final: bool) -> tuple[str, list[dict]]:
         self.text += text

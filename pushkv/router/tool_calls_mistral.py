@@ -11,11 +11,11 @@ import json
 from typing import Optional
 
 from pushkv.router.text import until_tag
-from pushkv.router.tool_call_pieces import CallPieces, JsonCall, Rewriter, merged
+from pushkv.router.tool_call_pieces import CallPieces, JsonCall, PieceStreamer, Rewriter
 from pushkv.router.tool_calls import _NAME, ARGS, MARKER, _call_of, _mistral_id, _tool_call
 
 
-class MistralStreamer:
+class MistralStreamer(PieceStreamer):
     """``mistral``: content up to ``[TOOL_CALLS]``, then the calls in pieces as they are written, each with Mistral's
     9-character id: the newer form's ``name[ARGS]{...}`` (``name{...}``) opens once its name is followed by
     ``[ARGS]{`` or ``{``; the older form's JSON list opens each of its objects once its name is read. Text after a
@@ -32,10 +32,6 @@ class MistralStreamer:
         self.call = CallPieces(0)
         self.item: Optional[JsonCall] = None  # the older form's object being read
         self.calls = 0
-
-    def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
-        content, pieces = self._feed(text, final)
-        return content, merged(pieces)
 
     def _feed(self, text: str, final: bool) -> tuple[str, list[dict]]:
         self.held += text

@@ -29,7 +29,7 @@ import re
 from typing import Any, Callable, Optional
 
 from pushkv.router.text import tag_start
-from pushkv.router.tool_call_pieces import CallPieces, merged
+from pushkv.router.tool_call_pieces import CallPieces, PieceStreamer
 from pushkv.router.tool_calls import _tool_call, function_of
 
 # what opens and closes a call, and whether the reader is given them: hermes' tags, or a function's alone
@@ -214,7 +214,7 @@ def args_so_far(body: str, fn: "re.Match[str]", schemas: dict[Any, Any], closed:
     return "{" + ", ".join(items) + ("}" if closed else "")
 
 
-class Qwen3CoderStreamer:
+class Qwen3CoderStreamer(PieceStreamer):
     """``qwen3_coder`` streamed as vLLM 0.32 streams it: content up to a call's tags (text that may still begin one
     held back); each ``<function=NAME>`` opens a call once its ``>`` is written, and its arguments follow as
     ``args_so_far`` tells them, so the pieces join to the whole response's (json.dumps of the typed parameters). A
@@ -228,10 +228,6 @@ class Qwen3CoderStreamer:
         self.pieces: list[CallPieces] = []  # its calls
         self.after = False
         self.calls = 0  # the calls opened so far
-
-    def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
-        content, pieces = self._feed(text, final)
-        return content, merged(pieces)
 
     def _feed(self, text: str, final: bool) -> tuple[str, list[dict]]:
         from pushkv.router.tool_calls import _until_any
