@@ -430,10 +430,14 @@ class SchedulerCore:
             return
         first = known == 0
         self.router_epochs[place] = msg.epoch
-        self.metrics.expire(self.now, every=True)  # the router that would have said how they ended is gone
+
+        def gone(identity: bytes) -> bool:  # a connection of the router before, at this place (or of no place)
+            return identity != frm.identity and self.router_places.get(identity, place) == place
+
+        # the router that would have said how its held ends ended is gone; a router elsewhere still will
+        self.metrics.expire(self.now, gone)
         # the queued first, so that freeing blocks admits none of them
-        orphans = sorted((r for r in self.reqs.values() if r.identity != frm.identity and not r.aborted
-                          and self.router_places.get(r.identity, place) == place),
+        orphans = sorted((r for r in self.reqs.values() if gone(r.identity) and not r.aborted),
                          key=lambda r: r.state not in (State.GRAMMAR, State.WAITING))
         if orphans or not first:
             log.warning("%s: router epoch %d: aborting %d request(s) of the router before", self.name, msg.epoch,
@@ -674,7 +678,7 @@ class SchedulerCore:
         f = Finish(reason, len(r.prompt), len(r.output), r.max_tokens, self.now - r.queued_at, first - admitted,
                    self.now - first, r.preemptions)
         if reason == "length" and r.stop_strings:  # a stop string may match on its last token: the router says
-            self.metrics.hold(r.key, f, self.now + self.cfg.timeouts.request_s)
+            self.metrics.hold(r.key, f, self.now + self.cfg.timeouts.request_s, r.identity)
         else:
             self.metrics.finished(f)
 
