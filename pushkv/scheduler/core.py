@@ -102,7 +102,7 @@ class SchedulerCore:
         self.step_answers: dict[int, StepAnswer] = {}
         # the blocks of steps that timed out, by step id, with the ranks that answered since: freed once every rank
         # has (a hung worker that wakes still runs the step and writes into them; D's WRITEs could land there first)
-        self.late_steps: dict[int, tuple[list[int], set[int]]] = {}
+        self.late_steps: dict[int, tuple[list[list[int]], set[int]]] = {}  # (each request's table)
         self.max_len = cfg.max_model_len or cfg.model.max_position
         self.vocab = cfg.model.vocab_size
         self.lora = LoraTable(cfg.model.lora)  # the LoRA adapters this instance serves, by name and slot
@@ -196,15 +196,20 @@ class SchedulerCore:
         if self.step is not None and now - self.step_started > self.cfg.timeouts.step_s:
             batch, self.step = self.step, None
             self.counters["step_timeout"] += 1
-            held: list[int] = []
+            # each request's table apart: requests over one cached prefix hold its blocks once each
+            held: list[list[int]] = []
             for r, _ in batch:  # each fails now; its blocks wait for the step's late answers (``late_step_answer``)
                 r.in_step = False
-                held += r.blocks
+                if r.blocks:
+                    held.append(r.blocks)
                 r.blocks = []
-                self._fail(r, f"forward step exceeded {self.cfg.timeouts.step_s:.0f}s (worker dead or hung)", 503)
+                if r.aborted:  # aborted, or failed already (its stream ended mid-step): told, nothing more to say
+                    self._release(r)
+                else:
+                    self._fail(r, f"forward step exceeded {self.cfg.timeouts.step_s:.0f}s (worker dead or hung)", 503)
             if held:  # (some rank has not answered: a step every rank answered ended in step_answers.take)
                 self.late_steps[self.step_id] = (held, set(self.step_answers))  # those that did will not again
-                self.counters["late_step_blocks_held"] += len(held)
+                self.counters["late_step_blocks_held"] += sum(map(len, held))
             self.schedule()
 
     def late_step_answer(self, step_id: int, rank: int) -> bool:
@@ -213,12 +218,13 @@ class SchedulerCore:
         held = self.late_steps.get(step_id)
         if held is None:
             return False
-        blocks, ranks = held
+        tables, ranks = held
         ranks.add(rank)
         if len(ranks) == len(self.workers):
             del self.late_steps[step_id]
-            self.alloc.free(blocks)
-            self.counters["late_step_blocks_freed"] += len(blocks)
+            for blocks in tables:  # one reference of each request's
+                self.alloc.free(blocks)
+            self.counters["late_step_blocks_freed"] += sum(map(len, tables))
             self.schedule()
         return True
 

@@ -362,3 +362,20 @@ def test_step_timeout_mid_stream_ends_the_stream():
     assert s.counters["late_step_blocks_freed"] == s.counters["late_step_blocks_held"] > 0
 
 
+
+
+def test_a_stream_failed_mid_step_then_the_step_timing_out_fails_the_request_once():
+    """The writers end a stream (a peer gone) while its chunk computes: the request fails then (502) and waits for
+    the step; the step then times out. The router is told once, and the failure is counted once (it was told a
+    second time, 503, and counted twice)."""
+    s, wire, step = streaming()
+    for rank in range(2):
+        answer(s, rank, m.KVFailed("t1", 0, "peer gone"))
+    (failed,) = wire.take("router")
+    assert failed.status == 502
+    wire.take("writer")  # (each rank's failure cancels the other's part)
+    tick(s, s.now + s.cfg.timeouts.step_s + 1)
+    assert wire.take("router") == [] and s.counters["requests_failed"] == 1
+    assert not s.reqs and wire.take("writer") == []  # the stream is over: nothing to cancel
+    finish_step(s, step)  # the hung worker answers at last
+    assert all_free(s) and s.counters["late_step_blocks_freed"] == s.counters["late_step_blocks_held"] > 0
