@@ -19,13 +19,14 @@ request waits for any more; a ``Kill`` is only ever added by the shell's fault f
 ``take_outbox()`` after each; tests call the entry points and read it.
 
 What differs by role lives in one subclass each (``PrefillScheduler``,
-``DecodeScheduler``, ``LocalScheduler``), behind twelve hooks (the "role hooks" below):
+``DecodeScheduler``, ``LocalScheduler``), behind thirteen hooks (the "role hooks" below):
 
 - the four every role answers: ``_check_leg(msg)`` (role-specific validation of a new
   request), ``_admitted(r)`` (blocks are reserved: prefill, or wait for the KV),
   ``_prefilled(r, tok, lp)`` (the prefill step ended with first token ``tok``) and
   ``_kv_done(r, answers)`` (every writer rank answered the request's transfer with success);
-- eight with a default that a role overrides where it differs: ``_chunk_done`` (a prefill
+- nine with a default that a role overrides where it differs: ``_chunkwise`` (a prompt takes
+  its blocks chunk by chunk, or whole at admission), ``_chunk_done`` (a prefill
   chunk ended), ``_streaming`` (the step's layer-group marks), ``_step_work`` (what the
   workers get), ``_engine_blocked`` (no step may run: D's inline READ), ``_forget``,
   ``_reuses_prefix``, ``_hit_unit`` and ``_indexes`` (the prefix cache's rules).
