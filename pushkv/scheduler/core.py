@@ -19,13 +19,14 @@ request waits for any more; a ``Kill`` is only ever added by the shell's fault f
 ``take_outbox()`` after each; tests call the entry points and read it.
 
 What differs by role lives in one subclass each (``PrefillScheduler``,
-``DecodeScheduler``, ``LocalScheduler``), behind twelve hooks (the "role hooks" below):
+``DecodeScheduler``, ``LocalScheduler``), behind thirteen hooks (the "role hooks" below):
 
 - the four every role answers: ``_check_leg(msg)`` (role-specific validation of a new
   request), ``_admitted(r)`` (blocks are reserved: prefill, or wait for the KV),
   ``_prefilled(r, tok, lp)`` (the prefill step ended with first token ``tok``) and
   ``_kv_done(r, answers)`` (every writer rank answered the request's transfer with success);
-- eight with a default that a role overrides where it differs: ``_chunk_done`` (a prefill
+- nine with a default that a role overrides where it differs: ``_chunkwise`` (a prompt takes
+  its blocks chunk by chunk, or whole at admission), ``_chunk_done`` (a prefill
   chunk ended), ``_streaming`` (the step's layer-group marks), ``_step_work`` (what the
   workers get), ``_engine_blocked`` (no step may run: D's inline READ), ``_forget``,
   ``_reuses_prefix``, ``_hit_unit`` and ``_indexes`` (the prefix cache's rules).
@@ -102,7 +103,7 @@ class SchedulerCore:
         self.step_answers: dict[int, StepAnswer] = {}
         # the blocks of steps that timed out, by step id, with the ranks that answered since: freed once every rank
         # has (a hung worker that wakes still runs the step and writes into them; D's WRITEs could land there first)
-        self.late_steps: dict[int, tuple[list[int], set[int]]] = {}
+        self.late_steps: dict[int, tuple[list[list[int]], set[int]]] = {}  # (each request's table)
         self.max_len = cfg.max_model_len or cfg.model.max_position
         self.vocab = cfg.model.vocab_size
         self.lora = LoraTable(cfg.model.lora)  # the LoRA adapters this instance serves, by name and slot
@@ -196,15 +197,20 @@ class SchedulerCore:
         if self.step is not None and now - self.step_started > self.cfg.timeouts.step_s:
             batch, self.step = self.step, None
             self.counters["step_timeout"] += 1
-            held: list[int] = []
+            # each request's table apart: requests over one cached prefix hold its blocks once each
+            held: list[list[int]] = []
             for r, _ in batch:  # each fails now; its blocks wait for the step's late answers (``late_step_answer``)
                 r.in_step = False
-                held += r.blocks
+                if r.blocks:
+                    held.append(r.blocks)
                 r.blocks = []
-                self._fail(r, f"forward step exceeded {self.cfg.timeouts.step_s:.0f}s (worker dead or hung)", 503)
+                if r.aborted:  # aborted, or failed already (its stream ended mid-step): told, nothing more to say
+                    self._release(r)
+                else:
+                    self._fail(r, f"forward step exceeded {self.cfg.timeouts.step_s:.0f}s (worker dead or hung)", 503)
             if held:  # (some rank has not answered: a step every rank answered ended in step_answers.take)
                 self.late_steps[self.step_id] = (held, set(self.step_answers))  # those that did will not again
-                self.counters["late_step_blocks_held"] += len(held)
+                self.counters["late_step_blocks_held"] += sum(map(len, held))
             self.schedule()
 
     def late_step_answer(self, step_id: int, rank: int) -> bool:
@@ -213,12 +219,13 @@ class SchedulerCore:
         held = self.late_steps.get(step_id)
         if held is None:
             return False
-        blocks, ranks = held
+        tables, ranks = held
         ranks.add(rank)
         if len(ranks) == len(self.workers):
             del self.late_steps[step_id]
-            self.alloc.free(blocks)
-            self.counters["late_step_blocks_freed"] += len(blocks)
+            for blocks in tables:  # one reference of each request's
+                self.alloc.free(blocks)
+            self.counters["late_step_blocks_freed"] += sum(map(len, tables))
             self.schedule()
         return True
 
@@ -430,10 +437,14 @@ class SchedulerCore:
             return
         first = known == 0
         self.router_epochs[place] = msg.epoch
-        self.metrics.expire(self.now, every=True)  # the router that would have said how they ended is gone
+
+        def gone(identity: bytes) -> bool:  # a connection of the router before, at this place (or of no place)
+            return identity != frm.identity and self.router_places.get(identity, place) == place
+
+        # the router that would have said how its held ends ended is gone; a router elsewhere still will
+        self.metrics.expire(self.now, gone)
         # the queued first, so that freeing blocks admits none of them
-        orphans = sorted((r for r in self.reqs.values() if r.identity != frm.identity and not r.aborted
-                          and self.router_places.get(r.identity, place) == place),
+        orphans = sorted((r for r in self.reqs.values() if gone(r.identity) and not r.aborted),
                          key=lambda r: r.state not in (State.GRAMMAR, State.WAITING))
         if orphans or not first:
             log.warning("%s: router epoch %d: aborting %d request(s) of the router before", self.name, msg.epoch,
@@ -674,7 +685,7 @@ class SchedulerCore:
         f = Finish(reason, len(r.prompt), len(r.output), r.max_tokens, self.now - r.queued_at, first - admitted,
                    self.now - first, r.preemptions)
         if reason == "length" and r.stop_strings:  # a stop string may match on its last token: the router says
-            self.metrics.hold(r.key, f, self.now + self.cfg.timeouts.request_s)
+            self.metrics.hold(r.key, f, self.now + self.cfg.timeouts.request_s, r.identity)
         else:
             self.metrics.finished(f)
 

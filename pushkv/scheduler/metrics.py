@@ -18,7 +18,7 @@ snapshot and never iterates the core's live structures.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Hashable, Literal, Mapping, NamedTuple, Optional
+from typing import Callable, Hashable, Literal, Mapping, NamedTuple, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -166,8 +166,9 @@ class InstanceMetrics(Collector):
                                registry=r)
         for reason in FINISH_REASONS:  # each at 0 from the start, as vLLM's (a rate over it is defined at once)
             self.success.labels(*one, reason)
-        # request -> its end and until when it waits for the router's word (``hold``), oldest first
-        self.held: OrderedDict[Hashable, tuple[Finish, float]] = OrderedDict()
+        # request -> its end, until when it waits for the router's word (``hold``), and the router connection whose
+        # word it waits for; oldest first
+        self.held: OrderedDict[Hashable, tuple[Finish, float, bytes]] = OrderedDict()
         r.register(self)
 
     # -- from the core (pure: values in, observations out) ------------------------------
@@ -212,11 +213,12 @@ class InstanceMetrics(Collector):
         self.num_preemptions.observe(f.preemptions)
 
     # -- ends the router has the last word on (the core's loop only) ------------------------
-    def hold(self, key: Hashable, f: Finish, until: float) -> None:
+    def hold(self, key: Hashable, f: Finish, until: float, router: bytes = b"") -> None:
         """A token leg ended by length while the router searches its text for stop strings: vLLM's frontend counts
-        a stop string matched on the last token as stop, so ``f`` is observed when the router says how the client's
-        choice ended (``choice_ended``), or as it is once ``until`` has passed (``expire``: the word never came)."""
-        self.held[key] = (f, until)
+        a stop string matched on the last token as stop, so ``f`` is observed when the router (the connection
+        ``router`` sent the request) says how the client's choice ended (``choice_ended``), or as it is once ``until``
+        has passed, or that router is gone (``expire``: the word never came)."""
+        self.held[key] = (f, until, router)
         while len(self.held) > MAX_HELD_ENDS:
             self.finished(self.held.popitem(last=False)[1][0])
 
@@ -228,12 +230,16 @@ class InstanceMetrics(Collector):
         self.finished(held[0]._replace(reason="stop") if finish == "stop" else held[0])
         return True
 
-    def expire(self, now: float, every: bool = False) -> None:
-        """Observe, as they are, the held ends whose wait has passed (``every``: all of them: the router that would
-        have answered is gone)."""
+    def expire(self, now: float, gone: Optional[Callable[[bytes], bool]] = None) -> None:
+        """Observe, as they are, the held ends whose wait has passed, and with ``gone`` every one whose router
+        connection it says is gone (a router restarted at its place: it will never answer; a router elsewhere
+        still will)."""
+        if gone is not None:
+            for key in [k for k, (_, _, router) in self.held.items() if gone(router)]:
+                self.finished(self.held.pop(key)[0])
         while self.held:
-            key, (f, until) = next(iter(self.held.items()))
-            if not every and until > now:
+            key, (f, until, _) = next(iter(self.held.items()))
+            if until > now:
                 return  # (held in order of their deadlines: each waits as long)
             del self.held[key]
             self.finished(f)

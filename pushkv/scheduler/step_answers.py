@@ -34,6 +34,10 @@ def take(core: "SchedulerCore", msg: "StepAnswer", frm: Peer) -> None:
     if failed:
         for r, _ in batch:
             r.in_step = False
+            if r.aborted:  # aborted, or failed already (its stream ended mid-step): told, nothing more to say
+                if not core._pinned_by_writers(r):  # (else freed once every writer has answered its cancel)
+                    core._release(r)
+                continue
             core._fail(r, f"forward step failed: {failed[0].reason}")
     else:
         _take_checksums(core, batch)

@@ -72,3 +72,24 @@ def test_decode_steps_at_most_max_num_seqs_in_the_order_the_kv_landed_and_counts
         assert s.metrics.snap.running <= 1
     assert order == ["d1"] * 3 + ["d0"] * 3  # each step one sequence; d1 to its end, then d0
     assert idle(s) and s.counters["requests_completed"] == 2
+
+
+def test_a_timed_out_step_of_two_requests_sharing_a_cached_prefix_frees_every_block_once_answered():
+    """Two requests decode in one step over the same cached prefix (their shared blocks held twice), and the step
+    times out: once the hung worker answers, each of their blocks is given back once for each request that held it.
+    The blocks of the step were freed as one list, which the prefix cache refuses where a block repeats ('given
+    twice'): the answer raised, and every block of that step was lost to the pool for good."""
+    s, wire = make(num_blocks=16)
+    generate(s, "warm", prompt(40))
+    run_all(s, wire)  # its prompt's two full blocks are cached
+    generate(s, "a", prompt(40), max_tokens=4)  # its prefill's step runs
+    generate(s, "b", prompt(40), max_tokens=4)  # came meanwhile
+    run_step(s, wire)  # a's first token: b is admitted and prefills beside a's decode
+    (step,) = [x for x in wire.take("worker") if isinstance(x, m.ExecuteStep)]
+    shared = set(s.reqs[("a", 0)].blocks) & set(s.reqs[("b", 0)].blocks)
+    assert len(step.seqs) == 2 and shared  # both in the step, over the same cached blocks
+    s.tick(s.now + s.cfg.timeouts.step_s + 1, 0.0)
+    assert not s.reqs and s.late_steps
+    deliver(s, s.workers[0], m.StepDone(step.step_id, (42, 42)))  # the hung worker answers at last
+    assert idle(s) and not s.late_steps
+    assert s.counters["late_step_blocks_freed"] == s.counters["late_step_blocks_held"] > 0

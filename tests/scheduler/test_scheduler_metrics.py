@@ -288,3 +288,25 @@ def test_prompt_tokens_by_source_as_vllm_counts_them():
     for w in d.writers:
         d.handle(m.KVReceived("t", 0, 42, nbytes=100, num_descs=1), w, 2.0, 2.0)
     assert by_source(d) == {"local_compute": 0, "local_cache_hit": 0, "external_kv_transfer": 3, "cached": 3}
+
+
+def test_a_router_elsewhere_leaves_the_other_routers_held_ends_to_its_word():
+    """A second router (another place: a replica, a rolling update's new pod) announces its epoch while the first
+    router's leg that ended by length waits for its word on a stop string: the first router is alive and still says
+    how its client's choice ended, so its held end waits for that word (counted stop), as its requests run on; a
+    restart at the first router's place releases what it held, as before."""
+    core = local_core()
+    a, b, a_again = Peer.router(b"router-a"), Peer.router(b"router-b"), Peer.router(b"router-a2")
+    core.handle(m.RouterEpoch(100, "10.0.0.9:8000"), a, 0.5, 0.5)
+    for tid in ("t", "u"):
+        core.handle(m.Generate(tid, 0, "local", (1, 2, 3), 3, stop_strings=True), a, 1.0, 1.0)
+        for t in (1.5, 1.6, 1.7):
+            step(core, t)
+    assert not core.reqs and ended(core)["e2e"] == 0  # both ends held for router a's word
+    core.handle(m.RouterEpoch(200, "10.0.0.10:8000"), b, 2.0, 2.0)  # router b starts elsewhere
+    assert ended(core)["e2e"] == 0
+    core.handle(m.ChoiceEnded("t", 0, "stop"), a, 2.5, 2.5)  # router a's word on t
+    assert ended(core) == {r: int(r == "stop") for r in REASONS} | {"e2e": 1}
+    assert core.counters["choice_end_unknown"] == 0
+    core.handle(m.RouterEpoch(300, "10.0.0.9:8000"), a_again, 3.0, 3.0)  # router a restarted: nobody will say of u
+    assert ended(core) == {"stop": 1, "length": 1, "abort": 0, "error": 0, "repetition": 0, "e2e": 2}

@@ -362,3 +362,42 @@ def test_step_timeout_mid_stream_ends_the_stream():
     assert s.counters["late_step_blocks_freed"] == s.counters["late_step_blocks_held"] > 0
 
 
+
+
+def test_a_stream_failed_mid_step_then_the_step_timing_out_fails_the_request_once():
+    """The writers end a stream (a peer gone) while its chunk computes: the request fails then (502) and waits for
+    the step; the step then times out. The router is told once, and the failure is counted once (it was told a
+    second time, 503, and counted twice)."""
+    s, wire, step = streaming()
+    for rank in range(2):
+        answer(s, rank, m.KVFailed("t1", 0, "peer gone"))
+    (failed,) = wire.take("router")
+    assert failed.status == 502
+    wire.take("writer")  # (each rank's failure cancels the other's part)
+    tick(s, s.now + s.cfg.timeouts.step_s + 1)
+    assert wire.take("router") == [] and s.counters["requests_failed"] == 1
+    assert not s.reqs and wire.take("writer") == []  # the stream is over: nothing to cancel
+    finish_step(s, step)  # the hung worker answers at last
+    assert all_free(s) and s.counters["late_step_blocks_freed"] == s.counters["late_step_blocks_held"] > 0
+
+
+@pytest.mark.parametrize("how", ["stream ended", "client gone"])
+def test_a_request_failed_or_aborted_mid_step_is_not_failed_again_by_the_step_failing(how):
+    """The request's stream ends (the router told 502) or the router aborts it while its chunk computes, and the
+    step then fails on the workers: the router is not told again (it was told 500 after its 502, or of a request it
+    had aborted itself), the failure is counted once, and the blocks are freed once nothing reads them."""
+    s, wire, step = streaming()
+    if how == "stream ended":
+        for rank in range(2):
+            answer(s, rank, m.KVFailed("t1", 0, "peer gone"))
+        (failed,) = wire.take("router")
+        assert failed.status == 502
+    else:
+        deliver(s, ROUTER, m.Abort("t1", 0, "client gone"))
+    wire.take("writer")
+    for ch in s.workers:
+        deliver(s, ch, m.StepFailed(step.step_id, "CUDA error"))
+    assert wire.take("router") == [] and s.counters["requests_failed"] == (how == "stream ended")
+    for rank in range(2) if how == "client gone" else ():  # the writers confirm the cancel: nothing reads them
+        answer(s, rank, m.KVFailed("t1", 0, "cancelled"))
+    assert all_free(s)
