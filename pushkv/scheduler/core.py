@@ -113,7 +113,9 @@ class SchedulerCore:
         self.max_stop_ids = limits.stop_ids_bound(cfg)
         self.newest: OrderedDict[str, int] = OrderedDict()  # newest accepted generation per transfer id
         self.router_epochs: dict[str, int] = {}  # the newest epoch of each router place (RouterEpoch.router)
-        self.router_places: dict[bytes, str] = {}  # each router connection's place, as its RouterEpoch said
+        # each router connection's place, as its RouterEpoch said; a connection is forgotten once another of its place
+        # has said its epoch (a router holds one connection to us: the one before is gone)
+        self.router_places: dict[bytes, str] = {}
         self.writer_counters: dict[int, dict[str, int]] = {}  # last WriterStats per rank
         self._stats_waiting: list[Peer] = []  # routers waiting for a Stats
         self._stats_fresh: set[int] = set()
@@ -428,13 +430,17 @@ class SchedulerCore:
         router, alive (a second replica, or a rolling update's old pod, draining): its requests are left alone. An
         older epoch than the place's is a router that was replaced."""
         place = msg.router
-        self.router_places[frm.identity] = place
         known = self.router_epochs.get(place, 0)
-        if msg.epoch <= known:
-            if msg.epoch < known:
-                self.counters["router_epoch_stale"] += 1
-                log.warning("%s: router epoch %d is older than %d: ignored", self.name, msg.epoch, known)
+        if msg.epoch < known:  # (its connection keeps its place: a live connection of no place would count as any)
+            self.router_places[frm.identity] = place
+            self.counters["router_epoch_stale"] += 1
+            log.warning("%s: router epoch %d is older than %d: ignored", self.name, msg.epoch, known)
             return
+        if msg.epoch == known:  # the same router on a new connection (it linked again): the one before is gone
+            self._forget_router_connections(place, frm.identity, idle_only=True)
+            self.router_places[frm.identity] = place
+            return
+        self.router_places[frm.identity] = place
         first = known == 0
         self.router_epochs[place] = msg.epoch
 
@@ -452,6 +458,16 @@ class SchedulerCore:
         for r in orphans:
             self.counters["router_epoch_aborted"] += 1
             self._abort(r, "router restarted (a new epoch)", notify=False)
+        self._forget_router_connections(place, frm.identity)  # (their requests aborted, their held ends observed)
+
+    def _forget_router_connections(self, place: str, keep: bytes, idle_only: bool = False) -> None:
+        """Forget the place of each router connection at ``place`` but ``keep`` (gone: that router's connection to
+        us is ``keep`` now), so that ``router_places`` holds no connection of a router that restarted or linked
+        again. ``idle_only``: only those holding no request and no held end (the same router's connection before,
+        whose requests were not aborted: they keep its place)."""
+        busy = {r.identity for r in self.reqs.values()} | self.metrics.held_routers() if idle_only else set()
+        for identity in [i for i, p in self.router_places.items() if p == place and i != keep and i not in busy]:
+            del self.router_places[identity]
 
     def on_PeerLost(self, msg: m.PeerLost, frm: Peer) -> None:
         """The router's news of a peer instance gone (or back as a new incarnation): our

@@ -230,6 +230,10 @@ class InstanceMetrics(Collector):
         self.finished(held[0]._replace(reason="stop") if finish == "stop" else held[0])
         return True
 
+    def held_routers(self) -> set[bytes]:
+        """The router connections whose word a held end waits for."""
+        return {router for _, _, router in self.held.values()}
+
     def expire(self, now: float, gone: Optional[Callable[[bytes], bool]] = None) -> None:
         """Observe, as they are, the held ends whose wait has passed, and with ``gone`` every one whose router
         connection it says is gone (a router restarted at its place: it will never answer; a router elsewhere

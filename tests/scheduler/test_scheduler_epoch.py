@@ -80,3 +80,33 @@ def test_a_router_elsewhere_leaves_the_other_routers_requests_alone():
     assert {r.transfer_id for r in s.reqs.values() if not r.aborted} == {"b1"}
     deliver(s, a, m.RouterEpoch(100, "10.0.0.9:8000"))  # a's old connection heard late
     assert s.counters["router_epoch_stale"] == 1
+
+
+def test_a_router_restarted_or_linked_again_leaves_no_connection_of_its_place_behind():
+    """Each router connection's place was kept for good: routers restarting often (or linking again) grew
+    ``router_places`` without end. A newer epoch at a place forgets the connections of the router before (once their
+    requests are aborted); the same epoch on a new connection forgets the idle connection it replaces."""
+    s, wire = make("decode", num_blocks=16)
+    b = Peer.router(b"router-b")
+    deliver(s, b, m.RouterEpoch(50, "10.0.0.10:8000"))
+    gen(s, b, "b1", "decode", prefill_here=True)
+    for n in range(1, 6):  # router a restarts where it served, five times
+        a = Peer.router(b"router-a%d" % n)
+        deliver(s, a, m.RouterEpoch(100 * n, "10.0.0.9:8000"))
+        gen(s, a, f"a{n}", "decode", prefill_here=True)
+        assert s.router_places == {b.identity: "10.0.0.10:8000", a.identity: "10.0.0.9:8000"}
+    assert s.counters["router_epoch_aborted"] == 4
+    b_again = Peer.router(b"router-b2")  # router b links again (the same epoch): its busy connection stays known
+    deliver(s, b_again, m.RouterEpoch(50, "10.0.0.10:8000"))
+    assert s.router_places[b.identity] == "10.0.0.10:8000"
+    deliver(s, a, m.Abort("a5", 0))
+    deliver(s, a, m.RouterEpoch(100, "10.0.0.9:8000"))  # an old epoch heard late changes nothing
+    assert s.counters["router_epoch_stale"] == 1 and s.counters["router_epoch_aborted"] == 4
+    assert {r.transfer_id for r in s.reqs.values() if not r.aborted} == {"b1"}
+    deliver(s, b, m.Abort("b1", 0))
+    while s.reqs:
+        step_done(s, wire, (7,) * len(s.step))
+    b_third = Peer.router(b"router-b3")  # b links again once more: the idle connections of before are forgotten
+    deliver(s, b_third, m.RouterEpoch(50, "10.0.0.10:8000"))
+    assert s.router_places == {b_third.identity: "10.0.0.10:8000", a.identity: "10.0.0.9:8000"}
+    assert all_free(s)
