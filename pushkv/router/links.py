@@ -11,6 +11,7 @@ from typing import Callable, Optional, cast
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from pushkv import messages as m
 from pushkv.framing import Drops, Shape, arecv_bounded
@@ -43,17 +44,44 @@ class SchedulerLink:
         self._on_message = on_message
         self._metrics = metrics
         self._task: Optional[asyncio.Task] = None
+        self._connects: Optional[asyncio.Task] = None  # says our epoch again on each new connection (``start``)
         self.last_stats: Optional[m.Stats] = None
 
     def start(self, epoch: int = 0, place: str = "") -> None:
         """Receive from now on; first tell the scheduler our epoch and where we serve (``messages.RouterEpoch``),
         so that it aborts what a router before us at this place left running."""
-        self._task = asyncio.get_running_loop().create_task(self._recv_loop(), name=f"recv-{self.role}")
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._recv_loop(), name=f"recv-{self.role}")
         if epoch:
-            try:
-                self.send(m.RouterEpoch(epoch, place))
-            except zmq.ZMQError as e:  # unlikely (a fresh queue): the old router's legs then end at their bounds
-                log.error("router epoch not sent to %s scheduler: %s", self.role, e)
+            # said again each time the link connects anew: a scheduler restarted at its address (fixed endpoints, no
+            # registry to hand us a new link) would not know our place, and would count our connection as of every
+            # place: another router restarting would make it abort our requests
+            monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED)
+            self._connects = loop.create_task(self._say_epoch_on_connect(monitor, m.RouterEpoch(epoch, place)),
+                                              name=f"epoch-{self.role}")
+            self._say_epoch(m.RouterEpoch(epoch, place))
+
+    def _say_epoch(self, msg: m.RouterEpoch) -> None:
+        try:
+            self.send(msg)
+        except zmq.ZMQError as e:  # unlikely (a fresh queue): the old router's legs then end at their bounds
+            log.error("router epoch not sent to %s scheduler: %s", self.role, e)
+
+    async def _say_epoch_on_connect(self, monitor: zmq.asyncio.Socket, msg: m.RouterEpoch) -> None:
+        """Our epoch again on each connection after the first (which carries the one ``start`` queued), ahead of
+        what we send after: the scheduler at the other end may be a new process."""
+        connects = 0
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] != zmq.EVENT_CONNECTED:
+                    continue
+                connects += 1
+                if connects > 1:
+                    log.info("%s scheduler link connected again: our epoch said again", self.role)
+                    self._say_epoch(msg)
+        finally:
+            monitor.close(0)
 
     def send(self, msg: m.Msg) -> None:
         """Queue ``msg`` without awaiting, so no cancellation can land mid-send.
@@ -158,10 +186,13 @@ class SchedulerLink:
         asyncio.get_running_loop().create_task(self.close())
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+        for task in (self._task, self._connects):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except (asyncio.CancelledError, Exception):
+                    pass
+        if self._connects is not None:
+            self.sock.disable_monitor()
         self.sock.close(0)

@@ -1,0 +1,58 @@
+"""A router's epoch reaches a scheduler that restarted at the same address (a single host's fixed endpoints, no
+registry to hand the router a new link): the link said its epoch once, at its start, so the restarted scheduler never
+learnt the router's place, counted that router's connection as of every place, and a second router restarting on the
+host made it abort the first router's requests (nobody told: each waited out its bound). The link now says its epoch
+again each time it connects anew, before anything it sends after.
+
+A real ROUTER socket stands for the scheduler (what the link talks to is only the socket: the core's side is
+tests/scheduler/test_scheduler_epoch.py)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from pushkv import messages as m
+from pushkv.router.links import SchedulerLink
+from pushkv.router.metrics import RouterMetrics
+
+pytestmark = pytest.mark.timeout(60)
+
+PLACE = "10.0.0.9:8000"
+
+
+async def _next(sock: zmq.asyncio.Socket) -> m.Msg:
+    frames = await asyncio.wait_for(sock.recv_multipart(), 10)
+    return m.DEC_ROUTER_TO_SCHED.decode(frames[-1])
+
+
+def test_the_link_says_its_epoch_again_to_a_scheduler_restarted_at_its_address(tmp_path):
+    endpoint = f"ipc://{tmp_path}/sched.sock"
+
+    async def body() -> None:
+        ctx = zmq.asyncio.Context()
+        sched = ctx.socket(zmq.ROUTER)
+        sched.setsockopt(zmq.LINGER, 0)
+        sched.bind(endpoint)
+        link = SchedulerLink(ctx, "decode", endpoint, lambda role, msg: None, RouterMetrics("push"))
+        try:
+            link.start(123, PLACE)
+            assert await _next(sched) == m.RouterEpoch(123, PLACE)
+            link.send(m.GetStats())
+            assert await _next(sched) == m.GetStats()
+            sched.close(0)  # the scheduler restarts at the same address
+            sched = ctx.socket(zmq.ROUTER)
+            sched.setsockopt(zmq.LINGER, 0)
+            sched.bind(endpoint)
+            # before: nothing came (the link's next message arrived from a connection of no place)
+            assert await _next(sched) == m.RouterEpoch(123, PLACE)
+            link.send(m.GetStats())
+            assert await _next(sched) == m.GetStats()
+        finally:
+            await link.close()
+            sched.close(0)
+            ctx.term()
+
+    asyncio.run(asyncio.wait_for(body(), 40))
