@@ -57,7 +57,7 @@ class SchedulerLink:
             # registry to hand us a new link) would not know our place, and would count our connection as of every
             # place: another router restarting would make it abort our requests
             monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED)
-            self._connects = loop.create_task(self._say_epoch_on_connect(monitor, m.RouterEpoch(epoch, place)),
+            self._connects = loop.create_task(self._say_epoch_on_connect(monitor, m.RouterEpoch(epoch, place, True)),
                                               name=f"epoch-{self.role}")
             self._say_epoch(m.RouterEpoch(epoch, place))
 
@@ -68,17 +68,14 @@ class SchedulerLink:
             log.error("router epoch not sent to %s scheduler: %s", self.role, e)
 
     async def _say_epoch_on_connect(self, monitor: zmq.asyncio.Socket, msg: m.RouterEpoch) -> None:
-        """Our epoch again on each connection after the first (which carries the one ``start`` queued), ahead of
-        what we send after: the scheduler at the other end may be a new process."""
-        connects = 0
+        """Our epoch again on each connection, ahead of what we send after: the scheduler at the other end may be a
+        new process. (The first connection may come before the monitor watches: it carries the epoch ``start``
+        queued, and then this one too, which the scheduler takes as the same router's.)"""
         try:
             while True:
                 event = parse_monitor_message(await monitor.recv_multipart())
-                if event["event"] != zmq.EVENT_CONNECTED:
-                    continue
-                connects += 1
-                if connects > 1:
-                    log.info("%s scheduler link connected again: our epoch said again", self.role)
+                if event["event"] == zmq.EVENT_CONNECTED:
+                    log.debug("%s scheduler link connected: our epoch said again", self.role)
                     self._say_epoch(msg)
         finally:
             monitor.close(0)

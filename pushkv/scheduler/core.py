@@ -428,7 +428,8 @@ class SchedulerCore:
         never said its place) are orphans (their client's connection went with the router before), so they are
         aborted and their blocks freed now, not after decoding to max_tokens. A router at another place is another
         router, alive (a second replica, or a rolling update's old pod, draining): its requests are left alone. An
-        older epoch than the place's is a router that was replaced."""
+        older epoch than the place's is a router that was replaced. An epoch said again on a new connection (``again``:
+        we may have restarted) takes no connection of no place for one of its own."""
         place = msg.router
         known = self.router_epochs.get(place, 0)
         if msg.epoch < known:  # (its connection keeps its place: a live connection of no place would count as any)
@@ -445,7 +446,11 @@ class SchedulerCore:
         self.router_epochs[place] = msg.epoch
 
         def gone(identity: bytes) -> bool:  # a connection of the router before, at this place (or of no place)
-            return identity != frm.identity and self.router_places.get(identity, place) == place
+            if identity in self.router_places:
+                return identity != frm.identity and self.router_places[identity] == place
+            # (said again: the router linked to us anew; a connection of no place may be another router's whose
+            # epoch said again has yet to come, after what it sent before)
+            return identity != frm.identity and not msg.again
 
         # the router that would have said how its held ends ended is gone; a router elsewhere still will
         self.metrics.expire(self.now, gone)

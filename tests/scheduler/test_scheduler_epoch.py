@@ -110,3 +110,26 @@ def test_a_router_restarted_or_linked_again_leaves_no_connection_of_its_place_be
     deliver(s, b_third, m.RouterEpoch(50, "10.0.0.10:8000"))
     assert s.router_places == {b_third.identity: "10.0.0.10:8000", a.identity: "10.0.0.9:8000"}
     assert all_free(s)
+
+
+def test_a_restarted_scheduler_learns_each_routers_place_again_and_aborts_only_a_restarted_ones():
+    """Two routers on one host (fixed endpoints, no registry), the scheduler restarted: it knew neither's place, so
+    whichever epoch came first took the other's requests for orphans. Each router's link says its epoch again on
+    connecting anew (``again``); what a router sent before its epoch said again is not taken for another's orphan,
+    and a router restarted later aborts only its own life before's requests."""
+    s, wire = make("decode", num_blocks=16)  # the restarted scheduler
+    a, b = Peer.router(b"router-a"), Peer.router(b"router-b")
+    gen(s, a, "a1", "decode", prefill_here=True)  # queued by router a while the scheduler was down
+    deliver(s, b, m.RouterEpoch(200, "/run/router-b.sock", again=True))  # before: a1 aborted
+    gen(s, b, "b1", "decode", prefill_here=True)
+    deliver(s, a, m.RouterEpoch(100, "/run/router-a.sock", again=True))
+    assert s.counters["router_epoch_aborted"] == 0
+    assert {r.transfer_id for r in s.reqs.values() if not r.aborted} == {"a1", "b1"}
+    a_again = Peer.router(b"router-a2")  # router a restarted: its orphan goes, b's stays
+    deliver(s, a_again, m.RouterEpoch(300, "/run/router-a.sock"))
+    assert s.counters["router_epoch_aborted"] == 1
+    assert {r.transfer_id for r in s.reqs.values() if not r.aborted} == {"b1"}
+    deliver(s, b, m.Abort("b1", 0))
+    while s.reqs:
+        step_done(s, wire, (7,) * len(s.step))
+    assert all_free(s)
