@@ -204,6 +204,25 @@ def check_tokenizer(model: ModelConfig, flag: str) -> None:
                      "has one (the base model's, for a fine-tune), or --skip-tokenizer-init to take token-id prompts")
 
 
+def check_max_model_len(max_len: Optional[int], model: ModelConfig, where: str = "--max-model-len") -> None:
+    """ValueError unless ``max_len`` (None: unsaid) fits ``model``: within its longest sequence, and, past vLLM 0.32's
+    derived length (YaRN's max_position_embeddings), only with VLLM_ALLOW_LONG_MAX_MODEL_LEN=1. ``where``: the flag
+    or the config file's field that said it, as the refusal names it."""
+    if max_len is None:
+        return
+    from pushkv.model.rope import max_position_text
+
+    if not 1 <= max_len <= model.max_position:
+        raise ValueError(f"{where} {max_len} must be in [1, {model.max_position}]: the model's longest "
+                         f"sequence ({max_position_text(model.max_position, model.rope_scaling)})")
+    derived = model.derived_max_len  # vLLM 0.32's, below the YaRN length: longer only with its env var
+    if derived and max_len > derived and not envs.VLLM_ALLOW_LONG_MAX_MODEL_LEN:
+        raise ValueError(f"{where} {max_len} is greater than the derived max_model_len "
+                         f"(max_position_embeddings={derived} in the model's config.json, which vLLM does not stretch "
+                         f"by YaRN's factor); as vLLM's, set the env var VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 to serve up "
+                         f"to {model.max_position} ({max_position_text(model.max_position, model.rope_scaling)})")
+
+
 def deprecations(flags: Mapping[str, Any]) -> list[str]:
     """One line per old spelling the flags use (each still works), saying the new one."""
     out = []
@@ -339,30 +358,21 @@ def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = 
         names = [given_name]
         aliases = [n for n in (model.name, model.checkpoint) if n and n != given_name]
     model = msgspec.structs.replace(model, lora=lora_config(flags, model, [*(names or [model.name]), *aliases]))
-    max_len = f("max_model_len")
-    if max_len is not None and not 1 <= max_len <= model.max_position:
-        from pushkv.model.rope import max_position_text
-
-        raise ValueError(f"--max-model-len {max_len} must be in [1, {model.max_position}]: the model's longest "
-                         f"sequence ({max_position_text(model.max_position, model.rope_scaling)})")
-    derived = model.derived_max_len  # vLLM 0.32's, below the YaRN length: longer only with its env var
-    if derived and max_len is not None and max_len > derived and not envs.VLLM_ALLOW_LONG_MAX_MODEL_LEN:
-        from pushkv.model.rope import max_position_text
-
-        raise ValueError(f"--max-model-len {max_len} is greater than the derived max_model_len "
-                         f"(max_position_embeddings={derived} in the model's config.json, which vLLM does not stretch "
-                         f"by YaRN's factor); as vLLM's, set the env var VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 to serve up "
-                         f"to {model.max_position} ({max_position_text(model.max_position, model.rope_scaling)})")
+    given = f("max_model_len")
+    # the length the deployment ends with, wherever it is said: the flag, else the --config file's (0 there: unsaid)
+    max_len, where = (given, "--max-model-len") if given is not None else (
+        cfg.max_model_len or None, f"max_model_len (--config {path})")
+    check_max_model_len(max_len, model, where)
     if f("disable_sliding_window") and model.sliding_window:
         # vLLM's: every layer attends to the whole context, which is capped at the window (within it, the window's
         # attention and the whole context's are the same)
         window = model.sliding_window
         if max_len is not None and max_len > window:
-            raise ValueError(f"--max-model-len {max_len} with --disable-sliding-window: the context is capped at the "
+            raise ValueError(f"{where} {max_len} with --disable-sliding-window: the context is capped at the "
                              f"sliding window, {window} tokens")
         max_len = max_len or window
         model = msgspec.structs.replace(model, sliding_window=0, window_layers=())
-    if max_len is None and not cfg.max_model_len and model.derived_max_len:
+    if max_len is None and model.derived_max_len:
         max_len = model.derived_max_len  # vLLM's default: the derived length, not the YaRN-stretched one
     tp = f("tensor_parallel_size") or f("tp")  # --tp: the deprecated spelling
     sizes = dict(max_num_seqs=f("max_num_seqs"), max_batch_tokens=f("max_batch_tokens"),
