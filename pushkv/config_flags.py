@@ -269,19 +269,20 @@ def weights_note(model: ModelConfig) -> str:
             "its tokens mean nothing")
 
 
-def chat_template_text(given: str) -> str:
-    """``--chat-template``, as vLLM takes it: a file's path, or the Jinja template itself; compiled
-    here, so a broken one is refused before anything starts."""
+def chat_template_text(given: str, where: str = "--chat-template") -> str:
+    """``--chat-template`` (or a ``--config`` file's chat_template: ``where`` names it), as vLLM takes it: a file's
+    path, or the Jinja template itself; compiled here, so a broken one is refused before anything starts."""
     if os.path.isfile(given):
         with open(given, encoding="utf-8") as f:
             source = f.read()
     elif "{{" in given or "{%" in given:
         source = given
     else:
-        raise ValueError(f"--chat-template {given!r}: no such file, and not a Jinja template either")
+        raise ValueError(f"{where} {given!r}: no such file, and not a Jinja template either")
     from pushkv.router.chat import ChatTemplate
 
-    ChatTemplate(source, name=given if len(given) < 80 else "--chat-template")  # ValueError if it does not compile
+    # ValueError if it does not compile, naming the flag's template (a short one itself), or the file's field
+    ChatTemplate(source, name=where if where != "--chat-template" or len(given) >= 80 else given)
     return source
 
 
@@ -384,7 +385,8 @@ def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = 
         # a host of several (--role) serves on its advertised address unless --host says otherwise
         host=f("host") or (f("role") and f("advertise")), port=f("port"), metrics_port=f("metrics_port"),
         uds=_path(f("uds")), root_path=f("root_path"), otlp_traces_endpoint=f("otlp_traces_endpoint"),
-        kv_events=kv_events.parse_config(events) if (events := f("kv_events_config")) else None,
+        kv_events=kv_events.parse_config(events) if (events := f("kv_events_config")) else
+        kv_events.checked(cfg.kv_events, f"kv_events (--config {path})") if path else None,
         skip_tokenizer_init=True if f("skip_tokenizer_init") else None,
         force_include_usage=True if f("enable_force_include_usage") else None,
         return_tokens_as_token_ids=True if f("return_tokens_as_token_ids") else None,
@@ -401,7 +403,8 @@ def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = 
         cors_origins=f("allowed_origins"), cors_methods=f("allowed_methods"), cors_headers=f("allowed_headers"),
         cors_credentials=True if f("allow_credentials") else None,
         push_pin_fraction=f("push_pin_fraction"), gpu_memory_utilization=f("gpu_memory_utilization"),
-        chat_template=chat_template_text(template) if (template := f("chat_template")) else None,
+        chat_template=chat_template_text(template) if (template := f("chat_template")) else
+        chat_template_text(cfg.chat_template, f"chat_template (--config {path})") if cfg.chat_template else None,
         reasoning_parser=f("reasoning_parser"), tool_call_parser=tool_parser(flags),
         writer_warm=f("writer_warm"), writer_post_thread=f("writer_post_thread"),
         link_window=f("link_window"), link_window_mib=f("link_window_mib"), link_order=f("link_order"),
