@@ -358,7 +358,16 @@ def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = 
         # vLLM's default: the --model string as given; the directory's name and path still answer, unlisted
         names = [given_name]
         aliases = [n for n in (model.name, model.checkpoint) if n and n != given_name]
-    model = msgspec.structs.replace(model, lora=lora_config(flags, model, [*(names or [model.name]), *aliases]))
+    served = [*(names or [model.name]), *aliases]
+    if cfg.model.lora.enabled and not f("enable_lora"):  # the --config file's adapters, read as the flags' are
+        try:
+            lora = lora_config({**flags, **{k: v for k, v in lora_flags(cfg.model.lora).items() if f(k) is None}},
+                               model, served)
+        except ValueError as e:
+            raise ValueError(f"model.lora (--config {path}): {e}") from None
+    else:
+        lora = lora_config(flags, model, served)
+    model = msgspec.structs.replace(model, lora=lora)
     given = f("max_model_len")
     # the length the deployment ends with, wherever it is said: the flag, else the --config file's (0 there: unsaid)
     max_len, where = (given, "--max-model-len") if given is not None else (
@@ -450,6 +459,14 @@ def lora_modules(given: list[str]) -> list[LoraModule]:
             raise ValueError(f"--lora-modules {item!r}: NAME=PATH, or a JSON object with name and path")
         out.append(LoraModule(name, path))
     return out
+
+
+def lora_flags(lora: LoraConfig) -> dict[str, Any]:
+    """A config file's LoraConfig as the flags that say it (each adapter in the JSON form, its path as given)."""
+    return {"enable_lora": True, "max_loras": lora.max_loras, "max_lora_rank": lora.max_rank,
+            "lora_modules": [json.dumps({"name": m.name, "path": m.given or m.path,
+                                         **({"base_model_name": m.base_model_name} if m.base_model_name else {})})
+                             for m in lora.modules]}
 
 
 def lora_config(flags: Mapping[str, Any], model: ModelConfig, served: list[str]) -> LoraConfig:
