@@ -7,7 +7,7 @@ import json
 import pytest
 
 from pushkv.config import LoraModule
-from pushkv.config_flags import lora_modules
+from pushkv.lora_flags import lora_modules
 from pushkv.model import build_model
 from pushkv.model.lora_files import read_adapter
 from tests.config.test_vllm_serve import config
