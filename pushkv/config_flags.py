@@ -23,8 +23,6 @@ from pushkv.config import (
     TRACE_AUTO,
     DeploymentConfig,
     InstanceConfig,
-    LoraConfig,
-    LoraModule,
     ModelConfig,
     config_from_builtins,
     json_object,
@@ -33,6 +31,7 @@ from pushkv.config import (
 from pushkv.cuda_driver import capability as gpu_capability
 from pushkv.cuda_driver import device_count
 from pushkv.kinds import ToolCallParser
+from pushkv.lora_flags import lora_config, lora_flags
 from pushkv.model import generation
 from pushkv.protocol import kv_events
 
@@ -204,6 +203,25 @@ def check_tokenizer(model: ModelConfig, flag: str) -> None:
                      "has one (the base model's, for a fine-tune), or --skip-tokenizer-init to take token-id prompts")
 
 
+def check_max_model_len(max_len: Optional[int], model: ModelConfig, where: str = "--max-model-len") -> None:
+    """ValueError unless ``max_len`` (None: unsaid) fits ``model``: within its longest sequence, and, past vLLM 0.32's
+    derived length (YaRN's max_position_embeddings), only with VLLM_ALLOW_LONG_MAX_MODEL_LEN=1. ``where``: the flag
+    or the config file's field that said it, as the refusal names it."""
+    if max_len is None:
+        return
+    from pushkv.model.rope import max_position_text
+
+    if not 1 <= max_len <= model.max_position:
+        raise ValueError(f"{where} {max_len} must be in [1, {model.max_position}]: the model's longest "
+                         f"sequence ({max_position_text(model.max_position, model.rope_scaling)})")
+    derived = model.derived_max_len  # vLLM 0.32's, below the YaRN length: longer only with its env var
+    if derived and max_len > derived and not envs.VLLM_ALLOW_LONG_MAX_MODEL_LEN:
+        raise ValueError(f"{where} {max_len} is greater than the derived max_model_len "
+                         f"(max_position_embeddings={derived} in the model's config.json, which vLLM does not stretch "
+                         f"by YaRN's factor); as vLLM's, set the env var VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 to serve up "
+                         f"to {model.max_position} ({max_position_text(model.max_position, model.rope_scaling)})")
+
+
 def deprecations(flags: Mapping[str, Any]) -> list[str]:
     """One line per old spelling the flags use (each still works), saying the new one."""
     out = []
@@ -250,19 +268,20 @@ def weights_note(model: ModelConfig) -> str:
             "its tokens mean nothing")
 
 
-def chat_template_text(given: str) -> str:
-    """``--chat-template``, as vLLM takes it: a file's path, or the Jinja template itself; compiled
-    here, so a broken one is refused before anything starts."""
+def chat_template_text(given: str, where: str = "--chat-template") -> str:
+    """``--chat-template`` (or a ``--config`` file's chat_template: ``where`` names it), as vLLM takes it: a file's
+    path, or the Jinja template itself; compiled here, so a broken one is refused before anything starts."""
     if os.path.isfile(given):
         with open(given, encoding="utf-8") as f:
             source = f.read()
     elif "{{" in given or "{%" in given:
         source = given
     else:
-        raise ValueError(f"--chat-template {given!r}: no such file, and not a Jinja template either")
+        raise ValueError(f"{where} {given!r}: no such file, and not a Jinja template either")
     from pushkv.router.chat import ChatTemplate
 
-    ChatTemplate(source, name=given if len(given) < 80 else "--chat-template")  # ValueError if it does not compile
+    # ValueError if it does not compile, naming the flag's template (a short one itself), or the file's field
+    ChatTemplate(source, name=where if where != "--chat-template" or len(given) >= 80 else given)
     return source
 
 
@@ -338,31 +357,31 @@ def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = 
         # vLLM's default: the --model string as given; the directory's name and path still answer, unlisted
         names = [given_name]
         aliases = [n for n in (model.name, model.checkpoint) if n and n != given_name]
-    model = msgspec.structs.replace(model, lora=lora_config(flags, model, [*(names or [model.name]), *aliases]))
-    max_len = f("max_model_len")
-    if max_len is not None and not 1 <= max_len <= model.max_position:
-        from pushkv.model.rope import max_position_text
-
-        raise ValueError(f"--max-model-len {max_len} must be in [1, {model.max_position}]: the model's longest "
-                         f"sequence ({max_position_text(model.max_position, model.rope_scaling)})")
-    derived = model.derived_max_len  # vLLM 0.32's, below the YaRN length: longer only with its env var
-    if derived and max_len is not None and max_len > derived and not envs.VLLM_ALLOW_LONG_MAX_MODEL_LEN:
-        from pushkv.model.rope import max_position_text
-
-        raise ValueError(f"--max-model-len {max_len} is greater than the derived max_model_len "
-                         f"(max_position_embeddings={derived} in the model's config.json, which vLLM does not stretch "
-                         f"by YaRN's factor); as vLLM's, set the env var VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 to serve up "
-                         f"to {model.max_position} ({max_position_text(model.max_position, model.rope_scaling)})")
+    served = [*(names or [model.name]), *aliases]
+    if cfg.model.lora.enabled and not f("enable_lora"):  # the --config file's adapters, read as the flags' are
+        try:
+            lora = lora_config({**flags, **{k: v for k, v in lora_flags(cfg.model.lora).items() if f(k) is None}},
+                               model, served)
+        except ValueError as e:
+            raise ValueError(f"model.lora (--config {path}): {e}") from None
+    else:
+        lora = lora_config(flags, model, served)
+    model = msgspec.structs.replace(model, lora=lora)
+    given = f("max_model_len")
+    # the length the deployment ends with, wherever it is said: the flag, else the --config file's (0 there: unsaid)
+    max_len, where = (given, "--max-model-len") if given is not None else (
+        cfg.max_model_len or None, f"max_model_len (--config {path})")
+    check_max_model_len(max_len, model, where)
     if f("disable_sliding_window") and model.sliding_window:
         # vLLM's: every layer attends to the whole context, which is capped at the window (within it, the window's
         # attention and the whole context's are the same)
         window = model.sliding_window
         if max_len is not None and max_len > window:
-            raise ValueError(f"--max-model-len {max_len} with --disable-sliding-window: the context is capped at the "
+            raise ValueError(f"{where} {max_len} with --disable-sliding-window: the context is capped at the "
                              f"sliding window, {window} tokens")
         max_len = max_len or window
         model = msgspec.structs.replace(model, sliding_window=0, window_layers=())
-    if max_len is None and not cfg.max_model_len and model.derived_max_len:
+    if max_len is None and model.derived_max_len:
         max_len = model.derived_max_len  # vLLM's default: the derived length, not the YaRN-stretched one
     tp = f("tensor_parallel_size") or f("tp")  # --tp: the deprecated spelling
     sizes = dict(max_num_seqs=f("max_num_seqs"), max_batch_tokens=f("max_batch_tokens"),
@@ -374,7 +393,8 @@ def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = 
         # a host of several (--role) serves on its advertised address unless --host says otherwise
         host=f("host") or (f("role") and f("advertise")), port=f("port"), metrics_port=f("metrics_port"),
         uds=_path(f("uds")), root_path=f("root_path"), otlp_traces_endpoint=f("otlp_traces_endpoint"),
-        kv_events=kv_events.parse_config(events) if (events := f("kv_events_config")) else None,
+        kv_events=kv_events.parse_config(events) if (events := f("kv_events_config")) else
+        kv_events.checked(cfg.kv_events, f"kv_events (--config {path})") if path else None,
         skip_tokenizer_init=True if f("skip_tokenizer_init") else None,
         force_include_usage=True if f("enable_force_include_usage") else None,
         return_tokens_as_token_ids=True if f("return_tokens_as_token_ids") else None,
@@ -391,7 +411,8 @@ def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = 
         cors_origins=f("allowed_origins"), cors_methods=f("allowed_methods"), cors_headers=f("allowed_headers"),
         cors_credentials=True if f("allow_credentials") else None,
         push_pin_fraction=f("push_pin_fraction"), gpu_memory_utilization=f("gpu_memory_utilization"),
-        chat_template=chat_template_text(template) if (template := f("chat_template")) else None,
+        chat_template=chat_template_text(template) if (template := f("chat_template")) else
+        chat_template_text(cfg.chat_template, f"chat_template (--config {path})") if cfg.chat_template else None,
         reasoning_parser=f("reasoning_parser"), tool_call_parser=tool_parser(flags),
         writer_warm=f("writer_warm"), writer_post_thread=f("writer_post_thread"),
         link_window=f("link_window"), link_window_mib=f("link_window_mib"), link_order=f("link_order"),
@@ -414,62 +435,6 @@ def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = 
     if cfg.uds:
         uds.check_free(cfg.uds)  # too long, in no directory, on a file that is no socket or a live one: refused now
     return _pool_sizes(cfg, flags)
-
-
-def lora_modules(given: list[str]) -> list[LoraModule]:
-    """vLLM's --lora-modules: each NAME=PATH, or a JSON object with name, path and (optionally) base_model_name and
-    is_3d_lora_weight (vLLM's MoE expert layout: taken, the experts' adapters being refused by lora_files anyway); an
-    empty item is skipped, as vLLM's LoRAParserAction skips it."""
-    out = []
-    for item in given:
-        if not item:
-            continue
-        if item.lstrip().startswith("{"):
-            obj = json_object(item, "--lora-modules", "name, path and base_model_name")
-            unknown = set(obj) - {"name", "path", "base_model_name", "is_3d_lora_weight"}
-            if unknown or not all(isinstance(obj.get(k), str) and obj.get(k) for k in ("name", "path")):
-                raise ValueError(f"--lora-modules {item}: a JSON object of name, path (strings) and base_model_name"
-                                 + (f", not {sorted(unknown)}" if unknown else ""))
-            out.append(LoraModule(obj["name"], obj["path"], str(obj.get("base_model_name") or "")))
-            continue
-        name, eq, path = item.partition("=")
-        if not eq or not name or not path:
-            raise ValueError(f"--lora-modules {item!r}: NAME=PATH, or a JSON object with name and path")
-        out.append(LoraModule(name, path))
-    return out
-
-
-def lora_config(flags: Mapping[str, Any], model: ModelConfig, served: list[str]) -> LoraConfig:
-    """vLLM's --enable-lora, --lora-modules, --max-loras and --max-lora-rank as a LoraConfig, each adapter's path
-    resolved (a Hub id through huggingface_hub) and its files checked against the model now (lora_files.py)."""
-    f = flags.get
-    given = f("lora_modules") or []
-    enabled = bool(f("enable_lora"))
-    if not enabled:
-        for flag in ("lora_modules", "max_loras", "max_lora_rank"):
-            if f(flag) is not None:
-                raise ValueError(f"--{flag.replace('_', '-')} needs --enable-lora")
-        return LoraConfig()
-    given_loras, given_rank = f("max_loras"), f("max_lora_rank")
-    max_loras = 1 if given_loras is None else int(given_loras)
-    max_rank = 16 if given_rank is None else int(given_rank)
-    if max_loras < 1 or max_rank < 1:
-        raise ValueError(f"--max-loras {max_loras} and --max-lora-rank {max_rank} are positive")
-    cpu_loras = f("vllm_max_cpu_loras")  # no effect here, but vLLM's LoRAConfig refuses it below --max-loras
-    if cpu_loras is not None and int(cpu_loras) < max_loras:
-        raise ValueError(f"--max-cpu-loras ({cpu_loras}) must be >= --max-loras ({max_loras}), as vLLM's")
-    from pushkv.model.lora_files import resolve_adapter
-
-    modules: list[LoraModule] = []
-    for mod in lora_modules(given):
-        if mod.name in served or any(mod.name == other.name for other in modules):
-            raise ValueError(f"--lora-modules {mod.name}: the name is given twice, or is the served model's")
-        if mod.base_model_name and mod.base_model_name not in served:
-            raise ValueError(f"--lora-modules {mod.name}: base_model_name {mod.base_model_name!r} is not served "
-                             f"(served: {served})")
-        path = resolve_adapter(mod.name, mod.path, model, max_rank, f("download_dir"))
-        modules.append(msgspec.structs.replace(mod, path=path, given=mod.path))
-    return LoraConfig(True, tuple(modules), max_loras, max_rank)
 
 
 def _path(given: Optional[str]) -> Optional[str]:

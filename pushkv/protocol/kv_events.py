@@ -99,14 +99,20 @@ def parse_config(text: str) -> KVEventsConfig:
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise ValueError(f"--kv-events-config {text!r}: {e} (vLLM's KVEventsConfig fields: "
                          f"{', '.join(KVEventsConfig.__struct_fields__)})") from None
+    return checked(cfg)
+
+
+def checked(cfg: KVEventsConfig, where: str = "--kv-events-config") -> KVEventsConfig:
+    """``cfg``, refused by name (``where``: the flag, or the config file's field that gave it) where an endpoint is
+    none pushkv can bind or connect (tcp, ipc, inproc), or a bound is below 1."""
     for name, ep in (("endpoint", cfg.endpoint), ("replay_endpoint", cfg.replay_endpoint)):
         if ep is not None and not ep.startswith(("tcp://", "ipc://", "inproc://")):
-            raise ValueError(f"--kv-events-config {name} {ep!r}: a ZeroMQ endpoint (tcp://*:5557, ipc://PATH)")
+            raise ValueError(f"{where} {name} {ep!r}: a ZeroMQ endpoint (tcp://*:5557, ipc://PATH)")
         if ep is not None and ep.startswith("tcp://") and not ep.rsplit(":", 1)[-1].isdigit():
-            raise ValueError(f"--kv-events-config {name} {ep!r}: a tcp endpoint names its port (tcp://*:5557)")
+            raise ValueError(f"{where} {name} {ep!r}: a tcp endpoint names its port (tcp://*:5557)")
     for name in ("buffer_steps", "hwm"):
         if getattr(cfg, name) < 1:
-            raise ValueError(f"--kv-events-config {name} {getattr(cfg, name)} must be >= 1")
+            raise ValueError(f"{where} {name} {getattr(cfg, name)} must be >= 1")
     return cfg
 
 

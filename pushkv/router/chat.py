@@ -34,7 +34,7 @@ import msgspec
 
 from pushkv import limits as L
 from pushkv.model.tokenizer import special_tokens
-from pushkv.router import api, reasoning, structured, text, tool_calls
+from pushkv.router import api, reasoning, structured, text, tool_calls, tool_choice
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 ADDITIONAL_TEMPLATES = "additional_chat_templates"  # transformers' directory of named templates (tool_use.jinja)
@@ -285,10 +285,10 @@ def forced_choice(body: dict, tools: list[dict]) -> Optional[tuple[str, dict]]:
         raise api.bad("tool_choice", "a forced tool_choice needs every tool to be a function with a name")
     if choice == "required":
         try:
-            schema = tool_calls.forced_schema(tools, parallel=api.get_bool(body, "parallel_tool_calls", True))
+            schema = tool_choice.forced_schema(tools, parallel=api.get_bool(body, "parallel_tool_calls", True))
         except ValueError as e:
             raise api.bad("tools", str(e)) from None
-        return tool_calls.REQUIRED, schema
+        return tool_choice.REQUIRED, schema
     fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str):
@@ -296,7 +296,7 @@ def forced_choice(body: dict, tools: list[dict]) -> Optional[tuple[str, dict]]:
                                      "\"function\": {\"name\": ...}}")
     if name not in names:
         raise api.bad("tool_choice", f"tool_choice names {name!r}, which is not one of the tools")
-    return tool_calls.NAMED + name, tool_calls.forced_schema(tools, name)
+    return tool_choice.NAMED + name, tool_choice.forced_schema(tools, name)
 
 
 def render_request(template: ChatTemplate, body: dict, messages: list[dict], tools: list[dict]) -> str:

@@ -11,7 +11,7 @@ from typing import ClassVar, Optional, Protocol, Sequence
 
 from pushkv.messages import PromptLogprobs, TokenLogprob
 from pushkv.prompt_logprobs import Position, positions
-from pushkv.router import reasoning, tool_calls
+from pushkv.router import reasoning, tool_calls, tool_choice
 from pushkv.router.api import CompletionParams
 from pushkv.router.output import ChoiceOutput, Delta, StopReason
 from pushkv.router.text import IncrementalDecoder, Tokenizer
@@ -190,11 +190,11 @@ class ChatRenderer(Renderer):
         if self.tools:
             content, calls = tool_calls.parse(content or "", parser, self.params.tools)
             calls = calls if self.params.parallel_tool_calls else calls[:1]  # vLLM's: false keeps the first
-            if tool_calls.forced(parser):  # vLLM's forced choice: its output is calls, its content ""
+            if tool_choice.forced(parser):  # vLLM's forced choice: its output is calls, its content ""
                 content = content or ""
         if self.params.echo_text:  # vLLM's echo: the continued message first
             content = self.params.echo_text + (content or "")
-        body = chat_choice(out.index, content, _finish(out.finish_reason, bool(calls) and tool_calls.ends_with_calls(
+        body = chat_choice(out.index, content, _finish(out.finish_reason, bool(calls) and tool_choice.ends_with_calls(
             parser)), lp, out.stop_reason)
         if self.params.return_token_ids and not self.hide_reasoning:  # vLLM's: the choice's output ids
             body["token_ids"] = out.token_ids
@@ -264,7 +264,7 @@ class ChatRenderer(Renderer):
             d["content"] = text
         if calls:
             d["tool_calls"] = calls
-        called = bool(self.tools) and self.tools[i].calls > 0 and tool_calls.ends_with_calls(
+        called = bool(self.tools) and self.tools[i].calls > 0 and tool_choice.ends_with_calls(
             self.params.tool_call_parser)
         choice = chat_chunk_choice(i, d, _finish(delta.finish_reason, called), self.logprobs(i, delta),
                                    delta.stop_reason)

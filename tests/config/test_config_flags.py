@@ -121,3 +121,41 @@ def test_every_mode_flag_is_a_flag_of_up():
     args = cli.build_parser().parse_args(["up"])
     assert set(_MODE_FLAGS) <= set(vars(args))
     assert all(getattr(args, k) is None for k in _MODE_FLAGS)  # not given: nothing said
+
+
+@pytest.mark.parametrize("file, needle", [
+    ({"decode": {"max_num_seqs": 0}}, r"decode instance: max_num_seqs \(--max-num-seqs\) must be >= 1, got 0"),
+    ({"prefill": {"max_batch_tokens": 0}}, r"prefill instance: max_batch_tokens \(--max-batch-tokens\) must be >= 1"),
+    ({"mode": "local", "local": {"max_num_seqs": 0}}, r"local instance: max_num_seqs .* must be >= 1, got 0"),
+    ({"model": {"name": "tiny", "dtype": "int8"}}, r"model dtype 'int8' unsupported"),
+    ({"model": "tiny", "decode": {"tp": 3}}, r"decode instance: tp=3 cannot shard model 'tiny': num_heads=4"),
+    ({"chat_template": "{% if %}"}, r"chat template 'chat_template \(--config .*d.json\)' does not compile"),
+    ({"chat_template": "no/such/template.jinja"},
+     r"chat_template \(--config .*d.json\) 'no/such/template.jinja': no such file, and not a Jinja template either"),
+    ({"kv_events": {"enable_kv_cache_events": True, "endpoint": "http://x:1"}},
+     r"kv_events \(--config .*d.json\) endpoint 'http://x:1': a ZeroMQ endpoint"),
+    ({"kv_events": {"buffer_steps": 0}}, r"kv_events \(--config .*d.json\) buffer_steps 0 must be >= 1"),
+])
+def test_a_config_file_is_refused_where_the_flags_are(tmp_path, file, needle):
+    """What ``pushkv up`` refuses from a flag (a zero step size, an unknown dtype, a TP size the heads do not split
+    into, a chat template that does not compile or is no file, a KV-events endpoint no socket takes) is refused from
+    a ``--config`` file too, per side and per instance, before anything starts: the file's chat template and KV-events
+    settings went unchecked to the router and the schedulers."""
+    import json
+
+    f = tmp_path / "d.json"
+    f.write_text(json.dumps(file))
+    ports = iter(range(20000, 21000))
+    with pytest.raises(ValueError, match=needle):
+        plan_deployment(from_argv("--config", str(f)), pick_port=lambda: next(ports), run_root=str(tmp_path))
+
+
+def test_a_config_files_chat_template_is_read_as_the_flags_is(tmp_path):
+    """A file's chat_template may be the template or its file's path, as --chat-template: the text is what travels."""
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    f = tmp_path / "d.json"
+    f.write_text(f'{{"chat_template": "{template}"}}')
+    assert from_argv("--config", str(f)).chat_template == template.read_text()
+    f.write_text('{"chat_template": "{{ messages }}"}')
+    assert from_argv("--config", str(f)).chat_template == "{{ messages }}"

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from pushkv.config import LoraModule
-from pushkv.config_flags import lora_modules
+from pushkv.lora_flags import lora_modules
 from pushkv.model import build_model
 from pushkv.model.lora_files import read_adapter
 from tests.config.test_vllm_serve import config
@@ -85,3 +85,29 @@ def test_the_models_list_gives_each_adapters_path_as_given(llama, monkeypatch):
     assert mod.path == qv and mod.given == "qv"  # the workers read the resolved directory
     card = Loras(cfg, lambda: None).cards(0, 128, "m")[0]
     assert (card["id"], card["root"], card["parent"]) == ("qv", "qv", "m")
+
+
+def test_a_config_files_adapters_are_served_and_checked_as_the_flags_are(llama, tmp_path):
+    """A --config file's model.lora was dropped without a word (every start replaced it with --enable-lora's, off
+    without the flag), its adapters never read nor checked. Now they are served, checked as --lora-modules' are, and
+    refused naming the file; the flags still win where given."""
+    base, qv = llama
+    f = tmp_path / "d.json"
+
+    def from_file(**lora) -> object:
+        f.write_text(json.dumps({"model": {"lora": {"enabled": True, "modules": [{"name": "qv", "path": qv}],
+                                                    **lora}}}))
+        return config("--config", str(f), "--model", base, "--served-model-name", "m")
+
+    got = from_file(max_loras=2).model.lora
+    assert (got.enabled, got.max_loras, got.max_rank, [(m.name, m.path) for m in got.modules]) == \
+        (True, 2, 16, [("qv", qv)])
+    with pytest.raises(ValueError, match=rf"model.lora \(--config {f}\): .*r 4 is past --max-lora-rank 2"):
+        from_file(max_rank=2)
+    with pytest.raises(ValueError, match=r"model.lora \(--config .*\): --max-loras 0 and --max-lora-rank 16 are "
+                                         "positive"):
+        from_file(max_loras=0)
+    with pytest.raises(ValueError):
+        from_file(max_rank=2)  # the file says 2 ...
+    assert config("--config", str(f), "--model", base, "--served-model-name", "m", "--max-lora-rank", "8",
+                  ).model.lora.max_rank == 8  # ... and the flag's 8 wins

@@ -413,3 +413,51 @@ def test_a_checkpoint_without_tokenizer_json_is_refused_before_anything_starts(c
         config("--model", ckpt, "--tokenizer", ft)
     assert config("--model", ft, "--tokenizer", ckpt).model.tokenizer == ckpt  # the base model's tokenizer
     assert config("--model", ft, "--skip-tokenizer-init").skip_tokenizer_init
+
+
+@pytest.mark.parametrize("suffix", ["json", "toml"])
+def test_a_config_files_max_model_len_is_checked_as_the_flags_is(ckpt, tmp_path, monkeypatch, suffix):
+    """A ``--config`` file's max_model_len was taken unchecked: past the model's longest sequence, past YaRN's derived
+    length without VLLM_ALLOW_LONG_MAX_MODEL_LEN=1, or negative, it reached the processes. Now it is refused as
+    --max-model-len is, naming the file; the flag still wins over the file."""
+    import json
+
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+
+    def from_file(length: int, *flags: str) -> DeploymentConfig:
+        f = tmp_path / f"d.{suffix}"
+        f.write_text(json.dumps({"max_model_len": length}) if suffix == "json" else f"max_model_len = {length}\n")
+        return config("--config", str(f), "--model", ckpt, *flags)
+
+    where = f"max_model_len (--config {tmp_path / f'd.{suffix}'})"
+    assert from_file(300).max_model_len == 300
+    for bad in (100000, -1):
+        with pytest.raises(ValueError) as e:
+            from_file(bad)
+        assert str(e.value) == f"{where} {bad} must be in [1, 512]: the model's longest sequence " \
+                               "(max_position_embeddings 512)"
+    assert from_file(100000, "--max-model-len", "400").max_model_len == 400  # the flag's, checked as before
+    yarn = ("--hf-overrides", json.dumps({"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                            "original_max_position_embeddings": 256}}))
+    assert from_file(512, *yarn).max_model_len == 512
+    with pytest.raises(ValueError) as e:
+        from_file(1024, *yarn)
+    assert str(e.value).startswith(f"{where} 1024 is greater than the derived max_model_len "
+                                   "(max_position_embeddings=512") and "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1" in str(e.value)
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    assert from_file(1024, *yarn).max_model_len == 1024
+    with pytest.raises(ValueError, match=r"must be in \[1, 1024\]"):
+        from_file(1025, *yarn)
+
+
+def test_a_config_files_max_model_len_past_the_sliding_window_is_refused_with_disable_sliding_window(tmp_path):
+    """--disable-sliding-window caps the context at the window; a --config file's longer max_model_len was kept."""
+    f = tmp_path / "d.json"
+    f.write_text('{"max_model_len": 100}')
+    base = ("--model", "hybrid", "--load-format", "dummy", "--disable-sliding-window")
+    with pytest.raises(ValueError, match=r"max_model_len \(--config .*d.json\) 100 with --disable-sliding-window: "
+                                         "the context is capped at the sliding window, 48 tokens"):
+        config("--config", str(f), *base)
+    f.write_text('{"max_model_len": 40}')
+    assert config("--config", str(f), *base).max_model_len == 40
+    assert config(*base).max_model_len == 48

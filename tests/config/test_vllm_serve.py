@@ -283,3 +283,24 @@ def test_vllm_logging_config_path_is_the_log_config_files_default(tmp_path, monk
     monkeypatch.setenv("VLLM_LOGGING_CONFIG_PATH", str(tmp_path / "missing.json"))
     with pytest.raises(ValueError, match="VLLM_LOGGING_CONFIG_PATH .*missing.json: No such file"):
         config("tiny", "--load-format", "dummy")
+
+
+def test_a_vllm_config_yamls_values_are_checked_as_the_command_lines(tmp_path):
+    """vLLM's --config YAML becomes flags, so what the command line refuses it refuses alike: a max-model-len past the
+    model's, a zero max-num-seqs (at planning, as for the flag)."""
+    from pushkv.supervisor.plan import plan_deployment
+
+    path = tmp_path / "serve.yaml"
+
+    def from_yaml(text: str):
+        path.write_text("model: tiny\nload-format: dummy\n" + text)
+        argv = vllm_serve.expand_config(["up", "--config", str(path)])
+        ports = iter(range(20000, 21000))
+        return plan_deployment(user_config(vars(cli.build_parser().parse_args(argv)), NO_GPU),
+                               pick_port=lambda: next(ports), run_root=str(tmp_path))
+
+    assert from_yaml("max-model-len: 4096\n").max_model_len == 4096
+    with pytest.raises(ValueError, match=r"^--max-model-len 100000 must be in \[1, 8192\]"):
+        from_yaml("max-model-len: 100000\n")
+    with pytest.raises(ValueError, match=r"max_num_seqs \(--max-num-seqs\) must be >= 1, got 0"):
+        from_yaml("max-num-seqs: 0\n")
