@@ -358,7 +358,7 @@ def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = 
         names = [given_name]
         aliases = [n for n in (model.name, model.checkpoint) if n and n != given_name]
     served = [*(names or [model.name]), *aliases]
-    if cfg.model.lora.enabled and not f("enable_lora"):  # the --config file's adapters, read as the flags' are
+    if cfg.model.lora.enabled:  # the --config file's adapters, read as the flags' are (a flag given wins)
         try:
             lora = lora_config({**flags, **{k: v for k, v in lora_flags(cfg.model.lora).items() if f(k) is None}},
                                model, served)

@@ -111,3 +111,14 @@ def test_a_config_files_adapters_are_served_and_checked_as_the_flags_are(llama, 
         from_file(max_rank=2)  # the file says 2 ...
     assert config("--config", str(f), "--model", base, "--served-model-name", "m", "--max-lora-rank", "8",
                   ).model.lora.max_rank == 8  # ... and the flag's 8 wins
+
+
+def test_enable_lora_on_the_command_line_keeps_the_config_files_adapters(llama, tmp_path):
+    """--enable-lora beside a --config file whose model.lora lists adapters dropped the file's adapters and its
+    max_loras (the file's model.lora was read only without the flag): the flag says no adapter, so the file's stand."""
+    base, qv = llama
+    f = tmp_path / "d.json"
+    f.write_text(json.dumps({"model": {"lora": {"enabled": True, "modules": [{"name": "qv", "path": qv}],
+                                                "max_loras": 3}}}))
+    got = config("--config", str(f), "--model", base, "--served-model-name", "m", "--enable-lora").model.lora
+    assert (got.enabled, got.max_loras, [(m.name, m.path) for m in got.modules]) == (True, 3, [("qv", qv)])
