@@ -76,9 +76,20 @@ class SchedulerLink:
                 event = parse_monitor_message(await monitor.recv_multipart())
                 if event["event"] == zmq.EVENT_CONNECTED:
                     log.debug("%s scheduler link connected: our epoch said again", self.role)
-                    self._say_epoch(msg)
+                    await self._say_epoch_again(msg)
         finally:
             monitor.close(0)
+
+    async def _say_epoch_again(self, msg: m.RouterEpoch) -> None:
+        """``msg`` queued once there is room: what we queued while the scheduler was away may fill the queue up to
+        its bound when it connects (a ``send`` then refuses it, and the scheduler never learns our place)."""
+        data = m.encode(msg)
+        if self.tracer is not None:
+            self.tracer.msg("send", self.peer, msg, data)
+        try:
+            await self.sock.send(data)
+        except zmq.ZMQError as e:
+            log.error("router epoch not said again to %s scheduler: %s", self.role, e)
 
     def send(self, msg: m.Msg) -> None:
         """Queue ``msg`` without awaiting, so no cancellation can land mid-send.

@@ -9,6 +9,7 @@ tests/scheduler/test_scheduler_epoch.py)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 import zmq
@@ -61,6 +62,60 @@ def test_the_link_says_its_epoch_again_to_a_scheduler_restarted_at_its_address(t
             link.send(m.GetStats())
             assert await _epochs_then_stats(sched) == [m.GetStats()]
         finally:
+            await link.close()
+            sched.close(0)
+            ctx.term()
+
+    asyncio.run(asyncio.wait_for(body(), 40))
+
+
+def test_the_epoch_is_said_again_behind_a_queue_filled_while_the_scheduler_was_away(tmp_path):
+    """What the router queued while the scheduler was away filled the link's queue to its bound: on connecting anew
+    the epoch said again was refused (zmq.Again, logged) while that queue drained, so the scheduler heard the queued
+    requests and never our place. It now waits for room, behind them."""
+    endpoint = f"ipc://{tmp_path}/sched.sock"
+
+    async def body() -> None:
+        ctx = zmq.asyncio.Context()
+        sched = ctx.socket(zmq.ROUTER)
+        sched.setsockopt(zmq.LINGER, 0)
+        sched.bind(endpoint)
+        link = SchedulerLink(ctx, "decode", endpoint, lambda role, msg: None, RouterMetrics("push"))
+        seen = asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        class Seen(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                if "epoch said again" in record.getMessage():
+                    loop.call_soon_threadsafe(seen.set)
+
+        handler, links_log = Seen(logging.DEBUG), logging.getLogger("pushkv.router.links")
+        links_log.addHandler(handler)
+        level = links_log.level
+        links_log.setLevel(logging.DEBUG)
+        try:
+            link.start(123, PLACE)
+            link.send(m.GetStats())
+            await _epochs_then_stats(sched)
+            seen.clear()
+            sched.close(0)  # the scheduler goes away; the router queues until the queue is full
+            queued = 0
+            with pytest.raises(zmq.Again):
+                while True:
+                    link.send(m.Generate(f"t{queued}", 0, "decode", tuple(range(2000)), 5))
+                    queued += 1
+            sched = ctx.socket(zmq.ROUTER)
+            sched.setsockopt(zmq.LINGER, 0)
+            sched.bind(endpoint)
+            await asyncio.wait_for(seen.wait(), 10)  # the link saw the connection before the scheduler read a thing
+            heard = [await _next(sched)]  # (those sent before the link saw the old connection go are lost)
+            while not isinstance(heard[-1], m.RouterEpoch):
+                heard.append(await _next(sched))
+            assert heard[-1] == m.RouterEpoch(123, PLACE, again=True)
+            assert heard[:-1] and all(isinstance(x, m.Generate) for x in heard[:-1]), heard[-3:]
+        finally:
+            links_log.removeHandler(handler)
+            links_log.setLevel(level)
             await link.close()
             sched.close(0)
             ctx.term()
