@@ -338,9 +338,9 @@ class RouterEpoch(Msg, frozen=True):
     hears a newer epoch from a router at that place aborts every request another connection of that
     place sent (the router before a restart: nobody will read those tokens) and frees their blocks;
     a router elsewhere (a second replica, a rolling update's new pod beside the old one, which is
-    still draining) is left alone; an older epoch is counted and ignored. ``again``: said again on a new connection
-    (the scheduler may have restarted): a connection that never said its place is then not taken for one of this
-    place (another router's, whose epoch said again may come next)."""
+    still draining) is left alone; an older epoch is counted and ignored. A connection that has not
+    said its place is no orphan of any. ``again``: said again on a new connection (the scheduler may
+    have restarted); the scheduler logs it and treats it as any epoch."""
 
     epoch: int
     router: str = ""

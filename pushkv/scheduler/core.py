@@ -424,15 +424,18 @@ class SchedulerCore:
             self.counters["choice_end_unknown"] += 1  # (held past its wait, or its instance restarted)
 
     def on_RouterEpoch(self, msg: m.RouterEpoch, frm: Peer) -> None:
-        """A router (re)started at its place: the requests any other connection of that place sent (or one that
-        never said its place) are orphans (their client's connection went with the router before), so they are
-        aborted and their blocks freed now, not after decoding to max_tokens. A router at another place is another
-        router, alive (a second replica, or a rolling update's old pod, draining): its requests are left alone. An
-        older epoch than the place's is a router that was replaced. An epoch said again on a new connection (``again``:
-        we may have restarted) takes no connection of no place for one of its own."""
+        """A router (re)started at its place: the requests any other connection of that place sent are orphans
+        (their client's connection went with the router before), so they are aborted and their blocks freed now, not
+        after decoding to max_tokens. A router at another place is another router, alive (a second replica, or a
+        rolling update's old pod, draining): its requests are left alone. An older epoch than the place's is a router
+        that was replaced. A connection that has not said its place yet (a router's queued requests reach a
+        restarted scheduler ahead of its epoch said again, ``again``) is no orphan."""
         place = msg.router
         known = self.router_epochs.get(place, 0)
-        if msg.epoch < known:  # (its connection keeps its place: a live connection of no place would count as any)
+        if msg.again:
+            log.info("%s: router epoch %d said again from %s (the router linked anew)", self.name, msg.epoch,
+                     place or "its place")
+        if msg.epoch < known:  # (its connection keeps its place)
             self.router_places[frm.identity] = place
             self.counters["router_epoch_stale"] += 1
             log.warning("%s: router epoch %d is older than %d: ignored", self.name, msg.epoch, known)
@@ -445,12 +448,10 @@ class SchedulerCore:
         first = known == 0
         self.router_epochs[place] = msg.epoch
 
-        def gone(identity: bytes) -> bool:  # a connection of the router before, at this place (or of no place)
-            if identity in self.router_places:
-                return identity != frm.identity and self.router_places[identity] == place
-            # (said again: the router linked to us anew; a connection of no place may be another router's whose
-            # epoch said again has yet to come, after what it sent before)
-            return identity != frm.identity and not msg.again
+        def gone(identity: bytes) -> bool:  # a connection of the router before, at this place
+            # a connection of no place is not taken for one: every router says its epoch first on each connection,
+            # so one of no place is a router whose epoch said again (we restarted) comes after what it queued
+            return identity != frm.identity and self.router_places.get(identity) == place
 
         # the router that would have said how its held ends ended is gone; a router elsewhere still will
         self.metrics.expire(self.now, gone)

@@ -41,9 +41,10 @@ def test_decode_aborts_the_old_routers_legs_running_and_queued_and_frees_their_b
 
 def test_prefill_aborts_the_old_routers_legs_and_keeps_the_new_ones():
     s, wire = make("prefill", num_blocks=8)
+    deliver(s, OLD, m.RouterEpoch(1))
     gen(s, OLD, "a", "prefill")  # prefilling
     gen(s, OLD, "b", "prefill", prompt=tuple(range(1, 100)))  # queued (7 blocks)
-    deliver(s, NEW, m.RouterEpoch(1))  # the first epoch heard: every other router's work is an orphan
+    deliver(s, NEW, m.RouterEpoch(2))  # the router restarted where it served: its life before's work is an orphan
     assert s.counters["router_epoch_aborted"] == 2
     step_done(s, wire, (42,))  # "a"'s step ends: aborted, nothing more is handed to the writers
     cancels = [x for x in wire.take("writer") if not isinstance(x, m.StreamKV)]
@@ -133,3 +134,16 @@ def test_a_restarted_scheduler_learns_each_routers_place_again_and_aborts_only_a
     while s.reqs:
         step_done(s, wire, (7,) * len(s.step))
     assert all_free(s)
+
+
+def test_a_router_starting_beside_a_restarted_scheduler_leaves_another_routers_queued_requests_alone():
+    """The scheduler and router a restart together (a host's services restarted); router b, alive, had queued a
+    request while the scheduler was down, which its link delivers ahead of its epoch said again. Router a's fresh
+    epoch took b's connection, of no place yet, for the router before's and aborted b1 without a word to b."""
+    s, wire = make("decode", num_blocks=16)  # the restarted scheduler
+    a, b = Peer.router(b"router-a"), Peer.router(b"router-b")
+    gen(s, b, "b1", "decode", prefill_here=True)  # b's, queued while the scheduler was down
+    deliver(s, a, m.RouterEpoch(300, "/run/router-a.sock"))  # a, started afresh
+    deliver(s, b, m.RouterEpoch(200, "/run/router-b.sock", again=True))
+    assert s.counters["router_epoch_aborted"] == 0
+    assert {r.transfer_id for r in s.reqs.values() if not r.aborted} == {"b1"}

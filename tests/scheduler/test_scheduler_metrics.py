@@ -207,13 +207,14 @@ def test_a_held_end_is_counted_stop_by_the_routers_abort_for_a_stop_string_match
 
 def test_an_end_by_a_stop_id_is_counted_at_once_and_a_new_router_releases_the_held_ones():
     core = local_core()
+    core.handle(m.RouterEpoch(1), ROUTER, 0.5, 0.5)
     core.handle(m.Generate("s", 0, "local", (1, 2, 3), 3, stop_token_ids=(7,), stop_strings=True), ROUTER, 1.0, 1.0)
     step(core, 1.5, tok=7)
     assert ended(core)["stop"] == 1
     core.handle(m.Generate("t", 0, "local", (1, 2, 3), 1, stop_strings=True), ROUTER, 2.0, 2.0)
     step(core, 2.5)
     assert ended(core)["length"] == 0
-    core.handle(m.RouterEpoch(2), Peer.router(b"router2"), 3.0, 3.0)  # the router that would say is gone
+    core.handle(m.RouterEpoch(2), Peer.router(b"router2"), 3.0, 3.0)  # it restarted: the router that would say is gone
     assert ended(core)["length"] == 1
 
 
