@@ -24,6 +24,14 @@ pytestmark = pytest.mark.timeout(60)
 PLACE = "10.0.0.9:8000"
 
 
+def _scheduler_at(ctx: zmq.asyncio.Context, endpoint: str) -> zmq.asyncio.Socket:
+    """The scheduler's socket, bound (again, where it restarts) at ``endpoint``."""
+    sched = ctx.socket(zmq.ROUTER)
+    sched.setsockopt(zmq.LINGER, 0)
+    sched.bind(endpoint)
+    return sched
+
+
 async def _next(sock: zmq.asyncio.Socket) -> m.Msg:
     frames = await asyncio.wait_for(sock.recv_multipart(), 10)
     return m.DEC_ROUTER_TO_SCHED.decode(frames[-1])
@@ -42,9 +50,7 @@ def test_the_link_says_its_epoch_again_to_a_scheduler_restarted_at_its_address(t
 
     async def body() -> None:
         ctx = zmq.asyncio.Context()
-        sched = ctx.socket(zmq.ROUTER)
-        sched.setsockopt(zmq.LINGER, 0)
-        sched.bind(endpoint)
+        sched = _scheduler_at(ctx, endpoint)
         link = SchedulerLink(ctx, "decode", endpoint, lambda role, msg: None, RouterMetrics("push"))
         try:
             link.start(123, PLACE)
@@ -54,9 +60,7 @@ def test_the_link_says_its_epoch_again_to_a_scheduler_restarted_at_its_address(t
             assert heard[0] == m.RouterEpoch(123, PLACE) and heard[-1] == m.GetStats()
             assert heard[1:-1] in ([], [m.RouterEpoch(123, PLACE, again=True)]), heard
             sched.close(0)  # the scheduler restarts at the same address
-            sched = ctx.socket(zmq.ROUTER)
-            sched.setsockopt(zmq.LINGER, 0)
-            sched.bind(endpoint)
+            sched = _scheduler_at(ctx, endpoint)
             # before: nothing came (the link's next message arrived from a connection of no place)
             assert await _next(sched) == m.RouterEpoch(123, PLACE, again=True)
             link.send(m.GetStats())
@@ -77,9 +81,7 @@ def test_the_epoch_is_said_again_behind_a_queue_filled_while_the_scheduler_was_a
 
     async def body() -> None:
         ctx = zmq.asyncio.Context()
-        sched = ctx.socket(zmq.ROUTER)
-        sched.setsockopt(zmq.LINGER, 0)
-        sched.bind(endpoint)
+        sched = _scheduler_at(ctx, endpoint)
         link = SchedulerLink(ctx, "decode", endpoint, lambda role, msg: None, RouterMetrics("push"))
         seen = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -104,9 +106,7 @@ def test_the_epoch_is_said_again_behind_a_queue_filled_while_the_scheduler_was_a
                 while True:
                     link.send(m.Generate(f"t{queued}", 0, "decode", tuple(range(2000)), 5))
                     queued += 1
-            sched = ctx.socket(zmq.ROUTER)
-            sched.setsockopt(zmq.LINGER, 0)
-            sched.bind(endpoint)
+            sched = _scheduler_at(ctx, endpoint)
             await asyncio.wait_for(seen.wait(), 10)  # the link saw the connection before the scheduler read a thing
             heard = [await _next(sched)]  # (those sent before the link saw the old connection go are lost)
             while not isinstance(heard[-1], m.RouterEpoch):
