@@ -17,11 +17,8 @@ import os
 import sys
 import tempfile
 import threading
-import time
-import urllib.request
 
-from prometheus_client.parser import text_string_to_metric_families
-
+from experiments.gauge_sampling import sampled, scraper
 from tools.launch import launched
 from tools.layout_report import prompt
 
@@ -48,34 +45,14 @@ def main(argv: list[str]) -> None:
         inst = dep.cfg.instance(role)
         url = f"http://{dep.cfg.metrics_host()}:{inst.metrics_port}/metrics"
 
-        def scrape() -> dict[str, float]:
-            with urllib.request.urlopen(url, timeout=10) as r:
-                return {s.name: s.value for f in text_string_to_metric_families(r.read().decode()) for s in f.samples
-                        if not s.labels.get("le")}
-
+        scrape = scraper(url)
         dep.tokens(prompt(8, 7), 2)  # warm the engine; its TTFT is taken off below
         base = scrape()
-        done = threading.Event()
-        running: list[float] = []
-
-        def poll() -> None:
-            while not done.is_set():
-                running.append(scrape()["vllm:num_requests_running"])
-                time.sleep(SCRAPE_S)  # sampling a gauge, not synchronising
-
-        poller = threading.Thread(target=poll)
-        poller.start()
-        t0 = time.monotonic()
-        ts = [threading.Thread(target=dep.tokens, args=(p, max_tokens)) for p in prompts]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-        wall = time.monotonic() - t0
-        done.set()
-        poller.join()
+        load = [threading.Thread(target=dep.tokens, args=(p, max_tokens)) for p in prompts]
+        wall, reads = sampled(load, scrape, SCRAPE_S)
         s = scrape()
         st = dep.wait_pools_free()
+    running = [r["vllm:num_requests_running"] for r in reads]
     ttft = s["vllm:time_to_first_token_seconds_sum"] - base["vllm:time_to_first_token_seconds_sum"]
     count = s["vllm:time_to_first_token_seconds_count"] - base["vllm:time_to_first_token_seconds_count"]
     print(json.dumps({"mode": mode, "num_blocks": nblocks, "prompts": n, "prompt_len": length, "chunk": chunk,

@@ -13,11 +13,8 @@ import json
 import sys
 import tempfile
 import threading
-import time
-import urllib.request
 
-from prometheus_client.parser import text_string_to_metric_families
-
+from experiments.gauge_sampling import sampled, scraper
 from tools.launch import launched
 
 SCRAPE_S = 0.05
@@ -33,21 +30,8 @@ def main(argv: list[str]) -> None:
         inst = next(i for i in dep.cfg.instances() if i.role in ("local", "decode"))
         url = f"http://{dep.cfg.metrics_host()}:{inst.metrics_port}/metrics"
 
-        def scrape() -> dict[str, float]:
-            with urllib.request.urlopen(url, timeout=10) as r:
-                return {s.name: s.value for f in text_string_to_metric_families(r.read().decode()) for s in f.samples}
-
-        done = threading.Event()
-        running: list[float] = []
-        usage: list[float] = []
+        scrape = scraper(url)
         lens: list[int] = []
-
-        def poll() -> None:
-            while not done.is_set():
-                s = scrape()
-                running.append(s["vllm:num_requests_running"])
-                usage.append(s["vllm:kv_cache_usage_perc"])
-                time.sleep(SCRAPE_S)  # sampling a gauge, not synchronising
 
         def one(i: int) -> None:
             msg = {"role": "user", "content": f"chat {i} " * (1 + i % 5)}
@@ -55,18 +39,11 @@ def main(argv: list[str]) -> None:
             assert status == 200, body
             lens.append(body["usage"]["completion_tokens"])
 
-        t0 = time.monotonic()
         chats = [threading.Thread(target=one, args=(i,)) for i in range(n)]
-        poller = threading.Thread(target=poll)
-        poller.start()
-        for t in chats:
-            t.start()
-        for t in chats:
-            t.join()
-        wall = time.monotonic() - t0
-        done.set()
-        poller.join()
+        wall, reads = sampled(chats, scrape, SCRAPE_S)
         s = scrape()
+    running = [r["vllm:num_requests_running"] for r in reads]
+    usage = [r["vllm:kv_cache_usage_perc"] for r in reads]
     print(json.dumps({"mode": mode, "num_blocks": nblocks, "max_model_len": maxlen, "chats": n, "early": early,
                       "wall_s": round(wall, 2), "max_running": max(running),
                       "mean_running": round(sum(running) / len(running), 2),
