@@ -219,6 +219,12 @@ def _is_writer(cmdline: str) -> bool:
     return "pushkv.vllm.writer" in cmdline or "pushkv-vllm-writer" in cmdline  # its process title
 
 
+def _writer_lines(log_path: str, last: int = 40) -> str:
+    """P's connector's last words on its writer (a failed restart test shows them: its folder goes)."""
+    lines = [ln.rstrip() for ln in open(log_path, errors="replace") if "writer" in ln]
+    return "\n".join(lines[-last:])
+
+
 def _writer_of(server):
     kids = psutil.Process(server.proc.pid).children(recursive=True)
     ws = [k for k in kids if _is_writer(" ".join(k.cmdline()))]
@@ -266,7 +272,7 @@ def test_killing_prefill_writer_fails_inflight_then_recovers(deployment):
                 break
         except (AssertionError, psutil.Error):
             pass
-        assert time.monotonic() < deadline, "P's writer was not restarted"
+        assert time.monotonic() < deadline, f"P's writer was not restarted; P's log ends:\n{_writer_lines(p.log_path)}"
         time.sleep(0.2)
     ok = 0
     deadline = time.monotonic() + 60
@@ -464,7 +470,7 @@ def test_prefill_writer_dying_mid_stream_fails_the_request_and_frees_every_block
                 break
         except (AssertionError, psutil.Error):
             pass
-        assert time.monotonic() < deadline, "P's writer was not restarted"
+        assert time.monotonic() < deadline, f"P's writer was not restarted; P's log ends:\n{_writer_lines(p.log_path)}"
         time.sleep(0.2)
     _all_free(p, dec)  # every block free on both sides, nothing running or waiting
     p_log = open(p.log_path).read()
