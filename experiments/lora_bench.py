@@ -15,11 +15,13 @@ import functools
 import json
 import os
 import tempfile
+import typing
 
 import msgspec
 import torch
 
 from pushkv.config import LoraConfig, LoraModule, preset
+from pushkv.kinds import MaxLoraRank
 from pushkv.messages import SeqWork
 from pushkv.model import lora
 from pushkv.model.build import build_model
@@ -56,7 +58,7 @@ def write_adapter(cfg, path: str, rank: int) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen3-8b")
-    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--rank", type=int, default=16, choices=typing.get_args(MaxLoraRank))  # --max-lora-rank's
     ap.add_argument("--adapters", type=int, default=1, help="adapters the bank holds (copies of the one written); "
                     "the steps run through the first")
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])

@@ -1,6 +1,6 @@
 """TTFT with tracing off, on (no tap) and on with pushkv tap attached.
 
-``python -m experiments.trace_overhead --mode push --rounds 30``
+``python -m experiments.trace_overhead --mode push --rounds 30`` (a line of progress on stderr as each round ends)
 
 Three deployments run side by side and each round sends the same prompt to
 each of them in a shuffled order, so whatever else loads the machine hits
@@ -17,7 +17,9 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from contextlib import ExitStack
+from typing import Callable, TextIO
 
 import numpy as np
 
@@ -31,6 +33,35 @@ def ttft_s(dep, prompt: list[int], max_tokens: int = 8) -> float:
     return tl["router.first_token"] - tl["router.arrival"]
 
 
+def run_rounds(deps: dict, rounds: int, rng: random.Random, ttft: Callable = ttft_s, progress: TextIO = sys.stderr
+               ) -> tuple[dict, dict]:
+    """``rounds`` rounds over the deployments of ``deps`` (one per variant): the sequential TTFTs by (variant, prompt
+    length) and the bursts' by variant; a line of progress for each round on ``progress``, as it ends (a run takes
+    minutes before its table)."""
+    seq: dict = {(v, n): [] for v in VARIANTS for n in (256, 1024)}
+    burst: dict = {v: [] for v in VARIANTS}
+    start = time.monotonic()
+    for r in range(rounds):
+        for n in (256, 1024):
+            p = [rng.randrange(256) for _ in range(n)]
+            for v in rng.sample(VARIANTS, len(VARIANTS)):
+                seq[(v, n)].append(ttft(deps[v], p))
+        ps = [[rng.randrange(256) for _ in range(256)] for _ in range(8)]
+        for v in rng.sample(VARIANTS, len(VARIANTS)):
+            out: list = [None] * 8
+            ts = [threading.Thread(target=lambda i=i, v=v, out=out, ps=ps: out.__setitem__(i, ttft(deps[v], ps[i], 16)))
+                  for i in range(8)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            burst[v].extend(out)
+        medians = "  ".join(f"{v} {np.median(seq[(v, 256)]) * 1e3:.2f}" for v in VARIANTS)
+        print(f"round {r + 1}/{rounds} ({time.monotonic() - start:.0f} s): sequential 256-token TTFT median ms so far: "
+              f"{medians}", file=progress, flush=True)
+    return seq, burst
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="trace_overhead", description=__doc__.split("\n\n")[0])
     ap.add_argument("--mode", default="push", choices=("push", "pull"))
@@ -38,8 +69,6 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="small")
     args = ap.parse_args(argv)
     rng = random.Random(0)
-    seq: dict = {(v, n): [] for v in VARIANTS for n in (256, 1024)}
-    burst: dict = {v: [] for v in VARIANTS}
     with ExitStack() as st:
         deps, regs = {}, {}
         for v in VARIANTS:
@@ -56,21 +85,7 @@ def main(argv=None) -> int:
         for v in VARIANTS:  # warm-up
             for n in (256, 1024):
                 ttft_s(deps[v], [rng.randrange(256) for _ in range(n)])
-        for _ in range(args.rounds):
-            for n in (256, 1024):
-                p = [rng.randrange(256) for _ in range(n)]
-                for v in rng.sample(VARIANTS, len(VARIANTS)):
-                    seq[(v, n)].append(ttft_s(deps[v], p))
-            ps = [[rng.randrange(256) for _ in range(256)] for _ in range(8)]
-            for v in rng.sample(VARIANTS, len(VARIANTS)):
-                out: list = [None] * 8
-                ts = [threading.Thread(target=lambda i=i, v=v: out.__setitem__(i, ttft_s(deps[v], ps[i], 16)))
-                      for i in range(8)]
-                for t in ts:
-                    t.start()
-                for t in ts:
-                    t.join()
-                burst[v].extend(out)
+        seq, burst = run_rounds(deps, args.rounds, rng)
     print(f"mode={args.mode} rounds={args.rounds} model={args.model}  TTFT ms (router arrival -> first token)")
     rows = [(f"sequential {n:4d} tokens", {v: seq[(v, n)] for v in VARIANTS}) for n in (256, 1024)]
     rows.append(("burst of 8 x 256 tokens", burst))

@@ -30,6 +30,7 @@ from pushkv.kinds import (
     HostRole,
     KVVerify,
     LinkOrder,
+    MaxLoraRank,
     Mode,
     PullRead,
     PushStream,
@@ -188,8 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: none)")
     mod.add_argument("--max-loras", type=int, metavar="N",
                      help="adapters a step's sequences may run through at most, as vLLM's (default: 1)")
-    mod.add_argument("--max-lora-rank", type=int, metavar="R",
-                     help="an adapter of a larger rank is refused, as vLLM's (default: 16)")
+    mod.add_argument("--max-lora-rank", type=int, choices=typing.get_args(MaxLoraRank),
+                     help="an adapter of a larger rank is refused; one of vLLM's ranks, as its LoRAConfig takes "
+                          "(default: 16)")
     mod.add_argument("--checkpoint", metavar="DIR", help="deprecated: --model DIR")
     for name in GEOMETRY:
         mod.add_argument("--" + name.replace("_", "-"), type=str if name == "dtype" else int,

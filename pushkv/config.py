@@ -27,6 +27,7 @@ from pushkv.kinds import (
     HostRole,
     KVVerify,
     LinkOrder,
+    MaxLoraRank,
     Mode,
     PullRead,
     PushStream,
@@ -172,7 +173,10 @@ class LoraConfig(msgspec.Struct, frozen=True):
     enabled: bool = False
     modules: tuple[LoraModule, ...] = ()
     max_loras: int = 1
-    max_rank: int = 16
+    max_rank: MaxLoraRank = 16  # --max-lora-rank: one of vLLM's ranks
+
+    def __post_init__(self) -> None:
+        check_choices(self)
 
     def slot(self, name: str) -> int:
         """The adapter's slot (1, 2... in the order given); 0 for none (""); -1 for a name not served."""

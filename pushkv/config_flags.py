@@ -430,11 +430,27 @@ def user_config(flags: Mapping[str, Any], gpus: Callable[[], tuple[int, str]] = 
         local=_replace(cfg.local, tp=tp, block_size=f("block_size"), num_blocks=f("num_blocks"),
                        device=device, **sizes),
     )
+    if f("max_num_seqs") is None:
+        cfg = _seqs_within_tokens(cfg)
     otlp.check(cfg.otlp_traces_endpoint, os.environ)  # the exporter missing, or an unknown protocol: refused now
     tls.server_context(cfg)  # a key, certificate or CA file that does not load is refused now, naming it
     if cfg.uds:
         uds.check_free(cfg.uds)  # too long, in no directory, on a file that is no socket or a live one: refused now
     return _pool_sizes(cfg, flags)
+
+
+def _seqs_within_tokens(cfg: DeploymentConfig) -> DeploymentConfig:
+    """vLLM's default --max-num-seqs: where it is not given, at most --max-num-batched-tokens (EngineArgs lowers its
+    default so; one given above the tokens is refused, ``supervisor.plan``). An instance's max_num_seqs counts as
+    given when --max-num-seqs or a --config file set it to other than the default."""
+    default = InstanceConfig(role="local").max_num_seqs
+
+    def within(inst: InstanceConfig) -> InstanceConfig:
+        if inst.max_num_seqs != default or not 1 <= inst.max_batch_tokens < default:
+            return inst
+        return msgspec.structs.replace(inst, max_num_seqs=inst.max_batch_tokens)
+
+    return msgspec.structs.replace(cfg, prefill=within(cfg.prefill), decode=within(cfg.decode), local=within(cfg.local))
 
 
 def _path(given: Optional[str]) -> Optional[str]:

@@ -33,3 +33,5 @@ RouterScoring = Literal["softmax", "sigmoid"]  # how an MoE router turns its log
 ToolCallParser = Literal["", "hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"]
 ReasoningParser = Literal["", "deepseek_r1", "qwen3"]  # a chat choice's thinking apart (router/reasoning.py); "": none
 GroupScore = Literal["max", "top2"]  # a group of experts' score, where the router picks groups first
+# the ranks --max-lora-rank takes, as vLLM 0.32's LoRAConfig (MaxLoRARanks): an adapter of a rank up to it is served
+MaxLoraRank = Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]

@@ -4,11 +4,12 @@ adapter resolved and checked against the model at launch (``model/lora_files.py`
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping
+from typing import Any, Mapping, cast, get_args
 
 import msgspec
 
 from pushkv.config import LoraConfig, LoraModule, ModelConfig, json_object
+from pushkv.kinds import MaxLoraRank
 
 
 def lora_modules(given: list[str]) -> list[LoraModule]:
@@ -56,8 +57,11 @@ def lora_config(flags: Mapping[str, Any], model: ModelConfig, served: list[str])
     given_loras, given_rank = f("max_loras"), f("max_lora_rank")
     max_loras = 1 if given_loras is None else int(given_loras)
     max_rank = 16 if given_rank is None else int(given_rank)
-    if max_loras < 1 or max_rank < 1:
-        raise ValueError(f"--max-loras {max_loras} and --max-lora-rank {max_rank} are positive")
+    if max_loras < 1:
+        raise ValueError(f"--max-loras {max_loras}: at least 1")
+    ranks = get_args(MaxLoraRank)
+    if max_rank not in ranks:  # vLLM's LoRAConfig takes these ranks only (its argparse choices)
+        raise ValueError(f"--max-lora-rank: invalid choice: {max_rank} (choose from {', '.join(map(str, ranks))})")
     cpu_loras = f("vllm_max_cpu_loras")  # no effect here, but vLLM's LoRAConfig refuses it below --max-loras
     if cpu_loras is not None and int(cpu_loras) < max_loras:
         raise ValueError(f"--max-cpu-loras ({cpu_loras}) must be >= --max-loras ({max_loras}), as vLLM's")
@@ -72,4 +76,4 @@ def lora_config(flags: Mapping[str, Any], model: ModelConfig, served: list[str])
                              f"(served: {served})")
         path = resolve_adapter(mod.name, mod.path, model, max_rank, f("download_dir"))
         modules.append(msgspec.structs.replace(mod, path=path, given=mod.path))
-    return LoraConfig(True, tuple(modules), max_loras, max_rank)
+    return LoraConfig(True, tuple(modules), max_loras, cast(MaxLoraRank, max_rank))

@@ -92,6 +92,8 @@ def _config(path: str, name: str) -> dict:
                               "directory)") from None
     except ValueError as e:
         raise ValueError(f"LoRA adapter {name!r}: {file} is not JSON: {e}") from None
+    except OSError as e:  # unreadable (its permissions, a directory of that name)
+        raise ValueError(f"LoRA adapter {name!r}: {file} cannot be read: {e.strerror or e}") from None
     if not isinstance(conf, dict):
         raise ValueError(f"LoRA adapter {name!r}: {file} is not a JSON object")
     return conf
@@ -135,7 +137,10 @@ def read_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int) -> Adapt
         other = [f for f in ("adapter_model.bin", "adapter_model.pt") if os.path.exists(os.path.join(path, f))]
         raise ValueError(f"LoRA adapter {name!r}: {path} has no {WEIGHTS_FILE}"
                          + (f" ({other[0]}: pushkv reads safetensors only)" if other else ""))
-    shapes = safetensors_shapes(file)
+    try:
+        shapes = safetensors_shapes(file)
+    except OSError as e:
+        raise ValueError(f"LoRA adapter {name!r}: {file} cannot be read: {e.strerror or e}") from None
     places = {key: _place(name, key, cfg) for key in shapes}  # what it adapts, refused first: the clearest reason
     why = _refusal(conf, max_rank)
     if why:
@@ -170,6 +175,8 @@ def resolve_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int, cache
     there)."""
     from pushkv.model.hub import resolve
 
+    if os.path.exists(path) and not os.path.isdir(path):  # something is there, and it is no adapter (vLLM: a 500)
+        raise ValueError(f"LoRA adapter {name!r}: {path} is a file, not an adapter directory")
     try:
         local = resolve(path, files=[CONFIG_FILE, WEIGHTS_FILE], cache_dir=cache_dir, flags=(flag, "--revision"))
     except ValueError as e:

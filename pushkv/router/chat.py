@@ -331,7 +331,9 @@ def parse_chat(body: dict, tok: text.Tokenizer, limits: api.Limits, template: Ch
     top = api.get_int(body, "top_logprobs", None, 0, L.MAX_LOGPROBS)
     if top is not None and top > 0 and not want:
         raise api.bad("top_logprobs", "top_logprobs needs logprobs: true")
-    params = api.parse_generation(body, ids, tok, limits, None, (top or 0) if want else -1,
+    # a forced tool_choice wins over the request's own structured output, as vLLM's: its calls' schema holds the output
+    generation = body if forced is None else structured.set_aside(body, named=forced[0] != tool_choice.REQUIRED)
+    params = api.parse_generation(generation, ids, tok, limits, None, (top or 0) if want else -1,
                                   max_tokens_field="max_completion_tokens", prompt_field="messages")
     prompt_logprobs = api.parse_prompt_logprobs(body, params.stream)
     if prompt_logprobs is not None:
@@ -355,9 +357,6 @@ def parse_chat(body: dict, tok: text.Tokenizer, limits: api.Limits, template: Ch
     params.tools = tools
     params.parallel_tool_calls = api.get_bool(body, "parallel_tool_calls", True)
     if forced is not None:  # required or a named function: the output held to the calls' schema, then made calls
-        if params.structured is not None:
-            raise api.bad("tool_choice", "a forced tool_choice holds the output to the calls' schema: it cannot be "
-                                         "given with response_format or structured_outputs")
         parser, schema = forced
         # compact JSON (structured_outputs' disable_any_whitespace): a call's arguments need no layout, and a weak
         # model held to a schema can otherwise fill max_tokens with white space

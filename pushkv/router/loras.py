@@ -91,8 +91,8 @@ class Loras:
                                        "lora_path")
             except AdapterNotFound as e:  # vLLM's LoRAAdapterNotFoundError: a 404
                 return _error(404, f"Loading lora {name} failed: No adapter found for {path} ({e})", "NotFoundError")
-            except ValueError as e:
-                return _error(400, str(e))
+            except (ValueError, OSError) as e:  # vLLM's: any other failure of the engine's add_lora is a 500
+                return _error(500, f"Loading lora {name} failed: {e}", "InternalServerError")
             held = name in self.unloading  # unloaded, its requests still running: the instances hold it yet
             if held:
                 self.unloading.pop(name).cancel()
@@ -111,8 +111,9 @@ class Loras:
                     undone = _failures(took, await _ask(took, m.LoadLora(name, old.path, replace=True)))
                     if undone:
                         log.warning("LoRA adapter %s: its weights from %s not restored on %s", name, old.path, undone)
-                return _error(400 if all(a is not None for a in answers) else 503,
-                              f"LoRA adapter {name!r} did not load: {failed}")
+                answered = all(a is not None for a in answers)  # vLLM's add_lora failing: a 500
+                return _error(500 if answered else 503, f"LoRA adapter {name!r} did not load: {failed}",
+                              "InternalServerError" if answered else "ServiceUnavailableError")
             self.modules[name] = LoraModule(name, local, given=path)
             self.loads[name] = self.loads.get(name, 0) + 1
             self.since.add(name)

@@ -99,8 +99,11 @@ class CompletionRenderer(Renderer):
     def __init__(self, tok: Tokenizer, params: CompletionParams):
         super().__init__(tok, params)
         # echo: each choice's prompt text (a batch's prompt p for choices p * n ... p * n + n - 1)
-        self.prefixes = [text_ if params.echo else "" for _, text_ in params.prompts() for _ in range(params.n)]
-        self.offsets = [len(p) for p in self.prefixes]  # text_offset runs on across a choice's deltas
+        echoed = [text_ if params.echo else "" for _, text_ in params.prompts() for _ in range(params.n)]
+        self.offsets = [len(p) for p in echoed]  # text_offset runs on across a choice's deltas, after the prompt's
+        # vLLM's echo with return_token_ids: the prompt comes back as its ids (prompt_token_ids), its text not at all
+        # (the logprobs still score its tokens first)
+        self.prefixes = ["" for _ in echoed] if params.return_token_ids else echoed
         self.opened: set[int] = set()  # choices whose first chunk went (vLLM's prompt_token_ids ride on it)
         # echo: a choice's prompt (its text, its logprobs where asked), waiting for the choice's first output's chunk
         self.echoes: dict[int, tuple[str, Optional[dict]]] = {}

@@ -27,9 +27,9 @@ OUTPUTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag"
 BACKENDS = (None, "", "auto", "xgrammar")
 
 
-def parse(body: dict) -> Optional[Structured]:
+def parse(body: dict, compile: bool = True) -> Optional[Structured]:
     """The request's grammar, or None; a 400 naming the field for a malformed one, for two at once, and for one
-    that xgrammar cannot compile."""
+    that xgrammar cannot compile (``compile`` False: its shape alone is checked)."""
     found: list[tuple[str, Structured]] = []
     fmt = body.get("response_format")
     if fmt is not None:
@@ -69,8 +69,29 @@ def parse(body: dict) -> Optional[Structured]:
     field, spec = found[0]
     if len(spec.spec) > L.MAX_STRUCTURED_CHARS:
         raise bad(field, f"a grammar of at most {L.MAX_STRUCTURED_CHARS} characters, got {len(spec.spec)}")
-    check(spec, field)
+    if compile:
+        check(spec, field)
     return spec
+
+
+FIELDS = ("response_format", "structured_outputs", *GUIDED)  # the fields that ask for a grammar
+
+
+def set_aside(body: dict, named: bool) -> dict:
+    """A chat request whose tool_choice forces calls, without the structured output it asks for: vLLM's tool parser
+    sets it aside (``response_format`` None, ``structured_outputs`` replaced: the calls' schema holds the output
+    instead). Each field is still checked for its shape, as vLLM's request model checks it (a 400), and with a named
+    function, structured_outputs' (or the older guided_*) json, regex or choice is vLLM's 400."""
+    outputs = body.get("structured_outputs")
+    constrained = [f"structured_outputs.{k}" for k in ("json", "regex", "choice")
+                   if isinstance(outputs, dict) and outputs.get(k) is not None]
+    constrained += [f for f in ("guided_json", "guided_regex", "guided_choice") if body.get(f) is not None]
+    if named and constrained:  # vLLM's ChatCompletionRequest.check_structured_outputs_count
+        raise bad(constrained[0], "You can only either use constraints for structured outputs or tools, not both.")
+    for field in FIELDS:
+        if body.get(field) is not None:
+            parse({field: body[field]}, compile=False)
+    return {k: v for k, v in body.items() if k not in FIELDS}
 
 
 def field_of(body: dict) -> str:

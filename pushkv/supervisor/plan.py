@@ -167,6 +167,11 @@ def plan_deployment(
             if getattr(inst, name) < 1:
                 raise ValueError(f"{inst.role} instance: {name} (--{name.replace('_', '-')}) must be >= 1, "
                                  f"got {getattr(inst, name)}")
+        if inst.max_batch_tokens < inst.max_num_seqs:  # vLLM's SchedulerConfig refuses it, chunked prefill or not
+            raise ValueError(f"{inst.role} instance: max_batch_tokens (--max-batch-tokens, vLLM's "
+                             f"--max-num-batched-tokens) ({inst.max_batch_tokens}) must be greater than or equal to "
+                             f"max_num_seqs (--max-num-seqs) ({inst.max_num_seqs}), as vLLM's: a step holds a token of "
+                             f"each sequence it runs")
     if cfg.timeouts.lease_max_s < cfg.timeouts.lease_s:
         raise ValueError(f"lease_max_s ({cfg.timeouts.lease_max_s}) must be >= lease_s ({cfg.timeouts.lease_s})")
     if cfg.router_queue < 0:

@@ -53,8 +53,8 @@ def test_adapters_are_read_and_checked_at_launch(llama, tmp_path):
     (["--enable-lora", "--lora-modules", '{"name": "a", "path": "QV", "base_model_name": "x"}'],
      "base_model_name 'x' is not served"),
     (["--enable-lora", "--lora-modules", "a=/no/such/dir"], "no such directory, and not a Hugging Face repo id"),
-    (["--enable-lora", "--max-lora-rank", "2", "--lora-modules", "a=QV"], "r 4 is past --max-lora-rank 2"),
-    (["--enable-lora", "--max-loras", "0"], "are positive"),
+    (["--enable-lora", "--max-lora-rank", "1", "--lora-modules", "a=QV"], "r 4 is past --max-lora-rank 1"),
+    (["--enable-lora", "--max-loras", "0"], "--max-loras 0: at least 1"),
     (["--enable-lora", "--max-loras", "2", "--max-cpu-loras", "1"],
      r"--max-cpu-loras \(1\) must be >= --max-loras \(2\)"),
 ])
@@ -62,6 +62,24 @@ def test_refused_before_anything_starts(llama, argv, says):
     base, qv = llama
     with pytest.raises(ValueError, match=says):
         config("--model", base, "--served-model-name", "m", *[a.replace("QV", qv) for a in argv])
+
+
+def test_max_lora_rank_takes_vllms_ranks_only(capsys):
+    """vLLM's LoRAConfig.max_lora_rank is one of its MaxLoRARanks, which its argparse offers as choices: another rank
+    is refused as vLLM's parser refuses it, naming the ranks."""
+    from pushkv.config import LoraConfig
+    from pushkv.lora_flags import lora_config
+
+    assert config("--enable-lora", "--max-lora-rank", "320").model.lora.max_rank == 320
+    for rank in ("2", "4", "100", "0"):
+        with pytest.raises(SystemExit):
+            config("--enable-lora", "--max-lora-rank", rank)
+        assert (f"argument --max-lora-rank: invalid choice: {rank} (choose from 1, 8, 16, 32, 64, 128, 256, 320, "
+                "512)") in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"--max-lora-rank: invalid choice: 24 \(choose from 1, 8, "):
+        lora_config({"enable_lora": True, "max_lora_rank": 24}, None, [])  # a caller past the parser
+    with pytest.raises(ValueError, match="LoraConfig.max_rank: 2 is not one of 1, 8, 16"):
+        LoraConfig(True, (), 1, 2)  # type: ignore[arg-type]
 
 
 def test_an_adapter_of_another_shape_is_refused(llama, tmp_path):
@@ -102,15 +120,16 @@ def test_a_config_files_adapters_are_served_and_checked_as_the_flags_are(llama, 
     got = from_file(max_loras=2).model.lora
     assert (got.enabled, got.max_loras, got.max_rank, [(m.name, m.path) for m in got.modules]) == \
         (True, 2, 16, [("qv", qv)])
-    with pytest.raises(ValueError, match=rf"model.lora \(--config {f}\): .*r 4 is past --max-lora-rank 2"):
-        from_file(max_rank=2)
-    with pytest.raises(ValueError, match=r"model.lora \(--config .*\): --max-loras 0 and --max-lora-rank 16 are "
-                                         "positive"):
+    with pytest.raises(ValueError, match=rf"model.lora \(--config {f}\): .*r 4 is past --max-lora-rank 1"):
+        from_file(max_rank=1)
+    with pytest.raises(ValueError, match=r"model.lora \(--config .*\): --max-loras 0: at least 1"):
         from_file(max_loras=0)
     with pytest.raises(ValueError):
-        from_file(max_rank=2)  # the file says 2 ...
+        from_file(max_rank=1)  # the file says 1 ...
     assert config("--config", str(f), "--model", base, "--served-model-name", "m", "--max-lora-rank", "8",
                   ).model.lora.max_rank == 8  # ... and the flag's 8 wins
+    with pytest.raises(ValueError, match=r"value 4 - at `\$.model.lora.max_rank`: not one of 1, 8, 16, 32, "):
+        from_file(max_rank=4)  # a rank vLLM's --max-lora-rank does not take
 
 
 def test_enable_lora_on_the_command_line_keeps_the_config_files_adapters(llama, tmp_path):

@@ -68,6 +68,31 @@ def test_enforce_eager_reaches_what_every_worker_reads():
     assert msgspec.json.decode(msgspec.json.encode(planned), type=type(planned)).model.cuda_graphs is False
 
 
+def test_fewer_batched_tokens_than_sequences_is_refused_as_vllms(tmp_path):
+    """vLLM's SchedulerConfig: max_num_batched_tokens below max_num_seqs is refused at start, chunked prefill or not
+    (a step holds a token of each sequence it runs); where --max-num-seqs is not given, EngineArgs lowers its default
+    to the tokens instead, and so does pushkv."""
+    for chunked in ((), ("--enable-chunked-prefill",)):
+        with pytest.raises(ValueError, match=re.escape(
+                "prefill instance: max_batch_tokens (--max-batch-tokens, vLLM's --max-num-batched-tokens) (16) must be "
+                "greater than or equal to max_num_seqs (--max-num-seqs) (32)")):
+            plan_deployment(config("tiny", "--load-format", "dummy", "--max-num-batched-tokens", "16",
+                                   "--max-num-seqs", "32", *chunked), run_root=str(tmp_path))
+    lowered = config("tiny", "--load-format", "dummy", "--max-num-batched-tokens", "16")
+    assert (lowered.prefill.max_num_seqs, lowered.decode.max_num_seqs, lowered.local.max_num_seqs) == (16, 16, 16)
+    assert plan_deployment(lowered, run_root=str(tmp_path)).decode.max_num_seqs == 16
+    equal = config("tiny", "--load-format", "dummy", "--max-batch-tokens", "8", "--max-num-seqs", "8")
+    assert plan_deployment(equal, run_root=str(tmp_path)).prefill.max_num_seqs == 8
+    assert config("tiny", "--load-format", "dummy").prefill.max_num_seqs == 32  # the default where the tokens allow
+    # a --config file's own max_num_seqs is given: refused, not lowered
+    f = tmp_path / "d.json"
+    f.write_text('{"decode": {"max_num_seqs": 64}}')
+    with pytest.raises(ValueError, match=r"decode instance: max_batch_tokens .* \(48\) must be greater than or "
+                                         r"equal to max_num_seqs \(--max-num-seqs\) \(64\)"):
+        plan_deployment(config("tiny", "--load-format", "dummy", "--config", str(f), "--max-batch-tokens", "48"),
+                        run_root=str(tmp_path))
+
+
 def test_the_model_as_the_first_argument_is_the_model():
     assert config("tiny", "--load-format", "dummy").model == config("--model", "tiny", "--load-format", "dummy").model
     with pytest.raises(ValueError, match="given twice: 'tiny' and --model 'small'"):

@@ -128,6 +128,8 @@ def test_unsupported_combinations_refused_with_reason(cfg, msg):
     (("--decode-block-size", "-4"), "decode instance: block_size must be >= 1"),
     (("--max-num-seqs", "0"), "instance: max_num_seqs (--max-num-seqs) must be >= 1, got 0"),  # it hung every request
     (("--max-batch-tokens", "0"), "instance: max_batch_tokens (--max-batch-tokens) must be >= 1"),
+    (("--max-num-batched-tokens", "16", "--max-num-seqs", "32"),  # vLLM's SchedulerConfig refuses it
+     "(16) must be greater than or equal to max_num_seqs (--max-num-seqs) (32)"),
 ])
 def test_pushkv_up_refuses_before_starting_anything(tmp_path, flags, msg):
     env = dict(os.environ, PUSHKV_REGISTRY_DIR=str(tmp_path / "reg"))

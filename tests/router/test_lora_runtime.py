@@ -2,7 +2,8 @@
 an unload stops new requests at once but has the instances drop the adapter only once the requests naming it have
 ended (a pull-mode request's D leg, or a queued one's legs, leave after the unload); a load of the name meanwhile
 replaces its weights; a request whose adapter is unloaded while its body is parsed is a 404, never the base model's;
-a missing adapter is vLLM's 404, and vLLM's own words for a name loaded twice or a base model's name."""
+a missing adapter is vLLM's 404, a path that holds no adapter or cannot be read vLLM's 500, and vLLM's own words
+for a name loaded twice or a base model's name."""
 from __future__ import annotations
 
 import asyncio
@@ -76,6 +77,17 @@ def test_runtime_loads_answer_as_vllms(tmp_path):
         status, error = asyncio.run(ask({"lora_name": "x", "lora_path": path}))
         assert status == 404 and error["type"] == "NotFoundError", error
         assert error["message"].startswith(f"Loading lora x failed: No adapter found for {path} (")
+    # something there that is no adapter, or cannot be read: vLLM's add_lora fails in the engine, a 500
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "not_json").mkdir()
+    (tmp_path / "not_json" / "adapter_config.json").write_text("{")
+    (tmp_path / "unreadable" / "adapter_config.json").mkdir(parents=True)  # read as root too: open() fails
+    for path, why in ((tmp_path / "file", "is a file, not an adapter directory"),
+                      (tmp_path / "not_json", "adapter_config.json is not JSON"),
+                      (tmp_path / "unreadable", "adapter_config.json cannot be read: Is a directory")):
+        status, error = asyncio.run(ask({"lora_name": "x", "lora_path": str(path)}))
+        assert (status, error["type"], error["code"]) == (500, "InternalServerError", 500), error
+        assert error["message"].startswith("Loading lora x failed: ") and why in error["message"], error
     status, error = asyncio.run(ask({"lora_name": "a", "lora_path": "/adapters/a"}))
     assert status == 400 and error["message"] == ("The lora adapter 'a' has already been loaded. If you want to load "
                                                   "the adapter in place, set 'load_inplace' to True.")
@@ -168,7 +180,8 @@ def test_a_load_that_fails_somewhere_leaves_every_instance_as_it_was(monkeypatch
             took, refused = Link("d0"), Link("d1", fail={name})
             body = {"lora_name": name, "lora_path": f"/v2/{name}", "load_inplace": True}
             said = await lo.load(body, ("base",), [took, refused], _direct)
-            assert said.status == 400 and f"d1: cannot load {name}" in said.text
+            assert said.status == 500 and f"d1: cannot load {name}" in said.text  # vLLM's add_lora failing
+            assert json.loads(said.text)["error"]["type"] == "InternalServerError"
             back = m.UnloadLora("x") if name == "x" else m.LoadLora("a", "/adapters/a", replace=True)
             assert took.asked == [m.LoadLora(name, f"/v2/{name}", replace=True), back], name
             assert refused.asked == [m.LoadLora(name, f"/v2/{name}", replace=True)]

@@ -295,6 +295,30 @@ def test_return_token_ids_gives_the_prompts_and_the_outputs_ids(tmp_path, stream
     run(body())
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_return_token_ids_gives_the_prompt_as_ids_not_text(tmp_path, stream):
+    """vLLM's serving_completion: with return_token_ids an echoed prompt comes back as prompt_token_ids only, the
+    choice's text being its output's alone (in a stream too: the first chunk's text is the first tokens'); without
+    it, the prompt's text opens the choice's."""
+    async def body():
+        cfg = make_cfg(tmp_path, "local")
+        async with Harness(cfg, {"local": local_script([[104], [105]])}) as h:
+            async def ask(**extra) -> tuple[str, list, list]:
+                r = await h.http.post("/v1/completions", json={"prompt": "Hey", "max_tokens": 2, "echo": True,
+                                                               "stream": stream, **extra})
+                assert r.status == 200, await r.text()
+                if not stream:
+                    c = (await r.json())["choices"][0]
+                    return c["text"], c.get("prompt_token_ids"), c["token_ids"]
+                chunks = [e["choices"][0] for e in await read_sse(r) if e != "[DONE]" and e["choices"]]
+                return ("".join(c["text"] for c in chunks), chunks[0].get("prompt_token_ids"),
+                        sum((c["token_ids"] for c in chunks), []))
+
+            assert await ask(return_token_ids=True) == ("hi", list(b"Hey"), [104, 105])
+            assert await ask() == ("Heyhi", None, [104, 105])
+    run(body())
+
+
 def test_a_batchs_prompts_sample_as_requests_of_their_own(tmp_path):
     """vLLM's: each prompt of a completions batch is its own request, so choice c of every prompt samples from the
     same seeded stream, and two equal prompts with one seed draw the same tokens."""

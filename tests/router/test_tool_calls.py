@@ -218,12 +218,50 @@ def test_a_forced_tool_choice_holds_the_output_to_the_calls_and_makes_them_calls
     for body, needle in [({"tool_choice": "required"}, "needs tools"),
                          ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
                           "not one of the tools"),
-                         ({"tools": [WEATHER], "tool_choice": "sometimes"}, "must be none, auto, required"),
-                         ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"},
-                          "cannot be given with")]:
+                         ({"tools": [WEATHER], "tool_choice": "sometimes"}, "must be none, auto, required")]:
         with pytest.raises(api.ApiError, match=needle) as e:
             chat.parse_chat({"messages": msgs, **body}, text.ByteTokenizer(), limits, chat.load_template(""))
         assert e.value.param == "tool_choice"
+
+
+def test_a_forced_tool_choice_sets_the_requests_own_structured_output_aside():
+    """vLLM's tool parser (adjust_request, _apply_structural_tag): a forced tool_choice replaces the request's
+    structured output with the calls' schema and drops its response_format, so the calls win; what vLLM's request
+    model refuses still is: a malformed field's shape, and structured_outputs' json, regex or choice beside a named
+    function (check_structured_outputs_count), `required` taking them."""
+    pytest.importorskip("xgrammar")
+    from pushkv.router import api, chat, text
+
+    limits = api.Limits(vocab_size=320, max_model_len=4096)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+
+    def parse(**body):
+        return chat.parse_chat({"messages": [{"role": "user", "content": "weather?"}], "tools": [WEATHER, CLOCK],
+                                **body}, text.ByteTokenizer(), limits, chat.load_template(""))
+
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array"}}}
+    for choice, parser in ((named, "function:get_weather"), ("required", "required")):
+        for own in ({"response_format": schema}, {"response_format": {"type": "json_object"}},
+                    {"structured_outputs": {"grammar": "root ::= \"a\""}},
+                    {"response_format": schema, "structured_outputs": {"json_object": True}}):
+            p = parse(tool_choice=choice, **own)
+            assert p.tool_call_parser == parser and p.structured.kind == "json", own
+            calls = json.loads(p.structured.spec)
+            assert calls == WEATHER["function"]["parameters"] if choice is named else calls["type"] == "array"
+    # required takes structured_outputs' json too, and an ignored regex that would not compile is no 400
+    assert parse(tool_choice="required", structured_outputs={"json": {"type": "object"}}).tool_call_parser == "required"
+    assert parse(tool_choice="required", guided_regex="(").tool_call_parser == "required"
+    assert parse(tool_choice="none", response_format=schema).structured.spec == '{"type": "array"}'  # its own stands
+    for body, param, needle in [
+            ({"tool_choice": named, "structured_outputs": {"json": {"type": "object"}}}, "structured_outputs.json",
+             "You can only either use constraints for structured outputs or tools, not both."),
+            ({"tool_choice": named, "guided_choice": ["a"]}, "guided_choice", "not both"),
+            ({"tool_choice": "required", "response_format": {"type": "yaml"}}, "response_format", "'yaml' is not"),
+            ({"tool_choice": named, "structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs.regex",
+             "not both")]:
+        with pytest.raises(api.ApiError, match=needle) as e:
+            parse(**body)
+        assert e.value.param == param and e.value.status == 400, body
 
 
 PLACE = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
