@@ -371,7 +371,10 @@ def build_parser() -> argparse.ArgumentParser:
     sup.add_argument("--shutdown-timeout", type=float, metavar="SECONDS",
                      help="as vLLM's: at stop (SIGTERM, SIGINT, pushkv stop) the router refuses new requests (503) "
                           "and the requests in flight have this long to finish before they end with 503 'router "
-                          "shutting down' and the processes stop; 0 (default): they end at once")
+                          "shutting down' and the processes stop; on a P or D host of several (--role), its "
+                          "instances are marked draining in the registry (the routers choose them for no new "
+                          "request) and serve their requests in flight for up to this long, then leave it and "
+                          "stop; a second signal stops at once; 0 (default): they end at once")
     sup.add_argument("--ping-interval", type=float, default=PING_INTERVAL_S, metavar="SECONDS",
                      help="health pings to every child; also the supervisor heartbeat event")
     st = sub.add_parser("status", help="show running deployments and their processes")
@@ -428,10 +431,6 @@ def cmd_up(args: argparse.Namespace, child_argv: Optional[ArgvHook] = None) -> i
         print(f"pushkv up: {line}", file=sys.stderr)
     for line in vllm_serve.apply(vars(args), cfg.prefill.max_batch_tokens)[1]:  # taken, and of no effect here
         print(f"pushkv up: {line}", file=sys.stderr)
-    if cfg.shutdown_timeout_s and cfg.host_role in ("prefill", "decode"):
-        print(f"pushkv up: --shutdown-timeout has no effect on a {cfg.host_role} host, which runs no router: at stop "
-              "its instances leave the registry, then stop (the router host's --shutdown-timeout drains what it "
-              "has in flight)", file=sys.stderr)
     if cfg.metrics_auth and not args.api_key:
         print("pushkv up: --metrics-auth puts /metrics behind the API key: give --api-key (or "
               f"${API_KEY_ENV}) too", file=sys.stderr)

@@ -204,8 +204,13 @@ class Actor:
 
     def on_Ping(self, msg: m.Ping) -> None:
         if self._control is not None:
-            pong = m.Pong(name=self.name, pid=os.getpid(), uptime_s=time.monotonic() - self.started_mono)
+            pong = m.Pong(name=self.name, pid=os.getpid(), uptime_s=time.monotonic() - self.started_mono,
+                          in_flight=self.in_flight())
             self._control.send(m.encode(pong))
+
+    def in_flight(self) -> int:
+        """What the Pong says this process holds in flight (a scheduler overrides it: its requests); -1, none."""
+        return -1
 
     def run(self) -> None:
         signal.signal(signal.SIGTERM, self._on_signal)

@@ -517,7 +517,8 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
     router_body_timeout_s: float = 30.0
     # vLLM's --shutdown-timeout: on stop (SIGTERM, SIGINT, pushkv stop) the router refuses new requests (503) and
     # lets those in flight finish for up to this long before it ends the rest (503 "router shutting down") and
-    # the instances stop; 0 (vLLM's default): they end at once
+    # the instances stop; 0 (vLLM's default): they end at once. A P or D host of several (host_role) marks its
+    # instances draining in the registry (chosen for no new request) and stops once they hold no request, or at this
     shutdown_timeout_s: float = 0.0
     # the router serves HTTPS with this key and certificate chain (PEM files; both or neither), and checks client
     # certificates against ssl_ca_certs as ssl_cert_reqs says (0 none, 1 optional, 2 required: Python's ssl.CERT_*)

@@ -727,6 +727,9 @@ class Pong(Msg, frozen=True):
     pid: int
     uptime_s: float
     restarts: int = 0
+    # a scheduler: the requests it holds (queued, prefilling, P's KV being written or held for D's READ, D's
+    # awaited or decoding), which its host's drain (--shutdown-timeout) waits out; -1: a process that holds none
+    in_flight: int = -1
 
 
 ControlMsg = Union[Ready, Shutdown, Ping, Pong]

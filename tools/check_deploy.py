@@ -15,6 +15,7 @@ and exits 1 if there is one:
 - every Service a container's args reach by name (``host:port``) exists with that port;
 - no command line carries a Secret's value (a ``$(VAR)`` from a ``secretKeyRef`` other than a user
   name): it would show in ``ps`` and in the expanded pod spec; read it from the environment or a file;
+- a ``pushkv up`` pod's terminationGracePeriodSeconds covers its stop: preStop, --shutdown-timeout, --stop-timeout;
 - every pushkv container has readiness and liveness probes, and every probe's port is one of its
   container's ports; every PersistentVolumeClaim a pod mounts is in ``deploy/``; ``HF_HOME`` lies
   on a mounted volume;
@@ -48,6 +49,7 @@ VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 # and their files left out of kustomization.yaml
 OPERATOR_KINDS = {"ServiceMonitor": "monitoring.coreos.com/v1"}
 SECRET_KEYS_ARGS_MAY_HOLD = {"username"}  # a name is no credential; a password, key or token is
+STOP_TIMEOUT_S = 10.0  # pushkv up's --stop-timeout default (pushkv/supervisor/supervisor.py)
 
 Doc = dict[str, Any]
 
@@ -158,6 +160,7 @@ def structural_problems(docs: list[tuple[str, Doc]]) -> list[str]:
                 if m["name"] not in volumes and m["name"] not in claims:
                     out.append(f"{cw}: volumeMount {m['name']!r} names no volume of the pod")
             out += _container_problems(cw, c, doc["kind"])
+            out += _grace_problems(cw, c, spec)
             words = [str(w) for w in (c.get("command") or []) + (c.get("args") or [])]
             for w in words:
                 for var in VAR_REF.findall(w):
@@ -226,6 +229,38 @@ def _container_problems(cw: str, c: Doc, kind: str) -> list[str]:
     if home and not any(home == m or home.startswith(m.rstrip("/") + "/") for m in mounts):
         out.append(f"{cw}: HF_HOME {home} is on no mounted volume (the checkpoint would not be there)")
     return out
+
+
+def _flag(args: list, name: str, default: float) -> float:
+    """A number flag of a command line (``--flag N`` or ``--flag=N``); ``default`` where absent or not a number."""
+    for i, a in enumerate(args):
+        a = str(a)
+        value = args[i + 1] if a == name and i + 1 < len(args) else (a.split("=", 1)[1] if a.startswith(name + "=")
+                                                                      else None)
+        if value is not None:
+            try:
+                return float(value)
+            except ValueError:
+                return default
+    return default
+
+
+def _grace_problems(cw: str, c: Doc, pod: Doc) -> list[str]:
+    """A ``pushkv up`` container's pod gives its stop time: its preStop sleep, then --shutdown-timeout's drain (the
+    router's, or a P or D host's requests in flight), then --stop-timeout's (10 s) for the processes to exit. A
+    shorter terminationGracePeriodSeconds (30 s where unset) has the kubelet SIGKILL the pod mid-drain, cutting the
+    requests the drain was for."""
+    args = c.get("args") or []
+    if c.get("command") != ["pushkv"] or not args or args[0] != "up":
+        return []
+    pre = ((c.get("lifecycle") or {}).get("preStop") or {}).get("sleep", {}).get("seconds", 0)
+    need = float(pre) + _flag(args, "--shutdown-timeout", 0.0) + _flag(args, "--stop-timeout", STOP_TIMEOUT_S)
+    grace = pod.get("terminationGracePeriodSeconds", 30)
+    if grace < need:
+        return [f"{cw}: terminationGracePeriodSeconds {grace} is shorter than its stop ({pre} s preStop + "
+                f"--shutdown-timeout {_flag(args, '--shutdown-timeout', 0.0):g} s + --stop-timeout "
+                f"{_flag(args, '--stop-timeout', STOP_TIMEOUT_S):g} s): the kubelet would kill it mid-drain"]
+    return []
 
 
 def _operator_only(deploy_dir: str, name: str) -> bool:

@@ -21,6 +21,9 @@ class InstanceRecord(msgspec.Struct, frozen=True, kw_only=True):
     host: str = ""  # advertised address of the instance's host
     supervisor_pid: int = 0
     started_unix: float = 0.0
+    # its host is stopping with --shutdown-timeout: the router chooses it for no new request, and its requests in
+    # flight go on until the host leaves the registry (appended with a default: a reader without it ignores it)
+    draining: bool = False
 
 
 class InstanceUp(msgspec.Struct, frozen=True):

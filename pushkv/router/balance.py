@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional, Protocol
 
 from pushkv import messages as m
 from pushkv.config import Mode, Role
+from pushkv.discovery.etcd_keys import REASON_WITHDRAWN
 from pushkv.discovery.records import InstanceRecord
 from pushkv.router import cost as C
 from pushkv.router import policy as P
@@ -109,6 +110,14 @@ class Held:
     batch_at_first: int = 0  # D's legs when its first token came
 
 
+def drained_reason(reason: str) -> str:
+    """Why a draining instance's requests still in flight fail as it leaves the registry: its host stopped at the end
+    of its drain (--shutdown-timeout ran out, or a second signal), or its lease lapsed meanwhile."""
+    if reason == REASON_WITHDRAWN:
+        return "its host stopped at the end of its drain (--shutdown-timeout)"
+    return f"{reason} while its host drained"
+
+
 class Balancer:
     def __init__(self, mode: Mode, pin_fraction: float, queue_bound: int, metrics=None, prefix_cache: bool = False,
                  conditional: bool = False, pin_wait_ms: float = math.inf):
@@ -149,7 +158,7 @@ class Balancer:
             order = sum(1 for l in self.loads.values() if l.role == rec.role)
             load = self.loads[rec.engine_id] = P.Load(rec.engine_id, rec.role, order=order)
         load.num_blocks, load.block_size, load.up = rec.num_blocks, rec.block_size, not joining
-        load.healthy = True  # a new incarnation
+        load.healthy, load.draining = True, False  # a new incarnation
         self.records[rec.engine_id] = rec
         if joining:
             self.joins += 1
@@ -181,6 +190,19 @@ class Balancer:
                 self.drain()
             return load
         return None
+
+    def draining(self, rec: InstanceRecord) -> Optional[P.Load]:
+        """The instance's host is stopping with --shutdown-timeout (its record says ``draining``): it is chosen for
+        no new request from now, while the requests that hold it go on (their legs, its accounting and its link
+        stay); it is lost only when it leaves the registry. None where it is not up here (unknown, down, or
+        joining: not chosen anyway), or already draining."""
+        load = self.loads.get(rec.engine_id)
+        if load is None or not load.up or load.draining:
+            self.joining.pop(rec.engine_id, None)
+            return None
+        load.draining = True
+        self.records[rec.engine_id] = rec
+        return load
 
     def down(self, engine_id: str) -> Optional[P.Load]:
         load = self.loads.get(engine_id)
@@ -214,7 +236,7 @@ class Balancer:
         p_sizes = {l.block_size for l in self.loads.values() if l.role == "prefill" and l.up} or {1}
         out = {}
         for e, l in self.loads.items():
-            if not l.up or not l.block_size:
+            if not P.placeable(l) or not l.block_size:
                 continue
             unit = l.block_size if l.role == "prefill" else math.lcm(l.block_size, *p_sizes)
             blocks = self.index.overlap(e, hashes(run.prompt, l.block_size, run.hash_cache, run.cache_salt,

@@ -60,6 +60,7 @@ class Load:
     order: int = 0  # tie-break: the instance's index
     up: bool = True
     healthy: bool = True  # its processes answer their supervisor's pings (one host): a hung one is chosen last
+    draining: bool = False  # its host stops (--shutdown-timeout): alive, its legs go on, but chosen for none
     queued_tokens: int = 0  # prompt tokens to compute of legs sent whose prefill has not finished (D: its own prefills)
     legs: int = 0  # legs sent and not ended
     committed: int = 0  # D: blocks its legs sent and not ended take at admission (their output's come as D decodes)
@@ -85,10 +86,17 @@ def blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
+def placeable(load: Load) -> bool:
+    """Whether a new request (or a late request's D leg) may be placed on the instance: up, and not draining (its
+    host stopping with --shutdown-timeout serves what it holds and takes nothing new, even where it is the only
+    one: a request is then refused, or waits, as where none is up)."""
+    return load.up and not load.draining
+
+
 def live(loads: Iterable[Load], role: Role) -> list[Load]:
-    """The role's instances that are up; the healthy ones only, where any is (a hung worker's instance takes no
-    new request while another can, and is still chosen where it is the only one)."""
-    up = [l for l in loads if l.role == role and l.up]
+    """The role's instances a request may be placed on (``placeable``); the healthy ones only, where any is (a hung
+    worker's instance takes no new request while another can, and is still chosen where it is the only one)."""
+    up = [l for l in loads if l.role == role and placeable(l)]
     return [l for l in up if l.healthy] or up
 
 

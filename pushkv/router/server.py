@@ -34,7 +34,7 @@ from pushkv.framing import Drops, Shape, arecv_bounded
 from pushkv.model import hub
 from pushkv.router import api, auth, cors, edge, generate, otlp_spans, output, responses, text, tokenize
 from pushkv.router import chat as chat_mod
-from pushkv.router.balance import Balancer
+from pushkv.router.balance import Balancer, drained_reason
 from pushkv.router.flow import RequestRun
 from pushkv.router.links import SchedulerLink
 from pushkv.router.loras import Loras
@@ -273,6 +273,8 @@ class Router:
                 if isinstance(ev, InstanceUp) and self.local_link is not None:  # local mode: no balancer
                     if self.loras.catch_up():
                         self._bring_in(ev.record.engine_id)
+                elif isinstance(ev, InstanceUp) and ev.record.draining:
+                    self._instance_draining(ev.record)
                 elif isinstance(ev, InstanceUp):
                     known = self.balancer.loads.get(ev.record.engine_id)
                     came_back = known is not None and not known.up  # read before add() marks it up
@@ -355,18 +357,29 @@ class Router:
             await asyncio.sleep(max(0.0, JOIN_ANSWER_S - (loop.time() - t0)))  # a full send queue fails at once
         return False
 
+    def _instance_draining(self, rec: InstanceRecord) -> None:
+        """The instance's host stops with --shutdown-timeout: chosen for nothing new from now; the requests with a leg
+        on it go on (its host stops once they have ended, or at its timeout, and leaves the registry then)."""
+        if self.balancer.draining(rec) is None:
+            return
+        held = len([run for run in self.runs.values() if run.req.holds(rec.role, rec.engine_id)])
+        log.info("%s instance %s draining (its host stops, --shutdown-timeout): chosen for no new request; %d "
+                 "request(s) with a leg on it go on", rec.role, rec.engine_id, held)
+
     def _instance_down(self, ev: InstanceDown) -> None:
+        load = self.balancer.loads.get(ev.engine_id)
+        was_draining = load is not None and load.up and load.draining
         if self.balancer.down(ev.engine_id) is None:
             return
-        role = ev.role
+        role, reason = ev.role, drained_reason(ev.reason) if was_draining else ev.reason
         hit = [run for run in self.runs.values() if run.req.holds(role, ev.engine_id)]
-        log.error("%s instance %s down (%s): failing %d request(s) with a leg on it",
-                  role, ev.engine_id, ev.reason, len(hit))
+        (log.info if was_draining and not hit else log.error)(
+            "%s instance %s down (%s): failing %d request(s) with a leg on it", role, ev.engine_id, reason, len(hit))
         self.metrics.instance_down(role, ev.engine_id, ev.reason, len(hit))
         for run in hit:
-            run.inject_failure(503, f"{role} instance failed: {ev.reason}; retry", "failed")
+            run.inject_failure(503, f"{role} instance failed: {reason}; retry", "failed")
         if self.cfg.registry:  # across hosts no supervisor tells the survivors: we do
-            self._tell_peers(ev.engine_id, role, ev.reason)
+            self._tell_peers(ev.engine_id, role, reason)
 
     def _tell_peers(self, engine_id: str, role: Role, reason: str) -> None:
         """``PeerLost`` to every live instance of the other role (their writers end transfers
@@ -510,7 +523,8 @@ class Router:
         body = {"status": "ok" if ok else "unavailable", "mode": self.cfg.mode,
                 "pull_read": self.cfg.pull_read, "push_stream": self.cfg.push_stream, "in_flight": len(self.runs),
                 "queued": self.balancer.waiting,
-                "instances": [{"engine_id": e, "role": l.role, "up": l.up, "healthy": l.healthy, "legs": l.legs,
+                "instances": [{"engine_id": e, "role": l.role, "up": l.up, "healthy": l.healthy,
+                               "draining": l.draining, "legs": l.legs,
                                "queued_prefill_tokens": l.queued_tokens, "blocks_committed": l.committed,
                                "blocks_pinned": l.pinned, "num_blocks": l.num_blocks}
                               for e, l in sorted(self.balancer.loads.items())],

@@ -105,6 +105,11 @@ class SchedulerShell(Actor):
         self._peer_of[ch] = peer
         return ch
 
+    def in_flight(self) -> int:
+        """Every request the core holds, whatever its state: a P's stays until its writers say its KV was written
+        (push) or read (pull), a D's until it ends; its host's drain (--shutdown-timeout) waits for none."""
+        return len(self.core.reqs)
+
     def teardown(self) -> None:
         self.core.shutdown(self.stop_reason)
         self._flush()

@@ -218,7 +218,7 @@ def instance_rows(instances_json: str, processes, router: dict[str, dict]) -> li
     if not insts:  # a router host (several hosts): the instances the router found in the registry
         for _, v in sorted(router.items()):
             rows.append(dict(v, name="-", index=0, device="-", procs="-", restarts="-",
-                             state="up" if v.get("up") else "down"))
+                             state=("draining" if v.get("draining") else "up") if v.get("up") else "down"))
     return rows
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import os
 
+import msgspec
+
 from pushkv.config import DeploymentConfig
 from pushkv.discovery.local import record_of
 
@@ -38,6 +40,17 @@ class HostRegistry:
         inst = self._inst(name)
         if (inst.role, inst.engine_id) in self.announcer.records:
             self.announcer.withdraw(inst.engine_id, inst.role)
+
+    def mark_draining(self) -> list[str]:
+        """The host stops with --shutdown-timeout: put every record it holds in the registry again, marked
+        ``draining`` (routers choose those instances for no new request, and leave their requests in flight alone);
+        the engine ids marked. An instance restarting (out of the registry) is not put back."""
+        ann = self.announcer
+        marked = []
+        for rec in [r for r in ann.records.values() if not r.draining]:
+            ann.announce(msgspec.structs.replace(rec, draining=True))
+            marked.append(rec.engine_id)
+        return marked
 
     @property
     def in_contact(self) -> bool:

@@ -29,7 +29,7 @@ from pushkv.config import DeploymentConfig, encode_config
 from pushkv.kv.handle import POOL_ENV, handle_to_env
 from pushkv.security import is_network
 from pushkv.supervisor import commands as c
-from pushkv.supervisor import lifecycle, registry
+from pushkv.supervisor import host_drain, lifecycle, registry
 from pushkv.supervisor.host_registry import HostRegistry
 from pushkv.supervisor.plan import ProcessSpec, config_path, event_topic, process_specs
 from pushkv.supervisor.table import (
@@ -140,6 +140,8 @@ class Supervisor(Actor):
         self._signals_at_drain = 0
         self._stop_asked = False  # by a signal or `pushkv stop`: tick begins the stop
         self._drain_until = 0.0  # --shutdown-timeout: while the router drains, when the rest stops at the latest
+        self._host_drain: Optional[host_drain.HostDrain] = None  # a P or D host's drain (--shutdown-timeout)
+        self._drain_dropped: set[str] = set()  # instances that lost a process while their host drained
         self.failure = ""
         self.procs: dict[str, subprocess.Popen] = {}
         self._pidfds: dict[str, int] = {}
@@ -272,6 +274,8 @@ class Supervisor(Actor):
             self.counters["stray_pong"] += 1
             return
         self.table.pong(msg.name, time.monotonic())
+        if self._host_drain is not None:
+            self._host_drain.answer(msg.name, msg.in_flight, time.monotonic())
         if msg.name in self._unhealthy:
             self._unhealthy.discard(msg.name)
             log.info("%s answers pings again", msg.name)
@@ -339,7 +343,10 @@ class Supervisor(Actor):
         first, which drains its requests while the instances serve them and everything else still runs (this loop
         answers ``pushkv status`` meanwhile: phase ``draining``); the rest once it has exited or the time is up."""
         router = self.table["router"] if "router" in self.table.rows else None
-        if (self.phase == "running" and self.cfg.shutdown_timeout_s > 0 and router is not None
+        if (self.phase == "running" and self.cfg.shutdown_timeout_s > 0 and router is None
+                and self.host_registry is not None):
+            self._begin_host_drain(self.host_registry, now)
+        elif (self.phase == "running" and self.cfg.shutdown_timeout_s > 0 and router is not None
                 and router.state in (State.STARTED, State.READY)):
             self.phase = "draining"
             self._drain_until = now + self.cfg.shutdown_timeout_s
@@ -348,6 +355,67 @@ class Supervisor(Actor):
             self._publish("deployment", "draining", detail=f"{self.cfg.shutdown_timeout_s:g} s")
         else:
             self.stopping = True
+
+    # ------------------------------------------------------------------
+    # a P or D host's drain (several hosts, --shutdown-timeout): pushkv/supervisor/host_drain.py
+    # ------------------------------------------------------------------
+    def _begin_host_drain(self, reg: HostRegistry, now: float) -> None:
+        """Mark this host's records draining in the registry (the routers choose its instances for nothing new
+        and leave their requests alone) while every process keeps serving; ``tick`` stops the host once its
+        schedulers hold nothing, at --shutdown-timeout, or at a second signal (this loop answers ``pushkv status``
+        meanwhile: phase ``draining``)."""
+        self.phase = "draining"
+        self._signals_at_drain = self._signals
+        self._host_drain = host_drain.HostDrain.start(now, self.cfg.shutdown_timeout_s)
+        marked = reg.mark_draining()
+        self._next_ping = now
+        log.info("%s host draining: its instances (%s) take no new request; their requests in flight have up to "
+                 "%g s to finish (--shutdown-timeout)", self.cfg.host_role, ", ".join(marked) or "none in the registry",
+                 self.cfg.shutdown_timeout_s)
+        self._publish("deployment", "draining", detail=f"{self.cfg.shutdown_timeout_s:g} s")
+
+    def _drain_schedulers(self) -> set[str]:
+        """The schedulers the host's drain waits for: those of the instances still whole and ready."""
+        return {r.name for r in self.table.in_state(State.READY)
+                if r.spec.kind == "scheduler" and r.spec.instance_name not in self._drain_dropped
+                and r.spec.instance_name not in self._instance_restart}
+
+    def _host_drain_tick(self, drain: host_drain.HostDrain, now: float) -> None:
+        reg = self.host_registry
+        if reg is not None and reg.tick(now):  # the lease lapsed: the routers failed our requests already
+            log.error("registry lease lost while draining: stopping now")
+            self.stopping = True
+            return
+        schedulers = self._drain_schedulers()
+        why = drain.verdict(now, schedulers, self._signals > self._signals_at_drain)
+        if why:
+            self._signals_at_drain = self._signals
+            held = drain.held(schedulers)
+            if why == host_drain.DONE:
+                log.info("drained: no request in flight on this host's instances; leaving the registry and stopping")
+            elif why == host_drain.SIGNAL:
+                log.info("%s again while draining: stopping now, %d request(s) in flight end with 503 at the router",
+                         signal.Signals(self.stop_signal).name, held)
+            else:
+                log.warning("drain timed out after %g s (--shutdown-timeout): %d request(s) still in flight end with "
+                            "503 at the router", self.cfg.shutdown_timeout_s, held)
+            self.stopping = True
+            return
+        if now >= self._next_ping:
+            self._next_ping = now + host_drain.PING_S
+            self._ping_all(now)
+
+    def _exit_while_host_drains(self, row: Row, pid: int, how: str) -> None:
+        """A process died while its host drains: nothing is restarted; its instance leaves the registry now (the
+        routers fail its requests, and tell the other role), and the drain no longer waits for it."""
+        inst = row.spec.instance_name
+        log.error("%s (pid %d) died while the host drains: %s; the %s instance leaves the registry now", row.name,
+                  pid, how, inst)
+        self._publish(row.name, "exit", row, detail=how)
+        if row.spec.role in ENGINE_ROLES and inst not in self._drain_dropped:
+            self._drain_dropped.add(inst)
+            if self.host_registry is not None:
+                self.host_registry.withdraw(inst)
 
     def request_restart(self, name: str, reason: str) -> Optional[str]:
         if self.phase != "running":
@@ -386,6 +454,9 @@ class Supervisor(Actor):
         self.table.exited(name, code)
         self._unhealthy.discard(name)
         how = describe_exit(code)
+        if self.phase == "draining" and self._host_drain is not None:
+            self._exit_while_host_drains(row, pid, how)
+            return
         if self.phase == "draining":  # the stop is under way: nothing is restarted; the router gone, the rest stop
             log.info("%s (pid %d) exited while the router drains: %s", name, pid, how)
             self._publish(name, "exit", row, detail=how)
@@ -450,7 +521,7 @@ class Supervisor(Actor):
 
     def _advance_instance(self, role: str, now: float) -> None:
         st = self._instance_restart.get(role)
-        if st is None or st.stopping:
+        if st is None or st.stopping or self._host_drain is not None:  # a host that drains restarts nothing
             return
         waiting = st.wait_registry and self.host_registry is not None and not self.host_registry.in_contact
         if st.stage_idx < 0 and waiting:
@@ -513,6 +584,9 @@ class Supervisor(Actor):
     def tick(self, now: float) -> None:
         if self.stop_signal and not self._stop_asked:
             self.request_stop(signal.Signals(self.stop_signal).name)
+        if self.phase == "draining" and self._host_drain is not None:
+            self._host_drain_tick(self._host_drain, now)
+            return
         if self.phase == "draining":
             if self._signals > self._signals_at_drain:  # a second Ctrl-C: stop now, as uvicorn's second SIGINT
                 log.info("%s again while the router drains: stopping now", signal.Signals(self.stop_signal).name)

@@ -9,7 +9,10 @@ tcp:// ZMQ socket, NIXL over UCX on TCP between the hosts:
 - cut one P host's link, then restore it: the same; the cut host keeps its instances until etcd
   answers again and says its lease expired, then restarts them and rejoins;
 - stop etcd under traffic for five TTLs, then start it again: every host keeps serving (no request
-  fails, no instance stops) and its records are in etcd again once it is back.
+  fails, no instance stops) and its records are in etcd again once it is back;
+- stop a D and a P host started with ``--shutdown-timeout`` (a Kubernetes scale-down) under long requests and a
+  burst of short ones: they drain (the router sends them nothing new, their requests in flight end 200 with their
+  tokens), then leave and stop by themselves long before the timeout, and the survivors hold no block.
 
 The figures (detection, failures, leaks, rejoin) are printed and written to ``hosts_figures.json``
 in the module's tmp dir. Root, ``ip netns`` and etcd are needed; skipped cleanly without them.
@@ -20,6 +23,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -51,6 +55,9 @@ PROMPTS = [[65], [rng.randrange(256) for _ in range(37)], [rng.randrange(256) fo
            [rng.randrange(256) for _ in range(70)]]
 TIMEOUTS = {"transfer_s": 5.0, "write_wait_s": 15.0, "registration_wait_s": 15.0, "request_s": 60.0}
 HOSTS = {"p1": (1, "prefill"), "p2": (2, "prefill"), "d1": (3, "decode"), "d2": (4, "decode")}
+DRAIN_S = 60  # d2's and p2's --shutdown-timeout: the drain test's hosts stop once drained, long before this
+# d2 and p2 drain at their stop; the others stop at once, as without the flag
+HOST_FLAGS = {n: ["--shutdown-timeout", str(DRAIN_S)] for n in ("d2", "p2")}
 TAP_PORT = 7701  # each host's trace tap end (every namespace has its own ports)
 UCX_TCP = {"UCX_TLS": "tcp"}  # the network path, forced: no shared memory between "hosts"
 
@@ -85,7 +92,8 @@ class Cluster:
         self.starts += 1
         self.hosts[name] = HostUp(f"{name}-{self.starts}", h, ["--role", role, "--advertise", h.addr,
                                                               "--trace", f"tcp://{h.addr}:{TAP_PORT}",
-                                                              *self.common], self.tmp, UCX_TCP)
+                                                              *HOST_FLAGS.get(name, ()), *self.common], self.tmp,
+                                 UCX_TCP)
         return self.hosts[name]
 
     def start_router(self) -> None:
@@ -473,3 +481,73 @@ def test_etcd_outage_stops_no_instance(cluster, reference):
     assert not stopped, stopped
     assert all(engines <= v for v in views), views
     assert engines <= up_engines(c.url)
+
+
+@pytest.mark.timeout(300)
+def test_stop_draining_p_and_d_hosts_lets_their_requests_finish(cluster, reference):
+    """SIGTERM to a D host and a P host started with --shutdown-timeout (a Kubernetes scale-down or rolling update of
+    P/D pods), with long requests decoding on the D and a burst of short ones arriving as the signals go: their
+    records are marked draining, so the router chooses them for no new request but fails none of their own (before:
+    their records left etcd at once and each request with a leg on them ended 503 '<role> instance failed:
+    withdrawn'); `pushkv status` says draining; once their requests have ended they leave the registry and stop by
+    themselves, well before the timeout, and no block is left held on the survivors. Last in the module: both stay
+    stopped."""
+    from pushkv.supervisor import deployments, registry
+
+    c = cluster
+    victims = {n: c.hosts[n] for n in ("d2", "p2")}
+    engines = {n: c.engine(n) for n in victims}
+    prompts = PROMPTS * 2  # spread over both D hosts
+    results: list = [None] * len(prompts)
+
+    def one(i):
+        results[i] = c.complete(prompts[i], LONG_TOKENS)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    wait_for(lambda: any(i["engine_id"] == engines["d2"] and i["legs"] for i in health(c.url)["instances"]), 30,
+             "a request on d2")
+    burst: list = []  # short requests arriving as the hosts are told to stop: some in flight on p2 at the mark
+    sent = threading.Thread(target=lambda: burst.extend(in_parallel(c.complete, PROMPTS * 2)))
+    sent.start()
+    t0 = time.monotonic()
+    for h in victims.values():
+        h.proc.send_signal(signal.SIGTERM)
+    wait_for(lambda: {i["engine_id"] for i in health(c.url)["instances"] if i["draining"]} == set(engines.values()),
+             10, "the router to see d2 and p2 draining")
+    seen_s = time.monotonic() - t0
+    states = {n: deployments.status_report(registry.list_records(h.registry_dir))[0][0]["state"]
+              for n, h in victims.items()}
+    during = in_parallel(c.complete, PROMPTS)  # new requests while they drain: the other P and D only
+    served = check_served(c, reference, during)
+    sent.join(90)
+    for t in threads:
+        t.join(90)
+    codes = {n: h.proc.wait(DRAIN_S) for n, h in victims.items()}
+    stopped_s = time.monotonic() - t0
+    survivors = [n for n in HOSTS if n not in victims]
+    leaked = c.pools_free(survivors)
+    on_d2 = [b for s, b in results if s == 200 and b["pushkv"]["instances"]["decode"] == engines["d2"]]
+    c.dead.extend(victims.values())
+    c.record("drain_hosts_d2_p2", {"shutdown_timeout_s": DRAIN_S, "long_requests": len(results),
+                                   "long_on_d2": len(on_d2), "burst_at_the_signal": len(burst),
+                                   "router_saw_draining_after_s": round(seen_s, 2),
+                                   "hosts_stopped_after_s": round(stopped_s, 2), "blocks_held_on_survivors": leaked,
+                                   "served_while_draining": {k: sorted(v) for k, v in served.items()}})
+    assert states == {"d2": "draining", "p2": "draining"}, states
+    failed = [(s, b.get("error", {}).get("message")) for s, b in results + burst if s != 200]
+    assert not failed, failed  # before: 503 '<role> instance failed: withdrawn; retry' for those on d2 or p2
+    for (_, body), p in zip(results, prompts):  # greedy: the long answer starts with the short one's tokens
+        assert body["choices"][0]["token_ids"][:MAX_TOKENS] == reference[PROMPTS.index(p)]
+        assert len(body["choices"][0]["token_ids"]) == LONG_TOKENS
+    check_served(c, reference * 2, burst)
+    assert on_d2, "no request decoded on the draining D host"
+    assert served == {"prefill": {c.engine("p1")}, "decode": {c.engine("d1")}}
+    assert codes == {"d2": 0, "p2": 0}
+    for h in victims.values():
+        assert h.log_has("drained: no request in flight") and not h.log_has("drain timed out"), h.tail()
+    assert stopped_s < DRAIN_S / 2
+    assert leaked == {n: 0 for n in survivors}
+    wait_for(lambda: not set(engines.values()) & {i["engine_id"] for i in health(c.url)["instances"] if i["up"]},
+             10, "the router to see d2 and p2 leave")

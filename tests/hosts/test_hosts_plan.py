@@ -121,7 +121,8 @@ def test_peer_lost_is_on_both_channels():
 
 def test_status_rows_of_a_router_host_come_from_the_router():
     view = {"p-1": {"engine_id": "p-1", "role": "prefill", "up": True, "legs": 2},
-            "d-1": {"engine_id": "d-1", "role": "decode", "up": False, "legs": 0}}
+            "d-1": {"engine_id": "d-1", "role": "decode", "up": False, "legs": 0},
+            "d-2": {"engine_id": "d-2", "role": "decode", "up": True, "draining": True, "legs": 1}}
     rows = deployments.instance_rows("[]", [], view)
     assert [(r["engine_id"], r["role"], r["state"], r["legs"]) for r in rows] == [
-        ("d-1", "decode", "down", 0), ("p-1", "prefill", "up", 2)]
+        ("d-1", "decode", "down", 0), ("d-2", "decode", "draining", 1), ("p-1", "prefill", "up", 2)]

@@ -2,6 +2,7 @@
 (plain calls, no sockets), and the single-host discovery tracker."""
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from pushkv import messages as m
@@ -586,3 +587,45 @@ def test_tracker_of_local_mode_follows_its_one_instance_only_where_asked(tmp_pat
     assert t.on_event(ev("prefill-worker-0", "exit", "prefill", 0, "worker")) is None  # no such role here
     up = t.on_event(ev("local.instance", "ready", "local", 0, "instance"))
     assert isinstance(up, InstanceUp) and up.record.engine_id == "local-dep"
+
+
+def test_a_draining_instance_is_chosen_for_nothing_new_but_keeps_its_legs():
+    """Its host stops with --shutdown-timeout (its record says draining): no new request and no late D leg goes to
+    it, even where it is the only one (refused as where none is up), while what a request holds on it
+    stays until that request ends; only leaving the registry is a loss (its reason says the drain ended)."""
+    from pushkv.router.balance import drained_reason
+
+    b = balancer(d_blocks=(40, 40))
+    held = Run("held")
+    v = b.request(held)
+    d, p = v.decode, v.prefill
+    draining = msgspec.structs.replace(b.records[d], draining=True)
+    assert b.draining(draining) is b.loads[d]
+    assert b.draining(draining) is None  # said once
+    assert (b.loads[d].up, b.loads[d].legs, b.loads[d].committed) == (True, 1, 10)
+    assert d in b.live("decode")  # still told of peers lost: its writers may be mid-transfer
+    others = [Run(f"n{i}") for i in range(2)]
+    assert all(b.request(r).decode != d for r in others)
+    b.draining(msgspec.structs.replace(b.records[p], draining=True))
+    late = Run("late")
+    assert b.request(late).prefill != p
+    b.release(held)  # its request ends: its accounting returns, it is still not chosen
+    assert b.loads[d].committed == 0 and b.loads[d].draining
+    for r in [*others, late]:
+        b.release(r)
+    b.draining(msgspec.structs.replace(b.records[[e for e in ("d0", "d1") if e != d][0]], draining=True))
+    with pytest.raises(Refused) as e:  # every D draining: refused as where none is up
+        b.request(Run("refused"))
+    assert e.value.status == 503
+    assert b.draining(rec("unknown", "decode")) is None  # a router that never chose it: nothing to drain
+    b.add(rec(d, "decode", 20), lambda r: object())  # back (a new incarnation at the same place): chosen again
+    assert not b.loads[d].draining and P.placeable(b.loads[d])
+    assert drained_reason("withdrawn") == "its host stopped at the end of its drain (--shutdown-timeout)"
+    assert drained_reason("lease expired") == "lease expired while its host drained"
+
+
+@pytest.mark.parametrize("up, draining, want", [(True, False, True), (True, True, False), (False, False, False)])
+def test_placeable_is_up_and_not_draining(up, draining, want):
+    load = P.Load("d", "decode", num_blocks=10, up=up, draining=draining)
+    assert P.placeable(load) is want
+    assert (P.pick_decode([load], 16) is not None) is want

@@ -79,11 +79,12 @@ def test_hosts_command_line(role):
     assert models["persistentVolumeClaim"] == {"claimName": "pushkv-models", "readOnly": True}
     # no credential on the command line: the etcd password from a file, the API key from the environment
     assert "--api-key" not in args and not any("ETCD_PASSWORD" in a for a in args)
+    # a rolling update (or a P or D pod's scale-down) drains: the kubelet waits for the drain and the processes' stop
+    # (--stop-timeout 10 s)
+    assert float(flag("--shutdown-timeout")) > 0
+    assert spec["terminationGracePeriodSeconds"] >= float(flag("--shutdown-timeout")) + 10
     if role == "router":
         assert env["PUSHKV_API_KEY"]["secretKeyRef"] == {"name": "pushkv-secrets", "key": "api-key"}
-        # a rolling update drains: the kubelet waits for the drain and the processes' stop (--stop-timeout 10 s)
-        assert float(flag("--shutdown-timeout")) > 0
-        assert spec["terminationGracePeriodSeconds"] >= float(flag("--shutdown-timeout")) + 10
     else:
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
         assert flag("--metrics-port") == "8001"
@@ -211,6 +212,13 @@ BREAKS = [
     ("ServiceMonitor port", _mutate("servicemonitor.yaml", "ServiceMonitor", "pushkv",
                                     lambda d: d["spec"]["endpoints"][0].update(port="http")),
      "endpoint port 'http' is not a named port of Service/pushkv-instance-metrics"),
+    ("grace shorter than the drain", _mutate("decode.yaml", "Deployment", "pushkv-decode",
+                                             lambda d: _pod(d).update(terminationGracePeriodSeconds=65)),
+     "terminationGracePeriodSeconds 65 is shorter than its stop (0 s preStop + --shutdown-timeout 60 s"),
+    ("grace shorter than a preStop and the drain", _mutate(
+        "router.yaml", "Deployment", "pushkv-router",
+        lambda d: _c(d).update(lifecycle={"preStop": {"sleep": {"seconds": 15}}})),
+     "terminationGracePeriodSeconds 40 is shorter than its stop (15 s preStop + --shutdown-timeout 20 s"),
     ("namespace", _mutate("decode.yaml", "Deployment", "pushkv-decode",
                           lambda d: d["metadata"].update(namespace="default")),
      "expected 'pushkv'"),

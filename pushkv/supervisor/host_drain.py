@@ -1,0 +1,59 @@
+"""A P or D host's drain at stop (``--shutdown-timeout N`` on ``pushkv up --role prefill|decode``): when it ends.
+
+The host first marks its instances' registry records ``draining``: every router chooses them for no new request
+and leaves the requests with a leg on them alone. The host then waits until its schedulers hold no request (a P's
+until its writers say the KV was written or read, a D's until it ends), N seconds have passed, or a second signal
+came; only then does it leave the registry and stop, as without the flag (a router fails what is still in flight
+then, with 503).
+
+The schedulers say what they hold in their ``Pong`` (``in_flight``), pinged often while the host drains. An answer
+counts only once the routers have had ``settle_s`` to see the mark: a router places a request until its watch
+delivers the mark, and that request's messages reach the scheduler a moment later still, so an idle answer before
+then proves nothing. Pure: times are handed in.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SETTLE_S = 1.0  # the routers' watch delivers the mark, and what they placed before it reaches the schedulers
+PING_S = 0.2  # the schedulers are asked this often while the host drains
+
+DONE, TIMEOUT, SIGNAL = "done", "timeout", "signal"
+
+
+@dataclass
+class HostDrain:
+    marked: float  # when the records were marked draining (monotonic)
+    until: float  # when the host stops at the latest (marked + N)
+    settle_s: float = SETTLE_S
+    said: dict[str, tuple[int, float]] = field(default_factory=dict)  # scheduler -> (requests held, when said)
+
+    @classmethod
+    def start(cls, now: float, timeout_s: float, settle_s: float = SETTLE_S) -> "HostDrain":
+        return cls(marked=now, until=now + timeout_s, settle_s=settle_s)
+
+    def answer(self, scheduler: str, in_flight: int, now: float) -> None:
+        """A scheduler's Pong: the requests it holds (a process that holds none says -1, and is not asked for)."""
+        if in_flight >= 0:
+            self.said[scheduler] = (in_flight, now)
+
+    def held(self, schedulers: set[str]) -> int:
+        """The requests the named schedulers last said they hold (what the log says at the end)."""
+        return sum(self.said[s][0] for s in schedulers if s in self.said)
+
+    def idle(self, schedulers: set[str]) -> bool:
+        """Every named scheduler (those of the instances still whole) said, after the routers saw the mark, that it
+        holds nothing. None named (every instance gone): nothing left to wait for."""
+        settled = self.marked + self.settle_s
+        return all(s in self.said and self.said[s][0] == 0 and self.said[s][1] >= settled for s in schedulers)
+
+    def verdict(self, now: float, schedulers: set[str], signalled_again: bool) -> str:
+        """'' while the drain goes on; else why it ends: DONE (nothing left in flight), TIMEOUT (N s passed),
+        SIGNAL (a second stop signal: stop now, as a second Ctrl-C does under ``vllm serve``)."""
+        if signalled_again:
+            return SIGNAL
+        if self.idle(schedulers):
+            return DONE
+        if now >= self.until:
+            return TIMEOUT
+        return ""
