@@ -143,11 +143,12 @@ class Balancer:
 
     # -- the instance set ------------------------------------------------------------
     def add(self, rec: InstanceRecord, make_link: Callable[[InstanceRecord], "SchedulerLink"],
-            fresh: bool = False, joining: bool = False) -> None:
+            fresh: bool = False, joining: bool = False, draining: bool = False) -> None:
         """An instance is up (new, or back after InstanceDown); ``fresh``: a new link even at the
         same endpoint (a host back from a cut: the old TCP connection may still hold unsent bytes
         for a process that is gone, and would lose what we send next); ``joining``: linked but not
-        chosen until ``ready`` (it is told first what changed since the launch: router/loras.py)."""
+        chosen until ``ready`` (it is told first what changed since the launch: router/loras.py); ``draining``: met
+        already draining (its host stops with --shutdown-timeout), linked and never chosen."""
         load = self.loads.get(rec.engine_id)
         if load is None or fresh or self.records[rec.engine_id].sched_endpoint != rec.sched_endpoint:
             old = self.links.pop(rec.engine_id, None)
@@ -158,7 +159,7 @@ class Balancer:
             order = sum(1 for l in self.loads.values() if l.role == rec.role)
             load = self.loads[rec.engine_id] = P.Load(rec.engine_id, rec.role, order=order)
         load.num_blocks, load.block_size, load.up = rec.num_blocks, rec.block_size, not joining
-        load.healthy, load.draining = True, False  # a new incarnation
+        load.healthy, load.draining = True, draining  # a new incarnation
         self.records[rec.engine_id] = rec
         if joining:
             self.joins += 1
@@ -166,7 +167,8 @@ class Balancer:
             log.info("%s instance %s joining (%d blocks)", rec.role, rec.engine_id, rec.num_blocks)
             return
         self.joining.pop(rec.engine_id, None)
-        log.info("%s instance %s up (%d blocks)", rec.role, rec.engine_id, rec.num_blocks)
+        log.info("%s instance %s up (%d blocks)%s", rec.role, rec.engine_id, rec.num_blocks,
+                 ", draining: chosen for no request" if draining else "")
         self.drain()
 
     def ready(self, engine_id: str, join: int) -> bool:

@@ -332,7 +332,9 @@ def parse_chat(body: dict, tok: text.Tokenizer, limits: api.Limits, template: Ch
     if top is not None and top > 0 and not want:
         raise api.bad("top_logprobs", "top_logprobs needs logprobs: true")
     # a forced tool_choice wins over the request's own structured output, as vLLM's: its calls' schema holds the output
-    generation = body if forced is None else structured.set_aside(body, named=forced[0] != tool_choice.REQUIRED)
+    # (but for structured_outputs' structural_tag, which vLLM's tool parser leaves to hold it)
+    own = forced is not None and structured.keeps_own(body)
+    generation = body if forced is None or own else structured.set_aside(body, named=forced[0] != tool_choice.REQUIRED)
     params = api.parse_generation(generation, ids, tok, limits, None, (top or 0) if want else -1,
                                   max_tokens_field="max_completion_tokens", prompt_field="messages")
     prompt_logprobs = api.parse_prompt_logprobs(body, params.stream)
@@ -360,7 +362,9 @@ def parse_chat(body: dict, tok: text.Tokenizer, limits: api.Limits, template: Ch
         parser, schema = forced
         # compact JSON (structured_outputs' disable_any_whitespace): a call's arguments need no layout, and a weak
         # model held to a schema can otherwise fill max_tokens with white space
-        params.structured = structured.parse({"structured_outputs": {"json": schema, "disable_any_whitespace": True}})
+        if not own:
+            params.structured = structured.parse({"structured_outputs": {"json": schema,
+                                                                         "disable_any_whitespace": True}})
         params.tool_call_parser = parser
     if params.structured is not None and reasoning_parser and params.reasons:  # the answer after the reasoning
         params.structured = msgspec.structs.replace(params.structured,

@@ -359,8 +359,15 @@ class Router:
 
     def _instance_draining(self, rec: InstanceRecord) -> None:
         """The instance's host stops with --shutdown-timeout: chosen for nothing new from now; the requests with a leg
-        on it go on (its host stops once they have ended, or at its timeout, and leaves the registry then)."""
-        if self.balancer.draining(rec) is None:
+        on it go on (its host stops once they have ended, or at its timeout, and leaves the registry then).
+
+        One this router never linked (it started while the host drains) is linked all the same, and never chosen: its
+        scheduler hears our epoch and drops the requests a router before us at this place left running (their
+        clients went with it), where the drain would wait them out, decoding for no one, up to its timeout; and its
+        leaving tells the other role's instances, as any loss does."""
+        if unknown := rec.engine_id not in self.balancer.loads:
+            self.balancer.add(rec, self._make_link, fresh=True, draining=True)
+        if unknown or self.balancer.draining(rec) is None:
             return
         held = len([run for run in self.runs.values() if run.req.holds(rec.role, rec.engine_id)])
         log.info("%s instance %s draining (its host stops, --shutdown-timeout): chosen for no new request; %d "

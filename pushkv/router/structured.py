@@ -77,6 +77,14 @@ def parse(body: dict, compile: bool = True) -> Optional[Structured]:
 FIELDS = ("response_format", "structured_outputs", *GUIDED)  # the fields that ask for a grammar
 
 
+def keeps_own(body: dict) -> bool:
+    """Whether a chat request's own structured output stands beside a forced tool_choice: vLLM's tool parser
+    (adjust_request) leaves a request whose ``structured_outputs`` holds a ``structural_tag`` as it is, so that tag,
+    not the calls' schema, holds the output (which is then read as the calls)."""
+    outputs = body.get("structured_outputs")
+    return isinstance(outputs, dict) and outputs.get("structural_tag") is not None
+
+
 def set_aside(body: dict, named: bool) -> dict:
     """A chat request whose tool_choice forces calls, without the structured output it asks for: vLLM's tool parser
     sets it aside (``response_format`` None, ``structured_outputs`` replaced: the calls' schema holds the output

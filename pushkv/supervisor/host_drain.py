@@ -9,7 +9,9 @@ then, with 503).
 The schedulers say what they hold in their ``Pong`` (``in_flight``), pinged often while the host drains. An answer
 counts only once the routers have had ``settle_s`` to see the mark: a router places a request until its watch
 delivers the mark, and that request's messages reach the scheduler a moment later still, so an idle answer before
-then proves nothing. Pure: times are handed in.
+then proves nothing. The routers see the mark once etcd holds it: where its put had to wait (a slow etcd, or one
+out of reach as the host stops, the put retried), the settle counts from when it landed (``seen_from``), else an
+idle host would leave while the routers still choose it. Pure: times are handed in.
 """
 from __future__ import annotations
 
@@ -31,6 +33,11 @@ class HostDrain:
     @classmethod
     def start(cls, now: float, timeout_s: float, settle_s: float = SETTLE_S) -> "HostDrain":
         return cls(marked=now, until=now + timeout_s, settle_s=settle_s)
+
+    def seen_from(self, t: float) -> None:
+        """The routers can see the mark from ``t`` at the earliest (its put landed then, or has not yet at ``t``):
+        an answer counts only from ``t`` + the settle. The drain's end at the latest (``until``) stays."""
+        self.marked = max(self.marked, t)
 
     def answer(self, scheduler: str, in_flight: int, now: float) -> None:
         """A scheduler's Pong: the requests it holds (a process that holds none says -1, and is not asked for)."""

@@ -53,6 +53,13 @@ class HostRegistry:
         return marked
 
     @property
+    def marks_landed(self) -> bool:
+        """Every record this host holds is in etcd as last announced (its draining mark too): none waits for a put
+        that etcd did not take yet (out of reach, the put is retried as the backoff allows)."""
+        ann = self.announcer
+        return not set(ann.records) & ann.unput
+
+    @property
     def in_contact(self) -> bool:
         """We hold a lease: etcd answered since the last loss."""
         return bool(self.announcer.lease_id)

@@ -368,6 +368,7 @@ class Supervisor(Actor):
         self._signals_at_drain = self._signals
         self._host_drain = host_drain.HostDrain.start(now, self.cfg.shutdown_timeout_s)
         marked = reg.mark_draining()
+        self._host_drain.seen_from(time.monotonic())  # the puts may have waited on etcd
         self._next_ping = now
         log.info("%s host draining: its instances (%s) take no new request; their requests in flight have up to "
                  "%g s to finish (--shutdown-timeout)", self.cfg.host_role, ", ".join(marked) or "none in the registry",
@@ -386,6 +387,8 @@ class Supervisor(Actor):
             log.error("registry lease lost while draining: stopping now")
             self.stopping = True
             return
+        if reg is not None and not reg.marks_landed:  # etcd has not taken the mark yet: no router has seen it
+            drain.seen_from(now)
         schedulers = self._drain_schedulers()
         why = drain.verdict(now, schedulers, self._signals > self._signals_at_drain)
         if why:

@@ -843,3 +843,45 @@ def test_chat_stream_opens_with_the_first_token(tmp_path):
             assert [e["choices"][0]["delta"].get("content") for e in ev[1:-1]] == ["h", "i"]
             assert ev[-2]["choices"][0]["finish_reason"] == "length"
     run(body())
+
+
+class QueueWatcher:
+    """Discovery as a test hands it: no instance at start, then each event put."""
+
+    def __init__(self):
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def snapshot(self):
+        return []
+
+    async def events(self):
+        while True:
+            yield await self.queue.get()
+
+    async def close(self):
+        pass
+
+
+def test_a_router_started_while_a_host_drains_links_its_instance_and_chooses_it_for_nothing(tmp_path):
+    """A router that starts while a D host drains (its record already says draining) links the instance all the
+    same, so that its scheduler hears the router's epoch (and drops what a router before it at this place left
+    running, where the drain would wait it out), and places nothing on it: with no other D, a request is refused."""
+    from pushkv.discovery.records import InstanceRecord, InstanceUp
+
+    async def body():
+        cfg = make_cfg(tmp_path, "push")
+        h = Harness(cfg, {"prefill": None, "decode": None})
+        watcher = h.router.watcher = QueueWatcher()
+        async with h:
+            for role in ("prefill", "decode"):
+                inst = cfg.instance(role)
+                watcher.queue.put_nowait(InstanceUp(InstanceRecord(
+                    engine_id=inst.engine_id, role=role, sched_endpoint=inst.sched_endpoint,
+                    handshake_endpoints=inst.handshake_endpoints, num_blocks=64, draining=role == "decode")))
+            await h.wait(lambda e: any(r == "decode" and isinstance(x, m.RouterEpoch) for r, d, x in e))
+            r = await h.http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2})
+            assert r.status == 503 and "no live decode instance" in (await r.json())["error"]["message"]
+            health = {i["role"]: i for i in (await (await h.http.get("/health")).json())["instances"]}
+            assert health["decode"]["draining"] and not health["prefill"]["draining"]
+            assert not h.log.received("decode", m.Generate)
+    run(body())

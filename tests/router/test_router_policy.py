@@ -629,3 +629,23 @@ def test_placeable_is_up_and_not_draining(up, draining, want):
     load = P.Load("d", "decode", num_blocks=10, up=up, draining=draining)
     assert P.placeable(load) is want
     assert (P.pick_decode([load], 16) is not None) is want
+
+
+def test_an_instance_met_already_draining_is_linked_and_never_chosen():
+    """A router started while a host drains meets its instances draining: linked (its scheduler hears the router's
+    epoch and drops what the router before it left running), chosen for nothing, a request waiting for room
+    included; its leaving is then a loss the router knows (so the other role hears of it)."""
+    b = Balancer("push", 1.0, 2)
+    b.add(rec("p0", "prefill"), lambda r: object())
+    b.add(rec("d0", "decode", 10), lambda r: object())
+    waiting = Run("waiting")
+    big = Run("big")
+    assert b.request(big).decode == "d0" and b.request(waiting) is None  # d0 full: it waits
+    linked = []
+    b.add(rec("d1", "decode", 100), lambda r: linked.append(r.engine_id) or object(), fresh=True, draining=True)
+    assert linked == ["d1"] and b.loads["d1"].up and not P.placeable(b.loads["d1"])
+    assert waiting.got == [] and b.waiting == 1  # room on d1, and still it waits
+    assert b.draining(rec("d1", "decode", 100)) is None  # draining already
+    b.release(big)
+    assert [type(x).__name__ for x in waiting.got] == ["Placed"] and b.holder(waiting).decode == "d0"
+    assert b.down("d1") is b.loads["d1"]

@@ -226,7 +226,8 @@ def test_a_forced_tool_choice_holds_the_output_to_the_calls_and_makes_them_calls
 
 def test_a_forced_tool_choice_sets_the_requests_own_structured_output_aside():
     """vLLM's tool parser (adjust_request, _apply_structural_tag): a forced tool_choice replaces the request's
-    structured output with the calls' schema and drops its response_format, so the calls win; what vLLM's request
+    structured output with the calls' schema and drops its response_format, so the calls win (a structural_tag in
+    structured_outputs excepted: left as it is); what vLLM's request
     model refuses still is: a malformed field's shape, and structured_outputs' json, regex or choice beside a named
     function (check_structured_outputs_count), `required` taking them."""
     pytest.importorskip("xgrammar")
@@ -252,6 +253,13 @@ def test_a_forced_tool_choice_sets_the_requests_own_structured_output_aside():
     assert parse(tool_choice="required", structured_outputs={"json": {"type": "object"}}).tool_call_parser == "required"
     assert parse(tool_choice="required", guided_regex="(").tool_call_parser == "required"
     assert parse(tool_choice="none", response_format=schema).structured.spec == '{"type": "array"}'  # its own stands
+    # structured_outputs' structural_tag stands beside a forced choice (vLLM's adjust_request leaves such a request
+    # as it is): the tag holds the output, read as the calls all the same
+    tag = json.dumps({"type": "structural_tag", "structures": [
+        {"begin": "<f>", "schema": {"type": "integer"}, "end": "</f>"}], "triggers": ["<f"]})
+    for choice, parser in ((named, "function:get_weather"), ("required", "required")):
+        p = parse(tool_choice=choice, structured_outputs={"structural_tag": tag})
+        assert (p.tool_call_parser, p.structured.kind) == (parser, "structural_tag")
     for body, param, needle in [
             ({"tool_choice": named, "structured_outputs": {"json": {"type": "object"}}}, "structured_outputs.json",
              "You can only either use constraints for structured outputs or tools, not both."),

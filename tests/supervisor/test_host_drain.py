@@ -31,6 +31,25 @@ def test_the_drain_ends_once_every_scheduler_holds_nothing_after_the_routers_saw
     assert d.verdict(104.0, S | {"decode2-scheduler"}, False) == ""  # one not heard from yet
 
 
+def test_the_settle_counts_from_when_the_mark_reached_the_registry():
+    """etcd out of reach as the host stops: the mark lands late (its put retried), and until then no router has
+    seen it, so an idle host does not leave while the routers still choose it (it drains on, at most N s)."""
+    d = drain()
+    d.seen_from(102.0)  # not landed yet at 102.0
+    for s in S:
+        d.answer(s, 0, 101.5)
+    assert d.verdict(102.5, S, False) == ""
+    d.seen_from(101.0)  # an earlier time moves nothing back
+    for s in S:
+        d.answer(s, 0, 102.9)
+    assert d.verdict(102.9, S, False) == ""
+    for s in S:
+        d.answer(s, 0, 103.0)
+    assert d.verdict(103.0, S, False) == H.DONE
+    d.seen_from(200.0)  # never landed: the drain still ends at its timeout
+    assert d.verdict(130.0, S, False) == H.TIMEOUT
+
+
 def test_a_process_that_holds_no_request_is_not_waited_for():
     d = drain()
     d.answer("decode-writer-0", -1, 101.5)
@@ -65,10 +84,14 @@ class Announcer:
     def __init__(self):
         self.records: dict[tuple[str, str], InstanceRecord] = {}
         self.leases_lost, self.lease_id, self.puts = 0, 7, []
+        self.unput: set[tuple[str, str]] = set()  # announced, not in etcd yet
+        self.reachable = True
 
     def announce(self, rec):
         self.records[(rec.role, rec.engine_id)] = rec
         self.puts.append(rec)
+        if not self.reachable:
+            self.unput.add((rec.role, rec.engine_id))
 
 
 def rec(eid):
@@ -86,3 +109,14 @@ def test_mark_draining_puts_each_record_again_marked_and_nothing_else():
     assert [(r.engine_id, r.draining, r.num_blocks, r.started_unix) for r in ann.puts] == [
         ("d-0", True, 64, 5.0), ("d-1", True, 64, 5.0)]
     assert reg.mark_draining() == []  # marked once
+
+
+def test_the_marks_landed_once_etcd_took_every_put():
+    ann = Announcer()
+    reg = HostRegistry(cfg=None, announcer=ann)
+    ann.announce(rec("d-0"))
+    ann.reachable = False
+    reg.mark_draining()
+    assert not reg.marks_landed  # the supervisor's drain waits for it before an idle host counts
+    ann.unput.clear()  # a later contact put it
+    assert reg.marks_landed
