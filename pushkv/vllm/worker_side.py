@@ -344,6 +344,9 @@ class WorkerSide:
 
     def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         sent, recvd, failed = set(), set(), set()
+        # what a dead writer had ends now, not once its successor is ready: none of it reads the event socket,
+        # which the restart holds until then (a slow start on a loaded machine, or WRITER_READY_S and a retry)
+        self._settle(sent, recvd, failed)
         # the lock is only ever held here by a restart (preempted() runs on this thread): a step waits idle_wait_ms
         # for it, as vLLM steps at once while requests wait on a transfer, and stepping unthrottled through a restart
         # would take the cores the new writer boots on; a free lock is taken at once
@@ -353,16 +356,6 @@ class WorkerSide:
             for msg in self._early:
                 self._handle(msg, sent, recvd, failed)
             self._early.clear()
-            with self._pending_lock:
-                deaths, self._deaths = self._deaths, []
-            for reason, sends, recvs, streams in deaths:
-                self._writer_died(reason, sends, recvs, streams, sent, recvd, failed)
-            if self._fatal:
-                raise RuntimeError(f"pushkv: {self._fatal}; it had allocated vLLM's KV cache "
-                                   "(cuda_memory: writer), which died with it: restart this vLLM instance")
-            released, self._released = self._released, []
-            for msg in released:
-                self._handle(msg, sent, recvd, failed)
             if self.events is None:
                 return sent, recvd, failed
             wait_ms = self.s.idle_wait_ms if self._idle_wait else 0
@@ -373,6 +366,21 @@ class WorkerSide:
             self._lock.release()
         self._idle_wait = False
         return sent, recvd, failed
+
+    def _settle(self, sent: set, recvd: set, failed: set) -> None:
+        """Dead writers' transfers ended, and streams' blocks handed over after their writer
+        answered or died: this thread's own state and the command socket (queued for the
+        next writer), never the event socket."""
+        with self._pending_lock:
+            deaths, self._deaths = self._deaths, []
+        for reason, sends, recvs, streams in deaths:
+            self._writer_died(reason, sends, recvs, streams, sent, recvd, failed)
+        if self._fatal:
+            raise RuntimeError(f"pushkv: {self._fatal}; it had allocated vLLM's KV cache "
+                               "(cuda_memory: writer), which died with it: restart this vLLM instance")
+        released, self._released = self._released, []
+        for msg in released:
+            self._handle(msg, sent, recvd, failed)
 
     def _report(self, rid: str) -> bool:
         if not rid or rid in self.reported:

@@ -529,6 +529,48 @@ def test_a_step_during_a_writer_restart_waits_for_the_socket_instead_of_spinning
     assert waits[1] == (ws.s.idle_wait_ms / 1e3, False) and waits[1][0] > 0  # held by the restart: waited, then left
 
 
+def test_a_dead_writers_transfers_end_while_its_successor_starts():
+    """The restart holds the event socket until the new writer is ready (seconds, tens of them on a
+    loaded machine; WRITER_READY_S and a retry for one that hangs): the dead writer's transfers end
+    at the next step regardless, P's blocks free and D's loads failed, where they waited for that
+    start."""
+    import threading
+
+    from pushkv.vllm import wire as w
+
+    ws, StepMeta = _worker()
+    ws.bind(StepMeta(sends={"r1": "T1"}, recvs={"r2": ("T2", [7, 8])}))
+
+    class Dead:  # the writer, SIGKILLed
+        pid = 1
+
+        def wait(self) -> int:
+            return -9
+
+    ws.proc = Dead()  # type: ignore[assignment]
+    starting, started = threading.Event(), threading.Event()
+
+    def slow_start():  # the successor's start, under the restart's lock
+        starting.set()
+        started.wait(30)
+        ws._stopping.set()  # (the supervisor then ends: one restart here)
+
+    ws._start_writer = slow_start  # type: ignore[method-assign]
+    t = threading.Thread(target=ws._supervise)
+    t.start()
+    try:
+        assert starting.wait(30)
+        assert ws.transfer_results() == ({"r1"}, {"r2"}, {"r2"})  # not after the start
+        assert ws.take_load_errors() == {7, 8}
+        why = "pushkv writer (pid 1) died with status -9"
+        assert ws.cmd.msgs == [w.CancelBlocks("r1", "T1", why, "prefill")]  # queued for the new writer
+        assert t.is_alive() and ws.restarts == 1
+    finally:
+        started.set()
+        t.join(30)
+    assert ws.transfer_results() == (set(), set(), set())  # once only
+
+
 @pytest.mark.parametrize("flag, env, key", [
     (None, None, None),  # instances without a key
     (None, "from-env", "from-env"),  # as vllm serve: $VLLM_API_KEY where --api-key is not given
