@@ -228,10 +228,10 @@ def _writer_lines(log_path: str, last: int = 40) -> str:
 
 # the connector's word that a writer is up ("pushkv: writer pid N ready in Xs ...")
 READY = re.compile(r"pushkv: writer pid (\d+) ready in ([\d.]+)s")
-# a restart's bound: the connector's own wait for its new writer, once more after it gives up on a start that does
-# not answer (its retry), and a margin. Restarts took 2-10 s here, 30 s with the load average at 30 (two of these
-# deployments and busy loops on two cores); the wait ends at the connector's line, not at this bound
-RESTART_S = 2 * WRITER_READY_S + 30
+# a restart's bound: the connector's own wait for a stuck new writer (WRITER_READY_S and the same again once it used
+# no CPU), a retry's first look, and a margin. Restarts took 2-10 s here, 30 s with the load average at 30 (two of
+# these deployments and busy loops on two cores); the wait ends at the connector's line, not at this bound
+RESTART_S = 3 * WRITER_READY_S + 30
 
 
 def _restarted(server, old_pid: int) -> tuple[int, float]:
