@@ -43,7 +43,8 @@ _VARS = (
         "docs/security.md, upgrading)", choices=("scrypt", "hkdf")),
     Var("PUSHKV_SECRET_FILE", str, "", "pushkv.vllm: the CURVE secret file when the connector's extra config "
         "names none"),
-    Var("PUSHKV_LOG", str, "INFO", "pushkv.vllm's writer process: log level"),
+    Var("PUSHKV_LOG", str, "INFO", "pushkv.vllm's log level: its writer process's, and the connector's lines in vLLM's "
+        "log (timestamped, unless that process set up Python's logging)"),
     Var("PUSHKV_WARM_GRAMMARS", bool, True, "the router loads xgrammar on a parse thread once it is ready, so the "
         "first structured-output request's check does not wait ~1.5 s for it; 0: loaded by that first request "
         "(the tests' deployments, which start many routers on two cores)"),

@@ -29,10 +29,28 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from pushkv import envs
 from pushkv.vllm import params as P
 from pushkv.vllm.scheduler_side import SchedulerSide, StepMeta
 
 log = logging.getLogger(__name__)
+
+
+def _log_like_the_writer() -> None:
+    """The connector's lines, timestamped at ``PUSHKV_LOG`` as its writer's are, in the vLLM
+    process whose logging configures only vLLM's loggers: else Python's last resort prints
+    warnings alone, without a time (a writer's restart, "ready in N s", would not show)."""
+    root = logging.getLogger("pushkv")
+    if root.handlers or logging.getLogger().handlers:
+        return  # the embedding process configured logging: its choice
+    h = logging.StreamHandler()
+    h.setFormatter(logging.Formatter("%(asctime)s pushkv-connector[%(process)d] %(levelname)s %(message)s"))
+    root.addHandler(h)
+    root.setLevel(envs.get("PUSHKV_LOG"))
+    root.propagate = False
+
+
+_log_like_the_writer()
 
 VLLM_VERSION = "0.32.0"
 

@@ -39,6 +39,7 @@ import zmq
 from pushkv import limits
 from pushkv import messages as m
 from pushkv.kv import layer_events
+from pushkv.supervisor.lifecycle import cpu_seconds
 from pushkv.trace import stamp as mark
 from pushkv.vllm import params as P
 from pushkv.vllm import regions as R
@@ -50,9 +51,23 @@ from pushkv.vllm.writer_args import WriterArgs
 
 log = logging.getLogger(__name__)
 
-WRITER_READY_S = 60.0
+WRITER_READY_S = 60.0  # a writer that neither answers nor uses CPU for this long at its start is stuck: killed
+WRITER_START_CPU_S = 60.0  # and one that used this much CPU without answering spins (a start needs a few seconds)
 WRITER_STOP_S = 5.0
 REMEMBER = 4096
+
+
+def start_verdict(cpu_s: float, cpu_at_last_look: float) -> str:
+    """What a writer is that has not answered for another WRITER_READY_S at its start: "starting"
+    where it used CPU since the last look (its start needs a few CPU seconds, which on a loaded
+    machine take a minute or more of wall time: killing it would start the same work over),
+    "stuck" where it used none (it waits on what will not come; an unreadable CPU time, -1, too),
+    "spinning" past WRITER_START_CPU_S."""
+    if cpu_s < 0 or cpu_s <= cpu_at_last_look:
+        return "stuck"
+    if cpu_s >= WRITER_START_CPU_S:
+        return "spinning"
+    return "starting"
 
 
 def model_geometry(vllm_config) -> tuple[int, int, str]:
@@ -204,10 +219,12 @@ class WorkerSide:
         self._await(w.WriterReady, "at start")
 
     def _await(self, kind: type, when: str):
-        """The writer's ``kind`` event (bounded wait; other events are kept for the step): a
-        writer that exits first fails now, with its last word if it sent one."""
+        """The writer's ``kind`` event (other events are kept for the step): a writer that exits
+        first fails now, with its last word if it sent one; one that does not answer is waited on
+        WRITER_READY_S at a time while it works, and killed once it is stuck or spins (``start_verdict``)."""
         assert self.events is not None and self.proc is not None
         deadline = time.monotonic() + WRITER_READY_S
+        cpu_seen = 0.0  # the writer's CPU seconds at the last deadline
         while True:
             exited = self.proc.poll() is not None
             while self.events.poll(200 if exited else 100):
@@ -221,9 +238,16 @@ class WorkerSide:
             if exited:
                 raise RuntimeError(f"pushkv writer exited with status {self.proc.returncode} {when}")
             if time.monotonic() > deadline:
+                waited, cpu = time.monotonic() - self._t0, cpu_seconds(self.proc.pid)
+                verdict = start_verdict(cpu, cpu_seen)
+                if verdict == "starting":  # slow, not stuck: a loaded machine
+                    log.warning("pushkv: writer pid %d has not answered %s in %.0fs (%s) but is working (%.1f CPU "
+                                "seconds so far): waiting on", self.proc.pid, kind.__name__, waited, when, cpu)
+                    cpu_seen, deadline = cpu, time.monotonic() + WRITER_READY_S
+                    continue
                 self.proc.kill()
-                raise RuntimeError(f"pushkv writer did not answer {kind.__name__} within {WRITER_READY_S:.0f}s "
-                                   f"({when})")
+                raise RuntimeError(f"pushkv writer did not answer {kind.__name__} within {waited:.0f}s ({when}; "
+                                   f"{verdict}: {max(cpu, 0.0):.1f} CPU seconds)")
 
     def _supervise(self) -> None:
         """Watch the writer; when it dies, record why and start a new one."""
@@ -344,6 +368,9 @@ class WorkerSide:
 
     def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         sent, recvd, failed = set(), set(), set()
+        # what a dead writer had ends now, not once its successor is ready: none of it reads the event socket,
+        # which the restart holds until then (a slow start on a loaded machine, or WRITER_READY_S and a retry)
+        self._settle(sent, recvd, failed)
         # the lock is only ever held here by a restart (preempted() runs on this thread): a step waits idle_wait_ms
         # for it, as vLLM steps at once while requests wait on a transfer, and stepping unthrottled through a restart
         # would take the cores the new writer boots on; a free lock is taken at once
@@ -353,16 +380,6 @@ class WorkerSide:
             for msg in self._early:
                 self._handle(msg, sent, recvd, failed)
             self._early.clear()
-            with self._pending_lock:
-                deaths, self._deaths = self._deaths, []
-            for reason, sends, recvs, streams in deaths:
-                self._writer_died(reason, sends, recvs, streams, sent, recvd, failed)
-            if self._fatal:
-                raise RuntimeError(f"pushkv: {self._fatal}; it had allocated vLLM's KV cache "
-                                   "(cuda_memory: writer), which died with it: restart this vLLM instance")
-            released, self._released = self._released, []
-            for msg in released:
-                self._handle(msg, sent, recvd, failed)
             if self.events is None:
                 return sent, recvd, failed
             wait_ms = self.s.idle_wait_ms if self._idle_wait else 0
@@ -373,6 +390,21 @@ class WorkerSide:
             self._lock.release()
         self._idle_wait = False
         return sent, recvd, failed
+
+    def _settle(self, sent: set, recvd: set, failed: set) -> None:
+        """Dead writers' transfers ended, and streams' blocks handed over after their writer
+        answered or died: this thread's own state and the command socket (queued for the
+        next writer), never the event socket."""
+        with self._pending_lock:
+            deaths, self._deaths = self._deaths, []
+        for reason, sends, recvs, streams in deaths:
+            self._writer_died(reason, sends, recvs, streams, sent, recvd, failed)
+        if self._fatal:
+            raise RuntimeError(f"pushkv: {self._fatal}; it had allocated vLLM's KV cache "
+                               "(cuda_memory: writer), which died with it: restart this vLLM instance")
+        released, self._released = self._released, []
+        for msg in released:
+            self._handle(msg, sent, recvd, failed)
 
     def _report(self, rid: str) -> bool:
         if not rid or rid in self.reported:

@@ -529,6 +529,111 @@ def test_a_step_during_a_writer_restart_waits_for_the_socket_instead_of_spinning
     assert waits[1] == (ws.s.idle_wait_ms / 1e3, False) and waits[1][0] > 0  # held by the restart: waited, then left
 
 
+def test_a_dead_writers_transfers_end_while_its_successor_starts():
+    """The restart holds the event socket until the new writer is ready (seconds, tens of them on a
+    loaded machine; WRITER_READY_S and a retry for one that hangs): the dead writer's transfers end
+    at the next step regardless, P's blocks free and D's loads failed, where they waited for that
+    start."""
+    import threading
+
+    from pushkv.vllm import wire as w
+
+    ws, StepMeta = _worker()
+    ws.bind(StepMeta(sends={"r1": "T1"}, recvs={"r2": ("T2", [7, 8])}))
+
+    class Dead:  # the writer, SIGKILLed
+        pid = 1
+
+        def wait(self) -> int:
+            return -9
+
+    ws.proc = Dead()  # type: ignore[assignment]
+    starting, started = threading.Event(), threading.Event()
+
+    def slow_start():  # the successor's start, under the restart's lock
+        starting.set()
+        started.wait(30)
+        ws._stopping.set()  # (the supervisor then ends: one restart here)
+
+    ws._start_writer = slow_start  # type: ignore[method-assign]
+    t = threading.Thread(target=ws._supervise)
+    t.start()
+    try:
+        assert starting.wait(30)
+        assert ws.transfer_results() == ({"r1"}, {"r2"}, {"r2"})  # not after the start
+        assert ws.take_load_errors() == {7, 8}
+        why = "pushkv writer (pid 1) died with status -9"
+        assert ws.cmd.msgs == [w.CancelBlocks("r1", "T1", why, "prefill")]  # queued for the new writer
+        assert t.is_alive() and ws.restarts == 1
+    finally:
+        started.set()
+        t.join(30)
+    assert ws.transfer_results() == (set(), set(), set())  # once only
+
+
+@pytest.mark.parametrize("cpu_s, before, verdict", [
+    (3.0, 1.0, "starting"),  # it worked since the last look: a slow start on a loaded machine
+    (3.0, 3.0, "stuck"),  # no CPU since: it waits on what will not come
+    (0.0, 0.0, "stuck"),
+    (-1.0, 0.0, "stuck"),  # its CPU time cannot be read
+    (60.0, 30.0, "spinning"),  # working, but far past what a start takes
+])
+def test_a_writer_that_has_not_answered_is_killed_only_when_it_stopped_working(cpu_s, before, verdict):
+    from pushkv.vllm.worker_side import start_verdict
+
+    assert start_verdict(cpu_s, before) == verdict
+
+
+_WORKS_THEN_ANSWERS = """
+import os, sys, time, zmq
+from pushkv import messages as m
+from pushkv.vllm import wire as w
+t = time.monotonic()
+while time.monotonic() - t < float(sys.argv[2]):
+    pass
+s = zmq.Context().socket(zmq.PUSH)
+s.connect(sys.argv[1])
+s.send(m.encode(w.WriterReady(os.getpid(), "slow")))
+time.sleep(5)
+"""
+
+
+@pytest.mark.parametrize("work_s, answers", [(1.5, True), (0.0, False)])
+def test_a_slow_start_is_waited_on_and_a_stuck_one_killed(monkeypatch, tmp_path, work_s, answers):
+    """A writer start on a loaded machine (seconds of CPU over a minute or more) is waited on past
+    WRITER_READY_S while it works, where it was killed and started over, which on a machine that
+    stays loaded never ends; one that stops working (here: never answers, sleeping) is killed."""
+    import subprocess
+    import sys
+
+    import zmq
+
+    from pushkv.vllm import wire as w
+    from pushkv.vllm import worker_side
+
+    monkeypatch.setattr(worker_side, "WRITER_READY_S", 0.5)
+    ws, _ = _worker()
+    endpoint = f"ipc://{tmp_path}/ev"
+    ws.events = zmq.Context.instance().socket(zmq.PULL)
+    ws.events.bind(endpoint)
+    script = _WORKS_THEN_ANSWERS if answers else "import time; time.sleep(30)"
+    ws._t0 = time.monotonic()
+    ws.proc = subprocess.Popen([sys.executable, "-c", script, endpoint, str(work_s)],
+                               env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    try:
+        if answers:
+            assert ws._await(w.WriterReady, "test").pid == ws.proc.pid
+            assert time.monotonic() - ws._t0 > 2 * worker_side.WRITER_READY_S  # waited on, past the bound
+        else:
+            with pytest.raises(RuntimeError, match="did not answer WriterReady .*stuck"):
+                ws._await(w.WriterReady, "test")
+            assert ws.proc.wait(5) == -9
+    finally:
+        ws.proc.kill()
+        ws.proc.wait()
+        ws.events.close(0)
+
+
 @pytest.mark.parametrize("flag, env, key", [
     (None, None, None),  # instances without a key
     (None, "from-env", "from-env"),  # as vllm serve: $VLLM_API_KEY where --api-key is not given
