@@ -292,7 +292,7 @@ def instance_state(load: P.Load) -> str:
 def count_states(loads: Iterable[P.Load]) -> dict[tuple[str, str], int]:
     """Instances by (role, state): every state of each role present, 0 included, so a dashboard's series exist before
     the first drain."""
-    counts = {}
+    counts: dict[tuple[str, str], int] = {}
     for load in loads:
         for state in INSTANCE_STATES:
             counts.setdefault((load.role, state), 0)
