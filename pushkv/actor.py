@@ -205,7 +205,7 @@ class Actor:
     def on_Ping(self, msg: m.Ping) -> None:
         if self._control is not None:
             pong = m.Pong(name=self.name, pid=os.getpid(), uptime_s=time.monotonic() - self.started_mono,
-                          in_flight=self.in_flight())
+                          in_flight=self.in_flight(), ping_seq=msg.seq)
             self._control.send(m.encode(pong))
 
     def in_flight(self) -> int:

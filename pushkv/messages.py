@@ -719,7 +719,9 @@ class Shutdown(Msg, frozen=True):
 
 
 class Ping(Msg, frozen=True):
-    pass
+    # the supervisor's count of its pings (0: unnumbered), echoed in the Pong: a host's drain dates an answer by
+    # the ping it answers (supervisor/host_drain.py)
+    seq: int = 0
 
 
 class Pong(Msg, frozen=True):
@@ -730,6 +732,7 @@ class Pong(Msg, frozen=True):
     # a scheduler: the requests it holds (queued, prefilling, P's KV being written or held for D's READ, D's
     # awaited or decoding), which its host's drain (--shutdown-timeout) waits out; -1: a process that holds none
     in_flight: int = -1
+    ping_seq: int = 0  # the Ping.seq this answers (0: a sender that does not echo it)
 
 
 ControlMsg = Union[Ready, Shutdown, Ping, Pong]

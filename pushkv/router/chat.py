@@ -299,6 +299,20 @@ def forced_choice(body: dict, tools: list[dict]) -> Optional[tuple[str, dict]]:
     return tool_choice.NAMED + name, tool_choice.forced_schema(tools, name)
 
 
+def tool_choice_refused(body: dict, tools: list[dict], tool_call_parser: str) -> str:
+    """vLLM 0.32's refusal (its renderer's, 400, no param) of a tool_choice that wants calls parsed on a deployment
+    without --tool-call-parser: ``auto`` (the default with tools) and a forced one (``required``, a named function)
+    alike, as vLLM needs its parser to make a forced choice's output calls; "" where it stands (``none`` always).
+    The choice is one forced_choice took."""
+    choice = body.get("tool_choice")
+    if tool_call_parser or not tools or choice == "none":
+        return ""
+    if choice in (None, "auto"):
+        return '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+    named = f'function "{choice["function"]["name"]}"' if isinstance(choice, dict) else f'"{choice}"'
+    return f"tool_choice={named} requires --tool-call-parser to be set"
+
+
 def render_request(template: ChatTemplate, body: dict, messages: list[dict], tools: list[dict]) -> str:
     """A chat request's prompt text: its messages through the deployment's template (the tool-use one with tools),
     with its add_generation_prompt (default true), continue_final_message and chat_template_kwargs."""
@@ -316,6 +330,13 @@ def parse_chat(body: dict, tok: text.Tokenizer, limits: api.Limits, template: Ch
                                        "(pushkv up --chat-template sets it)")
     tools = parse_tools(body)
     messages = parse_messages(body)
+    forced = forced_choice(body, tools)
+    # tool_choice auto (the default with tools): the deployment's parser takes the calls out of the output; without
+    # one, refused as vLLM refuses it (clients probe tool support by it), rather than calls left in the text; a
+    # forced one too, as vLLM's, before the prompt is rendered
+    refused = tool_choice_refused(body, tools, tool_call_parser)
+    if refused:
+        raise api.ApiError(400, refused)
     prompt = render_request(template, body, messages, tools)
     ids = api.encode_text(tok, prompt, "messages")
     # The template writes the special tokens itself (Llama's writes "<s>"): drop what the
@@ -326,7 +347,6 @@ def parse_chat(body: dict, tok: text.Tokenizer, limits: api.Limits, template: Ch
         raise api.bad("messages", "the rendered prompt is empty")
     ids = api.truncate_prompt(ids, body, limits)
     api.check_prompt_ids(ids, limits, "messages")
-    forced = forced_choice(body, tools)
     want = api.get_bool(body, "logprobs")
     top = api.get_int(body, "top_logprobs", None, 0, L.MAX_LOGPROBS)
     if top is not None and top > 0 and not want:
@@ -349,12 +369,7 @@ def parse_chat(body: dict, tok: text.Tokenizer, limits: api.Limits, template: Ch
         thinking = bool(parse_template_kwargs(body).get("enable_thinking", True))
         params.reasons = reasoning.reasons(reasoning_parser, thinking, prompt)
     params.include_reasoning = api.get_bool(body, "include_reasoning", True)
-    # tool_choice auto (the default with tools): the deployment's parser takes the calls out of the output; without
-    # one, refused as vLLM refuses it (clients probe tool support by it), rather than calls left in the text
     auto = bool(tools) and body.get("tool_choice") in (None, "auto")
-    if auto and not tool_call_parser:
-        raise api.bad("tool_choice", '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
-                                     'to be set (or send tool_choice "none" to have the template see the tools)')
     params.tool_call_parser = tool_call_parser if auto else ""
     params.tools = tools
     params.parallel_tool_calls = api.get_bool(body, "parallel_tool_calls", True)

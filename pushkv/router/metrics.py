@@ -11,13 +11,14 @@ at scrape time and exposed by ``InstanceCollector`` under ``pushkv_instance_*``.
 """
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Iterable, Literal, Optional
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pushkv import messages as m
 from pushkv.config import Mode, Role
+from pushkv.router import policy as P
 from pushkv.router.ledger import Ledger, posted_kv
 
 # Seconds; spans sub-ms ITLs on GPU to minute-long TTFTs of 16k prompts on CPU.
@@ -269,6 +270,36 @@ class InstanceCollector:
                     rdv, events, wevents)
 
 
+# an instance's state as the router chooses it, each a value of pushkv_router_instances' state label
+INSTANCE_STATES = {
+    "serving": "chosen for new requests",
+    "unhealthy": "a process of it hangs: chosen only where no other is",
+    "draining": "its host stops: its legs go on, chosen for none",
+    "down": "gone, or still joining: chosen for none",
+}
+
+
+def instance_state(load: P.Load) -> str:
+    """One of INSTANCE_STATES: down before draining, draining before unhealthy (a draining instance is chosen for none,
+    healthy or not)."""
+    if not load.up:
+        return "down"
+    if load.draining:
+        return "draining"
+    return "serving" if load.healthy else "unhealthy"
+
+
+def count_states(loads: Iterable[P.Load]) -> dict[tuple[str, str], int]:
+    """Instances by (role, state): every state of each role present, 0 included, so a dashboard's series exist before
+    the first drain."""
+    counts: dict[tuple[str, str], int] = {}
+    for load in loads:
+        for state in INSTANCE_STATES:
+            counts.setdefault((load.role, state), 0)
+        counts[load.role, instance_state(load)] += 1
+    return counts
+
+
 class BalanceCollector:
     """The router's own view of each instance (its accounting of the legs it sent)."""
 
@@ -281,7 +312,11 @@ class BalanceCollector:
     def collect(self):
         labels = ["role", "engine"]
         fams = {
-            "up": GaugeMetricFamily("pushkv_router_instance_up", "Instance chosen by the router (live)", labels=labels),
+            "up": GaugeMetricFamily("pushkv_router_instance_up", "Instance linked and live (a draining one too)",
+                                    labels=labels),
+            "draining": GaugeMetricFamily(
+                "pushkv_router_instance_draining", "The instance's host stops (--shutdown-timeout): its legs go on, "
+                "and it is chosen for no new request", labels=labels),
             "healthy": GaugeMetricFamily(
                 "pushkv_router_instance_healthy", "Every process of the instance answers its supervisor's pings "
                 "(0: one is hung, and the instance is chosen only where no other is)", labels=labels),
@@ -298,6 +333,9 @@ class BalanceCollector:
                 "pushkv_router_instance_blocks_pinned", "D: blocks reserved early whose KV has not arrived",
                 labels=labels),
         }
+        states = GaugeMetricFamily(
+            "pushkv_router_instances", "Instances the router knows, by role and state (" + ", ".join(
+                f"{k}: {v}" for k, v in INSTANCE_STATES.items()) + ")", labels=["role", "state"])
         depth = GaugeMetricFamily("pushkv_router_queue_depth", "Requests waiting at the router for a D")
         costs = GaugeMetricFamily("pushkv_router_cost", "The cost model's fitted parameters (ms; *_samples: count)",
                                   labels=["param"])
@@ -306,9 +344,12 @@ class BalanceCollector:
             depth.add_metric([], b.waiting)
             for name, value in b.cost.costs.as_dict().items():
                 costs.add_metric([name], value)
+            for (role, state), n in sorted(count_states(b.loads.values()).items()):
+                states.add_metric([role, state], n)
             for engine, load in sorted(b.loads.items()):
                 lv = [load.role, engine]
                 fams["up"].add_metric(lv, 1.0 if load.up else 0.0)
+                fams["draining"].add_metric(lv, 1.0 if load.up and load.draining else 0.0)
                 fams["healthy"].add_metric(lv, 1.0 if load.healthy else 0.0)
                 fams["legs"].add_metric(lv, load.legs)
                 if load.role == "prefill":
@@ -316,4 +357,4 @@ class BalanceCollector:
                 else:
                     fams["committed"].add_metric(lv, load.committed)
                     fams["pinned"].add_metric(lv, load.pinned)
-        yield from (depth, costs, *fams.values())
+        yield from (states, depth, costs, *fams.values())

@@ -4,11 +4,12 @@ fields, and the answer is a ``response`` object whose ``output`` holds the assis
 ``--reasoning-parser``). Streamed, the answer is OpenAI's typed events (``response.created`` ...
 ``response.output_text.delta`` ... ``response.completed``), each with its ``sequence_number``.
 
-Function tools as the chat path serves them (``--enable-auto-tool-choice --tool-call-parser``, or a forced
-``tool_choice``): the request's ``tools`` (``{"type": "function", "name", "parameters"}``) and ``tool_choice`` become
-the chat request's, the model's calls come out as ``function_call`` items (streamed: ``response.output_item.added``,
-``response.function_call_arguments.delta`` and ``.done``), and a conversation goes on with ``function_call`` and
-``function_call_output`` input items (an assistant message's tool calls and a tool message).
+Function tools as the chat path serves them (``--enable-auto-tool-choice --tool-call-parser``, which a forced
+``tool_choice`` needs too): the request's ``tools`` (``{"type": "function", "name", "parameters"}``) and
+``tool_choice`` become the chat request's, the model's calls come out as ``function_call`` items (streamed:
+``response.output_item.added``, ``response.function_call_arguments.delta`` and ``.done``), and a conversation goes
+on with ``function_call`` and ``function_call_output`` input items (an assistant message's tool calls and a tool
+message).
 
 ``include: ["message.output_text.logprobs"]`` (or ``top_logprobs`` > 0) gives the output text's logprobs, each token's
 with its ``top_logprobs`` alternatives, as chat's ``logprobs`` (with ``--reasoning-parser`` they are the whole

@@ -422,7 +422,8 @@ class Router:
             if isinstance(msg, m.Shutdown):
                 self.shutdown_asked(msg.reason)
             elif isinstance(msg, m.Ping):
-                pong = m.Pong(name="router", pid=os.getpid(), uptime_s=time.monotonic() - self.started_mono)
+                pong = m.Pong(name="router", pid=os.getpid(), uptime_s=time.monotonic() - self.started_mono,
+                              ping_seq=msg.seq)
                 await self._control.send(m.encode(pong))
             else:
                 log.error("unexpected control message %s", type(msg).__name__)

@@ -11,7 +11,13 @@ counts only once the routers have had ``settle_s`` to see the mark: a router pla
 delivers the mark, and that request's messages reach the scheduler a moment later still, so an idle answer before
 then proves nothing. The routers see the mark once etcd holds it: where its put had to wait (a slow etcd, or one
 out of reach as the host stops, the put retried), the settle counts from when it landed (``seen_from``), else an
-idle host would leave while the routers still choose it. Pure: times are handed in.
+idle host would leave while the routers still choose it.
+
+An answer is dated by the ping it answers (``Pong.ping_seq`` echoes ``Ping.seq``; ``pinged`` records when each was
+sent), not by when it arrived: a scheduler counts what it holds when the ping reaches it, so an idle answer to a ping
+sent before the settle point, received after it (a busy loop, a slow scheduler), says nothing of the requests the
+routers placed meanwhile. An answer to no ping of this drain (``ping_seq`` 0: sent before the drain, or by a process
+that does not echo it) never counts. Pure: times are handed in.
 """
 from __future__ import annotations
 
@@ -28,7 +34,9 @@ class HostDrain:
     marked: float  # when the records were marked draining (monotonic)
     until: float  # when the host stops at the latest (marked + N)
     settle_s: float = SETTLE_S
-    said: dict[str, tuple[int, float]] = field(default_factory=dict)  # scheduler -> (requests held, when said)
+    # scheduler -> (requests held, when the ping it answered was sent)
+    said: dict[str, tuple[int, float]] = field(default_factory=dict)
+    sent: dict[int, float] = field(default_factory=dict)  # the drain's pings: sequence number -> when sent
 
     @classmethod
     def start(cls, now: float, timeout_s: float, settle_s: float = SETTLE_S) -> "HostDrain":
@@ -39,18 +47,28 @@ class HostDrain:
         an answer counts only from ``t`` + the settle. The drain's end at the latest (``until``) stays."""
         self.marked = max(self.marked, t)
 
-    def answer(self, scheduler: str, in_flight: int, now: float) -> None:
-        """A scheduler's Pong: the requests it holds (a process that holds none says -1, and is not asked for)."""
-        if in_flight >= 0:
-            self.said[scheduler] = (in_flight, now)
+    def pinged(self, seq: int, now: float) -> None:
+        """The supervisor sent Ping ``seq`` at ``now`` (taken before the send: an answer is dated no later than it
+        was asked for)."""
+        self.sent[seq] = now
+
+    def answer(self, scheduler: str, in_flight: int, ping_seq: int) -> None:
+        """A scheduler's Pong to the drain's Ping ``ping_seq``: the requests it holds (a process that holds none
+        says -1, and is not asked for). Dated by its ping; one to no ping of the drain, or older than the last
+        counted, changes nothing."""
+        asked = self.sent.get(ping_seq)
+        if in_flight < 0 or asked is None:
+            return
+        if scheduler not in self.said or self.said[scheduler][1] <= asked:
+            self.said[scheduler] = (in_flight, asked)
 
     def held(self, schedulers: set[str]) -> int:
         """The requests the named schedulers last said they hold (what the log says at the end)."""
         return sum(self.said[s][0] for s in schedulers if s in self.said)
 
     def idle(self, schedulers: set[str]) -> bool:
-        """Every named scheduler (those of the instances still whole) said, after the routers saw the mark, that it
-        holds nothing. None named (every instance gone): nothing left to wait for."""
+        """Every named scheduler (those of the instances still whole) said, asked after the routers saw the mark,
+        that it holds nothing. None named (every instance gone): nothing left to wait for."""
         settled = self.marked + self.settle_s
         return all(s in self.said and self.said[s][0] == 0 and self.said[s][1] >= settled for s in schedulers)
 

@@ -141,6 +141,7 @@ class Supervisor(Actor):
         self._stop_asked = False  # by a signal or `pushkv stop`: tick begins the stop
         self._drain_until = 0.0  # --shutdown-timeout: while the router drains, when the rest stops at the latest
         self._host_drain: Optional[host_drain.HostDrain] = None  # a P or D host's drain (--shutdown-timeout)
+        self._ping_seq = 0  # the last Ping's seq (each Pong echoes its ping's)
         self._drain_dropped: set[str] = set()  # instances that lost a process while their host drained
         self.failure = ""
         self.procs: dict[str, subprocess.Popen] = {}
@@ -275,7 +276,7 @@ class Supervisor(Actor):
             return
         self.table.pong(msg.name, time.monotonic())
         if self._host_drain is not None:
-            self._host_drain.answer(msg.name, msg.in_flight, time.monotonic())
+            self._host_drain.answer(msg.name, msg.in_flight, msg.ping_seq)
         if msg.name in self._unhealthy:
             self._unhealthy.discard(msg.name)
             log.info("%s answers pings again", msg.name)
@@ -634,7 +635,10 @@ class Supervisor(Actor):
             self._ping_all(now)
 
     def _ping_all(self, now: float) -> None:
-        ping = m.encode(m.Ping())
+        self._ping_seq += 1
+        ping = m.encode(m.Ping(seq=self._ping_seq))
+        if self._host_drain is not None:  # its answers are dated by when it was sent
+            self._host_drain.pinged(self._ping_seq, now)
         for row in self.table.in_state(State.READY):
             if row.identity is not None:
                 self._router_sock.send_multipart([row.identity, ping])

@@ -24,7 +24,7 @@ PROMPTS = {
     "many-blocks": [rng.randrange(256) for _ in range(300)],
     "text": "The quick brown fox jumps over the lazy dog.",
 }
-COMMON = ("--model", "small", "--num-blocks", "512")
+COMMON = ("--model", "small", "--num-blocks", "512", "--tool-call-parser", "hermes")  # (a forced tool_choice needs it)
 
 
 LETTERS = list(range(ord("a"), ord("z") + 1))  # allowed_token_ids: the byte tokenizer's lower-case letters

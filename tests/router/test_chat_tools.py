@@ -110,12 +110,21 @@ def test_parse_chat_renders_tools_into_the_prompt():
     auto = {**body, "tool_choice": "auto"}
     assert chat.parse_chat(auto, tok, limits, chat.ChatTemplate(TEMPLATE), tool_call_parser="hermes").prompt_token_ids \
         == p.prompt_token_ids
-    # auto, named or the default with tools, needs the deployment's parser: refused as vLLM refuses it
-    for ask in (auto, {"messages": OPENAI_MESSAGES, "tools": TOOLS}):
+    # auto, given or the default with tools, and a forced choice need the deployment's parser: refused as vLLM 0.32's
+    # renderer refuses them (400, its words, no param); none stands
+    named = {"type": "function", "function": {"name": TOOLS[0]["function"]["name"]}}
+    for ask, words in ((auto, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'),
+                       ({"messages": OPENAI_MESSAGES, "tools": TOOLS},
+                        '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'),
+                       ({**body, "tool_choice": "required"},
+                        'tool_choice="required" requires --tool-call-parser to be set'),
+                       ({**body, "tool_choice": named},
+                        f'tool_choice=function "{named["function"]["name"]}" requires --tool-call-parser to be set')):
         with pytest.raises(api.ApiError) as e:
             chat.parse_chat(ask, tok, limits, chat.ChatTemplate(TEMPLATE))
-        assert (e.value.status, e.value.param) == (400, "tool_choice")
-        assert '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser' in e.value.message
+        assert (e.value.status, e.value.message, e.value.body()["error"]["param"]) == (400, words, None)
+        served = chat.parse_chat(ask, tok, limits, chat.ChatTemplate(TEMPLATE), tool_call_parser="hermes")
+        assert served.prompt_token_ids == p.prompt_token_ids
 
 
 @pytest.mark.parametrize("msg, param", [

@@ -15,7 +15,7 @@ from tests.support.deploy import deployment, wait_pools_free
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.timeout(600)
 
-COMMON = ("--model", "tiny", "--num-blocks", "256")
+COMMON = ("--model", "tiny", "--num-blocks", "256", "--tool-call-parser", "hermes")  # (a forced tool_choice needs it)
 MODES = {
     "local": ("--mode", "local"),
     "push": ("--mode", "push"),
@@ -367,7 +367,7 @@ def test_an_auto_tool_call_streams_its_arguments_as_they_come(tmp_path):
     spacing the model wrote); finish_reason tool_calls. The tiny model is held to a hermes call by a regex."""
     regex = (r'Checking\.\n<tool_call>\n\{"name": ?"get_weather", ?"arguments": ?\{"city": ?"(Paris|Rome)", ?'
              r'"days": ?[1-9]\}\}\n</tool_call>')
-    with deployment(tmp_path, *MODES["local"], *COMMON, "--tool-call-parser", "hermes") as dep:
+    with deployment(tmp_path, *MODES["local"], *COMMON) as dep:
         c = client(dep)
         ask = dict(model="tiny", messages=MESSAGES, tools=[WEATHER, CLOCK], n=2, temperature=0.9, seed=3,
                    max_tokens=200, extra_body={"structured_outputs": {"regex": regex}})

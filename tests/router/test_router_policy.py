@@ -649,3 +649,36 @@ def test_an_instance_met_already_draining_is_linked_and_never_chosen():
     b.release(big)
     assert [type(x).__name__ for x in waiting.got] == ["Placed"] and b.holder(waiting).decode == "d0"
     assert b.down("d1") is b.loads["d1"]
+
+
+def test_the_router_metrics_show_each_instance_draining_and_the_instances_by_state():
+    """An operator sees a drain in Prometheus: pushkv_router_instance_draining per instance, and
+    pushkv_router_instances{role,state} counting serving, unhealthy, draining and down (each state there, 0 included,
+    before the first drain); a draining instance counts as draining whether healthy or not."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pushkv.router.metrics import INSTANCE_STATES, BalanceCollector
+
+    b = balancer()
+    collector, registry = BalanceCollector(), CollectorRegistry()
+    collector.balancer = b
+    registry.register(collector)
+
+    def scrape() -> tuple[dict, dict]:
+        fams = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+        states = {(s.labels["role"], s.labels["state"]): s.value for s in fams["pushkv_router_instances"].samples}
+        draining = {s.labels["engine"]: s.value for s in fams["pushkv_router_instance_draining"].samples}
+        return states, draining
+
+    states, draining = scrape()
+    assert states == {(role, s): 2 if s == "serving" else 0 for role in ("prefill", "decode") for s in INSTANCE_STATES}
+    assert draining == {"p0": 0, "p1": 0, "d0": 0, "d1": 0}
+    b.draining(msgspec.structs.replace(b.records["d0"], draining=True))
+    b.health("d0", False)  # hung as well: still draining, the state an operator acts on
+    b.health("p1", False)
+    b.down("d1")
+    states, draining = scrape()
+    assert {k: v for k, v in states.items() if v} == {("prefill", "serving"): 1, ("prefill", "unhealthy"): 1,
+                                                      ("decode", "draining"): 1, ("decode", "down"): 1}
+    assert draining == {"p0": 0, "p1": 0, "d0": 1, "d1": 0}

@@ -201,14 +201,15 @@ def test_a_forced_tool_choice_holds_the_output_to_the_calls_and_makes_them_calls
     limits = api.Limits(vocab_size=320, max_model_len=4096)
     msgs = [{"role": "user", "content": "weather?"}]
     p = chat.parse_chat({"messages": msgs, "tools": [WEATHER, CLOCK], "tool_choice": {
-        "type": "function", "function": {"name": "get_weather"}}}, text.ByteTokenizer(), limits, chat.load_template(""))
+        "type": "function", "function": {"name": "get_weather"}}}, text.ByteTokenizer(), limits, chat.load_template(""),
+        tool_call_parser="hermes")
     assert p.tool_call_parser == "function:get_weather" and p.structured.kind == "json"
     assert json.loads(p.structured.spec) == WEATHER["function"]["parameters"] and not p.structured.any_whitespace
     content, calls = tool_calls.parse('{"city": "Rome"}', p.tool_call_parser)
     assert content is None and [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
         ("get_weather", '{"city": "Rome"}')]
     r = chat.parse_chat({"messages": msgs, "tools": [WEATHER, CLOCK], "tool_choice": "required"},
-                        text.ByteTokenizer(), limits, chat.load_template(""))
+                        text.ByteTokenizer(), limits, chat.load_template(""), tool_call_parser="hermes")
     assert r.tool_call_parser == "required"
     out = '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "Paris"}}]'
     content, calls = tool_calls.parse(out, "required")
@@ -238,7 +239,8 @@ def test_a_forced_tool_choice_sets_the_requests_own_structured_output_aside():
 
     def parse(**body):
         return chat.parse_chat({"messages": [{"role": "user", "content": "weather?"}], "tools": [WEATHER, CLOCK],
-                                **body}, text.ByteTokenizer(), limits, chat.load_template(""))
+                                **body}, text.ByteTokenizer(), limits, chat.load_template(""),
+                               tool_call_parser="hermes")
 
     schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array"}}}
     for choice, parser in ((named, "function:get_weather"), ("required", "required")):
@@ -291,7 +293,7 @@ def test_required_builds_vllms_schema_with_the_tools_defs_and_parallel_tool_call
 
     def schema(**body):
         return json.loads(chat.parse_chat({"messages": msgs, "tool_choice": "required", **body}, text.ByteTokenizer(),
-                                          limits, chat.load_template("")).structured.spec)
+                                          limits, chat.load_template(""), tool_call_parser="hermes").structured.spec)
 
     got = schema(tools=[BOOK, CLOCK])
     assert got["$defs"] == {"Place": PLACE} and "maxItems" not in got and got["minItems"] == 1
@@ -314,7 +316,8 @@ def forced_through_router(tmp_path, tool_choice, output: str, reason: str, **cfg
     chunks = [out[i:i + 7] for i in range(0, len(out), 7)]
 
     async def body():
-        async with Harness(make_cfg(tmp_path, "local", **cfg), {"local": local_script(chunks, reason)}) as h:
+        flags = {"tool_call_parser": "hermes", **cfg}  # a forced choice needs one, as vLLM's (its own parser reads)
+        async with Harness(make_cfg(tmp_path, "local", **flags), {"local": local_script(chunks, reason)}) as h:
             req = {"messages": MESSAGES, "max_tokens": len(out), "tools": [WEATHER, CLOCK], "tool_choice": tool_choice}
             r = await h.http.post("/v1/chat/completions", json=req)
             assert r.status == 200, await r.text()
