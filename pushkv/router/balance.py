@@ -117,6 +117,7 @@ class Held:
     predicted: int = 0  # prompt tokens the index said the prefilling instance holds
     predicted_decode: int = 0  # ... and D (push and late: what need not move)
     batch_at_first: int = 0  # D's legs when its first token came
+    resets: int = 0  # the balancer's /reset_prefix_cache count when it was placed
 
 
 def drained_reason(reason: str) -> str:
@@ -141,6 +142,7 @@ class Balancer:
         self.prefix_cache = any(self.caching.values())
         self.conditional = conditional
         self.index = PrefixIndex()
+        self.resets = 0  # /reset_prefix_cache's since the start (Held.resets)
         self.cost = C.CostModel()
         self.loads: dict[str, P.Load] = {}
         self.links: dict[str, "SchedulerLink"] = {}
@@ -226,6 +228,13 @@ class Balancer:
             self.index.forget(engine_id)  # back, it starts with an empty cache
         return load
 
+    def reset_index(self) -> None:
+        """The instances forgot every cached prefix (/reset_prefix_cache): so does the index, and it records nothing
+        of the requests placed before: their instances index none of what they held across the reset (its chain's
+        head was forgotten: ``scheduler.Request.unchained``)."""
+        self.index = PrefixIndex()
+        self.resets += 1
+
     def source(self, engine_id: str) -> m.PrefillSource:
         rec = self.records[engine_id]
         return m.PrefillSource(rec.engine_id, rec.tp, tuple(rec.handshake_endpoints))
@@ -282,7 +291,7 @@ class Balancer:
         return v
 
     def _commit(self, run: "RequestRun", v: P.Verdict, ask: Optional[P.Ask] = None) -> None:
-        h = self.held.setdefault(run.transfer_id, Held())
+        h = self.held.setdefault(run.transfer_id, Held(resets=self.resets))
         hits = ask.hits if ask is not None else {}
         computed = {} if ask is not None and ask.whole else hits  # what spares the prefilling instance compute
         if self.metrics is not None:
@@ -347,7 +356,7 @@ class Balancer:
         self.waited.add(run.transfer_id)
 
     def _commit_late_decode(self, run: "RequestRun", engine_id: str) -> None:
-        h = self.held.setdefault(run.transfer_id, Held())
+        h = self.held.setdefault(run.transfer_id, Held(resets=self.resets))
         h.predicted_decode = self._hits(run).get(engine_id, 0)
         self._commit_decode(h, engine_id, hold_tokens(run), pin=False)
 
@@ -357,7 +366,8 @@ class Balancer:
         if h is not None and h.prefill_tokens:
             self.loads[h.prefill].queued_tokens -= h.prefill_tokens
             h.prefill_tokens = 0
-        if h is not None and h.prefill and self.caching["prefill"]:  # P indexed the prompt as it computed it
+        # P indexed the prompt as it computed it
+        if h is not None and h.prefill and self.caching["prefill"] and h.resets == self.resets:
             p = self.loads[h.prefill]
             self.index.record(h.prefill, hashes(run.prompt, p.block_size, run.hash_cache, run.cache_salt,
                                                 run.lora_root))
@@ -396,7 +406,7 @@ class Balancer:
             self.metrics.prefix_guess(leg, h.predicted, cached)
             if not h.local:
                 self.metrics.prefix_guess("decode", h.predicted_decode, d_cached)
-        if self.caching["decode"] and h.decode and run.output_ids:
+        if self.caching["decode"] and h.decode and run.output_ids and h.resets == self.resets:
             d = self.loads[h.decode]  # D keeps prompt + answer (the last token's KV was never computed)
             seq = tuple(run.prompt) + tuple(run.output_ids[:-1])
             self.index.record(h.decode, hashes(seq, d.block_size, {}, run.cache_salt, run.lora_root))

@@ -39,7 +39,6 @@ from pushkv.router.flow import RequestRun
 from pushkv.router.links import SchedulerLink
 from pushkv.router.loras import Loras
 from pushkv.router.metrics import RouterMetrics
-from pushkv.router.prefix_index import PrefixIndex
 from pushkv.security import secure_connect
 from pushkv.seeds import derive_seed
 from pushkv.trace import TracePublisher
@@ -556,7 +555,7 @@ class Router:
         links = list(self.links.values())
         answers = await asyncio.gather(*(link.reset_prefix_cache(STATS_TIMEOUT_S) for link in links))
         if self.local_link is None:
-            self.balancer.index = PrefixIndex()
+            self.balancer.reset_index()
         silent = [link.engine_id for link, st in zip(links, answers) if st is None]
         # vLLM 0.32's answer is {"success": bool}; each instance's cache after it comes beside it
         body = {"success": True,

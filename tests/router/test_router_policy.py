@@ -602,6 +602,27 @@ def test_a_d_that_keeps_no_prefix_is_credited_with_none():
     assert v.kind == P.PUSH and b.held["t2"].predicted_decode == 0
 
 
+def test_a_request_placed_before_a_prefix_cache_reset_is_not_predicted_after_it():
+    """/reset_prefix_cache while a request runs: its instances forgot what it had indexed and index no more of it
+    (a chain without its head), so the index, emptied, must not learn its blocks when it ends; one placed after the
+    reset is learnt as before."""
+    b = Balancer("push", 1.0, 4, prefix_cache=True, conditional=False)
+    b.add(rec("p0", "prefill"), lambda r: object())
+    b.add(rec("d0", "decode", 200), lambda r: object())
+    before = ChatRun("t1", range(100))
+    b.request(before)
+    b.reset_index()
+    b.prefill_done(before)
+    b.kv_arrived(before)
+    before.output_ids, before.done, before.cached = list(range(1000, 1016)), True, {"prefill": 0, "decode": 0}
+    b.release(before)
+    assert b.ask(ChatRun("t2", range(100))).hits == {}
+    after = ChatRun("t3", range(100))
+    b.request(after)
+    b.prefill_done(after)
+    assert b.ask(ChatRun("t4", range(100))).hits == {"p0": 96}
+
+
 def test_tracker_of_local_mode_follows_its_one_instance_only_where_asked(tmp_path):
     """Local mode's router tracks its instance only to give it back the LoRA changes after a restart."""
     ports = iter(range(20000, 21000))
