@@ -370,7 +370,7 @@ class Balancer:
         if h is not None and h.prefill and self.caching["prefill"] and h.resets == self.resets:
             p = self.loads[h.prefill]
             self.index.record(h.prefill, hashes(run.prompt, p.block_size, run.hash_cache, run.cache_salt,
-                                                run.lora_root))
+                                                run.lora_root), p.num_blocks)
 
     def kv_arrived(self, run: "RequestRun") -> None:
         """D's first token: its KV is there (or D computed it)."""
@@ -409,7 +409,7 @@ class Balancer:
         if self.caching["decode"] and h.decode and run.output_ids and h.resets == self.resets:
             d = self.loads[h.decode]  # D keeps prompt + answer (the last token's KV was never computed)
             seq = tuple(run.prompt) + tuple(run.output_ids[:-1])
-            self.index.record(h.decode, hashes(seq, d.block_size, {}, run.cache_salt, run.lora_root))
+            self.index.record(h.decode, hashes(seq, d.block_size, {}, run.cache_salt, run.lora_root), d.num_blocks)
 
     def release(self, run: "RequestRun") -> None:
         """The run is over: give back everything it holds, and let waiting runs go."""
