@@ -87,11 +87,12 @@ def hold_tokens(run: "RequestRun") -> int:
 
 def prefix_caching(cfg: DeploymentConfig) -> dict[str, bool]:
     """Per role, whether its instances take cached prefixes and keep what they computed or received, as their
-    schedulers decide: a role's ``prefix_cache``, and on D not with sliding-window layers (only the window's blocks
-    move, so D never takes a hit nor keeps what arrived: ``DecodeScheduler._reuses_prefix``). The router's index
-    predicts hits only where they can happen."""
-    return {"prefill": any(i.prefix_cache for i in cfg.role_instances("prefill")),
-            "decode": any(i.prefix_cache for i in cfg.role_instances("decode")) and not cfg.model.sliding_window}
+    schedulers decide: a role's prefix cache (``DeploymentConfig.caches_prefixes``: never under dynamic RoPE), and
+    on D not with sliding-window layers (only the window's blocks move, so D never takes a hit nor keeps what
+    arrived: ``DecodeScheduler._reuses_prefix``). The router's index predicts hits only where they can happen."""
+    return {"prefill": any(cfg.caches_prefixes(i) for i in cfg.role_instances("prefill")),
+            "decode": any(cfg.caches_prefixes(i) for i in cfg.role_instances("decode"))
+            and not cfg.model.sliding_window}
 
 
 class Refused(Exception):

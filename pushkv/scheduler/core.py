@@ -87,7 +87,7 @@ class SchedulerCore:
         self._handlers: dict[type, Callable[[Any, Peer], None]] = {}
         # ref-counted blocks with a prefix-hash index; with the cache off, a plain allocator
         # (off under dynamic RoPE: a block's keys carry the rotation of the length they were made at)
-        self.alloc = PrefixCache(inst.num_blocks, inst.prefix_cache and cfg.model.rope_scaling.rope_type != "dynamic")
+        self.alloc = PrefixCache(inst.num_blocks, cfg.caches_prefixes(inst))
         self.reqs: dict[tuple[str, int], Request] = {}
         self.by_tid: dict[str, Request] = {}
         self.waiting: list[Request] = []

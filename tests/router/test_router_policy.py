@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from pushkv import messages as m
-from pushkv.config import PRESETS, DeploymentConfig, InstanceConfig
+from pushkv.config import PRESETS, DeploymentConfig, InstanceConfig, RopeScaling
 from pushkv.discovery.local import InstanceTracker
 from pushkv.discovery.records import InstanceDown, InstanceHealth, InstanceRecord, InstanceUp
 from pushkv.router import policy as P
@@ -574,8 +574,9 @@ def test_balancer_decode_local_accounts_on_d_only_and_learns():
 
 
 def test_a_d_that_keeps_no_prefix_is_credited_with_none():
-    """A sliding-window model's D neither takes hits nor keeps what arrived (only the window's blocks move), and a
-    role may run --no-prefix-cache: the router predicts hits only on roles that cache. Crediting such a D with the
+    """A sliding-window model's D neither takes hits nor keeps what arrived (only the window's blocks move), no
+    instance of a dynamic-RoPE model caches, and a role may run --no-prefix-cache: the router predicts hits only on
+    roles that cache. Crediting such a D with the
     prompt and answer of turn 1 chose it to prefill turn 2 itself (--conditional-disagg) on a hit that never
     happens, and counted a guess error on every request."""
     hybrid = DeploymentConfig(mode="push", model=PRESETS["hybrid"])
@@ -583,6 +584,9 @@ def test_a_d_that_keeps_no_prefix_is_credited_with_none():
     assert prefix_caching(DeploymentConfig(mode="push")) == {"prefill": True, "decode": True}
     off = DeploymentConfig(mode="push", decode=InstanceConfig(role="decode", prefix_cache=False))
     assert prefix_caching(off) == {"prefill": True, "decode": False}
+    ntk = DeploymentConfig(mode="push", model=msgspec.structs.replace(
+        PRESETS["small"], rope_scaling=RopeScaling(rope_type="dynamic", factor=2.0, original_max_position=64)))
+    assert prefix_caching(ntk) == {"prefill": False, "decode": False}  # its schedulers cache nothing
     b = Balancer("push", 1.0, 4, prefix_cache=True, conditional=True, decode_cache=False)
     b.add(rec("p0", "prefill"), lambda r: object())
     b.add(rec("d0", "decode", 400), lambda r: object())
