@@ -673,6 +673,11 @@ class DeploymentConfig(msgspec.Struct, frozen=True):
             return tuple(dict.fromkeys(self.served_model_name + self.model_aliases))
         return tuple(dict.fromkeys(n for n in (self.model.name, self.model.checkpoint) if n))
 
+    def caches_prefixes(self, inst: InstanceConfig) -> bool:
+        """Does ``inst`` cache prompt prefixes? Its ``prefix_cache``, but never under dynamic (NTK) RoPE: a cached
+        block's keys carry the rotation of the length they were computed at, another request's may differ."""
+        return inst.prefix_cache and self.model.rope_scaling.rope_type != "dynamic"
+
     def role_instances(self, role: Role) -> list[InstanceConfig]:
         """Every planned instance of ``role`` (the template alone before planning)."""
         planned = {"prefill": self.prefills, "decode": self.decodes}.get(role, ())

@@ -15,10 +15,10 @@ socket, ``(topic, sequence number as 8 big-endian bytes, msgpack payload)``, the
 - ``BlockRemoved``: blocks evicted, by hash;
 - ``AllBlocksCleared``: every cached block forgotten (``/reset_prefix_cache``).
 
-A block's hash is pushkv's (``block_hashes``: sha256 over the block's token ids and its parent's hash, 64 bits), so
-the events name the blocks ``/metrics`` and the router's own index name; a consumer that keys blocks by their token
-ids (as llm-d's does) takes them from ``token_ids``. With a ``replay_endpoint`` a consumer that missed batches asks
-for them from a sequence number (8 big-endian bytes on a REQ/DEALER socket) and gets each kept batch as
+A block's hash is pushkv's (``block_hashes``: sha256 over the block's token ids and its parent's hash), its low 64
+bits (``prefix_cache.event_hash``: msgpack's integers, as vLLM cuts its own); a consumer that keys blocks by their
+token ids (as llm-d's does) takes them from ``token_ids``. With a ``replay_endpoint`` a consumer that missed batches
+asks for them from a sequence number (8 big-endian bytes on a REQ/DEALER socket) and gets each kept batch as
 ``(sequence, payload)``, then ``(-1, b"")``.
 """
 from __future__ import annotations
@@ -26,6 +26,8 @@ from __future__ import annotations
 from typing import Any, Literal, Optional, Union
 
 import msgspec
+
+from pushkv.protocol.prefix_cache import event_hash
 
 MEDIUM_GPU, MEDIUM_CPU = "GPU", "CPU"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the end of a replay
@@ -156,6 +158,7 @@ def events_of(journal: list[Entry], block_size: int, medium: str) -> list[Event]
         last = out[-1] if out else None
         if e[0] == "stored":
             _, h, parent, tokens, salt, lora = e
+            h, parent = event_hash(h), (None if parent is None else event_hash(parent))
             lora_id, lora_name = lora if lora else (None, None)
             extra = block_extra_keys(lora_name, salt)
             if isinstance(last, BlockStored) and last.block_hashes[-1] == parent and not salt \
@@ -169,9 +172,9 @@ def events_of(journal: list[Entry], block_size: int, medium: str) -> list[Event]
                                    [extra] if extra else None, 0))
         elif e[0] == "removed":
             if isinstance(last, BlockRemoved):
-                last.block_hashes.append(e[1])
+                last.block_hashes.append(event_hash(e[1]))
             else:
-                out.append(BlockRemoved([e[1]], medium, 0))
+                out.append(BlockRemoved([event_hash(e[1])], medium, 0))
         elif e[0] == "cleared":
             out.append(AllBlocksCleared())
         else:

@@ -4,7 +4,9 @@ A full block of ``block_size`` tokens is named by a hash chained over its token 
 previous block's hash, so equal hashes mean equal token prefixes up to and including that
 block (the KV of a block depends on every token before it). ``block_hashes`` computes the
 chain; it is stable across processes (sha256, no seeded ``hash()``), so two instances, or a
-router, name the same prefix the same way at the same block size.
+router, name the same prefix the same way at the same block size. A name is the whole digest
+(256 bits), as vLLM keys its cache: cut to 64 bits, two prompts built to collide (2^32 tries)
+could be served each other's KV. KV events carry its low 64 bits (``event_hash``).
 
 ``PrefixCache`` owns the instance's ``BlockAllocator`` and adds three things to it:
 
@@ -33,6 +35,7 @@ from typing import Iterable, Optional, Sequence
 from pushkv.protocol.allocator import BlockAllocator
 
 ROOT_HASH = 0  # the "previous block" of a prompt's first block
+HASH_BYTES = 32  # a name is a whole sha256 digest
 
 
 def root_of(cache_salt: str = "", lora: str = "") -> int:
@@ -42,10 +45,10 @@ def root_of(cache_salt: str = "", lora: str = "") -> int:
     if not cache_salt and not lora:
         return ROOT_HASH
     if not lora:
-        return int.from_bytes(hashlib.sha256(b"pushkv cache_salt\0" + cache_salt.encode()).digest()[:8], "little")
+        return int.from_bytes(hashlib.sha256(b"pushkv cache_salt\0" + cache_salt.encode()).digest(), "little")
     name = lora.encode()
     return int.from_bytes(hashlib.sha256(b"pushkv lora\0" + len(name).to_bytes(4, "little") + name
-                                         + cache_salt.encode()).digest()[:8], "little")
+                                         + cache_salt.encode()).digest(), "little")
 
 
 def block_hashes(tokens: Sequence[int], block_size: int, parent: int = ROOT_HASH, start: int = 0) -> list[int]:
@@ -64,10 +67,16 @@ def block_hashes(tokens: Sequence[int], block_size: int, parent: int = ROOT_HASH
     out: list[int] = []
     h = parent
     for i in range(n):
-        body = h.to_bytes(8, "little") + buf[i * width:(i + 1) * width]
-        h = int.from_bytes(hashlib.sha256(body).digest()[:8], "little")
+        body = h.to_bytes(HASH_BYTES, "little") + buf[i * width:(i + 1) * width]
+        h = int.from_bytes(hashlib.sha256(body).digest(), "little")
         out.append(h)
     return out
+
+
+def event_hash(h: int) -> int:
+    """A block's name as KV events carry it: its low 64 bits (vLLM publishes its sha256 names cut to 64 bits
+    alike)."""
+    return h & 0xFFFF_FFFF_FFFF_FFFF
 
 
 class PrefixCache:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
 from pushkv import messages as m
-from pushkv.config import Mode, Role
+from pushkv.config import DeploymentConfig, Mode, Role
 from pushkv.discovery.etcd_keys import REASON_WITHDRAWN
 from pushkv.discovery.records import InstanceRecord
 from pushkv.router import cost as C
@@ -85,6 +85,16 @@ def hold_tokens(run: "RequestRun") -> int:
     return min(len(run.prompt) + 1, run.decode_tokens)
 
 
+def prefix_caching(cfg: DeploymentConfig) -> dict[str, bool]:
+    """Per role, whether its instances take cached prefixes and keep what they computed or received, as their
+    schedulers decide: a role's prefix cache (``DeploymentConfig.caches_prefixes``: never under dynamic RoPE), and
+    on D not with sliding-window layers (only the window's blocks move, so D never takes a hit nor keeps what
+    arrived: ``DecodeScheduler._reuses_prefix``). The router's index predicts hits only where they can happen."""
+    return {"prefill": any(cfg.caches_prefixes(i) for i in cfg.role_instances("prefill")),
+            "decode": any(cfg.caches_prefixes(i) for i in cfg.role_instances("decode"))
+            and not cfg.model.sliding_window}
+
+
 class Refused(Exception):
     def __init__(self, status: int, reason: str):
         super().__init__(reason)
@@ -108,6 +118,7 @@ class Held:
     predicted: int = 0  # prompt tokens the index said the prefilling instance holds
     predicted_decode: int = 0  # ... and D (push and late: what need not move)
     batch_at_first: int = 0  # D's legs when its first token came
+    resets: int = 0  # the balancer's /reset_prefix_cache count when it was placed
 
 
 def drained_reason(reason: str) -> str:
@@ -120,15 +131,19 @@ def drained_reason(reason: str) -> str:
 
 class Balancer:
     def __init__(self, mode: Mode, pin_fraction: float, queue_bound: int, metrics=None, prefix_cache: bool = False,
-                 conditional: bool = False, pin_wait_ms: float = math.inf):
+                 conditional: bool = False, pin_wait_ms: float = math.inf, decode_cache: Optional[bool] = None):
         self.mode = mode
         self.pin_fraction = pin_fraction
         self.pin_wait_ms = pin_wait_ms  # push: no D pinned for a prefill P would finish later (policy.place)
         self.queue_bound = queue_bound
         self.metrics = metrics
-        self.prefix_cache = prefix_cache  # the instances cache prefixes: the index is worth keeping
+        # which roles' instances cache prefixes (``prefix_caching``; ``decode_cache`` None: D as P): the index
+        # records and predicts only theirs, and is worth keeping where any does
+        self.caching = {"prefill": prefix_cache, "decode": prefix_cache if decode_cache is None else decode_cache}
+        self.prefix_cache = any(self.caching.values())
         self.conditional = conditional
         self.index = PrefixIndex()
+        self.resets = 0  # /reset_prefix_cache's since the start (Held.resets)
         self.cost = C.CostModel()
         self.loads: dict[str, P.Load] = {}
         self.links: dict[str, "SchedulerLink"] = {}
@@ -214,6 +229,13 @@ class Balancer:
             self.index.forget(engine_id)  # back, it starts with an empty cache
         return load
 
+    def reset_index(self) -> None:
+        """The instances forgot every cached prefix (/reset_prefix_cache): so does the index, and it records nothing
+        of the requests placed before: their instances index none of what they held across the reset (its chain's
+        head was forgotten: ``scheduler.Request.unchained``)."""
+        self.index = PrefixIndex()
+        self.resets += 1
+
     def source(self, engine_id: str) -> m.PrefillSource:
         rec = self.records[engine_id]
         return m.PrefillSource(rec.engine_id, rec.tp, tuple(rec.handshake_endpoints))
@@ -238,7 +260,7 @@ class Balancer:
         p_sizes = {l.block_size for l in self.loads.values() if l.role == "prefill" and l.up} or {1}
         out = {}
         for e, l in self.loads.items():
-            if not P.placeable(l) or not l.block_size:
+            if not P.placeable(l) or not l.block_size or not self.caching[l.role]:
                 continue
             unit = l.block_size if l.role == "prefill" else math.lcm(l.block_size, *p_sizes)
             blocks = self.index.overlap(e, hashes(run.prompt, l.block_size, run.hash_cache, run.cache_salt,
@@ -270,7 +292,7 @@ class Balancer:
         return v
 
     def _commit(self, run: "RequestRun", v: P.Verdict, ask: Optional[P.Ask] = None) -> None:
-        h = self.held.setdefault(run.transfer_id, Held())
+        h = self.held.setdefault(run.transfer_id, Held(resets=self.resets))
         hits = ask.hits if ask is not None else {}
         computed = {} if ask is not None and ask.whole else hits  # what spares the prefilling instance compute
         if self.metrics is not None:
@@ -335,7 +357,7 @@ class Balancer:
         self.waited.add(run.transfer_id)
 
     def _commit_late_decode(self, run: "RequestRun", engine_id: str) -> None:
-        h = self.held.setdefault(run.transfer_id, Held())
+        h = self.held.setdefault(run.transfer_id, Held(resets=self.resets))
         h.predicted_decode = self._hits(run).get(engine_id, 0)
         self._commit_decode(h, engine_id, hold_tokens(run), pin=False)
 
@@ -345,10 +367,11 @@ class Balancer:
         if h is not None and h.prefill_tokens:
             self.loads[h.prefill].queued_tokens -= h.prefill_tokens
             h.prefill_tokens = 0
-        if h is not None and h.prefill and self.prefix_cache:  # P indexed the prompt's blocks as they were computed
+        # P indexed the prompt as it computed it
+        if h is not None and h.prefill and self.caching["prefill"] and h.resets == self.resets:
             p = self.loads[h.prefill]
             self.index.record(h.prefill, hashes(run.prompt, p.block_size, run.hash_cache, run.cache_salt,
-                                                run.lora_root))
+                                                run.lora_root), p.num_blocks)
 
     def kv_arrived(self, run: "RequestRun") -> None:
         """D's first token: its KV is there (or D computed it)."""
@@ -384,10 +407,10 @@ class Balancer:
             self.metrics.prefix_guess(leg, h.predicted, cached)
             if not h.local:
                 self.metrics.prefix_guess("decode", h.predicted_decode, d_cached)
-        if self.prefix_cache and h.decode and run.output_ids:
+        if self.caching["decode"] and h.decode and run.output_ids and h.resets == self.resets:
             d = self.loads[h.decode]  # D keeps prompt + answer (the last token's KV was never computed)
             seq = tuple(run.prompt) + tuple(run.output_ids[:-1])
-            self.index.record(h.decode, hashes(seq, d.block_size, {}, run.cache_salt, run.lora_root))
+            self.index.record(h.decode, hashes(seq, d.block_size, {}, run.cache_salt, run.lora_root), d.num_blocks)
 
     def release(self, run: "RequestRun") -> None:
         """The run is over: give back everything it holds, and let waiting runs go."""

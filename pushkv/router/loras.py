@@ -55,7 +55,8 @@ class Loras:
 
     def root(self, name: str) -> str:
         """What the router's prefix index roots a request's chain on for adapter ``name``: its name, and how many
-        times it was loaded since the launch (as the schedulers root theirs on the weights' id), so the blocks of
+        times it was loaded since the launch, a failed replacement that some instance took and undid among them (as
+        the schedulers root theirs on the weights' id, a new one at each load), so the blocks of
         weights replaced or unloaded are not predicted for the new ones (the count first: unambiguous whatever the
         name holds)."""
         return f"{self.loads.get(name, 0)}:{name}" if name else ""
@@ -109,6 +110,8 @@ class Loras:
                     await _ask(took, m.UnloadLora(name))
                 else:  # a replacement: the instances that took it go back to the weights still served
                     undone = _failures(took, await _ask(took, m.LoadLora(name, old.path, replace=True)))
+                    if took:  # under a weights' id of their own: the blocks they cached of the name are never hit
+                        self.loads[name] = self.loads.get(name, 0) + 1
                     if undone:
                         log.warning("LoRA adapter %s: its weights from %s not restored on %s", name, old.path, undone)
                 answered = all(a is not None for a in answers)  # vLLM's add_lora failing: a 500

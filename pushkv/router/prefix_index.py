@@ -3,10 +3,11 @@
 Pure: no sockets. The router records where it sent what (``record``: the chained block hashes of
 a prompt, and on D of prompt + answer, as ``protocol.prefix_cache`` names them) and asks, for a
 new prompt, how many leading blocks each instance probably still holds (``overlap``). It never
-hears of evictions: entries age out of an LRU of ``capacity`` hashes instead, and a guess that
-was wrong costs only a worse placement (the instance computes or receives what it lacks). The
-router counts how far its guesses were off (``RouterMetrics``: predicted against the hits the
-instances reported).
+hears of evictions: it keeps, per instance, as many hashes as the instance's pool has blocks (it
+can cache no more), in the order the instance would evict them (an LRU, where a request's last blocks
+go before its first, as ``PrefixCache.release`` queues them), and a guess that was wrong costs only a
+worse placement (the instance computes or receives what it lacks). The router counts how far its
+guesses were off (``RouterMetrics``: predicted against the hits the instances reported).
 
 Hashes depend on the block size, so each block size the deployment uses has its chain
 (``hashes``, computed once per request and size).
@@ -14,11 +15,11 @@ Hashes depend on the block size, so each block size the deployment uses has its 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence
+from typing import Optional, Sequence
 
 from pushkv.protocol.prefix_cache import block_hashes, root_of
 
-CAPACITY = 1 << 18  # hashes remembered (x ~200 bytes each: ~50 MB at most)
+CAPACITY = 1 << 18  # hashes remembered per instance at most (x ~100 bytes each: ~25 MB), whatever its pool
 
 
 class PrefixIndex:
@@ -26,42 +27,37 @@ class PrefixIndex:
         if capacity <= 0:
             raise ValueError(f"capacity must be > 0, got {capacity}")
         self.capacity = capacity
-        self._where: OrderedDict[int, set[str]] = OrderedDict()  # hash -> engine ids, least recent first
+        self._held: dict[str, OrderedDict[int, None]] = {}  # engine id -> its hashes, the first it would evict first
 
     def __len__(self) -> int:
-        return len(self._where)
+        return sum(len(h) for h in self._held.values())
 
-    def record(self, engine_id: str, hashes: Sequence[int]) -> None:
-        """``engine_id`` now holds the blocks named by ``hashes`` (a chain from the root)."""
-        for h in hashes:
-            holders = self._where.get(h)
-            if holders is None:
-                self._where[h] = {engine_id}
-            else:
-                holders.add(engine_id)
-                self._where.move_to_end(h)
-        while len(self._where) > self.capacity:
-            self._where.popitem(last=False)
+    def record(self, engine_id: str, hashes: Sequence[int], pool: Optional[int] = None) -> None:
+        """``engine_id`` now holds the blocks named by ``hashes`` (a chain from the root), the most recently used of
+        what it holds; ``pool``: its pool's blocks, the most it can keep cached (the least recent go past it)."""
+        held = self._held.setdefault(engine_id, OrderedDict())
+        for h in reversed(hashes):  # the chain's head last: an instance evicts a request's last blocks first
+            held[h] = None
+            held.move_to_end(h)
+        bound = min(pool, self.capacity) if pool else self.capacity
+        while len(held) > bound:
+            held.popitem(last=False)
 
     def overlap(self, engine_id: str, hashes: Sequence[int]) -> int:
         """Leading blocks of the chain that ``engine_id`` probably holds."""
+        held = self._held.get(engine_id)
+        if not held:
+            return 0
         n = 0
         for h in hashes:
-            holders = self._where.get(h)
-            if holders is None or engine_id not in holders:
+            if h not in held:
                 break
             n += 1
         return n
 
     def forget(self, engine_id: str) -> None:
         """The instance is gone or restarted: its cache is empty."""
-        dead = []
-        for h, holders in self._where.items():
-            holders.discard(engine_id)
-            if not holders:
-                dead.append(h)
-        for h in dead:
-            del self._where[h]
+        self._held.pop(engine_id, None)
 
 
 def hashes(tokens: Sequence[int], block_size: int, cache: dict[int, list[int]], cache_salt: str = "",

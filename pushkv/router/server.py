@@ -34,12 +34,11 @@ from pushkv.framing import Drops, Shape, arecv_bounded
 from pushkv.model import hub
 from pushkv.router import api, auth, cors, edge, generate, otlp_spans, output, responses, text, tokenize
 from pushkv.router import chat as chat_mod
-from pushkv.router.balance import Balancer, drained_reason
+from pushkv.router.balance import Balancer, drained_reason, prefix_caching
 from pushkv.router.flow import RequestRun
 from pushkv.router.links import SchedulerLink
 from pushkv.router.loras import Loras
 from pushkv.router.metrics import RouterMetrics
-from pushkv.router.prefix_index import PrefixIndex
 from pushkv.security import secure_connect
 from pushkv.seeds import derive_seed
 from pushkv.trace import TracePublisher
@@ -115,10 +114,11 @@ class Router:
         self.place = cfg.uds or f"{cfg.advertise or cfg.host}:{cfg.port}"
         self.metrics = RouterMetrics(cfg.mode, cfg.pull_read)
         self.security = security.load(cfg.secret_file)  # CURVE to tcp:// schedulers
-        caching = any(i.prefix_cache for i in cfg.role_instances("prefill") + cfg.role_instances("decode"))
+        caching = prefix_caching(cfg)
         t = cfg.timeouts  # a pinned D waits this long for the WRITE, and P for its own prefill
         self.balancer = Balancer(cfg.mode, cfg.push_pin_fraction, cfg.router_queue, self.metrics,
-                                 prefix_cache=caching, conditional=cfg.conditional_disagg,
+                                 prefix_cache=caching["prefill"], decode_cache=caching["decode"],
+                                 conditional=cfg.conditional_disagg,
                                  pin_wait_ms=PIN_WAIT_SHARE * 1000 * min(t.registration_wait_s, t.write_wait_s))
         self.metrics.watch_balancer(self.balancer)
         self.ctx: Optional[zmq.asyncio.Context] = None
@@ -556,7 +556,7 @@ class Router:
         links = list(self.links.values())
         answers = await asyncio.gather(*(link.reset_prefix_cache(STATS_TIMEOUT_S) for link in links))
         if self.local_link is None:
-            self.balancer.index = PrefixIndex()
+            self.balancer.reset_index()
         silent = [link.engine_id for link, st in zip(links, answers) if st is None]
         # vLLM 0.32's answer is {"success": bool}; each instance's cache after it comes beside it
         body = {"success": True,

@@ -87,7 +87,7 @@ class SchedulerCore:
         self._handlers: dict[type, Callable[[Any, Peer], None]] = {}
         # ref-counted blocks with a prefix-hash index; with the cache off, a plain allocator
         # (off under dynamic RoPE: a block's keys carry the rotation of the length they were made at)
-        self.alloc = PrefixCache(inst.num_blocks, inst.prefix_cache and cfg.model.rope_scaling.rope_type != "dynamic")
+        self.alloc = PrefixCache(inst.num_blocks, cfg.caches_prefixes(inst))
         self.reqs: dict[tuple[str, int], Request] = {}
         self.by_tid: dict[str, Request] = {}
         self.waiting: list[Request] = []
@@ -498,14 +498,17 @@ class SchedulerCore:
         lora_table.answered(self, msg, frm)
 
     def on_ResetPrefixCache(self, msg: m.ResetPrefixCache, frm: Peer) -> None:
-        """Forget every cached prefix (running requests keep their blocks), then answer as GetStats is answered."""
+        """Forget every cached prefix (running requests keep their blocks, and index none of them from now where
+        their chain's head was forgotten: ``Request.unchained``), then answer as GetStats is answered."""
         self.counters["prefix_resets"] += 1
         self.counters["prefix_reset_blocks"] += self.alloc.reset()
+        for r in self.reqs.values():
+            r.unchained = r.unchained or r.indexed > 0
         stats.asked(self, m.GetStats(), frm)
 
     # -- prefix cache (scheduler/prefix.py) ---------------------------------------------------
     def _index_blocks(self, r: Request, upto: int) -> None:
-        if self.alloc.enabled and self._indexes(r):
+        if self.alloc.enabled and self._indexes(r) and not r.unchained:
             index_blocks(self.alloc, r, upto, self.inst.block_size)
 
     # -- scheduling ---------------------------------------------------------------------

@@ -31,6 +31,7 @@ def took_hits(core: "SchedulerCore", r: Request, hit_blocks: int) -> None:
     """``r`` was admitted with ``hit_blocks`` cached blocks: its computed and indexed marks, and the counters.
     A preempted request's readmission counts its hits apart (``recompute_hit_tokens``): its prompt was looked up
     once, and the cached tokens it reports are its first admission's."""
+    r.unchained = False  # it computes on from the hit: its chain is whole again
     if r.preemptions:
         r.prefilled = hit_blocks * core.inst.block_size
         r.indexed = hit_blocks

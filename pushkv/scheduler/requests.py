@@ -83,6 +83,9 @@ class Request:
     cached: int = 0  # prompt tokens found in the prefix cache at admission (their KV is not computed again)
     hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks of prompt + output
     indexed: int = 0  # leading blocks offered to the prefix cache so far
+    # a /reset_prefix_cache forgot the blocks it had indexed while it held them: its later blocks chain from a head
+    # no request can find, so it indexes none (a readmission recomputes from a chain head and indexes again)
+    unchained: bool = False
     checksums: Optional[m.KVChecksums] = None  # --kv-verify: P's sums of the KV (P: computed; D: to check)
     verified: dict[int, m.KVVerified] = field(default_factory=dict)  # D: worker rank -> its verdict
     verify_at: float = 0.0  # D, --kv-verify: monotonic time the workers were asked (its deadline runs from it)

@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 from pushkv.protocol import kv_events as K
-from pushkv.protocol.prefix_cache import block_hashes
+from pushkv.protocol.prefix_cache import block_hashes, event_hash
 from tests.support.deploy import deployment, wait_pools_free
 from tools.launch import free_tcp_port
 
@@ -73,7 +73,8 @@ def test_push_instances_publish_their_prefix_caches_events(tmp_path):
                         "--kv-events-config", json.dumps(cfg)) as dep:
             dep.tokens(prompt, 4)
             wait_pools_free(dep)
-            want = block_hashes(prompt, BLOCK)  # the prompt's 3 full blocks, as the prefix cache names them
+            # the prompt's 3 full blocks, as the prefix cache names them (their low 64 bits)
+            want = [event_hash(h) for h in block_hashes(prompt, BLOCK)]
             for role, port in (("prefill", replay), ("decode", replay + 1)):
                 stored = _events(_replay(ctx, f"tcp://127.0.0.1:{port}"), "BlockStored")
                 assert [h for e in stored for h in e.block_hashes] == want, role
@@ -92,7 +93,7 @@ def test_push_instances_publish_their_prefix_caches_events(tmp_path):
                     assert topic == b"kv" and len(seq) == 8
                     for e in _decoder().decode(payload).events:
                         seen.update(getattr(e, "block_hashes", []))
-                if set(block_hashes(other, BLOCK)) <= seen:
+                if {event_hash(h) for h in block_hashes(other, BLOCK)} <= seen:
                     break
             else:
                 pytest.fail("no live BlockStored of a later prompt reached the subscriber")

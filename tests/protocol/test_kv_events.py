@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from pushkv.protocol import kv_events as K
-from pushkv.protocol.prefix_cache import PrefixCache, block_hashes, root_of
+from pushkv.protocol.prefix_cache import PrefixCache, block_hashes, event_hash, root_of
 
 pytestmark = pytest.mark.unit
 
@@ -46,7 +46,7 @@ def test_chained_blocks_are_one_stored_event_and_removals_one_removed_event():
 def test_the_wire_is_vllms_as_its_own_types_decode_it():
     vllm_events = pytest.importorskip("vllm.distributed.kv_events")
     toks = list(range(100, 132))
-    hashes = block_hashes(toks, 16)
+    hashes = [event_hash(h) for h in block_hashes(toks, 16)]  # what an event names a block by
     payload = K.encode(1234.5, [K.BlockStored(hashes, None, toks, 16, None, "CPU", None, None, 0),
                                 K.BlockRemoved([hashes[1]], "CPU", 0), K.AllBlocksCleared()])
     batch = msgspec.msgpack.Decoder(vllm_events.KVEventBatch).decode(payload)
@@ -140,7 +140,21 @@ def test_a_salted_prompt_chains_from_its_salt_yet_reports_no_parent():
     # the first block's hash is chained to root_of(salt); its event says None and carries the salt as an extra key
     h = block_hashes([1] * 16, 16, root_of("t"))
     ev = K.events_of([("stored", h[0], None, tuple([1] * 16), "t", None)], 16, "CPU")[0]
-    assert ev.block_hashes == h and ev.parent_block_hash is None and ev.extra_keys == [("t",)]
+    assert ev.block_hashes == [event_hash(h[0])] and ev.parent_block_hash is None and ev.extra_keys == [("t",)]
+
+
+def test_events_name_a_block_by_the_low_64_bits_of_its_name_and_chain_by_them():
+    """A block's name is a whole sha256 digest; msgpack carries integers of 64 bits, so an event carries its low 64
+    (vLLM cuts its own names so too), the parent of a run and a removal alike, and a run still chains."""
+    h = block_hashes(list(range(48)), 16)
+    assert any(x >= 1 << 64 for x in h)
+    j = [("stored", h[0], None, tuple(range(16)), "", None), ("stored", h[1], h[0], tuple(range(16, 32)), "", None),
+         ("stored", h[2], h[1], tuple(range(32, 48)), "", None), ("removed", h[2])]
+    stored, removed = K.events_of(j, 16, "CPU")
+    assert stored.block_hashes == [x & (1 << 64) - 1 for x in h] and removed.block_hashes == [h[2] & (1 << 64) - 1]
+    cut = K.events_of(j[1:2], 16, "CPU")[0]
+    assert cut.parent_block_hash == h[0] & (1 << 64) - 1
+    K.encode(0.0, [stored, removed, cut])  # within msgpack's integers
 
 
 def test_each_instance_of_a_host_takes_the_port_after_the_one_before_it():

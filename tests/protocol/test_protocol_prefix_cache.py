@@ -1,9 +1,11 @@
 """Prefix cache: the hash chain, the index with reference counts, LRU eviction (tables)."""
+import hashlib
 import random
 
 import pytest
 
-from pushkv.protocol.prefix_cache import ROOT_HASH, PrefixCache, block_hashes, root_of
+from pushkv.protocol import prefix_cache
+from pushkv.protocol.prefix_cache import ROOT_HASH, PrefixCache, block_hashes, event_hash, root_of
 
 BS = 4
 
@@ -25,6 +27,30 @@ def test_chain_names_the_whole_prefix():
     assert block_hashes(list(range(8)), 8) != a[:1]  # another block size, other names
     assert a == block_hashes(tuple(range(12)), BS)  # stable, tuple or list
     assert ROOT_HASH == 0
+
+
+def test_prompts_whose_digests_agree_in_64_bits_stay_apart(monkeypatch):
+    """A name is the whole sha256 digest, as vLLM keys its cache: with the first 8 bytes only, two prompts built to
+    collide there (a birthday search, 2^32 tries) named one block, and the second was served the first's KV. Here a
+    sha256 whose every digest starts alike stands in for such a pair; KV events still carry 64 bits."""
+    real = hashlib.sha256
+
+    class Forged:
+        def __init__(self, data=b""):
+            self.d = real(data).digest()
+
+        def digest(self):
+            return bytes(8) + self.d[8:]
+
+    monkeypatch.setattr(prefix_cache.hashlib, "sha256", Forged)
+    a, b = block_hashes([1, 2, 3, 4], BS), block_hashes([5, 6, 7, 8], BS)
+    assert a != b
+    c = PrefixCache(4)
+    blocks = c.acquire([], 1)
+    c.insert(blocks[0], a[0])
+    c.release(blocks)
+    assert c.match(b) == [] and c.match(a) == blocks
+    assert event_hash(a[0]) < 1 << 64 and event_hash(a[0]) == a[0] & (1 << 64) - 1
 
 
 def test_a_cache_salt_roots_a_chain_of_its_own():

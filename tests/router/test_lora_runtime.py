@@ -171,9 +171,11 @@ def test_a_request_whose_adapter_is_unloaded_while_it_is_parsed_is_a_404(tmp_pat
 def test_a_load_that_fails_somewhere_leaves_every_instance_as_it_was(monkeypatch):
     """A load_inplace of a name not served that one instance refuses: the others drop it again (they kept it, so a
     later load of the name failed there as 'already loaded'); a replacement one refuses: the others go back to the
-    weights still served."""
+    weights still served, under a weights' id of their own (the blocks they cached of it are never hit again: the
+    router's index roots the name anew, as for a replacement)."""
     monkeypatch.setattr(loras_mod, "resolve_adapter", lambda name, path, *a: path)
     lo = _loras("a")
+    root = lo.root("a")
 
     async def run():
         for name in ("x", "a"):
@@ -186,6 +188,7 @@ def test_a_load_that_fails_somewhere_leaves_every_instance_as_it_was(monkeypatch
             assert took.asked == [m.LoadLora(name, f"/v2/{name}", replace=True), back], name
             assert refused.asked == [m.LoadLora(name, f"/v2/{name}", replace=True)]
         assert lo.names == ("a",) and lo.modules["a"].path == "/adapters/a"
+        assert lo.root("a") != root
 
     asyncio.run(run())
 

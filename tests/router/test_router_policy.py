@@ -6,11 +6,11 @@ import msgspec
 import pytest
 
 from pushkv import messages as m
-from pushkv.config import DeploymentConfig, InstanceConfig
+from pushkv.config import PRESETS, DeploymentConfig, InstanceConfig, RopeScaling
 from pushkv.discovery.local import InstanceTracker
 from pushkv.discovery.records import InstanceDown, InstanceHealth, InstanceRecord, InstanceUp
 from pushkv.router import policy as P
-from pushkv.router.balance import Balancer, Refused
+from pushkv.router.balance import Balancer, Refused, prefix_caching
 from pushkv.router.request import DecodePlaced, Placed
 from pushkv.supervisor.plan import plan_deployment, process_specs
 
@@ -571,6 +571,60 @@ def test_balancer_decode_local_accounts_on_d_only_and_learns():
     c = b.cost.costs
     assert c.prefill_samples == 0 and c.step_samples == 1 and c.handoff_samples == 0  # D's prefill: P's price
     assert b.ask(ChatRun("y", range(64))).hits == {"d0": 48}  # D keeps prompt + answer: 63 of 64 are whole blocks
+
+
+def test_a_d_that_keeps_no_prefix_is_credited_with_none():
+    """A sliding-window model's D neither takes hits nor keeps what arrived (only the window's blocks move), no
+    instance of a dynamic-RoPE model caches, and a role may run --no-prefix-cache: the router predicts hits only on
+    roles that cache. Crediting such a D with the
+    prompt and answer of turn 1 chose it to prefill turn 2 itself (--conditional-disagg) on a hit that never
+    happens, and counted a guess error on every request."""
+    hybrid = DeploymentConfig(mode="push", model=PRESETS["hybrid"])
+    assert prefix_caching(hybrid) == {"prefill": True, "decode": False}
+    assert prefix_caching(DeploymentConfig(mode="push")) == {"prefill": True, "decode": True}
+    off = DeploymentConfig(mode="push", decode=InstanceConfig(role="decode", prefix_cache=False))
+    assert prefix_caching(off) == {"prefill": True, "decode": False}
+    ntk = DeploymentConfig(mode="push", model=msgspec.structs.replace(
+        PRESETS["small"], rope_scaling=RopeScaling(rope_type="dynamic", factor=2.0, original_max_position=64)))
+    assert prefix_caching(ntk) == {"prefill": False, "decode": False}  # its schedulers cache nothing
+    b = Balancer("push", 1.0, 4, prefix_cache=True, conditional=True, decode_cache=False)
+    b.add(rec("p0", "prefill"), lambda r: object())
+    b.add(rec("d0", "decode", 400), lambda r: object())
+    b.loads["d0"].legs += 8  # D decodes 8 others: a long prefill there delays each of them
+    turn1 = ChatRun("t1", range(1000))
+    assert b.request(turn1).kind == P.PUSH
+    b.prefill_done(turn1)
+    b.kv_arrived(turn1)
+    turn1.output_ids, turn1.done, turn1.cached = list(range(5000, 5016)), True, {"prefill": 0, "decode": 0}
+    b.release(turn1)
+    turn2 = ChatRun("t2", list(range(1000)) + list(range(5000, 5016)) + [7] * 20)
+    assert b.ask(turn2).hits == {"p0": 992}  # P's prompt; none on D
+    b.down("p0")  # P restarted: its cache is empty, and D's (none) would be the only hit
+    b.add(rec("p0", "prefill"), lambda r: object())
+    assert b.ask(turn2).hits == {}
+    v = b.request(turn2)  # D would compute all 1,036 tokens while its 8 others wait: P computes them
+    assert v.kind == P.PUSH and b.held["t2"].predicted_decode == 0
+
+
+def test_a_request_placed_before_a_prefix_cache_reset_is_not_predicted_after_it():
+    """/reset_prefix_cache while a request runs: its instances forgot what it had indexed and index no more of it
+    (a chain without its head), so the index, emptied, must not learn its blocks when it ends; one placed after the
+    reset is learnt as before."""
+    b = Balancer("push", 1.0, 4, prefix_cache=True, conditional=False)
+    b.add(rec("p0", "prefill"), lambda r: object())
+    b.add(rec("d0", "decode", 200), lambda r: object())
+    before = ChatRun("t1", range(100))
+    b.request(before)
+    b.reset_index()
+    b.prefill_done(before)
+    b.kv_arrived(before)
+    before.output_ids, before.done, before.cached = list(range(1000, 1016)), True, {"prefill": 0, "decode": 0}
+    b.release(before)
+    assert b.ask(ChatRun("t2", range(100))).hits == {}
+    after = ChatRun("t3", range(100))
+    b.request(after)
+    b.prefill_done(after)
+    assert b.ask(ChatRun("t4", range(100))).hits == {"p0": 96}
 
 
 def test_tracker_of_local_mode_follows_its_one_instance_only_where_asked(tmp_path):

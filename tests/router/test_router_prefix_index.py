@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pushkv.protocol.prefix_cache import block_hashes
+from pushkv.protocol.prefix_cache import PrefixCache, block_hashes
 from pushkv.router.prefix_index import PrefixIndex, hashes, usable_hit_tokens
 
 A = block_hashes(list(range(64)), 16)  # 4 blocks
@@ -31,12 +31,37 @@ def test_overlap(records, query, engine, want):
     assert idx.overlap(engine, query) == want
 
 
-def test_lru_bound_drops_the_least_recently_recorded():
+def test_lru_bound_drops_the_least_recently_recorded_last_blocks_first():
     idx = PrefixIndex(capacity=5)
     idx.record("d0", A)  # 4 hashes
-    idx.record("d1", B)  # B's first 2 are A's: refreshed, 2 new -> 6 > 5: A's oldest unrefreshed (A[2]) goes
+    idx.record("d0", B)  # B's first 2 are A's: refreshed, 2 new -> 6 > 5: A's last block goes (as D would evict it)
     assert len(idx) == 5
-    assert idx.overlap("d0", A) == 2 and idx.overlap("d1", B) == 4
+    assert idx.overlap("d0", A) == 3 and idx.overlap("d0", B) == 4
+    idx.record("d1", A)  # the bound is each instance's
+    assert len(idx) == 9 and idx.overlap("d1", A) == 4
+
+
+def test_an_instance_is_predicted_to_hold_no_more_than_its_pool_caches():
+    """Prompts that together outgrow an instance's pool: the instance evicts the least recently used (a request's
+    last blocks first), and the index, bounded by the pool, predicts what is still there. Bounded by 2^18 hashes of
+    every instance together, it predicted long-evicted prompts whole, and placement sent their repeats there."""
+    bs, pool = 4, 10
+    cache = PrefixCache(pool)
+    idx = PrefixIndex()
+    prompts = [[1000 * i + t for t in range(13)] for i in range(5)]  # 3 full blocks and a token: 4 blocks each
+    order = [0, 1, 2, 0, 3, 4, 1]  # a repeat refreshes its blocks
+    for i in order:  # as P's scheduler serves each: its hits, the rest computed, all indexed, released
+        hs = block_hashes(prompts[i], bs)
+        blocks = cache.acquire(cache.match(hs[:(len(prompts[i]) - 1) // bs]), len(hs) + 1)
+        for b, h in zip(blocks, hs):
+            cache.insert(b, h)
+        cache.release(blocks)
+        idx.record("p0", hs, pool)
+    got = [idx.overlap("p0", block_hashes(p, bs)) for p in prompts]
+    held = [len(cache.match(block_hashes(p, bs))) for p in prompts]
+    assert held == [0, 3, 0, 3, 3]
+    # within a block of it: the index cannot see the block each request takes for its last, partial one
+    assert got == [1, 3, 0, 3, 3], got
 
 
 def test_forget_empties_one_instance_only():

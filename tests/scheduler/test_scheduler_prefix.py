@@ -158,6 +158,29 @@ def test_a_block_is_indexed_only_once_its_step_ended():
     assert idle(s)
 
 
+def test_a_reset_during_a_prefill_leaves_no_orphan_of_it_cached():
+    """/reset_prefix_cache while a prompt is computed chunk by chunk: its first chunk's block is forgotten, so its
+    later blocks, whose hashes chain from it, could never be hit, and their KV events would name a parent that was
+    cleared (vLLM refuses a reset while blocks are held, so its consumers never see one). The request indexes none
+    after the reset; a preempted one recomputes from a chain head again and indexes on."""
+    s, wire = make(chunk=16)
+    s.alloc.journal = []
+    generate(s, "a", prompt(50))
+    run_step(s, wire)  # its first 16 tokens: block 0 indexed
+    assert s.alloc.num_cached == 1
+    deliver(s, ROUTER, m.ResetPrefixCache())
+    run_all(s, wire)  # blocks 1 and 2 complete after the reset
+    assert idle(s)
+    after = s.alloc.journal[s.alloc.journal.index(("cleared",)) + 1:]
+    assert s.alloc.num_cached == 0 and after == [], after
+    generate(s, "b", prompt(50))  # computes it whole, and indexes it whole from the chain's head
+    run_all(s, wire)
+    generate(s, "c", prompt(50))
+    (w,) = run_step(s, wire)
+    assert w.start_pos == 48
+    assert idle(s)
+
+
 def test_evicted_when_memory_is_needed():
     s, wire = make(num_blocks=8)
     generate(s, "a", prompt(64))  # 4 blocks, all indexed
