@@ -274,12 +274,13 @@ def parse_template_kwargs(body: dict) -> dict:
 
 def forced_choice(body: dict, tools: list[dict]) -> Optional[tuple[str, dict]]:
     """A tool_choice that forces calls (vLLM's and OpenAI's ``required``, or ``{"type": "function", "function":
-    {"name": ...}}``): the choice's parser and the schema that holds the output; None for none and auto."""
+    {"name": ...}}``): the choice's parser and the schema that holds the output; None for none and auto. Any choice
+    but none given without tools is vLLM 0.32's 400 (``tools`` an empty list is refused before, as vLLM's)."""
     choice = body.get("tool_choice")
+    if choice not in (None, "none") and not tools:  # vLLM 0.32's check_tool_usage: auto, forced or not a choice
+        raise api.bad("tool_choice", "When using `tool_choice`, `tools` must be set.")
     if choice in (None, "none", "auto"):
         return None
-    if not tools:
-        raise api.bad("tool_choice", "tool_choice needs tools")
     names = [tool_calls.function_of(t).get("name") for t in tools]
     if not all(isinstance(n, str) and n for n in names):
         raise api.bad("tool_choice", "a forced tool_choice needs every tool to be a function with a name")
@@ -328,6 +329,9 @@ def parse_chat(body: dict, tok: text.Tokenizer, limits: api.Limits, template: Ch
     if body.get("chat_template") is not None:
         raise api.bad("chat_template", "a request's own chat template is not accepted: the deployment's is used "
                                        "(pushkv up --chat-template sets it)")
+    if body.get("tools") == []:  # vLLM 0.32's (and OpenAI's) 400; its tokenize, which parse_tools serves too, takes []
+        raise api.bad("tools", "`tools` must not be an empty array. Either provide at least one tool or omit the "
+                               "field entirely.")
     tools = parse_tools(body)
     messages = parse_messages(body)
     forced = forced_choice(body, tools)

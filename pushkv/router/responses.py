@@ -112,9 +112,22 @@ def _tools(body: dict) -> list[dict]:
     return out
 
 
-def _tool_choice(body: dict) -> Any:
-    """The request's tool_choice as the chat request's (a named function: ``{"type": "function", "name"}``)."""
+def _tool_choice(body: dict, tools: list[dict]) -> Any:
+    """The request's tool_choice as the chat request's (a named function: ``{"type": "function", "name"}``), checked
+    as vLLM 0.32's Responses request checks it (its check_tool_usage), not as chat's: without tools, ``auto`` (the
+    default) and ``none`` are none (None: the chat request gets no tool_choice) and ``required`` or a named tool a 400;
+    a named tool that none of the tools is, a 400 too."""
     choice = body.get("tool_choice")
+    named = isinstance(choice, dict) and choice.get("type") in ("function", "custom")
+    if not tools:
+        if choice in (None, "auto", "none"):
+            return None
+        if choice == "required":
+            raise api.bad("tool_choice", "Tool choice 'required' must be specified with 'tools' parameter.")
+        if named:
+            raise api.bad("tool_choice", "Tool choice 'function' not found in 'tools' parameter.")
+    elif isinstance(choice, dict) and named and choice.get("name") not in [t["function"]["name"] for t in tools]:
+        raise api.bad("tool_choice", "Tool choice 'function' not found in 'tools' parameter.")
     if choice is None or isinstance(choice, str):
         return choice
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
@@ -296,8 +309,9 @@ def chat_body(body: dict, store: Optional[Store] = None, conv: Optional[list[dic
     tools = _tools(body)
     if tools:
         out["tools"] = tools
-    if body.get("tool_choice") is not None:
-        out["tool_choice"] = _tool_choice(body)
+    choice = _tool_choice(body, tools)
+    if choice is not None:
+        out["tool_choice"] = choice
     if body.get("parallel_tool_calls") is not None:
         out["parallel_tool_calls"] = body["parallel_tool_calls"]
     if body.get("include_reasoning") is not None:  # vLLM's: false, the reasoning generated but not returned
@@ -335,7 +349,8 @@ def echo(body: dict) -> dict:
             "temperature": body.get("temperature"), "top_p": body.get("top_p"),
             "text": {"format": text.get("format") or {"type": "text"}}, "metadata": body.get("metadata") or {},
             "user": body.get("user"), "tools": body.get("tools") or [], "top_logprobs": body.get("top_logprobs"),
-            "tool_choice": body.get("tool_choice") or ("auto" if body.get("tools") else "none"),
+            # as vLLM's: none without tools, whatever was asked (a choice that needs tools was a 400)
+            "tool_choice": (body.get("tool_choice") or "auto") if body.get("tools") else "none",
             "parallel_tool_calls": body.get("parallel_tool_calls", True),
             "previous_response_id": body.get("previous_response_id"), "store": False,
             "background": bool(body.get("background")), "reasoning": body.get("reasoning")}

@@ -96,7 +96,8 @@ def test_a_json_schema_format_holds_the_output(tmp_path):
 @pytest.mark.parametrize("field, value, says", [
     ("tools", [{"type": "web_search_preview"}], "only function tools"),
     ("tools", [{"type": "function", "parameters": {}}], "name must be"),
-    ("tool_choice", {"type": "function", "function": {"name": "f"}}, "tool_choice must be"),
+    ("tool_choice", {"type": "allowed_tools", "mode": "auto"}, "tool_choice must be"),
+    ("tool_choice", {"type": "function", "function": {"name": "f"}}, "Tool choice 'function' not found"),
     ("store", "yes", "true or false"),
     ("include", ["reasoning.encrypted_content"], "not built"),
     ("top_logprobs", "3", "must be an integer"),
@@ -230,6 +231,31 @@ def test_function_tools_give_function_call_items_whole_and_streamed(tmp_path):
         assert final["output"][1]["call_id"] and [i["type"] for i in final["output"]] == ["message", "function_call"]
 
     _tools_run(tmp_path, CALLS, fn)
+
+
+def test_tool_choice_without_tools_is_checked_as_vllms_responses_request_checks_it():
+    """vLLM 0.32's Responses request (its check_tool_usage), unlike its chat request: without tools (absent or [])
+    tool_choice auto and none are none, and the chat request gets none (chat's 400 for auto without tools would
+    otherwise refuse it); required, or a named tool that is not among the tools, is a 400 naming tool_choice."""
+    from pushkv.router import api, responses
+
+    for tools in (None, []):
+        for choice in (None, "auto", "none"):
+            body = {"input": "Hey", "tools": tools, "tool_choice": choice}
+            chat = responses.chat_body(body)
+            assert "tool_choice" not in chat and "tools" not in chat and responses.echo(body)["tool_choice"] == "none"
+    assert responses.echo({"input": "Hey", "tools": [WEATHER]})["tool_choice"] == "auto"
+    named = {"type": "function", "name": "get_weather"}
+    assert responses.chat_body({"input": "Hey", "tools": [WEATHER], "tool_choice": named})["tool_choice"] == {
+        "type": "function", "function": {"name": "get_weather"}}
+    not_found = "Tool choice 'function' not found in 'tools' parameter."
+    required = "Tool choice 'required' must be specified with 'tools' parameter."
+    for body, says in [({"tool_choice": "required"}, required),
+                       ({"tool_choice": named}, not_found),
+                       ({"tool_choice": {"type": "function", "name": "x"}, "tools": [WEATHER]}, not_found)]:
+        with pytest.raises(api.ApiError) as e:
+            responses.chat_body({"input": "Hey", **body})
+        assert (e.value.status, e.value.param, e.value.message) == (400, "tool_choice", says), body
 
 
 def test_a_conversation_goes_on_with_the_call_and_its_output_and_a_named_choice_forces_it(tmp_path):

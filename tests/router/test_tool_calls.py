@@ -216,7 +216,7 @@ def test_a_forced_tool_choice_holds_the_output_to_the_calls_and_makes_them_calls
     assert content is None and [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
         ("get_time", {}), ("get_weather", {"city": "Paris"})]
     assert tool_calls.parse('[{"name": "get_ti', "required") == (None, [])  # cut off: no call, no content (vLLM's)
-    for body, needle in [({"tool_choice": "required"}, "needs tools"),
+    for body, needle in [({"tool_choice": "required"}, "`tools` must be set"),
                          ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
                           "not one of the tools"),
                          ({"tools": [WEATHER], "tool_choice": "sometimes"}, "must be none, auto, required")]:
@@ -272,6 +272,34 @@ def test_a_forced_tool_choice_sets_the_requests_own_structured_output_aside():
         with pytest.raises(api.ApiError, match=needle) as e:
             parse(**body)
         assert e.value.param == param and e.value.status == 400, body
+
+
+def test_tool_choice_without_tools_and_an_empty_tools_list_are_refused_as_vllm_refuses_them():
+    """vLLM 0.32's check_tool_usage: any tool_choice but none (or null) without tools is a 400 naming tool_choice,
+    auto too (pushkv served auto as no tools); tools [] is a 400 naming tools whatever the choice (pushkv took it for
+    no tools); /tokenize's chat still takes [], as vLLM's does."""
+    from pushkv.router import api, chat, text, tokenize
+
+    def parse(**body):
+        return chat.parse_chat({"messages": MESSAGES, **body}, text.ByteTokenizer(),
+                               api.Limits(vocab_size=320, max_model_len=4096), chat.load_template(""),
+                               tool_call_parser="hermes")
+
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for body in ({"tool_choice": "auto"}, {"tool_choice": "required"}, {"tool_choice": named},
+                 {"tool_choice": "sometimes"}, {"tool_choice": "auto", "tools": None}):
+        with pytest.raises(api.ApiError) as e:
+            parse(**body)
+        assert (e.value.status, e.value.param, e.value.message) == (
+            400, "tool_choice", "When using `tool_choice`, `tools` must be set."), body
+    for choice in (None, "none", "auto", named):
+        with pytest.raises(api.ApiError) as e:
+            parse(tools=[], tool_choice=choice)
+        assert (e.value.status, e.value.param, e.value.message) == (400, "tools", (
+            "`tools` must not be an empty array. Either provide at least one tool or omit the field entirely."))
+    assert parse(tool_choice="none").tools == [] and parse(tool_choice=None).tool_call_parser == ""
+    assert tokenize.tokenize({"messages": MESSAGES, "tools": []}, text.ByteTokenizer(),
+                             api.Limits(vocab_size=320, max_model_len=4096), lambda: chat.load_template(""))["count"]
 
 
 PLACE = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
