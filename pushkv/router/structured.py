@@ -91,6 +91,7 @@ def set_aside(body: dict, named: bool) -> dict:
     instead). Each field is still checked for its shape, as vLLM's request model checks it (a 400), and with a named
     function, structured_outputs' (or the older guided_*) json, regex or choice is vLLM's 400."""
     outputs = body.get("structured_outputs")
+    one_constraint(outputs)
     constrained = [f"structured_outputs.{k}" for k in ("json", "regex", "choice")
                    if isinstance(outputs, dict) and outputs.get(k) is not None]
     constrained += [f for f in ("guided_json", "guided_regex", "guided_choice") if body.get(f) is not None]
@@ -135,10 +136,14 @@ def _outputs(outputs: Any) -> Structured:
     field = "structured_outputs"
     if not isinstance(outputs, dict):
         raise bad(field, "structured_outputs must be an object")
+    one_constraint(outputs)
     named = [k for k in OUTPUTS if outputs.get(k) not in (None, False)]
-    if len(named) != 1:
-        raise bad(field, f"structured_outputs needs exactly one of {', '.join(OUTPUTS)}, got "
-                         f"{', '.join(named) or 'none'}")
+    if len(named) > 1:  # vLLM's StructuredOutputsParams, which writes its own fields after it
+        raise bad(field, "You can only use one kind of structured outputs constraint but multiple are specified: "
+                         f"{', '.join(named)}")
+    if not named:
+        raise bad(field, "You must use one kind of structured outputs constraint but none are specified (one of "
+                         f"{', '.join(OUTPUTS)})")
     if outputs.get("whitespace_pattern") not in (None, ""):
         raise bad(field, "structured_outputs.whitespace_pattern is not supported")
     kind = named[0]
@@ -154,6 +159,14 @@ def _outputs(outputs: Any) -> Structured:
     if outputs.get("disable_any_whitespace"):
         spec = Structured(spec.kind, spec.spec, any_whitespace=False)
     return spec
+
+
+def one_constraint(outputs: Any) -> None:
+    """vLLM 0.32's check_structured_outputs_count: structured_outputs with more than one of json, regex and choice is
+    a 400 in its words, before the rest is looked at (a forced tool_choice's own 400 among it)."""
+    if isinstance(outputs, dict) and sum(outputs.get(k) is not None for k in ("json", "regex", "choice")) > 1:
+        raise bad("structured_outputs", "You can only use one kind of constraints for structured outputs ('json', "
+                                        "'regex' or 'choice').")
 
 
 def _structural_tag(tag: Any, field: str) -> str:

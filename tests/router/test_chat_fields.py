@@ -66,8 +66,14 @@ def test_template_kwargs_render_as_transformers_renders_them(hf_tok, kwargs, gen
     ({"guided_json": "{not json"}, "guided_json", "not JSON"),
     ({"guided_choice": []}, "guided_choice", "non-empty list"),
     ({"guided_json": {"type": "object"}, "guided_choice": ["a"]}, "guided_choice", "both ask for structured output"),
-    ({"structured_outputs": {}}, "structured_outputs", "exactly one of"),
-    ({"structured_outputs": {"regex": "a+", "choice": ["a"]}}, "structured_outputs", "exactly one of"),
+    ({"structured_outputs": {}}, "structured_outputs",
+     "You must use one kind of structured outputs constraint but none are specified"),
+    ({"structured_outputs": {"regex": "a+", "choice": ["a"]}}, "structured_outputs",  # vLLM 0.32's words
+     "You can only use one kind of constraints for structured outputs ('json', 'regex' or 'choice')."),
+    ({"structured_outputs": {"json": {}, "regex": 7, "choice": "x"}}, "structured_outputs",  # before their shapes
+     "You can only use one kind of constraints for structured outputs ('json', 'regex' or 'choice')."),
+    ({"structured_outputs": {"json": {}, "grammar": "root ::= \"a\""}}, "structured_outputs",
+     "You can only use one kind of structured outputs constraint but multiple are specified: json, grammar"),
     ({"guided_decoding_backend": "outlines", "guided_regex": "a"}, "guided_decoding_backend", "xgrammar"),
     ({"guided_whitespace_pattern": " *"}, "guided_whitespace_pattern", "not supported"),
     ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs", "not supported"),
