@@ -50,11 +50,20 @@ class Server:
             return b"\n".join(f.read().splitlines()[-n:]).decode(errors="replace")
 
     def stop(self, timeout: float = 30.0) -> None:
+        self.terminate()
+        self.reap(timeout)
+
+    def terminate(self) -> None:
+        """SIGTERM to the server's process group: it begins its shutdown (``reap`` waits for it)."""
         if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
+
+    def reap(self, timeout: float = 30.0) -> None:
+        """Wait for the terminated server and its group to exit, killing what outlives its time."""
+        if self.proc.poll() is None:
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -121,6 +130,8 @@ def servers(*made: Server, ready: bool = True):
             for s in made:
                 s.wait_ready()
         yield made
-    finally:
+    finally:  # all begin their shutdown at once, then each is waited for: the slowest's time, not the sum
         for s in made:
-            s.stop()
+            s.terminate()
+        for s in made:
+            s.reap()
