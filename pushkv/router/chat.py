@@ -281,6 +281,9 @@ def forced_choice(body: dict, tools: list[dict]) -> Optional[tuple[str, dict]]:
         raise api.bad("tool_choice", "When using `tool_choice`, `tools` must be set.")
     if choice in (None, "none", "auto"):
         return None
+    if choice != "required" and not isinstance(choice, dict):  # vLLM 0.32's check_tool_usage, in its order and words
+        raise api.bad("tool_choice", f"Invalid value for `tool_choice`: {choice}! Only named tools, \"none\", \"auto\" "
+                                     "or \"required\" are supported.")
     names = [tool_calls.function_of(t).get("name") for t in tools]
     if not all(isinstance(n, str) and n for n in names):
         raise api.bad("tool_choice", "a forced tool_choice needs every tool to be a function with a name")
@@ -290,13 +293,17 @@ def forced_choice(body: dict, tools: list[dict]) -> Optional[tuple[str, dict]]:
         except ValueError as e:
             raise api.bad("tools", str(e)) from None
         return tool_choice.REQUIRED, schema
-    fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
-    name = fn.get("name") if isinstance(fn, dict) else None
-    if not isinstance(name, str):
-        raise api.bad("tool_choice", "tool_choice must be none, auto, required or {\"type\": \"function\", "
-                                     "\"function\": {\"name\": ...}}")
+    usage = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
+    fn = choice.get("function")
+    if not isinstance(fn, dict):
+        raise api.bad("tool_choice.function", f"Invalid value for `function`: `{fn}` in `tool_choice`! {usage}")
+    if "name" not in fn:
+        raise api.bad("tool_choice.function.name", f"Expected field `name` in `function` in `tool_choice`! {usage}")
+    name = fn["name"]
+    if not isinstance(name, str) or not name:
+        raise api.bad("tool_choice.function.name", f"Invalid `name` in `function`: `{name}` in `tool_choice`! {usage}")
     if name not in names:
-        raise api.bad("tool_choice", f"tool_choice names {name!r}, which is not one of the tools")
+        raise api.bad("tool_choice", "The tool specified in `tool_choice` does not match any of the specified `tools`")
     return tool_choice.NAMED + name, tool_choice.forced_schema(tools, name)
 
 

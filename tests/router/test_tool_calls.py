@@ -219,11 +219,28 @@ def test_a_forced_tool_choice_holds_the_output_to_the_calls_and_makes_them_calls
     assert tool_calls.parse('[{"name": "get_ti', "required") == (None, [])  # cut off: no call, no content (vLLM's)
     for body, needle in [({"tool_choice": "required"}, "`tools` must be set"),
                          ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
-                          "not one of the tools"),
-                         ({"tools": [WEATHER], "tool_choice": "sometimes"}, "must be none, auto, required")]:
+                          "The tool specified in `tool_choice` does not match any of the specified `tools`"),
+                         ({"tools": [WEATHER], "tool_choice": "sometimes"},
+                          r'Invalid value for `tool_choice`: sometimes! Only named tools, "none", "auto" or "required" '
+                          "are supported.")]:
         with pytest.raises(api.ApiError, match=needle) as e:
             chat.parse_chat({"messages": msgs, **body}, text.ByteTokenizer(), limits, chat.load_template(""))
         assert e.value.param == "tool_choice"
+    # a named choice's object, checked as vLLM 0.32's check_tool_usage checks it (its words and params); its "type"
+    # is not looked at, as there
+    usage = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
+    for choice, param, message in [
+            ({"type": "function"}, "tool_choice.function", f"Invalid value for `function`: `None` in `tool_choice`! {usage}"),
+            ({"function": {}}, "tool_choice.function.name", f"Expected field `name` in `function` in `tool_choice`! {usage}"),
+            ({"function": {"name": ""}}, "tool_choice.function.name",
+             f"Invalid `name` in `function`: `` in `tool_choice`! {usage}")]:
+        with pytest.raises(api.ApiError) as e:
+            chat.parse_chat({"messages": msgs, "tools": [WEATHER], "tool_choice": choice}, text.ByteTokenizer(), limits,
+                            chat.load_template(""))
+        assert (e.value.param, e.value.message) == (param, message)
+    r = chat.parse_chat({"messages": msgs, "tools": [WEATHER], "tool_choice": {"function": {"name": "get_weather"}}},
+                        text.ByteTokenizer(), limits, chat.load_template(""), tool_call_parser="hermes")
+    assert r.tool_call_parser == "function:get_weather"
 
 
 def test_a_forced_tool_choice_sets_the_requests_own_structured_output_aside():
