@@ -21,6 +21,7 @@ from pushkv.floods import Kinds
 from pushkv.router import api, output, render, responses, text
 from pushkv.router.flow import RequestRun
 from pushkv.router.request import Failed, Finished, Tokens
+from pushkv.router.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 GONE = Kinds()  # clients that went away mid-request: logged as floods.py says (a load test's cancels repeat them)
@@ -94,13 +95,7 @@ class Fanout:
             yield i, ev
 
     async def close(self) -> None:
-        for t in self.tasks:
-            t.cancel()
-        for t in self.tasks:
-            try:
-                await t
-            except (asyncio.CancelledError, Exception):
-                pass
+        await cancel_and_wait(self.tasks)
 
 
 class Generation:

@@ -16,6 +16,7 @@ from zmq.utils.monitor import parse_monitor_message
 from pushkv import messages as m
 from pushkv.framing import Drops, Shape, arecv_bounded
 from pushkv.router.metrics import RouterMetrics
+from pushkv.router.tasks import cancel_and_wait
 from pushkv.security import Security, secure_connect
 from pushkv.trace import TracePublisher
 
@@ -194,13 +195,7 @@ class SchedulerLink:
         asyncio.get_running_loop().create_task(self.close())
 
     async def close(self) -> None:
-        for task in (self._task, self._connects):
-            if task is not None:
-                task.cancel()
-                try:
-                    await task
-                except (asyncio.CancelledError, Exception):
-                    pass
+        await cancel_and_wait((self._task, self._connects))
         if self._connects is not None:
             self.sock.disable_monitor()
         self.sock.close(0)

@@ -39,6 +39,7 @@ from pushkv.router.flow import RequestRun
 from pushkv.router.links import SchedulerLink
 from pushkv.router.loras import Loras
 from pushkv.router.metrics import RouterMetrics
+from pushkv.router.tasks import cancel_and_wait
 from pushkv.security import secure_connect
 from pushkv.seeds import derive_seed
 from pushkv.trace import TracePublisher
@@ -493,14 +494,8 @@ class Router:
                 os.unlink(uds.run_dir_socket(self.cfg.run_dir))
         self._parse_pool.shutdown(wait=False, cancel_futures=True)
         self.loras.close()  # unloads still waiting for their requests: the instances stop too
-        for task in (self._control_task, self._events_task, self._warm_task, self._refresh_task, *self._joins):
-            if task is None:
-                continue
-            task.cancel()
-            try:
-                await task
-            except (asyncio.CancelledError, Exception):
-                pass
+        await cancel_and_wait((self._control_task, self._events_task, self._warm_task, self._refresh_task,
+                               *self._joins))
         if self.watcher is not None:
             await self.watcher.close()
         for link in self.links.values():
