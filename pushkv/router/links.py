@@ -84,11 +84,8 @@ class SchedulerLink:
     async def _say_epoch_again(self, msg: m.RouterEpoch) -> None:
         """``msg`` queued once there is room: what we queued while the scheduler was away may fill the queue up to
         its bound when it connects (a ``send`` then refuses it, and the scheduler never learns our place)."""
-        data = m.encode(msg)
-        if self.tracer is not None:
-            self.tracer.msg("send", self.peer, msg, data)
         try:
-            await self.sock.send(data)
+            await self.sock.send(self._encode(msg))
         except zmq.ZMQError as e:
             log.error("router epoch not said again to %s scheduler: %s", self.role, e)
 
@@ -97,15 +94,20 @@ class SchedulerLink:
 
         Raises zmq.Again when the scheduler's queue is full (or unconnected).
         """
-        data = m.encode(msg)
-        if self.tracer is not None:
-            self.tracer.msg("send", self.peer, msg, data)
+        data = self._encode(msg)
         # zmq.asyncio's send is typed as an Awaitable; at run time it is an asyncio Future
         fut = cast("asyncio.Future[object]", self.sock.send(data, flags=zmq.NOBLOCK))
         if fut.done():
             fut.result()
         else:  # queued behind another send: surface a late error in the log
             fut.add_done_callback(self._log_send_error)
+
+    def _encode(self, msg: m.Msg) -> bytes:
+        """``msg`` on the wire, traced as sent."""
+        data = m.encode(msg)
+        if self.tracer is not None:
+            self.tracer.msg("send", self.peer, msg, data)
+        return data
 
     def _log_send_error(self, fut: asyncio.Future) -> None:
         if not fut.cancelled() and fut.exception() is not None:
