@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 import urllib.error
 import urllib.request
@@ -22,17 +21,12 @@ from pushkv import messages as m
 from pushkv.config import model_fingerprint
 from pushkv.kv import layout as L
 from pushkv.supervisor.commands import ask
+from pushkv.supervisor.lifecycle import read_cpu_seconds
 from pushkv.transport.nixl_agent import NixlAgent
 from tools.launch import launched
 
 WINDOW_S = 5.0
 FRAME_BYTES = (4 << 20) - 4096  # each under the 4 MiB per-frame cap of a handshake socket
-
-
-def cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def rss_mb(pid: int) -> float:
@@ -66,10 +60,11 @@ def main() -> None:
         s = ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
         s.connect(ep)
-        c0, t0 = cpu_s(pid), time.monotonic()
+        c0, t0 = read_cpu_seconds(pid), time.monotonic()
         s.send(m.encode(m.TransferStarting("spin", 0, 0, 2**62)))
         time.sleep(WINDOW_S)  # the measurement window
-        out["hint_2e62_writer_cpu_s_per_5s"] = round((cpu_s(pid) - c0) * WINDOW_S / (time.monotonic() - t0), 2)
+        spent = read_cpu_seconds(pid) - c0
+        out["hint_2e62_writer_cpu_s_per_5s"] = round(spent * WINDOW_S / (time.monotonic() - t0), 2)
         r0 = rss_mb(pid)
         frame = b"x" * FRAME_BYTES
         s.send_multipart([frame] * 64)

@@ -31,6 +31,7 @@ from pushkv import envs
 from pushkv import messages as m
 from pushkv.config import DeploymentConfig, InstanceConfig, encode_config, preset
 from pushkv.kv import layout as L
+from pushkv.supervisor.lifecycle import read_cpu_seconds
 from pushkv.supervisor.plan import plan_deployment
 
 # the checkout whose writers run (default: the installed pushkv): point it at a checkout of an older
@@ -449,11 +450,6 @@ def post_cost(model: str, block_size: int, block_counts: list[int], reps: int = 
 # ---------------------------------------------------------------------------------------
 # A hung transfer: what P's writer burns while it waits
 # ---------------------------------------------------------------------------------------
-def _cpu_s(pid: int) -> float:
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def stuck_cpu(model: str = "medium", blocks: int = 256, window_s: float = 5.0) -> dict:
     """P's writer CPU (share of one core) while its WRITE hangs: D's writer is SIGSTOPped after
     registering, so the WRITE's completion (which needs D's progress) never comes; measured
@@ -464,16 +460,16 @@ def stuck_cpu(model: str = "medium", blocks: int = 256, window_s: float = 5.0) -
         d.send(m.encode(m.ExpectKV("stuck#0", 0, d_blocks, blocks * 16, src, 120.0)))
         _wait_registered(p, "stuck#0")
         p_pid, d_pid = procs[0].pid, procs[1].pid
-        c0, t0 = _cpu_s(p_pid), time.monotonic()
+        c0, t0 = read_cpu_seconds(p_pid), time.monotonic()
         time.sleep(window_s)
-        pending = (_cpu_s(p_pid) - c0) / (time.monotonic() - t0)
+        pending = (read_cpu_seconds(p_pid) - c0) / (time.monotonic() - t0)
         os.kill(d_pid, signal.SIGSTOP)
         try:
             p.send(m.encode(m.SendKV("stuck#0", 0, tuple(range(blocks)), blocks * 16, first_token=1)))
             time.sleep(1.0)
-            c0, t0 = _cpu_s(p_pid), time.monotonic()
+            c0, t0 = read_cpu_seconds(p_pid), time.monotonic()
             time.sleep(window_s)
-            hung = (_cpu_s(p_pid) - c0) / (time.monotonic() - t0)
+            hung = (read_cpu_seconds(p_pid) - c0) / (time.monotonic() - t0)
         finally:
             os.kill(d_pid, signal.SIGCONT)
         got_d, got_p = _recv(d), _recv(p)

@@ -183,13 +183,17 @@ def sweep_residue(shm_dir: str = SHM_DIR) -> list[tuple[str, str]]:
     return removed
 
 
+def read_cpu_seconds(pid: int) -> float:
+    """The CPU time (user and system, seconds) process ``pid`` has used, from /proc (OSError where it is gone)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # after the name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (stat's 14th, 15th)
+
+
 def cpu_seconds(pid: int) -> float:
-    """The CPU time (user and system, seconds) process ``pid`` has used; -1.0 where it cannot be
-    read (gone, or no /proc)."""
+    """``read_cpu_seconds``, or -1.0 where it cannot be read (gone, or no /proc)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()  # after the name, which may hold spaces
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (stat's 14th, 15th)
+        return read_cpu_seconds(pid)
     except (OSError, IndexError, ValueError):
         return -1.0
 
