@@ -105,8 +105,7 @@ def set_aside(body: dict, named: bool) -> dict:
 
 def field_of(body: dict) -> str:
     """The field a request's structured output came from (the first given)."""
-    return next((f for f in ("response_format", "structured_outputs", *GUIDED) if body.get(f) is not None),
-                "response_format")
+    return next((f for f in FIELDS if body.get(f) is not None), "response_format")
 
 
 def _schema(schema: Any, field: str) -> str:
